@@ -1,0 +1,1 @@
+from .paths import cache_dir

