@@ -278,14 +278,10 @@ def open_gguf(path) -> GGUFModel:
     kv_count = w.u64("header", "kv_count")
     # the smallest kv is 8 (key length) + 4 (type) + 1 (u8) bytes; the smallest tensor info is
     # 8 (name length) + 4 (n_dims) + 8 (one dim) + 4 (type) + 8 (offset)
+    # (tensor_count is checked after the kvs, against the bytes left then)
     left = size - w.pos
-    if tensor_count * 32 > left:
-        w.fail("header", f"tensor_count {tensor_count} is more than the file can hold ({left} bytes left)")
     if kv_count * 13 > left:
         w.fail("header", f"kv_count {kv_count} is more than the file can hold ({left} bytes left)")
-    if tensor_count * 32 + kv_count * 13 > left:
-        w.fail("header", f"tensor_count {tensor_count} and kv_count {kv_count} are more than the file "
-                         f"can hold ({left} bytes left)")
 
     meta: dict[str, Any] = {}
     kv_types: dict[str, Any] = {}
@@ -313,6 +309,10 @@ def open_gguf(path) -> GGUFModel:
         w.fail("kv 'general.architecture'", f"type {TYPE_NAMES.get(kv_types['general.architecture'])}, "
                                             "expected string")
 
+    left = size - w.pos
+    if tensor_count * 32 > left:
+        w.fail("header", f"tensor_count {tensor_count} is more than the file can hold "
+                         f"({left} bytes left after the metadata)")
     quant_sizes, qtype = _type_tables()
     infos = []
     names = set()
