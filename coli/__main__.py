@@ -1,0 +1,3 @@
+from coli.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,181 @@
+"""``coli run | perplexity | info | bench`` (argparse), one function per command.
+
+User errors (``ColiError``) print one line ``coli: <message>`` on stderr and exit with code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from coli.errors import ColiError
+
+
+def _engine_args(p: argparse.ArgumentParser, model_required=False):
+    p.add_argument("-m", "--model", required=model_required, help="GGUF file (default: the demo MoE, built on first use)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: physical cores available)")
+    p.add_argument("--ctx", type=int, default=None, help="KV cache positions (default min(4096, trained context))")
+    p.add_argument("--expert-cache", type=int, default=None, metavar="N",
+                   help="RAM expert cache slots per MoE layer (default: all experts if they fit half the RAM)")
+    p.add_argument("--usage", default=None, metavar="PATH", help="routing history file (default .coli_usage beside the model)")
+    p.add_argument("--cpu-act", choices=["f32", "int8"], default=None,
+                   help="activations of the CPU matmuls: f32, or int8 per 32 as llama.cpp (default: measured, see docs)")
+    p.add_argument("--io-threads", type=int, default=4, help="background expert readers")
+    p.add_argument("--device", choices=["cpu", "vulkan"], default=None,
+                   help="vulkan: experts on the GPU tier (also COLI_VULKAN=1)")
+    p.add_argument("--balance", dest="balance", action="store_true", default=None,
+                   help="open the best Vulkan device with the tier and the measured-time balancer")
+    p.add_argument("--no-balance", dest="balance", action="store_false", help="tier without the balancer")
+    p.add_argument("--trace", default=None, metavar="FILE.json", help="write Chrome/Perfetto trace events")
+
+
+def _open_engine(a, quiet=False):
+    from coli.engine import Engine
+
+    device = a.device
+    if device is None and (a.balance or os.environ.get("COLI_VULKAN") == "1"):
+        device = "vulkan"
+    if a.balance and device == "cpu":
+        raise ColiError("--balance needs the device: drop --device cpu")
+    if a.model and not os.path.exists(a.model):
+        raise ColiError(f"{a.model}: no such file")
+    return Engine(a.model, threads=a.threads, ctx=a.ctx, expert_cache=a.expert_cache, usage=a.usage,
+                  cpu_act=a.cpu_act, io_threads=a.io_threads, device=device,
+                  balance=a.balance if a.balance is not None else True,
+                  trace=a.trace, quiet=quiet)
+
+
+def cmd_run(a) -> int:
+    prompt = a.prompt if a.prompt is not None else a.prompt_pos
+    if prompt is None or prompt == "":
+        raise ColiError("prompt: empty (give a prompt: coli run \"Once upon a time\" or -p TEXT)")
+    eng = _open_engine(a)
+    try:
+        if not a.quiet:
+            print(f"coli: {eng.path.name}: {eng.args.arch}, {eng.args.n_layers} layers"
+                  + (f", {eng.args.n_experts} experts top-{eng.args.top_k}" if eng.args.n_experts else "")
+                  + f", {eng.threads} threads", file=sys.stderr)
+        sys.stdout.write(prompt if not a.chat else "")
+        sys.stdout.flush()
+
+        def emit(s):
+            sys.stdout.write(s)
+            sys.stdout.flush()
+
+        r = eng.generate(prompt, max_tokens=a.n, temp=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
+                         chat=a.chat, on_text=emit)
+        sys.stdout.write("\n")
+        print("coli: " + eng.stats_line(r.stats), file=sys.stderr)
+    finally:
+        eng.close()
+    return 0
+
+
+def cmd_perplexity(a) -> int:
+    try:
+        with open(a.file, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ColiError(f"{a.file}: {e.strerror or e}")
+    eng = _open_engine(a, quiet=True)
+    try:
+        ids = eng.tokenize(text)
+        if a.ctx_chunk and len(ids) > a.ctx_chunk:
+            ids = ids[: a.ctx_chunk]
+        t0 = time.perf_counter()
+        nll, n = eng.nll(ids)
+        dt = time.perf_counter() - t0
+        import math
+
+        print(f"{a.file}: {n} tokens scored, NLL {nll:.4f} nats/token, perplexity {math.exp(nll):.4f} "
+              f"({len(ids) / dt:.1f} tok/s)")
+    finally:
+        eng.close()
+    return 0
+
+
+def cmd_info(a) -> int:
+    from coli.gguf_file import describe, open_gguf
+
+    g = open_gguf(a.model_pos or a.model)
+    print(describe(g))
+    return 0
+
+
+def cmd_bench(a) -> int:
+    from coli.bench import run_bench
+
+    eng = _open_engine(a, quiet=True)
+    try:
+        recs = run_bench(eng, n_prompt=a.n_prompt, n_gen=a.n_gen, reps=a.repetitions, cold=a.cold)
+    finally:
+        eng.close()
+    if a.json:
+        print(json.dumps(recs, indent=2))
+    else:
+        print(f"| model | threads | test | t/s |\n|---|---|---|---|")
+        for r in recs:
+            print(f"| {r['model_filename']} | {r['n_threads']} | {r['test']} | {r['avg_ts']:.2f} ± {r['stddev_ts']:.2f} |")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="coli", description="Mixture-of-Experts inference: CPU kernels, a device expert tier, experts streamed from disk")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    r = sub.add_parser("run", help="generate text")
+    r.add_argument("prompt_pos", nargs="?", default=None, metavar="PROMPT")
+    r.add_argument("-p", "--prompt", default=None)
+    r.add_argument("-n", type=int, default=64, help="tokens to generate")
+    r.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    r.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
+    r.add_argument("--top-k", type=int, default=40)
+    r.add_argument("--top-p", type=float, default=0.95)
+    r.add_argument("--seed", type=int, default=None)
+    r.add_argument("-q", "--quiet", action="store_true")
+    _engine_args(r)
+    r.set_defaults(func=cmd_run)
+
+    q = sub.add_parser("perplexity", help="teacher-forced NLL and perplexity of a text file")
+    q.add_argument("-f", "--file", required=True)
+    q.add_argument("--ctx-chunk", type=int, default=0, help="score only the first N tokens")
+    _engine_args(q)
+    q.set_defaults(func=cmd_perplexity)
+
+    i = sub.add_parser("info", help="architecture, tensors, types, sizes, experts")
+    i.add_argument("model_pos", nargs="?", metavar="MODEL")
+    i.add_argument("-m", "--model", default=None)
+    i.set_defaults(func=cmd_info)
+
+    b = sub.add_parser("bench", help="prefill ppN and decode tgN tok/s, llama-bench style")
+    b.add_argument("-p", "--n-prompt", type=int, default=128)
+    b.add_argument("-n", "--n-gen", type=int, default=64)
+    b.add_argument("-r", "--repetitions", type=int, default=5)
+    b.add_argument("--json", action="store_true", help="records with llama-bench's field names")
+    b.add_argument("--cold", action="store_true", help="drop the model file's pages from the page cache before each run")
+    _engine_args(b)
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
+    a = p.parse_args(argv)
+    if a.cmd == "info" and not (a.model_pos or a.model):
+        p.error("info: give a MODEL")
+    try:
+        return a.func(a)
+    except ColiError as e:
+        print(f"coli: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("coli: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

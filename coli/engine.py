@@ -1,0 +1,308 @@
+"""``coli.Engine``: load a GGUF model, tokenize, run the forward pass on the CPU kernels (experts streamed
+through the RAM expert cache, optionally a device tier), generate text.
+
+>>> eng = coli.Engine("SmolLM2-135M-Instruct.Q4_1.gguf", threads=2)
+>>> eng.logits(eng.tokenize("The capital of France is"))   # f32 [T, vocab], fresh state every call
+>>> eng.generate("Once upon a time", max_tokens=32).text
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from coli.errors import ColiError
+
+PREFILL_CHUNK = 64  # rows of a prompt step (bounds the attention scratch and the expert batches)
+
+
+@dataclass
+class GenerateResult:
+    """``ids``: generated token ids; ``text``: their detokenized text; ``prompt_ids``; timing in ``stats``."""
+
+    ids: list
+    text: str
+    prompt_ids: list
+    stats: dict = field(default_factory=dict)
+
+
+def _available_ram() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+class Engine:
+    """A loaded model.
+
+    Options: ``threads`` (Numba threads; default: physical cores available), ``ctx`` (KV cache positions;
+    default min(4096, trained context)), ``expert_cache`` (RAM slots per MoE layer; default every expert when
+    they fit in half the available RAM, else what fits; raised to top-k), ``usage`` (path of the routing
+    history; default ``.coli_usage`` beside the model), ``cpu_act`` ("f32" | "int8"), ``io_threads`` (disk
+    readers), ``device`` (None | "vulkan"), ``balance`` (bool), ``trace`` (path of a Chrome trace JSON),
+    ``quiet`` (no notes on stderr). Raises ``ColiError`` for bad files or options.
+    """
+
+    def __init__(self, path=None, *, threads=None, ctx=None, expert_cache=None, usage=None, cpu_act=None,
+                 io_threads=4, device=None, balance=None, trace=None, quiet=True, save_usage=True):
+        import cpu_kernels
+        from coli.gguf_file import open_gguf
+        from coli.models import model_class
+        from coli.tokenizer import Tokenizer
+
+        if path is None:
+            from coli.demo import demo_model_path
+
+            path = demo_model_path(quiet=quiet)
+        self.path = Path(path)
+        self.quiet = quiet
+        self.save_usage_on_close = save_usage
+        self.threads = int(threads) if threads else cpu_kernels.default_threads()
+        if self.threads < 1:
+            raise ColiError(f"--threads: {threads} (at least 1)")
+        cpu_kernels.set_threads(self.threads)
+        self.cpu_act = cpu_act or getattr(cpu_kernels, "DEFAULT_ACT", "f32")
+        if self.cpu_act not in ("f32", "int8"):
+            raise ColiError(f"--cpu-act: '{cpu_act}' (f32 or int8)")
+        self.g = open_gguf(self.path)
+        cls = model_class(self.g)
+        self.args = cls.args_from(self.g)
+        self.tokenizer = Tokenizer.from_gguf(self.g)
+        self.model = cls(self.g, self.args, None, self.cpu_act)
+        a = self.args
+        self.ctx = int(ctx) if ctx else min(4096, a.ctx_train)
+        if self.ctx < 1:
+            raise ColiError(f"--ctx: {ctx} (at least 1)")
+        self.cache = None
+        self.step = None
+        self.usage = None
+        self.tier = None
+        self.trace = None
+        if trace:
+            from scheduler.trace import Trace
+
+            self.trace = Trace(trace)
+        if self.model.moe_layers:
+            self._setup_moe(expert_cache, usage, io_threads)
+        self.device = None
+        if device not in (None, "cpu"):
+            self._setup_device(device, balance)
+        self.last_stats: dict = {}
+
+    # -- MoE ---------------------------------------------------------------------------------------------
+    def _setup_moe(self, expert_cache, usage_path, io_threads):
+        from scheduler.ram_cache import ExpertSource, RAMCache
+        from scheduler.step import MoEStep
+        from scheduler.usage import Usage
+
+        a = self.args
+        source = ExpertSource(self.path, self.model.expert_tensors())
+        L = self.model.moe_layers
+        E = source.n_experts(L[0])
+        per = max(source.expert_nbytes(l) for l in L)
+        if expert_cache is None:
+            fit = int(_available_ram() // 2 // max(1, per * len(L)))
+            slots = max(a.top_k, min(E, fit))
+        else:
+            slots = int(expert_cache)
+            if slots < 0:
+                raise ColiError(f"--expert-cache: {expert_cache} (slots per layer, >= top-k {a.top_k})")
+            if slots < a.top_k:
+                if not self.quiet:
+                    print(f"coli: --expert-cache {slots} is below top-k {a.top_k}: raised to {a.top_k}", file=sys.stderr)
+                slots = a.top_k
+        self.usage = Usage.open(self.path, a.n_layers, E, path=usage_path, quiet=self.quiet)
+        pins = {}
+        if self.usage.loaded and slots < E:
+            n_pin = slots // 2
+            for l in L:
+                hot = [int(e) for e in self.usage.hottest(l)[:n_pin] if self.usage.counts[l, e] > 0]
+                pins[l] = set(hot)
+        self.cache = RAMCache(source, slots, pins, io_threads=io_threads)
+        self.step = MoEStep(self.cache, self.usage, act=self.cpu_act, trace=self.trace)
+        self.model.step = self.step
+        self.expert_slots = slots
+
+    def _setup_device(self, device, balance):
+        if device != "vulkan":
+            raise ColiError(f"--device: '{device}' (cpu or vulkan)")
+        try:
+            from coli import vulkan as cvk
+
+            self.device = cvk.open_device(self.path.name)
+        except Exception as e:  # the device may fail in any way: the run goes on on the CPU
+            print(f"[VK] {self.path.name}: {type(e).__name__}: {e}, running on the CPU", file=sys.stderr)
+            self.device = None
+        if self.device is None or self.step is None:
+            return
+        from scheduler.tier import Tier
+
+        self.tier = Tier.for_engine(self, balance=bool(balance) if balance is not None else False)
+        self.step.tier = self.tier
+
+    # -- text --------------------------------------------------------------------------------------------
+    def tokenize(self, text: str, add_bos=None) -> list:
+        """Token ids of ``text`` (BOS per the file's ``tokenizer.ggml.add_bos_token`` unless ``add_bos``)."""
+        return self.tokenizer.encode(text, add_bos=add_bos)
+
+    def detokenize(self, ids) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    # -- forward -----------------------------------------------------------------------------------------
+    def _new_cache(self, n: int):
+        ctx = max(self.ctx, 1)
+        if n > ctx:
+            raise ColiError(f"prompt: {n} tokens do not fit the context of {ctx} positions (--ctx)")
+        return self.model.new_cache(ctx)
+
+    def _check_ids(self, ids):
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if len(ids) == 0:
+            raise ColiError("prompt: empty (no tokens to run)")
+        if ids.min() < 0 or ids.max() >= self.args.vocab:
+            raise ColiError(f"token ids: outside the vocabulary of {self.args.vocab}")
+        return ids
+
+    def _prefill(self, kv, ids, all_logits: bool):
+        out = []
+        for s in range(0, len(ids), PREFILL_CHUNK):
+            chunk = ids[s : s + PREFILL_CHUNK]
+            last = s + PREFILL_CHUNK >= len(ids)
+            lg = self.model.forward(chunk, kv, all_logits=all_logits)
+            if all_logits or last:
+                out.append(lg)
+        return np.concatenate(out, axis=0)
+
+    def logits(self, token_ids) -> np.ndarray:
+        """Logits f32 [T, vocab] for exactly ``token_ids`` (no BOS added), from a fresh KV cache."""
+        ids = self._check_ids(token_ids)
+        kv = self._new_cache(len(ids))
+        return self._prefill(kv, ids, True)
+
+    def nll(self, token_ids) -> tuple[float, int]:
+        """Teacher-forced mean negative log-likelihood (nats) of tokens 1..T-1 given their prefix."""
+        ids = self._check_ids(token_ids)
+        if len(ids) < 2:
+            raise ColiError("text: fewer than 2 tokens, nothing to score")
+        lg = self.logits(ids).astype(np.float64)
+        lg = lg[:-1]
+        m = lg.max(axis=1, keepdims=True)
+        lse = (m[:, 0] + np.log(np.exp(lg - m).sum(axis=1)))
+        nll = lse - lg[np.arange(len(ids) - 1), ids[1:]]
+        return float(nll.mean()), len(ids) - 1
+
+    @staticmethod
+    def sample(logits: np.ndarray, temp: float, top_k: int, top_p: float, rng) -> int:
+        """Greedy when ``temp <= 0``; else softmax(logits/temp) over the top-k, then the top-p nucleus."""
+        if temp <= 0:
+            return int(np.argmax(logits))
+        lg = logits.astype(np.float64) / temp
+        idx = np.argsort(-lg, kind="stable")
+        if top_k and top_k > 0:
+            idx = idx[:top_k]
+        p = np.exp(lg[idx] - lg[idx[0]])
+        p /= p.sum()
+        if 0 < top_p < 1:
+            c = np.cumsum(p)
+            n = int(np.searchsorted(c, top_p) + 1)
+            idx, p = idx[:n], p[:n] / p[:n].sum()
+        return int(idx[rng.choice(len(idx), p=p)])
+
+    def generate(self, prompt=None, *, ids=None, max_tokens=64, temp=0.0, top_k=40, top_p=0.95, seed=None,
+                 chat=False, stop_at_eos=True, on_text=None) -> GenerateResult:
+        """Generate up to ``max_tokens`` tokens after ``prompt`` (text) or ``ids``.
+
+        ``chat`` renders the prompt through the file's chat template as one user message. ``on_text(str)``
+        receives text as it is produced. Stops at an end-of-generation token unless ``stop_at_eos`` is False.
+        """
+        if ids is None:
+            if prompt is None or prompt == "":
+                raise ColiError("prompt: empty (give -p TEXT)")
+            if chat:
+                text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+                ids = self.tokenizer.encode(text, add_bos=False)
+            else:
+                ids = self.tokenize(prompt)
+        ids = self._check_ids(ids)
+        if len(ids) + max_tokens > self.ctx:
+            raise ColiError(f"prompt: {len(ids)} tokens + {max_tokens} to generate exceed the context of {self.ctx} (--ctx)")
+        rng = np.random.default_rng(seed)
+        kv = self._new_cache(len(ids))
+        self._reset_counters()
+        t0 = time.perf_counter()
+        lg = self._prefill(kv, ids, False)[-1]
+        t1 = time.perf_counter()
+        out: list = []
+        eos = self.tokenizer.eos_ids
+        dec = self.tokenizer.stream_decoder() if hasattr(self.tokenizer, "stream_decoder") else None
+        while len(out) < max_tokens:
+            tok = self.sample(lg, temp, top_k, top_p, rng)
+            if stop_at_eos and tok in eos:
+                break
+            out.append(tok)
+            if on_text is not None:
+                on_text(dec(tok) if dec else self.tokenizer.decode([tok]))
+            if len(out) == max_tokens:
+                break
+            if self.tier is not None:
+                self.tier.begin_token()
+            lg = self.model.forward([tok], kv)[-1]
+        t2 = time.perf_counter()
+        n_dec = max(len(out) - 1, 0)  # tokens whose forward ran after the prompt
+        st = dict(prompt_tokens=len(ids), prefill_s=t1 - t0, gen_tokens=len(out), decode_s=t2 - t1,
+                  prefill_tps=len(ids) / max(t1 - t0, 1e-9), decode_tps=n_dec / max(t2 - t1, 1e-9) if n_dec else 0.0)
+        st.update(self._counters())
+        self.last_stats = st
+        return GenerateResult(out, self.detokenize(out), list(ids), st)
+
+    # -- counters ----------------------------------------------------------------------------------------
+    def _reset_counters(self):
+        c = self.cache
+        self._c0 = (c.hits, c.loads, c.source.bytes_read) if c is not None else (0, 0, 0)
+
+    def _counters(self) -> dict:
+        c = self.cache
+        if c is None:
+            return dict(expert_hits=0, disk_loads=0, bytes_read=0)
+        h0, l0, b0 = getattr(self, "_c0", (0, 0, 0))
+        return dict(expert_hits=c.hits - h0, disk_loads=c.loads - l0, bytes_read=c.source.bytes_read - b0)
+
+    def stats_line(self, st: dict | None = None) -> str:
+        """One line: prefill and decode tok/s, expert cache hits, disk loads, bytes read."""
+        st = st or self.last_stats
+        s = (f"prefill {st.get('prompt_tokens', 0)} tok at {st.get('prefill_tps', 0):.1f} tok/s, "
+             f"decode {st.get('gen_tokens', 0)} tok at {st.get('decode_tps', 0):.1f} tok/s")
+        if self.cache is not None:
+            s += (f" | experts: cache hits {st.get('expert_hits', 0)}, disk loads {st.get('disk_loads', 0)}, "
+                  f"read {st.get('bytes_read', 0) / 2**20:.1f} MiB ({self.expert_slots} slots/layer)")
+        return s
+
+    def close(self):
+        """Save the routing history, end the tier and the I/O pool, write the trace (idempotent)."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        if self.tier is not None:
+            try:
+                self.tier.close()
+            except Exception:
+                pass
+        if self.usage is not None and self.save_usage_on_close and self.usage.tokens:
+            try:
+                self.usage.save()
+            except OSError as e:
+                print(f"coli: {self.usage.path}: routing history not saved ({e})", file=sys.stderr)
+        if self.cache is not None:
+            self.cache.close()
+        if self.trace is not None:
+            self.trace.save()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

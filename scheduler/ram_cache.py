@@ -1,0 +1,167 @@
+"""The RAM expert cache: per MoE layer an LRU of ``slots`` expert copies, pinned hot experts, and the
+background I/O pool that reads cold experts from the model file.
+
+An expert's bytes are touched only when it is routed: a cold expert is read with ``os.pread`` from its three
+slices of ``ffn_{gate,up,down}_exps`` (GGUF stores expert ``e`` of a ``[E, O, row_bytes]`` tensor as one
+contiguous run), never through the mmap, so the page cache and the byte counters see real disk reads.
+Pinned slots (the hottest experts of the routing history, counted within ``slots``: ``slots // 2`` of them,
+seed S0:L72-75 "PIN") are never evicted. A slot that is being computed stays alive while the step holds a
+reference (Python's reference count is the seeds' "slots count readers": eviction never frees one in use).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from cpu_kernels import formats
+
+
+@dataclass
+class ExpertWeights:
+    """One expert's three matrices, prepared for the CPU kernels, and the raw bytes (for device uploads)."""
+
+    gate: "formats.Weight"
+    up: "formats.Weight"
+    down: "formats.Weight"
+    raw: tuple  # ((type_name, raw uint8 [O, row_bytes], (O, I)) x 3) gate, up, down
+    nbytes: int
+
+
+class ExpertSource:
+    """Reads experts of the MoE layers from the model file.
+
+    ``layers``: ``{layer: (gate, up, down)}`` of ``coli.gguf_file.TensorInfo`` for the 3-D expert tensors
+    (NumPy shapes ``[E, F, D]``, ``[E, F, D]``, ``[E, D, F]``).
+    """
+
+    def __init__(self, path, layers: dict):
+        self.path = str(path)
+        self.layers = layers
+        self.fd = os.open(self.path, os.O_RDONLY)
+        self.bytes_read = 0
+        self.reads = 0
+        self._lock = threading.Lock()
+
+    def expert_nbytes(self, layer: int) -> int:
+        return sum(t.raw[0].nbytes for t in self.layers[layer])
+
+    def n_experts(self, layer: int) -> int:
+        return self.layers[layer][0].shape[0]
+
+    def read_raw(self, layer: int, e: int):
+        """Read expert ``e`` of ``layer``: ``((type_name, uint8 [O, row_bytes], (O, I)) x 3)``. Thread-safe."""
+        out = []
+        n = 0
+        for t in self.layers[layer]:
+            per = t.raw[0].nbytes
+            buf = os.pread(self.fd, per, t.offset + e * per)
+            if len(buf) != per:
+                raise OSError(f"{self.path}: short read of {t.name} expert {e} ({len(buf)} of {per} bytes)")
+            arr = np.frombuffer(buf, dtype=np.uint8).reshape(t.raw.shape[1:])
+            out.append((t.type_name, arr, tuple(t.shape[1:])))
+            n += per
+        with self._lock:
+            self.bytes_read += n
+            self.reads += 1
+        return tuple(out)
+
+    def load(self, layer: int, e: int) -> ExpertWeights:
+        raw = self.read_raw(layer, e)
+        ws = [formats.prepare(tn, r, shp) for tn, r, shp in raw]
+        return ExpertWeights(ws[0], ws[1], ws[2], raw, sum(r.nbytes for _, r, _ in raw))
+
+    def close(self):
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+
+class RAMCache:
+    """Per-layer LRU of ``slots`` experts with pins, fed by a pool of ``io_threads`` readers.
+
+    ``get(layer, e)`` returns the cached ``ExpertWeights`` (a hit) or None; ``fetch(layer, e)`` starts a
+    background read and returns a ``Future``; ``put`` inserts (evicting the least recently used unpinned slot).
+    Counters: ``hits``, ``loads`` (disk loads), ``source.bytes_read``, ``load_s`` (reader-thread seconds).
+    """
+
+    def __init__(self, source: ExpertSource, slots: int, pins: dict | None = None, io_threads: int = 4):
+        self.source = source
+        self.slots = int(slots)
+        self.pins = {l: set(int(e) for e in s) for l, s in (pins or {}).items()}
+        self.lru: dict[int, OrderedDict] = {l: OrderedDict() for l in source.layers}
+        self.pool = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="coli-io")
+        self.inflight: dict[tuple, Future] = {}
+        self.hits = 0
+        self.loads = 0
+        self.load_s = 0.0
+        self.on_read = None  # optional callback(layer, e, t0, t1) for the trace
+
+    def in_ram(self, layer: int, e: int) -> bool:
+        return e in self.lru[layer]
+
+    def get(self, layer: int, e: int):
+        d = self.lru[layer]
+        w = d.get(e)
+        if w is not None:
+            d.move_to_end(e)
+            self.hits += 1
+        return w
+
+    def _read(self, layer, e):
+        t0 = time.perf_counter()
+        w = self.source.load(layer, e)
+        t1 = time.perf_counter()
+        self.load_s += t1 - t0
+        if self.on_read is not None:
+            self.on_read(layer, e, t0, t1)
+        return w
+
+    def fetch(self, layer: int, e: int) -> Future:
+        key = (layer, e)
+        f = self.inflight.get(key)
+        if f is None:
+            f = self.pool.submit(self._read, layer, e)
+            self.inflight[key] = f
+        return f
+
+    def put(self, layer: int, e: int, w: ExpertWeights) -> None:
+        self.inflight.pop((layer, e), None)
+        self.loads += 1
+        if self.slots <= 0:
+            return
+        d = self.lru[layer]
+        d[e] = w
+        d.move_to_end(e)
+        pins = self.pins.get(layer, ())
+        while len(d) > self.slots:
+            for k in d:
+                if k not in pins and k != e:
+                    del d[k]
+                    break
+            else:
+                break
+
+    def warm_pins(self) -> int:
+        """Read every pinned expert now (in parallel); returns how many."""
+        futs = [(l, e, self.fetch(l, e)) for l, s in self.pins.items() for e in sorted(s) if not self.in_ram(l, e)]
+        for l, e, f in futs:
+            self.put(l, e, f.result())
+        return len(futs)
+
+    def nbytes(self) -> int:
+        return sum(w.nbytes for d in self.lru.values() for w in d.values())
+
+    def clear(self) -> None:
+        for d in self.lru.values():
+            d.clear()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.source.close()

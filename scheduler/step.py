@@ -1,0 +1,127 @@
+"""One MoE layer step: route -> (device batch) -> CPU pairs -> join -> sum in routing-rank order.
+
+The model's MoE block computes the router and top-k itself, then calls ``MoEStep.run``; the block never
+knows where an expert ran (docs/contracts.md, "MoE step"; the flow is ../shared/DESIGN.md's "One MoE step").
+
+Invariant 1 (DESIGN.md): every expert output joins its row in routing-rank order, whoever computed it, so
+``y[r] = w[r,0]*E0(x[r]) + w[r,1]*E1(x[r]) + ...`` is summed left to right in the same order on every path.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import wait, FIRST_COMPLETED
+
+import numpy as np
+
+from cpu_kernels import formats
+from cpu_kernels.norms import swiglu
+
+
+class StepStats:
+    """Counters of the CPU side: pairs computed, expert-steps by source, seconds in CPU expert work."""
+
+    def __init__(self):
+        self.steps = 0
+        self.pairs = 0
+        self.cpu_pairs = 0
+        self.device_pairs = 0
+        self.cpu_s = 0.0
+
+
+class MoEStep:
+    """Runs MoE layer steps over a ``RAMCache`` (and, when given, a device ``tier``).
+
+    ``act``: activation path of the CPU kernels ("f32" or "int8"); ``clamp``: SwiGLU limit (0 = none).
+    ``usage``: a ``scheduler.usage.Usage`` that counts every routing.
+    """
+
+    def __init__(self, cache, usage=None, act: str = "f32", clamp: float = 0.0, tier=None, trace=None):
+        self.cache = cache
+        self.usage = usage
+        self.act = act
+        self.clamp = clamp
+        self.tier = tier
+        self.trace = trace
+        self.stats = StepStats()
+
+    # -- the CPU expert: gate, up, SwiGLU, down ---------------------------------------------------------
+    def expert_cpu(self, w, xe: np.ndarray) -> np.ndarray:
+        """SwiGLU expert on the CPU: ``down(silu(gate(x)) * up(x))``, ``xe`` f32 [n, D] -> f32 [n, D]."""
+        g = formats.matmul(w.gate, xe, act=self.act)
+        u = formats.matmul(w.up, xe, act=self.act)
+        a = swiglu(g, u, self.clamp)
+        return formats.matmul(w.down, a, act=self.act)
+
+    def run(self, layer: int, x: np.ndarray, expert_ids: np.ndarray, weights: np.ndarray, shared=None) -> np.ndarray:
+        """``x`` f32 [R, D], ``expert_ids`` int [R, K], ``weights`` f32 [R, K] -> f32 [R, D].
+
+        ``shared``: optional callable ``x -> f32 [R, D]`` (the shared expert with its gate), run on the CPU
+        while the device works, added after the routed experts.
+        """
+        R, K = expert_ids.shape
+        D = x.shape[1]
+        if self.usage is not None:
+            self.usage.add(layer, expert_ids)
+        flat = expert_ids.reshape(-1).astype(np.int64)
+        order = np.argsort(flat, kind="stable")
+        sorted_e = flat[order]
+        experts, starts = np.unique(sorted_e, return_index=True)
+        ends = np.append(starts[1:], len(flat))
+        groups = {int(e): order[s:t] for e, s, t in zip(experts, starts, ends)}  # pair ids (r*K+k) per expert
+        pair_out = np.empty((R * K, D), dtype=np.float32)
+        st = self.stats
+        st.steps += 1
+        st.pairs += R * K
+
+        cpu_experts = [int(e) for e in experts]
+        issued = None
+        tier = self.tier
+        if tier is not None and tier.active:
+            cpu_experts, issued = tier.issue_step(layer, x, groups, self.cache, K)
+
+        t0 = time.perf_counter()
+        cache = self.cache
+        hits, cold = [], []
+        for e in cpu_experts:
+            w = cache.get(layer, e)
+            (hits if w is not None else cold).append((e, w))
+        futures = {cache.fetch(layer, e): e for e, _ in cold}
+        for e, w in hits:
+            self._compute(layer, e, w, x, groups[e], K, pair_out)
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for f in done:
+                e = futures[f]
+                w = f.result()
+                cache.put(layer, e, w)
+                self._compute(layer, e, w, x, groups[e], K, pair_out)
+        shared_out = shared(x) if shared is not None else None
+        st.cpu_s += time.perf_counter() - t0
+        st.cpu_pairs += sum(len(groups[e]) for e in cpu_experts)
+
+        if issued is not None:
+            st.device_pairs += tier.join_step(issued, pair_out, self, x, groups)
+
+        y = self.combine(pair_out.reshape(R, K, D), weights)
+        if shared_out is not None:
+            y += shared_out
+        return y
+
+    def _compute(self, layer, e, w, x, pairs, K, pair_out):
+        rows = pairs // K
+        t0 = time.perf_counter()
+        pair_out[pairs] = self.expert_cpu(w, x[rows])
+        if self.trace is not None:
+            self.trace.complete("cpu expert", "cpu", t0, time.perf_counter(), layer=layer, expert=e, rows=len(rows))
+        if self.tier is not None and self.tier.active:
+            self.tier.note(layer, e, w)
+
+    @staticmethod
+    def combine(pair_out: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        """``sum_k weights[:, k] * pair_out[:, k]`` left to right in rank order (f32 [R, K, D] -> [R, D])."""
+        w = weights.astype(np.float32)
+        y = pair_out[:, 0] * w[:, 0:1]
+        for k in range(1, pair_out.shape[1]):
+            y += pair_out[:, k] * w[:, k : k + 1]
+        return y
