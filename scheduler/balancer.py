@@ -1,0 +1,209 @@
+"""The balancer: measured times -> the device's share of a step's resident rows (seed S0:L312, L431, L436;
+digest 1(d) "The balancer").
+
+Each MoE layer step the tier sends the (row, expert) pairs whose expert is resident to the device and the
+CPU computes the rest. When the join keeps waiting (the device is the slower side: an integrated GPU, or
+Lavapipe sharing the CPU's cores) the balancer lowers the device's *share*: the fraction of the step's
+resident rows the device keeps. Resident experts that the CPU also holds in RAM ("movable") beyond that
+share go to the CPU; an expert only the device holds stays there (the CPU would read it from disk). When
+the device finishes first the share goes back up, to 1.0 at most.
+
+What it measures, per step that issued a batch (:class:`StepTimes`):
+  - ``device_ms``: the batch's device time (device timestamps), for ``device_rows`` pairs;
+  - ``cpu_ms``: the engine thread's time between issue and the start of the join (the CPU pairs, the shared
+    expert, disk waits), for ``cpu_rows`` pairs;
+  - ``waited_ms``: the join's wait (used while the CPU's cost is still unknown);
+  - ``resident_rows``: the step's pairs whose expert was resident, before the share was applied.
+
+Model: per-row costs ``a`` (device, ms/row) and ``b`` (CPU, ms/row), each an exponential moving average
+(``alpha``, default 0.3) of the step's ``device_ms / device_rows`` and ``cpu_ms / cpu_rows``. With ``N``
+pairs in a step, the device finishing ``d`` of them at ``d·a`` and the CPU the others at ``(N-d)·b``, both
+sides finish together at ``d* = N·b / (a + b)``; the target share is ``s* = d* / resident_rows``, clamped
+to ``[floor, 1]`` (floor 0.05: the device keeps a few rows so its cost stays measured). The share moves
+a fraction ``gain`` (0.5) of the way to ``s*`` each step: with steady costs the error halves every step.
+Before any CPU row was measured (share 1, every pair resident) there is no ``b``: then each step whose
+join waited more than ``wait_tol`` (10%) of the device time lowers the share by ``probe`` (0.1), which
+gives the CPU rows to measure.
+
+Deterministic: the share is a pure function of the sequence of :class:`StepTimes` (no clock, no RNG).
+``enabled=False`` (``--no-balance``): the share stays 1.0 and updates only count steps.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """One step's measurements (milliseconds, pair counts). See the module docstring."""
+
+    device_ms: float
+    device_rows: int
+    cpu_ms: float
+    cpu_rows: int
+    waited_ms: float
+    resident_rows: int
+
+
+class Balancer:
+    """The device-share controller.
+
+    ``share``: float in ``[floor, 1]``, the fraction of a step's resident rows the device keeps.
+    ``a_ms``, ``b_ms``: the smoothed device / CPU cost per row (ms) or None before a measurement.
+    """
+
+    def __init__(self, enabled: bool = True, floor: float = 0.05, alpha: float = 0.3, gain: float = 0.5,
+                 probe: float = 0.1, wait_tol: float = 0.1):
+        if not 0.0 < floor <= 1.0:
+            raise ValueError(f"balancer floor {floor} is not in (0, 1]")
+        self.enabled = enabled
+        self.floor = floor
+        self.alpha = alpha
+        self.gain = gain
+        self.probe = probe
+        self.wait_tol = wait_tol
+        self.share = 1.0
+        self.a_ms: float | None = None
+        self.b_ms: float | None = None
+        self.target: float | None = None
+        self.steps = 0
+
+    def _ema(self, old: float | None, x: float) -> float:
+        return x if old is None else old + self.alpha * (x - old)
+
+    def update(self, t: StepTimes) -> float:
+        """Take one step's measurements; return the new share."""
+        self.steps += 1
+        if t.device_rows > 0 and t.device_ms > 0:
+            self.a_ms = self._ema(self.a_ms, t.device_ms / t.device_rows)
+        if t.cpu_rows > 0 and t.cpu_ms > 0:
+            self.b_ms = self._ema(self.b_ms, t.cpu_ms / t.cpu_rows)
+        if not self.enabled:
+            return self.share
+        if self.b_ms is None or self.a_ms is None:
+            if t.device_ms > 0 and t.waited_ms > self.wait_tol * t.device_ms:
+                self.share = max(self.floor, self.share - self.probe)
+            return self.share
+        n = t.device_rows + t.cpu_rows
+        if t.resident_rows <= 0 or n <= 0:
+            return self.share
+        d_star = n * self.b_ms / (self.a_ms + self.b_ms)
+        self.target = min(1.0, max(self.floor, d_star / t.resident_rows))
+        self.share = min(1.0, max(self.floor, self.share + self.gain * (self.target - self.share)))
+        return self.share
+
+    def device_rows(self, resident_rows: int) -> int:
+        """How many of ``resident_rows`` the device keeps at the current share: ``share · rows`` rounded
+        half up, at least 1 (so the device's cost stays measured) and at most ``resident_rows``."""
+        if not self.enabled or resident_rows <= 0:
+            return max(0, int(resident_rows))
+        return min(int(resident_rows), max(1, int(math.floor(self.share * resident_rows + 0.5))))
+
+    def keep(self, rows: np.ndarray, movable: np.ndarray) -> np.ndarray:
+        """Which of a step's resident experts the device keeps.
+
+        ``rows``: int [n] the step's rows per resident expert; ``movable``: bool [n], True where the CPU also
+        holds the expert in RAM. Returns bool [n]: every non-movable expert is kept; movable ones are kept,
+        most rows first (ties: lower position first), while the kept rows are below
+        ``device_rows(rows.sum())``; the others go to the CPU.
+        """
+        rows = np.asarray(rows, dtype=np.int64)
+        movable = np.asarray(movable, dtype=bool)
+        keep = ~movable
+        if not self.enabled or self.share >= 1.0 or not movable.any():
+            return np.ones(len(rows), dtype=bool)
+        want = self.device_rows(int(rows.sum()))
+        have = int(rows[keep].sum())
+        idx = np.flatnonzero(movable)
+        order = idx[np.lexsort((idx, -rows[idx]))]
+        for i in order:
+            if have >= want:
+                break
+            keep[i] = True
+            have += int(rows[i])
+        return keep
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Simulation (docs/balancer.md's plot and the convergence test): a deterministic model of a run.
+
+def simulate(phases, steps_per_phase: int = 150, rows: int = 32, resident: float = 0.75, movable: float = 0.8,
+             cpu_fixed_ms: float = 0.2, dev_fixed_ms: float = 0.05, noise: float = 0.1, seed: int = 0,
+             enabled: bool = True, **balancer_kw):
+    """Simulate a run of MoE steps against a :class:`Balancer`.
+
+    ``phases``: list of ``(device_ms_per_row, cpu_ms_per_row)``, each run for ``steps_per_phase`` steps.
+    Each step has ``rows`` pairs, ``resident`` of them resident (``movable`` of those also in the CPU's RAM);
+    the device takes ``dev_fixed_ms + d·a`` and the CPU ``cpu_fixed_ms + (rows - d)·b`` (each times a
+    uniform factor in ``1 ± noise``, NumPy ``default_rng(seed)``); waited = device − CPU when positive.
+    Returns a dict of NumPy arrays per step: ``share``, ``target`` (the equal-finish share of the true
+    costs, clamped to [floor, 1]), ``step_ms`` (max of the two sides), ``best_ms`` (the best split's
+    time with the true costs), ``device_ms``, ``cpu_ms``, ``waited_ms``.
+    """
+    rng = np.random.default_rng(seed)
+    bal = Balancer(enabled=enabled, **balancer_kw)
+    n_res = int(round(rows * resident))
+    n_mov = int(round(n_res * movable))
+    out = {k: [] for k in ("share", "target", "step_ms", "best_ms", "device_ms", "cpu_ms", "waited_ms")}
+    for a, b in phases:
+        for _ in range(steps_per_phase):
+            # the split the tier makes at the current share (each expert one row: a decode-like step)
+            r = np.ones(n_res, dtype=np.int64)
+            mov = np.zeros(n_res, dtype=bool)
+            mov[:n_mov] = True
+            keep = bal.keep(r, mov)
+            d = int(r[keep].sum())
+            c = rows - d
+            fd, fc = rng.uniform(1 - noise, 1 + noise, 2)
+            dev = (dev_fixed_ms + d * a) * fd
+            cpu = (cpu_fixed_ms + c * b) * fc
+            waited = max(0.0, dev - cpu)
+            # the best split with the true costs (the device must keep the non-movable rows)
+            best = min(max(dev_fixed_ms + dd * a, cpu_fixed_ms + (rows - dd) * b)
+                       for dd in range(n_res - n_mov, n_res + 1))
+            tgt = min(1.0, max(bal.floor, rows * b / (a + b) / n_res))
+            out["share"].append(bal.share)
+            out["target"].append(tgt)
+            out["step_ms"].append(max(dev, cpu))
+            out["best_ms"].append(best)
+            out["device_ms"].append(dev)
+            out["cpu_ms"].append(cpu)
+            out["waited_ms"].append(waited)
+            bal.update(StepTimes(dev, d, cpu, c, waited, n_res))
+    return {k: np.asarray(v) for k, v in out.items()}
+
+
+def _plot(path: str) -> None:  # pragma: no cover - docs helper
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    phases = [(0.9, 0.3), (0.03, 0.3)]  # a slow iGPU (3x the CPU's ms per row), then a fast dGPU
+    on = simulate(phases)
+    off = simulate(phases, enabled=False)
+    x = np.arange(len(on["share"]))
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    ax1.plot(x, on["share"], label="device share (balancer)")
+    ax1.plot(x, on["target"], "--", label="equal-finish share (true costs)")
+    ax1.axhline(0.05, color="gray", lw=0.8, ls=":", label="floor 0.05")
+    ax1.set_ylabel("device share of resident rows")
+    ax1.set_ylim(0, 1.05)
+    ax1.legend(loc="center right", fontsize=8)
+    ax1.set_title("SIMULATION (scheduler.balancer.simulate): 32 pairs/step, 24 resident, 19 in RAM too;\n"
+                  "steps 0-149 iGPU 0.9 ms/row vs CPU 0.3; steps 150-299 dGPU 0.03 ms/row", fontsize=9)
+    ax2.plot(x, off["step_ms"], label="step time, share fixed at 1 (--no-balance)", alpha=0.7)
+    ax2.plot(x, on["step_ms"], label="step time, balancer", alpha=0.9)
+    ax2.plot(x, on["best_ms"], "k:", label="best split (true costs)")
+    ax2.set_ylabel("step ms")
+    ax2.set_xlabel("MoE step")
+    ax2.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":  # python -m scheduler.balancer docs/balancer_share.png
+    import sys
+    _plot(sys.argv[1] if len(sys.argv) > 1 else "docs/balancer_share.png")

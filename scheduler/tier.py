@@ -1,0 +1,663 @@
+"""The device expert tier: which routed experts live on the device (seed S0:L296-436; digest 1(c), 1(d)).
+
+Pure policy plus calls into a ``device`` with the contract's interface (docs/contracts.md "Device"):
+``upload_expert(gate, up, down) -> handle``, ``free_expert(handle)``,
+``submit_experts(x, pairs_rows, pairs_handles) -> Batch``, ``Batch.join() -> f32 [P, D]``, ``Batch.device_ms``.
+The step API the MoE step (scheduler/step.py) calls is described in docs/tier.md.
+
+Rules (the seed's, as issue #4 states them):
+  - budget (:func:`budget_bytes`): discrete GPU: VK_EXT_memory_budget's free device-local bytes (the heap's
+    size without the extension) less a 1 GiB reserve (``COLI_VK_TIER_RESERVE_GB``); a device sharing the
+    CPU's RAM (integrated GPU, Lavapipe): a quarter of (available RAM − the RAM expert cache's configured
+    size − the dense weights), less 2 GiB, never below 0; ``COLI_VK_TIER_GB`` overrides. Experts per budget
+    = budget // expert bytes (the biggest expert of the model).
+  - heat: +1 per routing (device-served routings too), halved at every 1024-token boundary (stepwise: at the
+    first :meth:`Tier.begin_token` after each 1024 completed tokens); the history seeds each layer's hottest
+    expert at 32 and the others in proportion (``32 · count / layer max``).
+  - warm start (:func:`warm_plan`): the history's experts hottest first across all layers (ties: layer,
+    then expert id) as many as the budget holds, then the room left filled one expert per layer in turn with
+    experts the history never named (lowest id first); bytes read on a thread pool.
+  - LFRU promotion (:meth:`Tier.note`): every expert the CPU computes is a candidate; promoted while there
+    is room, or when its heat > 1.25 × the coldest resident's heat + 4 (the coldest is evicted); at most
+    ``COLI_VK_TIER_RATE`` (16) promotions per token; bytes copied on the engine thread, written to the
+    device by the uploader thread; a promoted expert serves from the next step (:meth:`Tier.settle`).
+    Evicting an expert an in-flight batch reads waits for that batch's join; a failed upload shrinks the
+    planned residency by one expert. ``COLI_VK_TIER_SYNC=1``: settle() waits for every staged upload.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from coli.errors import ColiError
+from scheduler.balancer import Balancer, StepTimes
+from scheduler.trace import NULL_TRACE, UPLOADER_TID, Trace, host_ns
+
+GiB = 1 << 30
+MiB = 1 << 20
+HEAT_HISTORY_TOP = 32.0       # a layer's hottest expert in the history starts at this heat (seed S0:L299)
+HEAT_HALF_TOKENS = 1024       # heat halves every 1024 tokens
+LFRU_FACTOR = 1.25            # promote over the coldest when heat > 1.25 * coldest + 4
+LFRU_ADD = 4.0
+SHARED_KINDS = ("integrated", "cpu", "virtual", "other")
+
+
+def _env_float(env, name: str, default: float | None) -> float | None:
+    v = env.get(name)
+    if v is None or v == "":
+        return default
+    try:
+        x = float(v)
+    except ValueError:
+        raise ColiError(f"{name}={v!r}: not a number") from None
+    if not np.isfinite(x) or x < 0:
+        raise ColiError(f"{name}={v!r}: must be a finite number >= 0")
+    return x
+
+
+def _env_int(env, name: str, default: int) -> int:
+    v = env.get(name)
+    if v is None or v == "":
+        return default
+    try:
+        x = int(v)
+    except ValueError:
+        raise ColiError(f"{name}={v!r}: not an integer") from None
+    if x < 0:
+        raise ColiError(f"{name}={v!r}: must be >= 0")
+    return x
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Budget
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """What the budget rule reads from the device.
+
+    ``kind``: "discrete" | "integrated" | "cpu" (Lavapipe) | "virtual" | "other" (VkPhysicalDeviceType);
+    ``heap_bytes``: size of the device-local heap the experts go to; ``budget_free``: that heap's
+    ``heapBudget - heapUsage`` from VK_EXT_memory_budget, or None without the extension.
+    """
+
+    name: str
+    kind: str
+    heap_bytes: int
+    budget_free: int | None = None
+
+    @classmethod
+    def of(cls, dev) -> "DeviceMemory":
+        """From a DeviceMemory, a mapping or any object with ``name``, ``kind`` (or ``device_type``),
+        ``heap_bytes`` and optionally ``budget_free`` (ValueError naming the missing field)."""
+        if isinstance(dev, cls):
+            return dev
+        get = dev.get if isinstance(dev, dict) else (lambda k, d=None: getattr(dev, k, d))
+        kind = get("kind") or get("device_type")
+        heap = get("heap_bytes")
+        if kind is None or heap is None:
+            raise ValueError("device memory info needs 'kind' (or 'device_type') and 'heap_bytes'")
+        kind = str(kind).lower().replace("_gpu", "").replace("vk_physical_device_type_", "")
+        free = get("budget_free")
+        return cls(str(get("name", "") or ""), kind, int(heap), None if free is None else int(free))
+
+
+def budget_bytes(device_info, ram_cache_bytes: int, dense_bytes: int, env=None,
+                 available: int | None = None) -> tuple[int, str]:
+    """The tier's budget in bytes and the words of the rule that set it (for the start line).
+
+    ``device_info``: :class:`DeviceMemory` (or what :meth:`DeviceMemory.of` takes); ``ram_cache_bytes``:
+    the RAM expert cache's configured size (slots × layers × expert bytes); ``dense_bytes``: the dense
+    weights' bytes (on the CPU in coli, so they count against RAM on a shared-RAM device only);
+    ``env``: the environment (``os.environ``); ``available``: RAM available (``psutil.virtual_memory()
+    .available`` when None). ColiError on a malformed ``COLI_VK_TIER_GB`` / ``COLI_VK_TIER_RESERVE_GB``.
+    Rule: seed S0:L409-418 as issue #4 states it (see the module docstring).
+    """
+    env = os.environ if env is None else env
+    d = DeviceMemory.of(device_info)
+    gb = _env_float(env, "COLI_VK_TIER_GB", None)
+    if gb is not None:
+        b = int(gb * GiB)
+        words = f"COLI_VK_TIER_GB={env['COLI_VK_TIER_GB']}"
+        if d.heap_bytes and b > d.heap_bytes:
+            b = d.heap_bytes
+            words += f" (capped at the device's {d.heap_bytes / GiB:.2f} GiB heap)"
+        return b, words
+    if d.kind == "discrete":
+        reserve = int(_env_float(env, "COLI_VK_TIER_RESERVE_GB", 1.0) * GiB)
+        if d.budget_free is not None:
+            free, what = d.budget_free, f"VK_EXT_memory_budget's {d.budget_free / GiB:.2f} GiB free"
+        else:
+            free, what = d.heap_bytes, f"the {d.heap_bytes / GiB:.2f} GiB heap (no VK_EXT_memory_budget)"
+        return max(0, free - reserve), f"discrete: {what} less a {reserve / GiB:g} GiB reserve"
+    if available is None:
+        import psutil
+        available = psutil.virtual_memory().available
+    left = int(available) - int(ram_cache_bytes) - int(dense_bytes)
+    b = max(0, left // 4 - 2 * GiB)
+    words = (f"shared RAM: a quarter of what the expert cache leaves ({available / GiB:.2f} GiB available"
+             f" - {ram_cache_bytes / GiB:.2f} GiB cache - {dense_bytes / GiB:.2f} GiB dense) less 2 GiB")
+    return b, words
+
+
+# ---------------------------------------------------------------------------------------------------------
+# History -> heat, warm-start plan
+
+def history_heat(counts: np.ndarray) -> np.ndarray:
+    """Initial heat from the history: float64 [L, E], each layer's hottest expert at 32, the others
+    ``32 · count / that layer's max`` (zeros for a layer the history never routed). Seed S0:L299."""
+    c = np.asarray(counts, dtype=np.float64)
+    if c.ndim != 2:
+        raise ValueError(f"history counts must be [layers, experts], got shape {c.shape}")
+    m = c.max(axis=1, keepdims=True)
+    return np.where(m > 0, HEAT_HISTORY_TOP * c / np.where(m > 0, m, 1.0), 0.0)
+
+
+def warm_plan(counts: np.ndarray, capacity: int, fill: bool = True) -> tuple[list[tuple[int, int]], int]:
+    """The warm start's experts, in upload order, and how many of them come from the history.
+
+    ``counts``: int [L, E] routing counts (scheduler/usage.py's ``Usage.counts``); ``capacity``: experts
+    the budget holds. First every expert with a count > 0, highest count first (ties: lower layer, then
+    lower expert id), up to ``capacity``; then, when ``fill``, the room left with experts the history
+    never named, one expert per layer in turn (layer 0's lowest unnamed id, layer 1's, ..., then each
+    layer's second, ...). Seed S0:L299, L383-384 (``COLI_VK_TIER_FILL``).
+    """
+    c = np.asarray(counts, dtype=np.int64)
+    L, E = c.shape
+    lay, exp = np.nonzero(c > 0)
+    order = np.lexsort((exp, lay, -c[lay, exp]))
+    named = [(int(lay[i]), int(exp[i])) for i in order[:max(0, capacity)]]
+    plan = list(named)
+    if fill and len(plan) < capacity:
+        unnamed = [np.flatnonzero(c[l] == 0) for l in range(L)]
+        for i in range(E):
+            for l in range(L):
+                if len(plan) >= capacity:
+                    break
+                if i < len(unnamed[l]):
+                    plan.append((l, int(unnamed[l][i])))
+            if len(plan) >= capacity:
+                break
+    return plan, len(named)
+
+
+def _expert_nbytes(arrays) -> int:
+    return int(sum(np.asarray(raw).nbytes for (_t, raw, _s) in arrays))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The tier
+
+@dataclass
+class Issued:
+    """One device batch in flight (returned by :meth:`Tier.issue`, passed to :meth:`Tier.join`)."""
+
+    layer: int
+    keys: frozenset
+    batch: object
+    n_pairs: int
+    t_issue_ns: int
+    joined: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class WarmStart:
+    """What :meth:`Tier.warm_start` did: experts uploaded (``n``; ``n_history`` of them the history's),
+    ``failed`` uploads, wall ``seconds``, and the status ``line``."""
+
+    n: int
+    n_history: int
+    failed: int
+    seconds: float
+    line: str
+
+
+@dataclass
+class _Job:
+    layer: int
+    expert: int
+    arrays: tuple
+    evict: object            # the evicted expert's handle, or None
+    wait: list               # Events of the in-flight batches that read the evicted expert
+
+
+class Tier:
+    """Residency of routed experts on one device. Engine-thread API (not thread-safe across engine
+    threads): :meth:`begin_token`, :meth:`settle`, :meth:`split`, :meth:`issue`, :meth:`join`, :meth:`note`,
+    :meth:`warm_start`, :meth:`off`, :meth:`close`; one uploader thread talks to the device besides.
+
+    ``device``: the contract's Device; ``model``: the name in the status lines; ``n_layers``, ``n_experts``:
+    the model's expert grid; ``expert_bytes``: the biggest expert's bytes (gate + up + down);
+    ``budget`` (bytes) and ``rule`` (words) from :func:`budget_bytes`; ``counts``: the history (int [L, E])
+    or None; ``balancer``: a :class:`Balancer` (``Balancer(enabled=False)`` for ``--no-balance``);
+    ``trace``: a :class:`scheduler.trace.Trace`; ``env``: ``COLI_VK_TIER_RATE`` (16), ``COLI_VK_TIER_SYNC``
+    (0), ``COLI_VK_TIER_FILL`` (1), ``COLI_VK_TIER_WARM`` (1), ``COLI_VK_TIER_QUEUE_MAX`` (2 × rate).
+    """
+
+    def __init__(self, device, model: str, n_layers: int, n_experts: int, expert_bytes: int, budget: int,
+                 rule: str, counts: np.ndarray | None = None, balancer: Balancer | None = None,
+                 trace: Trace | None = None, device_name: str = "", own_queue: bool = False, env=None,
+                 log=None):
+        env = os.environ if env is None else env
+        if expert_bytes <= 0:
+            raise ValueError(f"expert_bytes must be > 0, got {expert_bytes}")
+        self.device = device
+        self.model = model
+        self.L, self.E = int(n_layers), int(n_experts)
+        self.expert_bytes = int(expert_bytes)
+        self.budget = int(budget)
+        self.rule = rule
+        self.capacity = self.budget // self.expert_bytes
+        self.budget_experts = self.capacity
+        self.balancer = balancer if balancer is not None else Balancer(enabled=True)
+        self.trace = trace if trace is not None else NULL_TRACE
+        self.device_name = device_name or getattr(device, "name", "") or "device"
+        self.own_queue = own_queue
+        self.log = log if log is not None else sys.stderr
+        self.rate = _env_int(env, "COLI_VK_TIER_RATE", 16)
+        self.sync = _env_int(env, "COLI_VK_TIER_SYNC", 0) == 1
+        self.fill = _env_int(env, "COLI_VK_TIER_FILL", 1) != 0
+        self.warm = _env_int(env, "COLI_VK_TIER_WARM", 1) != 0
+        self.queue_max = _env_int(env, "COLI_VK_TIER_QUEUE_MAX", 2 * max(1, self.rate))
+        self.on = True
+        self.off_reason: str | None = None
+
+        if counts is not None:
+            counts = np.asarray(counts)
+            if counts.shape != (self.L, self.E):
+                raise ValueError(f"history counts shape {counts.shape} != ({self.L}, {self.E})")
+            self.heat = history_heat(counts)
+        else:
+            self.heat = np.zeros((self.L, self.E), dtype=np.float64)
+        self.counts = counts
+        self.tokens = 0
+        self._halvings = 0
+        self.rate_left = self.rate
+
+        self.resident: dict[tuple[int, int], object] = {}
+        self.resident_bytes: dict[tuple[int, int], int] = {}
+        self.mask = np.zeros((self.L, self.E), dtype=bool)
+        self.pending: set[tuple[int, int]] = set()
+        self._inflight: list[Issued] = []
+        self._step: tuple | None = None        # (layer, resident_rows, device_rows, cpu_rows) of split()
+
+        # counters for the run line
+        self.routed_pairs = 0
+        self.device_pairs = 0
+        self.uploads = 0
+        self.warm_uploads = 0
+        self.upload_bytes = 0
+        self.evictions = 0
+        self.skipped_queue = 0
+        self.skipped_rate = 0
+        self.failed = 0
+        self.device_ms = 0.0
+        self.cpu_ms = 0.0
+        self.waited_ms = 0.0
+        self.handed_rows = 0
+        self.batches = 0
+
+        # uploader thread state (guarded by _lock)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._q: queue.Queue = queue.Queue()
+        self._staged = 0
+        self._completed = 0
+        self._done: list[tuple[int, int, object, int]] = []
+        self._failed_keys: list[tuple[int, int, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._uploader, name="coli-tier-uploader", daemon=True)
+        self._thread.start()
+
+    # ----- lines
+    def start_line(self) -> str:
+        """``[VK] tier <model>: on, <device>, budget B GiB = N experts of S MiB, <rule>, own queue|shared
+        queue, up to R promotions per token, balanced against the CPU|not balanced`` (issue #4 item 5)."""
+        return (f"[VK] tier {self.model}: on, {self.device_name}, budget {self.budget / GiB:.2f} GiB = "
+                f"{self.budget_experts} experts of {self.expert_bytes / MiB:.1f} MiB, {self.rule}, "
+                f"{'own queue' if self.own_queue else 'shared queue'}, up to {self.rate} promotions per token, "
+                f"{'balanced against the CPU' if self.balancer.enabled else 'not balanced'}")
+
+    def run_line(self, ram_hits: int, disk_loads: int, blocks: int | None = None,
+                 frag: float | None = None) -> str:
+        """The end-of-run line (issue #4 item 5). ``ram_hits`` / ``disk_loads``: the RAM cache's counters
+        for the CPU's pairs; ``blocks`` / ``frag``: the device's expert pool (memory blocks, ``1 - largest
+        free extent / free bytes``) when the device reports them, else "n/a"."""
+        P, D = self.routed_pairs, self.device_pairs
+        pct = 100.0 * D / P if P else 0.0
+        res_b = sum(self.resident_bytes.values())
+        hidden = 100.0 * (self.device_ms - self.waited_ms) / self.device_ms if self.device_ms > 0 else 0.0
+        bl = "n/a blocks" if blocks is None else f"{blocks} blocks"
+        fr = "frag n/a" if frag is None else f"frag {frag:.2f}"
+        return (f"[VK] tier {self.model} run: device {D} of {P} routed experts ({pct:.1f}%) | "
+                f"CPU RAM hits {ram_hits}, disk loads {disk_loads} | "
+                f"resident {len(self.resident)} (budget {self.capacity}, {res_b / GiB:.2f} GiB of "
+                f"{self.budget / GiB:.2f} GiB, {bl}, {fr}) | "
+                f"uploads {self.uploads} ({self.upload_bytes / GiB:.2f} GiB, {self.warm_uploads} warm), "
+                f"evictions {self.evictions}, skipped {self.skipped_queue} queue + {self.skipped_rate} rate, "
+                f"failed {self.failed} | "
+                f"device {self.device_ms:.1f} ms, CPU share {self.cpu_ms:.1f} ms, waited {self.waited_ms:.1f} ms "
+                f"({hidden:.0f}% of device time hidden) | "
+                f"balance: device share {self.balancer.share:.2f}, {self.handed_rows} rows handed to the CPU")
+
+    def _say(self, line: str) -> None:
+        print(line, file=self.log, flush=True)
+
+    # ----- tokens and heat
+    def begin_token(self, n_tokens: int = 1) -> None:
+        """Start a forward of ``n_tokens`` tokens: halve the heat once for each 1024-token boundary the
+        completed tokens crossed, and give the forward ``rate × n_tokens`` promotions."""
+        h = self.tokens // HEAT_HALF_TOKENS
+        if h > self._halvings:
+            self.heat *= 0.5 ** (h - self._halvings)
+            self._halvings = h
+        self.tokens += int(n_tokens)
+        self.rate_left = self.rate * int(n_tokens)
+
+    # ----- the step API
+    def settle(self) -> None:
+        """Call at each layer step's start (no batch in flight): finished uploads become resident, failed
+        ones shrink the planned residency. With ``COLI_VK_TIER_SYNC=1`` first waits for every upload staged
+        so far (then residency follows the routing alone: reproducible)."""
+        with self._cond:
+            if self.sync:
+                if self._inflight:
+                    raise RuntimeError("Tier.settle() with COLI_VK_TIER_SYNC=1 while a batch is in flight")
+                target = self._staged
+                self._cond.wait_for(lambda: self._completed >= target or self._stop.is_set())
+            done, self._done = self._done, []
+            failed, self._failed_keys = self._failed_keys, []
+        for l, e, h, nb in done:
+            self.pending.discard((l, e))
+            if not self.on:
+                continue
+            self.resident[(l, e)] = h
+            self.resident_bytes[(l, e)] = nb
+            self.mask[l, e] = True
+        for l, e, why in failed:
+            self.pending.discard((l, e))
+            self.capacity = max(0, self.capacity - 1)
+
+    def count(self, layer: int, experts, rows) -> None:
+        """Heat: +``rows`` for each expert of ``experts`` (int arrays of one layer). :meth:`split` calls it."""
+        np.add.at(self.heat[layer], np.asarray(experts, dtype=np.int64), np.asarray(rows, dtype=np.float64))
+
+    def split(self, layer: int, experts, rows_per_expert, in_ram=None) -> tuple[np.ndarray, np.ndarray]:
+        """Split one layer step's routed experts between the device and the CPU.
+
+        ``experts``: int [n] the distinct experts the step routed; ``rows_per_expert``: int [n] their rows;
+        ``in_ram(layer, e) -> bool``: whether the CPU holds the expert in RAM (the balancer hands only such
+        resident experts to the CPU; None: none can be handed). Counts the routings as heat. Returns
+        ``(device_experts, cpu_experts)``, two int64 arrays in the input order.
+        """
+        experts = np.asarray(experts, dtype=np.int64).reshape(-1)
+        rows = np.asarray(rows_per_expert, dtype=np.int64).reshape(-1)
+        if experts.shape != rows.shape:
+            raise ValueError(f"split: experts {experts.shape} and rows_per_expert {rows.shape} differ")
+        self.count(layer, experts, rows)
+        total = int(rows.sum())
+        self.routed_pairs += total
+        if not self.on or not self.resident:
+            self._step = (layer, 0, 0, total)
+            return experts[:0], experts
+        res = self.mask[layer, experts]
+        on_dev = res.copy()
+        if res.any() and in_ram is not None and self.balancer.enabled and self.balancer.share < 1.0:
+            idx = np.flatnonzero(res)
+            movable = np.array([bool(in_ram(layer, int(experts[i]))) for i in idx], dtype=bool)
+            keep = self.balancer.keep(rows[idx], movable)
+            on_dev[idx[~keep]] = False
+            self.handed_rows += int(rows[idx[~keep]].sum())
+        dev_rows = int(rows[on_dev].sum())
+        self._step = (layer, int(rows[res].sum()), dev_rows, total - dev_rows)
+        self.device_pairs += dev_rows
+        return experts[on_dev], experts[~on_dev]
+
+    def issue(self, layer: int, x: np.ndarray, pair_rows, pair_experts) -> Issued:
+        """Submit one batch: pair ``p`` computes expert ``pair_experts[p]`` (resident, from :meth:`split`'s
+        device experts) on row ``pair_rows[p]`` of ``x`` (f32 [R, D]). Returns the :class:`Issued` to
+        :meth:`join`. A device error turns the tier off (one line) and is re-raised."""
+        pair_experts = np.asarray(pair_experts, dtype=np.int64).reshape(-1)
+        keys = [(layer, int(e)) for e in pair_experts]
+        try:
+            handles = [self.resident[k] for k in keys]
+        except KeyError as err:
+            raise ValueError(f"issue: expert {err.args[0]} is not resident (use split()'s device experts)") from None
+        t = host_ns()
+        try:
+            batch = self.device.submit_experts(x, np.asarray(pair_rows, dtype=np.int32).reshape(-1), handles)
+        except Exception as err:
+            self.off(f"the device failed a submit ({type(err).__name__}: {err})")
+            raise
+        iss = Issued(layer, frozenset(keys), batch, len(keys), t)
+        self._inflight.append(iss)
+        return iss
+
+    def _release(self, iss: Issued) -> None:
+        iss.joined.set()
+        if iss in self._inflight:
+            self._inflight.remove(iss)
+
+    def join(self, iss: Issued) -> np.ndarray:
+        """Wait for a batch; return its f32 [P, D] outputs (each pair's unweighted expert output).
+
+        Records the CPU's time since the issue, the wait, the device time; feeds the balancer; releases
+        the batch's experts to deferred evictions. A device error turns the tier off (one line) and is
+        re-raised: the caller recomputes the batch's pairs on the CPU."""
+        t1 = host_ns()
+        try:
+            out = iss.batch.join()
+        except Exception as err:
+            self._release(iss)
+            self.off(f"the device failed a join ({type(err).__name__}: {err})")
+            raise
+        t2 = host_ns()
+        self._release(iss)
+        dev_ms = float(getattr(iss.batch, "device_ms", 0.0) or 0.0)
+        cpu_ms = (t1 - iss.t_issue_ns) / 1e6
+        waited = (t2 - t1) / 1e6
+        self.device_ms += dev_ms
+        self.cpu_ms += cpu_ms
+        self.waited_ms += waited
+        self.batches += 1
+        st = self._step if (self._step is not None and self._step[0] == iss.layer) else None
+        res_rows = st[1] if st else iss.n_pairs
+        cpu_rows = st[3] if st else 0
+        self.balancer.update(StepTimes(dev_ms, iss.n_pairs, cpu_ms, cpu_rows, waited, res_rows))
+        if self.trace.enabled:
+            self.trace.span(f"join L{iss.layer}", "join", t1, t2, args={"layer": iss.layer})
+            ts = getattr(iss.batch, "timestamps_ns", None)
+            cal = getattr(iss.batch, "calibration", None)
+            self.trace.device_batch(f"batch L{iss.layer}", iss.t_issue_ns, dev_ms, ts, cal,
+                                    args={"layer": iss.layer, "pairs": iss.n_pairs})
+        return out
+
+    def note(self, layer: int, e: int, bytes_fn) -> bool:
+        """Offer an expert the CPU computed for promotion (LFRU). ``bytes_fn() -> (gate, up, down)``, each
+        ``(type_name, raw uint8 [O, row_bytes] copy, (O, I))``, is called only when promoting. Returns True
+        when the expert was staged for upload (it serves from a step after the next :meth:`settle`)."""
+        if not self.on or self.capacity <= 0:
+            return False
+        key = (int(layer), int(e))
+        if self.mask[key] or key in self.pending:
+            return False
+        used = len(self.resident) + len(self.pending)
+        victim = None
+        if used >= self.capacity:
+            if not self.resident:
+                return False
+            masked = np.where(self.mask, self.heat, np.inf)
+            v = np.unravel_index(int(np.argmin(masked)), masked.shape)   # ties: lowest (layer, expert)
+            if not self.heat[key] > LFRU_FACTOR * self.heat[v] + LFRU_ADD:
+                return False
+            victim = (int(v[0]), int(v[1]))
+        if self.rate_left <= 0:
+            self.skipped_rate += 1
+            return False
+        if self._q.qsize() >= self.queue_max:
+            self.skipped_queue += 1
+            return False
+        evict, wait = None, []
+        if victim is not None:
+            evict = self.resident.pop(victim)
+            self.resident_bytes.pop(victim, None)
+            self.mask[victim] = False
+            self.evictions += 1
+            wait = [i.joined for i in self._inflight if victim in i.keys]
+        arrays = tuple(bytes_fn())
+        self.rate_left -= 1
+        self.pending.add(key)
+        with self._lock:
+            self._staged += 1
+        self._q.put(_Job(key[0], key[1], arrays, evict, wait))
+        return True
+
+    # ----- uploader thread
+    def _uploader(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            try:
+                for ev in job.wait:
+                    while not ev.wait(0.05):
+                        if self._stop.is_set():
+                            break
+                if job.evict is not None and self.on:
+                    try:
+                        self.device.free_expert(job.evict)
+                    except Exception:
+                        pass  # the device is gone: the next join reports it and turns the tier off
+                if self._stop.is_set() or not self.on:
+                    with self._cond:
+                        self._failed_keys.append((job.layer, job.expert, "tier off"))
+                    continue
+                t0 = host_ns()
+                nb = _expert_nbytes(job.arrays)
+                try:
+                    h = self.device.upload_expert(*job.arrays)
+                except Exception as err:
+                    with self._cond:
+                        self.failed += 1
+                        self._failed_keys.append((job.layer, job.expert, f"{type(err).__name__}: {err}"))
+                    continue
+                t1 = host_ns()
+                self.trace.span(f"upload L{job.layer} E{job.expert}", "upload", t0, t1, tid=UPLOADER_TID,
+                                args={"layer": job.layer, "expert": job.expert, "bytes": nb})
+                with self._cond:
+                    self.uploads += 1
+                    self.upload_bytes += nb
+                    self._done.append((job.layer, job.expert, h, nb))
+            finally:
+                with self._cond:
+                    self._completed += 1
+                    self._cond.notify_all()
+
+    # ----- warm start
+    def warm_start(self, read_expert, threads: int | None = None) -> WarmStart:
+        """Fill the budget before the run: :func:`warm_plan` from the history, bytes read by
+        ``read_expert(layer, e) -> (gate, up, down)`` on a thread pool (``threads``, default
+        min(8, CPUs)), uploaded on this thread as they arrive. The first failed upload stops it and the
+        planned residency shrinks to what is resident. Prints and returns the line
+        ``[VK] tier <model>: warm start, N experts from the history in T s`` (``; F more to fill the room``
+        before `` in`` when the fill added experts). ``COLI_VK_TIER_WARM=0``: nothing."""
+        t0 = time.perf_counter()
+        if not self.warm or not self.on or self.counts is None and not self.fill:
+            return WarmStart(0, 0, 0, 0.0, "")
+        counts = self.counts if self.counts is not None else np.zeros((self.L, self.E), dtype=np.int64)
+        room = self.capacity - len(self.resident) - len(self.pending)
+        plan, n_hist = warm_plan(counts, room, fill=self.fill)
+        plan = [k for k in plan if not self.mask[k] and k not in self.pending]
+        threads = threads or max(1, min(8, os.cpu_count() or 1))
+        n = failed = n_h = 0
+        window = 2 * threads
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="coli-warm") as ex:
+            futs = []
+            it = iter(plan)
+            for k in it:
+                futs.append((k, ex.submit(read_expert, *k)))
+                if len(futs) >= window:
+                    break
+            i = 0
+            while i < len(futs):
+                k, f = futs[i]
+                futs[i] = None
+                i += 1
+                arrays = f.result()
+                if failed == 0:
+                    ts = host_ns()
+                    try:
+                        h = self.device.upload_expert(*arrays)
+                    except Exception:
+                        failed += 1
+                        self.failed += 1
+                        self.capacity = len(self.resident)
+                    else:
+                        nb = _expert_nbytes(arrays)
+                        self.trace.span(f"upload L{k[0]} E{k[1]} (warm)", "upload", ts, host_ns(),
+                                        args={"layer": k[0], "expert": k[1], "bytes": nb, "warm": True})
+                        self.resident[k] = h
+                        self.resident_bytes[k] = nb
+                        self.mask[k] = True
+                        n += 1
+                        n_h += int(counts[k] > 0)
+                        with self._lock:
+                            self.uploads += 1
+                            self.upload_bytes += nb
+                        self.warm_uploads += 1
+                if failed == 0:
+                    nxt = next(it, None)
+                    if nxt is not None:
+                        futs.append((nxt, ex.submit(read_expert, *nxt)))
+        dt = time.perf_counter() - t0
+        extra = f"; {n - n_h} more to fill the room" if n > n_h else ""
+        fail = f"; an upload failed, budget now {self.capacity} experts" if failed else ""
+        line = f"[VK] tier {self.model}: warm start, {n_h} experts from the history{extra} in {dt:.1f} s{fail}"
+        self._say(line)
+        return WarmStart(n, n_h, failed, dt, line)
+
+    # ----- off / close
+    def off(self, reason: str) -> None:
+        """Turn the tier off (the device is lost or failed): one line, nothing more goes to the device,
+        the run continues on the CPU. Idempotent."""
+        if not self.on:
+            return
+        self.on = False
+        self.off_reason = reason
+        self._say(f"[VK] tier {self.model}: off, {reason}; the run goes on on the CPU")
+        self.resident.clear()
+        self.resident_bytes.clear()
+        self.mask[:] = False
+        for i in list(self._inflight):
+            i.joined.set()
+        self._inflight.clear()
+        self._shutdown(wait=False)
+
+    def _shutdown(self, wait: bool) -> None:
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        self._q.put(None)
+        if wait:
+            self._thread.join()
+
+    def close(self, free: bool = True) -> None:
+        """End of run: stop the uploader (after the staged uploads), then free every resident expert when
+        ``free`` and the tier is on. Call after the last join."""
+        if self._thread.is_alive() and self.on:
+            self._q.put(None)
+            self._thread.join()
+            self.settle()
+        self._stop.set()
+        if free and self.on:
+            for h in self.resident.values():
+                self.device.free_expert(h)
+            self.resident.clear()
+            self.resident_bytes.clear()
+            self.mask[:] = False

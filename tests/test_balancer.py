@@ -1,0 +1,66 @@
+"""The balancer (scheduler/balancer.py): convergence to the equal-finish share, floor, ceiling, hand-back
+order, determinism, --no-balance. Pure policy on a deterministic model of steps (no device)."""
+import numpy as np
+import pytest
+
+from scheduler.balancer import Balancer, StepTimes, simulate
+
+
+def test_converges_to_equal_finish_share_slow_igpu_then_fast_dgpu():
+    # 32 pairs a step, 24 resident; iGPU 0.9 ms/row vs CPU 0.3 -> device keeps 32*0.3/1.2 = 8 rows = 1/3
+    r = simulate([(0.9, 0.3), (0.03, 0.3)], steps_per_phase=60, noise=0.0, cpu_fixed_ms=0.0, dev_fixed_ms=0.0)
+    s = r["share"]
+    assert r["target"][0] == pytest.approx(1 / 3)
+    assert np.all(np.abs(s[12:60] - 1 / 3) < 0.02)         # within 12 steps of the start
+    assert r["target"][60] == 1.0
+    assert np.all(s[60 + 15:] > 0.99)                      # back to the ceiling within 15 steps of the switch
+    assert s.max() <= 1.0
+    # the balanced split's step time is within 10% of the best split's once converged
+    assert np.all(r["step_ms"][20:60] <= 1.1 * r["best_ms"][20:60])
+
+
+def test_never_below_floor_and_takes_rows_back():
+    b = Balancer(floor=0.05)
+    for _ in range(50):                                    # device 100x slower: target far below the floor
+        b.update(StepTimes(device_ms=100.0, device_rows=1, cpu_ms=1.0, cpu_rows=31, waited_ms=99.0,
+                           resident_rows=24))
+        assert b.share >= 0.05
+    assert b.share == pytest.approx(0.05, abs=1e-3)
+    assert b.device_rows(24) == 1                          # round(0.05 * 24) = 1
+    assert b.device_rows(4) == 1                           # never below one row
+    for _ in range(40):                                    # then the device is fast: all rows back
+        b.update(StepTimes(device_ms=0.1, device_rows=2, cpu_ms=30.0, cpu_rows=30, waited_ms=0.0,
+                           resident_rows=24))
+    assert b.share == pytest.approx(1.0, abs=1e-3)
+
+
+def test_probe_lowers_share_while_cpu_cost_unknown():
+    b = Balancer()
+    b.update(StepTimes(10.0, 8, 0.0, 0, 9.0, 8))           # all rows on the device, join waited 90%
+    assert b.share == pytest.approx(0.9)
+    b.update(StepTimes(10.0, 8, 0.0, 0, 0.5, 8))           # waited 5% < 10%: no change
+    assert b.share == pytest.approx(0.9)
+
+
+def test_no_balance_keeps_share_one():
+    r = simulate([(0.9, 0.3)], steps_per_phase=30, enabled=False)
+    assert np.all(r["share"] == 1.0)
+    b = Balancer(enabled=False)
+    assert b.keep(np.array([1, 2]), np.array([True, True])).all()
+
+
+def test_deterministic():
+    a = simulate([(0.9, 0.3), (0.03, 0.3)], steps_per_phase=40, seed=3)
+    b = simulate([(0.9, 0.3), (0.03, 0.3)], steps_per_phase=40, seed=3)
+    np.testing.assert_array_equal(a["share"], b["share"])
+
+
+def test_keep_order_most_rows_first_ties_by_position():
+    b = Balancer()
+    b.share = 0.4
+    rows = np.array([1, 2, 2, 1, 4])
+    mov = np.array([True, True, True, True, False])
+    # 10 rows, device keeps round(4) = 4: the non-movable 4 already -> every movable one goes to the CPU
+    assert list(b.keep(rows, mov)) == [False, False, False, False, True]
+    b.share = 0.7                                          # 7 rows: 4 + expert 1 (2 rows) + expert 2 (2 rows)
+    assert list(b.keep(rows, mov)) == [False, True, True, False, True]

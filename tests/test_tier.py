@@ -1,0 +1,357 @@
+"""The tier's policy (scheduler/tier.py): budget rule, heat, warm-start plan, LFRU, rate, eviction vs in-flight
+batches, failed uploads, the balancer's hand-back in split(), turning off.
+
+These tests exercise POLICY ONLY: the device is `RecordingDevice`, an in-test object that records the calls
+the tier makes (upload/free/submit/join) and returns zeros; nothing here checks numerics of a real device
+(tests/test_tier_device.py does, on Lavapipe, where coli.vulkan provides open_device).
+"""
+import io
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from coli.errors import ColiError
+from scheduler.balancer import Balancer
+from scheduler.tier import (GiB, DeviceMemory, Tier, budget_bytes, history_heat, warm_plan)
+
+EXPERT_BYTES = 3 * 4 * 8  # three [4, 8]-byte matrices
+
+
+def arrays(tag=0):
+    raw = np.full((4, 8), tag % 256, dtype=np.uint8)
+    return tuple(("Q8_0", raw.copy(), (4, 32)) for _ in range(3))
+
+
+class Batch:
+    def __init__(self, n, d, release, device_ms=1.0, fail=False):
+        self.n, self.d, self.release, self.device_ms, self.fail = n, d, release, device_ms, fail
+
+    def join(self):
+        self.release.wait(5)
+        if self.fail:
+            raise RuntimeError("device lost")
+        return np.zeros((self.n, self.d), np.float32)
+
+
+class RecordingDevice:
+    """Records calls in order; upload fails from the `fail_from`-th upload on (0-based) when set."""
+
+    def __init__(self, fail_from=None):
+        self.calls, self.live, self.n, self.fail_from = [], set(), 0, fail_from
+        self.lock = threading.Lock()
+        self.release = threading.Event()
+        self.release.set()
+        self.fail_join = False
+
+    def upload_expert(self, g, u, d):
+        with self.lock:
+            k = self.n
+            self.n += 1
+            if self.fail_from is not None and k >= self.fail_from:
+                self.calls.append(("upload-failed", k))
+                raise MemoryError("VK_ERROR_OUT_OF_DEVICE_MEMORY")
+            self.live.add(k)
+            self.calls.append(("upload", k))
+            return k
+
+    def free_expert(self, h):
+        with self.lock:
+            self.live.remove(h)
+            self.calls.append(("free", h))
+
+    def submit_experts(self, x, rows, handles):
+        self.calls.append(("submit", tuple(handles)))
+        return Batch(len(rows), x.shape[1], self.release, fail=self.fail_join)
+
+
+def make(cap=4, L=2, E=8, counts=None, env=None, bal=None, dev=None):
+    dev = dev or RecordingDevice()
+    log = io.StringIO()
+    t = Tier(dev, "m", L, E, EXPERT_BYTES, cap * EXPERT_BYTES, "test rule", counts=counts,
+             balancer=bal or Balancer(enabled=False), env=env or {}, log=log)
+    return t, dev, log
+
+
+# ---- budget ----------------------------------------------------------------------------------------------
+
+def test_budget_discrete_memory_budget_and_heap():
+    b, w = budget_bytes(DeviceMemory("d", "discrete", 16 * GiB, 8 * GiB), 0, 0, env={})
+    assert b == 7 * GiB and "discrete" in w and "8.00 GiB free" in w and "1 GiB reserve" in w
+    b, w = budget_bytes({"kind": "discrete_gpu", "heap_bytes": 16 * GiB}, 0, 0, env={})
+    assert b == 15 * GiB and "no VK_EXT_memory_budget" in w
+    b, _ = budget_bytes(DeviceMemory("d", "discrete", 16 * GiB, 8 * GiB), 0, 0,
+                        env={"COLI_VK_TIER_RESERVE_GB": "2"})
+    assert b == 6 * GiB
+    b, _ = budget_bytes(DeviceMemory("d", "discrete", 16 * GiB, GiB // 2), 0, 0, env={})
+    assert b == 0
+
+
+@pytest.mark.parametrize("kind", ["integrated", "cpu", "virtual"])
+def test_budget_shared_ram_quarter_rule(kind):
+    # (32 - 4 - 2) / 4 - 2 = 4.5 GiB
+    b, w = budget_bytes(DeviceMemory("i", kind, 64 * GiB), 4 * GiB, 2 * GiB, env={}, available=32 * GiB)
+    assert b == int(4.5 * GiB) and w.startswith("shared RAM: a quarter")
+    # never below 0: (10 - 1 - 1) / 4 - 2 = 0
+    b, _ = budget_bytes(DeviceMemory("i", kind, 64 * GiB), GiB, GiB, env={}, available=10 * GiB)
+    assert b == 0
+    b, _ = budget_bytes(DeviceMemory("i", kind, 64 * GiB), 8 * GiB, 8 * GiB, env={}, available=10 * GiB)
+    assert b == 0
+
+
+def test_budget_override_and_bad_values():
+    b, w = budget_bytes(DeviceMemory("d", "discrete", 16 * GiB, 8 * GiB), 0, 0, env={"COLI_VK_TIER_GB": "1.5"})
+    assert b == int(1.5 * GiB) and w == "COLI_VK_TIER_GB=1.5"
+    b, _ = budget_bytes(DeviceMemory("i", "integrated", 64 * GiB), 0, 0, env={"COLI_VK_TIER_GB": "0.25"},
+                        available=1 * GiB)
+    assert b == GiB // 4
+    b, w = budget_bytes(DeviceMemory("d", "discrete", 2 * GiB), 0, 0, env={"COLI_VK_TIER_GB": "5"})
+    assert b == 2 * GiB and "capped" in w
+    with pytest.raises(ColiError, match="COLI_VK_TIER_GB"):
+        budget_bytes(DeviceMemory("d", "discrete", 2 * GiB), 0, 0, env={"COLI_VK_TIER_GB": "lots"})
+    with pytest.raises(ColiError, match="COLI_VK_TIER_GB"):
+        budget_bytes(DeviceMemory("d", "discrete", 2 * GiB), 0, 0, env={"COLI_VK_TIER_GB": "-1"})
+
+
+def test_experts_per_budget_and_start_line():
+    t, _, _ = make(cap=4)
+    t2 = Tier(RecordingDevice(), "olmoe", 2, 8, 3 * 1024 * 1024, 10 * 1024 * 1024 + 5, "COLI_VK_TIER_GB=0.01",
+              env={}, log=io.StringIO(), device_name="llvmpipe")
+    assert t.capacity == 4 and t2.capacity == 3
+    assert t2.start_line() == ("[VK] tier olmoe: on, llvmpipe, budget 0.01 GiB = 3 experts of 3.0 MiB, "
+                               "COLI_VK_TIER_GB=0.01, shared queue, up to 16 promotions per token, balanced "
+                               "against the CPU")
+    t.close(), t2.close()
+
+
+# ---- heat ------------------------------------------------------------------------------------------------
+
+def test_history_heat_seeds_32_and_proportion():
+    h = history_heat(np.array([[10, 5, 0, 1], [0, 0, 0, 0], [2, 8, 8, 4]]))
+    np.testing.assert_array_equal(h, [[32, 16, 0, 3.2], [0, 0, 0, 0], [8, 32, 32, 16]])
+
+
+def test_heat_halves_stepwise_at_1024_boundaries():
+    t, _, _ = make()
+    t.begin_token()
+    t.split(0, np.array([3]), np.array([1]))           # +1 in token 1
+    for _ in range(1023):                              # tokens 2..1024
+        t.begin_token()
+    assert t.heat[0, 3] == 1.0                         # 1024 tokens begun, none halving yet
+    t.begin_token()                                    # token 1025: 1024 completed -> halve once
+    assert t.heat[0, 3] == 0.5
+    t.begin_token(2047)                                # a 2047-token forward (tokens 1026..3072)
+    assert t.heat[0, 3] == 0.5
+    t.begin_token()                                    # 3072 completed: boundaries 2048 and 3072 crossed
+    assert t.heat[0, 3] == 0.125
+    t.close()
+
+
+# ---- warm start ------------------------------------------------------------------------------------------
+
+def test_warm_plan_order_and_fill():
+    c = np.array([[5, 0, 9, 0, 0],
+                  [9, 0, 0, 1, 0],
+                  [0, 0, 0, 0, 0]])
+    plan, nh = warm_plan(c, 100)
+    # history hottest first, ties by layer then expert; then unnamed one per layer in turn, lowest id first
+    assert plan[:4] == [(0, 2), (1, 0), (0, 0), (1, 3)] and nh == 4
+    assert plan[4:10] == [(0, 1), (1, 1), (2, 0), (0, 3), (1, 2), (2, 1)]
+    assert len(plan) == 15 and len(set(plan)) == 15
+    plan, nh = warm_plan(c, 3)
+    assert plan == [(0, 2), (1, 0), (0, 0)] and nh == 3
+    plan, nh = warm_plan(c, 6, fill=False)
+    assert plan == [(0, 2), (1, 0), (0, 0), (1, 3)]
+
+
+def test_warm_start_reads_in_parallel_and_uploads_the_plan():
+    c = np.zeros((2, 8), np.int64)
+    c[1, 5], c[0, 2] = 7, 3
+    t, dev, log = make(cap=4, counts=c)
+    threads = set()
+
+    def read(l, e):
+        threads.add(threading.current_thread().name)
+        time.sleep(0.01)
+        return arrays(l * 8 + e)
+
+    ws = t.warm_start(read, threads=4)
+    assert ws.n == 4 and ws.n_history == 2 and ws.failed == 0
+    assert set(t.resident) == {(1, 5), (0, 2), (0, 0), (1, 0)}
+    assert len(threads) > 1                                      # read on the pool
+    assert log.getvalue().startswith("[VK] tier m: warm start, 2 experts from the history; 2 more to fill the room in ")
+    assert log.getvalue().rstrip().endswith(" s")
+    assert t.warm_uploads == 4 and t.uploads == 4
+    t.close()
+    assert dev.live == set()                                     # close frees them
+
+
+def test_warm_start_failed_upload_shrinks_budget():
+    c = np.zeros((2, 8), np.int64)
+    c[0, :] = np.arange(8, 0, -1)
+    t, dev, log = make(cap=6, counts=c, dev=RecordingDevice(fail_from=3))
+    ws = t.warm_start(lambda l, e: arrays(e), threads=2)
+    assert ws.n == 3 and ws.failed == 1 and t.capacity == 3 and t.failed == 1
+    assert "budget now 3 experts" in log.getvalue()
+    t.close()
+
+
+# ---- LFRU, rate, upload pipeline ------------------------------------------------------------------------
+
+def fill_one(t, layer, e, heat):
+    """Promote (layer, e) through note/settle (room available) and set its heat."""
+    assert t.note(layer, e, lambda: arrays(e))
+    t.settle()
+    t.heat[layer, e] = heat
+
+
+def test_promoted_expert_serves_from_the_next_step():
+    t, dev, _ = make(cap=2, env={"COLI_VK_TIER_SYNC": "1"})
+    t.begin_token()
+    d, c = t.split(0, np.array([1, 2]), np.array([1, 1]))
+    assert d.size == 0 and list(c) == [1, 2]
+    assert t.note(0, 1, lambda: arrays(1))
+    d, c = t.split(0, np.array([1]), np.array([1]))   # same step, before settle: still on the CPU
+    assert d.size == 0
+    t.settle()
+    d, c = t.split(0, np.array([1, 2]), np.array([1, 1]))
+    assert list(d) == [1] and list(c) == [2]
+    t.close()
+
+
+@pytest.mark.parametrize("cand, promoted", [(14.0, False), (np.nextafter(14.0, 15.0), True), (20.0, True)])
+def test_lfru_margin_exact_boundary(cand, promoted):
+    t, dev, _ = make(cap=2, env={"COLI_VK_TIER_SYNC": "1"})
+    t.begin_token()
+    fill_one(t, 0, 0, 8.0)                             # coldest: 1.25 * 8 + 4 = 14
+    fill_one(t, 0, 1, 30.0)
+    t.heat[1, 4] = cand
+    assert t.note(1, 4, lambda: arrays(4)) is promoted
+    t.settle()
+    assert ((1, 4) in t.resident) is promoted
+    assert ((0, 0) in t.resident) is (not promoted)    # the coldest is the one evicted
+    assert (0, 1) in t.resident
+    assert t.evictions == int(promoted)
+    t.close()
+
+
+def test_rate_limit_16_promotions_per_token():
+    t, dev, _ = make(cap=100, L=4, E=16, env={"COLI_VK_TIER_SYNC": "1", "COLI_VK_TIER_QUEUE_MAX": "1000"})
+    t.begin_token()
+    staged = sum(t.note(0, e, lambda: arrays(e)) for e in range(16)) + \
+        sum(t.note(1, e, lambda: arrays(e)) for e in range(4))
+    assert staged == 16 and t.skipped_rate == 4
+    t.begin_token()
+    assert sum(t.note(1, e, lambda: arrays(e)) for e in range(16)) == 16
+    t.begin_token(3)                                  # a 3-token forward gets 48
+    assert sum(t.note(l, e, lambda: arrays(e)) for l in (2, 3) for e in range(16)) == 32
+    t.settle()
+    assert len(t.resident) == 64
+    t.close()
+
+
+def test_eviction_waits_for_the_in_flight_batch():
+    dev = RecordingDevice()
+    t, dev, _ = make(cap=1, dev=dev)
+    t.begin_token()
+    fill_one(t, 0, 0, 1.0)
+    t.settle()
+    while (0, 0) not in t.resident:                   # async mode: wait for the uploader
+        time.sleep(0.01)
+        t.settle()
+    dev.release.clear()                               # the device batch is "running"
+    d, c = t.split(0, np.array([0, 5]), np.array([1, 1]))
+    assert list(d) == [0]
+    iss = t.issue(0, np.zeros((1, 4), np.float32), [0], d)
+    t.heat[0, 5] = 100.0
+    assert t.note(0, 5, lambda: arrays(5))            # evicts (0, 0), which the batch reads
+    assert (0, 0) not in t.resident
+    time.sleep(0.2)
+    assert ("free", 0) not in dev.calls and ("upload", 1) not in dev.calls   # waiting for the join
+    dev.release.set()
+    out = t.join(iss)
+    assert out.shape == (1, 4)
+    for _ in range(200):
+        t.settle()
+        if (0, 5) in t.resident:
+            break
+        time.sleep(0.01)
+    assert (0, 5) in t.resident
+    assert dev.calls.index(("free", 0)) < dev.calls.index(("upload", 1))
+    t.close()
+
+
+def test_failed_upload_shrinks_planned_residency():
+    t, dev, _ = make(cap=4, env={"COLI_VK_TIER_SYNC": "1"}, dev=RecordingDevice(fail_from=2))
+    t.begin_token()
+    for e in range(3):
+        t.note(0, e, lambda: arrays(e))
+    t.settle()
+    assert t.capacity == 3 and t.failed == 1 and len(t.resident) == 2
+    assert (0, 2) not in t.resident and (0, 2) not in t.pending
+    t.close()
+
+
+def test_split_hands_resident_ram_experts_to_the_cpu_at_the_share():
+    bal = Balancer(enabled=True)
+    t, dev, _ = make(cap=8, env={"COLI_VK_TIER_SYNC": "1"}, bal=bal)
+    t.begin_token()
+    for e in range(6):
+        t.note(0, e, lambda: arrays(e))
+    t.settle()
+    bal.share = 0.5
+    in_ram = lambda l, e: e in (1, 2, 3, 4)   # noqa: E731  0 and 5 only on the device
+    d, c = t.split(0, np.arange(8), np.array([1, 1, 3, 1, 1, 2, 1, 1]), in_ram)
+    # resident rows 1+1+3+1+1+2 = 9, device keeps round(4.5) = 5: experts 0 and 5 (3 rows) + expert 2 (3 rows)
+    assert list(d) == [0, 2, 5] and list(c) == [1, 3, 4, 6, 7]
+    assert t.handed_rows == 3 and t.device_pairs == 6 and t.routed_pairs == 11
+    t.close()
+
+
+def test_join_feeds_the_balancer_and_run_line():
+    bal = Balancer(enabled=True)
+    t, dev, _ = make(cap=8, env={"COLI_VK_TIER_SYNC": "1"}, bal=bal)
+    t.begin_token()
+    t.note(0, 0, lambda: arrays(0))
+    t.settle()
+    d, c = t.split(0, np.array([0, 1]), np.array([2, 1]))
+    iss = t.issue(0, np.zeros((2, 4), np.float32), [0, 1], [0, 0])
+    time.sleep(0.01)
+    t.join(iss)
+    assert bal.steps == 1 and bal.a_ms == pytest.approx(0.5) and bal.b_ms is not None and bal.b_ms >= 10.0
+    line = t.run_line(7, 3)
+    assert line.startswith("[VK] tier m run: device 2 of 3 routed experts (66.7%) | CPU RAM hits 7, disk loads 3 | "
+                           "resident 1 (budget 8, 0.00 GiB of 0.00 GiB, n/a blocks, frag n/a) | uploads 1 (")
+    assert "evictions 0, skipped 0 queue + 0 rate, failed 0 | device 1.0 ms, CPU share" in line
+    assert line.endswith("rows handed to the CPU")
+    t.close()
+
+
+def test_device_lost_in_join_turns_the_tier_off():
+    t, dev, log = make(cap=4, env={"COLI_VK_TIER_SYNC": "1"})
+    t.begin_token()
+    t.note(0, 0, lambda: arrays(0))
+    t.settle()
+    d, _ = t.split(0, np.array([0]), np.array([1]))
+    dev.fail_join = True
+    iss = t.issue(0, np.zeros((1, 4), np.float32), [0], d)
+    with pytest.raises(RuntimeError, match="device lost"):
+        t.join(iss)
+    assert not t.on and "[VK] tier m: off, the device failed a join (RuntimeError: device lost)" in log.getvalue()
+    d, c = t.split(0, np.array([0, 1]), np.array([1, 1]))
+    assert d.size == 0 and list(c) == [0, 1]
+    assert t.note(0, 1, lambda: arrays(1)) is False
+
+
+def test_split_without_in_ram_keeps_every_resident_expert_on_the_device():
+    bal = Balancer(enabled=True)
+    t, dev, _ = make(cap=8, env={"COLI_VK_TIER_SYNC": "1"}, bal=bal)
+    t.begin_token()
+    for e in range(3):
+        t.note(0, e, lambda: arrays(e))
+    t.settle()
+    bal.share = 0.05
+    d, c = t.split(0, np.arange(4), np.ones(4, np.int64))
+    assert list(d) == [0, 1, 2] and list(c) == [3] and t.handed_rows == 0
+    t.close()
