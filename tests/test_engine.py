@@ -1,0 +1,145 @@
+"""The engine on the real dense models and the demo MoE (values from llama.cpp on the same files)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import CAPITALS, LLAMA_CPP_NLL, ROOT
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3", "qwen25"])
+def test_nll_matches_llama_cpp(name, model_path, engine):
+    """Teacher-forced NLL (BOS as the metadata says, every token after the first scored) within 3% of llama.cpp."""
+    eng = engine(model_path(name))
+    ids = eng.tokenize(CAPITALS)
+    if name == "gemma3":
+        assert ids[0] == eng.tokenizer.bos_id  # Gemma needs BOS; the file says add_bos_token
+    nll, n = eng.nll(ids)
+    lo, hi = LLAMA_CPP_NLL[name]
+    assert lo * 0.97 <= nll <= hi * 1.03, (name, nll)
+    assert n == len(ids) - 1
+
+
+def test_qwen_says_paris(model_path, engine):
+    """Qwen2.5's greedy continuation of "The capital of France is" begins with " Paris" (llama.cpp:
+    " Paris. Paris is located in")."""
+    eng = engine(model_path("qwen25"))
+    r = eng.generate("The capital of France is", max_tokens=6)
+    assert r.text.startswith(" Paris"), r.text
+
+
+def test_logits_fresh_state_and_exact_ids(model_path, engine):
+    """``logits`` runs exactly the ids given from a fresh cache: the same call twice gives the same bytes, and
+    a prefix's logits equal the first rows of the longer call's (causality)."""
+    eng = engine(model_path("smollm2"))
+    ids = eng.tokenize(CAPITALS)
+    a = eng.logits(ids)
+    b = eng.logits(ids)
+    assert a.shape == (len(ids), eng.args.vocab) and a.dtype == np.float32
+    assert np.array_equal(a, b)
+    c = eng.logits(ids[:7])
+    assert np.allclose(c, a[:7], atol=1e-3 * np.abs(a[:7]).max())
+
+
+def test_demo_same_equals_dense(model_path, demo_same_path, engine):
+    """The demo MoE with zero perturbation and the dense model's own Q4_1 blocks gives the dense SmolLM2's
+    logits within 1e-4 of the largest (Mixtral renormalises top-k weights to 1)."""
+    dense = engine(model_path("smollm2"), cpu_act="f32")
+    moe = engine(demo_same_path, cpu_act="f32")
+    ids = dense.tokenize(CAPITALS)
+    a = dense.logits(ids)
+    b = moe.logits(ids)
+    assert np.abs(a - b).max() <= 1e-4 * np.abs(a).max()
+    assert moe.args.n_experts == 8 and moe.args.top_k == 2
+
+
+def test_streaming_cache_one_equals_full(demo_path, engine, tmp_path):
+    """``--expert-cache 1`` (raised to top-k) gives the tokens of a cache that holds every expert, and the
+    routing history counts sum to tokens x top-k x MoE layers."""
+    from coli.engine import Engine
+
+    full = Engine(demo_path, expert_cache=8, usage=tmp_path / "full.coli_usage", cpu_act="f32")
+    small = Engine(demo_path, expert_cache=1, usage=tmp_path / "small.coli_usage", cpu_act="f32")
+    try:
+        assert small.expert_slots == small.args.top_k
+        r1 = full.generate("Once upon a time", max_tokens=12)
+        r2 = small.generate("Once upon a time", max_tokens=12)
+        assert r1.ids == r2.ids
+        assert r2.stats["disk_loads"] > r1.stats["disk_loads"]  # the small cache had to reload experts
+        u = small.usage
+        fwd = len(r2.prompt_ids) + len(r2.ids) - 1
+        assert u.tokens == fwd
+        assert int(u.counts.sum()) == fwd * small.args.top_k * len(small.model.moe_layers)
+    finally:
+        full.close()
+        small.close()
+    doc = json.loads((tmp_path / "small.coli_usage").read_text())
+    ent = doc["models"][demo_path.name]
+    assert sum(map(sum, ent["counts"])) == ent["tokens"] * 2 * 30
+
+
+def test_usage_accumulates_across_runs(demo_path, tmp_path):
+    from coli.engine import Engine
+
+    p = tmp_path / "u.coli_usage"
+    for n in (1, 2):
+        with Engine(demo_path, usage=p, expert_cache=8) as eng:
+            eng.generate("Hello", max_tokens=3)
+            first = eng.usage.tokens
+    doc = json.loads(p.read_text())
+    assert doc["models"][demo_path.name]["tokens"] == first and first > 3
+
+
+def _cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "coli", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def test_cli_empty_prompt(model_path):
+    r = _cli("run", "-m", str(model_path("smollm2")), "-p", "")
+    assert r.returncode == 2 and "prompt" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_cli_prompt_longer_than_context(model_path):
+    r = _cli("run", "-m", str(model_path("smollm2")), "-p", "word " * 200, "--ctx", "64", "-n", "4")
+    assert r.returncode == 2 and "context" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_cli_missing_file(tmp_path):
+    r = _cli("run", "-m", str(tmp_path / "nope.gguf"), "-p", "hi")
+    assert r.returncode == 2 and "nope.gguf" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_unsupported_architecture(tmp_path):
+    import gguf
+
+    p = tmp_path / "bert.gguf"
+    w = gguf.GGUFWriter(str(p), "bert")
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    r = _cli("run", "-m", str(p), "-p", "hi")
+    assert r.returncode == 2 and "bert" in r.stderr and "general.architecture" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_cli_run_generates(model_path):
+    r = _cli("run", "-m", str(model_path("qwen25")), "-p", "The capital of France is", "-n", "4")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("The capital of France is Paris")
+    assert "decode" in r.stderr and "tok/s" in r.stderr
+
+
+def test_bench_json_fields(model_path):
+    r = _cli("bench", "-m", str(model_path("smollm2")), "-p", "8", "-n", "4", "-r", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    recs = json.loads(r.stdout)
+    assert [x["test"] for x in recs] == ["pp8", "tg4"]
+    for x in recs:
+        for k in ("n_prompt", "n_gen", "n_threads", "avg_ts", "stddev_ts"):
+            assert k in x
+        assert x["avg_ts"] > 0
