@@ -384,6 +384,7 @@ def build_demo_moe(src: Path | str, dest: Path | str, noise: float = 0.05, exper
     fd, tmp_name = tempfile.mkstemp(dir=folder, prefix=f".{dest.name}.", suffix=".tmp")
     os.close(fd)
     tmp = Path(tmp_name)
+    _chmod_like_open(tmp)
     try:
         w.write_header_to_file(path=tmp)
         w.write_kv_data_to_file()
@@ -423,6 +424,14 @@ def build_demo_moe(src: Path | str, dest: Path | str, noise: float = 0.05, exper
     size = dest.stat().st_size
     _log(quiet, f"wrote {dest} ({size / 1e6:.0f} MB, {secs:.1f} s)")
     return {"seconds": secs, "bytes": size, "router_scales": scales}
+
+
+def _chmod_like_open(path: Path) -> None:
+    """mkstemp makes 0600 files; give the final file the mode ``open()`` would (0666 less the umask)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    with contextlib.suppress(OSError):
+        os.chmod(path, 0o666 & ~mask)
 
 
 def _remove_stale_temps(folder: Path, name: str, age_s: float = 3600.0) -> None:
