@@ -1,0 +1,74 @@
+"""The Vulkan backend: resident experts on any GPU a Vulkan driver can see (issue #3, docs/vulkan.md).
+
+``open_device(label, ...)`` is the only entry point; importing ``coli.vulkan`` does not import the
+``vulkan`` binding (which dlopens the loader). On any failure it prints one line
+``[VK] <label>: <why>, running on the CPU`` to stderr and returns None, so the run goes on on the CPU.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from .errors import BudgetExceeded, DeviceLost, VulkanError
+
+__all__ = ["open_device", "wanted", "DeviceLost", "VulkanError", "BudgetExceeded"]
+
+
+def wanted(device_flag: str | None = None) -> bool:
+    """True when a device is asked for: ``--device vulkan`` or ``COLI_VULKAN=1``."""
+    return device_flag == "vulkan" or os.environ.get("COLI_VULKAN", "") == "1"
+
+
+def _load_binding():
+    """Import the ``vulkan`` binding; ``COLI_VK_LOADER`` names another loader library to use."""
+    loader = os.environ.get("COLI_VK_LOADER")
+    if loader:
+        import ctypes
+        try:
+            ctypes.CDLL(loader, mode=ctypes.RTLD_GLOBAL)
+        except OSError as e:
+            raise OSError(f"no Vulkan loader ({loader}: {e})") from None
+        import cffi
+        orig = cffi.FFI.dlopen
+
+        def dlopen(self, name, *a, **k):   # the binding asks for libvulkan.so.1 by name: give it ours
+            if isinstance(name, str) and "vulkan" in name:
+                name = loader
+            return orig(self, name, *a, **k)
+        cffi.FFI.dlopen = dlopen
+        try:
+            import vulkan  # noqa: F401
+        finally:
+            cffi.FFI.dlopen = orig
+    else:
+        try:
+            import vulkan  # noqa: F401
+        except OSError as e:
+            raise OSError(f"no Vulkan loader (libvulkan.so.1: {str(e).splitlines()[0]})") from None
+
+
+def open_device(label: str, *, ram_cache_bytes: int = 0, dense_bytes: int = 0, budget_bytes: int | None = None,
+                block_bytes: int | None = None, staging: bool | None = None, device_index: int | None = None,
+                quiet: bool = False):
+    """Open the Vulkan device for ``label`` (the model's name); ``Device`` or None.
+
+    ram_cache_bytes / dense_bytes: what the RAM expert cache may still take and the dense weights still
+    to be placed (the budget rule, docs/vulkan.md). budget_bytes overrides every rule (COLI_VK_TIER_GB
+    does from the environment). block_bytes: device-memory block size (256 MiB). staging: force the
+    staging path (COLI_VK_STAGING=1). device_index: like COLI_VK_DEV. On success prints
+    ``[VK] <label>: <device line>`` unless quiet; on failure prints ``[VK] <label>: <why>, running on
+    the CPU`` and returns None (never raises).
+    """
+    try:
+        _load_binding()
+        from .device import Device
+        kw = {} if block_bytes is None else {"block_bytes": block_bytes}
+        dev = Device(label, ram_cache_bytes=ram_cache_bytes, dense_bytes=dense_bytes, budget_bytes=budget_bytes,
+                     staging=staging, device_index=device_index, **kw)
+    except Exception as e:  # any failure: the CPU runs instead
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"[VK] {label}: {why}, running on the CPU", file=sys.stderr, flush=True)
+        return None
+    if not quiet:
+        print(f"[VK] {label}: {dev.describe()}", file=sys.stderr, flush=True)
+    return dev

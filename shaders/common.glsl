@@ -1,0 +1,62 @@
+// Shared declarations of the expert / matmul shaders (coli/vulkan/device.py fills these bindings).
+// Weights are read through buffer device addresses (GL_EXT_buffer_reference): each expert's tensors
+// sit at offsets inside 256 MiB device-memory blocks, and the per-step group table carries their
+// 64-bit addresses, so one dispatch covers every expert of a step.
+#extension GL_EXT_buffer_reference : require
+#extension GL_EXT_buffer_reference2 : require
+#extension GL_EXT_shader_explicit_arithmetic_types_int64 : require
+#extension GL_EXT_shader_8bit_storage : require
+#extension GL_EXT_shader_16bit_storage : require
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_KHR_shader_subgroup_arithmetic : require
+#extension GL_EXT_control_flow_attributes : require
+
+layout(buffer_reference, std430, buffer_reference_align = 1) readonly buffer RB8 { uint8_t v[]; };
+layout(buffer_reference, std430, buffer_reference_align = 2) readonly buffer RB16 { uint16_t v[]; };
+layout(buffer_reference, std430, buffer_reference_align = 4) readonly buffer RB32 { uint v[]; };
+layout(buffer_reference, std430, buffer_reference_align = 16) readonly buffer RB128 { uvec4 v[]; };
+
+// x [R, D] f32 (gate/up input rows), twice: as floats and as vec4
+layout(std430, set = 0, binding = 0) readonly buffer XB { float X[]; };
+layout(std430, set = 0, binding = 1) readonly buffer X4B { vec4 X4[]; };
+// the step's table: groups (8 uints each), row index per sorted pair, output index per sorted pair,
+// work items (4 uints each)
+layout(std430, set = 0, binding = 2) readonly buffer TB { uint TAB[]; };
+// h [P, F] f32: SwiGLU output of gate/up (mode 1 writes it), input rows of the plain matmul (mode 0)
+layout(std430, set = 0, binding = 3) buffer HB { float H[]; };
+layout(std430, set = 0, binding = 4) readonly buffer H4B { vec4 H4[]; };
+// y [P, D] f32: output of the plain matmul (mode 0), row TAB[out_off + s]
+layout(std430, set = 0, binding = 5) writeonly buffer YB { float Y[]; };
+
+layout(push_constant) uniform PC {
+    uint O;          // outputs of this pass (F for gate/up, D for down)
+    uint I;          // inputs of this pass (D for gate/up, F for down); a multiple of 32
+    uint grp_off;    // TAB offset of the group table
+    uint row_off;    // TAB offset of the x-row index per sorted pair
+    uint out_off;    // TAB offset of the output-row index per sorted pair
+    uint work_off;   // TAB offset of the work items
+    uint nwork;      // number of work items
+    uint use_clamp;  // 1: clamped SwiGLU
+    float clamp_v;   // the clamp (> 0)
+} pc;
+
+// mode 0: plain matmul h -> y; mode 1: gate and up from x, SwiGLU -> h
+layout(constant_id = 2) const uint MODE = 0;
+
+uint64_t grp_addr(uint g, uint which) {
+    uint b = pc.grp_off + g * 8u + which * 2u;
+    return packUint2x32(uvec2(TAB[b], TAB[b + 1u]));
+}
+uint grp_begin(uint g) { return TAB[pc.grp_off + g * 8u + 6u]; }
+uint grp_count(uint g) { return TAB[pc.grp_off + g * 8u + 7u]; }
+
+float swiglu(float g, float u) {
+    if (pc.use_clamp != 0u) {
+        g = min(g, pc.clamp_v);
+        u = clamp(u, -pc.clamp_v, pc.clamp_v);
+    }
+    return g / (1.0 + exp(-g)) * u;
+}
+
+// the work item of this workgroup (dispatches are 2-D past 65535 groups)
+uint work_index() { return gl_WorkGroupID.y * 65535u + gl_WorkGroupID.x; }
