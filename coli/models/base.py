@@ -136,7 +136,10 @@ class Transformer:
 
     # -- loading -----------------------------------------------------------------------------------------
     def _w(self, ti):
-        return formats.prepare(ti.type_name, ti.raw, tuple(ti.shape))
+        try:
+            return formats.prepare(ti.type_name, ti.raw, tuple(ti.shape))
+        except ColiError as e:
+            raise ColiError(f"{self.g.path.name}: tensor '{ti.name}': {e}") from None
 
     def _f32(self, name, required=True):
         ti = self.t.get(name)
@@ -146,7 +149,15 @@ class Transformer:
             return None
         if ti.type_name == "F32":
             return np.ascontiguousarray(ti.raw.view(np.float32).reshape(ti.shape))
-        return formats.FORMATS[ti.type_name].reference(ti.raw.reshape(1, -1) if ti.raw.ndim == 1 else ti.raw).reshape(ti.shape).astype(np.float32)
+        raw = ti.raw.reshape(1, -1) if ti.raw.ndim == 1 else ti.raw.reshape(-1, ti.raw.shape[-1])
+        return self._ref(ti.type_name, raw, ti.shape[-1]).reshape(ti.shape)
+
+    @staticmethod
+    def _ref(type_name, raw, cols):
+        fmt = formats.FORMATS.get(type_name)
+        if fmt is None:
+            raise ColiError(f"tensor type {type_name} is not supported")
+        return fmt.reference(raw, (raw.shape[0], cols)).astype(np.float32, copy=False)
 
     def _opt_w(self, name):
         ti = self.t.get(name)
@@ -207,7 +218,7 @@ class Transformer:
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         ti = self.tok_embd
-        return formats.FORMATS[ti.type_name].reference(ti.raw[ids]).astype(np.float32, copy=False).reshape(len(ids), -1)
+        return self._ref(ti.type_name, ti.raw[ids], ti.shape[-1])
 
     def route(self, logits: np.ndarray):
         """Softmax over all experts, top-k (ties: lower id), renormalised when ``norm_topk``
