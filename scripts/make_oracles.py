@@ -338,6 +338,22 @@ def convert_check(name: str, hf_dir: Path, ours: Path, llama_dir: Path) -> dict:
     return res
 
 
+def llama_cpp_run(name: str, gguf_path: Path, ids: np.ndarray, ref_logits: np.ndarray) -> dict:
+    """Run the GGUF in llama.cpp (llama-cpp-python built from the same sdist, f32 KV cache) against HF."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(gguf_path), n_ctx=128, n_batch=128, n_threads=2, logits_all=True,
+                          type_k=0, type_v=0, verbose=False)   # type 0 = GGML_TYPE_F32 KV cache
+    llm.reset()
+    llm.eval([int(i) for i in ids])
+    got = np.array(llm.scores[: len(ids)], dtype=np.float32)
+    d = np.abs(got - ref_logits)
+    scale = np.abs(ref_logits).max(axis=-1)
+    return {"llama_cpp_python": llama_cpp.__version__, "max_abs_diff": float(d.max()),
+            "max_rel_to_row_max": float((d.max(axis=-1) / scale).max()),
+            "argmax_equal": bool((got.argmax(-1) == ref_logits.argmax(-1)).all())}
+
+
 # ----------------------------------------------------------------------------------------------- main
 def make_one(name: str, out: Path, work: Path, tok_dir: Path, tokmeta: dict) -> dict:
     import torch
@@ -384,12 +400,22 @@ def make_one(name: str, out: Path, work: Path, tok_dir: Path, tokmeta: dict) -> 
     return info
 
 
+def _have_llama_cpp() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--work", type=Path, default=DEFAULT_WORK)
     ap.add_argument("--llama-cpp", type=Path, default=DEFAULT_LLAMA, help="vendor/llama.cpp of the sdist")
     ap.add_argument("--no-convert-check", action="store_true")
+    ap.add_argument("--no-llama-run", action="store_true",
+                    help="skip running the GGUFs in llama-cpp-python (done when it is importable)")
     ap.add_argument("archs", nargs="*", default=list(ARCHS))
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -409,6 +435,14 @@ def main(argv=None) -> int:
             res = convert_check(name, args.work / name / "hf", args.out / f"{name}.gguf", args.llama_cpp)
             checks[name] = res
             ok &= res["ok"]
+            if not args.no_llama_run and _have_llama_cpp():
+                ref = np.load(args.out / f"{name}.npz")
+                for fname, path in (("ours", args.out / f"{name}.gguf"),
+                                    ("converter", args.work / name / f"{name}.llamacpp-f32.gguf")):
+                    run = llama_cpp_run(name, path, ref["ids"], ref["logits"])
+                    res.setdefault("llama_cpp_run", {})[fname] = run
+                    print(f"{name}: llama.cpp on the {fname} file vs HF: {run}")
+                    ok &= run["argmax_equal"] and run["max_rel_to_row_max"] <= 1e-3
             print(f"{name}: convert check ok={res['ok']} tensors={len(res['tensors_compared'])} "
                   f"keys={len(res['keys_compared'])} max_abs_diff={res['max_abs_diff']}")
             for k in ("tensors_only_ours", "tensors_only_theirs", "tensor_mismatches", "key_mismatches",

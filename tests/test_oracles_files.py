@@ -7,7 +7,8 @@ No torch here: the files are read with gguf's reader and NumPy. What is checked:
 - the reference logits are finite, and the recorded routing (HF's own top-k choices and weights) follows
   the routing rule documented per architecture in docs/oracles.md, recomputed here from the recorded router
   logits; top-k and argmax choices are not near ties;
-- llama.cpp's own converter gave the same file (convert_check.json).
+- llama.cpp's own converter gave the same file (convert_check.json), and, where recorded, llama.cpp run on
+  the file gave HF's logits.
 """
 from __future__ import annotations
 
@@ -178,3 +179,7 @@ def test_convert_check_matched():
                     f"{arch}.attention.layer_norm_rms_epsilon", f"{arch}.attention.head_count_kv",
                     "tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
             assert key in res["keys_compared"], (name, key)
+        # where the script could run llama.cpp itself (llama-cpp-python from the same sdist), it agreed with HF
+        for fname, run in res.get("llama_cpp_run", {}).items():
+            assert run["argmax_equal"], (name, fname)
+            assert run["max_rel_to_row_max"] <= 1e-3, (name, fname, run)
