@@ -159,7 +159,8 @@ def history_heat(counts: np.ndarray) -> np.ndarray:
     return np.where(m > 0, HEAT_HISTORY_TOP * c / np.where(m > 0, m, 1.0), 0.0)
 
 
-def warm_plan(counts: np.ndarray, capacity: int, fill: bool = True) -> tuple[list[tuple[int, int]], int]:
+def warm_plan(counts: np.ndarray, capacity: int, fill: bool = True,
+              layers=None) -> tuple[list[tuple[int, int]], int]:
     """The warm start's experts, in upload order, and how many of them come from the history.
 
     ``counts``: int [L, E] routing counts (scheduler/usage.py's ``Usage.counts``); ``capacity``: experts
@@ -175,9 +176,10 @@ def warm_plan(counts: np.ndarray, capacity: int, fill: bool = True) -> tuple[lis
     named = [(int(lay[i]), int(exp[i])) for i in order[:max(0, capacity)]]
     plan = list(named)
     if fill and len(plan) < capacity:
-        unnamed = [np.flatnonzero(c[l] == 0) for l in range(L)]
+        fl = list(range(L)) if layers is None else sorted(int(l) for l in layers)
+        unnamed = {l: np.flatnonzero(c[l] == 0) for l in fl}
         for i in range(E):
-            for l in range(L):
+            for l in fl:
                 if len(plan) >= capacity:
                     break
                 if i < len(unnamed[l]):
@@ -194,6 +196,26 @@ def _expert_nbytes(arrays) -> int:
 # ---------------------------------------------------------------------------------------------------------
 # The tier
 
+def _pool_stats(device) -> tuple[int | None, float | None]:
+    """(blocks, frag) of the device's expert memory pool, when the device exposes a block allocator as
+    ``expert_pool`` / ``pool`` / ``alloc`` (coli/vulkan/alloc.py's BlockAllocator: ``.blocks``,
+    ``.frag()``); (None, None) otherwise."""
+    for name in ("expert_pool", "pool", "alloc", "allocator"):
+        a = getattr(device, name, None)
+        if a is not None and hasattr(a, "blocks") and hasattr(a, "frag"):
+            try:
+                f = a.frag() if callable(a.frag) else a.frag
+                return len(a.blocks), float(f)
+            except Exception:
+                return None, None
+    return None, None
+
+
+def _dense_bytes(g) -> int:
+    """Bytes of a GGUF's tensors that are not routed experts (names without ``_exps``)."""
+    return int(sum(t.nbytes for n, t in g.tensors.items() if "_exps" not in n))
+
+
 @dataclass
 class Issued:
     """One device batch in flight (returned by :meth:`Tier.issue`, passed to :meth:`Tier.join`)."""
@@ -204,6 +226,9 @@ class Issued:
     n_pairs: int
     t_issue_ns: int
     joined: threading.Event = field(default_factory=threading.Event)
+    pair_ids: object = None     # issue_step(): the step's pair ids (row * K + rank) in batch order
+    experts: list = field(default_factory=list)
+    K: int = 1
 
 
 @dataclass
@@ -237,19 +262,27 @@ class Tier:
     ``budget`` (bytes) and ``rule`` (words) from :func:`budget_bytes`; ``counts``: the history (int [L, E])
     or None; ``balancer``: a :class:`Balancer` (``Balancer(enabled=False)`` for ``--no-balance``);
     ``trace``: a :class:`scheduler.trace.Trace`; ``env``: ``COLI_VK_TIER_RATE`` (16), ``COLI_VK_TIER_SYNC``
-    (0), ``COLI_VK_TIER_FILL`` (1), ``COLI_VK_TIER_WARM`` (1), ``COLI_VK_TIER_QUEUE_MAX`` (2 × rate).
+    (0), ``COLI_VK_TIER_FILL`` (1), ``COLI_VK_TIER_WARM`` (1), ``COLI_VK_TIER_QUEUE_MAX`` (2 × rate);
+    ``moe_layers``: the layers with experts (the warm start's fill takes only those; default all);
+    ``auto_tokens``: :meth:`issue_step` calls :meth:`begin_token` itself when a step's layer is not above
+    the previous step's (a new forward of ``x.shape[0]`` tokens); ``ram``: the RAM cache whose ``hits`` /
+    ``loads`` the run line printed by :meth:`close` reports (None: :meth:`close` prints no run line).
     """
 
     def __init__(self, device, model: str, n_layers: int, n_experts: int, expert_bytes: int, budget: int,
                  rule: str, counts: np.ndarray | None = None, balancer: Balancer | None = None,
                  trace: Trace | None = None, device_name: str = "", own_queue: bool = False, env=None,
-                 log=None):
+                 log=None, moe_layers=None, auto_tokens: bool = False, ram=None):
         env = os.environ if env is None else env
         if expert_bytes <= 0:
             raise ValueError(f"expert_bytes must be > 0, got {expert_bytes}")
         self.device = device
         self.model = model
         self.L, self.E = int(n_layers), int(n_experts)
+        self.moe_layers = list(range(self.L)) if moe_layers is None else [int(l) for l in moe_layers]
+        self.auto_tokens = auto_tokens
+        self._last_layer = None
+        self.ram = ram
         self.expert_bytes = int(expert_bytes)
         self.budget = int(budget)
         self.rule = rule
@@ -267,6 +300,7 @@ class Tier:
         self.queue_max = _env_int(env, "COLI_VK_TIER_QUEUE_MAX", 2 * max(1, self.rate))
         self.on = True
         self.off_reason: str | None = None
+        self._closed_line = False
 
         if counts is not None:
             counts = np.asarray(counts)
@@ -314,6 +348,45 @@ class Tier:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._uploader, name="coli-tier-uploader", daemon=True)
         self._thread.start()
+
+    @classmethod
+    def for_engine(cls, eng, balance: bool = False, env=None, log=None, warm: bool = True) -> "Tier":
+        """The tier of a ``coli.Engine`` with a device (``eng.device``), its RAM cache (``eng.cache``,
+        ``eng.expert_slots``), history (``eng.usage``), model (``eng.model.moe_layers``, ``eng.args``,
+        ``eng.g``) and trace (``eng.trace``). Sets the budget by :func:`budget_bytes`, prints the start line,
+        runs the warm start (reading experts with the cache's ``source.read_raw`` on a thread pool) and
+        hooks the cache's disk reads into the trace. ``balance``: the balancer on (``--balance``) or the
+        share fixed at 1 (``--no-balance``). The device must expose ``name``, ``kind`` (or ``device_type``)
+        and ``heap_bytes`` (``budget_free`` when it has VK_EXT_memory_budget) for the budget rule; without
+        them ``COLI_VK_TIER_GB`` must be set (RuntimeError otherwise)."""
+        env = os.environ if env is None else env
+        dev = eng.device
+        src = eng.cache.source
+        layers = list(eng.model.moe_layers)
+        per = max(src.expert_nbytes(l) for l in layers)
+        E = src.n_experts(layers[0])
+        ram_bytes = int(eng.expert_slots) * len(layers) * per
+        try:
+            info = DeviceMemory.of(dev)
+        except ValueError as err:
+            if not env.get("COLI_VK_TIER_GB"):
+                raise RuntimeError(f"the Vulkan device gives no memory info for the tier's budget ({err}); "
+                                   f"set COLI_VK_TIER_GB") from None
+            info = DeviceMemory(str(getattr(dev, "name", "device")), "other", 0)
+        budget, rule = budget_bytes(info, ram_bytes, _dense_bytes(eng.g), env=env)
+        counts = eng.usage.counts.copy() if eng.usage is not None and eng.usage.loaded else None
+        own = bool(getattr(dev, "own_queue", False))
+        t = cls(dev, eng.path.name, eng.args.n_layers, E, per, budget, rule, counts=counts,
+                balancer=Balancer(enabled=bool(balance)), trace=eng.trace, device_name=info.name or "",
+                own_queue=own, env=env, log=log, moe_layers=layers, auto_tokens=True, ram=eng.cache)
+        t._say(t.start_line())
+        tr = eng.trace
+        if tr is not None and tr.enabled and getattr(eng.cache, "on_read", None) is None:
+            eng.cache.on_read = lambda l, e, t0, t1: tr.complete(f"read L{l} E{e}", "disk", t0, t1,
+                                                                 layer=l, expert=e)
+        if warm:
+            t.warm_start(src.read_raw)
+        return t
 
     # ----- lines
     def start_line(self) -> str:
@@ -478,12 +551,68 @@ class Tier:
                                     args={"layer": iss.layer, "pairs": iss.n_pairs})
         return out
 
+    @property
+    def active(self) -> bool:
+        """True while the tier is on (False after :meth:`off`)."""
+        return self.on
+
+    def issue_step(self, layer: int, x: np.ndarray, groups: dict, cache, K: int):
+        """scheduler/step.py's entry: settle, split, issue. ``groups``: ``{expert: int array of pair ids
+        (row * K + rank)}`` of the step; ``cache``: the RAM cache (its ``in_ram(layer, e)``); ``K``: top-k.
+        Returns ``(cpu_experts: list[int], issued: Issued | None)``; the CPU computes ``cpu_experts``, then
+        the step calls :meth:`join_step`. A device error at submit turns the tier off and gives the CPU
+        every expert."""
+        if self.auto_tokens and (self._last_layer is None or layer <= self._last_layer):
+            self.begin_token(int(x.shape[0]))
+        self._last_layer = layer
+        self.settle()
+        experts = np.fromiter(groups.keys(), dtype=np.int64, count=len(groups))
+        rows = np.fromiter((len(groups[int(e)]) for e in experts), dtype=np.int64, count=len(groups))
+        dev_e, cpu_e = self.split(layer, experts, rows, cache.in_ram if cache is not None else None)
+        if dev_e.size == 0:
+            return [int(e) for e in cpu_e], None
+        pair_ids = np.concatenate([np.asarray(groups[int(e)], dtype=np.int64) for e in dev_e])
+        pair_experts = np.concatenate([np.full(len(groups[int(e)]), int(e), dtype=np.int64) for e in dev_e])
+        try:
+            iss = self.issue(layer, x, pair_ids // K, pair_experts)
+        except Exception:
+            self.device_pairs -= len(pair_ids)
+            return [int(e) for e in experts], None
+        iss.pair_ids, iss.experts, iss.K = pair_ids, [int(e) for e in dev_e], K
+        return [int(e) for e in cpu_e], iss
+
+    def join_step(self, iss: Issued, pair_out: np.ndarray, step, x: np.ndarray, groups: dict) -> int:
+        """scheduler/step.py's join: waits for the batch and writes its outputs into ``pair_out`` (f32
+        [R*K, D], rows = pair ids). When the device fails, the tier turns off and the batch's pairs are
+        computed on the CPU (``step._compute`` with the RAM cache's copy or a disk read). Returns the pairs
+        the device computed (0 after a failure)."""
+        try:
+            out = self.join(iss)
+        except Exception:
+            self.device_pairs -= iss.n_pairs
+            cache = step.cache
+            for e in iss.experts:
+                w = cache.get(iss.layer, e)
+                if w is None:
+                    w = cache.fetch(iss.layer, e).result()
+                    cache.put(iss.layer, e, w)
+                step._compute(iss.layer, e, w, x, groups[e], iss.K, pair_out)
+            return 0
+        pair_out[iss.pair_ids] = out
+        return iss.n_pairs
+
     def note(self, layer: int, e: int, bytes_fn) -> bool:
         """Offer an expert the CPU computed for promotion (LFRU). ``bytes_fn() -> (gate, up, down)``, each
-        ``(type_name, raw uint8 [O, row_bytes] copy, (O, I))``, is called only when promoting. Returns True
-        when the expert was staged for upload (it serves from a step after the next :meth:`settle`)."""
+        ``(type_name, raw uint8 [O, row_bytes] copy, (O, I))``, is called only when promoting; or an object
+        with ``.raw`` holding that tuple (the RAM cache's ``ExpertWeights``): its arrays are copied unless
+        read-only (bytes-backed arrays cannot change, so they are shared). Returns True when the expert was
+        staged for upload (it serves from a step after the next :meth:`settle`)."""
         if not self.on or self.capacity <= 0:
             return False
+        if not callable(bytes_fn):
+            raw = bytes_fn.raw
+            bytes_fn = lambda: tuple((t, r if not r.flags.writeable else r.copy(), shp)  # noqa: E731
+                                     for t, r, shp in raw)
         key = (int(layer), int(e))
         if self.mask[key] or key in self.pending:
             return False
@@ -572,7 +701,7 @@ class Tier:
             return WarmStart(0, 0, 0, 0.0, "")
         counts = self.counts if self.counts is not None else np.zeros((self.L, self.E), dtype=np.int64)
         room = self.capacity - len(self.resident) - len(self.pending)
-        plan, n_hist = warm_plan(counts, room, fill=self.fill)
+        plan, n_hist = warm_plan(counts, room, fill=self.fill, layers=self.moe_layers)
         plan = [k for k in plan if not self.mask[k] and k not in self.pending]
         threads = threads or max(1, min(8, os.cpu_count() or 1))
         n = failed = n_h = 0
@@ -655,6 +784,10 @@ class Tier:
             self._thread.join()
             self.settle()
         self._stop.set()
+        if self.ram is not None and not self._closed_line:
+            self._closed_line = True
+            bl, fr = _pool_stats(self.device)
+            self._say(self.run_line(getattr(self.ram, "hits", 0), getattr(self.ram, "loads", 0), bl, fr))
         if free and self.on:
             for h in self.resident.values():
                 self.device.free_expert(h)

@@ -110,6 +110,11 @@ class Trace:
             ev["tid"] = self._tid() if tid is None else tid
             self._events.append(ev)
 
+    def complete(self, name: str, cat: str, t0_s: float, t1_s: float, **args) -> None:
+        """:meth:`span` with ``time.perf_counter()`` seconds (the same clock as :func:`host_ns`)."""
+        if self.enabled:
+            self.span(name, cat, int(t0_s * 1e9), int(t1_s * 1e9), args=args)
+
     @contextmanager
     def region(self, name: str, cat: str, **args):
         """``with trace.region("expert 3", "cpu", layer=7): ...`` records the block's span."""
@@ -169,6 +174,11 @@ class Trace:
                 pass
             raise
         return p
+
+
+    def save(self) -> Path | None:
+        """:meth:`write` to the path given at construction (the engine calls it at close)."""
+        return self.write()
 
 
 NULL_TRACE = Trace(None)

@@ -1,0 +1,148 @@
+"""The tier inside the lead's MoE step (scheduler/step.py's issue_step/join_step calls), on the OLMoE oracle
+fixture's experts.
+
+The device here is `NumpyDevice`, an in-test reference that computes each pair's expert with
+`gguf.quants.dequantize` weights in float64 (the formula of docs/contracts.md: down(silu(gate x) * up x)):
+these tests check the SCHEDULER's plumbing (split, batch rows, outputs written back in rank order,
+evictions, balancer hand-back, device loss), not Vulkan; tests/test_tier_device.py runs the same on Lavapipe.
+"""
+import io
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+formats = pytest.importorskip("cpu_kernels.formats")
+step_mod = pytest.importorskip("scheduler.step")
+ram_mod = pytest.importorskip("scheduler.ram_cache")
+
+from gguf import GGMLQuantizationType  # noqa: E402
+from gguf.quants import dequantize  # noqa: E402
+
+from coli.gguf_file import open_gguf  # noqa: E402
+from scheduler.balancer import Balancer  # noqa: E402
+from scheduler.tier import Tier  # noqa: E402
+
+FIX = Path(__file__).parent / "fixtures" / "oracles" / "olmoe.gguf"
+
+
+class NumpyBatch:
+    def __init__(self, out, ms, fail):
+        self.out, self.device_ms, self.fail = out, ms, fail
+
+    def join(self):
+        if self.fail:
+            raise RuntimeError("VK_ERROR_DEVICE_LOST (injected)")
+        return self.out
+
+
+class NumpyDevice:
+    def __init__(self, fault_at=None):
+        self.live, self.n, self.joins, self.fault_at, self.submits = {}, 0, 0, fault_at, 0
+
+    def upload_expert(self, *mats):
+        ws = [dequantize(raw, GGMLQuantizationType[t]).reshape(shape).astype(np.float64) for t, raw, shape in mats]
+        h = self.n
+        self.n += 1
+        self.live[h] = ws
+        return h
+
+    def free_expert(self, h):
+        del self.live[h]
+
+    def submit_experts(self, x, rows, handles):
+        t = time.perf_counter()
+        out = np.empty((len(rows), x.shape[1]), np.float32)
+        for p, (r, h) in enumerate(zip(rows, handles)):
+            g, u, d = self.live[h]
+            xr = x[r].astype(np.float64)
+            a, b = g @ xr, u @ xr
+            out[p] = (d @ (a / (1 + np.exp(-a)) * b)).astype(np.float32)
+        self.submits += 1
+        fail = self.fault_at is not None and self.submits >= self.fault_at
+        return NumpyBatch(out, (time.perf_counter() - t) * 1e3, fail)
+
+
+def setup(slots=8):
+    g = open_gguf(FIX)
+    layers = {}
+    for n, t in g.tensors.items():
+        if n.endswith("ffn_gate_exps.weight"):
+            l = int(n.split(".")[1])
+            layers[l] = (t, g.tensors[f"blk.{l}.ffn_up_exps.weight"], g.tensors[f"blk.{l}.ffn_down_exps.weight"])
+    src = ram_mod.ExpertSource(FIX, layers)
+    return src, sorted(layers)
+
+
+def run_steps(tier_kw=None, steps=6, slots=8, seed=0, env=None, fault_at=None, shift=False):
+    src, layers = setup()
+    cache = ram_mod.RAMCache(src, slots, io_threads=2)
+    st = step_mod.MoEStep(cache, act="f32")
+    dev = None
+    log = io.StringIO()
+    if tier_kw is not None:
+        dev = NumpyDevice(fault_at)
+        per = max(src.expert_nbytes(l) for l in layers)
+        st.tier = Tier(dev, "olmoe", max(layers) + 1, 8, per, tier_kw["cap"] * per, "test", env=env or {},
+                       balancer=tier_kw.get("bal", Balancer(enabled=False)), log=log, moe_layers=layers,
+                       auto_tokens=True, ram=cache)
+    rng = np.random.default_rng(seed)
+    D = src.layers[layers[0]][0].shape[2]
+    ys, per_step = [], []
+    for s in range(steps):
+        for l in layers:
+            R = 3
+            x = rng.standard_normal((R, D)).astype(np.float32)
+            pool = 8 if not shift else (np.array([0, 1, 2]) if s < steps // 4 else np.array([5, 6, 7]))
+            ids = np.stack([rng.choice(pool, 2, replace=False) for _ in range(R)])
+            w = rng.random((R, 2)).astype(np.float32)
+            c0, d0 = st.stats.cpu_pairs, st.stats.device_pairs
+            ys.append(st.run(l, x, ids, w))
+            per_step.append((st.stats.cpu_pairs - c0, st.stats.device_pairs - d0))
+    if st.tier is not None:
+        st.tier.close()
+    cache.close()
+    return ys, per_step, st, log.getvalue()
+
+
+@pytest.fixture(scope="module")
+def cpu_ref():
+    return run_steps(None)[0]
+
+
+def close(ys, ref):
+    for a, b in zip(ys, ref):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * max(1.0, float(np.abs(b).max())))
+
+
+def test_tier_sync_matches_cpu_and_both_sides_share_a_step(cpu_ref):
+    ys, per, st, log = run_steps({"cap": 6}, env={"COLI_VK_TIER_SYNC": "1"})
+    close(ys, cpu_ref)
+    assert st.tier.device_pairs > 0 and any(c > 0 and d > 0 for c, d in per)   # both sides in one step
+    assert "[VK] tier olmoe run: device " in log
+
+
+def test_tiny_budget_evicts_and_still_matches():
+    # the routing moves from experts {0,1,2} to {5,6,7} after a quarter: the newcomers' heat passes 1.25x + 4
+    ref = run_steps(None, steps=24, shift=True)[0]
+    ys, per, st, log = run_steps({"cap": 2}, steps=24, shift=True, env={"COLI_VK_TIER_SYNC": "1"})
+    close(ys, ref)
+    assert st.tier.evictions >= 2 and st.tier.device_pairs > 0
+    assert all(0 <= e <= 2 or 5 <= e <= 7 for (_, e) in st.tier.resident)
+
+
+def test_balancer_hands_rows_back_and_matches(cpu_ref):
+    bal = Balancer(enabled=True)
+    bal.share = 0.05
+    bal.b_ms, bal.a_ms = 1e-3, 1e3            # the "device" is far slower: the share stays at its floor
+    ys, per, st, log = run_steps({"cap": 16, "bal": bal}, env={"COLI_VK_TIER_SYNC": "1"})
+    close(ys, cpu_ref)
+    assert st.tier.handed_rows > 0
+
+
+def test_device_lost_mid_run_finishes_on_the_cpu(cpu_ref):
+    ys, per, st, log = run_steps({"cap": 16}, env={"COLI_VK_TIER_SYNC": "1"}, fault_at=3)
+    close(ys, cpu_ref)
+    assert not st.tier.on and "[VK] tier olmoe: off, the device failed a join" in log
