@@ -1,0 +1,165 @@
+#!/usr/bin/env python3
+"""Benchmark the device expert tier (issue #4, "Speed"): one prompt, three arms, alternating.
+
+Arms: ``cpu`` (no device), ``tier`` (``device="vulkan", balance=False``: the tier, share fixed at 1) and
+``balanced`` (``device="vulkan", balance=True``). Each round runs every arm once, in turn (a different
+order each round, so slow drift of the machine hits every arm alike); after one warm-up round (not counted)
+it does ``--runs`` rounds and prints each arm's median decode tok/s, its runs, and for the tier arms the %
+of the device's time hidden behind the CPU (``(device ms − waited ms) / device ms`` from the tier's
+counters), the share of routed pairs the device computed, and the balancer's final share.
+
+Every run opens a fresh ``coli.Engine`` from the same copy of the routing history (``--usage``; the runs do
+not save theirs), so each starts from the same warm start. The cores: ``--threads`` Numba threads; Lavapipe's
+own ``LP_NUM_THREADS`` (``--lp-threads``, set before the Vulkan driver loads) — the header says both.
+
+Usage::
+
+    python scripts/bench_tier.py --model demo --tokens 64 --runs 5 --threads 1 --lp-threads 1
+    COLI_VK_TIER_GB=2 python scripts/bench_tier.py --model synth.gguf --threads 16 --runs 5 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ARMS = {"cpu": dict(device=None), "tier": dict(device="vulkan", balance=False),
+        "balanced": dict(device="vulkan", balance=True)}
+
+
+def resolve_model(name: str) -> str:
+    if name == "demo":
+        from coli.demo import demo_model_path
+        return str(demo_model_path(quiet=False))
+    if os.path.exists(name):
+        return name
+    from coli.fetch import model_path
+    return str(model_path(name))
+
+
+def check_engine_api():
+    try:
+        import coli
+        Engine = getattr(coli, "Engine", None)
+        if Engine is None:
+            from coli.engine import Engine
+    except Exception as e:  # noqa: BLE001 - tell the user what is missing
+        sys.exit(f"bench_tier: coli.Engine is not importable ({type(e).__name__}: {e})")
+    params = inspect.signature(Engine.__init__).parameters
+    missing = [p for p in ("device", "balance", "usage", "threads", "save_usage") if p not in params]
+    if missing:
+        sys.exit(f"bench_tier: coli.Engine lacks the options {missing} that the tier benchmark needs "
+                 f"(issue #4: Engine(path, device='vulkan', balance=True|False, ...))")
+    return Engine
+
+
+def one_run(Engine, model, arm, args, usage_copy):
+    kw = dict(ARMS[arm])
+    t0 = time.perf_counter()
+    eng = Engine(model, threads=args.threads, usage=usage_copy, save_usage=False, quiet=True,
+                 expert_cache=args.expert_cache, **kw)
+    try:
+        if kw.get("device") and getattr(eng, "tier", None) is None:
+            sys.exit(f"bench_tier: arm {arm}: the engine opened no device tier (see the [VK] line above)")
+        load_s = time.perf_counter() - t0
+        r = eng.generate(args.prompt, max_tokens=args.tokens, temp=0.0)
+        st = dict(r.stats)
+        out = {"arm": arm, "decode_tps": st.get("decode_tps", 0.0), "prefill_tps": st.get("prefill_tps", 0.0),
+               "load_s": load_s, "ids": list(r.ids)}
+        t = getattr(eng, "tier", None)
+        if t is not None:
+            out.update(device_ms=t.device_ms, waited_ms=t.waited_ms, cpu_ms=t.cpu_ms,
+                       hidden_pct=100.0 * (t.device_ms - t.waited_ms) / t.device_ms if t.device_ms else None,
+                       device_pct=100.0 * t.device_pairs / t.routed_pairs if t.routed_pairs else 0.0,
+                       share=t.balancer.share, handed_rows=t.handed_rows, resident=len(t.resident),
+                       evictions=t.evictions, uploads=t.uploads, on=t.on)
+        return out
+    finally:
+        eng.close()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="the tier benchmark: cpu / tier / balanced, alternating")
+    ap.add_argument("--model", default="demo", help="a GGUF path, a catalog name, or 'demo' (the demo MoE)")
+    ap.add_argument("--prompt", default="Write a short story about a lighthouse keeper who finds a map.")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None, help="Numba threads (default: the engine's)")
+    ap.add_argument("--lp-threads", type=int, default=None, help="LP_NUM_THREADS for Lavapipe")
+    ap.add_argument("--expert-cache", type=int, default=None, help="RAM expert slots per layer")
+    ap.add_argument("--usage", default=None, help="routing history to start every run from (copied)")
+    ap.add_argument("--arms", default="cpu,tier,balanced")
+    ap.add_argument("--json", default=None, help="write every run and the medians here")
+    a = ap.parse_args(argv)
+    if a.lp_threads is not None:
+        os.environ["LP_NUM_THREADS"] = str(a.lp_threads)
+    arms = [x for x in a.arms.split(",") if x]
+    bad = [x for x in arms if x not in ARMS]
+    if bad:
+        sys.exit(f"bench_tier: --arms: unknown {bad} (cpu, tier, balanced)")
+    Engine = check_engine_api()
+    model = resolve_model(a.model)
+    tmp = Path(tempfile.mkdtemp(prefix="coli-bench-tier-"))
+    hist = tmp / "history.coli_usage"
+    if a.usage:
+        shutil.copy(a.usage, hist)
+    print(f"bench_tier: {model}, {a.tokens} tokens, {a.runs} runs per arm after a warm-up round; Numba threads "
+          f"{a.threads or 'default'}, LP_NUM_THREADS={os.environ.get('LP_NUM_THREADS', 'unset')}, "
+          f"COLI_VK_TIER_GB={os.environ.get('COLI_VK_TIER_GB', 'unset')}, CPUs {os.cpu_count()}", flush=True)
+    runs = []
+    try:
+        for rnd in range(a.runs + 1):
+            order = arms[rnd % len(arms):] + arms[:rnd % len(arms)]
+            for arm in order:
+                usage_copy = tmp / f"run-{rnd}-{arm}.coli_usage"
+                if hist.exists():
+                    shutil.copy(hist, usage_copy)
+                r = one_run(Engine, model, arm, a, str(usage_copy))
+                r["round"] = rnd
+                tag = "warm-up" if rnd == 0 else f"round {rnd}"
+                extra = "" if r.get("hidden_pct") is None else \
+                    f", {r['device_pct']:.0f}% pairs on the device, {r['hidden_pct']:.0f}% of device time hidden, share {r['share']:.2f}"
+                print(f"  {tag:>8} {arm:>9}: {r['decode_tps']:.2f} tok/s{extra}", flush=True)
+                if rnd > 0:
+                    runs.append(r)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    med = {}
+    print("arm        median tok/s   runs                               hidden %   device %")
+    for arm in arms:
+        rs = [r for r in runs if r["arm"] == arm]
+        tps = [r["decode_tps"] for r in rs]
+        hid = [r["hidden_pct"] for r in rs if r.get("hidden_pct") is not None]
+        dev = [r["device_pct"] for r in rs if "device_pct" in r]
+        med[arm] = {"tps": statistics.median(tps), "hidden_pct": statistics.median(hid) if hid else None,
+                    "device_pct": statistics.median(dev) if dev else None}
+        h = "-" if med[arm]["hidden_pct"] is None else f"{med[arm]['hidden_pct']:.0f}"
+        d = "-" if med[arm]["device_pct"] is None else f"{med[arm]['device_pct']:.0f}"
+        runs_s = " ".join(f"{x:.2f}" for x in tps)
+        print(f"{arm:<10} {med[arm]['tps']:>12.2f}   {runs_s:<34} {h:>8}   {d:>8}")
+    ids = {arm: [r["ids"] for r in runs if r["arm"] == arm] for arm in arms}
+    if "cpu" in ids and ids["cpu"]:
+        same = {arm: all(x == ids["cpu"][0] for x in v) for arm, v in ids.items()}
+        print("greedy tokens equal to the CPU-only run: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in same.items()))
+    if "balanced" in med:
+        others = [med[x]["tps"] for x in ("cpu", "tier") if x in med]
+        if others:
+            print(f"balanced / best of the others: {med['balanced']['tps'] / max(others):.3f}")
+    if "tier" in med and "cpu" in med:
+        print(f"tier / cpu: {med['tier']['tps'] / med['cpu']['tps']:.3f}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"runs": runs, "medians": med, "args": vars(a)}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
