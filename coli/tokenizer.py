@@ -1,0 +1,547 @@
+"""The model's tokenizer, built from a GGUF file's ``tokenizer.*`` metadata with HF ``tokenizers``.
+
+Two vocabulary kinds (``tokenizer.ggml.model``):
+
+* ``"gpt2"``: byte-level BPE (Qwen2, SmolLM2, Llama-3, ...). Built here from ``tokenizer.ggml.tokens`` and
+  ``tokenizer.ggml.merges``: a ``tokenizers`` BPE, the pre-tokenizer split regexes that llama.cpp uses for the
+  file's ``tokenizer.ggml.pre`` (``src/llama-vocab.cpp``, ``llm_tokenizer_bpe``; applied in sequence, each
+  splitting the pieces of the previous one, as ``Split(behavior="isolated")`` does), then ``ByteLevel``
+  without its own regex, and the ``ByteLevel`` decoder. ``ignore_merges`` (a whole word that is a token is
+  taken as is) for the llama-3 family, as llama.cpp sets it.
+* ``"llama"``: SentencePiece BPE with byte fallback (Gemma, Llama-2, Mistral/Mixtral). Built the way
+  transformers 5.24 converts a GGUF (``transformers/integrations/gguf/gguf_tokenizer_mapping.py``:
+  ``gemma_tokenizer`` / ``sentencepiece_tokenizer`` and the ``GemmaTokenizer`` / ``LlamaTokenizer`` backends).
+  We do not call that code at run time: importing transformers takes ~6 s and its merge recovery takes
+  ~11 s for Gemma-3's 262144 pieces; the same merges are recovered here in ~1 s. Tests compare the ids
+  with transformers' conversion.
+
+Tokens the file marks CONTROL (3) or USER_DEFINED (4) in ``tokenizer.ggml.token_type`` are added tokens:
+they are matched whole in the text, never split (llama.cpp ``tokenizer_st_partition`` with
+``parse_special=true``).
+
+BOS/EOS: ``tokenizer.ggml.bos_token_id``/``eos_token_id``; ``add_bos`` from ``tokenizer.ggml.add_bos_token``,
+else llama.cpp's default (true for SentencePiece ``llama`` vocabularies and the ``llama-bpe`` family, false
+for other ``gpt2`` ones). ``eos_ids`` also holds ``eot``/``eom`` ids and the end-of-turn tokens
+(``<|im_end|>``, ``<end_of_turn>``, ``<|eot_id|>``, ``<|endoftext|>``, ...) when the vocabulary has them.
+
+Chat template: ``tokenizer.chat_template`` rendered with a sandboxed jinja2 environment the way
+transformers does (``trim_blocks``, ``lstrip_blocks``, ``raise_exception``, ``tojson``).
+
+Errors: :class:`coli.errors.ColiError` naming the file and the ``tokenizer.*`` key.
+"""
+from __future__ import annotations
+
+import codecs
+import json
+from functools import lru_cache
+
+import numpy as np
+
+from .errors import ColiError
+
+CONTROL, USER_DEFINED, UNUSED, BYTE = 3, 4, 5, 6  # llama.cpp llama_token_type / gguf TokenType
+
+# llama.cpp src/llama-vocab.cpp (llm_tokenizer_bpe constructor): the split regexes per pre-tokenizer type
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN35 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+           r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+          r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_DEFAULT = [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"]
+
+PRE_SPLITS: dict[str, list[str]] = {
+    **{k: [_LLAMA3] for k in ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0",
+                               "lfm2", "jina-v5-nano", "dbrx", "smaug-bpe")},
+    **{k: [_QWEN2] for k in ("qwen2", "stablelm2", "hunyuan", "deepseek-r1-qwen", "megrez")},
+    "qwen35": [_QWEN35],
+    **{k: [_GPT4O] for k in ("gpt-4o", "minimax-m2", "llama4")},
+    **{k: [r"\p{N}", _GPT2] for k in ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone",
+                                       "minerva-7b")},
+    **{k: [_GPT2] for k in ("gpt-2", "gpt2", "mpt", "olmo", "jais", "trillion", "granite-docling")},
+    "falcon": [r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"],
+    "default": _DEFAULT,
+}
+# llama.cpp: these pre types set ignore_merges = true and add_bos = true
+_LLAMA3_FAMILY = {"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                  "jina-v5-nano"}
+
+# end-of-turn tokens llama.cpp also treats as end of generation (llama-vocab.cpp, special_eog_ids)
+_EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>",
+              "<|end_of_text|>", "<end_of_utterance>", "<|return|>", "<|call|>")
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte <-> printable unicode map (openai/gpt-2 encoder.py ``bytes_to_unicode``), inverted."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+class Tokenizer:
+    """Text <-> token ids for one GGUF model. Build with :meth:`from_gguf`.
+
+    Attributes: ``bos_id: int | None``, ``eos_id: int | None`` (the file's), ``eos_ids: set[int]`` (every
+    end-of-generation id), ``add_bos: bool``, ``vocab_size: int``, ``kind`` (``"gpt2"``/``"llama"``),
+    ``pre`` (``tokenizer.ggml.pre``), ``chat_template: str | None``, ``hf`` (the ``tokenizers.Tokenizer``).
+    """
+
+    def __init__(self, hf, tokens: list[str], token_type, kind: str, pre: str | None, bos_id, eos_id,
+                 eos_ids: set[int], add_bos: bool, chat_template: str | None, fname: str):
+        self.hf = hf
+        self.tokens = tokens
+        self.token_type = token_type
+        self.kind = kind
+        self.pre = pre
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.eos_ids = eos_ids
+        self.add_bos = add_bos
+        self.chat_template = chat_template
+        self.vocab_size = len(tokens)
+        self.fname = fname
+        self._piece_cache: dict[int, bytes] = {}
+
+    # ------------------------------------------------------------------------------------------ building
+    @classmethod
+    def from_gguf(cls, model) -> "Tokenizer":
+        """Build from a :class:`coli.gguf_file.GGUFModel`. Raises ColiError on missing/unsupported metadata."""
+        fname = model.path.name
+        meta = model.meta
+
+        def need(key):
+            if key not in meta:
+                raise ColiError(f"{fname}: kv '{key}': missing (the file has no tokenizer)")
+            return meta[key]
+
+        kind = need("tokenizer.ggml.model")
+        tokens = need("tokenizer.ggml.tokens")
+        if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens[:1]):
+            raise ColiError(f"{fname}: kv 'tokenizer.ggml.tokens': not a non-empty array of strings")
+        n = len(tokens)
+        tt = meta.get("tokenizer.ggml.token_type")
+        if tt is None:
+            tt = np.ones(n, dtype=np.int32)
+        elif len(tt) != n:
+            raise ColiError(f"{fname}: kv 'tokenizer.ggml.token_type': {len(tt)} entries for {n} tokens")
+        tt = np.asarray(tt)
+        pre = meta.get("tokenizer.ggml.pre")
+
+        def tok_id(key):
+            v = meta.get(key)
+            if v is None:
+                return None
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < n:
+                raise ColiError(f"{fname}: kv '{key}': {v!r} is not a token id (vocabulary of {n})")
+            return v
+
+        bos_id = tok_id("tokenizer.ggml.bos_token_id")
+        eos_id = tok_id("tokenizer.ggml.eos_token_id")
+        if kind == "gpt2":
+            hf = _build_bpe(meta, tokens, tt, pre, fname)
+            strip_prefix = False
+            add_bos_default = pre in _LLAMA3_FAMILY
+        elif kind == "llama":
+            hf, strip_prefix = _build_spm(model, tokens, tt, fname)
+            add_bos_default = True
+        else:
+            raise ColiError(f"{fname}: kv 'tokenizer.ggml.model': {kind!r} is not supported (gpt2, llama)")
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default))
+        if add_bos and bos_id is None:
+            raise ColiError(f"{fname}: kv 'tokenizer.ggml.bos_token_id': missing, but add_bos_token is true")
+
+        eos_ids = {i for i in (eos_id, tok_id("tokenizer.ggml.eot_token_id"), tok_id("tokenizer.ggml.eom_token_id"))
+                   if i is not None}
+        special = tt == CONTROL
+        for text in _EOG_TEXTS:
+            i = hf.token_to_id(text)
+            if i is not None and i < n and special[i] | (tt[i] == USER_DEFINED):
+                eos_ids.add(i)
+        tok = cls(hf, tokens, tt, kind, pre, bos_id, eos_id, eos_ids, add_bos,
+                  meta.get("tokenizer.chat_template"), fname)
+        tok._strip_prefix = kind == "llama" and strip_prefix
+        return tok
+
+    # ------------------------------------------------------------------------------------------ encoding
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids of ``text``; control/user-defined token texts in ``text`` become their ids.
+        ``add_bos=None`` follows the file (``self.add_bos``)."""
+        ids = self.hf.encode(text, add_special_tokens=False).ids
+        if self.add_bos if add_bos is None else add_bos:
+            if self.bos_id is None:
+                raise ColiError(f"{self.fname}: kv 'tokenizer.ggml.bos_token_id': missing, cannot add BOS")
+            ids = [self.bos_id, *ids]
+        return ids
+
+    # ------------------------------------------------------------------------------------------ decoding
+    def piece_bytes(self, token_id: int) -> bytes:
+        """The raw bytes token ``token_id`` stands for (byte-level pieces decoded, ``<0xNN>`` byte tokens as
+        the byte, ``▁`` as a space for SentencePiece; control tokens as their text)."""
+        b = self._piece_cache.get(token_id)
+        if b is not None:
+            return b
+        if not 0 <= token_id < self.vocab_size:
+            raise ValueError(f"token id {token_id} out of range (vocabulary of {self.vocab_size})")
+        text = self.tokens[token_id]
+        t = int(self.token_type[token_id])
+        if t in (CONTROL, USER_DEFINED, UNUSED):
+            b = text.encode("utf-8")
+        elif self.kind == "gpt2":
+            dec = _byte_decoder()
+            try:
+                b = bytes(dec[c] for c in text)
+            except KeyError:  # not byte-level spelled: the text itself
+                b = text.encode("utf-8")
+        else:
+            if t == BYTE and len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+                b = bytes([int(text[3:5], 16)])
+            else:
+                b = text.replace("\u2581", " ").encode("utf-8")
+        self._piece_cache[token_id] = b
+        return b
+
+    def decode(self, ids, skip_special: bool = False) -> str:
+        """Text of ``ids``; invalid UTF-8 (a cut multi-byte character) becomes U+FFFD. ``skip_special`` drops
+        control tokens (``<|im_end|>``, ``<bos>``)."""
+        parts = []
+        for i in ids:
+            i = int(i)
+            if skip_special and 0 <= i < self.vocab_size and self.token_type[i] == CONTROL:
+                continue
+            parts.append(self.piece_bytes(i))
+        text = b"".join(parts).decode("utf-8", errors="replace")
+        if self.kind == "llama" and self._strip_prefix and text.startswith(" "):
+            text = text[1:]
+        return text
+
+    _strip_prefix = False
+
+    def stream(self, skip_special: bool = False) -> "StreamDecoder":
+        """An incremental decoder for printing tokens as they come: ``d.push(id) -> str`` returns only whole
+        characters (a multi-byte character cut across tokens waits for its last byte); ``d.flush()``."""
+        return StreamDecoder(self, skip_special)
+
+    # ------------------------------------------------------------------------------------------ chat
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        """Render ``tokenizer.chat_template`` (jinja2 sandbox, as transformers' ``apply_chat_template(...,
+        tokenize=False)``) with ``messages``, ``bos_token``, ``eos_token``, ``add_generation_prompt`` and
+        ``kwargs``. Raises ColiError if the file has no template or the template raises."""
+        if not self.chat_template:
+            raise ColiError(f"{self.fname}: kv 'tokenizer.chat_template': missing (the model has no chat template)")
+        tmpl = _compile_template(self.chat_template)
+        ctx = dict(messages=messages, add_generation_prompt=add_generation_prompt,
+                   bos_token=self.tokens[self.bos_id] if self.bos_id is not None else "",
+                   eos_token=self.tokens[self.eos_id] if self.eos_id is not None else "")
+        ctx.update(kwargs)
+        try:
+            return tmpl.render(**ctx)
+        except _TemplateError as e:
+            raise ColiError(f"{self.fname}: kv 'tokenizer.chat_template': {e.message}") from None
+
+
+class _TemplateError(Exception):
+    def __init__(self, message):
+        super().__init__(message)
+        self.message = message
+
+
+@lru_cache(maxsize=8)
+def _compile_template(source: str):
+    """transformers ``utils/chat_template_utils.py`` ``_compile_jinja_template``: an immutable sandbox,
+    trim_blocks + lstrip_blocks, ``raise_exception`` and a ``tojson`` that keeps non-ASCII."""
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise _TemplateError(str(message))
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt):
+        from datetime import datetime
+
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    try:
+        return env.from_string(source)
+    except TemplateError as e:
+        raise _TemplateError(f"does not compile: {e}") from None
+
+
+class StreamDecoder:
+    """Incremental UTF-8 decoding of a token stream (see :meth:`Tokenizer.stream`)."""
+
+    def __init__(self, tok: Tokenizer, skip_special: bool = False):
+        self.tok = tok
+        self.skip_special = skip_special
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._first = True
+
+    def push(self, token_id: int) -> str:
+        tok = self.tok
+        if self.skip_special and tok.token_type[token_id] == CONTROL:
+            return ""
+        out = self._dec.decode(tok.piece_bytes(int(token_id)))
+        if self._first and out:
+            self._first = False
+            if tok.kind == "llama" and tok._strip_prefix and out.startswith(" "):
+                out = out[1:]
+        return out
+
+    def flush(self) -> str:
+        return self._dec.decode(b"", final=True)
+
+
+# ---------------------------------------------------------------------------------------------- builders
+
+def _added_tokens(tokens, tt, vocab, byte_level: bool):
+    """transformers ``add_gguf_special_tokens``: CONTROL -> special added token, USER_DEFINED (if the
+    vocabulary spells it as is) -> plain added token; both matched on the raw text (``normalized=False``)."""
+    from tokenizers import AddedToken
+
+    control = [AddedToken(tokens[i], normalized=False, special=True) for i in np.flatnonzero(tt == CONTROL)]
+    if byte_level:
+        alphabet = _byte_decoder()
+        control = [a for a in control if all(c in alphabet for c in a.content)]
+    user = [AddedToken(tokens[i], normalized=False, special=False) for i in np.flatnonzero(tt == USER_DEFINED)
+            if tokens[i] in vocab]
+    return control, user
+
+
+def _build_bpe(meta, tokens, tt, pre, fname):
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    merges = meta.get("tokenizer.ggml.merges")
+    if merges is None:
+        raise ColiError(f"{fname}: kv 'tokenizer.ggml.merges': missing (needed by a gpt2 vocabulary)")
+    if pre is None:
+        pre = "default"
+    if pre not in PRE_SPLITS:
+        raise ColiError(f"{fname}: kv 'tokenizer.ggml.pre': {pre!r} is not a known pre-tokenizer "
+                        f"({', '.join(sorted(PRE_SPLITS))})")
+    alphabet = _byte_decoder()
+    enc = {b: c for c, b in alphabet.items()}
+    vocab = {}
+    for i, t in enumerate(tokens):
+        if not all(c in alphabet for c in t):  # the file spelled it as text: respell it byte-level
+            t = "".join(enc[b] for b in t.encode("utf-8"))
+        vocab[t] = i
+    pairs = []
+    for k, m in enumerate(merges):
+        a, sep, b = m.partition(" ")
+        if not sep or not a or not b:
+            raise ColiError(f"{fname}: kv 'tokenizer.ggml.merges': entry {k} {m!r} is not 'left right'")
+        pairs.append((a, b))
+    try:
+        bpe = models.BPE(vocab, pairs, dropout=None, continuing_subword_prefix="", end_of_word_suffix="",
+                         fuse_unk=False, ignore_merges=pre in _LLAMA3_FAMILY)
+    except Exception as e:  # a merge naming a piece the vocabulary lacks
+        raise ColiError(f"{fname}: kv 'tokenizer.ggml.merges': {e}") from None
+    hf = HFTokenizer(bpe)
+    hf.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_SPLITS[pre]]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    hf.decoder = decoders.ByteLevel()
+    control, user = _added_tokens(tokens, tt, vocab, byte_level=True)
+    hf.add_special_tokens(control)
+    hf.add_tokens(user)
+    return hf
+
+
+class _SentencePieceBPE:
+    """SentencePiece BPE with byte fallback, in Python, equal to the ``tokenizers`` BPE that transformers builds
+    from a GGUF (merges recovered from the vocabulary by ``generate_merges``), without building the merge
+    table: for Gemma-3 that table has 514906 entries and takes ~5 s to build, while this loads in ~0.3 s.
+
+    Algorithm (``tokenizers`` ``models/bpe/word.rs`` ``merge_all``, the same as llama.cpp ``llm_tokenizer_spm``):
+    start from the characters (a character not in the vocabulary becomes its UTF-8 ``<0xNN>`` byte tokens,
+    which never merge); repeatedly merge the adjacent pair with the lowest rank, leftmost first. A pair
+    ``(l, r)`` can merge when ``l``, ``r`` and ``l + r`` are pieces; its rank is its index in transformers'
+    merge list, i.e. the sort key ``generate_merges`` uses: for Gemma ``(position of l + r, -len(l))``,
+    otherwise ``(-score(l + r), -len(l), -len(r), first position of l + r, position of l)``.
+
+    Added tokens (CONTROL, and USER_DEFINED pieces the vocabulary spells as is) are cut out of the raw text
+    first, leftmost-longest, as ``tokenizers``' added vocabulary does; the rest has spaces spelled ``▁``
+    (and a leading ``▁`` on the text's first fragment when ``prefix``, ``Metaspace(prepend_scheme="first")``).
+    """
+
+    def __init__(self, vocab: dict[str, int], rank_of, byte_ids: list[int | None], unk_id: int | None,
+                 added: dict[str, int], prefix: bool):
+        import re
+
+        self.vocab = vocab
+        self.rank_of = rank_of
+        self.byte_ids = byte_ids
+        self.unk_id = unk_id
+        self.added = added
+        self.prefix = prefix
+        self.added_re = (re.compile("|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)))
+                         if added else None)
+        self._cache: dict[str, list[int]] = {}
+
+    def encode(self, text: str) -> list[int]:
+        out: list[int] = []
+        pos = 0
+        if self.added_re is not None:
+            for m in self.added_re.finditer(text):
+                if m.start() > pos:
+                    out += self._fragment(text[pos:m.start()], pos == 0)
+                out.append(self.added[m.group()])
+                pos = m.end()
+        if pos < len(text):
+            out += self._fragment(text[pos:], pos == 0)
+        return out
+
+    def _fragment(self, text: str, first: bool) -> list[int]:
+        word = text.replace(" ", "\u2581")
+        if self.prefix and first and not word.startswith("\u2581"):
+            word = "\u2581" + word
+        hit = self._cache.get(word)
+        if hit is None:
+            hit = self._bpe(word)
+            if len(word) < 64:
+                if len(self._cache) > 50000:
+                    self._cache.clear()
+                self._cache[word] = hit
+        return hit
+
+    def _bpe(self, word: str) -> list[int]:
+        import heapq
+
+        vocab, rank_of = self.vocab, self.rank_of
+        # symbols: piece text, or None for a run of byte tokens that never merges
+        syms: list[str | None] = []
+        ids_fixed: dict[int, list[int]] = {}
+        for ch in word:
+            if ch in vocab:
+                syms.append(ch)
+            else:
+                bids = [self.byte_ids[b] for b in ch.encode("utf-8")]
+                ids_fixed[len(syms)] = (bids if all(b is not None for b in bids)
+                                        else ([self.unk_id] if self.unk_id is not None else []))
+                syms.append(None)
+        n = len(syms)
+        nxt = list(range(1, n + 1))
+        prv = list(range(-1, n - 1))
+        heap = []
+        for i in range(n - 1):
+            a, b = syms[i], syms[i + 1]
+            if a is not None and b is not None:
+                r = rank_of(a, b)
+                if r is not None:
+                    heap.append((r, i, a, b))
+        heapq.heapify(heap)
+        while heap:
+            r, i, a, b = heapq.heappop(heap)
+            j = nxt[i]
+            if syms[i] != a or j >= n or syms[j] != b:
+                continue  # stale
+            syms[i] = a + b
+            syms[j] = ""  # merged away
+            k = nxt[j]
+            nxt[i] = k
+            if k < n:
+                prv[k] = i
+            p = prv[i]
+            if p >= 0 and syms[p]:
+                r2 = rank_of(syms[p], syms[i])
+                if r2 is not None:
+                    heapq.heappush(heap, (r2, p, syms[p], syms[i]))
+            if k < n and syms[k]:
+                r2 = rank_of(syms[i], syms[k])
+                if r2 is not None:
+                    heapq.heappush(heap, (r2, i, syms[i], syms[k]))
+        out: list[int] = []
+        i = 0
+        while i < n:
+            sym = syms[i]
+            if sym is None:
+                out += ids_fixed[i]
+            else:
+                out.append(vocab[sym])
+            i = nxt[i]
+        return out
+
+
+class _SPMBackend:
+    """The small part of the ``tokenizers.Tokenizer`` interface :class:`Tokenizer` uses."""
+
+    def __init__(self, spm: _SentencePieceBPE):
+        self.spm = spm
+
+    def encode(self, text, add_special_tokens=False):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(ids=self.spm.encode(text))
+
+    def token_to_id(self, text):
+        return self.spm.added.get(text, self.spm.vocab.get(text))
+
+
+def _build_spm(model, tokens, tt, fname):
+    """SentencePiece vocabularies, as transformers' ``gemma_tokenizer`` / ``sentencepiece_tokenizer`` build them
+    (vocabulary spelling, merge order, added tokens), encoded by :class:`_SentencePieceBPE`."""
+    meta = model.meta
+    gemma = model.arch in ("gemma", "gemma2", "gemma3")
+    if meta.get("tokenizer.ggml.merges") is not None:
+        raise ColiError(f"{fname}: kv 'tokenizer.ggml.merges': a SentencePiece ('llama') vocabulary with explicit "
+                        "merges is not supported")
+    if gemma:
+        # gemma_tokenizer: multi-space pieces are stored as spaces; spell them as U+2581 runs, and rank the
+        # merges by position in the file (Gemma's scores do not follow its merge order)
+        sp = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+        vocab = {t: i for i, t in enumerate(sp)}  # a repeated piece keeps its last position
+
+        def rank_of(a, b, vocab=vocab):
+            if a in vocab and b in vocab:
+                p = vocab.get(a + b)
+                if p is not None:
+                    return (p, -len(a))
+            return None
+        prefix = False
+    else:
+        scores = meta.get("tokenizer.ggml.scores")
+        if scores is None or len(scores) != len(tokens):
+            raise ColiError(f"{fname}: kv 'tokenizer.ggml.scores': missing or not one per token")
+        sp = tokens
+        vocab = {t: i for i, t in enumerate(sp)}
+        score = dict(zip(sp, np.asarray(scores, dtype=np.float32).tolist()))
+        first = {}
+        for i, t in enumerate(sp):
+            first.setdefault(t, i)
+
+        def rank_of(a, b, vocab=vocab, score=score, first=first):
+            if a in vocab and b in vocab:
+                s = score.get(a + b)
+                if s is not None:
+                    return (-s, -len(a), -len(b), first[a + b], vocab[a])
+            return None
+        prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    byte_ids = [vocab.get(f"<0x{b:02X}>") for b in range(256)]
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    if not (isinstance(unk_id, int) and 0 <= unk_id < len(tokens)):
+        unk_id = vocab.get("<unk>")
+    added = {}
+    for i in np.flatnonzero(tt == USER_DEFINED).tolist():
+        if tokens[i] in vocab:
+            added[tokens[i]] = vocab[tokens[i]]
+    for i in np.flatnonzero(tt == CONTROL).tolist():
+        added[tokens[i]] = vocab.get(tokens[i], i)
+    return _SPMBackend(_SentencePieceBPE(vocab, rank_of, byte_ids, unk_id, added, prefix)), prefix
