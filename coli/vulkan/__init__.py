@@ -19,32 +19,41 @@ def wanted(device_flag: str | None = None) -> bool:
     return device_flag == "vulkan" or os.environ.get("COLI_VULKAN", "") == "1"
 
 
+class _FFIProxy:
+    """The binding's cffi FFI with ``dlopen`` of the loader redirected (``COLI_VK_LOADER``)."""
+
+    def __init__(self, ffi, loader: str):
+        self._ffi, self._loader = ffi, loader
+
+    def dlopen(self, name, *a):
+        return self._ffi.dlopen(self._loader if isinstance(name, str) and "vulkan" in name else name, *a)
+
+    def __getattr__(self, k):
+        return getattr(self._ffi, k)
+
+
 def _load_binding():
-    """Import the ``vulkan`` binding; ``COLI_VK_LOADER`` names another loader library to use."""
+    """Import the ``vulkan`` binding; ``COLI_VK_LOADER`` names another loader library to open."""
     loader = os.environ.get("COLI_VK_LOADER")
-    if loader:
+    if loader and "vulkan" not in sys.modules:
         import ctypes
+        import importlib.util
         try:
-            ctypes.CDLL(loader, mode=ctypes.RTLD_GLOBAL)
+            ctypes.CDLL(loader)
         except OSError as e:
             raise OSError(f"no Vulkan loader ({loader}: {e})") from None
-        import cffi
-        orig = cffi.FFI.dlopen
-
-        def dlopen(self, name, *a, **k):   # the binding asks for libvulkan.so.1 by name: give it ours
-            if isinstance(name, str) and "vulkan" in name:
-                name = loader
-            return orig(self, name, *a, **k)
-        cffi.FFI.dlopen = dlopen
-        try:
-            import vulkan  # noqa: F401
-        finally:
-            cffi.FFI.dlopen = orig
-    else:
-        try:
-            import vulkan  # noqa: F401
-        except OSError as e:
-            raise OSError(f"no Vulkan loader (libvulkan.so.1: {str(e).splitlines()[0]})") from None
+        # the binding dlopens 'libvulkan.so.1' by name at import: give its FFI a redirected dlopen
+        origin = importlib.util.find_spec("vulkan").origin
+        spec = importlib.util.spec_from_file_location(
+            "vulkan._vulkancache", os.path.join(os.path.dirname(origin), "_vulkancache.py"))
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        mod.ffi = _FFIProxy(mod.ffi, loader)
+        sys.modules["vulkan._vulkancache"] = mod
+    try:
+        import vulkan  # noqa: F401
+    except OSError as e:
+        raise OSError(f"no Vulkan loader ({loader or 'libvulkan.so.1'}: {str(e).splitlines()[0]})") from None
 
 
 def open_device(label: str, *, ram_cache_bytes: int = 0, dense_bytes: int = 0, budget_bytes: int | None = None,
