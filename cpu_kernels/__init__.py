@@ -1,0 +1,92 @@
+"""Numba CPU kernels for coli.
+
+Importing this package chooses Numba's threading layer *before* numba is imported anywhere, so kernels never
+spin and two Python threads may call parallel kernels at the same time (``../shared/stack-notes.md`` section 4
+and pitfall 12):
+
+* TBB first: the pip ``tbb`` wheel puts ``libtbb.so.12`` in ``<venv>/lib``, which the loader does not search,
+  so it is preloaded with ``ctypes.CDLL(..., RTLD_GLOBAL)`` and ``NUMBA_THREADING_LAYER=tbb`` is set.
+* Else OpenMP with ``OMP_WAIT_POLICY=passive`` (the default active policy collapses under CPU contention).
+* Never workqueue: it aborts the process (SIGABRT) when two threads call parallel kernels concurrently.
+
+``NUMBA_CACHE_DIR`` defaults to ``coli.paths.cache_dir("numba")`` (kernels are ``cache=True``).
+
+Public API: ``set_threads(n)``, ``default_threads()``, ``threading_layer()``, ``DEFAULT_ACT``.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+_LAYER_CHOICE = None  # "tbb" or "omp": what this module asked numba for
+
+
+def _choose_layer() -> str:
+    if "numba" in sys.modules:
+        # Too late to choose: whoever imported numba first decided. Say so rather than pretend.
+        import numba  # noqa: F401
+
+        return os.environ.get("NUMBA_THREADING_LAYER", "default")
+    candidates = [os.path.join(sys.prefix, "lib", "libtbb.so.12"), "libtbb.so.12"]
+    for path in candidates:
+        try:
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        except OSError:
+            continue
+        os.environ["NUMBA_THREADING_LAYER"] = "tbb"
+        return "tbb"
+    os.environ["NUMBA_THREADING_LAYER"] = "omp"
+    os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+    return "omp"
+
+
+def _set_cache_dir() -> None:
+    if not os.environ.get("NUMBA_CACHE_DIR"):
+        from coli.paths import cache_dir
+
+        os.environ["NUMBA_CACHE_DIR"] = str(cache_dir("numba"))
+
+
+_set_cache_dir()
+_LAYER_CHOICE = _choose_layer()
+
+import numba  # noqa: E402  (must come after the environment is set)
+import psutil  # noqa: E402
+
+#: Activation format used by ``formats.matmul`` when the caller does not say: chosen by
+#: ``scripts/bench_kernels.py`` (see docs/cpu_kernels.md for the numbers).
+DEFAULT_ACT = "f32"
+
+
+def default_threads() -> int:
+    """Physical cores available to this process: ``psutil.cpu_count(logical=False)`` clipped by the
+    affinity mask (``len(os.sched_getaffinity(0))``), never below 1."""
+    phys = psutil.cpu_count(logical=False) or 1
+    try:
+        avail = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        avail = phys
+    return max(1, min(phys, avail))
+
+
+def set_threads(n: int) -> int:
+    """Set the number of Numba threads used by parallel kernels (clipped to ``[1, numba.config.NUMBA_NUM_THREADS]``).
+    Returns the number set."""
+    n = max(1, min(int(n), numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(n)
+    return n
+
+
+def threading_layer() -> str:
+    """Name of the Numba threading layer in use ("tbb" or "omp"). Launches the pool if no parallel kernel ran yet."""
+    try:
+        return numba.threading_layer()
+    except ValueError:
+        from . import _probe
+
+        _probe.touch()
+        return numba.threading_layer()
+
+
+set_threads(default_threads())

@@ -1,0 +1,845 @@
+"""THE weight-format registry: one row per GGUF tensor type coli can multiply on the CPU.
+
+Block layouts are ggml's (``ggml/src/ggml-common.h`` structs ``block_q8_0``, ``block_q4_0``, ``block_q4_1``,
+``block_q5_0``, ``block_q4_K``, ``block_q5_K``, ``block_q6_K``, ``block_mxfp4``; decoding as in
+``ggml/src/ggml-quants.c`` ``dequantize_row_*``, mirrored in Python by ``gguf.quants``):
+
+======  =====  ======  ==========================================================================================
+type    block  bytes   layout (all little-endian; ``d``/``dmin``/``m`` are IEEE f16 unless noted)
+======  =====  ======  ==========================================================================================
+F32     1      4       f32
+F16     1      2       f16
+BF16    1      2       bf16 (top half of an f32)
+Q8_0    32     34      d, qs int8[32]                          w = d*q
+Q4_0    32     18      d, qs[16] (lo nibble: j, hi: j+16)       w = d*(q-8)
+Q4_1    32     20      d, m, qs[16]                             w = d*q + m
+Q5_0    32     22      d, qh u32 (bit j: high bit of j), qs[16] w = d*(q|h<<4 - 16)
+Q4_K    256    144     d, dmin, scales[12] (6-bit sc/min x 8), qs[128]; per 64: lo nibbles sub-block 2c, hi 2c+1
+                       w = d*sc*q - dmin*mn
+Q5_K    256    176     d, dmin, scales[12], qh[32] (bits 2c, 2c+1 of qh[l]), qs[128]
+Q6_K    256    210     ql[128], qh[64], scales int8[16] (sub-blocks of 16), d;   w = d*sc*(q - 32)
+MXFP4   32     17      e (E8M0), qs[16] e2m1 codes;             w = kvalues[q] * 2^(e-128) (``kvalues`` doubled)
+======  =====  ======  ==========================================================================================
+
+Kernel layout (``pack``): the quantized codes stay as the file has them (nibbles, bytes) but are split by field into
+contiguous per-row arrays; f16 block scales are converted to f32 at prepare time because Numba has no float16
+(``../shared/stack-notes.md`` pitfall 11). Sub-block scales of the K-quants stay 6-/8-bit integers and are
+multiplied by the f32 super-block scale inside the kernel. F16/BF16 weights keep their 2 bytes and are decoded in
+the kernel with bit operations. Memory cost per format: docs/cpu_kernels.md.
+
+Kernels (all ``nogil=True, cache=True, fastmath=True``, parallel over output rows):
+
+* ``gemv(*fields, x f32 [I], out f32 [O])``: one activation row (decode). Each thread keeps 32 f32 lane
+  accumulators per output row, so the inner loops are 16/32 wide and vectorize (no per-block horizontal sum).
+* ``gemm(*fields, x f32 [T, I], out f32 [T, O])``: prompt chunks. A weight row is decoded once into an f32 row
+  buffer and used for every activation row, four at a time.
+
+Public API: ``FORMATS``, ``Format``, ``Weight``, ``prepare(type_name, raw, shape)``, ``matmul(w, x, act)``,
+``quantize_act_int8(x)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+from gguf import quants as gq
+from numba import njit, prange
+
+from coli.errors import ColiError
+
+from . import DEFAULT_ACT
+
+_RB = 16  # output rows per parallel chunk
+_JIT = dict(nogil=True, cache=True, fastmath=True)
+_PJIT = dict(parallel=True, nogil=True, cache=True, fastmath=True)
+
+_F0 = np.float32(0.0)
+_F8 = np.float32(8.0)
+_F16 = np.float32(16.0)
+_F32C = np.float32(32.0)
+_P112 = np.float32(2.0**112)
+_M4 = np.uint8(0x0F)
+_S4 = np.uint8(4)
+_U1 = np.uint8(1)
+_U3 = np.uint8(3)
+_MXFP4_K = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float32)
+
+
+# ----------------------------------------------------------------------------------------------- shared pieces
+@njit(inline="always", **_JIT)
+def _lanes_sum(acc):
+    s = _F0
+    for j in range(acc.shape[0]):
+        s += acc[j]
+    return s
+
+
+@njit(inline="always", **_JIT)
+def _block_sums(x, n):
+    """Sums of x over consecutive blocks of 32 (f32 [I] -> f32 [n])."""
+    xs = np.empty(n, np.float32)
+    for b in range(n):
+        s = _F0
+        for j in range(32):
+            s += x[b * 32 + j]
+        xs[b] = s
+    return xs
+
+
+@njit(inline="always", **_JIT)
+def _dot_rows(buf, x, o, out):
+    """out[t, o] = buf . x[t] for every t, four activation rows per pass over buf."""
+    T, I = x.shape
+    t = 0
+    while t + 4 <= T:
+        s0 = _F0
+        s1 = _F0
+        s2 = _F0
+        s3 = _F0
+        for i in range(I):
+            w = buf[i]
+            s0 += w * x[t, i]
+            s1 += w * x[t + 1, i]
+            s2 += w * x[t + 2, i]
+            s3 += w * x[t + 3, i]
+        out[t, o] = s0
+        out[t + 1, o] = s1
+        out[t + 2, o] = s2
+        out[t + 3, o] = s3
+        t += 4
+    while t < T:
+        s0 = _F0
+        for i in range(I):
+            s0 += buf[i] * x[t, i]
+        out[t, o] = s0
+        t += 1
+
+
+# ----------------------------------------------------------------------------------------------- F32
+@njit(**_PJIT)
+def gemv_f32(w, x, out):
+    O, I = w.shape
+    for c in prange((O + _RB - 1) // _RB):
+        for o in range(c * _RB, min(O, c * _RB + _RB)):
+            s = _F0
+            for i in range(I):
+                s += w[o, i] * x[i]
+            out[o] = s
+
+
+@njit(**_PJIT)
+def gemm_f32(w, x, out):
+    O, I = w.shape
+    for c in prange((O + _RB - 1) // _RB):
+        for o in range(c * _RB, min(O, c * _RB + _RB)):
+            _dot_rows(w[o], x, o, out)
+
+
+# ----------------------------------------------------------------------------------------------- F16 / BF16
+@njit(inline="always", **_JIT)
+def _dec_f16(w, o, ub, fb, i0, n):
+    # f16 bits -> f32: move sign, shift exponent+mantissa into place, rescale by 2^112 (exact for normals and
+    # subnormals; inf/nan become large finite values).
+    for j in range(n):
+        h = np.uint32(w[o, i0 + j])
+        ub[j] = ((h & np.uint32(0x8000)) << np.uint32(16)) | ((h & np.uint32(0x7FFF)) << np.uint32(13))
+    for j in range(n):
+        fb[j] = fb[j] * _P112
+
+
+@njit(inline="always", **_JIT)
+def _dec_bf16(w, o, ub, fb, i0, n):
+    for j in range(n):
+        ub[j] = np.uint32(w[o, i0 + j]) << np.uint32(16)
+
+
+@njit(**_PJIT)
+def gemv_f16(w, x, out):
+    O, I = w.shape
+    for c in prange((O + _RB - 1) // _RB):
+        ub = np.empty(64, np.uint32)
+        fb = ub.view(np.float32)
+        acc = np.empty(64, np.float32)
+        for o in range(c * _RB, min(O, c * _RB + _RB)):
+            acc[:] = 0
+            i0 = 0
+            while i0 < I:
+                n = min(64, I - i0)
+                _dec_f16(w, o, ub, fb, i0, n)
+                for j in range(n):
+                    acc[j] += fb[j] * x[i0 + j]
+                i0 += 64
+            out[o] = _lanes_sum(acc)
+
+
+@njit(**_PJIT)
+def gemm_f16(w, x, out):
+    O, I = w.shape
+    for c in prange((O + _RB - 1) // _RB):
+        ub = np.empty(I, np.uint32)
+        fb = ub.view(np.float32)
+        for o in range(c * _RB, min(O, c * _RB + _RB)):
+            _dec_f16(w, o, ub, fb, 0, I)
+            _dot_rows(fb, x, o, out)
+
+
+@njit(**_PJIT)
+def gemv_bf16(w, x, out):
+    O, I = w.shape
+    for c in prange((O + _RB - 1) // _RB):
+        ub = np.empty(64, np.uint32)
+        fb = ub.view(np.float32)
+        acc = np.empty(64, np.float32)
+        for o in range(c * _RB, min(O, c * _RB + _RB)):
+            acc[:] = 0
+            i0 = 0
+            while i0 < I:
+                n = min(64, I - i0)
+                _dec_bf16(w, o, ub, fb, i0, n)
+                for j in range(n):
+                    acc[j] += fb[j] * x[i0 + j]
+                i0 += 64
+            out[o] = _lanes_sum(acc)
+
+
+@njit(**_PJIT)
+def gemm_bf16(w, x, out):
+    O, I = w.shape
+    for c in prange((O + _RB - 1) // _RB):
+        ub = np.empty(I, np.uint32)
+        fb = ub.view(np.float32)
+        for o in range(c * _RB, min(O, c * _RB + _RB)):
+            _dec_bf16(w, o, ub, fb, 0, I)
+            _dot_rows(fb, x, o, out)
+
+
+# ----------------------------------------------------------------------------------------------- Q8_0
+@njit(**_PJIT)
+def gemv_q8_0(q, d, x, out):
+    O, nb = d.shape
+    for c in prange((O + _RB - 1) // _RB):
+        acc = np.empty(32, np.float32)
+        for o in range(c * _RB, min(O, c * _RB + _RB)):
+            acc[:] = 0
+            for b in range(nb):
+                db = d[o, b]
+                for j in range(32):
+                    acc[j] += db * (np.float32(q[o, b * 32 + j]) * x[b * 32 + j])
+            out[o] = _lanes_sum(acc)
+
+
+@njit(inline="always", **_JIT)
+def _dec_q8_0(q, d, o, buf):
+    for b in range(d.shape[1]):
+        db = d[o, b]
+        for j in range(32):
+            buf[b * 32 + j] = db * np.float32(q[o, b * 32 + j])
+
+
+@njit(**_PJIT)
+def gemm_q8_0(q, d, x, out):
+    O, nb = d.shape
+    for c in prange((O + _RB - 1) // _RB):
+        buf = np.empty(nb * 32, np.float32)
+        for o in range(c * _RB, min(O, c * _RB + _RB)):
+            _dec_q8_0(q, d, o, buf)
+            _dot_rows(buf, x, o, out)
+
+
+# ----------------------------------------------------------------------------------------------- Q4_0
+@njit(**_PJIT)
+def gemv_q4_0(qs, d, x, out):
+    O, nb = d.shape
+    for c in prange((O + _RB - 1) // _RB):
+        acc = np.empty(32, np.float32)
+        for o in range(c * _RB, min(O, c * _RB + _RB)):
+            acc[:] = 0
+            for b in range(nb):
+                db = d[o, b]
+                for j in range(16):
+                    v = qs[o, b * 16 + j]
+                    acc[j] += db * ((np.float32(v & _M4) - _F8) * x[b * 32 + j])
+                    acc[16 + j] += db * ((np.float32(v >> _S4) - _F8) * x[b * 32 + 16 + j])
+            out[o] = _lanes_sum(acc)
+
+
+@njit(inline="always", **_JIT)
+def _dec_q4_0(qs, d, o, buf):
+    for b in range(d.shape[1]):
+        db = d[o, b]
+        for j in range(16):
+            buf[b * 32 + j] = db * (np.float32(qs[o, b * 16 + j] & _M4) - _F8)
+        for j in range(16):
+            buf[b * 32 + 16 + j] = db * (np.float32(qs[o, b * 16 + j] >> _S4) - _F8)
+
+
+@njit(**_PJIT)
+def gemm_q4_0(qs, d, x, out):
+    O, nb = d.shape
+    for c in prange((O + _RB - 1) // _RB):
+        buf = np.empty(nb * 32, np.float32)
+        for o in range(c * _RB, min(O, c * _RB + _RB)):
+            _dec_q4_0(qs, d, o, buf)
+            _dot_rows(buf, x, o, out)
+
+
+# ----------------------------------------------------------------------------------------------- Q4_1
+@njit(**_PJIT)
+def gemv_q4_1(qs, d, m, x, out):
+    O, nb = d.shape
+    xs = _block_sums(x, nb)
+    for c in prange((O + _RB - 1) // _RB):
+        acc = np.empty(32, np.float32)
+        for o in range(c * _RB, min(O, c * _RB + _RB)):
+            acc[:] = 0
+            am = _F0
+            for b in range(nb):
+                db = d[o, b]
+                am += m[o, b] * xs[b]
+                for j in range(16):
+                    v = qs[o, b * 16 + j]
+                    acc[j] += db * (np.float32(v & _M4) * x[b * 32 + j])
+                    acc[16 + j] += db * (np.float32(v >> _S4) * x[b * 32 + 16 + j])
+            out[o] = _lanes_sum(acc) + am
+
+
+@njit(inline="always", **_JIT)
+def _dec_q4_1(qs, d, m, o, buf):
+    for b in range(d.shape[1]):
+        db = d[o, b]
+        mb = m[o, b]
+        for j in range(16):
+            buf[b * 32 + j] = db * np.float32(qs[o, b * 16 + j] & _M4) + mb
+        for j in range(16):
+            buf[b * 32 + 16 + j] = db * np.float32(qs[o, b * 16 + j] >> _S4) + mb
+
+
+@njit(**_PJIT)
+def gemm_q4_1(qs, d, m, x, out):
+    O, nb = d.shape
+    for c in prange((O + _RB - 1) // _RB):
+        buf = np.empty(nb * 32, np.float32)
+        for o in range(c * _RB, min(O, c * _RB + _RB)):
+            _dec_q4_1(qs, d, m, o, buf)
+            _dot_rows(buf, x, o, out)
+
+
+# ----------------------------------------------------------------------------------------------- Q5_0
+@njit(**_PJIT)
+def gemv_q5_0(qs, qh, d, x, out):
+    # qh: uint8 [O, nb*4], the block's u32 high-bit word as 4 bytes (bit j of the word -> element j).
+    O, nb = d.shape
+    for c in prange((O + _RB - 1) // _RB):
+        acc = np.empty(32, np.float32)
+        for o in range(c * _RB, min(O, c * _RB + _RB)):
+            acc[:] = 0
+            for b in range(nb):
+                db = d[o, b]
+                for j in range(16):
+                    v = qs[o, b * 16 + j]
+                    h0 = (qh[o, b * 4 + (j >> 3)] >> np.uint8(j & 7)) & _U1
+                    h1 = (qh[o, b * 4 + 2 + (j >> 3)] >> np.uint8(j & 7)) & _U1
+                    acc[j] += db * ((np.float32((v & _M4) | (h0 << _S4)) - _F16) * x[b * 32 + j])
+                    acc[16 + j] += db * ((np.float32((v >> _S4) | (h1 << _S4)) - _F16) * x[b * 32 + 16 + j])
+            out[o] = _lanes_sum(acc)
+
+
+@njit(inline="always", **_JIT)
+def _dec_q5_0(qs, qh, d, o, buf):
+    for b in range(d.shape[1]):
+        db = d[o, b]
+        for j in range(16):
+            v = qs[o, b * 16 + j]
+            h0 = (qh[o, b * 4 + (j >> 3)] >> np.uint8(j & 7)) & _U1
+            h1 = (qh[o, b * 4 + 2 + (j >> 3)] >> np.uint8(j & 7)) & _U1
+            buf[b * 32 + j] = db * (np.float32((v & _M4) | (h0 << _S4)) - _F16)
+            buf[b * 32 + 16 + j] = db * (np.float32((v >> _S4) | (h1 << _S4)) - _F16)
+
+
+@njit(**_PJIT)
+def gemm_q5_0(qs, qh, d, x, out):
+    O, nb = d.shape
+    for c in prange((O + _RB - 1) // _RB):
+        buf = np.empty(nb * 32, np.float32)
+        for o in range(c * _RB, min(O, c * _RB + _RB)):
+            _dec_q5_0(qs, qh, d, o, buf)
+            _dot_rows(buf, x, o, out)
+
+
+# ----------------------------------------------------------------------------------------------- Q4_K
+@njit(**_PJIT)
+def gemv_q4_k(qs, sc, mn, d, dm, x, out):
+    # qs uint8 [O, nb*128]; sc, mn uint8 [O, nb*8] (6-bit sub-block scale / min); d, dm f32 [O, nb]
+    O, nb = d.shape
+    xs = _block_sums(x, nb * 8)
+    for c in prange((O + _RB - 1) // _RB):
+        acc = np.empty(32, np.float32)
+        for o in range(c * _RB, min(O, c * _RB + _RB)):
+            acc[:] = 0
+            am = _F0
+            for b in range(nb):
+                db = d[o, b]
+                dmb = dm[o, b]
+                for k in range(4):
+                    s = b * 8 + 2 * k
+                    s0 = db * np.float32(sc[o, s])
+                    s1 = db * np.float32(sc[o, s + 1])
+                    am += dmb * (np.float32(mn[o, s]) * xs[s] + np.float32(mn[o, s + 1]) * xs[s + 1])
+                    q0 = b * 128 + k * 32
+                    x0 = b * 256 + k * 64
+                    for j in range(32):
+                        v = qs[o, q0 + j]
+                        acc[j] += s0 * (np.float32(v & _M4) * x[x0 + j]) + s1 * (np.float32(v >> _S4) * x[x0 + 32 + j])
+            out[o] = _lanes_sum(acc) - am
+
+
+@njit(inline="always", **_JIT)
+def _dec_q4_k(qs, sc, mn, d, dm, o, buf):
+    for b in range(d.shape[1]):
+        db = d[o, b]
+        dmb = dm[o, b]
+        for k in range(4):
+            s = b * 8 + 2 * k
+            s0 = db * np.float32(sc[o, s])
+            s1 = db * np.float32(sc[o, s + 1])
+            m0 = dmb * np.float32(mn[o, s])
+            m1 = dmb * np.float32(mn[o, s + 1])
+            q0 = b * 128 + k * 32
+            x0 = b * 256 + k * 64
+            for j in range(32):
+                buf[x0 + j] = s0 * np.float32(qs[o, q0 + j] & _M4) - m0
+            for j in range(32):
+                buf[x0 + 32 + j] = s1 * np.float32(qs[o, q0 + j] >> _S4) - m1
+
+
+@njit(**_PJIT)
+def gemm_q4_k(qs, sc, mn, d, dm, x, out):
+    O, nb = d.shape
+    for c in prange((O + _RB - 1) // _RB):
+        buf = np.empty(nb * 256, np.float32)
+        for o in range(c * _RB, min(O, c * _RB + _RB)):
+            _dec_q4_k(qs, sc, mn, d, dm, o, buf)
+            _dot_rows(buf, x, o, out)
+
+
+# ----------------------------------------------------------------------------------------------- Q5_K
+@njit(**_PJIT)
+def gemv_q5_k(qs, qh, sc, mn, d, dm, x, out):
+    # as Q4_K plus qh uint8 [O, nb*32]: bit 2k of qh[l] is the high bit of element 64k+l, bit 2k+1 of 64k+32+l
+    O, nb = d.shape
+    xs = _block_sums(x, nb * 8)
+    for c in prange((O + _RB - 1) // _RB):
+        acc = np.empty(32, np.float32)
+        for o in range(c * _RB, min(O, c * _RB + _RB)):
+            acc[:] = 0
+            am = _F0
+            for b in range(nb):
+                db = d[o, b]
+                dmb = dm[o, b]
+                for k in range(4):
+                    s = b * 8 + 2 * k
+                    s0 = db * np.float32(sc[o, s])
+                    s1 = db * np.float32(sc[o, s + 1])
+                    am += dmb * (np.float32(mn[o, s]) * xs[s] + np.float32(mn[o, s + 1]) * xs[s + 1])
+                    q0 = b * 128 + k * 32
+                    h0 = b * 32
+                    x0 = b * 256 + k * 64
+                    sh0 = np.uint8(2 * k)
+                    sh1 = np.uint8(2 * k + 1)
+                    for j in range(32):
+                        v = qs[o, q0 + j]
+                        h = qh[o, h0 + j]
+                        lo = (v & _M4) | (((h >> sh0) & _U1) << _S4)
+                        hi = (v >> _S4) | (((h >> sh1) & _U1) << _S4)
+                        acc[j] += s0 * (np.float32(lo) * x[x0 + j]) + s1 * (np.float32(hi) * x[x0 + 32 + j])
+            out[o] = _lanes_sum(acc) - am
+
+
+@njit(inline="always", **_JIT)
+def _dec_q5_k(qs, qh, sc, mn, d, dm, o, buf):
+    for b in range(d.shape[1]):
+        db = d[o, b]
+        dmb = dm[o, b]
+        for k in range(4):
+            s = b * 8 + 2 * k
+            s0 = db * np.float32(sc[o, s])
+            s1 = db * np.float32(sc[o, s + 1])
+            m0 = dmb * np.float32(mn[o, s])
+            m1 = dmb * np.float32(mn[o, s + 1])
+            q0 = b * 128 + k * 32
+            h0 = b * 32
+            x0 = b * 256 + k * 64
+            sh0 = np.uint8(2 * k)
+            sh1 = np.uint8(2 * k + 1)
+            for j in range(32):
+                v = qs[o, q0 + j]
+                h = qh[o, h0 + j]
+                buf[x0 + j] = s0 * np.float32((v & _M4) | (((h >> sh0) & _U1) << _S4)) - m0
+                buf[x0 + 32 + j] = s1 * np.float32((v >> _S4) | (((h >> sh1) & _U1) << _S4)) - m1
+
+
+@njit(**_PJIT)
+def gemm_q5_k(qs, qh, sc, mn, d, dm, x, out):
+    O, nb = d.shape
+    for c in prange((O + _RB - 1) // _RB):
+        buf = np.empty(nb * 256, np.float32)
+        for o in range(c * _RB, min(O, c * _RB + _RB)):
+            _dec_q5_k(qs, qh, sc, mn, d, dm, o, buf)
+            _dot_rows(buf, x, o, out)
+
+
+# ----------------------------------------------------------------------------------------------- Q6_K
+@njit(**_PJIT)
+def gemv_q6_k(ql, qh, sc, d, x, out):
+    # ql uint8 [O, nb*128], qh uint8 [O, nb*64], sc int8 [O, nb*16] (sub-blocks of 16), d f32 [O, nb]
+    O, nb = d.shape
+    for c in prange((O + _RB - 1) // _RB):
+        acc = np.empty(32, np.float32)
+        for o in range(c * _RB, min(O, c * _RB + _RB)):
+            acc[:] = 0
+            for b in range(nb):
+                db = d[o, b]
+                for n in range(2):
+                    l0 = b * 128 + n * 64
+                    h0 = b * 64 + n * 32
+                    x0 = b * 256 + n * 128
+                    for half in range(2):
+                        s = b * 16 + n * 8 + half
+                        s1 = db * np.float32(sc[o, s])
+                        s2 = db * np.float32(sc[o, s + 2])
+                        s3 = db * np.float32(sc[o, s + 4])
+                        s4 = db * np.float32(sc[o, s + 6])
+                        for l in range(half * 16, half * 16 + 16):
+                            a = ql[o, l0 + l]
+                            bb = ql[o, l0 + 32 + l]
+                            h = qh[o, h0 + l]
+                            q1 = np.float32((a & _M4) | ((h & _U3) << _S4)) - _F32C
+                            q2 = np.float32((bb & _M4) | (((h >> np.uint8(2)) & _U3) << _S4)) - _F32C
+                            q3 = np.float32((a >> _S4) | (((h >> _S4) & _U3) << _S4)) - _F32C
+                            q4 = np.float32((bb >> _S4) | ((h >> np.uint8(6)) << _S4)) - _F32C
+                            acc[l] += (s1 * (q1 * x[x0 + l]) + s2 * (q2 * x[x0 + 32 + l])
+                                       + s3 * (q3 * x[x0 + 64 + l]) + s4 * (q4 * x[x0 + 96 + l]))
+            out[o] = _lanes_sum(acc)
+
+
+@njit(inline="always", **_JIT)
+def _dec_q6_k(ql, qh, sc, d, o, buf):
+    for b in range(d.shape[1]):
+        db = d[o, b]
+        for n in range(2):
+            l0 = b * 128 + n * 64
+            h0 = b * 64 + n * 32
+            x0 = b * 256 + n * 128
+            for half in range(2):
+                s = b * 16 + n * 8 + half
+                s1 = db * np.float32(sc[o, s])
+                s2 = db * np.float32(sc[o, s + 2])
+                s3 = db * np.float32(sc[o, s + 4])
+                s4 = db * np.float32(sc[o, s + 6])
+                for l in range(half * 16, half * 16 + 16):
+                    a = ql[o, l0 + l]
+                    bb = ql[o, l0 + 32 + l]
+                    h = qh[o, h0 + l]
+                    buf[x0 + l] = s1 * (np.float32((a & _M4) | ((h & _U3) << _S4)) - _F32C)
+                    buf[x0 + 32 + l] = s2 * (np.float32((bb & _M4) | (((h >> np.uint8(2)) & _U3) << _S4)) - _F32C)
+                    buf[x0 + 64 + l] = s3 * (np.float32((a >> _S4) | (((h >> _S4) & _U3) << _S4)) - _F32C)
+                    buf[x0 + 96 + l] = s4 * (np.float32((bb >> _S4) | ((h >> np.uint8(6)) << _S4)) - _F32C)
+
+
+@njit(**_PJIT)
+def gemm_q6_k(ql, qh, sc, d, x, out):
+    O, nb = d.shape
+    for c in prange((O + _RB - 1) // _RB):
+        buf = np.empty(nb * 256, np.float32)
+        for o in range(c * _RB, min(O, c * _RB + _RB)):
+            _dec_q6_k(ql, qh, sc, d, o, buf)
+            _dot_rows(buf, x, o, out)
+
+
+# ----------------------------------------------------------------------------------------------- MXFP4
+@njit(**_PJIT)
+def gemv_mxfp4(qs, d, kv, x, out):
+    # qs uint8 [O, nb*16]; d f32 [O, nb] = E8M0 scale halved (ggml_e8m0_to_fp32_half); kv f32 [16] doubled e2m1
+    O, nb = d.shape
+    for c in prange((O + _RB - 1) // _RB):
+        acc = np.empty(32, np.float32)
+        for o in range(c * _RB, min(O, c * _RB + _RB)):
+            acc[:] = 0
+            for b in range(nb):
+                db = d[o, b]
+                for j in range(16):
+                    v = qs[o, b * 16 + j]
+                    acc[j] += db * (kv[v & _M4] * x[b * 32 + j])
+                    acc[16 + j] += db * (kv[v >> _S4] * x[b * 32 + 16 + j])
+            out[o] = _lanes_sum(acc)
+
+
+@njit(inline="always", **_JIT)
+def _dec_mxfp4(qs, d, kv, o, buf):
+    for b in range(d.shape[1]):
+        db = d[o, b]
+        for j in range(16):
+            v = qs[o, b * 16 + j]
+            buf[b * 32 + j] = db * kv[v & _M4]
+            buf[b * 32 + 16 + j] = db * kv[v >> _S4]
+
+
+@njit(**_PJIT)
+def gemm_mxfp4(qs, d, kv, x, out):
+    O, nb = d.shape
+    for c in prange((O + _RB - 1) // _RB):
+        buf = np.empty(nb * 32, np.float32)
+        for o in range(c * _RB, min(O, c * _RB + _RB)):
+            _dec_mxfp4(qs, d, kv, o, buf)
+            _dot_rows(buf, x, o, out)
+
+
+# ----------------------------------------------------------------------------------------------- int8 activations
+@njit(nogil=True, cache=True)
+def _quantize_act(x, xq, xd):
+    """Per 32 activations: d = amax/127 (f32), q = rint(x * (1/d)) (round half to even), as llama.cpp's
+    ``quantize_row_q8_0`` (ggml-quants.c) except that d stays f32. x f32 [T, I] -> xq f32 [T, I] holding the
+    int8 codes, xd f32 [T, I//32]. No fastmath: the NumPy model in the tests reproduces it bit for bit."""
+    T, I = x.shape
+    for t in range(T):
+        for b in range(I // 32):
+            amax = np.float32(0.0)
+            for j in range(32):
+                a = abs(x[t, b * 32 + j])
+                if a > amax:
+                    amax = a
+            d = amax / np.float32(127.0)
+            idv = np.float32(1.0) / d if d != np.float32(0.0) else np.float32(0.0)
+            xd[t, b] = d
+            for j in range(32):
+                xq[t, b * 32 + j] = np.rint(x[t, b * 32 + j] * idv)
+
+
+def quantize_act_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Quantize activations to int8 per block of 32 (llama.cpp's Q8 activations, f32 block scale).
+
+    x: f32 [T, I] with I % 32 == 0. Returns (q int8 [T, I], d f32 [T, I//32]); x ~= q * d per block.
+    """
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    xq = np.empty_like(x)
+    xd = np.empty((x.shape[0], x.shape[1] // 32), np.float32)
+    _quantize_act(x, xq, xd)
+    return xq.astype(np.int8), xd
+
+
+# ----------------------------------------------------------------------------------------------- packing
+def _f16(a: np.ndarray) -> np.ndarray:
+    """uint8 [..., 2] little-endian f16 bytes -> f32 [...]."""
+    return np.ascontiguousarray(a).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _blocks(raw: np.ndarray, O: int, nb: int, bpb: int) -> np.ndarray:
+    return raw.reshape(O, nb, bpb)
+
+
+def _c(a: np.ndarray, O: int) -> np.ndarray:
+    return np.ascontiguousarray(a).reshape(O, -1)
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Unpack K-quant 12-byte scales (uint8 [..., 12]) into 8 sub-block scales and mins (uint8 [..., 8]) each,
+    as ``get_scale_min_k4`` in ggml-quants.c."""
+    q = scales.astype(np.uint8)
+    sc = np.empty(q.shape[:-1] + (8,), np.uint8)
+    mn = np.empty_like(sc)
+    sc[..., :4] = q[..., 0:4] & 63
+    mn[..., :4] = q[..., 4:8] & 63
+    sc[..., 4:] = (q[..., 8:12] & 0x0F) | ((q[..., 0:4] >> 6) << 4)
+    mn[..., 4:] = (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)
+    return sc, mn
+
+
+def _pack_f32(raw, O, I):
+    return (np.ascontiguousarray(raw).view(np.float32).reshape(O, I),)
+
+
+def _pack_u16(raw, O, I):
+    return (np.ascontiguousarray(raw).view(np.uint16).reshape(O, I),)
+
+
+def _pack_q8_0(raw, O, I):
+    b = _blocks(raw, O, I // 32, 34)
+    return _c(b[:, :, 2:], O).view(np.int8), _c(_f16(b[:, :, 0:2]), O)
+
+
+def _pack_q4_0(raw, O, I):
+    b = _blocks(raw, O, I // 32, 18)
+    return _c(b[:, :, 2:], O), _c(_f16(b[:, :, 0:2]), O)
+
+
+def _pack_q4_1(raw, O, I):
+    b = _blocks(raw, O, I // 32, 20)
+    return _c(b[:, :, 4:], O), _c(_f16(b[:, :, 0:2]), O), _c(_f16(b[:, :, 2:4]), O)
+
+
+def _pack_q5_0(raw, O, I):
+    b = _blocks(raw, O, I // 32, 22)
+    return _c(b[:, :, 6:], O), _c(b[:, :, 2:6], O), _c(_f16(b[:, :, 0:2]), O)
+
+
+def _pack_q4_k(raw, O, I):
+    b = _blocks(raw, O, I // 256, 144)
+    sc, mn = _k_scales(b[:, :, 4:16])
+    return (_c(b[:, :, 16:], O), _c(sc, O), _c(mn, O), _c(_f16(b[:, :, 0:2]), O), _c(_f16(b[:, :, 2:4]), O))
+
+
+def _pack_q5_k(raw, O, I):
+    b = _blocks(raw, O, I // 256, 176)
+    sc, mn = _k_scales(b[:, :, 4:16])
+    return (_c(b[:, :, 48:], O), _c(b[:, :, 16:48], O), _c(sc, O), _c(mn, O),
+            _c(_f16(b[:, :, 0:2]), O), _c(_f16(b[:, :, 2:4]), O))
+
+
+def _pack_q6_k(raw, O, I):
+    b = _blocks(raw, O, I // 256, 210)
+    return (_c(b[:, :, 0:128], O), _c(b[:, :, 128:192], O), _c(b[:, :, 192:208], O).view(np.int8),
+            _c(_f16(b[:, :, 208:210]), O))
+
+
+def _pack_mxfp4(raw, O, I):
+    b = _blocks(raw, O, I // 32, 17)
+    d = gq.MXFP4.e8m0_to_fp32_half(np.ascontiguousarray(b[:, :, 0]))
+    return _c(b[:, :, 1:], O), _c(d, O), _MXFP4_K
+
+
+# ----------------------------------------------------------------------------------------------- registry
+def _reference(qtype):
+    def ref(raw: np.ndarray, shape) -> np.ndarray:
+        O, I = shape
+        if qtype == QT.F32:
+            return np.ascontiguousarray(raw).view(np.float32).reshape(O, I).copy()
+        return gq.dequantize(np.ascontiguousarray(raw), qtype).reshape(O, I).astype(np.float32)
+
+    ref.__doc__ = f"NumPy reference: gguf.quants.dequantize(raw uint8 [O, row_bytes], {qtype.name}) -> f32 [O, I]."
+    return ref
+
+
+@dataclass(frozen=True)
+class Format:
+    """One weight format: GGUF type name and enum, block size (weights) and bytes per block, the NumPy
+    reference decoder, the repacker, the Numba GEMV and GEMM, and the Vulkan shader name (shaders/<name>.comp)."""
+
+    name: str
+    qtype: QT
+    block_size: int
+    type_size: int
+    reference: Callable
+    pack: Callable
+    gemv: Callable
+    gemm: Callable
+    shader: str
+    int8: bool  # act="int8" changes the arithmetic (activations rounded per 32) for this format
+
+
+def _row(name, bs, ts, pack, gemv, gemm, shader, int8):
+    qt = QT[name]
+    assert gq.GGML_QUANT_SIZES[qt] == (bs, ts), name
+    return name, Format(name, qt, bs, ts, _reference(qt), pack, gemv, gemm, shader, int8)
+
+
+FORMATS: dict[str, Format] = dict([
+    _row("F32", 1, 4, _pack_f32, gemv_f32, gemm_f32, "f32", False),
+    _row("F16", 1, 2, _pack_u16, gemv_f16, gemm_f16, "f16", False),
+    _row("BF16", 1, 2, _pack_u16, gemv_bf16, gemm_bf16, "bf16", False),
+    _row("Q8_0", 32, 34, _pack_q8_0, gemv_q8_0, gemm_q8_0, "q8_0", True),
+    _row("Q4_0", 32, 18, _pack_q4_0, gemv_q4_0, gemm_q4_0, "q4_0", True),
+    _row("Q4_1", 32, 20, _pack_q4_1, gemv_q4_1, gemm_q4_1, "q4_1", True),
+    _row("Q5_0", 32, 22, _pack_q5_0, gemv_q5_0, gemm_q5_0, "q5_0", True),
+    _row("Q4_K", 256, 144, _pack_q4_k, gemv_q4_k, gemm_q4_k, "q4_k", True),
+    _row("Q5_K", 256, 176, _pack_q5_k, gemv_q5_k, gemm_q5_k, "q5_k", True),
+    _row("Q6_K", 256, 210, _pack_q6_k, gemv_q6_k, gemm_q6_k, "q6_k", True),
+    _row("MXFP4", 32, 17, _pack_mxfp4, gemv_mxfp4, gemm_mxfp4, "mxfp4", True),
+])
+
+#: Activation rows up to which ``matmul`` runs the GEMV once per row instead of the GEMM (measured).
+GEMV_MAX_T = 2
+
+
+class Weight:
+    """A weight matrix [O, I] ready for ``matmul``: the format row, the shape and the packed kernel arrays.
+
+    ``nbytes``: bytes the packed arrays hold (what the kernels stream per GEMV). ``file_nbytes``: bytes in the
+    GGUF file (O * row_bytes).
+    """
+
+    __slots__ = ("fmt", "name", "shape", "arrays", "nbytes", "file_nbytes", "gemv", "gemm", "int8")
+
+    def __init__(self, fmt: Format, shape, arrays):
+        self.fmt = fmt
+        self.name = fmt.name
+        self.shape = shape
+        self.arrays = arrays
+        self.nbytes = int(sum(a.nbytes for a in arrays if a is not _MXFP4_K))
+        self.file_nbytes = shape[0] * shape[1] // fmt.block_size * fmt.type_size
+        self.gemv = fmt.gemv
+        self.gemm = fmt.gemm
+        self.int8 = fmt.int8
+
+    def __repr__(self):
+        return f"Weight({self.name}, {self.shape}, {self.nbytes} B)"
+
+
+def prepare(type_name: str, raw: np.ndarray, shape) -> Weight:
+    """Repack a GGUF tensor for the CPU kernels.
+
+    type_name: GGUF type name ("Q4_K", "F32", ...). raw: uint8 [O, row_bytes] (a view of the file is fine; it is
+    copied into the kernel layout). shape: (O, I) in NumPy order.
+    Raises ColiError for an unknown type, an inner size that is not a whole number of blocks, or a byte count
+    that does not match the shape.
+    """
+    fmt = FORMATS.get(type_name)
+    if fmt is None:
+        raise ColiError(f"tensor type {type_name!r}: not supported by the CPU kernels "
+                        f"(supported: {', '.join(FORMATS)})")
+    O, I = int(shape[0]), int(shape[1])
+    if I % fmt.block_size:
+        raise ColiError(f"{type_name} tensor of shape {(O, I)}: inner size {I} is not a multiple of the "
+                        f"block size {fmt.block_size}")
+    row_bytes = I // fmt.block_size * fmt.type_size
+    raw = np.asarray(raw)
+    if raw.dtype != np.uint8 or raw.size != O * row_bytes:
+        raise ColiError(f"{type_name} tensor of shape {(O, I)}: raw data is {raw.dtype} with {raw.size} elements, "
+                        f"expected uint8 [{O}, {row_bytes}]")
+    raw = raw.reshape(O, row_bytes)
+    return Weight(fmt, (O, I), fmt.pack(raw, O, I))
+
+
+def matmul(w: Weight, x: np.ndarray, act: str | None = None) -> np.ndarray:
+    """y = x @ W.T.
+
+    w: a prepared Weight [O, I]; x: f32 [T, I] (or [I], treated as T = 1), C-contiguous.
+    act: "f32" (exact f32 activations) or "int8" (activations rounded per 32 to int8 as llama.cpp's Q8 blocks,
+    ``quantize_act_int8``; for F32/F16/BF16 weights act is ignored and f32 is used). None -> ``DEFAULT_ACT``.
+    Returns f32 [T, O]. GEMV per row for T <= GEMV_MAX_T, blocked GEMM above.
+    """
+    if x.ndim == 1:
+        x = x.reshape(1, -1)
+    if x.dtype != np.float32 or not x.flags.c_contiguous:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+    T = x.shape[0]
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"matmul: x has {x.shape[1]} columns, weight {w.name} {w.shape} expects {w.shape[1]}")
+    if act is None:
+        act = DEFAULT_ACT
+    if act != "f32":
+        if act != "int8":
+            raise ColiError(f"act {act!r}: expected 'f32' or 'int8'")
+        if w.int8:
+            xq = np.empty_like(x)
+            xd = np.empty((T, x.shape[1] // 32), np.float32)
+            _quantize_act(x, xq, xd)
+            x = (xq.reshape(T, -1, 32) * xd[:, :, None]).reshape(T, -1)
+    out = np.empty((T, w.shape[0]), np.float32)
+    if T <= GEMV_MAX_T:
+        for t in range(T):
+            w.gemv(*w.arrays, x[t], out[t])
+    else:
+        w.gemm(*w.arrays, x, out)
+    return out
