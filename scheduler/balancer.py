@@ -20,7 +20,9 @@ Model: per-row costs ``a`` (device, ms/row) and ``b`` (CPU, ms/row), each an exp
 pairs in a step, the device finishing ``d`` of them at ``d·a`` and the CPU the others at ``(N-d)·b``, both
 sides finish together at ``d* = N·b / (a + b)``; the target share is ``s* = d* / resident_rows``, clamped
 to ``[floor, 1]`` (floor 0.05: the device keeps a few rows so its cost stays measured). The share moves
-a fraction ``gain`` (0.5) of the way to ``s*`` each step: with steady costs the error halves every step.
+a fraction ``gain`` (0.5) of the way to ``s*`` each step: with steady costs the error halves every step;
+in a step whose join waited more than ``wait_tol`` (10%) of the device time it never goes up (the device
+was the slower side whatever the estimates say).
 Before any CPU row was measured (share 1, every pair resident) there is no ``b``: then each step whose
 join waited more than ``wait_tol`` (10%) of the device time lowers the share by ``probe`` (0.1), which
 gives the CPU rows to measure.
@@ -56,7 +58,7 @@ class Balancer:
     """
 
     def __init__(self, enabled: bool = True, floor: float = 0.05, alpha: float = 0.3, gain: float = 0.5,
-                 probe: float = 0.1, wait_tol: float = 0.1):
+                 probe: float = 0.1, wait_tol: float = 0.1, measure_every: int = 16):
         if not 0.0 < floor <= 1.0:
             raise ValueError(f"balancer floor {floor} is not in (0, 1]")
         self.enabled = enabled
@@ -65,6 +67,9 @@ class Balancer:
         self.gain = gain
         self.probe = probe
         self.wait_tol = wait_tol
+        self.measure_every = int(measure_every)
+        self._zero_calls = 0
+        self._full_calls = 0
         self.share = 1.0
         self.a_ms: float | None = None
         self.b_ms: float | None = None
@@ -92,15 +97,18 @@ class Balancer:
             return self.share
         d_star = n * self.b_ms / (self.a_ms + self.b_ms)
         self.target = min(1.0, max(self.floor, d_star / t.resident_rows))
-        self.share = min(1.0, max(self.floor, self.share + self.gain * (self.target - self.share)))
+        new = self.share + self.gain * (self.target - self.share)
+        if t.device_ms > 0 and t.waited_ms > self.wait_tol * t.device_ms:
+            new = min(new, self.share)      # the join waited: the device was the slower side, never raise
+        self.share = min(1.0, max(self.floor, new))
         return self.share
 
     def device_rows(self, resident_rows: int) -> int:
         """How many of ``resident_rows`` the device keeps at the current share: ``share · rows`` rounded
-        half up, at least 1 (so the device's cost stays measured) and at most ``resident_rows``."""
+        half up (0 to ``resident_rows``)."""
         if not self.enabled or resident_rows <= 0:
             return max(0, int(resident_rows))
-        return min(int(resident_rows), max(1, int(math.floor(self.share * resident_rows + 0.5))))
+        return min(int(resident_rows), int(math.floor(self.share * resident_rows + 0.5)))
 
     def keep(self, rows: np.ndarray, movable: np.ndarray) -> np.ndarray:
         """Which of a step's resident experts the device keeps.
@@ -108,14 +116,29 @@ class Balancer:
         ``rows``: int [n] the step's rows per resident expert; ``movable``: bool [n], True where the CPU also
         holds the expert in RAM. Returns bool [n]: every non-movable expert is kept; movable ones are kept,
         most rows first (ties: lower position first), while the kept rows are below
-        ``device_rows(rows.sum())``; the others go to the CPU.
+        ``device_rows(rows.sum())``; the others go to the CPU. When that is 0 rows (a small step at a low
+        share), every ``measure_every``-th call (16) keeps 1 row anyway, so the device's cost stays
+        measured without the device taking a row (and its batch latency) every step; symmetrically, when
+        the share (below 1) rounds to every row, every 16th such call hands the CPU the movable expert with
+        the fewest rows, so a stale CPU cost is measured again.
         """
         rows = np.asarray(rows, dtype=np.int64)
         movable = np.asarray(movable, dtype=bool)
         keep = ~movable
         if not self.enabled or self.share >= 1.0 or not movable.any():
             return np.ones(len(rows), dtype=bool)
-        want = self.device_rows(int(rows.sum()))
+        total = int(rows.sum())
+        want = self.device_rows(total)
+        if want == 0:
+            self._zero_calls += 1
+            if self._zero_calls % self.measure_every == 1 or self.measure_every <= 1:
+                want = 1
+        elif want >= total:
+            self._full_calls += 1
+            if self._full_calls % self.measure_every == 0:
+                # the CPU would get none of these rows: every measure_every-th time it takes the smallest
+                # movable expert, so its cost is measured again (a first cold measurement can't stick)
+                want = total - int(rows[movable].min())
         have = int(rows[keep].sum())
         idx = np.flatnonzero(movable)
         order = idx[np.lexsort((idx, -rows[idx]))]

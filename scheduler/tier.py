@@ -94,16 +94,24 @@ class DeviceMemory:
 
     @classmethod
     def of(cls, dev) -> "DeviceMemory":
-        """From a DeviceMemory, a mapping or any object with ``name``, ``kind`` (or ``device_type``),
-        ``heap_bytes`` and optionally ``budget_free`` (ValueError naming the missing field)."""
+        """From a DeviceMemory; from coli.vulkan's ``Device`` (``name``, ``type_name``, ``heaps`` [(bytes,
+        device_local)], optional ``budget_free``: the biggest device-local heap); or from a mapping / object
+        with ``name``, ``kind`` (or ``device_type``), ``heap_bytes``, optional ``budget_free``.
+        ValueError naming what is missing."""
         if isinstance(dev, cls):
             return dev
         get = dev.get if isinstance(dev, dict) else (lambda k, d=None: getattr(dev, k, d))
-        kind = get("kind") or get("device_type")
-        heap = get("heap_bytes")
+        heaps = get("heaps")
+        if heaps and get("type_name") is not None:
+            dl = [int(sz) for sz, local in heaps if local] or [int(sz) for sz, _ in heaps]
+            kind, heap = get("type_name"), max(dl)
+        else:
+            kind = get("kind") or get("device_type")
+            heap = get("heap_bytes")
         if kind is None or heap is None:
-            raise ValueError("device memory info needs 'kind' (or 'device_type') and 'heap_bytes'")
-        kind = str(kind).lower().replace("_gpu", "").replace("vk_physical_device_type_", "")
+            raise ValueError("device memory info needs 'kind' (or 'device_type' / 'type_name') and "
+                             "'heap_bytes' (or 'heaps')")
+        kind = str(kind).lower().replace("vk_physical_device_type_", "").replace("_gpu", "")
         free = get("budget_free")
         return cls(str(get("name", "") or ""), kind, int(heap), None if free is None else int(free))
 
@@ -143,6 +151,9 @@ def budget_bytes(device_info, ram_cache_bytes: int, dense_bytes: int, env=None,
     b = max(0, left // 4 - 2 * GiB)
     words = (f"shared RAM: a quarter of what the expert cache leaves ({available / GiB:.2f} GiB available"
              f" - {ram_cache_bytes / GiB:.2f} GiB cache - {dense_bytes / GiB:.2f} GiB dense) less 2 GiB")
+    if d.heap_bytes and b > d.heap_bytes:
+        b = d.heap_bytes
+        words += f", capped at the device's {d.heap_bytes / GiB:.2f} GiB heap"
     return b, words
 
 
@@ -189,6 +200,11 @@ def warm_plan(counts: np.ndarray, capacity: int, fill: bool = True,
     return plan, len(named)
 
 
+def _mib(n: int) -> str:
+    x = n / MiB
+    return f"{x:.1f}" if x >= 10 else f"{x:.2f}" if x >= 0.1 else f"{x:.3g}"
+
+
 def _expert_nbytes(arrays) -> int:
     return int(sum(np.asarray(raw).nbytes for (_t, raw, _s) in arrays))
 
@@ -197,9 +213,16 @@ def _expert_nbytes(arrays) -> int:
 # The tier
 
 def _pool_stats(device) -> tuple[int | None, float | None]:
-    """(blocks, frag) of the device's expert memory pool, when the device exposes a block allocator as
-    ``expert_pool`` / ``pool`` / ``alloc`` (coli/vulkan/alloc.py's BlockAllocator: ``.blocks``,
+    """(blocks, frag) of the device's expert memory: ``device.memory_stats()`` (coli.vulkan's Device:
+    ``{"blocks", "frag", ...}``), or a block allocator as ``expert_pool`` / ``pool`` / ``alloc`` (``.blocks``,
     ``.frag()``); (None, None) otherwise."""
+    ms = getattr(device, "memory_stats", None)
+    if callable(ms):
+        try:
+            m = ms()
+            return int(m["blocks"]), float(m["frag"])
+        except Exception:
+            pass
     for name in ("expert_pool", "pool", "alloc", "allocator"):
         a = getattr(device, name, None)
         if a is not None and hasattr(a, "blocks") and hasattr(a, "frag"):
@@ -209,6 +232,20 @@ def _pool_stats(device) -> tuple[int | None, float | None]:
             except Exception:
                 return None, None
     return None, None
+
+
+def _movable(cache):
+    """``in_ram(layer, e)`` for the balancer from the RAM cache: the expert is in RAM, or the cache has a
+    free slot in that layer (handing it to the CPU then costs one read through the I/O pool, after which
+    the CPU holds it: the cache never evicts for it). The second case is coli's: the warm start fills the
+    device before any expert passed by the CPU, so on a device slower than the CPU (Lavapipe, an iGPU at
+    its floor clock) nothing would ever be in RAM to hand back. None without a cache."""
+    if cache is None:
+        return None
+    lru, slots = getattr(cache, "lru", None), getattr(cache, "slots", None)
+    if lru is None or slots is None:
+        return cache.in_ram
+    return lambda l, e: cache.in_ram(l, e) or len(lru[l]) < slots
 
 
 def _dense_bytes(g) -> int:
@@ -337,6 +374,10 @@ class Tier:
         self.handed_rows = 0
         self.batches = 0
 
+        # coli.vulkan's Device is not thread-safe (one queue, shared staging): every device call of the
+        # engine thread and the uploader thread holds this lock (a join holds it while it waits, so an
+        # upload waits for the join; uploads overlap the CPU's work between issue and join)
+        self._dev_lock = threading.Lock()
         # uploader thread state (guarded by _lock)
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -375,7 +416,7 @@ class Tier:
             info = DeviceMemory(str(getattr(dev, "name", "device")), "other", 0)
         budget, rule = budget_bytes(info, ram_bytes, _dense_bytes(eng.g), env=env)
         counts = eng.usage.counts.copy() if eng.usage is not None and eng.usage.loaded else None
-        own = bool(getattr(dev, "own_queue", False))
+        own = bool(getattr(dev, "own_queue", getattr(dev, "dedicated_compute_queue", False)))
         t = cls(dev, eng.path.name, eng.args.n_layers, E, per, budget, rule, counts=counts,
                 balancer=Balancer(enabled=bool(balance)), trace=eng.trace, device_name=info.name or "",
                 own_queue=own, env=env, log=log, moe_layers=layers, auto_tokens=True, ram=eng.cache)
@@ -393,7 +434,7 @@ class Tier:
         """``[VK] tier <model>: on, <device>, budget B GiB = N experts of S MiB, <rule>, own queue|shared
         queue, up to R promotions per token, balanced against the CPU|not balanced`` (issue #4 item 5)."""
         return (f"[VK] tier {self.model}: on, {self.device_name}, budget {self.budget / GiB:.2f} GiB = "
-                f"{self.budget_experts} experts of {self.expert_bytes / MiB:.1f} MiB, {self.rule}, "
+                f"{self.budget_experts} experts of {_mib(self.expert_bytes)} MiB, {self.rule}, "
                 f"{'own queue' if self.own_queue else 'shared queue'}, up to {self.rate} promotions per token, "
                 f"{'balanced against the CPU' if self.balancer.enabled else 'not balanced'}")
 
@@ -502,13 +543,13 @@ class Tier:
             handles = [self.resident[k] for k in keys]
         except KeyError as err:
             raise ValueError(f"issue: expert {err.args[0]} is not resident (use split()'s device experts)") from None
-        t = host_ns()
         try:
-            batch = self.device.submit_experts(x, np.asarray(pair_rows, dtype=np.int32).reshape(-1), handles)
+            with self._dev_lock:
+                batch = self.device.submit_experts(x, np.asarray(pair_rows, dtype=np.int32).reshape(-1), handles)
         except Exception as err:
             self.off(f"the device failed a submit ({type(err).__name__}: {err})")
             raise
-        iss = Issued(layer, frozenset(keys), batch, len(keys), t)
+        iss = Issued(layer, frozenset(keys), batch, len(keys), host_ns())   # the CPU's share starts here
         self._inflight.append(iss)
         return iss
 
@@ -525,7 +566,8 @@ class Tier:
         re-raised: the caller recomputes the batch's pairs on the CPU."""
         t1 = host_ns()
         try:
-            out = iss.batch.join()
+            with self._dev_lock:
+                out = iss.batch.join()
         except Exception as err:
             self._release(iss)
             self.off(f"the device failed a join ({type(err).__name__}: {err})")
@@ -568,7 +610,7 @@ class Tier:
         self.settle()
         experts = np.fromiter(groups.keys(), dtype=np.int64, count=len(groups))
         rows = np.fromiter((len(groups[int(e)]) for e in experts), dtype=np.int64, count=len(groups))
-        dev_e, cpu_e = self.split(layer, experts, rows, cache.in_ram if cache is not None else None)
+        dev_e, cpu_e = self.split(layer, experts, rows, _movable(cache))
         if dev_e.size == 0:
             return [int(e) for e in cpu_e], None
         pair_ids = np.concatenate([np.asarray(groups[int(e)], dtype=np.int64) for e in dev_e])
@@ -660,7 +702,8 @@ class Tier:
                             break
                 if job.evict is not None and self.on:
                     try:
-                        self.device.free_expert(job.evict)
+                        with self._dev_lock:
+                            self.device.free_expert(job.evict)
                     except Exception:
                         pass  # the device is gone: the next join reports it and turns the tier off
                 if self._stop.is_set() or not self.on:
@@ -670,7 +713,8 @@ class Tier:
                 t0 = host_ns()
                 nb = _expert_nbytes(job.arrays)
                 try:
-                    h = self.device.upload_expert(*job.arrays)
+                    with self._dev_lock:
+                        h = self.device.upload_expert(*job.arrays)
                 except Exception as err:
                     with self._cond:
                         self.failed += 1
@@ -722,7 +766,8 @@ class Tier:
                 if failed == 0:
                     ts = host_ns()
                     try:
-                        h = self.device.upload_expert(*arrays)
+                        with self._dev_lock:
+                            h = self.device.upload_expert(*arrays)
                     except Exception:
                         failed += 1
                         self.failed += 1
@@ -790,7 +835,8 @@ class Tier:
             self._say(self.run_line(getattr(self.ram, "hits", 0), getattr(self.ram, "loads", 0), bl, fr))
         if free and self.on:
             for h in self.resident.values():
-                self.device.free_expert(h)
+                with self._dev_lock:
+                    self.device.free_expert(h)
             self.resident.clear()
             self.resident_bytes.clear()
             self.mask[:] = False

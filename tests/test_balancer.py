@@ -27,7 +27,10 @@ def test_never_below_floor_and_takes_rows_back():
         assert b.share >= 0.05
     assert b.share == pytest.approx(0.05, abs=1e-3)
     assert b.device_rows(24) == 1                          # round(0.05 * 24) = 1
-    assert b.device_rows(4) == 1                           # never below one row
+    assert b.device_rows(4) == 0                           # round(0.2) = 0
+    # a 4-row step at the floor: the device keeps 1 row on the 1st, 17th, 33rd... call only
+    kept = [int(b.keep(np.ones(4, np.int64), np.ones(4, bool)).sum()) for _ in range(33)]
+    assert kept == [1] + [0] * 15 + [1] + [0] * 15 + [1]
     for _ in range(40):                                    # then the device is fast: all rows back
         b.update(StepTimes(device_ms=0.1, device_rows=2, cpu_ms=30.0, cpu_rows=30, waited_ms=0.0,
                            resident_rows=24))

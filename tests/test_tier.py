@@ -119,7 +119,7 @@ def test_experts_per_budget_and_start_line():
     t2 = Tier(RecordingDevice(), "olmoe", 2, 8, 3 * 1024 * 1024, 10 * 1024 * 1024 + 5, "COLI_VK_TIER_GB=0.01",
               env={}, log=io.StringIO(), device_name="llvmpipe")
     assert t.capacity == 4 and t2.capacity == 3
-    assert t2.start_line() == ("[VK] tier olmoe: on, llvmpipe, budget 0.01 GiB = 3 experts of 3.0 MiB, "
+    assert t2.start_line() == ("[VK] tier olmoe: on, llvmpipe, budget 0.01 GiB = 3 experts of 3.00 MiB, "
                                "COLI_VK_TIER_GB=0.01, shared queue, up to 16 promotions per token, balanced "
                                "against the CPU")
     t.close(), t2.close()
