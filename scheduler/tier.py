@@ -319,6 +319,7 @@ class Tier:
         self.moe_layers = list(range(self.L)) if moe_layers is None else [int(l) for l in moe_layers]
         self.auto_tokens = auto_tokens
         self._last_layer = None
+        self._explicit = False
         self.ram = ram
         self.expert_bytes = int(expert_bytes)
         self.budget = int(budget)
@@ -466,7 +467,13 @@ class Tier:
     # ----- tokens and heat
     def begin_token(self, n_tokens: int = 1) -> None:
         """Start a forward of ``n_tokens`` tokens: halve the heat once for each 1024-token boundary the
-        completed tokens crossed, and give the forward ``rate × n_tokens`` promotions."""
+        completed tokens crossed, and give the forward ``rate × n_tokens`` promotions. With
+        ``auto_tokens`` an explicit call is taken as the next forward's start (the forward's first
+        :meth:`issue_step` then does not count it again)."""
+        self._begin(n_tokens)
+        self._explicit = True
+
+    def _begin(self, n_tokens: int) -> None:
         h = self.tokens // HEAT_HALF_TOKENS
         if h > self._halvings:
             self.heat *= 0.5 ** (h - self._halvings)
@@ -605,7 +612,10 @@ class Tier:
         the step calls :meth:`join_step`. A device error at submit turns the tier off and gives the CPU
         every expert."""
         if self.auto_tokens and (self._last_layer is None or layer <= self._last_layer):
-            self.begin_token(int(x.shape[0]))
+            if self._explicit:
+                self._explicit = False          # begin_token() was called for this forward already
+            else:
+                self._begin(int(x.shape[0]))
         self._last_layer = layer
         self.settle()
         experts = np.fromiter(groups.keys(), dtype=np.int64, count=len(groups))

@@ -71,7 +71,7 @@ def one_run(Engine, model, arm, args, usage_copy):
         if kw.get("device") and getattr(eng, "tier", None) is None:
             sys.exit(f"bench_tier: arm {arm}: the engine opened no device tier (see the [VK] line above)")
         load_s = time.perf_counter() - t0
-        r = eng.generate(args.prompt, max_tokens=args.tokens, temp=0.0)
+        r = eng.generate(args.prompt, max_tokens=args.tokens, temp=0.0, stop_at_eos=False)
         st = dict(r.stats)
         out = {"arm": arm, "decode_tps": st.get("decode_tps", 0.0), "prefill_tps": st.get("prefill_tps", 0.0),
                "load_s": load_s, "ids": list(r.ids)}
@@ -152,9 +152,9 @@ def main(argv=None) -> int:
         print("greedy tokens equal to the CPU-only run: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in same.items()))
     if "balanced" in med:
         others = [med[x]["tps"] for x in ("cpu", "tier") if x in med]
-        if others:
+        if others and max(others) > 0:
             print(f"balanced / best of the others: {med['balanced']['tps'] / max(others):.3f}")
-    if "tier" in med and "cpu" in med:
+    if "tier" in med and "cpu" in med and med["cpu"]["tps"] > 0:
         print(f"tier / cpu: {med['tier']['tps'] / med['cpu']['tps']:.3f}")
     if a.json:
         Path(a.json).write_text(json.dumps({"runs": runs, "medians": med, "args": vars(a)}, indent=1))

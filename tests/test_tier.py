@@ -355,3 +355,20 @@ def test_split_without_in_ram_keeps_every_resident_expert_on_the_device():
     d, c = t.split(0, np.arange(4), np.ones(4, np.int64))
     assert list(d) == [0, 1, 2] and list(c) == [3] and t.handed_rows == 0
     t.close()
+
+
+def test_auto_tokens_and_explicit_begin_token_count_a_forward_once():
+    t, dev, _ = make(cap=4, L=2, E=8)
+    t.auto_tokens = True
+    groups = {0: np.array([0]), 1: np.array([1])}
+    x = np.zeros((5, 4), np.float32)
+    t.issue_step(0, x, groups, None, 1)          # a 5-token prompt forward: auto
+    t.issue_step(1, x, groups, None, 1)
+    assert t.tokens == 5 and t.rate_left == 80
+    t.begin_token()                              # the engine's decode step says so itself
+    t.issue_step(0, x[:1], groups, None, 1)
+    t.issue_step(1, x[:1], groups, None, 1)
+    assert t.tokens == 6 and t.rate_left == 16
+    t.issue_step(0, x[:1], groups, None, 1)      # a forward without the explicit call: auto again
+    assert t.tokens == 7
+    t.close()
