@@ -1,7 +1,8 @@
 #version 460
 // Per-row GEMV of the expert op and of the plain matmul (coli/vulkan/device.py): a subgroup owns one
 // output row at a time, its lanes stride over the row's 32-element units and keep one accumulator per
-// activation row (up to MAXR rows share each decoded weight), then subgroupAdd. A row's result does not
+// activation row (up to MAXR rows share each decoded weight; the host cuts a
+// group of up to 15 rows into chunks of MAXR, all through this one pipeline), then subgroupAdd. A row's result does not
 // depend on how many rows share the dispatch: each row has its own accumulator and the same order.
 // Correct at any subgroup size (loops over gl_NumSubgroups / gl_SubgroupSize).
 #extension GL_GOOGLE_include_directive : require
@@ -10,7 +11,7 @@
 
 layout(local_size_x_id = 0) in;
 layout(constant_id = 1) const uint ROWS_PER_WG = 4;   // output rows a workgroup owns
-#define MAXR 15
+#define MAXR 4      // rows a GEMV group holds; the host splits larger groups into chunks of MAXR
 
 void main() {
     uint item = work_index();

@@ -55,7 +55,7 @@ BLOCKS = {
     "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20),
     "Q5_0": (32, 22), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "MXFP4": (32, 17),
 }
-MAXR = 15          # rows a GEMV group holds (shaders/gemv.comp)
+MAXR = 4           # rows a GEMV group holds (shaders/gemv.comp): larger GEMV groups go in chunks
 GEMM_BM, GEMM_BN = 64, 32
 _PC_WORDS = 9      # push constants (shaders/common.glsl)
 
@@ -1101,6 +1101,49 @@ class Device:
         for h, _, _ in groups:
             h.last_batch = b
         return b
+
+    def measure_copy(self, nbytes: int = 1 << 30, reps: int = 5) -> float:
+        """Device-to-device copy bandwidth in GB/s (bytes copied / time, by timestamps; best of reps).
+
+        Counts each byte once; read + write traffic is twice this. A benchmark reference for
+        scripts/bench_vulkan.py; needs timestamps.
+        """
+        self._check_alive()
+        if not self.timestamps:
+            raise VulkanError("device has no timestamps")
+        src = _Buf(self, nbytes, _USAGE_XFER_SRC | _USAGE_XFER_DST, _MEM_DEVICE_LOCAL, 0)
+        dst = _Buf(self, nbytes, _USAGE_XFER_DST, _MEM_DEVICE_LOCAL, 0)
+        f = self._frame()
+        try:
+            best = float("inf")
+            region = _s("VkBufferCopy")
+            region.size = nbytes
+            bi = _s("VkCommandBufferBeginInfo")
+            bi.sType = vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO
+            sub = _s("VkSubmitInfo")
+            sub.sType = vk.VK_STRUCTURE_TYPE_SUBMIT_INFO
+            sub.commandBufferCount = 1
+            sub.pCommandBuffers = f.cmd_arr
+            data = ffi.new("uint64_t[2]")
+            for _ in range(reps + 1):
+                _chk(lib.vkResetCommandBuffer(f.cmd, 0), "vkResetCommandBuffer")
+                _chk(lib.vkBeginCommandBuffer(f.cmd, bi), "vkBeginCommandBuffer")
+                lib.vkCmdResetQueryPool(f.cmd, f.qpool, 0, 2)
+                lib.vkCmdWriteTimestamp(f.cmd, _PSTAGE_TOP, f.qpool, 0)
+                lib.vkCmdCopyBuffer(f.cmd, src.buffer, dst.buffer, 1, region)
+                lib.vkCmdWriteTimestamp(f.cmd, _PSTAGE_BOTTOM, f.qpool, 1)
+                _chk(lib.vkEndCommandBuffer(f.cmd), "vkEndCommandBuffer")
+                _chk(lib.vkResetFences(self._dev, 1, f.fence_arr), "vkResetFences")
+                _chk(lib.vkQueueSubmit(self._queue, 1, sub, f.fence), "vkQueueSubmit")
+                _chk(lib.vkWaitForFences(self._dev, 1, f.fence_arr, 1, 60 * 10**9), "vkWaitForFences")
+                _chk(lib.vkGetQueryPoolResults(self._dev, f.qpool, 0, 2, 16, data, 8, vk.VK_QUERY_RESULT_64_BIT),
+                     "vkGetQueryPoolResults")
+                best = min(best, (int(data[1]) - int(data[0])) * self.timestamp_period * 1e-9)
+            return nbytes / best / 1e9
+        finally:
+            self._release(f)
+            src.destroy()
+            dst.destroy()
 
     # -- reporting and closing ---------------------------------------------------------------------
     def describe(self) -> str:
