@@ -307,7 +307,9 @@ class Device:
 
     Public figures: ``name``, ``type_name`` ("discrete"/"integrated"/"cpu"...), ``subgroup_size``,
     ``subgroup_pinned``, ``queue_family``, ``dedicated_compute_queue``, ``heaps`` (list of
-    (bytes, device_local)), ``budget_bytes``, ``budget_rule``, ``staging``; counters ``dispatches``
+    (bytes, device_local)), ``budget_free`` (VK_EXT_memory_budget's free bytes of the weights' heap, or
+    None), ``budget_bytes`` (uploads past it raise BudgetExceeded; a caller with its own rule may assign
+    it), ``budget_rule``, ``staging``; counters ``dispatches``
     (compute dispatches submitted), ``matmuls`` (weight-matrix products submitted: 3 per expert group
     of a batch, 1 per plain matmul), ``submits``.
     """
@@ -552,6 +554,8 @@ class Device:
 
         # budget (documented in docs/vulkan.md)
         w_heap = self._mtypes[self._w_type][1]
+        # free bytes of the weights' heap by VK_EXT_memory_budget (None without it)
+        self.budget_free = heap_free[w_heap] if self.memory_budget_ext else None
         self.budget_bytes, self.budget_rule = self._budget(budget_bytes, ram_cache_bytes, dense_bytes,
                                                            heap_free[w_heap])
 
