@@ -1,8 +1,10 @@
-"""coli.tokenizer against transformers' GGUF tokenizer conversion on the three real models.
+"""coli.tokenizer against transformers' GGUF tokenizer conversion and llama.cpp on the three real models.
 
 The oracle ids and chat renders are in ``fixtures/tokenizer/oracle.json``, written by
 ``fixtures/tokenizer/make_oracle.py`` (transformers 5.24 ``convert_gguf_tokenizer`` + ``apply_chat_template``;
 ~15-30 s, so a fixture). ``COLI_SLOW_TESTS=1`` re-runs the oracle live and checks the fixture is current.
+``fixtures/tokenizer/llama_cpp.json`` holds llama.cpp's ``llama_tokenize`` ids for the same texts
+(``llama_cpp_ids.py``, run against a libllama.so; not in the venv, so recorded).
 """
 from __future__ import annotations
 
@@ -42,6 +44,22 @@ def test_ids_match_transformers(name):
     want = ORACLE["models"][name]["ids"]
     for text, ids in zip(TEXTS, want):
         assert tok.encode(text, add_bos=False) == ids, (name, text)
+
+
+LLAMA_CPP = json.loads((FIX / "llama_cpp.json").read_text())
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_ids_match_llama_cpp(name):
+    """The second oracle: llama.cpp's llama_tokenize (parse_special) on the same texts, recorded by
+    fixtures/tokenizer/llama_cpp_ids.py; with add_special=True for the default BOS handling."""
+    assert LLAMA_CPP["texts"] == TEXTS
+    tok = tok_for(name)
+    rec = LLAMA_CPP["models"][name]
+    for text, ids in zip(TEXTS, rec["ids"]):
+        assert tok.encode(text, add_bos=False) == ids, (name, text)
+    for text, ids in zip(TEXTS, rec["ids_default"]):
+        assert tok.encode(text) == ids, (name, text)
 
 
 def test_smollm_digit_split_follows_llama_cpp():
