@@ -202,3 +202,17 @@ def test_interrupted_build_leaves_nothing(tmp_path, monkeypatch):
     assert calls["n"] == 15
     assert not dest.exists()
     assert sorted(p.name for p in dest.parent.iterdir()) == [".build.lock"]  # no temp file left
+
+
+def test_source_not_dense_llama_is_refused(tmp_path):
+    p = tmp_path / "qwen2.gguf"
+    w = gguf.GGUFWriter(p, "qwen2")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ColiError, match=r"qwen2\.gguf: general\.architecture"):
+        demo.build_demo_moe(p, tmp_path / "out.gguf", quiet=True)
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["qwen2.gguf"]
