@@ -117,6 +117,66 @@ def _dot_rows(buf, x, o, out):
         t += 1
 
 
+@njit(inline="always", **_JIT)
+def _dot44(buf, x, o0, out):
+    """out[t, o0 + r] = buf[r] . x[t] for r < 4 and every t: a 4x4 register tile (16 accumulators), so each
+    load of a weight or an activation feeds four FMAs."""
+    T, I = x.shape
+    t = 0
+    while t + 4 <= T:
+        a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = _F0
+        a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = _F0
+        for i in range(I):
+            w0 = buf[0, i]
+            w1 = buf[1, i]
+            w2 = buf[2, i]
+            w3 = buf[3, i]
+            x0 = x[t, i]
+            x1 = x[t + 1, i]
+            x2 = x[t + 2, i]
+            x3 = x[t + 3, i]
+            a00 += w0 * x0
+            a01 += w0 * x1
+            a02 += w0 * x2
+            a03 += w0 * x3
+            a10 += w1 * x0
+            a11 += w1 * x1
+            a12 += w1 * x2
+            a13 += w1 * x3
+            a20 += w2 * x0
+            a21 += w2 * x1
+            a22 += w2 * x2
+            a23 += w2 * x3
+            a30 += w3 * x0
+            a31 += w3 * x1
+            a32 += w3 * x2
+            a33 += w3 * x3
+        out[t, o0] = a00
+        out[t + 1, o0] = a01
+        out[t + 2, o0] = a02
+        out[t + 3, o0] = a03
+        out[t, o0 + 1] = a10
+        out[t + 1, o0 + 1] = a11
+        out[t + 2, o0 + 1] = a12
+        out[t + 3, o0 + 1] = a13
+        out[t, o0 + 2] = a20
+        out[t + 1, o0 + 2] = a21
+        out[t + 2, o0 + 2] = a22
+        out[t + 3, o0 + 2] = a23
+        out[t, o0 + 3] = a30
+        out[t + 1, o0 + 3] = a31
+        out[t + 2, o0 + 3] = a32
+        out[t + 3, o0 + 3] = a33
+        t += 4
+    while t < T:
+        for r in range(4):
+            s = _F0
+            for i in range(I):
+                s += buf[r, i] * x[t, i]
+            out[t, o0 + r] = s
+        t += 1
+
+
 # ----------------------------------------------------------------------------------------------- F32
 @njit(**_PJIT)
 def gemv_f32(w, x, out):
@@ -133,8 +193,12 @@ def gemv_f32(w, x, out):
 def gemm_f32(w, x, out):
     O, I = w.shape
     for c in prange((O + _RB - 1) // _RB):
-        for o in range(c * _RB, min(O, c * _RB + _RB)):
-            _dot_rows(w[o], x, o, out)
+        for o0 in range(c * _RB, min(O, c * _RB + _RB), 4):
+            if o0 + 4 <= O:
+                _dot44(w[o0:o0 + 4], x, o0, out)
+            else:
+                for o in range(o0, O):
+                    _dot_rows(w[o], x, o, out)
 
 
 # ----------------------------------------------------------------------------------------------- F16 / BF16
@@ -178,11 +242,17 @@ def gemv_f16(w, x, out):
 def gemm_f16(w, x, out):
     O, I = w.shape
     for c in prange((O + _RB - 1) // _RB):
-        ub = np.empty(I, np.uint32)
+        ub = np.empty((4, I), np.uint32)
         fb = ub.view(np.float32)
-        for o in range(c * _RB, min(O, c * _RB + _RB)):
-            _dec_f16(w, o, ub, fb, 0, I)
-            _dot_rows(fb, x, o, out)
+        for o0 in range(c * _RB, min(O, c * _RB + _RB), 4):
+            n = min(4, O - o0)
+            for r in range(n):
+                _dec_f16(w, o0 + r, ub[r], fb[r], 0, I)
+            if n == 4:
+                _dot44(fb, x, o0, out)
+            else:
+                for r in range(n):
+                    _dot_rows(fb[r], x, o0 + r, out)
 
 
 @njit(**_PJIT)
@@ -208,11 +278,17 @@ def gemv_bf16(w, x, out):
 def gemm_bf16(w, x, out):
     O, I = w.shape
     for c in prange((O + _RB - 1) // _RB):
-        ub = np.empty(I, np.uint32)
+        ub = np.empty((4, I), np.uint32)
         fb = ub.view(np.float32)
-        for o in range(c * _RB, min(O, c * _RB + _RB)):
-            _dec_bf16(w, o, ub, fb, 0, I)
-            _dot_rows(fb, x, o, out)
+        for o0 in range(c * _RB, min(O, c * _RB + _RB), 4):
+            n = min(4, O - o0)
+            for r in range(n):
+                _dec_bf16(w, o0 + r, ub[r], fb[r], 0, I)
+            if n == 4:
+                _dot44(fb, x, o0, out)
+            else:
+                for r in range(n):
+                    _dot_rows(fb[r], x, o0 + r, out)
 
 
 # ----------------------------------------------------------------------------------------------- Q8_0
@@ -242,10 +318,16 @@ def _dec_q8_0(q, d, o, buf):
 def gemm_q8_0(q, d, x, out):
     O, nb = d.shape
     for c in prange((O + _RB - 1) // _RB):
-        buf = np.empty(nb * 32, np.float32)
-        for o in range(c * _RB, min(O, c * _RB + _RB)):
-            _dec_q8_0(q, d, o, buf)
-            _dot_rows(buf, x, o, out)
+        buf = np.empty((4, nb * 32), np.float32)
+        for o0 in range(c * _RB, min(O, c * _RB + _RB), 4):
+            n = min(4, O - o0)
+            for r in range(n):
+                _dec_q8_0(q, d, o0 + r, buf[r])
+            if n == 4:
+                _dot44(buf, x, o0, out)
+            else:
+                for r in range(n):
+                    _dot_rows(buf[r], x, o0 + r, out)
 
 
 # ----------------------------------------------------------------------------------------------- Q4_0
@@ -279,10 +361,16 @@ def _dec_q4_0(qs, d, o, buf):
 def gemm_q4_0(qs, d, x, out):
     O, nb = d.shape
     for c in prange((O + _RB - 1) // _RB):
-        buf = np.empty(nb * 32, np.float32)
-        for o in range(c * _RB, min(O, c * _RB + _RB)):
-            _dec_q4_0(qs, d, o, buf)
-            _dot_rows(buf, x, o, out)
+        buf = np.empty((4, nb * 32), np.float32)
+        for o0 in range(c * _RB, min(O, c * _RB + _RB), 4):
+            n = min(4, O - o0)
+            for r in range(n):
+                _dec_q4_0(qs, d, o0 + r, buf[r])
+            if n == 4:
+                _dot44(buf, x, o0, out)
+            else:
+                for r in range(n):
+                    _dot_rows(buf[r], x, o0 + r, out)
 
 
 # ----------------------------------------------------------------------------------------------- Q4_1
@@ -320,52 +408,16 @@ def _dec_q4_1(qs, d, m, o, buf):
 def gemm_q4_1(qs, d, m, x, out):
     O, nb = d.shape
     for c in prange((O + _RB - 1) // _RB):
-        buf = np.empty(nb * 32, np.float32)
-        for o in range(c * _RB, min(O, c * _RB + _RB)):
-            _dec_q4_1(qs, d, m, o, buf)
-            _dot_rows(buf, x, o, out)
-
-
-# ----------------------------------------------------------------------------------------------- Q5_0
-@njit(**_PJIT)
-def gemv_q5_0(qs, qh, d, x, out):
-    # qh: uint8 [O, nb*4], the block's u32 high-bit word as 4 bytes (bit j of the word -> element j).
-    O, nb = d.shape
-    for c in prange((O + _RB - 1) // _RB):
-        acc = np.empty(32, np.float32)
-        for o in range(c * _RB, min(O, c * _RB + _RB)):
-            acc[:] = 0
-            for b in range(nb):
-                db = d[o, b]
-                for j in range(16):
-                    v = qs[o, b * 16 + j]
-                    h0 = (qh[o, b * 4 + (j >> 3)] >> np.uint8(j & 7)) & _U1
-                    h1 = (qh[o, b * 4 + 2 + (j >> 3)] >> np.uint8(j & 7)) & _U1
-                    acc[j] += db * ((np.float32((v & _M4) | (h0 << _S4)) - _F16) * x[b * 32 + j])
-                    acc[16 + j] += db * ((np.float32((v >> _S4) | (h1 << _S4)) - _F16) * x[b * 32 + 16 + j])
-            out[o] = _lanes_sum(acc)
-
-
-@njit(inline="always", **_JIT)
-def _dec_q5_0(qs, qh, d, o, buf):
-    for b in range(d.shape[1]):
-        db = d[o, b]
-        for j in range(16):
-            v = qs[o, b * 16 + j]
-            h0 = (qh[o, b * 4 + (j >> 3)] >> np.uint8(j & 7)) & _U1
-            h1 = (qh[o, b * 4 + 2 + (j >> 3)] >> np.uint8(j & 7)) & _U1
-            buf[b * 32 + j] = db * (np.float32((v & _M4) | (h0 << _S4)) - _F16)
-            buf[b * 32 + 16 + j] = db * (np.float32((v >> _S4) | (h1 << _S4)) - _F16)
-
-
-@njit(**_PJIT)
-def gemm_q5_0(qs, qh, d, x, out):
-    O, nb = d.shape
-    for c in prange((O + _RB - 1) // _RB):
-        buf = np.empty(nb * 32, np.float32)
-        for o in range(c * _RB, min(O, c * _RB + _RB)):
-            _dec_q5_0(qs, qh, d, o, buf)
-            _dot_rows(buf, x, o, out)
+        buf = np.empty((4, nb * 32), np.float32)
+        for o0 in range(c * _RB, min(O, c * _RB + _RB), 4):
+            n = min(4, O - o0)
+            for r in range(n):
+                _dec_q4_1(qs, d, m, o0 + r, buf[r])
+            if n == 4:
+                _dot44(buf, x, o0, out)
+            else:
+                for r in range(n):
+                    _dot_rows(buf[r], x, o0 + r, out)
 
 
 # ----------------------------------------------------------------------------------------------- Q4_K
@@ -418,10 +470,16 @@ def _dec_q4_k(qs, sc, mn, d, dm, o, buf):
 def gemm_q4_k(qs, sc, mn, d, dm, x, out):
     O, nb = d.shape
     for c in prange((O + _RB - 1) // _RB):
-        buf = np.empty(nb * 256, np.float32)
-        for o in range(c * _RB, min(O, c * _RB + _RB)):
-            _dec_q4_k(qs, sc, mn, d, dm, o, buf)
-            _dot_rows(buf, x, o, out)
+        buf = np.empty((4, nb * 256), np.float32)
+        for o0 in range(c * _RB, min(O, c * _RB + _RB), 4):
+            n = min(4, O - o0)
+            for r in range(n):
+                _dec_q4_k(qs, sc, mn, d, dm, o0 + r, buf[r])
+            if n == 4:
+                _dot44(buf, x, o0, out)
+            else:
+                for r in range(n):
+                    _dot_rows(buf[r], x, o0 + r, out)
 
 
 # ----------------------------------------------------------------------------------------------- Q5_K
@@ -484,16 +542,22 @@ def _dec_q5_k(qs, qh, sc, mn, d, dm, o, buf):
 def gemm_q5_k(qs, qh, sc, mn, d, dm, x, out):
     O, nb = d.shape
     for c in prange((O + _RB - 1) // _RB):
-        buf = np.empty(nb * 256, np.float32)
-        for o in range(c * _RB, min(O, c * _RB + _RB)):
-            _dec_q5_k(qs, qh, sc, mn, d, dm, o, buf)
-            _dot_rows(buf, x, o, out)
+        buf = np.empty((4, nb * 256), np.float32)
+        for o0 in range(c * _RB, min(O, c * _RB + _RB), 4):
+            n = min(4, O - o0)
+            for r in range(n):
+                _dec_q5_k(qs, qh, sc, mn, d, dm, o0 + r, buf[r])
+            if n == 4:
+                _dot44(buf, x, o0, out)
+            else:
+                for r in range(n):
+                    _dot_rows(buf[r], x, o0 + r, out)
 
 
 # ----------------------------------------------------------------------------------------------- Q6_K
 @njit(**_PJIT)
-def gemv_q6_k(ql, qh, sc, d, x, out):
-    # ql uint8 [O, nb*128], qh uint8 [O, nb*64], sc int8 [O, nb*16] (sub-blocks of 16), d f32 [O, nb]
+def gemv_q6_k(q, sc, d, x, out):
+    # q int8 [O, nb*256] (codes - 32, element order), sc int8 [O, nb*16] (one per 16 elements), d f32 [O, nb]
     O, nb = d.shape
     for c in prange((O + _RB - 1) // _RB):
         acc = np.empty(32, np.float32)
@@ -501,61 +565,42 @@ def gemv_q6_k(ql, qh, sc, d, x, out):
             acc[:] = 0
             for b in range(nb):
                 db = d[o, b]
-                for n in range(2):
-                    l0 = b * 128 + n * 64
-                    h0 = b * 64 + n * 32
-                    x0 = b * 256 + n * 128
-                    for half in range(2):
-                        s = b * 16 + n * 8 + half
-                        s1 = db * np.float32(sc[o, s])
-                        s2 = db * np.float32(sc[o, s + 2])
-                        s3 = db * np.float32(sc[o, s + 4])
-                        s4 = db * np.float32(sc[o, s + 6])
-                        for l in range(half * 16, half * 16 + 16):
-                            a = ql[o, l0 + l]
-                            bb = ql[o, l0 + 32 + l]
-                            h = qh[o, h0 + l]
-                            q1 = np.float32((a & _M4) | ((h & _U3) << _S4)) - _F32C
-                            q2 = np.float32((bb & _M4) | (((h >> np.uint8(2)) & _U3) << _S4)) - _F32C
-                            q3 = np.float32((a >> _S4) | (((h >> _S4) & _U3) << _S4)) - _F32C
-                            q4 = np.float32((bb >> _S4) | ((h >> np.uint8(6)) << _S4)) - _F32C
-                            acc[l] += (s1 * (q1 * x[x0 + l]) + s2 * (q2 * x[x0 + 32 + l])
-                                       + s3 * (q3 * x[x0 + 64 + l]) + s4 * (q4 * x[x0 + 96 + l]))
+                for k in range(8):
+                    s0 = db * np.float32(sc[o, b * 16 + 2 * k])
+                    s1 = db * np.float32(sc[o, b * 16 + 2 * k + 1])
+                    e0 = b * 256 + k * 32
+                    for j in range(16):
+                        acc[j] += s0 * (np.float32(q[o, e0 + j]) * x[e0 + j])
+                    for j in range(16):
+                        acc[16 + j] += s1 * (np.float32(q[o, e0 + 16 + j]) * x[e0 + 16 + j])
             out[o] = _lanes_sum(acc)
 
 
 @njit(inline="always", **_JIT)
-def _dec_q6_k(ql, qh, sc, d, o, buf):
+def _dec_q6_k(q, sc, d, o, buf):
     for b in range(d.shape[1]):
         db = d[o, b]
-        for n in range(2):
-            l0 = b * 128 + n * 64
-            h0 = b * 64 + n * 32
-            x0 = b * 256 + n * 128
-            for half in range(2):
-                s = b * 16 + n * 8 + half
-                s1 = db * np.float32(sc[o, s])
-                s2 = db * np.float32(sc[o, s + 2])
-                s3 = db * np.float32(sc[o, s + 4])
-                s4 = db * np.float32(sc[o, s + 6])
-                for l in range(half * 16, half * 16 + 16):
-                    a = ql[o, l0 + l]
-                    bb = ql[o, l0 + 32 + l]
-                    h = qh[o, h0 + l]
-                    buf[x0 + l] = s1 * (np.float32((a & _M4) | ((h & _U3) << _S4)) - _F32C)
-                    buf[x0 + 32 + l] = s2 * (np.float32((bb & _M4) | (((h >> np.uint8(2)) & _U3) << _S4)) - _F32C)
-                    buf[x0 + 64 + l] = s3 * (np.float32((a >> _S4) | (((h >> _S4) & _U3) << _S4)) - _F32C)
-                    buf[x0 + 96 + l] = s4 * (np.float32((bb >> _S4) | ((h >> np.uint8(6)) << _S4)) - _F32C)
+        for k in range(16):
+            s = db * np.float32(sc[o, b * 16 + k])
+            e0 = b * 256 + k * 16
+            for j in range(16):
+                buf[e0 + j] = s * np.float32(q[o, e0 + j])
 
 
 @njit(**_PJIT)
-def gemm_q6_k(ql, qh, sc, d, x, out):
+def gemm_q6_k(q, sc, d, x, out):
     O, nb = d.shape
     for c in prange((O + _RB - 1) // _RB):
-        buf = np.empty(nb * 256, np.float32)
-        for o in range(c * _RB, min(O, c * _RB + _RB)):
-            _dec_q6_k(ql, qh, sc, d, o, buf)
-            _dot_rows(buf, x, o, out)
+        buf = np.empty((4, nb * 256), np.float32)
+        for o0 in range(c * _RB, min(O, c * _RB + _RB), 4):
+            n = min(4, O - o0)
+            for r in range(n):
+                _dec_q6_k(q, sc, d, o0 + r, buf[r])
+            if n == 4:
+                _dot44(buf, x, o0, out)
+            else:
+                for r in range(n):
+                    _dot_rows(buf[r], x, o0 + r, out)
 
 
 # ----------------------------------------------------------------------------------------------- MXFP4
@@ -590,10 +635,16 @@ def _dec_mxfp4(qs, d, kv, o, buf):
 def gemm_mxfp4(qs, d, kv, x, out):
     O, nb = d.shape
     for c in prange((O + _RB - 1) // _RB):
-        buf = np.empty(nb * 32, np.float32)
-        for o in range(c * _RB, min(O, c * _RB + _RB)):
-            _dec_mxfp4(qs, d, kv, o, buf)
-            _dot_rows(buf, x, o, out)
+        buf = np.empty((4, nb * 32), np.float32)
+        for o0 in range(c * _RB, min(O, c * _RB + _RB), 4):
+            n = min(4, O - o0)
+            for r in range(n):
+                _dec_mxfp4(qs, d, kv, o0 + r, buf[r])
+            if n == 4:
+                _dot44(buf, x, o0, out)
+            else:
+                for r in range(n):
+                    _dot_rows(buf[r], x, o0 + r, out)
 
 
 # ----------------------------------------------------------------------------------------------- int8 activations
@@ -680,8 +731,18 @@ def _pack_q4_1(raw, O, I):
 
 
 def _pack_q5_0(raw, O, I):
-    b = _blocks(raw, O, I // 32, 22)
-    return _c(b[:, :, 6:], O), _c(b[:, :, 2:6], O), _c(_f16(b[:, :, 0:2]), O)
+    # Expanded at prepare time to int8 codes (q - 16) in element order, so Q5_0 runs the Q8_0 kernels: the
+    # in-kernel high-bit decode measured 1.7x slower (docs/cpu_kernels.md). Costs 36 bytes per 22-byte block.
+    nb = I // 32
+    b = _blocks(raw, O, nb, 22)
+    qs = b[:, :, 6:]
+    qh = np.ascontiguousarray(b[:, :, 2:6]).view("<u4")  # [O, nb, 1]
+    bits = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4  # [O, nb, 32]
+    q = np.empty((O, nb, 32), np.uint8)
+    q[:, :, :16] = qs & 0x0F
+    q[:, :, 16:] = qs >> 4
+    q |= bits
+    return (q.view(np.int8) - np.int8(16)).reshape(O, I), _c(_f16(b[:, :, 0:2]), O)
 
 
 def _pack_q4_k(raw, O, I):
@@ -698,8 +759,20 @@ def _pack_q5_k(raw, O, I):
 
 
 def _pack_q6_k(raw, O, I):
-    b = _blocks(raw, O, I // 256, 210)
-    return (_c(b[:, :, 0:128], O), _c(b[:, :, 128:192], O), _c(b[:, :, 192:208], O).view(np.int8),
+    # Expanded to int8 codes (q - 32) in element order (dequantize_row_q6_K's order): 276 bytes per 210-byte
+    # block; the kernel then runs like Q8_0 with a scale per 16.
+    nb = I // 256
+    b = _blocks(raw, O, nb, 210)
+    q = np.empty((O, nb, 256), np.uint8)
+    for n in range(2):
+        ql = b[:, :, n * 64:(n + 1) * 64]
+        qh = b[:, :, 128 + n * 32:128 + (n + 1) * 32]
+        e = n * 128
+        q[:, :, e:e + 32] = (ql[:, :, :32] & 0x0F) | ((qh & 3) << 4)
+        q[:, :, e + 32:e + 64] = (ql[:, :, 32:] & 0x0F) | (((qh >> 2) & 3) << 4)
+        q[:, :, e + 64:e + 96] = (ql[:, :, :32] >> 4) | (((qh >> 4) & 3) << 4)
+        q[:, :, e + 96:e + 128] = (ql[:, :, 32:] >> 4) | ((qh >> 6) << 4)
+    return ((q.view(np.int8) - np.int8(32)).reshape(O, I), _c(b[:, :, 192:208], O).view(np.int8),
             _c(_f16(b[:, :, 208:210]), O))
 
 
@@ -751,7 +824,7 @@ FORMATS: dict[str, Format] = dict([
     _row("Q8_0", 32, 34, _pack_q8_0, gemv_q8_0, gemm_q8_0, "q8_0", True),
     _row("Q4_0", 32, 18, _pack_q4_0, gemv_q4_0, gemm_q4_0, "q4_0", True),
     _row("Q4_1", 32, 20, _pack_q4_1, gemv_q4_1, gemm_q4_1, "q4_1", True),
-    _row("Q5_0", 32, 22, _pack_q5_0, gemv_q5_0, gemm_q5_0, "q5_0", True),
+    _row("Q5_0", 32, 22, _pack_q5_0, gemv_q8_0, gemm_q8_0, "q5_0", True),
     _row("Q4_K", 256, 144, _pack_q4_k, gemv_q4_k, gemm_q4_k, "q4_k", True),
     _row("Q5_K", 256, 176, _pack_q5_k, gemv_q5_k, gemm_q5_k, "q5_k", True),
     _row("Q6_K", 256, 210, _pack_q6_k, gemv_q6_k, gemm_q6_k, "q6_k", True),

@@ -1,0 +1,160 @@
+#!/usr/bin/env python
+"""Benchmark the CPU weight-format kernels: GEMV (T=1, decode) and GEMM (T=128, prompt chunks) at real model
+shapes, in GB/s of weight bytes as the GGUF file stores them, beside a memory-bandwidth probe (a Numba prange
+read and copy of >= 1 GiB) run in the same process.
+
+    python scripts/bench_kernels.py --threads 2 [--formats Q4_1,Q8_0] [--act f32|int8|both] [--json]
+
+Times are the minimum over --reps runs (the machine is shared; the minimum is the least disturbed run).
+Weights are random valid blocks (codes uniform, f16 scales small), which cost the kernels what real ones do.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import cpu_kernels  # noqa: F401  (threading layer before numba)
+import numpy as np
+from numba import njit, prange
+
+from cpu_kernels import formats as F
+
+# (O, I): SmolLM2-135M (576/1536/49152 vocab), Qwen2.5-0.5B (896/4864/151936), Gemma-3-270M (640/2048/1024)
+SHAPES = [(576, 576), (1536, 576), (576, 1536), (49152, 576), (896, 4864), (4864, 896), (151936, 896),
+          (640, 2048), (2048, 640), (640, 1024)]
+BIG = 40_000  # O at or above this: an output (lm_head) matrix
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _read_probe(a):
+    n = a.shape[0]
+    nch = 1024
+    part = np.zeros(nch, np.float32)
+    for c in prange(nch):
+        s = np.float32(0.0)
+        for i in range(c * (n // nch), (c + 1) * (n // nch)):
+            s += a[i]
+        part[c] = s
+    return part.sum()
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _copy_probe(dst, src):
+    n = src.shape[0]
+    nch = 1024
+    for c in prange(nch):
+        for i in range(c * (n // nch), (c + 1) * (n // nch)):
+            dst[i] = src[i]
+
+
+def _best(f, reps):
+    f()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        f()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def bandwidth_probe(gib: float = 1.0, reps: int = 5) -> dict:
+    n = int(gib * 2**30) // 4
+    a = np.ones(n, np.float32)
+    b = np.empty_like(a)
+    tr = _best(lambda: _read_probe(a), reps)
+    tc = _best(lambda: _copy_probe(b, a), reps)
+    return {"bytes": a.nbytes, "read_gbs": a.nbytes / tr / 1e9, "copy_gbs": a.nbytes / tc / 1e9,
+            "copy_rw_gbs": 2 * a.nbytes / tc / 1e9}
+
+
+def random_raw(name: str, O: int, I: int, rng) -> np.ndarray:
+    fmt = F.FORMATS[name]
+    if name == "F32":
+        return rng.standard_normal((O, I), dtype=np.float32).view(np.uint8)
+    if name in ("F16", "BF16"):
+        h = rng.integers(0, 2**16, (O, I), dtype=np.uint16)
+        h &= np.uint16(0xBFFF)  # keep exponents moderate (no inf/nan)
+        return h.view(np.uint8)
+    nb = I // fmt.block_size
+    blocks = rng.integers(0, 256, (O, nb, fmt.type_size), dtype=np.uint8)
+    one = np.array([0.01], np.float16).view(np.uint8)
+    if name == "Q6_K":
+        blocks[:, :, 208:210] = one
+    elif name == "MXFP4":
+        blocks[:, :, 0] = 120
+    else:
+        blocks[:, :, 0:2] = one
+        if name in ("Q4_1", "Q4_K", "Q5_K"):
+            blocks[:, :, 2:4] = one
+    return blocks.reshape(O, -1)
+
+
+def bench_format(name, shapes, T, reps, act, rng):
+    fmt = F.FORMATS[name]
+    rows = []
+    for O, I in shapes:
+        if I % fmt.block_size:
+            continue
+        if fmt.block_size == 1 and O >= BIG:
+            continue  # float lm_heads of this size are not what these formats are for; saves minutes
+        raw = random_raw(name, O, I, rng)
+        w = F.prepare(name, raw, (O, I))
+        del raw
+        x1 = rng.standard_normal((1, I), dtype=np.float32)
+        xT = rng.standard_normal((T, I), dtype=np.float32)
+        t1 = _best(lambda: F.matmul(w, x1, act=act), reps)
+        tT = _best(lambda: F.matmul(w, xT, act=act), max(2, reps // 10) if O >= BIG else max(3, reps // 4))
+        rows.append({"format": name, "act": act, "O": O, "I": I, "file_bytes": w.file_nbytes,
+                     "packed_bytes": w.nbytes,
+                     "gemv_us": t1 * 1e6, "gemv_gbs": w.file_nbytes / t1 / 1e9,
+                     "gemm_T": T, "gemm_ms": tT * 1e3, "gemm_gbs": w.file_nbytes / tT / 1e9,
+                     "gemm_gflops": 2.0 * O * I * T / tT / 1e9})
+        del w
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=cpu_kernels.default_threads())
+    ap.add_argument("--formats", default=",".join(F.FORMATS))
+    ap.add_argument("--act", choices=["f32", "int8", "both"], default="f32")
+    ap.add_argument("--T", type=int, default=128, help="activation rows for the GEMM (default 128)")
+    ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument("--shapes", default="", help="OxI,OxI,... (default: real model shapes)")
+    ap.add_argument("--probe-gib", type=float, default=1.0)
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    a = ap.parse_args(argv)
+    cpu_kernels.set_threads(a.threads)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")] if a.shapes else SHAPES
+    rng = np.random.default_rng(0)
+    probe = bandwidth_probe(a.probe_gib)
+    acts = ["f32", "int8"] if a.act == "both" else [a.act]
+    rows = []
+    for name in a.formats.split(","):
+        if name not in F.FORMATS:
+            sys.exit(f"bench_kernels: unknown format {name!r}")
+        for act in acts:
+            if act == "int8" and not F.FORMATS[name].int8:
+                continue
+            rows += bench_format(name, shapes, a.T, a.reps, act, rng)
+    meta = {"threads": a.threads, "layer": cpu_kernels.threading_layer(), "reps": a.reps,
+            "loadavg": os.getloadavg(), "probe": probe}
+    if a.json:
+        print(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        return
+    print(f"threads {a.threads} ({meta['layer']}), min of {a.reps} runs, load average {meta['loadavg'][0]:.2f}")
+    print(f"memory probe ({probe['bytes'] / 2**30:.1f} GiB): read {probe['read_gbs']:.1f} GB/s, "
+          f"copy {probe['copy_gbs']:.1f} GB/s copied ({probe['copy_rw_gbs']:.1f} read+write)")
+    print(f"{'format':6} {'act':4} {'O x I':>13} {'file MB':>8} {'pack/file':>9} {'GEMV us':>9} {'GEMV GB/s':>9} "
+          f"{'GEMM ms':>8} {'GEMM GB/s':>9} {'GFLOP/s':>8}")
+    for r in rows:
+        print(f"{r['format']:6} {r['act']:4} {r['O']:>6}x{r['I']:<6} {r['file_bytes'] / 1e6:8.2f} "
+              f"{r['packed_bytes'] / r['file_bytes']:9.3f} {r['gemv_us']:9.1f} {r['gemv_gbs']:9.2f} "
+              f"{r['gemm_ms']:8.2f} {r['gemm_gbs']:9.2f} {r['gemm_gflops']:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
