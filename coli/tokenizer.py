@@ -317,8 +317,8 @@ def _added_tokens(tokens, tt, vocab, byte_level: bool):
 
     control = [AddedToken(tokens[i], normalized=False, special=True) for i in np.flatnonzero(tt == CONTROL)]
     if byte_level:
-        alphabet = _byte_decoder()
-        control = [a for a in control if all(c in alphabet for c in a.content)]
+        in_alphabet = frozenset(_byte_decoder()).issuperset
+        control = [a for a in control if in_alphabet(a.content)]
     user = [AddedToken(tokens[i], normalized=False, special=False) for i in np.flatnonzero(tt == USER_DEFINED)
             if tokens[i] in vocab]
     return control, user
@@ -337,20 +337,19 @@ def _build_bpe(meta, tokens, tt, pre, fname):
         raise ColiError(f"{fname}: kv 'tokenizer.ggml.pre': {pre!r} is not a known pre-tokenizer "
                         f"({', '.join(sorted(PRE_SPLITS))})")
     alphabet = _byte_decoder()
+    in_alphabet = frozenset(alphabet).issuperset
     enc = {b: c for c, b in alphabet.items()}
     vocab = {}
     for i, t in enumerate(tokens):
-        if not all(c in alphabet for c in t):  # the file spelled it as text: respell it byte-level
+        if not in_alphabet(t):  # the file spelled it as text: respell it byte-level
             t = "".join(enc[b] for b in t.encode("utf-8"))
         vocab[t] = i
-    pairs = []
-    for k, m in enumerate(merges):
-        a, sep, b = m.partition(" ")
-        if not sep or not a or not b:
-            raise ColiError(f"{fname}: kv 'tokenizer.ggml.merges': entry {k} {m!r} is not 'left right'")
-        pairs.append((a, b))
+    pairs = [m.split(" ") for m in merges]
+    for k, pr in enumerate(pairs):
+        if len(pr) != 2 or not pr[0] or not pr[1]:
+            raise ColiError(f"{fname}: kv 'tokenizer.ggml.merges': entry {k} {merges[k]!r} is not 'left right'")
     try:
-        bpe = models.BPE(vocab, pairs, dropout=None, continuing_subword_prefix="", end_of_word_suffix="",
+        bpe = models.BPE(vocab, [(a, b) for a, b in pairs], dropout=None, continuing_subword_prefix="", end_of_word_suffix="",
                          fuse_unk=False, ignore_merges=pre in _LLAMA3_FAMILY)
     except Exception as e:  # a merge naming a piece the vocabulary lacks
         raise ColiError(f"{fname}: kv 'tokenizer.ggml.merges': {e}") from None
