@@ -53,19 +53,22 @@ def cmd_run(a) -> int:
         raise ColiError("prompt: empty (give a prompt: coli run \"Once upon a time\" or -p TEXT)")
     eng = _open_engine(a)
     try:
+        ids = eng.prompt_ids(prompt, chat=a.chat)
+        eng.check_fits(len(ids), a.n)
         if not a.quiet:
             print(f"coli: {eng.path.name}: {eng.args.arch}, {eng.args.n_layers} layers"
                   + (f", {eng.args.n_experts} experts top-{eng.args.top_k}" if eng.args.n_experts else "")
                   + f", {eng.threads} threads", file=sys.stderr)
-        sys.stdout.write(prompt if not a.chat else "")
-        sys.stdout.flush()
+        if not a.chat:
+            sys.stdout.write(prompt)
+            sys.stdout.flush()
 
         def emit(s):
             sys.stdout.write(s)
             sys.stdout.flush()
 
-        r = eng.generate(prompt, max_tokens=a.n, temp=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
-                         chat=a.chat, on_text=emit)
+        r = eng.generate(ids=ids, max_tokens=a.n, temp=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
+                         on_text=emit)
         sys.stdout.write("\n")
         print("coli: " + eng.stats_line(r.stats), file=sys.stderr)
     finally:

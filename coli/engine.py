@@ -212,6 +212,21 @@ class Engine:
             idx, p = idx[:n], p[:n] / p[:n].sum()
         return int(idx[rng.choice(len(idx), p=p)])
 
+    def prompt_ids(self, prompt, chat: bool = False) -> list:
+        """Token ids of a prompt (through the chat template as one user message when ``chat``)."""
+        if prompt is None or prompt == "":
+            raise ColiError("prompt: empty (give -p TEXT)")
+        if chat:
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            return self.tokenizer.encode(text, add_bos=False)
+        return self.tokenize(prompt)
+
+    def check_fits(self, n_prompt: int, max_tokens: int) -> None:
+        """ColiError when the prompt plus the tokens to generate exceed the context."""
+        if n_prompt + max_tokens > self.ctx:
+            raise ColiError(f"prompt: {n_prompt} tokens + {max_tokens} to generate exceed the context of "
+                            f"{self.ctx} positions (--ctx)")
+
     def generate(self, prompt=None, *, ids=None, max_tokens=64, temp=0.0, top_k=40, top_p=0.95, seed=None,
                  chat=False, stop_at_eos=True, on_text=None) -> GenerateResult:
         """Generate up to ``max_tokens`` tokens after ``prompt`` (text) or ``ids``.
@@ -220,16 +235,9 @@ class Engine:
         receives text as it is produced. Stops at an end-of-generation token unless ``stop_at_eos`` is False.
         """
         if ids is None:
-            if prompt is None or prompt == "":
-                raise ColiError("prompt: empty (give -p TEXT)")
-            if chat:
-                text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-                ids = self.tokenizer.encode(text, add_bos=False)
-            else:
-                ids = self.tokenize(prompt)
+            ids = self.prompt_ids(prompt, chat=chat)
         ids = self._check_ids(ids)
-        if len(ids) + max_tokens > self.ctx:
-            raise ColiError(f"prompt: {len(ids)} tokens + {max_tokens} to generate exceed the context of {self.ctx} (--ctx)")
+        self.check_fits(len(ids), max_tokens)
         rng = np.random.default_rng(seed)
         kv = self._new_cache(len(ids))
         self._reset_counters()
