@@ -64,8 +64,11 @@ def main():
     if dev is None:
         return 1
     print(f"device: {dev.describe()}")
-    copy = dev.measure_copy(a.copy_mb << 20)
-    print(f"copy bandwidth: {copy:.0f} GB/s copied ({2 * copy:.0f} GB/s read + write), {a.copy_mb} MiB buffers")
+    cp = dev.measure_copy(a.copy_mb << 20)
+    copy = 2 * cp["shader"]          # DRAM traffic of a copy: read + write
+    print(f"copy bandwidth ({a.copy_mb} MiB buffers): compute-shader copy {cp['shader']:.4g} GB/s copied = "
+          f"{copy:.4g} GB/s read + write; vkCmdCopyBuffer on this queue {cp['transfer']:.4g} GB/s copied")
+    print("(% of copy = weight GB/s / the shader copy's read + write GB/s)")
     print(f"experts: E={a.E}, D={a.D}, F={a.F}; GEMM from {dev.gemm_rows} rows; best of {a.reps}")
     print()
     print("| format | MiB/expert | rows/expert | pairs | device ms | weight GB/s | % of copy | wall ms |")
@@ -92,7 +95,7 @@ def main():
                     dms.append(b.device_ms)
             best = min(dms)
             gbs = a.E * eb / (best * 1e-3) / 1e9
-            print(f"| {t} | {eb / 2**20:.2f} | {r} | {P} | {best:.3f} | {gbs:.0f} | {100 * gbs / copy:.0f}% "
+            print(f"| {t} | {eb / 2**20:.2f} | {r} | {P} | {best:.3f} | {gbs:.4g} | {100 * gbs / copy:.3g}% "
                   f"| {np.median(walls):.2f} |", flush=True)
         for h in hs:
             dev.free_expert(h)

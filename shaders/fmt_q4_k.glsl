@@ -8,7 +8,7 @@ void dec_unit(uint64_t row, uint u, out vec4 w[8]) {
     uint64_t b = row + uint64_t(u >> 3) * 144ul;
     RB32 p = RB32(b);
     vec2 dd = unpackHalf2x16(p.v[0]);
-    vec2 sm = kq_scale_min(uvec3(p.v[1], p.v[2], p.v[3]), j);
+    vec2 sm = kq_scale_min(p.v[1], p.v[2], p.v[3], j);
     float dl = dd.x * sm.x, ml = dd.y * sm.y;
     uint sh = 4u * (j & 1u);
     RB32 q = RB32(b + 16ul + uint64_t(j >> 1) * 32ul);

@@ -103,7 +103,7 @@ class ExpertHandle:
 class _Buf:
     """A buffer with its own memory (scratch, staging, step tables)."""
 
-    def __init__(self, dev: "Device", size: int, usage: int, req: int, pref: int):
+    def __init__(self, dev: "Device", size: int, usage: int, req: int, pref: int, address: bool = False):
         self.dev, self.size = dev, size
         d = dev._dev
         bci = _s("VkBufferCreateInfo")
@@ -122,11 +122,22 @@ class _Buf:
             mai.sType = vk.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO
             mai.allocationSize = mr.size
             mai.memoryTypeIndex = t
+            fl = _s("VkMemoryAllocateFlagsInfo")
+            if address:
+                fl.sType = vk.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_FLAGS_INFO
+                fl.flags = _DEVICE_ADDRESS_BIT
+                mai.pNext = fl
             pm = ffi.new("VkDeviceMemory*")
             _chk(lib.vkAllocateMemory(d, mai, ffi.NULL, pm), f"vkAllocateMemory({mr.size} bytes)")
             self.memory = pm[0]
             _chk(lib.vkBindBufferMemory(d, self.buffer, self.memory, 0), "vkBindBufferMemory")
             self.view = None
+            self.addr = 0
+            if address:
+                ai = _s("VkBufferDeviceAddressInfo")
+                ai.sType = vk.VK_STRUCTURE_TYPE_BUFFER_DEVICE_ADDRESS_INFO
+                ai.buffer = self.buffer
+                self.addr = int(lib.vkGetBufferDeviceAddress(d, ai))
             if req & _MEM_HOST_VISIBLE:
                 pp = ffi.new("void**")
                 _chk(lib.vkMapMemory(d, self.memory, 0, size, 0, pp), "vkMapMemory")
@@ -343,12 +354,11 @@ class Device:
         # shaders first: a missing .spv is a reason not to open
         sdir = S.shader_dir()
         spv = {}
-        for k in S.KERNELS:
-            for t in S.FORMATS:
-                p = sdir / S.spv_name(k, t)
-                if not p.exists():
-                    raise VulkanError(f"missing shaders ({p})")
-                spv[(k, t)] = p.read_bytes()
+        for k, t in S.builds():
+            p = sdir / S.spv_name(k, t)
+            if not p.exists():
+                raise VulkanError(f"missing shaders ({p})")
+            spv[(k, t)] = p.read_bytes()
 
         app_name = ffi.new("char[]", b"coli")
         app = _s("VkApplicationInfo")
@@ -1106,20 +1116,47 @@ class Device:
             h.last_batch = b
         return b
 
-    def measure_copy(self, nbytes: int = 1 << 30, reps: int = 5) -> float:
-        """Device-to-device copy bandwidth in GB/s (bytes copied / time, by timestamps; best of reps).
+    def _copy_pipeline(self):
+        if getattr(self, "_copy_pipe", None) is None:
+            pcr = _s("VkPushConstantRange")
+            pcr.stageFlags, pcr.offset, pcr.size = _STAGE_COMPUTE, 0, 20
+            plci = _s("VkPipelineLayoutCreateInfo")
+            plci.sType = vk.VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO
+            plci.pushConstantRangeCount = 1
+            plci.pPushConstantRanges = pcr
+            pl = ffi.new("VkPipelineLayout*")
+            _chk(lib.vkCreatePipelineLayout(self._dev, plci, ffi.NULL, pl), "vkCreatePipelineLayout")
+            self._copy_layout = pl[0]
+            name = ffi.new("char[]", b"main")
+            cpi = _s("VkComputePipelineCreateInfo")
+            cpi.sType = vk.VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO
+            cpi.stage.sType = vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_CREATE_INFO
+            cpi.stage.stage = _STAGE_COMPUTE
+            cpi.stage.module = self._modules[("copy", None)]
+            cpi.stage.pName = name
+            cpi.layout = self._copy_layout
+            pp = ffi.new("VkPipeline*")
+            _chk(lib.vkCreateComputePipelines(self._dev, ffi.NULL, 1, cpi, ffi.NULL, pp), "vkCreateComputePipelines(copy)")
+            self._copy_pipe = pp[0]
+        return self._copy_pipe
 
-        Counts each byte once; read + write traffic is twice this. A benchmark reference for
+    def measure_copy(self, nbytes: int = 1 << 30, reps: int = 5) -> dict:
+        """Device-to-device copy bandwidth, bytes copied per second in GB/s, best of ``reps`` by timestamps.
+
+        ``{"shader": <copy.comp, 16-byte loads>, "transfer": <vkCmdCopyBuffer on this queue>}``. Each byte
+        is read once and written once: the DRAM traffic is twice these figures. A benchmark reference for
         scripts/bench_vulkan.py; needs timestamps.
         """
         self._check_alive()
         if not self.timestamps:
             raise VulkanError("device has no timestamps")
-        src = _Buf(self, nbytes, _USAGE_XFER_SRC | _USAGE_XFER_DST, _MEM_DEVICE_LOCAL, 0)
-        dst = _Buf(self, nbytes, _USAGE_XFER_DST, _MEM_DEVICE_LOCAL, 0)
+        nbytes = nbytes // 16 * 16
+        usage = _USAGE_XFER_SRC | _USAGE_XFER_DST | _USAGE_STORAGE | _USAGE_ADDRESS
+        src = _Buf(self, nbytes, usage, _MEM_DEVICE_LOCAL, 0, address=True)
+        dst = _Buf(self, nbytes, usage, _MEM_DEVICE_LOCAL, 0, address=True)
         f = self._frame()
+        out = {}
         try:
-            best = float("inf")
             region = _s("VkBufferCopy")
             region.size = nbytes
             bi = _s("VkCommandBufferBeginInfo")
@@ -1129,21 +1166,32 @@ class Device:
             sub.commandBufferCount = 1
             sub.pCommandBuffers = f.cmd_arr
             data = ffi.new("uint64_t[2]")
-            for _ in range(reps + 1):
-                _chk(lib.vkResetCommandBuffer(f.cmd, 0), "vkResetCommandBuffer")
-                _chk(lib.vkBeginCommandBuffer(f.cmd, bi), "vkBeginCommandBuffer")
-                lib.vkCmdResetQueryPool(f.cmd, f.qpool, 0, 2)
-                lib.vkCmdWriteTimestamp(f.cmd, _PSTAGE_TOP, f.qpool, 0)
-                lib.vkCmdCopyBuffer(f.cmd, src.buffer, dst.buffer, 1, region)
-                lib.vkCmdWriteTimestamp(f.cmd, _PSTAGE_BOTTOM, f.qpool, 1)
-                _chk(lib.vkEndCommandBuffer(f.cmd), "vkEndCommandBuffer")
-                _chk(lib.vkResetFences(self._dev, 1, f.fence_arr), "vkResetFences")
-                _chk(lib.vkQueueSubmit(self._queue, 1, sub, f.fence), "vkQueueSubmit")
-                _chk(lib.vkWaitForFences(self._dev, 1, f.fence_arr, 1, 60 * 10**9), "vkWaitForFences")
-                _chk(lib.vkGetQueryPoolResults(self._dev, f.qpool, 0, 2, 16, data, 8, vk.VK_QUERY_RESULT_64_BIT),
-                     "vkGetQueryPoolResults")
-                best = min(best, (int(data[1]) - int(data[0])) * self.timestamp_period * 1e-9)
-            return nbytes / best / 1e9
+            pc = ffi.new("uint8_t[20]")
+            pc[0:20] = struct.pack("<QQI", src.addr, dst.addr, nbytes // 16)
+            pipe = self._copy_pipeline()
+            for kind in ("shader", "transfer"):
+                best = float("inf")
+                for _ in range(reps + 1):
+                    _chk(lib.vkResetCommandBuffer(f.cmd, 0), "vkResetCommandBuffer")
+                    _chk(lib.vkBeginCommandBuffer(f.cmd, bi), "vkBeginCommandBuffer")
+                    lib.vkCmdResetQueryPool(f.cmd, f.qpool, 0, 2)
+                    lib.vkCmdWriteTimestamp(f.cmd, _PSTAGE_TOP, f.qpool, 0)
+                    if kind == "shader":
+                        lib.vkCmdBindPipeline(f.cmd, vk.VK_PIPELINE_BIND_POINT_COMPUTE, pipe)
+                        lib.vkCmdPushConstants(f.cmd, self._copy_layout, _STAGE_COMPUTE, 0, 20, pc)
+                        lib.vkCmdDispatch(f.cmd, min(65535, max(1, nbytes // 16 // 256 // 4)), 1, 1)
+                    else:
+                        lib.vkCmdCopyBuffer(f.cmd, src.buffer, dst.buffer, 1, region)
+                    lib.vkCmdWriteTimestamp(f.cmd, _PSTAGE_BOTTOM, f.qpool, 1)
+                    _chk(lib.vkEndCommandBuffer(f.cmd), "vkEndCommandBuffer")
+                    _chk(lib.vkResetFences(self._dev, 1, f.fence_arr), "vkResetFences")
+                    _chk(lib.vkQueueSubmit(self._queue, 1, sub, f.fence), "vkQueueSubmit")
+                    _chk(lib.vkWaitForFences(self._dev, 1, f.fence_arr, 1, 60 * 10**9), "vkWaitForFences")
+                    _chk(lib.vkGetQueryPoolResults(self._dev, f.qpool, 0, 2, 16, data, 8, vk.VK_QUERY_RESULT_64_BIT),
+                         "vkGetQueryPoolResults")
+                    best = min(best, (int(data[1]) - int(data[0])) * self.timestamp_period * 1e-9)
+                out[kind] = nbytes / best / 1e9
+            return out
         finally:
             self._release(f)
             src.destroy()
@@ -1179,6 +1227,10 @@ class Device:
                 self._staging_buf.destroy()
                 lib.vkDestroyFence(d, self._staging_fence[0], ffi.NULL)
                 self._staging_buf = None
+            if getattr(self, "_copy_pipe", None) is not None:
+                lib.vkDestroyPipeline(d, self._copy_pipe, ffi.NULL)
+                lib.vkDestroyPipelineLayout(d, self._copy_layout, ffi.NULL)
+                self._copy_pipe = None
             for p in self._pipes.values():
                 lib.vkDestroyPipeline(d, p, ffi.NULL)
             self._pipes = {}

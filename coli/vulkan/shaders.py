@@ -21,6 +21,7 @@ FORMATS = {
     "Q5_0": "q5_0", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "MXFP4": "mxfp4",
 }
 KERNELS = ("gemv", "gemm")
+EXTRA = ("copy",)          # kernels without a format (one .spv each)
 GLSLC_FLAGS = ("--target-env=vulkan1.2", "-O")
 
 _INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"', re.M)
@@ -32,17 +33,22 @@ def shader_dir() -> Path:
     return Path(env) if env else SHADER_DIR
 
 
-def spv_name(kernel: str, type_name: str) -> str:
-    """``gemv_q4_k.spv`` for (``"gemv"``, ``"Q4_K"``)."""
-    return f"{kernel}_{FORMATS[type_name]}.spv"
+def spv_name(kernel: str, type_name: str | None) -> str:
+    """``gemv_q4_k.spv`` for (``"gemv"``, ``"Q4_K"``); ``copy.spv`` for (``"copy"``, None)."""
+    return f"{kernel}.spv" if type_name is None else f"{kernel}_{FORMATS[type_name]}.spv"
 
 
-def defines(type_name: str) -> list[str]:
+def defines(type_name: str | None) -> list[str]:
     """The glslc -D flags that select a format's decoder (see shaders/formats.glsl)."""
-    return [f"-DFMT_{type_name}"]
+    return [] if type_name is None else [f"-DFMT_{type_name}"]
 
 
-def sources(kernel: str, type_name: str, src_dir: Path = SHADER_DIR) -> list[Path]:
+def builds() -> list[tuple[str, str | None]]:
+    """Every (kernel, type_name) pair that has a .spv."""
+    return [(k, t) for k in KERNELS for t in FORMATS] + [(k, None) for k in EXTRA]
+
+
+def sources(kernel: str, type_name: str | None, src_dir: Path = SHADER_DIR) -> list[Path]:
     """Every source file that goes into one kernel for one format, in include order.
 
     formats.glsl is followed only into the selected format's decoder, so editing one decoder
@@ -66,7 +72,7 @@ def sources(kernel: str, type_name: str, src_dir: Path = SHADER_DIR) -> list[Pat
     return out
 
 
-def source_hash(kernel: str, type_name: str, src_dir: Path = SHADER_DIR) -> str:
+def source_hash(kernel: str, type_name: str | None, src_dir: Path = SHADER_DIR) -> str:
     """SHA-256 (hex) of the flags, the defines and each source file's name and bytes."""
     h = hashlib.sha256()
     h.update(" ".join(GLSLC_FLAGS + tuple(defines(type_name))).encode())
@@ -78,10 +84,9 @@ def source_hash(kernel: str, type_name: str, src_dir: Path = SHADER_DIR) -> str:
 def stale(src_dir: Path = SHADER_DIR) -> list[str]:
     """Names of .spv files that are missing or whose recorded hash differs from their sources'."""
     bad = []
-    for k in KERNELS:
-        for t in FORMATS:
-            spv = src_dir / spv_name(k, t)
-            rec = spv.with_name(spv.name + ".sha256")
-            if not spv.exists() or not rec.exists() or rec.read_text().split()[0] != source_hash(k, t, src_dir):
-                bad.append(spv.name)
+    for k, t in builds():
+        spv = src_dir / spv_name(k, t)
+        rec = spv.with_name(spv.name + ".sha256")
+        if not spv.exists() or not rec.exists() or rec.read_text().split()[0] != source_hash(k, t, src_dir):
+            bad.append(spv.name)
     return bad
