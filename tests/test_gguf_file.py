@@ -127,6 +127,36 @@ def test_big_files_match_gguf_reader(name):
     _compare_with_reader(model_path(name))
 
 
+@pytest.mark.parametrize("name", ["mixtral", "olmoe", "qwen2moe", "qwen3moe"])
+def test_moe_oracle_files(name):
+    """The MoE oracle GGUFs (tests/fixtures/oracles, written from HF transformers checkpoints): expert
+    tensors come out [E, O, I] with E/K/D/F from the HF config, and everything agrees with GGUFReader."""
+    p = ROOT / "tests" / "fixtures" / "oracles" / f"{name}.gguf"
+    cfg_path = p.with_name(f"{name}.config.json")
+    if not (p.exists() and cfg_path.exists()):
+        pytest.skip(f"{p.name} not generated")
+    import json
+
+    cfg = json.loads(cfg_path.read_text())
+    E = cfg.get("num_experts") or cfg["num_local_experts"]
+    K, D = cfg["num_experts_per_tok"], cfg["hidden_size"]
+    F = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    m = open_gguf(p)
+    assert (m.arch_get("expert_count"), m.arch_get("expert_used_count")) == (E, K)
+    assert m.arch_get("block_count") == cfg["num_hidden_layers"]
+    for layer in range(cfg["num_hidden_layers"]):
+        t = m.tensors
+        assert t[f"blk.{layer}.ffn_gate_inp.weight"].shape == (E, D)  # the router
+        assert t[f"blk.{layer}.ffn_gate_exps.weight"].shape == (E, F, D)
+        assert t[f"blk.{layer}.ffn_up_exps.weight"].shape == (E, F, D)
+        down = t[f"blk.{layer}.ffn_down_exps.weight"]
+        assert down.shape == (E, D, F)
+        if down.type_name == "F32":
+            assert down.raw.shape == (E, D, F * 4) and down.raw.view(np.float32).shape == (E, D, F)
+    assert f"experts       {E} (used {K})" in describe(m)
+    _compare_with_reader(p)
+
+
 def _write_small(path, alignment=None):
     """A small file from gguf.GGUFWriter with every scalar type, arrays, and four tensors."""
     w = gguf.GGUFWriter(str(path), "llama")
