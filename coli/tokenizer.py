@@ -1,4 +1,4 @@
-"""The model's tokenizer, built from a GGUF file's ``tokenizer.*`` metadata with HF ``tokenizers``.
+"""The model's tokenizer, built from a GGUF file's ``tokenizer.*`` metadata.
 
 Two vocabulary kinds (``tokenizer.ggml.model``):
 
@@ -8,12 +8,13 @@ Two vocabulary kinds (``tokenizer.ggml.model``):
   splitting the pieces of the previous one, as ``Split(behavior="isolated")`` does), then ``ByteLevel``
   without its own regex, and the ``ByteLevel`` decoder. ``ignore_merges`` (a whole word that is a token is
   taken as is) for the llama-3 family, as llama.cpp sets it.
-* ``"llama"``: SentencePiece BPE with byte fallback (Gemma, Llama-2, Mistral/Mixtral). Built the way
-  transformers 5.24 converts a GGUF (``transformers/integrations/gguf/gguf_tokenizer_mapping.py``:
-  ``gemma_tokenizer`` / ``sentencepiece_tokenizer`` and the ``GemmaTokenizer`` / ``LlamaTokenizer`` backends).
-  We do not call that code at run time: importing transformers takes ~6 s and its merge recovery takes
-  ~11 s for Gemma-3's 262144 pieces; the same merges are recovered here in ~1 s. Tests compare the ids
-  with transformers' conversion.
+* ``"llama"``: SentencePiece BPE with byte fallback (Gemma, Llama-2, Mistral/Mixtral), with the vocabulary
+  spelling, merge order and added tokens of transformers 5.24's GGUF conversion
+  (``transformers/integrations/gguf/gguf_tokenizer_mapping.py``: ``gemma_tokenizer`` /
+  ``sentencepiece_tokenizer``, and the ``GemmaTokenizer`` / ``LlamaTokenizer`` backends), encoded by a small
+  Python BPE (:class:`_SentencePieceBPE`). That code is not called at run time: importing transformers takes
+  ~6 s and building its 514906-merge ``tokenizers`` BPE for Gemma-3 ~5-11 s; this loads in ~0.2 s. Tests
+  compare the ids with transformers' conversion and with llama.cpp.
 
 Tokens the file marks CONTROL (3) or USER_DEFINED (4) in ``tokenizer.ggml.token_type`` are added tokens:
 they are matched whole in the text, never split (llama.cpp ``tokenizer_st_partition`` with
@@ -94,7 +95,8 @@ class Tokenizer:
 
     Attributes: ``bos_id: int | None``, ``eos_id: int | None`` (the file's), ``eos_ids: set[int]`` (every
     end-of-generation id), ``add_bos: bool``, ``vocab_size: int``, ``kind`` (``"gpt2"``/``"llama"``),
-    ``pre`` (``tokenizer.ggml.pre``), ``chat_template: str | None``, ``hf`` (the ``tokenizers.Tokenizer``).
+    ``pre`` (``tokenizer.ggml.pre``), ``chat_template: str | None``, ``tokens``/``token_type`` (the file's arrays), ``hf`` (the encoder:
+    a ``tokenizers.Tokenizer`` for ``gpt2``, a :class:`_SPMBackend` for ``llama``).
     """
 
     def __init__(self, hf, tokens: list[str], token_type, kind: str, pre: str | None, bos_id, eos_id,
