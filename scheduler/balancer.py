@@ -68,6 +68,8 @@ class Balancer:
         self.probe = probe
         self.wait_tol = wait_tol
         self.measure_every = int(measure_every)
+        self.max_period = 1024
+        self.period = self.measure_every     # steps between the device's measurement rows at a low share
         self._zero_calls = 0
         self._full_calls = 0
         self.share = 1.0
@@ -97,6 +99,9 @@ class Balancer:
             return self.share
         d_star = n * self.b_ms / (self.a_ms + self.b_ms)
         self.target = min(1.0, max(self.floor, d_star / t.resident_rows))
+        # a device far slower than the CPU (the target at the floor): its measurement rows cost more than
+        # they tell, so they come half as often each time (up to one in 1024 steps); back to 16 otherwise
+        self.period = min(self.max_period, 2 * self.period) if self.target <= self.floor else self.measure_every
         new = self.share + self.gain * (self.target - self.share)
         if t.device_ms > 0 and t.waited_ms > self.wait_tol * t.device_ms:
             new = min(new, self.share)      # the join waited: the device was the slower side, never raise
@@ -117,7 +122,8 @@ class Balancer:
         holds the expert in RAM. Returns bool [n]: every non-movable expert is kept; movable ones are kept,
         most rows first (ties: lower position first), while the kept rows are below
         ``device_rows(rows.sum())``; the others go to the CPU. When that is 0 rows (a small step at a low
-        share), every ``measure_every``-th call (16) keeps 1 row anyway, so the device's cost stays
+        share), every ``period``-th such call keeps 1 row anyway (``period`` starts at ``measure_every``, 16,
+        and doubles, up to 1024, at each update whose target sits at the floor), so the device's cost stays
         measured without the device taking a row (and its batch latency) every step; symmetrically, when
         the share (below 1) rounds to every row, every 16th such call hands the CPU the movable expert with
         the fewest rows, so a stale CPU cost is measured again.
@@ -131,7 +137,8 @@ class Balancer:
         want = self.device_rows(total)
         if want == 0:
             self._zero_calls += 1
-            if self._zero_calls % self.measure_every == 1 or self.measure_every <= 1:
+            if self._zero_calls >= self.period:
+                self._zero_calls = 0
                 want = 1
         elif want >= total:
             self._full_calls += 1

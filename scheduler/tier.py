@@ -596,7 +596,9 @@ class Tier:
             self.trace.span(f"join L{iss.layer}", "join", t1, t2, args={"layer": iss.layer})
             ts = getattr(iss.batch, "timestamps_ns", None)
             cal = getattr(iss.batch, "calibration", None)
-            self.trace.device_batch(f"batch L{iss.layer}", iss.t_issue_ns, dev_ms, ts, cal,
+            sub = getattr(iss.batch, "submitted_at", None)    # coli.vulkan's Batch: perf_counter() s
+            sub_ns = int(sub * 1e9) if isinstance(sub, float) else iss.t_issue_ns
+            self.trace.device_batch(f"batch L{iss.layer}", sub_ns, dev_ms, ts, cal,
                                     args={"layer": iss.layer, "pairs": iss.n_pairs})
         return out
 

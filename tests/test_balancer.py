@@ -28,13 +28,20 @@ def test_never_below_floor_and_takes_rows_back():
     assert b.share == pytest.approx(0.05, abs=1e-3)
     assert b.device_rows(24) == 1                          # round(0.05 * 24) = 1
     assert b.device_rows(4) == 0                           # round(0.2) = 0
-    # a 4-row step at the floor: the device keeps 1 row on the 1st, 17th, 33rd... call only
-    kept = [int(b.keep(np.ones(4, np.int64), np.ones(4, bool)).sum()) for _ in range(33)]
-    assert kept == [1] + [0] * 15 + [1] + [0] * 15 + [1]
+    # a 4-row step at the floor: the device keeps 1 row once every `period` calls
+    b.period = 16
+    kept = [int(b.keep(np.ones(4, np.int64), np.ones(4, bool)).sum()) for _ in range(32)]
+    assert kept == ([0] * 15 + [1]) * 2
+    # each update whose target sits at the floor doubles the period, up to 1024; a higher target resets it
+    for _ in range(10):
+        b.update(StepTimes(device_ms=100.0, device_rows=1, cpu_ms=1.0, cpu_rows=31, waited_ms=99.0,
+                           resident_rows=24))
+    assert b.period == 1024
     for _ in range(40):                                    # then the device is fast: all rows back
         b.update(StepTimes(device_ms=0.1, device_rows=2, cpu_ms=30.0, cpu_rows=30, waited_ms=0.0,
                            resident_rows=24))
     assert b.share == pytest.approx(1.0, abs=1e-3)
+    assert b.period == 16                                  # the target left the floor: back to 16
 
 
 def test_probe_lowers_share_while_cpu_cost_unknown():
