@@ -2,7 +2,7 @@
 // Tiled GEMM of the expert op and of the plain matmul, for groups of >= 16 rows (COLI_VK_TIER_GEMM_ROWS):
 // a workgroup of 128 threads owns a BM=64-output x BN=32-row tile; per 32-input step, threads decode one
 // weight row's unit each into shared memory (gate and up both in mode 1), all threads stage the
-// activation rows beside them, then each thread runs a 4x4 block. Each step sums into a fresh partial
+// activation rows beside them, then each thread runs a 4x4 block (4 consecutive outputs x 4 consecutive rows). Each step sums into a fresh partial
 // (blocked summation). Needs no subgroup operations.
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
@@ -12,9 +12,10 @@ layout(local_size_x = 128) in;
 #define BM 64u
 #define BN 32u
 
-shared float Wg[32][BM];
-shared float Wu[32][BM];
-shared float Xs[32][BN];
+// k-major tiles as vec4, so a thread reads its 4 outputs (or 4 rows) of a k in one 16-byte load
+shared vec4 Wg[32][BM / 4u];
+shared vec4 Wu[32][BM / 4u];
+shared vec4 Xs[32][BN / 4u];
 
 void main() {
     uint item = work_index();
@@ -50,16 +51,16 @@ void main() {
             x1 = MODE == 1u ? X4[xbase + u * 8u + xq + 1u] : H4[xbase + u * 8u + xq + 1u];
         }
         barrier();
-        if (dec_first) { [[unroll]] for (uint k = 0u; k < 8u; k++) [[unroll]] for (uint c = 0u; c < 4u; c++) Wg[4u * k + c][dm] = w[k][c]; }
-        else if (MODE == 1u) { [[unroll]] for (uint k = 0u; k < 8u; k++) [[unroll]] for (uint c = 0u; c < 4u; c++) Wu[4u * k + c][dm] = w[k][c]; }
-        [[unroll]] for (uint c = 0u; c < 4u; c++) { Xs[4u * xq + c][xn] = x0[c]; Xs[4u * xq + 4u + c][xn] = x1[c]; }
+        uint dq = dm >> 2, dc = dm & 3u, xnq = xn >> 2, xnc = xn & 3u;
+        if (dec_first) { [[unroll]] for (uint k = 0u; k < 8u; k++) [[unroll]] for (uint c = 0u; c < 4u; c++) Wg[4u * k + c][dq][dc] = w[k][c]; }
+        else if (MODE == 1u) { [[unroll]] for (uint k = 0u; k < 8u; k++) [[unroll]] for (uint c = 0u; c < 4u; c++) Wu[4u * k + c][dq][dc] = w[k][c]; }
+        [[unroll]] for (uint c = 0u; c < 4u; c++) { Xs[4u * xq + c][xnq][xnc] = x0[c]; Xs[4u * xq + 4u + c][xnq][xnc] = x1[c]; }
         barrier();
         float p[4][4], p2[4][4];
         [[unroll]] for (uint i = 0u; i < 4u; i++) [[unroll]] for (uint j = 0u; j < 4u; j++) { p[i][j] = 0.0; p2[i][j] = 0.0; }
         for (uint k = 0u; k < 32u; k++) {
-            float a[4], a2[4], bx[4];
-            [[unroll]] for (uint i = 0u; i < 4u; i++) { a[i] = Wg[k][tm + 16u * i]; if (MODE == 1u) a2[i] = Wu[k][tm + 16u * i]; }
-            [[unroll]] for (uint j = 0u; j < 4u; j++) bx[j] = Xs[k][tn + 8u * j];
+            vec4 a = Wg[k][tm], a2 = vec4(0.0), bx = Xs[k][tn];
+            if (MODE == 1u) a2 = Wu[k][tm];
             [[unroll]] for (uint i = 0u; i < 4u; i++) [[unroll]] for (uint j = 0u; j < 4u; j++) {
                 p[i][j] = fma(a[i], bx[j], p[i][j]);
                 if (MODE == 1u) p2[i][j] = fma(a2[i], bx[j], p2[i][j]);
@@ -68,10 +69,10 @@ void main() {
         [[unroll]] for (uint i = 0u; i < 4u; i++) [[unroll]] for (uint j = 0u; j < 4u; j++) { acc[i][j] += p[i][j]; if (MODE == 1u) acc2[i][j] += p2[i][j]; }
     }
     [[unroll]] for (uint i = 0u; i < 4u; i++) {
-        uint o = o0 + tm + 16u * i;
+        uint o = o0 + 4u * tm + i;
         if (o >= O) continue;
         [[unroll]] for (uint j = 0u; j < 4u; j++) {
-            uint n = n0 + tn + 8u * j;
+            uint n = n0 + 4u * tn + j;
             if (n >= nr) continue;
             if (MODE == 1u) H[(s0 + n) * O + o] = swiglu(acc[i][j], acc2[i][j]);
             else Y[TAB[pc.out_off + s0 + n] * O + o] = acc[i][j];

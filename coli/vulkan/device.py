@@ -582,7 +582,8 @@ class Device:
             self._modules[(k, t)] = pm[0]
         # GEMV: a workgroup of 4 subgroups (at least 32 lanes), one output row per subgroup
         self.gemv_wg = max(32, min(256, 4 * self.subgroup_size))
-        self.gemv_rows = max(1, self.gemv_wg // self.subgroup_size)
+        # output rows a GEMV workgroup owns (each subgroup loops over its share): COLI_VK_GEMV_ROWS
+        self.gemv_rows = max(1, _env_int("COLI_VK_GEMV_ROWS", 4 * (self.gemv_wg // self.subgroup_size)))
         # the staging buffer and its command buffer
         self._staging_buf = None
         self._objs_ok = True
