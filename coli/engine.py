@@ -297,6 +297,12 @@ class Engine:
         if self.tier is not None:
             try:
                 self.tier.close()
+            except Exception as e:  # the run's tokens are out already; say what failed, don't hide it
+                print(f"[VK] {self.path.name}: tier shutdown failed ({type(e).__name__}: {e})", file=sys.stderr)
+        if self.device is not None:
+            print(self.device.report(), file=sys.stderr)
+            try:
+                self.device.close()
             except Exception:
                 pass
         if self.usage is not None and self.save_usage_on_close and self.usage.tokens:
