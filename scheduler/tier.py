@@ -356,6 +356,7 @@ class Tier:
         self.resident_bytes: dict[tuple[int, int], int] = {}
         self.mask = np.zeros((self.L, self.E), dtype=bool)
         self.pending: set[tuple[int, int]] = set()
+        self._candidates: dict = {}
         self._inflight: list[Issued] = []
         self._step: tuple | None = None        # (layer, resident_rows, device_rows, cpu_rows) of split()
 
@@ -485,7 +486,9 @@ class Tier:
     def settle(self) -> None:
         """Call at each layer step's start (no batch in flight): finished uploads become resident, failed
         ones shrink the planned residency. With ``COLI_VK_TIER_SYNC=1`` first waits for every upload staged
-        so far (then residency follows the routing alone: reproducible)."""
+        so far (then residency follows the routing alone: reproducible). Decides the candidates that
+        :meth:`note` recorded since the last call first."""
+        self.promote_noted()
         with self._cond:
             if self.sync:
                 if self._inflight:
@@ -656,11 +659,38 @@ class Tier:
         return iss.n_pairs
 
     def note(self, layer: int, e: int, bytes_fn) -> bool:
-        """Offer an expert the CPU computed for promotion (LFRU). ``bytes_fn() -> (gate, up, down)``, each
-        ``(type_name, raw uint8 [O, row_bytes] copy, (O, I))``, is called only when promoting; or an object
-        with ``.raw`` holding that tuple (the RAM cache's ``ExpertWeights``): its arrays are copied unless
-        read-only (bytes-backed arrays cannot change, so they are shared). Returns True when the expert was
-        staged for upload (it serves from a step after the next :meth:`settle`)."""
+        """Offer an expert the CPU computed for promotion. ``bytes_fn() -> (gate, up, down)``, each
+        ``(type_name, raw uint8 [O, row_bytes] copy, (O, I))``; or an object with ``.raw`` holding that
+        tuple (the RAM cache's ``ExpertWeights``): its arrays are copied unless read-only (bytes-backed
+        arrays cannot change, so they are shared).
+
+        The candidate is recorded; the next :meth:`settle` (the next step's start) decides every recorded
+        candidate by :meth:`promote` in (layer, expert) order, so the decisions do not depend on the order
+        in which the CPU finished its experts (disk reads land in any order): with ``COLI_VK_TIER_SYNC=1``
+        residency follows the routing alone. ``bytes_fn`` is called then, on the engine thread. Returns
+        True when recorded (False: tier off, no budget, or already resident / staged)."""
+        if not self.on or self.capacity <= 0:
+            return False
+        key = (int(layer), int(e))
+        if self.mask[key] or key in self.pending:
+            return False
+        self._candidates[key] = bytes_fn
+        return True
+
+    def promote_noted(self) -> int:
+        """Decide the recorded candidates (:meth:`note`) in (layer, expert) order; returns how many were
+        staged for upload. :meth:`settle` calls it."""
+        if not self._candidates:
+            return 0
+        cands, self._candidates = self._candidates, {}
+        return sum(self.promote(l, e, cands[(l, e)]) for (l, e) in sorted(cands))
+
+    def promote(self, layer: int, e: int, bytes_fn) -> bool:
+        """The LFRU decision for one candidate, now: staged for upload while resident + staged < budget,
+        or when its heat > 1.25 × the coldest resident's + 4 (the coldest, ties → lowest (layer, expert),
+        is evicted: freed by the uploader after every in-flight batch that reads it has been joined); at
+        most ``rate`` a token (``skipped_rate``) and ``queue_max`` staged (``skipped_queue``). Returns True
+        when staged (it serves from a step after a later :meth:`settle`)."""
         if not self.on or self.capacity <= 0:
             return False
         if not callable(bytes_fn):
@@ -683,7 +713,7 @@ class Tier:
         if self.rate_left <= 0:
             self.skipped_rate += 1
             return False
-        if self._q.qsize() >= self.queue_max:
+        if len(self.pending) >= self.queue_max:   # staged, not yet settled (deterministic under SYNC)
             self.skipped_queue += 1
             return False
         evict, wait = None, []
@@ -820,6 +850,7 @@ class Tier:
         self.resident.clear()
         self.resident_bytes.clear()
         self.mask[:] = False
+        self._candidates = {}
         for i in list(self._inflight):
             i.joined.set()
         self._inflight.clear()
@@ -836,6 +867,7 @@ class Tier:
     def close(self, free: bool = True) -> None:
         """End of run: stop the uploader (after the staged uploads), then free every resident expert when
         ``free`` and the tier is on. Call after the last join."""
+        self._candidates = {}
         if self._thread.is_alive() and self.on:
             self._q.put(None)
             self._thread.join()

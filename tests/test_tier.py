@@ -211,7 +211,7 @@ def test_promoted_expert_serves_from_the_next_step():
     t.begin_token()
     d, c = t.split(0, np.array([1, 2]), np.array([1, 1]))
     assert d.size == 0 and list(c) == [1, 2]
-    assert t.note(0, 1, lambda: arrays(1))
+    assert t.note(0, 1, lambda: arrays(1))            # recorded; decided at the next settle()
     d, c = t.split(0, np.array([1]), np.array([1]))   # same step, before settle: still on the CPU
     assert d.size == 0
     t.settle()
@@ -227,7 +227,7 @@ def test_lfru_margin_exact_boundary(cand, promoted):
     fill_one(t, 0, 0, 8.0)                             # coldest: 1.25 * 8 + 4 = 14
     fill_one(t, 0, 1, 30.0)
     t.heat[1, 4] = cand
-    assert t.note(1, 4, lambda: arrays(4)) is promoted
+    assert t.promote(1, 4, lambda: arrays(4)) is promoted
     t.settle()
     assert ((1, 4) in t.resident) is promoted
     assert ((0, 0) in t.resident) is (not promoted)    # the coldest is the one evicted
@@ -239,13 +239,13 @@ def test_lfru_margin_exact_boundary(cand, promoted):
 def test_rate_limit_16_promotions_per_token():
     t, dev, _ = make(cap=100, L=4, E=16, env={"COLI_VK_TIER_SYNC": "1", "COLI_VK_TIER_QUEUE_MAX": "1000"})
     t.begin_token()
-    staged = sum(t.note(0, e, lambda: arrays(e)) for e in range(16)) + \
-        sum(t.note(1, e, lambda: arrays(e)) for e in range(4))
+    staged = sum(t.promote(0, e, lambda: arrays(e)) for e in range(16)) + \
+        sum(t.promote(1, e, lambda: arrays(e)) for e in range(4))
     assert staged == 16 and t.skipped_rate == 4
     t.begin_token()
-    assert sum(t.note(1, e, lambda: arrays(e)) for e in range(16)) == 16
+    assert sum(t.promote(1, e, lambda: arrays(e)) for e in range(16)) == 16
     t.begin_token(3)                                  # a 3-token forward gets 48
-    assert sum(t.note(l, e, lambda: arrays(e)) for l in (2, 3) for e in range(16)) == 32
+    assert sum(t.promote(l, e, lambda: arrays(e)) for l in (2, 3) for e in range(16)) == 32
     t.settle()
     assert len(t.resident) == 64
     t.close()
@@ -265,7 +265,7 @@ def test_eviction_waits_for_the_in_flight_batch():
     assert list(d) == [0]
     iss = t.issue(0, np.zeros((1, 4), np.float32), [0], d)
     t.heat[0, 5] = 100.0
-    assert t.note(0, 5, lambda: arrays(5))            # evicts (0, 0), which the batch reads
+    assert t.promote(0, 5, lambda: arrays(5))         # evicts (0, 0), which the batch reads
     assert (0, 0) not in t.resident
     time.sleep(0.2)
     assert ("free", 0) not in dev.calls and ("upload", 1) not in dev.calls   # waiting for the join
@@ -372,3 +372,15 @@ def test_auto_tokens_and_explicit_begin_token_count_a_forward_once():
     t.issue_step(0, x[:1], groups, None, 1)      # a forward without the explicit call: auto again
     assert t.tokens == 7
     t.close()
+
+
+def test_noted_candidates_are_decided_in_layer_expert_order():
+    # room for 2: whatever order the CPU finished them in, the two lowest (layer, expert) are promoted
+    for order in ([(1, 3), (0, 7), (0, 2)], [(0, 2), (1, 3), (0, 7)]):
+        t, dev, _ = make(cap=2, env={"COLI_VK_TIER_SYNC": "1"})
+        t.begin_token()
+        for l, e in order:
+            assert t.note(l, e, lambda e=e: arrays(e))
+        t.settle()
+        assert sorted(t.resident) == [(0, 2), (0, 7)]
+        t.close()
