@@ -1,9 +1,10 @@
 #version 460
 // Tiled GEMM of the expert op and of the plain matmul, for groups of >= 16 rows (COLI_VK_TIER_GEMM_ROWS):
-// a workgroup of 128 threads owns a BM=64-output x BN=32-row tile; per 32-input step, threads decode one
-// weight row's unit each into shared memory (gate and up both in mode 1), all threads stage the
-// activation rows beside them, then each thread runs a 4x4 block (4 consecutive outputs x 4 consecutive rows). Each step sums into a fresh partial
-// (blocked summation). Needs no subgroup operations.
+// a workgroup of 128 threads owns a BM=64-output x BN=32-row tile. Per 32-input step, threads 0..63
+// decode one weight row's unit each into shared memory (64..127 decode up's rows in mode 1), every
+// thread stages 8 inputs of one activation row beside them, then each thread runs a 4x4 block
+// (outputs tm + 16 i, rows tn + 8 j) reading 4 inputs at a time as 16-byte loads. Each step sums into a
+// fresh partial (blocked summation). Needs no subgroup operations.
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
 #include "formats.glsl"
@@ -11,11 +12,11 @@
 layout(local_size_x = 128) in;
 #define BM 64u
 #define BN 32u
+#define ST 9u   // vec4 stride of a row in the tiles (8 + 1 pad: 16-byte reads without bank conflicts)
 
-// k-major tiles as vec4, so a thread reads its 4 outputs (or 4 rows) of a k in one 16-byte load
-shared vec4 Wg[32][BM / 4u];
-shared vec4 Wu[32][BM / 4u];
-shared vec4 Xs[32][BN / 4u];
+shared vec4 Wg[BM * ST];
+shared vec4 Wu[BM * ST];
+shared vec4 Xs[BN * ST];
 
 void main() {
     uint item = work_index();
@@ -51,28 +52,33 @@ void main() {
             x1 = MODE == 1u ? X4[xbase + u * 8u + xq + 1u] : H4[xbase + u * 8u + xq + 1u];
         }
         barrier();
-        uint dq = dm >> 2, dc = dm & 3u, xnq = xn >> 2, xnc = xn & 3u;
-        if (dec_first) { [[unroll]] for (uint k = 0u; k < 8u; k++) [[unroll]] for (uint c = 0u; c < 4u; c++) Wg[4u * k + c][dq][dc] = w[k][c]; }
-        else if (MODE == 1u) { [[unroll]] for (uint k = 0u; k < 8u; k++) [[unroll]] for (uint c = 0u; c < 4u; c++) Wu[4u * k + c][dq][dc] = w[k][c]; }
-        [[unroll]] for (uint c = 0u; c < 4u; c++) { Xs[4u * xq + c][xnq][xnc] = x0[c]; Xs[4u * xq + 4u + c][xnq][xnc] = x1[c]; }
+        if (dec_first) { [[unroll]] for (uint k = 0u; k < 8u; k++) Wg[dm * ST + k] = w[k]; }
+        else if (MODE == 1u) { [[unroll]] for (uint k = 0u; k < 8u; k++) Wu[dm * ST + k] = w[k]; }
+        Xs[xn * ST + xq] = x0;
+        Xs[xn * ST + xq + 1u] = x1;
         barrier();
         float p[4][4], p2[4][4];
         [[unroll]] for (uint i = 0u; i < 4u; i++) [[unroll]] for (uint j = 0u; j < 4u; j++) { p[i][j] = 0.0; p2[i][j] = 0.0; }
-        for (uint k = 0u; k < 32u; k++) {
-            vec4 a = Wg[k][tm], a2 = vec4(0.0), bx = Xs[k][tn];
-            if (MODE == 1u) a2 = Wu[k][tm];
-            [[unroll]] for (uint i = 0u; i < 4u; i++) [[unroll]] for (uint j = 0u; j < 4u; j++) {
-                p[i][j] = fma(a[i], bx[j], p[i][j]);
-                if (MODE == 1u) p2[i][j] = fma(a2[i], bx[j], p2[i][j]);
+        for (uint kq = 0u; kq < 8u; kq++) {
+            vec4 a[4], a2[4], bx[4];
+            [[unroll]] for (uint i = 0u; i < 4u; i++) {
+                a[i] = Wg[(tm + 16u * i) * ST + kq];
+                a2[i] = MODE == 1u ? Wu[(tm + 16u * i) * ST + kq] : vec4(0.0);
             }
+            [[unroll]] for (uint j = 0u; j < 4u; j++) bx[j] = Xs[(tn + 8u * j) * ST + kq];
+            [[unroll]] for (uint c = 0u; c < 4u; c++)
+                [[unroll]] for (uint i = 0u; i < 4u; i++) [[unroll]] for (uint j = 0u; j < 4u; j++) {
+                    p[i][j] = fma(a[i][c], bx[j][c], p[i][j]);
+                    if (MODE == 1u) p2[i][j] = fma(a2[i][c], bx[j][c], p2[i][j]);
+                }
         }
         [[unroll]] for (uint i = 0u; i < 4u; i++) [[unroll]] for (uint j = 0u; j < 4u; j++) { acc[i][j] += p[i][j]; if (MODE == 1u) acc2[i][j] += p2[i][j]; }
     }
     [[unroll]] for (uint i = 0u; i < 4u; i++) {
-        uint o = o0 + 4u * tm + i;
+        uint o = o0 + tm + 16u * i;
         if (o >= O) continue;
         [[unroll]] for (uint j = 0u; j < 4u; j++) {
-            uint n = n0 + 4u * tn + j;
+            uint n = n0 + tn + 8u * j;
             if (n >= nr) continue;
             if (MODE == 1u) H[(s0 + n) * O + o] = swiglu(acc[i][j], acc2[i][j]);
             else Y[TAB[pc.out_off + s0 + n] * O + o] = acc[i][j];

@@ -582,8 +582,11 @@ class Device:
             self._modules[(k, t)] = pm[0]
         # GEMV: a workgroup of 4 subgroups (at least 32 lanes), one output row per subgroup
         self.gemv_wg = max(32, min(256, 4 * self.subgroup_size))
-        # output rows a GEMV workgroup owns (each subgroup loops over its share): COLI_VK_GEMV_ROWS
+        # output rows a GEMV workgroup owns (a subgroup carries 4 at once): COLI_VK_GEMV_ROWS
         self.gemv_rows = max(1, _env_int("COLI_VK_GEMV_ROWS", 4 * (self.gemv_wg // self.subgroup_size)))
+        # units (of 32 inputs) of the activation rows the GEMV stages in shared memory at a time: a multiple
+        # of the subgroup size keeps every lane busy (32 KiB of shared memory at most for 64)
+        self.gemv_chunk = max(32, self.subgroup_size)
         # the staging buffer and its command buffer
         self._staging_buf = None
         self._objs_ok = True
@@ -673,8 +676,8 @@ class Device:
         if p is not None:
             return p
         if kernel == "gemv":
-            vals = [self.gemv_wg, self.gemv_rows, mode]
-            ids = [0, 1, 2]
+            vals = [self.gemv_wg, self.gemv_rows, mode, self.gemv_chunk]
+            ids = [0, 1, 2, 3]
         else:
             vals = [mode]
             ids = [2]
