@@ -143,3 +143,63 @@ def test_bench_json_fields(model_path):
         for k in ("n_prompt", "n_gen", "n_threads", "avg_ts", "stddev_ts"):
             assert k in x
         assert x["avg_ts"] > 0
+
+
+def test_sampling_rules(model_path, engine):
+    """Sampling invariants: temp 0 and top-k 1 are greedy; a seed repeats; the nucleus keeps the argmax."""
+    eng = engine(model_path("smollm2"))
+    rng = np.random.default_rng(0)
+    lg = rng.standard_normal(1000).astype(np.float32) * 3
+    best = int(np.argmax(lg))
+    assert eng.sample(lg, 0.0, 40, 0.95, rng) == best
+    assert eng.sample(lg, 1.0, 1, 1.0, rng) == best
+    assert eng.sample(lg, 1.0, 0, 1e-9, rng) == best
+    a = eng.generate("Once upon a time", max_tokens=8, temp=0.9, seed=7).ids
+    b = eng.generate("Once upon a time", max_tokens=8, temp=0.9, seed=7).ids
+    assert a == b
+    picks = {eng.sample(lg, 1.0, 5, 1.0, np.random.default_rng(s)) for s in range(200)}
+    assert picks <= set(np.argsort(-lg)[:5].tolist()) and len(picks) > 1
+
+
+def test_cli_perplexity_and_info(model_path, engine, tmp_path):
+    p = model_path("smollm2")
+    f = tmp_path / "t.txt"
+    f.write_text(CAPITALS)
+    r = _cli("perplexity", "-m", str(p), "-f", str(f))
+    assert r.returncode == 0, r.stderr
+    nll = float(r.stdout.split("NLL ")[1].split()[0])
+    eng = engine(p)
+    assert abs(nll - eng.nll(eng.tokenize(CAPITALS))[0]) < 1e-3
+    r = _cli("info", str(p))
+    assert r.returncode == 0 and "llama" in r.stdout and "Q4_1" in r.stdout
+    r = _cli("perplexity", "-m", str(p), "-f", str(tmp_path / "missing.txt"))
+    assert r.returncode == 2 and "missing.txt" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_unsupported_tensor_type(tmp_path, model_path):
+    """A weight in a GGUF type coli has no kernel for (IQ2_XXS) is refused naming the tensor and the type."""
+    import gguf
+
+    from coli.gguf_file import open_gguf
+
+    src = open_gguf(model_path("smollm2"))
+    p = tmp_path / "iq.gguf"
+    w = gguf.GGUFWriter(str(p), "llama")
+    w.add_block_count(1); w.add_context_length(64); w.add_embedding_length(256); w.add_feed_forward_length(256)
+    w.add_head_count(4); w.add_head_count_kv(4); w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("gpt2"); w.add_tokenizer_pre("default")
+    w.add_token_list(["a", "b", "ab"] + [f"<t{i}>" for i in range(253)]); w.add_token_types([1] * 256)
+    w.add_token_merges(["a b"])
+    f32 = lambda *s: np.ones(s, np.float32)
+    w.add_tensor("token_embd.weight", f32(256, 256)); w.add_tensor("output_norm.weight", f32(256))
+    for n in ("attn_norm", "ffn_norm"):
+        w.add_tensor(f"blk.0.{n}.weight", f32(256))
+    for n in ("attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+        w.add_tensor(f"blk.0.{n}.weight", f32(256, 256))
+    # IQ2_XXS: 66 bytes per 256 weights
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((256, 66), np.uint8), raw_shape=(256, 66),
+                 raw_dtype=gguf.GGMLQuantizationType.IQ2_XXS)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    r = _cli("run", "-m", str(p), "-p", "ab")
+    assert r.returncode == 2, r.stderr
+    assert "blk.0.attn_q.weight" in r.stderr and "IQ2_XXS" in r.stderr and "Traceback" not in r.stderr
