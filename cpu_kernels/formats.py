@@ -21,18 +21,24 @@ Q6_K    256    210     ql[128], qh[64], scales int8[16] (sub-blocks of 16), d;  
 MXFP4   32     17      e (E8M0), qs[16] e2m1 codes;             w = kvalues[q] * 2^(e-128) (``kvalues`` doubled)
 ======  =====  ======  ==========================================================================================
 
-Kernel layout (``pack``): the quantized codes stay as the file has them (nibbles, bytes) but are split by field into
-contiguous per-row arrays; f16 block scales are converted to f32 at prepare time because Numba has no float16
-(``../shared/stack-notes.md`` pitfall 11). Sub-block scales of the K-quants stay 6-/8-bit integers and are
-multiplied by the f32 super-block scale inside the kernel. F16/BF16 weights keep their 2 bytes and are decoded in
-the kernel with bit operations. Memory cost per format: docs/cpu_kernels.md.
+Kernel layout (``pack``, done once at ``prepare``; memory per format in docs/cpu_kernels.md): fields split into
+contiguous per-row arrays, f16 block scales converted to f32 (Numba has no float16, ``../shared/stack-notes.md``
+pitfall 11), and codes put where 32-wide loops with one scale can read them:
+
+* Q8_0: int8 codes as stored.  Q5_0, Q6_K, MXFP4: expanded to int8 codes (q-16, q-32, doubled e2m1 kvalues) in
+  element order, so they run the Q8_0-style loops (in-kernel bit decoding measured 1.7-5x slower).
+* Q4_0, Q4_1: nibbles re-paired: byte j of pair p holds element j of block 2p (low) and of block 2p+1 (high).
+* Q4_K, Q5_K: ggml's nibble order kept (it is already 32-wide per sub-block); 6-bit scales/mins unpacked to uint8,
+  multiplied by the f32 super-block ``d``/``dmin`` in the kernel.
+* F16, BF16: widened to f32 (the F32 kernels).
 
 Kernels (all ``nogil=True, cache=True, fastmath=True``, parallel over output rows):
 
 * ``gemv(*fields, x f32 [I], out f32 [O])``: one activation row (decode). Each thread keeps 32 f32 lane
-  accumulators per output row, so the inner loops are 16/32 wide and vectorize (no per-block horizontal sum).
-* ``gemm(*fields, x f32 [T, I], out f32 [T, O])``: prompt chunks. A weight row is decoded once into an f32 row
-  buffer and used for every activation row, four at a time.
+  accumulators per output row; the inner loops are 32 wide with one FMA per lane, so they vectorize and there is
+  no per-block horizontal sum.
+* ``gemm(*fields, x f32 [T, I], out f32 [T, O])``: prompt chunks. Four weight rows are decoded once into an f32
+  buffer and used for every activation row through a 4x4 register tile (``_dot44``).
 
 Public API: ``FORMATS``, ``Format``, ``Weight``, ``prepare(type_name, raw, shape)``, ``matmul(w, x, act)``,
 ``quantize_act_int8(x)``.
@@ -555,6 +561,23 @@ def _quantize_act(x, xq, xd):
                 xq[t, b * 32 + j] = np.rint(x[t, b * 32 + j] * idv)
 
 
+@njit(nogil=True, cache=True)
+def _round_act_int8(x, y):
+    """y = q * d with (q, d) as ``_quantize_act`` makes them: x f32 [T, I] -> y f32 [T, I]."""
+    T, I = x.shape
+    for t in range(T):
+        for b in range(I // 32):
+            amax = np.float32(0.0)
+            for j in range(32):
+                a = abs(x[t, b * 32 + j])
+                if a > amax:
+                    amax = a
+            d = amax / np.float32(127.0)
+            idv = np.float32(1.0) / d if d != np.float32(0.0) else np.float32(0.0)
+            for j in range(32):
+                y[t, b * 32 + j] = np.float32(np.rint(x[t, b * 32 + j] * idv)) * d
+
+
 def quantize_act_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Quantize activations to int8 per block of 32 (llama.cpp's Q8 activations, f32 block scale).
 
@@ -800,8 +823,12 @@ def matmul(w: Weight, x: np.ndarray, act: str | None = None) -> np.ndarray:
     """y = x @ W.T.
 
     w: a prepared Weight [O, I]; x: f32 [T, I] (or [I], treated as T = 1), C-contiguous.
-    act: "f32" (exact f32 activations) or "int8" (activations rounded per 32 to int8 as llama.cpp's Q8 blocks,
-    ``quantize_act_int8``; for F32/F16/BF16 weights act is ignored and f32 is used). None -> ``DEFAULT_ACT``.
+    act: "f32" (exact f32 activations) or "int8" (activations rounded per 32 to int8 codes as llama.cpp's Q8
+    activation blocks, ``quantize_act_int8``; the kernels then multiply the codes times their block scale, so the
+    result is llama.cpp's integer dot product up to f32 rounding. The multiply-adds themselves run in f32: Numba
+    promotes int8/int16 products to int64 and LLVM then emits no VNNI integer dot code, measured slower than the f32
+    lanes, see docs/cpu_kernels.md). For F32/F16/BF16 weights act is ignored (always f32).
+    None -> ``cpu_kernels.DEFAULT_ACT``. Raises ColiError for another act.
     Returns f32 [T, O]. GEMV per row for T <= GEMV_MAX_T, blocked GEMM above.
     """
     if x.ndim == 1:
@@ -817,10 +844,9 @@ def matmul(w: Weight, x: np.ndarray, act: str | None = None) -> np.ndarray:
         if act != "int8":
             raise ColiError(f"act {act!r}: expected 'f32' or 'int8'")
         if w.int8:
-            xq = np.empty_like(x)
-            xd = np.empty((T, x.shape[1] // 32), np.float32)
-            _quantize_act(x, xq, xd)
-            x = (xq.reshape(T, -1, 32) * xd[:, :, None]).reshape(T, -1)
+            xr = np.empty_like(x)
+            _round_act_int8(x, xr)
+            x = xr
     out = np.empty((T, w.shape[0]), np.float32)
     if T <= GEMV_MAX_T:
         for t in range(T):

@@ -63,3 +63,8 @@ def test_default_threads_physical_cores_clipped_by_affinity():
     assert n <= (psutil.cpu_count(logical=False) or 1)
     assert cpu_kernels.set_threads(1) == 1
     assert cpu_kernels.set_threads(n) == n
+
+
+def test_numba_cache_dir_is_set():
+    d = os.environ.get("NUMBA_CACHE_DIR")
+    assert d and os.path.isdir(d)
