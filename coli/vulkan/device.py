@@ -82,6 +82,11 @@ def _s(st):
     return ffi.new(st + "*")
 
 
+def _addr6(h) -> tuple:
+    """The group-table words of an expert: gate, up, down device addresses as (lo, hi) pairs."""
+    return tuple(v for t in (h.gate, h.up, h.down) for v in (t.addr & 0xFFFFFFFF, t.addr >> 32))
+
+
 def row_bytes(type_name: str, inner: int) -> int:
     """Bytes of one row of ``inner`` elements in GGUF format ``type_name``."""
     qk, bb = BLOCKS[type_name]
@@ -94,7 +99,7 @@ class _Tensor:
 
 class ExpertHandle:
     """A resident expert: its gate, up and down tensors on the device (from ``Device.upload_expert``)."""
-    __slots__ = ("id", "gate", "up", "down", "D", "F", "sig", "nbytes", "last_batch", "freed")
+    __slots__ = ("id", "gate", "up", "down", "D", "F", "sig", "nbytes", "last_batch", "freed", "addr6")
 
     def __repr__(self):
         return f"<expert {self.id}: {self.gate.type_name}/{self.down.type_name} D={self.D} F={self.F}>"
@@ -275,8 +280,7 @@ class Batch:
             raise DeviceLost(self._lost)
         if self.frame is None:
             return
-        timeout_ns = int(float(os.environ.get("COLI_VK_TIMEOUT_S", "60")) * 1e9)
-        r = lib.vkWaitForFences(self.dev._dev, 1, self.frame.fence_arr, 1, timeout_ns)
+        r = lib.vkWaitForFences(self.dev._dev, 1, self.frame.fence_arr, 1, self.dev._timeout_ns)
         if r == _TIMEOUT:
             self._fail("fence wait timed out")
         elif r != 0:
@@ -337,6 +341,7 @@ class Device:
         self.lost: str | None = None
         self._fault_at = _env_int("COLI_VK_FAULT", 0)
         self.gemm_rows = _env_int("COLI_VK_TIER_GEMM_ROWS", 16)
+        self._timeout_ns = int(_env_float("COLI_VK_TIMEOUT_S", 60.0) * 1e9)
         self._frames_free: list[_Frame] = []
         self._frames_all: list[_Frame] = []
         self._pipes: dict = {}
@@ -875,6 +880,7 @@ class Device:
         h.gate, h.up, h.down = parts
         h.D, h.F = D, F
         h.sig = (tg, td)
+        h.addr6 = _addr6(h)
         h.nbytes = need
         h.last_batch = None
         h.freed = False
@@ -939,23 +945,25 @@ class Device:
             raise ValueError(f"pair rows out of range [0, {R})")
         if clamp is not None and not clamp > 0:
             raise ValueError(f"the device clamps SwiGLU only above 0 (clamp={clamp})")
-        h0 = pair_handles[0]
-        F = h0.F
-        ids = np.empty(P, np.int64)
+        F = pair_handles[0].F
+        ids = np.fromiter((h.id for h in pair_handles), np.int64, P)
+        uid, first = np.unique(ids, return_index=True)
+        by_id = {}
         sigs: dict = {}
-        sig_of = np.empty(P, np.int64)
-        for i, h in enumerate(pair_handles):
-            if h.freed:
-                raise ValueError(f"expert handle {h.id} was freed")
+        sig_of_uid = np.empty(uid.size, np.int64)
+        for k, i in enumerate(first.tolist()):
+            h = pair_handles[i]
+            if h.freed or self._handles.get(h.id) is not h:
+                raise ValueError(f"expert handle {h.id} was freed or is not this device's")
             if h.D != D or h.F != F:
                 raise ValueError(f"pair {i}: expert D={h.D} F={h.F}, batch D={D} F={F}")
-            ids[i] = h.id
-            sig_of[i] = sigs.setdefault(h.sig, len(sigs))
+            by_id[h.id] = h
+            sig_of_uid[k] = sigs.setdefault(h.sig, len(sigs))
+        sig_of = sig_of_uid[np.searchsorted(uid, ids)]
         order = np.lexsort((ids, sig_of))             # stable: pairs of one expert keep their order
         sid = ids[order]
         starts = np.flatnonzero(np.r_[True, sid[1:] != sid[:-1]])
         counts = np.diff(np.r_[starts, P])
-        by_id = {h.id: h for h in pair_handles}
         return self._record_submit(
             x=x, D=D, F=F, P=P, rows_sorted=rows[order], out_sorted=order,
             groups=[(by_id[int(sid[s])], int(s), int(c)) for s, c in zip(starts, counts)],
@@ -991,38 +999,36 @@ class Device:
                 self._drop(t)
 
     def _record_submit(self, *, x, D, F, P, rows_sorted, out_sorted, groups, clamp, plain) -> Batch:
-        # group table: GEMV groups are split into chunks of <= MAXR rows
-        grp_rows = []      # (handle, s_begin, count, kind)
+        # the group table: one row per GEMM group, GEMV groups cut into chunks of <= MAXR rows
+        sig_ids: dict = {}
+        rows6, gs, gc, gk, gsig = [], [], [], [], []
         for h, s, c in groups:
+            a6 = h.addr6 if hasattr(h, "addr6") else _addr6(h)
+            si = sig_ids.setdefault(h.sig, len(sig_ids))
             if self.gemm_rows > 0 and c >= self.gemm_rows:
-                grp_rows.append((h, s, c, 1))
+                rows6.append(a6); gs.append(s); gc.append(c); gk.append(1); gsig.append(si)
             else:
                 for k in range(0, c, MAXR):
-                    grp_rows.append((h, s + k, min(MAXR, c - k), 0))
-        G = len(grp_rows)
+                    rows6.append(a6); gs.append(s + k); gc.append(min(MAXR, c - k)); gk.append(0); gsig.append(si)
+        G = len(rows6)
         gt = np.empty((G, 8), np.uint32)
-        for gi, (h, s, c, _) in enumerate(grp_rows):
-            a = (h.gate.addr, h.up.addr, h.down.addr)
-            gt[gi, 0:6] = [a[0] & 0xFFFFFFFF, a[0] >> 32, a[1] & 0xFFFFFFFF, a[1] >> 32,
-                           a[2] & 0xFFFFFFFF, a[2] >> 32]
-            gt[gi, 6], gt[gi, 7] = s, c
-        # work lists per (signature, pass, kernel)
+        gt[:, :6] = rows6
+        gt[:, 6] = gs
+        gt[:, 7] = gc
+        gcount = np.asarray(gc, np.int64)
+        kinds = np.asarray(gk)
+        gsig = np.asarray(gsig)
+        # work lists per (pass, signature, kernel)
         passes = [(0, D, F)] if plain else [(1, F, D), (0, D, F)]   # (mode, O, I)
-        sig_order = []
-        for h, s, c, k in grp_rows:
-            if h.sig not in sig_order:
-                sig_order.append(h.sig)
         work_parts = []
-        dispatch_plan = []   # per pass: list of (kernel, type_name, work_off_items, nwork)
+        dispatch_plan = []   # per pass: (mode, O, I, [(kernel, type_name, first item, items)])
         nitems = 0
-        kinds = np.array([g[3] for g in grp_rows])
-        gsig = [sig_order.index(g[0].sig) for g in grp_rows]
         for mode, O, I in passes:
             plan = []
-            for si, sig in enumerate(sig_order):
+            for sig, si in sig_ids.items():
                 tname = sig[0] if mode == 1 else sig[1]
-                gv = np.array([gi for gi in range(G) if gsig[gi] == si and kinds[gi] == 0], np.uint32)
-                gm = [gi for gi in range(G) if gsig[gi] == si and kinds[gi] == 1]
+                gv = np.flatnonzero((gsig == si) & (kinds == 0)).astype(np.uint32)
+                gm = np.flatnonzero((gsig == si) & (kinds == 1))
                 if gv.size:
                     o0 = np.arange(0, O, self.gemv_rows, dtype=np.uint32)
                     w = np.zeros((gv.size * o0.size, 4), np.uint32)
@@ -1031,15 +1037,16 @@ class Device:
                     work_parts.append(w)
                     plan.append(("gemv", tname, nitems, w.shape[0]))
                     nitems += w.shape[0]
-                if gm:
-                    ws = []
-                    for gi in gm:
-                        c = grp_rows[gi][2]
-                        oo, nn = np.meshgrid(np.arange(0, O, GEMM_BM), np.arange(0, c, GEMM_BN), indexing="ij")
-                        w = np.zeros((oo.size, 4), np.uint32)
-                        w[:, 0], w[:, 1], w[:, 2] = gi, oo.reshape(-1), nn.reshape(-1)
-                        ws.append(w)
-                    w = np.concatenate(ws)
+                if gm.size:
+                    oo = np.arange(0, O, GEMM_BM, dtype=np.int64)
+                    ntn = (gcount[gm] + GEMM_BN - 1) // GEMM_BN       # row tiles of each group
+                    per = oo.size * ntn
+                    j = np.arange(per.sum()) - np.repeat(np.cumsum(per) - per, per)
+                    nt = np.repeat(ntn, per)
+                    w = np.zeros((j.size, 4), np.uint32)
+                    w[:, 0] = np.repeat(gm, per)
+                    w[:, 1] = oo[j // nt]
+                    w[:, 2] = (j % nt) * GEMM_BN
                     work_parts.append(w)
                     plan.append(("gemm", tname, nitems, w.shape[0]))
                     nitems += w.shape[0]
