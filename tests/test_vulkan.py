@@ -230,6 +230,11 @@ def test_budget_rules(monkeypatch):
         monkeypatch.setenv("COLI_VK_TIER_GB", "1.5")
         d4 = open_device("budget", quiet=True)
         assert d4.budget_bytes == int(1.5 * GiB) and d4.budget_rule == "COLI_VK_TIER_GB"
+        spec, w = make_expert("Q8_0", "Q8_0", 64, 32, np.random.default_rng(0))
+        h = d4.upload_expert(*spec)
+        x = np.ones((1, 64), np.float32)
+        assert rel_err(d4.submit_experts(x, [0], [h]).join(), numpy_expert(x, w)) < TOL
+        assert d4.dispatches > 0 and d4.memory_stats()["used"] == d4.expert_bytes(*spec)
         d4.close()
     finally:
         d.close()
@@ -268,6 +273,12 @@ def test_fault_injection_device_lost_at_nth_submit_cpu_finishes(monkeypatch):
 
 
 def test_report_line_and_describe(dev):
+    rng = np.random.default_rng(4)
+    raw, w = make_weight("Q4_0", 8, 64, rng)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    m0 = dev.matmuls
+    assert rel_err(dev.matmul("Q4_0", raw, (8, 64), x), x.astype(np.float64) @ w.T) < TOL
+    assert dev.matmuls == m0 + 1 and dev.dispatches > 0
     assert dev.report() == f"[VK] test: {dev.matmuls} matmuls on the GPU"
     s = dev.describe()
     assert f"subgroup {dev.subgroup_size}" in s and dev.name in s and "heaps" in s
@@ -279,6 +290,23 @@ def test_own_compute_queue_where_the_device_has_one(dev):
     if not own:
         pytest.skip(f"{dev.name} has no compute-only queue family")
     assert dev.dedicated_compute_queue and dev.queue_family in own
+
+
+def test_gemv_only_and_gemm_only_thresholds(monkeypatch):
+    from coli.vulkan import open_device
+    rng = np.random.default_rng(8)
+    raw, w = make_weight("Q5_0", 40, 96, rng)
+    x = rng.standard_normal((33, 96)).astype(np.float32)
+    ref = x.astype(np.float64) @ w.T.astype(np.float64)
+    for rows_env in ("0", "1"):                 # 0: never the GEMM (GEMV chunks); 1: the GEMM from 1 row
+        monkeypatch.setenv("COLI_VK_TIER_GEMM_ROWS", rows_env)
+        d = open_device("thr", budget_bytes=1 << 26, quiet=True)
+        try:
+            for n in (1, 5, 33):
+                assert rel_err(d.matmul("Q5_0", raw, (40, 96), x[:n]), ref[:n]) < TOL
+            assert d.dispatches == 3
+        finally:
+            d.close()
 
 
 def test_bad_inputs_are_refused(dev):
@@ -294,6 +322,9 @@ def test_bad_inputs_are_refused(dev):
         dev.submit_experts(np.zeros((2, 64), np.float32), [0, 2], [h, h])   # row out of range
     with pytest.raises(ValueError):
         dev.submit_experts(np.zeros((2, 64), np.float32), [0], [h], clamp=0.0)
+    d0 = dev.dispatches
+    assert dev.submit_experts(np.zeros((2, 64), np.float32), [1], [h]).join().shape == (1, 64)
+    assert dev.dispatches > d0
     dev.free_expert(h)
 
 

@@ -298,6 +298,8 @@ class Batch:
         """
         if self._result is not None:
             return self._result
+        if self.frame is not None and self.dev._dev is None:
+            raise VulkanError("the device was closed before this batch was joined")
         self._wait()
         if self.frame is None:
             self._result = np.zeros((self.P, self.D), np.float32)
