@@ -1,5 +1,11 @@
-"""The block allocator against a byte map, and the .spv set against its sources (no device needed)."""
+"""What needs no Vulkan device: the block allocator against a byte map, the .spv set against its sources,
+and the CPU fallback when the loader or the shaders are missing (these run on machines without Vulkan)."""
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -95,3 +101,47 @@ def test_allocator_best_fit_and_coalescing():
     assert len(a.blocks) == 1                             # the emptied block went back
     with pytest.raises(ValueError):
         a.free(x[5])                                      # double free
+
+
+def _run_py(code: str, env: dict) -> subprocess.CompletedProcess:
+    e = dict(os.environ)
+    e.update(env)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env=e, timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_no_loader_runs_on_the_cpu():
+    # hide the loader from the binding: its dlopen of libvulkan.so.1 fails as on a machine without one
+    code = """
+        import importlib.util, os, sys
+        origin = importlib.util.find_spec("vulkan").origin
+        spec = importlib.util.spec_from_file_location(
+            "vulkan._vulkancache", os.path.join(os.path.dirname(origin), "_vulkancache.py"))
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        class Hidden:
+            def __init__(self, ffi): self._ffi = ffi
+            def dlopen(self, name, *a):
+                raise OSError(f"cannot load library '{name}': hidden by the test")
+            def __getattr__(self, k): return getattr(self._ffi, k)
+        mod.ffi = Hidden(mod.ffi)
+        sys.modules["vulkan._vulkancache"] = mod
+        from coli.vulkan import open_device
+        print("DEV", open_device("smollm2"))
+    """
+    r = _run_py(code, {})
+    assert r.returncode == 0 and "Traceback" not in r.stderr
+    assert "DEV None" in r.stdout
+    assert r.stderr.strip().startswith("[VK] smollm2: no Vulkan loader (libvulkan.so.1")
+    assert r.stderr.strip().endswith(", running on the CPU")
+    r = _run_py("from coli.vulkan import open_device; print('DEV', open_device('m'))",
+                {"COLI_VK_LOADER": "/nonexistent/libvulkan.so.1", "LD_LIBRARY_PATH": "/nonexistent"})
+    assert "DEV None" in r.stdout and "Traceback" not in r.stderr
+    assert r.stderr.startswith("[VK] m: no Vulkan loader (/nonexistent/libvulkan.so.1") and "running on the CPU" in r.stderr
+
+
+def test_missing_shaders_run_on_the_cpu(tmp_path):
+    r = _run_py("from coli.vulkan import open_device; print('DEV', open_device('m'))",
+                {"COLI_VK_SHADERS": str(tmp_path)})
+    assert "DEV None" in r.stdout and "Traceback" not in r.stderr
+    assert r.stderr.startswith("[VK] m: missing shaders (") and r.stderr.strip().endswith("running on the CPU")

@@ -69,6 +69,10 @@ def open_device(label: str, *, ram_cache_bytes: int = 0, dense_bytes: int = 0, b
     the CPU`` and returns None (never raises).
     """
     try:
+        from . import shaders as S
+        for k, t in S.builds():     # before the loader: a missing .spv is reported on any machine
+            if not (S.shader_dir() / S.spv_name(k, t)).exists():
+                raise FileNotFoundError(f"missing shaders ({S.shader_dir() / S.spv_name(k, t)})")
         _load_binding()
         from .device import Device
         kw = {} if block_bytes is None else {"block_bytes": block_bytes}

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import struct
-import sys
 import time
 
 import numpy as np
@@ -410,7 +409,6 @@ class Device:
         sgp.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES
         sgc.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_SIZE_CONTROL_PROPERTIES
         exts = self._device_extensions()
-        api = None
         pr = _s("VkPhysicalDeviceProperties")
         lib.vkGetPhysicalDeviceProperties(pd, pr)
         api = pr.apiVersion
@@ -425,7 +423,6 @@ class Device:
         if not (sgp.supportedStages & _STAGE_COMPUTE) or not (sgp.supportedOperations & 0x8):
             raise VulkanError("no subgroup arithmetic in compute shaders")
         self.timestamp_period = float(lim.timestampPeriod)
-        self.max_alloc = 0
 
         # features we need
         f2 = _s("VkPhysicalDeviceFeatures2")
