@@ -48,6 +48,7 @@ class StepTimes:
     cpu_rows: int
     waited_ms: float
     resident_rows: int
+    cpu_cold: int = 0      # CPU experts of the step that were not in RAM at the split (disk reads)
 
 
 class Balancer:
@@ -76,6 +77,7 @@ class Balancer:
         self.a_ms: float | None = None
         self.b_ms: float | None = None
         self.target: float | None = None
+        self._b_cold = False
         self.steps = 0
 
     def _ema(self, old: float | None, x: float) -> float:
@@ -87,7 +89,14 @@ class Balancer:
         if t.device_rows > 0 and t.device_ms > 0:
             self.a_ms = self._ema(self.a_ms, t.device_ms / t.device_rows)
         if t.cpu_rows > 0 and t.cpu_ms > 0:
-            self.b_ms = self._ema(self.b_ms, t.cpu_ms / t.cpu_rows)
+            # the rows the balancer moves are RAM-held experts: a step whose CPU side read experts from
+            # disk measures the CPU's cost only until a step without disk reads replaces it
+            if t.cpu_cold == 0:
+                self.b_ms = t.cpu_ms / t.cpu_rows if self._b_cold else self._ema(self.b_ms, t.cpu_ms / t.cpu_rows)
+                self._b_cold = False
+            elif self.b_ms is None or self._b_cold:
+                self.b_ms = self._ema(self.b_ms, t.cpu_ms / t.cpu_rows)
+                self._b_cold = True
         if not self.enabled:
             return self.share
         if self.b_ms is None or self.a_ms is None:
@@ -121,7 +130,8 @@ class Balancer:
         ``rows``: int [n] the step's rows per resident expert; ``movable``: bool [n], True where the CPU also
         holds the expert in RAM. Returns bool [n]: every non-movable expert is kept; movable ones are kept,
         most rows first (ties: lower position first), while the kept rows are below
-        ``device_rows(rows.sum())``; the others go to the CPU. When that is 0 rows (a small step at a low
+        ``device_rows(rows.sum())``; the others go to the CPU. While the controller's target sits at the
+        floor (the device loses even there) the device keeps no movable row. When that is 0 rows (a small step at a low
         share), every ``period``-th such call keeps 1 row anyway (``period`` starts at ``measure_every``, 16,
         and doubles, up to 1024, at each update whose target sits at the floor), so the device's cost stays
         measured without the device taking a row (and its batch latency) every step; symmetrically, when
@@ -135,6 +145,8 @@ class Balancer:
             return np.ones(len(rows), dtype=bool)
         total = int(rows.sum())
         want = self.device_rows(total)
+        if self.target is not None and self.target <= self.floor:
+            want = 0      # the device loses even at the floor: it only gets the measurement rows
         if want == 0:
             self._zero_calls += 1
             if self._zero_calls >= self.period:

@@ -594,7 +594,8 @@ class Tier:
         st = self._step if (self._step is not None and self._step[0] == iss.layer) else None
         res_rows = st[1] if st else iss.n_pairs
         cpu_rows = st[3] if st else 0
-        self.balancer.update(StepTimes(dev_ms, iss.n_pairs, cpu_ms, cpu_rows, waited, res_rows))
+        cold = st[4] if st and len(st) > 4 else 0
+        self.balancer.update(StepTimes(dev_ms, iss.n_pairs, cpu_ms, cpu_rows, waited, res_rows, cold))
         if self.trace.enabled:
             self.trace.span(f"join L{iss.layer}", "join", t1, t2, args={"layer": iss.layer})
             ts = getattr(iss.batch, "timestamps_ns", None)
@@ -626,6 +627,9 @@ class Tier:
         experts = np.fromiter(groups.keys(), dtype=np.int64, count=len(groups))
         rows = np.fromiter((len(groups[int(e)]) for e in experts), dtype=np.int64, count=len(groups))
         dev_e, cpu_e = self.split(layer, experts, rows, _movable(cache))
+        if cache is not None and self._step is not None:
+            cold = sum(1 for e in cpu_e if not cache.in_ram(layer, int(e)))
+            self._step = self._step + (cold,)
         if dev_e.size == 0:
             return [int(e) for e in cpu_e], None
         pair_ids = np.concatenate([np.asarray(groups[int(e)], dtype=np.int64) for e in dev_e])

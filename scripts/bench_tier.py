@@ -71,6 +71,17 @@ def one_run(Engine, model, arm, args, usage_copy):
         if kw.get("device") and getattr(eng, "tier", None) is None:
             sys.exit(f"bench_tier: arm {arm}: the engine opened no device tier (see the [VK] line above)")
         load_s = time.perf_counter() - t0
+        trail = []
+        t = getattr(eng, "tier", None)
+        if t is not None and t.balancer.enabled:
+            bal, upd = t.balancer, t.balancer.update
+
+            def rec(st):
+                s = upd(st)
+                trail.append((st.device_ms, st.device_rows, st.cpu_ms, st.cpu_rows, st.waited_ms, s,
+                              bal.target if bal.target is not None else float("nan")))
+                return s
+            bal.update = rec
         r = eng.generate(args.prompt, max_tokens=args.tokens, temp=0.0, stop_at_eos=False)
         st = dict(r.stats)
         out = {"arm": arm, "decode_tps": st.get("decode_tps", 0.0), "prefill_tps": st.get("prefill_tps", 0.0),
@@ -81,10 +92,38 @@ def one_run(Engine, model, arm, args, usage_copy):
                        hidden_pct=100.0 * (t.device_ms - t.waited_ms) / t.device_ms if t.device_ms else None,
                        device_pct=100.0 * t.device_pairs / t.routed_pairs if t.routed_pairs else 0.0,
                        share=t.balancer.share, handed_rows=t.handed_rows, resident=len(t.resident),
-                       evictions=t.evictions, uploads=t.uploads, on=t.on)
+                       evictions=t.evictions, uploads=t.uploads, on=t.on, trail=trail)
         return out
     finally:
         eng.close()
+
+
+def plot_share(run, model, a, path):
+    """The device share after each batch of one balanced run (a measured run), with the per-batch times."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    tr = np.array(run["trail"], dtype=float)
+    x = np.arange(len(tr))
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    ax1.plot(x, tr[:, 5], label="device share after the batch")
+    ax1.plot(x, tr[:, 6], "--", label="the controller's target (equal finish)")
+    ax1.set_ylim(0, 1.05)
+    ax1.set_ylabel("device share of resident rows")
+    ax1.legend(fontsize=8)
+    ax1.set_title(f"MEASURED: {Path(model).name}, {a.tokens} tokens after the prompt, Numba threads "
+                  f"{a.threads}, LP_NUM_THREADS={os.environ.get('LP_NUM_THREADS', 'unset')}\n"
+                  f"{run['decode_tps']:.2f} tok/s, {run['device_pct']:.0f}% of pairs on the device", fontsize=9)
+    ax2.semilogy(x, np.maximum(tr[:, 0], 1e-3), ".", ms=3, label="device ms (batch)")
+    ax2.semilogy(x, np.maximum(tr[:, 2], 1e-3), ".", ms=3, label="CPU ms (issue to join)")
+    ax2.semilogy(x, np.maximum(tr[:, 4], 1e-3), ".", ms=3, label="waited ms (join)")
+    ax2.set_xlabel("device batch (MoE layer steps that issued one)")
+    ax2.set_ylabel("ms")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"share plot: {path}")
 
 
 def main(argv=None) -> int:
@@ -99,6 +138,8 @@ def main(argv=None) -> int:
     ap.add_argument("--usage", default=None, help="routing history to start every run from (copied)")
     ap.add_argument("--arms", default="cpu,tier,balanced")
     ap.add_argument("--json", default=None, help="write every run and the medians here")
+    ap.add_argument("--share-plot", default=None, metavar="PNG",
+                    help="plot the balancer's device share over the last balanced run (matplotlib)")
     a = ap.parse_args(argv)
     if a.lp_threads is not None:
         os.environ["LP_NUM_THREADS"] = str(a.lp_threads)
@@ -156,6 +197,9 @@ def main(argv=None) -> int:
             print(f"balanced / best of the others: {med['balanced']['tps'] / max(others):.3f}")
     if "tier" in med and "cpu" in med and med["cpu"]["tps"] > 0:
         print(f"tier / cpu: {med['tier']['tps'] / med['cpu']['tps']:.3f}")
+    bal_runs = [r for r in runs if r["arm"] == "balanced" and r.get("trail")]
+    if a.share_plot and bal_runs:
+        plot_share(bal_runs[-1], model, a, a.share_plot)
     if a.json:
         Path(a.json).write_text(json.dumps({"runs": runs, "medians": med, "args": vars(a)}, indent=1))
     return 0

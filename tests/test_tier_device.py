@@ -110,3 +110,26 @@ def test_reproducible_mode_bitwise(lavapipe, tmp_path, monkeypatch):
     a = run("olmoe", tmp_path, device="vulkan", balance=False)
     b = run("olmoe", tmp_path, device="vulkan", balance=False)
     assert a[0] == b[0] and a[1].tobytes() == b[1].tobytes()
+
+
+def test_trace_of_a_tier_run(lavapipe, tmp_path, monkeypatch):
+    import json
+    from coli.engine import Engine
+    from scheduler.trace import summarize
+    monkeypatch.setenv("COLI_VK_TIER_GB", repr(4 * 3 * 32 * 64 * 4 / 2**30))
+    p = tmp_path / "run.json"
+    eng = Engine(FIX / "olmoe.gguf", threads=1, save_usage=False, quiet=True, cpu_act="f32",
+                 usage=str(tmp_path / "none.coli_usage"), device="vulkan", balance=False, trace=str(p))
+    try:
+        eng.generate(ids=PROMPT, max_tokens=8, temp=0.0)
+        tier = eng.tier
+    finally:
+        eng.close()
+    evs = json.loads(p.read_text())
+    cats = {e.get("cat") for e in evs if e["ph"] == "X"}
+    assert {"cpu", "device", "join", "upload", "disk"} <= cats
+    dev = [e for e in evs if e.get("cat") == "device"]
+    assert len(dev) == tier.batches
+    assert sum(e["dur"] for e in dev) == pytest.approx(tier.device_ms * 1e3, rel=1e-3)
+    s = summarize(evs)
+    assert 0.0 <= s["hidden_pct"] <= 100.0
