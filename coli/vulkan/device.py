@@ -371,7 +371,7 @@ class Device:
         app.sType = vk.VK_STRUCTURE_TYPE_APPLICATION_INFO
         app.pApplicationName = app_name
         app.pEngineName = app_name
-        app.apiVersion = (1 << 22) | (2 << 12)
+        app.apiVersion = (1 << 22) | (3 << 12)      # 1.3 where the device has it (1.2 is what we need)
         ici = _s("VkInstanceCreateInfo")
         ici.sType = vk.VK_STRUCTURE_TYPE_INSTANCE_CREATE_INFO
         ici.pApplicationInfo = app
@@ -412,7 +412,8 @@ class Device:
         pr = _s("VkPhysicalDeviceProperties")
         lib.vkGetPhysicalDeviceProperties(pd, pr)
         api = pr.apiVersion
-        have_sgc = api >= ((1 << 22) | (3 << 12)) or "VK_EXT_subgroup_size_control" in exts
+        v13 = (1 << 22) | (3 << 12)
+        have_sgc = api >= v13 or "VK_EXT_subgroup_size_control" in exts
         props2.pNext = sgp
         if have_sgc:
             sgp.pNext = sgc
@@ -490,7 +491,7 @@ class Device:
             esc.computeFullSubgroups = 1 if full_sg else 0
             e12.pNext = esc
         want_ext = []
-        if self.subgroup_pinned and api < ((1 << 22) | (3 << 12)):
+        if self.subgroup_pinned and api < v13:
             want_ext.append("VK_EXT_subgroup_size_control")
         self.memory_budget_ext = "VK_EXT_memory_budget" in exts
         if self.memory_budget_ext:
@@ -1087,8 +1088,14 @@ class Device:
             cl = struct.unpack("<I", struct.pack("<f", float(clamp) if clamp is not None else 0.0))[0]
             ndisp = 0
             for pi, (mode, O, I, plan) in enumerate(dispatch_plan):
+                # The dispatches of one pass touch disjoint rows of h (pass 1) or y (pass 2), so they need
+                # no barrier between them. Khronos' synchronization validation still reports hazards
+                # between them, because each shader statically names both passes' bindings (the mode is
+                # a specialization constant): false positives, checked by hand. Between the passes h is
+                # written, then read.
                 if pi > 0:
-                    mb.srcAccessMask, mb.dstAccessMask = _ACC_SHADER_WRITE, _ACC_SHADER_READ
+                    mb.srcAccessMask = _ACC_SHADER_WRITE
+                    mb.dstAccessMask = _ACC_SHADER_READ | _ACC_SHADER_WRITE
                     lib.vkCmdPipelineBarrier(cb, _PSTAGE_COMPUTE, _PSTAGE_COMPUTE, 0, 1, mb, 0, ffi.NULL, 0, ffi.NULL)
                 for kernel, tname, woff, nw in plan:
                     lib.vkCmdBindPipeline(cb, vk.VK_PIPELINE_BIND_POINT_COMPUTE, self._pipeline(kernel, tname, mode))
