@@ -822,6 +822,11 @@ class Device:
             _chk(lib.vkBeginCommandBuffer(cb, bi), "vkBeginCommandBuffer")
             region.srcOffset, region.dstOffset, region.size = 0, off, n
             lib.vkCmdCopyBuffer(cb, sb.buffer, dst, 1, region)
+            # the copy's writes are made visible to the compute shaders of later submissions
+            mb = _s("VkMemoryBarrier")
+            mb.sType = vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER
+            mb.srcAccessMask, mb.dstAccessMask = _ACC_XFER_WRITE, _ACC_SHADER_READ
+            lib.vkCmdPipelineBarrier(cb, _PSTAGE_TRANSFER, _PSTAGE_COMPUTE, 0, 1, mb, 0, ffi.NULL, 0, ffi.NULL)
             _chk(lib.vkEndCommandBuffer(cb), "vkEndCommandBuffer")
             sub = _s("VkSubmitInfo")
             sub.sType = vk.VK_STRUCTURE_TYPE_SUBMIT_INFO
