@@ -28,7 +28,7 @@ SHAPES = [(576, 576), (1536, 576), (576, 1536), (49152, 576), (896, 4864), (4864
 BIG = 40_000  # O at or above this: an output (lm_head) matrix
 
 
-@njit(parallel=True, nogil=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True, fastmath=True)
 def _read_probe(a):
     n = a.shape[0]
     nch = 1024
@@ -41,7 +41,7 @@ def _read_probe(a):
     return part.sum()
 
 
-@njit(parallel=True, nogil=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True, fastmath=True)
 def _copy_probe(dst, src):
     n = src.shape[0]
     nch = 1024
@@ -74,10 +74,10 @@ def random_raw(name: str, O: int, I: int, rng) -> np.ndarray:
     fmt = F.FORMATS[name]
     if name == "F32":
         return rng.standard_normal((O, I), dtype=np.float32).view(np.uint8)
-    if name in ("F16", "BF16"):
-        h = rng.integers(0, 2**16, (O, I), dtype=np.uint16)
-        h &= np.uint16(0xBFFF)  # keep exponents moderate (no inf/nan)
-        return h.view(np.uint8)
+    if name == "F16":
+        return rng.standard_normal((O, I), dtype=np.float32).astype(np.float16).view(np.uint8)
+    if name == "BF16":  # normal values only: random bits would make f32 subnormals, which cost microcode assists
+        return (rng.standard_normal((O, I), dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
     nb = I // fmt.block_size
     blocks = rng.integers(0, 256, (O, nb, fmt.type_size), dtype=np.uint8)
     one = np.array([0.01], np.float16).view(np.uint8)
@@ -116,6 +116,38 @@ def bench_format(name, shapes, T, reps, act, rng):
     return rows
 
 
+def bench_model(model: str, reps: int, act: str) -> dict:
+    """One decode token's GEMVs over a real model's matrices (every 2-D weight once; token_embd as the lm_head
+    when there is no output.weight), weights visited in file order like the engine does, so they stream from
+    memory instead of sitting in cache. Returns ms per pass and GB/s of file bytes."""
+    from coli.fetch import model_path
+    from coli.gguf_file import open_gguf
+
+    g = open_gguf(model_path(model))
+    ws = []
+    for name, t in g.tensors.items():
+        if len(t.shape) != 2 or t.type_name not in F.FORMATS:
+            continue
+        if name == "token_embd.weight" and "output.weight" in g.tensors:
+            continue
+        ws.append(F.prepare(t.type_name, t.raw, tuple(t.shape)))
+    rng = np.random.default_rng(0)
+    xs = {w.shape[1]: rng.standard_normal((1, w.shape[1]), dtype=np.float32) for w in ws}
+
+    def one_pass():
+        for w in ws:
+            F.matmul(w, xs[w.shape[1]], act=act)
+
+    t = _best(one_pass, reps)
+    by_type = {}
+    for w in ws:
+        by_type[w.name] = by_type.get(w.name, 0) + w.file_nbytes
+    file_bytes = sum(w.file_nbytes for w in ws)
+    return {"model": model, "act": act, "matrices": len(ws), "file_bytes": file_bytes,
+            "packed_bytes": sum(w.nbytes for w in ws), "bytes_by_type": by_type,
+            "pass_ms": t * 1e3, "gbs": file_bytes / t / 1e9}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=cpu_kernels.default_threads())
@@ -125,6 +157,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--shapes", default="", help="OxI,OxI,... (default: real model shapes)")
     ap.add_argument("--probe-gib", type=float, default=1.0)
+    ap.add_argument("--models", default="", help="also time one decode token's GEMVs over these real models "
+                    "(smollm2,gemma3,qwen25; downloaded by coli.fetch)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     a = ap.parse_args(argv)
     cpu_kernels.set_threads(a.threads)
@@ -140,10 +174,11 @@ def main(argv=None):
             if act == "int8" and not F.FORMATS[name].int8:
                 continue
             rows += bench_format(name, shapes, a.T, a.reps, act, rng)
+    models = [bench_model(m, max(3, a.reps // 4), act) for m in a.models.split(",") if m for act in acts]
     meta = {"threads": a.threads, "layer": cpu_kernels.threading_layer(), "reps": a.reps,
             "loadavg": os.getloadavg(), "probe": probe}
     if a.json:
-        print(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        print(json.dumps({"meta": meta, "rows": rows, "models": models}, indent=1))
         return
     print(f"threads {a.threads} ({meta['layer']}), min of {a.reps} runs, load average {meta['loadavg'][0]:.2f}")
     print(f"memory probe ({probe['bytes'] / 2**30:.1f} GiB): read {probe['read_gbs']:.1f} GB/s, "
@@ -154,6 +189,11 @@ def main(argv=None):
         print(f"{r['format']:6} {r['act']:4} {r['O']:>6}x{r['I']:<6} {r['file_bytes'] / 1e6:8.2f} "
               f"{r['packed_bytes'] / r['file_bytes']:9.3f} {r['gemv_us']:9.1f} {r['gemv_gbs']:9.2f} "
               f"{r['gemm_ms']:8.2f} {r['gemm_gbs']:9.2f} {r['gemm_gflops']:8.1f}")
+    for m in models:
+        types = ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in m["bytes_by_type"].items())
+        print(f"model {m['model']} ({m['act']}): {m['matrices']} matrices, {m['file_bytes'] / 1e6:.0f} MB in the file "
+              f"({types}; packed {m['packed_bytes'] / 1e6:.0f} MB): one token's GEMVs {m['pass_ms']:.1f} ms "
+              f"= {m['gbs']:.2f} GB/s")
 
 
 if __name__ == "__main__":
