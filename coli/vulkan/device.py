@@ -951,28 +951,38 @@ class Device:
         if clamp is not None and not clamp > 0:
             raise ValueError(f"the device clamps SwiGLU only above 0 (clamp={clamp})")
         F = pair_handles[0].F
-        ids = np.fromiter((h.id for h in pair_handles), np.int64, P)
-        uid, first = np.unique(ids, return_index=True)
-        by_id = {}
+        by_id: dict = {}
         sigs: dict = {}
-        sig_of_uid = np.empty(uid.size, np.int64)
-        for k, i in enumerate(first.tolist()):
-            h = pair_handles[i]
+        sig_by_id: dict = {}
+        for i, h in enumerate(pair_handles):          # each distinct expert checked once
+            if h.id in by_id:
+                continue
             if h.freed or self._handles.get(h.id) is not h:
                 raise ValueError(f"expert handle {h.id} was freed or is not this device's")
             if h.D != D or h.F != F:
                 raise ValueError(f"pair {i}: expert D={h.D} F={h.F}, batch D={D} F={F}")
             by_id[h.id] = h
-            sig_of_uid[k] = sigs.setdefault(h.sig, len(sigs))
-        sig_of = sig_of_uid[np.searchsorted(uid, ids)]
-        order = np.lexsort((ids, sig_of))             # stable: pairs of one expert keep their order
-        sid = ids[order]
-        starts = np.flatnonzero(np.r_[True, sid[1:] != sid[:-1]])
-        counts = np.diff(np.r_[starts, P])
-        return self._record_submit(
-            x=x, D=D, F=F, P=P, rows_sorted=rows[order], out_sorted=order,
-            groups=[(by_id[int(sid[s])], int(s), int(c)) for s, c in zip(starts, counts)],
-            clamp=clamp, plain=False)
+            sig_by_id[h.id] = sigs.setdefault(h.sig, len(sigs))
+        # pairs sorted by (format signature, expert), stable: pairs of one expert keep their order
+        if P <= 256:                                  # plain Python is faster than NumPy's calls here
+            ids = [h.id for h in pair_handles]
+            order_l = sorted(range(P), key=lambda q: (sig_by_id[ids[q]], ids[q]))
+            groups, start = [], 0
+            for q in range(1, P + 1):
+                if q == P or ids[order_l[q]] != ids[order_l[start]]:
+                    groups.append((by_id[ids[order_l[start]]], start, q - start))
+                    start = q
+            order = np.asarray(order_l, np.int64)
+        else:
+            ids = np.fromiter((h.id for h in pair_handles), np.int64, P)
+            sig_of = np.fromiter((sig_by_id[h.id] for h in pair_handles), np.int64, P)
+            order = np.lexsort((ids, sig_of))
+            sid = ids[order]
+            starts = np.flatnonzero(np.r_[True, sid[1:] != sid[:-1]])
+            counts = np.diff(np.r_[starts, P])
+            groups = [(by_id[int(sid[a])], int(a), int(c)) for a, c in zip(starts, counts)]
+        return self._record_submit(x=x, D=D, F=F, P=P, rows_sorted=rows[order], out_sorted=order,
+                                   groups=groups, clamp=clamp, plain=False)
 
     def matmul(self, type_name: str, raw: np.ndarray, shape, x: np.ndarray) -> np.ndarray:
         """y = x @ W.T on the device for one GGUF matrix W ``(type_name, raw [O, row_bytes], (O, I))``.
@@ -1006,23 +1016,27 @@ class Device:
     def _record_submit(self, *, x, D, F, P, rows_sorted, out_sorted, groups, clamp, plain) -> Batch:
         # the group table: one row per GEMM group, GEMV groups cut into chunks of <= MAXR rows
         sig_ids: dict = {}
-        rows6, gs, gc, gk, gsig = [], [], [], [], []
+        rows6, gs, gc = [], [], []
+        gv_of: list = []       # per signature: GEMV group rows
+        gm_of: list = []       # per signature: GEMM group rows
         for h, s, c in groups:
             a6 = h.addr6 if hasattr(h, "addr6") else _addr6(h)
             si = sig_ids.setdefault(h.sig, len(sig_ids))
+            if si == len(gv_of):
+                gv_of.append([])
+                gm_of.append([])
             if self.gemm_rows > 0 and c >= self.gemm_rows:
-                rows6.append(a6); gs.append(s); gc.append(c); gk.append(1); gsig.append(si)
+                gm_of[si].append(len(rows6))
+                rows6.append(a6); gs.append(s); gc.append(c)
             else:
                 for k in range(0, c, MAXR):
-                    rows6.append(a6); gs.append(s + k); gc.append(min(MAXR, c - k)); gk.append(0); gsig.append(si)
+                    gv_of[si].append(len(rows6))
+                    rows6.append(a6); gs.append(s + k); gc.append(min(MAXR, c - k))
         G = len(rows6)
         gt = np.empty((G, 8), np.uint32)
         gt[:, :6] = rows6
         gt[:, 6] = gs
         gt[:, 7] = gc
-        gcount = np.asarray(gc, np.int64)
-        kinds = np.asarray(gk)
-        gsig = np.asarray(gsig)
         # work lists per (pass, signature, kernel)
         passes = [(0, D, F)] if plain else [(1, F, D), (0, D, F)]   # (mode, O, I)
         work_parts = []
@@ -1032,24 +1046,24 @@ class Device:
             plan = []
             for sig, si in sig_ids.items():
                 tname = sig[0] if mode == 1 else sig[1]
-                gv = np.flatnonzero((gsig == si) & (kinds == 0)).astype(np.uint32)
-                gm = np.flatnonzero((gsig == si) & (kinds == 1))
-                if gv.size:
+                gv, gm = gv_of[si], gm_of[si]
+                if gv:
                     o0 = np.arange(0, O, self.gemv_rows, dtype=np.uint32)
-                    w = np.zeros((gv.size * o0.size, 4), np.uint32)
-                    w[:, 0] = np.repeat(gv, o0.size)
-                    w[:, 1] = np.tile(o0, gv.size)
+                    w = np.zeros((len(gv) * o0.size, 4), np.uint32)
+                    w[:, 0] = np.repeat(np.asarray(gv, np.uint32), o0.size)
+                    w[:, 1] = np.tile(o0, len(gv))
                     work_parts.append(w)
                     plan.append(("gemv", tname, nitems, w.shape[0]))
                     nitems += w.shape[0]
-                if gm.size:
+                if gm:
+                    gma = np.asarray(gm, np.int64)
                     oo = np.arange(0, O, GEMM_BM, dtype=np.int64)
-                    ntn = (gcount[gm] + GEMM_BN - 1) // GEMM_BN       # row tiles of each group
+                    ntn = (np.asarray(gc, np.int64)[gma] + GEMM_BN - 1) // GEMM_BN   # row tiles of each group
                     per = oo.size * ntn
                     j = np.arange(per.sum()) - np.repeat(np.cumsum(per) - per, per)
                     nt = np.repeat(ntn, per)
                     w = np.zeros((j.size, 4), np.uint32)
-                    w[:, 0] = np.repeat(gm, per)
+                    w[:, 0] = np.repeat(gma, per)
                     w[:, 1] = oo[j // nt]
                     w[:, 2] = (j % nt) * GEMM_BN
                     work_parts.append(w)
