@@ -9,7 +9,11 @@ of the device's time hidden behind the CPU (``(device ms − waited ms) / device
 counters), the share of routed pairs the device computed, and the balancer's final share.
 
 Every run opens a fresh ``coli.Engine`` from the same copy of the routing history (``--usage``; the runs do
-not save theirs), so each starts from the same warm start. The cores: ``--threads`` Numba threads; Lavapipe's
+not save theirs), so each starts from the same warm start. ``--warm-gen N`` first generates N tokens on that
+engine, untimed: the measured generate then starts as a running session would (the experts the CPU needs
+already read into RAM). Without it, the first CPU use of each expert (a disk read and its preparation) lands
+in whichever phase first needs it: the CPU-only arm reads nearly all of them during the prompt, the balanced
+arm partly during the decode, which its decode tok/s then pays. The cores: ``--threads`` Numba threads; Lavapipe's
 own ``LP_NUM_THREADS`` (``--lp-threads``, set before the Vulkan driver loads) — the header says both.
 
 Usage::
@@ -82,6 +86,9 @@ def one_run(Engine, model, arm, args, usage_copy):
                               bal.target if bal.target is not None else float("nan")))
                 return s
             bal.update = rec
+        if args.warm_gen > 0:
+            eng.generate(args.prompt, max_tokens=args.warm_gen, temp=0.0, stop_at_eos=False)
+            trail.clear()
         r = eng.generate(args.prompt, max_tokens=args.tokens, temp=0.0, stop_at_eos=False)
         st = dict(r.stats)
         out = {"arm": arm, "decode_tps": st.get("decode_tps", 0.0), "prefill_tps": st.get("prefill_tps", 0.0),
@@ -132,6 +139,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", default="Write a short story about a lighthouse keeper who finds a map.")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--warm-gen", type=int, default=0, metavar="N",
+                    help="first generate N tokens on the same engine (not timed): the measured generate then "
+                         "starts with the experts in RAM / on the device as a running session has them")
     ap.add_argument("--threads", type=int, default=None, help="Numba threads (default: the engine's)")
     ap.add_argument("--lp-threads", type=int, default=None, help="LP_NUM_THREADS for Lavapipe")
     ap.add_argument("--expert-cache", type=int, default=None, help="RAM expert slots per layer")

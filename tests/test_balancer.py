@@ -74,3 +74,28 @@ def test_keep_order_most_rows_first_ties_by_position():
     assert list(b.keep(rows, mov)) == [False, False, False, False, True]
     b.share = 0.7                                          # 7 rows: 4 + expert 1 (2 rows) + expert 2 (2 rows)
     assert list(b.keep(rows, mov)) == [False, True, True, False, True]
+
+
+def test_cold_cpu_measurement_is_replaced_by_the_first_warm_one():
+    b = Balancer()
+    b.update(StepTimes(10.0, 4, 40.0, 4, 0.0, 8, cpu_cold=2))    # disk reads: 10 ms/row
+    assert b.b_ms == pytest.approx(10.0)
+    b.update(StepTimes(10.0, 4, 80.0, 4, 0.0, 8, cpu_cold=1))    # still cold: averaged in
+    assert b.b_ms == pytest.approx(10.0 + 0.3 * (20.0 - 10.0))
+    b.update(StepTimes(10.0, 4, 2.0, 4, 0.0, 8))                 # the first warm step replaces it
+    assert b.b_ms == pytest.approx(0.5)
+    b.update(StepTimes(10.0, 4, 400.0, 4, 0.0, 8, cpu_cold=3))   # a later cold step does not count
+    assert b.b_ms == pytest.approx(0.5)
+    b.update(StepTimes(10.0, 4, 4.0, 4, 0.0, 8))                 # warm ones average as usual
+    assert b.b_ms == pytest.approx(0.5 + 0.3 * (1.0 - 0.5))
+
+
+def test_target_under_the_floor_leaves_only_measurement_rows():
+    b = Balancer(floor=0.05)
+    for _ in range(30):
+        b.update(StepTimes(100.0, 1, 1.0, 63, 99.0, 64))          # the device 6000x slower per row
+    assert b.share == pytest.approx(0.05, abs=1e-6) and b.target == 0.05
+    # a 64-row step: round(0.05 * 64) = 3 rows at the floor, but the device loses there too: none,
+    # except one measurement row every `period` steps
+    kept = [int(b.keep(np.ones(64, np.int64), np.ones(64, bool)).sum()) for _ in range(b.period)]
+    assert kept == [0] * (b.period - 1) + [1]
