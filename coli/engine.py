@@ -61,7 +61,7 @@ class Engine:
         self.path = Path(path)
         self.quiet = quiet
         self.save_usage_on_close = save_usage
-        self.threads = int(threads) if threads else cpu_kernels.default_threads()
+        self.threads = int(threads) if threads is not None else cpu_kernels.default_threads()
         if self.threads < 1:
             raise ColiError(f"--threads: {threads} (at least 1)")
         cpu_kernels.set_threads(self.threads)
@@ -74,7 +74,7 @@ class Engine:
         self.tokenizer = Tokenizer.from_gguf(self.g)
         self.model = cls(self.g, self.args, None, self.cpu_act)
         a = self.args
-        self.ctx = int(ctx) if ctx else min(4096, a.ctx_train)
+        self.ctx = int(ctx) if ctx is not None else min(4096, a.ctx_train)
         if self.ctx < 1:
             raise ColiError(f"--ctx: {ctx} (at least 1)")
         self.cache = None

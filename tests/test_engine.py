@@ -203,3 +203,9 @@ def test_unsupported_tensor_type(tmp_path, model_path):
     r = _cli("run", "-m", str(p), "-p", "ab")
     assert r.returncode == 2, r.stderr
     assert "blk.0.attn_q.weight" in r.stderr and "IQ2_XXS" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("flag,value", [("--threads", "0"), ("--ctx", "0"), ("--expert-cache", "-1")])
+def test_cli_bad_numbers(flag, value, demo_path):
+    r = _cli("run", "-m", str(demo_path), "-p", "hi", "-n", "2", flag, value)
+    assert r.returncode == 2 and flag in r.stderr and "Traceback" not in r.stderr
