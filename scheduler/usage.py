@@ -109,6 +109,9 @@ class Usage:
                 json.dump(doc, f, separators=(",", ":"))
                 f.flush()
                 os.fsync(f.fileno())
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a history is an ordinary file
             os.replace(tmp, self.path)
         except BaseException:
             try:
