@@ -1,0 +1,74 @@
+"""The routing history ``.coli_usage``: atomic saves, merge per model file, bad files, read-only folders."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from scheduler import usage as U
+
+
+@pytest.fixture
+def model(tmp_path):
+    p = tmp_path / "m.gguf"
+    p.write_bytes(b"GGUF" + bytes(60))
+    return p
+
+
+def test_roundtrip_and_sum(model):
+    u = U.Usage.open(model, 3, 4)
+    assert not u.loaded and u.path == model.parent / ".coli_usage"
+    u.add(1, np.array([[0, 2], [2, 3]]))
+    u.add_tokens(2)
+    u.save()
+    v = U.Usage.open(model, 3, 4)
+    assert v.loaded and v.tokens == 2 and v.counts.tolist() == [[0] * 4, [1, 0, 2, 1], [0] * 4]
+    assert list(v.hottest(1)) == [2, 0, 3, 1]
+
+
+def test_failed_save_leaves_old_file(model, monkeypatch):
+    u = U.Usage.open(model, 2, 2)
+    u.add(0, np.array([[1, 0]])); u.add_tokens(1); u.save()
+    before = u.path.read_bytes()
+    u.add(0, np.array([[1, 0]])); u.add_tokens(1)
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(U.json, "dump", boom)
+    with pytest.raises(OSError):
+        u.save()
+    assert u.path.read_bytes() == before
+    assert sorted(os.listdir(model.parent)) == [".coli_usage", "m.gguf"]
+
+
+def test_other_models_kept_and_mismatch_ignored(model, tmp_path, capsys):
+    other = tmp_path / "o.gguf"
+    other.write_bytes(b"GGUF" + bytes(10))
+    a = U.Usage.open(other, 1, 2); a.add(0, np.array([[1, 1]])); a.add_tokens(1); a.save()
+    b = U.Usage.open(model, 2, 2); b.add_tokens(0); b.save()
+    doc = json.loads((tmp_path / ".coli_usage").read_text())
+    assert set(doc["models"]) == {"o.gguf", "m.gguf"}
+    c = U.Usage.open(model, 5, 2)  # shape changed: ignored with a note
+    assert not c.loaded and "does not match" in capsys.readouterr().err
+
+
+def test_corrupt_file_is_a_note(model, capsys):
+    (model.parent / ".coli_usage").write_text("{not json")
+    u = U.Usage.open(model, 2, 2)
+    assert not u.loaded and "unreadable" in capsys.readouterr().err
+
+
+def test_read_only_folder_goes_to_cache(tmp_path, monkeypatch):
+    if os.geteuid() == 0:
+        # root can write anywhere: emulate a read-only folder through os.access
+        monkeypatch.setattr(U.os, "access", lambda p, m: False)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    m = ro / "x.gguf"
+    m.write_bytes(b"GGUF")
+    monkeypatch.setenv("COLI_CACHE", str(tmp_path / "cache"))
+    p = U.default_path(m)
+    assert p.parent == tmp_path / "cache" / "usage" and p.name.startswith("x.gguf-")
