@@ -10,7 +10,9 @@
 #      background while 2. runs
 #   2. smoke: a tiny synthetic MoE through scripts/bench_tier.py (compiles the Numba kernels into
 #      NUMBA_CACHE_DIR, checks the Vulkan tier opens); stops the script if it fails
-#   3. scripts/bench_tier.py at half the experts resident: cpu / tier / balanced alternating, H2_RUNS runs each
+#   3. scripts/bench_tier.py at half the experts resident (H2_BT="50": the percents, in turn): cpu / tier /
+#      balanced alternating, H2_RUNS runs each; H2_PRETOUCH_GB=N first touches N GiB (the VM's RAM grows on
+#      first use); H2_CB=0 skips 4. and 5.
 #   4. coli bench (llama-bench's tg64: warm-up + 3 reps in one engine) at half the experts: the three arms
 #   5. coli bench at 25% and 75% of the experts resident: tier and balanced
 #   6. a summary table
@@ -100,10 +102,19 @@ gib() { $PY -c "print(f'{(round($1 * $NEXP) * $PER + $PER // 2) / 2**30:.4f}')";
 B25=$(gib 0.25); B50=$(gib 0.5); B75=$(gib 0.75)
 say "experts: $NEXP of $PER bytes ($EPL per layer); COLI_VK_TIER_GB 25% $B25, 50% $B50, 75% $B75"
 
-say "bench_tier.py at 50%: $RUNS runs per arm, $TOKENS tokens, $THREADS threads"
-COLI_VK_TIER_GB=$B50 timeout $(tmo 130) $PY scripts/bench_tier.py --model "$MODEL" --threads "$THREADS" \
-  --tokens "$TOKENS" --runs "$RUNS" --expert-cache "$EPL" --json "$OUT/bench_tier_50.json"
-say "bench_tier.py rc $?"
+if [ "${H2_PRETOUCH_GB:-0}" != 0 ]; then  # the VM's RAM grows as it is first used: grow it before timing
+  say "touching ${H2_PRETOUCH_GB} GiB once"
+  $PY -c "import numpy as np; a = np.ones(int(${H2_PRETOUCH_GB} * 2**27)); print('touched', a.nbytes >> 30, 'GiB')"
+  free -g | head -2
+fi
+RESERVE=5; [ "${H2_CB:-1}" = 1 ] && RESERVE=130
+for P in ${H2_BT:-50}; do
+  GB=$(gib "0.$P")
+  say "bench_tier.py at $P%: $RUNS runs per arm, $TOKENS tokens, $THREADS threads"
+  COLI_VK_TIER_GB=$GB timeout $(tmo $RESERVE) $PY scripts/bench_tier.py --model "$MODEL" --threads "$THREADS" \
+    --tokens "$TOKENS" --runs "$RUNS" --expert-cache "$EPL" --json "$OUT/bench_tier_$P.json"
+  say "bench_tier.py rc $?"
+done
 
 mkdir -p /tmp/h2/cb
 LAST=40
@@ -118,6 +129,7 @@ cb() {  # cb TAG GB ARM-OPTIONS...
   say "coli bench $tag rc $? in $((SECONDS - t)) s: $($PY -c "import json; r=json.load(open('/tmp/h2/cb/$tag.json'))[0]; print(r['test'], round(r['avg_ts'], 2), 'tok/s', [round(x, 2) for x in r['samples_ts']])" 2>&1)"
   LAST=$((SECONDS - t))
 }
+[ "${H2_CB:-1}" = 1 ] || DEADLINE=0   # H2_CB=0: no coli bench runs
 cb cpu 0
 cb tier_50 "$B50" --device vulkan --no-balance
 cb balanced_50 "$B50" --device vulkan --balance
@@ -139,21 +151,25 @@ for f in sorted(glob.glob("/tmp/h2/cb/*.json")):
         pass
 json.dump(cb, open(os.path.join(out, "coli_bench.json"), "w"), indent=1)
 rows = ["| measurement | arm | tok/s (median or mean) | runs |", "|---|---|---|---|"]
-bt = os.path.join(out, "bench_tier_50.json")
-if os.path.exists(bt):
-    d = json.load(open(bt))
-    for arm, m in d["medians"].items():
-        runs = [r["decode_tps"] for r in d["runs"] if r["arm"] == arm]
-        h = "" if m["hidden_pct"] is None else f", hidden {m['hidden_pct']:.0f}%, device pairs {m['device_pct']:.0f}%"
-        rows.append(f"| bench_tier 50% | {arm} | {m['tps']:.2f}{h} | {' '.join(f'{x:.2f}' for x in runs)} |")
-else:  # cut off by its timeout: the medians of the rounds its lines in the log show
-    part = log.split("bench_tier.py at 50%", 1)[-1]
-    got = re.findall(r"^\s+round \d+\s+(\w+): ([\d.]+) tok/s(?:, (\d+)% pairs on the device, (\d+)% of device time hidden)?", part, re.M)
-    for arm in ("cpu", "tier", "balanced"):
-        rs = [g for g in got if g[0] == arm]
-        if rs:
-            h = "" if not rs[0][2] else f", hidden {statistics.median(float(g[3]) for g in rs):.0f}%, device pairs {statistics.median(float(g[2]) for g in rs):.0f}%"
-            rows.append(f"| bench_tier 50% (cut off; from the log) | {arm} | {statistics.median(float(g[1]) for g in rs):.2f}{h} | {' '.join(g[1] for g in rs)} |")
+for part in log.split("=== [")[1:]:
+    m = re.match(r"\d+ s\] bench_tier.py at (\d+)%", part)
+    if not m:
+        continue
+    P = m.group(1)
+    bt = os.path.join(out, f"bench_tier_{P}.json")
+    if os.path.exists(bt):
+        d = json.load(open(bt))
+        for arm, m in d["medians"].items():
+            runs = [r["decode_tps"] for r in d["runs"] if r["arm"] == arm]
+            h = "" if m["hidden_pct"] is None else f", hidden {m['hidden_pct']:.0f}%, device pairs {m['device_pct']:.0f}%"
+            rows.append(f"| bench_tier {P}% | {arm} | {m['tps']:.2f}{h} | {' '.join(f'{x:.2f}' for x in runs)} |")
+    else:  # cut off by its timeout: the medians of the rounds its lines in the log show
+        got = re.findall(r"^\s+round \d+\s+(\w+): ([\d.]+) tok/s(?:, (\d+)% pairs on the device, (-?\d+)% of device time hidden)?", part, re.M)
+        for arm in ("cpu", "tier", "balanced"):
+            rs = [g for g in got if g[0] == arm]
+            if rs:
+                h = "" if not rs[0][2] else f", hidden {statistics.median(float(g[3]) for g in rs):.0f}%, device pairs {statistics.median(float(g[2]) for g in rs):.0f}%"
+                rows.append(f"| bench_tier {P}% (cut off; from the log) | {arm} | {statistics.median(float(g[1]) for g in rs):.2f}{h} | {' '.join(g[1] for g in rs)} |")
 for k, v in cb.items():
     r = v[0]
     rows.append(f"| coli bench {r['test']} | {k} | {r['avg_ts']:.2f} | {' '.join(f'{x:.2f}' for x in r['samples_ts'])} |")
