@@ -28,8 +28,8 @@ pitfall 11), and codes put where 32-wide loops with one scale can read them:
 * Q8_0: int8 codes as stored.  Q5_0, Q6_K, MXFP4: expanded to int8 codes (q-16, q-32, doubled e2m1 kvalues) in
   element order, so they run the Q8_0-style loops (in-kernel bit decoding measured 1.7-5x slower).
 * Q4_0, Q4_1: nibbles re-paired: byte j of pair p holds element j of block 2p (low) and of block 2p+1 (high).
-* Q4_K, Q5_K: ggml's nibble order kept (it is already 32-wide per sub-block); 6-bit scales/mins unpacked to uint8,
-  multiplied by the f32 super-block ``d``/``dmin`` in the kernel.
+* Q4_K: ggml's nibble order kept (it is already 32-wide per sub-block); 6-bit scales/mins unpacked to uint8,
+  multiplied by the f32 super-block ``d``/``dmin`` in the kernel. Q5_K: the same scales, codes widened to bytes.
 * F16, BF16: widened to f32 (the F32 kernels).
 
 Kernels (all ``nogil=True, cache=True, fastmath=True``, parallel over output rows):
@@ -423,8 +423,8 @@ def gemm_q4_k(qs, sc, mn, d, dm, x, out):
 
 # ----------------------------------------------------------------------------------------------- Q5_K
 @njit(**_PJIT)
-def gemv_q5_k(qs, qh, sc, mn, d, dm, x, out):
-    # as Q4_K plus qh uint8 [O, nb*32]: bit 2k of qh[l] is the high bit of element 64k+l, bit 2k+1 of 64k+32+l
+def gemv_q5_k(q, sc, mn, d, dm, x, out):
+    # q uint8 [O, nb*256] (5-bit codes in element order); sc, mn uint8 [O, nb*8]; d, dm f32 [O, nb]
     O, nb = d.shape
     xs = _block_sums(x, nb * 8)
     for c in prange((O + _RB - 1) // _RB):
@@ -435,57 +435,38 @@ def gemv_q5_k(qs, qh, sc, mn, d, dm, x, out):
             for b in range(nb):
                 db = d[o, b]
                 dmb = dm[o, b]
-                for k in range(4):
-                    s = b * 8 + 2 * k
+                for k in range(8):
+                    s = b * 8 + k
                     s0 = db * np.float32(sc[o, s])
-                    s1 = db * np.float32(sc[o, s + 1])
-                    am += dmb * (np.float32(mn[o, s]) * xs[s] + np.float32(mn[o, s + 1]) * xs[s + 1])
-                    q0 = b * 128 + k * 32
-                    h0 = b * 32
-                    x0 = b * 256 + k * 64
-                    sh0 = np.uint8(2 * k)
-                    sh1 = np.uint8(2 * k + 1)
+                    am += dmb * np.float32(mn[o, s]) * xs[s]
+                    e0 = b * 256 + k * 32
                     for j in range(32):
-                        lo = (qs[o, q0 + j] & _M4) | (((qh[o, h0 + j] >> sh0) & _U1) << _S4)
-                        acc[j] += s0 * (np.float32(lo) * x[x0 + j])
-                    for j in range(32):
-                        hi = (qs[o, q0 + j] >> _S4) | (((qh[o, h0 + j] >> sh1) & _U1) << _S4)
-                        acc[j] += s1 * (np.float32(hi) * x[x0 + 32 + j])
+                        acc[j] += s0 * (np.float32(q[o, e0 + j]) * x[e0 + j])
             out[o] = _lanes_sum(acc) - am
 
 
 @njit(inline="always", **_JIT)
-def _dec_q5_k(qs, qh, sc, mn, d, dm, o, buf):
+def _dec_q5_k(q, sc, mn, d, dm, o, buf):
     for b in range(d.shape[1]):
         db = d[o, b]
         dmb = dm[o, b]
-        for k in range(4):
-            s = b * 8 + 2 * k
-            s0 = db * np.float32(sc[o, s])
-            s1 = db * np.float32(sc[o, s + 1])
-            m0 = dmb * np.float32(mn[o, s])
-            m1 = dmb * np.float32(mn[o, s + 1])
-            q0 = b * 128 + k * 32
-            h0 = b * 32
-            x0 = b * 256 + k * 64
-            sh0 = np.uint8(2 * k)
-            sh1 = np.uint8(2 * k + 1)
+        for k in range(8):
+            s0 = db * np.float32(sc[o, b * 8 + k])
+            m0 = dmb * np.float32(mn[o, b * 8 + k])
+            e0 = b * 256 + k * 32
             for j in range(32):
-                v = qs[o, q0 + j]
-                h = qh[o, h0 + j]
-                buf[x0 + j] = s0 * np.float32((v & _M4) | (((h >> sh0) & _U1) << _S4)) - m0
-                buf[x0 + 32 + j] = s1 * np.float32((v >> _S4) | (((h >> sh1) & _U1) << _S4)) - m1
+                buf[e0 + j] = s0 * np.float32(q[o, e0 + j]) - m0
 
 
 @njit(**_PJIT)
-def gemm_q5_k(qs, qh, sc, mn, d, dm, x, out):
+def gemm_q5_k(q, sc, mn, d, dm, x, out):
     O, nb = d.shape
     for c in prange((O + _RB - 1) // _RB):
         buf = np.empty((4, nb * 256), np.float32)
         for o0 in range(c * _RB, min(O, c * _RB + _RB), 4):
             n = min(4, O - o0)
             for r in range(n):
-                _dec_q5_k(qs, qh, sc, mn, d, dm, o0 + r, buf[r])
+                _dec_q5_k(q, sc, mn, d, dm, o0 + r, buf[r])
             if n == 4:
                 _dot44(buf, x, o0, out)
             else:
@@ -681,10 +662,19 @@ def _pack_q4_k(raw, O, I):
 
 
 def _pack_q5_k(raw, O, I):
-    b = _blocks(raw, O, I // 256, 176)
+    # 5-bit codes expanded to one byte each in element order (dequantize_row_q5_K: per 64, low nibbles + qh bit 2c,
+    # then high nibbles + qh bit 2c+1): 280 bytes per 176-byte block; the in-kernel bit decode measured 2.4 GB/s.
+    nb = I // 256
+    b = _blocks(raw, O, nb, 176)
     sc, mn = _k_scales(b[:, :, 4:16])
-    return (_c(b[:, :, 48:], O), _c(b[:, :, 16:48], O), _c(sc, O), _c(mn, O),
-            _c(_f16(b[:, :, 0:2]), O), _c(_f16(b[:, :, 2:4]), O))
+    qh = b[:, :, 16:48]
+    qs = b[:, :, 48:]
+    q = np.empty((O, nb, 256), np.uint8)
+    for k in range(4):
+        ql = qs[:, :, k * 32:(k + 1) * 32]
+        q[:, :, k * 64:k * 64 + 32] = (ql & 0x0F) | (((qh >> (2 * k)) & 1) << 4)
+        q[:, :, k * 64 + 32:k * 64 + 64] = (ql >> 4) | (((qh >> (2 * k + 1)) & 1) << 4)
+    return (q.reshape(O, I), _c(sc, O), _c(mn, O), _c(_f16(b[:, :, 0:2]), O), _c(_f16(b[:, :, 2:4]), O))
 
 
 def _pack_q6_k(raw, O, I):
