@@ -12,7 +12,8 @@
 #      NUMBA_CACHE_DIR, checks the Vulkan tier opens); stops the script if it fails
 #   3. scripts/bench_tier.py at half the experts resident (H2_BT="50": the percents, in turn): cpu / tier /
 #      balanced alternating, H2_RUNS runs each; H2_PRETOUCH_GB=N first touches N GiB (the VM's RAM grows on
-#      first use); H2_CB=0 skips 4. and 5.
+#      first use); H2_CB=0 skips 4. and 5.;
+#      H2_BT_OPTS: more bench_tier.py options (e.g. "--warm-gen 64")
 #   4. coli bench (llama-bench's tg64: warm-up + 3 reps in one engine) at half the experts: the three arms
 #   5. coli bench at 25% and 75% of the experts resident: tier and balanced
 #   6. a summary table
@@ -110,9 +111,9 @@ fi
 RESERVE=5; [ "${H2_CB:-1}" = 1 ] && RESERVE=130
 for P in ${H2_BT:-50}; do
   GB=$(gib "0.$P")
-  say "bench_tier.py at $P%: $RUNS runs per arm, $TOKENS tokens, $THREADS threads"
+  say "bench_tier.py at $P%: $RUNS runs per arm, $TOKENS tokens, $THREADS threads ${H2_BT_OPTS:-}"
   COLI_VK_TIER_GB=$GB timeout $(tmo $RESERVE) $PY scripts/bench_tier.py --model "$MODEL" --threads "$THREADS" \
-    --tokens "$TOKENS" --runs "$RUNS" --expert-cache "$EPL" --json "$OUT/bench_tier_$P.json"
+    --tokens "$TOKENS" --runs "$RUNS" --expert-cache "$EPL" --json "$OUT/bench_tier_$P.json" ${H2_BT_OPTS:-}
   say "bench_tier.py rc $?"
 done
 
