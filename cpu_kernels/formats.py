@@ -68,7 +68,7 @@ _F32C = np.float32(32.0)
 _M4 = np.uint8(0x0F)
 _S4 = np.uint8(4)
 _U1 = np.uint8(1)
-_MXFP4_K = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float32)
+_MXFP4_I8 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)  # ggml kvalues_mxfp4
 
 
 # ----------------------------------------------------------------------------------------------- shared pieces
@@ -619,40 +619,111 @@ def _pack_q8_0(raw, O, I):
     return _c(b[:, :, 2:], O).view(np.int8), _c(_f16(b[:, :, 0:2]), O)
 
 
-def _pair_nibbles(qs: np.ndarray) -> np.ndarray:
-    """ggml 4-bit codes uint8 [O, nb, 16] (low nibble: element j, high: j+16) -> pair layout uint8
-    [O, ceil(nb/2)*32] (byte j of pair p: element j of block 2p | element j of block 2p+1 << 4)."""
-    O, nb, _ = qs.shape
-    el = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [O, nb, 32] codes 0..15 in element order
-    if nb & 1:
-        el = np.concatenate([el, np.zeros((O, 1, 32), np.uint8)], axis=1)
-    el = el.reshape(O, -1, 2, 32)
-    return np.ascontiguousarray(el[:, :, 0] | (el[:, :, 1] << 4)).reshape(O, -1)
+@njit(parallel=True, nogil=True, cache=True)
+def _u_pair(raw, bpb, off, out):
+    """ggml 4-bit blocks (codes at byte ``off`` of each ``bpb``-byte block; low nibble element j, high j+16) ->
+    pair layout: out[o, 32p + j] = element j of block 2p | element j of block 2p+1 << 4 (out zeroed)."""
+    O = raw.shape[0]
+    nb = raw.shape[1] // bpb
+    for o in prange(O):
+        for b in range(nb):
+            p = b >> 1
+            sh = 4 * (b & 1)
+            for j in range(16):
+                v = np.int64(raw[o, b * bpb + off + j])
+                out[o, p * 32 + j] |= (v & 15) << sh
+                out[o, p * 32 + 16 + j] |= (v >> 4) << sh
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _u_q5_0(raw, q):
+    """Q5_0 blocks -> int8 codes (q - 16) in element order (dequantize_row_q5_0)."""
+    O = raw.shape[0]
+    nb = raw.shape[1] // 22
+    for o in prange(O):
+        for b in range(nb):
+            base = b * 22
+            qh = (np.int64(raw[o, base + 2]) | (np.int64(raw[o, base + 3]) << 8)
+                  | (np.int64(raw[o, base + 4]) << 16) | (np.int64(raw[o, base + 5]) << 24))
+            for j in range(16):
+                v = np.int64(raw[o, base + 6 + j])
+                q[o, b * 32 + j] = ((v & 15) | (((qh >> j) & 1) << 4)) - 16
+                q[o, b * 32 + 16 + j] = ((v >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _u_mxfp4(raw, kv, q):
+    """MXFP4 blocks -> int8 doubled e2m1 values (``kv``) in element order."""
+    O = raw.shape[0]
+    nb = raw.shape[1] // 17
+    for o in prange(O):
+        for b in range(nb):
+            for j in range(16):
+                v = raw[o, b * 17 + 1 + j]
+                q[o, b * 32 + j] = kv[v & 15]
+                q[o, b * 32 + 16 + j] = kv[v >> 4]
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _u_q5_k(raw, q):
+    """Q5_K blocks -> 5-bit codes (uint8) in element order (dequantize_row_q5_K)."""
+    O = raw.shape[0]
+    nb = raw.shape[1] // 176
+    for o in prange(O):
+        for b in range(nb):
+            base = b * 176
+            for k in range(4):
+                for l in range(32):
+                    v = np.int64(raw[o, base + 48 + k * 32 + l])
+                    h = np.int64(raw[o, base + 16 + l])
+                    q[o, b * 256 + k * 64 + l] = (v & 15) | (((h >> (2 * k)) & 1) << 4)
+                    q[o, b * 256 + k * 64 + 32 + l] = (v >> 4) | (((h >> (2 * k + 1)) & 1) << 4)
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _u_q6_k(raw, q):
+    """Q6_K blocks -> int8 codes (q - 32) in element order (dequantize_row_q6_K)."""
+    O = raw.shape[0]
+    nb = raw.shape[1] // 210
+    for o in prange(O):
+        for b in range(nb):
+            base = b * 210
+            for n in range(2):
+                e = b * 256 + n * 128
+                for l in range(32):
+                    a = np.int64(raw[o, base + n * 64 + l])
+                    c = np.int64(raw[o, base + n * 64 + 32 + l])
+                    h = np.int64(raw[o, base + 128 + n * 32 + l])
+                    q[o, e + l] = ((a & 15) | ((h & 3) << 4)) - 32
+                    q[o, e + 32 + l] = ((c & 15) | (((h >> 2) & 3) << 4)) - 32
+                    q[o, e + 64 + l] = ((a >> 4) | (((h >> 4) & 3) << 4)) - 32
+                    q[o, e + 96 + l] = ((c >> 4) | ((h >> 6) << 4)) - 32
+
+
+def _pair_nibbles(raw: np.ndarray, nb: int, bpb: int, off: int) -> np.ndarray:
+    """uint8 [O, ceil(nb/2)*32] pair layout (see ``_u_pair``)."""
+    out = np.zeros((raw.shape[0], (nb + 1) // 2 * 32), np.uint8)
+    _u_pair(np.ascontiguousarray(raw), bpb, off, out)
+    return out
 
 
 def _pack_q4_0(raw, O, I):
     b = _blocks(raw, O, I // 32, 18)
-    return _pair_nibbles(b[:, :, 2:]), _c(_f16(b[:, :, 0:2]), O)
+    return _pair_nibbles(raw, I // 32, 18, 2), _c(_f16(b[:, :, 0:2]), O)
 
 
 def _pack_q4_1(raw, O, I):
     b = _blocks(raw, O, I // 32, 20)
-    return _pair_nibbles(b[:, :, 4:]), _c(_f16(b[:, :, 0:2]), O), _c(_f16(b[:, :, 2:4]), O)
+    return _pair_nibbles(raw, I // 32, 20, 4), _c(_f16(b[:, :, 0:2]), O), _c(_f16(b[:, :, 2:4]), O)
 
 
 def _pack_q5_0(raw, O, I):
     # Expanded at prepare time to int8 codes (q - 16) in element order, so Q5_0 runs the Q8_0 kernels: the
     # in-kernel high-bit decode measured 1.7x slower (docs/cpu_kernels.md). Costs 36 bytes per 22-byte block.
-    nb = I // 32
-    b = _blocks(raw, O, nb, 22)
-    qs = b[:, :, 6:]
-    qh = np.ascontiguousarray(b[:, :, 2:6]).view("<u4")  # [O, nb, 1]
-    bits = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4  # [O, nb, 32]
-    q = np.empty((O, nb, 32), np.uint8)
-    q[:, :, :16] = qs & 0x0F
-    q[:, :, 16:] = qs >> 4
-    q |= bits
-    return (q.view(np.int8) - np.int8(16)).reshape(O, I), _c(_f16(b[:, :, 0:2]), O)
+    b = _blocks(raw, O, I // 32, 22)
+    q = np.empty((O, I), np.int8)
+    _u_q5_0(np.ascontiguousarray(raw), q)
+    return q, _c(_f16(b[:, :, 0:2]), O)
 
 
 def _pack_q4_k(raw, O, I):
@@ -667,14 +738,9 @@ def _pack_q5_k(raw, O, I):
     nb = I // 256
     b = _blocks(raw, O, nb, 176)
     sc, mn = _k_scales(b[:, :, 4:16])
-    qh = b[:, :, 16:48]
-    qs = b[:, :, 48:]
-    q = np.empty((O, nb, 256), np.uint8)
-    for k in range(4):
-        ql = qs[:, :, k * 32:(k + 1) * 32]
-        q[:, :, k * 64:k * 64 + 32] = (ql & 0x0F) | (((qh >> (2 * k)) & 1) << 4)
-        q[:, :, k * 64 + 32:k * 64 + 64] = (ql >> 4) | (((qh >> (2 * k + 1)) & 1) << 4)
-    return (q.reshape(O, I), _c(sc, O), _c(mn, O), _c(_f16(b[:, :, 0:2]), O), _c(_f16(b[:, :, 2:4]), O))
+    q = np.empty((O, I), np.uint8)
+    _u_q5_k(np.ascontiguousarray(raw), q)
+    return (q, _c(sc, O), _c(mn, O), _c(_f16(b[:, :, 0:2]), O), _c(_f16(b[:, :, 2:4]), O))
 
 
 def _pack_q6_k(raw, O, I):
@@ -682,17 +748,9 @@ def _pack_q6_k(raw, O, I):
     # block; the kernel then runs like Q8_0 with a scale per 16.
     nb = I // 256
     b = _blocks(raw, O, nb, 210)
-    q = np.empty((O, nb, 256), np.uint8)
-    for n in range(2):
-        ql = b[:, :, n * 64:(n + 1) * 64]
-        qh = b[:, :, 128 + n * 32:128 + (n + 1) * 32]
-        e = n * 128
-        q[:, :, e:e + 32] = (ql[:, :, :32] & 0x0F) | ((qh & 3) << 4)
-        q[:, :, e + 32:e + 64] = (ql[:, :, 32:] & 0x0F) | (((qh >> 2) & 3) << 4)
-        q[:, :, e + 64:e + 96] = (ql[:, :, :32] >> 4) | (((qh >> 4) & 3) << 4)
-        q[:, :, e + 96:e + 128] = (ql[:, :, 32:] >> 4) | ((qh >> 6) << 4)
-    return ((q.view(np.int8) - np.int8(32)).reshape(O, I), _c(b[:, :, 192:208], O).view(np.int8),
-            _c(_f16(b[:, :, 208:210]), O))
+    q = np.empty((O, I), np.int8)
+    _u_q6_k(np.ascontiguousarray(raw), q)
+    return q, _c(b[:, :, 192:208], O).view(np.int8), _c(_f16(b[:, :, 208:210]), O)
 
 
 def _pack_mxfp4(raw, O, I):
@@ -700,11 +758,10 @@ def _pack_mxfp4(raw, O, I):
     # d = ggml_e8m0_to_fp32_half(e): 36 bytes per 17-byte block. A 16-entry table lookup in the kernel measured
     # 0.5-2 GB/s (the gather does not vectorize).
     b = _blocks(raw, O, I // 32, 17)
-    qs = b[:, :, 1:]
-    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [O, nb, 32], element order
-    q = _MXFP4_K.astype(np.int8)[codes]
+    q = np.empty((O, I), np.int8)
+    _u_mxfp4(np.ascontiguousarray(raw), _MXFP4_I8, q)
     d = gq.MXFP4.e8m0_to_fp32_half(np.ascontiguousarray(b[:, :, 0]))
-    return q.reshape(O, I), _c(d, O)
+    return q, _c(d, O)
 
 
 # ----------------------------------------------------------------------------------------------- registry
@@ -788,7 +845,7 @@ def prepare(type_name: str, raw: np.ndarray, shape) -> Weight:
     """Repack a GGUF tensor for the CPU kernels.
 
     type_name: GGUF type name ("Q4_K", "F32", ...). raw: uint8 [O, row_bytes] (a view of the file is fine; it is
-    copied into the kernel layout). shape: (O, I) in NumPy order.
+    copied into the kernel layout, except F32, whose Weight keeps a view of raw). shape: (O, I) in NumPy order.
     Raises ColiError for an unknown type, an inner size that is not a whole number of blocks, or a byte count
     that does not match the shape.
     """
