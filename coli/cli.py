@@ -31,7 +31,7 @@ def _engine_args(p: argparse.ArgumentParser, model_required=False):
     p.add_argument("--trace", default=None, metavar="FILE.json", help="write Chrome/Perfetto trace events")
 
 
-def _open_engine(a, quiet=False):
+def _open_engine(a, quiet=False, save_usage=True):
     from coli.engine import Engine
 
     device = a.device
@@ -44,7 +44,7 @@ def _open_engine(a, quiet=False):
     return Engine(a.model, threads=a.threads, ctx=a.ctx, expert_cache=a.expert_cache, usage=a.usage,
                   cpu_act=a.cpu_act, io_threads=a.io_threads, device=device,
                   balance=a.balance if a.balance is not None else True,
-                  trace=a.trace, quiet=quiet)
+                  trace=a.trace, quiet=quiet, save_usage=save_usage)
 
 
 def cmd_run(a) -> int:
@@ -110,7 +110,7 @@ def cmd_info(a) -> int:
 def cmd_bench(a) -> int:
     from coli.bench import run_bench
 
-    eng = _open_engine(a, quiet=True)
+    eng = _open_engine(a, quiet=True, save_usage=False)  # a benchmark does not feed the routing history
     try:
         recs = run_bench(eng, n_prompt=a.n_prompt, n_gen=a.n_gen, reps=a.repetitions, cold=a.cold)
     finally:
