@@ -37,8 +37,8 @@ Kernels (all ``nogil=True, cache=True, fastmath=True``, parallel over output row
 * ``gemv(*fields, x f32 [I], out f32 [O])``: one activation row (decode). Each thread keeps 32 f32 lane
   accumulators per output row; the inner loops are 32 wide with one FMA per lane, so they vectorize and there is
   no per-block horizontal sum.
-* ``gemm(*fields, x f32 [T, I], out f32 [T, O])``: prompt chunks. Four weight rows are decoded once into an f32
-  buffer and used for every activation row through a 4x4 register tile (``_dot44``).
+* ``gemm(*fields, x f32 [T, I], out f32 [T, O])``: prompt chunks. A thread decodes its 16 weight rows once into an
+  f32 buffer, then runs them against the activations in blocks of 32 rows through a 4x4 register tile (``_dot44``).
 
 Public API: ``FORMATS``, ``Format``, ``Weight``, ``prepare(type_name, raw, shape)``, ``matmul(w, x, act)``,
 ``quantize_act_int8(x)``.
@@ -181,6 +181,27 @@ def _dot44(buf, x, o0, out):
         t += 1
 
 
+_TB = 32  # activation rows per pass over a chunk's decoded weight rows (keeps them and x[t0:t1] in L2)
+
+
+@njit(inline="always", **_JIT)
+def _tile(buf, n, x, c0, out):
+    """out[t, c0 + r] = buf[r] . x[t] for r < n and every t: activation rows in blocks of _TB, weight rows four at
+    a time through ``_dot44``."""
+    T = x.shape[0]
+    for t0 in range(0, T, _TB):
+        t1 = min(T, t0 + _TB)
+        xs = x[t0:t1]
+        os = out[t0:t1]
+        r = 0
+        while r + 4 <= n:
+            _dot44(buf[r:r + 4], xs, c0 + r, os)
+            r += 4
+        while r < n:
+            _dot_rows(buf[r], xs, c0 + r, os)
+            r += 1
+
+
 # ----------------------------------------------------------------------------------------------- F32
 @njit(**_PJIT)
 def gemv_f32(w, x, out):
@@ -197,12 +218,9 @@ def gemv_f32(w, x, out):
 def gemm_f32(w, x, out):
     O, I = w.shape
     for c in prange((O + _RB - 1) // _RB):
-        for o0 in range(c * _RB, min(O, c * _RB + _RB), 4):
-            if o0 + 4 <= O:
-                _dot44(w[o0:o0 + 4], x, o0, out)
-            else:
-                for o in range(o0, O):
-                    _dot_rows(w[o], x, o, out)
+        c0 = c * _RB
+        n = min(_RB, O - c0)
+        _tile(w[c0:c0 + n], n, x, c0, out)
 
 
 # ----------------------------------------------------------------------------------------------- Q8_0
@@ -232,16 +250,12 @@ def _dec_q8_0(q, d, o, buf):
 def gemm_q8_0(q, d, x, out):
     O, nb = d.shape
     for c in prange((O + _RB - 1) // _RB):
-        buf = np.empty((4, nb * 32), np.float32)
-        for o0 in range(c * _RB, min(O, c * _RB + _RB), 4):
-            n = min(4, O - o0)
-            for r in range(n):
-                _dec_q8_0(q, d, o0 + r, buf[r])
-            if n == 4:
-                _dot44(buf, x, o0, out)
-            else:
-                for r in range(n):
-                    _dot_rows(buf[r], x, o0 + r, out)
+        buf = np.empty((_RB, nb * 32), np.float32)
+        c0 = c * _RB
+        n = min(_RB, O - c0)
+        for r in range(n):
+            _dec_q8_0(q, d, c0 + r, buf[r])
+        _tile(buf, n, x, c0, out)
 
 
 # ----------------------------------------------------------------------------------------------- Q4_0 / Q4_1
@@ -288,16 +302,12 @@ def _dec_q4_0(qs, d, o, buf):
 def gemm_q4_0(qs, d, x, out):
     O, nb = d.shape
     for c in prange((O + _RB - 1) // _RB):
-        buf = np.empty((4, nb * 32), np.float32)
-        for o0 in range(c * _RB, min(O, c * _RB + _RB), 4):
-            n = min(4, O - o0)
-            for r in range(n):
-                _dec_q4_0(qs, d, o0 + r, buf[r])
-            if n == 4:
-                _dot44(buf, x, o0, out)
-            else:
-                for r in range(n):
-                    _dot_rows(buf[r], x, o0 + r, out)
+        buf = np.empty((_RB, nb * 32), np.float32)
+        c0 = c * _RB
+        n = min(_RB, O - c0)
+        for r in range(n):
+            _dec_q4_0(qs, d, c0 + r, buf[r])
+        _tile(buf, n, x, c0, out)
 
 
 @njit(**_PJIT)
@@ -345,16 +355,12 @@ def _dec_q4_1(qs, d, m, o, buf):
 def gemm_q4_1(qs, d, m, x, out):
     O, nb = d.shape
     for c in prange((O + _RB - 1) // _RB):
-        buf = np.empty((4, nb * 32), np.float32)
-        for o0 in range(c * _RB, min(O, c * _RB + _RB), 4):
-            n = min(4, O - o0)
-            for r in range(n):
-                _dec_q4_1(qs, d, m, o0 + r, buf[r])
-            if n == 4:
-                _dot44(buf, x, o0, out)
-            else:
-                for r in range(n):
-                    _dot_rows(buf[r], x, o0 + r, out)
+        buf = np.empty((_RB, nb * 32), np.float32)
+        c0 = c * _RB
+        n = min(_RB, O - c0)
+        for r in range(n):
+            _dec_q4_1(qs, d, m, c0 + r, buf[r])
+        _tile(buf, n, x, c0, out)
 
 
 # ----------------------------------------------------------------------------------------------- Q4_K
@@ -409,16 +415,12 @@ def _dec_q4_k(qs, sc, mn, d, dm, o, buf):
 def gemm_q4_k(qs, sc, mn, d, dm, x, out):
     O, nb = d.shape
     for c in prange((O + _RB - 1) // _RB):
-        buf = np.empty((4, nb * 256), np.float32)
-        for o0 in range(c * _RB, min(O, c * _RB + _RB), 4):
-            n = min(4, O - o0)
-            for r in range(n):
-                _dec_q4_k(qs, sc, mn, d, dm, o0 + r, buf[r])
-            if n == 4:
-                _dot44(buf, x, o0, out)
-            else:
-                for r in range(n):
-                    _dot_rows(buf[r], x, o0 + r, out)
+        buf = np.empty((_RB, nb * 256), np.float32)
+        c0 = c * _RB
+        n = min(_RB, O - c0)
+        for r in range(n):
+            _dec_q4_k(qs, sc, mn, d, dm, c0 + r, buf[r])
+        _tile(buf, n, x, c0, out)
 
 
 # ----------------------------------------------------------------------------------------------- Q5_K
@@ -462,16 +464,12 @@ def _dec_q5_k(q, sc, mn, d, dm, o, buf):
 def gemm_q5_k(q, sc, mn, d, dm, x, out):
     O, nb = d.shape
     for c in prange((O + _RB - 1) // _RB):
-        buf = np.empty((4, nb * 256), np.float32)
-        for o0 in range(c * _RB, min(O, c * _RB + _RB), 4):
-            n = min(4, O - o0)
-            for r in range(n):
-                _dec_q5_k(q, sc, mn, d, dm, o0 + r, buf[r])
-            if n == 4:
-                _dot44(buf, x, o0, out)
-            else:
-                for r in range(n):
-                    _dot_rows(buf[r], x, o0 + r, out)
+        buf = np.empty((_RB, nb * 256), np.float32)
+        c0 = c * _RB
+        n = min(_RB, O - c0)
+        for r in range(n):
+            _dec_q5_k(q, sc, mn, d, dm, c0 + r, buf[r])
+        _tile(buf, n, x, c0, out)
 
 
 # ----------------------------------------------------------------------------------------------- Q6_K
@@ -509,16 +507,12 @@ def _dec_q6_k(q, sc, d, o, buf):
 def gemm_q6_k(q, sc, d, x, out):
     O, nb = d.shape
     for c in prange((O + _RB - 1) // _RB):
-        buf = np.empty((4, nb * 256), np.float32)
-        for o0 in range(c * _RB, min(O, c * _RB + _RB), 4):
-            n = min(4, O - o0)
-            for r in range(n):
-                _dec_q6_k(q, sc, d, o0 + r, buf[r])
-            if n == 4:
-                _dot44(buf, x, o0, out)
-            else:
-                for r in range(n):
-                    _dot_rows(buf[r], x, o0 + r, out)
+        buf = np.empty((_RB, nb * 256), np.float32)
+        c0 = c * _RB
+        n = min(_RB, O - c0)
+        for r in range(n):
+            _dec_q6_k(q, sc, d, c0 + r, buf[r])
+        _tile(buf, n, x, c0, out)
 
 
 # ----------------------------------------------------------------------------------------------- int8 activations
