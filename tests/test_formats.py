@@ -93,14 +93,15 @@ def test_f32_path_matches_reference(name):
             got = F.matmul(w, x, act="f32")
             assert got.shape == (T, O) and got.dtype == np.float32
             _check(got, x.astype(np.float64) @ W.T, f"{name} O={O} I={I} T={T}")
-        # GEMV and GEMM called directly on the same rows agree with the reference too.
-        x = rng.standard_normal((5, I)).astype(np.float32)
-        out = np.empty((5, O), np.float32)
+        # GEMV and GEMM called directly on the same rows agree with the reference too (T = 37: two activation
+        # blocks of the GEMM, 32 + 5, and a partial 4x4 tile).
+        x = rng.standard_normal((37, I)).astype(np.float32)
+        out = np.empty((37, O), np.float32)
         w.gemm(*w.arrays, x, out)
-        _check(out, x.astype(np.float64) @ W.T, f"{name} GEMM T=5")
-        for t in range(5):
+        _check(out, x.astype(np.float64) @ W.T, f"{name} GEMM T=37")
+        for t in range(37):
             w.gemv(*w.arrays, x[t], out[t])
-        _check(out, x.astype(np.float64) @ W.T, f"{name} GEMV x5")
+        _check(out, x.astype(np.float64) @ W.T, f"{name} GEMV x37")
 
 
 @pytest.mark.parametrize("name", [n for n, f in F.FORMATS.items() if f.int8])
