@@ -88,7 +88,7 @@ def one_run(Engine, model, arm, args, usage_copy):
             bal.update = rec
         if args.warm_gen > 0:
             eng.generate(args.prompt, max_tokens=args.warm_gen, temp=0.0, stop_at_eos=False)
-            trail.clear()
+        n_warm = len(trail)
         r = eng.generate(args.prompt, max_tokens=args.tokens, temp=0.0, stop_at_eos=False)
         st = dict(r.stats)
         out = {"arm": arm, "decode_tps": st.get("decode_tps", 0.0), "prefill_tps": st.get("prefill_tps", 0.0),
@@ -99,7 +99,7 @@ def one_run(Engine, model, arm, args, usage_copy):
                        hidden_pct=100.0 * (t.device_ms - t.waited_ms) / t.device_ms if t.device_ms else None,
                        device_pct=100.0 * t.device_pairs / t.routed_pairs if t.routed_pairs else 0.0,
                        share=t.balancer.share, handed_rows=t.handed_rows, resident=len(t.resident),
-                       evictions=t.evictions, uploads=t.uploads, on=t.on, trail=trail)
+                       evictions=t.evictions, uploads=t.uploads, on=t.on, trail=trail, trail_warm=n_warm)
         return out
     finally:
         eng.close()
@@ -118,14 +118,18 @@ def plot_share(run, model, a, path):
     ax1.plot(x, tr[:, 6], "--", label="the controller's target (equal finish)")
     ax1.set_ylim(0, 1.05)
     ax1.set_ylabel("device share of resident rows")
+    if run.get("trail_warm"):
+        for ax in (ax1, ax2):
+            ax.axvline(run["trail_warm"] - 0.5, color="gray", ls=":", lw=1)
+        ax1.text(run["trail_warm"], 0.95, " the measured generate starts", fontsize=8, va="top")
     ax1.legend(fontsize=8)
-    ax1.set_title(f"MEASURED: {Path(model).name}, {a.tokens} tokens after the prompt, Numba threads "
-                  f"{a.threads}, LP_NUM_THREADS={os.environ.get('LP_NUM_THREADS', 'unset')}\n"
-                  f"{run['decode_tps']:.2f} tok/s, {run['device_pct']:.0f}% of pairs on the device", fontsize=9)
+    ax1.set_title(f"MEASURED: {Path(model).name}\nwarm-up generate of {a.warm_gen} tokens, then {a.tokens} "
+                  f"tokens measured\nNumba threads {a.threads}, LP_NUM_THREADS={os.environ.get('LP_NUM_THREADS', 'unset')}; "
+                  f"{run['decode_tps']:.2f} tok/s, {run['device_pct']:.0f}% of pairs on the device", fontsize=8)
     ax2.semilogy(x, np.maximum(tr[:, 0], 1e-3), ".", ms=3, label="device ms (batch)")
     ax2.semilogy(x, np.maximum(tr[:, 2], 1e-3), ".", ms=3, label="CPU ms (issue to join)")
     ax2.semilogy(x, np.maximum(tr[:, 4], 1e-3), ".", ms=3, label="waited ms (join)")
-    ax2.set_xlabel("device batch (MoE layer steps that issued one)")
+    ax2.set_xlabel("device batch (MoE layer steps that issued one), from the engine's start")
     ax2.set_ylabel("ms")
     ax2.legend(fontsize=8)
     fig.tight_layout()
