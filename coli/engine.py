@@ -133,7 +133,11 @@ class Engine:
         try:
             from coli import vulkan as cvk
 
-            self.device = cvk.open_device(self.path.name)
+            ram = 0
+            if self.cache is not None:  # the same inputs as the tier's budget rule (scheduler/tier.py)
+                src = self.cache.source
+                ram = self.expert_slots * sum(src.expert_nbytes(l) for l in self.model.moe_layers)
+            self.device = cvk.open_device(self.path.name, ram_cache_bytes=ram, dense_bytes=self.model.dense_bytes)
         except Exception as e:  # the device may fail in any way: the run goes on on the CPU
             print(f"[VK] {self.path.name}: {type(e).__name__}: {e}, running on the CPU", file=sys.stderr)
             self.device = None
