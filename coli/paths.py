@@ -19,3 +19,29 @@ def cache_dir(*parts: str) -> Path:
     p = base.joinpath(*parts)
     p.mkdir(parents=True, exist_ok=True)
     return p
+
+
+def atomic_write_text(path, text: str) -> None:
+    """Write ``text`` to ``path`` so that readers see the old file or the whole new one, never a part:
+    a temp file in the same folder, fsync, then ``os.replace``; the temp file is removed on any failure.
+    The file gets the mode ``open()`` would give it (0666 less the umask)."""
+    import tempfile
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

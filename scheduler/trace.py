@@ -31,9 +31,10 @@ temp file in the same folder, then ``os.replace``), so a crash never leaves half
 """
 from __future__ import annotations
 
+from coli.paths import atomic_write_text
+
 import json
 import os
-import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -159,20 +160,7 @@ class Trace:
         if p is None:
             return None
         evs = self.events()
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(evs, f, separators=(",", ":"))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, p)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        atomic_write_text(p, json.dumps(evs, separators=(",", ":")))
         return p
 
 

@@ -21,12 +21,11 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from coli.paths import cache_dir
+from coli.paths import atomic_write_text, cache_dir
 
 
 def default_path(model_path: str | os.PathLike) -> Path:
@@ -102,20 +101,4 @@ class Usage:
             "tokens": int(self.tokens),
             "counts": self.counts.tolist(),
         }
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".coli_usage.", dir=self.path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(doc, f, separators=(",", ":"))
-                f.flush()
-                os.fsync(f.fileno())
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a history is an ordinary file
-            os.replace(tmp, self.path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        atomic_write_text(self.path, json.dumps(doc, separators=(",", ":")))

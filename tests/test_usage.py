@@ -37,7 +37,9 @@ def test_failed_save_leaves_old_file(model, monkeypatch):
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(U.json, "dump", boom)
+    import coli.paths
+
+    monkeypatch.setattr(coli.paths.os, "fsync", boom)  # the disk fails after the new bytes were written
     with pytest.raises(OSError):
         u.save()
     assert u.path.read_bytes() == before
