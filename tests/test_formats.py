@@ -201,5 +201,21 @@ def test_weight_nbytes_counts_packed_arrays():
     assert w.nbytes == 4 * 2 * (128 + 8 + 8 + 4 + 4)
 
 
-def test_default_act_is_a_known_mode():
-    assert cpu_kernels.DEFAULT_ACT in ("f32", "int8")
+def test_default_act_follows_vnni():
+    from cpu_kernels import vnni
+
+    assert cpu_kernels.DEFAULT_ACT == ("int8" if vnni.HAVE_VNNI else "f32")
+    # where VNNI exists, every int8-capable format has its integer-dot GEMV (no silent f32 stand-in)
+    for f in F.FORMATS.values():
+        assert (f.gemv_i8 is not None) == (f.int8 and vnni.HAVE_VNNI), f.name
+
+
+def test_vnni_detection_matches_host():
+    import llvmlite.binding as ll
+    import numba
+    from cpu_kernels import vnni
+
+    if numba.config.CPU_NAME or numba.config.CPU_FEATURES:
+        pytest.skip("NUMBA_CPU_NAME/FEATURES set")
+    host = ll.get_host_cpu_features()
+    assert vnni.HAVE_VNNI == all(host.get(k, False) for k in ("avx512vnni", "avx512vl", "avx2"))

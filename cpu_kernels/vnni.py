@@ -1,0 +1,240 @@
+"""int8 x int8 dot products with AVX-512 VNNI (``vpdpbusd``), emitted as LLVM intrinsics from Numba.
+
+Numba types int8 products as int64 and LLVM then emits no integer dot code (docs/cpu_kernels.md), so the int8
+activation path calls ``llvm.x86.avx512.vpdpbusd.256`` itself. Each ``row_*`` intrinsic computes one output row:
+for every block of 32 weights, an exact int32 dot product of the weight codes with the int8 activation codes
+(llama.cpp's Q8 activation blocks), converted to f32 and multiplied by the block's scales, accumulated in 8 f32
+lanes and summed once at the end. Offsets and minimums (Q4_0's -8, Q4_1's m, K-quant mins) are added by the
+caller through the activation block sums.
+
+Signed codes use llama.cpp's trick (``ggml-cpu`` ``mul_sum_i8_pairs``): vpdpbusd multiplies unsigned by signed
+bytes, so it gets |w| and sign(w) * x (``vpsignb``). Unsigned codes (nibbles, Q5_K) go in directly.
+
+``HAVE_VNNI`` is False where the CPU (or NUMBA_CPU_NAME/NUMBA_CPU_FEATURES) lacks avx512vnni + avx512vl + avx2;
+the int8 path then runs the f32 kernels on the rounded activations (same numbers up to f32 rounding).
+"""
+from __future__ import annotations
+
+import numba
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+
+def _have_vnni() -> bool:
+    feats = numba.config.CPU_FEATURES
+    if numba.config.CPU_NAME or feats:
+        return bool(feats) and all(f"+{f}" in feats for f in ("avx512vnni", "avx512vl", "avx2"))
+    import llvmlite.binding as ll
+
+    host = ll.get_host_cpu_features()
+    return all(host.get(f, False) for f in ("avx512vnni", "avx512vl", "avx2"))
+
+
+HAVE_VNNI = _have_vnni()
+
+_I1 = ir.IntType(1)
+_I8 = ir.IntType(8)
+_I32 = ir.IntType(32)
+_F32 = ir.FloatType()
+_I8x32 = ir.VectorType(_I8, 32)
+_I32x8 = ir.VectorType(_I32, 8)
+_F32x8 = ir.VectorType(_F32, 8)
+
+
+class _Ops:
+    """The LLVM intrinsics, declared in the module being built."""
+
+    def __init__(self, builder):
+        m = builder.module
+        self.b = builder
+        self.dp = cgutils.get_or_insert_function(m, ir.FunctionType(_I32x8, [_I32x8, _I32x8, _I32x8]),
+                                                 "llvm.x86.avx512.vpdpbusd.256")
+        self.psign = cgutils.get_or_insert_function(m, ir.FunctionType(_I8x32, [_I8x32, _I8x32]),
+                                                    "llvm.x86.avx2.psign.b")
+        self.abs = cgutils.get_or_insert_function(m, ir.FunctionType(_I8x32, [_I8x32, _I1]), "llvm.abs.v32i8")
+
+    def load32(self, base, off):
+        p = self.b.bitcast(self.b.gep(base, [off]), _I8x32.as_pointer())
+        return self.b.load(p, align=1)
+
+    def load(self, base, off):
+        return self.b.load(self.b.gep(base, [off]))
+
+    def dot_signed(self, w, x):
+        """<32 x i8> signed w, x -> <8 x i32> (lane k: sum of 4 consecutive products)."""
+        aw = self.b.call(self.abs, [w, ir.Constant(_I1, 0)])
+        sx = self.b.call(self.psign, [x, w])
+        return self.b.call(self.dp, [ir.Constant(_I32x8, None), self.b.bitcast(aw, _I32x8), self.b.bitcast(sx, _I32x8)])
+
+    def dot_unsigned(self, w, x):
+        """<32 x i8> unsigned w (0..255), signed x -> <8 x i32>."""
+        return self.b.call(self.dp, [ir.Constant(_I32x8, None), self.b.bitcast(w, _I32x8), self.b.bitcast(x, _I32x8)])
+
+    def splat(self, s):
+        v = self.b.insert_element(ir.Constant(_F32x8, None), s, ir.Constant(_I32, 0))
+        return self.b.shuffle_vector(v, ir.Constant(_F32x8, None), ir.Constant(_I32x8, [0] * 8))
+
+    def halves(self, s0, s1):
+        """<8 x float>: s0 in lanes 0-3 (bytes 0-15), s1 in lanes 4-7 (bytes 16-31)."""
+        v = self.b.insert_element(ir.Constant(_F32x8, None), s0, ir.Constant(_I32, 0))
+        v = self.b.insert_element(v, s1, ir.Constant(_I32, 1))
+        return self.b.shuffle_vector(v, ir.Constant(_F32x8, None), ir.Constant(_I32x8, [0, 0, 0, 0, 1, 1, 1, 1]))
+
+    def fma_into(self, acc, vi, scale):
+        b = self.b
+        b.store(b.fadd(b.load(acc), b.fmul(b.sitofp(vi, _F32x8), scale)), acc)
+
+    def hsum(self, acc):
+        v = self.b.load(acc)
+        t = ir.Constant(_F32, 0.0)
+        for i in range(8):
+            t = self.b.fadd(t, self.b.extract_element(v, ir.Constant(_I32, i)))
+        return t
+
+    def i(self, v, n):
+        return ir.Constant(v.type, n)
+
+
+def _arrays(context, builder, sig, args):
+    return [context.make_array(t)(context, builder, a) for t, a in zip(sig.args, args)]
+
+
+@intrinsic
+def row_q8(typingctx, q, d, xq, xd):
+    """sum_b d[b] * xd[b] * (q[32b:32b+32] . xq[32b:32b+32]).
+    q int8 [nb*32] (Q8_0, and Q5_0/MXFP4 widened to int8), d f32 [nb], xq int8 [nb*32], xd f32 [nb] -> f32."""
+    sig = types.float32(q, d, xq, xd)
+
+    def codegen(context, builder, signature, args):
+        qa, da, xa, xda = _arrays(context, builder, signature, args)
+        op = _Ops(builder)
+        nb = builder.extract_value(da.shape, 0)
+        acc = cgutils.alloca_once_value(builder, ir.Constant(_F32x8, None))
+        with cgutils.for_range(builder, nb) as loop:
+            b = loop.index
+            off = builder.mul(b, op.i(b, 32))
+            vi = op.dot_signed(op.load32(qa.data, off), op.load32(xa.data, off))
+            s = builder.fmul(op.load(da.data, b), op.load(xda.data, b))
+            op.fma_into(acc, vi, op.splat(s))
+        return op.hsum(acc)
+
+    return sig, codegen
+
+
+@intrinsic
+def row_pair(typingctx, qs, d, xq, xd):
+    """Q4_0/Q4_1 pair layout (formats._u_pair): sum_b d[b] * xd[b] * (codes_b . xq_b) with unsigned nibble codes.
+    qs uint8 [ceil(nb/2)*32], d f32 [nb], xq int8 [nb*32], xd f32 [nb] -> f32."""
+    sig = types.float32(qs, d, xq, xd)
+
+    def codegen(context, builder, signature, args):
+        qa, da, xa, xda = _arrays(context, builder, signature, args)
+        op = _Ops(builder)
+        nb = builder.extract_value(da.shape, 0)
+        np2 = builder.lshr(nb, op.i(nb, 1))
+        acc = cgutils.alloca_once_value(builder, ir.Constant(_F32x8, None))
+        m4 = ir.Constant(_I8x32, [0x0F] * 32)
+        sh4 = ir.Constant(_I8x32, [4] * 32)
+        with cgutils.for_range(builder, np2) as loop:
+            p = loop.index
+            v = op.load32(qa.data, builder.mul(p, op.i(p, 32)))
+            b0 = builder.mul(p, op.i(p, 2))
+            b1 = builder.add(b0, op.i(p, 1))
+            x0 = builder.mul(p, op.i(p, 64))
+            i0 = op.dot_unsigned(builder.and_(v, m4), op.load32(xa.data, x0))
+            i1 = op.dot_unsigned(builder.lshr(v, sh4), op.load32(xa.data, builder.add(x0, op.i(x0, 32))))
+            op.fma_into(acc, i0, op.splat(builder.fmul(op.load(da.data, b0), op.load(xda.data, b0))))
+            op.fma_into(acc, i1, op.splat(builder.fmul(op.load(da.data, b1), op.load(xda.data, b1))))
+        odd = builder.icmp_unsigned("!=", builder.and_(nb, op.i(nb, 1)), op.i(nb, 0))
+        with builder.if_then(odd):
+            b0 = builder.sub(nb, op.i(nb, 1))
+            v = op.load32(qa.data, builder.mul(np2, op.i(np2, 32)))
+            i0 = op.dot_unsigned(builder.and_(v, m4), op.load32(xa.data, builder.mul(b0, op.i(b0, 32))))
+            op.fma_into(acc, i0, op.splat(builder.fmul(op.load(da.data, b0), op.load(xda.data, b0))))
+        return op.hsum(acc)
+
+    return sig, codegen
+
+
+@intrinsic
+def row_q4_k(typingctx, qs, sc, d, xq, xd):
+    """Q4_K codes part: sum over sub-blocks s of d[s//8] * sc[s] * xd[s] * (codes_s . xq_s) (ggml nibble order:
+    per 64, low nibbles sub-block 2k, high nibbles 2k+1). qs uint8 [nb*128], sc uint8 [nb*8], d f32 [nb],
+    xq int8 [nb*256], xd f32 [nb*8] -> f32. The mins are the caller's."""
+    sig = types.float32(qs, sc, d, xq, xd)
+
+    def codegen(context, builder, signature, args):
+        qa, sca, da, xa, xda = _arrays(context, builder, signature, args)
+        op = _Ops(builder)
+        nb = builder.extract_value(da.shape, 0)
+        acc = cgutils.alloca_once_value(builder, ir.Constant(_F32x8, None))
+        m4 = ir.Constant(_I8x32, [0x0F] * 32)
+        sh4 = ir.Constant(_I8x32, [4] * 32)
+        with cgutils.for_range(builder, nb) as loop:
+            b = loop.index
+            db = op.load(da.data, b)
+            for k in range(4):
+                v = op.load32(qa.data, builder.add(builder.mul(b, op.i(b, 128)), op.i(b, 32 * k)))
+                x0 = builder.add(builder.mul(b, op.i(b, 256)), op.i(b, 64 * k))
+                s0 = builder.add(builder.mul(b, op.i(b, 8)), op.i(b, 2 * k))
+                s1 = builder.add(s0, op.i(s0, 1))
+                i0 = op.dot_unsigned(builder.and_(v, m4), op.load32(xa.data, x0))
+                i1 = op.dot_unsigned(builder.lshr(v, sh4), op.load32(xa.data, builder.add(x0, op.i(x0, 32))))
+                f0 = builder.fmul(builder.fmul(db, builder.uitofp(op.load(sca.data, s0), _F32)), op.load(xda.data, s0))
+                f1 = builder.fmul(builder.fmul(db, builder.uitofp(op.load(sca.data, s1), _F32)), op.load(xda.data, s1))
+                op.fma_into(acc, i0, op.splat(f0))
+                op.fma_into(acc, i1, op.splat(f1))
+        return op.hsum(acc)
+
+    return sig, codegen
+
+
+@intrinsic
+def row_q5_k(typingctx, q, sc, d, xq, xd):
+    """Q5_K codes part: sum over sub-blocks s of d[s//8] * sc[s] * xd[s] * (q_s . xq_s); q uint8 [nb*256] codes
+    0..31 in element order, sc uint8 [nb*8], d f32 [nb], xq int8, xd f32 [nb*8] -> f32. Mins are the caller's."""
+    sig = types.float32(q, sc, d, xq, xd)
+
+    def codegen(context, builder, signature, args):
+        qa, sca, da, xa, xda = _arrays(context, builder, signature, args)
+        op = _Ops(builder)
+        ns = builder.extract_value(sca.shape, 0)
+        acc = cgutils.alloca_once_value(builder, ir.Constant(_F32x8, None))
+        with cgutils.for_range(builder, ns) as loop:
+            s = loop.index
+            off = builder.mul(s, op.i(s, 32))
+            vi = op.dot_unsigned(op.load32(qa.data, off), op.load32(xa.data, off))
+            db = op.load(da.data, builder.lshr(s, op.i(s, 3)))
+            f = builder.fmul(builder.fmul(db, builder.uitofp(op.load(sca.data, s), _F32)), op.load(xda.data, s))
+            op.fma_into(acc, vi, op.splat(f))
+        return op.hsum(acc)
+
+    return sig, codegen
+
+
+@intrinsic
+def row_q6_k(typingctx, q, sc, d, xq, xd):
+    """Q6_K: sum over 16-element sub-blocks u of d[u//16] * sc[u] * xd[u//2] * (q_u . xq_u); q int8 [nb*256]
+    (codes - 32, element order), sc int8 [nb*16], d f32 [nb], xq int8, xd f32 [nb*8] -> f32."""
+    sig = types.float32(q, sc, d, xq, xd)
+
+    def codegen(context, builder, signature, args):
+        qa, sca, da, xa, xda = _arrays(context, builder, signature, args)
+        op = _Ops(builder)
+        n32 = builder.extract_value(xda.shape, 0)
+        acc = cgutils.alloca_once_value(builder, ir.Constant(_F32x8, None))
+        with cgutils.for_range(builder, n32) as loop:
+            s = loop.index
+            off = builder.mul(s, op.i(s, 32))
+            vi = op.dot_signed(op.load32(qa.data, off), op.load32(xa.data, off))
+            dx = builder.fmul(op.load(da.data, builder.lshr(s, op.i(s, 3))), op.load(xda.data, s))
+            u0 = builder.mul(s, op.i(s, 2))
+            u1 = builder.add(u0, op.i(u0, 1))
+            f0 = builder.fmul(dx, builder.sitofp(op.load(sca.data, u0), _F32))
+            f1 = builder.fmul(dx, builder.sitofp(op.load(sca.data, u1), _F32))
+            op.fma_into(acc, vi, op.halves(f0, f1))
+        return op.hsum(acc)
+
+    return sig, codegen
