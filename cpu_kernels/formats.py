@@ -518,13 +518,13 @@ def gemm_q6_k(q, sc, d, x, out):
 
 
 # ----------------------------------------------------------------------------------------------- int8 activations
-@njit(nogil=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True)
 def _round_act_int8(x, y):
     """Per 32 activations: d = amax/127 (f32), q = rint(x * (1/d)) (round half to even), as llama.cpp's
     ``quantize_row_q8_0`` (ggml-quants.c) except that d stays f32; y = q * d. x f32 [T, I] -> y f32 [T, I].
     No fastmath: the NumPy model in the tests reproduces the codes bit for bit."""
     T, I = x.shape
-    for t in range(T):
+    for t in prange(T):
         for b in range(I // 32):
             amax = np.float32(0.0)
             for j in range(32):
