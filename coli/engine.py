@@ -43,7 +43,8 @@ class Engine:
     default min(4096, trained context)), ``expert_cache`` (RAM slots per MoE layer; default every expert when
     they fit in half the available RAM, else what fits; raised to top-k), ``usage`` (path of the routing
     history; default ``.coli_usage`` beside the model), ``cpu_act`` ("f32" | "int8"), ``io_threads`` (disk
-    readers), ``device`` (None | "vulkan"), ``balance`` (bool), ``trace`` (path of a Chrome trace JSON),
+    readers), ``device`` (None | "vulkan": the expert tier on the best Vulkan device, the CPU alone when
+    there is none), ``balance`` (the measured-time balancer; default on with a device), ``trace`` (path of a Chrome trace JSON),
     ``quiet`` (no notes on stderr). Raises ``ColiError`` for bad files or options.
     """
 
@@ -145,7 +146,7 @@ class Engine:
             return
         from scheduler.tier import Tier
 
-        self.tier = Tier.for_engine(self, balance=bool(balance) if balance is not None else False)
+        self.tier = Tier.for_engine(self, balance=True if balance is None else bool(balance))
         self.step.tier = self.tier
 
     # -- text --------------------------------------------------------------------------------------------
