@@ -219,3 +219,21 @@ def test_vnni_detection_matches_host():
         pytest.skip("NUMBA_CPU_NAME/FEATURES set")
     host = ll.get_host_cpu_features()
     assert vnni.HAVE_VNNI == all(host.get(k, False) for k in ("avx512vnni", "avx512vl", "avx2"))
+
+
+@pytest.mark.parametrize("name", [n for n, f in F.FORMATS.items() if f.int8])
+def test_int8_vnni_gemv_equals_rounded_f32_path(name):
+    """The VNNI integer-dot GEMV and the no-VNNI fallback (f32 kernels on the rounded activations) give the same
+    numbers up to f32 rounding, so a machine without VNNI computes what this one does."""
+    from cpu_kernels import vnni
+
+    if not vnni.HAVE_VNNI:
+        pytest.skip("no AVX-512 VNNI on this CPU")
+    rng = np.random.default_rng(zlib.crc32(name.encode()) + 1)
+    O, I = _shapes(name)[1]
+    w = F.prepare(name, _random_raw(name, O, I, rng), (O, I))
+    x = rng.standard_normal((2, I)).astype(np.float32)
+    got = F.matmul(w, x, act="int8")
+    w.gemv_i8 = None  # this Weight now takes the fallback
+    want = F.matmul(w, x, act="int8")
+    _check(got, want.astype(np.float64), f"{name} VNNI vs fallback")
