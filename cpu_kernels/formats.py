@@ -56,7 +56,6 @@ from numba import njit, prange
 from coli.errors import ColiError
 
 from . import DEFAULT_ACT
-from . import gemv_i8 as _gi8
 from . import vnni as _vnni
 
 _RB = 16  # output rows per parallel chunk
@@ -806,14 +805,14 @@ FORMATS: dict[str, Format] = dict([
     _row("F32", 1, 4, _pack_f32, gemv_f32, gemm_f32, "f32", False),
     _row("F16", 1, 2, _pack_f16, gemv_f32, gemm_f32, "f16", False),
     _row("BF16", 1, 2, _pack_bf16, gemv_f32, gemm_f32, "bf16", False),
-    _row("Q8_0", 32, 34, _pack_q8_0, gemv_q8_0, gemm_q8_0, "q8_0", True, _gi8.gemv_i8_q8),
-    _row("Q4_0", 32, 18, _pack_q4_0, gemv_q4_0, gemm_q4_0, "q4_0", True, _gi8.gemv_i8_q4_0),
-    _row("Q4_1", 32, 20, _pack_q4_1, gemv_q4_1, gemm_q4_1, "q4_1", True, _gi8.gemv_i8_q4_1),
-    _row("Q5_0", 32, 22, _pack_q5_0, gemv_q8_0, gemm_q8_0, "q5_0", True, _gi8.gemv_i8_q8),
-    _row("Q4_K", 256, 144, _pack_q4_k, gemv_q4_k, gemm_q4_k, "q4_k", True, _gi8.gemv_i8_q4_k),
-    _row("Q5_K", 256, 176, _pack_q5_k, gemv_q5_k, gemm_q5_k, "q5_k", True, _gi8.gemv_i8_q5_k),
-    _row("Q6_K", 256, 210, _pack_q6_k, gemv_q6_k, gemm_q6_k, "q6_k", True, _gi8.gemv_i8_q6_k),
-    _row("MXFP4", 32, 17, _pack_mxfp4, gemv_q8_0, gemm_q8_0, "mxfp4", True, _gi8.gemv_i8_q8),
+    _row("Q8_0", 32, 34, _pack_q8_0, gemv_q8_0, gemm_q8_0, "q8_0", True, _vnni.gemv_i8_q8),
+    _row("Q4_0", 32, 18, _pack_q4_0, gemv_q4_0, gemm_q4_0, "q4_0", True, _vnni.gemv_i8_q4_0),
+    _row("Q4_1", 32, 20, _pack_q4_1, gemv_q4_1, gemm_q4_1, "q4_1", True, _vnni.gemv_i8_q4_1),
+    _row("Q5_0", 32, 22, _pack_q5_0, gemv_q8_0, gemm_q8_0, "q5_0", True, _vnni.gemv_i8_q8),
+    _row("Q4_K", 256, 144, _pack_q4_k, gemv_q4_k, gemm_q4_k, "q4_k", True, _vnni.gemv_i8_q4_k),
+    _row("Q5_K", 256, 176, _pack_q5_k, gemv_q5_k, gemm_q5_k, "q5_k", True, _vnni.gemv_i8_q5_k),
+    _row("Q6_K", 256, 210, _pack_q6_k, gemv_q6_k, gemm_q6_k, "q6_k", True, _vnni.gemv_i8_q6_k),
+    _row("MXFP4", 32, 17, _pack_mxfp4, gemv_q8_0, gemm_q8_0, "mxfp4", True, _vnni.gemv_i8_q8),
 ])
 
 #: Activation rows up to which ``matmul`` runs the GEMV once per row instead of the GEMM (measured).

@@ -10,26 +10,38 @@ caller through the activation block sums.
 Signed codes use llama.cpp's trick (``ggml-cpu`` ``mul_sum_i8_pairs``): vpdpbusd multiplies unsigned by signed
 bytes, so it gets |w| and sign(w) * x (``vpsignb``). Unsigned codes (nibbles, Q5_K) go in directly.
 
-``HAVE_VNNI`` is False where the CPU (or NUMBA_CPU_NAME/NUMBA_CPU_FEATURES) lacks avx512vnni + avx512vl + avx2;
+The Q8-layout and Q4 pair kernels take 64 bytes per step with the 512-bit form (two blocks per ``vpdpbusd``;
+measured 2x the 256-bit form on cache-resident shapes, equal on memory-bound ones); the others use 256 bits.
+
+``HAVE_VNNI`` is False where the CPU (or NUMBA_CPU_NAME/NUMBA_CPU_FEATURES) lacks avx512vnni/vl/bw + avx2;
 the int8 path then runs the f32 kernels on the rounded activations (same numbers up to f32 rounding).
+
+The GEMVs (``gemv_i8_<fmt>(*packed fields, xq int8 [I], xd f32 [I//32], xm f32 [I//32], out f32 [O])``, with
+xm[b] = xd[b] * sum of the codes of block b for the offsets and minimums) live in this file too, beside the
+intrinsics they call: Numba's cache is invalidated per source file, so a kernel in another file would keep a
+stale copy of an edited intrinsic.
 """
 from __future__ import annotations
 
 import numba
 from llvmlite import ir
-from numba import types
+import numpy as np
+from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+
+_NEEDED = ("avx512vnni", "avx512vl", "avx512bw", "avx2")
 
 
 def _have_vnni() -> bool:
     feats = numba.config.CPU_FEATURES
     if numba.config.CPU_NAME or feats:
-        return bool(feats) and all(f"+{f}" in feats for f in ("avx512vnni", "avx512vl", "avx2"))
+        return bool(feats) and all(f"+{f}" in feats for f in _NEEDED)
     import llvmlite.binding as ll
 
     host = ll.get_host_cpu_features()
-    return all(host.get(f, False) for f in ("avx512vnni", "avx512vl", "avx2"))
+    return all(host.get(f, False) for f in _NEEDED)
 
 
 HAVE_VNNI = _have_vnni()
@@ -41,6 +53,9 @@ _F32 = ir.FloatType()
 _I8x32 = ir.VectorType(_I8, 32)
 _I32x8 = ir.VectorType(_I32, 8)
 _F32x8 = ir.VectorType(_F32, 8)
+_I8x64 = ir.VectorType(_I8, 64)
+_I32x16 = ir.VectorType(_I32, 16)
+_F32x16 = ir.VectorType(_F32, 16)
 
 
 class _Ops:
@@ -54,6 +69,45 @@ class _Ops:
         self.psign = cgutils.get_or_insert_function(m, ir.FunctionType(_I8x32, [_I8x32, _I8x32]),
                                                     "llvm.x86.avx2.psign.b")
         self.abs = cgutils.get_or_insert_function(m, ir.FunctionType(_I8x32, [_I8x32, _I1]), "llvm.abs.v32i8")
+        self.dp512 = cgutils.get_or_insert_function(m, ir.FunctionType(_I32x16, [_I32x16, _I32x16, _I32x16]),
+                                                    "llvm.x86.avx512.vpdpbusd.512")
+        self.abs512 = cgutils.get_or_insert_function(m, ir.FunctionType(_I8x64, [_I8x64, _I1]), "llvm.abs.v64i8")
+
+    def load64(self, base, off):
+        p = self.b.bitcast(self.b.gep(base, [off]), _I8x64.as_pointer())
+        return self.b.load(p, align=1)
+
+    def cat32(self, lo, hi):
+        """Two <32 x i8> -> <64 x i8>."""
+        return self.b.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 64), list(range(64))))
+
+    def dot512_signed(self, w, x):
+        b = self.b
+        aw = b.call(self.abs512, [w, ir.Constant(_I1, 0)])
+        sx = b.select(b.icmp_signed("<", w, ir.Constant(_I8x64, None)), b.sub(ir.Constant(_I8x64, None), x), x)
+        return b.call(self.dp512, [ir.Constant(_I32x16, None), b.bitcast(aw, _I32x16), b.bitcast(sx, _I32x16)])
+
+    def dot512_unsigned(self, w, x):
+        return self.b.call(self.dp512, [ir.Constant(_I32x16, None), self.b.bitcast(w, _I32x16),
+                                        self.b.bitcast(x, _I32x16)])
+
+    def halves16(self, s0, s1):
+        """<16 x float>: s0 in lanes 0-7 (bytes 0-31), s1 in lanes 8-15 (bytes 32-63)."""
+        v = self.b.insert_element(ir.Constant(_F32x16, None), s0, ir.Constant(_I32, 0))
+        v = self.b.insert_element(v, s1, ir.Constant(_I32, 1))
+        return self.b.shuffle_vector(v, ir.Constant(_F32x16, None), ir.Constant(_I32x16, [0] * 8 + [1] * 8))
+
+    def fma16_into(self, acc16, vi, scale):
+        b = self.b
+        b.store(b.fadd(b.load(acc16), b.fmul(b.sitofp(vi, _F32x16), scale)), acc16)
+
+    def hsum16_into(self, acc16, acc):
+        """Fold a <16 x float> accumulator into the <8 x float> one."""
+        b = self.b
+        v = b.load(acc16)
+        lo = b.shuffle_vector(v, v, ir.Constant(_I32x8, list(range(8))))
+        hi = b.shuffle_vector(v, v, ir.Constant(_I32x8, list(range(8, 16))))
+        b.store(b.fadd(b.load(acc), b.fadd(lo, hi)), acc)
 
     def load32(self, base, off):
         p = self.b.bitcast(self.b.gep(base, [off]), _I8x32.as_pointer())
@@ -112,8 +166,20 @@ def row_q8(typingctx, q, d, xq, xd):
         op = _Ops(builder)
         nb = builder.extract_value(da.shape, 0)
         acc = cgutils.alloca_once_value(builder, ir.Constant(_F32x8, None))
-        with cgutils.for_range(builder, nb) as loop:
-            b = loop.index
+        acc16 = cgutils.alloca_once_value(builder, ir.Constant(_F32x16, None))
+        n2 = builder.lshr(nb, op.i(nb, 1))
+        with cgutils.for_range(builder, n2) as loop:  # two blocks per 512-bit vpdpbusd
+            p = loop.index
+            off = builder.mul(p, op.i(p, 64))
+            vi = op.dot512_signed(op.load64(qa.data, off), op.load64(xa.data, off))
+            b0 = builder.mul(p, op.i(p, 2))
+            b1 = builder.add(b0, op.i(b0, 1))
+            s0 = builder.fmul(op.load(da.data, b0), op.load(xda.data, b0))
+            s1 = builder.fmul(op.load(da.data, b1), op.load(xda.data, b1))
+            op.fma16_into(acc16, vi, op.halves16(s0, s1))
+        op.hsum16_into(acc16, acc)
+        with builder.if_then(builder.icmp_unsigned("!=", builder.and_(nb, op.i(nb, 1)), op.i(nb, 0))):
+            b = builder.sub(nb, op.i(nb, 1))
             off = builder.mul(b, op.i(b, 32))
             vi = op.dot_signed(op.load32(qa.data, off), op.load32(xa.data, off))
             s = builder.fmul(op.load(da.data, b), op.load(xda.data, b))
@@ -137,11 +203,31 @@ def row_pair(typingctx, qs, d, xq, xd):
         acc = cgutils.alloca_once_value(builder, ir.Constant(_F32x8, None))
         m4 = ir.Constant(_I8x32, [0x0F] * 32)
         sh4 = ir.Constant(_I8x32, [4] * 32)
-        with cgutils.for_range(builder, np2) as loop:
-            p = loop.index
+        acc16 = cgutils.alloca_once_value(builder, ir.Constant(_F32x16, None))
+        m4w = ir.Constant(_I8x64, [0x0F] * 64)
+        sh4w = ir.Constant(_I8x64, [4] * 64)
+        np4 = builder.lshr(np2, op.i(np2, 1))
+        with cgutils.for_range(builder, np4) as loop:  # pairs 2g, 2g+1: blocks 4g..4g+3, one 512-bit load
+            g = loop.index
+            v = op.load64(qa.data, builder.mul(g, op.i(g, 64)))
+            x0 = builder.mul(g, op.i(g, 128))
+            xa0 = op.load32(xa.data, x0)
+            xa1 = op.load32(xa.data, builder.add(x0, op.i(x0, 32)))
+            xa2 = op.load32(xa.data, builder.add(x0, op.i(x0, 64)))
+            xa3 = op.load32(xa.data, builder.add(x0, op.i(x0, 96)))
+            i_lo = op.dot512_unsigned(builder.and_(v, m4w), op.cat32(xa0, xa2))  # blocks 4g, 4g+2
+            i_hi = op.dot512_unsigned(builder.lshr(v, sh4w), op.cat32(xa1, xa3))  # blocks 4g+1, 4g+3
+            b0 = builder.mul(g, op.i(g, 4))
+            sc = [builder.fmul(op.load(da.data, bb), op.load(xda.data, bb))
+                  for bb in (b0, builder.add(b0, op.i(b0, 1)), builder.add(b0, op.i(b0, 2)), builder.add(b0, op.i(b0, 3)))]
+            op.fma16_into(acc16, i_lo, op.halves16(sc[0], sc[2]))
+            op.fma16_into(acc16, i_hi, op.halves16(sc[1], sc[3]))
+        op.hsum16_into(acc16, acc)
+        with builder.if_then(builder.icmp_unsigned("!=", builder.and_(np2, op.i(np2, 1)), op.i(np2, 0))):
+            p = builder.sub(np2, op.i(np2, 1))
             v = op.load32(qa.data, builder.mul(p, op.i(p, 32)))
             b0 = builder.mul(p, op.i(p, 2))
-            b1 = builder.add(b0, op.i(p, 1))
+            b1 = builder.add(b0, op.i(b0, 1))
             x0 = builder.mul(p, op.i(p, 64))
             i0 = op.dot_unsigned(builder.and_(v, m4), op.load32(xa.data, x0))
             i1 = op.dot_unsigned(builder.lshr(v, sh4), op.load32(xa.data, builder.add(x0, op.i(x0, 32))))
@@ -238,3 +324,81 @@ def row_q6_k(typingctx, q, sc, d, xq, xd):
         return op.hsum(acc)
 
     return sig, codegen
+
+
+# ----------------------------------------------------------------------------------------------- GEMVs
+_RB = 16
+_PJIT = dict(parallel=True, nogil=True, cache=True, fastmath=True)
+_F0 = np.float32(0.0)
+_F8 = np.float32(8.0)
+
+
+@njit(**_PJIT)
+def gemv_i8_q8(q, d, xq, xd, xm, out):
+    """Q8_0, and Q5_0 / MXFP4 widened to int8 codes."""
+    O = d.shape[0]
+    for c in prange((O + _RB - 1) // _RB):
+        for o in range(c * _RB, min(O, c * _RB + _RB)):
+            out[o] = row_q8(q[o], d[o], xq, xd)
+
+
+@njit(**_PJIT)
+def gemv_i8_q4_0(qs, d, xq, xd, xm, out):
+    O, nb = d.shape
+    for c in prange((O + _RB - 1) // _RB):
+        for o in range(c * _RB, min(O, c * _RB + _RB)):
+            s = row_pair(qs[o], d[o], xq, xd)
+            corr = _F0
+            for b in range(nb):
+                corr += d[o, b] * xm[b]
+            out[o] = s - _F8 * corr
+
+
+@njit(**_PJIT)
+def gemv_i8_q4_1(qs, d, m, xq, xd, xm, out):
+    O, nb = d.shape
+    for c in prange((O + _RB - 1) // _RB):
+        for o in range(c * _RB, min(O, c * _RB + _RB)):
+            s = row_pair(qs[o], d[o], xq, xd)
+            corr = _F0
+            for b in range(nb):
+                corr += m[o, b] * xm[b]
+            out[o] = s + corr
+
+
+@njit(**_PJIT)
+def gemv_i8_q4_k(qs, sc, mn, d, dm, xq, xd, xm, out):
+    O, nb = d.shape
+    for c in prange((O + _RB - 1) // _RB):
+        for o in range(c * _RB, min(O, c * _RB + _RB)):
+            s = row_q4_k(qs[o], sc[o], d[o], xq, xd)
+            mins = _F0
+            for b in range(nb):
+                mb = _F0
+                for k in range(8):
+                    mb += np.float32(mn[o, b * 8 + k]) * xm[b * 8 + k]
+                mins += dm[o, b] * mb
+            out[o] = s - mins
+
+
+@njit(**_PJIT)
+def gemv_i8_q5_k(q, sc, mn, d, dm, xq, xd, xm, out):
+    O, nb = d.shape
+    for c in prange((O + _RB - 1) // _RB):
+        for o in range(c * _RB, min(O, c * _RB + _RB)):
+            s = row_q5_k(q[o], sc[o], d[o], xq, xd)
+            mins = _F0
+            for b in range(nb):
+                mb = _F0
+                for k in range(8):
+                    mb += np.float32(mn[o, b * 8 + k]) * xm[b * 8 + k]
+                mins += dm[o, b] * mb
+            out[o] = s - mins
+
+
+@njit(**_PJIT)
+def gemv_i8_q6_k(q, sc, d, xq, xd, xm, out):
+    O = d.shape[0]
+    for c in prange((O + _RB - 1) // _RB):
+        for o in range(c * _RB, min(O, c * _RB + _RB)):
+            out[o] = row_q6_k(q[o], sc[o], d[o], xq, xd)
