@@ -48,13 +48,15 @@ def _open_engine(a, quiet=False, save_usage=True):
 
 
 def cmd_run(a) -> int:
+    if a.prompt is not None and a.prompt_pos is not None:
+        raise ColiError("prompt: given twice (positional and -p); give one")
     prompt = a.prompt if a.prompt is not None else a.prompt_pos
     if prompt is None or prompt == "":
         raise ColiError("prompt: empty (give a prompt: coli run \"Once upon a time\" or -p TEXT)")
     eng = _open_engine(a)
     try:
         ids = eng.prompt_ids(prompt, chat=a.chat)
-        eng.check_fits(len(ids), a.n)
+        eng.check_fits(len(ids), a.n, a.temp, a.top_k, a.top_p)
         if not a.quiet:
             print(f"coli: {eng.path.name}: {eng.args.arch}, {eng.args.n_layers} layers"
                   + (f", {eng.args.n_experts} experts top-{eng.args.top_k}" if eng.args.n_experts else "")
@@ -82,11 +84,15 @@ def cmd_perplexity(a) -> int:
             text = f.read()
     except OSError as e:
         raise ColiError(f"{a.file}: {e.strerror or e}")
+    except UnicodeDecodeError as e:
+        raise ColiError(f"{a.file}: not UTF-8 text (byte {e.start})")
+    if a.max_tokens is not None and a.max_tokens < 2:
+        raise ColiError(f"--max-tokens: {a.max_tokens} (at least 2)")
     eng = _open_engine(a, quiet=True)
     try:
         ids = eng.tokenize(text)
-        if a.ctx_chunk and len(ids) > a.ctx_chunk:
-            ids = ids[: a.ctx_chunk]
+        if a.max_tokens:
+            ids = ids[: a.max_tokens]
         t0 = time.perf_counter()
         nll, n = eng.nll(ids)
         dt = time.perf_counter() - t0
@@ -109,6 +115,11 @@ def cmd_info(a) -> int:
 
 def cmd_bench(a) -> int:
     from coli.bench import run_bench
+
+    if a.repetitions < 1:
+        raise ColiError(f"-r: {a.repetitions} repetitions (at least 1)")
+    if a.n_prompt < 0 or a.n_gen < 0 or a.n_prompt + a.n_gen == 0:
+        raise ColiError(f"-p {a.n_prompt} -n {a.n_gen}: token counts must be >= 0, not both 0")
 
     eng = _open_engine(a, quiet=True, save_usage=False)  # a benchmark does not feed the routing history
     try:
@@ -143,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("perplexity", help="teacher-forced NLL and perplexity of a text file")
     q.add_argument("-f", "--file", required=True)
-    q.add_argument("--ctx-chunk", type=int, default=0, help="score only the first N tokens")
+    q.add_argument("--max-tokens", type=int, default=None, metavar="N", help="score only the first N tokens")
     _engine_args(q)
     q.set_defaults(func=cmd_perplexity)
 
@@ -174,6 +185,7 @@ def main(argv=None) -> int:
         print(f"coli: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
+        sys.stdout.write("\n")
         print("coli: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:

@@ -65,7 +65,10 @@ class Engine:
         self.threads = int(threads) if threads is not None else cpu_kernels.default_threads()
         if self.threads < 1:
             raise ColiError(f"--threads: {threads} (at least 1)")
-        cpu_kernels.set_threads(self.threads)
+        got = cpu_kernels.set_threads(self.threads)
+        if got != self.threads and not quiet:
+            print(f"coli: --threads {self.threads}: Numba's pool has {got} threads; using {got}", file=sys.stderr)
+        self.threads = got
         self.cpu_act = cpu_act or getattr(cpu_kernels, "DEFAULT_ACT", "f32")
         if self.cpu_act not in ("f32", "int8"):
             raise ColiError(f"--cpu-act: '{cpu_act}' (f32 or int8)")
@@ -78,13 +81,22 @@ class Engine:
         self.ctx = int(ctx) if ctx is not None else min(4096, a.ctx_train)
         if self.ctx < 1:
             raise ColiError(f"--ctx: {ctx} (at least 1)")
+        kv_bytes = 2 * a.n_layers * a.n_kv_heads * self.ctx * a.head_dim * 4
+        if kv_bytes > _available_ram() * 0.8:
+            raise ColiError(f"--ctx: {self.ctx} positions need {kv_bytes / 2**30:.1f} GiB of KV cache, more than the "
+                            f"{_available_ram() / 2**30:.1f} GiB of RAM available")
+        if self.ctx > a.ctx_train and not quiet:
+            print(f"coli: --ctx {self.ctx} is above the {a.ctx_train} positions the model was trained for", file=sys.stderr)
         self.cache = None
         self.step = None
         self.usage = None
         self.tier = None
         self.trace = None
         if trace:
+            from coli.paths import check_writable_file
             from scheduler.trace import Trace
+
+            check_writable_file(trace, "--trace")
 
             self.trace = Trace(trace)
         if self.model.moe_layers:
@@ -109,13 +121,17 @@ class Engine:
             fit = int(_available_ram() // 2 // max(1, per * len(L)))
             slots = max(a.top_k, min(E, fit))
         else:
-            slots = int(expert_cache)
-            if slots < 0:
+            slots = min(int(expert_cache), E)
+            if int(expert_cache) < 0:
                 raise ColiError(f"--expert-cache: {expert_cache} (slots per layer, >= top-k {a.top_k})")
             if slots < a.top_k:
                 if not self.quiet:
                     print(f"coli: --expert-cache {slots} is below top-k {a.top_k}: raised to {a.top_k}", file=sys.stderr)
                 slots = a.top_k
+        if usage_path is not None:
+            from coli.paths import check_writable_file
+
+            check_writable_file(usage_path, "--usage")
         self.usage = Usage.open(self.path, a.n_layers, E, path=usage_path, quiet=self.quiet)
         pins = {}
         if self.usage.loaded and slots < E:
@@ -189,16 +205,25 @@ class Engine:
         return self._prefill(kv, ids, True)
 
     def nll(self, token_ids) -> tuple[float, int]:
-        """Teacher-forced mean negative log-likelihood (nats) of tokens 1..T-1 given their prefix."""
+        """Teacher-forced mean negative log-likelihood (nats) and the number of tokens scored.
+
+        Every token after the first is scored given its prefix. A text longer than the context is cut into
+        windows of ``ctx`` tokens, each run from a fresh cache (every token of a window after its first is
+        scored), like llama.cpp's ``perplexity`` chunks."""
         ids = self._check_ids(token_ids)
         if len(ids) < 2:
             raise ColiError("text: fewer than 2 tokens, nothing to score")
-        lg = self.logits(ids).astype(np.float64)
-        lg = lg[:-1]
-        m = lg.max(axis=1, keepdims=True)
-        lse = (m[:, 0] + np.log(np.exp(lg - m).sum(axis=1)))
-        nll = lse - lg[np.arange(len(ids) - 1), ids[1:]]
-        return float(nll.mean()), len(ids) - 1
+        total, n = 0.0, 0
+        for s in range(0, len(ids), self.ctx):
+            w = ids[s : s + self.ctx]
+            if len(w) < 2:
+                break
+            lg = self.logits(w)[:-1].astype(np.float64)
+            m = lg.max(axis=1, keepdims=True)
+            lse = m[:, 0] + np.log(np.exp(lg - m).sum(axis=1))
+            total += float((lse - lg[np.arange(len(w) - 1), w[1:]]).sum())
+            n += len(w) - 1
+        return total / n, n
 
     @staticmethod
     def sample(logits: np.ndarray, temp: float, top_k: int, top_p: float, rng) -> int:
@@ -226,10 +251,19 @@ class Engine:
             return self.tokenizer.encode(text, add_bos=False)
         return self.tokenize(prompt)
 
-    def check_fits(self, n_prompt: int, max_tokens: int) -> None:
-        """ColiError when the prompt plus the tokens to generate exceed the context."""
+    def check_fits(self, n_prompt: int, max_tokens: int, temp: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> None:
+        """ColiError when the prompt plus the tokens to generate exceed the context, or a sampling
+        setting is out of range."""
+        if temp < 0:
+            raise ColiError(f"--temp: {temp} (0 for greedy, or above)")
+        if not 0 < top_p <= 1:
+            raise ColiError(f"--top-p: {top_p} (in (0, 1])")
+        if top_k < 0:
+            raise ColiError(f"--top-k: {top_k} (0 for all, or above)")
+        if max_tokens < 0:
+            raise ColiError(f"-n: {max_tokens} tokens to generate (at least 0)")
         if n_prompt + max_tokens > self.ctx:
-            raise ColiError(f"prompt: {n_prompt} tokens + {max_tokens} to generate exceed the context of "
+            raise ColiError(f"prompt: {n_prompt} prompt tokens and {max_tokens} to generate exceed the context of "
                             f"{self.ctx} positions (--ctx)")
 
     def generate(self, prompt=None, *, ids=None, max_tokens=64, temp=0.0, top_k=40, top_p=0.95, seed=None,
@@ -242,7 +276,7 @@ class Engine:
         if ids is None:
             ids = self.prompt_ids(prompt, chat=chat)
         ids = self._check_ids(ids)
-        self.check_fits(len(ids), max_tokens)
+        self.check_fits(len(ids), max_tokens, temp, top_k, top_p)
         rng = np.random.default_rng(seed)
         kv = self._new_cache(len(ids))
         self._reset_counters()
@@ -270,7 +304,7 @@ class Engine:
                   prefill_tps=len(ids) / max(t1 - t0, 1e-9), decode_tps=n_dec / max(t2 - t1, 1e-9) if n_dec else 0.0)
         st.update(self._counters())
         self.last_stats = st
-        return GenerateResult(out, self.detokenize(out), list(ids), st)
+        return GenerateResult(out, self.detokenize(out), [int(i) for i in ids], st)
 
     # -- counters ----------------------------------------------------------------------------------------
     def _reset_counters(self):

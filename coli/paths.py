@@ -28,7 +28,6 @@ def atomic_write_text(path, text: str) -> None:
     import tempfile
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -45,3 +44,18 @@ def atomic_write_text(path, text: str) -> None:
         except OSError:
             pass
         raise
+
+
+def check_writable_file(path, what: str) -> "Path":
+    """ColiError unless ``path``'s folder exists and is writable (user-given output paths: --trace, --usage)."""
+    from .errors import ColiError
+
+    p = Path(path)
+    folder = p.parent if str(p.parent) else Path(".")
+    if not folder.is_dir():
+        raise ColiError(f"{what} {p}: folder {folder} does not exist")
+    if p.is_dir():
+        raise ColiError(f"{what} {p}: is a folder")
+    if not os.access(folder, os.W_OK):
+        raise ColiError(f"{what} {p}: folder {folder} is not writable")
+    return p

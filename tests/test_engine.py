@@ -207,7 +207,31 @@ def test_unsupported_tensor_type(tmp_path, model_path):
     assert "blk.0.attn_q.weight" in r.stderr and "IQ2_XXS" in r.stderr and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("flag,value", [("--threads", "0"), ("--ctx", "0"), ("--expert-cache", "-1")])
+@pytest.mark.parametrize("flag,value", [("--threads", "0"), ("--ctx", "0"), ("--expert-cache", "-1"), ("-n", "-5"),
+                                        ("--temp", "-1"), ("--top-p", "2"), ("--ctx", "100000000"),
+                                        ("--trace", "/nonexistent-coli/x.json"), ("--usage", "/nonexistent-coli/u")])
 def test_cli_bad_numbers(flag, value, demo_path):
     r = _cli("run", "-m", str(demo_path), "-p", "hi", "-n", "2", flag, value)
     assert r.returncode == 2 and flag in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and r.stdout == ""
+
+
+def test_perplexity_windows_and_bad_text(model_path, engine, tmp_path):
+    """A text longer than the context is scored in windows of ``ctx`` tokens; non-UTF-8 input is an error."""
+    from coli.engine import Engine
+
+    p = model_path("smollm2")
+    with Engine(p, ctx=8, cpu_act="f32", save_usage=False) as e8:
+        ids = e8.tokenize(CAPITALS)
+        nll, n = e8.nll(ids)
+        ref = [engine(p, cpu_act="f32").nll(ids[s : s + 8]) for s in range(0, len(ids), 8) if len(ids[s : s + 8]) > 1]
+    assert n == sum(k for _, k in ref) and abs(nll - sum(a * k for a, k in ref) / n) < 1e-6
+    f = tmp_path / "bin.txt"
+    f.write_bytes(bytes(range(256)) * 4)
+    r = _cli("perplexity", "-m", str(p), "-f", str(f))
+    assert r.returncode == 2 and "UTF-8" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_bench_bad_reps(model_path):
+    r = _cli("bench", "-m", str(model_path("smollm2")), "-r", "0")
+    assert r.returncode == 2 and "-r" in r.stderr and "Traceback" not in r.stderr
