@@ -876,12 +876,11 @@ def matmul(w: Weight, x: np.ndarray, act: str | None = None) -> np.ndarray:
 
     w: a prepared Weight [O, I]; x: f32 [T, I] (or [I], treated as T = 1), C-contiguous.
     act: "f32" (exact f32 activations) or "int8" (activations rounded per 32 to int8 codes as llama.cpp's Q8
-    activation blocks, ``quantize_act_int8``; the kernels then multiply the codes times their block scale, so the
-    result is llama.cpp's integer dot product up to f32 rounding. The multiply-adds themselves run in f32: Numba
-    promotes int8/int16 products to int64 and LLVM then emits no VNNI integer dot code, measured slower than the f32
-    lanes, see docs/cpu_kernels.md). For F32/F16/BF16 weights act is ignored (always f32).
+    activation blocks, ``quantize_act_int8``). With int8 and T <= GEMV_I8_MAX_T on a CPU with AVX-512 VNNI, the
+    GEMV does integer dot products per block (``cpu_kernels.vnni``); otherwise the f32 kernels run on the rounded
+    activations (the same numbers up to f32 rounding). For F32/F16/BF16 weights act is ignored (always f32).
     None -> ``cpu_kernels.DEFAULT_ACT``. Raises ColiError for another act.
-    Returns f32 [T, O]. GEMV per row for T <= GEMV_MAX_T, blocked GEMM above.
+    Returns f32 [T, O]. GEMV per row for T <= GEMV_MAX_T (f32), blocked GEMM above.
     """
     if x.ndim == 1:
         x = x.reshape(1, -1)
