@@ -64,11 +64,8 @@ _PJIT = dict(parallel=True, nogil=True, cache=True, fastmath=True)
 
 _F0 = np.float32(0.0)
 _F8 = np.float32(8.0)
-_F16 = np.float32(16.0)
-_F32C = np.float32(32.0)
 _M4 = np.uint8(0x0F)
 _S4 = np.uint8(4)
-_U1 = np.uint8(1)
 _MXFP4_I8 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)  # ggml kvalues_mxfp4
 
 
