@@ -69,7 +69,9 @@ class Engine:
         if got != self.threads and not quiet:
             print(f"coli: --threads {self.threads}: Numba's pool has {got} threads; using {got}", file=sys.stderr)
         self.threads = got
-        self.cpu_act = cpu_act or getattr(cpu_kernels, "DEFAULT_ACT", "f32")
+        # DESIGN invariant 2: with a device, f32 activations on both sides (device and CPU differ only in
+        # summation order); alone, the measured default (int8 where the CPU has VNNI: docs/cpu_kernels.md)
+        self.cpu_act = cpu_act or ("f32" if device not in (None, "cpu") else cpu_kernels.DEFAULT_ACT)
         if self.cpu_act not in ("f32", "int8"):
             raise ColiError(f"--cpu-act: '{cpu_act}' (f32 or int8)")
         self.g = open_gguf(self.path)

@@ -8,7 +8,9 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import CAPITALS, LLAMA_CPP_NLL, ROOT
+from conftest import CAPITALS, FIXTURES, LLAMA_CPP_NLL, ROOT
+
+FIXTURE_OLMOE = FIXTURES / "oracles" / "olmoe.gguf"
 
 
 @pytest.mark.parametrize("name", ["smollm2", "gemma3", "qwen25"])
@@ -235,3 +237,11 @@ def test_perplexity_windows_and_bad_text(model_path, engine, tmp_path):
 def test_cli_bench_bad_reps(model_path):
     r = _cli("bench", "-m", str(model_path("smollm2")), "-r", "0")
     assert r.returncode == 2 and "-r" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_device_runs_default_to_f32_activations(model_path):
+    """DESIGN invariant 2: a run with the device tier uses f32 activations on the CPU side unless told."""
+    from coli.engine import Engine
+
+    with Engine(FIXTURE_OLMOE, device="vulkan", save_usage=False) as eng:
+        assert eng.cpu_act == "f32"
