@@ -99,3 +99,17 @@ def test_target_under_the_floor_leaves_only_measurement_rows():
     # except one measurement row every `period` steps
     kept = [int(b.keep(np.ones(64, np.int64), np.ones(64, bool)).sum()) for _ in range(b.period)]
     assert kept == [0] * (b.period - 1) + [1]
+
+
+def test_never_lowers_when_the_device_finished_first():
+    """A per-row model can ask for a lower share (the device's per-row cost is mostly a fixed batch latency),
+    but when the step's device time is below the CPU's, the CPU is the longer side: the share must not drop."""
+    from scheduler.balancer import Balancer, StepTimes
+
+    b = Balancer(enabled=True)
+    for _ in range(50):
+        # 2 device rows in 0.4 ms (a = 0.2 ms/row), 6 CPU rows in 0.9 ms (b = 0.15 ms/row): the model's
+        # equal-finish target is below 1, yet the device finished long before the CPU and the join did not wait
+        b.update(StepTimes(device_ms=0.4, device_rows=2, cpu_ms=0.9, cpu_rows=6, waited_ms=0.0, resident_rows=2))
+    assert b.target is not None and b.target < 1.0
+    assert b.share == 1.0
