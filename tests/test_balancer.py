@@ -108,8 +108,8 @@ def test_never_lowers_when_the_device_finished_first():
 
     b = Balancer(enabled=True)
     for _ in range(50):
-        # 2 device rows in 0.4 ms (a = 0.2 ms/row), 6 CPU rows in 0.9 ms (b = 0.15 ms/row): the model's
-        # equal-finish target is below 1, yet the device finished long before the CPU and the join did not wait
-        b.update(StepTimes(device_ms=0.4, device_rows=2, cpu_ms=0.9, cpu_rows=6, waited_ms=0.0, resident_rows=2))
+        # 6 device rows in 0.9 ms (a = 0.15 ms/row), 10 CPU rows in 1.0 ms (b = 0.1 ms/row), 8 resident: the
+        # model's equal-finish target is 0.8, yet the device finished before the CPU and the join did not wait
+        b.update(StepTimes(device_ms=0.9, device_rows=6, cpu_ms=1.0, cpu_rows=10, waited_ms=0.0, resident_rows=8))
     assert b.target is not None and b.target < 1.0
     assert b.share == 1.0
