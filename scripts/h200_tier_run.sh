@@ -131,13 +131,14 @@ cb() {  # cb TAG GB ARM-OPTIONS...
   LAST=$((SECONDS - t))
 }
 [ "${H2_CB:-1}" = 1 ] || DEADLINE=0   # H2_CB=0: no coli bench runs
-cb cpu 0
-cb tier_50 "$B50" --device vulkan --no-balance
-cb balanced_50 "$B50" --device vulkan --balance
-cb tier_25 "$B25" --device vulkan --no-balance
-cb tier_75 "$B75" --device vulkan --no-balance
-cb balanced_25 "$B25" --device vulkan --balance
-cb balanced_75 "$B75" --device vulkan --balance
+# H2_ARMS: which coli bench arms, in order (default all seven)
+for ARM in ${H2_ARMS:-cpu tier_50 balanced_50 tier_25 tier_75 balanced_25 balanced_75}; do
+  case $ARM in
+    cpu) cb cpu 0 ;;
+    tier_*) P=${ARM#tier_}; cb "$ARM" "$(gib 0.$P)" --device vulkan --no-balance ;;
+    balanced_*) P=${ARM#balanced_}; cb "$ARM" "$(gib 0.$P)" --device vulkan --balance ;;
+  esac
+done
 
 say "summary"
 $PY - "$OUT" <<'EOF'
