@@ -101,6 +101,20 @@ def test_target_under_the_floor_leaves_only_measurement_rows():
     assert kept == [0] * (b.period - 1) + [1]
 
 
+def test_never_lowers_when_one_cpu_row_costs_more_than_the_device_step():
+    """A discrete GPU: 8 pairs in 0.23 ms (mostly fixed latency), a CPU row 0.3 ms. The equal-finish model
+    asks for ~0.9 of the rows on the device, but any row handed to the CPU makes the step longer."""
+    from scheduler.balancer import Balancer, StepTimes
+
+    b = Balancer(enabled=True)
+    for i in range(64):
+        if i % 2:   # a step where the CPU also had a non-resident expert
+            b.update(StepTimes(device_ms=0.23, device_rows=7, cpu_ms=0.3, cpu_rows=1, waited_ms=0.0, resident_rows=7))
+        else:       # every pair resident: the CPU had nothing to do and the join waited for the device
+            b.update(StepTimes(device_ms=0.23, device_rows=8, cpu_ms=0.0, cpu_rows=0, waited_ms=0.2, resident_rows=8))
+    assert b.share > 0.99 and b.device_rows(8) == 8   # (the first step's probe, before any CPU row, heals)
+
+
 def test_never_lowers_when_the_device_finished_first():
     """A per-row model can ask for a lower share (the device's per-row cost is mostly a fixed batch latency),
     but when the step's device time is below the CPU's, the CPU is the longer side: the share must not drop."""
