@@ -287,19 +287,21 @@ class Engine:
         t1 = time.perf_counter()
         out: list = []
         eos = self.tokenizer.eos_ids
-        dec = self.tokenizer.stream_decoder() if hasattr(self.tokenizer, "stream_decoder") else None
+        dec = self.tokenizer.stream()  # whole characters only: a UTF-8 character may span tokens
         while len(out) < max_tokens:
             tok = self.sample(lg, temp, top_k, top_p, rng)
             if stop_at_eos and tok in eos:
                 break
             out.append(tok)
             if on_text is not None:
-                on_text(dec(tok) if dec else self.tokenizer.decode([tok]))
+                on_text(dec.push(tok))
             if len(out) == max_tokens:
                 break
             if self.tier is not None:
                 self.tier.begin_token()
             lg = self.model.forward([tok], kv)[-1]
+        if on_text is not None:
+            on_text(dec.flush())
         t2 = time.perf_counter()
         n_dec = max(len(out) - 1, 0)  # tokens whose forward ran after the prompt
         st = dict(prompt_tokens=len(ids), prefill_s=t1 - t0, gen_tokens=len(out), decode_s=t2 - t1,

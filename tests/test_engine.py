@@ -245,3 +245,14 @@ def test_device_runs_default_to_f32_activations(model_path):
 
     with Engine(FIXTURE_OLMOE, device="vulkan", save_usage=False) as eng:
         assert eng.cpu_act == "f32"
+
+
+def test_streamed_text_equals_the_decoded_text(model_path, engine):
+    """What ``on_text`` receives, joined, is the detokenized result: multi-byte characters that span tokens
+    (CJK, emoji) arrive whole, never as replacement characters."""
+    eng = engine(model_path("smollm2"))
+    pieces = []
+    r = eng.generate("Party time 🎉🎉🎉🎉", max_tokens=16, on_text=pieces.append)
+    assert sum("\ufffd" in eng.detokenize([t]) for t in r.ids) > 0  # the emoji really span tokens here
+    assert "".join(pieces) == r.text
+    assert all("\ufffd" not in p for p in pieces[:-1])  # only a character cut by max_tokens ends unfinished
