@@ -94,6 +94,7 @@ class Engine:
         self.usage = None
         self.tier = None
         self.trace = None
+        self.ram_cache_bytes = 0
         if trace:
             from coli.paths import check_writable_file
             from scheduler.trace import Trace
@@ -143,6 +144,7 @@ class Engine:
                 pins[l] = set(hot)
         self.cache = RAMCache(source, slots, pins, io_threads=io_threads)
         self.step = MoEStep(self.cache, self.usage, act=self.cpu_act, trace=self.trace)
+        self.ram_cache_bytes = slots * len(L) * per  # the RAM cache's configured size (the tier's budget rule)
         self.model.step = self.step
         self.expert_slots = slots
 
@@ -152,11 +154,8 @@ class Engine:
         try:
             from coli import vulkan as cvk
 
-            ram = 0
-            if self.cache is not None:  # the same inputs as the tier's budget rule (scheduler/tier.py)
-                src = self.cache.source
-                ram = self.expert_slots * sum(src.expert_nbytes(l) for l in self.model.moe_layers)
-            self.device = cvk.open_device(self.path.name, ram_cache_bytes=ram, dense_bytes=self.model.dense_bytes)
+            self.device = cvk.open_device(self.path.name, ram_cache_bytes=self.ram_cache_bytes,
+                                          dense_bytes=self.model.dense_bytes)
         except Exception as e:  # the device may fail in any way: the run goes on on the CPU
             print(f"[VK] {self.path.name}: {type(e).__name__}: {e}, running on the CPU", file=sys.stderr)
             self.device = None

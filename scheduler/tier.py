@@ -248,11 +248,6 @@ def _movable(cache):
     return lambda l, e: cache.in_ram(l, e) or len(lru[l]) < slots
 
 
-def _dense_bytes(g) -> int:
-    """Bytes of a GGUF's tensors that are not routed experts (names without ``_exps``)."""
-    return int(sum(t.nbytes for n, t in g.tensors.items() if "_exps" not in n))
-
-
 @dataclass
 class Issued:
     """One device batch in flight (returned by :meth:`Tier.issue`, passed to :meth:`Tier.join`)."""
@@ -408,7 +403,7 @@ class Tier:
         layers = list(eng.model.moe_layers)
         per = max(src.expert_nbytes(l) for l in layers)
         E = src.n_experts(layers[0])
-        ram_bytes = int(eng.expert_slots) * len(layers) * per
+        ram_bytes = int(eng.ram_cache_bytes)
         try:
             info = DeviceMemory.of(dev)
         except ValueError as err:
@@ -416,7 +411,7 @@ class Tier:
                 raise RuntimeError(f"the Vulkan device gives no memory info for the tier's budget ({err}); "
                                    f"set COLI_VK_TIER_GB") from None
             info = DeviceMemory(str(getattr(dev, "name", "device")), "other", 0)
-        budget, rule = budget_bytes(info, ram_bytes, _dense_bytes(eng.g), env=env)
+        budget, rule = budget_bytes(info, ram_bytes, eng.model.dense_bytes, env=env)
         counts = eng.usage.counts.copy() if eng.usage is not None and eng.usage.loaded else None
         own = bool(getattr(dev, "own_queue", getattr(dev, "dedicated_compute_queue", False)))
         t = cls(dev, eng.path.name, eng.args.n_layers, E, per, budget, rule, counts=counts,

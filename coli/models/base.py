@@ -130,6 +130,8 @@ class Transformer:
         self.w_out = self._w(out)
         self.out_norm = self._f32("output_norm.weight")
         self.layers = [self._load_layer(il) for il in range(a.n_layers)]
+        for L in self.layers:  # built once at load, not per token
+            L["shared"] = self.shared_expert(L)
         self.moe_layers = [il for il, L in enumerate(self.layers) if L.get("router") is not None]
         self._ropes: dict = {}
         self.dense_bytes = sum(t.nbytes for n, t in self.t.items() if "_exps" not in n)
@@ -306,7 +308,7 @@ class Transformer:
     def moe(self, il, L, x):
         logits = x @ L["router"].T
         ids, w = self.route(logits)
-        return self.step.run(il, x, ids, w, shared=self.shared_expert(L))
+        return self.step.run(il, x, ids, w, shared=L["shared"])
 
     def forward(self, ids, cache: KVCache, all_logits: bool = False) -> np.ndarray:
         """Run ``ids`` (int [T]) at positions ``cache.pos ..``; returns logits f32 [T or 1, vocab]."""
