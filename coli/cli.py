@@ -43,7 +43,7 @@ def _open_engine(a, quiet=False, save_usage=True):
         raise ColiError(f"{a.model}: no such file")
     return Engine(a.model, threads=a.threads, ctx=a.ctx, expert_cache=a.expert_cache, usage=a.usage,
                   cpu_act=a.cpu_act, io_threads=a.io_threads, device=device,
-                  balance=a.balance if a.balance is not None else True,
+                  balance=a.balance,
                   trace=a.trace, quiet=quiet, save_usage=save_usage)
 
 
