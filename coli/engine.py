@@ -235,12 +235,17 @@ class Engine:
         return Sampler(temp=temp, top_k=top_k, top_p=top_p, rng=rng).sample(logits)
 
     def prompt_ids(self, prompt, chat: bool = False) -> list:
-        """Token ids of a prompt (through the chat template as one user message when ``chat``)."""
+        """Token ids of a prompt (through the chat template as one user message when ``chat``:
+        ``Tokenizer.encode_chat``, one BOS where the file asks for one; a model without a template gets
+        llama.cpp's ChatML fallback, with a note on stderr unless quiet)."""
         if prompt is None or prompt == "":
             raise ColiError("prompt: empty (give -p TEXT)")
         if chat:
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-            return self.tokenizer.encode(text, add_bos=False)
+            ids = self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+            if self.tokenizer.template_fallback and not self.quiet:
+                print(f"coli: {self.path.name} has no tokenizer.chat_template: using llama.cpp's fallback, ChatML",
+                      file=sys.stderr)
+            return ids
         return self.tokenize(prompt)
 
     def check_fits(self, n_prompt: int, max_tokens: int, temp: float = 0.0, top_k: int = 0, top_p: float = 1.0,
