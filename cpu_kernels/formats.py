@@ -53,6 +53,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import quants as gq
 from numba import njit, prange
 
+from coli import tensor_types as _TT
 from coli.errors import ColiError
 
 from . import DEFAULT_ACT
@@ -762,17 +763,6 @@ def _pack_mxfp4(raw, O, I):
 
 
 # ----------------------------------------------------------------------------------------------- registry
-def _reference(qtype):
-    def ref(raw: np.ndarray, shape) -> np.ndarray:
-        O, I = shape
-        if qtype == QT.F32:
-            return np.ascontiguousarray(raw).view(np.float32).reshape(O, I).copy()
-        return gq.dequantize(np.ascontiguousarray(raw), qtype).reshape(O, I).astype(np.float32)
-
-    ref.__doc__ = f"NumPy reference: gguf.quants.dequantize(raw uint8 [O, row_bytes], {qtype.name}) -> f32 [O, I]."
-    return ref
-
-
 @dataclass(frozen=True)
 class Format:
     """One weight format: GGUF type name and enum, block size (weights) and bytes per block, the NumPy
@@ -792,9 +782,11 @@ class Format:
 
 
 def _row(name, bs, ts, pack, gemv, gemm, shader, int8, gemv_i8=None):
-    qt = QT[name]
-    assert gq.GGML_QUANT_SIZES[qt] == (bs, ts), name
-    return name, Format(name, qt, bs, ts, _reference(qt), pack, gemv, gemm, shader, int8,
+    """A FORMATS entry keyed by the tensor-type table (coli.tensor_types): geometry, reference and shader name
+    come from the table; ``bs``, ``ts``, ``shader`` are checked against it."""
+    t = _TT.get(name)
+    assert (t.block_size, t.type_size, t.shader) == (bs, ts, shader), name
+    return name, Format(name, t.qtype, bs, ts, t.reference, pack, gemv, gemm, shader, int8,
                         gemv_i8 if _vnni.HAVE_VNNI else None)
 
 
@@ -811,6 +803,9 @@ FORMATS: dict[str, Format] = dict([
     _row("Q6_K", 256, 210, _pack_q6_k, gemv_q6_k, gemm_q6_k, "q6_k", True, _vnni.gemv_i8_q6_k),
     _row("MXFP4", 32, 17, _pack_mxfp4, gemv_q8_0, gemm_q8_0, "mxfp4", True, _vnni.gemv_i8_q8),
 ])
+
+for _f in FORMATS.values():
+    _TT.register("cpu", _f.name, f"{_f.gemv.__module__}.{_f.gemv.__name__}")
 
 #: Activation rows up to which ``matmul`` runs the GEMV once per row instead of the GEMM (measured).
 GEMV_MAX_T = 3
