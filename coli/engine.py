@@ -149,6 +149,10 @@ class Engine:
         self.expert_slots = slots
 
     def _setup_device(self, device, balance):
+        """Open the Vulkan device and wire the expert tier to this engine (docs/tier.md): the budget by the
+        one rule (``scheduler.tier_policy.budget_bytes``, which the device applied at open: its
+        ``budget_bytes`` / ``budget_rule``), the RAM cache's size and the dense bytes, the history, the
+        trace, the start line, the warm start (the cache's ``source.read_raw`` on a thread pool)."""
         if device != "vulkan":
             raise ColiError(f"--device: '{device}' (cpu or vulkan)")
         try:
@@ -161,9 +165,25 @@ class Engine:
             self.device = None
         if self.device is None or self.step is None:
             return
+        from scheduler.balancer import Balancer
         from scheduler.tier import Tier
+        from scheduler.tier_policy import DeviceMemory, budget_bytes
 
-        self.tier = Tier.for_engine(self, balance=True if balance is None else bool(balance))
+        dev, src = self.device, self.cache.source
+        layers = list(self.model.moe_layers)
+        per = max(src.expert_nbytes(l) for l in layers)          # the biggest expert (gate + up + down)
+        budget, rule = getattr(dev, "budget_bytes", None), getattr(dev, "budget_rule", None)
+        info = DeviceMemory.of(dev)
+        if budget is None:
+            budget, rule = budget_bytes(info, self.ram_cache_bytes, self.model.dense_bytes)
+        counts = self.usage.counts.copy() if self.usage is not None and self.usage.loaded else None
+        own = bool(getattr(dev, "own_queue", getattr(dev, "dedicated_compute_queue", False)))
+        self.tier = Tier(dev, self.path.name, self.args.n_layers, src.n_experts(layers[0]), per, int(budget),
+                         rule, counts=counts, balancer=Balancer(enabled=True if balance is None else bool(balance)),
+                         trace=self.trace, device_name=info.name, own_queue=own, moe_layers=layers,
+                         auto_tokens=True, ram=self.cache)
+        self.tier._say(self.tier.start_line())
+        self.tier.warm_start(src.read_raw)
         self.step.tier = self.tier
 
     # -- text --------------------------------------------------------------------------------------------
