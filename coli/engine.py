@@ -7,6 +7,9 @@ through the RAM expert cache, optionally a device tier), generate text.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import os
 import sys
 import time
@@ -30,10 +33,81 @@ class GenerateResult:
     stats: dict = field(default_factory=dict)
 
 
+@contextlib.contextmanager
+def engine_threads(eng):
+    """Run the block on ``eng.threads`` Numba threads, then give the calling thread its count back.
+
+    Numba's thread count belongs to the calling Python thread (``numba.set_num_threads`` is thread-local;
+    a new thread starts at ``NUMBA_NUM_THREADS``), so each public Engine call sets it at its entry: a call
+    from a worker thread runs on the engine's threads, and constructing a second engine leaves the first
+    one's count alone (docs/tuning.md). Also closes the "compiling kernels, once" bar at the end."""
+    import numba
+
+    from coli.progress import end_compile_bar, install
+
+    install()
+    prev = numba.get_num_threads()
+    if prev != eng.threads:
+        numba.set_num_threads(eng.threads)
+    try:
+        yield
+    finally:
+        if prev != eng.threads:
+            numba.set_num_threads(prev)
+        end_compile_bar()
+
+
+def _on_engine_threads(fn):
+    """Decorator of the public Engine calls: :func:`engine_threads` around the call (around each step of a
+    generator)."""
+    if inspect.isgeneratorfunction(fn):
+        @functools.wraps(fn)
+        def gen(self, *a, **kw):
+            it = fn(self, *a, **kw)
+            value = None
+            try:
+                while True:
+                    with engine_threads(self):
+                        try:
+                            out = it.send(value)
+                        except StopIteration as stop:
+                            return stop.value
+                    value = yield out
+            finally:
+                with engine_threads(self):
+                    it.close()
+        return gen
+
+    @functools.wraps(fn)
+    def call(self, *a, **kw):
+        with engine_threads(self):
+            return fn(self, *a, **kw)
+    return call
+
+
 def _available_ram() -> int:
     import psutil
 
     return int(psutil.virtual_memory().available)
+
+
+def kv_cache_bytes(args, ctx: int) -> int:
+    """Bytes of the f32 KV cache (``coli.models.base.KVCache``): K and V, ``[n_kv_heads, ctx, head_dim]``
+    per layer."""
+    return 2 * args.n_layers * args.n_kv_heads * int(ctx) * args.head_dim * 4
+
+
+def expert_cache_slots(n_experts: int, top_k: int, expert_bytes: int, n_moe_layers: int, expert_cache=None,
+                       available: int | None = None) -> int:
+    """RAM expert cache slots per MoE layer (the engine's rule, docs/engine.md): ``expert_cache`` when given
+    (at most ``n_experts``; below top-k raised to top-k by the caller); else every expert when all of them fit
+    in half the available RAM, else what fits there, never below top-k. ``expert_bytes``: the biggest
+    expert's gate+up+down bytes; ``available``: RAM available in bytes (psutil's when None)."""
+    if expert_cache is not None:
+        return min(int(expert_cache), n_experts)
+    avail = _available_ram() if available is None else int(available)
+    fit = int(avail // 2 // max(1, expert_bytes * n_moe_layers))
+    return max(top_k, min(n_experts, fit))
 
 
 class Engine:
@@ -62,10 +136,14 @@ class Engine:
         self.path = Path(path)
         self.quiet = quiet
         self.save_usage_on_close = save_usage
+        self.io_threads = int(io_threads)
         self.threads = int(threads) if threads is not None else cpu_kernels.default_threads()
         if self.threads < 1:
             raise ColiError(f"--threads: {threads} (at least 1)")
-        got = cpu_kernels.set_threads(self.threads)
+        # the count is set per call (engine_threads), never left behind in the constructing thread
+        import numba
+
+        got = max(1, min(self.threads, numba.config.NUMBA_NUM_THREADS))
         if got != self.threads and not quiet:
             print(f"coli: --threads {self.threads}: Numba's pool has {got} threads; using {got}", file=sys.stderr)
         self.threads = got
@@ -83,7 +161,7 @@ class Engine:
         self.ctx = int(ctx) if ctx is not None else min(4096, a.ctx_train)
         if self.ctx < 1:
             raise ColiError(f"--ctx: {ctx} (at least 1)")
-        kv_bytes = 2 * a.n_layers * a.n_kv_heads * self.ctx * a.head_dim * 4
+        kv_bytes = kv_cache_bytes(a, self.ctx)
         if kv_bytes > _available_ram() * 0.8:
             raise ColiError(f"--ctx: {self.ctx} positions need {kv_bytes / 2**30:.1f} GiB of KV cache, more than the "
                             f"{_available_ram() / 2**30:.1f} GiB of RAM available")
@@ -120,11 +198,8 @@ class Engine:
         L = self.model.moe_layers
         E = source.n_experts(L[0])
         per = max(source.expert_nbytes(l) for l in L)
-        if expert_cache is None:
-            fit = int(_available_ram() // 2 // max(1, per * len(L)))
-            slots = max(a.top_k, min(E, fit))
-        else:
-            slots = min(int(expert_cache), E)
+        slots = expert_cache_slots(E, a.top_k, per, len(L), expert_cache)
+        if expert_cache is not None:
             if int(expert_cache) < 0:
                 raise ColiError(f"--expert-cache: {expert_cache} (slots per layer, >= top-k {a.top_k})")
             if slots < a.top_k:
@@ -219,12 +294,14 @@ class Engine:
                 out.append(lg)
         return np.concatenate(out, axis=0)
 
+    @_on_engine_threads
     def logits(self, token_ids) -> np.ndarray:
         """Logits f32 [T, vocab] for exactly ``token_ids`` (no BOS added), from a fresh KV cache."""
         ids = self._check_ids(token_ids)
         kv = self._new_cache(len(ids))
         return self._prefill(kv, ids, True)
 
+    @_on_engine_threads
     def nll(self, token_ids) -> tuple[float, int]:
         """Teacher-forced mean negative log-likelihood (nats) and the number of tokens scored.
 
@@ -283,6 +360,7 @@ class Engine:
             raise ColiError(f"prompt: {n_prompt} prompt tokens and {max_tokens} to generate exceed the context of "
                             f"{self.ctx} positions (--ctx)")
 
+    @_on_engine_threads
     def generate(self, prompt=None, *, ids=None, max_tokens=64, temp=0.0, top_k=40, top_p=0.95, seed=None,
                  chat=False, stop_at_eos=True, on_text=None, min_p=0.0, repeat_penalty=1.0, repeat_last_n=64,
                  presence_penalty=0.0, frequency_penalty=0.0, sampler=None) -> GenerateResult:
@@ -310,9 +388,13 @@ class Engine:
         sampler.accept_many(int(i) for i in ids)
         kv = self._new_cache(len(ids))
         self._reset_counters()
+        from coli.progress import compile_seconds  # compile time is never counted in tok/s
+
+        c0 = compile_seconds()
         t0 = time.perf_counter()
         lg = self._prefill(kv, ids, False)[-1]
         t1 = time.perf_counter()
+        c1 = compile_seconds()
         out: list = []
         eos = self.tokenizer.eos_ids
         dec = self.tokenizer.stream()  # whole characters only: a UTF-8 character may span tokens
@@ -336,9 +418,12 @@ class Engine:
         if on_text is not None:
             on_text(dec.flush())
         t2 = time.perf_counter()
+        c2 = compile_seconds()
         n_dec = max(len(out) - 1, 0)  # tokens whose forward ran after the prompt
-        st = dict(prompt_tokens=len(ids), prefill_s=t1 - t0, gen_tokens=len(out), decode_s=t2 - t1,
-                  prefill_tps=len(ids) / max(t1 - t0, 1e-9), decode_tps=n_dec / max(t2 - t1, 1e-9) if n_dec else 0.0)
+        pre_s, dec_s = max(t1 - t0 - (c1 - c0), 0.0), max(t2 - t1 - (c2 - c1), 0.0)
+        st = dict(prompt_tokens=len(ids), prefill_s=pre_s, gen_tokens=len(out), decode_s=dec_s,
+                  prefill_tps=len(ids) / max(pre_s, 1e-9), decode_tps=n_dec / max(dec_s, 1e-9) if n_dec else 0.0,
+                  compile_s=c2 - c0)
         st.update(self._counters())
         st.update(seed=None if sampler.params.greedy else sampler.seed, masked_logit_steps=sampler.masked_steps)
         self.last_stats = st
