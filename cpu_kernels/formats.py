@@ -921,3 +921,8 @@ def matmul(w: Weight, x: np.ndarray, act: str | None = None) -> np.ndarray:
     else:
         w.gemm(*w.arrays, x, out)
     return out
+
+
+# The i-quant rows (IQ2_XXS ... IQ1_M) are appended to FORMATS by cpu_kernels/iquants.py, imported here last
+# because it uses this module's Q8_0 kernels and ``_tile``.
+from . import iquants as _iquants  # noqa: E402,F401
