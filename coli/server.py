@@ -250,9 +250,7 @@ def create_app(eng, model_id: str, aliases=(), max_queue: int = 8):
 
     def fit(ids, options):
         try:
-            options["max_tokens"] = eng.check_fits(len(ids), options["max_tokens"], options["temp"],
-                                                   options["top_k"], options["top_p"], options["min_p"],
-                                                   options["repeat_penalty"], options["repeat_last_n"])
+            options["max_tokens"] = eng.check_fits(len(ids), options["max_tokens"])
         except ColiError as e:
             msg = str(e)
             code = "context_length_exceeded" if "context" in msg else None
