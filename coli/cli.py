@@ -23,7 +23,9 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
     """``(default: X)`` after each option's help, unless the default is None/False or the help says it."""
 
     def _get_help_string(self, action):
-        if action.default in (None, False, argparse.SUPPRESS) or "default" in (action.help or ""):
+        if (action.default is None or action.default is False or action.default == argparse.SUPPRESS
+                or "default" in (action.help or "")
+                or isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))):
             return action.help
         return super()._get_help_string(action)
 
