@@ -10,7 +10,9 @@ from pathlib import Path
 
 def cache_dir(*parts: str) -> Path:
     """Return (and create) ``<cache>/<parts...>``."""
-    root = os.environ.get("COLI_CACHE")
+    from .settings import get
+
+    root = get("COLI_CACHE")
     if root:
         base = Path(root)
     else:
