@@ -57,7 +57,7 @@ VARS: tuple[Var, ...] = (
     Var("COLI_VK_TIER_FILL", "bool", True, "fill the device's free budget with the next-hottest experts"),
     Var("COLI_VK_TIER_WARM", "bool", True, "warm start: upload the history's hottest experts at load"),
     Var("COLI_VK_TIER_GEMM_ROWS", "int", 16, "rows from which an expert runs as a tiled GEMM on the device "
-        "(GEMV below)", "rows", lo=1),
+        "(GEMV below; 0: never the GEMM)", "rows", lo=0),
     Var("COLI_VK_GEMV_ROWS", "int", None, "output rows a device GEMV workgroup owns (default 4 per subgroup)",
         "rows", lo=1, dev=True),
     Var("COLI_VK_STAGING", "bool", None, "expert weights through staging copies (1) or mapped device memory "
