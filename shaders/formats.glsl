@@ -23,6 +23,20 @@
 #include "fmt_q6_k.glsl"
 #elif defined(FMT_MXFP4)
 #include "fmt_mxfp4.glsl"
+#elif defined(FMT_IQ2_XXS)
+#include "fmt_iq2_xxs.glsl"
+#elif defined(FMT_IQ2_XS)
+#include "fmt_iq2_xs.glsl"
+#elif defined(FMT_IQ2_S)
+#include "fmt_iq2_s.glsl"
+#elif defined(FMT_IQ3_XXS)
+#include "fmt_iq3_xxs.glsl"
+#elif defined(FMT_IQ3_S)
+#include "fmt_iq3_s.glsl"
+#elif defined(FMT_IQ1_S)
+#include "fmt_iq1_s.glsl"
+#elif defined(FMT_IQ1_M)
+#include "fmt_iq1_m.glsl"
 #else
 #error "no FMT_ defined"
 #endif

@@ -8,6 +8,9 @@ import pytest
 from gguf import quants as Q
 from gguf.constants import GGMLQuantizationType as GT
 
+from coli.iq_tables import IQ_TYPES
+from tests.iq_util import random_iq_blocks
+
 
 def _have_loader() -> bool:
     try:
@@ -23,12 +26,12 @@ HAVE_LOADER = _have_loader()
 requires_vulkan = pytest.mark.skipif(not HAVE_LOADER, reason="libvulkan.so.1 not found "
                                      "(apt install libvulkan1 mesa-vulkan-drivers to run the Vulkan tests)")
 
-ALL_FORMATS = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4"]
+ALL_FORMATS = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", *IQ_TYPES]
 KQUANTS = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
 
 def block_elems(type_name: str) -> int:
-    return 256 if type_name in KQUANTS else 32
+    return 256 if type_name in KQUANTS or type_name in IQ_TYPES else 32
 
 
 def make_weight(type_name: str, O: int, I: int, rng: np.random.Generator, scale: float = 1.0):
@@ -50,6 +53,8 @@ def make_weight(type_name: str, O: int, I: int, rng: np.random.Generator, scale:
             dmin = (rng.uniform(0.0, 0.01, size=nb) * scale).astype(np.float16).view(np.uint8).reshape(nb, 2)
             raw[:, 0:2], raw[:, 2:4] = d, dmin
         raw = raw.reshape(O, -1)
+    elif type_name in IQ_TYPES:  # gguf cannot quantize them either: random valid blocks
+        raw = random_iq_blocks(type_name, O, I, rng, (0.002 * scale, 0.02 * scale))
     else:
         w = (rng.standard_normal((O, I)) * scale).astype(np.float32)
         if type_name == "F32":

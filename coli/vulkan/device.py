@@ -24,6 +24,7 @@ import time
 import numpy as np
 import vulkan as vk
 
+from .. import iq_tables
 from . import shaders as S
 from .alloc import BlockAllocator
 from .errors import BudgetExceeded, DeviceLost, VulkanError
@@ -53,6 +54,8 @@ _TYPE_RANK = {2: 0, 1: 1, 3: 2, 4: 3, 0: 4}       # discrete > integrated > virt
 BLOCKS = {
     "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20),
     "Q5_0": (32, 22), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "MXFP4": (32, 17),
+    "IQ2_XXS": (256, 66), "IQ2_XS": (256, 74), "IQ2_S": (256, 82), "IQ3_XXS": (256, 98), "IQ3_S": (256, 110),
+    "IQ1_S": (256, 50), "IQ1_M": (256, 56),
 }
 MAXR = 4           # rows a GEMV group holds (shaders/gemv.comp): larger GEMV groups go in chunks
 GEMM_BM, GEMM_BN = 64, 32
@@ -231,12 +234,12 @@ class _Frame:
     def _write_sets(self):
         b = self.bufs
         binds = [("x", "x", "tab", "h", "h", "y"), ("x", "x", "tab", "x", "x", "y")]
-        infos = ffi.new("VkDescriptorBufferInfo[12]")
-        writes = ffi.new("VkWriteDescriptorSet[12]")
+        infos = ffi.new("VkDescriptorBufferInfo[14]")
+        writes = ffi.new("VkWriteDescriptorSet[14]")
         for si in range(2):
-            for j, name in enumerate(binds[si]):
-                k = si * 6 + j
-                infos[k].buffer = b[name].buffer
+            for j, name in enumerate(binds[si] + ("iq",)):
+                k = si * 7 + j
+                infos[k].buffer = self.dev._iq_grids.buffer if name == "iq" else b[name].buffer
                 infos[k].offset = 0
                 infos[k].range = (1 << 64) - 1  # VK_WHOLE_SIZE
                 w = writes[k]
@@ -246,7 +249,7 @@ class _Frame:
                 w.descriptorCount = 1
                 w.descriptorType = vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER
                 w.pBufferInfo = infos + k
-        lib.vkUpdateDescriptorSets(self.dev._dev, 12, writes, 0, ffi.NULL)
+        lib.vkUpdateDescriptorSets(self.dev._dev, 14, writes, 0, ffi.NULL)
 
     def destroy(self):
         d = self.dev._dev
@@ -576,6 +579,11 @@ class Device:
 
         # pipeline objects
         self._make_layouts()
+        # binding 6: the i-quant grids (coli/iq_tables.py, read by shaders/fmt_iq*.glsl), uploaded once
+        words, _ = iq_tables.device_grids()
+        self._iq_grids = _Buf(self, words.nbytes, _USAGE_STORAGE, _MEM_HOST_VISIBLE | _MEM_HOST_COHERENT,
+                              _MEM_DEVICE_LOCAL)
+        self._iq_grids.view[:] = words.view(np.uint8)
         for (k, t), code in spv.items():
             smci = _s("VkShaderModuleCreateInfo")
             smci.sType = vk.VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO
@@ -629,15 +637,15 @@ class Device:
 
     def _make_layouts(self):
         d = self._dev
-        b = ffi.new("VkDescriptorSetLayoutBinding[6]")
-        for j in range(6):
+        b = ffi.new("VkDescriptorSetLayoutBinding[7]")
+        for j in range(7):
             b[j].binding = j
             b[j].descriptorType = vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER
             b[j].descriptorCount = 1
             b[j].stageFlags = _STAGE_COMPUTE
         lci = _s("VkDescriptorSetLayoutCreateInfo")
         lci.sType = vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_LAYOUT_CREATE_INFO
-        lci.bindingCount = 6
+        lci.bindingCount = 7
         lci.pBindings = b
         p = ffi.new("VkDescriptorSetLayout*")
         _chk(lib.vkCreateDescriptorSetLayout(d, lci, ffi.NULL, p), "vkCreateDescriptorSetLayout")
@@ -658,7 +666,7 @@ class Device:
         self._layout = pl[0]
         ps = ffi.new("VkDescriptorPoolSize[1]")
         ps[0].type = vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER
-        ps[0].descriptorCount = 6 * 2 * 64
+        ps[0].descriptorCount = 7 * 2 * 64
         dpci = _s("VkDescriptorPoolCreateInfo")
         dpci.sType = vk.VK_STRUCTURE_TYPE_DESCRIPTOR_POOL_CREATE_INFO
         dpci.maxSets = 2 * 64
@@ -1259,6 +1267,9 @@ class Device:
             for f in self._frames_all:
                 f.destroy()
             self._frames_all, self._frames_free = [], []
+            if getattr(self, "_iq_grids", None) is not None:
+                self._iq_grids.destroy()
+                self._iq_grids = None
             if getattr(self, "_staging_buf", None) is not None:
                 self._staging_buf.destroy()
                 lib.vkDestroyFence(d, self._staging_fence[0], ffi.NULL)

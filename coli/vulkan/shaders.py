@@ -19,6 +19,8 @@ SHADER_DIR = Path(__file__).resolve().parent.parent.parent / "shaders"
 FORMATS = {
     "F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1",
     "Q5_0": "q5_0", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "MXFP4": "mxfp4",
+    "IQ2_XXS": "iq2_xxs", "IQ2_XS": "iq2_xs", "IQ2_S": "iq2_s", "IQ3_XXS": "iq3_xxs", "IQ3_S": "iq3_s",
+    "IQ1_S": "iq1_s", "IQ1_M": "iq1_m",
 }
 KERNELS = ("gemv", "gemm")
 EXTRA = ("copy",)          # kernels without a format (one .spv each)
