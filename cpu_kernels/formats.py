@@ -810,9 +810,6 @@ from . import lowbit as _lowbit  # noqa: E402  (imports this module's helpers, d
 
 FORMATS.update(_lowbit.rows(_row, _vnni))
 
-for _f in FORMATS.values():
-    _TT.register("cpu", _f.name, f"{_f.gemv.__module__}.{_f.gemv.__name__}")
-
 #: Activation rows up to which ``matmul`` runs the GEMV once per row instead of the GEMM (measured).
 GEMV_MAX_T = 3
 #: The same for the int8 path when the VNNI GEMV exists (it is about twice as fast as the f32 GEMV).
@@ -826,7 +823,8 @@ class Weight:
     GGUF file (O * row_bytes).
     """
 
-    __slots__ = ("fmt", "name", "shape", "arrays", "nbytes", "file_nbytes", "gemv", "gemm", "int8", "gemv_i8")
+    __slots__ = ("fmt", "name", "shape", "arrays", "nbytes", "file_nbytes", "gemv", "gemm", "int8", "gemv_i8",
+                 "_desc")
 
     def __init__(self, fmt: Format, shape, arrays):
         self.fmt = fmt
@@ -839,6 +837,19 @@ class Weight:
         self.gemm = fmt.gemm
         self.int8 = fmt.int8
         self.gemv_i8 = fmt.gemv_i8
+        self._desc = None
+
+    @property
+    def desc(self) -> np.ndarray:
+        """int64 [13] descriptor of the packed arrays for the grouped kernels (``cpu_kernels.experts``), built
+        on first use; valid while this Weight (which owns the arrays) is alive."""
+        if self._desc is None:
+            from .experts import weight_desc
+
+            if not all(a.flags.c_contiguous for a in self.arrays):
+                self.arrays = tuple(np.ascontiguousarray(a) for a in self.arrays)
+            self._desc = weight_desc(self)
+        return self._desc
 
     def __repr__(self):
         return f"Weight({self.name}, {self.shape}, {self.nbytes} B)"
@@ -913,3 +924,12 @@ def matmul(w: Weight, x: np.ndarray, act: str | None = None) -> np.ndarray:
     else:
         w.gemm(*w.arrays, x, out)
     return out
+
+
+# The i-quant rows (IQ2_XXS ... IQ1_M) are appended to FORMATS by cpu_kernels/iquants.py, imported here last
+# because it uses this module's Q8_0 kernels and ``_tile``.
+from . import iquants as _iquants  # noqa: E402,F401
+
+# Every row, whichever module appended it, fills the CPU column of the tensor-type table.
+for _f in FORMATS.values():
+    _TT.register("cpu", _f.name, f"{_f.gemv.__module__}.{_f.gemv.__name__}")

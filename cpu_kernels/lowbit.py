@@ -32,8 +32,8 @@ Kernel layouts (``pack`` at ``prepare``; memory cost in docs/formats.md):
 
 Kernels take the packed fields, then ``x f32 [I], out f32 [O]`` (GEMV) or ``x f32 [T, I], out f32 [T, O]``
 (GEMM), as the rows of ``formats.py``. The GEMMs decode 16 weight rows into an f32 buffer and run
-``formats._tile`` (Numba inlines it here: an edit of ``_tile`` needs this file's cache cleared too, since Numba's
-cache is per source file).
+``formats._tile``. The int8-activation GEMVs (``gemv_i8_q5_1``, ``gemv_i8_q2_k``, ``gemv_i8_q3_k``, beside their
+``row_*`` intrinsics) live in ``cpu_kernels/vnni.py``; IQ4_NL and IQ4_XS use its Q8 GEMV.
 """
 from __future__ import annotations
 

@@ -238,6 +238,9 @@ def test_gaps_flags_a_missing_row_unless_cpu_only():
     assert TT.gaps(rows) == [(second, "vulkan")]
     rows[second].cpu_only = "a reason"
     assert TT.gaps(rows) == []
+    rows[second].backends["vulkan"] = "y"              # a CPU-only mark the device has outgrown is flagged
+    assert TT.gaps(rows) == [(second, "cpu_only")]
+    rows[second].cpu_only = None
     rows[first].backends = {"vulkan": "y"}             # the device without the CPU is never excused
     assert TT.gaps(rows) == [(first, "cpu")]
 

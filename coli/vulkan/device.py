@@ -568,8 +568,12 @@ class Device:
         w_heap = self._mtypes[self._w_type][1]
         # free bytes of the weights' heap by VK_EXT_memory_budget (None without it)
         self.budget_free = heap_free[w_heap] if self.memory_budget_ext else None
-        self.budget_bytes, self.budget_rule = self._budget(budget_bytes, ram_cache_bytes, dense_bytes,
-                                                           heap_free[w_heap])
+        if budget_bytes is not None:
+            self.budget_bytes, self.budget_rule = int(budget_bytes), "given by the caller"
+        else:       # the tier's rule, the only one (docs/tier.md "budget")
+            from scheduler.tier_policy import DeviceMemory, budget_bytes as policy_budget
+            mem = DeviceMemory(self.name, self.type_name, self.heaps[w_heap][0], self.budget_free)
+            self.budget_bytes, self.budget_rule = policy_budget(mem, ram_cache_bytes, dense_bytes)
 
         # pipeline objects
         self._make_layouts()
@@ -599,22 +603,6 @@ class Device:
         arr = ffi.new("VkExtensionProperties[]", n[0])
         lib.vkEnumerateDeviceExtensionProperties(self._pd, ffi.NULL, n, arr)
         return {ffi.string(arr[i].extensionName).decode() for i in range(n[0])}
-
-    def _budget(self, explicit, ram_cache_bytes, dense_bytes, heap_free):
-        gb = _env_float("COLI_VK_TIER_GB", None)
-        if explicit is not None:
-            return int(explicit), "given by the caller"
-        if gb is not None:
-            return max(0, int(gb * GiB)), "COLI_VK_TIER_GB"
-        if self.type_name in ("integrated", "cpu"):
-            import psutil
-            avail = psutil.virtual_memory().available
-            b = max(0, (avail - ram_cache_bytes - dense_bytes) // 4 - 2 * GiB)
-            return int(b), "shared RAM: a quarter of what the RAM cache and dense weights leave, less 2 GiB"
-        reserve = int(_env_float("COLI_VK_TIER_RESERVE_GB", 1.0) * GiB)
-        b = max(0, heap_free - reserve - dense_bytes)
-        src = "VK_EXT_memory_budget" if self.memory_budget_ext else "heap size"
-        return int(b), f"{src} less {reserve / GiB:g} GiB reserve and the dense weights"
 
     def _pick_type(self, bits: int, req: int, pref: int) -> int:
         ok = [t for t, (fl, h) in enumerate(self._mtypes) if bits >> t & 1 and fl & req == req]
