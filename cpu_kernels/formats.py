@@ -53,6 +53,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import quants as gq
 from numba import njit, prange
 
+from coli import tensor_types as _TT
 from coli.errors import ColiError
 
 from . import DEFAULT_ACT
@@ -762,17 +763,6 @@ def _pack_mxfp4(raw, O, I):
 
 
 # ----------------------------------------------------------------------------------------------- registry
-def _reference(qtype):
-    def ref(raw: np.ndarray, shape) -> np.ndarray:
-        O, I = shape
-        if qtype == QT.F32:
-            return np.ascontiguousarray(raw).view(np.float32).reshape(O, I).copy()
-        return gq.dequantize(np.ascontiguousarray(raw), qtype).reshape(O, I).astype(np.float32)
-
-    ref.__doc__ = f"NumPy reference: gguf.quants.dequantize(raw uint8 [O, row_bytes], {qtype.name}) -> f32 [O, I]."
-    return ref
-
-
 @dataclass(frozen=True)
 class Format:
     """One weight format: GGUF type name and enum, block size (weights) and bytes per block, the NumPy
@@ -789,13 +779,16 @@ class Format:
     shader: str
     int8: bool  # act="int8" changes the arithmetic (activations rounded per 32) for this format
     gemv_i8: Callable | None  # VNNI integer-dot GEMV for act="int8" (None: no VNNI here, or a float format)
+    no_i8: str | None = None  # why an int8 format has no VNNI GEMV (it then runs the f32 kernels on rounded x)
 
 
-def _row(name, bs, ts, pack, gemv, gemm, shader, int8, gemv_i8=None):
-    qt = QT[name]
-    assert gq.GGML_QUANT_SIZES[qt] == (bs, ts), name
-    return name, Format(name, qt, bs, ts, _reference(qt), pack, gemv, gemm, shader, int8,
-                        gemv_i8 if _vnni.HAVE_VNNI else None)
+def _row(name, bs, ts, pack, gemv, gemm, shader, int8, gemv_i8=None, no_i8=None):
+    """A FORMATS entry keyed by the tensor-type table (coli.tensor_types): geometry, reference and shader name
+    come from the table; ``bs``, ``ts``, ``shader`` are checked against it."""
+    t = _TT.get(name)
+    assert (t.block_size, t.type_size, t.shader) == (bs, ts, shader), name
+    return name, Format(name, t.qtype, bs, ts, t.reference, pack, gemv, gemm, shader, int8,
+                        gemv_i8 if _vnni.HAVE_VNNI else None, no_i8)
 
 
 FORMATS: dict[str, Format] = dict([
@@ -812,6 +805,11 @@ FORMATS: dict[str, Format] = dict([
     _row("MXFP4", 32, 17, _pack_mxfp4, gemv_q8_0, gemm_q8_0, "mxfp4", True, _vnni.gemv_i8_q8),
 ])
 
+# Rows whose kernels live in their own modules (appended here: FORMATS stays the one CPU registry).
+from . import lowbit as _lowbit  # noqa: E402  (imports this module's helpers, defined above)
+
+FORMATS.update(_lowbit.rows(_row, _vnni))
+
 #: Activation rows up to which ``matmul`` runs the GEMV once per row instead of the GEMM (measured).
 GEMV_MAX_T = 3
 #: The same for the int8 path when the VNNI GEMV exists (it is about twice as fast as the f32 GEMV).
@@ -825,7 +823,8 @@ class Weight:
     GGUF file (O * row_bytes).
     """
 
-    __slots__ = ("fmt", "name", "shape", "arrays", "nbytes", "file_nbytes", "gemv", "gemm", "int8", "gemv_i8")
+    __slots__ = ("fmt", "name", "shape", "arrays", "nbytes", "file_nbytes", "gemv", "gemm", "int8", "gemv_i8",
+                 "_desc")
 
     def __init__(self, fmt: Format, shape, arrays):
         self.fmt = fmt
@@ -838,6 +837,19 @@ class Weight:
         self.gemm = fmt.gemm
         self.int8 = fmt.int8
         self.gemv_i8 = fmt.gemv_i8
+        self._desc = None
+
+    @property
+    def desc(self) -> np.ndarray:
+        """int64 [13] descriptor of the packed arrays for the grouped kernels (``cpu_kernels.experts``), built
+        on first use; valid while this Weight (which owns the arrays) is alive."""
+        if self._desc is None:
+            from .experts import weight_desc
+
+            if not all(a.flags.c_contiguous for a in self.arrays):
+                self.arrays = tuple(np.ascontiguousarray(a) for a in self.arrays)
+            self._desc = weight_desc(self)
+        return self._desc
 
     def __repr__(self):
         return f"Weight({self.name}, {self.shape}, {self.nbytes} B)"
@@ -917,3 +929,7 @@ def matmul(w: Weight, x: np.ndarray, act: str | None = None) -> np.ndarray:
 # The i-quant rows (IQ2_XXS ... IQ1_M) are appended to FORMATS by cpu_kernels/iquants.py, imported here last
 # because it uses this module's Q8_0 kernels and ``_tile``.
 from . import iquants as _iquants  # noqa: E402,F401
+
+# Every row, whichever module appended it, fills the CPU column of the tensor-type table.
+for _f in FORMATS.values():
+    _TT.register("cpu", _f.name, f"{_f.gemv.__module__}.{_f.gemv.__name__}")

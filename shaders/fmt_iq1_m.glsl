@@ -5,7 +5,6 @@
 // (dequantize_row_iq1_m).
 #include "iq_common.glsl"
 #include "iq_grids.glsl"
-#define ROW_BYTES(I) (((I) / 256u) * 56u)
 void dec_unit(uint64_t row, uint u, out vec4 w[8]) {
     uint ib = u & 7u;
     uint64_t b = row + uint64_t(u >> 3) * 56ul;

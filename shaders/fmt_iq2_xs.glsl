@@ -3,7 +3,6 @@
 // scales[ib] (low for l < 2, high for l >= 2); w = d * (0.5 + s) / 4 * grid * sign (dequantize_row_iq2_xs).
 #include "iq_common.glsl"
 #include "iq_grids.glsl"
-#define ROW_BYTES(I) (((I) / 256u) * 74u)
 void dec_unit(uint64_t row, uint u, out vec4 w[8]) {
     uint ib = u & 7u;
     uint64_t b = row + uint64_t(u >> 3) * 74ul;

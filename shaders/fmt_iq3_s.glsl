@@ -4,7 +4,6 @@
 // w = d * (1 + 2s) * grid * sign (dequantize_row_iq3_s).
 #include "iq_common.glsl"
 #include "iq_grids.glsl"
-#define ROW_BYTES(I) (((I) / 256u) * 110u)
 void dec_unit(uint64_t row, uint u, out vec4 w[8]) {
     uint ib = u & 7u;
     uint64_t b = row + uint64_t(u >> 3) * 110ul;

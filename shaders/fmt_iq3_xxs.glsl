@@ -4,7 +4,6 @@
 // sign (dequantize_row_iq3_xxs).
 #include "iq_common.glsl"
 #include "iq_grids.glsl"
-#define ROW_BYTES(I) (((I) / 256u) * 98u)
 void dec_unit(uint64_t row, uint u, out vec4 w[8]) {
     uint ib = u & 7u;
     RB16 p = RB16(row + uint64_t(u >> 3) * 98ul);

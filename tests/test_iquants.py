@@ -14,16 +14,16 @@ from gguf import quants as gq
 from coli import iq_tables
 from cpu_kernels import formats as F
 from cpu_kernels import iquants
-from tests.iq_util import random_iq_blocks
+from coli import tensor_types as TT
 
 
 @pytest.mark.parametrize("name", iq_tables.IQ_TYPES)
 def test_packed_layout_equals_gguf_dequantize(name):
-    """scale[o, i // G] * q[o, i] == gguf.quants.dequantize(raw) exactly (f32), on random valid blocks with
-    tiny, ordinary and large super-block scales."""
+    """scale[o, i // G] * q[o, i] == gguf.quants.dequantize(raw) exactly (f32), on random valid blocks
+    (coli.tensor_types.random_blocks) with ordinary, tiny and large super-block scales."""
     rng = np.random.default_rng(zlib.crc32(name.encode()))
-    for O, I, dr in ((5, 256, (1e-3, 2e-2)), (3, 768, (1e-6, 1e-5)), (2, 512, (10.0, 1000.0))):
-        raw = random_iq_blocks(name, O, I, rng, dr)
+    for O, I, scale in ((5, 256, 1.0), (3, 768, 1e-3), (2, 512, 1e4)):
+        raw = TT.random_blocks(name, O, I, rng, scale)
         want = gq.dequantize(raw, QT[name]).reshape(O, I)
         assert np.isfinite(want).all()
         q, s = F.prepare(name, raw, (O, I)).arrays
