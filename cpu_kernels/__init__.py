@@ -9,7 +9,8 @@ and pitfall 12):
 * Else OpenMP with ``OMP_WAIT_POLICY=passive`` (the default active policy collapses under CPU contention).
 * Never workqueue: it aborts the process (SIGABRT) when two threads call parallel kernels concurrently.
 
-``NUMBA_CACHE_DIR`` defaults to ``coli.paths.cache_dir("numba")`` (kernels are ``cache=True``).
+``NUMBA_CACHE_DIR`` defaults to ``coli.paths.cache_dir("numba")`` (kernels are ``cache=True``); when the cache
+cannot be written, a temporary folder for this process (one warning line).
 
 Public API: ``set_threads(n)``, ``default_threads()``, ``threading_layer()``, ``DEFAULT_ACT``.
 """
@@ -42,10 +43,23 @@ def _choose_layer() -> str:
 
 
 def _set_cache_dir() -> None:
-    if not os.environ.get("NUMBA_CACHE_DIR"):
-        from coli.paths import cache_dir
+    """``NUMBA_CACHE_DIR`` (unless the user set it) = the coli cache's ``numba`` folder; when that cannot be
+    written (HOME a file, COLI_CACHE unwritable, no home folder), one warning and a temporary folder removed
+    at exit, so the kernels still compile (Numba's ``cache=True`` raises at import when no cache folder is
+    writable at all) and nothing is kept on disk."""
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        return
+    from coli.paths import optional_cache_dir
 
-        os.environ["NUMBA_CACHE_DIR"] = str(cache_dir("numba"))
+    d = optional_cache_dir("numba", what="compiled kernels are not kept on disk (each run compiles them again)")
+    if d is None:
+        import atexit
+        import shutil
+        import tempfile
+
+        d = tempfile.mkdtemp(prefix="coli-numba-")
+        atexit.register(shutil.rmtree, d, True)
+    os.environ["NUMBA_CACHE_DIR"] = str(d)
 
 
 _set_cache_dir()
