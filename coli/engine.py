@@ -216,10 +216,10 @@ class Engine:
         self.trace = None
         self.ram_cache_bytes = 0
         if trace:
-            from coli.paths import check_writable_file
+            from coli.paths import check_writable_file, is_json_array_of_objects
             from scheduler.trace import Trace
 
-            check_writable_file(trace, "--trace")
+            check_writable_file(trace, "--trace", overwrite_if=is_json_array_of_objects)
 
             self.trace = Trace(trace)
         if self.model.moe_layers:

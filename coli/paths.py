@@ -94,8 +94,10 @@ def atomic_write_text(path, text: str) -> None:
         raise
 
 
-def check_writable_file(path, what: str) -> "Path":
-    """ColiError unless ``path``'s folder exists and is writable (user-given output paths: --trace, --usage)."""
+def check_writable_file(path, what: str, overwrite_if=None) -> "Path":
+    """ColiError unless ``path``'s folder exists and is writable (user-given output paths: --trace, --usage).
+    ``overwrite_if(path) -> bool``: when given and the file exists, it must say the file is one coli wrote
+    (coli never overwrites a file it did not write: ColiError otherwise)."""
     from .errors import ColiError
 
     p = Path(path)
@@ -106,4 +108,20 @@ def check_writable_file(path, what: str) -> "Path":
         raise ColiError(f"{what} {p}: is a folder")
     if not os.access(folder, os.W_OK):
         raise ColiError(f"{what} {p}: folder {folder} is not writable")
+    if overwrite_if is not None and p.exists() and not overwrite_if(p):
+        raise ColiError(f"{what} {p}: exists and is not a file coli wrote; coli will not overwrite it, give another path")
     return p
+
+
+def is_json_array_of_objects(path) -> bool:
+    """True when ``path`` holds a JSON array of objects (a Chrome trace as ``--trace`` writes it) or is empty."""
+    import json
+
+    try:
+        raw = Path(path).read_bytes()
+        if not raw.strip():
+            return True
+        doc = json.loads(raw.decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(doc, list) and all(isinstance(e, dict) for e in doc)

@@ -192,3 +192,19 @@ def test_tables_that_disagree_are_refused(tmp_path, kw, name):
     r = subprocess.run([PY, "-m", "coli", "run", "-m", str(p), "-p", "ab", "-n", "2"], capture_output=True,
                        text=True, cwd=ROOT, timeout=600)
     assert r.returncode == 2 and name in r.stderr and "Traceback" not in r.stderr
+
+
+def test_trace_never_overwrites_a_file_coli_did_not_write(tmp_path, demo_path):
+    """``--trace notes.txt`` on an existing text file is refused; a trace coli wrote may be replaced."""
+    from coli.engine import Engine
+    from coli.errors import ColiError
+
+    f = tmp_path / "notes.txt"
+    f.write_text("keep me")
+    with pytest.raises(ColiError, match="--trace .*notes.txt: exists and is not a file coli wrote"):
+        Engine(demo_path, trace=f, save_usage=False)
+    assert f.read_text() == "keep me"
+    t = tmp_path / "t.json"
+    t.write_text('[{"ph": "X", "name": "old"}]')
+    Engine(demo_path, trace=t, save_usage=False).close()
+    assert "old" not in t.read_text()
