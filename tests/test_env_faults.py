@@ -208,3 +208,41 @@ def test_trace_never_overwrites_a_file_coli_did_not_write(tmp_path, demo_path):
     t.write_text('[{"ph": "X", "name": "old"}]')
     Engine(demo_path, trace=t, save_usage=False).close()
     assert "old" not in t.read_text()
+
+
+# -- kind 9: --balance must not change the answer without saying so ----------------------------------------------
+def _vulkan_opens():
+    from coli.vulkan import open_device
+
+    d = open_device("probe", quiet=True)
+    if d is None:
+        return False
+    d.close()
+    return True
+
+
+def test_balance_says_the_activations_and_f32_gives_the_same_tokens(demo_path, tmp_path):
+    """The issue's example (``def fibonacci(n):`` on the demo MoE): with ``--cpu-act f32`` the run with
+    ``--balance`` prints the text of the run without it, and the device did work (matmuls > 0); the start
+    line names both sides' activations, and without ``--cpu-act`` it says the text can differ."""
+    if not _vulkan_opens():
+        pytest.skip("no Vulkan device (Lavapipe) opens here")
+    base = [PY, "-m", "coli", "run", "-m", str(demo_path), "-p", "def fibonacci(n):", "-n", "8",
+            "--usage", str(tmp_path / "u")]
+    # a device budget of its own (the shared-RAM rule gives 0 on a small box): the device must do work
+    env = dict(os.environ, COLI_VK_TIER_GB="0.3")
+    run = lambda *extra: subprocess.run(base + list(extra), capture_output=True, text=True, cwd=ROOT, timeout=600,
+                                        env=env)
+    cpu = run("--cpu-act", "f32")
+    dev = run("--cpu-act", "f32", "--balance")
+    assert cpu.returncode == 0 and dev.returncode == 0, (cpu.stderr, dev.stderr)
+    assert "activations: CPU f32" in cpu.stderr and "device" not in cpu.stderr.split("activations:")[1].split("\n")[0]
+    assert "activations: CPU f32, device f32" in dev.stderr
+    matmuls = [int(l.split(": ")[1].split()[0]) for l in dev.stderr.splitlines() if l.endswith("matmuls on the GPU")]
+    assert matmuls and matmuls[0] > 0
+    assert dev.stdout == cpu.stdout
+    import cpu_kernels
+
+    if cpu_kernels.DEFAULT_ACT != "f32":
+        d = run("--balance", "-n", "1")
+        assert d.returncode == 0 and "so the text can differ" in d.stderr, d.stderr
