@@ -33,6 +33,22 @@ class GenerateResult:
     stats: dict = field(default_factory=dict)
 
 
+@dataclass
+class PerplexityResult:
+    """``nll``: mean nats/token; ``n``: tokens scored; ``ppl`` = exp(nll); ``ppl_err``: llama-perplexity's
+    ``+/-``; ``chunks``; ``running``: the estimate after each chunk; ``all_tokens``: which convention;
+    ``ctx``: the chunk length (see :meth:`Engine.perplexity`)."""
+
+    nll: float
+    n: int
+    ppl: float
+    ppl_err: float
+    chunks: int
+    running: list
+    all_tokens: bool
+    ctx: int
+
+
 @contextlib.contextmanager
 def engine_threads(eng):
     """Run the block on ``eng.threads`` Numba threads, then give the calling thread its count back.
@@ -89,6 +105,30 @@ def _available_ram() -> int:
     import psutil
 
     return int(psutil.virtual_memory().available)
+
+
+def check_vocab_tables(g, n_tokens: int) -> None:
+    """The tables indexed by token id agree: ``{arch}.vocab_size`` (when present), the rows of
+    ``token_embd.weight`` and of ``output.weight`` (when present) all equal the ``n_tokens`` entries of
+    ``tokenizer.ggml.tokens``. Else ``ColiError`` naming the tensor or key and both counts.
+
+    llama.cpp refuses such a file the same way: its ``n_vocab`` is the token count and ``create_tensor``
+    checks ``token_embd``/``output`` against ``{n_embd, n_vocab}`` ("tensor ... has wrong shape"). Masking
+    the extra rows instead would hide a broken conversion (an id the tokenizer cannot print, an embedding
+    row no token reaches), so coli refuses too."""
+    fname = g.path.name
+    key = f"{g.arch}.vocab_size"
+    v = g.meta.get(key)
+    if v is not None and v != n_tokens:
+        raise ColiError(f"{fname}: kv '{key}': {v}, but kv 'tokenizer.ggml.tokens' has {n_tokens} tokens "
+                        f"(llama.cpp refuses this file too)")
+    if "token_embd.weight" not in g.tensors:
+        raise ColiError(f"{fname}: tensor 'token_embd.weight': missing (the token embedding table)")
+    for name in ("token_embd.weight", "output.weight"):
+        t = g.tensors.get(name)
+        if t is not None and t.shape[0] != n_tokens:
+            raise ColiError(f"{fname}: tensor '{name}': {t.shape[0]} rows, but kv 'tokenizer.ggml.tokens' has "
+                            f"{n_tokens} tokens (one row per token; llama.cpp refuses this file too)")
 
 
 def kv_cache_bytes(args, ctx: int) -> int:
@@ -149,6 +189,7 @@ class Engine:
         self.threads = got
         # DESIGN invariant 2: with a device, f32 activations on both sides (device and CPU differ only in
         # summation order); alone, the measured default (int8 where the CPU has VNNI: docs/cpu_kernels.md)
+        self._cpu_act_given = cpu_act
         self.cpu_act = cpu_act or ("f32" if device not in (None, "cpu") else cpu_kernels.DEFAULT_ACT)
         if self.cpu_act not in ("f32", "int8"):
             raise ColiError(f"--cpu-act: '{cpu_act}' (f32 or int8)")
@@ -156,6 +197,7 @@ class Engine:
         cls = model_class(self.g)
         self.args = cls.args_from(self.g)
         self.tokenizer = Tokenizer.from_gguf(self.g)
+        check_vocab_tables(self.g, self.tokenizer.vocab_size)
         self.model = cls(self.g, self.args, None, self.cpu_act)
         a = self.args
         self.ctx = int(ctx) if ctx is not None else min(4096, a.ctx_train)
@@ -174,10 +216,10 @@ class Engine:
         self.trace = None
         self.ram_cache_bytes = 0
         if trace:
-            from coli.paths import check_writable_file
+            from coli.paths import check_writable_file, is_json_array_of_objects
             from scheduler.trace import Trace
 
-            check_writable_file(trace, "--trace")
+            check_writable_file(trace, "--trace", overwrite_if=is_json_array_of_objects)
 
             self.trace = Trace(trace)
         if self.model.moe_layers:
@@ -261,6 +303,23 @@ class Engine:
         self.tier.warm_start(src.read_raw)
         self.step.tier = self.tier
 
+    def activations(self) -> str:
+        """Which activations each side's matmuls use, for the start line: ``"activations: CPU int8"`` alone;
+        with the device tier ``"activations: CPU f32, device f32"``, and when that f32 is only the device's
+        default (DESIGN invariant 2) while the CPU alone would use int8, a note that answers can differ from
+        a run without the device (``--cpu-act`` decides)."""
+        import cpu_kernels
+
+        s = f"activations: CPU {self.cpu_act}"
+        if self.tier is not None:
+            s += ", device f32"
+            if self._cpu_act_given is None and cpu_kernels.DEFAULT_ACT != self.cpu_act:
+                s += (f" (without the device the CPU uses {cpu_kernels.DEFAULT_ACT}, so the text can differ; "
+                      f"--cpu-act f32 gives both runs the same activations)")
+        elif self._cpu_act_given is None and self.cpu_act != cpu_kernels.DEFAULT_ACT:
+            s += f" (the default with a device asked for; {cpu_kernels.DEFAULT_ACT} without)"
+        return s
+
     # -- text --------------------------------------------------------------------------------------------
     def tokenize(self, text: str, add_bos=None) -> list:
         """Token ids of ``text`` (BOS per the file's ``tokenizer.ggml.add_bos_token`` unless ``add_bos``)."""
@@ -271,6 +330,8 @@ class Engine:
 
     # -- forward -----------------------------------------------------------------------------------------
     def _new_cache(self, n: int):
+        if self.usage is not None:
+            self.usage.discard_pending()  # routing of a step an earlier call did not finish
         ctx = max(self.ctx, 1)
         if n > ctx:
             raise ColiError(f"prompt: {n} tokens do not fit the context of {ctx} positions (--ctx)")
@@ -301,27 +362,101 @@ class Engine:
         kv = self._new_cache(len(ids))
         return self._prefill(kv, ids, True)
 
+    def _score(self, window: np.ndarray, first: int) -> np.ndarray:
+        """Negative log-likelihoods (nats, f64) of ``window[first + 1:]``, each given the tokens before it in
+        the window, from a fresh KV cache. The log-softmax sums in f64 as llama-perplexity's ``log_softmax``;
+        logits are kept one prefill step (64 rows) at a time. ColiError on non-finite logits."""
+        kv = self._new_cache(len(window))
+        out = []
+        T = len(window)
+        for s in range(0, T, PREFILL_CHUNK):
+            chunk = window[s : s + PREFILL_CHUNK]
+            want = s + len(chunk) > first  # rows before ``first`` are only context
+            lg = self.model.forward(chunk, kv, all_logits=True) if want else self.model.forward(chunk, kv)
+            lo, hi = max(s, first), min(s + len(chunk), T - 1)
+            if not want or lo >= hi:
+                continue
+            rows = lg[lo - s : hi - s]
+            if not np.isfinite(rows).all():
+                raise ColiError(f"{self.path.name}: non-finite logits at position {lo + int(np.argwhere(~np.isfinite(rows))[0, 0])} "
+                                f"of a window (try --cpu-act f32, or check the file)")
+            tgt = window[lo + 1 : hi + 1]
+            m = rows.max(axis=1, keepdims=True)
+            lse = m[:, 0].astype(np.float64) + np.log(np.exp(rows - m).sum(axis=1, dtype=np.float64))
+            out.append(lse - rows[np.arange(len(tgt)), tgt].astype(np.float64))
+        return np.concatenate(out) if out else np.zeros(0)
+
+    @_on_engine_threads
+    def perplexity(self, token_ids, all_tokens: bool = False, on_chunk=None) -> "PerplexityResult":
+        """Perplexity of ``token_ids`` (the text's ids as :meth:`tokenize` gives them, BOS included where the
+        model wants one) with llama-perplexity's convention (``tools/perplexity/perplexity.cpp``), so figures
+        compare with llama.cpp's at the same ``--ctx``:
+
+        * default: ``len // ctx`` chunks of ``ctx`` tokens (at least 2 chunks, as llama-perplexity requires);
+          each chunk runs from a fresh cache with its first token replaced by BOS when the file's
+          ``add_bos_token`` asks for one; only the second half of each chunk is scored (positions
+          ``ctx // 2 .. ctx - 2`` predict the next token: ``ctx - 1 - ctx // 2`` tokens per chunk), so every
+          scored token has at least ``ctx // 2`` tokens of context;
+        * ``all_tokens``: every token is scored; windows of ``ctx`` tokens, each starting with the BOS when
+          the ids start with one (a window after the first has BOS then the next ``ctx - 1`` text tokens).
+
+        ``on_chunk(i, n_chunks, running_ppl)`` is called after each chunk. Returns a :class:`PerplexityResult`
+        (``ppl_err``: llama-perplexity's ``+/-``, the standard error of the mean NLL times ppl). Raises
+        ColiError for a text too short or logits that are not finite."""
+        ids = self._check_ids(token_ids)
+        n_ctx = self.ctx
+        tok = self.tokenizer
+        bos = tok.bos_id if tok.add_bos else None
+        windows: list = []
+        if not all_tokens:
+            if len(ids) < 2 * n_ctx:
+                raise ColiError(f"text: {len(ids)} tokens; llama-perplexity's convention needs at least 2 x --ctx = "
+                                f"{2 * n_ctx} (lower --ctx, or score every token with --all-tokens)")
+            first = n_ctx // 2
+            for i in range(len(ids) // n_ctx):
+                w = ids[i * n_ctx : (i + 1) * n_ctx].copy()
+                if bos is not None:
+                    w[0] = bos
+                windows.append(w)
+        else:
+            first = 0
+            prefix = ids[:1] if bos is not None and ids[0] == bos else ids[:0]
+            body = ids[len(prefix):]
+            step = n_ctx - len(prefix)
+            if len(ids) < 2 or step < 1:
+                raise ColiError(f"text: {len(ids)} tokens with --ctx {n_ctx}: nothing to score")
+            for s in range(0, len(body), step):
+                w = np.concatenate([prefix, body[s : s + step]])
+                if len(w) >= 2:
+                    windows.append(w)
+        total = total2 = 0.0
+        n = 0
+        running = []
+        for i, w in enumerate(windows):
+            v = self._score(w, first)
+            total += float(v.sum())
+            total2 += float((v * v).sum())
+            n += len(v)
+            running.append(float(np.exp(total / n)))
+            if on_chunk is not None:
+                on_chunk(i + 1, len(windows), running[-1])
+        mean = total / n
+        ppl = float(np.exp(mean))
+        var = total2 / n - mean * mean
+        err = float(np.sqrt(var / (n - 1)) * ppl) if n > 1 and var > 0 else 0.0
+        return PerplexityResult(nll=mean, n=n, ppl=ppl, ppl_err=err, chunks=len(windows), running=running,
+                                all_tokens=bool(all_tokens), ctx=n_ctx)
+
     @_on_engine_threads
     def nll(self, token_ids) -> tuple[float, int]:
-        """Teacher-forced mean negative log-likelihood (nats) and the number of tokens scored.
-
-        Every token after the first is scored given its prefix. A text longer than the context is cut into
-        windows of ``ctx`` tokens, each run from a fresh cache (every token of a window after its first is
-        scored), like llama.cpp's ``perplexity`` chunks."""
+        """Teacher-forced mean negative log-likelihood (nats) of every token after the first, and the number
+        scored: :meth:`perplexity` with ``all_tokens`` (windows of ``ctx`` tokens, each starting with the
+        BOS when the ids start with one)."""
         ids = self._check_ids(token_ids)
         if len(ids) < 2:
             raise ColiError("text: fewer than 2 tokens, nothing to score")
-        total, n = 0.0, 0
-        for s in range(0, len(ids), self.ctx):
-            w = ids[s : s + self.ctx]
-            if len(w) < 2:
-                break
-            lg = self.logits(w)[:-1].astype(np.float64)
-            m = lg.max(axis=1, keepdims=True)
-            lse = m[:, 0] + np.log(np.exp(lg - m).sum(axis=1))
-            total += float((lse - lg[np.arange(len(w) - 1), w[1:]]).sum())
-            n += len(w) - 1
-        return total / n, n
+        r = self.perplexity(ids, all_tokens=True)
+        return r.nll, r.n
 
     @staticmethod
     def sample(logits: np.ndarray, temp: float, top_k: int, top_p: float, rng) -> int:
@@ -392,41 +527,46 @@ class Engine:
 
         c0 = compile_seconds()
         t0 = time.perf_counter()
-        lg = self._prefill(kv, ids, False)[-1]
-        t1 = time.perf_counter()
-        c1 = compile_seconds()
+        t1 = c1 = None
         out: list = []
-        eos = self.tokenizer.eos_ids
-        dec = self.tokenizer.stream()  # whole characters only: a UTF-8 character may span tokens
-        while len(out) < max_tokens:
-            try:
-                tok = sampler.sample(lg)
-            except ColiError as e:  # say where: the model's output at this position
-                raise ColiError(f"{self.path.name}: position {len(ids) + len(out)} (generated token "
-                                f"{len(out) + 1}): {e}") from None
-            if stop_at_eos and tok in eos:
-                break
-            sampler.accept(tok)
-            out.append(tok)
+        try:
+            lg = self._prefill(kv, ids, False)[-1]
+            t1 = time.perf_counter()
+            c1 = compile_seconds()
+            eos = self.tokenizer.eos_ids
+            dec = self.tokenizer.stream()  # whole characters only: a UTF-8 character may span tokens
+            while len(out) < max_tokens:
+                try:
+                    tok = sampler.sample(lg)
+                except ColiError as e:  # say where: the model's output at this position
+                    raise ColiError(f"{self.path.name}: position {len(ids) + len(out)} (generated token "
+                                    f"{len(out) + 1}): {e}") from None
+                if stop_at_eos and tok in eos:
+                    break
+                sampler.accept(tok)
+                out.append(tok)
+                if on_text is not None:
+                    on_text(dec.push(tok))
+                if len(out) == max_tokens:
+                    break
+                if self.tier is not None:
+                    self.tier.begin_token()
+                lg = self.model.forward([tok], kv)[-1]
             if on_text is not None:
-                on_text(dec.push(tok))
-            if len(out) == max_tokens:
-                break
-            if self.tier is not None:
-                self.tier.begin_token()
-            lg = self.model.forward([tok], kv)[-1]
-        if on_text is not None:
-            on_text(dec.flush())
-        t2 = time.perf_counter()
-        c2 = compile_seconds()
-        n_dec = max(len(out) - 1, 0)  # tokens whose forward ran after the prompt
-        pre_s, dec_s = max(t1 - t0 - (c1 - c0), 0.0), max(t2 - t1 - (c2 - c1), 0.0)
-        st = dict(prompt_tokens=len(ids), prefill_s=pre_s, gen_tokens=len(out), decode_s=dec_s,
-                  prefill_tps=len(ids) / max(pre_s, 1e-9), decode_tps=n_dec / max(dec_s, 1e-9) if n_dec else 0.0,
-                  compile_s=c2 - c0)
-        st.update(self._counters())
-        st.update(seed=None if sampler.params.greedy else sampler.seed, masked_logit_steps=sampler.masked_steps)
-        self.last_stats = st
+                on_text(dec.flush())
+        finally:  # an interrupted run (Ctrl-C, SIGTERM) still has the stats of what it generated
+            t2 = time.perf_counter()
+            c2 = compile_seconds()
+            if t1 is None:
+                t1, c1 = t2, c2
+            n_dec = max(len(out) - 1, 0)  # tokens whose forward ran after the prompt
+            pre_s, dec_s = max(t1 - t0 - (c1 - c0), 0.0), max(t2 - t1 - (c2 - c1), 0.0)
+            st = dict(prompt_tokens=len(ids), prefill_s=pre_s, gen_tokens=len(out), decode_s=dec_s,
+                      prefill_tps=len(ids) / max(pre_s, 1e-9),
+                      decode_tps=n_dec / max(dec_s, 1e-9) if n_dec else 0.0, compile_s=c2 - c0)
+            st.update(self._counters())
+            st.update(seed=None if sampler.params.greedy else sampler.seed, masked_logit_steps=sampler.masked_steps)
+            self.last_stats = st
         return GenerateResult(out, self.detokenize(out), [int(i) for i in ids], st)
 
     # -- counters ----------------------------------------------------------------------------------------
@@ -472,10 +612,10 @@ class Engine:
                 self.device.close()
             except Exception:
                 pass
-        if self.usage is not None and self.save_usage_on_close and self.usage.tokens:
+        if self.usage is not None and self.save_usage_on_close and self.usage.run_tokens:
             try:
                 self.usage.save()
-            except OSError as e:
+            except (OSError, ColiError) as e:
                 print(f"coli: {self.usage.path}: routing history not saved ({e})", file=sys.stderr)
         if self.cache is not None:
             self.cache.close()

@@ -169,7 +169,7 @@ def test_cli_perplexity_and_info(model_path, engine, tmp_path):
     p = model_path("smollm2")
     f = tmp_path / "t.txt"
     f.write_text(CAPITALS)
-    r = _cli("perplexity", "-m", str(p), "-f", str(f))
+    r = _cli("perplexity", "-m", str(p), "-f", str(f), "--all-tokens")
     assert r.returncode == 0, r.stderr
     nll = float(r.stdout.split("NLL ")[1].split()[0])
     eng = engine(p)
