@@ -69,9 +69,10 @@ class Engine:
         if got != self.threads and not quiet:
             print(f"coli: --threads {self.threads}: Numba's pool has {got} threads; using {got}", file=sys.stderr)
         self.threads = got
-        # DESIGN invariant 2: with a device, f32 activations on both sides (device and CPU differ only in
-        # summation order); alone, the measured default (int8 where the CPU has VNNI: docs/cpu_kernels.md)
-        self.cpu_act = cpu_act or ("f32" if device not in (None, "cpu") else cpu_kernels.DEFAULT_ACT)
+        # DESIGN invariant 2: the same activation numerics on both sides of a placement: the measured default
+        # (int8 where the CPU has VNNI: docs/cpu_kernels.md) with or without a device; the device rounds its
+        # activations as the CPU does (Device.act, docs/vulkan.md "int8 activations")
+        self.cpu_act = cpu_act or cpu_kernels.DEFAULT_ACT
         if self.cpu_act not in ("f32", "int8"):
             raise ColiError(f"--cpu-act: '{cpu_act}' (f32 or int8)")
         self.g = open_gguf(self.path)
@@ -165,6 +166,7 @@ class Engine:
             self.device = None
         if self.device is None or self.step is None:
             return
+        self.device.act = self.cpu_act      # the device's activations rounded as the CPU's (int8 or f32)
         from scheduler.balancer import Balancer
         from scheduler.tier import Tier
         from scheduler.tier_policy import DeviceMemory, budget_bytes

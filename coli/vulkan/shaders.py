@@ -31,7 +31,7 @@ FORMATS = {n: TT.get(n).shader for n in DEVICE_TYPES}
 for _n, _s in FORMATS.items():
     TT.register("vulkan", _n, f"shaders/fmt_{_s}.glsl")
 KERNELS = ("gemv", "gemm")
-EXTRA = ("copy",)          # kernels without a format (one .spv each)
+EXTRA = ("copy", "act_q8")  # kernels without a format (one .spv each); act_q8: the int8-activation rounding
 GLSLC_FLAGS = ("--target-env=vulkan1.2", "-O")
 
 _INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"', re.M)
