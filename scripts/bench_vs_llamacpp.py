@@ -229,6 +229,9 @@ def main(argv=None) -> int:
             row["ratio_pp"] = row["coli_pp"] / row["llama_pp"] if row["coli_pp"] and row["llama_pp"] else None
             row["ratio_tg"] = row["coli_tg"] / row["llama_tg"] if row["coli_tg"] and row["llama_tg"] else None
             rows.append(row)
+            if a.json:      # after every row: a run cut off by a timeout keeps what it measured
+                Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+                Path(a.json).write_text(json.dumps({"info": info, "rows": rows, "raw": raw}, indent=1))
     print(f"# coli vs llama-bench, {info['date']}, {info['cpu']} ({info['cores']} CPUs); pp{a.n_prompt} / "
           f"tg{a.n_gen} tok/s, median of {a.rounds} alternating rounds of -r {a.repetitions}")
     print(f"# command: {info['command']}")
@@ -239,8 +242,6 @@ def main(argv=None) -> int:
               f"{fmt(r['llama_tg'])} | {fmt(r['ratio_pp'], 2)} | {fmt(r['ratio_tg'], 2)} | {r['load_before']} -> "
               f"{r['load_after']} | {'; '.join(r['notes'])} |")
     if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps({"info": info, "rows": rows, "raw": raw}, indent=1))
         log(f"bench_vs_llamacpp: records in {a.json}")
     bad = [r for r in rows if r["coli_tg"] is None or r["llama_tg"] is None]
     return 1 if bad else 0
