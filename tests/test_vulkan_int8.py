@@ -37,13 +37,17 @@ def identity_q8_0(n):
     return raw.reshape(n, -1)
 
 
-def test_device_rounding_equals_the_cpus_bit_for_bit(dev):
+@pytest.mark.parametrize("i8,rows", [(False, 12), (True, 12), (True, 24)])
+def test_device_rounding_equals_the_cpus_bit_for_bit(dev, i8, rows):
     """shaders/act_q8.comp against quantize_act_int8: every value equal (ties to even, zero blocks, scales
-    from 1e-3 to 1e3), read back through an identity Q8_0 matmul (one exact product per output)."""
+    from 1e-3 to 1e3), read back through an identity Q8_0 matmul (one exact product per output): rounded in
+    place for the f32 GEMV (i8 False) and GEMM (24 rows), or packed as codes and scale for the integer-dot
+    GEMV (i8 True, 12 rows)."""
+    dev.i8 = i8
     n = 256
     raw = identity_q8_0(n)
     rng = np.random.default_rng(0)
-    x = (rng.standard_normal((24, n)) * rng.uniform(1e-3, 1e3, (24, 1))).astype(np.float32)
+    x = (rng.standard_normal((rows, n)) * rng.uniform(1e-3, 1e3, (rows, 1))).astype(np.float32)
     x[1, :32] = 0.0                                          # a zero block: d = 0, codes 0
     x[2, :32] = 0.0
     x[2, :6] = [127.0, 2.5, -3.5, 0.5, -0.5, 1.5]            # d = 1: exact halves round to even
@@ -53,7 +57,48 @@ def test_device_rounding_equals_the_cpus_bit_for_bit(dev):
     ref = cpu_rounded(x)
     assert np.array_equal(y, ref)
     assert list(y[2, :6]) == [127.0, 2.0, -4.0, 0.0, -0.0, 2.0]
+    if i8 and rows < dev.gemm_rows:
+        assert (dev.i8_kernel, "Q8_0", 0) in dev._pipes
     assert np.array_equal(dev.matmul("Q8_0", raw, (n, n), x, act="f32"), x)   # f32: no rounding
+    dev.i8 = True
+
+
+def test_integer_dot_kernel_equals_its_emulation_and_the_int32_sums(dev, monkeypatch):
+    """gemv_i8dot (OpSDot, where the device has it) and gemv_i8emu (32-bit multiplies) on the same Q8_0
+    expert batch: bit-equal outputs; and both within f32 rounding of the exact block sums in float64
+    (int32 code dot products times the two scales, gguf's Q8_0 layout)."""
+    from coli.vulkan import open_device
+    monkeypatch.setenv("COLI_VK_INT_DOT", "0")
+    emu = open_device("emu", budget_bytes=1 << 28, quiet=True)
+    try:
+        assert emu.i8_kernel == "gemv_i8emu"
+        rng = np.random.default_rng(3)
+        D, F = 256, 512
+        spec, w = make_expert("Q8_0", "Q8_0", D, F, rng)
+        x = rng.standard_normal((5, D)).astype(np.float32)
+        rows = np.array([0, 1, 2, 3, 4, 4, 1])
+        outs = []
+        for d in (dev, emu):
+            h = d.upload_expert(*spec)
+            d0 = d.dispatches
+            outs.append(d.submit_experts(x, rows, [h] * len(rows), act="int8").join())
+            assert d.dispatches - d0 == 3 and (d.i8_kernel, "Q8_0", 1) in d._pipes
+            d.free_expert(h)
+        assert np.array_equal(outs[0], outs[1])
+        # the gate/up pass alone, exactly: the plain matmul of gate on x's codes
+        (tg, rg, sg) = spec[0]
+        y = dev.matmul(tg, rg, sg, x, act="int8")
+        from cpu_kernels.formats import quantize_act_int8
+        q, dx = quantize_act_int8(x)
+        blk = rg.reshape(F, D // 32, 34)
+        dw = blk[:, :, :2].copy().view(np.float16)[..., 0].astype(np.float64)
+        qw = blk[:, :, 2:].view(np.int8).astype(np.int64)
+        isum = np.einsum("obk,tbk->tob", qw, q.reshape(5, D // 32, 32).astype(np.int64))
+        ref = (isum * dw[None] * dx[:, None, :].astype(np.float64)).sum(axis=2)
+        assert rel_err(y, ref) < 1e-6
+        assert dev.int_dot == (dev.i8_kernel == "gemv_i8dot")
+    finally:
+        emu.close()
 
 
 @pytest.mark.parametrize("fmt_gu,fmt_d", [("Q8_0", "Q8_0"), ("Q4_K", "Q6_K"), ("Q4_0", "F16"), ("F16", "F16")])

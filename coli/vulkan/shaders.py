@@ -53,9 +53,14 @@ def defines(type_name: str | None) -> list[str]:
     return [] if type_name is None else [f"-DFMT_{type_name}"]
 
 
+#: int8-activation kernels (gemv_i8.glsl) and the one format each is built for: with the device's integer dot
+#: product, and emulated
+I8_KERNELS = (("gemv_i8dot", "Q8_0"), ("gemv_i8emu", "Q8_0"))
+
+
 def builds() -> list[tuple[str, str | None]]:
     """Every (kernel, type_name) pair that has a .spv."""
-    return [(k, t) for k in KERNELS for t in FORMATS] + [(k, None) for k in EXTRA]
+    return [(k, t) for k in KERNELS for t in FORMATS] + list(I8_KERNELS) + [(k, None) for k in EXTRA]
 
 
 _GLSL_HEAD = """\
