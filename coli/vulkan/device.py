@@ -1333,7 +1333,8 @@ class Device:
         return (f"{self.name} ({self.type_name}, Vulkan {self.api_version}), subgroup {self.subgroup_size}"
                 f"{' pinned' if self.subgroup_pinned else ''}, {q}, {len(self.queue_families)} queue "
                 f"families, heaps: {heaps}, {'staged' if self.staging else 'mapped'} uploads, "
-                f"budget {self.budget_bytes / GiB:.2f} GiB ({self.budget_rule})")
+                f"budget {self.budget_bytes / GiB:.2f} GiB ({self.budget_rule}), int8 dot product "
+                f"{'on' if self.int_dot else 'emulated'}")
 
     def report(self) -> str:
         """``[VK] <label>: N matmuls on the GPU`` (the line each run ends with)."""
