@@ -1,6 +1,7 @@
 """The tier on a real device: Lavapipe through coli.vulkan.open_device, driven by coli.Engine on the MoE oracle
 fixtures (tests/fixtures/oracles, F32 experts). Issue #4 "Correctness": 32 greedy tokens equal to the CPU-only
-run and logits within 1e-4 of the largest at every position (f32 activations on both sides), with the
+run and logits within 1e-4 of the largest at every position (f32 activations on both sides; int8 on both
+sides with Q8_0 copies of the fixtures), with the
 balancer on and off, with a budget of a few experts (evictions), after a warm start from a history, with the
 device lost mid-run (COLI_VK_FAULT), both sides computing pairs in one step, and reproducible mode
 (COLI_VK_TIER_SYNC=1, --no-balance) giving identical logits bytes. Skipped where no Vulkan device opens."""
