@@ -188,7 +188,7 @@ def main(argv=None) -> int:
     if not threads or min(threads) < 1 or a.rounds < 1 or a.repetitions < 1:
         sys.exit("bench_vs_llamacpp: threads, --rounds and -r must be >= 1")
     exe = llama_bench_path(a)
-    models = [(m, resolve_model(m)) for m in (a.model or DEFAULT_MODELS)]
+    models = [(Path(m).stem if Path(m).exists() else m, resolve_model(m)) for m in (a.model or DEFAULT_MODELS)]
     info = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_name(),
             "cores": os.cpu_count(), "llama_bench": str(exe), "command": " ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])),
             "n_prompt": a.n_prompt, "n_gen": a.n_gen, "reps": a.repetitions, "rounds": a.rounds}
