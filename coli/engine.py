@@ -187,10 +187,11 @@ class Engine:
         if got != self.threads and not quiet:
             print(f"coli: --threads {self.threads}: Numba's pool has {got} threads; using {got}", file=sys.stderr)
         self.threads = got
-        # DESIGN invariant 2: with a device, f32 activations on both sides (device and CPU differ only in
-        # summation order); alone, the measured default (int8 where the CPU has VNNI: docs/cpu_kernels.md)
         self._cpu_act_given = cpu_act
-        self.cpu_act = cpu_act or ("f32" if device not in (None, "cpu") else cpu_kernels.DEFAULT_ACT)
+        # DESIGN invariant 2: the same activation numerics on both sides of a placement: the measured default
+        # (int8 where the CPU has VNNI: docs/cpu_kernels.md) with or without a device; the device rounds its
+        # activations as the CPU does (Device.act, docs/vulkan.md "int8 activations")
+        self.cpu_act = cpu_act or cpu_kernels.DEFAULT_ACT
         if self.cpu_act not in ("f32", "int8"):
             raise ColiError(f"--cpu-act: '{cpu_act}' (f32 or int8)")
         self.g = open_gguf(self.path)
@@ -282,6 +283,7 @@ class Engine:
             self.device = None
         if self.device is None or self.step is None:
             return
+        self.device.act = self.cpu_act      # the device's activations rounded as the CPU's (int8 or f32)
         from scheduler.balancer import Balancer
         from scheduler.tier import Tier
         from scheduler.tier_policy import DeviceMemory, budget_bytes
@@ -304,20 +306,12 @@ class Engine:
         self.step.tier = self.tier
 
     def activations(self) -> str:
-        """Which activations each side's matmuls use, for the start line: ``"activations: CPU int8"`` alone;
-        with the device tier ``"activations: CPU f32, device f32"``, and when that f32 is only the device's
-        default (DESIGN invariant 2) while the CPU alone would use int8, a note that answers can differ from
-        a run without the device (``--cpu-act`` decides)."""
-        import cpu_kernels
-
+        """Which activations each side's matmuls use, for the start line: ``"activations: CPU int8"`` alone,
+        ``"activations: CPU int8, device int8"`` with the device tier (the device rounds its activations as the
+        CPU does, so a placement changes only the summation order: docs/vulkan.md "int8 activations")."""
         s = f"activations: CPU {self.cpu_act}"
         if self.tier is not None:
-            s += ", device f32"
-            if self._cpu_act_given is None and cpu_kernels.DEFAULT_ACT != self.cpu_act:
-                s += (f" (without the device the CPU uses {cpu_kernels.DEFAULT_ACT}, so the text can differ; "
-                      f"--cpu-act f32 gives both runs the same activations)")
-        elif self._cpu_act_given is None and self.cpu_act != cpu_kernels.DEFAULT_ACT:
-            s += f" (the default with a device asked for; {cpu_kernels.DEFAULT_ACT} without)"
+            s += f", device {getattr(self.device, 'act', self.cpu_act)}"
         return s
 
     # -- text --------------------------------------------------------------------------------------------

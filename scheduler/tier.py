@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from scheduler.balancer import Balancer, StepTimes
-from scheduler.tier_policy import (GiB, MiB, DeviceMemory, _env_int, budget_bytes,  # noqa: F401 (re-exported)
+from scheduler.tier_policy import (GiB, MiB, SHARED_KINDS, DeviceMemory, _env_int, budget_bytes,  # noqa: F401
                                    halvings_due, history_heat, lfru_victim, warm_plan)
 from scheduler.trace import NULL_TRACE, UPLOADER_TID, Trace, host_ns
 
