@@ -116,7 +116,7 @@ def cmd_perplexity(a) -> int:
         if a.max_tokens:
             ids = ids[: a.max_tokens]
         t0 = time.perf_counter()
-        nll, n = eng.nll(ids)
+        nll, n = eng.nll(ids, progress=True)
         dt = time.perf_counter() - t0
         import math
 

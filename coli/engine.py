@@ -282,18 +282,23 @@ class Engine:
         return self._prefill(kv, ids, True)
 
     @_on_engine_threads
-    def nll(self, token_ids) -> tuple[float, int]:
+    def nll(self, token_ids, progress: bool = False) -> tuple[float, int]:
         """Teacher-forced mean negative log-likelihood (nats) and the number of tokens scored.
 
         Every token after the first is scored given its prefix. A text longer than the context is cut into
         windows of ``ctx`` tokens, each run from a fresh cache (every token of a window after its first is
-        scored), like llama.cpp's ``perplexity`` chunks."""
+        scored), like llama.cpp's ``perplexity`` chunks. ``progress``: a bar over the windows on stderr when it
+        is a terminal."""
         ids = self._check_ids(token_ids)
         if len(ids) < 2:
             raise ColiError("text: fewer than 2 tokens, nothing to score")
         total, n = 0.0, 0
+        from coli.progress import bar
+
+        pb = bar(total=-(-len(ids) // self.ctx), desc="perplexity", unit=" chunks", disable=not progress)
         for s in range(0, len(ids), self.ctx):
             w = ids[s : s + self.ctx]
+            pb.update(1)
             if len(w) < 2:
                 break
             lg = self.logits(w)[:-1].astype(np.float64)
@@ -301,6 +306,7 @@ class Engine:
             lse = m[:, 0] + np.log(np.exp(lg - m).sum(axis=1))
             total += float((lse - lg[np.arange(len(w) - 1), w[1:]]).sum())
             n += len(w) - 1
+        pb.close()
         return total / n, n
 
     @staticmethod
