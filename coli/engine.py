@@ -224,6 +224,10 @@ class Engine:
         self.expert_slots = slots
 
     def _setup_device(self, device, balance):
+        """Open the Vulkan device and wire the expert tier to this engine (docs/tier.md): the budget by the
+        one rule (``scheduler.tier_policy.budget_bytes``, which the device applied at open: its
+        ``budget_bytes`` / ``budget_rule``), the RAM cache's size and the dense bytes, the history, the
+        trace, the start line, the warm start (the cache's ``source.read_raw`` on a thread pool)."""
         if device != "vulkan":
             raise ColiError(f"--device: '{device}' (cpu or vulkan)")
         try:
@@ -236,9 +240,25 @@ class Engine:
             self.device = None
         if self.device is None or self.step is None:
             return
+        from scheduler.balancer import Balancer
         from scheduler.tier import Tier
+        from scheduler.tier_policy import DeviceMemory, budget_bytes
 
-        self.tier = Tier.for_engine(self, balance=True if balance is None else bool(balance))
+        dev, src = self.device, self.cache.source
+        layers = list(self.model.moe_layers)
+        per = max(src.expert_nbytes(l) for l in layers)          # the biggest expert (gate + up + down)
+        budget, rule = getattr(dev, "budget_bytes", None), getattr(dev, "budget_rule", None)
+        info = DeviceMemory.of(dev)
+        if budget is None:
+            budget, rule = budget_bytes(info, self.ram_cache_bytes, self.model.dense_bytes)
+        counts = self.usage.counts.copy() if self.usage is not None and self.usage.loaded else None
+        own = bool(getattr(dev, "own_queue", getattr(dev, "dedicated_compute_queue", False)))
+        self.tier = Tier(dev, self.path.name, self.args.n_layers, src.n_experts(layers[0]), per, int(budget),
+                         rule, counts=counts, balancer=Balancer(enabled=True if balance is None else bool(balance)),
+                         trace=self.trace, device_name=info.name, own_queue=own, moe_layers=layers,
+                         auto_tokens=True, ram=self.cache)
+        self.tier._say(self.tier.start_line())
+        self.tier.warm_start(src.read_raw)
         self.step.tier = self.tier
 
     # -- text --------------------------------------------------------------------------------------------
@@ -311,58 +331,67 @@ class Engine:
 
     @staticmethod
     def sample(logits: np.ndarray, temp: float, top_k: int, top_p: float, rng) -> int:
-        """Greedy when ``temp <= 0``; else softmax(logits/temp) over the top-k, then the top-p nucleus."""
-        if temp <= 0:
-            return int(np.argmax(logits))
-        lg = logits.astype(np.float64) / temp
-        idx = np.argsort(-lg, kind="stable")
-        if top_k and top_k > 0:
-            idx = idx[:top_k]
-        p = np.exp(lg[idx] - lg[idx[0]])
-        p /= p.sum()
-        if 0 < top_p < 1:
-            c = np.cumsum(p)
-            n = int(np.searchsorted(c, top_p) + 1)
-            idx, p = idx[:n], p[:n] / p[:n].sum()
-        return int(idx[rng.choice(len(idx), p=p)])
+        """One token from ``logits`` with ``rng`` (a ``numpy.random.Generator``): ``coli.sampling.Sampler``'s
+        chain with these settings and no penalties (kept for callers of the earlier API)."""
+        from coli.sampling import Sampler
+
+        return Sampler(temp=temp, top_k=top_k, top_p=top_p, rng=rng).sample(logits)
 
     def prompt_ids(self, prompt, chat: bool = False) -> list:
-        """Token ids of a prompt (through the chat template as one user message when ``chat``)."""
+        """Token ids of a prompt (through the chat template as one user message when ``chat``:
+        ``Tokenizer.encode_chat``, one BOS where the file asks for one; a model without a template gets
+        llama.cpp's ChatML fallback, with a note on stderr unless quiet)."""
         if prompt is None or prompt == "":
             raise ColiError("prompt: empty (give -p TEXT)")
         if chat:
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-            return self.tokenizer.encode(text, add_bos=False)
+            ids = self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+            if self.tokenizer.template_fallback and not self.quiet:
+                print(f"coli: {self.path.name} has no tokenizer.chat_template: using llama.cpp's fallback, ChatML",
+                      file=sys.stderr)
+            return ids
         return self.tokenize(prompt)
 
-    def check_fits(self, n_prompt: int, max_tokens: int, temp: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> None:
-        """ColiError when the prompt plus the tokens to generate exceed the context, or a sampling
-        setting is out of range."""
-        if temp < 0:
-            raise ColiError(f"--temp: {temp} (0 for greedy, or above)")
-        if not 0 < top_p <= 1:
-            raise ColiError(f"--top-p: {top_p} (in (0, 1])")
-        if top_k < 0:
-            raise ColiError(f"--top-k: {top_k} (0 for all, or above)")
+    def check_fits(self, n_prompt: int, max_tokens: int, temp: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                   **sampling) -> None:
+        """ColiError when the prompt plus the tokens to generate exceed the context, or a sampling setting
+        (``temp``, ``top_k``, ``top_p`` and the other ``coli.sampling.SamplingParams`` fields) is out of range."""
+        from coli.sampling import SamplingParams
+
+        SamplingParams(temp=temp, top_k=top_k, top_p=top_p, **sampling).validated()
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)):
+            raise ColiError(f"max_tokens (-n): {max_tokens!r} is not an integer")
         if max_tokens < 0:
-            raise ColiError(f"-n: {max_tokens} tokens to generate (at least 0)")
+            raise ColiError(f"max_tokens (-n): {max_tokens} tokens to generate (at least 0)")
         if n_prompt + max_tokens > self.ctx:
             raise ColiError(f"prompt: {n_prompt} prompt tokens and {max_tokens} to generate exceed the context of "
                             f"{self.ctx} positions (--ctx)")
 
     @_on_engine_threads
     def generate(self, prompt=None, *, ids=None, max_tokens=64, temp=0.0, top_k=40, top_p=0.95, seed=None,
-                 chat=False, stop_at_eos=True, on_text=None) -> GenerateResult:
+                 chat=False, stop_at_eos=True, on_text=None, min_p=0.0, repeat_penalty=1.0, repeat_last_n=64,
+                 presence_penalty=0.0, frequency_penalty=0.0, sampler=None) -> GenerateResult:
         """Generate up to ``max_tokens`` tokens after ``prompt`` (text) or ``ids``.
 
         ``chat`` renders the prompt through the file's chat template as one user message. ``on_text(str)``
         receives text as it is produced. Stops at an end-of-generation token unless ``stop_at_eos`` is False.
+        Sampling (``temp`` .. ``frequency_penalty``, ``seed``: ``coli.sampling.SamplingParams``, llama.cpp's
+        definitions; ``seed`` None or -1 draws a random seed, reported in ``stats["seed"]``), or a prepared
+        ``sampler`` (``coli.sampling.Sampler``; then those keywords are ignored). The prompt's tokens enter the
+        penalty window first, as in llama.cpp. Raises ``ColiError`` for bad settings, a prompt that does not
+        fit the context, or a step whose logits are all non-finite.
         """
+        from coli.sampling import Sampler, SamplingParams
+
         if ids is None:
             ids = self.prompt_ids(prompt, chat=chat)
         ids = self._check_ids(ids)
-        self.check_fits(len(ids), max_tokens, temp, top_k, top_p)
-        rng = np.random.default_rng(seed)
+        params = SamplingParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
+                                repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
+                                frequency_penalty=frequency_penalty, seed=seed)
+        self.check_fits(len(ids), max_tokens)
+        if sampler is None:
+            sampler = Sampler(params, ctx=self.ctx)
+        sampler.accept_many(int(i) for i in ids)
         kv = self._new_cache(len(ids))
         self._reset_counters()
         from coli.progress import compile_seconds  # compile time is never counted in tok/s
@@ -376,9 +405,14 @@ class Engine:
         eos = self.tokenizer.eos_ids
         dec = self.tokenizer.stream()  # whole characters only: a UTF-8 character may span tokens
         while len(out) < max_tokens:
-            tok = self.sample(lg, temp, top_k, top_p, rng)
+            try:
+                tok = sampler.sample(lg)
+            except ColiError as e:  # say where: the model's output at this position
+                raise ColiError(f"{self.path.name}: position {len(ids) + len(out)} (generated token "
+                                f"{len(out) + 1}): {e}") from None
             if stop_at_eos and tok in eos:
                 break
+            sampler.accept(tok)
             out.append(tok)
             if on_text is not None:
                 on_text(dec.push(tok))
@@ -397,6 +431,7 @@ class Engine:
                   prefill_tps=len(ids) / max(pre_s, 1e-9), decode_tps=n_dec / max(dec_s, 1e-9) if n_dec else 0.0,
                   compile_s=c2 - c0)
         st.update(self._counters())
+        st.update(seed=None if sampler.params.greedy else sampler.seed, masked_logit_steps=sampler.masked_steps)
         self.last_stats = st
         return GenerateResult(out, self.detokenize(out), [int(i) for i in ids], st)
 
@@ -413,13 +448,18 @@ class Engine:
         return dict(expert_hits=c.hits - h0, disk_loads=c.loads - l0, bytes_read=c.source.bytes_read - b0)
 
     def stats_line(self, st: dict | None = None) -> str:
-        """One line: prefill and decode tok/s, expert cache hits, disk loads, bytes read."""
+        """One line: prefill and decode tok/s, expert cache hits, disk loads, bytes read; the seed of a
+        sampled (not greedy) run; how many steps had non-finite logits masked."""
         st = st or self.last_stats
         s = (f"prefill {st.get('prompt_tokens', 0)} tok at {st.get('prefill_tps', 0):.1f} tok/s, "
              f"decode {st.get('gen_tokens', 0)} tok at {st.get('decode_tps', 0):.1f} tok/s")
         if self.cache is not None:
             s += (f" | experts: cache hits {st.get('expert_hits', 0)}, disk loads {st.get('disk_loads', 0)}, "
                   f"read {st.get('bytes_read', 0) / 2**20:.1f} MiB ({self.expert_slots} slots/layer)")
+        if st.get("seed") is not None:
+            s += f" | seed {st['seed']}"
+        if st.get("masked_logit_steps"):
+            s += f" | {st['masked_logit_steps']} steps had non-finite logits (masked, never sampled)"
         return s
 
     def close(self):

@@ -14,6 +14,8 @@ from gguf import quants as gq
 import cpu_kernels
 from cpu_kernels import formats as F
 from coli.errors import ColiError
+from coli.iq_tables import IQ_TYPES
+from tests.iq_util import random_iq_blocks
 
 QUANTIZABLE = {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "MXFP4", "BF16"}
 
@@ -28,6 +30,8 @@ def _random_raw(name: str, O: int, I: int, rng) -> np.ndarray:
         return w.astype(np.float16).view(np.uint8).reshape(O, -1)
     if name in QUANTIZABLE:
         return np.ascontiguousarray(gq.quantize(w, fmt.qtype)).reshape(O, -1)
+    if name in IQ_TYPES:
+        return random_iq_blocks(name, O, I, rng)
     # K-quants: random codes and sub-block scales, small positive f16 super-block scales with sane exponents.
     nb = I // 256
     blocks = rng.integers(0, 256, (O, nb, fmt.type_size), dtype=np.uint8)
