@@ -159,3 +159,54 @@ def test_progress_bar_only_on_a_terminal(tiny, tmp_path):
     r = _coli(*args)
     assert r.returncode == 0, r.stderr
     assert "chunks" not in r.stderr and "\r" not in r.stderr
+
+
+def test_compile_clock_counts_compiles_of_this_thread_only():
+    import threading
+    import time
+
+    from coli import progress
+
+    progress.install()
+
+    @numba.njit  # not cached: compiled at the first call
+    def f(x):
+        return x * 2 + 1
+
+    c0 = progress.compile_seconds()
+    t0 = time.perf_counter()
+    assert f(3) == 7
+    wall = time.perf_counter() - t0
+    c1 = progress.compile_seconds()
+    assert 0 < c1 - c0 <= wall
+    assert f(4) == 9 and progress.compile_seconds() == c1  # compiled once
+
+    @numba.njit
+    def g(x):
+        return x - 1
+
+    t = threading.Thread(target=lambda: g(1))
+    t.start()
+    t.join()
+    assert progress.compile_seconds() == c1  # another thread's compile is its own
+
+
+def test_compile_bar_on_a_terminal():
+    code = ("import cpu_kernels, numba; from coli import progress; progress.install(); "
+            "f = numba.njit(lambda x: x + 1); f(1); progress.end_compile_bar()")
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    m, s = pty.openpty()
+    fcntl.ioctl(s, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    try:
+        r = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=s, cwd=ROOT, timeout=300)
+        out = os.read(m, 65536).decode("utf-8", "replace")
+    finally:
+        os.close(s)
+        os.close(m)
+    assert r.returncode == 0
+    assert "compiling kernels, once" in out
