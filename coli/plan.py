@@ -52,13 +52,12 @@ def make_plan(path, *, device: str | None = None, ctx: int | None = None, expert
               available: int | None = None, device_info=None, env=None) -> dict:
     """The plan of model ``path`` as a dict of ints/strings (fields in the module docstring).
 
-    ``device``: None | "cpu" | "vulkan"; ``ctx``: KV positions (default min(4096, trained context), the
-    engine's); ``expert_cache``: slots per layer as ``--expert-cache``; ``available``: RAM available in bytes
+    ``device``: None | "cpu" | "vulkan"; ``ctx``: KV positions (default the engine's ``default_ctx``); ``expert_cache``: slots per layer as ``--expert-cache``; ``available``: RAM available in bytes
     (psutil's when None); ``device_info``: a ``DeviceMemory`` (or what ``DeviceMemory.of`` takes) instead of
     opening the device; ``env``: environment for the tier's ``COLI_VK_TIER_GB`` (``os.environ``)."""
     import psutil
 
-    from coli.engine import expert_cache_slots, kv_cache_bytes
+    from coli.engine import default_ctx, expert_cache_slots, kv_cache_bytes
     from scheduler.tier_policy import SHARED_KINDS
     from coli.gguf_file import open_gguf
     from coli.models import model_class
@@ -69,7 +68,7 @@ def make_plan(path, *, device: str | None = None, ctx: int | None = None, expert
     a = model_class(g).args_from(g)
     vm = psutil.virtual_memory()
     avail = int(vm.available) if available is None else int(available)
-    ctx = int(ctx) if ctx is not None else min(4096, a.ctx_train)
+    ctx = int(ctx) if ctx is not None else default_ctx(a, avail)
     if ctx < 1:
         raise ColiError(f"--ctx: {ctx} (at least 1)")
     t = g.tensors
