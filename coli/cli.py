@@ -281,6 +281,8 @@ def cmd_perplexity(a) -> int:
         raise ColiError(f"{a.file}: not UTF-8 text (byte {e.start})")
     if a.max_tokens is not None and a.max_tokens < 2:
         raise ColiError(f"--max-tokens: {a.max_tokens} (at least 2)")
+    if text == "":
+        raise ColiError(f"{a.file}: empty (no text to score)")
     eng = _open_engine(a, quiet=True)
     try:
         ids = eng.tokenize(text)

@@ -425,11 +425,26 @@ class Engine:
         return self.model.new_cache(ctx)
 
     def _check_ids(self, ids):
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        if len(ids) == 0:
+        """``ids`` as int64 [T]: ColiError for an empty list, something not integers (1.5, "abc": never
+        truncated), or an id outside the vocabulary (naming the first such id)."""
+        if isinstance(ids, (str, bytes)):
+            raise ColiError(f"token ids: {ids[:20]!r}... is text, not token ids (give the prompt as text instead)")
+        try:
+            raw = np.asarray(ids)
+        except (TypeError, ValueError) as e:
+            raise ColiError(f"token ids: not a list of integers ({e})") from None
+        if raw.size == 0:
             raise ColiError("prompt: empty (no tokens to run)")
-        if ids.min() < 0 or ids.max() >= self.args.vocab:
-            raise ColiError(f"token ids: outside the vocabulary of {self.args.vocab}")
+        if raw.dtype.kind not in "iu":
+            if raw.dtype.kind == "f" and np.isfinite(raw).all() and (raw == np.round(raw)).all():
+                raw = raw.astype(np.int64)
+            else:
+                raise ColiError(f"token ids: {raw.reshape(-1)[:8].tolist()}... are not integers")
+        ids = raw.astype(np.int64).reshape(-1)
+        bad = (ids < 0) | (ids >= self.args.vocab)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ColiError(f"token ids: id {int(ids[i])} at index {i} is outside the vocabulary of {self.args.vocab}")
         return ids
 
     def _prefill(self, kv, ids, all_logits: bool):
