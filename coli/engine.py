@@ -244,12 +244,14 @@ class Engine:
     history; default ``.coli_usage`` beside the model), ``cpu_act`` ("f32" | "int8"), ``io_threads`` (disk
     readers), ``device`` (None | "vulkan": the expert tier on the best Vulkan device, the CPU alone when
     there is none), ``balance`` (the measured-time balancer; default on with a device), ``trace`` (path of a Chrome trace JSON),
-    ``quiet`` (no notes on stderr). Raises ``ColiError`` for bad files or options.
+    ``quiet`` (no notes on stderr), ``silent`` (not even the device's and the tier's), ``env`` (the
+    ``COLI_*`` settings, ``os.environ`` by default: ``coli.settings.overlay`` puts flags on top, docs/settings.md),
+    ``cli_names`` (errors name CLI flags instead of API arguments). Raises ``ColiError`` for bad files or options.
     """
 
     def __init__(self, path=None, *, threads=None, ctx=None, expert_cache=None, usage=None, cpu_act=None,
                  io_threads=4, device=None, balance=None, trace=None, quiet=True, save_usage=True,
-                 cli_names=False):
+                 cli_names=False, env=None, silent=False):
         import cpu_kernels
         from coli.gguf_file import open_gguf
         from coli.models import model_class
@@ -263,6 +265,8 @@ class Engine:
         self.quiet = quiet
         self.save_usage_on_close = save_usage
         self.cli_names = cli_names  # errors name CLI flags (the CLI) or API arguments
+        self.env = os.environ if env is None else env  # the COLI_* settings passed down (coli.settings.overlay)
+        self.silent = silent  # no device or tier notes on stderr either (the CLI's -q)
         self._kv, self._kv_ids = None, []  # the KV cache kept across keep_kv calls and the ids it holds
         self.io_threads = int(io_threads)
         self.threads = int(threads) if threads is not None else cpu_kernels.default_threads()
@@ -369,8 +373,12 @@ class Engine:
         try:
             from coli import vulkan as cvk
 
+            from coli import settings
+
+            idx = settings.get("COLI_VK_DEV", self.env)
             self.device = cvk.open_device(self.path.name, ram_cache_bytes=self.ram_cache_bytes,
-                                          dense_bytes=self.model.dense_bytes)
+                                          dense_bytes=self.model.dense_bytes, quiet=self.silent,
+                                          device_index=None if idx < 0 else idx)
         except Exception as e:  # the device may fail in any way: the run goes on on the CPU
             print(f"[VK] {self.path.name}: {type(e).__name__}: {e}, running on the CPU", file=sys.stderr)
             self.device = None
@@ -384,16 +392,18 @@ class Engine:
         dev, src = self.device, self.cache.source
         layers = list(self.model.moe_layers)
         per = max(src.expert_nbytes(l) for l in layers)          # the biggest expert (gate + up + down)
-        budget, rule = getattr(dev, "budget_bytes", None), getattr(dev, "budget_rule", None)
         info = DeviceMemory.of(dev)
-        if budget is None:
-            budget, rule = budget_bytes(info, self.ram_cache_bytes, self.model.dense_bytes)
+        # the one rule, on the settings passed down (a --tier-gb flag is in self.env, not os.environ)
+        budget, rule = budget_bytes(info, self.ram_cache_bytes, self.model.dense_bytes, env=self.env)
+        if hasattr(dev, "budget_bytes"):
+            dev.budget_bytes, dev.budget_rule = budget, rule
         counts = self.usage.counts.copy() if self.usage is not None and self.usage.loaded else None
         own = bool(getattr(dev, "own_queue", getattr(dev, "dedicated_compute_queue", False)))
         self.tier = Tier(dev, self.path.name, self.args.n_layers, src.n_experts(layers[0]), per, int(budget),
                          rule, counts=counts, balancer=Balancer(enabled=True if balance is None else bool(balance)),
                          trace=self.trace, device_name=info.name, own_queue=own, moe_layers=layers,
-                         auto_tokens=True, ram=self.cache)
+                         auto_tokens=True, ram=self.cache, env=self.env,
+                         log=open(os.devnull, "w") if self.silent else None)
         self.tier._say(self.tier.start_line())
         self.tier.warm_start(src.read_raw)
         self.step.tier = self.tier
@@ -811,7 +821,8 @@ class Engine:
             except Exception as e:  # the run's tokens are out already; say what failed, don't hide it
                 print(f"[VK] {self.path.name}: tier shutdown failed ({type(e).__name__}: {e})", file=sys.stderr)
         if self.device is not None:
-            print(self.device.report(), file=sys.stderr)
+            if not self.silent:
+                print(self.device.report(), file=sys.stderr)
             try:
                 self.device.close()
             except Exception:

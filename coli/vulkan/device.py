@@ -66,13 +66,18 @@ def _chk(res: int, what: str) -> None:
 
 
 def _env_int(name: str, default: int) -> int:
-    v = os.environ.get(name)
-    return default if v in (None, "") else int(v)
+    """``COLI_*`` integer through coli.settings (one parser, errors naming the variable)."""
+    from coli.settings import get
+
+    v = get(name)
+    return default if v is None else int(v)
 
 
 def _env_float(name: str, default: float | None) -> float | None:
-    v = os.environ.get(name)
-    return default if v in (None, "") else float(v)
+    from coli.settings import get
+
+    v = get(name)
+    return default if v is None else float(v)
 
 
 def _s(st):
@@ -586,9 +591,11 @@ class Device:
         mapped = [t for t, (fl, h) in enumerate(self._mtypes)
                   if fl & _MEM_DEVICE_LOCAL and fl & _MEM_HOST_VISIBLE and fl & _MEM_HOST_COHERENT]
         mapped_ok = any(self.heaps[self._mtypes[t][1]][0] * 4 >= self.heaps[big][0] for t in mapped)
-        env_st = os.environ.get("COLI_VK_STAGING")
+        from coli.settings import get
+
+        env_st = get("COLI_VK_STAGING")
         if staging is None:
-            staging = (env_st == "1") if env_st not in (None, "") else not mapped_ok
+            staging = env_st if env_st is not None else not mapped_ok
         self.staging = bool(staging)
         if self.staging:
             self._w_req, self._w_pref = _MEM_DEVICE_LOCAL, 0

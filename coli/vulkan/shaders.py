@@ -41,7 +41,9 @@ _INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"', re.M)
 
 def shader_dir() -> Path:
     """The folder holding the .spv set: ``COLI_VK_SHADERS`` if set, else the package's ``shaders/``."""
-    env = os.environ.get("COLI_VK_SHADERS")
+    from coli.settings import get
+
+    env = get("COLI_VK_SHADERS")
     return Path(env) if env else SHADER_DIR
 
 
