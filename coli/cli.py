@@ -5,7 +5,9 @@ command.
 ``--stop``, ``--repeat-penalty``, ``--min-p``, ``--no-display-prompt``, ``-q``. ``-m`` takes a GGUF path or
 a name coli can fetch (``coli models``).
 
-User errors (``ColiError``) print one line ``coli: <message>`` on stderr and exit with code 2.
+User errors (``ColiError``) print one line ``coli: <message>`` on stderr and exit with code 2. Ctrl-C exits 130
+and SIGTERM 143, both after the stats line and the routing history's save; a closed or broken stdout ends
+the run quietly (exit 0).
 """
 from __future__ import annotations
 
@@ -182,7 +184,8 @@ def cmd_run(a) -> int:
         n = eng.check_fits(len(ids), a.n, a.temp, a.top_k, a.top_p, min_p=a.min_p, repeat_penalty=a.repeat_penalty,
                            repeat_last_n=a.repeat_last_n)
         if not a.quiet:
-            print(_start_line(eng) + cfg_note + (f", seed {seed}" if a.temp > 0 else ""), file=sys.stderr)
+            print(_start_line(eng) + f", {eng.activations()}" + cfg_note + (f", seed {seed}" if a.temp > 0 else ""),
+                  file=sys.stderr)
         if not a.chat and not a.no_display_prompt:
             sys.stdout.write(prompt)
             sys.stdout.flush()
@@ -191,14 +194,19 @@ def cmd_run(a) -> int:
             sys.stdout.write(s)
             sys.stdout.flush()
 
-        r = eng.generate(ids=ids, max_tokens=n, temp=a.temp, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
-                         repeat_penalty=a.repeat_penalty, repeat_last_n=a.repeat_last_n, seed=seed,
-                         stop=a.stop, on_text=emit)
+        try:
+            r = eng.generate(ids=ids, max_tokens=n, temp=a.temp, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
+                             repeat_penalty=a.repeat_penalty, repeat_last_n=a.repeat_last_n, seed=seed,
+                             stop=a.stop, on_text=emit)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the stats of what was generated, then main's exit code
+            _say("\n", sys.stdout)
+            _say("coli: " + eng.stats_line(eng.last_stats) + "\n", sys.stderr)
+            raise
         sys.stdout.write("\n")
         if not a.quiet:
             print("coli: " + eng.stats_line(r.stats), file=sys.stderr)
     finally:
-        eng.close()
+        _close(eng)
     return 0
 
 
@@ -236,7 +244,7 @@ def cmd_chat(a) -> int:
             print(_start_line(eng) + cfg_note, file=sys.stderr)
         return run_chat(eng, a)
     finally:
-        eng.close()
+        _close(eng)
 
 
 def cmd_serve(a) -> int:
@@ -282,6 +290,10 @@ def cmd_models(a) -> int:
 
 
 def cmd_perplexity(a) -> int:
+    """llama-perplexity's convention (``Engine.perplexity``): chunks of ``--ctx`` tokens with BOS at each
+    start where the model wants one, the second half of each scored; ``--all-tokens`` scores every token.
+    Progress per chunk on stderr (``[i]ppl,`` with the running estimate, as llama-perplexity prints it);
+    the result on stdout."""
     try:
         with open(a.file, encoding="utf-8") as f:
             text = f.read()
@@ -291,20 +303,30 @@ def cmd_perplexity(a) -> int:
         raise ColiError(f"{a.file}: not UTF-8 text (byte {e.start})")
     if a.max_tokens is not None and a.max_tokens < 2:
         raise ColiError(f"--max-tokens: {a.max_tokens} (at least 2)")
+    if text == "":
+        raise ColiError(f"{a.file}: empty (no text to score)")
     eng = _open_engine(a, quiet=True)
     try:
         ids = eng.tokenize(text)
         if a.max_tokens:
             ids = ids[: a.max_tokens]
         t0 = time.perf_counter()
-        nll, n = eng.nll(ids)
-        dt = time.perf_counter() - t0
-        import math
 
-        print(f"{a.file}: {n} tokens scored, NLL {nll:.4f} nats/token, perplexity {math.exp(nll):.4f} "
-              f"({len(ids) / dt:.1f} tok/s)")
+        def progress(i, n, ppl):
+            end = "\n" if i == n else ""
+            sys.stderr.write(f"[{i}]{ppl:.4f}," + end)
+            sys.stderr.flush()
+
+        if not a.quiet:
+            way = "every token" if a.all_tokens else f"second half of each chunk, as llama-perplexity"
+            print(f"coli: {eng.path.name}: {len(ids)} tokens, chunks of {eng.ctx} ({way})", file=sys.stderr)
+        r = eng.perplexity(ids, all_tokens=a.all_tokens, on_chunk=None if a.quiet else progress)
+        dt = time.perf_counter() - t0
+        print(f"{a.file}: {r.n} tokens scored in {r.chunks} chunks of {r.ctx}"
+              f"{' (all tokens)' if r.all_tokens else ''}, NLL {r.nll:.4f} nats/token, "
+              f"perplexity {r.ppl:.4f} +/- {r.ppl_err:.4f} ({len(ids) / dt:.1f} tok/s)")
     finally:
-        eng.close()
+        _close(eng)
     return 0
 
 
@@ -342,7 +364,7 @@ def cmd_bench(a) -> int:
         recs = run_bench(eng, n_prompt=pp, n_gen=tg, reps=a.repetitions, cold=a.cold, threads=threads,
                          bandwidth=a.bandwidth, on_test=progress)
     finally:
-        eng.close()
+        _close(eng)
     print(format_records(recs, fmt))
     return 0
 
@@ -402,9 +424,12 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("models", help="the model names -m accepts and where they are cached", formatter_class=_Help)
     m.set_defaults(func=cmd_models)
 
-    q = sub.add_parser("perplexity", help="teacher-forced NLL and perplexity of a text file")
+    q = sub.add_parser("perplexity", help="perplexity of a text file, as llama-perplexity computes it")
     q.add_argument("-f", "--file", required=True)
     q.add_argument("--max-tokens", type=int, default=None, metavar="N", help="score only the first N tokens")
+    q.add_argument("--all-tokens", action="store_true",
+                   help="score every token (default: the second half of each --ctx chunk, as llama-perplexity)")
+    q.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     _engine_args(q)
     q.set_defaults(func=cmd_perplexity)
 
@@ -454,7 +479,72 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (docker stop, systemd): handled as Ctrl-C is, then exit code 143 (128 + 15)."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
+def _say(text: str, stream) -> None:
+    """Write to a stream that may be closed or gone (no error: there is nowhere to report one)."""
+    try:
+        stream.write(text)
+        stream.flush()
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def _close(eng) -> None:
+    """``eng.close()`` (saves the routing history) with SIGINT and SIGTERM held back until it is done, so a
+    second Ctrl-C or a repeated SIGTERM cannot cut the save short."""
+    import signal
+
+    sigs = {signal.SIGINT, signal.SIGTERM}
+    try:
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    except (AttributeError, OSError, ValueError):
+        old = None
+    try:
+        eng.close()
+    finally:
+        if old is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+class _ClosedStdout:
+    """Stands for a closed stdout (``coli run ... >&-``: ``sys.stdout`` is None): writing raises
+    BrokenPipeError, so the run ends as it does when the reader of a pipe goes away."""
+
+    def write(self, s):
+        raise BrokenPipeError(32, "stdout is closed")
+
+    def flush(self):
+        pass
+
+
+def _devnull_stdout() -> None:
+    """Point fd 1 at /dev/null so the interpreter's last flush does not fail again after a broken pipe."""
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, 1)
+        os.close(fd)
+    except OSError:
+        pass
+
+
 def main(argv=None) -> int:
+    import signal
+
+    if sys.stdout is None:
+        sys.stdout = _ClosedStdout()
+    if sys.stderr is None:  # 2>&-: notes go nowhere rather than into stdout (print(file=None) means stdout)
+        sys.stderr = open(os.devnull, "w")
+    try:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # not the main thread (main() called from a library): leave signals alone
+        pass
     p = build_parser()
     a = p.parse_args(argv)
     if a.cmd == "info" and not (a.model_pos or a.model):
@@ -465,11 +555,12 @@ def main(argv=None) -> int:
     except ColiError as e:
         print(f"coli: {e}", file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:
-        sys.stdout.write("\n")
-        print("coli: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        term = isinstance(e, Terminated)
+        _say(f"coli: {'terminated (SIGTERM)' if term else 'interrupted'}\n", sys.stderr)
+        return 143 if term else 130
     except BrokenPipeError:
+        _devnull_stdout()
         return 0
 
 

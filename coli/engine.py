@@ -111,6 +111,22 @@ def _close_at_exit(ref):
         eng.close()
 
 
+@dataclass
+class PerplexityResult:
+    """``nll``: mean nats/token; ``n``: tokens scored; ``ppl`` = exp(nll); ``ppl_err``: llama-perplexity's
+    ``+/-``; ``chunks``; ``running``: the estimate after each chunk; ``all_tokens``: which convention;
+    ``ctx``: the chunk length (see :meth:`Engine.perplexity`)."""
+
+    nll: float
+    n: int
+    ppl: float
+    ppl_err: float
+    chunks: int
+    running: list
+    all_tokens: bool
+    ctx: int
+
+
 @contextlib.contextmanager
 def engine_threads(eng):
     """Run the block on ``eng.threads`` Numba threads, then give the calling thread its count back.
@@ -167,6 +183,30 @@ def _available_ram() -> int:
     import psutil
 
     return int(psutil.virtual_memory().available)
+
+
+def check_vocab_tables(g, n_tokens: int) -> None:
+    """The tables indexed by token id agree: ``{arch}.vocab_size`` (when present), the rows of
+    ``token_embd.weight`` and of ``output.weight`` (when present) all equal the ``n_tokens`` entries of
+    ``tokenizer.ggml.tokens``. Else ``ColiError`` naming the tensor or key and both counts.
+
+    llama.cpp refuses such a file the same way: its ``n_vocab`` is the token count and ``create_tensor``
+    checks ``token_embd``/``output`` against ``{n_embd, n_vocab}`` ("tensor ... has wrong shape"). Masking
+    the extra rows instead would hide a broken conversion (an id the tokenizer cannot print, an embedding
+    row no token reaches), so coli refuses too."""
+    fname = g.path.name
+    key = f"{g.arch}.vocab_size"
+    v = g.meta.get(key)
+    if v is not None and v != n_tokens:
+        raise ColiError(f"{fname}: kv '{key}': {v}, but kv 'tokenizer.ggml.tokens' has {n_tokens} tokens "
+                        f"(llama.cpp refuses this file too)")
+    if "token_embd.weight" not in g.tensors:
+        raise ColiError(f"{fname}: tensor 'token_embd.weight': missing (the token embedding table)")
+    for name in ("token_embd.weight", "output.weight"):
+        t = g.tensors.get(name)
+        if t is not None and t.shape[0] != n_tokens:
+            raise ColiError(f"{fname}: tensor '{name}': {t.shape[0]} rows, but kv 'tokenizer.ggml.tokens' has "
+                            f"{n_tokens} tokens (one row per token; llama.cpp refuses this file too)")
 
 
 def kv_cache_bytes(args, ctx: int) -> int:
@@ -239,15 +279,18 @@ class Engine:
         if got != self.threads and not quiet:
             print(f"coli: --threads {self.threads}: Numba's pool has {got} threads; using {got}", file=sys.stderr)
         self.threads = got
-        # DESIGN invariant 2: with a device, f32 activations on both sides (device and CPU differ only in
-        # summation order); alone, the measured default (int8 where the CPU has VNNI: docs/cpu_kernels.md)
-        self.cpu_act = cpu_act or ("f32" if device not in (None, "cpu") else cpu_kernels.DEFAULT_ACT)
+        self._cpu_act_given = cpu_act
+        # DESIGN invariant 2: the same activation numerics on both sides of a placement: the measured default
+        # (int8 where the CPU has VNNI: docs/cpu_kernels.md) with or without a device; the device rounds its
+        # activations as the CPU does (Device.act, docs/vulkan.md "int8 activations")
+        self.cpu_act = cpu_act or cpu_kernels.DEFAULT_ACT
         if self.cpu_act not in ("f32", "int8"):
             raise ColiError(f"{self._name('cpu_act')}: '{cpu_act}' (f32 or int8)")
         self.g = open_gguf(self.path)
         cls = model_class(self.g)
         self.args = cls.args_from(self.g)
         self.tokenizer = Tokenizer.from_gguf(self.g)
+        check_vocab_tables(self.g, self.tokenizer.vocab_size)
         self.model = cls(self.g, self.args, None, self.cpu_act)
         a = self.args
         self.ctx_cap = default_ctx(a, _available_ram())
@@ -267,10 +310,10 @@ class Engine:
         self.trace = None
         self.ram_cache_bytes = 0
         if trace:
-            from coli.paths import check_writable_file
+            from coli.paths import check_writable_file, is_json_array_of_objects
             from scheduler.trace import Trace
 
-            check_writable_file(trace, "--trace")
+            check_writable_file(trace, "--trace", overwrite_if=is_json_array_of_objects)
 
             self.trace = Trace(trace)
         if self.model.moe_layers:
@@ -341,6 +384,7 @@ class Engine:
             self.device = None
         if self.device is None or self.step is None:
             return
+        self.device.act = self.cpu_act      # the device's activations rounded as the CPU's (int8 or f32)
         from scheduler.balancer import Balancer
         from scheduler.tier import Tier
         from scheduler.tier_policy import DeviceMemory, budget_bytes
@@ -364,6 +408,15 @@ class Engine:
         self.tier.warm_start(src.read_raw)
         self.step.tier = self.tier
 
+    def activations(self) -> str:
+        """Which activations each side's matmuls use, for the start line: ``"activations: CPU int8"`` alone,
+        ``"activations: CPU int8, device int8"`` with the device tier (the device rounds its activations as the
+        CPU does, so a placement changes only the summation order: docs/vulkan.md "int8 activations")."""
+        s = f"activations: CPU {self.cpu_act}"
+        if self.tier is not None:
+            s += f", device {getattr(self.device, 'act', self.cpu_act)}"
+        return s
+
     # -- text --------------------------------------------------------------------------------------------
     def tokenize(self, text: str, add_bos=None) -> list:
         """Token ids of ``text`` (BOS per the file's ``tokenizer.ggml.add_bos_token`` unless ``add_bos``)."""
@@ -374,17 +427,34 @@ class Engine:
 
     # -- forward -----------------------------------------------------------------------------------------
     def _new_cache(self, n: int):
+        if self.usage is not None:
+            self.usage.discard_pending()  # routing of a step an earlier call did not finish
         ctx = max(self.ctx, 1)
         if n > ctx:
             raise ColiError(f"prompt: {n} tokens do not fit the context of {ctx} positions (--ctx)")
         return self.model.new_cache(ctx)
 
     def _check_ids(self, ids):
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        if len(ids) == 0:
+        """``ids`` as int64 [T]: ColiError for an empty list, something not integers (1.5, "abc": never
+        truncated), or an id outside the vocabulary (naming the first such id)."""
+        if isinstance(ids, (str, bytes)):
+            raise ColiError(f"token ids: {ids[:20]!r}... is text, not token ids (give the prompt as text instead)")
+        try:
+            raw = np.asarray(ids)
+        except (TypeError, ValueError) as e:
+            raise ColiError(f"token ids: not a list of integers ({e})") from None
+        if raw.size == 0:
             raise ColiError("prompt: empty (no tokens to run)")
-        if ids.min() < 0 or ids.max() >= self.args.vocab:
-            raise ColiError(f"token ids: outside the vocabulary of {self.args.vocab}")
+        if raw.dtype.kind not in "iu":
+            if raw.dtype.kind == "f" and np.isfinite(raw).all() and (raw == np.round(raw)).all():
+                raw = raw.astype(np.int64)
+            else:
+                raise ColiError(f"token ids: {raw.reshape(-1)[:8].tolist()}... are not integers")
+        ids = raw.astype(np.int64).reshape(-1)
+        bad = (ids < 0) | (ids >= self.args.vocab)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ColiError(f"token ids: id {int(ids[i])} at index {i} is outside the vocabulary of {self.args.vocab}")
         return ids
 
     def _prefill(self, kv, ids, all_logits: bool):
@@ -405,28 +475,102 @@ class Engine:
         kv = self._new_cache(len(ids))
         return self._prefill(kv, ids, True)
 
+    def _score(self, window: np.ndarray, first: int) -> np.ndarray:
+        """Negative log-likelihoods (nats, f64) of ``window[first + 1:]``, each given the tokens before it in
+        the window, from a fresh KV cache. The log-softmax sums in f64 as llama-perplexity's ``log_softmax``;
+        logits are kept one prefill step (64 rows) at a time. ColiError on non-finite logits."""
+        kv = self._new_cache(len(window))
+        out = []
+        T = len(window)
+        for s in range(0, T, PREFILL_CHUNK):
+            chunk = window[s : s + PREFILL_CHUNK]
+            want = s + len(chunk) > first  # rows before ``first`` are only context
+            lg = self.model.forward(chunk, kv, all_logits=True) if want else self.model.forward(chunk, kv)
+            lo, hi = max(s, first), min(s + len(chunk), T - 1)
+            if not want or lo >= hi:
+                continue
+            rows = lg[lo - s : hi - s]
+            if not np.isfinite(rows).all():
+                raise ColiError(f"{self.path.name}: non-finite logits at position {lo + int(np.argwhere(~np.isfinite(rows))[0, 0])} "
+                                f"of a window (try --cpu-act f32, or check the file)")
+            tgt = window[lo + 1 : hi + 1]
+            m = rows.max(axis=1, keepdims=True)
+            lse = m[:, 0].astype(np.float64) + np.log(np.exp(rows - m).sum(axis=1, dtype=np.float64))
+            out.append(lse - rows[np.arange(len(tgt)), tgt].astype(np.float64))
+        return np.concatenate(out) if out else np.zeros(0)
+
+    @_on_engine_threads
+    def perplexity(self, token_ids, all_tokens: bool = False, on_chunk=None) -> "PerplexityResult":
+        """Perplexity of ``token_ids`` (the text's ids as :meth:`tokenize` gives them, BOS included where the
+        model wants one) with llama-perplexity's convention (``tools/perplexity/perplexity.cpp``), so figures
+        compare with llama.cpp's at the same ``--ctx``:
+
+        * default: ``len // ctx`` chunks of ``ctx`` tokens (at least 2 chunks, as llama-perplexity requires);
+          each chunk runs from a fresh cache with its first token replaced by BOS when the file's
+          ``add_bos_token`` asks for one; only the second half of each chunk is scored (positions
+          ``ctx // 2 .. ctx - 2`` predict the next token: ``ctx - 1 - ctx // 2`` tokens per chunk), so every
+          scored token has at least ``ctx // 2`` tokens of context;
+        * ``all_tokens``: every token is scored; windows of ``ctx`` tokens, each starting with the BOS when
+          the ids start with one (a window after the first has BOS then the next ``ctx - 1`` text tokens).
+
+        ``on_chunk(i, n_chunks, running_ppl)`` is called after each chunk. Returns a :class:`PerplexityResult`
+        (``ppl_err``: llama-perplexity's ``+/-``, the standard error of the mean NLL times ppl). Raises
+        ColiError for a text too short or logits that are not finite."""
+        ids = self._check_ids(token_ids)
+        n_ctx = self.ctx
+        tok = self.tokenizer
+        bos = tok.bos_id if tok.add_bos else None
+        windows: list = []
+        if not all_tokens:
+            if len(ids) < 2 * n_ctx:
+                raise ColiError(f"text: {len(ids)} tokens; llama-perplexity's convention needs at least 2 x --ctx = "
+                                f"{2 * n_ctx} (lower --ctx, or score every token with --all-tokens)")
+            first = n_ctx // 2
+            for i in range(len(ids) // n_ctx):
+                w = ids[i * n_ctx : (i + 1) * n_ctx].copy()
+                if bos is not None:
+                    w[0] = bos
+                windows.append(w)
+        else:
+            first = 0
+            prefix = ids[:1] if bos is not None and ids[0] == bos else ids[:0]
+            body = ids[len(prefix):]
+            step = n_ctx - len(prefix)
+            if len(ids) < 2 or step < 1:
+                raise ColiError(f"text: {len(ids)} tokens with --ctx {n_ctx}: nothing to score")
+            for s in range(0, len(body), step):
+                w = np.concatenate([prefix, body[s : s + step]])
+                if len(w) >= 2:
+                    windows.append(w)
+        total = total2 = 0.0
+        n = 0
+        running = []
+        for i, w in enumerate(windows):
+            v = self._score(w, first)
+            total += float(v.sum())
+            total2 += float((v * v).sum())
+            n += len(v)
+            running.append(float(np.exp(total / n)))
+            if on_chunk is not None:
+                on_chunk(i + 1, len(windows), running[-1])
+        mean = total / n
+        ppl = float(np.exp(mean))
+        var = total2 / n - mean * mean
+        err = float(np.sqrt(var / (n - 1)) * ppl) if n > 1 and var > 0 else 0.0
+        return PerplexityResult(nll=mean, n=n, ppl=ppl, ppl_err=err, chunks=len(windows), running=running,
+                                all_tokens=bool(all_tokens), ctx=n_ctx)
+
     @_on_engine_threads
     def nll(self, token_ids) -> tuple[float, int]:
-        """Teacher-forced mean negative log-likelihood (nats) and the number of tokens scored.
-
-        Every token after the first is scored given its prefix. A text longer than the context is cut into
-        windows of ``ctx`` tokens, each run from a fresh cache (every token of a window after its first is
-        scored), like llama.cpp's ``perplexity`` chunks."""
+        """Teacher-forced mean negative log-likelihood (nats) of every token after the first, and the number
+        scored: :meth:`perplexity` with ``all_tokens`` (windows of ``ctx`` tokens, each starting with the
+        BOS when the ids start with one)."""
         self._check_open()
         ids = self._check_ids(token_ids)
         if len(ids) < 2:
             raise ColiError("text: fewer than 2 tokens, nothing to score")
-        total, n = 0.0, 0
-        for s in range(0, len(ids), self.ctx):
-            w = ids[s : s + self.ctx]
-            if len(w) < 2:
-                break
-            lg = self.logits(w)[:-1].astype(np.float64)
-            m = lg.max(axis=1, keepdims=True)
-            lse = m[:, 0] + np.log(np.exp(lg - m).sum(axis=1))
-            total += float((lse - lg[np.arange(len(w) - 1), w[1:]]).sum())
-            n += len(w) - 1
-        return total / n, n
+        r = self.perplexity(ids, all_tokens=True)
+        return r.nll, r.n
 
     @staticmethod
     def sample(logits: np.ndarray, temp: float, top_k: int, top_p: float, rng) -> int:
@@ -577,60 +721,65 @@ class Engine:
 
         c0 = compile_seconds()
         t0 = time.perf_counter()
-        lg = self._prefill(kv, ids[n_same:], False)[-1]
-        t1 = time.perf_counter()
-        c1 = compile_seconds()
+        t1 = c1 = None
         out: list = []
-        eos = self.tokenizer.eos_ids
-        dec = self.tokenizer.stream()  # whole characters only: a UTF-8 character may span tokens
-        cut = StopText(stop)
         text: list = []
         finish = "length"
-        while len(out) < n_gen:
-            if should_stop is not None and should_stop():
-                finish = "cancelled"
-                break
-            try:
-                tok = sampler.sample(lg)
-            except ColiError as e:  # say where: the model's output at this position
-                raise ColiError(f"{self.path.name}: position {len(ids) + len(out)} (generated token "
-                                f"{len(out) + 1}): {e}") from None
-            if stop_at_eos and tok in eos:
-                finish = "stop"
-                break
-            sampler.accept(tok)
-            out.append(tok)
-            piece = cut.push(dec.push(tok))
-            if piece:
-                text.append(piece)
-                yield piece
-            if cut.hit:
-                finish = "stop"
-                break
-            if len(out) == n_gen:
-                break
-            if self.tier is not None:
-                self.tier.begin_token()
-            lg = self.model.forward([tok], kv)[-1]
-            if keep_kv:
-                self._kv_ids.append(tok)
-        if not cut.hit:
-            piece = cut.push(dec.flush())
-            piece += "" if cut.hit else cut.flush()
-            if piece:
-                text.append(piece)
-                yield piece
-        t2 = time.perf_counter()
-        c2 = compile_seconds()
-        n_dec = max(len(out) - 1, 0)  # tokens whose forward ran after the prompt
-        n_pre = len(ids) - n_same  # prompt tokens computed (the rest came from the kept KV cache)
-        pre_s, dec_s = max(t1 - t0 - (c1 - c0), 0.0), max(t2 - t1 - (c2 - c1), 0.0)
-        st = dict(prompt_tokens=len(ids), cached_tokens=n_same, prefill_s=pre_s, gen_tokens=len(out),
-                  decode_s=dec_s, prefill_tps=n_pre / max(pre_s, 1e-9),
-                  decode_tps=n_dec / max(dec_s, 1e-9) if n_dec else 0.0, compile_s=c2 - c0)
-        st.update(self._counters())
-        st.update(seed=None if sampler.params.greedy else sampler.seed, masked_logit_steps=sampler.masked_steps)
-        self.last_stats = st
+        cut = StopText(stop)
+        try:
+            lg = self._prefill(kv, ids[n_same:], False)[-1]
+            t1 = time.perf_counter()
+            c1 = compile_seconds()
+            eos = self.tokenizer.eos_ids
+            dec = self.tokenizer.stream()  # whole characters only: a UTF-8 character may span tokens
+            while len(out) < n_gen:
+                if should_stop is not None and should_stop():
+                    finish = "cancelled"
+                    break
+                try:
+                    tok = sampler.sample(lg)
+                except ColiError as e:  # say where: the model's output at this position
+                    raise ColiError(f"{self.path.name}: position {len(ids) + len(out)} (generated token "
+                                    f"{len(out) + 1}): {e}") from None
+                if stop_at_eos and tok in eos:
+                    finish = "stop"
+                    break
+                sampler.accept(tok)
+                out.append(tok)
+                piece = cut.push(dec.push(tok))
+                if piece:
+                    text.append(piece)
+                    yield piece
+                if cut.hit:
+                    finish = "stop"
+                    break
+                if len(out) == n_gen:
+                    break
+                if self.tier is not None:
+                    self.tier.begin_token()
+                lg = self.model.forward([tok], kv)[-1]
+                if keep_kv:
+                    self._kv_ids.append(tok)
+            if not cut.hit:
+                piece = cut.push(dec.flush())
+                piece += "" if cut.hit else cut.flush()
+                if piece:
+                    text.append(piece)
+                    yield piece
+        finally:  # an interrupted run (Ctrl-C, SIGTERM) still has the stats of what it generated
+            t2 = time.perf_counter()
+            c2 = compile_seconds()
+            if t1 is None:
+                t1, c1 = t2, c2
+            n_dec = max(len(out) - 1, 0)  # tokens whose forward ran after the prompt
+            n_pre = len(ids) - n_same  # prompt tokens computed (the rest came from the kept KV cache)
+            pre_s, dec_s = max(t1 - t0 - (c1 - c0), 0.0), max(t2 - t1 - (c2 - c1), 0.0)
+            st = dict(prompt_tokens=len(ids), cached_tokens=n_same, prefill_s=pre_s, gen_tokens=len(out),
+                      decode_s=dec_s, prefill_tps=n_pre / max(pre_s, 1e-9),
+                      decode_tps=n_dec / max(dec_s, 1e-9) if n_dec else 0.0, compile_s=c2 - c0)
+            st.update(self._counters())
+            st.update(seed=None if sampler.params.greedy else sampler.seed, masked_logit_steps=sampler.masked_steps)
+            self.last_stats = st
         return GenerateResult(out, "".join(text), [int(i) for i in ids], st, finish)
 
     # -- counters ----------------------------------------------------------------------------------------
@@ -678,10 +827,10 @@ class Engine:
                 self.device.close()
             except Exception:
                 pass
-        if self.usage is not None and self.save_usage_on_close and self.usage.tokens:
+        if self.usage is not None and self.save_usage_on_close and self.usage.run_tokens:
             try:
                 self.usage.save()
-            except OSError as e:
+            except (OSError, ColiError) as e:
                 print(f"coli: {self.usage.path}: routing history not saved ({e})", file=sys.stderr)
         if self.cache is not None:
             self.cache.close()

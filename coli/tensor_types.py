@@ -21,8 +21,10 @@ Adding a format (docs/formats.md has the checklist), in this order:
 
 1. Here: nothing unless the device tier lacks it on purpose (add ``CPU_ONLY[name] = reason``) or the type has
    f16 scales that ``random_blocks`` must keep finite (add them to ``_SCALES``).
-2. CPU: kernels in a new module of ``cpu_kernels/`` (not in ``formats.py``), and the row appended to
-   ``cpu_kernels.formats.FORMATS`` (``_row(name, pack, gemv, gemm, int8, gemv_i8)``).
+2. CPU: kernels in a new module of ``cpu_kernels/`` (not in ``formats.py``; int8-activation VNNI GEMVs beside
+   their intrinsics in ``cpu_kernels/vnni.py``), and the row appended to ``cpu_kernels.formats.FORMATS``
+   (``formats._row(name, block_size, type_size, pack, gemv, gemm, shader, int8, gemv_i8, no_i8)``, as
+   ``cpu_kernels/lowbit.py``'s ``rows``); ``formats.py`` registers every row in the table at its end.
 3. Device: ``shaders/fmt_<name lower>.glsl`` (``dec_unit``: one 32-element unit of a row), the name appended to
    ``coli.vulkan.shaders.DEVICE_TYPES``, then ``scripts/build_shaders`` (it regenerates ``shaders/formats.glsl``
    from this table and compiles the .spv pair).
@@ -46,7 +48,7 @@ from coli.errors import ColiError
 #: Backends the table knows, in the order of the coverage table.
 BACKENDS = ("cpu", "vulkan")
 
-#: Types the device tier lacks on purpose: name -> reason. Empty today: every CPU format has a decoder.
+#: Types the device tier lacks on purpose: name -> reason. ``gaps()`` flags a mark the device has outgrown.
 CPU_ONLY: dict[str, str] = {}
 
 # Byte offsets of the f16 scales in one block (ggml-common.h): d first, then dmin where the type has one.
@@ -147,13 +149,18 @@ def load_backends() -> dict[str, TensorType]:
 
 def gaps(types: dict[str, TensorType] | None = None) -> list[tuple[str, str]]:
     """(type, backend) pairs where some backend implements the type and this one does not, and the table gives
-    no reason (``cpu_only`` excuses every backend but "cpu")."""
+    no reason (``cpu_only`` excuses every backend but "cpu"); and (type, "cpu_only") where a type marked CPU only
+    has a device implementation after all (the mark is stale)."""
     out = []
     for t in (TYPES if types is None else types).values():
         if not t.backends:
             continue
         for b in BACKENDS:
-            if b in t.backends or (b != "cpu" and t.cpu_only):
+            if b in t.backends:
+                if b != "cpu" and t.cpu_only:
+                    out.append((t.name, "cpu_only"))
+                continue
+            if b != "cpu" and t.cpu_only:
                 continue
             out.append((t.name, b))
     return out
@@ -174,10 +181,18 @@ def random_blocks(name: str, O: int, I: int, rng: np.random.Generator, scale: fl
         if t.qtype == QT.F32:
             return w.view(np.uint8).reshape(O, rb)
         return np.ascontiguousarray(np.asarray(gq.quantize(w, t.qtype)).view(np.uint8).reshape(O, rb))
-    if not t.scale_offsets:
-        raise ColiError(f"tensor type {name}: no gguf quantizer and no known scale offsets for random blocks")
     nb = O * I // t.block_size
     raw = rng.integers(0, 256, size=(nb, t.type_size), dtype=np.uint8)
+    if name == "IQ1_M":
+        # block_iq1_m has no d field: d's 16 bits sit in the top nibbles of its four u16 scales (iq1m_scale_t)
+        d = (rng.uniform(0.002, 0.02, size=nb) * scale).astype(np.float16).view(np.uint16)
+        sc = np.ascontiguousarray(raw[:, 48:56]).view("<u2") & np.uint16(0x0FFF)
+        for k in range(4):
+            sc[:, k] |= ((d >> np.uint16(4 * k)) & np.uint16(0xF)) << np.uint16(12)
+        raw[:, 48:56] = sc.view(np.uint8).reshape(nb, 8)
+        return raw.reshape(O, rb)
+    if not t.scale_offsets:
+        raise ColiError(f"tensor type {name}: no gguf quantizer and no known scale offsets for random blocks")
     for off in t.scale_offsets:
         d = (rng.uniform(0.002, 0.02, size=nb) * scale).astype(np.float16)
         raw[:, off:off + 2] = d.view(np.uint8).reshape(nb, 2)

@@ -58,6 +58,66 @@
 #define TYPE_SIZE 17u
 #define ROW_BYTES(I) (((I) / 32u) * 17u)
 #include "fmt_mxfp4.glsl"
+#elif defined(FMT_Q5_1)
+#define BLOCK_SIZE 32u
+#define TYPE_SIZE 24u
+#define ROW_BYTES(I) (((I) / 32u) * 24u)
+#include "fmt_q5_1.glsl"
+#elif defined(FMT_Q2_K)
+#define BLOCK_SIZE 256u
+#define TYPE_SIZE 84u
+#define ROW_BYTES(I) (((I) / 256u) * 84u)
+#include "fmt_q2_k.glsl"
+#elif defined(FMT_Q3_K)
+#define BLOCK_SIZE 256u
+#define TYPE_SIZE 110u
+#define ROW_BYTES(I) (((I) / 256u) * 110u)
+#include "fmt_q3_k.glsl"
+#elif defined(FMT_IQ4_NL)
+#define BLOCK_SIZE 32u
+#define TYPE_SIZE 18u
+#define ROW_BYTES(I) (((I) / 32u) * 18u)
+#include "fmt_iq4_nl.glsl"
+#elif defined(FMT_IQ4_XS)
+#define BLOCK_SIZE 256u
+#define TYPE_SIZE 136u
+#define ROW_BYTES(I) (((I) / 256u) * 136u)
+#include "fmt_iq4_xs.glsl"
+#elif defined(FMT_IQ2_XXS)
+#define BLOCK_SIZE 256u
+#define TYPE_SIZE 66u
+#define ROW_BYTES(I) (((I) / 256u) * 66u)
+#include "fmt_iq2_xxs.glsl"
+#elif defined(FMT_IQ2_XS)
+#define BLOCK_SIZE 256u
+#define TYPE_SIZE 74u
+#define ROW_BYTES(I) (((I) / 256u) * 74u)
+#include "fmt_iq2_xs.glsl"
+#elif defined(FMT_IQ2_S)
+#define BLOCK_SIZE 256u
+#define TYPE_SIZE 82u
+#define ROW_BYTES(I) (((I) / 256u) * 82u)
+#include "fmt_iq2_s.glsl"
+#elif defined(FMT_IQ3_XXS)
+#define BLOCK_SIZE 256u
+#define TYPE_SIZE 98u
+#define ROW_BYTES(I) (((I) / 256u) * 98u)
+#include "fmt_iq3_xxs.glsl"
+#elif defined(FMT_IQ3_S)
+#define BLOCK_SIZE 256u
+#define TYPE_SIZE 110u
+#define ROW_BYTES(I) (((I) / 256u) * 110u)
+#include "fmt_iq3_s.glsl"
+#elif defined(FMT_IQ1_S)
+#define BLOCK_SIZE 256u
+#define TYPE_SIZE 50u
+#define ROW_BYTES(I) (((I) / 256u) * 50u)
+#include "fmt_iq1_s.glsl"
+#elif defined(FMT_IQ1_M)
+#define BLOCK_SIZE 256u
+#define TYPE_SIZE 56u
+#define ROW_BYTES(I) (((I) / 256u) * 56u)
+#include "fmt_iq1_m.glsl"
 #else
 #error "no FMT_ defined"
 #endif
