@@ -35,11 +35,10 @@ OPS = ("gemv", "gemm", "expert")
 #: The activation modes each backend implements.
 ACTS = {"cpu": ("f32", "int8"), "vulkan": ("f32",)}
 #: max |got - want| / max |want| per (op, act). int8 expert: the SwiGLU output is rounded to int8 again before
-#: down, from f32 values on the backend and float64 in the model; a code can flip at a rounding tie. One flip
-#: moves y by d_h * W_down[:, j]: up to 4.8e-4 of max |y| with IQ1_M, whose weights are never small (measured:
-#: cpu-IQ1_M-expert-int8, one flipped code among 10240, the three matmuls themselves within 2e-7).
+#: down, from f32 values on the backend and float64 in the model, so codes at a rounding tie may flip: the check
+#: first subtracts the most those can move each output (``expert_reference``'s slack).
 TOL = {("gemv", "f32"): 2e-5, ("gemm", "f32"): 2e-5, ("expert", "f32"): 2e-5,
-       ("gemv", "int8"): 2e-5, ("gemm", "int8"): 2e-5, ("expert", "int8"): 1e-3}
+       ("gemv", "int8"): 2e-5, ("gemm", "int8"): 2e-5, ("expert", "int8"): 2e-5}
 #: Activation rows per op: CPU GEMV up to F.GEMV_MAX_T rows (f32; the VNNI int8 GEMV goes further), the device
 #: GEMV below 16 rows (COLI_VK_TIER_GEMM_ROWS); GEMM rows above both backends' GEMV limits.
 ROWS = {"gemv": (1, min(3, F.GEMV_MAX_T)), "gemm": (max(F.GEMV_I8_MAX_T, F.GEMV_MAX_T, 16) + 1, 37)}
@@ -144,14 +143,24 @@ class Backend:
 
 
 def expert_reference(x, w, act):
-    """SwiGLU expert in float64 on the activations the backend multiplies (int8: x and the SwiGLU output rounded)."""
+    """SwiGLU expert in float64 on the activations the backend multiplies (int8: x and the SwiGLU output rounded):
+    (want float64 [R, D], slack float64 [R, D]). The SwiGLU output reaches the second rounding as f32 from the
+    backend and float64 here, so a code within 1e-3 of a rounding tie may go either way: ``slack`` is the most
+    those codes can move each output (one step d of their block times |W_down|); zero for f32."""
     if act == "f32":
-        return numpy_expert(x, w)
+        return numpy_expert(x, w), 0.0
     wg, wu, wd = w
     xa = act_model(x, act)
     g, u = xa @ wg.T, xa @ wu.T
     h = (g / (1.0 + np.exp(-g)) * u).astype(np.float32)
-    return act_model(h, act) @ wd.T
+    R, Fd = h.shape
+    hb = h.reshape(R, Fd // 32, 32)
+    d = (np.abs(hb).max(axis=-1) / np.float32(127.0)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = np.where(d[..., None] != 0, hb.astype(np.float64) / d[..., None], 0.0)
+    tie = np.abs(np.abs(t - np.floor(t)) - 0.5) < 1e-3
+    step = (tie * d[..., None]).reshape(R, Fd)
+    return act_model(h, act) @ wd.T, step @ np.abs(wd).T
 
 
 def run_case(be: Backend, type_name: str, op: str, act: str) -> float:
@@ -193,8 +202,11 @@ def run_case(be: Backend, type_name: str, op: str, act: str) -> float:
     assert be.work() > w0, f"{be.name} did no work"
     assert y.shape == (R * K, D)
     with np.errstate(over="ignore"):   # exp(-g) of a large negative gate: silu -> 0, as it should
-        want = np.stack([expert_reference(x[r:r + 1], ws[e], act)[0] for r, e in zip(rows, eids)])
-    return err(y, want)
+        refs = [expert_reference(x[r:r + 1], ws[e], act) for r, e in zip(rows, eids)]
+    want = np.concatenate([w for w, _ in refs])
+    slack = np.concatenate([np.broadcast_to(s, w.shape) for w, s in refs])
+    return float(np.maximum(np.abs(y.astype(np.float64) - want) - slack, 0.0).max()
+                 / max(float(np.abs(want).max()), 1e-30))
 
 
 @pytest.fixture(scope="module")
