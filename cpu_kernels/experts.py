@@ -161,6 +161,65 @@ def _dot_i8(ds, o, xq, xd, xm):
 
 
 @njit(inline="always", **_JIT)
+def _block_i8(ds, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out):
+    """out[dst[p], oe + o] = W[o] . row src[p] for o in c0:c1, p in p0:p1 (int8 activations): the format
+    branch taken once per work item, so each inner loop is one format's code."""
+    fc = ds[0]
+    if fc == FC_Q8:
+        for o in range(c0, c1):
+            q = _r_i8(ds, 0, o)
+            d = _r_f32(ds, 1, o)
+            for p in range(p0, p1):
+                r = src[p]
+                out[dst[p], oe + o] = row_q8(q, d, xq[r], xd[r])
+    elif fc == FC_Q4_0 or fc == FC_Q4_1:
+        for o in range(c0, c1):
+            qs = _r_u8(ds, 0, o)
+            d = _r_f32(ds, 1, o)
+            m = _r_f32(ds, 2 if fc == FC_Q4_1 else 1, o)
+            for p in range(p0, p1):
+                r = src[p]
+                s = row_pair(qs, d, xq[r], xd[r])
+                corr = _F0
+                if fc == FC_Q4_1:
+                    for b in range(d.shape[0]):
+                        corr += m[b] * xm[r, b]
+                    out[dst[p], oe + o] = s + corr
+                else:
+                    for b in range(d.shape[0]):
+                        corr += d[b] * xm[r, b]
+                    out[dst[p], oe + o] = s - _F8 * corr
+    elif fc == FC_Q4_K or fc == FC_Q5_K:
+        for o in range(c0, c1):
+            qs = _r_u8(ds, 0, o)
+            sc = _r_u8(ds, 1, o)
+            mn = _r_u8(ds, 2, o)
+            d = _r_f32(ds, 3, o)
+            dm = _r_f32(ds, 4, o)
+            for p in range(p0, p1):
+                r = src[p]
+                if fc == FC_Q4_K:
+                    s = row_q4_k(qs, sc, d, xq[r], xd[r])
+                else:
+                    s = row_q5_k(qs, sc, d, xq[r], xd[r])
+                mins = _F0
+                for b in range(d.shape[0]):
+                    mb = _F0
+                    for k in range(8):
+                        mb += np.float32(mn[b * 8 + k]) * xm[r, b * 8 + k]
+                    mins += dm[b] * mb
+                out[dst[p], oe + o] = s - mins
+    elif fc == FC_Q6_K:
+        for o in range(c0, c1):
+            q = _r_i8(ds, 0, o)
+            sc = _r_i8(ds, 1, o)
+            d = _r_f32(ds, 2, o)
+            for p in range(p0, p1):
+                r = src[p]
+                out[dst[p], oe + o] = row_q6_k(q, sc, d, xq[r], xd[r])
+
+
+@njit(inline="always", **_JIT)
 def _decode_row(ds, o, buf):
     """Weight row ``o`` decoded to f32 into ``buf`` [I] (ggml's dequantize_row_* in the packed layouts of
     ``formats``; the same formulas as ``formats._dec_*``)."""
@@ -273,10 +332,7 @@ def mm_grouped(desc, pstart, src, dst, off, mode, xq, xd, xm, x, out):
         p1 = pstart[e + 1]
         oe = off[e]
         if mode == I8 and ds[0] != FC_F32:
-            for o in range(c0, min(O, c0 + _RB)):
-                for p in range(p0, p1):
-                    r = src[p]
-                    out[dst[p], oe + o] = _dot_i8(ds, o, xq[r], xd[r], xm[r])
+            _block_i8(ds, c0, min(O, c0 + _RB), p0, p1, src, dst, oe, xq, xd, xm, out)
         else:
             buf = np.empty(ds[2], np.float32)
             for o in range(c0, min(O, c0 + _RB)):
@@ -369,39 +425,76 @@ class Act:
         return a
 
 
+_SLOTS: dict = {}
+
+
 def _slots(n_w: int, T: int):
-    pstart = np.arange(0, (n_w + 1) * T, T, dtype=np.int64)
-    t = np.tile(np.arange(T, dtype=np.int64), n_w)
-    return pstart, t
+    """(pstart, rows) for ``n_w`` weights that each read rows 0..T-1 (cached: built once per shape)."""
+    key = (n_w, T)
+    r = _SLOTS.get(key)
+    if r is None:
+        pstart = np.arange(0, (n_w + 1) * T, T, dtype=np.int64)
+        r = _SLOTS[key] = (pstart, np.tile(np.arange(T, dtype=np.int64), n_w))
+    return r
+
+
+class Group:
+    """Weights with the same input size run as one grouped matmul (q/k/v of a layer); the descriptor table and
+    the output offsets are built once. Holds the Weights (their arrays back the descriptors)."""
+
+    def __init__(self, weights):
+        self.weights = list(weights)
+        self.desc = np.stack([w.desc for w in self.weights])
+        self.off = np.zeros(len(self.weights), np.int64)
+        self.off[1:] = np.cumsum(self.desc[:-1, 1])
+        self.O = int(self.desc[:, 1].sum())
+
+    def __call__(self, act: Act, out: np.ndarray | None = None) -> np.ndarray:
+        """f32 [T, sum O]: the weights' outputs side by side (``out[:, off[i]:off[i] + O_i]``)."""
+        T = act.x.shape[0]
+        if out is None:
+            out = np.empty((T, self.O), np.float32)
+        pstart, t = _slots(len(self.weights), T)
+        mm_grouped(self.desc, pstart, t, t, self.off, act.mode, act.xq, act.xd, act.xm, act.x, out)
+        return out
 
 
 def matmul_many(weights, act: Act, out: np.ndarray | None = None) -> np.ndarray:
     """Every weight of ``weights`` (same I) times all rows of ``act`` in one launch: f32 [T, sum O] with the
     weights' outputs side by side (q/k/v: ``out[:, :Oq]``, ``out[:, Oq:Oq+Ok]``, ...)."""
-    T = act.x.shape[0]
-    desc = np.stack([w.desc for w in weights])
-    off = np.zeros(len(weights), np.int64)
-    off[1:] = np.cumsum(desc[:-1, 1])
-    O = int(desc[:, 1].sum())
-    if out is None:
-        out = np.empty((T, O), np.float32)
-    pstart, t = _slots(len(weights), T)
-    mm_grouped(desc, pstart, t, t, off, act.mode, act.xq, act.xd, act.xm, act.x, out)
-    return out
+    return Group(weights)(act, out)
+
+
+class FFN:
+    """A gated FFN ``down(act(gate x, up x))`` (SwiGLU or tanh-GELU) in two launches; tables built once."""
+
+    def __init__(self, gate, up, down, kind: int, limit: float, act_mode: str):
+        self.weights = (gate, up, down)
+        self.gd = gate.desc.reshape(1, -1)
+        self.ud = up.desc.reshape(1, -1)
+        self.dd = down.desc.reshape(1, -1)
+        self.F = gate.shape[0]
+        self.D = down.shape[0]
+        self.kind = kind
+        self.limit = np.float32(limit)
+        self.act_mode = act_mode
+
+    def __call__(self, act: Act, act_mode: str | None = None) -> np.ndarray:
+        """``act``: the input rows (T of them); ``act_mode``: "int8" | "f32" for the hidden activation (default:
+        the one given at construction). Returns f32 [T, D]."""
+        T = act.x.shape[0]
+        pstart, t = _slots(1, T)
+        a = np.empty((T, self.F), np.float32)
+        ffn_gate_up(self.gd, self.ud, pstart, t, act.mode, act.xq, act.xd, act.xm, act.x, self.kind, self.limit, a)
+        aa = Act(a, act_mode or self.act_mode)
+        y = np.empty((T, self.D), np.float32)
+        mm_grouped(self.dd, pstart, t, t, _ZERO1, aa.mode, aa.xq, aa.xd, aa.xm, aa.x, y)
+        return y
 
 
 def ffn(gate, up, down, act: Act, kind: int, limit: float, act_mode: str) -> np.ndarray:
     """A dense FFN ``down(act(gate x, up x))`` on all rows of ``act`` in two launches (f32 [T, D])."""
-    T = act.x.shape[0]
-    pstart = np.array([0, T], np.int64)
-    t = np.arange(T, dtype=np.int64)
-    a = np.empty((T, gate.shape[0]), np.float32)
-    ffn_gate_up(gate.desc.reshape(1, -1), up.desc.reshape(1, -1), pstart, t, act.mode, act.xq, act.xd, act.xm,
-                act.x, kind, np.float32(limit), a)
-    aa = Act(a, act_mode)
-    y = np.empty((T, down.shape[0]), np.float32)
-    mm_grouped(down.desc.reshape(1, -1), pstart, t, t, _ZERO1, aa.mode, aa.xq, aa.xd, aa.xm, aa.x, y)
-    return y
+    return FFN(gate, up, down, kind, limit, act_mode)(act)
 
 
 _ZERO1 = np.zeros(1, np.int64)

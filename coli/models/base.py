@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from coli.errors import ColiError
+from cpu_kernels import experts as grouped
 from cpu_kernels import formats
 from cpu_kernels.attention import attend
 from cpu_kernels.norms import geglu_tanh, rms_norm, rms_norm_heads, swiglu
@@ -132,6 +133,13 @@ class Transformer:
         self.layers = [self._load_layer(il) for il in range(a.n_layers)]
         for L in self.layers:  # built once at load, not per token
             L["shared"] = self.shared_expert(L)
+            # q/k/v in one grouped launch on the layer input quantized once (cpu_kernels.experts)
+            qkv = [L["wq"], L["wk"], L["wv"]]
+            L["qkv"] = grouped.Group(qkv) if all(grouped.supports(w) for w in qkv) else None
+            ffn = [L.get("w_gate"), L.get("w_up"), L.get("w_down")]
+            kind = grouped.ACT_GEGLU if self.ffn_act == "geglu" else grouped.ACT_SWIGLU
+            L["ffn_grouped"] = (grouped.FFN(*ffn, kind, 0.0, act)
+                                if ffn[0] is not None and all(grouped.supports(w) for w in ffn) else None)
         self.moe_layers = [il for il, L in enumerate(self.layers) if L.get("router") is not None]
         self._ropes: dict = {}
         self.dense_bytes = sum(t.nbytes for n, t in self.t.items() if "_exps" not in n)
@@ -254,12 +262,29 @@ class Transformer:
     def mm(self, w, x):
         return formats.matmul(w, x, act=self.act)
 
+    def grouped_rows(self, T: int) -> bool:
+        """True when ``T`` rows run the grouped kernels (``cpu_kernels.experts``): up to the GEMV crossover of
+        ``formats.matmul``; above it the blocked f32 GEMM measured faster (docs/cpu_kernels.md)."""
+        if self.act == "int8" and grouped.HAVE_VNNI:
+            return T <= formats.GEMV_I8_MAX_T
+        return T <= formats.GEMV_MAX_T
+
+    def qkv(self, L, x):
+        """q, k, v projections of ``x`` f32 [T, D]: one quantization of x and one parallel launch for the three
+        matrices when their formats have grouped kernels (``cpu_kernels.experts``), else three matmuls."""
+        if L["qkv"] is None or not self.grouped_rows(x.shape[0]):
+            return self.mm(L["wq"], x), self.mm(L["wk"], x), self.mm(L["wv"], x)
+        out = L["qkv"](grouped.Act(x, self.act))
+        oq, ok = L["wq"].shape[0], L["wk"].shape[0]
+        q, k, v = out[:, :oq], out[:, oq:oq + ok], out[:, oq + ok:]
+        if x.shape[0] > 1:  # column slices of a [T, O] buffer: contiguous copies for the row kernels
+            q, k, v = np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v)
+        return q, k, v
+
     def attention(self, il, L, x, cache: KVCache, pos0: int):
         a = self.args
         T = x.shape[0]
-        q = self.mm(L["wq"], x)
-        k = self.mm(L["wk"], x)
-        v = self.mm(L["wv"], x)
+        q, k, v = self.qkv(L, x)
         if L["bq"] is not None:
             q += L["bq"]
         if L["bk"] is not None:
@@ -285,6 +310,8 @@ class Transformer:
         return self.mm(L["wo"], o.reshape(T, a.n_heads * a.head_dim))
 
     def dense_ffn(self, L, x):
+        if L["ffn_grouped"] is not None and self.grouped_rows(x.shape[0]):  # gate+up+activation in one launch, down in one (cpu_kernels.experts)
+            return L["ffn_grouped"](grouped.Act(x, self.act), self.act)
         g = self.mm(L["w_gate"], x)
         u = self.mm(L["w_up"], x)
         act = geglu_tanh(g, u) if self.ffn_act == "geglu" else swiglu(g, u)
@@ -293,11 +320,17 @@ class Transformer:
     def shared_expert(self, L):
         if "sh_gate" not in L:
             return None
+        fused = None
+        if all(grouped.supports(L[n]) for n in ("sh_gate", "sh_up", "sh_down")):
+            fused = grouped.FFN(L["sh_gate"], L["sh_up"], L["sh_down"], grouped.ACT_SWIGLU, 0.0, self.act)
 
         def run(x):
-            g = self.mm(L["sh_gate"], x)
-            u = self.mm(L["sh_up"], x)
-            y = self.mm(L["sh_down"], swiglu(g, u))
+            if fused is not None and self.grouped_rows(x.shape[0]):
+                y = fused(grouped.Act(x, self.act), self.act)
+            else:
+                g = self.mm(L["sh_gate"], x)
+                u = self.mm(L["sh_up"], x)
+                y = self.mm(L["sh_down"], swiglu(g, u))
             if L.get("sh_gate_inp") is not None:  # Qwen2-MoE: sigmoid(x . w_gate_inp_shexp) scales it
                 s = x @ L["sh_gate_inp"].reshape(-1)
                 y *= (1.0 / (1.0 + np.exp(-s)))[:, None].astype(np.float32)
