@@ -118,49 +118,6 @@ def _r_f32(ds, k, o):
 
 # ----------------------------------------------------------------------------------------------- row dots
 @njit(inline="always", **_JIT)
-def _dot_i8(ds, o, xq, xd, xm):
-    """Weight row ``o`` of descriptor ``ds`` . one int8 activation row (codes xq [I], scales xd, xm [I/32]).
-    The same arithmetic as ``vnni.gemv_i8_<fmt>``'s row."""
-    fc = ds[0]
-    if fc == FC_Q8:
-        return row_q8(_r_i8(ds, 0, o), _r_f32(ds, 1, o), xq, xd)
-    if fc == FC_Q4_0:
-        d = _r_f32(ds, 1, o)
-        s = row_pair(_r_u8(ds, 0, o), d, xq, xd)
-        corr = _F0
-        for b in range(d.shape[0]):
-            corr += d[b] * xm[b]
-        return s - _F8 * corr
-    if fc == FC_Q4_1:
-        d = _r_f32(ds, 1, o)
-        m = _r_f32(ds, 2, o)
-        s = row_pair(_r_u8(ds, 0, o), d, xq, xd)
-        corr = _F0
-        for b in range(d.shape[0]):
-            corr += m[b] * xm[b]
-        return s + corr
-    if fc == FC_Q4_K or fc == FC_Q5_K:
-        sc = _r_u8(ds, 1, o)
-        mn = _r_u8(ds, 2, o)
-        d = _r_f32(ds, 3, o)
-        dm = _r_f32(ds, 4, o)
-        if fc == FC_Q4_K:
-            s = row_q4_k(_r_u8(ds, 0, o), sc, d, xq, xd)
-        else:
-            s = row_q5_k(_r_u8(ds, 0, o), sc, d, xq, xd)
-        mins = _F0
-        for b in range(d.shape[0]):
-            mb = _F0
-            for k in range(8):
-                mb += np.float32(mn[b * 8 + k]) * xm[b * 8 + k]
-            mins += dm[b] * mb
-        return s - mins
-    if fc == FC_Q6_K:
-        return row_q6_k(_r_i8(ds, 0, o), _r_i8(ds, 1, o), _r_f32(ds, 2, o), xq, xd)
-    return np.float32(np.nan)  # FC_F32 never reaches here (the kernels route it to _dot_f32)
-
-
-@njit(inline="always", **_JIT)
 def _block_i8(ds, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out):
     """out[dst[p], oe + o] = W[o] . row src[p] for o in c0:c1, p in p0:p1 (int8 activations): the format
     branch taken once per work item, so each inner loop is one format's code."""
@@ -357,12 +314,16 @@ def ffn_gate_up(gdesc, udesc, pstart, src, mode, xq, xd, xm, x, kind, limit, a):
         p0 = pstart[e]
         p1 = pstart[e + 1]
         if mode == I8 and gd[0] != FC_F32 and ud[0] != FC_F32:
-            for o in range(c0, min(F, c0 + _RB)):
-                for p in range(p0, p1):
-                    r = src[p]
-                    g = _dot_i8(gd, o, xq[r], xd[r], xm[r])
-                    u = _dot_i8(ud, o, xq[r], xd[r], xm[r])
-                    a[p, o] = _act(g, u, kind, limit)
+            c1 = min(F, c0 + _RB)
+            n = p1 - p0
+            loc = np.arange(n)
+            gs = np.empty((n, _RB), np.float32)
+            us = np.empty((n, _RB), np.float32)
+            _block_i8(gd, c0, c1, 0, n, src[p0:p1], loc, -c0, xq, xd, xm, gs)
+            _block_i8(ud, c0, c1, 0, n, src[p0:p1], loc, -c0, xq, xd, xm, us)
+            for p in range(n):
+                for o in range(c0, c1):
+                    a[p0 + p, o] = _act(gs[p, o - c0], us[p, o - c0], kind, limit)
         else:
             gb = np.empty(gd[2], np.float32)
             ub = np.empty(ud[2], np.float32)
@@ -374,7 +335,21 @@ def ffn_gate_up(gdesc, udesc, pstart, src, mode, xq, xd, xm, x, kind, limit, a):
                     a[p, o] = _act(_dot_f32(gb, xr), _dot_f32(ub, xr), kind, limit)
 
 
-quantize_rows_into = _F._quantize_act_i8  # (x f32 [R, I], xq int8 [R, I], xd f32 [R, I/32], xm f32 [R, I/32])
+@njit(nogil=True, cache=True)
+def _rms_norm_q8(h, w, eps, out, xq, xd, xm):
+    """RMSNorm (norms._rms_norm's arithmetic: the sum in float64) and the int8 quantization of its output
+    (formats._quantize_act_i8's arithmetic) in one serial pass per row: h f32 [T, D] -> out f32 [T, D], xq int8
+    [T, D], xd/xm f32 [T, D/32]. No fastmath: the codes are bit-equal to the two separate kernels."""
+    T, D = h.shape
+    for r in range(T):
+        s = 0.0
+        for i in range(D):
+            v = np.float64(h[r, i])
+            s += v * v
+        inv = 1.0 / math.sqrt(s / D + eps)
+        for i in range(D):
+            out[r, i] = np.float32(h[r, i] * inv) * w[i]
+    _F._quantize_act_i8(out, xq, xd, xm)
 
 
 def quantize_rows(x: np.ndarray):
@@ -413,16 +388,24 @@ class Act:
             self.xq, self.xd, self.xm = _EMPTY_Q
             self.x = x
 
-    def rows(self, idx: np.ndarray) -> "Act":
-        """The same activations for the rows ``idx`` (a view-free gather)."""
+    @staticmethod
+    def rms_norm(h: np.ndarray, w: np.ndarray, eps: float, act: str):
+        """(x, Act of x) with x = RMSNorm(h) * w (``norms.rms_norm``'s arithmetic), the norm and the int8
+        quantization in one serial kernel (a decode row: no parallel launch, one dispatch)."""
+        if not (act == "int8" and HAVE_VNNI):
+            from .norms import rms_norm
+
+            x = rms_norm(h, w, eps)
+            return x, Act(x, act)
+        T, D = h.shape
         a = Act.__new__(Act)
-        a.mode = self.mode
-        a.x = self.x[idx]
-        if self.mode == I8:
-            a.xq, a.xd, a.xm = self.xq[idx], self.xd[idx], self.xm[idx]
-        else:
-            a.xq, a.xd, a.xm = _EMPTY_Q
-        return a
+        a.mode = I8
+        a.x = np.empty((T, D), np.float32)
+        a.xq = np.empty((T, D), np.int8)
+        a.xd = np.empty((T, D // 32), np.float32)
+        a.xm = np.empty((T, D // 32), np.float32)
+        _rms_norm_q8(h, w, eps, a.x, a.xq, a.xd, a.xm)
+        return a.x, a
 
 
 _SLOTS: dict = {}
@@ -501,10 +484,13 @@ _ZERO1 = np.zeros(1, np.int64)
 
 
 def experts(ws, groups, act: Act, pair_out: np.ndarray, kind: int, limit: float, act_mode: str) -> None:
-    """The CPU experts of a MoE step in two launches: ``ws`` a list of (gate, up, down) Weights, ``groups`` the
-    pair ids (r*K + k) each expert serves (int [n_e] arrays, same order), ``act`` the step's input rows
-    (quantized once), ``K`` implicit in the pair ids' rows (``rows = pairs // K`` done by the caller: here
-    ``groups`` is a list of (rows, pairs)). Writes ``pair_out[pair]`` (f32 [R*K, D]) for every pair."""
+    """The CPU experts of a MoE step in two launches (gate+up+activation for all, then all down rows).
+
+    ``ws``: objects with ``.gate``, ``.up``, ``.down`` Weights (the RAM cache's ExpertWeights), any formats with a
+    code; ``groups``: per expert, in the same order, ``(rows, pairs)`` int arrays: the rows of ``act`` it reads and
+    the pair ids (r*K + k) it writes; ``act``: the step's input rows (quantized once); ``pair_out`` f32 [R*K, D]:
+    row ``pairs[i]`` receives the expert's output for ``rows[i]``. ``kind``/``limit``: the activation (ACT_SWIGLU
+    with its clamp, 0 = none); ``act_mode``: "int8" | "f32" for the hidden activation."""
     n = len(ws)
     sizes = np.array([len(g[0]) for g in groups], np.int64)
     pstart = np.zeros(n + 1, np.int64)

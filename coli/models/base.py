@@ -269,22 +269,29 @@ class Transformer:
             return T <= formats.GEMV_I8_MAX_T
         return T <= formats.GEMV_MAX_T
 
-    def qkv(self, L, x):
+    def norm_in(self, h, w):
+        """The layer input: ``(x, xa)`` with x = RMSNorm(h) f32 [T, D] and xa its ``grouped.Act`` (quantized once
+        for every matmul that reads x) when T rows run the grouped kernels, else ``(x, None)``."""
+        if self.grouped_rows(h.shape[0]) and h.shape[1] % 32 == 0:
+            return grouped.Act.rms_norm(h, w, self.args.eps, self.act)
+        return rms_norm(h, w, self.args.eps), None
+
+    def qkv(self, L, x, xa=None):
         """q, k, v projections of ``x`` f32 [T, D]: one quantization of x and one parallel launch for the three
         matrices when their formats have grouped kernels (``cpu_kernels.experts``), else three matmuls."""
         if L["qkv"] is None or not self.grouped_rows(x.shape[0]):
             return self.mm(L["wq"], x), self.mm(L["wk"], x), self.mm(L["wv"], x)
-        out = L["qkv"](grouped.Act(x, self.act))
+        out = L["qkv"](xa if xa is not None else grouped.Act(x, self.act))
         oq, ok = L["wq"].shape[0], L["wk"].shape[0]
         q, k, v = out[:, :oq], out[:, oq:oq + ok], out[:, oq + ok:]
         if x.shape[0] > 1:  # column slices of a [T, O] buffer: contiguous copies for the row kernels
             q, k, v = np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v)
         return q, k, v
 
-    def attention(self, il, L, x, cache: KVCache, pos0: int):
+    def attention(self, il, L, x, cache: KVCache, pos0: int, xa=None):
         a = self.args
         T = x.shape[0]
-        q, k, v = self.qkv(L, x)
+        q, k, v = self.qkv(L, x, xa)
         if L["bq"] is not None:
             q += L["bq"]
         if L["bk"] is not None:
@@ -309,9 +316,9 @@ class Transformer:
         o = attend(q, cache.k[il], cache.v[il], pos0, self.attn_scale(), self.layer_window(il))
         return self.mm(L["wo"], o.reshape(T, a.n_heads * a.head_dim))
 
-    def dense_ffn(self, L, x):
-        if L["ffn_grouped"] is not None and self.grouped_rows(x.shape[0]):  # gate+up+activation in one launch, down in one (cpu_kernels.experts)
-            return L["ffn_grouped"](grouped.Act(x, self.act), self.act)
+    def dense_ffn(self, L, x, xa=None):
+        if L["ffn_grouped"] is not None and self.grouped_rows(x.shape[0]):  # gate+up+act in one launch, down in one
+            return L["ffn_grouped"](xa if xa is not None else grouped.Act(x, self.act), self.act)
         g = self.mm(L["w_gate"], x)
         u = self.mm(L["w_up"], x)
         act = geglu_tanh(g, u) if self.ffn_act == "geglu" else swiglu(g, u)
@@ -355,13 +362,16 @@ class Transformer:
         if self.embed_scale:
             h *= np.float32(self.embed_scale)
         for il, L in enumerate(self.layers):
-            x = rms_norm(h, L["attn_norm"], a.eps)
-            o = self.attention(il, L, x, cache, pos0)
+            x, xa = self.norm_in(h, L["attn_norm"])
+            o = self.attention(il, L, x, cache, pos0, xa)
             if self.post_norms:
                 o = rms_norm(o, L["post_attn_norm"], a.eps)
             h += o
-            x = rms_norm(h, L["ffn_norm"], a.eps)
-            f = self.moe(il, L, x) if "router" in L else self.dense_ffn(L, x)
+            if "router" in L:
+                f = self.moe(il, L, rms_norm(h, L["ffn_norm"], a.eps))
+            else:
+                x, xa = self.norm_in(h, L["ffn_norm"])
+                f = self.dense_ffn(L, x, xa)
             if self.post_norms:
                 f = rms_norm(f, L["post_ffn_norm"], a.eps)
             h += f
