@@ -706,6 +706,8 @@ class Engine:
     @_on_engine_threads
     def _generate_iter(self, ids, n_gen, sampler, stop, stop_at_eos, keep_kv, should_stop):
         """The generation loop as a generator of text pieces; returns the :class:`GenerateResult`."""
+        if self.usage is not None:
+            self.usage.discard_pending()  # routing of a step an earlier call did not finish
         n_same = 0
         if keep_kv and self._kv is not None:
             known = self._kv_ids[: self._kv.pos]
