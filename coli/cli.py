@@ -266,7 +266,7 @@ def cmd_serve(a) -> int:
     try:
         return serve(eng, model_id, host=a.host, port=a.port, aliases=aliases, max_queue=a.queue, quiet=a.quiet)
     finally:
-        _close(eng)
+        _close(eng)  # already closed by the server's shutdown; idempotent
 
 
 def cmd_models(a) -> int:
