@@ -14,7 +14,7 @@ from coli.errors import ColiError
 
 
 def _engine_args(p: argparse.ArgumentParser, model_required=False):
-    p.add_argument("-m", "--model", required=model_required, help="GGUF file (default: the demo MoE, built on first use)")
+    p.add_argument("-m", "--model", required=model_required, help="GGUF file or Hugging Face folder (default: the demo MoE, built on first use)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: physical cores available)")
     p.add_argument("--ctx", type=int, default=None, help="KV cache positions (default min(4096, trained context))")
     p.add_argument("--expert-cache", type=int, default=None, metavar="N",

@@ -16,6 +16,7 @@ from cpu_kernels import formats as F
 from coli.errors import ColiError
 
 QUANTIZABLE = {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "MXFP4", "BF16"}
+GGUF_ROWS = [n for n, f in F.FORMATS.items() if f.qtype is not None]  # the rest are coli's own (FP8)
 
 
 def _random_raw(name: str, O: int, I: int, rng) -> np.ndarray:
@@ -28,6 +29,12 @@ def _random_raw(name: str, O: int, I: int, rng) -> np.ndarray:
         return w.astype(np.float16).view(np.uint8).reshape(O, -1)
     if name in QUANTIZABLE:
         return np.ascontiguousarray(gq.quantize(w, fmt.qtype)).reshape(O, -1)
+    if name == "FP8_E4M3_B128":  # random non-NaN E4M3 codes, positive f32 scales per 128x128 block
+        from cpu_kernels import fp8
+
+        codes = rng.integers(0, 256, (O, I), dtype=np.uint8)
+        codes[(codes & 0x7F) == 0x7F] = 0x3F
+        return fp8.to_raw(codes, rng.uniform(1e-3, 2e-2, (-(-O // 128), I // 128)).astype(np.float32))
     # K-quants: random codes and sub-block scales, small positive f16 super-block scales with sane exponents.
     nb = I // 256
     blocks = rng.integers(0, 256, (O, nb, fmt.type_size), dtype=np.uint8)
@@ -65,15 +72,15 @@ def _q8_act_model(x: np.ndarray):
 
 
 SHAPES = {"block32": [(1, 64), (7, 96), (33, 320)], "block256": [(1, 512), (7, 256), (33, 768)],
-          "float": [(1, 40), (7, 96), (33, 70)]}
+          "float": [(1, 40), (7, 96), (33, 70)], "block128": [(1, 128), (7, 256), (133, 384)]}
 
 
 def _shapes(name):
     bs = F.FORMATS[name].block_size
-    return SHAPES["float" if bs == 1 else "block32" if bs == 32 else "block256"]
+    return SHAPES[{1: "float", 32: "block32", 128: "block128"}.get(bs, "block256")]
 
 
-@pytest.mark.parametrize("name", list(F.FORMATS))
+@pytest.mark.parametrize("name", GGUF_ROWS)
 def test_registry_row(name):
     fmt = F.FORMATS[name]
     assert fmt.name == name and fmt.qtype == QT[name]
