@@ -7,6 +7,9 @@ through the RAM expert cache, optionally a device tier), generate text.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import os
 import sys
 import time
@@ -30,10 +33,81 @@ class GenerateResult:
     stats: dict = field(default_factory=dict)
 
 
+@contextlib.contextmanager
+def engine_threads(eng):
+    """Run the block on ``eng.threads`` Numba threads, then give the calling thread its count back.
+
+    Numba's thread count belongs to the calling Python thread (``numba.set_num_threads`` is thread-local;
+    a new thread starts at ``NUMBA_NUM_THREADS``), so each public Engine call sets it at its entry: a call
+    from a worker thread runs on the engine's threads, and constructing a second engine leaves the first
+    one's count alone (docs/tuning.md). Also closes the "compiling kernels, once" bar at the end."""
+    import numba
+
+    from coli.progress import end_compile_bar, install
+
+    install()
+    prev = numba.get_num_threads()
+    if prev != eng.threads:
+        numba.set_num_threads(eng.threads)
+    try:
+        yield
+    finally:
+        if prev != eng.threads:
+            numba.set_num_threads(prev)
+        end_compile_bar()
+
+
+def _on_engine_threads(fn):
+    """Decorator of the public Engine calls: :func:`engine_threads` around the call (around each step of a
+    generator)."""
+    if inspect.isgeneratorfunction(fn):
+        @functools.wraps(fn)
+        def gen(self, *a, **kw):
+            it = fn(self, *a, **kw)
+            value = None
+            try:
+                while True:
+                    with engine_threads(self):
+                        try:
+                            out = it.send(value)
+                        except StopIteration as stop:
+                            return stop.value
+                    value = yield out
+            finally:
+                with engine_threads(self):
+                    it.close()
+        return gen
+
+    @functools.wraps(fn)
+    def call(self, *a, **kw):
+        with engine_threads(self):
+            return fn(self, *a, **kw)
+    return call
+
+
 def _available_ram() -> int:
     import psutil
 
     return int(psutil.virtual_memory().available)
+
+
+def kv_cache_bytes(args, ctx: int) -> int:
+    """Bytes of the f32 KV cache (``coli.models.base.KVCache``): K and V, ``[n_kv_heads, ctx, head_dim]``
+    per layer."""
+    return 2 * args.n_layers * args.n_kv_heads * int(ctx) * args.head_dim * 4
+
+
+def expert_cache_slots(n_experts: int, top_k: int, expert_bytes: int, n_moe_layers: int, expert_cache=None,
+                       available: int | None = None) -> int:
+    """RAM expert cache slots per MoE layer (the engine's rule, docs/engine.md): ``expert_cache`` when given
+    (at most ``n_experts``; below top-k raised to top-k by the caller); else every expert when all of them fit
+    in half the available RAM, else what fits there, never below top-k. ``expert_bytes``: the biggest
+    expert's gate+up+down bytes; ``available``: RAM available in bytes (psutil's when None)."""
+    if expert_cache is not None:
+        return min(int(expert_cache), n_experts)
+    avail = _available_ram() if available is None else int(available)
+    fit = int(avail // 2 // max(1, expert_bytes * n_moe_layers))
+    return max(top_k, min(n_experts, fit))
 
 
 class Engine:
@@ -62,10 +136,14 @@ class Engine:
         self.path = Path(path)
         self.quiet = quiet
         self.save_usage_on_close = save_usage
+        self.io_threads = int(io_threads)
         self.threads = int(threads) if threads is not None else cpu_kernels.default_threads()
         if self.threads < 1:
             raise ColiError(f"--threads: {threads} (at least 1)")
-        got = cpu_kernels.set_threads(self.threads)
+        # the count is set per call (engine_threads), never left behind in the constructing thread
+        import numba
+
+        got = max(1, min(self.threads, numba.config.NUMBA_NUM_THREADS))
         if got != self.threads and not quiet:
             print(f"coli: --threads {self.threads}: Numba's pool has {got} threads; using {got}", file=sys.stderr)
         self.threads = got
@@ -91,7 +169,7 @@ class Engine:
         self.ctx = int(ctx) if ctx is not None else min(4096, a.ctx_train)
         if self.ctx < 1:
             raise ColiError(f"--ctx: {ctx} (at least 1)")
-        kv_bytes = 2 * a.n_layers * a.n_kv_heads * self.ctx * a.head_dim * 4
+        kv_bytes = kv_cache_bytes(a, self.ctx)
         if kv_bytes > _available_ram() * 0.8:
             raise ColiError(f"--ctx: {self.ctx} positions need {kv_bytes / 2**30:.1f} GiB of KV cache, more than the "
                             f"{_available_ram() / 2**30:.1f} GiB of RAM available")
@@ -131,11 +209,8 @@ class Engine:
         L = self.model.moe_layers
         E = source.n_experts(L[0])
         per = max(source.expert_nbytes(l) for l in L)
-        if expert_cache is None:
-            fit = int(_available_ram() // 2 // max(1, per * len(L)))
-            slots = max(a.top_k, min(E, fit))
-        else:
-            slots = min(int(expert_cache), E)
+        slots = expert_cache_slots(E, a.top_k, per, len(L), expert_cache)
+        if expert_cache is not None:
             if int(expert_cache) < 0:
                 raise ColiError(f"--expert-cache: {expert_cache} (slots per layer, >= top-k {a.top_k})")
             if slots < a.top_k:
@@ -160,6 +235,10 @@ class Engine:
         self.expert_slots = slots
 
     def _setup_device(self, device, balance):
+        """Open the Vulkan device and wire the expert tier to this engine (docs/tier.md): the budget by the
+        one rule (``scheduler.tier_policy.budget_bytes``, which the device applied at open: its
+        ``budget_bytes`` / ``budget_rule``), the RAM cache's size and the dense bytes, the history, the
+        trace, the start line, the warm start (the cache's ``source.read_raw`` on a thread pool)."""
         if device != "vulkan":
             raise ColiError(f"--device: '{device}' (cpu or vulkan)")
         try:
@@ -172,9 +251,25 @@ class Engine:
             self.device = None
         if self.device is None or self.step is None:
             return
+        from scheduler.balancer import Balancer
         from scheduler.tier import Tier
+        from scheduler.tier_policy import DeviceMemory, budget_bytes
 
-        self.tier = Tier.for_engine(self, balance=True if balance is None else bool(balance))
+        dev, src = self.device, self.cache.source
+        layers = list(self.model.moe_layers)
+        per = max(src.expert_nbytes(l) for l in layers)          # the biggest expert (gate + up + down)
+        budget, rule = getattr(dev, "budget_bytes", None), getattr(dev, "budget_rule", None)
+        info = DeviceMemory.of(dev)
+        if budget is None:
+            budget, rule = budget_bytes(info, self.ram_cache_bytes, self.model.dense_bytes)
+        counts = self.usage.counts.copy() if self.usage is not None and self.usage.loaded else None
+        own = bool(getattr(dev, "own_queue", getattr(dev, "dedicated_compute_queue", False)))
+        self.tier = Tier(dev, self.path.name, self.args.n_layers, src.n_experts(layers[0]), per, int(budget),
+                         rule, counts=counts, balancer=Balancer(enabled=True if balance is None else bool(balance)),
+                         trace=self.trace, device_name=info.name, own_queue=own, moe_layers=layers,
+                         auto_tokens=True, ram=self.cache)
+        self.tier._say(self.tier.start_line())
+        self.tier.warm_start(src.read_raw)
         self.step.tier = self.tier
 
     # -- text --------------------------------------------------------------------------------------------
@@ -210,12 +305,14 @@ class Engine:
                 out.append(lg)
         return np.concatenate(out, axis=0)
 
+    @_on_engine_threads
     def logits(self, token_ids) -> np.ndarray:
         """Logits f32 [T, vocab] for exactly ``token_ids`` (no BOS added), from a fresh KV cache."""
         ids = self._check_ids(token_ids)
         kv = self._new_cache(len(ids))
         return self._prefill(kv, ids, True)
 
+    @_on_engine_threads
     def nll(self, token_ids) -> tuple[float, int]:
         """Teacher-forced mean negative log-likelihood (nats) and the number of tokens scored.
 
@@ -239,69 +336,88 @@ class Engine:
 
     @staticmethod
     def sample(logits: np.ndarray, temp: float, top_k: int, top_p: float, rng) -> int:
-        """Greedy when ``temp <= 0``; else softmax(logits/temp) over the top-k, then the top-p nucleus."""
-        if temp <= 0:
-            return int(np.argmax(logits))
-        lg = logits.astype(np.float64) / temp
-        idx = np.argsort(-lg, kind="stable")
-        if top_k and top_k > 0:
-            idx = idx[:top_k]
-        p = np.exp(lg[idx] - lg[idx[0]])
-        p /= p.sum()
-        if 0 < top_p < 1:
-            c = np.cumsum(p)
-            n = int(np.searchsorted(c, top_p) + 1)
-            idx, p = idx[:n], p[:n] / p[:n].sum()
-        return int(idx[rng.choice(len(idx), p=p)])
+        """One token from ``logits`` with ``rng`` (a ``numpy.random.Generator``): ``coli.sampling.Sampler``'s
+        chain with these settings and no penalties (kept for callers of the earlier API)."""
+        from coli.sampling import Sampler
+
+        return Sampler(temp=temp, top_k=top_k, top_p=top_p, rng=rng).sample(logits)
 
     def prompt_ids(self, prompt, chat: bool = False) -> list:
-        """Token ids of a prompt (through the chat template as one user message when ``chat``)."""
+        """Token ids of a prompt (through the chat template as one user message when ``chat``:
+        ``Tokenizer.encode_chat``, one BOS where the file asks for one; a model without a template gets
+        llama.cpp's ChatML fallback, with a note on stderr unless quiet)."""
         if prompt is None or prompt == "":
             raise ColiError("prompt: empty (give -p TEXT)")
         if chat:
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-            return self.tokenizer.encode(text, add_bos=False)
+            ids = self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+            if self.tokenizer.template_fallback and not self.quiet:
+                print(f"coli: {self.path.name} has no tokenizer.chat_template: using llama.cpp's fallback, ChatML",
+                      file=sys.stderr)
+            return ids
         return self.tokenize(prompt)
 
-    def check_fits(self, n_prompt: int, max_tokens: int, temp: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> None:
-        """ColiError when the prompt plus the tokens to generate exceed the context, or a sampling
-        setting is out of range."""
-        if temp < 0:
-            raise ColiError(f"--temp: {temp} (0 for greedy, or above)")
-        if not 0 < top_p <= 1:
-            raise ColiError(f"--top-p: {top_p} (in (0, 1])")
-        if top_k < 0:
-            raise ColiError(f"--top-k: {top_k} (0 for all, or above)")
+    def check_fits(self, n_prompt: int, max_tokens: int, temp: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                   **sampling) -> None:
+        """ColiError when the prompt plus the tokens to generate exceed the context, or a sampling setting
+        (``temp``, ``top_k``, ``top_p`` and the other ``coli.sampling.SamplingParams`` fields) is out of range."""
+        from coli.sampling import SamplingParams
+
+        SamplingParams(temp=temp, top_k=top_k, top_p=top_p, **sampling).validated()
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)):
+            raise ColiError(f"max_tokens (-n): {max_tokens!r} is not an integer")
         if max_tokens < 0:
-            raise ColiError(f"-n: {max_tokens} tokens to generate (at least 0)")
+            raise ColiError(f"max_tokens (-n): {max_tokens} tokens to generate (at least 0)")
         if n_prompt + max_tokens > self.ctx:
             raise ColiError(f"prompt: {n_prompt} prompt tokens and {max_tokens} to generate exceed the context of "
                             f"{self.ctx} positions (--ctx)")
 
+    @_on_engine_threads
     def generate(self, prompt=None, *, ids=None, max_tokens=64, temp=0.0, top_k=40, top_p=0.95, seed=None,
-                 chat=False, stop_at_eos=True, on_text=None) -> GenerateResult:
+                 chat=False, stop_at_eos=True, on_text=None, min_p=0.0, repeat_penalty=1.0, repeat_last_n=64,
+                 presence_penalty=0.0, frequency_penalty=0.0, sampler=None) -> GenerateResult:
         """Generate up to ``max_tokens`` tokens after ``prompt`` (text) or ``ids``.
 
         ``chat`` renders the prompt through the file's chat template as one user message. ``on_text(str)``
         receives text as it is produced. Stops at an end-of-generation token unless ``stop_at_eos`` is False.
+        Sampling (``temp`` .. ``frequency_penalty``, ``seed``: ``coli.sampling.SamplingParams``, llama.cpp's
+        definitions; ``seed`` None or -1 draws a random seed, reported in ``stats["seed"]``), or a prepared
+        ``sampler`` (``coli.sampling.Sampler``; then those keywords are ignored). The prompt's tokens enter the
+        penalty window first, as in llama.cpp. Raises ``ColiError`` for bad settings, a prompt that does not
+        fit the context, or a step whose logits are all non-finite.
         """
+        from coli.sampling import Sampler, SamplingParams
+
         if ids is None:
             ids = self.prompt_ids(prompt, chat=chat)
         ids = self._check_ids(ids)
-        self.check_fits(len(ids), max_tokens, temp, top_k, top_p)
-        rng = np.random.default_rng(seed)
+        params = SamplingParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
+                                repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
+                                frequency_penalty=frequency_penalty, seed=seed)
+        self.check_fits(len(ids), max_tokens)
+        if sampler is None:
+            sampler = Sampler(params, ctx=self.ctx)
+        sampler.accept_many(int(i) for i in ids)
         kv = self._new_cache(len(ids))
         self._reset_counters()
+        from coli.progress import compile_seconds  # compile time is never counted in tok/s
+
+        c0 = compile_seconds()
         t0 = time.perf_counter()
         lg = self._prefill(kv, ids, False)[-1]
         t1 = time.perf_counter()
+        c1 = compile_seconds()
         out: list = []
         eos = self.tokenizer.eos_ids
         dec = self.tokenizer.stream()  # whole characters only: a UTF-8 character may span tokens
         while len(out) < max_tokens:
-            tok = self.sample(lg, temp, top_k, top_p, rng)
+            try:
+                tok = sampler.sample(lg)
+            except ColiError as e:  # say where: the model's output at this position
+                raise ColiError(f"{self.path.name}: position {len(ids) + len(out)} (generated token "
+                                f"{len(out) + 1}): {e}") from None
             if stop_at_eos and tok in eos:
                 break
+            sampler.accept(tok)
             out.append(tok)
             if on_text is not None:
                 on_text(dec.push(tok))
@@ -313,10 +429,14 @@ class Engine:
         if on_text is not None:
             on_text(dec.flush())
         t2 = time.perf_counter()
+        c2 = compile_seconds()
         n_dec = max(len(out) - 1, 0)  # tokens whose forward ran after the prompt
-        st = dict(prompt_tokens=len(ids), prefill_s=t1 - t0, gen_tokens=len(out), decode_s=t2 - t1,
-                  prefill_tps=len(ids) / max(t1 - t0, 1e-9), decode_tps=n_dec / max(t2 - t1, 1e-9) if n_dec else 0.0)
+        pre_s, dec_s = max(t1 - t0 - (c1 - c0), 0.0), max(t2 - t1 - (c2 - c1), 0.0)
+        st = dict(prompt_tokens=len(ids), prefill_s=pre_s, gen_tokens=len(out), decode_s=dec_s,
+                  prefill_tps=len(ids) / max(pre_s, 1e-9), decode_tps=n_dec / max(dec_s, 1e-9) if n_dec else 0.0,
+                  compile_s=c2 - c0)
         st.update(self._counters())
+        st.update(seed=None if sampler.params.greedy else sampler.seed, masked_logit_steps=sampler.masked_steps)
         self.last_stats = st
         return GenerateResult(out, self.detokenize(out), [int(i) for i in ids], st)
 
@@ -333,13 +453,18 @@ class Engine:
         return dict(expert_hits=c.hits - h0, disk_loads=c.loads - l0, bytes_read=c.source.bytes_read - b0)
 
     def stats_line(self, st: dict | None = None) -> str:
-        """One line: prefill and decode tok/s, expert cache hits, disk loads, bytes read."""
+        """One line: prefill and decode tok/s, expert cache hits, disk loads, bytes read; the seed of a
+        sampled (not greedy) run; how many steps had non-finite logits masked."""
         st = st or self.last_stats
         s = (f"prefill {st.get('prompt_tokens', 0)} tok at {st.get('prefill_tps', 0):.1f} tok/s, "
              f"decode {st.get('gen_tokens', 0)} tok at {st.get('decode_tps', 0):.1f} tok/s")
         if self.cache is not None:
             s += (f" | experts: cache hits {st.get('expert_hits', 0)}, disk loads {st.get('disk_loads', 0)}, "
                   f"read {st.get('bytes_read', 0) / 2**20:.1f} MiB ({self.expert_slots} slots/layer)")
+        if st.get("seed") is not None:
+            s += f" | seed {st['seed']}"
+        if st.get("masked_logit_steps"):
+            s += f" | {st['masked_logit_steps']} steps had non-finite logits (masked, never sampled)"
         return s
 
     def close(self):

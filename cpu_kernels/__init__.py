@@ -9,7 +9,8 @@ and pitfall 12):
 * Else OpenMP with ``OMP_WAIT_POLICY=passive`` (the default active policy collapses under CPU contention).
 * Never workqueue: it aborts the process (SIGABRT) when two threads call parallel kernels concurrently.
 
-``NUMBA_CACHE_DIR`` defaults to ``coli.paths.cache_dir("numba")`` (kernels are ``cache=True``).
+``NUMBA_CACHE_DIR`` defaults to ``coli.paths.cache_dir("numba", <digest of this package's sources>)`` (kernels
+are ``cache=True``; the digest keeps a kernel that inlines another file's function from going stale).
 
 Public API: ``set_threads(n)``, ``default_threads()``, ``threading_layer()``, ``DEFAULT_ACT``.
 """
@@ -42,10 +43,21 @@ def _choose_layer() -> str:
 
 
 def _set_cache_dir() -> None:
+    """Numba checks a cached kernel against its own source file only, so a kernel inlining a function of another
+    file (the grouped kernels call ``vnni``'s intrinsics and ``formats``' quantizer) would keep a stale copy of an
+    edited one. The cache folder is therefore named by a digest of every kernel source of this package."""
     if not os.environ.get("NUMBA_CACHE_DIR"):
+        import hashlib
+
         from coli.paths import cache_dir
 
-        os.environ["NUMBA_CACHE_DIR"] = str(cache_dir("numba"))
+        here = os.path.dirname(os.path.abspath(__file__))
+        h = hashlib.sha1()
+        for name in sorted(os.listdir(here)):
+            if name.endswith(".py"):
+                with open(os.path.join(here, name), "rb") as f:
+                    h.update(name.encode() + b"\0" + f.read())
+        os.environ["NUMBA_CACHE_DIR"] = str(cache_dir("numba", h.hexdigest()[:16]))
 
 
 _set_cache_dir()

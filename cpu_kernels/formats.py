@@ -56,6 +56,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import quants as gq
 from numba import njit, prange
 
+from coli import tensor_types as _TT
 from coli.errors import ColiError
 
 from . import DEFAULT_ACT
@@ -765,17 +766,6 @@ def _pack_mxfp4(raw, O, I):
 
 
 # ----------------------------------------------------------------------------------------------- registry
-def _reference(qtype):
-    def ref(raw: np.ndarray, shape) -> np.ndarray:
-        O, I = shape
-        if qtype == QT.F32:
-            return np.ascontiguousarray(raw).view(np.float32).reshape(O, I).copy()
-        return gq.dequantize(np.ascontiguousarray(raw), qtype).reshape(O, I).astype(np.float32)
-
-    ref.__doc__ = f"NumPy reference: gguf.quants.dequantize(raw uint8 [O, row_bytes], {qtype.name}) -> f32 [O, I]."
-    return ref
-
-
 @dataclass(frozen=True)
 class Format:
     """One weight format: GGUF type name and enum, block size (weights) and bytes per block, the NumPy
@@ -795,9 +785,11 @@ class Format:
 
 
 def _row(name, bs, ts, pack, gemv, gemm, shader, int8, gemv_i8=None):
-    qt = QT[name]
-    assert gq.GGML_QUANT_SIZES[qt] == (bs, ts), name
-    return name, Format(name, qt, bs, ts, _reference(qt), pack, gemv, gemm, shader, int8,
+    """A FORMATS entry keyed by the tensor-type table (coli.tensor_types): geometry, reference and shader name
+    come from the table; ``bs``, ``ts``, ``shader`` are checked against it."""
+    t = _TT.get(name)
+    assert (t.block_size, t.type_size, t.shader) == (bs, ts, shader), name
+    return name, Format(name, t.qtype, bs, ts, t.reference, pack, gemv, gemm, shader, int8,
                         gemv_i8 if _vnni.HAVE_VNNI else None)
 
 
@@ -815,6 +807,9 @@ FORMATS: dict[str, Format] = dict([
     _row("MXFP4", 32, 17, _pack_mxfp4, gemv_q8_0, gemm_q8_0, "mxfp4", True, _vnni.gemv_i8_q8),
 ])
 
+for _f in FORMATS.values():
+    _TT.register("cpu", _f.name, f"{_f.gemv.__module__}.{_f.gemv.__name__}")
+
 #: Activation rows up to which ``matmul`` runs the GEMV once per row instead of the GEMM (measured).
 GEMV_MAX_T = 3
 #: The same for the int8 path when the VNNI GEMV exists (it is about twice as fast as the f32 GEMV).
@@ -828,7 +823,8 @@ class Weight:
     GGUF file (O * row_bytes).
     """
 
-    __slots__ = ("fmt", "name", "shape", "arrays", "nbytes", "file_nbytes", "gemv", "gemm", "int8", "gemv_i8")
+    __slots__ = ("fmt", "name", "shape", "arrays", "nbytes", "file_nbytes", "gemv", "gemm", "int8", "gemv_i8",
+                 "_desc")
 
     def __init__(self, fmt: Format, shape, arrays):
         self.fmt = fmt
@@ -841,6 +837,19 @@ class Weight:
         self.gemm = fmt.gemm
         self.int8 = fmt.int8
         self.gemv_i8 = fmt.gemv_i8
+        self._desc = None
+
+    @property
+    def desc(self) -> np.ndarray:
+        """int64 [13] descriptor of the packed arrays for the grouped kernels (``cpu_kernels.experts``), built
+        on first use; valid while this Weight (which owns the arrays) is alive."""
+        if self._desc is None:
+            from .experts import weight_desc
+
+            if not all(a.flags.c_contiguous for a in self.arrays):
+                self.arrays = tuple(np.ascontiguousarray(a) for a in self.arrays)
+            self._desc = weight_desc(self)
+        return self._desc
 
     def __repr__(self):
         return f"Weight({self.name}, {self.shape}, {self.nbytes} B)"
@@ -916,6 +925,10 @@ def matmul(w: Weight, x: np.ndarray, act: str | None = None) -> np.ndarray:
         w.gemm(*w.arrays, x, out)
     return out
 
+
+# The i-quant rows (IQ2_XXS ... IQ1_M) are appended to FORMATS by cpu_kernels/iquants.py, imported here last
+# because it uses this module's Q8_0 kernels and ``_tile``.
+from . import iquants as _iquants  # noqa: E402,F401
 
 # ----------------------------------------------------------------------------------------------- coli's own rows
 from . import fp8 as _fp8  # noqa: E402,F401  (it adds its row, FP8_E4M3_B128, to FORMATS; it uses the pieces above)

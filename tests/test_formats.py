@@ -14,6 +14,8 @@ from gguf import quants as gq
 import cpu_kernels
 from cpu_kernels import formats as F
 from coli.errors import ColiError
+from coli.iq_tables import IQ_TYPES
+from tests.iq_util import random_iq_blocks
 
 QUANTIZABLE = {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "MXFP4", "BF16"}
 GGUF_ROWS = [n for n, f in F.FORMATS.items() if f.qtype is not None]  # the rest are coli's own (FP8)
@@ -35,6 +37,8 @@ def _random_raw(name: str, O: int, I: int, rng) -> np.ndarray:
         codes = rng.integers(0, 256, (O, I), dtype=np.uint8)
         codes[(codes & 0x7F) == 0x7F] = 0x3F
         return fp8.to_raw(codes, rng.uniform(1e-3, 2e-2, (-(-O // 128), I // 128)).astype(np.float32))
+    if name in IQ_TYPES:
+        return random_iq_blocks(name, O, I, rng)
     # K-quants: random codes and sub-block scales, small positive f16 super-block scales with sane exponents.
     nb = I // 256
     blocks = rng.integers(0, 256, (O, nb, fmt.type_size), dtype=np.uint8)

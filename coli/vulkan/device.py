@@ -24,6 +24,8 @@ import time
 import numpy as np
 import vulkan as vk
 
+from coli import tensor_types as TT
+
 from . import shaders as S
 from .alloc import BlockAllocator
 from .errors import BudgetExceeded, DeviceLost, VulkanError
@@ -49,11 +51,6 @@ _TIMEOUT, _NOT_READY = 2, 1
 _TYPE_NAMES = {0: "other", 1: "integrated", 2: "discrete", 3: "virtual", 4: "cpu"}
 _TYPE_RANK = {2: 0, 1: 1, 3: 2, 4: 3, 0: 4}       # discrete > integrated > virtual > CPU
 
-# GGUF block geometry: type -> (elements per block, bytes per block) (ggml-common.h)
-BLOCKS = {
-    "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20),
-    "Q5_0": (32, 22), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "MXFP4": (32, 17),
-}
 MAXR = 4           # rows a GEMV group holds (shaders/gemv.comp): larger GEMV groups go in chunks
 GEMM_BM, GEMM_BN = 64, 32
 _PC_WORDS = 9      # push constants (shaders/common.glsl)
@@ -87,9 +84,9 @@ def _addr6(h) -> tuple:
 
 
 def row_bytes(type_name: str, inner: int) -> int:
-    """Bytes of one row of ``inner`` elements in GGUF format ``type_name``."""
-    qk, bb = BLOCKS[type_name]
-    return inner // qk * bb
+    """Bytes of one row of ``inner`` elements in GGUF format ``type_name`` (geometry: ``coli.tensor_types``)."""
+    t = TT.get(type_name)
+    return inner // t.block_size * t.type_size
 
 
 class _Tensor:
@@ -571,8 +568,12 @@ class Device:
         w_heap = self._mtypes[self._w_type][1]
         # free bytes of the weights' heap by VK_EXT_memory_budget (None without it)
         self.budget_free = heap_free[w_heap] if self.memory_budget_ext else None
-        self.budget_bytes, self.budget_rule = self._budget(budget_bytes, ram_cache_bytes, dense_bytes,
-                                                           heap_free[w_heap])
+        if budget_bytes is not None:
+            self.budget_bytes, self.budget_rule = int(budget_bytes), "given by the caller"
+        else:       # the tier's rule, the only one (docs/tier.md "budget")
+            from scheduler.tier_policy import DeviceMemory, budget_bytes as policy_budget
+            mem = DeviceMemory(self.name, self.type_name, self.heaps[w_heap][0], self.budget_free)
+            self.budget_bytes, self.budget_rule = policy_budget(mem, ram_cache_bytes, dense_bytes)
 
         # pipeline objects
         self._make_layouts()
@@ -602,22 +603,6 @@ class Device:
         arr = ffi.new("VkExtensionProperties[]", n[0])
         lib.vkEnumerateDeviceExtensionProperties(self._pd, ffi.NULL, n, arr)
         return {ffi.string(arr[i].extensionName).decode() for i in range(n[0])}
-
-    def _budget(self, explicit, ram_cache_bytes, dense_bytes, heap_free):
-        gb = _env_float("COLI_VK_TIER_GB", None)
-        if explicit is not None:
-            return int(explicit), "given by the caller"
-        if gb is not None:
-            return max(0, int(gb * GiB)), "COLI_VK_TIER_GB"
-        if self.type_name in ("integrated", "cpu"):
-            import psutil
-            avail = psutil.virtual_memory().available
-            b = max(0, (avail - ram_cache_bytes - dense_bytes) // 4 - 2 * GiB)
-            return int(b), "shared RAM: a quarter of what the RAM cache and dense weights leave, less 2 GiB"
-        reserve = int(_env_float("COLI_VK_TIER_RESERVE_GB", 1.0) * GiB)
-        b = max(0, heap_free - reserve - dense_bytes)
-        src = "VK_EXT_memory_budget" if self.memory_budget_ext else "heap size"
-        return int(b), f"{src} less {reserve / GiB:g} GiB reserve and the dense weights"
 
     def _pick_type(self, bits: int, req: int, pref: int) -> int:
         ok = [t for t, (fl, h) in enumerate(self._mtypes) if bits >> t & 1 and fl & req == req]
@@ -748,9 +733,9 @@ class Device:
 
     def _place(self, type_name: str, raw: np.ndarray, shape) -> _Tensor:
         O, I = (int(shape[0]), int(shape[1]))
-        if type_name not in BLOCKS:
+        if type_name not in S.FORMATS:
             raise ValueError(f"weight format {type_name} has no device kernel")
-        qk = max(BLOCKS[type_name][0], 32)
+        qk = max(TT.get(type_name).block_size, 32)
         if I % qk:
             raise ValueError(f"{type_name}: inner size {I} is not a multiple of {qk} (device kernels need it)")
         rb = row_bytes(type_name, I)

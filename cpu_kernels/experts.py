@@ -1,0 +1,429 @@
+"""Grouped matmuls: many weight matrices of any format in ONE parallel launch (the compiled token path).
+
+A decode step multiplies a few activation rows by many small matrices (q/k/v, gate/up, the CPU experts of a MoE
+step); one Numba parallel launch per matrix costs ~10 us of fork/join each and leaves threads idle at the ends of
+every launch (docs/cpu_kernels.md, "grouped kernels"). These kernels take a *table* of weights and run every
+(weight, block of 16 output rows) work item of the batch in one ``prange``:
+
+* ``mm_grouped``: weight ``e`` multiplies the activation rows ``src[p]`` for the slots ``p`` in
+  ``pstart[e]:pstart[e+1]`` and writes ``out[dst[p], off[e] + o]``. q/k/v of a layer are three weights reading
+  the same rows into one [T, Oq+Ok+Ov] buffer; a MoE step's down matrices are one weight per expert, each
+  reading its own rows of the activation and writing its pairs' rows of ``pair_out`` (invariant 1: where a pair
+  landed is fixed by its pair id, never by the order the work ran in).
+* ``ffn_gate_up``: gate and up weights of each expert (or of a dense FFN) in one work item per output-row block,
+  the activation function fused: ``a[p, o] = act(gate_o . x, up_o . x)`` (SwiGLU with an optional clamp, or
+  Gemma's tanh-GELU), so gate and up are never written out.
+
+Both kernels read the weight row ``o`` once per block of slots: rows routed to the same expert share its weight
+reads (the row stays in L1 across the slots), which makes a prompt chunk a GEMM over the weight block.
+
+Weights are passed as a descriptor table, int64 [n, 13] (``desc``): format code, O, I, five array addresses and
+their row lengths (``Weight.desc``: the packed arrays of ``formats.prepare``, which stay alive as long as the
+``Weight`` does; the callers hold their Weights during the call). Numba has no templates and a typed list of
+differently typed arrays would cost a Python-side build per step; a table of addresses is built once per
+weight at load and stacked per step with one NumPy fancy index.
+
+Activation modes (``mode``): ``I8`` (the layer input quantized ONCE per row with ``quantize_rows`` — llama.cpp's
+Q8 activation blocks, ``formats._quantize_act_i8`` — then VNNI integer dots through ``cpu_kernels.vnni``'s
+``row_*`` intrinsics; the same arithmetic as ``formats.matmul(act="int8")``'s GEMVs), ``F32`` (the weight row
+decoded to f32 once per block of slots, then f32 dots with the f32 activations). F32/F16/BF16 weights always run
+the f32 dot. Where the CPU lacks VNNI the callers pass the rounded activations in F32 mode (the same numbers up to
+f32 rounding, as ``formats.matmul``).
+"""
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+from . import formats as _F
+from .vnni import HAVE_VNNI, row_pair, row_q4_k, row_q5_k, row_q6_k, row_q8
+
+_PJIT = dict(parallel=True, nogil=True, cache=True, fastmath=True)
+_JIT = dict(nogil=True, cache=True, fastmath=True)
+_RB = 16
+
+# format codes (one per kernel family; Q5_0 and MXFP4 are packed as int8 codes + f32 scales, i.e. Q8_0's layout;
+# F16 and BF16 are widened to f32 at prepare time)
+FC_F32, FC_Q8, FC_Q4_0, FC_Q4_1, FC_Q4_K, FC_Q5_K, FC_Q6_K = range(7)
+FORMAT_CODE = {"F32": FC_F32, "F16": FC_F32, "BF16": FC_F32, "Q8_0": FC_Q8, "Q5_0": FC_Q8, "MXFP4": FC_Q8,
+               "Q4_0": FC_Q4_0, "Q4_1": FC_Q4_1, "Q4_K": FC_Q4_K, "Q5_K": FC_Q5_K, "Q6_K": FC_Q6_K}
+
+I8 = 0
+F32 = 1
+ACT_SWIGLU = 0
+ACT_GEGLU = 1
+
+DESC_LEN = 13
+_F0 = np.float32(0.0)
+_F8 = np.float32(8.0)
+
+
+def weight_desc(w) -> np.ndarray:
+    """int64 [13]: format code, O, I, the addresses of the (up to five) packed arrays, their row lengths in
+    elements. Raises KeyError for a format without a code (a row appended to FORMATS without one here)."""
+    d = np.zeros(DESC_LEN, np.int64)
+    d[0] = FORMAT_CODE[w.name]
+    d[1], d[2] = w.shape
+    for i, a in enumerate(w.arrays):
+        d[3 + i] = a.ctypes.data
+        d[8 + i] = a.shape[1]
+    return d
+
+
+def supports(w) -> bool:
+    """True when the grouped kernels can run weight ``w`` (its format has a code)."""
+    return w.name in FORMAT_CODE
+
+
+# ----------------------------------------------------------------------------------------------- pointers
+def _ptr_of(nbty):
+    @intrinsic
+    def ptr(typingctx, addr):
+        sig = types.CPointer(nbty)(types.int64)
+
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], context.get_value_type(types.CPointer(nbty)))
+
+        return sig, codegen
+
+    return ptr
+
+
+_pi8 = _ptr_of(types.int8)
+_pu8 = _ptr_of(types.uint8)
+_pf32 = _ptr_of(types.float32)
+
+
+@njit(inline="always", **_JIT)
+def _r_i8(ds, k, o):
+    n = ds[8 + k]
+    return numba.carray(_pi8(ds[3 + k] + o * n), (n,))
+
+
+@njit(inline="always", **_JIT)
+def _r_u8(ds, k, o):
+    n = ds[8 + k]
+    return numba.carray(_pu8(ds[3 + k] + o * n), (n,))
+
+
+@njit(inline="always", **_JIT)
+def _r_f32(ds, k, o):
+    n = ds[8 + k]
+    return numba.carray(_pf32(ds[3 + k] + o * n * 4), (n,))
+
+
+# ----------------------------------------------------------------------------------------------- row dots
+@njit(inline="always", **_JIT)
+def _dot_i8(ds, o, xq, xd, xm):
+    """Weight row ``o`` of descriptor ``ds`` . one int8 activation row (codes xq [I], scales xd, xm [I/32]).
+    The same arithmetic as ``vnni.gemv_i8_<fmt>``'s row."""
+    fc = ds[0]
+    if fc == FC_Q8:
+        return row_q8(_r_i8(ds, 0, o), _r_f32(ds, 1, o), xq, xd)
+    if fc == FC_Q4_0:
+        d = _r_f32(ds, 1, o)
+        s = row_pair(_r_u8(ds, 0, o), d, xq, xd)
+        corr = _F0
+        for b in range(d.shape[0]):
+            corr += d[b] * xm[b]
+        return s - _F8 * corr
+    if fc == FC_Q4_1:
+        d = _r_f32(ds, 1, o)
+        m = _r_f32(ds, 2, o)
+        s = row_pair(_r_u8(ds, 0, o), d, xq, xd)
+        corr = _F0
+        for b in range(d.shape[0]):
+            corr += m[b] * xm[b]
+        return s + corr
+    if fc == FC_Q4_K or fc == FC_Q5_K:
+        sc = _r_u8(ds, 1, o)
+        mn = _r_u8(ds, 2, o)
+        d = _r_f32(ds, 3, o)
+        dm = _r_f32(ds, 4, o)
+        if fc == FC_Q4_K:
+            s = row_q4_k(_r_u8(ds, 0, o), sc, d, xq, xd)
+        else:
+            s = row_q5_k(_r_u8(ds, 0, o), sc, d, xq, xd)
+        mins = _F0
+        for b in range(d.shape[0]):
+            mb = _F0
+            for k in range(8):
+                mb += np.float32(mn[b * 8 + k]) * xm[b * 8 + k]
+            mins += dm[b] * mb
+        return s - mins
+    if fc == FC_Q6_K:
+        return row_q6_k(_r_i8(ds, 0, o), _r_i8(ds, 1, o), _r_f32(ds, 2, o), xq, xd)
+    return np.float32(np.nan)  # FC_F32 never reaches here (the kernels route it to _dot_f32)
+
+
+@njit(inline="always", **_JIT)
+def _decode_row(ds, o, buf):
+    """Weight row ``o`` decoded to f32 into ``buf`` [I] (ggml's dequantize_row_* in the packed layouts of
+    ``formats``; the same formulas as ``formats._dec_*``)."""
+    fc = ds[0]
+    I = ds[2]
+    if fc == FC_F32:
+        w = _r_f32(ds, 0, o)
+        for i in range(I):
+            buf[i] = w[i]
+    elif fc == FC_Q8:
+        q = _r_i8(ds, 0, o)
+        d = _r_f32(ds, 1, o)
+        for b in range(I // 32):
+            db = d[b]
+            for j in range(32):
+                buf[b * 32 + j] = db * np.float32(q[b * 32 + j])
+    elif fc == FC_Q4_0 or fc == FC_Q4_1:
+        qs = _r_u8(ds, 0, o)
+        d = _r_f32(ds, 1, o)
+        for b in range(I // 32):
+            db = d[b]
+            mb = _r_f32(ds, 2, o)[b] if fc == FC_Q4_1 else -_F8 * db
+            p = b >> 1
+            if b & 1:
+                for j in range(32):
+                    buf[b * 32 + j] = db * np.float32(qs[p * 32 + j] >> 4) + mb
+            else:
+                for j in range(32):
+                    buf[b * 32 + j] = db * np.float32(qs[p * 32 + j] & 15) + mb
+    elif fc == FC_Q4_K:
+        qs = _r_u8(ds, 0, o)
+        sc = _r_u8(ds, 1, o)
+        mn = _r_u8(ds, 2, o)
+        d = _r_f32(ds, 3, o)
+        dm = _r_f32(ds, 4, o)
+        for b in range(I // 256):
+            for k in range(4):
+                s = b * 8 + 2 * k
+                s0 = d[b] * np.float32(sc[s])
+                s1 = d[b] * np.float32(sc[s + 1])
+                m0 = dm[b] * np.float32(mn[s])
+                m1 = dm[b] * np.float32(mn[s + 1])
+                q0 = b * 128 + k * 32
+                x0 = b * 256 + k * 64
+                for j in range(32):
+                    buf[x0 + j] = s0 * np.float32(qs[q0 + j] & 15) - m0
+                for j in range(32):
+                    buf[x0 + 32 + j] = s1 * np.float32(qs[q0 + j] >> 4) - m1
+    elif fc == FC_Q5_K:
+        q = _r_u8(ds, 0, o)
+        sc = _r_u8(ds, 1, o)
+        mn = _r_u8(ds, 2, o)
+        d = _r_f32(ds, 3, o)
+        dm = _r_f32(ds, 4, o)
+        for s in range(I // 32):
+            b = s >> 3
+            s0 = d[b] * np.float32(sc[s])
+            m0 = dm[b] * np.float32(mn[s])
+            for j in range(32):
+                buf[s * 32 + j] = s0 * np.float32(q[s * 32 + j]) - m0
+    elif fc == FC_Q6_K:
+        q = _r_i8(ds, 0, o)
+        sc = _r_i8(ds, 1, o)
+        d = _r_f32(ds, 2, o)
+        for u in range(I // 16):
+            s = d[u >> 4] * np.float32(sc[u])
+            for j in range(16):
+                buf[u * 16 + j] = s * np.float32(q[u * 16 + j])
+
+
+@njit(inline="always", **_JIT)
+def _dot_f32(buf, x):
+    s = _F0
+    for i in range(x.shape[0]):  # fastmath: LLVM vectorizes the reduction
+        s += buf[i] * x[i]
+    return s
+
+
+@njit(inline="always", **_JIT)
+def _act(g, u, kind, limit):
+    if kind == ACT_GEGLU:
+        a = np.float64(g)
+        c = math.sqrt(2.0 / math.pi)
+        return np.float32(0.5 * a * (1.0 + math.tanh(c * (a + 0.044715 * a * a * a)))) * u
+    if limit > 0.0:
+        g = min(g, limit)
+        u = min(max(u, -limit), limit)
+    return g / (np.float32(1.0) + math.exp(-g)) * u
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+@njit(**_PJIT)
+def mm_grouped(desc, pstart, src, dst, off, mode, xq, xd, xm, x, out):
+    """out[dst[p], off[e] + o] = W_e[o] . row src[p], for every weight e (desc int64 [n, 13]), its slots
+    p in pstart[e]:pstart[e+1] and o < O_e. Int8 mode reads xq int8 [R, I], xd/xm f32 [R, I/32]; F32 mode
+    (and F32 weights) x f32 [R, I]. out f32 [*, *]. One parallel launch over (weight, 16-row block)."""
+    n = desc.shape[0]
+    nch = np.empty(n + 1, np.int64)
+    nch[0] = 0
+    for e in range(n):
+        nch[e + 1] = nch[e] + (desc[e, 1] + _RB - 1) // _RB
+    for it in prange(nch[n]):
+        e = 0
+        while nch[e + 1] <= it:
+            e += 1
+        ds = desc[e]
+        O = ds[1]
+        c0 = (it - nch[e]) * _RB
+        p0 = pstart[e]
+        p1 = pstart[e + 1]
+        oe = off[e]
+        if mode == I8 and ds[0] != FC_F32:
+            for o in range(c0, min(O, c0 + _RB)):
+                for p in range(p0, p1):
+                    r = src[p]
+                    out[dst[p], oe + o] = _dot_i8(ds, o, xq[r], xd[r], xm[r])
+        else:
+            buf = np.empty(ds[2], np.float32)
+            for o in range(c0, min(O, c0 + _RB)):
+                _decode_row(ds, o, buf)
+                for p in range(p0, p1):
+                    out[dst[p], oe + o] = _dot_f32(buf, x[src[p]])
+
+
+@njit(**_PJIT)
+def ffn_gate_up(gdesc, udesc, pstart, src, mode, xq, xd, xm, x, kind, limit, a):
+    """a[p, o] = act(G_e[o] . row src[p], U_e[o] . row src[p]) for every expert e (gate/up descriptors
+    int64 [n, 13], same shapes), its slots p in pstart[e]:pstart[e+1], o < F. ``kind``: ACT_SWIGLU
+    (silu(g) * u, clamped when ``limit`` > 0 as formats' swiglu) or ACT_GEGLU. a f32 [P, F]."""
+    n = gdesc.shape[0]
+    F = gdesc[0, 1]
+    nc = (F + _RB - 1) // _RB
+    for it in prange(n * nc):
+        e = it // nc
+        c0 = (it % nc) * _RB
+        gd = gdesc[e]
+        ud = udesc[e]
+        p0 = pstart[e]
+        p1 = pstart[e + 1]
+        if mode == I8 and gd[0] != FC_F32 and ud[0] != FC_F32:
+            for o in range(c0, min(F, c0 + _RB)):
+                for p in range(p0, p1):
+                    r = src[p]
+                    g = _dot_i8(gd, o, xq[r], xd[r], xm[r])
+                    u = _dot_i8(ud, o, xq[r], xd[r], xm[r])
+                    a[p, o] = _act(g, u, kind, limit)
+        else:
+            gb = np.empty(gd[2], np.float32)
+            ub = np.empty(ud[2], np.float32)
+            for o in range(c0, min(F, c0 + _RB)):
+                _decode_row(gd, o, gb)
+                _decode_row(ud, o, ub)
+                for p in range(p0, p1):
+                    xr = x[src[p]]
+                    a[p, o] = _act(_dot_f32(gb, xr), _dot_f32(ub, xr), kind, limit)
+
+
+quantize_rows_into = _F._quantize_act_i8  # (x f32 [R, I], xq int8 [R, I], xd f32 [R, I/32], xm f32 [R, I/32])
+
+
+def quantize_rows(x: np.ndarray):
+    """x f32 [R, I] -> (xq int8 [R, I], xd f32 [R, I/32], xm f32 [R, I/32]) (``formats._quantize_act_i8``)."""
+    R, I = x.shape
+    xq = np.empty((R, I), np.int8)
+    xd = np.empty((R, I // 32), np.float32)
+    xm = np.empty_like(xd)
+    _F._quantize_act_i8(x, xq, xd, xm)
+    return xq, xd, xm
+
+
+_EMPTY_Q = (np.zeros((1, 32), np.int8), np.zeros((1, 1), np.float32), np.zeros((1, 1), np.float32))
+_EMPTY_X = np.zeros((1, 32), np.float32)
+
+
+class Act:
+    """One activation batch ready for the grouped kernels: ``mode`` I8 (codes quantized once) or F32.
+
+    ``x`` f32 [R, I]; ``act`` "int8" | "f32". With "int8" on a CPU without VNNI the rows are rounded as
+    llama.cpp's Q8 blocks and run in F32 mode (``formats.matmul``'s fallback)."""
+
+    __slots__ = ("mode", "xq", "xd", "xm", "x")
+
+    def __init__(self, x: np.ndarray, act: str):
+        if act == "int8" and HAVE_VNNI:
+            self.mode = I8
+            self.xq, self.xd, self.xm = quantize_rows(x)
+            self.x = x  # F32 weights read the f32 rows
+        else:
+            if act == "int8":
+                xr = np.empty_like(x)
+                _F._round_act_int8(x, xr)
+                x = xr
+            self.mode = F32
+            self.xq, self.xd, self.xm = _EMPTY_Q
+            self.x = x
+
+    def rows(self, idx: np.ndarray) -> "Act":
+        """The same activations for the rows ``idx`` (a view-free gather)."""
+        a = Act.__new__(Act)
+        a.mode = self.mode
+        a.x = self.x[idx]
+        if self.mode == I8:
+            a.xq, a.xd, a.xm = self.xq[idx], self.xd[idx], self.xm[idx]
+        else:
+            a.xq, a.xd, a.xm = _EMPTY_Q
+        return a
+
+
+def _slots(n_w: int, T: int):
+    pstart = np.arange(0, (n_w + 1) * T, T, dtype=np.int64)
+    t = np.tile(np.arange(T, dtype=np.int64), n_w)
+    return pstart, t
+
+
+def matmul_many(weights, act: Act, out: np.ndarray | None = None) -> np.ndarray:
+    """Every weight of ``weights`` (same I) times all rows of ``act`` in one launch: f32 [T, sum O] with the
+    weights' outputs side by side (q/k/v: ``out[:, :Oq]``, ``out[:, Oq:Oq+Ok]``, ...)."""
+    T = act.x.shape[0]
+    desc = np.stack([w.desc for w in weights])
+    off = np.zeros(len(weights), np.int64)
+    off[1:] = np.cumsum(desc[:-1, 1])
+    O = int(desc[:, 1].sum())
+    if out is None:
+        out = np.empty((T, O), np.float32)
+    pstart, t = _slots(len(weights), T)
+    mm_grouped(desc, pstart, t, t, off, act.mode, act.xq, act.xd, act.xm, act.x, out)
+    return out
+
+
+def ffn(gate, up, down, act: Act, kind: int, limit: float, act_mode: str) -> np.ndarray:
+    """A dense FFN ``down(act(gate x, up x))`` on all rows of ``act`` in two launches (f32 [T, D])."""
+    T = act.x.shape[0]
+    pstart = np.array([0, T], np.int64)
+    t = np.arange(T, dtype=np.int64)
+    a = np.empty((T, gate.shape[0]), np.float32)
+    ffn_gate_up(gate.desc.reshape(1, -1), up.desc.reshape(1, -1), pstart, t, act.mode, act.xq, act.xd, act.xm,
+                act.x, kind, np.float32(limit), a)
+    aa = Act(a, act_mode)
+    y = np.empty((T, down.shape[0]), np.float32)
+    mm_grouped(down.desc.reshape(1, -1), pstart, t, t, _ZERO1, aa.mode, aa.xq, aa.xd, aa.xm, aa.x, y)
+    return y
+
+
+_ZERO1 = np.zeros(1, np.int64)
+
+
+def experts(ws, groups, act: Act, pair_out: np.ndarray, kind: int, limit: float, act_mode: str) -> None:
+    """The CPU experts of a MoE step in two launches: ``ws`` a list of (gate, up, down) Weights, ``groups`` the
+    pair ids (r*K + k) each expert serves (int [n_e] arrays, same order), ``act`` the step's input rows
+    (quantized once), ``K`` implicit in the pair ids' rows (``rows = pairs // K`` done by the caller: here
+    ``groups`` is a list of (rows, pairs)). Writes ``pair_out[pair]`` (f32 [R*K, D]) for every pair."""
+    n = len(ws)
+    sizes = np.array([len(g[0]) for g in groups], np.int64)
+    pstart = np.zeros(n + 1, np.int64)
+    np.cumsum(sizes, out=pstart[1:])
+    src = np.concatenate([g[0] for g in groups]).astype(np.int64, copy=False)
+    dst = np.concatenate([g[1] for g in groups]).astype(np.int64, copy=False)
+    gd = np.stack([w.gate.desc for w in ws])
+    ud = np.stack([w.up.desc for w in ws])
+    dd = np.stack([w.down.desc for w in ws])
+    P = int(pstart[-1])
+    a = np.empty((P, int(gd[0, 1])), np.float32)
+    ffn_gate_up(gd, ud, pstart, src, act.mode, act.xq, act.xd, act.xm, act.x, kind, np.float32(limit), a)
+    aa = Act(a, act_mode)
+    slots = np.arange(P, dtype=np.int64)
+    mm_grouped(dd, pstart, slots, dst, np.zeros(n, np.int64), aa.mode, aa.xq, aa.xd, aa.xm, aa.x, pair_out)

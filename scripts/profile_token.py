@@ -1,0 +1,228 @@
+#!/usr/bin/env python
+"""Per-part timers of one decode token and one prefill chunk of a coli model, as a table.
+
+    python scripts/profile_token.py MODEL [-t THREADS] [--tokens 32] [--prompt 64] [--cpu-act int8|f32]
+                                          [--py-spy out.svg]
+
+MODEL: a GGUF path, a name ``coli.fetch`` knows (smollm2, qwen25, gemma3), ``demo`` (the demo MoE) or the file
+of ``scripts/make_synthetic_moe.py``. The script wraps the forward path's parts (the ``Transformer`` methods
+and the kernels ``coli.models.base`` calls) with timers and charges each wrapped call's *exclusive* time to a
+part named by where it was called from:
+
+=====================  ==================================================================================
+attention matmuls      q/k/v/o projections (``mm`` / ``qkv`` called from ``attention``)
+attention core         RoPE, q/k norms, the KV write, ``attend`` (the rest of ``attention``)
+norms                  the layer RMSNorms and the final norm
+dense FFN              gate/up/down and the activation of a dense layer
+router                 router logits and top-k (``moe`` less the step)
+MoE experts            ``MoEStep.run`` (the CPU experts, the join, the rank-order sum)
+lm_head                the output projection
+embed                  token embedding lookup
+python / other         ``forward``'s own time: everything not in a part above
+=====================  ==================================================================================
+
+The untimed run's ms/token is printed too: the timers add ~1 us per wrapped call. ``--py-spy`` records the
+decode loop with py-spy (when installed) into a flame graph. Speed numbers are only comparable within one run
+on a quiet machine (docs/cpu_kernels.md); the load average is printed with the table.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import cpu_kernels  # noqa: E402,F401  (threading layer before numba)
+import numpy as np  # noqa: E402
+
+PARTS = ["attention matmuls", "attention core", "norms", "dense FFN", "router", "MoE experts", "lm_head", "embed",
+         "python / other"]
+
+# (wrapped name, the part it is charged to given the innermost wrapped caller)
+_KERNELS = {  # module-level names in coli.models.base; their part depends on the caller
+    "rms_norm": {"attention": "attention core", "forward": "norms", None: "norms"},
+    "rms_norm_heads": {None: "attention core"},
+    "apply_rope": {None: "attention core"},
+    "attend": {None: "attention core"},
+    "swiglu": {None: "dense FFN", "moe": "MoE experts"},
+    "geglu_tanh": {None: "dense FFN"},
+}
+_METHODS = {  # Transformer methods: the part of their own (exclusive) time
+    "attention": "attention core",
+    "dense_ffn": "dense FFN",
+    "moe": "router",
+    "embed": "embed",
+    "forward": "python / other",
+}
+_MM = {"attention": "attention matmuls", "dense_ffn": "dense FFN", "forward": "lm_head", "moe": "router"}
+
+
+class Profiler:
+    def __init__(self):
+        self.t = defaultdict(float)
+        self.n = defaultdict(int)
+        self.stack = []  # [name, start, child time]
+
+    def wrap(self, name, fn, part_of):
+        prof = self
+
+        def wrapper(*a, **kw):
+            caller = prof.stack[-1][0] if prof.stack else None
+            part = part_of(caller)
+            fr = [name, time.perf_counter(), 0.0]
+            prof.stack.append(fr)
+            try:
+                return fn(*a, **kw)
+            finally:
+                dt = time.perf_counter() - fr[1]
+                prof.stack.pop()
+                if prof.stack:
+                    prof.stack[-1][2] += dt
+                prof.t[part] += dt - fr[2]
+                prof.n[part] += 1
+
+        return wrapper
+
+    def reset(self):
+        self.t.clear()
+        self.n.clear()
+
+
+def instrument(model, prof: Profiler):
+    """Wrap the model's parts (instance attributes, and coli.models.base's kernel names); returns an undo."""
+    import coli.models.base as base
+
+    undo = []
+    for name, table in _KERNELS.items():
+        if hasattr(base, name):
+            orig = getattr(base, name)
+            setattr(base, name, prof.wrap(name, orig, lambda c, t=table: t.get(c, t.get(None))))
+            undo.append(lambda n=name, o=orig: setattr(base, n, o))
+    for name, part in _METHODS.items():
+        if hasattr(model, name):
+            setattr(model, name, prof.wrap(name, getattr(model, name), lambda c, p=part: p))
+            undo.append(lambda n=name: delattr(model, n))
+    for name in ("mm", "qkv", "mm_q"):  # the matmul entry points (whichever this tree has)
+        if hasattr(model, name):
+            setattr(model, name, prof.wrap("mm", getattr(model, name), lambda c: _MM.get(c, "python / other")))
+            undo.append(lambda n=name: delattr(model, n))
+    step = getattr(model, "step", None)
+    if step is not None:
+        step.run = prof.wrap("step", step.run, lambda c: "MoE experts")
+        undo.append(lambda: delattr(step, "run"))
+    return lambda: [u() for u in reversed(undo)]
+
+
+def resolve(name: str) -> str:
+    p = Path(name)
+    if p.exists():
+        return str(p)
+    if name == "demo":
+        from coli.demo import demo_model_path
+
+        return str(demo_model_path(quiet=True))
+    from coli.fetch import model_path
+
+    return str(model_path(name, quiet=True))
+
+
+def table(prof: Profiler, ntok: int, title: str, untimed_ms: float, timed_ms: float) -> str:
+    tot = sum(prof.t.values())
+    lines = [f"### {title}", "", "| part | ms/token | % | calls/token |", "|---|---|---|---|"]
+    for p in PARTS:
+        if p in prof.t:
+            lines.append(f"| {p} | {prof.t[p] / ntok * 1e3:.3f} | {prof.t[p] / tot:.0%} | {prof.n[p] / ntok:.0f} |")
+    lines.append(f"| **total (timed)** | {timed_ms:.3f} | | |")
+    lines.append(f"| **total (untimed)** | {untimed_ms:.3f} | | |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("-t", "--threads", type=int, default=None)
+    ap.add_argument("--tokens", type=int, default=32, help="decode tokens timed")
+    ap.add_argument("--prompt", type=int, default=64, help="rows of the prefill chunk timed (0: skip)")
+    ap.add_argument("--reps", type=int, default=3, help="prefill chunks timed")
+    ap.add_argument("--cpu-act", default=None)
+    ap.add_argument("--py-spy", default=None, metavar="SVG", help="also record the decode loop with py-spy")
+    a = ap.parse_args(argv)
+
+    from coli.engine import Engine
+
+    path = resolve(a.model)
+    eng = Engine(path, threads=a.threads, cpu_act=a.cpu_act, quiet=True, save_usage=False)
+    m = eng.model
+    rng = np.random.default_rng(0)
+    vocab = min(eng.args.vocab, 30000)
+    ntok = a.tokens
+    ids = rng.integers(100, vocab, size=max(ntok, a.prompt) + 8)
+
+    def decode(n):
+        kv = m.new_cache(n + 8)
+        m.forward(ids[:4], kv)
+        t0 = time.perf_counter()
+        for i in range(n):
+            m.forward([int(ids[4 + i])], kv)
+        return (time.perf_counter() - t0) / n * 1e3
+
+    def prefill(T, reps):
+        best = 1e9
+        for _ in range(reps):
+            kv = m.new_cache(T + 8)
+            t0 = time.perf_counter()
+            m.forward(ids[:T], kv)
+            best = min(best, time.perf_counter() - t0)
+        return best * 1e3
+
+    decode(4)  # JIT, page cache, RAM expert cache
+    if a.prompt:
+        prefill(a.prompt, 1)
+    untimed = decode(ntok)
+    prof = Profiler()
+    undo = instrument(m, prof)
+    timed = decode(ntok)
+    out = [f"model {Path(path).name}, threads {eng.threads}, cpu_act {eng.cpu_act}, "
+           f"loadavg {open('/proc/loadavg').read().split()[:3]}", ""]
+    out.append(table(prof, ntok, f"decode (1 row at position ~{ntok // 2}), {ntok} tokens", untimed, timed))
+    if a.prompt:
+        undo()
+        untimed_p = prefill(a.prompt, a.reps)
+        prof.reset()
+        undo = instrument(m, prof)
+        t0 = time.perf_counter()
+        for _ in range(a.reps):
+            kv = m.new_cache(a.prompt + 8)
+            m.forward(ids[:a.prompt], kv)
+        timed_p = (time.perf_counter() - t0) / a.reps * 1e3
+        for k in prof.t:
+            prof.t[k] /= a.reps
+            prof.n[k] = int(prof.n[k] / a.reps)
+        out += ["", table(prof, 1, f"prefill chunk of {a.prompt} rows (ms per chunk; best untimed "
+                                   f"{a.prompt / untimed_p * 1e3:.1f} tok/s)", untimed_p, timed_p)]
+    undo()
+    print("\n".join(out))
+    print(f"\ndecode {1e3 / untimed:.1f} tok/s untimed; loadavg after {open('/proc/loadavg').read().split()[:3]}")
+    if a.py_spy:
+        here = os.getpid()
+        try:
+            spy = subprocess.Popen(["py-spy", "record", "-o", a.py_spy, "-p", str(here), "-r", "200"])
+        except FileNotFoundError:
+            print("py-spy: not installed (pip install py-spy)", file=sys.stderr)
+        else:
+            time.sleep(1.0)
+            decode(max(ntok, 64))
+            spy.terminate()
+            spy.wait()
+            print(f"py-spy flame graph: {a.py_spy}")
+    eng.close()
+
+
+if __name__ == "__main__":
+    main()
