@@ -17,12 +17,17 @@ backends implement it. Columns:
   the decoder file). ``load_backends()`` imports both registries; ``gaps()`` lists a type one backend has and
   another lacks without a ``cpu_only`` reason (``tests/test_backend_ops.py`` fails on any).
 
+coli's own types (``own`` set, ``qtype`` None: ``FP8_E4M3_B128``, made from FP8 Hugging Face checkpoints) are
+rows too, added by ``_own_rows`` with their geometry, reference and ``random`` test-weight maker.
+
 Adding a format (docs/formats.md has the checklist), in this order:
 
 1. Here: nothing unless the device tier lacks it on purpose (add ``CPU_ONLY[name] = reason``) or the type has
    f16 scales that ``random_blocks`` must keep finite (add them to ``_SCALES``).
-2. CPU: kernels in a new module of ``cpu_kernels/`` (not in ``formats.py``), and the row appended to
-   ``cpu_kernels.formats.FORMATS`` (``_row(name, pack, gemv, gemm, int8, gemv_i8)``).
+2. CPU: kernels in a new module of ``cpu_kernels/`` (not in ``formats.py``; int8-activation VNNI GEMVs beside
+   their intrinsics in ``cpu_kernels/vnni.py``), and the row appended to ``cpu_kernels.formats.FORMATS``
+   (``formats._row(name, block_size, type_size, pack, gemv, gemm, shader, int8, gemv_i8, no_i8)``, as
+   ``cpu_kernels/lowbit.py``'s ``rows``); ``formats.py`` registers every row in the table at its end.
 3. Device: ``shaders/fmt_<name lower>.glsl`` (``dec_unit``: one 32-element unit of a row), the name appended to
    ``coli.vulkan.shaders.DEVICE_TYPES``, then ``scripts/build_shaders`` (it regenerates ``shaders/formats.glsl``
    from this table and compiles the .spv pair).
@@ -46,8 +51,11 @@ from coli.errors import ColiError
 #: Backends the table knows, in the order of the coverage table.
 BACKENDS = ("cpu", "vulkan")
 
-#: Types the device tier lacks on purpose: name -> reason. Empty today: every CPU format has a decoder.
-CPU_ONLY: dict[str, str] = {}
+#: Types the device tier lacks on purpose: name -> reason. ``gaps()`` flags a mark the device has outgrown.
+_IQ_NO_SHADER = "no device decoder yet: the grid lookups are not written in GLSL (the CPU kernels came first)"
+CPU_ONLY: dict[str, str] = {n: _IQ_NO_SHADER for n in
+                            ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M")}
+CPU_ONLY["FP8_E4M3_B128"] = "no device decoder yet: fmt_fp8_e4m3_b128.glsl is not written (coli's own type)"
 
 # Byte offsets of the f16 scales in one block (ggml-common.h): d first, then dmin where the type has one.
 _SCALES: dict[str, tuple[int, ...]] = {
@@ -98,6 +106,8 @@ class TensorType:
     shader: str
     cpu_only: str | None
     backends: dict[str, str] = field(default_factory=dict)
+    own: str | None = None         # coli's own type (qtype None, no GGUF id): what it is and where it comes from
+    random: Callable | None = None  # own types: random_blocks(O, I, rng, scale) for test weights
 
     def row_bytes(self, inner: int) -> int:
         """Bytes of one row of ``inner`` weights. Raises ColiError when ``inner`` is not whole blocks."""
@@ -112,6 +122,19 @@ TYPES: dict[str, TensorType] = {
                         qt.name.lower(), CPU_ONLY.get(qt.name))
     for qt, (bs, ts) in GGML_QUANT_SIZES.items()
 }
+
+
+# coli's own types: formats coli's loaders make from other checkpoints, never found in a GGUF file.
+def _own_rows() -> dict[str, TensorType]:
+    from coli import fp8_blocks as fb
+
+    return {fb.NAME: TensorType(fb.NAME, None, fb.BLOCK, fb.TYPE_SIZE, fb.reference, False, (), fb.NAME.lower(),
+                                CPU_ONLY.get(fb.NAME), own="E4M3 weights with an f32 scale per 128x128 block, from FP8 "
+                                "Hugging Face checkpoints (coli/hf_folder.py; layout in coli/fp8_blocks.py)",
+                                random=fb.random_blocks)}
+
+
+TYPES.update(_own_rows())
 
 
 def get(name: str) -> TensorType:
@@ -147,13 +170,18 @@ def load_backends() -> dict[str, TensorType]:
 
 def gaps(types: dict[str, TensorType] | None = None) -> list[tuple[str, str]]:
     """(type, backend) pairs where some backend implements the type and this one does not, and the table gives
-    no reason (``cpu_only`` excuses every backend but "cpu")."""
+    no reason (``cpu_only`` excuses every backend but "cpu"); and (type, "cpu_only") where a type marked CPU only
+    has a device implementation after all (the mark is stale)."""
     out = []
     for t in (TYPES if types is None else types).values():
         if not t.backends:
             continue
         for b in BACKENDS:
-            if b in t.backends or (b != "cpu" and t.cpu_only):
+            if b in t.backends:
+                if b != "cpu" and t.cpu_only:
+                    out.append((t.name, "cpu_only"))
+                continue
+            if b != "cpu" and t.cpu_only:
                 continue
             out.append((t.name, b))
     return out
@@ -169,15 +197,25 @@ def random_blocks(name: str, O: int, I: int, rng: np.random.Generator, scale: fl
     """
     t = get(name)
     rb = t.row_bytes(I)
+    if t.random is not None:
+        return t.random(O, I, rng, scale)
     if t.quantizable:
         w = (rng.standard_normal((O, I)) * scale).astype(np.float32)
         if t.qtype == QT.F32:
             return w.view(np.uint8).reshape(O, rb)
         return np.ascontiguousarray(np.asarray(gq.quantize(w, t.qtype)).view(np.uint8).reshape(O, rb))
-    if not t.scale_offsets:
-        raise ColiError(f"tensor type {name}: no gguf quantizer and no known scale offsets for random blocks")
     nb = O * I // t.block_size
     raw = rng.integers(0, 256, size=(nb, t.type_size), dtype=np.uint8)
+    if name == "IQ1_M":
+        # block_iq1_m has no d field: d's 16 bits sit in the top nibbles of its four u16 scales (iq1m_scale_t)
+        d = (rng.uniform(0.002, 0.02, size=nb) * scale).astype(np.float16).view(np.uint16)
+        sc = np.ascontiguousarray(raw[:, 48:56]).view("<u2") & np.uint16(0x0FFF)
+        for k in range(4):
+            sc[:, k] |= ((d >> np.uint16(4 * k)) & np.uint16(0xF)) << np.uint16(12)
+        raw[:, 48:56] = sc.view(np.uint8).reshape(nb, 8)
+        return raw.reshape(O, rb)
+    if not t.scale_offsets:
+        raise ColiError(f"tensor type {name}: no gguf quantizer and no known scale offsets for random blocks")
     for off in t.scale_offsets:
         d = (rng.uniform(0.002, 0.02, size=nb) * scale).astype(np.float16)
         raw[:, off:off + 2] = d.view(np.uint8).reshape(nb, 2)

@@ -782,15 +782,16 @@ class Format:
     shader: str
     int8: bool  # act="int8" changes the arithmetic (activations rounded per 32) for this format
     gemv_i8: Callable | None  # VNNI integer-dot GEMV for act="int8" (None: no VNNI here, or a float format)
+    no_i8: str | None = None  # why an int8 format has no VNNI GEMV (it then runs the f32 kernels on rounded x)
 
 
-def _row(name, bs, ts, pack, gemv, gemm, shader, int8, gemv_i8=None):
+def _row(name, bs, ts, pack, gemv, gemm, shader, int8, gemv_i8=None, no_i8=None):
     """A FORMATS entry keyed by the tensor-type table (coli.tensor_types): geometry, reference and shader name
     come from the table; ``bs``, ``ts``, ``shader`` are checked against it."""
     t = _TT.get(name)
     assert (t.block_size, t.type_size, t.shader) == (bs, ts, shader), name
     return name, Format(name, t.qtype, bs, ts, t.reference, pack, gemv, gemm, shader, int8,
-                        gemv_i8 if _vnni.HAVE_VNNI else None)
+                        gemv_i8 if _vnni.HAVE_VNNI else None, no_i8)
 
 
 FORMATS: dict[str, Format] = dict([
@@ -807,8 +808,10 @@ FORMATS: dict[str, Format] = dict([
     _row("MXFP4", 32, 17, _pack_mxfp4, gemv_q8_0, gemm_q8_0, "mxfp4", True, _vnni.gemv_i8_q8),
 ])
 
-for _f in FORMATS.values():
-    _TT.register("cpu", _f.name, f"{_f.gemv.__module__}.{_f.gemv.__name__}")
+# Rows whose kernels live in their own modules (appended here: FORMATS stays the one CPU registry).
+from . import lowbit as _lowbit  # noqa: E402  (imports this module's helpers, defined above)
+
+FORMATS.update(_lowbit.rows(_row, _vnni))
 
 #: Activation rows up to which ``matmul`` runs the GEMV once per row instead of the GEMM (measured).
 GEMV_MAX_T = 3
@@ -930,5 +933,9 @@ def matmul(w: Weight, x: np.ndarray, act: str | None = None) -> np.ndarray:
 # because it uses this module's Q8_0 kernels and ``_tile``.
 from . import iquants as _iquants  # noqa: E402,F401
 
-# ----------------------------------------------------------------------------------------------- coli's own rows
-from . import fp8 as _fp8  # noqa: E402,F401  (it adds its row, FP8_E4M3_B128, to FORMATS; it uses the pieces above)
+# coli's own rows (not GGUF types): FP8_E4M3_B128, appended by cpu_kernels/fp8.py (it uses the pieces above)
+from . import fp8 as _fp8  # noqa: E402,F401
+
+# Every row, whichever module appended it, fills the CPU column of the tensor-type table.
+for _f in FORMATS.values():
+    _TT.register("cpu", _f.name, f"{_f.gemv.__module__}.{_f.gemv.__name__}")

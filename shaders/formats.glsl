@@ -58,6 +58,31 @@
 #define TYPE_SIZE 17u
 #define ROW_BYTES(I) (((I) / 32u) * 17u)
 #include "fmt_mxfp4.glsl"
+#elif defined(FMT_Q5_1)
+#define BLOCK_SIZE 32u
+#define TYPE_SIZE 24u
+#define ROW_BYTES(I) (((I) / 32u) * 24u)
+#include "fmt_q5_1.glsl"
+#elif defined(FMT_Q2_K)
+#define BLOCK_SIZE 256u
+#define TYPE_SIZE 84u
+#define ROW_BYTES(I) (((I) / 256u) * 84u)
+#include "fmt_q2_k.glsl"
+#elif defined(FMT_Q3_K)
+#define BLOCK_SIZE 256u
+#define TYPE_SIZE 110u
+#define ROW_BYTES(I) (((I) / 256u) * 110u)
+#include "fmt_q3_k.glsl"
+#elif defined(FMT_IQ4_NL)
+#define BLOCK_SIZE 32u
+#define TYPE_SIZE 18u
+#define ROW_BYTES(I) (((I) / 32u) * 18u)
+#include "fmt_iq4_nl.glsl"
+#elif defined(FMT_IQ4_XS)
+#define BLOCK_SIZE 256u
+#define TYPE_SIZE 136u
+#define ROW_BYTES(I) (((I) / 256u) * 136u)
+#include "fmt_iq4_xs.glsl"
 #else
 #error "no FMT_ defined"
 #endif

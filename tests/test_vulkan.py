@@ -1,5 +1,6 @@
-"""Vulkan backend on whatever device the loader finds (Lavapipe in CI): kernels of every format against
-gguf.quants' NumPy dequantizers, the expert batch against a NumPy expert, memory, budget, faults."""
+"""Vulkan backend on whatever device the loader finds (Lavapipe in CI): row independence, experts of mixed
+formats against a NumPy expert, memory, budget, faults. Every format x op against gguf.quants' NumPy
+dequantizers: tests/test_backend_ops.py."""
 from __future__ import annotations
 
 import zlib
@@ -7,7 +8,7 @@ import zlib
 import numpy as np
 import pytest
 
-from tests.vk_util import (ALL_FORMATS, block_elems, make_expert, make_weight, numpy_expert, rel_err,
+from tests.vk_util import (block_elems, make_expert, make_weight, numpy_expert, rel_err,
                            requires_vulkan)
 
 pytestmark = requires_vulkan
@@ -28,21 +29,7 @@ def _inner(t):
     return 3 * block_elems(t) if block_elems(t) == 256 else 5 * 32
 
 
-@pytest.mark.parametrize("fmt", ALL_FORMATS)
-def test_matmul_every_format_and_row_count(dev, fmt):
-    rng = np.random.default_rng(zlib.crc32(fmt.encode()))
-    O, I = 70, _inner(fmt)
-    raw, w = make_weight(fmt, O, I, rng)
-    for rows in (1, 3, 15, 16, 33):
-        x = rng.standard_normal((rows, I)).astype(np.float32)
-        d0 = dev.dispatches
-        y = dev.matmul(fmt, raw, (O, I), x)
-        assert dev.dispatches > d0
-        assert y.shape == (rows, O) and y.dtype == np.float32
-        err = rel_err(y, x.astype(np.float64) @ w.T.astype(np.float64))
-        assert err < TOL, f"{fmt} rows={rows}: {err:.2e}"
-
-
+# Every format x GEMV/GEMM/expert batch against the reference: tests/test_backend_ops.py.
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_K", "MXFP4", "F16"])
 def test_row_result_independent_of_rows_sharing_the_gemv(dev, fmt):
     rng = np.random.default_rng(7)
@@ -62,8 +49,8 @@ def _route(R, E, K, rng):
     return np.stack([rng.choice(E, K, replace=False) for _ in range(R)])
 
 
-@pytest.mark.parametrize("fmt_gu,fmt_d", [(f, f) for f in ALL_FORMATS] + [("Q4_K", "Q6_K"), ("Q8_0", "Q5_0")])
-def test_expert_batch_every_format(dev, fmt_gu, fmt_d):
+@pytest.mark.parametrize("fmt_gu,fmt_d", [("Q4_K", "Q6_K"), ("Q8_0", "Q5_0"), ("IQ4_XS", "Q3_K")])
+def test_expert_batch_mixed_formats(dev, fmt_gu, fmt_d):
     rng = np.random.default_rng(zlib.crc32((fmt_gu + fmt_d).encode()))
     big = block_elems(fmt_gu) == 256 or block_elems(fmt_d) == 256
     D, F = (256, 256) if big else (64, 96)
