@@ -507,7 +507,7 @@ def tokenizer_from_folder(folder: Path, cfg: dict):
     ``gpt2``, SentencePiece ones (``byte_fallback``) as ``llama``."""
     from tokenizers import Tokenizer as HFTok
 
-    from coli.tokenizer import _EOG_TEXTS, CONTROL, USER_DEFINED, Tokenizer
+    from coli.tokenizer import _EOG_TEXTS, CONTROL, UNUSED, USER_DEFINED, Tokenizer
 
     p = folder / "tokenizer.json"
     if not p.exists():
@@ -521,11 +521,12 @@ def tokenizer_from_folder(folder: Path, cfg: dict):
     gc = _read_json(folder, "generation_config.json", required=False) or {}
     n = max(hf.get_vocab_size(with_added_tokens=True), int(cfg.get("vocab_size") or 0))
     vocab = hf.get_vocab(with_added_tokens=True)
-    tokens = [f"<unused_{i}>" for i in range(n)]
+    tokens = [f"<unused_{i}>" for i in range(n)]  # embedding rows past the tokenizer's (HF pads the vocabulary)
+    tt = np.full(n, UNUSED, dtype=np.int32)
     for t, i in vocab.items():
         if 0 <= i < n:
             tokens[i] = t
-    tt = np.ones(n, dtype=np.int32)
+            tt[i] = 1  # NORMAL
     for at in tj.get("added_tokens", []):
         i = at.get("id")
         if isinstance(i, int) and 0 <= i < n:

@@ -9,7 +9,7 @@ From the GGUF header (tensor sizes; nothing is dequantized or read beyond the he
 * ``kv_cache_bytes``: the f32 KV cache at ``ctx`` positions (:func:`coli.engine.kv_cache_bytes`);
 * the RAM expert cache the engine would set up (:func:`coli.engine.expert_cache_slots`, the same function
   ``Engine._setup_moe`` calls): ``ram_cache_slots`` per layer, ``ram_cache_bytes``;
-* with a device, the tier's budget (:func:`scheduler.tier.budget_bytes`, the rule ``Tier.for_engine``
+* with a device, the tier's budget (:func:`scheduler.tier_policy.budget_bytes`, the rule ``Engine._setup_device``
   uses) and ``device_experts`` = budget // expert bytes, at most every expert;
 * ``ram_needed_bytes``: dense + RAM expert cache + KV cache (+ the device's experts on a device that shares
   the CPU's RAM: integrated, Lavapipe), ``fits_ram`` against the available RAM;
@@ -34,10 +34,10 @@ MiB = 1 << 20
 
 
 def _device_info(label: str):
-    """``scheduler.tier.DeviceMemory`` of the best Vulkan device, or None (with the one-line reason printed by
+    """``scheduler.tier_policy.DeviceMemory`` of the best Vulkan device, or None (with the one-line reason printed by
     ``coli.vulkan.open_device``)."""
     from coli import vulkan as cvk
-    from scheduler.tier import DeviceMemory
+    from scheduler.tier_policy import DeviceMemory
 
     dev = cvk.open_device(label, quiet=True)
     if dev is None:
@@ -52,14 +52,13 @@ def make_plan(path, *, device: str | None = None, ctx: int | None = None, expert
               available: int | None = None, device_info=None, env=None) -> dict:
     """The plan of model ``path`` as a dict of ints/strings (fields in the module docstring).
 
-    ``device``: None | "cpu" | "vulkan"; ``ctx``: KV positions (default min(4096, trained context), the
-    engine's); ``expert_cache``: slots per layer as ``--expert-cache``; ``available``: RAM available in bytes
+    ``device``: None | "cpu" | "vulkan"; ``ctx``: KV positions (default the engine's ``default_ctx``); ``expert_cache``: slots per layer as ``--expert-cache``; ``available``: RAM available in bytes
     (psutil's when None); ``device_info``: a ``DeviceMemory`` (or what ``DeviceMemory.of`` takes) instead of
     opening the device; ``env``: environment for the tier's ``COLI_VK_TIER_GB`` (``os.environ``)."""
     import psutil
 
-    from coli.engine import expert_cache_slots, kv_cache_bytes
-    from scheduler.tier import SHARED_KINDS
+    from coli.engine import default_ctx, expert_cache_slots, kv_cache_bytes
+    from scheduler.tier_policy import SHARED_KINDS
     from coli.gguf_file import open_gguf
     from coli.models import model_class
 
@@ -69,7 +68,7 @@ def make_plan(path, *, device: str | None = None, ctx: int | None = None, expert
     a = model_class(g).args_from(g)
     vm = psutil.virtual_memory()
     avail = int(vm.available) if available is None else int(available)
-    ctx = int(ctx) if ctx is not None else min(4096, a.ctx_train)
+    ctx = int(ctx) if ctx is not None else default_ctx(a, avail)
     if ctx < 1:
         raise ColiError(f"--ctx: {ctx} (at least 1)")
     t = g.tensors
@@ -110,7 +109,7 @@ def make_plan(path, *, device: str | None = None, ctx: int | None = None, expert
         dev = device_info if device_info is not None else _device_info(g.path.name)
     device_experts = 0
     if dev is not None:
-        from scheduler.tier import DeviceMemory, budget_bytes
+        from scheduler.tier_policy import DeviceMemory, budget_bytes
 
         d = DeviceMemory.of(dev)
         budget, rule = budget_bytes(d, ram_cache_bytes, p["dense_bytes"], env=env, available=avail)

@@ -32,10 +32,11 @@ def stderr_is_terminal() -> bool:
 
 
 def bar(total=None, desc: str = "", unit: str = "it", **kw):
-    """A ``tqdm`` progress bar on stderr, disabled unless stderr is a terminal (``disable=`` overrides)."""
+    """A ``tqdm`` progress bar on stderr, never drawn unless stderr is a terminal; ``disable=True`` turns it
+    off there too (``None``/``False``: the terminal decides)."""
     from tqdm import tqdm
 
-    kw.setdefault("disable", not stderr_is_terminal())
+    kw["disable"] = bool(kw.get("disable")) or not stderr_is_terminal()
     return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False, dynamic_ncols=True, **kw)
 
 

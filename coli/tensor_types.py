@@ -52,10 +52,8 @@ from coli.errors import ColiError
 BACKENDS = ("cpu", "vulkan")
 
 #: Types the device tier lacks on purpose: name -> reason. ``gaps()`` flags a mark the device has outgrown.
-_IQ_NO_SHADER = "no device decoder yet: the grid lookups are not written in GLSL (the CPU kernels came first)"
-CPU_ONLY: dict[str, str] = {n: _IQ_NO_SHADER for n in
-                            ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M")}
-CPU_ONLY["FP8_E4M3_B128"] = "no device decoder yet: fmt_fp8_e4m3_b128.glsl is not written (coli's own type)"
+CPU_ONLY: dict[str, str] = {
+    "FP8_E4M3_B128": "no device decoder yet: fmt_fp8_e4m3_b128.glsl is not written (coli's own type)"}
 
 # Byte offsets of the f16 scales in one block (ggml-common.h): d first, then dmin where the type has one.
 _SCALES: dict[str, tuple[int, ...]] = {

@@ -200,18 +200,22 @@ def _run_layer(spec: dict, on_record) -> None:
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    p = subprocess.Popen([sys.executable, "-m", "coli.tune", "--worker", json.dumps(spec)], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=env, cwd=root)
-    try:
-        for line in p.stdout:
-            if line.startswith("{"):
-                on_record(json.loads(line))
-        err = p.stderr.read()
-        rc = p.wait()
-    except BaseException:
-        p.kill()
-        p.wait()
-        raise
+    import tempfile
+
+    with tempfile.TemporaryFile(mode="w+") as errf:  # a file, not a pipe: a chatty worker never blocks
+        p = subprocess.Popen([sys.executable, "-m", "coli.tune", "--worker", json.dumps(spec)],
+                             stdout=subprocess.PIPE, stderr=errf, text=True, env=env, cwd=root)
+        try:
+            for line in p.stdout:
+                if line.startswith("{"):
+                    on_record(json.loads(line))
+            rc = p.wait()
+        except BaseException:
+            p.kill()
+            p.wait()
+            raise
+        errf.seek(0)
+        err = errf.read()
     if rc != 0:
         last = [l for l in err.strip().splitlines() if l.strip()][-1:] or [f"exit code {rc}"]
         raise ColiError(f"coli tune: the {spec['layer']} layer's run failed: {last[0]}")

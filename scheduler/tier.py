@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from scheduler.balancer import Balancer, StepTimes
-from scheduler.tier_policy import (GiB, MiB, DeviceMemory, _env_int, budget_bytes,  # noqa: F401 (re-exported)
+from scheduler.tier_policy import (GiB, MiB, SHARED_KINDS, DeviceMemory, _env_int, budget_bytes,  # noqa: F401
                                    halvings_due, history_heat, lfru_victim, warm_plan)
 from scheduler.trace import NULL_TRACE, UPLOADER_TID, Trace, host_ns
 
@@ -582,7 +582,10 @@ class Tier:
         threads = threads or max(1, min(8, os.cpu_count() or 1))
         n = failed = n_h = 0
         window = 2 * threads
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="coli-warm") as ex:
+        from coli.progress import bar  # drawn only when stderr is a terminal
+
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="coli-warm") as ex, \
+                bar(total=len(plan), desc="warm start", unit=" experts") as pb:
             futs = []
             it = iter(plan)
             for k in it:
@@ -595,6 +598,7 @@ class Tier:
                 futs[i] = None
                 i += 1
                 arrays = f.result()
+                pb.update(1)
                 if failed == 0:
                     ts = host_ns()
                     try:

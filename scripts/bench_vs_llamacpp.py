@@ -188,7 +188,7 @@ def main(argv=None) -> int:
     if not threads or min(threads) < 1 or a.rounds < 1 or a.repetitions < 1:
         sys.exit("bench_vs_llamacpp: threads, --rounds and -r must be >= 1")
     exe = llama_bench_path(a)
-    models = [(m, resolve_model(m)) for m in (a.model or DEFAULT_MODELS)]
+    models = [(Path(m).stem if Path(m).exists() else m, resolve_model(m)) for m in (a.model or DEFAULT_MODELS)]
     info = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_name(),
             "cores": os.cpu_count(), "llama_bench": str(exe), "command": " ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])),
             "n_prompt": a.n_prompt, "n_gen": a.n_gen, "reps": a.repetitions, "rounds": a.rounds}
@@ -229,6 +229,9 @@ def main(argv=None) -> int:
             row["ratio_pp"] = row["coli_pp"] / row["llama_pp"] if row["coli_pp"] and row["llama_pp"] else None
             row["ratio_tg"] = row["coli_tg"] / row["llama_tg"] if row["coli_tg"] and row["llama_tg"] else None
             rows.append(row)
+            if a.json:      # after every row: a run cut off by a timeout keeps what it measured
+                Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+                Path(a.json).write_text(json.dumps({"info": info, "rows": rows, "raw": raw}, indent=1))
     print(f"# coli vs llama-bench, {info['date']}, {info['cpu']} ({info['cores']} CPUs); pp{a.n_prompt} / "
           f"tg{a.n_gen} tok/s, median of {a.rounds} alternating rounds of -r {a.repetitions}")
     print(f"# command: {info['command']}")
@@ -239,8 +242,6 @@ def main(argv=None) -> int:
               f"{fmt(r['llama_tg'])} | {fmt(r['ratio_pp'], 2)} | {fmt(r['ratio_tg'], 2)} | {r['load_before']} -> "
               f"{r['load_after']} | {'; '.join(r['notes'])} |")
     if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps({"info": info, "rows": rows, "raw": raw}, indent=1))
         log(f"bench_vs_llamacpp: records in {a.json}")
     bad = [r for r in rows if r["coli_tg"] is None or r["llama_tg"] is None]
     return 1 if bad else 0

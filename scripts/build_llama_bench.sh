@@ -58,7 +58,7 @@ if command -v ninja >/dev/null 2>&1; then GEN=(-G Ninja); fi
 if [ ! -f "$WORK/build/CMakeCache.txt" ]; then
   nice -n 19 cmake -S "$SRC" -B "$WORK/build" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release \
     -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DBUILD_SHARED_LIBS=OFF \
-    -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
+    -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF
 fi
 nice -n 19 cmake --build "$WORK/build" --config Release -j "$JOBS" --target "${TARGETS[@]}"
 EXE="$WORK/build/bin/llama-bench"

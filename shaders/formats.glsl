@@ -83,6 +83,41 @@
 #define TYPE_SIZE 136u
 #define ROW_BYTES(I) (((I) / 256u) * 136u)
 #include "fmt_iq4_xs.glsl"
+#elif defined(FMT_IQ2_XXS)
+#define BLOCK_SIZE 256u
+#define TYPE_SIZE 66u
+#define ROW_BYTES(I) (((I) / 256u) * 66u)
+#include "fmt_iq2_xxs.glsl"
+#elif defined(FMT_IQ2_XS)
+#define BLOCK_SIZE 256u
+#define TYPE_SIZE 74u
+#define ROW_BYTES(I) (((I) / 256u) * 74u)
+#include "fmt_iq2_xs.glsl"
+#elif defined(FMT_IQ2_S)
+#define BLOCK_SIZE 256u
+#define TYPE_SIZE 82u
+#define ROW_BYTES(I) (((I) / 256u) * 82u)
+#include "fmt_iq2_s.glsl"
+#elif defined(FMT_IQ3_XXS)
+#define BLOCK_SIZE 256u
+#define TYPE_SIZE 98u
+#define ROW_BYTES(I) (((I) / 256u) * 98u)
+#include "fmt_iq3_xxs.glsl"
+#elif defined(FMT_IQ3_S)
+#define BLOCK_SIZE 256u
+#define TYPE_SIZE 110u
+#define ROW_BYTES(I) (((I) / 256u) * 110u)
+#include "fmt_iq3_s.glsl"
+#elif defined(FMT_IQ1_S)
+#define BLOCK_SIZE 256u
+#define TYPE_SIZE 50u
+#define ROW_BYTES(I) (((I) / 256u) * 50u)
+#include "fmt_iq1_s.glsl"
+#elif defined(FMT_IQ1_M)
+#define BLOCK_SIZE 256u
+#define TYPE_SIZE 56u
+#define ROW_BYTES(I) (((I) / 256u) * 56u)
+#include "fmt_iq1_m.glsl"
 #else
 #error "no FMT_ defined"
 #endif

@@ -35,9 +35,11 @@ OPS = ("gemv", "gemm", "expert")
 #: The activation modes each backend implements.
 ACTS = {"cpu": ("f32", "int8"), "vulkan": ("f32",)}
 #: max |got - want| / max |want| per (op, act). int8 expert: the SwiGLU output is rounded to int8 again before
-#: down, from f32 values on the backend and float64 in the model; a code can flip at a rounding tie.
+#: down, from f32 values on the backend and float64 in the model; a code can flip at a rounding tie. One flip
+#: moves y by d_h * W_down[:, j]: up to 4.8e-4 of max |y| with IQ1_M, whose weights are never small (measured:
+#: cpu-IQ1_M-expert-int8, one flipped code among 10240, the three matmuls themselves within 2e-7).
 TOL = {("gemv", "f32"): 2e-5, ("gemm", "f32"): 2e-5, ("expert", "f32"): 2e-5,
-       ("gemv", "int8"): 2e-5, ("gemm", "int8"): 2e-5, ("expert", "int8"): 1e-4}
+       ("gemv", "int8"): 2e-5, ("gemm", "int8"): 2e-5, ("expert", "int8"): 1e-3}
 #: Activation rows per op: CPU GEMV up to F.GEMV_MAX_T rows (f32; the VNNI int8 GEMV goes further), the device
 #: GEMV below 16 rows (COLI_VK_TIER_GEMM_ROWS); GEMM rows above both backends' GEMV limits.
 ROWS = {"gemv": (1, min(3, F.GEMV_MAX_T)), "gemm": (max(F.GEMV_I8_MAX_T, F.GEMV_MAX_T, 16) + 1, 37)}

@@ -112,3 +112,101 @@ def test_bench_bad_lists_are_one_line_errors(tiny):
         r = _coli("bench", "-m", str(tiny), "-r", "1", *args)
         assert r.returncode == 2, (args, r.stderr)
         assert r.stderr.startswith("coli: ") and "Traceback" not in r.stderr
+
+
+def _stderr_on_a_terminal(args, timeout=300):
+    """Run ``python -m coli ARGS`` with stderr on a pseudo-terminal of 120 columns; (rc, what it printed)."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+    import threading
+
+    m, s = pty.openpty()
+    fcntl.ioctl(s, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    buf = []
+
+    def read():
+        while True:
+            try:
+                d = os.read(m, 65536)
+            except OSError:
+                break
+            if not d:
+                break
+            buf.append(d)
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    try:
+        r = subprocess.run([sys.executable, "-m", "coli", *args], stdout=subprocess.PIPE, stderr=s, cwd=ROOT,
+                           timeout=timeout)
+    finally:
+        os.close(s)
+    t.join(10)
+    os.close(m)
+    return r.returncode, b"".join(buf).decode("utf-8", "replace")
+
+
+def test_progress_bar_only_on_a_terminal(tiny, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(["ab"] * 40))
+    args = ["perplexity", "-m", str(tiny), "-f", str(text), "--ctx", "8"]
+    rc, err = _stderr_on_a_terminal(args)
+    assert rc == 0, err
+    assert "perplexity:" in err and "/5 [" in err and "chunks/s" in err  # tqdm's bar over the 5 windows of 8
+    r = _coli(*args)
+    assert r.returncode == 0, r.stderr
+    assert "chunks" not in r.stderr and "\r" not in r.stderr
+
+
+def test_compile_clock_counts_compiles_of_this_thread_only():
+    import threading
+    import time
+
+    from coli import progress
+
+    progress.install()
+
+    @numba.njit  # not cached: compiled at the first call
+    def f(x):
+        return x * 2 + 1
+
+    c0 = progress.compile_seconds()
+    t0 = time.perf_counter()
+    assert f(3) == 7
+    wall = time.perf_counter() - t0
+    c1 = progress.compile_seconds()
+    assert 0 < c1 - c0 <= wall
+    assert f(4) == 9 and progress.compile_seconds() == c1  # compiled once
+
+    @numba.njit
+    def g(x):
+        return x - 1
+
+    t = threading.Thread(target=lambda: g(1))
+    t.start()
+    t.join()
+    assert progress.compile_seconds() == c1  # another thread's compile is its own
+
+
+def test_compile_bar_on_a_terminal():
+    code = ("import cpu_kernels, numba; from coli import progress; progress.install(); "
+            "f = numba.njit(lambda x: x + 1); f(1); progress.end_compile_bar()")
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    m, s = pty.openpty()
+    fcntl.ioctl(s, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    try:
+        r = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=s, cwd=ROOT, timeout=300)
+        out = os.read(m, 65536).decode("utf-8", "replace")
+    finally:
+        os.close(s)
+        os.close(m)
+    assert r.returncode == 0
+    assert "compiling kernels, once" in out

@@ -12,6 +12,7 @@ import pytest
 from coli.errors import ColiError
 from coli.plan import make_plan
 from tiny_moe import ROOT, build_tiny_moe
+from vk_util import requires_vulkan
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ def test_plan_matches_a_real_run(tiny, tmp_path):
 
 
 def test_plan_device_budget_is_the_tiers_rule(tiny):
-    from scheduler.tier import DeviceMemory, budget_bytes
+    from scheduler.tier_policy import DeviceMemory, budget_bytes
 
     GiB = 1 << 30
     dev = DeviceMemory("test iGPU", "integrated", 8 * GiB)
@@ -86,3 +87,25 @@ def test_plan_cli_table_json_and_errors(tiny, tmp_path):
         assert r.returncode == 2 and r.stderr.startswith("coli: ") and "Traceback" not in r.stderr, r.stderr
     with pytest.raises(ColiError, match="--expert-cache"):
         make_plan(tiny, expert_cache=-1)
+
+
+@requires_vulkan
+def test_plan_device_matches_the_engine_on_lavapipe(tiny, tmp_path, monkeypatch):
+    """With the device: the plan's budget and expert count equal the tier the engine opens (same rule)."""
+    from coli.engine import Engine
+
+    p0 = make_plan(tiny, ctx=16)
+    GiB = 1 << 30
+    monkeypatch.setenv("COLI_VK_TIER_GB", repr(5 * p0["expert_bytes"] / GiB))  # room for 5 experts
+    p = make_plan(tiny, device="vulkan", ctx=16, expert_cache=2)
+    if p.get("device_budget_bytes") is None:
+        pytest.fail("no Vulkan device opened for the plan (Lavapipe is expected here)")
+    eng = Engine(tiny, ctx=16, expert_cache=2, device="vulkan", usage=str(tmp_path / "usage"), save_usage=False)
+    try:
+        assert eng.tier is not None
+        assert p["device_budget_bytes"] == eng.tier.budget
+        assert p["device_experts"] == min(8, eng.tier.budget_experts) == 5
+        assert p["device"] == eng.tier.device_name
+        assert p["streamed_experts"] == 0  # 2 x 2 RAM slots + 5 on the device cover the 8 experts
+    finally:
+        eng.close()

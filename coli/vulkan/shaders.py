@@ -25,14 +25,15 @@ SHADER_DIR = Path(__file__).resolve().parent.parent.parent / "shaders"
 
 #: GGUF types with a device decoder (shaders/fmt_<suffix>.glsl), in the order of shaders/formats.glsl.
 DEVICE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4",
-                "Q5_1", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
+                "Q5_1", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS",
+                "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M")
 
 #: GGUF type name -> suffix of the decoder file fmt_<suffix>.glsl and of the .spv names (the table's ``shader``).
 FORMATS = {n: TT.get(n).shader for n in DEVICE_TYPES}
 for _n, _s in FORMATS.items():
     TT.register("vulkan", _n, f"shaders/fmt_{_s}.glsl")
 KERNELS = ("gemv", "gemm")
-EXTRA = ("copy",)          # kernels without a format (one .spv each)
+EXTRA = ("copy", "act_q8")  # kernels without a format (one .spv each); act_q8: the int8-activation rounding
 GLSLC_FLAGS = ("--target-env=vulkan1.2", "-O")
 
 _INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"', re.M)
@@ -40,7 +41,9 @@ _INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"', re.M)
 
 def shader_dir() -> Path:
     """The folder holding the .spv set: ``COLI_VK_SHADERS`` if set, else the package's ``shaders/``."""
-    env = os.environ.get("COLI_VK_SHADERS")
+    from coli.settings import get
+
+    env = get("COLI_VK_SHADERS")
     return Path(env) if env else SHADER_DIR
 
 
@@ -54,9 +57,14 @@ def defines(type_name: str | None) -> list[str]:
     return [] if type_name is None else [f"-DFMT_{type_name}"]
 
 
+#: int8-activation kernels (gemv_i8.glsl) and the one format each is built for: with the device's integer dot
+#: product, and emulated
+I8_KERNELS = (("gemv_i8dot", "Q8_0"), ("gemv_i8emu", "Q8_0"))
+
+
 def builds() -> list[tuple[str, str | None]]:
     """Every (kernel, type_name) pair that has a .spv."""
-    return [(k, t) for k in KERNELS for t in FORMATS] + [(k, None) for k in EXTRA]
+    return [(k, t) for k in KERNELS for t in FORMATS] + list(I8_KERNELS) + [(k, None) for k in EXTRA]
 
 
 _GLSL_HEAD = """\
