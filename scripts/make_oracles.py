@@ -681,6 +681,100 @@ def make_deltanet(out: Path) -> dict:
     return info
 
 
+# ----------------------------------------------------------------------------------------------- qwen3next
+# A tiny random Qwen3-Next (Gated DeltaNet layers 0-2, gated full attention layer 3; MoE with a shared expert)
+# for the family file that comes with the layer-blocks refactor. The GGUF is llama.cpp's converter's own output
+# (--outtype f32), the logits HF's: the prompt (96 tokens, more than one 64-token DeltaNet chunk) without a cache,
+# then 8 greedy steps with HF's cache (conv and recurrent states carried).
+QWEN3NEXT_NAME = "qwen3next"
+QWEN3NEXT_SEED = 8000
+QWEN3NEXT_CONFIG = dict(num_hidden_layers=4, intermediate_size=96, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=32, head_dim=16, num_attention_heads=4, num_key_value_heads=2,
+                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                        linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
+                        norm_topk_prob=True, rms_norm_eps=1e-6, full_attention_interval=4,
+                        layer_types=["linear_attention"] * 3 + ["full_attention"],
+                        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25})
+QWEN3NEXT_TOKENS, QWEN3NEXT_STEPS = 96, 8
+
+
+def make_qwen3next(out: Path, work: Path, tok_dir: Path, llama_dir: Path) -> dict:
+    """``qwen3next.gguf`` (llama.cpp's converter), ``qwen3next.config.json`` and ``qwen3next.npz``: ``ids`` int32 [96],
+    ``logits`` f32 [96, V] (no cache), ``gen_ids`` int32 [8] (greedy), ``gen_logits`` f32 [8, V] (the logits that
+    chose each generated token: the last prompt row, then each step's, with HF's cache), ``full_logits`` f32
+    [96 + 7, V] (the whole sequence without a cache: equals the cached steps), ``router_margin``, ``logit_gap``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    for attempt in range(20):
+        seed = QWEN3NEXT_SEED + attempt
+        cfg = AutoConfig.for_model("qwen3_next", **{**COMMON, **QWEN3NEXT_CONFIG})
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if pname.endswith("A_log"):
+                    p.copy_(torch.log(torch.rand(p.shape, generator=g) * 4 + 0.5))
+                elif pname.endswith("dt_bias"):
+                    p.copy_(0.5 * torch.randn(p.shape, generator=g))
+                elif p.ndim == 1:
+                    # zero-centred RMSNorms (output * (1 + w)) get w ~ 0.2 N; the gated norm (output * w) ~ 1 + 0.2 N
+                    zc = "linear_attn.norm" not in pname
+                    p.copy_((0.0 if zc else 1.0) + 0.2 * torch.randn(p.shape, generator=g))
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) / np.sqrt(np.prod(p.shape[1:])))
+                    if pname.endswith("mlp.gate.weight"):
+                        p.mul_(ROUTER_SCALE)
+        ids = np.random.default_rng(seed).integers(2, VOCAB, size=QWEN3NEXT_TOKENS).astype(np.int32)
+        ids[0] = BOS_ID
+        logits, rl, w, ix = run_model(model, ids)
+        margin = router_margin(rl, cfg.num_experts_per_tok)
+        top2 = -np.sort(-logits, axis=-1)[:, :2]
+        gap = (top2[:, 0] - top2[:, 1]).astype(np.float32)
+        if float(margin.min()) >= MIN_MARGIN and float(gap.min()) >= MIN_LOGIT_GAP and np.isfinite(logits).all():
+            break
+        print(f"{QWEN3NEXT_NAME}: seed {seed} router margin {margin.min():.2e}, logit gap {gap.min():.2e}, reseeding")
+    else:
+        raise SystemExit(f"{QWEN3NEXT_NAME}: no seed gave margins")
+    with torch.no_grad():
+        o = model(input_ids=torch.tensor(ids[None, :], dtype=torch.long), use_cache=True)
+        cache, last = o.past_key_values, o.logits[0, -1]
+        gen, gen_logits = [], []
+        for _ in range(QWEN3NEXT_STEPS):
+            tok = int(last.argmax())
+            gen.append(tok)
+            gen_logits.append(last.float().numpy())
+            o = model(input_ids=torch.tensor([[tok]]), past_key_values=cache, use_cache=True)
+            cache, last = o.past_key_values, o.logits[0, -1]
+        seq = np.concatenate([ids, np.array(gen[:-1], np.int32)])
+        full = model(input_ids=torch.tensor(seq[None, :], dtype=torch.long), use_cache=False).logits[0].numpy()
+    gen_logits = np.stack(gen_logits)
+    d_cache = float(np.abs(full[QWEN3NEXT_TOKENS - 1:] - gen_logits).max())
+    np.savez(out / f"{QWEN3NEXT_NAME}.npz", ids=ids, logits=logits.astype(np.float32), gen_ids=np.array(gen, np.int32),
+             gen_logits=gen_logits.astype(np.float32), full_logits=full.astype(np.float32), router_margin=margin,
+             logit_gap=gap)
+    cfg_json = json.loads(cfg.to_json_string(use_diff=False))
+    cfg_json["coli_oracle"] = {"seed": seed, "router_scale": ROUTER_SCALE, "gguf": "llama.cpp convert_hf_to_gguf.py f32",
+                               "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+                               "cached_vs_uncached_max_abs": d_cache}
+    (out / f"{QWEN3NEXT_NAME}.config.json").write_text(json.dumps(cfg_json, indent=1, sort_keys=True) + "\n")
+    hf_dir = work / QWEN3NEXT_NAME / "hf"
+    model.save_pretrained(hf_dir)
+    for f in tok_dir.iterdir():
+        (hf_dir / f.name).write_bytes(f.read_bytes())
+    cmd = [sys.executable, "-c", CONVERT_WRAPPER, str(llama_dir), str(hf_dir), "--outtype", "f32", "--no-mtp",
+           "--outfile", str(out / f"{QWEN3NEXT_NAME}.gguf")]  # no MTP head in this checkpoint
+    r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    if r.returncode != 0:
+        raise SystemExit(f"convert_hf_to_gguf.py failed for {QWEN3NEXT_NAME}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    info = {"seed": seed, "min_router_margin": float(margin.min()), "min_logit_gap": float(gap.min()),
+            "max_abs_logit": float(np.abs(logits).max()), "cached_vs_uncached_max_abs": d_cache,
+            "gguf_bytes": (out / f"{QWEN3NEXT_NAME}.gguf").stat().st_size}
+    print(f"{QWEN3NEXT_NAME}: {info}")
+    return info
+
+
 # ----------------------------------------------------------------------------------------------- main
 def make_one(name: str, out: Path, work: Path, tok_dir: Path, tokmeta: dict) -> dict:
     import torch
@@ -743,7 +837,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-convert-check", action="store_true")
     ap.add_argument("--no-llama-run", action="store_true",
                     help="skip running the GGUFs in llama-cpp-python (done when it is importable)")
-    ap.add_argument("archs", nargs="*", default=list(ARCHS) + list(ROPE) + [FP8_NAME, DELTANET_NAME])
+    ap.add_argument("archs", nargs="*", default=list(ARCHS) + list(ROPE) + [FP8_NAME, DELTANET_NAME, QWEN3NEXT_NAME])
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -762,6 +856,9 @@ def main(argv=None) -> int:
             continue
         if name == DELTANET_NAME:
             make_deltanet(args.out)
+            continue
+        if name == QWEN3NEXT_NAME:
+            make_qwen3next(args.out, args.work, tok_dir, args.llama_cpp)
             continue
         (make_rope_one if name in ROPE else make_one)(name, args.out, args.work, tok_dir, tokmeta)
         if not args.no_convert_check:

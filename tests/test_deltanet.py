@@ -97,3 +97,42 @@ def test_bad_shapes():
     with pytest.raises(ValueError, match="gated_delta_rule"):
         gated_delta_rule(z((1, 2, 4), np.float32), z((1, 2, 4), np.float32), z((1, 3, 3), np.float32),
                          z((1, 3), np.float32), z((1, 3), np.float32), z((3, 4, 3), np.float32))
+
+
+def test_qwen3next_oracle_fixture_is_sound():
+    """tests/fixtures/oracles/qwen3next.{gguf,npz,config.json} (scripts/make_oracles.py), for the qwen3next family
+    that comes with the layer-blocks refactor: the GGUF is llama.cpp's converter's own (Gated DeltaNet layers 0-2,
+    full attention layer 3, as the config's layer_types); the recorded logits agree with each other (greedy ids
+    are their argmax; HF's cached decode steps equal its uncached run over the same tokens)."""
+    import json
+
+    from coli.errors import ColiError
+    from coli.gguf_file import open_gguf
+    from coli.models import model_class
+
+    d = np.load(FIXTURES / "oracles" / "qwen3next.npz")
+    cfg = json.loads((FIXTURES / "oracles" / "qwen3next.config.json").read_text())
+    g = open_gguf(FIXTURES / "oracles" / "qwen3next.gguf")
+    assert g.arch == "qwen3next"
+    rec = [t == "linear_attention" for t in cfg["layer_types"]]
+    assert list(g.get("qwen3next.attention.recurrent_layers")) == rec == [True, True, True, False]
+    H, dk, Hk, Hv = cfg["hidden_size"], cfg["linear_key_head_dim"], cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dv = cfg["linear_value_head_dim"]
+    for il, r in enumerate(rec):
+        b = f"blk.{il}."
+        if r:
+            assert g.tensors[b + "attn_qkv.weight"].shape == (2 * Hk * dk + Hv * dv, H)
+            assert g.tensors[b + "attn_gate.weight"].shape == (Hv * dv, H)
+            assert g.tensors[b + "ssm_conv1d.weight"].shape == (2 * Hk * dk + Hv * dv, cfg["linear_conv_kernel_dim"])
+            assert g.tensors[b + "ssm_a"].shape == (Hv,) and g.tensors[b + "ssm_norm.weight"].shape == (dv,)
+        else:
+            assert g.tensors[b + "attn_q.weight"].shape == (2 * cfg["num_attention_heads"] * cfg["head_dim"], H)
+        assert g.tensors[b + "ffn_gate_exps.weight"].shape == (cfg["num_experts"], cfg["moe_intermediate_size"], H)
+    T = len(d["ids"])
+    assert T > 64 and (d["gen_ids"] == d["gen_logits"].argmax(-1)).all()
+    scale = np.abs(d["logits"]).max()
+    assert np.abs(d["full_logits"][:T] - d["logits"]).max() <= 1e-4 * scale
+    assert np.abs(d["full_logits"][T - 1:] - d["gen_logits"]).max() <= 1e-4 * scale
+    assert d["router_margin"].min() >= 1e-2 and d["logit_gap"].min() >= 1e-3
+    with pytest.raises(ColiError, match="qwen3next"):  # the family file comes with the refactor (docs/families.md)
+        model_class(g)
