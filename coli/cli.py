@@ -59,7 +59,8 @@ def resolve_model(name, quiet=False):
 
 def _engine_args(p: argparse.ArgumentParser, model_required=False):
     p.add_argument("-m", "--model", required=model_required,
-                   help="GGUF file or a model name (smollm2, gemma3-270m, qwen2.5-coder-0.5b, demo: coli models); "
+                   help="GGUF file, Hugging Face folder (config.json, *.safetensors, tokenizer.json), or a model "
+                        "name (smollm2, gemma3-270m, qwen2.5-coder-0.5b, demo: coli models); "
                         "default: the demo MoE, built on first use")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: physical cores available)")
     p.add_argument("--ctx", "-c", type=int, default=None,
