@@ -1,67 +1,193 @@
-"""``coli run | perplexity | info | bench`` (argparse), one function per command.
+"""``coli run | chat | serve | models | perplexity | info | bench | plan | tune`` (argparse), one function per
+command.
 
-User errors (``ColiError``) print one line ``coli: <message>`` on stderr and exit with code 2.
+``coli run`` keeps llama.cpp's ``llama-cli`` habits: ``-p``/``-f``/stdin prompts, ``-n -1``, ``--seed -1``,
+``--stop``, ``--repeat-penalty``, ``--min-p``, ``--no-display-prompt``, ``-q``. ``-m`` takes a GGUF path or
+a name coli can fetch (``coli models``).
+
+User errors (``ColiError``) print one line ``coli: <message>`` on stderr and exit with code 2. Ctrl-C exits 130
+and SIGTERM 143, both after the stats line and the routing history's save; a closed or broken stdout ends
+the run quietly (exit 0).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import secrets
 import sys
 import time
 
+from coli import settings
 from coli.errors import ColiError
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """``(default: X)`` after each option's help, unless the default is None/False or the help says it."""
+
+    def _get_help_string(self, action):
+        if (action.default is None or action.default is False or action.default == argparse.SUPPRESS
+                or "default" in (action.help or "")
+                or isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))):
+            return action.help
+        return super()._get_help_string(action)
+
+
+# names ``-m`` accepts besides a path: coli.fetch's models and the demo MoE (coli models lists them)
+MODEL_NAMES = {"smollm2": "smollm2", "gemma3-270m": "gemma3", "qwen2.5-coder-0.5b": "qwen25", "demo": None,
+               "gemma3": "gemma3", "qwen25": "qwen25"}
+
+
+def resolve_model(name, quiet=False):
+    """A ``-m`` value as a path: a known name (fetched or built on first use) or an existing file."""
+    if name is None:
+        return None
+    if not os.path.exists(name) and name.lower() in MODEL_NAMES:
+        key = MODEL_NAMES[name.lower()]
+        if key is None:
+            from coli.demo import demo_model_path
+
+            return str(demo_model_path(quiet=quiet))
+        from coli.fetch import model_path
+
+        return str(model_path(key, quiet=quiet))
+    if not os.path.exists(name):
+        raise ColiError(f"{name}: no such file (give a GGUF path or a model name: "
+                        f"{', '.join(k for k in MODEL_NAMES if k not in ('gemma3', 'qwen25'))}; see coli models)")
+    return name
+
+
 def _engine_args(p: argparse.ArgumentParser, model_required=False):
-    p.add_argument("-m", "--model", required=model_required, help="GGUF file (default: the demo MoE, built on first use)")
+    p.add_argument("-m", "--model", required=model_required,
+                   help="GGUF file, Hugging Face folder (config.json, *.safetensors, tokenizer.json), or a model "
+                        "name (smollm2, gemma3-270m, qwen2.5-coder-0.5b, demo: coli models); "
+                        "default: the demo MoE, built on first use")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: physical cores available)")
-    p.add_argument("--ctx", type=int, default=None, help="KV cache positions (default min(4096, trained context))")
+    p.add_argument("--ctx", "-c", type=int, default=None,
+                   help="KV cache positions (default: the model's trained context, capped so the KV cache "
+                        "takes at most a quarter of the available RAM)")
     p.add_argument("--expert-cache", type=int, default=None, metavar="N",
                    help="RAM expert cache slots per MoE layer (default: all experts if they fit half the RAM)")
     p.add_argument("--usage", default=None, metavar="PATH", help="routing history file (default .coli_usage beside the model)")
     p.add_argument("--cpu-act", choices=["f32", "int8"], default=None,
                    help="activations of the CPU matmuls: f32, or int8 per 32 as llama.cpp (default: measured, see docs)")
-    p.add_argument("--io-threads", type=int, default=4, help="background expert readers")
-    p.add_argument("--device", choices=["cpu", "vulkan"], default=None,
-                   help="vulkan: experts on the GPU tier (also COLI_VULKAN=1)")
+    p.add_argument("--io-threads", type=int, default=None, help="background expert readers (default 4)")
+    p.add_argument("--device", default=None, metavar="cpu|vulkan|vulkan:N",
+                   help="vulkan: experts on the GPU tier of the best device, vulkan:N on device N (also "
+                        "COLI_VULKAN=1, COLI_VK_DEV=N); default cpu")
     p.add_argument("--balance", dest="balance", action="store_true", default=None,
                    help="open the best Vulkan device with the tier and the measured-time balancer")
     p.add_argument("--no-balance", dest="balance", action="store_false", help="tier without the balancer")
+    p.add_argument("--tier-gb", type=float, default=None, metavar="GB",
+                   help="device memory for resident experts in GiB (COLI_VK_TIER_GB; default: the budget rule, "
+                        "docs/tier.md)")
+    p.add_argument("--reproducible", action="store_true",
+                   help="the same device expert set, hence the same logits bytes, every run: uploads waited for, "
+                        "no balancer (COLI_VK_TIER_SYNC=1 with --no-balance)")
     p.add_argument("--trace", default=None, metavar="FILE.json", help="write Chrome/Perfetto trace events")
 
 
 def _open_engine(a, quiet=False, save_usage=True):
     from coli.engine import Engine
 
-    device = a.device
-    if device is None and (a.balance or os.environ.get("COLI_VULKAN") == "1"):
+    device, index = a.device, None
+    if device is not None and device.startswith("vulkan:"):
+        if not device[7:].isdigit():
+            raise ColiError(f"--device {device}: N is a device number (vulkan:0, vulkan:1, ...)")
+        device, index = "vulkan", int(device[7:])
+    elif device not in (None, "cpu", "vulkan"):
+        raise ColiError(f"--device: '{device}' (cpu, vulkan or vulkan:N)")
+    if device is None and (a.balance or settings.get("COLI_VULKAN")):
         device = "vulkan"
     if a.balance and device == "cpu":
         raise ColiError("--balance needs the device: drop --device cpu")
-    if a.model and not os.path.exists(a.model):
-        raise ColiError(f"{a.model}: no such file")
-    return Engine(a.model, threads=a.threads, ctx=a.ctx, expert_cache=a.expert_cache, usage=a.usage,
-                  cpu_act=a.cpu_act, io_threads=a.io_threads, device=device,
-                  balance=a.balance,
-                  trace=a.trace, quiet=quiet, save_usage=save_usage)
+    if a.reproducible and a.balance:
+        raise ColiError("--reproducible runs without the balancer: drop --balance")
+    if a.tier_gb is not None and not a.tier_gb >= 0:
+        raise ColiError(f"--tier-gb: {a.tier_gb} (GiB, 0 or above)")
+    env = settings.overlay(None, COLI_VK_DEV=index, COLI_VK_TIER_GB=a.tier_gb,
+                           COLI_VK_TIER_SYNC=True if a.reproducible else None)
+    model = resolve_model(a.model, quiet=quiet)
+    return Engine(model, threads=a.threads, ctx=a.ctx, expert_cache=a.expert_cache, usage=a.usage,
+                  cpu_act=a.cpu_act, io_threads=4 if a.io_threads is None else a.io_threads, device=device,
+                  balance=False if a.reproducible else a.balance,
+                  trace=a.trace, quiet=quiet, save_usage=save_usage, cli_names=True, env=env,
+                  silent=bool(getattr(a, "quiet", False)))
+
+
+def _read_prompt(a) -> str:
+    """The prompt of ``coli run``: positional, ``-p TEXT``, ``-f FILE``, ``-p -`` (stdin) or a pipe."""
+    given = [(n, v) for n, v in (("PROMPT", a.prompt_pos), ("-p", a.prompt), ("-f", a.file)) if v is not None]
+    if len(given) > 1:
+        raise ColiError(f"prompt: given twice ({' and '.join(n for n, _ in given)}); give one")
+    if a.file is not None:
+        try:
+            with open(a.file, encoding="utf-8") as f:
+                return f.read()
+        except OSError as e:
+            raise ColiError(f"-f {a.file}: {e.strerror or e}") from None
+        except UnicodeDecodeError as e:
+            raise ColiError(f"-f {a.file}: not UTF-8 text (byte {e.start})") from None
+    prompt = a.prompt if a.prompt is not None else a.prompt_pos
+    if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
+        try:
+            prompt = sys.stdin.read()
+        except UnicodeDecodeError as e:
+            raise ColiError(f"stdin: not UTF-8 text (byte {e.start})") from None
+    if prompt is None or prompt == "":
+        raise ColiError("prompt: empty (give a prompt: coli run \"Once upon a time\", -p TEXT, -f FILE or a pipe)")
+    return prompt
+
+
+def _start_line(eng) -> str:
+    """The engine line on stderr: model, experts, threads, context (and why it is capped)."""
+    a = eng.args
+    s = (f"coli: {eng.path.name}: {a.arch}, {a.n_layers} layers"
+         + (f", {a.n_experts} experts top-{a.top_k}" if a.n_experts else "")
+         + f", {eng.threads} threads, ctx {eng.ctx}")
+    if eng.ctx < a.ctx_train:
+        why = ("capped by RAM: the KV cache at most a quarter of the available RAM" if eng.ctx == eng.ctx_cap
+               else "--ctx")
+        s += f" of {a.ctx_train} trained ({why})"
+    return s
+
+
+def _apply_config(a) -> str:
+    """Settings from ``coli tune --save``'s config file for those not given on the command line (threads,
+    I/O threads, the threading layer); returns the start line's note naming the file ("" without one)."""
+    from coli.tune import apply_layer, load_config
+
+    cfg, path = load_config()
+    if not cfg:
+        return ""
+    used = []
+    if a.threads is None and "threads" in cfg:
+        a.threads = cfg["threads"]
+        used.append(f"threads {cfg['threads']}")
+    if a.io_threads is None and "io_threads" in cfg:
+        a.io_threads = cfg["io_threads"]
+        used.append(f"I/O threads {cfg['io_threads']}")
+    if "threading_layer" in cfg:
+        apply_layer(cfg["threading_layer"])
+        used.append(f"layer {cfg['threading_layer']}")
+    return f" ({', '.join(used)} from {path})" if used else ""
 
 
 def cmd_run(a) -> int:
-    if a.prompt is not None and a.prompt_pos is not None:
-        raise ColiError("prompt: given twice (positional and -p); give one")
-    prompt = a.prompt if a.prompt is not None else a.prompt_pos
-    if prompt is None or prompt == "":
-        raise ColiError("prompt: empty (give a prompt: coli run \"Once upon a time\" or -p TEXT)")
-    eng = _open_engine(a)
+    prompt = _read_prompt(a)
+    if a.seed < -1:
+        raise ColiError(f"--seed: {a.seed} (-1 for random, or 0 and above)")
+    seed = secrets.randbits(32) if a.seed == -1 else a.seed
+    cfg_note = _apply_config(a)
+    eng = _open_engine(a, quiet=a.quiet)
     try:
         ids = eng.prompt_ids(prompt, chat=a.chat)
-        eng.check_fits(len(ids), a.n, a.temp, a.top_k, a.top_p)
+        n = eng.check_fits(len(ids), a.n, a.temp, a.top_k, a.top_p, min_p=a.min_p, repeat_penalty=a.repeat_penalty,
+                           repeat_last_n=a.repeat_last_n)
         if not a.quiet:
-            print(f"coli: {eng.path.name}: {eng.args.arch}, {eng.args.n_layers} layers"
-                  + (f", {eng.args.n_experts} experts top-{eng.args.top_k}" if eng.args.n_experts else "")
-                  + f", {eng.threads} threads", file=sys.stderr)
-        if not a.chat:
+            print(_start_line(eng) + f", {eng.activations()}" + cfg_note + (f", seed {seed}" if a.temp > 0 else ""),
+                  file=sys.stderr)
+        if not a.chat and not a.no_display_prompt:
             sys.stdout.write(prompt)
             sys.stdout.flush()
 
@@ -69,16 +195,106 @@ def cmd_run(a) -> int:
             sys.stdout.write(s)
             sys.stdout.flush()
 
-        r = eng.generate(ids=ids, max_tokens=a.n, temp=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
-                         on_text=emit)
+        try:
+            r = eng.generate(ids=ids, max_tokens=n, temp=a.temp, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
+                             repeat_penalty=a.repeat_penalty, repeat_last_n=a.repeat_last_n, seed=seed,
+                             stop=a.stop, on_text=emit)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the stats of what was generated, then main's exit code
+            _say("\n", sys.stdout)
+            _say("coli: " + eng.stats_line(eng.last_stats) + "\n", sys.stderr)
+            raise
         sys.stdout.write("\n")
-        print("coli: " + eng.stats_line(r.stats), file=sys.stderr)
+        if not a.quiet:
+            print("coli: " + eng.stats_line(r.stats), file=sys.stderr)
     finally:
-        eng.close()
+        _close(eng)
+    return 0
+
+
+def _sampling_args(p, temp: float):
+    p.add_argument("--temp", type=float, default=temp, help="temperature (0 = greedy)")
+    p.add_argument("--top-k", type=int, default=40, help="sample among the K most likely (0 = all)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus: the smallest set with this probability")
+    p.add_argument("--min-p", type=float, default=0.05, help="drop tokens below this share of the top one's probability")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="penalise repeated tokens (1 = off)")
+    p.add_argument("--repeat-last-n", type=int, default=64,
+                   help="tokens the penalty looks back over (0 = off, -1 = the context)")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="stop before TEXT (repeatable)")
+    p.add_argument("-s", "--seed", type=int, default=-1, help="sampling seed; -1: random (printed)")
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("coli")
+    except Exception:  # noqa: BLE001  (not installed: the source tree's version)
+        return "0.1.0"
+
+
+def cmd_chat(a) -> int:
+    from coli.chat import run_chat
+
+    if a.seed < -1:
+        raise ColiError(f"--seed: {a.seed} (-1 for random, or 0 and above)")
+    cfg_note = _apply_config(a)
+    eng = _open_engine(a, quiet=a.quiet)
+    try:
+        if not a.quiet:
+            print(_start_line(eng) + cfg_note, file=sys.stderr)
+        return run_chat(eng, a)
+    finally:
+        _close(eng)
+
+
+def cmd_serve(a) -> int:
+    from coli.server import serve
+
+    if not 0 <= a.port <= 65535:
+        raise ColiError(f"--port: {a.port} (0 to 65535)")
+    if a.queue < 1:
+        raise ColiError(f"--queue: {a.queue} (at least 1)")
+    cfg_note = _apply_config(a)
+    eng = _open_engine(a, quiet=a.quiet)
+    eng.cli_names = False  # errors go to HTTP clients: name the request's fields, not coli's flags
+    if not a.quiet:
+        print(_start_line(eng) + cfg_note, file=sys.stderr)
+    aliases = {eng.path.name}
+    if a.model:
+        aliases.add(a.model)
+    model_id = a.alias or eng.path.stem
+    try:
+        return serve(eng, model_id, host=a.host, port=a.port, aliases=aliases, max_queue=a.queue, quiet=a.quiet)
+    finally:
+        _close(eng)  # already closed by the server's shutdown; idempotent
+
+
+def cmd_models(a) -> int:
+    from coli.demo import demo_file_name
+    from coli.fetch import MODELS
+    from coli.paths import cache_dir
+
+    rows = []
+    for name in ("smollm2", "gemma3-270m", "qwen2.5-coder-0.5b"):
+        spec = MODELS[MODEL_NAMES[name]]
+        rows.append((name, cache_dir("models") / spec["file"], ", ".join(spec["wheels"][:1])
+                     + (" ..." if len(spec["wheels"]) > 1 else "")))
+    rows.append(("demo", cache_dir("demo") / demo_file_name(), "built from smollm2 (docs/demo_moe.md)"))
+    print(f"{'name':<20} {'cached':<8} {'size':>9}  path  (source)")
+    for name, path, src in rows:
+        have = path.exists()
+        size = f"{path.stat().st_size / 2**20:.0f} MiB" if have else "-"
+        print(f"{name:<20} {'yes' if have else 'no':<8} {size:>9}  {path}  ({src})")
+    print("coli run -m NAME fetches a model on first use; -m also takes any GGUF path")
     return 0
 
 
 def cmd_perplexity(a) -> int:
+    """llama-perplexity's convention (``Engine.perplexity``): chunks of ``--ctx`` tokens with BOS at each
+    start where the model wants one, the second half of each scored; ``--all-tokens`` scores every token.
+    Progress per chunk on stderr (``[i]ppl,`` with the running estimate, as llama-perplexity prints it);
+    the result on stdout."""
     try:
         with open(a.file, encoding="utf-8") as f:
             text = f.read()
@@ -88,20 +304,30 @@ def cmd_perplexity(a) -> int:
         raise ColiError(f"{a.file}: not UTF-8 text (byte {e.start})")
     if a.max_tokens is not None and a.max_tokens < 2:
         raise ColiError(f"--max-tokens: {a.max_tokens} (at least 2)")
+    if text == "":
+        raise ColiError(f"{a.file}: empty (no text to score)")
     eng = _open_engine(a, quiet=True)
     try:
         ids = eng.tokenize(text)
         if a.max_tokens:
             ids = ids[: a.max_tokens]
         t0 = time.perf_counter()
-        nll, n = eng.nll(ids)
-        dt = time.perf_counter() - t0
-        import math
 
-        print(f"{a.file}: {n} tokens scored, NLL {nll:.4f} nats/token, perplexity {math.exp(nll):.4f} "
-              f"({len(ids) / dt:.1f} tok/s)")
+        def progress(i, n, ppl):
+            end = "\n" if i == n else ""
+            sys.stderr.write(f"[{i}]{ppl:.4f}," + end)
+            sys.stderr.flush()
+
+        if not a.quiet:
+            way = "every token" if a.all_tokens else f"second half of each chunk, as llama-perplexity"
+            print(f"coli: {eng.path.name}: {len(ids)} tokens, chunks of {eng.ctx} ({way})", file=sys.stderr)
+        r = eng.perplexity(ids, all_tokens=a.all_tokens, on_chunk=None if a.quiet else progress)
+        dt = time.perf_counter() - t0
+        print(f"{a.file}: {r.n} tokens scored in {r.chunks} chunks of {r.ctx}"
+              f"{' (all tokens)' if r.all_tokens else ''}, NLL {r.nll:.4f} nats/token, "
+              f"perplexity {r.ppl:.4f} +/- {r.ppl_err:.4f} ({len(ids) / dt:.1f} tok/s)")
     finally:
-        eng.close()
+        _close(eng)
     return 0
 
 
@@ -114,47 +340,97 @@ def cmd_info(a) -> int:
 
 
 def cmd_bench(a) -> int:
-    from coli.bench import run_bench
+    """``coli bench``: llama-bench's lists (-p, -n, -t), -r repetitions, -o md|json|csv|jsonl (coli/bench.py)."""
+    from coli.bench import format_records, parse_int_list, run_bench
 
     if a.repetitions < 1:
         raise ColiError(f"-r: {a.repetitions} repetitions (at least 1)")
-    if a.n_prompt < 0 or a.n_gen < 0 or a.n_prompt + a.n_gen == 0:
-        raise ColiError(f"-p {a.n_prompt} -n {a.n_gen}: token counts must be >= 0, not both 0")
-
+    pp = parse_int_list(a.n_prompt, "-p")
+    tg = parse_int_list(a.n_gen, "-n")
+    if not any(pp) and not any(tg):
+        raise ColiError(f"-p {a.n_prompt} -n {a.n_gen}: token counts must be >= 0, not all 0")
+    threads = parse_int_list(a.threads, "-t", minimum=1) if a.threads is not None else None
+    fmt = "json" if a.json else a.output
+    a.threads = max(threads) if threads else None
     eng = _open_engine(a, quiet=True, save_usage=False)  # a benchmark does not feed the routing history
     try:
-        recs = run_bench(eng, n_prompt=a.n_prompt, n_gen=a.n_gen, reps=a.repetitions, cold=a.cold)
+        if threads is None:
+            threads = [eng.threads]
+
+        def progress(rec):
+            if fmt == "md" and sys.stderr.isatty():
+                print(f"coli bench: {rec['test']} at {rec['n_threads']} threads: {rec['avg_ts']:.2f} t/s",
+                      file=sys.stderr)
+
+        recs = run_bench(eng, n_prompt=pp, n_gen=tg, reps=a.repetitions, cold=a.cold, threads=threads,
+                         bandwidth=a.bandwidth, on_test=progress)
     finally:
-        eng.close()
-    if a.json:
-        print(json.dumps(recs, indent=2))
-    else:
-        print(f"| model | threads | test | t/s |\n|---|---|---|---|")
-        for r in recs:
-            print(f"| {r['model_filename']} | {r['n_threads']} | {r['test']} | {r['avg_ts']:.2f} ± {r['stddev_ts']:.2f} |")
+        _close(eng)
+    print(format_records(recs, fmt))
     return 0
 
 
+def cmd_tune(a) -> int:
+    from coli.tune import cmd_tune as tune
+
+    return tune(a)
+
+
+def cmd_plan(a) -> int:
+    from coli.plan import cmd_plan as plan
+
+    return plan(a)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="coli", description="Mixture-of-Experts inference: CPU kernels, a device expert tier, experts streamed from disk")
+    p = argparse.ArgumentParser(prog="coli", description="Mixture-of-Experts inference: CPU kernels, a device expert tier, experts streamed from disk",
+                                formatter_class=_Help)
+    p.add_argument("--version", action="version", version=f"coli {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    r = sub.add_parser("run", help="generate text")
+    r = sub.add_parser("run", help="generate text", formatter_class=_Help)
     r.add_argument("prompt_pos", nargs="?", default=None, metavar="PROMPT")
-    r.add_argument("-p", "--prompt", default=None)
-    r.add_argument("-n", type=int, default=64, help="tokens to generate")
+    r.add_argument("-p", "--prompt", default=None, help="the prompt; - reads it from stdin (as does a pipe)")
+    r.add_argument("-f", "--file", default=None, help="read the prompt from FILE")
+    r.add_argument("-n", "--n-predict", dest="n", type=int, default=64,
+                   help="tokens to generate; -1: until end of generation or the context is full")
     r.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    r.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
-    r.add_argument("--top-k", type=int, default=40)
-    r.add_argument("--top-p", type=float, default=0.95)
-    r.add_argument("--seed", type=int, default=None)
-    r.add_argument("-q", "--quiet", action="store_true")
+    _sampling_args(r, temp=0.0)
+    r.add_argument("--no-display-prompt", action="store_true", help="print only the generated text, not the prompt")
+    r.add_argument("-q", "--quiet", action="store_true", help="stdout and errors only (no start and speed lines)")
+    r.add_argument("--version", action="version", version=f"coli {_version()}")
     _engine_args(r)
     r.set_defaults(func=cmd_run)
 
-    q = sub.add_parser("perplexity", help="teacher-forced NLL and perplexity of a text file")
+    c = sub.add_parser("chat", help="interactive chat in the terminal (/reset, /exit; Ctrl-C stops an answer)",
+                       formatter_class=_Help)
+    c.add_argument("--system", "-sys", default=None, help="system message")
+    c.add_argument("-n", "--n-predict", dest="n", type=int, default=-1,
+                   help="tokens per answer at most; -1: until end of generation or the context is full")
+    _sampling_args(c, temp=0.8)
+    c.add_argument("-q", "--quiet", action="store_true", help="no start and speed lines")
+    _engine_args(c)
+    c.set_defaults(func=cmd_chat)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)",
+                       formatter_class=_Help)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=int, default=8080, help="TCP port")
+    s.add_argument("--queue", type=int, default=8, help="requests waiting at most (more get 503)")
+    s.add_argument("--alias", default=None, help="model name the server answers to (default: the file's stem)")
+    s.add_argument("-q", "--quiet", action="store_true", help="no start line or access log")
+    _engine_args(s)
+    s.set_defaults(func=cmd_serve)
+
+    m = sub.add_parser("models", help="the model names -m accepts and where they are cached", formatter_class=_Help)
+    m.set_defaults(func=cmd_models)
+
+    q = sub.add_parser("perplexity", help="perplexity of a text file, as llama-perplexity computes it")
     q.add_argument("-f", "--file", required=True)
     q.add_argument("--max-tokens", type=int, default=None, metavar="N", help="score only the first N tokens")
+    q.add_argument("--all-tokens", action="store_true",
+                   help="score every token (default: the second half of each --ctx chunk, as llama-perplexity)")
+    q.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     _engine_args(q)
     q.set_defaults(func=cmd_perplexity)
 
@@ -163,32 +439,129 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("-m", "--model", default=None)
     i.set_defaults(func=cmd_info)
 
-    b = sub.add_parser("bench", help="prefill ppN and decode tgN tok/s, llama-bench style")
-    b.add_argument("-p", "--n-prompt", type=int, default=128)
-    b.add_argument("-n", "--n-gen", type=int, default=64)
+    b = sub.add_parser("bench", help="prefill ppN and decode tgN tok/s, llama-bench style", conflict_handler="resolve")
+    b.add_argument("-p", "--n-prompt", default="128", help="prompt lengths: 128 or 64,512 or 0 (none)")
+    b.add_argument("-n", "--n-gen", default="64", help="tokens generated: 64 or 16,64 or 0 (none)")
     b.add_argument("-r", "--repetitions", type=int, default=5)
-    b.add_argument("--json", action="store_true", help="records with llama-bench's field names")
+    b.add_argument("-o", "--output", choices=["md", "json", "csv", "jsonl"], default="md",
+                   help="md table, or records with llama-bench's field names plus coli's")
+    b.add_argument("--json", action="store_true", help="same as -o json")
+    b.add_argument("--bandwidth", action="store_true",
+                   help="run a memory-read probe at each thread count; the table shows it beside the weight GB/s")
     b.add_argument("--cold", action="store_true", help="drop the model file's pages from the page cache before each run")
     _engine_args(b)
+    b.add_argument("-t", "--threads", default=None, metavar="LIST",
+                   help="Numba thread counts: 2, 1,2,4, 1-16, 1-16*2 (default: physical cores available)")
     b.set_defaults(func=cmd_bench)
+
+    pl = sub.add_parser("plan", help="what a model takes here (RAM, KV cache, expert cache, device, disk), before loading it")
+    pl.add_argument("-m", "--model", default=None, help="GGUF file (default: the demo MoE)")
+    pl.add_argument("--device", choices=["cpu", "vulkan"], default=None, help="vulkan: read the device's heaps for the tier")
+    pl.add_argument("--ctx", type=int, default=None,
+                    help="KV cache positions (default: the trained context, capped by RAM as coli run's)")
+    pl.add_argument("--expert-cache", type=int, default=None, metavar="N", help="RAM expert cache slots per MoE layer")
+    pl.add_argument("--json", action="store_true", help="the plan as JSON (bytes)")
+    pl.set_defaults(func=cmd_plan)
+
+    tu = sub.add_parser("tune", help="sweep threads, I/O threads, threading layers (and the device): CSV, PNG, a recommendation")
+    tu.add_argument("-m", "--model", default=None, help="GGUF file (default: the demo MoE)")
+    tu.add_argument("--device", choices=["cpu", "vulkan"], default=None, help="vulkan: also sweep device on/off, balancer on/off")
+    tu.add_argument("--out", default="coli-tune", metavar="DIR", help="folder for tune.csv and tune.png (default ./coli-tune)")
+    tu.add_argument("--save", action="store_true", help="write the recommendation to ~/.config/coli/config.toml (coli run reads it)")
+    tu.add_argument("--threads", default=None, metavar="LIST", help="Numba thread counts (default 1..physical cores, and the logical count)")
+    tu.add_argument("--io-threads", default=None, metavar="LIST", help="I/O thread counts (default 1,4,8 when experts stream from disk, else 4)")
+    tu.add_argument("--layers", default=None, metavar="LIST", help="threading layers: tbb,omp (default: each usable one)")
+    tu.add_argument("--reps", type=int, default=3, help="runs a point (alternating)")
+    tu.add_argument("-p", "--n-prompt", type=int, default=64, help="prompt tokens a run")
+    tu.add_argument("-n", "--n-gen", type=int, default=16, help="decode tokens a run")
+    tu.add_argument("--max-load", type=float, default=None, metavar="X",
+                    help="no recommendation when the load average before the sweep is above X (default: half the CPUs)")
+    tu.set_defaults(func=cmd_tune)
     return p
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (docker stop, systemd): handled as Ctrl-C is, then exit code 143 (128 + 15)."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
+def _say(text: str, stream) -> None:
+    """Write to a stream that may be closed or gone (no error: there is nowhere to report one)."""
+    try:
+        stream.write(text)
+        stream.flush()
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def _close(eng) -> None:
+    """``eng.close()`` (saves the routing history) with SIGINT and SIGTERM held back until it is done, so a
+    second Ctrl-C or a repeated SIGTERM cannot cut the save short."""
+    import signal
+
+    sigs = {signal.SIGINT, signal.SIGTERM}
+    try:
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    except (AttributeError, OSError, ValueError):
+        old = None
+    try:
+        eng.close()
+    finally:
+        if old is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+class _ClosedStdout:
+    """Stands for a closed stdout (``coli run ... >&-``: ``sys.stdout`` is None): writing raises
+    BrokenPipeError, so the run ends as it does when the reader of a pipe goes away."""
+
+    def write(self, s):
+        raise BrokenPipeError(32, "stdout is closed")
+
+    def flush(self):
+        pass
+
+
+def _devnull_stdout() -> None:
+    """Point fd 1 at /dev/null so the interpreter's last flush does not fail again after a broken pipe."""
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, 1)
+        os.close(fd)
+    except OSError:
+        pass
+
+
 def main(argv=None) -> int:
+    import signal
+
+    if sys.stdout is None:
+        sys.stdout = _ClosedStdout()
+    if sys.stderr is None:  # 2>&-: notes go nowhere rather than into stdout (print(file=None) means stdout)
+        sys.stderr = open(os.devnull, "w")
+    try:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # not the main thread (main() called from a library): leave signals alone
+        pass
     p = build_parser()
     a = p.parse_args(argv)
     if a.cmd == "info" and not (a.model_pos or a.model):
         p.error("info: give a MODEL")
     try:
+        settings.check_all()  # a malformed COLI_* variable is one error before any work
         return a.func(a)
     except ColiError as e:
         print(f"coli: {e}", file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:
-        sys.stdout.write("\n")
-        print("coli: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        term = isinstance(e, Terminated)
+        _say(f"coli: {'terminated (SIGTERM)' if term else 'interrupted'}\n", sys.stderr)
+        return 143 if term else 130
     except BrokenPipeError:
+        _devnull_stdout()
         return 0
 
 

@@ -390,7 +390,10 @@ def build_demo_moe(src: Path | str, dest: Path | str, noise: float = 0.05, exper
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         layers_done = 0
-        with concurrent.futures.ThreadPoolExecutor(_n_workers()) as pool:
+        from .progress import bar
+
+        with concurrent.futures.ThreadPoolExecutor(_n_workers()) as pool, \
+                bar(total=n_layer, desc=f"building {dest.name}", unit=" layers", disable=quiet) as pb:
             for tname, kind, what in plan:
                 if kind == "router":
                     arr = routers[what]
@@ -400,7 +403,8 @@ def build_demo_moe(src: Path | str, dest: Path | str, noise: float = 0.05, exper
                                         n_experts, seed, pool)
                     if m == 2:
                         layers_done += 1
-                        if layers_done % 5 == 0 or layers_done == n_layer:
+                        pb.update(1)
+                        if pb.disable and (layers_done % 5 == 0 or layers_done == n_layer):  # the bar says it
                             _log(quiet, f"{layers_done}/{n_layer} layers ({time.perf_counter() - t0:.1f} s)")
                 else:
                     arr = np.asarray(what.data)

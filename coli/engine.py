@@ -1,4 +1,4 @@
-"""``coli.Engine``: load a GGUF model, tokenize, run the forward pass on the CPU kernels (experts streamed
+"""``coli.Engine``: load a GGUF model (or a Hugging Face folder, ``coli/hf_folder.py``), tokenize, run the forward pass on the CPU kernels (experts streamed
 through the RAM expert cache, optionally a device tier), generate text.
 
 >>> eng = coli.Engine("SmolLM2-135M-Instruct.Q4_1.gguf", threads=2)
@@ -7,6 +7,9 @@ through the RAM expert cache, optionally a device tier), generate text.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import os
 import sys
 import time
@@ -18,16 +21,162 @@ import numpy as np
 from coli.errors import ColiError
 
 PREFILL_CHUNK = 64  # rows of a prompt step (bounds the attention scratch and the expert batches)
+CTX_RAM_SHARE = 0.25  # the default context's KV cache takes at most this share of the available RAM
 
 
 @dataclass
 class GenerateResult:
-    """``ids``: generated token ids; ``text``: their detokenized text; ``prompt_ids``; timing in ``stats``."""
+    """``ids``: generated token ids; ``text``: their text (cut before a stop string); ``prompt_ids``; timing
+    in ``stats``; ``finish_reason``: ``"stop"`` (end-of-generation token or a stop string), ``"length"``
+    (``max_tokens`` or the context reached) or ``"cancelled"`` (``should_stop`` said so)."""
 
     ids: list
     text: str
     prompt_ids: list
     stats: dict = field(default_factory=dict)
+    finish_reason: str = "stop"
+
+
+class StopText:
+    """Cuts a text stream at the first of ``stops`` (llama.cpp server's ``find_stopping_strings``): ``push``
+    returns the text that is safe to show, holding back a tail that may be the start of a stop string;
+    ``hit`` turns True when one matched (the stop string itself is never returned)."""
+
+    def __init__(self, stops):
+        self.stops = [s for s in (stops or []) if s]
+        self.buf = ""
+        self.hit = False
+
+    def push(self, s: str) -> str:
+        if not self.stops:
+            return s
+        self.buf += s
+        found = [i for i in (self.buf.find(t) for t in self.stops) if i >= 0]
+        if found:
+            out, self.buf, self.hit = self.buf[: min(found)], "", True
+            return out
+        hold = 0
+        for t in self.stops:
+            for k in range(min(len(t) - 1, len(self.buf)), hold, -1):
+                if self.buf.endswith(t[:k]):
+                    hold = k
+                    break
+        out = self.buf[: len(self.buf) - hold]
+        self.buf = self.buf[len(self.buf) - hold :]
+        return out
+
+    def flush(self) -> str:
+        out, self.buf = self.buf, ""
+        return out
+
+
+class TextStream:
+    """Iterator over the text pieces of one generation (:meth:`Engine.stream`); ``.result`` holds the
+    :class:`GenerateResult` once the iteration ended. ``close()`` (or leaving the loop early and dropping
+    it) ends the generation after the current token."""
+
+    def __init__(self, gen):
+        self._gen = gen
+        self.result: GenerateResult | None = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        try:
+            return next(self._gen)
+        except StopIteration as e:
+            self.result = e.value
+            raise
+
+    def close(self):
+        self._gen.close()
+
+
+# CLI flags of the Engine's options, for errors when the CLI opened it (the API names the argument)
+_FLAGS = {"temp": "--temp", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p", "max_tokens": "-n",
+          "repeat_penalty": "--repeat-penalty", "repeat_last_n": "--repeat-last-n", "ctx": "--ctx",
+          "threads": "--threads", "stop": "--stop", "cpu_act": "--cpu-act", "expert_cache": "--expert-cache",
+          "device": "--device", "seed": "--seed"}
+
+
+def _close_at_exit(ref):
+    """atexit: close an Engine the program did not close (the routing history is saved), with a warning."""
+    eng = ref()
+    if eng is not None and not getattr(eng, "_closed", False):
+        import warnings
+
+        warnings.warn(f"coli.Engine({eng.path.name}) was not closed; closing it at exit (call close() or use "
+                      f"'with Engine(...)')", stacklevel=1)
+        eng.close()
+
+
+@dataclass
+class PerplexityResult:
+    """``nll``: mean nats/token; ``n``: tokens scored; ``ppl`` = exp(nll); ``ppl_err``: llama-perplexity's
+    ``+/-``; ``chunks``; ``running``: the estimate after each chunk; ``all_tokens``: which convention;
+    ``ctx``: the chunk length (see :meth:`Engine.perplexity`)."""
+
+    nll: float
+    n: int
+    ppl: float
+    ppl_err: float
+    chunks: int
+    running: list
+    all_tokens: bool
+    ctx: int
+
+
+@contextlib.contextmanager
+def engine_threads(eng):
+    """Run the block on ``eng.threads`` Numba threads, then give the calling thread its count back.
+
+    Numba's thread count belongs to the calling Python thread (``numba.set_num_threads`` is thread-local;
+    a new thread starts at ``NUMBA_NUM_THREADS``), so each public Engine call sets it at its entry: a call
+    from a worker thread runs on the engine's threads, and constructing a second engine leaves the first
+    one's count alone (docs/tuning.md). Also closes the "compiling kernels, once" bar at the end."""
+    import numba
+
+    from coli.progress import end_compile_bar, install
+
+    install()
+    prev = numba.get_num_threads()
+    if prev != eng.threads:
+        numba.set_num_threads(eng.threads)
+    try:
+        yield
+    finally:
+        if prev != eng.threads:
+            numba.set_num_threads(prev)
+        end_compile_bar()
+
+
+def _on_engine_threads(fn):
+    """Decorator of the public Engine calls: :func:`engine_threads` around the call (around each step of a
+    generator)."""
+    if inspect.isgeneratorfunction(fn):
+        @functools.wraps(fn)
+        def gen(self, *a, **kw):
+            it = fn(self, *a, **kw)
+            value = None
+            try:
+                while True:
+                    with engine_threads(self):
+                        try:
+                            out = it.send(value)
+                        except StopIteration as stop:
+                            return stop.value
+                    value = yield out
+            finally:
+                with engine_threads(self):
+                    it.close()
+        return gen
+
+    @functools.wraps(fn)
+    def call(self, *a, **kw):
+        with engine_threads(self):
+            return fn(self, *a, **kw)
+    return call
 
 
 def _available_ram() -> int:
@@ -36,20 +185,73 @@ def _available_ram() -> int:
     return int(psutil.virtual_memory().available)
 
 
+def check_vocab_tables(g, n_tokens: int) -> None:
+    """The tables indexed by token id agree: ``{arch}.vocab_size`` (when present), the rows of
+    ``token_embd.weight`` and of ``output.weight`` (when present) all equal the ``n_tokens`` entries of
+    ``tokenizer.ggml.tokens``. Else ``ColiError`` naming the tensor or key and both counts.
+
+    llama.cpp refuses such a file the same way: its ``n_vocab`` is the token count and ``create_tensor``
+    checks ``token_embd``/``output`` against ``{n_embd, n_vocab}`` ("tensor ... has wrong shape"). Masking
+    the extra rows instead would hide a broken conversion (an id the tokenizer cannot print, an embedding
+    row no token reaches), so coli refuses too."""
+    fname = g.path.name
+    key = f"{g.arch}.vocab_size"
+    v = g.meta.get(key)
+    if v is not None and v != n_tokens:
+        raise ColiError(f"{fname}: kv '{key}': {v}, but kv 'tokenizer.ggml.tokens' has {n_tokens} tokens "
+                        f"(llama.cpp refuses this file too)")
+    if "token_embd.weight" not in g.tensors:
+        raise ColiError(f"{fname}: tensor 'token_embd.weight': missing (the token embedding table)")
+    for name in ("token_embd.weight", "output.weight"):
+        t = g.tensors.get(name)
+        if t is not None and t.shape[0] != n_tokens:
+            raise ColiError(f"{fname}: tensor '{name}': {t.shape[0]} rows, but kv 'tokenizer.ggml.tokens' has "
+                            f"{n_tokens} tokens (one row per token; llama.cpp refuses this file too)")
+
+
+def kv_cache_bytes(args, ctx: int) -> int:
+    """Bytes of the f32 KV cache (``coli.models.base.KVCache``): K and V, ``[n_kv_heads, ctx, head_dim]``
+    per layer."""
+    return 2 * args.n_layers * args.n_kv_heads * int(ctx) * args.head_dim * 4
+
+
+def default_ctx(args, available: int) -> int:
+    """The default context (``--ctx``): the model's trained context, capped so that the f32 KV cache takes at
+    most ``CTX_RAM_SHARE`` of ``available`` RAM bytes; at least 1."""
+    return max(1, min(int(args.ctx_train), int(available * CTX_RAM_SHARE // kv_cache_bytes(args, 1))))
+
+
+def expert_cache_slots(n_experts: int, top_k: int, expert_bytes: int, n_moe_layers: int, expert_cache=None,
+                       available: int | None = None) -> int:
+    """RAM expert cache slots per MoE layer (the engine's rule, docs/engine.md): ``expert_cache`` when given
+    (at most ``n_experts``; below top-k raised to top-k by the caller); else every expert when all of them fit
+    in half the available RAM, else what fits there, never below top-k. ``expert_bytes``: the biggest
+    expert's gate+up+down bytes; ``available``: RAM available in bytes (psutil's when None)."""
+    if expert_cache is not None:
+        return min(int(expert_cache), n_experts)
+    avail = _available_ram() if available is None else int(available)
+    fit = int(avail // 2 // max(1, expert_bytes * n_moe_layers))
+    return max(top_k, min(n_experts, fit))
+
+
 class Engine:
     """A loaded model.
 
     Options: ``threads`` (Numba threads; default: physical cores available), ``ctx`` (KV cache positions;
-    default min(4096, trained context)), ``expert_cache`` (RAM slots per MoE layer; default every expert when
+    default the trained context, capped so the f32 KV cache takes at most ``CTX_RAM_SHARE`` of the available
+    RAM: ``ctx_cap``), ``expert_cache`` (RAM slots per MoE layer; default every expert when
     they fit in half the available RAM, else what fits; raised to top-k), ``usage`` (path of the routing
     history; default ``.coli_usage`` beside the model), ``cpu_act`` ("f32" | "int8"), ``io_threads`` (disk
     readers), ``device`` (None | "vulkan": the expert tier on the best Vulkan device, the CPU alone when
     there is none), ``balance`` (the measured-time balancer; default on with a device), ``trace`` (path of a Chrome trace JSON),
-    ``quiet`` (no notes on stderr). Raises ``ColiError`` for bad files or options.
+    ``quiet`` (no notes on stderr), ``silent`` (not even the device's and the tier's), ``env`` (the
+    ``COLI_*`` settings, ``os.environ`` by default: ``coli.settings.overlay`` puts flags on top, docs/settings.md),
+    ``cli_names`` (errors name CLI flags instead of API arguments). Raises ``ColiError`` for bad files or options.
     """
 
     def __init__(self, path=None, *, threads=None, ctx=None, expert_cache=None, usage=None, cpu_act=None,
-                 io_threads=4, device=None, balance=None, trace=None, quiet=True, save_usage=True):
+                 io_threads=4, device=None, balance=None, trace=None, quiet=True, save_usage=True,
+                 cli_names=False, env=None, silent=False):
         import cpu_kernels
         from coli.gguf_file import open_gguf
         from coli.models import model_class
@@ -62,30 +264,50 @@ class Engine:
         self.path = Path(path)
         self.quiet = quiet
         self.save_usage_on_close = save_usage
+        self.cli_names = cli_names  # errors name CLI flags (the CLI) or API arguments
+        self.env = os.environ if env is None else env  # the COLI_* settings passed down (coli.settings.overlay)
+        self.silent = silent  # no device or tier notes on stderr either (the CLI's -q)
+        self._kv, self._kv_ids = None, []  # the KV cache kept across keep_kv calls and the ids it holds
+        self.io_threads = int(io_threads)
         self.threads = int(threads) if threads is not None else cpu_kernels.default_threads()
         if self.threads < 1:
-            raise ColiError(f"--threads: {threads} (at least 1)")
-        got = cpu_kernels.set_threads(self.threads)
+            raise ColiError(f"{self._name('threads')}: {threads} (at least 1)")
+        # the count is set per call (engine_threads), never left behind in the constructing thread
+        import numba
+
+        got = max(1, min(self.threads, numba.config.NUMBA_NUM_THREADS))
         if got != self.threads and not quiet:
             print(f"coli: --threads {self.threads}: Numba's pool has {got} threads; using {got}", file=sys.stderr)
         self.threads = got
-        # DESIGN invariant 2: with a device, f32 activations on both sides (device and CPU differ only in
-        # summation order); alone, the measured default (int8 where the CPU has VNNI: docs/cpu_kernels.md)
-        self.cpu_act = cpu_act or ("f32" if device not in (None, "cpu") else cpu_kernels.DEFAULT_ACT)
+        self._cpu_act_given = cpu_act
+        # DESIGN invariant 2: the same activation numerics on both sides of a placement: the measured default
+        # (int8 where the CPU has VNNI: docs/cpu_kernels.md) with or without a device; the device rounds its
+        # activations as the CPU does (Device.act, docs/vulkan.md "int8 activations")
+        self.cpu_act = cpu_act or cpu_kernels.DEFAULT_ACT
         if self.cpu_act not in ("f32", "int8"):
-            raise ColiError(f"--cpu-act: '{cpu_act}' (f32 or int8)")
-        self.g = open_gguf(self.path)
-        cls = model_class(self.g)
-        self.args = cls.args_from(self.g)
-        self.tokenizer = Tokenizer.from_gguf(self.g)
+            raise ColiError(f"{self._name('cpu_act')}: '{cpu_act}' (f32 or int8)")
+        if self.path.is_dir():  # a Hugging Face folder (config.json, *.safetensors, tokenizer.json)
+            from coli.hf_folder import open_folder
+
+            self.g = open_folder(self.path)
+            cls = model_class(self.g)
+            self.args = cls.args_from(self.g)
+            self.tokenizer = self.g.tokenizer()
+        else:
+            self.g = open_gguf(self.path)
+            cls = model_class(self.g)
+            self.args = cls.args_from(self.g)
+            self.tokenizer = Tokenizer.from_gguf(self.g)
+        check_vocab_tables(self.g, self.tokenizer.vocab_size)
         self.model = cls(self.g, self.args, None, self.cpu_act)
         a = self.args
-        self.ctx = int(ctx) if ctx is not None else min(4096, a.ctx_train)
+        self.ctx_cap = default_ctx(a, _available_ram())
+        self.ctx = int(ctx) if ctx is not None else self.ctx_cap
         if self.ctx < 1:
-            raise ColiError(f"--ctx: {ctx} (at least 1)")
-        kv_bytes = 2 * a.n_layers * a.n_kv_heads * self.ctx * a.head_dim * 4
+            raise ColiError(f"{self._name('ctx')}: {ctx} (at least 1)")
+        kv_bytes = kv_cache_bytes(a, self.ctx)
         if kv_bytes > _available_ram() * 0.8:
-            raise ColiError(f"--ctx: {self.ctx} positions need {kv_bytes / 2**30:.1f} GiB of KV cache, more than the "
+            raise ColiError(f"{self._name('ctx')}: {self.ctx} positions need {kv_bytes / 2**30:.1f} GiB of KV cache, more than the "
                             f"{_available_ram() / 2**30:.1f} GiB of RAM available")
         if self.ctx > a.ctx_train and not quiet:
             print(f"coli: --ctx {self.ctx} is above the {a.ctx_train} positions the model was trained for", file=sys.stderr)
@@ -96,10 +318,10 @@ class Engine:
         self.trace = None
         self.ram_cache_bytes = 0
         if trace:
-            from coli.paths import check_writable_file
+            from coli.paths import check_writable_file, is_json_array_of_objects
             from scheduler.trace import Trace
 
-            check_writable_file(trace, "--trace")
+            check_writable_file(trace, "--trace", overwrite_if=is_json_array_of_objects)
 
             self.trace = Trace(trace)
         if self.model.moe_layers:
@@ -108,6 +330,10 @@ class Engine:
         if device not in (None, "cpu"):
             self._setup_device(device, balance)
         self.last_stats: dict = {}
+        import atexit
+        import weakref
+
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     # -- MoE ---------------------------------------------------------------------------------------------
     def _setup_moe(self, expert_cache, usage_path, io_threads):
@@ -116,15 +342,15 @@ class Engine:
         from scheduler.usage import Usage
 
         a = self.args
-        source = ExpertSource(self.path, self.model.expert_tensors())
+        if hasattr(self.g, "expert_source"):  # a Hugging Face folder: per-expert tensors across its shards
+            source = self.g.expert_source(self.model.expert_tensors())
+        else:
+            source = ExpertSource(self.path, self.model.expert_tensors())
         L = self.model.moe_layers
         E = source.n_experts(L[0])
         per = max(source.expert_nbytes(l) for l in L)
-        if expert_cache is None:
-            fit = int(_available_ram() // 2 // max(1, per * len(L)))
-            slots = max(a.top_k, min(E, fit))
-        else:
-            slots = min(int(expert_cache), E)
+        slots = expert_cache_slots(E, a.top_k, per, len(L), expert_cache)
+        if expert_cache is not None:
             if int(expert_cache) < 0:
                 raise ColiError(f"--expert-cache: {expert_cache} (slots per layer, >= top-k {a.top_k})")
             if slots < a.top_k:
@@ -149,22 +375,58 @@ class Engine:
         self.expert_slots = slots
 
     def _setup_device(self, device, balance):
+        """Open the Vulkan device and wire the expert tier to this engine (docs/tier.md): the budget by the
+        one rule (``scheduler.tier_policy.budget_bytes``, which the device applied at open: its
+        ``budget_bytes`` / ``budget_rule``), the RAM cache's size and the dense bytes, the history, the
+        trace, the start line, the warm start (the cache's ``source.read_raw`` on a thread pool)."""
         if device != "vulkan":
             raise ColiError(f"--device: '{device}' (cpu or vulkan)")
         try:
             from coli import vulkan as cvk
 
+            from coli import settings
+
+            idx = settings.get("COLI_VK_DEV", self.env)
             self.device = cvk.open_device(self.path.name, ram_cache_bytes=self.ram_cache_bytes,
-                                          dense_bytes=self.model.dense_bytes)
+                                          dense_bytes=self.model.dense_bytes, quiet=self.silent,
+                                          device_index=None if idx < 0 else idx)
         except Exception as e:  # the device may fail in any way: the run goes on on the CPU
             print(f"[VK] {self.path.name}: {type(e).__name__}: {e}, running on the CPU", file=sys.stderr)
             self.device = None
         if self.device is None or self.step is None:
             return
+        self.device.act = self.cpu_act      # the device's activations rounded as the CPU's (int8 or f32)
+        from scheduler.balancer import Balancer
         from scheduler.tier import Tier
+        from scheduler.tier_policy import DeviceMemory, budget_bytes
 
-        self.tier = Tier.for_engine(self, balance=True if balance is None else bool(balance))
+        dev, src = self.device, self.cache.source
+        layers = list(self.model.moe_layers)
+        per = max(src.expert_nbytes(l) for l in layers)          # the biggest expert (gate + up + down)
+        info = DeviceMemory.of(dev)
+        # the one rule, on the settings passed down (a --tier-gb flag is in self.env, not os.environ)
+        budget, rule = budget_bytes(info, self.ram_cache_bytes, self.model.dense_bytes, env=self.env)
+        if hasattr(dev, "budget_bytes"):
+            dev.budget_bytes, dev.budget_rule = budget, rule
+        counts = self.usage.counts.copy() if self.usage is not None and self.usage.loaded else None
+        own = bool(getattr(dev, "own_queue", getattr(dev, "dedicated_compute_queue", False)))
+        self.tier = Tier(dev, self.path.name, self.args.n_layers, src.n_experts(layers[0]), per, int(budget),
+                         rule, counts=counts, balancer=Balancer(enabled=True if balance is None else bool(balance)),
+                         trace=self.trace, device_name=info.name, own_queue=own, moe_layers=layers,
+                         auto_tokens=True, ram=self.cache, env=self.env,
+                         log=open(os.devnull, "w") if self.silent else None)
+        self.tier._say(self.tier.start_line())
+        self.tier.warm_start(src.read_raw)
         self.step.tier = self.tier
+
+    def activations(self) -> str:
+        """Which activations each side's matmuls use, for the start line: ``"activations: CPU int8"`` alone,
+        ``"activations: CPU int8, device int8"`` with the device tier (the device rounds its activations as the
+        CPU does, so a placement changes only the summation order: docs/vulkan.md "int8 activations")."""
+        s = f"activations: CPU {self.cpu_act}"
+        if self.tier is not None:
+            s += f", device {getattr(self.device, 'act', self.cpu_act)}"
+        return s
 
     # -- text --------------------------------------------------------------------------------------------
     def tokenize(self, text: str, add_bos=None) -> list:
@@ -176,17 +438,34 @@ class Engine:
 
     # -- forward -----------------------------------------------------------------------------------------
     def _new_cache(self, n: int):
+        if self.usage is not None:
+            self.usage.discard_pending()  # routing of a step an earlier call did not finish
         ctx = max(self.ctx, 1)
         if n > ctx:
             raise ColiError(f"prompt: {n} tokens do not fit the context of {ctx} positions (--ctx)")
         return self.model.new_cache(ctx)
 
     def _check_ids(self, ids):
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        if len(ids) == 0:
+        """``ids`` as int64 [T]: ColiError for an empty list, something not integers (1.5, "abc": never
+        truncated), or an id outside the vocabulary (naming the first such id)."""
+        if isinstance(ids, (str, bytes)):
+            raise ColiError(f"token ids: {ids[:20]!r}... is text, not token ids (give the prompt as text instead)")
+        try:
+            raw = np.asarray(ids)
+        except (TypeError, ValueError) as e:
+            raise ColiError(f"token ids: not a list of integers ({e})") from None
+        if raw.size == 0:
             raise ColiError("prompt: empty (no tokens to run)")
-        if ids.min() < 0 or ids.max() >= self.args.vocab:
-            raise ColiError(f"token ids: outside the vocabulary of {self.args.vocab}")
+        if raw.dtype.kind not in "iu":
+            if raw.dtype.kind == "f" and np.isfinite(raw).all() and (raw == np.round(raw)).all():
+                raw = raw.astype(np.int64)
+            else:
+                raise ColiError(f"token ids: {raw.reshape(-1)[:8].tolist()}... are not integers")
+        ids = raw.astype(np.int64).reshape(-1)
+        bad = (ids < 0) | (ids >= self.args.vocab)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ColiError(f"token ids: id {int(ids[i])} at index {i} is outside the vocabulary of {self.args.vocab}")
         return ids
 
     def _prefill(self, kv, ids, all_logits: bool):
@@ -199,115 +478,322 @@ class Engine:
                 out.append(lg)
         return np.concatenate(out, axis=0)
 
+    @_on_engine_threads
     def logits(self, token_ids) -> np.ndarray:
         """Logits f32 [T, vocab] for exactly ``token_ids`` (no BOS added), from a fresh KV cache."""
+        self._check_open()
         ids = self._check_ids(token_ids)
         kv = self._new_cache(len(ids))
         return self._prefill(kv, ids, True)
 
-    def nll(self, token_ids) -> tuple[float, int]:
-        """Teacher-forced mean negative log-likelihood (nats) and the number of tokens scored.
+    def _score(self, window: np.ndarray, first: int) -> np.ndarray:
+        """Negative log-likelihoods (nats, f64) of ``window[first + 1:]``, each given the tokens before it in
+        the window, from a fresh KV cache. The log-softmax sums in f64 as llama-perplexity's ``log_softmax``;
+        logits are kept one prefill step (64 rows) at a time. ColiError on non-finite logits."""
+        kv = self._new_cache(len(window))
+        out = []
+        T = len(window)
+        for s in range(0, T, PREFILL_CHUNK):
+            chunk = window[s : s + PREFILL_CHUNK]
+            want = s + len(chunk) > first  # rows before ``first`` are only context
+            lg = self.model.forward(chunk, kv, all_logits=True) if want else self.model.forward(chunk, kv)
+            lo, hi = max(s, first), min(s + len(chunk), T - 1)
+            if not want or lo >= hi:
+                continue
+            rows = lg[lo - s : hi - s]
+            if not np.isfinite(rows).all():
+                raise ColiError(f"{self.path.name}: non-finite logits at position {lo + int(np.argwhere(~np.isfinite(rows))[0, 0])} "
+                                f"of a window (try --cpu-act f32, or check the file)")
+            tgt = window[lo + 1 : hi + 1]
+            m = rows.max(axis=1, keepdims=True)
+            lse = m[:, 0].astype(np.float64) + np.log(np.exp(rows - m).sum(axis=1, dtype=np.float64))
+            out.append(lse - rows[np.arange(len(tgt)), tgt].astype(np.float64))
+        return np.concatenate(out) if out else np.zeros(0)
 
-        Every token after the first is scored given its prefix. A text longer than the context is cut into
-        windows of ``ctx`` tokens, each run from a fresh cache (every token of a window after its first is
-        scored), like llama.cpp's ``perplexity`` chunks."""
+    @_on_engine_threads
+    def perplexity(self, token_ids, all_tokens: bool = False, on_chunk=None) -> "PerplexityResult":
+        """Perplexity of ``token_ids`` (the text's ids as :meth:`tokenize` gives them, BOS included where the
+        model wants one) with llama-perplexity's convention (``tools/perplexity/perplexity.cpp``), so figures
+        compare with llama.cpp's at the same ``--ctx``:
+
+        * default: ``len // ctx`` chunks of ``ctx`` tokens (at least 2 chunks, as llama-perplexity requires);
+          each chunk runs from a fresh cache with its first token replaced by BOS when the file's
+          ``add_bos_token`` asks for one; only the second half of each chunk is scored (positions
+          ``ctx // 2 .. ctx - 2`` predict the next token: ``ctx - 1 - ctx // 2`` tokens per chunk), so every
+          scored token has at least ``ctx // 2`` tokens of context;
+        * ``all_tokens``: every token is scored; windows of ``ctx`` tokens, each starting with the BOS when
+          the ids start with one (a window after the first has BOS then the next ``ctx - 1`` text tokens).
+
+        ``on_chunk(i, n_chunks, running_ppl)`` is called after each chunk. Returns a :class:`PerplexityResult`
+        (``ppl_err``: llama-perplexity's ``+/-``, the standard error of the mean NLL times ppl). Raises
+        ColiError for a text too short or logits that are not finite."""
+        ids = self._check_ids(token_ids)
+        n_ctx = self.ctx
+        tok = self.tokenizer
+        bos = tok.bos_id if tok.add_bos else None
+        windows: list = []
+        if not all_tokens:
+            if len(ids) < 2 * n_ctx:
+                raise ColiError(f"text: {len(ids)} tokens; llama-perplexity's convention needs at least 2 x --ctx = "
+                                f"{2 * n_ctx} (lower --ctx, or score every token with --all-tokens)")
+            first = n_ctx // 2
+            for i in range(len(ids) // n_ctx):
+                w = ids[i * n_ctx : (i + 1) * n_ctx].copy()
+                if bos is not None:
+                    w[0] = bos
+                windows.append(w)
+        else:
+            first = 0
+            prefix = ids[:1] if bos is not None and ids[0] == bos else ids[:0]
+            body = ids[len(prefix):]
+            step = n_ctx - len(prefix)
+            if len(ids) < 2 or step < 1:
+                raise ColiError(f"text: {len(ids)} tokens with --ctx {n_ctx}: nothing to score")
+            for s in range(0, len(body), step):
+                w = np.concatenate([prefix, body[s : s + step]])
+                if len(w) >= 2:
+                    windows.append(w)
+        total = total2 = 0.0
+        n = 0
+        running = []
+        for i, w in enumerate(windows):
+            v = self._score(w, first)
+            total += float(v.sum())
+            total2 += float((v * v).sum())
+            n += len(v)
+            running.append(float(np.exp(total / n)))
+            if on_chunk is not None:
+                on_chunk(i + 1, len(windows), running[-1])
+        mean = total / n
+        ppl = float(np.exp(mean))
+        var = total2 / n - mean * mean
+        err = float(np.sqrt(var / (n - 1)) * ppl) if n > 1 and var > 0 else 0.0
+        return PerplexityResult(nll=mean, n=n, ppl=ppl, ppl_err=err, chunks=len(windows), running=running,
+                                all_tokens=bool(all_tokens), ctx=n_ctx)
+
+    @_on_engine_threads
+    def nll(self, token_ids) -> tuple[float, int]:
+        """Teacher-forced mean negative log-likelihood (nats) of every token after the first, and the number
+        scored: :meth:`perplexity` with ``all_tokens`` (windows of ``ctx`` tokens, each starting with the
+        BOS when the ids start with one)."""
+        self._check_open()
         ids = self._check_ids(token_ids)
         if len(ids) < 2:
             raise ColiError("text: fewer than 2 tokens, nothing to score")
-        total, n = 0.0, 0
-        for s in range(0, len(ids), self.ctx):
-            w = ids[s : s + self.ctx]
-            if len(w) < 2:
-                break
-            lg = self.logits(w)[:-1].astype(np.float64)
-            m = lg.max(axis=1, keepdims=True)
-            lse = m[:, 0] + np.log(np.exp(lg - m).sum(axis=1))
-            total += float((lse - lg[np.arange(len(w) - 1), w[1:]]).sum())
-            n += len(w) - 1
-        return total / n, n
+        r = self.perplexity(ids, all_tokens=True)
+        return r.nll, r.n
 
     @staticmethod
     def sample(logits: np.ndarray, temp: float, top_k: int, top_p: float, rng) -> int:
-        """Greedy when ``temp <= 0``; else softmax(logits/temp) over the top-k, then the top-p nucleus."""
-        if temp <= 0:
-            return int(np.argmax(logits))
-        lg = logits.astype(np.float64) / temp
-        idx = np.argsort(-lg, kind="stable")
-        if top_k and top_k > 0:
-            idx = idx[:top_k]
-        p = np.exp(lg[idx] - lg[idx[0]])
-        p /= p.sum()
-        if 0 < top_p < 1:
-            c = np.cumsum(p)
-            n = int(np.searchsorted(c, top_p) + 1)
-            idx, p = idx[:n], p[:n] / p[:n].sum()
-        return int(idx[rng.choice(len(idx), p=p)])
+        """One token from ``logits`` with ``rng`` (a ``numpy.random.Generator``): ``coli.sampling.Sampler``'s
+        chain with these settings and no penalties (kept for callers of the earlier API)."""
+        from coli.sampling import Sampler
+
+        return Sampler(temp=temp, top_k=top_k, top_p=top_p, rng=rng).sample(logits)
 
     def prompt_ids(self, prompt, chat: bool = False) -> list:
-        """Token ids of a prompt (through the chat template as one user message when ``chat``)."""
+        """Token ids of a prompt (through the chat template as one user message when ``chat``:
+        ``Tokenizer.encode_chat``, one BOS where the file asks for one; a model without a template gets
+        llama.cpp's ChatML fallback, with a note on stderr unless quiet)."""
         if prompt is None or prompt == "":
             raise ColiError("prompt: empty (give -p TEXT)")
         if chat:
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-            return self.tokenizer.encode(text, add_bos=False)
+            ids = self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+            if self.tokenizer.template_fallback and not self.quiet:
+                print(f"coli: {self.path.name} has no tokenizer.chat_template: using llama.cpp's fallback, ChatML",
+                      file=sys.stderr)
+            return ids
         return self.tokenize(prompt)
 
-    def check_fits(self, n_prompt: int, max_tokens: int, temp: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> None:
-        """ColiError when the prompt plus the tokens to generate exceed the context, or a sampling
-        setting is out of range."""
-        if temp < 0:
-            raise ColiError(f"--temp: {temp} (0 for greedy, or above)")
-        if not 0 < top_p <= 1:
-            raise ColiError(f"--top-p: {top_p} (in (0, 1])")
-        if top_k < 0:
-            raise ColiError(f"--top-k: {top_k} (0 for all, or above)")
+    def _name(self, arg: str) -> str:
+        """How an error names option ``arg``: the CLI flag when the CLI opened the engine, else the API
+        argument."""
+        return _FLAGS.get(arg, arg) if getattr(self, "cli_names", False) else arg
+
+    def _check_open(self):
+        if getattr(self, "_closed", False):
+            raise ColiError(f"Engine({self.path.name}): closed; open a new Engine (a method was called after close())")
+
+    def check_fits(self, n_prompt: int, max_tokens, temp: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                   **sampling) -> int:
+        """The number of tokens to generate: ``max_tokens``, or up to the end of the context when it is None
+        or -1. ColiError when the prompt plus the tokens to generate exceed the context, or a sampling setting
+        (``temp``, ``top_k``, ``top_p`` and the other ``coli.sampling.SamplingParams`` fields) is out of range."""
+        from coli.sampling import SamplingParams
+
+        SamplingParams(temp=temp, top_k=top_k, top_p=top_p, **sampling).validated()
+        n = self._name
+        if max_tokens is None or (max_tokens == -1 and not isinstance(max_tokens, bool)):
+            if n_prompt >= self.ctx:
+                raise ColiError(f"prompt: {n_prompt} tokens fill the context of {self.ctx} positions ({n('ctx')})")
+            return self.ctx - n_prompt
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)):
+            raise ColiError(f"{n('max_tokens')}: {max_tokens!r} is not an integer")
         if max_tokens < 0:
-            raise ColiError(f"-n: {max_tokens} tokens to generate (at least 0)")
+            raise ColiError(f"{n('max_tokens')}: {max_tokens} tokens to generate (at least 0, or -1 for "
+                            f"up to the end of the context)")
         if n_prompt + max_tokens > self.ctx:
             raise ColiError(f"prompt: {n_prompt} prompt tokens and {max_tokens} to generate exceed the context of "
-                            f"{self.ctx} positions (--ctx)")
+                            f"{self.ctx} positions ({n('ctx')})")
+        return int(max_tokens)
 
     def generate(self, prompt=None, *, ids=None, max_tokens=64, temp=0.0, top_k=40, top_p=0.95, seed=None,
-                 chat=False, stop_at_eos=True, on_text=None) -> GenerateResult:
-        """Generate up to ``max_tokens`` tokens after ``prompt`` (text) or ``ids``.
+                 chat=False, stop_at_eos=True, on_text=None, min_p=0.0, repeat_penalty=1.0, repeat_last_n=64,
+                 presence_penalty=0.0, frequency_penalty=0.0, sampler=None, stop=None, stream=False,
+                 keep_kv=False, should_stop=None):
+        """Generate up to ``max_tokens`` tokens after ``prompt`` (text) or ``ids`` (int token ids).
 
-        ``chat`` renders the prompt through the file's chat template as one user message. ``on_text(str)``
-        receives text as it is produced. Stops at an end-of-generation token unless ``stop_at_eos`` is False.
+        ``max_tokens``: ``None`` or -1 runs until an end-of-generation token or the end of the context.
+        ``chat`` renders the prompt through the file's chat template as one user message. Stops at an
+        end-of-generation token unless ``stop_at_eos`` is False. Sampling (``temp`` .. ``frequency_penalty``,
+        ``seed``: ``coli.sampling.SamplingParams``, llama.cpp's definitions; ``seed`` None or -1 draws a random
+        seed, reported in ``stats["seed"]``), or a prepared ``sampler`` (``coli.sampling.Sampler``; then those
+        keywords are ignored). The prompt's tokens enter the penalty window first, as in llama.cpp.
+
+        ``stop``: a string or strings that end the generation; the text is cut before the first one found
+        (never part of ``text``; llama.cpp server's ``stop``). ``on_text(str)`` receives text as it is
+        produced; ``stream=True`` returns a :class:`TextStream` (iterate for the text, then ``.result``)
+        instead of a :class:`GenerateResult`. ``keep_kv`` reuses the KV cache of the previous ``keep_kv`` call
+        for the longest common token prefix (a conversation's earlier turns are not recomputed; with int8
+        activations a resumed prompt may round differently from a whole one). ``should_stop()``, polled
+        between tokens, ends the generation early (``finish_reason`` "cancelled").
+
+        Raises ``ColiError`` naming the argument for bad settings, a prompt that does not fit the context
+        (``max_tokens`` included), a call after :meth:`close`, or a step whose logits are all non-finite.
         """
+        from coli.sampling import Sampler, SamplingParams
+
+        self._check_open()
         if ids is None:
             ids = self.prompt_ids(prompt, chat=chat)
         ids = self._check_ids(ids)
-        self.check_fits(len(ids), max_tokens, temp, top_k, top_p)
-        rng = np.random.default_rng(seed)
-        kv = self._new_cache(len(ids))
-        self._reset_counters()
-        t0 = time.perf_counter()
-        lg = self._prefill(kv, ids, False)[-1]
-        t1 = time.perf_counter()
-        out: list = []
-        eos = self.tokenizer.eos_ids
-        dec = self.tokenizer.stream()  # whole characters only: a UTF-8 character may span tokens
-        while len(out) < max_tokens:
-            tok = self.sample(lg, temp, top_k, top_p, rng)
-            if stop_at_eos and tok in eos:
-                break
-            out.append(tok)
+        if isinstance(stop, str):
+            stop = [stop]
+        if stop is not None and not (isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop)):
+            raise ColiError(f"{self._name('stop')}: {stop!r} (a string or a list of strings)")
+        params = SamplingParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
+                                repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
+                                frequency_penalty=frequency_penalty, seed=seed)
+        n_gen = self.check_fits(len(ids), max_tokens)
+        if sampler is None:
+            sampler = Sampler(params, ctx=self.ctx)
+        sampler.accept_many(int(i) for i in ids)
+        ts = TextStream(self._generate_iter(ids, n_gen, sampler, stop, stop_at_eos, keep_kv, should_stop))
+        if stream:
+            return ts
+        for piece in ts:
             if on_text is not None:
-                on_text(dec.push(tok))
-            if len(out) == max_tokens:
-                break
-            if self.tier is not None:
-                self.tier.begin_token()
-            lg = self.model.forward([tok], kv)[-1]
-        if on_text is not None:
-            on_text(dec.flush())
-        t2 = time.perf_counter()
-        n_dec = max(len(out) - 1, 0)  # tokens whose forward ran after the prompt
-        st = dict(prompt_tokens=len(ids), prefill_s=t1 - t0, gen_tokens=len(out), decode_s=t2 - t1,
-                  prefill_tps=len(ids) / max(t1 - t0, 1e-9), decode_tps=n_dec / max(t2 - t1, 1e-9) if n_dec else 0.0)
-        st.update(self._counters())
-        self.last_stats = st
-        return GenerateResult(out, self.detokenize(out), [int(i) for i in ids], st)
+                on_text(piece)
+        return ts.result
+
+    def stream(self, prompt=None, **kw) -> TextStream:
+        """``generate(prompt, stream=True, **kw)``: iterate to get the text as it is produced, then ``.result``.
+
+        >>> s = eng.stream("Once upon a time", max_tokens=16)
+        >>> for piece in s: print(piece, end="")
+        >>> s.result.finish_reason
+        """
+        return self.generate(prompt, stream=True, **kw)
+
+    def chat_ids(self, messages) -> list:
+        """Token ids of ``messages`` (a list of ``{"role": str, "content": str}``) through the file's chat
+        template with the assistant's turn opened. ColiError naming ``messages[i]`` when one is malformed."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ColiError(f"messages: {type(messages).__name__} (a non-empty list of {{'role', 'content'}} dicts)")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ColiError(f"messages[{i}]: {m!r} (a dict with 'role' and 'content' strings)")
+        return self.tokenizer.encode_chat([{"role": m["role"], "content": m["content"]} for m in messages])
+
+    def chat(self, messages, **kw):
+        """The assistant's answer to ``messages`` (OpenAI's shape: ``[{"role": "system"|"user"|"assistant",
+        "content": str}]``) through the file's chat template; the KV cache of the previous turn is reused
+        for the common prefix (``keep_kv``). Keywords as :meth:`generate` (``stream=True`` for a
+        :class:`TextStream`). Returns a :class:`GenerateResult`."""
+        self._check_open()
+        kw.setdefault("keep_kv", True)
+        return self.generate(ids=self.chat_ids(messages), **kw)
+
+    @_on_engine_threads
+    def _generate_iter(self, ids, n_gen, sampler, stop, stop_at_eos, keep_kv, should_stop):
+        """The generation loop as a generator of text pieces; returns the :class:`GenerateResult`."""
+        if self.usage is not None:
+            self.usage.discard_pending()  # routing of a step an earlier call did not finish
+        n_same = 0
+        if keep_kv and self._kv is not None:
+            known = self._kv_ids[: self._kv.pos]
+            while n_same < min(len(known), len(ids) - 1) and known[n_same] == ids[n_same]:
+                n_same += 1
+            kv = self._kv
+            kv.pos = n_same  # positions past it are overwritten
+        else:
+            kv = self._new_cache(len(ids))
+        self._kv, self._kv_ids = (kv, [int(i) for i in ids]) if keep_kv else (None, [])
+        self._reset_counters()
+        from coli.progress import compile_seconds  # compile time is never counted in tok/s
+
+        c0 = compile_seconds()
+        t0 = time.perf_counter()
+        t1 = c1 = None
+        out: list = []
+        text: list = []
+        finish = "length"
+        cut = StopText(stop)
+        try:
+            lg = self._prefill(kv, ids[n_same:], False)[-1]
+            t1 = time.perf_counter()
+            c1 = compile_seconds()
+            eos = self.tokenizer.eos_ids
+            dec = self.tokenizer.stream()  # whole characters only: a UTF-8 character may span tokens
+            while len(out) < n_gen:
+                if should_stop is not None and should_stop():
+                    finish = "cancelled"
+                    break
+                try:
+                    tok = sampler.sample(lg)
+                except ColiError as e:  # say where: the model's output at this position
+                    raise ColiError(f"{self.path.name}: position {len(ids) + len(out)} (generated token "
+                                    f"{len(out) + 1}): {e}") from None
+                if stop_at_eos and tok in eos:
+                    finish = "stop"
+                    break
+                sampler.accept(tok)
+                out.append(tok)
+                piece = cut.push(dec.push(tok))
+                if piece:
+                    text.append(piece)
+                    yield piece
+                if cut.hit:
+                    finish = "stop"
+                    break
+                if len(out) == n_gen:
+                    break
+                if self.tier is not None:
+                    self.tier.begin_token()
+                lg = self.model.forward([tok], kv)[-1]
+                if keep_kv:
+                    self._kv_ids.append(tok)
+            if not cut.hit:
+                piece = cut.push(dec.flush())
+                piece += "" if cut.hit else cut.flush()
+                if piece:
+                    text.append(piece)
+                    yield piece
+        finally:  # an interrupted run (Ctrl-C, SIGTERM) still has the stats of what it generated
+            t2 = time.perf_counter()
+            c2 = compile_seconds()
+            if t1 is None:
+                t1, c1 = t2, c2
+            n_dec = max(len(out) - 1, 0)  # tokens whose forward ran after the prompt
+            n_pre = len(ids) - n_same  # prompt tokens computed (the rest came from the kept KV cache)
+            pre_s, dec_s = max(t1 - t0 - (c1 - c0), 0.0), max(t2 - t1 - (c2 - c1), 0.0)
+            st = dict(prompt_tokens=len(ids), cached_tokens=n_same, prefill_s=pre_s, gen_tokens=len(out),
+                      decode_s=dec_s, prefill_tps=n_pre / max(pre_s, 1e-9),
+                      decode_tps=n_dec / max(dec_s, 1e-9) if n_dec else 0.0, compile_s=c2 - c0)
+            st.update(self._counters())
+            st.update(seed=None if sampler.params.greedy else sampler.seed, masked_logit_steps=sampler.masked_steps)
+            self.last_stats = st
+        return GenerateResult(out, "".join(text), [int(i) for i in ids], st, finish)
 
     # -- counters ----------------------------------------------------------------------------------------
     def _reset_counters(self):
@@ -322,13 +808,18 @@ class Engine:
         return dict(expert_hits=c.hits - h0, disk_loads=c.loads - l0, bytes_read=c.source.bytes_read - b0)
 
     def stats_line(self, st: dict | None = None) -> str:
-        """One line: prefill and decode tok/s, expert cache hits, disk loads, bytes read."""
+        """One line: prefill and decode tok/s, expert cache hits, disk loads, bytes read; the seed of a
+        sampled (not greedy) run; how many steps had non-finite logits masked."""
         st = st or self.last_stats
         s = (f"prefill {st.get('prompt_tokens', 0)} tok at {st.get('prefill_tps', 0):.1f} tok/s, "
              f"decode {st.get('gen_tokens', 0)} tok at {st.get('decode_tps', 0):.1f} tok/s")
         if self.cache is not None:
             s += (f" | experts: cache hits {st.get('expert_hits', 0)}, disk loads {st.get('disk_loads', 0)}, "
                   f"read {st.get('bytes_read', 0) / 2**20:.1f} MiB ({self.expert_slots} slots/layer)")
+        if st.get("seed") is not None:
+            s += f" | seed {st['seed']}"
+        if st.get("masked_logit_steps"):
+            s += f" | {st['masked_logit_steps']} steps had non-finite logits (masked, never sampled)"
         return s
 
     def close(self):
@@ -336,21 +827,23 @@ class Engine:
         if getattr(self, "_closed", False):
             return
         self._closed = True
+        self._kv, self._kv_ids = None, []
         if self.tier is not None:
             try:
                 self.tier.close()
             except Exception as e:  # the run's tokens are out already; say what failed, don't hide it
                 print(f"[VK] {self.path.name}: tier shutdown failed ({type(e).__name__}: {e})", file=sys.stderr)
         if self.device is not None:
-            print(self.device.report(), file=sys.stderr)
+            if not self.silent:
+                print(self.device.report(), file=sys.stderr)
             try:
                 self.device.close()
             except Exception:
                 pass
-        if self.usage is not None and self.save_usage_on_close and self.usage.tokens:
+        if self.usage is not None and self.save_usage_on_close and self.usage.run_tokens:
             try:
                 self.usage.save()
-            except OSError as e:
+            except (OSError, ColiError) as e:
                 print(f"coli: {self.usage.path}: routing history not saved ({e})", file=sys.stderr)
         if self.cache is not None:
             self.cache.close()

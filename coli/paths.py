@@ -1,24 +1,74 @@
 """Where coli keeps what it downloads or builds: the user's cache directory.
 
-``COLI_CACHE`` overrides; else ``$XDG_CACHE_HOME/coli``; else ``~/.cache/coli``.
+``COLI_CACHE`` overrides; else ``$XDG_CACHE_HOME/coli``; else ``~/.cache/coli``. When that folder cannot be
+made or written (``HOME`` a file, ``COLI_CACHE=/proc/x``, a uid without a passwd entry and no ``HOME``),
+:func:`cache_dir` raises ``ColiError`` naming the variable; callers that can do without the cache (Numba's
+compiled kernels, the default routing-history place) use :func:`optional_cache_dir`, which says so once on
+stderr and returns None.
 """
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
+
+_warned: set = set()
+
+
+def cache_root() -> tuple[Path, str]:
+    """The cache folder (not created) and where it came from (``"COLI_CACHE=..."``, ``"HOME=..."``).
+    ColiError when there is no home folder to put it in."""
+    from .errors import ColiError
+
+    from .settings import get
+
+    root = get("COLI_CACHE")
+    if root:
+        return Path(root), f"COLI_CACHE={root}"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        return Path(xdg) / "coli", f"XDG_CACHE_HOME={xdg}"
+    try:
+        home = Path.home()
+    except (RuntimeError, KeyError, OSError):
+        raise ColiError(f"cache: no home folder (HOME is unset and uid {os.getuid()} has no passwd entry); "
+                        "set COLI_CACHE to a writable folder") from None
+    return home / ".cache" / "coli", f"HOME={os.environ.get('HOME', home)}"
 
 
 def cache_dir(*parts: str) -> Path:
-    """Return (and create) ``<cache>/<parts...>``."""
-    root = os.environ.get("COLI_CACHE")
-    if root:
-        base = Path(root)
-    else:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        base = Path(xdg) / "coli" if xdg else Path.home() / ".cache" / "coli"
+    """Return (and create) ``<cache>/<parts...>``, checked writable. ColiError naming the variable the
+    folder came from when it cannot be made or written."""
+    import tempfile
+
+    from .errors import ColiError
+
+    base, origin = cache_root()
     p = base.joinpath(*parts)
-    p.mkdir(parents=True, exist_ok=True)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=p).close()  # writable, as Numba checks it (os.access lies for root)
+    except OSError as e:
+        raise ColiError(f"cache folder {p} ({origin}): {e.strerror or e}; set COLI_CACHE to a writable "
+                        "folder") from None
     return p
+
+
+def optional_cache_dir(*parts: str, what: str) -> Path | None:
+    """:func:`cache_dir`, or None with one warning line on stderr (once per process) saying ``what`` goes
+    without it, for uses that can do without the disk cache."""
+    from .errors import ColiError
+
+    try:
+        return cache_dir(*parts)
+    except ColiError as e:
+        if what not in _warned:
+            _warned.add(what)
+            try:
+                print(f"coli: warning: {e}; {what}", file=sys.stderr)
+            except (OSError, ValueError, AttributeError):  # stderr closed too: nothing to say it on
+                pass
+        return None
 
 
 def atomic_write_text(path, text: str) -> None:
@@ -46,8 +96,10 @@ def atomic_write_text(path, text: str) -> None:
         raise
 
 
-def check_writable_file(path, what: str) -> "Path":
-    """ColiError unless ``path``'s folder exists and is writable (user-given output paths: --trace, --usage)."""
+def check_writable_file(path, what: str, overwrite_if=None) -> "Path":
+    """ColiError unless ``path``'s folder exists and is writable (user-given output paths: --trace, --usage).
+    ``overwrite_if(path) -> bool``: when given and the file exists, it must say the file is one coli wrote
+    (coli never overwrites a file it did not write: ColiError otherwise)."""
     from .errors import ColiError
 
     p = Path(path)
@@ -58,4 +110,20 @@ def check_writable_file(path, what: str) -> "Path":
         raise ColiError(f"{what} {p}: is a folder")
     if not os.access(folder, os.W_OK):
         raise ColiError(f"{what} {p}: folder {folder} is not writable")
+    if overwrite_if is not None and p.exists() and not overwrite_if(p):
+        raise ColiError(f"{what} {p}: exists and is not a file coli wrote; coli will not overwrite it, give another path")
     return p
+
+
+def is_json_array_of_objects(path) -> bool:
+    """True when ``path`` holds a JSON array of objects (a Chrome trace as ``--trace`` writes it) or is empty."""
+    import json
+
+    try:
+        raw = Path(path).read_bytes()
+        if not raw.strip():
+            return True
+        doc = json.loads(raw.decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(doc, list) and all(isinstance(e, dict) for e in doc)

@@ -17,8 +17,8 @@ Two vocabulary kinds (``tokenizer.ggml.model``):
   compare the ids with transformers' conversion and with llama.cpp.
 
 Tokens the file marks CONTROL (3) or USER_DEFINED (4) in ``tokenizer.ggml.token_type`` are added tokens:
-they are matched whole in the text, never split (llama.cpp ``tokenizer_st_partition`` with
-``parse_special=true``).
+they are matched whole on the raw text whatever their characters (``《SEP》`` as well as ``<|im_start|>``),
+never split (llama.cpp ``tokenizer_st_partition`` with ``parse_special=true``).
 
 BOS/EOS: ``tokenizer.ggml.bos_token_id``/``eos_token_id``; ``add_bos`` from ``tokenizer.ggml.add_bos_token``,
 else llama.cpp's default (true for SentencePiece ``llama`` vocabularies and the ``llama-bpe`` family, false
@@ -26,7 +26,9 @@ for other ``gpt2`` ones). ``eos_ids`` also holds ``eot``/``eom`` ids and the end
 (``<|im_end|>``, ``<end_of_turn>``, ``<|eot_id|>``, ``<|endoftext|>``, ...) when the vocabulary has them.
 
 Chat template: ``tokenizer.chat_template`` rendered with a sandboxed jinja2 environment the way
-transformers does (``trim_blocks``, ``lstrip_blocks``, ``raise_exception``, ``tojson``).
+transformers does (``trim_blocks``, ``lstrip_blocks``, ``{% generation %}``, ``raise_exception``, ``tojson``,
+``dict``, ``namespace``); :meth:`Tokenizer.encode_chat` gives the ids with exactly one BOS where the file asks
+for one, and falls back to llama.cpp's ChatML when the file has no template.
 
 Errors: :class:`coli.errors.ColiError` naming the file and the ``tokenizer.*`` key.
 """
@@ -96,7 +98,7 @@ class Tokenizer:
     Attributes: ``bos_id: int | None``, ``eos_id: int | None`` (the file's), ``eos_ids: set[int]`` (every
     end-of-generation id), ``add_bos: bool``, ``vocab_size: int``, ``kind`` (``"gpt2"``/``"llama"``),
     ``pre`` (``tokenizer.ggml.pre``), ``chat_template: str | None``, ``tokens``/``token_type`` (the file's arrays), ``hf`` (the encoder:
-    a ``tokenizers.Tokenizer`` for ``gpt2``, a :class:`_SPMBackend` for ``llama``).
+    a :class:`_BPEBackend` over a ``tokenizers.Tokenizer`` for ``gpt2``, a :class:`_SPMBackend` for ``llama``).
     """
 
     def __init__(self, hf, tokens: list[str], token_type, kind: str, pre: str | None, bos_id, eos_id,
@@ -173,12 +175,17 @@ class Tokenizer:
         tok = cls(hf, tokens, tt, kind, pre, bos_id, eos_id, eos_ids, add_bos,
                   meta.get("tokenizer.chat_template"), fname)
         tok._strip_prefix = kind == "llama" and strip_prefix
+        for attr, key in (("unk_id", "tokenizer.ggml.unknown_token_id"), ("pad_id", "tokenizer.ggml.padding_token_id")):
+            v = meta.get(key)  # only the chat template's unk_token/pad_token read these: a bad one is left out
+            setattr(tok, attr, v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < n else None)
         return tok
 
     # ------------------------------------------------------------------------------------------ encoding
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Token ids of ``text``; control/user-defined token texts in ``text`` become their ids.
         ``add_bos=None`` follows the file (``self.add_bos``)."""
+        if not isinstance(text, str):
+            raise ColiError(f"text: {type(text).__name__} {str(text)[:40]!r} is not a string")
         ids = self.hf.encode(text, add_special_tokens=False).ids
         if self.add_bos if add_bos is None else add_bos:
             if self.bos_id is None:
@@ -194,7 +201,7 @@ class Tokenizer:
         if b is not None:
             return b
         if not 0 <= token_id < self.vocab_size:
-            raise ValueError(f"token id {token_id} out of range (vocabulary of {self.vocab_size})")
+            raise ColiError(f"token id {token_id}: out of range (vocabulary of {self.vocab_size})")
         text = self.tokens[token_id]
         t = int(self.token_type[token_id])
         if t in (CONTROL, USER_DEFINED, UNUSED):
@@ -235,21 +242,62 @@ class Tokenizer:
         return StreamDecoder(self, skip_special)
 
     # ------------------------------------------------------------------------------------------ chat
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        """Render ``tokenizer.chat_template`` (jinja2 sandbox, as transformers' ``apply_chat_template(...,
-        tokenize=False)``) with ``messages``, ``bos_token``, ``eos_token``, ``add_generation_prompt`` and
-        ``kwargs``. Raises ColiError if the file has no template or the template raises."""
-        if not self.chat_template:
-            raise ColiError(f"{self.fname}: kv 'tokenizer.chat_template': missing (the model has no chat template)")
-        tmpl = _compile_template(self.chat_template)
-        ctx = dict(messages=messages, add_generation_prompt=add_generation_prompt,
-                   bos_token=self.tokens[self.bos_id] if self.bos_id is not None else "",
-                   eos_token=self.tokens[self.eos_id] if self.eos_id is not None else "")
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                            fallback: bool = False, **kwargs) -> str:
+        """Render ``tokenizer.chat_template`` as transformers' ``apply_chat_template(..., tokenize=False)`` does
+        (jinja2 sandbox and extensions: see :func:`_compile_template`) with ``messages``, ``tools=None``,
+        ``documents=None``, ``add_generation_prompt``, the special token texts (``bos_token``, ``eos_token``,
+        ``unk_token``, ``pad_token``) and ``kwargs``.
+
+        No template in the file: ``ColiError`` naming ``tokenizer.chat_template``, or with ``fallback`` llama.cpp's
+        fallback, ChatML (``common/chat.cpp`` ``CHATML_TEMPLATE_SRC``, used when a model has no template);
+        ``self.template_fallback`` then says it was used. Every error of the template (syntax, an undefined
+        variable used, ``raise_exception``, a Python error inside) is one ``ColiError`` naming
+        ``tokenizer.chat_template``."""
+        _check_messages(messages)
+        src = self.chat_template
+        self.template_fallback = False
+        if not src:
+            if not fallback:
+                raise ColiError(f"{self.fname}: kv 'tokenizer.chat_template': missing (the model has no chat template)")
+            src = CHATML_TEMPLATE
+            self.template_fallback = True
+        where = f"{self.fname}: kv 'tokenizer.chat_template'"
+        try:
+            tmpl = _compile_template(src)
+        except _TemplateError as e:
+            raise ColiError(f"{where}: {e.message}") from None
+
+        def text(i):
+            return self.tokens[i] if i is not None else ""
+
+        ctx = dict(messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+                   bos_token=text(self.bos_id), eos_token=text(self.eos_id), unk_token=text(self.unk_id),
+                   pad_token=text(self.pad_id))
         ctx.update(kwargs)
         try:
             return tmpl.render(**ctx)
         except _TemplateError as e:
-            raise ColiError(f"{self.fname}: kv 'tokenizer.chat_template': {e.message}") from None
+            raise ColiError(f"{where}: {e.message}") from None
+        except Exception as e:  # jinja2.TemplateError (UndefinedError, SecurityError), or Python's inside it
+            raise ColiError(f"{where}: {_template_error_text(e)}") from None
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+        """Token ids of ``messages`` through the chat template (:meth:`apply_chat_template` with ``fallback``),
+        with exactly one BOS when the file asks for one (``add_bos``), as llama.cpp: a BOS text the template
+        wrote at the start is cut (``common/chat.cpp``, ``common_chat_template_direct_apply``), then the
+        text is tokenized with the file's BOS rule and added tokens parsed. Without ``add_bos`` the ids are
+        the render's, BOS included if the template writes one."""
+        text = self.apply_chat_template(messages, add_generation_prompt, fallback=True, **kwargs)
+        if self.add_bos and self.bos_id is not None:
+            bos = self.tokens[self.bos_id]
+            if bos and text.startswith(bos):
+                text = text[len(bos):]
+        return self.encode(text, add_bos=self.add_bos)
+
+    template_fallback = False
+    unk_id = None
+    pad_id = None
 
 
 class _TemplateError(Exception):
@@ -258,12 +306,62 @@ class _TemplateError(Exception):
         self.message = message
 
 
+# llama.cpp common/chat.cpp CHATML_TEMPLATE_SRC: the template used when a model has none
+CHATML_TEMPLATE = ("{%- for message in messages -%}\n"
+                   "  {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' -}}\n"
+                   "{%- endfor -%}\n"
+                   "{%- if add_generation_prompt -%}\n"
+                   "  {{- '<|im_start|>assistant\\n' -}}\n"
+                   "{%- endif -%}")
+
+
+def _check_messages(messages) -> None:
+    """The chat messages are a non-empty list of dicts with a string ``role`` and a ``content`` that is a
+    string, None (an assistant turn with tool calls) or a list of parts (OpenAI's shape). ColiError naming
+    ``messages[i]`` otherwise."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ColiError(f"messages: {type(messages).__name__} (a non-empty list of {{'role', 'content'}} dicts)")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ColiError(f"messages[{i}]: {str(m)[:60]!r} (a dict with a 'role' string)")
+        if not isinstance(m.get("content"), (str, list, type(None))):
+            raise ColiError(f"messages[{i}]['content']: {type(m.get('content')).__name__} (a string)")
+
+
+def _template_error_text(e: Exception) -> str:
+    from jinja2.exceptions import TemplateSyntaxError, UndefinedError
+
+    line = getattr(e, "lineno", None)
+    at = f"line {line}: " if line else ""
+    if isinstance(e, TemplateSyntaxError):
+        return f"does not compile: {at}{e.message}"
+    if isinstance(e, UndefinedError):
+        return f"{at}{e.message} (the template reads a name or field the messages do not have)"
+    return f"{at}{type(e).__name__}: {e}"
+
+
 @lru_cache(maxsize=8)
 def _compile_template(source: str):
     """transformers ``utils/chat_template_utils.py`` ``_compile_jinja_template``: an immutable sandbox,
-    trim_blocks + lstrip_blocks, ``raise_exception`` and a ``tojson`` that keeps non-ASCII."""
-    from jinja2.exceptions import TemplateError
+    trim_blocks + lstrip_blocks, the ``loopcontrols`` extension and HF's ``{% generation %}...{% endgeneration %}``
+    tag (``AssistantTracker``: rendered as its body; transformers also records where it was, for assistant
+    masks, which coli does not need), ``raise_exception``, ``strftime_now``, a ``tojson`` that keeps non-ASCII,
+    a ``dict`` and a ``namespace`` that refuses underscore names."""
+    import jinja2
+    from jinja2.exceptions import SecurityError, TemplateError
+    from jinja2.ext import Extension
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
 
     def raise_exception(message):
         raise _TemplateError(str(message))
@@ -276,14 +374,41 @@ def _compile_template(source: str):
 
         return datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    class TemplateDict:
+        def __call__(self, *args, **kwargs):
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args, **kwargs):
+            return dict.fromkeys(*args, **kwargs)
+
+    class TemplateNamespace(jinja2.utils.Namespace):
+        def __init__(*args, **kwargs):
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                TemplateNamespace._check_name(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            TemplateNamespace._check_name(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check_name(name):
+            if isinstance(name, str) and name.startswith("_"):
+                raise SecurityError(f"a namespace attribute may not start with '_' ({name!r})")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[GenerationTag, "jinja2.ext.loopcontrols"])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
+    env.globals["dict"] = TemplateDict()
+    env.globals["namespace"] = TemplateNamespace
     try:
         return env.from_string(source)
     except TemplateError as e:
-        raise _TemplateError(f"does not compile: {e}") from None
+        raise _TemplateError(_template_error_text(e)) from None
 
 
 class StreamDecoder:
@@ -312,18 +437,59 @@ class StreamDecoder:
 
 # ---------------------------------------------------------------------------------------------- builders
 
-def _added_tokens(tokens, tt, vocab, byte_level: bool):
-    """transformers ``add_gguf_special_tokens``: CONTROL -> special added token, USER_DEFINED (if the
-    vocabulary spells it as is) -> plain added token; both matched on the raw text (``normalized=False``)."""
-    from tokenizers import AddedToken
+class _AddedSplit:
+    """The added tokens (CONTROL and USER_DEFINED) of a vocabulary, matched on their raw text whatever their
+    characters, as llama.cpp's ``tokenizer_st_partition`` does (``cache_special_tokens`` holds every token
+    with the CONTROL or USER_DEFINED attribute; ``parse_special=true``, as llama-cli and llama-server
+    tokenize prompts). The token table is the authority: a match gives that token's id. Where two added
+    texts overlap, the leftmost match wins, then the longest (llama.cpp tries the longest texts first over
+    the whole text; the two differ only for overlapping added texts)."""
 
-    control = [AddedToken(tokens[i], normalized=False, special=True) for i in np.flatnonzero(tt == CONTROL)]
-    if byte_level:
-        in_alphabet = frozenset(_byte_decoder()).issuperset
-        control = [a for a in control if in_alphabet(a.content)]
-    user = [AddedToken(tokens[i], normalized=False, special=False) for i in np.flatnonzero(tt == USER_DEFINED)
-            if tokens[i] in vocab]
-    return control, user
+    def __init__(self, tokens, tt):
+        import re
+
+        self.ids: dict[str, int] = {}
+        for i in np.flatnonzero((tt == CONTROL) | (tt == USER_DEFINED)).tolist():
+            t = tokens[i]
+            if t and t not in self.ids:  # an empty text cannot be matched; a repeated one keeps its first id
+                self.ids[t] = i
+        self.re = (re.compile("|".join(re.escape(t) for t in sorted(self.ids, key=len, reverse=True)))
+                   if self.ids else None)
+
+    def split(self, text: str):
+        """Yields ``str`` fragments to encode and ``int`` ids of the added tokens, in text order."""
+        pos = 0
+        if self.re is not None:
+            for m in self.re.finditer(text):
+                if m.start() > pos:
+                    yield text[pos:m.start()]
+                yield self.ids[m.group()]
+                pos = m.end()
+        if pos < len(text):
+            yield text[pos:]
+
+
+class _BPEBackend:
+    """A byte-level BPE (a ``tokenizers.Tokenizer`` without added tokens) behind the added-token split."""
+
+    def __init__(self, hf, added: _AddedSplit):
+        self.hf = hf
+        self.added = added
+
+    def encode(self, text, add_special_tokens=False):
+        from types import SimpleNamespace
+
+        ids: list[int] = []
+        for frag in self.added.split(text):
+            if isinstance(frag, int):
+                ids.append(frag)
+            else:
+                ids += self.hf.encode(frag, add_special_tokens=False).ids
+        return SimpleNamespace(ids=ids)
+
+    def token_to_id(self, text):
+        i = self.added.ids.get(text)
+        return i if i is not None else self.hf.token_to_id(text)
 
 
 def _build_bpe(meta, tokens, tt, pre, fname):
@@ -360,10 +526,7 @@ def _build_bpe(meta, tokens, tt, pre, fname):
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_SPLITS[pre]]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     hf.decoder = decoders.ByteLevel()
-    control, user = _added_tokens(tokens, tt, vocab, byte_level=True)
-    hf.add_special_tokens(control)
-    hf.add_tokens(user)
-    return hf
+    return _BPEBackend(hf, _AddedSplit(tokens, tt))
 
 
 class _SentencePieceBPE:

@@ -10,7 +10,8 @@ and pitfall 12):
 * Never workqueue: it aborts the process (SIGABRT) when two threads call parallel kernels concurrently.
 
 ``NUMBA_CACHE_DIR`` defaults to ``coli.paths.cache_dir("numba", <digest of this package's sources>)`` (kernels
-are ``cache=True``; the digest keeps a kernel that inlines another file's function from going stale).
+are ``cache=True``; the digest keeps a kernel that inlines another file's function from going stale); when the
+cache cannot be written, a temporary folder for this process (one warning line).
 
 Public API: ``set_threads(n)``, ``default_threads()``, ``threading_layer()``, ``DEFAULT_ACT``.
 """
@@ -43,21 +44,35 @@ def _choose_layer() -> str:
 
 
 def _set_cache_dir() -> None:
-    """Numba checks a cached kernel against its own source file only, so a kernel inlining a function of another
-    file (the grouped kernels call ``vnni``'s intrinsics and ``formats``' quantizer) would keep a stale copy of an
-    edited one. The cache folder is therefore named by a digest of every kernel source of this package."""
-    if not os.environ.get("NUMBA_CACHE_DIR"):
-        import hashlib
+    """``NUMBA_CACHE_DIR`` (unless the user set it) = the coli cache's ``numba/<digest>`` folder. Numba checks a
+    cached kernel against its own source file only, so a kernel inlining a function of another file (the grouped
+    kernels call ``vnni``'s intrinsics and ``formats``' quantizer) would keep a stale copy of an edited one; the
+    folder is therefore named by a digest of every kernel source of this package. When the cache cannot be
+    written (HOME a file, COLI_CACHE unwritable, no home folder): one warning and a temporary folder removed at
+    exit, so the kernels still compile (Numba's ``cache=True`` raises at import when no cache folder is
+    writable at all) and nothing is kept on disk."""
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        return
+    import hashlib
 
-        from coli.paths import cache_dir
+    from coli.paths import optional_cache_dir
 
-        here = os.path.dirname(os.path.abspath(__file__))
-        h = hashlib.sha1()
-        for name in sorted(os.listdir(here)):
-            if name.endswith(".py"):
-                with open(os.path.join(here, name), "rb") as f:
-                    h.update(name.encode() + b"\0" + f.read())
-        os.environ["NUMBA_CACHE_DIR"] = str(cache_dir("numba", h.hexdigest()[:16]))
+    here = os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha1()
+    for name in sorted(os.listdir(here)):
+        if name.endswith(".py"):
+            with open(os.path.join(here, name), "rb") as f:
+                h.update(name.encode() + b"\0" + f.read())
+    d = optional_cache_dir("numba", h.hexdigest()[:16],
+                           what="compiled kernels are not kept on disk (each run compiles them again)")
+    if d is None:
+        import atexit
+        import shutil
+        import tempfile
+
+        d = tempfile.mkdtemp(prefix="coli-numba-")
+        atexit.register(shutil.rmtree, d, True)
+    os.environ["NUMBA_CACHE_DIR"] = str(d)
 
 
 _set_cache_dir()

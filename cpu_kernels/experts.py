@@ -50,7 +50,8 @@ _RB = 16
 # F16 and BF16 are widened to f32 at prepare time)
 FC_F32, FC_Q8, FC_Q4_0, FC_Q4_1, FC_Q4_K, FC_Q5_K, FC_Q6_K = range(7)
 FORMAT_CODE = {"F32": FC_F32, "F16": FC_F32, "BF16": FC_F32, "Q8_0": FC_Q8, "Q5_0": FC_Q8, "MXFP4": FC_Q8,
-               "Q4_0": FC_Q4_0, "Q4_1": FC_Q4_1, "Q4_K": FC_Q4_K, "Q5_K": FC_Q5_K, "Q6_K": FC_Q6_K}
+               "Q4_0": FC_Q4_0, "Q4_1": FC_Q4_1, "Q4_K": FC_Q4_K, "Q5_K": FC_Q5_K, "Q6_K": FC_Q6_K,
+               "IQ4_NL": FC_Q8, "IQ4_XS": FC_Q8}   # cpu_kernels.lowbit packs both in Q8_0's layout
 
 I8 = 0
 F32 = 1

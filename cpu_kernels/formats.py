@@ -21,6 +21,9 @@ Q6_K    256    210     ql[128], qh[64], scales int8[16] (sub-blocks of 16), d;  
 MXFP4   32     17      e (E8M0), qs[16] e2m1 codes;             w = kvalues[q] * 2^(e-128) (``kvalues`` doubled)
 ======  =====  ======  ==========================================================================================
 
+One row is coli's own, not a GGUF type: ``FP8_E4M3_B128`` (block 128, 132 bytes: f32 scale, 128 E4M3 codes),
+the row layout of FP8 Hugging Face checkpoints' 128x128-block weights (``cpu_kernels/fp8.py``, docs/families.md).
+
 Kernel layout (``pack``, done once at ``prepare``; memory per format in docs/cpu_kernels.md): fields split into
 contiguous per-row arrays, f16 block scales converted to f32 (Numba has no float16, ``../shared/stack-notes.md``
 pitfall 11), and codes put where 32-wide loops with one scale can read them:
@@ -53,6 +56,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import quants as gq
 from numba import njit, prange
 
+from coli import tensor_types as _TT
 from coli.errors import ColiError
 
 from . import DEFAULT_ACT
@@ -762,17 +766,6 @@ def _pack_mxfp4(raw, O, I):
 
 
 # ----------------------------------------------------------------------------------------------- registry
-def _reference(qtype):
-    def ref(raw: np.ndarray, shape) -> np.ndarray:
-        O, I = shape
-        if qtype == QT.F32:
-            return np.ascontiguousarray(raw).view(np.float32).reshape(O, I).copy()
-        return gq.dequantize(np.ascontiguousarray(raw), qtype).reshape(O, I).astype(np.float32)
-
-    ref.__doc__ = f"NumPy reference: gguf.quants.dequantize(raw uint8 [O, row_bytes], {qtype.name}) -> f32 [O, I]."
-    return ref
-
-
 @dataclass(frozen=True)
 class Format:
     """One weight format: GGUF type name and enum, block size (weights) and bytes per block, the NumPy
@@ -789,13 +782,16 @@ class Format:
     shader: str
     int8: bool  # act="int8" changes the arithmetic (activations rounded per 32) for this format
     gemv_i8: Callable | None  # VNNI integer-dot GEMV for act="int8" (None: no VNNI here, or a float format)
+    no_i8: str | None = None  # why an int8 format has no VNNI GEMV (it then runs the f32 kernels on rounded x)
 
 
-def _row(name, bs, ts, pack, gemv, gemm, shader, int8, gemv_i8=None):
-    qt = QT[name]
-    assert gq.GGML_QUANT_SIZES[qt] == (bs, ts), name
-    return name, Format(name, qt, bs, ts, _reference(qt), pack, gemv, gemm, shader, int8,
-                        gemv_i8 if _vnni.HAVE_VNNI else None)
+def _row(name, bs, ts, pack, gemv, gemm, shader, int8, gemv_i8=None, no_i8=None):
+    """A FORMATS entry keyed by the tensor-type table (coli.tensor_types): geometry, reference and shader name
+    come from the table; ``bs``, ``ts``, ``shader`` are checked against it."""
+    t = _TT.get(name)
+    assert (t.block_size, t.type_size, t.shader) == (bs, ts, shader), name
+    return name, Format(name, t.qtype, bs, ts, t.reference, pack, gemv, gemm, shader, int8,
+                        gemv_i8 if _vnni.HAVE_VNNI else None, no_i8)
 
 
 FORMATS: dict[str, Format] = dict([
@@ -811,6 +807,11 @@ FORMATS: dict[str, Format] = dict([
     _row("Q6_K", 256, 210, _pack_q6_k, gemv_q6_k, gemm_q6_k, "q6_k", True, _vnni.gemv_i8_q6_k),
     _row("MXFP4", 32, 17, _pack_mxfp4, gemv_q8_0, gemm_q8_0, "mxfp4", True, _vnni.gemv_i8_q8),
 ])
+
+# Rows whose kernels live in their own modules (appended here: FORMATS stays the one CPU registry).
+from . import lowbit as _lowbit  # noqa: E402  (imports this module's helpers, defined above)
+
+FORMATS.update(_lowbit.rows(_row, _vnni))
 
 #: Activation rows up to which ``matmul`` runs the GEMV once per row instead of the GEMM (measured).
 GEMV_MAX_T = 3
@@ -926,3 +927,15 @@ def matmul(w: Weight, x: np.ndarray, act: str | None = None) -> np.ndarray:
     else:
         w.gemm(*w.arrays, x, out)
     return out
+
+
+# The i-quant rows (IQ2_XXS ... IQ1_M) are appended to FORMATS by cpu_kernels/iquants.py, imported here last
+# because it uses this module's Q8_0 kernels and ``_tile``.
+from . import iquants as _iquants  # noqa: E402,F401
+
+# coli's own rows (not GGUF types): FP8_E4M3_B128, appended by cpu_kernels/fp8.py (it uses the pieces above)
+from . import fp8 as _fp8  # noqa: E402,F401
+
+# Every row, whichever module appended it, fills the CPU column of the tensor-type table.
+for _f in FORMATS.values():
+    _TT.register("cpu", _f.name, f"{_f.gemv.__module__}.{_f.gemv.__name__}")

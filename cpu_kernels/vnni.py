@@ -326,6 +326,79 @@ def row_q6_k(typingctx, q, sc, d, xq, xd):
     return sig, codegen
 
 
+@intrinsic
+def row_q2_k(typingctx, qs, sc, d, xq, xd):
+    """Q2_K codes part (cpu_kernels.lowbit layout: ggml's qs kept): sum over 16-element sub-blocks u of
+    d[u//16] * sc[u] * xd[u//2] * (codes_u . xq_u), codes (qs[32n + l] >> 2j) & 3 for element 128n + 32j + l.
+    qs uint8 [nb*64], sc uint8 [nb*16], d f32 [nb], xq int8 [nb*256], xd f32 [nb*8] -> f32. Mins are the caller's."""
+    sig = types.float32(qs, sc, d, xq, xd)
+
+    def codegen(context, builder, signature, args):
+        qa, sca, da, xa, xda = _arrays(context, builder, signature, args)
+        op = _Ops(builder)
+        nb = builder.extract_value(da.shape, 0)
+        acc = cgutils.alloca_once_value(builder, ir.Constant(_F32x8, None))
+        m2 = ir.Constant(_I8x32, [3] * 32)
+        with cgutils.for_range(builder, nb) as loop:
+            b = loop.index
+            db = op.load(da.data, b)
+            for n in range(2):
+                v = op.load32(qa.data, builder.add(builder.mul(b, op.i(b, 64)), op.i(b, 32 * n)))
+                for j in range(4):
+                    c = builder.and_(builder.lshr(v, ir.Constant(_I8x32, [2 * j] * 32)) if j else v, m2)
+                    x0 = builder.add(builder.mul(b, op.i(b, 256)), op.i(b, 128 * n + 32 * j))
+                    vi = op.dot_unsigned(c, op.load32(xa.data, x0))
+                    blk = builder.add(builder.mul(b, op.i(b, 8)), op.i(b, 4 * n + j))
+                    dx = builder.fmul(db, op.load(xda.data, blk))
+                    s0 = builder.add(builder.mul(b, op.i(b, 16)), op.i(b, 8 * n + 2 * j))
+                    f0 = builder.fmul(dx, builder.uitofp(op.load(sca.data, s0), _F32))
+                    f1 = builder.fmul(dx, builder.uitofp(op.load(sca.data, builder.add(s0, op.i(s0, 1))), _F32))
+                    op.fma_into(acc, vi, op.halves(f0, f1))
+        return op.hsum(acc)
+
+    return sig, codegen
+
+
+@intrinsic
+def row_q3_k(typingctx, qs, hm, sc, d, xq, xd):
+    """Q3_K codes part (cpu_kernels.lowbit layout: ggml's qs and hmask kept): sum over 16-element sub-blocks u of
+    d[u//16] * sc[u] * xd[u//2] * (codes_u . xq_u) with the unsigned codes ((qs[32n + l] >> 2j) & 3) |
+    (bit 4n+j of hm[l]) << 2 of element 128n + 32j + l (0..7; the -4 is the caller's). qs uint8 [nb*64],
+    hm uint8 [nb*32], sc int8 [nb*16] (scale - 32), d f32 [nb], xq int8 [nb*256], xd f32 [nb*8] -> f32."""
+    sig = types.float32(qs, hm, sc, d, xq, xd)
+
+    def codegen(context, builder, signature, args):
+        qa, ha, sca, da, xa, xda = _arrays(context, builder, signature, args)
+        op = _Ops(builder)
+        nb = builder.extract_value(da.shape, 0)
+        acc = cgutils.alloca_once_value(builder, ir.Constant(_F32x8, None))
+        m2 = ir.Constant(_I8x32, [3] * 32)
+        m1 = ir.Constant(_I8x32, [1] * 32)
+        two = ir.Constant(_I8x32, [2] * 32)
+        with cgutils.for_range(builder, nb) as loop:
+            b = loop.index
+            db = op.load(da.data, b)
+            h = op.load32(ha.data, builder.mul(b, op.i(b, 32)))
+            for n in range(2):
+                v = op.load32(qa.data, builder.add(builder.mul(b, op.i(b, 64)), op.i(b, 32 * n)))
+                for j in range(4):
+                    lo = builder.and_(builder.lshr(v, ir.Constant(_I8x32, [2 * j] * 32)) if j else v, m2)
+                    hb = 4 * n + j
+                    hi = builder.and_(builder.lshr(h, ir.Constant(_I8x32, [hb] * 32)) if hb else h, m1)
+                    c = builder.or_(lo, builder.shl(hi, two))
+                    x0 = builder.add(builder.mul(b, op.i(b, 256)), op.i(b, 128 * n + 32 * j))
+                    vi = op.dot_unsigned(c, op.load32(xa.data, x0))
+                    blk = builder.add(builder.mul(b, op.i(b, 8)), op.i(b, 4 * n + j))
+                    dx = builder.fmul(db, op.load(xda.data, blk))
+                    s0 = builder.add(builder.mul(b, op.i(b, 16)), op.i(b, 8 * n + 2 * j))
+                    f0 = builder.fmul(dx, builder.sitofp(op.load(sca.data, s0), _F32))
+                    f1 = builder.fmul(dx, builder.sitofp(op.load(sca.data, builder.add(s0, op.i(s0, 1))), _F32))
+                    op.fma_into(acc, vi, op.halves(f0, f1))
+        return op.hsum(acc)
+
+    return sig, codegen
+
+
 # ----------------------------------------------------------------------------------------------- GEMVs
 _RB = 16
 _PJIT = dict(parallel=True, nogil=True, cache=True, fastmath=True)
@@ -402,3 +475,63 @@ def gemv_i8_q6_k(q, sc, d, xq, xd, xm, out):
     for c in prange((O + _RB - 1) // _RB):
         for o in range(c * _RB, min(O, c * _RB + _RB)):
             out[o] = row_q6_k(q[o], sc[o], d[o], xq, xd)
+
+
+@njit(**_PJIT)
+def gemv_i8_q5_1(q, d, m, xq, xd, xm, out):
+    """Q5_1 widened to int8 codes q - 16 (cpu_kernels.lowbit), m = ggml m + 16 d: the Q8 dot plus the minimum."""
+    O, nb = d.shape
+    for c in prange((O + _RB - 1) // _RB):
+        for o in range(c * _RB, min(O, c * _RB + _RB)):
+            s = row_q8(q[o], d[o], xq, xd)
+            corr = _F0
+            for b in range(nb):
+                corr += m[o, b] * xm[b]
+            out[o] = s + corr
+
+
+@njit(inline="always", nogil=True, cache=True)
+def _act_sums16(xq, xd):
+    """Sums of the rounded activations over blocks of 16: xd[k//2] * sum(xq[16k:16k+16]) -> f32 [I//16]."""
+    n = xq.shape[0] // 16
+    xs = np.empty(n, np.float32)
+    for k in range(n):
+        s = 0
+        for j in range(16):
+            s += np.int64(xq[16 * k + j])
+        xs[k] = xd[k >> 1] * np.float32(s)
+    return xs
+
+
+@njit(**_PJIT)
+def gemv_i8_q2_k(qs, sc, mn, d, dm, xq, xd, xm, out):
+    """Q2_K (cpu_kernels.lowbit layout): the codes part here, the mins through 16-element activation sums."""
+    O, nb = d.shape
+    xs = _act_sums16(xq, xd)
+    for c in prange((O + _RB - 1) // _RB):
+        for o in range(c * _RB, min(O, c * _RB + _RB)):
+            s = row_q2_k(qs[o], sc[o], d[o], xq, xd)
+            mins = _F0
+            for b in range(nb):
+                mb = _F0
+                for k in range(16):
+                    mb += np.float32(mn[o, b * 16 + k]) * xs[b * 16 + k]
+                mins += dm[o, b] * mb
+            out[o] = s - mins
+
+
+@njit(**_PJIT)
+def gemv_i8_q3_k(qs, hm, sc, d, xq, xd, xm, out):
+    """Q3_K (cpu_kernels.lowbit layout): unsigned 3-bit codes here, their -4 offset through 16-element sums."""
+    O, nb = d.shape
+    xs = _act_sums16(xq, xd)
+    for c in prange((O + _RB - 1) // _RB):
+        for o in range(c * _RB, min(O, c * _RB + _RB)):
+            s = row_q3_k(qs[o], hm[o], sc[o], d[o], xq, xd)
+            corr = _F0
+            for b in range(nb):
+                cb = _F0
+                for k in range(16):
+                    cb += np.float32(sc[o, b * 16 + k]) * xs[b * 16 + k]
+                corr += d[o, b] * cb
+            out[o] = s - np.float32(4.0) * corr

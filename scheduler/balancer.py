@@ -83,6 +83,9 @@ class Balancer:
         self.target: float | None = None
         self._b_cold = False
         self.steps = 0
+        # the last step's join waited longer than one CPU row costs (before a CPU row was measured: more than
+        # wait_tol of the device time): only then can a row handed to the CPU shorten the step
+        self.cpu_room = False
 
     def _ema(self, old: float | None, x: float) -> float:
         return x if old is None else old + self.alpha * (x - old)
@@ -101,10 +104,12 @@ class Balancer:
             elif self.b_ms is None or self._b_cold:
                 self.b_ms = self._ema(self.b_ms, t.cpu_ms / t.cpu_rows)
                 self._b_cold = True
+        waited_dev = t.device_ms > 0 and t.waited_ms > self.wait_tol * t.device_ms
+        self.cpu_room = t.device_rows > 0 and waited_dev and (self.b_ms is None or t.waited_ms > self.b_ms)
         if not self.enabled:
             return self.share
         if self.b_ms is None or self.a_ms is None:
-            if t.device_ms > 0 and t.waited_ms > self.wait_tol * t.device_ms:
+            if self.cpu_room:
                 self.share = max(self.floor, self.share - self.probe)
             return self.share
         n = t.device_rows + t.cpu_rows
@@ -116,13 +121,15 @@ class Balancer:
         # they tell, so they come half as often each time (up to one in 1024 steps); back to 16 otherwise
         self.period = min(self.max_period, 2 * self.period) if self.target <= self.floor else self.measure_every
         new = self.share + self.gain * (self.target - self.share)
-        if t.device_ms > 0 and t.waited_ms > self.wait_tol * t.device_ms:
-            new = min(new, self.share)      # the join waited: the device was the slower side, never raise
-        if t.device_rows > 0 and t.cpu_ms + self.b_ms >= t.device_ms:
-            # one more row would make the CPU the longer side (or it already is): never lower (seed S0:L312:
-            # the CPU gets rows only while the join keeps waiting on the device). A discrete GPU's batch is
-            # mostly fixed latency, so its per-row cost looks tiny and the equal-finish point asks for a
-            # fraction of a row, which rounds to a whole CPU row that costs more than the device's step.
+        if self.cpu_room:
+            new = min(new, self.share)      # the join waited more than a CPU row: the device was the slower side
+        elif t.device_rows > 0:
+            # the join waited less than one CPU row costs (or not at all): one more row would make the CPU
+            # the longer side, or it already is: never lower (seed S0:L312: the CPU gets rows only while the
+            # join keeps waiting on the device). The wait is host time, so it includes the batch's submit and
+            # fence latency, which the device's timestamps do not: a discrete GPU's batch is mostly that
+            # latency, so its per-row cost looks tiny and the equal-finish point asks for a fraction of a row,
+            # which rounds to a whole CPU row that costs more than the device's step.
             new = max(new, self.share)
         self.share = min(1.0, max(self.floor, new))
         return self.share
@@ -162,7 +169,7 @@ class Balancer:
             if self._zero_calls >= self.period:
                 self._zero_calls = 0
                 want = 1
-        elif want >= total:
+        elif want >= total and self.cpu_room:
             self._full_calls += 1
             if self._full_calls % self.measure_every == 0:
                 # the CPU would get none of these rows: every measure_every-th time it takes the smallest

@@ -44,6 +44,8 @@ class MoEStep:
         self.tier = tier
         self.trace = trace
         self.stats = StepStats()
+        if trace is not None:
+            trace.hook_reads(cache)     # --trace records disk reads with or without a device tier
 
     # -- the CPU expert: gate, up, SwiGLU, down ---------------------------------------------------------
     def expert_cpu(self, w, xe: np.ndarray) -> np.ndarray:
@@ -105,7 +107,7 @@ class MoEStep:
         st.cpu_pairs += sum(len(groups[e]) for e in cpu_experts)
 
         if issued is not None:
-            st.device_pairs += tier.join_step(issued, pair_out, self, x, groups)
+            st.device_pairs += self._join_device(layer, issued, x, groups, K, pair_out)
 
         y = self.combine(pair_out.reshape(R, K, D), weights)
         if shared_out is not None:
@@ -130,6 +132,26 @@ class MoEStep:
         if self.tier is not None and self.tier.active:
             for e, w in ews:
                 self.tier.note(layer, e, w)
+
+    def _join_device(self, layer, issued, x, groups, K, pair_out) -> int:
+        """Join the tier's batch into ``pair_out``; returns the pairs the device computed. After a device loss
+        (the tier turned itself off and said why) the batch's experts are computed here on the CPU, from
+        the RAM cache or a disk read, and 0 is returned: the run goes on on the CPU. An error while the tier
+        is still on is not a device loss and is raised."""
+        try:
+            return self.tier.join_step(issued, pair_out)
+        except Exception:
+            if self.tier.active:
+                raise
+        cache = self.cache
+        for e in issued.experts:
+            w = cache.get(layer, e)
+            if w is None:
+                w = cache.fetch(layer, e).result()
+                cache.put(layer, e, w)
+            self._compute(layer, e, w, x, groups[e], K, pair_out)
+        self.stats.cpu_pairs += sum(len(groups[e]) for e in issued.experts)
+        return 0
 
     def _compute(self, layer, e, w, x, pairs, K, pair_out):
         rows = pairs // K

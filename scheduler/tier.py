@@ -36,169 +36,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from coli.errors import ColiError
 from scheduler.balancer import Balancer, StepTimes
+from scheduler.tier_policy import (GiB, MiB, SHARED_KINDS, DeviceMemory, _env_int, budget_bytes,  # noqa: F401
+                                   halvings_due, history_heat, lfru_victim, warm_plan)
 from scheduler.trace import NULL_TRACE, UPLOADER_TID, Trace, host_ns
-
-GiB = 1 << 30
-MiB = 1 << 20
-HEAT_HISTORY_TOP = 32.0       # a layer's hottest expert in the history starts at this heat (seed S0:L299)
-HEAT_HALF_TOKENS = 1024       # heat halves every 1024 tokens
-LFRU_FACTOR = 1.25            # promote over the coldest when heat > 1.25 * coldest + 4
-LFRU_ADD = 4.0
-SHARED_KINDS = ("integrated", "cpu", "virtual", "other")
-
-
-def _env_float(env, name: str, default: float | None) -> float | None:
-    v = env.get(name)
-    if v is None or v == "":
-        return default
-    try:
-        x = float(v)
-    except ValueError:
-        raise ColiError(f"{name}={v!r}: not a number") from None
-    if not np.isfinite(x) or x < 0:
-        raise ColiError(f"{name}={v!r}: must be a finite number >= 0")
-    return x
-
-
-def _env_int(env, name: str, default: int) -> int:
-    v = env.get(name)
-    if v is None or v == "":
-        return default
-    try:
-        x = int(v)
-    except ValueError:
-        raise ColiError(f"{name}={v!r}: not an integer") from None
-    if x < 0:
-        raise ColiError(f"{name}={v!r}: must be >= 0")
-    return x
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Budget
-
-@dataclass(frozen=True)
-class DeviceMemory:
-    """What the budget rule reads from the device.
-
-    ``kind``: "discrete" | "integrated" | "cpu" (Lavapipe) | "virtual" | "other" (VkPhysicalDeviceType);
-    ``heap_bytes``: size of the device-local heap the experts go to; ``budget_free``: that heap's
-    ``heapBudget - heapUsage`` from VK_EXT_memory_budget, or None without the extension.
-    """
-
-    name: str
-    kind: str
-    heap_bytes: int
-    budget_free: int | None = None
-
-    @classmethod
-    def of(cls, dev) -> "DeviceMemory":
-        """From a DeviceMemory; from coli.vulkan's ``Device`` (``name``, ``type_name``, ``heaps`` [(bytes,
-        device_local)], optional ``budget_free``: the biggest device-local heap); or from a mapping / object
-        with ``name``, ``kind`` (or ``device_type``), ``heap_bytes``, optional ``budget_free``.
-        ValueError naming what is missing."""
-        if isinstance(dev, cls):
-            return dev
-        get = dev.get if isinstance(dev, dict) else (lambda k, d=None: getattr(dev, k, d))
-        heaps = get("heaps")
-        if heaps and get("type_name") is not None:
-            dl = [int(sz) for sz, local in heaps if local] or [int(sz) for sz, _ in heaps]
-            kind, heap = get("type_name"), max(dl)
-        else:
-            kind = get("kind") or get("device_type")
-            heap = get("heap_bytes")
-        if kind is None or heap is None:
-            raise ValueError("device memory info needs 'kind' (or 'device_type' / 'type_name') and "
-                             "'heap_bytes' (or 'heaps')")
-        kind = str(kind).lower().replace("vk_physical_device_type_", "").replace("_gpu", "")
-        free = get("budget_free")
-        return cls(str(get("name", "") or ""), kind, int(heap), None if free is None else int(free))
-
-
-def budget_bytes(device_info, ram_cache_bytes: int, dense_bytes: int, env=None,
-                 available: int | None = None) -> tuple[int, str]:
-    """The tier's budget in bytes and the words of the rule that set it (for the start line).
-
-    ``device_info``: :class:`DeviceMemory` (or what :meth:`DeviceMemory.of` takes); ``ram_cache_bytes``:
-    the RAM expert cache's configured size (slots × layers × expert bytes); ``dense_bytes``: the dense
-    weights' bytes (on the CPU in coli, so they count against RAM on a shared-RAM device only);
-    ``env``: the environment (``os.environ``); ``available``: RAM available (``psutil.virtual_memory()
-    .available`` when None). ColiError on a malformed ``COLI_VK_TIER_GB`` / ``COLI_VK_TIER_RESERVE_GB``.
-    Rule: seed S0:L409-418 as issue #4 states it (see the module docstring).
-    """
-    env = os.environ if env is None else env
-    d = DeviceMemory.of(device_info)
-    gb = _env_float(env, "COLI_VK_TIER_GB", None)
-    if gb is not None:
-        b = int(gb * GiB)
-        words = f"COLI_VK_TIER_GB={env['COLI_VK_TIER_GB']}"
-        if d.heap_bytes and b > d.heap_bytes:
-            b = d.heap_bytes
-            words += f" (capped at the device's {d.heap_bytes / GiB:.2f} GiB heap)"
-        return b, words
-    if d.kind == "discrete":
-        reserve = int(_env_float(env, "COLI_VK_TIER_RESERVE_GB", 1.0) * GiB)
-        if d.budget_free is not None:
-            free, what = d.budget_free, f"VK_EXT_memory_budget's {d.budget_free / GiB:.2f} GiB free"
-        else:
-            free, what = d.heap_bytes, f"the {d.heap_bytes / GiB:.2f} GiB heap (no VK_EXT_memory_budget)"
-        return max(0, free - reserve), f"discrete: {what} less a {reserve / GiB:g} GiB reserve"
-    if available is None:
-        import psutil
-        available = psutil.virtual_memory().available
-    left = int(available) - int(ram_cache_bytes) - int(dense_bytes)
-    b = max(0, left // 4 - 2 * GiB)
-    words = (f"shared RAM: a quarter of what the expert cache leaves ({available / GiB:.2f} GiB available"
-             f" - {ram_cache_bytes / GiB:.2f} GiB cache - {dense_bytes / GiB:.2f} GiB dense) less 2 GiB")
-    if d.heap_bytes and b > d.heap_bytes:
-        b = d.heap_bytes
-        words += f", capped at the device's {d.heap_bytes / GiB:.2f} GiB heap"
-    return b, words
-
-
-# ---------------------------------------------------------------------------------------------------------
-# History -> heat, warm-start plan
-
-def history_heat(counts: np.ndarray) -> np.ndarray:
-    """Initial heat from the history: float64 [L, E], each layer's hottest expert at 32, the others
-    ``32 · count / that layer's max`` (zeros for a layer the history never routed). Seed S0:L299."""
-    c = np.asarray(counts, dtype=np.float64)
-    if c.ndim != 2:
-        raise ValueError(f"history counts must be [layers, experts], got shape {c.shape}")
-    m = c.max(axis=1, keepdims=True)
-    return np.where(m > 0, HEAT_HISTORY_TOP * c / np.where(m > 0, m, 1.0), 0.0)
-
-
-def warm_plan(counts: np.ndarray, capacity: int, fill: bool = True,
-              layers=None) -> tuple[list[tuple[int, int]], int]:
-    """The warm start's experts, in upload order, and how many of them come from the history.
-
-    ``counts``: int [L, E] routing counts (scheduler/usage.py's ``Usage.counts``); ``capacity``: experts
-    the budget holds. First every expert with a count > 0, highest count first (ties: lower layer, then
-    lower expert id), up to ``capacity``; then, when ``fill``, the room left with experts the history
-    never named, one expert per layer in turn (layer 0's lowest unnamed id, layer 1's, ..., then each
-    layer's second, ...). Seed S0:L299, L383-384 (``COLI_VK_TIER_FILL``).
-    """
-    c = np.asarray(counts, dtype=np.int64)
-    L, E = c.shape
-    lay, exp = np.nonzero(c > 0)
-    order = np.lexsort((exp, lay, -c[lay, exp]))
-    named = [(int(lay[i]), int(exp[i])) for i in order[:max(0, capacity)]]
-    plan = list(named)
-    if fill and len(plan) < capacity:
-        fl = list(range(L)) if layers is None else sorted(int(l) for l in layers)
-        unnamed = {l: np.flatnonzero(c[l] == 0) for l in fl}
-        for i in range(E):
-            for l in fl:
-                if len(plan) >= capacity:
-                    break
-                if i < len(unnamed[l]):
-                    plan.append((l, int(unnamed[l][i])))
-            if len(plan) >= capacity:
-                break
-    return plan, len(named)
-
 
 def _mib(n: int) -> str:
     x = n / MiB
@@ -387,45 +228,6 @@ class Tier:
         self._thread = threading.Thread(target=self._uploader, name="coli-tier-uploader", daemon=True)
         self._thread.start()
 
-    @classmethod
-    def for_engine(cls, eng, balance: bool = False, env=None, log=None, warm: bool = True) -> "Tier":
-        """The tier of a ``coli.Engine`` with a device (``eng.device``), its RAM cache (``eng.cache``,
-        ``eng.expert_slots``), history (``eng.usage``), model (``eng.model.moe_layers``, ``eng.args``,
-        ``eng.g``) and trace (``eng.trace``). Sets the budget by :func:`budget_bytes`, prints the start line,
-        runs the warm start (reading experts with the cache's ``source.read_raw`` on a thread pool) and
-        hooks the cache's disk reads into the trace. ``balance``: the balancer on (``--balance``) or the
-        share fixed at 1 (``--no-balance``). The device must expose ``name``, ``kind`` (or ``device_type``)
-        and ``heap_bytes`` (``budget_free`` when it has VK_EXT_memory_budget) for the budget rule; without
-        them ``COLI_VK_TIER_GB`` must be set (RuntimeError otherwise)."""
-        env = os.environ if env is None else env
-        dev = eng.device
-        src = eng.cache.source
-        layers = list(eng.model.moe_layers)
-        per = max(src.expert_nbytes(l) for l in layers)
-        E = src.n_experts(layers[0])
-        ram_bytes = int(eng.ram_cache_bytes)
-        try:
-            info = DeviceMemory.of(dev)
-        except ValueError as err:
-            if not env.get("COLI_VK_TIER_GB"):
-                raise RuntimeError(f"the Vulkan device gives no memory info for the tier's budget ({err}); "
-                                   f"set COLI_VK_TIER_GB") from None
-            info = DeviceMemory(str(getattr(dev, "name", "device")), "other", 0)
-        budget, rule = budget_bytes(info, ram_bytes, eng.model.dense_bytes, env=env)
-        counts = eng.usage.counts.copy() if eng.usage is not None and eng.usage.loaded else None
-        own = bool(getattr(dev, "own_queue", getattr(dev, "dedicated_compute_queue", False)))
-        t = cls(dev, eng.path.name, eng.args.n_layers, E, per, budget, rule, counts=counts,
-                balancer=Balancer(enabled=bool(balance)), trace=eng.trace, device_name=info.name or "",
-                own_queue=own, env=env, log=log, moe_layers=layers, auto_tokens=True, ram=eng.cache)
-        t._say(t.start_line())
-        tr = eng.trace
-        if tr is not None and tr.enabled and getattr(eng.cache, "on_read", None) is None:
-            eng.cache.on_read = lambda l, e, t0, t1: tr.complete(f"read L{l} E{e}", "disk", t0, t1,
-                                                                 layer=l, expert=e)
-        if warm:
-            t.warm_start(src.read_raw)
-        return t
-
     # ----- lines
     def start_line(self) -> str:
         """``[VK] tier <model>: on, <device>, budget B GiB = N experts of S MiB, <rule>, own queue|shared
@@ -470,10 +272,10 @@ class Tier:
         self._explicit = True
 
     def _begin(self, n_tokens: int) -> None:
-        h = self.tokens // HEAT_HALF_TOKENS
-        if h > self._halvings:
-            self.heat *= 0.5 ** (h - self._halvings)
-            self._halvings = h
+        n = halvings_due(self.tokens, self._halvings)
+        if n:
+            self.heat *= 0.5 ** n
+            self._halvings += n
         self.tokens += int(n_tokens)
         self.rate_left = self.rate * int(n_tokens)
 
@@ -637,23 +439,16 @@ class Tier:
         iss.pair_ids, iss.experts, iss.K = pair_ids, [int(e) for e in dev_e], K
         return [int(e) for e in cpu_e], iss
 
-    def join_step(self, iss: Issued, pair_out: np.ndarray, step, x: np.ndarray, groups: dict) -> int:
+    def join_step(self, iss: Issued, pair_out: np.ndarray) -> int:
         """scheduler/step.py's join: waits for the batch and writes its outputs into ``pair_out`` (f32
-        [R*K, D], rows = pair ids). When the device fails, the tier turns off and the batch's pairs are
-        computed on the CPU (``step._compute`` with the RAM cache's copy or a disk read). Returns the pairs
-        the device computed (0 after a failure)."""
+        [R*K, D], rows = pair ids). Returns the pairs the device computed. When the device fails, the tier
+        turns off (one line), the batch's pairs no longer count as the device's, and the error is re-raised:
+        the step computes ``iss.experts`` on the CPU (``MoEStep._join_device``)."""
         try:
             out = self.join(iss)
         except Exception:
             self.device_pairs -= iss.n_pairs
-            cache = step.cache
-            for e in iss.experts:
-                w = cache.get(iss.layer, e)
-                if w is None:
-                    w = cache.fetch(iss.layer, e).result()
-                    cache.put(iss.layer, e, w)
-                step._compute(iss.layer, e, w, x, groups[e], iss.K, pair_out)
-            return 0
+            raise
         pair_out[iss.pair_ids] = out
         return iss.n_pairs
 
@@ -702,13 +497,9 @@ class Tier:
         used = len(self.resident) + len(self.pending)
         victim = None
         if used >= self.capacity:
-            if not self.resident:
+            victim = lfru_victim(self.heat, self.mask, key) if self.resident else None
+            if victim is None:
                 return False
-            masked = np.where(self.mask, self.heat, np.inf)
-            v = np.unravel_index(int(np.argmin(masked)), masked.shape)   # ties: lowest (layer, expert)
-            if not self.heat[key] > LFRU_FACTOR * self.heat[v] + LFRU_ADD:
-                return False
-            victim = (int(v[0]), int(v[1]))
         if self.rate_left <= 0:
             self.skipped_rate += 1
             return False
@@ -791,7 +582,10 @@ class Tier:
         threads = threads or max(1, min(8, os.cpu_count() or 1))
         n = failed = n_h = 0
         window = 2 * threads
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="coli-warm") as ex:
+        from coli.progress import bar  # drawn only when stderr is a terminal
+
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="coli-warm") as ex, \
+                bar(total=len(plan), desc="warm start", unit=" experts") as pb:
             futs = []
             it = iter(plan)
             for k in it:
@@ -804,6 +598,7 @@ class Tier:
                 futs[i] = None
                 i += 1
                 arrays = f.result()
+                pb.update(1)
                 if failed == 0:
                     ts = host_ns()
                     try:

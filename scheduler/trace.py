@@ -116,6 +116,15 @@ class Trace:
         if self.enabled:
             self.span(name, cat, int(t0_s * 1e9), int(t1_s * 1e9), args=args)
 
+    def hook_reads(self, cache) -> None:
+        """Record every disk read of ``cache`` (scheduler/ram_cache.py's ``RAMCache``: its ``on_read(layer, e,
+        t0_s, t1_s)`` hook, called from the I/O pool) as a ``disk`` event ``read L<layer> E<e>``. The step
+        installs it when the run has a trace, so CPU-only runs record their reads too. No-op when disabled
+        or when the cache already has a hook."""
+        if self.enabled and cache is not None and getattr(cache, "on_read", None) is None:
+            cache.on_read = lambda l, e, t0, t1: self.complete(f"read L{l} E{e}", "disk", t0, t1,
+                                                               layer=l, expert=e)
+
     @contextmanager
     def region(self, name: str, cat: str, **args):
         """``with trace.region("expert 3", "cpu", layer=7): ...`` records the block's span."""

@@ -20,6 +20,7 @@ import cpu_kernels  # noqa: F401  (threading layer before numba)
 import numpy as np
 from numba import njit, prange
 
+from coli import tensor_types as TT
 from cpu_kernels import formats as F
 
 # (O, I): SmolLM2-135M (576/1536/49152 vocab), Qwen2.5-0.5B (896/4864/151936), Gemma-3-270M (640/2048/1024)
@@ -81,14 +82,11 @@ def random_raw(name: str, O: int, I: int, rng) -> np.ndarray:
     nb = I // fmt.block_size
     blocks = rng.integers(0, 256, (O, nb, fmt.type_size), dtype=np.uint8)
     one = np.array([0.01], np.float16).view(np.uint8)
-    if name == "Q6_K":
-        blocks[:, :, 208:210] = one
-    elif name == "MXFP4":
+    if name == "MXFP4":
         blocks[:, :, 0] = 120
     else:
-        blocks[:, :, 0:2] = one
-        if name in ("Q4_1", "Q4_K", "Q5_K"):
-            blocks[:, :, 2:4] = one
+        for off in TT.get(name).scale_offsets:  # d (and dmin) of the block: coli.tensor_types
+            blocks[:, :, off:off + 2] = one
     return blocks.reshape(O, -1)
 
 

@@ -1,5 +1,4 @@
 // F16: ggml GGML_TYPE_F16, IEEE half, 2 bytes an element, little endian (ggml.h).
-#define ROW_BYTES(I) ((I) * 2u)
 void dec_unit(uint64_t row, uint u, out vec4 w[8]) {
     RB128 p = RB128(row + uint64_t(u) * 64ul);
     [[unroll]] for (uint q = 0u; q < 4u; q++) {

@@ -3,7 +3,6 @@
 // (ggml-impl.h ggml_e8m0_to_fp32_half); element j < 16 from qs[j] & 15, element j + 16 from qs[j] >> 4.
 // The e2m1 value is built from its bits (a dynamically indexed table would sit in local memory).
 #include "unaligned.glsl"
-#define ROW_BYTES(I) (((I) / 32u) * 17u)
 float e2m1x2(uint q) {
     uint e = (q >> 1) & 3u, m = q & 1u;
     float v = e == 0u ? float(m) : uintBitsToFloat(((e + 127u) << 23) | (m << 22));

@@ -1,6 +1,5 @@
 // Q4_0: ggml block_q4_0 (ggml-common.h): { f16 d; uint8 qs[16]; } = 18 bytes;
 // element j < 16 is (qs[j] & 15) - 8, element j + 16 is (qs[j] >> 4) - 8, times d.
-#define ROW_BYTES(I) (((I) / 32u) * 18u)
 void dec_unit(uint64_t row, uint u, out vec4 w[8]) {
     uint64_t b = row + uint64_t(u) * 18ul;
     float d = unpackHalf2x16(uint(RB16(b).v[0])).x;

@@ -1,6 +1,5 @@
 // Q4_1: ggml block_q4_1 (ggml-common.h): { f16 d; f16 m; uint8 qs[16]; } = 20 bytes;
 // element j < 16 is d * (qs[j] & 15) + m, element j + 16 is d * (qs[j] >> 4) + m.
-#define ROW_BYTES(I) (((I) / 32u) * 20u)
 void dec_unit(uint64_t row, uint u, out vec4 w[8]) {
     uint64_t b = row + uint64_t(u) * 20ul;
     RB32 p = RB32(b);

@@ -2,7 +2,6 @@
 // bytes for 256 elements; sub-block j (32 elements) reads qs[(j/2)*32 + l], low nibble for even j,
 // high for odd; w = d * sc[j] * q - dmin * m[j].
 #include "kquant_scales.glsl"
-#define ROW_BYTES(I) (((I) / 256u) * 144u)
 void dec_unit(uint64_t row, uint u, out vec4 w[8]) {
     uint j = u & 7u;
     uint64_t b = row + uint64_t(u >> 3) * 144ul;

@@ -1,6 +1,5 @@
 // Q5_0: ggml block_q5_0 (ggml-common.h): { f16 d; uint8 qh[4]; uint8 qs[16]; } = 22 bytes;
 // element j < 16: ((qs[j] & 15) | bit j of qh << 4) - 16; j + 16: ((qs[j] >> 4) | bit j+16 of qh << 4) - 16.
-#define ROW_BYTES(I) (((I) / 32u) * 22u)
 void dec_unit(uint64_t row, uint u, out vec4 w[8]) {
     uint64_t b = row + uint64_t(u) * 22ul;
     RB16 p = RB16(b);

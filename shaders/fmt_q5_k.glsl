@@ -2,7 +2,6 @@
 // uint8 qs[128]; } = 176 bytes for 256 elements; sub-block j, element l: low 4 bits as Q4_K,
 // fifth bit = bit j of qh[l]; w = d * sc[j] * q - dmin * m[j].
 #include "kquant_scales.glsl"
-#define ROW_BYTES(I) (((I) / 256u) * 176u)
 void dec_unit(uint64_t row, uint u, out vec4 w[8]) {
     uint j = u & 7u;
     uint64_t b = row + uint64_t(u >> 3) * 176ul;

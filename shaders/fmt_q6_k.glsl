@@ -2,7 +2,6 @@
 // = 210 bytes for 256 elements. Element e: half h = e/128, c = (e%128)/32, l = e%32:
 // q = ((ql[h*64 + (c&1)*32 + l] >> 4*(c>>1)) & 15) | ((qh[h*32 + l] >> 2c) & 3) << 4, minus 32;
 // w = d * scales[e/16] * q.
-#define ROW_BYTES(I) (((I) / 256u) * 210u)
 void dec_unit(uint64_t row, uint u, out vec4 w[8]) {
     uint uu = u & 7u, h = uu >> 2, c = uu & 3u;
     uint64_t b = row + uint64_t(u >> 3) * 210ul;

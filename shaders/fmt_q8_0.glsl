@@ -1,6 +1,5 @@
 // Q8_0: ggml block_q8_0 (ggml-common.h): { f16 d; int8 qs[32]; } = 34 bytes; w = d * qs[j].
 // The block is 2-byte aligned: ten aligned words cover it.
-#define ROW_BYTES(I) (((I) / 32u) * 34u)
 void dec_unit(uint64_t row, uint u, out vec4 w[8]) {
     uint64_t b = row + uint64_t(u) * 34ul;
     RB32 p = RB32(b & ~3ul);

@@ -127,3 +127,43 @@ def test_never_lowers_when_the_device_finished_first():
         b.update(StepTimes(device_ms=0.9, device_rows=6, cpu_ms=1.0, cpu_rows=10, waited_ms=0.0, resident_rows=8))
     assert b.target is not None and b.target < 1.0
     assert b.share == 1.0
+
+
+def _latency_device_run(enabled: bool, steps: int = 1024, seed: int = 3):
+    """A simulated discrete GPU whose batch is mostly fixed latency (the H200 decode: 8 pairs a step, about
+    half resident; a batch is 0.25 ms of submit/fence latency that its timestamps do not show + 0.01 ms a
+    row; a join that finds the batch done still costs 0.015 ms). The CPU: 0.1 ms a row + 0.08 ms fixed.
+    Every resident expert is movable. Returns per step: handed rows, the CPU's time without hand-back, the
+    device's wall time with every resident row, and the step time."""
+    rng = np.random.default_rng(seed)
+    bal = Balancer(enabled=enabled)
+    out = {k: [] for k in ("handed", "cpu_base", "dev_wall_all", "step")}
+    for i in range(steps):
+        k = 8 if i == 0 else int(rng.binomial(8, 0.5))      # resident pairs (the first step: all, a probe)
+        if k == 0:
+            continue
+        keep = bal.keep(np.ones(k, np.int64), np.ones(k, bool))
+        d = int(keep.sum())
+        c = 8 - d
+        cpu = 0.08 + 0.1 * c
+        wall = 0.25 + 0.01 * d
+        waited = max(0.0, wall - cpu) + 0.015
+        out["handed"].append(k - d)
+        out["cpu_base"].append(0.08 + 0.1 * (8 - k))
+        out["dev_wall_all"].append(0.25 + 0.01 * k)
+        out["step"].append(max(cpu, wall) + 0.015)
+        bal.update(StepTimes(0.01 * d, d, cpu, c, waited, k))
+    return {key: np.asarray(v) for key, v in out.items()}, bal
+
+
+def test_never_hands_rows_to_a_cpu_that_is_the_longer_side_fixed_latency_device():
+    """H200 (docs/balancer.md): the balanced run handed rows to a CPU that was already the longer side and
+    lost 5-6 % to the tier. With a device whose batch is mostly fixed latency: no row goes to the CPU in a
+    step where the CPU, without it, already took longer than the device; and the balanced run is never
+    slower than the tier alone (share fixed at 1) on the same steps."""
+    on, bal = _latency_device_run(True)
+    off, _ = _latency_device_run(False)
+    cpu_longer = on["cpu_base"] >= on["dev_wall_all"]
+    assert cpu_longer.sum() > 500                          # most steps: the CPU is the longer side
+    assert int(on["handed"][cpu_longer].sum()) == 0
+    assert on["step"].sum() <= off["step"].sum() * 1.001

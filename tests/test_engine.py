@@ -169,7 +169,7 @@ def test_cli_perplexity_and_info(model_path, engine, tmp_path):
     p = model_path("smollm2")
     f = tmp_path / "t.txt"
     f.write_text(CAPITALS)
-    r = _cli("perplexity", "-m", str(p), "-f", str(f))
+    r = _cli("perplexity", "-m", str(p), "-f", str(f), "--all-tokens")
     assert r.returncode == 0, r.stderr
     nll = float(r.stdout.split("NLL ")[1].split()[0])
     eng = engine(p)
@@ -239,12 +239,15 @@ def test_cli_bench_bad_reps(model_path):
     assert r.returncode == 2 and "-r" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_device_runs_default_to_f32_activations(model_path):
-    """DESIGN invariant 2: a run with the device tier uses f32 activations on the CPU side unless told."""
+def test_device_runs_keep_the_cpus_default_activations(model_path):
+    """DESIGN invariant 2 (issue 7 item 4): a run with the device tier keeps the CPU's default activations
+    (int8 where VNNI) and the device rounds its own the same way (Device.act)."""
+    import cpu_kernels
     from coli.engine import Engine
 
     with Engine(FIXTURE_OLMOE, device="vulkan", save_usage=False) as eng:
-        assert eng.cpu_act == "f32"
+        assert eng.cpu_act == cpu_kernels.DEFAULT_ACT
+        assert eng.device is None or eng.device.act == eng.cpu_act
 
 
 def test_streamed_text_equals_the_decoded_text(model_path, engine):

@@ -1,7 +1,6 @@
-"""Every CPU weight format: the Numba GEMV and GEMM equal the NumPy reference (gguf.quants.dequantize, then
-x @ W.T in float64), and the int8-activation path equals an exact NumPy model of llama.cpp-style Q8 activation
-rounding. Test data: gguf.quants.quantize where it can (Q8_0, Q4_0, Q4_1, Q5_0, MXFP4, BF16), random valid blocks
-for the K-quants (gguf cannot quantize them), and rows of the real SmolLM2 / Gemma-3 / Qwen2.5 GGUF files."""
+"""The CPU registry beyond the per-format parity loops (those are tests/test_backend_ops.py): registry rows,
+the int8 activation rounding bit for bit, rows of the real SmolLM2 / Gemma-3 / Qwen2.5 GGUF files against
+gguf.quants.dequantize, bad inputs, memory accounting, VNNI detection and the VNNI GEMV against the fallback."""
 from __future__ import annotations
 
 import zlib
@@ -12,35 +11,13 @@ from gguf import GGMLQuantizationType as QT
 from gguf import quants as gq
 
 import cpu_kernels
+from coli import tensor_types as TT
 from cpu_kernels import formats as F
 from coli.errors import ColiError
 
-QUANTIZABLE = {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "MXFP4", "BF16"}
-
-
 def _random_raw(name: str, O: int, I: int, rng) -> np.ndarray:
-    """uint8 [O, row_bytes] of valid blocks of type `name`."""
-    fmt = F.FORMATS[name]
-    w = (rng.standard_normal((O, I)) * 0.5).astype(np.float32)
-    if name == "F32":
-        return w.view(np.uint8).reshape(O, -1)
-    if name == "F16":
-        return w.astype(np.float16).view(np.uint8).reshape(O, -1)
-    if name in QUANTIZABLE:
-        return np.ascontiguousarray(gq.quantize(w, fmt.qtype)).reshape(O, -1)
-    # K-quants: random codes and sub-block scales, small positive f16 super-block scales with sane exponents.
-    nb = I // 256
-    blocks = rng.integers(0, 256, (O, nb, fmt.type_size), dtype=np.uint8)
-
-    def f16(lo, hi):
-        return rng.uniform(lo, hi, (O, nb, 1)).astype(np.float16).view(np.uint8)
-
-    if name in ("Q4_K", "Q5_K"):
-        blocks[:, :, 0:2] = f16(1e-3, 2e-2)  # d
-        blocks[:, :, 2:4] = f16(1e-3, 2e-2)  # dmin
-    elif name == "Q6_K":
-        blocks[:, :, 208:210] = f16(1e-3, 2e-2)
-    return blocks.reshape(O, -1)
+    """uint8 [O, row_bytes] of valid blocks of type `name` (the shared generator of tests/test_backend_ops.py)."""
+    return TT.random_blocks(name, O, I, rng, 0.5)
 
 
 def _ref(name, raw, O, I):
@@ -65,64 +42,27 @@ def _q8_act_model(x: np.ndarray):
 
 
 SHAPES = {"block32": [(1, 64), (7, 96), (33, 320)], "block256": [(1, 512), (7, 256), (33, 768)],
-          "float": [(1, 40), (7, 96), (33, 70)]}
+          "float": [(1, 40), (7, 96), (33, 70)], "block128": [(1, 128), (7, 256), (33, 384)]}
 
 
 def _shapes(name):
     bs = F.FORMATS[name].block_size
-    return SHAPES["float" if bs == 1 else "block32" if bs == 32 else "block256"]
+    return SHAPES[{1: "float", 32: "block32", 128: "block128"}.get(bs, "block256")]
 
 
 @pytest.mark.parametrize("name", list(F.FORMATS))
 def test_registry_row(name):
     fmt = F.FORMATS[name]
-    assert fmt.name == name and fmt.qtype == QT[name]
+    assert fmt.name == name and fmt.shader == name.lower()
+    if fmt.qtype is None:  # coli's own type (FP8_E4M3_B128): in the table, marked so, with its own geometry
+        t = TT.get(name)
+        assert t.own and (t.block_size, t.type_size) == (fmt.block_size, fmt.type_size)
+        return
+    assert fmt.qtype == QT[name]
     assert gq.GGML_QUANT_SIZES[fmt.qtype] == (fmt.block_size, fmt.type_size)
-    assert fmt.shader == name.lower()
 
 
-@pytest.mark.parametrize("name", list(F.FORMATS))
-def test_f32_path_matches_reference(name):
-    rng = np.random.default_rng(zlib.crc32(name.encode()))
-    for O, I in _shapes(name):
-        raw = _random_raw(name, O, I, rng)
-        W = _ref(name, raw, O, I)
-        w = F.prepare(name, raw, (O, I))
-        for T in (1, 3, 17):
-            x = rng.standard_normal((T, I)).astype(np.float32)
-            got = F.matmul(w, x, act="f32")
-            assert got.shape == (T, O) and got.dtype == np.float32
-            _check(got, x.astype(np.float64) @ W.T, f"{name} O={O} I={I} T={T}")
-        # GEMV and GEMM called directly on the same rows agree with the reference too (T = 37: two activation
-        # blocks of the GEMM, 32 + 5, and a partial 4x4 tile).
-        x = rng.standard_normal((37, I)).astype(np.float32)
-        out = np.empty((37, O), np.float32)
-        w.gemm(*w.arrays, x, out)
-        _check(out, x.astype(np.float64) @ W.T, f"{name} GEMM T=37")
-        for t in range(37):
-            w.gemv(*w.arrays, x[t], out[t])
-        _check(out, x.astype(np.float64) @ W.T, f"{name} GEMV x37")
-
-
-@pytest.mark.parametrize("name", [n for n, f in F.FORMATS.items() if f.int8])
-def test_int8_path_matches_exact_model(name):
-    rng = np.random.default_rng(7 + zlib.crc32(name.encode()))
-    for O, I in _shapes(name):
-        raw = _random_raw(name, O, I, rng)
-        W = _ref(name, raw, O, I)
-        w = F.prepare(name, raw, (O, I))
-        for T in (1, 3, 17):
-            x = rng.standard_normal((T, I)).astype(np.float32)
-            x[0, :32] = 0.0  # an all-zero block: d = 0, codes 0
-            q, d = _q8_act_model(x)
-            xa = (q.reshape(T, -1, 32).astype(np.float64) * d[:, :, None]).reshape(T, I)
-            want = xa @ W.T
-            got = F.matmul(w, x, act="int8")
-            _check(got, want, f"{name} int8 O={O} I={I} T={T}")
-            # and the int8 rounding really happened: differs from the f32 path beyond float noise
-            if T == 17:
-                f32 = x.astype(np.float64) @ W.T
-                assert np.abs(want - f32).max() > 1e-4 * np.abs(f32).max()
+# Every format x GEMV/GEMM/expert x f32/int8 against the reference: tests/test_backend_ops.py.
 
 
 def test_int8_activation_quantization_is_bit_exact():
@@ -181,8 +121,8 @@ def test_real_rows(model, tname, tname_type):
 
 
 def test_unknown_type_and_bad_shapes():
-    with pytest.raises(ColiError, match="IQ2_XXS"):
-        F.prepare("IQ2_XXS", np.zeros((1, 66), np.uint8), (1, 256))
+    with pytest.raises(ColiError, match="Q8_1"):   # a GGUF type no weight uses (llama.cpp's activation blocks)
+        F.prepare("Q8_1", np.zeros((1, 40), np.uint8), (1, 32))
     with pytest.raises(ColiError, match="Q4_0"):
         F.prepare("Q4_0", np.zeros((2, 18), np.uint8), (2, 48))
     with pytest.raises(ColiError, match="Q8_0"):
@@ -205,9 +145,10 @@ def test_default_act_follows_vnni():
     from cpu_kernels import vnni
 
     assert cpu_kernels.DEFAULT_ACT == ("int8" if vnni.HAVE_VNNI else "f32")
-    # where VNNI exists, every int8-capable format has its integer-dot GEMV (no silent f32 stand-in)
+    # where VNNI exists, every int8-capable format has its integer-dot GEMV (no silent f32 stand-in) unless its
+    # row says why not (Format.no_i8)
     for f in F.FORMATS.values():
-        assert (f.gemv_i8 is not None) == (f.int8 and vnni.HAVE_VNNI), f.name
+        assert (f.gemv_i8 is not None) == (f.int8 and vnni.HAVE_VNNI and not f.no_i8), f.name
 
 
 def test_vnni_detection_matches_host():

@@ -1,4 +1,4 @@
-"""The tier's policy (scheduler/tier.py): budget rule, heat, warm-start plan, LFRU, rate, eviction vs in-flight
+"""The tier (scheduler/tier.py): experts per budget, heat decay, the warm start, LFRU, rate, eviction vs in-flight
 batches, failed uploads, the balancer's hand-back in split(), turning off.
 
 These tests exercise POLICY ONLY: the device is `RecordingDevice`, an in-test object that records the calls
@@ -12,9 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from coli.errors import ColiError
 from scheduler.balancer import Balancer
-from scheduler.tier import (GiB, DeviceMemory, Tier, budget_bytes, history_heat, warm_plan)
+from scheduler.tier import Tier
 
 EXPERT_BYTES = 3 * 4 * 8  # three [4, 8]-byte matrices
 
@@ -76,42 +75,10 @@ def make(cap=4, L=2, E=8, counts=None, env=None, bal=None, dev=None):
 
 # ---- budget ----------------------------------------------------------------------------------------------
 
-def test_budget_discrete_memory_budget_and_heap():
-    b, w = budget_bytes(DeviceMemory("d", "discrete", 16 * GiB, 8 * GiB), 0, 0, env={})
-    assert b == 7 * GiB and "discrete" in w and "8.00 GiB free" in w and "1 GiB reserve" in w
-    b, w = budget_bytes({"kind": "discrete_gpu", "heap_bytes": 16 * GiB}, 0, 0, env={})
-    assert b == 15 * GiB and "no VK_EXT_memory_budget" in w
-    b, _ = budget_bytes(DeviceMemory("d", "discrete", 16 * GiB, 8 * GiB), 0, 0,
-                        env={"COLI_VK_TIER_RESERVE_GB": "2"})
-    assert b == 6 * GiB
-    b, _ = budget_bytes(DeviceMemory("d", "discrete", 16 * GiB, GiB // 2), 0, 0, env={})
-    assert b == 0
 
 
-@pytest.mark.parametrize("kind", ["integrated", "cpu", "virtual"])
-def test_budget_shared_ram_quarter_rule(kind):
-    # (32 - 4 - 2) / 4 - 2 = 4.5 GiB
-    b, w = budget_bytes(DeviceMemory("i", kind, 64 * GiB), 4 * GiB, 2 * GiB, env={}, available=32 * GiB)
-    assert b == int(4.5 * GiB) and w.startswith("shared RAM: a quarter")
-    # never below 0: (10 - 1 - 1) / 4 - 2 = 0
-    b, _ = budget_bytes(DeviceMemory("i", kind, 64 * GiB), GiB, GiB, env={}, available=10 * GiB)
-    assert b == 0
-    b, _ = budget_bytes(DeviceMemory("i", kind, 64 * GiB), 8 * GiB, 8 * GiB, env={}, available=10 * GiB)
-    assert b == 0
 
 
-def test_budget_override_and_bad_values():
-    b, w = budget_bytes(DeviceMemory("d", "discrete", 16 * GiB, 8 * GiB), 0, 0, env={"COLI_VK_TIER_GB": "1.5"})
-    assert b == int(1.5 * GiB) and w == "COLI_VK_TIER_GB=1.5"
-    b, _ = budget_bytes(DeviceMemory("i", "integrated", 64 * GiB), 0, 0, env={"COLI_VK_TIER_GB": "0.25"},
-                        available=1 * GiB)
-    assert b == GiB // 4
-    b, w = budget_bytes(DeviceMemory("d", "discrete", 2 * GiB), 0, 0, env={"COLI_VK_TIER_GB": "5"})
-    assert b == 2 * GiB and "capped" in w
-    with pytest.raises(ColiError, match="COLI_VK_TIER_GB"):
-        budget_bytes(DeviceMemory("d", "discrete", 2 * GiB), 0, 0, env={"COLI_VK_TIER_GB": "lots"})
-    with pytest.raises(ColiError, match="COLI_VK_TIER_GB"):
-        budget_bytes(DeviceMemory("d", "discrete", 2 * GiB), 0, 0, env={"COLI_VK_TIER_GB": "-1"})
 
 
 def test_experts_per_budget_and_start_line():
@@ -127,9 +94,6 @@ def test_experts_per_budget_and_start_line():
 
 # ---- heat ------------------------------------------------------------------------------------------------
 
-def test_history_heat_seeds_32_and_proportion():
-    h = history_heat(np.array([[10, 5, 0, 1], [0, 0, 0, 0], [2, 8, 8, 4]]))
-    np.testing.assert_array_equal(h, [[32, 16, 0, 3.2], [0, 0, 0, 0], [8, 32, 32, 16]])
 
 
 def test_heat_halves_stepwise_at_1024_boundaries():
@@ -150,19 +114,6 @@ def test_heat_halves_stepwise_at_1024_boundaries():
 
 # ---- warm start ------------------------------------------------------------------------------------------
 
-def test_warm_plan_order_and_fill():
-    c = np.array([[5, 0, 9, 0, 0],
-                  [9, 0, 0, 1, 0],
-                  [0, 0, 0, 0, 0]])
-    plan, nh = warm_plan(c, 100)
-    # history hottest first, ties by layer then expert; then unnamed one per layer in turn, lowest id first
-    assert plan[:4] == [(0, 2), (1, 0), (0, 0), (1, 3)] and nh == 4
-    assert plan[4:10] == [(0, 1), (1, 1), (2, 0), (0, 3), (1, 2), (2, 1)]
-    assert len(plan) == 15 and len(set(plan)) == 15
-    plan, nh = warm_plan(c, 3)
-    assert plan == [(0, 2), (1, 0), (0, 0)] and nh == 3
-    plan, nh = warm_plan(c, 6, fill=False)
-    assert plan == [(0, 2), (1, 0), (0, 0), (1, 3)]
 
 
 def test_warm_start_reads_in_parallel_and_uploads_the_plan():

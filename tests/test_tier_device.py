@@ -1,6 +1,7 @@
 """The tier on a real device: Lavapipe through coli.vulkan.open_device, driven by coli.Engine on the MoE oracle
 fixtures (tests/fixtures/oracles, F32 experts). Issue #4 "Correctness": 32 greedy tokens equal to the CPU-only
-run and logits within 1e-4 of the largest at every position (f32 activations on both sides), with the
+run and logits within 1e-4 of the largest at every position (f32 activations on both sides; int8 on both
+sides with Q8_0 copies of the fixtures), with the
 balancer on and off, with a budget of a few experts (evictions), after a warm start from a history, with the
 device lost mid-run (COLI_VK_FAULT), both sides computing pairs in one step, and reproducible mode
 (COLI_VK_TIER_SYNC=1, --no-balance) giving identical logits bytes. Skipped where no Vulkan device opens."""
@@ -133,3 +134,72 @@ def test_trace_of_a_tier_run(lavapipe, tmp_path, monkeypatch):
     assert sum(e["dur"] for e in dev) == pytest.approx(tier.device_ms * 1e3, rel=1e-3)
     s = summarize(evs)
     assert 0.0 <= s["hidden_pct"] <= 100.0
+
+
+def quantized_copy(name, dest, qtype="Q8_0"):
+    """The oracle fixture ``name`` with its routed experts (``ffn_*_exps``) quantized to ``qtype`` by
+    gguf.quants (every other tensor and key as is): a MoE whose experts take the int8 path."""
+    import gguf
+    src = gguf.GGUFReader(FIX / f"{name}.gguf")
+    arch = src.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(dest), arch)
+    for f in src.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        vt = gguf.GGUFValueType(f.types[0])
+        sub = gguf.GGUFValueType(f.types[-1]) if vt == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(f.name, f.contents(), vt, sub_type=sub)
+    qt = gguf.GGMLQuantizationType[qtype]
+    for t in src.tensors:
+        data = np.asarray(t.data)
+        if "_exps." in t.name:
+            w.add_tensor(t.name, gguf.quants.quantize(data.astype(np.float32), qt), raw_dtype=qt)
+        else:
+            w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dest
+
+
+def run_q(path, tmp_path, act, device=None, balance=None):
+    from coli.engine import Engine
+    eng = Engine(path, threads=1, save_usage=False, quiet=True, cpu_act=act, usage=str(tmp_path / "none.coli_usage"),
+                 device=device, balance=balance)
+    try:
+        ids = list(eng.generate(ids=PROMPT, max_tokens=N, temp=0.0).ids)
+        lg = eng.logits(PROMPT + ids[:-1])
+        return ids, lg, eng.tier, (eng.device.act if eng.device is not None else None)
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("name", ["olmoe", "qwen2moe"])
+def test_int8_tier_tokens_equal_cpu_int8(lavapipe, tmp_path, name):
+    """Q8_0 experts, int8 activations on both sides (the CPU's default where it has VNNI): the tier's tokens
+    (balanced and not) equal the CPU-only int8 run's, and its logits stay within 1e-4 of the largest (the
+    sides differ in summation order, and a SwiGLU output at a rounding boundary can round to the next
+    int8 code), closer to the int8 run's than the f32 run's are."""
+    path = quantized_copy(name, tmp_path / f"{name}-q8.gguf")
+    cpu8 = run_q(path, tmp_path, "int8")
+    cpu32 = run_q(path, tmp_path, "f32")
+    for balance in (False, True):
+        ids, lg, tier, act = run_q(path, tmp_path, "int8", device="vulkan", balance=balance)
+        assert act == "int8" and tier is not None and tier.on and tier.device_pairs > 0
+        assert ids == cpu8[0]
+        scale = np.abs(cpu8[1]).max(axis=1)
+        err = (np.abs(lg - cpu8[1]).max(axis=1) / scale).max()
+        err32 = (np.abs(cpu32[1] - cpu8[1]).max(axis=1) / scale).max()
+        assert err <= 1e-4 and err < err32, (err, err32)
+
+
+def test_device_run_keeps_the_cpus_default_act(lavapipe, tmp_path):
+    import cpu_kernels
+    from coli.engine import Engine
+    eng = Engine(FIX / "olmoe.gguf", threads=1, save_usage=False, quiet=True, usage=str(tmp_path / "u"),
+                 device="vulkan")
+    try:
+        assert eng.cpu_act == cpu_kernels.DEFAULT_ACT and eng.device.act == eng.cpu_act
+    finally:
+        eng.close()

@@ -91,3 +91,22 @@ def test_trace_summary_script(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "trace_summary.py"), str(bad)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "bad.json" in r.stderr
+
+
+def test_cpu_only_run_records_disk_reads(tmp_path):
+    """--trace without a device: the RAM cache's disk reads are recorded (one "disk" event per expert load,
+    the cache's own counter is the oracle)."""
+    from coli.engine import Engine
+    fix = Path(__file__).parent / "fixtures" / "oracles" / "olmoe.gguf"
+    p = tmp_path / "cpu.json"
+    eng = Engine(fix, threads=1, save_usage=False, quiet=True, usage=str(tmp_path / "none.coli_usage"),
+                 trace=str(p))
+    try:
+        eng.generate(ids=[1, 2, 3, 4], max_tokens=4, temp=0.0)
+        loads = eng.cache.loads
+    finally:
+        eng.close()
+    evs = json.loads(p.read_text())
+    disk = [e for e in evs if e.get("cat") == "disk"]
+    assert eng.tier is None and loads > 0 and len(disk) == loads
+    assert all(e["name"] == f"read L{e['args']['layer']} E{e['args']['expert']}" for e in disk)

@@ -57,10 +57,13 @@ def test_other_models_kept_and_mismatch_ignored(model, tmp_path, capsys):
     assert not c.loaded and "does not match" in capsys.readouterr().err
 
 
-def test_corrupt_file_is_a_note(model, capsys):
+def test_corrupt_file_is_moved_aside_with_a_note(model, capsys):
+    """A default-place file coli did not write is renamed aside (never replaced), with a note saying where."""
     (model.parent / ".coli_usage").write_text("{not json")
     u = U.Usage.open(model, 2, 2)
-    assert not u.loaded and "unreadable" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert not u.loaded and "not a coli routing history" in err and ".coli_usage.not-history-1" in err
+    assert (model.parent / ".coli_usage.not-history-1").read_text() == "{not json"
 
 
 def test_read_only_folder_goes_to_cache(tmp_path, monkeypatch):

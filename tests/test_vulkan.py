@@ -1,5 +1,6 @@
-"""Vulkan backend on whatever device the loader finds (Lavapipe in CI): kernels of every format against
-gguf.quants' NumPy dequantizers, the expert batch against a NumPy expert, memory, budget, faults."""
+"""Vulkan backend on whatever device the loader finds (Lavapipe in CI): row independence, experts of mixed
+formats against a NumPy expert, memory, budget, faults. Every format x op against gguf.quants' NumPy
+dequantizers: tests/test_backend_ops.py."""
 from __future__ import annotations
 
 import zlib
@@ -7,7 +8,7 @@ import zlib
 import numpy as np
 import pytest
 
-from tests.vk_util import (ALL_FORMATS, block_elems, make_expert, make_weight, numpy_expert, rel_err,
+from tests.vk_util import (block_elems, make_expert, make_weight, numpy_expert, rel_err,
                            requires_vulkan)
 
 pytestmark = requires_vulkan
@@ -28,21 +29,7 @@ def _inner(t):
     return 3 * block_elems(t) if block_elems(t) == 256 else 5 * 32
 
 
-@pytest.mark.parametrize("fmt", ALL_FORMATS)
-def test_matmul_every_format_and_row_count(dev, fmt):
-    rng = np.random.default_rng(zlib.crc32(fmt.encode()))
-    O, I = 70, _inner(fmt)
-    raw, w = make_weight(fmt, O, I, rng)
-    for rows in (1, 3, 15, 16, 33):
-        x = rng.standard_normal((rows, I)).astype(np.float32)
-        d0 = dev.dispatches
-        y = dev.matmul(fmt, raw, (O, I), x)
-        assert dev.dispatches > d0
-        assert y.shape == (rows, O) and y.dtype == np.float32
-        err = rel_err(y, x.astype(np.float64) @ w.T.astype(np.float64))
-        assert err < TOL, f"{fmt} rows={rows}: {err:.2e}"
-
-
+# Every format x GEMV/GEMM/expert batch against the reference: tests/test_backend_ops.py.
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_K", "MXFP4", "F16"])
 def test_row_result_independent_of_rows_sharing_the_gemv(dev, fmt):
     rng = np.random.default_rng(7)
@@ -62,8 +49,8 @@ def _route(R, E, K, rng):
     return np.stack([rng.choice(E, K, replace=False) for _ in range(R)])
 
 
-@pytest.mark.parametrize("fmt_gu,fmt_d", [(f, f) for f in ALL_FORMATS] + [("Q4_K", "Q6_K"), ("Q8_0", "Q5_0")])
-def test_expert_batch_every_format(dev, fmt_gu, fmt_d):
+@pytest.mark.parametrize("fmt_gu,fmt_d", [("Q4_K", "Q6_K"), ("Q8_0", "Q5_0"), ("IQ4_XS", "Q3_K")])
+def test_expert_batch_mixed_formats(dev, fmt_gu, fmt_d):
     rng = np.random.default_rng(zlib.crc32((fmt_gu + fmt_d).encode()))
     big = block_elems(fmt_gu) == 256 or block_elems(fmt_d) == 256
     D, F = (256, 256) if big else (64, 96)
@@ -215,10 +202,12 @@ def test_budget_rules(monkeypatch):
     try:
         if d.type_name in ("integrated", "cpu"):
             class VM:
-                available = 40 * GiB
+                available = 14 * GiB
             monkeypatch.setattr(psutil, "virtual_memory", lambda: VM)
-            d2 = open_device("budget", ram_cache_bytes=6 * GiB, dense_bytes=2 * GiB, quiet=True)
-            assert d2.budget_bytes == (40 - 6 - 2) * GiB // 4 - 2 * GiB      # 6 GiB
+            # the tier's rule (scheduler.tier_policy.budget_bytes), capped at the device's heap
+            d2 = open_device("budget", ram_cache_bytes=2 * GiB, dense_bytes=2 * GiB, quiet=True)
+            assert d2.budget_bytes == (14 - 2 - 2) * GiB // 4 - 2 * GiB      # 0.5 GiB
+            assert d2.budget_rule.startswith("shared RAM: a quarter")
             d2.close()
             VM.available = 9 * GiB
             d3 = open_device("budget", ram_cache_bytes=2 * GiB, quiet=True)
@@ -226,7 +215,7 @@ def test_budget_rules(monkeypatch):
             d3.close()
         monkeypatch.setenv("COLI_VK_TIER_GB", "1.5")
         d4 = open_device("budget", quiet=True)
-        assert d4.budget_bytes == int(1.5 * GiB) and d4.budget_rule == "COLI_VK_TIER_GB"
+        assert d4.budget_bytes == int(1.5 * GiB) and d4.budget_rule.startswith("COLI_VK_TIER_GB=1.5")
         spec, w = make_expert("Q8_0", "Q8_0", 64, 32, np.random.default_rng(0))
         h = d4.upload_expert(*spec)
         x = np.ones((1, 64), np.float32)

@@ -5,8 +5,8 @@ import ctypes
 
 import numpy as np
 import pytest
-from gguf import quants as Q
-from gguf.constants import GGMLQuantizationType as GT
+
+from coli import tensor_types as TT
 
 
 def _have_loader() -> bool:
@@ -23,43 +23,17 @@ HAVE_LOADER = _have_loader()
 requires_vulkan = pytest.mark.skipif(not HAVE_LOADER, reason="libvulkan.so.1 not found "
                                      "(apt install libvulkan1 mesa-vulkan-drivers to run the Vulkan tests)")
 
-ALL_FORMATS = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4"]
-KQUANTS = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
-
-
 def block_elems(type_name: str) -> int:
-    return 256 if type_name in KQUANTS else 32
+    """Weights per block of the type, at least 32 (the device's unit)."""
+    return max(32, TT.get(type_name).block_size)
 
 
 def make_weight(type_name: str, O: int, I: int, rng: np.random.Generator, scale: float = 1.0):
-    """Random GGUF bytes of one [O, I] matrix: (raw uint8 [O, row_bytes], dequantized f32 [O, I]).
-
-    Formats gguf can quantize are quantized from normal floats with gguf.quants.quantize; K-quants
-    (which gguf cannot quantize) are random block bytes with finite f16 super-block scales. The
-    reference is always gguf.quants.dequantize of the same bytes.
-    """
-    qt = GT[type_name]
-    if type_name in KQUANTS:
-        bb = KQUANTS[type_name]
-        nb = O * I // 256
-        raw = rng.integers(0, 256, size=(nb, bb), dtype=np.uint8)
-        d = (rng.uniform(0.002, 0.02, size=nb) * scale).astype(np.float16).view(np.uint8).reshape(nb, 2)
-        if type_name == "Q6_K":
-            raw[:, 208:210] = d
-        else:
-            dmin = (rng.uniform(0.0, 0.01, size=nb) * scale).astype(np.float16).view(np.uint8).reshape(nb, 2)
-            raw[:, 0:2], raw[:, 2:4] = d, dmin
-        raw = raw.reshape(O, -1)
-    else:
-        w = (rng.standard_normal((O, I)) * scale).astype(np.float32)
-        if type_name == "F32":
-            raw = w.view(np.uint8).reshape(O, -1)
-        elif type_name == "F16":
-            raw = w.astype(np.float16).view(np.uint8).reshape(O, -1)
-        else:
-            raw = np.asarray(Q.quantize(w, qt)).view(np.uint8).reshape(O, -1)
-    deq = np.asarray(Q.dequantize(raw, qt), dtype=np.float32).reshape(O, I)
-    return np.ascontiguousarray(raw), deq
+    """GGUF bytes of one [O, I] matrix from the shared generator ``coli.tensor_types.random_blocks`` (real
+    gguf.quants blocks where gguf can quantize the type, random valid blocks elsewhere):
+    (raw uint8 [O, row_bytes], the table's reference decoding f32 [O, I])."""
+    raw = TT.random_blocks(type_name, O, I, rng, scale)
+    return raw, TT.get(type_name).reference(raw, (O, I))
 
 
 def make_expert(fmt_gu: str, fmt_d: str, D: int, F: int, rng, scale: float = 0.3):

@@ -16,7 +16,9 @@ __all__ = ["open_device", "wanted", "DeviceLost", "VulkanError", "BudgetExceeded
 
 def wanted(device_flag: str | None = None) -> bool:
     """True when a device is asked for: ``--device vulkan`` or ``COLI_VULKAN=1``."""
-    return device_flag == "vulkan" or os.environ.get("COLI_VULKAN", "") == "1"
+    from coli.settings import get
+
+    return device_flag == "vulkan" or get("COLI_VULKAN")
 
 
 class _FFIProxy:
@@ -34,7 +36,9 @@ class _FFIProxy:
 
 def _load_binding():
     """Import the ``vulkan`` binding; ``COLI_VK_LOADER`` names another loader library to open."""
-    loader = os.environ.get("COLI_VK_LOADER")
+    from coli.settings import get
+
+    loader = get("COLI_VK_LOADER")
     if loader and "vulkan" not in sys.modules:
         import ctypes
         import importlib.util
@@ -61,9 +65,9 @@ def open_device(label: str, *, ram_cache_bytes: int = 0, dense_bytes: int = 0, b
                 quiet: bool = False):
     """Open the Vulkan device for ``label`` (the model's name); ``Device`` or None.
 
-    ram_cache_bytes / dense_bytes: what the RAM expert cache may still take and the dense weights still
-    to be placed (the budget rule, docs/vulkan.md). budget_bytes overrides every rule (COLI_VK_TIER_GB
-    does from the environment). block_bytes: device-memory block size (256 MiB). staging: force the
+    ram_cache_bytes / dense_bytes: the RAM expert cache's configured size and the dense weights' bytes
+    (the tier's budget rule, scheduler.tier_policy.budget_bytes; docs/vulkan.md). budget_bytes overrides
+    the rule (COLI_VK_TIER_GB does from the environment, within the rule). block_bytes: device-memory block size (256 MiB). staging: force the
     staging path (COLI_VK_STAGING=1). device_index: like COLI_VK_DEV. On success prints
     ``[VK] <label>: <device line>`` unless quiet; on failure prints ``[VK] <label>: <why>, running on
     the CPU`` and returns None (never raises).

@@ -24,6 +24,9 @@ import time
 import numpy as np
 import vulkan as vk
 
+from coli import iq_tables
+from coli import tensor_types as TT
+
 from . import shaders as S
 from .alloc import BlockAllocator
 from .errors import BudgetExceeded, DeviceLost, VulkanError
@@ -49,11 +52,6 @@ _TIMEOUT, _NOT_READY = 2, 1
 _TYPE_NAMES = {0: "other", 1: "integrated", 2: "discrete", 3: "virtual", 4: "cpu"}
 _TYPE_RANK = {2: 0, 1: 1, 3: 2, 4: 3, 0: 4}       # discrete > integrated > virtual > CPU
 
-# GGUF block geometry: type -> (elements per block, bytes per block) (ggml-common.h)
-BLOCKS = {
-    "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20),
-    "Q5_0": (32, 22), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "MXFP4": (32, 17),
-}
 MAXR = 4           # rows a GEMV group holds (shaders/gemv.comp): larger GEMV groups go in chunks
 GEMM_BM, GEMM_BN = 64, 32
 _PC_WORDS = 9      # push constants (shaders/common.glsl)
@@ -68,13 +66,18 @@ def _chk(res: int, what: str) -> None:
 
 
 def _env_int(name: str, default: int) -> int:
-    v = os.environ.get(name)
-    return default if v in (None, "") else int(v)
+    """``COLI_*`` integer through coli.settings (one parser, errors naming the variable)."""
+    from coli.settings import get
+
+    v = get(name)
+    return default if v is None else int(v)
 
 
 def _env_float(name: str, default: float | None) -> float | None:
-    v = os.environ.get(name)
-    return default if v in (None, "") else float(v)
+    from coli.settings import get
+
+    v = get(name)
+    return default if v is None else float(v)
 
 
 def _s(st):
@@ -87,9 +90,38 @@ def _addr6(h) -> tuple:
 
 
 def row_bytes(type_name: str, inner: int) -> int:
-    """Bytes of one row of ``inner`` elements in GGUF format ``type_name``."""
-    qk, bb = BLOCKS[type_name]
-    return inner // qk * bb
+    """Bytes of one row of ``inner`` elements in GGUF format ``type_name`` (geometry: ``coli.tensor_types``)."""
+    t = TT.get(type_name)
+    return inner // t.block_size * t.type_size
+
+
+def _int8_format(type_name: str) -> bool:
+    """Whether the CPU multiplies this weight format with int8 activations in its int8 mode (its format
+    registry's ``int8`` flag: every quantized format; F32/F16/BF16 always take f32)."""
+    from cpu_kernels.formats import FORMATS as CPU_FORMATS
+    f = CPU_FORMATS.get(type_name)
+    return bool(f is not None and f.int8)
+
+
+def _pack_rows_int8(x: np.ndarray) -> np.ndarray:
+    """x f32 [R, D] as gemv_i8.glsl's packed int8 rows (f32 [R, D] of raw words): per block of 32, words 0-7
+    the codes of the CPU's ``quantize_act_int8`` (element 4k in the low byte of word k), word 8 its f32 d."""
+    from cpu_kernels.formats import quantize_act_int8
+    q, d = quantize_act_int8(x)
+    R, D = x.shape
+    p = np.zeros((R, D // 32, 32), np.uint32)
+    p[:, :, :8] = np.ascontiguousarray(q).view(np.uint32).reshape(R, D // 32, 8)
+    p[:, :, 8] = d.view(np.uint32)
+    return p.view(np.float32).reshape(R, D)
+
+
+def _round_rows_int8(x: np.ndarray) -> np.ndarray:
+    """x f32 [R, D] rounded per 32 with the CPU's ``quantize_act_int8``: ``q * d`` in f32 (the values the
+    CPU's int8 path multiplies; bit for bit its ``_round_act_int8``)."""
+    from cpu_kernels.formats import quantize_act_int8
+    q, d = quantize_act_int8(x)
+    R, D = x.shape
+    return (q.astype(np.float32).reshape(R, D // 32, 32) * d[:, :, None]).reshape(R, D)
 
 
 class _Tensor:
@@ -231,12 +263,12 @@ class _Frame:
     def _write_sets(self):
         b = self.bufs
         binds = [("x", "x", "tab", "h", "h", "y"), ("x", "x", "tab", "x", "x", "y")]
-        infos = ffi.new("VkDescriptorBufferInfo[12]")
-        writes = ffi.new("VkWriteDescriptorSet[12]")
+        infos = ffi.new("VkDescriptorBufferInfo[14]")
+        writes = ffi.new("VkWriteDescriptorSet[14]")
         for si in range(2):
-            for j, name in enumerate(binds[si]):
-                k = si * 6 + j
-                infos[k].buffer = b[name].buffer
+            for j, name in enumerate(binds[si] + ("iq",)):
+                k = si * 7 + j
+                infos[k].buffer = self.dev._iq_grids.buffer if name == "iq" else b[name].buffer
                 infos[k].offset = 0
                 infos[k].range = (1 << 64) - 1  # VK_WHOLE_SIZE
                 w = writes[k]
@@ -246,7 +278,7 @@ class _Frame:
                 w.descriptorCount = 1
                 w.descriptorType = vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER
                 w.pBufferInfo = infos + k
-        lib.vkUpdateDescriptorSets(self.dev._dev, 12, writes, 0, ffi.NULL)
+        lib.vkUpdateDescriptorSets(self.dev._dev, 14, writes, 0, ffi.NULL)
 
     def destroy(self):
         d = self.dev._dev
@@ -340,6 +372,13 @@ class Device:
         self.matmuls = 0
         self.submits = 0
         self.lost: str | None = None
+        # activation numerics of the expert batch: "f32", or "int8" (the CPU's int8 activations: rows rounded
+        # per 32 as cpu_kernels.formats.quantize_act_int8 before every product with a quantized weight; the
+        # engine sets it to its cpu_act, so both sides of a placement multiply the same numbers)
+        self.act = "f32"
+        # int8 activations with Q8_0 experts in GEMV groups: integer dot products (COLI_VK_I8=0: the f32 GEMV
+        # on rounded activations instead; same numbers, another summation)
+        self.i8 = _env_int("COLI_VK_I8", 1) != 0
         self._fault_at = _env_int("COLI_VK_FAULT", 0)
         self.gemm_rows = _env_int("COLI_VK_TIER_GEMM_ROWS", 16)
         self._timeout_ns = int(_env_float("COLI_VK_TIMEOUT_S", 60.0) * 1e9)
@@ -438,7 +477,16 @@ class Device:
         f11.pNext = f12
         if have_sgc:
             f12.pNext = fsc
+        # VK_KHR_shader_integer_dot_product (core in 1.3): the int8-activation GEMV's OpSDot
+        fdp = _s("VkPhysicalDeviceShaderIntegerDotProductFeatures")
+        fdp.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_INTEGER_DOT_PRODUCT_FEATURES
+        have_dp = api >= v13 or "VK_KHR_shader_integer_dot_product" in exts
+        if have_dp:
+            (fsc if have_sgc else f12).pNext = fdp
         lib.vkGetPhysicalDeviceFeatures2(pd, f2)
+        #: True when the device's integer dot product (shaderIntegerDotProduct) is on: the int8 GEMV uses it
+        self.int_dot = bool(have_dp and fdp.shaderIntegerDotProduct) and _env_int("COLI_VK_INT_DOT", 1) != 0
+        self.i8_kernel = "gemv_i8dot" if self.int_dot else "gemv_i8emu"
         missing = [nm for nm, ok in (("shaderInt64", f2.features.shaderInt64),
                                      ("storageBuffer16BitAccess", f11.storageBuffer16BitAccess),
                                      ("storageBuffer8BitAccess", f12.storageBuffer8BitAccess),
@@ -490,7 +538,14 @@ class Device:
             esc.subgroupSizeControl = 1
             esc.computeFullSubgroups = 1 if full_sg else 0
             e12.pNext = esc
+        edp = _s("VkPhysicalDeviceShaderIntegerDotProductFeatures")
+        edp.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_INTEGER_DOT_PRODUCT_FEATURES
+        if self.int_dot:
+            edp.shaderIntegerDotProduct = 1
+            (esc if self.subgroup_pinned else e12).pNext = edp
         want_ext = []
+        if self.int_dot and api < v13:
+            want_ext.append("VK_KHR_shader_integer_dot_product")
         if self.subgroup_pinned and api < v13:
             want_ext.append("VK_EXT_subgroup_size_control")
         self.memory_budget_ext = "VK_EXT_memory_budget" in exts
@@ -536,9 +591,11 @@ class Device:
         mapped = [t for t, (fl, h) in enumerate(self._mtypes)
                   if fl & _MEM_DEVICE_LOCAL and fl & _MEM_HOST_VISIBLE and fl & _MEM_HOST_COHERENT]
         mapped_ok = any(self.heaps[self._mtypes[t][1]][0] * 4 >= self.heaps[big][0] for t in mapped)
-        env_st = os.environ.get("COLI_VK_STAGING")
+        from coli.settings import get
+
+        env_st = get("COLI_VK_STAGING")
         if staging is None:
-            staging = (env_st == "1") if env_st not in (None, "") else not mapped_ok
+            staging = env_st if env_st is not None else not mapped_ok
         self.staging = bool(staging)
         if self.staging:
             self._w_req, self._w_pref = _MEM_DEVICE_LOCAL, 0
@@ -571,19 +628,34 @@ class Device:
         w_heap = self._mtypes[self._w_type][1]
         # free bytes of the weights' heap by VK_EXT_memory_budget (None without it)
         self.budget_free = heap_free[w_heap] if self.memory_budget_ext else None
-        self.budget_bytes, self.budget_rule = self._budget(budget_bytes, ram_cache_bytes, dense_bytes,
-                                                           heap_free[w_heap])
+        if budget_bytes is not None:
+            self.budget_bytes, self.budget_rule = int(budget_bytes), "given by the caller"
+        else:       # the tier's rule, the only one (docs/tier.md "budget")
+            from scheduler.tier_policy import DeviceMemory, budget_bytes as policy_budget
+            mem = DeviceMemory(self.name, self.type_name, self.heaps[w_heap][0], self.budget_free)
+            self.budget_bytes, self.budget_rule = policy_budget(mem, ram_cache_bytes, dense_bytes)
 
         # pipeline objects
         self._make_layouts()
+        # binding 6: the i-quant grids (coli/iq_tables.py, read by shaders/fmt_iq*.glsl), uploaded once
+        words, _ = iq_tables.device_grids()
+        self._iq_grids = _Buf(self, words.nbytes, _USAGE_STORAGE, _MEM_HOST_VISIBLE | _MEM_HOST_COHERENT,
+                              _MEM_DEVICE_LOCAL)
+        self._iq_grids.view[:] = words.view(np.uint8)
         for (k, t), code in spv.items():
+            if k == "gemv_i8dot" and not self.int_dot:
+                continue                    # its OpSDot needs the feature
             smci = _s("VkShaderModuleCreateInfo")
             smci.sType = vk.VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO
             smci.codeSize = len(code)
             buf = ffi.from_buffer("uint32_t[]", code)
             smci.pCode = buf
             pm = ffi.new("VkShaderModule*")
-            _chk(lib.vkCreateShaderModule(self._dev, smci, ffi.NULL, pm), f"vkCreateShaderModule({k}_{t})")
+            r = lib.vkCreateShaderModule(self._dev, smci, ffi.NULL, pm)
+            if r != 0 and k == "gemv_i8dot":    # the driver refuses OpSDot: the emulated kernel instead
+                self.int_dot, self.i8_kernel = False, "gemv_i8emu"
+                continue
+            _chk(r, f"vkCreateShaderModule({k}_{t})")
             self._modules[(k, t)] = pm[0]
         # GEMV: a workgroup of 4 subgroups (at least 32 lanes), one output row per subgroup
         self.gemv_wg = max(32, min(256, 4 * self.subgroup_size))
@@ -603,22 +675,6 @@ class Device:
         lib.vkEnumerateDeviceExtensionProperties(self._pd, ffi.NULL, n, arr)
         return {ffi.string(arr[i].extensionName).decode() for i in range(n[0])}
 
-    def _budget(self, explicit, ram_cache_bytes, dense_bytes, heap_free):
-        gb = _env_float("COLI_VK_TIER_GB", None)
-        if explicit is not None:
-            return int(explicit), "given by the caller"
-        if gb is not None:
-            return max(0, int(gb * GiB)), "COLI_VK_TIER_GB"
-        if self.type_name in ("integrated", "cpu"):
-            import psutil
-            avail = psutil.virtual_memory().available
-            b = max(0, (avail - ram_cache_bytes - dense_bytes) // 4 - 2 * GiB)
-            return int(b), "shared RAM: a quarter of what the RAM cache and dense weights leave, less 2 GiB"
-        reserve = int(_env_float("COLI_VK_TIER_RESERVE_GB", 1.0) * GiB)
-        b = max(0, heap_free - reserve - dense_bytes)
-        src = "VK_EXT_memory_budget" if self.memory_budget_ext else "heap size"
-        return int(b), f"{src} less {reserve / GiB:g} GiB reserve and the dense weights"
-
     def _pick_type(self, bits: int, req: int, pref: int) -> int:
         ok = [t for t, (fl, h) in enumerate(self._mtypes) if bits >> t & 1 and fl & req == req]
         if not ok:
@@ -629,15 +685,15 @@ class Device:
 
     def _make_layouts(self):
         d = self._dev
-        b = ffi.new("VkDescriptorSetLayoutBinding[6]")
-        for j in range(6):
+        b = ffi.new("VkDescriptorSetLayoutBinding[7]")
+        for j in range(7):
             b[j].binding = j
             b[j].descriptorType = vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER
             b[j].descriptorCount = 1
             b[j].stageFlags = _STAGE_COMPUTE
         lci = _s("VkDescriptorSetLayoutCreateInfo")
         lci.sType = vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_LAYOUT_CREATE_INFO
-        lci.bindingCount = 6
+        lci.bindingCount = 7
         lci.pBindings = b
         p = ffi.new("VkDescriptorSetLayout*")
         _chk(lib.vkCreateDescriptorSetLayout(d, lci, ffi.NULL, p), "vkCreateDescriptorSetLayout")
@@ -658,7 +714,7 @@ class Device:
         self._layout = pl[0]
         ps = ffi.new("VkDescriptorPoolSize[1]")
         ps[0].type = vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER
-        ps[0].descriptorCount = 6 * 2 * 64
+        ps[0].descriptorCount = 7 * 2 * 64
         dpci = _s("VkDescriptorPoolCreateInfo")
         dpci.sType = vk.VK_STRUCTURE_TYPE_DESCRIPTOR_POOL_CREATE_INFO
         dpci.maxSets = 2 * 64
@@ -676,11 +732,20 @@ class Device:
         self._cmd_pool = pc[0]
 
     def _pipeline(self, kernel: str, type_name: str, mode: int):
+        if kernel == "gemv_i8dot":
+            try:
+                return self._make_pipeline(kernel, type_name, mode)
+            except VulkanError:      # the driver refuses the OpSDot pipeline: the emulated kernel from now on
+                self.int_dot, self.i8_kernel = False, "gemv_i8emu"
+                kernel = "gemv_i8emu"
+        return self._make_pipeline(kernel, type_name, mode)
+
+    def _make_pipeline(self, kernel: str, type_name: str, mode: int):
         key = (kernel, type_name, mode)
         p = self._pipes.get(key)
         if p is not None:
             return p
-        if kernel == "gemv":
+        if kernel.startswith("gemv"):
             vals = [self.gemv_wg, self.gemv_rows, mode, self.gemv_chunk]
             ids = [0, 1, 2, 3]
         else:
@@ -706,7 +771,7 @@ class Device:
         cpi.stage.pName = name
         cpi.stage.pSpecializationInfo = si
         rss = _s("VkPipelineShaderStageRequiredSubgroupSizeCreateInfo")
-        if kernel == "gemv" and self.subgroup_pinned:
+        if kernel.startswith("gemv") and self.subgroup_pinned:
             rss.sType = vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_REQUIRED_SUBGROUP_SIZE_CREATE_INFO
             rss.requiredSubgroupSize = self.subgroup_size
             cpi.stage.pNext = rss
@@ -748,9 +813,9 @@ class Device:
 
     def _place(self, type_name: str, raw: np.ndarray, shape) -> _Tensor:
         O, I = (int(shape[0]), int(shape[1]))
-        if type_name not in BLOCKS:
+        if type_name not in S.FORMATS:
             raise ValueError(f"weight format {type_name} has no device kernel")
-        qk = max(BLOCKS[type_name][0], 32)
+        qk = max(TT.get(type_name).block_size, 32)
         if I % qk:
             raise ValueError(f"{type_name}: inner size {I} is not a multiple of {qk} (device kernels need it)")
         rb = row_bytes(type_name, I)
@@ -928,14 +993,23 @@ class Device:
     def _release(self, f: _Frame):
         self._frames_free.append(f)
 
-    def submit_experts(self, x: np.ndarray, pair_rows, pair_handles, clamp: float | None = None) -> Batch:
+    def submit_experts(self, x: np.ndarray, pair_rows, pair_handles, clamp: float | None = None,
+                       act: str | None = None) -> Batch:
         """Run every (row, expert) pair of one MoE step in ONE command buffer; returns without waiting.
 
         x: f32 [R, D]; pair_rows: int [P] (rows of x); pair_handles: P ExpertHandles (one layer: same D, F).
         Per pair: h = SwiGLU(x[row] @ gate.T, x[row] @ up.T) (clamped: gate <= clamp, |up| <= clamp,
         clamp > 0), out = h @ down.T. ``Batch.join()`` gives f32 [P, D], unweighted, in pair order.
+        ``act`` (default ``self.act``): "int8" rounds x (on the host, with the CPU's own
+        ``quantize_act_int8``) before a quantized gate/up and h (on the device, shaders/act_q8.comp) before
+        a quantized down, per block of 32 as the CPU's int8 path does (docs/vulkan.md "int8 activations");
+        F32/F16/BF16 weights always take f32 activations, as on the CPU. ValueError for another act, or for
+        a batch whose gate formats disagree on that.
         """
         self._check_alive()
+        act = self.act if act is None else act
+        if act not in ("f32", "int8"):
+            raise ValueError(f"act {act!r}: expected 'f32' or 'int8'")
         x = np.ascontiguousarray(x, dtype=np.float32)
         rows = np.asarray(pair_rows, dtype=np.int64).reshape(-1)
         P = rows.size
@@ -981,16 +1055,39 @@ class Device:
             starts = np.flatnonzero(np.r_[True, sid[1:] != sid[:-1]])
             counts = np.diff(np.r_[starts, P])
             groups = [(by_id[int(sid[a])], int(a), int(c)) for a, c in zip(starts, counts)]
+        round_h = []                                  # (first sorted pair, pairs) whose h the device rounds
+        i8 = False
+        if act == "int8":
+            gate_i8 = {_int8_format(sig[0]) for sig in sigs}
+            if len(gate_i8) > 1:
+                raise ValueError("act int8: the batch mixes quantized and float gate/up formats")
+            # integer dot products (gemv_i8.glsl): Q8_0 experts, every group a GEMV group
+            i8 = (self.i8 and set(sigs) == {("Q8_0", "Q8_0")}
+                  and (self.gemm_rows <= 0 or max(c for _, _, c in groups) < self.gemm_rows))
+            if i8:
+                x = _pack_rows_int8(x)
+            elif gate_i8.pop():
+                x = _round_rows_int8(x)
+            for h, s0, c in groups:                   # sorted by signature: each group's pairs are contiguous
+                if _int8_format(h.sig[1]):
+                    if round_h and round_h[-1][0] + round_h[-1][1] == s0:
+                        round_h[-1] = (round_h[-1][0], round_h[-1][1] + c)
+                    else:
+                        round_h.append((s0, c))
         return self._record_submit(x=x, D=D, F=F, P=P, rows_sorted=rows[order], out_sorted=order,
-                                   groups=groups, clamp=clamp, plain=False)
+                                   groups=groups, clamp=clamp, plain=False, round_h=round_h, i8=i8)
 
-    def matmul(self, type_name: str, raw: np.ndarray, shape, x: np.ndarray) -> np.ndarray:
+    def matmul(self, type_name: str, raw: np.ndarray, shape, x: np.ndarray, act: str = "f32") -> np.ndarray:
         """y = x @ W.T on the device for one GGUF matrix W ``(type_name, raw [O, row_bytes], (O, I))``.
 
         x: f32 [T, I] -> f32 [T, O]. GEMV below ``COLI_VK_TIER_GEMM_ROWS`` rows, tiled GEMM from there.
-        The matrix is uploaded, used once and freed (a parity and benchmark path).
+        ``act`` "int8": x is rounded per 32 on the device (shaders/act_q8.comp, the kernel that rounds the
+        expert batch's h) before a quantized W, as the CPU's int8 activations. The matrix is uploaded, used
+        once and freed (a parity and benchmark path).
         """
         self._check_alive()
+        if act not in ("f32", "int8"):
+            raise ValueError(f"act {act!r}: expected 'f32' or 'int8'")
         x = np.ascontiguousarray(x, dtype=np.float32)
         O, I = int(shape[0]), int(shape[1])
         if x.ndim != 2 or x.shape[1] != I:
@@ -1006,14 +1103,20 @@ class Device:
             h.gate = h.up = h.down = t
             h.sig = (type_name, type_name)
             h.last_batch = None
+            rh = [(0, T)] if act == "int8" and _int8_format(type_name) else []
+            i8 = bool(rh) and self.i8 and type_name == "Q8_0" and (self.gemm_rows <= 0 or T < self.gemm_rows)
             b = self._record_submit(x=x, D=O, F=I, P=T, rows_sorted=np.arange(T), out_sorted=np.arange(T),
-                                    groups=[(h, 0, T)], clamp=None, plain=True)
+                                    groups=[(h, 0, T)], clamp=None, plain=True, round_h=rh, i8=i8)
             return b.join()
         finally:
             if not self.lost:
                 self._drop(t)
 
-    def _record_submit(self, *, x, D, F, P, rows_sorted, out_sorted, groups, clamp, plain) -> Batch:
+    def _record_submit(self, *, x, D, F, P, rows_sorted, out_sorted, groups, clamp, plain, round_h=(),
+                       i8=False) -> Batch:
+        # round_h: (first sorted pair, pairs) ranges whose input rows of the last pass (h; the plain matmul's
+        # x, bound as h) the act_q8 kernel rounds per 32 before that pass (act "int8"); i8: the GEMV groups
+        # run gemv_i8dot / gemv_i8emu on packed int8 rows (x packed by the caller, h by act_q8's mode 1)
         # the group table: one row per GEMM group, GEMV groups cut into chunks of <= MAXR rows
         sig_ids: dict = {}
         rows6, gs, gc = [], [], []
@@ -1053,7 +1156,7 @@ class Device:
                     w[:, 0] = np.repeat(np.asarray(gv, np.uint32), o0.size)
                     w[:, 1] = np.tile(o0, len(gv))
                     work_parts.append(w)
-                    plan.append(("gemv", tname, nitems, w.shape[0]))
+                    plan.append((self.i8_kernel if i8 else "gemv", tname, nitems, w.shape[0]))
                     nitems += w.shape[0]
                 if gm:
                     gma = np.asarray(gm, np.int64)
@@ -1106,6 +1209,7 @@ class Device:
             pc = f.pc
             cl = struct.unpack("<I", struct.pack("<f", float(clamp) if clamp is not None else 0.0))[0]
             ndisp = 0
+            last = len(dispatch_plan) - 1
             for pi, (mode, O, I, plan) in enumerate(dispatch_plan):
                 # The dispatches of one pass touch disjoint rows of h (pass 1) or y (pass 2), so they need
                 # no barrier between them. Khronos' synchronization validation still reports hazards
@@ -1113,6 +1217,19 @@ class Device:
                 # a specialization constant): false positives, checked by hand. Between the passes h is
                 # written, then read.
                 if pi > 0:
+                    mb.srcAccessMask = _ACC_SHADER_WRITE
+                    mb.dstAccessMask = _ACC_SHADER_READ | _ACC_SHADER_WRITE
+                    lib.vkCmdPipelineBarrier(cb, _PSTAGE_COMPUTE, _PSTAGE_COMPUTE, 0, 1, mb, 0, ffi.NULL, 0, ffi.NULL)
+                if pi == last and round_h:
+                    # the int8 activations: round the pass's input rows in place, then a barrier
+                    lib.vkCmdBindPipeline(cb, vk.VK_PIPELINE_BIND_POINT_COMPUTE, self._pipeline("act_q8", None, 1 if i8 else 0))
+                    for s0, c in round_h:
+                        nb = c * I // 32
+                        pc[0:_PC_WORDS] = [O, I, s0 * I // 32, 0, 0, 0, nb, 0, 0]
+                        lib.vkCmdPushConstants(cb, self._layout, _STAGE_COMPUTE, 0, 4 * _PC_WORDS, pc)
+                        ng = (nb + 63) // 64
+                        lib.vkCmdDispatch(cb, min(ng, 65535), (ng + 65534) // 65535, 1)
+                        ndisp += 1
                     mb.srcAccessMask = _ACC_SHADER_WRITE
                     mb.dstAccessMask = _ACC_SHADER_READ | _ACC_SHADER_WRITE
                     lib.vkCmdPipelineBarrier(cb, _PSTAGE_COMPUTE, _PSTAGE_COMPUTE, 0, 1, mb, 0, ffi.NULL, 0, ffi.NULL)
@@ -1242,7 +1359,8 @@ class Device:
         return (f"{self.name} ({self.type_name}, Vulkan {self.api_version}), subgroup {self.subgroup_size}"
                 f"{' pinned' if self.subgroup_pinned else ''}, {q}, {len(self.queue_families)} queue "
                 f"families, heaps: {heaps}, {'staged' if self.staging else 'mapped'} uploads, "
-                f"budget {self.budget_bytes / GiB:.2f} GiB ({self.budget_rule})")
+                f"budget {self.budget_bytes / GiB:.2f} GiB ({self.budget_rule}), int8 dot product "
+                f"{'on' if self.int_dot else 'emulated'}")
 
     def report(self) -> str:
         """``[VK] <label>: N matmuls on the GPU`` (the line each run ends with)."""
@@ -1259,6 +1377,9 @@ class Device:
             for f in self._frames_all:
                 f.destroy()
             self._frames_all, self._frames_free = [], []
+            if getattr(self, "_iq_grids", None) is not None:
+                self._iq_grids.destroy()
+                self._iq_grids = None
             if getattr(self, "_staging_buf", None) is not None:
                 self._staging_buf.destroy()
                 lib.vkDestroyFence(d, self._staging_fence[0], ffi.NULL)

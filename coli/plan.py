@@ -1,0 +1,193 @@
+"""``coli plan``: what a model will take on this machine, before loading anything heavy.
+
+From the GGUF header (tensor sizes; nothing is dequantized or read beyond the header), psutil (RAM) and, with
+``device="vulkan"``, the Vulkan device's heaps (the device is opened and closed; no weight is placed):
+
+* ``dense_bytes``: every tensor that is not a routed expert (``*_exps``), as ``Transformer.dense_bytes``;
+* ``expert_bytes``: one expert's gate+up+down bytes (the biggest layer's), ``expert_bytes_per_layer``
+  (all experts of each MoE layer) and ``expert_bytes_total``;
+* ``kv_cache_bytes``: the f32 KV cache at ``ctx`` positions (:func:`coli.engine.kv_cache_bytes`);
+* the RAM expert cache the engine would set up (:func:`coli.engine.expert_cache_slots`, the same function
+  ``Engine._setup_moe`` calls): ``ram_cache_slots`` per layer, ``ram_cache_bytes``;
+* with a device, the tier's budget (:func:`scheduler.tier_policy.budget_bytes`, the rule ``Engine._setup_device``
+  uses) and ``device_experts`` = budget // expert bytes, at most every expert;
+* ``ram_needed_bytes``: dense + RAM expert cache + KV cache (+ the device's experts on a device that shares
+  the CPU's RAM: integrated, Lavapipe), ``fits_ram`` against the available RAM;
+* what streams from disk: ``streamed_experts`` = experts neither in the RAM cache nor on the device;
+* ``cold_disk_bytes_per_token``: bytes a decode token reads from disk with an empty RAM cache and no device:
+  top-k experts of every MoE layer (top-k picks distinct experts); ``cold_disk_bytes_per_token_device``: the
+  same with the device holding ``device_experts`` experts, for routing spread evenly over the experts
+  (expected value); ``steady_disk_bytes_per_token``: once the caches hold what they can, for even routing.
+
+All sizes are bytes (int); the table prints GiB / MiB. Errors: ``ColiError`` naming the file or option.
+See docs/tuning.md.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+from coli.errors import ColiError
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+def _device_info(label: str):
+    """``scheduler.tier_policy.DeviceMemory`` of the best Vulkan device, or None (with the one-line reason printed by
+    ``coli.vulkan.open_device``)."""
+    from coli import vulkan as cvk
+    from scheduler.tier_policy import DeviceMemory
+
+    dev = cvk.open_device(label, quiet=True)
+    if dev is None:
+        return None
+    try:
+        return DeviceMemory.of(dev)
+    finally:
+        dev.close()
+
+
+def make_plan(path, *, device: str | None = None, ctx: int | None = None, expert_cache: int | None = None,
+              available: int | None = None, device_info=None, env=None) -> dict:
+    """The plan of model ``path`` as a dict of ints/strings (fields in the module docstring).
+
+    ``device``: None | "cpu" | "vulkan"; ``ctx``: KV positions (default the engine's ``default_ctx``); ``expert_cache``: slots per layer as ``--expert-cache``; ``available``: RAM available in bytes
+    (psutil's when None); ``device_info``: a ``DeviceMemory`` (or what ``DeviceMemory.of`` takes) instead of
+    opening the device; ``env``: environment for the tier's ``COLI_VK_TIER_GB`` (``os.environ``)."""
+    import psutil
+
+    from coli.engine import default_ctx, expert_cache_slots, kv_cache_bytes
+    from scheduler.tier_policy import SHARED_KINDS
+    from coli.gguf_file import open_gguf
+    from coli.models import model_class
+
+    if device not in (None, "cpu", "vulkan"):
+        raise ColiError(f"--device: '{device}' (cpu or vulkan)")
+    g = open_gguf(path)
+    a = model_class(g).args_from(g)
+    vm = psutil.virtual_memory()
+    avail = int(vm.available) if available is None else int(available)
+    ctx = int(ctx) if ctx is not None else default_ctx(a, avail)
+    if ctx < 1:
+        raise ColiError(f"--ctx: {ctx} (at least 1)")
+    t = g.tensors
+    moe = [il for il in range(a.n_layers) if f"blk.{il}.ffn_gate_exps.weight" in t]
+    p = dict(model=g.path.name, path=str(g.path), arch=a.arch, file_bytes=int(g.file_size), n_layers=a.n_layers,
+             moe_layers=len(moe), n_experts=a.n_experts, top_k=a.top_k, ctx=ctx,
+             dense_bytes=sum(ti.nbytes for n, ti in t.items() if "_exps" not in n),
+             kv_cache_bytes=kv_cache_bytes(a, ctx), ram_total=int(vm.total), ram_available=avail)
+    per_layer, per = [], 0
+    if moe:
+        from scheduler.ram_cache import ExpertSource
+
+        exps = {}
+        for il in moe:
+            try:
+                exps[il] = tuple(t[f"blk.{il}.{n}.weight"] for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
+            except KeyError as e:
+                raise ColiError(f"{g.path.name}: tensor {e.args[0]} is missing") from None
+        src = ExpertSource(g.path, exps)
+        try:
+            E = src.n_experts(moe[0])
+            per = max(src.expert_nbytes(il) for il in moe)
+            per_layer = [src.expert_nbytes(il) * src.n_experts(il) for il in moe]
+        finally:
+            src.close()
+        if expert_cache is not None and int(expert_cache) < 0:
+            raise ColiError(f"--expert-cache: {expert_cache} (slots per layer, >= top-k {a.top_k})")
+        slots = max(a.top_k, expert_cache_slots(E, a.top_k, per, len(moe), expert_cache, avail))
+    else:
+        E, slots = 0, 0
+    total_experts = E * len(moe)
+    ram_cache_bytes = slots * len(moe) * per
+    p.update(expert_bytes=per, expert_bytes_per_layer=per_layer, expert_bytes_total=sum(per_layer),
+             total_experts=total_experts, ram_cache_slots=slots, ram_cache_experts=slots * len(moe),
+             ram_cache_bytes=ram_cache_bytes)
+    dev = None
+    if device == "vulkan":
+        dev = device_info if device_info is not None else _device_info(g.path.name)
+    device_experts = 0
+    if dev is not None:
+        from scheduler.tier_policy import DeviceMemory, budget_bytes
+
+        d = DeviceMemory.of(dev)
+        budget, rule = budget_bytes(d, ram_cache_bytes, p["dense_bytes"], env=env, available=avail)
+        device_experts = min(total_experts, budget // per) if per else 0
+        p.update(device=d.name, device_kind=d.kind, device_heap_bytes=d.heap_bytes, device_budget_bytes=int(budget),
+                 device_budget_rule=rule, device_experts=int(device_experts))
+    else:
+        p.update(device=None if device != "vulkan" else "none found")
+    covered = min(total_experts, slots * len(moe) + device_experts)
+    routed = len(moe) * a.top_k * per  # a token's routed expert bytes: top-k distinct experts a layer
+    frac_dev = device_experts / total_experts if total_experts else 0.0
+    frac_miss = 1.0 - covered / total_experts if total_experts else 0.0
+    p.update(streamed_experts=total_experts - covered, streams_from_disk=total_experts > covered,
+             cold_disk_bytes_per_token=routed,
+             cold_disk_bytes_per_token_device=int(round(routed * (1.0 - frac_dev))),
+             steady_disk_bytes_per_token=int(round(routed * frac_miss)))
+    ram_need = p["dense_bytes"] + ram_cache_bytes + p["kv_cache_bytes"]
+    if dev is not None and p["device_kind"] in SHARED_KINDS:  # the tier's experts live in the same RAM
+        ram_need += device_experts * per
+    p.update(ram_needed_bytes=ram_need, fits_ram=ram_need <= avail)
+    return p
+
+
+def _sz(n) -> str:
+    n = int(n)
+    if n >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    return f"{n / MiB:.1f} MiB" if n >= MiB else f"{n / 1024:.1f} KiB"
+
+
+def format_table(p: dict) -> str:
+    """The plan as a two-column Markdown table."""
+    rows = [("model", f"{p['model']} ({p['arch']}, {p['n_layers']} layers, {_sz(p['file_bytes'])} file)"),
+            ("dense weights", _sz(p["dense_bytes"])),
+            ("KV cache", f"{_sz(p['kv_cache_bytes'])} at {p['ctx']} positions (f32)")]
+    if p["moe_layers"]:
+        pl = p["expert_bytes_per_layer"]
+        rows += [("experts", f"{p['moe_layers']} MoE layers x {p['n_experts']} experts, top-{p['top_k']}; "
+                             f"one expert {_sz(p['expert_bytes'])}"),
+                 ("expert bytes a layer", _sz(pl[0]) if min(pl) == max(pl) else f"{_sz(min(pl))} .. {_sz(max(pl))}"),
+                 ("expert bytes in all", _sz(p["expert_bytes_total"])),
+                 ("RAM expert cache", f"{p['ram_cache_slots']} slots a layer = {p['ram_cache_experts']} experts, "
+                                      f"{_sz(p['ram_cache_bytes'])}")]
+    if p.get("device_budget_bytes") is not None:
+        rows += [("device", f"{p['device']} ({p['device_kind']}, heap {_sz(p['device_heap_bytes'])})"),
+                 ("device budget", f"{_sz(p['device_budget_bytes'])} = {p['device_experts']} experts "
+                                   f"({p['device_budget_rule']})")]
+    elif p.get("device"):
+        rows += [("device", p["device"])]
+    if p["moe_layers"]:
+        rows += [("streams from disk", f"{p['streamed_experts']} of {p['total_experts']} experts"
+                                       if p["streams_from_disk"] else "nothing (every expert has a place)"),
+                 ("disk per token, cold", f"{_sz(p['cold_disk_bytes_per_token'])}"
+                  + (f"; {_sz(p['cold_disk_bytes_per_token_device'])} with the device"
+                     if p.get("device_budget_bytes") is not None else "")),
+                 ("disk per token, steady", f"{_sz(p['steady_disk_bytes_per_token'])} (routing spread evenly)")]
+    rows += [("RAM", f"needs {_sz(p['ram_needed_bytes'])} of {_sz(p['ram_available'])} available "
+                     f"({_sz(p['ram_total'])} total): {'fits' if p['fits_ram'] else 'does NOT fit'}")]
+    w = max(len(k) for k, _ in rows)
+    out = [f"| {'what'.ljust(w)} | plan |", f"|{'-' * (w + 2)}|------|"]
+    out += [f"| {k.ljust(w)} | {v} |" for k, v in rows]
+    return "\n".join(out)
+
+
+def cmd_plan(a) -> int:
+    """``coli plan -m MODEL [--device vulkan] [--ctx N] [--expert-cache N] [--json]``."""
+    import os
+
+    if not a.model:
+        from coli.demo import demo_model_path
+
+        a.model = str(demo_model_path(quiet=False))
+    if not os.path.exists(a.model):
+        raise ColiError(f"{a.model}: no such file")
+    p = make_plan(a.model, device=a.device, ctx=a.ctx, expert_cache=a.expert_cache)
+    if a.json:
+        json.dump(p, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(format_table(p))
+    return 0

@@ -1,0 +1,107 @@
+"""Progress on long work (tqdm on stderr, only when stderr is a terminal) and the Numba compile clock.
+
+* :func:`bar` — a ``tqdm`` bar that is disabled (prints nothing) unless stderr is a terminal, so logs, pipes
+  and CI see no control characters. Used for model downloads (coli/fetch.py), the demo build
+  (coli/demo.py), perplexity windows, warm start and ``coli tune`` points.
+* :func:`compile_seconds` — seconds this thread has spent holding Numba's compiler lock (compiling a
+  kernel, or loading it from Numba's on-disk cache), counted from numba's event API
+  (``numba.core.event``, kind ``"numba:compiler_lock"``). Timed regions subtract it, so first-run
+  compilation is never counted in prefill or decode tok/s.
+* While Numba compiles a kernel (event ``"numba:compile"``, a cache miss) a bar "compiling kernels, once"
+  counts the kernels compiled; :func:`end_compile_bar` closes it (the engine calls it when a public call
+  returns).
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+_local = threading.local()
+_installed = False
+_install_lock = threading.Lock()
+_compile_bar = None
+_bar_lock = threading.Lock()
+
+
+def stderr_is_terminal() -> bool:
+    try:
+        return sys.stderr is not None and sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def bar(total=None, desc: str = "", unit: str = "it", **kw):
+    """A ``tqdm`` progress bar on stderr, never drawn unless stderr is a terminal; ``disable=True`` turns it
+    off there too (``None``/``False``: the terminal decides)."""
+    from tqdm import tqdm
+
+    kw["disable"] = bool(kw.get("disable")) or not stderr_is_terminal()
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False, dynamic_ncols=True, **kw)
+
+
+def _state():
+    s = getattr(_local, "s", None)
+    if s is None:
+        s = _local.s = {"depth": 0, "t0": 0.0, "total": 0.0}
+    return s
+
+
+def install() -> None:
+    """Register the listeners on numba's event system (idempotent, thread-safe)."""
+    global _installed
+    if _installed:
+        return
+    with _install_lock:
+        if _installed:
+            return
+        import numba.core.event as ev
+
+        class _LockClock(ev.Listener):
+            # the compiler lock is re-entrant: count only the outermost hold of each thread
+            def on_start(self, event):
+                s = _state()
+                if s["depth"] == 0:
+                    s["t0"] = time.perf_counter()
+                s["depth"] += 1
+
+            def on_end(self, event):
+                s = _state()
+                s["depth"] = max(0, s["depth"] - 1)
+                if s["depth"] == 0:
+                    s["total"] += time.perf_counter() - s["t0"]
+
+        class _CompileBar(ev.Listener):
+            def on_start(self, event):
+                global _compile_bar
+                if not stderr_is_terminal():
+                    return
+                with _bar_lock:
+                    if _compile_bar is None:
+                        _compile_bar = bar(desc="compiling kernels, once", unit=" kernels")
+
+            def on_end(self, event):
+                with _bar_lock:
+                    if _compile_bar is not None:
+                        _compile_bar.update(1)
+
+        ev.register("numba:compiler_lock", _LockClock())
+        ev.register("numba:compile", _CompileBar())
+        _installed = True
+
+
+def compile_seconds() -> float:
+    """Seconds this thread has held Numba's compiler lock since :func:`install` (a monotonic counter)."""
+    install()
+    s = _state()
+    extra = time.perf_counter() - s["t0"] if s["depth"] else 0.0
+    return s["total"] + extra
+
+
+def end_compile_bar() -> None:
+    """Close the "compiling kernels, once" bar if one is open."""
+    global _compile_bar
+    with _bar_lock:
+        if _compile_bar is not None:
+            _compile_bar.close()
+            _compile_bar = None

@@ -1,0 +1,188 @@
+"""The device expert tier's pure policy: budget, heat, warm-start plan, eviction choice (seed S0:L296-436;
+digest 1(c), 1(d); the rules' table is docs/tier.md).
+
+No device, no threads, no clock: functions of their arguments (and, for :func:`budget_bytes`, of the
+environment and psutil's available RAM when not given), like ``scheduler/balancer.py``. ``scheduler/tier.py``
+(the residency and the step API) and ``coli.vulkan``'s ``Device`` (its upload guard) both use
+:func:`budget_bytes`: the device budget has this one rule.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from coli.errors import ColiError
+
+GiB = 1 << 30
+MiB = 1 << 20
+HEAT_HISTORY_TOP = 32.0       # a layer's hottest expert in the history starts at this heat (seed S0:L299)
+HEAT_HALF_TOKENS = 1024       # heat halves every 1024 tokens
+LFRU_FACTOR = 1.25            # promote over the coldest when heat > 1.25 * coldest + 4
+LFRU_ADD = 4.0
+SHARED_KINDS = ("integrated", "cpu", "virtual", "other")
+
+
+def _env_float(env, name: str, default: float | None) -> float | None:
+    """``COLI_*`` number from ``env`` through coli.settings (one parser; ColiError naming the variable)."""
+    from coli.settings import get
+
+    v = get(name, env)
+    return default if v is None else float(v)
+
+
+def _env_int(env, name: str, default: int) -> int:
+    from coli.settings import get
+
+    v = get(name, env)
+    return default if v is None else int(v)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Budget
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """What the budget rule reads from the device.
+
+    ``kind``: "discrete" | "integrated" | "cpu" (Lavapipe) | "virtual" | "other" (VkPhysicalDeviceType);
+    ``heap_bytes``: size of the device-local heap the experts go to; ``budget_free``: that heap's
+    ``heapBudget - heapUsage`` from VK_EXT_memory_budget, or None without the extension.
+    """
+
+    name: str
+    kind: str
+    heap_bytes: int
+    budget_free: int | None = None
+
+    @classmethod
+    def of(cls, dev) -> "DeviceMemory":
+        """From a DeviceMemory; from coli.vulkan's ``Device`` (``name``, ``type_name``, ``heaps`` [(bytes,
+        device_local)], optional ``budget_free``: the biggest device-local heap); or from a mapping / object
+        with ``name``, ``kind`` (or ``device_type``), ``heap_bytes``, optional ``budget_free``.
+        ValueError naming what is missing."""
+        if isinstance(dev, cls):
+            return dev
+        get = dev.get if isinstance(dev, dict) else (lambda k, d=None: getattr(dev, k, d))
+        heaps = get("heaps")
+        if heaps and get("type_name") is not None:
+            dl = [int(sz) for sz, local in heaps if local] or [int(sz) for sz, _ in heaps]
+            kind, heap = get("type_name"), max(dl)
+        else:
+            kind = get("kind") or get("device_type")
+            heap = get("heap_bytes")
+        if kind is None or heap is None:
+            raise ValueError("device memory info needs 'kind' (or 'device_type' / 'type_name') and "
+                             "'heap_bytes' (or 'heaps')")
+        kind = str(kind).lower().replace("vk_physical_device_type_", "").replace("_gpu", "")
+        free = get("budget_free")
+        return cls(str(get("name", "") or ""), kind, int(heap), None if free is None else int(free))
+
+
+def budget_bytes(device_info, ram_cache_bytes: int, dense_bytes: int, env=None,
+                 available: int | None = None) -> tuple[int, str]:
+    """The tier's budget in bytes and the words of the rule that set it (for the start line).
+
+    ``device_info``: :class:`DeviceMemory` (or what :meth:`DeviceMemory.of` takes); ``ram_cache_bytes``:
+    the RAM expert cache's configured size (slots × layers × expert bytes); ``dense_bytes``: the dense
+    weights' bytes (on the CPU in coli, so they count against RAM on a shared-RAM device only);
+    ``env``: the environment (``os.environ``); ``available``: RAM available (``psutil.virtual_memory()
+    .available`` when None). ColiError on a malformed ``COLI_VK_TIER_GB`` / ``COLI_VK_TIER_RESERVE_GB``.
+    Rule: seed S0:L409-418 as issue #4 states it (see the module docstring).
+    """
+    env = os.environ if env is None else env
+    d = DeviceMemory.of(device_info)
+    gb = _env_float(env, "COLI_VK_TIER_GB", None)
+    if gb is not None:
+        b = int(gb * GiB)
+        words = f"COLI_VK_TIER_GB={env['COLI_VK_TIER_GB']}"
+        if d.heap_bytes and b > d.heap_bytes:
+            b = d.heap_bytes
+            words += f" (capped at the device's {d.heap_bytes / GiB:.2f} GiB heap)"
+        return b, words
+    if d.kind == "discrete":
+        reserve = int(_env_float(env, "COLI_VK_TIER_RESERVE_GB", 1.0) * GiB)
+        if d.budget_free is not None:
+            free, what = d.budget_free, f"VK_EXT_memory_budget's {d.budget_free / GiB:.2f} GiB free"
+        else:
+            free, what = d.heap_bytes, f"the {d.heap_bytes / GiB:.2f} GiB heap (no VK_EXT_memory_budget)"
+        return max(0, free - reserve), f"discrete: {what} less a {reserve / GiB:g} GiB reserve"
+    if available is None:
+        import psutil
+        available = psutil.virtual_memory().available
+    left = int(available) - int(ram_cache_bytes) - int(dense_bytes)
+    b = max(0, left // 4 - 2 * GiB)
+    words = (f"shared RAM: a quarter of what the expert cache leaves ({available / GiB:.2f} GiB available"
+             f" - {ram_cache_bytes / GiB:.2f} GiB cache - {dense_bytes / GiB:.2f} GiB dense) less 2 GiB")
+    if d.heap_bytes and b > d.heap_bytes:
+        b = d.heap_bytes
+        words += f", capped at the device's {d.heap_bytes / GiB:.2f} GiB heap"
+    return b, words
+
+
+# ---------------------------------------------------------------------------------------------------------
+# History -> heat, warm-start plan
+
+def history_heat(counts: np.ndarray) -> np.ndarray:
+    """Initial heat from the history: float64 [L, E], each layer's hottest expert at 32, the others
+    ``32 · count / that layer's max`` (zeros for a layer the history never routed). Seed S0:L299."""
+    c = np.asarray(counts, dtype=np.float64)
+    if c.ndim != 2:
+        raise ValueError(f"history counts must be [layers, experts], got shape {c.shape}")
+    m = c.max(axis=1, keepdims=True)
+    return np.where(m > 0, HEAT_HISTORY_TOP * c / np.where(m > 0, m, 1.0), 0.0)
+
+
+def warm_plan(counts: np.ndarray, capacity: int, fill: bool = True,
+              layers=None) -> tuple[list[tuple[int, int]], int]:
+    """The warm start's experts, in upload order, and how many of them come from the history.
+
+    ``counts``: int [L, E] routing counts (scheduler/usage.py's ``Usage.counts``); ``capacity``: experts
+    the budget holds. First every expert with a count > 0, highest count first (ties: lower layer, then
+    lower expert id), up to ``capacity``; then, when ``fill``, the room left with experts the history
+    never named, one expert per layer in turn (layer 0's lowest unnamed id, layer 1's, ..., then each
+    layer's second, ...). Seed S0:L299, L383-384 (``COLI_VK_TIER_FILL``).
+    """
+    c = np.asarray(counts, dtype=np.int64)
+    L, E = c.shape
+    lay, exp = np.nonzero(c > 0)
+    order = np.lexsort((exp, lay, -c[lay, exp]))
+    named = [(int(lay[i]), int(exp[i])) for i in order[:max(0, capacity)]]
+    plan = list(named)
+    if fill and len(plan) < capacity:
+        fl = list(range(L)) if layers is None else sorted(int(l) for l in layers)
+        unnamed = {l: np.flatnonzero(c[l] == 0) for l in fl}
+        for i in range(E):
+            for l in fl:
+                if len(plan) >= capacity:
+                    break
+                if i < len(unnamed[l]):
+                    plan.append((l, int(unnamed[l][i])))
+            if len(plan) >= capacity:
+                break
+    return plan, len(named)
+
+
+def halvings_due(tokens_done: int, halvings: int) -> int:
+    """Heat halvings owed at the start of a forward: the 1024-token boundaries ``tokens_done`` (tokens of the
+    completed forwards) crossed beyond the ``halvings`` already applied (stepwise decay; seed S0:L299).
+    The heat is then multiplied by ``0.5 ** n``; a forward that crossed several boundaries halves once per
+    boundary."""
+    return max(0, int(tokens_done) // HEAT_HALF_TOKENS - int(halvings))
+
+
+def lfru_victim(heat: np.ndarray, mask: np.ndarray, key: tuple[int, int]) -> tuple[int, int] | None:
+    """The LFRU eviction choice for a candidate when the budget is full (seed S0:L300-305).
+
+    ``heat``: float64 [L, E]; ``mask``: bool [L, E], True where resident; ``key``: the candidate (layer,
+    expert). Returns the coldest resident (ties: lowest (layer, expert)) when the candidate's heat is
+    strictly greater than 1.25 × its heat + 4, else None (no promotion). None as well when nothing is
+    resident."""
+    if not mask.any():
+        return None
+    masked = np.where(mask, heat, np.inf)
+    v = np.unravel_index(int(np.argmin(masked)), masked.shape)     # ties: lowest (layer, expert)
+    if not heat[key] > LFRU_FACTOR * heat[v] + LFRU_ADD:
+        return None
+    return int(v[0]), int(v[1])

@@ -1,0 +1,73 @@
+"""Coverage table of the backend-parity harness (tests/test_backend_ops.py): every (backend, type, op, act) case
+run against the NumPy reference, printed as a Markdown table (docs/formats.md).
+
+usage: python -m scripts.backend_ops [--types Q4_K,Q2_K] [--no-vulkan]
+
+A cell is the case's max error relative to the largest |value| (``ok`` when under the harness tolerance,
+``FAIL`` when over), ``-`` where the backend's registry lacks the type (the table gives the CPU-only reason
+underneath), ``f32`` where the type has only f32 arithmetic (float weights ignore act). Exit 1 on any FAIL.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import cpu_kernels  # noqa: E402,F401  (threading layer before numba)
+from coli import tensor_types as TT  # noqa: E402
+from tests import test_backend_ops as H  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--types", default="", help="comma-separated GGUF types (default: every implemented one)")
+    ap.add_argument("--no-vulkan", action="store_true", help="CPU only")
+    a = ap.parse_args(argv)
+    TT.load_backends()
+    names = [n for n, t in TT.TYPES.items() if t.backends]
+    if a.types:
+        names = [n for n in names if n in a.types.split(",")]
+    backends = {"cpu": H.Backend("cpu")}
+    if not a.no_vulkan:
+        from coli.vulkan import open_device
+
+        d = open_device("backend-ops", budget_bytes=1 << 28, quiet=True)
+        if d is not None:
+            backends["vulkan"] = H.Backend("vulkan", d)
+            print(f"vulkan: {d.name}", file=sys.stderr)
+    cols = [(b, op, act) for b in TT.BACKENDS for op in H.OPS for act in ("f32", "int8") if act in H.ACTS[b]]
+    print("| type | block | bytes | test weights | " + " | ".join(f"{b} {op} {act}" for b, op, act in cols) + " |")
+    print("|---|---|---|---|" + "---|" * len(cols))
+    failed = 0
+    for n in names:
+        t = TT.TYPES[n]
+        cells = []
+        for b, op, act in cols:
+            if b not in t.backends:
+                cells.append("-")
+            elif b not in backends:
+                cells.append("no device")
+            elif act not in H.acts(b, n):
+                cells.append("f32")
+            else:
+                e = H.run_case(backends[b], n, op, act)
+                ok = e < H.TOL[(op, act)]
+                failed += not ok
+                cells.append(f"{'ok' if ok else 'FAIL'} {e:.0e}")
+            print(f"  {n} {b} {op} {act}: {cells[-1]}", file=sys.stderr, flush=True)
+        gen = "gguf quantize" if t.quantizable else "random blocks"
+        print(f"| {n} | {t.block_size} | {t.type_size} | {gen} | " + " | ".join(cells) + " |", flush=True)
+    only = [f"{n}: {t.cpu_only}" for n, t in TT.TYPES.items() if t.cpu_only]
+    print("\nTolerances (max |got - want| / max |want|): " +
+          ", ".join(f"{op} {act} {tol:g}" for (op, act), tol in H.TOL.items()))
+    if only:
+        print("CPU only: " + "; ".join(only))
+    if "vulkan" in backends:
+        backends["vulkan"].dev.close()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,299 @@
+"""Backend parity, in the style of llama.cpp's test-backend-ops: every (backend, GGUF type, op, activation mode)
+against the NumPy reference.
+
+* Backends: ``cpu`` (the Numba kernels, ``cpu_kernels.formats``) and ``vulkan`` (whatever device the loader
+  finds; Lavapipe in CI). Types: every row of the backend's registry (``coli.tensor_types`` keys them).
+* Ops: ``gemv`` (few activation rows: the CPU's per-row GEMV, the device's GEMV shader), ``gemm`` (many rows:
+  the blocked CPU GEMM, the device's tiled GEMM) and ``expert`` (a SwiGLU expert batch: several experts, rows
+  routed top-2, one expert with enough rows for the GEMM, the rest on the GEMV; on the CPU through
+  ``scheduler.step.MoEStep.expert_cpu``, on the device through ``Device.submit_experts``).
+* Activations: ``f32``, and ``int8`` (llama.cpp's Q8 activation blocks: per 32, d = amax/127, q = rint(x/d)) for
+  the quantized formats on both backends (the device rounds on the host or in shaders/act_q8.comp); the
+  reference then multiplies the rounded activations (an exact NumPy model).
+* Reference: ``coli.tensor_types`` ``reference`` (``gguf.quants.dequantize``), products in float64.
+* Test weights: one generator, ``coli.tensor_types.random_blocks`` (``gguf.quants.quantize`` where gguf can
+  quantize the type, random valid blocks with finite f16 scales where it cannot).
+* One tolerance per (op, act) (``TOL``): max |got - want| / max |want|.
+
+``python -m scripts.backend_ops`` runs the same cases and prints the coverage table of docs/formats.md.
+"""
+from __future__ import annotations
+
+import types
+import zlib
+
+import numpy as np
+import pytest
+from gguf.constants import GGML_QUANT_SIZES
+
+from coli import tensor_types as TT
+from cpu_kernels import formats as F
+from coli.vulkan import shaders as S
+from tests.vk_util import numpy_expert, requires_vulkan
+
+OPS = ("gemv", "gemm", "expert")
+#: The activation modes each backend implements.
+ACTS = {"cpu": ("f32", "int8"), "vulkan": ("f32", "int8")}
+#: max |got - want| / max |want| per (op, act). int8 expert: the SwiGLU output is rounded to int8 again before
+#: down, from f32 values on the backend and float64 in the model, so codes at a rounding tie may flip: the check
+#: first subtracts the most those can move each output (``expert_reference``'s slack).
+TOL = {("gemv", "f32"): 2e-5, ("gemm", "f32"): 2e-5, ("expert", "f32"): 2e-5,
+       ("gemv", "int8"): 2e-5, ("gemm", "int8"): 2e-5, ("expert", "int8"): 2e-5}
+#: Activation rows per op: CPU GEMV up to F.GEMV_MAX_T rows (f32; the VNNI int8 GEMV goes further), the device
+#: GEMV below 16 rows (COLI_VK_TIER_GEMM_ROWS); GEMM rows above both backends' GEMV limits.
+ROWS = {"gemv": (1, min(3, F.GEMV_MAX_T)), "gemm": (max(F.GEMV_I8_MAX_T, F.GEMV_MAX_T, 16) + 1, 37)}
+O_ODD = 37   # output rows: not a multiple of the CPU's 16-row chunks nor of the device's 64-row tiles
+
+
+def registry(backend: str) -> list[str]:
+    """The GGUF types a backend's registry implements."""
+    return list(F.FORMATS) if backend == "cpu" else list(S.FORMATS)
+
+
+def acts(backend: str, type_name: str) -> tuple[str, ...]:
+    """Activation modes that change the arithmetic for this type (F32/F16/BF16 weights ignore act everywhere)."""
+    if TT.get(type_name).block_size == 1:
+        return ("f32",)
+    return ACTS[backend]
+
+
+def inner(type_name: str, k: int = 0) -> int:
+    """An odd number of blocks, at least 32 weights: 3 (+k) blocks of 256-weight types, 5 (+k) units of 32."""
+    bs = TT.get(type_name).block_size
+    return (3 + k) * bs if bs >= 128 else (5 + k) * 32
+
+
+def cases():
+    out = []
+    for backend in TT.BACKENDS:
+        for t in registry(backend):
+            for op in OPS:
+                for act in acts(backend, t):
+                    marks = [requires_vulkan] if backend == "vulkan" else []
+                    out.append(pytest.param(backend, t, op, act, marks=marks, id=f"{backend}-{t}-{op}-{act}"))
+    return out
+
+
+def _seed(*parts) -> int:
+    return zlib.crc32("/".join(parts).encode())
+
+
+def weight(type_name: str, O: int, I: int, rng, scale: float = 1.0):
+    """(raw uint8 [O, row_bytes], reference float64 [O, I]) of the shared generator."""
+    raw = TT.random_blocks(type_name, O, I, rng, scale)
+    return raw, TT.get(type_name).reference(raw, (O, I)).astype(np.float64)
+
+
+def act_model(x: np.ndarray, act: str) -> np.ndarray:
+    """The activations the kernels multiply, float64: x itself (f32), or its int8 rounding per 32 (exact model of
+    ``cpu_kernels.formats.quantize_act_int8``: d = amax/127 in f32, q = rint(x * (1/d)), ties to even)."""
+    x = np.asarray(x, np.float32)
+    if act == "f32":
+        return x.astype(np.float64)
+    T, I = x.shape
+    xb = x.reshape(T, I // 32, 32)
+    d = (np.abs(xb).max(axis=-1) / np.float32(127.0)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        idv = np.where(d != 0, np.float32(1.0) / d, np.float32(0.0)).astype(np.float32)
+    q = np.rint(xb * idv[:, :, None])
+    return (q * d[:, :, None].astype(np.float64)).reshape(T, I)
+
+
+def err(got, want) -> float:
+    return float(np.abs(np.asarray(got, np.float64) - want).max() / max(float(np.abs(want).max()), 1e-30))
+
+
+class Backend:
+    """matmul and expert batch of one backend behind one interface; ``work()`` counts what the backend ran
+    (CPU: kernel calls through this object; device: dispatches) so a test asserts the backend did the work."""
+
+    def __init__(self, name: str, dev=None):
+        self.name, self.dev = name, dev
+        self.calls = 0
+
+    def work(self) -> int:
+        return self.dev.dispatches if self.dev is not None else self.calls
+
+    def matmul(self, type_name, raw, shape, x, act):
+        if self.dev is not None:
+            return self.dev.matmul(type_name, raw, shape, x, act=act)
+        self.calls += 1
+        return F.matmul(F.prepare(type_name, raw, shape), x, act=act)
+
+    def experts(self, specs, x, rows, eids, act):
+        """specs: per expert ((type, raw, shape) x 3: gate, up, down); pair p = (rows[p], eids[p]) -> f32 [P, D]."""
+        if self.dev is not None:
+            hs = [self.dev.upload_expert(*s) for s in specs]
+            try:
+                return self.dev.submit_experts(x, rows, [hs[e] for e in eids], act=act).join()
+            finally:
+                for h in hs:
+                    self.dev.free_expert(h)
+        from scheduler.step import MoEStep
+
+        step = MoEStep(None, act=act)
+        out = np.empty((len(rows), x.shape[1]), np.float32)
+        for e, s in enumerate(specs):
+            w = types.SimpleNamespace(**{k: F.prepare(*s[i]) for i, k in enumerate(("gate", "up", "down"))})
+            sel = np.flatnonzero(eids == e)
+            if sel.size:
+                self.calls += 1
+                out[sel] = step.expert_cpu(w, x[rows[sel]])
+        return out
+
+
+def expert_reference(x, w, act):
+    """SwiGLU expert in float64 on the activations the backend multiplies (int8: x and the SwiGLU output rounded):
+    (want float64 [R, D], slack float64 [R, D]). The SwiGLU output reaches the second rounding as f32 from the
+    backend and float64 here, so a code within 1e-3 of a rounding tie may go either way: ``slack`` is the most
+    those codes can move each output (one step d of their block times |W_down|); zero for f32."""
+    if act == "f32":
+        return numpy_expert(x, w), 0.0
+    wg, wu, wd = w
+    xa = act_model(x, act)
+    g, u = xa @ wg.T, xa @ wu.T
+    h = (g / (1.0 + np.exp(-g)) * u).astype(np.float32)
+    R, Fd = h.shape
+    hb = h.reshape(R, Fd // 32, 32)
+    d = (np.abs(hb).max(axis=-1) / np.float32(127.0)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = np.where(d[..., None] != 0, hb.astype(np.float64) / d[..., None], 0.0)
+    tie = np.abs(np.abs(t - np.floor(t)) - 0.5) < 1e-3
+    step = (tie * d[..., None]).reshape(R, Fd)
+    return act_model(h, act) @ wd.T, step @ np.abs(wd).T
+
+
+def run_case(be: Backend, type_name: str, op: str, act: str) -> float:
+    """Run one (backend, type, op, act) case; returns the largest error over its shapes and row counts."""
+    rng = np.random.default_rng(_seed(be.name, type_name, op, act))
+    worst = 0.0
+    if op in ("gemv", "gemm"):
+        for k in (0, 1):
+            O, I = O_ODD + 32 * k, inner(type_name, k)
+            raw, W = weight(type_name, O, I, rng)
+            for T in ROWS[op]:
+                x = rng.standard_normal((T, I)).astype(np.float32)
+                if act == "int8":
+                    x[0, :32] = 0.0   # an all-zero activation block: d = 0
+                w0 = be.work()
+                y = be.matmul(type_name, raw, (O, I), x, act)
+                assert be.work() > w0, f"{be.name} did no work"
+                assert y.shape == (T, O) and y.dtype == np.float32
+                worst = max(worst, err(y, act_model(x, act) @ W.T))
+        return worst
+    # expert batch: E experts, R rows top-2; expert 0 gets >= 18 rows (its groups take the GEMM)
+    big = TT.get(type_name).block_size >= 128
+    D, Fd = (256, 512) if big else (96, 160)
+    E, R, K = 3, 20, 2
+    specs, ws = [], []
+    for _ in range(E):
+        g, wg = weight(type_name, Fd, D, rng, 0.3)
+        u, wu = weight(type_name, Fd, D, rng, 0.3)
+        dn, wd = weight(type_name, D, Fd, rng, 0.3)
+        specs.append(((type_name, g, (Fd, D)), (type_name, u, (Fd, D)), (type_name, dn, (D, Fd))))
+        ws.append((wg, wu, wd))
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(R)])
+    ids[:18, 0] = 0
+    ids[:18, 1] = np.where(ids[:18, 1] == 0, 1, ids[:18, 1])
+    x = rng.standard_normal((R, D)).astype(np.float32)
+    rows, eids = np.repeat(np.arange(R), K), ids.reshape(-1)
+    w0 = be.work()
+    y = be.experts(specs, x, rows, eids, act)
+    assert be.work() > w0, f"{be.name} did no work"
+    assert y.shape == (R * K, D)
+    with np.errstate(over="ignore"):   # exp(-g) of a large negative gate: silu -> 0, as it should
+        refs = [expert_reference(x[r:r + 1], ws[e], act) for r, e in zip(rows, eids)]
+    want = np.concatenate([w for w, _ in refs])
+    slack = np.concatenate([np.broadcast_to(s, w.shape) for w, s in refs])
+    return float(np.maximum(np.abs(y.astype(np.float64) - want) - slack, 0.0).max()
+                 / max(float(np.abs(want).max()), 1e-30))
+
+
+@pytest.fixture(scope="module")
+def backends():
+    made = {"cpu": Backend("cpu")}
+    yield made
+    if "vulkan" in made:
+        made["vulkan"].dev.close()
+
+
+def _backend(backends, name):
+    if name not in backends:
+        from coli.vulkan import open_device
+
+        d = open_device("backend-ops", budget_bytes=1 << 28, quiet=True)
+        if d is None:
+            pytest.fail("libvulkan.so.1 is present but no device opened")
+        backends[name] = Backend(name, d)
+    return backends[name]
+
+
+@pytest.mark.parametrize("backend,type_name,op,act", cases())
+def test_op_matches_reference(backends, backend, type_name, op, act):
+    e = run_case(_backend(backends, backend), type_name, op, act)
+    assert e < TOL[(op, act)], f"{backend} {type_name} {op} act={act}: error {e:.3g} > {TOL[(op, act)]:g}"
+
+
+# ----------------------------------------------------------------------------------------------- the table
+def test_every_backend_has_every_row():
+    """A type one backend implements and another lacks fails here, unless the table marks it CPU only."""
+    TT.load_backends()
+    assert TT.gaps() == [], ("backends lack rows (implement them, or mark the type CPU only in "
+                             f"coli.tensor_types.CPU_ONLY with the reason): {TT.gaps()}")
+    for b in TT.BACKENDS:
+        assert set(registry(b)) == {n for n, t in TT.TYPES.items() if b in t.backends}
+
+
+def test_gaps_flags_a_missing_row_unless_cpu_only():
+    rows = {n: TT.TensorType(n, t.qtype, t.block_size, t.type_size, t.reference, t.quantizable, t.scale_offsets,
+                             t.shader, None, {"cpu": "x"}) for n, t in list(TT.TYPES.items())[:2]}
+    first, second = list(rows)
+    rows[first].backends["vulkan"] = "y"
+    assert TT.gaps(rows) == [(second, "vulkan")]
+    rows[second].cpu_only = "a reason"
+    assert TT.gaps(rows) == []
+    rows[second].backends["vulkan"] = "y"              # a CPU-only mark the device has outgrown is flagged
+    assert TT.gaps(rows) == [(second, "cpu_only")]
+    rows[second].cpu_only = None
+    rows[first].backends = {"vulkan": "y"}             # the device without the CPU is never excused
+    assert TT.gaps(rows) == [(first, "cpu")]
+
+
+def test_rows_agree_with_gguf_and_each_other():
+    TT.load_backends()
+    for n, t in TT.TYPES.items():
+        if t.qtype is None:  # coli's own type: no GGUF geometry to agree with
+            assert t.own and t.random is not None, n
+            continue
+        assert (t.block_size, t.type_size) == GGML_QUANT_SIZES[t.qtype]
+        if t.backends:
+            assert t.reference is not None, f"{n}: a backend implements it but there is no NumPy reference"
+    for n, f in F.FORMATS.items():
+        assert (f.block_size, f.type_size, f.reference) == (TT.get(n).block_size, TT.get(n).type_size,
+                                                            TT.get(n).reference)
+        assert f.int8 == (f.block_size > 1), n
+        if f.int8 and f.gemv_i8 is None:
+            from cpu_kernels import vnni
+            assert f.no_i8 or not vnni.HAVE_VNNI, f"{n}: int8 format without a VNNI GEMV and no reason"
+    assert S.FORMATS == {n: TT.get(n).shader for n in S.DEVICE_TYPES}
+
+
+def test_random_blocks_are_finite_and_varied():
+    rng = np.random.default_rng(0)
+    for n in TT.load_backends():
+        t = TT.TYPES[n]
+        if not t.backends:
+            continue
+        raw = TT.random_blocks(n, 3, inner(n), rng)
+        assert raw.dtype == np.uint8 and raw.shape == (3, t.row_bytes(inner(n)))
+        w = t.reference(raw, (3, inner(n)))
+        assert np.isfinite(w).all() and np.unique(w).size > 8, n
+
+
+def test_unknown_type_is_one_clear_error():
+    from coli.errors import ColiError
+
+    with pytest.raises(ColiError, match="Q9_9"):
+        TT.get("Q9_9")
+    with pytest.raises(ColiError, match="Q4_K.*256"):
+        TT.get("Q4_K").row_bytes(100)

@@ -1,0 +1,90 @@
+"""``coli chat`` on a pseudo-terminal (pexpect): the answers equal the library's greedy chat on the same
+messages (SmolLM2, f32 activations), the KV cache carries across turns, /reset forgets, Ctrl-C stops an
+answer and not the program, /exit ends it with status 0."""
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+pexpect = pytest.importorskip("pexpect")
+
+N = 40
+CTX = 1024
+Q1 = "What is the capital of France?"
+Q2 = "And of Italy?"
+LONG = "Write a long story about a dragon who learns to cook."
+
+
+def _tty(s: str) -> str:
+    return s.replace("\n", "\r\n")
+
+
+def test_chat_repl(model_path, engine):
+    ref = engine(model_path("smollm2"), ctx=CTX, cpu_act="f32")
+    kw = dict(max_tokens=N, temp=0.0, keep_kv=False)
+    a1 = ref.chat([{"role": "user", "content": Q1}], **kw)
+    long_ = ref.chat([{"role": "user", "content": LONG}], **kw)
+    assert long_.finish_reason == "length"  # the answer Ctrl-C interrupts is longer than what we wait for
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    child = pexpect.spawn(sys.executable, ["-m", "coli", "chat", "-m", str(ref.path), "--ctx", str(CTX),
+                                           "--cpu-act", "f32", "--temp", "0", "-n", str(N)],
+                          cwd=str(ROOT), env=env, encoding="utf-8", timeout=240, dimensions=(50, 400))
+    try:
+        child.expect_exact("> ")
+        # turn 1: the library's answer, streamed
+        child.sendline(Q1)
+        child.expect_exact(_tty(a1.text) + "\r\n")
+        child.expect(r"coli: (\d+) new prompt tokens \((\d+) reused")
+        first_prompt = int(child.match.group(1)) + int(child.match.group(2))
+        assert first_prompt == len(a1.prompt_ids)
+        # turn 2: the conversation so far is reused from the KV cache
+        child.expect_exact("> ")
+        child.sendline(Q2)
+        a2 = ref.chat([{"role": "user", "content": Q1}, {"role": "assistant", "content": a1.text},
+                       {"role": "user", "content": Q2}], **kw)
+        child.expect_exact(_tty(a2.text) + "\r\n")
+        child.expect(r"coli: (\d+) new prompt tokens \((\d+) reused")
+        assert int(child.match.group(2)) >= first_prompt
+        # /reset: the next answer is the fresh one again
+        child.expect_exact("> ")
+        child.sendline("/reset")
+        child.expect_exact("conversation reset")
+        child.expect_exact("> ")
+        child.sendline(Q1)
+        child.expect_exact(_tty(a1.text) + "\r\n")
+        # Ctrl-C during an answer: the answer stops, the REPL goes on
+        child.expect_exact("> ")
+        child.sendline(LONG)
+        child.expect_exact(LONG + "\r\n")  # the terminal's echo
+        child.expect_exact(long_.text.split()[0])
+        child.sendintr()
+        child.expect_exact("coli: stopped")
+        child.expect(r"coli: \d+ new prompt tokens \(\d+ reused from the KV cache\), prefill \d+ tok at [\d.]+ tok/s, "
+                     r"decode (\d+) tok")
+        assert int(child.match.group(1)) < N
+        child.expect_exact("> ")
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0, child.before
+
+
+def test_chat_no_template_is_one_error(tmp_path):
+    """A file that is not GGUF: one line naming it, status 2, no traceback."""
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    child = pexpect.spawn(sys.executable, ["-m", "coli", "chat", "-m", str(bad)], cwd=str(ROOT), env=env,
+                          encoding="utf-8", timeout=120)
+    child.expect(pexpect.EOF)
+    child.close()
+    out = child.before
+    assert child.exitstatus == 2 and "Traceback" not in out
+    assert re.search(r"coli: .*x\.gguf", out)

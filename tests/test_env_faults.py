@@ -1,0 +1,280 @@
+"""The process environment and tables that must agree: HOME a file, an unwritable COLI_CACHE, a uid with no
+passwd entry (import works, one warning, no disk cache; a ``coli:`` error only where the cache is needed);
+stdout closed or broken; SIGTERM and Ctrl-C (stats line, history saved, exit 143 / 130); token tables of
+different lengths (refused as llama.cpp refuses them); the start line names both sides' activations."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import ROOT
+
+PY = sys.executable
+# import every kernel module (numba resolves its cache folder when a cache=True function is defined) and run
+# one small kernel (it compiles, so a cache folder is really used)
+IMPORT_ALL = ("import numpy as np, cpu_kernels, cpu_kernels.formats, cpu_kernels.attention, cpu_kernels.norms, "
+              "cpu_kernels.rope; from cpu_kernels.norms import rms_norm; "
+              "x = rms_norm(np.ones((2, 32), np.float32), np.ones(32, np.float32), 1e-6); print(float(x.sum()))")
+
+
+def _env(**kw):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("COLI_CACHE", "XDG_CACHE_HOME", "NUMBA_CACHE_DIR", "HOME")}
+    env.update({k: v for k, v in kw.items() if v is not None})
+    return env
+
+
+def _py(code, env, **kw):
+    return subprocess.run([PY, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600, **kw)
+
+
+def _warnings(stderr):
+    return [l for l in stderr.splitlines() if l.startswith("coli: warning")]
+
+
+# -- kind 6: the environment -----------------------------------------------------------------------------------
+def test_home_is_a_file(tmp_path):
+    """The issue's example: HOME points at a file: import and a kernel work, one warning naming HOME."""
+    home = tmp_path / "home-file"
+    home.write_text("x")
+    r = _py(IMPORT_ALL, _env(HOME=str(home)))
+    assert r.returncode == 0, r.stderr
+    assert abs(float(r.stdout) - 64 / np.sqrt(1 + 1e-6)) < 1e-4 and "Traceback" not in r.stderr  # NumPy: x / rms
+    w = _warnings(r.stderr)
+    assert len(w) == 1 and "HOME=" in w[0] and "not kept on disk" in w[0]
+
+
+def test_coli_cache_unwritable(tmp_path):
+    """Second case: COLI_CACHE on a path that cannot be made (/proc/x)."""
+    r = _py(IMPORT_ALL, _env(HOME=str(tmp_path), COLI_CACHE="/proc/coli-x"))
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    w = _warnings(r.stderr)
+    assert len(w) == 1 and "COLI_CACHE=/proc/coli-x" in w[0]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run as a uid without a passwd entry")
+def test_uid_without_passwd_entry(tmp_path):
+    """Third case: no HOME and a uid the passwd file does not know (containers run as --user 12345)."""
+    import pwd
+
+    uid = 54321
+    with pytest.raises(KeyError):
+        pwd.getpwuid(uid)
+    r = _py(IMPORT_ALL, _env(), preexec_fn=lambda: os.setuid(uid))
+    if "Permission denied" in r.stderr and "Traceback" in r.stderr and "cpu_kernels" not in r.stderr:
+        pytest.skip("the checkout is not readable by other users")
+    assert r.returncode == 0, r.stderr
+    w = _warnings(r.stderr)
+    assert len(w) == 1 and "no home folder" in w[0] and f"uid {uid}" in w[0]
+
+
+def test_cache_error_only_where_the_cache_is_needed(tmp_path):
+    """The demo build needs the cache: one ``coli:`` line naming COLI_CACHE, exit 2, no traceback."""
+    r = subprocess.run([PY, "-m", "coli", "run", "-p", "hi", "-n", "1"], capture_output=True, text=True, cwd=ROOT,
+                       env=_env(HOME=str(tmp_path), COLI_CACHE="/proc/coli-x"), timeout=600)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    errs = [l for l in r.stderr.splitlines() if l.startswith("coli: ") and not l.startswith("coli: warning")]
+    assert len(errs) == 1 and "COLI_CACHE=/proc/coli-x" in errs[0]
+
+
+def test_stdout_closed(demo_path, tmp_path):
+    """The issue's example: ``coli run ... >&-`` ends like a broken pipe: exit 0, no traceback."""
+    cmd = f"exec {PY} -m coli run -m {demo_path} -p hi -n 3 --usage {tmp_path}/u >&-"
+    r = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0 and "Traceback" not in r.stderr and "AttributeError" not in r.stderr, r.stderr
+
+
+def test_stdout_broken_pipe(demo_path, tmp_path):
+    """Second case: the reader goes away after one byte (``| head -c 1``): exit 0, nothing on stderr but the
+    start and stats lines (no traceback, no "Exception ignored" at exit)."""
+    cmd = (f"set -o pipefail; {PY} -m coli run -m {demo_path} -p hello -n 8 --usage {tmp_path}/u "
+           f"| head -c 1; echo \" rc=$?\"")
+    r = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.stdout == "h rc=0\n", (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr and "Exception" not in r.stderr and "Error" not in r.stderr, r.stderr
+
+
+def test_stderr_closed(demo_path, tmp_path):
+    """Third case: ``2>&-``: the run completes and its notes do not land in stdout."""
+    cmd = f"exec {PY} -m coli run -m {demo_path} -p hello -n 4 --usage {tmp_path}/u 2>&-"
+    r = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0 and r.stdout.startswith("hello") and "coli:" not in r.stdout, r.stdout
+
+
+def _run_and_signal(demo_path, tmp_path, sig):
+    hist = tmp_path / "h.coli_usage"
+    prompt = "Once upon a time"
+    p = subprocess.Popen([PY, "-m", "coli", "run", "-m", str(demo_path), "-p", prompt, "-n", "400",
+                          "--ctx", "512", "--usage", str(hist)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    got = b""
+    deadline = time.monotonic() + 500
+    while len(got) < len(prompt) + 3 and time.monotonic() < deadline:  # some generated text came out
+        chunk = os.read(p.stdout.fileno(), 64)
+        if not chunk:
+            break
+        got += chunk
+    p.send_signal(sig)
+    out, err = p.communicate(timeout=300)
+    return p.returncode, (got + out).decode(errors="replace"), err.decode(errors="replace"), hist
+
+
+def test_sigterm_is_ctrl_c_with_exit_143(demo_path, tmp_path):
+    """The issue's example (docker stop): stats line, history saved (and whole), exit 143, no traceback."""
+    rc, out, err, hist = _run_and_signal(demo_path, tmp_path, signal.SIGTERM)
+    assert rc == 143, err
+    assert "Traceback" not in err and "terminated (SIGTERM)" in err and "coli: prefill" in err
+    ent = json.loads(hist.read_text())["models"][demo_path.name]
+    assert ent["tokens"] > 0 and sum(map(sum, ent["counts"])) == ent["tokens"] * 2 * 30
+
+
+def test_sigint_keeps_exit_130(demo_path, tmp_path):
+    """Second case: Ctrl-C (SIGINT) the same way, exit 130."""
+    rc, out, err, hist = _run_and_signal(demo_path, tmp_path, signal.SIGINT)
+    assert rc == 130 and "interrupted" in err and "coli: prefill" in err and "Traceback" not in err, err
+    assert json.loads(hist.read_text())["models"][demo_path.name]["tokens"] > 0
+
+
+# -- kind 4: tables that must agree ----------------------------------------------------------------------------
+def _tiny_llama(path, n_tokens=256, embd_rows=256, out_rows=None, vocab_size=None):
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1); w.add_context_length(64); w.add_embedding_length(64); w.add_feed_forward_length(64)
+    w.add_head_count(4); w.add_head_count_kv(4); w.add_layer_norm_rms_eps(1e-5)
+    if vocab_size is not None:
+        w.add_vocab_size(vocab_size)
+    w.add_tokenizer_model("gpt2"); w.add_tokenizer_pre("default")
+    w.add_token_list(["a", "b", "ab"] + [f"<t{i}>" for i in range(n_tokens - 3)]); w.add_token_types([1] * n_tokens)
+    w.add_token_merges(["a b"])
+    rng = np.random.default_rng(0)
+    f32 = lambda *s: rng.standard_normal(s).astype(np.float32) * 0.1
+    w.add_tensor("token_embd.weight", f32(embd_rows, 64)); w.add_tensor("output_norm.weight", np.ones(64, np.float32))
+    if out_rows is not None:
+        w.add_tensor("output.weight", f32(out_rows, 64))
+    for n in ("attn_norm", "ffn_norm"):
+        w.add_tensor(f"blk.0.{n}.weight", np.ones(64, np.float32))
+    for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+        w.add_tensor(f"blk.0.{n}.weight", f32(64, 64))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    return path
+
+
+def test_tables_that_agree_load_and_run(tmp_path):
+    from coli.engine import Engine
+
+    with Engine(_tiny_llama(tmp_path / "ok.gguf", out_rows=256), save_usage=False) as eng:
+        assert len(eng.generate(ids=[0, 1, 2], max_tokens=4, stop_at_eos=False).ids) == 4
+
+
+@pytest.mark.parametrize("kw,name", [
+    (dict(embd_rows=260), "tensor 'token_embd.weight': 260 rows"),            # the issue's example
+    (dict(out_rows=300), "tensor 'output.weight': 300 rows"),                 # second case: only the output
+    (dict(vocab_size=320), "kv 'llama.vocab_size': 320"),                     # third: the metadata says otherwise
+])
+def test_tables_that_disagree_are_refused(tmp_path, kw, name):
+    """Refused at load (llama.cpp refuses the same files: its n_vocab is the token count and create_tensor checks
+    the shape), never a ValueError when an extra id is sampled."""
+    from coli.engine import Engine
+    from coli.errors import ColiError
+
+    p = _tiny_llama(tmp_path / "bad.gguf", **kw)
+    with pytest.raises(ColiError) as e:
+        Engine(p, save_usage=False)
+    assert str(e.value).startswith("bad.gguf: ") and name in str(e.value) and "256 tokens" in str(e.value)
+    r = subprocess.run([PY, "-m", "coli", "run", "-m", str(p), "-p", "ab", "-n", "2"], capture_output=True,
+                       text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 2 and name in r.stderr and "Traceback" not in r.stderr
+
+
+def test_trace_never_overwrites_a_file_coli_did_not_write(tmp_path, demo_path):
+    """``--trace notes.txt`` on an existing text file is refused; a trace coli wrote may be replaced."""
+    from coli.engine import Engine
+    from coli.errors import ColiError
+
+    f = tmp_path / "notes.txt"
+    f.write_text("keep me")
+    with pytest.raises(ColiError, match="--trace .*notes.txt: exists and is not a file coli wrote"):
+        Engine(demo_path, trace=f, save_usage=False)
+    assert f.read_text() == "keep me"
+    t = tmp_path / "t.json"
+    t.write_text('[{"ph": "X", "name": "old"}]')
+    Engine(demo_path, trace=t, save_usage=False).close()
+    assert "old" not in t.read_text()
+
+
+# -- kind 9: --balance must not change the answer without saying so ----------------------------------------------
+def _vulkan_opens():
+    from coli.vulkan import open_device
+
+    d = open_device("probe", quiet=True)
+    if d is None:
+        return False
+    d.close()
+    return True
+
+
+def test_balance_says_the_activations_and_f32_gives_the_same_tokens(demo_path, tmp_path):
+    """The issue's example (``def fibonacci(n):`` on the demo MoE): with ``--cpu-act f32`` the run with
+    ``--balance`` prints the text of the run without it, and the device did work (matmuls > 0); the start
+    line names both sides' activations, and without ``--cpu-act`` both sides use the CPU's default."""
+    if not _vulkan_opens():
+        pytest.skip("no Vulkan device (Lavapipe) opens here")
+    base = [PY, "-m", "coli", "run", "-m", str(demo_path), "-p", "def fibonacci(n):", "-n", "8",
+            "--usage", str(tmp_path / "u")]
+    # a device budget of its own (the shared-RAM rule gives 0 on a small box): the device must do work
+    env = dict(os.environ, COLI_VK_TIER_GB="0.3")
+    run = lambda *extra: subprocess.run(base + list(extra), capture_output=True, text=True, cwd=ROOT, timeout=600,
+                                        env=env)
+    cpu = run("--cpu-act", "f32")
+    dev = run("--cpu-act", "f32", "--balance")
+    assert cpu.returncode == 0 and dev.returncode == 0, (cpu.stderr, dev.stderr)
+    assert "activations: CPU f32" in cpu.stderr and "device" not in cpu.stderr.split("activations:")[1].split("\n")[0]
+    assert "activations: CPU f32, device f32" in dev.stderr
+    matmuls = [int(l.split(": ")[1].split()[0]) for l in dev.stderr.splitlines() if l.endswith("matmuls on the GPU")]
+    assert matmuls and matmuls[0] > 0
+    assert dev.stdout == cpu.stdout
+    import cpu_kernels
+
+    if cpu_kernels.DEFAULT_ACT != "f32":
+        d = run("--balance", "-n", "1")
+        want = f"activations: CPU {cpu_kernels.DEFAULT_ACT}, device {cpu_kernels.DEFAULT_ACT}"
+        assert d.returncode == 0 and want in d.stderr, d.stderr
+
+
+# -- found by trying the README as a new user ------------------------------------------------------------------
+def test_api_inputs_of_the_wrong_kind_are_coli_errors(model_path, engine):
+    """Token ids that are not integers were truncated (1.5 -> 1) or raised ValueError; text that is not a string,
+    an id outside the table in detokenize and malformed chat messages raised TypeError/ValueError."""
+    from coli.errors import ColiError
+
+    eng = engine(model_path("smollm2"))
+    for ids, msg in (([1.5], "not integers"), ("abc", "is text"), ([[1, 2], [3]], "not a list of integers"),
+                     ([5, 10**9], "id 1000000000 at index 1")):
+        with pytest.raises(ColiError, match=msg):
+            eng.generate(ids=ids, max_tokens=1)
+    assert eng.logits(np.array([1.0, 2.0])).shape == (2, eng.args.vocab)  # integral floats are ids
+    for text in (None, 123):
+        with pytest.raises(ColiError, match="is not a string"):
+            eng.tokenize(text)
+    with pytest.raises(ColiError, match="token id 1000000000: out of range"):
+        eng.detokenize([10**9])
+    for msgs, msg in (("hello", "messages: str"), ([{"content": "x"}], r"messages\[0\]"),
+                      ([{"role": "user", "content": 5}], r"messages\[0\]\['content'\]")):
+        with pytest.raises(ColiError, match=msg):
+            eng.tokenizer.encode_chat(msgs)
+
+
+def test_cli_empty_text_file(model_path, tmp_path):
+    f = tmp_path / "empty.txt"
+    f.write_text("")
+    r = subprocess.run([PY, "-m", "coli", "perplexity", "-m", str(model_path("smollm2")), "-f", str(f)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 2 and "empty.txt: empty" in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,111 @@
+"""``coli plan`` against a real run: the plan's dense bytes, KV cache, RAM expert cache, device budget and
+cold-cache disk bytes per token equal what the engine sets up and reads on the same model."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import gguf
+import pytest
+
+from coli.errors import ColiError
+from coli.plan import make_plan
+from tiny_moe import ROOT, build_tiny_moe
+from vk_util import requires_vulkan
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_moe(tmp_path_factory.mktemp("plan"))
+
+
+def test_plan_sizes_from_the_header(tiny):
+    p = make_plan(tiny, ctx=32)
+    r = gguf.GGUFReader(tiny)  # oracle: gguf-py's reading of the same header
+    exps = [t for t in r.tensors if "_exps" in t.name]
+    assert p["expert_bytes_total"] == sum(int(t.n_bytes) for t in exps)
+    assert p["dense_bytes"] == sum(int(t.n_bytes) for t in r.tensors if "_exps" not in t.name)
+    assert p["expert_bytes_per_layer"] == [sum(int(t.n_bytes) for t in exps if t.name.startswith(f"blk.{l}."))
+                                           for l in range(2)]
+    assert p["expert_bytes"] * 4 == p["expert_bytes_per_layer"][0]
+    assert (p["moe_layers"], p["n_experts"], p["top_k"], p["total_experts"]) == (2, 4, 2, 8)
+    # cold decode token: top-2 of 4 experts in each of the 2 layers, all from disk
+    assert p["cold_disk_bytes_per_token"] == 2 * 2 * p["expert_bytes"]
+
+
+def test_plan_matches_a_real_run(tiny, tmp_path):
+    from coli.engine import Engine
+
+    p = make_plan(tiny, ctx=32, expert_cache=3)
+    eng = Engine(tiny, ctx=32, expert_cache=3, usage=str(tmp_path / "usage"), save_usage=False)
+    try:
+        assert p["dense_bytes"] == eng.model.dense_bytes
+        assert p["kv_cache_bytes"] == eng.model.new_cache(eng.ctx).nbytes()
+        assert p["ram_cache_slots"] == eng.expert_slots == 3
+        assert p["ram_cache_bytes"] == eng.ram_cache_bytes
+        assert p["streamed_experts"] == 2 * (4 - 3) and p["streams_from_disk"]
+        # one token from an empty RAM cache: what the plan predicts is read from disk, byte for byte
+        r = eng.generate(ids=[5], max_tokens=1)
+        assert r.stats["disk_loads"] == 2 * 2
+        assert r.stats["bytes_read"] == p["cold_disk_bytes_per_token"]
+    finally:
+        eng.close()
+    dflt = make_plan(tiny)  # default: every expert fits half the RAM
+    assert dflt["ram_cache_slots"] == 4 and not dflt["streams_from_disk"] and dflt["steady_disk_bytes_per_token"] == 0
+
+
+def test_plan_device_budget_is_the_tiers_rule(tiny):
+    from scheduler.tier_policy import DeviceMemory, budget_bytes
+
+    GiB = 1 << 30
+    dev = DeviceMemory("test iGPU", "integrated", 8 * GiB)
+    p = make_plan(tiny, device="vulkan", device_info=dev, available=16 * GiB, env={})
+    want, rule = budget_bytes(dev, p["ram_cache_bytes"], p["dense_bytes"], env={}, available=16 * GiB)
+    assert p["device_budget_bytes"] == want and p["device_budget_rule"] == rule
+    assert p["device_experts"] == min(8, want // p["expert_bytes"]) == 8
+    # a budget of 3 experts: the RAM cache (3 slots a layer) and the device leave 8 - 6 - 3 < 0 to stream
+    env = {"COLI_VK_TIER_GB": str(3 * p["expert_bytes"] / GiB)}
+    p = make_plan(tiny, device="vulkan", device_info=dev, expert_cache=2, env=env)
+    assert p["device_experts"] == 3 and p["streamed_experts"] == 8 - 4 - 3
+    assert p["cold_disk_bytes_per_token_device"] == round(p["cold_disk_bytes_per_token"] * (1 - 3 / 8))
+
+
+def test_plan_cli_table_json_and_errors(tiny, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "coli", "plan", "-m", str(tiny), "--ctx", "64", "--json"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["kv_cache_bytes"] == 2 * 2 * 2 * 64 * 32 * 4
+    r = subprocess.run([sys.executable, "-m", "coli", "plan", "-m", str(tiny)], capture_output=True, text=True,
+                       cwd=ROOT, timeout=300)
+    assert r.returncode == 0 and "| RAM expert cache" in r.stdout and "streams from disk" in r.stdout
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00")
+    for args in (["-m", str(bad)], ["-m", str(tmp_path / "none.gguf")], ["-m", str(tiny), "--ctx", "0"]):
+        r = subprocess.run([sys.executable, "-m", "coli", "plan", *args], capture_output=True, text=True, cwd=ROOT,
+                           timeout=300)
+        assert r.returncode == 2 and r.stderr.startswith("coli: ") and "Traceback" not in r.stderr, r.stderr
+    with pytest.raises(ColiError, match="--expert-cache"):
+        make_plan(tiny, expert_cache=-1)
+
+
+@requires_vulkan
+def test_plan_device_matches_the_engine_on_lavapipe(tiny, tmp_path, monkeypatch):
+    """With the device: the plan's budget and expert count equal the tier the engine opens (same rule)."""
+    from coli.engine import Engine
+
+    p0 = make_plan(tiny, ctx=16)
+    GiB = 1 << 30
+    monkeypatch.setenv("COLI_VK_TIER_GB", repr(5 * p0["expert_bytes"] / GiB))  # room for 5 experts
+    p = make_plan(tiny, device="vulkan", ctx=16, expert_cache=2)
+    if p.get("device_budget_bytes") is None:
+        pytest.fail("no Vulkan device opened for the plan (Lavapipe is expected here)")
+    eng = Engine(tiny, ctx=16, expert_cache=2, device="vulkan", usage=str(tmp_path / "usage"), save_usage=False)
+    try:
+        assert eng.tier is not None
+        assert p["device_budget_bytes"] == eng.tier.budget
+        assert p["device_experts"] == min(8, eng.tier.budget_experts) == 5
+        assert p["device"] == eng.tier.device_name
+        assert p["streamed_experts"] == 0  # 2 x 2 RAM slots + 5 on the device cover the 8 experts
+    finally:
+        eng.close()

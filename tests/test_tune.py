@@ -1,0 +1,103 @@
+"""``coli tune`` on a tiny MoE with two points: the CSV has one row a run, the PNG is matplotlib's, the
+recommendation is one of the points, ``--save`` writes the config that ``coli run`` reads and names."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+
+import cpu_kernels
+from coli.errors import ColiError
+from coli.tune import load_config, save_config
+from tiny_moe import ROOT, build_tiny_moe
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_moe(tmp_path_factory.mktemp("tune"))
+
+
+def _png_chunks(data: bytes) -> list[tuple[bytes, bytes]]:
+    """(type, payload) of each chunk (PNG spec, section 5.3: length, type, data, CRC)."""
+    out, i = [], 8
+    while i < len(data):
+        (n,) = struct.unpack(">I", data[i:i + 4])
+        out.append((data[i + 4:i + 8], data[i + 8:i + 8 + n]))
+        i += 12 + n
+    return out
+
+
+def _tune(tiny, out, home, *extra):
+    env = dict(os.environ, HOME=str(home))
+    env.pop("XDG_CONFIG_HOME", None)
+    return subprocess.run([sys.executable, "-m", "coli", "tune", "-m", str(tiny), "--out", str(out),
+                           "--layers", cpu_kernels.threading_layer(), "--reps", "2", "-p", "4", "-n", "2", *extra],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+
+
+def test_tune_two_points_csv_png_recommendation_save(tiny, tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    out = tmp_path / "out"
+    r = _tune(tiny, out, home, "--threads", "1", "--io-threads", "1,4", "--max-load", "1e9", "--save")
+    assert r.returncode == 0, r.stderr
+    rows = list(csv.DictReader(open(out / "tune.csv")))
+    assert len(rows) == 2 * 2  # 2 points x 2 runs, one row a run
+    points = {(row["threads"], row["io_threads"]) for row in rows}
+    assert points == {("1", "1"), ("1", "4")}
+    assert sorted(row["rep"] for row in rows) == ["0", "0", "1", "1"]
+    assert all(float(row["decode_tps"]) > 0 and float(row["prefill_tps"]) > 0 for row in rows)
+    png = (out / "tune.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    chunks = _png_chunks(png)
+    assert chunks[0][0] == b"IHDR" and chunks[-1][0] == b"IEND"
+    w, h = struct.unpack(">II", chunks[0][1][:8])
+    assert (w, h) == (1100, 420)  # figsize 11 x 4.2 in at 100 dpi
+    soft = [p for t, p in chunks if t == b"tEXt" and p.startswith(b"Software\0")]
+    assert soft and soft[0].startswith(b"Software\0Matplotlib")
+    summary = json.loads((out / "tune.json").read_text())
+    rec = summary["recommended"]
+    assert (str(rec["threads"]), str(rec["io_threads"])) in points
+    assert "recommended:" in r.stdout
+    cfg, path = load_config(home / ".config" / "coli" / "config.toml")
+    assert path is not None and cfg["threads"] == rec["threads"] and cfg["io_threads"] == rec["io_threads"]
+    # coli run reads the saved settings and names the file in its start line
+    env = dict(os.environ, HOME=str(home))
+    env.pop("XDG_CONFIG_HOME", None)
+    run = subprocess.run([sys.executable, "-m", "coli", "run", "-m", str(tiny), "ab", "-n", "2"], capture_output=True,
+                         text=True, cwd=ROOT, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr
+    start = run.stderr.splitlines()[0]
+    assert f"{rec['threads']} threads" in start and str(path) in start
+
+
+def test_tune_busy_machine_no_recommendation(tiny, tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    r = _tune(tiny, tmp_path / "out", home, "--threads", "1", "--reps", "1", "--max-load", "-1", "--save")
+    assert r.returncode == 2 and "busy" in r.stderr and "not saved" in r.stderr, r.stderr
+    assert json.loads((tmp_path / "out" / "tune.json").read_text())["recommended"] is None
+    assert not (home / ".config" / "coli" / "config.toml").exists()
+
+
+def test_config_file_rules(tmp_path):
+    p = tmp_path / "config.toml"
+    p.write_text("[run]\nthreads = 3\n")
+    with pytest.raises(ColiError, match="not written by coli tune"):
+        save_config(dict(threads=2, io_threads=4, layer="tbb"), "x", p)
+    assert p.read_text() == "[run]\nthreads = 3\n"
+    assert load_config(p) == ({"threads": 3}, p)
+    q = tmp_path / "c2.toml"
+    save_config(dict(threads=2, io_threads=4, layer="omp"), "note", q)
+    assert load_config(q)[0] == {"threads": 2, "io_threads": 4, "threading_layer": "omp"}
+    q.write_text("[run]\nthreads = 0\n")
+    with pytest.raises(ColiError, match="run.threads"):
+        load_config(q)
+    q.write_text("[run\n")
+    with pytest.raises(ColiError, match="TOML"):
+        load_config(q)
