@@ -59,7 +59,8 @@ def resolve_model(name, quiet=False):
 
 def _engine_args(p: argparse.ArgumentParser, model_required=False):
     p.add_argument("-m", "--model", required=model_required,
-                   help="GGUF file or a model name (smollm2, gemma3-270m, qwen2.5-coder-0.5b, demo: coli models); "
+                   help="GGUF file, Hugging Face folder (config.json, *.safetensors, tokenizer.json), or a model "
+                        "name (smollm2, gemma3-270m, qwen2.5-coder-0.5b, demo: coli models); "
                         "default: the demo MoE, built on first use")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: physical cores available)")
     p.add_argument("--ctx", "-c", type=int, default=None,
@@ -266,7 +267,7 @@ def cmd_serve(a) -> int:
     try:
         return serve(eng, model_id, host=a.host, port=a.port, aliases=aliases, max_queue=a.queue, quiet=a.quiet)
     finally:
-        _close(eng)
+        _close(eng)  # already closed by the server's shutdown; idempotent
 
 
 def cmd_models(a) -> int:

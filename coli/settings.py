@@ -57,9 +57,13 @@ VARS: tuple[Var, ...] = (
     Var("COLI_VK_TIER_FILL", "bool", True, "fill the device's free budget with the next-hottest experts"),
     Var("COLI_VK_TIER_WARM", "bool", True, "warm start: upload the history's hottest experts at load"),
     Var("COLI_VK_TIER_GEMM_ROWS", "int", 16, "rows from which an expert runs as a tiled GEMM on the device "
-        "(GEMV below)", "rows", lo=1),
+        "(GEMV below; 0: never the GEMM)", "rows", lo=0),
     Var("COLI_VK_GEMV_ROWS", "int", None, "output rows a device GEMV workgroup owns (default 4 per subgroup)",
         "rows", lo=1, dev=True),
+    Var("COLI_VK_I8", "bool", True, "int8 activations with Q8_0 experts in device GEMV groups use integer dot "
+        "products (0: the f32 GEMV on the rounded activations)", dev=True),
+    Var("COLI_VK_INT_DOT", "bool", True, "use the device's shaderIntegerDotProduct for the int8 GEMV where it has "
+        "one (0: the emulated kernel)", dev=True),
     Var("COLI_VK_STAGING", "bool", None, "expert weights through staging copies (1) or mapped device memory "
         "(0) (default: mapped when the device-local host-visible heap is large enough)"),
     Var("COLI_VK_TIMEOUT_S", "float", 60.0, "a device fence wait longer than this is a lost device", "s", lo=0),

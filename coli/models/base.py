@@ -18,7 +18,10 @@ from coli.errors import ColiError
 from cpu_kernels import formats
 from cpu_kernels.attention import attend
 from cpu_kernels.norms import geglu_tanh, rms_norm, rms_norm_heads, swiglu
-from cpu_kernels.rope import NEOX, NORM, apply_rope, rope_table
+from cpu_kernels.rope import NEOX, NORM, apply_rope
+
+from . import rope_scaling
+from .rope_scaling import RopeScaling
 
 
 @dataclass
@@ -45,6 +48,7 @@ class BaseArgs:
     shared_ff: int = 0
     attn_scale: float = 0.0
     sliding_window: int = 0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -84,6 +88,8 @@ class BaseArgs:
             shared_ff=int(g.get(f"{a}.expert_shared_feed_forward_length", 0) or 0),
             sliding_window=int(g.get(f"{a}.attention.sliding_window", 0) or 0),
         )
+        n_rot = overrides.get("n_rot", kw["n_rot"])
+        kw["rope_scaling"] = rope_scaling.from_gguf(g, n_rot)  # ColiError for a key coli does not implement
         norm = g.get(f"{a}.expert_weights_norm")
         if norm is not None:
             kw["norm_topk"] = bool(norm)
@@ -111,7 +117,7 @@ class Transformer:
 
     Family hooks (class attributes / methods a subclass sets): ``rope_kind``, ``qk_norm`` ("heads" | "full" |
     None), ``post_norms`` (Gemma's post-attention/post-FFN norms), ``embed_scale``, ``ffn_act`` ("swiglu" |
-    "geglu"), ``route(logits) -> (ids, weights)``, ``layer_window(il)``, ``layer_rope(il)``.
+    "geglu"), ``route(logits) -> (ids, weights)``, ``layer_window(il)``, ``layer_rope_base(il)``, ``layer_rope_scaling(il)``.
     """
 
     qk_norm: str | None = None
@@ -215,6 +221,10 @@ class Transformer:
     def layer_rope_base(self, il: int) -> float:
         return self.args.rope_base
 
+    def layer_rope_scaling(self, il: int) -> RopeScaling:
+        """The rope scaling rule of layer ``il`` (coli/models/rope_scaling.py; docs/families.md)."""
+        return self.args.rope_scaling
+
     def attn_scale(self) -> float:
         return self.args.attn_scale or 1.0 / math.sqrt(self.args.head_dim)
 
@@ -238,11 +248,12 @@ class Transformer:
         return ids.astype(np.int32), w.astype(np.float32)
 
     def rope(self, il):
-        base = self.layer_rope_base(il)
-        r = self._ropes.get(base)
+        """cos, sin f32 [ctx, n_rot // 2] of layer ``il`` (its base and scaling), built once per (base, rule)."""
+        key = (self.layer_rope_base(il), self.layer_rope_scaling(il))
+        r = self._ropes.get(key)
         if r is None or r[0].shape[0] < self._ctx:
-            r = rope_table(self._ctx, self.args.n_rot, base)
-            self._ropes[base] = r
+            r = key[1].table(self._ctx, self.args.n_rot, key[0])
+            self._ropes[key] = r
         return r
 
     # -- forward -----------------------------------------------------------------------------------------
