@@ -313,7 +313,21 @@ def cmd_perplexity(a) -> int:
             ids = ids[: a.max_tokens]
         t0 = time.perf_counter()
 
+        from coli.progress import bar, stderr_is_terminal
+
+        pb = bar(total=None, desc="perplexity", unit=" chunks") if stderr_is_terminal() else None
+        done = []
+
         def progress(i, n, ppl):
+            if pb is not None:  # a terminal: a bar with the running estimate, then llama-perplexity's line
+                pb.total = n
+                pb.set_postfix_str(f"ppl {ppl:.4f}", refresh=False)
+                pb.update(1)
+                done.append(f"[{i}]{ppl:.4f},")
+                if i == n:
+                    pb.close()
+                    sys.stderr.write("".join(done) + "\n")
+                return
             end = "\n" if i == n else ""
             sys.stderr.write(f"[{i}]{ppl:.4f}," + end)
             sys.stderr.flush()
