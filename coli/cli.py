@@ -18,6 +18,7 @@ import secrets
 import sys
 import time
 
+from coli import settings
 from coli.errors import ColiError
 
 
@@ -25,7 +26,9 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
     """``(default: X)`` after each option's help, unless the default is None/False or the help says it."""
 
     def _get_help_string(self, action):
-        if action.default in (None, False, argparse.SUPPRESS) or "default" in (action.help or ""):
+        if (action.default is None or action.default is False or action.default == argparse.SUPPRESS
+                or "default" in (action.help or "")
+                or isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))):
             return action.help
         return super()._get_help_string(action)
 
@@ -56,7 +59,8 @@ def resolve_model(name, quiet=False):
 
 def _engine_args(p: argparse.ArgumentParser, model_required=False):
     p.add_argument("-m", "--model", required=model_required,
-                   help="GGUF file or a model name (smollm2, gemma3-270m, qwen2.5-coder-0.5b, demo: coli models); "
+                   help="GGUF file, Hugging Face folder (config.json, *.safetensors, tokenizer.json), or a model "
+                        "name (smollm2, gemma3-270m, qwen2.5-coder-0.5b, demo: coli models); "
                         "default: the demo MoE, built on first use")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: physical cores available)")
     p.add_argument("--ctx", "-c", type=int, default=None,
@@ -74,22 +78,41 @@ def _engine_args(p: argparse.ArgumentParser, model_required=False):
     p.add_argument("--balance", dest="balance", action="store_true", default=None,
                    help="open the best Vulkan device with the tier and the measured-time balancer")
     p.add_argument("--no-balance", dest="balance", action="store_false", help="tier without the balancer")
+    p.add_argument("--tier-gb", type=float, default=None, metavar="GB",
+                   help="device memory for resident experts in GiB (COLI_VK_TIER_GB; default: the budget rule, "
+                        "docs/tier.md)")
+    p.add_argument("--reproducible", action="store_true",
+                   help="the same device expert set, hence the same logits bytes, every run: uploads waited for, "
+                        "no balancer (COLI_VK_TIER_SYNC=1 with --no-balance)")
     p.add_argument("--trace", default=None, metavar="FILE.json", help="write Chrome/Perfetto trace events")
 
 
 def _open_engine(a, quiet=False, save_usage=True):
     from coli.engine import Engine
 
-    device = a.device
-    if device is None and (a.balance or os.environ.get("COLI_VULKAN") == "1"):
+    device, index = a.device, None
+    if device is not None and device.startswith("vulkan:"):
+        if not device[7:].isdigit():
+            raise ColiError(f"--device {device}: N is a device number (vulkan:0, vulkan:1, ...)")
+        device, index = "vulkan", int(device[7:])
+    elif device not in (None, "cpu", "vulkan"):
+        raise ColiError(f"--device: '{device}' (cpu, vulkan or vulkan:N)")
+    if device is None and (a.balance or settings.get("COLI_VULKAN")):
         device = "vulkan"
     if a.balance and device == "cpu":
         raise ColiError("--balance needs the device: drop --device cpu")
+    if a.reproducible and a.balance:
+        raise ColiError("--reproducible runs without the balancer: drop --balance")
+    if a.tier_gb is not None and not a.tier_gb >= 0:
+        raise ColiError(f"--tier-gb: {a.tier_gb} (GiB, 0 or above)")
+    env = settings.overlay(None, COLI_VK_DEV=index, COLI_VK_TIER_GB=a.tier_gb,
+                           COLI_VK_TIER_SYNC=True if a.reproducible else None)
     model = resolve_model(a.model, quiet=quiet)
     return Engine(model, threads=a.threads, ctx=a.ctx, expert_cache=a.expert_cache, usage=a.usage,
                   cpu_act=a.cpu_act, io_threads=4 if a.io_threads is None else a.io_threads, device=device,
-                  balance=a.balance,
-                  trace=a.trace, quiet=quiet, save_usage=save_usage, cli_names=True)
+                  balance=False if a.reproducible else a.balance,
+                  trace=a.trace, quiet=quiet, save_usage=save_usage, cli_names=True, env=env,
+                  silent=bool(getattr(a, "quiet", False)))
 
 
 def _read_prompt(a) -> str:
@@ -244,7 +267,7 @@ def cmd_serve(a) -> int:
     try:
         return serve(eng, model_id, host=a.host, port=a.port, aliases=aliases, max_queue=a.queue, quiet=a.quiet)
     finally:
-        eng.close()
+        _close(eng)  # already closed by the server's shutdown; idempotent
 
 
 def cmd_models(a) -> int:
@@ -281,6 +304,8 @@ def cmd_perplexity(a) -> int:
         raise ColiError(f"{a.file}: not UTF-8 text (byte {e.start})")
     if a.max_tokens is not None and a.max_tokens < 2:
         raise ColiError(f"--max-tokens: {a.max_tokens} (at least 2)")
+    if text == "":
+        raise ColiError(f"{a.file}: empty (no text to score)")
     eng = _open_engine(a, quiet=True)
     try:
         ids = eng.tokenize(text)
@@ -288,7 +313,21 @@ def cmd_perplexity(a) -> int:
             ids = ids[: a.max_tokens]
         t0 = time.perf_counter()
 
+        from coli.progress import bar, stderr_is_terminal
+
+        pb = bar(total=None, desc="perplexity", unit=" chunks") if stderr_is_terminal() else None
+        done = []
+
         def progress(i, n, ppl):
+            if pb is not None:  # a terminal: a bar with the running estimate, then llama-perplexity's line
+                pb.total = n
+                pb.set_postfix_str(f"ppl {ppl:.4f}", refresh=False)
+                pb.update(1)
+                done.append(f"[{i}]{ppl:.4f},")
+                if i == n:
+                    pb.close()
+                    sys.stderr.write("".join(done) + "\n")
+                return
             end = "\n" if i == n else ""
             sys.stderr.write(f"[{i}]{ppl:.4f}," + end)
             sys.stderr.flush()
@@ -359,7 +398,9 @@ def cmd_plan(a) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="coli", description="Mixture-of-Experts inference: CPU kernels, a device expert tier, experts streamed from disk",
-                                formatter_class=_Help)
+                                formatter_class=_Help,
+                                epilog="environment: " + ", ".join(v.name for v in settings.VARS if not v.dev)
+                                       + " (defaults and units: docs/settings.md)")
     p.add_argument("--version", action="version", version=f"coli {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -526,6 +567,7 @@ def main(argv=None) -> int:
     if a.cmd == "info" and not (a.model_pos or a.model):
         p.error("info: give a MODEL")
     try:
+        settings.check_all()  # a malformed COLI_* variable is one error before any work
         return a.func(a)
     except ColiError as e:
         print(f"coli: {e}", file=sys.stderr)

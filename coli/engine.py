@@ -1,4 +1,4 @@
-"""``coli.Engine``: load a GGUF model, tokenize, run the forward pass on the CPU kernels (experts streamed
+"""``coli.Engine``: load a GGUF model (or a Hugging Face folder, ``coli/hf_folder.py``), tokenize, run the forward pass on the CPU kernels (experts streamed
 through the RAM expert cache, optionally a device tier), generate text.
 
 >>> eng = coli.Engine("SmolLM2-135M-Instruct.Q4_1.gguf", threads=2)
@@ -244,12 +244,14 @@ class Engine:
     history; default ``.coli_usage`` beside the model), ``cpu_act`` ("f32" | "int8"), ``io_threads`` (disk
     readers), ``device`` (None | "vulkan": the expert tier on the best Vulkan device, the CPU alone when
     there is none), ``balance`` (the measured-time balancer; default on with a device), ``trace`` (path of a Chrome trace JSON),
-    ``quiet`` (no notes on stderr). Raises ``ColiError`` for bad files or options.
+    ``quiet`` (no notes on stderr), ``silent`` (not even the device's and the tier's), ``env`` (the
+    ``COLI_*`` settings, ``os.environ`` by default: ``coli.settings.overlay`` puts flags on top, docs/settings.md),
+    ``cli_names`` (errors name CLI flags instead of API arguments). Raises ``ColiError`` for bad files or options.
     """
 
     def __init__(self, path=None, *, threads=None, ctx=None, expert_cache=None, usage=None, cpu_act=None,
                  io_threads=4, device=None, balance=None, trace=None, quiet=True, save_usage=True,
-                 cli_names=False):
+                 cli_names=False, env=None, silent=False):
         import cpu_kernels
         from coli.gguf_file import open_gguf
         from coli.models import model_class
@@ -263,6 +265,8 @@ class Engine:
         self.quiet = quiet
         self.save_usage_on_close = save_usage
         self.cli_names = cli_names  # errors name CLI flags (the CLI) or API arguments
+        self.env = os.environ if env is None else env  # the COLI_* settings passed down (coli.settings.overlay)
+        self.silent = silent  # no device or tier notes on stderr either (the CLI's -q)
         self._kv, self._kv_ids = None, []  # the KV cache kept across keep_kv calls and the ids it holds
         self.io_threads = int(io_threads)
         self.threads = int(threads) if threads is not None else cpu_kernels.default_threads()
@@ -282,10 +286,18 @@ class Engine:
         self.cpu_act = cpu_act or cpu_kernels.DEFAULT_ACT
         if self.cpu_act not in ("f32", "int8"):
             raise ColiError(f"{self._name('cpu_act')}: '{cpu_act}' (f32 or int8)")
-        self.g = open_gguf(self.path)
-        cls = model_class(self.g)
-        self.args = cls.args_from(self.g)
-        self.tokenizer = Tokenizer.from_gguf(self.g)
+        if self.path.is_dir():  # a Hugging Face folder (config.json, *.safetensors, tokenizer.json)
+            from coli.hf_folder import open_folder
+
+            self.g = open_folder(self.path)
+            cls = model_class(self.g)
+            self.args = cls.args_from(self.g)
+            self.tokenizer = self.g.tokenizer()
+        else:
+            self.g = open_gguf(self.path)
+            cls = model_class(self.g)
+            self.args = cls.args_from(self.g)
+            self.tokenizer = Tokenizer.from_gguf(self.g)
         check_vocab_tables(self.g, self.tokenizer.vocab_size)
         self.model = cls(self.g, self.args, None, self.cpu_act)
         a = self.args
@@ -330,7 +342,10 @@ class Engine:
         from scheduler.usage import Usage
 
         a = self.args
-        source = ExpertSource(self.path, self.model.expert_tensors())
+        if hasattr(self.g, "expert_source"):  # a Hugging Face folder: per-expert tensors across its shards
+            source = self.g.expert_source(self.model.expert_tensors())
+        else:
+            source = ExpertSource(self.path, self.model.expert_tensors())
         L = self.model.moe_layers
         E = source.n_experts(L[0])
         per = max(source.expert_nbytes(l) for l in L)
@@ -369,8 +384,12 @@ class Engine:
         try:
             from coli import vulkan as cvk
 
+            from coli import settings
+
+            idx = settings.get("COLI_VK_DEV", self.env)
             self.device = cvk.open_device(self.path.name, ram_cache_bytes=self.ram_cache_bytes,
-                                          dense_bytes=self.model.dense_bytes)
+                                          dense_bytes=self.model.dense_bytes, quiet=self.silent,
+                                          device_index=None if idx < 0 else idx)
         except Exception as e:  # the device may fail in any way: the run goes on on the CPU
             print(f"[VK] {self.path.name}: {type(e).__name__}: {e}, running on the CPU", file=sys.stderr)
             self.device = None
@@ -384,16 +403,18 @@ class Engine:
         dev, src = self.device, self.cache.source
         layers = list(self.model.moe_layers)
         per = max(src.expert_nbytes(l) for l in layers)          # the biggest expert (gate + up + down)
-        budget, rule = getattr(dev, "budget_bytes", None), getattr(dev, "budget_rule", None)
         info = DeviceMemory.of(dev)
-        if budget is None:
-            budget, rule = budget_bytes(info, self.ram_cache_bytes, self.model.dense_bytes)
+        # the one rule, on the settings passed down (a --tier-gb flag is in self.env, not os.environ)
+        budget, rule = budget_bytes(info, self.ram_cache_bytes, self.model.dense_bytes, env=self.env)
+        if hasattr(dev, "budget_bytes"):
+            dev.budget_bytes, dev.budget_rule = budget, rule
         counts = self.usage.counts.copy() if self.usage is not None and self.usage.loaded else None
         own = bool(getattr(dev, "own_queue", getattr(dev, "dedicated_compute_queue", False)))
         self.tier = Tier(dev, self.path.name, self.args.n_layers, src.n_experts(layers[0]), per, int(budget),
                          rule, counts=counts, balancer=Balancer(enabled=True if balance is None else bool(balance)),
                          trace=self.trace, device_name=info.name, own_queue=own, moe_layers=layers,
-                         auto_tokens=True, ram=self.cache)
+                         auto_tokens=True, ram=self.cache, env=self.env,
+                         log=open(os.devnull, "w") if self.silent else None)
         self.tier._say(self.tier.start_line())
         self.tier.warm_start(src.read_raw)
         self.step.tier = self.tier
@@ -425,11 +446,26 @@ class Engine:
         return self.model.new_cache(ctx)
 
     def _check_ids(self, ids):
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        if len(ids) == 0:
+        """``ids`` as int64 [T]: ColiError for an empty list, something not integers (1.5, "abc": never
+        truncated), or an id outside the vocabulary (naming the first such id)."""
+        if isinstance(ids, (str, bytes)):
+            raise ColiError(f"token ids: {ids[:20]!r}... is text, not token ids (give the prompt as text instead)")
+        try:
+            raw = np.asarray(ids)
+        except (TypeError, ValueError) as e:
+            raise ColiError(f"token ids: not a list of integers ({e})") from None
+        if raw.size == 0:
             raise ColiError("prompt: empty (no tokens to run)")
-        if ids.min() < 0 or ids.max() >= self.args.vocab:
-            raise ColiError(f"token ids: outside the vocabulary of {self.args.vocab}")
+        if raw.dtype.kind not in "iu":
+            if raw.dtype.kind == "f" and np.isfinite(raw).all() and (raw == np.round(raw)).all():
+                raw = raw.astype(np.int64)
+            else:
+                raise ColiError(f"token ids: {raw.reshape(-1)[:8].tolist()}... are not integers")
+        ids = raw.astype(np.int64).reshape(-1)
+        bad = (ids < 0) | (ids >= self.args.vocab)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ColiError(f"token ids: id {int(ids[i])} at index {i} is outside the vocabulary of {self.args.vocab}")
         return ids
 
     def _prefill(self, kv, ids, all_logits: bool):
@@ -681,6 +717,8 @@ class Engine:
     @_on_engine_threads
     def _generate_iter(self, ids, n_gen, sampler, stop, stop_at_eos, keep_kv, should_stop):
         """The generation loop as a generator of text pieces; returns the :class:`GenerateResult`."""
+        if self.usage is not None:
+            self.usage.discard_pending()  # routing of a step an earlier call did not finish
         n_same = 0
         if keep_kv and self._kv is not None:
             known = self._kv_ids[: self._kv.pos]
@@ -796,7 +834,8 @@ class Engine:
             except Exception as e:  # the run's tokens are out already; say what failed, don't hide it
                 print(f"[VK] {self.path.name}: tier shutdown failed ({type(e).__name__}: {e})", file=sys.stderr)
         if self.device is not None:
-            print(self.device.report(), file=sys.stderr)
+            if not self.silent:
+                print(self.device.report(), file=sys.stderr)
             try:
                 self.device.close()
             except Exception:

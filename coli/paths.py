@@ -20,7 +20,9 @@ def cache_root() -> tuple[Path, str]:
     ColiError when there is no home folder to put it in."""
     from .errors import ColiError
 
-    root = os.environ.get("COLI_CACHE")
+    from .settings import get
+
+    root = get("COLI_CACHE")
     if root:
         return Path(root), f"COLI_CACHE={root}"
     xdg = os.environ.get("XDG_CACHE_HOME")

@@ -66,8 +66,26 @@ def _num(body, name, lo=None, hi=None, lo_open=False, integer=False):
     return v
 
 
+def _unsupported(body: dict) -> None:
+    """400 for request fields this server cannot honour (rather than ignoring them and answering otherwise)."""
+    for k in ("tools", "functions", "logit_bias", "top_logprobs", "suffix", "best_of"):
+        if body.get(k):
+            raise APIError(400, f"'{k}': not supported by this server", param=k, code="unsupported_parameter")
+    if body.get("tool_choice") not in (None, "none", "auto"):
+        raise APIError(400, "'tool_choice': not supported by this server", param="tool_choice",
+                       code="unsupported_parameter")
+    if body.get("logprobs") not in (None, False, 0):
+        raise APIError(400, "'logprobs': not supported by this server", param="logprobs", code="unsupported_parameter")
+    rf = body.get("response_format")
+    if rf is not None and rf != {"type": "text"}:
+        raise APIError(400, f"'response_format': only {{'type': 'text'}} is supported, got {rf!r:.80}",
+                       param="response_format", code="unsupported_parameter")
+
+
 def sampling_options(body: dict) -> dict:
-    """Engine keywords from an OpenAI request body; APIError (400, naming the field) for a bad value."""
+    """Engine keywords from an OpenAI request body; APIError (400, naming the field) for a bad value or a
+    field this server does not support."""
+    _unsupported(body)
     n = body.get("n")
     if n is not None and n != 1:
         raise APIError(400, f"'n': {n!r}; this server returns one choice (n = 1)", param="n")
@@ -220,6 +238,8 @@ def create_app(eng, model_id: str, aliases=(), max_queue: int = 8):
     The engine is closed when the app's lifespan ends."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
+    from starlette.middleware import Middleware
+    from starlette.middleware.cors import CORSMiddleware
     from starlette.requests import Request
     from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
@@ -395,9 +415,17 @@ def create_app(eng, model_id: str, aliases=(), max_queue: int = 8):
         except APIError as e:
             return error_response(e)
 
+    card = {"id": model_id, "object": "model", "created": created, "owned_by": "coli"}
+
     async def models(request: Request):
-        return JSONResponse({"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
-                                                          "owned_by": "coli"}]})
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def model(request: Request):
+        name = request.path_params["name"]
+        if name not in names:
+            return error_response(APIError(404, f"the model '{name}' does not exist; this server serves "
+                                                f"'{model_id}'", param="model", code="model_not_found"))
+        return JSONResponse(card)
 
     async def health(request: Request):
         w = state["worker"]
@@ -428,8 +456,12 @@ def create_app(eng, model_id: str, aliases=(), max_queue: int = 8):
                             Route("/completions", completions, methods=["POST"]),
                             Route("/v1/models", models, methods=["GET"]),
                             Route("/models", models, methods=["GET"]),
+                            Route("/v1/models/{name:path}", model, methods=["GET"]),
                             Route("/health", health, methods=["GET"])],
-                    exception_handlers={HTTPException: http_error, Exception: any_error}, lifespan=lifespan)
+                    exception_handlers={HTTPException: http_error, Exception: any_error}, lifespan=lifespan,
+                    # browser clients on other origins (web UIs), as llama-server allows them
+                    middleware=[Middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["GET", "POST"],
+                                           allow_headers=["*"])])
     app.state.coli = state
     return app
 

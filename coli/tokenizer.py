@@ -184,6 +184,8 @@ class Tokenizer:
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Token ids of ``text``; control/user-defined token texts in ``text`` become their ids.
         ``add_bos=None`` follows the file (``self.add_bos``)."""
+        if not isinstance(text, str):
+            raise ColiError(f"text: {type(text).__name__} {str(text)[:40]!r} is not a string")
         ids = self.hf.encode(text, add_special_tokens=False).ids
         if self.add_bos if add_bos is None else add_bos:
             if self.bos_id is None:
@@ -199,7 +201,7 @@ class Tokenizer:
         if b is not None:
             return b
         if not 0 <= token_id < self.vocab_size:
-            raise ValueError(f"token id {token_id} out of range (vocabulary of {self.vocab_size})")
+            raise ColiError(f"token id {token_id}: out of range (vocabulary of {self.vocab_size})")
         text = self.tokens[token_id]
         t = int(self.token_type[token_id])
         if t in (CONTROL, USER_DEFINED, UNUSED):
@@ -252,6 +254,7 @@ class Tokenizer:
         ``self.template_fallback`` then says it was used. Every error of the template (syntax, an undefined
         variable used, ``raise_exception``, a Python error inside) is one ``ColiError`` naming
         ``tokenizer.chat_template``."""
+        _check_messages(messages)
         src = self.chat_template
         self.template_fallback = False
         if not src:
@@ -312,6 +315,19 @@ CHATML_TEMPLATE = ("{%- for message in messages -%}\n"
                    "{%- endif -%}")
 
 
+def _check_messages(messages) -> None:
+    """The chat messages are a non-empty list of dicts with a string ``role`` and a ``content`` that is a
+    string, None (an assistant turn with tool calls) or a list of parts (OpenAI's shape). ColiError naming
+    ``messages[i]`` otherwise."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ColiError(f"messages: {type(messages).__name__} (a non-empty list of {{'role', 'content'}} dicts)")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ColiError(f"messages[{i}]: {str(m)[:60]!r} (a dict with a 'role' string)")
+        if not isinstance(m.get("content"), (str, list, type(None))):
+            raise ColiError(f"messages[{i}]['content']: {type(m.get('content')).__name__} (a string)")
+
+
 def _template_error_text(e: Exception) -> str:
     from jinja2.exceptions import TemplateSyntaxError, UndefinedError
 
@@ -320,7 +336,7 @@ def _template_error_text(e: Exception) -> str:
     if isinstance(e, TemplateSyntaxError):
         return f"does not compile: {at}{e.message}"
     if isinstance(e, UndefinedError):
-        return f"{at}{e.message} (the template reads a variable coli does not pass)"
+        return f"{at}{e.message} (the template reads a name or field the messages do not have)"
     return f"{at}{type(e).__name__}: {e}"
 
 

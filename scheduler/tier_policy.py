@@ -25,29 +25,18 @@ SHARED_KINDS = ("integrated", "cpu", "virtual", "other")
 
 
 def _env_float(env, name: str, default: float | None) -> float | None:
-    v = env.get(name)
-    if v is None or v == "":
-        return default
-    try:
-        x = float(v)
-    except ValueError:
-        raise ColiError(f"{name}={v!r}: not a number") from None
-    if not np.isfinite(x) or x < 0:
-        raise ColiError(f"{name}={v!r}: must be a finite number >= 0")
-    return x
+    """``COLI_*`` number from ``env`` through coli.settings (one parser; ColiError naming the variable)."""
+    from coli.settings import get
+
+    v = get(name, env)
+    return default if v is None else float(v)
 
 
 def _env_int(env, name: str, default: int) -> int:
-    v = env.get(name)
-    if v is None or v == "":
-        return default
-    try:
-        x = int(v)
-    except ValueError:
-        raise ColiError(f"{name}={v!r}: not an integer") from None
-    if x < 0:
-        raise ColiError(f"{name}={v!r}: must be >= 0")
-    return x
+    from coli.settings import get
+
+    v = get(name, env)
+    return default if v is None else int(v)
 
 
 # ---------------------------------------------------------------------------------------------------------

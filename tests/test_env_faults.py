@@ -247,3 +247,34 @@ def test_balance_says_the_activations_and_f32_gives_the_same_tokens(demo_path, t
         d = run("--balance", "-n", "1")
         want = f"activations: CPU {cpu_kernels.DEFAULT_ACT}, device {cpu_kernels.DEFAULT_ACT}"
         assert d.returncode == 0 and want in d.stderr, d.stderr
+
+
+# -- found by trying the README as a new user ------------------------------------------------------------------
+def test_api_inputs_of_the_wrong_kind_are_coli_errors(model_path, engine):
+    """Token ids that are not integers were truncated (1.5 -> 1) or raised ValueError; text that is not a string,
+    an id outside the table in detokenize and malformed chat messages raised TypeError/ValueError."""
+    from coli.errors import ColiError
+
+    eng = engine(model_path("smollm2"))
+    for ids, msg in (([1.5], "not integers"), ("abc", "is text"), ([[1, 2], [3]], "not a list of integers"),
+                     ([5, 10**9], "id 1000000000 at index 1")):
+        with pytest.raises(ColiError, match=msg):
+            eng.generate(ids=ids, max_tokens=1)
+    assert eng.logits(np.array([1.0, 2.0])).shape == (2, eng.args.vocab)  # integral floats are ids
+    for text in (None, 123):
+        with pytest.raises(ColiError, match="is not a string"):
+            eng.tokenize(text)
+    with pytest.raises(ColiError, match="token id 1000000000: out of range"):
+        eng.detokenize([10**9])
+    for msgs, msg in (("hello", "messages: str"), ([{"content": "x"}], r"messages\[0\]"),
+                      ([{"role": "user", "content": 5}], r"messages\[0\]\['content'\]")):
+        with pytest.raises(ColiError, match=msg):
+            eng.tokenizer.encode_chat(msgs)
+
+
+def test_cli_empty_text_file(model_path, tmp_path):
+    f = tmp_path / "empty.txt"
+    f.write_text("")
+    r = subprocess.run([PY, "-m", "coli", "perplexity", "-m", str(model_path("smollm2")), "-f", str(f)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 2 and "empty.txt: empty" in r.stderr and "Traceback" not in r.stderr

@@ -16,7 +16,9 @@ __all__ = ["open_device", "wanted", "DeviceLost", "VulkanError", "BudgetExceeded
 
 def wanted(device_flag: str | None = None) -> bool:
     """True when a device is asked for: ``--device vulkan`` or ``COLI_VULKAN=1``."""
-    return device_flag == "vulkan" or os.environ.get("COLI_VULKAN", "") == "1"
+    from coli.settings import get
+
+    return device_flag == "vulkan" or get("COLI_VULKAN")
 
 
 class _FFIProxy:
@@ -34,7 +36,9 @@ class _FFIProxy:
 
 def _load_binding():
     """Import the ``vulkan`` binding; ``COLI_VK_LOADER`` names another loader library to open."""
-    loader = os.environ.get("COLI_VK_LOADER")
+    from coli.settings import get
+
+    loader = get("COLI_VK_LOADER")
     if loader and "vulkan" not in sys.modules:
         import ctypes
         import importlib.util

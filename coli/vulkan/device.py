@@ -66,13 +66,18 @@ def _chk(res: int, what: str) -> None:
 
 
 def _env_int(name: str, default: int) -> int:
-    v = os.environ.get(name)
-    return default if v in (None, "") else int(v)
+    """``COLI_*`` integer through coli.settings (one parser, errors naming the variable)."""
+    from coli.settings import get
+
+    v = get(name)
+    return default if v is None else int(v)
 
 
 def _env_float(name: str, default: float | None) -> float | None:
-    v = os.environ.get(name)
-    return default if v in (None, "") else float(v)
+    from coli.settings import get
+
+    v = get(name)
+    return default if v is None else float(v)
 
 
 def _s(st):
@@ -586,9 +591,11 @@ class Device:
         mapped = [t for t, (fl, h) in enumerate(self._mtypes)
                   if fl & _MEM_DEVICE_LOCAL and fl & _MEM_HOST_VISIBLE and fl & _MEM_HOST_COHERENT]
         mapped_ok = any(self.heaps[self._mtypes[t][1]][0] * 4 >= self.heaps[big][0] for t in mapped)
-        env_st = os.environ.get("COLI_VK_STAGING")
+        from coli.settings import get
+
+        env_st = get("COLI_VK_STAGING")
         if staging is None:
-            staging = (env_st == "1") if env_st not in (None, "") else not mapped_ok
+            staging = env_st if env_st is not None else not mapped_ok
         self.staging = bool(staging)
         if self.staging:
             self._w_req, self._w_pref = _MEM_DEVICE_LOCAL, 0
@@ -644,7 +651,11 @@ class Device:
             buf = ffi.from_buffer("uint32_t[]", code)
             smci.pCode = buf
             pm = ffi.new("VkShaderModule*")
-            _chk(lib.vkCreateShaderModule(self._dev, smci, ffi.NULL, pm), f"vkCreateShaderModule({k}_{t})")
+            r = lib.vkCreateShaderModule(self._dev, smci, ffi.NULL, pm)
+            if r != 0 and k == "gemv_i8dot":    # the driver refuses OpSDot: the emulated kernel instead
+                self.int_dot, self.i8_kernel = False, "gemv_i8emu"
+                continue
+            _chk(r, f"vkCreateShaderModule({k}_{t})")
             self._modules[(k, t)] = pm[0]
         # GEMV: a workgroup of 4 subgroups (at least 32 lanes), one output row per subgroup
         self.gemv_wg = max(32, min(256, 4 * self.subgroup_size))
@@ -721,6 +732,15 @@ class Device:
         self._cmd_pool = pc[0]
 
     def _pipeline(self, kernel: str, type_name: str, mode: int):
+        if kernel == "gemv_i8dot":
+            try:
+                return self._make_pipeline(kernel, type_name, mode)
+            except VulkanError:      # the driver refuses the OpSDot pipeline: the emulated kernel from now on
+                self.int_dot, self.i8_kernel = False, "gemv_i8emu"
+                kernel = "gemv_i8emu"
+        return self._make_pipeline(kernel, type_name, mode)
+
+    def _make_pipeline(self, kernel: str, type_name: str, mode: int):
         key = (kernel, type_name, mode)
         p = self._pipes.get(key)
         if p is not None:

@@ -1,0 +1,168 @@
+"""llama.cpp's habits in ``coli run`` (each flag), ``coli models``, ``--version``, ``--help`` defaults.
+
+The generated text is compared with the library on the same file (``Engine.generate``, greedy, f32
+activations): the CLI must pass each flag through, not re-implement it. Most runs call ``coli.cli.main``
+in-process (stdout and stderr captured); the pipe and ``--version`` go through a real subprocess."""
+from __future__ import annotations
+
+import io
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+P = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def ref(model_path, engine):
+    return engine(model_path("smollm2"), cpu_act="f32")
+
+
+def _run(capsys, *argv, stdin=None, monkeypatch=None):
+    from coli.cli import main
+
+    if stdin is not None:
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _cli(*argv, stdin=None):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "coli", *argv], input=stdin, capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=600)
+
+
+BASE = ("-m", "smollm2", "--cpu-act", "f32", "--temp", "0")
+
+
+def test_file_prompt_quiet_no_display(capsys, tmp_path, ref):
+    """``-f FILE`` reads the prompt; ``--no-display-prompt`` prints only the generated text; ``-q`` leaves
+    stdout alone (stderr empty)."""
+    f = tmp_path / "p.txt"
+    f.write_text(P, encoding="utf-8")
+    rc, out, err = _run(capsys, "run", *BASE, "-f", str(f), "-n", "6", "--no-display-prompt", "-q")
+    assert rc == 0
+    assert out == ref.generate(P, max_tokens=6).text + "\n"
+    assert err == ""
+
+
+def test_stdin_dash_and_stop(capsys, monkeypatch, ref):
+    """``-p -`` reads the prompt from stdin; ``--stop`` (repeatable) cuts before the first stop string found
+    in the library's unstopped text; the prompt is echoed by default."""
+    full = ref.generate(P, max_tokens=12).text
+    stop = re.findall(r" \S+", full)[1]  # a word after a space, in the middle of the text
+    assert full.find(stop) > 0, full
+    rc, out, err = _run(capsys, "run", *BASE, "-p", "-", "-n", "12", "--stop", "@@none@@", "--stop", stop,
+                        stdin=P, monkeypatch=monkeypatch)
+    assert rc == 0
+    assert out == P + full[: full.find(stop)] + "\n"
+    assert "ctx" in err  # the start line (not -q)
+
+
+def test_pipe_prompt_subprocess(ref):
+    """A prompt piped in with no -p is read from stdin (a real pipe, not a terminal)."""
+    r = _cli("run", *BASE, "-n", "4", "-q", stdin=P)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == P + ref.generate(P, max_tokens=4).text + "\n"
+    assert r.stderr == ""
+
+
+def test_repeat_penalty_flags(capsys, ref):
+    """``--repeat-penalty``/``--repeat-last-n`` reach the sampler: the text equals the library's with the same
+    penalty, and the penalty changes the greedy text on this prompt (so the flags are not ignored)."""
+    prompt = "one, two, one, two, one, two, one,"
+    want = ref.generate(prompt, max_tokens=10, repeat_penalty=1.5, repeat_last_n=16).text
+    assert want != ref.generate(prompt, max_tokens=10).text
+    rc, out, _ = _run(capsys, "run", *BASE, "-p", prompt, "-n", "10", "--repeat-penalty", "1.5",
+                      "--repeat-last-n", "16", "--no-display-prompt", "-q")
+    assert rc == 0 and out == want + "\n"
+
+
+def test_min_p_one_is_greedy(capsys, ref):
+    """``--min-p 1`` keeps only the most likely token, so sampling at temperature 1.5 with any seed gives the
+    greedy text."""
+    rc, out, _ = _run(capsys, "run", "-m", "smollm2", "--cpu-act", "f32", "--temp", "1.5", "--min-p", "1",
+                      "--seed", "7", "-p", P, "-n", "6", "--no-display-prompt", "-q")
+    assert rc == 0 and out == ref.generate(P, max_tokens=6).text + "\n"
+
+
+def test_n_minus_one_fills_context(capsys, ref):
+    """``-n -1`` generates until end of generation or the context is full: with ``--ctx 16`` the run stops
+    at the context, like the library with max_tokens=-1."""
+    want = ref.generate(P, max_tokens=16 - len(ref.tokenize(P)), stop_at_eos=True)
+    rc, out, err = _run(capsys, "run", *BASE, "-p", P, "-n", "-1", "--ctx", "16", "--no-display-prompt")
+    assert rc == 0 and out == want.text + "\n"
+    m = re.search(r"decode (\d+) tok", err)
+    assert int(m.group(1)) == len(want.ids) <= 16 - len(ref.tokenize(P))
+
+
+def test_seed_minus_one_printed_and_repeatable(capsys):
+    """``--seed -1`` draws a seed and prints it on the start line; running again with that seed gives the same
+    text."""
+    args = ("run", "-m", "smollm2", "--cpu-act", "f32", "--temp", "1.0", "-p", P, "-n", "8", "--no-display-prompt")
+    rc, out1, err = _run(capsys, *args, "--seed", "-1")
+    assert rc == 0
+    seed = int(re.search(r"seed (\d+)", err).group(1))
+    rc, out2, _ = _run(capsys, *args, "--seed", str(seed), "-q")
+    assert rc == 0 and out2 == out1
+
+
+def test_ctx_default_is_trained_context_capped(capsys, ref, monkeypatch):
+    """The default context is the model's trained context (SmolLM2: 8192, from the file's metadata) unless
+    the KV cache would pass a quarter of the available RAM: then the cap, said in the start line."""
+    from coli import engine as E
+
+    trained = int(ref.g.get("llama.context_length"))
+    assert ref.args.ctx_train == trained == 8192
+    per = E.kv_cache_bytes(ref.args, 1)
+    assert E.default_ctx(ref.args, 10**15) == trained
+    assert E.default_ctx(ref.args, per * 4 * 1000) == 1000
+    monkeypatch.setattr(E, "_available_ram", lambda: per * 4 * 1000)
+    rc, _, err = _run(capsys, "run", *BASE, "-p", P, "-n", "1")
+    assert rc == 0
+    assert "ctx 1000 of 8192 trained (capped by RAM" in err
+
+
+def test_quiet_errors_still_printed(capsys):
+    """``-q`` hides the start and speed lines, not errors: a bad value is one line on stderr, status 2."""
+    rc, out, err = _run(capsys, "run", *BASE, "-p", P, "--min-p", "2", "-q")
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1 and "min_p" in err and "Traceback" not in err
+
+
+def test_version_and_help_defaults():
+    """``--version`` prints the installed package's version; ``run --help`` shows the defaults."""
+    from importlib.metadata import version
+
+    r = _cli("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"coli {version('coli')}"
+    from coli.cli import build_parser
+
+    h = build_parser()._subparsers._group_actions[0].choices["run"].format_help()
+    for flag, default in (("--top-k", "40"), ("--top-p", "0.95"), ("--min-p", "0.05"), ("--repeat-penalty", "1.0"),
+                          ("--repeat-last-n", "64"), ("--seed", "-1"), ("--temp", "0.0")):
+        block = [b for b in re.split(r"\n  (?=-)", h) if re.search(rf"{flag}\b", b) and "[" not in b[:2]]
+        assert block and f"(default: {default})" in " ".join(block[-1].split()), flag
+
+
+def test_model_names_and_models_listing(capsys, model_path):
+    """``-m NAME`` takes the names coli fetches; ``coli models`` lists them with the cache paths; an unknown
+    name is one error listing the names."""
+    from coli.cli import resolve_model
+
+    assert resolve_model("smollm2") == str(model_path("smollm2"))
+    assert resolve_model("qwen2.5-coder-0.5b") == str(model_path("qwen25"))
+    rc, out, _ = _run(capsys, "models")
+    assert rc == 0
+    for name in ("smollm2", "gemma3-270m", "qwen2.5-coder-0.5b", "demo"):
+        assert re.search(rf"^{re.escape(name)} ", out, re.M), name
+    assert str(model_path("smollm2")) in out
+    rc, _, err = _run(capsys, "run", "-m", "llama-9000", "-p", "x")
+    assert rc == 2 and "llama-9000: no such file" in err and "smollm2" in err

@@ -1,0 +1,120 @@
+"""coli/settings.py: every COLI_* variable the code names is declared there and documented, none is read
+from os.environ anywhere else, one parser with one error style naming the variable, and the flags pass their
+values down (the environment untouched)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+from coli import settings
+from coli.errors import ColiError
+
+CODE = [p for d in ("coli", "scheduler", "cpu_kernels", "tests", "scripts") for p in (ROOT / d).rglob("*.py")]
+
+
+def test_every_variable_declared_and_documented():
+    """The COLI_* names in the source (grep) are exactly the declared ones; docs/settings.md holds the
+    generated table as it is now."""
+    found = set()
+    for p in CODE:
+        found |= set(re.findall(r"\bCOLI_[A-Z0-9_]*[A-Z0-9]\b", p.read_text(encoding="utf-8")))
+    found -= {"COLI_FIELDS"}  # a list in coli/bench.py, not a variable
+    assert found == set(settings.BY_NAME)
+    doc = (ROOT / "docs" / "settings.md").read_text(encoding="utf-8")
+    assert settings.markdown_table() in doc
+
+
+def test_read_only_through_settings():
+    """No module of the package reads a COLI_* variable from os.environ itself (tests set them; scripts/
+    print them in their logs)."""
+    pat = re.compile(r"environ(\.get)?[\[(]\s*['\"]COLI_|getenv\(\s*['\"]COLI_")
+    offenders = [str(p.relative_to(ROOT)) for p in CODE
+                 if p.relative_to(ROOT).parts[0] in ("coli", "scheduler", "cpu_kernels") and p.name != "settings.py"
+                 and pat.search(p.read_text(encoding="utf-8"))]
+    assert offenders == []
+
+
+@pytest.mark.parametrize("raw,want", [("1", True), ("0", False), ("yes", True), ("OFF", False), (" true ", True)])
+def test_bool(raw, want):
+    assert settings.get("COLI_VK_TIER_SYNC", {"COLI_VK_TIER_SYNC": raw}) is want
+
+
+def test_defaults_numbers_and_errors():
+    """Unset or empty: the default; numbers parsed; a bad or out-of-range value is one ColiError naming the
+    variable and its value."""
+    assert settings.get("COLI_VK_TIER_RATE", {}) == 16
+    assert settings.get("COLI_VK_TIER_RATE", {"COLI_VK_TIER_RATE": ""}) == 16
+    assert settings.get("COLI_VK_TIER_RATE", {"COLI_VK_TIER_RATE": "4"}) == 4
+    assert settings.get("COLI_VK_TIER_GB", {"COLI_VK_TIER_GB": "1.5"}) == 1.5
+    assert settings.get("COLI_VK_TIER_GB", {}) is None
+    for name, raw, why in (("COLI_VK_TIER_RATE", "x", "not an integer"), ("COLI_VK_TIER_RATE", "-1", "out of range"),
+                           ("COLI_VK_TIER_GB", "lots", "not a number"), ("COLI_VK_TIER_GB", "nan", "not finite"),
+                           ("COLI_VK_TIER_SYNC", "2", "not a yes/no value"), ("COLI_VK_DEV", "-2", "out of range")):
+        with pytest.raises(ColiError, match=rf"^{name}='{re.escape(raw)}': {why} \("):
+            settings.get(name, {name: raw})
+
+
+def test_tier_and_device_readers_use_the_one_parser():
+    """The tier's budget rule and the device's knobs go through settings (same message)."""
+    from scheduler.tier_policy import DeviceMemory, budget_bytes
+
+    with pytest.raises(ColiError, match=r"^COLI_VK_TIER_GB='lots': not a number \(a number >= 0, GiB"):
+        budget_bytes(DeviceMemory("d", "discrete", 2 << 30), 0, 0, env={"COLI_VK_TIER_GB": "lots"})
+
+
+def test_overlay_flags_leave_environment_alone():
+    """overlay: flags on top of the environment (checked), os.environ itself unchanged."""
+    before = dict(os.environ)
+    env = settings.overlay(None, COLI_VK_DEV=1, COLI_VK_TIER_GB=0.5, COLI_VK_TIER_SYNC=True, COLI_VK_TIER_RATE=None)
+    assert settings.get("COLI_VK_DEV", env) == 1 and settings.get("COLI_VK_TIER_GB", env) == 0.5
+    assert settings.get("COLI_VK_TIER_SYNC", env) is True
+    assert dict(os.environ) == before
+    with pytest.raises(ColiError, match="^COLI_VK_TIER_GB="):
+        settings.overlay({}, COLI_VK_TIER_GB=-1)
+
+
+def test_cli_bad_variable_is_one_error():
+    """A malformed variable stops any command before work: one line naming it, status 2."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), COLI_VK_TIER_RATE="many")
+    r = subprocess.run([sys.executable, "-m", "coli", "models"], capture_output=True, text=True, env=env, cwd=ROOT,
+                       timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.startswith("coli: COLI_VK_TIER_RATE='many': not an integer") and r.stderr.count("\n") == 1
+
+
+def test_device_flags_parsed(capsys):
+    """--device vulkan:N, --tier-gb and --reproducible are checked before a model loads."""
+    from coli.cli import main
+
+    for argv, msg in ((["--device", "vulkan:x"], "--device vulkan:x: N is a device number"),
+                      (["--tier-gb", "-1"], "--tier-gb: -1.0"),
+                      (["--reproducible", "--balance"], "--reproducible runs without the balancer"),
+                      (["--device", "gpu"], "--device: 'gpu'")):
+        assert main(["run", "-m", "smollm2", "-p", "x", *argv]) == 2
+        assert msg in capsys.readouterr().err
+
+
+def test_flags_reach_the_tier(tmp_path):
+    """On the device (Lavapipe here): --tier-gb sets the tier's budget, --reproducible its sync and no balancer,
+    passed down through Engine(env=...), not through os.environ; the device did the work."""
+    from tiny_moe import build_tiny_moe
+
+    from coli.engine import Engine
+
+    path = build_tiny_moe(tmp_path)
+    gb = 0.0001
+    env = settings.overlay(None, COLI_VK_TIER_GB=gb, COLI_VK_TIER_SYNC=True)
+    with Engine(path, device="vulkan", balance=False, env=env, save_usage=False, ctx=32) as eng:
+        if eng.tier is None:
+            pytest.skip("no Vulkan device opens here")
+        assert eng.tier.budget == int(gb * (1 << 30)) and eng.tier.sync
+        assert not eng.tier.balancer.enabled
+        eng.generate(ids=[1, 2, 3], max_tokens=4, stop_at_eos=False)
+        assert eng.device.dispatches > 0
+    assert "COLI_VK_TIER_GB" not in os.environ
