@@ -404,7 +404,9 @@ def cmd_plan(a) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="coli", description="Mixture-of-Experts inference: CPU kernels, a device expert tier, experts streamed from disk",
-                                formatter_class=_Help)
+                                formatter_class=_Help,
+                                epilog="environment: " + ", ".join(v.name for v in settings.VARS if not v.dev)
+                                       + " (defaults and units: docs/settings.md)")
     p.add_argument("--version", action="version", version=f"coli {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
 

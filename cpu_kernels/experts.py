@@ -118,7 +118,7 @@ def _r_f32(ds, k, o):
 
 
 # ----------------------------------------------------------------------------------------------- row dots
-@njit(inline="always", **_JIT)
+@njit(**_JIT)
 def _block_i8(ds, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out):
     """out[dst[p], oe + o] = W[o] . row src[p] for o in c0:c1, p in p0:p1 (int8 activations): the format
     branch taken once per work item, so each inner loop is one format's code."""
@@ -177,7 +177,7 @@ def _block_i8(ds, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out):
                 out[dst[p], oe + o] = row_q6_k(q, sc, d, xq[r], xd[r])
 
 
-@njit(inline="always", **_JIT)
+@njit(**_JIT)
 def _decode_row(ds, o, buf):
     """Weight row ``o`` decoded to f32 into ``buf`` [I] (ggml's dequantize_row_* in the packed layouts of
     ``formats``; the same formulas as ``formats._dec_*``)."""
@@ -265,6 +265,8 @@ def _act(g, u, kind, limit):
     if limit > 0.0:
         g = min(g, limit)
         u = min(max(u, -limit), limit)
+    if g < np.float32(-80.0):  # exp(-g) would overflow f32, and fastmath assumes no inf: silu(g) < 1e-33 here
+        return _F0 * u
     return g / (np.float32(1.0) + math.exp(-g)) * u
 
 
