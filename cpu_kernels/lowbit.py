@@ -1,4 +1,5 @@
-"""CPU kernels of the low-bit GGUF formats Q5_1, Q2_K, Q3_K, IQ4_NL and IQ4_XS (rows of ``cpu_kernels.formats.FORMATS``).
+"""CPU kernels of the low-bit GGUF formats Q5_1, Q2_K, Q3_K, IQ4_NL, IQ4_XS, TQ1_0 and TQ2_0 (rows of
+``cpu_kernels.formats.FORMATS``).
 
 Block layouts are ggml's (``ggml/src/ggml-common.h`` ``block_q5_1``, ``block_q2_K``, ``block_q3_K``,
 ``block_iq4_nl``, ``block_iq4_xs``; decoding as ``ggml/src/ggml-quants.c`` ``dequantize_row_*``, mirrored by
@@ -15,6 +16,8 @@ Q3_K    256    110     hmask[32], qs[64], scales[12] (16 6-bit scales, bias 32),
 IQ4_NL  32     18      d, qs[16] (lo nibble: j, hi: j+16) indices into kvalues_iq4nl; w = d*kvalues[q]
 IQ4_XS  256    136     d, scales_h u16, scales_l[4], qs[128]; sub-block ib of 32: ls = scales_l nibble ib |
                        (2 bits ib of scales_h) << 4, w = d*(ls-32)*kvalues[q] (codes as IQ4_NL per 32)
+TQ1_0   256    54      qs[48], qh[4] (base-3 digits, 5 per byte; ``tq1_0_codes``), d; w = d*(t-1), t in 0..2
+TQ2_0   256    66      qs[64] (2-bit codes in Q2_K's order), d; w = d*(q-1)
 ======  =====  ======  ==========================================================================================
 
 Kernel layouts (``pack`` at ``prepare``; memory cost in docs/formats.md):
@@ -29,6 +32,8 @@ Kernel layouts (``pack`` at ``prepare``; memory cost in docs/formats.md):
   with constant shifts (one shift, one mask per byte: this vectorizes, unlike a table gather); sub-block scales
   unpacked to uint8 (Q2_K scale, min) / int8 (Q3_K, bias removed), d and dmin to f32. Widening the codes to
   bytes would cost 3x the file's memory for the formats people pick to save memory.
+* TQ2_0, TQ1_0 (ternary): Q2_K's layout with every scale and min 1 and dmin = d (TQ1_0's base-3 digits decoded
+  at prepare time into TQ2_0's 2-bit codes), so they run the Q2_K kernels, VNNI GEMV included.
 
 Kernels take the packed fields, then ``x f32 [I], out f32 [O]`` (GEMV) or ``x f32 [T, I], out f32 [T, O]``
 (GEMM), as the rows of ``formats.py``. The GEMMs decode 16 weight rows into an f32 buffer and run
@@ -308,6 +313,43 @@ def _pack_iq4_xs(raw, O, I):
     return q, _c((d[..., None] * ls.astype(np.float32)).astype(np.float32), O)
 
 
+def _pack_tq2_0(raw, O, I):
+    # block_tq2_0 {qs[64]; d}: element 128n + 32j + l is (qs[32n + l] >> 2j) & 3, minus 1 (dequantize_row_tq2_0),
+    # which is Q2_K's code order: run the Q2_K kernels with every scale and min 1 and dmin = d (w = d*q - d).
+    nb = I // 256
+    b = _blocks(raw, O, nb, 66)
+    one = np.ones((O, nb * 16), np.uint8)
+    d = _c(_f16(b[:, :, 64:66]), O)
+    return _c(b[:, :, 0:64], O), one, one.copy(), d, d.copy()
+
+
+_POW3 = np.array([1, 3, 9, 27, 81], np.uint8)
+
+
+def tq1_0_codes(blocks: np.ndarray) -> np.ndarray:
+    """block_tq1_0 bytes (uint8 [..., 54]: qs[48], qh[4], d) -> ternary codes 0..2 (uint8 [..., 256]) in element
+    order, as dequantize_row_tq1_0: a byte holds 5 (qh: 4) base-3 digits, digit k = ((byte * 3^k) mod 256 * 3) >> 8;
+    elements 0-159 from qs[0:32] (digit k: elements 32k..32k+31), 160-239 from qs[32:48] (16 per digit),
+    240-255 from qh (4 per digit)."""
+    def digits(q, n):   # q uint8 [..., m] -> [..., n * m], digit-major
+        v = (q[..., None, :] * _POW3[:n, None]).astype(np.uint16)   # uint8 products wrap mod 256
+        return ((v * 3) >> 8).astype(np.uint8).reshape(q.shape[:-1] + (n * q.shape[-1],))
+    return np.concatenate([digits(blocks[..., 0:32], 5), digits(blocks[..., 32:48], 5),
+                           digits(blocks[..., 48:52], 4)], axis=-1)
+
+
+def _pack_tq1_0(raw, O, I):
+    # The ternary digits decoded at prepare time and stored as TQ2_0's 2-bit codes (Q2_K's order): then the Q2_K
+    # kernels, as TQ2_0 (104 bytes per 54-byte block: 1.93x; int8 codes would be 5.3x).
+    nb = I // 256
+    b = _blocks(raw, O, nb, 54)
+    t = tq1_0_codes(b).reshape(O, nb, 2, 4, 32)                       # [.., n, j, l]
+    qs = (t[:, :, :, 0] | (t[:, :, :, 1] << 2) | (t[:, :, :, 2] << 4) | (t[:, :, :, 3] << 6)).astype(np.uint8)
+    one = np.ones((O, nb * 16), np.uint8)
+    d = _c(_f16(b[:, :, 52:54]), O)
+    return _c(qs, O), one, one.copy(), d, d.copy()
+
+
 def rows(row, vnni):
     """FORMATS entries of this module, built with ``formats._row``; ``vnni``: the cpu_kernels.vnni module."""
     return [
@@ -316,4 +358,6 @@ def rows(row, vnni):
         row("Q3_K", 256, 110, _pack_q3_k, gemv_q3_k, gemm_q3_k, "q3_k", True, vnni.gemv_i8_q3_k),
         row("IQ4_NL", 32, 18, _pack_iq4_nl, gemv_q8_0, gemm_q8_0, "iq4_nl", True, vnni.gemv_i8_q8),
         row("IQ4_XS", 256, 136, _pack_iq4_xs, gemv_q8_0, gemm_q8_0, "iq4_xs", True, vnni.gemv_i8_q8),
+        row("TQ1_0", 256, 54, _pack_tq1_0, gemv_q2_k, gemm_q2_k, "tq1_0", True, vnni.gemv_i8_q2_k),
+        row("TQ2_0", 256, 66, _pack_tq2_0, gemv_q2_k, gemm_q2_k, "tq2_0", True, vnni.gemv_i8_q2_k),
     ]

@@ -12,7 +12,7 @@
 #      test_oracles, test_threading) on the NVIDIA device;
 #   3. scripts/bench_vs_llamacpp.py on the synthetic MoE, threads 16,8,4,1 (pp128 / tg64, one round of -r 1
 #      each: the time allows no more; a prompt test that dies of SIGILL in AMX code is rerun with --repack 0);
-#   4. scripts/h200_tier_run.sh's bench_tier.py at 50 %: cpu / tier / balanced alternating (H2_RUNS=3,
+#   4. scripts/h200_tier_run.sh's bench_tier.py at 50 %: cpu / tier / balanced alternating (H2_RUNS=2,
 #      --warm-gen 32), 16 threads.
 # Everything goes to $OUT: check.log (all output), pytest.log, vs_llama.json, bench_tier_50.json, summary.md.
 # Locally (a toy file, the cached llama-bench, no pytest), to check the command lines:
@@ -79,7 +79,7 @@ ls -la "$MODEL" || exit 4
 
 say "coli beside llama.cpp, threads 16,8,4,1 ($(left) s left)"
 if [ -x "$LLB" ]; then
-  timeout $(( $(left) - 170 > 60 ? $(left) - 170 : 60 )) $PY scripts/bench_vs_llamacpp.py -m "$MODEL" -t ${H2_VS_THREADS:-16,8,4,1} \
+  timeout $(( $(left) - 140 > 60 ? $(left) - 140 : 60 )) $PY scripts/bench_vs_llamacpp.py -m "$MODEL" -t ${H2_VS_THREADS:-16,8,4,1} \
     --rounds 1 -r 1 --llama-bench "$LLB" --json "$OUT/vs_llama.json"
   say "bench_vs_llamacpp rc $?"
 else
@@ -87,7 +87,7 @@ else
 fi
 
 say "the tier's arms at 50 % ($(left) s left)"
-H2_SETUP=0 PY=$PY OUT="$OUT" H2_DEADLINE=$(( $(left) - 5 )) H2_CB=0 H2_BT=50 H2_RUNS=${H2_RUNS:-3} \
+H2_SETUP=0 PY=$PY OUT="$OUT" H2_DEADLINE=$(( $(left) - 5 )) H2_CB=0 H2_BT=50 H2_RUNS=${H2_RUNS:-2} \
   H2_THREADS=${H2_THREADS:-16} H2_BT_OPTS="--warm-gen 32" H2_MODEL="$MODEL" H2_SYNTH="$SYNTH" \
   bash scripts/h200_tier_run.sh > /dev/null 2>&1
 tail -25 "$OUT/run.log"

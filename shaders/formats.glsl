@@ -83,6 +83,16 @@
 #define TYPE_SIZE 136u
 #define ROW_BYTES(I) (((I) / 256u) * 136u)
 #include "fmt_iq4_xs.glsl"
+#elif defined(FMT_TQ1_0)
+#define BLOCK_SIZE 256u
+#define TYPE_SIZE 54u
+#define ROW_BYTES(I) (((I) / 256u) * 54u)
+#include "fmt_tq1_0.glsl"
+#elif defined(FMT_TQ2_0)
+#define BLOCK_SIZE 256u
+#define TYPE_SIZE 66u
+#define ROW_BYTES(I) (((I) / 256u) * 66u)
+#include "fmt_tq2_0.glsl"
 #elif defined(FMT_IQ2_XXS)
 #define BLOCK_SIZE 256u
 #define TYPE_SIZE 66u

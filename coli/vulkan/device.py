@@ -651,7 +651,11 @@ class Device:
             buf = ffi.from_buffer("uint32_t[]", code)
             smci.pCode = buf
             pm = ffi.new("VkShaderModule*")
-            _chk(lib.vkCreateShaderModule(self._dev, smci, ffi.NULL, pm), f"vkCreateShaderModule({k}_{t})")
+            r = lib.vkCreateShaderModule(self._dev, smci, ffi.NULL, pm)
+            if r != 0 and k == "gemv_i8dot":    # the driver refuses OpSDot: the emulated kernel instead
+                self.int_dot, self.i8_kernel = False, "gemv_i8emu"
+                continue
+            _chk(r, f"vkCreateShaderModule({k}_{t})")
             self._modules[(k, t)] = pm[0]
         # GEMV: a workgroup of 4 subgroups (at least 32 lanes), one output row per subgroup
         self.gemv_wg = max(32, min(256, 4 * self.subgroup_size))
@@ -728,6 +732,15 @@ class Device:
         self._cmd_pool = pc[0]
 
     def _pipeline(self, kernel: str, type_name: str, mode: int):
+        if kernel == "gemv_i8dot":
+            try:
+                return self._make_pipeline(kernel, type_name, mode)
+            except VulkanError:      # the driver refuses the OpSDot pipeline: the emulated kernel from now on
+                self.int_dot, self.i8_kernel = False, "gemv_i8emu"
+                kernel = "gemv_i8emu"
+        return self._make_pipeline(kernel, type_name, mode)
+
+    def _make_pipeline(self, kernel: str, type_name: str, mode: int):
         key = (kernel, type_name, mode)
         p = self._pipes.get(key)
         if p is not None:
