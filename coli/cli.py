@@ -348,7 +348,13 @@ def cmd_perplexity(a) -> int:
 def cmd_info(a) -> int:
     from coli.gguf_file import describe, open_gguf
 
-    g = open_gguf(a.model_pos or a.model)
+    path = a.model_pos or a.model
+    if path is not None and os.path.isdir(path):  # a Hugging Face folder, as coli reads it (coli/hf_folder.py)
+        from coli.hf_folder import open_folder
+
+        g = open_folder(path)
+    else:
+        g = open_gguf(path)
     print(describe(g))
     return 0
 

@@ -161,6 +161,8 @@ class HFModel:
     config: dict
     experts: dict = field(default_factory=dict)  # (layer, gguf name) -> [ (weight _Src, scale _Src | None) ] per expert
     _maps: list = field(default_factory=list, repr=False)
+    file_size: int = 0  # bytes of the safetensors files (coli info)
+    version: str = "Hugging Face folder"
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.meta.get(key, default)
@@ -416,7 +418,8 @@ def open_folder(path) -> HFModel:
     rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if rp.get("rope_type", rp.get("type")) == "llama3":
         tensors["rope_freqs.weight"] = _llama3_freqs(rp, meta[f"{a}.rope.dimension_count"])
-    g = HFModel(path=folder, arch=a, meta=meta, tensors=tensors, config=cfg, experts=parts, _maps=maps)
+    g = HFModel(path=folder, arch=a, meta=meta, tensors=tensors, config=cfg, experts=parts, _maps=maps,
+                file_size=sum((folder / f).stat().st_size for f in files))
     return g
 
 

@@ -52,6 +52,9 @@ FC_F32, FC_Q8, FC_Q4_0, FC_Q4_1, FC_Q4_K, FC_Q5_K, FC_Q6_K = range(7)
 FORMAT_CODE = {"F32": FC_F32, "F16": FC_F32, "BF16": FC_F32, "Q8_0": FC_Q8, "Q5_0": FC_Q8, "MXFP4": FC_Q8,
                "Q4_0": FC_Q4_0, "Q4_1": FC_Q4_1, "Q4_K": FC_Q4_K, "Q5_K": FC_Q5_K, "Q6_K": FC_Q6_K,
                "IQ4_NL": FC_Q8, "IQ4_XS": FC_Q8}   # cpu_kernels.lowbit packs both in Q8_0's layout
+# cpu_kernels.iquants packs these i-quants in Q8_0's layout (int8 codes, f32 scale per 32); IQ2_XS, IQ2_S and
+# IQ1_M (a scale per 16) have no code yet: supports() is False for them
+FORMAT_CODE.update({"IQ2_XXS": FC_Q8, "IQ3_XXS": FC_Q8, "IQ3_S": FC_Q8, "IQ1_S": FC_Q8})
 
 I8 = 0
 F32 = 1

@@ -73,3 +73,6 @@ def gemm(q, d, x, out):
 # the registry row (the table marks it coli's own and CPU only: coli/tensor_types.py)
 _formats.FORMATS.update([_formats._row(NAME, BLOCK, TYPE_SIZE, pack, gemv, gemm, NAME.lower(), True, None,
                                        "E4M3 codes are not integers: act=int8 runs these kernels on the rounded x")])
+# and its CPU column in the table, here too: when this module is imported first, formats.py's registration loop
+# runs (inside the import of formats above) before this row exists
+_formats._TT.register("cpu", NAME, f"{gemv.__module__}.{gemv.__name__}")

@@ -101,6 +101,14 @@ def test_cli_runs_a_folder(tmp_path):
     assert r.stdout.strip(), r.stdout
 
 
+def test_cli_info_describes_a_folder():
+    r = subprocess.run([sys.executable, "-m", "coli", "info", str(FOLDER)], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "Hugging Face folder" in r.stdout and "qwen3moe" in r.stdout
+    assert "blk.0.attn_q.weight" in r.stdout and "FP8_E4M3_B128" in r.stdout
+
+
 def _broken(tmp_path, edit):
     dst = tmp_path / "m"
     shutil.copytree(FOLDER, dst)
