@@ -12,7 +12,8 @@ else it is built there once by ``scripts/build_llama_bench.sh`` (from the ``llam
 ``--llama-src TARBALL``, a tar of llama.cpp's tree such as ../shared/peers' trimmed one, on a machine
 without network). ``GGML_NATIVE`` builds turn on llama.cpp's AMX code where the CPU reports AMX; on some VMs
 the prompt test then dies with an illegal instruction (SIGILL, exit 132): that test is run again with
-``--repack 0`` (no repacked "extra buffer" weights, so no AMX) and the table says so.
+``--repack 0`` (no repacked "extra buffer" weights, so no AMX) and the table says so; a test killed by another
+signal (a SIGSEGV of the prompt test was seen on the 2-core VM) is retried the same way.
 
 Prints one table (model, threads, coli pp/tg, llama.cpp pp/tg, ratios, load average before/after each
 model's runs) and writes every record to ``--json``.
@@ -114,10 +115,15 @@ def run_llama(exe: Path, model: Path, threads: int, test: str, n: int, reps: int
         r = subprocess.run(cmd, capture_output=True, text=True)
         out["rc"] = r.returncode
         out["cmd"] = " ".join(cmd)
-        if r.returncode in SIGILL_CODES and attempt == 0:
-            out["sigill"] = True
-            log(f"  llama-bench {test}{n} t={threads}: illegal instruction (exit {r.returncode}, AMX code on a "
-                f"CPU that refuses it); running it again with --repack 0")
+        if attempt == 0 and (r.returncode < 0 or r.returncode > 128):
+            # killed by a signal: SIGILL is AMX code on a CPU that refuses it; a SIGSEGV of the prompt test was
+            # seen here too (2026-11-30, 2-core VM): both are retried without the repacked weights
+            sig = -r.returncode if r.returncode < 0 else r.returncode - 128
+            name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else f"signal {sig}"
+            out["sigill"] = r.returncode in SIGILL_CODES
+            out["signal"] = name
+            what = "illegal instruction (AMX code on a CPU that refuses it)" if out["sigill"] else f"killed by {name}"
+            log(f"  llama-bench {test}{n} t={threads}: {what}, exit {r.returncode}; running it again with --repack 0")
             out["repack0"] = True
             continue
         if r.returncode != 0:
@@ -206,8 +212,8 @@ def main(argv=None) -> int:
                         rt = run_llama(exe, path, t, "tg", a.n_gen, a.repetitions)
                         for r in (rp, rt):
                             if r.get("repack0"):
-                                notes.add(f"llama.cpp pp: SIGILL, rerun with --repack 0" if r is rp
-                                          else "llama.cpp tg: SIGILL, rerun with --repack 0")
+                                notes.add(f"llama.cpp {'pp' if r is rp else 'tg'}: {r.get('signal', 'SIGILL')}, "
+                                          f"rerun with --repack 0")
                             if r.get("ts") is None:
                                 notes.add("llama.cpp failed: " + str(r.get("error", ""))[-80:])
                         lp.append(rp.get("ts"))
