@@ -1,0 +1,206 @@
+#!/usr/bin/env python3
+"""Build a mixed-quant MoE as the "dynamic" low-bit releases make them, from the demo MoE, with llama.cpp's own
+tools, and check coli's perplexity on it against llama.cpp's.
+
+    python scripts/make_mixed_moe.py [--bin DIR] [--src GGUF] [-o GGUF] [--text FILE] [--ctx 128] [--threads 2]
+                                     [--check-only]
+
+Steps (llama.cpp from the llama-cpp-python sdist, built into ``~/.cache/coli/llama.cpp/build/bin`` by default):
+
+1. ``llama-imatrix`` on the source (``coli.demo.demo_model_path()``: the demo MoE, Q8_0 experts) over the first
+   half of the text -> an importance matrix (the i-quants below IQ3 need one).
+2. ``llama-quantize --allow-requantize --imatrix ...`` with one ``--tensor-type`` per tensor group (``RECIPE``).
+   The demo's width d = 576 is not a multiple of 256, so only the tensors whose rows are 1536 wide
+   (``ffn_down_exps``) can hold 256-blocks (i-quants, K-quants); for the others the recipe names what llama.cpp
+   itself substitutes when a row is not whole 256-blocks (``llama-quant.cpp``: IQ* -> IQ4_NL, Q4_K -> Q5_0,
+   Q6_K -> Q8_0). ``ffn_down_exps`` runs through all seven i-quants by layer, IQ2_XXS for most of them (as
+   the dynamic releases: lower bits in the middle, more at the ends), so a real file exercises every kernel.
+3. The check: ``llama-perplexity -c CTX`` on the second half of the text (its first ``--eval-chars``), and coli on the same tokens with the
+   same convention (``coli_perplexity``): the text tokenized once (BOS first when the vocabulary adds it), cut
+   into ``len // CTX`` chunks of CTX tokens, the first token of each chunk replaced by BOS, each chunk run from a
+   fresh KV cache, and only the second half scored: the logits at positions CTX/2 .. CTX-2 against the next
+   tokens (llama.cpp ``tools/perplexity/perplexity.cpp``: ``first = n_ctx/2``, ``n_ctx - 1 - first`` tokens a
+   chunk). PPL = exp(mean NLL). Exit status 1 when the two differ by more than 1%.
+
+``-nr`` (no repacked weights): with repacking, llama-imatrix on this CPU (AVX-512, AMX) died of SIGSEGV; the
+same reason ``scripts/bench_vs_llamacpp.py`` reruns with ``--repack 0``.
+
+Text: ``--text`` or, by default, the Python standard library's ``LICENSE.txt`` (stable per Python release).
+The output is refused when it exists and is not this script's (GGUF ``general.name`` != ``NAME``).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+NAME = "coli mixed-quant demo MoE (i-quant experts)"
+
+# ffn_down_exps type per layer (30 layers): IQ3_XXS/IQ3_S at the ends, IQ2_XXS in the middle, and one layer each
+# of the other i-quants so every kernel runs on real llama.cpp-quantized blocks.
+DOWN_BY_LAYER = {0: "iq3_xxs", 1: "iq3_s", 2: "iq2_s", 3: "iq2_xs", 14: "iq1_m", 15: "iq1_s",
+                 28: "iq3_s", 29: "iq3_xxs"}
+DOWN_DEFAULT = "iq2_xxs"
+RECIPE = [
+    # (regex on the tensor name, type): llama-quantize --tensor-type, first match wins
+    *[(rf"blk\.{i}\.ffn_down_exps", t) for i, t in DOWN_BY_LAYER.items()],
+    (r"ffn_down_exps", DOWN_DEFAULT),
+    (r"ffn_(gate|up)_exps", "iq4_nl"),       # IQ2_XXS/IQ3_XXS wanted; rows are 576 wide: llama.cpp's IQ4_NL
+    (r"attn_v", "q8_0"),                      # Q6_K wanted; 576-wide rows: llama.cpp's Q8_0
+    (r"attn_(q|k|output)", "q5_0"),           # Q4_K wanted; 576-wide rows: llama.cpp's Q5_0
+]
+EMBD_TYPE = "q8_0"
+BASE_FTYPE = "IQ2_XXS"
+
+
+def die(msg: str) -> None:
+    print(f"make_mixed_moe: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def default_text() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
+
+
+def run(cmd: list[str], log: Path) -> str:
+    print("+ " + " ".join(cmd), file=sys.stderr)
+    with open(log, "w") as f:
+        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+    text = log.read_text(errors="replace")
+    if r.returncode != 0:
+        die(f"{Path(cmd[0]).name} failed (exit {r.returncode}); last lines of {log}:\n" + "\n".join(text.splitlines()[-15:]))
+    return text
+
+
+def general_name(path: Path) -> str | None:
+    from gguf import GGUFReader
+
+    try:
+        f = GGUFReader(str(path)).fields.get("general.name")
+    except Exception:
+        return None
+    return None if f is None else bytes(f.parts[f.data[0]]).decode(errors="replace")
+
+
+def coli_perplexity(model: Path, text: str, ctx: int, threads: int) -> tuple[float, int, int]:
+    """(PPL, chunks, tokens scored) with llama-perplexity's convention (module docstring)."""
+    import numpy as np
+
+    import coli
+
+    eng = coli.Engine(str(model), threads=threads, ctx=ctx, quiet=True, save_usage=False)
+    try:
+        ids = eng.tokenize(text)
+        bos = eng.tokenizer.bos_id if eng.tokenizer.add_bos else None
+        n_chunk = len(ids) // ctx
+        first = ctx // 2
+        total, n = 0.0, 0
+        for c in range(n_chunk):
+            chunk = list(ids[c * ctx:(c + 1) * ctx])
+            if bos is not None:
+                chunk[0] = bos
+            lg = eng.logits(chunk)[first:ctx - 1].astype(np.float64)
+            m = lg.max(axis=1, keepdims=True)
+            lse = m[:, 0] + np.log(np.exp(lg - m).sum(axis=1))
+            tgt = np.asarray(chunk[first + 1:ctx])
+            total += float((lse - lg[np.arange(len(tgt)), tgt]).sum())
+            n += len(tgt)
+    finally:
+        eng.close()
+    return math.exp(total / n), n_chunk, n
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bin", type=Path, default=Path.home() / ".cache/coli/llama.cpp/build/bin",
+                    help="folder with llama-imatrix, llama-quantize, llama-perplexity")
+    ap.add_argument("--src", type=Path, help="source GGUF (default: the demo MoE, Q8_0 experts)")
+    ap.add_argument("-o", "--out", type=Path, help="output GGUF (default: beside the demo MoE)")
+    ap.add_argument("--text", type=Path, default=None, help="UTF-8 text (default: the stdlib's LICENSE.txt)")
+    ap.add_argument("--ctx", type=int, default=128, help="perplexity chunk length (tokens)")
+    ap.add_argument("--eval-chars", type=int, default=4000,
+                    help="characters of the second half to score (the check compares arithmetic, not the text's "
+                         "perplexity, so a few chunks suffice)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--check-only", action="store_true", help="skip the build; check an existing output")
+    a = ap.parse_args(argv)
+
+    tools = {t: a.bin / t for t in ("llama-imatrix", "llama-quantize", "llama-perplexity")}
+    for t, p in tools.items():
+        if not os.access(p, os.X_OK):
+            die(f"{p}: not found or not executable (--bin: the llama.cpp build folder)")
+    text_path = a.text or default_text()
+    try:
+        text = text_path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        die(f"--text {text_path}: {e}")
+    half = len(text) // 2
+    cut = text.rfind("\n", 0, half) + 1 or half
+    calib, evalt = text[:cut], text[cut:]
+    end = evalt.rfind("\n", 0, a.eval_chars) + 1 if len(evalt) > a.eval_chars else len(evalt)
+    evalt = evalt[:end or a.eval_chars]
+
+    if a.src is None:
+        from coli.demo import demo_model_path
+
+        a.src = Path(demo_model_path())
+    out = a.out or a.src.with_name("smollm2-moe-mixed-iq.gguf")
+    work = Path(tempfile.mkdtemp(prefix="mixed_moe_"))
+    (work / "calib.txt").write_text(calib, encoding="utf-8")
+    (work / "eval.txt").write_text(evalt, encoding="utf-8")
+    thr = ["-t", str(a.threads)]
+
+    if not a.check_only:
+        if out.exists() and general_name(out) != NAME:
+            die(f"{out}: exists and was not written by this script (general.name != {NAME!r}); pick another -o")
+        imat = work / "imatrix.gguf"
+        t0 = time.time()
+        run([str(tools["llama-imatrix"]), "-m", str(a.src), "-f", str(work / "calib.txt"), "-o", str(imat),
+             "-c", str(a.ctx), "-b", str(a.ctx), *thr, "--no-ppl", "-nr"], work / "imatrix.log")
+        if not imat.exists():  # older builds write .dat regardless of the name's extension
+            die(f"llama-imatrix wrote no {imat}; see {work / 'imatrix.log'}")
+        tt = []
+        for pat, typ in RECIPE:
+            tt += ["--tensor-type", f"{pat}={typ}"]
+        tmp = out.with_name(out.name + ".part")
+        run([str(tools["llama-quantize"]), "--allow-requantize", "--imatrix", str(imat),
+             "--token-embedding-type", EMBD_TYPE, *tt, "--override-kv", f"general.name=str:{NAME}",
+             str(a.src), str(tmp), BASE_FTYPE, str(a.threads)], work / "quantize.log")
+        os.replace(tmp, out)
+        print(f"built {out} ({out.stat().st_size / 2**20:.1f} MiB) in {time.time() - t0:.0f} s", file=sys.stderr)
+
+    from coli.gguf_file import open_gguf
+
+    g = open_gguf(str(out))
+    counts: dict[str, int] = {}
+    for t in g.tensors.values():
+        counts[t.type_name] = counts.get(t.type_name, 0) + 1
+    print("tensor types: " + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())))
+
+    log = run([str(tools["llama-perplexity"]), "-m", str(out), "-f", str(work / "eval.txt"), "-c", str(a.ctx),
+               "-b", str(a.ctx), *thr, "-nr"], work / "perplexity.log")
+    m = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", log)
+    if not m:
+        die(f"no 'Final estimate' in {work / 'perplexity.log'}")
+    ppl_ll, err_ll = float(m.group(1)), float(m.group(2))
+    t0 = time.time()
+    ppl_c, n_chunk, n_tok = coli_perplexity(out, evalt, a.ctx, a.threads)
+    rel = ppl_c / ppl_ll - 1
+    print(f"text: {text_path} second half ({len(evalt)} chars), ctx {a.ctx}: {n_chunk} chunks, {n_tok} tokens scored")
+    print(f"llama-perplexity PPL {ppl_ll:.4f} +/- {err_ll:.4f}; coli PPL {ppl_c:.4f} ({time.time() - t0:.0f} s); "
+          f"coli/llama.cpp - 1 = {rel * 100:+.3f}%")
+    return 0 if abs(rel) <= 0.01 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
