@@ -59,7 +59,8 @@ def resolve_model(name, quiet=False):
 
 def _engine_args(p: argparse.ArgumentParser, model_required=False):
     p.add_argument("-m", "--model", required=model_required,
-                   help="GGUF file or a model name (smollm2, gemma3-270m, qwen2.5-coder-0.5b, demo: coli models); "
+                   help="GGUF file, Hugging Face folder (config.json, *.safetensors, tokenizer.json), or a model "
+                        "name (smollm2, gemma3-270m, qwen2.5-coder-0.5b, demo: coli models); "
                         "default: the demo MoE, built on first use")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: physical cores available)")
     p.add_argument("--ctx", "-c", type=int, default=None,
@@ -312,7 +313,21 @@ def cmd_perplexity(a) -> int:
             ids = ids[: a.max_tokens]
         t0 = time.perf_counter()
 
+        from coli.progress import bar, stderr_is_terminal
+
+        pb = bar(total=None, desc="perplexity", unit=" chunks") if stderr_is_terminal() else None
+        done = []
+
         def progress(i, n, ppl):
+            if pb is not None:  # a terminal: a bar with the running estimate, then llama-perplexity's line
+                pb.total = n
+                pb.set_postfix_str(f"ppl {ppl:.4f}", refresh=False)
+                pb.update(1)
+                done.append(f"[{i}]{ppl:.4f},")
+                if i == n:
+                    pb.close()
+                    sys.stderr.write("".join(done) + "\n")
+                return
             end = "\n" if i == n else ""
             sys.stderr.write(f"[{i}]{ppl:.4f}," + end)
             sys.stderr.flush()
@@ -333,7 +348,13 @@ def cmd_perplexity(a) -> int:
 def cmd_info(a) -> int:
     from coli.gguf_file import describe, open_gguf
 
-    g = open_gguf(a.model_pos or a.model)
+    path = a.model_pos or a.model
+    if path is not None and os.path.isdir(path):  # a Hugging Face folder, as coli reads it (coli/hf_folder.py)
+        from coli.hf_folder import open_folder
+
+        g = open_folder(path)
+    else:
+        g = open_gguf(path)
     print(describe(g))
     return 0
 
@@ -383,7 +404,9 @@ def cmd_plan(a) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="coli", description="Mixture-of-Experts inference: CPU kernels, a device expert tier, experts streamed from disk",
-                                formatter_class=_Help)
+                                formatter_class=_Help,
+                                epilog="environment: " + ", ".join(v.name for v in settings.VARS if not v.dev)
+                                       + " (defaults and units: docs/settings.md)")
     p.add_argument("--version", action="version", version=f"coli {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
 

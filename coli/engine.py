@@ -1,4 +1,4 @@
-"""``coli.Engine``: load a GGUF model, tokenize, run the forward pass on the CPU kernels (experts streamed
+"""``coli.Engine``: load a GGUF model (or a Hugging Face folder, ``coli/hf_folder.py``), tokenize, run the forward pass on the CPU kernels (experts streamed
 through the RAM expert cache, optionally a device tier), generate text.
 
 >>> eng = coli.Engine("SmolLM2-135M-Instruct.Q4_1.gguf", threads=2)
@@ -286,10 +286,18 @@ class Engine:
         self.cpu_act = cpu_act or cpu_kernels.DEFAULT_ACT
         if self.cpu_act not in ("f32", "int8"):
             raise ColiError(f"{self._name('cpu_act')}: '{cpu_act}' (f32 or int8)")
-        self.g = open_gguf(self.path)
-        cls = model_class(self.g)
-        self.args = cls.args_from(self.g)
-        self.tokenizer = Tokenizer.from_gguf(self.g)
+        if self.path.is_dir():  # a Hugging Face folder (config.json, *.safetensors, tokenizer.json)
+            from coli.hf_folder import open_folder
+
+            self.g = open_folder(self.path)
+            cls = model_class(self.g)
+            self.args = cls.args_from(self.g)
+            self.tokenizer = self.g.tokenizer()
+        else:
+            self.g = open_gguf(self.path)
+            cls = model_class(self.g)
+            self.args = cls.args_from(self.g)
+            self.tokenizer = Tokenizer.from_gguf(self.g)
         check_vocab_tables(self.g, self.tokenizer.vocab_size)
         self.model = cls(self.g, self.args, None, self.cpu_act)
         a = self.args
@@ -334,7 +342,10 @@ class Engine:
         from scheduler.usage import Usage
 
         a = self.args
-        source = ExpertSource(self.path, self.model.expert_tensors())
+        if hasattr(self.g, "expert_source"):  # a Hugging Face folder: per-expert tensors across its shards
+            source = self.g.expert_source(self.model.expert_tensors())
+        else:
+            source = ExpertSource(self.path, self.model.expert_tensors())
         L = self.model.moe_layers
         E = source.n_experts(L[0])
         per = max(source.expert_nbytes(l) for l in L)

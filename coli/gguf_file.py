@@ -373,7 +373,8 @@ def describe(model: GGUFModel) -> str:
     g = model.arch_get
     n_params = sum(t.n_elements for t in model.tensors.values())
     lines = [
-        f"file          {model.path.name}  ({model.file_size / 2**20:.1f} MiB, GGUF v{model.version})",
+        f"file          {model.path.name}  ({model.file_size / 2**20:.1f} MiB, "
+        + (f"GGUF v{model.version})" if isinstance(model.version, int) else f"{model.version})"),
         f"architecture  {model.arch}" + (f"  ({model.get('general.name')})" if model.get("general.name") else ""),
         f"parameters    {n_params / 1e6:.1f} M ({n_params})",
         f"context       {g('context_length', '?')}",

@@ -17,6 +17,9 @@ backends implement it. Columns:
   the decoder file). ``load_backends()`` imports both registries; ``gaps()`` lists a type one backend has and
   another lacks without a ``cpu_only`` reason (``tests/test_backend_ops.py`` fails on any).
 
+coli's own types (``own`` set, ``qtype`` None: ``FP8_E4M3_B128``, made from FP8 Hugging Face checkpoints) are
+rows too, added by ``_own_rows`` with their geometry, reference and ``random`` test-weight maker.
+
 Adding a format (docs/formats.md has the checklist), in this order:
 
 1. Here: nothing unless the device tier lacks it on purpose (add ``CPU_ONLY[name] = reason``) or the type has
@@ -49,7 +52,8 @@ from coli.errors import ColiError
 BACKENDS = ("cpu", "vulkan")
 
 #: Types the device tier lacks on purpose: name -> reason. ``gaps()`` flags a mark the device has outgrown.
-CPU_ONLY: dict[str, str] = {}
+CPU_ONLY: dict[str, str] = {
+    "FP8_E4M3_B128": "no device decoder yet: fmt_fp8_e4m3_b128.glsl is not written (coli's own type)"}
 
 # Byte offsets of the f16 scales in one block (ggml-common.h): d first, then dmin where the type has one.
 _SCALES: dict[str, tuple[int, ...]] = {
@@ -100,6 +104,8 @@ class TensorType:
     shader: str
     cpu_only: str | None
     backends: dict[str, str] = field(default_factory=dict)
+    own: str | None = None         # coli's own type (qtype None, no GGUF id): what it is and where it comes from
+    random: Callable | None = None  # own types: random_blocks(O, I, rng, scale) for test weights
 
     def row_bytes(self, inner: int) -> int:
         """Bytes of one row of ``inner`` weights. Raises ColiError when ``inner`` is not whole blocks."""
@@ -114,6 +120,19 @@ TYPES: dict[str, TensorType] = {
                         qt.name.lower(), CPU_ONLY.get(qt.name))
     for qt, (bs, ts) in GGML_QUANT_SIZES.items()
 }
+
+
+# coli's own types: formats coli's loaders make from other checkpoints, never found in a GGUF file.
+def _own_rows() -> dict[str, TensorType]:
+    from coli import fp8_blocks as fb
+
+    return {fb.NAME: TensorType(fb.NAME, None, fb.BLOCK, fb.TYPE_SIZE, fb.reference, False, (), fb.NAME.lower(),
+                                CPU_ONLY.get(fb.NAME), own="E4M3 weights with an f32 scale per 128x128 block, from FP8 "
+                                "Hugging Face checkpoints (coli/hf_folder.py; layout in coli/fp8_blocks.py)",
+                                random=fb.random_blocks)}
+
+
+TYPES.update(_own_rows())
 
 
 def get(name: str) -> TensorType:
@@ -176,6 +195,8 @@ def random_blocks(name: str, O: int, I: int, rng: np.random.Generator, scale: fl
     """
     t = get(name)
     rb = t.row_bytes(I)
+    if t.random is not None:
+        return t.random(O, I, rng, scale)
     if t.quantizable:
         w = (rng.standard_normal((O, I)) * scale).astype(np.float32)
         if t.qtype == QT.F32:

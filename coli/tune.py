@@ -361,7 +361,10 @@ def cmd_tune(a) -> int:
     pbar = bar(total=n_points * a.reps, desc="tune points", unit=" runs")
     try:
         for layer in layers:
+            pbar.set_description_str(f"tune points ({layer}: loading, warming up)")
+
             def got(rec):
+                pbar.set_description_str(f"tune points ({rec['layer']})", refresh=False)
                 rows.append(rec)
                 pbar.update(1)
                 pbar.set_postfix_str(f"{rec['layer']} t{rec['threads']}: {rec['decode_tps']:.1f} tok/s")

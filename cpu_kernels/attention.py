@@ -12,53 +12,74 @@ import numba as nb
 import numpy as np
 
 
+@nb.njit(inline="always", nogil=True, cache=True, fastmath=True)
+def _attend_head(q, kc, vc, pos0, scale, window, out, t, h):
+    h_n = q.shape[1]
+    hd = q.shape[2]
+    rep = h_n // kc.shape[0]
+    g = h // rep
+    p = pos0 + t
+    j0 = 0
+    if window > 0 and p - window + 1 > 0:
+        j0 = p - window + 1
+    n = p + 1 - j0
+    sc = np.empty(n, dtype=np.float32)
+    m = -np.inf
+    for jj in range(n):
+        j = j0 + jj
+        s = np.float32(0.0)
+        for i in range(hd):
+            s += q[t, h, i] * kc[g, j, i]
+        s *= scale
+        sc[jj] = s
+        if s > m:
+            m = s
+    tot = 0.0
+    for jj in range(n):
+        e = math.exp(sc[jj] - m)
+        sc[jj] = e
+        tot += e
+    inv = np.float32(1.0 / tot)
+    for i in range(hd):
+        out[t, h, i] = 0.0
+    for jj in range(n):
+        wgt = sc[jj] * inv
+        j = j0 + jj
+        for i in range(hd):
+            out[t, h, i] += wgt * vc[g, j, i]
+
+
 @nb.njit(parallel=True, nogil=True, cache=True, fastmath=True)
 def _attend(q, kc, vc, pos0, scale, window, out):
     # q [T, H, hd]; kc/vc [Hkv, S, hd]; out [T, H, hd]
     t_n, h_n, hd = q.shape
-    hkv = kc.shape[0]
-    rep = h_n // hkv
     for idx in nb.prange(t_n * h_n):
-        t = idx // h_n
-        h = idx % h_n
-        g = h // rep
-        p = pos0 + t
-        j0 = 0
-        if window > 0 and p - window + 1 > 0:
-            j0 = p - window + 1
-        n = p + 1 - j0
-        sc = np.empty(n, dtype=np.float32)
-        m = -np.inf
-        for jj in range(n):
-            j = j0 + jj
-            s = np.float32(0.0)
-            for i in range(hd):
-                s += q[t, h, i] * kc[g, j, i]
-            s *= scale
-            sc[jj] = s
-            if s > m:
-                m = s
-        tot = 0.0
-        for jj in range(n):
-            e = math.exp(sc[jj] - m)
-            sc[jj] = e
-            tot += e
-        inv = np.float32(1.0 / tot)
-        for i in range(hd):
-            out[t, h, i] = 0.0
-        for jj in range(n):
-            wgt = sc[jj] * inv
-            j = j0 + jj
-            for i in range(hd):
-                out[t, h, i] += wgt * vc[g, j, i]
+        _attend_head(q, kc, vc, pos0, scale, window, out, idx // h_n, idx % h_n)
 
 
-def attend(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos0: int, scale: float, window: int = 0) -> np.ndarray:
-    """Attention for ``T`` new rows at positions ``pos0 .. pos0+T-1``.
+@nb.njit(nogil=True, cache=True, fastmath=True)
+def _attend_serial(q, kc, vc, pos0, scale, window, out):
+    t_n, h_n, hd = q.shape
+    for idx in range(t_n * h_n):
+        _attend_head(q, kc, vc, pos0, scale, window, out, idx // h_n, idx % h_n)
+
+
+#: multiply-adds (rows x positions x heads x head size) up to which attention runs serially (one launch of the
+#: thread pool costs ~10 us: about this much work on one core)
+SERIAL_WORK = 1 << 16
+
+
+def attend(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos0: int, scale: float, window: int = 0,
+           out: np.ndarray | None = None) -> np.ndarray:
+    """Attention for ``T`` new rows at positions ``pos0 .. pos0+T-1``, all heads in one kernel.
 
     ``q`` f32 [T, H, hd]; ``kc``, ``vc`` f32 [Hkv, S, hd] already holding rows ``0 .. pos0+T-1``.
-    Returns f32 [T, H, hd].
+    Returns f32 [T, H, hd] (``out`` when given). Serial below SERIAL_WORK multiply-adds, else parallel over
+    (row, head).
     """
-    out = np.empty_like(q)
-    _attend(q, kc, vc, pos0, np.float32(scale), window, out)
+    if out is None:
+        out = np.empty_like(q)
+    T, H, hd = q.shape
+    work = T * (pos0 + T) * H * hd
+    (_attend_serial if work <= SERIAL_WORK else _attend)(q, kc, vc, pos0, np.float32(scale), window, out)
     return out

@@ -52,6 +52,9 @@ FC_F32, FC_Q8, FC_Q4_0, FC_Q4_1, FC_Q4_K, FC_Q5_K, FC_Q6_K = range(7)
 FORMAT_CODE = {"F32": FC_F32, "F16": FC_F32, "BF16": FC_F32, "Q8_0": FC_Q8, "Q5_0": FC_Q8, "MXFP4": FC_Q8,
                "Q4_0": FC_Q4_0, "Q4_1": FC_Q4_1, "Q4_K": FC_Q4_K, "Q5_K": FC_Q5_K, "Q6_K": FC_Q6_K,
                "IQ4_NL": FC_Q8, "IQ4_XS": FC_Q8}   # cpu_kernels.lowbit packs both in Q8_0's layout
+# cpu_kernels.iquants packs these i-quants in Q8_0's layout (int8 codes, f32 scale per 32); IQ2_XS, IQ2_S and
+# IQ1_M (a scale per 16) have no code yet: supports() is False for them
+FORMAT_CODE.update({"IQ2_XXS": FC_Q8, "IQ3_XXS": FC_Q8, "IQ3_S": FC_Q8, "IQ1_S": FC_Q8})
 
 I8 = 0
 F32 = 1
@@ -118,50 +121,66 @@ def _r_f32(ds, k, o):
 
 
 # ----------------------------------------------------------------------------------------------- row dots
-@njit(inline="always", **_JIT)
-def _dot_i8(ds, o, xq, xd, xm):
-    """Weight row ``o`` of descriptor ``ds`` . one int8 activation row (codes xq [I], scales xd, xm [I/32]).
-    The same arithmetic as ``vnni.gemv_i8_<fmt>``'s row."""
+@njit(**_JIT)
+def _block_i8(ds, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out):
+    """out[dst[p], oe + o] = W[o] . row src[p] for o in c0:c1, p in p0:p1 (int8 activations): the format
+    branch taken once per work item, so each inner loop is one format's code."""
     fc = ds[0]
     if fc == FC_Q8:
-        return row_q8(_r_i8(ds, 0, o), _r_f32(ds, 1, o), xq, xd)
-    if fc == FC_Q4_0:
-        d = _r_f32(ds, 1, o)
-        s = row_pair(_r_u8(ds, 0, o), d, xq, xd)
-        corr = _F0
-        for b in range(d.shape[0]):
-            corr += d[b] * xm[b]
-        return s - _F8 * corr
-    if fc == FC_Q4_1:
-        d = _r_f32(ds, 1, o)
-        m = _r_f32(ds, 2, o)
-        s = row_pair(_r_u8(ds, 0, o), d, xq, xd)
-        corr = _F0
-        for b in range(d.shape[0]):
-            corr += m[b] * xm[b]
-        return s + corr
-    if fc == FC_Q4_K or fc == FC_Q5_K:
-        sc = _r_u8(ds, 1, o)
-        mn = _r_u8(ds, 2, o)
-        d = _r_f32(ds, 3, o)
-        dm = _r_f32(ds, 4, o)
-        if fc == FC_Q4_K:
-            s = row_q4_k(_r_u8(ds, 0, o), sc, d, xq, xd)
-        else:
-            s = row_q5_k(_r_u8(ds, 0, o), sc, d, xq, xd)
-        mins = _F0
-        for b in range(d.shape[0]):
-            mb = _F0
-            for k in range(8):
-                mb += np.float32(mn[b * 8 + k]) * xm[b * 8 + k]
-            mins += dm[b] * mb
-        return s - mins
-    if fc == FC_Q6_K:
-        return row_q6_k(_r_i8(ds, 0, o), _r_i8(ds, 1, o), _r_f32(ds, 2, o), xq, xd)
-    return np.float32(np.nan)  # FC_F32 never reaches here (the kernels route it to _dot_f32)
+        for o in range(c0, c1):
+            q = _r_i8(ds, 0, o)
+            d = _r_f32(ds, 1, o)
+            for p in range(p0, p1):
+                r = src[p]
+                out[dst[p], oe + o] = row_q8(q, d, xq[r], xd[r])
+    elif fc == FC_Q4_0 or fc == FC_Q4_1:
+        for o in range(c0, c1):
+            qs = _r_u8(ds, 0, o)
+            d = _r_f32(ds, 1, o)
+            m = _r_f32(ds, 2 if fc == FC_Q4_1 else 1, o)
+            for p in range(p0, p1):
+                r = src[p]
+                s = row_pair(qs, d, xq[r], xd[r])
+                corr = _F0
+                if fc == FC_Q4_1:
+                    for b in range(d.shape[0]):
+                        corr += m[b] * xm[r, b]
+                    out[dst[p], oe + o] = s + corr
+                else:
+                    for b in range(d.shape[0]):
+                        corr += d[b] * xm[r, b]
+                    out[dst[p], oe + o] = s - _F8 * corr
+    elif fc == FC_Q4_K or fc == FC_Q5_K:
+        for o in range(c0, c1):
+            qs = _r_u8(ds, 0, o)
+            sc = _r_u8(ds, 1, o)
+            mn = _r_u8(ds, 2, o)
+            d = _r_f32(ds, 3, o)
+            dm = _r_f32(ds, 4, o)
+            for p in range(p0, p1):
+                r = src[p]
+                if fc == FC_Q4_K:
+                    s = row_q4_k(qs, sc, d, xq[r], xd[r])
+                else:
+                    s = row_q5_k(qs, sc, d, xq[r], xd[r])
+                mins = _F0
+                for b in range(d.shape[0]):
+                    mb = _F0
+                    for k in range(8):
+                        mb += np.float32(mn[b * 8 + k]) * xm[r, b * 8 + k]
+                    mins += dm[b] * mb
+                out[dst[p], oe + o] = s - mins
+    elif fc == FC_Q6_K:
+        for o in range(c0, c1):
+            q = _r_i8(ds, 0, o)
+            sc = _r_i8(ds, 1, o)
+            d = _r_f32(ds, 2, o)
+            for p in range(p0, p1):
+                r = src[p]
+                out[dst[p], oe + o] = row_q6_k(q, sc, d, xq[r], xd[r])
 
 
-@njit(inline="always", **_JIT)
+@njit(**_JIT)
 def _decode_row(ds, o, buf):
     """Weight row ``o`` decoded to f32 into ``buf`` [I] (ggml's dequantize_row_* in the packed layouts of
     ``formats``; the same formulas as ``formats._dec_*``)."""
@@ -249,6 +268,8 @@ def _act(g, u, kind, limit):
     if limit > 0.0:
         g = min(g, limit)
         u = min(max(u, -limit), limit)
+    if g < np.float32(-80.0):  # exp(-g) would overflow f32, and fastmath assumes no inf: silu(g) < 1e-33 here
+        return _F0 * u
     return g / (np.float32(1.0) + math.exp(-g)) * u
 
 
@@ -274,10 +295,7 @@ def mm_grouped(desc, pstart, src, dst, off, mode, xq, xd, xm, x, out):
         p1 = pstart[e + 1]
         oe = off[e]
         if mode == I8 and ds[0] != FC_F32:
-            for o in range(c0, min(O, c0 + _RB)):
-                for p in range(p0, p1):
-                    r = src[p]
-                    out[dst[p], oe + o] = _dot_i8(ds, o, xq[r], xd[r], xm[r])
+            _block_i8(ds, c0, min(O, c0 + _RB), p0, p1, src, dst, oe, xq, xd, xm, out)
         else:
             buf = np.empty(ds[2], np.float32)
             for o in range(c0, min(O, c0 + _RB)):
@@ -302,12 +320,16 @@ def ffn_gate_up(gdesc, udesc, pstart, src, mode, xq, xd, xm, x, kind, limit, a):
         p0 = pstart[e]
         p1 = pstart[e + 1]
         if mode == I8 and gd[0] != FC_F32 and ud[0] != FC_F32:
-            for o in range(c0, min(F, c0 + _RB)):
-                for p in range(p0, p1):
-                    r = src[p]
-                    g = _dot_i8(gd, o, xq[r], xd[r], xm[r])
-                    u = _dot_i8(ud, o, xq[r], xd[r], xm[r])
-                    a[p, o] = _act(g, u, kind, limit)
+            c1 = min(F, c0 + _RB)
+            n = p1 - p0
+            loc = np.arange(n)
+            gs = np.empty((n, _RB), np.float32)
+            us = np.empty((n, _RB), np.float32)
+            _block_i8(gd, c0, c1, 0, n, src[p0:p1], loc, -c0, xq, xd, xm, gs)
+            _block_i8(ud, c0, c1, 0, n, src[p0:p1], loc, -c0, xq, xd, xm, us)
+            for p in range(n):
+                for o in range(c0, c1):
+                    a[p0 + p, o] = _act(gs[p, o - c0], us[p, o - c0], kind, limit)
         else:
             gb = np.empty(gd[2], np.float32)
             ub = np.empty(ud[2], np.float32)
@@ -319,7 +341,21 @@ def ffn_gate_up(gdesc, udesc, pstart, src, mode, xq, xd, xm, x, kind, limit, a):
                     a[p, o] = _act(_dot_f32(gb, xr), _dot_f32(ub, xr), kind, limit)
 
 
-quantize_rows_into = _F._quantize_act_i8  # (x f32 [R, I], xq int8 [R, I], xd f32 [R, I/32], xm f32 [R, I/32])
+@njit(nogil=True, cache=True)
+def _rms_norm_q8(h, w, eps, out, xq, xd, xm):
+    """RMSNorm (norms._rms_norm's arithmetic: the sum in float64) and the int8 quantization of its output
+    (formats._quantize_act_i8's arithmetic) in one serial pass per row: h f32 [T, D] -> out f32 [T, D], xq int8
+    [T, D], xd/xm f32 [T, D/32]. No fastmath: the codes are bit-equal to the two separate kernels."""
+    T, D = h.shape
+    for r in range(T):
+        s = 0.0
+        for i in range(D):
+            v = np.float64(h[r, i])
+            s += v * v
+        inv = 1.0 / math.sqrt(s / D + eps)
+        for i in range(D):
+            out[r, i] = np.float32(h[r, i] * inv) * w[i]
+    _F._quantize_act_i8(out, xq, xd, xm)
 
 
 def quantize_rows(x: np.ndarray):
@@ -358,61 +394,109 @@ class Act:
             self.xq, self.xd, self.xm = _EMPTY_Q
             self.x = x
 
-    def rows(self, idx: np.ndarray) -> "Act":
-        """The same activations for the rows ``idx`` (a view-free gather)."""
+    @staticmethod
+    def rms_norm(h: np.ndarray, w: np.ndarray, eps: float, act: str):
+        """(x, Act of x) with x = RMSNorm(h) * w (``norms.rms_norm``'s arithmetic), the norm and the int8
+        quantization in one serial kernel (a decode row: no parallel launch, one dispatch)."""
+        if not (act == "int8" and HAVE_VNNI):
+            from .norms import rms_norm
+
+            x = rms_norm(h, w, eps)
+            return x, Act(x, act)
+        T, D = h.shape
         a = Act.__new__(Act)
-        a.mode = self.mode
-        a.x = self.x[idx]
-        if self.mode == I8:
-            a.xq, a.xd, a.xm = self.xq[idx], self.xd[idx], self.xm[idx]
-        else:
-            a.xq, a.xd, a.xm = _EMPTY_Q
-        return a
+        a.mode = I8
+        a.x = np.empty((T, D), np.float32)
+        a.xq = np.empty((T, D), np.int8)
+        a.xd = np.empty((T, D // 32), np.float32)
+        a.xm = np.empty((T, D // 32), np.float32)
+        _rms_norm_q8(h, w, eps, a.x, a.xq, a.xd, a.xm)
+        return a.x, a
+
+
+_SLOTS: dict = {}
 
 
 def _slots(n_w: int, T: int):
-    pstart = np.arange(0, (n_w + 1) * T, T, dtype=np.int64)
-    t = np.tile(np.arange(T, dtype=np.int64), n_w)
-    return pstart, t
+    """(pstart, rows) for ``n_w`` weights that each read rows 0..T-1 (cached: built once per shape)."""
+    key = (n_w, T)
+    r = _SLOTS.get(key)
+    if r is None:
+        pstart = np.arange(0, (n_w + 1) * T, T, dtype=np.int64)
+        r = _SLOTS[key] = (pstart, np.tile(np.arange(T, dtype=np.int64), n_w))
+    return r
+
+
+class Group:
+    """Weights with the same input size run as one grouped matmul (q/k/v of a layer); the descriptor table and
+    the output offsets are built once. Holds the Weights (their arrays back the descriptors)."""
+
+    def __init__(self, weights):
+        self.weights = list(weights)
+        self.desc = np.stack([w.desc for w in self.weights])
+        self.off = np.zeros(len(self.weights), np.int64)
+        self.off[1:] = np.cumsum(self.desc[:-1, 1])
+        self.O = int(self.desc[:, 1].sum())
+
+    def __call__(self, act: Act, out: np.ndarray | None = None) -> np.ndarray:
+        """f32 [T, sum O]: the weights' outputs side by side (``out[:, off[i]:off[i] + O_i]``)."""
+        T = act.x.shape[0]
+        if out is None:
+            out = np.empty((T, self.O), np.float32)
+        pstart, t = _slots(len(self.weights), T)
+        mm_grouped(self.desc, pstart, t, t, self.off, act.mode, act.xq, act.xd, act.xm, act.x, out)
+        return out
 
 
 def matmul_many(weights, act: Act, out: np.ndarray | None = None) -> np.ndarray:
     """Every weight of ``weights`` (same I) times all rows of ``act`` in one launch: f32 [T, sum O] with the
     weights' outputs side by side (q/k/v: ``out[:, :Oq]``, ``out[:, Oq:Oq+Ok]``, ...)."""
-    T = act.x.shape[0]
-    desc = np.stack([w.desc for w in weights])
-    off = np.zeros(len(weights), np.int64)
-    off[1:] = np.cumsum(desc[:-1, 1])
-    O = int(desc[:, 1].sum())
-    if out is None:
-        out = np.empty((T, O), np.float32)
-    pstart, t = _slots(len(weights), T)
-    mm_grouped(desc, pstart, t, t, off, act.mode, act.xq, act.xd, act.xm, act.x, out)
-    return out
+    return Group(weights)(act, out)
+
+
+class FFN:
+    """A gated FFN ``down(act(gate x, up x))`` (SwiGLU or tanh-GELU) in two launches; tables built once."""
+
+    def __init__(self, gate, up, down, kind: int, limit: float, act_mode: str):
+        self.weights = (gate, up, down)
+        self.gd = gate.desc.reshape(1, -1)
+        self.ud = up.desc.reshape(1, -1)
+        self.dd = down.desc.reshape(1, -1)
+        self.F = gate.shape[0]
+        self.D = down.shape[0]
+        self.kind = kind
+        self.limit = np.float32(limit)
+        self.act_mode = act_mode
+
+    def __call__(self, act: Act, act_mode: str | None = None) -> np.ndarray:
+        """``act``: the input rows (T of them); ``act_mode``: "int8" | "f32" for the hidden activation (default:
+        the one given at construction). Returns f32 [T, D]."""
+        T = act.x.shape[0]
+        pstart, t = _slots(1, T)
+        a = np.empty((T, self.F), np.float32)
+        ffn_gate_up(self.gd, self.ud, pstart, t, act.mode, act.xq, act.xd, act.xm, act.x, self.kind, self.limit, a)
+        aa = Act(a, act_mode or self.act_mode)
+        y = np.empty((T, self.D), np.float32)
+        mm_grouped(self.dd, pstart, t, t, _ZERO1, aa.mode, aa.xq, aa.xd, aa.xm, aa.x, y)
+        return y
 
 
 def ffn(gate, up, down, act: Act, kind: int, limit: float, act_mode: str) -> np.ndarray:
     """A dense FFN ``down(act(gate x, up x))`` on all rows of ``act`` in two launches (f32 [T, D])."""
-    T = act.x.shape[0]
-    pstart = np.array([0, T], np.int64)
-    t = np.arange(T, dtype=np.int64)
-    a = np.empty((T, gate.shape[0]), np.float32)
-    ffn_gate_up(gate.desc.reshape(1, -1), up.desc.reshape(1, -1), pstart, t, act.mode, act.xq, act.xd, act.xm,
-                act.x, kind, np.float32(limit), a)
-    aa = Act(a, act_mode)
-    y = np.empty((T, down.shape[0]), np.float32)
-    mm_grouped(down.desc.reshape(1, -1), pstart, t, t, _ZERO1, aa.mode, aa.xq, aa.xd, aa.xm, aa.x, y)
-    return y
+    return FFN(gate, up, down, kind, limit, act_mode)(act)
 
 
 _ZERO1 = np.zeros(1, np.int64)
 
 
 def experts(ws, groups, act: Act, pair_out: np.ndarray, kind: int, limit: float, act_mode: str) -> None:
-    """The CPU experts of a MoE step in two launches: ``ws`` a list of (gate, up, down) Weights, ``groups`` the
-    pair ids (r*K + k) each expert serves (int [n_e] arrays, same order), ``act`` the step's input rows
-    (quantized once), ``K`` implicit in the pair ids' rows (``rows = pairs // K`` done by the caller: here
-    ``groups`` is a list of (rows, pairs)). Writes ``pair_out[pair]`` (f32 [R*K, D]) for every pair."""
+    """The CPU experts of a MoE step in two launches (gate+up+activation for all, then all down rows).
+
+    ``ws``: objects with ``.gate``, ``.up``, ``.down`` Weights (the RAM cache's ExpertWeights), any formats with a
+    code; ``groups``: per expert, in the same order, ``(rows, pairs)`` int arrays: the rows of ``act`` it reads and
+    the pair ids (r*K + k) it writes; ``act``: the step's input rows (quantized once); ``pair_out`` f32 [R*K, D]:
+    row ``pairs[i]`` receives the expert's output for ``rows[i]``. ``kind``/``limit``: the activation (ACT_SWIGLU
+    with its clamp, 0 = none); ``act_mode``: "int8" | "f32" for the hidden activation."""
     n = len(ws)
     sizes = np.array([len(g[0]) for g in groups], np.int64)
     pstart = np.zeros(n + 1, np.int64)

@@ -21,6 +21,9 @@ Q6_K    256    210     ql[128], qh[64], scales int8[16] (sub-blocks of 16), d;  
 MXFP4   32     17      e (E8M0), qs[16] e2m1 codes;             w = kvalues[q] * 2^(e-128) (``kvalues`` doubled)
 ======  =====  ======  ==========================================================================================
 
+One row is coli's own, not a GGUF type: ``FP8_E4M3_B128`` (block 128, 132 bytes: f32 scale, 128 E4M3 codes),
+the row layout of FP8 Hugging Face checkpoints' 128x128-block weights (``cpu_kernels/fp8.py``, docs/families.md).
+
 Kernel layout (``pack``, done once at ``prepare``; memory per format in docs/cpu_kernels.md): fields split into
 contiguous per-row arrays, f16 block scales converted to f32 (Numba has no float16, ``../shared/stack-notes.md``
 pitfall 11), and codes put where 32-wide loops with one scale can read them:
@@ -929,6 +932,9 @@ def matmul(w: Weight, x: np.ndarray, act: str | None = None) -> np.ndarray:
 # The i-quant rows (IQ2_XXS ... IQ1_M) are appended to FORMATS by cpu_kernels/iquants.py, imported here last
 # because it uses this module's Q8_0 kernels and ``_tile``.
 from . import iquants as _iquants  # noqa: E402,F401
+
+# coli's own rows (not GGUF types): FP8_E4M3_B128, appended by cpu_kernels/fp8.py (it uses the pieces above)
+from . import fp8 as _fp8  # noqa: E402,F401
 
 # Every row, whichever module appended it, fills the CPU column of the tensor-type table.
 for _f in FORMATS.values():

@@ -32,13 +32,15 @@ So ``scale * code`` is the reference's f32 value bit for bit, and the G = 32 for
 (``formats.gemv_q8_0``/``gemm_q8_0``, ``vnni.gemv_i8_q8``). The G = 16 formats run ``gemv_g16``/``gemm_g16``
 (and ``gemv_i8_g16`` with ``row_g16``, a vpdpbusd row with two scales per 32). Memory: (1 + 4/G) bytes per
 weight: 9 bits (G = 32) or 10 bits (G = 16) per weight against 1.56-3.44 bits in the file (ratios in
-docs/cpu_kernels.md). The codebook lookups do not vectorize in Numba (see the MXFP4 note in formats.py).
+docs/cpu_kernels.md). Expanding is what measured fastest: a compact GEMV looking the grid and signs up in the kernel
+(1.45x the file for IQ2_XXS) ran 8-24x slower, as Numba does not vectorize the gathers (docs/iquants.md).
 
 Public API: ``PACKERS`` (type name -> pack(raw, O, I)), ``GROUP`` (type name -> G), ``gemv_g16``, ``gemm_g16``,
-``gemv_i8_g16``. Rows are appended to ``cpu_kernels.formats.FORMATS``.
+``gemv_i8_g16``. Importing this module appends the seven rows to ``cpu_kernels.formats.FORMATS`` (formats.py imports
+it at its end). Speed and memory: docs/iquants.md.
 
-Numba's cache is per source file: ``gemm_g16`` inlines ``formats._tile`` and ``row_g16`` uses ``vnni._Ops``, so an
-edit to those helpers needs this file's cache entries cleared (``NUMBA_CACHE_DIR``) to take effect here.
+``gemm_g16`` inlines ``formats._tile`` and ``row_g16`` uses ``vnni._Ops``: Numba checks a cached kernel against its
+own file only, which is why ``cpu_kernels`` names its cache folder by a digest of every kernel source.
 """
 from __future__ import annotations
 

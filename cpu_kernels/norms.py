@@ -14,25 +14,53 @@ import numpy as np
 _jit = dict(nogil=True, cache=True, fastmath=False)
 
 
+#: rows up to which the row kernels run serially: a parallel launch costs more than one row's work (~10 us)
+SERIAL_ROWS = 2
+
+
+@nb.njit(inline="always", **_jit)
+def _rms_row(x, w, eps, out, r):
+    d = x.shape[1]
+    s = 0.0
+    for i in range(d):
+        v = np.float64(x[r, i])
+        s += v * v
+    inv = 1.0 / math.sqrt(s / d + eps)
+    for i in range(d):
+        out[r, i] = np.float32(x[r, i] * inv) * w[i]
+
+
 @nb.njit(parallel=True, **_jit)
 def _rms_norm(x, w, eps, out):
-    n, d = x.shape
-    for r in nb.prange(n):
-        s = 0.0
-        for i in range(d):
-            v = np.float64(x[r, i])
-            s += v * v
-        inv = 1.0 / math.sqrt(s / d + eps)
-        for i in range(d):
-            out[r, i] = np.float32(x[r, i] * inv) * w[i]
+    for r in nb.prange(x.shape[0]):
+        _rms_row(x, w, eps, out, r)
+
+
+@nb.njit(**_jit)
+def _rms_norm_serial(x, w, eps, out):
+    for r in range(x.shape[0]):
+        _rms_row(x, w, eps, out, r)
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.ndarray:
-    """RMSNorm over the last axis. ``x`` f32 [N, D], ``w`` f32 [D] -> f32 [N, D] (the sum in float64)."""
+    """RMSNorm over the last axis. ``x`` f32 [N, D], ``w`` f32 [D] -> f32 [N, D] (the sum in float64).
+    Serial (no parallel launch) for N <= SERIAL_ROWS."""
     if out is None:
         out = np.empty_like(x)
-    _rms_norm(x, w, eps, out)
+    (_rms_norm_serial if x.shape[0] <= SERIAL_ROWS else _rms_norm)(x, w, eps, out)
     return out
+
+
+@nb.njit(inline="always", **_jit)
+def _rms_head(x, w, eps, r, j):
+    d = x.shape[2]
+    s = 0.0
+    for i in range(d):
+        v = np.float64(x[r, j, i])
+        s += v * v
+    inv = 1.0 / math.sqrt(s / d + eps)
+    for i in range(d):
+        x[r, j, i] = np.float32(x[r, j, i] * inv) * w[i]
 
 
 @nb.njit(parallel=True, **_jit)
@@ -40,20 +68,20 @@ def _rms_norm_heads(x, w, eps):
     # x [N, H, hd] in place, w [hd]
     n, h, d = x.shape
     for idx in nb.prange(n * h):
-        r = idx // h
-        j = idx % h
-        s = 0.0
-        for i in range(d):
-            v = np.float64(x[r, j, i])
-            s += v * v
-        inv = 1.0 / math.sqrt(s / d + eps)
-        for i in range(d):
-            x[r, j, i] = np.float32(x[r, j, i] * inv) * w[i]
+        _rms_head(x, w, eps, idx // h, idx % h)
+
+
+@nb.njit(**_jit)
+def _rms_norm_heads_serial(x, w, eps):
+    n, h, d = x.shape
+    for idx in range(n * h):
+        _rms_head(x, w, eps, idx // h, idx % h)
 
 
 def rms_norm_heads(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """Per-head RMSNorm in place (Qwen3/Gemma3 q_norm/k_norm). ``x`` f32 [N, H, hd], ``w`` f32 [hd]."""
-    _rms_norm_heads(x, w, eps)
+    """Per-head RMSNorm in place (Qwen3/Gemma3 q_norm/k_norm). ``x`` f32 [N, H, hd], ``w`` f32 [hd].
+    Serial for N <= SERIAL_ROWS."""
+    (_rms_norm_heads_serial if x.shape[0] <= SERIAL_ROWS else _rms_norm_heads)(x, w, eps)
     return x
 
 

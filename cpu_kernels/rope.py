@@ -21,30 +21,45 @@ def rope_table(n_pos: int, n_rot: int, base: float) -> tuple[np.ndarray, np.ndar
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
+@nb.njit(inline="always", nogil=True, cache=True)
+def _rope_head(x, pos, cos, sin, n_rot, neox, t, h):
+    half = n_rot // 2
+    p = pos[t]
+    for i in range(half):
+        c = cos[p, i]
+        s = sin[p, i]
+        if neox:
+            a = x[t, h, i]
+            b = x[t, h, i + half]
+            x[t, h, i] = a * c - b * s
+            x[t, h, i + half] = a * s + b * c
+        else:
+            a = x[t, h, 2 * i]
+            b = x[t, h, 2 * i + 1]
+            x[t, h, 2 * i] = a * c - b * s
+            x[t, h, 2 * i + 1] = a * s + b * c
+
+
 @nb.njit(parallel=True, nogil=True, cache=True)
 def _rope(x, pos, cos, sin, n_rot, neox):
     # x [T, H, hd] in place; pos [T] int64
     t_n, h_n, _ = x.shape
-    half = n_rot // 2
     for idx in nb.prange(t_n * h_n):
-        t = idx // h_n
-        h = idx % h_n
-        p = pos[t]
-        for i in range(half):
-            c = cos[p, i]
-            s = sin[p, i]
-            if neox:
-                a = x[t, h, i]
-                b = x[t, h, i + half]
-                x[t, h, i] = a * c - b * s
-                x[t, h, i + half] = a * s + b * c
-            else:
-                a = x[t, h, 2 * i]
-                b = x[t, h, 2 * i + 1]
-                x[t, h, 2 * i] = a * c - b * s
-                x[t, h, 2 * i + 1] = a * s + b * c
+        _rope_head(x, pos, cos, sin, n_rot, neox, idx // h_n, idx % h_n)
+
+
+@nb.njit(nogil=True, cache=True)
+def _rope_serial(x, pos, cos, sin, n_rot, neox):
+    t_n, h_n, _ = x.shape
+    for idx in range(t_n * h_n):
+        _rope_head(x, pos, cos, sin, n_rot, neox, idx // h_n, idx % h_n)
+
+
+#: rows up to which RoPE runs serially (a parallel launch costs more than rotating one row's heads)
+SERIAL_ROWS = 2
 
 
 def apply_rope(x: np.ndarray, pos: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_rot: int, kind: int) -> None:
-    """Rotate ``x`` f32 [T, H, hd] in place at positions ``pos`` int64 [T] (``kind`` NORM or NEOX)."""
-    _rope(x, pos, cos, sin, n_rot, kind == NEOX)
+    """Rotate ``x`` f32 [T, H, hd] in place at positions ``pos`` int64 [T] (``kind`` NORM or NEOX).
+    Serial for T <= SERIAL_ROWS."""
+    (_rope_serial if x.shape[0] <= SERIAL_ROWS else _rope)(x, pos, cos, sin, n_rot, kind == NEOX)

@@ -13,6 +13,7 @@ from concurrent.futures import wait, FIRST_COMPLETED
 
 import numpy as np
 
+from cpu_kernels import experts as grouped
 from cpu_kernels import formats
 from cpu_kernels.norms import swiglu
 
@@ -88,16 +89,19 @@ class MoEStep:
             w = cache.get(layer, e)
             (hits if w is not None else cold).append((e, w))
         futures = {cache.fetch(layer, e): e for e, _ in cold}
-        for e, w in hits:
-            self._compute(layer, e, w, x, groups[e], K, pair_out)
+        xa = grouped.Act(x, self.act) if cpu_experts else None  # the step's rows quantized once for all experts
+        if hits:
+            self._compute_many(layer, hits, xa, groups, K, pair_out)
         pending = set(futures)
         while pending:
             done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            landed = []
             for f in done:
                 e = futures[f]
                 w = f.result()
                 cache.put(layer, e, w)
-                self._compute(layer, e, w, x, groups[e], K, pair_out)
+                landed.append((e, w))
+            self._compute_many(layer, landed, xa, groups, K, pair_out)  # one launch per batch of reads landed
         shared_out = shared(x) if shared is not None else None
         st.cpu_s += time.perf_counter() - t0
         st.cpu_pairs += sum(len(groups[e]) for e in cpu_experts)
@@ -109,6 +113,25 @@ class MoEStep:
         if shared_out is not None:
             y += shared_out
         return y
+
+    def _compute_many(self, layer, ews, xa, groups, K, pair_out):
+        """The CPU experts ``ews`` [(e, ExpertWeights)] of one step in two parallel launches (gate+up+SwiGLU for
+        all, then all down rows; ``cpu_kernels.experts``), each pair written to ``pair_out[pair]``."""
+        if not ews:
+            return
+        if not all(grouped.supports(w.gate) and grouped.supports(w.up) and grouped.supports(w.down) for _, w in ews):
+            for e, w in ews:  # a format without a grouped-kernel code: one expert at a time
+                self._compute(layer, e, w, xa.x, groups[e], K, pair_out)
+            return
+        t0 = time.perf_counter()
+        gs = [(groups[e] // K, groups[e]) for e, _ in ews]
+        grouped.experts([w for _, w in ews], gs, xa, pair_out, grouped.ACT_SWIGLU, self.clamp, self.act)
+        if self.trace is not None:
+            self.trace.complete("cpu experts", "cpu", t0, time.perf_counter(), layer=layer,
+                                experts=[int(e) for e, _ in ews], rows=int(sum(len(g[0]) for g in gs)))
+        if self.tier is not None and self.tier.active:
+            for e, w in ews:
+                self.tier.note(layer, e, w)
 
     def _join_device(self, layer, issued, x, groups, K, pair_out) -> int:
         """Join the tier's batch into ``pair_out``; returns the pairs the device computed. After a device loss

@@ -354,6 +354,427 @@ def llama_cpp_run(name: str, gguf_path: Path, ids: np.ndarray, ref_logits: np.nd
             "argmax_equal": bool((got.argmax(-1) == ref_logits.argmax(-1)).all())}
 
 
+# ----------------------------------------------------------------------------------------------- rope scaling
+# One-layer dense llama models whose rope is scaled (HF ``rope_parameters``), run over ROPE_TOKENS positions,
+# past the 64 positions of the "original" context. name -> (seed, rope_parameters).
+ROPE_TOKENS = 96
+ROPE_CONFIG = dict(num_hidden_layers=1, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                   rms_norm_eps=1e-5)
+ROPE: dict[str, tuple[int, dict]] = {
+    "rope_linear": (5000, {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}),
+    "rope_yarn": (5100, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                         "rope_theta": 10000.0}),
+    "rope_yarn_params": (5200, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                "beta_fast": 8.0, "beta_slow": 0.5, "attention_factor": 1.25, "rope_theta": 500.0}),
+    "rope_llama3": (5300, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 64, "rope_theta": 10000.0}),
+}
+
+
+def build_rope_model(name: str, seed: int):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    rp = dict(ROPE[name][1])
+    cfg = AutoConfig.for_model("llama", **{**COMMON, "max_position_embeddings": 256}, **ROPE_CONFIG,
+                               rope_parameters=rp)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if p.ndim == 1:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / np.sqrt(p.shape[-1]))
+    return cfg, model
+
+
+def llama3_rope_factors(rp: dict, dim: int) -> np.ndarray:
+    """llama.cpp conversion/llama.py ``generate_extra_tensors``: the ``rope_freqs`` tensor for rope_type llama3."""
+    import math
+    base = rp.get("rope_theta", 10000.0)
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, lo, hi = rp.get("factor", 8.0), rp.get("low_freq_factor", 1.0), rp.get("high_freq_factor", 4.0)
+    old = rp.get("original_max_position_embeddings", 8192)
+    low_wl, high_wl = old / lo, old / hi
+    out = []
+    for f in freqs:
+        wl = 2 * math.pi / f
+        if wl < high_wl:
+            out.append(1)
+        elif wl > low_wl:
+            out.append(factor)
+        else:
+            smooth = (old / wl - lo) / (hi - lo)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def write_rope_gguf(path: Path, name: str, cfg, sd: dict, tokmeta: dict) -> None:
+    """A dense llama GGUF with the rope scaling keys llama.cpp's converter writes (conversion/base.py
+    ``set_gguf_parameters``; the llama3 type as a ``rope_freqs`` tensor, conversion/llama.py)."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name(f"coli oracle {name}")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    rp = cfg.rope_parameters
+    w.add_rope_freq_base(float(rp["rope_theta"]))
+    w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
+    if rp["rope_type"] == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rp["factor"])
+    elif rp["rope_type"] == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rp["factor"])
+        w.add_rope_scaling_orig_ctx_len(rp["original_max_position_embeddings"])
+        if rp.get("attention_factor") is not None:
+            w.add_rope_scaling_yarn_attn_factor(rp["attention_factor"])
+        if rp.get("beta_fast") is not None:
+            w.add_rope_scaling_yarn_beta_fast(rp["beta_fast"])
+        if rp.get("beta_slow") is not None:
+            w.add_rope_scaling_yarn_beta_slow(rp["beta_slow"])
+    w.add_vocab_size(cfg.vocab_size)
+    hd = cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(hd)    # the converter writes the config's head_dim (transformers 5 configs carry it)
+    w.add_value_length(hd)
+    w.add_rope_dimension_count(hd)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokmeta["tokens"])
+    w.add_token_types(tokmeta["types"])
+    w.add_token_merges(tokmeta["merges"])
+    w.add_bos_token_id(BOS_ID)
+    w.add_eos_token_id(EOS_ID)
+    t = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"],
+         "output.weight": sd["lm_head.weight"]}
+    if rp["rope_type"] == "llama3":
+        t["rope_freqs.weight"] = llama3_rope_factors(rp, hd)
+    for i in range(cfg.num_hidden_layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        t[b + "attn_norm.weight"] = sd[p + "input_layernorm.weight"]
+        t[b + "ffn_norm.weight"] = sd[p + "post_attention_layernorm.weight"]
+        t[b + "attn_q.weight"] = permute_llama(sd[p + "self_attn.q_proj.weight"], cfg.num_attention_heads)
+        t[b + "attn_k.weight"] = permute_llama(sd[p + "self_attn.k_proj.weight"], cfg.num_key_value_heads)
+        t[b + "attn_v.weight"] = sd[p + "self_attn.v_proj.weight"]
+        t[b + "attn_output.weight"] = sd[p + "self_attn.o_proj.weight"]
+        for proj in ("gate", "up", "down"):
+            t[f"{b}ffn_{proj}.weight"] = sd[f"{p}mlp.{proj}_proj.weight"]
+    for tname, arr in t.items():
+        w.add_tensor(tname, np.ascontiguousarray(arr, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def make_rope_one(name: str, out: Path, work: Path, tok_dir: Path, tokmeta: dict) -> dict:
+    """``<name>.gguf``, ``<name>.config.json`` and ``<name>.npz``: ``ids`` int32 [ROPE_TOKENS], ``logits``
+    float32 [T, V], ``inv_freq`` float32 [head_dim / 2] and ``attention_scaling`` float32 [] (HF's rotary
+    embedding buffers), ``logit_gap`` float32 [T]."""
+    import torch
+
+    seed0 = ROPE[name][0]
+    for attempt in range(20):
+        seed = seed0 + attempt
+        cfg, model = build_rope_model(name, seed)
+        ids = np.random.default_rng(seed).integers(2, VOCAB, size=ROPE_TOKENS).astype(np.int32)
+        ids[0] = BOS_ID
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor(ids[None, :], dtype=torch.long), use_cache=False).logits[0].numpy()
+        top2 = -np.sort(-logits, axis=-1)[:, :2]
+        gap = (top2[:, 0] - top2[:, 1]).astype(np.float32)
+        if float(gap.min()) >= MIN_LOGIT_GAP and np.isfinite(logits).all():
+            break
+        print(f"{name}: seed {seed} logit gap {gap.min():.2e}, reseeding")
+    else:
+        raise SystemExit(f"{name}: no seed gave a logit gap >= {MIN_LOGIT_GAP}")
+    rot = model.model.rotary_emb
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    np.savez(out / f"{name}.npz", ids=ids, logits=logits.astype(np.float32), logit_gap=gap,
+             inv_freq=rot.inv_freq.detach().float().numpy(),
+             attention_scaling=np.float32(rot.attention_scaling))
+    cfg_json = json.loads(cfg.to_json_string(use_diff=False))
+    cfg_json["coli_oracle"] = {"seed": seed, "min_logit_gap": MIN_LOGIT_GAP, "gguf_arch": "llama",
+                               "torch": torch.__version__, "transformers": __import__("transformers").__version__}
+    (out / f"{name}.config.json").write_text(json.dumps(cfg_json, indent=1, sort_keys=True) + "\n")
+    write_rope_gguf(out / f"{name}.gguf", name, cfg, sd, tokmeta)
+    hf_dir = work / name / "hf"
+    model.save_pretrained(hf_dir)
+    for f in tok_dir.iterdir():
+        (hf_dir / f.name).write_bytes(f.read_bytes())
+    info = {"seed": seed, "min_logit_gap": float(gap.min()), "max_abs_logit": float(np.abs(logits).max()),
+            "attention_scaling": float(rot.attention_scaling), "gguf_bytes": (out / f"{name}.gguf").stat().st_size}
+    print(f"{name}: {info}")
+    return info
+
+
+# ----------------------------------------------------------------------------------------------- FP8 folder
+# A tiny Qwen3-MoE saved as an FP8 Hugging Face folder: every attention and expert projection in E4M3 with
+# a weight_scale_inv per 128x128 block (the layout of the Qwen3-*-FP8 releases), embeddings, norms, router and
+# lm_head in BF16, two safetensors shards and their index. Shapes are multiples of 128 where FP8 needs it
+# (k/v have 64 rows: a partial scale block).
+FP8_NAME = "fp8_qwen3moe"
+FP8_SEED = 6000
+FP8_CONFIG = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+                  head_dim=32, num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                  norm_topk_prob=True, rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+FP8_QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+             "modules_to_not_convert": ["lm_head", "mlp.gate"]}
+
+
+def fp8_quantize(w):
+    """torch f32 [O, I] -> (float8_e4m3fn codes [O, I], f32 weight_scale_inv [ceil(O/128), I/128]): per 128x128
+    block, scale = amax / 448 (the DeepSeek-V3 / Qwen3 FP8 recipe), codes = round(w / scale)."""
+    import torch
+
+    O, I = w.shape
+    nO, nI = -(-O // 128), I // 128
+    pad = torch.zeros(nO * 128, I)
+    pad[:O] = w
+    blocks = pad.reshape(nO, 128, nI, 128)
+    amax = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12)
+    scale = (amax / 448.0).float()
+    codes = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(nO * 128, I)[:O]
+    return codes, scale
+
+
+def fp8_dequantize(codes, scale):
+    O, I = codes.shape
+    s = scale.repeat_interleave(128, 0)[:O].repeat_interleave(128, 1)
+    return codes.float() * s
+
+
+def make_fp8_folder(out: Path, work: Path, tok_dir: Path) -> dict:
+    """``<out>/fp8_qwen3moe/`` (the folder) and ``<out>/fp8_qwen3moe.npz``: ``ids`` int32 [T], ``logits`` f32
+    [T, V] of the float model on the dequantized weights, ``logits_hf_loaded`` (the same folder loaded back by
+    transformers' own FP8 loader, dequantize=True), ``e4m3`` f32 [256] (torch's value of every code),
+    ``router_margin``, ``logit_gap``."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    for attempt in range(20):
+        seed = FP8_SEED + attempt
+        cfg = AutoConfig.for_model("qwen3_moe", **{**COMMON, **FP8_CONFIG})
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+        g = torch.Generator().manual_seed(seed)
+        ckpt = {}
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if p.ndim == 1:
+                    v = 1.0 + 0.2 * torch.randn(p.shape, generator=g)
+                else:
+                    v = torch.randn(p.shape, generator=g) / np.sqrt(p.shape[-1])
+                    if pname.endswith("mlp.gate.weight"):
+                        v *= ROUTER_SCALE
+                p.copy_(v)
+            sd = dict(model.state_dict())
+            for k, v in sd.items():
+                hf = k
+                if k.endswith("mlp.experts.gate_up_proj") or k.endswith("mlp.experts.down_proj"):
+                    continue
+                if any(k.endswith(f"self_attn.{x}_proj.weight") for x in "qkvo"):
+                    codes, scale = fp8_quantize(v)
+                    ckpt[hf] = codes
+                    ckpt[hf + "_scale_inv"] = scale
+                    v.copy_(fp8_dequantize(codes, scale))
+                else:
+                    ckpt[hf] = v.to(torch.bfloat16)
+                    v.copy_(ckpt[hf].float())
+            for i in range(cfg.num_hidden_layers):
+                p = f"model.layers.{i}.mlp.experts."
+                gu, dn = sd[p + "gate_up_proj"], sd[p + "down_proj"]          # [E, 2F, H], [E, H, F]
+                F = gu.shape[1] // 2
+                for e in range(gu.shape[0]):
+                    for proj, w in (("gate_proj", gu[e, :F]), ("up_proj", gu[e, F:]), ("down_proj", dn[e])):
+                        codes, scale = fp8_quantize(w)
+                        ckpt[f"{p}{e}.{proj}.weight"] = codes
+                        ckpt[f"{p}{e}.{proj}.weight_scale_inv"] = scale
+                        w.copy_(fp8_dequantize(codes, scale))
+        ids = np.random.default_rng(seed).integers(2, VOCAB, size=N_TOKENS).astype(np.int32)
+        ids[0] = BOS_ID
+        logits, rl, w, ix = run_model(model, ids)
+        margin = router_margin(rl, cfg.num_experts_per_tok)
+        top2 = -np.sort(-logits, axis=-1)[:, :2]
+        gap = (top2[:, 0] - top2[:, 1]).astype(np.float32)
+        if float(margin.min()) >= MIN_MARGIN and float(gap.min()) >= MIN_LOGIT_GAP:
+            break
+        print(f"{FP8_NAME}: seed {seed} router margin {margin.min():.2e}, logit gap {gap.min():.2e}, reseeding")
+    else:
+        raise SystemExit(f"{FP8_NAME}: no seed gave margins")
+
+    folder = out / FP8_NAME
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in folder.iterdir():
+        f.unlink()
+    names = sorted(ckpt)
+    shards = {"model-00001-of-00002.safetensors": [n for n in names if ".layers.1." not in n],
+              "model-00002-of-00002.safetensors": [n for n in names if ".layers.1." in n]}
+    wm = {}
+    for fname, ns in shards.items():
+        save_file({n: ckpt[n].contiguous() for n in ns}, str(folder / fname), metadata={"format": "pt"})
+        wm.update({n: fname for n in ns})
+    total = sum(ckpt[n].numel() * ckpt[n].element_size() for n in names)
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": wm}, indent=1, sort_keys=True) + "\n")
+    cfg_json = json.loads(cfg.to_json_string(use_diff=False))
+    cfg_json["quantization_config"] = FP8_QUANT
+    cfg_json["torch_dtype"] = "bfloat16"
+    (folder / "config.json").write_text(json.dumps(cfg_json, indent=1, sort_keys=True) + "\n")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / f).write_bytes((tok_dir / f).read_bytes())
+
+    # transformers' own FP8 loader on the folder (CPU: it dequantizes), as an independent reading of the layout
+    loaded = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32).eval()
+    l2, *_ = run_model(loaded, ids)
+    e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+    np.savez(out / f"{FP8_NAME}.npz", ids=ids, logits=logits.astype(np.float32), logits_hf_loaded=l2.astype(np.float32),
+             e4m3=e4m3.astype(np.float32), router_margin=margin, logit_gap=gap)
+    info = {"seed": seed, "min_router_margin": float(margin.min()), "min_logit_gap": float(gap.min()),
+            "max_abs_logit": float(np.abs(logits).max()),
+            "hf_loader_vs_dequantized_max_abs": float(np.abs(l2 - logits).max()),
+            "folder_bytes": sum(f.stat().st_size for f in folder.iterdir())}
+    print(f"{FP8_NAME}: {info}")
+    return info
+
+
+# ----------------------------------------------------------------------------------------------- gated delta rule
+DELTANET_NAME = "deltanet"
+
+
+def make_deltanet(out: Path) -> dict:
+    """``deltanet.npz``: random inputs of the gated delta rule (T = 80 > one 64-token chunk, 2 key heads, 4 value
+    heads, dk = 16, dv = 24, a nonzero initial state) and transformers' outputs: ``o_recurrent`` / ``state_recurrent``
+    from ``torch_recurrent_gated_delta_rule`` and ``o_chunk`` / ``state_chunk`` from ``torch_chunk_gated_delta_rule``
+    (models/qwen3_next/modeling_qwen3_next.py), both with use_qk_l2norm_in_kernel=True."""
+    import torch
+    import torch.nn.functional as Fn
+    from transformers.models.qwen3_next import modeling_qwen3_next as m
+
+    g = torch.Generator().manual_seed(7000)
+    T, Hk, Hv, dk, dv = 80, 2, 4, 16, 24
+    q = torch.randn(1, T, Hk, dk, generator=g)
+    k = torch.randn(1, T, Hk, dk, generator=g)
+    v = torch.randn(1, T, Hv, dv, generator=g)
+    # as Qwen3NextGatedDeltaNet makes them: beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)
+    beta = torch.randn(1, T, Hv, generator=g).sigmoid()
+    decay = -torch.rand(Hv, generator=g).mul(2).exp() * Fn.softplus(torch.randn(1, T, Hv, generator=g))
+    s0 = 0.1 * torch.randn(1, Hv, dk, dv, generator=g)
+    o_r, s_r = m.torch_recurrent_gated_delta_rule(q, k, v, decay, beta, initial_state=s0.clone(),
+                                                  output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o_c, s_c = m.torch_chunk_gated_delta_rule(q, k, v, decay, beta, initial_state=s0.clone(),
+                                              output_final_state=True, use_qk_l2norm_in_kernel=True)
+    f = lambda x: x[0].detach().float().numpy()  # noqa: E731
+    np.savez(out / f"{DELTANET_NAME}.npz", q=f(q), k=f(k), v=f(v), g=f(decay), beta=f(beta), state0=f(s0),
+             o_recurrent=f(o_r), state_recurrent=f(s_r), o_chunk=f(o_c), state_chunk=f(s_c))
+    info = {"max_abs_o": float(o_r.abs().max()), "recurrent_vs_chunk": float((o_r - o_c).abs().max())}
+    print(f"{DELTANET_NAME}: {info}")
+    return info
+
+
+# ----------------------------------------------------------------------------------------------- qwen3next
+# A tiny random Qwen3-Next (Gated DeltaNet layers 0-2, gated full attention layer 3; MoE with a shared expert)
+# for the family file that comes with the layer-blocks refactor. The GGUF is llama.cpp's converter's own output
+# (--outtype f32), the logits HF's: the prompt (96 tokens, more than one 64-token DeltaNet chunk) without a cache,
+# then 8 greedy steps with HF's cache (conv and recurrent states carried).
+QWEN3NEXT_NAME = "qwen3next"
+QWEN3NEXT_SEED = 8000
+QWEN3NEXT_CONFIG = dict(num_hidden_layers=4, intermediate_size=96, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=32, head_dim=16, num_attention_heads=4, num_key_value_heads=2,
+                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                        linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
+                        norm_topk_prob=True, rms_norm_eps=1e-6, full_attention_interval=4,
+                        layer_types=["linear_attention"] * 3 + ["full_attention"],
+                        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25})
+QWEN3NEXT_TOKENS, QWEN3NEXT_STEPS = 96, 8
+
+
+def make_qwen3next(out: Path, work: Path, tok_dir: Path, llama_dir: Path) -> dict:
+    """``qwen3next.gguf`` (llama.cpp's converter), ``qwen3next.config.json`` and ``qwen3next.npz``: ``ids`` int32 [96],
+    ``logits`` f32 [96, V] (no cache), ``gen_ids`` int32 [8] (greedy), ``gen_logits`` f32 [8, V] (the logits that
+    chose each generated token: the last prompt row, then each step's, with HF's cache), ``full_logits`` f32
+    [96 + 7, V] (the whole sequence without a cache: equals the cached steps), ``router_margin``, ``logit_gap``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    for attempt in range(20):
+        seed = QWEN3NEXT_SEED + attempt
+        cfg = AutoConfig.for_model("qwen3_next", **{**COMMON, **QWEN3NEXT_CONFIG})
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if pname.endswith("A_log"):
+                    p.copy_(torch.log(torch.rand(p.shape, generator=g) * 4 + 0.5))
+                elif pname.endswith("dt_bias"):
+                    p.copy_(0.5 * torch.randn(p.shape, generator=g))
+                elif p.ndim == 1:
+                    # zero-centred RMSNorms (output * (1 + w)) get w ~ 0.2 N; the gated norm (output * w) ~ 1 + 0.2 N
+                    zc = "linear_attn.norm" not in pname
+                    p.copy_((0.0 if zc else 1.0) + 0.2 * torch.randn(p.shape, generator=g))
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) / np.sqrt(np.prod(p.shape[1:])))
+                    if pname.endswith("mlp.gate.weight"):
+                        p.mul_(ROUTER_SCALE)
+        ids = np.random.default_rng(seed).integers(2, VOCAB, size=QWEN3NEXT_TOKENS).astype(np.int32)
+        ids[0] = BOS_ID
+        logits, rl, w, ix = run_model(model, ids)
+        margin = router_margin(rl, cfg.num_experts_per_tok)
+        top2 = -np.sort(-logits, axis=-1)[:, :2]
+        gap = (top2[:, 0] - top2[:, 1]).astype(np.float32)
+        if float(margin.min()) >= MIN_MARGIN and float(gap.min()) >= MIN_LOGIT_GAP and np.isfinite(logits).all():
+            break
+        print(f"{QWEN3NEXT_NAME}: seed {seed} router margin {margin.min():.2e}, logit gap {gap.min():.2e}, reseeding")
+    else:
+        raise SystemExit(f"{QWEN3NEXT_NAME}: no seed gave margins")
+    with torch.no_grad():
+        o = model(input_ids=torch.tensor(ids[None, :], dtype=torch.long), use_cache=True)
+        cache, last = o.past_key_values, o.logits[0, -1]
+        gen, gen_logits = [], []
+        for _ in range(QWEN3NEXT_STEPS):
+            tok = int(last.argmax())
+            gen.append(tok)
+            gen_logits.append(last.float().numpy())
+            o = model(input_ids=torch.tensor([[tok]]), past_key_values=cache, use_cache=True)
+            cache, last = o.past_key_values, o.logits[0, -1]
+        seq = np.concatenate([ids, np.array(gen[:-1], np.int32)])
+        full = model(input_ids=torch.tensor(seq[None, :], dtype=torch.long), use_cache=False).logits[0].numpy()
+    gen_logits = np.stack(gen_logits)
+    d_cache = float(np.abs(full[QWEN3NEXT_TOKENS - 1:] - gen_logits).max())
+    np.savez(out / f"{QWEN3NEXT_NAME}.npz", ids=ids, logits=logits.astype(np.float32), gen_ids=np.array(gen, np.int32),
+             gen_logits=gen_logits.astype(np.float32), full_logits=full.astype(np.float32), router_margin=margin,
+             logit_gap=gap)
+    cfg_json = json.loads(cfg.to_json_string(use_diff=False))
+    cfg_json["coli_oracle"] = {"seed": seed, "router_scale": ROUTER_SCALE, "gguf": "llama.cpp convert_hf_to_gguf.py f32",
+                               "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+                               "cached_vs_uncached_max_abs": d_cache}
+    (out / f"{QWEN3NEXT_NAME}.config.json").write_text(json.dumps(cfg_json, indent=1, sort_keys=True) + "\n")
+    hf_dir = work / QWEN3NEXT_NAME / "hf"
+    model.save_pretrained(hf_dir)
+    for f in tok_dir.iterdir():
+        (hf_dir / f.name).write_bytes(f.read_bytes())
+    cmd = [sys.executable, "-c", CONVERT_WRAPPER, str(llama_dir), str(hf_dir), "--outtype", "f32", "--no-mtp",
+           "--outfile", str(out / f"{QWEN3NEXT_NAME}.gguf")]  # no MTP head in this checkpoint
+    r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    if r.returncode != 0:
+        raise SystemExit(f"convert_hf_to_gguf.py failed for {QWEN3NEXT_NAME}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    info = {"seed": seed, "min_router_margin": float(margin.min()), "min_logit_gap": float(gap.min()),
+            "max_abs_logit": float(np.abs(logits).max()), "cached_vs_uncached_max_abs": d_cache,
+            "gguf_bytes": (out / f"{QWEN3NEXT_NAME}.gguf").stat().st_size}
+    print(f"{QWEN3NEXT_NAME}: {info}")
+    return info
+
+
 # ----------------------------------------------------------------------------------------------- main
 def make_one(name: str, out: Path, work: Path, tok_dir: Path, tokmeta: dict) -> dict:
     import torch
@@ -416,7 +837,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-convert-check", action="store_true")
     ap.add_argument("--no-llama-run", action="store_true",
                     help="skip running the GGUFs in llama-cpp-python (done when it is importable)")
-    ap.add_argument("archs", nargs="*", default=list(ARCHS))
+    ap.add_argument("archs", nargs="*", default=list(ARCHS) + list(ROPE) + [FP8_NAME, DELTANET_NAME, QWEN3NEXT_NAME])
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -430,7 +851,16 @@ def main(argv=None) -> int:
     checks = json.loads(check_path.read_text()) if check_path.exists() else {}
     ok = True
     for name in args.archs:
-        make_one(name, args.out, args.work, tok_dir, tokmeta)
+        if name == FP8_NAME:
+            make_fp8_folder(args.out, args.work, tok_dir)
+            continue
+        if name == DELTANET_NAME:
+            make_deltanet(args.out)
+            continue
+        if name == QWEN3NEXT_NAME:
+            make_qwen3next(args.out, args.work, tok_dir, args.llama_cpp)
+            continue
+        (make_rope_one if name in ROPE else make_one)(name, args.out, args.work, tok_dir, tokmeta)
         if not args.no_convert_check:
             res = convert_check(name, args.work / name / "hf", args.out / f"{name}.gguf", args.llama_cpp)
             checks[name] = res

@@ -12,7 +12,7 @@ part named by where it was called from:
 =====================  ==================================================================================
 attention matmuls      q/k/v/o projections (``mm`` / ``qkv`` called from ``attention``)
 attention core         RoPE, q/k norms, the KV write, ``attend`` (the rest of ``attention``)
-norms                  the layer RMSNorms and the final norm
+norms                  the layer RMSNorms and the final norm (with the input's int8 quantization when fused)
 dense FFN              gate/up/down and the activation of a dense layer
 router                 router logits and top-k (``moe`` less the step)
 MoE experts            ``MoEStep.run`` (the CPU experts, the join, the rank-order sum)
@@ -59,8 +59,9 @@ _METHODS = {  # Transformer methods: the part of their own (exclusive) time
     "moe": "router",
     "embed": "embed",
     "forward": "python / other",
+    "norm_in": "norms",  # RMSNorm and the int8 quantization of the layer input (one kernel)
 }
-_MM = {"attention": "attention matmuls", "dense_ffn": "dense FFN", "forward": "lm_head", "moe": "router"}
+_MM = {"mm": "attention matmuls", "attention": "attention matmuls", "dense_ffn": "dense FFN", "forward": "lm_head", "moe": "router"}
 
 
 class Profiler:

@@ -60,7 +60,7 @@ def acts(backend: str, type_name: str) -> tuple[str, ...]:
 def inner(type_name: str, k: int = 0) -> int:
     """An odd number of blocks, at least 32 weights: 3 (+k) blocks of 256-weight types, 5 (+k) units of 32."""
     bs = TT.get(type_name).block_size
-    return (3 + k) * bs if bs >= 256 else (5 + k) * 32
+    return (3 + k) * bs if bs >= 128 else (5 + k) * 32
 
 
 def cases():
@@ -182,7 +182,7 @@ def run_case(be: Backend, type_name: str, op: str, act: str) -> float:
                 worst = max(worst, err(y, act_model(x, act) @ W.T))
         return worst
     # expert batch: E experts, R rows top-2; expert 0 gets >= 18 rows (its groups take the GEMM)
-    big = TT.get(type_name).block_size >= 256
+    big = TT.get(type_name).block_size >= 128
     D, Fd = (256, 512) if big else (96, 160)
     E, R, K = 3, 20, 2
     specs, ws = [], []
@@ -262,6 +262,9 @@ def test_gaps_flags_a_missing_row_unless_cpu_only():
 def test_rows_agree_with_gguf_and_each_other():
     TT.load_backends()
     for n, t in TT.TYPES.items():
+        if t.qtype is None:  # coli's own type: no GGUF geometry to agree with
+            assert t.own and t.random is not None, n
+            continue
         assert (t.block_size, t.type_size) == GGML_QUANT_SIZES[t.qtype]
         if t.backends:
             assert t.reference is not None, f"{n}: a backend implements it but there is no NumPy reference"

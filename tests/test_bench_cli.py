@@ -155,10 +155,11 @@ def test_progress_bar_only_on_a_terminal(tiny, tmp_path):
     args = ["perplexity", "-m", str(tiny), "-f", str(text), "--ctx", "8"]
     rc, err = _stderr_on_a_terminal(args)
     assert rc == 0, err
-    assert "perplexity:" in err and "/5 [" in err and "chunks/s" in err  # tqdm's bar over the 5 windows of 8
+    # tqdm's bar over the chunks, then llama-perplexity's line of running estimates
+    assert "perplexity:" in err and "/5 [" in err and "chunks/s" in err and "ppl " in err and "[5]" in err
     r = _coli(*args)
     assert r.returncode == 0, r.stderr
-    assert "chunks" not in r.stderr and "\r" not in r.stderr
+    assert "chunks/s" not in r.stderr and "\r" not in r.stderr and "[5]" in r.stderr
 
 
 def test_compile_clock_counts_compiles_of_this_thread_only():

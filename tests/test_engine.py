@@ -181,7 +181,8 @@ def test_cli_perplexity_and_info(model_path, engine, tmp_path):
 
 
 def test_unsupported_tensor_type(tmp_path, model_path):
-    """A weight in a GGUF type coli has no kernel for (NVFP4) is refused naming the tensor and the type."""
+    """A weight in a GGUF type coli has no kernel for (Q8_1, llama.cpp's activation blocks) is refused naming the
+    tensor and the type."""
     import gguf
 
     from coli.gguf_file import open_gguf
@@ -200,13 +201,13 @@ def test_unsupported_tensor_type(tmp_path, model_path):
         w.add_tensor(f"blk.0.{n}.weight", f32(256))
     for n in ("attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
         w.add_tensor(f"blk.0.{n}.weight", f32(256, 256))
-    # NVFP4: 36 bytes per 64 weights (IQ2_XXS, the type this test used, has kernels now)
-    w.add_tensor("blk.0.attn_q.weight", np.zeros((256, 144), np.uint8), raw_shape=(256, 144),
-                 raw_dtype=gguf.GGMLQuantizationType.NVFP4)
+    # Q8_1: 40 bytes per 32 weights
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((256, 320), np.uint8), raw_shape=(256, 320),
+                 raw_dtype=gguf.GGMLQuantizationType.Q8_1)
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
     r = _cli("run", "-m", str(p), "-p", "ab")
     assert r.returncode == 2, r.stderr
-    assert "blk.0.attn_q.weight" in r.stderr and "NVFP4" in r.stderr and "Traceback" not in r.stderr
+    assert "blk.0.attn_q.weight" in r.stderr and "Q8_1" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize("flag,value", [("--threads", "0"), ("--ctx", "0"), ("--expert-cache", "-1"), ("-n", "-5"),

@@ -89,3 +89,111 @@ def test_bad_inner_size_is_a_coli_error():
 
     with pytest.raises(ColiError, match="IQ2_XXS.*multiple of the block size 256"):
         F.prepare("IQ2_XXS", np.zeros(66, np.uint8), (1, 288))
+
+
+# ----------------------------------------------------------------------------------------------- a whole model
+# A tiny llama-architecture MoE (2 layers, d 256, 4 experts top-2) whose experts and attention are i-quants with
+# random valid blocks, written twice: as is, and with exactly those tensors dequantized to F32 by gguf.quants. The
+# engine must compute the same logits from both (the oracle: gguf.quants' decoding through the F32 kernels).
+_IQ_MODEL = {  # tensor -> type
+    "blk.0.attn_q.weight": "IQ3_S", "blk.1.attn_output.weight": "IQ2_S",
+    "blk.0.ffn_gate_exps.weight": "IQ2_XXS", "blk.0.ffn_up_exps.weight": "IQ2_XS", "blk.0.ffn_down_exps.weight": "IQ3_XXS",
+    "blk.1.ffn_gate_exps.weight": "IQ1_S", "blk.1.ffn_up_exps.weight": "IQ1_M", "blk.1.ffn_down_exps.weight": "IQ2_S",
+}
+
+
+def _scaled_blocks(name, O, I, seed):
+    """Random valid blocks with weights of RMS about 1/sqrt(I) (activations stay O(1) through the layers)."""
+    probe = TT.random_blocks(name, O, I, np.random.default_rng(seed))
+    rms = float(np.sqrt(np.mean(gq.dequantize(probe, QT[name]) ** 2)))
+    return TT.random_blocks(name, O, I, np.random.default_rng(seed), 1.0 / (rms * np.sqrt(I)))
+
+
+def _write_tiny_moe(path, dequantize: bool):
+    import gguf
+
+    d, F, E, L, V, H = 256, 256, 4, 2, 64, 4
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("iq test MoE")
+    w.add_block_count(L)
+    w.add_context_length(256)
+    w.add_embedding_length(d)
+    w.add_feed_forward_length(F)
+    w.add_head_count(H)
+    w.add_head_count_kv(H)
+    w.add_rope_dimension_count(d // H)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_expert_count(E)
+    w.add_expert_used_count(2)
+    w.add_vocab_size(V)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    toks = [f"<t{i}>" for i in range(V)]
+    toks[3:6] = ["a", "b", "ab"]
+    w.add_token_list(toks)
+    w.add_token_types([1] * V)
+    w.add_token_merges(["a b"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+
+    def f32(name, shape, scale):
+        w.add_tensor(name, (rng.standard_normal(shape) * scale).astype(np.float32))
+
+    def mat(name, O, I, n_exp=None):
+        t = _IQ_MODEL.get(name)
+        if t is None:
+            f32(name, (O, I) if n_exp is None else (n_exp, O, I), 1.0 / np.sqrt(I))
+            return
+        seed = zlib.crc32(name.encode())
+        raws = [_scaled_blocks(t, O, I, seed + e) for e in range(n_exp or 1)]
+        if dequantize:
+            deq = np.stack([gq.dequantize(r, QT[t]).reshape(O, I) for r in raws]).astype(np.float32)
+            w.add_tensor(name, deq if n_exp else deq[0])
+        else:
+            raw = np.stack(raws) if n_exp else raws[0]
+            w.add_tensor(name, raw, raw_dtype=QT[t])
+
+    f32("token_embd.weight", (V, d), 1.0)
+    w.add_tensor("output_norm.weight", np.ones(d, np.float32))
+    f32("output.weight", (V, d), 1.0 / np.sqrt(d))
+    for il in range(L):
+        p = f"blk.{il}."
+        w.add_tensor(p + "attn_norm.weight", np.ones(d, np.float32))
+        w.add_tensor(p + "ffn_norm.weight", np.ones(d, np.float32))
+        for n in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            mat(p + n + ".weight", d, d)
+        f32(p + "ffn_gate_inp.weight", (E, d), 3.0 / np.sqrt(d))
+        mat(p + "ffn_gate_exps.weight", F, d, E)
+        mat(p + "ffn_up_exps.weight", F, d, E)
+        mat(p + "ffn_down_exps.weight", d, F, E)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_engine_on_iquant_moe_equals_its_f32_dequantization(tmp_path):
+    import coli
+    from coli.gguf_file import open_gguf
+
+    paths = {}
+    for deq in (False, True):
+        paths[deq] = tmp_path / f"iq-moe-{'f32' if deq else 'iq'}.gguf"
+        _write_tiny_moe(paths[deq], deq)
+    types = {n: t.type_name for n, t in open_gguf(str(paths[False])).tensors.items() if n in _IQ_MODEL}
+    assert types == _IQ_MODEL
+    ids = [3, 7, 11, 5, 40, 2, 9, 33, 17, 4, 60, 21]
+    out = {}
+    for deq, p in paths.items():
+        eng = coli.Engine(str(p), threads=2, ctx=64, cpu_act="f32", quiet=True, save_usage=False)
+        try:
+            out[deq] = eng.logits(ids)
+        finally:
+            eng.close()
+    want = out[True].astype(np.float64)
+    assert np.isfinite(want).all() and want.std() > 0.1
+    err = np.abs(out[False] - want).max() / np.abs(want).max()
+    assert err < 1e-4, f"i-quant model vs its F32 dequantization: {err:.3g}"

@@ -105,8 +105,9 @@ def test_integer_dot_kernel_equals_its_emulation_and_the_int32_sums(dev, monkeyp
 def test_expert_batch_on_int8_activations(dev, fmt_gu, fmt_d):
     """The batch with act "int8" against NumPy (float64) on the same rounded numbers: x rounded by the CPU's
     rule before a quantized gate/up, h rounded before a quantized down (float weights: no rounding). The
-    reference rounds h from its own float64 h, so a code may differ where the device's f32 h sits at a
-    rounding boundary: the bound is 1e-3 of the largest output, and the f32 reference is farther off."""
+    reference rounds h from its own float64 h, so a code could differ where the device's f32 h sits at a
+    rounding boundary (not seen: 1-3e-7 on Lavapipe); the bound is 1e-5 of the largest output, and the f32
+    reference is 7e-3 to 1e-2 off."""
     rng = np.random.default_rng(11)
     D, F = 256, 512
     spec, w = make_expert(fmt_gu, fmt_d, D, F, rng)
@@ -126,7 +127,7 @@ def test_expert_batch_on_int8_activations(dev, fmt_gu, fmt_d):
     if not q_gu and not q_d:
         assert err < 1e-5 and np.array_equal(y, dev.submit_experts(x, rows, [h] * len(rows), act="f32").join())
     else:
-        assert err < 1e-3 and err < rel_err(y, numpy_expert(x[rows], w)), (err, fmt_gu, fmt_d)
+        assert err < 1e-5 and rel_err(y, numpy_expert(x[rows], w)) > 1e-3, (err, fmt_gu, fmt_d)
     dev.free_expert(h)
 
 
@@ -147,7 +148,7 @@ def test_expert_batch_int8_matches_the_cpu_expert(dev):
     y32 = dev.submit_experts(x, np.arange(3), [h] * 3, act="f32").join()
     dev.free_expert(h)
     e8 = rel_err(y, cpu.astype(np.float64))
-    assert e8 < 1e-4 and e8 < rel_err(y32, cpu.astype(np.float64)) / 10, e8
+    assert e8 < 1e-5 and rel_err(y32, cpu.astype(np.float64)) > 1e-3, e8     # Lavapipe: 1.5e-7, 1.4e-2
 
 
 def test_bad_act_is_refused(dev):

@@ -16,7 +16,8 @@ ARCHITECTURES = {
 
 
 def model_class(g):
-    """The ``Model`` class for a ``GGUFModel``; ColiError naming the file and architecture if unsupported."""
+    """The ``Model`` class for a ``GGUFModel`` (or a ``coli.hf_folder.HFModel``, which names its GGUF
+    architecture the same way); ColiError naming the file and architecture if unsupported."""
     mod = ARCHITECTURES.get(g.arch)
     if mod is None:
         raise ColiError(f"{g.path.name}: general.architecture '{g.arch}' is not supported "

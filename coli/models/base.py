@@ -15,10 +15,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from coli.errors import ColiError
+from cpu_kernels import experts as grouped
 from cpu_kernels import formats
 from cpu_kernels.attention import attend
 from cpu_kernels.norms import geglu_tanh, rms_norm, rms_norm_heads, swiglu
-from cpu_kernels.rope import NEOX, NORM, apply_rope, rope_table
+from cpu_kernels.rope import NEOX, NORM, apply_rope
+
+from . import rope_scaling
+from .rope_scaling import RopeScaling
 
 
 @dataclass
@@ -45,6 +49,7 @@ class BaseArgs:
     shared_ff: int = 0
     attn_scale: float = 0.0
     sliding_window: int = 0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -84,6 +89,8 @@ class BaseArgs:
             shared_ff=int(g.get(f"{a}.expert_shared_feed_forward_length", 0) or 0),
             sliding_window=int(g.get(f"{a}.attention.sliding_window", 0) or 0),
         )
+        n_rot = overrides.get("n_rot", kw["n_rot"])
+        kw["rope_scaling"] = rope_scaling.from_gguf(g, n_rot)  # ColiError for a key coli does not implement
         norm = g.get(f"{a}.expert_weights_norm")
         if norm is not None:
             kw["norm_topk"] = bool(norm)
@@ -111,7 +118,7 @@ class Transformer:
 
     Family hooks (class attributes / methods a subclass sets): ``rope_kind``, ``qk_norm`` ("heads" | "full" |
     None), ``post_norms`` (Gemma's post-attention/post-FFN norms), ``embed_scale``, ``ffn_act`` ("swiglu" |
-    "geglu"), ``route(logits) -> (ids, weights)``, ``layer_window(il)``, ``layer_rope(il)``.
+    "geglu"), ``route(logits) -> (ids, weights)``, ``layer_window(il)``, ``layer_rope_base(il)``, ``layer_rope_scaling(il)``.
     """
 
     qk_norm: str | None = None
@@ -132,6 +139,13 @@ class Transformer:
         self.layers = [self._load_layer(il) for il in range(a.n_layers)]
         for L in self.layers:  # built once at load, not per token
             L["shared"] = self.shared_expert(L)
+            # q/k/v in one grouped launch on the layer input quantized once (cpu_kernels.experts)
+            qkv = [L["wq"], L["wk"], L["wv"]]
+            L["qkv"] = grouped.Group(qkv) if all(grouped.supports(w) for w in qkv) else None
+            ffn = [L.get("w_gate"), L.get("w_up"), L.get("w_down")]
+            kind = grouped.ACT_GEGLU if self.ffn_act == "geglu" else grouped.ACT_SWIGLU
+            L["ffn_grouped"] = (grouped.FFN(*ffn, kind, 0.0, act)
+                                if ffn[0] is not None and all(grouped.supports(w) for w in ffn) else None)
         self.moe_layers = [il for il, L in enumerate(self.layers) if L.get("router") is not None]
         self._ropes: dict = {}
         self.dense_bytes = sum(t.nbytes for n, t in self.t.items() if "_exps" not in n)
@@ -215,6 +229,10 @@ class Transformer:
     def layer_rope_base(self, il: int) -> float:
         return self.args.rope_base
 
+    def layer_rope_scaling(self, il: int) -> RopeScaling:
+        """The rope scaling rule of layer ``il`` (coli/models/rope_scaling.py; docs/families.md)."""
+        return self.args.rope_scaling
+
     def attn_scale(self) -> float:
         return self.args.attn_scale or 1.0 / math.sqrt(self.args.head_dim)
 
@@ -238,11 +256,12 @@ class Transformer:
         return ids.astype(np.int32), w.astype(np.float32)
 
     def rope(self, il):
-        base = self.layer_rope_base(il)
-        r = self._ropes.get(base)
+        """cos, sin f32 [ctx, n_rot // 2] of layer ``il`` (its base and scaling), built once per (base, rule)."""
+        key = (self.layer_rope_base(il), self.layer_rope_scaling(il))
+        r = self._ropes.get(key)
         if r is None or r[0].shape[0] < self._ctx:
-            r = rope_table(self._ctx, self.args.n_rot, base)
-            self._ropes[base] = r
+            r = key[1].table(self._ctx, self.args.n_rot, key[0])
+            self._ropes[key] = r
         return r
 
     # -- forward -----------------------------------------------------------------------------------------
@@ -254,12 +273,36 @@ class Transformer:
     def mm(self, w, x):
         return formats.matmul(w, x, act=self.act)
 
-    def attention(self, il, L, x, cache: KVCache, pos0: int):
+    def grouped_rows(self, T: int) -> bool:
+        """True when ``T`` rows run the grouped kernels (``cpu_kernels.experts``): up to the GEMV crossover of
+        ``formats.matmul``; above it the blocked f32 GEMM measured faster (docs/cpu_kernels.md)."""
+        if self.act == "int8" and grouped.HAVE_VNNI:
+            return T <= formats.GEMV_I8_MAX_T
+        return T <= formats.GEMV_MAX_T
+
+    def norm_in(self, h, w):
+        """The layer input: ``(x, xa)`` with x = RMSNorm(h) f32 [T, D] and xa its ``grouped.Act`` (quantized once
+        for every matmul that reads x) when T rows run the grouped kernels, else ``(x, None)``."""
+        if self.grouped_rows(h.shape[0]) and h.shape[1] % 32 == 0:
+            return grouped.Act.rms_norm(h, w, self.args.eps, self.act)
+        return rms_norm(h, w, self.args.eps), None
+
+    def qkv(self, L, x, xa=None):
+        """q, k, v projections of ``x`` f32 [T, D]: one quantization of x and one parallel launch for the three
+        matrices when their formats have grouped kernels (``cpu_kernels.experts``), else three matmuls."""
+        if L["qkv"] is None or not self.grouped_rows(x.shape[0]):
+            return self.mm(L["wq"], x), self.mm(L["wk"], x), self.mm(L["wv"], x)
+        out = L["qkv"](xa if xa is not None else grouped.Act(x, self.act))
+        oq, ok = L["wq"].shape[0], L["wk"].shape[0]
+        q, k, v = out[:, :oq], out[:, oq:oq + ok], out[:, oq + ok:]
+        if x.shape[0] > 1:  # column slices of a [T, O] buffer: contiguous copies for the row kernels
+            q, k, v = np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v)
+        return q, k, v
+
+    def attention(self, il, L, x, cache: KVCache, pos0: int, xa=None):
         a = self.args
         T = x.shape[0]
-        q = self.mm(L["wq"], x)
-        k = self.mm(L["wk"], x)
-        v = self.mm(L["wv"], x)
+        q, k, v = self.qkv(L, x, xa)
         if L["bq"] is not None:
             q += L["bq"]
         if L["bk"] is not None:
@@ -284,7 +327,9 @@ class Transformer:
         o = attend(q, cache.k[il], cache.v[il], pos0, self.attn_scale(), self.layer_window(il))
         return self.mm(L["wo"], o.reshape(T, a.n_heads * a.head_dim))
 
-    def dense_ffn(self, L, x):
+    def dense_ffn(self, L, x, xa=None):
+        if L["ffn_grouped"] is not None and self.grouped_rows(x.shape[0]):  # gate+up+act in one launch, down in one
+            return L["ffn_grouped"](xa if xa is not None else grouped.Act(x, self.act), self.act)
         g = self.mm(L["w_gate"], x)
         u = self.mm(L["w_up"], x)
         act = geglu_tanh(g, u) if self.ffn_act == "geglu" else swiglu(g, u)
@@ -293,11 +338,17 @@ class Transformer:
     def shared_expert(self, L):
         if "sh_gate" not in L:
             return None
+        fused = None
+        if all(grouped.supports(L[n]) for n in ("sh_gate", "sh_up", "sh_down")):
+            fused = grouped.FFN(L["sh_gate"], L["sh_up"], L["sh_down"], grouped.ACT_SWIGLU, 0.0, self.act)
 
         def run(x):
-            g = self.mm(L["sh_gate"], x)
-            u = self.mm(L["sh_up"], x)
-            y = self.mm(L["sh_down"], swiglu(g, u))
+            if fused is not None and self.grouped_rows(x.shape[0]):
+                y = fused(grouped.Act(x, self.act), self.act)
+            else:
+                g = self.mm(L["sh_gate"], x)
+                u = self.mm(L["sh_up"], x)
+                y = self.mm(L["sh_down"], swiglu(g, u))
             if L.get("sh_gate_inp") is not None:  # Qwen2-MoE: sigmoid(x . w_gate_inp_shexp) scales it
                 s = x @ L["sh_gate_inp"].reshape(-1)
                 y *= (1.0 / (1.0 + np.exp(-s)))[:, None].astype(np.float32)
@@ -322,13 +373,16 @@ class Transformer:
         if self.embed_scale:
             h *= np.float32(self.embed_scale)
         for il, L in enumerate(self.layers):
-            x = rms_norm(h, L["attn_norm"], a.eps)
-            o = self.attention(il, L, x, cache, pos0)
+            x, xa = self.norm_in(h, L["attn_norm"])
+            o = self.attention(il, L, x, cache, pos0, xa)
             if self.post_norms:
                 o = rms_norm(o, L["post_attn_norm"], a.eps)
             h += o
-            x = rms_norm(h, L["ffn_norm"], a.eps)
-            f = self.moe(il, L, x) if "router" in L else self.dense_ffn(L, x)
+            if "router" in L:
+                f = self.moe(il, L, rms_norm(h, L["ffn_norm"], a.eps))
+            else:
+                x, xa = self.norm_in(h, L["ffn_norm"])
+                f = self.dense_ffn(L, x, xa)
             if self.post_norms:
                 f = rms_norm(f, L["post_ffn_norm"], a.eps)
             h += f

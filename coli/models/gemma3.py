@@ -46,3 +46,8 @@ class Model(Transformer):
 
     def layer_rope_base(self, il: int) -> float:
         return LOCAL_ROPE_BASE if self.is_local(il) else self.args.rope_base
+
+    def layer_rope_scaling(self, il: int):
+        # llama.cpp: SWA layers take rope_freq_scale_train_swa = 1 (gemma3 sets no other), global ones the file's
+        s = self.args.rope_scaling
+        return s.unscaled() if self.is_local(il) else s

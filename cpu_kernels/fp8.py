@@ -1,0 +1,78 @@
+"""CPU kernels of coli's own ``FP8_E4M3_B128`` row (E4M3 weights, an f32 scale per 128x128 block; the layout,
+the NumPy reference and ``to_raw`` are in ``coli/fp8_blocks.py``, which this module re-exports).
+
+Kernels (the registry's contract, ``cpu_kernels/formats.py``): ``pack`` splits the codes (uint8 [O, I])
+from the scales (f32 [O, I/128]); the GEMV decodes each code through a 256-entry f32 table (``E4M3``) and
+keeps 32 f32 lane accumulators per block of 128, scaled once per block; the GEMM decodes 16 rows at a time
+into f32 and runs the shared 4x4 register tile. ``act="int8"`` rounds the activations per 32 as for the GGUF
+rows and runs these kernels (E4M3 codes are not integers: no VNNI dot).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from coli.fp8_blocks import BLOCK, E4M3, NAME, TYPE_SIZE, e4m3_values, reference, to_raw  # noqa: F401
+
+
+def pack(raw: np.ndarray, O: int, I: int):
+    """(codes uint8 [O, I], scales f32 [O, I/128]) for the kernels."""
+    b = np.ascontiguousarray(raw).reshape(O, I // BLOCK, TYPE_SIZE)
+    q = np.ascontiguousarray(b[:, :, 4:]).reshape(O, I)
+    d = np.ascontiguousarray(b[:, :, :4]).view("<f4").reshape(O, I // BLOCK).astype(np.float32)
+    return q, d
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+from . import formats as _formats  # noqa: E402  (formats imports this module at its end: the names below exist)
+from .formats import _F0, _JIT, _PJIT, _RB, _lanes_sum, _tile  # noqa: E402
+
+
+@njit(**_PJIT)
+def gemv(q, d, x, out):
+    """out f32 [O] = W x for one activation row x f32 [I]."""
+    O, nb = d.shape
+    lut = E4M3
+    for c in prange((O + _RB - 1) // _RB):
+        acc = np.empty(32, np.float32)
+        for o in range(c * _RB, min(O, c * _RB + _RB)):
+            s = _F0
+            for b in range(nb):
+                acc[:] = 0
+                base = b * 128
+                for k in range(4):
+                    i0 = base + k * 32
+                    for j in range(32):
+                        acc[j] += lut[q[o, i0 + j]] * x[i0 + j]
+                s += d[o, b] * _lanes_sum(acc)
+            out[o] = s
+
+
+@njit(inline="always", **_JIT)
+def _dec(q, d, o, buf):
+    lut = E4M3
+    for b in range(d.shape[1]):
+        db = d[o, b]
+        for j in range(128):
+            buf[b * 128 + j] = db * lut[q[o, b * 128 + j]]
+
+
+@njit(**_PJIT)
+def gemm(q, d, x, out):
+    """out f32 [T, O] = x W^T for activation rows x f32 [T, I]."""
+    O, nb = d.shape
+    for c in prange((O + _RB - 1) // _RB):
+        buf = np.empty((_RB, nb * 128), np.float32)
+        c0 = c * _RB
+        n = min(_RB, O - c0)
+        for r in range(n):
+            _dec(q, d, c0 + r, buf[r])
+        _tile(buf, n, x, c0, out)
+
+
+# the registry row (the table marks it coli's own and CPU only: coli/tensor_types.py)
+_formats.FORMATS.update([_formats._row(NAME, BLOCK, TYPE_SIZE, pack, gemv, gemm, NAME.lower(), True, None,
+                                       "E4M3 codes are not integers: act=int8 runs these kernels on the rounded x")])
+# and its CPU column in the table, here too: when this module is imported first, formats.py's registration loop
+# runs (inside the import of formats above) before this row exists
+_formats._TT.register("cpu", NAME, f"{gemv.__module__}.{gemv.__name__}")
