@@ -12,8 +12,9 @@ Two variants in the DeepSeek-V2-Lite shape (transformers ``models/deepseek_v2/mo
 * ``deepseek2_qlora``: ``q_lora_rank`` (``q_a_proj`` -> RMSNorm -> ``q_b_proj``) and group-limited routing
   (``topk_method: group_limited_greedy``, ``n_group`` 4, ``topk_group`` 2: a group scores its best expert).
 
-Both: MLA with ``kv_lora_rank`` 32 and ``qk_nope_head_dim`` 16 / ``qk_rope_head_dim`` 8 / ``v_head_dim`` 24
-(three different sizes, so a swapped split shows), one leading dense layer, shared experts (2 x the expert
+Both: hidden 32, 4 heads, MLA with ``kv_lora_rank`` 24 and ``qk_nope_head_dim`` 16 / ``qk_rope_head_dim`` 8 / ``v_head_dim`` 24
+(three different sizes, so a swapped split shows), one leading dense layer then 2 MoE layers of 8 experts
+(width 32: the device kernels need inner sizes that are multiples of 32), shared experts (2 x the expert
 width), ``routed_scaling_factor`` away from 1 (GGUF ``expert_weights_scale``), norms ~ 1 + 0.2 N, routers x5,
 reseeded until the k-th and (k+1)-th candidate router logits (and, grouped, the ``topk_group``-th and next
 group score) differ by ``MIN_MARGIN`` at every position of the prompt and the generated tokens and the top
@@ -47,15 +48,16 @@ from make_oracles import (BOS_ID, COMMON, CONVERT_WRAPPER, DEFAULT_LLAMA, DEFAUL
 
 N_TOKENS, N_STEPS = 96, 8
 
-SHAPE = dict(num_hidden_layers=3, intermediate_size=64, moe_intermediate_size=16, num_attention_heads=4,
-             kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24, n_routed_experts=8,
-             n_shared_experts=2, first_k_dense_replace=1, rms_norm_eps=1e-6, norm_topk_prob=False,
+SHAPE = dict(hidden_size=32, num_hidden_layers=3, intermediate_size=64, moe_intermediate_size=32,
+             num_attention_heads=4, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
+             n_routed_experts=8, n_shared_experts=2, first_k_dense_replace=1, rms_norm_eps=1e-6,
+             norm_topk_prob=False,
              rope_parameters={"rope_type": "default", "rope_theta": 1e4})
 
 VARIANTS: dict[str, tuple[int, dict]] = {
     "deepseek2_lite": (9000, dict(q_lora_rank=None, num_experts_per_tok=2, topk_method="greedy",
                                   routed_scaling_factor=1.7)),
-    "deepseek2_qlora": (9100, dict(q_lora_rank=48, num_experts_per_tok=3, topk_method="group_limited_greedy",
+    "deepseek2_qlora": (9100, dict(q_lora_rank=20, num_experts_per_tok=3, topk_method="group_limited_greedy",
                                    n_group=4, topk_group=2, routed_scaling_factor=2.5)),
 }
 
