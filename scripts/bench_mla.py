@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""MLA decode beside plain attention of the same shape: cache bytes per position and decode time per token per layer.
+
+For one layer at DeepSeek-V2-Lite's shapes (H 16 heads, kv_lora_rank r 512, qk_nope 128, qk_rope 64, v 128),
+random f32 weights and caches filled to ``ctx`` positions, one decode row (T = 1):
+
+* MLA (``cpu_kernels.mla.mla_attend``, absorbed): cache (r + dr) f32 per position;
+* plain multi-head attention (``cpu_kernels.attention.attend``) over per-head K [192] and V [128]: cache
+  H * (192 + 128) f32 per position. ``attend`` shares one head size between K and V, so it runs at head size
+  160 for both: the same bytes read and the same multiply-adds per position as K 192 + V 128.
+
+The two are timed alternately (A/B, ``--reps`` rounds, median), with the load average printed; only figures of
+the same run compare (docs/benchmarks.md). Usage: ``python scripts/bench_mla.py [--ctx 512 4096] [--threads 1]``.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ctx", type=int, nargs="*", default=[512, 4096])
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    import numba
+
+    from cpu_kernels.attention import attend
+    from cpu_kernels.mla import mla_attend
+
+    numba.set_num_threads(args.threads)
+    H, r, dn, dr, dv = 16, 512, 128, 64, 128
+    hd_plain = (dn + dr + dv) // 2
+    rng = np.random.default_rng(0)
+    f = np.float32
+    k_b = (rng.standard_normal((H, r, dn)) / 20).astype(f)
+    v_b = (rng.standard_normal((H, dv, r)) / 20).astype(f)
+    q_nope, q_pe = rng.standard_normal((1, H, dn)).astype(f), rng.standard_normal((1, H, dr)).astype(f)
+    q_plain = rng.standard_normal((1, H, hd_plain)).astype(f)
+    mla_bpp = 4 * (r + dr)
+    plain_bpp = 4 * H * (dn + dr + dv)
+    print(f"load average: {open('/proc/loadavg').read().split()[:3]}; threads {args.threads}")
+    print(f"cache bytes per position per layer: MLA {mla_bpp} (latent {r} + rope key {dr}, f32), "
+          f"plain attention {plain_bpp} ({H} heads x (K {dn + dr} + V {dv}), f32): {plain_bpp / mla_bpp:.1f}x")
+    for ctx in args.ctx:
+        lat, kr = rng.standard_normal((ctx, r)).astype(f), rng.standard_normal((ctx, dr)).astype(f)
+        kc = rng.standard_normal((H, ctx, hd_plain)).astype(f)
+        vc = rng.standard_normal((H, ctx, hd_plain)).astype(f)
+        pos0 = ctx - 1
+        runs = {
+            "mla": lambda: mla_attend(q_nope, q_pe, k_b, v_b, lat, kr, pos0, 0.07),
+            "plain": lambda: attend(q_plain, kc, vc, pos0, 0.07),
+        }
+        for fn in runs.values():  # compile and warm
+            fn()
+        t = {k: [] for k in runs}
+        for _ in range(args.reps):
+            for k, fn in runs.items():
+                t0 = time.perf_counter()
+                fn()
+                t[k].append(time.perf_counter() - t0)
+        med = {k: float(np.median(v)) for k, v in t.items()}
+        print(f"ctx {ctx}: decode attention per token per layer: MLA {med['mla'] * 1e3:.3f} ms "
+              f"({1 / med['mla']:.0f} tok/s), plain {med['plain'] * 1e3:.3f} ms ({1 / med['plain']:.0f} tok/s); "
+              f"cache MLA {ctx * mla_bpp / 2**20:.2f} MiB vs plain {ctx * plain_bpp / 2**20:.2f} MiB")
+    print(f"load average after: {open('/proc/loadavg').read().split()[:3]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
