@@ -10,8 +10,9 @@ query and the output instead, which gives the same numbers in exact arithmetic:
     s[t, h, j] = (qa[t, h] . c_j + q_pe[t, h] . kr_j) * scale,   j <= pos0 + t (causal; optional top-k subset)
     o[t, h]    = W_vb[h] (sum_j softmax(s)_j c_j)            # [dv]   (GGUF ``attn_v_b`` [H, dv, r])
 
-Softmax in float64 accumulation, as ``cpu_kernels.attention``. One launch: (row, head) pairs in parallel, or
-serially below ``SERIAL_WORK`` multiply-adds. docs/families.md "DeepSeek-V2 (MLA)".
+Softmax in float64 accumulation, as ``cpu_kernels.attention``. One launch over (row, group of heads) items:
+a group's heads share each read of a cached latent row (a row's heads all in one group when there are enough
+rows; split across the threads at decode); serially below ``SERIAL_WORK`` multiply-adds. docs/families.md "DeepSeek-V2 (MLA)".
 """
 from __future__ import annotations
 
@@ -22,25 +23,27 @@ import numpy as np
 
 
 @nb.njit(inline="always", nogil=True, cache=True, fastmath=True)
-def _mla_head(q_nope, q_pe, k_b, v_b, lat, kr, pos0, scale, sel, out, t, h):
+def _mla_rows(q_nope, q_pe, k_b, v_b, lat, kr, pos0, scale, sel, out, t, h0, h1):
+    # heads h0 .. h1-1 of row t together: each cached latent row is read once for all of them
     dn = q_nope.shape[2]
     dr = q_pe.shape[2]
     r = lat.shape[1]
     dv = v_b.shape[1]
-    qa = np.empty(r, dtype=np.float32)
-    for c in range(r):
-        s = np.float32(0.0)
-        for i in range(dn):
-            s += k_b[h, c, i] * q_nope[t, h, i]
-        qa[c] = s
+    G = h1 - h0
+    qa = np.empty((G, r), dtype=np.float32)
+    for g in range(G):
+        h = h0 + g
+        for c in range(r):
+            s = np.float32(0.0)
+            for i in range(dn):
+                s += k_b[h, c, i] * q_nope[t, h, i]
+            qa[g, c] = s
     p = pos0 + t
-    if sel.shape[0] > 0:  # a subset of positions per row (DSA indexer): its entries < 0 or > p are skipped
+    if sel.shape[0] > 0:  # a subset of positions per row (DSA indexer): entries < 0 or > p are skipped
         n = sel.shape[1]
     else:
         n = p + 1
-    sc = np.empty(n, dtype=np.float32)
     idx = np.empty(n, dtype=np.int64)
-    m = -np.inf
     cnt = 0
     for jj in range(n):
         j = jj
@@ -48,48 +51,62 @@ def _mla_head(q_nope, q_pe, k_b, v_b, lat, kr, pos0, scale, sel, out, t, h):
             j = sel[t, jj]
             if j < 0 or j > p:
                 continue
-        s = np.float32(0.0)
-        for c in range(r):
-            s += qa[c] * lat[j, c]
-        for i in range(dr):
-            s += q_pe[t, h, i] * kr[j, i]
-        s *= scale
-        sc[cnt] = s
         idx[cnt] = j
         cnt += 1
-        if s > m:
-            m = s
-    tot = 0.0
+    sc = np.empty((G, cnt), dtype=np.float32)
     for jj in range(cnt):
-        e = math.exp(sc[jj] - m)
-        sc[jj] = e
-        tot += e
-    inv = np.float32(1.0 / tot)
-    ol = np.zeros(r, dtype=np.float32)
-    for jj in range(cnt):
-        w = sc[jj] * inv
         j = idx[jj]
-        for c in range(r):
-            ol[c] += w * lat[j, c]
-    for o in range(dv):
-        s = np.float32(0.0)
-        for c in range(r):
-            s += v_b[h, o, c] * ol[c]
-        out[t, h, o] = s
+        for g in range(G):
+            s = np.float32(0.0)
+            for c in range(r):
+                s += qa[g, c] * lat[j, c]
+            for i in range(dr):
+                s += q_pe[t, h0 + g, i] * kr[j, i]
+            sc[g, jj] = s * scale
+    ol = np.zeros((G, r), dtype=np.float32)
+    for g in range(G):
+        m = -np.inf
+        for jj in range(cnt):
+            if sc[g, jj] > m:
+                m = sc[g, jj]
+        tot = 0.0
+        for jj in range(cnt):
+            e = math.exp(sc[g, jj] - m)
+            sc[g, jj] = e
+            tot += e
+        inv = np.float32(1.0 / tot)
+        for jj in range(cnt):
+            sc[g, jj] *= inv
+    for jj in range(cnt):
+        j = idx[jj]
+        for g in range(G):
+            w = sc[g, jj]
+            for c in range(r):
+                ol[g, c] += w * lat[j, c]
+    for g in range(G):
+        h = h0 + g
+        for o in range(dv):
+            s = np.float32(0.0)
+            for c in range(r):
+                s += v_b[h, o, c] * ol[g, c]
+            out[t, h, o] = s
 
 
 @nb.njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def _mla(q_nope, q_pe, k_b, v_b, lat, kr, pos0, scale, sel, out):
+def _mla(q_nope, q_pe, k_b, v_b, lat, kr, pos0, scale, sel, out, G):
     t_n, h_n = q_nope.shape[0], q_nope.shape[1]
-    for idx in nb.prange(t_n * h_n):
-        _mla_head(q_nope, q_pe, k_b, v_b, lat, kr, pos0, scale, sel, out, idx // h_n, idx % h_n)
+    n_g = (h_n + G - 1) // G
+    for idx in nb.prange(t_n * n_g):
+        t = idx // n_g
+        h0 = (idx % n_g) * G
+        _mla_rows(q_nope, q_pe, k_b, v_b, lat, kr, pos0, scale, sel, out, t, h0, min(h0 + G, h_n))
 
 
 @nb.njit(nogil=True, cache=True, fastmath=True)
-def _mla_serial(q_nope, q_pe, k_b, v_b, lat, kr, pos0, scale, sel, out):
+def _mla_serial(q_nope, q_pe, k_b, v_b, lat, kr, pos0, scale, sel, out, G):
     t_n, h_n = q_nope.shape[0], q_nope.shape[1]
-    for idx in range(t_n * h_n):
-        _mla_head(q_nope, q_pe, k_b, v_b, lat, kr, pos0, scale, sel, out, idx // h_n, idx % h_n)
+    for t in range(t_n):
+        _mla_rows(q_nope, q_pe, k_b, v_b, lat, kr, pos0, scale, sel, out, t, 0, h_n)
 
 
 #: multiply-adds up to which the kernel runs serially (one launch of the thread pool costs ~10 us)
@@ -117,5 +134,11 @@ def mla_attend(q_nope: np.ndarray, q_pe: np.ndarray, k_b: np.ndarray, v_b: np.nd
     n = (pos0 + T) if sel is None else s.shape[1]
     r = lat.shape[1]
     work = T * H * (r * dn + n * (2 * r + q_pe.shape[2]) + v_b.shape[1] * r)
-    (_mla_serial if work <= SERIAL_WORK else _mla)(q_nope, q_pe, k_b, v_b, lat, kr, pos0, np.float32(scale), s, out)
+    if work <= SERIAL_WORK:
+        _mla_serial(q_nope, q_pe, k_b, v_b, lat, kr, pos0, np.float32(scale), s, out, H)
+    else:
+        # (row, group of heads) items: a row's heads share each latent row read; rows few (decode) -> the heads
+        # are split so that every thread gets work
+        per_row = max(1, min(H, -(-2 * nb.get_num_threads() // T)))
+        _mla(q_nope, q_pe, k_b, v_b, lat, kr, pos0, np.float32(scale), s, out, -(-H // per_row))
     return out
