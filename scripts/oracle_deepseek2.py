@@ -10,7 +10,10 @@ Two variants in the DeepSeek-V2-Lite shape (transformers ``models/deepseek_v2/mo
 
 * ``deepseek2_lite``: no ``q_lora_rank`` (``q_proj`` straight from the hidden state, as V2-Lite), greedy top-k;
 * ``deepseek2_qlora``: ``q_lora_rank`` (``q_a_proj`` -> RMSNorm -> ``q_b_proj``) and group-limited routing
-  (``topk_method: group_limited_greedy``, ``n_group`` 4, ``topk_group`` 2: a group scores its best expert).
+  (``topk_method: group_limited_greedy``, ``n_group`` 4, ``topk_group`` 2: a group scores its best expert);
+* ``deepseek2_yarn``: as ``deepseek2_lite`` with V2-Lite's rope, YaRN (factor 4 over an original context of 32,
+  so the 96 prompt tokens run past it) with ``mscale`` = ``mscale_all_dim`` = 0.707 (the converter writes
+  ``rope.scaling.yarn_log_multiplier`` = 0.1 x mscale_all_dim; the softmax scale gets mscale^2).
 
 Both: hidden 32, 4 heads, MLA with ``kv_lora_rank`` 24 and ``qk_nope_head_dim`` 16 / ``qk_rope_head_dim`` 8 / ``v_head_dim`` 24
 (three different sizes, so a swapped split shows), one leading dense layer then 2 MoE layers of 8 experts
@@ -59,6 +62,12 @@ VARIANTS: dict[str, tuple[int, dict]] = {
                                   routed_scaling_factor=1.7)),
     "deepseek2_qlora": (9100, dict(q_lora_rank=20, num_experts_per_tok=3, topk_method="group_limited_greedy",
                                    n_group=4, topk_group=2, routed_scaling_factor=2.5)),
+    # V2-Lite's rope: YaRN with mscale = mscale_all_dim (cos/sin unscaled, the softmax scale x mscale^2)
+    "deepseek2_yarn": (9200, dict(q_lora_rank=None, num_experts_per_tok=2, topk_method="greedy",
+                                  routed_scaling_factor=1.0, rope_parameters={
+                                      "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                      "original_max_position_embeddings": 32, "beta_fast": 32.0, "beta_slow": 1.0,
+                                      "mscale": 0.707, "mscale_all_dim": 0.707})),
 }
 
 
