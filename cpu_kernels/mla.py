@@ -142,3 +142,43 @@ def mla_attend(q_nope: np.ndarray, q_pe: np.ndarray, k_b: np.ndarray, v_b: np.nd
         per_row = max(1, min(H, -(-2 * nb.get_num_threads() // T)))
         _mla(q_nope, q_pe, k_b, v_b, lat, kr, pos0, np.float32(scale), s, out, -(-H // per_row))
     return out
+
+
+@nb.njit(parallel=True, nogil=True, cache=True, fastmath=True)
+def _dsa_topk(iq, ik, w, pos0, scale, sel):
+    T, H, D = iq.shape
+    K = sel.shape[1]
+    for t in nb.prange(T):
+        n = pos0 + t + 1
+        if n <= K:
+            for j in range(K):
+                sel[t, j] = j if j < n else -1
+            continue
+        sc = np.empty(n, dtype=np.float32)
+        for j in range(n):
+            tot = np.float32(0.0)
+            for h in range(H):
+                s = np.float32(0.0)
+                for d in range(D):
+                    s += iq[t, h, d] * ik[j, d]
+                s *= scale
+                if s > 0:
+                    tot += w[t, h] * s
+            sc[j] = tot
+        order = np.argsort(-sc, kind="mergesort")  # stable: ties keep the earlier position
+        for j in range(K):
+            sel[t, j] = order[j]
+
+
+def dsa_topk(iq: np.ndarray, ik: np.ndarray, w: np.ndarray, pos0: int, scale: float, k: int) -> np.ndarray:
+    """The DeepSeek sparse attention indexer's choice (HF ``DeepseekV32Indexer`` / ``GlmMoeDsaIndexer``): for rows
+    at positions ``pos0 ..`` the ``k`` earlier positions j with the best ``sum_h w[t, h] relu(iq[t, h] . ik[j] *
+    scale)``, or all of them (then -1 padded) while there are at most ``k``.
+
+    ``iq`` f32 [T, Hi, Di] (rotated), ``ik`` f32 [>= pos0 + T, Di] (the layer's indexer keys, rotated),
+    ``w`` f32 [T, Hi] (the head weights, already x Hi^-1/2). Returns int64 [T, k]. One launch, rows in
+    parallel; memory O(rows' positions), never [T, Hi, positions]."""
+    sel = np.empty((iq.shape[0], k), np.int64)
+    _dsa_topk(np.ascontiguousarray(iq), np.ascontiguousarray(ik), np.ascontiguousarray(w, dtype=np.float32),
+              pos0, np.float32(scale), sel)
+    return sel
