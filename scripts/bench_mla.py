@@ -10,7 +10,8 @@ random f32 weights and caches filled to ``ctx`` positions, one decode row (T = 1
   160 for both: the same bytes read and the same multiply-adds per position as K 192 + V 128.
 
 The two are timed alternately (A/B, ``--reps`` rounds, median), with the load average printed; only figures of
-the same run compare (docs/benchmarks.md). Usage: ``python scripts/bench_mla.py [--ctx 512 4096] [--threads 1]``.
+the same run compare (docs/benchmarks.md). ``--dsa 8192``: GLM-5's indexer + MLA over its 2048 positions beside
+MLA over all of them. Usage: ``python scripts/bench_mla.py [--ctx 512 4096] [--threads 1] [--dsa 8192]``.
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, nargs="*", default=[512, 4096])
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dsa", type=int, nargs="*", default=[],
+                    help="also GLM-5's indexer + sparse MLA beside dense MLA at these contexts (e.g. 8192)")
     args = ap.parse_args(argv)
     import numba
 
@@ -66,8 +69,47 @@ def main(argv=None) -> int:
         print(f"ctx {ctx}: decode attention per token per layer: MLA {med['mla'] * 1e3:.3f} ms "
               f"({1 / med['mla']:.0f} tok/s), plain {med['plain'] * 1e3:.3f} ms ({1 / med['plain']:.0f} tok/s); "
               f"cache MLA {ctx * mla_bpp / 2**20:.2f} MiB vs plain {ctx * plain_bpp / 2**20:.2f} MiB")
+    if args.dsa:
+        dsa(args, rng)
     print(f"load average after: {open('/proc/loadavg').read().split()[:3]}")
     return 0
+
+
+def dsa(args, rng):
+    """GLM-5's layer shapes (H 64, r 512, dn 192, dr 64, dv 256; indexer 32 heads of 128, top-k 2048): one decode
+    row's indexer + MLA over the chosen positions beside MLA over every position, alternated."""
+    from cpu_kernels.mla import dsa_topk, mla_attend
+
+    H, r, dn, dr, dv, Hi, Di, K = 64, 512, 192, 64, 256, 32, 128, 2048
+    f = np.float32
+    k_b = (rng.standard_normal((H, r, dn)) / 20).astype(f)
+    v_b = (rng.standard_normal((H, dv, r)) / 20).astype(f)
+    q_nope, q_pe = rng.standard_normal((1, H, dn)).astype(f), rng.standard_normal((1, H, dr)).astype(f)
+    iq, w = rng.standard_normal((1, Hi, Di)).astype(f), rng.standard_normal((1, Hi)).astype(f)
+    print(f"GLM-5 shapes: cache bytes per position per layer: MLA {4 * (r + dr)} + indexer keys {4 * Di} = "
+          f"{4 * (r + dr + Di)}")
+    for ctx in args.dsa:
+        lat, kr = rng.standard_normal((ctx, r)).astype(f), rng.standard_normal((ctx, dr)).astype(f)
+        ik = rng.standard_normal((ctx, Di)).astype(f)
+        pos0 = ctx - 1
+        runs = {
+            "sparse": lambda: mla_attend(q_nope, q_pe, k_b, v_b, lat, kr, pos0, 0.06,
+                                         sel=dsa_topk(iq, ik, w, pos0, Di ** -0.5, K)),
+            "indexer": lambda: dsa_topk(iq, ik, w, pos0, Di ** -0.5, K),
+            "dense": lambda: mla_attend(q_nope, q_pe, k_b, v_b, lat, kr, pos0, 0.06),
+        }
+        for fn in runs.values():
+            fn()
+        t = {k: [] for k in runs}
+        for _ in range(max(3, args.reps // 3)):
+            for k, fn in runs.items():
+                t0 = time.perf_counter()
+                fn()
+                t[k].append(time.perf_counter() - t0)
+        med = {k: float(np.median(v)) for k, v in t.items()}
+        print(f"ctx {ctx}: decode per token per layer: indexer + sparse MLA ({K} positions) "
+              f"{med['sparse'] * 1e3:.1f} ms (of which the indexer {med['indexer'] * 1e3:.1f} ms), "
+              f"dense MLA {med['dense'] * 1e3:.1f} ms")
 
 
 if __name__ == "__main__":
