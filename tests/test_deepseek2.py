@@ -165,34 +165,69 @@ def test_absorbed_kernel_equals_expanded_form():
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
-def test_missing_mla_tensor_is_a_clear_error(tmp_path):
+def _rewrite(name, out, keys=None, tensors=None):
+    """The fixture ``name`` rewritten to ``out`` by gguf's writer: ``keys`` {key: value or None (drop)},
+    ``tensors`` {name: array or None (drop)}; new tensors go last."""
     import gguf
 
-    from coli.errors import ColiError
-
-    src = gguf.GGUFReader(str(DIR / "deepseek2_lite.gguf"))
-    out = tmp_path / "broken.gguf"
+    keys, tensors = keys or {}, tensors or {}
+    src = gguf.GGUFReader(str(DIR / f"{name}.gguf"))
     w = gguf.GGUFWriter(str(out), "deepseek2")
     for k, f in src.fields.items():
-        if k.startswith("GGUF.") or k == "general.architecture":
+        if k.startswith("GGUF.") or k == "general.architecture" or (k in keys and keys[k] is None):
             continue
-        v = f.contents()
-        vt = f.types[0]
-        if vt == gguf.GGUFValueType.ARRAY:
-            w.add_key_value(k, v, vt, sub_type=f.types[-1])
+        v = keys.get(k, f.contents())
+        if f.types[0] == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(k, v, f.types[0], sub_type=f.types[-1])
         else:
-            w.add_key_value(k, v, vt)
+            w.add_key_value(k, v, f.types[0])
     for t in src.tensors:
-        if t.name != "blk.1.attn_v_b.weight":
+        if t.name not in tensors:
             w.add_tensor(t.name, np.asarray(t.data))
+    for n, a in tensors.items():
+        if a is not None:
+            w.add_tensor(n, a)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    from coli.engine import Engine
+    return out
 
+
+def test_missing_mla_tensor_is_a_clear_error(tmp_path):
+    from coli.engine import Engine
+    from coli.errors import ColiError
+
+    out = _rewrite("deepseek2_lite", tmp_path / "broken.gguf", tensors={"blk.1.attn_v_b.weight": None})
     with pytest.raises(ColiError, match=r"broken\.gguf: tensor 'blk\.1\.attn_v_b\.weight'"):
         Engine(out, cpu_act="f32", quiet=True, save_usage=False, usage=str(tmp_path / "u"))
+
+
+def test_older_file_with_unsplit_kv_b(tmp_path):
+    """An older file (llama.cpp's converter before the split): ``attn_kv_b`` [H (dn + dv), r] (HF's kv_b_proj)
+    and ``key_length`` / ``value_length`` = dn + dr / dv without the ``_mla`` keys. Made here from the oracle's
+    file by undoing the converter's split; coli splits it back and gives the oracle's logits."""
+    import gguf
+
+    name = "deepseek2_lite"
+    src = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(str(DIR / f"{name}.gguf")).tensors}
+    tensors = {}
+    for il in range(3):
+        p = f"blk.{il}."
+        kb, vb = src[p + "attn_k_b.weight"], src[p + "attn_v_b.weight"]      # [H, r, dn], [H, dv, r]
+        kvb = np.concatenate([kb.transpose(0, 2, 1), vb], axis=1)             # [H, dn + dv, r]
+        tensors.update({p + "attn_k_b.weight": None, p + "attn_v_b.weight": None,
+                        p + "attn_kv_b.weight": np.ascontiguousarray(kvb.reshape(-1, kvb.shape[-1]))})
+    keys = {"deepseek2.attention.key_length_mla": None, "deepseek2.attention.value_length_mla": None,
+            "deepseek2.attention.key_length": 24, "deepseek2.attention.value_length": 24}
+    out = _rewrite(name, tmp_path / "old.gguf", keys, tensors)
+    from coli.engine import Engine
+
+    d = np.load(DIR / f"{name}.npz")
+    with Engine(out, cpu_act="f32", threads=1, quiet=True, save_usage=False, usage=str(tmp_path / "u")) as eng:
+        assert not eng.model.wt.has("blk.0.attn_k_b.weight")
+        got = eng.logits(d["ids"])
+    assert (_rel(got, d["logits"]) <= 1e-4).all()
 
 
 def test_yarn_oracle_needs_each_piece(engines):
