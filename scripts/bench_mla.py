@@ -26,6 +26,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, nargs="*", default=[512, 4096])
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tiny", action="store_true",
+                    help="also whole-model decode of the tiny oracles (deepseek2_lite, glmdsa) beside the same "
+                         "model with plain attention of the same heads in place of MLA")
     ap.add_argument("--dsa", type=int, nargs="*", default=[],
                     help="also GLM-5's indexer + sparse MLA beside dense MLA at these contexts (e.g. 8192)")
     args = ap.parse_args(argv)
@@ -71,8 +74,91 @@ def main(argv=None) -> int:
               f"cache MLA {ctx * mla_bpp / 2**20:.2f} MiB vs plain {ctx * plain_bpp / 2**20:.2f} MiB")
     if args.dsa:
         dsa(args, rng)
+    if args.tiny:
+        tiny(args)
     print(f"load average after: {open('/proc/loadavg').read().split()[:3]}")
     return 0
+
+
+class _PlainAttention:
+    """Plain multi-head attention of an MLA layer's shape (H heads, K and V of dn + dr = dv in the tiny oracles),
+    random f32 weights: ``blocks.KV`` cache, ``cpu_kernels.attention.attend``."""
+
+    def __init__(self, m, mla, rng):
+        from cpu_kernels import formats
+
+        H, hd, D = mla.H, mla.dn + mla.dr, m.args.d_model
+        assert mla.dv == hd, "the twin needs dn + dr == dv"
+
+        def w(o, i):
+            a = (rng.standard_normal((o, i)) / np.sqrt(i)).astype(np.float32)
+            return formats.prepare("F32", a.view(np.uint8).reshape(o, -1), (o, i))
+        self.m, self.H, self.hd = m, H, hd
+        self.wq, self.wk, self.wv, self.wo = w(H * hd, D), w(H * hd, D), w(H * hd, D), w(D, H * hd)
+
+    def new_cache(self, ctx):
+        from coli.models.blocks import KV
+
+        return KV(self.H, ctx, self.hd)
+
+    def __call__(self, x, xa, kv, pos0):
+        from cpu_kernels.attention import attend
+        from cpu_kernels.rope import NORM, apply_rope
+
+        m, T = self.m, x.shape[0]
+        q = m.mm(self.wq, x).reshape(T, self.H, self.hd)
+        k = m.mm(self.wk, x).reshape(T, self.H, self.hd)
+        v = m.mm(self.wv, x).reshape(T, self.H, self.hd)
+        pos = np.arange(pos0, pos0 + T, dtype=np.int64)
+        cos, sin = m.rope_table(m.args.rope_base, m.args.rope_scaling, m.args.n_rot)
+        apply_rope(q, pos, cos, sin, m.args.n_rot, NORM)
+        apply_rope(k, pos, cos, sin, m.args.n_rot, NORM)
+        kv.k[:, pos0:pos0 + T] = k.transpose(1, 0, 2)
+        kv.v[:, pos0:pos0 + T] = v.transpose(1, 0, 2)
+        return m.mm(self.wo, attend(q, kv.k, kv.v, pos0, 1 / np.sqrt(self.hd)).reshape(T, -1))
+
+
+def tiny(args):
+    """Decode tok/s of the tiny oracle models (f32, 1 thread) with their own attention and with
+    :class:`_PlainAttention` in its place, alternated; cache bytes per position of each."""
+    import tempfile
+    from pathlib import Path
+
+    from coli.engine import Engine
+
+    fix = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "oracles"
+    rng = np.random.default_rng(1)
+    for name in ("deepseek2_lite", "glmdsa"):
+        eng = Engine(fix / f"{name}.gguf", cpu_act="f32", threads=args.threads, quiet=True, save_usage=False,
+                     usage=str(Path(tempfile.mkdtemp()) / "u.coli_usage"))
+        m = eng.model
+        own = [L.attn for L in m.layers]
+        twin = [_PlainAttention(m, a.mla if hasattr(a, "mla") else a, rng) for a in own]
+        ids = np.load(fix / f"{name}.npz")["ids"]
+        res = {"own": [], "plain": []}
+
+        def decode(kind, n=48):
+            for L, a, b in zip(m.layers, own, twin):
+                L.attn = a if kind == "own" else b
+            c = m.new_cache(128)
+            m.forward(ids[:64], c)
+            t0 = time.perf_counter()
+            for t in ids[64:64 + n]:
+                m.forward(np.array([t]), c)
+            return n / (time.perf_counter() - t0), c.nbytes() // 128
+        for kind in res:
+            decode(kind, 2)
+        for _ in range(5):
+            for kind in res:
+                res[kind].append(decode(kind))
+        tok = {k: float(np.median([r[0] for r in v])) for k, v in res.items()}
+        bpp = {k: v[0][1] for k, v in res.items()}
+        print(f"{name} (tiny, {len(m.layers)} layers): decode {tok['own']:.0f} tok/s with its attention "
+              f"({bpp['own']} cache bytes per position) vs {tok['plain']:.0f} tok/s with plain attention of the "
+              f"same heads ({bpp['plain']} bytes per position)")
+        for L, a in zip(m.layers, own):
+            L.attn = a
+        eng.close()
 
 
 def dsa(args, rng):
