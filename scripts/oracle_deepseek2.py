@@ -11,6 +11,10 @@ Two variants in the DeepSeek-V2-Lite shape (transformers ``models/deepseek_v2/mo
 * ``deepseek2_lite``: no ``q_lora_rank`` (``q_proj`` straight from the hidden state, as V2-Lite), greedy top-k;
 * ``deepseek2_qlora``: ``q_lora_rank`` (``q_a_proj`` -> RMSNorm -> ``q_b_proj``) and group-limited routing
   (``topk_method: group_limited_greedy``, ``n_group`` 4, ``topk_group`` 2: a group scores its best expert);
+* ``deepseek3``: transformers ``deepseek_v3`` (converted by the same class to the same arch): q_lora_rank,
+  sigmoid scores plus a random ``e_score_correction_bias`` (GGUF ``exp_probs_b``) choosing, the unbiased scores
+  weighting, groups scored by the sum of their two best (``noaux_tc``), renormalised, scaled 2.5; its config.json
+  gets the hub's ``scoring_func: sigmoid`` (the converter writes ``expert_gating_func`` from it);
 * ``deepseek2_yarn``: as ``deepseek2_lite`` with V2-Lite's rope, YaRN (factor 4 over an original context of 32,
   so the 96 prompt tokens run past it) with ``mscale`` = ``mscale_all_dim`` = 0.707 (the converter writes
   ``rope.scaling.yarn_log_multiplier`` = 0.1 x mscale_all_dim; the softmax scale gets mscale^2).
@@ -68,7 +72,15 @@ VARIANTS: dict[str, tuple[int, dict]] = {
                                       "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
                                       "original_max_position_embeddings": 32, "beta_fast": 32.0, "beta_slow": 1.0,
                                       "mscale": 0.707, "mscale_all_dim": 0.707})),
+    # DeepSeek-V3 (transformers deepseek_v3; the same GGUF arch): sigmoid scores + e_score_correction_bias,
+    # groups scored by their two best, renormalised, scaled
+    "deepseek3": (9300, dict(q_lora_rank=20, num_experts_per_tok=3, n_group=4, topk_group=2, norm_topk_prob=True,
+                             routed_scaling_factor=2.5, rope_interleave=True, num_key_value_heads=4)),
 }
+MODEL_TYPE = {"deepseek3": "deepseek_v3"}
+# fields the hub's config.json has and transformers does not write back (the converter reads scoring_func)
+HUB_FIELDS = {"deepseek3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}}
+MIN_SCORE_MARGIN = 2e-4  # sigmoid + bias router: margins on the biased scores (0..1), f32 rounding ~1e-7
 
 
 def build(name: str, seed: int):
@@ -76,7 +88,7 @@ def build(name: str, seed: int):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     over = VARIANTS[name][1]
-    cfg = AutoConfig.for_model("deepseek_v2", **{**COMMON, **SHAPE, **over})
+    cfg = AutoConfig.for_model(MODEL_TYPE.get(name, "deepseek_v2"), **{**COMMON, **SHAPE, **over})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
     g = torch.Generator().manual_seed(seed)
@@ -88,6 +100,9 @@ def build(name: str, seed: int):
                 p.copy_(torch.randn(p.shape, generator=g) / np.sqrt(p.shape[-1]))
                 if pname.endswith("mlp.gate.weight"):
                     p.mul_(ROUTER_SCALE)
+        for bname, b in model.named_buffers():
+            if bname.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
     return cfg, model
 
 
@@ -95,7 +110,7 @@ def routing(model, cfg, seq):
     """Per MoE layer: router logits [T, E] (forward hooks on the routers), HF's chosen ids and weights."""
     import torch
 
-    routers = [m for m in model.modules() if type(m).__name__ == "DeepseekV2TopkRouter"]
+    routers = [m for m in model.modules() if type(m).__name__ in ("DeepseekV2TopkRouter", "DeepseekV3TopkRouter")]
     caught = []
     hooks = [r.register_forward_hook(lambda mod, inp, out: caught.append([o.detach().clone() for o in out]))
              for r in routers]
@@ -120,7 +135,7 @@ def margins(cfg, rl):
     two best) would choose other groups than HF's (the best)."""
     k = cfg.num_experts_per_tok
     Lm, T, E = rl.shape
-    grouped = cfg.topk_method == "group_limited_greedy"
+    grouped = getattr(cfg, "topk_method", None) == "group_limited_greedy"
     m = np.full((Lm, T), np.inf, np.float32)
     changes = rule_changes = 0
     for l in range(Lm):
@@ -171,11 +186,20 @@ def make(name: str, out: Path, work: Path, tok_dir: Path, llama_dir: Path) -> di
         seq = np.concatenate([ids, np.array(gen[:-1], np.int32)])
         full, rl, ix, w = routing(model, cfg, seq)
         gen_logits = np.stack(gen_logits)
-        margin, changes, rule_changes = margins(cfg, rl)
+        if name in MODEL_TYPE:  # V3 rule: margins on the biased sigmoid scores (scripts/oracle_glmdsa.py)
+            from oracle_glmdsa import router_margins
+            bias = np.stack([m.e_score_correction_bias.numpy() for m in model.modules()
+                             if type(m).__name__ == "DeepseekV3TopkRouter"])
+            margin = np.full(rl.shape[:2], router_margins(cfg, rl, bias), np.float32)  # score units
+            changes = rule_changes = 0
+            need = MIN_SCORE_MARGIN
+        else:
+            margin, changes, rule_changes = margins(cfg, rl)  # logit units
+            need = MIN_MARGIN
         top2 = -np.sort(-full, axis=-1)[:, :2]
         gap = (top2[:, 0] - top2[:, 1]).astype(np.float32)
-        grouped = cfg.topk_method == "group_limited_greedy"
-        ok = (float(margin.min()) >= MIN_MARGIN and float(gap.min()) >= MIN_LOGIT_GAP and np.isfinite(full).all()
+        grouped = getattr(cfg, "topk_method", None) == "group_limited_greedy"
+        ok = (float(margin.min()) >= need and float(gap.min()) >= MIN_LOGIT_GAP and np.isfinite(full).all()
               and (not grouped or (changes > 0 and rule_changes > 0)))
         if ok:
             break
@@ -190,6 +214,10 @@ def make(name: str, out: Path, work: Path, tok_dir: Path, llama_dir: Path) -> di
              expert_weights=w.astype(np.float32), router_margin=margin, logit_gap=gap)
     hf_dir = work / name / "hf"
     model.save_pretrained(hf_dir)
+    if name in HUB_FIELDS:
+        cj = json.loads((hf_dir / "config.json").read_text())
+        cj.update(HUB_FIELDS[name])
+        (hf_dir / "config.json").write_text(json.dumps(cj, indent=2) + "\n")
     for f in tok_dir.iterdir():
         (hf_dir / f.name).write_bytes(f.read_bytes())
     gguf_path = out / f"{name}.gguf"
@@ -212,6 +240,7 @@ def make(name: str, out: Path, work: Path, tok_dir: Path, llama_dir: Path) -> di
     cfg_json = json.loads(cfg.to_json_string(use_diff=False))
     cfg_json["coli_oracle"] = {**info, "router_scale": ROUTER_SCALE,
                                "gguf": "llama.cpp convert_hf_to_gguf.py --outtype f32 (DeepseekV2Model)",
+                               "hub_fields": HUB_FIELDS.get(name, {}),
                                "torch": torch.__version__, "transformers": __import__("transformers").__version__,
                                "gguf_tensors": tensors,
                                "gguf_keys": {k: v for k, v in keys.items() if not isinstance(v, list) or len(v) < 16}}

@@ -1,6 +1,7 @@
 """DeepSeek-V2 (GGUF ``deepseek2``, MLA): tiny random HF ``deepseek_v2`` models converted by llama.cpp's converter
 (scripts/oracle_deepseek2.py; docs/families.md "DeepSeek-V2 (MLA)"), one without ``q_lora_rank`` and greedy
-routing, one with ``q_lora_rank`` and group-limited routing, one with V2-Lite's YaRN rope. coli's logits within 1e-4 of the largest |logit|
+routing, one with ``q_lora_rank`` and group-limited routing, one with V2-Lite's YaRN rope, and a DeepSeek-V3
+(transformers ``deepseek_v3``: sigmoid router with a correction bias) in the same GGUF arch. coli's logits within 1e-4 of the largest |logit|
 at every position over 96 prompt tokens and 8 greedy decode steps (latent cache carried); the absorbed MLA
 kernel against the expanded form in NumPy; the cache holds the latent and the rope key only."""
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 from conftest import FIXTURES
 
 DIR = FIXTURES / "oracles"
-NAMES = ["deepseek2_lite", "deepseek2_qlora", "deepseek2_yarn"]
+NAMES = ["deepseek2_lite", "deepseek2_qlora", "deepseek2_yarn", "deepseek3"]
 
 
 def _engine(name, tmp_path, **kw):
@@ -67,8 +68,9 @@ def test_prompt_in_one_call_equals_one_at_a_time(engines, name):
 
 
 def test_routing_matches_hf_layer_by_layer(engines):
-    """coli's experts and weights at every MoE layer and position equal HF's (rank order by weight): softmax
-    scores, group-limited top-k by the group's best score, times ``expert_weights_scale``. The oracle is
+    """coli's experts and weights at every MoE layer and position equal HF's: softmax scores, group-limited top-k
+    by the group's best score, times ``expert_weights_scale`` (V2); sigmoid scores, the choice on scores +
+    ``exp_probs_b``, groups by their two best, renormalised, scaled (V3). The V2 oracle is
     built so that plain top-k and llama.cpp's group score (sum of the two best) choose differently at some
     positions (``group_changes``, ``group_rule_changes``)."""
     for name in NAMES:
@@ -77,8 +79,10 @@ def test_routing_matches_hf_layer_by_layer(engines):
         cfg = json.loads((DIR / f"{name}.config.json").read_text())
         a = m.args
         assert a.weights_scale == pytest.approx(cfg["routed_scaling_factor"])
-        assert (a.top_k, a.gating, a.n_dense_lead) == (cfg["num_experts_per_tok"], "softmax", 1)
-        if cfg["topk_method"] == "group_limited_greedy":
+        v3 = cfg["model_type"] == "deepseek_v3"
+        assert (a.top_k, a.gating, a.n_dense_lead) == (cfg["num_experts_per_tok"], "sigmoid" if v3 else "softmax", 1)
+        assert a.norm_topk == v3  # V2 never renormalises (HF's V2 router ignores norm_topk_prob)
+        if cfg.get("topk_method") == "group_limited_greedy":
             assert (a.n_group, a.topk_group) == (cfg["n_group"], cfg["topk_group"])
             assert cfg["coli_oracle"]["group_changes"] > 0 and cfg["coli_oracle"]["group_rule_changes"] > 0
         seen = []
@@ -97,8 +101,11 @@ def test_routing_matches_hf_layer_by_layer(engines):
                 mo.route = f
         assert len(seen) == d["expert_ids"].shape[0]
         for (ids, w), hi, hw in zip(seen, d["expert_ids"], d["expert_weights"]):
-            assert (ids == hi).all(), name
-            np.testing.assert_allclose(w, hw, rtol=1e-4, atol=1e-6)
+            # coli ranks by the (biased) choice score, the fixture by weight: compare per expert id
+            o, oh = np.argsort(ids, axis=1), np.argsort(hi, axis=1)
+            assert (np.take_along_axis(ids, o, 1) == np.take_along_axis(hi, oh, 1)).all(), name
+            np.testing.assert_allclose(np.take_along_axis(w, o, 1), np.take_along_axis(hw, oh, 1), rtol=1e-4,
+                                       atol=3e-5)
 
 
 def test_oracle_needs_the_v2_group_rule(engines, monkeypatch):
@@ -116,6 +123,26 @@ def test_oracle_needs_the_v2_group_rule(engines, monkeypatch):
         for L in eng.model.layers:
             if L.moe is not None:
                 monkeypatch.setattr(L.moe, "route", deepseek_route(a.top_k, **kw))
+        assert _rel(eng.logits(seq), d["full_logits"]).max() > 1e-2, wrong
+        monkeypatch.undo()
+
+
+def test_oracle_needs_the_v3_rule(engines, monkeypatch):
+    """The V3 oracle tells the bias-corrected choice from the plain one, sigmoid from softmax, and V3's group
+    score (two best) from V2's (the best): each wrong rule moves the logits past 1e-2."""
+    from coli.models.mla import deepseek_route
+
+    name = "deepseek3"
+    eng = engines[name]
+    a = eng.model.args
+    d = np.load(DIR / f"{name}.npz")
+    seq = np.concatenate([d["ids"], d["gen_ids"][:-1]])
+    moes = [(il, L.moe) for il, L in enumerate(eng.model.layers) if L.moe is not None]
+    for wrong in (dict(bias=None), dict(gating="softmax"), dict(group_score="max")):
+        for il, mo in moes:
+            kw = dict(gating="sigmoid", n_group=a.n_group, topk_group=a.topk_group, group_score="top2sum",
+                      norm=True, scale=a.weights_scale, bias=eng.model.wt.f32(f"blk.{il}.exp_probs_b.bias"))
+            monkeypatch.setattr(mo, "route", deepseek_route(a.top_k, **{**kw, **wrong}))
         assert _rel(eng.logits(seq), d["full_logits"]).max() > 1e-2, wrong
         monkeypatch.undo()
 
