@@ -51,6 +51,9 @@ class Args(deepseek2.Args):
 
 
 def read_args(g) -> Args:
+    """DeepSeek-V2's keys (``deepseek2.read_args``, sigmoid gating by default) plus ``attention.indexer.*``
+    (head_count, key_length, top_k, types) and ``nextn_predict_layers`` (the trailing MTP blocks, not counted
+    in ``n_layers``). ColiError naming a missing or inconsistent key."""
     a = g.arch
 
     def need(key):
