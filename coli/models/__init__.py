@@ -12,6 +12,8 @@ ARCHITECTURES = {
     "qwen2moe": "qwen2moe",
     "qwen3moe": "qwen3moe",
     "olmoe": "olmoe",
+    "deepseek2": "deepseek2",
+    "glm-dsa": "glmdsa",
 }
 
 
