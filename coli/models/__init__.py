@@ -14,6 +14,7 @@ ARCHITECTURES = {
     "olmoe": "olmoe",
     "deepseek2": "deepseek2",
     "glm-dsa": "glmdsa",
+    "kimi-linear": "kimi",
 }
 
 
