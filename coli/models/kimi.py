@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from coli.errors import ColiError
+from cpu_kernels import experts as grouped
 from cpu_kernels.deltanet import causal_conv1d_silu
 from cpu_kernels.kda import kda
 
@@ -141,6 +142,18 @@ class KDA:
         self.ssm_a = vec("ssm_a", H)                    # -exp(A_log) per head
         self.dt_bias = vec("ssm_dt.bias", C)            # per channel
         self.ssm_norm = vec("ssm_norm.weight", d)
+        # the six projections of x in one grouped launch on x quantized once (where the formats allow it)
+        self._proj = [self.attn_q, self.attn_k, self.attn_v, self.ssm_f_a, self.ssm_g_a, self.ssm_beta]
+        self._group = grouped.Group(self._proj) if all(grouped.supports(w) for w in self._proj) else None
+
+    def projections(self, x, xa=None):
+        """``[q, k, v, f_a, g_a, beta]`` (pre-convolution; f_a and g_a the low-rank halves) for the rows x."""
+        m = self.m
+        if self._group is None or not m.grouped_rows(x.shape[0]):
+            return [m.mm(w, x) for w in self._proj]
+        out = self._group(xa if xa is not None else grouped.Act(x, m.act))
+        o = np.cumsum([0] + [w.shape[0] for w in self._proj])
+        return [np.ascontiguousarray(out[:, o[i]:o[i + 1]]) for i in range(len(self._proj))]
 
     def new_cache(self, ctx: int) -> KDACache:
         """A fresh (zero) state; its size does not depend on ``ctx``."""
@@ -149,14 +162,13 @@ class KDA:
     def __call__(self, x, xa, cache: KDACache, pos0: int):
         m, H, d = self.m, self.H, self.d
         T = x.shape[0]
-        qkv = np.concatenate([m.mm(self.attn_q, x), m.mm(self.attn_k, x), m.mm(self.attn_v, x)], axis=1)
-        qkv = causal_conv1d_silu(qkv, self.conv_w, cache.conv).reshape(T, 3, H, d)
-        f = m.mm(self.ssm_f_b, m.mm(self.ssm_f_a, x)).astype(np.float64) + self.dt_bias
+        q, k, v, fa, ga, b = self.projections(x, xa)
+        qkv = causal_conv1d_silu(np.concatenate([q, k, v], axis=1), self.conv_w, cache.conv).reshape(T, 3, H, d)
+        f = m.mm(self.ssm_f_b, fa).astype(np.float64) + self.dt_bias
         sp = np.where(f > 20.0, f, np.log1p(np.exp(np.minimum(f, 20.0))))   # torch's softplus threshold
         g = (sp.reshape(T, H, d) * self.ssm_a[None, :, None]).astype(np.float32)
-        b = m.mm(self.ssm_beta, x).astype(np.float64)
-        beta = (0.5 * (1.0 + np.tanh(0.5 * b))).astype(np.float32)          # sigmoid without an overflow
-        gate = m.mm(self.ssm_g_b, m.mm(self.ssm_g_a, x)).reshape(T, H, d)
+        beta = (0.5 * (1.0 + np.tanh(0.5 * b.astype(np.float64)))).astype(np.float32)  # sigmoid, no overflow
+        gate = m.mm(self.ssm_g_b, ga).reshape(T, H, d)
         o = kda(qkv[:, 0], qkv[:, 1], qkv[:, 2], g, beta, cache.state, gate, self.ssm_norm, self.eps)
         return m.mm(self.attn_output, o.reshape(T, H * d))
 
