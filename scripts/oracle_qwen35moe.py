@@ -11,8 +11,8 @@ The model (transformers ``models/qwen3_5_moe/modeling_qwen3_5_moe.py``): hidden 
 ``full_attention_interval = 2`` (Gated DeltaNet, gated attention, Gated DeltaNet, gated attention); DeltaNet with 2
 key heads shared by 6 value heads (3 per key head, so the converter's grouped -> tiled value-head reorder changes
 which key head a value head reads), head dims 16, conv kernel 4; attention 4 query / 2 KV heads of 32, partial rotary
-0.25 (8 dims, interleaved MRoPE sections [2, 1, 1], which for text positions is the plain NEOX rope); 8 experts
-top-3 plus the shared expert with its sigmoid gate; a 1-block vision tower (so the checkpoint is the
+0.25 (8 dims, interleaved MRoPE sections [2, 1, 1], which for text positions is the plain NEOX rope); 6 experts
+of 32 (the device tier takes inner sizes in multiples of 32) top-3 plus the shared expert with its sigmoid gate; a 1-block vision tower (so the checkpoint is the
 multimodal one the hub ships; the converter drops it from the text file and writes it to the mmproj file).
 
 Made demanding: every parameter drawn from a seeded generator (zero-centred norms ``1 + w`` with w ~ 0.2 N, the
@@ -47,8 +47,8 @@ N_TOKENS, N_STEPS = 96, 8
 VOCAB = mo.VOCAB + 5  # + '<|endoftext|>' (Qwen3_5Tokenizer adds it) + the 4 image/video marker ids
 TEXT = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             head_dim=32, linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=16,
-            linear_value_head_dim=16, linear_conv_kernel_dim=4, moe_intermediate_size=16,
-            shared_expert_intermediate_size=32, num_experts=8, num_experts_per_tok=3, rms_norm_eps=1e-6,
+            linear_value_head_dim=16, linear_conv_kernel_dim=4, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32, num_experts=6, num_experts_per_tok=3, rms_norm_eps=1e-6,
             max_position_embeddings=256, layer_types=["linear_attention", "full_attention"] * 2,
             rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25,
                              "mrope_section": [2, 1, 1], "mrope_interleaved": True},

@@ -43,6 +43,12 @@ class DeltaNetCache:
     def nbytes(self) -> int:
         return self.conv.nbytes + self.state.nbytes
 
+    @staticmethod
+    def bytes_for(dims: dict) -> int:
+        """The bytes of one layer's cache for ``ssm_dims`` ``dims`` (what ``nbytes`` of a new one gives)."""
+        c = 2 * dims["n_k_heads"] * dims["dk"] + dims["n_v_heads"] * dims["dv"]
+        return 4 * ((dims["kernel"] - 1) * c + dims["n_v_heads"] * dims["dk"] * dims["dv"])
+
 
 def ssm_dims(g) -> dict:
     """The DeltaNet hyper-parameters from GGUF ``<arch>.ssm.*`` (llama.cpp ``LLM_KV_SSM_*``): ``kernel`` (conv_kernel),
