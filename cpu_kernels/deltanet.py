@@ -37,6 +37,13 @@ _jit = dict(nogil=True, cache=True, fastmath=True)
 
 
 @njit(inline="always", **_jit)
+def _sigmoid(x):
+    """1 / (1 + e^-x) without an infinity on the way (fastmath assumes none): e^-|x| <= 1."""
+    e = math.exp(-abs(x))
+    return 1.0 / (1.0 + e) if x >= 0 else e / (1.0 + e)
+
+
+@njit(inline="always", **_jit)
 def _head(qkv, z, b, a, ssm_a, dt_bias, norm_w, eps, state, out, Hk, dk, tiled, l2norm, raw_ba, gated, h,
           qq, kk, kv):
     T = qkv.shape[0]
@@ -65,7 +72,7 @@ def _head(qkv, z, b, a, ssm_a, dt_bias, norm_w, eps, state, out, Hk, dk, tiled, 
             qq[i] *= fq
             kk[i] *= fk
         if raw_ba:  # beta = sigmoid(b); g = ssm_a * softplus(a + dt_bias) (torch softplus: x above 20)
-            bt = np.float32(1.0 / (1.0 + math.exp(-np.float64(b[t, h]))))
+            bt = np.float32(_sigmoid(np.float64(b[t, h])))
             x = np.float64(a[t, h]) + np.float64(dt_bias[h])
             sp = x if x > 20.0 else math.log1p(math.exp(x))
             gt = np.float64(ssm_a[h]) * sp
@@ -99,7 +106,7 @@ def _head(qkv, z, b, a, ssm_a, dt_bias, norm_w, eps, state, out, Hk, dk, tiled, 
             inv = np.float32(1.0 / math.sqrt(ss / dv + eps))
             for j in range(dv):
                 zz = z[t, h * dv + j]
-                o[j] = norm_w[j] * (o[j] * inv) * (zz / (np.float32(1.0) + np.float32(math.exp(-zz))))
+                o[j] = norm_w[j] * (o[j] * inv) * (zz * np.float32(_sigmoid(np.float64(zz))))
 
 
 @njit(parallel=True, **_jit)
@@ -127,7 +134,7 @@ def _conv(x, w, state, out):
                 for j in range(K):
                     r = t + j - (K - 1)  # input row; < 0 reads the state (the previous K - 1 rows)
                     s += w[c, j] * (x[r, c] if r >= 0 else state[K - 1 + r, c])
-                out[t, c] = s / (np.float32(1.0) + np.float32(math.exp(-s)))
+                out[t, c] = s * np.float32(_sigmoid(np.float64(s)))
         # roll the state: the last K - 1 rows of [state; x]
         for i in range(K - 1):
             r = T - (K - 1) + i
