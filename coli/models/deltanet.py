@@ -34,7 +34,11 @@ from cpu_kernels.deltanet import causal_conv1d_silu, gated_deltanet
 
 class DeltaNetCache:
     """One Gated DeltaNet layer's state for one sequence: ``conv`` f32 [K - 1, C] (the last K - 1 rows of the
-    q/k/v projections) and ``state`` f32 [Hv, dk, dv] (the delta rule's matrices). Zeros = a fresh sequence."""
+    q/k/v projections) and ``state`` f32 [Hv, dk, dv] (the delta rule's matrices). Zeros = a fresh sequence.
+    Not indexed by position, so not ``rewindable``: the engine starts a fresh cache instead of moving ``pos`` back
+    to a shorter common prefix."""
+
+    rewindable = False
 
     def __init__(self, conv_channels: int, kernel: int, n_v_heads: int, dk: int, dv: int):
         self.conv = np.zeros((kernel - 1, conv_channels), np.float32)
