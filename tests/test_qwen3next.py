@@ -141,8 +141,8 @@ def _check_device(name, tmp_path, balance):
 
 
 def _copy_gguf(src_path, dest, convert):
-    """A copy of a GGUF with every key as is and each tensor through ``convert(tensor) -> (array, raw_dtype)``
-    (gguf-py's reader and writer)."""
+    """A copy of a GGUF with every key as is and each tensor through ``convert(tensor) -> (array, raw_dtype)``,
+    or a list of ``(name, array, raw_dtype)`` to write instead (gguf-py's reader and writer)."""
     import gguf
 
     src = gguf.GGUFReader(src_path)
@@ -154,8 +154,9 @@ def _copy_gguf(src_path, dest, convert):
         sub = gguf.GGUFValueType(f.types[-1]) if vt == gguf.GGUFValueType.ARRAY else None
         w.add_key_value(f.name, f.contents(), vt, sub_type=sub)
     for t in src.tensors:
-        arr, raw = convert(t)
-        w.add_tensor(t.name, arr, raw_dtype=raw)
+        res = convert(t)
+        for name, arr, raw in ([(t.name, *res)] if isinstance(res, tuple) else res):
+            w.add_tensor(name, arr, raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -243,6 +244,46 @@ def test_quantized_file_equals_its_dequantized_twin(tmp_path):
 @pytest.mark.parametrize("balance", [False, True])
 def test_device_tier_tokens_equal_cpu(lavapipe, tmp_path, balance):
     _check_device(NAME, tmp_path, balance)
+
+
+def test_legacy_fused_ssm_in(tmp_path):
+    """An older conversion's fused ``ssm_in`` (rows in HF's ``in_proj_qkvz`` order: per key head q, k, v, z; what
+    llama.cpp's legacy ``build_qkvz`` path reads) instead of ``attn_qkv`` + ``attn_gate``: the same logits as the
+    fixture, and the same tokens."""
+    import gguf
+
+    from coli.gguf_file import open_gguf
+
+    g = open_gguf(ORACLES / f"{NAME}.gguf")
+    a = g.arch
+    Hk, Hv = int(g.get(f"{a}.ssm.group_count")), int(g.get(f"{a}.ssm.time_step_rank"))
+    dk, dv = int(g.get(f"{a}.ssm.state_size")), int(g.get(f"{a}.ssm.inner_size")) // Hv
+    src = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(ORACLES / f"{NAME}.gguf").tensors}
+    rv = Hv // Hk * dv
+
+    def fuse(t):
+        if t.name.endswith("attn_gate.weight"):
+            return []
+        if not t.name.endswith("attn_qkv.weight"):
+            return np.asarray(t.data), t.tensor_type
+        qkv, z = src[t.name], src[t.name.replace("attn_qkv", "attn_gate")]
+        q, k, v = qkv[:Hk * dk], qkv[Hk * dk:2 * Hk * dk], qkv[2 * Hk * dk:]
+        per = [np.concatenate([q[h * dk:(h + 1) * dk], k[h * dk:(h + 1) * dk], v[h * rv:(h + 1) * rv],
+                               z[h * rv:(h + 1) * rv]]) for h in range(Hk)]
+        return [(t.name.replace("attn_qkv", "ssm_in"), np.concatenate(per), t.tensor_type)]
+
+    legacy = _copy_gguf(ORACLES / f"{NAME}.gguf", tmp_path / "legacy.gguf", fuse)
+    assert "blk.0.ssm_in.weight" in open_gguf(legacy).tensors and "blk.0.attn_qkv.weight" not in open_gguf(legacy).tensors
+    d = np.load(ORACLES / f"{NAME}.npz")
+    out = []
+    for path in (ORACLES / f"{NAME}.gguf", legacy):
+        from coli.engine import Engine
+
+        with Engine(path, cpu_act="f32", usage=str(tmp_path / "u"), save_usage=False, quiet=True) as eng:
+            out.append((eng.logits(d["ids"]),
+                        list(eng.generate(ids=[int(i) for i in d["ids"]], max_tokens=8, temp=0.0, stop_at_eos=False).ids)))
+    np.testing.assert_array_equal(out[1][0], out[0][0])
+    assert out[1][1] == out[0][1] == [int(t) for t in d["gen_ids"]]
 
 
 def test_missing_ssm_key_and_bad_shape(tmp_path):

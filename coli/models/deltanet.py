@@ -7,7 +7,8 @@ Source: HF transformers ``models/qwen3_next/modeling_qwen3_next.py`` ``Qwen3Next
 ``src/models/qwen3next.cpp`` / ``qwen35moe.cpp`` read. Tensors of layer ``blk.N.``:
 
 * ``attn_qkv.weight`` [2 Hk dk + Hv dv, D]: q heads, k heads, v heads (the converter regroups HF's per-key-head
-  ``in_proj_qkvz``); ``attn_gate.weight`` [Hv dv, D]: z, the output gate;
+  ``in_proj_qkvz``); ``attn_gate.weight`` [Hv dv, D]: z, the output gate; older conversions store the fused
+  ``ssm_in.weight`` in HF's order instead, whose rows are regrouped at load;
 * ``ssm_ba.weight`` [2 Hv, D] (Qwen3-Next: per key head, Hv/Hk beta rows then Hv/Hk alpha rows) or
   ``ssm_beta.weight`` / ``ssm_alpha.weight`` [Hv, D] (Qwen3.5);
 * ``ssm_conv1d.weight`` [C, K] with C = 2 Hk dk + Hv dv: the depthwise causal convolution over q/k/v;
@@ -96,11 +97,10 @@ class GatedDeltaNet:
         self.conv_channels = C = 2 * Hk * dk + Hv * dv
         self.eps = m.args.eps
         if not wt.has(p + "attn_qkv.weight") and wt.has(p + "ssm_in.weight"):
-            raise ColiError(f"{m.g.path.name}: tensor '{p}ssm_in.weight' (the fused q/k/v/z layout of older "
-                            "conversions) is not supported: convert again with llama.cpp's current converter "
-                            "(attn_qkv + attn_gate)")
-        self.attn_qkv = wt.w(p + "attn_qkv.weight")
-        self.attn_gate = wt.w(p + "attn_gate.weight")
+            self.attn_qkv, self.attn_gate = self._split_ssm_in(wt.info(p + "ssm_in.weight"), wt.fname, m.args.d_model)
+        else:
+            self.attn_qkv = wt.w(p + "attn_qkv.weight")
+            self.attn_gate = wt.w(p + "attn_gate.weight")
         if wt.has(p + "ssm_ba.weight"):
             self.ssm_ba = wt.w(p + "ssm_ba.weight")
             self.ssm_beta = self.ssm_alpha = None
@@ -122,6 +122,8 @@ class GatedDeltaNet:
             want["ssm_ba.weight"] = (2 * Hv, D)
         else:
             want["ssm_beta.weight"] = want["ssm_alpha.weight"] = (Hv, D)
+        if not wt.has(p + "attn_qkv.weight"):  # the legacy ssm_in: checked by _split_ssm_in
+            del want["attn_qkv.weight"], want["attn_gate.weight"]
         for n, shape in want.items():
             got = tuple(m.g.tensors[p + n].shape)
             if got != shape:
@@ -129,6 +131,33 @@ class GatedDeltaNet:
                                 "(from the ssm.* metadata)")
         self._proj = proj
         self._group = grouped.Group(proj) if all(grouped.supports(w) for w in proj) else None
+
+    def _split_ssm_in(self, ti, fname: str, D: int):
+        """The ``attn_qkv`` and ``attn_gate`` weights from an older file's fused ``ssm_in`` [2 Hk dk + 2 Hv dv, D],
+        whose rows are HF's ``in_proj_qkvz`` order: per key head q (dk), k (dk), v (Hv/Hk dv), z (Hv/Hk dv)
+        (llama.cpp ``build_qkvz``'s legacy path). Rows are independent in every GGUF format, so the raw rows are
+        regrouped and prepared as two weights."""
+        from cpu_kernels import formats
+
+        Hk, Hv, dk, dv = self.n_k_heads, self.n_v_heads, self.dk, self.dv
+        rv = Hv // Hk * dv
+        G = 2 * dk + 2 * rv
+        if tuple(ti.shape) != (Hk * G, D):
+            raise ColiError(f"{fname}: tensor '{ti.name}' has shape {list(ti.shape)}, expected {[Hk * G, D]} "
+                            "(from the ssm.* metadata)")
+        base = np.arange(Hk)[:, None] * G
+        q = (base + np.arange(dk)).reshape(-1)
+        k = (base + dk + np.arange(dk)).reshape(-1)
+        v = (base + 2 * dk + np.arange(rv)).reshape(-1)
+        z = (base + 2 * dk + rv + np.arange(rv)).reshape(-1)
+        qkv_rows, z_rows = np.concatenate([q, k, v]), z
+        out = []
+        for rows in (qkv_rows, z_rows):
+            try:
+                out.append(formats.prepare(ti.type_name, np.ascontiguousarray(ti.raw[rows]), (len(rows), D)))
+            except ColiError as e:
+                raise ColiError(f"{fname}: tensor '{ti.name}': {e}") from None
+        return out
 
     def new_cache(self, ctx: int) -> DeltaNetCache:
         """A fresh (zero) state; its size does not depend on ``ctx``."""
