@@ -16,12 +16,15 @@ ORACLES = FIXTURES / "oracles"
 TOL = 1e-4
 
 
-def _engine(name, tmp_path, **kw):
+def _engine_path(path, tmp_path, **kw):
     from coli.engine import Engine
 
     kw.setdefault("cpu_act", "f32")
-    return Engine(ORACLES / f"{name}.gguf", usage=str(tmp_path / "none.coli_usage"), save_usage=False, quiet=True,
-                  **kw)
+    return Engine(path, usage=str(tmp_path / "none.coli_usage"), save_usage=False, quiet=True, **kw)
+
+
+def _engine(name, tmp_path, **kw):
+    return _engine_path(ORACLES / f"{name}.gguf", tmp_path, **kw)
 
 
 def _rel(got, want):
@@ -189,9 +192,7 @@ def _check_quantized(name, tmp_path):
     d = np.load(ORACLES / f"{name}.npz")
     out = []
     for path in (q8, f32):
-        from coli.engine import Engine
-
-        with Engine(path, cpu_act="f32", usage=str(tmp_path / "u"), save_usage=False, quiet=True) as eng:
+        with _engine_path(path, tmp_path) as eng:
             m = eng.model
             assert sum(ti.type_name == "Q8_0" for ti in m.t.values()) >= (30 if path == q8 else 0)
             c = m.new_cache(128)
@@ -277,9 +278,7 @@ def test_legacy_fused_ssm_in(tmp_path):
     d = np.load(ORACLES / f"{NAME}.npz")
     out = []
     for path in (ORACLES / f"{NAME}.gguf", legacy):
-        from coli.engine import Engine
-
-        with Engine(path, cpu_act="f32", usage=str(tmp_path / "u"), save_usage=False, quiet=True) as eng:
+        with _engine_path(path, tmp_path) as eng:
             out.append((eng.logits(d["ids"]),
                         list(eng.generate(ids=[int(i) for i in d["ids"]], max_tokens=8, temp=0.0, stop_at_eos=False).ids)))
     np.testing.assert_array_equal(out[1][0], out[0][0])
@@ -303,3 +302,41 @@ def test_missing_ssm_key_and_bad_shape(tmp_path):
     args.ssm = dict(args.ssm, dv=args.ssm["dv"] * 2)
     with pytest.raises(ColiError, match=r"blk\.0\.attn_qkv\.weight"):
         cls(g, args)
+
+
+def test_mtp_layers_loaded_not_run(tmp_path):
+    """A file converted with its MTP head (``nextn_predict_layers`` = 1: one more block after the trunk, here a copy
+    of the last layer's tensors, flagged non-recurrent) runs the trunk only: the fixture's logits bit for bit."""
+    import gguf
+
+    src = gguf.GGUFReader(ORACLES / f"{NAME}.gguf")
+    n = int(src.fields[f"{NAME}.block_count"].contents())
+    w = gguf.GGUFWriter(str(tmp_path / "mtp.gguf"), NAME)
+    for f in src.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        vt = gguf.GGUFValueType(f.types[0])
+        sub = gguf.GGUFValueType(f.types[-1]) if vt == gguf.GGUFValueType.ARRAY else None
+        val = f.contents()
+        if f.name == f"{NAME}.block_count":
+            val = n + 1
+        elif f.name == f"{NAME}.attention.recurrent_layers":
+            val = list(val) + [False]
+        w.add_key_value(f.name, val, vt, sub_type=sub)
+    w.add_uint32(f"{NAME}.nextn_predict_layers", 1)
+    for t in src.tensors:
+        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    for t in src.tensors:
+        if t.name.startswith(f"blk.{n - 1}."):
+            w.add_tensor(t.name.replace(f"blk.{n - 1}.", f"blk.{n}."), np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    d = np.load(ORACLES / f"{NAME}.npz")
+    out = []
+    for path in (ORACLES / f"{NAME}.gguf", tmp_path / "mtp.gguf"):
+        with _engine_path(path, tmp_path) as eng:
+            assert eng.model.args.n_layers == n
+            out.append(eng.logits(d["ids"]))
+    np.testing.assert_array_equal(out[1], out[0])
