@@ -120,41 +120,58 @@ def _gdn(qkv, z, b, a, ssm_a, dt_bias, norm_w, eps, state, out, Hk, dk, tiled, l
               qq, kk, kv)
 
 
+@njit(inline="always", **_jit)
+def _conv_channels(x, w, state, out, c0, c1):
+    T = x.shape[0]
+    K = w.shape[1]
+    for t in range(T):
+        for c in range(c0, c1):
+            s = np.float32(0.0)
+            for j in range(K):
+                r = t + j - (K - 1)  # input row; < 0 reads the state (the previous K - 1 rows)
+                s += w[c, j] * (x[r, c] if r >= 0 else state[K - 1 + r, c])
+            out[t, c] = s * np.float32(_sigmoid(np.float64(s)))
+    # roll the state: the last K - 1 rows of [state; x]
+    for i in range(K - 1):
+        r = T - (K - 1) + i
+        for c in range(c0, c1):
+            if r >= 0:
+                state[i, c] = x[r, c]
+            else:
+                state[i, c] = state[i + T, c]
+
+
 @njit(parallel=True, **_jit)
 def _conv(x, w, state, out):
-    T, C = x.shape
-    K = w.shape[1]
+    C = x.shape[1]
     n_blk = (C + 63) // 64
     for blk in prange(n_blk):
-        c0 = blk * 64
-        c1 = min(C, c0 + 64)
-        for t in range(T):
-            for c in range(c0, c1):
-                s = np.float32(0.0)
-                for j in range(K):
-                    r = t + j - (K - 1)  # input row; < 0 reads the state (the previous K - 1 rows)
-                    s += w[c, j] * (x[r, c] if r >= 0 else state[K - 1 + r, c])
-                out[t, c] = s * np.float32(_sigmoid(np.float64(s)))
-        # roll the state: the last K - 1 rows of [state; x]
-        for i in range(K - 1):
-            r = T - (K - 1) + i
-            for c in range(c0, c1):
-                if r >= 0:
-                    state[i, c] = x[r, c]
-                else:
-                    state[i, c] = state[i + T, c]
+        _conv_channels(x, w, state, out, blk * 64, min(C, blk * 64 + 64))
+
+
+@njit(**_jit)
+def _conv_serial(x, w, state, out):
+    _conv_channels(x, w, state, out, 0, x.shape[1])
+
+
+#: multiply-adds (rows x channels x kernel) up to which the convolution runs serially: one launch of the thread
+#: pool costs about this much work on one core (cpu_kernels.attention.SERIAL_WORK); a decode row of Qwen3-Next-80B
+#: (8192 channels x 4) is below it
+SERIAL_WORK = 1 << 16
 
 
 def causal_conv1d_silu(x: np.ndarray, w: np.ndarray, state: np.ndarray) -> np.ndarray:
     """SiLU of the depthwise causal convolution of ``x`` f32 [T, C] with ``w`` f32 [C, K] (GGUF ``ssm_conv1d``),
     the K - 1 rows before ``x`` read from ``state`` f32 [K - 1, C] (zeros for a fresh sequence), which is rolled in
-    place to the last K - 1 input rows. Returns f32 [T, C]. ValueError on inconsistent shapes."""
+    place to the last K - 1 input rows. Returns f32 [T, C]. Serial up to ``SERIAL_WORK`` multiply-adds, else
+    parallel over blocks of 64 channels. ValueError on inconsistent shapes."""
     T, C = x.shape
     K = w.shape[1]
     if w.shape[0] != C or state.shape != (K - 1, C) or state.dtype != np.float32 or not state.flags.c_contiguous:
         raise ValueError(f"causal_conv1d_silu: x {x.shape}, w {w.shape}, state {state.shape} {state.dtype}")
     out = np.empty((T, C), np.float32)
-    _conv(np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(w, dtype=np.float32), state, out)
+    (_conv_serial if T * C * K <= SERIAL_WORK else _conv)(np.ascontiguousarray(x, dtype=np.float32),
+                                                          np.ascontiguousarray(w, dtype=np.float32), state, out)
     return out
 
 

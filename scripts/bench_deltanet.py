@@ -8,6 +8,9 @@
    gguf.quants, so activations and gates have a real model's magnitudes): the
    projections (attn_qkv + attn_gate + ssm_ba in one grouped launch), the short convolution, the recurrence
    (gated delta rule + gated norm, one launch) and ssm_out, each the minimum over --reps runs.
+   Beside it, the attention of one full-attention layer of the same model (16 query / 2 KV heads of 256,
+   ``cpu_kernels.attention.attend`` for one new row) at 256, 4096 and 32768 cached positions: the two mixers'
+   cost per token per layer, and their cache bytes (DeltaNet: fixed; attention: per position).
 2. Prefill of 256 rows through that layer: one block (projections of all rows, then the recurrence over the rows
    in order) vs 256 one-row calls; the outputs compared (max |diff| / max |out|).
 3. The same 256-token prefill through the qwen3next oracle model (tests/fixtures/oracles/qwen3next.gguf, all four
@@ -131,6 +134,21 @@ def bench_layer(fmt, act, reps, rng):
     return decode, prefill
 
 
+def bench_attention(reps, rng, contexts=(256, 4096, 32768)):
+    """One decode row of Qwen3-Next-80B's gated attention layer (16 q / 2 KV heads of 256) over ``ctx`` cached
+    positions: ms of ``attend`` (the projections are matmuls like the DeltaNet's) and KV bytes per position."""
+    from cpu_kernels.attention import attend
+
+    H, Hkv, hd = 16, 2, 256
+    res = {"kv_bytes_per_position": 2 * Hkv * hd * 4}
+    q = rng.standard_normal((1, H, hd)).astype(np.float32)
+    for ctx in contexts:
+        kc = rng.standard_normal((Hkv, ctx, hd)).astype(np.float32)
+        vc = rng.standard_normal((Hkv, ctx, hd)).astype(np.float32)
+        res[f"attend_ms_at_{ctx}"] = 1e3 * _best(lambda: attend(q, kc, vc, ctx - 1, hd ** -0.5), reps)
+    return res
+
+
 def _time(f):
     t = time.perf_counter()
     f()
@@ -185,10 +203,11 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     load0 = open("/proc/loadavg").read().split()[:3]
     decode, prefill = bench_layer(a.fmt, a.act, a.reps, rng)
+    attn = bench_attention(a.reps, rng)
     model = bench_model(a.act, a.reps)
     load1 = open("/proc/loadavg").read().split()[:3]
     res = {"shape": SHAPE, "fmt": a.fmt, "act": a.act, "threads": a.threads, "loadavg_start": load0,
-           "loadavg_end": load1, "decode_per_token_per_layer": decode, "prefill_layer_256": prefill,
+           "loadavg_end": load1, "decode_per_token_per_layer": decode, "attention_layer_decode": attn, "prefill_layer_256": prefill,
            "prefill_qwen3next_fixture_256": model}
     if a.json:
         print(json.dumps(res, indent=1))
@@ -197,6 +216,9 @@ def main(argv=None):
         print("decode, one DeltaNet layer of Qwen3-Next-80B shape, per token (ms): "
               + ", ".join(f"{k[:-3]} {v:.3f}" for k, v in decode.items() if k.endswith("_ms")))
         print(f"  state {decode['state_bytes']} bytes per layer (any context)")
+        print("beside it, full attention of that model per token per layer (ms): "
+              + ", ".join(f"{k[10:]} positions {v:.3f}" for k, v in attn.items() if k.startswith("attend_ms"))
+              + f"; KV {attn['kv_bytes_per_position']} bytes per position")
         print(f"prefill 256 rows through that layer: one block {prefill['block_ms']:.1f} ms, row by row "
               f"{prefill['row_by_row_ms']:.1f} ms, max rel diff {prefill['max_rel_diff']:.2e}")
         print("prefill 256 tokens, qwen3next oracle model (ms): "

@@ -150,7 +150,13 @@ def _numpy_conv_silu(x, w, state0):
     return out / (1 + np.exp(-out)), xx[-(K - 1):]
 
 
-def test_conv_matches_numpy_and_carries_state():
+@pytest.mark.parametrize("parallel", [False, True])
+def test_conv_matches_numpy_and_carries_state(parallel, monkeypatch):
+    """Serial (a decode row) and parallel (blocks of 64 channels) kernels against a NumPy transcription."""
+    import cpu_kernels.deltanet as dn
+
+    if parallel:
+        monkeypatch.setattr(dn, "SERIAL_WORK", 0)
     rng = np.random.default_rng(5)
     T, C, K = 11, 70, 4  # C not a multiple of the kernel's 64-channel blocks
     x = rng.standard_normal((T, C)).astype(np.float32)
