@@ -3,7 +3,7 @@
 
     python scripts/bench_deltanet.py [--threads 2] [--fmt Q8_0] [--act f32|int8] [--reps 20] [--json]
 
-1. Decode, per token per layer, at the DeltaNet shape of Qwen3-Next-80B-A3B and Qwen3.5/3.6-35B-A3B (hidden 2048,
+1. Decode, per token per layer (each piece's minimum over --reps rounds of a real call's sequence), at the DeltaNet shape of Qwen3-Next-80B-A3B and Qwen3.5/3.6-35B-A3B (hidden 2048,
    16 key heads, 32 value heads, head dims 128, conv kernel 4; weights N(0, 1/fan_in) quantized to --fmt by
    gguf.quants, so activations and gates have a real model's magnitudes): the
    projections (attn_qkv + attn_gate + ssm_ba in one grouped launch), the short convolution, the recurrence
@@ -98,16 +98,24 @@ def bench_layer(fmt, act, reps, rng):
     D = SHAPE["d_model"]
     x1 = rng.standard_normal((1, D)).astype(np.float32)
     cache = blk.new_cache(0)
-    xa = grouped.Act(x1, act) if blk._group is not None else None
-    t_proj = _best(lambda: blk.projections(x1, xa), reps)
-    qkv, z, b, a = blk.projections(x1, xa)
-    t_conv = _best(lambda: causal_conv1d_silu(qkv, blk.ssm_conv1d, cache.conv), reps)
-    conv = causal_conv1d_silu(qkv, blk.ssm_conv1d, cache.conv)
-    t_rec = _best(lambda: gated_deltanet(conv, z, b, a, blk.ssm_a, blk.ssm_dt, blk.ssm_norm, 1e-6, cache.state,
-                                         blk.n_k_heads), reps)
-    o = gated_deltanet(conv, z, b, a, blk.ssm_a, blk.ssm_dt, blk.ssm_norm, 1e-6, cache.state, blk.n_k_heads)
-    t_out = _best(lambda: m.mm(blk.ssm_out, o), reps)
-    t_call = _best(lambda: blk(x1, None, cache), reps)
+    names = ("projections", "conv", "recurrence", "ssm_out", "layer_call")
+    best = dict.fromkeys(names, float("inf"))
+    for it in range(reps + 1):  # each round runs the pieces in a real call's order, then a whole call
+        t0 = time.perf_counter()
+        qkv, z, b, a = blk.projections(x1, None)
+        t1 = time.perf_counter()
+        conv = causal_conv1d_silu(qkv, blk.ssm_conv1d, cache.conv)
+        t2 = time.perf_counter()
+        o = gated_deltanet(conv, z, b, a, blk.ssm_a, blk.ssm_dt, blk.ssm_norm, 1e-6, cache.state, blk.n_k_heads)
+        t3 = time.perf_counter()
+        m.mm(blk.ssm_out, o)
+        t4 = time.perf_counter()
+        blk(x1, None, cache)
+        t5 = time.perf_counter()
+        if it:  # round 0 compiles
+            for n, dt in zip(names, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
+                best[n] = min(best[n], dt)
+    t_proj, t_conv, t_rec, t_out, t_call = (best[n] for n in names)
     proj_bytes = sum(w.file_nbytes for w in blk._proj) + blk.ssm_out.file_nbytes
     decode = {"projections_ms": 1e3 * t_proj, "conv_ms": 1e3 * t_conv, "recurrence_ms": 1e3 * t_rec,
               "ssm_out_ms": 1e3 * t_out, "matmul_ms": 1e3 * (t_proj + t_out), "layer_call_ms": 1e3 * t_call,
