@@ -132,6 +132,23 @@ def convert(llama_dir: Path, hf_dir: Path, out: Path, *extra: str, outtype: str 
         raise SystemExit(f"convert_hf_to_gguf.py {' '.join(extra)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
 
 
+def attention_twin(args) -> int:
+    """The fixture's shapes with every layer gated full attention (``layer_types``), seeded as the oracle: the
+    plain-attention model of the same size that the DeltaNet mixer's decode speed is compared with."""
+    TEXT["layer_types"] = ["full_attention"] * TEXT["num_hidden_layers"]
+    cfg, model = build(SEED)
+    hf_dir = args.work / f"{NAME}-attention" / "hf"
+    model.save_pretrained(hf_dir)
+    tok_dir = args.work / "tokenizer"
+    tok_dir.mkdir(parents=True, exist_ok=True)
+    mo.build_tokenizer(tok_dir)
+    for f in tok_dir.iterdir():
+        (hf_dir / f.name).write_bytes(f.read_bytes())
+    convert(args.llama_cpp, hf_dir, args.attention_twin, "--no-mtp", outtype="f16")
+    print(f"{NAME}: attention twin {args.attention_twin} ({args.attention_twin.stat().st_size} bytes)")
+    return 0
+
+
 def main(argv=None) -> int:
     import torch
 
@@ -139,7 +156,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=mo.DEFAULT_OUT)
     ap.add_argument("--work", type=Path, default=mo.DEFAULT_WORK)
     ap.add_argument("--llama-cpp", type=Path, default=mo.DEFAULT_LLAMA, help="vendor/llama.cpp of the sdist")
+    ap.add_argument("--attention-twin", type=Path, default=None, metavar="GGUF",
+                    help="instead: write the same model with every layer full attention (a speed baseline, no oracle)")
     args = ap.parse_args(argv)
+    if args.attention_twin is not None:
+        return attention_twin(args)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     tok_dir = args.work / "tokenizer"
     tok_dir.mkdir(parents=True, exist_ok=True)
