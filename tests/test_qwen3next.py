@@ -103,7 +103,7 @@ def _check_cache(name, tmp_path):
         first = m.forward(ids[:20], c, all_logits=True)
         again_used = m.forward(ids[:20], c, all_logits=True)  # the same tokens on the carried state
         fresh = m.forward(ids[:20], m.new_cache(200), all_logits=True)
-        np.testing.assert_array_equal(fresh, first)
+        assert (_rel(fresh, first) <= 1e-5).all()  # a state left over is > 1e-2 off (below)
         assert _rel(again_used, first).max() > 1e-2
         turn1 = eng.generate(ids=ids[:40], max_tokens=4, temp=0.0, stop_at_eos=False, keep_kv=True)
         ext = ids[:40] + list(turn1.ids) + ids[40:50]  # extends the first turn: its state is reused
@@ -250,8 +250,8 @@ def test_device_tier_tokens_equal_cpu(lavapipe, tmp_path, balance):
 def test_legacy_fused_ssm_in(tmp_path):
     """An older conversion's fused ``ssm_in`` (rows in HF's ``in_proj_qkvz`` order: per key head q, k, v, z; what
     llama.cpp's legacy ``build_qkvz`` path reads) instead of ``attn_qkv`` + ``attn_gate``: the same logits as the
-    fixture within 1e-6 (two engines need not sum the expert pairs of a prefill step in the same order run to run:
-    a run differed by 3e-6 in one of several), and the same tokens."""
+    fixture within 1e-5 (two engines need not run a prefill step's expert pairs in the same batches: loaded runs
+    differed by up to 3e-6 from row 64 on, the second 64-row step), and the same tokens."""
     import gguf
 
     from coli.gguf_file import open_gguf
@@ -282,7 +282,7 @@ def test_legacy_fused_ssm_in(tmp_path):
         with _engine_path(path, tmp_path) as eng:
             out.append((eng.logits(d["ids"]),
                         list(eng.generate(ids=[int(i) for i in d["ids"]], max_tokens=8, temp=0.0, stop_at_eos=False).ids)))
-    assert (_rel(out[1][0], out[0][0]) <= 1e-6).all()  # a wrong regrouping is > 1e-2 off
+    assert (_rel(out[1][0], out[0][0]) <= 1e-5).all()  # a wrong regrouping is > 1e-2 off
     assert out[1][1] == out[0][1] == [int(t) for t in d["gen_ids"]]
 
 
@@ -307,7 +307,7 @@ def test_missing_ssm_key_and_bad_shape(tmp_path):
 
 def test_mtp_layers_loaded_not_run(tmp_path):
     """A file converted with its MTP head (``nextn_predict_layers`` = 1: one more block after the trunk, here a copy
-    of the last layer's tensors, flagged non-recurrent) runs the trunk only: the fixture's logits (within 1e-6, as
+    of the last layer's tensors, flagged non-recurrent) runs the trunk only: the fixture's logits (within 1e-5, as
     for the legacy twin)."""
     import gguf
 
@@ -341,4 +341,4 @@ def test_mtp_layers_loaded_not_run(tmp_path):
         with _engine_path(path, tmp_path) as eng:
             assert eng.model.args.n_layers == n
             out.append(eng.logits(d["ids"]))
-    assert (_rel(out[1], out[0]) <= 1e-6).all()
+    assert (_rel(out[1], out[0]) <= 1e-5).all()
