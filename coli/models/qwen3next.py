@@ -13,7 +13,7 @@ recurrent state per layer instead of a KV cache), the others with gated full att
 Every layer: ``h += mixer(attn_norm(h)); h += moe(post_attention_norm(h))``; the MoE is softmax top-k renormalised
 (llama.cpp passes norm_w = true) plus the shared expert scaled by ``sigmoid(x . ffn_gate_inp_shexp)``. HF's norms
 are zero-centred (``x * (1 + w)``); the converter stores ``1 + w``, so they are plain RMSNorms here (the gated norm
-``ssm_norm`` is stored as is). MTP layers (``nextn_predict_layers``, appended after the trunk) are not run.
+``ssm_norm`` is stored as is). MTP layers (``nextn_predict_layers``, appended after the trunk) are left unread.
 """
 from __future__ import annotations
 
