@@ -1,0 +1,147 @@
+"""gpt-oss: attention sinks, the clamped SwiGLU (gpt-oss's form), expert and router biases, MXFP4 experts.
+
+Kernels against NumPy transcriptions of transformers' ``models/gpt_oss/modeling_gpt_oss.py``; the family file
+against the HF oracle ``tests/fixtures/oracles/gptoss.*`` (scripts/oracle_gptoss.py; docs/families.md "gpt-oss").
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from conftest import FIXTURES
+
+ORACLE = FIXTURES / "oracles"
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+def _hf_attention(q, k, v, pos0, scale, window, sinks):
+    """transformers ``eager_attention_forward`` of gpt-oss in float64: scores with the causal (and sliding) mask,
+    the sink logit concatenated per head, softmax, sink column dropped. q [T, H, hd]; k, v [Hkv, S, hd]."""
+    T, H, hd = q.shape
+    rep = H // k.shape[0]
+    out = np.zeros((T, H, v.shape[2]))
+    for t in range(T):
+        p = pos0 + t
+        j = np.arange(p + 1)
+        if window:
+            j = j[p - j < window]
+        for h in range(H):
+            g = h // rep
+            s = (k[g, j].astype(np.float64) @ q[t, h].astype(np.float64)) * scale
+            if sinks is not None:
+                s = np.append(s, float(sinks[h]))
+            e = np.exp(s - s.max())
+            pr = e / e.sum()
+            out[t, h] = pr[: len(j)] @ v[g, j].astype(np.float64)
+    return out
+
+
+@pytest.mark.parametrize("window", [0, 4])
+def test_attend_sinks_match_hf(window):
+    from cpu_kernels.attention import attend
+
+    rng = np.random.default_rng(0)
+    T, H, Hkv, hd, pos0 = 6, 4, 2, 16, 9
+    q = rng.standard_normal((T, H, hd)).astype(np.float32)
+    kc = rng.standard_normal((Hkv, pos0 + T, hd)).astype(np.float32)
+    vc = rng.standard_normal((Hkv, pos0 + T, hd)).astype(np.float32)
+    sinks = (2.0 * rng.standard_normal(H)).astype(np.float32)
+    scale = hd ** -0.5
+    got = attend(q, kc, vc, pos0, scale, window, sinks=sinks)
+    ref = _hf_attention(q, kc, vc, pos0, scale, window, sinks)
+    assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
+    plain = attend(q, kc, vc, pos0, scale, window)
+    assert np.abs(plain - _hf_attention(q, kc, vc, pos0, scale, window, None)).max() <= 1e-5
+    assert np.abs(plain - got).max() > 1e-2          # the sinks change the output (the test can fail)
+    with pytest.raises(ValueError, match="sinks"):
+        attend(q, kc, vc, pos0, scale, window, sinks=sinks[:2])
+
+
+def _hf_apply_gate(g, u, limit, alpha=1.702):
+    """transformers ``GptOssExperts._apply_gate`` on split gate/up (f32, as torch computes it)."""
+    g = np.minimum(g, np.float32(limit))
+    u = np.clip(u, np.float32(-limit), np.float32(limit))
+    with np.errstate(over="ignore"):  # exp(+large) = inf: sigmoid 0, as in torch
+        glu = g * (np.float32(1.0) / (np.float32(1.0) + np.exp(-g * np.float32(alpha))))
+    return (u + np.float32(1.0)) * glu
+
+
+def test_swiglu_oai_matches_hf():
+    from cpu_kernels import experts as grouped
+
+    rng = np.random.default_rng(1)
+    g = (6.0 * rng.standard_normal((8, 64))).astype(np.float32)     # many beyond the clamp of 7
+    u = (6.0 * rng.standard_normal((8, 64))).astype(np.float32)
+    g[0, :4] = [-200.0, -60.0, 7.0, 100.0]
+    ffn = grouped.ExpertFFN(grouped.ACT_SWIGLU_OAI, 7.0)
+    got = ffn.act_np(g, u)
+    ref = _hf_apply_gate(g, u, 7.0)
+    assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
+    plain = grouped.ExpertFFN(grouped.ACT_SWIGLU, 7.0).act_np(g, u)
+    assert np.abs(plain - ref).max() > 1.0            # not the plain clamped SwiGLU
+
+
+def _mxfp4_weight(rng, O, I):
+    from gguf import quants
+
+    from cpu_kernels import formats
+
+    w = rng.standard_normal((O, I)).astype(np.float32) / np.sqrt(I)
+    q = quants.quantize(w, quants.GGMLQuantizationType.MXFP4)
+    return formats.prepare("MXFP4", q, (O, I)), quants.dequantize(q, quants.GGMLQuantizationType.MXFP4)
+
+
+@pytest.mark.parametrize("act", ["f32", "int8"])
+def test_experts_ffn_biases_match_hf(act):
+    """MXFP4 experts with gate/up/down biases and the clamped SwiGLU through MoEStep (grouped kernels, rank-order
+    join) against the float64 transcription of ``GptOssExperts.forward`` on the dequantized weights."""
+    from cpu_kernels import experts as grouped
+    from scheduler.step import MoEStep
+
+    rng = np.random.default_rng(2)
+    E, D, F, R, K = 5, 64, 96, 7, 3
+    ws, ref_w = [], []
+    for _ in range(E):
+        (g, gd), (u, ud), (d, dd) = _mxfp4_weight(rng, F, D), _mxfp4_weight(rng, F, D), _mxfp4_weight(rng, D, F)
+        ws.append(SimpleNamespace(gate=g, up=u, down=d))
+        ref_w.append((gd, ud, dd))
+    gb, ub = (0.5 * rng.standard_normal((E, F))).astype(np.float32), (0.5 * rng.standard_normal((E, F))).astype(np.float32)
+    db = (0.5 * rng.standard_normal((E, D))).astype(np.float32)
+    ffn = grouped.ExpertFFN(grouped.ACT_SWIGLU_OAI, 7.0, gb, ub, db)
+    x = (3.0 * rng.standard_normal((R, D))).astype(np.float32)
+    ids = np.stack([rng.permutation(E)[:K] for _ in range(R)]).astype(np.int32)
+    wts = rng.random((R, K)).astype(np.float32)
+
+    class Cache:
+        def get(self, layer, e):
+            return ws[e]
+
+    step = MoEStep(Cache(), act=act)
+    got = step.run(0, x, ids, wts, ffn=ffn)
+    ref = np.zeros((R, D))
+    for r in range(R):
+        for k in range(K):
+            e = ids[r, k]
+            gd, ud, dd = (a.astype(np.float64) for a in ref_w[e])
+            gg = np.minimum(gd @ x[r] + gb[e], 7.0)
+            uu = np.clip(ud @ x[r] + ub[e], -7.0, 7.0)
+            a = (uu + 1.0) * gg / (1.0 + np.exp(-1.702 * gg))
+            ref[r] += wts[r, k] * (dd @ a + db[e])
+    tol = 1e-5 if act == "f32" else 2e-2                 # int8: the activations are rounded per 32 (Q8 blocks)
+    assert np.abs(got - ref).max() <= tol * np.abs(ref).max(), np.abs(got - ref).max() / np.abs(ref).max()
+    # the per-expert fallback (formats.matmul) computes the same pairs as the grouped kernels
+    one = np.stack([step.expert_cpu(ws[ids[r, 0]], x[r:r + 1], ffn, int(ids[r, 0]))[0] for r in range(R)])
+    pair = np.empty((R * K, D), np.float32)
+    groups = {}
+    for p, e in enumerate(ids.reshape(-1)):
+        groups.setdefault(int(e), []).append(p)
+    ews = [(e, ws[e]) for e in sorted(groups)]
+    grouped.experts_ffn([w for _, w in ews], [e for e, _ in ews],
+                        [(np.array(groups[e]) // K, np.array(groups[e])) for e, _ in ews],
+                        grouped.Act(x, act), pair, ffn, act)
+    assert np.abs(pair.reshape(R, K, D)[:, 0] - one).max() <= 1e-4 * np.abs(one).max()
+    # biases matter (the test can fail): without them the result moves
+    nob = MoEStep(Cache(), act=act).run(0, x, ids, wts, ffn=grouped.ExpertFFN(grouped.ACT_SWIGLU_OAI, 7.0))
+    assert np.abs(nob - got).max() > 1e-2 * np.abs(ref).max()
