@@ -145,3 +145,82 @@ def test_experts_ffn_biases_match_hf(act):
     # biases matter (the test can fail): without them the result moves
     nob = MoEStep(Cache(), act=act).run(0, x, ids, wts, ffn=grouped.ExpertFFN(grouped.ACT_SWIGLU_OAI, 7.0))
     assert np.abs(nob - got).max() > 1e-2 * np.abs(ref).max()
+
+
+# ----------------------------------------------------------------------------------------------- the family
+@pytest.fixture(scope="module")
+def oracle():
+    return np.load(ORACLE / "gptoss.npz")
+
+
+def _engine(tmp_path, **kw):
+    from coli.engine import Engine
+
+    return Engine(ORACLE / "gptoss.gguf", cpu_act="f32", usage=tmp_path / "u", save_usage=False, ctx=128, **kw)
+
+
+def _rel(got, ref):
+    return np.abs(got - ref).max(axis=-1) / np.abs(ref).max()
+
+
+@pytest.mark.parametrize("cache", [None, 1])
+def test_gptoss_oracle_prompt_and_decode(oracle, cache, tmp_path):
+    """88 prompt rows in one call, then 8 greedy steps one token at a time (KV cache carried): every row within
+    1e-4 of the largest |logit| of HF's, argmax equal, HF's greedy tokens."""
+    with _engine(tmp_path, expert_cache=cache) as eng:
+        assert type(eng.model).__module__ == "coli.models.gptoss"
+        m = eng.model
+        kv = m.new_cache(128)
+        got = m.forward(oracle["ids"], kv, all_logits=True)
+        assert (_rel(got, oracle["logits"]) <= 1e-4).all(), _rel(got, oracle["logits"]).max()
+        assert (got.argmax(1) == oracle["logits"].argmax(1)).all()
+        last, gen = got[-1], []
+        for i, want in enumerate(oracle["gen_logits"]):
+            assert _rel(last, want) <= 1e-4, (i, _rel(last, want))
+            tok = int(last.argmax())
+            gen.append(tok)
+            last = m.forward([tok], kv)[0]
+        assert gen == oracle["gen_ids"].tolist()
+
+
+def test_gptoss_prompt_in_one_call_equals_one_at_a_time(oracle, tmp_path):
+    with _engine(tmp_path) as eng:
+        m = eng.model
+        whole = m.forward(oracle["ids"], m.new_cache(128), all_logits=True)
+        kv = m.new_cache(128)
+        single = np.concatenate([m.forward([t], kv) for t in oracle["ids"]])
+    assert (_rel(single, whole) <= 1e-5).all(), _rel(single, whole).max()
+    assert (single.argmax(1) == whole.argmax(1)).all()
+
+
+def test_gptoss_oracle_fails_without_sinks_window_or_untruncated_yarn(oracle, tmp_path):
+    """The oracle is demanding: dropping the sinks, ignoring the sliding window, or rounding YaRN's correction
+    range (llama.cpp's ggml_rope_yarn_corr_dims) each moves the logits by more than 1e-2 of the largest."""
+    from coli.models import gptoss
+
+    ids, ref = oracle["ids"], oracle["logits"]
+    with _engine(tmp_path) as eng:
+        m = eng.model
+        run = lambda: m.forward(ids, m.new_cache(128), all_logits=True)  # noqa: E731
+        assert _rel(run(), ref).max() <= 1e-4
+        atts = [L.attn for L in m.layers]
+        sinks = [a.attn_sinks for a in atts]
+        for a in atts:
+            a.attn_sinks = np.full_like(a.attn_sinks, -1e30)         # exp(sink - m) = 0: no sink
+        assert _rel(run(), ref).max() > 1e-2
+        for a, s in zip(atts, sinks):
+            a.attn_sinks = s
+        windows = [a.window for a in atts]
+        assert windows[0] == 16 and windows[1] == 0 and windows[0] < len(ids)
+        for a in atts:
+            a.window = 0
+        d = _rel(run(), ref)
+        assert d[:16].max() <= 1e-4 and d.max() > 1e-2               # equal inside the window, wrong past it
+        for a, w in zip(atts, windows):
+            a.window = w
+        rs = atts[0].rope_scaling
+        assert isinstance(rs, gptoss.YarnUntruncated)
+        for a in atts:
+            a.rope_scaling = gptoss.RopeScaling(rs.kind, rs.factor, rs.orig_ctx, rs.attn_factor,
+                                                rs.yarn_attn_factor, rs.beta_fast, rs.beta_slow)
+        assert _rel(run(), ref).max() > 1e-2

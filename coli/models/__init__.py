@@ -12,6 +12,7 @@ ARCHITECTURES = {
     "qwen2moe": "qwen2moe",
     "qwen3moe": "qwen3moe",
     "olmoe": "olmoe",
+    "gpt-oss": "gptoss",
 }
 
 
