@@ -50,12 +50,13 @@ def _attend_head(q, kc, vc, pos0, scale, window, sinks, out, t, h):
         sc[jj] = e
         tot += e
     inv = np.float32(1.0 / tot)
-    for i in range(hd):
+    vd = vc.shape[2]
+    for i in range(vd):
         out[t, h, i] = 0.0
     for jj in range(n):
         wgt = sc[jj] * inv
         j = j0 + jj
-        for i in range(hd):
+        for i in range(vd):
             out[t, h, i] += wgt * vc[g, j, i]
 
 
@@ -86,14 +87,15 @@ def attend(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos0: int, scale: floa
            out: np.ndarray | None = None, sinks: np.ndarray | None = None) -> np.ndarray:
     """Attention for ``T`` new rows at positions ``pos0 .. pos0+T-1``, all heads in one kernel.
 
-    ``q`` f32 [T, H, hd]; ``kc``, ``vc`` f32 [Hkv, S, hd] already holding rows ``0 .. pos0+T-1``; ``window``:
+    ``q`` f32 [T, H, hd]; ``kc`` f32 [Hkv, S, hd], ``vc`` f32 [Hkv, S, hd_v] (hd_v may differ from hd: MiMo-V2)
+    already holding rows ``0 .. pos0+T-1``; ``window``:
     positions a row sees including itself (0: all); ``sinks``: f32 [H] sink logits (module docstring) or None.
-    Returns f32 [T, H, hd] (``out`` when given). Serial below SERIAL_WORK multiply-adds, else parallel over
+    Returns f32 [T, H, hd_v] (``out`` when given). Serial below SERIAL_WORK multiply-adds, else parallel over
     (row, head). Raises ValueError when ``sinks`` is not [H].
     """
-    if out is None:
-        out = np.empty_like(q)
     T, H, hd = q.shape
+    if out is None:
+        out = np.empty((T, H, vc.shape[2]), np.float32)
     if sinks is None:
         sinks = _NO_SINKS
     else:

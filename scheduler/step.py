@@ -93,7 +93,10 @@ class MoEStep:
         issued = None
         tier = self.tier
         if tier is not None and tier.active and (ffn is None or _device_takes(tier, ffn)):
-            cpu_experts, issued = tier.issue_step(layer, x, groups, self.cache, K)
+            if ffn is None:
+                cpu_experts, issued = tier.issue_step(layer, x, groups, self.cache, K)
+            else:
+                cpu_experts, issued = tier.issue_step(layer, x, groups, self.cache, K, ffn=ffn)
 
         t0 = time.perf_counter()
         cache = self.cache
@@ -155,7 +158,10 @@ class MoEStep:
         the RAM cache or a disk read, and 0 is returned: the run goes on on the CPU. An error while the tier
         is still on is not a device loss and is raised."""
         try:
-            return self.tier.join_step(issued, pair_out)
+            n = self.tier.join_step(issued, pair_out)
+            if ffn is not None and ffn.has_bias:  # the device's rows are down(a); the down bias is added here
+                pair_out[issued.pair_ids] += ffn.down_bias[issued.pair_experts]
+            return n
         except Exception:
             if self.tier.active:
                 raise

@@ -39,18 +39,22 @@ def _hf_attention(q, k, v, pos0, scale, window, sinks):
 
 
 @pytest.mark.parametrize("window", [0, 4])
-def test_attend_sinks_match_hf(window):
+@pytest.mark.parametrize("vd", [16, 8])
+def test_attend_sinks_match_hf(window, vd):
+    """Sinks against HF's eager attention, with and without a sliding window, V heads as wide as K's or
+    narrower (MiMo-V2's v_head_dim)."""
     from cpu_kernels.attention import attend
 
     rng = np.random.default_rng(0)
     T, H, Hkv, hd, pos0 = 6, 4, 2, 16, 9
     q = rng.standard_normal((T, H, hd)).astype(np.float32)
     kc = rng.standard_normal((Hkv, pos0 + T, hd)).astype(np.float32)
-    vc = rng.standard_normal((Hkv, pos0 + T, hd)).astype(np.float32)
+    vc = rng.standard_normal((Hkv, pos0 + T, vd)).astype(np.float32)
     sinks = (2.0 * rng.standard_normal(H)).astype(np.float32)
     scale = hd ** -0.5
     got = attend(q, kc, vc, pos0, scale, window, sinks=sinks)
     ref = _hf_attention(q, kc, vc, pos0, scale, window, sinks)
+    assert got.shape == (T, H, vd)
     assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
     plain = attend(q, kc, vc, pos0, scale, window)
     assert np.abs(plain - _hf_attention(q, kc, vc, pos0, scale, window, None)).max() <= 1e-5
@@ -224,3 +228,71 @@ def test_gptoss_oracle_fails_without_sinks_window_or_untruncated_yarn(oracle, tm
             a.rope_scaling = gptoss.RopeScaling(rs.kind, rs.factor, rs.orig_ctx, rs.attn_factor,
                                                 rs.yarn_attn_factor, rs.beta_fast, rs.beta_slow)
         assert _rel(run(), ref).max() > 1e-2
+
+
+# ----------------------------------------------------------------------------------------------- device tier
+@pytest.fixture(scope="module")
+def lavapipe():
+    from coli.vulkan import open_device
+    from tests.vk_util import HAVE_LOADER
+
+    if not HAVE_LOADER:  # only a machine without the loader skips (tests/vk_util.py's rule)
+        pytest.skip("libvulkan.so.1 not found (apt install libvulkan1 mesa-vulkan-drivers)")
+    d = open_device("probe", quiet=True)
+    assert d is not None, "the Vulkan loader is installed but no device opens (Lavapipe expected)"
+    return d
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_device_oai_swiglu_and_biases_match_numpy(lavapipe, bias):
+    """submit_experts with gpt-oss's clamped SwiGLU and gate/up biases (MXFP4 experts) against the NumPy
+    reference on the dequantized weights; the down bias is the caller's (not added by the device)."""
+    from gguf import quants
+
+    dev = lavapipe
+    rng = np.random.default_rng(5)
+    E, D, F, P = 3, 64, 96, 7
+    hs, ref_w = [], []
+    for _ in range(E):
+        spec, deq = [], []
+        for O, I in ((F, D), (F, D), (D, F)):
+            w = rng.standard_normal((O, I)).astype(np.float32) / np.sqrt(I)
+            q = quants.quantize(w, quants.GGMLQuantizationType.MXFP4)
+            spec.append(("MXFP4", q, (O, I)))
+            deq.append(quants.dequantize(q, quants.GGMLQuantizationType.MXFP4).astype(np.float64))
+        hs.append(dev.upload_expert(*spec))
+        ref_w.append(deq)
+    x = (3.0 * rng.standard_normal((4, D))).astype(np.float32)
+    rows = rng.integers(0, 4, P)
+    pe = rng.integers(0, E, P)
+    b = (0.5 * rng.standard_normal((E, 2 * F))).astype(np.float32) if bias else np.zeros((E, 2 * F), np.float32)
+    d0 = dev.dispatches
+    out = dev.submit_experts(x, rows, [hs[e] for e in pe], clamp=7.0, act="f32", act_kind=2,
+                             bias_gu=b[pe] if bias else None).join()
+    assert dev.dispatches > d0
+    for p in range(P):
+        gd, ud, dd = ref_w[pe[p]]
+        g = np.minimum(gd @ x[rows[p]] + b[pe[p], :F], 7.0)
+        u = np.clip(ud @ x[rows[p]] + b[pe[p], F:], -7.0, 7.0)
+        ref = dd @ ((u + 1.0) * g / (1.0 + np.exp(-1.702 * g)))
+        assert np.abs(out[p] - ref).max() <= 1e-5 * np.abs(ref).max(), p
+    for h in hs:
+        dev.free_expert(h)
+
+
+def test_gptoss_tier_tokens_equal_cpu(lavapipe, oracle, tmp_path):
+    """The MXFP4 experts with biases and the clamped SwiGLU on Lavapipe (--device vulkan): the tier's logits are
+    HF's within 1e-4 over the prompt and the greedy tokens are the CPU's, with device pairs and dispatches > 0."""
+    from coli.engine import Engine
+
+    kw = dict(threads=1, save_usage=False, quiet=True, cpu_act="f32", ctx=128)
+    ids = oracle["ids"][:40].tolist()
+    with Engine(ORACLE / "gptoss.gguf", usage=str(tmp_path / "a"), **kw) as eng:
+        cpu_ids = list(eng.generate(ids=ids, max_tokens=8, temp=0.0).ids)
+    with Engine(ORACLE / "gptoss.gguf", usage=str(tmp_path / "b"), device="vulkan", **kw) as eng:
+        assert eng.tier is not None and eng.tier.on
+        dev_ids = list(eng.generate(ids=ids, max_tokens=8, temp=0.0).ids)
+        lg = eng.logits(oracle["ids"])
+        assert eng.tier.device_pairs > 0 and eng.device.dispatches > 0
+    assert dev_ids == cpu_ids
+    assert (_rel(lg, oracle["logits"]) <= 1e-4).all(), _rel(lg, oracle["logits"]).max()
