@@ -13,6 +13,7 @@ ARCHITECTURES = {
     "qwen3moe": "qwen3moe",
     "olmoe": "olmoe",
     "gpt-oss": "gptoss",
+    "mimo2": "mimo2",
 }
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from coli.errors import ColiError
 from cpu_kernels import experts as grouped
 from cpu_kernels.attention import attend
 from cpu_kernels.norms import rms_norm
@@ -69,14 +70,13 @@ def untruncated(rs: RopeScaling) -> RopeScaling:
 
 class SinkAttention(blocks.Attention):
     """``blocks.Attention`` with one sink logit per query head (``attn_sinks.weight`` f32 [H]) in the softmax
-    (``cpu_kernels.attention.attend(sinks=...)``)."""
+    (``cpu_kernels.attention.attend(sinks=...)``); ``sinks=False`` for a layer without them (MiMo-V2's full
+    layers). ColiError naming the tensor when it is missing or not [H]."""
 
-    def __init__(self, m, p: str, **kw):
+    def __init__(self, m, p: str, sinks: bool = True, **kw):
         super().__init__(m, p, **kw)
-        self.attn_sinks = m.wt.f32(p + "attn_sinks.weight")
-        if self.attn_sinks.shape != (self.n_heads,):
-            from coli.errors import ColiError
-
+        self.attn_sinks = m.wt.f32(p + "attn_sinks.weight") if sinks else None
+        if self.attn_sinks is not None and self.attn_sinks.shape != (self.n_heads,):
             raise ColiError(f"{m.g.path.name}: tensor '{p}attn_sinks.weight': shape {list(self.attn_sinks.shape)}, "
                             f"expected [{self.n_heads}] (one per query head)")
 
