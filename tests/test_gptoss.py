@@ -197,9 +197,10 @@ def test_gptoss_prompt_in_one_call_equals_one_at_a_time(oracle, tmp_path):
     assert (single.argmax(1) == whole.argmax(1)).all()
 
 
-def test_gptoss_oracle_fails_without_sinks_window_or_untruncated_yarn(oracle, tmp_path):
-    """The oracle is demanding: dropping the sinks, ignoring the sliding window, or rounding YaRN's correction
-    range (llama.cpp's ggml_rope_yarn_corr_dims) each moves the logits by more than 1e-2 of the largest."""
+def test_gptoss_oracle_is_demanding(oracle, tmp_path):
+    """The oracle is demanding: dropping the sinks, ignoring the sliding window, rounding YaRN's correction
+    range (llama.cpp's ggml_rope_yarn_corr_dims), dropping the router bias or the expert biases, or the plain
+    clamped SwiGLU in place of gpt-oss's each moves the logits by more than 1e-2 of the largest."""
     from coli.models import gptoss
 
     ids, ref = oracle["ids"], oracle["logits"]
@@ -228,6 +229,26 @@ def test_gptoss_oracle_fails_without_sinks_window_or_untruncated_yarn(oracle, tm
             a.rope_scaling = gptoss.RopeScaling(rs.kind, rs.factor, rs.orig_ctx, rs.attn_factor,
                                                 rs.yarn_attn_factor, rs.beta_fast, rs.beta_slow)
         assert _rel(run(), ref).max() > 1e-2
+        for a in atts:
+            a.rope_scaling = rs
+        # the router bias, the expert biases, gpt-oss's activation (vs the plain clamped SwiGLU)
+        from cpu_kernels import experts as grouped
+
+        moes = [L.moe for L in m.layers]
+        rb, ffns = [x.ffn_gate_inp_b for x in moes], [x.ffn for x in moes]
+        for x in moes:
+            x.ffn_gate_inp_b = None
+        assert _rel(run(), ref).max() > 1e-2
+        for x, b in zip(moes, rb):
+            x.ffn_gate_inp_b = b
+            x.ffn = grouped.ExpertFFN(grouped.ACT_SWIGLU_OAI, 7.0)
+        assert _rel(run(), ref).max() > 1e-2
+        for x, f in zip(moes, ffns):
+            x.ffn = grouped.ExpertFFN(grouped.ACT_SWIGLU, 7.0, f.gate_bias, f.up_bias, f.down_bias)
+        assert _rel(run(), ref).max() > 1e-2
+        for x, f in zip(moes, ffns):
+            x.ffn = f
+        assert _rel(run(), ref).max() <= 1e-4
 
 
 # ----------------------------------------------------------------------------------------------- device tier
