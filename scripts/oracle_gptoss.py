@@ -48,7 +48,7 @@ CONFIG = dict(num_hidden_layers=3, hidden_size=64, intermediate_size=64, head_di
               layer_types=["sliding_attention", "full_attention", "sliding_attention"],
               rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                                "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096})
-DEFAULT_LLAMA = Path("/tmp/fam/llama_cpp_python-0.3.36/vendor/llama.cpp")
+DEFAULT_LLAMA = mo.DEFAULT_LLAMA   # vendor/llama.cpp of the llama-cpp-python 0.3.36 sdist (docs/oracles.md)
 
 
 def mxfp4_round(w: np.ndarray):

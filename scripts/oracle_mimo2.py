@@ -52,7 +52,7 @@ BIAS_STD = 0.3
 #: near 0 and 1) and the k-th / (k+1)-th choice-score margin asked for is 1e-3 (coli's f32 error is ~1e-6)
 ROUTER_SCALE = 1.0
 MIN_MARGIN = 1e-3
-DEFAULT_LLAMA = Path("/tmp/fam/llama_cpp_python-0.3.36/vendor/llama.cpp")
+DEFAULT_LLAMA = mo.DEFAULT_LLAMA   # vendor/llama.cpp of the llama-cpp-python 0.3.36 sdist (docs/oracles.md)
 
 # The converter reads a model's config through transformers' AutoConfig and falls back to config.json where that
 # fails. MimoV2Model.set_gguf_parameters reads the hub's flat ``partial_rotary_factor``, which transformers 5.24's
