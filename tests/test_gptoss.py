@@ -264,39 +264,54 @@ def lavapipe():
     return d
 
 
+@pytest.mark.parametrize("fmt,act,P", [("MXFP4", "f32", 7), ("MXFP4", "f32", 40), ("MXFP4", "int8", 7),
+                                        ("Q8_0", "int8", 7), ("Q8_0", "int8", 40)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_device_oai_swiglu_and_biases_match_numpy(lavapipe, bias):
-    """submit_experts with gpt-oss's clamped SwiGLU and gate/up biases (MXFP4 experts) against the NumPy
-    reference on the dequantized weights; the down bias is the caller's (not added by the device)."""
+def test_device_oai_swiglu_and_biases_match_cpu(lavapipe, bias, fmt, act, P):
+    """submit_experts with gpt-oss's clamped SwiGLU and gate/up biases against the CPU's grouped kernels on the
+    same weights and activation mode (GEMV groups; 40 pairs on 2 experts: GEMM groups; Q8_0 int8: the integer-dot
+    kernels), and in f32 against the NumPy reference on the dequantized weights. The down bias is the caller's."""
     from gguf import quants
+
+    from cpu_kernels import experts as grouped
+    from cpu_kernels import formats
 
     dev = lavapipe
     rng = np.random.default_rng(5)
-    E, D, F, P = 3, 64, 96, 7
-    hs, ref_w = [], []
+    E, D, F = (2 if P > 16 else 3), 64, 96
+    qt = quants.GGMLQuantizationType[fmt]
+    hs, ws, ref_w = [], [], []
     for _ in range(E):
         spec, deq = [], []
         for O, I in ((F, D), (F, D), (D, F)):
             w = rng.standard_normal((O, I)).astype(np.float32) / np.sqrt(I)
-            q = quants.quantize(w, quants.GGMLQuantizationType.MXFP4)
-            spec.append(("MXFP4", q, (O, I)))
-            deq.append(quants.dequantize(q, quants.GGMLQuantizationType.MXFP4).astype(np.float64))
+            q = quants.quantize(w, qt)
+            spec.append((fmt, q, (O, I)))
+            deq.append(quants.dequantize(q, qt).astype(np.float64))
         hs.append(dev.upload_expert(*spec))
+        ws.append(SimpleNamespace(**{n: formats.prepare(*sp) for n, sp in zip(("gate", "up", "down"), spec)}))
         ref_w.append(deq)
-    x = (3.0 * rng.standard_normal((4, D))).astype(np.float32)
-    rows = rng.integers(0, 4, P)
-    pe = rng.integers(0, E, P)
+    x = (3.0 * rng.standard_normal((P, D))).astype(np.float32)
+    rows = np.arange(P)
+    pe = np.sort(rng.integers(0, E, P))
     b = (0.5 * rng.standard_normal((E, 2 * F))).astype(np.float32) if bias else np.zeros((E, 2 * F), np.float32)
     d0 = dev.dispatches
-    out = dev.submit_experts(x, rows, [hs[e] for e in pe], clamp=7.0, act="f32", act_kind=2,
+    out = dev.submit_experts(x, rows, [hs[e] for e in pe], clamp=7.0, act=act, act_kind=2,
                              bias_gu=b[pe] if bias else None).join()
     assert dev.dispatches > d0
-    for p in range(P):
-        gd, ud, dd = ref_w[pe[p]]
-        g = np.minimum(gd @ x[rows[p]] + b[pe[p], :F], 7.0)
-        u = np.clip(ud @ x[rows[p]] + b[pe[p], F:], -7.0, 7.0)
-        ref = dd @ ((u + 1.0) * g / (1.0 + np.exp(-1.702 * g)))
-        assert np.abs(out[p] - ref).max() <= 1e-5 * np.abs(ref).max(), p
+    ffn = grouped.ExpertFFN(grouped.ACT_SWIGLU_OAI, 7.0, b[:, :F], b[:, F:], np.zeros((E, D), np.float32))
+    cpu = np.empty((P, D), np.float32)
+    es = sorted(set(pe.tolist()))
+    grouped.experts_ffn([ws[e] for e in es], es, [(np.flatnonzero(pe == e), np.flatnonzero(pe == e)) for e in es],
+                        grouped.Act(x, act), cpu, ffn, act)
+    assert np.abs(out - cpu).max() <= 1e-4 * np.abs(cpu).max(), np.abs(out - cpu).max() / np.abs(cpu).max()
+    if act == "f32":
+        for p in range(P):
+            gd, ud, dd = ref_w[pe[p]]
+            g = np.minimum(gd @ x[rows[p]] + b[pe[p], :F], 7.0)
+            u = np.clip(ud @ x[rows[p]] + b[pe[p], F:], -7.0, 7.0)
+            ref = dd @ ((u + 1.0) * g / (1.0 + np.exp(-1.702 * g)))
+            assert np.abs(out[p] - ref).max() <= 1e-5 * np.abs(ref).max(), p
     for h in hs:
         dev.free_expert(h)
 
