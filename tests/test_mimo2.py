@@ -115,6 +115,25 @@ def test_mimo2_oracle_is_demanding(oracle, tmp_path):
         assert run() <= 1e-4
 
 
+def test_mimo2_mtp_blocks_are_not_trunk_layers():
+    """A file with MTP blocks (``nextn_predict_layers``) counted in ``block_count`` and the per-layer arrays: the
+    trunk is the first ``block_count - nextn`` blocks and its per-layer values are the arrays' first entries."""
+    from coli.errors import ColiError
+    from coli.gguf_file import open_gguf
+    from coli.models import mimo2
+
+    g = open_gguf(ORACLE / "mimo2.gguf")
+    g.meta["mimo2.block_count"] = 5
+    g.meta["mimo2.nextn_predict_layers"] = 1
+    g.meta["mimo2.attention.head_count_kv"] = [1, 2, 2, 1, 2]
+    g.meta["mimo2.attention.sliding_window_pattern"] = [0, 1, 1, 0, 1]
+    a = mimo2.Model.args_from(g)
+    assert a.n_layers == 4 and a.n_kv_layer == (1, 2, 2, 1) and a.swa_pattern == (0, 1, 1, 0)
+    g.meta["mimo2.attention.sliding_window_pattern"] = [0, 1, 1, 0]
+    with pytest.raises(ColiError, match="sliding_window_pattern"):
+        mimo2.Model.args_from(g)
+
+
 def test_mimo2_refuses_group_routing_and_other_gating(tmp_path):
     from coli.errors import ColiError
     from coli.gguf_file import open_gguf

@@ -21,7 +21,9 @@ Per layer, top to bottom::
 * experts: SwiGLU, no biases.
 
 Refused with a ColiError naming the key: a gating function other than sigmoid (``expert_gating_func`` 2), and
-group-limited routing (``expert_group_count`` > 1; MiMo-V2-Flash ships one group).
+group-limited routing (``expert_group_count`` > 1; MiMo-V2-Flash ships one group). The MTP blocks the converter
+appends (``nextn_predict_layers`` of the ``block_count``) are not loaded: the trunk runs alone until coli has
+speculative decoding.
 """
 from __future__ import annotations
 
@@ -131,13 +133,18 @@ class Model(base.Model):
         L = int(g.get(f"{a}.block_count", 0) or 0)
         if L <= 0:
             raise ColiError(f"{name}: metadata '{a}.block_count' is missing")
+        # the converter appends the MTP (next-token prediction) blocks after the trunk and counts them in
+        # block_count and the per-layer arrays; coli loads the trunk only (no speculative decoding yet)
+        mtp = int(g.get(f"{a}.nextn_predict_layers", 0) or 0)
+        if not 0 <= mtp < L:
+            raise ColiError(f"{name}: metadata '{a}.nextn_predict_layers': {mtp} of {L} blocks")
 
         def per_layer(key, default):
             v = g.get(f"{a}.{key}", default)
             v = [int(x) for x in (v if isinstance(v, (list, tuple, np.ndarray)) else [v] * L)]
             if len(v) != L:
-                raise ColiError(f"{name}: metadata '{a}.{key}': {len(v)} entries for {L} layers")
-            return v
+                raise ColiError(f"{name}: metadata '{a}.{key}': {len(v)} entries for {L} blocks")
+            return v[:L - mtp]
 
         gating = g.get(f"{a}.expert_gating_func", GATING_SIGMOID)
         if g.get(f"{a}.expert_count") and int(gating) != GATING_SIGMOID:
@@ -147,7 +154,7 @@ class Model(base.Model):
             raise ColiError(f"{name}: metadata '{a}.expert_group_count': {groups} (group-limited routing is not "
                             "implemented for mimo2; MiMo-V2-Flash ships 1 group)")
         n_kv = per_layer("attention.head_count_kv", g.get(f"{a}.attention.head_count", 1))
-        args = Args.from_gguf(g, n_kv_layer=tuple(n_kv), swa_pattern=tuple(per_layer("attention.sliding_window_pattern", 0)),
+        args = Args.from_gguf(g, n_layers=L - mtp, n_kv_layer=tuple(n_kv), swa_pattern=tuple(per_layer("attention.sliding_window_pattern", 0)),
                               value_scale=float(g.get(f"{a}.attention.value_scale", 1.0)),
                               expert_weights_scale=float(g.get(f"{a}.expert_weights_scale", 1.0) or 1.0))
         args.head_dim_v = int(g.get(f"{a}.attention.value_length", args.head_dim))
