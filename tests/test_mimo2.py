@@ -153,7 +153,6 @@ def test_mimo2_tier_tokens_equal_cpu(oracle, tmp_path):
     """The experts on Lavapipe (--device vulkan, balance on): the CPU's greedy tokens, HF's logits within 1e-4,
     device pairs and dispatches > 0."""
     from coli.engine import Engine
-    from coli.vulkan import open_device
     from tests.vk_util import HAVE_LOADER
 
     if not HAVE_LOADER:
