@@ -332,3 +332,18 @@ def test_gptoss_tier_tokens_equal_cpu(lavapipe, oracle, tmp_path):
         assert eng.tier.device_pairs > 0 and eng.device.dispatches > 0
     assert dev_ids == cpu_ids
     assert (_rel(lg, oracle["logits"]) <= 1e-4).all(), _rel(lg, oracle["logits"]).max()
+
+
+def test_gptoss_keep_kv_turns_equal_fresh_runs(oracle, tmp_path):
+    """Conversation turns reusing the KV cache (keep_kv: the common prefix kept, a shorter one rewound past
+    the sliding window) give the tokens of a fresh run of the same ids."""
+    ids = oracle["ids"].tolist()
+    with _engine(tmp_path) as eng:
+        g1 = list(eng.generate(ids=ids[:50], max_tokens=4, keep_kv=True).ids)
+        t2 = ids[:50] + g1 + ids[50:60]
+        g2 = list(eng.generate(ids=t2, max_tokens=6, keep_kv=True).ids)
+        t3 = ids[:30] + ids[70:88]
+        g3 = list(eng.generate(ids=t3, max_tokens=6, keep_kv=True).ids)
+    with _engine(tmp_path) as eng:
+        assert list(eng.generate(ids=t2, max_tokens=6).ids) == g2
+        assert list(eng.generate(ids=t3, max_tokens=6).ids) == g3
