@@ -587,14 +587,6 @@ class Engine:
         r = self.perplexity(ids, all_tokens=True)
         return r.nll, r.n
 
-    @staticmethod
-    def sample(logits: np.ndarray, temp: float, top_k: int, top_p: float, rng) -> int:
-        """One token from ``logits`` with ``rng`` (a ``numpy.random.Generator``): ``coli.sampling.Sampler``'s
-        chain with these settings and no penalties (kept for callers of the earlier API)."""
-        from coli.sampling import Sampler
-
-        return Sampler(temp=temp, top_k=top_k, top_p=top_p, rng=rng).sample(logits)
-
     def prompt_ids(self, prompt, chat: bool = False) -> list:
         """Token ids of a prompt (through the chat template as one user message when ``chat``:
         ``Tokenizer.encode_chat``, one BOS where the file asks for one; a model without a template gets

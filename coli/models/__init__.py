@@ -14,6 +14,8 @@ ARCHITECTURES = {
     "olmoe": "olmoe",
     "gpt-oss": "gptoss",
     "mimo2": "mimo2",
+    "deepseek2": "deepseek2",
+    "glm-dsa": "glmdsa",
 }
 
 
