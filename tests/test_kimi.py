@@ -194,9 +194,10 @@ def test_oracle_needs_each_piece(eng, d, monkeypatch):
 
 
 def test_cache_kda_state_and_latents(eng):
-    """KDA layers keep a constant state (convolution rows + [H, d, d]), MLA layers the latent and the rope key per
+    """KDA layers keep a constant state (Gated DeltaNet's cache: convolution rows + [H, d, d]), MLA layers the latent and the rope key per
     position; Model.cache_bytes (what sizes --ctx) counts both; the cache is not rewindable."""
-    from coli.models.kimi import KDACache, Model
+    from coli.models.deltanet import DeltaNetCache
+    from coli.models.kimi import Model
     from coli.models.mla import LatentCache
 
     m = eng.model
@@ -204,10 +205,10 @@ def test_cache_kda_state_and_latents(eng):
     for ctx in (10, 100):
         c = m.new_cache(ctx)
         kinds = [type(x) for x in c.layers]
-        assert kinds == [KDACache if k else LatentCache for k in a.kda_layers]
+        assert kinds == [DeltaNetCache if k else LatentCache for k in a.kda_layers]
         assert c.nbytes() == Model.cache_bytes(a, ctx)
         assert not c.rewindable
-    kd = next(x for x in m.new_cache(10).layers if isinstance(x, KDACache))
+    kd = next(x for x in m.new_cache(10).layers if isinstance(x, DeltaNetCache))
     assert kd.state.shape == (a.n_heads, a.kda_dim, a.kda_dim) and kd.conv.shape == (3, 3 * a.n_heads * a.kda_dim)
     fixed = Model.cache_bytes(a, 0)
     assert fixed == sum(a.kda_layers) * kd.nbytes()

@@ -19,8 +19,9 @@ llama.cpp reads it), x the normed input f32 [T, D]:
     out     = attn_output(RMSNorm(o, ssm_norm) * sigmoid(ssm_g_b (ssm_g_a x)))
 
 The convolution is the Gated DeltaNet one (``cpu_kernels.deltanet.causal_conv1d_silu``) over the three
-projections side by side. The KDA cache (:class:`KDACache`) holds the convolution's last K - 1 input rows and the
-state f32 [H, d, d]: constant bytes, not indexed by position (``rewindable = False``).
+projections side by side. The KDA cache is Gated DeltaNet's (``coli.models.deltanet.DeltaNetCache``): the
+convolution's last K - 1 input rows f32 [K - 1, 3 H d] and the state f32 [H, d, d], constant bytes, not indexed
+by position (``rewindable = False``).
 
 MLA (HF ``KimiLinearAttention``): DeepSeek-V2's latent attention (``coli/models/mla.py``, the latent cache)
 WITHOUT rope: Kimi's MLA is NoPE, the ``rope.dimension_count`` dims of q and of the shared key are used unrotated;
@@ -39,6 +40,7 @@ from cpu_kernels.deltanet import causal_conv1d_silu
 from cpu_kernels.kda import kda
 
 from . import base, deepseek2
+from .deltanet import DeltaNetCache
 from .mla import MLA, LatentCache
 
 
@@ -85,23 +87,10 @@ def read_args(g) -> Args:
     return args
 
 
-class KDACache:
-    """One KDA layer's state for one sequence: ``conv`` f32 [K - 1, 3 H d] (the last K - 1 rows of the q/k/v
-    projections) and ``state`` f32 [H, d, d]. Zeros = a fresh sequence. Not indexed by position, so not
-    ``rewindable``: the engine starts a fresh cache instead of moving ``pos`` back."""
-
-    rewindable = False
-
-    def __init__(self, n_heads: int, dim: int, kernel: int):
-        self.conv = np.zeros((kernel - 1, 3 * n_heads * dim), np.float32)
-        self.state = np.zeros((n_heads, dim, dim), np.float32)
-
-    def nbytes(self) -> int:
-        return self.conv.nbytes + self.state.nbytes
-
-    @staticmethod
-    def bytes_for(n_heads: int, dim: int, kernel: int) -> int:
-        return 4 * ((kernel - 1) * 3 * n_heads * dim + n_heads * dim * dim)
+def kda_dims(n_heads: int, dim: int, kernel: int) -> dict:
+    """The shape of a KDA layer's state in ``deltanet.ssm_dims`` terms (as many key as value heads, dk = dv = the
+    head size), for the shared ``DeltaNetCache``: convolution rows of 3 H d channels, state [H, d, d]."""
+    return dict(kernel=kernel, dk=dim, dv=dim, n_k_heads=n_heads, n_v_heads=n_heads)
 
 
 class KDA:
@@ -155,11 +144,12 @@ class KDA:
         o = np.cumsum([0] + [w.shape[0] for w in self._proj])
         return [np.ascontiguousarray(out[:, o[i]:o[i + 1]]) for i in range(len(self._proj))]
 
-    def new_cache(self, ctx: int) -> KDACache:
-        """A fresh (zero) state; its size does not depend on ``ctx``."""
-        return KDACache(self.H, self.d, self.K)
+    def new_cache(self, ctx: int) -> DeltaNetCache:
+        """A fresh (zero) state (the Gated DeltaNet layer's cache: the same two arrays); its size does not depend
+        on ``ctx``."""
+        return DeltaNetCache(3 * self.H * self.d, self.K, self.H, self.d, self.d)
 
-    def __call__(self, x, xa, cache: KDACache, pos0: int):
+    def __call__(self, x, xa, cache: DeltaNetCache, pos0: int):
         m, H, d = self.m, self.H, self.d
         T = x.shape[0]
         q, k, v, fa, ga, b = self.projections(x, xa)
@@ -199,4 +189,4 @@ class Model(base.Model):
         state (the engine takes ``cache_bytes(args, 0)`` as the fixed part)."""
         n_kda = sum(args.kda_layers)
         return ((args.n_layers - n_kda) * int(ctx) * LatentCache.bytes_per_position(args.kv_lora_rank, args.n_rot)
-                + n_kda * KDACache.bytes_for(args.n_heads, args.kda_dim, args.conv_kernel))
+                + n_kda * DeltaNetCache.bytes_for(kda_dims(args.n_heads, args.kda_dim, args.conv_kernel)))
