@@ -246,3 +246,46 @@ def test_device_tier_gives_the_cpus_tokens(eng, d, tmp_path):
         dev.close()
     assert got == want
     assert (_rel(got_lg, want_lg) <= 1e-4).all()
+
+
+def _rewrite(out, keys=None, tensors=None):
+    """The fixture rewritten to ``out`` by gguf's writer: ``keys`` {key: value or None (drop)}, ``tensors``
+    {name: array or None (drop)}."""
+    import gguf
+
+    keys, tensors = keys or {}, tensors or {}
+    src = gguf.GGUFReader(str(DIR / f"{NAME}.gguf"))
+    w = gguf.GGUFWriter(str(out), "kimi-linear")
+    for k, f in src.fields.items():
+        if k.startswith("GGUF.") or k == "general.architecture" or (k in keys and keys[k] is None):
+            continue
+        v = keys.get(k, f.contents())
+        if f.types[0] == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(k, v, f.types[0], sub_type=f.types[-1])
+        else:
+            w.add_key_value(k, v, f.types[0])
+    for t in src.tensors:
+        a = tensors.get(t.name, np.asarray(t.data))
+        if a is not None:
+            w.add_tensor(t.name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+@pytest.mark.parametrize("keys,tensors,msg", [
+    ({}, {"blk.1.ssm_f_b.weight": None}, r"broken\.gguf: tensor 'blk\.1\.ssm_f_b\.weight' is missing"),
+    ({}, {"blk.0.ssm_beta.weight": np.zeros((3, 32), np.float32)},
+     r"broken\.gguf: tensor 'blk\.0\.ssm_beta\.weight' has shape \[3, 32\], expected \[4, 32\]"),
+    ({"kimi-linear.kda.head_dim": None}, {}, r"broken\.gguf: metadata 'kimi-linear\.kda\.head_dim' is missing"),
+])
+def test_broken_file_is_one_clear_error(tmp_path, keys, tensors, msg):
+    """A missing KDA tensor, one of the wrong shape, a missing KDA key: one ColiError naming the file and it."""
+    from coli.engine import Engine
+    from coli.errors import ColiError
+
+    out = _rewrite(tmp_path / "broken.gguf", keys, tensors)
+    with pytest.raises(ColiError, match=msg):
+        Engine(out, cpu_act="f32", quiet=True, save_usage=False, usage=str(tmp_path / "u"))
