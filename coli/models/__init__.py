@@ -14,6 +14,8 @@ ARCHITECTURES = {
     "olmoe": "olmoe",
     "qwen3next": "qwen3next",
     "qwen35moe": "qwen35moe",
+    "gpt-oss": "gptoss",
+    "mimo2": "mimo2",
     "deepseek2": "deepseek2",
     "glm-dsa": "glmdsa",
 }
