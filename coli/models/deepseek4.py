@@ -134,18 +134,27 @@ class HyperConnection:
 
 
 class CompressorState:
-    """One compressor's running state: the rows of the open window (kv, gate), the previous window's first half
-    (CSA overlap), and the compressed entries f32 [ctx // ratio, hd] emitted so far (``n``)."""
+    """One compressor's running state: the ``nbuf`` rows of the open window (``buf_kv``, ``buf_gate`` f32
+    [ratio, width]), the previous window's first half (CSA overlap: ``prev_kv``, ``prev_gate`` f32 [ratio, hd],
+    ``has_prev``), and the compressed entries f32 [ctx // ratio, hd] emitted so far (``n``)."""
 
-    def __init__(self, ctx: int, ratio: int, width: int, hd: int):
-        self.buf_kv = np.zeros((0, width), np.float32)
-        self.buf_gate = np.zeros((0, width), np.float32)
-        self.prev_kv = self.prev_gate = None
+    def __init__(self, ctx: int, ratio: int, width: int, hd: int, overlap: bool):
+        self.buf_kv = np.zeros((ratio, width), np.float32)
+        self.buf_gate = np.zeros((ratio, width), np.float32)
+        self.nbuf = 0
+        self.prev_kv = np.zeros((ratio, hd) if overlap else (0, hd), np.float32)
+        self.prev_gate = np.zeros_like(self.prev_kv)
+        self.has_prev = False
         self.entries = np.zeros((max(ctx // ratio, 0), hd), np.float32)
         self.n = 0
 
+    @staticmethod
+    def bytes_for(ctx: int, ratio: int, hd: int, overlap: bool) -> int:
+        width = (2 if overlap else 1) * hd
+        return 4 * (2 * ratio * width + (2 * ratio * hd if overlap else 0) + (int(ctx) // ratio) * hd)
+
     def nbytes(self) -> int:
-        return self.entries.nbytes + self.buf_kv.nbytes + self.buf_gate.nbytes
+        return sum(a.nbytes for a in (self.buf_kv, self.buf_gate, self.prev_kv, self.prev_gate, self.entries))
 
 
 class Compressor:
@@ -167,14 +176,15 @@ class Compressor:
         self.width = width
 
     def new_state(self, ctx: int) -> CompressorState:
-        return CompressorState(ctx, self.ratio, self.width, self.hd)
+        return CompressorState(ctx, self.ratio, self.width, self.hd, self.overlap)
 
     def update(self, x: np.ndarray, st: CompressorState, cos, sin) -> None:
         r, hd = self.ratio, self.hd
-        kv = np.concatenate([st.buf_kv, x @ self.wkv.T]).astype(np.float32)
-        gate = np.concatenate([st.buf_gate, x @ self.wgate.T]).astype(np.float32)
+        kv = np.concatenate([st.buf_kv[:st.nbuf], x @ self.wkv.T]).astype(np.float32)
+        gate = np.concatenate([st.buf_gate[:st.nbuf], x @ self.wgate.T]).astype(np.float32)
         nw = kv.shape[0] // r
-        st.buf_kv, st.buf_gate = kv[nw * r:], gate[nw * r:]
+        st.nbuf = kv.shape[0] - nw * r
+        st.buf_kv[:st.nbuf], st.buf_gate[:st.nbuf] = kv[nw * r:], gate[nw * r:]
         if nw == 0:
             return
         ck = kv[:nw * r].reshape(nw, r, -1)
@@ -184,9 +194,9 @@ class Compressor:
             ng = np.full((nw, 2 * r, hd), -np.inf, np.float32)
             nk[:, r:], ng[:, r:] = ck[..., hd:], cg[..., hd:]
             nk[1:, :r], ng[1:, :r] = ck[:-1, :, :hd], cg[:-1, :, :hd]
-            if st.prev_kv is not None:
+            if st.has_prev:
                 nk[0, :r], ng[0, :r] = st.prev_kv, st.prev_gate
-            st.prev_kv, st.prev_gate = ck[-1, :, :hd].copy(), cg[-1, :, :hd].copy()
+            st.prev_kv[:], st.prev_gate[:], st.has_prev = ck[-1, :, :hd], cg[-1, :, :hd], True
             ck, cg = nk, ng
         e = np.exp(cg - cg.max(1, keepdims=True))
         c = ((e / e.sum(1, keepdims=True)) * ck).sum(1).astype(np.float32)
@@ -476,14 +486,14 @@ class Model(base.Model):
 
     @classmethod
     def cache_bytes(cls, args, ctx: int) -> int:
-        """Window ring f32 [W, hd] per layer plus compressed entries f32 [ctx / m, hd] (and the indexer's
-        [ctx / 4, index head dim])."""
+        """Window ring f32 [W, hd] per layer plus, per compressor, its open window and overlap rows and its
+        compressed entries f32 [ctx / m, hd] (``CompressorState``; the indexer's at the index head dim)."""
         n = 4 * args.n_layers * args.sliding_window * args.head_dim
         for r in args.ratios:
             if r:
-                n += 4 * (int(ctx) // r) * args.head_dim
+                n += CompressorState.bytes_for(ctx, r, args.head_dim, r == 4)
             if r == 4:
-                n += 4 * (int(ctx) // r) * args.idx_dim
+                n += CompressorState.bytes_for(ctx, r, args.idx_dim, True)
         return n
 
     def forward(self, ids, cache: base.Cache, all_logits: bool = False) -> np.ndarray:
