@@ -230,24 +230,26 @@ class Attention:
         self.H, self.hd, self.W = a.n_heads, a.head_dim, a.sliding_window
         self.ratio = a.ratios[il]
         self.scale = np.float32(self.hd ** -0.5)
-        self.wq_a = wt.f32(p + "attn_q_a.weight")
+        # the big projections stay in the file's type (formats.matmul); attn_output_a (grouped) is dequantized
+        self.wq_a = wt.w(p + "attn_q_a.weight")
         self.q_norm = wt.f32(p + "attn_q_a_norm.weight")
-        self.wq_b = wt.f32(p + "attn_q_b.weight")
-        self.wkv = wt.f32(p + "attn_kv.weight")
+        self.wq_b = wt.w(p + "attn_q_b.weight")
+        self.wkv = wt.w(p + "attn_kv.weight")
         self.kv_norm = wt.f32(p + "attn_kv_a_norm.weight")
         self.wo_a = wt.f32(p + "attn_output_a.weight")
-        self.wo_b = wt.f32(p + "attn_output_b.weight")
+        self.wo_b = wt.w(p + "attn_output_b.weight")
         self.sinks = wt.f32(p + "attn_sinks.weight")
-        if self.wkv.shape[0] != self.hd or self.wq_b.shape[0] != self.H * self.hd or self.sinks.shape != (self.H,):
+        skv, sqb = wt.info(p + "attn_kv.weight").shape, wt.info(p + "attn_q_b.weight").shape
+        if skv[0] != self.hd or sqb[0] != self.H * self.hd or self.sinks.shape != (self.H,):
             raise ColiError(f"{m.g.path.name}: tensors 'blk.{il}.attn_kv/attn_q_b/attn_sinks': shapes "
-                            f"{list(self.wkv.shape)}, {list(self.wq_b.shape)}, {list(self.sinks.shape)} do not fit "
+                            f"{list(skv)}, {list(sqb)}, {list(self.sinks.shape)} do not fit "
                             f"{self.H} heads of {self.hd} with one K=V head")
         self.comp = self.idx_comp = None
         if self.ratio:
             self.comp = Compressor(m, p + "attn_compressor", self.ratio, self.hd, self.ratio == 4)
         if self.ratio == 4:
             self.idx_comp = Compressor(m, p + "indexer_compressor", self.ratio, a.idx_dim, True)
-            self.idx_wq_b = wt.f32(p + "indexer.attn_q_b.weight")
+            self.idx_wq_b = wt.w(p + "indexer.attn_q_b.weight")
             self.idx_proj = wt.f32(p + "indexer.proj.weight")
 
     def tables(self):
@@ -271,7 +273,7 @@ class Attention:
         a = self.m.args
         st = cache.states["indexer"]
         T = x.shape[0]
-        q = (qr @ self.idx_wq_b.T).reshape(T, a.idx_heads, a.idx_dim)
+        q = self.m.mm(self.idx_wq_b, qr).reshape(T, a.idx_heads, a.idx_dim)
         rope_tail(q, cos[pos], sin[pos])
         k = st.entries[:st.n]
         s = np.maximum(np.einsum("thd,sd->ths", q, k), 0) * np.float32(a.idx_dim ** -0.5)
@@ -291,10 +293,11 @@ class Attention:
         T, H, hd, W = x.shape[0], self.H, self.hd, self.W
         pos = np.arange(pos0, pos0 + T)
         cos, sin = self.tables()
-        qr = rms_norm((x @ self.wq_a.T).astype(np.float32), self.q_norm, a.eps)
-        q = rms((qr @ self.wq_b.T).reshape(T, H, hd), a.eps)
+        mm = self.m.mm
+        qr = rms_norm(mm(self.wq_a, x), self.q_norm, a.eps)
+        q = rms(mm(self.wq_b, qr).reshape(T, H, hd), a.eps)
         rope_tail(q, cos[pos], sin[pos])
-        kv = rms_norm((x @ self.wkv.T).astype(np.float32), self.kv_norm, a.eps)
+        kv = rms_norm(mm(self.wkv, x), self.kv_norm, a.eps)
         rope_tail(kv, cos[pos], sin[pos])
         # window keys: the ring's rows before pos0 then this call's rows
         n_old = min(pos0, W - 1)
@@ -331,7 +334,7 @@ class Attention:
         og = o.reshape(T, G, -1)
         wa = self.wo_a.reshape(G, a.o_rank, -1)
         y = np.einsum("tgi,gri->tgr", og, wa).reshape(T, -1)
-        return (y @ self.wo_b.T).astype(np.float32)
+        return mm(self.wo_b, np.ascontiguousarray(y, dtype=np.float32))
 
 
 def sqrtsoftplus(logits: np.ndarray) -> np.ndarray:
@@ -365,13 +368,13 @@ class MoE(blocks.MoE):
 
     def _shared_expert(self, p):
         m, wt, lim = self.m, self.m.wt, np.float32(self.limit_sh)
-        gate, up, down = (wt.f32(p + n + ".weight") for n in ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"))
+        gate, up, down = (wt.w(p + n + ".weight") for n in ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"))
 
         def run(x):
-            g, u = x @ gate.T, x @ up.T
+            g, u = m.mm(gate, x), m.mm(up, x)
             if lim > 0:
                 g, u = np.minimum(g, lim), np.clip(u, -lim, lim)
-            return ((g * sigmoid(g)) * u @ down.T).astype(np.float32)
+            return m.mm(down, np.ascontiguousarray(g * sigmoid(g) * u, dtype=np.float32))
 
         return run
 
