@@ -22,7 +22,8 @@ A developer tool (torch, transformers 5.24; docs/oracles.md for the venv); CI ne
    values the GGUF holds (``check_mxfp4`` compares gguf.quants' dequantization of the GGUF with our f32).
 3. The prompt (96 tokens: 6 windows past the window, 24 CSA entries for 4 indexer picks, 6 HCA entries) runs
    without a cache, then 8 greedy steps with HF's cache (its compressor/indexer state is per call); the cached
-   logits must equal a no-cache run of the same sequence.
+   logits must equal a no-cache run of the same sequence. The npz also keeps HF's indexer picks and experts
+   on the prompt (``picks``).
 """
 from __future__ import annotations
 
@@ -237,6 +238,31 @@ def indexer_margin(model, seq) -> float:
     return worst
 
 
+def picks(model, ids):
+    """HF's choices on the prompt (no cache): the indexer's top-k per CSA layer (int32 [n_csa, T, ITOPK], -1 where
+    fewer entries are visible; HF ``DeepseekV4Indexer``'s return) and every layer's experts (int32 [L, T, K],
+    sorted; the routers' ``indices``)."""
+    import torch
+
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as mdl
+
+    idx, exp = [], []
+    hooks = [mod.register_forward_hook(lambda m_, i_, out: idx.append(out.detach()[0].numpy().copy()))
+             for mod in model.modules() if isinstance(mod, mdl.DeepseekV4Indexer)]
+    hooks += [r.register_forward_hook(lambda m_, i_, out: exp.append(out[2].detach().numpy().copy()))
+              for _, r in routers(model)]
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.tensor(ids[None, :], dtype=torch.long), use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    ii = np.stack(idx).astype(np.int32)
+    pad = np.full(ii.shape[:2] + (ITOPK,), -1, np.int32)   # torch.topk returns min(k, n) columns
+    pad[..., :ii.shape[2]] = ii
+    return pad, np.sort(np.stack(exp).reshape(len(RATIOS), len(ids), K), axis=-1).astype(np.int32)
+
+
 def check_mxfp4(gguf_path: Path, f: dict) -> float:
     """Max |gguf.quants dequantization of the converter's MXFP4 experts - our f32 values| (must be 0)."""
     from gguf import GGUFReader
@@ -312,8 +338,10 @@ def main(argv=None) -> int:
     gen_logits = np.stack(gen_logits)
     d_cache = float(np.abs(full[N_TOKENS - 1:] - gen_logits).max())
     assert d_cache < 1e-4 * float(np.abs(gen_logits).max()), d_cache
+    indexer_picks, expert_ids = picks(model, ids)
     np.savez(args.out / f"{NAME}.npz", ids=ids, logits=logits.astype(np.float32), gen_ids=np.array(gen, np.int32),
-             gen_logits=gen_logits.astype(np.float32), router_margin=margin, logit_gap=gap)
+             gen_logits=gen_logits.astype(np.float32), router_margin=margin, logit_gap=gap,
+             indexer_picks=indexer_picks, expert_ids=expert_ids)
 
     cfg_json0 = json.loads(cfg.to_json_string(use_diff=False))
     conv = args.work / NAME / "conv"

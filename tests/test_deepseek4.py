@@ -53,6 +53,40 @@ def test_deepseek4_oracle_prompt_and_decode(oracle, cache, tmp_path):
         assert kv.nbytes() == type(m).cache_bytes(m.args, 128)
 
 
+def test_deepseek4_indexer_picks_and_experts_equal_hf(oracle, tmp_path):
+    """On the prompt (one call): the CSA layers' indexer picks are HF's top-k set at every row (-1 = fewer entries
+    visible than top-k), and every layer's experts (hash layer: tid2eid; the others: top-k of the biased scores)
+    are HF's."""
+    from coli.models import deepseek4 as d4
+
+    got_picks, got_ids = [], []
+    picks, route = d4.Attention.indexer_picks, d4.MoE.route_tokens
+
+    def spy_picks(self, *a):
+        r = picks(self, *a)
+        got_picks.append(r.copy())
+        return r
+
+    def spy_route(self, *a):
+        r = route(self, *a)
+        got_ids.append(np.sort(r[0], axis=1))
+        return r
+
+    with _engine(tmp_path) as eng:
+        m = eng.model
+        try:
+            d4.Attention.indexer_picks, d4.MoE.route_tokens = spy_picks, spy_route
+            m.forward(oracle["ids"], m.new_cache(128), all_logits=True)
+        finally:
+            d4.Attention.indexer_picks, d4.MoE.route_tokens = picks, route
+    want = oracle["indexer_picks"]
+    assert len(got_picks) == want.shape[0] == 2
+    for mask, hf in zip(got_picks, want):
+        for t in range(hf.shape[0]):
+            assert set(np.flatnonzero(mask[t])) == {int(i) for i in hf[t] if i >= 0}, t
+    assert (np.stack(got_ids) == oracle["expert_ids"]).all()
+
+
 def test_deepseek4_prompt_in_one_call_equals_one_at_a_time(oracle, tmp_path):
     """The window ring, the compressors' open windows and the CSA overlap carried across calls: the prompt one
     token at a time, and in uneven chunks, equals it in one call."""
