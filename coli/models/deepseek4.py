@@ -276,16 +276,19 @@ class Attention:
         q = self.m.mm(self.idx_wq_b, qr).reshape(T, a.idx_heads, a.idx_dim)
         rope_tail(q, cos[pos], sin[pos])
         k = st.entries[:st.n]
-        s = np.maximum(np.einsum("thd,sd->ths", q, k), 0) * np.float32(a.idx_dim ** -0.5)
         w = (x @ self.idx_proj.T) * np.float32(a.idx_heads ** -0.5)
-        score = np.einsum("ths,th->ts", s, w)
         visible = np.arange(st.n)[None, :] < ((pos + 1) // self.ratio)[:, None]
-        score = np.where(visible, score, -np.inf)
         pick = np.zeros_like(visible)
         kk = min(a.idx_topk, st.n)
-        if kk:
-            top = np.argsort(-score, axis=1, kind="stable")[:, :kk]
-            np.put_along_axis(pick, top, True, axis=1)
+        if kk == 0:
+            return pick
+        step = max(1, (1 << 24) // max(1, a.idx_heads * st.n))     # rows per block: [rows, H, n] <= 64 MiB
+        for t0 in range(0, T, step):
+            sl = slice(t0, t0 + step)
+            s = np.maximum(np.einsum("thd,sd->ths", q[sl], k), 0) * np.float32(a.idx_dim ** -0.5)
+            score = np.where(visible[sl], np.einsum("ths,th->ts", s, w[sl]), -np.inf)
+            top = np.argpartition(-score, kk - 1, axis=1)[:, :kk] if kk < st.n else np.argsort(-score, axis=1)
+            np.put_along_axis(pick[sl], top, True, axis=1)
         return pick & visible
 
     def __call__(self, x: np.ndarray, cache: LayerCache, pos0: int) -> np.ndarray:
