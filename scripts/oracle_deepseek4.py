@@ -11,7 +11,8 @@ A developer tool (torch, transformers 5.24; docs/oracles.md for the venv); CI ne
    where the 4th and 5th visible indexer scores are within 1e-3 anywhere are skipped), 4 query heads over one
    shared K=V head of 32 dims (8 roped, interleaved, at the tail), 4 hyper-connection streams, grouped output
    projection (2 groups), 8 experts top-2 with a shared expert, layer 0 hash-routed (``tid2eid``), the others
-   ``sqrtsoftplus`` scores with a correction bias choosing; the routed experts as MXFP4 (E2M1 codes + E8M0
+   ``sqrtsoftplus`` scores with a correction bias choosing; the routers in bf16 (the issue's "bf16 router"; the
+   converter keeps a bf16 source tensor BF16); the routed experts as MXFP4 (E2M1 codes + E8M0
    scales, the hub's FP4 layout) and the clamped SwiGLU at ``swiglu_limit`` 1.0 (so the clamp bites).
 2. Two directories of that checkpoint: ``hf/`` with the experts dequantized to f32 (transformers loads the hub
    names through its own ``conversion_mapping`` for ``deepseek_v4``: so the tensor-name mapping is HF's, not
@@ -152,7 +153,7 @@ def params(seed: int):
             f[a + "indexer.compressor.wgate.weight"] = mat(2 * ID, D, 2.0)
             f[a + "indexer.compressor.norm.weight"] = vec(ID)
         g = p + "ffn."
-        f[g + "gate.weight"] = mat(E, D, ROUTER_SCALE)
+        f[g + "gate.weight"] = bf16_exact(mat(E, D, ROUTER_SCALE))
         if il < N_HASH:
             f[g + "gate.tid2eid"] = np.stack([rng.permutation(E)[:K] for _ in range(mo.VOCAB)]).astype(np.int64)
         else:
@@ -167,15 +168,34 @@ def params(seed: int):
     return f, q
 
 
+def save(tensors: dict, path: Path) -> None:
+    """safetensors via torch: the routers (``ffn.gate.weight``) as bf16 (their values are bf16-exact, see
+    ``params``; the converter keeps a bf16 source tensor BF16), the rest as given."""
+    import torch
+    from safetensors.torch import save_file
+
+    out = {}
+    for k, v in tensors.items():
+        t = torch.from_numpy(np.ascontiguousarray(v))
+        out[k] = t.to(torch.bfloat16) if k.endswith("ffn.gate.weight") else t
+    save_file(out, str(path), metadata={"format": "pt"})
+
+
+def bf16_exact(x: np.ndarray) -> np.ndarray:
+    """x rounded to the nearest bf16 value (ties to even), kept as f32."""
+    u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+    return u.astype(np.uint32).view(np.float32)
+
+
 def build(seed: int, work: Path):
     import torch
-    from safetensors.numpy import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
     f, q = params(seed)
     hf_dir = work / NAME / "hf"
     hf_dir.mkdir(parents=True, exist_ok=True)
-    save_file(f, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    save(f, hf_dir / "model.safetensors")
     cfg = AutoConfig.for_model("deepseek_v4", **hf_config_kwargs())
     cfg.save_pretrained(hf_dir)
     model, info = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager",
@@ -288,7 +308,6 @@ def check_mxfp4(gguf_path: Path, f: dict) -> float:
 
 def main(argv=None) -> int:
     import torch
-    from safetensors.numpy import save_file
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=mo.DEFAULT_OUT)
@@ -348,7 +367,7 @@ def main(argv=None) -> int:
     conv.mkdir(parents=True, exist_ok=True)
     fq = {k: v for k, v in f.items() if ".experts." not in k}
     fq.update(q)
-    save_file(fq, str(conv / "model.safetensors"), metadata={"format": "pt"})
+    save(fq, conv / "model.safetensors")
     # + the explicit layer_types / compress_rates transformers writes itself: its legacy ``compress_ratios``
     # path knows only the hub's 0/4/128, and the converter's tokenizer load goes through AutoConfig
     hub = {**HUB, **{k: cfg_json0[k] for k in ("layer_types", "compress_rates", "mlp_layer_types")}}

@@ -38,6 +38,7 @@ def test_deepseek4_oracle_prompt_and_decode(oracle, cache, tmp_path):
         a = m.args
         assert a.ratios == (0, 4, 16, 4) and a.hc == 4 and a.n_hash == 1 and a.idx_topk == 4
         assert m.t["blk.1.ffn_gate_exps.weight"].type_name == "MXFP4"
+        assert {m.t[f"blk.{il}.ffn_gate_inp.weight"].type_name for il in range(4)} == {"BF16"}
         kv = m.new_cache(128)
         assert not kv.rewindable
         got = m.forward(oracle["ids"], kv, all_logits=True)
