@@ -19,6 +19,7 @@ ARCHITECTURES = {
     "deepseek2": "deepseek2",
     "glm-dsa": "glmdsa",
     "kimi-linear": "kimi",
+    "deepseek4": "deepseek4",
 }
 
 
