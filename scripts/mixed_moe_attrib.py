@@ -63,8 +63,10 @@ def read_kld(path: Path):
     for c in range(n_chunk):
         tgt = toks[c * n_ctx + first + 1:(c + 1) * n_ctx]
         q = rec[c, np.arange(n_tok), 4 + tgt].astype(np.float64)
-        # q = 0: the logit was 16 or more below the largest, clipped there: unknown (NaN, left out of the means)
-        out[c] = np.where(q > 0, head[c, :, 1] + head[c, :, 0] * q, np.nan)
+        # q = 0 where the range was cut at 16 below the largest logit: the logit was at or below the cut, its
+        # value unknown (NaN, left out of the means); where the range is narrower, q = 0 is the smallest logit
+        cut = head[c, :, 0].astype(np.float64) * 65535 > 16 - 1e-3
+        out[c] = np.where((q > 0) | ~cut, head[c, :, 1] + head[c, :, 0] * q, np.nan)
     return int(n_ctx), int(n_vocab), int(n_chunk), toks.copy(), out
 
 
