@@ -40,7 +40,11 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from . import formats as _F
-from .vnni import HAVE_VNNI, row_pair, row_q4_k, row_q5_k, row_q6_k, row_q8
+from . import fp8 as _fp8
+from . import iquants as _iq
+from . import lowbit as _lb
+from .iquants import row_g16
+from .vnni import HAVE_VNNI, _act_sums16, row_pair, row_q2_k, row_q3_k, row_q4_k, row_q5_k, row_q6_k, row_q8
 
 _PJIT = dict(parallel=True, nogil=True, cache=True, fastmath=True)
 _JIT = dict(nogil=True, cache=True, fastmath=True)
@@ -49,12 +53,19 @@ _RB = 16
 # format codes (one per kernel family; Q5_0 and MXFP4 are packed as int8 codes + f32 scales, i.e. Q8_0's layout;
 # F16 and BF16 are widened to f32 at prepare time)
 FC_F32, FC_Q8, FC_Q4_0, FC_Q4_1, FC_Q4_K, FC_Q5_K, FC_Q6_K = range(7)
+# the low-bit rows (cpu_kernels/lowbit.py, iquants.py, fp8.py layouts): Q5_1 (int8 codes, d, m), Q2_K (TQ1_0 and
+# TQ2_0 are packed in its layout), Q3_K, the G = 16 i-quants (int8 codes, f32 scale per 16), FP8 (E4M3 codes,
+# f32 scale per 128; no integer dot: int8 mode multiplies the decoded row by the rounded activations)
+FC_Q5_1, FC_Q2_K, FC_Q3_K, FC_G16, FC_FP8 = range(7, 12)
 FORMAT_CODE = {"F32": FC_F32, "F16": FC_F32, "BF16": FC_F32, "Q8_0": FC_Q8, "Q5_0": FC_Q8, "MXFP4": FC_Q8,
                "Q4_0": FC_Q4_0, "Q4_1": FC_Q4_1, "Q4_K": FC_Q4_K, "Q5_K": FC_Q5_K, "Q6_K": FC_Q6_K,
                "IQ4_NL": FC_Q8, "IQ4_XS": FC_Q8}   # cpu_kernels.lowbit packs both in Q8_0's layout
 # cpu_kernels.iquants packs these i-quants in Q8_0's layout (int8 codes, f32 scale per 32); IQ2_XS, IQ2_S and
-# IQ1_M (a scale per 16) have no code yet: supports() is False for them
-FORMAT_CODE.update({"IQ2_XXS": FC_Q8, "IQ3_XXS": FC_Q8, "IQ3_S": FC_Q8, "IQ1_S": FC_Q8})
+# IQ1_M with a scale per 16 (FC_G16)
+FORMAT_CODE.update({"IQ2_XXS": FC_Q8, "IQ3_XXS": FC_Q8, "IQ3_S": FC_Q8, "IQ1_S": FC_Q8,
+                    "IQ2_XS": FC_G16, "IQ2_S": FC_G16, "IQ1_M": FC_G16,
+                    "Q5_1": FC_Q5_1, "Q2_K": FC_Q2_K, "TQ1_0": FC_Q2_K, "TQ2_0": FC_Q2_K, "Q3_K": FC_Q3_K,
+                    "FP8_E4M3_B128": FC_FP8})
 
 I8 = 0
 F32 = 1
@@ -125,6 +136,43 @@ def _r_f32(ds, k, o):
     return numba.carray(_pf32(ds[3 + k] + o * n * 4), (n,))
 
 
+# row o of packed array k as a [1, n] array: the lowbit/fp8 decoders index (array, row)
+@njit(inline="always", **_JIT)
+def _r2_u8(ds, k, o):
+    n = ds[8 + k]
+    return numba.carray(_pu8(ds[3 + k] + o * n), (1, n))
+
+
+@njit(inline="always", **_JIT)
+def _r2_i8(ds, k, o):
+    n = ds[8 + k]
+    return numba.carray(_pi8(ds[3 + k] + o * n), (1, n))
+
+
+@njit(inline="always", **_JIT)
+def _r2_f32(ds, k, o):
+    n = ds[8 + k]
+    return numba.carray(_pf32(ds[3 + k] + o * n * 4), (1, n))
+
+
+@njit(inline="always", **_JIT)
+def _lowbit_dec(ds, o, buf):
+    """Row o of a FC_Q5_1 / FC_Q2_K / FC_Q3_K / FC_G16 / FC_FP8 weight decoded to f32 by its own module's
+    decoder (cpu_kernels.lowbit ``_dec_*``, iquants ``_dec_g16``, fp8 ``_dec``)."""
+    fc = ds[0]
+    if fc == FC_Q5_1:
+        _lb._dec_q5_1(_r2_i8(ds, 0, o), _r2_f32(ds, 1, o), _r2_f32(ds, 2, o), 0, buf)
+    elif fc == FC_Q2_K:
+        _lb._dec_q2_k(_r2_u8(ds, 0, o), _r2_u8(ds, 1, o), _r2_u8(ds, 2, o), _r2_f32(ds, 3, o), _r2_f32(ds, 4, o),
+                      0, buf)
+    elif fc == FC_Q3_K:
+        _lb._dec_q3_k(_r2_u8(ds, 0, o), _r2_u8(ds, 1, o), _r2_i8(ds, 2, o), _r2_f32(ds, 3, o), 0, buf)
+    elif fc == FC_G16:
+        _iq._dec_g16(_r2_i8(ds, 0, o), _r2_f32(ds, 1, o), 0, buf)
+    else:
+        _fp8._dec(_r2_u8(ds, 0, o), _r2_f32(ds, 1, o), 0, buf)
+
+
 # ----------------------------------------------------------------------------------------------- row dots
 @njit(**_JIT)
 def _block_i8(ds, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out):
@@ -183,6 +231,75 @@ def _block_i8(ds, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out):
             for p in range(p0, p1):
                 r = src[p]
                 out[dst[p], oe + o] = row_q6_k(q, sc, d, xq[r], xd[r])
+    elif fc == FC_Q5_1:   # vnni.gemv_i8_q5_1's arithmetic: the Q8 dot plus the minimum through block sums
+        for o in range(c0, c1):
+            q = _r_i8(ds, 0, o)
+            d = _r_f32(ds, 1, o)
+            m = _r_f32(ds, 2, o)
+            for p in range(p0, p1):
+                r = src[p]
+                s = row_q8(q, d, xq[r], xd[r])
+                corr = _F0
+                for b in range(d.shape[0]):
+                    corr += m[b] * xm[r, b]
+                out[dst[p], oe + o] = s + corr
+    elif fc == FC_Q2_K or fc == FC_Q3_K:   # vnni.gemv_i8_q2_k / _q3_k: mins (Q3_K: the -4) via 16-sums
+        I = ds[2]
+        xs = np.empty((p1 - p0, I // 16), np.float32)
+        for p in range(p0, p1):
+            xs[p - p0] = _act_sums16(xq[src[p]], xd[src[p]])
+        for o in range(c0, c1):
+            if fc == FC_Q2_K:
+                qs = _r_u8(ds, 0, o)
+                sc = _r_u8(ds, 1, o)
+                mn = _r_u8(ds, 2, o)
+                d = _r_f32(ds, 3, o)
+                dm = _r_f32(ds, 4, o)
+                for p in range(p0, p1):
+                    r = src[p]
+                    s = row_q2_k(qs, sc, d, xq[r], xd[r])
+                    mins = _F0
+                    for b in range(d.shape[0]):
+                        mb = _F0
+                        for k in range(16):
+                            mb += np.float32(mn[b * 16 + k]) * xs[p - p0, b * 16 + k]
+                        mins += dm[b] * mb
+                    out[dst[p], oe + o] = s - mins
+            else:
+                qs = _r_u8(ds, 0, o)
+                hm = _r_u8(ds, 1, o)
+                sc3 = _r_i8(ds, 2, o)
+                d = _r_f32(ds, 3, o)
+                for p in range(p0, p1):
+                    r = src[p]
+                    s = row_q3_k(qs, hm, sc3, d, xq[r], xd[r])
+                    corr = _F0
+                    for b in range(d.shape[0]):
+                        cb = _F0
+                        for k in range(16):
+                            cb += np.float32(sc3[b * 16 + k]) * xs[p - p0, b * 16 + k]
+                        corr += d[b] * cb
+                    out[dst[p], oe + o] = s - np.float32(4.0) * corr
+    elif fc == FC_G16:
+        for o in range(c0, c1):
+            q = _r_i8(ds, 0, o)
+            s = _r_f32(ds, 1, o)
+            for p in range(p0, p1):
+                r = src[p]
+                out[dst[p], oe + o] = row_g16(q, s, xq[r], xd[r])
+    else:   # FC_FP8: E4M3 codes are not integers: the decoded row times the rounded activations (q * d in f32)
+        I = ds[2]
+        buf = np.empty(I, np.float32)
+        for o in range(c0, c1):
+            _lowbit_dec(ds, o, buf)
+            for p in range(p0, p1):
+                r = src[p]
+                acc = _F0
+                for b in range(I // 32):
+                    db = xd[r, b]
+                    for j in range(32):
+                        acc += buf[b * 32 + j] * (np.float32(xq[r, b * 32 + j]) * db)
+                out[dst[p], oe + o] = acc
 
 
 @njit(**_JIT)
@@ -254,6 +371,8 @@ def _decode_row(ds, o, buf):
             s = d[u >> 4] * np.float32(sc[u])
             for j in range(16):
                 buf[u * 16 + j] = s * np.float32(q[u * 16 + j])
+    else:
+        _lowbit_dec(ds, o, buf)
 
 
 @njit(inline="always", **_JIT)
