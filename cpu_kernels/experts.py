@@ -40,6 +40,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from . import formats as _F
+from . import gemm_i8 as _G
 from .vnni import HAVE_VNNI, row_pair, row_q4_k, row_q5_k, row_q6_k, row_q8
 
 _PJIT = dict(parallel=True, nogil=True, cache=True, fastmath=True)
@@ -341,6 +342,81 @@ def ffn_gate_up(gdesc, udesc, pstart, src, mode, xq, xd, xm, x, kind, limit, a):
                     a[p, o] = _act(_dot_f32(gb, xr), _dot_f32(ub, xr), kind, limit)
 
 
+@njit(inline="always", **_JIT)
+def _tiled_ok(ds, n):
+    """True when weight ``ds`` times ``n`` slot rows runs the 4 x 4 int8 tiles (``gemm_i8``): the Q8_0 kernel
+    layout, at least 4 rows each side, an even number of 32-blocks per row."""
+    return ds[0] == FC_Q8 and n >= _G.NR and ds[1] >= _G.MR and (ds[2] // 32) % 2 == 0
+
+
+@njit(inline="always", **_JIT)
+def _w_q8(ds):
+    """The Q8_0-layout weight of descriptor ``ds`` as 2-D arrays (codes int8 [O, I], scales f32 [O, I/32])."""
+    O = ds[1]
+    return (numba.carray(_pi8(ds[3]), (O, ds[8])), numba.carray(_pf32(ds[4]), (O, ds[9])))
+
+
+@njit(**_PJIT)
+def mm_grouped_gemm(desc, pstart, dst, off, xq, xd, xm, xu, out):
+    """``mm_grouped`` in I8 mode for prompt chunks whose slots are the activation rows themselves (slot p reads
+    row p of xq/xd/xm and of xu = xq + 128 as uint8): weights of the Q8_0 layout with at least 4 slots run the
+    4 x 4 int8 tiles of ``gemm_i8`` (the 16-row weight block stays in L1 across the slot tiles), the others the
+    row kernels. out[dst[p], off[e] + o]; one parallel launch over (weight, 16-row block)."""
+    n = desc.shape[0]
+    nch = np.empty(n + 1, np.int64)
+    nch[0] = 0
+    for e in range(n):
+        nch[e + 1] = nch[e] + (desc[e, 1] + _RB - 1) // _RB
+    ident = np.arange(xq.shape[0])
+    for it in prange(nch[n]):
+        e = 0
+        while nch[e + 1] <= it:
+            e += 1
+        ds = desc[e]
+        O = ds[1]
+        c0 = (it - nch[e]) * _RB
+        c1 = min(O, c0 + _RB)
+        p0 = pstart[e]
+        p1 = pstart[e + 1]
+        if _tiled_ok(ds, p1 - p0) and c1 - c0 >= _G.MR:
+            wq, wd = _w_q8(ds)
+            _G.tiles_q8(wq, wd, c0, c1, xu, xd, p0, p1, out, dst, off[e])
+        else:
+            _block_i8(ds, c0, c1, p0, p1, ident, dst, off[e], xq, xd, xm, out)
+
+
+@njit(**_PJIT)
+def ffn_gate_up_gemm(gdesc, udesc, pstart, xq, xd, xm, xu, kind, limit, gb, ub, a):
+    """``ffn_gate_up`` in I8 mode for prompt chunks whose slots are gathered activation rows (slot p reads row
+    p of xq/xd/xm and xu, as ``mm_grouped_gemm``): Q8_0-layout experts with at least 4 slots run the int8
+    tiles into gb/ub f32 [P, F] (each work item then applies the activation to its own block), the others the
+    row kernels. a f32 [P, F]."""
+    n = gdesc.shape[0]
+    F = gdesc[0, 1]
+    nc = (F + _RB - 1) // _RB
+    P = a.shape[0]
+    ident = np.arange(P)
+    for it in prange(n * nc):
+        e = it // nc
+        c0 = (it % nc) * _RB
+        c1 = min(F, c0 + _RB)
+        gd = gdesc[e]
+        ud = udesc[e]
+        p0 = pstart[e]
+        p1 = pstart[e + 1]
+        if _tiled_ok(gd, p1 - p0) and _tiled_ok(ud, p1 - p0) and c1 - c0 >= _G.MR:
+            gq, gw = _w_q8(gd)
+            _G.tiles_q8(gq, gw, c0, c1, xu, xd, p0, p1, gb, ident, 0)
+            uq, uw = _w_q8(ud)
+            _G.tiles_q8(uq, uw, c0, c1, xu, xd, p0, p1, ub, ident, 0)
+        else:
+            _block_i8(gd, c0, c1, p0, p1, ident, ident, 0, xq, xd, xm, gb)
+            _block_i8(ud, c0, c1, p0, p1, ident, ident, 0, xq, xd, xm, ub)
+        for p in range(p0, p1):
+            for o in range(c0, c1):
+                a[p, o] = _act(gb[p, o], ub[p, o], kind, limit)
+
+
 @njit(nogil=True, cache=True)
 def _rms_norm_q8(h, w, eps, out, xq, xd, xm):
     """RMSNorm (norms._rms_norm's arithmetic: the sum in float64) and the int8 quantization of its output
@@ -508,7 +584,31 @@ def experts(ws, groups, act: Act, pair_out: np.ndarray, kind: int, limit: float,
     dd = np.stack([w.down.desc for w in ws])
     P = int(pstart[-1])
     a = np.empty((P, int(gd[0, 1])), np.float32)
+    if act.mode == I8 and int(sizes.max()) >= GEMM_MIN_ROWS:
+        _experts_gemm(gd, ud, dd, pstart, src, dst, act, a, pair_out, kind, limit, act_mode)
+        return
     ffn_gate_up(gd, ud, pstart, src, act.mode, act.xq, act.xd, act.xm, act.x, kind, np.float32(limit), a)
     aa = Act(a, act_mode)
     slots = np.arange(P, dtype=np.int64)
     mm_grouped(dd, pstart, slots, dst, np.zeros(n, np.int64), aa.mode, aa.xq, aa.xd, aa.xm, aa.x, pair_out)
+
+
+#: An expert with at least this many rows in a step runs the blocked int8 GEMM tiles (``gemm_i8``) when the step
+#: is in I8 mode (prompt chunks; a decode step's experts have one row each and keep the row kernels).
+GEMM_MIN_ROWS = _G.NR
+
+
+def _experts_gemm(gd, ud, dd, pstart, src, dst, act, a, pair_out, kind, limit, act_mode):
+    """``experts`` for prompt chunks in I8 mode: the step's rows gathered into slot order once (codes, scales,
+    block sums, the +128 codes of the tiles), then ``ffn_gate_up_gemm`` and ``mm_grouped_gemm``."""
+    xq, xd, xm = act.xq[src], act.xd[src], act.xm[src]
+    gb = np.empty_like(a)
+    ub = np.empty_like(a)
+    ffn_gate_up_gemm(gd, ud, pstart, xq, xd, xm, _G.act_u8(xq), kind, np.float32(limit), gb, ub, a)
+    aa = Act(a, act_mode)
+    off = np.zeros(len(dd), np.int64)
+    if aa.mode == I8:
+        mm_grouped_gemm(dd, pstart, dst, off, aa.xq, aa.xd, aa.xm, _G.act_u8(aa.xq), pair_out)
+    else:
+        slots = np.arange(a.shape[0], dtype=np.int64)
+        mm_grouped(dd, pstart, slots, dst, off, aa.mode, aa.xq, aa.xd, aa.xm, aa.x, pair_out)
