@@ -32,6 +32,7 @@ f32 rounding, as ``formats.matmul``).
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import numba
@@ -82,6 +83,17 @@ def weight_desc(w) -> np.ndarray:
 def supports(w) -> bool:
     """True when the grouped kernels can run weight ``w`` (its format has a code)."""
     return w.name in FORMAT_CODE
+
+
+def expert_desc(w):
+    """int64 [3, 13]: the descriptors of an expert's gate, up and down (``w.gate``/``w.up``/``w.down``
+    Weights), stacked once and kept on ``w`` (``_desc3``); None when a format has no code."""
+    d = getattr(w, "_desc3", False)
+    if d is False:
+        ok = supports(w.gate) and supports(w.up) and supports(w.down)
+        d = np.stack([w.gate.desc, w.up.desc, w.down.desc]) if ok else None
+        w._desc3 = d
+    return d
 
 
 # ----------------------------------------------------------------------------------------------- pointers
@@ -574,17 +586,20 @@ def experts(ws, groups, act: Act, pair_out: np.ndarray, kind: int, limit: float,
     row ``pairs[i]`` receives the expert's output for ``rows[i]``. ``kind``/``limit``: the activation (ACT_SWIGLU
     with its clamp, 0 = none); ``act_mode``: "int8" | "f32" for the hidden activation."""
     n = len(ws)
-    sizes = np.array([len(g[0]) for g in groups], np.int64)
-    pstart = np.zeros(n + 1, np.int64)
-    np.cumsum(sizes, out=pstart[1:])
-    src = np.concatenate([g[0] for g in groups]).astype(np.int64, copy=False)
-    dst = np.concatenate([g[1] for g in groups]).astype(np.int64, copy=False)
-    gd = np.stack([w.gate.desc for w in ws])
-    ud = np.stack([w.up.desc for w in ws])
-    dd = np.stack([w.down.desc for w in ws])
+    sizes = [len(g[0]) for g in groups]
+    pstart = np.array([0, *itertools.accumulate(sizes)], np.int64)
+    if n == 1:
+        src = np.asarray(groups[0][0], np.int64)
+        dst = np.asarray(groups[0][1], np.int64)
+        d3 = expert_desc(ws[0])[:, None]
+    else:
+        src = np.concatenate([g[0] for g in groups]).astype(np.int64, copy=False)
+        dst = np.concatenate([g[1] for g in groups]).astype(np.int64, copy=False)
+        d3 = np.stack([expert_desc(w) for w in ws], axis=1)  # [3, n, 13]: gate, up, down tables
+    gd, ud, dd = d3[0], d3[1], d3[2]
     P = int(pstart[-1])
     a = np.empty((P, int(gd[0, 1])), np.float32)
-    if act.mode == I8 and int(sizes.max()) >= GEMM_MIN_ROWS:
+    if act.mode == I8 and max(sizes) >= GEMM_MIN_ROWS:
         _experts_gemm(gd, ud, dd, pstart, src, dst, act, a, pair_out, kind, limit, act_mode)
         return
     ffn_gate_up(gd, ud, pstart, src, act.mode, act.xq, act.xd, act.xm, act.x, kind, np.float32(limit), a)
