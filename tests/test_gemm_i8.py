@@ -93,3 +93,60 @@ def test_prompt_chunk_experts_run_the_tiles_and_match_reference(name, Fd, monkey
     X.experts([e[0] for e in ex], groups, X.Act(x, "int8"), po_rows, X.ACT_SWIGLU, 0.0, "int8")
     assert calls == [1]
     assert np.abs(po - po_rows).max() <= 1e-5 * np.abs(po_rows).max()
+
+
+DENSE = [("Q8_0", 40, 128), ("Q5_0", 16, 64), ("MXFP4", 16, 64), ("IQ4_NL", 20, 64), ("IQ4_XS", 20, 256),
+         ("Q6_K", 37, 512), ("Q4_0", 40, 256), ("Q4_1", 21, 128), ("Q4_K", 33, 512)]
+
+
+@pytest.mark.parametrize("name,O,I", DENSE)
+def test_dense_prompt_gemm_matches_reference(name, O, I, monkeypatch):
+    """formats.matmul(act="int8") of a prompt chunk (T above the GEMV crossover; 13 and 33 rows: shifted last
+    tiles) runs the int8 GEMM (counted) and equals x_int8 @ W.T in float64 (gguf.quants' dequantizer, the exact
+    NumPy model of the activation rounding) to f32 rounding."""
+    from test_formats import _q8_act_model, _random_raw, _ref
+
+    rng = np.random.default_rng(len(name) * 100 + O)
+    raw = _random_raw(name, O, I, rng)
+    w = F.prepare(name, raw, (O, I))
+    W = _ref(name, raw, O, I)
+    calls = []
+    orig = G.gemm
+    monkeypatch.setattr(G, "gemm", lambda *a: (calls.append(1), orig(*a))[1])
+    for T in (F.GEMV_I8_MAX_T + 1, 33):
+        x = rng.standard_normal((T, I)).astype(np.float32)
+        x[1, :32] = 0.0  # an all-zero activation block
+        got = F.matmul(w, x, act="int8")
+        q, d = _q8_act_model(x)
+        want = (q.reshape(T, -1, 32) * d[:, :, None].astype(np.float64)).reshape(T, I) @ W.T
+        assert np.abs(got - want).max() / np.abs(want).max() < 2e-6, (name, T)
+    assert len(calls) == 2
+
+
+def test_prep_act_is_the_row_quantizer_and_its_permutation():
+    rng = np.random.default_rng(9)
+    T, I = 6, 256
+    x = rng.standard_normal((T, I)).astype(np.float32)
+    nb = I // 32
+    xq, xd, xm = (np.empty((T, I), np.int8), np.empty((T, nb), np.float32), np.empty((T, nb), np.float32))
+    xu, xp, xsp = np.empty((T, I), np.uint8), np.empty((T, I), np.int8), np.empty((T, nb), np.float32)
+    G.prep_act(x, xq, xd, xm, xu, xp, xsp, True, True)
+    rq, rd, rm = X.quantize_rows(x)
+    assert np.array_equal(xq, rq) and np.array_equal(xd, rd) and np.array_equal(xm, rm)
+    assert np.array_equal(xu, G.act_u8(rq))
+    perm = (np.arange(nb).reshape(-1, 4)[:, [0, 2, 1, 3]]).reshape(-1)
+    assert np.array_equal(xp, rq.reshape(T, nb, 32)[:, perm].reshape(T, I))
+    assert np.array_equal(xsp, rd[:, perm])
+
+
+def test_shapes_without_whole_steps_keep_the_f32_gemm():
+    """I/32 odd (int8 codes) or not a multiple of 4 (nibbles), fewer than 4 rows: ``supports`` is False and
+    matmul keeps the earlier path."""
+    from test_formats import _random_raw
+
+    rng = np.random.default_rng(2)
+    w8 = F.prepare("Q8_0", _random_raw("Q8_0", 16, 96, rng), (16, 96))
+    w4 = F.prepare("Q4_1", _random_raw("Q4_1", 16, 64, rng), (16, 64))
+    w3 = F.prepare("Q8_0", _random_raw("Q8_0", 3, 64, rng), (3, 64))
+    assert not G.supports(w8, 32) and not G.supports(w4, 32) and not G.supports(w3, 32)
+    assert G.supports(F.prepare("Q8_0", _random_raw("Q8_0", 16, 64, rng), (16, 64)), 32)
