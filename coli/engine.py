@@ -210,15 +210,19 @@ def check_vocab_tables(g, n_tokens: int) -> None:
 
 
 def kv_cache_bytes(args, ctx: int) -> int:
-    """Bytes of the f32 KV cache (``coli.models.base.KVCache``): K and V, ``[n_kv_heads, ctx, head_dim]``
-    per layer."""
-    return 2 * args.n_layers * args.n_kv_heads * int(ctx) * args.head_dim * 4
+    """Bytes of the model's caches at ``ctx`` positions (the family's ``Model.cache_bytes``: f32 K and V
+    ``[n_kv_heads, ctx, head_dim]`` per attention layer, plus any recurrent state or latent cache)."""
+    from coli.models import model_class_of
+
+    return model_class_of(args.arch).cache_bytes(args, ctx)
 
 
 def default_ctx(args, available: int) -> int:
     """The default context (``--ctx``): the model's trained context, capped so that the f32 KV cache takes at
     most ``CTX_RAM_SHARE`` of ``available`` RAM bytes; at least 1."""
-    return max(1, min(int(args.ctx_train), int(available * CTX_RAM_SHARE // kv_cache_bytes(args, 1))))
+    fixed = kv_cache_bytes(args, 0)  # a recurrent state does not grow with the context
+    per = max(1, kv_cache_bytes(args, 1) - fixed)
+    return max(1, min(int(args.ctx_train), int(max(0, available * CTX_RAM_SHARE - fixed) // per)))
 
 
 def expert_cache_slots(n_experts: int, top_k: int, expert_bytes: int, n_moe_layers: int, expert_cache=None,
@@ -583,14 +587,6 @@ class Engine:
         r = self.perplexity(ids, all_tokens=True)
         return r.nll, r.n
 
-    @staticmethod
-    def sample(logits: np.ndarray, temp: float, top_k: int, top_p: float, rng) -> int:
-        """One token from ``logits`` with ``rng`` (a ``numpy.random.Generator``): ``coli.sampling.Sampler``'s
-        chain with these settings and no penalties (kept for callers of the earlier API)."""
-        from coli.sampling import Sampler
-
-        return Sampler(temp=temp, top_k=top_k, top_p=top_p, rng=rng).sample(logits)
-
     def prompt_ids(self, prompt, chat: bool = False) -> list:
         """Token ids of a prompt (through the chat template as one user message when ``chat``:
         ``Tokenizer.encode_chat``, one BOS where the file asks for one; a model without a template gets
@@ -725,6 +721,9 @@ class Engine:
             while n_same < min(len(known), len(ids) - 1) and known[n_same] == ids[n_same]:
                 n_same += 1
             kv = self._kv
+            if n_same < kv.pos and not kv.rewindable:  # a recurrent state holds every token it has seen
+                n_same = 0
+                kv = self._new_cache(len(ids))
             kv.pos = n_same  # positions past it are overwritten
         else:
             kv = self._new_cache(len(ids))

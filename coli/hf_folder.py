@@ -47,6 +47,7 @@ import numpy as np
 
 from coli.errors import ColiError
 from coli.gguf_file import TensorInfo
+from scheduler.ram_cache import ExpertSource
 
 #: HF ``model_type`` -> GGUF architecture (coli's model files)
 ARCHS = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "llama", "llama": "llama",
@@ -446,52 +447,18 @@ def _llama3_freqs(rp: dict, dim: int) -> TensorInfo:
 
 
 # ----------------------------------------------------------------------------------------------- experts
-def _expert_source_base():
-    from scheduler.ram_cache import ExpertSource
-
-    return ExpertSource
-
-
-class HFExpertSource:
-    """``scheduler.ram_cache.ExpertSource``'s interface over per-expert checkpoint tensors: ``read_raw(layer, e)``
-    copies expert e's three weights out of the mapping (FP8 ones into coli's row layout)."""
+class HFExpertSource(ExpertSource):
+    """``scheduler.ram_cache.ExpertSource`` over per-expert checkpoint tensors: expert e's three weights are
+    copied out of the mapping (FP8 ones into coli's row layout) instead of read from one GGUF tensor."""
 
     def __init__(self, model: HFModel, layers: dict):
-        import threading
-
+        super().__init__(model.path, layers, open_file=False)
         self.model = model
-        self.path = str(model.path)
-        self.layers = layers
-        self.bytes_read = 0
-        self.reads = 0
-        self._lock = threading.Lock()
 
-    def expert_nbytes(self, layer: int) -> int:
-        return sum(t.raw[0].nbytes for t in self.layers[layer])
-
-    def n_experts(self, layer: int) -> int:
-        return self.layers[layer][0].shape[0]
-
-    def read_raw(self, layer: int, e: int):
-        """``((type_name, uint8 [O, row_bytes], (O, I)) x 3)`` for expert ``e`` of ``layer``. Thread-safe."""
-        out = []
-        n = 0
-        for t in self.layers[layer]:
-            k, w, s = self.model.experts[(layer, t.name)][e]
-            tn, raw = _raw(self.model.path, k, w, s)
-            raw = np.array(raw, copy=True)
-            out.append((tn, raw, tuple(t.shape[1:])))
-            n += w.end - w.start + (s.end - s.start if s is not None else 0)
-        with self._lock:
-            self.bytes_read += n
-            self.reads += 1
-        return tuple(out)
-
-    def load(self, layer: int, e: int):
-        return _expert_source_base().load(self, layer, e)
-
-    def close(self):
-        pass
+    def read_one(self, layer: int, t, e: int):
+        k, w, s = self.model.experts[(layer, t.name)][e]
+        tn, raw = _raw(self.model.path, k, w, s)
+        return tn, np.array(raw, copy=True), w.end - w.start + (s.end - s.start if s is not None else 0)
 
 
 # ----------------------------------------------------------------------------------------------- tokenizer

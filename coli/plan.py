@@ -3,7 +3,7 @@
 From the GGUF header (tensor sizes; nothing is dequantized or read beyond the header), psutil (RAM) and, with
 ``device="vulkan"``, the Vulkan device's heaps (the device is opened and closed; no weight is placed):
 
-* ``dense_bytes``: every tensor that is not a routed expert (``*_exps``), as ``Transformer.dense_bytes``;
+* ``dense_bytes``: every tensor that is not a routed expert (``*_exps``), as ``Model.dense_bytes``;
 * ``expert_bytes``: one expert's gate+up+down bytes (the biggest layer's), ``expert_bytes_per_layer``
   (all experts of each MoE layer) and ``expert_bytes_total``;
 * ``kv_cache_bytes``: the f32 KV cache at ``ctx`` positions (:func:`coli.engine.kv_cache_bytes`);

@@ -40,10 +40,10 @@ class ExpertSource:
     (NumPy shapes ``[E, F, D]``, ``[E, F, D]``, ``[E, D, F]``).
     """
 
-    def __init__(self, path, layers: dict):
+    def __init__(self, path, layers: dict, open_file: bool = True):
         self.path = str(path)
         self.layers = layers
-        self.fd = os.open(self.path, os.O_RDONLY)
+        self.fd = os.open(self.path, os.O_RDONLY) if open_file else -1
         self.bytes_read = 0
         self.reads = 0
         self._lock = threading.Lock()
@@ -59,17 +59,21 @@ class ExpertSource:
         out = []
         n = 0
         for t in self.layers[layer]:
-            per = t.raw[0].nbytes
-            buf = os.pread(self.fd, per, t.offset + e * per)
-            if len(buf) != per:
-                raise OSError(f"{self.path}: short read of {t.name} expert {e} ({len(buf)} of {per} bytes)")
-            arr = np.frombuffer(buf, dtype=np.uint8).reshape(t.raw.shape[1:])
-            out.append((t.type_name, arr, tuple(t.shape[1:])))
-            n += per
+            type_name, arr, nbytes = self.read_one(layer, t, e)
+            out.append((type_name, arr, tuple(t.shape[1:])))
+            n += nbytes
         with self._lock:
             self.bytes_read += n
             self.reads += 1
         return tuple(out)
+
+    def read_one(self, layer: int, t, e: int):
+        """Expert ``e``'s slice of the 3-D tensor ``t``: ``(type_name, uint8 [O, row_bytes], bytes read)``."""
+        per = t.raw[0].nbytes
+        buf = os.pread(self.fd, per, t.offset + e * per)
+        if len(buf) != per:
+            raise OSError(f"{self.path}: short read of {t.name} expert {e} ({len(buf)} of {per} bytes)")
+        return t.type_name, np.frombuffer(buf, dtype=np.uint8).reshape(t.raw.shape[1:]), per
 
     def load(self, layer: int, e: int) -> ExpertWeights:
         raw = self.read_raw(layer, e)
@@ -77,10 +81,11 @@ class ExpertSource:
         return ExpertWeights(ws[0], ws[1], ws[2], raw, sum(r.nbytes for _, r, _ in raw))
 
     def close(self):
-        try:
-            os.close(self.fd)
-        except OSError:
-            pass
+        if self.fd >= 0:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
 
 
 class RAMCache:

@@ -5,8 +5,8 @@
                                           [--py-spy out.svg]
 
 MODEL: a GGUF path, a name ``coli.fetch`` knows (smollm2, qwen25, gemma3), ``demo`` (the demo MoE) or the file
-of ``scripts/make_synthetic_moe.py``. The script wraps the forward path's parts (the ``Transformer`` methods
-and the kernels ``coli.models.base`` calls) with timers and charges each wrapped call's *exclusive* time to a
+of ``scripts/make_synthetic_moe.py``. The script wraps the forward path's parts (the methods of the blocks in
+``coli.models.blocks`` and of ``coli.models.base.Model``, and the kernels they call) with timers and charges each wrapped call's *exclusive* time to a
 part named by where it was called from:
 
 =====================  ==================================================================================
@@ -45,23 +45,27 @@ PARTS = ["attention matmuls", "attention core", "norms", "dense FFN", "router", 
          "python / other"]
 
 # (wrapped name, the part it is charged to given the innermost wrapped caller)
-_KERNELS = {  # module-level names in coli.models.base; their part depends on the caller
-    "rms_norm": {"attention": "attention core", "forward": "norms", None: "norms"},
+_KERNELS = {  # module-level kernel names in coli.models.blocks / base / the family file; part by caller
+    "rms_norm": {"heads": "attention core", None: "norms"},
     "rms_norm_heads": {None: "attention core"},
     "apply_rope": {None: "attention core"},
     "attend": {None: "attention core"},
-    "swiglu": {None: "dense FFN", "moe": "MoE experts"},
+    "swiglu": {None: "dense FFN", "moe": "MoE experts", "step": "MoE experts"},
     "geglu_tanh": {None: "dense FFN"},
 }
-_METHODS = {  # Transformer methods: the part of their own (exclusive) time
-    "attention": "attention core",
-    "dense_ffn": "dense FFN",
-    "moe": "router",
-    "embed": "embed",
-    "forward": "python / other",
-    "norm_in": "norms",  # RMSNorm and the int8 quantization of the layer input (one kernel)
+_METHODS = {  # (class, method) of the blocks and the model: the part of their own (exclusive) time
+    ("Attention", "__call__"): ("attention", "attention core"),
+    ("Attention", "heads"): ("heads", "attention core"),
+    ("Attention", "qkv"): ("qkv", "attention matmuls"),
+    ("Attention", "out"): ("out", "attention matmuls"),
+    ("MLP", "__call__"): ("dense_ffn", "dense FFN"),
+    ("MoE", "__call__"): ("moe", "router"),
+    ("Model", "embed"): ("embed", "embed"),
+    ("Model", "forward"): ("forward", "python / other"),
+    ("Model", "norm_in"): ("norm_in", "norms"),  # RMSNorm and the int8 quantization of the layer input
 }
-_MM = {"mm": "attention matmuls", "attention": "attention matmuls", "dense_ffn": "dense FFN", "forward": "lm_head", "moe": "router"}
+_MM = {"qkv": "attention matmuls", "out": "attention matmuls", "dense_ffn": "dense FFN", "forward": "lm_head",
+       "moe": "router"}
 
 
 class Profiler:
@@ -96,23 +100,30 @@ class Profiler:
 
 
 def instrument(model, prof: Profiler):
-    """Wrap the model's parts (instance attributes, and coli.models.base's kernel names); returns an undo."""
+    """Wrap the model's parts (the block classes' methods, the kernel names the blocks, coli.models.base and the
+    model's family module call); returns an undo."""
+    import importlib
+
     import coli.models.base as base
+    import coli.models.blocks as blocks
 
     undo = []
-    for name, table in _KERNELS.items():
-        if hasattr(base, name):
-            orig = getattr(base, name)
-            setattr(base, name, prof.wrap(name, orig, lambda c, t=table: t.get(c, t.get(None))))
-            undo.append(lambda n=name, o=orig: setattr(base, n, o))
-    for name, part in _METHODS.items():
-        if hasattr(model, name):
-            setattr(model, name, prof.wrap(name, getattr(model, name), lambda c, p=part: p))
-            undo.append(lambda n=name: delattr(model, n))
-    for name in ("mm", "qkv", "mm_q"):  # the matmul entry points (whichever this tree has)
-        if hasattr(model, name):
-            setattr(model, name, prof.wrap("mm", getattr(model, name), lambda c: _MM.get(c, "python / other")))
-            undo.append(lambda n=name: delattr(model, n))
+
+    def patch(obj, name, wrapped):
+        orig = obj.__dict__[name] if isinstance(obj, type) else getattr(obj, name)
+        setattr(obj, name, wrapped)
+        undo.append(lambda: setattr(obj, name, orig))
+
+    family = importlib.import_module(type(model).__module__)
+    for mod in {blocks, base, family}:
+        for name, table in _KERNELS.items():
+            if name in vars(mod):
+                patch(mod, name, prof.wrap(name, vars(mod)[name], lambda c, t=table: t.get(c, t.get(None))))
+    classes = {"Attention": blocks.Attention, "MLP": blocks.MLP, "MoE": blocks.MoE, "Model": base.Model}
+    for (cls_name, meth), (label, part) in _METHODS.items():
+        cls = classes[cls_name]
+        patch(cls, meth, prof.wrap(label, getattr(cls, meth), lambda c, p=part: p))
+    patch(base.Model, "mm", prof.wrap("mm", base.Model.mm, lambda c: _MM.get(c, "python / other")))
     step = getattr(model, "step", None)
     if step is not None:
         step.run = prof.wrap("step", step.run, lambda c: "MoE experts")

@@ -15,11 +15,18 @@ ARCHITECTURES = {
 }
 
 
+def model_class_of(arch: str):
+    """The ``Model`` class of GGUF architecture ``arch``; ColiError naming it when unsupported."""
+    mod = ARCHITECTURES.get(arch)
+    if mod is None:
+        raise ColiError(f"general.architecture '{arch}' is not supported (supported: {', '.join(sorted(ARCHITECTURES))})")
+    return importlib.import_module(f"coli.models.{mod}").Model
+
+
 def model_class(g):
     """The ``Model`` class for a ``GGUFModel`` (or a ``coli.hf_folder.HFModel``, which names its GGUF
     architecture the same way); ColiError naming the file and architecture if unsupported."""
-    mod = ARCHITECTURES.get(g.arch)
-    if mod is None:
-        raise ColiError(f"{g.path.name}: general.architecture '{g.arch}' is not supported "
-                        f"(supported: {', '.join(sorted(ARCHITECTURES))})")
-    return importlib.import_module(f"coli.models.{mod}").Model
+    try:
+        return model_class_of(g.arch)
+    except ColiError as e:
+        raise ColiError(f"{g.path.name}: {e}") from None

@@ -1,53 +1,65 @@
-"""Gemma 3 (HF ``modeling_gemma3.py``; llama.cpp ``LLM_ARCH_GEMMA3``).
+"""Gemma 3 (HF ``modeling_gemma3.py``; llama.cpp ``LLM_ARCH_GEMMA3``, ``src/models/gemma3.cpp``).
 
 * embeddings scaled by sqrt(d_model); RMSNorm weights carry the +1 already (llama.cpp's converter adds it);
 * per-head q/k RMSNorm; attention scale 1/sqrt(key_length) (``query_pre_attn_scalar`` = head_dim here);
 * post-attention and post-FFN norms; GeGLU FFN with the tanh GELU;
 * sliding-window attention on 5 of every 6 layers (llama.cpp's swa pattern 6: layer ``il`` is local unless
-  ``(il + 1) % 6 == 0``), local layers rope base 10000, global layers ``gemma3.rope.freq_base``; rope NEOX.
+  ``(il + 1) % 6 == 0``), local layers rope base 10000 and no rope scaling (llama.cpp's
+  ``rope_freq_scale_train_swa`` = 1), global layers ``gemma3.rope.freq_base`` and the file's scaling; rope NEOX.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
+from cpu_kernels.norms import rms_norm
 from cpu_kernels.rope import NEOX
 
-from .base import BaseArgs, Transformer
+from . import base
+from .blocks import MLP, Attention
 
 SWA_PATTERN = 6
 LOCAL_ROPE_BASE = 10000.0
 
 
-@dataclass
-class ModelArgs(BaseArgs):
-    pass
+def is_local(il: int) -> bool:
+    return (il + 1) % SWA_PATTERN != 0
 
 
-class Model(Transformer):
-    rope_kind = NEOX
-    qk_norm = "heads"
-    post_norms = True
-    ffn_act = "geglu"
+class DecoderLayer:
+    """``h += post_attention_norm(attn(attn_norm(h))); h += post_ffw_norm(geglu_ffn(ffn_norm(h)))``."""
 
+    moe = None
+
+    def __init__(self, m, il: int):
+        p = f"blk.{il}."
+        a = m.args
+        self.m = m
+        self.eps = a.eps
+        local = is_local(il)
+        self.attn_norm = m.wt.f32(p + "attn_norm.weight")
+        self.attn = Attention(m, p, rope_kind=NEOX, qk_norm="heads",
+                              window=a.sliding_window if local else 0,
+                              rope_base=LOCAL_ROPE_BASE if local else a.rope_base,
+                              rope_scaling=a.rope_scaling.unscaled() if local else a.rope_scaling)
+        self.post_attention_norm = m.wt.f32(p + "post_attention_norm.weight")
+        self.ffn_norm = m.wt.f32(p + "ffn_norm.weight")
+        self.mlp = MLP(m, p, act="geglu")
+        self.post_ffw_norm = m.wt.f32(p + "post_ffw_norm.weight")
+
+    def new_cache(self, ctx: int):
+        return self.attn.new_cache(ctx)
+
+    def __call__(self, h, kv, pos0: int):
+        x, xa = self.m.norm_in(h, self.attn_norm)
+        h += rms_norm(self.attn(x, xa, kv, pos0), self.post_attention_norm, self.eps)
+        h += rms_norm(self.mlp(*self.m.norm_in(h, self.ffn_norm)), self.post_ffw_norm, self.eps)
+        return h
+
+
+class Model(base.Model):
     def __init__(self, g, args, step=None, act="f32"):
         super().__init__(g, args, step, act)
         self.embed_scale = math.sqrt(args.d_model)
 
-    @staticmethod
-    def args_from(g):
-        return ModelArgs.from_gguf(g, rope_kind=NEOX)
-
-    def is_local(self, il: int) -> bool:
-        return (il + 1) % SWA_PATTERN != 0
-
-    def layer_window(self, il: int) -> int:
-        return self.args.sliding_window if self.is_local(il) else 0
-
-    def layer_rope_base(self, il: int) -> float:
-        return LOCAL_ROPE_BASE if self.is_local(il) else self.args.rope_base
-
-    def layer_rope_scaling(self, il: int):
-        # llama.cpp: SWA layers take rope_freq_scale_train_swa = 1 (gemma3 sets no other), global ones the file's
-        s = self.args.rope_scaling
-        return s.unscaled() if self.is_local(il) else s
+    def make_layer(self, il):
+        return DecoderLayer(self, il)

@@ -1,26 +1,51 @@
 """Llama (SmolLM2) and Mixtral-style experts in llama GGUFs (``llama.expert_count`` > 0).
 
-llama.cpp ``LLM_ARCH_LLAMA``: rope NORM (GGUF q/k are permuted by the converter for adjacent pairs),
-SwiGLU FFN; with experts: softmax over the router logits, top-k, weights renormalised to sum 1
-(HF ``modeling_mixtral.py``: softmax of the top-k logits, which is the same).
+llama.cpp ``LLM_ARCH_LLAMA`` (``src/models/llama.cpp``), HF ``modeling_llama.py`` / ``modeling_mixtral.py``:
+rope NORM (the converter permutes q/k rows for adjacent pairs), SwiGLU FFN; with experts: softmax over the
+router logits, top-k, weights renormalised to sum 1 (Mixtral's softmax of the top-k logits is the same).
+
+:class:`DecoderLayer` is the pre-norm layer ``h += attn(norm(h)); h += ffn(norm(h))`` that Qwen2, Qwen2-MoE,
+Qwen3-MoE and OLMoE share; their files give its choices (rope pairing, q/k norms, routing rule).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from cpu_kernels.norms import rms_norm
 from cpu_kernels.rope import NORM
 
-from .base import BaseArgs, Transformer
+from . import base
+from .blocks import MLP, Attention, MoE, softmax_topk
 
 
-@dataclass
-class ModelArgs(BaseArgs):
-    pass
+class DecoderLayer:
+    """``h += attn_output(attention(attn_norm(h))); h += ffn(ffn_norm(h))`` where ffn is the MoE block when the
+    layer has a router (``ffn_gate_inp``), else the dense SwiGLU FFN."""
+
+    def __init__(self, m, il: int, *, rope_kind: int, qk_norm: str | None = None, norm_topk: bool = True):
+        p = f"blk.{il}."
+        self.m = m
+        self.eps = m.args.eps
+        self.attn_norm = m.wt.f32(p + "attn_norm.weight")
+        self.attn = Attention(m, p, rope_kind=rope_kind, qk_norm=qk_norm)
+        self.ffn_norm = m.wt.f32(p + "ffn_norm.weight")
+        self.moe = self.mlp = None
+        if m.wt.has(p + "ffn_gate_inp.weight"):
+            self.moe = MoE(m, p, il, route=softmax_topk(m.args.top_k, norm_topk))
+        else:
+            self.mlp = MLP(m, p)
+
+    def new_cache(self, ctx: int):
+        return self.attn.new_cache(ctx)
+
+    def __call__(self, h, kv, pos0: int):
+        x, xa = self.m.norm_in(h, self.attn_norm)
+        h += self.attn(x, xa, kv, pos0)
+        if self.moe is not None:
+            h += self.moe(rms_norm(h, self.ffn_norm, self.eps))
+        else:
+            h += self.mlp(*self.m.norm_in(h, self.ffn_norm))
+        return h
 
 
-class Model(Transformer):
-    rope_kind = NORM
-
-    @staticmethod
-    def args_from(g):
-        return ModelArgs.from_gguf(g, rope_kind=NORM, norm_topk=True)
+class Model(base.Model):
+    def make_layer(self, il):
+        return DecoderLayer(self, il, rope_kind=NORM, norm_topk=self.args.norm_topk)

@@ -1,21 +1,13 @@
-"""Qwen2 / Qwen2.5 (dense): q/k/v biases, rope NEOX (HF ``modeling_qwen2.py``; llama.cpp ``LLM_ARCH_QWEN2``)."""
+"""Qwen2 / Qwen2.5 (dense; HF ``modeling_qwen2.py``; llama.cpp ``LLM_ARCH_QWEN2``): the llama layer with q/k/v
+biases (loaded by ``blocks.Attention`` when the file has them) and rope NEOX."""
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 from cpu_kernels.rope import NEOX
 
-from .base import BaseArgs, Transformer
+from . import base
+from .llama import DecoderLayer
 
 
-@dataclass
-class ModelArgs(BaseArgs):
-    pass
-
-
-class Model(Transformer):
-    rope_kind = NEOX
-
-    @staticmethod
-    def args_from(g):
-        return ModelArgs.from_gguf(g, rope_kind=NEOX)
+class Model(base.Model):
+    def make_layer(self, il):
+        return DecoderLayer(self, il, rope_kind=NEOX)

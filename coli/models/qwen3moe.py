@@ -1,26 +1,16 @@
 """Qwen3-MoE (HF ``modeling_qwen3_moe.py``; llama.cpp ``LLM_ARCH_QWEN3MOE``).
 
-Per-head q/k RMSNorm before rope (NEOX), no biases; routed experts: softmax, top-k, renormalised (llama.cpp
-passes norm_w = true; ``qwen3moe.expert_weights_norm`` overrides when present).
+The llama layer with per-head q/k RMSNorm before rope (NEOX), no biases; routed experts: softmax, top-k,
+renormalised (llama.cpp passes norm_w = true; ``qwen3moe.expert_weights_norm`` overrides when present).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from cpu_kernels.rope import NEOX
 
-from .base import BaseArgs, Transformer
+from . import base
+from .llama import DecoderLayer
 
 
-@dataclass
-class ModelArgs(BaseArgs):
-    pass
-
-
-class Model(Transformer):
-    rope_kind = NEOX
-    qk_norm = "heads"
-
-    @staticmethod
-    def args_from(g):
-        return ModelArgs.from_gguf(g, rope_kind=NEOX, norm_topk=True)
+class Model(base.Model):
+    def make_layer(self, il):
+        return DecoderLayer(self, il, rope_kind=NEOX, qk_norm="heads", norm_topk=self.args.norm_topk)

@@ -1,0 +1,235 @@
+"""The layer blocks the family files build their decoder layers from (mlx-lm's shape: a family writes its layer
+top to bottom in its own file, from small shared blocks; docs/families.md "Layer blocks").
+
+* :class:`KV` the per-layer KV cache, :class:`Attention` (q/k/v/o projections with their optional biases and
+  q/k norms, rope, the KV cache, ``cpu_kernels.attention.attend``),
+* :class:`MLP` the dense gated FFN (SwiGLU or GeGLU), :class:`MoE` the router, the routed experts (handed to the
+  step as ``(rows, expert_ids, weights)``) and the shared expert, :func:`softmax_topk` the usual routing rule.
+
+Every block takes the model ``m`` (a ``coli.models.base.Model``: weights ``m.wt``, activation mode ``m.act``,
+the MoE step ``m.step``, the rope tables) and a tensor prefix (``blk.<il>.``); attributes are named after the
+GGUF tensors (``attn_q``, ``ffn_gate_exps``...). Shapes: hidden rows f32 [T, D]; q f32 [T, H, hd].
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from coli.errors import ColiError
+from cpu_kernels import experts as grouped
+from cpu_kernels.attention import attend
+from cpu_kernels.norms import geglu_tanh, rms_norm, rms_norm_heads, swiglu
+from cpu_kernels.rope import apply_rope
+
+
+class KV:
+    """One attention layer's KV cache: ``k``, ``v`` f32 [n_kv, ctx, head_dim], preallocated for ``ctx``
+    positions; position p is row p (``Cache.pos`` may move back: the rows past it are overwritten)."""
+
+    rewindable = True
+
+    def __init__(self, n_kv: int, ctx: int, head_dim: int, head_dim_v: int | None = None):
+        self.k = np.zeros((n_kv, ctx, head_dim), np.float32)
+        self.v = np.zeros((n_kv, ctx, head_dim if head_dim_v is None else head_dim_v), np.float32)
+
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    @staticmethod
+    def bytes_per_position(n_kv: int, head_dim: int, head_dim_v: int | None = None) -> int:
+        return 4 * n_kv * (head_dim + (head_dim if head_dim_v is None else head_dim_v))
+
+
+class Attention:
+    """Multi-head attention with grouped KV heads (llama.cpp ``build_attn``; HF ``*Attention`` of the families).
+
+    ``rope_kind`` (cpu_kernels.rope NORM | NEOX), ``qk_norm``: None, ``"heads"`` (per-head RMSNorm, Qwen3 /
+    Gemma 3) or ``"full"`` (RMSNorm over the whole projection before the head split, OLMoE); ``window``: sliding
+    window in positions (0 = full); ``rope_base``/``rope_scaling`` default to the model's; ``scale`` to
+    1/sqrt(head_dim). Tensors ``attn_q/k/v/output.weight``, optional ``.bias`` of each,
+    ``attn_q_norm``/``attn_k_norm``; ColiError naming a missing one."""
+
+    def __init__(self, m, p: str, *, rope_kind: int, qk_norm: str | None = None, window: int = 0,
+                 rope_base: float | None = None, rope_scaling=None, n_heads: int | None = None,
+                 n_kv: int | None = None, head_dim: int | None = None, n_rot: int | None = None,
+                 scale: float | None = None):
+        a = m.args
+        self.m = m
+        self.n_heads = n_heads or a.n_heads
+        self.n_kv = n_kv or a.n_kv_heads
+        self.head_dim = head_dim or a.head_dim
+        self.n_rot = n_rot or a.n_rot
+        self.rope_kind = rope_kind
+        self.rope_base = a.rope_base if rope_base is None else rope_base
+        self.rope_scaling = a.rope_scaling if rope_scaling is None else rope_scaling
+        self.window = window
+        self.scale = scale or 1.0 / math.sqrt(self.head_dim)
+        self.qk_norm = qk_norm
+        wt = m.wt
+        self.attn_q, self.attn_k = wt.w(p + "attn_q.weight"), wt.w(p + "attn_k.weight")
+        self.attn_v, self.attn_output = wt.w(p + "attn_v.weight"), wt.w(p + "attn_output.weight")
+        self.attn_q_b = wt.f32(p + "attn_q.bias", False)
+        self.attn_k_b = wt.f32(p + "attn_k.bias", False)
+        self.attn_v_b = wt.f32(p + "attn_v.bias", False)
+        self.attn_output_b = wt.f32(p + "attn_output.bias", False)
+        self.attn_q_norm = self.attn_k_norm = None
+        if qk_norm is not None:
+            self.attn_q_norm = wt.f32(p + "attn_q_norm.weight")
+            self.attn_k_norm = wt.f32(p + "attn_k_norm.weight")
+        qkv = [self.attn_q, self.attn_k, self.attn_v]
+        # q/k/v in one grouped launch on the layer input quantized once (cpu_kernels.experts)
+        self.qkv_group = grouped.Group(qkv) if all(grouped.supports(w) for w in qkv) else None
+
+    def new_cache(self, ctx: int) -> KV:
+        return KV(self.n_kv, ctx, self.head_dim)
+
+    def qkv(self, x: np.ndarray, xa=None):
+        """q, k, v projections of ``x`` f32 [T, D] (biases added): one quantization of x and one parallel launch
+        for the three matrices when their formats have grouped kernels (``cpu_kernels.experts``)."""
+        m = self.m
+        if self.qkv_group is None or not m.grouped_rows(x.shape[0]):
+            q, k, v = m.mm(self.attn_q, x), m.mm(self.attn_k, x), m.mm(self.attn_v, x)
+        else:
+            out = self.qkv_group(xa if xa is not None else grouped.Act(x, m.act))
+            oq, ok = self.attn_q.shape[0], self.attn_k.shape[0]
+            q, k, v = out[:, :oq], out[:, oq:oq + ok], out[:, oq + ok:]
+            if x.shape[0] > 1:  # column slices of a [T, O] buffer: contiguous copies for the row kernels
+                q, k, v = np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v)
+        if self.attn_q_b is not None:
+            q += self.attn_q_b
+        if self.attn_k_b is not None:
+            k += self.attn_k_b
+        if self.attn_v_b is not None:
+            v += self.attn_v_b
+        return q, k, v
+
+    def heads(self, q, k, v):
+        """Split into heads (f32 [T, H, hd]) with the q/k norms of ``qk_norm`` applied."""
+        eps = self.m.args.eps
+        T = q.shape[0]
+        if self.qk_norm == "full":
+            q = rms_norm(q, self.attn_q_norm, eps)
+            k = rms_norm(k, self.attn_k_norm, eps)
+        q = q.reshape(T, self.n_heads, self.head_dim)
+        k = k.reshape(T, self.n_kv, self.head_dim)
+        v = v.reshape(T, self.n_kv, -1)
+        if self.qk_norm == "heads":
+            rms_norm_heads(q, self.attn_q_norm, eps)
+            rms_norm_heads(k, self.attn_k_norm, eps)
+        return q, k, v
+
+    def rope(self, q, k, pos0: int):
+        """Rotate q and k (f32 [T, H, hd], in place) at positions ``pos0 ..``."""
+        pos = np.arange(pos0, pos0 + q.shape[0], dtype=np.int64)
+        cos, sin = self.m.rope_table(self.rope_base, self.rope_scaling, self.n_rot)
+        apply_rope(q, pos, cos, sin, self.n_rot, self.rope_kind)
+        apply_rope(k, pos, cos, sin, self.n_rot, self.rope_kind)
+
+    def attend(self, q, k, v, kv: KV, pos0: int) -> np.ndarray:
+        """Write k, v at ``pos0 ..`` into the cache and attend; f32 [T, H, hd_v]."""
+        T = q.shape[0]
+        kv.k[:, pos0:pos0 + T] = k.transpose(1, 0, 2)
+        kv.v[:, pos0:pos0 + T] = v.transpose(1, 0, 2)
+        return attend(q, kv.k, kv.v, pos0, self.scale, self.window)
+
+    def out(self, o: np.ndarray) -> np.ndarray:
+        """The output projection of the heads' outputs f32 [T, H * hd_v] (bias added)."""
+        y = self.m.mm(self.attn_output, o)
+        if self.attn_output_b is not None:
+            y += self.attn_output_b
+        return y
+
+    def __call__(self, x: np.ndarray, xa, kv: KV, pos0: int) -> np.ndarray:
+        q, k, v = self.heads(*self.qkv(x, xa))
+        self.rope(q, k, pos0)
+        o = self.attend(q, k, v, kv, pos0)
+        return self.out(o.reshape(x.shape[0], -1))
+
+
+class MLP:
+    """The dense gated FFN ``ffn_down(act(ffn_gate x) * ffn_up x)``, ``act`` "swiglu" (SiLU) or "geglu"
+    (tanh GELU, Gemma); gate+up+activation in one grouped launch and down in one when the formats have grouped
+    kernels, else three matmuls."""
+
+    def __init__(self, m, p: str, act: str = "swiglu"):
+        self.m = m
+        self.act = act
+        wt = m.wt
+        self.ffn_gate, self.ffn_up, self.ffn_down = (wt.w(p + n + ".weight") for n in ("ffn_gate", "ffn_up", "ffn_down"))
+        ws = [self.ffn_gate, self.ffn_up, self.ffn_down]
+        kind = grouped.ACT_GEGLU if act == "geglu" else grouped.ACT_SWIGLU
+        self.fused = grouped.FFN(*ws, kind, 0.0, m.act) if all(grouped.supports(w) for w in ws) else None
+
+    def __call__(self, x: np.ndarray, xa=None) -> np.ndarray:
+        m = self.m
+        if self.fused is not None and m.grouped_rows(x.shape[0]):
+            return self.fused(xa if xa is not None else grouped.Act(x, m.act), m.act)
+        g = m.mm(self.ffn_gate, x)
+        u = m.mm(self.ffn_up, x)
+        return m.mm(self.ffn_down, geglu_tanh(g, u) if self.act == "geglu" else swiglu(g, u))
+
+
+def softmax_topk(k: int, norm: bool):
+    """The usual routing rule as a ``route`` callable: softmax over all experts, top-k (ties: lower id),
+    renormalised to sum 1 when ``norm`` (Mixtral / Qwen3-MoE renormalise; OLMoE / Qwen2-MoE keep the softmax
+    weights). logits f32 [R, E] -> (ids int32 [R, k], weights f32 [R, k])."""
+
+    def route(logits: np.ndarray):
+        lg = logits.astype(np.float32)
+        mx = lg.max(axis=1, keepdims=True)
+        p = np.exp(lg - mx)
+        p /= p.sum(axis=1, keepdims=True)
+        ids = np.argsort(-p, axis=1, kind="stable")[:, :k]  # stable: ties keep the lower expert id first
+        w = np.take_along_axis(p, ids, axis=1)
+        if norm:
+            w = w / w.sum(axis=1, keepdims=True)
+        return ids.astype(np.int32), w.astype(np.float32)
+
+    return route
+
+
+EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+class MoE:
+    """The MoE FFN of layer ``il``: router ``ffn_gate_inp`` f32 [E, D], the routed experts
+    ``ffn_{gate,up,down}_exps`` (run by the step, ``scheduler.step.MoEStep.run``: RAM cache, device tier, grouped
+    CPU kernels, outputs joined in routing-rank order), an optional shared expert ``ffn_*_shexp`` scaled by
+    ``sigmoid(x . ffn_gate_inp_shexp)`` when that tensor exists (Qwen2-MoE). ``route``: logits -> (ids, w)."""
+
+    def __init__(self, m, p: str, il: int, *, route):
+        self.m = m
+        self.il = il
+        self.route = route
+        wt = m.wt
+        self.ffn_gate_inp = wt.f32(p + "ffn_gate_inp.weight")
+        for n in EXPERT_TENSORS:
+            if not wt.has(p + n + ".weight"):
+                raise ColiError(f"{wt.fname}: tensor '{p}{n}.weight' is missing")
+        self.tensor_names = tuple(p + n + ".weight" for n in EXPERT_TENSORS)
+        self.shared = self._shared_expert(p) if wt.has(p + "ffn_gate_shexp.weight") else None
+
+    def _shared_expert(self, p):
+        m, wt = self.m, self.m.wt
+        gate, up, down = (wt.w(p + n + ".weight") for n in ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"))
+        gate_inp = wt.f32(p + "ffn_gate_inp_shexp.weight", False)
+        fused = None
+        if all(grouped.supports(w) for w in (gate, up, down)):
+            fused = grouped.FFN(gate, up, down, grouped.ACT_SWIGLU, 0.0, m.act)
+
+        def run(x):
+            if fused is not None and m.grouped_rows(x.shape[0]):
+                y = fused(grouped.Act(x, m.act), m.act)
+            else:
+                y = m.mm(down, swiglu(m.mm(gate, x), m.mm(up, x)))
+            if gate_inp is not None:  # Qwen2-MoE: sigmoid(x . w_gate_inp_shexp) scales it
+                s = x @ gate_inp.reshape(-1)
+                y *= (1.0 / (1.0 + np.exp(-s)))[:, None].astype(np.float32)
+            return y
+
+        return run
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        ids, w = self.route(x @ self.ffn_gate_inp.T)
+        return self.m.step.run(self.il, x, ids, w, shared=self.shared)
