@@ -193,6 +193,47 @@ def _block_i8(ds, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out):
                 out[dst[p], oe + o] = row_q6_k(q, sc, d, xq[r], xd[r])
 
 
+@njit(inline="always", **_JIT)
+def _row_i8(ds, o, r, xq, xd, xm):
+    """W[o] . row r of the int8 activations (``_block_i8``'s arithmetic for one (row, row) pair)."""
+    fc = ds[0]
+    if fc == FC_Q8:
+        return row_q8(_r_i8(ds, 0, o), _r_f32(ds, 1, o), xq[r], xd[r])
+    if fc == FC_Q4_0 or fc == FC_Q4_1:
+        qs = _r_u8(ds, 0, o)
+        d = _r_f32(ds, 1, o)
+        m = _r_f32(ds, 2 if fc == FC_Q4_1 else 1, o)
+        s = row_pair(qs, d, xq[r], xd[r])
+        corr = _F0
+        if fc == FC_Q4_1:
+            for b in range(d.shape[0]):
+                corr += m[b] * xm[r, b]
+            return s + corr
+        for b in range(d.shape[0]):
+            corr += d[b] * xm[r, b]
+        return s - _F8 * corr
+    if fc == FC_Q4_K or fc == FC_Q5_K:
+        qs = _r_u8(ds, 0, o)
+        sc = _r_u8(ds, 1, o)
+        mn = _r_u8(ds, 2, o)
+        d = _r_f32(ds, 3, o)
+        dm = _r_f32(ds, 4, o)
+        if fc == FC_Q4_K:
+            s = row_q4_k(qs, sc, d, xq[r], xd[r])
+        else:
+            s = row_q5_k(qs, sc, d, xq[r], xd[r])
+        mins = _F0
+        for b in range(d.shape[0]):
+            mb = _F0
+            for k in range(8):
+                mb += np.float32(mn[b * 8 + k]) * xm[r, b * 8 + k]
+            mins += dm[b] * mb
+        return s - mins
+    if fc == FC_Q6_K:
+        return row_q6_k(_r_i8(ds, 0, o), _r_i8(ds, 1, o), _r_f32(ds, 2, o), xq[r], xd[r])
+    return np.float32(np.nan)  # a format code without a branch here: loud, never a silent zero
+
+
 @njit(**_JIT)
 def _decode_row(ds, o, buf):
     """Weight row ``o`` decoded to f32 into ``buf`` [I] (ggml's dequantize_row_* in the packed layouts of
@@ -332,7 +373,12 @@ def ffn_gate_up(gdesc, udesc, pstart, src, mode, xq, xd, xm, x, kind, limit, a):
         ud = udesc[e]
         p0 = pstart[e]
         p1 = pstart[e + 1]
-        if mode == I8 and gd[0] != FC_F32 and ud[0] != FC_F32:
+        if mode == I8 and gd[0] != FC_F32 and ud[0] != FC_F32 and p1 - p0 == 1:
+            # one row (a decode step's expert): no scratch arrays, gate and up of a row back to back
+            r = src[p0]
+            for o in range(c0, min(F, c0 + _RB)):
+                a[p0, o] = _act(_row_i8(gd, o, r, xq, xd, xm), _row_i8(ud, o, r, xq, xd, xm), kind, limit)
+        elif mode == I8 and gd[0] != FC_F32 and ud[0] != FC_F32:
             c1 = min(F, c0 + _RB)
             n = p1 - p0
             loc = np.arange(n)
@@ -421,6 +467,10 @@ def ffn_gate_up_gemm(gdesc, udesc, pstart, xq, xd, xm, xu, kind, limit, gb, ub, 
             _G.tiles_q8(gq, gw, c0, c1, xu, xd, p0, p1, gb, ident, 0)
             uq, uw = _w_q8(ud)
             _G.tiles_q8(uq, uw, c0, c1, xu, xd, p0, p1, ub, ident, 0)
+        elif p1 - p0 == 1:  # the same one-row code as ffn_gate_up's: an expert's bits never depend on the launch
+            for o in range(c0, c1):
+                a[p0, o] = _act(_row_i8(gd, o, p0, xq, xd, xm), _row_i8(ud, o, p0, xq, xd, xm), kind, limit)
+            continue
         else:
             _block_i8(gd, c0, c1, p0, p1, ident, ident, 0, xq, xd, xm, gb)
             _block_i8(ud, c0, c1, p0, p1, ident, ident, 0, xq, xd, xm, ub)

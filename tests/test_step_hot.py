@@ -47,3 +47,33 @@ def test_usage_add_counts_every_pair_and_rejects_an_id_outside_the_layer(tmp_pat
     assert u.counts.tolist() == [[0, 0, 0, 0], [1, 2, 0, 1]]
     with pytest.raises(ValueError):
         u.add(0, np.array([[4, 1]]))
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4"])
+def test_one_row_experts_equal_the_block_path(name):
+    """A decode step's expert with one row runs gate/up without scratch arrays (``experts._row_i8``, the same row
+    intrinsics and corrections as the block path); its output equals the same row computed inside a 2-row group
+    up to the activation function's f32 rounding (fastmath may vectorize the block path's SiLU, not the
+    one-row one), and every output is finite (a format code without a branch would give NaN)."""
+    from cpu_kernels import experts as X
+    from test_experts import _weights
+
+    rng = np.random.default_rng(len(name))
+    D, Fd = 256, 512
+    (g, u), _ = _weights(name, 2, rng, O=Fd, I=D)
+    (d,), _ = _weights(name, 1, rng, O=D, I=Fd)
+
+    class W:
+        pass
+
+    w = W()
+    w.gate, w.up, w.down = g, u, d
+    x = rng.standard_normal((2, D)).astype(np.float32)
+    xa = X.Act(x, "int8")
+    one = np.full((2, D), np.nan, np.float32)
+    X.experts([w, w], [(np.array([0]), np.array([0])), (np.array([1]), np.array([1]))], xa, one, X.ACT_SWIGLU,
+              0.0, "int8")
+    two = np.full((2, D), np.nan, np.float32)
+    X.experts([w], [(np.array([0, 1]), np.array([0, 1]))], xa, two, X.ACT_SWIGLU, 0.0, "int8")
+    assert np.isfinite(one).all()
+    assert np.abs(one - two).max() <= 1e-6 * np.abs(two).max()
