@@ -62,6 +62,11 @@ I8 = 0
 F32 = 1
 ACT_SWIGLU = 0
 ACT_GEGLU = 1
+#: gpt-oss's clamped SwiGLU: ``(clamp(u, -L, L) + 1) * g' * sigmoid(ALPHA_OAI * g')`` with ``g' = min(g, L)``
+#: (transformers ``models/gpt_oss/modeling_gpt_oss.py`` ``GptOssExperts._apply_gate``; ggml ``swiglu_oai``)
+ACT_SWIGLU_OAI = 2
+#: the sigmoid's gain in ACT_SWIGLU_OAI (HF ``swiglu_alpha``; llama.cpp hard-codes it for gpt-oss)
+ALPHA_OAI = 1.702
 
 DESC_LEN = 13
 _F0 = np.float32(0.0)
@@ -315,6 +320,14 @@ def _dot_f32(buf, x):
 
 @njit(inline="always", **_JIT)
 def _act(g, u, kind, limit):
+    if kind == ACT_SWIGLU_OAI:
+        if limit > 0.0:
+            g = min(g, limit)
+            u = min(max(u, -limit), limit)
+        z = np.float32(ALPHA_OAI) * g
+        if z < np.float32(-80.0):  # exp(-z) would overflow f32 (fastmath assumes no inf): the gate is ~0 here
+            return _F0 * u
+        return g / (np.float32(1.0) + math.exp(-z)) * (u + np.float32(1.0))
     if kind == ACT_GEGLU:
         a = np.float64(g)
         c = math.sqrt(2.0 / math.pi)
@@ -677,3 +690,99 @@ def _experts_gemm(gd, ud, dd, pstart, src, dst, act, a, pair_out, kind, limit, a
     else:
         slots = np.arange(a.shape[0], dtype=np.int64)
         mm_grouped(dd, pstart, slots, dst, off, aa.mode, aa.xq, aa.xd, aa.xm, aa.x, pair_out)
+
+
+# ----------------------------------------------------------------------------------------------- biased experts
+class ExpertFFN:
+    """How one MoE layer's experts compute, beyond the default SwiGLU: the activation ``kind`` (ACT_*), its
+    clamp ``limit`` (0 = none) and optional per-expert biases (gpt-oss: ``ffn_{gate,up,down}_exps.bias``,
+    f32 [E, F], [E, F], [E, D]; added to ``gate x``, ``up x`` before the activation and to ``down a`` after it,
+    as transformers' ``GptOssExperts.forward``). ``None`` biases are zero. Raises ValueError on a shape
+    mismatch between the three."""
+
+    __slots__ = ("kind", "limit", "gate_bias", "up_bias", "down_bias")
+
+    def __init__(self, kind: int = ACT_SWIGLU, limit: float = 0.0, gate_bias=None, up_bias=None, down_bias=None):
+        self.kind = int(kind)
+        self.limit = float(limit)
+        bs = [None if b is None else np.ascontiguousarray(b, dtype=np.float32) for b in (gate_bias, up_bias, down_bias)]
+        if any(b is not None for b in bs):
+            if any(b is None or b.ndim != 2 for b in bs):
+                raise ValueError("ExpertFFN: gate, up and down biases come together, each f32 [E, n]")
+            if bs[0].shape != bs[1].shape or bs[0].shape[0] != bs[2].shape[0]:
+                raise ValueError(f"ExpertFFN: bias shapes {[list(b.shape) for b in bs]} do not match "
+                                 "(gate [E, F], up [E, F], down [E, D])")
+        self.gate_bias, self.up_bias, self.down_bias = bs
+
+    @property
+    def has_bias(self) -> bool:
+        return self.gate_bias is not None
+
+    def act_np(self, g: np.ndarray, u: np.ndarray) -> np.ndarray:
+        """The activation on f32 [N, F] gate/up outputs (biases already added), the kernels' arithmetic."""
+        out = np.empty_like(g)
+        _act_rows(g, u, self.kind, np.float32(self.limit), out)
+        return out
+
+
+@njit(**_JIT)
+def _act_rows(g, u, kind, limit, out):
+    for p in range(g.shape[0]):
+        for o in range(g.shape[1]):
+            out[p, o] = _act(g[p, o], u[p, o], kind, limit)
+
+
+@njit(**_JIT)
+def _bias_act(gu, F, pexp, gb, ub, kind, limit, a):
+    """a[p, o] = act(gu[p, o] + gb[pexp[p], o], gu[p, F + o] + ub[pexp[p], o]): serial (decode-sized)."""
+    for p in range(a.shape[0]):
+        e = pexp[p]
+        for o in range(F):
+            a[p, o] = _act(gu[p, o] + gb[e, o], gu[p, F + o] + ub[e, o], kind, limit)
+
+
+@njit(**_PJIT)
+def _bias_act_par(gu, F, pexp, gb, ub, kind, limit, a):
+    for p in prange(a.shape[0]):
+        e = pexp[p]
+        for o in range(F):
+            a[p, o] = _act(gu[p, o] + gb[e, o], gu[p, F + o] + ub[e, o], kind, limit)
+
+
+#: slots x F up to which the bias + activation pass runs serially (a parallel launch costs ~10 us)
+SERIAL_ACT = 1 << 14
+
+
+def experts_ffn(ws, eids, groups, act: Act, pair_out: np.ndarray, ffn: ExpertFFN, act_mode: str) -> None:
+    """``experts`` for a layer with an ``ExpertFFN``: its activation kind and clamp, and its biases when it has
+    them (``eids``: the expert id of each entry of ``ws``, indexing the bias rows). Without biases this is
+    ``experts`` (two launches). With biases: gate and up of every expert in one grouped launch (f32 [P, 2F]),
+    bias + activation in one pass, the down rows in one launch, then the down bias added to each pair's row
+    (the same order of operations as transformers' ``GptOssExperts``: ``(a @ down) + b``)."""
+    if not ffn.has_bias:
+        experts(ws, groups, act, pair_out, ffn.kind, ffn.limit, act_mode)
+        return
+    n = len(ws)
+    sizes = np.array([len(g[0]) for g in groups], np.int64)
+    pstart = np.zeros(n + 1, np.int64)
+    np.cumsum(sizes, out=pstart[1:])
+    P = int(pstart[-1])
+    src = np.concatenate([g[0] for g in groups]).astype(np.int64, copy=False)
+    dst = np.concatenate([g[1] for g in groups]).astype(np.int64, copy=False)
+    pexp = np.repeat(np.asarray(eids, np.int64), sizes)
+    F = int(ws[0].gate.shape[0])
+    # gate e (table row e) and up e (row n + e) read the same rows; slot p of up e is P + p, writing row p
+    gud = np.concatenate([np.stack([w.gate.desc for w in ws]), np.stack([w.up.desc for w in ws])])
+    gps = np.concatenate([pstart[:-1], P + pstart])
+    slots = np.arange(P, dtype=np.int64)
+    gu = np.empty((P, 2 * F), np.float32)
+    off = np.repeat(np.array([0, F], np.int64), n)
+    mm_grouped(gud, gps, np.concatenate([src, src]), np.concatenate([slots, slots]), off, act.mode,
+               act.xq, act.xd, act.xm, act.x, gu)
+    a = np.empty((P, F), np.float32)
+    (_bias_act if P * F <= SERIAL_ACT else _bias_act_par)(gu, F, pexp, ffn.gate_bias, ffn.up_bias, ffn.kind,
+                                                          np.float32(ffn.limit), a)
+    aa = Act(a, act_mode)
+    dd = np.stack([w.down.desc for w in ws])
+    mm_grouped(dd, pstart, slots, dst, np.zeros(n, np.int64), aa.mode, aa.xq, aa.xd, aa.xm, aa.x, pair_out)
+    pair_out[dst] += ffn.down_bias[pexp]

@@ -49,18 +49,31 @@ class MoEStep:
             trace.hook_reads(cache)     # --trace records disk reads with or without a device tier
 
     # -- the CPU expert: gate, up, SwiGLU, down ---------------------------------------------------------
-    def expert_cpu(self, w, xe: np.ndarray) -> np.ndarray:
-        """SwiGLU expert on the CPU: ``down(silu(gate(x)) * up(x))``, ``xe`` f32 [n, D] -> f32 [n, D]."""
+    def expert_cpu(self, w, xe: np.ndarray, ffn=None, e: int = 0) -> np.ndarray:
+        """SwiGLU expert on the CPU: ``down(silu(gate(x)) * up(x))``, ``xe`` f32 [n, D] -> f32 [n, D].
+        With ``ffn`` (a ``cpu_kernels.experts.ExpertFFN``): its activation and expert ``e``'s biases."""
         g = formats.matmul(w.gate, xe, act=self.act)
         u = formats.matmul(w.up, xe, act=self.act)
-        a = swiglu(g, u, self.clamp)
-        return formats.matmul(w.down, a, act=self.act)
+        if ffn is None:
+            a = swiglu(g, u, self.clamp)
+            return formats.matmul(w.down, a, act=self.act)
+        if ffn.has_bias:
+            g += ffn.gate_bias[e]
+            u += ffn.up_bias[e]
+        y = formats.matmul(w.down, ffn.act_np(g, u), act=self.act)
+        if ffn.has_bias:
+            y += ffn.down_bias[e]
+        return y
 
-    def run(self, layer: int, x: np.ndarray, expert_ids: np.ndarray, weights: np.ndarray, shared=None) -> np.ndarray:
+    def run(self, layer: int, x: np.ndarray, expert_ids: np.ndarray, weights: np.ndarray, shared=None,
+            ffn=None) -> np.ndarray:
         """``x`` f32 [R, D], ``expert_ids`` int [R, K], ``weights`` f32 [R, K] -> f32 [R, D].
 
         ``shared``: optional callable ``x -> f32 [R, D]`` (the shared expert with its gate), run on the CPU
-        while the device works, added after the routed experts.
+        while the device works, added after the routed experts. ``ffn``: the layer's
+        ``cpu_kernels.experts.ExpertFFN`` (activation kind, clamp, expert biases; None = SwiGLU with the
+        step's ``clamp``); the device tier takes such a layer's experts only when it says it can
+        (``supports_ffn``), else the CPU computes them all.
         """
         R, K = expert_ids.shape
         D = x.shape[1]
@@ -75,8 +88,11 @@ class MoEStep:
         cpu_experts = list(groups)
         issued = None
         tier = self.tier
-        if tier is not None and tier.active:
-            cpu_experts, issued = tier.issue_step(layer, x, groups, self.cache, K)
+        if tier is not None and tier.active and (ffn is None or _device_takes(tier, ffn)):
+            if ffn is None:
+                cpu_experts, issued = tier.issue_step(layer, x, groups, self.cache, K)
+            else:
+                cpu_experts, issued = tier.issue_step(layer, x, groups, self.cache, K, ffn=ffn)
 
         t0 = time.perf_counter()
         cache = self.cache
@@ -87,7 +103,7 @@ class MoEStep:
         futures = {cache.fetch(layer, e): e for e, _ in cold}
         xa = grouped.Act(x, self.act) if cpu_experts else None  # the step's rows quantized once for all experts
         if hits:
-            self._compute_many(layer, hits, xa, groups, K, pair_out)
+            self._compute_many(layer, hits, xa, groups, K, pair_out, ffn)
         pending = set(futures)
         while pending:
             done, pending = wait(pending, return_when=FIRST_COMPLETED)
@@ -97,31 +113,34 @@ class MoEStep:
                 w = f.result()
                 cache.put(layer, e, w)
                 landed.append((e, w))
-            self._compute_many(layer, landed, xa, groups, K, pair_out)  # one launch per batch of reads landed
+            self._compute_many(layer, landed, xa, groups, K, pair_out, ffn)  # one launch per batch of reads landed
         shared_out = shared(x) if shared is not None else None
         st.cpu_s += time.perf_counter() - t0
         st.cpu_pairs += sum(len(groups[e]) for e in cpu_experts)
 
         if issued is not None:
-            st.device_pairs += self._join_device(layer, issued, x, groups, K, pair_out)
+            st.device_pairs += self._join_device(layer, issued, x, groups, K, pair_out, ffn)
 
         y = self.combine(pair_out.reshape(R, K, D), weights)
         if shared_out is not None:
             y += shared_out
         return y
 
-    def _compute_many(self, layer, ews, xa, groups, K, pair_out):
+    def _compute_many(self, layer, ews, xa, groups, K, pair_out, ffn=None):
         """The CPU experts ``ews`` [(e, ExpertWeights)] of one step in two parallel launches (gate+up+SwiGLU for
         all, then all down rows; ``cpu_kernels.experts``), each pair written to ``pair_out[pair]``."""
         if not ews:
             return
         if not all(grouped.expert_desc(w) is not None for _, w in ews):
             for e, w in ews:  # a format without a grouped-kernel code: one expert at a time
-                self._compute(layer, e, w, xa.x, groups[e], K, pair_out)
+                self._compute(layer, e, w, xa.x, groups[e], K, pair_out, ffn)
             return
         t0 = time.perf_counter()
         gs = [(groups[e] // K, groups[e]) for e, _ in ews]
-        grouped.experts([w for _, w in ews], gs, xa, pair_out, grouped.ACT_SWIGLU, self.clamp, self.act)
+        if ffn is None:
+            grouped.experts([w for _, w in ews], gs, xa, pair_out, grouped.ACT_SWIGLU, self.clamp, self.act)
+        else:
+            grouped.experts_ffn([w for _, w in ews], [e for e, _ in ews], gs, xa, pair_out, ffn, self.act)
         if self.trace is not None:
             self.trace.complete("cpu experts", "cpu", t0, time.perf_counter(), layer=layer,
                                 experts=[int(e) for e, _ in ews], rows=int(sum(len(g[0]) for g in gs)))
@@ -129,13 +148,16 @@ class MoEStep:
             for e, w in ews:
                 self.tier.note(layer, e, w)
 
-    def _join_device(self, layer, issued, x, groups, K, pair_out) -> int:
+    def _join_device(self, layer, issued, x, groups, K, pair_out, ffn=None) -> int:
         """Join the tier's batch into ``pair_out``; returns the pairs the device computed. After a device loss
         (the tier turned itself off and said why) the batch's experts are computed here on the CPU, from
         the RAM cache or a disk read, and 0 is returned: the run goes on on the CPU. An error while the tier
         is still on is not a device loss and is raised."""
         try:
-            return self.tier.join_step(issued, pair_out)
+            n = self.tier.join_step(issued, pair_out)
+            if ffn is not None and ffn.has_bias:  # the device's rows are down(a); the down bias is added here
+                pair_out[issued.pair_ids] += ffn.down_bias[issued.pair_experts]
+            return n
         except Exception:
             if self.tier.active:
                 raise
@@ -145,14 +167,14 @@ class MoEStep:
             if w is None:
                 w = cache.fetch(layer, e).result()
                 cache.put(layer, e, w)
-            self._compute(layer, e, w, x, groups[e], K, pair_out)
+            self._compute(layer, e, w, x, groups[e], K, pair_out, ffn)
         self.stats.cpu_pairs += sum(len(groups[e]) for e in issued.experts)
         return 0
 
-    def _compute(self, layer, e, w, x, pairs, K, pair_out):
+    def _compute(self, layer, e, w, x, pairs, K, pair_out, ffn=None):
         rows = pairs // K
         t0 = time.perf_counter()
-        pair_out[pairs] = self.expert_cpu(w, x[rows])
+        pair_out[pairs] = self.expert_cpu(w, x[rows], ffn, e)
         if self.trace is not None:
             self.trace.complete("cpu expert", "cpu", t0, time.perf_counter(), layer=layer, expert=e, rows=len(rows))
         if self.tier is not None and self.tier.active:
@@ -205,3 +227,10 @@ def group_pairs(expert_ids: np.ndarray) -> dict:
     experts, starts = np.unique(flat[order], return_index=True)
     ends = np.append(starts[1:], len(flat))
     return {int(e): order[s:t] for e, s, t in zip(experts, starts, ends)}
+
+
+def _device_takes(tier, ffn) -> bool:
+    """True when the tier's device computes experts with ``ffn``'s activation and biases
+    (``Device.supports_ffn(ffn)``); a device without that method computes plain SwiGLU only."""
+    f = getattr(tier.device, "supports_ffn", None)
+    return bool(f(ffn)) if f is not None else False

@@ -100,6 +100,7 @@ class Issued:
     t_issue_ns: int
     joined: threading.Event = field(default_factory=threading.Event)
     pair_ids: object = None     # issue_step(): the step's pair ids (row * K + rank) in batch order
+    pair_experts: object = None  # issue_step(): the expert of each of those pairs
     experts: list = field(default_factory=list)
     K: int = 1
 
@@ -340,9 +341,11 @@ class Tier:
         self.device_pairs += dev_rows
         return experts[on_dev], experts[~on_dev]
 
-    def issue(self, layer: int, x: np.ndarray, pair_rows, pair_experts) -> Issued:
+    def issue(self, layer: int, x: np.ndarray, pair_rows, pair_experts, ffn=None) -> Issued:
         """Submit one batch: pair ``p`` computes expert ``pair_experts[p]`` (resident, from :meth:`split`'s
-        device experts) on row ``pair_rows[p]`` of ``x`` (f32 [R, D]). Returns the :class:`Issued` to
+        device experts) on row ``pair_rows[p]`` of ``x`` (f32 [R, D]). ``ffn``: the layer's
+        ``cpu_kernels.experts.ExpertFFN`` (activation kind, clamp, gate/up biases go to the device; the down
+        bias is the step's to add after the join) or None (plain SwiGLU). Returns the :class:`Issued` to
         :meth:`join`. A device error turns the tier off (one line) and is re-raised."""
         pair_experts = np.asarray(pair_experts, dtype=np.int64).reshape(-1)
         keys = [(layer, int(e)) for e in pair_experts]
@@ -350,9 +353,15 @@ class Tier:
             handles = [self.resident[k] for k in keys]
         except KeyError as err:
             raise ValueError(f"issue: expert {err.args[0]} is not resident (use split()'s device experts)") from None
+        kw = {}
+        if ffn is not None:
+            kw = dict(clamp=ffn.limit if ffn.limit > 0 else None, act_kind=ffn.kind)
+            if ffn.has_bias:
+                kw["bias_gu"] = np.concatenate([ffn.gate_bias[pair_experts], ffn.up_bias[pair_experts]], axis=1)
         try:
             with self._dev_lock:
-                batch = self.device.submit_experts(x, np.asarray(pair_rows, dtype=np.int32).reshape(-1), handles)
+                batch = self.device.submit_experts(x, np.asarray(pair_rows, dtype=np.int32).reshape(-1), handles,
+                                                   **kw)
         except Exception as err:
             self.off(f"the device failed a submit ({type(err).__name__}: {err})")
             raise
@@ -408,12 +417,12 @@ class Tier:
         """True while the tier is on (False after :meth:`off`)."""
         return self.on
 
-    def issue_step(self, layer: int, x: np.ndarray, groups: dict, cache, K: int):
+    def issue_step(self, layer: int, x: np.ndarray, groups: dict, cache, K: int, ffn=None):
         """scheduler/step.py's entry: settle, split, issue. ``groups``: ``{expert: int array of pair ids
         (row * K + rank)}`` of the step; ``cache``: the RAM cache (its ``in_ram(layer, e)``); ``K``: top-k.
         Returns ``(cpu_experts: list[int], issued: Issued | None)``; the CPU computes ``cpu_experts``, then
         the step calls :meth:`join_step`. A device error at submit turns the tier off and gives the CPU
-        every expert."""
+        every expert. ``ffn``: as :meth:`issue`."""
         if self.auto_tokens and (self._last_layer is None or layer <= self._last_layer):
             if self._explicit:
                 self._explicit = False          # begin_token() was called for this forward already
@@ -432,11 +441,12 @@ class Tier:
         pair_ids = np.concatenate([np.asarray(groups[int(e)], dtype=np.int64) for e in dev_e])
         pair_experts = np.concatenate([np.full(len(groups[int(e)]), int(e), dtype=np.int64) for e in dev_e])
         try:
-            iss = self.issue(layer, x, pair_ids // K, pair_experts)
+            iss = self.issue(layer, x, pair_ids // K, pair_experts, ffn)
         except Exception:
             self.device_pairs -= len(pair_ids)
             return [int(e) for e in experts], None
         iss.pair_ids, iss.experts, iss.K = pair_ids, [int(e) for e in dev_e], K
+        iss.pair_experts = pair_experts
         return [int(e) for e in cpu_e], iss
 
     def join_step(self, iss: Issued, pair_out: np.ndarray) -> int:

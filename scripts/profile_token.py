@@ -53,6 +53,8 @@ _KERNELS = {  # module-level kernel names in coli.models.blocks / base / the fam
     "attend": {None: "attention core"},
     "swiglu": {None: "dense FFN", "moe": "MoE experts", "step": "MoE experts"},
     "geglu_tanh": {None: "dense FFN"},
+    "mla_attend": {None: "attention core"},
+    "dsa_topk": {None: "attention core"},
 }
 _METHODS = {  # (class, method) of the blocks and the model: the part of their own (exclusive) time
     ("Attention", "__call__"): ("attention", "attention core"),
@@ -64,9 +66,14 @@ _METHODS = {  # (class, method) of the blocks and the model: the part of their o
     ("Model", "embed"): ("embed", "embed"),
     ("Model", "forward"): ("forward", "python / other"),
     ("Model", "norm_in"): ("norm_in", "norms"),  # RMSNorm and the int8 quantization of the layer input
+    ("MLA", "__call__"): ("attention", "attention core"),   # coli/models/mla.py (deepseek2, glm-dsa)
+    ("MLA", "project"): ("qkv", "attention matmuls"),
+    ("MLA", "attend"): ("mla_attend_block", "attention core"),
+    ("DSA", "__call__"): ("attention", "attention core"),   # coli/models/glmdsa.py: the indexer is attention core
+    ("Indexer", "__call__"): ("indexer", "attention core"),
 }
 _MM = {"qkv": "attention matmuls", "out": "attention matmuls", "dense_ffn": "dense FFN", "forward": "lm_head",
-       "moe": "router"}
+       "moe": "router", "mla_attend_block": "attention matmuls", "indexer": "attention core"}
 
 
 class Profiler:
@@ -107,6 +114,8 @@ def instrument(model, prof: Profiler):
 
     import coli.models.base as base
     import coli.models.blocks as blocks
+    import coli.models.glmdsa as glmdsa
+    import coli.models.mla as mla
 
     undo = []
 
@@ -116,11 +125,12 @@ def instrument(model, prof: Profiler):
         undo.append(lambda: setattr(obj, name, orig))
 
     family = importlib.import_module(type(model).__module__)
-    for mod in {blocks, base, family}:
+    for mod in {blocks, base, family, mla, glmdsa}:
         for name, table in _KERNELS.items():
             if name in vars(mod):
                 patch(mod, name, prof.wrap(name, vars(mod)[name], lambda c, t=table: t.get(c, t.get(None))))
-    classes = {"Attention": blocks.Attention, "MLP": blocks.MLP, "MoE": blocks.MoE, "Model": base.Model}
+    classes = {"Attention": blocks.Attention, "MLP": blocks.MLP, "MoE": blocks.MoE, "Model": base.Model,
+               "MLA": mla.MLA, "DSA": glmdsa.DSA, "Indexer": glmdsa.Indexer}
     for (cls_name, meth), (label, part) in _METHODS.items():
         cls = classes[cls_name]
         patch(cls, meth, prof.wrap(label, getattr(cls, meth), lambda c, p=part: p))

@@ -36,8 +36,10 @@ layout(push_constant) uniform PC {
     uint out_off;    // TAB offset of the output-row index per sorted pair
     uint work_off;   // TAB offset of the work items
     uint nwork;      // number of work items
-    uint use_clamp;  // 1: clamped SwiGLU
+    uint act_flags;  // mode 1's activation: bit 0 clamp (gate <= clamp_v, |up| <= clamp_v); bit 1 gpt-oss's
+                     // SwiGLU (g * sigmoid(1.702 g) * (u + 1)); bit 2 gate/up biases at bias_off
     float clamp_v;   // the clamp (> 0)
+    uint bias_off;   // TAB offset of the biases: per group row g, 2 * O floats (gate bias, then up bias)
 } pc;
 
 // mode 0: plain matmul h -> y; mode 1: gate and up from x, SwiGLU -> h
@@ -50,11 +52,19 @@ uint64_t grp_addr(uint g, uint which) {
 uint grp_begin(uint g) { return TAB[pc.grp_off + g * 8u + 6u]; }
 uint grp_count(uint g) { return TAB[pc.grp_off + g * 8u + 7u]; }
 
-float swiglu(float g, float u) {
-    if (pc.use_clamp != 0u) {
+// the activation of mode 1 for output o of group row g: SwiGLU silu(g) * u, or gpt-oss's clamped form
+// (transformers GptOssExperts._apply_gate; cpu_kernels/experts.py ACT_SWIGLU_OAI), biases added first
+float expert_act(uint grp, uint o, float g, float u) {
+    if ((pc.act_flags & 4u) != 0u) {
+        uint b = pc.bias_off + grp * 2u * pc.O + o;
+        g += uintBitsToFloat(TAB[b]);
+        u += uintBitsToFloat(TAB[b + pc.O]);
+    }
+    if ((pc.act_flags & 1u) != 0u) {
         g = min(g, pc.clamp_v);
         u = clamp(u, -pc.clamp_v, pc.clamp_v);
     }
+    if ((pc.act_flags & 2u) != 0u) return g / (1.0 + exp(-1.702 * g)) * (u + 1.0);
     return g / (1.0 + exp(-g)) * u;
 }
 

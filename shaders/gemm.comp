@@ -80,7 +80,7 @@ void main() {
         [[unroll]] for (uint j = 0u; j < 4u; j++) {
             uint n = n0 + tn + 8u * j;
             if (n >= nr) continue;
-            if (MODE == 1u) H[(s0 + n) * O + o] = swiglu(acc[i][j], acc2[i][j]);
+            if (MODE == 1u) H[(s0 + n) * O + o] = expert_act(g, o, acc[i][j], acc2[i][j]);
             else Y[TAB[pc.out_off + s0 + n] * O + o] = acc[i][j];
         }
     }

@@ -86,7 +86,7 @@ void main() {
                         float t = subgroupAdd(acc[i][r]);
                         if (MODE == 1u) {
                             float t2 = subgroupAdd(acc2[i][r]);
-                            if (subgroupElect()) H[(s0 + r) * O + o] = swiglu(t, t2);
+                            if (subgroupElect()) H[(s0 + r) * O + o] = expert_act(g, o, t, t2);
                         } else {
                             if (subgroupElect()) Y[TAB[pc.out_off + s0 + r] * O + o] = t;
                         }

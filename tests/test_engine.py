@@ -151,17 +151,23 @@ def test_bench_json_fields(model_path):
 
 def test_sampling_rules(model_path, engine):
     """Sampling invariants: temp 0 and top-k 1 are greedy; a seed repeats; the nucleus keeps the argmax."""
+    from coli.sampling import Sampler
+
     eng = engine(model_path("smollm2"))
     rng = np.random.default_rng(0)
     lg = rng.standard_normal(1000).astype(np.float32) * 3
     best = int(np.argmax(lg))
-    assert eng.sample(lg, 0.0, 40, 0.95, rng) == best
-    assert eng.sample(lg, 1.0, 1, 1.0, rng) == best
-    assert eng.sample(lg, 1.0, 0, 1e-9, rng) == best
+
+    def sample(lg, temp, top_k, top_p, rng):
+        return Sampler(temp=temp, top_k=top_k, top_p=top_p, rng=rng).sample(lg)
+
+    assert sample(lg, 0.0, 40, 0.95, rng) == best
+    assert sample(lg, 1.0, 1, 1.0, rng) == best
+    assert sample(lg, 1.0, 0, 1e-9, rng) == best
     a = eng.generate("Once upon a time", max_tokens=8, temp=0.9, seed=7).ids
     b = eng.generate("Once upon a time", max_tokens=8, temp=0.9, seed=7).ids
     assert a == b
-    picks = {eng.sample(lg, 1.0, 5, 1.0, np.random.default_rng(s)) for s in range(200)}
+    picks = {sample(lg, 1.0, 5, 1.0, np.random.default_rng(s)) for s in range(200)}
     assert picks <= set(np.argsort(-lg)[:5].tolist()) and len(picks) > 1
 
 

@@ -12,6 +12,12 @@ ARCHITECTURES = {
     "qwen2moe": "qwen2moe",
     "qwen3moe": "qwen3moe",
     "olmoe": "olmoe",
+    "qwen3next": "qwen3next",
+    "qwen35moe": "qwen35moe",
+    "gpt-oss": "gptoss",
+    "mimo2": "mimo2",
+    "deepseek2": "deepseek2",
+    "glm-dsa": "glmdsa",
 }
 
 
@@ -25,7 +31,13 @@ def model_class_of(arch: str):
 
 def model_class(g):
     """The ``Model`` class for a ``GGUFModel`` (or a ``coli.hf_folder.HFModel``, which names its GGUF
-    architecture the same way); ColiError naming the file and architecture if unsupported."""
+    architecture the same way); ColiError naming the file and architecture if unsupported, and saying what a
+    vision/audio projector file (llama.cpp's ``--mmproj`` output, architecture ``clip``) is."""
+    if g.arch == "clip":
+        kind = g.get("clip.projector_type", "?")
+        raise ColiError(f"{g.path.name}: a vision/audio projector file (general.architecture 'clip', projector "
+                        f"'{kind}'), the multimodal part of a model: coli runs text models only; give the text "
+                        "model's GGUF")
     try:
         return model_class_of(g.arch)
     except ColiError as e:

@@ -54,7 +54,9 @@ _TYPE_RANK = {2: 0, 1: 1, 3: 2, 4: 3, 0: 4}       # discrete > integrated > virt
 
 MAXR = 4           # rows a GEMV group holds (shaders/gemv.comp): larger GEMV groups go in chunks
 GEMM_BM, GEMM_BN = 64, 32
-_PC_WORDS = 9      # push constants (shaders/common.glsl)
+_PC_WORDS = 10     # push constants (shaders/common.glsl)
+# pc.act_flags bits (shaders/common.glsl expert_act)
+_ACT_CLAMP, _ACT_OAI, _ACT_BIAS = 1, 2, 4
 
 
 def _chk(res: int, what: str) -> None:
@@ -993,8 +995,16 @@ class Device:
     def _release(self, f: _Frame):
         self._frames_free.append(f)
 
+    def supports_ffn(self, ffn) -> bool:
+        """True when :meth:`submit_experts` computes experts with ``ffn`` (a ``cpu_kernels.experts.ExpertFFN``):
+        SwiGLU or gpt-oss's clamped SwiGLU, with or without gate/up biases (the down bias is the caller's: it
+        is added to the joined rows, ``scheduler.step``)."""
+        from cpu_kernels import experts as grouped
+
+        return ffn.kind in (grouped.ACT_SWIGLU, grouped.ACT_SWIGLU_OAI)
+
     def submit_experts(self, x: np.ndarray, pair_rows, pair_handles, clamp: float | None = None,
-                       act: str | None = None) -> Batch:
+                       act: str | None = None, act_kind: int = 0, bias_gu: np.ndarray | None = None) -> Batch:
         """Run every (row, expert) pair of one MoE step in ONE command buffer; returns without waiting.
 
         x: f32 [R, D]; pair_rows: int [P] (rows of x); pair_handles: P ExpertHandles (one layer: same D, F).
@@ -1003,8 +1013,11 @@ class Device:
         ``act`` (default ``self.act``): "int8" rounds x (on the host, with the CPU's own
         ``quantize_act_int8``) before a quantized gate/up and h (on the device, shaders/act_q8.comp) before
         a quantized down, per block of 32 as the CPU's int8 path does (docs/vulkan.md "int8 activations");
-        F32/F16/BF16 weights always take f32 activations, as on the CPU. ValueError for another act, or for
-        a batch whose gate formats disagree on that.
+        F32/F16/BF16 weights always take f32 activations, as on the CPU. ``act_kind``: 0 SwiGLU, 2 gpt-oss's
+        ``(u + 1) * g * sigmoid(1.702 g)`` (``cpu_kernels.experts.ACT_SWIGLU_OAI``; the clamp as above);
+        ``bias_gu``: f32 [P, 2F] per pair, the expert's gate bias then up bias, added to gate x and up x before
+        the activation (every pair of one expert carries the same row). ValueError for another act or kind,
+        a bias of the wrong shape, or a batch whose gate formats disagree on the activation rounding.
         """
         self._check_alive()
         act = self.act if act is None else act
@@ -1024,7 +1037,13 @@ class Device:
             raise ValueError(f"pair rows out of range [0, {R})")
         if clamp is not None and not clamp > 0:
             raise ValueError(f"the device clamps SwiGLU only above 0 (clamp={clamp})")
+        if act_kind not in (0, 2):
+            raise ValueError(f"act_kind {act_kind}: the device computes 0 (SwiGLU) or 2 (gpt-oss's SwiGLU)")
         F = pair_handles[0].F
+        if bias_gu is not None:
+            bias_gu = np.ascontiguousarray(bias_gu, dtype=np.float32)
+            if bias_gu.shape != (P, 2 * F):
+                raise ValueError(f"bias_gu must be f32 [{P}, {2 * F}] (pairs, gate + up), got {list(bias_gu.shape)}")
         by_id: dict = {}
         sigs: dict = {}
         sig_by_id: dict = {}
@@ -1075,7 +1094,8 @@ class Device:
                     else:
                         round_h.append((s0, c))
         return self._record_submit(x=x, D=D, F=F, P=P, rows_sorted=rows[order], out_sorted=order,
-                                   groups=groups, clamp=clamp, plain=False, round_h=round_h, i8=i8)
+                                   groups=groups, clamp=clamp, plain=False, round_h=round_h, i8=i8,
+                                   act_kind=act_kind, bias_gu=bias_gu)
 
     def matmul(self, type_name: str, raw: np.ndarray, shape, x: np.ndarray, act: str = "f32") -> np.ndarray:
         """y = x @ W.T on the device for one GGUF matrix W ``(type_name, raw [O, row_bytes], (O, I))``.
@@ -1113,7 +1133,7 @@ class Device:
                 self._drop(t)
 
     def _record_submit(self, *, x, D, F, P, rows_sorted, out_sorted, groups, clamp, plain, round_h=(),
-                       i8=False) -> Batch:
+                       i8=False, act_kind=0, bias_gu=None) -> Batch:
         # round_h: (first sorted pair, pairs) ranges whose input rows of the last pass (h; the plain matmul's
         # x, bound as h) the act_q8 kernel rounds per 32 before that pass (act "int8"); i8: the GEMV groups
         # run gemv_i8dot / gemv_i8emu on packed int8 rows (x packed by the caller, h by act_q8's mode 1)
@@ -1140,6 +1160,11 @@ class Device:
         gt[:, :6] = rows6
         gt[:, 6] = gs
         gt[:, 7] = gc
+        flags = (_ACT_CLAMP if clamp is not None else 0) | (_ACT_OAI if act_kind == 2 else 0)
+        bias_rows = None
+        if bias_gu is not None:   # per group row: the bias row of its first pair (one expert per group)
+            bias_rows = bias_gu[np.asarray(out_sorted, np.int64)[np.asarray(gs, np.int64)]]
+            flags |= _ACT_BIAS
         # work lists per (pass, signature, kernel)
         passes = [(0, D, F)] if plain else [(1, F, D), (0, D, F)]   # (mode, O, I)
         work_parts = []
@@ -1177,8 +1202,12 @@ class Device:
         row_off = G * 8
         out_off = row_off + P
         work_off = out_off + P
-        tab = np.concatenate([gt.reshape(-1), np.asarray(rows_sorted, np.uint32),
-                              np.asarray(out_sorted, np.uint32)] + [w.reshape(-1) for w in work_parts])
+        parts = [gt.reshape(-1), np.asarray(rows_sorted, np.uint32), np.asarray(out_sorted, np.uint32)]
+        parts += [w.reshape(-1) for w in work_parts]
+        bias_off = work_off + 4 * nitems
+        if bias_rows is not None:
+            parts.append(bias_rows.reshape(-1).view(np.uint32))
+        tab = np.concatenate(parts)
 
         if self._fault_at and self.submits + 1 == self._fault_at:
             self.submits += 1
@@ -1225,7 +1254,7 @@ class Device:
                     lib.vkCmdBindPipeline(cb, vk.VK_PIPELINE_BIND_POINT_COMPUTE, self._pipeline("act_q8", None, 1 if i8 else 0))
                     for s0, c in round_h:
                         nb = c * I // 32
-                        pc[0:_PC_WORDS] = [O, I, s0 * I // 32, 0, 0, 0, nb, 0, 0]
+                        pc[0:_PC_WORDS] = [O, I, s0 * I // 32, 0, 0, 0, nb, 0, 0, 0]
                         lib.vkCmdPushConstants(cb, self._layout, _STAGE_COMPUTE, 0, 4 * _PC_WORDS, pc)
                         ng = (nb + 63) // 64
                         lib.vkCmdDispatch(cb, min(ng, 65535), (ng + 65534) // 65535, 1)
@@ -1235,8 +1264,8 @@ class Device:
                     lib.vkCmdPipelineBarrier(cb, _PSTAGE_COMPUTE, _PSTAGE_COMPUTE, 0, 1, mb, 0, ffi.NULL, 0, ffi.NULL)
                 for kernel, tname, woff, nw in plan:
                     lib.vkCmdBindPipeline(cb, vk.VK_PIPELINE_BIND_POINT_COMPUTE, self._pipeline(kernel, tname, mode))
-                    pc[0:_PC_WORDS] = [O, I, grp_off, row_off, out_off, work_off + 4 * woff, nw,
-                                       1 if clamp is not None else 0, cl]
+                    pc[0:_PC_WORDS] = [O, I, grp_off, row_off, out_off, work_off + 4 * woff, nw, flags, cl,
+                                       bias_off]
                     lib.vkCmdPushConstants(cb, self._layout, _STAGE_COMPUTE, 0, 4 * _PC_WORDS, pc)
                     gx = min(nw, 65535)
                     gy = (nw + 65534) // 65535

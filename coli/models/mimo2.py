@@ -1,0 +1,173 @@
+"""MiMo-V2-Flash (transformers ``models/mimo_v2_flash/modeling_mimo_v2_flash.py``; llama.cpp ``LLM_ARCH_MIMO2``,
+GGUF arch ``mimo2``, ``src/models/mimo2.cpp``). docs/families.md "MiMo-V2".
+
+Per layer, top to bottom::
+
+    x = RMSNorm(h, attn_norm)
+    h += attn_output(attend(rope(attn_q x), rope(attn_k x), value_scale * attn_v x; sinks, window))
+    x = RMSNorm(h, ffn_norm)
+    h += dense SwiGLU(x)  (layers without experts)  |  sum_k w_k * expert_{i_k}(x)
+
+* attention: ``mimo2.attention.sliding_window_pattern`` says which layers slide (1) over
+  ``mimo2.attention.sliding_window`` positions (the query included) and carry ``attn_sinks`` (one logit per
+  head in the softmax denominator); KV heads per layer from the ``head_count_kv`` array (the sliding layers
+  have twice the full layers'); q/k heads ``key_length`` wide, v heads ``value_length`` (narrower); V times
+  ``attention.value_scale``; scale 1/sqrt(key_length); partial rope NEOX over ``rope.dimension_count`` dims,
+  base ``rope.freq_base`` on full layers and ``rope.freq_base_swa`` on sliding ones;
+* router: scores ``sigmoid(ffn_gate_inp x)``; the correction bias ``exp_probs_b`` is added to *choose* the top-k
+  (HF ``e_score_correction_bias``), the chosen experts are weighted by the unbiased scores, renormalised
+  (``norm_topk_prob``; llama.cpp passes norm_w = true) and times ``expert_weights_scale`` (HF
+  ``routed_scaling_factor``, 1 when absent); ties keep the lower expert id;
+* experts: SwiGLU, no biases.
+
+Refused with a ColiError naming the key: a gating function other than sigmoid (``expert_gating_func`` 2), and
+group-limited routing (``expert_group_count`` > 1; MiMo-V2-Flash ships one group). The MTP blocks the converter
+appends (``nextn_predict_layers`` of the ``block_count``) are not loaded: the trunk runs alone until coli has
+speculative decoding.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from coli.errors import ColiError
+from cpu_kernels.norms import rms_norm
+from cpu_kernels.rope import NEOX
+
+from . import base, blocks
+from .gptoss import SinkAttention
+
+GATING_SIGMOID = 2   # llama.cpp LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+
+
+@dataclass
+class Args(base.BaseArgs):
+    """``BaseArgs`` plus MiMo-V2's per-layer KV heads and sliding pattern (``attention.head_count_kv`` /
+    ``attention.sliding_window_pattern`` arrays), the V head width (``attention.value_length``), the value scale,
+    the sliding layers' rope base (``rope.freq_base_swa``) and ``expert_weights_scale``."""
+
+    n_kv_layer: tuple = ()
+    swa_pattern: tuple = ()
+    head_dim_v: int = 0
+    value_scale: float = 1.0
+    rope_base_swa: float = 0.0
+    expert_weights_scale: float = 1.0
+
+
+def sigmoid_topk_bias(k: int, bias: np.ndarray, norm: bool, scale: float):
+    """The noaux_tc routing rule (HF ``MiMoV2FlashTopkRouter`` with one group): ``s = sigmoid(logits)``; the top-k
+    of ``s + bias`` (ties: lower id) chosen; weights ``s`` of those, divided by their sum (+1e-20) when ``norm``,
+    times ``scale``. logits f32 [R, E] -> (ids int32 [R, k], weights f32 [R, k])."""
+
+    def route(logits: np.ndarray):
+        s = (1.0 / (1.0 + np.exp(-logits.astype(np.float32)))).astype(np.float32)
+        ids = np.argsort(-(s + bias), axis=1, kind="stable")[:, :k]
+        w = np.take_along_axis(s, ids, axis=1)
+        if norm:
+            w = w / (w.sum(axis=1, keepdims=True) + np.float32(1e-20))
+        return ids.astype(np.int32), (w * np.float32(scale)).astype(np.float32)
+
+    return route
+
+
+class Attention(SinkAttention):
+    """MiMo-V2's attention: sink attention with V heads of their own width, scaled by ``value_scale``."""
+
+    def __init__(self, m, p: str, *, head_dim_v: int, value_scale: float, **kw):
+        super().__init__(m, p, **kw)
+        self.head_dim_v = head_dim_v
+        self.value_scale = np.float32(value_scale)
+
+    def new_cache(self, ctx: int) -> blocks.KV:
+        return blocks.KV(self.n_kv, ctx, self.head_dim, self.head_dim_v)
+
+    def __call__(self, x, xa, kv, pos0: int):
+        q, k, v = self.qkv(x, xa)
+        if self.value_scale != 1.0:
+            v *= self.value_scale
+        q, k, v = self.heads(q, k, v)
+        self.rope(q, k, pos0)
+        o = self.attend(q, k, v, kv, pos0)
+        return self.out(o.reshape(x.shape[0], -1))
+
+
+class DecoderLayer:
+    """``h += attn(attn_norm(h)); h += ffn(ffn_norm(h))`` with ffn the dense MLP or the MoE (module docstring)."""
+
+    def __init__(self, m, il: int):
+        p = f"blk.{il}."
+        a = m.args
+        self.m = m
+        sliding = bool(a.swa_pattern[il])
+        self.attn_norm = m.wt.f32(p + "attn_norm.weight")
+        self.attn = Attention(m, p, sinks=sliding, rope_kind=NEOX, window=a.sliding_window if sliding else 0,
+                              rope_base=a.rope_base_swa if sliding else a.rope_base, n_kv=a.n_kv_layer[il],
+                              head_dim_v=a.head_dim_v, value_scale=a.value_scale)
+        self.ffn_norm = m.wt.f32(p + "ffn_norm.weight")
+        self.moe = self.mlp = None
+        if m.wt.has(p + "ffn_gate_inp.weight"):
+            bias = m.wt.f32(p + "exp_probs_b.bias")
+            self.moe = blocks.MoE(m, p, il, route=sigmoid_topk_bias(a.top_k, bias, a.norm_topk, a.expert_weights_scale))
+        else:
+            self.mlp = blocks.MLP(m, p)
+
+    def new_cache(self, ctx: int):
+        return self.attn.new_cache(ctx)
+
+    def __call__(self, h, kv, pos0: int):
+        x, xa = self.m.norm_in(h, self.attn_norm)
+        h += self.attn(x, xa, kv, pos0)
+        if self.moe is not None:
+            h += self.moe(rms_norm(h, self.ffn_norm, self.m.args.eps))
+        else:
+            h += self.mlp(*self.m.norm_in(h, self.ffn_norm))
+        return h
+
+
+class Model(base.Model):
+    @staticmethod
+    def args_from(g):
+        a = g.arch
+        name = g.path.name
+        L = int(g.get(f"{a}.block_count", 0) or 0)
+        if L <= 0:
+            raise ColiError(f"{name}: metadata '{a}.block_count' is missing")
+        # the converter appends the MTP (next-token prediction) blocks after the trunk and counts them in
+        # block_count and the per-layer arrays; coli loads the trunk only (no speculative decoding yet)
+        mtp = int(g.get(f"{a}.nextn_predict_layers", 0) or 0)
+        if not 0 <= mtp < L:
+            raise ColiError(f"{name}: metadata '{a}.nextn_predict_layers': {mtp} of {L} blocks")
+
+        def per_layer(key, default):
+            v = g.get(f"{a}.{key}", default)
+            v = [int(x) for x in (v if isinstance(v, (list, tuple, np.ndarray)) else [v] * L)]
+            if len(v) != L:
+                raise ColiError(f"{name}: metadata '{a}.{key}': {len(v)} entries for {L} blocks")
+            return v[:L - mtp]
+
+        gating = g.get(f"{a}.expert_gating_func", GATING_SIGMOID)
+        if g.get(f"{a}.expert_count") and int(gating) != GATING_SIGMOID:
+            raise ColiError(f"{name}: metadata '{a}.expert_gating_func': {gating} (mimo2 routes with sigmoid, 2)")
+        groups = int(g.get(f"{a}.expert_group_count", 1) or 1)
+        if groups > 1:
+            raise ColiError(f"{name}: metadata '{a}.expert_group_count': {groups} (group-limited routing is not "
+                            "implemented for mimo2; MiMo-V2-Flash ships 1 group)")
+        n_kv = per_layer("attention.head_count_kv", g.get(f"{a}.attention.head_count", 1))
+        args = Args.from_gguf(g, n_layers=L - mtp, n_kv_layer=tuple(n_kv), swa_pattern=tuple(per_layer("attention.sliding_window_pattern", 0)),
+                              value_scale=float(g.get(f"{a}.attention.value_scale", 1.0)),
+                              expert_weights_scale=float(g.get(f"{a}.expert_weights_scale", 1.0) or 1.0))
+        args.head_dim_v = int(g.get(f"{a}.attention.value_length", args.head_dim))
+        args.rope_base_swa = float(g.get(f"{a}.rope.freq_base_swa", args.rope_base))
+        if any(args.swa_pattern) and args.sliding_window <= 0:
+            raise ColiError(f"{name}: metadata '{a}.attention.sliding_window' is missing (the pattern has sliding "
+                            "layers)")
+        return args
+
+    def make_layer(self, il):
+        return DecoderLayer(self, il)
+
+    @classmethod
+    def cache_bytes(cls, args, ctx: int) -> int:
+        """K f32 [n_kv(il), ctx, key_length] and V f32 [n_kv(il), ctx, value_length] per layer."""
+        return sum(blocks.KV.bytes_per_position(n, args.head_dim, args.head_dim_v) for n in args.n_kv_layer) * int(ctx)

@@ -1,0 +1,184 @@
+"""Multi-head latent attention (MLA) as a layer block, with its latent cache, and the DeepSeek routing rule.
+
+MLA (DeepSeek-V2; HF ``models/deepseek_v2/modeling_deepseek_v2.py`` ``DeepseekV2Attention``; llama.cpp
+``src/models/deepseek2.cpp``), for x f32 [T, D]:
+
+    q        = attn_q x                       or attn_q_b RMSNorm(attn_q_a x, attn_q_a_norm)   # [T, H, dn + dr]
+    [c, kr]  = attn_kv_a_mqa x                                                                # [T, r + dr]
+    c        = RMSNorm(c, attn_kv_a_norm);  kr, q[..., dn:] rotated (rope NORM: adjacent pairs, HF's complex form)
+    o        = absorbed attention over the cache (cpu_kernels.mla)                            # [T, H, dv]
+    out      = attn_output o
+
+The cache of a layer (:class:`LatentCache`) holds only c f32 [ctx, r] and kr f32 [ctx, dr]: (r + dr) * 4 bytes per
+position per layer, for every head (plain attention would keep 2 * H * head_dim * 4). The GGUF holds
+``attn_k_b`` [H, r, dn] and ``attn_v_b`` [H, dv, r] (llama.cpp's converter splits HF's ``kv_b_proj``); an older
+file with the unsplit ``attn_kv_b`` [H * (dn + dv), r] is split here the same way. docs/families.md
+"DeepSeek-V2 (MLA)".
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from coli.errors import ColiError
+from cpu_kernels import experts as grouped
+from cpu_kernels.mla import mla_attend
+from cpu_kernels.norms import rms_norm
+from cpu_kernels.rope import NORM, apply_rope
+
+
+class LatentCache:
+    """One MLA layer's cache: ``lat`` f32 [ctx, kv_lora_rank] (the normalized KV latent) and ``kr`` f32
+    [ctx, n_rot] (the rotated rope key); position p is row p, so the cache can be rewound like a KV cache."""
+
+    rewindable = True
+
+    def __init__(self, ctx: int, kv_lora_rank: int, n_rot: int):
+        self.lat = np.zeros((ctx, kv_lora_rank), np.float32)
+        self.kr = np.zeros((ctx, n_rot), np.float32)
+
+    def nbytes(self) -> int:
+        return self.lat.nbytes + self.kr.nbytes
+
+    @staticmethod
+    def bytes_per_position(kv_lora_rank: int, n_rot: int) -> int:
+        return 4 * (kv_lora_rank + n_rot)
+
+
+def _shape(wt, name, arr, want):
+    if tuple(arr.shape) != tuple(want):
+        raise ColiError(f"{wt.fname}: tensor '{name}': shape {list(arr.shape)}, expected {list(want)}")
+    return arr
+
+
+class MLA:
+    """The MLA block of one layer (tensors above, prefix ``p`` = ``blk.<il>.``). ``n_heads`` H, ``q_lora_rank``
+    (0: ``attn_q`` straight from x), ``kv_lora_rank`` r, ``nope`` dn, ``n_rot`` dr, ``v_dim`` dv; ``scale`` the
+    softmax scale; ``rope_base``/``rope_scaling`` the rope rule. ColiError naming a missing tensor or one whose
+    shape disagrees with these. ``__call__(x, xa, cache, pos0, sel=None) -> f32 [T, D]``; ``sel`` int64 [T, K]:
+    the positions each row attends to (a sparse indexer's choice), None = all earlier ones."""
+
+    def __init__(self, m, p: str, *, n_heads: int, q_lora_rank: int, kv_lora_rank: int, nope: int, n_rot: int,
+                 v_dim: int, scale: float, rope_base: float, rope_scaling):
+        self.m = m
+        wt = m.wt
+        self.H, self.r, self.dn, self.dr, self.dv = n_heads, kv_lora_rank, nope, n_rot, v_dim
+        self.scale = scale
+        self.rope_base, self.rope_scaling = rope_base, rope_scaling
+        self.eps = m.args.eps
+        self.attn_q = self.attn_q_a = self.attn_q_a_norm = self.attn_q_b = None
+        if q_lora_rank:
+            self.attn_q_a = wt.w(p + "attn_q_a.weight")
+            self.attn_q_a_norm = wt.f32(p + "attn_q_a_norm.weight")
+            self.attn_q_b = wt.w(p + "attn_q_b.weight")
+            first = self.attn_q_a
+        else:
+            self.attn_q = wt.w(p + "attn_q.weight")
+            first = self.attn_q
+        self.attn_kv_a_mqa = wt.w(p + "attn_kv_a_mqa.weight")
+        if self.attn_kv_a_mqa.shape[0] != kv_lora_rank + n_rot:
+            raise ColiError(f"{wt.fname}: tensor '{p}attn_kv_a_mqa.weight': {self.attn_kv_a_mqa.shape[0]} rows, "
+                            f"expected kv_lora_rank + rope dims = {kv_lora_rank + n_rot}")
+        self.attn_kv_a_norm = wt.f32(p + "attn_kv_a_norm.weight")
+        if wt.has(p + "attn_k_b.weight"):
+            self.attn_k_b = _shape(wt, p + "attn_k_b.weight", wt.f32(p + "attn_k_b.weight"), (n_heads, kv_lora_rank, nope))
+            self.attn_v_b = _shape(wt, p + "attn_v_b.weight", wt.f32(p + "attn_v_b.weight"), (n_heads, v_dim, kv_lora_rank))
+        else:  # an older file: HF's kv_b_proj unsplit, [H * (dn + dv), r]
+            kvb = _shape(wt, p + "attn_kv_b.weight", wt.f32(p + "attn_kv_b.weight"),
+                         (n_heads * (nope + v_dim), kv_lora_rank)).reshape(n_heads, nope + v_dim, kv_lora_rank)
+            self.attn_k_b = np.ascontiguousarray(kvb[:, :nope].transpose(0, 2, 1))
+            self.attn_v_b = np.ascontiguousarray(kvb[:, nope:])
+        self.attn_output = wt.w(p + "attn_output.weight")
+        # the two projections of x (q or q_a, and kv_a) in one grouped launch on x quantized once
+        pair = [first, self.attn_kv_a_mqa]
+        self.group = grouped.Group(pair) if all(grouped.supports(w) for w in pair) else None
+
+    def new_cache(self, ctx: int) -> LatentCache:
+        return LatentCache(ctx, self.r, self.dr)
+
+    def project(self, x, xa=None):
+        """``(q f32 [T, H, dn + dr], kv f32 [T, r + dr], q_resid)`` from x f32 [T, D]; ``q_resid`` f32 [T, q_lora_rank]
+        is ``RMSNorm(attn_q_a x)`` (what a DSA indexer reads), None without ``q_lora_rank``."""
+        m = self.m
+        first = self.attn_q if self.attn_q is not None else self.attn_q_a
+        if self.group is None or not m.grouped_rows(x.shape[0]):
+            a, kv = m.mm(first, x), m.mm(self.attn_kv_a_mqa, x)
+        else:
+            out = self.group(xa if xa is not None else grouped.Act(x, m.act))
+            o1 = first.shape[0]
+            a, kv = np.ascontiguousarray(out[:, :o1]), np.ascontiguousarray(out[:, o1:])
+        if self.attn_q is not None:
+            return a.reshape(x.shape[0], self.H, self.dn + self.dr), kv, None
+        qr = rms_norm(a, self.attn_q_a_norm, self.eps)
+        return m.mm(self.attn_q_b, qr).reshape(x.shape[0], self.H, self.dn + self.dr), kv, qr
+
+    def latent(self, kv, cache: LatentCache, pos0: int):
+        """Normalize and rotate the new rows' latent and rope key and write them at ``pos0 ..``."""
+        T = kv.shape[0]
+        c = rms_norm(np.ascontiguousarray(kv[:, :self.r]), self.attn_kv_a_norm, self.eps)
+        kr = np.ascontiguousarray(kv[:, self.r:]).reshape(T, 1, self.dr)
+        self.rope(kr, pos0)
+        cache.lat[pos0:pos0 + T] = c
+        cache.kr[pos0:pos0 + T] = kr[:, 0]
+
+    def rope(self, x, pos0: int):
+        """Rotate x f32 [T, heads, dr] in place at positions ``pos0 ..`` (adjacent pairs)."""
+        pos = np.arange(pos0, pos0 + x.shape[0], dtype=np.int64)
+        cos, sin = self.m.rope_table(self.rope_base, self.rope_scaling, self.dr)
+        apply_rope(x, pos, cos, sin, self.dr, NORM)
+
+    def attend(self, q, kv, cache: LatentCache, pos0: int, sel=None):
+        """Rope, the latent cache write, the absorbed attention and ``attn_output`` for ``project``'s q and kv:
+        f32 [T, D]."""
+        T = q.shape[0]
+        q_nope = np.ascontiguousarray(q[:, :, :self.dn])
+        q_pe = np.ascontiguousarray(q[:, :, self.dn:])
+        self.rope(q_pe, pos0)
+        self.latent(kv, cache, pos0)
+        o = mla_attend(q_nope, q_pe, self.attn_k_b, self.attn_v_b, cache.lat, cache.kr, pos0, self.scale, sel)
+        return self.m.mm(self.attn_output, o.reshape(T, self.H * self.dv))
+
+    def __call__(self, x, xa, cache: LatentCache, pos0: int, sel=None):
+        q, kv, _ = self.project(x, xa)
+        return self.attend(q, kv, cache, pos0, sel)
+
+def deepseek_route(k: int, *, gating: str = "softmax", n_group: int = 1, topk_group: int = 1,
+                   group_score: str = "max", norm: bool = False, scale: float = 1.0, bias: np.ndarray | None = None):
+    """The DeepSeek routing rule as a ``route`` callable (logits f32 [R, E] -> ids int32 [R, k], w f32 [R, k]).
+
+    Scores ``s`` = softmax (DeepSeek-V2) or sigmoid (V3, GLM-5) of the logits; the choice is made on ``s + bias``
+    (``exp_probs_b``, V3's ``e_score_correction_bias``; none in V2). With ``n_group`` > 1 the experts are split
+    into ``n_group`` contiguous groups, the ``topk_group`` groups with the best group score are kept (``max``:
+    the group's best, HF V2 ``group_limited_greedy``; ``top2sum``: the sum of its two best, HF V3 ``noaux_tc``
+    and llama.cpp ``build_moe_ffn`` for every file) and top-k is taken among their experts (ties: lower id).
+    Weights are the unbiased scores of the chosen experts, divided by their sum when ``norm``
+    (``expert_weights_norm``), times ``scale`` (``expert_weights_scale``, HF ``routed_scaling_factor``)."""
+    if gating not in ("softmax", "sigmoid"):
+        raise ColiError(f"expert gating function '{gating}' is not implemented (softmax, sigmoid)")
+
+    def route(logits: np.ndarray):
+        lg = logits.astype(np.float32)
+        if gating == "softmax":
+            s = np.exp(lg - lg.max(axis=1, keepdims=True))
+            s /= s.sum(axis=1, keepdims=True)
+        else:
+            s = 1.0 / (1.0 + np.exp(-lg))
+        choose = s if bias is None else s + bias
+        if n_group > 1:
+            R, E = choose.shape
+            gsc = choose.reshape(R, n_group, E // n_group)
+            if group_score == "max":
+                gs = gsc.max(axis=2)
+            else:
+                gs = np.sort(gsc, axis=2)[:, :, -2:].sum(axis=2)
+            keep = np.argsort(-gs, axis=1, kind="stable")[:, :topk_group]
+            mask = np.zeros((R, n_group), bool)
+            np.put_along_axis(mask, keep, True, axis=1)
+            choose = np.where(np.repeat(mask, E // n_group, axis=1), choose, -np.inf)
+        ids = np.argsort(-choose, axis=1, kind="stable")[:, :k]
+        w = np.take_along_axis(s, ids, axis=1)
+        if norm:
+            w = w / w.sum(axis=1, keepdims=True)
+        return ids.astype(np.int32), (w * np.float32(scale)).astype(np.float32)
+
+    return route
+

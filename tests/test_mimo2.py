@@ -1,0 +1,185 @@
+"""MiMo-V2-Flash (``mimo2``) against the HF oracle ``tests/fixtures/oracles/mimo2.*`` (scripts/oracle_mimo2.py;
+docs/families.md "MiMo-V2"): sliding layers with sinks and twice the KV heads, full layers, V heads narrower than
+Q/K, value scale, partial rope with per-kind bases, the sigmoid router whose correction bias chooses."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import FIXTURES
+
+ORACLE = FIXTURES / "oracles"
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    return np.load(ORACLE / "mimo2.npz")
+
+
+def _engine(tmp_path, **kw):
+    from coli.engine import Engine
+
+    return Engine(ORACLE / "mimo2.gguf", cpu_act="f32", usage=tmp_path / "u", save_usage=False, ctx=128, **kw)
+
+
+def _rel(got, ref):
+    return np.abs(got - ref).max(axis=-1) / np.abs(ref).max()
+
+
+@pytest.mark.parametrize("cache", [None, 1])
+def test_mimo2_oracle_prompt_and_decode(oracle, cache, tmp_path):
+    """88 prompt rows in one call, then 8 greedy steps one token at a time: within 1e-4 of the largest |logit| of
+    HF's at every position, argmax equal, HF's tokens."""
+    with _engine(tmp_path, expert_cache=cache) as eng:
+        m = eng.model
+        assert type(m).__module__ == "coli.models.mimo2"
+        assert m.args.n_kv_layer == (1, 2, 2, 1) and m.args.head_dim_v == 16 and m.args.head_dim == 24
+        kv = m.new_cache(128)
+        got = m.forward(oracle["ids"], kv, all_logits=True)
+        assert (_rel(got, oracle["logits"]) <= 1e-4).all(), _rel(got, oracle["logits"]).max()
+        assert (got.argmax(1) == oracle["logits"].argmax(1)).all()
+        last, gen = got[-1], []
+        for i, want in enumerate(oracle["gen_logits"]):
+            assert _rel(last, want) <= 1e-4, (i, _rel(last, want))
+            tok = int(last.argmax())
+            gen.append(tok)
+            last = m.forward([tok], kv)[0]
+        assert gen == oracle["gen_ids"].tolist()
+        assert kv.nbytes() == type(m).cache_bytes(m.args, 128)
+
+
+def test_mimo2_prompt_in_one_call_equals_one_at_a_time(oracle, tmp_path):
+    with _engine(tmp_path) as eng:
+        m = eng.model
+        whole = m.forward(oracle["ids"], m.new_cache(128), all_logits=True)
+        kv = m.new_cache(128)
+        single = np.concatenate([m.forward([t], kv) for t in oracle["ids"]])
+    assert (_rel(single, whole) <= 1e-5).all(), _rel(single, whole).max()
+    assert (single.argmax(1) == whole.argmax(1)).all()
+
+
+def test_mimo2_oracle_is_demanding(oracle, tmp_path):
+    """Each mechanism moves the logits by more than 1e-2 of the largest when it is dropped or done another way:
+    the sinks, the window, the sliding layers' rope base, the value scale, the correction bias choosing (not
+    choosing; or also weighting)."""
+    from coli.models import mimo2
+
+    ids, ref = oracle["ids"], oracle["logits"]
+    with _engine(tmp_path) as eng:
+        m = eng.model
+        run = lambda: _rel(m.forward(ids, m.new_cache(128), all_logits=True), ref).max()  # noqa: E731
+        assert run() <= 1e-4
+        slide = [L.attn for L, s in zip(m.layers, m.args.swa_pattern) if s]
+        assert slide and all(a.attn_sinks is not None for a in slide)
+        olds = [(a.attn_sinks, a.window, a.rope_base) for a in slide]
+        for a in slide:
+            a.attn_sinks = None
+        assert run() > 1e-2
+        for a, o in zip(slide, olds):
+            a.attn_sinks = o[0]
+            a.window = 0
+        assert run() > 1e-2
+        for a, o in zip(slide, olds):
+            a.window = o[1]
+            a.rope_base = m.args.rope_base
+        assert run() > 1e-2
+        for a, o in zip(slide, olds):
+            a.rope_base = o[2]
+        atts = [L.attn for L in m.layers]
+        for a in atts:
+            a.value_scale = np.float32(1.0)
+        assert run() > 1e-2
+        for a in atts:
+            a.value_scale = np.float32(m.args.value_scale)
+        assert run() <= 1e-4
+        moes = [L.moe for L in m.layers if L.moe is not None]
+        routes = [mo.route for mo in moes]
+        a = m.args
+        for mo in moes:                                   # the bias ignored when choosing
+            bias = m.wt.f32(f"blk.{mo.il}.exp_probs_b.bias")
+            mo.route = mimo2.sigmoid_topk_bias(a.top_k, np.zeros_like(bias), a.norm_topk, 1.0)
+        assert run() > 1e-2
+        for mo, r in zip(moes, routes):                   # the biased scores also weighting
+            bias = m.wt.f32(f"blk.{mo.il}.exp_probs_b.bias")
+
+            def biased(logits, bias=bias, r=r):
+                ids_, _ = r(logits)
+                s = 1.0 / (1.0 + np.exp(-logits)) + bias
+                w = np.take_along_axis(s, ids_, axis=1)
+                return ids_, (w / w.sum(axis=1, keepdims=True)).astype(np.float32)
+
+            mo.route = biased
+        assert run() > 1e-2
+        for mo, r in zip(moes, routes):
+            mo.route = r
+        assert run() <= 1e-4
+
+
+def test_mimo2_mtp_blocks_are_not_trunk_layers():
+    """A file with MTP blocks (``nextn_predict_layers``) counted in ``block_count`` and the per-layer arrays: the
+    trunk is the first ``block_count - nextn`` blocks and its per-layer values are the arrays' first entries."""
+    from coli.errors import ColiError
+    from coli.gguf_file import open_gguf
+    from coli.models import mimo2
+
+    g = open_gguf(ORACLE / "mimo2.gguf")
+    g.meta["mimo2.block_count"] = 5
+    g.meta["mimo2.nextn_predict_layers"] = 1
+    g.meta["mimo2.attention.head_count_kv"] = [1, 2, 2, 1, 2]
+    g.meta["mimo2.attention.sliding_window_pattern"] = [0, 1, 1, 0, 1]
+    a = mimo2.Model.args_from(g)
+    assert a.n_layers == 4 and a.n_kv_layer == (1, 2, 2, 1) and a.swa_pattern == (0, 1, 1, 0)
+    g.meta["mimo2.attention.sliding_window_pattern"] = [0, 1, 1, 0]
+    with pytest.raises(ColiError, match="sliding_window_pattern"):
+        mimo2.Model.args_from(g)
+
+
+def test_mimo2_refuses_group_routing_and_other_gating(tmp_path):
+    from coli.errors import ColiError
+    from coli.gguf_file import open_gguf
+    from coli.models import mimo2
+
+    g = open_gguf(ORACLE / "mimo2.gguf")
+    g.meta["mimo2.expert_group_count"] = 4
+    with pytest.raises(ColiError, match="mimo2.expert_group_count"):
+        mimo2.Model.args_from(g)
+    g.meta["mimo2.expert_group_count"] = 1
+    g.meta["mimo2.expert_gating_func"] = 1
+    with pytest.raises(ColiError, match="mimo2.expert_gating_func"):
+        mimo2.Model.args_from(g)
+
+
+def test_mimo2_tier_tokens_equal_cpu(oracle, tmp_path):
+    """The experts on Lavapipe (--device vulkan, balance on): the CPU's greedy tokens, HF's logits within 1e-4,
+    device pairs and dispatches > 0."""
+    from coli.engine import Engine
+    from tests.vk_util import HAVE_LOADER
+
+    if not HAVE_LOADER:
+        pytest.skip("libvulkan.so.1 not found (apt install libvulkan1 mesa-vulkan-drivers)")
+    kw = dict(threads=1, save_usage=False, quiet=True, cpu_act="f32", ctx=128)
+    ids = oracle["ids"][:40].tolist()
+    with Engine(ORACLE / "mimo2.gguf", usage=str(tmp_path / "a"), **kw) as eng:
+        cpu_ids = list(eng.generate(ids=ids, max_tokens=8, temp=0.0).ids)
+    with Engine(ORACLE / "mimo2.gguf", usage=str(tmp_path / "b"), device="vulkan", balance=True, **kw) as eng:
+        assert eng.tier is not None and eng.tier.on, "the Vulkan loader is installed but no device opened"
+        dev_ids = list(eng.generate(ids=ids, max_tokens=8, temp=0.0).ids)
+        lg = eng.logits(oracle["ids"])
+        assert eng.tier.device_pairs > 0 and eng.device.dispatches > 0
+    assert dev_ids == cpu_ids
+    assert (_rel(lg, oracle["logits"]) <= 1e-4).all(), _rel(lg, oracle["logits"]).max()
+
+
+def test_mimo2_keep_kv_turns_equal_fresh_runs(oracle, tmp_path):
+    """Conversation turns reusing the KV cache (keep_kv: the common prefix kept, a shorter one rewound past
+    the sliding window) give the tokens of a fresh run of the same ids."""
+    ids = oracle["ids"].tolist()
+    with _engine(tmp_path) as eng:
+        g1 = list(eng.generate(ids=ids[:50], max_tokens=4, keep_kv=True).ids)
+        t2 = ids[:50] + g1 + ids[50:60]
+        g2 = list(eng.generate(ids=t2, max_tokens=6, keep_kv=True).ids)
+        t3 = ids[:30] + ids[70:88]
+        g3 = list(eng.generate(ids=t3, max_tokens=6, keep_kv=True).ids)
+    with _engine(tmp_path) as eng:
+        assert list(eng.generate(ids=t2, max_tokens=6).ids) == g2
+        assert list(eng.generate(ids=t3, max_tokens=6).ids) == g3
