@@ -518,10 +518,19 @@ def gemm_q6_k(q, sc, d, x, out):
 
 
 # ----------------------------------------------------------------------------------------------- int8 activations
+# The smallest block amax that gets a scale: 127 * FLT_MIN (exact in f32), the amax whose d = amax/127 is the
+# smallest normal float. A block below it (all zeros, or values so small that d would be subnormal and 1/d
+# overflow to inf, giving inf/NaN codes) is all zeros with d = 0: llama.cpp's rule for a block whose scale is 0
+# (quantize_row_q8_0: id = d ? 1/d : 0, with d stored in f16, where such a block reads back as zeros), taken at
+# f32's normal floor so that the device (which may flush subnormals) rounds the same way (docs/vulkan.md).
+ACT_AMAX_MIN = np.float32(127.0 * 2.0**-126)
+
+
 @njit(parallel=True, nogil=True, cache=True)
 def _round_act_int8(x, y):
     """Per 32 activations: d = amax/127 (f32), q = rint(x * (1/d)) (round half to even), as llama.cpp's
     ``quantize_row_q8_0`` (ggml-quants.c) except that d stays f32; y = q * d. x f32 [T, I] -> y f32 [T, I].
+    A block with amax < ``ACT_AMAX_MIN`` (zeros, or a scale that would be subnormal) gets d = 0 and q = 0.
     No fastmath: the NumPy model in the tests reproduces the codes bit for bit."""
     T, I = x.shape
     for t in prange(T):
@@ -531,8 +540,11 @@ def _round_act_int8(x, y):
                 a = abs(x[t, b * 32 + j])
                 if a > amax:
                     amax = a
-            d = amax / np.float32(127.0)
-            idv = np.float32(1.0) / d if d != np.float32(0.0) else np.float32(0.0)
+            d = np.float32(0.0)
+            idv = np.float32(0.0)
+            if amax >= ACT_AMAX_MIN:
+                d = amax / np.float32(127.0)
+                idv = np.float32(1.0) / d
             for j in range(32):
                 y[t, b * 32 + j] = np.float32(np.rint(x[t, b * 32 + j] * idv)) * d
 
@@ -548,8 +560,11 @@ def _quantize_act_i8(x, xq, xd, xm):
                 a = abs(x[t, b * 32 + j])
                 if a > amax:
                     amax = a
-            d = amax / np.float32(127.0)
-            idv = np.float32(1.0) / d if d != np.float32(0.0) else np.float32(0.0)
+            d = np.float32(0.0)
+            idv = np.float32(0.0)
+            if amax >= ACT_AMAX_MIN:
+                d = amax / np.float32(127.0)
+                idv = np.float32(1.0) / d
             xd[t, b] = d
             s = 0
             for j in range(32):

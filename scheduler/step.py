@@ -128,13 +128,19 @@ class MoEStep:
 
     def _compute_many(self, layer, ews, xa, groups, K, pair_out, ffn=None):
         """The CPU experts ``ews`` [(e, ExpertWeights)] of one step in two parallel launches (gate+up+SwiGLU for
-        all, then all down rows; ``cpu_kernels.experts``), each pair written to ``pair_out[pair]``."""
+        all, then all down rows; ``cpu_kernels.experts``), each pair written to ``pair_out[pair]``. An expert in a
+        format without a grouped-kernel code runs alone (``expert_cpu``); the others still run grouped, so an
+        expert's arithmetic never depends on which experts share its batch (the reads that landed together:
+        invariant 1)."""
         if not ews:
             return
-        if not all(grouped.expert_desc(w) is not None for _, w in ews):
-            for e, w in ews:  # a format without a grouped-kernel code: one expert at a time
-                self._compute(layer, e, w, xa.x, groups[e], K, pair_out, ffn)
-            return
+        alone = [(e, w) for e, w in ews if grouped.expert_desc(w) is None]  # expert_desc: None without a code
+        for e, w in alone:  # a format without a grouped-kernel code: one expert at a time
+            self._compute(layer, e, w, xa.x, groups[e], K, pair_out, ffn)
+        if alone:
+            ews = [(e, w) for e, w in ews if all(e != a for a, _ in alone)]
+            if not ews:
+                return
         t0 = time.perf_counter()
         gs = [(groups[e] // K, groups[e]) for e, _ in ews]
         if ffn is None:

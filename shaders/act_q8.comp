@@ -2,10 +2,10 @@
 // The int8 activations of the expert batch (coli/vulkan/device.py, act "int8"): each block of 32 values of
 // H (f32 rows: the SwiGLU output of the gate/up pass, or the plain matmul's input) is rounded in place
 // exactly as the CPU's int8 activations (cpu_kernels/formats.py `_round_act_int8` / `quantize_act_int8`,
-// llama.cpp's quantize_row_q8_0 with an f32 block scale): d = amax / 127, q = roundEven(h * (1 / d)) (0
-// when d is 0). MODE 0 writes h = q * d (for the f32 kernels); MODE 1 packs the block in its own words for
-// gemv_i8.glsl: words 0-7 the 32 codes (element 4k in the low byte of word k), word 8 d. One invocation per
-// block: pc.nwork blocks from block pc.grp_off (a range of pairs' rows).
+// llama.cpp's quantize_row_q8_0 with an f32 block scale): d = amax / 127, q = roundEven(h * (1 / d)); a block
+// with amax < 127 * FLT_MIN has d = 0 and q = 0. MODE 0 writes h = q * d (for the f32 kernels); MODE 1 packs
+// the block in its own words for gemv_i8.glsl: words 0-7 the 32 codes (element 4k in the low byte of word k),
+// word 8 d. One invocation per block: pc.nwork blocks from block pc.grp_off (a range of pairs' rows).
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
 
@@ -41,7 +41,9 @@ void main() {
     float v[32];
     float amax = 0.0;
     [[unroll]] for (uint j = 0u; j < 32u; j++) { v[j] = H[base + j]; amax = max(amax, abs(v[j])); }
-    float d = amax != 0.0 ? div_rn(amax, 127.0) : 0.0;
+    // a block with amax < 127 * FLT_MIN (zeros, or a scale that would be subnormal: 1 / d overflows, and the
+    // device may flush it) is zeros with d = 0, as the CPU's ACT_AMAX_MIN; above it d and 1 / d are normal
+    float d = amax >= uintBitsToFloat(0x03fe0000u) ? div_rn(amax, 127.0) : 0.0;
     float idv = d != 0.0 ? div_rn(1.0, d) : 0.0;
     if (MODE == 0u) {
         [[unroll]] for (uint j = 0u; j < 32u; j++) {

@@ -86,13 +86,15 @@ def weight(type_name: str, O: int, I: int, rng, scale: float = 1.0):
 
 def act_model(x: np.ndarray, act: str) -> np.ndarray:
     """The activations the kernels multiply, float64: x itself (f32), or its int8 rounding per 32 (exact model of
-    ``cpu_kernels.formats.quantize_act_int8``: d = amax/127 in f32, q = rint(x * (1/d)), ties to even)."""
+    ``cpu_kernels.formats.quantize_act_int8``: d = amax/127 in f32, q = rint(x * (1/d)), ties to even; a block
+    whose d is not a normal f32 is zeros)."""
     x = np.asarray(x, np.float32)
     if act == "f32":
         return x.astype(np.float64)
     T, I = x.shape
     xb = x.reshape(T, I // 32, 32)
     d = (np.abs(xb).max(axis=-1) / np.float32(127.0)).astype(np.float32)
+    d = np.where(d >= np.finfo(np.float32).tiny, d, np.float32(0.0))   # no normal scale: a zero block
     with np.errstate(divide="ignore"):
         idv = np.where(d != 0, np.float32(1.0) / d, np.float32(0.0)).astype(np.float32)
     q = np.rint(xb * idv[:, :, None])
@@ -156,6 +158,7 @@ def expert_reference(x, w, act):
     R, Fd = h.shape
     hb = h.reshape(R, Fd // 32, 32)
     d = (np.abs(hb).max(axis=-1) / np.float32(127.0)).astype(np.float32)
+    d = np.where(d >= np.finfo(np.float32).tiny, d, np.float32(0.0))
     with np.errstate(divide="ignore", invalid="ignore"):
         t = np.where(d[..., None] != 0, hb.astype(np.float64) / d[..., None], 0.0)
     tie = np.abs(np.abs(t - np.floor(t)) - 0.5) < 1e-3
@@ -175,10 +178,11 @@ def run_case(be: Backend, type_name: str, op: str, act: str) -> float:
                 x = rng.standard_normal((T, I)).astype(np.float32)
                 if act == "int8":
                     x[0, :32] = 0.0   # an all-zero activation block: d = 0
+                    x[-1, 32:64] = np.float32(1e-39)   # a subnormal block: no normal scale, zeros too
                 w0 = be.work()
                 y = be.matmul(type_name, raw, (O, I), x, act)
                 assert be.work() > w0, f"{be.name} did no work"
-                assert y.shape == (T, O) and y.dtype == np.float32
+                assert y.shape == (T, O) and y.dtype == np.float32 and np.isfinite(y).all()
                 worst = max(worst, err(y, act_model(x, act) @ W.T))
         return worst
     # expert batch: E experts, R rows top-2; expert 0 gets >= 18 rows (its groups take the GEMM)
@@ -196,11 +200,13 @@ def run_case(be: Backend, type_name: str, op: str, act: str) -> float:
     ids[:18, 0] = 0
     ids[:18, 1] = np.where(ids[:18, 1] == 0, 1, ids[:18, 1])
     x = rng.standard_normal((R, D)).astype(np.float32)
+    if act == "int8":
+        x[1, 32:64] = np.float32(1e-39)   # a subnormal block: no normal scale, zeros
     rows, eids = np.repeat(np.arange(R), K), ids.reshape(-1)
     w0 = be.work()
     y = be.experts(specs, x, rows, eids, act)
     assert be.work() > w0, f"{be.name} did no work"
-    assert y.shape == (R * K, D)
+    assert y.shape == (R * K, D) and np.isfinite(y).all()
     with np.errstate(over="ignore"):   # exp(-g) of a large negative gate: silu -> 0, as it should
         refs = [expert_reference(x[r:r + 1], ws[e], act) for r, e in zip(rows, eids)]
     want = np.concatenate([w for w, _ in refs])

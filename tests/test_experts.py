@@ -12,7 +12,7 @@ import pytest
 
 from cpu_kernels import experts as X
 from cpu_kernels import formats as F
-from test_formats import _check, _q8_act_model, _random_raw, _ref
+from test_formats import _check, _q8_act_model, _random_raw, _ref, tiny_blocks
 
 # (O, I) per block size: small, an odd number of 16-row blocks, an odd block count for the Q4 pair layout
 SHAPES = {1: (40, 96), 32: (40, 96), 256: (24, 512)}
@@ -46,6 +46,7 @@ def test_group_matches_reference(name, act):
     T = 3
     x = rng.standard_normal((T, ws[0].shape[1])).astype(np.float32)
     x[0, :32] = 0.0  # an all-zero activation block
+    x[1, 32:64] = np.float32(1e-39)  # a subnormal block: no normal scale, zeros with int8
     got = X.Group(ws)(X.Act(x, act))
     xa = _act_rows(x, act) if F.FORMATS[name].int8 else x.astype(np.float64)
     want = np.concatenate([xa @ W.T for W in Ws], axis=1)
@@ -157,3 +158,42 @@ def test_fused_rms_norm_quantize_is_bit_equal_to_the_two_kernels():
         assert np.array_equal(xa.xq, q) and np.array_equal(xa.xd, d)
     else:  # no VNNI: the rounded activations in F32 mode
         assert np.array_equal(xa.x, (q.reshape(2, -1, 32) * d[:, :, None]).reshape(2, 256).astype(np.float32))
+
+
+@pytest.mark.parametrize("vnni", [True, False])
+def test_tiny_blocks_through_the_grouped_kernels_are_finite(monkeypatch, vnni):
+    """The activation blocks without a normal scale (tests/test_formats.tiny_blocks: subnormal values, zeros,
+    1e-37) through every int8 quantizer of this module: quantize_rows and the fused RMSNorm + quantization give
+    the NumPy model's codes and scales; the grouped GEMV and the SwiGLU FFN on those rows are finite, exactly 0
+    where the whole row has no normal scale, and within 2e-5 of the reference elsewhere. vnni False: the
+    F32-mode fallback (rows rounded by formats._round_act_int8)."""
+    if vnni and not X.HAVE_VNNI:
+        pytest.skip("no AVX-512 VNNI: the I8 mode is not built here")
+    monkeypatch.setattr(X, "HAVE_VNNI", vnni)
+    rng = np.random.default_rng(21)
+    x = tiny_blocks()
+    qm, dm = _q8_act_model(x)
+    if vnni:
+        xq, xd, xm = X.quantize_rows(x)
+        assert np.array_equal(xq, qm) and np.array_equal(xd, dm)
+        assert np.array_equal(xm, dm * qm.reshape(3, -1, 32).sum(axis=-1, dtype=np.int64).astype(np.float32))
+    # the fused RMSNorm + quantization: a weight of 1e-39 / 0 / 1e-37 per block makes the same kinds of blocks
+    h = rng.standard_normal((2, 256)).astype(np.float32)
+    w = rng.standard_normal(256).astype(np.float32)
+    w[:32], w[32:64], w[64:96] = np.float32(1e-39), 0.0, np.float32(1e-37)
+    xn, xa = X.Act.rms_norm(h, w, 1e-6, "int8")
+    qn, dn = _q8_act_model(xn)
+    assert xa.mode == (X.I8 if vnni else X.F32)
+    assert not dn[:, :3].any()
+    if vnni:
+        assert np.array_equal(xa.xq, qn) and np.array_equal(xa.xd, dn)
+    else:
+        assert np.array_equal(xa.x, (qn.reshape(2, -1, 32) * dn[:, :, None]).reshape(2, 256).astype(np.float32))
+    ws, Ws = _weights("Q8_0", 2, rng, O=40, I=256)
+    got = X.Group(ws)(X.Act(x, "int8"))
+    assert np.isfinite(got).all() and not got[:2].any()
+    _check(got[2:], np.concatenate([_act_rows(x, "int8")[2:] @ W.T for W in Ws], axis=1), "tiny blocks grouped")
+    (g, u), (G, U) = _weights("Q4_K", 2, rng, O=512, I=256)
+    (d,), (Dw,) = _weights("Q4_K", 1, rng, O=256, I=512)
+    y = X.FFN(g, u, d, X.ACT_SWIGLU, 0.0, "int8")(X.Act(x, "int8"))
+    assert np.isfinite(y).all() and not y[:2].any()

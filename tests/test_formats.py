@@ -31,10 +31,12 @@ def _check(got, want, what):
 
 
 def _q8_act_model(x: np.ndarray):
-    """NumPy model of the int8 activation rounding: per 32, d = amax/127 (f32), q = rint(x * (1/d))."""
+    """NumPy model of the int8 activation rounding: per 32, d = amax/127 (f32), q = rint(x * (1/d)); a block
+    whose d is not a normal f32 (0 or subnormal, where 1/d overflows) is zeros with d = 0."""
     T, I = x.shape
     xb = x.reshape(T, I // 32, 32)
     d = (np.abs(xb).max(axis=-1) / np.float32(127.0)).astype(np.float32)
+    d = np.where(d >= np.finfo(np.float32).tiny, d, np.float32(0.0))
     with np.errstate(divide="ignore"):
         idv = np.where(d != 0, np.float32(1.0) / d, np.float32(0.0)).astype(np.float32)
     q = np.rint(xb * idv[:, :, None]).astype(np.int8)
@@ -74,6 +76,42 @@ def test_int8_activation_quantization_is_bit_exact():
     qm, dm = _q8_act_model(x)
     assert np.array_equal(q, qm) and np.array_equal(d, dm)
     assert np.abs(q).max() == 127 and q.dtype == np.int8
+
+
+def tiny_blocks(rows: int = 3, I: int = 256, seed: int = 5) -> np.ndarray:
+    """f32 [rows, I] activations with the blocks that have no normal scale: row 0 subnormal values (1e-39),
+    row 1 exact zeros, and in row 2 (random otherwise) a block of 1e-37 (normal, but amax/127 is subnormal),
+    a block whose amax is 127 * FLT_MIN (d = FLT_MIN, the smallest scale kept) and one just below it."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, I)).astype(np.float32)
+    x[0] = np.float32(1e-39) * np.sign(rng.standard_normal(I)).astype(np.float32)
+    x[1] = 0.0
+    x[2, 0:32] = np.float32(-1e-37)
+    lo = np.float32(127.0 * 2.0**-126)
+    x[2, 32:64] = (rng.uniform(-1, 1, 32) * lo).astype(np.float32)
+    x[2, 32] = lo
+    x[2, 64:96] = (rng.uniform(-1, 1, 32) * lo).astype(np.float32) * np.float32(0.5)
+    x[2, 64] = np.nextafter(lo, np.float32(0.0))
+    return x
+
+
+def test_int8_activation_tiny_blocks_are_zeros_not_nan():
+    """A block whose scale would be subnormal (1/d = inf: inf/NaN codes before) is zeros with d = 0, in the
+    codes (quantize_act_int8) and the rounded f32 values (_round_act_int8), equal to the NumPy model; the
+    smallest normal scale is kept."""
+    x = tiny_blocks()
+    q, d = F.quantize_act_int8(x)
+    qm, dm = _q8_act_model(x)
+    assert np.array_equal(q, qm) and np.array_equal(d, dm)
+    assert not q[:2].any() and not d[:2].any()
+    assert d[2, 0] == 0 and not q[2, :32].any()
+    assert d[2, 1] == np.finfo(np.float32).tiny and np.abs(q[2, 32:64]).max() == 127
+    assert d[2, 2] == 0 and not q[2, 64:96].any()
+    assert F.ACT_AMAX_MIN == np.float32(127.0 * 2.0**-126)
+    y = np.empty_like(x)
+    F._round_act_int8(x, y)
+    assert np.isfinite(y).all()
+    assert np.array_equal(y, (qm.reshape(3, -1, 32) * dm[:, :, None]).reshape(x.shape).astype(np.float32))
 
 
 REAL = [  # (model, tensor name, type) -- rows of real files, the best test data

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from test_formats import _q8_act_model, tiny_blocks
 from tests.vk_util import make_expert, numpy_expert, rel_err, requires_vulkan
 
 pytestmark = requires_vulkan
@@ -39,8 +40,8 @@ def identity_q8_0(n):
 
 @pytest.mark.parametrize("i8,rows", [(False, 12), (True, 12), (True, 24)])
 def test_device_rounding_equals_the_cpus_bit_for_bit(dev, i8, rows):
-    """shaders/act_q8.comp against quantize_act_int8: every value equal (ties to even, zero blocks, scales
-    from 1e-3 to 1e3), read back through an identity Q8_0 matmul (one exact product per output): rounded in
+    """shaders/act_q8.comp against quantize_act_int8: every value equal (ties to even, zero blocks, blocks
+    without a normal scale, scales from 1e-3 to 1e3), read back through an identity Q8_0 matmul (one exact product per output): rounded in
     place for the f32 GEMV (i8 False) and GEMM (24 rows), or packed as codes and scale for the integer-dot
     GEMV (i8 True, 12 rows)."""
     dev.i8 = i8
@@ -51,11 +52,15 @@ def test_device_rounding_equals_the_cpus_bit_for_bit(dev, i8, rows):
     x[1, :32] = 0.0                                          # a zero block: d = 0, codes 0
     x[2, :32] = 0.0
     x[2, :6] = [127.0, 2.5, -3.5, 0.5, -0.5, 1.5]            # d = 1: exact halves round to even
+    x[3:6] = tiny_blocks(3, n)                               # no normal scale (subnormal, 0, 1e-37): zeros
     d0 = dev.dispatches
     y = dev.matmul("Q8_0", raw, (n, n), x, act="int8")
     assert dev.dispatches - d0 == 2                          # the rounding kernel and the GEMV
     ref = cpu_rounded(x)
+    assert np.isfinite(y).all() and not y[3:5].any()
     assert np.array_equal(y, ref)
+    q, d = _q8_act_model(x)                                  # the NumPy model, not only the CPU kernel
+    assert np.array_equal(ref, (q.reshape(rows, -1, 32) * d[:, :, None]).reshape(rows, n).astype(np.float32))
     assert list(y[2, :6]) == [127.0, 2.0, -4.0, 0.0, -0.0, 2.0]
     if i8 and rows < dev.gemm_rows:
         assert (dev.i8_kernel, "Q8_0", 0) in dev._pipes

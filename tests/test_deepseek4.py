@@ -1,0 +1,237 @@
+"""DeepSeek-V4 (``deepseek4``) against the HF oracle ``tests/fixtures/oracles/deepseek4.*``
+(scripts/oracle_deepseek4.py; docs/families.md "DeepSeek-V4"): hyper-connection streams, the sliding K=V head
+with sinks, CSA (overlapping compressor + lightning indexer) and HCA compressed entries, the grouped output
+projection, hash and sqrt-softplus routing, MXFP4 experts with the clamped SwiGLU."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import FIXTURES
+
+ORACLE = FIXTURES / "oracles"
+GGUF = ORACLE / "deepseek4.gguf"
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    return np.load(ORACLE / "deepseek4.npz")
+
+
+def _engine(tmp_path, **kw):
+    from coli.engine import Engine
+
+    return Engine(GGUF, cpu_act="f32", usage=tmp_path / "u", save_usage=False, ctx=128, **kw)
+
+
+def _rel(got, ref):
+    return np.abs(got - ref).max(axis=-1) / np.abs(ref).max()
+
+
+@pytest.mark.parametrize("cache", [None, 1])
+def test_deepseek4_oracle_prompt_and_decode(oracle, cache, tmp_path):
+    """96 prompt rows in one call, then 8 greedy steps one token at a time: within 1e-4 of the largest |logit| of
+    HF's at every position, argmax equal, HF's tokens; the cache's bytes are what cache_bytes says."""
+    with _engine(tmp_path, expert_cache=cache) as eng:
+        m = eng.model
+        assert type(m).__module__ == "coli.models.deepseek4"
+        a = m.args
+        assert a.ratios == (0, 4, 16, 4) and a.hc == 4 and a.n_hash == 1 and a.idx_topk == 4
+        assert m.t["blk.1.ffn_gate_exps.weight"].type_name == "MXFP4"
+        assert {m.t[f"blk.{il}.ffn_gate_inp.weight"].type_name for il in range(4)} == {"BF16"}
+        kv = m.new_cache(128)
+        assert not kv.rewindable
+        got = m.forward(oracle["ids"], kv, all_logits=True)
+        assert (_rel(got, oracle["logits"]) <= 1e-4).all(), _rel(got, oracle["logits"]).max()
+        assert (got.argmax(1) == oracle["logits"].argmax(1)).all()
+        last, gen = got[-1], []
+        for i, want in enumerate(oracle["gen_logits"]):
+            assert _rel(last, want) <= 1e-4, (i, _rel(last, want))
+            tok = int(last.argmax())
+            gen.append(tok)
+            last = m.forward([tok], kv)[0]
+        assert gen == oracle["gen_ids"].tolist()
+        assert kv.nbytes() == type(m).cache_bytes(m.args, 128)
+
+
+def test_deepseek4_indexer_picks_and_experts_equal_hf(oracle, tmp_path):
+    """On the prompt (one call): the CSA layers' indexer picks are HF's top-k set at every row (-1 = fewer entries
+    visible than top-k), and every layer's experts (hash layer: tid2eid; the others: top-k of the biased scores)
+    are HF's."""
+    from coli.models import deepseek4 as d4
+
+    got_picks, got_ids = [], []
+    picks, route = d4.Attention.indexer_picks, d4.MoE.route_tokens
+
+    def spy_picks(self, *a):
+        r = picks(self, *a)
+        got_picks.append(r.copy())
+        return r
+
+    def spy_route(self, *a):
+        r = route(self, *a)
+        got_ids.append(np.sort(r[0], axis=1))
+        return r
+
+    with _engine(tmp_path) as eng:
+        m = eng.model
+        try:
+            d4.Attention.indexer_picks, d4.MoE.route_tokens = spy_picks, spy_route
+            m.forward(oracle["ids"], m.new_cache(128), all_logits=True)
+        finally:
+            d4.Attention.indexer_picks, d4.MoE.route_tokens = picks, route
+    want = oracle["indexer_picks"]
+    assert len(got_picks) == want.shape[0] == 2
+    for mask, hf in zip(got_picks, want):
+        for t in range(hf.shape[0]):
+            assert set(np.flatnonzero(mask[t])) == {int(i) for i in hf[t] if i >= 0}, t
+    assert (np.stack(got_ids) == oracle["expert_ids"]).all()
+
+
+def test_deepseek4_prompt_in_one_call_equals_one_at_a_time(oracle, tmp_path):
+    """The window ring, the compressors' open windows and the CSA overlap carried across calls: the prompt one
+    token at a time, and in uneven chunks, equals it in one call."""
+    ids = oracle["ids"]
+    with _engine(tmp_path) as eng:
+        m = eng.model
+        whole = m.forward(ids, m.new_cache(128), all_logits=True)
+        kv = m.new_cache(128)
+        single = np.concatenate([m.forward([t], kv) for t in ids])
+        kv = m.new_cache(128)
+        cuts = [0, 3, 21, 22, 50, 96]
+        chunks = np.concatenate([m.forward(ids[s:e], kv, all_logits=True) for s, e in zip(cuts, cuts[1:])])
+    assert (_rel(single, whole) <= 1e-5).all(), _rel(single, whole).max()
+    assert (_rel(chunks, whole) <= 1e-5).all(), _rel(chunks, whole).max()
+    assert (single.argmax(1) == whole.argmax(1)).all()
+
+
+def test_deepseek4_oracle_is_demanding(oracle, tmp_path):
+    """Each mechanism moves the logits by more than 1e-2 of the largest when it is dropped or done another way:
+    the sinks, the window (all positions seen), the indexer (every visible CSA entry taken), the compressed
+    entries (none), the hash routing (top-k instead), the correction bias (not choosing), the SwiGLU clamp, the
+    Sinkhorn projection (one step)."""
+    from coli.models import deepseek4 as d4
+
+    ids, ref = oracle["ids"], oracle["logits"]
+    with _engine(tmp_path) as eng:
+        m = eng.model
+        run = lambda: _rel(m.forward(ids, m.new_cache(128), all_logits=True), ref).max()  # noqa: E731
+        assert run() <= 1e-4
+        atts = [L.attn for L in m.layers]
+        moes = [L.moe for L in m.layers]
+
+        sinks = [a.sinks for a in atts]
+        for a in atts:
+            a.sinks = np.full_like(a.sinks, -np.inf)
+        assert run() > 1e-2
+        for a, s in zip(atts, sinks):
+            a.sinks = s
+
+        W = atts[0].W
+        for a in atts:
+            a.W = 128
+        assert run() > 1e-2                 # every position seen (the ring is made W rows by new_cache)
+        for a in atts:
+            a.W = W
+
+        picks = d4.Attention.indexer_picks
+        try:
+            d4.Attention.indexer_picks = lambda self, x, qr, c, pos, cos, sin: (
+                np.arange(c.states["indexer"].n)[None, :] < ((pos + 1) // self.ratio)[:, None])
+            assert run() > 1e-2
+        finally:
+            d4.Attention.indexer_picks = picks
+
+        comps = [a.comp for a in atts]
+        idx = [a.idx_comp for a in atts]
+        for a in atts:
+            a.comp = a.idx_comp = None
+        assert run() > 1e-2
+        for a, c, i in zip(atts, comps, idx):
+            a.comp, a.idx_comp = c, i
+        assert run() <= 1e-4
+
+        moes[0].hash, moes[0].bias = False, np.zeros(m.args.n_experts, np.float32)
+        assert run() > 1e-2
+        moes[0].hash = True
+        biases = [mo.bias for mo in moes[1:]]
+        for mo in moes[1:]:
+            mo.bias = np.zeros_like(mo.bias)
+        assert run() > 1e-2
+        for mo, b in zip(moes[1:], biases):
+            mo.bias = b
+
+        ffns = [mo.ffn for mo in moes]
+        from cpu_kernels import experts as grouped
+        for mo in moes:
+            mo.ffn = grouped.ExpertFFN(grouped.ACT_SWIGLU, 0.0)
+        assert run() > 1e-2
+        for mo, f in zip(moes, ffns):
+            mo.ffn = f
+
+        hcs = [L.hc_attn for L in m.layers] + [L.hc_ffn for L in m.layers]
+        for h in hcs:
+            h.iters = 1
+        assert run() > 1e-2
+        for h in hcs:
+            h.iters = m.args.hc_iters
+        assert run() <= 1e-4
+
+
+def test_deepseek4_window_and_compressor_state_belong_to_the_cache(oracle, tmp_path):
+    """A used cache continues, a fresh one restarts: keep_kv turns (the cache is not rewindable, so the engine
+    starts a fresh one when the prefix is not kept) give the tokens of fresh runs."""
+    ids = oracle["ids"].tolist()
+    with _engine(tmp_path) as eng:
+        g1 = list(eng.generate(ids=ids[:50], max_tokens=4, temp=0.0, keep_kv=True).ids)
+        t2 = ids[:50] + g1 + ids[50:60]
+        g2 = list(eng.generate(ids=t2, max_tokens=6, temp=0.0, keep_kv=True).ids)
+        t3 = ids[:30] + ids[70:88]
+        g3 = list(eng.generate(ids=t3, max_tokens=6, temp=0.0, keep_kv=True).ids)
+    with _engine(tmp_path) as eng:
+        assert list(eng.generate(ids=t2, max_tokens=6, temp=0.0).ids) == g2
+        assert list(eng.generate(ids=t3, max_tokens=6, temp=0.0).ids) == g3
+
+
+def test_deepseek4_refuses_bad_metadata():
+    from coli.errors import ColiError
+    from coli.gguf_file import open_gguf
+    from coli.models import deepseek4
+
+    g = open_gguf(GGUF)
+    g.meta["deepseek4.attention.compress_ratios"] = [0, 4, 16]
+    with pytest.raises(ColiError, match="compress_ratios"):
+        deepseek4.Model.args_from(g)
+    g = open_gguf(GGUF)
+    g.meta["deepseek4.expert_gating_func"] = 1
+    with pytest.raises(ColiError, match="expert_gating_func"):
+        deepseek4.Model.args_from(g)
+    g = open_gguf(GGUF)
+    g.meta["deepseek4.nextn_predict_layers"] = 1
+    with pytest.raises(ColiError, match="nextn_predict_layers"):
+        deepseek4.Model.args_from(g)
+    g = open_gguf(GGUF)
+    del g.meta["deepseek4.hyper_connection.count"]
+    with pytest.raises(ColiError, match="hyper_connection.count"):
+        deepseek4.Model.args_from(g)
+
+
+def test_deepseek4_tier_tokens_equal_cpu(oracle, tmp_path):
+    """The MXFP4 experts with the clamped SwiGLU on Lavapipe (--device vulkan, balance on): the CPU's greedy
+    tokens, HF's logits within 1e-4, device pairs and dispatches > 0."""
+    from coli.engine import Engine
+    from tests.vk_util import HAVE_LOADER
+
+    if not HAVE_LOADER:
+        pytest.skip("libvulkan.so.1 not found (apt install libvulkan1 mesa-vulkan-drivers)")
+    kw = dict(threads=1, save_usage=False, quiet=True, cpu_act="f32", ctx=128)
+    ids = oracle["ids"][:40].tolist()
+    with Engine(GGUF, usage=str(tmp_path / "a"), **kw) as eng:
+        cpu_ids = list(eng.generate(ids=ids, max_tokens=8, temp=0.0).ids)
+    with Engine(GGUF, usage=str(tmp_path / "b"), device="vulkan", balance=True, **kw) as eng:
+        assert eng.tier is not None and eng.tier.on, "the Vulkan loader is installed but no device opened"
+        dev_ids = list(eng.generate(ids=ids, max_tokens=8, temp=0.0).ids)
+        lg = eng.logits(oracle["ids"])
+        assert eng.tier.device_pairs > 0 and eng.device.dispatches > 0
+    assert dev_ids == cpu_ids
+    assert (_rel(lg, oracle["logits"]) <= 1e-4).all(), _rel(lg, oracle["logits"]).max()
