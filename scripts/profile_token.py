@@ -55,6 +55,8 @@ _KERNELS = {  # module-level kernel names in coli.models.blocks / base / the fam
     "geglu_tanh": {None: "dense FFN"},
     "mla_attend": {None: "attention core"},
     "dsa_topk": {None: "attention core"},
+    "kda": {None: "attention core"},                  # coli/models/kimi.py: the KDA recurrence + gated norm
+    "causal_conv1d_silu": {None: "attention core"},   # and its short convolutions
 }
 _METHODS = {  # (class, method) of the blocks and the model: the part of their own (exclusive) time
     ("Attention", "__call__"): ("attention", "attention core"),
@@ -71,9 +73,12 @@ _METHODS = {  # (class, method) of the blocks and the model: the part of their o
     ("MLA", "attend"): ("mla_attend_block", "attention core"),
     ("DSA", "__call__"): ("attention", "attention core"),   # coli/models/glmdsa.py: the indexer is attention core
     ("Indexer", "__call__"): ("indexer", "attention core"),
+    ("KDA", "__call__"): ("kda_block", "attention core"),   # coli/models/kimi.py: its matmuls are attention matmuls
+    ("KDA", "projections"): ("qkv", "attention matmuls"),
 }
 _MM = {"qkv": "attention matmuls", "out": "attention matmuls", "dense_ffn": "dense FFN", "forward": "lm_head",
-       "moe": "router", "mla_attend_block": "attention matmuls", "indexer": "attention core"}
+       "moe": "router", "mla_attend_block": "attention matmuls", "indexer": "attention core",
+       "kda_block": "attention matmuls"}
 
 
 class Profiler:
@@ -115,6 +120,7 @@ def instrument(model, prof: Profiler):
     import coli.models.base as base
     import coli.models.blocks as blocks
     import coli.models.glmdsa as glmdsa
+    import coli.models.kimi as kimi
     import coli.models.mla as mla
 
     undo = []
@@ -125,12 +131,12 @@ def instrument(model, prof: Profiler):
         undo.append(lambda: setattr(obj, name, orig))
 
     family = importlib.import_module(type(model).__module__)
-    for mod in {blocks, base, family, mla, glmdsa}:
+    for mod in {blocks, base, family, mla, glmdsa, kimi}:
         for name, table in _KERNELS.items():
             if name in vars(mod):
                 patch(mod, name, prof.wrap(name, vars(mod)[name], lambda c, t=table: t.get(c, t.get(None))))
     classes = {"Attention": blocks.Attention, "MLP": blocks.MLP, "MoE": blocks.MoE, "Model": base.Model,
-               "MLA": mla.MLA, "DSA": glmdsa.DSA, "Indexer": glmdsa.Indexer}
+               "MLA": mla.MLA, "DSA": glmdsa.DSA, "Indexer": glmdsa.Indexer, "KDA": kimi.KDA}
     for (cls_name, meth), (label, part) in _METHODS.items():
         cls = classes[cls_name]
         patch(cls, meth, prof.wrap(label, getattr(cls, meth), lambda c, p=part: p))
