@@ -787,7 +787,8 @@ def experts(ws, groups, act: Act, pair_out: np.ndarray, kind: int, limit: float,
     gd, ud, dd = d3[0], d3[1], d3[2]
     P = int(pstart[-1])
     a = np.empty((P, int(gd[0, 1])), np.float32)
-    if act.mode == I8 and max(sizes) >= GEMM_MIN_ROWS:
+    if act.mode == I8 and max(sizes) >= GEMM_MIN_ROWS and not (d3[:, :, 0] == FC_F32).any():
+        # (float experts have no int8 codes: they keep ffn_gate_up's decode path on the f32 rows)
         _experts_gemm(gd, ud, dd, pstart, src, dst, act, a, pair_out, kind, limit, act_mode)
         return
     ffn_gate_up(gd, ud, pstart, src, act.mode, act.xq, act.xd, act.xm, act.x, kind, np.float32(limit), a)

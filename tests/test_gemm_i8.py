@@ -150,3 +150,31 @@ def test_shapes_without_whole_steps_keep_the_f32_gemm():
     w3 = F.prepare("Q8_0", _random_raw("Q8_0", 3, 64, rng), (3, 64))
     assert not G.supports(w8, 32) and not G.supports(w4, 32) and not G.supports(w3, 32)
     assert G.supports(F.prepare("Q8_0", _random_raw("Q8_0", 16, 64, rng), (16, 64)), 32)
+
+
+def test_float_experts_in_an_int8_prompt_chunk_keep_the_f32_rows(tmp_path, monkeypatch):
+    """F32 experts have no int8 codes: in an int8 step with 4+ rows per expert (the GEMM tiles' case) they must
+    still read the f32 rows, so the OLMoE oracle's F32 file gives the same logits in int8 and f32 modes, bit for
+    bit, and HF's within 1e-4 (a prompt chunk once sent F32 experts through the int8 tiles: 0.89 off)."""
+    from pathlib import Path
+
+    from coli.engine import Engine
+
+    fx = Path(__file__).parent / "fixtures" / "oracles"
+    d = np.load(fx / "olmoe.npz")
+    gemm_steps = []
+    orig = X._experts_gemm
+    monkeypatch.setattr(X, "_experts_gemm", lambda *a, **k: (gemm_steps.append(1), orig(*a, **k)))
+    out = {}
+    for act in ("int8", "f32"):
+        with Engine(fx / "olmoe.gguf", cpu_act=act, quiet=True, save_usage=False, usage=str(tmp_path / act)) as eng:
+            sizes = []
+            run = X.experts
+            monkeypatch.setattr(X, "experts", lambda ws, groups, *a, **k: (sizes.append(max(len(g[0]) for g in groups)), run(ws, groups, *a, **k))[1])
+            out[act] = eng.logits(d["ids"])
+            monkeypatch.setattr(X, "experts", run)
+        assert max(sizes) >= X.GEMM_MIN_ROWS  # the prompt chunk has experts with enough rows for the tiles
+    assert np.array_equal(out["int8"], out["f32"])
+    ref = d["logits"]
+    assert (np.abs(out["int8"] - ref).max(axis=1) / np.abs(ref).max()).max() <= 1e-4
+    assert not gemm_steps  # float experts never reach the int8 tiles
