@@ -84,6 +84,10 @@ class BaseArgs:
         kw.update(overrides)
         if norm is not None:
             kw["norm_topk"] = bool(norm)
+        if kw["n_experts"] > 0 and not 1 <= kw["top_k"] <= kw["n_experts"]:  # llama.cpp asserts the same
+            raise ColiError(f"{g.path.name}: metadata '{a}.expert_used_count' is "
+                            f"{g.get(f'{a}.expert_used_count', 'missing')}: a MoE file with "
+                            f"{kw['n_experts']} experts needs 1 to {kw['n_experts']} experts per token")
         return cls(**kw)
 
 
