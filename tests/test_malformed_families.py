@@ -11,9 +11,9 @@ import pytest
 ORACLES = Path(__file__).parent / "fixtures" / "oracles"
 
 
-def _rewrite(name: str, dest: Path, drop_key: str = "", drop_tensor: str = "") -> Path:
-    """The fixture ``name`` with metadata key ``drop_key`` and tensor ``drop_tensor`` left out; every other
-    tensor copied as stored."""
+def _rewrite(name: str, dest: Path, drop_key: str = "", drop_tensor: str = "", widen: str = "") -> Path:
+    """The fixture ``name`` with metadata key ``drop_key`` and tensor ``drop_tensor`` left out, the F32 tensor
+    ``widen`` one column (GGUF ne0) wider; every other tensor copied as stored."""
     import gguf
 
     src = gguf.GGUFReader(str(ORACLES / f"{name}.gguf"))
@@ -28,6 +28,8 @@ def _rewrite(name: str, dest: Path, drop_key: str = "", drop_tensor: str = "") -
         if t.name == drop_tensor:
             continue
         a = np.asarray(t.data)
+        if t.name == widen:
+            a = np.concatenate([a, a[..., :1]], axis=-1)
         if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
             w.add_tensor(t.name, a)
         else:
@@ -83,3 +85,23 @@ def test_cli_prints_one_line_and_exits_2(tmp_path):
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "expert_used_count" in lines[0] and lines[0].startswith("coli: "), r.stderr
     assert "Traceback" not in r.stderr + r.stdout
+
+
+# One column too many in a tensor whose width the metadata fixes: ColiError naming it at load (before: NumPy
+# broadcast / matmul errors in the first forward pass).
+@pytest.mark.parametrize("name, widen, match", [
+    ("gptoss", "token_embd.weight", r"'token_embd\.weight' has shape \[320, 65\].*64 columns \(embedding_length\)"),
+    ("gptoss", "blk.0.attn_k.bias", r"'blk\.0\.attn_k\.bias' has shape \[33\].*\[32\] \(the rows of its weight\)"),
+    ("qwen3next", "blk.0.ffn_gate_inp.weight", r"'blk\.0\.ffn_gate_inp\.weight'.*64 columns"),
+    ("qwen3next", "blk.3.attn_output.weight", r"'blk\.3\.attn_output\.weight' has 65 columns.*expected 64"),
+    ("mimo2", "blk.1.exp_probs_b.bias", r"'blk\.1\.exp_probs_b\.bias'.*8 experts \(expert_count\)"),
+    ("glmdsa", "output.weight", r"glmdsa\.gguf: tensor 'output\.weight'.*embedding_length"),
+    ("deepseek4", "blk.0.ffn_down_shexp.weight", r"'blk\.0\.ffn_down_shexp\.weight'.*the rows of its ffn_up"),
+])
+def test_wrong_width_is_one_clear_error(tmp_path, name, widen, match):
+    from coli.engine import Engine
+    from coli.errors import ColiError
+
+    path = _rewrite(name, tmp_path / f"{name}.gguf", widen=widen)
+    with pytest.raises(ColiError, match=match):
+        Engine(str(path), threads=1, ctx=32)

@@ -99,6 +99,11 @@ class Attention:
             raise ColiError(f"{fname}: tensors '{p}attn_q.weight' {list(self.attn_q.shape)} / '{p}attn_v.weight' "
                             f"{list(self.attn_v.shape)} do not split into {self.n_heads} / {self.n_kv} heads of "
                             f"{self.head_dim}")
+        o_in = self.n_heads * (self.attn_v.shape[0] // self.n_kv)
+        if self.attn_output.shape[1] != o_in:
+            raise ColiError(f"{fname}: tensor '{p}attn_output.weight' has {self.attn_output.shape[1]} columns (shape "
+                            f"[O, I] {list(self.attn_output.shape)}), expected {o_in} ({self.n_heads} heads x the V "
+                            f"head width of '{p}attn_v.weight')")
 
     def new_cache(self, ctx: int) -> KV:
         return KV(self.n_kv, ctx, self.head_dim)
