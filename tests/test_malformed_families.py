@@ -43,12 +43,14 @@ def _rewrite(name: str, dest: Path, drop_key: str = "", drop_tensor: str = "", w
 
 # head_count_kv missing: llama.cpp (and coli) default it to head_count, which the fixtures' attn_k rows
 # (2 KV heads) contradict. expert_used_count missing: llama.cpp asserts n_expert_used > 0 for a MoE file.
+# DeepSeek-V4 ropes the last rope.dimension_count dims of its heads: the head-width default broke the indexer.
 @pytest.mark.parametrize("name, drop_key, match", [
     ("gptoss", "gpt-oss.attention.head_count_kv", r"gptoss\.gguf: tensor 'blk\.0\.attn_k\.weight' has 32 rows.*"
                                                   r"expected 64 \(attention\.head_count_kv 4"),
     ("qwen3next", "qwen3next.attention.head_count_kv", r"tensor 'blk\.3\.attn_k\.weight' has \d+ rows"),
     ("gptoss", "gpt-oss.expert_used_count", r"gptoss\.gguf: metadata 'gpt-oss\.expert_used_count' is missing"),
     ("qwen3next", "qwen3next.expert_used_count", r"metadata 'qwen3next\.expert_used_count' is missing"),
+    ("deepseek4", "deepseek4.rope.dimension_count", r"metadata 'deepseek4\.rope\.dimension_count' is missing"),
 ])
 def test_missing_key_is_one_clear_error(tmp_path, name, drop_key, match):
     from coli.engine import Engine
@@ -60,11 +62,12 @@ def test_missing_key_is_one_clear_error(tmp_path, name, drop_key, match):
 
 
 # gpt-oss's biases are required by llama.cpp's loader; a shared expert with a part missing is a broken file (it
-# was silently dropped); MiMo-V2's V heads are attention.value_length wide (default key_length: 16 != 24).
+# was silently dropped; so was Qwen3-Next's shared-expert gate); MiMo-V2's V heads are attention.value_length wide (default key_length: 16 != 24).
 @pytest.mark.parametrize("name, drop_key, drop_tensor, match", [
     ("gptoss", "", "blk.1.attn_q.bias", r"gptoss\.gguf: tensor 'blk\.1\.attn_q\.bias' is missing"),
     ("gptoss", "", "blk.2.ffn_gate_inp.bias", r"tensor 'blk\.2\.ffn_gate_inp\.bias' is missing"),
     ("qwen3next", "", "blk.0.ffn_gate_shexp.weight", r"tensor 'blk\.0\.ffn_gate_shexp\.weight' is missing"),
+    ("qwen35moe", "", "blk.1.ffn_gate_inp_shexp.weight", r"tensor 'blk\.1\.ffn_gate_inp_shexp\.weight' is missing"),
     ("mimo2", "mimo2.attention.value_length", "", r"tensor 'blk\.0\.attn_v\.weight' has \d+ rows.*value_length"),
 ])
 def test_broken_tensor_is_one_clear_error(tmp_path, name, drop_key, drop_tensor, match):
