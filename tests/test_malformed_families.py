@@ -11,15 +11,19 @@ import pytest
 ORACLES = Path(__file__).parent / "fixtures" / "oracles"
 
 
-def _rewrite(name: str, dest: Path, drop_key: str = "", drop_tensor: str = "", widen: str = "") -> Path:
+def _rewrite(name: str, dest: Path, drop_key: str = "", drop_tensor: str = "", widen: str = "",
+             to_str: str = "") -> Path:
     """The fixture ``name`` with metadata key ``drop_key`` and tensor ``drop_tensor`` left out, the F32 tensor
-    ``widen`` one column (GGUF ne0) wider; every other tensor copied as stored."""
+    ``widen`` one column (GGUF ne0) wider, key ``to_str`` a string; every other key and tensor as stored."""
     import gguf
 
     src = gguf.GGUFReader(str(ORACLES / f"{name}.gguf"))
     w = gguf.GGUFWriter(str(dest), src.fields["general.architecture"].contents())
     for k, f in src.fields.items():
         if k.startswith("GGUF.") or k == "general.architecture" or k == drop_key:
+            continue
+        if k == to_str:
+            w.add_string(k, "sixteen")
             continue
         vt = gguf.GGUFValueType(f.types[0])
         sub = gguf.GGUFValueType(f.types[-1]) if vt == gguf.GGUFValueType.ARRAY else None
@@ -107,4 +111,48 @@ def test_wrong_width_is_one_clear_error(tmp_path, name, widen, match):
 
     path = _rewrite(name, tmp_path / f"{name}.gguf", widen=widen)
     with pytest.raises(ColiError, match=match):
+        Engine(str(path), threads=1, ctx=32)
+
+
+@pytest.mark.parametrize("name, key", [("gptoss", "gpt-oss.block_count"), ("qwen3next", "qwen3next.ssm.state_size"),
+                                       ("deepseek2_lite", "deepseek2.attention.kv_lora_rank")])
+def test_numeric_key_as_string_is_one_clear_error(tmp_path, name, key):
+    """A string where llama.cpp's key table has a number: ColiError naming the key when the file opens (before: a
+    ValueError from int() in the family's argument parsing)."""
+    from coli.engine import Engine
+    from coli.errors import ColiError
+
+    path = _rewrite(name, tmp_path / f"{name}.gguf", to_str=key)
+    with pytest.raises(ColiError, match=rf"{name}\.gguf: kv '{key}': type string, expected a number"):
+        Engine(str(path), threads=1, ctx=32)
+
+
+def test_unsupported_type_names_file_and_tensor(tmp_path):
+    """A norm stored as I32 (a type no kernel reads): the error names the file and the tensor (before: only
+    'tensor type I32 is not supported')."""
+    import gguf
+
+    from coli.engine import Engine
+    from coli.errors import ColiError
+
+    src = gguf.GGUFReader(str(ORACLES / "gptoss.gguf"))
+    path = tmp_path / "gptoss.gguf"
+    w = gguf.GGUFWriter(str(path), "gpt-oss")
+    for k, f in src.fields.items():
+        if not (k.startswith("GGUF.") or k == "general.architecture"):
+            vt = gguf.GGUFValueType(f.types[0])
+            w.add_key_value(k, f.contents(), vt, sub_type=gguf.GGUFValueType(f.types[-1]) if vt == 9 else None)
+    for t in src.tensors:
+        a = np.asarray(t.data)
+        if t.name == "output_norm.weight":
+            a = a.astype(np.int32)
+        if a.dtype != np.uint8:
+            w.add_tensor(t.name, a)
+        else:
+            w.add_tensor(t.name, a, raw_shape=a.shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ColiError, match=r"gptoss\.gguf: tensor 'output_norm\.weight': tensor type I32 is not supported"):
         Engine(str(path), threads=1, ctx=32)

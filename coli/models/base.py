@@ -133,7 +133,10 @@ class Weights:
         if ti.type_name == "F32":
             return np.ascontiguousarray(ti.raw.view(np.float32).reshape(ti.shape))
         raw = ti.raw.reshape(1, -1) if ti.raw.ndim == 1 else ti.raw.reshape(-1, ti.raw.shape[-1])
-        return dequantize(ti.type_name, raw, ti.shape[-1]).reshape(ti.shape)
+        try:
+            return dequantize(ti.type_name, raw, ti.shape[-1]).reshape(ti.shape)
+        except ColiError as e:
+            raise ColiError(f"{self.fname}: tensor '{name}': {e}") from None
 
 
 def dequantize(type_name: str, raw: np.ndarray, cols: int) -> np.ndarray:
