@@ -52,8 +52,7 @@ from coli.errors import ColiError
 BACKENDS = ("cpu", "vulkan")
 
 #: Types the device tier lacks on purpose: name -> reason. ``gaps()`` flags a mark the device has outgrown.
-CPU_ONLY: dict[str, str] = {
-    "FP8_E4M3_B128": "no device decoder yet: fmt_fp8_e4m3_b128.glsl is not written (coli's own type)"}
+CPU_ONLY: dict[str, str] = {}
 
 # Byte offsets of the f16 scales in one block (ggml-common.h): d first, then dmin where the type has one.
 _SCALES: dict[str, tuple[int, ...]] = {

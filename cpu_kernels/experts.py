@@ -32,6 +32,7 @@ f32 rounding, as ``formats.matmul``).
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import numba
@@ -40,7 +41,12 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from . import formats as _F
-from .vnni import HAVE_VNNI, row_pair, row_q4_k, row_q5_k, row_q6_k, row_q8
+from . import fp8 as _fp8
+from . import gemm_i8 as _G
+from . import iquants as _iq
+from . import lowbit as _lb
+from .iquants import row_g16
+from .vnni import HAVE_VNNI, _act_sums16, row_pair, row_q2_k, row_q3_k, row_q4_k, row_q5_k, row_q6_k, row_q8
 
 _PJIT = dict(parallel=True, nogil=True, cache=True, fastmath=True)
 _JIT = dict(nogil=True, cache=True, fastmath=True)
@@ -49,12 +55,19 @@ _RB = 16
 # format codes (one per kernel family; Q5_0 and MXFP4 are packed as int8 codes + f32 scales, i.e. Q8_0's layout;
 # F16 and BF16 are widened to f32 at prepare time)
 FC_F32, FC_Q8, FC_Q4_0, FC_Q4_1, FC_Q4_K, FC_Q5_K, FC_Q6_K = range(7)
+# the low-bit rows (cpu_kernels/lowbit.py, iquants.py, fp8.py layouts): Q5_1 (int8 codes, d, m), Q2_K (TQ1_0 and
+# TQ2_0 are packed in its layout), Q3_K, the G = 16 i-quants (int8 codes, f32 scale per 16), FP8 (E4M3 codes,
+# f32 scale per 128; no integer dot: int8 mode multiplies the decoded row by the rounded activations)
+FC_Q5_1, FC_Q2_K, FC_Q3_K, FC_G16, FC_FP8 = range(7, 12)
 FORMAT_CODE = {"F32": FC_F32, "F16": FC_F32, "BF16": FC_F32, "Q8_0": FC_Q8, "Q5_0": FC_Q8, "MXFP4": FC_Q8,
                "Q4_0": FC_Q4_0, "Q4_1": FC_Q4_1, "Q4_K": FC_Q4_K, "Q5_K": FC_Q5_K, "Q6_K": FC_Q6_K,
                "IQ4_NL": FC_Q8, "IQ4_XS": FC_Q8}   # cpu_kernels.lowbit packs both in Q8_0's layout
 # cpu_kernels.iquants packs these i-quants in Q8_0's layout (int8 codes, f32 scale per 32); IQ2_XS, IQ2_S and
-# IQ1_M (a scale per 16) have no code yet: supports() is False for them
-FORMAT_CODE.update({"IQ2_XXS": FC_Q8, "IQ3_XXS": FC_Q8, "IQ3_S": FC_Q8, "IQ1_S": FC_Q8})
+# IQ1_M with a scale per 16 (FC_G16)
+FORMAT_CODE.update({"IQ2_XXS": FC_Q8, "IQ3_XXS": FC_Q8, "IQ3_S": FC_Q8, "IQ1_S": FC_Q8,
+                    "IQ2_XS": FC_G16, "IQ2_S": FC_G16, "IQ1_M": FC_G16,
+                    "Q5_1": FC_Q5_1, "Q2_K": FC_Q2_K, "TQ1_0": FC_Q2_K, "TQ2_0": FC_Q2_K, "Q3_K": FC_Q3_K,
+                    "FP8_E4M3_B128": FC_FP8})
 
 I8 = 0
 F32 = 1
@@ -86,6 +99,17 @@ def weight_desc(w) -> np.ndarray:
 def supports(w) -> bool:
     """True when the grouped kernels can run weight ``w`` (its format has a code)."""
     return w.name in FORMAT_CODE
+
+
+def expert_desc(w):
+    """int64 [3, 13]: the descriptors of an expert's gate, up and down (``w.gate``/``w.up``/``w.down``
+    Weights), stacked once and kept on ``w`` (``_desc3``); None when a format has no code."""
+    d = getattr(w, "_desc3", False)
+    if d is False:
+        ok = supports(w.gate) and supports(w.up) and supports(w.down)
+        d = np.stack([w.gate.desc, w.up.desc, w.down.desc]) if ok else None
+        w._desc3 = d
+    return d
 
 
 # ----------------------------------------------------------------------------------------------- pointers
@@ -123,6 +147,43 @@ def _r_u8(ds, k, o):
 def _r_f32(ds, k, o):
     n = ds[8 + k]
     return numba.carray(_pf32(ds[3 + k] + o * n * 4), (n,))
+
+
+# row o of packed array k as a [1, n] array: the lowbit/fp8 decoders index (array, row)
+@njit(inline="always", **_JIT)
+def _r2_u8(ds, k, o):
+    n = ds[8 + k]
+    return numba.carray(_pu8(ds[3 + k] + o * n), (1, n))
+
+
+@njit(inline="always", **_JIT)
+def _r2_i8(ds, k, o):
+    n = ds[8 + k]
+    return numba.carray(_pi8(ds[3 + k] + o * n), (1, n))
+
+
+@njit(inline="always", **_JIT)
+def _r2_f32(ds, k, o):
+    n = ds[8 + k]
+    return numba.carray(_pf32(ds[3 + k] + o * n * 4), (1, n))
+
+
+@njit(inline="always", **_JIT)
+def _lowbit_dec(ds, o, buf):
+    """Row o of a FC_Q5_1 / FC_Q2_K / FC_Q3_K / FC_G16 / FC_FP8 weight decoded to f32 by its own module's
+    decoder (cpu_kernels.lowbit ``_dec_*``, iquants ``_dec_g16``, fp8 ``_dec``)."""
+    fc = ds[0]
+    if fc == FC_Q5_1:
+        _lb._dec_q5_1(_r2_i8(ds, 0, o), _r2_f32(ds, 1, o), _r2_f32(ds, 2, o), 0, buf)
+    elif fc == FC_Q2_K:
+        _lb._dec_q2_k(_r2_u8(ds, 0, o), _r2_u8(ds, 1, o), _r2_u8(ds, 2, o), _r2_f32(ds, 3, o), _r2_f32(ds, 4, o),
+                      0, buf)
+    elif fc == FC_Q3_K:
+        _lb._dec_q3_k(_r2_u8(ds, 0, o), _r2_u8(ds, 1, o), _r2_i8(ds, 2, o), _r2_f32(ds, 3, o), 0, buf)
+    elif fc == FC_G16:
+        _iq._dec_g16(_r2_i8(ds, 0, o), _r2_f32(ds, 1, o), 0, buf)
+    else:
+        _fp8._dec(_r2_u8(ds, 0, o), _r2_f32(ds, 1, o), 0, buf)
 
 
 # ----------------------------------------------------------------------------------------------- row dots
@@ -183,6 +244,122 @@ def _block_i8(ds, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out):
             for p in range(p0, p1):
                 r = src[p]
                 out[dst[p], oe + o] = row_q6_k(q, sc, d, xq[r], xd[r])
+    elif fc == FC_Q5_1:   # vnni.gemv_i8_q5_1's arithmetic: the Q8 dot plus the minimum through block sums
+        for o in range(c0, c1):
+            q = _r_i8(ds, 0, o)
+            d = _r_f32(ds, 1, o)
+            m = _r_f32(ds, 2, o)
+            for p in range(p0, p1):
+                r = src[p]
+                s = row_q8(q, d, xq[r], xd[r])
+                corr = _F0
+                for b in range(d.shape[0]):
+                    corr += m[b] * xm[r, b]
+                out[dst[p], oe + o] = s + corr
+    elif fc == FC_Q2_K or fc == FC_Q3_K:   # vnni.gemv_i8_q2_k / _q3_k: mins (Q3_K: the -4) via 16-sums
+        I = ds[2]
+        xs = np.empty((p1 - p0, I // 16), np.float32)
+        for p in range(p0, p1):
+            xs[p - p0] = _act_sums16(xq[src[p]], xd[src[p]])
+        for o in range(c0, c1):
+            if fc == FC_Q2_K:
+                qs = _r_u8(ds, 0, o)
+                sc = _r_u8(ds, 1, o)
+                mn = _r_u8(ds, 2, o)
+                d = _r_f32(ds, 3, o)
+                dm = _r_f32(ds, 4, o)
+                for p in range(p0, p1):
+                    r = src[p]
+                    s = row_q2_k(qs, sc, d, xq[r], xd[r])
+                    mins = _F0
+                    for b in range(d.shape[0]):
+                        mb = _F0
+                        for k in range(16):
+                            mb += np.float32(mn[b * 16 + k]) * xs[p - p0, b * 16 + k]
+                        mins += dm[b] * mb
+                    out[dst[p], oe + o] = s - mins
+            else:
+                qs = _r_u8(ds, 0, o)
+                hm = _r_u8(ds, 1, o)
+                sc3 = _r_i8(ds, 2, o)
+                d = _r_f32(ds, 3, o)
+                for p in range(p0, p1):
+                    r = src[p]
+                    s = row_q3_k(qs, hm, sc3, d, xq[r], xd[r])
+                    corr = _F0
+                    for b in range(d.shape[0]):
+                        cb = _F0
+                        for k in range(16):
+                            cb += np.float32(sc3[b * 16 + k]) * xs[p - p0, b * 16 + k]
+                        corr += d[b] * cb
+                    out[dst[p], oe + o] = s - np.float32(4.0) * corr
+    elif fc == FC_G16:
+        for o in range(c0, c1):
+            q = _r_i8(ds, 0, o)
+            s = _r_f32(ds, 1, o)
+            for p in range(p0, p1):
+                r = src[p]
+                out[dst[p], oe + o] = row_g16(q, s, xq[r], xd[r])
+    else:   # FC_FP8: E4M3 codes are not integers: the decoded row times the rounded activations (q * d in f32)
+        I = ds[2]
+        buf = np.empty(I, np.float32)
+        for o in range(c0, c1):
+            _lowbit_dec(ds, o, buf)
+            for p in range(p0, p1):
+                r = src[p]
+                acc = _F0
+                for b in range(I // 32):
+                    db = xd[r, b]
+                    for j in range(32):
+                        acc += buf[b * 32 + j] * (np.float32(xq[r, b * 32 + j]) * db)
+                out[dst[p], oe + o] = acc
+
+
+@njit(inline="always", **_JIT)
+def _row_ok(fc):
+    """True for the format codes ``_row_i8`` computes (the others take ``_block_i8`` with one row)."""
+    return fc == FC_Q8 or fc == FC_Q4_0 or fc == FC_Q4_1 or fc == FC_Q4_K or fc == FC_Q5_K or fc == FC_Q6_K
+
+
+@njit(inline="always", **_JIT)
+def _row_i8(ds, o, r, xq, xd, xm):
+    """W[o] . row r of the int8 activations (``_block_i8``'s arithmetic for one (row, row) pair)."""
+    fc = ds[0]
+    if fc == FC_Q8:
+        return row_q8(_r_i8(ds, 0, o), _r_f32(ds, 1, o), xq[r], xd[r])
+    if fc == FC_Q4_0 or fc == FC_Q4_1:
+        qs = _r_u8(ds, 0, o)
+        d = _r_f32(ds, 1, o)
+        m = _r_f32(ds, 2 if fc == FC_Q4_1 else 1, o)
+        s = row_pair(qs, d, xq[r], xd[r])
+        corr = _F0
+        if fc == FC_Q4_1:
+            for b in range(d.shape[0]):
+                corr += m[b] * xm[r, b]
+            return s + corr
+        for b in range(d.shape[0]):
+            corr += d[b] * xm[r, b]
+        return s - _F8 * corr
+    if fc == FC_Q4_K or fc == FC_Q5_K:
+        qs = _r_u8(ds, 0, o)
+        sc = _r_u8(ds, 1, o)
+        mn = _r_u8(ds, 2, o)
+        d = _r_f32(ds, 3, o)
+        dm = _r_f32(ds, 4, o)
+        if fc == FC_Q4_K:
+            s = row_q4_k(qs, sc, d, xq[r], xd[r])
+        else:
+            s = row_q5_k(qs, sc, d, xq[r], xd[r])
+        mins = _F0
+        for b in range(d.shape[0]):
+            mb = _F0
+            for k in range(8):
+                mb += np.float32(mn[b * 8 + k]) * xm[r, b * 8 + k]
+            mins += dm[b] * mb
+        return s - mins
+    if fc == FC_Q6_K:
+        return row_q6_k(_r_i8(ds, 0, o), _r_i8(ds, 1, o), _r_f32(ds, 2, o), xq[r], xd[r])
+    return np.float32(np.nan)  # a format code without a branch here: loud, never a silent zero
 
 
 @njit(**_JIT)
@@ -254,6 +431,8 @@ def _decode_row(ds, o, buf):
             s = d[u >> 4] * np.float32(sc[u])
             for j in range(16):
                 buf[u * 16 + j] = s * np.float32(q[u * 16 + j])
+    else:
+        _lowbit_dec(ds, o, buf)
 
 
 @njit(inline="always", **_JIT)
@@ -332,7 +511,12 @@ def ffn_gate_up(gdesc, udesc, pstart, src, mode, xq, xd, xm, x, kind, limit, a):
         ud = udesc[e]
         p0 = pstart[e]
         p1 = pstart[e + 1]
-        if mode == I8 and gd[0] != FC_F32 and ud[0] != FC_F32:
+        if mode == I8 and p1 - p0 == 1 and _row_ok(gd[0]) and _row_ok(ud[0]):
+            # one row (a decode step's expert): no scratch arrays, gate and up of a row back to back
+            r = src[p0]
+            for o in range(c0, min(F, c0 + _RB)):
+                a[p0, o] = _act(_row_i8(gd, o, r, xq, xd, xm), _row_i8(ud, o, r, xq, xd, xm), kind, limit)
+        elif mode == I8 and gd[0] != FC_F32 and ud[0] != FC_F32:
             c1 = min(F, c0 + _RB)
             n = p1 - p0
             loc = np.arange(n)
@@ -352,6 +536,85 @@ def ffn_gate_up(gdesc, udesc, pstart, src, mode, xq, xd, xm, x, kind, limit, a):
                 for p in range(p0, p1):
                     xr = x[src[p]]
                     a[p, o] = _act(_dot_f32(gb, xr), _dot_f32(ub, xr), kind, limit)
+
+
+@njit(inline="always", **_JIT)
+def _tiled_ok(ds, n):
+    """True when weight ``ds`` times ``n`` slot rows runs the 4 x 4 int8 tiles (``gemm_i8``): the Q8_0 kernel
+    layout, at least 4 rows each side, an even number of 32-blocks per row."""
+    return ds[0] == FC_Q8 and n >= _G.NR and ds[1] >= _G.MR and (ds[2] // 32) % 2 == 0
+
+
+@njit(inline="always", **_JIT)
+def _w_q8(ds):
+    """The Q8_0-layout weight of descriptor ``ds`` as 2-D arrays (codes int8 [O, I], scales f32 [O, I/32])."""
+    O = ds[1]
+    return (numba.carray(_pi8(ds[3]), (O, ds[8])), numba.carray(_pf32(ds[4]), (O, ds[9])))
+
+
+@njit(**_PJIT)
+def mm_grouped_gemm(desc, pstart, dst, off, xq, xd, xm, xu, out):
+    """``mm_grouped`` in I8 mode for prompt chunks whose slots are the activation rows themselves (slot p reads
+    row p of xq/xd/xm and of xu = xq + 128 as uint8): weights of the Q8_0 layout with at least 4 slots run the
+    4 x 4 int8 tiles of ``gemm_i8`` (the 16-row weight block stays in L1 across the slot tiles), the others the
+    row kernels. out[dst[p], off[e] + o]; one parallel launch over (weight, 16-row block)."""
+    n = desc.shape[0]
+    nch = np.empty(n + 1, np.int64)
+    nch[0] = 0
+    for e in range(n):
+        nch[e + 1] = nch[e] + (desc[e, 1] + _RB - 1) // _RB
+    ident = np.arange(xq.shape[0])
+    for it in prange(nch[n]):
+        e = 0
+        while nch[e + 1] <= it:
+            e += 1
+        ds = desc[e]
+        O = ds[1]
+        c0 = (it - nch[e]) * _RB
+        c1 = min(O, c0 + _RB)
+        p0 = pstart[e]
+        p1 = pstart[e + 1]
+        if _tiled_ok(ds, p1 - p0) and c1 - c0 >= _G.MR:
+            wq, wd = _w_q8(ds)
+            _G.tiles_q8(wq, wd, c0, c1, xu, xd, p0, p1, out, dst, off[e])
+        else:
+            _block_i8(ds, c0, c1, p0, p1, ident, dst, off[e], xq, xd, xm, out)
+
+
+@njit(**_PJIT)
+def ffn_gate_up_gemm(gdesc, udesc, pstart, xq, xd, xm, xu, kind, limit, gb, ub, a):
+    """``ffn_gate_up`` in I8 mode for prompt chunks whose slots are gathered activation rows (slot p reads row
+    p of xq/xd/xm and xu, as ``mm_grouped_gemm``): Q8_0-layout experts with at least 4 slots run the int8
+    tiles into gb/ub f32 [P, F] (each work item then applies the activation to its own block), the others the
+    row kernels. a f32 [P, F]."""
+    n = gdesc.shape[0]
+    F = gdesc[0, 1]
+    nc = (F + _RB - 1) // _RB
+    P = a.shape[0]
+    ident = np.arange(P)
+    for it in prange(n * nc):
+        e = it // nc
+        c0 = (it % nc) * _RB
+        c1 = min(F, c0 + _RB)
+        gd = gdesc[e]
+        ud = udesc[e]
+        p0 = pstart[e]
+        p1 = pstart[e + 1]
+        if _tiled_ok(gd, p1 - p0) and _tiled_ok(ud, p1 - p0) and c1 - c0 >= _G.MR:
+            gq, gw = _w_q8(gd)
+            _G.tiles_q8(gq, gw, c0, c1, xu, xd, p0, p1, gb, ident, 0)
+            uq, uw = _w_q8(ud)
+            _G.tiles_q8(uq, uw, c0, c1, xu, xd, p0, p1, ub, ident, 0)
+        elif p1 - p0 == 1 and _row_ok(gd[0]) and _row_ok(ud[0]):  # ffn_gate_up's one-row code: an expert's bits never depend on the launch
+            for o in range(c0, c1):
+                a[p0, o] = _act(_row_i8(gd, o, p0, xq, xd, xm), _row_i8(ud, o, p0, xq, xd, xm), kind, limit)
+            continue
+        else:
+            _block_i8(gd, c0, c1, p0, p1, ident, ident, 0, xq, xd, xm, gb)
+            _block_i8(ud, c0, c1, p0, p1, ident, ident, 0, xq, xd, xm, ub)
+        for p in range(p0, p1):
+            for o in range(c0, c1):
+                a[p, o] = _act(gb[p, o], ub[p, o], kind, limit)
 
 
 @njit(nogil=True, cache=True)
@@ -511,20 +774,47 @@ def experts(ws, groups, act: Act, pair_out: np.ndarray, kind: int, limit: float,
     row ``pairs[i]`` receives the expert's output for ``rows[i]``. ``kind``/``limit``: the activation (ACT_SWIGLU
     with its clamp, 0 = none); ``act_mode``: "int8" | "f32" for the hidden activation."""
     n = len(ws)
-    sizes = np.array([len(g[0]) for g in groups], np.int64)
-    pstart = np.zeros(n + 1, np.int64)
-    np.cumsum(sizes, out=pstart[1:])
-    src = np.concatenate([g[0] for g in groups]).astype(np.int64, copy=False)
-    dst = np.concatenate([g[1] for g in groups]).astype(np.int64, copy=False)
-    gd = np.stack([w.gate.desc for w in ws])
-    ud = np.stack([w.up.desc for w in ws])
-    dd = np.stack([w.down.desc for w in ws])
+    sizes = [len(g[0]) for g in groups]
+    pstart = np.array([0, *itertools.accumulate(sizes)], np.int64)
+    if n == 1:
+        src = np.asarray(groups[0][0], np.int64)
+        dst = np.asarray(groups[0][1], np.int64)
+        d3 = expert_desc(ws[0])[:, None]
+    else:
+        src = np.concatenate([g[0] for g in groups]).astype(np.int64, copy=False)
+        dst = np.concatenate([g[1] for g in groups]).astype(np.int64, copy=False)
+        d3 = np.stack([expert_desc(w) for w in ws], axis=1)  # [3, n, 13]: gate, up, down tables
+    gd, ud, dd = d3[0], d3[1], d3[2]
     P = int(pstart[-1])
     a = np.empty((P, int(gd[0, 1])), np.float32)
+    if act.mode == I8 and max(sizes) >= GEMM_MIN_ROWS:
+        _experts_gemm(gd, ud, dd, pstart, src, dst, act, a, pair_out, kind, limit, act_mode)
+        return
     ffn_gate_up(gd, ud, pstart, src, act.mode, act.xq, act.xd, act.xm, act.x, kind, np.float32(limit), a)
     aa = Act(a, act_mode)
     slots = np.arange(P, dtype=np.int64)
     mm_grouped(dd, pstart, slots, dst, np.zeros(n, np.int64), aa.mode, aa.xq, aa.xd, aa.xm, aa.x, pair_out)
+
+
+#: An expert with at least this many rows in a step runs the blocked int8 GEMM tiles (``gemm_i8``) when the step
+#: is in I8 mode (prompt chunks; a decode step's experts have one row each and keep the row kernels).
+GEMM_MIN_ROWS = _G.NR
+
+
+def _experts_gemm(gd, ud, dd, pstart, src, dst, act, a, pair_out, kind, limit, act_mode):
+    """``experts`` for prompt chunks in I8 mode: the step's rows gathered into slot order once (codes, scales,
+    block sums, the +128 codes of the tiles), then ``ffn_gate_up_gemm`` and ``mm_grouped_gemm``."""
+    xq, xd, xm = act.xq[src], act.xd[src], act.xm[src]
+    gb = np.empty_like(a)
+    ub = np.empty_like(a)
+    ffn_gate_up_gemm(gd, ud, pstart, xq, xd, xm, _G.act_u8(xq), kind, np.float32(limit), gb, ub, a)
+    aa = Act(a, act_mode)
+    off = np.zeros(len(dd), np.int64)
+    if aa.mode == I8:
+        mm_grouped_gemm(dd, pstart, dst, off, aa.xq, aa.xd, aa.xm, _G.act_u8(aa.xq), pair_out)
+    else:
+        slots = np.arange(a.shape[0], dtype=np.int64)
+        mm_grouped(dd, pstart, slots, dst, off, aa.mode, aa.xq, aa.xd, aa.xm, aa.x, pair_out)
 
 
 # ----------------------------------------------------------------------------------------------- biased experts

@@ -832,6 +832,9 @@ FORMATS.update(_lowbit.rows(_row, _vnni))
 GEMV_MAX_T = 3
 #: The same for the int8 path when the VNNI GEMV exists (it is about twice as fast as the f32 GEMV).
 GEMV_I8_MAX_T = 12
+#: Above GEMV_I8_MAX_T rows, int8 activations run the blocked VNNI GEMM (``cpu_kernels.gemm_i8``) for the formats
+#: it has (docs/cpu_kernels.md, "int8 GEMM"); False: the f32 GEMM on the rounded activations (the earlier path).
+GEMM_I8 = True
 
 
 class Weight:
@@ -904,7 +907,8 @@ def matmul(w: Weight, x: np.ndarray, act: str | None = None) -> np.ndarray:
     w: a prepared Weight [O, I]; x: f32 [T, I] (or [I], treated as T = 1), C-contiguous.
     act: "f32" (exact f32 activations) or "int8" (activations rounded per 32 to int8 codes as llama.cpp's Q8
     activation blocks, ``quantize_act_int8``). With int8 and T <= GEMV_I8_MAX_T on a CPU with AVX-512 VNNI, the
-    GEMV does integer dot products per block (``cpu_kernels.vnni``); otherwise the f32 kernels run on the rounded
+    GEMV does integer dot products per block (``cpu_kernels.vnni``); above it the blocked int8 GEMM
+    (``cpu_kernels.gemm_i8``) where it has the format and shape; otherwise the f32 kernels run on the rounded
     activations (the same numbers up to f32 rounding). For F32/F16/BF16 weights act is ignored (always f32).
     None -> ``cpu_kernels.DEFAULT_ACT``. Raises ColiError for another act.
     Returns f32 [T, O]. GEMV per row for T <= GEMV_MAX_T (f32), blocked GEMM above.
@@ -932,6 +936,8 @@ def matmul(w: Weight, x: np.ndarray, act: str | None = None) -> np.ndarray:
                 for t in range(T):
                     w.gemv_i8(*w.arrays, xq[t], xd[t], xm[t], out[t])
                 return out
+            if GEMM_I8 and T > GEMV_I8_MAX_T and _gemm_i8.supports(w, T):  # prompt chunks: int8 4x4 tiles
+                return _gemm_i8.gemm(w, x)
             xr = np.empty_like(x)
             _round_act_int8(x, xr)
             x = xr
@@ -950,6 +956,9 @@ from . import iquants as _iquants  # noqa: E402,F401
 
 # coli's own rows (not GGUF types): FP8_E4M3_B128, appended by cpu_kernels/fp8.py (it uses the pieces above)
 from . import fp8 as _fp8  # noqa: E402,F401
+
+# The blocked int8 GEMM of prompt chunks (uses _quantize_act_i8 above)
+from . import gemm_i8 as _gemm_i8  # noqa: E402
 
 # Every row, whichever module appended it, fills the CPU column of the tensor-type table.
 for _f in FORMATS.values():

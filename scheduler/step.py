@@ -12,6 +12,7 @@ import time
 from concurrent.futures import wait, FIRST_COMPLETED
 
 import numpy as np
+from numba import njit
 
 from cpu_kernels import experts as grouped
 from cpu_kernels import formats
@@ -78,18 +79,13 @@ class MoEStep:
         D = x.shape[1]
         if self.usage is not None:
             self.usage.add(layer, expert_ids)
-        flat = expert_ids.reshape(-1).astype(np.int64)
-        order = np.argsort(flat, kind="stable")
-        sorted_e = flat[order]
-        experts, starts = np.unique(sorted_e, return_index=True)
-        ends = np.append(starts[1:], len(flat))
-        groups = {int(e): order[s:t] for e, s, t in zip(experts, starts, ends)}  # pair ids (r*K+k) per expert
+        groups = group_pairs(expert_ids)  # pair ids (r*K+k) per expert, experts ascending
         pair_out = np.empty((R * K, D), dtype=np.float32)
         st = self.stats
         st.steps += 1
         st.pairs += R * K
 
-        cpu_experts = [int(e) for e in experts]
+        cpu_experts = list(groups)
         issued = None
         tier = self.tier
         if tier is not None and tier.active and (ffn is None or _device_takes(tier, ffn)):
@@ -138,8 +134,7 @@ class MoEStep:
         invariant 1)."""
         if not ews:
             return
-        alone = [(e, w) for e, w in ews
-                 if not (grouped.supports(w.gate) and grouped.supports(w.up) and grouped.supports(w.down))]
+        alone = [(e, w) for e, w in ews if grouped.expert_desc(w) is None]  # expert_desc: None without a code
         for e, w in alone:  # a format without a grouped-kernel code: one expert at a time
             self._compute(layer, e, w, xa.x, groups[e], K, pair_out, ffn)
         if alone:
@@ -193,12 +188,51 @@ class MoEStep:
 
     @staticmethod
     def combine(pair_out: np.ndarray, weights: np.ndarray) -> np.ndarray:
-        """``sum_k weights[:, k] * pair_out[:, k]`` left to right in rank order (f32 [R, K, D] -> [R, D])."""
-        w = weights.astype(np.float32)
-        y = pair_out[:, 0] * w[:, 0:1]
-        for k in range(1, pair_out.shape[1]):
-            y += pair_out[:, k] * w[:, k : k + 1]
+        """``sum_k weights[:, k] * pair_out[:, k]`` left to right in rank order (f32 [R, K, D] -> [R, D]): each
+        term rounded to f32, then added in rank order (NumPy's ``y = p0 * w0; y += p1 * w1 ...``), one serial
+        compiled call."""
+        R, K, D = pair_out.shape
+        y = np.empty((R, D), np.float32)
+        _combine(np.ascontiguousarray(pair_out), np.ascontiguousarray(weights, dtype=np.float32), y)
         return y
+
+
+@njit(nogil=True, cache=True)
+def _combine(po, w, y):
+    """y[r] = po[r, 0] * w[r, 0] + po[r, 1] * w[r, 1] + ... left to right, f32 (no fastmath: no FMA
+    contraction, the same roundings as the NumPy expression)."""
+    R, K, D = po.shape
+    for r in range(R):
+        w0 = w[r, 0]
+        for d in range(D):
+            y[r, d] = po[r, 0, d] * w0
+        for k in range(1, K):
+            wk = w[r, k]
+            for d in range(D):
+                y[r, d] = y[r, d] + po[r, k, d] * wk
+
+
+#: Pairs up to which ``group_pairs`` groups in plain Python (a decode step: a few pairs), above it with NumPy.
+_SMALL_STEP = 64
+
+
+def group_pairs(expert_ids: np.ndarray) -> dict:
+    """``{expert: int64 array of pair ids r*K+k}`` for ``expert_ids`` int [R, K], experts in ascending order and
+    each expert's pairs ascending (what a stable argsort by expert gives)."""
+    flat = expert_ids.reshape(-1)
+    if flat.size <= _SMALL_STEP:
+        g: dict = {}
+        for p, e in enumerate(flat.tolist()):
+            if e in g:
+                g[e].append(p)
+            else:
+                g[e] = [p]
+        return {e: np.array(g[e], np.int64) for e in sorted(g)}
+    flat = flat.astype(np.int64)
+    order = np.argsort(flat, kind="stable")
+    experts, starts = np.unique(flat[order], return_index=True)
+    ends = np.append(starts[1:], len(flat))
+    return {int(e): order[s:t] for e, s, t in zip(experts, starts, ends)}
 
 
 def _device_takes(tier, ffn) -> bool:

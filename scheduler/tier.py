@@ -225,6 +225,7 @@ class Tier:
         self._completed = 0
         self._done: list[tuple[int, int, object, int]] = []
         self._failed_keys: list[tuple[int, int, str]] = []
+        self._fail_said: set[str] = set()      # the reasons of failed uploads already printed
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._uploader, name="coli-tier-uploader", daemon=True)
         self._thread.start()
@@ -305,6 +306,10 @@ class Tier:
         for l, e, why in failed:
             self.pending.discard((l, e))
             self.capacity = max(0, self.capacity - 1)
+            if why != "tier off" and why not in self._fail_said:     # each reason said once, never silent
+                self._fail_said.add(why)
+                self._say(f"[VK] tier {self.model}: upload of layer {l} expert {e} failed ({why}); "
+                          f"budget now {self.capacity} experts")
 
     def count(self, layer: int, experts, rows) -> None:
         """Heat: +``rows`` for each expert of ``experts`` (int arrays of one layer). :meth:`split` calls it."""
@@ -614,10 +619,11 @@ class Tier:
                     try:
                         with self._dev_lock:
                             h = self.device.upload_expert(*arrays)
-                    except Exception:
+                    except Exception as err:
                         failed += 1
                         self.failed += 1
                         self.capacity = len(self.resident)
+                        why = f"layer {k[0]} expert {k[1]}: {type(err).__name__}: {err}"
                     else:
                         nb = _expert_nbytes(arrays)
                         self.trace.span(f"upload L{k[0]} E{k[1]} (warm)", "upload", ts, host_ns(),
@@ -637,7 +643,7 @@ class Tier:
                         futs.append((nxt, ex.submit(read_expert, *nxt)))
         dt = time.perf_counter() - t0
         extra = f"; {n - n_h} more to fill the room" if n > n_h else ""
-        fail = f"; an upload failed, budget now {self.capacity} experts" if failed else ""
+        fail = f"; an upload failed ({why}), budget now {self.capacity} experts" if failed else ""
         line = f"[VK] tier {self.model}: warm start, {n_h} experts from the history{extra} in {dt:.1f} s{fail}"
         self._say(line)
         return WarmStart(n, n_h, failed, dt, line)

@@ -149,7 +149,8 @@ class Usage:
 
     def add(self, layer: int, expert_ids: np.ndarray) -> None:
         """Stage the routing of one layer step: ``expert_ids`` int [R, K] (committed by ``add_tokens``)."""
-        np.add.at(self._pending[layer], np.asarray(expert_ids).reshape(-1), 1)
+        pend = self._pending[layer]
+        pend += np.bincount(np.asarray(expert_ids).reshape(-1), minlength=len(pend))  # an id >= E: shape error
 
     def add_tokens(self, n: int) -> None:
         """A forward step of ``n`` tokens finished: commit the routing staged since the last one."""

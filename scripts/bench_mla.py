@@ -27,8 +27,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tiny", action="store_true",
-                    help="also whole-model decode of the tiny oracles (deepseek2_lite, glmdsa) beside the same "
-                         "model with plain attention of the same heads in place of MLA")
+                    help="also whole-model decode of the tiny oracles (deepseek2_lite, glmdsa, kimi) beside the same "
+                         "model with plain attention of the same heads in place of MLA / KDA")
     ap.add_argument("--dsa", type=int, nargs="*", default=[],
                     help="also GLM-5's indexer + sparse MLA beside dense MLA at these contexts (e.g. 8192)")
     args = ap.parse_args(argv)
@@ -81,20 +81,29 @@ def main(argv=None) -> int:
 
 
 class _PlainAttention:
-    """Plain multi-head attention of an MLA layer's shape (H heads, K and V of dn + dr = dv in the tiny oracles),
-    random f32 weights: ``blocks.KV`` cache, ``cpu_kernels.attention.attend``."""
+    """Plain multi-head attention of ``H`` heads of ``hd`` (an MLA layer's H and dn + dr = dv in the tiny oracles;
+    a KDA layer's heads and head size), random f32 weights: ``blocks.KV`` cache, ``cpu_kernels.attention.attend``."""
 
-    def __init__(self, m, mla, rng):
+    def __init__(self, m, H, hd, rng):
         from cpu_kernels import formats
 
-        H, hd, D = mla.H, mla.dn + mla.dr, m.args.d_model
-        assert mla.dv == hd, "the twin needs dn + dr == dv"
+        D = m.args.d_model
 
         def w(o, i):
             a = (rng.standard_normal((o, i)) / np.sqrt(i)).astype(np.float32)
             return formats.prepare("F32", a.view(np.uint8).reshape(o, -1), (o, i))
         self.m, self.H, self.hd = m, H, hd
         self.wq, self.wk, self.wv, self.wo = w(H * hd, D), w(H * hd, D), w(H * hd, D), w(D, H * hd)
+
+    @classmethod
+    def of(cls, m, block, rng):
+        """The twin of an MLA block (``dn + dr == dv`` needed) or of a KDA block."""
+        if hasattr(block, "mla"):
+            block = block.mla
+        if hasattr(block, "dn"):
+            assert block.dv == block.dn + block.dr, "the twin needs dn + dr == dv"
+            return cls(m, block.H, block.dn + block.dr, rng)
+        return cls(m, block.H, block.d, rng)
 
     def new_cache(self, ctx):
         from coli.models.blocks import KV
@@ -128,12 +137,12 @@ def tiny(args):
 
     fix = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "oracles"
     rng = np.random.default_rng(1)
-    for name in ("deepseek2_lite", "glmdsa"):
+    for name in ("deepseek2_lite", "glmdsa", "kimi"):
         eng = Engine(fix / f"{name}.gguf", cpu_act="f32", threads=args.threads, quiet=True, save_usage=False,
                      usage=str(Path(tempfile.mkdtemp()) / "u.coli_usage"))
         m = eng.model
         own = [L.attn for L in m.layers]
-        twin = [_PlainAttention(m, a.mla if hasattr(a, "mla") else a, rng) for a in own]
+        twin = [_PlainAttention.of(m, a, rng) for a in own]
         ids = np.load(fix / f"{name}.npz")["ids"]
         res = {"own": [], "plain": []}
 
@@ -145,7 +154,10 @@ def tiny(args):
             t0 = time.perf_counter()
             for t in ids[64:64 + n]:
                 m.forward(np.array([t]), c)
-            return n / (time.perf_counter() - t0), c.nbytes() // 128
+            dt = time.perf_counter() - t0
+            c1, c129 = m.new_cache(1).nbytes(), m.new_cache(129).nbytes()
+            per = (c129 - c1) // 128
+            return n / dt, per, c1 - per          # tok/s, cache bytes per position, fixed state bytes
         for kind in res:
             decode(kind, 2)
         for _ in range(5):
@@ -153,9 +165,11 @@ def tiny(args):
                 res[kind].append(decode(kind))
         tok = {k: float(np.median([r[0] for r in v])) for k, v in res.items()}
         bpp = {k: v[0][1] for k, v in res.items()}
+        fixed = res["own"][0][2]
+        fx = f" + {fixed} fixed state bytes" if fixed else ""
         print(f"{name} (tiny, {len(m.layers)} layers): decode {tok['own']:.0f} tok/s with its attention "
-              f"({bpp['own']} cache bytes per position) vs {tok['plain']:.0f} tok/s with plain attention of the "
-              f"same heads ({bpp['plain']} bytes per position)")
+              f"({bpp['own']} cache bytes per position{fx}) vs {tok['plain']:.0f} tok/s with plain attention of "
+              f"the same heads ({bpp['plain']} bytes per position)")
         for L, a in zip(m.layers, own):
             L.attn = a
         eng.close()

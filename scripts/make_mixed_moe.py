@@ -22,6 +22,12 @@ Steps (llama.cpp from the llama-cpp-python sdist, built into ``~/.cache/coli/lla
    tokens (llama.cpp ``tools/perplexity/perplexity.cpp``: ``first = n_ctx/2``, ``n_ctx - 1 - first`` tokens a
    chunk). PPL = exp(mean NLL). Exit status 1 when the two differ by more than 1%.
 
+The llama.cpp side of the check runs with ``-fa off -ctk f32 -ctv f32`` (``--llama-attn``): attention in f32, as
+coli computes it. llama.cpp's defaults (flash attention, an f16 KV cache: q, k, v and the flash-attention
+accumulator in f16) move this file's perplexity by as much as the check's 1% on their own (docs/iquants.md,
+"Perplexity against llama.cpp": default 29.02, FA off 29.35, FA off with f32 KV 28.74), so the default run is
+printed beside it but not judged.
+
 ``-nr`` (no repacked weights): with repacking, llama-imatrix on this CPU (AVX-512, AMX) died of SIGSEGV; the
 same reason ``scripts/bench_vs_llamacpp.py`` reruns with ``--repack 0``.
 
@@ -92,13 +98,14 @@ def general_name(path: Path) -> str | None:
     return None if f is None else bytes(f.parts[f.data[0]]).decode(errors="replace")
 
 
-def coli_perplexity(model: Path, text: str, ctx: int, threads: int) -> tuple[float, int, int]:
+def coli_perplexity(model: Path, text: str, ctx: int, threads: int, act: str | None = None) -> tuple[float, int, int]:
     """(PPL, chunks, tokens scored) with llama-perplexity's convention (module docstring)."""
     import numpy as np
 
     import coli
 
-    eng = coli.Engine(str(model), threads=threads, ctx=ctx, quiet=True, save_usage=False)
+    kw = {} if act is None else {"cpu_act": act}
+    eng = coli.Engine(str(model), threads=threads, ctx=ctx, quiet=True, save_usage=False, **kw)
     try:
         ids = eng.tokenize(text)
         bos = eng.tokenizer.bos_id if eng.tokenizer.add_bos else None
@@ -132,6 +139,9 @@ def main(argv=None) -> int:
                     help="characters of the second half to score (the check compares arithmetic, not the text's "
                          "perplexity, so a few chunks suffice)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--llama-attn", default="-fa off -ctk f32 -ctv f32",
+                    help="llama-perplexity attention flags of the judged run (default: f32 attention, as coli's)")
+    ap.add_argument("--cpu-act", choices=("f32", "int8"), default=None, help="coli's activations (default: the CPU's)")
     ap.add_argument("--check-only", action="store_true", help="skip the build; check an existing output")
     a = ap.parse_args(argv)
 
@@ -187,18 +197,24 @@ def main(argv=None) -> int:
         counts[t.type_name] = counts.get(t.type_name, 0) + 1
     print("tensor types: " + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())))
 
-    log = run([str(tools["llama-perplexity"]), "-m", str(out), "-f", str(work / "eval.txt"), "-c", str(a.ctx),
-               "-b", str(a.ctx), *thr, "-nr"], work / "perplexity.log")
-    m = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", log)
-    if not m:
-        die(f"no 'Final estimate' in {work / 'perplexity.log'}")
-    ppl_ll, err_ll = float(m.group(1)), float(m.group(2))
+    def llama_ppl(extra: list[str], tag: str) -> tuple[float, float]:
+        log = run([str(tools["llama-perplexity"]), "-m", str(out), "-f", str(work / "eval.txt"), "-c", str(a.ctx),
+                   "-b", str(a.ctx), *thr, "-nr", *extra], work / f"perplexity{tag}.log")
+        m = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", log)
+        if not m:
+            die(f"no 'Final estimate' in {work / f'perplexity{tag}.log'}")
+        return float(m.group(1)), float(m.group(2))
+
+    ppl_def, err_def = llama_ppl([], "-default")
+    ppl_ll, err_ll = llama_ppl(a.llama_attn.split(), "")
     t0 = time.time()
-    ppl_c, n_chunk, n_tok = coli_perplexity(out, evalt, a.ctx, a.threads)
+    ppl_c, n_chunk, n_tok = coli_perplexity(out, evalt, a.ctx, a.threads, a.cpu_act)
     rel = ppl_c / ppl_ll - 1
     print(f"text: {text_path} second half ({len(evalt)} chars), ctx {a.ctx}: {n_chunk} chunks, {n_tok} tokens scored")
-    print(f"llama-perplexity PPL {ppl_ll:.4f} +/- {err_ll:.4f}; coli PPL {ppl_c:.4f} ({time.time() - t0:.0f} s); "
-          f"coli/llama.cpp - 1 = {rel * 100:+.3f}%")
+    print(f"llama-perplexity (defaults) PPL {ppl_def:.4f} +/- {err_def:.4f}: coli/it - 1 = "
+          f"{(ppl_c / ppl_def - 1) * 100:+.3f}% (not judged: f16 attention)")
+    print(f"llama-perplexity ({a.llama_attn}) PPL {ppl_ll:.4f} +/- {err_ll:.4f}; coli PPL {ppl_c:.4f} "
+          f"({time.time() - t0:.0f} s); coli/llama.cpp - 1 = {rel * 100:+.3f}%")
     return 0 if abs(rel) <= 0.01 else 1
 
 

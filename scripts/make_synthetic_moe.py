@@ -3,12 +3,13 @@
 
 Default: OLMoE-1B-7B's dimensions as a llama-architecture file with experts (the shape of the llama.cpp peer
 run in ../shared/stack-notes.md, last section): 16 layers, d 2048, 16 heads (kv 16), 64 experts top-8, expert
-FFN 1024, vocab 49152; every matrix Q8_0 (or Q4_0) with random codes and scales chosen so activations stay
-O(1) through the layers; norms 1. A byte-level placeholder vocabulary (``<t0>``..) makes it loadable.
+FFN 1024, vocab 49152; every matrix Q8_0 (or Q4_0; or F16, F32, which take any d and FFN width) with random
+codes and scales chosen so activations stay O(1) through the layers; norms 1. A byte-level placeholder
+vocabulary (``<t0>``..) makes it loadable.
 Routing on random weights is near uniform, so a tier budget of X% of the experts serves about X% of pairs.
 
     python scripts/make_synthetic_moe.py -o synth.gguf [--layers 16 --d 2048 --experts 64 --top-k 8
-        --expert-ff 1024 --vocab 49152 --type Q8_0|Q4_0 --seed 0]
+        --expert-ff 1024 --vocab 49152 --type Q8_0|Q4_0|F16|F32 --seed 0]
 
 The file is written atomically (temp file, then rename).
 """
@@ -33,7 +34,23 @@ def q_blocks(rng, rows: int, cols: int, qtype: str, scale: float) -> np.ndarray:
         d = np.full((rows, nb, 1), scale / 4.6, np.float16).view(np.uint8)  # (q-8) std ~4.6
         q = rng.integers(0, 256, size=(rows, nb, 16), dtype=np.uint8)
         return np.concatenate([d, q], axis=2).reshape(rows, nb * 18)
-    raise SystemExit(f"--type {qtype}: Q8_0 or Q4_0")
+    raise SystemExit(f"--type {qtype}: Q8_0, Q4_0, F16 or F32")
+
+
+def mat(rng, rows: int, cols: int, qtype: str, scale: float) -> dict:
+    """``GGUFWriter.add_tensor`` arguments of one random [rows, cols] matrix: block bytes with ``raw_dtype`` (Q8_0,
+    Q4_0; cols a multiple of 32), or an F32/F16 array (any cols) of standard normals times ``scale``."""
+    import gguf
+
+    if qtype in ("F32", "F16"):
+        a = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+        return {"tensor": a.astype(np.float16) if qtype == "F16" else a}
+    return {"tensor": q_blocks(rng, rows, cols, qtype, scale), "raw_dtype": gguf.GGMLQuantizationType[qtype]}
+
+
+def stack(parts: list[dict]) -> dict:
+    """The experts' matrices of :func:`mat` stacked into one [E, rows, ...] tensor."""
+    return dict(parts[0], tensor=np.stack([p["tensor"] for p in parts]))
 
 
 def main(argv=None):
@@ -52,7 +69,6 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     rng = np.random.default_rng(a.seed)
-    QT = gguf.GGMLQuantizationType[a.type]
     out = Path(a.out)
     tmp = out.with_name(out.name + ".tmp")
     w = gguf.GGUFWriter(str(tmp), "llama")
@@ -81,22 +97,23 @@ def main(argv=None):
     w.add_eos_token_id(2)
     w.add_add_bos_token(False)
     s = 1.0 / np.sqrt(d)
-    w.add_tensor("token_embd.weight", q_blocks(rng, a.vocab, d, a.type, 1.0), raw_shape=(a.vocab, d * (34 if a.type == "Q8_0" else 18) // 32), raw_dtype=QT)
+    t = a.type
+    emb = mat(rng, a.vocab, d, t, 1.0)
+    if "raw_dtype" in emb:   # block bytes: the writer is told the byte shape
+        emb["raw_shape"] = emb["tensor"].shape
+    w.add_tensor("token_embd.weight", emb.pop("tensor"), **emb)
     w.add_tensor("output_norm.weight", np.ones(d, np.float32))
-    w.add_tensor("output.weight", q_blocks(rng, a.vocab, d, a.type, s), raw_dtype=QT)
+    w.add_tensor("output.weight", **mat(rng, a.vocab, d, t, s))
     for il in range(L):
         p = f"blk.{il}."
         w.add_tensor(p + "attn_norm.weight", np.ones(d, np.float32))
         w.add_tensor(p + "ffn_norm.weight", np.ones(d, np.float32))
         for n in ("attn_q", "attn_k", "attn_v", "attn_output"):
-            w.add_tensor(p + n + ".weight", q_blocks(rng, d, d, a.type, s), raw_dtype=QT)
+            w.add_tensor(p + n + ".weight", **mat(rng, d, d, t, s))
         w.add_tensor(p + "ffn_gate_inp.weight", (rng.standard_normal((E, d)) * 3 * s).astype(np.float32))
-        gate = np.stack([q_blocks(rng, F, d, a.type, s) for _ in range(E)])
-        w.add_tensor(p + "ffn_gate_exps.weight", gate, raw_dtype=QT)
-        up = np.stack([q_blocks(rng, F, d, a.type, s) for _ in range(E)])
-        w.add_tensor(p + "ffn_up_exps.weight", up, raw_dtype=QT)
-        down = np.stack([q_blocks(rng, d, F, a.type, 1.0 / np.sqrt(F)) for _ in range(E)])
-        w.add_tensor(p + "ffn_down_exps.weight", down, raw_dtype=QT)
+        w.add_tensor(p + "ffn_gate_exps.weight", **stack([mat(rng, F, d, t, s) for _ in range(E)]))
+        w.add_tensor(p + "ffn_up_exps.weight", **stack([mat(rng, F, d, t, s) for _ in range(E)]))
+        w.add_tensor(p + "ffn_down_exps.weight", **stack([mat(rng, d, F, t, 1.0 / np.sqrt(F)) for _ in range(E)]))
         print(f"layer {il + 1}/{L}", file=sys.stderr, flush=True)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -21,7 +21,7 @@ Two variants in the DeepSeek-V2-Lite shape (transformers ``models/deepseek_v2/mo
 
 Both: hidden 32, 4 heads, MLA with ``kv_lora_rank`` 24 and ``qk_nope_head_dim`` 16 / ``qk_rope_head_dim`` 8 / ``v_head_dim`` 24
 (three different sizes, so a swapped split shows), one leading dense layer then 2 MoE layers of 8 experts
-(width 32: the device kernels need inner sizes that are multiples of 32), shared experts (2 x the expert
+(width 32), shared experts (2 x the expert
 width), ``routed_scaling_factor`` away from 1 (GGUF ``expert_weights_scale``), norms ~ 1 + 0.2 N, routers x5,
 reseeded until the k-th and (k+1)-th candidate router logits (and, grouped, the ``topk_group``-th and next
 group score) differ by ``MIN_MARGIN`` at every position of the prompt and the generated tokens and the top

@@ -2,7 +2,7 @@
 """Per-part timers of one decode token and one prefill chunk of a coli model, as a table.
 
     python scripts/profile_token.py MODEL [-t THREADS] [--tokens 32] [--prompt 64] [--cpu-act int8|f32]
-                                          [--py-spy out.svg]
+                                          [--py-spy out.svg] [--calls]
 
 MODEL: a GGUF path, a name ``coli.fetch`` knows (smollm2, qwen25, gemma3), ``demo`` (the demo MoE) or the file
 of ``scripts/make_synthetic_moe.py``. The script wraps the forward path's parts (the methods of the blocks in
@@ -21,7 +21,8 @@ embed                  token embedding lookup
 python / other         ``forward``'s own time: everything not in a part above
 =====================  ==================================================================================
 
-The untimed run's ms/token is printed too: the timers add ~1 us per wrapped call. ``--py-spy`` records the
+``--calls`` counts Python-level calls and np.empty/np.zeros per decode token with cProfile. The untimed run's
+ms/token is printed too: the timers add ~1 us per wrapped call. ``--py-spy`` records the
 decode loop with py-spy (when installed) into a flame graph. Speed numbers are only comparable within one run
 on a quiet machine (docs/cpu_kernels.md); the load average is printed with the table.
 """
@@ -54,6 +55,8 @@ _KERNELS = {  # module-level kernel names in coli.models.blocks / base / the fam
     "geglu_tanh": {None: "dense FFN"},
     "mla_attend": {None: "attention core"},
     "dsa_topk": {None: "attention core"},
+    "kda": {None: "attention core"},                  # coli/models/kimi.py: the KDA recurrence + gated norm
+    "causal_conv1d_silu": {None: "attention core"},   # and its short convolutions
 }
 _METHODS = {  # (class, method) of the blocks and the model: the part of their own (exclusive) time
     ("Attention", "__call__"): ("attention", "attention core"),
@@ -70,9 +73,12 @@ _METHODS = {  # (class, method) of the blocks and the model: the part of their o
     ("MLA", "attend"): ("mla_attend_block", "attention core"),
     ("DSA", "__call__"): ("attention", "attention core"),   # coli/models/glmdsa.py: the indexer is attention core
     ("Indexer", "__call__"): ("indexer", "attention core"),
+    ("KDA", "__call__"): ("kda_block", "attention core"),   # coli/models/kimi.py: its matmuls are attention matmuls
+    ("KDA", "projections"): ("qkv", "attention matmuls"),
 }
 _MM = {"qkv": "attention matmuls", "out": "attention matmuls", "dense_ffn": "dense FFN", "forward": "lm_head",
-       "moe": "router", "mla_attend_block": "attention matmuls", "indexer": "attention core"}
+       "moe": "router", "mla_attend_block": "attention matmuls", "indexer": "attention core",
+       "kda_block": "attention matmuls"}
 
 
 class Profiler:
@@ -114,6 +120,7 @@ def instrument(model, prof: Profiler):
     import coli.models.base as base
     import coli.models.blocks as blocks
     import coli.models.glmdsa as glmdsa
+    import coli.models.kimi as kimi
     import coli.models.mla as mla
 
     undo = []
@@ -124,12 +131,12 @@ def instrument(model, prof: Profiler):
         undo.append(lambda: setattr(obj, name, orig))
 
     family = importlib.import_module(type(model).__module__)
-    for mod in {blocks, base, family, mla, glmdsa}:
+    for mod in {blocks, base, family, mla, glmdsa, kimi}:
         for name, table in _KERNELS.items():
             if name in vars(mod):
                 patch(mod, name, prof.wrap(name, vars(mod)[name], lambda c, t=table: t.get(c, t.get(None))))
     classes = {"Attention": blocks.Attention, "MLP": blocks.MLP, "MoE": blocks.MoE, "Model": base.Model,
-               "MLA": mla.MLA, "DSA": glmdsa.DSA, "Indexer": glmdsa.Indexer}
+               "MLA": mla.MLA, "DSA": glmdsa.DSA, "Indexer": glmdsa.Indexer, "KDA": kimi.KDA}
     for (cls_name, meth), (label, part) in _METHODS.items():
         cls = classes[cls_name]
         patch(cls, meth, prof.wrap(label, getattr(cls, meth), lambda c, p=part: p))
@@ -165,6 +172,29 @@ def table(prof: Profiler, ntok: int, title: str, untimed_ms: float, timed_ms: fl
     return "\n".join(lines)
 
 
+def call_counts(decode, ntok: int) -> str:
+    """Python-level calls per decode token under cProfile (every function and C call it sees, the Numba
+    dispatches included) and the allocations the issue counts (np.empty, np.zeros, np.empty_like, np.zeros_like),
+    with the ten most frequent callees."""
+    import cProfile
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    decode(ntok)
+    pr.disable()
+    st = pstats.Stats(pr).stats
+    calls = sum(v[1] for v in st.values())
+    lines = [f"### Python calls per decode token (cProfile, {ntok} tokens)", "",
+             f"all calls: {calls / ntok:.0f}"]
+    for name in ("numpy.empty", "numpy.zeros", "empty_like", "zeros_like"):
+        n = sum(v[1] for k, v in st.items() if k[2].endswith(name) or k[2] == f"<built-in method {name}>")
+        lines.append(f"{name}: {n / ntok:.1f}")
+    top = sorted(st.items(), key=lambda kv: -kv[1][1])[:10]
+    lines.append("most called: " + ", ".join(f"{k[2]} {v[1] / ntok:.0f}" for k, v in top))
+    return "\n".join(lines)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model")
@@ -174,6 +204,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=3, help="prefill chunks timed")
     ap.add_argument("--cpu-act", default=None)
     ap.add_argument("--py-spy", default=None, metavar="SVG", help="also record the decode loop with py-spy")
+    ap.add_argument("--calls", action="store_true",
+                    help="also count Python-level calls and np.empty/np.zeros per decode token (cProfile)")
     a = ap.parse_args(argv)
 
     from coli.engine import Engine
@@ -231,6 +263,8 @@ def main(argv=None):
     undo()
     print("\n".join(out))
     print(f"\ndecode {1e3 / untimed:.1f} tok/s untimed; loadavg after {open('/proc/loadavg').read().split()[:3]}")
+    if a.calls:
+        print("\n" + call_counts(decode, ntok))
     if a.py_spy:
         here = os.getpid()
         try:

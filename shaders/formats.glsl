@@ -128,6 +128,11 @@
 #define TYPE_SIZE 56u
 #define ROW_BYTES(I) (((I) / 256u) * 56u)
 #include "fmt_iq1_m.glsl"
+#elif defined(FMT_FP8_E4M3_B128)
+#define BLOCK_SIZE 128u
+#define TYPE_SIZE 132u
+#define ROW_BYTES(I) (((I) / 128u) * 132u)
+#include "fmt_fp8_e4m3_b128.glsl"
 #else
 #error "no FMT_ defined"
 #endif

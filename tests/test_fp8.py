@@ -11,6 +11,7 @@ tests/test_formats.py (the registry's rows).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from conftest import FIXTURES, ROOT
 
 from coli.errors import ColiError
 from cpu_kernels import fp8
+from tests.vk_util import requires_vulkan
 
 DIR = FIXTURES / "oracles"
 FOLDER = DIR / "fp8_qwen3moe"
@@ -107,6 +109,43 @@ def test_cli_info_describes_a_folder():
     assert r.returncode == 0, r.stderr
     assert "Hugging Face folder" in r.stdout and "qwen3moe" in r.stdout
     assert "blk.0.attn_q.weight" in r.stdout and "FP8_E4M3_B128" in r.stdout
+
+
+
+# ---------------------------------------------------------------------------------------- on the device tier
+@requires_vulkan
+@pytest.mark.parametrize("balance", [False, True])
+def test_folder_on_the_tier_matches_hf(balance, tmp_path):
+    """FP8 experts on the device (shaders/fmt_fp8_e4m3_b128.glsl on Lavapipe): the tier computed routed experts
+    and the logits stay within 1e-4 of HF's float model on the dequantized weights, as the CPU's do."""
+    from coli.engine import Engine
+
+    d = _ref()
+    with Engine(FOLDER, cpu_act="f32", device="vulkan", balance=balance, threads=1, quiet=True,
+                usage=tmp_path / "u", save_usage=False) as eng:
+        got = eng.logits(d["ids"])
+        assert eng.tier is not None and eng.tier.on and eng.tier.device_pairs > 0, "the device did no expert"
+    ref = d["logits"]
+    err = np.abs(got - ref).max(axis=1) / np.abs(ref).max()
+    assert (err <= 1e-4).all(), float(err.max())
+
+
+@requires_vulkan
+def test_cli_balance_gives_the_cpus_greedy_tokens(tmp_path):
+    """`coli run -m FOLDER --device vulkan --balance`: the CPU-only run's greedy text, with experts and matmuls
+    on the device (its summary line counts them)."""
+    def run(*extra):
+        r = subprocess.run([sys.executable, "-m", "coli", "run", "-m", str(FOLDER), "-p", "The capital of", "-n",
+                            "24", "--temp", "0", "--usage", str(tmp_path / "u"), *extra],
+                           capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert r.returncode == 0, r.stderr
+        return r
+    cpu, dev = run(), run("--device", "vulkan", "--balance")
+    assert dev.stdout == cpu.stdout and len(cpu.stdout.strip()) > len("The capital of")
+    m = re.search(r"\[VK\] tier fp8_qwen3moe run: device (\d+) of \d+ routed experts", dev.stderr)
+    assert m and int(m.group(1)) > 0, dev.stderr
+    m = re.search(r"\[VK\] fp8_qwen3moe: (\d+) matmuls on the GPU", dev.stderr)
+    assert m and int(m.group(1)) > 0, dev.stderr
 
 
 def _broken(tmp_path, edit):

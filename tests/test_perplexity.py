@@ -5,8 +5,10 @@ logits) and NumPy's log-softmax in f64; the chunk layout is checked as exact inv
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -98,3 +100,47 @@ def test_cli_prints_progress_per_chunk_and_the_estimate(model_path, tmp_path):
     short = subprocess.run([sys.executable, "-m", "coli", "perplexity", "-m", str(model_path("gemma3")), "-f", str(f)],
                            capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert short.returncode == 2 and "--all-tokens" in short.stderr and "Traceback" not in short.stderr
+
+
+LLAMA_PPL = Path.home() / ".cache" / "coli" / "llama.cpp" / "build" / "bin" / "llama-perplexity"
+
+
+@pytest.mark.skipif(not LLAMA_PPL.exists(), reason="llama-perplexity not built (scripts/build_llama_bench.sh)")
+def test_matches_llama_perplexity_token_by_token(tmp_path):
+    """Against llama.cpp itself: on an F32 MoE (the Mixtral-shaped oracle fixture: no weight or activation
+    rounding on either side) with llama.cpp's attention in f32 (``-fa off -ctk f32 -ctv f32``; its default f16
+    attention moves a perplexity by up to 2 %, docs/iquants.md), coli's tokens, perplexity and every scored
+    token's NLL equal llama-perplexity's (read from its ``--kl-divergence-base`` logits file, whose log-probs
+    are stored in steps of at most 16/65535)."""
+    sys.path.insert(0, str(ROOT))
+    from scripts.mixed_moe_attrib import read_kld
+
+    from coli.engine import Engine
+
+    model = ROOT / "tests" / "fixtures" / "oracles" / "mixtral.gguf"
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT * 2)
+    kld = tmp_path / "l.kld"
+    r = subprocess.run([str(LLAMA_PPL), "-m", str(model), "-f", str(text), "-c", "32", "-b", "32", "-t", "2", "-nr",
+                        "-fa", "off", "-ctk", "f32", "-ctv", "f32", "--kl-divergence-base", str(kld)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ctx, _, n_chunk, toks, logp = read_kld(kld)
+    assert n_chunk >= 3 and np.isfinite(logp).all()   # no log-prob clipped at 16 below the best on this model
+    # llama.cpp's PPL from its own per-token values (its log's last lines are lost when its stdout is a pipe)
+    ppl_ll = math.exp(-logp.mean())
+    first = re.search(r"\[1\]([0-9.]+),", r.stdout + r.stderr)
+    assert first and abs(float(first.group(1)) / math.exp(-logp[0].mean()) - 1) < 1e-4, (r.stdout + r.stderr)[-2000:]
+    with Engine(model, ctx=ctx, cpu_act="f32", save_usage=False, quiet=True) as eng:
+        assert eng.tokenize(text.read_text())[:len(toks)] == toks.tolist()
+        res = eng.perplexity(toks.tolist())
+        assert res.chunks == n_chunk and res.n == logp.size
+        assert abs(res.ppl / ppl_ll - 1) < 2e-4, (res.ppl, ppl_ll)
+        bos = eng.tokenizer.bos_id if eng.tokenizer.add_bos else None
+        for c in range(n_chunk):
+            w = toks[c * ctx:(c + 1) * ctx].tolist()
+            if bos is not None:
+                w[0] = bos
+            got = _nlls(eng, w, ctx // 2)
+            ok = np.isfinite(logp[c])
+            assert np.abs(got[ok] + logp[c][ok]).max() < 1e-3, c

@@ -144,7 +144,8 @@ def test_warm_start_failed_upload_shrinks_budget():
     t, dev, log = make(cap=6, counts=c, dev=RecordingDevice(fail_from=3))
     ws = t.warm_start(lambda l, e: arrays(e), threads=2)
     assert ws.n == 3 and ws.failed == 1 and t.capacity == 3 and t.failed == 1
-    assert "budget now 3 experts" in log.getvalue()
+    assert ("an upload failed (layer 0 expert 3: MemoryError: VK_ERROR_OUT_OF_DEVICE_MEMORY), budget now 3 experts"
+            in log.getvalue())                                   # the expert and the reason, never silent
     t.close()
 
 
@@ -234,13 +235,21 @@ def test_eviction_waits_for_the_in_flight_batch():
 
 
 def test_failed_upload_shrinks_planned_residency():
-    t, dev, _ = make(cap=4, env={"COLI_VK_TIER_SYNC": "1"}, dev=RecordingDevice(fail_from=2))
+    t, dev, log = make(cap=4, env={"COLI_VK_TIER_SYNC": "1"}, dev=RecordingDevice(fail_from=2))
     t.begin_token()
     for e in range(3):
         t.note(0, e, lambda: arrays(e))
     t.settle()
     assert t.capacity == 3 and t.failed == 1 and len(t.resident) == 2
     assert (0, 2) not in t.resident and (0, 2) not in t.pending
+    # one line naming the expert and the reason (each distinct reason once)
+    assert log.getvalue().count("failed (MemoryError: VK_ERROR_OUT_OF_DEVICE_MEMORY)") == 1
+    assert "[VK] tier m: upload of layer 0 expert 2 failed (MemoryError: VK_ERROR_OUT_OF_DEVICE_MEMORY); " \
+           "budget now 3 experts" in log.getvalue()
+    t.note(0, 3, lambda: arrays(3))
+    t.settle()
+    assert t.failed == 2 and t.capacity == 2
+    assert log.getvalue().count("failed (MemoryError: VK_ERROR_OUT_OF_DEVICE_MEMORY)") == 1
     t.close()
 
 

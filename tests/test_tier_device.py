@@ -206,3 +206,34 @@ def test_device_run_keeps_the_cpus_default_act(lavapipe, tmp_path):
         assert eng.cpu_act == cpu_kernels.DEFAULT_ACT and eng.device.act == eng.cpu_act
     finally:
         eng.close()
+
+
+def test_tier_odd_expert_sizes(lavapipe, tmp_path):
+    """F32 experts whose row lengths are not multiples of 32 (d 40, expert FFN 52: scripts/make_synthetic_moe.py)
+    run on the device, zero-padded at upload (docs/vulkan.md "Row lengths"): the resident handles are padded,
+    the device computed pairs (dispatches > 0, no failed upload), and 16 greedy tokens equal the CPU-only run's
+    with logits within 1e-4 of the largest at every position."""
+    import subprocess
+
+    from coli.engine import Engine
+    path = tmp_path / "odd.gguf"
+    subprocess.run([sys.executable, str(Path(__file__).parent.parent / "scripts" / "make_synthetic_moe.py"),
+                    "-o", str(path), "--layers", "2", "--d", "40", "--heads", "2", "--experts", "4", "--top-k",
+                    "2", "--expert-ff", "52", "--vocab", "256", "--type", "F32"],
+                   check=True, capture_output=True, timeout=120)
+    out = {}
+    for device in (None, "vulkan"):
+        eng = Engine(path, threads=1, save_usage=False, quiet=True, cpu_act="f32",
+                     usage=str(tmp_path / "none.coli_usage"), device=device)
+        try:
+            ids = list(eng.generate(ids=PROMPT, max_tokens=16, temp=0.0).ids)
+            out[device] = (ids, eng.logits(PROMPT + ids[:-1]))
+            if device:
+                tier = eng.tier
+                assert tier is not None and tier.on and tier.failed == 0 and tier.device_pairs > 0
+                assert eng.device.dispatches > 0
+                h = next(iter(tier.resident.values()))
+                assert (h.D, h.F, h.Dp, h.Fp) == (40, 52, 64, 64)
+        finally:
+            eng.close()
+    same(out["vulkan"], out[None])

@@ -312,3 +312,66 @@ def test_bad_inputs_are_refused(dev):
     assert dev.submit_experts(np.zeros((2, 64), np.float32), [1], [h]).join().shape == (1, 64)
     assert dev.dispatches > d0
     dev.free_expert(h)
+
+
+@pytest.mark.parametrize("fmt_gu,fmt_d,D,F", [("F32", "F32", 40, 52), ("F16", "BF16", 72, 20),
+                                              ("Q8_0", "F16", 64, 40)])
+def test_float_rows_not_a_multiple_of_32(dev, fmt_gu, fmt_d, D, F):
+    """Float rows of any length (docs/vulkan.md "Row lengths"): the expert batch (GEMV and GEMM groups) and the
+    plain matmul against NumPy's product of the reference decoding; the handle's device shape is padded."""
+    rng = np.random.default_rng(D * 1000 + F)
+    E, R, K = 3, 20, 2
+    hs, ws = [], []
+    for _ in range(E):
+        spec, w = make_expert(fmt_gu, fmt_d, D, F, rng)
+        hs.append(dev.upload_expert(*spec))
+        ws.append(w)
+    assert (hs[0].D, hs[0].F) == (D, F) and hs[0].Dp % 32 == 0 and hs[0].Fp % 32 == 0
+    assert hs[0].Fp > F or hs[0].Dp > D
+    ids = _route(R, E, K, rng)
+    ids[:18, 0] = 0                       # expert 0 gets >= 18 rows: its group takes the GEMM
+    ids[:18, 1] = np.where(ids[:18, 1] == 0, 1, ids[:18, 1])
+    x = rng.standard_normal((R, D)).astype(np.float32)
+    rows = np.repeat(np.arange(R), K)
+    eids = ids.reshape(-1)
+    d0 = dev.dispatches
+    y = dev.submit_experts(x, rows, [hs[e] for e in eids]).join()
+    assert dev.dispatches - d0 >= 4
+    ref = np.stack([numpy_expert(x[r], ws[e]) for r, e in zip(rows, eids)])
+    assert y.shape == (R * K, D)
+    assert rel_err(y, ref) < TOL, f"{fmt_gu}/{fmt_d} D={D} F={F}: {rel_err(y, ref):.2e}"
+    for h in hs:
+        dev.free_expert(h)
+    raw, wd = make_weight(fmt_d, D, F, rng)
+    xf = rng.standard_normal((17, F)).astype(np.float32)
+    for n in (3, 17):                      # GEMV and GEMM
+        yd = dev.matmul(fmt_d, raw, (D, F), xf[:n])
+        assert yd.shape == (n, D)
+        assert rel_err(yd, xf[:n].astype(np.float64) @ wd.T.astype(np.float64)) < TOL
+
+
+def test_float_rows_not_a_multiple_of_32_with_biases_and_oai_swiglu(dev):
+    """gpt-oss's clamped SwiGLU with gate/up biases on F32 experts of d 40, FFN 52 (padded on the device: the biases
+    are padded with the rows) against NumPy float64 (transformers GptOssExperts: g = min(Wg x + bg, 7),
+    u = clip(Wu x + bu, -7, 7), h = (u + 1) g sigmoid(1.702 g))."""
+    rng = np.random.default_rng(52)
+    D, F, E, P = 40, 52, 2, 20
+    hs, ws = [], []
+    for _ in range(E):
+        spec, w = make_expert("F32", "F32", D, F, rng, scale=1.0)
+        hs.append(dev.upload_expert(*spec))
+        ws.append(w)
+    x = (2.0 * rng.standard_normal((P, D))).astype(np.float32)
+    pe = np.array([0] * 17 + [1] * 3)   # 17 pairs of expert 0: a GEMM group in the full batch
+    b = (0.5 * rng.standard_normal((E, 2 * F))).astype(np.float32)
+    for n in (3, P):                       # GEMV groups, and a GEMM group (>= 16 pairs of one expert)
+        y = dev.submit_experts(x[:n], np.arange(n), [hs[e] for e in pe[:n]], clamp=7.0, act="f32", act_kind=2,
+                               bias_gu=b[pe[:n]]).join()
+        for p in range(n):
+            wg, wu, wd = (np.asarray(a, np.float64) for a in ws[pe[p]])
+            g = np.minimum(wg @ x[p] + b[pe[p], :F], 7.0)
+            u = np.clip(wu @ x[p] + b[pe[p], F:], -7.0, 7.0)
+            ref = wd @ ((u + 1.0) * g / (1.0 + np.exp(-1.702 * g)))
+            assert np.abs(y[p] - ref).max() <= TOL * np.abs(ref).max(), (n, p)
+    for h in hs:
+        dev.free_expert(h)

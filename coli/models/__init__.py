@@ -18,6 +18,7 @@ ARCHITECTURES = {
     "mimo2": "mimo2",
     "deepseek2": "deepseek2",
     "glm-dsa": "glmdsa",
+    "kimi-linear": "kimi",
     "deepseek4": "deepseek4",
 }
 

@@ -53,12 +53,13 @@ def _shape(wt, name, arr, want):
 class MLA:
     """The MLA block of one layer (tensors above, prefix ``p`` = ``blk.<il>.``). ``n_heads`` H, ``q_lora_rank``
     (0: ``attn_q`` straight from x), ``kv_lora_rank`` r, ``nope`` dn, ``n_rot`` dr, ``v_dim`` dv; ``scale`` the
-    softmax scale; ``rope_base``/``rope_scaling`` the rope rule. ColiError naming a missing tensor or one whose
-    shape disagrees with these. ``__call__(x, xa, cache, pos0, sel=None) -> f32 [T, D]``; ``sel`` int64 [T, K]:
-    the positions each row attends to (a sparse indexer's choice), None = all earlier ones."""
+    softmax scale; ``rope_base``/``rope_scaling`` the rope rule (``rope_base`` None: no rotation). ColiError
+    naming a missing tensor or one whose shape disagrees with these. ``__call__(x, xa, cache, pos0, sel=None)
+    -> f32 [T, D]``; ``sel`` int64 [T, K]: the positions each row attends to (a sparse indexer's choice), None =
+    all earlier ones."""
 
     def __init__(self, m, p: str, *, n_heads: int, q_lora_rank: int, kv_lora_rank: int, nope: int, n_rot: int,
-                 v_dim: int, scale: float, rope_base: float, rope_scaling):
+                 v_dim: int, scale: float, rope_base: float | None, rope_scaling):
         self.m = m
         wt = m.wt
         self.H, self.r, self.dn, self.dr, self.dv = n_heads, kv_lora_rank, nope, n_rot, v_dim
@@ -121,7 +122,10 @@ class MLA:
         cache.kr[pos0:pos0 + T] = kr[:, 0]
 
     def rope(self, x, pos0: int):
-        """Rotate x f32 [T, heads, dr] in place at positions ``pos0 ..`` (adjacent pairs)."""
+        """Rotate x f32 [T, heads, dr] in place at positions ``pos0 ..`` (adjacent pairs); nothing when
+        ``rope_base`` is None (Kimi-Linear's MLA: NoPE, the "rope" dims used as they are)."""
+        if self.rope_base is None:
+            return
         pos = np.arange(pos0, pos0 + x.shape[0], dtype=np.int64)
         cos, sin = self.m.rope_table(self.rope_base, self.rope_scaling, self.dr)
         apply_rope(x, pos, cos, sin, self.dr, NORM)

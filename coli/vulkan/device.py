@@ -97,6 +97,22 @@ def row_bytes(type_name: str, inner: int) -> int:
     return inner // t.block_size * t.type_size
 
 
+def _ceil32(n: int) -> int:
+    """``n`` rounded up to the device's unit of 32 inputs."""
+    return (int(n) + 31) // 32 * 32
+
+
+def _pad_rows(type_name: str, raw: np.ndarray, O: int, I: int, Op: int, Ip: int) -> np.ndarray:
+    """GGUF bytes of an [O, I] matrix as an [Op, Ip] one: zero rows appended (O -> Op) and, for a float format
+    (F32/F16/BF16: one weight per block), every row zero-padded from I to Ip weights. Zero bytes decode to
+    0.0 in every format, so the padded products and SwiGLU(0, 0) add nothing: the device sees a row length
+    that is a multiple of its unit of 32 (docs/vulkan.md "Row lengths"). uint8 [Op, row_bytes(Ip)]."""
+    rb, rbp = row_bytes(type_name, I), row_bytes(type_name, Ip)
+    out = np.zeros((Op, rbp), np.uint8)
+    out[:O, :rb] = np.asarray(raw).reshape(O, rb)
+    return out
+
+
 def _int8_format(type_name: str) -> bool:
     """Whether the CPU multiplies this weight format with int8 activations in its int8 mode (its format
     registry's ``int8`` flag: every quantized format; F32/F16/BF16 always take f32)."""
@@ -132,7 +148,8 @@ class _Tensor:
 
 class ExpertHandle:
     """A resident expert: its gate, up and down tensors on the device (from ``Device.upload_expert``)."""
-    __slots__ = ("id", "gate", "up", "down", "D", "F", "sig", "nbytes", "last_batch", "freed", "addr6")
+    __slots__ = ("id", "gate", "up", "down", "D", "F", "Dp", "Fp", "sig", "nbytes", "last_batch", "freed",
+                 "addr6")
 
     def __repr__(self):
         return f"<expert {self.id}: {self.gate.type_name}/{self.down.type_name} D={self.D} F={self.F}>"
@@ -813,17 +830,25 @@ class Device:
         b.view = None
         lib.vkFreeMemory(self._dev, b.memory, ffi.NULL)
 
-    def _place(self, type_name: str, raw: np.ndarray, shape) -> _Tensor:
+    def _place(self, type_name: str, raw: np.ndarray, shape, rows: int | None = None) -> _Tensor:
+        """One [O, I] GGUF matrix into device memory as [rows (default O), ceil32(I)]: a float format's rows
+        are zero-padded to a multiple of 32 weights (:func:`_pad_rows`); a block format's inner size is a
+        multiple of its block already (ValueError otherwise, as for bytes that do not match the shape)."""
         O, I = (int(shape[0]), int(shape[1]))
         if type_name not in S.FORMATS:
             raise ValueError(f"weight format {type_name} has no device kernel")
-        qk = max(TT.get(type_name).block_size, 32)
-        if I % qk:
-            raise ValueError(f"{type_name}: inner size {I} is not a multiple of {qk} (device kernels need it)")
+        bs = TT.get(type_name).block_size
+        if I % bs or (bs > 1 and I % 32):
+            raise ValueError(f"{type_name}: inner size {I} is not a multiple of {max(bs, 32)} "
+                             f"(its blocks; device kernels need it)")
         rb = row_bytes(type_name, I)
         raw = np.asarray(raw)
         if raw.dtype != np.uint8 or raw.size != O * rb:
             raise ValueError(f"{type_name} [{O}, {I}]: expected {O * rb} raw bytes, got {raw.size} {raw.dtype}")
+        Op, Ip = (O if rows is None else int(rows)), _ceil32(I)
+        if (Op, Ip) != (O, I):
+            raw = _pad_rows(type_name, raw, O, I, Op, Ip)
+        O, I, rb = Op, Ip, row_bytes(type_name, Ip)
         t = _Tensor()
         t.type_name, t.O, t.I, t.nbytes = type_name, O, I, O * rb
         t.alloc = self._alloc.alloc(t.nbytes, 256)
@@ -913,15 +938,21 @@ class Device:
     # -- experts -----------------------------------------------------------------------------------
     @staticmethod
     def expert_bytes(gate, up, down) -> int:
-        """Device bytes an expert takes (each ``(type_name, raw, (O, I))``), before 256-byte alignment."""
-        return sum(row_bytes(t, int(s[1])) * int(s[0]) for t, _, s in (gate, up, down))
+        """Device bytes an expert takes (each ``(type_name, raw, (O, I))``), before 256-byte alignment: rows of
+        a float format padded to a multiple of 32 weights, gate and up to a multiple of 32 rows
+        (:meth:`upload_expert`)."""
+        D, Fp = int(down[2][0]), _ceil32(int(down[2][1]))
+        return sum(row_bytes(t, _ceil32(int(s[1]))) * o for (t, _, s), o in ((gate, Fp), (up, Fp), (down, D)))
 
     def upload_expert(self, gate, up, down) -> ExpertHandle:
         """Copy one expert's three matrices to the device, in their GGUF block bytes (no requantization).
 
         Each argument is ``(type_name, raw uint8 [O, row_bytes], (O, I))``: gate and up ``(F, D)``,
         down ``(D, F)``; gate and up must share a format (the fused gate/up kernel decodes both).
-        Inner sizes must be multiples of 32 (256 for K-quants). Raises BudgetExceeded past the budget,
+        Any D and F: a float format's rows (F32/F16/BF16) are zero-padded on the device to a multiple of 32
+        weights and gate/up to a multiple of 32 rows (``Dp``, ``Fp`` of the handle; zeros add nothing to
+        the products), a block format's inner size is a multiple of its block (and of 32) by the format.
+        Raises BudgetExceeded past the budget,
         ValueError for shapes/formats the kernels do not take, VulkanError when the driver refuses,
         DeviceLost after a device loss.
         """
@@ -940,8 +971,9 @@ class Device:
             self._pipeline("gemv", t, 1 if t == tg else 0)
         parts = []
         try:
-            for spec in (gate, up, down):
-                parts.append(self._place(*spec))
+            Fp = _ceil32(F)
+            for spec, rows in ((gate, Fp), (up, Fp), (down, D)):
+                parts.append(self._place(*spec, rows=rows))
         except BaseException:
             for t in parts:
                 self._drop(t)
@@ -951,6 +983,7 @@ class Device:
         self._next_handle += 1
         h.gate, h.up, h.down = parts
         h.D, h.F = D, F
+        h.Dp, h.Fp = parts[0].I, parts[0].O       # the device's shape: x padded to Dp, h of Fp
         h.sig = (tg, td)
         h.addr6 = _addr6(h)
         h.nbytes = need
@@ -1074,6 +1107,11 @@ class Device:
             starts = np.flatnonzero(np.r_[True, sid[1:] != sid[:-1]])
             counts = np.diff(np.r_[starts, P])
             groups = [(by_id[int(sid[a])], int(a), int(c)) for a, c in zip(starts, counts)]
+        Dp, Fp = pair_handles[0].Dp, pair_handles[0].Fp    # the device's row lengths (multiples of 32)
+        if Dp != D:                                   # float gate/up rows padded with zeros: x too
+            x = np.pad(x, ((0, 0), (0, Dp - D)))
+        if bias_gu is not None and Fp != F:           # gate/up padded with zero rows: their biases too
+            bias_gu = np.pad(bias_gu.reshape(P, 2, F), ((0, 0), (0, 0), (0, Fp - F))).reshape(P, 2 * Fp)
         round_h = []                                  # (first sorted pair, pairs) whose h the device rounds
         i8 = False
         if act == "int8":
@@ -1093,8 +1131,8 @@ class Device:
                         round_h[-1] = (round_h[-1][0], round_h[-1][1] + c)
                     else:
                         round_h.append((s0, c))
-        return self._record_submit(x=x, D=D, F=F, P=P, rows_sorted=rows[order], out_sorted=order,
-                                   groups=groups, clamp=clamp, plain=False, round_h=round_h, i8=i8,
+        return self._record_submit(x=x, D=D, F=Fp, P=P, rows_sorted=rows[order], out_sorted=order,
+                                   groups=groups, clamp=clamp, plain=False, round_h=round_h, i8=i8, Din=Dp,
                                    act_kind=act_kind, bias_gu=bias_gu)
 
     def matmul(self, type_name: str, raw: np.ndarray, shape, x: np.ndarray, act: str = "f32") -> np.ndarray:
@@ -1113,6 +1151,9 @@ class Device:
         if x.ndim != 2 or x.shape[1] != I:
             raise ValueError(f"x must be [T, {I}], got {x.shape}")
         t = self._place(type_name, raw, shape)
+        if t.I != I:                                  # a float row zero-padded to a multiple of 32: x too
+            x = np.pad(x, ((0, 0), (0, t.I - I)))
+            I = t.I
         try:
             self._pipeline("gemv", type_name, 0)
             T = x.shape[0]
@@ -1133,7 +1174,9 @@ class Device:
                 self._drop(t)
 
     def _record_submit(self, *, x, D, F, P, rows_sorted, out_sorted, groups, clamp, plain, round_h=(),
-                       i8=False, act_kind=0, bias_gu=None) -> Batch:
+                       i8=False, Din=None, act_kind=0, bias_gu=None) -> Batch:
+        # D: y's columns (down's rows); F: h's columns (gate/up rows, padded); Din: x's columns (gate/up
+        # inner size, padded; default D)
         # round_h: (first sorted pair, pairs) ranges whose input rows of the last pass (h; the plain matmul's
         # x, bound as h) the act_q8 kernel rounds per 32 before that pass (act "int8"); i8: the GEMV groups
         # run gemv_i8dot / gemv_i8emu on packed int8 rows (x packed by the caller, h by act_q8's mode 1)
@@ -1166,7 +1209,7 @@ class Device:
             bias_rows = bias_gu[np.asarray(out_sorted, np.int64)[np.asarray(gs, np.int64)]]
             flags |= _ACT_BIAS
         # work lists per (pass, signature, kernel)
-        passes = [(0, D, F)] if plain else [(1, F, D), (0, D, F)]   # (mode, O, I)
+        passes = [(0, D, F)] if plain else [(1, F, D if Din is None else Din), (0, D, F)]   # (mode, O, I)
         work_parts = []
         dispatch_plan = []   # per pass: (mode, O, I, [(kernel, type_name, first item, items)])
         nitems = 0
