@@ -152,6 +152,19 @@ class _Walker:
             self.fail(where, f"{what} is not valid UTF-8 ({e.reason} at byte {e.start})")
 
 
+# ``<arch>.*`` keys that are numbers in every family (llama.cpp's LLM_KV table, a per-layer array allowed): a string
+# there is a broken file, reported here rather than as a ValueError where a family converts it.
+NUMERIC_ARCH_KEYS = frozenset((
+    "block_count", "context_length", "embedding_length", "embedding_length_out", "feed_forward_length",
+    "expert_feed_forward_length", "expert_shared_feed_forward_length", "expert_count", "expert_used_count",
+    "expert_shared_count", "expert_weights_scale", "leading_dense_block_count", "vocab_size",
+    "full_attention_interval", "attention.head_count", "attention.head_count_kv", "attention.key_length",
+    "attention.value_length", "attention.layer_norm_epsilon", "attention.layer_norm_rms_epsilon",
+    "attention.sliding_window", "attention.q_lora_rank", "attention.kv_lora_rank", "rope.dimension_count",
+    "rope.freq_base", "rope.scaling.factor", "rope.scaling.original_context_length", "ssm.conv_kernel",
+    "ssm.state_size", "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size"))
+
+
 def _read_value(w: _Walker, vtype: int, where: str, arr: np.ndarray, depth: int = 0):
     """Read one value of GGUF type ``vtype`` at ``w.pos``; returns (python value, type descriptor)."""
     if vtype in _SCALAR:
@@ -308,6 +321,14 @@ def open_gguf(path) -> GGUFModel:
     if arch is not None and not isinstance(arch, str):
         w.fail("kv 'general.architecture'", f"type {TYPE_NAMES.get(kv_types['general.architecture'])}, "
                                             "expected string")
+    if isinstance(arch, str):
+        for key, v in meta.items():
+            if key.startswith(arch + ".") and key[len(arch) + 1:] in NUMERIC_ARCH_KEYS and (
+                    isinstance(v, (str, list)) or (isinstance(v, np.ndarray) and v.dtype.kind not in "iuf")):
+                kt = kv_types[key]
+                w.fail(f"kv '{key}'", f"type {TYPE_NAMES.get(kt[1] if isinstance(kt, tuple) else kt, '?')}"
+                                      f"{' array' if isinstance(kt, tuple) else ''}, expected a number "
+                                      "(or numbers, one per layer)")
 
     left = size - w.pos
     if tensor_count * 32 > left:

@@ -84,6 +84,10 @@ class BaseArgs:
         kw.update(overrides)
         if norm is not None:
             kw["norm_topk"] = bool(norm)
+        if kw["n_experts"] > 0 and not 1 <= kw["top_k"] <= kw["n_experts"]:  # llama.cpp asserts the same
+            raise ColiError(f"{g.path.name}: metadata '{a}.expert_used_count' is "
+                            f"{g.get(f'{a}.expert_used_count', 'missing')}: a MoE file with "
+                            f"{kw['n_experts']} experts needs 1 to {kw['n_experts']} experts per token")
         return cls(**kw)
 
 
@@ -129,7 +133,10 @@ class Weights:
         if ti.type_name == "F32":
             return np.ascontiguousarray(ti.raw.view(np.float32).reshape(ti.shape))
         raw = ti.raw.reshape(1, -1) if ti.raw.ndim == 1 else ti.raw.reshape(-1, ti.raw.shape[-1])
-        return dequantize(ti.type_name, raw, ti.shape[-1]).reshape(ti.shape)
+        try:
+            return dequantize(ti.type_name, raw, ti.shape[-1]).reshape(ti.shape)
+        except ColiError as e:
+            raise ColiError(f"{self.fname}: tensor '{name}': {e}") from None
 
 
 def dequantize(type_name: str, raw: np.ndarray, cols: int) -> np.ndarray:
@@ -179,9 +186,47 @@ class Model:
         self.out_norm = self.wt.f32("output_norm.weight")
         self._ctx = 0
         self._ropes: dict = {}
+        self.check_shapes()
         self.layers = [self.make_layer(il) for il in range(args.n_layers)]
         self.moe_layers = [il for il, L in enumerate(self.layers) if getattr(L, "moe", None) is not None]
         self.dense_bytes = sum(t.nbytes for n, t in self.t.items() if "_exps" not in n)
+
+    # Tensors whose GGUF ne0 (inputs; NumPy shape[-1]) or ne1 (outputs; shape[-2], the row count of a 1-D bias
+    # or norm) is the model width ``embedding_length`` in every family (llama.cpp's create_tensor shapes).
+    D_IN = ("token_embd.weight", "output.weight", "output_norm.weight", "attn_norm.weight", "ffn_norm.weight",
+            "post_attention_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_q_a.weight",
+            "attn_kv_a_mqa.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ffn_gate_shexp.weight",
+            "ffn_up_shexp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_gate.weight", "ffn_up.weight",
+            "attn_output.bias", "ffn_down_exps.bias")
+    D_OUT = ("attn_output.weight", "ffn_down.weight", "ffn_down_shexp.weight", "ffn_down_exps.weight")
+
+    def check_shapes(self):
+        """Before any layer loads: each tensor of ``D_IN`` / ``D_OUT`` against ``embedding_length``, each
+        ``X.bias`` against ``X.weight``'s rows, ``ffn_gate_inp`` and ``exp_probs_b`` against ``expert_count``.
+        ColiError naming the tensor (not a NumPy broadcast error mid-prompt)."""
+        a, fname = self.args, self.wt.fname
+
+        def bad(name, shape, want):
+            raise ColiError(f"{fname}: tensor '{name}' has shape {list(shape)} (NumPy order), expected {want}")
+
+        for name, ti in self.t.items():
+            shape = tuple(int(x) for x in ti.shape)
+            base = name.split(".", 2)[-1] if name.startswith("blk.") else name
+            if base in self.D_IN and shape[-1] != a.d_model:
+                bad(name, shape, f"{a.d_model} columns (embedding_length)")
+            if base in self.D_OUT and (len(shape) < 2 or shape[-2] != a.d_model):
+                bad(name, shape, f"{a.d_model} rows (embedding_length)")
+            if a.n_experts and base in ("ffn_gate_inp.weight", "ffn_gate_inp.bias", "exp_probs_b.bias") \
+                    and (shape[0] if base == "ffn_gate_inp.weight" and len(shape) == 2 else shape[-1]) != a.n_experts:
+                bad(name, shape, f"{a.n_experts} experts (expert_count)")
+            if base in ("ffn_down.weight", "ffn_down_shexp.weight"):  # its inputs are ffn_up's rows
+                up = self.t.get(name.replace("ffn_down", "ffn_up"))
+                if up is not None and int(up.shape[-2]) != shape[-1]:
+                    bad(name, shape, f"{int(up.shape[-2])} columns (the rows of its ffn_up)")
+            if name.endswith(".bias") and not base.startswith(("exp_probs_b", "attn_output", "ffn_down_exps")):
+                w = self.t.get(name[:-len("bias")] + "weight")
+                if w is not None and len(w.shape) >= 2 and tuple(int(x) for x in w.shape[:-1]) != shape:
+                    bad(name, shape, f"{list(int(x) for x in w.shape[:-1])} (the rows of its weight)")
 
     @staticmethod
     def args_from(g) -> BaseArgs:

@@ -77,9 +77,33 @@ class Attention:
         if qk_norm is not None:
             self.attn_q_norm = wt.f32(p + "attn_q_norm.weight")
             self.attn_k_norm = wt.f32(p + "attn_k_norm.weight")
+        self._check_shapes(wt.fname, p, a.d_model)
         qkv = [self.attn_q, self.attn_k, self.attn_v]
         # q/k/v in one grouped launch on the layer input quantized once (cpu_kernels.experts)
         self.qkv_group = grouped.Group(qkv) if all(grouped.supports(w) for w in qkv) else None
+
+    def _check_shapes(self, fname: str, p: str, d: int):
+        """The projections' [O, I] shapes against the hyper-parameters (the head split in ``heads`` and the KV
+        cache rely on them): a file whose ``attention.head_count_kv`` / ``key_length`` disagree with its tensors is
+        a ColiError naming the tensor, not a reshape error mid-prompt."""
+        checks = [("attn_k", 0, self.n_kv * self.head_dim,
+                   f"attention.head_count_kv {self.n_kv} x key_length {self.head_dim}")]
+        checks += [(n, 1, d, "embedding_length") for n in ("attn_q", "attn_k", "attn_v")]
+        checks.append(("attn_output", 0, d, "embedding_length"))
+        for n, axis, want, what in checks:
+            shape = getattr(self, n).shape
+            if shape[axis] != want:
+                raise ColiError(f"{fname}: tensor '{p}{n}.weight' has {shape[axis]} {('rows', 'columns')[axis]} "
+                                f"(shape [O, I] {list(shape)}), expected {want} ({what})")
+        if self.attn_v.shape[0] % self.n_kv or self.attn_q.shape[0] % self.head_dim:
+            raise ColiError(f"{fname}: tensors '{p}attn_q.weight' {list(self.attn_q.shape)} / '{p}attn_v.weight' "
+                            f"{list(self.attn_v.shape)} do not split into {self.n_heads} / {self.n_kv} heads of "
+                            f"{self.head_dim}")
+        o_in = self.n_heads * (self.attn_v.shape[0] // self.n_kv)
+        if self.attn_output.shape[1] != o_in:
+            raise ColiError(f"{fname}: tensor '{p}attn_output.weight' has {self.attn_output.shape[1]} columns (shape "
+                            f"[O, I] {list(self.attn_output.shape)}), expected {o_in} ({self.n_heads} heads x the V "
+                            f"head width of '{p}attn_v.weight')")
 
     def new_cache(self, ctx: int) -> KV:
         return KV(self.n_kv, ctx, self.head_dim)
@@ -208,7 +232,11 @@ class MoE:
             if not wt.has(p + n + ".weight"):
                 raise ColiError(f"{wt.fname}: tensor '{p}{n}.weight' is missing")
         self.tensor_names = tuple(p + n + ".weight" for n in EXPERT_TENSORS)
-        self.shared = self._shared_expert(p) if wt.has(p + "ffn_gate_shexp.weight") else None
+        shexp = [p + n + ".weight" for n in ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")]
+        if any(wt.has(n) for n in shexp):  # part of a shared expert is a broken file, not a model without one
+            for n in shexp:
+                wt.info(n)  # ColiError naming the missing one
+        self.shared = self._shared_expert(p) if wt.has(shexp[0]) else None
 
     def _shared_expert(self, p):
         m, wt = self.m, self.m.wt

@@ -485,6 +485,11 @@ class Model(base.Model):
                             "indexer)")
         if any(r not in (0, 4) and r < 2 for r in ratios):
             raise ColiError(f"{name}: metadata '{a}.attention.compress_ratios': {list(ratios)}")
+        need("rope.dimension_count")  # rope on the last n_rot dims of each head: no key_length default
+        widths = [args.head_dim] + ([args.idx_dim] if args.idx_dim else [])
+        if args.n_rot <= 0 or args.n_rot % 2 or args.n_rot > min(widths):
+            raise ColiError(f"{name}: metadata '{a}.rope.dimension_count': {args.n_rot} (even, at most the head "
+                            f"widths {widths})")
         return args
 
     def make_layer(self, il):

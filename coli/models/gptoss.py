@@ -133,6 +133,12 @@ class DecoderLayer:
         self.post_attention_norm = m.wt.f32(p + "post_attention_norm.weight")
         self.moe = BiasedMoE(m, p, il, route=topk_softmax(a.top_k), kind=grouped.ACT_SWIGLU_OAI,
                              limit=SWIGLU_LIMIT, expert_bias=True)
+        # gpt-oss's projections and router carry biases (llama.cpp's loader requires them): a file without one is
+        # broken, not a bias-free variant
+        for n, b in (("attn_q", self.attn.attn_q_b), ("attn_k", self.attn.attn_k_b), ("attn_v", self.attn.attn_v_b),
+                     ("attn_output", self.attn.attn_output_b), ("ffn_gate_inp", self.moe.ffn_gate_inp_b)):
+            if b is None:
+                raise ColiError(f"{m.wt.fname}: tensor '{p}{n}.bias' is missing")
 
     def new_cache(self, ctx: int):
         return self.attn.new_cache(ctx)

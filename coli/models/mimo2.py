@@ -78,6 +78,9 @@ class Attention(SinkAttention):
         super().__init__(m, p, **kw)
         self.head_dim_v = head_dim_v
         self.value_scale = np.float32(value_scale)
+        if self.attn_v.shape[0] != self.n_kv * head_dim_v:
+            raise ColiError(f"{m.wt.fname}: tensor '{p}attn_v.weight' has {self.attn_v.shape[0]} rows, expected "
+                            f"{self.n_kv * head_dim_v} (KV heads {self.n_kv} x attention.value_length {head_dim_v})")
 
     def new_cache(self, ctx: int) -> blocks.KV:
         return blocks.KV(self.n_kv, ctx, self.head_dim, self.head_dim_v)

@@ -107,6 +107,8 @@ class DecoderLayer:
         self.moe = self.mlp = None
         if m.wt.has(p + "ffn_gate_inp.weight"):
             self.moe = MoE(m, p, il, route=softmax_topk(a.top_k, a.norm_topk))
+            if self.moe.shared is not None:  # Qwen3-Next's shared expert is always gated (llama.cpp requires it)
+                m.wt.info(p + "ffn_gate_inp_shexp.weight")  # ColiError naming it when missing
         else:
             self.mlp = MLP(m, p)
 

@@ -1,0 +1,158 @@
+"""Malformed copies of the new families' fixtures (tests/fixtures/oracles/*.gguf, rewritten with gguf-py's
+GGUFReader/GGUFWriter): a metadata key that disagrees with the tensors gives one ColiError naming the key or the
+tensor at load, never a NumPy error mid-prompt (docs/families.md)."""
+from pathlib import Path
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ORACLES = Path(__file__).parent / "fixtures" / "oracles"
+
+
+def _rewrite(name: str, dest: Path, drop_key: str = "", drop_tensor: str = "", widen: str = "",
+             to_str: str = "") -> Path:
+    """The fixture ``name`` with metadata key ``drop_key`` and tensor ``drop_tensor`` left out, the F32 tensor
+    ``widen`` one column (GGUF ne0) wider, key ``to_str`` a string; every other key and tensor as stored."""
+    import gguf
+
+    src = gguf.GGUFReader(str(ORACLES / f"{name}.gguf"))
+    w = gguf.GGUFWriter(str(dest), src.fields["general.architecture"].contents())
+    for k, f in src.fields.items():
+        if k.startswith("GGUF.") or k == "general.architecture" or k == drop_key:
+            continue
+        if k == to_str:
+            w.add_string(k, "sixteen")
+            continue
+        vt = gguf.GGUFValueType(f.types[0])
+        sub = gguf.GGUFValueType(f.types[-1]) if vt == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(k, f.contents(), vt, sub_type=sub)
+    for t in src.tensors:
+        if t.name == drop_tensor:
+            continue
+        a = np.asarray(t.data)
+        if t.name == widen:
+            a = np.concatenate([a, a[..., :1]], axis=-1)
+        if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            w.add_tensor(t.name, a)
+        else:
+            w.add_tensor(t.name, a, raw_shape=a.shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dest
+
+
+# head_count_kv missing: llama.cpp (and coli) default it to head_count, which the fixtures' attn_k rows
+# (2 KV heads) contradict. expert_used_count missing: llama.cpp asserts n_expert_used > 0 for a MoE file.
+# DeepSeek-V4 ropes the last rope.dimension_count dims of its heads: the head-width default broke the indexer.
+@pytest.mark.parametrize("name, drop_key, match", [
+    ("gptoss", "gpt-oss.attention.head_count_kv", r"gptoss\.gguf: tensor 'blk\.0\.attn_k\.weight' has 32 rows.*"
+                                                  r"expected 64 \(attention\.head_count_kv 4"),
+    ("qwen3next", "qwen3next.attention.head_count_kv", r"tensor 'blk\.3\.attn_k\.weight' has \d+ rows"),
+    ("gptoss", "gpt-oss.expert_used_count", r"gptoss\.gguf: metadata 'gpt-oss\.expert_used_count' is missing"),
+    ("qwen3next", "qwen3next.expert_used_count", r"metadata 'qwen3next\.expert_used_count' is missing"),
+    ("deepseek4", "deepseek4.rope.dimension_count", r"metadata 'deepseek4\.rope\.dimension_count' is missing"),
+])
+def test_missing_key_is_one_clear_error(tmp_path, name, drop_key, match):
+    from coli.engine import Engine
+    from coli.errors import ColiError
+
+    path = _rewrite(name, tmp_path / f"{name}.gguf", drop_key)
+    with pytest.raises(ColiError, match=match):
+        Engine(str(path), threads=1, ctx=32)
+
+
+# gpt-oss's biases are required by llama.cpp's loader; a shared expert with a part missing is a broken file (it
+# was silently dropped; so was Qwen3-Next's shared-expert gate); MiMo-V2's V heads are attention.value_length wide (default key_length: 16 != 24).
+@pytest.mark.parametrize("name, drop_key, drop_tensor, match", [
+    ("gptoss", "", "blk.1.attn_q.bias", r"gptoss\.gguf: tensor 'blk\.1\.attn_q\.bias' is missing"),
+    ("gptoss", "", "blk.2.ffn_gate_inp.bias", r"tensor 'blk\.2\.ffn_gate_inp\.bias' is missing"),
+    ("qwen3next", "", "blk.0.ffn_gate_shexp.weight", r"tensor 'blk\.0\.ffn_gate_shexp\.weight' is missing"),
+    ("qwen35moe", "", "blk.1.ffn_gate_inp_shexp.weight", r"tensor 'blk\.1\.ffn_gate_inp_shexp\.weight' is missing"),
+    ("mimo2", "mimo2.attention.value_length", "", r"tensor 'blk\.0\.attn_v\.weight' has \d+ rows.*value_length"),
+])
+def test_broken_tensor_is_one_clear_error(tmp_path, name, drop_key, drop_tensor, match):
+    from coli.engine import Engine
+    from coli.errors import ColiError
+
+    path = _rewrite(name, tmp_path / f"{name}.gguf", drop_key, drop_tensor)
+    with pytest.raises(ColiError, match=match):
+        Engine(str(path), threads=1, ctx=32)
+
+
+def test_cli_prints_one_line_and_exits_2(tmp_path):
+    """The CLI's side of it: ``coli run`` on such a file prints one ``coli: ...`` line, exit code 2."""
+    path = _rewrite("gptoss", tmp_path / "gptoss.gguf", "gpt-oss.expert_used_count")
+    r = subprocess.run([sys.executable, "-m", "coli", "run", "-m", str(path), "-p", "Hi", "-n", "2"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "expert_used_count" in lines[0] and lines[0].startswith("coli: "), r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+
+
+# One column too many in a tensor whose width the metadata fixes: ColiError naming it at load (before: NumPy
+# broadcast / matmul errors in the first forward pass).
+@pytest.mark.parametrize("name, widen, match", [
+    ("gptoss", "token_embd.weight", r"'token_embd\.weight' has shape \[320, 65\].*64 columns \(embedding_length\)"),
+    ("gptoss", "blk.0.attn_k.bias", r"'blk\.0\.attn_k\.bias' has shape \[33\].*\[32\] \(the rows of its weight\)"),
+    ("qwen3next", "blk.0.ffn_gate_inp.weight", r"'blk\.0\.ffn_gate_inp\.weight'.*64 columns"),
+    ("qwen3next", "blk.3.attn_output.weight", r"'blk\.3\.attn_output\.weight' has 65 columns.*expected 64"),
+    ("mimo2", "blk.1.exp_probs_b.bias", r"'blk\.1\.exp_probs_b\.bias'.*8 experts \(expert_count\)"),
+    ("glmdsa", "output.weight", r"glmdsa\.gguf: tensor 'output\.weight'.*embedding_length"),
+    ("deepseek4", "blk.0.ffn_down_shexp.weight", r"'blk\.0\.ffn_down_shexp\.weight'.*the rows of its ffn_up"),
+])
+def test_wrong_width_is_one_clear_error(tmp_path, name, widen, match):
+    from coli.engine import Engine
+    from coli.errors import ColiError
+
+    path = _rewrite(name, tmp_path / f"{name}.gguf", widen=widen)
+    with pytest.raises(ColiError, match=match):
+        Engine(str(path), threads=1, ctx=32)
+
+
+@pytest.mark.parametrize("name, key", [("gptoss", "gpt-oss.block_count"), ("qwen3next", "qwen3next.ssm.state_size"),
+                                       ("deepseek2_lite", "deepseek2.attention.kv_lora_rank")])
+def test_numeric_key_as_string_is_one_clear_error(tmp_path, name, key):
+    """A string where llama.cpp's key table has a number: ColiError naming the key when the file opens (before: a
+    ValueError from int() in the family's argument parsing)."""
+    from coli.engine import Engine
+    from coli.errors import ColiError
+
+    path = _rewrite(name, tmp_path / f"{name}.gguf", to_str=key)
+    with pytest.raises(ColiError, match=rf"{name}\.gguf: kv '{key}': type string, expected a number"):
+        Engine(str(path), threads=1, ctx=32)
+
+
+def test_unsupported_type_names_file_and_tensor(tmp_path):
+    """A norm stored as I32 (a type no kernel reads): the error names the file and the tensor (before: only
+    'tensor type I32 is not supported')."""
+    import gguf
+
+    from coli.engine import Engine
+    from coli.errors import ColiError
+
+    src = gguf.GGUFReader(str(ORACLES / "gptoss.gguf"))
+    path = tmp_path / "gptoss.gguf"
+    w = gguf.GGUFWriter(str(path), "gpt-oss")
+    for k, f in src.fields.items():
+        if not (k.startswith("GGUF.") or k == "general.architecture"):
+            vt = gguf.GGUFValueType(f.types[0])
+            w.add_key_value(k, f.contents(), vt, sub_type=gguf.GGUFValueType(f.types[-1]) if vt == 9 else None)
+    for t in src.tensors:
+        a = np.asarray(t.data)
+        if t.name == "output_norm.weight":
+            a = a.astype(np.int32)
+        if a.dtype != np.uint8:
+            w.add_tensor(t.name, a)
+        else:
+            w.add_tensor(t.name, a, raw_shape=a.shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ColiError, match=r"gptoss\.gguf: tensor 'output_norm\.weight': tensor type I32 is not supported"):
+        Engine(str(path), threads=1, ctx=32)
