@@ -64,7 +64,9 @@ def test_device_rounding_equals_the_cpus_bit_for_bit(dev, i8, rows):
     assert list(y[2, :6]) == [127.0, 2.0, -4.0, 0.0, -0.0, 2.0]
     if i8 and rows < dev.gemm_rows:
         assert (dev.i8_kernel, "Q8_0", 0) in dev._pipes
-    assert np.array_equal(dev.matmul("Q8_0", raw, (n, n), x, act="f32"), x)   # f32: no rounding
+    y32 = dev.matmul("Q8_0", raw, (n, n), x, act="f32")      # f32: no rounding
+    sub = np.abs(x) < np.finfo(np.float32).tiny              # subnormal inputs: a device may flush them to 0
+    assert np.array_equal(y32[~sub], x[~sub]) and ((y32[sub] == x[sub]) | (y32[sub] == 0)).all()
     dev.i8 = True
 
 
