@@ -21,6 +21,14 @@ from . import rope_scaling
 from .rope_scaling import RopeScaling
 
 
+def need_key(g, key: str):
+    """The value of metadata ``<arch>.<key>`` of file ``g``; ColiError naming the file and the key when absent."""
+    v = g.get(f"{g.arch}.{key}")
+    if v is None:
+        raise ColiError(f"{g.path.name}: metadata '{g.arch}.{key}' is missing")
+    return v
+
+
 @dataclass
 class BaseArgs:
     """Hyper-parameters common to the families (GGUF keys ``<arch>.*``; llama.cpp's ``llama_hparams``)."""
@@ -47,10 +55,7 @@ class BaseArgs:
         a = g.arch
 
         def need(key):
-            v = g.get(f"{a}.{key}")
-            if v is None:
-                raise ColiError(f"{g.path.name}: metadata '{a}.{key}' is missing")
-            return v
+            return need_key(g, key)
 
         n_heads = int(need("attention.head_count"))
         d = int(need("embedding_length"))

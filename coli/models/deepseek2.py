@@ -91,10 +91,7 @@ def read_args(g, cls=Args, gating_default: int = 1, **extra) -> Args:
         kw["yarn_log_mul"] = float(log_mul)
 
     def need(key):
-        v = g.get(f"{a}.{key}")
-        if v is None:
-            raise ColiError(f"{g.path.name}: metadata '{a}.{key}' is missing")
-        return v
+        return base.need_key(g, key)
 
     r = int(need("attention.kv_lora_rank"))
     k_len = int(g.get(f"{a}.attention.key_length_mla", 0) or need("attention.key_length"))

@@ -438,10 +438,7 @@ class Model(base.Model):
         a, name = g.arch, g.path.name
 
         def need(key):
-            v = g.get(f"{a}.{key}")
-            if v is None:
-                raise ColiError(f"{name}: metadata '{a}.{key}' is missing")
-            return v
+            return base.need_key(g, key)
 
         L = int(need("block_count"))
         if int(g.get(f"{a}.nextn_predict_layers", 0) or 0):

@@ -57,10 +57,7 @@ def read_args(g) -> Args:
     a = g.arch
 
     def need(key):
-        v = g.get(f"{a}.{key}")
-        if v is None:
-            raise ColiError(f"{g.path.name}: metadata '{a}.{key}' is missing")
-        return v
+        return base.need_key(g, key)
 
     n_nextn = int(g.get(f"{a}.nextn_predict_layers", 0) or 0)
     args = deepseek2.read_args(g, Args, gating_default=2, idx_heads=int(need("attention.indexer.head_count")),

@@ -66,10 +66,7 @@ def read_args(g) -> Args:
     a = g.arch
 
     def need(key):
-        v = g.get(f"{a}.{key}")
-        if v is None:
-            raise ColiError(f"{g.path.name}: metadata '{a}.{key}' is missing")
-        return v
+        return base.need_key(g, key)
 
     kv = need("attention.head_count_kv")
     n_layers = int(need("block_count"))
