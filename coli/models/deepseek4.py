@@ -39,7 +39,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from coli.errors import ColiError
+from cpu_kernels import dsv4
 from cpu_kernels import experts as grouped
+from cpu_kernels import formats
 from cpu_kernels.norms import rms_norm
 
 from . import base, blocks
@@ -69,6 +71,16 @@ class Args(base.BaseArgs):
     expert_weights_scale: float = 1.0
     clamp_exp: tuple = ()
     clamp_shexp: tuple = ()
+
+
+def expect_shape(m, name: str, want: tuple, what: str):
+    """The TensorInfo of ``name`` when its shape (NumPy order) is ``want``, else ColiError naming the file, the
+    tensor, both shapes and ``what`` fixes them (at load: not a NumPy error mid-prompt)."""
+    ti = m.wt.info(name)
+    if tuple(int(x) for x in ti.shape) != tuple(int(x) for x in want):
+        raise ColiError(f"{m.g.path.name}: tensor '{name}' has shape {[int(x) for x in ti.shape]} (NumPy order), "
+                        f"expected {[int(x) for x in want]} ({what})")
+    return ti
 
 
 def rms(x: np.ndarray, eps: float) -> np.ndarray:
@@ -165,14 +177,15 @@ class Compressor:
     def __init__(self, m, prefix: str, ratio: int, hd: int, overlap: bool):
         self.m = m
         self.ratio, self.hd, self.overlap = ratio, hd, overlap
+        width = (2 if overlap else 1) * hd
+        D = m.args.d_model
+        what = f"{'two series' if overlap else 'one series'} of {hd} over embedding_length {D}, ratio {ratio}"
+        for suffix, want in (("_kv", (width, D)), ("_gate", (width, D)), ("_ape", (ratio, width)), ("_norm", (hd,))):
+            expect_shape(m, f"{prefix}{suffix}.weight", want, what)
         self.wkv = m.wt.f32(prefix + "_kv.weight")
         self.wgate = m.wt.f32(prefix + "_gate.weight")
         self.ape = m.wt.f32(prefix + "_ape.weight")
         self.norm = m.wt.f32(prefix + "_norm.weight")
-        width = (2 if overlap else 1) * hd
-        if self.wkv.shape[0] != width or self.ape.shape != (ratio, width):
-            raise ColiError(f"{m.g.path.name}: tensors '{prefix}_kv/_ape': shapes {list(self.wkv.shape)}, "
-                            f"{list(self.ape.shape)}, expected [{width}, D] and [{ratio}, {width}]")
         self.width = width
 
     def new_state(self, ctx: int) -> CompressorState:
@@ -229,21 +242,33 @@ class Attention:
         self.m, self.il = m, il
         self.H, self.hd, self.W = a.n_heads, a.head_dim, a.sliding_window
         self.ratio = a.ratios[il]
-        self.scale = np.float32(self.hd ** -0.5)
-        # the big projections stay in the file's type (formats.matmul); attn_output_a (grouped) is dequantized
+        H, hd, D, ql, G, r = self.H, self.hd, a.d_model, a.q_lora, a.o_groups, a.o_rank
+        heads = f"{H} heads of {hd} (head_count, key_length) with one K=V head"
+        for name, want, what in (
+                ("attn_q_a.weight", (ql, D), "q_lora_rank x embedding_length"),
+                ("attn_q_a_norm.weight", (ql,), "q_lora_rank"),
+                ("attn_q_b.weight", (H * hd, ql), heads + ", q_lora_rank"),
+                ("attn_kv.weight", (hd, D), heads),
+                ("attn_kv_a_norm.weight", (hd,), heads),
+                ("attn_output_a.weight", (G * r, H * hd // G), f"{G} output groups of rank {r} over " + heads),
+                ("attn_output_b.weight", (D, G * r), f"{G} output groups of rank {r}, embedding_length"),
+                ("attn_sinks.weight", (H,), heads)):
+            expect_shape(m, p + name, want, what)
+        if self.ratio == 4:
+            Hi, Di = a.idx_heads, a.idx_dim
+            expect_shape(m, p + "indexer.attn_q_b.weight", (Hi * Di, ql),
+                         "indexer.head_count x indexer.key_length, q_lora_rank")
+            expect_shape(m, p + "indexer.proj.weight", (Hi, D), "indexer.head_count, embedding_length")
+        # every projection stays in the file's type (formats.matmul; attn_output_a as per-group row slices run by
+        # dsv4.GroupedLinear in one grouped launch)
         self.wq_a = wt.w(p + "attn_q_a.weight")
         self.q_norm = wt.f32(p + "attn_q_a_norm.weight")
         self.wq_b = wt.w(p + "attn_q_b.weight")
         self.wkv = wt.w(p + "attn_kv.weight")
         self.kv_norm = wt.f32(p + "attn_kv_a_norm.weight")
-        self.wo_a = wt.f32(p + "attn_output_a.weight")
+        self.wo_a = self._grouped_output(m, p + "attn_output_a.weight")
         self.wo_b = wt.w(p + "attn_output_b.weight")
         self.sinks = wt.f32(p + "attn_sinks.weight")
-        skv, sqb = wt.info(p + "attn_kv.weight").shape, wt.info(p + "attn_q_b.weight").shape
-        if skv[0] != self.hd or sqb[0] != self.H * self.hd or self.sinks.shape != (self.H,):
-            raise ColiError(f"{m.g.path.name}: tensors 'blk.{il}.attn_kv/attn_q_b/attn_sinks': shapes "
-                            f"{list(skv)}, {list(sqb)}, {list(self.sinks.shape)} do not fit "
-                            f"{self.H} heads of {self.hd} with one K=V head")
         self.comp = self.idx_comp = None
         if self.ratio:
             self.comp = Compressor(m, p + "attn_compressor", self.ratio, self.hd, self.ratio == 4)
@@ -251,6 +276,17 @@ class Attention:
             self.idx_comp = Compressor(m, p + "indexer_compressor", self.ratio, a.idx_dim, True)
             self.idx_wq_b = wt.w(p + "indexer.attn_q_b.weight")
             self.idx_proj = wt.f32(p + "indexer.proj.weight")
+
+    def _grouped_output(self, m, name):
+        """``attn_output_a`` [G r, H hd / G] (shape checked) as G prepared row slices in the file's type (group
+        g: rows g r .. (g+1) r, HF ``DeepseekV4GroupedLinear``) for ``cpu_kernels.dsv4.GroupedLinear``."""
+        ti, G, r = m.wt.info(name), m.args.o_groups, m.args.o_rank
+        raw = ti.raw.reshape(G * r, -1)
+        try:
+            return dsv4.GroupedLinear([formats.prepare(ti.type_name, raw[g * r:(g + 1) * r], (r, int(ti.shape[1])))
+                                       for g in range(G)])
+        except ColiError as e:
+            raise ColiError(f"{m.g.path.name}: tensor '{name}': {e}") from None
 
     def tables(self):
         """cos, sin f32 [ctx, n_rot / 2]: compressed layers the compressed base with the YaRN (no mscale),
@@ -269,27 +305,15 @@ class Attention:
         return LayerCache(self.W, self.hd, st)
 
     def indexer_picks(self, x, qr, cache, pos, cos, sin) -> np.ndarray:
-        """bool [T, n_entries]: the indexer's top-k visible entries per query (HF ``DeepseekV4Indexer``)."""
+        """int64 [T, indexer.top_k]: the indexer's picks per query row (HF ``DeepseekV4Indexer``; -1 where fewer
+        entries are visible), ``cpu_kernels.dsv4.indexer_topk``."""
         a = self.m.args
         st = cache.states["indexer"]
         T = x.shape[0]
         q = self.m.mm(self.idx_wq_b, qr).reshape(T, a.idx_heads, a.idx_dim)
         rope_tail(q, cos[pos], sin[pos])
-        k = st.entries[:st.n]
         w = (x @ self.idx_proj.T) * np.float32(a.idx_heads ** -0.5)
-        visible = np.arange(st.n)[None, :] < ((pos + 1) // self.ratio)[:, None]
-        pick = np.zeros_like(visible)
-        kk = min(a.idx_topk, st.n)
-        if kk == 0:
-            return pick
-        step = max(1, (1 << 24) // max(1, a.idx_heads * st.n))     # rows per block: [rows, H, n] <= 64 MiB
-        for t0 in range(0, T, step):
-            sl = slice(t0, t0 + step)
-            s = np.maximum(np.einsum("thd,sd->ths", q[sl], k), 0) * np.float32(a.idx_dim ** -0.5)
-            score = np.where(visible[sl], np.einsum("ths,th->ts", s, w[sl]), -np.inf)
-            top = np.argpartition(-score, kk - 1, axis=1)[:, :kk] if kk < st.n else np.argsort(-score, axis=1)
-            np.put_along_axis(pick[sl], top, True, axis=1)
-        return pick & visible
+        return dsv4.indexer_topk(q, st.entries[:st.n], w, int(pos[0]), self.ratio, a.idx_topk)
 
     def __call__(self, x: np.ndarray, cache: LayerCache, pos0: int) -> np.ndarray:
         a = self.m.args
@@ -302,42 +326,20 @@ class Attention:
         rope_tail(q, cos[pos], sin[pos])
         kv = rms_norm(mm(self.wkv, x), self.kv_norm, a.eps)
         rope_tail(kv, cos[pos], sin[pos])
-        # window keys: the ring's rows before pos0 then this call's rows
-        n_old = min(pos0, W - 1)
-        old = cache.win[(np.arange(pos0 - n_old, pos0)) % W]
-        keys = np.concatenate([old, kv])                      # positions pos0 - n_old ..
-        kpos = np.arange(pos0 - n_old, pos0 + T)
-        last = kv[-W:]
-        cache.win[np.arange(pos0 + T - last.shape[0], pos0 + T) % W] = last
-        comp = pick = None
+        ent, sel = np.zeros((0, hd), np.float32), None
         if self.comp is not None:
             st = cache.states["attn"]
             self.comp.update(x, st, cos, sin)
-            comp = st.entries[:st.n]
-            visible = np.arange(st.n)[None, :] < ((pos + 1) // self.ratio)[:, None]
+            ent = st.entries[:st.n]
             if self.idx_comp is not None:
                 self.idx_comp.update(x, cache.states["indexer"], cos, sin)
-                pick = self.indexer_picks(x, qr, cache, pos, cos, sin)
-            else:
-                pick = visible
-        o = np.empty((T, H, hd), np.float32)
-        for t in range(T):
-            p = pos[t]
-            sel = (kpos <= p) & (kpos > p - W)
-            k = keys[sel]
-            if comp is not None and pick[t].any():
-                k = np.concatenate([k, comp[pick[t]]])
-            lg = (q[t] @ k.T) * self.scale                     # [H, n]
-            mx = np.maximum(lg.max(1), self.sinks)
-            e = np.exp(lg - mx[:, None])
-            den = e.sum(1) + np.exp(self.sinks - mx)
-            o[t] = (e / den[:, None]) @ k
-        rope_tail(o, cos[pos], -sin[pos])
-        G = a.o_groups
-        og = o.reshape(T, G, -1)
-        wa = self.wo_a.reshape(G, a.o_rank, -1)
-        y = np.einsum("tgi,gri->tgr", og, wa).reshape(T, -1)
-        return mm(self.wo_b, np.ascontiguousarray(y, dtype=np.float32))
+                sel = self.indexer_picks(x, qr, cache, pos, cos, sin)
+        # one launch: window ring (before this call) + this call's rows + compressed entries + sinks, rope undone
+        o = dsv4.attend(q, kv, cache.win, pos0, ent, self.ratio, sel, self.sinks, cos, sin)
+        last = kv[-W:]
+        cache.win[np.arange(pos0 + T - last.shape[0], pos0 + T) % W] = last
+        y = self.wo_a(o.reshape(T, a.o_groups, -1), self.m.act)
+        return mm(self.wo_b, y)
 
 
 def sqrtsoftplus(logits: np.ndarray) -> np.ndarray:
@@ -472,6 +474,10 @@ class Model(base.Model):
             hc_eps=float(need("hyper_connection.epsilon")), n_hash=int(g.get(f"{a}.hash_layer_count", 0) or 0),
             expert_weights_scale=float(g.get(f"{a}.expert_weights_scale", 1.0) or 1.0),
             clamp_exp=per_layer("swiglu_clamp_exp"), clamp_shexp=per_layer("swiglu_clamp_shexp"))
+        if args.o_groups <= 0 or args.o_rank <= 0 or args.n_heads % args.o_groups:
+            raise ColiError(f"{name}: metadata '{a}.attention.output_group_count' / 'output_lora_rank': "
+                            f"{args.o_groups} groups of rank {args.o_rank} (the groups divide the "
+                            f"{args.n_heads} heads)")
         if args.n_kv_heads != 1:
             raise ColiError(f"{name}: metadata '{a}.attention.head_count_kv': {args.n_kv_heads} (V4 shares one K=V "
                             "head)")
