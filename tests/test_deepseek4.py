@@ -212,6 +212,10 @@ def test_deepseek4_refuses_bad_metadata():
     with pytest.raises(ColiError, match="nextn_predict_layers"):
         deepseek4.Model.args_from(g)
     g = open_gguf(GGUF)
+    g.meta["deepseek4.attention.output_group_count"] = 3     # 4 heads: groups must divide them
+    with pytest.raises(ColiError, match="output_group_count"):
+        deepseek4.Model.args_from(g)
+    g = open_gguf(GGUF)
     del g.meta["deepseek4.hyper_connection.count"]
     with pytest.raises(ColiError, match="hyper_connection.count"):
         deepseek4.Model.args_from(g)
@@ -236,3 +240,63 @@ def test_deepseek4_tier_tokens_equal_cpu(oracle, tmp_path):
         assert eng.tier.device_pairs > 0 and eng.device.dispatches > 0
     assert dev_ids == cpu_ids
     assert (_rel(lg, oracle["logits"]) <= 1e-4).all(), _rel(lg, oracle["logits"]).max()
+
+
+def _with_tensors(dest, replace: dict):
+    """The fixture with the tensors of ``replace`` ({name: (array, GGMLQuantizationType)}: f32 values, or the
+    raw bytes of a quantized type) in place of the stored ones; every key and other tensor as stored."""
+    import gguf
+
+    src = gguf.GGUFReader(str(GGUF))
+    w = gguf.GGUFWriter(str(dest), src.fields["general.architecture"].contents())
+    for k, f in src.fields.items():
+        if not (k.startswith("GGUF.") or k == "general.architecture"):
+            vt = gguf.GGUFValueType(f.types[0])
+            w.add_key_value(k, f.contents(), vt,
+                            sub_type=gguf.GGUFValueType(f.types[-1]) if vt == gguf.GGUFValueType.ARRAY else None)
+    for t in src.tensors:
+        a, kind = replace.get(t.name, (np.asarray(t.data), t.tensor_type))
+        if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            w.add_tensor(t.name, a)
+        else:
+            w.add_tensor(t.name, a, raw_shape=a.shape, raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dest
+
+
+def test_deepseek4_quantized_output_a_runs_in_its_type(oracle, tmp_path):
+    """attn_output_a requantized to Q8_0 (gguf.quants) stays Q8_0 in the model (the grouped kernel reads its
+    codes; no f32 copy) and gives, prompt and decode steps, the logits of the same file with that tensor stored
+    as gguf.quants' f32 dequantization (within 1e-5 of the largest |logit|: the same weights, f32 rounding), and
+    HF's within 5e-2 (Q8_0's rounding of one tensor, grown through 4 layers; measured 2.6e-2)."""
+    import gguf
+
+    from coli.engine import Engine
+
+    Q8, F32 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F32
+    r = gguf.GGUFReader(str(GGUF))
+    q8, deq = {}, {}
+    for t in r.tensors:
+        if t.name.endswith("attn_output_a.weight"):
+            codes = gguf.quants.quantize(np.asarray(t.data, np.float32), Q8)
+            q8[t.name] = (codes, Q8)
+            deq[t.name] = (gguf.quants.dequantize(codes, Q8).astype(np.float32), F32)
+    assert len(q8) == 4
+    runs = []
+    for name, rep in (("q8", q8), ("deq", deq)):
+        path = _with_tensors(tmp_path / f"{name}.gguf", rep)
+        with Engine(path, cpu_act="f32", usage=tmp_path / "u", save_usage=False, ctx=128) as eng:
+            m = eng.model
+            gl = [L.attn.wo_a for L in m.layers]
+            assert {w.name for g in gl for w in g.weights} == {"Q8_0" if name == "q8" else "F32"}
+            kv = m.new_cache(128)
+            out = [m.forward(oracle["ids"], kv, all_logits=True)]
+            out += [m.forward([int(t)], kv) for t in oracle["gen_ids"][:3]]
+            runs.append(np.concatenate(out))
+    assert (_rel(runs[0], runs[1]) <= 1e-5).all(), _rel(runs[0], runs[1]).max()
+    ref = np.concatenate([oracle["logits"], oracle["gen_logits"][1:4]])   # gen_logits[0]: the last prompt row
+    assert (_rel(runs[0], ref) <= 5e-2).all(), _rel(runs[0], ref).max()
+    assert _rel(runs[0], ref).max() > 0        # the Q8_0 weights are not the f32 ones

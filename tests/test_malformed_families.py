@@ -156,3 +156,29 @@ def test_unsupported_type_names_file_and_tensor(tmp_path):
     w.close()
     with pytest.raises(ColiError, match=r"gptoss\.gguf: tensor 'output_norm\.weight': tensor type I32 is not supported"):
         Engine(str(path), threads=1, ctx=32)
+
+
+# DeepSeek-V4's own tensors (attention, grouped output, compressors, indexer) one column too wide: before, NumPy
+# matmul / broadcast errors in the first forward pass or (the norms) silently read short.
+@pytest.mark.parametrize("widen, want", [
+    ("blk.1.attn_kv.weight", "[32, 32]"),
+    ("blk.0.attn_kv_a_norm.weight", "[32]"),
+    ("blk.1.attn_q_b.weight", "[128, 16]"),
+    ("blk.2.attn_output_a.weight", "[16, 64]"),
+    ("blk.3.attn_output_b.weight", "[32, 16]"),
+    ("blk.2.attn_compressor_gate.weight", "[32, 32]"),
+    ("blk.1.attn_compressor_norm.weight", "[32]"),
+    ("blk.3.indexer_compressor_kv.weight", "[32, 32]"),
+    ("blk.1.indexer.proj.weight", "[8, 32]"),
+    ("blk.3.indexer.attn_q_b.weight", "[128, 16]"),
+])
+def test_deepseek4_internal_width_is_one_clear_error(tmp_path, widen, want):
+    import re
+
+    from coli.engine import Engine
+    from coli.errors import ColiError
+
+    path = _rewrite("deepseek4", tmp_path / "deepseek4.gguf", widen=widen)
+    with pytest.raises(ColiError, match=rf"deepseek4\.gguf: tensor '{re.escape(widen)}' has shape \[.*\] "
+                                        rf"\(NumPy order\), expected {re.escape(want)} \("):
+        Engine(str(path), threads=1, ctx=32)
