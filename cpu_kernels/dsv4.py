@@ -25,7 +25,8 @@ sqrt(Di)`` over the visible indexer entries, the ``top_k`` best kept (``indexer_
 as ``cpu_kernels.mla.dsa_topk``, whose visible count is per position rather than per compressed entry).
 
 The grouped output projection (HF ``DeepseekV4GroupedLinear``): ``GroupedLinear`` runs the G per-group slices of
-``attn_output_a`` in the file's type through ``cpu_kernels.experts.mm_grouped`` (one launch).
+``attn_output_a`` in the file's type (``cpu_kernels.experts.mm_grouped`` in one launch at int8 decode, else
+``formats.matmul`` per group).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ import numba as nb
 import numpy as np
 
 from . import experts as _grouped
+from . import formats as _formats
 
 
 # ------------------------------------------------------------------------------------------------ attention
@@ -265,8 +267,12 @@ def indexer_topk(iq: np.ndarray, ik: np.ndarray, w: np.ndarray, pos0: int, ratio
 class GroupedLinear:
     """HF ``DeepseekV4GroupedLinear``: group g of the input (f32 [T, G, I]) times its weight (``Weight``
     [r, I], the rows ``g r .. (g+1) r`` of GGUF ``attn_output_a`` [G r, I], in the file's type) into columns
-    ``g r ..`` of the output f32 [T, G r]. One ``cpu_kernels.experts.mm_grouped`` launch over (group, block of
-    rows), activations as ``act`` ("f32" | "int8", docs/cpu_kernels.md; f32 when I is not a multiple of 32)."""
+    ``g r ..`` of the output f32 [T, G r], activations as ``act`` ("f32" | "int8", docs/cpu_kernels.md).
+
+    Int8 rows up to ``formats.GEMV_I8_MAX_T`` (decode) run as one ``cpu_kernels.experts.mm_grouped`` launch over
+    (group, block of 16 rows), the activations quantized once; otherwise each group through ``formats.matmul``
+    (its fused f32 GEMV, or the blocked GEMMs of a prompt chunk: measured faster there than the grouped kernel's
+    decode-then-dot f32 rows, scripts/bench_dsv4.py)."""
 
     def __init__(self, weights):
         self.weights = list(weights)            # they own the arrays the descriptors point at
@@ -278,10 +284,19 @@ class GroupedLinear:
         self.off = np.arange(self.G, dtype=np.int64) * self.r
         self._slots: dict = {}
 
-    def __call__(self, x: np.ndarray, act: str) -> np.ndarray:
+    def __call__(self, x: np.ndarray, act: str, grouped: bool | None = None) -> np.ndarray:
+        """f32 [T, G r]. ``grouped``: force the one-launch kernel (True) or the per-group matmuls (False);
+        None: the rule of the class docstring."""
         T, G, I = x.shape
         if (G, I) != (self.G, self.I):
             raise ValueError(f"GroupedLinear: input {x.shape}, expected [T, {self.G}, {self.I}]")
+        if grouped is None:
+            grouped = act == "int8" and _grouped.HAVE_VNNI and T <= _formats.GEMV_I8_MAX_T
+        out = np.empty((T, G * self.r), np.float32)
+        if not grouped:
+            for g, w in enumerate(self.weights):
+                out[:, g * self.r:(g + 1) * self.r] = _formats.matmul(w, np.ascontiguousarray(x[:, g]), act=act)
+            return out
         s = self._slots.get(T)
         if s is None:  # weight g reads row t G + g of the flattened input into row t of the output
             pstart = np.arange(0, (G + 1) * T, T, dtype=np.int64)
@@ -292,6 +307,5 @@ class GroupedLinear:
                 self._slots[T] = s
         a = _grouped.Act(np.ascontiguousarray(x.reshape(T * G, I), dtype=np.float32),
                          act if I % 32 == 0 else "f32")
-        out = np.empty((T, G * self.r), np.float32)
         _grouped.mm_grouped(self.desc, s[0], s[1], s[2], self.off, a.mode, a.xq, a.xd, a.xm, a.x, out)
         return out

@@ -153,11 +153,12 @@ def test_indexer_topk_ties_keep_the_earlier_entry():
     assert sorted(sel[0].tolist()) == [0, 1, 2, 3, 4]
 
 
+@pytest.mark.parametrize("grouped", [True, False])
 @pytest.mark.parametrize("G, r, I, T", [(1, 8, 32, 1), (2, 8, 64, 3), (4, 16, 64, 20), (8, 32, 96, 2)])
-def test_grouped_linear_q8_0_equals_dequantized_einsum(G, r, I, T):
-    """GroupedLinear over Q8_0 slices (gguf.quants.quantize) == einsum over gguf.quants.dequantize's weights:
-    f32 activations within 1e-5 of the largest |output|; int8 activations (llama.cpp's Q8 blocks) within 1e-2
-    (the activations' rounding); F32 slices equal to f32 rounding."""
+def test_grouped_linear_q8_0_equals_dequantized_einsum(G, r, I, T, grouped):
+    """GroupedLinear over Q8_0 slices (gguf.quants.quantize), one grouped launch or per-group matmuls, ==
+    einsum over gguf.quants.dequantize's weights: f32 activations within 1e-5 of the largest |output|; int8
+    activations (llama.cpp's Q8 blocks) within 1e-2 (the activations' rounding); F32 slices to f32 rounding."""
     import gguf
 
     from cpu_kernels import formats
@@ -169,11 +170,10 @@ def test_grouped_linear_q8_0_equals_dequantized_einsum(G, r, I, T):
     wd = gguf.quants.dequantize(q8, gguf.GGMLQuantizationType.Q8_0).astype(np.float32)
     gl = dsv4.GroupedLinear([formats.prepare("Q8_0", q8[g * r:(g + 1) * r], (r, I)) for g in range(G)])
     want = np.einsum("tgi,gri->tgr", x.astype(np.float64), wd.reshape(G, r, I).astype(np.float64)).reshape(T, -1)
-    got = gl(x, "f32")
+    rel = lambda got: np.abs(got - want).max() / np.abs(want).max()  # noqa: E731
     assert gl.weights[0].name == "Q8_0"
-    assert np.abs(got - want).max() / np.abs(want).max() <= 1e-5
-    got8 = gl(x, "int8")
-    assert np.abs(got8 - want).max() / np.abs(want).max() <= 1e-2
+    assert rel(gl(x, "f32", grouped)) <= 1e-5
+    assert rel(gl(x, "int8", grouped)) <= 1e-2
     gf = dsv4.GroupedLinear([formats.prepare("F32", wd[g * r:(g + 1) * r].view(np.uint8), (r, I))
                              for g in range(G)])
-    assert np.abs(gf(x, "f32") - want).max() / np.abs(want).max() <= 1e-5
+    assert rel(gf(x, "f32", grouped)) <= 1e-5
