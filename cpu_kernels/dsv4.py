@@ -39,16 +39,85 @@ from . import experts as _grouped
 from . import formats as _formats
 
 
-# ------------------------------------------------------------------------------------------------ attention
+# ------------------------------------------------------------------------------------------------ micro-kernels
 @nb.njit(inline="always", nogil=True, cache=True, fastmath=True)
-def _key(kv, win, ent, pos0, j0, nw, cidx, jj):
-    # key row jj of a query: the window (ring before pos0, this call's rows after) then the compressed entries
-    if jj < nw:
-        j = j0 + jj
-        if j >= pos0:
-            return kv[j - pos0]
-        return win[j % win.shape[0]]
-    return ent[cidx[jj - nw]]
+def _qk(Q, K, k0, nk, S):
+    """S[g, j] = Q[g] . K[k0 + j] for g < Q.shape[0] (a multiple of 4) and j < nk: 4 x 4 register tiles (each
+    loaded row feeds four dots, as a GEMM micro-kernel), the last nk % 4 keys one at a time."""
+    G, D = Q.shape
+    n4 = nk - nk % 4
+    for g in range(0, G, 4):
+        q0, q1, q2, q3 = Q[g], Q[g + 1], Q[g + 2], Q[g + 3]
+        for j in range(0, n4, 4):
+            r0, r1, r2, r3 = K[k0 + j], K[k0 + j + 1], K[k0 + j + 2], K[k0 + j + 3]
+            s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = np.float32(0.0)
+            s20 = s21 = s22 = s23 = s30 = s31 = s32 = s33 = np.float32(0.0)
+            for i in range(D):
+                a0, a1, a2, a3 = q0[i], q1[i], q2[i], q3[i]
+                b0, b1, b2, b3 = r0[i], r1[i], r2[i], r3[i]
+                s00 += a0 * b0
+                s01 += a0 * b1
+                s02 += a0 * b2
+                s03 += a0 * b3
+                s10 += a1 * b0
+                s11 += a1 * b1
+                s12 += a1 * b2
+                s13 += a1 * b3
+                s20 += a2 * b0
+                s21 += a2 * b1
+                s22 += a2 * b2
+                s23 += a2 * b3
+                s30 += a3 * b0
+                s31 += a3 * b1
+                s32 += a3 * b2
+                s33 += a3 * b3
+            S[g, j], S[g, j + 1], S[g, j + 2], S[g, j + 3] = s00, s01, s02, s03
+            S[g + 1, j], S[g + 1, j + 1], S[g + 1, j + 2], S[g + 1, j + 3] = s10, s11, s12, s13
+            S[g + 2, j], S[g + 2, j + 1], S[g + 2, j + 2], S[g + 2, j + 3] = s20, s21, s22, s23
+            S[g + 3, j], S[g + 3, j + 1], S[g + 3, j + 2], S[g + 3, j + 3] = s30, s31, s32, s33
+        for j in range(n4, nk):
+            r0 = K[k0 + j]
+            for gg in range(g, g + 4):
+                qq = Q[gg]
+                s = np.float32(0.0)
+                for i in range(D):
+                    s += qq[i] * r0[i]
+                S[gg, j] = s
+
+
+@nb.njit(inline="always", nogil=True, cache=True, fastmath=True)
+def _pk(P, K, nk, O):
+    """O[g] += sum_{j < nk} P[g, j] K[j] for g < P.shape[0] (a multiple of 4): four heads x four keys per pass
+    over a row of O (one load and store of O per 16 multiply-adds), the last nk % 4 keys one at a time."""
+    G = P.shape[0]
+    D = K.shape[1]
+    n4 = nk - nk % 4
+    for g in range(0, G, 4):
+        o0, o1, o2, o3 = O[g], O[g + 1], O[g + 2], O[g + 3]
+        for j in range(0, n4, 4):
+            k0, k1, k2, k3 = K[j], K[j + 1], K[j + 2], K[j + 3]
+            w00, w01, w02, w03 = P[g, j], P[g, j + 1], P[g, j + 2], P[g, j + 3]
+            w10, w11, w12, w13 = P[g + 1, j], P[g + 1, j + 1], P[g + 1, j + 2], P[g + 1, j + 3]
+            w20, w21, w22, w23 = P[g + 2, j], P[g + 2, j + 1], P[g + 2, j + 2], P[g + 2, j + 3]
+            w30, w31, w32, w33 = P[g + 3, j], P[g + 3, j + 1], P[g + 3, j + 2], P[g + 3, j + 3]
+            for i in range(D):
+                a, b, c, d = k0[i], k1[i], k2[i], k3[i]
+                o0[i] += w00 * a + w01 * b + w02 * c + w03 * d
+                o1[i] += w10 * a + w11 * b + w12 * c + w13 * d
+                o2[i] += w20 * a + w21 * b + w22 * c + w23 * d
+                o3[i] += w30 * a + w31 * b + w32 * c + w33 * d
+        for j in range(n4, nk):
+            k0 = K[j]
+            for gg in range(g, g + 4):
+                w = P[gg, j]
+                oo = O[gg]
+                for i in range(D):
+                    oo[i] += w * k0[i]
+
+
+# ------------------------------------------------------------------------------------------------ attention
+#: keys per block of the attention's online softmax (the block's rows stay in L2: 128 x 512 f32 = 256 KiB)
+KEY_BLOCK = 128
 
 
 @nb.njit(inline="always", nogil=True, cache=True, fastmath=True)
@@ -76,40 +145,57 @@ def _attend_rows(q, kv, win, pos0, ent, ratio, sel, sinks, scale, cos, sin, out,
         nc = nv
     n = nw + nc
     G = h1 - h0
-    sc = np.empty((G, n), dtype=np.float32)
-    for jj in range(n):
-        k = _key(kv, win, ent, pos0, j0, nw, cidx, jj)
-        for g in range(G):
-            s = np.float32(0.0)
-            for i in range(hd):
-                s += q[t, h0 + g, i] * k[i]
-            sc[g, jj] = s * scale
+    G4 = (G + 3) // 4 * 4
+    Qb = np.zeros((G4, hd), dtype=np.float32)      # the group's queries, times the scale; padded heads 0
     for g in range(G):
-        m = sinks[h0 + g]
-        for jj in range(n):
-            if sc[g, jj] > m:
-                m = sc[g, jj]
-        tot = math.exp(sinks[h0 + g] - m)
-        for jj in range(n):
-            e = math.exp(sc[g, jj] - m)
-            sc[g, jj] = e
-            tot += e
-        inv = np.float32(1.0 / tot)
-        for jj in range(n):
-            sc[g, jj] *= inv
         for i in range(hd):
-            out[t, h0 + g, i] = 0.0
-    for jj in range(n):
-        k = _key(kv, win, ent, pos0, j0, nw, cidx, jj)
-        for g in range(G):
-            w = sc[g, jj]
-            for i in range(hd):
-                out[t, h0 + g, i] += w * k[i]
-    # rope of the last R dims undone at the query's angle (interleaved pairs; cos, -sin)
+            Qb[g, i] = q[t, h0 + g, i] * scale
+    Kb = np.empty((min(n, KEY_BLOCK), hd), dtype=np.float32)
+    S = np.zeros((G4, Kb.shape[0]), dtype=np.float32)
+    Ob = np.zeros((G4, hd), dtype=np.float32)
+    m = np.empty(G, dtype=np.float32)
+    tot = np.empty(G, dtype=np.float64)
+    for g in range(G):  # the sink starts the running max: its term exp(s_h - m) is 1
+        m[g] = sinks[h0 + g]
+        tot[g] = 1.0
+    for b0 in range(0, n, KEY_BLOCK):
+        nk = min(KEY_BLOCK, n - b0)
+        for r in range(nk):  # gather the block's keys: window (ring / this call) then compressed entries
+            jj = b0 + r
+            if jj < nw:
+                j = j0 + jj
+                if j >= pos0:
+                    Kb[r] = kv[j - pos0]
+                else:
+                    Kb[r] = win[j % W]
+            else:
+                Kb[r] = ent[cidx[jj - nw]]
+        _qk(Qb, Kb, 0, nk, S)
+        for g in range(G):  # online softmax: rescale what was summed when the max grows
+            bm = m[g]
+            for j in range(nk):
+                if S[g, j] > bm:
+                    bm = S[g, j]
+            if bm > m[g]:
+                c = math.exp(m[g] - bm)
+                tot[g] *= c
+                cf = np.float32(c)
+                for i in range(hd):
+                    Ob[g, i] *= cf
+                m[g] = bm
+            for j in range(nk):
+                e = math.exp(S[g, j] - bm)
+                S[g, j] = e
+                tot[g] += e
+        _pk(S, Kb, nk, Ob)
+    # normalise; the rope of the last R dims undone at the query's angle (interleaved pairs; cos, -sin)
     R2 = cos.shape[1]
     b0 = hd - 2 * R2
     for g in range(G):
         h = h0 + g
+        inv = np.float32(1.0 / tot[g])
+        for i in range(hd):
+            out[t, h, i] = Ob[g, i] * inv
         for i in range(R2):
             c = cos[p, i]
             s = sin[p, i]
@@ -182,16 +268,28 @@ def attend(q: np.ndarray, kv: np.ndarray, win: np.ndarray, pos0: int, ent: np.nd
 
 # ------------------------------------------------------------------------------------------------ indexer
 @nb.njit(inline="always", nogil=True, cache=True, fastmath=True)
-def _index_score(iq, ik, w, scale, t, j):
-    tot = np.float32(0.0)
-    for h in range(iq.shape[1]):
-        s = np.float32(0.0)
-        for d in range(iq.shape[2]):
-            s += iq[t, h, d] * ik[j, d]
-        s *= scale
-        if s > 0:
-            tot += w[t, h] * s
-    return tot
+def _index_scores(Qi, ik, w, scale, t, j0, j1, S, sc):
+    """sc[j] = sum_h w[t, h] ReLU(Qi[h] . ik[j]) * scale for j0 <= j < j1 (Qi: row t's queries padded to a
+    multiple of 4 heads; S f32 [Hi4, >= j1 - j0] scratch)."""
+    Hi = w.shape[1]
+    _qk(Qi, ik, j0, j1 - j0, S)
+    for j in range(j1 - j0):
+        tot = np.float32(0.0)
+        for h in range(Hi):
+            s = S[h, j] * scale
+            if s > 0:
+                tot += w[t, h] * s
+        sc[j0 + j] = tot
+
+
+@nb.njit(inline="always", nogil=True, cache=True, fastmath=True)
+def _index_q(iq, t):
+    Hi, Di = iq.shape[1], iq.shape[2]
+    Qi = np.zeros(((Hi + 3) // 4 * 4, Di), dtype=np.float32)
+    for h in range(Hi):
+        for d in range(Di):
+            Qi[h, d] = iq[t, h, d]
+    return Qi
 
 
 @nb.njit(inline="always", nogil=True, cache=True, fastmath=True)
@@ -222,28 +320,33 @@ INDEX_BLOCK = 256
 
 @nb.njit(parallel=True, nogil=True, cache=True, fastmath=True)
 def _indexer_topk(iq, ik, w, pos0, ratio, scale, sel, sc, by_block):
-    T = iq.shape[0]
+    T, Hi = iq.shape[0], iq.shape[1]
     n = ik.shape[0]
+    Hi4 = (Hi + 3) // 4 * 4
     if by_block:  # few rows: (row, block of entries) items into sc [T, n], then the picks per row
         nb_ = (n + INDEX_BLOCK - 1) // INDEX_BLOCK
         for it in nb.prange(T * nb_):
             t = it // nb_
             nv = min((pos0 + t + 1) // ratio, n)
             b0 = (it % nb_) * INDEX_BLOCK
-            for j in range(b0, min(nv, b0 + INDEX_BLOCK)):
-                sc[t, j] = _index_score(iq, ik, w, scale, t, j)
+            if b0 < nv:
+                S = np.empty((Hi4, INDEX_BLOCK), dtype=np.float32)
+                _index_scores(_index_q(iq, t), ik, w, scale, t, b0, min(nv, b0 + INDEX_BLOCK), S, sc[t])
         for t in nb.prange(T):
             _pick(sc[t], min((pos0 + t + 1) // ratio, n), sel[t])
     else:  # rows in parallel, each its own scores
         for t in nb.prange(T):
             nv = min((pos0 + t + 1) // ratio, n)
             buf = np.empty(nv, dtype=np.float32)
-            for j in range(nv):
-                buf[j] = _index_score(iq, ik, w, scale, t, j)
+            Qi = _index_q(iq, t)
+            S = np.empty((Hi4, INDEX_BLOCK), dtype=np.float32)
+            for b0 in range(0, nv, INDEX_BLOCK):
+                _index_scores(Qi, ik, w, scale, t, b0, min(nv, b0 + INDEX_BLOCK), S, buf)
             _pick(buf, nv, sel[t])
 
 
-def indexer_topk(iq: np.ndarray, ik: np.ndarray, w: np.ndarray, pos0: int, ratio: int, k: int) -> np.ndarray:
+def indexer_topk(iq: np.ndarray, ik: np.ndarray, w: np.ndarray, pos0: int, ratio: int, k: int,
+                 by_block: bool | None = None) -> np.ndarray:
     """The lightning indexer's picks (HF ``DeepseekV4Indexer``): for query rows at positions ``pos0 ..`` the
     ``k`` visible entries ``j < (p + 1) // ratio`` with the best ``sum_h w[t, h] ReLU(iq[t, h] . ik[j]) /
     sqrt(Di)``, or every visible entry then -1 while there are at most ``k`` (HF's ``-1`` for picks past the
@@ -252,10 +355,11 @@ def indexer_topk(iq: np.ndarray, ik: np.ndarray, w: np.ndarray, pos0: int, ratio
     ``iq`` f32 [T, Hi, Di] (roped), ``ik`` f32 [n, Di] the indexer compressor's entries (roped), ``w`` f32
     [T, Hi] the head weights already times Hi^-1/2. Returns int64 [T, k]. One call: (row, block of entries)
     items when the rows are fewer than the threads (decode), rows in parallel otherwise; memory O(rows x n)
-    only in the first case."""
+    only in the first case (``by_block`` forces one or the other)."""
     T = iq.shape[0]
     sel = np.empty((T, k), np.int64)
-    by_block = T < nb.get_num_threads() and ik.shape[0] > INDEX_BLOCK
+    if by_block is None:
+        by_block = T < nb.get_num_threads() and ik.shape[0] > INDEX_BLOCK
     sc = np.empty((T, ik.shape[0]) if by_block else (0, 0), np.float32)
     _indexer_topk(np.ascontiguousarray(iq, dtype=np.float32), np.ascontiguousarray(ik, dtype=np.float32),
                   np.ascontiguousarray(w, dtype=np.float32), pos0, ratio, np.float32(iq.shape[2] ** -0.5),

@@ -51,6 +51,8 @@ CASES = [
     (8, 24, 4, 5, 16, 0, [0, 50, 51, 52, 100]),      # HCA: every visible entry
     (2, 8, 2, 1, 4, 2, [0, 13, 14]),                 # a window of one (the query only)
     (5, 12, 6, 32, 4, 16, [0, 20, 75, 76]),          # top-k larger than the entries at first
+    (4, 16, 4, 150, 16, 0, [0, 7, 300, 301, 420]),   # more keys than dsv4.KEY_BLOCK: the online softmax's blocks
+    (6, 20, 8, 140, 4, 40, [0, 290, 291]),           # the same with CSA picks
 ]
 
 
@@ -112,17 +114,19 @@ def _ref_scores(iq, ik, w):
     (1, 4095, 1024, 4, 16, 4, 16),     # decode: (row, block of entries) items, many entries visible
     (1, 10, 3, 4, 8, 2, 8),            # fewer visible than top-k: all of them, then -1
     (40, 0, 10, 4, 4, 3, 8),           # a prompt from position 0: rows see 0 .. 10 entries
-    (7, 300, 600, 4, 32, 8, 16),       # a chunk mid-context, rows in parallel
+    (7, 300, 600, 4, 32, 8, 16),       # a chunk mid-context
+    (3, 2000, 520, 4, 5, 6, 12),       # heads not a multiple of 4, entries not a multiple of the blocks
 ])
-def test_indexer_topk_equals_reference(T, pos0, n, ratio, k, Hi, Di):
-    """Picks == the reference's top-k set of the visible entries (argsort of the float64 scores) on every row
+@pytest.mark.parametrize("by_block", [True, False])
+def test_indexer_topk_equals_reference(T, pos0, n, ratio, k, Hi, Di, by_block):
+    """Both layouts ((row, block of entries) items; rows in parallel): picks == the reference's top-k set of the visible entries (argsort of the float64 scores) on every row
     whose k-th / (k+1)-th reference scores differ by more than 1e-4 (float rounding decides closer ones: there
     the picks' reference scores are all >= the k-th best - 1e-4); -1 exactly where fewer than k are visible."""
     rng = np.random.default_rng(T + n + k)
     iq = rng.standard_normal((T, Hi, Di)).astype(np.float32)
     ik = rng.standard_normal((n, Di)).astype(np.float32)
     w = rng.standard_normal((T, Hi)).astype(np.float32)
-    sel = dsv4.indexer_topk(iq, ik, w, pos0, ratio, k)
+    sel = dsv4.indexer_topk(iq, ik, w, pos0, ratio, k, by_block)
     assert sel.shape == (T, k) and sel.dtype == np.int64
     sc = _ref_scores(iq, ik, w)
     checked = over = 0
