@@ -8,7 +8,8 @@
 2. the kernels at DeepSeek-V4-Flash's attention shapes (HF ``DeepseekV4Config`` defaults: 64 heads of 512, one
    K=V head, window 128, CSA ratio 4 with an indexer of 64 heads of 128 and top-k 512, HCA ratio 128, 8 output
    groups of rank 1024) at several context lengths, one decode row and one prompt chunk: ``indexer_topk``,
-   ``attend`` per layer kind, and ``GroupedLinear`` over a Q8_0 ``attn_output_a`` (random codes).
+   ``attend`` per layer kind (the CSA one beside the per-row NumPy formula the kernels replaced, BLAS matmuls),
+   and ``GroupedLinear`` over a Q8_0 ``attn_output_a`` (random codes).
 
     .venv/bin/python scripts/bench_dsv4.py [--threads N] [--runs 5] [--baseline faa0a5b] [--ctx 1024,8192,65536]
 
@@ -115,6 +116,25 @@ def _best(f, n=3):
     return min(ts)
 
 
+def numpy_attend(q, kv, win, pos0, ent, sel, sinks):
+    """The per-row NumPy formula of the attention before the kernels (BLAS matmuls per query row; no rope undo):
+    the speed reference of ``flash``."""
+    T, H, hd = q.shape
+    W = win.shape[0]
+    n_old = min(pos0, W - 1)
+    keys = np.concatenate([win[np.arange(pos0 - n_old, pos0) % W], kv])
+    kpos = np.arange(pos0 - n_old, pos0 + T)
+    o = np.empty_like(q)
+    for t in range(T):
+        p = pos0 + t
+        k = np.concatenate([keys[(kpos <= p) & (kpos > p - W)], ent[sel[t][sel[t] >= 0]]])
+        lg = (q[t] @ k.T) * np.float32(hd ** -0.5)
+        mx = np.maximum(lg.max(1), sinks)
+        e = np.exp(lg - mx[:, None])
+        o[t] = (e / (e.sum(1) + np.exp(sinks - mx))[:, None]) @ k
+    return o
+
+
 def flash(args) -> None:
     from cpu_kernels import dsv4, formats
 
@@ -153,10 +173,12 @@ def flash(args) -> None:
             t_idx = _best(lambda: dsv4.indexer_topk(iq, ik, iw, pos0, 4, K))
             sel = dsv4.indexer_topk(iq, ik, iw, pos0, 4, K)
             t_csa = _best(lambda: dsv4.attend(q, kv, win, pos0, ent4, 4, sel, sinks, cos, sin))
+            t_np = _best(lambda: numpy_attend(q, kv, win, pos0, ent4, sel, sinks))
             t_hca = _best(lambda: dsv4.attend(q, kv, win, pos0, ent128, 128, None, sinks, cos, sin))
             t_swa = _best(lambda: dsv4.attend(q, kv, win, pos0, ent128[:0], 0, None, sinks, cos, sin))
-            print(f"  ctx {ctx:>6} T={T:>2}: CSA indexer_topk {1e3 * t_idx:8.2f} ms + attend {1e3 * t_csa:7.2f} ms;"
-                  f" HCA attend {1e3 * t_hca:7.2f} ms; sliding attend {1e3 * t_swa:7.2f} ms")
+            print(f"  ctx {ctx:>6} T={T:>2}: CSA indexer_topk {1e3 * t_idx:8.2f} ms + attend {1e3 * t_csa:7.2f} ms "
+                  f"(NumPy per row {1e3 * t_np:7.2f} ms); HCA attend {1e3 * t_hca:7.2f} ms; sliding attend "
+                  f"{1e3 * t_swa:7.2f} ms")
 
 
 def main(argv=None) -> int:

@@ -20,7 +20,8 @@ and at the end ``x = sum_j pre_j S_j`` with ``pre`` from ``output_hc_*``, then `
   included) plus, on layers with ``attention.compress_ratios[il] = m > 0``, compressed entries (one per m
   positions: HCA every entry, CSA the lightning indexer's ``indexer.top_k`` picks); a sink logit per head in the
   softmax; the output rotated back by the query's angle; grouped output projection ``attn_output_a`` (per group of
-  heads) then ``attn_output_b``;
+  heads) then ``attn_output_b``. The attention of a block of rows, the indexer's top-k and the grouped projection
+  (in the file's type) are the Numba kernels of ``cpu_kernels/dsv4.py``;
 * compressor (HF ``DeepseekV4HCACompressor`` / ``CSACompressor`` / the indexer's): per closed window of m rows,
   ``sum softmax(gate + ape) * kv`` over the window's rows (CSA: over 2m rows, the previous window's first half
   and this window's second half), RMSNorm, rope at the window's first position;
