@@ -183,8 +183,8 @@ class Compressor:
         what = f"{'two series' if overlap else 'one series'} of {hd} over embedding_length {D}, ratio {ratio}"
         for suffix, want in (("_kv", (width, D)), ("_gate", (width, D)), ("_ape", (ratio, width)), ("_norm", (hd,))):
             expect_shape(m, f"{prefix}{suffix}.weight", want, what)
-        self.wkv = m.wt.f32(prefix + "_kv.weight")
-        self.wgate = m.wt.f32(prefix + "_gate.weight")
+        self.wkv = m.wt.w(prefix + "_kv.weight")           # in the file's type (formats.matmul)
+        self.wgate = m.wt.w(prefix + "_gate.weight")
         self.ape = m.wt.f32(prefix + "_ape.weight")
         self.norm = m.wt.f32(prefix + "_norm.weight")
         self.width = width
@@ -194,8 +194,8 @@ class Compressor:
 
     def update(self, x: np.ndarray, st: CompressorState, cos, sin) -> None:
         r, hd = self.ratio, self.hd
-        kv = np.concatenate([st.buf_kv[:st.nbuf], x @ self.wkv.T]).astype(np.float32)
-        gate = np.concatenate([st.buf_gate[:st.nbuf], x @ self.wgate.T]).astype(np.float32)
+        kv = np.concatenate([st.buf_kv[:st.nbuf], self.m.mm(self.wkv, x)]).astype(np.float32)
+        gate = np.concatenate([st.buf_gate[:st.nbuf], self.m.mm(self.wgate, x)]).astype(np.float32)
         nw = kv.shape[0] // r
         st.nbuf = kv.shape[0] - nw * r
         st.buf_kv[:st.nbuf], st.buf_gate[:st.nbuf] = kv[nw * r:], gate[nw * r:]
@@ -276,7 +276,7 @@ class Attention:
         if self.ratio == 4:
             self.idx_comp = Compressor(m, p + "indexer_compressor", self.ratio, a.idx_dim, True)
             self.idx_wq_b = wt.w(p + "indexer.attn_q_b.weight")
-            self.idx_proj = wt.f32(p + "indexer.proj.weight")
+            self.idx_proj = wt.w(p + "indexer.proj.weight")
 
     def _grouped_output(self, m, name):
         """``attn_output_a`` [G r, H hd / G] (shape checked) as G prepared row slices in the file's type (group
@@ -313,7 +313,7 @@ class Attention:
         T = x.shape[0]
         q = self.m.mm(self.idx_wq_b, qr).reshape(T, a.idx_heads, a.idx_dim)
         rope_tail(q, cos[pos], sin[pos])
-        w = (x @ self.idx_proj.T) * np.float32(a.idx_heads ** -0.5)
+        w = self.m.mm(self.idx_proj, x) * np.float32(a.idx_heads ** -0.5)
         return dsv4.indexer_topk(q, st.entries[:st.n], w, int(pos[0]), self.ratio, a.idx_topk)
 
     def __call__(self, x: np.ndarray, cache: LayerCache, pos0: int) -> np.ndarray:
