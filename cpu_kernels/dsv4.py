@@ -367,6 +367,101 @@ def indexer_topk(iq: np.ndarray, ik: np.ndarray, w: np.ndarray, pos0: int, ratio
     return sel
 
 
+# ------------------------------------------------------------------------------------------------ compressor
+@nb.njit(inline="always", nogil=True, cache=True, fastmath=True)
+def _pool_row(kv, gate, ape, row, col, i, mx, tot, acc, first):
+    # one row of a window into the per-dim online softmax (gate + ape: the window's position bias)
+    hd = mx.shape[0]
+    for d in range(hd):
+        g = gate[row, col + d] + ape[i, col + d]
+        if first:
+            mx[d] = g
+            tot[d] = 1.0
+            acc[d] = kv[row, col + d]
+        elif g > mx[d]:
+            c = math.exp(mx[d] - g)
+            tot[d] = tot[d] * c + 1.0
+            acc[d] = acc[d] * c + kv[row, col + d]
+            mx[d] = g
+        else:
+            e = math.exp(g - mx[d])
+            tot[d] += e
+            acc[d] += e * kv[row, col + d]
+
+
+@nb.njit(parallel=True, nogil=True, cache=True, fastmath=True)
+def _compress(kv, gate, ape, prev_kv, prev_gate, has_prev, r, overlap, norm, eps, cos, sin, n0, out):
+    nw, hd = out.shape
+    R2 = cos.shape[1]
+    for w in nb.prange(nw):
+        mx = np.empty(hd, dtype=np.float64)
+        tot = np.empty(hd, dtype=np.float64)
+        acc = np.empty(hd, dtype=np.float64)
+        first = True
+        if overlap:  # the previous window's rows, their first hd columns (from the state for window 0)
+            if w > 0:
+                for i in range(r):
+                    _pool_row(kv, gate, ape, (w - 1) * r + i, 0, i, mx, tot, acc, first)
+                    first = False
+            elif has_prev:
+                for i in range(r):  # prev_gate already holds gate + ape
+                    for d in range(hd):
+                        g = np.float64(prev_gate[i, d])
+                        v = np.float64(prev_kv[i, d])
+                        if first:
+                            mx[d], tot[d], acc[d] = g, 1.0, v
+                        elif g > mx[d]:
+                            c = math.exp(mx[d] - g)
+                            tot[d] = tot[d] * c + 1.0
+                            acc[d] = acc[d] * c + v
+                            mx[d] = g
+                        else:
+                            e = math.exp(g - mx[d])
+                            tot[d] += e
+                            acc[d] += e * v
+                    first = False
+        col = hd if overlap else 0
+        for i in range(r):
+            _pool_row(kv, gate, ape, w * r + i, col, i, mx, tot, acc, first)
+            first = False
+        ss = 0.0
+        for d in range(hd):
+            v = np.float64(np.float32(acc[d] / tot[d]))
+            acc[d] = v
+            ss += v * v
+        inv = 1.0 / math.sqrt(ss / hd + eps)
+        p = (n0 + w) * r
+        for d in range(hd):
+            out[w, d] = np.float32(acc[d] * inv) * norm[d]
+        b0 = hd - 2 * R2
+        for i in range(R2):
+            a = out[w, b0 + 2 * i]
+            b = out[w, b0 + 2 * i + 1]
+            out[w, b0 + 2 * i] = a * cos[p, i] - b * sin[p, i]
+            out[w, b0 + 2 * i + 1] = b * cos[p, i] + a * sin[p, i]
+
+
+def compress(kv: np.ndarray, gate: np.ndarray, ape: np.ndarray, prev_kv: np.ndarray, prev_gate: np.ndarray,
+             has_prev: bool, ratio: int, overlap: bool, norm: np.ndarray, eps: float, cos: np.ndarray,
+             sin: np.ndarray, n0: int, out: np.ndarray) -> np.ndarray:
+    """The compressed entries of ``nw`` closed windows (HF ``DeepseekV4HCACompressor`` / ``CSACompressor`` /
+    the indexer's), one launch over the windows: per dim d, ``c_d = sum_rows softmax_rows(gate + ape)_d kv_d``
+    (online softmax, float64 sums), ``RMSNorm(c) * norm`` (``norms.rms_norm``'s arithmetic), rope on the last R
+    dims at the window's first position ``(n0 + w) * ratio``.
+
+    ``kv``, ``gate`` f32 [nw * ratio, width] the windows' rows (width = 2 hd with ``overlap`` (CSA): the window
+    pools the previous window's rows' first hd columns and its own rows' last hd; HCA: hd, its own rows);
+    ``ape`` f32 [ratio, width]; ``prev_kv``, ``prev_gate`` f32 [ratio, hd] the rows before window 0 (their
+    gate already + ape) when ``has_prev``, else window 0 pools its own rows only; ``norm`` f32 [hd];
+    ``cos``, ``sin`` f32 [> (n0 + nw - 1) * ratio, R / 2]; ``out`` f32 [nw, hd], returned."""
+    _compress(np.ascontiguousarray(kv, dtype=np.float32), np.ascontiguousarray(gate, dtype=np.float32),
+              np.ascontiguousarray(ape, dtype=np.float32), np.ascontiguousarray(prev_kv, dtype=np.float32),
+              np.ascontiguousarray(prev_gate, dtype=np.float32), bool(has_prev), int(ratio), bool(overlap),
+              np.ascontiguousarray(norm, dtype=np.float32), float(eps), np.ascontiguousarray(cos, dtype=np.float32),
+              np.ascontiguousarray(sin, dtype=np.float32), int(n0), out)
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ output
 class GroupedLinear:
     """HF ``DeepseekV4GroupedLinear``: group g of the input (f32 [T, G, I]) times its weight (``Weight``

@@ -181,3 +181,55 @@ def test_grouped_linear_q8_0_equals_dequantized_einsum(G, r, I, T, grouped):
     gf = dsv4.GroupedLinear([formats.prepare("F32", wd[g * r:(g + 1) * r].view(np.uint8), (r, I))
                              for g in range(G)])
     assert rel(gf(x, "f32", grouped)) <= 1e-5
+
+
+def _ref_compress(kv, gate, ape, prev_kv, prev_gate, has_prev, r, overlap, norm, eps, cos, sin, n0):
+    """float64 NumPy of HF's compressor on nw closed windows (``DeepseekV4CSACompressor``: the Ca / Cb overlap
+    with -inf gates where window 0 has no previous rows; ``DeepseekV4HCACompressor``: the window's own rows)."""
+    nw = kv.shape[0] // r
+    hd = norm.shape[0]
+    ck = kv.reshape(nw, r, -1).astype(np.float64)
+    cg = gate.reshape(nw, r, -1).astype(np.float64) + ape
+    if overlap:
+        nk = np.zeros((nw, 2 * r, hd))
+        ng = np.full((nw, 2 * r, hd), -np.inf)
+        nk[:, r:], ng[:, r:] = ck[..., hd:], cg[..., hd:]
+        nk[1:, :r], ng[1:, :r] = ck[:-1, :, :hd], cg[:-1, :, :hd]
+        if has_prev:
+            nk[0, :r], ng[0, :r] = prev_kv, prev_gate
+        ck, cg = nk, ng
+    e = np.exp(cg - cg.max(1, keepdims=True))
+    c = ((e / e.sum(1, keepdims=True)) * ck).sum(1)
+    c = c / np.sqrt((c * c).mean(-1, keepdims=True) + eps) * norm
+    R2 = cos.shape[1]
+    pos = (n0 + np.arange(nw)) * r
+    co, si = cos[pos].astype(np.float64), sin[pos].astype(np.float64)
+    a, b = c[:, hd - 2 * R2::2].copy(), c[:, hd - 2 * R2 + 1::2].copy()
+    c[:, hd - 2 * R2::2] = a * co - b * si
+    c[:, hd - 2 * R2 + 1::2] = b * co + a * si
+    return c
+
+
+@pytest.mark.parametrize("nw, r, hd, R, overlap, has_prev", [
+    (1, 4, 16, 4, True, False),     # the first CSA window: only its own rows' second half
+    (1, 4, 16, 4, True, True),      # decode: the state's previous rows open the window
+    (9, 4, 24, 8, True, True),      # a chunk of windows, each pooling the previous one's first half
+    (5, 16, 32, 8, False, False),   # HCA windows of 16 rows
+])
+def test_compress_equals_reference(nw, r, hd, R, overlap, has_prev):
+    """dsv4.compress == the float64 reference within 1e-5 of the largest |entry| (gates spread over +-6 so
+    the softmax over a window's rows is far from uniform)."""
+    rng = np.random.default_rng(nw * r + hd + overlap + has_prev)
+    width = (2 if overlap else 1) * hd
+    kv = rng.standard_normal((nw * r, width)).astype(np.float32)
+    gate = (3 * rng.standard_normal((nw * r, width))).astype(np.float32)
+    ape = rng.standard_normal((r, width)).astype(np.float32)
+    prev_kv = rng.standard_normal((r, hd)).astype(np.float32)
+    prev_gate = (3 * rng.standard_normal((r, hd))).astype(np.float32)
+    norm = rng.uniform(0.5, 1.5, hd).astype(np.float32)
+    n0 = 3
+    cos, sin = _rope_table((n0 + nw) * r, R // 2, rng)
+    got = dsv4.compress(kv, gate, ape, prev_kv, prev_gate, has_prev, r, overlap, norm, 1e-6, cos, sin, n0,
+                        np.empty((nw, hd), np.float32))
+    want = _ref_compress(kv, gate, ape, prev_kv, prev_gate, has_prev, r, overlap, norm, 1e-6, cos, sin, n0)
+    assert np.abs(got - want).max() / np.abs(want).max() <= 1e-5

@@ -201,23 +201,12 @@ class Compressor:
         st.buf_kv[:st.nbuf], st.buf_gate[:st.nbuf] = kv[nw * r:], gate[nw * r:]
         if nw == 0:
             return
-        ck = kv[:nw * r].reshape(nw, r, -1)
-        cg = gate[:nw * r].reshape(nw, r, -1) + self.ape
-        if self.overlap:
-            nk = np.zeros((nw, 2 * r, hd), np.float32)
-            ng = np.full((nw, 2 * r, hd), -np.inf, np.float32)
-            nk[:, r:], ng[:, r:] = ck[..., hd:], cg[..., hd:]
-            nk[1:, :r], ng[1:, :r] = ck[:-1, :, :hd], cg[:-1, :, :hd]
-            if st.has_prev:
-                nk[0, :r], ng[0, :r] = st.prev_kv, st.prev_gate
-            st.prev_kv[:], st.prev_gate[:], st.has_prev = ck[-1, :, :hd], cg[-1, :, :hd], True
-            ck, cg = nk, ng
-        e = np.exp(cg - cg.max(1, keepdims=True))
-        c = ((e / e.sum(1, keepdims=True)) * ck).sum(1).astype(np.float32)
-        c = rms_norm(c, self.norm, self.m.args.eps)
-        pos = st.n * r + np.arange(nw) * r
-        rope_tail(c, cos[pos], sin[pos])
-        st.entries[st.n:st.n + nw] = c
+        dsv4.compress(kv[:nw * r], gate[:nw * r], self.ape, st.prev_kv, st.prev_gate, st.has_prev, r,
+                      self.overlap, self.norm, self.m.args.eps, cos, sin, st.n, st.entries[st.n:st.n + nw])
+        if self.overlap:  # the last window's first hd columns (gate + ape) open the next call's first window
+            st.prev_kv[:] = kv[(nw - 1) * r:nw * r, :hd]
+            st.prev_gate[:] = gate[(nw - 1) * r:nw * r, :hd] + self.ape[:, :hd]
+            st.has_prev = True
         st.n += nw
 
 
