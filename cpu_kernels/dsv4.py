@@ -24,6 +24,9 @@ The indexer (HF ``DeepseekV4Indexer`` / ``DeepseekV4IndexerScorer``): ``score_w 
 sqrt(Di)`` over the visible indexer entries, the ``top_k`` best kept (``indexer_topk``, one call; the same rule
 as ``cpu_kernels.mla.dsa_topk``, whose visible count is per position rather than per compressed entry).
 
+The compressors (HF ``DeepseekV4HCACompressor`` / ``CSACompressor`` / the indexer's): ``compress`` pools the
+closed windows' rows (softmax over rows of gate + ape per dim, RMSNorm, rope), one launch over the windows.
+
 The grouped output projection (HF ``DeepseekV4GroupedLinear``): ``GroupedLinear`` runs the G per-group slices of
 ``attn_output_a`` in the file's type (``cpu_kernels.experts.mm_grouped`` in one launch at int8 decode, else
 ``formats.matmul`` per group).
