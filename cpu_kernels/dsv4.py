@@ -16,9 +16,12 @@ at position ``p`` sees
 
   and, since V = K carried rope, the rope dims of ``o_h`` rotated back by the query's angle (HF: ``cos, -sin``).
 
-Scores f32, the softmax's sum in float64 (as ``cpu_kernels.attention``). ``attend`` is one launch over (query
-row, group of heads) items: a group's heads share each read of a key row (one row's heads all in one group when
-there are enough rows; split over the threads at decode); serial below ``SERIAL_WORK`` multiply-adds.
+``attend`` is one launch over (query row, group of heads) items: a group's heads share each read of a key row
+(one row's heads all in one group when there are enough rows; split over the threads at decode); serial below
+``SERIAL_WORK`` multiply-adds. Per item the keys go in blocks of ``KEY_BLOCK`` gathered rows through an online
+softmax (the running max starts at the sink; the sum in float64, rescaled when the max grows, as
+``cpu_kernels.attention``'s sum), scores and weighted sums through 4 x 4 register-tiled micro-kernels (``_qk``,
+``_pk``); scratch is O(block), whatever the context.
 
 The indexer (HF ``DeepseekV4Indexer`` / ``DeepseekV4IndexerScorer``): ``score_w = sum_h wt_h ReLU(q_h . k_w) /
 sqrt(Di)`` over the visible indexer entries, the ``top_k`` best kept (``indexer_topk``, one call; the same rule
@@ -252,7 +255,7 @@ def attend(q: np.ndarray, kv: np.ndarray, win: np.ndarray, pos0: int, ent: np.nd
                          f"{hd} at positions < {pos0 + T}")
     if out is None:
         out = np.empty((T, H, hd), np.float32)
-    q, kv, ent = (np.ascontiguousarray(a, dtype=np.float32) for a in (q, kv, ent))
+    q, kv, win, ent = (np.ascontiguousarray(a, dtype=np.float32) for a in (q, kv, win, ent))
     sinks, cos, sin = (np.ascontiguousarray(a, dtype=np.float32) for a in (sinks, cos, sin))
     s = NO_SEL if sel is None else np.ascontiguousarray(sel, dtype=np.int64)
     if sel is not None and s.shape[0] != T:
