@@ -173,6 +173,18 @@ class Attention:
         return self.out(o.reshape(x.shape[0], -1))
 
 
+def expect_shapes(m, p: str, want: dict) -> None:
+    """Check tensors of layer prefix ``p`` against the shapes the hyper-parameters give them: ``want`` maps a
+    tensor name (after ``p``) to ``(shape, why)``, shape in NumPy order ([O, I] for a matrix, [n] for a norm) and
+    ``why`` the metadata it comes from. ColiError naming the file and the tensor at load (not a NumPy broadcast or
+    matmul error in the first forward pass, nor a norm silently read short)."""
+    for n, (shape, why) in want.items():
+        got = tuple(int(x) for x in m.g.tensors[p + n].shape)
+        if got != tuple(shape):
+            raise ColiError(f"{m.wt.fname}: tensor '{p}{n}' has shape {list(got)} (NumPy order), expected "
+                            f"{list(shape)} ({why})")
+
+
 class MLP:
     """The dense gated FFN ``ffn_down(act(ffn_gate x) * ffn_up x)``, ``act`` "swiglu" (SiLU) or "geglu"
     (tanh GELU, Gemma); gate+up+activation in one grouped launch and down in one when the formats have grouped

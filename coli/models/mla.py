@@ -26,6 +26,8 @@ from cpu_kernels.mla import mla_attend
 from cpu_kernels.norms import rms_norm
 from cpu_kernels.rope import NORM, apply_rope
 
+from .blocks import expect_shapes
+
 
 class LatentCache:
     """One MLA layer's cache: ``lat`` f32 [ctx, kv_lora_rank] (the normalized KV latent) and ``kr`` f32
@@ -90,6 +92,17 @@ class MLA:
             self.attn_k_b = np.ascontiguousarray(kvb[:, :nope].transpose(0, 2, 1))
             self.attn_v_b = np.ascontiguousarray(kvb[:, nope:])
         self.attn_output = wt.w(p + "attn_output.weight")
+        D, dq = m.args.d_model, n_heads * (nope + n_rot)
+        heads = f"head_count {n_heads} x (key_length_mla {nope + n_rot})"
+        want = {"attn_kv_a_norm.weight": ((kv_lora_rank,), "kv_lora_rank"),
+                "attn_output.weight": ((D, n_heads * v_dim), f"embedding_length x head_count {n_heads} x value_length_mla {v_dim}")}
+        if q_lora_rank:
+            want.update({"attn_q_a.weight": ((q_lora_rank, D), "q_lora_rank x embedding_length"),
+                         "attn_q_a_norm.weight": ((q_lora_rank,), "q_lora_rank"),
+                         "attn_q_b.weight": ((dq, q_lora_rank), f"{heads} x q_lora_rank {q_lora_rank}")})
+        else:
+            want["attn_q.weight"] = ((dq, D), f"{heads} x embedding_length")
+        expect_shapes(m, p, want)
         # the two projections of x (q or q_a, and kv_a) in one grouped launch on x quantized once
         pair = [first, self.attn_kv_a_mqa]
         self.group = grouped.Group(pair) if all(grouped.supports(w) for w in pair) else None
