@@ -170,6 +170,7 @@ def test_unsupported_type_names_file_and_tensor(tmp_path):
     ("glmdsa", "blk.2.attn_q_b.weight", r"glmdsa\.gguf: tensor 'blk\.2\.attn_q_b\.weight'.*\[96, 20\].*q_lora_rank"),
     ("glmdsa", "blk.1.attn_output.weight", r"glmdsa\.gguf: tensor 'blk\.1\.attn_output\.weight'.*\[32, 96\]"),
     ("glmdsa", "blk.1.attn_q_a_norm.weight", r"glmdsa\.gguf: tensor 'blk\.1\.attn_q_a_norm\.weight'.*\[20\]"),
+    ("glmdsa", "blk.4.nextn.eh_proj.weight", r"glmdsa\.gguf: tensor 'blk\.4\.nextn\.eh_proj\.weight'.*\[32, 64\]"),
     ("deepseek2_lite", "blk.1.attn_output.weight", r"deepseek2_lite\.gguf: tensor 'blk\.1\.attn_output\.weight'.*\[32, 96\]"),
     ("deepseek3", "blk.1.attn_q_b.weight", r"deepseek3\.gguf: tensor 'blk\.1\.attn_q_b\.weight'.*\[96, 20\]"),
     ("kimi", "blk.2.attn_output.weight", r"kimi\.gguf: tensor 'blk\.2\.attn_output\.weight'.*\[32, 96\]"),

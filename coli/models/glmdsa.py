@@ -177,7 +177,8 @@ class DecoderLayer(deepseek2.DecoderLayer):
 
 class MTP:
     """The next-token-prediction block (llama.cpp ``LLM_TENSOR_NEXTN_*``): its decoder layer and ``eh_proj``
-    [D, 2D], ``enorm``, ``hnorm``, ``shared_head_norm`` [D]. Loaded (shapes checked by loading) and not run."""
+    [D, 2D], ``enorm``, ``hnorm``, ``shared_head_norm`` [D]. Loaded (shapes checked: ColiError naming a tensor
+    that disagrees) and not run."""
 
     def __init__(self, m, il: int):
         p = f"blk.{il}."
@@ -186,6 +187,12 @@ class MTP:
         self.enorm = m.wt.f32(p + "nextn.enorm.weight")
         self.hnorm = m.wt.f32(p + "nextn.hnorm.weight")
         self.shared_head_norm = m.wt.f32(p + "nextn.shared_head_norm.weight", False)
+        D = m.args.d_model
+        want = {"nextn.eh_proj.weight": ((D, 2 * D), "embedding_length x 2 embedding_length"),
+                "nextn.enorm.weight": ((D,), "embedding_length"), "nextn.hnorm.weight": ((D,), "embedding_length")}
+        if self.shared_head_norm is not None:
+            want["nextn.shared_head_norm.weight"] = ((D,), "embedding_length")
+        expect_shapes(m, p, want)
 
 
 class Model(base.Model):
