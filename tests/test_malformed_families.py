@@ -171,10 +171,12 @@ def test_unsupported_type_names_file_and_tensor(tmp_path):
     ("glmdsa", "blk.1.attn_output.weight", r"glmdsa\.gguf: tensor 'blk\.1\.attn_output\.weight'.*\[32, 96\]"),
     ("glmdsa", "blk.1.attn_q_a_norm.weight", r"glmdsa\.gguf: tensor 'blk\.1\.attn_q_a_norm\.weight'.*\[20\]"),
     ("glmdsa", "blk.4.nextn.eh_proj.weight", r"glmdsa\.gguf: tensor 'blk\.4\.nextn\.eh_proj\.weight'.*\[32, 64\]"),
-    ("deepseek2_lite", "blk.1.attn_output.weight", r"deepseek2_lite\.gguf: tensor 'blk\.1\.attn_output\.weight'.*\[32, 96\]"),
+    ("deepseek2_lite", "blk.1.attn_output.weight",
+     r"deepseek2_lite\.gguf: tensor 'blk\.1\.attn_output\.weight'.*\[32, 96\]"),
     ("deepseek3", "blk.1.attn_q_b.weight", r"deepseek3\.gguf: tensor 'blk\.1\.attn_q_b\.weight'.*\[96, 20\]"),
     ("kimi", "blk.2.attn_output.weight", r"kimi\.gguf: tensor 'blk\.2\.attn_output\.weight'.*\[32, 96\]"),
-    ("kimi", "blk.2.attn_kv_a_norm.weight", r"kimi\.gguf: tensor 'blk\.2\.attn_kv_a_norm\.weight'.*\[24\].*kv_lora_rank"),
+    ("kimi", "blk.2.attn_kv_a_norm.weight",
+     r"kimi\.gguf: tensor 'blk\.2\.attn_kv_a_norm\.weight'.*\[24\].*kv_lora_rank"),
 ])
 def test_mla_internal_wrong_width_is_one_clear_error(tmp_path, name, widen, match):
     from coli.engine import Engine

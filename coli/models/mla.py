@@ -95,7 +95,8 @@ class MLA:
         D, dq = m.args.d_model, n_heads * (nope + n_rot)
         heads = f"head_count {n_heads} x (key_length_mla {nope + n_rot})"
         want = {"attn_kv_a_norm.weight": ((kv_lora_rank,), "kv_lora_rank"),
-                "attn_output.weight": ((D, n_heads * v_dim), f"embedding_length x head_count {n_heads} x value_length_mla {v_dim}")}
+                "attn_output.weight": ((D, n_heads * v_dim),
+                                       f"embedding_length x head_count {n_heads} x value_length_mla {v_dim}")}
         if q_lora_rank:
             want.update({"attn_q_a.weight": ((q_lora_rank, D), "q_lora_rank x embedding_length"),
                          "attn_q_a_norm.weight": ((q_lora_rank,), "q_lora_rank"),
