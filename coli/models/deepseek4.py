@@ -75,12 +75,10 @@ class Args(base.BaseArgs):
 
 
 def expect_shape(m, name: str, want: tuple, what: str):
-    """The TensorInfo of ``name`` when its shape (NumPy order) is ``want``, else ColiError naming the file, the
-    tensor, both shapes and ``what`` fixes them (at load: not a NumPy error mid-prompt)."""
+    """The TensorInfo of ``name`` (ColiError when it is missing) when its shape (NumPy order) is ``want``, else
+    ``blocks.expect_shapes``' ColiError naming the file, the tensor, both shapes and ``what`` fixes them."""
     ti = m.wt.info(name)
-    if tuple(int(x) for x in ti.shape) != tuple(int(x) for x in want):
-        raise ColiError(f"{m.g.path.name}: tensor '{name}' has shape {[int(x) for x in ti.shape]} (NumPy order), "
-                        f"expected {[int(x) for x in want]} ({what})")
+    blocks.expect_shapes(m, "", {name: (tuple(int(x) for x in want), what)})
     return ti
 
 
