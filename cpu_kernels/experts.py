@@ -63,9 +63,9 @@ FORMAT_CODE = {"F32": FC_F32, "F16": FC_F32, "BF16": FC_F32, "Q8_0": FC_Q8, "Q5_
                "Q4_0": FC_Q4_0, "Q4_1": FC_Q4_1, "Q4_K": FC_Q4_K, "Q5_K": FC_Q5_K, "Q6_K": FC_Q6_K,
                "IQ4_NL": FC_Q8, "IQ4_XS": FC_Q8}   # cpu_kernels.lowbit packs both in Q8_0's layout
 # cpu_kernels.iquants packs these i-quants in Q8_0's layout (int8 codes, f32 scale per 32); IQ2_XS, IQ2_S and
-# IQ1_M with a scale per 16 (FC_G16)
+# IQ1_M with a scale per 16 (FC_G16); NVFP4 (cpu_kernels/nvfp4.py) in the same G = 16 layout
 FORMAT_CODE.update({"IQ2_XXS": FC_Q8, "IQ3_XXS": FC_Q8, "IQ3_S": FC_Q8, "IQ1_S": FC_Q8,
-                    "IQ2_XS": FC_G16, "IQ2_S": FC_G16, "IQ1_M": FC_G16,
+                    "IQ2_XS": FC_G16, "IQ2_S": FC_G16, "IQ1_M": FC_G16, "NVFP4": FC_G16,
                     "Q5_1": FC_Q5_1, "Q2_K": FC_Q2_K, "TQ1_0": FC_Q2_K, "TQ2_0": FC_Q2_K, "Q3_K": FC_Q3_K,
                     "FP8_E4M3_B128": FC_FP8})
 
