@@ -202,6 +202,7 @@ class Tier:
         self.device_pairs = 0
         self.uploads = 0
         self.warm_uploads = 0
+        self.prefetched = 0   # experts leaving the device read back into the RAM cache (_back_to_ram)
         self.upload_bytes = 0
         self.evictions = 0
         self.skipped_queue = 0
@@ -528,12 +529,32 @@ class Tier:
             self.mask[victim] = False
             self.evictions += 1
             wait = [i.joined for i in self._inflight if victim in i.keys]
+            self._back_to_ram(victim)
         arrays = tuple(bytes_fn())
         self.rate_left -= 1
         self.pending.add(key)
         with self._lock:
             self._staged += 1
         self._q.put(_Job(key[0], key[1], arrays, evict, wait))
+        return True
+
+    def _back_to_ram(self, key) -> bool:
+        """An expert leaving the device that the RAM cache does not hold (the warm start uploads straight from
+        the file), while its layer has a free RAM slot: read it into the RAM cache now, in the cache's I/O pool
+        (``RAMCache.fetch``), so the CPU, which computes it from the next step on, finds the read landed
+        instead of waiting for the disk inside a step. Returns True when a read was started
+        (``prefetched``)."""
+        ram = self.ram
+        if ram is None or not hasattr(ram, "fetch"):
+            return False
+        l, e = key
+        if ram.in_ram(l, e) or (l, e) in ram.inflight:
+            return False
+        busy = len(ram.lru[l]) + sum(1 for k in ram.inflight if k[0] == l)
+        if busy >= ram.slots:
+            return False
+        ram.fetch(l, e)
+        self.prefetched += 1
         return True
 
     # ----- uploader thread

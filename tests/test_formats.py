@@ -216,3 +216,15 @@ def test_int8_vnni_gemv_equals_rounded_f32_path(name):
     w.gemv_i8 = None  # this Weight now takes the fallback
     want = F.matmul(w, x, act="int8")
     _check(got, want.astype(np.float64), f"{name} VNNI vs fallback")
+
+
+def test_block_field_gathers_equal_numpy_copies():
+    """``_c``/``_f16`` gather block fields with a Numba kernel (``_gather3``): the same bytes and f32 values as
+    NumPy's copy of the strided view, for read-only file bytes and every field offset and width."""
+    rng = np.random.default_rng(4)
+    raw = np.frombuffer(rng.integers(0, 256, 7 * 5 * 34, dtype=np.uint8).tobytes(), np.uint8).reshape(7, 170)
+    b = F._blocks(raw, 7, 5, 34)
+    for lo, hi in ((0, 2), (2, 34), (5, 9), (33, 34)):
+        assert np.array_equal(F._c(b[:, :, lo:hi], 7), np.ascontiguousarray(b[:, :, lo:hi]).reshape(7, -1))
+    want = np.ascontiguousarray(b[:, :, 0:2]).view(np.float16)[..., 0].astype(np.float32)
+    assert np.array_equal(F._f16(b[:, :, 0:2]), want, equal_nan=True)

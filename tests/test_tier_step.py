@@ -76,9 +76,11 @@ def setup(slots=8):
     return src, sorted(layers)
 
 
-def run_steps(tier_kw=None, steps=6, slots=8, seed=0, env=None, fault_at=None, shift=False):
+def run_steps(tier_kw=None, steps=6, slots=8, seed=0, env=None, fault_at=None, shift=False, warm=False):
     src, layers = setup()
     cache = ram_mod.RAMCache(src, slots, io_threads=2)
+    loads = []
+    cache.on_read = lambda l, e, t0, t1: loads.append((l, e))
     st = step_mod.MoEStep(cache, act="f32")
     dev = None
     log = io.StringIO()
@@ -88,6 +90,8 @@ def run_steps(tier_kw=None, steps=6, slots=8, seed=0, env=None, fault_at=None, s
         st.tier = Tier(dev, "olmoe", max(layers) + 1, 8, per, tier_kw["cap"] * per, "test", env=env or {},
                        balancer=tier_kw.get("bal", Balancer(enabled=False)), log=log, moe_layers=layers,
                        auto_tokens=True, ram=cache)
+        if warm:
+            st.tier.warm_start(src.read_raw, threads=2)
     rng = np.random.default_rng(seed)
     D = src.layers[layers[0]][0].shape[2]
     ys, per_step = [], []
@@ -104,6 +108,7 @@ def run_steps(tier_kw=None, steps=6, slots=8, seed=0, env=None, fault_at=None, s
     if st.tier is not None:
         st.tier.close()
     cache.close()
+    st.loads = loads
     return ys, per_step, st, log.getvalue()
 
 
@@ -131,6 +136,17 @@ def test_tiny_budget_evicts_and_still_matches():
     close(ys, ref)
     assert st.tier.evictions >= 2 and st.tier.device_pairs > 0
     assert all(0 <= e <= 2 or 5 <= e <= 7 for (_, e) in st.tier.resident)
+
+
+def test_experts_leaving_the_device_are_read_back_into_ram():
+    """The warm start fills the device straight from the file; when the routing moves on, the evicted experts
+    (not in RAM, free RAM slots) are read into the RAM cache in the background at eviction: every one of them
+    is read from the file once, and the CPU's numbers are unchanged."""
+    ref = run_steps(None, steps=24, shift=True)[0]
+    ys, per, st, log = run_steps({"cap": 4}, steps=24, shift=True, env={"COLI_VK_TIER_SYNC": "1"}, warm=True)
+    close(ys, ref)
+    assert st.tier.evictions >= 2 and st.tier.prefetched >= 1
+    assert len(st.loads) == len(set(st.loads))   # no expert read twice: the read-back is the one the CPU uses
 
 
 def test_balancer_hands_rows_back_and_matches(cpu_ref):
