@@ -12,7 +12,8 @@ against the NumPy reference.
   reference then multiplies the rounded activations (an exact NumPy model).
 * Reference: ``coli.tensor_types`` ``reference`` (``gguf.quants.dequantize``), products in float64.
 * Test weights: one generator, ``coli.tensor_types.random_blocks`` (``gguf.quants.quantize`` where gguf can
-  quantize the type, random valid blocks with finite f16 scales where it cannot).
+  quantize the type, coli's port of ggml's quantizer for NVFP4, random valid blocks with finite f16 scales
+  elsewhere).
 * One tolerance per (op, act) (``TOL``): max |got - want| / max |want|.
 
 ``python -m scripts.backend_ops`` runs the same cases and prints the coverage table of docs/formats.md.
