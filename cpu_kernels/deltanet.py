@@ -20,7 +20,8 @@ converter stores it) come from the b/a projections, and the output is the gated 
 ``rmsnorm(o) * w * silu(z)`` over each head's dv values. ``gated_deltanet`` does all of that in one launch: every
 value head in parallel (``prange``), each head's tokens in order, so decode (T = 1) and a prefill block (T rows, after
 their projections) are the same call; the state is updated in place and carries across calls (the layer cache owns
-it). Two passes over S per token: decay + read, then write + output.
+it). Two passes over S per token: decay + read, then write + output (``delta_step``, inlined here and in
+``cpu_kernels.kda``, which shares ``load_qk`` and ``rms_gate`` too).
 
 ``causal_conv1d_silu`` is the depthwise causal convolution of width K over the q/k/v channels with a rolling state
 of the last K - 1 input rows (HF ``causal_conv1d_fn`` / ``causal_conv1d_update`` with SiLU; ggml ``ggml_ssm_conv``).
@@ -44,8 +45,80 @@ def _sigmoid(x):
 
 
 @njit(inline="always", **_jit)
+def load_qk(q, q0, k, k0, qq, kk, qs, l2norm):
+    """Copy one head's q and k (``q[q0:q0 + dk]``, ``k[k0:k0 + dk]`` of 1-D f32 rows: the row and an offset, not a
+    slice, so the compiler sees contiguous reads) into the scratch ``qq``, ``kk`` and scale them: q by ``qs``
+    (1/sqrt(dk)), and with ``l2norm`` both by 1/sqrt(sum(x^2) + 1e-6) first (FLA's l2norm, HF
+    ``l2norm(x, eps=1e-6)``). Shared by Gated DeltaNet and KDA (cpu_kernels.kda)."""
+    dk = qq.shape[0]
+    sq = np.float32(0.0)
+    sk = np.float32(0.0)
+    for i in range(dk):
+        qq[i] = q[q0 + i]
+        kk[i] = k[k0 + i]
+        sq += qq[i] * qq[i]
+        sk += kk[i] * kk[i]
+    fq = qs
+    fk = np.float32(1.0)
+    if l2norm:
+        fq = qs / np.sqrt(sq + _EPS)
+        fk = np.float32(1.0) / np.sqrt(sk + _EPS)
+    for i in range(dk):
+        qq[i] *= fq
+        kk[i] *= fk
+
+
+@njit(inline="always", **_jit)
+def delta_step(S, qq, kk, dec, bt, v, v0, kv, o):
+    """One token of the delta rule on one head's state ``S`` f32 [dk, dv], in place, in two passes over S (the
+    module docstring's recurrence): decay row i by ``dec[i]`` and read ``kv = S^T kk``; then write
+    ``S += kk (x) ((v - kv) * bt)`` and read ``o = S^T qq``. ``dec`` f32 [dk]: the decay per key channel (KDA; Gated
+    DeltaNet fills it with its one value per head), ``bt`` the write strength, ``v[v0:v0 + dv]`` the value row,
+    ``kv`` f32 [dv] scratch, ``o`` f32 [dv] the output row (overwritten). Shared by Gated DeltaNet and KDA."""
+    dk, dv = S.shape
+    for j in range(dv):
+        kv[j] = 0.0
+    for i in range(dk):
+        ki = kk[i]
+        di = dec[i]
+        for j in range(dv):
+            s = S[i, j] * di
+            S[i, j] = s
+            kv[j] += s * ki
+    for j in range(dv):
+        kv[j] = (v[v0 + j] - kv[j]) * bt  # now the delta
+    for j in range(dv):
+        o[j] = 0.0
+    for i in range(dk):
+        ki = kk[i]
+        qi = qq[i]
+        for j in range(dv):
+            s = S[i, j] + ki * kv[j]
+            S[i, j] = s
+            o[j] += s * qi
+
+
+@njit(inline="always", **_jit)
+def rms_gate(o, norm_w, eps, gate, g0, silu):
+    """The gated RMSNorm of one head's output row ``o`` f32 [dv], in place: ``rmsnorm(o) * norm_w * act(gate)``
+    (the sum of squares in float64), act SiLU (``silu``: Qwen3NextRMSNormGated) or sigmoid
+    (KimiLinearRMSNormGated); the gate ``gate[g0:g0 + dv]``."""
+    dv = o.shape[0]
+    ss = 0.0
+    for j in range(dv):
+        ss += np.float64(o[j]) * np.float64(o[j])
+    inv = np.float32(1.0 / math.sqrt(ss / dv + eps))
+    for j in range(dv):
+        zz = gate[g0 + j]
+        act = np.float32(_sigmoid(np.float64(zz)))
+        if silu:
+            act = zz * act
+        o[j] = norm_w[j] * (o[j] * inv) * act
+
+
+@njit(inline="always", **_jit)
 def _head(qkv, z, b, a, ssm_a, dt_bias, norm_w, eps, state, out, Hk, dk, tiled, l2norm, raw_ba, gated, h,
-          qq, kk, kv):
+          qq, kk, kv, dec):
     T = qkv.shape[0]
     Hv, dv = state.shape[0], state.shape[2]
     rep = Hv // Hk
@@ -56,21 +129,7 @@ def _head(qkv, z, b, a, ssm_a, dt_bias, norm_w, eps, state, out, Hk, dk, tiled, 
     qs = np.float32(1.0 / math.sqrt(dk))
     S = state[h]
     for t in range(T):
-        sq = np.float32(0.0)
-        sk = np.float32(0.0)
-        for i in range(dk):
-            qq[i] = qkv[t, q0 + i]
-            kk[i] = qkv[t, k0 + i]
-            sq += qq[i] * qq[i]
-            sk += kk[i] * kk[i]
-        fq = qs
-        fk = np.float32(1.0)
-        if l2norm:
-            fq = qs / np.sqrt(sq + _EPS)
-            fk = np.float32(1.0) / np.sqrt(sk + _EPS)
-        for i in range(dk):
-            qq[i] *= fq
-            kk[i] *= fk
+        load_qk(qkv[t], q0, qkv[t], k0, qq, kk, qs, l2norm)
         if raw_ba:  # beta = sigmoid(b); g = ssm_a * softplus(a + dt_bias) (torch softplus: x above 20)
             bt = np.float32(_sigmoid(np.float64(b[t, h])))
             x = np.float64(a[t, h]) + np.float64(dt_bias[h])
@@ -79,34 +138,13 @@ def _head(qkv, z, b, a, ssm_a, dt_bias, norm_w, eps, state, out, Hk, dk, tiled, 
         else:
             bt = b[t, h]
             gt = np.float64(a[t, h])
-        dec = np.float32(math.exp(gt))
-        kv[:] = 0.0
+        d = np.float32(math.exp(gt))  # one decay for the whole head
         for i in range(dk):
-            ki = kk[i]
-            for j in range(dv):
-                s = S[i, j] * dec
-                S[i, j] = s
-                kv[j] += s * ki
-        for j in range(dv):
-            kv[j] = (qkv[t, v0 + j] - kv[j]) * bt  # now the delta
+            dec[i] = d
         o = out[t, h]
-        for j in range(dv):
-            o[j] = 0.0
-        for i in range(dk):
-            ki = kk[i]
-            qi = qq[i]
-            for j in range(dv):
-                s = S[i, j] + ki * kv[j]
-                S[i, j] = s
-                o[j] += s * qi
-        if gated:  # Qwen3NextRMSNormGated: rmsnorm(o) * w * silu(z), the sum in float64
-            ss = 0.0
-            for j in range(dv):
-                ss += np.float64(o[j]) * np.float64(o[j])
-            inv = np.float32(1.0 / math.sqrt(ss / dv + eps))
-            for j in range(dv):
-                zz = z[t, h * dv + j]
-                o[j] = norm_w[j] * (o[j] * inv) * (zz * np.float32(_sigmoid(np.float64(zz))))
+        delta_step(S, qq, kk, dec, bt, qkv[t], v0, kv, o)
+        if gated:  # Qwen3NextRMSNormGated: rmsnorm(o) * w * silu(z)
+            rms_gate(o, norm_w, eps, z[t], h * dv, True)
 
 
 @njit(parallel=True, **_jit)
@@ -116,8 +154,9 @@ def _gdn(qkv, z, b, a, ssm_a, dt_bias, norm_w, eps, state, out, Hk, dk, tiled, l
         qq = np.empty(dk, np.float32)
         kk = np.empty(dk, np.float32)
         kv = np.empty(dv, np.float32)
+        dec = np.empty(dk, np.float32)
         _head(qkv, z, b, a, ssm_a, dt_bias, norm_w, eps, state, out, Hk, dk, tiled, l2norm, raw_ba, gated, h,
-              qq, kk, kv)
+              qq, kk, kv, dec)
 
 
 @njit(inline="always", **_jit)

@@ -18,7 +18,10 @@ The layer computes ``g = ssm_a * softplus(ssm_f_b(ssm_f_a x) + ssm_dt.bias)`` (`
 as the converter stores it; ``dt_bias`` per channel), ``beta = sigmoid(ssm_beta x)`` and ``gate = ssm_g_b(ssm_g_a
 x)`` with NumPy and its q/k/v through ``cpu_kernels.deltanet.causal_conv1d_silu``; ``kda`` runs the rest in one
 launch: every head in parallel (``prange``), each head's tokens in order, so decode (T = 1) and a prefill block
-are the same call; the state is updated in place and carries across calls (the layer cache owns it).
+are the same call; the state is updated in place and carries across calls (the layer cache owns it). The
+per-token pieces are Gated DeltaNet's (``cpu_kernels.deltanet``: ``load_qk`` the l2norm, ``delta_step`` the decay,
+read and write of S, ``rms_gate`` the gated norm), inlined: only the decay (a vector per head here) and the gate's
+activation differ.
 """
 from __future__ import annotations
 
@@ -27,66 +30,24 @@ import math
 import numpy as np
 from numba import njit, prange
 
-_EPS = np.float32(1e-6)
+from .deltanet import delta_step, load_qk, rms_gate
+
 _jit = dict(nogil=True, cache=True, fastmath=True)
-
-
-@njit(inline="always", **_jit)
-def _sigmoid(x):
-    """1 / (1 + e^-x) without an infinity on the way (fastmath assumes none): e^-|x| <= 1."""
-    e = math.exp(-abs(x))
-    return 1.0 / (1.0 + e) if x >= 0 else e / (1.0 + e)
 
 
 @njit(inline="always", **_jit)
 def _head(q, k, v, g, beta, gate, norm_w, eps, state, out, h, qq, kk, kv, dec, gated):
     T, _, dk = q.shape
-    dv = v.shape[2]
     qs = np.float32(1.0 / math.sqrt(dk))
     S = state[h]
     for t in range(T):
-        sq = np.float32(0.0)
-        sk = np.float32(0.0)
+        load_qk(q[t, h], 0, k[t, h], 0, qq, kk, qs, True)
         for i in range(dk):
-            qq[i] = q[t, h, i]
-            kk[i] = k[t, h, i]
-            sq += qq[i] * qq[i]
-            sk += kk[i] * kk[i]
-        fq = qs / np.sqrt(sq + _EPS)
-        fk = np.float32(1.0) / np.sqrt(sk + _EPS)
-        for i in range(dk):
-            qq[i] *= fq
-            kk[i] *= fk
-            dec[i] = np.float32(math.exp(np.float64(g[t, h, i])))
-        bt = beta[t, h]
-        for j in range(dv):
-            kv[j] = 0.0
-        for i in range(dk):   # decay row i of S by its channel, and read S^T k
-            ki = kk[i]
-            di = dec[i]
-            for j in range(dv):
-                s = S[i, j] * di
-                S[i, j] = s
-                kv[j] += s * ki
-        for j in range(dv):
-            kv[j] = (v[t, h, j] - kv[j]) * bt   # now the delta
+            dec[i] = np.float32(math.exp(np.float64(g[t, h, i])))   # one decay per key channel
         o = out[t, h]
-        for j in range(dv):
-            o[j] = 0.0
-        for i in range(dk):
-            ki = kk[i]
-            qi = qq[i]
-            for j in range(dv):
-                s = S[i, j] + ki * kv[j]
-                S[i, j] = s
-                o[j] += s * qi
-        if gated:  # KimiLinearRMSNormGated: rmsnorm(o) * w * sigmoid(gate), the sum in float64
-            ss = 0.0
-            for j in range(dv):
-                ss += np.float64(o[j]) * np.float64(o[j])
-            inv = np.float32(1.0 / math.sqrt(ss / dv + eps))
-            for j in range(dv):
-                o[j] = norm_w[j] * (o[j] * inv) * np.float32(_sigmoid(np.float64(gate[t, h, j])))
+        delta_step(S, qq, kk, dec, beta[t, h], v[t, h], 0, kv, o)
+        if gated:  # KimiLinearRMSNormGated: rmsnorm(o) * w * sigmoid(gate)
+            rms_gate(o, norm_w, eps, gate[t, h], 0, False)
 
 
 @njit(parallel=True, **_jit)

@@ -23,6 +23,14 @@ A developer tool (torch, transformers 5.24; docs/oracles.md for the venv); CI ne
 3. llama.cpp's converter (``MimoV2Model``, ``--outtype f32 --no-mtp``) writes the GGUF, reading config.json
    itself (``CONVERT_WRAPPER`` below says why).
 4. The prompt (88 tokens) runs without a cache, then 8 greedy steps with HF's cache.
+
+``--groups`` builds ``mimo2_groups.*`` instead: the same model with group-limited routing (HF
+``MiMoV2FlashTopkRouter`` with ``n_group`` > 1): 12 experts in 4 groups of 3, the best 2 groups kept (each scored
+by the sum of its two best biased scores), top-3 among their 6 experts; ``moe_intermediate_size`` 16 (the
+fixture stays small). The seed must also make the group rule matter: the grouped top-3 differs from the
+ungrouped top-3 on at least 30% of the MoE rows, the groups' top-2-sum choice differs from a max-score choice on
+at least 10%, the 2nd and 3rd group scores differ by >= 1e-3 and the k-th / (k+1)-th choice scores within the kept
+groups by >= 1e-3 everywhere.
 """
 from __future__ import annotations
 
@@ -47,6 +55,9 @@ CONFIG = dict(num_hidden_layers=4, hidden_size=32, intermediate_size=64, moe_int
               num_experts_per_tok=3, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0,
               sliding_window=16, rms_norm_eps=1e-6, attention_value_scale=0.707, layer_types=LAYER_TYPES,
               mlp_layer_types=["dense", "sparse", "sparse", "sparse"], max_position_embeddings=256)
+#: ``--groups``: the overrides of CONFIG (module docstring) and the demands on the seed
+GROUPS = dict(n_routed_experts=12, n_group=4, topk_group=2, moe_intermediate_size=16)
+MIN_GROUPED_DIFFERS, MIN_TOP2_VS_MAX = 0.3, 0.1
 BIAS_STD = 0.3
 #: sigmoid scores live in (0, 1): the router logits are not scaled x5 (they would saturate and crowd the scores
 #: near 0 and 1) and the k-th / (k+1)-th choice-score margin asked for is 1e-3 (coli's f32 error is ~1e-6)
@@ -70,11 +81,29 @@ CONVERT_WRAPPER = mo.CONVERT_WRAPPER.replace(
 assert CONVERT_WRAPPER != mo.CONVERT_WRAPPER
 
 
-def build(seed: int):
+def grouped_choice(choice: np.ndarray, k: int, n_group: int, topk_group: int, group_score: str = "top2sum"):
+    """HF ``MiMoV2FlashTopkRouter``'s choice on the biased scores ``choice`` f32 [..., E]: (the chosen experts'
+    ids sorted [..., k], the kth-vs-(k+1)th margin among the kept groups' experts, the margin between the
+    ``topk_group``-th and the next group score; zeros when ``n_group`` is 1)."""
+    E = choice.shape[-1]
+    g = choice.reshape(*choice.shape[:-1], n_group, E // n_group)
+    gs = (np.sort(g, axis=-1)[..., -2:].sum(-1) if group_score == "top2sum" else g.max(-1))
+    keep = np.argsort(-gs, axis=-1, kind="stable")[..., :topk_group]
+    mask = np.zeros(gs.shape, bool)
+    np.put_along_axis(mask, keep, True, axis=-1)
+    masked = np.where(np.repeat(mask, E // n_group, axis=-1), choice, -np.inf)
+    ids = np.sort(np.argsort(-masked, axis=-1, kind="stable")[..., :k], axis=-1)
+    srt = -np.sort(-masked, axis=-1)
+    gsrt = -np.sort(-gs, axis=-1)
+    gmargin = gsrt[..., topk_group - 1] - gsrt[..., topk_group] if n_group > 1 else np.zeros(gs.shape[:-1])
+    return ids, (srt[..., k - 1] - srt[..., k]).astype(np.float32), gmargin.astype(np.float32)
+
+
+def build(seed: int, config: dict = CONFIG):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model("mimo_v2_flash", **{**mo.COMMON, **CONFIG})
+    cfg = AutoConfig.for_model("mimo_v2_flash", **{**mo.COMMON, **config})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
     g = torch.Generator().manual_seed(seed)
@@ -144,7 +173,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=mo.DEFAULT_OUT)
     ap.add_argument("--work", type=Path, default=mo.DEFAULT_WORK)
     ap.add_argument("--llama-cpp", type=Path, default=DEFAULT_LLAMA)
+    ap.add_argument("--groups", action="store_true", help="build mimo2_groups.* (group-limited routing)")
     args = ap.parse_args(argv)
+    name = f"{NAME}_groups" if args.groups else NAME
+    config = {**CONFIG, **GROUPS} if args.groups else CONFIG
+    n_group, topk_group = config["n_group"], config["topk_group"]
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     tok_dir = args.work / "tokenizer"
     tok_dir.mkdir(parents=True, exist_ok=True)
@@ -152,22 +185,31 @@ def main(argv=None) -> int:
     K = CONFIG["num_experts_per_tok"]
     for attempt in range(80):
         seed = SEED + attempt
-        cfg, model = build(seed)
+        cfg, model = build(seed, config)
         ids = np.random.default_rng(seed).integers(2, mo.VOCAB, size=N_TOKENS).astype(np.int32)
         ids[0] = mo.BOS_ID
         logits, choice, plain = run(model, ids)
-        margin = mo.router_margin(choice, K)
+        by_choice, margin, gmargin = grouped_choice(choice, K, n_group, topk_group)
         top2 = -np.sort(-logits, axis=-1)[:, :2]
         gap = (top2[:, 0] - top2[:, 1]).astype(np.float32)
-        by_choice = np.sort(np.argsort(-choice, axis=-1)[..., :K], axis=-1)
-        by_plain = np.sort(np.argsort(-plain, axis=-1)[..., :K], axis=-1)
+        by_plain = grouped_choice(plain, K, n_group, topk_group)[0]
         bias_moves = float((by_choice != by_plain).any(axis=-1).mean())
-        if (float(margin.min()) >= MIN_MARGIN and float(gap.min()) >= mo.MIN_LOGIT_GAP and bias_moves > 0.1
-                and np.isfinite(logits).all()):
+        ungrouped = np.sort(np.argsort(-choice, axis=-1)[..., :K], axis=-1)
+        by_max = grouped_choice(choice, K, n_group, topk_group, "max")[0]
+        grouped_differs = float((by_choice != ungrouped).any(axis=-1).mean())
+        top2_vs_max = float((by_choice != by_max).any(axis=-1).mean())
+        ok = (float(margin.min()) >= MIN_MARGIN and float(gap.min()) >= mo.MIN_LOGIT_GAP and bias_moves > 0.1
+              and np.isfinite(logits).all())
+        if args.groups:
+            ok = ok and (float(gmargin.min()) >= MIN_MARGIN and grouped_differs >= MIN_GROUPED_DIFFERS
+                         and top2_vs_max >= MIN_TOP2_VS_MAX)
+        if ok:
             break
-        print(f"{NAME}: seed {seed} margin {margin.min():.2e}, gap {gap.min():.2e}, bias moves {bias_moves:.2f}")
+        print(f"{name}: seed {seed} margin {margin.min():.2e}, gap {gap.min():.2e}, bias moves {bias_moves:.2f}, "
+              f"group margin {gmargin.min():.2e}, grouped differs {grouped_differs:.2f}, top2 vs max "
+              f"{top2_vs_max:.2f}")
     else:
-        raise SystemExit(f"{NAME}: no seed gave margins")
+        raise SystemExit(f"{name}: no seed gave margins")
     with torch.no_grad():
         o = model(input_ids=torch.tensor(ids[None, :], dtype=torch.long), use_cache=True)
         cache, last = o.past_key_values, o.logits[0, -1]
@@ -185,31 +227,33 @@ def main(argv=None) -> int:
     gen_logits = np.stack(gen_logits)
     d_cache = float(np.abs(full[N_TOKENS - 1:] - gen_logits).max())
     assert d_cache < 1e-4 * float(np.abs(gen_logits).max()), d_cache
-    np.savez(args.out / f"{NAME}.npz", ids=ids, logits=logits.astype(np.float32), gen_ids=np.array(gen, np.int32),
+    np.savez(args.out / f"{name}.npz", ids=ids, logits=logits.astype(np.float32), gen_ids=np.array(gen, np.int32),
              gen_logits=gen_logits.astype(np.float32), router_margin=margin, logit_gap=gap)
 
-    hf_dir = args.work / NAME / "hf"
+    hf_dir = args.work / name / "hf"
     model.save_pretrained(hf_dir)
     hub_config(hf_dir, cfg)
     for f in tok_dir.iterdir():
         (hf_dir / f.name).write_bytes(f.read_bytes())
-    gguf_path = args.out / f"{NAME}.gguf"
+    gguf_path = args.out / f"{name}.gguf"
     cmd = [sys.executable, "-c", CONVERT_WRAPPER, str(args.llama_cpp), str(hf_dir), "--outtype", "f32",
            "--no-mtp", "--outfile", str(gguf_path)]
     r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     if r.returncode != 0:
-        raise SystemExit(f"convert_hf_to_gguf.py failed for {NAME}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+        raise SystemExit(f"convert_hf_to_gguf.py failed for {name}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     cfg_json = json.loads(cfg.to_json_string(use_diff=False))
     info = {"seed": seed, "router_scale": ROUTER_SCALE, "correction_bias_std": BIAS_STD,
             "min_router_margin": float(margin.min()), "min_logit_gap": float(gap.min()),
             "min_gen_logit_gap": min(gaps), "rows_where_the_bias_changes_the_choice": bias_moves,
             "max_abs_logit": float(np.abs(logits).max()), "cached_vs_uncached_max_abs": d_cache,
+            "min_group_margin": float(gmargin.min()), "rows_where_groups_change_the_choice": grouped_differs,
+            "rows_where_top2sum_and_max_group_scores_choose_differently": top2_vs_max,
             "gguf": "llama.cpp convert_hf_to_gguf.py --outtype f32 --no-mtp, hub-style config.json",
             "torch": torch.__version__, "transformers": __import__("transformers").__version__,
             "gguf_bytes": gguf_path.stat().st_size}
     cfg_json["coli_oracle"] = info
-    (args.out / f"{NAME}.config.json").write_text(json.dumps(cfg_json, indent=1, sort_keys=True) + "\n")
-    print(f"{NAME}: {info}")
+    (args.out / f"{name}.config.json").write_text(json.dumps(cfg_json, indent=1, sort_keys=True) + "\n")
+    print(f"{name}: {info}")
     return 0
 
 

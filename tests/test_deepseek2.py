@@ -111,7 +111,7 @@ def test_routing_matches_hf_layer_by_layer(engines):
 def test_oracle_needs_the_v2_group_rule(engines, monkeypatch):
     """The grouped oracle tells HF's V2 group score (the group's best) from llama.cpp's (the sum of its two best)
     and from no group limit: either moves the logits far past the tolerance."""
-    from coli.models.mla import deepseek_route
+    from coli.models.blocks import deepseek_route
 
     name = "deepseek2_qlora"
     eng = engines[name]
@@ -130,7 +130,7 @@ def test_oracle_needs_the_v2_group_rule(engines, monkeypatch):
 def test_oracle_needs_the_v3_rule(engines, monkeypatch):
     """The V3 oracle tells the bias-corrected choice from the plain one, sigmoid from softmax, and V3's group
     score (two best) from V2's (the best): each wrong rule moves the logits past 1e-2."""
-    from coli.models.mla import deepseek_route
+    from coli.models.blocks import deepseek_route
 
     name = "deepseek3"
     eng = engines[name]

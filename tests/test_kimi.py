@@ -156,7 +156,7 @@ def test_oracle_needs_each_piece(eng, d, monkeypatch):
     channel, a SiLU output gate instead of the sigmoid, rope on the MLA (Kimi's is NoPE), routing weights not
     renormalised, the choice without ``exp_probs_b``."""
     import coli.models.kimi as K
-    from coli.models.mla import deepseek_route
+    from coli.models.blocks import deepseek_route
     from cpu_kernels.kda import kda as real_kda
 
     m = eng.model

@@ -156,3 +156,46 @@ def test_unsupported_type_names_file_and_tensor(tmp_path):
     w.close()
     with pytest.raises(ColiError, match=r"gptoss\.gguf: tensor 'output_norm\.weight': tensor type I32 is not supported"):
         Engine(str(path), threads=1, ctx=32)
+
+
+# MLA / DSA internals (coli/models/mla.py, glmdsa.py; blocks.expect_shapes): one column too many in a tensor whose
+# shape the MLA / indexer hyper-parameters fix is a ColiError naming the file and the tensor at load (before: a
+# NumPy matmul / broadcast ValueError in the first forward pass; a widened q_a / kv_a norm was read short silently).
+@pytest.mark.parametrize("name, widen, match", [
+    ("glmdsa", "blk.1.indexer.attn_q_b.weight",
+     r"glmdsa\.gguf: tensor 'blk\.1\.indexer\.attn_q_b\.weight' has shape \[128, 21\].*\[128, 20\]"),
+    ("glmdsa", "blk.1.indexer.attn_k.weight", r"glmdsa\.gguf: tensor 'blk\.1\.indexer\.attn_k\.weight'.*\[16, 32\]"),
+    ("glmdsa", "blk.1.indexer.k_norm.bias", r"glmdsa\.gguf: tensor 'blk\.1\.indexer\.k_norm\.bias'.*\[16\]"),
+    ("glmdsa", "blk.1.indexer.proj.weight", r"glmdsa\.gguf: tensor 'blk\.1\.indexer\.proj\.weight'.*\[8, 32\]"),
+    ("glmdsa", "blk.2.attn_q_b.weight", r"glmdsa\.gguf: tensor 'blk\.2\.attn_q_b\.weight'.*\[96, 20\].*q_lora_rank"),
+    ("glmdsa", "blk.1.attn_output.weight", r"glmdsa\.gguf: tensor 'blk\.1\.attn_output\.weight'.*\[32, 96\]"),
+    ("glmdsa", "blk.1.attn_q_a_norm.weight", r"glmdsa\.gguf: tensor 'blk\.1\.attn_q_a_norm\.weight'.*\[20\]"),
+    ("glmdsa", "blk.4.nextn.eh_proj.weight", r"glmdsa\.gguf: tensor 'blk\.4\.nextn\.eh_proj\.weight'.*\[32, 64\]"),
+    ("deepseek2_lite", "blk.1.attn_output.weight",
+     r"deepseek2_lite\.gguf: tensor 'blk\.1\.attn_output\.weight'.*\[32, 96\]"),
+    ("deepseek3", "blk.1.attn_q_b.weight", r"deepseek3\.gguf: tensor 'blk\.1\.attn_q_b\.weight'.*\[96, 20\]"),
+    ("kimi", "blk.2.attn_output.weight", r"kimi\.gguf: tensor 'blk\.2\.attn_output\.weight'.*\[32, 96\]"),
+    ("kimi", "blk.2.attn_kv_a_norm.weight",
+     r"kimi\.gguf: tensor 'blk\.2\.attn_kv_a_norm\.weight'.*\[24\].*kv_lora_rank"),
+])
+def test_mla_internal_wrong_width_is_one_clear_error(tmp_path, name, widen, match):
+    from coli.engine import Engine
+    from coli.errors import ColiError
+
+    path = _rewrite(name, tmp_path / f"{name}.gguf", widen=widen)
+    with pytest.raises(ColiError, match=match):
+        Engine(str(path), threads=1, ctx=32)
+
+
+# The correction bias of a MoE layer is part of GLM-5's and Kimi-Linear's router (HF GlmMoeDsaTopkRouter /
+# KimiLinearTopkRouter always have e_score_correction_bias; llama.cpp's kimi-linear loader requires it): a file
+# without it is a broken conversion, not a model routed without a bias.
+@pytest.mark.parametrize("name, drop_tensor", [("glmdsa", "blk.1.exp_probs_b.bias"),
+                                               ("kimi", "blk.1.exp_probs_b.bias")])
+def test_missing_correction_bias_is_one_clear_error(tmp_path, name, drop_tensor):
+    from coli.engine import Engine
+    from coli.errors import ColiError
+
+    path = _rewrite(name, tmp_path / f"{name}.gguf", drop_tensor=drop_tensor)
+    with pytest.raises(ColiError, match=rf"{name}\.gguf: tensor '{drop_tensor}' is missing"):
+        Engine(str(path), threads=1, ctx=32)

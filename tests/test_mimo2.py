@@ -62,7 +62,7 @@ def test_mimo2_oracle_is_demanding(oracle, tmp_path):
     """Each mechanism moves the logits by more than 1e-2 of the largest when it is dropped or done another way:
     the sinks, the window, the sliding layers' rope base, the value scale, the correction bias choosing (not
     choosing; or also weighting)."""
-    from coli.models import mimo2
+    from coli.models import blocks
 
     ids, ref = oracle["ids"], oracle["logits"]
     with _engine(tmp_path) as eng:
@@ -97,7 +97,7 @@ def test_mimo2_oracle_is_demanding(oracle, tmp_path):
         a = m.args
         for mo in moes:                                   # the bias ignored when choosing
             bias = m.wt.f32(f"blk.{mo.il}.exp_probs_b.bias")
-            mo.route = mimo2.sigmoid_topk_bias(a.top_k, np.zeros_like(bias), a.norm_topk, 1.0)
+            mo.route = blocks.deepseek_route(a.top_k, gating="sigmoid", norm=a.norm_topk, bias=np.zeros_like(bias))
         assert run() > 1e-2
         for mo, r in zip(moes, routes):                   # the biased scores also weighting
             bias = m.wt.f32(f"blk.{mo.il}.exp_probs_b.bias")
@@ -113,6 +113,60 @@ def test_mimo2_oracle_is_demanding(oracle, tmp_path):
         for mo, r in zip(moes, routes):
             mo.route = r
         assert run() <= 1e-4
+
+
+def test_mimo2_group_limited_routing_oracle(tmp_path):
+    """``mimo2_groups.*`` (scripts/oracle_mimo2.py --groups): 12 experts in 4 groups of 3, the 2 groups with the
+    best top-2 sum of biased scores kept, top-3 among their experts (HF ``MiMoV2FlashTopkRouter``, n_group 4,
+    topk_group 2). 88 prompt rows in one call and 8 greedy steps: within 1e-4 of the largest |logit| of HF's,
+    HF's tokens. Demanding: on at least 30% of the MoE rows the ungrouped top-3 chooses other experts, on some the
+    max-score group rule (DeepSeek-V2's) does, and routing either way moves the logits by more than 1e-2."""
+    from coli.engine import Engine
+    from coli.models import blocks
+
+    oracle = np.load(ORACLE / "mimo2_groups.npz")
+    ids, ref = oracle["ids"], oracle["logits"]
+    with Engine(ORACLE / "mimo2_groups.gguf", cpu_act="f32", usage=tmp_path / "u", save_usage=False, ctx=128) as eng:
+        m = eng.model
+        a = m.args
+        assert (a.n_experts, a.n_group, a.topk_group, a.top_k) == (12, 4, 2, 3)
+        kv = m.new_cache(128)
+        got = m.forward(ids, kv, all_logits=True)
+        assert (_rel(got, ref) <= 1e-4).all(), _rel(got, ref).max()
+        last, gen = got[-1], []
+        for i, want in enumerate(oracle["gen_logits"]):
+            assert _rel(last, want) <= 1e-4, (i, _rel(last, want))
+            tok = int(last.argmax())
+            gen.append(tok)
+            last = m.forward([tok], kv)[0]
+        assert gen == oracle["gen_ids"].tolist()
+
+        moes = [L.moe for L in m.layers if L.moe is not None]
+        routes = [mo.route for mo in moes]
+        seen, alts = [], []
+        for mo, r in zip(moes, routes):
+            bias = m.wt.f32(f"blk.{mo.il}.exp_probs_b.bias")
+            kw = dict(gating="sigmoid", norm=a.norm_topk, bias=bias)
+            alt = [blocks.deepseek_route(a.top_k, **kw),                              # no groups
+                   blocks.deepseek_route(a.top_k, n_group=4, topk_group=2, group_score="max", **kw)]
+            alts.append(alt)
+
+            def spy(logits, r=r, alt=alt):
+                got = np.sort(r(logits)[0], axis=1)
+                seen.append([(got != np.sort(f(logits)[0], axis=1)).any(axis=1) for f in alt])
+                return r(logits)
+
+            mo.route = spy
+        run = lambda: _rel(m.forward(ids, m.new_cache(128), all_logits=True), ref).max()  # noqa: E731
+        assert run() <= 1e-4
+        differs = [np.concatenate([s[i] for s in seen]).mean() for i in range(2)]
+        assert differs[0] >= 0.3 and differs[1] >= 0.1, differs
+        for j in range(2):
+            for mo, alt in zip(moes, alts):
+                mo.route = alt[j]
+            assert run() > 1e-2, j
+        for mo, r in zip(moes, routes):
+            mo.route = r
 
 
 def test_mimo2_mtp_blocks_are_not_trunk_layers():
@@ -134,15 +188,25 @@ def test_mimo2_mtp_blocks_are_not_trunk_layers():
         mimo2.Model.args_from(g)
 
 
-def test_mimo2_refuses_group_routing_and_other_gating(tmp_path):
+def test_mimo2_group_keys_checked_and_other_gating_refused(tmp_path):
+    """Groups are read from ``expert_group_count`` / ``expert_group_used_count``; 8 experts in 3 groups, or kept
+    groups holding fewer than top-k (3) experts, are a ColiError naming the key; so is softmax gating."""
     from coli.errors import ColiError
     from coli.gguf_file import open_gguf
     from coli.models import mimo2
 
     g = open_gguf(ORACLE / "mimo2.gguf")
+    a = mimo2.Model.args_from(g)
+    assert (a.n_group, a.topk_group) == (1, 1)
     g.meta["mimo2.expert_group_count"] = 4
-    with pytest.raises(ColiError, match="mimo2.expert_group_count"):
-        mimo2.Model.args_from(g)
+    g.meta["mimo2.expert_group_used_count"] = 2
+    a = mimo2.Model.args_from(g)
+    assert (a.n_group, a.topk_group) == (4, 2)
+    for n, used in ((3, 2), (4, 1), (4, 5)):
+        g.meta["mimo2.expert_group_count"] = n
+        g.meta["mimo2.expert_group_used_count"] = used
+        with pytest.raises(ColiError, match=r"mimo2\.gguf: metadata 'mimo2\.expert_group_count'"):
+            mimo2.Model.args_from(g)
     g.meta["mimo2.expert_group_count"] = 1
     g.meta["mimo2.expert_gating_func"] = 1
     with pytest.raises(ColiError, match="mimo2.expert_gating_func"):

@@ -4,7 +4,9 @@ top to bottom in its own file, from small shared blocks; docs/families.md "Layer
 * :class:`KV` the per-layer KV cache, :class:`Attention` (q/k/v/o projections with their optional biases and
   q/k norms, rope, the KV cache, ``cpu_kernels.attention.attend``),
 * :class:`MLP` the dense gated FFN (SwiGLU or GeGLU), :class:`MoE` the router, the routed experts (handed to the
-  step as ``(rows, expert_ids, weights)``) and the shared expert, :func:`softmax_topk` the usual routing rule.
+  step as ``(rows, expert_ids, weights)``) and the shared expert, :func:`softmax_topk` the usual routing rule,
+  :func:`deepseek_route` the DeepSeek / noaux_tc rule (group-limited, correction bias) with
+  :func:`expert_groups` reading its group keys.
 
 Every block takes the model ``m`` (a ``coli.models.base.Model``: weights ``m.wt``, activation mode ``m.act``,
 the MoE step ``m.step``, the rope tables) and a tensor prefix (``blk.<il>.``); attributes are named after the
@@ -171,6 +173,18 @@ class Attention:
         return self.out(o.reshape(x.shape[0], -1))
 
 
+def expect_shapes(m, p: str, want: dict) -> None:
+    """Check tensors of layer prefix ``p`` against the shapes the hyper-parameters give them: ``want`` maps a
+    tensor name (after ``p``) to ``(shape, why)``, shape in NumPy order ([O, I] for a matrix, [n] for a norm) and
+    ``why`` the metadata it comes from. ColiError naming the file and the tensor at load (not a NumPy broadcast or
+    matmul error in the first forward pass, nor a norm silently read short)."""
+    for n, (shape, why) in want.items():
+        got = tuple(int(x) for x in m.g.tensors[p + n].shape)
+        if got != tuple(shape):
+            raise ColiError(f"{m.wt.fname}: tensor '{p}{n}' has shape {list(got)} (NumPy order), expected "
+                            f"{list(shape)} ({why})")
+
+
 class MLP:
     """The dense gated FFN ``ffn_down(act(ffn_gate x) * ffn_up x)``, ``act`` "swiglu" (SiLU) or "geglu"
     (tanh GELU, Gemma); gate+up+activation in one grouped launch and down in one when the formats have grouped
@@ -261,3 +275,65 @@ class MoE:
     def __call__(self, x: np.ndarray) -> np.ndarray:
         ids, w = self.route(x @ self.ffn_gate_inp.T)
         return self.m.step.run(self.il, x, ids, w, shared=self.shared)
+
+
+def expert_groups(g, n_experts: int, top_k: int) -> tuple[int, int]:
+    """``(n_group, topk_group)`` from ``<arch>.expert_group_count`` (absent: 1, no group limit) and
+    ``<arch>.expert_group_used_count`` (absent: all groups), the keys llama.cpp's converter writes from HF's
+    ``n_group`` / ``topk_group``. ColiError naming the keys when the experts do not split into the groups or the
+    kept groups hold fewer than ``top_k`` experts (HF's top-k would then pick masked ones)."""
+    a = g.arch
+    n_group = int(g.get(f"{a}.expert_group_count", 1) or 1)
+    topk_group = int(g.get(f"{a}.expert_group_used_count", n_group) or n_group)
+    if n_group > 1 and (n_experts % n_group or not 0 < topk_group <= n_group
+                        or topk_group * (n_experts // n_group) < top_k):
+        raise ColiError(f"{g.path.name}: metadata '{a}.expert_group_count': {n_group} groups of {n_experts} "
+                        f"experts with '{a}.expert_group_used_count' {topk_group} (the experts must split evenly "
+                        f"and the kept groups hold at least expert_used_count {top_k})")
+    return n_group, (topk_group if n_group > 1 else 1)
+
+
+def deepseek_route(k: int, *, gating: str = "softmax", n_group: int = 1, topk_group: int = 1,
+                   group_score: str = "max", norm: bool = False, scale: float = 1.0, bias: np.ndarray | None = None):
+    """The DeepSeek routing rule as a ``route`` callable (logits f32 [R, E] -> ids int32 [R, k], w f32 [R, k]);
+    DeepSeek-V2/V3, GLM-5 (glm-dsa), Kimi-Linear and MiMo-V2 route with it.
+
+    Scores ``s`` = softmax (DeepSeek-V2) or sigmoid (V3, GLM-5, Kimi, MiMo) of the logits; the choice is made on
+    ``s + bias`` (``exp_probs_b``, HF ``e_score_correction_bias``; none in V2). With ``n_group`` > 1 the experts
+    are split into ``n_group`` contiguous groups, the ``topk_group`` groups with the best group score are kept
+    (``max``: the group's best, HF V2 ``group_limited_greedy``; ``top2sum``: the sum of its two best, HF V3
+    ``DeepseekV3TopkRouter`` / ``MiMoV2FlashTopkRouter`` (noaux_tc) and llama.cpp ``build_moe_ffn`` for every
+    file) and top-k is taken among their experts (ties: lower id). Weights are the unbiased scores of the chosen
+    experts, divided by their sum + 1e-20 when ``norm`` (``expert_weights_norm``; HF's denominator), times
+    ``scale`` (``expert_weights_scale``, HF ``routed_scaling_factor``). docs/families.md."""
+    if gating not in ("softmax", "sigmoid"):
+        raise ColiError(f"expert gating function '{gating}' is not implemented (softmax, sigmoid)")
+    if group_score not in ("max", "top2sum"):
+        raise ColiError(f"expert group score '{group_score}' is not implemented (max, top2sum)")
+
+    def route(logits: np.ndarray):
+        lg = logits.astype(np.float32)
+        if gating == "softmax":
+            s = np.exp(lg - lg.max(axis=1, keepdims=True))
+            s /= s.sum(axis=1, keepdims=True)
+        else:
+            s = 1.0 / (1.0 + np.exp(-lg))
+        choose = s if bias is None else s + bias
+        if n_group > 1:
+            R, E = choose.shape
+            gsc = choose.reshape(R, n_group, E // n_group)
+            if group_score == "max":
+                gs = gsc.max(axis=2)
+            else:
+                gs = np.sort(gsc, axis=2)[:, :, -2:].sum(axis=2)
+            keep = np.argsort(-gs, axis=1, kind="stable")[:, :topk_group]
+            mask = np.zeros((R, n_group), bool)
+            np.put_along_axis(mask, keep, True, axis=1)
+            choose = np.where(np.repeat(mask, E // n_group, axis=1), choose, -np.inf)
+        ids = np.argsort(-choose, axis=1, kind="stable")[:, :k]
+        w = np.take_along_axis(s, ids, axis=1)
+        if norm:
+            w = w / (w.sum(axis=1, keepdims=True) + np.float32(1e-20))
+        return ids.astype(np.int32), (w * np.float32(scale)).astype(np.float32)
+
+    return route

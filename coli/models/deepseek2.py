@@ -4,7 +4,7 @@
 Decoder layer: ``h += attn_output(MLA(attn_norm(h))); h += ffn(ffn_norm(h))`` where the attention is multi-head
 latent attention (``coli/models/mla.py``: absorbed at decode and prefill, the cache holds the KV latent and the
 rope key only) and ffn is the dense SwiGLU MLP for the first ``leading_dense_block_count`` layers, else the MoE
-block: routed experts chosen by the DeepSeek rule (``mla.deepseek_route``: softmax or sigmoid scores as
+block: routed experts chosen by the DeepSeek rule (``blocks.deepseek_route``: softmax or sigmoid scores as
 ``expert_gating_func`` says, group-limited top-k with ``expert_group_count`` / ``expert_group_used_count``,
 ``expert_weights_norm``, ``expert_weights_scale``) plus the shared experts (``ffn_*_shexp``, added ungated).
 
@@ -22,8 +22,8 @@ from coli.errors import ColiError
 from cpu_kernels.norms import rms_norm
 
 from . import base
-from .blocks import MLP, MoE
-from .mla import MLA, LatentCache, deepseek_route
+from .blocks import MLP, MoE, deepseek_route, expert_groups
+from .mla import MLA, LatentCache
 
 GATING = {1: "softmax", 2: "sigmoid"}  # gguf.ExpertGatingFuncType; absent = softmax (llama.cpp's V2 default)
 
@@ -104,11 +104,7 @@ def read_args(g, cls=Args, gating_default: int = 1, **extra) -> Args:
     if gating_id not in GATING:
         raise ColiError(f"{g.path.name}: metadata '{a}.expert_gating_func': {gating_id} is not implemented "
                         f"(1 softmax, 2 sigmoid)")
-    n_group = int(g.get(f"{a}.expert_group_count", 1) or 1)
-    topk_group = int(g.get(f"{a}.expert_group_used_count", n_group) or n_group)
-    if n_group > 1 and (args.n_experts % n_group or not 0 < topk_group <= n_group):
-        raise ColiError(f"{g.path.name}: metadata '{a}.expert_group_count': {n_group} groups of {args.n_experts} "
-                        f"experts with '{a}.expert_group_used_count' {topk_group}")
+    n_group, topk_group = expert_groups(g, args.n_experts, args.top_k)
     kw.update(q_lora_rank=int(g.get(f"{a}.attention.q_lora_rank", 0) or 0), kv_lora_rank=r, nope=k_len - n_rot,
               v_dim=v_len, n_rot=n_rot, n_dense_lead=int(g.get(f"{a}.leading_dense_block_count", 0) or 0),
               weights_scale=float(g.get(f"{a}.expert_weights_scale", 1.0) or 1.0), gating=GATING[gating_id],
@@ -119,7 +115,11 @@ def read_args(g, cls=Args, gating_default: int = 1, **extra) -> Args:
 
 class DecoderLayer:
     """``h += MLA(attn_norm(h)); h += ffn(ffn_norm(h))``: ffn the dense MLP for the leading dense layers, else
-    the MoE block (routed experts by the DeepSeek rule plus the shared experts)."""
+    the MoE block (routed experts by the DeepSeek rule plus the shared experts). ``exp_probs_b`` (the correction
+    bias) is optional here, as llama.cpp's deepseek2 loader has it (V2 files have none); a family whose reference
+    always has one sets ``needs_bias``."""
+
+    needs_bias = False
 
     def __init__(self, m, il: int):
         a = m.args
@@ -133,7 +133,7 @@ class DecoderLayer:
         if il < a.n_dense_lead:
             self.mlp = MLP(m, p)
         else:
-            bias = m.wt.f32(p + "exp_probs_b.bias", False)
+            bias = m.wt.f32(p + "exp_probs_b.bias", self.needs_bias)
             route = deepseek_route(a.top_k, gating=a.gating, n_group=a.n_group, topk_group=a.topk_group,
                                    group_score="max" if a.gating == "softmax" and bias is None else "top2sum",
                                    norm=a.norm_topk, scale=a.weights_scale, bias=bias)

@@ -15,7 +15,7 @@ Indexer of a layer (HF ``GlmMoeDsaIndexer``), x = the layer's normed input f32 [
 A layer whose ``attention.indexer.types`` entry is false ("shared") has no indexer and reuses the positions of
 the last full layer before it in the same forward call (HF ``prev_topk_indices``). Routing: sigmoid scores
 (the default here, as llama.cpp's), the choice on scores + ``exp_probs_b`` (HF ``e_score_correction_bias``),
-groups scored by the sum of their two best, weights renormalised and scaled (``mla.deepseek_route``).
+groups scored by the sum of their two best, weights renormalised and scaled (``blocks.deepseek_route``).
 
 The MTP layer (``nextn_predict_layers``, the last ``blk``: a full decoder layer plus ``nextn.eh_proj``,
 ``nextn.enorm``, ``nextn.hnorm``, ``nextn.shared_head_norm``) is loaded (``Model.mtp``) but not used: coli has no
@@ -32,6 +32,7 @@ from cpu_kernels.mla import dsa_topk
 from cpu_kernels.rope import NORM, apply_rope
 
 from . import base, deepseek2
+from .blocks import expect_shapes
 from .mla import LatentCache
 
 # llama.cpp glm-dsa.cpp GLM_5_2_DEFAULT_INDEXER_TYPES: the pattern of a file without the key whose trained
@@ -73,6 +74,9 @@ def read_args(g) -> Args:
     if len(types) < n_trunk or not types[0]:
         raise ColiError(f"{g.path.name}: metadata '{a}.attention.indexer.types': {len(types)} entries for "
                         f"{n_trunk} layers, the first must be full")
+    if args.q_lora_rank <= 0:
+        raise ColiError(f"{g.path.name}: metadata '{a}.attention.q_lora_rank' is missing (the indexer reads the "
+                        f"query latent)")
     if args.idx_dim < args.n_rot:
         raise ColiError(f"{g.path.name}: metadata '{a}.attention.indexer.key_length': {args.idx_dim} is below the "
                         f"rope dims {args.n_rot}")
@@ -104,11 +108,14 @@ class Indexer:
         self.k_norm = wt.f32(p + "indexer.k_norm.weight")
         self.k_norm_b = wt.f32(p + "indexer.k_norm.bias")
         self.proj = wt.f32(p + "indexer.proj.weight")                 # [Hi, D]
-        for name, got, want in ((p + "indexer.attn_q_b.weight", self.attn_q_b.shape[0], self.H * self.D),
-                                (p + "indexer.attn_k.weight", self.attn_k.shape[0], self.D),
-                                (p + "indexer.proj.weight", self.proj.shape[0], self.H)):
-            if got != want:
-                raise ColiError(f"{wt.fname}: tensor '{name}': {got} rows, expected {want}")
+        H, Di, D = self.H, self.D, a.d_model
+        expect_shapes(m, p, {
+            "indexer.attn_q_b.weight": ((H * Di, a.q_lora_rank), f"indexer.head_count {H} x indexer.key_length {Di}"
+                                                                 f" x q_lora_rank {a.q_lora_rank}"),
+            "indexer.attn_k.weight": ((Di, D), "indexer.key_length x embedding_length"),
+            "indexer.k_norm.weight": ((Di,), "indexer.key_length"),
+            "indexer.k_norm.bias": ((Di,), "indexer.key_length"),
+            "indexer.proj.weight": ((H, D), "indexer.head_count x embedding_length")})
 
     def rope(self, x, pos0: int):
         pos = np.arange(pos0, pos0 + x.shape[0], dtype=np.int64)
@@ -153,7 +160,12 @@ class DSA:
 
 
 class DecoderLayer(deepseek2.DecoderLayer):
-    """DeepSeek-V2's layer with :class:`DSA` as its attention."""
+    """DeepSeek-V2's layer with :class:`DSA` as its attention. The MoE layers' ``exp_probs_b`` is required: HF's
+    ``GlmMoeDsaTopkRouter`` always has its ``e_score_correction_bias`` and the converter always writes it, so a
+    file without it is a broken conversion (llama.cpp would route it as a zero bias, HF would load zeros with a
+    "newly initialized" warning)."""
+
+    needs_bias = True
 
     def __init__(self, m, il: int, full: bool = True):
         self._full = full
@@ -165,7 +177,8 @@ class DecoderLayer(deepseek2.DecoderLayer):
 
 class MTP:
     """The next-token-prediction block (llama.cpp ``LLM_TENSOR_NEXTN_*``): its decoder layer and ``eh_proj``
-    [D, 2D], ``enorm``, ``hnorm``, ``shared_head_norm`` [D]. Loaded (shapes checked by loading) and not run."""
+    [D, 2D], ``enorm``, ``hnorm``, ``shared_head_norm`` [D]. Loaded (shapes checked: ColiError naming a tensor
+    that disagrees) and not run."""
 
     def __init__(self, m, il: int):
         p = f"blk.{il}."
@@ -174,6 +187,12 @@ class MTP:
         self.enorm = m.wt.f32(p + "nextn.enorm.weight")
         self.hnorm = m.wt.f32(p + "nextn.hnorm.weight")
         self.shared_head_norm = m.wt.f32(p + "nextn.shared_head_norm.weight", False)
+        D = m.args.d_model
+        want = {"nextn.eh_proj.weight": ((D, 2 * D), "embedding_length x 2 embedding_length"),
+                "nextn.enorm.weight": ((D,), "embedding_length"), "nextn.hnorm.weight": ((D,), "embedding_length")}
+        if self.shared_head_norm is not None:
+            want["nextn.shared_head_norm.weight"] = ((D,), "embedding_length")
+        expect_shapes(m, p, want)
 
 
 class Model(base.Model):

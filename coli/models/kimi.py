@@ -161,7 +161,11 @@ class KDA:
 
 
 class DecoderLayer(deepseek2.DecoderLayer):
-    """DeepSeek-V2's layer with the mixer chosen per layer: KDA or MLA without rope."""
+    """DeepSeek-V2's layer with the mixer chosen per layer: KDA or MLA without rope. ``exp_probs_b`` is required
+    (llama.cpp kimi-linear.cpp loads it without TENSOR_NOT_REQUIRED; HF ``KimiLinearTopkRouter`` always has its
+    ``e_score_correction_bias``)."""
+
+    needs_bias = True
 
     @staticmethod
     def make_attention(m, p: str, il: int):

@@ -14,14 +14,17 @@ Per layer, top to bottom::
   have twice the full layers'); q/k heads ``key_length`` wide, v heads ``value_length`` (narrower); V times
   ``attention.value_scale``; scale 1/sqrt(key_length); partial rope NEOX over ``rope.dimension_count`` dims,
   base ``rope.freq_base`` on full layers and ``rope.freq_base_swa`` on sliding ones;
-* router: scores ``sigmoid(ffn_gate_inp x)``; the correction bias ``exp_probs_b`` is added to *choose* the top-k
-  (HF ``e_score_correction_bias``), the chosen experts are weighted by the unbiased scores, renormalised
-  (``norm_topk_prob``; llama.cpp passes norm_w = true) and times ``expert_weights_scale`` (HF
-  ``routed_scaling_factor``, 1 when absent); ties keep the lower expert id;
+* router (HF ``MiMoV2FlashTopkRouter``, the noaux_tc rule of ``blocks.deepseek_route``): scores
+  ``sigmoid(ffn_gate_inp x)``; the correction bias ``exp_probs_b`` is added to *choose* the top-k (HF
+  ``e_score_correction_bias``); with ``expert_group_count`` > 1 (HF ``n_group``) the experts split into that many
+  contiguous groups, each scored by the sum of its two best biased scores, and only the
+  ``expert_group_used_count`` (HF ``topk_group``) best groups' experts may be chosen; the chosen experts are
+  weighted by the unbiased scores, renormalised (``norm_topk_prob``; llama.cpp passes norm_w = true) and times
+  ``expert_weights_scale`` (HF ``routed_scaling_factor``, 1 when absent); ties keep the lower expert id;
 * experts: SwiGLU, no biases.
 
 Refused with a ColiError naming the key: a gating function other than sigmoid (``expert_gating_func`` 2), and
-group-limited routing (``expert_group_count`` > 1; MiMo-V2-Flash ships one group). The MTP blocks the converter
+groups the experts do not split into (``blocks.expert_groups``). The MTP blocks the converter
 appends (``nextn_predict_layers`` of the ``block_count``) are not loaded: the trunk runs alone until coli has
 speculative decoding.
 """
@@ -45,7 +48,8 @@ GATING_SIGMOID = 2   # llama.cpp LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
 class Args(base.BaseArgs):
     """``BaseArgs`` plus MiMo-V2's per-layer KV heads and sliding pattern (``attention.head_count_kv`` /
     ``attention.sliding_window_pattern`` arrays), the V head width (``attention.value_length``), the value scale,
-    the sliding layers' rope base (``rope.freq_base_swa``) and ``expert_weights_scale``."""
+    the sliding layers' rope base (``rope.freq_base_swa``), ``expert_weights_scale`` and the expert groups
+    (``expert_group_count`` / ``expert_group_used_count``)."""
 
     n_kv_layer: tuple = ()
     swa_pattern: tuple = ()
@@ -53,22 +57,8 @@ class Args(base.BaseArgs):
     value_scale: float = 1.0
     rope_base_swa: float = 0.0
     expert_weights_scale: float = 1.0
-
-
-def sigmoid_topk_bias(k: int, bias: np.ndarray, norm: bool, scale: float):
-    """The noaux_tc routing rule (HF ``MiMoV2FlashTopkRouter`` with one group): ``s = sigmoid(logits)``; the top-k
-    of ``s + bias`` (ties: lower id) chosen; weights ``s`` of those, divided by their sum (+1e-20) when ``norm``,
-    times ``scale``. logits f32 [R, E] -> (ids int32 [R, k], weights f32 [R, k])."""
-
-    def route(logits: np.ndarray):
-        s = (1.0 / (1.0 + np.exp(-logits.astype(np.float32)))).astype(np.float32)
-        ids = np.argsort(-(s + bias), axis=1, kind="stable")[:, :k]
-        w = np.take_along_axis(s, ids, axis=1)
-        if norm:
-            w = w / (w.sum(axis=1, keepdims=True) + np.float32(1e-20))
-        return ids.astype(np.int32), (w * np.float32(scale)).astype(np.float32)
-
-    return route
+    n_group: int = 1
+    topk_group: int = 1
 
 
 class Attention(SinkAttention):
@@ -111,7 +101,10 @@ class DecoderLayer:
         self.moe = self.mlp = None
         if m.wt.has(p + "ffn_gate_inp.weight"):
             bias = m.wt.f32(p + "exp_probs_b.bias")
-            self.moe = blocks.MoE(m, p, il, route=sigmoid_topk_bias(a.top_k, bias, a.norm_topk, a.expert_weights_scale))
+            route = blocks.deepseek_route(a.top_k, gating="sigmoid", n_group=a.n_group, topk_group=a.topk_group,
+                                          group_score="top2sum", norm=a.norm_topk, scale=a.expert_weights_scale,
+                                          bias=bias)
+            self.moe = blocks.MoE(m, p, il, route=route)
         else:
             self.mlp = blocks.MLP(m, p)
 
@@ -152,14 +145,11 @@ class Model(base.Model):
         gating = g.get(f"{a}.expert_gating_func", GATING_SIGMOID)
         if g.get(f"{a}.expert_count") and int(gating) != GATING_SIGMOID:
             raise ColiError(f"{name}: metadata '{a}.expert_gating_func': {gating} (mimo2 routes with sigmoid, 2)")
-        groups = int(g.get(f"{a}.expert_group_count", 1) or 1)
-        if groups > 1:
-            raise ColiError(f"{name}: metadata '{a}.expert_group_count': {groups} (group-limited routing is not "
-                            "implemented for mimo2; MiMo-V2-Flash ships 1 group)")
         n_kv = per_layer("attention.head_count_kv", g.get(f"{a}.attention.head_count", 1))
         args = Args.from_gguf(g, n_layers=L - mtp, n_kv_layer=tuple(n_kv), swa_pattern=tuple(per_layer("attention.sliding_window_pattern", 0)),
                               value_scale=float(g.get(f"{a}.attention.value_scale", 1.0)),
                               expert_weights_scale=float(g.get(f"{a}.expert_weights_scale", 1.0) or 1.0))
+        args.n_group, args.topk_group = blocks.expert_groups(g, args.n_experts, args.top_k)
         args.head_dim_v = int(g.get(f"{a}.attention.value_length", args.head_dim))
         args.rope_base_swa = float(g.get(f"{a}.rope.freq_base_swa", args.rope_base))
         if any(args.swa_pattern) and args.sliding_window <= 0:

@@ -1,4 +1,5 @@
-"""Multi-head latent attention (MLA) as a layer block, with its latent cache, and the DeepSeek routing rule.
+"""Multi-head latent attention (MLA) as a layer block, with its latent cache (the DeepSeek routing rule is
+``coli.models.blocks.deepseek_route``).
 
 MLA (DeepSeek-V2; HF ``models/deepseek_v2/modeling_deepseek_v2.py`` ``DeepseekV2Attention``; llama.cpp
 ``src/models/deepseek2.cpp``), for x f32 [T, D]:
@@ -24,6 +25,8 @@ from cpu_kernels import experts as grouped
 from cpu_kernels.mla import mla_attend
 from cpu_kernels.norms import rms_norm
 from cpu_kernels.rope import NORM, apply_rope
+
+from .blocks import expect_shapes
 
 
 class LatentCache:
@@ -89,6 +92,18 @@ class MLA:
             self.attn_k_b = np.ascontiguousarray(kvb[:, :nope].transpose(0, 2, 1))
             self.attn_v_b = np.ascontiguousarray(kvb[:, nope:])
         self.attn_output = wt.w(p + "attn_output.weight")
+        D, dq = m.args.d_model, n_heads * (nope + n_rot)
+        heads = f"head_count {n_heads} x (key_length_mla {nope + n_rot})"
+        want = {"attn_kv_a_norm.weight": ((kv_lora_rank,), "kv_lora_rank"),
+                "attn_output.weight": ((D, n_heads * v_dim),
+                                       f"embedding_length x head_count {n_heads} x value_length_mla {v_dim}")}
+        if q_lora_rank:
+            want.update({"attn_q_a.weight": ((q_lora_rank, D), "q_lora_rank x embedding_length"),
+                         "attn_q_a_norm.weight": ((q_lora_rank,), "q_lora_rank"),
+                         "attn_q_b.weight": ((dq, q_lora_rank), f"{heads} x q_lora_rank {q_lora_rank}")})
+        else:
+            want["attn_q.weight"] = ((dq, D), f"{heads} x embedding_length")
+        expect_shapes(m, p, want)
         # the two projections of x (q or q_a, and kv_a) in one grouped launch on x quantized once
         pair = [first, self.attn_kv_a_mqa]
         self.group = grouped.Group(pair) if all(grouped.supports(w) for w in pair) else None
@@ -144,45 +159,3 @@ class MLA:
     def __call__(self, x, xa, cache: LatentCache, pos0: int, sel=None):
         q, kv, _ = self.project(x, xa)
         return self.attend(q, kv, cache, pos0, sel)
-
-def deepseek_route(k: int, *, gating: str = "softmax", n_group: int = 1, topk_group: int = 1,
-                   group_score: str = "max", norm: bool = False, scale: float = 1.0, bias: np.ndarray | None = None):
-    """The DeepSeek routing rule as a ``route`` callable (logits f32 [R, E] -> ids int32 [R, k], w f32 [R, k]).
-
-    Scores ``s`` = softmax (DeepSeek-V2) or sigmoid (V3, GLM-5) of the logits; the choice is made on ``s + bias``
-    (``exp_probs_b``, V3's ``e_score_correction_bias``; none in V2). With ``n_group`` > 1 the experts are split
-    into ``n_group`` contiguous groups, the ``topk_group`` groups with the best group score are kept (``max``:
-    the group's best, HF V2 ``group_limited_greedy``; ``top2sum``: the sum of its two best, HF V3 ``noaux_tc``
-    and llama.cpp ``build_moe_ffn`` for every file) and top-k is taken among their experts (ties: lower id).
-    Weights are the unbiased scores of the chosen experts, divided by their sum when ``norm``
-    (``expert_weights_norm``), times ``scale`` (``expert_weights_scale``, HF ``routed_scaling_factor``)."""
-    if gating not in ("softmax", "sigmoid"):
-        raise ColiError(f"expert gating function '{gating}' is not implemented (softmax, sigmoid)")
-
-    def route(logits: np.ndarray):
-        lg = logits.astype(np.float32)
-        if gating == "softmax":
-            s = np.exp(lg - lg.max(axis=1, keepdims=True))
-            s /= s.sum(axis=1, keepdims=True)
-        else:
-            s = 1.0 / (1.0 + np.exp(-lg))
-        choose = s if bias is None else s + bias
-        if n_group > 1:
-            R, E = choose.shape
-            gsc = choose.reshape(R, n_group, E // n_group)
-            if group_score == "max":
-                gs = gsc.max(axis=2)
-            else:
-                gs = np.sort(gsc, axis=2)[:, :, -2:].sum(axis=2)
-            keep = np.argsort(-gs, axis=1, kind="stable")[:, :topk_group]
-            mask = np.zeros((R, n_group), bool)
-            np.put_along_axis(mask, keep, True, axis=1)
-            choose = np.where(np.repeat(mask, E // n_group, axis=1), choose, -np.inf)
-        ids = np.argsort(-choose, axis=1, kind="stable")[:, :k]
-        w = np.take_along_axis(s, ids, axis=1)
-        if norm:
-            w = w / w.sum(axis=1, keepdims=True)
-        return ids.astype(np.int32), (w * np.float32(scale)).astype(np.float32)
-
-    return route
-
