@@ -18,7 +18,9 @@ backends implement it. Columns:
   another lacks without a ``cpu_only`` reason (``tests/test_backend_ops.py`` fails on any).
 
 coli's own types (``own`` set, ``qtype`` None: ``FP8_E4M3_B128``, made from FP8 Hugging Face checkpoints) are
-rows too, added by ``_own_rows`` with their geometry, reference and ``random`` test-weight maker.
+rows too, added by ``_own_rows`` with their geometry, reference and ``random`` test-weight maker. GGUF types that
+gguf.quants decodes but cannot quantize get a ``random`` maker where coli ports ggml's quantizer (NVFP4:
+``coli/nvfp4.py``), so their test weights are real blocks too.
 
 Adding a format (docs/formats.md has the checklist), in this order:
 
@@ -104,7 +106,7 @@ class TensorType:
     cpu_only: str | None
     backends: dict[str, str] = field(default_factory=dict)
     own: str | None = None         # coli's own type (qtype None, no GGUF id): what it is and where it comes from
-    random: Callable | None = None  # own types: random_blocks(O, I, rng, scale) for test weights
+    random: Callable | None = None  # own types, ported quantizers: random_blocks(O, I, rng, scale) (test weights)
 
     def row_bytes(self, inner: int) -> int:
         """Bytes of one row of ``inner`` weights. Raises ColiError when ``inner`` is not whole blocks."""
@@ -132,6 +134,17 @@ def _own_rows() -> dict[str, TensorType]:
 
 
 TYPES.update(_own_rows())
+
+
+# GGUF types gguf.quants decodes but cannot quantize, for which coli ports ggml's quantizer: their test weights
+# (``random``) are real blocks, as for the types gguf quantizes.
+def _ported_quantizers() -> None:
+    from coli import nvfp4
+
+    TYPES["NVFP4"].random = nvfp4.random_blocks   # ggml quantize_row_nvfp4_ref
+
+
+_ported_quantizers()
 
 
 def get(name: str) -> TensorType:
@@ -187,7 +200,8 @@ def gaps(types: dict[str, TensorType] | None = None) -> list[tuple[str, str]]:
 def random_blocks(name: str, O: int, I: int, rng: np.random.Generator, scale: float = 1.0) -> np.ndarray:
     """Test weights of type ``name``: uint8 [O, row_bytes].
 
-    Where gguf can quantize the type: ``gguf.quants.quantize`` of normal floats times ``scale`` (real blocks).
+    Where gguf can quantize the type: ``gguf.quants.quantize`` of normal floats times ``scale`` (real blocks);
+    the row's ``random`` maker where it has one (coli's own types; NVFP4: ggml's quantizer ported, real blocks).
     Elsewhere: random bytes with every f16 scale (``scale_offsets``) set to a finite value in
     [0.002, 0.02) * scale, so every code, sub-block scale and sign pattern is exercised and the decoded values
     stay finite. Raises ColiError for a type with neither (no quantizer and no known scale offsets).

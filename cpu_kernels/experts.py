@@ -63,9 +63,9 @@ FORMAT_CODE = {"F32": FC_F32, "F16": FC_F32, "BF16": FC_F32, "Q8_0": FC_Q8, "Q5_
                "Q4_0": FC_Q4_0, "Q4_1": FC_Q4_1, "Q4_K": FC_Q4_K, "Q5_K": FC_Q5_K, "Q6_K": FC_Q6_K,
                "IQ4_NL": FC_Q8, "IQ4_XS": FC_Q8}   # cpu_kernels.lowbit packs both in Q8_0's layout
 # cpu_kernels.iquants packs these i-quants in Q8_0's layout (int8 codes, f32 scale per 32); IQ2_XS, IQ2_S and
-# IQ1_M with a scale per 16 (FC_G16)
+# IQ1_M with a scale per 16 (FC_G16); NVFP4 (cpu_kernels/nvfp4.py) in the same G = 16 layout
 FORMAT_CODE.update({"IQ2_XXS": FC_Q8, "IQ3_XXS": FC_Q8, "IQ3_S": FC_Q8, "IQ1_S": FC_Q8,
-                    "IQ2_XS": FC_G16, "IQ2_S": FC_G16, "IQ1_M": FC_G16,
+                    "IQ2_XS": FC_G16, "IQ2_S": FC_G16, "IQ1_M": FC_G16, "NVFP4": FC_G16,
                     "Q5_1": FC_Q5_1, "Q2_K": FC_Q2_K, "TQ1_0": FC_Q2_K, "TQ2_0": FC_Q2_K, "Q3_K": FC_Q3_K,
                     "FP8_E4M3_B128": FC_FP8})
 
@@ -541,13 +541,14 @@ def ffn_gate_up(gdesc, udesc, pstart, src, mode, xq, xd, xm, x, kind, limit, a):
 @njit(inline="always", **_JIT)
 def _tiled_ok(ds, n):
     """True when weight ``ds`` times ``n`` slot rows runs the 4 x 4 int8 tiles (``gemm_i8``): the Q8_0 kernel
-    layout, at least 4 rows each side, an even number of 32-blocks per row."""
-    return ds[0] == FC_Q8 and n >= _G.NR and ds[1] >= _G.MR and (ds[2] // 32) % 2 == 0
+    layout or the G = 16 one (``tiles_g16``), at least 4 rows each side, an even number of 32-blocks per row."""
+    return (ds[0] == FC_Q8 or ds[0] == FC_G16) and n >= _G.NR and ds[1] >= _G.MR and (ds[2] // 32) % 2 == 0
 
 
 @njit(inline="always", **_JIT)
 def _w_q8(ds):
-    """The Q8_0-layout weight of descriptor ``ds`` as 2-D arrays (codes int8 [O, I], scales f32 [O, I/32])."""
+    """The Q8_0- (or G = 16) layout weight of descriptor ``ds`` as 2-D arrays (codes int8 [O, I], scales f32
+    [O, I/32] (or [O, I/16]))."""
     O = ds[1]
     return (numba.carray(_pi8(ds[3]), (O, ds[8])), numba.carray(_pf32(ds[4]), (O, ds[9])))
 
@@ -576,7 +577,10 @@ def mm_grouped_gemm(desc, pstart, dst, off, xq, xd, xm, xu, out):
         p1 = pstart[e + 1]
         if _tiled_ok(ds, p1 - p0) and c1 - c0 >= _G.MR:
             wq, wd = _w_q8(ds)
-            _G.tiles_q8(wq, wd, c0, c1, xu, xd, p0, p1, out, dst, off[e])
+            if ds[0] == FC_G16:
+                _G.tiles_g16(wq, wd, c0, c1, xu, xd, p0, p1, out, dst, off[e])
+            else:
+                _G.tiles_q8(wq, wd, c0, c1, xu, xd, p0, p1, out, dst, off[e])
         else:
             _block_i8(ds, c0, c1, p0, p1, ident, dst, off[e], xq, xd, xm, out)
 
@@ -602,9 +606,15 @@ def ffn_gate_up_gemm(gdesc, udesc, pstart, xq, xd, xm, xu, kind, limit, gb, ub, 
         p1 = pstart[e + 1]
         if _tiled_ok(gd, p1 - p0) and _tiled_ok(ud, p1 - p0) and c1 - c0 >= _G.MR:
             gq, gw = _w_q8(gd)
-            _G.tiles_q8(gq, gw, c0, c1, xu, xd, p0, p1, gb, ident, 0)
+            if gd[0] == FC_G16:
+                _G.tiles_g16(gq, gw, c0, c1, xu, xd, p0, p1, gb, ident, 0)
+            else:
+                _G.tiles_q8(gq, gw, c0, c1, xu, xd, p0, p1, gb, ident, 0)
             uq, uw = _w_q8(ud)
-            _G.tiles_q8(uq, uw, c0, c1, xu, xd, p0, p1, ub, ident, 0)
+            if ud[0] == FC_G16:
+                _G.tiles_g16(uq, uw, c0, c1, xu, xd, p0, p1, ub, ident, 0)
+            else:
+                _G.tiles_q8(uq, uw, c0, c1, xu, xd, p0, p1, ub, ident, 0)
         elif p1 - p0 == 1 and _row_ok(gd[0]) and _row_ok(ud[0]):  # ffn_gate_up's one-row code: an expert's bits never depend on the launch
             for o in range(c0, c1):
                 a[p0, o] = _act(_row_i8(gd, o, p0, xq, xd, xm), _row_i8(ud, o, p0, xq, xd, xm), kind, limit)

@@ -988,6 +988,9 @@ def matmul(w: Weight, x: np.ndarray, act: str | None = None) -> np.ndarray:
 # because it uses this module's Q8_0 kernels and ``_tile``.
 from . import iquants as _iquants  # noqa: E402,F401
 
+# NVFP4 (cpu_kernels/nvfp4.py): packed in the i-quants' G = 16 layout, so it runs their kernels
+from . import nvfp4 as _nvfp4  # noqa: E402,F401
+
 # coli's own rows (not GGUF types): FP8_E4M3_B128, appended by cpu_kernels/fp8.py (it uses the pieces above)
 from . import fp8 as _fp8  # noqa: E402,F401
 

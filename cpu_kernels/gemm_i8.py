@@ -180,6 +180,26 @@ def tiles_q8(wq, wd, c0, c1, xu, xd, p0, p1, out, dst, oe):
         o += MR
 
 
+@njit(inline="always", nogil=True, cache=True, fastmath=True)
+def tiles_g16(wq, ws, c0, c1, xu, xd, p0, p1, out, dst, oe):
+    """``tiles_q8`` for the G = 16 layout (int8 codes, f32 scale per 16: ws f32 [O, I/16]; the i-quants IQ2_XS,
+    IQ2_S, IQ1_M and NVFP4) through ``tile_s8g16``."""
+    o = c0
+    while o < c1:
+        o4 = min(o, c1 - MR)
+        p = p0
+        while p < p1:
+            p4 = min(p, p1 - NR)
+            t = tile_s8g16(wq, o4, ws, o4, xu, p4, xd)
+            for i in range(MR):
+                if o4 + i >= o:
+                    for j in range(NR):
+                        if p4 + j >= p:
+                            out[dst[p4 + j], oe + o4 + i] = t[i * NR + j]
+            p += NR
+        o += MR
+
+
 # ----------------------------------------------------------------------------------------------- dense GEMMs
 # One weight times T activation rows (a prompt chunk's dense matmuls): parallel over blocks of 16 output rows;
 # each block's weight rows (and their f32 scales, unpacked once into a per-block scratch where the format keeps
@@ -269,6 +289,14 @@ def gemm_q8(q, d, xu, xd, out):
 
 
 @njit(**_PJ)
+def gemm_g16(q, s, xu, xd, out):
+    """The G = 16 layout (int8 codes, f32 scale per 16: IQ2_XS, IQ2_S, IQ1_M, NVFP4): the scales as stored."""
+    O = q.shape[0]
+    for c in prange((O + _RB - 1) // _RB):
+        _s8_block(q, s, 0, c * _RB, min(O, c * _RB + _RB), xu, xd, out, True)
+
+
+@njit(**_PJ)
 def gemm_q6_k(q, sc, d, xu, xd, out):
     """Q6_K (int8 codes q - 32, int8 scale per 16, f32 d per 256): the block's d * sc unpacked to f32 once."""
     O, I = q.shape
@@ -322,7 +350,10 @@ def gemm_q4_k(qs, sc, mn, d, dm, xp, xsp, xm, out):
 
 #: format name -> (kernel kind, the GEMM); kinds: "s8" reads xu/xd, "nib" reads xp/xsp/xm
 GEMMS = {"Q8_0": "s8", "Q5_0": "s8", "MXFP4": "s8", "IQ4_NL": "s8", "IQ4_XS": "s8", "Q6_K": "s8",
-         "Q4_0": "nib", "Q4_1": "nib", "Q4_K": "nib"}
+         "Q4_0": "nib", "Q4_1": "nib", "Q4_K": "nib",
+         "IQ2_XS": "s8", "IQ2_S": "s8", "IQ1_M": "s8", "NVFP4": "s8"}
+#: formats of the G = 16 layout (``gemm_g16``)
+G16 = ("IQ2_XS", "IQ2_S", "IQ1_M", "NVFP4")
 
 
 def supports(w, T: int) -> bool:
@@ -355,6 +386,8 @@ def gemm(w, x: np.ndarray) -> np.ndarray:
     name = w.name
     if name == "Q6_K":
         gemm_q6_k(a[0], a[1], a[2], xu, xd, out)
+    elif name in G16:
+        gemm_g16(a[0], a[1], xu, xd, out)
     elif s8:
         gemm_q8(a[0], a[1], xu, xd, out)
     elif name == "Q4_0":

@@ -57,7 +57,8 @@ def main(argv=None) -> int:
                 failed += not ok
                 cells.append(f"{'ok' if ok else 'FAIL'} {e:.0e}")
             print(f"  {n} {b} {op} {act}: {cells[-1]}", file=sys.stderr, flush=True)
-        gen = "gguf quantize" if t.quantizable else "random blocks"
+        gen = ("gguf quantize" if t.quantizable else "coli quantize" if t.random is not None and t.own is None
+               else "random blocks")
         print(f"| {n} | {t.block_size} | {t.type_size} | {gen} | " + " | ".join(cells) + " |", flush=True)
     only = [f"{n}: {t.cpu_only}" for n, t in TT.TYPES.items() if t.cpu_only]
     print("\nTolerances (max |got - want| / max |want|): " +

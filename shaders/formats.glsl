@@ -133,6 +133,11 @@
 #define TYPE_SIZE 132u
 #define ROW_BYTES(I) (((I) / 128u) * 132u)
 #include "fmt_fp8_e4m3_b128.glsl"
+#elif defined(FMT_NVFP4)
+#define BLOCK_SIZE 64u
+#define TYPE_SIZE 36u
+#define ROW_BYTES(I) (((I) / 64u) * 36u)
+#include "fmt_nvfp4.glsl"
 #else
 #error "no FMT_ defined"
 #endif

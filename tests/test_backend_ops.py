@@ -12,7 +12,8 @@ against the NumPy reference.
   reference then multiplies the rounded activations (an exact NumPy model).
 * Reference: ``coli.tensor_types`` ``reference`` (``gguf.quants.dequantize``), products in float64.
 * Test weights: one generator, ``coli.tensor_types.random_blocks`` (``gguf.quants.quantize`` where gguf can
-  quantize the type, random valid blocks with finite f16 scales where it cannot).
+  quantize the type, coli's port of ggml's quantizer for NVFP4, random valid blocks with finite f16 scales
+  elsewhere).
 * One tolerance per (op, act) (``TOL``): max |got - want| / max |want|.
 
 ``python -m scripts.backend_ops`` runs the same cases and prints the coverage table of docs/formats.md.
@@ -58,9 +59,10 @@ def acts(backend: str, type_name: str) -> tuple[str, ...]:
 
 
 def inner(type_name: str, k: int = 0) -> int:
-    """An odd number of blocks, at least 32 weights: 3 (+k) blocks of 256-weight types, 5 (+k) units of 32."""
+    """An odd number of blocks, at least 32 weights: 3 (+k) blocks of 64- and 256-weight types, 5 (+k) units of
+    32."""
     bs = TT.get(type_name).block_size
-    return (3 + k) * bs if bs >= 128 else (5 + k) * 32
+    return (3 + k) * bs if bs >= 64 else (5 + k) * 32
 
 
 def cases():
@@ -186,8 +188,8 @@ def run_case(be: Backend, type_name: str, op: str, act: str) -> float:
                 worst = max(worst, err(y, act_model(x, act) @ W.T))
         return worst
     # expert batch: E experts, R rows top-2; expert 0 gets >= 18 rows (its groups take the GEMM)
-    big = TT.get(type_name).block_size >= 128
-    D, Fd = (256, 512) if big else (96, 160)
+    bs = TT.get(type_name).block_size
+    D, Fd = (256, 512) if bs >= 128 else (192, 320) if bs == 64 else (96, 160)
     E, R, K = 3, 20, 2
     specs, ws = [], []
     for _ in range(E):

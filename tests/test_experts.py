@@ -15,7 +15,7 @@ from cpu_kernels import formats as F
 from test_formats import _check, _q8_act_model, _random_raw, _ref, tiny_blocks
 
 # (O, I) per block size: small, an odd number of 16-row blocks, an odd block count for the Q4 pair layout
-SHAPES = {1: (40, 96), 32: (40, 96), 128: (24, 384), 256: (24, 512)}
+SHAPES = {1: (40, 96), 32: (40, 96), 64: (40, 192), 128: (24, 384), 256: (24, 512)}
 
 
 def _weights(name, n, rng, O=None, I=None):

@@ -52,7 +52,7 @@ def test_tiles_scale_each_block():
     assert np.abs(out - want).max() / np.abs(want).max() < 1e-6
 
 
-@pytest.mark.parametrize("name,Fd", [("Q8_0", 64), ("Q8_0", 96), ("Q5_0", 64), ("IQ4_NL", 64)])
+@pytest.mark.parametrize("name,Fd", [("Q8_0", 64), ("Q8_0", 96), ("Q5_0", 64), ("IQ4_NL", 64), ("NVFP4", 64)])
 def test_prompt_chunk_experts_run_the_tiles_and_match_reference(name, Fd, monkeypatch):
     """A prompt chunk's MoE step (groups of 4+ rows of odd sizes; with F = 96 down has an odd number of
     32-blocks: the row-kernel fallback inside the same launch) through
@@ -96,7 +96,8 @@ def test_prompt_chunk_experts_run_the_tiles_and_match_reference(name, Fd, monkey
 
 
 DENSE = [("Q8_0", 40, 128), ("Q5_0", 16, 64), ("MXFP4", 16, 64), ("IQ4_NL", 20, 64), ("IQ4_XS", 20, 256),
-         ("Q6_K", 37, 512), ("Q4_0", 40, 256), ("Q4_1", 21, 128), ("Q4_K", 33, 512)]
+         ("Q6_K", 37, 512), ("Q4_0", 40, 256), ("Q4_1", 21, 128), ("Q4_K", 33, 512),
+         ("NVFP4", 37, 192), ("IQ2_XS", 20, 256), ("IQ2_S", 16, 256), ("IQ1_M", 21, 256)]
 
 
 @pytest.mark.parametrize("name,O,I", DENSE)

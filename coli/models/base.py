@@ -105,6 +105,7 @@ class Weights:
         self.g = g
         self.t = g.tensors
         self.fname = g.path.name
+        _refuse_nvfp4_scales(self.t, self.fname)
 
     def has(self, name: str) -> bool:
         return name in self.t
@@ -142,6 +143,19 @@ class Weights:
             return dequantize(ti.type_name, raw, ti.shape[-1]).reshape(ti.shape)
         except ColiError as e:
             raise ColiError(f"{self.fname}: tensor '{name}': {e}") from None
+
+
+def _refuse_nvfp4_scales(tensors, fname: str) -> None:
+    """ColiError when an NVFP4 weight ``X.weight`` has a companion ``X.scale``: the per-tensor (per-expert for
+    ``*_exps``) f32 scale that llama.cpp's converter writes for ModelOpt/compressed-tensors NVFP4 checkpoints
+    (``weight_scale_2``) and multiplies into the matmul's output (llama.cpp ``build_lora_mm``'s ``w_s``). coli
+    does not apply it, so such a file is refused rather than run with wrong outputs. (``X.input_scale``, the
+    activation scale of FP4 activations, is loaded but not used by llama.cpp either, and is ignored.)"""
+    for name, ti in tensors.items():
+        if ti.type_name == "NVFP4" and name.endswith(".weight") and name[:-7] + ".scale" in tensors:
+            raise ColiError(f"{fname}: tensor '{name[:-7]}.scale': a per-tensor scale of the NVFP4 weight "
+                            f"'{name}' (llama.cpp's NVFP4 scale_2, from an NVFP4 checkpoint); coli does not apply "
+                            "these scales yet (docs/formats.md, NVFP4)")
 
 
 def dequantize(type_name: str, raw: np.ndarray, cols: int) -> np.ndarray:

@@ -26,7 +26,7 @@ SHADER_DIR = Path(__file__).resolve().parent.parent.parent / "shaders"
 #: GGUF types with a device decoder (shaders/fmt_<suffix>.glsl), in the order of shaders/formats.glsl.
 DEVICE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4",
                 "Q5_1", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0",
-                "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "FP8_E4M3_B128")
+                "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "FP8_E4M3_B128", "NVFP4")
 
 #: GGUF type name -> suffix of the decoder file fmt_<suffix>.glsl and of the .spv names (the table's ``shader``).
 FORMATS = {n: TT.get(n).shader for n in DEVICE_TYPES}

@@ -1,0 +1,186 @@
+#!/usr/bin/env python3
+"""NVFP4 oracles made with llama.cpp's own quantizer (``llama-quantize``, built from the llama-cpp-python sdist by
+scripts/build_llama_bench.sh into ``~/.cache/coli/llama.cpp/build/bin``; CI never runs this script).
+
+    python scripts/oracle_nvfp4.py fixtures [--bin DIR]
+    python scripts/oracle_nvfp4.py demo [--bin DIR] [--threads 2] [--ctx 128] [--eval-chars 4000] [-o GGUF]
+
+``fixtures`` writes two files to tests/fixtures/oracles/ (tests/test_nvfp4.py reads them):
+
+* ``nvfp4_quant.npz``: ``x`` f32 [64, 256] and ``blocks`` uint8 [64, 144], llama-quantize's NVFP4 bytes of x
+  (x is the one tensor of a GGUF given to ``llama-quantize --tensor-type ffn_gate_exps=nvfp4``). Rows of x:
+  normals at scales 10^-4 .. 10^3.5 (UE4M3 sub-block scales that round to zero, subnormal, normal and
+  saturated at 448), a zero row, and rows whose sub-blocks have amax 6 * 2^k and every other value exactly
+  half-way between two neighbouring E2M1 values (ggml's tie-break: the first index). coli/nvfp4.py's port
+  must reproduce the bytes.
+* ``nvfp4_moe.gguf``: a tiny llama-architecture MoE (scripts/make_synthetic_moe.py: F32, 2 layers, d 128,
+  2 heads, 4 experts top-2, expert FFN 128, vocabulary 256, seed 8) through ``llama-quantize ... Q8_0`` with
+  every ``ffn_*_exps`` tensor NVFP4: a file whose NVFP4 experts were written by llama.cpp.
+
+``demo`` requantizes the demo MoE (``coli.demo.demo_model_path()``, Q8_0 experts; d 576 and expert FFN 1536 are
+whole 64-blocks) with every ``ffn_*_exps`` tensor NVFP4 and every other tensor as it was (Q8_0 source
+requantized to Q8_0), then scores coli against ``llama-perplexity`` on the same file with the convention and
+text of scripts/make_mixed_moe.py (f32 attention on the llama.cpp side; exit 1 beyond 1%), and prints both
+programs' perplexity of the Q8_0 source beside it (the format's own error). The output is refused when it
+exists and is not this script's (GGUF ``general.name``).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from scripts import make_mixed_moe as M  # noqa: E402  (run, die, coli_perplexity, general_name, default_text)
+
+FIX = ROOT / "tests" / "fixtures" / "oracles"
+MOE_ARGS = ["--layers", "2", "--d", "128", "--heads", "2", "--experts", "4", "--top-k", "2", "--expert-ff", "128",
+            "--vocab", "256", "--type", "F32", "--seed", "8"]
+DEMO_NAME = "coli demo MoE, NVFP4 experts (llama-quantize)"
+EXPERTS = ["--tensor-type", "ffn_gate_exps=nvfp4", "--tensor-type", "ffn_up_exps=nvfp4",
+           "--tensor-type", "ffn_down_exps=nvfp4"]
+
+
+def probe_rows() -> np.ndarray:
+    """x f32 [64, 256] (module docstring)."""
+    rng = np.random.default_rng(64)
+    x = np.empty((64, 256), np.float32)
+    for r, e in enumerate(np.linspace(-4.0, 3.5, 54)):
+        x[r] = rng.standard_normal(256) * 10.0 ** e
+    x[54] = 0.0
+    mid = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])   # half-way between kvalues * 0.5 (d = 0.5 at amax 6)
+    tie = np.concatenate([[6.0], mid, -mid, [0.0]])           # 16 values, amax 6
+    for r in range(55, 64):
+        for s in range(16):
+            v = rng.permutation(tie) * 2.0 ** (r - 60 + (s % 3))
+            x[r, 16 * s:16 * s + 16] = v if s % 2 == 0 else -v
+    return x
+
+
+def quantize_with_llama(quantize: Path, x: np.ndarray, work: Path) -> np.ndarray:
+    """llama-quantize's NVFP4 bytes of x f32 [R, I] (R even): uint8 [R, I / 64 * 36]."""
+    import gguf
+
+    src, dst = work / "probe-f32.gguf", work / "probe-nvfp4.gguf"
+    w = gguf.GGUFWriter(str(src), "llama")
+    w.add_block_count(1)
+    w.add_embedding_length(x.shape[1])
+    w.add_feed_forward_length(x.shape[1])
+    w.add_head_count(2)
+    w.add_context_length(64)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tensor("blk.0.ffn_gate_exps.weight", x.reshape(2, x.shape[0] // 2, x.shape[1]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    M.run([str(quantize), "--tensor-type", "ffn_gate_exps=nvfp4", str(src), str(dst), "Q8_0"], work / "probe.log")
+    t = gguf.GGUFReader(str(dst)).tensors[0]
+    if t.tensor_type != gguf.GGMLQuantizationType.NVFP4:
+        M.die(f"llama-quantize wrote {t.tensor_type.name}, not NVFP4, for the probe tensor")
+    return np.asarray(t.data, np.uint8).reshape(x.shape[0], -1).copy()
+
+
+def fixtures(a) -> int:
+    quantize = a.bin / "llama-quantize"
+    if not os.access(quantize, os.X_OK):
+        M.die(f"{quantize}: not found or not executable (--bin: the llama.cpp build folder)")
+    work = Path(tempfile.mkdtemp(prefix="oracle_nvfp4_"))
+    x = probe_rows()
+    blocks = quantize_with_llama(quantize, x, work)
+    np.savez_compressed(FIX / "nvfp4_quant.npz", x=x, blocks=blocks)
+    print(f"wrote {FIX / 'nvfp4_quant.npz'}")
+
+    src = work / "moe-f32.gguf"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_synthetic_moe.py"), "-o", str(src), *MOE_ARGS],
+                   check=True, capture_output=True)
+    out = FIX / "nvfp4_moe.gguf"
+    tmp = out.with_name(out.name + ".part")
+    M.run([str(quantize), *EXPERTS, str(src), str(tmp), "Q8_0"], work / "moe.log")
+    os.replace(tmp, out)
+    from coli.gguf_file import open_gguf
+
+    types = sorted({t.type_name for n, t in open_gguf(str(out)).tensors.items() if "_exps." in n})
+    if types != ["NVFP4"]:
+        M.die(f"{out}: expert types {types}, expected NVFP4 only")
+    print(f"wrote {out} ({out.stat().st_size} bytes)")
+    return 0
+
+
+def demo(a) -> int:
+    tools = {t: a.bin / t for t in ("llama-quantize", "llama-perplexity")}
+    for p in tools.values():
+        if not os.access(p, os.X_OK):
+            M.die(f"{p}: not found or not executable (--bin: the llama.cpp build folder)")
+    from coli.demo import demo_model_path
+
+    src = Path(demo_model_path())
+    out = a.out or src.with_name("smollm2-moe-nvfp4.gguf")
+    work = Path(tempfile.mkdtemp(prefix="nvfp4_demo_"))
+    thr = ["-t", str(a.threads)]
+    if out.exists() and M.general_name(out) != DEMO_NAME:
+        M.die(f"{out}: exists and was not written by this script (general.name != {DEMO_NAME!r}); pick another -o")
+    if not out.exists():
+        t0 = time.time()
+        tmp = out.with_name(out.name + ".part")
+        M.run([str(tools["llama-quantize"]), "--allow-requantize", *EXPERTS, "--override-kv",
+               f"general.name=str:{DEMO_NAME}", str(src), str(tmp), "Q8_0", str(a.threads)], work / "quantize.log")
+        os.replace(tmp, out)
+        print(f"built {out} ({out.stat().st_size / 2**20:.1f} MiB) in {time.time() - t0:.0f} s", file=sys.stderr)
+
+    text = M.default_text().read_text(encoding="utf-8")
+    half = len(text) // 2
+    cut = text.rfind("\n", 0, half) + 1 or half
+    evalt = text[cut:]
+    end = evalt.rfind("\n", 0, a.eval_chars) + 1 if len(evalt) > a.eval_chars else len(evalt)
+    evalt = evalt[:end or a.eval_chars]
+    (work / "eval.txt").write_text(evalt, encoding="utf-8")
+
+    def llama_ppl(model: Path, tag: str) -> float:
+        import re
+
+        log = M.run([str(tools["llama-perplexity"]), "-m", str(model), "-f", str(work / "eval.txt"), "-c",
+                     str(a.ctx), "-b", str(a.ctx), *thr, "-nr", "-fa", "off", "-ctk", "f32", "-ctv", "f32"],
+                    work / f"perplexity-{tag}.log")
+        m = re.search(r"Final estimate: PPL = ([0-9.]+)", log)
+        if not m:
+            M.die(f"no 'Final estimate' in {work / f'perplexity-{tag}.log'}")
+        return float(m.group(1))
+
+    res = {}
+    for tag, model in (("nvfp4", out), ("q8_0", src)):
+        ll = llama_ppl(model, tag)
+        t0 = time.time()
+        co, n_chunk, n_tok = M.coli_perplexity(model, evalt, a.ctx, a.threads, a.cpu_act)
+        res[tag] = (ll, co)
+        print(f"{tag}: llama-perplexity (f32 attention) PPL {ll:.4f}; coli PPL {co:.4f} ({time.time() - t0:.0f} s, "
+              f"{n_chunk} chunks, {n_tok} tokens); coli/llama.cpp - 1 = {(co / ll - 1) * 100:+.3f}%")
+    (ll_n, co_n), (ll_q, co_q) = res["nvfp4"], res["q8_0"]
+    print(f"NVFP4 experts vs the Q8_0 source: llama.cpp {(ll_n / ll_q - 1) * 100:+.2f}%, coli {(co_n / co_q - 1) * 100:+.2f}%")
+    return 0 if abs(co_n / ll_n - 1) <= 0.01 else 1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("what", choices=("fixtures", "demo"))
+    ap.add_argument("--bin", type=Path, default=Path.home() / ".cache/coli/llama.cpp/build/bin",
+                    help="folder with llama-quantize (and llama-perplexity for demo)")
+    ap.add_argument("-o", "--out", type=Path, help="demo: the NVFP4 GGUF (default: beside the demo MoE)")
+    ap.add_argument("--ctx", type=int, default=128)
+    ap.add_argument("--eval-chars", type=int, default=4000)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cpu-act", choices=("f32", "int8"), default=None, help="coli's activations (default: the CPU's)")
+    a = ap.parse_args(argv)
+    return fixtures(a) if a.what == "fixtures" else demo(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
