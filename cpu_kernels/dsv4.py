@@ -485,7 +485,8 @@ class GroupedLinear:
         self.r, self.I = self.weights[0].shape
         if any(w.shape != (self.r, self.I) for w in self.weights):
             raise ValueError(f"GroupedLinear: group shapes {[w.shape for w in self.weights]} differ")
-        self.desc = np.stack([w.desc for w in self.weights])
+        # a format without a grouped-kernel code (none today) runs the per-group matmuls only
+        self.desc = np.stack([w.desc for w in self.weights]) if all(map(_grouped.supports, self.weights)) else None
         self.off = np.arange(self.G, dtype=np.int64) * self.r
         self._slots: dict = {}
 
@@ -496,7 +497,9 @@ class GroupedLinear:
         if (G, I) != (self.G, self.I):
             raise ValueError(f"GroupedLinear: input {x.shape}, expected [T, {self.G}, {self.I}]")
         if grouped is None:
-            grouped = act == "int8" and _grouped.HAVE_VNNI and T <= _formats.GEMV_I8_MAX_T
+            grouped = self.desc is not None and act == "int8" and _grouped.HAVE_VNNI and T <= _formats.GEMV_I8_MAX_T
+        elif grouped and self.desc is None:
+            raise ValueError(f"GroupedLinear: {self.weights[0].name} has no grouped kernel")
         out = np.empty((T, G * self.r), np.float32)
         if not grouped:
             for g, w in enumerate(self.weights):
