@@ -177,9 +177,10 @@ def expect_shapes(m, p: str, want: dict) -> None:
     """Check tensors of layer prefix ``p`` against the shapes the hyper-parameters give them: ``want`` maps a
     tensor name (after ``p``) to ``(shape, why)``, shape in NumPy order ([O, I] for a matrix, [n] for a norm) and
     ``why`` the metadata it comes from. ColiError naming the file and the tensor at load (not a NumPy broadcast or
-    matmul error in the first forward pass, nor a norm silently read short)."""
+    matmul error in the first forward pass, nor a norm silently read short); a missing tensor is the same
+    ColiError as ``Weights.info``'s."""
     for n, (shape, why) in want.items():
-        got = tuple(int(x) for x in m.g.tensors[p + n].shape)
+        got = tuple(int(x) for x in m.wt.info(p + n).shape)
         if got != tuple(shape):
             raise ColiError(f"{m.wt.fname}: tensor '{p}{n}' has shape {list(got)} (NumPy order), expected "
                             f"{list(shape)} ({why})")
