@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import FIXTURES
+from oracle_check import rel as _rel
 
 DIR = FIXTURES / "oracles"
 NAMES = ["deepseek2_lite", "deepseek2_qlora", "deepseek2_yarn", "deepseek3"]
@@ -24,8 +25,6 @@ def _engine(name, tmp_path, **kw):
                   usage=str(tmp_path / "u.coli_usage"), **kw)
 
 
-def _rel(got, ref):
-    return np.abs(got - ref).max(axis=1) / np.abs(ref).max()
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import FIXTURES
+from oracle_check import check_prompt_and_decode, rel as _rel
 
 ORACLE = FIXTURES / "oracles"
 GGUF = ORACLE / "deepseek4.gguf"
@@ -24,8 +25,6 @@ def _engine(tmp_path, **kw):
     return Engine(GGUF, cpu_act="f32", usage=tmp_path / "u", save_usage=False, ctx=128, **kw)
 
 
-def _rel(got, ref):
-    return np.abs(got - ref).max(axis=-1) / np.abs(ref).max()
 
 
 @pytest.mark.parametrize("cache", [None, 1])
@@ -41,16 +40,7 @@ def test_deepseek4_oracle_prompt_and_decode(oracle, cache, tmp_path):
         assert {m.t[f"blk.{il}.ffn_gate_inp.weight"].type_name for il in range(4)} == {"BF16"}
         kv = m.new_cache(128)
         assert not kv.rewindable
-        got = m.forward(oracle["ids"], kv, all_logits=True)
-        assert (_rel(got, oracle["logits"]) <= 1e-4).all(), _rel(got, oracle["logits"]).max()
-        assert (got.argmax(1) == oracle["logits"].argmax(1)).all()
-        last, gen = got[-1], []
-        for i, want in enumerate(oracle["gen_logits"]):
-            assert _rel(last, want) <= 1e-4, (i, _rel(last, want))
-            tok = int(last.argmax())
-            gen.append(tok)
-            last = m.forward([tok], kv)[0]
-        assert gen == oracle["gen_ids"].tolist()
+        check_prompt_and_decode(m, kv, oracle)
         assert kv.nbytes() == type(m).cache_bytes(m.args, 128)
 
 

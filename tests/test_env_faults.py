@@ -111,9 +111,12 @@ def test_stderr_closed(demo_path, tmp_path):
 def _run_and_signal(demo_path, tmp_path, sig):
     hist = tmp_path / "h.coli_usage"
     prompt = "Once upon a time"
+    # the child starts with SIGINT's default disposition, as under a terminal: a suite started as a background
+    # job of a non-interactive shell inherits SIGINT ignored, and Python then keeps ignoring it (as it should)
     p = subprocess.Popen([PY, "-m", "coli", "run", "-m", str(demo_path), "-p", prompt, "-n", "400",
                           "--ctx", "512", "--usage", str(hist)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     got = b""
     deadline = time.monotonic() + 500
     while len(got) < len(prompt) + 3 and time.monotonic() < deadline:  # some generated text came out

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import FIXTURES
+from oracle_check import check_prompt_and_decode, rel as _rel
 
 ORACLE = FIXTURES / "oracles"
 
@@ -163,8 +164,6 @@ def _engine(tmp_path, **kw):
     return Engine(ORACLE / "gptoss.gguf", cpu_act="f32", usage=tmp_path / "u", save_usage=False, ctx=128, **kw)
 
 
-def _rel(got, ref):
-    return np.abs(got - ref).max(axis=-1) / np.abs(ref).max()
 
 
 @pytest.mark.parametrize("cache", [None, 1])
@@ -175,16 +174,7 @@ def test_gptoss_oracle_prompt_and_decode(oracle, cache, tmp_path):
         assert type(eng.model).__module__ == "coli.models.gptoss"
         m = eng.model
         kv = m.new_cache(128)
-        got = m.forward(oracle["ids"], kv, all_logits=True)
-        assert (_rel(got, oracle["logits"]) <= 1e-4).all(), _rel(got, oracle["logits"]).max()
-        assert (got.argmax(1) == oracle["logits"].argmax(1)).all()
-        last, gen = got[-1], []
-        for i, want in enumerate(oracle["gen_logits"]):
-            assert _rel(last, want) <= 1e-4, (i, _rel(last, want))
-            tok = int(last.argmax())
-            gen.append(tok)
-            last = m.forward([tok], kv)[0]
-        assert gen == oracle["gen_ids"].tolist()
+        check_prompt_and_decode(m, kv, oracle)
 
 
 def test_gptoss_prompt_in_one_call_equals_one_at_a_time(oracle, tmp_path):

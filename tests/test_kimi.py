@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import FIXTURES
+from oracle_check import rel as _rel
 
 DIR = FIXTURES / "oracles"
 NAME = "kimi"
@@ -25,8 +26,6 @@ def _engine(tmp_path, **kw):
                   usage=str(tmp_path / "u.coli_usage"), **kw)
 
 
-def _rel(got, ref):
-    return np.abs(got - ref).max(axis=1) / np.abs(ref).max()
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import FIXTURES
+from oracle_check import check_prompt_and_decode, rel as _rel
 
 ORACLE = FIXTURES / "oracles"
 
@@ -22,8 +23,6 @@ def _engine(tmp_path, **kw):
     return Engine(ORACLE / "mimo2.gguf", cpu_act="f32", usage=tmp_path / "u", save_usage=False, ctx=128, **kw)
 
 
-def _rel(got, ref):
-    return np.abs(got - ref).max(axis=-1) / np.abs(ref).max()
 
 
 @pytest.mark.parametrize("cache", [None, 1])
@@ -35,16 +34,7 @@ def test_mimo2_oracle_prompt_and_decode(oracle, cache, tmp_path):
         assert type(m).__module__ == "coli.models.mimo2"
         assert m.args.n_kv_layer == (1, 2, 2, 1) and m.args.head_dim_v == 16 and m.args.head_dim == 24
         kv = m.new_cache(128)
-        got = m.forward(oracle["ids"], kv, all_logits=True)
-        assert (_rel(got, oracle["logits"]) <= 1e-4).all(), _rel(got, oracle["logits"]).max()
-        assert (got.argmax(1) == oracle["logits"].argmax(1)).all()
-        last, gen = got[-1], []
-        for i, want in enumerate(oracle["gen_logits"]):
-            assert _rel(last, want) <= 1e-4, (i, _rel(last, want))
-            tok = int(last.argmax())
-            gen.append(tok)
-            last = m.forward([tok], kv)[0]
-        assert gen == oracle["gen_ids"].tolist()
+        check_prompt_and_decode(m, kv, oracle)
         assert kv.nbytes() == type(m).cache_bytes(m.args, 128)
 
 

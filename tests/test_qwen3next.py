@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import FIXTURES
+from oracle_check import rel as _rel
 
 ORACLES = FIXTURES / "oracles"
 TOL = 1e-4
@@ -27,9 +28,6 @@ def _engine(name, tmp_path, **kw):
     return _engine_path(ORACLES / f"{name}.gguf", tmp_path, **kw)
 
 
-def _rel(got, want):
-    """Per-row max |got - want| over the largest |logit| of the reference."""
-    return np.abs(got - want).max(axis=-1) / np.abs(want).max()
 
 
 def _check_prompt_and_decode(name, tmp_path):
