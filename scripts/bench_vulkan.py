@@ -20,30 +20,13 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from coli import tensor_types as TT  # noqa: E402
 from coli.vulkan import open_device  # noqa: E402
 
-BLOCK = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20),
-         "Q5_0": (32, 22), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "MXFP4": (32, 17)}
-# byte offsets of the f16 scales in a block (ggml-common.h), set to small finite values
-F16_SCALES = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
-
-
 def random_weight(t: str, O: int, I: int, rng) -> np.ndarray:
-    """Random GGUF bytes [O, row_bytes] with finite scales."""
-    if t == "F32":
-        return rng.standard_normal((O, I), dtype=np.float32).view(np.uint8)
-    if t == "F16":
-        return rng.standard_normal((O, I), dtype=np.float32).astype(np.float16).view(np.uint8)
-    if t == "BF16":
-        return (rng.standard_normal((O, I), dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
-    qk, bb = BLOCK[t]
-    nb = O * I // qk
-    raw = rng.integers(0, 256, size=(nb, bb), dtype=np.uint8)
-    for off in F16_SCALES.get(t, []):
-        raw[:, off:off + 2] = rng.uniform(0.001, 0.01, nb).astype(np.float16).view(np.uint8).reshape(nb, 2)
-    if t == "MXFP4":
-        raw[:, 0] = rng.integers(118, 126, nb)
-    return raw.reshape(O, -1)
+    """Random GGUF bytes [O, row_bytes] with finite scales: the tensor-type table's test weights
+    (``coli.tensor_types.random_blocks``: real quantized blocks where gguf can quantize the type)."""
+    return TT.random_blocks(t, O, I, rng, 1.0)
 
 
 def main():
