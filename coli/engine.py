@@ -536,6 +536,10 @@ class Engine:
         tok = self.tokenizer
         bos = tok.bos_id if tok.add_bos else None
         windows: list = []
+        need = 2 if all_tokens else 3  # a window scores ctx - 1 tokens (--all-tokens) or ctx - 1 - ctx // 2
+        if n_ctx < need:
+            raise ColiError(f"--ctx {n_ctx}: perplexity scores no token with fewer than {need} positions per chunk"
+                            + ("" if all_tokens else " (llama-perplexity's convention scores its second half)"))
         if not all_tokens:
             if len(ids) < 2 * n_ctx:
                 raise ColiError(f"text: {len(ids)} tokens; llama-perplexity's convention needs at least 2 x --ctx = "

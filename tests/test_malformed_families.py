@@ -12,9 +12,10 @@ ORACLES = Path(__file__).parent / "fixtures" / "oracles"
 
 
 def _rewrite(name: str, dest: Path, drop_key: str = "", drop_tensor: str = "", widen: str = "",
-             to_str: str = "") -> Path:
+             to_str: str = "", zero: str = "") -> Path:
     """The fixture ``name`` with metadata key ``drop_key`` and tensor ``drop_tensor`` left out, the F32 tensor
-    ``widen`` one column (GGUF ne0) wider, key ``to_str`` a string; every other key and tensor as stored."""
+    ``widen`` one column (GGUF ne0) wider, key ``to_str`` a string, integer key ``zero`` 0; every other key and
+    tensor as stored."""
     import gguf
 
     src = gguf.GGUFReader(str(ORACLES / f"{name}.gguf"))
@@ -24,6 +25,9 @@ def _rewrite(name: str, dest: Path, drop_key: str = "", drop_tensor: str = "", w
             continue
         if k == to_str:
             w.add_string(k, "sixteen")
+            continue
+        if k == zero:
+            w.add_uint32(k, 0)
             continue
         vt = gguf.GGUFValueType(f.types[0])
         sub = gguf.GGUFValueType(f.types[-1]) if vt == gguf.GGUFValueType.ARRAY else None
@@ -224,4 +228,17 @@ def test_deepseek4_internal_width_is_one_clear_error(tmp_path, widen, want):
     path = _rewrite("deepseek4", tmp_path / "deepseek4.gguf", widen=widen)
     with pytest.raises(ColiError, match=rf"deepseek4\.gguf: tensor '{re.escape(widen)}' has shape \[.*\] "
                                         rf"\(NumPy order\), expected {re.escape(want)} \("):
+        Engine(str(path), threads=1, ctx=32)
+
+
+@pytest.mark.parametrize("name, key", [("gptoss", "gpt-oss.attention.head_count"),
+                                       ("mimo2", "mimo2.attention.head_count"),
+                                       ("deepseek4", "deepseek4.embedding_length")])
+def test_zero_head_count_or_width_is_one_clear_error(tmp_path, name, key):
+    """A head count or model width of 0 was a ZeroDivisionError while the file's shapes were worked out."""
+    from coli.engine import Engine
+    from coli.errors import ColiError
+
+    path = _rewrite(name, tmp_path / f"{name}.gguf", zero=key)
+    with pytest.raises(ColiError, match=rf"{name}\.gguf: metadata '{key}': 0 \(must be at least 1\)"):
         Engine(str(path), threads=1, ctx=32)

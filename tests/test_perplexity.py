@@ -84,6 +84,10 @@ def test_model_without_bos_keeps_its_tokens(model_path, engine):
         assert r.n == len(ref) == (len(ids) // 16) * 7 and abs(r.nll - ref.mean()) < 1e-4
         with pytest.raises(ColiError, match=r"2 x --ctx = 32"):
             eng.perplexity(ids[:31])
+    for ctx, all_tokens in ((1, False), (2, False), (1, True)):  # were a ZeroDivisionError after the scoring
+        with Engine(model_path("smollm2"), ctx=ctx, cpu_act="f32", save_usage=False) as eng:
+            with pytest.raises(ColiError, match=rf"--ctx {ctx}: perplexity scores no token"):
+                eng.perplexity(eng.tokenize(TEXT), all_tokens=all_tokens)
 
 
 def test_cli_prints_progress_per_chunk_and_the_estimate(model_path, tmp_path):

@@ -59,6 +59,9 @@ class BaseArgs:
 
         n_heads = int(need("attention.head_count"))
         d = int(need("embedding_length"))
+        for key, v in (("attention.head_count", n_heads), ("embedding_length", d)):
+            if v <= 0:
+                raise ColiError(f"{g.path.name}: metadata '{a}.{key}': {v} (must be at least 1)")
         n_kv = g.get(f"{a}.attention.head_count_kv", n_heads)
         if isinstance(n_kv, (list, np.ndarray)):
             n_kv = int(n_kv[0])
