@@ -138,7 +138,8 @@ class MoEStep:
         for e, w in alone:  # a format without a grouped-kernel code: one expert at a time
             self._compute(layer, e, w, xa.x, groups[e], K, pair_out, ffn)
         if alone:
-            ews = [(e, w) for e, w in ews if all(e != a for a, _ in alone)]
+            lone = {e for e, _ in alone}
+            ews = [(e, w) for e, w in ews if e not in lone]
             if not ews:
                 return
         t0 = time.perf_counter()

@@ -74,14 +74,6 @@ class Args(base.BaseArgs):
     clamp_shexp: tuple = ()
 
 
-def expect_shape(m, name: str, want: tuple, what: str):
-    """The TensorInfo of ``name`` (ColiError when it is missing) when its shape (NumPy order) is ``want``, else
-    ``blocks.expect_shapes``' ColiError naming the file, the tensor, both shapes and ``what`` fixes them."""
-    ti = m.wt.info(name)
-    blocks.expect_shapes(m, "", {name: (tuple(int(x) for x in want), what)})
-    return ti
-
-
 def rms(x: np.ndarray, eps: float) -> np.ndarray:
     """Unweighted RMSNorm over the last axis (HF ``DeepseekV4UnweightedRMSNorm``), f32."""
     x64 = x.astype(np.float64)
@@ -179,8 +171,8 @@ class Compressor:
         width = (2 if overlap else 1) * hd
         D = m.args.d_model
         what = f"{'two series' if overlap else 'one series'} of {hd} over embedding_length {D}, ratio {ratio}"
-        for suffix, want in (("_kv", (width, D)), ("_gate", (width, D)), ("_ape", (ratio, width)), ("_norm", (hd,))):
-            expect_shape(m, f"{prefix}{suffix}.weight", want, what)
+        blocks.expect_shapes(m, prefix, {f"{suffix}.weight": (want, what) for suffix, want in (
+            ("_kv", (width, D)), ("_gate", (width, D)), ("_ape", (ratio, width)), ("_norm", (hd,)))})
         self.wkv = m.wt.w(prefix + "_kv.weight")           # in the file's type (formats.matmul)
         self.wgate = m.wt.w(prefix + "_gate.weight")
         self.ape = m.wt.f32(prefix + "_ape.weight")
@@ -232,21 +224,20 @@ class Attention:
         self.ratio = a.ratios[il]
         H, hd, D, ql, G, r = self.H, self.hd, a.d_model, a.q_lora, a.o_groups, a.o_rank
         heads = f"{H} heads of {hd} (head_count, key_length) with one K=V head"
-        for name, want, what in (
-                ("attn_q_a.weight", (ql, D), "q_lora_rank x embedding_length"),
-                ("attn_q_a_norm.weight", (ql,), "q_lora_rank"),
-                ("attn_q_b.weight", (H * hd, ql), heads + ", q_lora_rank"),
-                ("attn_kv.weight", (hd, D), heads),
-                ("attn_kv_a_norm.weight", (hd,), heads),
-                ("attn_output_a.weight", (G * r, H * hd // G), f"{G} output groups of rank {r} over " + heads),
-                ("attn_output_b.weight", (D, G * r), f"{G} output groups of rank {r}, embedding_length"),
-                ("attn_sinks.weight", (H,), heads)):
-            expect_shape(m, p + name, want, what)
+        want = {
+            "attn_q_a.weight": ((ql, D), "q_lora_rank x embedding_length"),
+            "attn_q_a_norm.weight": ((ql,), "q_lora_rank"),
+            "attn_q_b.weight": ((H * hd, ql), heads + ", q_lora_rank"),
+            "attn_kv.weight": ((hd, D), heads),
+            "attn_kv_a_norm.weight": ((hd,), heads),
+            "attn_output_a.weight": ((G * r, H * hd // G), f"{G} output groups of rank {r} over " + heads),
+            "attn_output_b.weight": ((D, G * r), f"{G} output groups of rank {r}, embedding_length"),
+            "attn_sinks.weight": ((H,), heads)}
         if self.ratio == 4:
             Hi, Di = a.idx_heads, a.idx_dim
-            expect_shape(m, p + "indexer.attn_q_b.weight", (Hi * Di, ql),
-                         "indexer.head_count x indexer.key_length, q_lora_rank")
-            expect_shape(m, p + "indexer.proj.weight", (Hi, D), "indexer.head_count, embedding_length")
+            want["indexer.attn_q_b.weight"] = ((Hi * Di, ql), "indexer.head_count x indexer.key_length, q_lora_rank")
+            want["indexer.proj.weight"] = ((Hi, D), "indexer.head_count, embedding_length")
+        blocks.expect_shapes(m, p, want)
         # every projection stays in the file's type (formats.matmul; attn_output_a as per-group row slices run by
         # dsv4.GroupedLinear in one grouped launch)
         self.wq_a = wt.w(p + "attn_q_a.weight")
