@@ -541,7 +541,7 @@ def ffn_gate_up(gdesc, udesc, pstart, src, mode, xq, xd, xm, x, kind, limit, a):
 @njit(inline="always", **_JIT)
 def _tiled_ok(ds, n):
     """True when weight ``ds`` times ``n`` slot rows runs the 4 x 4 int8 tiles (``gemm_i8``): the Q8_0 kernel
-    layout or the G = 16 one (``tiles_g16``), at least 4 rows each side, an even number of 32-blocks per row."""
+    layout or the G = 16 one (``gemm_i8.tiles``), at least 4 rows each side, an even number of 32-blocks per row."""
     return (ds[0] == FC_Q8 or ds[0] == FC_G16) and n >= _G.NR and ds[1] >= _G.MR and (ds[2] // 32) % 2 == 0
 
 
@@ -577,10 +577,7 @@ def mm_grouped_gemm(desc, pstart, dst, off, xq, xd, xm, xu, out):
         p1 = pstart[e + 1]
         if _tiled_ok(ds, p1 - p0) and c1 - c0 >= _G.MR:
             wq, wd = _w_q8(ds)
-            if ds[0] == FC_G16:
-                _G.tiles_g16(wq, wd, c0, c1, xu, xd, p0, p1, out, dst, off[e])
-            else:
-                _G.tiles_q8(wq, wd, c0, c1, xu, xd, p0, p1, out, dst, off[e])
+            _G.tiles(wq, wd, c0, c1, xu, xd, p0, p1, out, dst, off[e], ds[0] == FC_G16)
         else:
             _block_i8(ds, c0, c1, p0, p1, ident, dst, off[e], xq, xd, xm, out)
 
@@ -606,15 +603,9 @@ def ffn_gate_up_gemm(gdesc, udesc, pstart, xq, xd, xm, xu, kind, limit, gb, ub, 
         p1 = pstart[e + 1]
         if _tiled_ok(gd, p1 - p0) and _tiled_ok(ud, p1 - p0) and c1 - c0 >= _G.MR:
             gq, gw = _w_q8(gd)
-            if gd[0] == FC_G16:
-                _G.tiles_g16(gq, gw, c0, c1, xu, xd, p0, p1, gb, ident, 0)
-            else:
-                _G.tiles_q8(gq, gw, c0, c1, xu, xd, p0, p1, gb, ident, 0)
+            _G.tiles(gq, gw, c0, c1, xu, xd, p0, p1, gb, ident, 0, gd[0] == FC_G16)
             uq, uw = _w_q8(ud)
-            if ud[0] == FC_G16:
-                _G.tiles_g16(uq, uw, c0, c1, xu, xd, p0, p1, ub, ident, 0)
-            else:
-                _G.tiles_q8(uq, uw, c0, c1, xu, xd, p0, p1, ub, ident, 0)
+            _G.tiles(uq, uw, c0, c1, xu, xd, p0, p1, ub, ident, 0, ud[0] == FC_G16)
         elif p1 - p0 == 1 and _row_ok(gd[0]) and _row_ok(ud[0]):  # ffn_gate_up's one-row code: an expert's bits never depend on the launch
             for o in range(c0, c1):
                 a[p0, o] = _act(_row_i8(gd, o, p0, xq, xd, xm), _row_i8(ud, o, p0, xq, xd, xm), kind, limit)

@@ -158,7 +158,12 @@ def act_u8(xq: np.ndarray) -> np.ndarray:
 
 
 @njit(inline="always", nogil=True, cache=True, fastmath=True)
-def _tiles(wq, ws, c0, c1, xu, xd, p0, p1, out, dst, oe, g16):
+def tiles(wq, ws, c0, c1, xu, xd, p0, p1, out, dst, oe, g16):
+    """out[dst[p], oe + o] = W[o] . x[p] for o in c0:c1, p in p0:p1 through 4 x 4 tiles: ``tile_s8`` (the Q8_0
+    kernel layout: wq int8 [O, I], ws f32 [O, I/32]) or, ``g16``, ``tile_s8g16`` (the G = 16 layout: ws f32
+    [O, I/16]; the i-quants IQ2_XS, IQ2_S, IQ1_M and NVFP4). xu uint8 [P, I] (codes + 128), xd f32 [P, I/32];
+    needs c1 - c0 >= 4 and p1 - p0 >= 4: a last partial tile is shifted back to end at c1 (p1) and writes only
+    the rows not written yet, so every output is written once."""
     o = c0
     while o < c1:
         o4 = min(o, c1 - MR)
@@ -180,19 +185,8 @@ def _tiles(wq, ws, c0, c1, xu, xd, p0, p1, out, dst, oe, g16):
 
 @njit(inline="always", nogil=True, cache=True, fastmath=True)
 def tiles_q8(wq, wd, c0, c1, xu, xd, p0, p1, out, dst, oe):
-    """out[dst[p], oe + o] = W[o] . x[p] for o in c0:c1, p in p0:p1 through 4 x 4 tiles (``tile_s8``).
-
-    wq int8 [O, I], wd f32 [O, I/32] (the Q8_0 kernel layout), xu uint8 [P, I] (codes + 128), xd f32 [P, I/32];
-    needs c1 - c0 >= 4 and p1 - p0 >= 4: a last partial tile is shifted back to end at c1 (p1) and writes only
-    the rows not written yet, so every output is written once."""
-    _tiles(wq, wd, c0, c1, xu, xd, p0, p1, out, dst, oe, False)
-
-
-@njit(inline="always", nogil=True, cache=True, fastmath=True)
-def tiles_g16(wq, ws, c0, c1, xu, xd, p0, p1, out, dst, oe):
-    """``tiles_q8`` for the G = 16 layout (int8 codes, f32 scale per 16: ws f32 [O, I/16]; the i-quants IQ2_XS,
-    IQ2_S, IQ1_M and NVFP4) through ``tile_s8g16``."""
-    _tiles(wq, ws, c0, c1, xu, xd, p0, p1, out, dst, oe, True)
+    """``tiles`` for the Q8_0 kernel layout."""
+    tiles(wq, wd, c0, c1, xu, xd, p0, p1, out, dst, oe, False)
 
 
 # ----------------------------------------------------------------------------------------------- dense GEMMs

@@ -12,7 +12,7 @@ in element order and one f32 scale per 16 weights (the UE4M3 byte through a 256-
 value bit for bit (every UE4M3 value times a code up to 12 is exact in f32). So NVFP4 runs ``iquants.gemv_g16``,
 ``gemm_g16`` and, with int8 activations, ``gemv_i8_g16`` (a vpdpbusd row with two scales per 32: ggml's
 ``ggml_vec_dot_nvfp4_q8_0`` arithmetic, ``dy * d * sumi`` per sub-block), the int8 GEMM tiles of prompt chunks
-(``gemm_i8.gemm_g16`` / ``tiles_g16``) and the grouped expert kernels as ``FC_G16`` (``cpu_kernels/experts.py``). Memory: 1.25 bytes per weight against 0.5625 in the file (2.2x, as
+(``gemm_i8.gemm_g16`` / ``tiles``) and the grouped expert kernels as ``FC_G16`` (``cpu_kernels/experts.py``). Memory: 1.25 bytes per weight against 0.5625 in the file (2.2x, as
 MXFP4's 2.1x); a nibble-gather kernel does not vectorize in Numba (docs/cpu_kernels.md, MXFP4).
 
 Public API: ``pack(raw, O, I)``, ``SCALE`` (UE4M3 byte -> f32 scale). Importing this module appends the NVFP4 row
