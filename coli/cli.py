@@ -315,14 +315,18 @@ def cmd_perplexity(a) -> int:
 
         from coli.progress import bar, stderr_is_terminal
 
-        pb = bar(total=None, desc="perplexity", unit=" chunks") if stderr_is_terminal() else None
+        terminal = stderr_is_terminal()
+        pb = None
         done = []
 
         def progress(i, n, ppl):
-            if pb is not None:  # a terminal: a bar with the running estimate, then llama-perplexity's line
-                pb.total = n
+            nonlocal pb
+            if terminal:  # a bar with the running estimate, then llama-perplexity's line
+                if pb is None:  # made at the first chunk, when the count is known
+                    pb = bar(total=n, desc="perplexity", unit=" chunks")
                 pb.set_postfix_str(f"ppl {ppl:.4f}", refresh=False)
                 pb.update(1)
+                pb.refresh()  # every chunk drawn: tqdm's own rate limit would skip fast chunks
                 done.append(f"[{i}]{ppl:.4f},")
                 if i == n:
                     pb.close()
