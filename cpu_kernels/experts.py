@@ -62,10 +62,12 @@ FC_F32, FC_Q8, FC_Q4_0, FC_Q4_1, FC_Q4_K, FC_Q5_K, FC_Q6_K = range(7)
 FC_Q5_1, FC_Q2_K, FC_Q3_K, FC_G16, FC_FP8 = range(7, 12)
 # Q5_0's compact layout (formats._pack_q5_0: pair nibbles, uint32 fifth bits, f32 d); the 4-bit table layout
 # (formats.pack_lut: pair nibbles, f32 scale per 32, int8 table [1, 16]) of MXFP4, IQ4_NL and IQ4_XS
+# on CPUs with AVX-512 VNNI (elsewhere formats packs them widened, in Q8_0's layout)
 FC_Q5_0, FC_LUT = 12, 13
-FORMAT_CODE = {"F32": FC_F32, "F16": FC_F32, "BF16": FC_F32, "Q8_0": FC_Q8, "Q5_0": FC_Q5_0, "MXFP4": FC_LUT,
+_C5, _CL = (FC_Q5_0, FC_LUT) if HAVE_VNNI else (FC_Q8, FC_Q8)
+FORMAT_CODE = {"F32": FC_F32, "F16": FC_F32, "BF16": FC_F32, "Q8_0": FC_Q8, "Q5_0": _C5, "MXFP4": _CL,
                "Q4_0": FC_Q4_0, "Q4_1": FC_Q4_1, "Q4_K": FC_Q4_K, "Q5_K": FC_Q5_K, "Q6_K": FC_Q6_K,
-               "IQ4_NL": FC_LUT, "IQ4_XS": FC_LUT}
+               "IQ4_NL": _CL, "IQ4_XS": _CL}
 # cpu_kernels.iquants packs these i-quants in Q8_0's layout (int8 codes, f32 scale per 32); IQ2_XS, IQ2_S and
 # IQ1_M with a scale per 16 (FC_G16); NVFP4 (cpu_kernels/nvfp4.py) in the same G = 16 layout
 FORMAT_CODE.update({"IQ2_XXS": FC_Q8, "IQ3_XXS": FC_Q8, "IQ3_S": FC_Q8, "IQ1_S": FC_Q8,
@@ -411,29 +413,18 @@ def _decode_row(ds, o, buf):
             db = d[b]
             for j in range(32):
                 buf[b * 32 + j] = db * np.float32(q[b * 32 + j])
-    elif fc == FC_Q5_0:   # formats._dec_q5_0
-        qs = _r_u8(ds, 0, o)
-        qh = _r_u32(ds, 1, o)
-        d = _r_f32(ds, 2, o)
+    elif fc == FC_Q5_0 or fc == FC_LUT:   # formats._dec_q5_0 / _dec_lut: the row widened to int8, then d * q
+        q = np.empty(I, np.int8)
+        if fc == FC_Q5_0:
+            widen_q5_0(_r_u8(ds, 0, o), _r_u32(ds, 1, o), q)
+            d = _r_f32(ds, 2, o)
+        else:
+            widen_lut(_r_u8(ds, 0, o), _r_i8(ds, 2, 0), q)
+            d = _r_f32(ds, 1, o)
         for b in range(I // 32):
             db = d[b]
-            sh = np.int32((b & 1) * 4)
-            p = b >> 1
-            h = qh[b]
             for j in range(32):
-                c = (((np.int32(qs[p * 32 + j]) >> sh) & np.int32(15))
-                     | ((np.int32(h >> np.uint32(j)) & np.int32(1)) << np.int32(4)))
-                buf[b * 32 + j] = db * np.float32(c - np.int32(16))
-    elif fc == FC_LUT:   # formats._dec_lut
-        qs = _r_u8(ds, 0, o)
-        d = _r_f32(ds, 1, o)
-        kv = _r_i8(ds, 2, 0)
-        for b in range(I // 32):
-            db = d[b]
-            sh = np.int32((b & 1) * 4)
-            p = b >> 1
-            for j in range(32):
-                buf[b * 32 + j] = db * np.float32(kv[(np.int32(qs[p * 32 + j]) >> sh) & np.int32(15)])
+                buf[b * 32 + j] = db * np.float32(q[b * 32 + j])
     elif fc == FC_Q4_0 or fc == FC_Q4_1:
         qs = _r_u8(ds, 0, o)
         d = _r_f32(ds, 1, o)

@@ -372,36 +372,40 @@ def gemm_q4_1(qs, d, m, x, out):
 
 # ----------------------------------------------------------------------------------------------- Q4_K
 # ----------------------------------------------------------------------------------------------- Q5_0
-# Compact layout (``_pack_q5_0``): qs uint8 [O, ceil(nb/2)*32] in the pair layout of Q4_0 (the low 4 bits), qh
-# uint32 [O, nb] as ggml stores it (bit j: the fifth bit of element j), d f32 [O, nb]. The code q - 16 is built
-# per element and then multiplied exactly as the Q8_0 loops do (the numbers of the earlier widened layout).
-@njit(inline="always", **_JIT)
-def _q5_0_code(qs, qh, o, b, j):
-    p = b >> 1
-    lo = (np.int32(qs[o, p * 32 + j]) >> np.int32((b & 1) * 4)) & np.int32(15)
-    return (lo | ((np.int32(qh[o, b] >> np.uint32(j)) & np.int32(1)) << np.int32(4))) - np.int32(16)
-
-
+# Compact layout (``_pack_q5_0``, on CPUs with AVX-512 VNNI): qs uint8 [O, ceil(nb/2)*32] in the pair layout of
+# Q4_0 (the low 4 bits), qh uint32 [O, nb] as ggml stores it (bit j: the fifth bit of element j), d f32 [O, nb].
+# The f32 kernels widen a row to its int8 codes q - 16 (``vnni.widen_q5_0``) and then run the Q8_0 loops (the
+# same numbers). Elsewhere Q5_0 is widened at load and runs the Q8_0 kernels.
 @njit(**_PJIT)
 def gemv_q5_0(qs, qh, d, x, out):
     O, nb = d.shape
     for c in prange((O + _RB - 1) // _RB):
         acc = np.empty(32, np.float32)
+        q = np.empty(nb * 32, np.int8)
         for o in range(c * _RB, min(O, c * _RB + _RB)):
+            _vnni.widen_q5_0(qs[o], qh[o], q)
             acc[:] = 0
             for b in range(nb):
                 db = d[o, b]
                 for j in range(32):
-                    acc[j] += db * (np.float32(_q5_0_code(qs, qh, o, b, j)) * x[b * 32 + j])
+                    acc[j] += db * (np.float32(q[b * 32 + j]) * x[b * 32 + j])
             out[o] = _lanes_sum(acc)
 
 
 @njit(inline="always", **_JIT)
-def _dec_q5_0(qs, qh, d, o, buf):
+def _dec_i8(q, d, o, buf):
+    """buf = d[o, b] * q per block of 32 (q int8 [I]: one row's codes), ``_dec_q8_0``'s arithmetic."""
     for b in range(d.shape[1]):
         db = d[o, b]
         for j in range(32):
-            buf[b * 32 + j] = db * np.float32(_q5_0_code(qs, qh, o, b, j))
+            buf[b * 32 + j] = db * np.float32(q[b * 32 + j])
+
+
+@njit(inline="always", **_JIT)
+def _dec_q5_0(qs, qh, d, o, buf):
+    q = np.empty(d.shape[1] * 32, np.int8)
+    _vnni.widen_q5_0(qs[o], qh[o], q)
+    _dec_i8(q, d, o, buf)
 
 
 @njit(**_PJIT)
@@ -417,34 +421,32 @@ def gemm_q5_0(qs, qh, d, x, out):
 
 
 # ----------------------------------------------------------------------------------------------- 4-bit table codes
-# MXFP4, IQ4_NL, IQ4_XS (``_pack_lut``): qs uint8 [O, ceil(nb/2)*32] in the pair layout of Q4_0, d f32 [O, nb] (a
-# scale per 32), kv int8 [1, 16] (the format's table). Code of element j of block b: the nibble of byte j of pair
-# b >> 1 (low for even b); the weight d[b] * kv[code], multiplied exactly as the Q8_0 loops do.
-@njit(inline="always", **_JIT)
-def _lut_code(qs, kv, o, b, j):
-    return kv[0, (np.int32(qs[o, (b >> 1) * 32 + j]) >> np.int32((b & 1) * 4)) & np.int32(15)]
-
-
+# MXFP4, IQ4_NL, IQ4_XS (``pack_lut``, on CPUs with AVX-512 VNNI): qs uint8 [O, ceil(nb/2)*32] in the pair layout
+# of Q4_0, d f32 [O, nb] (a scale per 32), kv int8 [1, 16] (the format's table). Code of element j of block b: the
+# nibble of byte j of pair b >> 1 (low for even b); the weight d[b] * kv[code]. The f32 kernels look a row up
+# (``vnni.widen_lut``) and run the Q8_0 loops (the same numbers). Elsewhere the codes are widened at load.
 @njit(**_PJIT)
 def gemv_lut(qs, d, kv, x, out):
     O, nb = d.shape
+    t = kv[0]
     for c in prange((O + _RB - 1) // _RB):
         acc = np.empty(32, np.float32)
+        q = np.empty(nb * 32, np.int8)
         for o in range(c * _RB, min(O, c * _RB + _RB)):
+            _vnni.widen_lut(qs[o], t, q)
             acc[:] = 0
             for b in range(nb):
                 db = d[o, b]
                 for j in range(32):
-                    acc[j] += db * (np.float32(_lut_code(qs, kv, o, b, j)) * x[b * 32 + j])
+                    acc[j] += db * (np.float32(q[b * 32 + j]) * x[b * 32 + j])
             out[o] = _lanes_sum(acc)
 
 
 @njit(inline="always", **_JIT)
 def _dec_lut(qs, d, kv, o, buf):
-    for b in range(d.shape[1]):
-        db = d[o, b]
-        for j in range(32):
-            buf[b * 32 + j] = db * np.float32(_lut_code(qs, kv, o, b, j))
+    q = np.empty(d.shape[1] * 32, np.int8)
+    _vnni.widen_lut(qs[o], kv[0], q)
+    _dec_i8(q, d, o, buf)
 
 
 @njit(**_PJIT)
@@ -831,6 +833,35 @@ def _pair_nibbles(raw: np.ndarray, nb: int, bpb: int, off: int) -> np.ndarray:
     return out
 
 
+@njit(parallel=True, nogil=True, cache=True)
+def _u_q5_0(raw, q):
+    """Q5_0 blocks -> int8 codes (q - 16) in element order (dequantize_row_q5_0)."""
+    O = raw.shape[0]
+    nb = raw.shape[1] // 22
+    for o in prange(O):
+        for b in range(nb):
+            base = b * 22
+            qh = (np.int64(raw[o, base + 2]) | (np.int64(raw[o, base + 3]) << 8)
+                  | (np.int64(raw[o, base + 4]) << 16) | (np.int64(raw[o, base + 5]) << 24))
+            for j in range(16):
+                v = np.int64(raw[o, base + 6 + j])
+                q[o, b * 32 + j] = ((v & 15) | (((qh >> j) & 1) << 4)) - 16
+                q[o, b * 32 + 16 + j] = ((v >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _u_mxfp4(raw, kv, q):
+    """MXFP4 blocks -> int8 doubled e2m1 values (``kv``) in element order."""
+    O = raw.shape[0]
+    nb = raw.shape[1] // 17
+    for o in prange(O):
+        for b in range(nb):
+            for j in range(16):
+                v = raw[o, b * 17 + 1 + j]
+                q[o, b * 32 + j] = kv[v & 15]
+                q[o, b * 32 + 16 + j] = kv[v >> 4]
+
+
 def _pack_q4_0(raw, O, I):
     b = _blocks(raw, O, I // 32, 18)
     return _pair_nibbles(raw, I // 32, 18, 2), _c(_f16(b[:, :, 0:2]), O)
@@ -846,8 +877,13 @@ def _pack_q5_0(raw, O, I):
     # bytes per 22-byte block. The kernels widen a pair of blocks to int8 codes in registers (``vnni.row_q5_0``);
     # the earlier layout widened every code to a byte at load (36 bytes per block: 1.64x the file's bytes per
     # decode token, on Qwen2.5's and Gemma-3's Q5_0 matrices).
+    # Without VNNI (no register widening) the codes are widened to int8 (q - 16) at load: the Q8_0 kernels.
     nb = I // 32
     b = _blocks(raw, O, nb, 22)
+    if not _vnni.HAVE_VNNI:
+        q = np.empty((O, I), np.int8)
+        _u_q5_0(np.ascontiguousarray(raw), q)
+        return q, _c(_f16(b[:, :, 0:2]), O)
     return _pair_nibbles(raw, nb, 22, 6), _c(b[:, :, 2:6], O).view(np.uint32), _c(_f16(b[:, :, 0:2]), O)
 
 
@@ -884,6 +920,10 @@ def _pack_mxfp4(raw, O, I):
     nb = I // 32
     b = _blocks(raw, O, nb, 17)
     d = gq.MXFP4.e8m0_to_fp32_half(np.ascontiguousarray(b[:, :, 0])).astype(np.float32)
+    if not _vnni.HAVE_VNNI:  # no register lookup: the codes widened to int8 at load (the Q8_0 kernels)
+        q = np.empty((O, I), np.int8)
+        _u_mxfp4(np.ascontiguousarray(raw), _MXFP4_I8, q)
+        return q, _c(d, O)
     return pack_lut(_c(b[:, :, 1:17], O), nb, d, _MXFP4_I8)
 
 
@@ -923,11 +963,13 @@ FORMATS: dict[str, Format] = dict([
     _row("Q8_0", 32, 34, _pack_q8_0, gemv_q8_0, gemm_q8_0, "q8_0", True, _vnni.gemv_i8_q8),
     _row("Q4_0", 32, 18, _pack_q4_0, gemv_q4_0, gemm_q4_0, "q4_0", True, _vnni.gemv_i8_q4_0),
     _row("Q4_1", 32, 20, _pack_q4_1, gemv_q4_1, gemm_q4_1, "q4_1", True, _vnni.gemv_i8_q4_1),
-    _row("Q5_0", 32, 22, _pack_q5_0, gemv_q5_0, gemm_q5_0, "q5_0", True, _vnni.gemv_i8_q5_0),
+    _row("Q5_0", 32, 22, _pack_q5_0, *((gemv_q5_0, gemm_q5_0) if _vnni.HAVE_VNNI else (gemv_q8_0, gemm_q8_0)),
+         "q5_0", True, _vnni.gemv_i8_q5_0),
     _row("Q4_K", 256, 144, _pack_q4_k, gemv_q4_k, gemm_q4_k, "q4_k", True, _vnni.gemv_i8_q4_k),
     _row("Q5_K", 256, 176, _pack_q5_k, gemv_q5_k, gemm_q5_k, "q5_k", True, _vnni.gemv_i8_q5_k),
     _row("Q6_K", 256, 210, _pack_q6_k, gemv_q6_k, gemm_q6_k, "q6_k", True, _vnni.gemv_i8_q6_k),
-    _row("MXFP4", 32, 17, _pack_mxfp4, gemv_lut, gemm_lut, "mxfp4", True, _vnni.gemv_i8_lut),
+    _row("MXFP4", 32, 17, _pack_mxfp4, *((gemv_lut, gemm_lut) if _vnni.HAVE_VNNI else (gemv_q8_0, gemm_q8_0)),
+         "mxfp4", True, _vnni.gemv_i8_lut),
 ])
 
 # Rows whose kernels live in their own modules (appended here: FORMATS stays the one CPU registry).

@@ -25,10 +25,9 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic
 
 from . import formats as _F
-from .vnni import HAVE_VNNI, widen_lut, widen_q5_0, _F32x16, _I1, _I8x64, _I32, _I32x16, _Ops  # noqa: F401
+from .vnni import HAVE_VNNI, vnni_intrinsic, widen_lut, widen_q5_0, _F32x16, _I1, _I8x64, _I32, _I32x16, _Ops  # noqa: F401
 
 MR = 4  # weight rows per tile
 NR = 4  # activation rows per tile
@@ -140,7 +139,7 @@ def _tile_intrinsic(kind, doc):
 
     typer.__doc__ = doc
     typer.__name__ = f"tile_{kind}"
-    return intrinsic(typer)
+    return vnni_intrinsic(typer)
 
 
 tile_s8 = _tile_intrinsic("s8", """4 x 4 tile, signed int8 codes with a scale per 32 (the Q8_0 layout):

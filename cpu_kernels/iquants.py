@@ -48,7 +48,6 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic
 
 from coli import iq_tables
 
@@ -314,7 +313,7 @@ _F32 = ir.FloatType()
 _F32x8 = ir.VectorType(_F32, 8)
 
 
-@intrinsic
+@_vnni.vnni_intrinsic
 def row_g16(typingctx, q, s, xq, xd):
     """sum_b xd[b] * (s[2b] * (q . xq over 16b..16b+15 of block b) + s[2b+1] * (... the second 16)).
     q int8 [nb*32], s f32 [nb*2], xq int8 [nb*32], xd f32 [nb] -> f32 (exact int32 dots, vpdpbusd)."""

@@ -45,8 +45,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .formats import _F0, _JIT, _PJIT, _RB, _M4, _S4, _block_sums, _blocks, _c, _f16, _lanes_sum, _tile
+from .formats import _F0, _JIT, _PJIT, _RB, _block_sums, _blocks, _c, _f16, _lanes_sum, _tile
 from . import formats as _F
+from .vnni import HAVE_VNNI as _HAVE_VNNI
 
 _F4 = np.float32(4.0)
 _M2 = np.uint8(3)
@@ -243,6 +244,23 @@ def _u_q5_1(raw, q):
                 q[o, b * 32 + 16 + j] = ((v >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16
 
 
+@njit(parallel=True, nogil=True, cache=True)
+def _u_nl(raw, bpb, off, nsub, kv, q):
+    """Blocks of ``bpb`` bytes whose ``nsub`` runs of 16 code bytes start at byte ``off`` (low nibble: element
+    j of the run's 32, high: j + 16) -> int8 kv[code] in element order (IQ4_NL, IQ4_XS)."""
+    O = raw.shape[0]
+    nb = raw.shape[1] // bpb
+    for o in prange(O):
+        for b in range(nb):
+            for s in range(nsub):
+                src = b * bpb + off + 16 * s
+                dst = (b * nsub + s) * 32
+                for j in range(16):
+                    v = raw[o, src + j]
+                    q[o, dst + j] = kv[v & 15]
+                    q[o, dst + 16 + j] = kv[v >> 4]
+
+
 def _pack_q5_1(raw, O, I):
     b = _blocks(raw, O, I // 32, 24)
     q = np.empty((O, I), np.int8)
@@ -278,6 +296,10 @@ def _pack_q3_k(raw, O, I):
 def _pack_iq4_nl(raw, O, I):
     nb = I // 32
     b = _blocks(raw, O, nb, 18)
+    if not _HAVE_VNNI:  # no register lookup: the codes widened to int8 kvalues at load (the Q8_0 kernels)
+        q = np.empty((O, I), np.int8)
+        _u_nl(np.ascontiguousarray(raw), 18, 2, 1, KVALUES_IQ4NL, q)
+        return q, _c(_f16(b[:, :, 0:2]), O)
     return _F.pack_lut(_c(b[:, :, 2:18], O), nb, _c(_f16(b[:, :, 0:2]), O), KVALUES_IQ4NL)
 
 
@@ -291,6 +313,10 @@ def _pack_iq4_xs(raw, O, I):
     hi = (sh[..., None] >> (2 * ib).astype(np.uint16)) & 3
     ls = (lo.astype(np.int32) | (hi.astype(np.int32) << 4)) - 32
     d32 = _c((d[..., None] * ls.astype(np.float32)).astype(np.float32), O)
+    if not _HAVE_VNNI:
+        q = np.empty((O, I), np.int8)
+        _u_nl(np.ascontiguousarray(raw), 136, 8, 8, KVALUES_IQ4NL, q)
+        return q, d32
     return _F.pack_lut(_c(b[:, :, 8:136], O), nb * 8, d32, KVALUES_IQ4NL)
 
 
@@ -333,12 +359,14 @@ def _pack_tq1_0(raw, O, I):
 
 def rows(row, vnni):
     """FORMATS entries of this module, built with ``formats._row``; ``vnni``: the cpu_kernels.vnni module."""
+    # IQ4_NL/IQ4_XS: the 4-bit table layout where the VNNI kernels look codes up, else widened codes (Q8_0's)
+    gv, gm = (_F.gemv_lut, _F.gemm_lut) if _HAVE_VNNI else (_F.gemv_q8_0, _F.gemm_q8_0)
     return [
         row("Q5_1", 32, 24, _pack_q5_1, gemv_q5_1, gemm_q5_1, "q5_1", True, vnni.gemv_i8_q5_1),
         row("Q2_K", 256, 84, _pack_q2_k, gemv_q2_k, gemm_q2_k, "q2_k", True, vnni.gemv_i8_q2_k),
         row("Q3_K", 256, 110, _pack_q3_k, gemv_q3_k, gemm_q3_k, "q3_k", True, vnni.gemv_i8_q3_k),
-        row("IQ4_NL", 32, 18, _pack_iq4_nl, _F.gemv_lut, _F.gemm_lut, "iq4_nl", True, vnni.gemv_i8_lut),
-        row("IQ4_XS", 256, 136, _pack_iq4_xs, _F.gemv_lut, _F.gemm_lut, "iq4_xs", True, vnni.gemv_i8_lut),
+        row("IQ4_NL", 32, 18, _pack_iq4_nl, gv, gm, "iq4_nl", True, vnni.gemv_i8_lut),
+        row("IQ4_XS", 256, 136, _pack_iq4_xs, gv, gm, "iq4_xs", True, vnni.gemv_i8_lut),
         row("TQ1_0", 256, 54, _pack_tq1_0, gemv_q2_k, gemm_q2_k, "tq1_0", True, vnni.gemv_i8_q2_k),
         row("TQ2_0", 256, 66, _pack_tq2_0, gemv_q2_k, gemm_q2_k, "tq2_0", True, vnni.gemv_i8_q2_k),
     ]

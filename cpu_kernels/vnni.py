@@ -23,6 +23,8 @@ stale copy of an edited intrinsic.
 """
 from __future__ import annotations
 
+import functools
+
 import numba
 from llvmlite import ir
 import numpy as np
@@ -45,6 +47,35 @@ def _have_vnni() -> bool:
 
 
 HAVE_VNNI = _have_vnni()
+
+def vnni_intrinsic(typer):
+    """``numba.extending.intrinsic`` for code that emits AVX-512 VNNI instructions. Where the CPU lacks them
+    (``HAVE_VNNI`` False) the codegen is a stub (a NaN float, a tuple of NaNs, or nothing), so the kernels that
+    hold an int8 branch beside their f32 one still compile there: LLVM cannot lower ``vpdpbusd`` for such a
+    target and aborts the process. Without VNNI the int8 branches are never taken (``experts.Act`` runs F32
+    mode, ``formats.matmul`` the f32 kernels), and a NaN would be loud if one were."""
+    if HAVE_VNNI:
+        return intrinsic(typer)
+
+    @functools.wraps(typer)
+    def stub(*args):
+        sig, _ = typer(*args)
+        return sig, _stub_codegen
+
+    return intrinsic(stub)
+
+
+def _stub_codegen(context, builder, signature, args):
+    rt = signature.return_type
+    if rt == types.void:
+        return context.get_dummy_value()
+    lt = context.get_value_type(rt)
+    if isinstance(lt, ir.FloatType):
+        return ir.Constant(lt, float("nan"))
+    if isinstance(lt, ir.ArrayType) and isinstance(lt.element, ir.FloatType):
+        return ir.Constant(lt, [float("nan")] * lt.count)
+    return ir.Constant(lt, None)
+
 
 _I1 = ir.IntType(1)
 _I8 = ir.IntType(8)
@@ -166,7 +197,7 @@ def _arrays(context, builder, sig, args):
     return [context.make_array(t)(context, builder, a) for t, a in zip(sig.args, args)]
 
 
-@intrinsic
+@vnni_intrinsic
 def row_q8(typingctx, q, d, xq, xd):
     """sum_b d[b] * xd[b] * (q[32b:32b+32] . xq[32b:32b+32]).
     q int8 [nb*32] (Q8_0, and the i-quants widened to int8), d f32 [nb], xq int8 [nb*32], xd f32 [nb] -> f32."""
@@ -200,7 +231,7 @@ def row_q8(typingctx, q, d, xq, xd):
     return sig, codegen
 
 
-@intrinsic
+@vnni_intrinsic
 def row_pair(typingctx, qs, d, xq, xd):
     """Q4_0/Q4_1 pair layout (formats._u_pair): sum_b d[b] * xd[b] * (codes_b . xq_b) with unsigned nibble codes.
     qs uint8 [ceil(nb/2)*32], d f32 [nb], xq int8 [nb*32], xd f32 [nb] -> f32."""
@@ -255,7 +286,7 @@ def row_pair(typingctx, qs, d, xq, xd):
     return sig, codegen
 
 
-@intrinsic
+@vnni_intrinsic
 def row_q5_0(typingctx, qs, qh, d, xq, xd):
     """Q5_0 in its compact layout (``formats._pack_q5_0``): the low 4 bits in the pair layout of Q4_0 (qs uint8
     [ceil(nb/2)*32]), the fifth bits as ggml stores them (qh uint32 [nb], bit j: element j of block b), d f32
@@ -306,7 +337,7 @@ def row_q5_0(typingctx, qs, qh, d, xq, xd):
     return sig, codegen
 
 
-@intrinsic
+@vnni_intrinsic
 def widen_q5_0(typingctx, qs, qh, q):
     """One compact Q5_0 row (``row_q5_0``'s qs uint8 [ceil(nb/2)*32], qh uint32 [nb]) -> int8 codes q - 16 in
     element order (q int8 [nb*32]), 64 codes per step as ``row_q5_0`` builds them: what the int8 GEMM tiles
@@ -351,7 +382,7 @@ def _lut_pair(op, qa, p, m4, sh4, t64):
     return b.call(op.shuf512, [t64, op.cat32(b.and_(v, m4), b.lshr(v, sh4))])
 
 
-@intrinsic
+@vnni_intrinsic
 def row_lut(typingctx, qs, d, kv, xq, xd):
     """4-bit codes that index a 16-entry int8 table (MXFP4's doubled e2m1 values, IQ4_NL/IQ4_XS's
     ``kvalues_iq4nl``), in the pair layout of Q4_0 (qs uint8 [ceil(nb/2)*32]), an f32 scale per 32 (d [nb]),
@@ -392,7 +423,7 @@ def row_lut(typingctx, qs, d, kv, xq, xd):
     return sig, codegen
 
 
-@intrinsic
+@vnni_intrinsic
 def widen_lut(typingctx, qs, kv, q):
     """One ``row_lut`` row (qs uint8 [ceil(nb/2)*32], table kv int8 [16]) -> its int8 codes in element order
     (q int8 [nb*32], nb = q's size / 32), 64 per step as ``row_lut`` builds them (the int8 GEMM tiles' input)."""
@@ -421,7 +452,7 @@ def widen_lut(typingctx, qs, kv, q):
     return sig, codegen
 
 
-@intrinsic
+@vnni_intrinsic
 def row_q4_k(typingctx, qs, sc, d, xq, xd):
     """Q4_K codes part: sum over sub-blocks s of d[s//8] * sc[s] * xd[s] * (codes_s . xq_s) (ggml nibble order:
     per 64, low nibbles sub-block 2k, high nibbles 2k+1). qs uint8 [nb*128], sc uint8 [nb*8], d f32 [nb],
@@ -454,7 +485,7 @@ def row_q4_k(typingctx, qs, sc, d, xq, xd):
     return sig, codegen
 
 
-@intrinsic
+@vnni_intrinsic
 def row_q5_k(typingctx, q, sc, d, xq, xd):
     """Q5_K codes part: sum over sub-blocks s of d[s//8] * sc[s] * xd[s] * (q_s . xq_s); q uint8 [nb*256] codes
     0..31 in element order, sc uint8 [nb*8], d f32 [nb], xq int8, xd f32 [nb*8] -> f32. Mins are the caller's."""
@@ -477,7 +508,7 @@ def row_q5_k(typingctx, q, sc, d, xq, xd):
     return sig, codegen
 
 
-@intrinsic
+@vnni_intrinsic
 def row_q6_k(typingctx, q, sc, d, xq, xd):
     """Q6_K: sum over 16-element sub-blocks u of d[u//16] * sc[u] * xd[u//2] * (q_u . xq_u); q int8 [nb*256]
     (codes - 32, element order), sc int8 [nb*16], d f32 [nb], xq int8, xd f32 [nb*8] -> f32."""
@@ -503,7 +534,7 @@ def row_q6_k(typingctx, q, sc, d, xq, xd):
     return sig, codegen
 
 
-@intrinsic
+@vnni_intrinsic
 def row_q2_k(typingctx, qs, sc, d, xq, xd):
     """Q2_K codes part (cpu_kernels.lowbit layout: ggml's qs kept): sum over 16-element sub-blocks u of
     d[u//16] * sc[u] * xd[u//2] * (codes_u . xq_u), codes (qs[32n + l] >> 2j) & 3 for element 128n + 32j + l.
@@ -536,7 +567,7 @@ def row_q2_k(typingctx, qs, sc, d, xq, xd):
     return sig, codegen
 
 
-@intrinsic
+@vnni_intrinsic
 def row_q3_k(typingctx, qs, hm, sc, d, xq, xd):
     """Q3_K codes part (cpu_kernels.lowbit layout: ggml's qs and hmask kept): sum over 16-element sub-blocks u of
     d[u//16] * sc[u] * xd[u//2] * (codes_u . xq_u) with the unsigned codes ((qs[32n + l] >> 2j) & 3) |

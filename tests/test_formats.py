@@ -228,3 +228,43 @@ def test_block_field_gathers_equal_numpy_copies():
         assert np.array_equal(F._c(b[:, :, lo:hi], 7), np.ascontiguousarray(b[:, :, lo:hi]).reshape(7, -1))
     want = np.ascontiguousarray(b[:, :, 0:2]).view(np.float16)[..., 0].astype(np.float32)
     assert np.array_equal(F._f16(b[:, :, 0:2]), want, equal_nan=True)
+
+
+_NO_VNNI_CHILD = r"""
+import numpy as np
+from cpu_kernels import experts as X, formats as F, vnni
+from coli import tensor_types as TT
+assert not vnni.HAVE_VNNI
+rng = np.random.default_rng(3)
+for t in ("Q5_0", "MXFP4", "IQ4_NL", "IQ4_XS"):
+    O, I = 12, 256
+    raw = TT.random_blocks(t, O, I, rng, 0.3)
+    w = F.prepare(t, raw, (O, I))
+    assert w.arrays[0].dtype == np.int8 and w.arrays[0].shape == (O, I), t   # widened at load
+    assert X.FORMAT_CODE[t] == X.FC_Q8, t
+    ref = F.FORMATS[t].reference(np.asarray(raw).reshape(O, -1), (O, I)).astype(np.float64)
+    x = rng.standard_normal((5, I)).astype(np.float32)
+    want = x.astype(np.float64) @ ref.T
+    for T in (1, 5):
+        got = F.matmul(w, x[:T], "f32")
+        assert np.abs(got - want[:T]).max() <= 1e-4 * np.abs(want).max(), t
+    g = X.Group([w])(X.Act(x[:2], "f32"))
+    assert np.abs(g - want[:2]).max() <= 1e-4 * np.abs(want).max(), t
+print("ok")
+"""
+
+
+def test_formats_without_vnni_keep_widened_codes(tmp_path):
+    """On a CPU without AVX-512 VNNI (simulated: Numba compiling for Haswell) Q5_0 and the 4-bit table formats
+    are widened to int8 codes at load and run the Q8_0 kernels (their compact layouts need the VNNI-machine
+    register lookups); the products still match gguf.quants' dequantization."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES="+avx2,+fma,+f16c,+popcnt,+sse4.2",
+               NUMBA_CACHE_DIR=str(tmp_path / "nb"))
+    r = subprocess.run([sys.executable, "-c", _NO_VNNI_CHILD], env=env, capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parent.parent, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
