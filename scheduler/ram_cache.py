@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from coli import finite
 from cpu_kernels import formats
 
 
@@ -76,8 +77,13 @@ class ExpertSource:
         return t.type_name, np.frombuffer(buf, dtype=np.uint8).reshape(t.raw.shape[1:]), per
 
     def load(self, layer: int, e: int) -> ExpertWeights:
+        """Expert ``e`` of ``layer`` read and prepared for the CPU kernels. ColiError naming the file, the tensor
+        and the expert when a matrix holds a NaN or an infinity (its values or block scales, ``coli.finite``);
+        raised in the reader thread, it reaches the step through the ``Future`` (``RAMCache.fetch``)."""
         raw = self.read_raw(layer, e)
         ws = [formats.prepare(tn, r, shp) for tn, r, shp in raw]
+        for t, w in zip(self.layers[layer], ws):
+            finite.check_weight(w, f"{os.path.basename(self.path)}: tensor '{t.name}' expert {e}")
         return ExpertWeights(ws[0], ws[1], ws[2], raw, sum(r.nbytes for _, r, _ in raw))
 
     def close(self):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from coli import finite
 from coli.errors import ColiError
 from cpu_kernels import experts as grouped
 from cpu_kernels import formats
@@ -119,11 +120,17 @@ class Weights:
             raise ColiError(f"{self.fname}: tensor '{name}' is missing")
         return ti
 
-    def prepare(self, ti):
+    def prepare(self, ti, raw=None, shape=None):
+        """``ti`` (a TensorInfo) prepared for the kernels (``raw``/``shape``: a row slice of it instead); a
+        ColiError naming the file and the tensor for an unsupported type and for a NaN or infinity in its values
+        or block scales (``coli.finite``)."""
         try:
-            return formats.prepare(ti.type_name, ti.raw, tuple(ti.shape))
+            w = formats.prepare(ti.type_name, ti.raw if raw is None else raw,
+                                tuple(ti.shape if shape is None else shape))
         except ColiError as e:
             raise ColiError(f"{self.fname}: tensor '{ti.name}': {e}") from None
+        finite.check_weight(w, f"{self.fname}: tensor '{ti.name}'")
+        return w
 
     def w(self, name: str):
         """The weight ``name`` [O, I] prepared for ``formats.matmul`` / the grouped kernels."""
@@ -133,19 +140,23 @@ class Weights:
         return self.w(name) if name in self.t else None
 
     def f32(self, name: str, required: bool = True):
-        """Tensor ``name`` as f32 of its GGUF shape (None when absent and not ``required``)."""
+        """Tensor ``name`` as f32 of its GGUF shape (None when absent and not ``required``); ColiError naming
+        the file and the tensor when it holds a NaN or an infinity (``coli.finite``)."""
         ti = self.t.get(name)
         if ti is None:
             if required:
                 raise ColiError(f"{self.fname}: tensor '{name}' is missing")
             return None
         if ti.type_name == "F32":
-            return np.ascontiguousarray(ti.raw.view(np.float32).reshape(ti.shape))
-        raw = ti.raw.reshape(1, -1) if ti.raw.ndim == 1 else ti.raw.reshape(-1, ti.raw.shape[-1])
-        try:
-            return dequantize(ti.type_name, raw, ti.shape[-1]).reshape(ti.shape)
-        except ColiError as e:
-            raise ColiError(f"{self.fname}: tensor '{name}': {e}") from None
+            out = np.ascontiguousarray(ti.raw.view(np.float32).reshape(ti.shape))
+        else:
+            raw = ti.raw.reshape(1, -1) if ti.raw.ndim == 1 else ti.raw.reshape(-1, ti.raw.shape[-1])
+            try:
+                out = dequantize(ti.type_name, raw, ti.shape[-1]).reshape(ti.shape)
+            except ColiError as e:
+                raise ColiError(f"{self.fname}: tensor '{name}': {e}") from None
+        finite.check_array(out, f"{self.fname}: tensor '{name}'")
+        return out
 
 
 def _refuse_nvfp4_scales(tensors, fname: str) -> None:
@@ -290,8 +301,15 @@ class Model:
         return r
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
+        """The embedding rows of ``ids`` f32 [T, D]; ColiError naming ``token_embd.weight`` and the token when a
+        row holds a NaN or an infinity (the table is not checked whole at load: it is read row by row)."""
         ti = self.tok_embd
-        return dequantize(ti.type_name, ti.raw[ids], ti.shape[-1])
+        h = dequantize(ti.type_name, ti.raw[ids], ti.shape[-1])
+        r = finite.first_bad_row(h)
+        if r is not None:
+            raise ColiError(f"{self.wt.fname}: tensor '{ti.name}' has a non-finite value in row {int(ids[r])} (the "
+                            "embedding of that token): the file is damaged (a NaN or infinity in a weight)")
+        return h
 
     # -- caches ------------------------------------------------------------------------------------------
     def new_cache(self, ctx: int) -> Cache:

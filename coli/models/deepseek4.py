@@ -42,7 +42,6 @@ import numpy as np
 from coli.errors import ColiError
 from cpu_kernels import dsv4
 from cpu_kernels import experts as grouped
-from cpu_kernels import formats
 from cpu_kernels.norms import rms_norm
 
 from . import base, blocks
@@ -261,11 +260,8 @@ class Attention:
         g: rows g r .. (g+1) r, HF ``DeepseekV4GroupedLinear``) for ``cpu_kernels.dsv4.GroupedLinear``."""
         ti, G, r = m.wt.info(name), m.args.o_groups, m.args.o_rank
         raw = ti.raw.reshape(G * r, -1)
-        try:
-            return dsv4.GroupedLinear([formats.prepare(ti.type_name, raw[g * r:(g + 1) * r], (r, int(ti.shape[1])))
-                                       for g in range(G)])
-        except ColiError as e:
-            raise ColiError(f"{m.g.path.name}: tensor '{name}': {e}") from None
+        # Weights.prepare: ColiError naming the tensor (type, NaN / inf)
+        return dsv4.GroupedLinear([m.wt.prepare(ti, raw[g * r:(g + 1) * r], (r, int(ti.shape[1]))) for g in range(G)])
 
     def tables(self):
         """cos, sin f32 [ctx, n_rot / 2]: compressed layers the compressed base with the YaRN (no mscale),

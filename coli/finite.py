@@ -1,0 +1,51 @@
+"""Finiteness of a model's weights, checked when a tensor is loaded for the CPU (docs/formats.md, "Damaged
+weights").
+
+A NaN or infinity in a weight is a damaged file: llama.cpp would compute NaN logits from it, but with coli's int8
+activations a NaN hidden row rounds to finite int8 codes, so the run would print normal-looking tokens. The check
+is on what the kernels read: every value of a float tensor (F32 / F16 / BF16, widened to f32 by
+``cpu_kernels.formats.prepare``) and, for a block format, its float fields (the block scales and mins, ggml's
+``d`` / ``dmin``, which ``prepare`` converts to f32 arrays [O, blocks]); the integer codes of a block cannot be
+non-finite. One ``np.isfinite(a).all()`` per float array; the first bad row is looked for only when it fails.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from coli.errors import ColiError
+
+
+def first_bad_row(a: np.ndarray) -> int | None:
+    """The first row (index along axis 0; the element of a 1-D array) of float array ``a`` holding a NaN or an
+    infinity, or None when every value is finite (or ``a`` is not a float array)."""
+    if a.dtype.kind != "f" or a.size == 0 or np.isfinite(a).all():
+        return None
+    rows = a.reshape(a.shape[0], -1) if a.ndim > 1 else a.reshape(-1, 1)
+    return int(np.argmax(~np.isfinite(rows).all(axis=1)))
+
+
+def _describe(a: np.ndarray, row: int) -> str:
+    v = a.reshape(a.shape[0], -1)[row] if a.ndim > 1 else a[row:row + 1]
+    bad = v[~np.isfinite(v)][0]
+    return "nan" if np.isnan(bad) else ("inf" if bad > 0 else "-inf")
+
+
+def check_array(a: np.ndarray, where: str) -> None:
+    """ColiError ``"<where> has a non-finite value (nan) in row R ..."`` when float array ``a`` (a dequantized
+    tensor, GGUF shape in NumPy order) holds a NaN or an infinity. ``where``: ``"<file>: tensor '<name>'"``."""
+    r = first_bad_row(a)
+    if r is not None:
+        pos = f"row {r}" if a.ndim > 1 else f"element {r}"
+        raise ColiError(f"{where} has a non-finite value ({_describe(a, r)}) in {pos}: the file is damaged "
+                        "(a NaN or infinity in a weight)")
+
+
+def check_weight(w, where: str) -> None:
+    """The same for a ``cpu_kernels.formats.Weight`` [O, I]: every float array of its packed ``arrays`` (all the
+    values of a float format; the block scales / mins of a block format), naming the weight row (output row)."""
+    for a in w.arrays:
+        r = first_bad_row(a)
+        if r is not None:
+            what = "value" if w.fmt.block_size == 1 else "block scale"
+            raise ColiError(f"{where} has a non-finite {what} ({_describe(a, r)}) in row {r} ({w.name} [O, I] "
+                            f"{list(w.shape)}): the file is damaged (a NaN or infinity in a weight)")

@@ -1,0 +1,146 @@
+"""Damaged weight values and expert tensors of the wrong shape, in copies of the small fixtures (rewritten with
+``test_malformed_families._rewrite``): one ColiError naming the file and the tensor (and the expert), at load for
+the dense tensors and at the expert's read for the experts the RAM cache reads lazily, never normal-looking
+tokens, a NumPy error or a kernel's ZeroDivisionError (docs/formats.md "Damaged weights", docs/families.md)."""
+from pathlib import Path
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from test_malformed_families import _rewrite
+from tiny_moe import build_tiny_moe
+
+F16_INF = np.array([0x00, 0x7C], np.uint8)   # +inf as f16 little-endian bytes (IEEE 754 binary16)
+F16_NAN = np.array([0x00, 0x7E], np.uint8)
+
+
+def _set(flat_index: int, value):
+    """An ``edit`` of ``_rewrite``: value ``value`` at flat index ``flat_index`` of the tensor's data."""
+    def f(a):
+        a.reshape(-1)[flat_index] = value
+        return a
+    return f
+
+
+def _q8_scale(row: int, block: int, code: np.ndarray):
+    """An ``edit`` setting the f16 scale ``d`` (bytes 0-1 of a 34-byte block; ggml-common.h ``block_q8_0``) of block
+    ``block`` of row ``row`` of a Q8_0 tensor's raw bytes [..., row bytes] (3-D: the rows of every expert)."""
+    def f(a):
+        rows = a.reshape(-1, a.shape[-1])
+        rows[row, block * 34:block * 34 + 2] = code
+        return a
+    return f
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """scripts/make_synthetic_moe.py's tiny Q8_0 MoE (tests/tiny_moe.py): 2 layers, d 64, 4 experts."""
+    return build_tiny_moe(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.mark.parametrize("name, tensor, edit, match", [
+    ("qwen3moe", "blk.0.attn_norm.weight", _set(3, np.nan),
+     r"qwen3moe\.gguf: tensor 'blk\.0\.attn_norm\.weight' has a non-finite value \(nan\) in element 3"),
+    ("gptoss", "blk.1.attn_q.weight", _set(5 * 64 + 2, np.inf),
+     r"gptoss\.gguf: tensor 'blk\.1\.attn_q\.weight' has a non-finite value \(inf\) in row 5 \(F32"),
+    ("olmoe", "output.weight", _set(7 * 64, -np.inf),
+     r"olmoe\.gguf: tensor 'output\.weight' has a non-finite value \(-inf\) in row 7"),
+    ("qwen2moe", "blk.1.ffn_gate_inp.weight", _set(9, np.nan),
+     r"qwen2moe\.gguf: tensor 'blk\.1\.ffn_gate_inp\.weight' has a non-finite value \(nan\) in row 0"),
+    ("qwen2moe", "blk.0.ffn_up_shexp.weight", _set(64 * 10, np.nan),
+     r"qwen2moe\.gguf: tensor 'blk\.0\.ffn_up_shexp\.weight' has a non-finite value \(nan\) in row 10"),
+])
+def test_nan_or_inf_weight_is_one_clear_error(tmp_path, name, tensor, edit, match):
+    """Before: a NaN norm weight gave normal-looking tokens with int8 activations (a NaN row rounds to finite int8
+    codes, so no logit is non-finite) and a ZeroDivisionError in the attention kernel with f32 activations."""
+    from coli.engine import Engine
+    from coli.errors import ColiError
+
+    path = _rewrite(name, tmp_path / f"{name}.gguf", edit={tensor: edit})
+    with pytest.raises(ColiError, match=match):
+        Engine(str(path), threads=1, ctx=32)
+
+
+def test_non_finite_block_scale_is_one_clear_error(tmp_path, tiny):
+    """A Q8_0 weight with an infinite block scale (its codes are integers: the scales are its only float field)."""
+    from coli.engine import Engine
+    from coli.errors import ColiError
+
+    path = _rewrite("", tmp_path / "tiny.gguf", src=tiny, edit={"blk.1.attn_v.weight": _q8_scale(6, 1, F16_INF)})
+    with pytest.raises(ColiError, match=r"tiny\.gguf: tensor 'blk\.1\.attn_v\.weight' has a non-finite block scale "
+                                        r"\(inf\) in row 6 \(Q8_0"):
+        Engine(str(path), threads=1, ctx=32)
+
+
+def test_non_finite_embedding_row_names_the_token(tmp_path):
+    """The embedding table is read row by row (not checked whole at load): the token's row is checked when it is
+    embedded; the other rows still run."""
+    from coli.engine import Engine
+    from coli.errors import ColiError
+
+    path = _rewrite("qwen3moe", tmp_path / "qwen3moe.gguf", edit={"token_embd.weight": _set(7 * 64 + 1, np.nan)})
+    with Engine(str(path), threads=1, ctx=32) as eng:
+        assert np.isfinite(eng.logits([5, 6])).all()
+        with pytest.raises(ColiError, match=r"qwen3moe\.gguf: tensor 'token_embd\.weight' has a non-finite value "
+                                            r"in row 7"):
+            eng.logits([5, 7])
+
+
+@pytest.mark.parametrize("src, tensor, edit, layer, expert, match", [
+    ("mixtral", "blk.1.ffn_down_exps.weight", _set(5 * 64 * 32 + 3 * 32 + 1, np.nan), 1, 5,
+     r"mixtral\.gguf: tensor 'blk\.1\.ffn_down_exps\.weight' expert 5 has a non-finite value \(nan\) in row 3"),
+    ("tiny", "blk.0.ffn_up_exps.weight", _q8_scale(2 * 64 + 9, 0, F16_NAN), 0, 2,
+     r"tiny\.gguf: tensor 'blk\.0\.ffn_up_exps\.weight' expert 2 has a non-finite block scale \(nan\) in row 9"),
+])
+def test_non_finite_expert_is_one_clear_error_from_the_reader(tmp_path, tiny, src, tensor, edit, layer, expert,
+                                                               match):
+    """An expert is read lazily by the RAM cache's reader threads: the check runs there, and the ColiError reaches
+    the caller through the read's Future (no hang, no thread traceback); the expert's neighbours still load."""
+    from coli.engine import Engine
+    from coli.errors import ColiError
+
+    name = "tiny" if src == "tiny" else src
+    path = _rewrite(name, tmp_path / f"{name}.gguf", src=tiny if src == "tiny" else None, edit={tensor: edit})
+    with Engine(str(path), threads=1, ctx=32, expert_cache=2) as eng:
+        eng.cache.fetch(layer, expert - 1).result(timeout=60)
+        with pytest.raises(ColiError, match=match):
+            eng.cache.fetch(layer, expert).result(timeout=60)
+
+
+def test_cli_non_finite_expert_prints_one_line_and_exits_2(tmp_path):
+    """``coli run`` on a file whose every layer-0 gate expert holds a NaN: whichever expert the first token routes
+    to, one ``coli:`` line naming the tensor and the expert, exit 2, no traceback."""
+    def every_expert(a):
+        a[:, 4, 7] = np.nan  # [E, F, D]: row 4 of each expert
+        return a
+
+    path = _rewrite("mixtral", tmp_path / "mixtral.gguf", edit={"blk.0.ffn_gate_exps.weight": every_expert})
+    r = subprocess.run([sys.executable, "-m", "coli", "run", "-q", "-m", str(path), "-p", "Hi", "-n", "2"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("coli: mixtral.gguf: tensor 'blk.0.ffn_gate_exps.weight' expert "), \
+        r.stderr
+    assert "non-finite value (nan) in row 4" in lines[0]
+    assert "Traceback" not in r.stderr + r.stdout
+
+
+@pytest.mark.parametrize("fill", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("kernel", ["serial", "parallel"])
+def test_attention_with_a_non_finite_score_gives_nan_not_an_exception(fill, kernel):
+    """A non-finite query (activations overflowed) left the softmax sum 0 or NaN and the serial kernel raised
+    ZeroDivisionError; the row is NaN now (the engine's non-finite check reports it) and the other heads are
+    unchanged: all-ones K and V give exactly 1 (softmax weights summing to 1 times V = 1)."""
+    from cpu_kernels import attention
+
+    q = np.ones((1, 2, 8), np.float32)
+    q[0, 0, 0] = fill
+    kc = np.ones((1, 4, 8), np.float32)
+    vc = np.ones((1, 4, 8), np.float32)
+    out = np.empty((1, 2, 8), np.float32)
+    fn = attention._attend_serial if kernel == "serial" else attention._attend
+    fn(q, kc, vc, 3, np.float32(0.35), 0, np.zeros(0, np.float32), out)
+    assert np.isnan(out[0, 0]).all()
+    np.testing.assert_allclose(out[0, 1], 1.0, rtol=1e-6)
