@@ -144,3 +144,36 @@ def test_attention_with_a_non_finite_score_gives_nan_not_an_exception(fill, kern
     fn(q, kc, vc, 3, np.float32(0.35), 0, np.zeros(0, np.float32), out)
     assert np.isnan(out[0, 0]).all()
     np.testing.assert_allclose(out[0, 1], 1.0, rtol=1e-6)
+
+
+def _first(n: int, axis: int = 0):
+    """An ``edit`` keeping the first ``n`` entries of a tensor's data along ``axis`` (NumPy order)."""
+    return lambda a: np.ascontiguousarray(np.take(a, np.arange(n), axis=axis))
+
+
+# Expert tensors that disagree with expert_count, embedding_length or each other (blocks.MoE, every MoE family:
+# gpt-oss's and DeepSeek-V4's MoE blocks subclass it). Before: fewer experts than expert_count read the next
+# tensor's bytes as the missing experts, or a ValueError in scheduler/usage.py.
+@pytest.mark.parametrize("name, tensor, edit, match", [
+    ("mixtral", "blk.1.ffn_up_exps.weight", _first(6),
+     r"mixtral\.gguf: tensor 'blk\.1\.ffn_up_exps\.weight' has shape \[6, 32, 64\] \(NumPy order\), expected "
+     r"\[8, 32, 64\] \(expert_count 8, embedding_length 64, expert width 32 of 'blk\.1\.ffn_gate_exps\.weight'\)"),
+    ("qwen3moe", "blk.0.ffn_gate_exps.weight", _first(4),
+     r"qwen3moe\.gguf: tensor 'blk\.0\.ffn_gate_exps\.weight' has shape \[4, 32, 64\].*expected \[8, 32, 64\]"),
+    ("olmoe", "blk.0.ffn_down_exps.weight", _first(16, axis=2),
+     r"olmoe\.gguf: tensor 'blk\.0\.ffn_down_exps\.weight' has shape \[8, 64, 16\].*expected \[8, 64, 32\]"),
+    ("gptoss", "blk.1.ffn_down_exps.weight", _first(5),
+     r"gptoss\.gguf: tensor 'blk\.1\.ffn_down_exps\.weight' has shape \[5, 64, 64\].*expected \[8, 64, 64\]"),
+    ("deepseek4", "blk.2.ffn_up_exps.weight", _first(7),
+     r"deepseek4\.gguf: tensor 'blk\.2\.ffn_up_exps\.weight' has shape \[7, 32, 32\].*expected \[8, 32, 32\]"),
+    ("qwen2moe", "blk.1.ffn_gate_shexp.weight", _first(48),
+     r"qwen2moe\.gguf: tensor 'blk\.1\.ffn_gate_shexp\.weight' has shape \[48, 64\].*expected \[64, 64\] "
+     r"\(embedding_length 64, shared-expert width 64 of 'blk\.1\.ffn_up_shexp\.weight'\)"),
+])
+def test_expert_shape_is_one_clear_error(tmp_path, name, tensor, edit, match):
+    from coli.engine import Engine
+    from coli.errors import ColiError
+
+    path = _rewrite(name, tmp_path / f"{name}.gguf", edit={tensor: edit})
+    with pytest.raises(ColiError, match=match):
+        Engine(str(path), threads=1, ctx=32)
