@@ -46,7 +46,7 @@ from . import gemm_i8 as _G
 from . import iquants as _iq
 from . import lowbit as _lb
 from .iquants import row_g16
-from .vnni import HAVE_VNNI, _act_sums16, row_pair, row_q2_k, row_q3_k, row_q4_k, row_q5_k, row_q6_k, row_q8
+from .vnni import HAVE_VNNI, _act_sums16, row_pair, row_q2_k, row_q3_k, row_q4_k, row_q5_0, row_q5_k, row_q6_k, row_q8
 
 _PJIT = dict(parallel=True, nogil=True, cache=True, fastmath=True)
 _JIT = dict(nogil=True, cache=True, fastmath=True)
@@ -59,7 +59,9 @@ FC_F32, FC_Q8, FC_Q4_0, FC_Q4_1, FC_Q4_K, FC_Q5_K, FC_Q6_K = range(7)
 # TQ2_0 are packed in its layout), Q3_K, the G = 16 i-quants (int8 codes, f32 scale per 16), FP8 (E4M3 codes,
 # f32 scale per 128; no integer dot: int8 mode multiplies the decoded row by the rounded activations)
 FC_Q5_1, FC_Q2_K, FC_Q3_K, FC_G16, FC_FP8 = range(7, 12)
-FORMAT_CODE = {"F32": FC_F32, "F16": FC_F32, "BF16": FC_F32, "Q8_0": FC_Q8, "Q5_0": FC_Q8, "MXFP4": FC_Q8,
+# Q5_0's compact layout (formats._pack_q5_0: pair nibbles, uint32 fifth bits, f32 d)
+FC_Q5_0 = 12
+FORMAT_CODE = {"F32": FC_F32, "F16": FC_F32, "BF16": FC_F32, "Q8_0": FC_Q8, "Q5_0": FC_Q5_0, "MXFP4": FC_Q8,
                "Q4_0": FC_Q4_0, "Q4_1": FC_Q4_1, "Q4_K": FC_Q4_K, "Q5_K": FC_Q5_K, "Q6_K": FC_Q6_K,
                "IQ4_NL": FC_Q8, "IQ4_XS": FC_Q8}   # cpu_kernels.lowbit packs both in Q8_0's layout
 # cpu_kernels.iquants packs these i-quants in Q8_0's layout (int8 codes, f32 scale per 32); IQ2_XS, IQ2_S and
@@ -129,6 +131,7 @@ def _ptr_of(nbty):
 _pi8 = _ptr_of(types.int8)
 _pu8 = _ptr_of(types.uint8)
 _pf32 = _ptr_of(types.float32)
+_pu32 = _ptr_of(types.uint32)
 
 
 @njit(inline="always", **_JIT)
@@ -141,6 +144,12 @@ def _r_i8(ds, k, o):
 def _r_u8(ds, k, o):
     n = ds[8 + k]
     return numba.carray(_pu8(ds[3 + k] + o * n), (n,))
+
+
+@njit(inline="always", **_JIT)
+def _r_u32(ds, k, o):
+    n = ds[8 + k]
+    return numba.carray(_pu32(ds[3 + k] + o * n * 4), (n,))
 
 
 @njit(inline="always", **_JIT)
@@ -199,6 +208,14 @@ def _block_i8(ds, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out):
             for p in range(p0, p1):
                 r = src[p]
                 out[dst[p], oe + o] = row_q8(q, d, xq[r], xd[r])
+    elif fc == FC_Q5_0:
+        for o in range(c0, c1):
+            qs = _r_u8(ds, 0, o)
+            qh = _r_u32(ds, 1, o)
+            d = _r_f32(ds, 2, o)
+            for p in range(p0, p1):
+                r = src[p]
+                out[dst[p], oe + o] = row_q5_0(qs, qh, d, xq[r], xd[r])
     elif fc == FC_Q4_0 or fc == FC_Q4_1:
         for o in range(c0, c1):
             qs = _r_u8(ds, 0, o)
@@ -318,7 +335,8 @@ def _block_i8(ds, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out):
 @njit(inline="always", **_JIT)
 def _row_ok(fc):
     """True for the format codes ``_row_i8`` computes (the others take ``_block_i8`` with one row)."""
-    return fc == FC_Q8 or fc == FC_Q4_0 or fc == FC_Q4_1 or fc == FC_Q4_K or fc == FC_Q5_K or fc == FC_Q6_K
+    return (fc == FC_Q8 or fc == FC_Q5_0 or fc == FC_Q4_0 or fc == FC_Q4_1 or fc == FC_Q4_K or fc == FC_Q5_K
+            or fc == FC_Q6_K)
 
 
 @njit(inline="always", **_JIT)
@@ -327,6 +345,8 @@ def _row_i8(ds, o, r, xq, xd, xm):
     fc = ds[0]
     if fc == FC_Q8:
         return row_q8(_r_i8(ds, 0, o), _r_f32(ds, 1, o), xq[r], xd[r])
+    if fc == FC_Q5_0:
+        return row_q5_0(_r_u8(ds, 0, o), _r_u32(ds, 1, o), _r_f32(ds, 2, o), xq[r], xd[r])
     if fc == FC_Q4_0 or fc == FC_Q4_1:
         qs = _r_u8(ds, 0, o)
         d = _r_f32(ds, 1, o)
@@ -379,6 +399,19 @@ def _decode_row(ds, o, buf):
             db = d[b]
             for j in range(32):
                 buf[b * 32 + j] = db * np.float32(q[b * 32 + j])
+    elif fc == FC_Q5_0:   # formats._dec_q5_0
+        qs = _r_u8(ds, 0, o)
+        qh = _r_u32(ds, 1, o)
+        d = _r_f32(ds, 2, o)
+        for b in range(I // 32):
+            db = d[b]
+            sh = np.int32((b & 1) * 4)
+            p = b >> 1
+            h = qh[b]
+            for j in range(32):
+                c = (((np.int32(qs[p * 32 + j]) >> sh) & np.int32(15))
+                     | ((np.int32(h >> np.uint32(j)) & np.int32(1)) << np.int32(4)))
+                buf[b * 32 + j] = db * np.float32(c - np.int32(16))
     elif fc == FC_Q4_0 or fc == FC_Q4_1:
         qs = _r_u8(ds, 0, o)
         d = _r_f32(ds, 1, o)

@@ -28,9 +28,11 @@ Kernel layout (``pack``, done once at ``prepare``; memory per format in docs/cpu
 contiguous per-row arrays, f16 block scales converted to f32 (Numba has no float16, ``../shared/stack-notes.md``
 pitfall 11), and codes put where 32-wide loops with one scale can read them:
 
-* Q8_0: int8 codes as stored.  Q5_0, Q6_K, MXFP4: expanded to int8 codes (q-16, q-32, doubled e2m1 kvalues) in
-  element order, so they run the Q8_0-style loops (in-kernel bit decoding measured 1.7-5x slower).
+* Q8_0: int8 codes as stored.  Q6_K, MXFP4: expanded to int8 codes (q-32, doubled e2m1 kvalues) in element
+  order, so they run the Q8_0-style loops (in-kernel bit decoding measured 1.7-5x slower in Numba loops).
 * Q4_0, Q4_1: nibbles re-paired: byte j of pair p holds element j of block 2p (low) and of block 2p+1 (high).
+* Q5_0: the low nibbles re-paired as Q4_0's, the fifth bits as ggml's uint32 per block; the int8 kernels widen
+  them in registers (``vnni.row_q5_0``: a 64-bit mask per pair of blocks), with the Q8_0 kernel's arithmetic.
 * Q4_K: ggml's nibble order kept (it is already 32-wide per sub-block); 6-bit scales/mins unpacked to uint8,
   multiplied by the f32 super-block ``d``/``dmin`` in the kernel. Q5_K: the same scales, codes widened to bytes.
 * F16, BF16: widened to f32 (the F32 kernels).
@@ -366,6 +368,51 @@ def gemm_q4_1(qs, d, m, x, out):
 
 
 # ----------------------------------------------------------------------------------------------- Q4_K
+# ----------------------------------------------------------------------------------------------- Q5_0
+# Compact layout (``_pack_q5_0``): qs uint8 [O, ceil(nb/2)*32] in the pair layout of Q4_0 (the low 4 bits), qh
+# uint32 [O, nb] as ggml stores it (bit j: the fifth bit of element j), d f32 [O, nb]. The code q - 16 is built
+# per element and then multiplied exactly as the Q8_0 loops do (the numbers of the earlier widened layout).
+@njit(inline="always", **_JIT)
+def _q5_0_code(qs, qh, o, b, j):
+    p = b >> 1
+    lo = (np.int32(qs[o, p * 32 + j]) >> np.int32((b & 1) * 4)) & np.int32(15)
+    return (lo | ((np.int32(qh[o, b] >> np.uint32(j)) & np.int32(1)) << np.int32(4))) - np.int32(16)
+
+
+@njit(**_PJIT)
+def gemv_q5_0(qs, qh, d, x, out):
+    O, nb = d.shape
+    for c in prange((O + _RB - 1) // _RB):
+        acc = np.empty(32, np.float32)
+        for o in range(c * _RB, min(O, c * _RB + _RB)):
+            acc[:] = 0
+            for b in range(nb):
+                db = d[o, b]
+                for j in range(32):
+                    acc[j] += db * (np.float32(_q5_0_code(qs, qh, o, b, j)) * x[b * 32 + j])
+            out[o] = _lanes_sum(acc)
+
+
+@njit(inline="always", **_JIT)
+def _dec_q5_0(qs, qh, d, o, buf):
+    for b in range(d.shape[1]):
+        db = d[o, b]
+        for j in range(32):
+            buf[b * 32 + j] = db * np.float32(_q5_0_code(qs, qh, o, b, j))
+
+
+@njit(**_PJIT)
+def gemm_q5_0(qs, qh, d, x, out):
+    O, nb = d.shape
+    for c in prange((O + _RB - 1) // _RB):
+        buf = np.empty((_RB, nb * 32), np.float32)
+        c0 = c * _RB
+        n = min(_RB, O - c0)
+        for r in range(n):
+            _dec_q5_0(qs, qh, d, c0 + r, buf[r])
+        _tile(buf, n, x, c0, out)
+
+
 @njit(**_PJIT)
 def gemv_q4_k(qs, sc, mn, d, dm, x, out):
     # qs uint8 [O, nb*128]; sc, mn uint8 [O, nb*8] (6-bit sub-block scale / min); d, dm f32 [O, nb]
@@ -686,22 +733,6 @@ def _u_pair(raw, bpb, off, out):
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def _u_q5_0(raw, q):
-    """Q5_0 blocks -> int8 codes (q - 16) in element order (dequantize_row_q5_0)."""
-    O = raw.shape[0]
-    nb = raw.shape[1] // 22
-    for o in prange(O):
-        for b in range(nb):
-            base = b * 22
-            qh = (np.int64(raw[o, base + 2]) | (np.int64(raw[o, base + 3]) << 8)
-                  | (np.int64(raw[o, base + 4]) << 16) | (np.int64(raw[o, base + 5]) << 24))
-            for j in range(16):
-                v = np.int64(raw[o, base + 6 + j])
-                q[o, b * 32 + j] = ((v & 15) | (((qh >> j) & 1) << 4)) - 16
-                q[o, b * 32 + 16 + j] = ((v >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16
-
-
-@njit(parallel=True, nogil=True, cache=True)
 def _u_mxfp4(raw, kv, q):
     """MXFP4 blocks -> int8 doubled e2m1 values (``kv``) in element order."""
     O = raw.shape[0]
@@ -768,12 +799,13 @@ def _pack_q4_1(raw, O, I):
 
 
 def _pack_q5_0(raw, O, I):
-    # Expanded at prepare time to int8 codes (q - 16) in element order, so Q5_0 runs the Q8_0 kernels: the
-    # in-kernel high-bit decode measured 1.7x slower (docs/cpu_kernels.md). Costs 36 bytes per 22-byte block.
-    b = _blocks(raw, O, I // 32, 22)
-    q = np.empty((O, I), np.int8)
-    _u_q5_0(np.ascontiguousarray(raw), q)
-    return q, _c(_f16(b[:, :, 0:2]), O)
+    # Compact: the low nibbles re-paired as Q4_0's, the fifth bits kept as ggml's uint32 per block, d to f32: 26
+    # bytes per 22-byte block. The kernels widen a pair of blocks to int8 codes in registers (``vnni.row_q5_0``);
+    # the earlier layout widened every code to a byte at load (36 bytes per block: 1.64x the file's bytes per
+    # decode token, on Qwen2.5's and Gemma-3's Q5_0 matrices).
+    nb = I // 32
+    b = _blocks(raw, O, nb, 22)
+    return _pair_nibbles(raw, nb, 22, 6), _c(b[:, :, 2:6], O).view(np.uint32), _c(_f16(b[:, :, 0:2]), O)
 
 
 def _pack_q4_k(raw, O, I):
@@ -850,7 +882,7 @@ FORMATS: dict[str, Format] = dict([
     _row("Q8_0", 32, 34, _pack_q8_0, gemv_q8_0, gemm_q8_0, "q8_0", True, _vnni.gemv_i8_q8),
     _row("Q4_0", 32, 18, _pack_q4_0, gemv_q4_0, gemm_q4_0, "q4_0", True, _vnni.gemv_i8_q4_0),
     _row("Q4_1", 32, 20, _pack_q4_1, gemv_q4_1, gemm_q4_1, "q4_1", True, _vnni.gemv_i8_q4_1),
-    _row("Q5_0", 32, 22, _pack_q5_0, gemv_q8_0, gemm_q8_0, "q5_0", True, _vnni.gemv_i8_q8),
+    _row("Q5_0", 32, 22, _pack_q5_0, gemv_q5_0, gemm_q5_0, "q5_0", True, _vnni.gemv_i8_q5_0),
     _row("Q4_K", 256, 144, _pack_q4_k, gemv_q4_k, gemm_q4_k, "q4_k", True, _vnni.gemv_i8_q4_k),
     _row("Q5_K", 256, 176, _pack_q5_k, gemv_q5_k, gemm_q5_k, "q5_k", True, _vnni.gemv_i8_q5_k),
     _row("Q6_K", 256, 210, _pack_q6_k, gemv_q6_k, gemm_q6_k, "q6_k", True, _vnni.gemv_i8_q6_k),

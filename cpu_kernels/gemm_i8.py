@@ -1,6 +1,6 @@
 """Blocked int8 GEMM microkernel for prompt chunks: a 4 x 4 register tile of (weight row, activation row) dots
 with AVX-512 VNNI, for the Q8_0 kernel layout (int8 codes + f32 scale per 32: Q8_0, Q5_0, MXFP4, IQ4_NL/XS and
-the i-quants with a scale per 32, ``formats``' module docstring).
+the i-quants with a scale per 32, ``formats``' module docstring; compact Q5_0 widened per 16 weight rows).
 
 The GEMV intrinsics of ``cpu_kernels.vnni`` compute one (weight row, activation row) dot at a time: every 64
 weight bytes cost a load, ``|w|``, ``sign(w) * x`` and one ``vpdpbusd`` per activation row. A prompt chunk's
@@ -27,7 +27,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import formats as _F
-from .vnni import HAVE_VNNI, _F32x16, _I1, _I8x64, _I32, _I32x16, _Ops  # noqa: F401
+from .vnni import HAVE_VNNI, widen_q5_0, _F32x16, _I1, _I8x64, _I32, _I32x16, _Ops  # noqa: F401
 
 MR = 4  # weight rows per tile
 NR = 4  # activation rows per tile
@@ -220,7 +220,8 @@ def prep_act(x, xq, xd, xm, xu, xp, xsp, signed, nib):
 
 
 @njit(inline="always", **_J)
-def _s8_block(q, ws, os0, c0, c1, xu, xd, out, g16):
+def _s8_block(q, qs0, ws, os0, c0, c1, xu, xd, out, g16):
+    """Tiles of weight rows c0:c1 (codes q[o - qs0], scales ws[o - os0]) times every activation row."""
     T = xu.shape[0]
     o = c0
     while o < c1:
@@ -229,9 +230,9 @@ def _s8_block(q, ws, os0, c0, c1, xu, xd, out, g16):
         while r < T:
             r4 = min(r, T - NR)
             if g16:
-                t = tile_s8g16(q, o4, ws, o4 - os0, xu, r4, xd)
+                t = tile_s8g16(q, o4 - qs0, ws, o4 - os0, xu, r4, xd)
             else:
-                t = tile_s8(q, o4, ws, o4 - os0, xu, r4, xd)
+                t = tile_s8(q, o4 - qs0, ws, o4 - os0, xu, r4, xd)
             for i in range(MR):
                 if o4 + i >= o:
                     for j in range(NR):
@@ -271,10 +272,24 @@ def _nib_block(qs, ws, os0, c0, c1, xp, xsp, out, wc, xm):
 
 @njit(**_PJ)
 def gemm_q8(q, d, xu, xd, out):
-    """Q8_0 layout (Q8_0, Q5_0, MXFP4, IQ4_NL/XS, ...): out f32 [T, O] = codes . activation codes x scales."""
+    """Q8_0 layout (Q8_0, MXFP4, IQ4_NL/XS, ...): out f32 [T, O] = codes . activation codes x scales."""
     O = q.shape[0]
     for c in prange((O + _RB - 1) // _RB):
-        _s8_block(q, d, 0, c * _RB, min(O, c * _RB + _RB), xu, xd, out, False)
+        _s8_block(q, 0, d, 0, c * _RB, min(O, c * _RB + _RB), xu, xd, out, False)
+
+
+@njit(**_PJ)
+def gemm_q5_0(qs, qh, d, xu, xd, out):
+    """Q5_0 in its compact layout (``formats._pack_q5_0``): each block of 16 weight rows widened to int8 codes
+    q - 16 into a scratch once (``vnni.widen_q5_0``), then ``gemm_q8``'s tiles."""
+    O, nb = d.shape
+    for c in prange((O + _RB - 1) // _RB):
+        c0 = c * _RB
+        c1 = min(O, c0 + _RB)
+        q = np.empty((_RB, nb * 32), np.int8)
+        for o in range(c0, c1):
+            widen_q5_0(qs[o], qh[o], q[o - c0])
+        _s8_block(q, c0, d, 0, c0, c1, xu, xd, out, False)
 
 
 @njit(**_PJ)
@@ -282,7 +297,7 @@ def gemm_g16(q, s, xu, xd, out):
     """The G = 16 layout (int8 codes, f32 scale per 16: IQ2_XS, IQ2_S, IQ1_M, NVFP4): the scales as stored."""
     O = q.shape[0]
     for c in prange((O + _RB - 1) // _RB):
-        _s8_block(q, s, 0, c * _RB, min(O, c * _RB + _RB), xu, xd, out, True)
+        _s8_block(q, 0, s, 0, c * _RB, min(O, c * _RB + _RB), xu, xd, out, True)
 
 
 @njit(**_PJ)
@@ -296,7 +311,7 @@ def gemm_q6_k(q, sc, d, xu, xd, out):
         for o in range(c0, c1):
             for u in range(I // 16):
                 ws[o - c0, u] = d[o, u >> 4] * np.float32(sc[o, u])
-        _s8_block(q, ws, c0, c0, c1, xu, xd, out, True)
+        _s8_block(q, 0, ws, c0, c0, c1, xu, xd, out, True)
 
 
 @njit(**_PJ)
@@ -377,6 +392,8 @@ def gemm(w, x: np.ndarray) -> np.ndarray:
         gemm_q6_k(a[0], a[1], a[2], xu, xd, out)
     elif name in G16:
         gemm_g16(a[0], a[1], xu, xd, out)
+    elif name == "Q5_0":
+        gemm_q5_0(a[0], a[1], a[2], xu, xd, out)
     elif s8:
         gemm_q8(a[0], a[1], xu, xd, out)
     elif name == "Q4_0":
