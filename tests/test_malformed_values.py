@@ -177,3 +177,29 @@ def test_expert_shape_is_one_clear_error(tmp_path, name, tensor, edit, match):
     path = _rewrite(name, tmp_path / f"{name}.gguf", edit={tensor: edit})
     with pytest.raises(ColiError, match=match):
         Engine(str(path), threads=1, ctx=32)
+
+
+# A count key present with value 0 was reported as missing (a truthiness test on its value).
+@pytest.mark.parametrize("name, zero, drop_key, match", [
+    ("mimo2", "mimo2.attention.sliding_window", "",
+     r"mimo2\.gguf: metadata 'mimo2\.attention\.sliding_window': 0 \(must be at least 1; the pattern has sliding"),
+    ("mimo2", "mimo2.block_count", "", r"mimo2\.gguf: metadata 'mimo2\.block_count': 0 \(must be at least 1\)"),
+    ("gptoss", "gpt-oss.block_count", "", r"gptoss\.gguf: metadata 'gpt-oss\.block_count': 0 \(must be at least 1\)"),
+    ("deepseek4", "deepseek4.attention.sliding_window", "",
+     r"deepseek4\.gguf: metadata 'deepseek4\.attention\.sliding_window': 0 \(must be at least 1\)"),
+    ("deepseek4", "deepseek4.attention.indexer.top_k", "",
+     r"deepseek4\.gguf: metadata 'deepseek4\.attention\.indexer\.top_k': 0 \(must be at least 1; layers with"),
+    ("deepseek4", "deepseek4.attention.indexer.head_count", "",
+     r"deepseek4\.gguf: metadata 'deepseek4\.attention\.indexer\.head_count': 0 \(must be at least 1"),
+    ("deepseek4", "", "deepseek4.attention.indexer.top_k",
+     r"deepseek4\.gguf: metadata 'deepseek4\.attention\.indexer\.top_k' is missing \(layers with compress ratio 4"),
+    ("mimo2", "", "mimo2.attention.sliding_window",
+     r"mimo2\.gguf: metadata 'mimo2\.attention\.sliding_window' is missing \(the pattern has sliding layers\)"),
+])
+def test_zero_count_is_not_reported_missing(tmp_path, name, zero, drop_key, match):
+    from coli.engine import Engine
+    from coli.errors import ColiError
+
+    path = _rewrite(name, tmp_path / f"{name}.gguf", drop_key=drop_key, zero=zero)
+    with pytest.raises(ColiError, match=match):
+        Engine(str(path), threads=1, ctx=32)

@@ -30,6 +30,16 @@ def need_key(g, key: str):
     return v
 
 
+def below_one(g, key: str, why: str = "") -> ColiError:
+    """The ColiError for metadata ``<arch>.<key>`` that must be at least 1 and is not: ``is missing`` when the file
+    lacks it, else its value (a key present with value 0 is not missing). ``why``: what needs it."""
+    v = g.get(f"{g.arch}.{key}")
+    tail = f" ({why})" if why else ""
+    if v is None:
+        return ColiError(f"{g.path.name}: metadata '{g.arch}.{key}' is missing{tail}")
+    return ColiError(f"{g.path.name}: metadata '{g.arch}.{key}': {v} (must be at least 1{'; ' + why if why else ''})")
+
+
 @dataclass
 class BaseArgs:
     """Hyper-parameters common to the families (GGUF keys ``<arch>.*``; llama.cpp's ``llama_hparams``)."""
@@ -60,9 +70,10 @@ class BaseArgs:
 
         n_heads = int(need("attention.head_count"))
         d = int(need("embedding_length"))
-        for key, v in (("attention.head_count", n_heads), ("embedding_length", d)):
+        n_layers = int(need("block_count"))
+        for key, v in (("attention.head_count", n_heads), ("embedding_length", d), ("block_count", n_layers)):
             if v <= 0:
-                raise ColiError(f"{g.path.name}: metadata '{a}.{key}': {v} (must be at least 1)")
+                raise below_one(g, key)
         n_kv = g.get(f"{a}.attention.head_count_kv", n_heads)
         if isinstance(n_kv, (list, np.ndarray)):
             n_kv = int(n_kv[0])
@@ -71,7 +82,7 @@ class BaseArgs:
         vocab = int(g.get(f"{a}.vocab_size", tok.shape[0] if tok is not None else 0))
         kw = dict(
             arch=a,
-            n_layers=int(need("block_count")),
+            n_layers=n_layers,
             d_model=d,
             n_heads=n_heads,
             n_kv_heads=int(n_kv),

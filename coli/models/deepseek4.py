@@ -457,10 +457,11 @@ class Model(base.Model):
             raise ColiError(f"{name}: metadata '{a}.attention.head_count_kv': {args.n_kv_heads} (V4 shares one K=V "
                             "head)")
         if args.sliding_window <= 0:
-            raise ColiError(f"{name}: metadata '{a}.attention.sliding_window' is missing")
-        if any(r == 4 for r in ratios) and not (args.idx_heads and args.idx_dim and args.idx_topk):
-            raise ColiError(f"{name}: metadata '{a}.attention.indexer.*' is missing (layers with ratio 4 have an "
-                            "indexer)")
+            raise base.below_one(g, "attention.sliding_window")
+        if any(r == 4 for r in ratios):
+            for key, v in (("head_count", args.idx_heads), ("key_length", args.idx_dim), ("top_k", args.idx_topk)):
+                if v <= 0:
+                    raise base.below_one(g, f"attention.indexer.{key}", "layers with compress ratio 4 have an indexer")
         if any(r not in (0, 4) and r < 2 for r in ratios):
             raise ColiError(f"{name}: metadata '{a}.attention.compress_ratios': {list(ratios)}")
         need("rope.dimension_count")  # rope on the last n_rot dims of each head: no key_length default
