@@ -49,3 +49,42 @@ def check_weight(w, where: str) -> None:
             what = "value" if w.fmt.block_size == 1 else "block scale"
             raise ColiError(f"{where} has a non-finite {what} ({_describe(a, r)}) in row {r} ({w.name} [O, I] "
                             f"{list(w.shape)}): the file is damaged (a NaN or infinity in a weight)")
+
+
+def _f16_bad(hi: np.ndarray) -> np.ndarray:
+    """True where an f16 whose high byte is ``hi`` (uint8) is a NaN or an infinity (exponent bits all ones)."""
+    return (hi & 0x7C) == 0x7C
+
+
+def first_bad_raw_row(type_name: str, raw: np.ndarray) -> int | None:
+    """The same as :func:`check_weight` on the file's bytes, without preparing them: the first row of ``raw``
+    (uint8 [O, row bytes] of GGUF type ``type_name``) with a non-finite value (F32 / F16 / BF16) or f16 block scale
+    (the ``scale_offsets`` of ``coli.tensor_types``, ggml-common.h ``block_*``), or None. A type without listed
+    f16 scales is prepared and its packed float arrays are checked (``check_weight``'s rule)."""
+    from coli import tensor_types
+
+    raw = np.ascontiguousarray(raw).reshape(raw.shape[0], -1)
+    O = raw.shape[0]
+    if type_name == "F32":
+        return first_bad_row(raw.view(np.float32))
+    if type_name in ("F16", "BF16"):
+        u = raw.view(np.uint16)
+        bad = (u & 0x7C00) == 0x7C00 if type_name == "F16" else (u & 0x7F80) == 0x7F80
+    else:
+        t = tensor_types.get(type_name)
+        if not t.scale_offsets:
+            from cpu_kernels import formats
+
+            w = formats.prepare(type_name, raw, (O, raw.shape[1] // t.type_size * t.block_size))
+            for a in w.arrays:
+                r = first_bad_row(a)
+                if r is not None:
+                    return r
+            return None
+        b = raw.reshape(O, -1, t.type_size)
+        bad = np.zeros(b.shape[:2], bool)
+        for off in t.scale_offsets:
+            bad |= _f16_bad(b[:, :, off + 1])
+    if not bad.any():
+        return None
+    return int(np.argmax(bad.reshape(O, -1).any(axis=1)))

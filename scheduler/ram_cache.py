@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from coli import finite
+from coli.errors import ColiError
 from cpu_kernels import formats
 
 
@@ -67,6 +68,19 @@ class ExpertSource:
             self.bytes_read += n
             self.reads += 1
         return tuple(out)
+
+    def read_checked(self, layer: int, e: int):
+        """``read_raw`` with the bytes checked for NaN / infinity (``coli.finite.first_bad_raw_row``: values of a
+        float type, f16 block scales) for a reader that does not prepare them (the device tier's warm start
+        uploads them as read); ColiError naming the file, the tensor and the expert."""
+        raw = self.read_raw(layer, e)
+        for t, (tn, r, _) in zip(self.layers[layer], raw):
+            row = finite.first_bad_raw_row(tn, r)
+            if row is not None:
+                what = "value" if tn in ("F32", "F16", "BF16") else "block scale"
+                raise ColiError(f"{os.path.basename(self.path)}: tensor '{t.name}' expert {e} has a non-finite {what} "
+                                f"in row {row} ({tn}): the file is damaged (a NaN or infinity in a weight)")
+        return raw
 
     def read_one(self, layer: int, t, e: int):
         """Expert ``e``'s slice of the 3-D tensor ``t``: ``(type_name, uint8 [O, row_bytes], bytes read)``."""

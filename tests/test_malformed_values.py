@@ -203,3 +203,60 @@ def test_zero_count_is_not_reported_missing(tmp_path, name, zero, drop_key, matc
     path = _rewrite(name, tmp_path / f"{name}.gguf", drop_key=drop_key, zero=zero)
     with pytest.raises(ColiError, match=match):
         Engine(str(path), threads=1, ctx=32)
+
+
+def _scale_types():
+    from coli import tensor_types
+    from cpu_kernels import formats
+
+    return [n for n in formats.FORMATS if tensor_types.get(n).scale_offsets]
+
+
+@pytest.mark.parametrize("type_name", ["F32", "F16", "BF16"] + _scale_types())
+def test_raw_check_finds_the_row_the_reference_decodes_non_finite(type_name):
+    """``coli.finite.first_bad_raw_row`` (the device tier's warm start uploads the bytes as read) against gguf's
+    reference decoder (``gguf.quants.dequantize``) and the packed-array check of ``check_weight``: one block scale
+    (each f16 scale field in turn) or value set to inf in row 2 of 4 random rows."""
+    from coli import finite, tensor_types
+    from cpu_kernels import formats
+
+    t = tensor_types.get(type_name)
+    I = 512  # two blocks of 256, sixteen of 32
+    raw0 = tensor_types.random_blocks(type_name, 4, I, np.random.default_rng(1))
+    assert finite.first_bad_raw_row(type_name, raw0) is None
+    offsets = t.scale_offsets or (None,)
+    for off in offsets:
+        raw = raw0.copy()
+        if off is None:  # a float type: one value
+            v = raw[2].view({"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[type_name])
+            v[5] = np.float32(np.inf).view(np.uint32) >> 16 if type_name == "BF16" else np.inf
+        else:
+            raw[2, t.type_size + off:t.type_size + off + 2] = F16_INF  # block 1 of row 2
+        with np.errstate(invalid="ignore", over="ignore"):  # inf x 0 codes: NaN, as ggml's decode
+            ref = t.reference(raw, (4, I))
+        assert not np.isfinite(ref[2]).all() and np.isfinite(ref[[0, 1, 3]]).all()
+        assert finite.first_bad_raw_row(type_name, raw) == 2
+        w = formats.prepare(type_name, raw, (4, I))
+        with pytest.raises(Exception, match=r"row 2"):
+            finite.check_weight(w, "t")
+
+
+def test_device_warm_start_refuses_a_non_finite_expert(tmp_path, tiny):
+    """The device tier's warm start uploads experts as read from the file (no CPU preparation): their bytes are
+    checked there (``ExpertSource.read_checked``), so the Engine refuses the file while it starts (before: the
+    device computed NaN rows that int8 activations on the CPU turned into normal-looking tokens)."""
+    from tests.vk_util import HAVE_LOADER
+
+    if not HAVE_LOADER:  # only a machine without the loader skips (tests/vk_util.py's rule)
+        pytest.skip("libvulkan.so.1 not found (apt install libvulkan1 mesa-vulkan-drivers)")
+    from coli.engine import Engine
+    from coli.errors import ColiError
+
+    def every_expert(a):  # Q8_0 [E, D, row bytes]: block 1's scale of row 9 of each expert
+        a[:, 9, 34:36] = F16_NAN
+        return a
+
+    path = _rewrite("", tmp_path / "tiny.gguf", src=tiny, edit={"blk.1.ffn_down_exps.weight": every_expert})
+    with pytest.raises(ColiError, match=r"tiny\.gguf: tensor 'blk\.1\.ffn_down_exps\.weight' expert \d has a "
+                                        r"non-finite block scale in row 9 \(Q8_0\)"):
+        Engine(str(path), threads=1, ctx=32, device="vulkan", quiet=True, usage=str(tmp_path / "none.coli_usage"))
