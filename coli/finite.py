@@ -6,7 +6,8 @@ activations a NaN hidden row rounds to finite int8 codes, so the run would print
 is on what the kernels read: every value of a float tensor (F32 / F16 / BF16, widened to f32 by
 ``cpu_kernels.formats.prepare``) and, for a block format, its float fields (the block scales and mins, ggml's
 ``d`` / ``dmin``, which ``prepare`` converts to f32 arrays [O, blocks]); the integer codes of a block cannot be
-non-finite. One ``np.isfinite(a).all()`` per float array; the first bad row is looked for only when it fails.
+non-finite, except FP8 E4M3 codes (``NAN_CODES``). One ``np.isfinite(a).all()`` per float array; the first bad
+row is looked for only when it fails.
 """
 from __future__ import annotations
 
@@ -40,15 +41,35 @@ def check_array(a: np.ndarray, where: str) -> None:
                         "(a NaN or infinity in a weight)")
 
 
-def check_weight(w, where: str) -> None:
-    """The same for a ``cpu_kernels.formats.Weight`` [O, I]: every float array of its packed ``arrays`` (all the
-    values of a float format; the block scales / mins of a block format), naming the weight row (output row)."""
+#: Formats whose packed codes (``Weight.arrays[0]``, uint8 [O, I]) can encode NaN: code & mask == mask.
+#: FP8_E4M3_B128: float8_e4m3fn's S.1111.111 (coli/fp8_blocks.py).
+NAN_CODES = {"FP8_E4M3_B128": 0x7F}
+
+
+def _bad_weight_row(w):
+    """``(row, what, array)`` of the first non-finite float field or NaN code of Weight ``w``, or None."""
+    mask = NAN_CODES.get(w.name)
+    if mask is not None:
+        bad = (w.arrays[0] & mask) == mask
+        if bad.any():
+            return int(np.argmax(bad.reshape(bad.shape[0], -1).any(axis=1))), "NaN code", None
     for a in w.arrays:
         r = first_bad_row(a)
         if r is not None:
-            what = "value" if w.fmt.block_size == 1 else "block scale"
-            raise ColiError(f"{where} has a non-finite {what} ({_describe(a, r)}) in row {r} ({w.name} [O, I] "
-                            f"{list(w.shape)}): the file is damaged (a NaN or infinity in a weight)")
+            return r, ("value" if w.fmt.block_size == 1 else "block scale"), a
+    return None
+
+
+def check_weight(w, where: str) -> None:
+    """The same for a ``cpu_kernels.formats.Weight`` [O, I]: every float array of its packed ``arrays`` (all the
+    values of a float format; the block scales / mins of a block format) and the codes of a format whose codes
+    can be NaN (``NAN_CODES``), naming the weight row (output row)."""
+    bad = _bad_weight_row(w)
+    if bad is not None:
+        r, what, a = bad
+        kind = f" ({_describe(a, r)})" if a is not None else ""
+        raise ColiError(f"{where} has a non-finite {what}{kind} in row {r} ({w.name} [O, I] {list(w.shape)}): the "
+                        "file is damaged (a NaN or infinity in a weight)")
 
 
 def _f16_bad(hi: np.ndarray) -> np.ndarray:
@@ -75,12 +96,8 @@ def first_bad_raw_row(type_name: str, raw: np.ndarray) -> int | None:
         if not t.scale_offsets:
             from cpu_kernels import formats
 
-            w = formats.prepare(type_name, raw, (O, raw.shape[1] // t.type_size * t.block_size))
-            for a in w.arrays:
-                r = first_bad_row(a)
-                if r is not None:
-                    return r
-            return None
+            bad = _bad_weight_row(formats.prepare(type_name, raw, (O, raw.shape[1] // t.type_size * t.block_size)))
+            return None if bad is None else bad[0]
         b = raw.reshape(O, -1, t.type_size)
         bad = np.zeros(b.shape[:2], bool)
         for off in t.scale_offsets:

@@ -260,3 +260,19 @@ def test_device_warm_start_refuses_a_non_finite_expert(tmp_path, tiny):
     with pytest.raises(ColiError, match=r"tiny\.gguf: tensor 'blk\.1\.ffn_down_exps\.weight' expert \d has a "
                                         r"non-finite block scale in row 9 \(Q8_0\)"):
         Engine(str(path), threads=1, ctx=32, device="vulkan", quiet=True, usage=str(tmp_path / "none.coli_usage"))
+
+
+def test_fp8_nan_code_is_found_by_both_checks():
+    """FP8_E4M3_B128 (from FP8 Hugging Face checkpoints): its codes are bytes in the packed arrays, and
+    float8_e4m3fn's S.1111.111 is NaN (coli.fp8_blocks' reference decodes it so): both checks name the row."""
+    from coli import finite, fp8_blocks, tensor_types
+    from coli.errors import ColiError
+    from cpu_kernels import formats
+
+    raw = tensor_types.random_blocks("FP8_E4M3_B128", 4, 256, np.random.default_rng(2))
+    assert finite.first_bad_raw_row("FP8_E4M3_B128", raw) is None
+    raw[3, fp8_blocks.TYPE_SIZE + 4 + 17] = 0xFF  # block 1 of row 3: code 17
+    assert np.isnan(fp8_blocks.reference(raw, (4, 256))[3, 128 + 17])
+    assert finite.first_bad_raw_row("FP8_E4M3_B128", raw) == 3
+    with pytest.raises(ColiError, match=r"^t has a non-finite NaN code in row 3 \(FP8_E4M3_B128"):
+        finite.check_weight(formats.prepare("FP8_E4M3_B128", raw, (4, 256)), "t")
