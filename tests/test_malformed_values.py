@@ -164,6 +164,8 @@ def _first(n: int, axis: int = 0):
      r"olmoe\.gguf: tensor 'blk\.0\.ffn_down_exps\.weight' has shape \[8, 64, 16\].*expected \[8, 64, 32\]"),
     ("gptoss", "blk.1.ffn_down_exps.weight", _first(5),
      r"gptoss\.gguf: tensor 'blk\.1\.ffn_down_exps\.weight' has shape \[5, 64, 64\].*expected \[8, 64, 64\]"),
+    ("gptoss", "blk.0.ffn_down_exps.bias", _first(6),
+     r"gptoss\.gguf: tensor 'blk\.0\.ffn_down_exps\.bias' has shape \[6, 64\].*expected \[8, 64\]"),
     ("deepseek4", "blk.2.ffn_up_exps.weight", _first(7),
      r"deepseek4\.gguf: tensor 'blk\.2\.ffn_up_exps\.weight' has shape \[7, 32, 32\].*expected \[8, 32, 32\]"),
     ("qwen2moe", "blk.1.ffn_gate_shexp.weight", _first(48),

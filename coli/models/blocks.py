@@ -259,7 +259,8 @@ class MoE:
         """The routed experts ``ffn_{gate,up}_exps`` [E, F, D] and ``ffn_down_exps`` [E, D, F] (NumPy order;
         llama.cpp ``create_tensor`` {n_embd, n_ff_exp, n_expert}) against ``expert_count`` E, ``embedding_length``
         D and each other (F: ``ffn_gate_exps``' expert width), and the shared expert ``ffn_{gate,up}_shexp``
-        [Fs, D], ``ffn_down_shexp`` [D, Fs] the same way (Fs: ``ffn_up_shexp``'s rows), through
+        [Fs, D], ``ffn_down_shexp`` [D, Fs] the same way (Fs: ``ffn_up_shexp``'s rows), and the expert biases
+        ``ffn_{gate,up}_exps.bias`` [E, F], ``ffn_down_exps.bias`` [E, D] where present (gpt-oss), through
         :func:`expect_shapes`. Before, a tensor with fewer experts than expert_count was read past its end into
         the next tensor's bytes."""
         E, D = m.args.n_experts, m.args.d_model
@@ -268,6 +269,9 @@ class MoE:
         why = f"expert_count {E}, embedding_length {D}, expert width {F} of '{p}ffn_gate_exps.weight'"
         want = {"ffn_gate_exps.weight": ((E, F, D), why), "ffn_up_exps.weight": ((E, F, D), why),
                 "ffn_down_exps.weight": ((E, D, F), why)}
+        for n, shape in (("ffn_gate_exps.bias", (E, F)), ("ffn_up_exps.bias", (E, F)), ("ffn_down_exps.bias", (E, D))):
+            if m.wt.has(p + n):  # gpt-oss's expert biases (llama.cpp {n_ff_exp or n_embd, n_expert})
+                want[n] = (shape, why)
         if shared:
             Fs = int(m.wt.info(p + "ffn_up_shexp.weight").shape[0])
             why = f"embedding_length {D}, shared-expert width {Fs} of '{p}ffn_up_shexp.weight'"
