@@ -278,3 +278,43 @@ def test_fp8_nan_code_is_found_by_both_checks():
     assert finite.first_bad_raw_row("FP8_E4M3_B128", raw) == 3
     with pytest.raises(ColiError, match=r"^t has a non-finite NaN code in row 3 \(FP8_E4M3_B128"):
         finite.check_weight(formats.prepare("FP8_E4M3_B128", raw, (4, 256)), "t")
+
+
+def test_non_finite_hidden_row_gives_nan_logits_with_int8_activations(tiny):
+    """A NaN in the residual stream (activations overflowed; the weights are checked at load) reached the head,
+    whose int8 activations rounded it to finite codes: normal-looking logits. The head now makes that row's logits
+    NaN, so ``Engine.logits`` shows it and ``generate`` stops with the sampler's ColiError (coli.sampling)."""
+    from coli.engine import Engine
+    from coli.errors import ColiError
+    from cpu_kernels import formats
+
+    x = np.ones((1, 64), np.float32)
+    x[0, 3] = np.nan
+    w = formats.prepare("Q8_0", tiny_q8(64, 64), (64, 64))
+    assert np.isfinite(formats.matmul(w, x, act="int8")).all()   # the rounding this guards against
+    with Engine(str(tiny), threads=1, ctx=32, cpu_act="int8", quiet=True) as eng:
+        clean = eng.logits([1, 2, 3])
+        assert np.isfinite(clean).all()
+        layer = eng.model.layers[1]
+        call = layer.__call__
+
+        class Poisoned:  # the last layer, with a NaN in its output rows from position 1 on
+            def __getattr__(self, k):
+                return getattr(layer, k)
+
+            def __call__(self, h, c, pos0):
+                h = call(h, c, pos0)
+                h[max(0, 1 - pos0):, 5] = np.nan
+                return h
+
+        eng.model.layers[1] = Poisoned()
+        lg = eng.logits([1, 2, 3])
+        assert np.isnan(lg[1:]).all() and np.array_equal(lg[0], clean[0])
+        with pytest.raises(ColiError, match=r"non-finite logits: all 256 logits are NaN"):
+            eng.generate(ids=[1, 2, 3], max_tokens=2)
+
+
+def tiny_q8(O: int, I: int) -> np.ndarray:
+    from coli import tensor_types
+
+    return tensor_types.random_blocks("Q8_0", O, I, np.random.default_rng(3))

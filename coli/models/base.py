@@ -354,5 +354,15 @@ class Model:
         cache.pos = pos0 + T
         if not all_logits:
             h = h[-1:]
-        h = rms_norm(h, self.out_norm, self.args.eps)
-        return self.mm(self.w_out, h)
+        return self.head(h)
+
+    def head(self, h: np.ndarray) -> np.ndarray:
+        """Logits f32 [T, vocab] of the last hidden rows ``h`` f32 [T, D]: output norm, then ``output``. A row of
+        ``h`` holding a NaN or an infinity gives a row of NaN logits: int8 activations would round it to finite
+        codes (normal-looking logits), and the engine reports NaN logits (``coli.sampling``: a ColiError when
+        none is finite)."""
+        bad = ~np.isfinite(h).all(axis=1)
+        lg = self.mm(self.w_out, rms_norm(h, self.out_norm, self.args.eps))
+        if bad.any():
+            lg[bad] = np.nan
+        return lg

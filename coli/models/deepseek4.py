@@ -503,5 +503,4 @@ class Model(base.Model):
         if not all_logits:
             S = S[-1:]
         _, _, h = self.hc_head(S)
-        h = rms_norm(h, self.out_norm, self.args.eps)
-        return self.mm(self.w_out, h)
+        return self.head(h)
