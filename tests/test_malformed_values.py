@@ -318,3 +318,20 @@ def tiny_q8(O: int, I: int) -> np.ndarray:
     from coli import tensor_types
 
     return tensor_types.random_blocks("Q8_0", O, I, np.random.default_rng(3))
+
+
+def test_first_bad_row_in_chunks(monkeypatch):
+    """``coli.finite.first_bad_row`` checks a large tensor a chunk of rows at a time (a bounded temporary): the bad
+    row is found in a later chunk, in a 1-D array, and none in a finite one."""
+    from coli import finite
+
+    monkeypatch.setattr(finite, "CHUNK", 64)
+    a = np.zeros((50, 16), np.float32)
+    assert finite.first_bad_row(a) is None
+    a[37, 15] = -np.inf
+    a[41, 0] = np.nan
+    assert finite.first_bad_row(a) == 37
+    v = np.zeros(1000, np.float16)
+    v[700] = np.inf
+    assert finite.first_bad_row(v) == 700
+    assert finite.first_bad_row(np.zeros((3, 4), np.int8)) is None
