@@ -195,6 +195,10 @@ def test_expert_shape_is_one_clear_error(tmp_path, name, tensor, edit, match):
      r"deepseek4\.gguf: metadata 'deepseek4\.attention\.indexer\.head_count': 0 \(must be at least 1"),
     ("deepseek4", "", "deepseek4.attention.indexer.top_k",
      r"deepseek4\.gguf: metadata 'deepseek4\.attention\.indexer\.top_k' is missing \(layers with compress ratio 4"),
+    ("mixtral", "llama.expert_count", "",
+     r"mixtral\.gguf: metadata 'llama\.expert_count': 0 \(must be at least 1; the layer has routed experts"),
+    ("mixtral", "", "llama.expert_count",
+     r"mixtral\.gguf: metadata 'llama\.expert_count' is missing \(the layer has routed experts 'blk\.0\."),
     ("mimo2", "", "mimo2.attention.sliding_window",
      r"mimo2\.gguf: metadata 'mimo2\.attention\.sliding_window' is missing \(the pattern has sliding layers\)"),
 ])

@@ -264,6 +264,10 @@ class MoE:
         :func:`expect_shapes`. Before, a tensor with fewer experts than expert_count was read past its end into
         the next tensor's bytes."""
         E, D = m.args.n_experts, m.args.d_model
+        if E <= 0:
+            from .base import below_one
+
+            raise below_one(m.g, "expert_count", f"the layer has routed experts '{p}ffn_gate_exps.weight'")
         gate = m.wt.info(p + "ffn_gate_exps.weight")
         F = int(gate.shape[1]) if len(gate.shape) == 3 else -1
         why = f"expert_count {E}, embedding_length {D}, expert width {F} of '{p}ffn_gate_exps.weight'"
