@@ -339,3 +339,37 @@ def test_first_bad_row_in_chunks(monkeypatch):
     v[700] = np.inf
     assert finite.first_bad_row(v) == 700
     assert finite.first_bad_row(np.zeros((3, 4), np.int8)) is None
+
+
+def _mla_case(fill):
+    from cpu_kernels.mla import mla_attend
+
+    qn = np.ones((1, 2, 8), np.float32)
+    qn[0, 0, 0] = fill
+    H, r = 2, 6
+    return mla_attend(qn, np.ones((1, H, 4), np.float32), np.ones((H, r, 8), np.float32),
+                      np.ones((H, 5, r), np.float32), np.ones((4, r), np.float32), np.ones((4, 4), np.float32), 3, 0.3)
+
+
+def _dsv4_case(fill):
+    from cpu_kernels import dsv4
+
+    q = np.ones((1, 2, 8), np.float32)
+    q[0, 0, 0] = fill
+    return dsv4.attend(q, np.ones((1, 8), np.float32), np.ones((4, 8), np.float32), 3, np.zeros((0, 8), np.float32),
+                       0, None, np.full(2, -30.0, np.float32), np.ones((8, 2), np.float32), np.zeros((8, 2), np.float32))
+
+
+@pytest.mark.parametrize("fill", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("case", [_mla_case, _dsv4_case], ids=["mla", "dsv4"])
+def test_mla_and_dsv4_attention_with_a_non_finite_score_do_not_raise(case, fill):
+    """The MLA (DeepSeek-V2/V3, GLM-5, Kimi) and DeepSeek-V4 kernels had the same ZeroDivisionError as
+    ``cpu_kernels.attention`` at a softmax sum of 0 / NaN: the poisoned head is NaN now (DeepSeek-V4's sink takes
+    a row whose scores are all -inf: 0, the softmax's value), the other head is exactly the clean run's."""
+    clean = case(0.0)
+    out = case(fill)
+    np.testing.assert_array_equal(out[0, 1], clean[0, 1])
+    if case is _dsv4_case and fill == -np.inf:
+        np.testing.assert_array_equal(out[0, 0], 0.0)
+    else:
+        assert np.isnan(out[0, 0]).all()
