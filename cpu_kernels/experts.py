@@ -46,7 +46,8 @@ from . import gemm_i8 as _G
 from . import iquants as _iq
 from . import lowbit as _lb
 from .iquants import row_g16
-from .vnni import HAVE_VNNI, _act_sums16, row_pair, row_q2_k, row_q3_k, row_q4_k, row_q5_0, row_q5_k, row_q6_k, row_q8
+from .vnni import (HAVE_VNNI, _act_sums16, row_lut, row_pair, row_q2_k, row_q3_k, row_q4_k, row_q5_0, row_q5_k,
+                   row_q6_k, row_q8, widen_lut, widen_q5_0)
 
 _PJIT = dict(parallel=True, nogil=True, cache=True, fastmath=True)
 _JIT = dict(nogil=True, cache=True, fastmath=True)
@@ -59,11 +60,12 @@ FC_F32, FC_Q8, FC_Q4_0, FC_Q4_1, FC_Q4_K, FC_Q5_K, FC_Q6_K = range(7)
 # TQ2_0 are packed in its layout), Q3_K, the G = 16 i-quants (int8 codes, f32 scale per 16), FP8 (E4M3 codes,
 # f32 scale per 128; no integer dot: int8 mode multiplies the decoded row by the rounded activations)
 FC_Q5_1, FC_Q2_K, FC_Q3_K, FC_G16, FC_FP8 = range(7, 12)
-# Q5_0's compact layout (formats._pack_q5_0: pair nibbles, uint32 fifth bits, f32 d)
-FC_Q5_0 = 12
-FORMAT_CODE = {"F32": FC_F32, "F16": FC_F32, "BF16": FC_F32, "Q8_0": FC_Q8, "Q5_0": FC_Q5_0, "MXFP4": FC_Q8,
+# Q5_0's compact layout (formats._pack_q5_0: pair nibbles, uint32 fifth bits, f32 d); the 4-bit table layout
+# (formats.pack_lut: pair nibbles, f32 scale per 32, int8 table [1, 16]) of MXFP4, IQ4_NL and IQ4_XS
+FC_Q5_0, FC_LUT = 12, 13
+FORMAT_CODE = {"F32": FC_F32, "F16": FC_F32, "BF16": FC_F32, "Q8_0": FC_Q8, "Q5_0": FC_Q5_0, "MXFP4": FC_LUT,
                "Q4_0": FC_Q4_0, "Q4_1": FC_Q4_1, "Q4_K": FC_Q4_K, "Q5_K": FC_Q5_K, "Q6_K": FC_Q6_K,
-               "IQ4_NL": FC_Q8, "IQ4_XS": FC_Q8}   # cpu_kernels.lowbit packs both in Q8_0's layout
+               "IQ4_NL": FC_LUT, "IQ4_XS": FC_LUT}
 # cpu_kernels.iquants packs these i-quants in Q8_0's layout (int8 codes, f32 scale per 32); IQ2_XS, IQ2_S and
 # IQ1_M with a scale per 16 (FC_G16); NVFP4 (cpu_kernels/nvfp4.py) in the same G = 16 layout
 FORMAT_CODE.update({"IQ2_XXS": FC_Q8, "IQ3_XXS": FC_Q8, "IQ3_S": FC_Q8, "IQ1_S": FC_Q8,
@@ -216,6 +218,14 @@ def _block_i8(ds, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out):
             for p in range(p0, p1):
                 r = src[p]
                 out[dst[p], oe + o] = row_q5_0(qs, qh, d, xq[r], xd[r])
+    elif fc == FC_LUT:
+        kv = _r_i8(ds, 2, 0)
+        for o in range(c0, c1):
+            qs = _r_u8(ds, 0, o)
+            d = _r_f32(ds, 1, o)
+            for p in range(p0, p1):
+                r = src[p]
+                out[dst[p], oe + o] = row_lut(qs, d, kv, xq[r], xd[r])
     elif fc == FC_Q4_0 or fc == FC_Q4_1:
         for o in range(c0, c1):
             qs = _r_u8(ds, 0, o)
@@ -335,7 +345,7 @@ def _block_i8(ds, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out):
 @njit(inline="always", **_JIT)
 def _row_ok(fc):
     """True for the format codes ``_row_i8`` computes (the others take ``_block_i8`` with one row)."""
-    return (fc == FC_Q8 or fc == FC_Q5_0 or fc == FC_Q4_0 or fc == FC_Q4_1 or fc == FC_Q4_K or fc == FC_Q5_K
+    return (fc == FC_Q8 or fc == FC_Q5_0 or fc == FC_LUT or fc == FC_Q4_0 or fc == FC_Q4_1 or fc == FC_Q4_K or fc == FC_Q5_K
             or fc == FC_Q6_K)
 
 
@@ -347,6 +357,8 @@ def _row_i8(ds, o, r, xq, xd, xm):
         return row_q8(_r_i8(ds, 0, o), _r_f32(ds, 1, o), xq[r], xd[r])
     if fc == FC_Q5_0:
         return row_q5_0(_r_u8(ds, 0, o), _r_u32(ds, 1, o), _r_f32(ds, 2, o), xq[r], xd[r])
+    if fc == FC_LUT:
+        return row_lut(_r_u8(ds, 0, o), _r_f32(ds, 1, o), _r_i8(ds, 2, 0), xq[r], xd[r])
     if fc == FC_Q4_0 or fc == FC_Q4_1:
         qs = _r_u8(ds, 0, o)
         d = _r_f32(ds, 1, o)
@@ -412,6 +424,16 @@ def _decode_row(ds, o, buf):
                 c = (((np.int32(qs[p * 32 + j]) >> sh) & np.int32(15))
                      | ((np.int32(h >> np.uint32(j)) & np.int32(1)) << np.int32(4)))
                 buf[b * 32 + j] = db * np.float32(c - np.int32(16))
+    elif fc == FC_LUT:   # formats._dec_lut
+        qs = _r_u8(ds, 0, o)
+        d = _r_f32(ds, 1, o)
+        kv = _r_i8(ds, 2, 0)
+        for b in range(I // 32):
+            db = d[b]
+            sh = np.int32((b & 1) * 4)
+            p = b >> 1
+            for j in range(32):
+                buf[b * 32 + j] = db * np.float32(kv[(np.int32(qs[p * 32 + j]) >> sh) & np.int32(15)])
     elif fc == FC_Q4_0 or fc == FC_Q4_1:
         qs = _r_u8(ds, 0, o)
         d = _r_f32(ds, 1, o)
@@ -575,15 +597,27 @@ def ffn_gate_up(gdesc, udesc, pstart, src, mode, xq, xd, xm, x, kind, limit, a):
 def _tiled_ok(ds, n):
     """True when weight ``ds`` times ``n`` slot rows runs the 4 x 4 int8 tiles (``gemm_i8``): the Q8_0 kernel
     layout or the G = 16 one (``gemm_i8.tiles``), at least 4 rows each side, an even number of 32-blocks per row."""
-    return (ds[0] == FC_Q8 or ds[0] == FC_G16) and n >= _G.NR and ds[1] >= _G.MR and (ds[2] // 32) % 2 == 0
+    fc = ds[0]
+    return ((fc == FC_Q8 or fc == FC_G16 or fc == FC_Q5_0 or fc == FC_LUT) and n >= _G.NR and ds[1] >= _G.MR
+            and (ds[2] // 32) % 2 == 0)
 
 
 @njit(inline="always", **_JIT)
-def _w_q8(ds):
-    """The Q8_0- (or G = 16) layout weight of descriptor ``ds`` as 2-D arrays (codes int8 [O, I], scales f32
-    [O, I/32] (or [O, I/16]))."""
+def _w_tiles(ds, c0, c1):
+    """Rows c0:c1 of weight ``ds`` as the tiles read them: (int8 codes, qs0, f32 scales [O, I/32] (or [O, I/16]
+    for G = 16)), codes row o at [o - qs0]. The Q8_0 and G = 16 layouts as stored (qs0 = 0); compact Q5_0 and
+    the 4-bit table formats widened into a scratch of the 16 rows (qs0 = c0)."""
     O = ds[1]
-    return (numba.carray(_pi8(ds[3]), (O, ds[8])), numba.carray(_pf32(ds[4]), (O, ds[9])))
+    fc = ds[0]
+    if fc == FC_Q5_0 or fc == FC_LUT:
+        q = np.empty((_RB, ds[2]), np.int8)
+        for o in range(c0, c1):
+            if fc == FC_Q5_0:
+                widen_q5_0(_r_u8(ds, 0, o), _r_u32(ds, 1, o), q[o - c0])
+            else:
+                widen_lut(_r_u8(ds, 0, o), _r_i8(ds, 2, 0), q[o - c0])
+        return q, c0, numba.carray(_pf32(ds[5 if fc == FC_Q5_0 else 4]), (O, ds[10 if fc == FC_Q5_0 else 9]))
+    return numba.carray(_pi8(ds[3]), (O, ds[8])), 0, numba.carray(_pf32(ds[4]), (O, ds[9]))
 
 
 @njit(**_PJIT)
@@ -609,8 +643,8 @@ def mm_grouped_gemm(desc, pstart, dst, off, xq, xd, xm, xu, out):
         p0 = pstart[e]
         p1 = pstart[e + 1]
         if _tiled_ok(ds, p1 - p0) and c1 - c0 >= _G.MR:
-            wq, wd = _w_q8(ds)
-            _G.tiles(wq, wd, c0, c1, xu, xd, p0, p1, out, dst, off[e], ds[0] == FC_G16)
+            wq, qs0, wd = _w_tiles(ds, c0, c1)
+            _G.tiles(wq, wd, c0, c1, xu, xd, p0, p1, out, dst, off[e], ds[0] == FC_G16, qs0)
         else:
             _block_i8(ds, c0, c1, p0, p1, ident, dst, off[e], xq, xd, xm, out)
 
@@ -635,10 +669,10 @@ def ffn_gate_up_gemm(gdesc, udesc, pstart, xq, xd, xm, xu, kind, limit, gb, ub, 
         p0 = pstart[e]
         p1 = pstart[e + 1]
         if _tiled_ok(gd, p1 - p0) and _tiled_ok(ud, p1 - p0) and c1 - c0 >= _G.MR:
-            gq, gw = _w_q8(gd)
-            _G.tiles(gq, gw, c0, c1, xu, xd, p0, p1, gb, ident, 0, gd[0] == FC_G16)
-            uq, uw = _w_q8(ud)
-            _G.tiles(uq, uw, c0, c1, xu, xd, p0, p1, ub, ident, 0, ud[0] == FC_G16)
+            gq, gs0, gw = _w_tiles(gd, c0, c1)
+            _G.tiles(gq, gw, c0, c1, xu, xd, p0, p1, gb, ident, 0, gd[0] == FC_G16, gs0)
+            uq, us0, uw = _w_tiles(ud, c0, c1)
+            _G.tiles(uq, uw, c0, c1, xu, xd, p0, p1, ub, ident, 0, ud[0] == FC_G16, us0)
         elif p1 - p0 == 1 and _row_ok(gd[0]) and _row_ok(ud[0]):  # ffn_gate_up's one-row code: an expert's bits never depend on the launch
             for o in range(c0, c1):
                 a[p0, o] = _act(_row_i8(gd, o, p0, xq, xd, xm), _row_i8(ud, o, p0, xq, xd, xm), kind, limit)

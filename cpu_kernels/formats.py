@@ -28,8 +28,11 @@ Kernel layout (``pack``, done once at ``prepare``; memory per format in docs/cpu
 contiguous per-row arrays, f16 block scales converted to f32 (Numba has no float16, ``../shared/stack-notes.md``
 pitfall 11), and codes put where 32-wide loops with one scale can read them:
 
-* Q8_0: int8 codes as stored.  Q6_K, MXFP4: expanded to int8 codes (q-32, doubled e2m1 kvalues) in element
-  order, so they run the Q8_0-style loops (in-kernel bit decoding measured 1.7-5x slower in Numba loops).
+* Q8_0: int8 codes as stored.  Q6_K: expanded to int8 codes (q-32) in element order, so it runs the Q8_0-style
+  loops (in-kernel bit decoding measured 5x slower in Numba loops).
+* MXFP4 (and IQ4_NL, IQ4_XS in ``lowbit``): the 4-bit codes in Q4_0's pair layout, an f32 scale per 32 and the
+  format's 16-entry int8 table (doubled e2m1 values, ``kvalues_iq4nl``); the int8 kernels look codes up in
+  registers (``vnni.row_lut``, ``vpshufb``) with the Q8_0 kernel's arithmetic.
 * Q4_0, Q4_1: nibbles re-paired: byte j of pair p holds element j of block 2p (low) and of block 2p+1 (high).
 * Q5_0: the low nibbles re-paired as Q4_0's, the fifth bits as ggml's uint32 per block; the int8 kernels widen
   them in registers (``vnni.row_q5_0``: a 64-bit mask per pair of blocks), with the Q8_0 kernel's arithmetic.
@@ -413,6 +416,59 @@ def gemm_q5_0(qs, qh, d, x, out):
         _tile(buf, n, x, c0, out)
 
 
+# ----------------------------------------------------------------------------------------------- 4-bit table codes
+# MXFP4, IQ4_NL, IQ4_XS (``_pack_lut``): qs uint8 [O, ceil(nb/2)*32] in the pair layout of Q4_0, d f32 [O, nb] (a
+# scale per 32), kv int8 [1, 16] (the format's table). Code of element j of block b: the nibble of byte j of pair
+# b >> 1 (low for even b); the weight d[b] * kv[code], multiplied exactly as the Q8_0 loops do.
+@njit(inline="always", **_JIT)
+def _lut_code(qs, kv, o, b, j):
+    return kv[0, (np.int32(qs[o, (b >> 1) * 32 + j]) >> np.int32((b & 1) * 4)) & np.int32(15)]
+
+
+@njit(**_PJIT)
+def gemv_lut(qs, d, kv, x, out):
+    O, nb = d.shape
+    for c in prange((O + _RB - 1) // _RB):
+        acc = np.empty(32, np.float32)
+        for o in range(c * _RB, min(O, c * _RB + _RB)):
+            acc[:] = 0
+            for b in range(nb):
+                db = d[o, b]
+                for j in range(32):
+                    acc[j] += db * (np.float32(_lut_code(qs, kv, o, b, j)) * x[b * 32 + j])
+            out[o] = _lanes_sum(acc)
+
+
+@njit(inline="always", **_JIT)
+def _dec_lut(qs, d, kv, o, buf):
+    for b in range(d.shape[1]):
+        db = d[o, b]
+        for j in range(32):
+            buf[b * 32 + j] = db * np.float32(_lut_code(qs, kv, o, b, j))
+
+
+@njit(**_PJIT)
+def gemm_lut(qs, d, kv, x, out):
+    O, nb = d.shape
+    for c in prange((O + _RB - 1) // _RB):
+        buf = np.empty((_RB, nb * 32), np.float32)
+        c0 = c * _RB
+        n = min(_RB, O - c0)
+        for r in range(n):
+            _dec_lut(qs, d, kv, c0 + r, buf[r])
+        _tile(buf, n, x, c0, out)
+
+
+def pack_lut(qs16: np.ndarray, nb: int, d: np.ndarray, kv: np.ndarray):
+    """The 4-bit table layout from ggml's 16-byte code runs: qs16 uint8 [O, nb*16] (run b: low nibble element j,
+    high j + 16, as block_iq4_nl / block_mxfp4 / each sub-block of block_iq4_xs), d f32 [O, nb], kv int8 [16]
+    -> (qs pairs uint8 [O, ceil(nb/2)*32], d, kv int8 [1, 16])."""
+    O = qs16.shape[0]
+    out = np.empty((O, (nb + 1) // 2 * 32), np.uint8)
+    _u_pair(np.ascontiguousarray(qs16), 16, 0, out)
+    return out, np.ascontiguousarray(d, dtype=np.float32), np.ascontiguousarray(kv, dtype=np.int8).reshape(1, 16)
+
+
 @njit(**_PJIT)
 def gemv_q4_k(qs, sc, mn, d, dm, x, out):
     # qs uint8 [O, nb*128]; sc, mn uint8 [O, nb*8] (6-bit sub-block scale / min); d, dm f32 [O, nb]
@@ -733,19 +789,6 @@ def _u_pair(raw, bpb, off, out):
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def _u_mxfp4(raw, kv, q):
-    """MXFP4 blocks -> int8 doubled e2m1 values (``kv``) in element order."""
-    O = raw.shape[0]
-    nb = raw.shape[1] // 17
-    for o in prange(O):
-        for b in range(nb):
-            for j in range(16):
-                v = raw[o, b * 17 + 1 + j]
-                q[o, b * 32 + j] = kv[v & 15]
-                q[o, b * 32 + 16 + j] = kv[v >> 4]
-
-
-@njit(parallel=True, nogil=True, cache=True)
 def _u_q5_k(raw, q):
     """Q5_K blocks -> 5-bit codes (uint8) in element order (dequantize_row_q5_K)."""
     O = raw.shape[0]
@@ -836,14 +879,12 @@ def _pack_q6_k(raw, O, I):
 
 
 def _pack_mxfp4(raw, O, I):
-    # e2m1 codes expanded to their (doubled, integer) kvalues as int8, so MXFP4 runs the Q8_0 kernels with
-    # d = ggml_e8m0_to_fp32_half(e): 36 bytes per 17-byte block. A 16-entry table lookup in the kernel measured
-    # 0.5-2 GB/s (the gather does not vectorize).
-    b = _blocks(raw, O, I // 32, 17)
-    q = np.empty((O, I), np.int8)
-    _u_mxfp4(np.ascontiguousarray(raw), _MXFP4_I8, q)
-    d = gq.MXFP4.e8m0_to_fp32_half(np.ascontiguousarray(b[:, :, 0]))
-    return q, _c(d, O)
+    # The 4-bit table layout (``pack_lut``): e2m1 codes looked up in registers as their doubled integer values,
+    # d = ggml_e8m0_to_fp32_half(e): 20 bytes per 17-byte block (was 36 with the codes widened to int8 at load).
+    nb = I // 32
+    b = _blocks(raw, O, nb, 17)
+    d = gq.MXFP4.e8m0_to_fp32_half(np.ascontiguousarray(b[:, :, 0])).astype(np.float32)
+    return pack_lut(_c(b[:, :, 1:17], O), nb, d, _MXFP4_I8)
 
 
 # ----------------------------------------------------------------------------------------------- registry
@@ -886,7 +927,7 @@ FORMATS: dict[str, Format] = dict([
     _row("Q4_K", 256, 144, _pack_q4_k, gemv_q4_k, gemm_q4_k, "q4_k", True, _vnni.gemv_i8_q4_k),
     _row("Q5_K", 256, 176, _pack_q5_k, gemv_q5_k, gemm_q5_k, "q5_k", True, _vnni.gemv_i8_q5_k),
     _row("Q6_K", 256, 210, _pack_q6_k, gemv_q6_k, gemm_q6_k, "q6_k", True, _vnni.gemv_i8_q6_k),
-    _row("MXFP4", 32, 17, _pack_mxfp4, gemv_q8_0, gemm_q8_0, "mxfp4", True, _vnni.gemv_i8_q8),
+    _row("MXFP4", 32, 17, _pack_mxfp4, gemv_lut, gemm_lut, "mxfp4", True, _vnni.gemv_i8_lut),
 ])
 
 # Rows whose kernels live in their own modules (appended here: FORMATS stays the one CPU registry).

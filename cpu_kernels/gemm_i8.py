@@ -1,6 +1,7 @@
 """Blocked int8 GEMM microkernel for prompt chunks: a 4 x 4 register tile of (weight row, activation row) dots
-with AVX-512 VNNI, for the Q8_0 kernel layout (int8 codes + f32 scale per 32: Q8_0, Q5_0, MXFP4, IQ4_NL/XS and
-the i-quants with a scale per 32, ``formats``' module docstring; compact Q5_0 widened per 16 weight rows).
+with AVX-512 VNNI, for the Q8_0 kernel layout (int8 codes + f32 scale per 32: Q8_0 and the i-quants with a scale
+per 32, ``formats``' module docstring; compact Q5_0 and the 4-bit table formats MXFP4/IQ4_NL/IQ4_XS widened per 16
+weight rows into a scratch).
 
 The GEMV intrinsics of ``cpu_kernels.vnni`` compute one (weight row, activation row) dot at a time: every 64
 weight bytes cost a load, ``|w|``, ``sign(w) * x`` and one ``vpdpbusd`` per activation row. A prompt chunk's
@@ -27,7 +28,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import formats as _F
-from .vnni import HAVE_VNNI, widen_q5_0, _F32x16, _I1, _I8x64, _I32, _I32x16, _Ops  # noqa: F401
+from .vnni import HAVE_VNNI, widen_lut, widen_q5_0, _F32x16, _I1, _I8x64, _I32, _I32x16, _Ops  # noqa: F401
 
 MR = 4  # weight rows per tile
 NR = 4  # activation rows per tile
@@ -158,12 +159,13 @@ def act_u8(xq: np.ndarray) -> np.ndarray:
 
 
 @njit(inline="always", nogil=True, cache=True, fastmath=True)
-def tiles(wq, ws, c0, c1, xu, xd, p0, p1, out, dst, oe, g16):
+def tiles(wq, ws, c0, c1, xu, xd, p0, p1, out, dst, oe, g16, qs0=0):
     """out[dst[p], oe + o] = W[o] . x[p] for o in c0:c1, p in p0:p1 through 4 x 4 tiles: ``tile_s8`` (the Q8_0
     kernel layout: wq int8 [O, I], ws f32 [O, I/32]) or, ``g16``, ``tile_s8g16`` (the G = 16 layout: ws f32
     [O, I/16]; the i-quants IQ2_XS, IQ2_S, IQ1_M and NVFP4). xu uint8 [P, I] (codes + 128), xd f32 [P, I/32];
     needs c1 - c0 >= 4 and p1 - p0 >= 4: a last partial tile is shifted back to end at c1 (p1) and writes only
-    the rows not written yet, so every output is written once."""
+    the rows not written yet, so every output is written once. ``qs0``: wq holds rows from qs0 on (a scratch of
+    widened rows: weight row o is wq[o - qs0])."""
     o = c0
     while o < c1:
         o4 = min(o, c1 - MR)
@@ -171,9 +173,9 @@ def tiles(wq, ws, c0, c1, xu, xd, p0, p1, out, dst, oe, g16):
         while p < p1:
             p4 = min(p, p1 - NR)
             if g16:
-                t = tile_s8g16(wq, o4, ws, o4, xu, p4, xd)
+                t = tile_s8g16(wq, o4 - qs0, ws, o4, xu, p4, xd)
             else:
-                t = tile_s8(wq, o4, ws, o4, xu, p4, xd)
+                t = tile_s8(wq, o4 - qs0, ws, o4, xu, p4, xd)
             for i in range(MR):
                 if o4 + i >= o:
                     for j in range(NR):
@@ -272,7 +274,7 @@ def _nib_block(qs, ws, os0, c0, c1, xp, xsp, out, wc, xm):
 
 @njit(**_PJ)
 def gemm_q8(q, d, xu, xd, out):
-    """Q8_0 layout (Q8_0, MXFP4, IQ4_NL/XS, ...): out f32 [T, O] = codes . activation codes x scales."""
+    """Q8_0 layout (Q8_0 and the i-quants widened at load): out f32 [T, O] = codes . activation codes x scales."""
     O = q.shape[0]
     for c in prange((O + _RB - 1) // _RB):
         _s8_block(q, 0, d, 0, c * _RB, min(O, c * _RB + _RB), xu, xd, out, False)
@@ -289,6 +291,21 @@ def gemm_q5_0(qs, qh, d, xu, xd, out):
         q = np.empty((_RB, nb * 32), np.int8)
         for o in range(c0, c1):
             widen_q5_0(qs[o], qh[o], q[o - c0])
+        _s8_block(q, c0, d, 0, c0, c1, xu, xd, out, False)
+
+
+@njit(**_PJ)
+def gemm_lut(qs, d, kv, xu, xd, out):
+    """4-bit table codes (MXFP4, IQ4_NL, IQ4_XS: ``formats.pack_lut``): each block of 16 weight rows looked up
+    into int8 codes in a scratch once (``vnni.widen_lut``), then ``gemm_q8``'s tiles."""
+    O, nb = d.shape
+    t = kv[0]
+    for c in prange((O + _RB - 1) // _RB):
+        c0 = c * _RB
+        c1 = min(O, c0 + _RB)
+        q = np.empty((_RB, nb * 32), np.int8)
+        for o in range(c0, c1):
+            widen_lut(qs[o], t, q[o - c0])
         _s8_block(q, c0, d, 0, c0, c1, xu, xd, out, False)
 
 
@@ -356,6 +373,8 @@ def gemm_q4_k(qs, sc, mn, d, dm, xp, xsp, xm, out):
 GEMMS = {"Q8_0": "s8", "Q5_0": "s8", "MXFP4": "s8", "IQ4_NL": "s8", "IQ4_XS": "s8", "Q6_K": "s8",
          "Q4_0": "nib", "Q4_1": "nib", "Q4_K": "nib",
          "IQ2_XS": "s8", "IQ2_S": "s8", "IQ1_M": "s8", "NVFP4": "s8"}
+#: formats of the 4-bit table layout (``gemm_lut``)
+LUT = ("MXFP4", "IQ4_NL", "IQ4_XS")
 #: formats of the G = 16 layout (``gemm_g16``)
 G16 = ("IQ2_XS", "IQ2_S", "IQ1_M", "NVFP4")
 
@@ -394,6 +413,8 @@ def gemm(w, x: np.ndarray) -> np.ndarray:
         gemm_g16(a[0], a[1], xu, xd, out)
     elif name == "Q5_0":
         gemm_q5_0(a[0], a[1], a[2], xu, xd, out)
+    elif name in LUT:
+        gemm_lut(a[0], a[1], a[2], xu, xd, out)
     elif s8:
         gemm_q8(a[0], a[1], xu, xd, out)
     elif name == "Q4_0":

@@ -22,9 +22,9 @@ TQ2_0   256    66      qs[64] (2-bit codes in Q2_K's order), d; w = d*(q-1)
 
 Kernel layouts (``pack`` at ``prepare``; memory cost in docs/formats.md):
 
-* IQ4_NL, IQ4_XS: codes expanded to their int8 ``kvalues_iq4nl`` and one f32 scale per 32 (IQ4_XS: d*(ls-32)),
-  so they run the Q8_0 kernels and the Q8 VNNI GEMV, as MXFP4 does (a 16-entry gather in the kernel does not
-  vectorize: docs/cpu_kernels.md).
+* IQ4_NL, IQ4_XS: the 4-bit codes in Q4_0's pair layout with one f32 scale per 32 (IQ4_XS: d*(ls-32)) and the
+  ``kvalues_iq4nl`` table: ``formats.pack_lut``, as MXFP4 (the int8 kernels look the codes up in registers,
+  ``vnni.row_lut``; the f32 kernels index the table per element).
 * Q5_1: codes widened to int8 (q - 16) in element order, f32 d and m' = m + 16d (so w = d*(q-16) + m'): the
   Q8_0 loop plus the minimum through block sums of x, as Q4_1. Q5_0 measured 1.7x faster widened than with the
   5th bit decoded in the kernel.
@@ -38,7 +38,7 @@ Kernel layouts (``pack`` at ``prepare``; memory cost in docs/formats.md):
 Kernels take the packed fields, then ``x f32 [I], out f32 [O]`` (GEMV) or ``x f32 [T, I], out f32 [T, O]``
 (GEMM), as the rows of ``formats.py``. The GEMMs decode 16 weight rows into an f32 buffer and run
 ``formats._tile``. The int8-activation GEMVs (``gemv_i8_q5_1``, ``gemv_i8_q2_k``, ``gemv_i8_q3_k``, beside their
-``row_*`` intrinsics) live in ``cpu_kernels/vnni.py``; IQ4_NL and IQ4_XS use its Q8 GEMV.
+``row_*`` intrinsics) live in ``cpu_kernels/vnni.py``; IQ4_NL and IQ4_XS use its ``gemv_i8_lut``.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ import numpy as np
 from numba import njit, prange
 
 from .formats import _F0, _JIT, _PJIT, _RB, _M4, _S4, _block_sums, _blocks, _c, _f16, _lanes_sum, _tile
-from .formats import gemm_q8_0, gemv_q8_0
+from . import formats as _F
 
 _F4 = np.float32(4.0)
 _M2 = np.uint8(3)
@@ -243,23 +243,6 @@ def _u_q5_1(raw, q):
                 q[o, b * 32 + 16 + j] = ((v >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16
 
 
-@njit(parallel=True, nogil=True, cache=True)
-def _u_nl(raw, bpb, off, nsub, kv, q):
-    """Blocks of ``bpb`` bytes whose ``nsub`` runs of 16 code bytes start at byte ``off`` (low nibble: element
-    j of the run's 32, high: j + 16) -> int8 kv[code] in element order (IQ4_NL, IQ4_XS)."""
-    O = raw.shape[0]
-    nb = raw.shape[1] // bpb
-    for o in prange(O):
-        for b in range(nb):
-            for s in range(nsub):
-                src = b * bpb + off + 16 * s
-                dst = (b * nsub + s) * 32
-                for j in range(16):
-                    v = raw[o, src + j]
-                    q[o, dst + j] = kv[v & 15]
-                    q[o, dst + 16 + j] = kv[v >> 4]
-
-
 def _pack_q5_1(raw, O, I):
     b = _blocks(raw, O, I // 32, 24)
     q = np.empty((O, I), np.int8)
@@ -293,24 +276,22 @@ def _pack_q3_k(raw, O, I):
 
 
 def _pack_iq4_nl(raw, O, I):
-    b = _blocks(raw, O, I // 32, 18)
-    q = np.empty((O, I), np.int8)
-    _u_nl(np.ascontiguousarray(raw), 18, 2, 1, KVALUES_IQ4NL, q)
-    return q, _c(_f16(b[:, :, 0:2]), O)
+    nb = I // 32
+    b = _blocks(raw, O, nb, 18)
+    return _F.pack_lut(_c(b[:, :, 2:18], O), nb, _c(_f16(b[:, :, 0:2]), O), KVALUES_IQ4NL)
 
 
 def _pack_iq4_xs(raw, O, I):
     nb = I // 256
     b = _blocks(raw, O, nb, 136)
-    q = np.empty((O, I), np.int8)
-    _u_nl(np.ascontiguousarray(raw), 136, 8, 8, KVALUES_IQ4NL, q)
     d = _f16(b[:, :, 0:2])                                             # [O, nb]
     sh = np.ascontiguousarray(b[:, :, 2:4]).view(np.uint16)[..., 0]    # [O, nb]
     ib = np.arange(8)
     lo = (b[:, :, 4 + ib // 2] >> (4 * (ib % 2)).astype(np.uint8)) & 15
     hi = (sh[..., None] >> (2 * ib).astype(np.uint16)) & 3
     ls = (lo.astype(np.int32) | (hi.astype(np.int32) << 4)) - 32
-    return q, _c((d[..., None] * ls.astype(np.float32)).astype(np.float32), O)
+    d32 = _c((d[..., None] * ls.astype(np.float32)).astype(np.float32), O)
+    return _F.pack_lut(_c(b[:, :, 8:136], O), nb * 8, d32, KVALUES_IQ4NL)
 
 
 def _pack_tq2_0(raw, O, I):
@@ -356,8 +337,8 @@ def rows(row, vnni):
         row("Q5_1", 32, 24, _pack_q5_1, gemv_q5_1, gemm_q5_1, "q5_1", True, vnni.gemv_i8_q5_1),
         row("Q2_K", 256, 84, _pack_q2_k, gemv_q2_k, gemm_q2_k, "q2_k", True, vnni.gemv_i8_q2_k),
         row("Q3_K", 256, 110, _pack_q3_k, gemv_q3_k, gemm_q3_k, "q3_k", True, vnni.gemv_i8_q3_k),
-        row("IQ4_NL", 32, 18, _pack_iq4_nl, gemv_q8_0, gemm_q8_0, "iq4_nl", True, vnni.gemv_i8_q8),
-        row("IQ4_XS", 256, 136, _pack_iq4_xs, gemv_q8_0, gemm_q8_0, "iq4_xs", True, vnni.gemv_i8_q8),
+        row("IQ4_NL", 32, 18, _pack_iq4_nl, _F.gemv_lut, _F.gemm_lut, "iq4_nl", True, vnni.gemv_i8_lut),
+        row("IQ4_XS", 256, 136, _pack_iq4_xs, _F.gemv_lut, _F.gemm_lut, "iq4_xs", True, vnni.gemv_i8_lut),
         row("TQ1_0", 256, 54, _pack_tq1_0, gemv_q2_k, gemm_q2_k, "tq1_0", True, vnni.gemv_i8_q2_k),
         row("TQ2_0", 256, 66, _pack_tq2_0, gemv_q2_k, gemm_q2_k, "tq2_0", True, vnni.gemv_i8_q2_k),
     ]
