@@ -382,7 +382,7 @@ class Engine:
         """Open the Vulkan device and wire the expert tier to this engine (docs/tier.md): the budget by the
         one rule (``scheduler.tier_policy.budget_bytes``, which the device applied at open: its
         ``budget_bytes`` / ``budget_rule``), the RAM cache's size and the dense bytes, the history, the
-        trace, the start line, the warm start (the cache's ``source.read_raw`` on a thread pool)."""
+        trace, the start line, the warm start (the cache's ``source.read_checked`` on a thread pool)."""
         if device != "vulkan":
             raise ColiError(f"--device: '{device}' (cpu or vulkan)")
         try:
@@ -420,7 +420,7 @@ class Engine:
                          auto_tokens=True, ram=self.cache, env=self.env,
                          log=open(os.devnull, "w") if self.silent else None)
         self.tier._say(self.tier.start_line())
-        self.tier.warm_start(src.read_raw)
+        self.tier.warm_start(src.read_checked)  # uploaded as read: checked for NaN / inf here (coli.finite)
         self.step.tier = self.tier
 
     def activations(self) -> str:

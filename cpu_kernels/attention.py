@@ -49,7 +49,9 @@ def _attend_head(q, kc, vc, pos0, scale, window, sinks, out, t, h):
         e = math.exp(sc[jj] - m)
         sc[jj] = e
         tot += e
-    inv = np.float32(1.0 / tot)
+    # a non-finite score (NaN / inf activations) can leave tot 0 or NaN: the row becomes NaN for the caller's
+    # non-finite check (coli.engine), not a ZeroDivisionError raised inside the kernel
+    inv = np.float32(1.0 / tot) if tot > 0.0 and tot < math.inf else np.float32(math.nan)
     vd = vc.shape[2]
     for i in range(vd):
         out[t, h, i] = 0.0

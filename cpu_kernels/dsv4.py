@@ -199,7 +199,8 @@ def _attend_rows(q, kv, win, pos0, ent, ratio, sel, sinks, scale, cos, sin, out,
     b0 = hd - 2 * R2
     for g in range(G):
         h = h0 + g
-        inv = np.float32(1.0 / tot[g])
+        # tot 0 or NaN after a non-finite score (NaN / inf activations): a NaN row, not a ZeroDivisionError
+        inv = np.float32(1.0 / tot[g]) if tot[g] > 0.0 and tot[g] < math.inf else np.float32(math.nan)
         for i in range(hd):
             out[t, h, i] = Ob[g, i] * inv
         for i in range(R2):

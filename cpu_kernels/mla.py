@@ -74,7 +74,9 @@ def _mla_rows(q_nope, q_pe, k_b, v_b, lat, kr, pos0, scale, sel, out, t, h0, h1)
             e = math.exp(sc[g, jj] - m)
             sc[g, jj] = e
             tot += e
-        inv = np.float32(1.0 / tot)
+        # a non-finite score (NaN / inf activations) can leave tot 0 or NaN: a NaN row for the caller's
+        # non-finite check, not a ZeroDivisionError raised inside the kernel (as cpu_kernels.attention)
+        inv = np.float32(1.0 / tot) if tot > 0.0 and tot < math.inf else np.float32(math.nan)
         for jj in range(cnt):
             sc[g, jj] *= inv
     for jj in range(cnt):

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from coli import finite
+from coli.errors import ColiError
 from cpu_kernels import formats
 
 
@@ -67,6 +69,19 @@ class ExpertSource:
             self.reads += 1
         return tuple(out)
 
+    def read_checked(self, layer: int, e: int):
+        """``read_raw`` with the bytes checked for NaN / infinity (``coli.finite.first_bad_raw_row``: values of a
+        float type, f16 block scales) for a reader that does not prepare them (the device tier's warm start
+        uploads them as read); ColiError naming the file, the tensor and the expert."""
+        raw = self.read_raw(layer, e)
+        for t, (tn, r, _) in zip(self.layers[layer], raw):
+            row = finite.first_bad_raw_row(tn, r)
+            if row is not None:
+                what = "value" if tn in ("F32", "F16", "BF16") else "block scale"
+                raise ColiError(f"{os.path.basename(self.path)}: tensor '{t.name}' expert {e} has a non-finite {what} "
+                                f"in row {row} ({tn}): the file is damaged (a NaN or infinity in a weight)")
+        return raw
+
     def read_one(self, layer: int, t, e: int):
         """Expert ``e``'s slice of the 3-D tensor ``t``: ``(type_name, uint8 [O, row_bytes], bytes read)``."""
         per = t.raw[0].nbytes
@@ -76,8 +91,13 @@ class ExpertSource:
         return t.type_name, np.frombuffer(buf, dtype=np.uint8).reshape(t.raw.shape[1:]), per
 
     def load(self, layer: int, e: int) -> ExpertWeights:
+        """Expert ``e`` of ``layer`` read and prepared for the CPU kernels. ColiError naming the file, the tensor
+        and the expert when a matrix holds a NaN or an infinity (its values or block scales, ``coli.finite``);
+        raised in the reader thread, it reaches the step through the ``Future`` (``RAMCache.fetch``)."""
         raw = self.read_raw(layer, e)
         ws = [formats.prepare(tn, r, shp) for tn, r, shp in raw]
+        for t, w in zip(self.layers[layer], ws):
+            finite.check_weight(w, f"{os.path.basename(self.path)}: tensor '{t.name}' expert {e}")
         return ExpertWeights(ws[0], ws[1], ws[2], raw, sum(r.nbytes for _, r, _ in raw))
 
     def close(self):

@@ -12,13 +12,14 @@ ORACLES = Path(__file__).parent / "fixtures" / "oracles"
 
 
 def _rewrite(name: str, dest: Path, drop_key: str = "", drop_tensor: str = "", widen: str = "",
-             to_str: str = "", zero: str = "") -> Path:
-    """The fixture ``name`` with metadata key ``drop_key`` and tensor ``drop_tensor`` left out, the F32 tensor
-    ``widen`` one column (GGUF ne0) wider, key ``to_str`` a string, integer key ``zero`` 0; every other key and
-    tensor as stored."""
+             to_str: str = "", zero: str = "", edit: dict | None = None, src: Path | None = None) -> Path:
+    """The fixture ``name`` (or the file ``src``) with metadata key ``drop_key`` and tensor ``drop_tensor`` left
+    out, the F32 tensor ``widen`` one column (GGUF ne0) wider, key ``to_str`` a string, integer key ``zero`` 0,
+    tensor ``n`` of ``edit`` replaced by ``edit[n](data)`` (a copy of its NumPy data: float values of an F32 /
+    F16 tensor, the raw bytes uint8 [..., row bytes] of a block format); every other key and tensor as stored."""
     import gguf
 
-    src = gguf.GGUFReader(str(ORACLES / f"{name}.gguf"))
+    src = gguf.GGUFReader(str(src or ORACLES / f"{name}.gguf"))
     w = gguf.GGUFWriter(str(dest), src.fields["general.architecture"].contents())
     for k, f in src.fields.items():
         if k.startswith("GGUF.") or k == "general.architecture" or k == drop_key:
@@ -38,6 +39,8 @@ def _rewrite(name: str, dest: Path, drop_key: str = "", drop_tensor: str = "", w
         a = np.asarray(t.data)
         if t.name == widen:
             a = np.concatenate([a, a[..., :1]], axis=-1)
+        if edit and t.name in edit:
+            a = edit[t.name](a.copy())
         if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
             w.add_tensor(t.name, a)
         else:

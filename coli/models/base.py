@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from coli import finite
 from coli.errors import ColiError
 from cpu_kernels import experts as grouped
 from cpu_kernels import formats
@@ -27,6 +28,16 @@ def need_key(g, key: str):
     if v is None:
         raise ColiError(f"{g.path.name}: metadata '{g.arch}.{key}' is missing")
     return v
+
+
+def below_one(g, key: str, why: str = "") -> ColiError:
+    """The ColiError for metadata ``<arch>.<key>`` that must be at least 1 and is not: ``is missing`` when the file
+    lacks it, else its value (a key present with value 0 is not missing). ``why``: what needs it."""
+    v = g.get(f"{g.arch}.{key}")
+    tail = f" ({why})" if why else ""
+    if v is None:
+        return ColiError(f"{g.path.name}: metadata '{g.arch}.{key}' is missing{tail}")
+    return ColiError(f"{g.path.name}: metadata '{g.arch}.{key}': {v} (must be at least 1{'; ' + why if why else ''})")
 
 
 @dataclass
@@ -59,9 +70,10 @@ class BaseArgs:
 
         n_heads = int(need("attention.head_count"))
         d = int(need("embedding_length"))
-        for key, v in (("attention.head_count", n_heads), ("embedding_length", d)):
+        n_layers = int(need("block_count"))
+        for key, v in (("attention.head_count", n_heads), ("embedding_length", d), ("block_count", n_layers)):
             if v <= 0:
-                raise ColiError(f"{g.path.name}: metadata '{a}.{key}': {v} (must be at least 1)")
+                raise below_one(g, key)
         n_kv = g.get(f"{a}.attention.head_count_kv", n_heads)
         if isinstance(n_kv, (list, np.ndarray)):
             n_kv = int(n_kv[0])
@@ -70,7 +82,7 @@ class BaseArgs:
         vocab = int(g.get(f"{a}.vocab_size", tok.shape[0] if tok is not None else 0))
         kw = dict(
             arch=a,
-            n_layers=int(need("block_count")),
+            n_layers=n_layers,
             d_model=d,
             n_heads=n_heads,
             n_kv_heads=int(n_kv),
@@ -119,11 +131,17 @@ class Weights:
             raise ColiError(f"{self.fname}: tensor '{name}' is missing")
         return ti
 
-    def prepare(self, ti):
+    def prepare(self, ti, raw=None, shape=None):
+        """``ti`` (a TensorInfo) prepared for the kernels (``raw``/``shape``: a row slice of it instead); a
+        ColiError naming the file and the tensor for an unsupported type and for a NaN or infinity in its values
+        or block scales (``coli.finite``)."""
         try:
-            return formats.prepare(ti.type_name, ti.raw, tuple(ti.shape))
+            w = formats.prepare(ti.type_name, ti.raw if raw is None else raw,
+                                tuple(ti.shape if shape is None else shape))
         except ColiError as e:
             raise ColiError(f"{self.fname}: tensor '{ti.name}': {e}") from None
+        finite.check_weight(w, f"{self.fname}: tensor '{ti.name}'")
+        return w
 
     def w(self, name: str):
         """The weight ``name`` [O, I] prepared for ``formats.matmul`` / the grouped kernels."""
@@ -133,19 +151,23 @@ class Weights:
         return self.w(name) if name in self.t else None
 
     def f32(self, name: str, required: bool = True):
-        """Tensor ``name`` as f32 of its GGUF shape (None when absent and not ``required``)."""
+        """Tensor ``name`` as f32 of its GGUF shape (None when absent and not ``required``); ColiError naming
+        the file and the tensor when it holds a NaN or an infinity (``coli.finite``)."""
         ti = self.t.get(name)
         if ti is None:
             if required:
                 raise ColiError(f"{self.fname}: tensor '{name}' is missing")
             return None
         if ti.type_name == "F32":
-            return np.ascontiguousarray(ti.raw.view(np.float32).reshape(ti.shape))
-        raw = ti.raw.reshape(1, -1) if ti.raw.ndim == 1 else ti.raw.reshape(-1, ti.raw.shape[-1])
-        try:
-            return dequantize(ti.type_name, raw, ti.shape[-1]).reshape(ti.shape)
-        except ColiError as e:
-            raise ColiError(f"{self.fname}: tensor '{name}': {e}") from None
+            out = np.ascontiguousarray(ti.raw.view(np.float32).reshape(ti.shape))
+        else:
+            raw = ti.raw.reshape(1, -1) if ti.raw.ndim == 1 else ti.raw.reshape(-1, ti.raw.shape[-1])
+            try:
+                out = dequantize(ti.type_name, raw, ti.shape[-1]).reshape(ti.shape)
+            except ColiError as e:
+                raise ColiError(f"{self.fname}: tensor '{name}': {e}") from None
+        finite.check_array(out, f"{self.fname}: tensor '{name}'")
+        return out
 
 
 def _refuse_nvfp4_scales(tensors, fname: str) -> None:
@@ -290,8 +312,15 @@ class Model:
         return r
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
+        """The embedding rows of ``ids`` f32 [T, D]; ColiError naming ``token_embd.weight`` and the token when a
+        row holds a NaN or an infinity (the table is not checked whole at load: it is read row by row)."""
         ti = self.tok_embd
-        return dequantize(ti.type_name, ti.raw[ids], ti.shape[-1])
+        h = dequantize(ti.type_name, ti.raw[ids], ti.shape[-1])
+        r = finite.first_bad_row(h)
+        if r is not None:
+            raise ColiError(f"{self.wt.fname}: tensor '{ti.name}' has a non-finite value in row {int(ids[r])} (the "
+                            "embedding of that token): the file is damaged (a NaN or infinity in a weight)")
+        return h
 
     # -- caches ------------------------------------------------------------------------------------------
     def new_cache(self, ctx: int) -> Cache:
@@ -325,5 +354,15 @@ class Model:
         cache.pos = pos0 + T
         if not all_logits:
             h = h[-1:]
-        h = rms_norm(h, self.out_norm, self.args.eps)
-        return self.mm(self.w_out, h)
+        return self.head(h)
+
+    def head(self, h: np.ndarray) -> np.ndarray:
+        """Logits f32 [T, vocab] of the last hidden rows ``h`` f32 [T, D]: output norm, then ``output``. A row of
+        ``h`` holding a NaN or an infinity gives a row of NaN logits: int8 activations would round it to finite
+        codes (normal-looking logits), and the engine reports NaN logits (``coli.sampling``: a ColiError when
+        none is finite)."""
+        bad = ~np.isfinite(h).all(axis=1)
+        lg = self.mm(self.w_out, rms_norm(h, self.out_norm, self.args.eps))
+        if bad.any():
+            lg[bad] = np.nan
+        return lg

@@ -251,7 +251,37 @@ class MoE:
         if any(wt.has(n) for n in shexp):  # part of a shared expert is a broken file, not a model without one
             for n in shexp:
                 wt.info(n)  # ColiError naming the missing one
+        self._check_expert_shapes(m, p, wt.has(shexp[0]))
         self.shared = self._shared_expert(p) if wt.has(shexp[0]) else None
+
+    @staticmethod
+    def _check_expert_shapes(m, p: str, shared: bool) -> None:
+        """The routed experts ``ffn_{gate,up}_exps`` [E, F, D] and ``ffn_down_exps`` [E, D, F] (NumPy order;
+        llama.cpp ``create_tensor`` {n_embd, n_ff_exp, n_expert}) against ``expert_count`` E, ``embedding_length``
+        D and each other (F: ``ffn_gate_exps``' expert width), and the shared expert ``ffn_{gate,up}_shexp``
+        [Fs, D], ``ffn_down_shexp`` [D, Fs] the same way (Fs: ``ffn_up_shexp``'s rows), and the expert biases
+        ``ffn_{gate,up}_exps.bias`` [E, F], ``ffn_down_exps.bias`` [E, D] where present (gpt-oss), through
+        :func:`expect_shapes`. Before, a tensor with fewer experts than expert_count was read past its end into
+        the next tensor's bytes."""
+        E, D = m.args.n_experts, m.args.d_model
+        if E <= 0:
+            from .base import below_one
+
+            raise below_one(m.g, "expert_count", f"the layer has routed experts '{p}ffn_gate_exps.weight'")
+        gate = m.wt.info(p + "ffn_gate_exps.weight")
+        F = int(gate.shape[1]) if len(gate.shape) == 3 else -1
+        why = f"expert_count {E}, embedding_length {D}, expert width {F} of '{p}ffn_gate_exps.weight'"
+        want = {"ffn_gate_exps.weight": ((E, F, D), why), "ffn_up_exps.weight": ((E, F, D), why),
+                "ffn_down_exps.weight": ((E, D, F), why)}
+        for n, shape in (("ffn_gate_exps.bias", (E, F)), ("ffn_up_exps.bias", (E, F)), ("ffn_down_exps.bias", (E, D))):
+            if m.wt.has(p + n):  # gpt-oss's expert biases (llama.cpp {n_ff_exp or n_embd, n_expert})
+                want[n] = (shape, why)
+        if shared:
+            Fs = int(m.wt.info(p + "ffn_up_shexp.weight").shape[0])
+            why = f"embedding_length {D}, shared-expert width {Fs} of '{p}ffn_up_shexp.weight'"
+            want.update({"ffn_gate_shexp.weight": ((Fs, D), why), "ffn_up_shexp.weight": ((Fs, D), why),
+                         "ffn_down_shexp.weight": ((D, Fs), why)})
+        expect_shapes(m, p, want)
 
     def _shared_expert(self, p):
         m, wt = self.m, self.m.wt

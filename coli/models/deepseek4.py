@@ -42,7 +42,6 @@ import numpy as np
 from coli.errors import ColiError
 from cpu_kernels import dsv4
 from cpu_kernels import experts as grouped
-from cpu_kernels import formats
 from cpu_kernels.norms import rms_norm
 
 from . import base, blocks
@@ -261,11 +260,8 @@ class Attention:
         g: rows g r .. (g+1) r, HF ``DeepseekV4GroupedLinear``) for ``cpu_kernels.dsv4.GroupedLinear``."""
         ti, G, r = m.wt.info(name), m.args.o_groups, m.args.o_rank
         raw = ti.raw.reshape(G * r, -1)
-        try:
-            return dsv4.GroupedLinear([formats.prepare(ti.type_name, raw[g * r:(g + 1) * r], (r, int(ti.shape[1])))
-                                       for g in range(G)])
-        except ColiError as e:
-            raise ColiError(f"{m.g.path.name}: tensor '{name}': {e}") from None
+        # Weights.prepare: ColiError naming the tensor (type, NaN / inf)
+        return dsv4.GroupedLinear([m.wt.prepare(ti, raw[g * r:(g + 1) * r], (r, int(ti.shape[1]))) for g in range(G)])
 
     def tables(self):
         """cos, sin f32 [ctx, n_rot / 2]: compressed layers the compressed base with the YaRN (no mscale),
@@ -461,10 +457,11 @@ class Model(base.Model):
             raise ColiError(f"{name}: metadata '{a}.attention.head_count_kv': {args.n_kv_heads} (V4 shares one K=V "
                             "head)")
         if args.sliding_window <= 0:
-            raise ColiError(f"{name}: metadata '{a}.attention.sliding_window' is missing")
-        if any(r == 4 for r in ratios) and not (args.idx_heads and args.idx_dim and args.idx_topk):
-            raise ColiError(f"{name}: metadata '{a}.attention.indexer.*' is missing (layers with ratio 4 have an "
-                            "indexer)")
+            raise base.below_one(g, "attention.sliding_window")
+        if any(r == 4 for r in ratios):
+            for key, v in (("head_count", args.idx_heads), ("key_length", args.idx_dim), ("top_k", args.idx_topk)):
+                if v <= 0:
+                    raise base.below_one(g, f"attention.indexer.{key}", "layers with compress ratio 4 have an indexer")
         if any(r not in (0, 4) and r < 2 for r in ratios):
             raise ColiError(f"{name}: metadata '{a}.attention.compress_ratios': {list(ratios)}")
         need("rope.dimension_count")  # rope on the last n_rot dims of each head: no key_length default
@@ -506,5 +503,4 @@ class Model(base.Model):
         if not all_logits:
             S = S[-1:]
         _, _, h = self.hc_head(S)
-        h = rms_norm(h, self.out_norm, self.args.eps)
-        return self.mm(self.w_out, h)
+        return self.head(h)

@@ -137,8 +137,6 @@ class GatedDeltaNet:
         whose rows are HF's ``in_proj_qkvz`` order: per key head q (dk), k (dk), v (Hv/Hk dv), z (Hv/Hk dv)
         (llama.cpp ``build_qkvz``'s legacy path). Rows are independent in every GGUF format, so the raw rows are
         regrouped and prepared as two weights."""
-        from cpu_kernels import formats
-
         Hk, Hv, dk, dv = self.n_k_heads, self.n_v_heads, self.dk, self.dv
         rv = Hv // Hk * dv
         G = 2 * dk + 2 * rv
@@ -152,11 +150,8 @@ class GatedDeltaNet:
         z = (base + 2 * dk + rv + np.arange(rv)).reshape(-1)
         qkv_rows, z_rows = np.concatenate([q, k, v]), z
         out = []
-        for rows in (qkv_rows, z_rows):
-            try:
-                out.append(formats.prepare(ti.type_name, np.ascontiguousarray(ti.raw[rows]), (len(rows), D)))
-            except ColiError as e:
-                raise ColiError(f"{fname}: tensor '{ti.name}': {e}") from None
+        for rows in (qkv_rows, z_rows):  # Weights.prepare: ColiError naming the tensor (type, NaN / inf)
+            out.append(self.m.wt.prepare(ti, np.ascontiguousarray(ti.raw[rows]), (len(rows), D)))
         return out
 
     def new_cache(self, ctx: int) -> DeltaNetCache:

@@ -75,8 +75,7 @@ def read_args(g) -> Args:
         raise ColiError(f"{g.path.name}: metadata '{a}.attention.indexer.types': {len(types)} entries for "
                         f"{n_trunk} layers, the first must be full")
     if args.q_lora_rank <= 0:
-        raise ColiError(f"{g.path.name}: metadata '{a}.attention.q_lora_rank' is missing (the indexer reads the "
-                        f"query latent)")
+        raise base.below_one(g, "attention.q_lora_rank", "the indexer reads the query latent")
     if args.idx_dim < args.n_rot:
         raise ColiError(f"{g.path.name}: metadata '{a}.attention.indexer.key_length': {args.idx_dim} is below the "
                         f"rope dims {args.n_rot}")

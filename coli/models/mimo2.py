@@ -128,7 +128,7 @@ class Model(base.Model):
         name = g.path.name
         L = int(g.get(f"{a}.block_count", 0) or 0)
         if L <= 0:
-            raise ColiError(f"{name}: metadata '{a}.block_count' is missing")
+            raise base.below_one(g, "block_count")
         # the converter appends the MTP (next-token prediction) blocks after the trunk and counts them in
         # block_count and the per-layer arrays; coli loads the trunk only (no speculative decoding yet)
         mtp = int(g.get(f"{a}.nextn_predict_layers", 0) or 0)
@@ -153,8 +153,7 @@ class Model(base.Model):
         args.head_dim_v = int(g.get(f"{a}.attention.value_length", args.head_dim))
         args.rope_base_swa = float(g.get(f"{a}.rope.freq_base_swa", args.rope_base))
         if any(args.swa_pattern) and args.sliding_window <= 0:
-            raise ColiError(f"{name}: metadata '{a}.attention.sliding_window' is missing (the pattern has sliding "
-                            "layers)")
+            raise base.below_one(g, "attention.sliding_window", "the pattern has sliding layers")
         return args
 
     def make_layer(self, il):
