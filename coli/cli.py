@@ -12,7 +12,6 @@ the run quietly (exit 0).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import secrets
 import sys
@@ -337,7 +336,7 @@ def cmd_perplexity(a) -> int:
             sys.stderr.flush()
 
         if not a.quiet:
-            way = "every token" if a.all_tokens else f"second half of each chunk, as llama-perplexity"
+            way = "every token" if a.all_tokens else "second half of each chunk, as llama-perplexity"
             print(f"coli: {eng.path.name}: {len(ids)} tokens, chunks of {eng.ctx} ({way})", file=sys.stderr)
         r = eng.perplexity(ids, all_tokens=a.all_tokens, on_chunk=None if a.quiet else progress)
         dt = time.perf_counter() - t0

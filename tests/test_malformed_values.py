@@ -2,7 +2,6 @@
 ``test_malformed_families._rewrite``): one ColiError naming the file and the tensor (and the expert), at load for
 the dense tensors and at the expert's read for the experts the RAM cache reads lazily, never normal-looking
 tokens, a NumPy error or a kernel's ZeroDivisionError (docs/formats.md "Damaged weights", docs/families.md)."""
-from pathlib import Path
 import subprocess
 import sys
 
