@@ -20,6 +20,7 @@ import numpy as np
 
 from coli.errors import ColiError
 from cpu_kernels import experts as grouped
+from cpu_kernels import router as _router
 from cpu_kernels.attention import attend
 from cpu_kernels.norms import geglu_tanh, rms_norm, rms_norm_heads, swiglu
 from cpu_kernels.rope import apply_rope
@@ -215,15 +216,16 @@ def softmax_topk(k: int, norm: bool):
     weights). logits f32 [R, E] -> (ids int32 [R, k], weights f32 [R, k])."""
 
     def route(logits: np.ndarray):
-        lg = logits.astype(np.float32)
-        mx = lg.max(axis=1, keepdims=True)
-        p = np.exp(lg - mx)
-        p /= p.sum(axis=1, keepdims=True)
-        ids = np.argsort(-p, axis=1, kind="stable")[:, :k]  # stable: ties keep the lower expert id first
-        w = np.take_along_axis(p, ids, axis=1)
-        if norm:
-            w = w / w.sum(axis=1, keepdims=True)
-        return ids.astype(np.int32), w.astype(np.float32)
+        # cpu_kernels.router: NumPy's exp between two compiled calls, bit-equal to the NumPy expression
+        # p = exp(lg - max); p /= p.sum(1); ids = argsort(-p, stable)[:, :k] (ties: the lower expert id first)
+        lg = np.array(logits, dtype=np.float32)
+        _router.shift_by_max(lg)
+        np.exp(lg, out=lg)
+        kk = min(k, lg.shape[1])
+        ids = np.empty((lg.shape[0], kk), np.int32)
+        w = np.empty((lg.shape[0], kk), np.float32)
+        _router.normalize_topk(lg, kk, norm, ids, w)
+        return ids, w
 
     return route
 
