@@ -370,12 +370,23 @@ def gemm_q4_1(qs, d, m, x, out):
         _tile(buf, n, x, c0, out)
 
 
-# ----------------------------------------------------------------------------------------------- Q4_K
 # ----------------------------------------------------------------------------------------------- Q5_0
 # Compact layout (``_pack_q5_0``, on CPUs with AVX-512 VNNI): qs uint8 [O, ceil(nb/2)*32] in the pair layout of
 # Q4_0 (the low 4 bits), qh uint32 [O, nb] as ggml stores it (bit j: the fifth bit of element j), d f32 [O, nb].
 # The f32 kernels widen a row to its int8 codes q - 16 (``vnni.widen_q5_0``) and then run the Q8_0 loops (the
 # same numbers). Elsewhere Q5_0 is widened at load and runs the Q8_0 kernels.
+@njit(inline="always", **_JIT)
+def _dot_i8_row(q, d, o, x, acc):
+    """sum_b d[o, b] * (q[32b:32b+32] . x[32b:32b+32]) for one row's int8 codes q [I], in the 32 f32 lanes acc
+    (``gemv_q8_0``'s arithmetic)."""
+    acc[:] = 0
+    for b in range(d.shape[1]):
+        db = d[o, b]
+        for j in range(32):
+            acc[j] += db * (np.float32(q[b * 32 + j]) * x[b * 32 + j])
+    return _lanes_sum(acc)
+
+
 @njit(**_PJIT)
 def gemv_q5_0(qs, qh, d, x, out):
     O, nb = d.shape
@@ -384,12 +395,7 @@ def gemv_q5_0(qs, qh, d, x, out):
         q = np.empty(nb * 32, np.int8)
         for o in range(c * _RB, min(O, c * _RB + _RB)):
             _vnni.widen_q5_0(qs[o], qh[o], q)
-            acc[:] = 0
-            for b in range(nb):
-                db = d[o, b]
-                for j in range(32):
-                    acc[j] += db * (np.float32(q[b * 32 + j]) * x[b * 32 + j])
-            out[o] = _lanes_sum(acc)
+            out[o] = _dot_i8_row(q, d, o, x, acc)
 
 
 @njit(inline="always", **_JIT)
@@ -434,12 +440,7 @@ def gemv_lut(qs, d, kv, x, out):
         q = np.empty(nb * 32, np.int8)
         for o in range(c * _RB, min(O, c * _RB + _RB)):
             _vnni.widen_lut(qs[o], t, q)
-            acc[:] = 0
-            for b in range(nb):
-                db = d[o, b]
-                for j in range(32):
-                    acc[j] += db * (np.float32(q[b * 32 + j]) * x[b * 32 + j])
-            out[o] = _lanes_sum(acc)
+            out[o] = _dot_i8_row(q, d, o, x, acc)
 
 
 @njit(inline="always", **_JIT)
@@ -471,6 +472,7 @@ def pack_lut(qs16: np.ndarray, nb: int, d: np.ndarray, kv: np.ndarray):
     return out, np.ascontiguousarray(d, dtype=np.float32), np.ascontiguousarray(kv, dtype=np.int8).reshape(1, 16)
 
 
+# ----------------------------------------------------------------------------------------------- Q4_K
 @njit(**_PJIT)
 def gemv_q4_k(qs, sc, mn, d, dm, x, out):
     # qs uint8 [O, nb*128]; sc, mn uint8 [O, nb*8] (6-bit sub-block scale / min); d, dm f32 [O, nb]
