@@ -193,6 +193,32 @@ class _Ops:
         return t64, t32
 
 
+def _q8_steps(op, nb, da, xa, xda, pair, last):
+    """``row_q8``'s arithmetic over nb blocks whose int8 codes come from ``pair(p)`` (<64 x i8>: blocks 2p, 2p+1)
+    and ``last()`` (<32 x i8>: the odd last block): per pair one 512-bit signed dot and two scales
+    d[b] * xd[b] into 16 f32 lanes, the odd block in 8 lanes, one horizontal sum. The layouts that widen their
+    codes in registers (Q5_0, the 4-bit tables) go through the same steps, so their results are bit-equal."""
+    b_ = op.b
+    acc = cgutils.alloca_once_value(b_, ir.Constant(_F32x8, None))
+    acc16 = cgutils.alloca_once_value(b_, ir.Constant(_F32x16, None))
+    n2 = b_.lshr(nb, op.i(nb, 1))
+    with cgutils.for_range(b_, n2) as loop:  # two blocks per 512-bit vpdpbusd
+        p = loop.index
+        vi = op.dot512_signed(pair(p), op.load64(xa.data, b_.mul(p, op.i(p, 64))))
+        b0 = b_.mul(p, op.i(p, 2))
+        b1 = b_.add(b0, op.i(b0, 1))
+        s0 = b_.fmul(op.load(da.data, b0), op.load(xda.data, b0))
+        s1 = b_.fmul(op.load(da.data, b1), op.load(xda.data, b1))
+        op.fma16_into(acc16, vi, op.halves16(s0, s1))
+    op.hsum16_into(acc16, acc)
+    with b_.if_then(b_.icmp_unsigned("!=", b_.and_(nb, op.i(nb, 1)), op.i(nb, 0))):
+        b = b_.sub(nb, op.i(nb, 1))
+        vi = op.dot_signed(last(n2), op.load32(xa.data, b_.mul(b, op.i(b, 32))))
+        s = b_.fmul(op.load(da.data, b), op.load(xda.data, b))
+        op.fma_into(acc, vi, op.splat(s))
+    return op.hsum(acc)
+
+
 def _arrays(context, builder, sig, args):
     return [context.make_array(t)(context, builder, a) for t, a in zip(sig.args, args)]
 
@@ -207,26 +233,8 @@ def row_q8(typingctx, q, d, xq, xd):
         qa, da, xa, xda = _arrays(context, builder, signature, args)
         op = _Ops(builder)
         nb = builder.extract_value(da.shape, 0)
-        acc = cgutils.alloca_once_value(builder, ir.Constant(_F32x8, None))
-        acc16 = cgutils.alloca_once_value(builder, ir.Constant(_F32x16, None))
-        n2 = builder.lshr(nb, op.i(nb, 1))
-        with cgutils.for_range(builder, n2) as loop:  # two blocks per 512-bit vpdpbusd
-            p = loop.index
-            off = builder.mul(p, op.i(p, 64))
-            vi = op.dot512_signed(op.load64(qa.data, off), op.load64(xa.data, off))
-            b0 = builder.mul(p, op.i(p, 2))
-            b1 = builder.add(b0, op.i(b0, 1))
-            s0 = builder.fmul(op.load(da.data, b0), op.load(xda.data, b0))
-            s1 = builder.fmul(op.load(da.data, b1), op.load(xda.data, b1))
-            op.fma16_into(acc16, vi, op.halves16(s0, s1))
-        op.hsum16_into(acc16, acc)
-        with builder.if_then(builder.icmp_unsigned("!=", builder.and_(nb, op.i(nb, 1)), op.i(nb, 0))):
-            b = builder.sub(nb, op.i(nb, 1))
-            off = builder.mul(b, op.i(b, 32))
-            vi = op.dot_signed(op.load32(qa.data, off), op.load32(xa.data, off))
-            s = builder.fmul(op.load(da.data, b), op.load(xda.data, b))
-            op.fma_into(acc, vi, op.splat(s))
-        return op.hsum(acc)
+        return _q8_steps(op, nb, da, xa, xda, lambda p: op.load64(qa.data, builder.mul(p, op.i(p, 64))),
+                         lambda n2: op.load32(qa.data, builder.mul(builder.sub(nb, op.i(nb, 1)), op.i(nb, 32))))
 
     return sig, codegen
 
@@ -299,40 +307,26 @@ def row_q5_0(typingctx, qs, qh, d, xq, xd):
         qa, ha, da, xa, xda = _arrays(context, builder, signature, args)
         op = _Ops(builder)
         nb = builder.extract_value(da.shape, 0)
-        acc = cgutils.alloca_once_value(builder, ir.Constant(_F32x8, None))
-        acc16 = cgutils.alloca_once_value(builder, ir.Constant(_F32x16, None))
         m4 = ir.Constant(_I8x32, [0x0F] * 32)
         sh4 = ir.Constant(_I8x32, [4] * 32)
         h16w = ir.Constant(_I8x64, [16] * 64)
-        z64 = ir.Constant(_I8x64, [0] * 64)
         h16 = ir.Constant(_I8x32, [16] * 32)
-        z32 = ir.Constant(_I8x32, [0] * 32)
         i64 = ir.IntType(64)
-        n2 = builder.lshr(nb, op.i(nb, 1))
-        with cgutils.for_range(builder, n2) as loop:  # blocks 2p, 2p+1: one 256-bit load of nibbles, one 64-bit mask
-            p = loop.index
+
+        def pair(p):  # blocks 2p, 2p+1: one 256-bit load of nibbles, the fifth bits as one 64-bit mask
             v = op.load32(qa.data, builder.mul(p, op.i(p, 32)))
             w = op.cat32(builder.and_(v, m4), builder.lshr(v, sh4))
             hp = builder.bitcast(builder.gep(ha.data, [builder.mul(p, op.i(p, 2))]), i64.as_pointer())
             hm = builder.bitcast(builder.load(hp, align=4), ir.VectorType(_I1, 64))
-            w = builder.sub(builder.or_(w, builder.select(hm, h16w, z64)), h16w)
-            off = builder.mul(p, op.i(p, 64))
-            vi = op.dot512_signed(w, op.load64(xa.data, off))
-            b0 = builder.mul(p, op.i(p, 2))
-            b1 = builder.add(b0, op.i(b0, 1))
-            s0 = builder.fmul(op.load(da.data, b0), op.load(xda.data, b0))
-            s1 = builder.fmul(op.load(da.data, b1), op.load(xda.data, b1))
-            op.fma16_into(acc16, vi, op.halves16(s0, s1))
-        op.hsum16_into(acc16, acc)
-        with builder.if_then(builder.icmp_unsigned("!=", builder.and_(nb, op.i(nb, 1)), op.i(nb, 0))):
+            return builder.sub(builder.or_(w, builder.select(hm, h16w, ir.Constant(_I8x64, [0] * 64))), h16w)
+
+        def last(n2):
             b = builder.sub(nb, op.i(nb, 1))
             v = builder.and_(op.load32(qa.data, builder.mul(n2, op.i(n2, 32))), m4)
             hm = builder.bitcast(builder.load(builder.gep(ha.data, [b])), ir.VectorType(_I1, 32))
-            w = builder.sub(builder.or_(v, builder.select(hm, h16, z32)), h16)
-            vi = op.dot_signed(w, op.load32(xa.data, builder.mul(b, op.i(b, 32))))
-            s = builder.fmul(op.load(da.data, b), op.load(xda.data, b))
-            op.fma_into(acc, vi, op.splat(s))
-        return op.hsum(acc)
+            return builder.sub(builder.or_(v, builder.select(hm, h16, ir.Constant(_I8x32, [0] * 32))), h16)
+
+        return _q8_steps(op, nb, da, xa, xda, pair, last)
 
     return sig, codegen
 
@@ -396,29 +390,14 @@ def row_lut(typingctx, qs, d, kv, xq, xd):
         op = _Ops(builder)
         nb = builder.extract_value(da.shape, 0)
         t64, t32 = op.tables(ka.data)
-        acc = cgutils.alloca_once_value(builder, ir.Constant(_F32x8, None))
-        acc16 = cgutils.alloca_once_value(builder, ir.Constant(_F32x16, None))
         m4 = ir.Constant(_I8x32, [0x0F] * 32)
         sh4 = ir.Constant(_I8x32, [4] * 32)
-        n2 = builder.lshr(nb, op.i(nb, 1))
-        with cgutils.for_range(builder, n2) as loop:
-            p = loop.index
-            w = _lut_pair(op, qa, p, m4, sh4, t64)
-            vi = op.dot512_signed(w, op.load64(xa.data, builder.mul(p, op.i(p, 64))))
-            b0 = builder.mul(p, op.i(p, 2))
-            b1 = builder.add(b0, op.i(b0, 1))
-            s0 = builder.fmul(op.load(da.data, b0), op.load(xda.data, b0))
-            s1 = builder.fmul(op.load(da.data, b1), op.load(xda.data, b1))
-            op.fma16_into(acc16, vi, op.halves16(s0, s1))
-        op.hsum16_into(acc16, acc)
-        with builder.if_then(builder.icmp_unsigned("!=", builder.and_(nb, op.i(nb, 1)), op.i(nb, 0))):
-            b = builder.sub(nb, op.i(nb, 1))
+
+        def last(n2):
             v = builder.and_(op.load32(qa.data, builder.mul(n2, op.i(n2, 32))), m4)
-            w = builder.call(op.shuf, [t32, v])
-            vi = op.dot_signed(w, op.load32(xa.data, builder.mul(b, op.i(b, 32))))
-            s = builder.fmul(op.load(da.data, b), op.load(xda.data, b))
-            op.fma_into(acc, vi, op.splat(s))
-        return op.hsum(acc)
+            return builder.call(op.shuf, [t32, v])
+
+        return _q8_steps(op, nb, da, xa, xda, lambda p: _lut_pair(op, qa, p, m4, sh4, t64), last)
 
     return sig, codegen
 
