@@ -77,7 +77,7 @@ class ExpertSource:
         for t, (tn, r, _) in zip(self.layers[layer], raw):
             row = finite.first_bad_raw_row(tn, r)
             if row is not None:
-                what = "value" if tn in ("F32", "F16", "BF16") else "block scale"
+                what = "value" if tn in ("F32", "F16", "BF16") else "block scale or minimum"
                 raise ColiError(f"{os.path.basename(self.path)}: tensor '{t.name}' expert {e} has a non-finite {what} "
                                 f"in row {row} ({tn}): the file is damaged (a NaN or infinity in a weight)")
         return raw
