@@ -377,6 +377,12 @@ def open_gguf(path) -> GGUFModel:
             w.fail(f"tensor '{name}'", f"data [{start}, {start + nbytes}) is past the end of the file ({size} bytes)")
         raw = arr[start:start + nbytes].reshape(*shape[:-1], row_bytes)
         tensors[name] = TensorInfo(name, qt.name, shape, raw, start, nbytes, int(qt), n_el)
+    # every tensor's bytes are its own (a type or shape changed to a bigger one would read its neighbour's data)
+    spans = sorted((off, nbytes, name) for name, _qt, _s, _rb, off, nbytes, _n in infos)
+    for (o1, n1, a), (o2, _n2, b) in zip(spans, spans[1:]):
+        if o1 + n1 > o2:
+            w.fail(f"tensor '{a}'", f"data [{data_offset + o1}, {data_offset + o1 + n1}) overlaps tensor '{b}' "
+                                    f"(from {data_offset + o2}): a tensor's type or shape does not match its data")
 
     if arch is None:
         w.fail("kv 'general.architecture'", "missing")

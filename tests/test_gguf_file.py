@@ -306,6 +306,9 @@ BAD = {
                                  "tensor 'w': data offset 4 is not a multiple of the alignment 32"),
     "tensor_data_past_end": (_gguf([ARCH], [_tinfo("w", [1024, 1024])], data=bytes(64)),
                              "tensor 'w': data ["),
+    # a's 32 f32 values (128 bytes) run into b's data at offset 64: a type or shape enlarged without moving the data
+    "tensor_overlap": (_gguf([ARCH], [_tinfo("a", [32]), _tinfo("b", [4], offset=64)], data=bytes(256)),
+                       "overlaps tensor 'b'"),
     "tensor_duplicate_name": (_gguf([ARCH], [_tinfo("w", [4]), _tinfo("w", [4], offset=32)], data=bytes(64)),
                               "tensor 'w': duplicate tensor name"),
     "tensor_name_past_end": (_gguf([ARCH], [struct.pack("<Q", 500) + b"blk" + bytes(40)], n_tensors=1, align=1),
