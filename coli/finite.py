@@ -63,8 +63,13 @@ def _bad_weight_row(w):
         bad = (w.arrays[0] & mask) == mask
         if bad.any():
             return int(np.argmax(bad.reshape(bad.shape[0], -1).any(axis=1))), "NaN code", None
+    arrays = w.arrays
+    if w.layout == "t16":  # the f16 scales inside the tile records (cpu_kernels.tiles)
+        from cpu_kernels import tiles
+
+        arrays = [a for a in tiles.scales(w.name, w.arrays[0], *w.shape) if a is not None]
     nf = 0  # float arrays seen: in every packed layout the first is the block scale, a later one the minimum
-    for a in w.arrays:
+    for a in arrays:
         r = first_bad_row(a)
         if r is not None:
             return r, ("value" if w.fmt.block_size == 1 else "block scale" if nf == 0 else "block minimum"), a

@@ -46,6 +46,7 @@ from . import gemm_i8 as _G
 from . import iquants as _iq
 from . import lowbit as _lb
 from .iquants import row_g16
+from .tiles import decode_row, tile_q4_0, tile_q4_1, tile_q4_k, tile_q5_0, tile_q8_0
 from .vnni import (HAVE_VNNI, _act_sums16, row_lut, row_pair, row_q2_k, row_q3_k, row_q4_k, row_q5_0, row_q5_k,
                    row_q6_k, row_q8, widen_lut, widen_q5_0)
 
@@ -64,6 +65,9 @@ FC_Q5_1, FC_Q2_K, FC_Q3_K, FC_G16, FC_FP8 = range(7, 12)
 # (formats.pack_lut: pair nibbles, f32 scale per 32, int8 table [1, 16]) of MXFP4, IQ4_NL and IQ4_XS
 # on CPUs with AVX-512 VNNI (elsewhere formats packs them widened, in Q8_0's layout)
 FC_Q5_0, FC_LUT = 12, 13
+# the 16-row interleaved tiles (cpu_kernels/tiles.py: one uint8 record array, row t = tile t), in tiles.KIND order
+FC_T4_0, FC_T4_1, FC_T8, FC_T5_0, FC_T4_K = 14, 15, 16, 17, 18
+TILE_CODE = {"Q4_0": FC_T4_0, "Q4_1": FC_T4_1, "Q8_0": FC_T8, "Q5_0": FC_T5_0, "Q4_K": FC_T4_K}
 _C5, _CL = (FC_Q5_0, FC_LUT) if HAVE_VNNI else (FC_Q8, FC_Q8)
 FORMAT_CODE = {"F32": FC_F32, "F16": FC_F32, "BF16": FC_F32, "Q8_0": FC_Q8, "Q5_0": _C5, "MXFP4": _CL,
                "Q4_0": FC_Q4_0, "Q4_1": FC_Q4_1, "Q4_K": FC_Q4_K, "Q5_K": FC_Q5_K, "Q6_K": FC_Q6_K,
@@ -94,7 +98,7 @@ def weight_desc(w) -> np.ndarray:
     """int64 [13]: format code, O, I, the addresses of the (up to five) packed arrays, their row lengths in
     elements. Raises KeyError for a format without a code (a row appended to FORMATS without one here)."""
     d = np.zeros(DESC_LEN, np.int64)
-    d[0] = FORMAT_CODE[w.name]
+    d[0] = TILE_CODE[w.name] if w.layout == "t16" else FORMAT_CODE[w.name]
     d[1], d[2] = w.shape
     for i, a in enumerate(w.arrays):
         d[3 + i] = a.ctypes.data
@@ -205,7 +209,21 @@ def _block_i8(ds, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out):
     """out[dst[p], oe + o] = W[o] . row src[p] for o in c0:c1, p in p0:p1 (int8 activations): the format
     branch taken once per work item, so each inner loop is one format's code."""
     fc = ds[0]
-    if fc == FC_Q8:
+    if fc >= FC_T4_0:  # the t16 tiles; c0 is a tile's first row (16-row work items)
+        rec = _r_u8(ds, 0, c0 // 16)
+        for p in range(p0, p1):
+            r = src[p]
+            if fc == FC_T4_1:
+                tile_q4_1(rec, xq[r], xd[r], xm[r], out[dst[p]], oe + c0)
+            elif fc == FC_T8:
+                tile_q8_0(rec, xq[r], xd[r], xm[r], out[dst[p]], oe + c0)
+            elif fc == FC_T5_0:
+                tile_q5_0(rec, xq[r], xd[r], xm[r], out[dst[p]], oe + c0)
+            elif fc == FC_T4_K:
+                tile_q4_k(rec, xq[r], xd[r], xm[r], out[dst[p]], oe + c0)
+            else:
+                tile_q4_0(rec, xq[r], xd[r], xm[r], out[dst[p]], oe + c0)
+    elif fc == FC_Q8:
         for o in range(c0, c1):
             q = _r_i8(ds, 0, o)
             d = _r_f32(ds, 1, o)
@@ -413,6 +431,8 @@ def _decode_row(ds, o, buf):
             db = d[b]
             for j in range(32):
                 buf[b * 32 + j] = db * np.float32(q[b * 32 + j])
+    elif fc >= FC_T4_0:
+        decode_row(_r_u8(ds, 0, o // 16), fc - FC_T4_0, o % 16, I, buf)
     elif fc == FC_Q5_0 or fc == FC_LUT:   # formats._dec_q5_0 / _dec_lut: the row widened to int8, then d * q
         q = np.empty(I, np.int8)
         if fc == FC_Q5_0:

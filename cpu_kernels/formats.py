@@ -66,6 +66,7 @@ from coli.errors import ColiError
 
 from . import DEFAULT_ACT
 from . import vnni as _vnni
+from . import tiles as _tiles
 
 _RB = 16  # output rows per parallel chunk
 _JIT = dict(nogil=True, cache=True, fastmath=True)
@@ -986,6 +987,10 @@ GEMV_I8_MAX_T = 12
 #: Above GEMV_I8_MAX_T rows, int8 activations run the blocked VNNI GEMM (``cpu_kernels.gemm_i8``) for the formats
 #: it has (docs/cpu_kernels.md, "int8 GEMM"); False: the f32 GEMM on the rounded activations (the earlier path).
 GEMM_I8 = True
+#: Q4_0, Q4_1 and Q8_0 weights with O % 16 == 0 take the 16-row interleaved layout (``cpu_kernels.tiles``) on
+#: CPUs with VNNI: the int8 kernels then serve 16 rows per instruction and stream the file's bytes (docs/
+#: cpu_kernels.md, "t16 tiles"). False: the row layouts below (A/B runs, tests of both).
+TILES = True
 
 
 class Weight:
@@ -996,9 +1001,10 @@ class Weight:
     """
 
     __slots__ = ("fmt", "name", "shape", "arrays", "nbytes", "file_nbytes", "gemv", "gemm", "int8", "gemv_i8",
-                 "_desc")
+                 "_desc", "layout")
 
-    def __init__(self, fmt: Format, shape, arrays):
+    def __init__(self, fmt: Format, shape, arrays, layout: str = "rows"):
+        self.layout = layout  # "rows" (the format's pack) or "t16" (cpu_kernels.tiles: one uint8 record array)
         self.fmt = fmt
         self.name = fmt.name
         self.shape = shape
@@ -1049,6 +1055,8 @@ def prepare(type_name: str, raw: np.ndarray, shape) -> Weight:
         raise ColiError(f"{type_name} tensor of shape {(O, I)}: raw data is {raw.dtype} with {raw.size} elements, "
                         f"expected uint8 [{O}, {row_bytes}]")
     raw = raw.reshape(O, row_bytes)
+    if TILES and _vnni.HAVE_VNNI and _tiles.supports(type_name, O, I):
+        return Weight(fmt, (O, I), (_tiles.pack(type_name, raw, O, I),), layout="t16")
     return Weight(fmt, (O, I), fmt.pack(raw, O, I))
 
 
@@ -1073,9 +1081,13 @@ def matmul(w: Weight, x: np.ndarray, act: str | None = None) -> np.ndarray:
         raise ValueError(f"matmul: x has {x.shape[1]} columns, weight {w.name} {w.shape} expects {w.shape[1]}")
     if act is None:
         act = DEFAULT_ACT
+    if act not in ("f32", "int8"):
+        raise ColiError(f"act {act!r}: expected 'f32' or 'int8'")
+    if w.layout == "t16":  # tiles run only in the grouped kernels (every row count, both activation modes)
+        from .experts import Act, Group
+
+        return Group([w])(Act(x, act))
     if act != "f32":
-        if act != "int8":
-            raise ColiError(f"act {act!r}: expected 'f32' or 'int8'")
         if w.int8:
             if w.gemv_i8 is not None and T <= GEMV_I8_MAX_T:
                 nb = x.shape[1] // 32

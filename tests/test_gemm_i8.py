@@ -12,6 +12,13 @@ from cpu_kernels import formats as F
 from cpu_kernels import gemm_i8 as G
 from test_experts import _act_rows, _silu_mul, _weights
 
+
+@pytest.fixture(autouse=True)
+def _row_layouts(monkeypatch):
+    """This file tests the row layouts' GEMM: Q4_0/Q4_1/Q8_0 weights of 16k rows would take the t16 tiles
+    (tests/test_tiles.py covers those)."""
+    monkeypatch.setattr(F, "TILES", False)
+
 pytestmark = pytest.mark.skipif(not G.HAVE_VNNI, reason="the int8 tiles need AVX-512 VNNI")
 
 

@@ -1,0 +1,323 @@
+"""The 16-row interleaved weight layout ("t16") of Q4_0, Q4_1 and Q8_0 for the int8 (VNNI) kernels.
+
+The row layouts of ``formats`` give each output row its own dot product: a few ``vpdpbusd`` per row, then a
+horizontal sum and the block scales one at a time. For a decode GEMV that is compute-bound on one core (a
+576-wide Q4_1 row costs ~100 cycles; docs/cpu_kernels.md "t16 tiles"). llama.cpp's CPU "extra buffer" types
+(``ggml-cpu/repack.cpp``, ``ggml-cpu/amx``) interleave rows instead, so that one instruction serves several
+output rows. coli does the same, with AVX-512 VNNI: a tile is 16 consecutive output rows, stored block by block
+as one stream of records:
+
+======  ======  ===============================================================================================
+type    record  one record = one 32-weight block of the tile's 16 rows (bytes)
+======  ======  ===============================================================================================
+Q4_0    288     codes [g = 0..3][row 0..15][4 bytes of ggml's qs: bytes 4g..4g+3], then d f16 [16]
+Q4_1    320     codes as Q4_0, then d f16 [16], then m f16 [16]
+Q8_0    544     codes [g = 0..7][row 0..15][qs int8 4g..4g+3], then d f16 [16]
+Q5_0    352     codes as Q4_0, then qh uint32 [16] (ggml's fifth bits, bit j: element j), then d f16 [16]
+Q4_K    2368    per 256-weight super-block: codes [j = 0..3][g = 0..7][row][qs 32j+4g..32j+4g+3], sub-block
+                scales uint8 [8][16] and mins uint8 [8][16] (ggml's 6-bit ``get_scale_min_k4`` unpacked), then
+                d f16 [16], dmin f16 [16]
+======  ======  ===============================================================================================
+
+so a 64-byte load holds 4 codes (8 nibbles) of each of the 16 rows. ggml's Q4 byte j holds element j (low
+nibble) and element j + 16 (high nibble) of a block (``ggml-common.h`` ``block_q4_0``), so group g's low nibbles
+meet activation codes 4g..4g+3 and its high nibbles 16+4g..16+4g+3, each broadcast to all 16 lanes:
+``vpdpbusd`` then gives 16 rows' exact int32 partial dots at once and a block's 16 sums need no horizontal
+reduction. Per block: ``acc16 += float(isum16) * (d16 * xd[b])``, plus ``m16 * xm[b]`` (Q4_1) or minus
+``8 * d16 * xm[b]`` (Q4_0; Q5_0: 16, its fifth bits spread into bit 4 of each code byte in registers), with xm[b] = xd[b] * (sum of the block's activation codes), the activation blocks of
+``formats._quantize_act_i8`` (llama.cpp's Q8 blocks). Q8_0's signed codes take llama.cpp's sign trick
+(|w| times sign(w) * x). Q4_K: per sub-block pair the low nibbles meet sub-block 2j's activations and the high
+ones 2j+1's; per super-block ``acc16 += d16 * sum_s sc16_s * xd[s] * isum16_s - dmin16 * sum_s mn16_s * xm[s]``
+(``vnni.row_q4_k``'s formula). The scales stay f16 (one ``vcvtph2ps`` per 16 rows), so a tile holds the file's
+bytes (Q4_K: 1.03x, its scales unpacked): the GEMV streams 1.0x the file instead of the row layouts' 1.06-1.2x.
+
+Results: the same exact int32 block dots as the row kernels; the f32 sums over blocks run in block order per
+row (the row kernels sum lanes of partial dots), so the two layouts agree to f32 rounding, not bit for bit.
+Every t16 path (decode, expert batch, prompt rows) runs the same per-row tile arithmetic, so a row's result never
+depends on how it was batched.
+
+Used where ``formats.prepare`` sees VNNI (``HAVE_VNNI``), ``formats.TILES`` on and O a multiple of 16.
+Q5_1, Q5_K, Q6_K and the low-bit types keep their row layouts (not done yet).
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+
+from .vnni import _F32, _F32x16, _I8x64, _I32, _I32x16, _Ops, _arrays, vnni_intrinsic
+
+_JIT = dict(nogil=True, cache=True, fastmath=True)
+
+ROWS = 16
+#: per type: (weights per record, record bytes, code bytes, GGUF block bytes); the kinds of ``decode_row``
+SPEC = {"Q4_0": (32, 288, 256, 18), "Q4_1": (32, 320, 256, 20), "Q8_0": (32, 544, 512, 34),
+        "Q5_0": (32, 352, 256, 22), "Q4_K": (256, 2368, 2048, 144)}
+RECORD = {k: v[1] for k, v in SPEC.items()}
+KIND = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q5_0": 3, "Q4_K": 4}   # experts.FC_T4_0 + kind
+
+
+def supports(type_name: str, O: int, I: int) -> bool:
+    """True when a [O, I] weight of this type can take the t16 layout (the type has one, O % 16 == 0)."""
+    return type_name in SPEC and O % ROWS == 0 and O > 0 and I % SPEC[type_name][0] == 0
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _pack(blk, out, qo, ng, fields):
+    """blk uint8 [T, 16, nb, block bytes] -> out uint8 [T, nb, record]: 4-byte code group g of row r at
+    64 g + 4 r, then per field (src byte, width, dst byte) row r's bytes at dst + width r."""
+    T, R, nb, _ = blk.shape
+    for t in prange(T):
+        for b in range(nb):
+            for r in range(R):
+                for g in range(ng):
+                    for i in range(4):
+                        out[t, b, 64 * g + 4 * r + i] = blk[t, r, b, qo + 4 * g + i]
+                for f in range(fields.shape[0]):
+                    src, w, dst = fields[f, 0], fields[f, 1], fields[f, 2]
+                    for i in range(w):
+                        out[t, b, dst + w * r + i] = blk[t, r, b, src + i]
+
+
+#: per type: (first code byte in the GGUF block, (src, width, dst) of the f16 fields copied per row)
+_FIELDS = {"Q4_0": (2, [(0, 2, 256)]), "Q4_1": (4, [(0, 2, 256), (2, 2, 288)]), "Q8_0": (2, [(0, 2, 512)]),
+           "Q5_0": (6, [(2, 4, 256), (0, 2, 320)]), "Q4_K": (16, [(0, 2, 2304), (2, 2, 2336)])}
+
+
+def pack(type_name: str, raw: np.ndarray, O: int, I: int) -> np.ndarray:
+    """GGUF blocks uint8 [O, row_bytes] -> tile records uint8 [O/16, (I / block) * RECORD] (layout above)."""
+    bs, rec, nc, bsz = SPEC[type_name]
+    nb = I // bs
+    T = O // ROWS
+    blk = np.asarray(raw).reshape(T, ROWS, nb, bsz)
+    out = np.empty((T, nb, rec), np.uint8)
+    qo, fields = _FIELDS[type_name]
+    _pack(blk, out, qo, nc // 64, np.array(fields, np.int64))
+    if type_name == "Q4_K":  # ggml's 6-bit scales and mins unpacked, [sub-block][row]
+        from .formats import _k_scales
+
+        sc, mn = _k_scales(blk[..., 4:16])                             # [T, 16, nb, 8]
+        out[:, :, nc:nc + 128] = sc.transpose(0, 2, 3, 1).reshape(T, nb, 128)
+        out[:, :, nc + 128:nc + 256] = mn.transpose(0, 2, 3, 1).reshape(T, nb, 128)
+    return out.reshape(T, nb * rec)
+
+
+def scales(type_name: str, rec: np.ndarray, O: int, I: int):
+    """(d f32 [O, nblocks], minimum f32 [O, nblocks] or None) read back from tile records: Q4_1's m, Q4_K's
+    dmin (the finite checks, tests)."""
+    bs, rb, nc, _ = SPEC[type_name]
+    nb = I // bs
+    r = rec.reshape(O // ROWS, nb, rb)
+
+    def f16(a):
+        return np.ascontiguousarray(a).view(np.float16).astype(np.float32).transpose(0, 2, 1).reshape(O, nb)
+
+    o = nc + (64 if type_name == "Q5_0" else 256 if type_name == "Q4_K" else 0)
+    d = f16(r[:, :, o:o + 32])
+    m = f16(r[:, :, o + 32:o + 64]) if type_name in ("Q4_1", "Q4_K") else None
+    return d, m
+
+
+# --------------------------------------------------------------------------------------------------- kernels
+_F16x16 = ir.VectorType(ir.HalfType(), 16)
+_I8x16 = ir.VectorType(ir.IntType(8), 16)
+
+
+def _splat_f(b, s):
+    return b.shuffle_vector(b.insert_element(ir.Constant(_F32x16, None), s, ir.Constant(_I32, 0)),
+                            ir.Constant(_F32x16, None), ir.Constant(_I32x16, [0] * 16))
+
+
+def _splat_i(b, s):
+    return b.shuffle_vector(b.insert_element(ir.Constant(_I32x16, None), s, ir.Constant(_I32, 0)),
+                            ir.Constant(_I32x16, None), ir.Constant(_I32x16, [0] * 16))
+
+
+def _i32x16(v):
+    return ir.Constant(_I32x16, [v] * 16)
+
+
+def _tile_codegen(name):
+    bs, rec_bytes, nc, _ = SPEC[name]
+
+    def codegen(context, builder, signature, args):
+        ra, xa, xda, xma, oa = _arrays(context, builder, types.void(*signature.args[:5]), args[:5])
+        off = args[5]
+        b = builder
+        op = _Ops(b)
+        nsb = b.extract_value(xda.shape, 0)
+        if bs == 256:
+            nsb = b.udiv(nsb, ir.Constant(nsb.type, 8))
+        facc = cgutils.alloca_once_value(b, ir.Constant(_F32x16, None))
+        m4 = ir.Constant(_I8x64, [15] * 64)
+        sh4 = ir.Constant(_I8x64, [4] * 64)
+        i32p = _I32.as_pointer()
+        zero = ir.Constant(_I32x16, None)
+        with cgutils.for_range(b, nsb) as loop:
+            k = loop.index
+            c = lambda v: ir.Constant(k.type, v)  # noqa: E731
+            base = b.gep(ra.data, [b.mul(k, c(rec_bytes))])
+            xb = b.gep(xa.data, [b.mul(k, c(bs))])
+
+            def xs(j):  # activation codes j..j+3 of the record's weights, broadcast to 16 lanes
+                return _splat_i(b, b.load(b.bitcast(b.gep(xb, [c(j)]), i32p), align=1))
+
+            def ld(o, ty):
+                return b.load(b.bitcast(b.gep(base, [c(o)]), ty.as_pointer()), align=1)
+
+            def f16x16(o):
+                return b.fpext(ld(o, _F16x16), _F32x16)
+
+            def xd(i):
+                return _splat_f(b, op.load(xda.data, i))
+
+            def xm(i):
+                return _splat_f(b, op.load(xma.data, i))
+
+            if name == "Q4_K":
+                s0 = b.mul(k, c(8))
+                sacc = ir.Constant(_F32x16, None)
+                for j in range(4):
+                    lo = [zero, zero]
+                    hi = [zero, zero]
+                    for g in range(8):
+                        v = ld(512 * j + 64 * g, _I8x64)
+                        lo[g & 1] = b.call(op.dp512, [lo[g & 1], b.bitcast(b.and_(v, m4), _I32x16), xs(64 * j + 4 * g)])
+                        hi[g & 1] = b.call(op.dp512, [hi[g & 1], b.bitcast(b.lshr(v, sh4), _I32x16),
+                                                      xs(64 * j + 32 + 4 * g)])
+                    for h, parts in ((0, lo), (1, hi)):
+                        sub = 2 * j + h
+                        scv = b.uitofp(b.zext(ld(nc + 16 * sub, _I8x16), _I32x16), _F32x16)
+                        sx = b.fmul(scv, xd(b.add(s0, c(sub))))
+                        sacc = b.fadd(sacc, b.fmul(b.sitofp(b.add(parts[0], parts[1]), _F32x16), sx))
+                macc = ir.Constant(_F32x16, None)
+                for sub in range(8):
+                    mnv = b.uitofp(b.zext(ld(nc + 128 + 16 * sub, _I8x16), _I32x16), _F32x16)
+                    macc = b.fadd(macc, b.fmul(mnv, xm(b.add(s0, c(sub)))))
+                f = b.fadd(b.load(facc), b.fsub(b.fmul(f16x16(nc + 256), sacc), b.fmul(f16x16(nc + 288), macc)))
+                b.store(f, facc)
+            else:
+                parts = []
+                if name == "Q8_0":
+                    for g in range(8):
+                        v = ld(64 * g, _I8x64)
+                        aw = b.call(op.abs512, [v, ir.Constant(ir.IntType(1), 0)])
+                        xv = b.bitcast(xs(4 * g), _I8x64)
+                        sx = b.select(b.icmp_signed("<", v, ir.Constant(_I8x64, None)),
+                                      b.sub(ir.Constant(_I8x64, None), xv), xv)
+                        prev = parts[g % 4] if g >= 4 else zero
+                        d = b.call(op.dp512, [prev, b.bitcast(aw, _I32x16), b.bitcast(sx, _I32x16)])
+                        if g >= 4:
+                            parts[g % 4] = d
+                        else:
+                            parts.append(d)
+                else:
+                    qh = ld(nc, _I32x16) if name == "Q5_0" else None
+                    for g in range(4):
+                        v = ld(64 * g, _I8x64)
+                        lo = b.and_(v, m4)
+                        hi = b.lshr(v, sh4)
+                        if qh is not None:  # bits 4g..4g+3 (and 16+4g..) of each row's qh -> bit 4 of its 4 bytes
+                            def spread(sh):
+                                t = b.and_(b.lshr(qh, _i32x16(sh)), _i32x16(15))
+                                t = b.and_(b.mul(t, _i32x16(0x00204081)), _i32x16(0x01010101))
+                                return b.bitcast(b.shl(t, _i32x16(4)), _I8x64)
+
+                            lo = b.or_(lo, spread(4 * g))
+                            hi = b.or_(hi, spread(16 + 4 * g))
+                        a = b.call(op.dp512, [zero, b.bitcast(lo, _I32x16), xs(4 * g)])
+                        parts.append(b.call(op.dp512, [a, b.bitcast(hi, _I32x16), xs(16 + 4 * g)]))
+                isum = b.add(b.add(parts[0], parts[1]), b.add(parts[2], parts[3]))
+                od = nc + (64 if name == "Q5_0" else 0)
+                dv = f16x16(od)
+                f = b.fadd(b.load(facc), b.fmul(b.sitofp(isum, _F32x16), b.fmul(dv, xd(k))))
+                if name == "Q4_1":
+                    f = b.fadd(f, b.fmul(f16x16(od + 32), xm(k)))
+                elif name in ("Q4_0", "Q5_0"):
+                    off_q = 8.0 if name == "Q4_0" else 16.0
+                    f = b.fsub(f, b.fmul(dv, _splat_f(b, b.fmul(op.load(xma.data, k), ir.Constant(_F32, off_q)))))
+                b.store(f, facc)
+        dst = b.bitcast(b.gep(oa.data, [off]), _F32x16.as_pointer())
+        b.store(b.load(facc), dst, align=4)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def _tile_intrinsic(name):
+    def typer(typingctx, rec, xq, xd, xm, out, off):
+        """16 outputs of one tile: out[off:off+16] = tile rows . the activation row (layout in the module doc).
+        rec uint8 [nrec * RECORD] (one tile's records), xq int8 [I], xd/xm f32 [I/32], out f32 1-D, off int64."""
+        return types.void(rec, xq, xd, xm, out, off), _tile_codegen(name)
+
+    typer.__name__ = f"tile_{name.lower()}"
+    return vnni_intrinsic(typer)
+
+
+tile_q4_0 = _tile_intrinsic("Q4_0")
+tile_q4_1 = _tile_intrinsic("Q4_1")
+tile_q8_0 = _tile_intrinsic("Q8_0")
+tile_q5_0 = _tile_intrinsic("Q5_0")
+tile_q4_k = _tile_intrinsic("Q4_K")
+
+
+@njit(inline="always", **_JIT)
+def f16_at(rec, i):
+    """The little-endian IEEE f16 at bytes rec[i], rec[i+1] as f32 (integer decoding: no half type needed)."""
+    h = np.int64(rec[i]) | (np.int64(rec[i + 1]) << 8)
+    e = (h >> 10) & 31
+    m = h & 1023
+    if e == 0:
+        v = np.float64(m) * 5.960464477539063e-08           # 2^-24: subnormals and zero
+    elif e == 31:
+        v = np.inf if m == 0 else np.nan
+    else:
+        v = np.float64(1024 + m) * 2.0 ** (e - 25)
+    return np.float32(-v if h >> 15 else v)
+
+
+@njit(**_JIT)
+def decode_row(rec, kind, r, I, buf):
+    """Row r (0..15) of a tile decoded to f32 into buf [I] (ggml's dequantize_row_q4_0 / q4_1 / q8_0 / q5_0 /
+    q4_K). rec uint8: the tile's records; kind: ``KIND`` (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0, 4 Q4_K)."""
+    if kind == 4:
+        for s in range(I // 256):
+            base = s * 2368
+            d = f16_at(rec, base + 2048 + 256 + 2 * r)
+            dm = f16_at(rec, base + 2048 + 288 + 2 * r)
+            for j in range(4):
+                for h in range(2):
+                    sub = 2 * j + h
+                    sc = d * np.float32(rec[base + 2048 + 16 * sub + r])
+                    mn = dm * np.float32(rec[base + 2048 + 128 + 16 * sub + r])
+                    for g in range(8):
+                        for i in range(4):
+                            q = rec[base + 512 * j + 64 * g + 4 * r + i]
+                            buf[256 * s + 64 * j + 32 * h + 4 * g + i] = sc * np.float32((q >> 4) if h else (q & 15)) - mn
+        return
+    rb = 288 if kind == 0 else (320 if kind == 1 else (544 if kind == 2 else 352))
+    nc = 512 if kind == 2 else 256
+    od = nc + (64 if kind == 3 else 0)
+    for b in range(I // 32):
+        base = b * rb
+        d = f16_at(rec, base + od + 2 * r)
+        if kind == 2:
+            for g in range(8):
+                for i in range(4):
+                    q = np.int64(rec[base + 64 * g + 4 * r + i])
+                    buf[b * 32 + 4 * g + i] = d * np.float32(q - 256 if q > 127 else q)
+            continue
+        qh = np.int64(0)
+        if kind == 3:
+            for i in range(4):
+                qh |= np.int64(rec[base + nc + 4 * r + i]) << (8 * i)
+        m = f16_at(rec, base + od + 32 + 2 * r) if kind == 1 else -np.float32(8.0 if kind == 0 else 16.0) * d
+        for g in range(4):
+            for i in range(4):
+                q = np.int64(rec[base + 64 * g + 4 * r + i])
+                j = 4 * g + i
+                lo = (q & 15) | (((qh >> j) & 1) << 4)
+                hi = (q >> 4) | (((qh >> (j + 16)) & 1) << 4)
+                buf[b * 32 + j] = d * np.float32(lo) + m
+                buf[b * 32 + 16 + j] = d * np.float32(hi) + m

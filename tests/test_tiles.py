@@ -1,0 +1,133 @@
+"""The 16-row interleaved layout (cpu_kernels/tiles.py) of Q4_0, Q4_1 and Q8_0: packing against the GGUF bytes,
+every op against the NumPy reference through tests/test_backend_ops.py's cases (O a multiple of 16, so the
+weights take the layout), a row's result independent of its batch, and the finite checks on the tiles' scales."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numba import njit
+
+from coli import tensor_types as TT
+from coli.errors import ColiError
+from coli.finite import check_weight
+from cpu_kernels import formats as F
+from cpu_kernels import tiles
+from cpu_kernels.experts import Act, Group
+from cpu_kernels.vnni import HAVE_VNNI
+from tests import test_backend_ops as BO
+
+TYPES = list(tiles.SPEC)
+needs_vnni = pytest.mark.skipif(not HAVE_VNNI, reason="the t16 layout is used only with AVX-512 VNNI")
+
+
+@njit(cache=False)
+def _decode_all(rec, kind, O, I, out):
+    for o in range(O):
+        tiles.decode_row(rec[o // 16], kind, o % 16, I, out[o])
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_tiles_hold_the_file_and_decode_to_ggml_values(type_name):
+    """Every row decoded from the tiles equals gguf.quants' dequantization; the scales read back are the
+    file's f16 d (and m / dmin)."""
+    rng = np.random.default_rng(3)
+    bs, rb, _, bsz = tiles.SPEC[type_name]
+    O, I = 48, 5 * bs
+    raw = TT.random_blocks(type_name, O, I, rng)
+    rec = tiles.pack(type_name, raw, O, I)
+    assert rec.shape == (O // 16, I // bs * rb)
+    assert rec.nbytes <= raw.nbytes * (1.03 if type_name == "Q4_K" else 1.0)
+    want = TT.get(type_name).reference(raw, (O, I)).astype(np.float32)
+    got = np.empty((O, I), np.float32)
+    _decode_all(rec, tiles.KIND[type_name], O, I, got)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * float(np.abs(want).max()))
+    d, m = tiles.scales(type_name, rec, O, I)
+    blocks = raw.reshape(O, I // bs, bsz)
+
+    def f16(lo):
+        return blocks[..., lo:lo + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+    assert np.array_equal(d, f16(0))
+    if type_name in ("Q4_1", "Q4_K"):
+        assert np.array_equal(m, f16(2))
+
+
+@needs_vnni
+@pytest.mark.parametrize("type_name", TYPES)
+def test_prepare_takes_tiles_only_where_they_fit(type_name, monkeypatch):
+    rng = np.random.default_rng(4)
+    I = 2 * tiles.SPEC[type_name][0]
+    assert F.prepare(type_name, TT.random_blocks(type_name, 48, I, rng), (48, I)).layout == "t16"
+    assert F.prepare(type_name, TT.random_blocks(type_name, 40, I, rng), (40, I)).layout == "rows"
+    monkeypatch.setattr(F, "TILES", False)
+    assert F.prepare(type_name, TT.random_blocks(type_name, 48, I, rng), (48, I)).layout == "rows"
+
+
+class _TileBackend(BO.Backend):
+    """The CPU backend, asserting that every weight it prepares took the layout under test."""
+
+    def __init__(self, layout):
+        super().__init__("cpu-" + layout)
+        self.layout = layout
+        self.seen = 0
+
+    def matmul(self, type_name, raw, shape, x, act):
+        w = F.prepare(type_name, raw, shape)
+        assert w.layout == self.layout, (type_name, shape, w.layout)
+        self.seen += 1
+        self.calls += 1
+        return F.matmul(w, x, act=act)
+
+    def experts(self, specs, x, rows, eids, act):
+        for s in specs:
+            for type_name, raw, shape in s:
+                assert F.prepare(type_name, raw, shape).layout == self.layout
+                self.seen += 1
+        return super().experts(specs, x, rows, eids, act)
+
+
+@needs_vnni
+@pytest.mark.parametrize("layout", ["t16", "rows"])
+@pytest.mark.parametrize("act", ["int8", "f32"])
+@pytest.mark.parametrize("op", BO.OPS)
+@pytest.mark.parametrize("type_name", TYPES)
+def test_op_matches_reference_in_both_layouts(type_name, op, act, layout, monkeypatch):
+    """test_backend_ops's case with 48 and 80 output rows (multiples of 16; its own cases use 37 and 69, which
+    keep the row layout), every op and activation mode, tiles on and off."""
+    monkeypatch.setattr(BO, "O_ODD", 48)
+    monkeypatch.setattr(F, "TILES", layout == "t16")
+    be = _TileBackend(layout)
+    e = BO.run_case(be, type_name, op, act)
+    assert be.seen > 0
+    assert e < BO.TOL[(op, act)], f"{layout} {type_name} {op} act={act}: error {e:.3g}"
+
+
+@needs_vnni
+@pytest.mark.parametrize("type_name", TYPES)
+def test_a_rows_result_does_not_depend_on_its_batch(type_name):
+    """Decode (one row), a few rows and a prompt chunk run the same per-row tile arithmetic: bit-equal."""
+    rng = np.random.default_rng(5)
+    O, I = 64, 3 * 256 if type_name == "Q4_K" else 288
+    w = F.prepare(type_name, TT.random_blocks(type_name, O, I, rng), (O, I))
+    assert w.layout == "t16"
+    x = rng.standard_normal((40, I)).astype(np.float32)
+    g = Group([w])
+    whole = g(Act(x, "int8"))
+    for lo, hi in ((0, 1), (7, 8), (3, 6), (10, 40)):
+        assert np.array_equal(g(Act(np.ascontiguousarray(x[lo:hi]), "int8")), whole[lo:hi]), (lo, hi)
+
+
+@needs_vnni
+@pytest.mark.parametrize("type_name,field", [("Q8_0", 0), ("Q4_0", 0), ("Q4_1", 0), ("Q4_1", 2), ("Q5_0", 0),
+                                              ("Q4_K", 0), ("Q4_K", 2)])
+def test_a_non_finite_scale_inside_a_tile_is_named(type_name, field):
+    rng = np.random.default_rng(6)
+    O, I = 48, 3 * tiles.SPEC[type_name][0]
+    raw = TT.random_blocks(type_name, O, I, rng)
+    bsz = tiles.SPEC[type_name][3]
+    raw[37, bsz + field:bsz + field + 2] = np.array([np.inf], np.float16).view(np.uint8)   # row 37, block 1
+    w = F.prepare(type_name, raw, (O, I))
+    assert w.layout == "t16"
+    what = "block minimum" if field == 2 else "block scale"   # Q4_1's m, Q4_K's dmin
+    with pytest.raises(ColiError, match=f"non-finite {what} .*in row 37"):
+        check_weight(w, "t.gguf: tensor 'blk.0.ffn_up.weight'")
