@@ -204,6 +204,21 @@ def _lowbit_dec(ds, o, buf):
 
 
 # ----------------------------------------------------------------------------------------------- row dots
+@njit(inline="always", **_JIT)
+def _tile(fc, rec, xq, xd, xm, out, off):
+    """out[off:off+16] = the 16 rows of t16 tile ``rec`` (format code fc) . one int8 activation row."""
+    if fc == FC_T4_1:
+        tile_q4_1(rec, xq, xd, xm, out, off)
+    elif fc == FC_T8:
+        tile_q8_0(rec, xq, xd, xm, out, off)
+    elif fc == FC_T5_0:
+        tile_q5_0(rec, xq, xd, xm, out, off)
+    elif fc == FC_T4_K:
+        tile_q4_k(rec, xq, xd, xm, out, off)
+    else:
+        tile_q4_0(rec, xq, xd, xm, out, off)
+
+
 @njit(**_JIT)
 def _block_i8(ds, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out):
     """out[dst[p], oe + o] = W[o] . row src[p] for o in c0:c1, p in p0:p1 (int8 activations): the format
@@ -213,16 +228,7 @@ def _block_i8(ds, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out):
         rec = _r_u8(ds, 0, c0 // 16)
         for p in range(p0, p1):
             r = src[p]
-            if fc == FC_T4_1:
-                tile_q4_1(rec, xq[r], xd[r], xm[r], out[dst[p]], oe + c0)
-            elif fc == FC_T8:
-                tile_q8_0(rec, xq[r], xd[r], xm[r], out[dst[p]], oe + c0)
-            elif fc == FC_T5_0:
-                tile_q5_0(rec, xq[r], xd[r], xm[r], out[dst[p]], oe + c0)
-            elif fc == FC_T4_K:
-                tile_q4_k(rec, xq[r], xd[r], xm[r], out[dst[p]], oe + c0)
-            else:
-                tile_q4_0(rec, xq[r], xd[r], xm[r], out[dst[p]], oe + c0)
+            _tile(fc, rec, xq[r], xd[r], xm[r], out[dst[p]], oe + c0)
     elif fc == FC_Q8:
         for o in range(c0, c1):
             q = _r_i8(ds, 0, o)
