@@ -1001,10 +1001,11 @@ class Weight:
     """
 
     __slots__ = ("fmt", "name", "shape", "arrays", "nbytes", "file_nbytes", "gemv", "gemm", "int8", "gemv_i8",
-                 "_desc", "layout")
+                 "_desc", "layout", "_group")
 
     def __init__(self, fmt: Format, shape, arrays, layout: str = "rows"):
         self.layout = layout  # "rows" (the format's pack) or "t16" (cpu_kernels.tiles: one uint8 record array)
+        self._group = None    # t16: the one-weight experts.Group that runs it, built on first use
         self.fmt = fmt
         self.name = fmt.name
         self.shape = shape
@@ -1084,9 +1085,11 @@ def matmul(w: Weight, x: np.ndarray, act: str | None = None) -> np.ndarray:
     if act not in ("f32", "int8"):
         raise ColiError(f"act {act!r}: expected 'f32' or 'int8'")
     if w.layout == "t16":  # tiles run only in the grouped kernels (every row count, both activation modes)
-        from .experts import Act, Group
+        if w._group is None:
+            from .experts import Group
 
-        return Group([w])(Act(x, act))
+            w._group = Group([w])
+        return w._group(_experts.Act(x, act))
     if act != "f32":
         if w.int8:
             if w.gemv_i8 is not None and T <= GEMV_I8_MAX_T:
@@ -1125,6 +1128,8 @@ from . import fp8 as _fp8  # noqa: E402,F401
 
 # The blocked int8 GEMM of prompt chunks (uses _quantize_act_i8 above)
 from . import gemm_i8 as _gemm_i8  # noqa: E402
+# The grouped kernels (they run the t16 tiles)
+from . import experts as _experts  # noqa: E402
 
 # Every row, whichever module appended it, fills the CPU column of the tensor-type table.
 for _f in FORMATS.values():
