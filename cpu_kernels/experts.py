@@ -46,7 +46,8 @@ from . import gemm_i8 as _G
 from . import iquants as _iq
 from . import lowbit as _lb
 from .iquants import row_g16
-from .tiles import decode_row, tile_q4_0, tile_q4_1, tile_q4_k, tile_q5_0, tile_q8_0
+from .tiles import (decode_row, tile4_q4_0, tile4_q4_1, tile4_q4_k, tile4_q5_0, tile4_q8_0, tile_q4_0, tile_q4_1,
+                    tile_q4_k, tile_q5_0, tile_q8_0)
 from .vnni import (HAVE_VNNI, _act_sums16, row_lut, row_pair, row_q2_k, row_q3_k, row_q4_k, row_q5_0, row_q5_k,
                    row_q6_k, row_q8, widen_lut, widen_q5_0)
 
@@ -219,6 +220,21 @@ def _tile(fc, rec, xq, xd, xm, out, off):
         tile_q4_0(rec, xq, xd, xm, out, off)
 
 
+@njit(inline="always", **_JIT)
+def _tile4(fc, rec, xq, xd, xm, rows, out, orows, off):
+    """out[orows[i], off:off+16] = tile ``rec`` . row rows[i] of xq for i < 4 (``tiles.tile4_*``)."""
+    if fc == FC_T4_1:
+        tile4_q4_1(rec, xq, xd, xm, rows, out, orows, off)
+    elif fc == FC_T8:
+        tile4_q8_0(rec, xq, xd, xm, rows, out, orows, off)
+    elif fc == FC_T5_0:
+        tile4_q5_0(rec, xq, xd, xm, rows, out, orows, off)
+    elif fc == FC_T4_K:
+        tile4_q4_k(rec, xq, xd, xm, rows, out, orows, off)
+    else:
+        tile4_q4_0(rec, xq, xd, xm, rows, out, orows, off)
+
+
 @njit(**_JIT)
 def _block_i8(ds, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out):
     """out[dst[p], oe + o] = W[o] . row src[p] for o in c0:c1, p in p0:p1 (int8 activations): the format
@@ -226,9 +242,13 @@ def _block_i8(ds, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out):
     fc = ds[0]
     if fc >= FC_T4_0:  # the t16 tiles; c0 is a tile's first row (16-row work items)
         rec = _r_u8(ds, 0, c0 // 16)
-        for p in range(p0, p1):
-            r = src[p]
-            _tile(fc, rec, xq[r], xd[r], xm[r], out[dst[p]], oe + c0)
+        p = p0
+        while p + 4 <= p1:  # 4 rows share each weight load; the same per-row arithmetic as one row alone
+            _tile4(fc, rec, xq, xd, xm, src[p:p + 4], out, dst[p:p + 4], oe + c0)
+            p += 4
+        for q in range(p, p1):
+            r = src[q]
+            _tile(fc, rec, xq[r], xd[r], xm[r], out[dst[q]], oe + c0)
     elif fc == FC_Q8:
         for o in range(c0, c1):
             q = _r_i8(ds, 0, o)

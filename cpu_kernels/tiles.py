@@ -138,108 +138,153 @@ def _i32x16(v):
     return ir.Constant(_I32x16, [v] * 16)
 
 
-def _tile_codegen(name):
+def _emit_tile(b, name, rec_data, nsb, rows):
+    """The tile arithmetic for one or more activation rows. ``rows``: per row (xq i8*, xd float*, xm float*,
+    out float*). Each row gets the same instruction sequence whatever the number of rows (the weight loads and
+    nibble splits are shared), so a row's result does not depend on its batch."""
     bs, rec_bytes, nc, _ = SPEC[name]
+    op = _Ops(b)
+    nr = len(rows)
+    faccs = [cgutils.alloca_once_value(b, ir.Constant(_F32x16, None)) for _ in range(nr)]
+    m4 = ir.Constant(_I8x64, [15] * 64)
+    sh4 = ir.Constant(_I8x64, [4] * 64)
+    i32p = _I32.as_pointer()
+    zero = ir.Constant(_I32x16, None)
+    with cgutils.for_range(b, nsb) as loop:
+        k = loop.index
+        c = lambda v: ir.Constant(k.type, v)  # noqa: E731
+        base = b.gep(rec_data, [b.mul(k, c(rec_bytes))])
+        xbs = [b.gep(r[0], [b.mul(k, c(bs))]) for r in rows]
 
-    def codegen(context, builder, signature, args):
-        ra, xa, xda, xma, oa = _arrays(context, builder, types.void(*signature.args[:5]), args[:5])
-        off = args[5]
-        b = builder
-        op = _Ops(b)
-        nsb = b.extract_value(xda.shape, 0)
-        if bs == 256:
-            nsb = b.udiv(nsb, ir.Constant(nsb.type, 8))
-        facc = cgutils.alloca_once_value(b, ir.Constant(_F32x16, None))
-        m4 = ir.Constant(_I8x64, [15] * 64)
-        sh4 = ir.Constant(_I8x64, [4] * 64)
-        i32p = _I32.as_pointer()
-        zero = ir.Constant(_I32x16, None)
-        with cgutils.for_range(b, nsb) as loop:
-            k = loop.index
-            c = lambda v: ir.Constant(k.type, v)  # noqa: E731
-            base = b.gep(ra.data, [b.mul(k, c(rec_bytes))])
-            xb = b.gep(xa.data, [b.mul(k, c(bs))])
+        def xs(i, j):  # activation codes j..j+3 of row i's block, broadcast to 16 lanes
+            return _splat_i(b, b.load(b.bitcast(b.gep(xbs[i], [c(j)]), i32p), align=1))
 
-            def xs(j):  # activation codes j..j+3 of the record's weights, broadcast to 16 lanes
-                return _splat_i(b, b.load(b.bitcast(b.gep(xb, [c(j)]), i32p), align=1))
+        def ld(o, ty):
+            return b.load(b.bitcast(b.gep(base, [c(o)]), ty.as_pointer()), align=1)
 
-            def ld(o, ty):
-                return b.load(b.bitcast(b.gep(base, [c(o)]), ty.as_pointer()), align=1)
+        def f16x16(o):
+            return b.fpext(ld(o, _F16x16), _F32x16)
 
-            def f16x16(o):
-                return b.fpext(ld(o, _F16x16), _F32x16)
+        def xd(i, idx):
+            return _splat_f(b, b.load(b.gep(rows[i][1], [idx])))
 
-            def xd(i):
-                return _splat_f(b, op.load(xda.data, i))
+        def xm(i, idx):
+            return _splat_f(b, b.load(b.gep(rows[i][2], [idx])))
 
-            def xm(i):
-                return _splat_f(b, op.load(xma.data, i))
-
-            if name == "Q4_K":
-                s0 = b.mul(k, c(8))
-                sacc = ir.Constant(_F32x16, None)
-                for j in range(4):
-                    lo = [zero, zero]
-                    hi = [zero, zero]
-                    for g in range(8):
-                        v = ld(512 * j + 64 * g, _I8x64)
-                        lo[g & 1] = b.call(op.dp512, [lo[g & 1], b.bitcast(b.and_(v, m4), _I32x16), xs(64 * j + 4 * g)])
-                        hi[g & 1] = b.call(op.dp512, [hi[g & 1], b.bitcast(b.lshr(v, sh4), _I32x16),
-                                                      xs(64 * j + 32 + 4 * g)])
-                    for h, parts in ((0, lo), (1, hi)):
-                        sub = 2 * j + h
-                        scv = b.uitofp(b.zext(ld(nc + 16 * sub, _I8x16), _I32x16), _F32x16)
-                        sx = b.fmul(scv, xd(b.add(s0, c(sub))))
-                        sacc = b.fadd(sacc, b.fmul(b.sitofp(b.add(parts[0], parts[1]), _F32x16), sx))
-                macc = ir.Constant(_F32x16, None)
-                for sub in range(8):
-                    mnv = b.uitofp(b.zext(ld(nc + 128 + 16 * sub, _I8x16), _I32x16), _F32x16)
-                    macc = b.fadd(macc, b.fmul(mnv, xm(b.add(s0, c(sub)))))
-                f = b.fadd(b.load(facc), b.fsub(b.fmul(f16x16(nc + 256), sacc), b.fmul(f16x16(nc + 288), macc)))
-                b.store(f, facc)
-            else:
-                parts = []
-                if name == "Q8_0":
-                    for g in range(8):
-                        v = ld(64 * g, _I8x64)
-                        aw = b.call(op.abs512, [v, ir.Constant(ir.IntType(1), 0)])
-                        xv = b.bitcast(xs(4 * g), _I8x64)
-                        sx = b.select(b.icmp_signed("<", v, ir.Constant(_I8x64, None)),
-                                      b.sub(ir.Constant(_I8x64, None), xv), xv)
-                        prev = parts[g % 4] if g >= 4 else zero
-                        d = b.call(op.dp512, [prev, b.bitcast(aw, _I32x16), b.bitcast(sx, _I32x16)])
+        if name == "Q4_K":
+            s0 = b.mul(k, c(8))
+            saccs = [ir.Constant(_F32x16, None)] * nr
+            for j in range(4):
+                lo = [[zero, zero] for _ in range(nr)]
+                hi = [[zero, zero] for _ in range(nr)]
+                for g in range(8):
+                    v = ld(512 * j + 64 * g, _I8x64)
+                    vl = b.bitcast(b.and_(v, m4), _I32x16)
+                    vh = b.bitcast(b.lshr(v, sh4), _I32x16)
+                    for i in range(nr):
+                        lo[i][g & 1] = b.call(op.dp512, [lo[i][g & 1], vl, xs(i, 64 * j + 4 * g)])
+                        hi[i][g & 1] = b.call(op.dp512, [hi[i][g & 1], vh, xs(i, 64 * j + 32 + 4 * g)])
+                for h, parts in ((0, lo), (1, hi)):
+                    sub = 2 * j + h
+                    scv = b.uitofp(b.zext(ld(nc + 16 * sub, _I8x16), _I32x16), _F32x16)
+                    for i in range(nr):
+                        sx = b.fmul(scv, xd(i, b.add(s0, c(sub))))
+                        saccs[i] = b.fadd(saccs[i], b.fmul(b.sitofp(b.add(parts[i][0], parts[i][1]), _F32x16), sx))
+            maccs = [ir.Constant(_F32x16, None)] * nr
+            for sub in range(8):
+                mnv = b.uitofp(b.zext(ld(nc + 128 + 16 * sub, _I8x16), _I32x16), _F32x16)
+                for i in range(nr):
+                    maccs[i] = b.fadd(maccs[i], b.fmul(mnv, xm(i, b.add(s0, c(sub)))))
+            dv, dmv = f16x16(nc + 256), f16x16(nc + 288)
+            for i in range(nr):
+                f = b.fadd(b.load(faccs[i]), b.fsub(b.fmul(dv, saccs[i]), b.fmul(dmv, maccs[i])))
+                b.store(f, faccs[i])
+        else:
+            parts = [[] for _ in range(nr)]
+            if name == "Q8_0":
+                for g in range(8):
+                    v = ld(64 * g, _I8x64)
+                    aw = b.bitcast(b.call(op.abs512, [v, ir.Constant(ir.IntType(1), 0)]), _I32x16)
+                    neg = b.icmp_signed("<", v, ir.Constant(_I8x64, None))
+                    for i in range(nr):
+                        xv = b.bitcast(xs(i, 4 * g), _I8x64)
+                        sx = b.select(neg, b.sub(ir.Constant(_I8x64, None), xv), xv)
+                        prev = parts[i][g % 4] if g >= 4 else zero
+                        d = b.call(op.dp512, [prev, aw, b.bitcast(sx, _I32x16)])
                         if g >= 4:
-                            parts[g % 4] = d
+                            parts[i][g % 4] = d
                         else:
-                            parts.append(d)
-                else:
-                    qh = ld(nc, _I32x16) if name == "Q5_0" else None
-                    for g in range(4):
-                        v = ld(64 * g, _I8x64)
-                        lo = b.and_(v, m4)
-                        hi = b.lshr(v, sh4)
-                        if qh is not None:  # bits 4g..4g+3 (and 16+4g..) of each row's qh -> bit 4 of its 4 bytes
-                            def spread(sh):
-                                t = b.and_(b.lshr(qh, _i32x16(sh)), _i32x16(15))
-                                t = b.and_(b.mul(t, _i32x16(0x00204081)), _i32x16(0x01010101))
-                                return b.bitcast(b.shl(t, _i32x16(4)), _I8x64)
+                            parts[i].append(d)
+            else:
+                qh = ld(nc, _I32x16) if name == "Q5_0" else None
+                for g in range(4):
+                    v = ld(64 * g, _I8x64)
+                    lo = b.and_(v, m4)
+                    hi = b.lshr(v, sh4)
+                    if qh is not None:  # bits 4g..4g+3 (and 16+4g..) of each row's qh -> bit 4 of its 4 bytes
+                        def spread(sh):
+                            t = b.and_(b.lshr(qh, _i32x16(sh)), _i32x16(15))
+                            t = b.and_(b.mul(t, _i32x16(0x00204081)), _i32x16(0x01010101))
+                            return b.bitcast(b.shl(t, _i32x16(4)), _I8x64)
 
-                            lo = b.or_(lo, spread(4 * g))
-                            hi = b.or_(hi, spread(16 + 4 * g))
-                        a = b.call(op.dp512, [zero, b.bitcast(lo, _I32x16), xs(4 * g)])
-                        parts.append(b.call(op.dp512, [a, b.bitcast(hi, _I32x16), xs(16 + 4 * g)]))
-                isum = b.add(b.add(parts[0], parts[1]), b.add(parts[2], parts[3]))
-                od = nc + (64 if name == "Q5_0" else 0)
-                dv = f16x16(od)
-                f = b.fadd(b.load(facc), b.fmul(b.sitofp(isum, _F32x16), b.fmul(dv, xd(k))))
+                        lo = b.or_(lo, spread(4 * g))
+                        hi = b.or_(hi, spread(16 + 4 * g))
+                    lo, hi = b.bitcast(lo, _I32x16), b.bitcast(hi, _I32x16)
+                    for i in range(nr):
+                        a_ = b.call(op.dp512, [zero, lo, xs(i, 4 * g)])
+                        parts[i].append(b.call(op.dp512, [a_, hi, xs(i, 16 + 4 * g)]))
+            od = nc + (64 if name == "Q5_0" else 0)
+            dv = f16x16(od)
+            mv = f16x16(od + 32) if name == "Q4_1" else None
+            for i in range(nr):
+                isum = b.add(b.add(parts[i][0], parts[i][1]), b.add(parts[i][2], parts[i][3]))
+                f = b.fadd(b.load(faccs[i]), b.fmul(b.sitofp(isum, _F32x16), b.fmul(dv, xd(i, k))))
                 if name == "Q4_1":
-                    f = b.fadd(f, b.fmul(f16x16(od + 32), xm(k)))
+                    f = b.fadd(f, b.fmul(mv, xm(i, k)))
                 elif name in ("Q4_0", "Q5_0"):
                     off_q = 8.0 if name == "Q4_0" else 16.0
-                    f = b.fsub(f, b.fmul(dv, _splat_f(b, b.fmul(op.load(xma.data, k), ir.Constant(_F32, off_q)))))
-                b.store(f, facc)
-        dst = b.bitcast(b.gep(oa.data, [off]), _F32x16.as_pointer())
-        b.store(b.load(facc), dst, align=4)
+                    mk = b.load(b.gep(rows[i][2], [k]))
+                    f = b.fsub(f, b.fmul(dv, _splat_f(b, b.fmul(mk, ir.Constant(_F32, off_q)))))
+                b.store(f, faccs[i])
+    for i in range(nr):
+        b.store(b.load(faccs[i]), b.bitcast(rows[i][3], _F32x16.as_pointer()), align=4)
+
+
+def _nsb(b, name, xda_shape_n):
+    return b.udiv(xda_shape_n, ir.Constant(xda_shape_n.type, 8)) if SPEC[name][0] == 256 else xda_shape_n
+
+
+def _tile_codegen(name):
+    def codegen(context, builder, signature, args):
+        ra, xa, xda, xma, oa = _arrays(context, builder, types.void(*signature.args[:5]), args[:5])
+        b = builder
+        out = b.gep(oa.data, [args[5]])
+        _emit_tile(b, name, ra.data, _nsb(b, name, b.extract_value(xda.shape, 0)),
+                   [(xa.data, xda.data, xma.data, out)])
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def _tile4_codegen(name):
+    def codegen(context, builder, signature, args):
+        ra, xa, xda, xma, rw, oa, orw = _arrays(context, builder, types.void(*signature.args[:7]), args[:7])
+        b = builder
+        off = args[7]
+        i8p = ir.IntType(8).as_pointer()
+
+        def row_ptr(arr, i, elt):
+            st = b.extract_value(arr.strides, 0)
+            p = b.gep(b.bitcast(arr.data, i8p), [b.mul(i, st)])
+            return b.bitcast(p, elt.as_pointer())
+
+        rows = []
+        for j in range(4):
+            r = b.load(b.gep(rw.data, [ir.Constant(_I32, j)]))
+            o = b.load(b.gep(orw.data, [ir.Constant(_I32, j)]))
+            rows.append((row_ptr(xa, r, ir.IntType(8)), row_ptr(xda, r, _F32), row_ptr(xma, r, _F32),
+                         b.gep(row_ptr(oa, o, _F32), [off])))
+        _emit_tile(b, name, ra.data, _nsb(b, name, b.extract_value(xda.shape, 1)), rows)
         return context.get_dummy_value()
 
     return codegen
@@ -255,11 +300,26 @@ def _tile_intrinsic(name):
     return vnni_intrinsic(typer)
 
 
+def _tile4_intrinsic(name):
+    def typer(typingctx, rec, xq, xd, xm, rows, out, orows, off):
+        """The same for 4 activation rows sharing the tile's loads: out[orows[i], off:off+16] = tile . row
+        rows[i] of xq int8 [R, I] / xd, xm f32 [R, I/32] (C-contiguous rows), rows/orows int64 [4], out f32 2-D."""
+        return types.void(rec, xq, xd, xm, rows, out, orows, off), _tile4_codegen(name)
+
+    typer.__name__ = f"tile4_{name.lower()}"
+    return vnni_intrinsic(typer)
+
+
 tile_q4_0 = _tile_intrinsic("Q4_0")
 tile_q4_1 = _tile_intrinsic("Q4_1")
 tile_q8_0 = _tile_intrinsic("Q8_0")
 tile_q5_0 = _tile_intrinsic("Q5_0")
 tile_q4_k = _tile_intrinsic("Q4_K")
+tile4_q4_0 = _tile4_intrinsic("Q4_0")
+tile4_q4_1 = _tile4_intrinsic("Q4_1")
+tile4_q8_0 = _tile4_intrinsic("Q8_0")
+tile4_q5_0 = _tile4_intrinsic("Q5_0")
+tile4_q4_k = _tile4_intrinsic("Q4_K")
 
 
 @njit(inline="always", **_JIT)
