@@ -1034,11 +1034,13 @@ class Weight:
         return f"Weight({self.name}, {self.shape}, {self.nbytes} B)"
 
 
-def prepare(type_name: str, raw: np.ndarray, shape) -> Weight:
+def prepare(type_name: str, raw: np.ndarray, shape, tiles: bool | None = None) -> Weight:
     """Repack a GGUF tensor for the CPU kernels.
 
     type_name: GGUF type name ("Q4_K", "F32", ...). raw: uint8 [O, row_bytes] (a view of the file is fine; it is
     copied into the kernel layout, except F32, whose Weight keeps a view of raw). shape: (O, I) in NumPy order.
+    tiles: take the t16 tiles where the type and shape have them (``cpu_kernels.tiles``; the int8 kernels' layout:
+    an engine in f32 mode passes False, its row layouts' f32 kernels being 2x faster); None: ``TILES``.
     Raises ColiError for an unknown type, an inner size that is not a whole number of blocks, or a byte count
     that does not match the shape.
     """
@@ -1056,7 +1058,7 @@ def prepare(type_name: str, raw: np.ndarray, shape) -> Weight:
         raise ColiError(f"{type_name} tensor of shape {(O, I)}: raw data is {raw.dtype} with {raw.size} elements, "
                         f"expected uint8 [{O}, {row_bytes}]")
     raw = raw.reshape(O, row_bytes)
-    if TILES and _vnni.HAVE_VNNI and _tiles.supports(type_name, O, I):
+    if (TILES if tiles is None else tiles) and _vnni.HAVE_VNNI and _tiles.supports(type_name, O, I):
         return Weight(fmt, (O, I), (_tiles.pack(type_name, raw, O, I),), layout="t16")
     return Weight(fmt, (O, I), fmt.pack(raw, O, I))
 

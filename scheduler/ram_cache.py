@@ -46,6 +46,7 @@ class ExpertSource:
         self.path = str(path)
         self.layers = layers
         self.fd = os.open(self.path, os.O_RDONLY) if open_file else -1
+        self.tiles = None  # formats.prepare's layout choice: the engine sets it from its activation mode
         self.bytes_read = 0
         self.reads = 0
         self._lock = threading.Lock()
@@ -95,7 +96,7 @@ class ExpertSource:
         and the expert when a matrix holds a NaN or an infinity (its values or block scales, ``coli.finite``);
         raised in the reader thread, it reaches the step through the ``Future`` (``RAMCache.fetch``)."""
         raw = self.read_raw(layer, e)
-        ws = [formats.prepare(tn, r, shp) for tn, r, shp in raw]
+        ws = [formats.prepare(tn, r, shp, tiles=self.tiles) for tn, r, shp in raw]
         for t, w in zip(self.layers[layer], ws):
             finite.check_weight(w, f"{os.path.basename(self.path)}: tensor '{t.name}' expert {e}")
         return ExpertWeights(ws[0], ws[1], ws[2], raw, sum(r.nbytes for _, r, _ in raw))

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coli.errors import ColiError
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -168,9 +168,7 @@ def _copy_gguf(src_path, dest, convert):
 def _check_quantized(name, tmp_path):
     """Every matrix with rows of a multiple of 32 (the DeltaNet and attention projections, experts, shared expert,
     head) quantized to Q8_0 by gguf.quants, against the same file with those tensors dequantized by gguf.quants
-    to F32: logits of the prompt (GEMM) and of 8 decode steps (grouped GEMV kernels on Q8_0 rows) within 2e-5
-    (the Q8_0 matrices of 16k rows take the t16 tiles, decoded per row and dotted; the F32 twin's prompt runs the
-    blocked f32 GEMM: the same products summed in another order, measured up to 1.02e-5 apart)."""
+    to F32: logits of the prompt (GEMM) and of 8 decode steps (grouped GEMV kernels on Q8_0 rows) within 1e-5."""
     import gguf
 
     Q8 = gguf.GGMLQuantizationType.Q8_0
@@ -199,7 +197,7 @@ def _check_quantized(name, tmp_path):
             rows = [m.forward(d["ids"], c, all_logits=True)]
             rows += [m.forward([int(t)], c) for t in d["gen_ids"]]
             out.append(np.concatenate(rows))
-    assert (_rel(out[0], out[1]) <= 2e-5).all(), _rel(out[0], out[1]).max()
+    assert (_rel(out[0], out[1]) <= 1e-5).all(), _rel(out[0], out[1]).max()
 
 
 @pytest.fixture(scope="module")

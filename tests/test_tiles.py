@@ -131,3 +131,30 @@ def test_a_non_finite_scale_inside_a_tile_is_named(type_name, field):
     what = "block minimum" if field == 2 else "block scale"   # Q4_1's m, Q4_K's dmin
     with pytest.raises(ColiError, match=f"non-finite {what} .*in row 37"):
         check_weight(w, "t.gguf: tensor 'blk.0.ffn_up.weight'")
+
+
+@needs_vnni
+def test_the_engines_activation_mode_picks_the_layout(tmp_path):
+    """The tiles are the int8 kernels' layout: an int8 engine prepares its Q8_0 matrices and RAM-cache experts
+    as t16, an f32 engine keeps the row layouts (whose f32 kernels measured 2x faster than decoding tiles)."""
+    import gguf
+
+    from tests.test_qwen3next import ORACLES, _copy_gguf, _engine_path
+
+    Q8 = gguf.GGMLQuantizationType.Q8_0
+
+    def quant(t):
+        a = np.asarray(t.data)
+        if a.ndim >= 2 and a.shape[-1] % 32 == 0 and "token_embd" not in t.name and t.tensor_type in (0, 1):
+            return gguf.quants.quantize(a.astype(np.float32), Q8), Q8
+        return a, t.tensor_type
+
+    path = _copy_gguf(ORACLES / "qwen3next.gguf", tmp_path / "q8.gguf", quant)
+    for act, layout in (("int8", "t16"), ("f32", "rows")):
+        with _engine_path(path, tmp_path, cpu_act=act) as eng:
+            m = eng.model
+            w = m.w_out
+            assert w.name == "Q8_0" and w.shape[0] % 16 == 0 and w.layout == layout, (act, w)
+            layer = m.moe_layers[0]
+            ex = eng.cache.fetch(layer, 0).result()   # read and prepared as a step would
+            assert ex.gate.name == "Q8_0" and ex.gate.layout == layout, (act, ex.gate.layout)

@@ -116,8 +116,9 @@ class Weights:
     matmul kernels (``cpu_kernels.formats.prepare``), ``f32`` dequantized through the format's NumPy reference.
     A missing required tensor or an unsupported type is a ColiError naming the file and the tensor."""
 
-    def __init__(self, g):
+    def __init__(self, g, tiles: bool | None = None):
         self.g = g
+        self.tiles = tiles  # formats.prepare's layout choice (the engine's activation mode decides it)
         self.t = g.tensors
         self.fname = g.path.name
         _refuse_nvfp4_scales(self.t, self.fname)
@@ -137,7 +138,7 @@ class Weights:
         or block scales (``coli.finite``)."""
         try:
             w = formats.prepare(ti.type_name, ti.raw if raw is None else raw,
-                                tuple(ti.shape if shape is None else shape))
+                                tuple(ti.shape if shape is None else shape), tiles=self.tiles)
         except ColiError as e:
             raise ColiError(f"{self.fname}: tensor '{ti.name}': {e}") from None
         finite.check_weight(w, f"{self.fname}: tensor '{ti.name}'")
@@ -223,7 +224,7 @@ class Model:
         self.args = args
         self.step = step
         self.act = act
-        self.wt = Weights(g)
+        self.wt = Weights(g, tiles=act == "int8")
         self.t = g.tensors
         self.tok_embd = self.wt.info("token_embd.weight")
         self.w_out = self.wt.prepare(self.t.get("output.weight", self.tok_embd))

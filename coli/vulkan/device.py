@@ -17,7 +17,6 @@ Design (issue #3, seed-digest 1(c), 1(e), 1(f), 1(g)):
 """
 from __future__ import annotations
 
-import os
 import struct
 import time
 

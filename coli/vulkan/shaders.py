@@ -15,7 +15,6 @@ module fills with a ``"vulkan"`` column). ``shaders/formats.glsl`` is generated 
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 from pathlib import Path
 
