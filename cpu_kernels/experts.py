@@ -803,7 +803,7 @@ def _slots(n_w: int, T: int):
     key = (n_w, T)
     r = _SLOTS.get(key)
     if r is None:
-        pstart = np.arange(0, (n_w + 1) * T, T, dtype=np.int64)
+        pstart = np.arange(n_w + 1, dtype=np.int64) * T  # (T = 0: all zero; arange's step may not be 0)
         r = _SLOTS[key] = (pstart, np.tile(np.arange(T, dtype=np.int64), n_w))
     return r
 

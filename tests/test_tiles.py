@@ -158,3 +158,17 @@ def test_the_engines_activation_mode_picks_the_layout(tmp_path):
             layer = m.moe_layers[0]
             ex = eng.cache.fetch(layer, 0).result()   # read and prepared as a step would
             assert ex.gate.name == "Q8_0" and ex.gate.layout == layout, (act, ex.gate.layout)
+
+
+@needs_vnni
+@pytest.mark.parametrize("act", ["int8", "f32"])
+def test_zero_rows_give_an_empty_result_in_both_layouts(act):
+    """x f32 [0, I] -> f32 [0, O], as the row layouts' matmul returns (a t16 weight runs through a one-weight
+    experts.Group, whose row slots once divided by T)."""
+    rng = np.random.default_rng(7)
+    raw = TT.random_blocks("Q4_0", 32, 64, rng)
+    for tl, layout in ((True, "t16"), (False, "rows")):
+        w = F.prepare("Q4_0", raw, (32, 64), tiles=tl)
+        assert w.layout == layout
+        y = F.matmul(w, np.zeros((0, 64), np.float32), act)
+        assert y.shape == (0, 32) and y.dtype == np.float32
