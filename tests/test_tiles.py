@@ -137,19 +137,9 @@ def test_a_non_finite_scale_inside_a_tile_is_named(type_name, field):
 def test_the_engines_activation_mode_picks_the_layout(tmp_path):
     """The tiles are the int8 kernels' layout: an int8 engine prepares its Q8_0 matrices and RAM-cache experts
     as t16, an f32 engine keeps the row layouts (whose f32 kernels measured 2x faster than decoding tiles)."""
-    import gguf
+    from tests.test_qwen3next import ORACLES, _copy_gguf, _engine_path, _q8_matrices
 
-    from tests.test_qwen3next import ORACLES, _copy_gguf, _engine_path
-
-    Q8 = gguf.GGMLQuantizationType.Q8_0
-
-    def quant(t):
-        a = np.asarray(t.data)
-        if a.ndim >= 2 and a.shape[-1] % 32 == 0 and "token_embd" not in t.name and t.tensor_type in (0, 1):
-            return gguf.quants.quantize(a.astype(np.float32), Q8), Q8
-        return a, t.tensor_type
-
-    path = _copy_gguf(ORACLES / "qwen3next.gguf", tmp_path / "q8.gguf", quant)
+    path = _copy_gguf(ORACLES / "qwen3next.gguf", tmp_path / "q8.gguf", _q8_matrices)
     for act, layout in (("int8", "t16"), ("f32", "rows")):
         with _engine_path(path, tmp_path, cpu_act=act) as eng:
             m = eng.model
