@@ -987,7 +987,7 @@ GEMV_I8_MAX_T = 12
 #: Above GEMV_I8_MAX_T rows, int8 activations run the blocked VNNI GEMM (``cpu_kernels.gemm_i8``) for the formats
 #: it has (docs/cpu_kernels.md, "int8 GEMM"); False: the f32 GEMM on the rounded activations (the earlier path).
 GEMM_I8 = True
-#: Q8_0, Q4_0, Q4_1, Q5_0 and Q4_K weights with O % 16 == 0 take the 16-row interleaved layout
+#: Q8_0, Q4_0, Q4_1, Q5_0, Q4_K and Q6_K weights with O % 16 == 0 take the 16-row interleaved layout
 #: (``cpu_kernels.tiles``) on CPUs with VNNI: the int8 kernels then serve 16 rows per instruction and stream the
 #: file's bytes (docs/cpu_kernels.md, "t16 tiles"). The default of ``prepare``'s ``tiles``; False: the row layouts
 #: below (A/B runs, tests of both).

@@ -17,6 +17,8 @@ Q5_0    352     codes as Q4_0, then qh uint32 [16] (ggml's fifth bits, bit j: el
 Q4_K    2368    per 256-weight super-block: codes [j = 0..3][g = 0..7][row][qs 32j+4g..32j+4g+3], sub-block
                 scales uint8 [8][16] and mins uint8 [8][16] (ggml's 6-bit ``get_scale_min_k4`` unpacked), then
                 d f16 [16], dmin f16 [16]
+Q6_K    3360    per 256-weight super-block: ql in 4-byte groups [g = 0..31][row], qh [g = 0..15][row], int8
+                sub-block scales [16][16 rows], d f16 [16]
 ======  ======  ===============================================================================================
 
 so a 64-byte load holds 4 codes (8 nibbles) of each of the 16 rows. ggml's Q4 byte j holds element j (low
@@ -28,7 +30,10 @@ reduction. Per block: ``acc16 += float(isum16) * (d16 * xd[b])``, plus ``m16 * x
 ``formats._quantize_act_i8`` (llama.cpp's Q8 blocks). Q8_0's signed codes take llama.cpp's sign trick
 (|w| times sign(w) * x). Q4_K: per sub-block pair the low nibbles meet sub-block 2j's activations and the high
 ones 2j+1's; per super-block ``acc16 += d16 * sum_s sc16_s * xd[s] * isum16_s - dmin16 * sum_s mn16_s * xm[s]``
-(``vnni.row_q4_k``'s formula). The scales stay f16 (one ``vcvtph2ps`` per 16 rows), so a tile holds the file's
+(``vnni.row_q4_k``'s formula). Q6_K: the 6-bit codes q are put together in registers from ql and qh as ggml's
+``dequantize_row_q6_K`` does (four 32-element quarters per 128), multiplied unsigned, and each 16-element
+sub-block's dot corrected exactly by 32 x the sum of its activation codes; per super-block
+``acc16 += d16 * sum_s sc16_s * xd[s/2] * (isum16_s - 32 S_s)``. The scales stay f16 (one ``vcvtph2ps`` per 16 rows), so a tile holds the file's
 bytes (Q4_K: 1.03x, its scales unpacked): the GEMV streams 1.0x the file instead of the row layouts' 1.06-1.2x.
 
 Results: the same exact int32 block dots as the row kernels; the f32 sums over blocks run in block order per
@@ -37,7 +42,7 @@ Every t16 path (decode, expert batch, prompt rows) runs the same per-row tile ar
 depends on how it was batched.
 
 Used where ``formats.prepare`` sees VNNI (``HAVE_VNNI``), ``formats.TILES`` on and O a multiple of 16.
-Q5_1, Q5_K, Q6_K and the low-bit types keep their row layouts (not done yet).
+Q5_1, Q5_K, MXFP4/IQ4 and the low-bit types keep their row layouts (not done yet).
 """
 from __future__ import annotations
 
@@ -53,9 +58,9 @@ _JIT = dict(nogil=True, cache=True, fastmath=True)
 ROWS = 16
 #: per type: (weights per record, record bytes, code bytes, GGUF block bytes); the kinds of ``decode_row``
 SPEC = {"Q4_0": (32, 288, 256, 18), "Q4_1": (32, 320, 256, 20), "Q8_0": (32, 544, 512, 34),
-        "Q5_0": (32, 352, 256, 22), "Q4_K": (256, 2368, 2048, 144)}
+        "Q5_0": (32, 352, 256, 22), "Q4_K": (256, 2368, 2048, 144), "Q6_K": (256, 3360, 3072, 210)}
 RECORD = {k: v[1] for k, v in SPEC.items()}
-KIND = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q5_0": 3, "Q4_K": 4}   # experts.FC_T4_0 + kind
+KIND = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q5_0": 3, "Q4_K": 4, "Q6_K": 5}   # experts.FC_T4_0 + kind
 
 
 def supports(type_name: str, O: int, I: int) -> bool:
@@ -64,25 +69,29 @@ def supports(type_name: str, O: int, I: int) -> bool:
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def _pack(blk, out, qo, ng, fields):
-    """blk uint8 [T, 16, nb, block bytes] -> out uint8 [T, nb, record]: 4-byte code group g of row r at
-    64 g + 4 r, then per field (src byte, width, dst byte) row r's bytes at dst + width r."""
+def _pack(blk, out, fields):
+    """blk uint8 [T, 16, nb, block bytes] -> out uint8 [T, nb, record]. Per field (src byte, count, width, dst
+    byte): item k (``width`` bytes at src + width k) of row r goes to dst + width (16 k + r), i.e. the 16 rows'
+    items side by side: code bytes as 4-byte groups (width 4), an f16 per row (count 1, width 2), per-sub-block
+    scales (width 1)."""
     T, R, nb, _ = blk.shape
     for t in prange(T):
         for b in range(nb):
-            for r in range(R):
-                for g in range(ng):
-                    for i in range(4):
-                        out[t, b, 64 * g + 4 * r + i] = blk[t, r, b, qo + 4 * g + i]
-                for f in range(fields.shape[0]):
-                    src, w, dst = fields[f, 0], fields[f, 1], fields[f, 2]
-                    for i in range(w):
-                        out[t, b, dst + w * r + i] = blk[t, r, b, src + i]
+            for f in range(fields.shape[0]):
+                src, cnt, w, dst = fields[f, 0], fields[f, 1], fields[f, 2], fields[f, 3]
+                for k in range(cnt):
+                    for r in range(R):
+                        for i in range(w):
+                            out[t, b, dst + w * (16 * k + r) + i] = blk[t, r, b, src + w * k + i]
 
 
-#: per type: (first code byte in the GGUF block, (src, width, dst) of the f16 fields copied per row)
-_FIELDS = {"Q4_0": (2, [(0, 2, 256)]), "Q4_1": (4, [(0, 2, 256), (2, 2, 288)]), "Q8_0": (2, [(0, 2, 512)]),
-           "Q5_0": (6, [(2, 4, 256), (0, 2, 320)]), "Q4_K": (16, [(0, 2, 2304), (2, 2, 2336)])}
+#: per type: the (src byte, count, width, dst byte) fields of ``_pack`` (ggml-common.h block_* layouts)
+_FIELDS = {"Q4_0": [(2, 4, 4, 0), (0, 1, 2, 256)],
+           "Q4_1": [(4, 4, 4, 0), (0, 1, 2, 256), (2, 1, 2, 288)],
+           "Q8_0": [(2, 8, 4, 0), (0, 1, 2, 512)],
+           "Q5_0": [(6, 4, 4, 0), (2, 1, 4, 256), (0, 1, 2, 320)],
+           "Q4_K": [(16, 32, 4, 0), (0, 1, 2, 2304), (2, 1, 2, 2336)],
+           "Q6_K": [(0, 32, 4, 0), (128, 16, 4, 2048), (192, 16, 1, 3072), (208, 1, 2, 3328)]}
 
 
 def pack(type_name: str, raw: np.ndarray, O: int, I: int) -> np.ndarray:
@@ -92,8 +101,7 @@ def pack(type_name: str, raw: np.ndarray, O: int, I: int) -> np.ndarray:
     T = O // ROWS
     blk = np.asarray(raw).reshape(T, ROWS, nb, bsz)
     out = np.empty((T, nb, rec), np.uint8)
-    qo, fields = _FIELDS[type_name]
-    _pack(blk, out, qo, nc // 64, np.array(fields, np.int64))
+    _pack(blk, out, np.array(_FIELDS[type_name], np.int64))
     if type_name == "Q4_K":  # ggml's 6-bit scales and mins unpacked, [sub-block][row]
         from .formats import _k_scales
 
@@ -113,7 +121,7 @@ def scales(type_name: str, rec: np.ndarray, O: int, I: int):
     def f16(a):
         return np.ascontiguousarray(a).view(np.float16).astype(np.float32).transpose(0, 2, 1).reshape(O, nb)
 
-    o = nc + (64 if type_name == "Q5_0" else 256 if type_name == "Q4_K" else 0)
+    o = nc + (64 if type_name == "Q5_0" else 256 if type_name in ("Q4_K", "Q6_K") else 0)
     d = f16(r[:, :, o:o + 32])
     m = f16(r[:, :, o + 32:o + 64]) if type_name in ("Q4_1", "Q4_K") else None
     return d, m
@@ -171,7 +179,48 @@ def _emit_tile(b, name, rec_data, nsb, rows):
         def xm(i, idx):
             return _splat_f(b, b.load(b.gep(rows[i][2], [idx])))
 
-        if name == "Q4_K":
+        if name == "Q6_K":
+            # per half n and l-half h: code groups g' of ql (A: l, B: l + 32) and qh (H) give the 6-bit codes of 4
+            # sub-blocks s = 8n + 2kk + h (kk: ggml's four 32-element quarters of the half); each is an exact
+            # int32 dot minus 32 x the sub-block's activation code sum (codes are q + 32, unsigned)
+            s0 = b.mul(k, c(8))
+            red = cgutils.get_or_insert_function(b.module, ir.FunctionType(_I32, [_I32x16]),
+                                                 "llvm.vector.reduce.add.v16i32")
+            saccs = [ir.Constant(_F32x16, None)] * nr
+            m3 = ir.Constant(_I8x64, [3] * 64)
+            mc = ir.Constant(_I8x64, [0x0C] * 64)
+            m30 = ir.Constant(_I8x64, [0x30] * 64)
+            mc0 = ir.Constant(_I8x64, [0xC0] * 64)
+            two = ir.Constant(_I8x64, [2] * 64)
+            for n in range(2):
+                for h in range(2):
+                    acc = [[zero] * 4 for _ in range(nr)]
+                    for gg in range(4):
+                        gp = 4 * h + gg                                  # g' (l0 = 4 g')
+                        A = ld(64 * (16 * n + gp), _I8x64)
+                        B = ld(64 * (16 * n + 8 + gp), _I8x64)
+                        H = ld(2048 + 64 * (8 * n + gp), _I8x64)
+                        qs = (b.or_(b.and_(A, m4), b.shl(b.and_(H, m3), sh4)),
+                              b.or_(b.and_(B, m4), b.shl(b.and_(H, mc), two)),
+                              b.or_(b.lshr(A, sh4), b.and_(H, m30)),
+                              b.or_(b.lshr(B, sh4), b.lshr(b.and_(H, mc0), two)))
+                        for kk in range(4):
+                            qv = b.bitcast(qs[kk], _I32x16)
+                            for i in range(nr):
+                                acc[i][kk] = b.call(op.dp512, [acc[i][kk], qv, xs(i, 128 * n + 32 * kk + 4 * gp)])
+                    for kk in range(4):
+                        sub = 8 * n + 2 * kk + h
+                        scv = b.sitofp(b.sext(ld(nc + 16 * sub, _I8x16), _I32x16), _F32x16)
+                        for i in range(nr):
+                            xsub = b.load(b.bitcast(b.gep(xbs[i], [c(16 * sub)]), _I8x16.as_pointer()), align=1)
+                            ssum = b.call(red, [b.sext(xsub, _I32x16)])
+                            v = b.sub(acc[i][kk], _splat_i(b, b.shl(ssum, ir.Constant(_I32, 5))))
+                            sx = b.fmul(scv, xd(i, b.add(s0, c(sub // 2))))
+                            saccs[i] = b.fadd(saccs[i], b.fmul(b.sitofp(v, _F32x16), sx))
+            dv = f16x16(nc + 256)
+            for i in range(nr):
+                b.store(b.fadd(b.load(faccs[i]), b.fmul(dv, saccs[i])), faccs[i])
+        elif name == "Q4_K":
             s0 = b.mul(k, c(8))
             saccs = [ir.Constant(_F32x16, None)] * nr
             for j in range(4):
@@ -315,11 +364,13 @@ tile_q4_1 = _tile_intrinsic("Q4_1")
 tile_q8_0 = _tile_intrinsic("Q8_0")
 tile_q5_0 = _tile_intrinsic("Q5_0")
 tile_q4_k = _tile_intrinsic("Q4_K")
+tile_q6_k = _tile_intrinsic("Q6_K")
 tile4_q4_0 = _tile4_intrinsic("Q4_0")
 tile4_q4_1 = _tile4_intrinsic("Q4_1")
 tile4_q8_0 = _tile4_intrinsic("Q8_0")
 tile4_q5_0 = _tile4_intrinsic("Q5_0")
 tile4_q4_k = _tile4_intrinsic("Q4_K")
+tile4_q6_k = _tile4_intrinsic("Q6_K")
 
 
 @njit(inline="always", **_JIT)
@@ -340,7 +391,26 @@ def f16_at(rec, i):
 @njit(**_JIT)
 def decode_row(rec, kind, r, I, buf):
     """Row r (0..15) of a tile decoded to f32 into buf [I] (ggml's dequantize_row_q4_0 / q4_1 / q8_0 / q5_0 /
-    q4_K). rec uint8: the tile's records; kind: ``KIND`` (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0, 4 Q4_K)."""
+    q4_K / q6_K). rec uint8: the tile's records; kind: ``KIND`` (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0, 4 Q4_K, 5 Q6_K)."""
+    if kind == 5:
+        for s in range(I // 256):
+            base = s * 3360
+            d = f16_at(rec, base + 3328 + 2 * r)
+            for n in range(2):
+                for l in range(32):
+                    g = l >> 2
+                    i = l & 3
+                    A = np.int64(rec[base + 64 * (16 * n + g) + 4 * r + i])
+                    B = np.int64(rec[base + 64 * (16 * n + 8 + g) + 4 * r + i])
+                    H = np.int64(rec[base + 2048 + 64 * (8 * n + g) + 4 * r + i])
+                    qv = ((A & 15) | ((H & 3) << 4), (B & 15) | (((H >> 2) & 3) << 4),
+                          (A >> 4) | (((H >> 4) & 3) << 4), (B >> 4) | (((H >> 6) & 3) << 4))
+                    for kk in range(4):
+                        sub = 8 * n + 2 * kk + (l >> 4)
+                        sc = np.int64(rec[base + 3072 + 16 * sub + r])
+                        sc = sc - 256 if sc > 127 else sc
+                        buf[256 * s + 128 * n + 32 * kk + l] = d * np.float32(sc) * np.float32(qv[kk] - 32)
+        return
     if kind == 4:
         for s in range(I // 256):
             base = s * 2368

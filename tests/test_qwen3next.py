@@ -165,6 +165,17 @@ def _copy_gguf(src_path, dest, convert):
     return dest
 
 
+def _q8_matrices(t):
+    """A ``_copy_gguf`` converter: every F32/F16 matrix with rows of a multiple of 32 (not token_embd) quantized to
+    Q8_0 by gguf.quants, the rest as is."""
+    import gguf
+
+    a = np.asarray(t.data)
+    if a.ndim >= 2 and a.shape[-1] % 32 == 0 and "token_embd" not in t.name and t.tensor_type in (0, 1):
+        return gguf.quants.quantize(a.astype(np.float32), gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+    return a, t.tensor_type
+
+
 def _check_quantized(name, tmp_path):
     """Every matrix with rows of a multiple of 32 (the DeltaNet and attention projections, experts, shared expert,
     head) quantized to Q8_0 by gguf.quants, against the same file with those tensors dequantized by gguf.quants
@@ -173,19 +184,13 @@ def _check_quantized(name, tmp_path):
 
     Q8 = gguf.GGMLQuantizationType.Q8_0
 
-    def quant(t):
-        a = np.asarray(t.data)
-        if a.ndim >= 2 and a.shape[-1] % 32 == 0 and "token_embd" not in t.name and t.tensor_type in (0, 1):
-            return gguf.quants.quantize(a.astype(np.float32), Q8), Q8
-        return a, t.tensor_type
-
     def dequant(t):
         if t.tensor_type == Q8:
             shape = tuple(int(x) for x in reversed(t.shape))
             return gguf.quants.dequantize(np.asarray(t.data), Q8).reshape(shape).astype(np.float32), None
         return np.asarray(t.data), t.tensor_type
 
-    q8 = _copy_gguf(ORACLES / f"{name}.gguf", tmp_path / f"{name}-q8.gguf", quant)
+    q8 = _copy_gguf(ORACLES / f"{name}.gguf", tmp_path / f"{name}-q8.gguf", _q8_matrices)
     f32 = _copy_gguf(q8, tmp_path / f"{name}-dq.gguf", dequant)
     d = np.load(ORACLES / f"{name}.npz")
     out = []

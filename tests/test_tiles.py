@@ -36,7 +36,7 @@ def test_tiles_hold_the_file_and_decode_to_ggml_values(type_name):
     raw = TT.random_blocks(type_name, O, I, rng)
     rec = tiles.pack(type_name, raw, O, I)
     assert rec.shape == (O // 16, I // bs * rb)
-    assert rec.nbytes <= raw.nbytes * (1.03 if type_name == "Q4_K" else 1.0)
+    assert rec.nbytes <= raw.nbytes * (1.03 if type_name == "Q4_K" else 1.0)   # Q6_K: exactly the file
     want = TT.get(type_name).reference(raw, (O, I)).astype(np.float32)
     got = np.empty((O, I), np.float32)
     _decode_all(rec, tiles.KIND[type_name], O, I, got)
@@ -47,9 +47,12 @@ def test_tiles_hold_the_file_and_decode_to_ggml_values(type_name):
     def f16(lo):
         return blocks[..., lo:lo + 2].copy().view(np.float16)[..., 0].astype(np.float32)
 
-    assert np.array_equal(d, f16(0))
+    offs = TT.get(type_name).scale_offsets      # d (and m / dmin) in the GGUF block: ggml-common.h
+    assert np.array_equal(d, f16(offs[0]))
     if type_name in ("Q4_1", "Q4_K"):
-        assert np.array_equal(m, f16(2))
+        assert np.array_equal(m, f16(offs[1]))
+    else:
+        assert m is None
 
 
 @needs_vnni
@@ -107,7 +110,7 @@ def test_op_matches_reference_in_both_layouts(type_name, op, act, layout, monkey
 def test_a_rows_result_does_not_depend_on_its_batch(type_name):
     """Decode (one row), a few rows and a prompt chunk run the same per-row tile arithmetic: bit-equal."""
     rng = np.random.default_rng(5)
-    O, I = 64, 3 * 256 if type_name == "Q4_K" else 288
+    O, I = 64, 3 * 256 if tiles.SPEC[type_name][0] == 256 else 288
     w = F.prepare(type_name, TT.random_blocks(type_name, O, I, rng), (O, I))
     assert w.layout == "t16"
     x = rng.standard_normal((40, I)).astype(np.float32)
@@ -119,7 +122,7 @@ def test_a_rows_result_does_not_depend_on_its_batch(type_name):
 
 @needs_vnni
 @pytest.mark.parametrize("type_name,field", [("Q8_0", 0), ("Q4_0", 0), ("Q4_1", 0), ("Q4_1", 2), ("Q5_0", 0),
-                                              ("Q4_K", 0), ("Q4_K", 2)])
+                                              ("Q4_K", 0), ("Q4_K", 2), ("Q6_K", 208)])
 def test_a_non_finite_scale_inside_a_tile_is_named(type_name, field):
     rng = np.random.default_rng(6)
     O, I = 48, 3 * tiles.SPEC[type_name][0]
@@ -128,7 +131,7 @@ def test_a_non_finite_scale_inside_a_tile_is_named(type_name, field):
     raw[37, bsz + field:bsz + field + 2] = np.array([np.inf], np.float16).view(np.uint8)   # row 37, block 1
     w = F.prepare(type_name, raw, (O, I))
     assert w.layout == "t16"
-    what = "block minimum" if field == 2 else "block scale"   # Q4_1's m, Q4_K's dmin
+    what = "block minimum" if field == 2 else "block scale"   # Q4_1's m, Q4_K's dmin; Q6_K's d at 208
     with pytest.raises(ColiError, match=f"non-finite {what} .*in row 37"):
         check_weight(w, "t.gguf: tensor 'blk.0.ffn_up.weight'")
 
@@ -137,19 +140,9 @@ def test_a_non_finite_scale_inside_a_tile_is_named(type_name, field):
 def test_the_engines_activation_mode_picks_the_layout(tmp_path):
     """The tiles are the int8 kernels' layout: an int8 engine prepares its Q8_0 matrices and RAM-cache experts
     as t16, an f32 engine keeps the row layouts (whose f32 kernels measured 2x faster than decoding tiles)."""
-    import gguf
+    from tests.test_qwen3next import ORACLES, _copy_gguf, _engine_path, _q8_matrices
 
-    from tests.test_qwen3next import ORACLES, _copy_gguf, _engine_path
-
-    Q8 = gguf.GGMLQuantizationType.Q8_0
-
-    def quant(t):
-        a = np.asarray(t.data)
-        if a.ndim >= 2 and a.shape[-1] % 32 == 0 and "token_embd" not in t.name and t.tensor_type in (0, 1):
-            return gguf.quants.quantize(a.astype(np.float32), Q8), Q8
-        return a, t.tensor_type
-
-    path = _copy_gguf(ORACLES / "qwen3next.gguf", tmp_path / "q8.gguf", quant)
+    path = _copy_gguf(ORACLES / "qwen3next.gguf", tmp_path / "q8.gguf", _q8_matrices)
     for act, layout in (("int8", "t16"), ("f32", "rows")):
         with _engine_path(path, tmp_path, cpu_act=act) as eng:
             m = eng.model
