@@ -1,4 +1,5 @@
-"""The 16-row interleaved weight layout ("t16") of Q4_0, Q4_1 and Q8_0 for the int8 (VNNI) kernels.
+"""The 16-row interleaved weight layout ("t16") of Q4_0, Q4_1, Q8_0, Q5_0, Q4_K and Q6_K for the int8 (VNNI)
+kernels.
 
 The row layouts of ``formats`` give each output row its own dot product: a few ``vpdpbusd`` per row, then a
 horizontal sum and the block scales one at a time. For a decode GEMV that is compute-bound on one core (a
@@ -26,14 +27,16 @@ nibble) and element j + 16 (high nibble) of a block (``ggml-common.h`` ``block_q
 meet activation codes 4g..4g+3 and its high nibbles 16+4g..16+4g+3, each broadcast to all 16 lanes:
 ``vpdpbusd`` then gives 16 rows' exact int32 partial dots at once and a block's 16 sums need no horizontal
 reduction. Per block: ``acc16 += float(isum16) * (d16 * xd[b])``, plus ``m16 * xm[b]`` (Q4_1) or minus
-``8 * d16 * xm[b]`` (Q4_0; Q5_0: 16, its fifth bits spread into bit 4 of each code byte in registers), with xm[b] = xd[b] * (sum of the block's activation codes), the activation blocks of
+``8 * d16 * xm[b]`` (Q4_0; Q5_0: 16, its fifth bits spread into bit 4 of each code byte in registers), with
+xm[b] = xd[b] * (sum of the block's activation codes), the activation blocks of
 ``formats._quantize_act_i8`` (llama.cpp's Q8 blocks). Q8_0's signed codes take llama.cpp's sign trick
 (|w| times sign(w) * x). Q4_K: per sub-block pair the low nibbles meet sub-block 2j's activations and the high
 ones 2j+1's; per super-block ``acc16 += d16 * sum_s sc16_s * xd[s] * isum16_s - dmin16 * sum_s mn16_s * xm[s]``
 (``vnni.row_q4_k``'s formula). Q6_K: the 6-bit codes q are put together in registers from ql and qh as ggml's
 ``dequantize_row_q6_K`` does (four 32-element quarters per 128), multiplied unsigned, and each 16-element
 sub-block's dot corrected exactly by 32 x the sum of its activation codes; per super-block
-``acc16 += d16 * sum_s sc16_s * xd[s/2] * (isum16_s - 32 S_s)``. The scales stay f16 (one ``vcvtph2ps`` per 16 rows), so a tile holds the file's
+``acc16 += d16 * sum_s sc16_s * xd[s/2] * (isum16_s - 32 S_s)``. The scales stay f16 (one ``vcvtph2ps`` per 16
+rows), so a tile holds the file's
 bytes (Q4_K: 1.03x, its scales unpacked): the GEMV streams 1.0x the file instead of the row layouts' 1.06-1.2x.
 
 Results: the same exact int32 block dots as the row kernels; the f32 sums over blocks run in block order per
@@ -424,7 +427,8 @@ def decode_row(rec, kind, r, I, buf):
                     for g in range(8):
                         for i in range(4):
                             q = rec[base + 512 * j + 64 * g + 4 * r + i]
-                            buf[256 * s + 64 * j + 32 * h + 4 * g + i] = sc * np.float32((q >> 4) if h else (q & 15)) - mn
+                            qv = (q >> 4) if h else (q & 15)
+                            buf[256 * s + 64 * j + 32 * h + 4 * g + i] = sc * np.float32(qv) - mn
         return
     rb = 288 if kind == 0 else (320 if kind == 1 else (544 if kind == 2 else 352))
     nc = 512 if kind == 2 else 256

@@ -1,6 +1,6 @@
-"""The 16-row interleaved layout (cpu_kernels/tiles.py) of Q4_0, Q4_1 and Q8_0: packing against the GGUF bytes,
-every op against the NumPy reference through tests/test_backend_ops.py's cases (O a multiple of 16, so the
-weights take the layout), a row's result independent of its batch, and the finite checks on the tiles' scales."""
+"""The 16-row interleaved layout (cpu_kernels/tiles.py) of Q4_0, Q4_1, Q8_0, Q5_0, Q4_K and Q6_K: packing against
+the GGUF bytes, every op against the NumPy reference through tests/test_backend_ops.py's cases (O a multiple of
+16, so the weights take the layout), a row's result independent of its batch, and the finite checks on the tiles' scales."""
 from __future__ import annotations
 
 import numpy as np
