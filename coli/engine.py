@@ -350,7 +350,7 @@ class Engine:
             source = self.g.expert_source(self.model.expert_tensors())
         else:
             source = ExpertSource(self.path, self.model.expert_tensors())
-        source.tiles = self.cpu_act == "int8"   # the t16 tiles are the int8 kernels' layout
+        source.tiles = self.model.wt.tiles   # the experts take the layout the model's matrices took
         L = self.model.moe_layers
         E = source.n_experts(L[0])
         per = max(source.expert_nbytes(l) for l in L)

@@ -45,6 +45,7 @@ from . import fp8 as _fp8
 from . import gemm_i8 as _G
 from . import iquants as _iq
 from . import lowbit as _lb
+from . import tiles as _tiles
 from .iquants import row_g16
 from .tiles import (decode_row, tile4_q4_0, tile4_q4_1, tile4_q4_k, tile4_q5_0, tile4_q6_k, tile4_q8_0, tile_q4_0,
                     tile_q4_1, tile_q4_k, tile_q5_0, tile_q6_k, tile_q8_0)
@@ -68,7 +69,7 @@ FC_Q5_1, FC_Q2_K, FC_Q3_K, FC_G16, FC_FP8 = range(7, 12)
 FC_Q5_0, FC_LUT = 12, 13
 # the 16-row interleaved tiles (cpu_kernels/tiles.py: one uint8 record array, row t = tile t), in tiles.KIND order
 FC_T4_0, FC_T4_1, FC_T8, FC_T5_0, FC_T4_K, FC_T6_K = 14, 15, 16, 17, 18, 19
-TILE_CODE = {"Q4_0": FC_T4_0, "Q4_1": FC_T4_1, "Q8_0": FC_T8, "Q5_0": FC_T5_0, "Q4_K": FC_T4_K, "Q6_K": FC_T6_K}
+TILE_CODE = {name: FC_T4_0 + kind for name, kind in _tiles.KIND.items()}   # FC_T4_0 + tiles' kind
 _C5, _CL = (FC_Q5_0, FC_LUT) if HAVE_VNNI else (FC_Q8, FC_Q8)
 FORMAT_CODE = {"F32": FC_F32, "F16": FC_F32, "BF16": FC_F32, "Q8_0": FC_Q8, "Q5_0": _C5, "MXFP4": _CL,
                "Q4_0": FC_Q4_0, "Q4_1": FC_Q4_1, "Q4_K": FC_Q4_K, "Q5_K": FC_Q5_K, "Q6_K": FC_Q6_K,

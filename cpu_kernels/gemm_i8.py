@@ -382,7 +382,7 @@ def supports(w, T: int) -> bool:
     """True when ``gemm`` runs weight ``w`` for T rows: a format above, at least 4 rows each side, and whole
     512-bit steps (I/32 even for the int8 codes, a multiple of 4 for the nibbles)."""
     kind = GEMMS.get(w.name)
-    if kind is None or getattr(w, "layout", "rows") != "rows" or not HAVE_VNNI or T < NR or w.shape[0] < MR:
+    if kind is None or w.layout != "rows" or not HAVE_VNNI or T < NR or w.shape[0] < MR:
         return False
     nb = w.shape[1] // 32
     return nb % 2 == 0 if kind == "s8" else nb % 4 == 0

@@ -63,7 +63,10 @@ ROWS = 16
 SPEC = {"Q4_0": (32, 288, 256, 18), "Q4_1": (32, 320, 256, 20), "Q8_0": (32, 544, 512, 34),
         "Q5_0": (32, 352, 256, 22), "Q4_K": (256, 2368, 2048, 144), "Q6_K": (256, 3360, 3072, 210)}
 RECORD = {k: v[1] for k, v in SPEC.items()}
-KIND = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q5_0": 3, "Q4_K": 4, "Q6_K": 5}   # experts.FC_T4_0 + kind
+KIND = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q5_0": 3, "Q4_K": 4, "Q6_K": 5}
+#: record bytes and code bytes by kind (``SPEC`` as tuples: constants inside the compiled ``decode_row``)
+_REC = tuple(SPEC[n][1] for n in sorted(KIND, key=KIND.get))
+_NC = tuple(SPEC[n][2] for n in sorted(KIND, key=KIND.get))   # experts.FC_T4_0 + kind
 
 
 def supports(type_name: str, O: int, I: int) -> bool:
@@ -397,41 +400,41 @@ def decode_row(rec, kind, r, I, buf):
     q4_K / q6_K). rec uint8: the tile's records; kind: ``KIND`` (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0, 4 Q4_K, 5 Q6_K)."""
     if kind == 5:
         for s in range(I // 256):
-            base = s * 3360
-            d = f16_at(rec, base + 3328 + 2 * r)
+            base = s * _REC[5]
+            d = f16_at(rec, base + _NC[5] + 256 + 2 * r)
             for n in range(2):
                 for l in range(32):
                     g = l >> 2
                     i = l & 3
                     A = np.int64(rec[base + 64 * (16 * n + g) + 4 * r + i])
                     B = np.int64(rec[base + 64 * (16 * n + 8 + g) + 4 * r + i])
-                    H = np.int64(rec[base + 2048 + 64 * (8 * n + g) + 4 * r + i])
+                    H = np.int64(rec[base + 2048 + 64 * (8 * n + g) + 4 * r + i])   # qh after ql's 2048
                     qv = ((A & 15) | ((H & 3) << 4), (B & 15) | (((H >> 2) & 3) << 4),
                           (A >> 4) | (((H >> 4) & 3) << 4), (B >> 4) | (((H >> 6) & 3) << 4))
                     for kk in range(4):
                         sub = 8 * n + 2 * kk + (l >> 4)
-                        sc = np.int64(rec[base + 3072 + 16 * sub + r])
+                        sc = np.int64(rec[base + _NC[5] + 16 * sub + r])
                         sc = sc - 256 if sc > 127 else sc
                         buf[256 * s + 128 * n + 32 * kk + l] = d * np.float32(sc) * np.float32(qv[kk] - 32)
         return
     if kind == 4:
         for s in range(I // 256):
-            base = s * 2368
-            d = f16_at(rec, base + 2048 + 256 + 2 * r)
-            dm = f16_at(rec, base + 2048 + 288 + 2 * r)
+            base = s * _REC[4]
+            d = f16_at(rec, base + _NC[4] + 256 + 2 * r)
+            dm = f16_at(rec, base + _NC[4] + 288 + 2 * r)
             for j in range(4):
                 for h in range(2):
                     sub = 2 * j + h
-                    sc = d * np.float32(rec[base + 2048 + 16 * sub + r])
-                    mn = dm * np.float32(rec[base + 2048 + 128 + 16 * sub + r])
+                    sc = d * np.float32(rec[base + _NC[4] + 16 * sub + r])
+                    mn = dm * np.float32(rec[base + _NC[4] + 128 + 16 * sub + r])
                     for g in range(8):
                         for i in range(4):
                             q = rec[base + 512 * j + 64 * g + 4 * r + i]
                             qv = (q >> 4) if h else (q & 15)
                             buf[256 * s + 64 * j + 32 * h + 4 * g + i] = sc * np.float32(qv) - mn
         return
-    rb = 288 if kind == 0 else (320 if kind == 1 else (544 if kind == 2 else 352))
-    nc = 512 if kind == 2 else 256
+    rb = _REC[kind]
+    nc = _NC[kind]
     od = nc + (64 if kind == 3 else 0)
     for b in range(I // 32):
         base = b * rb
