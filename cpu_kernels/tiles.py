@@ -50,6 +50,7 @@ Q5_1, Q5_K, MXFP4/IQ4 and the low-bit types keep their row layouts (not done yet
 from __future__ import annotations
 
 import numpy as np
+import gguf.quants as gq
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
@@ -61,9 +62,16 @@ _JIT = dict(nogil=True, cache=True, fastmath=True)
 ROWS = 16
 #: per type: (weights per record, record bytes, code bytes, GGUF block bytes); the kinds of ``decode_row``
 SPEC = {"Q4_0": (32, 288, 256, 18), "Q4_1": (32, 320, 256, 20), "Q8_0": (32, 544, 512, 34),
-        "Q5_0": (32, 352, 256, 22), "Q4_K": (256, 2368, 2048, 144), "Q6_K": (256, 3360, 3072, 210)}
+        "Q5_0": (32, 352, 256, 22), "Q4_K": (256, 2368, 2048, 144), "Q6_K": (256, 3360, 3072, 210),
+        "MXFP4": (32, 272, 256, 17), "IQ4_NL": (32, 288, 256, 18), "IQ4_XS": (256, 2208, 2048, 136),
+        "Q2_K": (256, 1344, 1024, 84), "Q3_K": (256, 1824, 1536, 110)}
 RECORD = {k: v[1] for k, v in SPEC.items()}
-KIND = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q5_0": 3, "Q4_K": 4, "Q6_K": 5}
+KIND = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q5_0": 3, "Q4_K": 4, "Q6_K": 5, "MXFP4": 6, "IQ4_NL": 7, "IQ4_XS": 8,
+        "Q2_K": 9, "Q3_K": 10}
+#: the 16-entry int8 tables of the 4-bit table types (gguf.quants: MXFP4's doubled e2m1 values, ggml's
+#: ``kvalues_mxfp4``; IQ4_NL/IQ4_XS's ``kvalues_iq4nl``), index = ``KIND`` - 6
+_LUT = {"MXFP4": 0, "IQ4_NL": 1, "IQ4_XS": 1}
+_TABLES = np.array([gq.MXFP4.kvalues, gq.IQ4_NL.kvalues], np.int8)
 #: record bytes and code bytes by kind (``SPEC`` as tuples: constants inside the compiled ``decode_row``)
 _REC = tuple(SPEC[n][1] for n in sorted(KIND, key=KIND.get))
 _NC = tuple(SPEC[n][2] for n in sorted(KIND, key=KIND.get))   # experts.FC_T4_0 + kind
@@ -97,7 +105,12 @@ _FIELDS = {"Q4_0": [(2, 4, 4, 0), (0, 1, 2, 256)],
            "Q8_0": [(2, 8, 4, 0), (0, 1, 2, 512)],
            "Q5_0": [(6, 4, 4, 0), (2, 1, 4, 256), (0, 1, 2, 320)],
            "Q4_K": [(16, 32, 4, 0), (0, 1, 2, 2304), (2, 1, 2, 2336)],
-           "Q6_K": [(0, 32, 4, 0), (128, 16, 4, 2048), (192, 16, 1, 3072), (208, 1, 2, 3328)]}
+           "Q6_K": [(0, 32, 4, 0), (128, 16, 4, 2048), (192, 16, 1, 3072), (208, 1, 2, 3328)],
+           "MXFP4": [(1, 4, 4, 0), (0, 1, 1, 256)],
+           "IQ4_NL": [(2, 4, 4, 0), (0, 1, 2, 256)],
+           "IQ4_XS": [(8, 32, 4, 0), (0, 1, 2, 2176)],
+           "Q2_K": [(16, 16, 4, 0), (0, 16, 1, 1024), (80, 1, 2, 1280), (82, 1, 2, 1312)],
+           "Q3_K": [(32, 16, 4, 0), (0, 8, 4, 1024), (108, 1, 2, 1792)]}
 
 
 def pack(type_name: str, raw: np.ndarray, O: int, I: int) -> np.ndarray:
@@ -114,12 +127,26 @@ def pack(type_name: str, raw: np.ndarray, O: int, I: int) -> np.ndarray:
         sc, mn = _k_scales(blk[..., 4:16])                             # [T, 16, nb, 8]
         out[:, :, nc:nc + 128] = sc.transpose(0, 2, 3, 1).reshape(T, nb, 128)
         out[:, :, nc + 128:nc + 256] = mn.transpose(0, 2, 3, 1).reshape(T, nb, 128)
+    elif type_name == "IQ4_XS":  # ls - 32 of each 32-weight sub-block (dequantize_row_iq4_xs), int8 [ib][row]
+        ib = np.arange(8)
+        lo = (blk[..., 4 + ib // 2] >> (4 * (ib % 2)).astype(np.uint8)) & 15            # [T, 16, nb, 8]
+        sh = np.ascontiguousarray(blk[..., 2:4]).view(np.uint16)                     # [T, 16, nb, 1]
+        hi = (sh >> (2 * ib).astype(np.uint16)) & 3
+        ls = ((lo.astype(np.int16) | (hi.astype(np.int16) << 4)) - 32).astype(np.int8)
+        out[:, :, nc:nc + 128] = ls.transpose(0, 2, 3, 1).reshape(T, nb, 128).view(np.uint8)
+    elif type_name == "Q3_K":  # the 16 6-bit scales minus 32 (lowbit.q3_k_scales), int8 [sub-block][row]
+        from . import formats  # noqa: F401  (lowbit is imported by formats, after the names it takes from it)
+        from .lowbit import q3_k_scales
+
+        sc = q3_k_scales(blk[..., 96:108])                                           # [T, 16, nb, 16]
+        out[:, :, nc:nc + 256] = sc.transpose(0, 2, 3, 1).reshape(T, nb, 256).view(np.uint8)
     return out.reshape(T, nb * rec)
 
 
 def scales(type_name: str, rec: np.ndarray, O: int, I: int):
-    """(d f32 [O, nblocks], minimum f32 [O, nblocks] or None) read back from tile records: Q4_1's m, Q4_K's
-    dmin (the finite checks, tests)."""
+    """(d f32 [O, nblocks], minimum f32 [O, nblocks] or None) read back from tile records: Q4_1's m, Q4_K's and
+    Q2_K's dmin (the finite checks, tests). MXFP4: its E8M0 scales as ggml's ``e8m0_to_fp32_half`` (the kernels'
+    d, the table being doubled); IQ4_XS: the super-block's f16 d (the sub-block scales are integers)."""
     bs, rb, nc, _ = SPEC[type_name]
     nb = I // bs
     r = rec.reshape(O // ROWS, nb, rb)
@@ -127,10 +154,17 @@ def scales(type_name: str, rec: np.ndarray, O: int, I: int):
     def f16(a):
         return np.ascontiguousarray(a).view(np.float16).astype(np.float32).transpose(0, 2, 1).reshape(O, nb)
 
-    o = nc + (64 if type_name == "Q5_0" else 256 if type_name in ("Q4_K", "Q6_K") else 0)
+    if type_name == "MXFP4":   # E8M0 exponents: every byte is a finite power of two (ggml_e8m0_to_fp32_half)
+        e = np.ascontiguousarray(r[:, :, nc:nc + 16].transpose(0, 2, 1)).reshape(O, nb)
+        return gq.MXFP4.e8m0_to_fp32_half(e).astype(np.float32), None
+    o = nc + _SCALE_AT.get(type_name, 0)
     d = f16(r[:, :, o:o + 32])
-    m = f16(r[:, :, o + 32:o + 64]) if type_name in ("Q4_1", "Q4_K") else None
+    m = f16(r[:, :, o + 32:o + 64]) if type_name in ("Q4_1", "Q4_K", "Q2_K") else None
     return d, m
+
+
+#: where the f16 d [16] starts after a record's code bytes (the sub-block scales, Q5_0's fifth bits before it)
+_SCALE_AT = {"Q5_0": 64, "Q4_K": 256, "Q6_K": 256, "IQ4_XS": 128, "Q2_K": 256, "Q3_K": 256}
 
 
 # --------------------------------------------------------------------------------------------------- kernels
@@ -185,7 +219,115 @@ def _emit_tile(b, name, rec_data, nsb, rows):
         def xm(i, idx):
             return _splat_f(b, b.load(b.gep(rows[i][2], [idx])))
 
-        if name == "Q6_K":
+        def srl(v, n):  # a right shift of the 32-bit lanes (byte codes masked after it; no byte shifts on x86)
+            return b.bitcast(b.lshr(b.bitcast(v, _I32x16), _i32x16(n)), _I8x64) if n else v
+
+        def bmask(v):
+            return ir.Constant(_I8x64, [v] * 64)
+
+        def ssum16(i, off):  # the sum of row i's 16 activation codes at off (int32; exact)
+            red = cgutils.get_or_insert_function(b.module, ir.FunctionType(_I32, [_I32x16]),
+                                                 "llvm.vector.reduce.add.v16i32")
+            xsub = b.load(b.bitcast(b.gep(xbs[i], [c(off)]), _I8x16.as_pointer()), align=1)
+            return b.call(red, [b.sext(xsub, _I32x16)])
+
+        if name in _LUT:
+            # 4-bit codes looked up in the 16-entry table (vpshufb, the table in every 128-bit lane): signed int8
+            # weights w. vpdpbusd takes them as its signed operand and the activations made unsigned (x + 128,
+            # x ^ 0x80): dot = sum w x + 128 sum w, the sum w per block and row from one vpdpbusd with ones
+            # (weight-side, shared by the batch's rows), subtracted exactly in int32
+            tab = ir.Constant(_I8x64, [int(v) for v in _TABLES[_LUT[name]]] * 4)
+            ones = b.bitcast(bmask(1), _I32x16)
+            x80 = ir.Constant(_I32, 0x80808080 - (1 << 32))
+            nsub = 8 if name == "IQ4_XS" else 1
+
+            def xu(i, j):
+                p = b.bitcast(b.gep(xbs[i], [c(j)]), i32p)
+                return _splat_i(b, b.xor(b.load(p, align=1), x80))
+
+            if name == "MXFP4":   # E8M0 -> 2^(e - 128) (ggml_e8m0_to_fp32_half: the table is doubled), bit-exact
+                e = b.zext(ld(nc, _I8x16), _I32x16)
+                bits = b.select(b.icmp_unsigned("<", e, _i32x16(2)), b.shl(_i32x16(0x00200000), e),
+                                b.shl(b.sub(e, _i32x16(1)), _i32x16(23)))
+                dv = b.bitcast(bits, _F32x16)
+            else:
+                dv = f16x16(nc + (128 if nsub == 8 else 0))
+            saccs = [ir.Constant(_F32x16, None)] * nr   # IQ4_XS: sum over sub-blocks of (ls - 32) xd isum
+            for sb in range(nsub):
+                ws, parts = [], [[] for _ in range(nr)]
+                for g in range(4):
+                    v = ld(256 * sb + 64 * g, _I8x64)
+                    lo = b.bitcast(b.call(op.shuf512, [tab, b.and_(v, m4)]), _I32x16)
+                    hi = b.bitcast(b.call(op.shuf512, [tab, b.and_(srl(v, 4), m4)]), _I32x16)
+                    ws.append(b.call(op.dp512, [b.call(op.dp512, [zero, ones, lo]), ones, hi]))
+                    for i in range(nr):
+                        a_ = b.call(op.dp512, [zero, xu(i, 32 * sb + 4 * g), lo])
+                        parts[i].append(b.call(op.dp512, [a_, xu(i, 32 * sb + 16 + 4 * g), hi]))
+                corr = b.shl(b.add(b.add(ws[0], ws[1]), b.add(ws[2], ws[3])), _i32x16(7))
+                for i in range(nr):
+                    isum = b.sitofp(b.sub(b.add(b.add(parts[i][0], parts[i][1]), b.add(parts[i][2], parts[i][3])),
+                                          corr), _F32x16)
+                    if nsub == 1:
+                        b.store(b.fadd(b.load(faccs[i]), b.fmul(isum, b.fmul(dv, xd(i, k)))), faccs[i])
+                    else:       # Q4_K's shape: d once per super-block, the 6-bit scales (ls - 32) per sub-block
+                        lsv = b.sitofp(b.sext(ld(nc + 16 * sb, _I8x16), _I32x16), _F32x16)
+                        sx = b.fmul(lsv, xd(i, b.add(b.mul(k, c(8)), c(sb))))
+                        saccs[i] = b.fadd(saccs[i], b.fmul(isum, sx))
+            if nsub == 8:
+                for i in range(nr):
+                    b.store(b.fadd(b.load(faccs[i]), b.fmul(dv, saccs[i])), faccs[i])
+        elif name in ("Q2_K", "Q3_K"):
+            # per half n and 16-element half h: 4 code groups (l = 4g..4g+3, g = 4h..4h+3) give the 2-bit codes of
+            # sub-blocks u = 8n + 2j + h (ggml's shift 2j); Q3_K adds the hmask bit 4n + j as bit 2 and takes its
+            # -4 exactly as 4 x the sub-block's activation code sum; Q2_K's mins go through the same sums
+            s0 = b.mul(k, c(8))
+            q3 = name == "Q3_K"
+            saccs = [ir.Constant(_F32x16, None)] * nr
+            maccs = [ir.Constant(_F32x16, None)] * nr
+            m3 = bmask(3)
+            b4 = bmask(4)
+            for n in range(2):
+                for h in range(2):
+                    acc = [[zero] * 4 for _ in range(nr)]
+                    for gg in range(4):
+                        g = 4 * h + gg
+                        V = ld(64 * (8 * n + g), _I8x64)
+                        H = ld(1024 + 64 * g, _I8x64) if q3 else None
+                        for j in range(4):
+                            cv = b.and_(srl(V, 2 * j), m3)
+                            if q3:
+                                hb = 4 * n + j
+                                hv = srl(H, hb - 2) if hb >= 2 else b.bitcast(
+                                    b.shl(b.bitcast(H, _I32x16), _i32x16(2 - hb)), _I8x64)
+                                cv = b.or_(cv, b.and_(hv, b4))
+                            cv = b.bitcast(cv, _I32x16)
+                            for i in range(nr):
+                                acc[i][j] = b.call(op.dp512, [acc[i][j], cv, xs(i, 128 * n + 32 * j + 4 * g)])
+                    for j in range(4):
+                        u = 8 * n + 2 * j + h
+                        if q3:
+                            scv = b.sitofp(b.sext(ld(nc + 16 * u, _I8x16), _I32x16), _F32x16)
+                        else:
+                            sb = b.zext(ld(nc + 16 * u, _I8x16), _I32x16)
+                            scv = b.uitofp(b.and_(sb, _i32x16(15)), _F32x16)
+                            mnv = b.uitofp(b.lshr(sb, _i32x16(4)), _F32x16)
+                        for i in range(nr):
+                            xdu = b.load(b.gep(rows[i][1], [b.add(s0, c(4 * n + j))]))
+                            ss = ssum16(i, 16 * u)
+                            v = acc[i][j]
+                            if q3:
+                                v = b.sub(v, _splat_i(b, b.shl(ss, ir.Constant(_I32, 2))))
+                            else:
+                                maccs[i] = b.fadd(maccs[i], b.fmul(mnv, _splat_f(b, b.fmul(xdu, b.sitofp(ss, _F32)))))
+                            saccs[i] = b.fadd(saccs[i], b.fmul(b.sitofp(v, _F32x16), b.fmul(scv, _splat_f(b, xdu))))
+            dv = f16x16(nc + 256)
+            dmv = None if q3 else f16x16(nc + 288)
+            for i in range(nr):
+                f = b.fmul(dv, saccs[i])
+                if not q3:
+                    f = b.fsub(f, b.fmul(dmv, maccs[i]))
+                b.store(b.fadd(b.load(faccs[i]), f), faccs[i])
+        elif name == "Q6_K":
             # per half n and l-half h: code groups g' of ql (A: l, B: l + 32) and qh (H) give the 6-bit codes of 4
             # sub-blocks s = 8n + 2kk + h (kk: ggml's four 32-element quarters of the half); each is an exact
             # int32 dot minus 32 x the sub-block's activation code sum (codes are q + 32, unsigned)
@@ -377,6 +519,16 @@ tile4_q8_0 = _tile4_intrinsic("Q8_0")
 tile4_q5_0 = _tile4_intrinsic("Q5_0")
 tile4_q4_k = _tile4_intrinsic("Q4_K")
 tile4_q6_k = _tile4_intrinsic("Q6_K")
+tile_mxfp4 = _tile_intrinsic("MXFP4")
+tile_iq4_nl = _tile_intrinsic("IQ4_NL")
+tile_iq4_xs = _tile_intrinsic("IQ4_XS")
+tile_q2_k = _tile_intrinsic("Q2_K")
+tile_q3_k = _tile_intrinsic("Q3_K")
+tile4_mxfp4 = _tile4_intrinsic("MXFP4")
+tile4_iq4_nl = _tile4_intrinsic("IQ4_NL")
+tile4_iq4_xs = _tile4_intrinsic("IQ4_XS")
+tile4_q2_k = _tile4_intrinsic("Q2_K")
+tile4_q3_k = _tile4_intrinsic("Q3_K")
 
 
 @njit(inline="always", **_JIT)
@@ -397,7 +549,52 @@ def f16_at(rec, i):
 @njit(**_JIT)
 def decode_row(rec, kind, r, I, buf):
     """Row r (0..15) of a tile decoded to f32 into buf [I] (ggml's dequantize_row_q4_0 / q4_1 / q8_0 / q5_0 /
-    q4_K / q6_K). rec uint8: the tile's records; kind: ``KIND`` (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0, 4 Q4_K, 5 Q6_K)."""
+    q4_K / q6_K / mxfp4 / iq4_nl / iq4_xs / q2_K / q3_K). rec uint8: the tile's records; kind: ``KIND`` (0 Q4_0,
+    1 Q4_1, 2 Q8_0, 3 Q5_0, 4 Q4_K, 5 Q6_K, 6 MXFP4, 7 IQ4_NL, 8 IQ4_XS, 9 Q2_K, 10 Q3_K)."""
+    if kind == 9 or kind == 10:
+        for s in range(I // 256):
+            base = s * _REC[kind]
+            nc = _NC[kind]
+            d = f16_at(rec, base + nc + 256 + 2 * r)
+            dm = f16_at(rec, base + nc + 288 + 2 * r) if kind == 9 else np.float32(0.0)
+            for n in range(2):
+                for g in range(8):
+                    for i in range(4):
+                        q = np.int64(rec[base + 64 * (8 * n + g) + 4 * r + i])
+                        hm = np.int64(rec[base + 1024 + 64 * g + 4 * r + i]) if kind == 10 else np.int64(0)
+                        for j in range(4):
+                            u = 8 * n + 2 * j + (g >> 2)
+                            sc = np.int64(rec[base + nc + 16 * u + r])
+                            cq = (q >> (2 * j)) & 3
+                            e = 256 * s + 128 * n + 32 * j + 4 * g + i
+                            if kind == 9:   # dequantize_row_q2_K: d * (sc & 15) * q - dmin * (sc >> 4)
+                                buf[e] = d * np.float32(sc & 15) * np.float32(cq) - dm * np.float32(sc >> 4)
+                            else:           # dequantize_row_q3_K: d * (sc - 32) * (q - (hmask bit ? 0 : 4))
+                                sc = sc - 256 if sc > 127 else sc
+                                cq = cq - (0 if (hm >> (4 * n + j)) & 1 else 4)
+                                buf[e] = d * np.float32(sc) * np.float32(cq)
+        return
+    if kind >= 6:   # the 4-bit table types: per 32, codes as Q4_0's, w = d * table[code]
+        kv = _TABLES[0] if kind == 6 else _TABLES[1]
+        nsub = 8 if kind == 8 else 1
+        for s in range(I // (32 * nsub)):
+            base = s * _REC[kind]
+            nc = _NC[kind]
+            for sb in range(nsub):
+                if kind == 6:      # ggml_e8m0_to_fp32_half
+                    d = np.float32(2.0 ** (np.int64(rec[base + nc + r]) - 128))
+                elif kind == 7:
+                    d = f16_at(rec, base + nc + 2 * r)
+                else:              # dequantize_row_iq4_xs: d * (ls - 32)
+                    ls = np.int64(rec[base + nc + 16 * sb + r])
+                    d = f16_at(rec, base + nc + 128 + 2 * r) * np.float32(ls - 256 if ls > 127 else ls)
+                for g in range(4):
+                    for i in range(4):
+                        q = rec[base + 256 * sb + 64 * g + 4 * r + i]
+                        e = 32 * (s * nsub + sb) + 4 * g + i
+                        buf[e] = d * np.float32(kv[q & 15])
+                        buf[e + 16] = d * np.float32(kv[q >> 4])
+        return
     if kind == 5:
         for s in range(I // 256):
             base = s * _REC[5]
