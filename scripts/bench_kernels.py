@@ -3,7 +3,8 @@
 shapes, in GB/s of weight bytes as the GGUF file stores them, beside a memory-bandwidth probe (a Numba prange
 read and copy of >= 1 GiB) run in the same process.
 
-    python scripts/bench_kernels.py --threads 2 [--formats Q4_1,Q8_0] [--act f32|int8|both] [--json]
+    python scripts/bench_kernels.py --threads 2 [--formats Q4_1,Q8_0] [--act f32|int8|both] [--layouts t16,rows]
+        [--json]
 
 Times are the minimum over --reps runs (the machine is shared; the minimum is the least disturbed run).
 Weights are random valid blocks (codes uniform, f16 scales small), which cost the kernels what real ones do.
@@ -90,7 +91,24 @@ def random_raw(name: str, O: int, I: int, rng) -> np.ndarray:
     return blocks.reshape(O, -1)
 
 
-def bench_format(name, shapes, T, reps, act, rng):
+def _best_ab(fs, reps):
+    """The minimum time of each of the callables ``fs``, run alternately (one of each per round), so that a
+    change in the machine's load hits every layout alike."""
+    for f in fs:
+        f()
+    best = [float("inf")] * len(fs)
+    for _ in range(reps):
+        for i, f in enumerate(fs):
+            t = time.perf_counter()
+            f()
+            best[i] = min(best[i], time.perf_counter() - t)
+    return best
+
+
+def bench_format(name, shapes, T, reps, act, rng, layouts=("default",)):
+    """Rows of GEMV/GEMM timings per shape. layouts: ("default",) or a subset of ("t16", "rows"): the weight
+    prepared in each (``formats.prepare(..., tiles=)``), timed alternately; a layout the type or shape lacks is
+    left out."""
     fmt = F.FORMATS[name]
     rows = []
     for O, I in shapes:
@@ -99,18 +117,24 @@ def bench_format(name, shapes, T, reps, act, rng):
         if fmt.block_size == 1 and O >= BIG:
             continue  # float lm_heads of this size are not what these formats are for; saves minutes
         raw = random_raw(name, O, I, rng)
-        w = F.prepare(name, raw, (O, I))
+        ws = []
+        for lay in layouts:
+            w = F.prepare(name, raw, (O, I), tiles=None if lay == "default" else lay == "t16")
+            if lay == "default" or w.layout == lay:
+                ws.append(w)
         del raw
         x1 = rng.standard_normal((1, I), dtype=np.float32)
         xT = rng.standard_normal((T, I), dtype=np.float32)
-        t1 = _best(lambda: F.matmul(w, x1, act=act), reps)
-        tT = _best(lambda: F.matmul(w, xT, act=act), max(2, reps // 10) if O >= BIG else max(3, reps // 4))
-        rows.append({"format": name, "act": act, "O": O, "I": I, "file_bytes": w.file_nbytes,
-                     "packed_bytes": w.nbytes,
-                     "gemv_us": t1 * 1e6, "gemv_gbs": w.file_nbytes / t1 / 1e9,
-                     "gemm_T": T, "gemm_ms": tT * 1e3, "gemm_gbs": w.file_nbytes / tT / 1e9,
-                     "gemm_gflops": 2.0 * O * I * T / tT / 1e9})
-        del w
+        t1 = _best_ab([lambda w=w: F.matmul(w, x1, act=act) for w in ws], reps)
+        tT = _best_ab([lambda w=w: F.matmul(w, xT, act=act) for w in ws],
+                      max(2, reps // 10) if O >= BIG else max(3, reps // 4))
+        for w, a, b in zip(ws, t1, tT):
+            rows.append({"format": name, "act": act, "layout": w.layout, "O": O, "I": I,
+                         "file_bytes": w.file_nbytes, "packed_bytes": w.nbytes,
+                         "gemv_us": a * 1e6, "gemv_gbs": w.file_nbytes / a / 1e9,
+                         "gemm_T": T, "gemm_ms": b * 1e3, "gemm_gbs": w.file_nbytes / b / 1e9,
+                         "gemm_gflops": 2.0 * O * I * T / b / 1e9})
+        del ws
     return rows
 
 
@@ -157,6 +181,8 @@ def main(argv=None):
     ap.add_argument("--probe-gib", type=float, default=1.0)
     ap.add_argument("--models", default="", help="also time one decode token's GEMVs over these real models "
                     "(smollm2,gemma3,qwen25; downloaded by coli.fetch)")
+    ap.add_argument("--layouts", default="default", help="default, or t16,rows: both kernel layouts of each "
+                    "weight (formats.prepare's tiles=), timed alternately")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     a = ap.parse_args(argv)
     cpu_kernels.set_threads(a.threads)
@@ -171,7 +197,7 @@ def main(argv=None):
         for act in acts:
             if act == "int8" and not F.FORMATS[name].int8:
                 continue
-            rows += bench_format(name, shapes, a.T, a.reps, act, rng)
+            rows += bench_format(name, shapes, a.T, a.reps, act, rng, tuple(a.layouts.split(",")))
     models = [bench_model(m, max(3, a.reps // 4), act) for m in a.models.split(",") if m for act in acts]
     meta = {"threads": a.threads, "layer": cpu_kernels.threading_layer(), "reps": a.reps,
             "loadavg": os.getloadavg(), "probe": probe}
@@ -181,10 +207,10 @@ def main(argv=None):
     print(f"threads {a.threads} ({meta['layer']}), min of {a.reps} runs, load average {meta['loadavg'][0]:.2f}")
     print(f"memory probe ({probe['bytes'] / 2**30:.1f} GiB): read {probe['read_gbs']:.1f} GB/s, "
           f"copy {probe['copy_gbs']:.1f} GB/s copied ({probe['copy_rw_gbs']:.1f} read+write)")
-    print(f"{'format':6} {'act':4} {'O x I':>13} {'file MB':>8} {'pack/file':>9} {'GEMV us':>9} {'GEMV GB/s':>9} "
+    print(f"{'format':6} {'act':4} {'layout':6} {'O x I':>13} {'file MB':>8} {'pack/file':>9} {'GEMV us':>9} {'GEMV GB/s':>9} "
           f"{'GEMM ms':>8} {'GEMM GB/s':>9} {'GFLOP/s':>8}")
     for r in rows:
-        print(f"{r['format']:6} {r['act']:4} {r['O']:>6}x{r['I']:<6} {r['file_bytes'] / 1e6:8.2f} "
+        print(f"{r['format']:6} {r['act']:4} {r['layout']:6} {r['O']:>6}x{r['I']:<6} {r['file_bytes'] / 1e6:8.2f} "
               f"{r['packed_bytes'] / r['file_bytes']:9.3f} {r['gemv_us']:9.1f} {r['gemv_gbs']:9.2f} "
               f"{r['gemm_ms']:8.2f} {r['gemm_gbs']:9.2f} {r['gemm_gflops']:8.1f}")
     for m in models:
