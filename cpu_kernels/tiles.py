@@ -64,10 +64,11 @@ ROWS = 16
 SPEC = {"Q4_0": (32, 288, 256, 18), "Q4_1": (32, 320, 256, 20), "Q8_0": (32, 544, 512, 34),
         "Q5_0": (32, 352, 256, 22), "Q4_K": (256, 2368, 2048, 144), "Q6_K": (256, 3360, 3072, 210),
         "MXFP4": (32, 272, 256, 17), "IQ4_NL": (32, 288, 256, 18), "IQ4_XS": (256, 2208, 2048, 136),
-        "Q2_K": (256, 1344, 1024, 84), "Q3_K": (256, 1824, 1536, 110)}
+        "Q2_K": (256, 1344, 1024, 84), "Q3_K": (256, 1824, 1536, 110), "Q5_1": (32, 384, 256, 24),
+        "Q5_K": (256, 2880, 2560, 176)}
 RECORD = {k: v[1] for k, v in SPEC.items()}
 KIND = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q5_0": 3, "Q4_K": 4, "Q6_K": 5, "MXFP4": 6, "IQ4_NL": 7, "IQ4_XS": 8,
-        "Q2_K": 9, "Q3_K": 10}
+        "Q2_K": 9, "Q3_K": 10, "Q5_1": 11, "Q5_K": 12}
 #: the 16-entry int8 tables of the 4-bit table types (gguf.quants: MXFP4's doubled e2m1 values, ggml's
 #: ``kvalues_mxfp4``; IQ4_NL/IQ4_XS's ``kvalues_iq4nl``), index = ``KIND`` - 6
 _LUT = {"MXFP4": 0, "IQ4_NL": 1, "IQ4_XS": 1}
@@ -110,7 +111,9 @@ _FIELDS = {"Q4_0": [(2, 4, 4, 0), (0, 1, 2, 256)],
            "IQ4_NL": [(2, 4, 4, 0), (0, 1, 2, 256)],
            "IQ4_XS": [(8, 32, 4, 0), (0, 1, 2, 2176)],
            "Q2_K": [(16, 16, 4, 0), (0, 16, 1, 1024), (80, 1, 2, 1280), (82, 1, 2, 1312)],
-           "Q3_K": [(32, 16, 4, 0), (0, 8, 4, 1024), (108, 1, 2, 1792)]}
+           "Q3_K": [(32, 16, 4, 0), (0, 8, 4, 1024), (108, 1, 2, 1792)],
+           "Q5_1": [(8, 4, 4, 0), (4, 1, 4, 256), (0, 1, 2, 320), (2, 1, 2, 352)],
+           "Q5_K": [(48, 32, 4, 0), (16, 8, 4, 2048), (0, 1, 2, 2816), (2, 1, 2, 2848)]}
 
 
 def pack(type_name: str, raw: np.ndarray, O: int, I: int) -> np.ndarray:
@@ -121,7 +124,7 @@ def pack(type_name: str, raw: np.ndarray, O: int, I: int) -> np.ndarray:
     blk = np.asarray(raw).reshape(T, ROWS, nb, bsz)
     out = np.empty((T, nb, rec), np.uint8)
     _pack(blk, out, np.array(_FIELDS[type_name], np.int64))
-    if type_name == "Q4_K":  # ggml's 6-bit scales and mins unpacked, [sub-block][row]
+    if type_name in ("Q4_K", "Q5_K"):  # ggml's 6-bit scales and mins unpacked, [sub-block][row]
         from .formats import _k_scales
 
         sc, mn = _k_scales(blk[..., 4:16])                             # [T, 16, nb, 8]
@@ -159,12 +162,14 @@ def scales(type_name: str, rec: np.ndarray, O: int, I: int):
         return gq.MXFP4.e8m0_to_fp32_half(e).astype(np.float32), None
     o = nc + _SCALE_AT.get(type_name, 0)
     d = f16(r[:, :, o:o + 32])
-    m = f16(r[:, :, o + 32:o + 64]) if type_name in ("Q4_1", "Q4_K", "Q2_K") else None
+    m = f16(r[:, :, o + 32:o + 64]) if type_name in _MINS else None
     return d, m
 
 
 #: where the f16 d [16] starts after a record's code bytes (the sub-block scales, Q5_0's fifth bits before it)
-_SCALE_AT = {"Q5_0": 64, "Q4_K": 256, "Q6_K": 256, "IQ4_XS": 128, "Q2_K": 256, "Q3_K": 256}
+_SCALE_AT = {"Q5_0": 64, "Q4_K": 256, "Q6_K": 256, "IQ4_XS": 128, "Q2_K": 256, "Q3_K": 256, "Q5_1": 64, "Q5_K": 256}
+#: the types with a second f16 (m or dmin) after d
+_MINS = ("Q4_1", "Q4_K", "Q2_K", "Q5_1", "Q5_K")
 
 
 # --------------------------------------------------------------------------------------------------- kernels
@@ -368,16 +373,26 @@ def _emit_tile(b, name, rec_data, nsb, rows):
             dv = f16x16(nc + 256)
             for i in range(nr):
                 b.store(b.fadd(b.load(faccs[i]), b.fmul(dv, saccs[i])), faccs[i])
-        elif name == "Q4_K":
+        elif name in ("Q4_K", "Q5_K"):
             s0 = b.mul(k, c(8))
             saccs = [ir.Constant(_F32x16, None)] * nr
+            b16 = bmask(16)
+
+            def bit4(H, bit):  # bit ``bit`` of each byte of H moved to bit 4 (Q5_K's fifth bit)
+                if bit >= 4:
+                    return b.and_(srl(H, bit - 4), b16)
+                return b.and_(b.bitcast(b.shl(b.bitcast(H, _I32x16), _i32x16(4 - bit)), _I8x64), b16)
+
             for j in range(4):
                 lo = [[zero, zero] for _ in range(nr)]
                 hi = [[zero, zero] for _ in range(nr)]
                 for g in range(8):
                     v = ld(512 * j + 64 * g, _I8x64)
-                    vl = b.bitcast(b.and_(v, m4), _I32x16)
-                    vh = b.bitcast(b.lshr(v, sh4), _I32x16)
+                    vl, vh = b.and_(v, m4), b.lshr(v, sh4)
+                    if name == "Q5_K":  # qh byte l: bit 2j the fifth bit of element 64j + l, 2j + 1 of 64j + 32 + l
+                        H = ld(2048 + 64 * g, _I8x64)
+                        vl, vh = b.or_(vl, bit4(H, 2 * j)), b.or_(vh, bit4(H, 2 * j + 1))
+                    vl, vh = b.bitcast(vl, _I32x16), b.bitcast(vh, _I32x16)
                     for i in range(nr):
                         lo[i][g & 1] = b.call(op.dp512, [lo[i][g & 1], vl, xs(i, 64 * j + 4 * g)])
                         hi[i][g & 1] = b.call(op.dp512, [hi[i][g & 1], vh, xs(i, 64 * j + 32 + 4 * g)])
@@ -413,7 +428,7 @@ def _emit_tile(b, name, rec_data, nsb, rows):
                         else:
                             parts[i].append(d)
             else:
-                qh = ld(nc, _I32x16) if name == "Q5_0" else None
+                qh = ld(nc, _I32x16) if name in ("Q5_0", "Q5_1") else None
                 for g in range(4):
                     v = ld(64 * g, _I8x64)
                     lo = b.and_(v, m4)
@@ -430,13 +445,13 @@ def _emit_tile(b, name, rec_data, nsb, rows):
                     for i in range(nr):
                         a_ = b.call(op.dp512, [zero, lo, xs(i, 4 * g)])
                         parts[i].append(b.call(op.dp512, [a_, hi, xs(i, 16 + 4 * g)]))
-            od = nc + (64 if name == "Q5_0" else 0)
+            od = nc + (64 if name in ("Q5_0", "Q5_1") else 0)
             dv = f16x16(od)
-            mv = f16x16(od + 32) if name == "Q4_1" else None
+            mv = f16x16(od + 32) if name in ("Q4_1", "Q5_1") else None
             for i in range(nr):
                 isum = b.add(b.add(parts[i][0], parts[i][1]), b.add(parts[i][2], parts[i][3]))
                 f = b.fadd(b.load(faccs[i]), b.fmul(b.sitofp(isum, _F32x16), b.fmul(dv, xd(i, k))))
-                if name == "Q4_1":
+                if mv is not None:
                     f = b.fadd(f, b.fmul(mv, xm(i, k)))
                 elif name in ("Q4_0", "Q5_0"):
                     off_q = 8.0 if name == "Q4_0" else 16.0
@@ -529,6 +544,10 @@ tile4_iq4_nl = _tile4_intrinsic("IQ4_NL")
 tile4_iq4_xs = _tile4_intrinsic("IQ4_XS")
 tile4_q2_k = _tile4_intrinsic("Q2_K")
 tile4_q3_k = _tile4_intrinsic("Q3_K")
+tile_q5_1 = _tile_intrinsic("Q5_1")
+tile_q5_k = _tile_intrinsic("Q5_K")
+tile4_q5_1 = _tile4_intrinsic("Q5_1")
+tile4_q5_k = _tile4_intrinsic("Q5_K")
 
 
 @njit(inline="always", **_JIT)
@@ -550,7 +569,7 @@ def f16_at(rec, i):
 def decode_row(rec, kind, r, I, buf):
     """Row r (0..15) of a tile decoded to f32 into buf [I] (ggml's dequantize_row_q4_0 / q4_1 / q8_0 / q5_0 /
     q4_K / q6_K / mxfp4 / iq4_nl / iq4_xs / q2_K / q3_K). rec uint8: the tile's records; kind: ``KIND`` (0 Q4_0,
-    1 Q4_1, 2 Q8_0, 3 Q5_0, 4 Q4_K, 5 Q6_K, 6 MXFP4, 7 IQ4_NL, 8 IQ4_XS, 9 Q2_K, 10 Q3_K)."""
+    1 Q4_1, 2 Q8_0, 3 Q5_0, 4 Q4_K, 5 Q6_K, 6 MXFP4, 7 IQ4_NL, 8 IQ4_XS, 9 Q2_K, 10 Q3_K, 11 Q5_1, 12 Q5_K)."""
     if kind == 9 or kind == 10:
         for s in range(I // 256):
             base = s * _REC[kind]
@@ -574,7 +593,7 @@ def decode_row(rec, kind, r, I, buf):
                                 cq = cq - (0 if (hm >> (4 * n + j)) & 1 else 4)
                                 buf[e] = d * np.float32(sc) * np.float32(cq)
         return
-    if kind >= 6:   # the 4-bit table types: per 32, codes as Q4_0's, w = d * table[code]
+    if kind >= 6 and kind <= 8:   # the 4-bit table types: per 32, codes as Q4_0's, w = d * table[code]
         kv = _TABLES[0] if kind == 6 else _TABLES[1]
         nsub = 8 if kind == 8 else 1
         for s in range(I // (32 * nsub)):
@@ -614,25 +633,28 @@ def decode_row(rec, kind, r, I, buf):
                         sc = sc - 256 if sc > 127 else sc
                         buf[256 * s + 128 * n + 32 * kk + l] = d * np.float32(sc) * np.float32(qv[kk] - 32)
         return
-    if kind == 4:
+    if kind == 4 or kind == 12:   # Q4_K, Q5_K (dequantize_row_q5_K: qh bit 2j / 2j + 1 of byte l is bit 4)
         for s in range(I // 256):
-            base = s * _REC[4]
-            d = f16_at(rec, base + _NC[4] + 256 + 2 * r)
-            dm = f16_at(rec, base + _NC[4] + 288 + 2 * r)
+            base = s * _REC[kind]
+            nc = _NC[kind]
+            d = f16_at(rec, base + nc + 256 + 2 * r)
+            dm = f16_at(rec, base + nc + 288 + 2 * r)
             for j in range(4):
                 for h in range(2):
                     sub = 2 * j + h
-                    sc = d * np.float32(rec[base + _NC[4] + 16 * sub + r])
-                    mn = dm * np.float32(rec[base + _NC[4] + 128 + 16 * sub + r])
+                    sc = d * np.float32(rec[base + nc + 16 * sub + r])
+                    mn = dm * np.float32(rec[base + nc + 128 + 16 * sub + r])
                     for g in range(8):
                         for i in range(4):
-                            q = rec[base + 512 * j + 64 * g + 4 * r + i]
+                            q = np.int64(rec[base + 512 * j + 64 * g + 4 * r + i])
                             qv = (q >> 4) if h else (q & 15)
+                            if kind == 12:
+                                qv |= ((np.int64(rec[base + 2048 + 64 * g + 4 * r + i]) >> (2 * j + h)) & 1) << 4
                             buf[256 * s + 64 * j + 32 * h + 4 * g + i] = sc * np.float32(qv) - mn
         return
     rb = _REC[kind]
     nc = _NC[kind]
-    od = nc + (64 if kind == 3 else 0)
+    od = nc + (64 if kind == 3 or kind == 11 else 0)
     for b in range(I // 32):
         base = b * rb
         d = f16_at(rec, base + od + 2 * r)
@@ -643,10 +665,13 @@ def decode_row(rec, kind, r, I, buf):
                     buf[b * 32 + 4 * g + i] = d * np.float32(q - 256 if q > 127 else q)
             continue
         qh = np.int64(0)
-        if kind == 3:
+        if kind == 3 or kind == 11:
             for i in range(4):
                 qh |= np.int64(rec[base + nc + 4 * r + i]) << (8 * i)
-        m = f16_at(rec, base + od + 32 + 2 * r) if kind == 1 else -np.float32(8.0 if kind == 0 else 16.0) * d
+        if kind == 1 or kind == 11:    # Q4_1, Q5_1: w = d q + m
+            m = f16_at(rec, base + od + 32 + 2 * r)
+        else:                           # Q4_0, Q5_0: w = d (q - 8) / d (q - 16)
+            m = -np.float32(8.0 if kind == 0 else 16.0) * d
         for g in range(4):
             for i in range(4):
                 q = np.int64(rec[base + 64 * g + 4 * r + i])

@@ -1,5 +1,5 @@
 """The 16-row interleaved layout (cpu_kernels/tiles.py) of Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K, MXFP4, IQ4_NL,
-IQ4_XS, Q2_K and Q3_K: packing against
+IQ4_XS, Q2_K, Q3_K, Q5_1 and Q5_K: packing against
 the GGUF bytes, every op against the NumPy reference through tests/test_backend_ops.py's cases (O a multiple of
 16, so the weights take the layout), a row's result independent of its batch, and the finite checks on the tiles' scales."""
 from __future__ import annotations
@@ -38,8 +38,10 @@ def test_tiles_hold_the_file_and_decode_to_ggml_values(type_name):
     raw = TT.random_blocks(type_name, O, I, rng)
     rec = tiles.pack(type_name, raw, O, I)
     assert rec.shape == (O // 16, I // bs * rb)
-    # the file's bytes, except the unpacked sub-block scales of Q4_K (1.028x), IQ4_XS (1.015x), Q3_K (1.036x)
-    assert rec.nbytes <= raw.nbytes * {"Q4_K": 1.03, "IQ4_XS": 1.015, "Q3_K": 1.037}.get(type_name, 1.0)
+    # the file's bytes, except the unpacked sub-block scales of Q4_K (1.028x), Q5_K (1.023x), IQ4_XS (1.015x),
+    # Q3_K (1.036x)
+    assert rec.nbytes <= raw.nbytes * {"Q4_K": 1.03, "Q5_K": 1.023, "IQ4_XS": 1.015,
+                                       "Q3_K": 1.037}.get(type_name, 1.0)
     want = TT.get(type_name).reference(raw, (O, I)).astype(np.float32)
     got = np.empty((O, I), np.float32)
     _decode_all(rec, tiles.KIND[type_name], O, I, got)
@@ -56,7 +58,7 @@ def test_tiles_hold_the_file_and_decode_to_ggml_values(type_name):
         return
     offs = TT.get(type_name).scale_offsets      # d (and m / dmin) in the GGUF block: ggml-common.h
     assert np.array_equal(d, f16(offs[0]))
-    if type_name in ("Q4_1", "Q4_K", "Q2_K"):
+    if type_name in ("Q4_1", "Q4_K", "Q2_K", "Q5_1", "Q5_K"):
         assert np.array_equal(m, f16(offs[1]))
     else:
         assert m is None
@@ -130,7 +132,8 @@ def test_a_rows_result_does_not_depend_on_its_batch(type_name):
 @needs_vnni
 @pytest.mark.parametrize("type_name,field", [("Q8_0", 0), ("Q4_0", 0), ("Q4_1", 0), ("Q4_1", 2), ("Q5_0", 0),
                                               ("Q4_K", 0), ("Q4_K", 2), ("Q6_K", 208), ("IQ4_NL", 0),
-                                              ("IQ4_XS", 0), ("Q2_K", 80), ("Q2_K", 82), ("Q3_K", 108)])
+                                              ("IQ4_XS", 0), ("Q2_K", 80), ("Q2_K", 82), ("Q3_K", 108),
+                                              ("Q5_1", 0), ("Q5_1", 2), ("Q5_K", 0), ("Q5_K", 2)])
 def test_a_non_finite_scale_inside_a_tile_is_named(type_name, field):
     rng = np.random.default_rng(6)
     O, I = 48, 3 * tiles.SPEC[type_name][0]
@@ -139,7 +142,7 @@ def test_a_non_finite_scale_inside_a_tile_is_named(type_name, field):
     raw[37, bsz + field:bsz + field + 2] = np.array([np.inf], np.float16).view(np.uint8)   # row 37, block 1
     w = F.prepare(type_name, raw, (O, I))
     assert w.layout == "t16"
-    # Q4_1's m, Q4_K's and Q2_K's dmin (at 2, 82); Q6_K's d at 208, Q2_K's at 80, Q3_K's at 108
+    # Q4_1's and Q5_1's m, Q4_K's, Q5_K's and Q2_K's dmin (at 2, 82); Q6_K's d at 208, Q2_K's at 80, Q3_K's at 108
     what = "block minimum" if field in (2, 82) else "block scale"
     with pytest.raises(ColiError, match=f"non-finite {what} .*in row 37"):
         check_weight(w, "t.gguf: tensor 'blk.0.ffn_up.weight'")
