@@ -1,5 +1,5 @@
-"""The 16-row interleaved weight layout ("t16") of Q4_0, Q4_1, Q8_0, Q5_0, Q4_K and Q6_K for the int8 (VNNI)
-kernels.
+"""The 16-row interleaved weight layout ("t16") of Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K,
+MXFP4, IQ4_NL and IQ4_XS for the int8 (VNNI) kernels.
 
 The row layouts of ``formats`` give each output row its own dot product: a few ``vpdpbusd`` per row, then a
 horizontal sum and the block scales one at a time. For a decode GEMV that is compute-bound on one core (a
@@ -20,6 +20,17 @@ Q4_K    2368    per 256-weight super-block: codes [j = 0..3][g = 0..7][row][qs 3
                 d f16 [16], dmin f16 [16]
 Q6_K    3360    per 256-weight super-block: ql in 4-byte groups [g = 0..31][row], qh [g = 0..15][row], int8
                 sub-block scales [16][16 rows], d f16 [16]
+Q5_1    384     codes as Q4_0, then qh uint32 [16], then d f16 [16], then m f16 [16]
+Q5_K    2880    per 256: codes as Q4_K, then qh [g = 0..7][row][qh 4g..4g+3], then Q4_K's unpacked scales and mins,
+                d f16 [16], dmin f16 [16]
+Q2_K    1344    per 256: qs [g = 0..15][row][qs 4g..4g+3], ggml's scale bytes [16][16 rows] (scale low nibble, min
+                high), d f16 [16], dmin f16 [16]
+Q3_K    1824    per 256: qs as Q2_K, hmask [g = 0..7][row][4 bytes], scales - 32 int8 [16][16 rows]
+                (``lowbit.q3_k_scales``), d f16 [16]
+MXFP4   272     codes as Q4_0, then the E8M0 exponents uint8 [16]
+IQ4_NL  288     codes as Q4_0, then d f16 [16]
+IQ4_XS  2208    per 256: codes [ib = 0..7][g = 0..3][row][4 bytes of sub-block ib's 16], ls - 32 int8 [8][16 rows]
+                (``dequantize_row_iq4_xs``'s 6-bit scales unpacked), d f16 [16]
 ======  ======  ===============================================================================================
 
 so a 64-byte load holds 4 codes (8 nibbles) of each of the 16 rows. ggml's Q4 byte j holds element j (low
@@ -35,17 +46,31 @@ ones 2j+1's; per super-block ``acc16 += d16 * sum_s sc16_s * xd[s] * isum16_s - 
 (``vnni.row_q4_k``'s formula). Q6_K: the 6-bit codes q are put together in registers from ql and qh as ggml's
 ``dequantize_row_q6_K`` does (four 32-element quarters per 128), multiplied unsigned, and each 16-element
 sub-block's dot corrected exactly by 32 x the sum of its activation codes; per super-block
-``acc16 += d16 * sum_s sc16_s * xd[s/2] * (isum16_s - 32 S_s)``. The scales stay f16 (one ``vcvtph2ps`` per 16
-rows), so a tile holds the file's
-bytes (Q4_K: 1.03x, its scales unpacked): the GEMV streams 1.0x the file instead of the row layouts' 1.06-1.2x.
+``acc16 += d16 * sum_s sc16_s * xd[s/2] * (isum16_s - 32 S_s)``, S_s the exact int32 sum of the sub-block's
+16 activation codes. Q5_1: Q5_0's codes with Q4_1's ``+ m16 * xm[b]``. Q5_K: Q4_K's tile with qh's bits 2j, 2j + 1
+moved into bit 4 of the nibbles in registers. Q2_K, Q3_K (``dequantize_row_q2_K``/``q3_K``): per 128-element half
+n the 2-bit codes ``(qs >> 2j) & 3`` of sub-blocks u = 8n + 2j + h (Q3_K: hmask bit 4n + j as bit 2, then its -4
+as ``4 S_u``); ``acc16 += d16 * sum_u sc16_u * xd[u/2] * isum16_u - dmin16 * sum_u mn16_u * xd[u/2] * S_u``
+(Q2_K) or ``d16 * sum_u sc16_u * xd[u/2] * (isum16_u - 4 S_u)`` (Q3_K). MXFP4, IQ4_NL, IQ4_XS: the nibbles index a
+16-entry int8 table (``vpshufb`` with the table in every 128-bit lane, as llama.cpp's ``ggml_vec_dot_iq4_nl``);
+the looked-up weights w are signed, so they take vpdpbusd's signed operand and the activations its unsigned one as
+x + 128 (``x ^ 0x80``): ``dot = sum w x + 128 sum w``, and ``sum w`` per block and row (one more vpdpbusd against
+ones, weight-side, so shared by a batch's rows) is subtracted exactly in int32. Per block
+``acc16 += float(isum16 - 128 wsum16) * (d16 * xd[b])``; MXFP4's d16 is ``2^(e - 128)`` built from the E8M0 byte
+in integer registers (ggml's ``ggml_e8m0_to_fp32_half``, exact; the table holds doubled e2m1 values); IQ4_XS:
+``d16 * sum_ib ls16_ib * xd[ib] * (isum - 128 wsum)_ib`` per super-block.
+
+The scales stay f16 (one ``vcvtph2ps`` per 16 rows), so a tile holds the file's bytes (the unpacked 6-bit
+sub-block scales: Q4_K 1.028x, Q5_K 1.023x, IQ4_XS 1.015x, Q3_K 1.036x): the GEMV streams about 1.0x the file
+instead of the row layouts' 1.06-1.67x.
 
 Results: the same exact int32 block dots as the row kernels; the f32 sums over blocks run in block order per
 row (the row kernels sum lanes of partial dots), so the two layouts agree to f32 rounding, not bit for bit.
 Every t16 path (decode, expert batch, prompt rows) runs the same per-row tile arithmetic, so a row's result never
 depends on how it was batched.
 
-Used where ``formats.prepare`` sees VNNI (``HAVE_VNNI``), ``formats.TILES`` on and O a multiple of 16.
-Q5_1, Q5_K, MXFP4/IQ4 and the low-bit types keep their row layouts (not done yet).
+Used where ``formats.prepare`` sees VNNI (``HAVE_VNNI``), ``formats.TILES`` on and O a multiple of 16. TQ1_0,
+TQ2_0, the other i-quants, NVFP4 and the float types keep their row layouts.
 """
 from __future__ import annotations
 
