@@ -71,6 +71,8 @@ VARS: tuple[Var, ...] = (
     Var("COLI_VK_SHADERS", "path", None, "folder of the compiled .spv shaders (default the package's shaders/)",
         dev=True),
     Var("COLI_VK_FAULT", "int", 0, "simulate a lost device at submit N (0: never)", "submit", lo=0, dev=True),
+    Var("COLI_THREADING", "str", "tbb", "Numba's threading layer for the CPU kernels: tbb (where its library "
+        "loads; else omp) or omp (OpenMP with passive wait); docs/cpu_kernels.md \"threads\"", dev=True),
     Var("COLI_SLOW_TESTS", "bool", False, "run the slow oracle tests (transformers, gguf's reader)", dev=True),
 )
 BY_NAME = {v.name: v for v in VARS}

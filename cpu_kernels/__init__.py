@@ -6,7 +6,8 @@ and pitfall 12):
 
 * TBB first: the pip ``tbb`` wheel puts ``libtbb.so.12`` in ``<venv>/lib``, which the loader does not search,
   so it is preloaded with ``ctypes.CDLL(..., RTLD_GLOBAL)`` and ``NUMBA_THREADING_LAYER=tbb`` is set.
-* Else OpenMP with ``OMP_WAIT_POLICY=passive`` (the default active policy collapses under CPU contention).
+* Else, or with ``COLI_THREADING=omp``, OpenMP with ``OMP_WAIT_POLICY=passive`` (the default active policy
+  collapses under CPU contention).
 * Never workqueue: it aborts the process (SIGABRT) when two threads call parallel kernels concurrently.
 
 ``NUMBA_CACHE_DIR`` defaults to ``coli.paths.cache_dir("numba", <digest of this package's sources>)`` (kernels
@@ -30,7 +31,14 @@ def _choose_layer() -> str:
         import numba  # noqa: F401
 
         return os.environ.get("NUMBA_THREADING_LAYER", "default")
-    candidates = [os.path.join(sys.prefix, "lib", "libtbb.so.12"), "libtbb.so.12"]
+    from coli import settings
+
+    want = settings.get("COLI_THREADING")
+    if want not in ("tbb", "omp"):
+        from coli.errors import ColiError
+
+        raise ColiError(f"COLI_THREADING={want!r}: expected tbb or omp (docs/settings.md)")
+    candidates = [os.path.join(sys.prefix, "lib", "libtbb.so.12"), "libtbb.so.12"] if want == "tbb" else []
     for path in candidates:
         try:
             ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)

@@ -132,6 +132,10 @@ class RAMCache:
     def in_ram(self, layer: int, e: int) -> bool:
         return e in self.lru[layer]
 
+    def peek(self, layer: int, e: int):
+        """The cached ``ExpertWeights`` or None, not counted as a hit and not moved in the LRU."""
+        return self.lru[layer].get(e)
+
     def get(self, layer: int, e: int):
         d = self.lru[layer]
         w = d.get(e)

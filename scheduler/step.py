@@ -14,6 +14,7 @@ from concurrent.futures import wait, FIRST_COMPLETED
 import numpy as np
 from numba import njit
 
+from cpu_kernels import decode as _decode
 from cpu_kernels import experts as grouped
 from cpu_kernels import formats
 from cpu_kernels.norms import swiglu
@@ -45,6 +46,8 @@ class MoEStep:
         self.tier = tier
         self.trace = trace
         self.stats = StepStats()
+        # a decode row whose experts are all in RAM: one compiled call (cpu_kernels.decode.experts_row)
+        self._row = _decode.ExpertsRow() if act == "int8" and grouped.HAVE_VNNI and _decode.ENABLED else None
         if trace is not None:
             trace.hook_reads(cache)     # --trace records disk reads with or without a device tier
 
@@ -79,6 +82,11 @@ class MoEStep:
         D = x.shape[1]
         if self.usage is not None:
             self.usage.add(layer, expert_ids)
+        if R == 1 and ffn is None and self._row is not None and self.trace is None \
+                and (self.tier is None or not self.tier.active):
+            y = self._run_row(layer, x, expert_ids[0], weights[0])
+            if y is not None:
+                return y if shared is None else y + shared(x)
         groups = group_pairs(expert_ids)  # pair ids (r*K+k) per expert, experts ascending
         pair_out = np.empty((R * K, D), dtype=np.float32)
         st = self.stats
@@ -124,6 +132,30 @@ class MoEStep:
         y = self.combine(pair_out.reshape(R, K, D), weights)
         if shared_out is not None:
             y += shared_out
+        return y
+
+    def _run_row(self, layer, x, ids, w):
+        """A decode row whose K experts are all in the RAM cache, with grouped-kernel codes: their gate/up,
+        SwiGLU, down and rank-order sum in one compiled call (``cpu_kernels.decode.experts_row``; the same
+        kernels and summation as the general path below). None (nothing counted) when an expert is not in RAM
+        or has no code: the caller takes the general path."""
+        cache = self.cache
+        ids = [int(e) for e in ids]
+        ws = [cache.peek(layer, e) for e in ids]
+        if any(wt is None for wt in ws):
+            return None
+        descs = [grouped.expert_desc(wt) for wt in ws]
+        if any(d is None for d in descs):
+            return None
+        for e in ids:
+            cache.get(layer, e)  # a hit: counted, moved to the LRU's end
+        t0 = time.perf_counter()
+        y = self._row(np.ascontiguousarray(x, dtype=np.float32), descs, w, grouped.ACT_SWIGLU, self.clamp)
+        st = self.stats
+        st.steps += 1
+        st.pairs += len(ids)
+        st.cpu_pairs += len(ids)
+        st.cpu_s += time.perf_counter() - t0
         return y
 
     def _compute_many(self, layer, ews, xa, groups, K, pair_out, ffn=None):

@@ -12,8 +12,11 @@ part named by where it was called from:
 =====================  ==================================================================================
 attention matmuls      q/k/v/o projections (``mm`` / ``qkv`` called from ``attention``)
 attention core         RoPE, q/k norms, the KV write, ``attend`` (the rest of ``attention``)
+attention block        a decode row's whole attention block in one compiled call (``cpu_kernels.decode``:
+                       norm, q/k/v, RoPE, KV write, attend, output projection, residual)
 norms                  the layer RMSNorms and the final norm (with the input's int8 quantization when fused)
-dense FFN              gate/up/down and the activation of a dense layer
+dense FFN              gate/up/down and the activation of a dense layer (a decode row: the compiled block
+                       with its norm and residual)
 router                 router logits and top-k (``moe`` less the step)
 MoE experts            ``MoEStep.run`` (the CPU experts, the join, the rank-order sum)
 lm_head                the output projection
@@ -42,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 import cpu_kernels  # noqa: E402,F401  (threading layer before numba)
 import numpy as np  # noqa: E402
 
-PARTS = ["attention matmuls", "attention core", "norms", "dense FFN", "router", "MoE experts", "lm_head", "embed",
+PARTS = ["attention matmuls", "attention core", "attention block", "norms", "dense FFN", "router", "MoE experts", "lm_head", "embed",
          "python / other"]
 
 # (wrapped name, the part it is charged to given the innermost wrapped caller)
@@ -75,6 +78,8 @@ _METHODS = {  # (class, method) of the blocks and the model: the part of their o
     ("Indexer", "__call__"): ("indexer", "attention core"),
     ("KDA", "__call__"): ("kda_block", "attention core"),   # coli/models/kimi.py: its matmuls are attention matmuls
     ("KDA", "projections"): ("qkv", "attention matmuls"),
+    ("AttentionDecode", "__call__"): ("attention_block", "attention block"),  # cpu_kernels/decode.py
+    ("FFNDecode", "__call__"): ("ffn_block", "dense FFN"),
 }
 _MM = {"qkv": "attention matmuls", "out": "attention matmuls", "dense_ffn": "dense FFN", "forward": "lm_head",
        "moe": "router", "mla_attend_block": "attention matmuls", "indexer": "attention core",
@@ -122,6 +127,7 @@ def instrument(model, prof: Profiler):
     import coli.models.glmdsa as glmdsa
     import coli.models.kimi as kimi
     import coli.models.mla as mla
+    import cpu_kernels.decode as decode
 
     undo = []
 
@@ -136,7 +142,8 @@ def instrument(model, prof: Profiler):
             if name in vars(mod):
                 patch(mod, name, prof.wrap(name, vars(mod)[name], lambda c, t=table: t.get(c, t.get(None))))
     classes = {"Attention": blocks.Attention, "MLP": blocks.MLP, "MoE": blocks.MoE, "Model": base.Model,
-               "MLA": mla.MLA, "DSA": glmdsa.DSA, "Indexer": glmdsa.Indexer, "KDA": kimi.KDA}
+               "MLA": mla.MLA, "DSA": glmdsa.DSA, "Indexer": glmdsa.Indexer, "KDA": kimi.KDA,
+               "AttentionDecode": decode.AttentionDecode, "FFNDecode": decode.FFNDecode}
     for (cls_name, meth), (label, part) in _METHODS.items():
         cls = classes[cls_name]
         patch(cls, meth, prof.wrap(label, getattr(cls, meth), lambda c, p=part: p))

@@ -19,6 +19,7 @@ import math
 import numpy as np
 
 from coli.errors import ColiError
+from cpu_kernels import decode as _decode
 from cpu_kernels import experts as grouped
 from cpu_kernels import router as _router
 from cpu_kernels.attention import attend
@@ -169,6 +170,14 @@ class Attention:
             y += self.attn_output_b
         return y
 
+    def decoder(self, w_norm: np.ndarray, post_w: np.ndarray | None = None):
+        """The compiled decode block ``h += post_w-norm(self(rms_norm(h) * w_norm))`` of this attention
+        (``cpu_kernels.decode.AttentionDecode``: one call for a decode row), or None where it cannot run (f32
+        activations, no VNNI, a format without grouped kernels): the caller then runs the Python path."""
+        if not _decode.AttentionDecode.supported(self):
+            return None
+        return _decode.AttentionDecode(self, w_norm, post_w, self.m.args.eps)
+
     def __call__(self, x: np.ndarray, xa, kv: KV, pos0: int) -> np.ndarray:
         q, k, v = self.heads(*self.qkv(x, xa))
         self.rope(q, k, pos0)
@@ -205,6 +214,13 @@ class MLP:
         # t16 tiles run in the grouped kernels at every row count; SwiGLU fused there measured 8 % faster on a
         # prompt chunk (SmolLM2), Gemma's tanh GELU (float64 per element in the kernel) slower than NumPy's
         self.fused_any_rows = (self.fused is not None and act == "swiglu" and all(w.layout == "t16" for w in ws))
+
+    def decoder(self, w_norm: np.ndarray, post_w: np.ndarray | None = None):
+        """The compiled decode block ``h += post_w-norm(self(rms_norm(h) * w_norm))`` of this FFN
+        (``cpu_kernels.decode.FFNDecode``), or None where it cannot run (the caller runs the Python path)."""
+        if not _decode.FFNDecode.supported(self.fused, self.m.act):
+            return None
+        return _decode.FFNDecode(self.fused, w_norm, post_w, self.m.args.eps)
 
     def __call__(self, x: np.ndarray, xa=None) -> np.ndarray:
         m = self.m

@@ -45,14 +45,23 @@ class DecoderLayer:
         self.ffn_norm = m.wt.f32(p + "ffn_norm.weight")
         self.mlp = MLP(m, p, act="geglu")
         self.post_ffw_norm = m.wt.f32(p + "post_ffw_norm.weight")
+        # a decode row's blocks in one compiled call each (None: the Python path below)
+        self.attn_dec = self.attn.decoder(self.attn_norm, self.post_attention_norm)
+        self.ffn_dec = self.mlp.decoder(self.ffn_norm, self.post_ffw_norm)
 
     def new_cache(self, ctx: int):
         return self.attn.new_cache(ctx)
 
     def __call__(self, h, kv, pos0: int):
-        x, xa = self.m.norm_in(h, self.attn_norm)
-        h += rms_norm(self.attn(x, xa, kv, pos0), self.post_attention_norm, self.eps)
-        h += rms_norm(self.mlp(*self.m.norm_in(h, self.ffn_norm)), self.post_ffw_norm, self.eps)
+        if h.shape[0] == 1 and self.attn_dec is not None:
+            self.attn_dec(h, kv, pos0)
+        else:
+            x, xa = self.m.norm_in(h, self.attn_norm)
+            h += rms_norm(self.attn(x, xa, kv, pos0), self.post_attention_norm, self.eps)
+        if h.shape[0] == 1 and self.ffn_dec is not None:
+            self.ffn_dec(h)
+        else:
+            h += rms_norm(self.mlp(*self.m.norm_in(h, self.ffn_norm)), self.post_ffw_norm, self.eps)
         return h
 
 

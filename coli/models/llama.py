@@ -32,15 +32,24 @@ class DecoderLayer:
             self.moe = MoE(m, p, il, route=softmax_topk(m.args.top_k, norm_topk))
         else:
             self.mlp = MLP(m, p)
+        # a decode row's blocks in one compiled call each (None: the Python path below)
+        self.attn_dec = self.attn.decoder(self.attn_norm)
+        self.ffn_dec = self.mlp.decoder(self.ffn_norm) if self.mlp is not None else None
 
     def new_cache(self, ctx: int):
         return self.attn.new_cache(ctx)
 
     def __call__(self, h, kv, pos0: int):
-        x, xa = self.m.norm_in(h, self.attn_norm)
-        h += self.attn(x, xa, kv, pos0)
+        one = h.shape[0] == 1
+        if one and self.attn_dec is not None:
+            self.attn_dec(h, kv, pos0)
+        else:
+            x, xa = self.m.norm_in(h, self.attn_norm)
+            h += self.attn(x, xa, kv, pos0)
         if self.moe is not None:
             h += self.moe(rms_norm(h, self.ffn_norm, self.eps))
+        elif one and self.ffn_dec is not None:
+            self.ffn_dec(h)
         else:
             h += self.mlp(*self.m.norm_in(h, self.ffn_norm))
         return h

@@ -1,0 +1,77 @@
+"""The compiled decode blocks (cpu_kernels/decode.py) against the Python path they replace: the same kernels in
+the same order, so a decode token's logits are bit-equal whichever path ran it (an exact invariant), on tiny
+oracle models of four families (q/k norms "full" and "heads", q/k/v biases, a shared expert, routed experts) and
+on two real files (SmolLM2: Q4_1/Q8_0 tiles; Gemma-3: sandwich norms, sliding window, GeGLU, Q4_K/Q6_K/Q5_0)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from coli.engine import Engine
+from cpu_kernels import attention, decode
+from cpu_kernels.experts import HAVE_VNNI
+
+from conftest import FIXTURES
+
+pytestmark = pytest.mark.skipif(not HAVE_VNNI, reason="the compiled decode blocks run the int8 VNNI kernels")
+
+TINY = ["olmoe", "qwen2moe", "qwen3moe", "mixtral"]
+
+
+def _decode(path, enabled: bool, monkeypatch, n_prompt: int = 30, n_tokens: int = 12):
+    """Logits f32 [n_tokens, vocab] of greedy decode tokens after an n_prompt prompt, with the compiled blocks on
+    or off, and the engine's MoE counters; asserts that the path asked for is the one that ran."""
+    monkeypatch.setattr(decode, "ENABLED", enabled)
+    with Engine(path, threads=2, cpu_act="int8") as eng:
+        m = eng.model
+        for L in m.layers:
+            if hasattr(L, "attn_dec"):
+                assert (L.attn_dec is not None) == enabled
+            if getattr(L, "mlp", None) is not None:
+                assert (L.ffn_dec is not None) == enabled
+        if m.step is not None:
+            assert (m.step._row is not None) == enabled
+        kv = m.new_cache(n_prompt + n_tokens + 4)
+        m.forward(np.arange(n_prompt) % 50 + 5, kv)
+        out, tok = [], 7
+        for _ in range(n_tokens):
+            lg = m.forward(np.array([tok]), kv)
+            out.append(lg[0].copy())
+            tok = int(np.argmax(lg[0]))
+        counters = None
+        if m.step is not None:
+            st = m.step.stats
+            counters = (m.step.cache.hits, m.step.cache.loads, st.steps, st.pairs, st.cpu_pairs)
+        return np.array(out), counters
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_compiled_decode_equals_the_python_path_on_tiny_models(name, monkeypatch):
+    path = FIXTURES / "oracles" / f"{name}.gguf"
+    ref, c_ref = _decode(path, False, monkeypatch)
+    got, c_got = _decode(path, True, monkeypatch)
+    assert np.array_equal(got, ref)
+    assert c_got == c_ref  # the RAM cache's hits/loads and the step's counters as the general path counts them
+
+
+def test_compiled_decode_equals_the_python_path_with_parallel_attention(monkeypatch):
+    """SERIAL_WORK 0: attention runs the parallel kernel inside the compiled block (as the Python path does)."""
+    monkeypatch.setattr(attention, "SERIAL_WORK", 0)
+    path = FIXTURES / "oracles" / "qwen3moe.gguf"
+    ref, _ = _decode(path, False, monkeypatch)
+    got, _ = _decode(path, True, monkeypatch)
+    assert np.array_equal(got, ref)
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_compiled_decode_equals_the_python_path_on_real_files(name, model_path, monkeypatch):
+    path = model_path(name)
+    ref, _ = _decode(path, False, monkeypatch, n_prompt=40, n_tokens=8)
+    got, _ = _decode(path, True, monkeypatch, n_prompt=40, n_tokens=8)
+    assert np.array_equal(got, ref)
+
+
+def test_f32_activations_keep_the_python_path():
+    with Engine(FIXTURES / "oracles" / "qwen3moe.gguf", threads=1, cpu_act="f32") as eng:
+        assert all(L.attn_dec is None for L in eng.model.layers)
+        assert eng.model.step._row is None
