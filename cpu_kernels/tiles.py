@@ -438,20 +438,28 @@ def _emit_tile(b, name, rec_data, nsb, rows):
                 b.store(f, faccs[i])
         else:
             parts = [[] for _ in range(nr)]
+            wsum = None
             if name == "Q8_0":
+                # the table types' operand order: the activations made unsigned (x ^ 0x80 = x + 128) against
+                # the signed weight codes, and 128 x the row's code sum (a vpdpbusd with ones, weight-side,
+                # shared by the rows) taken off exactly in int32: the same int32 block dot as sum(w x), with
+                # one vector op per row and group instead of the sign trick's three
+                ones = b.bitcast(ir.Constant(_I8x64, [1] * 64), _I32x16)
+                x80 = ir.Constant(_I32, 0x80808080 - (1 << 32))
+                wsum = zero
                 for g in range(8):
-                    v = ld(64 * g, _I8x64)
-                    aw = b.bitcast(b.call(op.abs512, [v, ir.Constant(ir.IntType(1), 0)]), _I32x16)
-                    neg = b.icmp_signed("<", v, ir.Constant(_I8x64, None))
+                    v = b.bitcast(ld(64 * g, _I8x64), _I32x16)
+                    wsum = b.call(op.dp512, [wsum, ones, v])
                     for i in range(nr):
-                        xv = b.bitcast(xs(i, 4 * g), _I8x64)
-                        sx = b.select(neg, b.sub(ir.Constant(_I8x64, None), xv), xv)
+                        xp = b.bitcast(b.gep(xbs[i], [c(4 * g)]), i32p)
+                        xu = _splat_i(b, b.xor(b.load(xp, align=1), x80))
                         prev = parts[i][g % 4] if g >= 4 else zero
-                        d = b.call(op.dp512, [prev, aw, b.bitcast(sx, _I32x16)])
+                        d = b.call(op.dp512, [prev, xu, v])
                         if g >= 4:
                             parts[i][g % 4] = d
                         else:
                             parts[i].append(d)
+                wsum = b.shl(wsum, _i32x16(7))
             else:
                 qh = ld(nc, _I32x16) if name in ("Q5_0", "Q5_1") else None
                 for g in range(4):
@@ -475,6 +483,8 @@ def _emit_tile(b, name, rec_data, nsb, rows):
             mv = f16x16(od + 32) if name in ("Q4_1", "Q5_1") else None
             for i in range(nr):
                 isum = b.add(b.add(parts[i][0], parts[i][1]), b.add(parts[i][2], parts[i][3]))
+                if wsum is not None:
+                    isum = b.sub(isum, wsum)
                 f = b.fadd(b.load(faccs[i]), b.fmul(b.sitofp(isum, _F32x16), b.fmul(dv, xd(i, k))))
                 if mv is not None:
                     f = b.fadd(f, b.fmul(mv, xm(i, k)))
