@@ -40,8 +40,9 @@ meet activation codes 4g..4g+3 and its high nibbles 16+4g..16+4g+3, each broadca
 reduction. Per block: ``acc16 += float(isum16) * (d16 * xd[b])``, plus ``m16 * xm[b]`` (Q4_1) or minus
 ``8 * d16 * xm[b]`` (Q4_0; Q5_0: 16, its fifth bits spread into bit 4 of each code byte in registers), with
 xm[b] = xd[b] * (sum of the block's activation codes), the activation blocks of
-``formats._quantize_act_i8`` (llama.cpp's Q8 blocks). Q8_0's signed codes take llama.cpp's sign trick
-(|w| times sign(w) * x). Q4_K: per sub-block pair the low nibbles meet sub-block 2j's activations and the high
+``formats._quantize_act_i8`` (llama.cpp's Q8 blocks). Q8_0's signed codes are ``vpdpbusd``'s signed operand
+and the activations its unsigned one as ``x ^ 0x80`` (= x + 128), with 128 x the codes' sum taken off exactly in
+int32 (as the table types below). Q4_K: per sub-block pair the low nibbles meet sub-block 2j's activations and the high
 ones 2j+1's; per super-block ``acc16 += d16 * sum_s sc16_s * xd[s] * isum16_s - dmin16 * sum_s mn16_s * xm[s]``
 (``vnni.row_q4_k``'s formula). Q6_K: the 6-bit codes q are put together in registers from ql and qh as ggml's
 ``dequantize_row_q6_K`` does (four 32-element quarters per 128), multiplied unsigned, and each 16-element
