@@ -9,7 +9,8 @@ Numba function that runs **the same kernels in the same order** as the Python pa
 ``_rms_norm_q8``, ``mm_grouped``, ``ffn_gate_up``, ``formats._quantize_act_i8``, the serial norm / RoPE /
 attention kernels below their thresholds), so a token's bits do not depend on which path ran it
 (tests/test_decode_blocks.py); the parallel launches inside are the grouped kernels' own. Scratch buffers
-belong to the :class:`AttentionDecode` / :class:`FFNDecode` objects (no allocation per token).
+belong to the :class:`AttentionDecode` / :class:`FFNDecode` / :class:`ExpertsRow` objects (no allocation per
+token), so one model runs one forward at a time (as the engine and the server do: one generation at a time).
 
 Blocks (``h`` f32 [1, D], updated in place; llama.cpp ``build_attn`` / ``build_ffn`` order):
 
