@@ -134,24 +134,18 @@ def ffn_block(h, eps, w_norm, x, xq, xd, xm, gd, ud, dd, pstart1, rows1, off1, k
 @njit(**_JIT)
 def experts_row(x, xq, xd, xm, gd, ud, dd, pstart, src, dst, off, kind, limit, a, aq, ad, am, pair_out, w, y):
     """The CPU experts of one decode row (a MoE step with R = 1, every expert in RAM) and their rank-order sum
-    in one call: ``y[0] = w[0] * E_0(x) + w[1] * E_1(x) + ...`` left to right (``scheduler.step``'s
-    ``_combine``). ``x`` f32 [1, D] (xq/xd/xm its int8 codes, written here); ``gd``/``ud``/``dd`` int64 [K, 13]
-    the experts' gate/up/down descriptors in routing-rank order; ``pstart`` int64 [K+1] = 0..K, ``src`` int64
-    [K] zeros, ``dst`` int64 [K] = 0..K-1, ``off`` int64 [K] zeros; a f32 [K, F] (aq/ad/am its codes);
-    pair_out f32 [K, D]; w f32 [K] the routing weights; y f32 [1, D]. The same kernels and order as
-    ``experts.experts`` (ffn_gate_up, the hidden activation quantized, mm_grouped) then ``_combine``."""
+    in one call: ``y[0] = w[0] * E_0(x) + w[1] * E_1(x) + ...`` left to right (``experts.combine_rows``).
+    ``x`` f32 [1, D] (xq/xd/xm its int8 codes, written here); ``gd``/``ud``/``dd`` int64 [K, 13] the experts'
+    gate/up/down descriptors in routing-rank order; ``pstart`` int64 [K+1] = 0..K, ``src`` int64 [K] zeros,
+    ``dst`` int64 [K] = 0..K-1, ``off`` int64 [K] zeros; a f32 [K, F] (aq/ad/am its codes); pair_out f32 [K, D];
+    w f32 [K] the routing weights; y f32 [1, D]. The same kernels and order as ``experts.experts``
+    (ffn_gate_up, the hidden activation quantized, mm_grouped) and the step's combine."""
     _F._quantize_act_i8(x, xq, xd, xm)
     _E.ffn_gate_up(gd, ud, pstart, src, _E.I8, xq, xd, xm, x, kind, limit, a)
     _F._quantize_act_i8(a, aq, ad, am)
     _E.mm_grouped(dd, pstart, dst, dst, off, _E.I8, aq, ad, am, a, pair_out)
-    D = y.shape[1]
-    w0 = w[0]
-    for d in range(D):
-        y[0, d] = pair_out[0, d] * w0
-    for k in range(1, pair_out.shape[0]):
-        wk = w[k]
-        for d in range(D):
-            y[0, d] = y[0, d] + pair_out[k, d] * wk
+    K, D = pair_out.shape
+    _E.combine_rows(pair_out.reshape(1, K, D), w.reshape(1, K), y)
 
 
 _NONE = np.zeros(0, np.float32)

@@ -972,6 +972,35 @@ def _experts_gemm(gd, ud, dd, pstart, src, dst, act, a, pair_out, kind, limit, a
         mm_grouped(dd, pstart, slots, dst, off, aa.mode, aa.xq, aa.xd, aa.xm, aa.x, pair_out)
 
 
+# ----------------------------------------------------------------------------------------------- rank-order sum
+@njit(inline="always", nogil=True, cache=True)
+def _combine_row(po, w, y, r):
+    K, D = po.shape[1], po.shape[2]
+    w0 = w[r, 0]
+    for d in range(D):
+        y[r, d] = po[r, 0, d] * w0
+    for k in range(1, K):
+        wk = w[r, k]
+        for d in range(D):
+            y[r, d] = y[r, d] + po[r, k, d] * wk
+
+
+@njit(nogil=True, cache=True)
+def combine_rows(po, w, y):
+    """The MoE step's rank-order sum (invariant 1): y[r] = po[r, 0] * w[r, 0] + po[r, 1] * w[r, 1] + ... left to
+    right, f32 (no fastmath: no FMA contraction, the same roundings as the NumPy expression). po f32 [R, K, D],
+    w f32 [R, K], y f32 [R, D]."""
+    for r in range(po.shape[0]):
+        _combine_row(po, w, y, r)
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def combine_rows_par(po, w, y):
+    """``combine_rows`` with the rows in parallel (the same per-row arithmetic)."""
+    for r in prange(po.shape[0]):
+        _combine_row(po, w, y, r)
+
+
 # ----------------------------------------------------------------------------------------------- biased experts
 class ExpertFFN:
     """How one MoE layer's experts compute, beyond the default SwiGLU: the activation ``kind`` (ACT_*), its

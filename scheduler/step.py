@@ -12,7 +12,6 @@ import time
 from concurrent.futures import wait, FIRST_COMPLETED
 
 import numpy as np
-from numba import njit, prange
 
 from cpu_kernels import decode as _decode
 from cpu_kernels import experts as grouped
@@ -227,35 +226,8 @@ class MoEStep:
         R, K, D = pair_out.shape
         y = np.empty((R, D), np.float32)
         po, w = np.ascontiguousarray(pair_out), np.ascontiguousarray(weights, dtype=np.float32)
-        (_combine_par if R * K * D >= _COMBINE_PAR_MIN else _combine)(po, w, y)
+        (grouped.combine_rows_par if R * K * D >= _COMBINE_PAR_MIN else grouped.combine_rows)(po, w, y)
         return y
-
-
-@njit(inline="always", nogil=True, cache=True)
-def _combine_row(po, w, y, r):
-    K, D = po.shape[1], po.shape[2]
-    w0 = w[r, 0]
-    for d in range(D):
-        y[r, d] = po[r, 0, d] * w0
-    for k in range(1, K):
-        wk = w[r, k]
-        for d in range(D):
-            y[r, d] = y[r, d] + po[r, k, d] * wk
-
-
-@njit(nogil=True, cache=True)
-def _combine(po, w, y):
-    """y[r] = po[r, 0] * w[r, 0] + po[r, 1] * w[r, 1] + ... left to right, f32 (no fastmath: no FMA
-    contraction, the same roundings as the NumPy expression)."""
-    for r in range(po.shape[0]):
-        _combine_row(po, w, y, r)
-
-
-@njit(parallel=True, nogil=True, cache=True)
-def _combine_par(po, w, y):
-    """``_combine`` with the rows in parallel (the same per-row arithmetic)."""
-    for r in prange(po.shape[0]):
-        _combine_row(po, w, y, r)
 
 
 #: multiply-adds from which the combine runs its rows in parallel (prompt chunks)

@@ -197,3 +197,16 @@ def test_tiny_blocks_through_the_grouped_kernels_are_finite(monkeypatch, vnni):
     (d,), (Dw,) = _weights("Q4_K", 1, rng, O=256, I=512)
     y = X.FFN(g, u, d, X.ACT_SWIGLU, 0.0, "int8")(X.Act(x, "int8"))
     assert np.isfinite(y).all() and not y[:2].any()
+
+
+def test_quantize_rows_in_parallel_equals_the_serial_pass():
+    """Above QUANTIZE_PAR_MIN values the rows are quantized in parallel: the same codes and scales, bit for bit,
+    as formats' serial ``_quantize_act_i8`` (the int8 activations of a prompt chunk)."""
+    x = np.random.default_rng(3).standard_normal((300, 1024)).astype(np.float32) * 3
+    x[7, :32] = 0.0  # an all-zero block
+    assert x.size >= X.QUANTIZE_PAR_MIN
+    got = X.quantize_rows(x)
+    want = (np.empty(x.shape, np.int8), np.empty((300, 32), np.float32), np.empty((300, 32), np.float32))
+    F._quantize_act_i8(x, *want)
+    for g, w in zip(got, want):
+        assert np.array_equal(g, w)

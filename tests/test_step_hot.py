@@ -26,7 +26,7 @@ def test_group_pairs_equals_stable_argsort(R, K, E):
         assert got[e].dtype == np.int64 and np.array_equal(got[e], want[e])
 
 
-@pytest.mark.parametrize("R,K", [(1, 2), (5, 8), (64, 4)])
+@pytest.mark.parametrize("R,K", [(1, 2), (5, 8), (64, 4), (512, 8)])  # (512, 8): the parallel combine
 def test_combine_is_bit_equal_to_the_numpy_rank_order_sum(R, K):
     rng = np.random.default_rng(R + K)
     po = rng.standard_normal((R, K, 96)).astype(np.float32)
