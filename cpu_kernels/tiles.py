@@ -262,20 +262,20 @@ def _emit_tile(b, name, rec_data, nsb, rows):
             xsub = b.load(b.bitcast(b.gep(xbs[i], [c(off)]), _I8x16.as_pointer()), align=1)
             return b.call(red, [b.sext(xsub, _I32x16)])
 
+        ones = b.bitcast(bmask(1), _I32x16)   # for a vpdpbusd that sums signed weight codes
+        x80 = ir.Constant(_I32, 0x80808080 - (1 << 32))
+
+        def xu(i, j):  # row i's activation codes j..j+3 made unsigned (x ^ 0x80 = x + 128), broadcast
+            p = b.bitcast(b.gep(xbs[i], [c(j)]), i32p)
+            return _splat_i(b, b.xor(b.load(p, align=1), x80))
+
         if name in _LUT:
             # 4-bit codes looked up in the 16-entry table (vpshufb, the table in every 128-bit lane): signed int8
             # weights w. vpdpbusd takes them as its signed operand and the activations made unsigned (x + 128,
             # x ^ 0x80): dot = sum w x + 128 sum w, the sum w per block and row from one vpdpbusd with ones
             # (weight-side, shared by the batch's rows), subtracted exactly in int32
             tab = ir.Constant(_I8x64, [int(v) for v in _TABLES[_LUT[name]]] * 4)
-            ones = b.bitcast(bmask(1), _I32x16)
-            x80 = ir.Constant(_I32, 0x80808080 - (1 << 32))
             nsub = 8 if name == "IQ4_XS" else 1
-
-            def xu(i, j):
-                p = b.bitcast(b.gep(xbs[i], [c(j)]), i32p)
-                return _splat_i(b, b.xor(b.load(p, align=1), x80))
-
             if name == "MXFP4":   # E8M0 -> 2^(e - 128) (ggml_e8m0_to_fp32_half: the table is doubled), bit-exact
                 e = b.zext(ld(nc, _I8x16), _I32x16)
                 bits = b.select(b.icmp_unsigned("<", e, _i32x16(2)), b.shl(_i32x16(0x00200000), e),
@@ -445,17 +445,13 @@ def _emit_tile(b, name, rec_data, nsb, rows):
                 # the signed weight codes, and 128 x the row's code sum (a vpdpbusd with ones, weight-side,
                 # shared by the rows) taken off exactly in int32: the same int32 block dot as sum(w x), with
                 # one vector op per row and group instead of the sign trick's three
-                ones = b.bitcast(ir.Constant(_I8x64, [1] * 64), _I32x16)
-                x80 = ir.Constant(_I32, 0x80808080 - (1 << 32))
                 wsum = zero
                 for g in range(8):
                     v = b.bitcast(ld(64 * g, _I8x64), _I32x16)
                     wsum = b.call(op.dp512, [wsum, ones, v])
                     for i in range(nr):
-                        xp = b.bitcast(b.gep(xbs[i], [c(4 * g)]), i32p)
-                        xu = _splat_i(b, b.xor(b.load(xp, align=1), x80))
                         prev = parts[i][g % 4] if g >= 4 else zero
-                        d = b.call(op.dp512, [prev, xu, v])
+                        d = b.call(op.dp512, [prev, xu(i, 4 * g), v])
                         if g >= 4:
                             parts[i][g % 4] = d
                         else:

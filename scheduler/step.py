@@ -46,7 +46,7 @@ class MoEStep:
         self.trace = trace
         self.stats = StepStats()
         # a decode row whose experts are all in RAM: one compiled call (cpu_kernels.decode.experts_row)
-        self._row = _decode.ExpertsRow() if act == "int8" and grouped.HAVE_VNNI and _decode.ENABLED else None
+        self._row = _decode.ExpertsRow() if _decode.available(act, ()) else None
         if trace is not None:
             trace.hook_reads(cache)     # --trace records disk reads with or without a device tier
 
