@@ -12,6 +12,7 @@ import functools
 import inspect
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,26 +130,31 @@ class PerplexityResult:
 
 @contextlib.contextmanager
 def engine_threads(eng):
-    """Run the block on ``eng.threads`` Numba threads, then give the calling thread its count back.
+    """Run the block on ``eng.threads`` Numba threads, holding the engine's lock, then give the calling thread
+    its count back.
 
     Numba's thread count belongs to the calling Python thread (``numba.set_num_threads`` is thread-local;
     a new thread starts at ``NUMBA_NUM_THREADS``), so each public Engine call sets it at its entry: a call
     from a worker thread runs on the engine's threads, and constructing a second engine leaves the first
-    one's count alone (docs/tuning.md). Also closes the "compiling kernels, once" bar at the end."""
+    one's count alone (docs/tuning.md). The lock (re-entrant, one per engine) makes calls from several Python
+    threads run one at a time (a generation step by step): the model runs one forward at a time, as its
+    compiled decode blocks' scratch buffers require (docs/cpu_kernels.md). Also closes the "compiling
+    kernels, once" bar at the end."""
     import numba
 
     from coli.progress import end_compile_bar, install
 
     install()
-    prev = numba.get_num_threads()
-    if prev != eng.threads:
-        numba.set_num_threads(eng.threads)
-    try:
-        yield
-    finally:
+    with eng._lock:
+        prev = numba.get_num_threads()
         if prev != eng.threads:
-            numba.set_num_threads(prev)
-        end_compile_bar()
+            numba.set_num_threads(eng.threads)
+        try:
+            yield
+        finally:
+            if prev != eng.threads:
+                numba.set_num_threads(prev)
+            end_compile_bar()
 
 
 def _on_engine_threads(fn):
@@ -265,6 +271,7 @@ class Engine:
             from coli.demo import demo_model_path
 
             path = demo_model_path(quiet=quiet)
+        self._lock = threading.RLock()  # one call or generation step at a time (engine_threads)
         self.path = Path(path)
         self.quiet = quiet
         self.save_usage_on_close = save_usage

@@ -46,3 +46,28 @@ def test_compiled_experts_row_leaves_the_lru_order_of_the_python_path(monkeypatc
     for il in ref:
         assert ref[il] == sorted(ref[il])  # the general path's order
     assert got == ref
+
+
+def test_one_engine_from_two_threads_gives_the_sequential_tokens():
+    """Two Python threads generating on one Engine (each its own KV cache) get the tokens each gets alone: the
+    compiled blocks' scratch buffers belong to the layers, so the engine runs one forward at a time (its calls
+    and generation steps hold the engine's lock). Before, the two forwards ran at once and wrote each other's
+    scratch (wrong tokens in every run on SmolLM2; the Python path's race was rarer)."""
+    import threading
+
+    prompts = [list(range(5, 25)), list(range(40, 52))]
+    with Engine(FIXTURES / "oracles" / "qwen3moe.gguf", threads=1, cpu_act="int8", save_usage=False) as eng:
+        assert all(L.attn_dec is not None for L in eng.model.layers)  # the compiled path runs
+        alone = [eng.generate(ids=p, max_tokens=24, temp=0, stop_at_eos=False).ids for p in prompts]
+        for _ in range(4):
+            got = [None, None]
+
+            def go(i):
+                got[i] = eng.generate(ids=prompts[i], max_tokens=24, temp=0, stop_at_eos=False).ids
+
+            ts = [threading.Thread(target=go, args=(i,)) for i in range(2)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            assert got == alone
