@@ -582,9 +582,16 @@ def _act(g, u, kind, limit):
             return _F0 * u
         return g / (np.float32(1.0) + math.exp(-z)) * (u + np.float32(1.0))
     if kind == ACT_GEGLU:
-        a = np.float64(g)
-        c = math.sqrt(2.0 / math.pi)
-        return np.float32(0.5 * a * (1.0 + math.tanh(c * (a + 0.044715 * a * a * a)))) * u
+        # HF gelu_pytorch_tanh 0.5 g (1 + tanh(z)), z = sqrt(2/pi) (g + 0.044715 g^3), in f32 as g sigmoid(2z)
+        # (1 + tanh(z) = 2 / (1 + exp(-2z))); sigmoid(2z) rounds to 1 above g = 10, and below g = -10 the value is
+        # under 1e-36 (exp(-2z) would overflow f32 and g^3 too for huge |g|; fastmath assumes no inf)
+        if g > np.float32(10.0):
+            return g * u
+        if g < np.float32(-10.0):
+            return _F0 * u
+        # t = 2z = 2 sqrt(2/pi) g + 2 sqrt(2/pi) 0.044715 g^3
+        t = g * (np.float32(1.5957691216057308) + np.float32(0.07135481627260025) * (g * g))
+        return g / (np.float32(1.0) + math.exp(-t)) * u
     if limit > 0.0:
         g = min(g, limit)
         u = min(max(u, -limit), limit)

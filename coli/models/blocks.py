@@ -211,9 +211,10 @@ class MLP:
         ws = [self.ffn_gate, self.ffn_up, self.ffn_down]
         kind = grouped.ACT_GEGLU if act == "geglu" else grouped.ACT_SWIGLU
         self.fused = grouped.FFN(*ws, kind, 0.0, m.act) if all(grouped.supports(w) for w in ws) else None
-        # t16 tiles run in the grouped kernels at every row count; SwiGLU fused there measured 8 % faster on a
-        # prompt chunk (SmolLM2), Gemma's tanh GELU (float64 per element in the kernel) slower than NumPy's
-        self.fused_any_rows = (self.fused is not None and act == "swiglu" and all(w.layout == "t16" for w in ws))
+        # t16 tiles run in the grouped kernels at every row count; fused there a prompt chunk measured faster than
+        # three matmuls and the NumPy-side activation: SwiGLU 8 % (SmolLM2), GeGLU (its tanh GELU in float32 in the
+        # kernel) 20-32 % on Gemma-3-270M chunks of 16-64 rows (docs/cpu_kernels.md)
+        self.fused_any_rows = self.fused is not None and all(w.layout == "t16" for w in ws)
 
     def decoder(self, w_norm: np.ndarray, post_w: np.ndarray | None = None):
         """The compiled decode block ``h += post_w-norm(self(rms_norm(h) * w_norm))`` of this FFN
