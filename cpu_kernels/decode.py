@@ -8,9 +8,15 @@ about 2,400 calls and 500 ``np.empty`` per token, half of the token's time on 2 
 Numba function that runs **the same kernels in the same order** as the Python path (``Act.rms_norm``'s
 ``_rms_norm_q8``, ``mm_grouped``, ``ffn_gate_up``, ``formats._quantize_act_i8``, the serial norm / RoPE /
 attention kernels below their thresholds), so a token's bits do not depend on which path ran it
-(tests/test_decode_blocks.py); the parallel launches inside are the grouped kernels' own. Scratch buffers
+(tests/test_decode_blocks.py). Scratch buffers
 belong to the :class:`AttentionDecode` / :class:`FFNDecode` / :class:`ExpertsRow` objects (no allocation per
 token), so one model runs one forward at a time (as the engine and the server do: one generation at a time).
+
+Each block is ONE parallel region (``cpu_kernels.sync``; docs/cpu_kernels.md "One launch per layer"): a
+``prange`` over the threads whose body walks the block's phases, the grouped kernels' work items
+(``experts._mm_item``, ``experts._gate_up_item``) and attention's heads claimed in runs from atomic counters,
+the serial steps done by one thread while the others wait; a dense layer's two blocks run as one region
+(:class:`LayerDecode`). One wake-up of the pool per block instead of one per matmul.
 
 Blocks (``h`` f32 [1, D], updated in place; llama.cpp ``build_attn`` / ``build_ffn`` order):
 
@@ -22,18 +28,24 @@ Int8 activations on a CPU with AVX-512 VNNI only (the grouped kernels' I8 mode);
 """
 from __future__ import annotations
 
+import numba
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from . import experts as _E
 from . import formats as _F
 from . import attention as _attn
-from .attention import _attend, _attend_serial
+from .attention import _attend_head, _attend_serial
 from .norms import _rms_norm_heads_serial, _rms_norm_serial
 from .rope import NEOX as _NEOX
 from .rope import _rope_serial
+from .sync import chunk, claim, counters, finish, reset, serial, wait
 
 _JIT = dict(nogil=True, cache=True)
+# the phases inline the grouped kernels' work items and attention's per-head kernel, which are compiled with
+# fastmath where they come from: so are the phases (their own arithmetic is integer bookkeeping)
+_FJIT = dict(nogil=True, cache=True, fastmath=True)
+_PJIT = dict(parallel=True, nogil=True, cache=True, fastmath=True)
 
 #: the switch of the compiled blocks (the layers take it when they are built): off, every row runs the Python
 #: path (A/B runs; the equality test)
@@ -53,24 +65,42 @@ def _residual(h, y, post_w, eps, y2):
         h[0, i] += y[0, i]
 
 
-@njit(**_JIT)
-def attention_block(h, eps, w_norm, x, xq, xd, xm,
-                    qkv_desc, qkv_off, pstart3, rows3, qkv, b_q, b_k, b_v,
-                    qk_mode, w_qn, w_kn, q, k, v,
-                    pos, cos, sin, n_rot, neox,
-                    kc, vc, scale, window, sinks, serial_work, att, a2, aq, ad, am,
-                    o_desc, pstart1, rows1, off1, y, b_o, post_w, y2):
-    """The attention block of one decode row (module docstring), in place on ``h`` f32 [1, D].
+@njit(inline="always", **_FJIT)
+def _mm_items(ctr, ph, nt, desc, nch, pstart, src, dst, off, xq, xd, xm, x, out):
+    """Phase ``ph``: the work items of ``experts.mm_grouped`` (int8 activations), claimed in runs."""
+    n = nch[desc.shape[0]]
+    k = chunk(n, nt)
+    while True:
+        i0 = claim(ctr, ph, k)
+        if i0 >= n:
+            break
+        i1 = min(n, i0 + k)
+        for it in range(i0, i1):
+            _E._mm_item(desc, nch, pstart, src, dst, off, _E.I8, xq, xd, xm, x, out, it)
+        finish(ctr, ph, i1 - i0)
+    wait(ctr, ph, n)
 
-    Scratch (owned by :class:`AttentionDecode`): x f32 [1, D], xq int8 [1, D], xd/xm f32 [1, D/32]; qkv f32
-    [1, Oq+Ok+Ov] (``qkv_desc`` int64 [3, 13] with output offsets ``qkv_off``); q f32 [1, H, hd], k [1, Hkv, hd],
-    v [1, Hkv, hd_v]; att f32 [1, H, hd_v] and a2 its [1, H*hd_v] view, aq/ad/am its int8 codes; y, y2 f32
-    [1, D]. Biases ``b_*`` and ``w_qn``/``w_kn``/``post_w`` are empty arrays when the layer has none. ``pos``
-    int64 [1] the row's position, ``cos``/``sin`` f32 [ctx, n_rot/2]; ``kc``/``vc`` f32 [Hkv, ctx, hd] the KV
-    cache (row ``pos`` is written here); ``serial_work``: attention runs serially up to that many
-    multiply-adds (``attention.SERIAL_WORK``)."""
-    _E._rms_norm_q8(h, w_norm, eps, x, xq, xd, xm)
-    _E.mm_grouped(qkv_desc, pstart3, rows3, rows3, qkv_off, _E.I8, xq, xd, xm, x, qkv)
+
+@njit(inline="always", **_FJIT)
+def _gate_up_items(ctr, ph, nt, gd, ud, pstart, src, xq, xd, xm, x, kind, limit, a):
+    """Phase ``ph``: the work items of ``experts.ffn_gate_up`` (int8 activations), claimed in runs."""
+    nc = (gd[0, 1] + 15) // 16
+    n = gd.shape[0] * nc
+    k = chunk(n, nt)
+    while True:
+        i0 = claim(ctr, ph, k)
+        if i0 >= n:
+            break
+        i1 = min(n, i0 + k)
+        for it in range(i0, i1):
+            _E._gate_up_item(gd, ud, pstart, src, _E.I8, xq, xd, xm, x, kind, limit, a, nc, it)
+        finish(ctr, ph, i1 - i0)
+    wait(ctr, ph, n)
+
+
+@njit(**_JIT)
+def _qkv_post(qkv, b_q, b_k, b_v, qk_mode, w_qn, w_kn, eps, q, k, v, pos, cos, sin, n_rot, neox, kc, vc):
+    """The q/k/v row split into heads, biases, q/k norms, RoPE and the KV cache write of row ``pos[0]``."""
     qf = q.reshape(q.size)
     kf = k.reshape(k.size)
     vf = v.reshape(v.size)
@@ -106,46 +136,169 @@ def attention_block(h, eps, w_norm, x, xq, xd, xm,
             kc[g, p, i] = k[0, g, i]
         for i in range(vc.shape[2]):
             vc[g, p, i] = v[0, g, i]
-    if (p + 1) * q.shape[1] * q.shape[2] <= serial_work:
-        _attend_serial(q, kc, vc, p, scale, window, sinks, att)
-    else:
-        _attend(q, kc, vc, p, scale, window, sinks, att)
-    _F._quantize_act_i8(a2, aq, ad, am)
-    _E.mm_grouped(o_desc, pstart1, rows1, rows1, off1, _E.I8, aq, ad, am, a2, y)
-    if b_o.shape[0] > 0:
-        for i in range(y.shape[1]):
-            y[0, i] += b_o[i]
-    _residual(h, y, post_w, eps, y2)
 
 
-@njit(**_JIT)
-def ffn_block(h, eps, w_norm, x, xq, xd, xm, gd, ud, dd, pstart1, rows1, off1, kind, limit, a, aq, ad, am,
-              y, post_w, y2):
-    """The gated FFN block of one decode row (module docstring), in place on ``h`` f32 [1, D]: gate/up/down
-    descriptors int64 [1, 13]; a f32 [1, F] the activation (aq/ad/am its int8 codes); ``kind`` ACT_SWIGLU or
-    ACT_GEGLU, ``limit`` the SwiGLU clamp (0: none); x/xq/xd/xm, y, y2 scratch as in :func:`attention_block`."""
-    _E._rms_norm_q8(h, w_norm, eps, x, xq, xd, xm)
-    _E.ffn_gate_up(gd, ud, pstart1, rows1, _E.I8, xq, xd, xm, x, kind, limit, a)
-    _F._quantize_act_i8(a, aq, ad, am)
-    _E.mm_grouped(dd, pstart1, rows1, rows1, off1, _E.I8, aq, ad, am, a, y)
-    _residual(h, y, post_w, eps, y2)
+#: phases of :func:`_attention_phases`, :func:`_ffn_phases` and :func:`experts_row`
+ATTN_PHASES, FFN_PHASES, EXPERT_PHASES = 7, 5, 5
 
 
-@njit(**_JIT)
-def experts_row(x, xq, xd, xm, gd, ud, dd, pstart, src, dst, off, kind, limit, a, aq, ad, am, pair_out, w, y):
+@njit(**_FJIT)
+def _attention_phases(ctr, b, nt, h, eps, w_norm, x, xq, xd, xm,
+                      qkv_desc, qkv_nch, qkv_off, pstart3, rows3, qkv, b_q, b_k, b_v,
+                      qk_mode, w_qn, w_kn, q, k, v,
+                      pos, cos, sin, n_rot, neox,
+                      kc, vc, scale, window, sinks, serial_work, att, a2, aq, ad, am,
+                      o_desc, o_nch, pstart1, rows1, off1, y, b_o, post_w, y2):
+    """One thread's part of the attention block (phases ``b`` .. ``b + 6``; arguments as
+    :func:`attention_block`)."""
+    if serial(ctr, b):
+        _E._rms_norm_q8(h, w_norm, eps, x, xq, xd, xm)
+        finish(ctr, b, 1)
+    wait(ctr, b, 1)
+    _mm_items(ctr, b + 1, nt, qkv_desc, qkv_nch, pstart3, rows3, rows3, qkv_off, xq, xd, xm, x, qkv)
+    if serial(ctr, b + 2):
+        _qkv_post(qkv, b_q, b_k, b_v, qk_mode, w_qn, w_kn, eps, q, k, v, pos, cos, sin, n_rot, neox, kc, vc)
+        finish(ctr, b + 2, 1)
+    wait(ctr, b + 2, 1)
+    p = pos[0]
+    H = q.shape[1]
+    if (p + 1) * H * q.shape[2] <= serial_work:  # attention.attend's rule: one item, all heads
+        if serial(ctr, b + 3):
+            _attend_serial(q, kc, vc, p, scale, window, sinks, att)
+            finish(ctr, b + 3, 1)
+        wait(ctr, b + 3, 1)
+    else:  # one item per head (the same per-head arithmetic)
+        while True:
+            hh = claim(ctr, b + 3, 1)
+            if hh >= H:
+                break
+            _attend_head(q, kc, vc, p, scale, window, sinks, att, 0, hh)
+            finish(ctr, b + 3, 1)
+        wait(ctr, b + 3, H)
+    if serial(ctr, b + 4):
+        _F._quantize_act_i8(a2, aq, ad, am)
+        finish(ctr, b + 4, 1)
+    wait(ctr, b + 4, 1)
+    _mm_items(ctr, b + 5, nt, o_desc, o_nch, pstart1, rows1, rows1, off1, aq, ad, am, a2, y)
+    if serial(ctr, b + 6):
+        if b_o.shape[0] > 0:
+            for i in range(y.shape[1]):
+                y[0, i] += b_o[i]
+        _residual(h, y, post_w, eps, y2)
+        finish(ctr, b + 6, 1)
+    wait(ctr, b + 6, 1)
+
+
+@njit(**_FJIT)
+def _ffn_phases(ctr, b, nt, h, eps, w_norm, x, xq, xd, xm, gd, ud, dd, d_nch, pstart1, rows1, off1, kind, limit,
+                a, aq, ad, am, y, post_w, y2):
+    """One thread's part of the FFN block (phases ``b`` .. ``b + 4``; arguments as :func:`ffn_block`)."""
+    if serial(ctr, b):
+        _E._rms_norm_q8(h, w_norm, eps, x, xq, xd, xm)
+        finish(ctr, b, 1)
+    wait(ctr, b, 1)
+    _gate_up_items(ctr, b + 1, nt, gd, ud, pstart1, rows1, xq, xd, xm, x, kind, limit, a)
+    if serial(ctr, b + 2):
+        _F._quantize_act_i8(a, aq, ad, am)
+        finish(ctr, b + 2, 1)
+    wait(ctr, b + 2, 1)
+    _mm_items(ctr, b + 3, nt, dd, d_nch, pstart1, rows1, rows1, off1, aq, ad, am, a, y)
+    if serial(ctr, b + 4):
+        _residual(h, y, post_w, eps, y2)
+        finish(ctr, b + 4, 1)
+    wait(ctr, b + 4, 1)
+
+
+@njit(**_PJIT)
+def attention_block(nt, ctr, h, eps, w_norm, x, xq, xd, xm,
+                    qkv_desc, qkv_nch, qkv_off, pstart3, rows3, qkv, b_q, b_k, b_v,
+                    qk_mode, w_qn, w_kn, q, k, v,
+                    pos, cos, sin, n_rot, neox,
+                    kc, vc, scale, window, sinks, serial_work, att, a2, aq, ad, am,
+                    o_desc, o_nch, pstart1, rows1, off1, y, b_o, post_w, y2):
+    """The attention block of one decode row (module docstring), in place on ``h`` f32 [1, D], as ONE parallel
+    region over ``nt`` threads (``cpu_kernels.sync``: ``ctr`` ``sync.counters(ATTN_PHASES)`` its counters).
+
+    Scratch (owned by :class:`AttentionDecode`): x f32 [1, D], xq int8 [1, D], xd/xm f32 [1, D/32]; qkv f32
+    [1, Oq+Ok+Ov] (``qkv_desc`` int64 [3, 13] with output offsets ``qkv_off`` and cumulative 16-row block
+    counts ``qkv_nch`` int64 [4], ``experts.block_counts``); q f32 [1, H, hd], k [1, Hkv, hd],
+    v [1, Hkv, hd_v]; att f32 [1, H, hd_v] and a2 its [1, H*hd_v] view, aq/ad/am its int8 codes; y, y2 f32
+    [1, D]. Biases ``b_*`` and ``w_qn``/``w_kn``/``post_w`` are empty arrays when the layer has none. ``pos``
+    int64 [1] the row's position, ``cos``/``sin`` f32 [ctx, n_rot/2]; ``kc``/``vc`` f32 [Hkv, ctx, hd] the KV
+    cache (row ``pos`` is written here); ``serial_work``: attention is one work item up to that many
+    multiply-adds (``attention.SERIAL_WORK``), else one per head."""
+    reset(ctr)
+    for _t in prange(nt):
+        _attention_phases(ctr, 0, nt, h, eps, w_norm, x, xq, xd, xm, qkv_desc, qkv_nch, qkv_off, pstart3, rows3, qkv,
+                          b_q, b_k, b_v, qk_mode, w_qn, w_kn, q, k, v, pos, cos, sin, n_rot, neox, kc, vc, scale,
+                          window, sinks, serial_work, att, a2, aq, ad, am, o_desc, o_nch, pstart1, rows1, off1, y,
+                          b_o, post_w, y2)
+
+
+@njit(**_PJIT)
+def ffn_block(nt, ctr, h, eps, w_norm, x, xq, xd, xm, gd, ud, dd, d_nch, pstart1, rows1, off1, kind, limit,
+              a, aq, ad, am, y, post_w, y2):
+    """The gated FFN block of one decode row (module docstring), in place on ``h`` f32 [1, D], as one parallel
+    region (``ctr`` ``sync.counters(FFN_PHASES)``): gate/up/down descriptors int64 [1, 13] (``d_nch`` int64 [2] the
+    down projection's block counts); a f32 [1, F] the activation (aq/ad/am its int8 codes); ``kind``
+    ACT_SWIGLU or ACT_GEGLU, ``limit`` the SwiGLU clamp (0: none); x/xq/xd/xm, y, y2 scratch as in
+    :func:`attention_block`."""
+    reset(ctr)
+    for _t in prange(nt):
+        _ffn_phases(ctr, 0, nt, h, eps, w_norm, x, xq, xd, xm, gd, ud, dd, d_nch, pstart1, rows1, off1, kind, limit,
+                    a, aq, ad, am, y, post_w, y2)
+
+
+@njit(**_PJIT)
+def layer_block(nt, ctr, h, eps, w_norm, x, xq, xd, xm,
+                qkv_desc, qkv_nch, qkv_off, pstart3, rows3, qkv, b_q, b_k, b_v,
+                qk_mode, w_qn, w_kn, q, k, v,
+                pos, cos, sin, n_rot, neox,
+                kc, vc, scale, window, sinks, serial_work, att, a2, aq, ad, am,
+                o_desc, o_nch, pstart1, rows1, off1, y, b_o, post_w, y2,
+                f_eps, f_w_norm, f_x, f_xq, f_xd, f_xm, gd, ud, dd, d_nch, f_pstart1, f_rows1, f_off1, kind, limit,
+                fa, faq, fad, fam, f_y, f_post_w, f_y2):
+    """A whole dense decoder layer of one decode row: :func:`attention_block` then :func:`ffn_block` (their
+    arguments, the FFN's prefixed ``f_``) in ONE parallel region (``ctr`` ``sync.counters(ATTN_PHASES +
+    FFN_PHASES)``)."""
+    reset(ctr)
+    for _t in prange(nt):
+        _attention_phases(ctr, 0, nt, h, eps, w_norm, x, xq, xd, xm, qkv_desc, qkv_nch, qkv_off, pstart3, rows3, qkv,
+                          b_q, b_k, b_v, qk_mode, w_qn, w_kn, q, k, v, pos, cos, sin, n_rot, neox, kc, vc, scale,
+                          window, sinks, serial_work, att, a2, aq, ad, am, o_desc, o_nch, pstart1, rows1, off1, y,
+                          b_o, post_w, y2)
+        _ffn_phases(ctr, ATTN_PHASES, nt, h, f_eps, f_w_norm, f_x, f_xq, f_xd, f_xm, gd, ud, dd, d_nch, f_pstart1,
+                    f_rows1, f_off1, kind, limit, fa, faq, fad, fam, f_y, f_post_w, f_y2)
+
+
+@njit(**_PJIT)
+def experts_row(nt, ctr, x, xq, xd, xm, gd, ud, dd, d_nch, pstart, src, dst, off, kind, limit, a, aq, ad, am,
+                pair_out, w, y):
     """The CPU experts of one decode row (a MoE step with R = 1, every expert in RAM) and their rank-order sum
-    in one call: ``y[0] = w[0] * E_0(x) + w[1] * E_1(x) + ...`` left to right (``experts.combine_rows``).
-    ``x`` f32 [1, D] (xq/xd/xm its int8 codes, written here); ``gd``/``ud``/``dd`` int64 [K, 13] the experts'
-    gate/up/down descriptors in routing-rank order; ``pstart`` int64 [K+1] = 0..K, ``src`` int64 [K] zeros,
-    ``dst`` int64 [K] = 0..K-1, ``off`` int64 [K] zeros; a f32 [K, F] (aq/ad/am its codes); pair_out f32 [K, D];
-    w f32 [K] the routing weights; y f32 [1, D]. The same kernels and order as ``experts.experts``
-    (ffn_gate_up, the hidden activation quantized, mm_grouped) and the step's combine."""
-    _F._quantize_act_i8(x, xq, xd, xm)
-    _E.ffn_gate_up(gd, ud, pstart, src, _E.I8, xq, xd, xm, x, kind, limit, a)
-    _F._quantize_act_i8(a, aq, ad, am)
-    _E.mm_grouped(dd, pstart, dst, dst, off, _E.I8, aq, ad, am, a, pair_out)
-    K, D = pair_out.shape
-    _E.combine_rows(pair_out.reshape(1, K, D), w.reshape(1, K), y)
+    in one parallel region (``ctr`` ``sync.counters(EXPERT_PHASES)``): ``y[0] = w[0] * E_0(x) + w[1] * E_1(x) + ...``
+    left to right (``experts.combine_rows``). ``x`` f32 [1, D] (xq/xd/xm its int8 codes, written here);
+    ``gd``/``ud``/``dd`` int64 [K, 13] the experts' gate/up/down descriptors in routing-rank order (``d_nch``
+    int64 [K + 1] the down projections' cumulative block counts); ``pstart`` int64 [K+1] = 0..K, ``src`` int64
+    [K] zeros, ``dst`` int64 [K] = 0..K-1, ``off`` int64 [K] zeros; a f32 [K, F] (aq/ad/am its codes);
+    pair_out f32 [K, D]; w f32 [K] the routing weights; y f32 [1, D]. The same kernels and order as
+    ``experts.experts`` (ffn_gate_up, the hidden activation quantized, mm_grouped) and the step's combine."""
+    reset(ctr)
+    for _t in prange(nt):
+        if serial(ctr, 0):
+            _F._quantize_act_i8(x, xq, xd, xm)
+            finish(ctr, 0, 1)
+        wait(ctr, 0, 1)
+        _gate_up_items(ctr, 1, nt, gd, ud, pstart, src, xq, xd, xm, x, kind, limit, a)
+        if serial(ctr, 2):
+            _F._quantize_act_i8(a, aq, ad, am)
+            finish(ctr, 2, 1)
+        wait(ctr, 2, 1)
+        _mm_items(ctr, 3, nt, dd, d_nch, pstart, dst, dst, off, aq, ad, am, a, pair_out)
+        if serial(ctr, 4):
+            K, D = pair_out.shape
+            _E.combine_rows(pair_out.reshape(1, K, D), w.reshape(1, K), y)
+            finish(ctr, 4, 1)
+        wait(ctr, 4, 1)
 
 
 _NONE = np.zeros(0, np.float32)
@@ -172,6 +325,7 @@ class ExpertsRow:
 
     def __init__(self):
         self._bufs: dict = {}
+        self.ctr = counters(EXPERT_PHASES)
 
     def __call__(self, x: np.ndarray, descs, w: np.ndarray, kind: int, limit) -> np.ndarray:
         """``x`` f32 [1, D]; ``descs`` the K experts' int64 [3, 13] descriptor stacks (``experts.expert_desc``)
@@ -184,12 +338,19 @@ class ExpertsRow:
             b = self._bufs[(K, D, F)] = (*_codes(1, D), np.arange(K + 1, dtype=np.int64),
                                          np.zeros(K, np.int64), np.arange(K, dtype=np.int64),
                                          np.empty((K, F), np.float32), *_codes(K, F),
-                                         np.empty((K, D), np.float32))
-        xq, xd, xm, pstart, zeros, dst, a, aq, ad, am, pair_out = b
+                                         np.empty((K, D), np.float32), np.empty(K + 1, np.int64))
+        xq, xd, xm, pstart, zeros, dst, a, aq, ad, am, pair_out, d_nch = b
+        _E.block_counts(d3[2], d_nch)
         y = np.empty((1, D), np.float32)
-        experts_row(x, xq, xd, xm, d3[0], d3[1], d3[2], pstart, zeros, dst, zeros, kind, np.float32(limit), a,
-                    aq, ad, am, pair_out, np.ascontiguousarray(w, dtype=np.float32), y)
+        experts_row(numba.get_num_threads(), self.ctr, x, xq, xd, xm, d3[0], d3[1], d3[2], d_nch, pstart, zeros, dst, zeros, kind,
+                    np.float32(limit), a, aq, ad, am, pair_out, np.ascontiguousarray(w, dtype=np.float32), y)
         return y
+
+
+def _nch(desc: np.ndarray) -> np.ndarray:
+    nch = np.empty(desc.shape[0] + 1, np.int64)
+    _E.block_counts(desc, nch)
+    return nch
 
 
 class AttentionDecode:
@@ -212,6 +373,7 @@ class AttentionDecode:
         self.xq, self.xd, self.xm = _codes(1, D)
         g = a.qkv_group
         self.qkv_desc, self.qkv_off = g.desc, g.off
+        self.qkv_nch = _nch(g.desc)
         self.pstart3, self.rows3 = _E._slots(3, 1)
         self.pstart1, self.rows1 = _E._slots(1, 1)
         self.qkv = np.empty((1, g.O), np.float32)
@@ -226,8 +388,10 @@ class AttentionDecode:
         self.a2 = self.att.reshape(1, H * hdv)
         self.aq, self.ad, self.am = _codes(1, H * hdv)
         self.o_desc = a.attn_output.desc.reshape(1, -1)
+        self.o_nch = _nch(self.o_desc)
         self.y = np.empty((1, D), np.float32)
         self.y2 = np.empty((1, D), np.float32)
+        self.ctr = counters(ATTN_PHASES)
 
     @staticmethod
     def supported(attn) -> bool:
@@ -237,17 +401,21 @@ class AttentionDecode:
         return (attn.qkv_group is not None
                 and available(attn.m.act, [attn.attn_output], attn.attn_q.shape[1], attn.n_heads * hdv))
 
-    def __call__(self, h: np.ndarray, kv, pos0: int) -> None:
+    def args(self, h: np.ndarray, kv, pos0: int) -> tuple:
+        """:func:`attention_block`'s arguments after ``ctr`` for row ``h`` at position ``pos0``."""
         a = self.attn
         self.pos[0] = pos0
         cos, sin = a.m.rope_table(a.rope_base, a.rope_scaling, a.n_rot)
-        attention_block(h, self.eps, self.w_norm, self.x, self.xq, self.xd, self.xm,
-                        self.qkv_desc, self.qkv_off, self.pstart3, self.rows3, self.qkv, *self.b[:3],
-                        self.qk_mode, self.w_qn, self.w_kn, self.q, self.k, self.v,
-                        self.pos, cos, sin, a.n_rot, a.rope_kind == _NEOX,
-                        kv.k, kv.v, np.float32(a.scale), a.window, _NONE, _attn.SERIAL_WORK, self.att, self.a2,
-                        self.aq, self.ad, self.am, self.o_desc, self.pstart1, self.rows1, _E._ZERO1, self.y,
-                        self.b[3], self.post_w, self.y2)
+        return (h, self.eps, self.w_norm, self.x, self.xq, self.xd, self.xm,
+                self.qkv_desc, self.qkv_nch, self.qkv_off, self.pstart3, self.rows3, self.qkv, *self.b[:3],
+                self.qk_mode, self.w_qn, self.w_kn, self.q, self.k, self.v,
+                self.pos, cos, sin, a.n_rot, a.rope_kind == _NEOX,
+                kv.k, kv.v, np.float32(a.scale), a.window, _NONE, _attn.SERIAL_WORK, self.att, self.a2,
+                self.aq, self.ad, self.am, self.o_desc, self.o_nch, self.pstart1, self.rows1, _E._ZERO1, self.y,
+                self.b[3], self.post_w, self.y2)
+
+    def __call__(self, h: np.ndarray, kv, pos0: int) -> None:
+        attention_block(numba.get_num_threads(), self.ctr, *self.args(h, kv, pos0))
 
 
 class FFNDecode:
@@ -265,19 +433,42 @@ class FFNDecode:
         self.x = np.empty((1, D), np.float32)
         self.xq, self.xd, self.xm = _codes(1, D)
         self.pstart1, self.rows1 = _E._slots(1, 1)
+        self.d_nch = _nch(f.dd)
         self.a = np.empty((1, F), np.float32)
         self.aq, self.ad, self.am = _codes(1, F)
         self.y = np.empty((1, D), np.float32)
         self.y2 = np.empty((1, D), np.float32)
+        self.ctr = counters(FFN_PHASES)
 
     @staticmethod
     def supported(fused, act: str) -> bool:
         """True when the fused FFN (``experts.FFN`` or None) can run compiled with activation mode ``act``."""
         return fused is not None and available(act, fused.weights, fused.D, fused.F)
 
-    def __call__(self, h: np.ndarray) -> None:
+    def args(self, h: np.ndarray) -> tuple:
+        """:func:`ffn_block`'s arguments after ``ctr`` for row ``h``."""
         f = self.f
-        ffn_block(h, self.eps, self.w_norm, self.x, self.xq, self.xd, self.xm, f.gd, f.ud, f.dd,
-                  self.pstart1, self.rows1, _E._ZERO1, f.kind, f.limit, self.a, self.aq, self.ad, self.am,
-                  self.y, self.post_w, self.y2)
+        return (h, self.eps, self.w_norm, self.x, self.xq, self.xd, self.xm, f.gd, f.ud, f.dd, self.d_nch,
+                self.pstart1, self.rows1, _E._ZERO1, f.kind, f.limit, self.a, self.aq, self.ad, self.am,
+                self.y, self.post_w, self.y2)
 
+    def __call__(self, h: np.ndarray) -> None:
+        ffn_block(numba.get_num_threads(), self.ctr, *self.args(h))
+
+
+class LayerDecode:
+    """A dense layer's attention and FFN blocks (:class:`AttentionDecode`, :class:`FFNDecode`) as one call of
+    :func:`layer_block`: ``h`` f32 [1, D] updated in place, the layer's ``blocks.KV``, the row's position."""
+
+    def __init__(self, attn_dec: AttentionDecode, ffn_dec: FFNDecode):
+        self.attn_dec, self.ffn_dec = attn_dec, ffn_dec
+        self.ctr = counters(ATTN_PHASES + FFN_PHASES)
+
+    @staticmethod
+    def of(attn_dec, ffn_dec):
+        """The layer's one-call block, or None unless both blocks compile (the caller calls them apart)."""
+        return None if attn_dec is None or ffn_dec is None else LayerDecode(attn_dec, ffn_dec)
+
+    def __call__(self, h: np.ndarray, kv, pos0: int) -> None:
+        layer_block(numba.get_num_threads(), self.ctr, *self.attn_dec.args(h, kv, pos0),
+                    *self.ffn_dec.args(h)[1:])

@@ -571,8 +571,10 @@ def _dot_f32(buf, x):
     return s
 
 
-@njit(inline="always", **_JIT)
+@njit(nogil=True, cache=True)
 def _act(g, u, kind, limit):
+    # its own function without fastmath: a loop of it vectorised in one kernel and not in another (the grouped
+    # kernels' launch and the persistent decode blocks) may not round differently (reciprocal estimates)
     if kind == ACT_SWIGLU_OAI:
         if limit > 0.0:
             g = min(g, limit)
@@ -601,34 +603,85 @@ def _act(g, u, kind, limit):
 
 
 # ----------------------------------------------------------------------------------------------- kernels
+@njit(inline="always", **_JIT)
+def _mm_item(desc, nch, pstart, src, dst, off, mode, xq, xd, xm, x, out, it):
+    """Work item ``it`` of :func:`mm_grouped` (weight e's 16-row block ``it - nch[e]``; ``nch`` int64 [n + 1]
+    the cumulative block counts): the whole body of its ``prange``, also run by the persistent decode blocks."""
+    e = 0
+    while nch[e + 1] <= it:
+        e += 1
+    ds = desc[e]
+    O = ds[1]
+    c0 = (it - nch[e]) * _RB
+    p0 = pstart[e]
+    p1 = pstart[e + 1]
+    oe = off[e]
+    if mode == I8 and ds[0] != FC_F32:
+        _block_i8(ds, c0, min(O, c0 + _RB), p0, p1, src, dst, oe, xq, xd, xm, out)
+    else:
+        buf = np.empty(ds[2], np.float32)
+        for o in range(c0, min(O, c0 + _RB)):
+            _decode_row(ds, o, buf)
+            for p in range(p0, p1):
+                out[dst[p], oe + o] = _dot_f32(buf, x[src[p]])
+
+
+@njit(inline="always", **_JIT)
+def block_counts(desc, nch):
+    """nch[0] = 0, nch[e + 1] = nch[e] + the 16-row blocks of weight e (desc int64 [n, 13]); returns nch[n]."""
+    n = desc.shape[0]
+    nch[0] = 0
+    for e in range(n):
+        nch[e + 1] = nch[e] + (desc[e, 1] + _RB - 1) // _RB
+    return nch[n]
+
+
 @njit(**_PJIT)
 def mm_grouped(desc, pstart, src, dst, off, mode, xq, xd, xm, x, out):
     """out[dst[p], off[e] + o] = W_e[o] . row src[p], for every weight e (desc int64 [n, 13]), its slots
     p in pstart[e]:pstart[e+1] and o < O_e. Int8 mode reads xq int8 [R, I], xd/xm f32 [R, I/32]; F32 mode
     (and F32 weights) x f32 [R, I]. out f32 [*, *]. One parallel launch over (weight, 16-row block)."""
-    n = desc.shape[0]
-    nch = np.empty(n + 1, np.int64)
-    nch[0] = 0
-    for e in range(n):
-        nch[e + 1] = nch[e] + (desc[e, 1] + _RB - 1) // _RB
-    for it in prange(nch[n]):
-        e = 0
-        while nch[e + 1] <= it:
-            e += 1
-        ds = desc[e]
-        O = ds[1]
-        c0 = (it - nch[e]) * _RB
-        p0 = pstart[e]
-        p1 = pstart[e + 1]
-        oe = off[e]
-        if mode == I8 and ds[0] != FC_F32:
-            _block_i8(ds, c0, min(O, c0 + _RB), p0, p1, src, dst, oe, xq, xd, xm, out)
-        else:
-            buf = np.empty(ds[2], np.float32)
-            for o in range(c0, min(O, c0 + _RB)):
-                _decode_row(ds, o, buf)
-                for p in range(p0, p1):
-                    out[dst[p], oe + o] = _dot_f32(buf, x[src[p]])
+    nch = np.empty(desc.shape[0] + 1, np.int64)
+    for it in prange(block_counts(desc, nch)):
+        _mm_item(desc, nch, pstart, src, dst, off, mode, xq, xd, xm, x, out, it)
+
+
+@njit(inline="always", **_JIT)
+def _gate_up_item(gdesc, udesc, pstart, src, mode, xq, xd, xm, x, kind, limit, a, nc, it):
+    """Work item ``it`` of :func:`ffn_gate_up` (expert ``it // nc``, its 16-row block ``it % nc``; ``nc`` the
+    blocks per expert): the whole body of its ``prange``, also run by the persistent decode blocks."""
+    F = gdesc[0, 1]
+    e = it // nc
+    c0 = (it % nc) * _RB
+    gd = gdesc[e]
+    ud = udesc[e]
+    p0 = pstart[e]
+    p1 = pstart[e + 1]
+    if mode == I8 and p1 - p0 == 1 and _row_ok(gd[0]) and _row_ok(ud[0]):
+        # one row (a decode step's expert): no scratch arrays, gate and up of a row back to back
+        r = src[p0]
+        for o in range(c0, min(F, c0 + _RB)):
+            a[p0, o] = _act(_row_i8(gd, o, r, xq, xd, xm), _row_i8(ud, o, r, xq, xd, xm), kind, limit)
+    elif mode == I8 and gd[0] != FC_F32 and ud[0] != FC_F32:
+        c1 = min(F, c0 + _RB)
+        n = p1 - p0
+        loc = np.arange(n)
+        gs = np.empty((n, _RB), np.float32)
+        us = np.empty((n, _RB), np.float32)
+        _block_i8(gd, c0, c1, 0, n, src[p0:p1], loc, -c0, xq, xd, xm, gs)
+        _block_i8(ud, c0, c1, 0, n, src[p0:p1], loc, -c0, xq, xd, xm, us)
+        for p in range(n):
+            for o in range(c0, c1):
+                a[p0 + p, o] = _act(gs[p, o - c0], us[p, o - c0], kind, limit)
+    else:
+        gb = np.empty(gd[2], np.float32)
+        ub = np.empty(ud[2], np.float32)
+        for o in range(c0, min(F, c0 + _RB)):
+            _decode_row(gd, o, gb)
+            _decode_row(ud, o, ub)
+            for p in range(p0, p1):
+                xr = x[src[p]]
+                a[p, o] = _act(_dot_f32(gb, xr), _dot_f32(ub, xr), kind, limit)
 
 
 @njit(**_PJIT)
@@ -636,41 +689,10 @@ def ffn_gate_up(gdesc, udesc, pstart, src, mode, xq, xd, xm, x, kind, limit, a):
     """a[p, o] = act(G_e[o] . row src[p], U_e[o] . row src[p]) for every expert e (gate/up descriptors
     int64 [n, 13], same shapes), its slots p in pstart[e]:pstart[e+1], o < F. ``kind``: ACT_SWIGLU
     (silu(g) * u, clamped when ``limit`` > 0 as formats' swiglu) or ACT_GEGLU. a f32 [P, F]."""
-    n = gdesc.shape[0]
     F = gdesc[0, 1]
     nc = (F + _RB - 1) // _RB
-    for it in prange(n * nc):
-        e = it // nc
-        c0 = (it % nc) * _RB
-        gd = gdesc[e]
-        ud = udesc[e]
-        p0 = pstart[e]
-        p1 = pstart[e + 1]
-        if mode == I8 and p1 - p0 == 1 and _row_ok(gd[0]) and _row_ok(ud[0]):
-            # one row (a decode step's expert): no scratch arrays, gate and up of a row back to back
-            r = src[p0]
-            for o in range(c0, min(F, c0 + _RB)):
-                a[p0, o] = _act(_row_i8(gd, o, r, xq, xd, xm), _row_i8(ud, o, r, xq, xd, xm), kind, limit)
-        elif mode == I8 and gd[0] != FC_F32 and ud[0] != FC_F32:
-            c1 = min(F, c0 + _RB)
-            n = p1 - p0
-            loc = np.arange(n)
-            gs = np.empty((n, _RB), np.float32)
-            us = np.empty((n, _RB), np.float32)
-            _block_i8(gd, c0, c1, 0, n, src[p0:p1], loc, -c0, xq, xd, xm, gs)
-            _block_i8(ud, c0, c1, 0, n, src[p0:p1], loc, -c0, xq, xd, xm, us)
-            for p in range(n):
-                for o in range(c0, c1):
-                    a[p0 + p, o] = _act(gs[p, o - c0], us[p, o - c0], kind, limit)
-        else:
-            gb = np.empty(gd[2], np.float32)
-            ub = np.empty(ud[2], np.float32)
-            for o in range(c0, min(F, c0 + _RB)):
-                _decode_row(gd, o, gb)
-                _decode_row(ud, o, ub)
-                for p in range(p0, p1):
-                    xr = x[src[p]]
-                    a[p, o] = _act(_dot_f32(gb, xr), _dot_f32(ub, xr), kind, limit)
+    for it in prange(gdesc.shape[0] * nc):
+        _gate_up_item(gdesc, udesc, pstart, src, mode, xq, xd, xm, x, kind, limit, a, nc, it)
 
 
 @njit(inline="always", **_JIT)

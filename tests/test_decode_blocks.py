@@ -15,7 +15,7 @@ from conftest import FIXTURES
 
 pytestmark = pytest.mark.skipif(not HAVE_VNNI, reason="the compiled decode blocks run the int8 VNNI kernels")
 
-TINY = ["olmoe", "qwen2moe", "qwen3moe", "mixtral"]
+TINY = ["olmoe", "qwen2moe", "qwen3moe", "mixtral", "rope_llama3"]  # rope_llama3: dense llama layers
 
 
 def _decode(path, enabled: bool, monkeypatch, n_prompt: int = 30, n_tokens: int = 12):
@@ -29,6 +29,7 @@ def _decode(path, enabled: bool, monkeypatch, n_prompt: int = 30, n_tokens: int 
                 assert (L.attn_dec is not None) == enabled
             if getattr(L, "mlp", None) is not None:
                 assert (L.ffn_dec is not None) == enabled
+                assert (L.layer_dec is not None) == enabled  # attention and FFN in one parallel region
         if m.step is not None:
             assert (m.step._row is not None) == enabled
         kv = m.new_cache(n_prompt + n_tokens + 4)
@@ -69,6 +70,19 @@ def test_compiled_decode_equals_the_python_path_on_real_files(name, model_path, 
     ref, _ = _decode(path, False, monkeypatch, n_prompt=40, n_tokens=8)
     got, _ = _decode(path, True, monkeypatch, n_prompt=40, n_tokens=8)
     assert np.array_equal(got, ref)
+
+
+@pytest.mark.parametrize("name,nt", [("qwen3moe", 1), ("qwen3moe", 5), ("rope_llama3", 7)])
+def test_regions_with_more_or_fewer_iterations_than_threads(name, nt, monkeypatch):
+    """A region's ``prange`` runs ``nt`` iterations on the pool's 2 threads: with nt > 2 some iterations start
+    after others finished (as TBB may schedule them); work claiming must still finish every phase once, with
+    the same bits (cpu_kernels/sync.py: a thread waits only for items a running thread has claimed)."""
+    path = FIXTURES / "oracles" / f"{name}.gguf"
+    ref, c_ref = _decode(path, False, monkeypatch)
+    monkeypatch.setattr(decode.numba, "get_num_threads", lambda: nt)
+    got, c_got = _decode(path, True, monkeypatch)
+    assert np.array_equal(got, ref)
+    assert c_got == c_ref
 
 
 def test_f32_activations_keep_the_python_path():

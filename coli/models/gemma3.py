@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+from cpu_kernels.decode import LayerDecode
 from cpu_kernels.norms import rms_norm
 from cpu_kernels.rope import NEOX
 
@@ -48,11 +49,15 @@ class DecoderLayer:
         # a decode row's blocks in one compiled call each (None: the Python path below)
         self.attn_dec = self.attn.decoder(self.attn_norm, self.post_attention_norm)
         self.ffn_dec = self.mlp.decoder(self.ffn_norm, self.post_ffw_norm)
+        self.layer_dec = LayerDecode.of(self.attn_dec, self.ffn_dec)  # both in one parallel region
 
     def new_cache(self, ctx: int):
         return self.attn.new_cache(ctx)
 
     def __call__(self, h, kv, pos0: int):
+        if h.shape[0] == 1 and self.layer_dec is not None:
+            self.layer_dec(h, kv, pos0)
+            return h
         if h.shape[0] == 1 and self.attn_dec is not None:
             self.attn_dec(h, kv, pos0)
         else:

@@ -9,6 +9,7 @@ Qwen3-MoE and OLMoE share; their files give its choices (rope pairing, q/k norms
 """
 from __future__ import annotations
 
+from cpu_kernels.decode import LayerDecode
 from cpu_kernels.norms import rms_norm
 from cpu_kernels.rope import NORM
 
@@ -35,12 +36,16 @@ class DecoderLayer:
         # a decode row's blocks in one compiled call each (None: the Python path below)
         self.attn_dec = self.attn.decoder(self.attn_norm)
         self.ffn_dec = self.mlp.decoder(self.ffn_norm) if self.mlp is not None else None
+        self.layer_dec = LayerDecode.of(self.attn_dec, self.ffn_dec)  # both in one parallel region
 
     def new_cache(self, ctx: int):
         return self.attn.new_cache(ctx)
 
     def __call__(self, h, kv, pos0: int):
         one = h.shape[0] == 1
+        if one and self.layer_dec is not None:
+            self.layer_dec(h, kv, pos0)
+            return h
         if one and self.attn_dec is not None:
             self.attn_dec(h, kv, pos0)
         else:
