@@ -586,7 +586,7 @@ def _act(g, u, kind, limit):
     if kind == ACT_GEGLU:
         # HF gelu_pytorch_tanh 0.5 g (1 + tanh(z)), z = sqrt(2/pi) (g + 0.044715 g^3), in f32 as g sigmoid(2z)
         # (1 + tanh(z) = 2 / (1 + exp(-2z))); sigmoid(2z) rounds to 1 above g = 10, and below g = -10 the value is
-        # under 1e-36 (exp(-2z) would overflow f32 and g^3 too for huge |g|; fastmath assumes no inf)
+        # under 1e-36 (exp(-2z) would overflow f32 there, and g^3 for huge |g|)
         if g > np.float32(10.0):
             return g * u
         if g < np.float32(-10.0):
