@@ -45,7 +45,8 @@ sys.path.insert(0, str(ROOT))
 import cpu_kernels  # noqa: E402,F401  (threading layer before numba)
 import numpy as np  # noqa: E402
 
-PARTS = ["attention matmuls", "attention core", "attention block", "norms", "dense FFN", "router", "MoE experts", "lm_head", "embed",
+PARTS = ["attention matmuls", "attention core", "attention block", "layer region (attention + dense FFN)",
+         "token region (every layer)", "norms", "dense FFN", "router", "MoE experts", "lm_head", "embed",
          "python / other"]
 
 # (wrapped name, the part it is charged to given the innermost wrapped caller)
