@@ -272,6 +272,37 @@ def layer_block(nt, ctr, h, eps, w_norm, x, xq, xd, xm,
 
 
 @njit(**_PJIT)
+def token_block(nt, ctr, h, eps, W_NORM, x, xq, xd, xm,
+                QKV_DESC, QKV_NCH, QKV_OFF, pstart3, rows3, qkv, BQ, BK, BV,
+                qk_mode, WQN, WKN, q, k, v,
+                pos, COS, SIN, rshape, n_rot, neox,
+                KC, VC, kshape, vshape, SCALE, WINDOW, sinks, serial_work, att, a2, aq, ad, am,
+                O_DESC, O_NCH, pstart1, rows1, off1, y, BO, POST_W, y2,
+                F_W_NORM, GD, UD, DD, D_NCH, kind, limit, fa, faq, fad, fam, F_POST_W):
+    """Every layer of a dense model for one decode row in ONE parallel region (``ctr``
+    ``sync.counters(L * (ATTN_PHASES + FFN_PHASES))``): layer l runs :func:`layer_block`'s phases with row l
+    of the stacked per-layer arrays (``W_NORM`` f32 [L, D], ``QKV_DESC`` int64 [L, 3, 13], ``BQ`` f32 [L, n]
+    or [L, 0], ``SCALE`` f32 [L], ``WINDOW`` int64 [L], ...); its KV cache and RoPE tables are addressed by
+    ``KC``/``VC``/``COS``/``SIN`` int64 [L] (the f32 arrays' addresses) with shapes ``kshape``/``vshape``
+    int64 [3] and ``rshape`` int64 [2]. The scratch arrays are shared by the layers (their shapes agree)."""
+    reset(ctr)
+    for _t in prange(nt):
+        for il in range(W_NORM.shape[0]):
+            b = il * (ATTN_PHASES + FFN_PHASES)
+            cos = numba.carray(_E._pf32(COS[il]), (rshape[0], rshape[1]))
+            sin = numba.carray(_E._pf32(SIN[il]), (rshape[0], rshape[1]))
+            kc = numba.carray(_E._pf32(KC[il]), (kshape[0], kshape[1], kshape[2]))
+            vc = numba.carray(_E._pf32(VC[il]), (vshape[0], vshape[1], vshape[2]))
+            _attention_phases(ctr, b, nt, h, eps, W_NORM[il], x, xq, xd, xm, QKV_DESC[il], QKV_NCH[il],
+                              QKV_OFF[il], pstart3, rows3, qkv, BQ[il], BK[il], BV[il], qk_mode, WQN[il], WKN[il],
+                              q, k, v, pos, cos, sin, n_rot, neox, kc, vc, SCALE[il], WINDOW[il], sinks,
+                              serial_work, att, a2, aq, ad, am, O_DESC[il], O_NCH[il], pstart1, rows1, off1, y,
+                              BO[il], POST_W[il], y2)
+            _ffn_phases(ctr, b + ATTN_PHASES, nt, h, eps, F_W_NORM[il], x, xq, xd, xm, GD[il], UD[il], DD[il],
+                        D_NCH[il], pstart1, rows1, off1, kind, limit, fa, faq, fad, fam, y, F_POST_W[il], y2)
+
+
+@njit(**_PJIT)
 def experts_row(nt, ctr, x, xq, xd, xm, gd, ud, dd, d_nch, pstart, src, dst, off, kind, limit, a, aq, ad, am,
                 pair_out, w, y):
     """The CPU experts of one decode row (a MoE step with R = 1, every expert in RAM) and their rank-order sum
@@ -472,3 +503,88 @@ class LayerDecode:
     def __call__(self, h: np.ndarray, kv, pos0: int) -> None:
         layer_block(numba.get_num_threads(), self.ctr, *self.attn_dec.args(h, kv, pos0),
                     *self.ffn_dec.args(h)[1:])
+
+
+class TokenDecode:
+    """All layers of a dense model (every layer a :class:`LayerDecode`) for one decode row as one call of
+    :func:`token_block`: one pool wake-up and one dispatch per token instead of one per layer. Built by
+    :meth:`of`; call with ``h`` f32 [1, D] (updated in place), the model's ``base.Cache`` and the position.
+    Per-layer weights are stacked at build; the KV caches' and RoPE tables' addresses are taken when the cache
+    changes (the arrays are referenced here, so the addresses stay valid)."""
+
+    def __init__(self, layers):
+        A = [L.layer_dec.attn_dec for L in layers]
+        F = [L.layer_dec.ffn_dec for L in layers]
+        self.A, self.F = A, F
+        st = lambda xs: np.ascontiguousarray(np.stack(xs))  # noqa: E731  (ValueError when shapes differ)
+        self.w_norm = st([a.w_norm for a in A])
+        self.qkv_desc, self.qkv_nch, self.qkv_off = (st([a.qkv_desc for a in A]), st([a.qkv_nch for a in A]),
+                                                     st([a.qkv_off for a in A]))
+        self.b = [st([a.b[i] for a in A]) for i in range(4)]
+        self.wqn, self.wkn = st([a.w_qn for a in A]), st([a.w_kn for a in A])
+        self.o_desc, self.o_nch = st([a.o_desc for a in A]), st([a.o_nch for a in A])
+        self.post_w = st([a.post_w for a in A])
+        self.scale = np.array([a.attn.scale for a in A], np.float32)
+        self.window = np.array([a.attn.window for a in A], np.int64)
+        self.f_w_norm, self.f_post_w = st([f.w_norm for f in F]), st([f.post_w for f in F])
+        self.gd, self.ud, self.dd = st([f.f.gd for f in F]), st([f.f.ud for f in F]), st([f.f.dd for f in F])
+        self.d_nch = st([f.d_nch for f in F])
+        self.ctr = counters(len(layers) * (ATTN_PHASES + FFN_PHASES))
+        self._cache = None
+        self._refs = None
+
+    @staticmethod
+    def of(layers):
+        """The model's one-call token, or None unless every layer has a :class:`LayerDecode` and the layers agree
+        on what :func:`token_block` shares (widths, head shapes, q/k norm mode, RoPE kind and width, the
+        activation, the norms' epsilon)."""
+        if not layers or any(getattr(L, "layer_dec", None) is None for L in layers):
+            return None
+        a0, f0 = layers[0].layer_dec.attn_dec, layers[0].layer_dec.ffn_dec
+        same = lambda a, b: all(x.shape == y.shape for x, y in zip(a, b))  # noqa: E731
+        for L in layers[1:]:
+            a, f = L.layer_dec.attn_dec, L.layer_dec.ffn_dec
+            if not (same((a.x, a.qkv, a.q, a.k, a.v, a.att), (a0.x, a0.qkv, a0.q, a0.k, a0.v, a0.att))
+                    and same((f.a,), (f0.a,)) and a.qk_mode == a0.qk_mode and a.eps == a0.eps == f.eps
+                    and a.attn.n_rot == a0.attn.n_rot and a.attn.rope_kind == a0.attn.rope_kind
+                    and (f.f.kind, f.f.limit) == (f0.f.kind, f0.f.limit)):
+                return None
+        try:
+            return TokenDecode(layers)
+        except ValueError:   # per-layer arrays of different shapes (e.g. a bias on some layers only)
+            return None
+
+    def _addresses(self, cache) -> bool:
+        a0 = self.A[0]
+        ks = {c.k.shape for c in cache.layers}
+        vs = {c.v.shape for c in cache.layers}
+        ropes = [a.attn.m.rope_table(a.attn.rope_base, a.attn.rope_scaling, a.attn.n_rot) for a in self.A]
+        rs = {r[0].shape for r in ropes} | {r[1].shape for r in ropes}
+        arrays = [c.k for c in cache.layers] + [c.v for c in cache.layers] + [x for r in ropes for x in r]
+        if (len(ks) != 1 or len(vs) != 1 or len(rs) != 1 or a0.q.shape[2] != next(iter(ks))[2]
+                or not all(x.dtype == np.float32 and x.flags.c_contiguous for x in arrays)):
+            return False
+        addr = lambda xs: np.array([x.ctypes.data for x in xs], np.int64)  # noqa: E731
+        self._refs = (cache, ropes)
+        self.kc, self.vc = addr([c.k for c in cache.layers]), addr([c.v for c in cache.layers])
+        self.cos, self.sin = addr([r[0] for r in ropes]), addr([r[1] for r in ropes])
+        self.kshape, self.vshape = np.array(next(iter(ks)), np.int64), np.array(next(iter(vs)), np.int64)
+        self.rshape = np.array(next(iter(rs)), np.int64)
+        self._cache = cache
+        return True
+
+    def __call__(self, h: np.ndarray, cache, pos0: int) -> bool:
+        """Run every layer on ``h``; False (nothing done) when this cache's layers do not share one shape."""
+        if cache is not self._cache and not self._addresses(cache):
+            return False
+        a, f, b = self.A[0], self.F[0], self.b
+        a.pos[0] = pos0
+        token_block(numba.get_num_threads(), self.ctr, h, a.eps, self.w_norm, a.x, a.xq, a.xd, a.xm,
+                    self.qkv_desc, self.qkv_nch, self.qkv_off, a.pstart3, a.rows3, a.qkv, b[0], b[1], b[2],
+                    a.qk_mode, self.wqn, self.wkn, a.q, a.k, a.v,
+                    a.pos, self.cos, self.sin, self.rshape, a.attn.n_rot, a.attn.rope_kind == _NEOX,
+                    self.kc, self.vc, self.kshape, self.vshape, self.scale, self.window, _NONE, _attn.SERIAL_WORK,
+                    a.att, a.a2, a.aq, a.ad, a.am, self.o_desc, self.o_nch, a.pstart1, a.rows1, _E._ZERO1, a.y,
+                    b[3], self.post_w, a.y2, self.f_w_norm, self.gd, self.ud, self.dd, self.d_nch, f.f.kind,
+                    f.f.limit, f.a, f.aq, f.ad, f.am, self.f_post_w)
+        return True

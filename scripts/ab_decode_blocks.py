@@ -18,12 +18,18 @@ from coli.engine import Engine  # noqa: E402
 path = sys.argv[1]; thr = int(sys.argv[2]); rounds = int(sys.argv[3]); ntok = int(sys.argv[4]) if len(sys.argv) > 4 else 32
 eng = Engine(path, threads=thr)
 m = eng.model
-saved = [(L, getattr(L, 'attn_dec', None), getattr(L, 'ffn_dec', None)) for L in m.layers]
+cpu_kernels.set_threads(thr)  # m.forward is called directly below, not through the engine's calls that set them
+saved = [(L, getattr(L, 'attn_dec', None), getattr(L, 'ffn_dec', None), getattr(L, 'layer_dec', None))
+         for L in m.layers]
 row = m.step._row if m.step is not None else None
+tok_dec = m.token_dec
 def setmode(on):
-    for L, a, f in saved:
+    for L, a, f, ld in saved:
         L.attn_dec = a if on else None
         L.ffn_dec = f if on else None
+        if ld is not None:
+            L.layer_dec = ld if on else None
+    m.token_dec = tok_dec if on else None
     if m.step is not None:
         m.step._row = row if on else None
 def tg(n):

@@ -8,7 +8,8 @@
 #   0. set-up as scripts/h200_tier_run.sh does (loader .debs, Python 3.12 wheels, TBB's libraries);
 #   1. in the background: the synthetic MoE (scripts/make_synthetic_moe.py defaults: OLMoE-1B-7B's shapes,
 #      Q8_0) and llama-bench from the tarball (scripts/build_llama_bench.sh, GGML_NATIVE, -j 16);
-#   2. pytest: the device suites (test_vulkan, test_vulkan_alloc, test_vulkan_int8, test_tier_device,
+#   2. pytest: the device suites (test_vulkan, test_vulkan_alloc, test_vulkan_int8, test_tier_device, test_sync,
+#      test_decode_blocks less its real-file cases (they need the network),
 #      test_oracles, test_threading) on the NVIDIA device;
 #   3. scripts/bench_vs_llamacpp.py on the synthetic MoE, threads 16,8,4,1 (pp128 / tg64, one round of -r 1
 #      each: the time allows no more; a prompt test that dies of SIGILL in AMX code is rerun with --repack 0);
@@ -71,7 +72,8 @@ if [ "${H2_PYTEST:-1}" = 1 ]; then
 say "pytest: the device suites"
 timeout $(( $(left) - 330 > 60 ? $(left) - 330 : 60 )) $PY -m pytest -q -p no:cacheprovider tests/test_vulkan.py \
   tests/test_vulkan_alloc.py tests/test_vulkan_int8.py tests/test_tier_device.py tests/test_oracles.py \
-  tests/test_threading.py 2>&1 | tee "$OUT/pytest.log" | tail -15
+  tests/test_threading.py tests/test_sync.py tests/test_decode_blocks.py -k "not real_files" 2>&1 \
+  | tee "$OUT/pytest.log" | tail -15
 fi
 [ -n "$GEN" ] && { wait $GEN; tail -2 /tmp/h2/gen.log; }
 [ -n "$BLD" ] && { wait $BLD; tail -3 /tmp/h2/llb.log; }

@@ -45,7 +45,8 @@ sys.path.insert(0, str(ROOT))
 import cpu_kernels  # noqa: E402,F401  (threading layer before numba)
 import numpy as np  # noqa: E402
 
-PARTS = ["attention matmuls", "attention core", "attention block", "norms", "dense FFN", "router", "MoE experts", "lm_head", "embed",
+PARTS = ["attention matmuls", "attention core", "attention block", "layer region (attention + dense FFN)",
+         "token region (every layer)", "norms", "dense FFN", "router", "MoE experts", "lm_head", "embed",
          "python / other"]
 
 # (wrapped name, the part it is charged to given the innermost wrapped caller)
@@ -80,6 +81,8 @@ _METHODS = {  # (class, method) of the blocks and the model: the part of their o
     ("KDA", "projections"): ("qkv", "attention matmuls"),
     ("AttentionDecode", "__call__"): ("attention_block", "attention block"),  # cpu_kernels/decode.py
     ("FFNDecode", "__call__"): ("ffn_block", "dense FFN"),
+    ("LayerDecode", "__call__"): ("layer_block", "layer region (attention + dense FFN)"),
+    ("TokenDecode", "__call__"): ("token_block", "token region (every layer)"),
 }
 _MM = {"qkv": "attention matmuls", "out": "attention matmuls", "dense_ffn": "dense FFN", "forward": "lm_head",
        "moe": "router", "mla_attend_block": "attention matmuls", "indexer": "attention core",
@@ -143,7 +146,8 @@ def instrument(model, prof: Profiler):
                 patch(mod, name, prof.wrap(name, vars(mod)[name], lambda c, t=table: t.get(c, t.get(None))))
     classes = {"Attention": blocks.Attention, "MLP": blocks.MLP, "MoE": blocks.MoE, "Model": base.Model,
                "MLA": mla.MLA, "DSA": glmdsa.DSA, "Indexer": glmdsa.Indexer, "KDA": kimi.KDA,
-               "AttentionDecode": decode.AttentionDecode, "FFNDecode": decode.FFNDecode}
+               "AttentionDecode": decode.AttentionDecode, "FFNDecode": decode.FFNDecode,
+               "LayerDecode": decode.LayerDecode, "TokenDecode": decode.TokenDecode}
     for (cls_name, meth), (label, part) in _METHODS.items():
         cls = classes[cls_name]
         patch(cls, meth, prof.wrap(label, getattr(cls, meth), lambda c, p=part: p))
@@ -213,13 +217,25 @@ def main(argv=None):
     ap.add_argument("--py-spy", default=None, metavar="SVG", help="also record the decode loop with py-spy")
     ap.add_argument("--calls", action="store_true",
                     help="also count Python-level calls and np.empty/np.zeros per decode token (cProfile)")
+    ap.add_argument("--layer-regions", action="store_true",
+                    help="a dense model's layers as one region each (timed apart), not one region per token")
+    ap.add_argument("--split-layers", action="store_true",
+                    help="a dense layer's attention and FFN blocks as two regions (timed apart), not one")
     a = ap.parse_args(argv)
 
     from coli.engine import Engine
+    from cpu_kernels import set_threads
 
     path = resolve(a.model)
     eng = Engine(path, threads=a.threads, cpu_act=a.cpu_act, quiet=True, save_usage=False)
     m = eng.model
+    set_threads(eng.threads)  # the model is called directly below, not through the engine's calls that set them
+    if a.split_layers or a.layer_regions:
+        m.token_dec = None
+    if a.split_layers:
+        for L in m.layers:
+            if getattr(L, "layer_dec", None) is not None:
+                L.layer_dec = None
     rng = np.random.default_rng(0)
     vocab = min(eng.args.vocab, 30000)
     ntok = a.tokens

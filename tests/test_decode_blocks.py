@@ -32,6 +32,8 @@ def _decode(path, enabled: bool, monkeypatch, n_prompt: int = 30, n_tokens: int 
                 assert (L.layer_dec is not None) == enabled  # attention and FFN in one parallel region
         if m.step is not None:
             assert (m.step._row is not None) == enabled
+        else:   # a dense model: every layer in one region per token
+            assert (m.token_dec is not None) == enabled
         kv = m.new_cache(n_prompt + n_tokens + 4)
         m.forward(np.arange(n_prompt) % 50 + 5, kv)
         out, tok = [], 7
@@ -83,6 +85,35 @@ def test_regions_with_more_or_fewer_iterations_than_threads(name, nt, monkeypatc
     got, c_got = _decode(path, True, monkeypatch)
     assert np.array_equal(got, ref)
     assert c_got == c_ref
+
+
+def _interleaved(path, enabled, monkeypatch):
+    """Greedy tokens on two caches of different contexts, alternately (the token region re-reads the KV
+    caches' and RoPE tables' addresses when the cache changes), then a third cache after the others."""
+    monkeypatch.setattr(decode, "ENABLED", enabled)
+    with Engine(path, threads=2, cpu_act="int8") as eng:
+        m = eng.model
+        assert (m.token_dec is not None) == enabled
+        caches = [m.new_cache(48), m.new_cache(96)]
+        toks = [7, 11]
+        for i, kv in enumerate(caches):
+            m.forward(np.arange(20 + 5 * i) % 50 + 5, kv)
+        out = []
+        for step in range(12):
+            i = step % 2
+            lg = m.forward(np.array([toks[i]]), caches[i])
+            out.append(lg[0].copy())
+            toks[i] = int(np.argmax(lg[0]))
+        kv = m.new_cache(40)
+        m.forward(np.arange(10) + 3, kv)
+        out.append(m.forward(np.array([5]), kv)[0].copy())
+        out.append(m.forward(np.array([toks[0]]), caches[0])[0].copy())
+        return np.array(out)
+
+
+def test_token_region_follows_the_cache(monkeypatch):
+    path = FIXTURES / "oracles" / "rope_llama3.gguf"
+    assert np.array_equal(_interleaved(path, True, monkeypatch), _interleaved(path, False, monkeypatch))
 
 
 def test_f32_activations_keep_the_python_path():

@@ -16,6 +16,7 @@ from coli import finite
 from coli.errors import ColiError
 from cpu_kernels import experts as grouped
 from cpu_kernels import formats
+from cpu_kernels.decode import TokenDecode
 from cpu_kernels.norms import rms_norm
 
 from . import rope_scaling
@@ -233,6 +234,8 @@ class Model:
         self._ropes: dict = {}
         self.check_shapes()
         self.layers = [self.make_layer(il) for il in range(args.n_layers)]
+        # a dense model's decode row through every layer in one compiled call (None: the layers one by one)
+        self.token_dec = TokenDecode.of(self.layers)
         self.moe_layers = [il for il, L in enumerate(self.layers) if getattr(L, "moe", None) is not None]
         self.dense_bytes = sum(t.nbytes for n, t in self.t.items() if "_exps" not in n)
 
@@ -348,8 +351,9 @@ class Model:
         h = self.embed(ids)
         if self.embed_scale:
             h *= np.float32(self.embed_scale)
-        for L, c in zip(self.layers, cache.layers):
-            h = L(h, c, pos0)
+        if not (T == 1 and self.token_dec is not None and self.token_dec(h, cache, pos0)):
+            for L, c in zip(self.layers, cache.layers):
+                h = L(h, c, pos0)
         if self.step is not None and self.step.usage is not None and self.moe_layers:
             self.step.usage.add_tokens(T)
         cache.pos = pos0 + T
