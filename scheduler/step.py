@@ -146,7 +146,7 @@ class MoEStep:
         descs = [grouped.expert_desc(wt) for wt in ws]
         if any(d is None for d in descs):
             return None
-        for e in ids:
+        for e in sorted(ids):   # ascending ids, as the general path touches them: the same LRU order after
             cache.get(layer, e)  # a hit: counted, moved to the LRU's end
         t0 = time.perf_counter()
         y = self._row(np.ascontiguousarray(x, dtype=np.float32), descs, w, grouped.ACT_SWIGLU, self.clamp)

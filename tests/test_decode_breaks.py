@@ -32,9 +32,6 @@ def _lru_after_decode(path, enabled: bool, monkeypatch, n_tokens: int = 6):
         return {il: list(m.step.cache.lru[il])[-K:] for il in m.moe_layers}, lg
 
 
-@pytest.mark.xfail(strict=True, reason="MoEStep._run_row touches the RAM cache's LRU in routing-rank order; the "
-                                       "general path touches it in ascending expert order (group_pairs), so the "
-                                       "next eviction differs with a cache smaller than the experts")
 def test_compiled_experts_row_leaves_the_lru_order_of_the_python_path(monkeypatch):
     """After a decode row, the last K entries of each MoE layer's LRU are that row's experts in the order the
     general path touched them (ascending ids); the compiled experts row must leave the same order, or a RAM
