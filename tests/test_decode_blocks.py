@@ -120,3 +120,20 @@ def test_f32_activations_keep_the_python_path():
     with Engine(FIXTURES / "oracles" / "qwen3moe.gguf", threads=1, cpu_act="f32") as eng:
         assert all(L.attn_dec is None for L in eng.model.layers)
         assert eng.model.step._row is None
+
+
+@pytest.mark.parametrize("act", ["int8", "f32"])
+def test_a_smaller_cache_made_later_does_not_shrink_the_rope_tables(act):
+    """new_cache(96), then new_cache(8), then positions up to 60 on the first cache: the same logits as with the
+    first cache alone (the RoPE tables are built for the largest context asked, not the newest)."""
+    path = FIXTURES / "oracles" / "rope_llama3.gguf"
+    out = []
+    for second in (False, True):
+        with Engine(path, threads=2, cpu_act=act) as eng:
+            m = eng.model
+            kv = m.new_cache(96)
+            if second:
+                m.new_cache(8)
+            m.forward(np.arange(58) % 50 + 5, kv)
+            out.append(np.array([m.forward(np.array([t]), kv)[0] for t in (3, 9)]))
+    assert np.array_equal(out[0], out[1])

@@ -328,7 +328,9 @@ class Model:
 
     # -- caches ------------------------------------------------------------------------------------------
     def new_cache(self, ctx: int) -> Cache:
-        self._ctx = ctx
+        # the RoPE tables cover the largest cache made so far: a smaller cache made later must not shrink what an
+        # older, larger one still indexes (rope_table rebuilds a table only when it is shorter than this)
+        self._ctx = max(self._ctx, ctx)
         return Cache([L.new_cache(ctx) for L in self.layers], ctx)
 
     @classmethod
