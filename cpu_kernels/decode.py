@@ -84,7 +84,7 @@ def _mm_items(ctr, ph, nt, desc, nch, pstart, src, dst, off, xq, xd, xm, x, out)
 @njit(inline="always", **_FJIT)
 def _gate_up_items(ctr, ph, nt, gd, ud, pstart, src, xq, xd, xm, x, kind, limit, a):
     """Phase ``ph``: the work items of ``experts.ffn_gate_up`` (int8 activations), claimed in runs."""
-    nc = (gd[0, 1] + 15) // 16
+    nc = (gd[0, 1] + _E._RB - 1) // _E._RB
     n = gd.shape[0] * nc
     k = chunk(n, nt)
     while True:
@@ -365,16 +365,16 @@ class ExpertsRow:
         d3 = np.stack(descs, axis=1)  # [3, K, 13]
         F = int(d3[0, 0, 1])
         b = self._bufs.get((K, D, F))
-        if b is None:
+        if b is None:   # every expert's down projection has D rows: their block counts are fixed per (K, D)
             b = self._bufs[(K, D, F)] = (*_codes(1, D), np.arange(K + 1, dtype=np.int64),
                                          np.zeros(K, np.int64), np.arange(K, dtype=np.int64),
                                          np.empty((K, F), np.float32), *_codes(K, F),
-                                         np.empty((K, D), np.float32), np.empty(K + 1, np.int64))
+                                         np.empty((K, D), np.float32), _nch(d3[2]))
         xq, xd, xm, pstart, zeros, dst, a, aq, ad, am, pair_out, d_nch = b
-        _E.block_counts(d3[2], d_nch)
         y = np.empty((1, D), np.float32)
-        experts_row(numba.get_num_threads(), self.ctr, x, xq, xd, xm, d3[0], d3[1], d3[2], d_nch, pstart, zeros, dst, zeros, kind,
-                    np.float32(limit), a, aq, ad, am, pair_out, np.ascontiguousarray(w, dtype=np.float32), y)
+        experts_row(numba.get_num_threads(), self.ctr, x, xq, xd, xm, d3[0], d3[1], d3[2], d_nch, pstart, zeros,
+                    dst, zeros, kind, np.float32(limit), a, aq, ad, am, pair_out,
+                    np.ascontiguousarray(w, dtype=np.float32), y)
         return y
 
 
@@ -531,7 +531,7 @@ class TokenDecode:
         self.d_nch = st([f.d_nch for f in F])
         self.ctr = counters(len(layers) * (ATTN_PHASES + FFN_PHASES))
         self._cache = None
-        self._refs = None
+        self._ropes = None   # the RoPE tables whose addresses are in cos/sin (kept alive here)
 
     @staticmethod
     def of(layers):
@@ -565,7 +565,7 @@ class TokenDecode:
                 or not all(x.dtype == np.float32 and x.flags.c_contiguous for x in arrays)):
             return False
         addr = lambda xs: np.array([x.ctypes.data for x in xs], np.int64)  # noqa: E731
-        self._refs = (cache, ropes)
+        self._ropes = ropes
         self.kc, self.vc = addr([c.k for c in cache.layers]), addr([c.v for c in cache.layers])
         self.cos, self.sin = addr([r[0] for r in ropes]), addr([r[1] for r in ropes])
         self.kshape, self.vshape = np.array(next(iter(ks)), np.int64), np.array(next(iter(vs)), np.int64)
