@@ -86,6 +86,10 @@ from .vnni import _F32, _F32x16, _I8x64, _I32, _I32x16, _Ops, _arrays, vnni_intr
 _JIT = dict(nogil=True, cache=True, fastmath=True)
 
 ROWS = 16
+#: bytes ahead of the record in use that the tile loops prefetch (one ``prefetcht0`` per cache line of a record, an
+#: iteration): a decode token streams every layer's tiles once, and on the 2-core VM the hardware prefetchers alone
+#: left the GEMVs well below the read bandwidth (docs/cpu_kernels.md "Software prefetch")
+PREFETCH = 2048
 #: per type: (weights per record, record bytes, code bytes, GGUF block bytes); the kinds of ``decode_row``
 SPEC = {"Q4_0": (32, 288, 256, 18), "Q4_1": (32, 320, 256, 20), "Q8_0": (32, 544, 512, 34),
         "Q5_0": (32, 352, 256, 22), "Q4_K": (256, 2368, 2048, 144), "Q6_K": (256, 3360, 3072, 210),
@@ -229,10 +233,17 @@ def _emit_tile(b, name, rec_data, nsb, rows):
     sh4 = ir.Constant(_I8x64, [4] * 64)
     i32p = _I32.as_pointer()
     zero = ir.Constant(_I32x16, None)
+    _i32 = lambda v: ir.Constant(_I32, v)  # noqa: E731
+    # llvm.prefetch(address, read, locality 3 = all cache levels, data cache)
+    prefetch = cgutils.get_or_insert_function(b.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(),
+                                                                                          _I32, _I32, _I32]),
+                                              "llvm.prefetch.p0i8")
     with cgutils.for_range(b, nsb) as loop:
         k = loop.index
         c = lambda v: ir.Constant(k.type, v)  # noqa: E731
         base = b.gep(rec_data, [b.mul(k, c(rec_bytes))])
+        for q in range(0, rec_bytes, 64):   # the records PREFETCH bytes ahead, a cache line at a time
+            b.call(prefetch, [b.gep(base, [c(PREFETCH + q)]), _i32(0), _i32(3), _i32(1)])
         xbs = [b.gep(r[0], [b.mul(k, c(bs))]) for r in rows]
 
         def xs(i, j):  # activation codes j..j+3 of row i's block, broadcast to 16 lanes

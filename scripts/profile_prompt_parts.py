@@ -24,6 +24,7 @@ from coli.engine import Engine  # noqa: E402
 path, thr, T = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 eng = Engine(path, threads=thr)
 m = eng.model
+cpu_kernels.set_threads(thr)  # m.forward is called directly below, outside the engine's calls that set them
 tot = defaultdict(float); cnt = defaultdict(int)
 def wrap(mod, name):
     f = getattr(mod, name)
