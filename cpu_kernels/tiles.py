@@ -1,5 +1,5 @@
 """The 16-row interleaved weight layout ("t16") of Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K,
-MXFP4, IQ4_NL, IQ4_XS, IQ2_XXS and IQ3_XXS for the int8 (VNNI) kernels.
+MXFP4, IQ4_NL, IQ4_XS, IQ2_XXS, IQ3_XXS and IQ3_S for the int8 (VNNI) kernels.
 
 The row layouts of ``formats`` give each output row its own dot product: a few ``vpdpbusd`` per row, then a
 horizontal sum and the block scales one at a time. For a decode GEMV that is compute-bound on one core (a
@@ -35,6 +35,7 @@ IQ2_XXS 1696    per 256: level codes (2 bits, into 8, 25, 43) as Q2_K's qs, sign
                 (Q3_K's hmask: bit ib of byte l, element 32 ib + l), 2s + 1 int8 [ib = 0..7][16 rows], d f16 [16]
 IQ3_XXS 2208    per 256: nibbles c | sign << 3 (c: 3-bit level code into 4, 12, ..., 52, 62) as IQ4_XS's codes,
                 2s + 1 int8 [ib = 0..7][16 rows], d f16 [16]
+IQ3_S   2208    as IQ3_XXS, levels 1, 3, ..., 15, and 1 + 2s per sub-block
 ======  ======  ===============================================================================================
 
 so a 64-byte load holds 4 codes (8 nibbles) of each of the 16 rows. ggml's Q4 byte j holds element j (low
@@ -65,17 +66,19 @@ ones, weight-side, so shared by a batch's rows) is subtracted exactly in int32. 
 in integer registers (ggml's ``ggml_e8m0_to_fp32_half``, exact; the table holds doubled e2m1 values); IQ4_XS:
 ``d16 * sum_ib ls16_ib * xd[ib] * (isum - 128 wsum)_ib`` per super-block.
 
-IQ2_XXS, IQ3_XXS (``dequantize_row_iq2_xxs``/``iq3_xxs``: w = d (0.5 + s) / 4 (/ 2) x grid x sign): every value
-of their grids is one of 3 (IQ2: 8, 25, 43) or 8 (IQ3_XXS: 4, 12, ..., 52, 62) levels (``coli.iq_tables``), so
+IQ2_XXS, IQ3_XXS, IQ3_S (``dequantize_row_iq2_xxs``/``iq3_xxs``: w = d (0.5 + s) / 4 (/ 2) x grid x sign;
+``iq3_s``: d (1 + 2s) x grid x sign): every value of their grids is one of 3 (IQ2: 8, 25, 43) or 8 (IQ3_XXS: 4,
+12, ..., 52, 62; IQ3_S: 1, 3, ..., 15) levels (``coli.iq_tables``), so
 ``pack`` re-encodes each weight as its level code and sign bit (ksigns' parity bit written out) and the kernels
-decode them in registers, no table gathers: IQ3_XXS is IQ4_XS's tile with the 16 signed levels as its table;
+decode them in registers, no table gathers: IQ3_XXS and IQ3_S are IQ4_XS's tile with the 16 signed levels as
+its table;
 IQ2_XXS cuts 2-bit codes as Q2_K's tile, looks them up as unsigned levels (``vpshufb``: 8, 25, 43) and puts the
 signs on the broadcast activation codes instead (a masked negation under a ``vptestmb`` of the sign plane;
 |x| <= 127), so ``vpdpbusd`` needs neither the x + 128 trick nor a weight sum. Both then run
-IQ4_XS's arithmetic with the integer sub-block scale 2s + 1 and d / 8 (IQ3_XXS: d / 4; a power of two, exact)
-once per super-block. Bytes: 1.61x (IQ2_XXS) and 1.41x (IQ3_XXS)
-the file, against 4.36x and 2.94x for their expanded row layout (``cpu_kernels.iquants``): the file's grid index
-holds 8 weights in 8 bits, the level codes take 16 (docs/iquants.md).
+IQ4_XS's arithmetic with the integer sub-block scale 2s + 1 and d / 8 (IQ3_XXS: d / 4; a power of two, exact;
+IQ3_S: d) once per super-block. Bytes: 1.61x (IQ2_XXS), 1.41x (IQ3_XXS) and 1.25x (IQ3_S) the file, against
+4.36x, 2.94x and 2.62x for their expanded row layout (``cpu_kernels.iquants``): the file's grid index holds 8
+weights in 8 bits (IQ3: 4 in 8 or 9), the level codes take 16 (12) (docs/iquants.md).
 
 The scales stay f16 (one ``vcvtph2ps`` per 16 rows), so a tile holds the file's bytes (the unpacked 6-bit
 sub-block scales: Q4_K 1.028x, Q5_K 1.023x, IQ4_XS 1.015x, Q3_K 1.036x): the GEMV streams about 1.0x the file
@@ -87,7 +90,7 @@ Every t16 path (decode, expert batch, prompt rows) runs the same per-row tile ar
 depends on how it was batched.
 
 Used where ``formats.prepare`` sees VNNI (``HAVE_VNNI``), ``formats.TILES`` on and O a multiple of 16. TQ1_0,
-TQ2_0, the other grid i-quants (IQ2_XS, IQ2_S, IQ3_S, IQ1_S, IQ1_M), NVFP4 and the float types keep their row
+TQ2_0, the other grid i-quants (IQ2_XS, IQ2_S, IQ1_S, IQ1_M), NVFP4 and the float types keep their row
 layouts.
 """
 from __future__ import annotations
@@ -108,18 +111,20 @@ SPEC = {"Q4_0": (32, 288, 256, 18), "Q4_1": (32, 320, 256, 20), "Q8_0": (32, 544
         "Q5_0": (32, 352, 256, 22), "Q4_K": (256, 2368, 2048, 144), "Q6_K": (256, 3360, 3072, 210),
         "MXFP4": (32, 272, 256, 17), "IQ4_NL": (32, 288, 256, 18), "IQ4_XS": (256, 2208, 2048, 136),
         "Q2_K": (256, 1344, 1024, 84), "Q3_K": (256, 1824, 1536, 110), "Q5_1": (32, 384, 256, 24),
-        "Q5_K": (256, 2880, 2560, 176), "IQ2_XXS": (256, 1696, 1536, 66), "IQ3_XXS": (256, 2208, 2048, 98)}
+        "Q5_K": (256, 2880, 2560, 176), "IQ2_XXS": (256, 1696, 1536, 66), "IQ3_XXS": (256, 2208, 2048, 98),
+        "IQ3_S": (256, 2208, 2048, 110)}
 RECORD = {k: v[1] for k, v in SPEC.items()}
 KIND = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q5_0": 3, "Q4_K": 4, "Q6_K": 5, "MXFP4": 6, "IQ4_NL": 7, "IQ4_XS": 8,
-        "Q2_K": 9, "Q3_K": 10, "Q5_1": 11, "Q5_K": 12, "IQ2_XXS": 13, "IQ3_XXS": 14}
+        "Q2_K": 9, "Q3_K": 10, "Q5_1": 11, "Q5_K": 12, "IQ2_XXS": 13, "IQ3_XXS": 14, "IQ3_S": 15}
 #: the 16-entry int8 tables of the 4-bit table types (gguf.quants: MXFP4's doubled e2m1 values, ggml's
 #: ``kvalues_mxfp4``; IQ4_NL/IQ4_XS's ``kvalues_iq4nl``; IQ3_XXS's signed grid levels, ``_iq3_levels``)
-_LUT = {"MXFP4": 0, "IQ4_NL": 1, "IQ4_XS": 1, "IQ3_XXS": 2}
+_LUT = {"MXFP4": 0, "IQ4_NL": 1, "IQ4_XS": 1, "IQ3_XXS": 2, "IQ3_S": 4}
 
 
 def _levels(type_name):
     """The distinct values of a grid i-quant's codebook (coli.iq_tables: IQ2 8, 25, 43; IQ3_XXS 4, 12, ..., 52,
-    62), ascending: a grid entry is a code per weight into these (2 bits for IQ2_XXS, 3 for IQ3_XXS)."""
+    62; IQ3_S 1, 3, ..., 15), ascending: a grid entry is a code per weight into these (2 bits for IQ2_XXS, 3 for
+    the IQ3 types)."""
     from coli import iq_tables
 
     return np.unique(iq_tables.grid(type_name)).astype(np.int8)
@@ -130,8 +135,10 @@ _IQ3_TABLE = np.concatenate([_levels("IQ3_XXS"), -_levels("IQ3_XXS")]).astype(np
 #: IQ2_XXS's 3-bit c | sign << 2 -> signed code (the 3 levels, 0, their negatives, 0; 8 unused entries)
 _IQ2_TABLE = np.zeros(16, np.int8)
 _IQ2_TABLE[:3], _IQ2_TABLE[4:7] = _levels("IQ2_XXS"), -_levels("IQ2_XXS")
-assert len(_levels("IQ2_XXS")) == 3 and len(_levels("IQ3_XXS")) == 8
-_TABLES = np.array([gq.MXFP4.kvalues, gq.IQ4_NL.kvalues, _IQ3_TABLE, _IQ2_TABLE], np.int8)
+#: IQ3_S's nibble c | sign << 3 -> signed code (1, 3, ..., 15, then their negatives)
+_IQ3S_TABLE = np.concatenate([_levels("IQ3_S"), -_levels("IQ3_S")]).astype(np.int8)
+assert len(_levels("IQ2_XXS")) == 3 and len(_levels("IQ3_XXS")) == 8 and len(_levels("IQ3_S")) == 8
+_TABLES = np.array([gq.MXFP4.kvalues, gq.IQ4_NL.kvalues, _IQ3_TABLE, _IQ2_TABLE, _IQ3S_TABLE], np.int8)
 #: record bytes and code bytes by kind (``SPEC`` as tuples: constants inside the compiled ``decode_row``)
 _REC = tuple(SPEC[n][1] for n in sorted(KIND, key=KIND.get))
 _NC = tuple(SPEC[n][2] for n in sorted(KIND, key=KIND.get))   # experts.FC_T4_0 + kind
@@ -177,7 +184,8 @@ _FIELDS = {"Q4_0": [(2, 4, 4, 0), (0, 1, 2, 256)],
 
 def _grid_codes(type_name, blk):
     """The grid i-quants' blocks [T, 16, nb, block bytes] as per-weight level codes, sign bits and sub-block
-    scales (``dequantize_row_iq2_xxs`` / ``iq3_xxs``: w = d * (0.5 + s) / 4 (IQ3_XXS: / 2) * grid * sign):
+    scales (``dequantize_row_iq2_xxs`` / ``iq3_xxs``: w = d * (0.5 + s) / 4 (IQ3_XXS: / 2) * grid * sign;
+    ``iq3_s``: w = d * (1 + 2s) * grid * sign, a 9-bit grid index, plain sign bytes):
     (codes uint8 [T, 16, nb, 256] into ``_levels``, sign bits uint8 [T, 16, nb, 256] (1: negative), 2s + 1 int8
     [T, 16, nb, 8] per 32-weight sub-block)."""
     from coli import iq_tables
@@ -189,9 +197,16 @@ def _grid_codes(type_name, blk):
         q = np.ascontiguousarray(blk[..., 2:66]).reshape(T, R, nb, 8, 8)
         gi = q[..., :4]                                                   # [T, R, nb, 8, 4]: 8 weights each
         aux = np.ascontiguousarray(q[..., 4:]).view("<u4")[..., 0]       # [T, R, nb, 8]
-    else:                        # IQ3_XXS: 64 grid indices (4 weights each), then u32 [8] signs and scales
+    elif type_name == "IQ3_XXS":  # 64 grid indices (4 weights each), then u32 [8] signs and scales
         gi = blk[..., 2:66].reshape(T, R, nb, 8, 8)
         aux = np.ascontiguousarray(blk[..., 66:98]).view("<u4").reshape(T, R, nb, 8)
+    else:                        # IQ3_S: qs [64] | qh bit << 8, signs u8 [32], scale nibbles u8 [4]
+        qh = (blk[..., 66:74, None] >> np.arange(8, dtype=np.uint8)) & 1                  # [T, R, nb, 8, 8]
+        gi = blk[..., 2:66].astype(np.int64) | (qh.reshape(T, R, nb, 64).astype(np.int64) << 8)
+        codes = cmap[gi].reshape(T, R, nb, 256)
+        signs = ((blk[..., 74:106, None] >> np.arange(8, dtype=np.uint8)) & 1).reshape(T, R, nb, 256)
+        sc = blk[..., 106:110, None] >> np.array([0, 4], np.uint8)                       # [T, R, nb, 4, 2]
+        return codes, signs, (2 * (sc & 15) + 1).astype(np.int8).reshape(T, R, nb, 8)
     codes = cmap[gi].reshape(T, R, nb, 256)
     ks = iq_tables.ksigns()[(aux[..., None] >> np.arange(0, 28, 7, dtype=np.uint32)) & 127]   # [.., 8, 4]
     signs = ((ks[..., None] >> np.arange(8, dtype=np.uint8)) & 1).reshape(T, R, nb, 256)
@@ -206,7 +221,7 @@ def pack(type_name: str, raw: np.ndarray, O: int, I: int) -> np.ndarray:
     T = O // ROWS
     blk = np.asarray(raw).reshape(T, ROWS, nb, bsz)
     out = np.empty((T, nb, rec), np.uint8)
-    if type_name in ("IQ2_XXS", "IQ3_XXS"):
+    if type_name in ("IQ2_XXS", "IQ3_XXS", "IQ3_S"):
         codes, signs, sc = _grid_codes(type_name, blk)
         if type_name == "IQ2_XXS":   # Q2_K's qs: element 128n + 32j + l: bits 2j of qs byte l of half n
             c = codes.reshape(T, ROWS, nb, 2, 4, 32)
@@ -249,7 +264,7 @@ def pack(type_name: str, raw: np.ndarray, O: int, I: int) -> np.ndarray:
 def scales(type_name: str, rec: np.ndarray, O: int, I: int):
     """(d f32 [O, nblocks], minimum f32 [O, nblocks] or None) read back from tile records: Q4_1's m, Q4_K's and
     Q2_K's dmin (the finite checks, tests). MXFP4: its E8M0 scales as ggml's ``e8m0_to_fp32_half`` (the kernels'
-    d, the table being doubled); IQ4_XS, IQ2_XXS, IQ3_XXS: the super-block's f16 d (the sub-block scales are
+    d, the table being doubled); IQ4_XS, IQ2_XXS, IQ3_XXS, IQ3_S: the super-block's f16 d (the sub-block scales are
     integers)."""
     bs, rb, nc, _ = SPEC[type_name]
     nb = I // bs
@@ -268,7 +283,7 @@ def scales(type_name: str, rec: np.ndarray, O: int, I: int):
 
 
 #: where the f16 d [16] starts after a record's code bytes (the sub-block scales, Q5_0's fifth bits before it)
-_SCALE_AT = {"Q5_0": 64, "Q4_K": 256, "Q6_K": 256, "IQ4_XS": 128, "IQ2_XXS": 128, "IQ3_XXS": 128, "Q2_K": 256, "Q3_K": 256, "Q5_1": 64, "Q5_K": 256}
+_SCALE_AT = {"Q5_0": 64, "Q4_K": 256, "Q6_K": 256, "IQ4_XS": 128, "IQ2_XXS": 128, "IQ3_XXS": 128, "IQ3_S": 128, "Q2_K": 256, "Q3_K": 256, "Q5_1": 64, "Q5_K": 256}
 #: the types with a second f16 (m or dmin) after d
 _MINS = ("Q4_1", "Q4_K", "Q2_K", "Q5_1", "Q5_K")
 
@@ -350,7 +365,7 @@ def _emit_tile(b, name, rec_data, nsb, rows):
             # x ^ 0x80): dot = sum w x + 128 sum w, the sum w per block and row from one vpdpbusd with ones
             # (weight-side, shared by the batch's rows), subtracted exactly in int32
             tab = ir.Constant(_I8x64, [int(v) for v in _TABLES[_LUT[name]]] * 4)
-            nsub = 8 if name in ("IQ4_XS", "IQ3_XXS") else 1
+            nsub = 8 if name in ("IQ4_XS", "IQ3_XXS", "IQ3_S") else 1
             if name == "MXFP4":   # E8M0 -> 2^(e - 128) (ggml_e8m0_to_fp32_half: the table is doubled), bit-exact
                 e = b.zext(ld(nc, _I8x16), _I32x16)
                 bits = b.select(b.icmp_unsigned("<", e, _i32x16(2)), b.shl(_i32x16(0x00200000), e),
@@ -696,6 +711,8 @@ tile_iq2_xxs = _tile_intrinsic("IQ2_XXS")
 tile_iq3_xxs = _tile_intrinsic("IQ3_XXS")
 tile4_iq2_xxs = _tile4_intrinsic("IQ2_XXS")
 tile4_iq3_xxs = _tile4_intrinsic("IQ3_XXS")
+tile_iq3_s = _tile_intrinsic("IQ3_S")
+tile4_iq3_s = _tile4_intrinsic("IQ3_S")
 
 
 @njit(inline="always", **_JIT)
@@ -718,7 +735,7 @@ def decode_row(rec, kind, r, I, buf):
     """Row r (0..15) of a tile decoded to f32 into buf [I] (ggml's dequantize_row_q4_0 / q4_1 / q8_0 / q5_0 /
     q4_K / q6_K / mxfp4 / iq4_nl / iq4_xs / q2_K / q3_K / iq2_xxs / iq3_xxs). rec uint8: the tile's records;
     kind: ``KIND`` (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0, 4 Q4_K, 5 Q6_K, 6 MXFP4, 7 IQ4_NL, 8 IQ4_XS, 9 Q2_K, 10 Q3_K,
-    11 Q5_1, 12 Q5_K, 13 IQ2_XXS, 14 IQ3_XXS); the two i-quants bit for bit as gguf.quants."""
+    11 Q5_1, 12 Q5_K, 13 IQ2_XXS, 14 IQ3_XXS, 15 IQ3_S); the three i-quants bit for bit as gguf.quants."""
     if kind == 9 or kind == 10:
         for s in range(I // 256):
             base = s * _REC[kind]
@@ -759,20 +776,24 @@ def decode_row(rec, kind, r, I, buf):
                             v = _TABLES[3][((q >> (2 * j)) & 3) | ((sb & 1) << 2)]
                             buf[256 * s + 128 * n + 32 * j + 4 * g + i] = db * np.float32(v)
         return
-    if kind == 14:   # IQ3_XXS nibbles: dequantize_row_iq3_xxs's d * (0.5 + s) * 0.5 * grid * sign
+    if kind == 14 or kind == 15:   # IQ3_XXS / IQ3_S nibbles: dequantize_row_iq3_xxs's d * (0.5 + s) * 0.5,
+        kv = _TABLES[2] if kind == 14 else _TABLES[4]   # iq3_s's d * (1 + 2s); times grid * sign
         for s in range(I // 256):
-            base = s * _REC[14]
-            nc = _NC[14]
+            base = s * _REC[kind]
+            nc = _NC[kind]
             d = f16_at(rec, base + nc + 128 + 2 * r)
             for sb in range(8):
-                db = d * (np.float32(0.5) + np.float32((np.int64(rec[base + nc + 16 * sb + r]) - 1) // 2)) \
-                    * np.float32(0.5)
+                ls = np.int64(rec[base + nc + 16 * sb + r])
+                if kind == 14:
+                    db = d * (np.float32(0.5) + np.float32((ls - 1) // 2)) * np.float32(0.5)
+                else:
+                    db = d * np.float32(ls)
                 for g in range(4):
                     for i in range(4):
                         q = rec[base + 256 * sb + 64 * g + 4 * r + i]
                         e = 256 * s + 32 * sb + 4 * g + i
-                        buf[e] = db * np.float32(_TABLES[2][q & 15])
-                        buf[e + 16] = db * np.float32(_TABLES[2][q >> 4])
+                        buf[e] = db * np.float32(kv[q & 15])
+                        buf[e + 16] = db * np.float32(kv[q >> 4])
         return
     if kind >= 6 and kind <= 8:   # the 4-bit table types: per 32, codes as Q4_0's, w = d * table[code]
         kv = _TABLES[0] if kind == 6 else _TABLES[1]
