@@ -182,36 +182,55 @@ _FIELDS = {"Q4_0": [(2, 4, 4, 0), (0, 1, 2, 256)],
            "Q5_K": [(48, 32, 4, 0), (16, 8, 4, 2048), (0, 1, 2, 2816), (2, 1, 2, 2848)]}
 
 
-def _grid_codes(type_name, blk):
-    """The grid i-quants' blocks [T, 16, nb, block bytes] as per-weight level codes, sign bits and sub-block
-    scales (``dequantize_row_iq2_xxs`` / ``iq3_xxs``: w = d * (0.5 + s) / 4 (IQ3_XXS: / 2) * grid * sign;
-    ``iq3_s``: w = d * (1 + 2s) * grid * sign, a 9-bit grid index, plain sign bytes):
-    (codes uint8 [T, 16, nb, 256] into ``_levels``, sign bits uint8 [T, 16, nb, 256] (1: negative), 2s + 1 int8
-    [T, 16, nb, 8] per 32-weight sub-block)."""
-    from coli import iq_tables
-
+@njit(parallel=True, nogil=True, cache=True)
+def _pack_grid(blk, kind, cmap, ksig, out):
+    """blk uint8 [T, 16, nb, block bytes] of IQ2_XXS (kind 13), IQ3_XXS (14) or IQ3_S (15) -> out uint8 [T, nb,
+    record] (zeroed by the caller): each weight's level code ``cmap[grid index, j]`` and sign bit put where the
+    module doc's records say; ``dequantize_row_iq2_xxs`` / ``iq3_xxs`` / ``iq3_s``'s fields."""
     T, R, nb, _ = blk.shape
-    grid = iq_tables.grid(type_name)
-    cmap = np.searchsorted(_levels(type_name), grid).astype(np.uint8)      # [256, 8 or 4] level codes
-    if type_name == "IQ2_XXS":   # per sub-block two u32: 4 grid indices; 4 x 7-bit ksigns index, scale >> 28
-        q = np.ascontiguousarray(blk[..., 2:66]).reshape(T, R, nb, 8, 8)
-        gi = q[..., :4]                                                   # [T, R, nb, 8, 4]: 8 weights each
-        aux = np.ascontiguousarray(q[..., 4:]).view("<u4")[..., 0]       # [T, R, nb, 8]
-    elif type_name == "IQ3_XXS":  # 64 grid indices (4 weights each), then u32 [8] signs and scales
-        gi = blk[..., 2:66].reshape(T, R, nb, 8, 8)
-        aux = np.ascontiguousarray(blk[..., 66:98]).view("<u4").reshape(T, R, nb, 8)
-    else:                        # IQ3_S: qs [64] | qh bit << 8, signs u8 [32], scale nibbles u8 [4]
-        qh = (blk[..., 66:74, None] >> np.arange(8, dtype=np.uint8)) & 1                  # [T, R, nb, 8, 8]
-        gi = blk[..., 2:66].astype(np.int64) | (qh.reshape(T, R, nb, 64).astype(np.int64) << 8)
-        codes = cmap[gi].reshape(T, R, nb, 256)
-        signs = ((blk[..., 74:106, None] >> np.arange(8, dtype=np.uint8)) & 1).reshape(T, R, nb, 256)
-        sc = blk[..., 106:110, None] >> np.array([0, 4], np.uint8)                       # [T, R, nb, 4, 2]
-        return codes, signs, (2 * (sc & 15) + 1).astype(np.int8).reshape(T, R, nb, 8)
-    codes = cmap[gi].reshape(T, R, nb, 256)
-    ks = iq_tables.ksigns()[(aux[..., None] >> np.arange(0, 28, 7, dtype=np.uint32)) & 127]   # [.., 8, 4]
-    signs = ((ks[..., None] >> np.arange(8, dtype=np.uint8)) & 1).reshape(T, R, nb, 256)
-    sc = (2 * (aux >> 28) + 1).astype(np.int8)
-    return codes, signs, sc
+    nc = 1536 if kind == 13 else 2048
+    for tb in prange(T * nb):
+        t = tb // nb
+        b = tb % nb
+        for r in range(R):
+            x = blk[t, r, b]
+            out[t, b, nc + 128 + 2 * r] = x[0]
+            out[t, b, nc + 129 + 2 * r] = x[1]
+            for ib in range(8):
+                if kind == 15:   # scale nibble per 32, plain sign bytes, 9-bit grid index (qh bit 8)
+                    aux = np.int64(0)
+                    s = (np.int64(x[106 + ib // 2]) >> (4 * (ib % 2))) & 15
+                else:            # the u32 of 4 x 7-bit ksigns indices and the scale >> 28
+                    o = 6 + 8 * ib if kind == 13 else 66 + 4 * ib
+                    aux = (np.int64(x[o]) | (np.int64(x[o + 1]) << 8) | (np.int64(x[o + 2]) << 16)
+                           | (np.int64(x[o + 3]) << 24))
+                    s = aux >> 28
+                out[t, b, nc + 16 * ib + r] = 2 * s + 1
+                for l in range(4):   # 8 weights each: one IQ2 grid entry, two IQ3 entries
+                    if kind == 15:
+                        sg = np.int64(x[74 + 4 * ib + l])
+                    else:
+                        sg = np.int64(ksig[(aux >> (7 * l)) & 127])
+                    for jj in range(8):
+                        e = 32 * ib + 8 * l + jj
+                        if kind == 13:
+                            code = cmap[x[2 + 8 * ib + l], jj]
+                        else:
+                            k = 2 * l + jj // 4
+                            gi = np.int64(x[2 + 8 * ib + k])
+                            if kind == 15:
+                                gi |= ((np.int64(x[66 + ib]) >> k) & 1) << 8
+                            code = cmap[gi, jj % 4]
+                        neg = (sg >> jj) & 1
+                        if kind == 13:   # Q2_K's qs (element 128n + 32j + l'), sign bit ib of hmask byte l'
+                            lp = e & 31
+                            q = 64 * (8 * (e >> 7) + (lp >> 2)) + 4 * r + (lp & 3)
+                            out[t, b, q] |= code << (2 * ((e >> 5) & 3))
+                            out[t, b, 1024 + 64 * (lp >> 2) + 4 * r + (lp & 3)] |= neg << ib
+                        else:            # IQ4_XS's nibbles: c | sign << 3
+                            w = e & 31
+                            q = 256 * ib + 64 * ((w >> 2) & 3) + 4 * r + (w & 3)
+                            out[t, b, q] |= (code | (neg << 3)) << (4 * (w >> 4))
 
 
 def pack(type_name: str, raw: np.ndarray, O: int, I: int) -> np.ndarray:
@@ -222,21 +241,11 @@ def pack(type_name: str, raw: np.ndarray, O: int, I: int) -> np.ndarray:
     blk = np.asarray(raw).reshape(T, ROWS, nb, bsz)
     out = np.empty((T, nb, rec), np.uint8)
     if type_name in ("IQ2_XXS", "IQ3_XXS", "IQ3_S"):
-        codes, signs, sc = _grid_codes(type_name, blk)
-        if type_name == "IQ2_XXS":   # Q2_K's qs: element 128n + 32j + l: bits 2j of qs byte l of half n
-            c = codes.reshape(T, ROWS, nb, 2, 4, 32)
-            qs = sum(c[..., j, :] << np.uint8(2 * j) for j in range(4))                 # [T, R, nb, 2, 32]
-            out[:, :, :1024] = qs.reshape(T, ROWS, nb, 2, 8, 4).transpose(0, 2, 3, 4, 1, 5).reshape(T, nb, 1024)
-            # sign bits as Q3_K's hmask: bit m of byte l is element 32m + l's
-            sg = signs.reshape(T, ROWS, nb, 8, 32)
-            hm = sum(sg[..., m, :] << np.uint8(m) for m in range(8))                    # [T, R, nb, 32]
-            out[:, :, 1024:1536] = hm.reshape(T, ROWS, nb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(T, nb, 512)
-        else:                        # IQ4_XS's nibbles: c | sign << 3 of elements 32ib + 4g + i (low), + 16 (high)
-            nib = (codes | (signs << np.uint8(3))).reshape(T, ROWS, nb, 8, 2, 4, 4)
-            by = nib[..., 0, :, :] | (nib[..., 1, :, :] << np.uint8(4))                # [T, R, nb, 8, 4, 4]
-            out[:, :, :2048] = by.transpose(0, 2, 3, 4, 1, 5).reshape(T, nb, 2048)
-        out[:, :, nc:nc + 128] = sc.transpose(0, 2, 3, 1).reshape(T, nb, 128).view(np.uint8)
-        out[:, :, nc + 128:nc + 160] = blk[..., 0:2].transpose(0, 2, 1, 3).reshape(T, nb, 32)
+        from coli import iq_tables
+
+        out[:] = 0
+        cmap = np.searchsorted(_levels(type_name), iq_tables.grid(type_name)).astype(np.uint8)
+        _pack_grid(blk, KIND[type_name], cmap, iq_tables.ksigns(), out)
         return out.reshape(T, nb * rec)
     _pack(blk, out, np.array(_FIELDS[type_name], np.int64))
     if type_name in ("Q4_K", "Q5_K"):  # ggml's 6-bit scales and mins unpacked, [sub-block][row]
