@@ -1,7 +1,7 @@
 """The 16-row interleaved layout (cpu_kernels/tiles.py) of Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K, MXFP4, IQ4_NL,
-IQ4_XS, Q2_K, Q3_K, Q5_1, Q5_K, IQ2_XXS, IQ3_XXS, IQ3_S, IQ2_XS and IQ2_S: packing against
-the GGUF bytes, every op against the NumPy reference through tests/test_backend_ops.py's cases (O a multiple of
-16, so the weights take the layout), a row's result independent of its batch, and the finite checks on the tiles' scales."""
+IQ4_XS, Q2_K, Q3_K, Q5_1, Q5_K, IQ2_XXS, IQ3_XXS, IQ3_S, IQ2_XS and IQ2_S: packing against the GGUF bytes, every
+op against the NumPy reference through tests/test_backend_ops.py's cases (O a multiple of 16, so the weights
+take the layout), a row's result independent of its batch, and the finite checks on the tiles' scales."""
 from __future__ import annotations
 
 import gguf.quants as gq
