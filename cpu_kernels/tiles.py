@@ -71,13 +71,11 @@ in integer registers (ggml's ``ggml_e8m0_to_fp32_half``, exact; the table holds 
 IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S (``dequantize_row_iq2_xxs``/``iq2_xs``/``iq2_s``/``iq3_xxs``: w = d
 (0.5 + s) / 4 (IQ3_XXS / 2) x grid x sign; ``iq3_s``: d (1 + 2s) x grid x sign): every value of their grids is
 one of 3 (IQ2: 8, 25, 43) or 8 (IQ3_XXS: 4, 12, ..., 52, 62; IQ3_S: 1, 3, ..., 15) levels (``coli.iq_tables``),
-so
-``pack`` re-encodes each weight as its level code and sign bit (ksigns' parity bit written out) and the kernels
-decode them in registers, no table gathers: IQ3_XXS and IQ3_S are IQ4_XS's tile with the 16 signed levels as
-its table;
-IQ2_XXS cuts 2-bit codes as Q2_K's tile, looks them up as unsigned levels (``vpshufb``: 8, 25, 43) and puts the
-signs on the broadcast activation codes instead (a masked negation under a ``vptestmb`` of the sign plane;
-|x| <= 127), so ``vpdpbusd`` needs neither the x + 128 trick nor a weight sum. Both then run
+so ``pack`` (``_pack_grid``) re-encodes each weight as its level code and sign bit (ksigns' parity bit written
+out) and the kernels decode them in registers, no table gathers. IQ3_XXS and IQ3_S are IQ4_XS's tile with the 16
+signed levels as its table. IQ2_* cut 2-bit codes as Q2_K's tile, look them up as unsigned levels (``vpshufb``:
+8, 25, 43) and put the signs on the broadcast activation codes instead (a masked negation under a ``vptestmb``
+of the sign plane; |x| <= 127), so ``vpdpbusd`` needs neither the x + 128 trick nor a weight sum. All then run
 IQ4_XS's arithmetic with the integer sub-block scale 2s + 1 and d / 8 (IQ3_XXS: d / 4; a power of two, exact;
 IQ3_S: d) once per super-block; IQ2_XS and IQ2_S sum the two 16-weight halves of a sub-block apart for their
 scales per 16. Bytes: 1.61x (IQ2_XXS), 1.54x (IQ2_XS), 1.39x (IQ2_S), 1.41x (IQ3_XXS) and 1.25x (IQ3_S) the
@@ -86,8 +84,8 @@ file's grid index holds 8 weights in 8-10 bits (IQ3: 4 in 8 or 9), the level cod
 (docs/iquants.md).
 
 The scales stay f16 (one ``vcvtph2ps`` per 16 rows), so a tile holds the file's bytes (the unpacked 6-bit
-sub-block scales: Q4_K 1.028x, Q5_K 1.023x, IQ4_XS 1.015x, Q3_K 1.036x): the GEMV streams about 1.0x the file
-instead of the row layouts' 1.06-1.67x.
+sub-block scales: Q4_K 1.028x, Q5_K 1.023x, IQ4_XS 1.015x, Q3_K 1.036x; the grid i-quants above 1.25-1.61x): the
+GEMV streams about 1.0x the file instead of the row layouts' 1.06-1.67x.
 
 Results: the same exact int32 block dots as the row kernels; the f32 sums over blocks run in block order per
 row (the row kernels sum lanes of partial dots), so the two layouts agree to f32 rounding, not bit for bit.
@@ -95,8 +93,7 @@ Every t16 path (decode, expert batch, prompt rows) runs the same per-row tile ar
 depends on how it was batched.
 
 Used where ``formats.prepare`` sees VNNI (``HAVE_VNNI``), ``formats.TILES`` on and O a multiple of 16. TQ1_0,
-TQ2_0, IQ1_S, IQ1_M, NVFP4 and the float types keep their row
-layouts.
+TQ2_0, IQ1_S, IQ1_M, NVFP4 and the float types keep their row layouts.
 """
 from __future__ import annotations
 
@@ -123,14 +120,14 @@ KIND = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q5_0": 3, "Q4_K": 4, "Q6_K": 5, "MXFP4
         "Q2_K": 9, "Q3_K": 10, "Q5_1": 11, "Q5_K": 12, "IQ2_XXS": 13, "IQ3_XXS": 14, "IQ3_S": 15,
         "IQ2_XS": 16, "IQ2_S": 17}
 #: the 16-entry int8 tables of the 4-bit table types (gguf.quants: MXFP4's doubled e2m1 values, ggml's
-#: ``kvalues_mxfp4``; IQ4_NL/IQ4_XS's ``kvalues_iq4nl``; IQ3_XXS's signed grid levels, ``_iq3_levels``)
+#: ``kvalues_mxfp4``; IQ4_NL/IQ4_XS's ``kvalues_iq4nl``; the grid i-quants' signed levels, from ``_levels``)
 _LUT = {"MXFP4": 0, "IQ4_NL": 1, "IQ4_XS": 1, "IQ3_XXS": 2, "IQ3_S": 4}
 
 
 def _levels(type_name):
     """The distinct values of a grid i-quant's codebook (coli.iq_tables: IQ2 8, 25, 43; IQ3_XXS 4, 12, ..., 52,
-    62; IQ3_S 1, 3, ..., 15), ascending: a grid entry is a code per weight into these (2 bits for IQ2_XXS, 3 for
-    the IQ3 types)."""
+    62; IQ3_S 1, 3, ..., 15), ascending: a grid entry is a code per weight into these (2 bits for the IQ2 types,
+    3 for the IQ3 types)."""
     from coli import iq_tables
 
     return np.unique(iq_tables.grid(type_name)).astype(np.int8)
@@ -138,7 +135,8 @@ def _levels(type_name):
 
 #: IQ3_XXS's nibble c | sign << 3 -> the signed weight code (the 8 levels, then their negatives)
 _IQ3_TABLE = np.concatenate([_levels("IQ3_XXS"), -_levels("IQ3_XXS")]).astype(np.int8)
-#: IQ2_XXS's 3-bit c | sign << 2 -> signed code (the 3 levels, 0, their negatives, 0; 8 unused entries)
+#: the IQ2 types' 3-bit c | sign << 2 -> signed code (the 3 levels, 0, their negatives, 0; 8 unused entries;
+#: ``decode_row``; the kernels look up the first 4)
 _IQ2_TABLE = np.zeros(16, np.int8)
 _IQ2_TABLE[:3], _IQ2_TABLE[4:7] = _levels("IQ2_XXS"), -_levels("IQ2_XXS")
 #: IQ3_S's nibble c | sign << 3 -> signed code (1, 3, ..., 15, then their negatives)
