@@ -50,7 +50,9 @@ from .iquants import row_g16
 from .tiles import (decode_row, tile4_iq4_nl, tile4_iq4_xs, tile4_mxfp4, tile4_q2_k, tile4_q3_k, tile4_q4_0,
                     tile4_q4_1, tile4_q4_k, tile4_q5_0, tile4_q6_k, tile4_q8_0, tile_iq4_nl, tile_iq4_xs, tile_mxfp4,
                     tile4_q5_1, tile4_q5_k, tile_q2_k, tile_q3_k, tile_q4_0, tile_q4_1, tile_q4_k, tile_q5_0,
-                    tile_q5_1, tile_q5_k, tile_q6_k, tile_q8_0)
+                    tile_q5_1, tile_q5_k, tile_q6_k, tile_q8_0, tile_iq2_xxs, tile_iq3_xxs, tile4_iq2_xxs,
+                    tile4_iq3_xxs, tile_iq3_s, tile4_iq3_s, tile_iq2_xs, tile4_iq2_xs, tile_iq2_s,
+                    tile4_iq2_s)
 from .vnni import (HAVE_VNNI, _act_sums16, row_lut, row_pair, row_q2_k, row_q3_k, row_q4_k, row_q5_0, row_q5_k,
                    row_q6_k, row_q8, widen_lut, widen_q5_0)
 
@@ -72,6 +74,8 @@ FC_Q5_0, FC_LUT = 12, 13
 # the 16-row interleaved tiles (cpu_kernels/tiles.py: one uint8 record array, row t = tile t), in tiles.KIND order
 FC_T4_0, FC_T4_1, FC_T8, FC_T5_0, FC_T4_K, FC_T6_K = 14, 15, 16, 17, 18, 19
 FC_TMX, FC_TNL, FC_TXS, FC_T2_K, FC_T3_K, FC_T5_1, FC_T5_K = range(20, 27)   # MXFP4 .. Q5_K (tiles.KIND 6..12)
+# the grid i-quants' tiles: IQ2_XXS, IQ3_XXS, IQ3_S, IQ2_XS, IQ2_S (tiles.KIND 13..17)
+FC_TI2, FC_TI3, FC_TI3S, FC_TI2X, FC_TI2S = range(27, 32)
 TILE_CODE = {name: FC_T4_0 + kind for name, kind in _tiles.KIND.items()}   # FC_T4_0 + tiles' kind
 _C5, _CL = (FC_Q5_0, FC_LUT) if HAVE_VNNI else (FC_Q8, FC_Q8)
 FORMAT_CODE = {"F32": FC_F32, "F16": FC_F32, "BF16": FC_F32, "Q8_0": FC_Q8, "Q5_0": _C5, "MXFP4": _CL,
@@ -236,6 +240,16 @@ def _tile(fc, rec, xq, xd, xm, out, off):
         tile_q5_1(rec, xq, xd, xm, out, off)
     elif fc == FC_T5_K:
         tile_q5_k(rec, xq, xd, xm, out, off)
+    elif fc == FC_TI2:
+        tile_iq2_xxs(rec, xq, xd, xm, out, off)
+    elif fc == FC_TI3:
+        tile_iq3_xxs(rec, xq, xd, xm, out, off)
+    elif fc == FC_TI3S:
+        tile_iq3_s(rec, xq, xd, xm, out, off)
+    elif fc == FC_TI2X:
+        tile_iq2_xs(rec, xq, xd, xm, out, off)
+    elif fc == FC_TI2S:
+        tile_iq2_s(rec, xq, xd, xm, out, off)
     else:
         tile_q4_0(rec, xq, xd, xm, out, off)
 
@@ -267,6 +281,16 @@ def _tile4(fc, rec, xq, xd, xm, rows, out, orows, off):
         tile4_q5_1(rec, xq, xd, xm, rows, out, orows, off)
     elif fc == FC_T5_K:
         tile4_q5_k(rec, xq, xd, xm, rows, out, orows, off)
+    elif fc == FC_TI2:
+        tile4_iq2_xxs(rec, xq, xd, xm, rows, out, orows, off)
+    elif fc == FC_TI3:
+        tile4_iq3_xxs(rec, xq, xd, xm, rows, out, orows, off)
+    elif fc == FC_TI3S:
+        tile4_iq3_s(rec, xq, xd, xm, rows, out, orows, off)
+    elif fc == FC_TI2X:
+        tile4_iq2_xs(rec, xq, xd, xm, rows, out, orows, off)
+    elif fc == FC_TI2S:
+        tile4_iq2_s(rec, xq, xd, xm, rows, out, orows, off)
     else:
         tile4_q4_0(rec, xq, xd, xm, rows, out, orows, off)
 

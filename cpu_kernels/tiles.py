@@ -1,5 +1,5 @@
 """The 16-row interleaved weight layout ("t16") of Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K,
-MXFP4, IQ4_NL and IQ4_XS for the int8 (VNNI) kernels.
+MXFP4, IQ4_NL, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S for the int8 (VNNI) kernels.
 
 The row layouts of ``formats`` give each output row its own dot product: a few ``vpdpbusd`` per row, then a
 horizontal sum and the block scales one at a time. For a decode GEMV that is compute-bound on one core (a
@@ -31,6 +31,13 @@ MXFP4   272     codes as Q4_0, then the E8M0 exponents uint8 [16]
 IQ4_NL  288     codes as Q4_0, then d f16 [16]
 IQ4_XS  2208    per 256: codes [ib = 0..7][g = 0..3][row][4 bytes of sub-block ib's 16], ls - 32 int8 [8][16 rows]
                 (``dequantize_row_iq4_xs``'s 6-bit scales unpacked), d f16 [16]
+IQ2_XXS 1696    per 256: level codes (2 bits, into 8, 25, 43) as Q2_K's qs, sign bits [g = 0..7][row][4 bytes]
+                (Q3_K's hmask: bit ib of byte l, element 32 ib + l), 2s + 1 int8 [ib = 0..7][16 rows], d f16 [16]
+IQ2_XS  1824    as IQ2_XXS with a scale per 16: 2s + 1 int8 [u = 0..15][16 rows], d f16 [16]
+IQ2_S   1824    as IQ2_XS
+IQ3_XXS 2208    per 256: nibbles c | sign << 3 (c: 3-bit level code into 4, 12, ..., 52, 62) as IQ4_XS's codes,
+                2s + 1 int8 [ib = 0..7][16 rows], d f16 [16]
+IQ3_S   2208    as IQ3_XXS, levels 1, 3, ..., 15, and 1 + 2s per sub-block
 ======  ======  ===============================================================================================
 
 so a 64-byte load holds 4 codes (8 nibbles) of each of the 16 rows. ggml's Q4 byte j holds element j (low
@@ -61,9 +68,24 @@ ones, weight-side, so shared by a batch's rows) is subtracted exactly in int32. 
 in integer registers (ggml's ``ggml_e8m0_to_fp32_half``, exact; the table holds doubled e2m1 values); IQ4_XS:
 ``d16 * sum_ib ls16_ib * xd[ib] * (isum - 128 wsum)_ib`` per super-block.
 
+IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S (``dequantize_row_iq2_xxs``/``iq2_xs``/``iq2_s``/``iq3_xxs``: w = d
+(0.5 + s) / 4 (IQ3_XXS / 2) x grid x sign; ``iq3_s``: d (1 + 2s) x grid x sign): every value of their grids is
+one of 3 (IQ2: 8, 25, 43) or 8 (IQ3_XXS: 4, 12, ..., 52, 62; IQ3_S: 1, 3, ..., 15) levels (``coli.iq_tables``),
+so ``pack`` (``_pack_grid``) re-encodes each weight as its level code and sign bit (ksigns' parity bit written
+out) and the kernels decode them in registers, no table gathers. IQ3_XXS and IQ3_S are IQ4_XS's tile with the 16
+signed levels as its table. IQ2_* cut 2-bit codes as Q2_K's tile, look them up as unsigned levels (``vpshufb``:
+8, 25, 43) and put the signs on the broadcast activation codes instead (a masked negation under a ``vptestmb``
+of the sign plane; |x| <= 127), so ``vpdpbusd`` needs neither the x + 128 trick nor a weight sum. All then run
+IQ4_XS's arithmetic with the integer sub-block scale 2s + 1 and d / 8 (IQ3_XXS: d / 4; a power of two, exact;
+IQ3_S: d) once per super-block; IQ2_XS and IQ2_S sum the two 16-weight halves of a sub-block apart for their
+scales per 16. Bytes: 1.61x (IQ2_XXS), 1.54x (IQ2_XS), 1.39x (IQ2_S), 1.41x (IQ3_XXS) and 1.25x (IQ3_S) the
+file, against 4.36x, 4.32x, 3.90x, 2.94x and 2.62x for their expanded row layout (``cpu_kernels.iquants``): the
+file's grid index holds 8 weights in 8-10 bits (IQ3: 4 in 8 or 9), the level codes take 16 (12)
+(docs/iquants.md).
+
 The scales stay f16 (one ``vcvtph2ps`` per 16 rows), so a tile holds the file's bytes (the unpacked 6-bit
-sub-block scales: Q4_K 1.028x, Q5_K 1.023x, IQ4_XS 1.015x, Q3_K 1.036x): the GEMV streams about 1.0x the file
-instead of the row layouts' 1.06-1.67x.
+sub-block scales: Q4_K 1.028x, Q5_K 1.023x, IQ4_XS 1.015x, Q3_K 1.036x; the grid i-quants above 1.25-1.61x): the
+GEMV streams about 1.0x the file instead of the row layouts' 1.06-1.67x.
 
 Results: the same exact int32 block dots as the row kernels; the f32 sums over blocks run in block order per
 row (the row kernels sum lanes of partial dots), so the two layouts agree to f32 rounding, not bit for bit.
@@ -71,7 +93,7 @@ Every t16 path (decode, expert batch, prompt rows) runs the same per-row tile ar
 depends on how it was batched.
 
 Used where ``formats.prepare`` sees VNNI (``HAVE_VNNI``), ``formats.TILES`` on and O a multiple of 16. TQ1_0,
-TQ2_0, the other i-quants, NVFP4 and the float types keep their row layouts.
+TQ2_0, IQ1_S, IQ1_M, NVFP4 and the float types keep their row layouts.
 """
 from __future__ import annotations
 
@@ -95,14 +117,36 @@ SPEC = {"Q4_0": (32, 288, 256, 18), "Q4_1": (32, 320, 256, 20), "Q8_0": (32, 544
         "Q5_0": (32, 352, 256, 22), "Q4_K": (256, 2368, 2048, 144), "Q6_K": (256, 3360, 3072, 210),
         "MXFP4": (32, 272, 256, 17), "IQ4_NL": (32, 288, 256, 18), "IQ4_XS": (256, 2208, 2048, 136),
         "Q2_K": (256, 1344, 1024, 84), "Q3_K": (256, 1824, 1536, 110), "Q5_1": (32, 384, 256, 24),
-        "Q5_K": (256, 2880, 2560, 176)}
+        "Q5_K": (256, 2880, 2560, 176), "IQ2_XXS": (256, 1696, 1536, 66), "IQ3_XXS": (256, 2208, 2048, 98),
+        "IQ3_S": (256, 2208, 2048, 110), "IQ2_XS": (256, 1824, 1536, 74), "IQ2_S": (256, 1824, 1536, 82)}
 RECORD = {k: v[1] for k, v in SPEC.items()}
 KIND = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q5_0": 3, "Q4_K": 4, "Q6_K": 5, "MXFP4": 6, "IQ4_NL": 7, "IQ4_XS": 8,
-        "Q2_K": 9, "Q3_K": 10, "Q5_1": 11, "Q5_K": 12}
+        "Q2_K": 9, "Q3_K": 10, "Q5_1": 11, "Q5_K": 12, "IQ2_XXS": 13, "IQ3_XXS": 14, "IQ3_S": 15,
+        "IQ2_XS": 16, "IQ2_S": 17}
 #: the 16-entry int8 tables of the 4-bit table types (gguf.quants: MXFP4's doubled e2m1 values, ggml's
-#: ``kvalues_mxfp4``; IQ4_NL/IQ4_XS's ``kvalues_iq4nl``), index = ``KIND`` - 6
-_LUT = {"MXFP4": 0, "IQ4_NL": 1, "IQ4_XS": 1}
-_TABLES = np.array([gq.MXFP4.kvalues, gq.IQ4_NL.kvalues], np.int8)
+#: ``kvalues_mxfp4``; IQ4_NL/IQ4_XS's ``kvalues_iq4nl``; the grid i-quants' signed levels, from ``_levels``)
+_LUT = {"MXFP4": 0, "IQ4_NL": 1, "IQ4_XS": 1, "IQ3_XXS": 2, "IQ3_S": 4}
+
+
+def _levels(type_name):
+    """The distinct values of a grid i-quant's codebook (coli.iq_tables: IQ2 8, 25, 43; IQ3_XXS 4, 12, ..., 52,
+    62; IQ3_S 1, 3, ..., 15), ascending: a grid entry is a code per weight into these (2 bits for the IQ2 types,
+    3 for the IQ3 types)."""
+    from coli import iq_tables
+
+    return np.unique(iq_tables.grid(type_name)).astype(np.int8)
+
+
+#: IQ3_XXS's nibble c | sign << 3 -> the signed weight code (the 8 levels, then their negatives)
+_IQ3_TABLE = np.concatenate([_levels("IQ3_XXS"), -_levels("IQ3_XXS")]).astype(np.int8)
+#: the IQ2 types' 3-bit c | sign << 2 -> signed code (the 3 levels, 0, their negatives, 0; 8 unused entries;
+#: ``decode_row``; the kernels look up the first 4)
+_IQ2_TABLE = np.zeros(16, np.int8)
+_IQ2_TABLE[:3], _IQ2_TABLE[4:7] = _levels("IQ2_XXS"), -_levels("IQ2_XXS")
+#: IQ3_S's nibble c | sign << 3 -> signed code (1, 3, ..., 15, then their negatives)
+_IQ3S_TABLE = np.concatenate([_levels("IQ3_S"), -_levels("IQ3_S")]).astype(np.int8)
+assert len(_levels("IQ2_XXS")) == 3 and len(_levels("IQ3_XXS")) == 8 and len(_levels("IQ3_S")) == 8
+_TABLES = np.array([gq.MXFP4.kvalues, gq.IQ4_NL.kvalues, _IQ3_TABLE, _IQ2_TABLE, _IQ3S_TABLE], np.int8)
 #: record bytes and code bytes by kind (``SPEC`` as tuples: constants inside the compiled ``decode_row``)
 _REC = tuple(SPEC[n][1] for n in sorted(KIND, key=KIND.get))
 _NC = tuple(SPEC[n][2] for n in sorted(KIND, key=KIND.get))   # experts.FC_T4_0 + kind
@@ -146,6 +190,75 @@ _FIELDS = {"Q4_0": [(2, 4, 4, 0), (0, 1, 2, 256)],
            "Q5_K": [(48, 32, 4, 0), (16, 8, 4, 2048), (0, 1, 2, 2816), (2, 1, 2, 2848)]}
 
 
+@njit(parallel=True, nogil=True, cache=True)
+def _pack_grid(blk, kind, cmap, ksig, out):
+    """blk uint8 [T, 16, nb, block bytes] of IQ2_XXS (kind 13), IQ3_XXS (14), IQ3_S (15), IQ2_XS (16) or IQ2_S
+    (17) -> out uint8 [T, nb, record] (zeroed by the caller): each weight's level code ``cmap[grid index, j]``
+    and sign bit put where the module doc's records say, the 4-bit scales as 2s + 1 (``dequantize_row_iq2_xxs``
+    / ``iq3_xxs`` / ``iq3_s`` / ``iq2_xs`` / ``iq2_s``'s fields, ggml-common.h ``block_iq*``)."""
+    T, R, nb, _ = blk.shape
+    iq2 = kind == 13 or kind >= 16
+    nc = 1536 if iq2 else 2048
+    od = nc + (256 if kind >= 16 else 128)     # d after the scales: 16 per 256 (IQ2_XS, IQ2_S) or 8
+    for tb in prange(T * nb):
+        t = tb // nb
+        b = tb % nb
+        for r in range(R):
+            x = blk[t, r, b]
+            out[t, b, od + 2 * r] = x[0]
+            out[t, b, od + 1 + 2 * r] = x[1]
+            for ib in range(8):
+                aux = np.int64(0)   # IQ2_XXS / IQ3_XXS: the u32 of 4 x 7-bit ksigns indices and the scale >> 28
+                if kind == 13 or kind == 14:
+                    o = 6 + 8 * ib if kind == 13 else 66 + 4 * ib
+                    aux = (np.int64(x[o]) | (np.int64(x[o + 1]) << 8) | (np.int64(x[o + 2]) << 16)
+                           | (np.int64(x[o + 3]) << 24))
+                    out[t, b, nc + 16 * ib + r] = 2 * (aux >> 28) + 1
+                elif kind == 15:    # a scale nibble per 32
+                    out[t, b, nc + 16 * ib + r] = 2 * ((np.int64(x[106 + ib // 2]) >> (4 * (ib % 2))) & 15) + 1
+                else:               # IQ2_XS, IQ2_S: a scale nibble per 16
+                    sc = np.int64(x[66 + ib if kind == 16 else 74 + ib])
+                    out[t, b, nc + 32 * ib + r] = 2 * (sc & 15) + 1
+                    out[t, b, nc + 32 * ib + 16 + r] = 2 * (sc >> 4) + 1
+                for l in range(4):   # 8 weights each: one IQ2 grid entry, two IQ3 entries
+                    k8 = 4 * ib + l
+                    if kind == 15:
+                        sg = np.int64(x[74 + k8])
+                    elif kind == 17:
+                        sg = np.int64(x[34 + k8])
+                    elif kind == 16:
+                        sg = np.int64(ksig[(np.int64(x[3 + 2 * k8]) >> 1) & 127])
+                    else:
+                        sg = np.int64(ksig[(aux >> (7 * l)) & 127])
+                    gi = np.int64(0)
+                    if kind == 13:
+                        gi = np.int64(x[2 + 8 * ib + l])
+                    elif kind == 16:   # 9-bit index | 7-bit ksigns index << 9
+                        gi = (np.int64(x[2 + 2 * k8]) | (np.int64(x[3 + 2 * k8]) << 8)) & 511
+                    elif kind == 17:   # 8 low bits, 2 high bits from qh
+                        gi = np.int64(x[2 + k8]) | (((np.int64(x[66 + ib]) >> (2 * l)) & 3) << 8)
+                    for jj in range(8):
+                        e = 32 * ib + 8 * l + jj
+                        if iq2:
+                            code = cmap[gi, jj]
+                        else:
+                            k = 2 * l + jj // 4
+                            g4 = np.int64(x[2 + 8 * ib + k])
+                            if kind == 15:
+                                g4 |= ((np.int64(x[66 + ib]) >> k) & 1) << 8
+                            code = cmap[g4, jj % 4]
+                        neg = (sg >> jj) & 1
+                        if iq2:   # Q2_K's qs (element 128n + 32j + l'), sign bit ib of hmask byte l'
+                            lp = e & 31
+                            q = 64 * (8 * (e >> 7) + (lp >> 2)) + 4 * r + (lp & 3)
+                            out[t, b, q] |= code << (2 * ((e >> 5) & 3))
+                            out[t, b, 1024 + 64 * (lp >> 2) + 4 * r + (lp & 3)] |= neg << ib
+                        else:     # IQ4_XS's nibbles: c | sign << 3
+                            w = e & 31
+                            q = 256 * ib + 64 * ((w >> 2) & 3) + 4 * r + (w & 3)
+                            out[t, b, q] |= (code | (neg << 3)) << (4 * (w >> 4))
+
+
 def pack(type_name: str, raw: np.ndarray, O: int, I: int) -> np.ndarray:
     """GGUF blocks uint8 [O, row_bytes] -> tile records uint8 [O/16, (I / block) * RECORD] (layout above)."""
     bs, rec, nc, bsz = SPEC[type_name]
@@ -153,6 +266,13 @@ def pack(type_name: str, raw: np.ndarray, O: int, I: int) -> np.ndarray:
     T = O // ROWS
     blk = np.asarray(raw).reshape(T, ROWS, nb, bsz)
     out = np.empty((T, nb, rec), np.uint8)
+    if type_name in ("IQ2_XXS", "IQ3_XXS", "IQ3_S", "IQ2_XS", "IQ2_S"):
+        from coli import iq_tables
+
+        out[:] = 0
+        cmap = np.searchsorted(_levels(type_name), iq_tables.grid(type_name)).astype(np.uint8)
+        _pack_grid(blk, KIND[type_name], cmap, iq_tables.ksigns(), out)
+        return out.reshape(T, nb * rec)
     _pack(blk, out, np.array(_FIELDS[type_name], np.int64))
     if type_name in ("Q4_K", "Q5_K"):  # ggml's 6-bit scales and mins unpacked, [sub-block][row]
         from .formats import _k_scales
@@ -179,7 +299,8 @@ def pack(type_name: str, raw: np.ndarray, O: int, I: int) -> np.ndarray:
 def scales(type_name: str, rec: np.ndarray, O: int, I: int):
     """(d f32 [O, nblocks], minimum f32 [O, nblocks] or None) read back from tile records: Q4_1's m, Q4_K's and
     Q2_K's dmin (the finite checks, tests). MXFP4: its E8M0 scales as ggml's ``e8m0_to_fp32_half`` (the kernels'
-    d, the table being doubled); IQ4_XS: the super-block's f16 d (the sub-block scales are integers)."""
+    d, the table being doubled); IQ4_XS and the grid i-quants: the super-block's f16 d (the sub-block scales are
+    integers)."""
     bs, rb, nc, _ = SPEC[type_name]
     nb = I // bs
     r = rec.reshape(O // ROWS, nb, rb)
@@ -197,7 +318,8 @@ def scales(type_name: str, rec: np.ndarray, O: int, I: int):
 
 
 #: where the f16 d [16] starts after a record's code bytes (the sub-block scales, Q5_0's fifth bits before it)
-_SCALE_AT = {"Q5_0": 64, "Q4_K": 256, "Q6_K": 256, "IQ4_XS": 128, "Q2_K": 256, "Q3_K": 256, "Q5_1": 64, "Q5_K": 256}
+_SCALE_AT = {"Q5_0": 64, "Q4_K": 256, "Q6_K": 256, "IQ4_XS": 128, "Q2_K": 256, "Q3_K": 256, "Q5_1": 64, "Q5_K": 256,
+             "IQ2_XXS": 128, "IQ3_XXS": 128, "IQ3_S": 128, "IQ2_XS": 256, "IQ2_S": 256}
 #: the types with a second f16 (m or dmin) after d
 _MINS = ("Q4_1", "Q4_K", "Q2_K", "Q5_1", "Q5_K")
 
@@ -286,7 +408,7 @@ def _emit_tile(b, name, rec_data, nsb, rows):
             # x ^ 0x80): dot = sum w x + 128 sum w, the sum w per block and row from one vpdpbusd with ones
             # (weight-side, shared by the batch's rows), subtracted exactly in int32
             tab = ir.Constant(_I8x64, [int(v) for v in _TABLES[_LUT[name]]] * 4)
-            nsub = 8 if name == "IQ4_XS" else 1
+            nsub = 8 if name in ("IQ4_XS", "IQ3_XXS", "IQ3_S") else 1
             if name == "MXFP4":   # E8M0 -> 2^(e - 128) (ggml_e8m0_to_fp32_half: the table is doubled), bit-exact
                 e = b.zext(ld(nc, _I8x16), _I32x16)
                 bits = b.select(b.icmp_unsigned("<", e, _i32x16(2)), b.shl(_i32x16(0x00200000), e),
@@ -294,6 +416,8 @@ def _emit_tile(b, name, rec_data, nsb, rows):
                 dv = b.bitcast(bits, _F32x16)
             else:
                 dv = f16x16(nc + (128 if nsub == 8 else 0))
+            if name == "IQ3_XXS":   # w = d/4 * (2s + 1) * code: the power of two on d (exact), weight-side
+                dv = b.fmul(dv, ir.Constant(_F32x16, [0.25] * 16))
             saccs = [ir.Constant(_F32x16, None)] * nr   # IQ4_XS: sum over sub-blocks of (ls - 32) xd isum
             for sb in range(nsub):
                 ws, parts = [], [[] for _ in range(nr)]
@@ -318,6 +442,45 @@ def _emit_tile(b, name, rec_data, nsb, rows):
             if nsub == 8:
                 for i in range(nr):
                     b.store(b.fadd(b.load(faccs[i]), b.fmul(dv, saccs[i])), faccs[i])
+        elif name in ("IQ2_XXS", "IQ2_XS", "IQ2_S"):
+            # Q2_K's planes: per half n and shift j the 2-bit level codes of sub-block ib = 4n + j, looked up
+            # (vpshufb) as the unsigned levels 8, 25, 43; the signs go on the broadcast activations instead (a
+            # masked negation under the sign plane's bit 4n + j, one vptestmb; |x| <= 127), so vpdpbusd takes the
+            # levels as its unsigned operand with no correction term. Then IQ4_XS's arithmetic: the integer
+            # sub-block scale 2s + 1 per sub-block, d / 8 once per super-block. A nibble of qs holds the codes of
+            # shifts 2h and 2h + 1: one 16-entry table per position looks either up without a shift of its own
+            lv = [int(v) for v in _TABLES[3][:4]]
+            tabs = [ir.Constant(_I8x64, [lv[q & 3] for q in range(16)] * 4),
+                    ir.Constant(_I8x64, [lv[q >> 2] for q in range(16)] * 4)]
+            # IQ2_XS, IQ2_S: a scale per 16 weights, so the two halves of a sub-block (g < 4, g >= 4) sum apart
+            s0 = b.mul(k, c(8))
+            zb = ir.Constant(_I8x64, None)
+            saccs = [ir.Constant(_F32x16, None)] * nr
+            nh = 1 if name == "IQ2_XXS" else 2
+            for n in range(2):
+                acc = [[[zero] * nh for _ in range(4)] for _ in range(nr)]
+                for g in range(8):
+                    h = (g >> 2) if nh == 2 else 0
+                    V = ld(64 * (8 * n + g), _I8x64)
+                    H = ld(1024 + 64 * g, _I8x64)
+                    nib = (b.and_(V, m4), b.and_(srl(V, 4), m4))
+                    for j in range(4):
+                        wv = b.bitcast(b.call(op.shuf512, [tabs[j & 1], nib[j >> 1]]), _I32x16)
+                        mk = b.icmp_unsigned("!=", b.and_(H, bmask(1 << (4 * n + j))), zb)
+                        for i in range(nr):
+                            xv = b.bitcast(xs(i, 128 * n + 32 * j + 4 * g), _I8x64)
+                            xv = b.bitcast(b.select(mk, b.sub(zb, xv), xv), _I32x16)
+                            acc[i][j][h] = b.call(op.dp512, [acc[i][j][h], wv, xv])
+                for j in range(4):
+                    ib = 4 * n + j
+                    for h in range(nh):
+                        lsv = b.sitofp(b.sext(ld(nc + 16 * (nh * ib + h), _I8x16), _I32x16), _F32x16)
+                        for i in range(nr):
+                            sx = b.fmul(lsv, xd(i, b.add(s0, c(ib))))
+                            saccs[i] = b.fadd(saccs[i], b.fmul(b.sitofp(acc[i][j][h], _F32x16), sx))
+            dv = b.fmul(f16x16(nc + 128 * nh), ir.Constant(_F32x16, [0.125] * 16))
+            for i in range(nr):
+                b.store(b.fadd(b.load(faccs[i]), b.fmul(dv, saccs[i])), faccs[i])
         elif name in ("Q2_K", "Q3_K"):
             # per half n and 16-element half h: 4 code groups (l = 4g..4g+3, g = 4h..4h+3) give the 2-bit codes of
             # sub-blocks u = 8n + 2j + h (ggml's shift 2j); Q3_K adds the hmask bit 4n + j as bit 2 and takes its
@@ -591,6 +754,16 @@ tile_q5_1 = _tile_intrinsic("Q5_1")
 tile_q5_k = _tile_intrinsic("Q5_K")
 tile4_q5_1 = _tile4_intrinsic("Q5_1")
 tile4_q5_k = _tile4_intrinsic("Q5_K")
+tile_iq2_xxs = _tile_intrinsic("IQ2_XXS")
+tile_iq3_xxs = _tile_intrinsic("IQ3_XXS")
+tile4_iq2_xxs = _tile4_intrinsic("IQ2_XXS")
+tile4_iq3_xxs = _tile4_intrinsic("IQ3_XXS")
+tile_iq3_s = _tile_intrinsic("IQ3_S")
+tile4_iq3_s = _tile4_intrinsic("IQ3_S")
+tile_iq2_xs = _tile_intrinsic("IQ2_XS")
+tile4_iq2_xs = _tile4_intrinsic("IQ2_XS")
+tile_iq2_s = _tile_intrinsic("IQ2_S")
+tile4_iq2_s = _tile4_intrinsic("IQ2_S")
 
 
 @njit(inline="always", **_JIT)
@@ -611,8 +784,10 @@ def f16_at(rec, i):
 @njit(**_JIT)
 def decode_row(rec, kind, r, I, buf):
     """Row r (0..15) of a tile decoded to f32 into buf [I] (ggml's dequantize_row_q4_0 / q4_1 / q8_0 / q5_0 /
-    q4_K / q6_K / mxfp4 / iq4_nl / iq4_xs / q2_K / q3_K). rec uint8: the tile's records; kind: ``KIND`` (0 Q4_0,
-    1 Q4_1, 2 Q8_0, 3 Q5_0, 4 Q4_K, 5 Q6_K, 6 MXFP4, 7 IQ4_NL, 8 IQ4_XS, 9 Q2_K, 10 Q3_K, 11 Q5_1, 12 Q5_K)."""
+    q4_K / q6_K / mxfp4 / iq4_nl / iq4_xs / q2_K / q3_K / iq2_xxs / iq3_xxs). rec uint8: the tile's records;
+    kind: ``KIND`` (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0, 4 Q4_K, 5 Q6_K, 6 MXFP4, 7 IQ4_NL, 8 IQ4_XS, 9 Q2_K, 10 Q3_K,
+    11 Q5_1, 12 Q5_K, 13 IQ2_XXS, 14 IQ3_XXS, 15 IQ3_S, 16 IQ2_XS, 17 IQ2_S); the grid i-quants bit for bit as
+    gguf.quants."""
     if kind == 9 or kind == 10:
         for s in range(I // 256):
             base = s * _REC[kind]
@@ -635,6 +810,44 @@ def decode_row(rec, kind, r, I, buf):
                                 sc = sc - 256 if sc > 127 else sc
                                 cq = cq - (0 if (hm >> (4 * n + j)) & 1 else 4)
                                 buf[e] = d * np.float32(sc) * np.float32(cq)
+        return
+    if kind == 13 or kind >= 16:   # IQ2_XXS, IQ2_XS, IQ2_S planes: dequantize_row_iq2_*'s d * (0.5 + s) * 0.25
+        nh = 2 if kind >= 16 else 1   # * grid * sign, f32 as gguf; IQ2_XS, IQ2_S a scale per 16
+        for s in range(I // 256):
+            base = s * _REC[kind]
+            nc = _NC[kind]
+            d = f16_at(rec, base + nc + 128 * nh + 2 * r)
+            for n in range(2):
+                for g in range(8):
+                    for i in range(4):
+                        q = np.int64(rec[base + 64 * (8 * n + g) + 4 * r + i])
+                        for j in range(4):
+                            ib = 4 * n + j
+                            u = nh * ib + (g >> 2 if nh == 2 else 0)
+                            db = d * (np.float32(0.5) + np.float32((np.int64(rec[base + nc + 16 * u + r]) - 1)
+                                                                   // 2)) * np.float32(0.25)
+                            sb = np.int64(rec[base + 1024 + 64 * g + 4 * r + i]) >> ib
+                            v = _TABLES[3][((q >> (2 * j)) & 3) | ((sb & 1) << 2)]
+                            buf[256 * s + 128 * n + 32 * j + 4 * g + i] = db * np.float32(v)
+        return
+    if kind == 14 or kind == 15:   # IQ3_XXS / IQ3_S nibbles: dequantize_row_iq3_xxs's d * (0.5 + s) * 0.5,
+        kv = _TABLES[2] if kind == 14 else _TABLES[4]   # iq3_s's d * (1 + 2s); times grid * sign
+        for s in range(I // 256):
+            base = s * _REC[kind]
+            nc = _NC[kind]
+            d = f16_at(rec, base + nc + 128 + 2 * r)
+            for sb in range(8):
+                ls = np.int64(rec[base + nc + 16 * sb + r])
+                if kind == 14:
+                    db = d * (np.float32(0.5) + np.float32((ls - 1) // 2)) * np.float32(0.5)
+                else:
+                    db = d * np.float32(ls)
+                for g in range(4):
+                    for i in range(4):
+                        q = rec[base + 256 * sb + 64 * g + 4 * r + i]
+                        e = 256 * s + 32 * sb + 4 * g + i
+                        buf[e] = db * np.float32(kv[q & 15])
+                        buf[e + 16] = db * np.float32(kv[q >> 4])
         return
     if kind >= 6 and kind <= 8:   # the 4-bit table types: per 32, codes as Q4_0's, w = d * table[code]
         kv = _TABLES[0] if kind == 6 else _TABLES[1]

@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import quants as gq
 
 from coli import iq_tables
+from cpu_kernels.vnni import HAVE_VNNI
 from cpu_kernels import formats as F
 from cpu_kernels import iquants
 from coli import tensor_types as TT
@@ -197,3 +198,38 @@ def test_engine_on_iquant_moe_equals_its_f32_dequantization(tmp_path):
     assert np.isfinite(want).all() and want.std() > 0.1
     err = np.abs(out[False] - want).max() / np.abs(want).max()
     assert err < 1e-4, f"i-quant model vs its F32 dequantization: {err:.3g}"
+
+
+@pytest.mark.skipif(not HAVE_VNNI, reason="the grid i-quants' t16 tiles are used only with AVX-512 VNNI")
+def test_int8_engine_on_tiled_iquants_matches_the_expanded_layout(tmp_path, monkeypatch):
+    """An int8 engine prepares the tiny MoE's IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S matrices (256 rows) as t16
+    tiles (cpu_kernels/tiles.py) and its IQ1 experts expanded; with the tiles refused it expands them all. The
+    int32 block dots are the same, only the f32 sums' order differs: the logits agree to f32 rounding."""
+    import coli
+    from cpu_kernels import tiles
+
+    path = tmp_path / "iq-moe.gguf"
+    _write_tiny_moe(path, False)
+    ids = [3, 7, 11, 5, 40, 2, 9, 33, 17, 4, 60, 21]
+    out = {}
+    for layout in ("t16", "rows"):
+        if layout == "rows":
+            monkeypatch.setattr(tiles, "supports", lambda *a: False)
+        eng = coli.Engine(str(path), threads=2, ctx=64, cpu_act="int8", quiet=True, save_usage=False)
+        try:
+            m = eng.model
+            got = {}
+            for il in range(2):
+                ex = eng.cache.fetch(m.moe_layers[il], 0).result()
+                got.update({f"blk.{il}.ffn_gate_exps.weight": ex.gate, f"blk.{il}.ffn_up_exps.weight": ex.up,
+                            f"blk.{il}.ffn_down_exps.weight": ex.down})
+            for name, w in got.items():
+                tiled = layout == "t16" and w.name in tiles.SPEC
+                assert w.name == _IQ_MODEL[name] and w.layout == ("t16" if tiled else "rows"), (layout, name)
+            out[layout] = eng.logits(ids)
+        finally:
+            eng.close()
+    want = out["rows"].astype(np.float64)
+    assert np.isfinite(want).all() and want.std() > 0.1
+    err = np.abs(out["t16"] - want).max() / np.abs(want).max()
+    assert err < 1e-4, f"tiled vs expanded i-quants, int8 engine: {err:.3g}"

@@ -1,7 +1,7 @@
 """The 16-row interleaved layout (cpu_kernels/tiles.py) of Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K, MXFP4, IQ4_NL,
-IQ4_XS, Q2_K, Q3_K, Q5_1 and Q5_K: packing against
-the GGUF bytes, every op against the NumPy reference through tests/test_backend_ops.py's cases (O a multiple of
-16, so the weights take the layout), a row's result independent of its batch, and the finite checks on the tiles' scales."""
+IQ4_XS, Q2_K, Q3_K, Q5_1, Q5_K, IQ2_XXS, IQ3_XXS, IQ3_S, IQ2_XS and IQ2_S: packing against the GGUF bytes, every
+op against the NumPy reference through tests/test_backend_ops.py's cases (O a multiple of 16, so the weights
+take the layout), a row's result independent of its batch, and the finite checks on the tiles' scales."""
 from __future__ import annotations
 
 import gguf.quants as gq
@@ -39,13 +39,17 @@ def test_tiles_hold_the_file_and_decode_to_ggml_values(type_name):
     rec = tiles.pack(type_name, raw, O, I)
     assert rec.shape == (O // 16, I // bs * rb)
     # the file's bytes, except the unpacked sub-block scales of Q4_K (1.028x), Q5_K (1.023x), IQ4_XS (1.015x),
-    # Q3_K (1.036x)
-    assert rec.nbytes <= raw.nbytes * {"Q4_K": 1.03, "Q5_K": 1.023, "IQ4_XS": 1.015,
-                                       "Q3_K": 1.037}.get(type_name, 1.0)
+    # Q3_K (1.036x), and the grid i-quants' per-weight level codes and sign bits (IQ2_XXS 1.61x, IQ3_XXS 1.41x,
+    # IQ3_S 1.25x, IQ2_XS 1.54x, IQ2_S 1.39x)
+    assert rec.nbytes <= raw.nbytes * {"Q4_K": 1.03, "Q5_K": 1.023, "IQ4_XS": 1.015, "Q3_K": 1.037,
+                                       "IQ2_XXS": 1.607, "IQ3_XXS": 1.409, "IQ3_S": 1.255,
+                                       "IQ2_XS": 1.541, "IQ2_S": 1.391}.get(type_name, 1.0)
     want = TT.get(type_name).reference(raw, (O, I)).astype(np.float32)
     got = np.empty((O, I), np.float32)
     _decode_all(rec, tiles.KIND[type_name], O, I, got)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * float(np.abs(want).max()))
+    if type_name in ("IQ2_XXS", "IQ3_XXS", "IQ3_S", "IQ2_XS", "IQ2_S"):   # codes and scales re-encoded: the reference's f32 values bit for bit
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     d, m = tiles.scales(type_name, rec, O, I)
     blocks = raw.reshape(O, I // bs, bsz)
 
@@ -133,7 +137,9 @@ def test_a_rows_result_does_not_depend_on_its_batch(type_name):
 @pytest.mark.parametrize("type_name,field", [("Q8_0", 0), ("Q4_0", 0), ("Q4_1", 0), ("Q4_1", 2), ("Q5_0", 0),
                                               ("Q4_K", 0), ("Q4_K", 2), ("Q6_K", 208), ("IQ4_NL", 0),
                                               ("IQ4_XS", 0), ("Q2_K", 80), ("Q2_K", 82), ("Q3_K", 108),
-                                              ("Q5_1", 0), ("Q5_1", 2), ("Q5_K", 0), ("Q5_K", 2)])
+                                              ("Q5_1", 0), ("Q5_1", 2), ("Q5_K", 0), ("Q5_K", 2),
+                                              ("IQ2_XXS", 0), ("IQ3_XXS", 0), ("IQ3_S", 0), ("IQ2_XS", 0),
+                                              ("IQ2_S", 0)])
 def test_a_non_finite_scale_inside_a_tile_is_named(type_name, field):
     rng = np.random.default_rng(6)
     O, I = 48, 3 * tiles.SPEC[type_name][0]
