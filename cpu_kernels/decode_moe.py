@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
 
 from . import decode as _D
 from . import experts as _E
@@ -46,7 +46,17 @@ ENABLED = True
 MOE_PHASES = 3 + _D.EXPERT_PHASES
 
 
-@njit(**_JIT)
+_f32c2 = types.float32[:, ::1]
+_i64c1 = types.int64[::1]
+_i64c2 = types.int64[:, ::1]
+
+
+# compiled here, at import, with an explicit signature: Numba compiles a function that a fastmath caller calls first
+# WITH the caller's fastmath flags and keeps that overload for every later caller of the same types (fastmath would
+# fold exp_f32's rounding ``(q + magic) - magic``); an eagerly compiled function keeps its own flags and its callees
+# are compiled in its context (docs/cpu_kernels.md "MoE layers in one region")
+@njit([types.void(_f32c2, types.int64, types.boolean, types.int32[:, ::1], _f32c2, _i64c1, types.int64[:, :, ::1],
+                  _i64c2, _i64c2, _i64c2, _i64c1, _i64c1)], **_JIT)
 def _route(lg, k, norm, ids, w, resident, descs, gd, ud, dd, d_nch, status):
     """Softmax and top-k of the logits lg f32 [1, E] (``blocks.softmax_topk``'s calls, with ``router.exp_f32`` for
     NumPy's exp) into ids int32 [1, k], w f32 [1, k]; then the experts' descriptors from the resident table
@@ -164,7 +174,7 @@ class MoELayerDecode:
     def __init__(self, attn_dec, moe, w_norm, eps: float):
         self.attn_dec, self.moe = attn_dec, moe
         self.il = moe.il
-        self.W = moe.ffn_gate_inp
+        self.W = moe.ffn_gate_inp   # the Python path's array (the same Numba types: the same compiled kernels)
         E, D = self.W.shape
         k, norm = moe.route.softmax_topk
         K = min(int(k), E)

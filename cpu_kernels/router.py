@@ -211,7 +211,10 @@ def exp_inplace(a):
         a[i] = exp_f32(a[i])
 
 
-@njit(nogil=True, cache=True)
+# explicit signatures (compiled at import, without fastmath): the compiled region calls this from a fastmath function,
+# which would otherwise compile it with fastmath for every caller (cpu_kernels/decode_moe.py)
+@njit([types.float32(types.float32[:, ::1], W, types.int64)
+       for W in (types.float32[:, ::1], types.Array(types.float32, 2, "C", readonly=True))], nogil=True, cache=True)
 def logit(x, W, e):
     """The router logit of expert ``e``: ``x[0] . W[e]`` in float32 (x f32 [1, D], W f32 [E, D]), products rounded
     then summed in 8 running sums (lane i % 8), joined ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)), then the tail in

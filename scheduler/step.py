@@ -120,7 +120,8 @@ class MoEStep:
         while pending:
             done, pending = wait(pending, return_when=FIRST_COMPLETED)
             landed = []
-            for f in done:
+            for f in sorted(done, key=futures.get):  # ascending ids: the puts (LRU order, evictions) do not depend
+                # on the order of a set of futures
                 e = futures[f]
                 w = f.result()
                 cache.put(layer, e, w)

@@ -24,7 +24,9 @@ def _decode(path, mode, monkeypatch, n_prompt=30, n_tokens=12, expert_cache=None
     committed routing counts, and (region rows, region fallbacks). Asserts the path asked for is the one built."""
     monkeypatch.setattr(decode, "ENABLED", mode != "python")
     monkeypatch.setattr(decode_moe, "ENABLED", mode == "region")
-    with Engine(path, threads=2, cpu_act="int8", save_usage=False, expert_cache=expert_cache) as eng:
+    # one reader thread: reads land in the order they were asked (ascending ids), so the puts into the RAM cache, its
+    # LRU order and its evictions are the same on every run (with several readers they follow the reads' timing)
+    with Engine(path, threads=2, cpu_act="int8", save_usage=False, expert_cache=expert_cache, io_threads=1) as eng:
         m = eng.model
         for L in m.layers:
             if L.moe is not None:
