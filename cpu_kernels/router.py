@@ -9,8 +9,13 @@ summation (``numpy/_core/src/umath/loops_utils.h.src``, ``pairwise_sum``: 8 accu
 halves above), which gives the same float32 sums bit for bit."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 _F0 = np.float32(0.0)
 
@@ -133,3 +138,108 @@ def normalize_topk(p, k, norm, ids, w):
             t = _F0 + _pairwise_sum(w[r], 0, k)
             for j in range(k):
                 w[r, j] = w[r, j] / t
+
+
+# -- the decode row's router inside a compiled region (cpu_kernels/decode_moe.py) -----------------------------
+
+@intrinsic
+def _fma32(typingctx, a, b, c):
+    """``a * b + c`` with one rounding (LLVM ``llvm.fma.f32``: the FMA instruction, libm ``fmaf`` without one)."""
+    if not (a == types.float32 and b == types.float32 and c == types.float32):
+        return None
+    sig = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+        f = ir.FloatType()
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f, [f, f, f]), "llvm.fma.f32")
+        return builder.call(fn, list(args))
+
+    return sig, codegen
+
+
+# NumPy's float32 exp (numpy/_core/src/umath/loops_exponent_log.dispatch.c.src ``simd_exp_FLOAT``, the AVX2-FMA3 and
+# AVX-512F kernels; constants from numpy/_core/src/common/npy_simd_data.h / npy_math.h)
+_XMAX = np.float32(88.72283935546875)
+_XMIN = np.float32(-103.97208404541015625)
+_LOG2E = np.float32(1.442695040888963407359924681001892137)
+_MAGIC = np.float32(12582912.0)           # NPY_RINT_CVT_MAGICf 0x1.8p23: x + magic - magic rounds to an integer
+_C1 = np.float32(-6.93145752e-1)          # NPY_CODY_WAITE_LOGE_2_HIGHf
+_C2 = np.float32(-1.42860677e-6)          # NPY_CODY_WAITE_LOGE_2_LOWf
+_P0 = np.float32(9.999999999980870924916e-01)
+_P1 = np.float32(7.257664613233124478488e-01)
+_P2 = np.float32(2.473615434895520810817e-01)
+_P3 = np.float32(5.114512081637298353406e-02)
+_P4 = np.float32(6.757896990527504603057e-03)
+_P5 = np.float32(5.082762527590693718096e-04)
+_Q0 = np.float32(1.0)
+_Q1 = np.float32(-2.742335390411667452936e-01)
+_Q2 = np.float32(2.159509375685829852307e-02)
+
+
+@njit(nogil=True, cache=True)
+def exp_f32(x):
+    """``np.exp`` of a float32 scalar bit for bit, on a CPU where NumPy runs its AVX2-FMA3 or AVX-512F float32
+    kernel (``simd_exp_FLOAT``: Cody-Waite reduction by ln 2, a 5/2 rational approximation, scaled by 2^k):
+    ``x >= 88.7228...`` gives inf, ``x <= -103.972...`` 0, NaN a NaN. The scaling is ``_mm512_scalef_ps``'s
+    (one rounding, denormal results included): an exact float64 product rounded once to float32."""
+    if x != x:
+        return np.float32(np.nan)
+    if x >= _XMAX:
+        return np.float32(np.inf)
+    if x <= _XMIN:
+        return np.float32(0.0)
+    q = x * _LOG2E
+    q = (q + _MAGIC) - _MAGIC
+    r = _fma32(q, _C1, x)
+    r = _fma32(q, _C2, r)
+    r = _fma32(q, _F0, r)   # the kernel's third Cody-Waite step (c3 = 0)
+    num = _fma32(_P5, r, _P4)
+    num = _fma32(num, r, _P3)
+    num = _fma32(num, r, _P2)
+    num = _fma32(num, r, _P1)
+    num = _fma32(num, r, _P0)
+    den = _fma32(_Q2, r, _Q1)
+    den = _fma32(den, r, _Q0)
+    p = num / den
+    return np.float32(math.ldexp(np.float64(p), int(q)))
+
+
+@njit(nogil=True, cache=True)
+def exp_inplace(a):
+    """a f32 [n] <- exp_f32(a) elementwise (``np.exp(a, out=a)``'s bits)."""
+    for i in range(a.shape[0]):
+        a[i] = exp_f32(a[i])
+
+
+# explicit signatures (compiled at import, without fastmath): the compiled region calls this from a fastmath function,
+# which would otherwise compile it with fastmath for every caller (cpu_kernels/decode_moe.py)
+@njit([types.float32(types.float32[:, ::1], W, types.int64)
+       for W in (types.float32[:, ::1], types.Array(types.float32, 2, "C", readonly=True))], nogil=True, cache=True)
+def logit(x, W, e):
+    """The router logit of expert ``e``: ``x[0] . W[e]`` in float32 (x f32 [1, D], W f32 [E, D]), products rounded
+    then summed in 8 running sums (lane i % 8), joined ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)), then the tail in
+    order. One fixed order, whatever the thread count: the decode row's router logits (Python path and compiled
+    region alike, ``coli.models.blocks.MoE``)."""
+    D = W.shape[1]
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = _F0
+    n8 = D - D % 8
+    for i in range(0, n8, 8):
+        s0 += x[0, i] * W[e, i]
+        s1 += x[0, i + 1] * W[e, i + 1]
+        s2 += x[0, i + 2] * W[e, i + 2]
+        s3 += x[0, i + 3] * W[e, i + 3]
+        s4 += x[0, i + 4] * W[e, i + 4]
+        s5 += x[0, i + 5] * W[e, i + 5]
+        s6 += x[0, i + 6] * W[e, i + 6]
+        s7 += x[0, i + 7] * W[e, i + 7]
+    s = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+    for i in range(n8, D):
+        s += x[0, i] * W[e, i]
+    return s
+
+
+@njit(nogil=True, cache=True)
+def logits_row(x, W, out):
+    """out f32 [1, E] = the router logits of the row x f32 [1, D] (:func:`logit`), W f32 [E, D]."""
+    for e in range(W.shape[0]):
+        out[0, e] = logit(x, W, e)

@@ -21,6 +21,7 @@ import numpy as np
 
 from coli import finite
 from coli.errors import ColiError
+from cpu_kernels import experts as grouped
 from cpu_kernels import formats
 
 
@@ -128,6 +129,32 @@ class RAMCache:
         self.loads = 0
         self.load_s = 0.0
         self.on_read = None  # optional callback(layer, e, t0, t1) for the trace
+        self._tables: dict = {}  # layer -> (resident int64 [E], descriptors int64 [E, 3, 13]): resident_table
+
+    def resident_table(self, layer: int, n_experts: int):
+        """``(resident, descs)`` of ``layer``: ``resident`` int64 [E] 1 where expert e is in the LRU with
+        grouped-kernel codes (what ``peek`` and ``cpu_kernels.experts.expert_desc`` find), ``descs`` int64
+        [E, 3, 13] its gate/up/down descriptors (valid where resident). Built on first ask from the LRU, then
+        kept by ``put`` / eviction / ``clear`` (a compiled decode region reads it: cpu_kernels/decode_moe.py);
+        the descriptors hold the weights' addresses, valid while the LRU holds them, so the LRU must change
+        through these methods only."""
+        t = self._tables.get(layer)
+        if t is None:
+            t = self._tables[layer] = (np.zeros(n_experts, np.int64), np.zeros((n_experts, 3, 13), np.int64))
+            for e, w in self.lru[layer].items():
+                self._note(layer, e, w)
+        return t
+
+    def _note(self, layer: int, e: int, w) -> None:
+        t = self._tables.get(layer)
+        if t is None:
+            return
+        d = grouped.expert_desc(w) if w is not None else None
+        if d is None:
+            t[0][e] = 0
+        else:
+            t[1][e] = d
+            t[0][e] = 1
 
     def in_ram(self, layer: int, e: int) -> bool:
         return e in self.lru[layer]
@@ -169,11 +196,13 @@ class RAMCache:
         d = self.lru[layer]
         d[e] = w
         d.move_to_end(e)
+        self._note(layer, e, w)
         pins = self.pins.get(layer, ())
         while len(d) > self.slots:
             for k in d:
                 if k not in pins and k != e:
                     del d[k]
+                    self._note(layer, k, None)
                     break
             else:
                 break
@@ -191,6 +220,8 @@ class RAMCache:
     def clear(self) -> None:
         for d in self.lru.values():
             d.clear()
+        for resident, _ in self._tables.values():
+            resident[:] = 0
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)

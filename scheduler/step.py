@@ -28,6 +28,11 @@ class StepStats:
         self.cpu_pairs = 0
         self.device_pairs = 0
         self.cpu_s = 0.0
+        # decode rows of MoE layers run whole in a compiled region (cpu_kernels/decode_moe.py; counted in steps and
+        # pairs as well), and those whose routed experts were not all in RAM: the region stopped after the router
+        # and this step ran the experts (``run``)
+        self.region_rows = 0
+        self.region_fallbacks = 0
 
 
 class MoEStep:
@@ -115,7 +120,8 @@ class MoEStep:
         while pending:
             done, pending = wait(pending, return_when=FIRST_COMPLETED)
             landed = []
-            for f in done:
+            for f in sorted(done, key=futures.get):  # ascending ids: the puts (LRU order, evictions) do not depend
+                # on the order of a set of futures
                 e = futures[f]
                 w = f.result()
                 cache.put(layer, e, w)
@@ -132,6 +138,29 @@ class MoEStep:
         if shared_out is not None:
             y += shared_out
         return y
+
+    def region_ok(self) -> bool:
+        """True when a decode row's experts may run inside a compiled region (cpu_kernels/decode_moe.py): the
+        compiled experts row is on (``_row``), no ``--trace``, no active device tier (the conditions under which
+        ``run`` takes ``_run_row``)."""
+        return self._row is not None and self.trace is None and (self.tier is None or not self.tier.active)
+
+    def region_row(self, layer: int, ids: np.ndarray) -> None:
+        """The bookkeeping of a decode row whose K routed experts (``ids`` int32 [1, K], all in the RAM cache) ran
+        inside a compiled region, the same as ``run`` -> ``_run_row`` does: the routing staged in ``usage``, a
+        RAM-cache hit per expert in ascending ids (the same LRU order), the step's counters (no ``cpu_s``: the
+        region's experts are not timed apart)."""
+        if self.usage is not None:
+            self.usage.add(layer, ids)
+        row = ids[0].tolist()
+        cache = self.cache
+        for e in sorted(row):
+            cache.get(layer, e)
+        st = self.stats
+        st.steps += 1
+        st.pairs += len(row)
+        st.cpu_pairs += len(row)
+        st.region_rows += 1
 
     def _run_row(self, layer, x, ids, w):
         """A decode row whose K experts are all in the RAM cache, with grouped-kernel codes: their gate/up,

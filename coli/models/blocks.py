@@ -249,6 +249,7 @@ def softmax_topk(k: int, norm: bool):
         _router.normalize_topk(lg, kk, norm, ids, w)
         return ids, w
 
+    route.softmax_topk = (k, norm)  # the rule, for the compiled MoE decode region (cpu_kernels/decode_moe.py)
     return route
 
 
@@ -327,8 +328,26 @@ class MoE:
 
         return run
 
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        """Router logits f32 [R, E] of x f32 [R, D]: a decode row (R = 1) through ``cpu_kernels.router.logits_row``
+        (one fixed summation order, the one the compiled MoE decode region runs: cpu_kernels/decode_moe.py), more
+        rows through NumPy's matmul."""
+        if x.shape[0] == 1 and self.ffn_gate_inp.dtype == np.float32 and self.ffn_gate_inp.flags.c_contiguous:
+            lg = np.empty((1, self.ffn_gate_inp.shape[0]), np.float32)
+            _router.logits_row(np.ascontiguousarray(x, dtype=np.float32), self.ffn_gate_inp, lg)
+            return lg
+        return x @ self.ffn_gate_inp.T
+
+    def decoder(self, attn_dec, w_norm: np.ndarray):
+        """The compiled decode region of the whole layer (``attn_dec``'s attention block, then this MoE block's
+        ``rms_norm(h, w_norm)``, router, top-k and routed experts: ``cpu_kernels.decode_moe.MoELayerDecode``), or
+        None where it cannot run (the caller runs the blocks apart)."""
+        from cpu_kernels import decode_moe
+
+        return decode_moe.MoELayerDecode.of(attn_dec, self, w_norm, self.m.args.eps)
+
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        ids, w = self.route(x @ self.ffn_gate_inp.T)
+        ids, w = self.route(self.logits(x))
         return self.m.step.run(self.il, x, ids, w, shared=self.shared)
 
 

@@ -37,6 +37,8 @@ class DecoderLayer:
         self.attn_dec = self.attn.decoder(self.attn_norm)
         self.ffn_dec = self.mlp.decoder(self.ffn_norm) if self.mlp is not None else None
         self.layer_dec = LayerDecode.of(self.attn_dec, self.ffn_dec)  # both in one parallel region
+        # a MoE layer's attention, router and experts in one parallel region (None: the blocks apart)
+        self.moe_dec = self.moe.decoder(self.attn_dec, self.ffn_norm) if self.moe is not None else None
 
     def new_cache(self, ctx: int):
         return self.attn.new_cache(ctx)
@@ -45,6 +47,8 @@ class DecoderLayer:
         one = h.shape[0] == 1
         if one and self.layer_dec is not None:
             self.layer_dec(h, kv, pos0)
+            return h
+        if one and self.moe_dec is not None and self.moe_dec(h, kv, pos0):
             return h
         if one and self.attn_dec is not None:
             self.attn_dec(h, kv, pos0)

@@ -1,0 +1,126 @@
+"""A MoE layer's decode row in one parallel region (cpu_kernels/decode_moe.py) against the paths it replaces: the
+Python path (no compiled blocks) and the compiled blocks apart (attention region, Python router and step, experts
+region). Exact invariants: bit-equal logits over 12 decode tokens, the RAM cache's hits/loads and LRU order, the
+step's counters and the routing history; and the region's NumPy pieces against NumPy (float32 ``exp`` bit for bit
+over a sample of every float32, the router logits against a float64 product)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from coli.engine import Engine
+from cpu_kernels import decode, decode_moe, router
+from cpu_kernels.experts import HAVE_VNNI
+
+from conftest import FIXTURES
+
+MODES = ("python", "blocks", "region")  # no compiled blocks; compiled blocks apart; the MoE layer in one region
+needs_vnni = pytest.mark.skipif(not HAVE_VNNI, reason="the compiled decode blocks run the int8 VNNI kernels")
+
+
+def _decode(path, mode, monkeypatch, n_prompt=30, n_tokens=12, expert_cache=None):
+    """Greedy decode after a prompt with the MoE layers on path ``mode``: the logits f32 [n_tokens, vocab], the
+    counters (RAM cache hits, loads; step steps, pairs, cpu_pairs), each MoE layer's LRU order, the staged and
+    committed routing counts, and (region rows, region fallbacks). Asserts the path asked for is the one built."""
+    monkeypatch.setattr(decode, "ENABLED", mode != "python")
+    monkeypatch.setattr(decode_moe, "ENABLED", mode == "region")
+    # one reader thread: reads land in the order they were asked (ascending ids), so the puts into the RAM cache, its
+    # LRU order and its evictions are the same on every run (with several readers they follow the reads' timing)
+    with Engine(path, threads=2, cpu_act="int8", save_usage=False, expert_cache=expert_cache, io_threads=1) as eng:
+        m = eng.model
+        for L in m.layers:
+            if L.moe is not None:
+                assert (L.moe_dec is not None) == (mode == "region" and L.moe.shared is None)
+        kv = m.new_cache(n_prompt + n_tokens + 4)
+        m.forward(np.arange(n_prompt) % 50 + 5, kv)
+        out, tok = [], 7
+        for _ in range(n_tokens):
+            lg = m.forward(np.array([tok]), kv)
+            out.append(lg[0].copy())
+            tok = int(np.argmax(lg[0]))
+        st, c = m.step.stats, m.step.cache
+        counters = (c.hits, c.loads, st.steps, st.pairs, st.cpu_pairs)
+        lru = {il: list(c.lru[il]) for il in m.moe_layers}
+        usage = (m.step.usage.counts.copy(), m.step.usage.tokens)
+        return np.array(out), counters, lru, usage, (st.region_rows, st.region_fallbacks)
+
+
+def _same(a, b):
+    assert np.array_equal(a[0], b[0])  # logits, bit for bit
+    assert a[1] == b[1]                # hits, loads, steps, pairs, cpu_pairs
+    assert a[2] == b[2]                # LRU order per layer
+    assert np.array_equal(a[3][0], b[3][0]) and a[3][1] == b[3][1]   # routing history
+
+
+@needs_vnni
+@pytest.mark.parametrize("name", ["olmoe", "qwen3moe", "mixtral", "qwen2moe"])
+def test_moe_region_equals_the_other_paths_on_tiny_models(name, monkeypatch):
+    """qwen2moe's shared expert keeps its layers on the blocks apart (the region is not built): the same bits."""
+    path = FIXTURES / "oracles" / f"{name}.gguf"
+    r = {mode: _decode(path, mode, monkeypatch) for mode in MODES}
+    _same(r["region"], r["python"])
+    _same(r["region"], r["blocks"])
+    rows, fallbacks = r["region"][4]
+    if name == "qwen2moe":
+        assert rows == fallbacks == 0
+    else:
+        assert rows > 0   # the region ran the experts of decode rows
+    assert r["blocks"][4] == (0, 0)
+
+
+@needs_vnni
+@pytest.mark.parametrize("name,slots", [("mixtral", 2), ("olmoe", 4)])
+def test_moe_region_with_a_ram_cache_smaller_than_the_experts(name, slots, monkeypatch):
+    """Top-k slots of 8 experts: routed experts are evicted and read again; a row that meets one not in RAM stops
+    the region after the router and the step runs it (counted). The same evictions, reads and bits."""
+    path = FIXTURES / "oracles" / f"{name}.gguf"
+    r = {mode: _decode(path, mode, monkeypatch, expert_cache=slots) for mode in MODES}
+    _same(r["region"], r["python"])
+    _same(r["region"], r["blocks"])
+    rows, fallbacks = r["region"][4]
+    assert rows > 0 and fallbacks > 0
+
+
+@needs_vnni
+def test_moe_region_with_more_iterations_than_threads(monkeypatch):
+    """nt 5 iterations on the pool's 2 threads (cpu_kernels/sync.py: work claiming finishes every phase once)."""
+    path = FIXTURES / "oracles" / "qwen3moe.gguf"
+    ref = _decode(path, "python", monkeypatch)
+    monkeypatch.setattr(decode_moe.numba, "get_num_threads", lambda: 5)
+    _same(_decode(path, "region", monkeypatch), ref)
+
+
+@needs_vnni
+def test_moe_region_equals_the_other_paths_on_the_demo_moe(demo_path, monkeypatch):
+    r = {mode: _decode(demo_path, mode, monkeypatch, n_prompt=20, n_tokens=12) for mode in ("python", "region")}
+    _same(r["region"], r["python"])
+    assert r["region"][4][0] > 0
+
+
+def test_exp_f32_is_numpys_float32_exp():
+    """router.exp_f32 against np.exp on float32 arrays: every 997th bit pattern of all 2^32 (NaNs, infinities,
+    denormals, both signs) and the edges of the kernel's ranges. (All 1.12e9 floats in [-104, 0], the shifted
+    logits' range, were checked once: 0 differences, docs/cpu_kernels.md.)"""
+    bits = np.arange(0, 1 << 32, 997, dtype=np.uint64).astype(np.uint32)
+    edges = np.array([88.72283935546875, -103.97208404541015625, 0.0, -0.0, np.inf, -np.inf, np.nan, -87.33654,
+                      88.72283, -103.972, 1e-45, -1e-45], np.float32)
+    a = np.concatenate([bits.view(np.float32), edges, np.nextafter(edges, np.float32(0))])
+    got = a.copy()
+    router.exp_inplace(got)
+    with np.errstate(all="ignore"):
+        ref = np.exp(a)
+    nan = np.isnan(ref)
+    assert np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(got[~nan].view(np.uint32), ref[~nan].view(np.uint32))
+
+
+def test_router_logits_against_a_float64_product():
+    rng = np.random.default_rng(0)
+    for E, D in ((8, 64), (64, 2048), (5, 37)):
+        x = rng.standard_normal((1, D)).astype(np.float32)
+        W = rng.standard_normal((E, D)).astype(np.float32)
+        lg = np.empty((1, E), np.float32)
+        router.logits_row(x, W, lg)
+        ref = x.astype(np.float64) @ W.T.astype(np.float64)
+        bound = D * np.finfo(np.float32).eps * (np.abs(x).astype(np.float64) @ np.abs(W.T).astype(np.float64))
+        assert np.all(np.abs(lg - ref) <= bound)
