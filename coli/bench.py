@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from coli.errors import ColiError
+from coli.gguf_file import file_type_name
 
 FIELDS = ["build_commit", "build_number", "cpu_info", "gpu_info", "backends", "model_filename", "model_type",
           "model_size", "model_n_params", "n_batch", "n_ubatch", "n_threads", "type_k", "type_v", "n_gpu_layers",
@@ -222,7 +223,8 @@ def _human_params(n: int) -> str:
 
 
 def model_facts(eng) -> dict:
-    """``model_type`` (architecture, parameters, most bytes' ggml type), ``model_size`` (tensor bytes) and
+    """``model_type`` (architecture, parameters, the file type ``general.file_type`` as llama.cpp names it, else the
+    ggml type holding the most bytes), ``model_size`` (tensor bytes) and
     ``model_n_params`` (tensor elements), as llama-bench's ``llama_model_desc`` / ``_size`` / ``_n_params``."""
     t = eng.g.tensors
     size = sum(int(ti.nbytes) for ti in t.values())
@@ -230,7 +232,7 @@ def model_facts(eng) -> dict:
     by_type: dict = {}
     for ti in t.values():
         by_type[ti.type_name] = by_type.get(ti.type_name, 0) + int(ti.nbytes)
-    main = max(by_type, key=by_type.get) if by_type else "?"
+    main = file_type_name(eng.g) or (max(by_type, key=by_type.get) if by_type else "?")
     return dict(model_type=f"{eng.args.arch} {_human_params(n)} {main}", model_size=size, model_n_params=n)
 
 

@@ -357,7 +357,7 @@ def cmd_info(a) -> int:
 
         g = open_folder(path)
     else:
-        g = open_gguf(path)
+        g = open_gguf(resolve_model(path))
     print(describe(g))
     return 0
 
@@ -461,7 +461,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="architecture, tensors, types, sizes, experts")
     i.add_argument("model_pos", nargs="?", metavar="MODEL")
-    i.add_argument("-m", "--model", default=None)
+    i.add_argument("-m", "--model", default=None,
+                   help="GGUF file, Hugging Face folder or a model name (smollm2, gemma3-270m, qwen2.5-coder-0.5b, demo)")
     i.set_defaults(func=cmd_info)
 
     b = sub.add_parser("bench", help="prefill ppN and decode tgN tok/s, llama-bench style", conflict_handler="resolve")

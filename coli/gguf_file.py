@@ -32,6 +32,7 @@ from math import prod
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 
 from .errors import ColiError
@@ -394,6 +395,17 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f}"
 
 
+def file_type_name(model: GGUFModel) -> str | None:
+    """The file's ``general.file_type`` as llama.cpp names it (gguf's ``LlamaFileType`` less its ``MOSTLY_`` /
+    ``ALL_`` prefix: ``Q4_K_M``, ``IQ2_XXS``, ``F16``), or None when the key is absent or not a known value."""
+    v = model.get("general.file_type")
+    try:
+        name = gguf.LlamaFileType(int(v)).name
+    except (TypeError, ValueError):
+        return None
+    return name.removeprefix("MOSTLY_").removeprefix("ALL_")
+
+
 def describe(model: GGUFModel) -> str:
     """A human summary for ``coli info``: architecture, parameters, context, layers, heads, experts,
     file size, tensor count and bytes by ggml type, then every tensor (name, type, shape, MiB)."""
@@ -404,6 +416,7 @@ def describe(model: GGUFModel) -> str:
         + (f"GGUF v{model.version})" if isinstance(model.version, int) else f"{model.version})"),
         f"architecture  {model.arch}" + (f"  ({model.get('general.name')})" if model.get("general.name") else ""),
         f"parameters    {n_params / 1e6:.1f} M ({n_params})",
+        f"file type     {file_type_name(model) or '?'}  (general.file_type: the type the file was quantized to)",
         f"context       {g('context_length', '?')}",
         f"layers        {g('block_count', '?')}",
         f"embedding     {g('embedding_length', '?')}",
@@ -428,7 +441,7 @@ def describe(model: GGUFModel) -> str:
         c[1] += t.nbytes
     lines.append(f"tensors       {len(model.tensors)}")
     for name, (n, b) in sorted(by_type.items(), key=lambda kv: -kv[1][1]):
-        lines.append(f"  {name:<8} {n:>5} tensors  {_mib(b):>10} MiB")
+        lines.append(f"  {name:<8} {n:>5} tensor{'s' if n != 1 else ' '}  {_mib(b):>10} MiB")
     width = max((len(n) for n in model.tensors), default=4)
     lines.append("")
     lines.append(f"{'name':<{width}}  {'type':<7} {'shape':<22} {'MiB':>9}")

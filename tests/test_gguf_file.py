@@ -21,7 +21,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from coli.errors import ColiError
 from coli.fetch import model_path
-from coli.gguf_file import describe, open_gguf
+from coli.gguf_file import describe, file_type_name, open_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
 SLOW = os.environ.get("COLI_SLOW_TESTS") == "1"
@@ -88,6 +88,25 @@ def test_describe_real_file():
     assert "Q5_0       133 tensors" in text
     assert "blk.0.ffn_down.weight" in text and "[896, 4864]" in text
     assert len(text.splitlines()) == 291 + text.splitlines().index("") + 2
+
+
+@pytest.mark.parametrize("name,ftype", [("qwen25", "Q4_K_M"), ("smollm2", "Q4_1")])
+def test_file_type_is_llamacpps_name_of_general_file_type(name, ftype):
+    # gguf.GGUFReader's general.file_type through gguf's LlamaFileType (the enum llama.cpp's llama_model_ftype
+    # mirrors); the files' names say the same
+    path = model_path(name)
+    v = int(gguf.GGUFReader(path).fields["general.file_type"].contents())
+    assert gguf.LlamaFileType(v).name == "MOSTLY_" + ftype
+    m = open_gguf(path)
+    assert file_type_name(m) == ftype
+    assert f"file type     {ftype}  " in describe(m)
+
+
+def test_cli_info_takes_a_model_name_as_run_does(capsys):
+    from coli.cli import main
+
+    assert main(["info", "-m", "smollm2"]) == 0
+    assert "file type     Q4_1" in capsys.readouterr().out
 
 
 def _compare_with_reader(path):
