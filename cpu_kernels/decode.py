@@ -336,7 +336,13 @@ _NONE = np.zeros(0, np.float32)
 
 
 def _f32_or_none(a):
-    return _NONE if a is None else np.ascontiguousarray(a, dtype=np.float32).reshape(-1)
+    """``a`` as a writable C-contiguous f32 vector (a copy when it is a read-only view of the mapped file), or the
+    empty vector for None. Writable always: Numba types read-only arrays apart, and each mix of the two would
+    compile the region functions again (minutes each on 2 cores)."""
+    if a is None:
+        return _NONE
+    a = np.ascontiguousarray(a, dtype=np.float32).reshape(-1)
+    return a if a.flags.writeable else a.copy()
 
 
 def _codes(n: int, d: int):
