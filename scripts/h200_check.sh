@@ -34,19 +34,7 @@ mkdir -p /tmp/h2
 
 if [ "${H2_SETUP:-1}" = 1 ]; then
   say "set-up"
-  for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
-  export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
-  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .whl_tier/*.whl || exit 2
-  $PY - <<'PYEOF'
-import glob, os, zipfile
-os.makedirs("/tmp/site/lib", exist_ok=True)
-for w in glob.glob(".whl_tier/tbb-*.whl") + glob.glob(".whl_tier/tcmlib-*.whl"):
-    with zipfile.ZipFile(w) as z:
-        for n in z.namelist():
-            if "/data/lib/" in n:
-                open("/tmp/site/lib/" + os.path.basename(n), "wb").write(z.read(n))
-PYEOF
-  export PYTHONPATH=/tmp/site:$PWD LD_LIBRARY_PATH=/tmp/site/lib
+  . scripts/h200_setup.sh || exit 2
 fi
 export NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-/tmp/nbcache} PYTHONUNBUFFERED=1 COLI_CACHE=${COLI_CACHE:-/tmp/colicache}
 $PY -c "import cpu_kernels as c; print('threading', c.threading_layer(), 'DEFAULT_ACT', c.DEFAULT_ACT, 'threads', c.default_threads())"

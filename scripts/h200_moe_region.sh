@@ -11,17 +11,7 @@ exec > >(tee -a "$OUT/moe_region.log") 2>&1
 PY=${PY:-python3}
 MODEL=${H2_MODEL:-/tmp/h2/synth.gguf}
 if [ "${H2_SETUP:-1}" = 1 ]; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .whl_tier/*.whl || exit 2
-  $PY - <<'PYEOF'
-import glob, os, zipfile
-os.makedirs("/tmp/site/lib", exist_ok=True)
-for w in glob.glob(".whl_tier/tbb-*.whl") + glob.glob(".whl_tier/tcmlib-*.whl"):
-    with zipfile.ZipFile(w) as z:
-        for n in z.namelist():
-            if "/data/lib/" in n:
-                open("/tmp/site/lib/" + os.path.basename(n), "wb").write(z.read(n))
-PYEOF
-  export PYTHONPATH=/tmp/site:$PWD LD_LIBRARY_PATH=/tmp/site/lib
+  . scripts/h200_setup.sh || exit 2
 fi
 export NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-/tmp/nbcache} PYTHONUNBUFFERED=1 COLI_CACHE=${COLI_CACHE:-/tmp/colicache}
 git log -1 --format='repo at %h %s' 2>/dev/null

@@ -42,22 +42,7 @@ say() { echo "=== [$((SECONDS - T0)) s] $*"; }
 
 if [ "${H2_SETUP:-1}" = 1 ]; then
   say "set-up"
-  for f in .gl/*.deb; do dpkg -x "$f" /; done
-  ldconfig
-  export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
-  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .whl_tier/*.whl || exit 2
-  $PY - <<'EOF' || exit 2
-import glob, os, zipfile
-os.makedirs("/tmp/site/lib", exist_ok=True)
-for w in glob.glob(".whl_tier/tbb-*.whl") + glob.glob(".whl_tier/tcmlib-*.whl"):
-    with zipfile.ZipFile(w) as z:
-        for n in z.namelist():
-            if "/data/lib/" in n:
-                open("/tmp/site/lib/" + os.path.basename(n), "wb").write(z.read(n))
-print("TBB libraries:", sorted(os.listdir("/tmp/site/lib")))
-EOF
-  export PYTHONPATH=/tmp/site:$PWD
-  export LD_LIBRARY_PATH=/tmp/site/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  . scripts/h200_setup.sh || exit 2
 fi
 say "machine"
 nvidia-smi -L 2>/dev/null
