@@ -86,8 +86,7 @@ class MoEStep:
         D = x.shape[1]
         if self.usage is not None:
             self.usage.add(layer, expert_ids)
-        if R == 1 and ffn is None and self._row is not None and self.trace is None \
-                and (self.tier is None or not self.tier.active):
+        if R == 1 and ffn is None and self.region_ok():
             y = self._run_row(layer, x, expert_ids[0], weights[0])
             if y is not None:
                 return y if shared is None else y + shared(x)
@@ -152,15 +151,18 @@ class MoEStep:
         region's experts are not timed apart)."""
         if self.usage is not None:
             self.usage.add(layer, ids)
-        row = ids[0].tolist()
-        cache = self.cache
-        for e in sorted(row):
-            cache.get(layer, e)
+        self._book_row(layer, ids[0].tolist())
+        self.stats.region_rows += 1
+
+    def _book_row(self, layer: int, ids: list) -> None:
+        """A decode row's K experts (all in RAM) counted as the general path counts them: a RAM-cache hit each in
+        ascending ids (the same LRU order after), one step, K CPU pairs."""
+        for e in sorted(ids):
+            self.cache.get(layer, e)
         st = self.stats
         st.steps += 1
-        st.pairs += len(row)
-        st.cpu_pairs += len(row)
-        st.region_rows += 1
+        st.pairs += len(ids)
+        st.cpu_pairs += len(ids)
 
     def _run_row(self, layer, x, ids, w):
         """A decode row whose K experts are all in the RAM cache, with grouped-kernel codes: their gate/up,
@@ -175,15 +177,10 @@ class MoEStep:
         descs = [grouped.expert_desc(wt) for wt in ws]
         if any(d is None for d in descs):
             return None
-        for e in sorted(ids):   # ascending ids, as the general path touches them: the same LRU order after
-            cache.get(layer, e)  # a hit: counted, moved to the LRU's end
+        self._book_row(layer, ids)
         t0 = time.perf_counter()
         y = self._row(np.ascontiguousarray(x, dtype=np.float32), descs, w, grouped.ACT_SWIGLU, self.clamp)
-        st = self.stats
-        st.steps += 1
-        st.pairs += len(ids)
-        st.cpu_pairs += len(ids)
-        st.cpu_s += time.perf_counter() - t0
+        self.stats.cpu_s += time.perf_counter() - t0
         return y
 
     def _compute_many(self, layer, ews, xa, groups, K, pair_out, ffn=None):
