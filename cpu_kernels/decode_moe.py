@@ -169,7 +169,8 @@ class MoELayerDecode:
     ``decode.AttentionDecode``), ``moe`` (a ``coli.models.blocks.MoE`` routed by ``blocks.softmax_topk``, no shared
     expert), ``w_norm`` f32 [D] the MoE block's input RMSNorm, ``eps`` its epsilon. Built by :meth:`of`; call with
     ``h`` f32 [1, D] (updated in place), the layer's ``blocks.KV`` and the position: False (nothing done) when the
-    model's step cannot take it now (``MoEStep.region_ok``: a trace, an active device tier)."""
+    model's step cannot take it now (a trace). With an active device tier (``MoEStep.router_region_ok``) the region
+    runs the attention, the MoE norm and the router only, and the step places and runs the experts."""
 
     def __init__(self, attn_dec, moe, w_norm, eps: float):
         self.attn_dec, self.moe = attn_dec, moe
@@ -198,6 +199,7 @@ class MoELayerDecode:
         self.pair_out = np.empty((K, D), np.float32)
         self.y = np.empty((1, D), np.float32)
         self.ctr = counters(_D.ATTN_PHASES + MOE_PHASES)
+        self._no_experts = None     # (resident, descs) with no expert: the region stops after the router
 
     @staticmethod
     def of(attn_dec, moe, w_norm, eps: float):
@@ -218,10 +220,18 @@ class MoELayerDecode:
 
     def __call__(self, h: np.ndarray, kv, pos0: int) -> bool:
         step = self.moe.m.step
-        if step is None or not step.region_ok():
+        if step is None:
+            return False
+        whole = step.region_ok()
+        if not whole and not step.router_region_ok():
             return False
         il = self.il
-        resident, descs = step.cache.resident_table(il, self.E)
+        if whole:
+            resident, descs = step.cache.resident_table(il, self.E)
+        else:   # an active device tier: the region ends after the router, the step places the experts
+            if self._no_experts is None:
+                self._no_experts = (np.zeros(self.E, np.int64), np.zeros((self.E, 3, 13), np.int64))
+            resident, descs = self._no_experts
         moe_layer_block(numba.get_num_threads(), self.ctr, *self.attn_dec.args(h, kv, pos0),
                         self.eps, self.w_norm, self.x, self.W, self.lg, self.K, self.norm, self.ids, self.w,
                         resident, descs, self.status, self.xq, self.xd, self.xm, self.gd, self.ud, self.dd,
@@ -229,7 +239,8 @@ class MoELayerDecode:
                         self.a, self.aq, self.ad, self.am, self.pair_out, self.y)
         if self.status[0]:
             step.region_row(il, self.ids)
-        else:   # a routed expert is not in RAM: the step runs this row's experts (reads, the general path)
-            step.stats.region_fallbacks += 1
+        else:   # a routed expert is not in RAM, or the tier places them: the step runs this row's experts
+            if whole:
+                step.stats.region_fallbacks += 1
             h += step.run(il, self.x.copy(), self.ids.copy(), self.w.copy())
         return True

@@ -144,6 +144,11 @@ class MoEStep:
         ``run`` takes ``_run_row``)."""
         return self._row is not None and self.trace is None and (self.tier is None or not self.tier.active)
 
+    def router_region_ok(self) -> bool:
+        """True when a decode row's attention and router may run in a compiled region that stops before the experts
+        (cpu_kernels/decode_moe.py), the step then placing them: an active device tier, no ``--trace``."""
+        return self._row is not None and self.trace is None and self.tier is not None and self.tier.active
+
     def region_row(self, layer: int, ids: np.ndarray) -> None:
         """The bookkeeping of a decode row whose K routed experts (``ids`` int32 [1, K], all in the RAM cache) ran
         inside a compiled region, the same as ``run`` -> ``_run_row`` does: the routing staged in ``usage``, a

@@ -5,7 +5,6 @@ sides with Q8_0 copies of the fixtures), with the
 balancer on and off, with a budget of a few experts (evictions), after a warm start from a history, with the
 device lost mid-run (COLI_VK_FAULT), both sides computing pairs in one step, and reproducible mode
 (COLI_VK_TIER_SYNC=1, --no-balance) giving identical logits bytes. Skipped where no Vulkan device opens."""
-import io
 import sys
 from pathlib import Path
 
@@ -195,6 +194,35 @@ def test_int8_tier_tokens_equal_cpu_int8(lavapipe, tmp_path, name):
         err = (np.abs(lg - cpu8[1]).max(axis=1) / scale).max()
         err32 = (np.abs(cpu32[1] - cpu8[1]).max(axis=1) / scale).max()
         assert err <= 1e-4 and err < err32, (err, err32)
+
+
+def test_tier_decode_rows_run_attention_and_router_in_one_region(lavapipe, tmp_path, monkeypatch):
+    """With the tier on, a decode row of a MoE layer runs its attention, MoE norm and router in the compiled layer
+    region (cpu_kernels/decode_moe.py), which stops before the experts for the step to place them: the region ran
+    for every decode row's layer with the tier active, never took the experts itself (the device did: device pairs
+    > 0), and the tokens equal the CPU-only int8 run's (the region's router is bit for bit the blocks' path)."""
+    from cpu_kernels import decode as D
+    from cpu_kernels import decode_moe
+
+    if not D.available("int8", ()):
+        pytest.skip("the compiled decode blocks need int8 activations with AVX-512 VNNI")
+    path = quantized_copy("olmoe", tmp_path / "olmoe-q8.gguf")
+    cpu8 = run_q(path, tmp_path, "int8")
+    seen = {"router": 0, "whole": 0}
+    call = decode_moe.MoELayerDecode.__call__
+
+    def counted(self, h, kv, pos0):
+        step = self.moe.m.step
+        kind = "whole" if step.region_ok() else "router" if step.router_region_ok() else None
+        ran = call(self, h, kv, pos0)
+        if ran and kind:
+            seen[kind] += 1
+        return ran
+    monkeypatch.setattr(decode_moe.MoELayerDecode, "__call__", counted)
+    ids, lg, tier, act = run_q(path, tmp_path, "int8", device="vulkan", balance=False)
+    assert act == "int8" and tier is not None and tier.on and tier.device_pairs > 0
+    assert seen["router"] >= N - 1 and seen["whole"] == 0, seen
+    assert ids == cpu8[0]
 
 
 def test_device_run_keeps_the_cpus_default_act(lavapipe, tmp_path):
