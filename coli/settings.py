@@ -62,6 +62,8 @@ VARS: tuple[Var, ...] = (
         "rows", lo=1, dev=True),
     Var("COLI_VK_I8", "bool", True, "int8 activations with Q8_0 experts in device GEMV groups use integer dot "
         "products (0: the f32 GEMV on the rounded activations)", dev=True),
+    Var("COLI_VK_REUSE", "bool", True, "keep a device batch's plan and command buffer for the next batch of the same "
+        "formats and sizes (0: build and record every batch)", dev=True),
     Var("COLI_VK_INT_DOT", "bool", True, "use the device's shaderIntegerDotProduct for the int8 GEMV where it has "
         "one (0: the emulated kernel)", dev=True),
     Var("COLI_VK_STAGING", "bool", None, "expert weights through staging copies (1) or mapped device memory "

@@ -28,7 +28,7 @@ TOTAL=${H2_TOTAL:-530}
 left() { echo $((TOTAL - (SECONDS - T0))); }
 say() { echo "=== [$((SECONDS - T0)) s] $*"; }
 PY=${PY:-python3}
-MODEL=${H2_MODEL:-/tmp/h2/synth.gguf}
+MODEL=${H2_MODEL:-$(bash scripts/h200_synth_path.sh)}
 SYNTH=${H2_SYNTH:-}
 mkdir -p /tmp/h2
 

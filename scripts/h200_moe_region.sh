@@ -9,7 +9,7 @@ set -u
 OUT=${OUT:-/tmp/h2out}; mkdir -p "$OUT" /tmp/h2
 exec > >(tee -a "$OUT/moe_region.log") 2>&1
 PY=${PY:-python3}
-MODEL=${H2_MODEL:-/tmp/h2/synth.gguf}
+MODEL=${H2_MODEL:-$(bash scripts/h200_synth_path.sh)}
 if [ "${H2_SETUP:-1}" = 1 ]; then
   . scripts/h200_setup.sh || exit 2
 fi

@@ -10,7 +10,7 @@ exec > >(tee -a "$OUT/tier_profile.log") 2>&1
 PY=${PY:-python3}
 T0=$SECONDS
 say() { echo "=== [$((SECONDS - T0)) s] $*"; }
-MODEL=${H2_MODEL:-/tmp/h2/synth.gguf}
+MODEL=${H2_MODEL:-$(bash scripts/h200_synth_path.sh)}
 if [ "${H2_SETUP:-1}" = 1 ]; then
   . scripts/h200_setup.sh || exit 2
 fi

@@ -6,7 +6,7 @@
 
 MODEL: a GGUF path or a name ``coli.fetch`` knows; the tier's budget comes from ``COLI_VK_TIER_GB`` as for
 ``coli run``. Each arm opens its own ``coli.Engine`` (``cpu``: no device; ``tier``: ``device="vulkan"``, not
-balanced; ``balanced``; the variants ``tier-blocks`` and ``tier-rate0`` of :func:`run_arm`), generates ``--warm`` tokens untimed, then ``--tokens`` tokens twice: once plain (the
+balanced; ``balanced``; the variants ``tier-blocks``, ``tier-rate0``, ``tier-norec`` of :func:`run_arm`), generates ``--warm`` tokens untimed, then ``--tokens`` tokens twice: once plain (the
 tok/s printed) and once with timers around the step's parts (inclusive ms per token; the timers add ~1 us per
 wrapped call):
 
@@ -101,13 +101,14 @@ ARMS = {"cpu": dict(device=None), "tier": dict(device="vulkan", balance=False),
 
 def run_arm(arm, a):
     """One arm: ``cpu``, ``tier``, ``balanced``, or ``tier-blocks`` (the tier with the decode row's attention and
-    router as separate compiled calls, not one region: the layout before the router region) or ``tier-rate0``
-    (the tier with no promotions after its warm start: ``COLI_VK_TIER_RATE=0``)."""
+    router as separate compiled calls, not one region: the layout before the router region), ``tier-rate0``
+    (the tier with no promotions after its warm start: ``COLI_VK_TIER_RATE=0``) or ``tier-norec`` (every device
+    batch planned and recorded anew: ``COLI_VK_REUSE=0``)."""
     from coli.engine import Engine
     from scheduler.step import MoEStep
     base, _, variant = arm.partition("-")
     kw = ARMS[base]
-    env = {"COLI_VK_TIER_RATE": "0"} if variant == "rate0" else {}
+    env = {"rate0": {"COLI_VK_TIER_RATE": "0"}, "norec": {"COLI_VK_REUSE": "0"}}.get(variant, {})
     old_env = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     rr = MoEStep.router_region_ok

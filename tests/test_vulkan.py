@@ -375,3 +375,36 @@ def test_float_rows_not_a_multiple_of_32_with_biases_and_oai_swiglu(dev):
             assert np.abs(y[p] - ref).max() <= TOL * np.abs(ref).max(), (n, p)
     for h in hs:
         dev.free_expert(h)
+
+
+@pytest.mark.parametrize("act", ["f32", "int8"])
+def test_recorded_batches_are_submitted_again_with_new_tables(monkeypatch, act):
+    """A batch's plan and command buffer are recorded once per (formats, sizes) and submitted again for later
+    batches of the same shape with other experts, rows and activations (docs/vulkan.md "Host overhead"): each
+    result is bit for bit the one a device that records every batch (COLI_VK_REUSE=0) gives, and the reusing
+    device recorded fewer command buffers than it submitted. A grown scratch buffer (more pairs) records again."""
+    from coli.vulkan import open_device
+    rng = np.random.default_rng(11)
+    D, F, E = 64, 96, 6
+    specs = [make_expert("Q8_0", "Q8_0", D, F, rng)[0] for _ in range(E)]
+    batches = []
+    for P in (3, 3, 3, 5, 3, 3):                  # one key three times, a bigger batch, then the first key again
+        x = rng.standard_normal((4, D)).astype(np.float32)
+        rows = rng.integers(0, 4, P)
+        experts = rng.choice(E, P, replace=False)
+        batches.append((x, rows, experts))
+    out = {}
+    for reuse in ("1", "0"):
+        monkeypatch.setenv("COLI_VK_REUSE", reuse)
+        d = open_device("test", budget_bytes=1 << 30, quiet=True)
+        try:
+            d.act = act
+            hs = [d.upload_expert(*s) for s in specs]
+            out[reuse] = [d.submit_experts(x, rows, [hs[e] for e in ex]).join() for x, rows, ex in batches]
+            out[reuse + "n"] = (d.recordings, d.submits)
+        finally:
+            d.close()
+    for i, (a, b) in enumerate(zip(out["1"], out["0"])):
+        assert np.array_equal(a, b), f"batch {i}"
+    assert out["0n"] == (6, 6)
+    assert out["1n"][1] == 6 and out["1n"][0] < 6, out["1n"]

@@ -90,6 +90,12 @@ def _addr6(h) -> tuple:
     return tuple(v for t in (h.gate, h.up, h.down) for v in (t.addr & 0xFFFFFFFF, t.addr >> 32))
 
 
+def _addr6_of(h) -> tuple:
+    """``h.addr6`` (kept by an uploaded expert) or :func:`_addr6` of a handle without it (a plain matmul's)."""
+    a = getattr(h, "addr6", None)
+    return a if a is not None else _addr6(h)
+
+
 def row_bytes(type_name: str, inner: int) -> int:
     """Bytes of one row of ``inner`` elements in GGUF format ``type_name`` (geometry: ``coli.tensor_types``)."""
     t = TT.get(type_name)
@@ -256,6 +262,9 @@ class _Frame:
         dai.pSetLayouts = layouts
         _chk(lib.vkAllocateDescriptorSets(d, dai, sets), "vkAllocateDescriptorSets")
         self.sets = sets  # [0]: expert op (h = SwiGLU scratch); [1]: plain matmul (h bindings -> x buffer)
+        # command buffers recorded for a batch plan (Device._record_submit's key), submitted again while the
+        # frame's buffers stay (a grown buffer rewrites the descriptor sets they were recorded with)
+        self.recorded: dict = {}
         self.ds_expert = ffi.new("VkDescriptorSet[1]", [sets[0]])
         self.ds_plain = ffi.new("VkDescriptorSet[1]", [sets[1]])
         self.pc = ffi.new("uint32_t[%d]" % _PC_WORDS)
@@ -275,8 +284,29 @@ class _Frame:
             req, pref = dev._scratch_types[name]
             self.bufs[name] = _Buf(dev, size, _USAGE_STORAGE, req, pref)
             changed = True
+        if changed:
+            self.drop_recorded()
         if changed and all(self.bufs[k] is not None for k in self.bufs):
             self._write_sets()
+
+    def new_cmd(self, key):
+        """A command buffer for the plan ``key`` (the frame is idle): allocated from the device's pool; past 32
+        plans the frame's recorded buffers are all freed first."""
+        if len(self.recorded) >= 32:
+            self.drop_recorded()
+        cai = _s("VkCommandBufferAllocateInfo")
+        cai.sType = vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO
+        cai.commandPool = self.dev._cmd_pool
+        cai.level = vk.VK_COMMAND_BUFFER_LEVEL_PRIMARY
+        cai.commandBufferCount = 1
+        arr = ffi.new("VkCommandBuffer[1]")
+        _chk(lib.vkAllocateCommandBuffers(self.dev._dev, cai, arr), "vkAllocateCommandBuffers")
+        return arr
+
+    def drop_recorded(self):
+        for arr, _ in self.recorded.values():
+            lib.vkFreeCommandBuffers(self.dev._dev, self.dev._cmd_pool, 1, arr)
+        self.recorded.clear()
 
     def _write_sets(self):
         b = self.bufs
@@ -399,6 +429,11 @@ class Device:
         self.i8 = _env_int("COLI_VK_I8", 1) != 0
         self._fault_at = _env_int("COLI_VK_FAULT", 0)
         self.gemm_rows = _env_int("COLI_VK_TIER_GEMM_ROWS", 16)
+        # a batch's plan and its command buffer kept and submitted again for the next batch of the same formats
+        # and sizes (COLI_VK_REUSE=0: built and recorded for every batch); ``recordings`` counts the recordings
+        self.reuse = _env_int("COLI_VK_REUSE", 1) != 0
+        self._plans: dict = {}
+        self.recordings = 0
         self._timeout_ns = int(_env_float("COLI_VK_TIMEOUT_S", 60.0) * 1e9)
         self._frames_free: list[_Frame] = []
         self._frames_all: list[_Frame] = []
@@ -1172,45 +1207,31 @@ class Device:
             if not self.lost:
                 self._drop(t)
 
-    def _record_submit(self, *, x, D, F, P, rows_sorted, out_sorted, groups, clamp, plain, round_h=(),
-                       i8=False, Din=None, act_kind=0, bias_gu=None) -> Batch:
-        # D: y's columns (down's rows); F: h's columns (gate/up rows, padded); Din: x's columns (gate/up
-        # inner size, padded; default D)
-        # round_h: (first sorted pair, pairs) ranges whose input rows of the last pass (h; the plain matmul's
-        # x, bound as h) the act_q8 kernel rounds per 32 before that pass (act "int8"); i8: the GEMV groups
-        # run gemv_i8dot / gemv_i8emu on packed int8 rows (x packed by the caller, h by act_q8's mode 1)
-        # the group table: one row per GEMM group, GEMV groups cut into chunks of <= MAXR rows
+    def _plan(self, groups, D, F, Din, P, plain, i8):
+        """The static part of a batch: ``(G, row_group, gsgc, work, dispatch_plan, nitems)`` — the group table's
+        rows (one per GEMM group; GEMV groups cut into chunks of <= MAXR rows), for each the index of its group in
+        ``groups`` and its (first sorted pair, pairs), the work lists of every (pass, signature, kernel) as
+        uint32 words, and per pass ``(mode, O, I, [(kernel, type_name, first item, items)])``."""
         sig_ids: dict = {}
-        rows6, gs, gc = [], [], []
+        row_group, gs, gc = [], [], []
         gv_of: list = []       # per signature: GEMV group rows
         gm_of: list = []       # per signature: GEMM group rows
-        for h, s, c in groups:
-            a6 = h.addr6 if hasattr(h, "addr6") else _addr6(h)
+        for gi, (h, s, c) in enumerate(groups):
             si = sig_ids.setdefault(h.sig, len(sig_ids))
             if si == len(gv_of):
                 gv_of.append([])
                 gm_of.append([])
             if self.gemm_rows > 0 and c >= self.gemm_rows:
-                gm_of[si].append(len(rows6))
-                rows6.append(a6); gs.append(s); gc.append(c)
+                gm_of[si].append(len(row_group))
+                row_group.append(gi); gs.append(s); gc.append(c)
             else:
                 for k in range(0, c, MAXR):
-                    gv_of[si].append(len(rows6))
-                    rows6.append(a6); gs.append(s + k); gc.append(min(MAXR, c - k))
-        G = len(rows6)
-        gt = np.empty((G, 8), np.uint32)
-        gt[:, :6] = rows6
-        gt[:, 6] = gs
-        gt[:, 7] = gc
-        flags = (_ACT_CLAMP if clamp is not None else 0) | (_ACT_OAI if act_kind == 2 else 0)
-        bias_rows = None
-        if bias_gu is not None:   # per group row: the bias row of its first pair (one expert per group)
-            bias_rows = bias_gu[np.asarray(out_sorted, np.int64)[np.asarray(gs, np.int64)]]
-            flags |= _ACT_BIAS
-        # work lists per (pass, signature, kernel)
+                    gv_of[si].append(len(row_group))
+                    row_group.append(gi); gs.append(s + k); gc.append(min(MAXR, c - k))
+        G = len(row_group)
         passes = [(0, D, F)] if plain else [(1, F, D if Din is None else Din), (0, D, F)]   # (mode, O, I)
         work_parts = []
-        dispatch_plan = []   # per pass: (mode, O, I, [(kernel, type_name, first item, items)])
+        dispatch_plan = []
         nitems = 0
         for mode, O, I in passes:
             plan = []
@@ -1240,12 +1261,43 @@ class Device:
                     plan.append(("gemm", tname, nitems, w.shape[0]))
                     nitems += w.shape[0]
             dispatch_plan.append((mode, O, I, plan))
+        work = np.concatenate([w.reshape(-1) for w in work_parts]) if work_parts else np.zeros(0, np.uint32)
+        gsgc = np.array([gs, gc], np.uint32).T.copy()
+        return G, row_group, gsgc, work, dispatch_plan, nitems
+
+    def _record_submit(self, *, x, D, F, P, rows_sorted, out_sorted, groups, clamp, plain, round_h=(),
+                       i8=False, Din=None, act_kind=0, bias_gu=None) -> Batch:
+        # D: y's columns (down's rows); F: h's columns (gate/up rows, padded); Din: x's columns (gate/up
+        # inner size, padded; default D)
+        # round_h: (first sorted pair, pairs) ranges whose input rows of the last pass (h; the plain matmul's
+        # x, bound as h) the act_q8 kernel rounds per 32 before that pass (act "int8"); i8: the GEMV groups
+        # run gemv_i8dot / gemv_i8emu on packed int8 rows (x packed by the caller, h by act_q8's mode 1)
+        # the batch's plan (group table layout, work lists, dispatches) depends on the groups' formats and sizes,
+        # not on which experts they are: kept per key, and its command buffer per frame (recorded once, submitted
+        # again with new tables: docs/vulkan.md "Host overhead")
+        key = (plain, D, F, Din, P, clamp, act_kind, bias_gu is not None, i8, tuple(round_h),
+               tuple((h.sig, c) for h, _, c in groups))
+        bp = self._plans.get(key) if self.reuse else None
+        if bp is None:
+            bp = self._plan(groups, D, F, Din, P, plain, i8)
+            if self.reuse:
+                if len(self._plans) >= 256:
+                    self._plans.clear()
+                self._plans[key] = bp
+        G, row_group, gsgc, work, dispatch_plan, nitems = bp
+        gt = np.empty((G, 8), np.uint32)
+        gt[:, :6] = [_addr6_of(groups[g][0]) for g in row_group]
+        gt[:, 6:] = gsgc
+        flags = (_ACT_CLAMP if clamp is not None else 0) | (_ACT_OAI if act_kind == 2 else 0)
+        bias_rows = None
+        if bias_gu is not None:   # per group row: the bias row of its first pair (one expert per group)
+            bias_rows = bias_gu[np.asarray(out_sorted, np.int64)[gsgc[:, 0].astype(np.int64)]]
+            flags |= _ACT_BIAS
         grp_off = 0
         row_off = G * 8
         out_off = row_off + P
         work_off = out_off + P
-        parts = [gt.reshape(-1), np.asarray(rows_sorted, np.uint32), np.asarray(out_sorted, np.uint32)]
-        parts += [w.reshape(-1) for w in work_parts]
+        parts = [gt.reshape(-1), np.asarray(rows_sorted, np.uint32), np.asarray(out_sorted, np.uint32), work]
         bias_off = work_off + 4 * nitems
         if bias_rows is not None:
             parts.append(bias_rows.reshape(-1).view(np.uint32))
@@ -1261,67 +1313,75 @@ class Device:
         try:
             xin = x if not plain else x          # plain: x rows are the h-binding input (set 1)
             need = {"x": xin.nbytes, "tab": tab.nbytes, "h": (P * F * 4) if not plain else 4, "y": P * D * 4}
-            f.ensure(need)
+            f.ensure(need)     # a grown buffer drops the frame's recorded command buffers (new descriptors)
             f.bufs["x"].view[:xin.nbytes] = xin.reshape(-1).view(np.uint8)
             f.bufs["tab"].view[:tab.nbytes] = tab.view(np.uint8)
-            cb = f.cmd
-            bi = _s("VkCommandBufferBeginInfo")
-            bi.sType = vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO
-            bi.flags = vk.VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT
-            _chk(lib.vkResetCommandBuffer(cb, 0), "vkResetCommandBuffer")
-            _chk(lib.vkBeginCommandBuffer(cb, bi), "vkBeginCommandBuffer")
-            if f.qpool is not None:
-                lib.vkCmdResetQueryPool(cb, f.qpool, 0, 2)
-                lib.vkCmdWriteTimestamp(cb, _PSTAGE_TOP, f.qpool, 0)
-            lib.vkCmdBindDescriptorSets(cb, vk.VK_PIPELINE_BIND_POINT_COMPUTE, self._layout, 0, 1,
-                                        f.ds_plain if plain else f.ds_expert, 0, ffi.NULL)
-            mb = _s("VkMemoryBarrier")
-            mb.sType = vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER
-            pc = f.pc
-            cl = struct.unpack("<I", struct.pack("<f", float(clamp) if clamp is not None else 0.0))[0]
-            ndisp = 0
-            last = len(dispatch_plan) - 1
-            for pi, (mode, O, I, plan) in enumerate(dispatch_plan):
-                # The dispatches of one pass touch disjoint rows of h (pass 1) or y (pass 2), so they need
-                # no barrier between them. Khronos' synchronization validation still reports hazards
-                # between them, because each shader statically names both passes' bindings (the mode is
-                # a specialization constant): false positives, checked by hand. Between the passes h is
-                # written, then read.
-                if pi > 0:
-                    mb.srcAccessMask = _ACC_SHADER_WRITE
-                    mb.dstAccessMask = _ACC_SHADER_READ | _ACC_SHADER_WRITE
-                    lib.vkCmdPipelineBarrier(cb, _PSTAGE_COMPUTE, _PSTAGE_COMPUTE, 0, 1, mb, 0, ffi.NULL, 0, ffi.NULL)
-                if pi == last and round_h:
-                    # the int8 activations: round the pass's input rows in place, then a barrier
-                    lib.vkCmdBindPipeline(cb, vk.VK_PIPELINE_BIND_POINT_COMPUTE, self._pipeline("act_q8", None, 1 if i8 else 0))
-                    for s0, c in round_h:
-                        nb = c * I // 32
-                        pc[0:_PC_WORDS] = [O, I, s0 * I // 32, 0, 0, 0, nb, 0, 0, 0]
+            rec = f.recorded.get(key) if self.reuse else None
+            if rec is None:
+                cmd_arr = f.new_cmd(key) if self.reuse else f.cmd_arr
+                cb = cmd_arr[0]
+                bi = _s("VkCommandBufferBeginInfo")
+                bi.sType = vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO
+                bi.flags = 0 if self.reuse else vk.VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT
+                _chk(lib.vkResetCommandBuffer(cb, 0), "vkResetCommandBuffer")
+                _chk(lib.vkBeginCommandBuffer(cb, bi), "vkBeginCommandBuffer")
+                if f.qpool is not None:
+                    lib.vkCmdResetQueryPool(cb, f.qpool, 0, 2)
+                    lib.vkCmdWriteTimestamp(cb, _PSTAGE_TOP, f.qpool, 0)
+                lib.vkCmdBindDescriptorSets(cb, vk.VK_PIPELINE_BIND_POINT_COMPUTE, self._layout, 0, 1,
+                                            f.ds_plain if plain else f.ds_expert, 0, ffi.NULL)
+                mb = _s("VkMemoryBarrier")
+                mb.sType = vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER
+                pc = f.pc
+                cl = struct.unpack("<I", struct.pack("<f", float(clamp) if clamp is not None else 0.0))[0]
+                ndisp = 0
+                last = len(dispatch_plan) - 1
+                for pi, (mode, O, I, plan) in enumerate(dispatch_plan):
+                    # The dispatches of one pass touch disjoint rows of h (pass 1) or y (pass 2), so they need
+                    # no barrier between them. Khronos' synchronization validation still reports hazards
+                    # between them, because each shader statically names both passes' bindings (the mode is
+                    # a specialization constant): false positives, checked by hand. Between the passes h is
+                    # written, then read.
+                    if pi > 0:
+                        mb.srcAccessMask = _ACC_SHADER_WRITE
+                        mb.dstAccessMask = _ACC_SHADER_READ | _ACC_SHADER_WRITE
+                        lib.vkCmdPipelineBarrier(cb, _PSTAGE_COMPUTE, _PSTAGE_COMPUTE, 0, 1, mb, 0, ffi.NULL, 0, ffi.NULL)
+                    if pi == last and round_h:
+                        # the int8 activations: round the pass's input rows in place, then a barrier
+                        lib.vkCmdBindPipeline(cb, vk.VK_PIPELINE_BIND_POINT_COMPUTE, self._pipeline("act_q8", None, 1 if i8 else 0))
+                        for s0, c in round_h:
+                            nb = c * I // 32
+                            pc[0:_PC_WORDS] = [O, I, s0 * I // 32, 0, 0, 0, nb, 0, 0, 0]
+                            lib.vkCmdPushConstants(cb, self._layout, _STAGE_COMPUTE, 0, 4 * _PC_WORDS, pc)
+                            ng = (nb + 63) // 64
+                            lib.vkCmdDispatch(cb, min(ng, 65535), (ng + 65534) // 65535, 1)
+                            ndisp += 1
+                        mb.srcAccessMask = _ACC_SHADER_WRITE
+                        mb.dstAccessMask = _ACC_SHADER_READ | _ACC_SHADER_WRITE
+                        lib.vkCmdPipelineBarrier(cb, _PSTAGE_COMPUTE, _PSTAGE_COMPUTE, 0, 1, mb, 0, ffi.NULL, 0, ffi.NULL)
+                    for kernel, tname, woff, nw in plan:
+                        lib.vkCmdBindPipeline(cb, vk.VK_PIPELINE_BIND_POINT_COMPUTE, self._pipeline(kernel, tname, mode))
+                        pc[0:_PC_WORDS] = [O, I, grp_off, row_off, out_off, work_off + 4 * woff, nw, flags, cl,
+                                           bias_off]
                         lib.vkCmdPushConstants(cb, self._layout, _STAGE_COMPUTE, 0, 4 * _PC_WORDS, pc)
-                        ng = (nb + 63) // 64
-                        lib.vkCmdDispatch(cb, min(ng, 65535), (ng + 65534) // 65535, 1)
+                        gx = min(nw, 65535)
+                        gy = (nw + 65534) // 65535
+                        lib.vkCmdDispatch(cb, gx, gy, 1)
                         ndisp += 1
-                    mb.srcAccessMask = _ACC_SHADER_WRITE
-                    mb.dstAccessMask = _ACC_SHADER_READ | _ACC_SHADER_WRITE
-                    lib.vkCmdPipelineBarrier(cb, _PSTAGE_COMPUTE, _PSTAGE_COMPUTE, 0, 1, mb, 0, ffi.NULL, 0, ffi.NULL)
-                for kernel, tname, woff, nw in plan:
-                    lib.vkCmdBindPipeline(cb, vk.VK_PIPELINE_BIND_POINT_COMPUTE, self._pipeline(kernel, tname, mode))
-                    pc[0:_PC_WORDS] = [O, I, grp_off, row_off, out_off, work_off + 4 * woff, nw, flags, cl,
-                                       bias_off]
-                    lib.vkCmdPushConstants(cb, self._layout, _STAGE_COMPUTE, 0, 4 * _PC_WORDS, pc)
-                    gx = min(nw, 65535)
-                    gy = (nw + 65534) // 65535
-                    lib.vkCmdDispatch(cb, gx, gy, 1)
-                    ndisp += 1
-            mb.srcAccessMask, mb.dstAccessMask = _ACC_SHADER_WRITE, _ACC_HOST_READ
-            lib.vkCmdPipelineBarrier(cb, _PSTAGE_COMPUTE, _PSTAGE_HOST, 0, 1, mb, 0, ffi.NULL, 0, ffi.NULL)
-            if f.qpool is not None:
-                lib.vkCmdWriteTimestamp(cb, _PSTAGE_BOTTOM, f.qpool, 1)
-            _chk(lib.vkEndCommandBuffer(cb), "vkEndCommandBuffer")
+                mb.srcAccessMask, mb.dstAccessMask = _ACC_SHADER_WRITE, _ACC_HOST_READ
+                lib.vkCmdPipelineBarrier(cb, _PSTAGE_COMPUTE, _PSTAGE_HOST, 0, 1, mb, 0, ffi.NULL, 0, ffi.NULL)
+                if f.qpool is not None:
+                    lib.vkCmdWriteTimestamp(cb, _PSTAGE_BOTTOM, f.qpool, 1)
+                _chk(lib.vkEndCommandBuffer(cb), "vkEndCommandBuffer")
+                self.recordings += 1
+                if self.reuse:
+                    f.recorded[key] = (cmd_arr, ndisp)
+            else:
+                cmd_arr, ndisp = rec
             sub = _s("VkSubmitInfo")
             sub.sType = vk.VK_STRUCTURE_TYPE_SUBMIT_INFO
             sub.commandBufferCount = 1
-            sub.pCommandBuffers = f.cmd_arr
+            sub.pCommandBuffers = cmd_arr
             _chk(lib.vkResetFences(self._dev, 1, f.fence_arr), "vkResetFences")
             self.submits += 1
             r = lib.vkQueueSubmit(self._queue, 1, sub, f.fence)
