@@ -118,11 +118,12 @@ SPEC = {"Q4_0": (32, 288, 256, 18), "Q4_1": (32, 320, 256, 20), "Q8_0": (32, 544
         "MXFP4": (32, 272, 256, 17), "IQ4_NL": (32, 288, 256, 18), "IQ4_XS": (256, 2208, 2048, 136),
         "Q2_K": (256, 1344, 1024, 84), "Q3_K": (256, 1824, 1536, 110), "Q5_1": (32, 384, 256, 24),
         "Q5_K": (256, 2880, 2560, 176), "IQ2_XXS": (256, 1696, 1536, 66), "IQ3_XXS": (256, 2208, 2048, 98),
-        "IQ3_S": (256, 2208, 2048, 110), "IQ2_XS": (256, 1824, 1536, 74), "IQ2_S": (256, 1824, 1536, 82)}
+        "IQ3_S": (256, 2208, 2048, 110), "IQ2_XS": (256, 1824, 1536, 74), "IQ2_S": (256, 1824, 1536, 82),
+        "IQ1_S": (256, 1120, 1024, 50), "IQ1_M": (256, 1248, 1024, 56)}
 RECORD = {k: v[1] for k, v in SPEC.items()}
 KIND = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q5_0": 3, "Q4_K": 4, "Q6_K": 5, "MXFP4": 6, "IQ4_NL": 7, "IQ4_XS": 8,
         "Q2_K": 9, "Q3_K": 10, "Q5_1": 11, "Q5_K": 12, "IQ2_XXS": 13, "IQ3_XXS": 14, "IQ3_S": 15,
-        "IQ2_XS": 16, "IQ2_S": 17}
+        "IQ2_XS": 16, "IQ2_S": 17, "IQ1_S": 18, "IQ1_M": 19}
 #: the 16-entry int8 tables of the 4-bit table types (gguf.quants: MXFP4's doubled e2m1 values, ggml's
 #: ``kvalues_mxfp4``; IQ4_NL/IQ4_XS's ``kvalues_iq4nl``; the grid i-quants' signed levels, from ``_levels``)
 _LUT = {"MXFP4": 0, "IQ4_NL": 1, "IQ4_XS": 1, "IQ3_XXS": 2, "IQ3_S": 4}
@@ -259,6 +260,56 @@ def _pack_grid(blk, kind, cmap, ksig, out):
                             out[t, b, q] |= (code | (neg << 3)) << (4 * (w >> 4))
 
 
+@njit(parallel=True, nogil=True, cache=True)
+def _pack_iq1(blk, m, cmap, out):
+    """blk uint8 [T, 16, nb, 50] of IQ1_S (m = 0) or [T, 16, nb, 56] of IQ1_M (m = 1) -> out uint8 [T, nb,
+    record] (zeroed by the caller): each weight's level code grid + 1 (``cmap``: 0, 1, 2) as Q2_K's qs; IQ1_S's
+    3-bit scale and delta sign per 32 as a nibble s | neg << 3 [ib / 2][row] (ib even: low nibble); IQ1_M's 3-bit
+    scales per 16 as nibbles [ib][row] (low: first half) and its delta signs per 8 as bits [8-group / 8][row]
+    (bit: 8-group % 8); then d's f16 bits (IQ1_M: gathered from the top nibbles of its four u16 scales,
+    ``iq1m_scale_t``). Fields as ``dequantize_row_iq1_s`` / ``iq1_m`` read them (ggml-common.h ``block_iq1_*``)."""
+    T, R, nb, _ = blk.shape
+    od = 1088 if m == 0 else 1216
+    for tb in prange(T * nb):
+        t = tb // nb
+        b = tb % nb
+        for r in range(R):
+            x = blk[t, r, b]
+            if m == 0:
+                out[t, b, od + 2 * r] = x[0]
+                out[t, b, od + 1 + 2 * r] = x[1]
+            else:
+                db = np.int64(0)
+                for k in range(4):
+                    sk = np.int64(x[48 + 2 * k]) | (np.int64(x[49 + 2 * k]) << 8)
+                    db |= (sk >> 12) << (4 * k)
+                out[t, b, od + 2 * r] = db & 255
+                out[t, b, od + 1 + 2 * r] = db >> 8
+            for ib in range(8):
+                qh = np.int64(0)
+                if m == 0:
+                    qh = np.int64(x[34 + 2 * ib]) | (np.int64(x[35 + 2 * ib]) << 8)
+                    out[t, b, 1024 + 16 * (ib // 2) + r] |= (((qh >> 12) & 7) | ((qh >> 15) << 3)) << (4 * (ib % 2))
+                else:
+                    for h in range(2):
+                        u = 2 * ib + h
+                        sk = np.int64(x[48 + 2 * (u // 4)]) | (np.int64(x[49 + 2 * (u // 4)]) << 8)
+                        out[t, b, 1024 + 16 * ib + r] |= ((sk >> (3 * (u % 4))) & 7) << (4 * h)
+                for l in range(4):   # 8-group q8 of the block: one grid entry
+                    q8 = 4 * ib + l
+                    if m == 0:
+                        gi = np.int64(x[2 + q8]) | (((qh >> (3 * l)) & 7) << 8)
+                    else:
+                        nib = (np.int64(x[32 + q8 // 2]) >> (4 * (q8 % 2))) & 15
+                        gi = np.int64(x[q8]) | ((nib & 7) << 8)
+                        out[t, b, 1152 + 16 * (q8 // 8) + r] |= (nib >> 3) << (q8 % 8)
+                    for jj in range(8):
+                        e = 32 * ib + 8 * l + jj
+                        lp = e & 31
+                        q = 64 * (8 * (e >> 7) + (lp >> 2)) + 4 * r + (lp & 3)
+                        out[t, b, q] |= cmap[gi, jj] << (2 * ((e >> 5) & 3))
+
+
 def pack(type_name: str, raw: np.ndarray, O: int, I: int) -> np.ndarray:
     """GGUF blocks uint8 [O, row_bytes] -> tile records uint8 [O/16, (I / block) * RECORD] (layout above)."""
     bs, rec, nc, bsz = SPEC[type_name]
@@ -272,6 +323,13 @@ def pack(type_name: str, raw: np.ndarray, O: int, I: int) -> np.ndarray:
         out[:] = 0
         cmap = np.searchsorted(_levels(type_name), iq_tables.grid(type_name)).astype(np.uint8)
         _pack_grid(blk, KIND[type_name], cmap, iq_tables.ksigns(), out)
+        return out.reshape(T, nb * rec)
+    if type_name in ("IQ1_S", "IQ1_M"):
+        from coli import iq_tables
+
+        out[:] = 0
+        cmap = (iq_tables.grid("IQ1_S") + 1).astype(np.uint8)   # {-1, 0, 1} -> 0, 1, 2 (IQ1_M shares the grid)
+        _pack_iq1(blk, int(type_name == "IQ1_M"), cmap, out)
         return out.reshape(T, nb * rec)
     _pack(blk, out, np.array(_FIELDS[type_name], np.int64))
     if type_name in ("Q4_K", "Q5_K"):  # ggml's 6-bit scales and mins unpacked, [sub-block][row]
@@ -319,7 +377,7 @@ def scales(type_name: str, rec: np.ndarray, O: int, I: int):
 
 #: where the f16 d [16] starts after a record's code bytes (the sub-block scales, Q5_0's fifth bits before it)
 _SCALE_AT = {"Q5_0": 64, "Q4_K": 256, "Q6_K": 256, "IQ4_XS": 128, "Q2_K": 256, "Q3_K": 256, "Q5_1": 64, "Q5_K": 256,
-             "IQ2_XXS": 128, "IQ3_XXS": 128, "IQ3_S": 128, "IQ2_XS": 256, "IQ2_S": 256}
+             "IQ2_XXS": 128, "IQ3_XXS": 128, "IQ3_S": 128, "IQ2_XS": 256, "IQ2_S": 256, "IQ1_S": 64, "IQ1_M": 192}
 #: the types with a second f16 (m or dmin) after d
 _MINS = ("Q4_1", "Q4_K", "Q2_K", "Q5_1", "Q5_K")
 
@@ -479,6 +537,61 @@ def _emit_tile(b, name, rec_data, nsb, rows):
                             sx = b.fmul(lsv, xd(i, b.add(s0, c(ib))))
                             saccs[i] = b.fadd(saccs[i], b.fmul(b.sitofp(acc[i][j][h], _F32x16), sx))
             dv = b.fmul(f16x16(nc + 128 * nh), ir.Constant(_F32x16, [0.125] * 16))
+            for i in range(nr):
+                b.store(b.fadd(b.load(faccs[i]), b.fmul(dv, saccs[i])), faccs[i])
+        elif name in ("IQ1_S", "IQ1_M"):
+            # Q2_K's planes with the level codes c = grid + 1 (0, 1, 2): per half n, shift j (sub-block ib = 4n + j)
+            # and code group g the byte u = 8c + 2 pos (pos: the delta is +1/8; a per-row constant of the group's
+            # dword lane, IQ1_S per 32, IQ1_M per 8), unsigned, so vpdpbusd gives sum u x and the weight's
+            # 8 (grid + delta) = u - 9 is exact as sum u x - 9 S (S: the scale group's activation code sum, 32 or
+            # 16, int32). Then IQ4_XS's arithmetic: the integer scale 2s + 1 per group, d / 8 per super-block
+            m1 = name == "IQ1_M"
+            nh = 2 if m1 else 1
+            s0 = b.mul(k, c(8))
+            saccs = [ir.Constant(_F32x16, None)] * nr
+            m18 = bmask(0x18)
+            two = _i32x16(0x02020202)
+
+            def zx16(o):   # 16 bytes (one per row) widened to the row's i32 lane
+                return b.zext(ld(o, _I8x16), _I32x16)
+
+            def posv(v, bit):   # 0x02020202 where bit ``bit`` of the row's byte is clear (delta +1/8), else 0
+                return b.select(b.icmp_unsigned("==", b.and_(v, _i32x16(1 << bit)), zero), two, zero)
+
+            for n in range(2):
+                acc = [[[zero] * nh for _ in range(4)] for _ in range(nr)]
+                # IQ1_S: the nibble s | neg << 3 of sub-blocks 2p, 2p + 1 in byte p; IQ1_M: the delta bits of
+                # 8-groups 8p..8p + 7 in byte p
+                sb = [zx16(nc + (128 if m1 else 0) + 16 * (2 * n + p)) for p in range(2)]
+                pos = [None] * 4
+                for g in range(8):
+                    V = ld(64 * (8 * n + g), _I8x64)
+                    for j in range(4):
+                        if g == 0 or (m1 and g % 2 == 0):
+                            ib = 4 * n + j
+                            pos[j] = posv(sb[j >> 1], 4 * (ib & 1) + (g >> 1 if m1 else 3))
+                        sh = 2 * j - 3   # code bits 2j, 2j + 1 -> bits 3, 4 of the byte (8c)
+                        cv = srl(V, sh) if sh > 0 else b.bitcast(b.shl(b.bitcast(V, _I32x16), _i32x16(-sh)), _I8x64)
+                        cv = b.or_(b.bitcast(b.and_(cv, m18), _I32x16), pos[j])
+                        h = (g >> 2) if m1 else 0
+                        for i in range(nr):
+                            acc[i][j][h] = b.call(op.dp512, [acc[i][j][h], cv, xs(i, 128 * n + 32 * j + 4 * g)])
+                for j in range(4):
+                    ib = 4 * n + j
+                    for h in range(nh):
+                        if m1:
+                            scb = b.and_(b.lshr(zx16(nc + 16 * ib), _i32x16(4 * h)), _i32x16(7))
+                        else:
+                            scb = b.and_(b.lshr(sb[j >> 1], _i32x16(4 * (ib & 1))), _i32x16(7))
+                        scv = b.sitofp(b.add(b.shl(scb, _i32x16(1)), _i32x16(1)), _F32x16)
+                        for i in range(nr):
+                            ss = ssum16(i, 32 * ib + 16 * h)
+                            if not m1:
+                                ss = b.add(ss, ssum16(i, 32 * ib + 16))
+                            v = b.sub(acc[i][j][h], _splat_i(b, b.mul(ss, ir.Constant(_I32, 9))))
+                            sx = b.fmul(scv, xd(i, b.add(s0, c(ib))))
+                            saccs[i] = b.fadd(saccs[i], b.fmul(b.sitofp(v, _F32x16), sx))
+            dv = b.fmul(f16x16(nc + (192 if m1 else 64)), ir.Constant(_F32x16, [0.125] * 16))
             for i in range(nr):
                 b.store(b.fadd(b.load(faccs[i]), b.fmul(dv, saccs[i])), faccs[i])
         elif name in ("Q2_K", "Q3_K"):
@@ -764,6 +877,10 @@ tile_iq2_xs = _tile_intrinsic("IQ2_XS")
 tile4_iq2_xs = _tile4_intrinsic("IQ2_XS")
 tile_iq2_s = _tile_intrinsic("IQ2_S")
 tile4_iq2_s = _tile4_intrinsic("IQ2_S")
+tile_iq1_s = _tile_intrinsic("IQ1_S")
+tile4_iq1_s = _tile4_intrinsic("IQ1_S")
+tile_iq1_m = _tile_intrinsic("IQ1_M")
+tile4_iq1_m = _tile4_intrinsic("IQ1_M")
 
 
 @njit(inline="always", **_JIT)
@@ -811,8 +928,28 @@ def decode_row(rec, kind, r, I, buf):
                                 cq = cq - (0 if (hm >> (4 * n + j)) & 1 else 4)
                                 buf[e] = d * np.float32(sc) * np.float32(cq)
         return
-    if kind == 13 or kind >= 16:   # IQ2_XXS, IQ2_XS, IQ2_S planes: dequantize_row_iq2_*'s d * (0.5 + s) * 0.25
-        nh = 2 if kind >= 16 else 1   # * grid * sign, f32 as gguf; IQ2_XS, IQ2_S a scale per 16
+    if kind == 18 or kind == 19:   # IQ1_S, IQ1_M: dequantize_row_iq1_s / iq1_m's d * (2s + 1) * (grid + delta),
+        m1 = kind == 19               # delta = +-1/8, as d (2s + 1) (8 (c - 1) +- 1) / 8: every product exact
+        for s in range(I // 256):
+            base = s * _REC[kind]
+            nc = _NC[kind]
+            d = f16_at(rec, base + nc + (192 if m1 else 64) + 2 * r)
+            for e in range(256):
+                ib = e >> 5
+                lp = e & 31
+                cq = (np.int64(rec[base + 64 * (8 * (e >> 7) + (lp >> 2)) + 4 * r + (lp & 3)]) >> (2 * (ib & 3))) & 3
+                if m1:
+                    sc = (np.int64(rec[base + nc + 16 * ib + r]) >> (4 * (lp >> 4))) & 7
+                    neg = (np.int64(rec[base + nc + 128 + 16 * (ib >> 1) + r]) >> (4 * (ib & 1) + (lp >> 3))) & 1
+                else:
+                    nbl = (np.int64(rec[base + nc + 16 * (ib >> 1) + r]) >> (4 * (ib & 1))) & 15
+                    sc = nbl & 7
+                    neg = nbl >> 3
+                w8 = 8 * cq - 8 + (-1 if neg else 1)
+                buf[256 * s + e] = d * np.float32(2 * sc + 1) * np.float32(w8) * np.float32(0.125)
+        return
+    if kind == 13 or kind == 16 or kind == 17:   # IQ2_XXS, IQ2_XS, IQ2_S planes: dequantize_row_iq2_*'s
+        nh = 2 if kind >= 16 else 1   # d * (0.5 + s) * 0.25 * grid * sign, f32 as gguf; IQ2_XS, IQ2_S a scale per 16
         for s in range(I // 256):
             base = s * _REC[kind]
             nc = _NC[kind]
