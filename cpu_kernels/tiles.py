@@ -1,5 +1,5 @@
 """The 16-row interleaved weight layout ("t16") of Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K,
-MXFP4, IQ4_NL, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S for the int8 (VNNI) kernels.
+MXFP4, IQ4_NL, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S and IQ1_M for the int8 (VNNI) kernels.
 
 The row layouts of ``formats`` give each output row its own dot product: a few ``vpdpbusd`` per row, then a
 horizontal sum and the block scales one at a time. For a decode GEMV that is compute-bound on one core (a
@@ -38,6 +38,10 @@ IQ2_S   1824    as IQ2_XS
 IQ3_XXS 2208    per 256: nibbles c | sign << 3 (c: 3-bit level code into 4, 12, ..., 52, 62) as IQ4_XS's codes,
                 2s + 1 int8 [ib = 0..7][16 rows], d f16 [16]
 IQ3_S   2208    as IQ3_XXS, levels 1, 3, ..., 15, and 1 + 2s per sub-block
+IQ1_S   1120    per 256: level codes grid + 1 (0, 1, 2) as Q2_K's qs, nibbles s | neg << 3 (3-bit scale, delta
+                sign) [ib / 2][16 rows] (even ib: low nibble), d f16 [16]
+IQ1_M   1248    per 256: codes as IQ1_S, 3-bit scale nibbles [ib][16 rows] (first 16 weights: low nibble), delta
+                sign bits [8-group / 8][16 rows] (bit: 8-group % 8), d f16 [16] (from ``iq1m_scale_t``)
 ======  ======  ===============================================================================================
 
 so a 64-byte load holds 4 codes (8 nibbles) of each of the 16 rows. ggml's Q4 byte j holds element j (low
@@ -83,6 +87,14 @@ file, against 4.36x, 4.32x, 3.90x, 2.94x and 2.62x for their expanded row layout
 file's grid index holds 8 weights in 8-10 bits (IQ3: 4 in 8 or 9), the level codes take 16 (12)
 (docs/iquants.md).
 
+IQ1_S, IQ1_M (``dequantize_row_iq1_s``/``iq1_m``: w = d (2s + 1) (grid + delta), grid in {-1, 0, 1}, delta =
++-1/8 per 32 / per 8 weights): ``pack`` (``_pack_iq1``) writes c = grid + 1 as Q2_K's 2-bit codes; the kernels
+make the signed byte 8c - 8 + sign(delta) = 8 (grid + delta) in [-9, 9] in registers (8c by a shift and mask,
+plus -7 or -9 selected per row from the delta bits: constant over a dword lane, as a lane holds 4 weights of one
+8-group) and run the table types' operand order (x + 128 against the signed bytes, 128 x the weight sum off in
+int32), then the integer scale 2s + 1 and d / 8 once per super-block (a power of two, exact). 1.40x (IQ1_S) and
+1.39x (IQ1_M) the file, against 5.76x and 5.71x expanded.
+
 The scales stay f16 (one ``vcvtph2ps`` per 16 rows), so a tile holds the file's bytes (the unpacked 6-bit
 sub-block scales: Q4_K 1.028x, Q5_K 1.023x, IQ4_XS 1.015x, Q3_K 1.036x; the grid i-quants above 1.25-1.61x): the
 GEMV streams about 1.0x the file instead of the row layouts' 1.06-1.67x.
@@ -93,7 +105,7 @@ Every t16 path (decode, expert batch, prompt rows) runs the same per-row tile ar
 depends on how it was batched.
 
 Used where ``formats.prepare`` sees VNNI (``HAVE_VNNI``), ``formats.TILES`` on and O a multiple of 16. TQ1_0,
-TQ2_0, IQ1_S, IQ1_M, NVFP4 and the float types keep their row layouts.
+TQ2_0, NVFP4 and the float types keep their row layouts.
 """
 from __future__ import annotations
 
@@ -903,10 +915,10 @@ def f16_at(rec, i):
 @njit(**_JIT)
 def decode_row(rec, kind, r, I, buf):
     """Row r (0..15) of a tile decoded to f32 into buf [I] (ggml's dequantize_row_q4_0 / q4_1 / q8_0 / q5_0 /
-    q4_K / q6_K / mxfp4 / iq4_nl / iq4_xs / q2_K / q3_K / iq2_xxs / iq3_xxs). rec uint8: the tile's records;
+    q4_K / q6_K / mxfp4 / iq4_nl / iq4_xs / q2_K / q3_K / iq2_* / iq3_* / iq1_s / iq1_m). rec uint8: the tile's records;
     kind: ``KIND`` (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0, 4 Q4_K, 5 Q6_K, 6 MXFP4, 7 IQ4_NL, 8 IQ4_XS, 9 Q2_K, 10 Q3_K,
-    11 Q5_1, 12 Q5_K, 13 IQ2_XXS, 14 IQ3_XXS, 15 IQ3_S, 16 IQ2_XS, 17 IQ2_S); the grid i-quants bit for bit as
-    gguf.quants."""
+    11 Q5_1, 12 Q5_K, 13 IQ2_XXS, 14 IQ3_XXS, 15 IQ3_S, 16 IQ2_XS, 17 IQ2_S, 18 IQ1_S, 19 IQ1_M); the grid
+    i-quants bit for bit as gguf.quants."""
     if kind == 9 or kind == 10:
         for s in range(I // 256):
             base = s * _REC[kind]
