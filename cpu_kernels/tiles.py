@@ -552,58 +552,78 @@ def _emit_tile(b, name, rec_data, nsb, rows):
             for i in range(nr):
                 b.store(b.fadd(b.load(faccs[i]), b.fmul(dv, saccs[i])), faccs[i])
         elif name in ("IQ1_S", "IQ1_M"):
-            # Q2_K's planes with the level codes c = grid + 1 (0, 1, 2): per half n, shift j (sub-block ib = 4n + j)
-            # and code group g the signed byte w = 8c - 8 + sign(delta) = 8 (grid + delta) in [-9, 9], made as
-            # 8c plus -7 (delta +1/8) or -9 (-1/8), a per-row constant of the group's dword lane (IQ1_S per 32,
-            # IQ1_M per 8). Then the table types' operand order (activations x ^ 0x80 unsigned, 128 x the weight
-            # sum off exactly in int32, the sum weight-side: shared by the rows) and IQ4_XS's arithmetic: the
-            # integer scale 2s + 1 per group (IQ1_M: per 16), d / 8 per super-block
+            # Q2_K's planes with the level codes c = grid + 1 (0, 1, 2); per half n, shift j (sub-block ib = 4n + j)
+            # and code group g a weight byte made of 8c (a shift and a mask) and a per-row delta term (constant
+            # over the group's dword lane: IQ1_S's delta is per 32, IQ1_M's per 8, a lane holds 4 weights of one
+            # 8-group); 8 (grid + delta) = 8c - 8 + sign(delta) is exact in int32 either way:
+            # * IQ1_S, and IQ1_M for one activation row (decode): the unsigned byte 8c + 2 [delta > 0] against the
+            #   signed activations, then 9 x the scale group's activation code sum off (S: 32 or 16 codes);
+            # * IQ1_M for several rows (tile4): the signed byte 8c - 7 or 8c - 9 against the activations made
+            #   unsigned (x ^ 0x80), then 128 x the weight sum off (weight-side: shared by the rows, where the
+            #   sums S are per row). Measured: each the faster for its case (docs/iquants.md); IQ1_S's GEMM gained
+            #   nothing from the second, and with it its decode and batch rows came out of LLVM's fast-math
+            #   rounded apart in the last bit (test_a_rows_result_does_not_depend_on_its_batch).
+            # Both give the same int32 group dots and the same float steps after them. Then IQ4_XS's arithmetic:
+            # the integer scale 2s + 1 per scale group, d / 8 per super-block (a power of two, exact)
             m1 = name == "IQ1_M"
+            sgn = m1 and nr > 1
             nh = 2 if m1 else 1
             s0 = b.mul(k, c(8))
             saccs = [ir.Constant(_F32x16, None)] * nr
             m18 = bmask(0x18)
-            dplus, dminus = _i32x16(0xF9F9F9F9 - (1 << 32)), _i32x16(0xF7F7F7F7 - (1 << 32))   # bytes -7, -9
+            if sgn:   # bytes -7 (delta +1/8) and -9 (-1/8)
+                dplus, dminus = _i32x16(0xF9F9F9F9 - (1 << 32)), _i32x16(0xF7F7F7F7 - (1 << 32))
+            else:     # bytes 2 and 0
+                dplus, dminus = _i32x16(0x02020202), zero
 
             def zx16(o):   # 16 bytes (one per row) widened to the row's i32 lane
                 return b.zext(ld(o, _I8x16), _I32x16)
 
-            def dterm(v, bit):   # bytes -7 where bit ``bit`` of the row's byte is clear (delta +1/8), else -9
+            def dterm(v, bit):   # the delta term where bit ``bit`` of the row's byte is clear (delta +1/8) or set
                 return b.bitcast(b.select(b.icmp_unsigned("==", b.and_(v, _i32x16(1 << bit)), zero), dplus, dminus),
                                  _I8x64)
 
             for n in range(2):
-                acc = [[[zero] * nh for _ in range(4)] for _ in range(nr)]
-                wsum = [[zero] * nh for _ in range(4)]
                 # IQ1_S: the nibble s | neg << 3 of sub-blocks 2p, 2p + 1 in byte p; IQ1_M: the delta bits of
                 # 8-groups 8p..8p + 7 in byte p
                 sb = [zx16(nc + (128 if m1 else 0) + 16 * (2 * n + p)) for p in range(2)]
                 dt = [None] * 4
-                for g in range(8):
-                    V = ld(64 * (8 * n + g), _I8x64)
-                    h = (g >> 2) if m1 else 0
+                # IQ1_M: one 16-weight half (its own scale) at a time, so that 4 x nr accumulators are live, not
+                # 8 x nr (with 4 activation rows those would not fit the 32 vector registers)
+                for h in range(nh):
+                    acc = [[zero] * 4 for _ in range(nr)]
+                    wsum = [zero] * 4
+                    for g in range(4 * h, 4 * h + 4) if m1 else range(8):
+                        V = ld(64 * (8 * n + g), _I8x64)
+                        for j in range(4):
+                            if g == 0 or (m1 and g % 2 == 0):
+                                ib = 4 * n + j
+                                dt[j] = dterm(sb[j >> 1], 4 * (ib & 1) + (g >> 1 if m1 else 3))
+                            sh = 2 * j - 3   # code bits 2j, 2j + 1 -> bits 3, 4 of the byte (8c)
+                            cv = (srl(V, sh) if sh > 0
+                                  else b.bitcast(b.shl(b.bitcast(V, _I32x16), _i32x16(-sh)), _I8x64))
+                            wv = b.bitcast(b.add(b.and_(cv, m18), dt[j]), _I32x16)
+                            if sgn:
+                                wsum[j] = b.call(op.dp512, [wsum[j], ones, wv])
+                            for i in range(nr):
+                                xv = xu(i, 128 * n + 32 * j + 4 * g) if sgn else xs(i, 128 * n + 32 * j + 4 * g)
+                                acc[i][j] = b.call(op.dp512, [acc[i][j], xv, wv] if sgn else [acc[i][j], wv, xv])
                     for j in range(4):
-                        if g == 0 or (m1 and g % 2 == 0):
-                            ib = 4 * n + j
-                            dt[j] = dterm(sb[j >> 1], 4 * (ib & 1) + (g >> 1 if m1 else 3))
-                        sh = 2 * j - 3   # code bits 2j, 2j + 1 -> bits 3, 4 of the byte (8c)
-                        cv = srl(V, sh) if sh > 0 else b.bitcast(b.shl(b.bitcast(V, _I32x16), _i32x16(-sh)), _I8x64)
-                        wv = b.bitcast(b.add(b.and_(cv, m18), dt[j]), _I32x16)
-                        wsum[j][h] = b.call(op.dp512, [wsum[j][h], ones, wv])
-                        for i in range(nr):
-                            acc[i][j][h] = b.call(op.dp512, [acc[i][j][h], xu(i, 128 * n + 32 * j + 4 * g), wv])
-                for j in range(4):
-                    ib = 4 * n + j
-                    for h in range(nh):
+                        ib = 4 * n + j
                         if m1:
                             scb = b.and_(b.lshr(zx16(nc + 16 * ib), _i32x16(4 * h)), _i32x16(7))
                         else:
                             scb = b.and_(b.lshr(sb[j >> 1], _i32x16(4 * (ib & 1))), _i32x16(7))
                         scv = b.sitofp(b.add(b.shl(scb, _i32x16(1)), _i32x16(1)), _F32x16)
-                        corr = b.shl(wsum[j][h], _i32x16(7))
+                        corr = b.shl(wsum[j], _i32x16(7)) if sgn else None
                         for i in range(nr):
+                            if not sgn:
+                                ss = ssum16(i, 32 * ib + 16 * h)
+                                if not m1:
+                                    ss = b.add(ss, ssum16(i, 32 * ib + 16))
+                                corr = _splat_i(b, b.mul(ss, ir.Constant(_I32, 9)))
                             sx = b.fmul(scv, xd(i, b.add(s0, c(ib))))
-                            v = b.sitofp(b.sub(acc[i][j][h], corr), _F32x16)
+                            v = b.sitofp(b.sub(acc[i][j], corr), _F32x16)
                             saccs[i] = b.fadd(saccs[i], b.fmul(v, sx))
             dv = b.fmul(f16x16(nc + (192 if m1 else 64)), ir.Constant(_F32x16, [0.125] * 16))
             for i in range(nr):
