@@ -89,11 +89,12 @@ file's grid index holds 8 weights in 8-10 bits (IQ3: 4 in 8 or 9), the level cod
 
 IQ1_S, IQ1_M (``dequantize_row_iq1_s``/``iq1_m``: w = d (2s + 1) (grid + delta), grid in {-1, 0, 1}, delta =
 +-1/8 per 32 / per 8 weights): ``pack`` (``_pack_iq1``) writes c = grid + 1 as Q2_K's 2-bit codes; the kernels
-make the signed byte 8c - 8 + sign(delta) = 8 (grid + delta) in [-9, 9] in registers (8c by a shift and mask,
-plus -7 or -9 selected per row from the delta bits: constant over a dword lane, as a lane holds 4 weights of one
-8-group) and run the table types' operand order (x + 128 against the signed bytes, 128 x the weight sum off in
-int32), then the integer scale 2s + 1 and d / 8 once per super-block (a power of two, exact). 1.40x (IQ1_S) and
-1.39x (IQ1_M) the file, against 5.76x and 5.71x expanded.
+build a weight byte from 8c (a shift and a mask) and a per-row delta term (constant over a dword lane, as a lane
+holds 4 weights of one 8-group), either the unsigned 8c + 2 [delta > 0] against the activations, minus 9 x the
+scale group's activation code sum (IQ1_S; IQ1_M with one activation row), or the signed 8 (grid + delta) = 8c - 7
+or 8c - 9 with the table types' operand order (x + 128, 128 x the weight sum off in int32: IQ1_M's ``tile4``);
+the same int32 dots. Then the integer scale 2s + 1 and d / 8 once per super-block (a power of two, exact).
+1.40x (IQ1_S) and 1.39x (IQ1_M) the file, against 5.76x and 5.71x expanded.
 
 The scales stay f16 (one ``vcvtph2ps`` per 16 rows), so a tile holds the file's bytes (the unpacked 6-bit
 sub-block scales: Q4_K 1.028x, Q5_K 1.023x, IQ4_XS 1.015x, Q3_K 1.036x; the grid i-quants above 1.25-1.61x): the
