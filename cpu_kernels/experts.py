@@ -52,7 +52,7 @@ from .tiles import (decode_row, tile4_iq4_nl, tile4_iq4_xs, tile4_mxfp4, tile4_q
                     tile4_q5_1, tile4_q5_k, tile_q2_k, tile_q3_k, tile_q4_0, tile_q4_1, tile_q4_k, tile_q5_0,
                     tile_q5_1, tile_q5_k, tile_q6_k, tile_q8_0, tile_iq2_xxs, tile_iq3_xxs, tile4_iq2_xxs,
                     tile4_iq3_xxs, tile_iq3_s, tile4_iq3_s, tile_iq2_xs, tile4_iq2_xs, tile_iq2_s,
-                    tile4_iq2_s)
+                    tile4_iq2_s, tile_iq1_s, tile4_iq1_s, tile_iq1_m, tile4_iq1_m)
 from .vnni import (HAVE_VNNI, _act_sums16, row_lut, row_pair, row_q2_k, row_q3_k, row_q4_k, row_q5_0, row_q5_k,
                    row_q6_k, row_q8, widen_lut, widen_q5_0)
 
@@ -76,6 +76,7 @@ FC_T4_0, FC_T4_1, FC_T8, FC_T5_0, FC_T4_K, FC_T6_K = 14, 15, 16, 17, 18, 19
 FC_TMX, FC_TNL, FC_TXS, FC_T2_K, FC_T3_K, FC_T5_1, FC_T5_K = range(20, 27)   # MXFP4 .. Q5_K (tiles.KIND 6..12)
 # the grid i-quants' tiles: IQ2_XXS, IQ3_XXS, IQ3_S, IQ2_XS, IQ2_S (tiles.KIND 13..17)
 FC_TI2, FC_TI3, FC_TI3S, FC_TI2X, FC_TI2S = range(27, 32)
+FC_TI1S, FC_TI1M = 32, 33   # IQ1_S, IQ1_M (tiles.KIND 18, 19)
 TILE_CODE = {name: FC_T4_0 + kind for name, kind in _tiles.KIND.items()}   # FC_T4_0 + tiles' kind
 _C5, _CL = (FC_Q5_0, FC_LUT) if HAVE_VNNI else (FC_Q8, FC_Q8)
 FORMAT_CODE = {"F32": FC_F32, "F16": FC_F32, "BF16": FC_F32, "Q8_0": FC_Q8, "Q5_0": _C5, "MXFP4": _CL,
@@ -250,6 +251,10 @@ def _tile(fc, rec, xq, xd, xm, out, off):
         tile_iq2_xs(rec, xq, xd, xm, out, off)
     elif fc == FC_TI2S:
         tile_iq2_s(rec, xq, xd, xm, out, off)
+    elif fc == FC_TI1S:
+        tile_iq1_s(rec, xq, xd, xm, out, off)
+    elif fc == FC_TI1M:
+        tile_iq1_m(rec, xq, xd, xm, out, off)
     else:
         tile_q4_0(rec, xq, xd, xm, out, off)
 
@@ -291,6 +296,10 @@ def _tile4(fc, rec, xq, xd, xm, rows, out, orows, off):
         tile4_iq2_xs(rec, xq, xd, xm, rows, out, orows, off)
     elif fc == FC_TI2S:
         tile4_iq2_s(rec, xq, xd, xm, rows, out, orows, off)
+    elif fc == FC_TI1S:
+        tile4_iq1_s(rec, xq, xd, xm, rows, out, orows, off)
+    elif fc == FC_TI1M:
+        tile4_iq1_m(rec, xq, xd, xm, rows, out, orows, off)
     else:
         tile4_q4_0(rec, xq, xd, xm, rows, out, orows, off)
 

@@ -28,9 +28,9 @@ Kernel layout (``pack``, at prepare time): every weight is an exact int8 code ti
 * IQ2/IQ3: code = grid value * sign (|code| <= 62), scale = the sub-block's ``db``.
 * IQ1: code = 8 * grid + sign(delta) (|code| <= 9), scale = d*(2s+1)/8 (exact: the /8 is a power of two).
 
-On CPUs with AVX-512 VNNI, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S weights with O a multiple of 16 take the
-compact t16 tiles instead (``cpu_kernels.tiles``: per-weight level codes and sign bits, 1.25-1.61x the file);
-this layout stays for IQ1_S and IQ1_M, for those five in f32 mode and for other row counts.
+On CPUs with AVX-512 VNNI, all seven with int8 activations and O a multiple of 16 take the compact t16 tiles
+instead (``cpu_kernels.tiles``: per-weight level codes, 1.25-1.61x the file); this layout stays for f32
+activations and for other row counts.
 
 So ``scale * code`` is the reference's f32 value bit for bit, and the G = 32 formats run the Q8_0 kernels
 (``formats.gemv_q8_0``/``gemm_q8_0``, ``vnni.gemv_i8_q8``). The G = 16 formats run ``gemv_g16``/``gemm_g16``

@@ -1,5 +1,5 @@
 """The 16-row interleaved weight layout ("t16") of Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K,
-MXFP4, IQ4_NL, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S for the int8 (VNNI) kernels.
+MXFP4, IQ4_NL, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S and IQ1_M for the int8 (VNNI) kernels.
 
 The row layouts of ``formats`` give each output row its own dot product: a few ``vpdpbusd`` per row, then a
 horizontal sum and the block scales one at a time. For a decode GEMV that is compute-bound on one core (a
@@ -38,6 +38,10 @@ IQ2_S   1824    as IQ2_XS
 IQ3_XXS 2208    per 256: nibbles c | sign << 3 (c: 3-bit level code into 4, 12, ..., 52, 62) as IQ4_XS's codes,
                 2s + 1 int8 [ib = 0..7][16 rows], d f16 [16]
 IQ3_S   2208    as IQ3_XXS, levels 1, 3, ..., 15, and 1 + 2s per sub-block
+IQ1_S   1120    per 256: level codes grid + 1 (0, 1, 2) as Q2_K's qs, nibbles s | neg << 3 (3-bit scale, delta
+                sign) [ib / 2][16 rows] (even ib: low nibble), d f16 [16]
+IQ1_M   1248    per 256: codes as IQ1_S, 3-bit scale nibbles [ib][16 rows] (first 16 weights: low nibble), delta
+                sign bits [8-group / 8][16 rows] (bit: 8-group % 8), d f16 [16] (from ``iq1m_scale_t``)
 ======  ======  ===============================================================================================
 
 so a 64-byte load holds 4 codes (8 nibbles) of each of the 16 rows. ggml's Q4 byte j holds element j (low
@@ -83,6 +87,15 @@ file, against 4.36x, 4.32x, 3.90x, 2.94x and 2.62x for their expanded row layout
 file's grid index holds 8 weights in 8-10 bits (IQ3: 4 in 8 or 9), the level codes take 16 (12)
 (docs/iquants.md).
 
+IQ1_S, IQ1_M (``dequantize_row_iq1_s``/``iq1_m``: w = d (2s + 1) (grid + delta), grid in {-1, 0, 1}, delta =
++-1/8 per 32 / per 8 weights): ``pack`` (``_pack_iq1``) writes c = grid + 1 as Q2_K's 2-bit codes; the kernels
+build a weight byte from 8c (a shift and a mask) and a per-row delta term (constant over a dword lane, as a lane
+holds 4 weights of one 8-group), either the unsigned 8c + 2 [delta > 0] against the activations, minus 9 x the
+scale group's activation code sum (IQ1_S; IQ1_M with one activation row), or the signed 8 (grid + delta) = 8c - 7
+or 8c - 9 with the table types' operand order (x + 128, 128 x the weight sum off in int32: IQ1_M's ``tile4``);
+the same int32 dots. Then the integer scale 2s + 1 and d / 8 once per super-block (a power of two, exact).
+1.40x (IQ1_S) and 1.39x (IQ1_M) the file, against 5.76x and 5.71x expanded.
+
 The scales stay f16 (one ``vcvtph2ps`` per 16 rows), so a tile holds the file's bytes (the unpacked 6-bit
 sub-block scales: Q4_K 1.028x, Q5_K 1.023x, IQ4_XS 1.015x, Q3_K 1.036x; the grid i-quants above 1.25-1.61x): the
 GEMV streams about 1.0x the file instead of the row layouts' 1.06-1.67x.
@@ -93,7 +106,7 @@ Every t16 path (decode, expert batch, prompt rows) runs the same per-row tile ar
 depends on how it was batched.
 
 Used where ``formats.prepare`` sees VNNI (``HAVE_VNNI``), ``formats.TILES`` on and O a multiple of 16. TQ1_0,
-TQ2_0, IQ1_S, IQ1_M, NVFP4 and the float types keep their row layouts.
+TQ2_0, NVFP4 and the float types keep their row layouts.
 """
 from __future__ import annotations
 
@@ -118,11 +131,12 @@ SPEC = {"Q4_0": (32, 288, 256, 18), "Q4_1": (32, 320, 256, 20), "Q8_0": (32, 544
         "MXFP4": (32, 272, 256, 17), "IQ4_NL": (32, 288, 256, 18), "IQ4_XS": (256, 2208, 2048, 136),
         "Q2_K": (256, 1344, 1024, 84), "Q3_K": (256, 1824, 1536, 110), "Q5_1": (32, 384, 256, 24),
         "Q5_K": (256, 2880, 2560, 176), "IQ2_XXS": (256, 1696, 1536, 66), "IQ3_XXS": (256, 2208, 2048, 98),
-        "IQ3_S": (256, 2208, 2048, 110), "IQ2_XS": (256, 1824, 1536, 74), "IQ2_S": (256, 1824, 1536, 82)}
+        "IQ3_S": (256, 2208, 2048, 110), "IQ2_XS": (256, 1824, 1536, 74), "IQ2_S": (256, 1824, 1536, 82),
+        "IQ1_S": (256, 1120, 1024, 50), "IQ1_M": (256, 1248, 1024, 56)}
 RECORD = {k: v[1] for k, v in SPEC.items()}
 KIND = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q5_0": 3, "Q4_K": 4, "Q6_K": 5, "MXFP4": 6, "IQ4_NL": 7, "IQ4_XS": 8,
         "Q2_K": 9, "Q3_K": 10, "Q5_1": 11, "Q5_K": 12, "IQ2_XXS": 13, "IQ3_XXS": 14, "IQ3_S": 15,
-        "IQ2_XS": 16, "IQ2_S": 17}
+        "IQ2_XS": 16, "IQ2_S": 17, "IQ1_S": 18, "IQ1_M": 19}
 #: the 16-entry int8 tables of the 4-bit table types (gguf.quants: MXFP4's doubled e2m1 values, ggml's
 #: ``kvalues_mxfp4``; IQ4_NL/IQ4_XS's ``kvalues_iq4nl``; the grid i-quants' signed levels, from ``_levels``)
 _LUT = {"MXFP4": 0, "IQ4_NL": 1, "IQ4_XS": 1, "IQ3_XXS": 2, "IQ3_S": 4}
@@ -259,6 +273,56 @@ def _pack_grid(blk, kind, cmap, ksig, out):
                             out[t, b, q] |= (code | (neg << 3)) << (4 * (w >> 4))
 
 
+@njit(parallel=True, nogil=True, cache=True)
+def _pack_iq1(blk, m, cmap, out):
+    """blk uint8 [T, 16, nb, 50] of IQ1_S (m = 0) or [T, 16, nb, 56] of IQ1_M (m = 1) -> out uint8 [T, nb,
+    record] (zeroed by the caller): each weight's level code grid + 1 (``cmap``: 0, 1, 2) as Q2_K's qs; IQ1_S's
+    3-bit scale and delta sign per 32 as a nibble s | neg << 3 [ib / 2][row] (ib even: low nibble); IQ1_M's 3-bit
+    scales per 16 as nibbles [ib][row] (low: first half) and its delta signs per 8 as bits [8-group / 8][row]
+    (bit: 8-group % 8); then d's f16 bits (IQ1_M: gathered from the top nibbles of its four u16 scales,
+    ``iq1m_scale_t``). Fields as ``dequantize_row_iq1_s`` / ``iq1_m`` read them (ggml-common.h ``block_iq1_*``)."""
+    T, R, nb, _ = blk.shape
+    od = 1088 if m == 0 else 1216
+    for tb in prange(T * nb):
+        t = tb // nb
+        b = tb % nb
+        for r in range(R):
+            x = blk[t, r, b]
+            if m == 0:
+                out[t, b, od + 2 * r] = x[0]
+                out[t, b, od + 1 + 2 * r] = x[1]
+            else:
+                db = np.int64(0)
+                for k in range(4):
+                    sk = np.int64(x[48 + 2 * k]) | (np.int64(x[49 + 2 * k]) << 8)
+                    db |= (sk >> 12) << (4 * k)
+                out[t, b, od + 2 * r] = db & 255
+                out[t, b, od + 1 + 2 * r] = db >> 8
+            for ib in range(8):
+                qh = np.int64(0)
+                if m == 0:
+                    qh = np.int64(x[34 + 2 * ib]) | (np.int64(x[35 + 2 * ib]) << 8)
+                    out[t, b, 1024 + 16 * (ib // 2) + r] |= (((qh >> 12) & 7) | ((qh >> 15) << 3)) << (4 * (ib % 2))
+                else:
+                    for h in range(2):
+                        u = 2 * ib + h
+                        sk = np.int64(x[48 + 2 * (u // 4)]) | (np.int64(x[49 + 2 * (u // 4)]) << 8)
+                        out[t, b, 1024 + 16 * ib + r] |= ((sk >> (3 * (u % 4))) & 7) << (4 * h)
+                for l in range(4):   # 8-group q8 of the block: one grid entry
+                    q8 = 4 * ib + l
+                    if m == 0:
+                        gi = np.int64(x[2 + q8]) | (((qh >> (3 * l)) & 7) << 8)
+                    else:
+                        nib = (np.int64(x[32 + q8 // 2]) >> (4 * (q8 % 2))) & 15
+                        gi = np.int64(x[q8]) | ((nib & 7) << 8)
+                        out[t, b, 1152 + 16 * (q8 // 8) + r] |= (nib >> 3) << (q8 % 8)
+                    for jj in range(8):
+                        e = 32 * ib + 8 * l + jj
+                        lp = e & 31
+                        q = 64 * (8 * (e >> 7) + (lp >> 2)) + 4 * r + (lp & 3)
+                        out[t, b, q] |= cmap[gi, jj] << (2 * ((e >> 5) & 3))
+
+
 def pack(type_name: str, raw: np.ndarray, O: int, I: int) -> np.ndarray:
     """GGUF blocks uint8 [O, row_bytes] -> tile records uint8 [O/16, (I / block) * RECORD] (layout above)."""
     bs, rec, nc, bsz = SPEC[type_name]
@@ -272,6 +336,13 @@ def pack(type_name: str, raw: np.ndarray, O: int, I: int) -> np.ndarray:
         out[:] = 0
         cmap = np.searchsorted(_levels(type_name), iq_tables.grid(type_name)).astype(np.uint8)
         _pack_grid(blk, KIND[type_name], cmap, iq_tables.ksigns(), out)
+        return out.reshape(T, nb * rec)
+    if type_name in ("IQ1_S", "IQ1_M"):
+        from coli import iq_tables
+
+        out[:] = 0
+        cmap = (iq_tables.grid("IQ1_S") + 1).astype(np.uint8)   # {-1, 0, 1} -> 0, 1, 2 (IQ1_M shares the grid)
+        _pack_iq1(blk, int(type_name == "IQ1_M"), cmap, out)
         return out.reshape(T, nb * rec)
     _pack(blk, out, np.array(_FIELDS[type_name], np.int64))
     if type_name in ("Q4_K", "Q5_K"):  # ggml's 6-bit scales and mins unpacked, [sub-block][row]
@@ -319,7 +390,7 @@ def scales(type_name: str, rec: np.ndarray, O: int, I: int):
 
 #: where the f16 d [16] starts after a record's code bytes (the sub-block scales, Q5_0's fifth bits before it)
 _SCALE_AT = {"Q5_0": 64, "Q4_K": 256, "Q6_K": 256, "IQ4_XS": 128, "Q2_K": 256, "Q3_K": 256, "Q5_1": 64, "Q5_K": 256,
-             "IQ2_XXS": 128, "IQ3_XXS": 128, "IQ3_S": 128, "IQ2_XS": 256, "IQ2_S": 256}
+             "IQ2_XXS": 128, "IQ3_XXS": 128, "IQ3_S": 128, "IQ2_XS": 256, "IQ2_S": 256, "IQ1_S": 64, "IQ1_M": 192}
 #: the types with a second f16 (m or dmin) after d
 _MINS = ("Q4_1", "Q4_K", "Q2_K", "Q5_1", "Q5_K")
 
@@ -479,6 +550,83 @@ def _emit_tile(b, name, rec_data, nsb, rows):
                             sx = b.fmul(lsv, xd(i, b.add(s0, c(ib))))
                             saccs[i] = b.fadd(saccs[i], b.fmul(b.sitofp(acc[i][j][h], _F32x16), sx))
             dv = b.fmul(f16x16(nc + 128 * nh), ir.Constant(_F32x16, [0.125] * 16))
+            for i in range(nr):
+                b.store(b.fadd(b.load(faccs[i]), b.fmul(dv, saccs[i])), faccs[i])
+        elif name in ("IQ1_S", "IQ1_M"):
+            # Q2_K's planes with the level codes c = grid + 1 (0, 1, 2); per half n, shift j (sub-block ib = 4n + j)
+            # and code group g a weight byte made of 8c (a shift and a mask) and a per-row delta term (constant
+            # over the group's dword lane: IQ1_S's delta is per 32, IQ1_M's per 8, a lane holds 4 weights of one
+            # 8-group); 8 (grid + delta) = 8c - 8 + sign(delta) is exact in int32 either way:
+            # * IQ1_S, and IQ1_M for one activation row (decode): the unsigned byte 8c + 2 [delta > 0] against the
+            #   signed activations, then 9 x the scale group's activation code sum off (S: 32 or 16 codes);
+            # * IQ1_M for several rows (tile4): the signed byte 8c - 7 or 8c - 9 against the activations made
+            #   unsigned (x ^ 0x80), then 128 x the weight sum off (weight-side: shared by the rows, where the
+            #   sums S are per row). Measured: each the faster for its case (docs/iquants.md); IQ1_S's GEMM gained
+            #   nothing from the second, and with it its decode and batch rows came out of LLVM's fast-math
+            #   rounded apart in the last bit (test_a_rows_result_does_not_depend_on_its_batch).
+            # Both give the same int32 group dots and the same float steps after them. Then IQ4_XS's arithmetic:
+            # the integer scale 2s + 1 per scale group, d / 8 per super-block (a power of two, exact)
+            m1 = name == "IQ1_M"
+            sgn = m1 and nr > 1
+            nh = 2 if m1 else 1
+            s0 = b.mul(k, c(8))
+            saccs = [ir.Constant(_F32x16, None)] * nr
+            m18 = bmask(0x18)
+            if sgn:   # bytes -7 (delta +1/8) and -9 (-1/8)
+                dplus, dminus = _i32x16(0xF9F9F9F9 - (1 << 32)), _i32x16(0xF7F7F7F7 - (1 << 32))
+            else:     # bytes 2 and 0
+                dplus, dminus = _i32x16(0x02020202), zero
+
+            def zx16(o):   # 16 bytes (one per row) widened to the row's i32 lane
+                return b.zext(ld(o, _I8x16), _I32x16)
+
+            def dterm(v, bit):   # the delta term where bit ``bit`` of the row's byte is clear (delta +1/8) or set
+                return b.bitcast(b.select(b.icmp_unsigned("==", b.and_(v, _i32x16(1 << bit)), zero), dplus, dminus),
+                                 _I8x64)
+
+            for n in range(2):
+                # IQ1_S: the nibble s | neg << 3 of sub-blocks 2p, 2p + 1 in byte p; IQ1_M: the delta bits of
+                # 8-groups 8p..8p + 7 in byte p
+                sb = [zx16(nc + (128 if m1 else 0) + 16 * (2 * n + p)) for p in range(2)]
+                dt = [None] * 4
+                # IQ1_M: one 16-weight half (its own scale) at a time, so that 4 x nr accumulators are live, not
+                # 8 x nr (with 4 activation rows those would not fit the 32 vector registers)
+                for h in range(nh):
+                    acc = [[zero] * 4 for _ in range(nr)]
+                    wsum = [zero] * 4
+                    for g in range(4 * h, 4 * h + 4) if m1 else range(8):
+                        V = ld(64 * (8 * n + g), _I8x64)
+                        for j in range(4):
+                            if g == 0 or (m1 and g % 2 == 0):
+                                ib = 4 * n + j
+                                dt[j] = dterm(sb[j >> 1], 4 * (ib & 1) + (g >> 1 if m1 else 3))
+                            sh = 2 * j - 3   # code bits 2j, 2j + 1 -> bits 3, 4 of the byte (8c)
+                            cv = (srl(V, sh) if sh > 0
+                                  else b.bitcast(b.shl(b.bitcast(V, _I32x16), _i32x16(-sh)), _I8x64))
+                            wv = b.bitcast(b.add(b.and_(cv, m18), dt[j]), _I32x16)
+                            if sgn:
+                                wsum[j] = b.call(op.dp512, [wsum[j], ones, wv])
+                            for i in range(nr):
+                                xv = xu(i, 128 * n + 32 * j + 4 * g) if sgn else xs(i, 128 * n + 32 * j + 4 * g)
+                                acc[i][j] = b.call(op.dp512, [acc[i][j], xv, wv] if sgn else [acc[i][j], wv, xv])
+                    for j in range(4):
+                        ib = 4 * n + j
+                        if m1:
+                            scb = b.and_(b.lshr(zx16(nc + 16 * ib), _i32x16(4 * h)), _i32x16(7))
+                        else:
+                            scb = b.and_(b.lshr(sb[j >> 1], _i32x16(4 * (ib & 1))), _i32x16(7))
+                        scv = b.sitofp(b.add(b.shl(scb, _i32x16(1)), _i32x16(1)), _F32x16)
+                        corr = b.shl(wsum[j], _i32x16(7)) if sgn else None
+                        for i in range(nr):
+                            if not sgn:
+                                ss = ssum16(i, 32 * ib + 16 * h)
+                                if not m1:
+                                    ss = b.add(ss, ssum16(i, 32 * ib + 16))
+                                corr = _splat_i(b, b.mul(ss, ir.Constant(_I32, 9)))
+                            sx = b.fmul(scv, xd(i, b.add(s0, c(ib))))
+                            v = b.sitofp(b.sub(acc[i][j], corr), _F32x16)
+                            saccs[i] = b.fadd(saccs[i], b.fmul(v, sx))
+            dv = b.fmul(f16x16(nc + (192 if m1 else 64)), ir.Constant(_F32x16, [0.125] * 16))
             for i in range(nr):
                 b.store(b.fadd(b.load(faccs[i]), b.fmul(dv, saccs[i])), faccs[i])
         elif name in ("Q2_K", "Q3_K"):
@@ -764,6 +912,10 @@ tile_iq2_xs = _tile_intrinsic("IQ2_XS")
 tile4_iq2_xs = _tile4_intrinsic("IQ2_XS")
 tile_iq2_s = _tile_intrinsic("IQ2_S")
 tile4_iq2_s = _tile4_intrinsic("IQ2_S")
+tile_iq1_s = _tile_intrinsic("IQ1_S")
+tile4_iq1_s = _tile4_intrinsic("IQ1_S")
+tile_iq1_m = _tile_intrinsic("IQ1_M")
+tile4_iq1_m = _tile4_intrinsic("IQ1_M")
 
 
 @njit(inline="always", **_JIT)
@@ -784,10 +936,10 @@ def f16_at(rec, i):
 @njit(**_JIT)
 def decode_row(rec, kind, r, I, buf):
     """Row r (0..15) of a tile decoded to f32 into buf [I] (ggml's dequantize_row_q4_0 / q4_1 / q8_0 / q5_0 /
-    q4_K / q6_K / mxfp4 / iq4_nl / iq4_xs / q2_K / q3_K / iq2_xxs / iq3_xxs). rec uint8: the tile's records;
+    q4_K / q6_K / mxfp4 / iq4_nl / iq4_xs / q2_K / q3_K / iq2_* / iq3_* / iq1_s / iq1_m). rec uint8: the tile's records;
     kind: ``KIND`` (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0, 4 Q4_K, 5 Q6_K, 6 MXFP4, 7 IQ4_NL, 8 IQ4_XS, 9 Q2_K, 10 Q3_K,
-    11 Q5_1, 12 Q5_K, 13 IQ2_XXS, 14 IQ3_XXS, 15 IQ3_S, 16 IQ2_XS, 17 IQ2_S); the grid i-quants bit for bit as
-    gguf.quants."""
+    11 Q5_1, 12 Q5_K, 13 IQ2_XXS, 14 IQ3_XXS, 15 IQ3_S, 16 IQ2_XS, 17 IQ2_S, 18 IQ1_S, 19 IQ1_M); the grid
+    i-quants bit for bit as gguf.quants."""
     if kind == 9 or kind == 10:
         for s in range(I // 256):
             base = s * _REC[kind]
@@ -811,8 +963,28 @@ def decode_row(rec, kind, r, I, buf):
                                 cq = cq - (0 if (hm >> (4 * n + j)) & 1 else 4)
                                 buf[e] = d * np.float32(sc) * np.float32(cq)
         return
-    if kind == 13 or kind >= 16:   # IQ2_XXS, IQ2_XS, IQ2_S planes: dequantize_row_iq2_*'s d * (0.5 + s) * 0.25
-        nh = 2 if kind >= 16 else 1   # * grid * sign, f32 as gguf; IQ2_XS, IQ2_S a scale per 16
+    if kind == 18 or kind == 19:   # IQ1_S, IQ1_M: dequantize_row_iq1_s / iq1_m's d * (2s + 1) * (grid + delta),
+        m1 = kind == 19               # delta = +-1/8, as d (2s + 1) (8 (c - 1) +- 1) / 8: every product exact
+        for s in range(I // 256):
+            base = s * _REC[kind]
+            nc = _NC[kind]
+            d = f16_at(rec, base + nc + (192 if m1 else 64) + 2 * r)
+            for e in range(256):
+                ib = e >> 5
+                lp = e & 31
+                cq = (np.int64(rec[base + 64 * (8 * (e >> 7) + (lp >> 2)) + 4 * r + (lp & 3)]) >> (2 * (ib & 3))) & 3
+                if m1:
+                    sc = (np.int64(rec[base + nc + 16 * ib + r]) >> (4 * (lp >> 4))) & 7
+                    neg = (np.int64(rec[base + nc + 128 + 16 * (ib >> 1) + r]) >> (4 * (ib & 1) + (lp >> 3))) & 1
+                else:
+                    nbl = (np.int64(rec[base + nc + 16 * (ib >> 1) + r]) >> (4 * (ib & 1))) & 15
+                    sc = nbl & 7
+                    neg = nbl >> 3
+                w8 = 8 * cq - 8 + (-1 if neg else 1)
+                buf[256 * s + e] = d * np.float32(2 * sc + 1) * np.float32(w8) * np.float32(0.125)
+        return
+    if kind == 13 or kind == 16 or kind == 17:   # IQ2_XXS, IQ2_XS, IQ2_S planes: dequantize_row_iq2_*'s
+        nh = 2 if kind >= 16 else 1   # d * (0.5 + s) * 0.25 * grid * sign, f32 as gguf; IQ2_XS, IQ2_S a scale per 16
         for s in range(I // 256):
             base = s * _REC[kind]
             nc = _NC[kind]

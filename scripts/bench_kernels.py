@@ -85,6 +85,10 @@ def random_raw(name: str, O: int, I: int, rng) -> np.ndarray:
     one = np.array([0.01], np.float16).view(np.uint8)
     if name == "MXFP4":
         blocks[:, :, 0] = 120
+    elif name == "IQ1_M":   # d's 16 bits in the top nibbles of the four u16 scales at 48 (iq1m_scale_t)
+        h = int(one.view(np.uint16)[0])
+        for k in range(4):
+            blocks[:, :, 49 + 2 * k] = (blocks[:, :, 49 + 2 * k] & 15) | (((h >> (4 * k)) & 15) << 4)
     else:
         for off in TT.get(name).scale_offsets:  # d (and dmin) of the block: coli.tensor_types
             blocks[:, :, off:off + 2] = one

@@ -202,8 +202,8 @@ def test_engine_on_iquant_moe_equals_its_f32_dequantization(tmp_path):
 
 @pytest.mark.skipif(not HAVE_VNNI, reason="the grid i-quants' t16 tiles are used only with AVX-512 VNNI")
 def test_int8_engine_on_tiled_iquants_matches_the_expanded_layout(tmp_path, monkeypatch):
-    """An int8 engine prepares the tiny MoE's IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S matrices (256 rows) as t16
-    tiles (cpu_kernels/tiles.py) and its IQ1 experts expanded; with the tiles refused it expands them all. The
+    """An int8 engine prepares the tiny MoE's IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S and IQ1_M matrices
+    (256 rows) as t16 tiles (cpu_kernels/tiles.py); with the tiles refused it expands them all. The
     int32 block dots are the same, only the f32 sums' order differs: the logits agree to f32 rounding."""
     import coli
     from cpu_kernels import tiles

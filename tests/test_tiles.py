@@ -1,5 +1,5 @@
 """The 16-row interleaved layout (cpu_kernels/tiles.py) of Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K, MXFP4, IQ4_NL,
-IQ4_XS, Q2_K, Q3_K, Q5_1, Q5_K, IQ2_XXS, IQ3_XXS, IQ3_S, IQ2_XS and IQ2_S: packing against the GGUF bytes, every
+IQ4_XS, Q2_K, Q3_K, Q5_1, Q5_K, IQ2_XXS, IQ3_XXS, IQ3_S, IQ2_XS, IQ2_S, IQ1_S and IQ1_M: packing against the GGUF bytes, every
 op against the NumPy reference through tests/test_backend_ops.py's cases (O a multiple of 16, so the weights
 take the layout), a row's result independent of its batch, and the finite checks on the tiles' scales."""
 from __future__ import annotations
@@ -40,15 +40,17 @@ def test_tiles_hold_the_file_and_decode_to_ggml_values(type_name):
     assert rec.shape == (O // 16, I // bs * rb)
     # the file's bytes, except the unpacked sub-block scales of Q4_K (1.028x), Q5_K (1.023x), IQ4_XS (1.015x),
     # Q3_K (1.036x), and the grid i-quants' per-weight level codes and sign bits (IQ2_XXS 1.61x, IQ3_XXS 1.41x,
-    # IQ3_S 1.25x, IQ2_XS 1.54x, IQ2_S 1.39x)
+    # IQ3_S 1.25x, IQ2_XS 1.54x, IQ2_S 1.39x, IQ1_S 1.40x, IQ1_M 1.39x)
     assert rec.nbytes <= raw.nbytes * {"Q4_K": 1.03, "Q5_K": 1.023, "IQ4_XS": 1.015, "Q3_K": 1.037,
                                        "IQ2_XXS": 1.607, "IQ3_XXS": 1.409, "IQ3_S": 1.255,
-                                       "IQ2_XS": 1.541, "IQ2_S": 1.391}.get(type_name, 1.0)
+                                       "IQ2_XS": 1.541, "IQ2_S": 1.391, "IQ1_S": 1.401,
+                                       "IQ1_M": 1.393}.get(type_name, 1.0)
     want = TT.get(type_name).reference(raw, (O, I)).astype(np.float32)
     got = np.empty((O, I), np.float32)
     _decode_all(rec, tiles.KIND[type_name], O, I, got)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * float(np.abs(want).max()))
-    if type_name in ("IQ2_XXS", "IQ3_XXS", "IQ3_S", "IQ2_XS", "IQ2_S"):   # codes and scales re-encoded: the reference's f32 values bit for bit
+    if type_name.startswith("IQ") and type_name not in ("IQ4_NL", "IQ4_XS"):
+        # the grid i-quants' codes and scales re-encoded: the reference's f32 values bit for bit
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     d, m = tiles.scales(type_name, rec, O, I)
     blocks = raw.reshape(O, I // bs, bsz)
@@ -59,6 +61,11 @@ def test_tiles_hold_the_file_and_decode_to_ggml_values(type_name):
     if type_name == "MXFP4":   # block_mxfp4's E8M0 byte, as gguf.quants decodes it (halved: the table is doubled)
         assert np.array_equal(d, gq.MXFP4.e8m0_to_fp32_half(np.ascontiguousarray(blocks[..., 0])))
         assert m is None
+        return
+    if type_name == "IQ1_M":   # d's 16 bits in the top nibbles of the four u16 scales (iq1m_scale_t)
+        sc = np.ascontiguousarray(blocks[..., 48:56]).view("<u2")
+        bits = sum((sc[..., k] >> np.uint16(12)) << np.uint16(4 * k) for k in range(4)).astype(np.uint16)
+        assert np.array_equal(d, bits.view(np.float16).astype(np.float32)) and m is None
         return
     offs = TT.get(type_name).scale_offsets      # d (and m / dmin) in the GGUF block: ggml-common.h
     assert np.array_equal(d, f16(offs[0]))
@@ -139,13 +146,19 @@ def test_a_rows_result_does_not_depend_on_its_batch(type_name):
                                               ("IQ4_XS", 0), ("Q2_K", 80), ("Q2_K", 82), ("Q3_K", 108),
                                               ("Q5_1", 0), ("Q5_1", 2), ("Q5_K", 0), ("Q5_K", 2),
                                               ("IQ2_XXS", 0), ("IQ3_XXS", 0), ("IQ3_S", 0), ("IQ2_XS", 0),
-                                              ("IQ2_S", 0)])
+                                              ("IQ2_S", 0), ("IQ1_S", 0), ("IQ1_M", 48)])
 def test_a_non_finite_scale_inside_a_tile_is_named(type_name, field):
     rng = np.random.default_rng(6)
     O, I = 48, 3 * tiles.SPEC[type_name][0]
     raw = TT.random_blocks(type_name, O, I, rng)
     bsz = tiles.SPEC[type_name][3]
-    raw[37, bsz + field:bsz + field + 2] = np.array([np.inf], np.float16).view(np.uint8)   # row 37, block 1
+    inf = np.array([np.inf], np.float16).view(np.uint16)[0]
+    if type_name == "IQ1_M":   # d's 16 bits in the top nibbles of the four u16 scales at 48 (iq1m_scale_t)
+        sc = np.ascontiguousarray(raw[37, bsz + 48:bsz + 56]).view("<u2")
+        sc[:] = (sc & np.uint16(0x0FFF)) | (((inf >> np.uint16([0, 4, 8, 12])) & np.uint16(15)) << np.uint16(12))
+        raw[37, bsz + 48:bsz + 56] = sc.view(np.uint8)
+    else:
+        raw[37, bsz + field:bsz + field + 2] = np.array([inf], np.uint16).view(np.uint8)   # row 37, block 1
     w = F.prepare(type_name, raw, (O, I))
     assert w.layout == "t16"
     # Q4_1's and Q5_1's m, Q4_K's, Q5_K's and Q2_K's dmin (at 2, 82); Q6_K's d at 208, Q2_K's at 80, Q3_K's at 108
