@@ -41,7 +41,10 @@ from .rope import NEOX as _NEOX
 from .rope import _rope_serial
 from .sync import chunk, claim, counters, finish, reset, serial, wait
 
-_JIT = dict(nogil=True, cache=True)
+# fastmath=False spelled out: Numba compiles a function that does not set fastmath, when a fastmath caller calls it
+# first, WITH the caller's flags (``inherit_if_not_set``) and keeps that overload for every caller of the same
+# types, so a strict helper's bits would depend on which path compiled it first (docs/cpu_kernels.md)
+_JIT = dict(nogil=True, cache=True, fastmath=False)
 # the phases inline the grouped kernels' work items and attention's per-head kernel, which are compiled with
 # fastmath where they come from: so are the phases (their own arithmetic is integer bookkeeping)
 _FJIT = dict(nogil=True, cache=True, fastmath=True)
@@ -140,6 +143,10 @@ def _qkv_post(qkv, b_q, b_k, b_v, qk_mode, w_qn, w_kn, eps, q, k, v, pos, cos, s
 
 #: phases of :func:`_attention_phases`, :func:`_ffn_phases` and :func:`experts_row`
 ATTN_PHASES, FFN_PHASES, EXPERT_PHASES = 7, 5, 5
+# the first phase ``b`` of the phase functions as int64 values, not Python ints: Numba types an int constant passed
+# to a compiled function as Literal[int](value) and compiles the callee once per literal (and again for an int64
+# variable), so _attention_phases compiled twice and _ffn_phases three times (minutes each on 2 cores)
+_B0, _B_FFN = np.int64(0), np.int64(ATTN_PHASES)
 
 
 @njit(**_FJIT)
@@ -229,7 +236,7 @@ def attention_block(nt, ctr, h, eps, w_norm, x, xq, xd, xm,
     multiply-adds (``attention.SERIAL_WORK``), else one per head."""
     reset(ctr)
     for _t in prange(nt):
-        _attention_phases(ctr, 0, nt, h, eps, w_norm, x, xq, xd, xm, qkv_desc, qkv_nch, qkv_off, pstart3, rows3, qkv,
+        _attention_phases(ctr, _B0, nt, h, eps, w_norm, x, xq, xd, xm, qkv_desc, qkv_nch, qkv_off, pstart3, rows3, qkv,
                           b_q, b_k, b_v, qk_mode, w_qn, w_kn, q, k, v, pos, cos, sin, n_rot, neox, kc, vc, scale,
                           window, sinks, serial_work, att, a2, aq, ad, am, o_desc, o_nch, pstart1, rows1, off1, y,
                           b_o, post_w, y2)
@@ -245,7 +252,7 @@ def ffn_block(nt, ctr, h, eps, w_norm, x, xq, xd, xm, gd, ud, dd, d_nch, pstart1
     :func:`attention_block`."""
     reset(ctr)
     for _t in prange(nt):
-        _ffn_phases(ctr, 0, nt, h, eps, w_norm, x, xq, xd, xm, gd, ud, dd, d_nch, pstart1, rows1, off1, kind, limit,
+        _ffn_phases(ctr, _B0, nt, h, eps, w_norm, x, xq, xd, xm, gd, ud, dd, d_nch, pstart1, rows1, off1, kind, limit,
                     a, aq, ad, am, y, post_w, y2)
 
 
@@ -263,11 +270,11 @@ def layer_block(nt, ctr, h, eps, w_norm, x, xq, xd, xm,
     FFN_PHASES)``)."""
     reset(ctr)
     for _t in prange(nt):
-        _attention_phases(ctr, 0, nt, h, eps, w_norm, x, xq, xd, xm, qkv_desc, qkv_nch, qkv_off, pstart3, rows3, qkv,
+        _attention_phases(ctr, _B0, nt, h, eps, w_norm, x, xq, xd, xm, qkv_desc, qkv_nch, qkv_off, pstart3, rows3, qkv,
                           b_q, b_k, b_v, qk_mode, w_qn, w_kn, q, k, v, pos, cos, sin, n_rot, neox, kc, vc, scale,
                           window, sinks, serial_work, att, a2, aq, ad, am, o_desc, o_nch, pstart1, rows1, off1, y,
                           b_o, post_w, y2)
-        _ffn_phases(ctr, ATTN_PHASES, nt, h, f_eps, f_w_norm, f_x, f_xq, f_xd, f_xm, gd, ud, dd, d_nch, f_pstart1,
+        _ffn_phases(ctr, _B_FFN, nt, h, f_eps, f_w_norm, f_x, f_xq, f_xd, f_xm, gd, ud, dd, d_nch, f_pstart1,
                     f_rows1, f_off1, kind, limit, fa, faq, fad, fam, f_y, f_post_w, f_y2)
 
 

@@ -34,7 +34,7 @@ from . import router as _R
 from .norms import _rms_norm_serial
 from .sync import chunk, claim, counters, finish, reset, serial, wait
 
-_JIT = dict(nogil=True, cache=True)
+_JIT = dict(nogil=True, cache=True, fastmath=False)   # strict (decode.py's _JIT says why fastmath=False)
 _FJIT = dict(nogil=True, cache=True, fastmath=True)   # as decode.py's phases (integer bookkeeping; the
 _PJIT = dict(parallel=True, nogil=True, cache=True, fastmath=True)  # arithmetic is in the called kernels)
 
@@ -155,10 +155,10 @@ def moe_layer_block(nt, ctr, h, eps, w_norm, x, xq, xd, xm,
     f32 [K, D]; fy f32 [1, D]."""
     reset(ctr)
     for _t in prange(nt):
-        _D._attention_phases(ctr, 0, nt, h, eps, w_norm, x, xq, xd, xm, qkv_desc, qkv_nch, qkv_off, pstart3, rows3,
-                             qkv, b_q, b_k, b_v, qk_mode, w_qn, w_kn, q, k, v, pos, cos, sin, n_rot, neox, kc, vc,
-                             scale, window, sinks, serial_work, att, a2, aq, ad, am, o_desc, o_nch, pstart1, rows1,
-                             off1, y, b_o, post_w, y2)
+        _D._attention_phases(ctr, _D._B0, nt, h, eps, w_norm, x, xq, xd, xm, qkv_desc, qkv_nch, qkv_off, pstart3,
+                             rows3, qkv, b_q, b_k, b_v, qk_mode, w_qn, w_kn, q, k, v, pos, cos, sin, n_rot, neox, kc,
+                             vc, scale, window, sinks, serial_work, att, a2, aq, ad, am, o_desc, o_nch, pstart1,
+                             rows1, off1, y, b_o, post_w, y2)
         _moe_phases(ctr, _D.ATTN_PHASES, nt, h, f_eps, f_w_norm, fx, W, lg, top_k, norm, ids, w, resident, descs,
                     status, fxq, fxd, fxm, gd, ud, dd, d_nch, pstart, zeros, dst, kind, limit, fa, faq, fad, fam,
                     pair_out, fy)
@@ -175,14 +175,19 @@ class MoELayerDecode:
     def __init__(self, attn_dec, moe, w_norm, eps: float):
         self.attn_dec, self.moe = attn_dec, moe
         self.il = moe.il
-        self.W = moe.ffn_gate_inp   # the Python path's array (the same Numba types: the same compiled kernels)
+        # a read-only view of the router, whether the file's array is the mapped (read-only) one or a converted
+        # (writable) one, and a writable copy of the norm weight (as decode.AttentionDecode's vectors): Numba types
+        # read-only arrays apart, so each mix compiled moe_layer_block again (minutes on 2 cores); the view
+        # costs no copy of the router
+        self.W = moe.ffn_gate_inp.view()
+        self.W.flags.writeable = False
         E, D = self.W.shape
         k, norm = moe.route.softmax_topk
         K = min(int(k), E)
         F = int(moe.m.wt.info(moe.tensor_names[0]).shape[1])
         self.E, self.K, self.norm = E, K, bool(norm)
         self.eps = np.float64(eps)
-        self.w_norm = np.ascontiguousarray(w_norm, dtype=np.float32).reshape(-1)
+        self.w_norm = _D._f32_or_none(w_norm)
         self.x = np.empty((1, D), np.float32)
         self.xq, self.xd, self.xm = _D._codes(1, D)
         self.lg = np.empty((1, E), np.float32)

@@ -657,7 +657,9 @@ def _round_act_int8(x, y):
                 y[t, b * 32 + j] = np.float32(np.rint(x[t, b * 32 + j] * idv)) * d
 
 
-@njit(nogil=True, cache=True)
+# fastmath=False spelled out: the compiled decode regions (fastmath) call this; without it Numba would compile it with
+# their flags when a region is compiled first (x * (1/127) for amax / 127: other codes) and keep that for all callers
+@njit(nogil=True, cache=True, fastmath=False)
 def _quantize_act_i8(x, xq, xd, xm):
     """As ``_round_act_int8`` but returns the int8 codes: xq int8 [T, I], xd f32 [T, I//32], xm[t, b] = xd * sum of the codes."""
     T, I = x.shape

@@ -48,7 +48,9 @@ def _rope(x, pos, cos, sin, n_rot, neox):
         _rope_head(x, pos, cos, sin, n_rot, neox, idx // h_n, idx % h_n)
 
 
-@nb.njit(nogil=True, cache=True)
+# fastmath=False spelled out: called from the compiled decode regions (fastmath); without it Numba would compile
+# it with their flags when a region comes first (a * c - b * s contracted to an FMA) and keep that for all callers
+@nb.njit(nogil=True, cache=True, fastmath=False)
 def _rope_serial(x, pos, cos, sin, n_rot, neox):
     t_n, h_n, _ = x.shape
     for idx in range(t_n * h_n):

@@ -5,11 +5,14 @@ step's counters and the routing history; and the region's NumPy pieces against N
 over a sample of every float32, the router logits against a float64 product)."""
 from __future__ import annotations
 
+import re
+
+import numba
 import numpy as np
 import pytest
 
 from coli.engine import Engine
-from cpu_kernels import decode, decode_moe, router
+from cpu_kernels import decode, decode_moe, formats, rope, router
 from cpu_kernels.experts import HAVE_VNNI
 
 from conftest import FIXTURES
@@ -112,6 +115,40 @@ def test_exp_f32_is_numpys_float32_exp():
     nan = np.isnan(ref)
     assert np.array_equal(np.isnan(got), nan)
     assert np.array_equal(got[~nan].view(np.uint32), ref[~nan].view(np.uint32))
+
+
+# a float instruction with any of LLVM's fast-math flags
+_FAST = re.compile(r"= (fadd|fsub|fmul|fdiv|frem|fneg|fcmp)\s+(fast|reassoc|nnan|ninf|nsz|arcp|contract|afn)\b")
+
+
+def test_strict_helpers_keep_their_flags_under_a_fastmath_caller():
+    """The regions (fastmath) call strict helpers: the int8 activation quantizer, RoPE, the residual adds. Numba
+    compiles a function that does not set ``fastmath`` with its first caller's flags and keeps that code for every
+    caller of the same types (x * (1/127) for amax / 127, a * c - b * s contracted to an FMA: other bits), so each
+    sets fastmath=False. Each helper's function with its own options, as a new dispatcher (compiled here, never
+    loaded from Numba's cache, where code cannot be inspected), called first from a fastmath function: its code
+    carries no fast-math flag."""
+    helpers = (formats._quantize_act_i8, rope._rope_serial, decode._residual, decode_moe._add_row)
+    opts = [{k: v for k, v in f.targetoptions.items() if k != "nopython"} for f in helpers]
+    q, r, res, add = (numba.njit(**o)(f.py_func) for f, o in zip(helpers, opts))
+
+    @numba.njit(fastmath=True)
+    def fast_caller(x, xq, xd, xm, v, pos, cos, sin, h, y, w, y2):
+        q(x, xq, xd, xm)
+        r(v, pos, cos, sin, 4, True)
+        res(h, y, w, 1e-6, y2)
+        add(h, y)
+
+    z = lambda *s: np.ones(s, np.float32)  # noqa: E731
+    fast_caller(z(1, 32), np.zeros((1, 32), np.int8), z(1, 1), z(1, 1), z(1, 2, 4), np.zeros(1, np.int64),
+                z(4, 2), z(4, 2), z(1, 32), z(1, 32), z(32), z(1, 32))
+    fast = {}
+    for f, d in zip(helpers, (q, r, res, add)):
+        assert len(d.signatures) == 1
+        lines = [ln.strip() for ln in d.inspect_llvm(d.signatures[0]).splitlines() if _FAST.search(ln)]
+        if lines:
+            fast[f.__name__] = lines[:2]
+    assert not fast
 
 
 def test_router_logits_against_a_float64_product():
