@@ -78,6 +78,7 @@ FC_TMX, FC_TNL, FC_TXS, FC_T2_K, FC_T3_K, FC_T5_1, FC_T5_K = range(20, 27)   # M
 FC_TI2, FC_TI3, FC_TI3S, FC_TI2X, FC_TI2S = range(27, 32)
 FC_TI1S, FC_TI1M = 32, 33   # IQ1_S, IQ1_M (tiles.KIND 18, 19)
 TILE_CODE = {name: FC_T4_0 + kind for name, kind in _tiles.KIND.items()}   # FC_T4_0 + tiles' kind
+TILE_CODE.update({name: TILE_CODE[t] for name, t in _tiles.AS_BLOCKS.items()})   # TQ1_0, TQ2_0: Q2_K's tile
 _C5, _CL = (FC_Q5_0, FC_LUT) if HAVE_VNNI else (FC_Q8, FC_Q8)
 FORMAT_CODE = {"F32": FC_F32, "F16": FC_F32, "BF16": FC_F32, "Q8_0": FC_Q8, "Q5_0": _C5, "MXFP4": _CL,
                "Q4_0": FC_Q4_0, "Q4_1": FC_Q4_1, "Q4_K": FC_Q4_K, "Q5_K": FC_Q5_K, "Q6_K": FC_Q6_K,
@@ -302,6 +303,10 @@ def _tile4(fc, rec, xq, xd, xm, rows, out, orows, off):
         tile4_iq1_m(rec, xq, xd, xm, rows, out, orows, off)
     else:
         tile4_q4_0(rec, xq, xd, xm, rows, out, orows, off)
+
+
+#: a 0 offset or pair index for ``_block_i8`` as an int64 (a literal 0 is typed Literal[int]: another compile)
+_I0 = np.int64(0)
 
 
 @njit(**_JIT)
@@ -701,8 +706,8 @@ def _gate_up_item(gdesc, udesc, pstart, src, mode, xq, xd, xm, x, kind, limit, a
         loc = np.arange(n)
         gs = np.empty((n, _RB), np.float32)
         us = np.empty((n, _RB), np.float32)
-        _block_i8(gd, c0, c1, 0, n, src[p0:p1], loc, -c0, xq, xd, xm, gs)
-        _block_i8(ud, c0, c1, 0, n, src[p0:p1], loc, -c0, xq, xd, xm, us)
+        _block_i8(gd, c0, c1, _I0, n, src[p0:p1], loc, -c0, xq, xd, xm, gs)
+        _block_i8(ud, c0, c1, _I0, n, src[p0:p1], loc, -c0, xq, xd, xm, us)
         for p in range(n):
             for o in range(c0, c1):
                 a[p0 + p, o] = _act(gs[p, o - c0], us[p, o - c0], kind, limit)
@@ -813,8 +818,8 @@ def ffn_gate_up_gemm(gdesc, udesc, pstart, xq, xd, xm, xu, kind, limit, gb, ub, 
                 a[p0, o] = _act(_row_i8(gd, o, p0, xq, xd, xm), _row_i8(ud, o, p0, xq, xd, xm), kind, limit)
             continue
         else:
-            _block_i8(gd, c0, c1, p0, p1, ident, ident, 0, xq, xd, xm, gb)
-            _block_i8(ud, c0, c1, p0, p1, ident, ident, 0, xq, xd, xm, ub)
+            _block_i8(gd, c0, c1, p0, p1, ident, ident, _I0, xq, xd, xm, gb)
+            _block_i8(ud, c0, c1, p0, p1, ident, ident, _I0, xq, xd, xm, ub)
         for p in range(p0, p1):
             for o in range(c0, c1):
                 a[p, o] = _act(gb[p, o], ub[p, o], kind, limit)

@@ -33,7 +33,8 @@ Kernel layouts (``pack`` at ``prepare``; memory cost in docs/formats.md):
   unpacked to uint8 (Q2_K scale, min) / int8 (Q3_K, bias removed), d and dmin to f32. Widening the codes to
   bytes would cost 3x the file's memory for the formats people pick to save memory.
 * TQ2_0, TQ1_0 (ternary): Q2_K's layout with every scale and min 1 and dmin = d (TQ1_0's base-3 digits decoded
-  at prepare time into TQ2_0's 2-bit codes), so they run the Q2_K kernels, VNNI GEMV included.
+  at prepare time into TQ2_0's 2-bit codes), so they run the Q2_K kernels, VNNI GEMV included (and Q2_K's t16 tile
+  where ``formats.prepare`` takes the tiles: cpu_kernels/tiles.py ``AS_BLOCKS``).
 
 Kernels take the packed fields, then ``x f32 [I], out f32 [O]`` (GEMV) or ``x f32 [T, I], out f32 [T, O]``
 (GEMM), as the rows of ``formats.py``. The GEMMs decode 16 weight rows into an f32 buffer and run
@@ -320,14 +321,31 @@ def _pack_iq4_xs(raw, O, I):
     return _F.pack_lut(_c(b[:, :, 8:136], O), nb * 8, d32, KVALUES_IQ4NL)
 
 
-def _pack_tq2_0(raw, O, I):
-    # block_tq2_0 {qs[64]; d}: element 128n + 32j + l is (qs[32n + l] >> 2j) & 3, minus 1 (dequantize_row_tq2_0),
-    # which is Q2_K's code order: run the Q2_K kernels with every scale and min 1 and dmin = d (w = d*q - d).
-    nb = I // 256
-    b = _blocks(raw, O, nb, 66)
-    one = np.ones((O, nb * 16), np.uint8)
-    d = _c(_f16(b[:, :, 64:66]), O)
-    return _c(b[:, :, 0:64], O), one, one.copy(), d, d.copy()
+def tq_codes(type_name: str, raw, O: int, nb: int):
+    """TQ1_0 / TQ2_0 blocks (uint8 [O, nb * block bytes]) -> (2-bit codes uint8 [O, nb, 64] in Q2_K's order, the
+    f16 d's bytes uint8 [O, nb, 2]). block_tq2_0 {qs[64]; d}: element 128n + 32j + l is (qs[32n + l] >> 2j) & 3,
+    minus 1 (dequantize_row_tq2_0), which is Q2_K's code order; block_tq1_0's base-3 digits (``tq1_0_codes``) are
+    packed the same way. Q2_K's kernels with every scale and min 1 and dmin = d then give w = d*q - d: the row
+    layout here, Q2_K's tile in cpu_kernels/tiles.py."""
+    if type_name == "TQ2_0":
+        b = _blocks(raw, O, nb, 66)
+        return b[:, :, 0:64], b[:, :, 64:66]
+    b = _blocks(raw, O, nb, 54)
+    t = tq1_0_codes(b).reshape(O, nb, 2, 4, 32)                       # [.., n, j, l]
+    qs = (t[:, :, :, 0] | (t[:, :, :, 1] << 2) | (t[:, :, :, 2] << 4) | (t[:, :, :, 3] << 6)).astype(np.uint8)
+    return qs.reshape(O, nb, 64), b[:, :, 52:54]
+
+
+def _pack_tq(type_name):
+    # the Q2_K row layout: 2-bit codes, every scale and min 1, d and dmin = d (TQ2_0 104 bytes per 66-byte block:
+    # 1.58x; TQ1_0 per 54-byte block: 1.93x; int8 codes would be 5.3x)
+    def pack(raw, O, I):
+        nb = I // 256
+        qs, db = tq_codes(type_name, raw, O, nb)
+        one = np.ones((O, nb * 16), np.uint8)
+        d = _c(_f16(db), O)
+        return _c(qs, O), one, one.copy(), d, d.copy()
+    return pack
 
 
 _POW3 = np.array([1, 3, 9, 27, 81], np.uint8)
@@ -345,18 +363,6 @@ def tq1_0_codes(blocks: np.ndarray) -> np.ndarray:
                            digits(blocks[..., 48:52], 4)], axis=-1)
 
 
-def _pack_tq1_0(raw, O, I):
-    # The ternary digits decoded at prepare time and stored as TQ2_0's 2-bit codes (Q2_K's order): then the Q2_K
-    # kernels, as TQ2_0 (104 bytes per 54-byte block: 1.93x; int8 codes would be 5.3x).
-    nb = I // 256
-    b = _blocks(raw, O, nb, 54)
-    t = tq1_0_codes(b).reshape(O, nb, 2, 4, 32)                       # [.., n, j, l]
-    qs = (t[:, :, :, 0] | (t[:, :, :, 1] << 2) | (t[:, :, :, 2] << 4) | (t[:, :, :, 3] << 6)).astype(np.uint8)
-    one = np.ones((O, nb * 16), np.uint8)
-    d = _c(_f16(b[:, :, 52:54]), O)
-    return _c(qs, O), one, one.copy(), d, d.copy()
-
-
 def rows(row, vnni):
     """FORMATS entries of this module, built with ``formats._row``; ``vnni``: the cpu_kernels.vnni module."""
     # IQ4_NL/IQ4_XS: the 4-bit table layout where the VNNI kernels look codes up, else widened codes (Q8_0's)
@@ -367,6 +373,6 @@ def rows(row, vnni):
         row("Q3_K", 256, 110, _pack_q3_k, gemv_q3_k, gemm_q3_k, "q3_k", True, vnni.gemv_i8_q3_k),
         row("IQ4_NL", 32, 18, _pack_iq4_nl, gv, gm, "iq4_nl", True, vnni.gemv_i8_lut),
         row("IQ4_XS", 256, 136, _pack_iq4_xs, gv, gm, "iq4_xs", True, vnni.gemv_i8_lut),
-        row("TQ1_0", 256, 54, _pack_tq1_0, gemv_q2_k, gemm_q2_k, "tq1_0", True, vnni.gemv_i8_q2_k),
-        row("TQ2_0", 256, 66, _pack_tq2_0, gemv_q2_k, gemm_q2_k, "tq2_0", True, vnni.gemv_i8_q2_k),
+        row("TQ1_0", 256, 54, _pack_tq("TQ1_0"), gemv_q2_k, gemm_q2_k, "tq1_0", True, vnni.gemv_i8_q2_k),
+        row("TQ2_0", 256, 66, _pack_tq("TQ2_0"), gemv_q2_k, gemm_q2_k, "tq2_0", True, vnni.gemv_i8_q2_k),
     ]

@@ -105,8 +105,13 @@ row (the row kernels sum lanes of partial dots), so the two layouts agree to f32
 Every t16 path (decode, expert batch, prompt rows) runs the same per-row tile arithmetic, so a row's result never
 depends on how it was batched.
 
-Used where ``formats.prepare`` sees VNNI (``HAVE_VNNI``), ``formats.TILES`` on and O a multiple of 16. TQ1_0,
-TQ2_0, NVFP4 and the float types keep their row layouts.
+TQ1_0, TQ2_0 (ternary, ``dequantize_row_tq1_0``/``tq2_0``: w = d (t - 1), t in 0..2): ``pack`` writes their blocks as
+Q2_K blocks (``AS_BLOCKS``: the 2-bit codes in Q2_K's order, every 4-bit scale and min 1, dmin = d, so Q2_K's
+d x 1 x q - dmin x 1 = d (q - 1) exactly) and they take Q2_K's tile: 1.27x (TQ2_0) and 1.56x (TQ1_0, whose base-3
+digits are decoded at load) the file, against 1.58x / 1.93x for their Q2_K row layouts.
+
+Used where ``formats.prepare`` sees VNNI (``HAVE_VNNI``), ``formats.TILES`` on and O a multiple of 16. NVFP4 and
+the float types keep their row layouts.
 """
 from __future__ import annotations
 
@@ -134,6 +139,8 @@ SPEC = {"Q4_0": (32, 288, 256, 18), "Q4_1": (32, 320, 256, 20), "Q8_0": (32, 544
         "IQ3_S": (256, 2208, 2048, 110), "IQ2_XS": (256, 1824, 1536, 74), "IQ2_S": (256, 1824, 1536, 82),
         "IQ1_S": (256, 1120, 1024, 50), "IQ1_M": (256, 1248, 1024, 56)}
 RECORD = {k: v[1] for k, v in SPEC.items()}
+#: types written at load as another type's GGUF blocks, then tiled as that type (``_as_blocks``)
+AS_BLOCKS = {"TQ1_0": "Q2_K", "TQ2_0": "Q2_K"}
 KIND = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q5_0": 3, "Q4_K": 4, "Q6_K": 5, "MXFP4": 6, "IQ4_NL": 7, "IQ4_XS": 8,
         "Q2_K": 9, "Q3_K": 10, "Q5_1": 11, "Q5_K": 12, "IQ2_XXS": 13, "IQ3_XXS": 14, "IQ3_S": 15,
         "IQ2_XS": 16, "IQ2_S": 17, "IQ1_S": 18, "IQ1_M": 19}
@@ -168,7 +175,23 @@ _NC = tuple(SPEC[n][2] for n in sorted(KIND, key=KIND.get))   # experts.FC_T4_0 
 
 def supports(type_name: str, O: int, I: int) -> bool:
     """True when a [O, I] weight of this type can take the t16 layout (the type has one, O % 16 == 0)."""
-    return type_name in SPEC and O % ROWS == 0 and O > 0 and I % SPEC[type_name][0] == 0
+    t = AS_BLOCKS.get(type_name, type_name)
+    return t in SPEC and O % ROWS == 0 and O > 0 and I % SPEC[t][0] == 0
+
+
+def _as_blocks(type_name: str, raw: np.ndarray, O: int, I: int) -> np.ndarray:
+    """TQ1_0 / TQ2_0 blocks uint8 [O, row_bytes] -> Q2_K blocks uint8 [O, I / 256 * 84] of the same values
+    (ggml-common.h's block_q2_K: scales[16], qs[64], d, dmin; here every scale byte 0x11 and dmin = d)."""
+    from .lowbit import tq_codes
+
+    nb = I // 256
+    qs, d = tq_codes(type_name, raw, O, nb)
+    out = np.empty((O, nb, 84), np.uint8)
+    out[..., :16] = 0x11
+    out[..., 16:80] = qs
+    out[..., 80:82] = d
+    out[..., 82:84] = d
+    return out.reshape(O, nb * 84)
 
 
 @njit(parallel=True, nogil=True, cache=True)
@@ -325,6 +348,8 @@ def _pack_iq1(blk, m, cmap, out):
 
 def pack(type_name: str, raw: np.ndarray, O: int, I: int) -> np.ndarray:
     """GGUF blocks uint8 [O, row_bytes] -> tile records uint8 [O/16, (I / block) * RECORD] (layout above)."""
+    if type_name in AS_BLOCKS:
+        raw, type_name = _as_blocks(type_name, raw, O, I), AS_BLOCKS[type_name]
     bs, rec, nc, bsz = SPEC[type_name]
     nb = I // bs
     T = O // ROWS
@@ -371,7 +396,8 @@ def scales(type_name: str, rec: np.ndarray, O: int, I: int):
     """(d f32 [O, nblocks], minimum f32 [O, nblocks] or None) read back from tile records: Q4_1's m, Q4_K's and
     Q2_K's dmin (the finite checks, tests). MXFP4: its E8M0 scales as ggml's ``e8m0_to_fp32_half`` (the kernels'
     d, the table being doubled); IQ4_XS and the grid i-quants: the super-block's f16 d (the sub-block scales are
-    integers)."""
+    integers). TQ1_0 / TQ2_0: Q2_K's (d and dmin both the file's d)."""
+    type_name = AS_BLOCKS.get(type_name, type_name)
     bs, rb, nc, _ = SPEC[type_name]
     nb = I // bs
     r = rec.reshape(O // ROWS, nb, rb)

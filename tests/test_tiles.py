@@ -1,5 +1,6 @@
 """The 16-row interleaved layout (cpu_kernels/tiles.py) of Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K, MXFP4, IQ4_NL,
-IQ4_XS, Q2_K, Q3_K, Q5_1, Q5_K, IQ2_XXS, IQ3_XXS, IQ3_S, IQ2_XS, IQ2_S, IQ1_S and IQ1_M: packing against the GGUF bytes, every
+IQ4_XS, Q2_K, Q3_K, Q5_1, Q5_K, IQ2_XXS, IQ3_XXS, IQ3_S, IQ2_XS, IQ2_S, IQ1_S and IQ1_M (and TQ1_0, TQ2_0 on Q2_K's tile):
+packing against the GGUF bytes, every
 op against the NumPy reference through tests/test_backend_ops.py's cases (O a multiple of 16, so the weights
 take the layout), a row's result independent of its batch, and the finite checks on the tiles' scales."""
 from __future__ import annotations
@@ -19,6 +20,11 @@ from cpu_kernels.vnni import HAVE_VNNI
 from tests import test_backend_ops as BO
 
 TYPES = list(tiles.SPEC)
+TQ = list(tiles.AS_BLOCKS)   # TQ1_0, TQ2_0: written as Q2_K blocks at load, Q2_K's tile
+
+
+def _bs(type_name):
+    return tiles.SPEC[tiles.AS_BLOCKS.get(type_name, type_name)][0]
 needs_vnni = pytest.mark.skipif(not HAVE_VNNI, reason="the t16 layout is used only with AVX-512 VNNI")
 
 
@@ -75,11 +81,31 @@ def test_tiles_hold_the_file_and_decode_to_ggml_values(type_name):
         assert m is None
 
 
+@pytest.mark.parametrize("type_name", TQ)
+def test_ternary_types_take_q2_ks_tile_with_ggml_values(type_name):
+    """TQ1_0 and TQ2_0 written as Q2_K blocks (every scale and min 1, dmin = d) decode from Q2_K's tile to
+    gguf.quants' values bit for bit, in 84 / 66 (TQ2_0) and 84 / 54 (TQ1_0) of the file's bytes; the tile's d and
+    dmin read back are the file's f16 d."""
+    rng = np.random.default_rng(3)
+    O, I = 48, 5 * 256
+    raw = TT.random_blocks(type_name, O, I, rng)
+    rec = tiles.pack(type_name, raw, O, I)
+    assert rec.nbytes == raw.nbytes * 84 // TT.get(type_name).type_size
+    want = TT.get(type_name).reference(raw, (O, I)).astype(np.float32)
+    got = np.empty((O, I), np.float32)
+    _decode_all(rec, tiles.KIND["Q2_K"], O, I, got)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    d, m = tiles.scales(type_name, rec, O, I)
+    bsz = TT.get(type_name).type_size
+    fd = raw.reshape(O, I // 256, bsz)[..., bsz - 2:].copy().view(np.float16)[..., 0].astype(np.float32)
+    assert np.array_equal(d, fd) and np.array_equal(m, fd)
+
+
 @needs_vnni
-@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("type_name", TYPES + TQ)
 def test_prepare_takes_tiles_only_where_they_fit(type_name, monkeypatch):
     rng = np.random.default_rng(4)
-    I = 2 * tiles.SPEC[type_name][0]
+    I = 2 * _bs(type_name)
     assert F.prepare(type_name, TT.random_blocks(type_name, 48, I, rng), (48, I)).layout == "t16"
     assert F.prepare(type_name, TT.random_blocks(type_name, 40, I, rng), (40, I)).layout == "rows"
     monkeypatch.setattr(F, "TILES", False)
@@ -113,7 +139,7 @@ class _TileBackend(BO.Backend):
 @pytest.mark.parametrize("layout", ["t16", "rows"])
 @pytest.mark.parametrize("act", ["int8", "f32"])
 @pytest.mark.parametrize("op", BO.OPS)
-@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("type_name", TYPES + TQ)
 def test_op_matches_reference_in_both_layouts(type_name, op, act, layout, monkeypatch):
     """test_backend_ops's case with 48 and 80 output rows (multiples of 16; its own cases use 37 and 69, which
     keep the row layout), every op and activation mode, tiles on and off."""
@@ -126,11 +152,11 @@ def test_op_matches_reference_in_both_layouts(type_name, op, act, layout, monkey
 
 
 @needs_vnni
-@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("type_name", TYPES + TQ)
 def test_a_rows_result_does_not_depend_on_its_batch(type_name):
     """Decode (one row), a few rows and a prompt chunk run the same per-row tile arithmetic: bit-equal."""
     rng = np.random.default_rng(5)
-    O, I = 64, 3 * 256 if tiles.SPEC[type_name][0] == 256 else 288
+    O, I = 64, 3 * 256 if _bs(type_name) == 256 else 288
     w = F.prepare(type_name, TT.random_blocks(type_name, O, I, rng), (O, I))
     assert w.layout == "t16"
     x = rng.standard_normal((40, I)).astype(np.float32)
