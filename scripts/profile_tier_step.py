@@ -6,9 +6,10 @@
 
 MODEL: a GGUF path or a name ``coli.fetch`` knows; the tier's budget comes from ``COLI_VK_TIER_GB`` as for
 ``coli run``. Each arm opens its own ``coli.Engine`` (``cpu``: no device; ``tier``: ``device="vulkan"``, not
-balanced; ``balanced``; the variants ``tier-blocks``, ``tier-rate0``, ``tier-norec`` of :func:`run_arm`), generates ``--warm`` tokens untimed, then ``--tokens`` tokens twice: once plain (the
-tok/s printed) and once with timers around the step's parts (inclusive ms per token; the timers add ~1 us per
-wrapped call):
+balanced; ``balanced``; the variants ``tier-blocks``, ``tier-rate0``, ``tier-norec`` of :func:`run_arm`),
+generates max(``--warm``, ``--tokens``) tokens untimed (a generate longer than any before it is slower: the warm-up
+covers the measured length), then ``--tokens`` tokens twice: once plain and once with timers around the step's
+parts (inclusive ms per decode token, the prompt's forward left out; the timers add ~1 us per wrapped call):
 
 =====================  ==================================================================================
 token                  one decode token (``Model.forward``)
@@ -50,6 +51,11 @@ _N = defaultdict(int)
 
 
 _PROMPT = [True]   # the generate's first forward is the prompt's: its timers are dropped
+_TIER: list = [None, None]   # the tier being measured, and its counters when the prompt's forward ended
+
+
+def _tier_counters(t):
+    return (t.device_ms, t.batches, t.device_pairs, t.routed_pairs)
 
 
 def _wrap(owner, name, part):
@@ -68,6 +74,8 @@ def _wrap(owner, name, part):
                 _PROMPT[0] = False
                 _T.clear()
                 _N.clear()
+                if _TIER[0] is not None:
+                    _TIER[1] = _tier_counters(_TIER[0])
     raw = inspect.getattr_static(owner, name)
     setattr(owner, name, staticmethod(w) if isinstance(raw, staticmethod) else w)
     return (owner, name, raw)
@@ -97,6 +105,7 @@ ORDER = ["token", "attention region", "MoE layer region", "router", "step", " is
 
 ARMS = {"cpu": dict(device=None), "tier": dict(device="vulkan", balance=False),
         "balanced": dict(device="vulkan", balance=True)}
+ARM_NAMES = ("cpu", "tier", "balanced", "tier-blocks", "tier-rate0", "tier-norec")
 
 
 def run_arm(arm, a):
@@ -130,8 +139,8 @@ def _measure(eng, arm, kw, a):
     try:
         if kw["device"] and getattr(eng, "tier", None) is None:
             sys.exit(f"profile_tier_step: arm {arm}: the engine opened no device tier (see the [VK] line)")
-        if a.warm:
-            eng.generate(a.prompt, max_tokens=a.warm, temp=0.0, stop_at_eos=False)
+        if a.warm:   # at least as long as the measured generates: a generate past the longest so far is slower
+            eng.generate(a.prompt, max_tokens=max(a.warm, a.tokens), temp=0.0, stop_at_eos=False)
         r = eng.generate(a.prompt, max_tokens=a.tokens, temp=0.0, stop_at_eos=False)
         plain = r.stats.get("decode_tps", 0.0)
         undo = [u for u in (_wrap(*t) for t in _targets()) if u is not None]
@@ -139,7 +148,7 @@ def _measure(eng, arm, kw, a):
         _N.clear()
         _PROMPT[0] = True
         t = getattr(eng, "tier", None)
-        dev0 = (t.device_ms, t.batches, t.device_pairs, t.routed_pairs) if t is not None else None
+        _TIER[:] = [t, _tier_counters(t) if t is not None else None]
         try:
             r2 = eng.generate(a.prompt, max_tokens=a.tokens, temp=0.0, stop_at_eos=False)
         finally:
@@ -150,6 +159,7 @@ def _measure(eng, arm, kw, a):
         for k in ORDER:
             out[k] = (1e3 * _T[k] / n_tok, _N[k] / n_tok)
         if t is not None:
+            dev0 = _TIER[1]
             db = t.batches - dev0[1]
             out["device ms/batch"] = (t.device_ms - dev0[0]) / max(1, db)
             out["batches/token"] = db / n_tok
@@ -165,16 +175,24 @@ def main(argv=None) -> int:
     ap.add_argument("-t", "--threads", type=int, default=None)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--warm", type=int, default=32)
-    ap.add_argument("--arms", default="cpu,tier")
+    ap.add_argument("--arms", default="cpu,tier", help=f"comma-separated, from {', '.join(ARM_NAMES)}")
     ap.add_argument("--rounds", type=int, default=1, help="the arms in turn this many times (one column each)")
     ap.add_argument("--prompt", default="Write a short story about a lighthouse keeper who finds a map.")
     a = ap.parse_args(argv)
+    arms = [x for x in a.arms.split(",") if x]
+    bad = [x for x in arms if x not in ARM_NAMES]
+    if bad or not arms:
+        ap.error(f"--arms: unknown {bad or a.arms!r} (the arms: {', '.join(ARM_NAMES)})")
     if not os.path.exists(a.model):
-        from coli.fetch import model_path
+        from coli.fetch import MODELS, model_path
+        if a.model not in MODELS:
+            ap.error(f"model {a.model!r}: no such file, nor a model coli.fetch knows ({', '.join(MODELS)})")
         a.model = str(model_path(a.model))
+    print(f"profile_tier_step: arms {', '.join(arms)}; the first engine compiles Numba's kernels (minutes, once)",
+          flush=True)
     if a.threads:
         cpu_kernels.set_threads(a.threads)
-    res = [run_arm(arm, a) for _ in range(a.rounds) for arm in a.arms.split(",") if arm]
+    res = [run_arm(arm, a) for _ in range(a.rounds) for arm in arms]
     la = os.getloadavg()
     print(f"\nprofile_tier_step: {Path(a.model).name}, threads {a.threads or 'default'}, {a.tokens} tokens, "
           f"COLI_VK_TIER_GB={os.environ.get('COLI_VK_TIER_GB', 'unset')}, load {la[0]:.2f} {la[1]:.2f}")
@@ -182,7 +200,7 @@ def main(argv=None) -> int:
     print("|---|" + "---|" * len(res))
     for k in ORDER:
         if any(r[k][1] for r in res):
-            cells = [f"{r[k][0]:.3f} ({r[k][1]:.0f})" if r[k][1] else "-" for r in res]
+            cells = [f"{r[k][0]:.3f} ({r[k][1]:.3g})" if r[k][1] else "-" for r in res]
             print(f"| {k.replace(' ', '&nbsp;', k.count(' ') - k.strip().count(' '))} | " + " | ".join(cells) + " |")
     print("| tok/s untimed / timed | " + " | ".join(f"{r['plain_tps']:.2f} / {r['timed_tps']:.2f}" for r in res) + " |")
     for r in res:
