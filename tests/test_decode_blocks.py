@@ -18,6 +18,19 @@ pytestmark = pytest.mark.skipif(not HAVE_VNNI, reason="the compiled decode block
 TINY = ["olmoe", "qwen2moe", "qwen3moe", "mixtral", "rope_llama3"]  # rope_llama3: dense llama layers
 
 
+def greedy_logits(m, n_prompt: int, n_tokens: int) -> np.ndarray:
+    """The model ``m``'s logits f32 [n_tokens, vocab] of a greedy decode of ``n_tokens`` rows (one at a time, from
+    token 7) after a prompt of ``n_prompt`` tokens, in a new KV cache."""
+    kv = m.new_cache(n_prompt + n_tokens + 4)
+    m.forward(np.arange(n_prompt) % 50 + 5, kv)
+    out, tok = [], 7
+    for _ in range(n_tokens):
+        lg = m.forward(np.array([tok]), kv)
+        out.append(lg[0].copy())
+        tok = int(np.argmax(lg[0]))
+    return np.array(out)
+
+
 def _decode(path, enabled: bool, monkeypatch, n_prompt: int = 30, n_tokens: int = 12):
     """Logits f32 [n_tokens, vocab] of greedy decode tokens after an n_prompt prompt, with the compiled blocks on
     or off, and the engine's MoE counters; asserts that the path asked for is the one that ran."""
@@ -34,18 +47,12 @@ def _decode(path, enabled: bool, monkeypatch, n_prompt: int = 30, n_tokens: int 
             assert (m.step._row is not None) == enabled
         else:   # a dense model: every layer in one region per token
             assert (m.token_dec is not None) == enabled
-        kv = m.new_cache(n_prompt + n_tokens + 4)
-        m.forward(np.arange(n_prompt) % 50 + 5, kv)
-        out, tok = [], 7
-        for _ in range(n_tokens):
-            lg = m.forward(np.array([tok]), kv)
-            out.append(lg[0].copy())
-            tok = int(np.argmax(lg[0]))
+        out = greedy_logits(m, n_prompt, n_tokens)
         counters = None
         if m.step is not None:
             st = m.step.stats
             counters = (m.step.cache.hits, m.step.cache.loads, st.steps, st.pairs, st.cpu_pairs)
-        return np.array(out), counters
+        return out, counters
 
 
 @pytest.mark.parametrize("name", TINY)

@@ -16,6 +16,7 @@ from cpu_kernels import decode, decode_moe, formats, rope, router
 from cpu_kernels.experts import HAVE_VNNI
 
 from conftest import FIXTURES
+from tests.test_decode_blocks import greedy_logits
 
 MODES = ("python", "blocks", "region")  # no compiled blocks; compiled blocks apart; the MoE layer in one region
 needs_vnni = pytest.mark.skipif(not HAVE_VNNI, reason="the compiled decode blocks run the int8 VNNI kernels")
@@ -34,18 +35,12 @@ def _decode(path, mode, monkeypatch, n_prompt=30, n_tokens=12, expert_cache=None
         for L in m.layers:
             if L.moe is not None:
                 assert (L.moe_dec is not None) == (mode == "region" and L.moe.shared is None)
-        kv = m.new_cache(n_prompt + n_tokens + 4)
-        m.forward(np.arange(n_prompt) % 50 + 5, kv)
-        out, tok = [], 7
-        for _ in range(n_tokens):
-            lg = m.forward(np.array([tok]), kv)
-            out.append(lg[0].copy())
-            tok = int(np.argmax(lg[0]))
+        out = greedy_logits(m, n_prompt, n_tokens)
         st, c = m.step.stats, m.step.cache
         counters = (c.hits, c.loads, st.steps, st.pairs, st.cpu_pairs)
         lru = {il: list(c.lru[il]) for il in m.moe_layers}
         usage = (m.step.usage.counts.copy(), m.step.usage.tokens)
-        return np.array(out), counters, lru, usage, (st.region_rows, st.region_fallbacks)
+        return out, counters, lru, usage, (st.region_rows, st.region_fallbacks)
 
 
 def _same(a, b):

@@ -1311,7 +1311,7 @@ class Device:
 
         f = self._frame()
         try:
-            xin = x if not plain else x          # plain: x rows are the h-binding input (set 1)
+            xin = x          # (plain: its rows are the h-binding input, set 1)
             need = {"x": xin.nbytes, "tab": tab.nbytes, "h": (P * F * 4) if not plain else 4, "y": P * D * 4}
             f.ensure(need)     # a grown buffer drops the frame's recorded command buffers (new descriptors)
             f.bufs["x"].view[:xin.nbytes] = xin.reshape(-1).view(np.uint8)
