@@ -177,6 +177,19 @@ def test_gptoss_oracle_prompt_and_decode(oracle, cache, tmp_path):
         check_prompt_and_decode(m, kv, oracle)
 
 
+def test_f32_tensors_are_writable_copies(tmp_path):
+    """``Weights.f32`` hands out writable arrays of their own, never the mapped file's read-only view: Numba types
+    read-only arrays apart, so the attention kernel would compile a second time for the sinks (an F32 tensor in
+    this file) beside the writable arrays of other callers."""
+    with _engine(tmp_path) as eng:
+        wt = eng.model.wt
+        name = next(n for n, ti in wt.t.items() if ti.type_name == "F32" and n.endswith("attn_sinks.weight"))
+        a, b = wt.f32(name), wt.f32(name)
+        assert a.flags.writeable and a.flags.c_contiguous and a.dtype == np.float32
+        assert not np.shares_memory(a, wt.t[name].raw) and not np.shares_memory(a, b)
+        assert np.array_equal(a, wt.t[name].raw.view(np.float32).reshape(wt.t[name].shape))
+
+
 def test_gptoss_prompt_in_one_call_equals_one_at_a_time(oracle, tmp_path):
     with _engine(tmp_path) as eng:
         m = eng.model

@@ -154,14 +154,16 @@ class Weights:
 
     def f32(self, name: str, required: bool = True):
         """Tensor ``name`` as f32 of its GGUF shape (None when absent and not ``required``); ColiError naming
-        the file and the tensor when it holds a NaN or an infinity (``coli.finite``)."""
+        the file and the tensor when it holds a NaN or an infinity (``coli.finite``). Always a writable array of
+        its own (an F32 tensor is copied out of the mapped file): Numba types a read-only array apart from a
+        writable one, so a kernel handed both would compile twice (docs/cpu_kernels.md, "Compile time")."""
         ti = self.t.get(name)
         if ti is None:
             if required:
                 raise ColiError(f"{self.fname}: tensor '{name}' is missing")
             return None
         if ti.type_name == "F32":
-            out = np.ascontiguousarray(ti.raw.view(np.float32).reshape(ti.shape))
+            out = np.array(ti.raw.view(np.float32).reshape(ti.shape), dtype=np.float32, copy=True)
         else:
             raw = ti.raw.reshape(1, -1) if ti.raw.ndim == 1 else ti.raw.reshape(-1, ti.raw.shape[-1])
             try:
