@@ -36,7 +36,11 @@ import itertools
 import math
 
 import numba
+import numba.core.cgutils
+import numba.core.errors
 import numpy as np
+from llvmlite import binding as _llvm
+from llvmlite import ir as _llir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
@@ -462,6 +466,66 @@ def _block_i8(ds, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out):
                 out[dst[p], oe + o] = acc
 
 
+# ``_block_i8`` behind a C symbol. Every compiled function that calls an @njit function links a copy of the
+# callee's LLVM module into its own and optimizes the whole again (numba.core.codegen ``finalize``): ``_block_i8``
+# (two 20-way chains of t16 tile intrinsics) cost each of its ~10 callers about half its own compile again (a
+# trivial caller took 54 % of the callee's time). Compiled once as a ``cfunc`` (cached) and registered with LLVM's
+# symbol table at import, it is a plain external call in its callers, resolved when their (cached) code loads
+# (docs/cpu_kernels.md, "Compile time").
+_CP = types.CPointer
+_BLOCK_SYM = "coli_experts_block_i8"
+
+
+@numba.cfunc(types.void(_CP(types.int64), types.int64, types.int64, types.int64, types.int64, types.int64,
+                        _CP(types.int64), types.int64, _CP(types.int64), types.int64, types.int64,
+                        _CP(types.int8), types.int64, types.int64, _CP(types.float32), types.int64, types.int64,
+                        _CP(types.float32), types.int64, types.int64, _CP(types.float32), types.int64, types.int64),
+             nopython=True, cache=True)
+def _block_i8_c(dsp, nds, c0, c1, p0, p1, srcp, nsrc, dstp, ndst, oe, xqp, xqr, xqc, xdp, xdr, xdc, xmp, xmr, xmc,
+                outp, outr, outc):
+    _block_i8(numba.carray(dsp, (nds,)), c0, c1, p0, p1, numba.carray(srcp, (nsrc,)), numba.carray(dstp, (ndst,)),
+              oe, numba.carray(xqp, (xqr, xqc)), numba.carray(xdp, (xdr, xdc)), numba.carray(xmp, (xmr, xmc)),
+              numba.carray(outp, (outr, outc)))
+
+
+_llvm.add_symbol(_BLOCK_SYM, _block_i8_c.address)
+#: (argument name, dtype, ndim) of ``block_i8``'s arrays: C-contiguous, as the C symbol rebuilds them
+_BLOCK_ARRAYS = {0: ("ds", types.int64, 1), 5: ("src", types.int64, 1), 6: ("dst", types.int64, 1),
+                 8: ("xq", types.int8, 2), 9: ("xd", types.float32, 2), 10: ("xm", types.float32, 2),
+                 11: ("out", types.float32, 2)}
+
+
+@intrinsic
+def block_i8(typingctx, ds, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out):
+    """``_block_i8(ds, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out)`` through its C symbol (same arguments:
+    ds int64 [13], src/dst int64 [n], xq int8 [R, I], xd/xm f32 [R, I/32], out f32 [*, *], all C-contiguous;
+    the integers as int64). A typing error names an argument of another dtype, rank or layout."""
+    args = (ds, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out)
+    for i, (name, dt, nd) in _BLOCK_ARRAYS.items():
+        a = args[i]
+        if not (isinstance(a, types.Array) and a.dtype == dt and a.ndim == nd and a.layout == "C"):
+            raise numba.core.errors.TypingError(f"block_i8: {name} must be a C-contiguous {dt} array of {nd} "
+                                                f"dimension(s), got {a}")
+    for i in (1, 2, 3, 4, 7):
+        if not isinstance(args[i], types.Integer):
+            raise numba.core.errors.TypingError(f"block_i8: argument {i} must be an integer, got {args[i]}")
+
+    def codegen(context, builder, sig, llargs):
+        vals = []
+        for i, (ty, v) in enumerate(zip(sig.args, llargs)):
+            if i in _BLOCK_ARRAYS:
+                a = context.make_array(ty)(context, builder, v)
+                vals.append(a.data)
+                vals.extend(builder.extract_value(a.shape, k) for k in range(ty.ndim))
+            else:
+                vals.append(context.cast(builder, v, ty, types.int64))
+        fnty = _llir.FunctionType(_llir.VoidType(), [v.type for v in vals])
+        builder.call(numba.core.cgutils.get_or_insert_function(builder.module, fnty, _BLOCK_SYM), vals)
+        return context.get_dummy_value()
+
+    return types.void(*args), codegen
+
+
 @njit(inline="always", **_JIT)
 def _row_ok(fc):
     """True for the format codes ``_row_i8`` computes (the others take ``_block_i8`` with one row)."""
@@ -655,7 +719,7 @@ def _mm_item(desc, nch, pstart, src, dst, off, mode, xq, xd, xm, x, out, it):
     p1 = pstart[e + 1]
     oe = off[e]
     if mode == I8 and ds[0] != FC_F32:
-        _block_i8(ds, c0, min(O, c0 + _RB), p0, p1, src, dst, oe, xq, xd, xm, out)
+        block_i8(ds, c0, min(O, c0 + _RB), p0, p1, src, dst, oe, xq, xd, xm, out)
     else:
         buf = np.empty(ds[2], np.float32)
         for o in range(c0, min(O, c0 + _RB)):
@@ -706,8 +770,8 @@ def _gate_up_item(gdesc, udesc, pstart, src, mode, xq, xd, xm, x, kind, limit, a
         loc = np.arange(n)
         gs = np.empty((n, _RB), np.float32)
         us = np.empty((n, _RB), np.float32)
-        _block_i8(gd, c0, c1, _I0, n, src[p0:p1], loc, -c0, xq, xd, xm, gs)
-        _block_i8(ud, c0, c1, _I0, n, src[p0:p1], loc, -c0, xq, xd, xm, us)
+        block_i8(gd, c0, c1, _I0, n, src[p0:p1], loc, -c0, xq, xd, xm, gs)
+        block_i8(ud, c0, c1, _I0, n, src[p0:p1], loc, -c0, xq, xd, xm, us)
         for p in range(n):
             for o in range(c0, c1):
                 a[p0 + p, o] = _act(gs[p, o - c0], us[p, o - c0], kind, limit)
@@ -786,7 +850,7 @@ def mm_grouped_gemm(desc, pstart, dst, off, xq, xd, xm, xu, out):
             wq, qs0, wd = _w_tiles(ds, c0, c1)
             _G.tiles(wq, wd, c0, c1, xu, xd, p0, p1, out, dst, off[e], ds[0] == FC_G16, qs0)
         else:
-            _block_i8(ds, c0, c1, p0, p1, ident, dst, off[e], xq, xd, xm, out)
+            block_i8(ds, c0, c1, p0, p1, ident, dst, off[e], xq, xd, xm, out)
 
 
 @njit(**_PJIT)
@@ -818,8 +882,8 @@ def ffn_gate_up_gemm(gdesc, udesc, pstart, xq, xd, xm, xu, kind, limit, gb, ub, 
                 a[p0, o] = _act(_row_i8(gd, o, p0, xq, xd, xm), _row_i8(ud, o, p0, xq, xd, xm), kind, limit)
             continue
         else:
-            _block_i8(gd, c0, c1, p0, p1, ident, ident, _I0, xq, xd, xm, gb)
-            _block_i8(ud, c0, c1, p0, p1, ident, ident, _I0, xq, xd, xm, ub)
+            block_i8(gd, c0, c1, p0, p1, ident, ident, _I0, xq, xd, xm, gb)
+            block_i8(ud, c0, c1, p0, p1, ident, ident, _I0, xq, xd, xm, ub)
         for p in range(p0, p1):
             for o in range(c0, c1):
                 a[p, o] = _act(gb[p, o], ub[p, o], kind, limit)
