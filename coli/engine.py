@@ -456,11 +456,10 @@ class Engine:
         when ``positions`` is None (a cache kept for later calls: ``keep_kv``). ColiError when ``n`` exceeds
         the context.
 
-        A call's cache holds what the call writes, not the whole context: a fresh f32 array is zeroed by the
-        kernel on first touch, and NumPy asks for transparent huge pages on arrays of 4 MiB and more, so the
-        first rows written fault in (and zero) a 2 MiB page per KV head and layer; a context-sized cache
-        made the prompt of every generate zero them (SmolLM2 at ``--ctx 8192``: 240 MiB, ~45 ms a generate;
-        docs/engine.md "KV cache"). The RoPE tables still cover the whole context (built once)."""
+        A call's cache holds what the call writes, not the whole context: a cache is zeroed memory (by the
+        kernel on first touch, 2 MiB transparent huge pages at a time for NumPy arrays of 4 MiB and more, or by
+        ``np.zeros`` memsetting reused heap memory), and a context-sized one cost every generate its zeroing
+        (SmolLM2 at ``--ctx 8192``: 360 MiB, 40-100 ms a generate; docs/engine.md "KV cache"). The RoPE tables still cover the whole context (built once)."""
         if self.usage is not None:
             self.usage.discard_pending()  # routing of a step an earlier call did not finish
         ctx = max(self.ctx, 1)

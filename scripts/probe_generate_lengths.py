@@ -20,7 +20,8 @@ process taking the CPU shows in the context switches alone.
 ``--ab-kv``: one engine, the generates of ``--lengths`` alternating the KV cache's size: ``ctx`` (the whole
 context, as before 2026-12-01) and ``need`` (the prompt plus ``max_tokens``, ``Engine._new_cache``); prints the
 median prompt (prefill) ms, generate wall ms, decode tok/s and minor page faults (a transparent huge page
-counts one) of each, and whether the tokens agree. Speed
+counts one) of each, and whether the tokens agree; then the cache alone: allocation and the prompt's forward
+timed with their page faults, and the transparent huge pages (``AnonHugePages``) the cache holds afterwards. Speed
 numbers compare only within one run (docs/benchmarks.md); the load average is printed.
 """
 from __future__ import annotations
@@ -163,6 +164,49 @@ def ab_kv(path: str, a) -> None:
             print(f"| {arm} | {n} | {v[0]:.1f} | {v[1]:.1f} | {v[2]:.1f} | {v[3]:.0f} |")
     same = all(len({x[4] for arm in ("ctx", "need") for x in res[(arm, n)]}) == 1 for n in a.lengths)
     print(f"tokens identical across arms and rounds: {same}")
+    kv_pages(path, a)
+
+
+def _anon_huge_mib() -> float:
+    """This process's ``AnonHugePages`` (transparent huge pages) in MiB; NaN where /proc has no rollup."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def kv_pages(path: str, a) -> None:
+    """Where the whole-context cache's cost goes: the allocation and the prompt's forward, each timed with its
+    minor page faults, and the transparent huge pages the cache holds after the prompt, per cache size."""
+    from coli.engine import Engine, engine_threads
+    eng = Engine(path, threads=a.threads, save_usage=False, quiet=True)
+    m, ids, res = eng.model, eng.tokenize(PROMPT), {}
+    flt = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt  # noqa: E731
+    try:
+        with engine_threads(eng):
+            for _ in range(a.rounds):
+                for arm, cap in (("ctx", eng.ctx), ("need", len(ids) + max(a.lengths))):
+                    h0, f0, t0 = _anon_huge_mib(), flt(), time.perf_counter()
+                    kv = m.new_cache(cap, rope_ctx=eng.ctx)
+                    f1, t1 = flt(), time.perf_counter()
+                    m.forward(ids, kv)
+                    f2, t2 = flt(), time.perf_counter()
+                    res.setdefault(arm, []).append((1e3 * (t1 - t0), f1 - f0, 1e3 * (t2 - t1), f2 - f1,
+                                                    _anon_huge_mib() - h0))
+                    del kv
+    finally:
+        eng.close()
+    la = os.getloadavg()
+    print(f"\nthe cache alone (Model.new_cache, then the prompt's forward), {a.rounds} rounds, load {la[0]:.2f}")
+    print("| KV cache | positions | allocate ms | its faults | prompt ms | its faults | huge pages held MiB |")
+    print("|---|---|---|---|---|---|---|")
+    for arm, cap in (("ctx", eng.ctx), ("need", len(ids) + max(a.lengths))):
+        v = np.median(np.array(res[arm]), 0)
+        print(f"| {arm} | {cap} | {v[0]:.1f} | {v[1]:.0f} | {v[2]:.1f} | {v[3]:.0f} | {v[4]:.0f} |")
 
 
 def main(argv=None) -> int:
