@@ -9,7 +9,8 @@ MODEL: a GGUF path or a name ``coli.fetch`` knows; the tier's budget comes from 
 balanced; ``balanced``; the variants ``tier-blocks``, ``tier-rate0``, ``tier-norec`` of :func:`run_arm`),
 generates max(``--warm``, ``--tokens``) tokens untimed (on the same prompt a generate longer than any before
 it routes experts not loaded yet, docs/engine.md "KV cache": the warm-up covers the measured length), then
-``--tokens`` tokens twice: once plain and once with timers around the step's parts (inclusive ms per decode token, the prompt's forward left out; the timers add ~1 us per wrapped call):
+``--tokens`` tokens twice: once plain and once with timers around the step's parts (inclusive ms per decode
+token, the prompt's forward left out; the timers add ~1 us per wrapped call):
 
 =====================  ==================================================================================
 token                  one decode token (``Model.forward``)
