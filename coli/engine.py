@@ -247,9 +247,10 @@ def expert_cache_slots(n_experts: int, top_k: int, expert_bytes: int, n_moe_laye
 class Engine:
     """A loaded model.
 
-    Options: ``threads`` (Numba threads; default: physical cores available), ``ctx`` (KV cache positions;
-    default the trained context, capped so the f32 KV cache takes at most ``CTX_RAM_SHARE`` of the available
-    RAM: ``ctx_cap``), ``expert_cache`` (RAM slots per MoE layer; default every expert when
+    Options: ``threads`` (Numba threads; default: physical cores available), ``ctx`` (the most positions a
+    sequence holds: a generate's KV cache holds its prompt plus ``max_tokens``, a ``keep_kv`` one the whole
+    context, docs/engine.md "KV cache"; default the trained context, capped so a whole-context f32 KV cache
+    takes at most ``CTX_RAM_SHARE`` of the available RAM: ``ctx_cap``), ``expert_cache`` (RAM slots per MoE layer; default every expert when
     they fit in half the available RAM, else what fits; raised to top-k), ``usage`` (path of the routing
     history; default ``.coli_usage`` beside the model), ``cpu_act`` ("f32" | "int8"), ``io_threads`` (disk
     readers), ``device`` (None | "vulkan": the expert tier on the best Vulkan device, the CPU alone when
@@ -449,13 +450,23 @@ class Engine:
         return self.tokenizer.decode(list(ids))
 
     # -- forward -----------------------------------------------------------------------------------------
-    def _new_cache(self, n: int):
+    def _new_cache(self, n: int, positions: int | None = None):
+        """A fresh cache for a call that runs ``n`` prompt tokens and writes ``positions`` positions in all
+        (prompt and generated tokens; at least ``n``, at most the context), or every position of the context
+        when ``positions`` is None (a cache kept for later calls: ``keep_kv``). ColiError when ``n`` exceeds
+        the context.
+
+        A call's cache holds what the call writes, not the whole context: a cache is zeroed memory (by the
+        kernel on first touch, 2 MiB transparent huge pages at a time for NumPy arrays of 4 MiB and more, or by
+        ``np.zeros`` memsetting reused heap memory), and a context-sized one cost every generate its zeroing
+        (SmolLM2 at ``--ctx 8192``: 360 MiB, 40-100 ms a generate; docs/engine.md "KV cache"). The RoPE tables still cover the whole context (built once)."""
         if self.usage is not None:
             self.usage.discard_pending()  # routing of a step an earlier call did not finish
         ctx = max(self.ctx, 1)
         if n > ctx:
             raise ColiError(f"prompt: {n} tokens do not fit the context of {ctx} positions (--ctx)")
-        return self.model.new_cache(ctx)
+        cap = ctx if positions is None else min(ctx, max(n, int(positions)))
+        return self.model.new_cache(cap, rope_ctx=ctx)
 
     def _check_ids(self, ids):
         """``ids`` as int64 [T]: ColiError for an empty list, something not integers (1.5, "abc": never
@@ -495,14 +506,14 @@ class Engine:
         """Logits f32 [T, vocab] for exactly ``token_ids`` (no BOS added), from a fresh KV cache."""
         self._check_open()
         ids = self._check_ids(token_ids)
-        kv = self._new_cache(len(ids))
+        kv = self._new_cache(len(ids), len(ids))
         return self._prefill(kv, ids, True)
 
     def _score(self, window: np.ndarray, first: int) -> np.ndarray:
         """Negative log-likelihoods (nats, f64) of ``window[first + 1:]``, each given the tokens before it in
         the window, from a fresh KV cache. The log-softmax sums in f64 as llama-perplexity's ``log_softmax``;
         logits are kept one prefill step (64 rows) at a time. ColiError on non-finite logits."""
-        kv = self._new_cache(len(window))
+        kv = self._new_cache(len(window), len(window))
         out = []
         T = len(window)
         for s in range(0, T, PREFILL_CHUNK):
@@ -737,8 +748,8 @@ class Engine:
                 n_same = 0
                 kv = self._new_cache(len(ids))
             kv.pos = n_same  # positions past it are overwritten
-        else:
-            kv = self._new_cache(len(ids))
+        else:  # a kept cache spans the context (later calls extend it); else the prompt and the tokens to generate
+            kv = self._new_cache(len(ids), None if keep_kv else len(ids) + n_gen)
         self._kv, self._kv_ids = (kv, [int(i) for i in ids]) if keep_kv else (None, [])
         self._reset_counters()
         from coli.progress import compile_seconds  # compile time is never counted in tok/s

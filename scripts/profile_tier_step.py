@@ -7,9 +7,10 @@
 MODEL: a GGUF path or a name ``coli.fetch`` knows; the tier's budget comes from ``COLI_VK_TIER_GB`` as for
 ``coli run``. Each arm opens its own ``coli.Engine`` (``cpu``: no device; ``tier``: ``device="vulkan"``, not
 balanced; ``balanced``; the variants ``tier-blocks``, ``tier-rate0``, ``tier-norec`` of :func:`run_arm`),
-generates max(``--warm``, ``--tokens``) tokens untimed (a generate longer than any before it is slower: the warm-up
-covers the measured length), then ``--tokens`` tokens twice: once plain and once with timers around the step's
-parts (inclusive ms per decode token, the prompt's forward left out; the timers add ~1 us per wrapped call):
+generates max(``--warm``, ``--tokens``) tokens untimed (on the same prompt a generate longer than any before
+it routes experts not loaded yet, docs/engine.md "KV cache": the warm-up covers the measured length), then
+``--tokens`` tokens twice: once plain and once with timers around the step's parts (inclusive ms per decode
+token, the prompt's forward left out; the timers add ~1 us per wrapped call):
 
 =====================  ==================================================================================
 token                  one decode token (``Model.forward``)
@@ -139,7 +140,7 @@ def _measure(eng, arm, kw, a):
     try:
         if kw["device"] and getattr(eng, "tier", None) is None:
             sys.exit(f"profile_tier_step: arm {arm}: the engine opened no device tier (see the [VK] line)")
-        if a.warm:   # at least as long as the measured generates: a generate past the longest so far is slower
+        if a.warm:   # as long as the measured generates: their positions' experts loaded (docs/engine.md)
             eng.generate(a.prompt, max_tokens=max(a.warm, a.tokens), temp=0.0, stop_at_eos=False)
         r = eng.generate(a.prompt, max_tokens=a.tokens, temp=0.0, stop_at_eos=False)
         plain = r.stats.get("decode_tps", 0.0)

@@ -266,3 +266,47 @@ def test_streamed_text_equals_the_decoded_text(model_path, engine):
     assert sum("\ufffd" in eng.detokenize([t]) for t in r.ids) > 0  # the emoji really span tokens here
     assert "".join(pieces) == r.text
     assert all("\ufffd" not in p for p in pieces[:-1])  # only a character cut by max_tokens ends unfinished
+
+
+def _numba_signatures() -> int:
+    """Signatures (compiled or loaded from the disk cache) over every Numba dispatcher of coli's modules."""
+    from numba.core.dispatcher import Dispatcher
+
+    return sum(len(v.signatures) for name, mod in list(sys.modules.items())
+               if mod is not None and name.startswith(("cpu_kernels", "coli", "scheduler"))
+               for v in list(vars(mod).values()) if isinstance(v, Dispatcher))
+
+
+def test_a_calls_cache_holds_what_it_writes(model_path, engine, monkeypatch):
+    """A generate's KV cache holds its prompt plus ``max_tokens`` positions, ``logits``' its ids, a ``keep_kv``
+    generate's (kept for later turns) the whole context; a generate longer than any before adds no Numba
+    signature and keeps the RoPE tables (built once for the context); the tokens and logits are bit-equal to a
+    context-sized cache's (attention reads the positions before ``pos`` alone). docs/engine.md "KV cache"."""
+    from coli.engine import engine_threads
+
+    eng = engine(model_path("smollm2"))
+    m = eng.model
+    made = []
+    new_cache = m.new_cache
+    monkeypatch.setattr(m, "new_cache", lambda ctx, rope_ctx=0: made.append(ctx) or new_cache(ctx, rope_ctx))
+    ids = eng.tokenize(CAPITALS)[:10]
+    eng.generate(ids=ids, max_tokens=2, temp=0.0, stop_at_eos=False, keep_kv=True)
+    assert made == [eng.ctx]
+    eng.generate(ids=ids, max_tokens=4, temp=0.0, stop_at_eos=False)   # drops the kept cache
+    assert made[-1] == len(ids) + 4 and eng._kv is None
+    ropes, sigs = dict(m._ropes), _numba_signatures()
+    r = eng.generate(ids=ids, max_tokens=12, temp=0.0, stop_at_eos=False)
+    assert made[-1] == len(ids) + 12
+    assert _numba_signatures() == sigs
+    assert m._ropes.keys() == ropes.keys() and all(m._ropes[k] is v for k, v in ropes.items())
+    with engine_threads(eng):   # the same greedy decode in a cache of the whole context
+        kv = new_cache(eng.ctx, eng.ctx)
+        lg, toks = m.forward(ids, kv), []
+        for i in range(12):
+            toks.append(int(np.argmax(lg[-1])))
+            if i < 11:
+                lg = m.forward([toks[-1]], kv)
+        whole = m.forward(ids, new_cache(eng.ctx, eng.ctx), all_logits=True)
+    assert r.ids == toks
+    assert np.array_equal(eng.logits(ids), whole)
+    assert made[-1] == len(ids)

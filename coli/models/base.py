@@ -329,10 +329,12 @@ class Model:
         return h
 
     # -- caches ------------------------------------------------------------------------------------------
-    def new_cache(self, ctx: int) -> Cache:
+    def new_cache(self, ctx: int, rope_ctx: int = 0) -> Cache:
+        """The caches of one sequence of up to ``ctx`` positions. ``rope_ctx``: positions the RoPE tables cover
+        at least (the engine's context, so that a later, longer cache does not rebuild them)."""
         # the RoPE tables cover the largest cache made so far: a smaller cache made later must not shrink what an
         # older, larger one still indexes (rope_table rebuilds a table only when it is shorter than this)
-        self._ctx = max(self._ctx, ctx)
+        self._ctx = max(self._ctx, ctx, int(rope_ctx))
         return Cache([L.new_cache(ctx) for L in self.layers], ctx)
 
     @classmethod
