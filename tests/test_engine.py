@@ -191,9 +191,6 @@ def test_unsupported_tensor_type(tmp_path, model_path):
     tensor and the type."""
     import gguf
 
-    from coli.gguf_file import open_gguf
-
-    src = open_gguf(model_path("smollm2"))
     p = tmp_path / "iq.gguf"
     w = gguf.GGUFWriter(str(p), "llama")
     w.add_block_count(1); w.add_context_length(64); w.add_embedding_length(256); w.add_feed_forward_length(256)
