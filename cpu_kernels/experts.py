@@ -56,7 +56,7 @@ from .tiles import (decode_row, tile4_iq4_nl, tile4_iq4_xs, tile4_mxfp4, tile4_q
                     tile4_q5_1, tile4_q5_k, tile_q2_k, tile_q3_k, tile_q4_0, tile_q4_1, tile_q4_k, tile_q5_0,
                     tile_q5_1, tile_q5_k, tile_q6_k, tile_q8_0, tile_iq2_xxs, tile_iq3_xxs, tile4_iq2_xxs,
                     tile4_iq3_xxs, tile_iq3_s, tile4_iq3_s, tile_iq2_xs, tile4_iq2_xs, tile_iq2_s,
-                    tile4_iq2_s, tile_iq1_s, tile4_iq1_s, tile_iq1_m, tile4_iq1_m)
+                    tile4_iq2_s, tile_iq1_s, tile4_iq1_s, tile_iq1_m, tile4_iq1_m, tile_nvfp4, tile4_nvfp4)
 from .vnni import (HAVE_VNNI, _act_sums16, row_lut, row_pair, row_q2_k, row_q3_k, row_q4_k, row_q5_0, row_q5_k,
                    row_q6_k, row_q8, widen_lut, widen_q5_0)
 
@@ -81,6 +81,7 @@ FC_TMX, FC_TNL, FC_TXS, FC_T2_K, FC_T3_K, FC_T5_1, FC_T5_K = range(20, 27)   # M
 # the grid i-quants' tiles: IQ2_XXS, IQ3_XXS, IQ3_S, IQ2_XS, IQ2_S (tiles.KIND 13..17)
 FC_TI2, FC_TI3, FC_TI3S, FC_TI2X, FC_TI2S = range(27, 32)
 FC_TI1S, FC_TI1M = 32, 33   # IQ1_S, IQ1_M (tiles.KIND 18, 19)
+FC_TNV = 34   # NVFP4 (tiles.KIND 20)
 TILE_CODE = {name: FC_T4_0 + kind for name, kind in _tiles.KIND.items()}   # FC_T4_0 + tiles' kind
 TILE_CODE.update({name: TILE_CODE[t] for name, t in _tiles.AS_BLOCKS.items()})   # TQ1_0, TQ2_0: Q2_K's tile
 _C5, _CL = (FC_Q5_0, FC_LUT) if HAVE_VNNI else (FC_Q8, FC_Q8)
@@ -88,7 +89,8 @@ FORMAT_CODE = {"F32": FC_F32, "F16": FC_F32, "BF16": FC_F32, "Q8_0": FC_Q8, "Q5_
                "Q4_0": FC_Q4_0, "Q4_1": FC_Q4_1, "Q4_K": FC_Q4_K, "Q5_K": FC_Q5_K, "Q6_K": FC_Q6_K,
                "IQ4_NL": _CL, "IQ4_XS": _CL}
 # cpu_kernels.iquants packs these i-quants in Q8_0's layout (int8 codes, f32 scale per 32); IQ2_XS, IQ2_S and
-# IQ1_M with a scale per 16 (FC_G16); NVFP4 (cpu_kernels/nvfp4.py) in the same G = 16 layout
+# IQ1_M with a scale per 16 (FC_G16); NVFP4 (cpu_kernels/nvfp4.py) in the same G = 16 layout (where its t16 tile
+# does not apply)
 FORMAT_CODE.update({"IQ2_XXS": FC_Q8, "IQ3_XXS": FC_Q8, "IQ3_S": FC_Q8, "IQ1_S": FC_Q8,
                     "IQ2_XS": FC_G16, "IQ2_S": FC_G16, "IQ1_M": FC_G16, "NVFP4": FC_G16,
                     "Q5_1": FC_Q5_1, "Q2_K": FC_Q2_K, "TQ1_0": FC_Q2_K, "TQ2_0": FC_Q2_K, "Q3_K": FC_Q3_K,
@@ -260,6 +262,8 @@ def _tile(fc, rec, xq, xd, xm, out, off):
         tile_iq1_s(rec, xq, xd, xm, out, off)
     elif fc == FC_TI1M:
         tile_iq1_m(rec, xq, xd, xm, out, off)
+    elif fc == FC_TNV:
+        tile_nvfp4(rec, xq, xd, xm, out, off)
     else:
         tile_q4_0(rec, xq, xd, xm, out, off)
 
@@ -305,6 +309,8 @@ def _tile4(fc, rec, xq, xd, xm, rows, out, orows, off):
         tile4_iq1_s(rec, xq, xd, xm, rows, out, orows, off)
     elif fc == FC_TI1M:
         tile4_iq1_m(rec, xq, xd, xm, rows, out, orows, off)
+    elif fc == FC_TNV:
+        tile4_nvfp4(rec, xq, xd, xm, rows, out, orows, off)
     else:
         tile4_q4_0(rec, xq, xd, xm, rows, out, orows, off)
 

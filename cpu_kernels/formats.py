@@ -990,7 +990,7 @@ GEMV_I8_MAX_T = 12
 #: it has (docs/cpu_kernels.md, "int8 GEMM"); False: the f32 GEMM on the rounded activations (the earlier path).
 GEMM_I8 = True
 #: Weights of the types in ``cpu_kernels.tiles.SPEC`` (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K .. Q6_K, MXFP4, IQ4_NL,
-#: IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M) with O % 16 == 0 take the 16-row interleaved layout (``cpu_kernels.tiles``) on CPUs with VNNI: the int8 kernels then serve 16 rows per instruction and stream the
+#: IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, NVFP4) with O % 16 == 0 take the 16-row interleaved layout (``cpu_kernels.tiles``) on CPUs with VNNI: the int8 kernels then serve 16 rows per instruction and stream the
 #: file's bytes (docs/cpu_kernels.md, "t16 tiles"). The default of ``prepare``'s ``tiles``; False: the row layouts
 #: below (A/B runs, tests of both).
 TILES = True

@@ -15,6 +15,11 @@ value bit for bit (every UE4M3 value times a code up to 12 is exact in f32). So 
 (``gemm_i8.gemm_g16`` / ``tiles``) and the grouped expert kernels as ``FC_G16`` (``cpu_kernels/experts.py``). Memory: 1.25 bytes per weight against 0.5625 in the file (2.2x, as
 MXFP4's 2.1x); a nibble-gather kernel does not vectorize in Numba (docs/cpu_kernels.md, MXFP4).
 
+On CPUs with AVX-512 VNNI, with int8 activations and O a multiple of 16, NVFP4 takes its t16 tile instead
+(``cpu_kernels.tiles``: the file's nibbles and UE4M3 bytes, 16 rows interleaved, 1.000x the file, the codes looked
+up and the scales decoded in registers); this layout stays for f32 activations, other row counts and CPUs without
+VNNI.
+
 Public API: ``pack(raw, O, I)``, ``SCALE`` (UE4M3 byte -> f32 scale). Importing this module appends the NVFP4 row
 to ``FORMATS`` (``formats.py`` imports it at its end).
 """

@@ -1,5 +1,5 @@
 """The 16-row interleaved weight layout ("t16") of Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K,
-MXFP4, IQ4_NL, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S and IQ1_M for the int8 (VNNI) kernels.
+MXFP4, NVFP4, IQ4_NL, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S and IQ1_M for the int8 (VNNI) kernels.
 
 The row layouts of ``formats`` give each output row its own dot product: a few ``vpdpbusd`` per row, then a
 horizontal sum and the block scales one at a time. For a decode GEMV that is compute-bound on one core (a
@@ -28,6 +28,8 @@ Q2_K    1344    per 256: qs [g = 0..15][row][qs 4g..4g+3], ggml's scale bytes [1
 Q3_K    1824    per 256: qs as Q2_K, hmask [g = 0..7][row][4 bytes], scales - 32 int8 [16][16 rows]
                 (``lowbit.q3_k_scales``), d f16 [16]
 MXFP4   272     codes as Q4_0, then the E8M0 exponents uint8 [16]
+NVFP4   576     per 64: codes [g = 0..7][row][4 bytes of ggml's qs: bytes 4g..4g+3] (sub-block g / 2), then the
+                UE4M3 scale bytes [s = 0..3][16 rows] (0x7F written as 0x00 and bit 7 cleared: the same values)
 IQ4_NL  288     codes as Q4_0, then d f16 [16]
 IQ4_XS  2208    per 256: codes [ib = 0..7][g = 0..3][row][4 bytes of sub-block ib's 16], ls - 32 int8 [8][16 rows]
                 (``dequantize_row_iq4_xs``'s 6-bit scales unpacked), d f16 [16]
@@ -70,7 +72,15 @@ x + 128 (``x ^ 0x80``): ``dot = sum w x + 128 sum w``, and ``sum w`` per block a
 ones, weight-side, so shared by a batch's rows) is subtracted exactly in int32. Per block
 ``acc16 += float(isum16 - 128 wsum16) * (d16 * xd[b])``; MXFP4's d16 is ``2^(e - 128)`` built from the E8M0 byte
 in integer registers (ggml's ``ggml_e8m0_to_fp32_half``, exact; the table holds doubled e2m1 values); IQ4_XS:
-``d16 * sum_ib ls16_ib * xd[ib] * (isum - 128 wsum)_ib`` per super-block.
+``d16 * sum_ib ls16_ib * xd[ib] * (isum - 128 wsum)_ib`` per super-block. NVFP4 (``dequantize_row_nvfp4``: w =
+kvalues_mxfp4[q] * ue4m3(d_s) / 2, a scale per 16) is MXFP4's tile on its own 64-weight block: byte j of sub-block
+s's 8 holds weight 16s + j (low nibble) and 16s + 8 + j (high), so group g's nibbles meet activation codes
+16s + 4(g & 1) and 16s + 8 + 4(g & 1); the weight sum is one vpdpbusd per sub-block on the four looked-up vectors
+added bytewise (|sum| <= 48); the scales are decoded in registers from the UE4M3 byte u (``pack`` writes 0x7F as 0
+and clears bit 7, ggml decoding both the same way): the f32 bits ``(u << 20) + (119 << 23)`` (E4M3's exponent
+bias 7 moved to f32's 127, the 1/2 of the doubled table folded in), or ``u * 2^-10`` for u < 8 (subnormal), exact;
+``acc16 += xd[b] * sum_(s in b) float(isum16_s - 128 wsum16_s) * sc16_s`` per 32-weight activation block b
+(ggml's ``ggml_vec_dot_nvfp4_q8_0``: ``dy * d * sumi`` per sub-block).
 
 IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S (``dequantize_row_iq2_xxs``/``iq2_xs``/``iq2_s``/``iq3_xxs``: w = d
 (0.5 + s) / 4 (IQ3_XXS / 2) x grid x sign; ``iq3_s``: d (1 + 2s) x grid x sign): every value of their grids is
@@ -110,8 +120,8 @@ Q2_K blocks (``AS_BLOCKS``: the 2-bit codes in Q2_K's order, every 4-bit scale a
 d x 1 x q - dmin x 1 = d (q - 1) exactly) and they take Q2_K's tile: 1.27x (TQ2_0) and 1.56x (TQ1_0, whose base-3
 digits are decoded at load) the file, against 1.58x / 1.93x for their Q2_K row layouts.
 
-Used where ``formats.prepare`` sees VNNI (``HAVE_VNNI``), ``formats.TILES`` on and O a multiple of 16. NVFP4 and
-the float types keep their row layouts.
+Used where ``formats.prepare`` sees VNNI (``HAVE_VNNI``), ``formats.TILES`` on and O a multiple of 16. The float
+types keep their row layouts (and every type where the tiles do not apply: no VNNI, O not a multiple of 16).
 """
 from __future__ import annotations
 
@@ -137,13 +147,13 @@ SPEC = {"Q4_0": (32, 288, 256, 18), "Q4_1": (32, 320, 256, 20), "Q8_0": (32, 544
         "Q2_K": (256, 1344, 1024, 84), "Q3_K": (256, 1824, 1536, 110), "Q5_1": (32, 384, 256, 24),
         "Q5_K": (256, 2880, 2560, 176), "IQ2_XXS": (256, 1696, 1536, 66), "IQ3_XXS": (256, 2208, 2048, 98),
         "IQ3_S": (256, 2208, 2048, 110), "IQ2_XS": (256, 1824, 1536, 74), "IQ2_S": (256, 1824, 1536, 82),
-        "IQ1_S": (256, 1120, 1024, 50), "IQ1_M": (256, 1248, 1024, 56)}
+        "IQ1_S": (256, 1120, 1024, 50), "IQ1_M": (256, 1248, 1024, 56), "NVFP4": (64, 576, 512, 36)}
 RECORD = {k: v[1] for k, v in SPEC.items()}
 #: types written at load as another type's GGUF blocks, then tiled as that type (``_as_blocks``)
 AS_BLOCKS = {"TQ1_0": "Q2_K", "TQ2_0": "Q2_K"}
 KIND = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q5_0": 3, "Q4_K": 4, "Q6_K": 5, "MXFP4": 6, "IQ4_NL": 7, "IQ4_XS": 8,
         "Q2_K": 9, "Q3_K": 10, "Q5_1": 11, "Q5_K": 12, "IQ2_XXS": 13, "IQ3_XXS": 14, "IQ3_S": 15,
-        "IQ2_XS": 16, "IQ2_S": 17, "IQ1_S": 18, "IQ1_M": 19}
+        "IQ2_XS": 16, "IQ2_S": 17, "IQ1_S": 18, "IQ1_M": 19, "NVFP4": 20}
 #: the 16-entry int8 tables of the 4-bit table types (gguf.quants: MXFP4's doubled e2m1 values, ggml's
 #: ``kvalues_mxfp4``; IQ4_NL/IQ4_XS's ``kvalues_iq4nl``; the grid i-quants' signed levels, from ``_levels``)
 _LUT = {"MXFP4": 0, "IQ4_NL": 1, "IQ4_XS": 1, "IQ3_XXS": 2, "IQ3_S": 4}
@@ -168,6 +178,22 @@ _IQ2_TABLE[:3], _IQ2_TABLE[4:7] = _levels("IQ2_XXS"), -_levels("IQ2_XXS")
 _IQ3S_TABLE = np.concatenate([_levels("IQ3_S"), -_levels("IQ3_S")]).astype(np.int8)
 assert len(_levels("IQ2_XXS")) == 3 and len(_levels("IQ3_XXS")) == 8 and len(_levels("IQ3_S")) == 8
 _TABLES = np.array([gq.MXFP4.kvalues, gq.IQ4_NL.kvalues, _IQ3_TABLE, _IQ2_TABLE, _IQ3S_TABLE], np.int8)
+assert tuple(gq.NVFP4.kvalues) == tuple(gq.MXFP4.kvalues)   # NVFP4 looks its codes up in MXFP4's table
+
+
+def _ue4m3_byte(u):
+    """NVFP4's UE4M3 scale bytes uint8 -> the tile's bytes (0x7F -> 0x00, bit 7 cleared: the same values)."""
+    return np.where(u == 0x7F, 0, u & 0x7F).astype(np.uint8)
+
+
+_U7 = np.arange(128, dtype=np.uint32)
+#: the tile's UE4M3 byte u (< 128) -> its f32 scale, halved as ggml_ue4m3_to_fp32: u * 2^-10 below 8 (subnormal),
+#: else the f32 bits (u << 20) + (119 << 23), the formula the kernels use; checked against gguf.quants on every byte
+_UE4M3 = np.where(_U7 < 8, _U7.astype(np.float32) * np.float32(2.0 ** -10),
+                  ((_U7 << 20) + (119 << 23)).view(np.float32)).astype(np.float32)
+_B8 = np.arange(256, dtype=np.uint8)
+assert np.array_equal(_UE4M3[_ue4m3_byte(_B8)].view(np.uint32),
+                      gq.NVFP4.ue4m3_to_fp32(_B8).astype(np.float32).view(np.uint32))
 #: record bytes and code bytes by kind (``SPEC`` as tuples: constants inside the compiled ``decode_row``)
 _REC = tuple(SPEC[n][1] for n in sorted(KIND, key=KIND.get))
 _NC = tuple(SPEC[n][2] for n in sorted(KIND, key=KIND.get))   # experts.FC_T4_0 + kind
@@ -219,6 +245,7 @@ _FIELDS = {"Q4_0": [(2, 4, 4, 0), (0, 1, 2, 256)],
            "Q4_K": [(16, 32, 4, 0), (0, 1, 2, 2304), (2, 1, 2, 2336)],
            "Q6_K": [(0, 32, 4, 0), (128, 16, 4, 2048), (192, 16, 1, 3072), (208, 1, 2, 3328)],
            "MXFP4": [(1, 4, 4, 0), (0, 1, 1, 256)],
+           "NVFP4": [(4, 8, 4, 0), (0, 4, 1, 512)],
            "IQ4_NL": [(2, 4, 4, 0), (0, 1, 2, 256)],
            "IQ4_XS": [(8, 32, 4, 0), (0, 1, 2, 2176)],
            "Q2_K": [(16, 16, 4, 0), (0, 16, 1, 1024), (80, 1, 2, 1280), (82, 1, 2, 1312)],
@@ -370,6 +397,9 @@ def pack(type_name: str, raw: np.ndarray, O: int, I: int) -> np.ndarray:
         _pack_iq1(blk, int(type_name == "IQ1_M"), cmap, out)
         return out.reshape(T, nb * rec)
     _pack(blk, out, np.array(_FIELDS[type_name], np.int64))
+    if type_name == "NVFP4":   # UE4M3 bytes: 0x7F (0 in ggml_ue4m3_to_fp32) as 0x00, bit 7 (ignored) cleared
+        out[:, :, nc:] = _ue4m3_byte(out[:, :, nc:])
+        return out.reshape(T, nb * rec)
     if type_name in ("Q4_K", "Q5_K"):  # ggml's 6-bit scales and mins unpacked, [sub-block][row]
         from .formats import _k_scales
 
@@ -396,7 +426,8 @@ def scales(type_name: str, rec: np.ndarray, O: int, I: int):
     """(d f32 [O, nblocks], minimum f32 [O, nblocks] or None) read back from tile records: Q4_1's m, Q4_K's and
     Q2_K's dmin (the finite checks, tests). MXFP4: its E8M0 scales as ggml's ``e8m0_to_fp32_half`` (the kernels'
     d, the table being doubled); IQ4_XS and the grid i-quants: the super-block's f16 d (the sub-block scales are
-    integers). TQ1_0 / TQ2_0: Q2_K's (d and dmin both the file's d)."""
+    integers). TQ1_0 / TQ2_0: Q2_K's (d and dmin both the file's d). NVFP4: its UE4M3 scales per 16, f32 [O, I/16]
+    (as ggml_ue4m3_to_fp32, halved: the table is doubled)."""
     type_name = AS_BLOCKS.get(type_name, type_name)
     bs, rb, nc, _ = SPEC[type_name]
     nb = I // bs
@@ -408,6 +439,9 @@ def scales(type_name: str, rec: np.ndarray, O: int, I: int):
     if type_name == "MXFP4":   # E8M0 exponents: every byte is a finite power of two (ggml_e8m0_to_fp32_half)
         e = np.ascontiguousarray(r[:, :, nc:nc + 16].transpose(0, 2, 1)).reshape(O, nb)
         return gq.MXFP4.e8m0_to_fp32_half(e).astype(np.float32), None
+    if type_name == "NVFP4":   # UE4M3 scales per 16, f32 [O, I/16] (ggml_ue4m3_to_fp32: every byte finite)
+        u = np.ascontiguousarray(r[:, :, nc:nc + 64].reshape(O // ROWS, nb, 4, ROWS).transpose(0, 3, 1, 2))
+        return _UE4M3[u.reshape(O, nb * 4)], None
     o = nc + _SCALE_AT.get(type_name, 0)
     d = f16(r[:, :, o:o + 32])
     m = f16(r[:, :, o + 32:o + 64]) if type_name in _MINS else None
@@ -499,7 +533,39 @@ def _emit_tile(b, name, rec_data, nsb, rows):
             p = b.bitcast(b.gep(xbs[i], [c(j)]), i32p)
             return _splat_i(b, b.xor(b.load(p, align=1), x80))
 
-        if name in _LUT:
+        if name == "NVFP4":
+            # MXFP4's lookup and operand order on a 64-weight record: per sub-block s (16 weights, its own scale)
+            # the groups g = 2s, 2s + 1 (low nibbles: weights 16s + 4(g & 1) + 0..3, high: + 8); the weight sum
+            # from one vpdpbusd per sub-block on its four looked-up vectors added bytewise (|sum| <= 48)
+            tab = ir.Constant(_I8x64, [int(v) for v in _TABLES[0]] * 4)
+            scs = []
+            for s_ in range(4):   # the 16 rows' UE4M3 bytes u of sub-block s_ -> f32 (as ``_UE4M3``, exact)
+                u = b.zext(ld(nc + 16 * s_, _I8x16), _I32x16)
+                nrm = b.bitcast(b.add(b.shl(u, _i32x16(20)), _i32x16(119 << 23)), _F32x16)
+                sub = b.fmul(b.sitofp(u, _F32x16), ir.Constant(_F32x16, [2.0 ** -10] * 16))
+                scs.append(b.select(b.icmp_unsigned("<", u, _i32x16(8)), sub, nrm))
+            for p in range(2):   # activation block 2k + p: sub-blocks 2p, 2p + 1
+                saccs = [None] * nr
+                for s_ in (2 * p, 2 * p + 1):
+                    wb = None
+                    parts = [zero] * nr
+                    for h in range(2):
+                        v = ld(64 * (2 * s_ + h), _I8x64)
+                        lo8 = b.call(op.shuf512, [tab, b.and_(v, m4)])
+                        hi8 = b.call(op.shuf512, [tab, b.and_(srl(v, 4), m4)])
+                        wb = b.add(lo8, hi8) if wb is None else b.add(wb, b.add(lo8, hi8))
+                        lo, hi = b.bitcast(lo8, _I32x16), b.bitcast(hi8, _I32x16)
+                        for i in range(nr):
+                            a_ = b.call(op.dp512, [parts[i], xu(i, 16 * s_ + 4 * h), lo])
+                            parts[i] = b.call(op.dp512, [a_, xu(i, 16 * s_ + 8 + 4 * h), hi])
+                    corr = b.shl(b.call(op.dp512, [zero, ones, b.bitcast(wb, _I32x16)]), _i32x16(7))
+                    for i in range(nr):
+                        t_ = b.fmul(b.sitofp(b.sub(parts[i], corr), _F32x16), scs[s_])
+                        saccs[i] = t_ if saccs[i] is None else b.fadd(saccs[i], t_)
+                for i in range(nr):
+                    xdv = xd(i, b.add(b.mul(k, c(2)), c(p)))
+                    b.store(b.fadd(b.load(faccs[i]), b.fmul(saccs[i], xdv)), faccs[i])
+        elif name in _LUT:
             # 4-bit codes looked up in the 16-entry table (vpshufb, the table in every 128-bit lane): signed int8
             # weights w. vpdpbusd takes them as its signed operand and the activations made unsigned (x + 128,
             # x ^ 0x80): dot = sum w x + 128 sum w, the sum w per block and row from one vpdpbusd with ones
@@ -842,8 +908,9 @@ def _emit_tile(b, name, rec_data, nsb, rows):
         b.store(b.load(faccs[i]), b.bitcast(rows[i][3], _F32x16.as_pointer()), align=4)
 
 
-def _nsb(b, name, xda_shape_n):
-    return b.udiv(xda_shape_n, ir.Constant(xda_shape_n.type, 8)) if SPEC[name][0] == 256 else xda_shape_n
+def _nsb(b, name, xda_shape_n):   # records per row: the activation blocks of 32 over the record's weights
+    per = SPEC[name][0] // 32
+    return b.udiv(xda_shape_n, ir.Constant(xda_shape_n.type, per)) if per > 1 else xda_shape_n
 
 
 def _tile_codegen(name):
@@ -942,6 +1009,8 @@ tile_iq1_s = _tile_intrinsic("IQ1_S")
 tile4_iq1_s = _tile4_intrinsic("IQ1_S")
 tile_iq1_m = _tile_intrinsic("IQ1_M")
 tile4_iq1_m = _tile4_intrinsic("IQ1_M")
+tile_nvfp4 = _tile_intrinsic("NVFP4")
+tile4_nvfp4 = _tile4_intrinsic("NVFP4")
 
 
 @njit(inline="always", **_JIT)
@@ -962,10 +1031,10 @@ def f16_at(rec, i):
 @njit(**_JIT)
 def decode_row(rec, kind, r, I, buf):
     """Row r (0..15) of a tile decoded to f32 into buf [I] (ggml's dequantize_row_q4_0 / q4_1 / q8_0 / q5_0 /
-    q4_K / q6_K / mxfp4 / iq4_nl / iq4_xs / q2_K / q3_K / iq2_* / iq3_* / iq1_s / iq1_m). rec uint8: the tile's records;
+    q4_K / q6_K / mxfp4 / iq4_nl / iq4_xs / q2_K / q3_K / iq2_* / iq3_* / iq1_s / iq1_m / nvfp4). rec uint8: the tile's records;
     kind: ``KIND`` (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0, 4 Q4_K, 5 Q6_K, 6 MXFP4, 7 IQ4_NL, 8 IQ4_XS, 9 Q2_K, 10 Q3_K,
-    11 Q5_1, 12 Q5_K, 13 IQ2_XXS, 14 IQ3_XXS, 15 IQ3_S, 16 IQ2_XS, 17 IQ2_S, 18 IQ1_S, 19 IQ1_M); the grid
-    i-quants bit for bit as gguf.quants."""
+    11 Q5_1, 12 Q5_K, 13 IQ2_XXS, 14 IQ3_XXS, 15 IQ3_S, 16 IQ2_XS, 17 IQ2_S, 18 IQ1_S, 19 IQ1_M, 20 NVFP4); the
+    grid i-quants and NVFP4 bit for bit as gguf.quants."""
     if kind == 9 or kind == 10:
         for s in range(I // 256):
             base = s * _REC[kind]
@@ -988,6 +1057,18 @@ def decode_row(rec, kind, r, I, buf):
                                 sc = sc - 256 if sc > 127 else sc
                                 cq = cq - (0 if (hm >> (4 * n + j)) & 1 else 4)
                                 buf[e] = d * np.float32(sc) * np.float32(cq)
+        return
+    if kind == 20:   # NVFP4: dequantize_row_nvfp4's kvalues_mxfp4[q] * ue4m3(d_s) / 2 per 16 weights, exact in f32
+        for bk in range(I // 64):
+            base = bk * _REC[20]
+            for s in range(4):
+                d = _UE4M3[rec[base + _NC[20] + 16 * s + r]]
+                for h in range(2):
+                    for i in range(4):
+                        q = rec[base + 64 * (2 * s + h) + 4 * r + i]
+                        e = 64 * bk + 16 * s + 4 * h + i
+                        buf[e] = d * np.float32(_TABLES[0][q & 15])
+                        buf[e + 8] = d * np.float32(_TABLES[0][q >> 4])
         return
     if kind == 18 or kind == 19:   # IQ1_S, IQ1_M: dequantize_row_iq1_s / iq1_m's d * (2s + 1) * (grid + delta),
         m1 = kind == 19               # delta = +-1/8, as d (2s + 1) (8 (c - 1) +- 1) / 8: every product exact

@@ -1,6 +1,6 @@
 """NVFP4 (ggml block_nvfp4): coli's quantizer port against llama.cpp's bytes, the CPU kernel layout and both
 backends' dequantization bit for bit against gguf.quants, and a MoE whose NVFP4 experts llama-quantize wrote run
-end to end on the CPU and on the device tier. GEMV/GEMM/expert parity per act: tests/test_backend_ops.py.
+end to end on the CPU (G = 16 rows and, int8, t16 tiles) and on the device tier. GEMV/GEMM/expert parity per act: tests/test_backend_ops.py.
 
 Fixtures (tests/fixtures/oracles/, made by ``python scripts/oracle_nvfp4.py fixtures``): ``nvfp4_quant.npz``
 (inputs and llama-quantize's NVFP4 bytes of them) and ``nvfp4_moe.gguf`` (a tiny llama MoE, Q8_0 with NVFP4
@@ -159,6 +159,35 @@ def test_llama_quantized_nvfp4_moe_equals_its_f32_dequantization(cpu_nvfp4, tmp_
     assert ids == ref_ids
     err = np.abs(lg - ref).max() / np.abs(ref).max()
     assert err < 1e-4, f"NVFP4 model vs its F32 dequantization: {err:.3g}"
+
+
+def test_int8_engine_takes_nvfp4_tiles_and_matches_the_g16_rows(tmp_path, monkeypatch):
+    """An int8 engine on a VNNI CPU prepares the MoE's NVFP4 experts (128 rows) as t16 tiles (cpu_kernels/tiles.py);
+    with the tiles refused it keeps the G = 16 rows. The int32 dots per 16 weights are the same, only the f32 sums'
+    order differs: the logits agree to f32 rounding."""
+    from coli.engine import Engine
+    from cpu_kernels import tiles
+    from cpu_kernels.vnni import HAVE_VNNI
+
+    if not HAVE_VNNI:
+        pytest.skip("the t16 tiles are used only with AVX-512 VNNI")
+    out = {}
+    for layout in ("t16", "rows"):
+        if layout == "rows":
+            monkeypatch.setattr(tiles, "supports", lambda *a: False)
+        eng = Engine(str(FIX / "nvfp4_moe.gguf"), threads=2, ctx=64, cpu_act="int8", quiet=True, save_usage=False,
+                     usage=str(tmp_path / "none.coli_usage"))
+        try:
+            for layer in eng.model.moe_layers:
+                ex = eng.cache.fetch(layer, 0).result()
+                assert [(w.name, w.layout) for w in (ex.gate, ex.up, ex.down)] == [("NVFP4", layout)] * 3
+            out[layout] = eng.logits(PROMPT)
+        finally:
+            eng.close()
+    want = out["rows"].astype(np.float64)
+    assert np.isfinite(want).all() and want.std() > 0.1
+    err = np.abs(out["t16"] - want).max() / np.abs(want).max()
+    assert err < 1e-4, f"NVFP4 tiles vs G = 16 rows, int8 engine: {err:.3g}"
 
 
 @requires_vulkan

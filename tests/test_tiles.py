@@ -1,5 +1,6 @@
 """The 16-row interleaved layout (cpu_kernels/tiles.py) of Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K, MXFP4, IQ4_NL,
-IQ4_XS, Q2_K, Q3_K, Q5_1, Q5_K, IQ2_XXS, IQ3_XXS, IQ3_S, IQ2_XS, IQ2_S, IQ1_S and IQ1_M (and TQ1_0, TQ2_0 on Q2_K's tile):
+IQ4_XS, Q2_K, Q3_K, Q5_1, Q5_K, IQ2_XXS, IQ3_XXS, IQ3_S, IQ2_XS, IQ2_S, IQ1_S, IQ1_M and NVFP4 (and TQ1_0, TQ2_0 on
+Q2_K's tile):
 packing against the GGUF bytes, every
 op against the NumPy reference through tests/test_backend_ops.py's cases (O a multiple of 16, so the weights
 take the layout), a row's result independent of its batch, and the finite checks on the tiles' scales."""
@@ -55,8 +56,9 @@ def test_tiles_hold_the_file_and_decode_to_ggml_values(type_name):
     got = np.empty((O, I), np.float32)
     _decode_all(rec, tiles.KIND[type_name], O, I, got)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * float(np.abs(want).max()))
-    if type_name.startswith("IQ") and type_name not in ("IQ4_NL", "IQ4_XS"):
-        # the grid i-quants' codes and scales re-encoded: the reference's f32 values bit for bit
+    if (type_name.startswith("IQ") and type_name not in ("IQ4_NL", "IQ4_XS")) or type_name == "NVFP4":
+        # the grid i-quants' codes and scales re-encoded, NVFP4's UE4M3 scale x code (exact in f32): the
+        # reference's f32 values bit for bit
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     d, m = tiles.scales(type_name, rec, O, I)
     blocks = raw.reshape(O, I // bs, bsz)
@@ -72,6 +74,10 @@ def test_tiles_hold_the_file_and_decode_to_ggml_values(type_name):
         sc = np.ascontiguousarray(blocks[..., 48:56]).view("<u2")
         bits = sum((sc[..., k] >> np.uint16(12)) << np.uint16(4 * k) for k in range(4)).astype(np.uint16)
         assert np.array_equal(d, bits.view(np.float16).astype(np.float32)) and m is None
+        return
+    if type_name == "NVFP4":   # block_nvfp4's four UE4M3 bytes, as gguf.quants decodes them (a scale per 16)
+        want_d = gq.NVFP4.ue4m3_to_fp32(np.ascontiguousarray(blocks[..., :4])).astype(np.float32).reshape(O, -1)
+        assert np.array_equal(d, want_d) and m is None
         return
     offs = TT.get(type_name).scale_offsets      # d (and m / dmin) in the GGUF block: ggml-common.h
     assert np.array_equal(d, f16(offs[0]))
@@ -156,7 +162,7 @@ def test_op_matches_reference_in_both_layouts(type_name, op, act, layout, monkey
 def test_a_rows_result_does_not_depend_on_its_batch(type_name):
     """Decode (one row), a few rows and a prompt chunk run the same per-row tile arithmetic: bit-equal."""
     rng = np.random.default_rng(5)
-    O, I = 64, 3 * 256 if _bs(type_name) == 256 else 288
+    O, I = 64, {256: 3 * 256, 64: 320}.get(_bs(type_name), 288)
     w = F.prepare(type_name, TT.random_blocks(type_name, O, I, rng), (O, I))
     assert w.layout == "t16"
     x = rng.standard_normal((40, I)).astype(np.float32)
@@ -191,6 +197,51 @@ def test_a_non_finite_scale_inside_a_tile_is_named(type_name, field):
     what = "block minimum" if field in (2, 82) else "block scale"
     with pytest.raises(ColiError, match=f"non-finite {what} .*in row 37"):
         check_weight(w, "t.gguf: tensor 'blk.0.ffn_up.weight'")
+
+
+def _nvfp4_every_scale_byte(O, I, rng):
+    """Random NVFP4 bytes whose UE4M3 scale bytes run through 0..255 (0x7F, subnormals, bit 7 set, 0xFF = 240)."""
+    raw = rng.integers(0, 256, size=(O * I // 64, 36), dtype=np.uint8)
+    raw[:, :4] = (np.arange(raw.shape[0] * 4) % 256).astype(np.uint8).reshape(-1, 4)
+    return raw.reshape(O, I // 64 * 36)
+
+
+def test_nvfp4_tile_decodes_every_scale_byte_bit_for_bit():
+    """The tile rewrites NVFP4's UE4M3 bytes (0x7F as 0x00, bit 7 cleared): every one of the 256 bytes still
+    decodes to gguf.quants' value, bit for bit, and the scales read back are gguf.quants' (and finite)."""
+    rng = np.random.default_rng(8)
+    O, I = 32, 64 * 8
+    raw = _nvfp4_every_scale_byte(O, I, rng)
+    rec = tiles.pack("NVFP4", raw, O, I)
+    assert rec.nbytes == raw.nbytes
+    want = gq.dequantize(raw, gq.GGMLQuantizationType.NVFP4).reshape(O, I).astype(np.float32)
+    got = np.empty((O, I), np.float32)
+    _decode_all(rec, tiles.KIND["NVFP4"], O, I, got)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    d, _ = tiles.scales("NVFP4", rec, O, I)
+    assert np.array_equal(d, gq.NVFP4.ue4m3_to_fp32(raw.reshape(O, -1, 36)[..., :4]).astype(np.float32).reshape(O, -1))
+
+
+@needs_vnni
+def test_nvfp4_tile_gemv_on_every_scale_byte_matches_the_int8_reference():
+    """The tile kernels decode the UE4M3 bytes in registers (cpu_kernels/tiles.py): with every byte present, one
+    row and a batch of 6 match the exact NumPy dot of gguf.quants' weights and the int8 activation blocks (f64) to
+    f32 rounding, and the finite check passes on the tile."""
+    from tests.test_experts import _act_rows
+
+    rng = np.random.default_rng(9)
+    O, I = 64, 64 * 8
+    raw = _nvfp4_every_scale_byte(O, I, rng)
+    w = F.prepare("NVFP4", raw, (O, I))
+    assert w.layout == "t16"
+    check_weight(w, "t.gguf: tensor 'blk.0.ffn_up.weight'")
+    W = gq.dequantize(raw, gq.GGMLQuantizationType.NVFP4).reshape(O, I).astype(np.float64)
+    x = rng.standard_normal((6, I)).astype(np.float32)
+    want = _act_rows(x, "int8") @ W.T
+    scale = np.abs(_act_rows(x, "int8")) @ np.abs(W).T    # the size of the sums' terms, per output
+    for xs in (x[:1], x):
+        got = F.matmul(w, np.ascontiguousarray(xs), act="int8")
+        assert (np.abs(got - want[:len(xs)]) <= 1e-6 * scale[:len(xs)]).all()
 
 
 @needs_vnni
