@@ -196,19 +196,45 @@ def _as_blocks(type_name: str, raw: np.ndarray, O: int, I: int) -> np.ndarray:
 
 @njit(parallel=True, nogil=True, cache=True)
 def _pack(blk, out, fields):
-    """blk uint8 [T, 16, nb, block bytes] -> out uint8 [T, nb, record]. Per field (src byte, count, width, dst
-    byte): item k (``width`` bytes at src + width k) of row r goes to dst + width (16 k + r), i.e. the 16 rows'
-    items side by side: code bytes as 4-byte groups (width 4), an f16 per row (count 1, width 2), per-sub-block
-    scales (width 1)."""
-    T, R, nb, _ = blk.shape
-    for t in prange(T):
-        for b in range(nb):
-            for f in range(fields.shape[0]):
-                src, cnt, w, dst = fields[f, 0], fields[f, 1], fields[f, 2], fields[f, 3]
-                for k in range(cnt):
-                    for r in range(R):
+    """blk uint8 [T, 16, nb, block bytes] -> out uint8 [T, nb, record], both C-contiguous. Per field (src byte,
+    count, width, dst byte): item k (``width`` bytes at src + width k) of row r goes to dst + width (16 k + r), i.e.
+    the 16 rows' items side by side: code bytes as 4-byte groups (width 4), an f16 per row (count 1, width 2),
+    per-sub-block scales (width 1). Width-4 items are stored as uint32 words (every width-4 dst is 4-aligned) and
+    all indices are unsigned, so that Numba emits no negative-index wraparound per byte: ~10x the byte-by-byte
+    copy with signed indices (docs/cpu_kernels.md "t16 tiles")."""
+    T, R, nb, bsz = blk.shape
+    rec = out.shape[2]
+    src8 = blk.reshape(-1)
+    out8 = out.reshape(-1)
+    out32 = out8.view(np.uint32)
+    rowb = np.uint64(nb * bsz)
+    nf = fields.shape[0]
+    for tb in prange(T * nb):
+        t = np.uint64(tb // nb)
+        ob = np.uint64(tb) * np.uint64(rec)
+        xb0 = t * np.uint64(16) * rowb + np.uint64(tb % nb) * np.uint64(bsz)
+        for r in range(R):
+            ur = np.uint64(r)
+            xb = xb0 + ur * rowb
+            for f in range(nf):
+                src, cnt, w, dst = (np.uint64(fields[f, 0]), fields[f, 1], np.uint64(fields[f, 2]),
+                                    np.uint64(fields[f, 3]))
+                s = xb + src
+                if w == 4:
+                    d = ((ob + dst) >> np.uint64(2)) + ur
+                    for k in range(cnt):
+                        s4 = s + np.uint64(4 * k)
+                        out32[d + np.uint64(16 * k)] = (np.uint32(src8[s4])
+                                                        | (np.uint32(src8[s4 + np.uint64(1)]) << np.uint32(8))
+                                                        | (np.uint32(src8[s4 + np.uint64(2)]) << np.uint32(16))
+                                                        | (np.uint32(src8[s4 + np.uint64(3)]) << np.uint32(24)))
+                else:
+                    d = ob + dst + w * ur
+                    for k in range(cnt):
+                        uk = np.uint64(k)
                         for i in range(w):
-                            out[t, b, dst + w * (16 * k + r) + i] = blk[t, r, b, src + w * k + i]
+                            ui = np.uint64(i)
+                            out8[d + w * np.uint64(16) * uk + ui] = src8[s + w * uk + ui]
 
 
 #: per type: the (src byte, count, width, dst byte) fields of ``_pack`` (ggml-common.h block_* layouts)
@@ -353,7 +379,7 @@ def pack(type_name: str, raw: np.ndarray, O: int, I: int) -> np.ndarray:
     bs, rec, nc, bsz = SPEC[type_name]
     nb = I // bs
     T = O // ROWS
-    blk = np.asarray(raw).reshape(T, ROWS, nb, bsz)
+    blk = np.ascontiguousarray(raw).reshape(T, ROWS, nb, bsz)   # C order: one specialisation per kernel
     out = np.empty((T, nb, rec), np.uint8)
     if type_name in ("IQ2_XXS", "IQ3_XXS", "IQ3_S", "IQ2_XS", "IQ2_S"):
         from coli import iq_tables

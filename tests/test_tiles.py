@@ -81,6 +81,45 @@ def test_tiles_hold_the_file_and_decode_to_ggml_values(type_name):
         assert m is None
 
 
+def _fields_reference(blk, fields, rec):
+    """The ``tiles._FIELDS`` spec by NumPy reshape / transpose: field (src, count, width, dst) of the blocks
+    [T, 16, nb, block bytes] -> bytes dst .. dst + 16 count width of each record [T, nb, rec] as [count][row]
+    [width]; the bytes no field writes stay 0."""
+    T, R, nb, _ = blk.shape
+    out = np.zeros((T, nb, rec), np.uint8)
+    for src, cnt, w, dst in fields:
+        items = blk[..., src:src + cnt * w].reshape(T, R, nb, cnt, w).transpose(0, 2, 3, 1, 4)
+        out[..., dst:dst + cnt * R * w] = items.reshape(T, nb, cnt * R * w)
+    return out
+
+
+@pytest.mark.parametrize("type_name", list(tiles._FIELDS))
+@pytest.mark.parametrize("T,nb", [(1, 1), (3, 5)])
+def test_field_copy_matches_a_numpy_reference(type_name, T, nb):
+    """``tiles._pack`` (the byte shuffle of every non-grid type) writes exactly the NumPy reference of its
+    ``_FIELDS`` spec, odd tile and block counts, from a C-contiguous array and from a strided view (``pack`` makes
+    it contiguous); ``pack`` keeps those bytes and fills the rest of each record (the unpacked sub-block scales)."""
+    rng = np.random.default_rng(5)
+    bs, rec, _, bsz = tiles.SPEC[type_name]
+    O, I = 16 * T, nb * bs
+    fields = tiles._FIELDS[type_name]
+    wide = rng.integers(0, 256, (O, nb * bsz + 7), dtype=np.uint8)
+    raw = wide[:, 3:3 + nb * bsz]                                         # a strided view of the blocks
+    want = _fields_reference(np.ascontiguousarray(raw).reshape(T, 16, nb, bsz), fields, rec)
+    got = np.zeros((T, nb, rec), np.uint8)
+    tiles._pack(np.ascontiguousarray(raw).reshape(T, 16, nb, bsz), got, np.array(fields, np.int64))
+    assert np.array_equal(got, want)
+    written = np.zeros(rec, bool)
+    for _, cnt, w, dst in fields:
+        assert not written[dst:dst + 16 * cnt * w].any()                 # the fields do not overlap
+        written[dst:dst + 16 * cnt * w] = True
+    filled = {"Q4_K": 256, "Q5_K": 256, "IQ4_XS": 128, "Q3_K": 256}.get(type_name, 0)  # NumPy-filled scales
+    assert written.sum() + filled == rec
+    for r in (raw, np.ascontiguousarray(raw)):
+        full = tiles.pack(type_name, r, O, I).reshape(T, nb, rec)
+        assert np.array_equal(full[..., written], want[..., written])
+
+
 @pytest.mark.parametrize("type_name", TQ)
 def test_ternary_types_take_q2_ks_tile_with_ggml_values(type_name):
     """TQ1_0 and TQ2_0 written as Q2_K blocks (every scale and min 1, dmin = d) decode from Q2_K's tile to

@@ -1,0 +1,125 @@
+"""A/B of the t16 tile repack at load (``cpu_kernels.tiles.pack``): the pack kernels of a git revision (``--old``,
+the commit before the change) against the working tree's, alternating in one process, medians.
+
+  PYTHONPATH=. python scripts/bench_tile_pack.py --old <rev> [--rounds 9]
+
+Prints per format the repack MB/s (GGUF bytes in / second) of ``tiles.pack`` on random blocks of a [1536, 576]
+weight (super-block types [1536, 1024]), 1 and 2 Numba threads, old and new; then the demo MoE's expert load
+(``scheduler.ram_cache.ExpertSource.load``: pread + ``formats.prepare`` x 3 + ``finite.check_weight``) in ms,
+old and new, and its parts. The load average is printed before and after (docs/cpu_kernels.md "t16 tiles").
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import subprocess
+import time
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from cpu_kernels import tiles
+
+KERNELS = ("_pack", "_pack_grid", "_pack_iq1")
+
+
+def old_kernels(rev: str) -> dict:
+    """The pack kernels of ``cpu_kernels/tiles.py`` at git revision ``rev``, compiled (no cache) here."""
+    src = subprocess.check_output(["git", "show", f"{rev}:cpu_kernels/tiles.py"], text=True)
+    ns = {"np": np, "njit": njit, "prange": prange}
+    for node in ast.parse(src).body:
+        if isinstance(node, ast.FunctionDef) and node.name in KERNELS:
+            code = ast.get_source_segment(src, node, padded=False)
+            code = "\n".join(ast.get_source_segment(src, d) and "@" + ast.get_source_segment(src, d)
+                             for d in node.decorator_list).replace("cache=True", "cache=False") + "\n" + \
+                code[code.index("def "):]
+            exec(code, ns)
+    return {k: ns[k] for k in KERNELS}
+
+
+def timed(f, n=1):
+    t0 = time.perf_counter()
+    for _ in range(n):
+        f()
+    return (time.perf_counter() - t0) / n
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--old", required=True, help="git revision whose pack kernels are the 'old' side")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--types", default=",".join(list(tiles._FIELDS) + ["IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS",
+                                                                         "IQ3_S", "IQ1_S", "IQ1_M", "TQ2_0"]))
+    a = ap.parse_args()
+    print("load average", os.getloadavg())
+    new = {k: getattr(tiles, k) for k in KERNELS}
+    old = old_kernels(a.old)
+
+    def use(side):
+        for k, f in side.items():
+            setattr(tiles, k, f)
+
+    rng = np.random.default_rng(0)
+    for tn in a.types.split(","):
+        t = tiles.AS_BLOCKS.get(tn, tn)
+        bs, rec, nc, bsz = tiles.SPEC[t]
+        O, I = 1536, (576 if bs == 32 else 1024)
+        if tn in tiles.AS_BLOCKS:
+            from coli import tensor_types
+            tt = tensor_types.get(tn)
+            raw = rng.integers(0, 256, (O, I // tt.block_size * tt.type_size), dtype=np.uint8)
+        else:
+            raw = rng.integers(0, 256, (O, I // bs * bsz), dtype=np.uint8)
+        use(old)
+        ref = tiles.pack(tn, raw, O, I)
+        use(new)
+        assert np.array_equal(tiles.pack(tn, raw, O, I), ref), tn
+        line = []
+        for nt in (1, 2):
+            numba.set_num_threads(nt)
+            ts = {"old": [], "new": []}
+            for _ in range(a.rounds):
+                for side, ks in (("old", old), ("new", new)):
+                    use(ks)
+                    ts[side].append(timed(lambda: tiles.pack(tn, raw, O, I), 3))
+            mo, mn = (raw.nbytes / np.median(ts[s]) / 1e6 for s in ("old", "new"))
+            line.append(f"{nt} thr: old {mo:6.0f} new {mn:6.0f} MB/s ({mn / mo:4.1f}x)")
+        use(new)
+        print(f"{tn:8s} {raw.nbytes / 2**20:5.2f} MiB  " + "   ".join(line), flush=True)
+
+    # the demo MoE's expert load
+    import coli.demo
+    from coli import finite, gguf_file
+    from cpu_kernels import formats
+    from scheduler.ram_cache import ExpertSource
+
+    path = coli.demo.demo_model_path()
+    m = gguf_file.open_gguf(path)
+    layers = {}
+    for n, ti in m.tensors.items():
+        if "_exps" in n:
+            layers.setdefault(int(n.split(".")[1]), []).append(ti)
+    layers = {k: tuple(sorted(v, key=lambda ti: ("gate" not in ti.name, "up" not in ti.name))) for k, v in layers.items()}
+    src = ExpertSource(path, layers)
+    numba.set_num_threads(2)
+    raw = src.read_raw(0, 0)
+    ts = {k: [] for k in ("old load", "new load", "pread", "old prepare", "new prepare", "finite")}
+    for _ in range(a.rounds * 3):
+        for side, ks in (("old", old), ("new", new)):
+            use(ks)
+            ts[f"{side} load"].append(timed(lambda: src.load(0, 1)))
+            ts[f"{side} prepare"].append(timed(lambda: [formats.prepare(tn, r, s) for tn, r, s in raw]))
+        ws = [formats.prepare(tn, r, s) for tn, r, s in raw]
+        ts["pread"].append(timed(lambda: src.read_raw(0, 2)))
+        ts["finite"].append(timed(lambda: [finite.check_weight(w, "x") for w in ws]))
+    nbytes = sum(r.nbytes for _, r, _ in raw)
+    print(f"demo MoE expert ({raw[0][0]}, {nbytes / 2**20:.2f} MiB, 2 threads), median ms: "
+          + ", ".join(f"{k} {1e3 * np.median(v):.2f}" for k, v in ts.items()))
+    src.close()
+    print("load average", os.getloadavg())
+
+
+if __name__ == "__main__":
+    main()
