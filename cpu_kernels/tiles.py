@@ -396,25 +396,46 @@ def pack(type_name: str, raw: np.ndarray, O: int, I: int) -> np.ndarray:
         _pack_iq1(blk, int(type_name == "IQ1_M"), cmap, out)
         return out.reshape(T, nb * rec)
     _pack(blk, out, np.array(_FIELDS[type_name], np.int64))
-    if type_name in ("Q4_K", "Q5_K"):  # ggml's 6-bit scales and mins unpacked, [sub-block][row]
-        from .formats import _k_scales
-
-        sc, mn = _k_scales(blk[..., 4:16])                             # [T, 16, nb, 8]
-        out[:, :, nc:nc + 128] = sc.transpose(0, 2, 3, 1).reshape(T, nb, 128)
-        out[:, :, nc + 128:nc + 256] = mn.transpose(0, 2, 3, 1).reshape(T, nb, 128)
+    # the unpacked sub-block scales, computed in the record's [sub-block][row] order from the 12 (Q4_K, Q5_K, Q3_K)
+    # or 6 (IQ4_XS) scale bytes transposed to [byte][row] first: every elementwise op writes 16 contiguous bytes
+    # (3-4x the same formulas on [row][sub-block] and a transposing copy)
+    if type_name in ("Q4_K", "Q5_K"):  # ggml's 6-bit scales and mins unpacked (get_scale_min_k4), [sub-block][row]
+        q = np.ascontiguousarray(blk[..., 4:16].transpose(0, 2, 3, 1))                # [T, nb, 12, 16 rows]
+        o = out[:, :, nc:nc + 256].reshape(T, nb, 2, 8, ROWS)
+        sc, mn = o[:, :, 0], o[:, :, 1]
+        np.bitwise_and(q[:, :, 0:4], 63, out=sc[:, :, :4])
+        np.bitwise_and(q[:, :, 4:8], 63, out=mn[:, :, :4])
+        hi = q[:, :, 0:8] >> 6
+        hi <<= 4
+        np.bitwise_and(q[:, :, 8:12], 15, out=sc[:, :, 4:])
+        sc[:, :, 4:] |= hi[:, :, 0:4]
+        np.right_shift(q[:, :, 8:12], 4, out=mn[:, :, 4:])
+        mn[:, :, 4:] |= hi[:, :, 4:8]
     elif type_name == "IQ4_XS":  # ls - 32 of each 32-weight sub-block (dequantize_row_iq4_xs), int8 [ib][row]
-        ib = np.arange(8)
-        lo = (blk[..., 4 + ib // 2] >> (4 * (ib % 2)).astype(np.uint8)) & 15            # [T, 16, nb, 8]
-        sh = np.ascontiguousarray(blk[..., 2:4]).view(np.uint16)                     # [T, 16, nb, 1]
-        hi = (sh >> (2 * ib).astype(np.uint16)) & 3
-        ls = ((lo.astype(np.int16) | (hi.astype(np.int16) << 4)) - 32).astype(np.int8)
-        out[:, :, nc:nc + 128] = ls.transpose(0, 2, 3, 1).reshape(T, nb, 128).view(np.uint8)
+        q = np.ascontiguousarray(blk[..., 2:8].transpose(0, 2, 3, 1))                 # [T, nb, 6, 16 rows]
+        o = out[:, :, nc:nc + 128].reshape(T, nb, 4, 2, ROWS)                         # [ib // 2][ib % 2][row]
+        np.bitwise_and(q[:, :, 2:6], 15, out=o[:, :, :, 0])                           # scales_l nibbles
+        np.right_shift(q[:, :, 2:6], 4, out=o[:, :, :, 1])
+        hi = np.empty((T, nb, 2, 4, ROWS), np.uint8)                                  # scales_h bits 2 ib, 2 ib + 1
+        for j in range(4):
+            np.right_shift(q[:, :, 0:2], 2 * j, out=hi[:, :, :, j])
+        hi &= 3
+        hi <<= 4
+        o = o.reshape(T, nb, 8, ROWS)
+        o |= hi.reshape(T, nb, 8, ROWS)
+        o -= 32
     elif type_name == "Q3_K":  # the 16 6-bit scales minus 32 (lowbit.q3_k_scales), int8 [sub-block][row]
-        from . import formats  # noqa: F401  (lowbit is imported by formats, after the names it takes from it)
-        from .lowbit import q3_k_scales
-
-        sc = q3_k_scales(blk[..., 96:108])                                           # [T, 16, nb, 16]
-        out[:, :, nc:nc + 256] = sc.transpose(0, 2, 3, 1).reshape(T, nb, 256).view(np.uint8)
+        q = np.ascontiguousarray(blk[..., 96:108].transpose(0, 2, 3, 1))              # [T, nb, 12, 16 rows]
+        o = out[:, :, nc:nc + 256].reshape(T, nb, 16, ROWS)
+        hi = np.empty((T, nb, 4, 4, ROWS), np.uint8)     # scale k's bits 4-5: bits 2 (k // 4) of byte 8 + k % 4
+        for j in range(4):
+            np.right_shift(q[:, :, 8:12], 2 * j, out=hi[:, :, j])
+        hi &= 3
+        hi <<= 4
+        np.bitwise_and(q[:, :, 0:8], 15, out=o[:, :, :8])
+        np.right_shift(q[:, :, 0:8], 4, out=o[:, :, 8:])
+        o |= hi.reshape(T, nb, 16, ROWS)
+        o -= 32
     return out.reshape(T, nb * rec)
 
 

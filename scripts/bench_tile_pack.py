@@ -22,19 +22,21 @@ from numba import njit, prange
 
 from cpu_kernels import tiles
 
-KERNELS = ("_pack", "_pack_grid", "_pack_iq1")
+KERNELS = ("_pack", "_pack_grid", "_pack_iq1", "pack")
 
 
 def old_kernels(rev: str) -> dict:
-    """The pack kernels of ``cpu_kernels/tiles.py`` at git revision ``rev``, compiled (no cache) here."""
+    """``pack`` and its kernels from ``cpu_kernels/tiles.py`` at git revision ``rev`` (compiled here, no cache; the
+    other names from the working tree's module)."""
     src = subprocess.check_output(["git", "show", f"{rev}:cpu_kernels/tiles.py"], text=True)
-    ns = {"np": np, "njit": njit, "prange": prange}
+    src = src.replace("from . import", "from cpu_kernels import").replace("from .", "from cpu_kernels.")
+    ns = dict(vars(tiles))
+    ns.update({"np": np, "njit": njit, "prange": prange})
     for node in ast.parse(src).body:
         if isinstance(node, ast.FunctionDef) and node.name in KERNELS:
             code = ast.get_source_segment(src, node, padded=False)
-            code = "\n".join(ast.get_source_segment(src, d) and "@" + ast.get_source_segment(src, d)
-                             for d in node.decorator_list).replace("cache=True", "cache=False") + "\n" + \
-                code[code.index("def "):]
+            code = "".join("@" + ast.get_source_segment(src, d) + "\n"
+                           for d in node.decorator_list).replace("cache=True", "cache=False") + code
             exec(code, ns)
     return {k: ns[k] for k in KERNELS}
 
