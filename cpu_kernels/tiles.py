@@ -461,11 +461,28 @@ def scales(type_name: str, rec: np.ndarray, O: int, I: int):
     return d, m
 
 
+def f16_scales_finite(type_name: str, rec: np.ndarray, O: int, I: int) -> bool:
+    """True when every f16 d (and m / dmin) in the tile records ``rec`` (uint8 [O / 16, nblocks * record]) is
+    finite, read from the f16s' high bytes (IEEE binary16: exponent bits 0x7C of the high byte all ones = NaN or
+    infinity) without converting them: the finite checks' fast path (``coli.finite``; ``scales`` gives the rows and
+    values when this is False). False for a type whose tile scales are not f16 (MXFP4's E8M0)."""
+    type_name = AS_BLOCKS.get(type_name, type_name)
+    if type_name not in _F16_D:
+        return False
+    bs, rb, nc, _ = SPEC[type_name]
+    o = nc + _SCALE_AT.get(type_name, 0)
+    hi = rec.reshape(O // ROWS, I // bs, rb)[:, :, o + 1:o + (64 if type_name in _MINS else 32):2]
+    return not bool(((hi & 0x7C) == 0x7C).any())
+
+
 #: where the f16 d [16] starts after a record's code bytes (the sub-block scales, Q5_0's fifth bits before it)
 _SCALE_AT = {"Q5_0": 64, "Q4_K": 256, "Q6_K": 256, "IQ4_XS": 128, "Q2_K": 256, "Q3_K": 256, "Q5_1": 64, "Q5_K": 256,
              "IQ2_XXS": 128, "IQ3_XXS": 128, "IQ3_S": 128, "IQ2_XS": 256, "IQ2_S": 256, "IQ1_S": 64, "IQ1_M": 192}
 #: the types with a second f16 (m or dmin) after d
 _MINS = ("Q4_1", "Q4_K", "Q2_K", "Q5_1", "Q5_K")
+#: the types whose tile records hold the f16 d [16] (and m / dmin) that ``scales`` reads
+_F16_D = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K", "IQ4_NL", "IQ4_XS", "Q2_K", "Q3_K", "Q5_1", "Q5_K",
+          "IQ2_XXS", "IQ3_XXS", "IQ3_S", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
 
 
 # --------------------------------------------------------------------------------------------------- kernels

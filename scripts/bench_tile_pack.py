@@ -105,20 +105,21 @@ def main():
             layers.setdefault(int(n.split(".")[1]), []).append(ti)
     layers = {k: tuple(sorted(v, key=lambda ti: ("gate" not in ti.name, "up" not in ti.name))) for k, v in layers.items()}
     src = ExpertSource(path, layers)
-    numba.set_num_threads(2)
     raw = src.read_raw(0, 0)
-    ts = {k: [] for k in ("old load", "new load", "pread", "old prepare", "new prepare", "finite")}
-    for _ in range(a.rounds * 3):
-        for side, ks in (("old", old), ("new", new)):
-            use(ks)
-            ts[f"{side} load"].append(timed(lambda: src.load(0, 1)))
-            ts[f"{side} prepare"].append(timed(lambda: [formats.prepare(tn, r, s) for tn, r, s in raw]))
-        ws = [formats.prepare(tn, r, s) for tn, r, s in raw]
-        ts["pread"].append(timed(lambda: src.read_raw(0, 2)))
-        ts["finite"].append(timed(lambda: [finite.check_weight(w, "x") for w in ws]))
     nbytes = sum(r.nbytes for _, r, _ in raw)
-    print(f"demo MoE expert ({raw[0][0]}, {nbytes / 2**20:.2f} MiB, 2 threads), median ms: "
-          + ", ".join(f"{k} {1e3 * np.median(v):.2f}" for k, v in ts.items()))
+    for nt in (1, 2):
+        numba.set_num_threads(nt)
+        ts = {k: [] for k in ("old load", "new load", "pread", "old prepare", "new prepare", "finite")}
+        for _ in range(a.rounds * 3):
+            for side, ks in (("old", old), ("new", new)):
+                use(ks)
+                ts[f"{side} load"].append(timed(lambda: src.load(0, 1)))
+                ts[f"{side} prepare"].append(timed(lambda: [formats.prepare(tn, r, s) for tn, r, s in raw]))
+            ws = [formats.prepare(tn, r, s) for tn, r, s in raw]
+            ts["pread"].append(timed(lambda: src.read_raw(0, 2)))
+            ts["finite"].append(timed(lambda: [finite.check_weight(w, "x") for w in ws]))
+        print(f"demo MoE expert ({raw[0][0]}, {nbytes / 2**20:.2f} MiB, {nt} thr), median ms: "
+              + ", ".join(f"{k} {1e3 * np.median(v):.2f}" for k, v in ts.items()), flush=True)
     src.close()
     print("load average", os.getloadavg())
 

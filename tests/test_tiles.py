@@ -232,6 +232,33 @@ def test_a_non_finite_scale_inside_a_tile_is_named(type_name, field):
         check_weight(w, "t.gguf: tensor 'blk.0.ffn_up.weight'")
 
 
+@pytest.mark.parametrize("type_name", [t for t in TYPES if t != "MXFP4"])
+def test_the_scale_bit_check_agrees_with_the_scales(type_name):
+    """``tiles.f16_scales_finite`` (the finite checks' fast path, on the f16 bits) is True exactly when every
+    value ``tiles.scales`` reads back is finite: the largest finite f16 (0x7BFF, -0x7BFF), inf, -inf and a NaN
+    written into a d (and m / dmin) of the records, one at a time."""
+    rng = np.random.default_rng(7)
+    bs = tiles.SPEC[type_name][0]
+    O, I = 32, 3 * bs
+    rec = tiles.pack(type_name, TT.random_blocks(type_name, O, I, rng), O, I)
+    d, m = tiles.scales(type_name, rec, O, I)
+    assert np.isfinite(d).all() and (m is None or np.isfinite(m).all())
+    assert tiles.f16_scales_finite(type_name, rec, O, I)
+    _, rb, nc, _ = tiles.SPEC[type_name]
+    for bits in (0x7BFF, 0xFBFF, 0x7C00, 0xFC00, 0x7E01):
+        for which in ("d", "m") if m is not None else ("d",):
+            r = rec.copy()      # the f16 of row 21 (tile 1, row 5), block 1
+            o = nc + tiles._SCALE_AT.get(type_name, 0) + (32 if which == "m" else 0) + 2 * 5
+            r.reshape(O // 16, I // bs, rb)[1, 1, o:o + 2] = np.array([bits], "<u2").view(np.uint8)
+            d1, m1 = tiles.scales(type_name, r, O, I)
+            want = np.array([bits], "<u2").view(np.float16).astype(np.float32)
+            assert np.array_equal((d1 if which == "d" else m1)[21, 1:2], want, equal_nan=True)   # that scale
+            finite = bool(np.isfinite(d1).all() and (m1 is None or np.isfinite(m1).all()))
+            assert finite == (bits in (0x7BFF, 0xFBFF))
+            assert tiles.f16_scales_finite(type_name, r, O, I) == finite
+    assert not tiles.f16_scales_finite("MXFP4", tiles.pack("MXFP4", TT.random_blocks("MXFP4", O, 64, rng), O, 64), O, 64)
+
+
 @needs_vnni
 def test_the_engines_activation_mode_picks_the_layout(tmp_path):
     """The tiles are the int8 kernels' layout: an int8 engine prepares its Q8_0 matrices and RAM-cache experts
