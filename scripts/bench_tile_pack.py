@@ -1,12 +1,15 @@
-"""A/B of the t16 tile repack at load (``cpu_kernels.tiles.pack``): the pack kernels of a git revision (``--old``,
-the commit before the change) against the working tree's, alternating in one process, medians.
+"""A/B of the t16 tile repack at load (``cpu_kernels.tiles.pack``): ``pack`` and its kernels of a git revision
+(``--old``, the commit before the change) against the working tree's, alternating in one process, medians; the bytes
+are asserted equal first.
 
   PYTHONPATH=. python scripts/bench_tile_pack.py --old <rev> [--rounds 9]
 
 Prints per format the repack MB/s (GGUF bytes in / second) of ``tiles.pack`` on random blocks of a [1536, 576]
 weight (super-block types [1536, 1024]), 1 and 2 Numba threads, old and new; then the demo MoE's expert load
 (``scheduler.ram_cache.ExpertSource.load``: pread + ``formats.prepare`` x 3 + ``finite.check_weight``) in ms,
-old and new, and its parts. The load average is printed before and after (docs/cpu_kernels.md "t16 tiles").
+old and new (the old side without ``tiles.f16_scales_finite``, the finite check's fast path), and its parts; then
+4 layers' experts loaded by 4 reader threads (``RAMCache``'s pool) whose Numba thread count is 1 or 2. The load
+average is printed before and after (docs/cpu_kernels.md "t16 tiles").
 """
 from __future__ import annotations
 
@@ -58,6 +61,9 @@ def main():
     print("load average", os.getloadavg())
     new = {k: getattr(tiles, k) for k in KERNELS}
     old = old_kernels(a.old)
+    # the finite check's f16-bit fast path (coli.finite): absent on the old side, so it converts every scale
+    new["f16_scales_finite"] = tiles.f16_scales_finite
+    old["f16_scales_finite"] = lambda *args: False
 
     def use(side):
         for k, f in side.items():
@@ -109,17 +115,32 @@ def main():
     nbytes = sum(r.nbytes for _, r, _ in raw)
     for nt in (1, 2):
         numba.set_num_threads(nt)
-        ts = {k: [] for k in ("old load", "new load", "pread", "old prepare", "new prepare", "finite")}
+        ts = {f"{s} {k}": [] for k in ("load", "prepare", "finite") for s in ("old", "new")}
+        ts["pread"] = []
         for _ in range(a.rounds * 3):
             for side, ks in (("old", old), ("new", new)):
                 use(ks)
                 ts[f"{side} load"].append(timed(lambda: src.load(0, 1)))
                 ts[f"{side} prepare"].append(timed(lambda: [formats.prepare(tn, r, s) for tn, r, s in raw]))
-            ws = [formats.prepare(tn, r, s) for tn, r, s in raw]
+                ws = [formats.prepare(tn, r, s) for tn, r, s in raw]
+                ts[f"{side} finite"].append(timed(lambda: [finite.check_weight(w, "x") for w in ws]))
             ts["pread"].append(timed(lambda: src.read_raw(0, 2)))
-            ts["finite"].append(timed(lambda: [finite.check_weight(w, "x") for w in ws]))
         print(f"demo MoE expert ({raw[0][0]}, {nbytes / 2**20:.2f} MiB, {nt} thr), median ms: "
               + ", ".join(f"{k} {1e3 * np.median(v):.2f}" for k, v in ts.items()), flush=True)
+    # the RAM cache's reader pool (4 "coli-io" threads): every expert of 4 layers loaded at once, the readers'
+    # Numba thread count 1 or 2 (thread-local), new code
+    from concurrent.futures import ThreadPoolExecutor
+    use(new)
+    keys = [(layer, e) for layer in sorted(layers)[:4] for e in range(src.n_experts(layer))]
+    ts = {1: [], 2: []}
+    for _ in range(a.rounds):
+        for nt in (1, 2):
+            with ThreadPoolExecutor(4, initializer=numba.set_num_threads, initargs=(nt,)) as pool:
+                t0 = time.perf_counter()
+                list(pool.map(lambda k: src.load(*k), keys))
+                ts[nt].append(time.perf_counter() - t0)
+    print(f"{len(keys)} experts through 4 reader threads, median ms: "
+          + ", ".join(f"{nt} Numba thread(s) each {1e3 * np.median(v):.1f}" for nt, v in ts.items()))
     src.close()
     print("load average", os.getloadavg())
 
