@@ -109,7 +109,8 @@ def main():
     for n, ti in m.tensors.items():
         if "_exps" in n:
             layers.setdefault(int(n.split(".")[1]), []).append(ti)
-    layers = {k: tuple(sorted(v, key=lambda ti: ("gate" not in ti.name, "up" not in ti.name))) for k, v in layers.items()}
+    order = lambda ti: ("gate" not in ti.name, "up" not in ti.name)   # noqa: E731  (gate, up, down)
+    layers = {k: tuple(sorted(v, key=order)) for k, v in layers.items()}
     src = ExpertSource(path, layers)
     raw = src.read_raw(0, 0)
     nbytes = sum(r.nbytes for _, r, _ in raw)
