@@ -207,6 +207,7 @@ def _pack(blk, out, fields):
     src8 = blk.reshape(-1)
     out8 = out.reshape(-1)
     out32 = out8.view(np.uint32)
+    out16 = out8.view(np.uint16)
     rowb = np.uint64(nb * bsz)
     nf = fields.shape[0]
     for tb in prange(T * nb):
@@ -228,6 +229,12 @@ def _pack(blk, out, fields):
                                                         | (np.uint32(src8[s4 + np.uint64(1)]) << np.uint32(8))
                                                         | (np.uint32(src8[s4 + np.uint64(2)]) << np.uint32(16))
                                                         | (np.uint32(src8[s4 + np.uint64(3)]) << np.uint32(24)))
+                elif w == 2:   # f16 scales: uint16 words (every width-2 dst is even)
+                    d = ((ob + dst) >> np.uint64(1)) + ur
+                    for k in range(cnt):
+                        s2 = s + np.uint64(2 * k)
+                        out16[d + np.uint64(16 * k)] = (np.uint16(src8[s2])
+                                                        | (np.uint16(src8[s2 + np.uint64(1)]) << np.uint16(8)))
                 else:
                     d = ob + dst + w * ur
                     for k in range(cnt):
