@@ -199,9 +199,9 @@ def _pack(blk, out, fields):
     """blk uint8 [T, 16, nb, block bytes] -> out uint8 [T, nb, record], both C-contiguous. Per field (src byte,
     count, width, dst byte): item k (``width`` bytes at src + width k) of row r goes to dst + width (16 k + r), i.e.
     the 16 rows' items side by side: code bytes as 4-byte groups (width 4), an f16 per row (count 1, width 2),
-    per-sub-block scales (width 1). Width-4 items are stored as uint32 words (every width-4 dst is 4-aligned) and
-    all indices are unsigned, so that Numba emits no negative-index wraparound per byte: ~10x the byte-by-byte
-    copy with signed indices (docs/cpu_kernels.md "t16 tiles")."""
+    per-sub-block scales (width 1). Width-4 items are stored as uint32 words (every width-4 dst is 4-aligned),
+    width-2 items as uint16 words, and all indices are unsigned, so that Numba emits no negative-index wraparound
+    per byte: 2-10x the byte-by-byte copy with signed indices (docs/cpu_kernels.md "Repack speed at load")."""
     T, R, nb, bsz = blk.shape
     rec = out.shape[2]
     src8 = blk.reshape(-1)
