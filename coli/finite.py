@@ -67,6 +67,8 @@ def _bad_weight_row(w):
     if w.layout == "t16":  # the f16 scales inside the tile records (cpu_kernels.tiles)
         from cpu_kernels import tiles
 
+        if tiles.f16_scales_finite(w.name, w.arrays[0], *w.shape):   # their bits only: no f32 copy (expert loads)
+            return None
         arrays = [a for a in tiles.scales(w.name, w.arrays[0], *w.shape) if a is not None]
     nf = 0  # float arrays seen: in every packed layout the first is the block scale, a later one the minimum
     for a in arrays:

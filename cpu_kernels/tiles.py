@@ -222,19 +222,52 @@ def _as_blocks(type_name: str, raw: np.ndarray, O: int, I: int) -> np.ndarray:
 
 @njit(parallel=True, nogil=True, cache=True)
 def _pack(blk, out, fields):
-    """blk uint8 [T, 16, nb, block bytes] -> out uint8 [T, nb, record]. Per field (src byte, count, width, dst
-    byte): item k (``width`` bytes at src + width k) of row r goes to dst + width (16 k + r), i.e. the 16 rows'
-    items side by side: code bytes as 4-byte groups (width 4), an f16 per row (count 1, width 2), per-sub-block
-    scales (width 1)."""
-    T, R, nb, _ = blk.shape
-    for t in prange(T):
-        for b in range(nb):
-            for f in range(fields.shape[0]):
-                src, cnt, w, dst = fields[f, 0], fields[f, 1], fields[f, 2], fields[f, 3]
-                for k in range(cnt):
-                    for r in range(R):
+    """blk uint8 [T, 16, nb, block bytes] -> out uint8 [T, nb, record], both C-contiguous. Per field (src byte,
+    count, width, dst byte): item k (``width`` bytes at src + width k) of row r goes to dst + width (16 k + r), i.e.
+    the 16 rows' items side by side: code bytes as 4-byte groups (width 4), an f16 per row (count 1, width 2),
+    per-sub-block scales (width 1). Width-4 items are stored as uint32 words (every width-4 dst is 4-aligned),
+    width-2 items as uint16 words, and all indices are unsigned, so that Numba emits no negative-index wraparound
+    per byte: 2-10x the byte-by-byte copy with signed indices (docs/cpu_kernels.md "Repack speed at load")."""
+    T, R, nb, bsz = blk.shape
+    rec = out.shape[2]
+    src8 = blk.reshape(-1)
+    out8 = out.reshape(-1)
+    out32 = out8.view(np.uint32)
+    out16 = out8.view(np.uint16)
+    rowb = np.uint64(nb * bsz)
+    nf = fields.shape[0]
+    for tb in prange(T * nb):
+        t = np.uint64(tb // nb)
+        ob = np.uint64(tb) * np.uint64(rec)
+        xb0 = t * np.uint64(16) * rowb + np.uint64(tb % nb) * np.uint64(bsz)
+        for r in range(R):
+            ur = np.uint64(r)
+            xb = xb0 + ur * rowb
+            for f in range(nf):
+                src, cnt, w, dst = (np.uint64(fields[f, 0]), fields[f, 1], np.uint64(fields[f, 2]),
+                                    np.uint64(fields[f, 3]))
+                s = xb + src
+                if w == 4:
+                    d = ((ob + dst) >> np.uint64(2)) + ur
+                    for k in range(cnt):
+                        s4 = s + np.uint64(4 * k)
+                        out32[d + np.uint64(16 * k)] = (np.uint32(src8[s4])
+                                                        | (np.uint32(src8[s4 + np.uint64(1)]) << np.uint32(8))
+                                                        | (np.uint32(src8[s4 + np.uint64(2)]) << np.uint32(16))
+                                                        | (np.uint32(src8[s4 + np.uint64(3)]) << np.uint32(24)))
+                elif w == 2:   # f16 scales: uint16 words (every width-2 dst is even)
+                    d = ((ob + dst) >> np.uint64(1)) + ur
+                    for k in range(cnt):
+                        s2 = s + np.uint64(2 * k)
+                        out16[d + np.uint64(16 * k)] = (np.uint16(src8[s2])
+                                                        | (np.uint16(src8[s2 + np.uint64(1)]) << np.uint16(8)))
+                else:
+                    d = ob + dst + w * ur
+                    for k in range(cnt):
+                        uk = np.uint64(k)
                         for i in range(w):
-                            out[t, b, dst + w * (16 * k + r) + i] = blk[t, r, b, src + w * k + i]
+                            ui = np.uint64(i)
+                            out8[d + w * np.uint64(16) * uk + ui] = src8[s + w * uk + ui]
 
 
 #: per type: the (src byte, count, width, dst byte) fields of ``_pack`` (ggml-common.h block_* layouts)
@@ -380,7 +413,7 @@ def pack(type_name: str, raw: np.ndarray, O: int, I: int) -> np.ndarray:
     bs, rec, nc, bsz = SPEC[type_name]
     nb = I // bs
     T = O // ROWS
-    blk = np.asarray(raw).reshape(T, ROWS, nb, bsz)
+    blk = np.ascontiguousarray(raw).reshape(T, ROWS, nb, bsz)   # C order: one specialisation per kernel
     out = np.empty((T, nb, rec), np.uint8)
     if type_name in ("IQ2_XXS", "IQ3_XXS", "IQ3_S", "IQ2_XS", "IQ2_S"):
         from coli import iq_tables
@@ -400,25 +433,46 @@ def pack(type_name: str, raw: np.ndarray, O: int, I: int) -> np.ndarray:
     if type_name == "NVFP4":   # UE4M3 bytes: 0x7F (0 in ggml_ue4m3_to_fp32) as 0x00, bit 7 (ignored) cleared
         out[:, :, nc:] = _ue4m3_byte(out[:, :, nc:])
         return out.reshape(T, nb * rec)
-    if type_name in ("Q4_K", "Q5_K"):  # ggml's 6-bit scales and mins unpacked, [sub-block][row]
-        from .formats import _k_scales
-
-        sc, mn = _k_scales(blk[..., 4:16])                             # [T, 16, nb, 8]
-        out[:, :, nc:nc + 128] = sc.transpose(0, 2, 3, 1).reshape(T, nb, 128)
-        out[:, :, nc + 128:nc + 256] = mn.transpose(0, 2, 3, 1).reshape(T, nb, 128)
+    # the unpacked sub-block scales, computed in the record's [sub-block][row] order from the 12 (Q4_K, Q5_K, Q3_K)
+    # or 6 (IQ4_XS) scale bytes transposed to [byte][row] first: every elementwise op writes 16 contiguous bytes
+    # (3-4x the same formulas on [row][sub-block] and a transposing copy)
+    if type_name in ("Q4_K", "Q5_K"):  # ggml's 6-bit scales and mins unpacked (get_scale_min_k4), [sub-block][row]
+        q = np.ascontiguousarray(blk[..., 4:16].transpose(0, 2, 3, 1))                # [T, nb, 12, 16 rows]
+        o = out[:, :, nc:nc + 256].reshape(T, nb, 2, 8, ROWS)
+        sc, mn = o[:, :, 0], o[:, :, 1]
+        np.bitwise_and(q[:, :, 0:4], 63, out=sc[:, :, :4])
+        np.bitwise_and(q[:, :, 4:8], 63, out=mn[:, :, :4])
+        hi = q[:, :, 0:8] >> 6
+        hi <<= 4
+        np.bitwise_and(q[:, :, 8:12], 15, out=sc[:, :, 4:])
+        sc[:, :, 4:] |= hi[:, :, 0:4]
+        np.right_shift(q[:, :, 8:12], 4, out=mn[:, :, 4:])
+        mn[:, :, 4:] |= hi[:, :, 4:8]
     elif type_name == "IQ4_XS":  # ls - 32 of each 32-weight sub-block (dequantize_row_iq4_xs), int8 [ib][row]
-        ib = np.arange(8)
-        lo = (blk[..., 4 + ib // 2] >> (4 * (ib % 2)).astype(np.uint8)) & 15            # [T, 16, nb, 8]
-        sh = np.ascontiguousarray(blk[..., 2:4]).view(np.uint16)                     # [T, 16, nb, 1]
-        hi = (sh >> (2 * ib).astype(np.uint16)) & 3
-        ls = ((lo.astype(np.int16) | (hi.astype(np.int16) << 4)) - 32).astype(np.int8)
-        out[:, :, nc:nc + 128] = ls.transpose(0, 2, 3, 1).reshape(T, nb, 128).view(np.uint8)
+        q = np.ascontiguousarray(blk[..., 2:8].transpose(0, 2, 3, 1))                 # [T, nb, 6, 16 rows]
+        o = out[:, :, nc:nc + 128].reshape(T, nb, 4, 2, ROWS)                         # [ib // 2][ib % 2][row]
+        np.bitwise_and(q[:, :, 2:6], 15, out=o[:, :, :, 0])                           # scales_l nibbles
+        np.right_shift(q[:, :, 2:6], 4, out=o[:, :, :, 1])
+        hi = np.empty((T, nb, 2, 4, ROWS), np.uint8)                                  # scales_h bits 2 ib, 2 ib + 1
+        for j in range(4):
+            np.right_shift(q[:, :, 0:2], 2 * j, out=hi[:, :, :, j])
+        hi &= 3
+        hi <<= 4
+        o = o.reshape(T, nb, 8, ROWS)
+        o |= hi.reshape(T, nb, 8, ROWS)
+        o -= 32
     elif type_name == "Q3_K":  # the 16 6-bit scales minus 32 (lowbit.q3_k_scales), int8 [sub-block][row]
-        from . import formats  # noqa: F401  (lowbit is imported by formats, after the names it takes from it)
-        from .lowbit import q3_k_scales
-
-        sc = q3_k_scales(blk[..., 96:108])                                           # [T, 16, nb, 16]
-        out[:, :, nc:nc + 256] = sc.transpose(0, 2, 3, 1).reshape(T, nb, 256).view(np.uint8)
+        q = np.ascontiguousarray(blk[..., 96:108].transpose(0, 2, 3, 1))              # [T, nb, 12, 16 rows]
+        o = out[:, :, nc:nc + 256].reshape(T, nb, 16, ROWS)
+        hi = np.empty((T, nb, 4, 4, ROWS), np.uint8)     # scale k's bits 4-5: bits 2 (k // 4) of byte 8 + k % 4
+        for j in range(4):
+            np.right_shift(q[:, :, 8:12], 2 * j, out=hi[:, :, j])
+        hi &= 3
+        hi <<= 4
+        np.bitwise_and(q[:, :, 0:8], 15, out=o[:, :, :8])
+        np.right_shift(q[:, :, 0:8], 4, out=o[:, :, 8:])
+        o |= hi.reshape(T, nb, 16, ROWS)
+        o -= 32
     return out.reshape(T, nb * rec)
 
 
@@ -448,11 +502,28 @@ def scales(type_name: str, rec: np.ndarray, O: int, I: int):
     return d, m
 
 
+def f16_scales_finite(type_name: str, rec: np.ndarray, O: int, I: int) -> bool:
+    """True when every f16 d (and m / dmin) in the tile records ``rec`` (uint8 [O / 16, nblocks * record]) is
+    finite, read from the f16s' high bytes (IEEE binary16: exponent bits 0x7C of the high byte all ones = NaN or
+    infinity) without converting them: the finite checks' fast path (``coli.finite``; ``scales`` gives the rows and
+    values when this is False). False for a type whose tile scales are not f16 (MXFP4's E8M0)."""
+    type_name = AS_BLOCKS.get(type_name, type_name)
+    if type_name not in _F16_D:
+        return False
+    bs, rb, nc, _ = SPEC[type_name]
+    o = nc + _SCALE_AT.get(type_name, 0)
+    hi = rec.reshape(O // ROWS, I // bs, rb)[:, :, o + 1:o + (64 if type_name in _MINS else 32):2]
+    return not bool(((hi & 0x7C) == 0x7C).any())
+
+
 #: where the f16 d [16] starts after a record's code bytes (the sub-block scales, Q5_0's fifth bits before it)
 _SCALE_AT = {"Q5_0": 64, "Q4_K": 256, "Q6_K": 256, "IQ4_XS": 128, "Q2_K": 256, "Q3_K": 256, "Q5_1": 64, "Q5_K": 256,
              "IQ2_XXS": 128, "IQ3_XXS": 128, "IQ3_S": 128, "IQ2_XS": 256, "IQ2_S": 256, "IQ1_S": 64, "IQ1_M": 192}
 #: the types with a second f16 (m or dmin) after d
 _MINS = ("Q4_1", "Q4_K", "Q2_K", "Q5_1", "Q5_K")
+#: the types whose tile records hold the f16 d [16] (and m / dmin) that ``scales`` reads
+_F16_D = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K", "IQ4_NL", "IQ4_XS", "Q2_K", "Q3_K", "Q5_1", "Q5_K",
+          "IQ2_XXS", "IQ3_XXS", "IQ3_S", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
 
 
 # --------------------------------------------------------------------------------------------------- kernels

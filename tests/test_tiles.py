@@ -87,6 +87,45 @@ def test_tiles_hold_the_file_and_decode_to_ggml_values(type_name):
         assert m is None
 
 
+def _fields_reference(blk, fields, rec):
+    """The ``tiles._FIELDS`` spec by NumPy reshape / transpose: field (src, count, width, dst) of the blocks
+    [T, 16, nb, block bytes] -> bytes dst .. dst + 16 count width of each record [T, nb, rec] as [count][row]
+    [width]; the bytes no field writes stay 0."""
+    T, R, nb, _ = blk.shape
+    out = np.zeros((T, nb, rec), np.uint8)
+    for src, cnt, w, dst in fields:
+        items = blk[..., src:src + cnt * w].reshape(T, R, nb, cnt, w).transpose(0, 2, 3, 1, 4)
+        out[..., dst:dst + cnt * R * w] = items.reshape(T, nb, cnt * R * w)
+    return out
+
+
+@pytest.mark.parametrize("type_name", list(tiles._FIELDS))
+@pytest.mark.parametrize("T,nb", [(1, 1), (3, 5)])
+def test_field_copy_matches_a_numpy_reference(type_name, T, nb):
+    """``tiles._pack`` (the byte shuffle of every non-grid type) writes exactly the NumPy reference of its
+    ``_FIELDS`` spec, odd tile and block counts, from a C-contiguous array and from a strided view (``pack`` makes
+    it contiguous); ``pack`` keeps those bytes and fills the rest of each record (the unpacked sub-block scales)."""
+    rng = np.random.default_rng(5)
+    bs, rec, _, bsz = tiles.SPEC[type_name]
+    O, I = 16 * T, nb * bs
+    fields = tiles._FIELDS[type_name]
+    wide = rng.integers(0, 256, (O, nb * bsz + 7), dtype=np.uint8)
+    raw = wide[:, 3:3 + nb * bsz]                                         # a strided view of the blocks
+    want = _fields_reference(np.ascontiguousarray(raw).reshape(T, 16, nb, bsz), fields, rec)
+    got = np.zeros((T, nb, rec), np.uint8)
+    tiles._pack(np.ascontiguousarray(raw).reshape(T, 16, nb, bsz), got, np.array(fields, np.int64))
+    assert np.array_equal(got, want)
+    written = np.zeros(rec, bool)
+    for _, cnt, w, dst in fields:
+        assert not written[dst:dst + 16 * cnt * w].any()                 # the fields do not overlap
+        written[dst:dst + 16 * cnt * w] = True
+    filled = {"Q4_K": 256, "Q5_K": 256, "IQ4_XS": 128, "Q3_K": 256}.get(type_name, 0)  # NumPy-filled scales
+    assert written.sum() + filled == rec
+    for r in (raw, np.ascontiguousarray(raw)):
+        full = tiles.pack(type_name, r, O, I).reshape(T, nb, rec)
+        assert np.array_equal(full[..., written], want[..., written])
+
+
 @pytest.mark.parametrize("type_name", TQ)
 def test_ternary_types_take_q2_ks_tile_with_ggml_values(type_name):
     """TQ1_0 and TQ2_0 written as Q2_K blocks (every scale and min 1, dmin = d) decode from Q2_K's tile to
@@ -242,6 +281,36 @@ def test_nvfp4_tile_gemv_on_every_scale_byte_matches_the_int8_reference():
     for xs in (x[:1], x):
         got = F.matmul(w, np.ascontiguousarray(xs), act="int8")
         assert (np.abs(got - want[:len(xs)]) <= 1e-6 * scale[:len(xs)]).all()
+
+
+@pytest.mark.parametrize("type_name", [t for t in TYPES if t not in ("MXFP4", "NVFP4")])
+def test_the_scale_bit_check_agrees_with_the_scales(type_name):
+    """``tiles.f16_scales_finite`` (the finite checks' fast path, on the f16 bits) is True exactly when every
+    value ``tiles.scales`` reads back is finite: the largest finite f16 (0x7BFF, -0x7BFF), inf, -inf and a NaN
+    written into a d (and m / dmin) of the records, one at a time."""
+    rng = np.random.default_rng(7)
+    bs = tiles.SPEC[type_name][0]
+    O, I = 32, 3 * bs
+    rec = tiles.pack(type_name, TT.random_blocks(type_name, O, I, rng), O, I)
+    d, m = tiles.scales(type_name, rec, O, I)
+    assert np.isfinite(d).all() and (m is None or np.isfinite(m).all())
+    assert tiles.f16_scales_finite(type_name, rec, O, I)
+    _, rb, nc, _ = tiles.SPEC[type_name]
+    for bits in (0x7BFF, 0xFBFF, 0x7C00, 0xFC00, 0x7E01):
+        for which in ("d", "m") if m is not None else ("d",):
+            r = rec.copy()      # the f16 of row 21 (tile 1, row 5), block 1
+            o = nc + tiles._SCALE_AT.get(type_name, 0) + (32 if which == "m" else 0) + 2 * 5
+            r.reshape(O // 16, I // bs, rb)[1, 1, o:o + 2] = np.array([bits], "<u2").view(np.uint8)
+            d1, m1 = tiles.scales(type_name, r, O, I)
+            want = np.array([bits], "<u2").view(np.float16).astype(np.float32)
+            assert np.array_equal((d1 if which == "d" else m1)[21, 1:2], want, equal_nan=True)   # that scale
+            finite = bool(np.isfinite(d1).all() and (m1 is None or np.isfinite(m1).all()))
+            assert finite == (bits in (0x7BFF, 0xFBFF))
+            assert tiles.f16_scales_finite(type_name, r, O, I) == finite
+    mx = tiles.pack("MXFP4", TT.random_blocks("MXFP4", O, 64, rng), O, 64)
+    assert not tiles.f16_scales_finite("MXFP4", mx, O, 64)   # E8M0 scales: not f16, the caller's full path
+    nv = tiles.pack("NVFP4", TT.random_blocks("NVFP4", O, 64, rng), O, 64)
+    assert not tiles.f16_scales_finite("NVFP4", nv, O, 64)   # UE4M3 bytes: the full path too
 
 
 @needs_vnni
