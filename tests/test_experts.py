@@ -210,3 +210,22 @@ def test_quantize_rows_in_parallel_equals_the_serial_pass():
     F._quantize_act_i8(x, *want)
     for g, w in zip(got, want):
         assert np.array_equal(g, w)
+
+
+def test_block_i8_refuses_arrays_its_c_symbol_cannot_rebuild():
+    """``experts.block_i8`` calls ``_block_i8`` through a C symbol that rebuilds each array from its data pointer
+    and shape (docs/cpu_kernels.md "Compile time"): a strided ``out``, an f64 ``xd`` or a 1-D ``xq`` would be
+    read wrongly there, so compiling such a caller fails at typing, naming the argument."""
+    import numba
+    from numba.core.errors import TypingError
+
+    @numba.njit
+    def call(ds, src, xq, xd, out):
+        X.block_i8(ds, 0, 16, 0, 1, src, src, 0, xq, xd, xd, out)
+
+    ds, src = np.zeros(13, np.int64), np.zeros(1, np.int64)
+    xq, xd, out = np.zeros((1, 32), np.int8), np.zeros((1, 1), np.float32), np.zeros((1, 32), np.float32)
+    for bad, name in (({"out": out[:, ::2]}, "out"), ({"xd": xd.astype(np.float64)}, "xd"), ({"xq": xq[0]}, "xq")):
+        kw = dict(ds=ds, src=src, xq=xq, xd=xd, out=out) | bad
+        with pytest.raises(TypingError, match=f"block_i8: {name} must be a C-contiguous"):
+            call(**kw)
