@@ -833,7 +833,9 @@ class Engine:
         """One line: prefill and decode tok/s, expert cache hits, disk loads, bytes read; the seed of a
         sampled (not greedy) run; how many steps had non-finite logits masked."""
         st = st or self.last_stats
-        s = (f"prefill {st.get('prompt_tokens', 0)} tok at {st.get('prefill_tps', 0):.1f} tok/s, "
+        # the tokens prefilled: a kept KV cache's reused prefix is not computed (prefill_tps counts the same)
+        n_pre = st.get('prompt_tokens', 0) - st.get('cached_tokens', 0)
+        s = (f"prefill {n_pre} tok at {st.get('prefill_tps', 0):.1f} tok/s, "
              f"decode {st.get('gen_tokens', 0)} tok at {st.get('decode_tps', 0):.1f} tok/s")
         if self.cache is not None:
             s += (f" | experts: cache hits {st.get('expert_hits', 0)}, disk loads {st.get('disk_loads', 0)}, "

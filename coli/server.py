@@ -274,8 +274,8 @@ def create_app(eng, model_id: str, aliases=(), max_queue: int = 8):
         except ColiError as e:
             msg = str(e)
             code = "context_length_exceeded" if "context" in msg else None
-            raise APIError(400, f"{msg}; this model's context is {eng.ctx} tokens", param="max_tokens" if code
-                           else None, code=code) from None
+            raise APIError(400, f"{msg}; this server holds {eng.ctx} positions a sequence (coli serve --ctx)",
+                           param="max_tokens" if code else None, code=code) from None
 
     async def run(request: Request, ids, options, kind: str, include_usage: bool, stream: bool):
         loop = asyncio.get_running_loop()

@@ -65,9 +65,11 @@ def test_chat_repl(model_path, engine):
         child.expect_exact(long_.text.split()[0])
         child.sendintr()
         child.expect_exact("coli: stopped")
-        child.expect(r"coli: \d+ new prompt tokens \(\d+ reused from the KV cache\), prefill \d+ tok at [\d.]+ tok/s, "
-                     r"decode (\d+) tok")
-        assert int(child.match.group(1)) < N
+        child.expect(r"coli: (\d+) new prompt tokens \((\d+) reused from the KV cache\), prefill (\d+) tok at [\d.]+ "
+                     r"tok/s, decode (\d+) tok")
+        new, reused, prefilled, decoded = (int(g) for g in child.match.groups())
+        assert decoded < N
+        assert reused > 0 and prefilled == new   # the stats count the tokens prefilled, not the reused prefix
         child.expect_exact("> ")
         child.sendline("/exit")
         child.expect(pexpect.EOF)
