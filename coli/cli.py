@@ -143,7 +143,7 @@ def _start_line(eng) -> str:
     a = eng.args
     s = (f"coli: {eng.path.name}: {a.arch}, {a.n_layers} layers"
          + (f", {a.n_experts} experts top-{a.top_k}" if a.n_experts else "")
-         + f", {eng.threads} threads, ctx {eng.ctx}")
+         + f", {eng.threads} thread{'s' if eng.threads != 1 else ''}, ctx {eng.ctx}")
     if eng.ctx < a.ctx_train:
         why = ("capped by RAM: the KV cache at most a quarter of the available RAM" if eng.ctx == eng.ctx_cap
                else "--ctx")
