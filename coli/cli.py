@@ -202,6 +202,9 @@ def cmd_run(a) -> int:
             _say("\n", sys.stdout)
             _say("coli: " + eng.stats_line(eng.last_stats) + "\n", sys.stderr)
             raise
+        except ColiError:  # a damaged expert read mid-answer...: end the echoed text's line before main's error line
+            _say("\n", sys.stdout)
+            raise
         sys.stdout.write("\n")
         if not a.quiet:
             print("coli: " + eng.stats_line(r.stats), file=sys.stderr)

@@ -124,6 +124,7 @@ def test_cli_non_finite_expert_prints_one_line_and_exits_2(tmp_path):
         r.stderr
     assert "non-finite value (nan) in row 4" in lines[0]
     assert "Traceback" not in r.stderr + r.stdout
+    assert r.stdout.startswith("Hi") and r.stdout.endswith("\n")  # the echoed prompt's line ends before the error
 
 
 @pytest.mark.parametrize("fill", [np.nan, np.inf, -np.inf])
