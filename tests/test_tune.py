@@ -73,7 +73,8 @@ def test_tune_two_points_csv_png_recommendation_save(tiny, tmp_path):
                          text=True, cwd=ROOT, env=env, timeout=300)
     assert run.returncode == 0, run.stderr
     start = run.stderr.splitlines()[0]
-    assert f"{rec['threads']} threads" in start and str(path) in start
+    n = int(rec['threads'])
+    assert f"{n} thread{'s' if n != 1 else ''}," in start and str(path) in start
 
 
 def test_tune_busy_machine_no_recommendation(tiny, tmp_path):
