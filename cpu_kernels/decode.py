@@ -388,7 +388,15 @@ class ExpertsRow:
         experts_row(numba.get_num_threads(), self.ctr, x, xq, xd, xm, d3[0], d3[1], d3[2], d_nch, pstart, zeros,
                     dst, zeros, kind, np.float32(limit), a, aq, ad, am, pair_out,
                     np.ascontiguousarray(w, dtype=np.float32), y)
+        self._pair_out = pair_out
         return y
+
+    def pairs(self, x: np.ndarray, descs, kind: int, limit) -> np.ndarray:
+        """The experts' unweighted outputs f32 [n, D] (row ``i``: expert ``descs[i]`` on ``x`` f32 [1, D]), computed
+        by the same call as :meth:`__call__` (its weighted sum is dropped): a view of scratch, valid until the next
+        call. The device tier's decode row takes the CPU's pairs from it (``scheduler.step.MoEStep``)."""
+        self(x, descs, np.ones(len(descs), np.float32), kind, limit)
+        return self._pair_out
 
 
 def _nch(desc: np.ndarray) -> np.ndarray:

@@ -83,13 +83,20 @@ class MoEStep:
         (``supports_ffn``), else the CPU computes them all.
         """
         R, K = expert_ids.shape
-        D = x.shape[1]
         if self.usage is not None:
             self.usage.add(layer, expert_ids)
         if R == 1 and ffn is None and self.region_ok():
             y = self._run_row(layer, x, expert_ids[0], weights[0])
             if y is not None:
                 return y if shared is None else y + shared(x)
+        if R == 1 and ffn is None and self.router_region_ok() and K > 0:
+            return self._tier_row(layer, x, expert_ids[0], weights[0], shared)
+        return self._run_general(layer, x, expert_ids, weights, shared, ffn)
+
+    def _run_general(self, layer, x, expert_ids, weights, shared=None, ffn=None):
+        """``run`` for any rows: group the pairs per expert, the tier's batch, the CPU's experts, join, sum."""
+        R, K = expert_ids.shape
+        D = x.shape[1]
         groups = group_pairs(expert_ids)  # pair ids (r*K+k) per expert, experts ascending
         pair_out = np.empty((R * K, D), dtype=np.float32)
         st = self.stats
@@ -106,10 +113,27 @@ class MoEStep:
                 cpu_experts, issued = tier.issue_step(layer, x, groups, self.cache, K, ffn=ffn)
 
         t0 = time.perf_counter()
+        self._cpu_experts(layer, x, cpu_experts, groups, K, pair_out, ffn)
+        shared_out = shared(x) if shared is not None else None
+        st.cpu_s += time.perf_counter() - t0
+        st.cpu_pairs += sum(len(groups[e]) for e in cpu_experts)
+
+        if issued is not None:
+            st.device_pairs += self._join_device(layer, issued, x, groups, K, pair_out, ffn)
+
+        y = self.combine(pair_out.reshape(R, K, D), weights)
+        if shared_out is not None:
+            y += shared_out
+        return y
+
+    def _cpu_experts(self, layer, x, cpu_experts, groups, K, pair_out, ffn=None, ws=None):
+        """The CPU's experts of a step into ``pair_out``: RAM-cache hits (``ws``: their ``cache.get`` results
+        when the caller looked them up already) in one launch, then the disk reads, one launch per batch of reads
+        landed (in ascending ids)."""
         cache = self.cache
         hits, cold = [], []
-        for e in cpu_experts:
-            w = cache.get(layer, e)
+        for i, e in enumerate(cpu_experts):
+            w = cache.get(layer, e) if ws is None else ws[i]
             (hits if w is not None else cold).append((e, w))
         futures = {cache.fetch(layer, e): e for e, _ in cold}
         xa = grouped.Act(x, self.act) if cpu_experts else None  # the step's rows quantized once for all experts
@@ -126,17 +150,6 @@ class MoEStep:
                 cache.put(layer, e, w)
                 landed.append((e, w))
             self._compute_many(layer, landed, xa, groups, K, pair_out, ffn)  # one launch per batch of reads landed
-        shared_out = shared(x) if shared is not None else None
-        st.cpu_s += time.perf_counter() - t0
-        st.cpu_pairs += sum(len(groups[e]) for e in cpu_experts)
-
-        if issued is not None:
-            st.device_pairs += self._join_device(layer, issued, x, groups, K, pair_out, ffn)
-
-        y = self.combine(pair_out.reshape(R, K, D), weights)
-        if shared_out is not None:
-            y += shared_out
-        return y
 
     def region_ok(self) -> bool:
         """True when a decode row's experts may run inside a compiled region (cpu_kernels/decode_moe.py): the
@@ -186,6 +199,47 @@ class MoEStep:
         t0 = time.perf_counter()
         y = self._row(np.ascontiguousarray(x, dtype=np.float32), descs, w, grouped.ACT_SWIGLU, self.clamp)
         self.stats.cpu_s += time.perf_counter() - t0
+        return y
+
+    def _tier_row(self, layer, x, ids, w, shared=None):
+        """A decode row (``x`` f32 [1, D], ``ids`` int [K] distinct, ``w`` f32 [K]) with the device tier on: the
+        general step's work with less Python on the token's critical path (docs/tier.md "The decode row"):
+        ``Tier.issue_row`` places and submits, the CPU's experts run in one compiled call
+        (``cpu_kernels.decode.ExpertsRow.pairs``, the kernels ``run`` uses) when all are in RAM with
+        grouped-kernel codes (else as ``run`` does: disk reads, one launch per batch of reads landed), then the
+        join and the rank-order sum. Same counters, RAM-cache hits (ascending ids), promotion candidates."""
+        tier, cache, st = self.tier, self.cache, self.stats
+        ids_l = [int(e) for e in ids]
+        K, D = len(ids_l), x.shape[1]
+        rank = {e: k for k, e in enumerate(ids_l)}
+        if len(rank) != K:    # top-k gives distinct experts; anything else takes the general grouping
+            return self._run_general(layer, x, ids.reshape(1, K), w.reshape(1, K), shared)
+        cpu_experts, issued = tier.issue_row(layer, x, ids_l, cache)
+        st.steps += 1
+        st.pairs += K
+        pair_out = np.empty((K, D), np.float32)
+        t0 = time.perf_counter()
+        if cpu_experts:
+            ws = [cache.get(layer, e) for e in cpu_experts]
+            descs = [grouped.expert_desc(wt) if wt is not None else None for wt in ws]
+            if all(d is not None for d in descs):
+                out = self._row.pairs(np.ascontiguousarray(x, dtype=np.float32), descs, grouped.ACT_SWIGLU,
+                                      self.clamp)
+                for i, e in enumerate(cpu_experts):
+                    pair_out[rank[e]] = out[i]
+                    tier.note(layer, e, ws[i])
+            else:
+                groups = {e: np.array([rank[e]], np.int64) for e in cpu_experts}
+                self._cpu_experts(layer, x, cpu_experts, groups, K, pair_out, None, ws)
+        shared_out = shared(x) if shared is not None else None
+        st.cpu_s += time.perf_counter() - t0
+        st.cpu_pairs += len(cpu_experts)
+        if issued is not None:
+            groups = {e: np.array([rank[e]], np.int64) for e in issued.experts}
+            st.device_pairs += self._join_device(layer, issued, x, groups, K, pair_out)
+        y = self.combine(pair_out.reshape(1, K, D), w.reshape(1, K))
+        if shared_out is not None:
+            y += shared_out
         return y
 
     def _compute_many(self, layer, ews, xa, groups, K, pair_out, ffn=None):

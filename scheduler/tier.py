@@ -429,13 +429,22 @@ class Tier:
         Returns ``(cpu_experts: list[int], issued: Issued | None)``; the CPU computes ``cpu_experts``, then
         the step calls :meth:`join_step`. A device error at submit turns the tier off and gives the CPU
         every expert. ``ffn``: as :meth:`issue`."""
+        self._step_begin(layer, int(x.shape[0]))
+        return self._issue_groups(layer, x, groups, cache, K, ffn)
+
+    def _step_begin(self, layer: int, n_rows: int) -> None:
+        """A step's start: a new forward when ``auto_tokens`` and the layer is not above the last step's
+        (:meth:`begin_token` with ``n_rows`` tokens), then :meth:`settle`."""
         if self.auto_tokens and (self._last_layer is None or layer <= self._last_layer):
             if self._explicit:
                 self._explicit = False          # begin_token() was called for this forward already
             else:
-                self._begin(int(x.shape[0]))
+                self._begin(n_rows)
         self._last_layer = layer
         self.settle()
+
+    def _issue_groups(self, layer, x, groups, cache, K, ffn=None):
+        """:meth:`issue_step` after :meth:`_step_begin`: split, then issue the device's pairs."""
         experts = np.fromiter(groups.keys(), dtype=np.int64, count=len(groups))
         rows = np.fromiter((len(groups[int(e)]) for e in experts), dtype=np.int64, count=len(groups))
         dev_e, cpu_e = self.split(layer, experts, rows, _movable(cache))
@@ -454,6 +463,43 @@ class Tier:
         iss.pair_ids, iss.experts, iss.K = pair_ids, [int(e) for e in dev_e], K
         iss.pair_experts = pair_experts
         return [int(e) for e in cpu_e], iss
+
+    def issue_row(self, layer: int, x: np.ndarray, ids: list, cache):
+        """:meth:`issue_step` for one decode row: ``x`` f32 [1, D], ``ids`` the K distinct routed experts (ints, in
+        routing-rank order; pair ``k`` is rank ``k``). The same bookkeeping (heat, counters, the balancer's step
+        record, promotions settled first) with plain-Python lists where the general step builds arrays: a decode
+        step has a few pairs and the host's Python is on the token's critical path between the compiled regions
+        (docs/tier.md "The decode row"). A balancer that hands rows to the CPU (share below 1) takes the general
+        split. Returns ``(cpu_experts ascending, Issued | None)`` as :meth:`issue_step`."""
+        self._step_begin(layer, 1)
+        experts = sorted(ids)
+        K = len(experts)
+        if self.on and self.resident and self.balancer.enabled and self.balancer.share < 1.0:
+            return self._issue_groups(layer, x, {e: np.array([ids.index(e)], np.int64) for e in experts}, cache, K)
+        heat = self.heat[layer]
+        for e in experts:                  # count(): +1 row each (distinct experts)
+            heat[e] += 1.0
+        self.routed_pairs += K
+        if not self.on or not self.resident:
+            dev, cpu = [], experts
+        else:
+            m = self.mask[layer]
+            dev = [e for e in experts if m[e]]
+            cpu = [e for e in experts if not m[e]]
+        cold = sum(1 for e in cpu if not cache.in_ram(layer, e)) if cache is not None else 0
+        self._step = (layer, len(dev), len(dev), K - len(dev), cold)
+        if not dev:
+            return cpu, None
+        self.device_pairs += len(dev)
+        pair_experts = np.array(dev, np.int64)
+        try:
+            iss = self.issue(layer, x, np.zeros(len(dev), np.int64), pair_experts)
+        except Exception:
+            self.device_pairs -= len(dev)
+            return experts, None
+        iss.pair_ids = np.array([ids.index(e) for e in dev], np.int64)
+        iss.experts, iss.K, iss.pair_experts = dev, K, pair_experts
+        return cpu, iss
 
     def join_step(self, iss: Issued, pair_out: np.ndarray) -> int:
         """scheduler/step.py's join: waits for the batch and writes its outputs into ``pair_out`` (f32

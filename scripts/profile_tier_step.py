@@ -19,11 +19,11 @@ MoE layer region       the compiled MoE layer (attention, router, experts: ``cpu
                        the tier on it stops after the router and calls the step: the step's time is inside
 router                 the MoE block's logits and top-k (``MoE.logits`` and its ``route``)
 step                   ``MoEStep.run``: everything below, and its own Python
- issue_step            ``Tier.issue_step``: settle, split, the device batch's submit
+ issue_step            ``Tier.issue_step`` / ``issue_row`` (a decode row): settle, split, the batch's submit
   settle               ``Tier.settle`` (finished uploads become resident, promotions decided)
   split                ``Tier.split`` (device / CPU experts, the balancer's hand-over)
   submit               ``Device.submit_experts`` (checks, grouping, tables, recording, ``vkQueueSubmit``)
- cpu experts           ``MoEStep._compute_many`` / ``_run_row`` / ``_tier_row`` (the CPU's pairs)
+ cpu experts           ``MoEStep._compute_many`` / ``_run_row`` / ``ExpertsRow.pairs`` (the CPU's pairs)
  join                  ``MoEStep._join_device``: the fence wait, copying ``y``, the balancer's update
   fence wait           ``vkWaitForFences`` (``Batch._wait``)
  combine               the rank-order sum of the pair outputs
@@ -90,7 +90,8 @@ def _targets():
          (decode_moe.MoELayerDecode, "__call__", "MoE layer region"), (blocks.MoE, "logits", "router"),
          (step.MoEStep, "run", "step"), (tier.Tier, "issue_step", " issue_step"), (tier.Tier, "settle", "  settle"),
          (tier.Tier, "split", "  split"), (step.MoEStep, "_compute_many", " cpu experts"),
-         (step.MoEStep, "_run_row", " cpu experts"), (step.MoEStep, "_tier_row", " cpu experts"),
+         (step.MoEStep, "_run_row", " cpu experts"), (decode.ExpertsRow, "pairs", " cpu experts"),
+         (tier.Tier, "issue_row", " issue_step"),
          (step.MoEStep, "_join_device", " join"), (step.MoEStep, "combine", " combine")]
     try:
         from coli.vulkan import device as vkd

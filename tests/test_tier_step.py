@@ -7,7 +7,6 @@ these tests check the SCHEDULER's plumbing (split, batch rows, outputs written b
 evictions, balancer hand-back, device loss), not Vulkan; tests/test_tier_device.py runs the same on Lavapipe.
 """
 import io
-import threading
 import time
 from pathlib import Path
 
@@ -162,3 +161,65 @@ def test_device_lost_mid_run_finishes_on_the_cpu(cpu_ref):
     ys, per, st, log = run_steps({"cap": 16}, env={"COLI_VK_TIER_SYNC": "1"}, fault_at=3)
     close(ys, cpu_ref)
     assert not st.tier.on and "[VK] tier olmoe: off, the device failed a join" in log
+
+
+def _row_run(fast: bool, cap: int, slots: int, bal=None, steps=24, seed=3):
+    """Decode rows (R = 1) through an int8 step with the tier (``NumpyDevice``, synchronous residency): the decode
+    row path (``MoEStep._tier_row``) when ``fast``, else the general step. Returns outputs, counters, residency."""
+    src, layers = setup()
+    cache = ram_mod.RAMCache(src, slots, io_threads=2)
+    st = step_mod.MoEStep(cache, act="int8")
+    if not fast:
+        st.router_region_ok = lambda: False
+    dev = NumpyDevice()
+    per = max(src.expert_nbytes(l) for l in layers)
+    st.tier = Tier(dev, "olmoe", max(layers) + 1, 8, per, cap * per, "test", env={"COLI_VK_TIER_SYNC": "1"},
+                   balancer=bal if bal is not None else Balancer(enabled=False), log=io.StringIO(),
+                   moe_layers=layers, auto_tokens=True, ram=cache)
+    rng = np.random.default_rng(seed)
+    D = src.layers[layers[0]][0].shape[2]
+    ys = []
+    for s in range(steps):
+        pool = np.array([0, 1, 2, 3]) if s < steps // 4 else np.array([4, 5, 6, 7])   # the routing moves on
+        for l in layers:
+            x = rng.standard_normal((1, D)).astype(np.float32)
+            ids = rng.choice(pool, 2, replace=False).reshape(1, 2)
+            w = rng.random((1, 2)).astype(np.float32)
+            ys.append(st.run(l, x, ids, w))
+    t = st.tier
+    s_ = st.stats
+    # (the RAM cache's hits and LRU order are left out: an expert read back in the background at its eviction
+    # lands when the I/O pool finishes it, on either path)
+    counts = (s_.steps, s_.pairs, s_.cpu_pairs, s_.device_pairs, t.routed_pairs, t.device_pairs, t.evictions,
+              t.uploads, t.handed_rows, t.batches, sorted(t.resident))
+    heat = t.heat.copy()
+    t.close()
+    cache.close()
+    return ys, counts, heat
+
+
+@pytest.mark.skipif(not step_mod._decode.available("int8", ()), reason="the decode row path runs the int8 VNNI kernels")
+@pytest.mark.parametrize("cap,slots,balanced", [(3, 8, False), (16, 8, False), (3, 2, False), (16, 8, True)])
+def test_decode_row_path_matches_the_general_step(cap, slots, balanced):
+    """A decode row with the tier on takes ``MoEStep._tier_row`` (``Tier.issue_row``, the CPU's experts in one
+    compiled call): bit for bit the general step's outputs, the same counters, heat, residency and evictions,
+    with experts on both sides, evictions (cap 3), disk reads inside steps (2 RAM slots) and a
+    balancer that hands rows to the CPU (the general split)."""
+    def bal():
+        if not balanced:
+            return None
+        b = Balancer(enabled=True)
+        b.share = 0.05
+        b.b_ms, b.a_ms = 1e-3, 1e3
+        return b
+    ys_f, c_f, h_f = _row_run(True, cap, slots, bal())
+    ys_g, c_g, h_g = _row_run(False, cap, slots, bal())
+    for a, b in zip(ys_f, ys_g):
+        np.testing.assert_array_equal(a, b)
+    assert c_f == c_g
+    np.testing.assert_array_equal(h_f, h_g)
+    assert c_f[3] > 0 and c_f[2] > 0            # both sides computed pairs
+    if cap == 3:
+        assert c_f[6] > 0                       # evictions
+    if balanced:
+        assert c_f[8] > 0                       # rows handed to the CPU
