@@ -1093,20 +1093,37 @@ def experts(ws, groups, act: Act, pair_out: np.ndarray, kind: int, limit: float,
 GEMM_MIN_ROWS = _G.NR
 
 
+#: work chunks per thread of a prompt chunk's expert kernels (``dynamic_chunk``)
+CHUNKS_PER_THREAD = 16
+
+
+def dynamic_chunk(items: int) -> int:
+    """Iterations per chunk for a ``prange`` over ``items`` work items of unequal cost (an expert's 16-row blocks
+    cost its routed rows): about ``CHUNKS_PER_THREAD`` chunks a thread, which the threading layer hands out as
+    threads finish (``numba.parallel_chunksize``; without it Numba splits the range into one equal share per
+    thread, and a prompt's routing left the busiest of 16 threads 1.3-1.6x the mean: docs/cpu_kernels.md
+    "Prompt experts: dynamic chunks"). The items' results do not depend on the thread that runs them."""
+    return max(1, items // (CHUNKS_PER_THREAD * numba.get_num_threads()))
+
+
 def _experts_gemm(gd, ud, dd, pstart, src, dst, act, a, pair_out, kind, limit, act_mode):
     """``experts`` for prompt chunks in I8 mode: the step's rows gathered into slot order once (codes, scales,
-    block sums, the +128 codes of the tiles), then ``ffn_gate_up_gemm`` and ``mm_grouped_gemm``."""
+    block sums, the +128 codes of the tiles), then ``ffn_gate_up_gemm`` and ``mm_grouped_gemm``, their (expert,
+    16-row block) items in chunks handed out dynamically (``dynamic_chunk``)."""
     xq, xd, xm = act.xq[src], act.xd[src], act.xm[src]
     gb = np.empty_like(a)
     ub = np.empty_like(a)
-    ffn_gate_up_gemm(gd, ud, pstart, xq, xd, xm, _G.act_u8(xq), kind, np.float32(limit), gb, ub, a)
+    n = len(gd)
+    with numba.parallel_chunksize(dynamic_chunk(n * ((int(gd[0, 1]) + _RB - 1) // _RB))):
+        ffn_gate_up_gemm(gd, ud, pstart, xq, xd, xm, _G.act_u8(xq), kind, np.float32(limit), gb, ub, a)
     aa = Act(a, act_mode)
     off = np.zeros(len(dd), np.int64)
-    if aa.mode == I8:
-        mm_grouped_gemm(dd, pstart, dst, off, aa.xq, aa.xd, aa.xm, _G.act_u8(aa.xq), pair_out)
-    else:
-        slots = np.arange(a.shape[0], dtype=np.int64)
-        mm_grouped(dd, pstart, slots, dst, off, aa.mode, aa.xq, aa.xd, aa.xm, aa.x, pair_out)
+    with numba.parallel_chunksize(dynamic_chunk(n * ((int(dd[0, 1]) + _RB - 1) // _RB))):
+        if aa.mode == I8:
+            mm_grouped_gemm(dd, pstart, dst, off, aa.xq, aa.xd, aa.xm, _G.act_u8(aa.xq), pair_out)
+        else:
+            slots = np.arange(a.shape[0], dtype=np.int64)
+            mm_grouped(dd, pstart, slots, dst, off, aa.mode, aa.xq, aa.xd, aa.xm, aa.x, pair_out)
 
 
 # ----------------------------------------------------------------------------------------------- rank-order sum

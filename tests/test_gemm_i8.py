@@ -3,6 +3,7 @@ groups of 4+ rows): exact integer dots where the scales are 1, and a MoE step's 
 reference (gguf.quants' dequantizer, float64, the exact NumPy model of the int8 activation rounding)."""
 from __future__ import annotations
 
+import numba
 import numpy as np
 import pytest
 from numba import njit
@@ -100,6 +101,40 @@ def test_prompt_chunk_experts_run_the_tiles_and_match_reference(name, Fd, monkey
     X.experts([e[0] for e in ex], groups, X.Act(x, "int8"), po_rows, X.ACT_SWIGLU, 0.0, "int8")
     assert calls == [1]
     assert np.abs(po - po_rows).max() <= 1e-5 * np.abs(po_rows).max()
+
+
+def test_prompt_chunk_experts_do_not_depend_on_the_work_chunks(monkeypatch):
+    """The prompt experts' (expert, 16-row block) items are handed out in chunks (``experts.dynamic_chunk``, as
+    threads finish): every pair's output is bit for bit the same for Numba's one-share-per-thread split (chunk 0)
+    and chunks of 1 and 3 items, on a step whose experts have unequal rows."""
+    assert X.dynamic_chunk(4096) == max(1, 4096 // (X.CHUNKS_PER_THREAD * numba.get_num_threads()))
+    rng = np.random.default_rng(5)
+    D, F, R, K, E = 128, 96, 40, 2, 5
+    ex = []
+    for e in range(E):
+        (g, u), _ = _weights("Q8_0", 2, rng, O=F, I=D)
+        (d,), _ = _weights("Q8_0", 1, rng, O=D, I=F)
+
+        class W:
+            pass
+
+        w = W()
+        w.gate, w.up, w.down = g, u, d
+        ex.append(w)
+    x = rng.standard_normal((R, D)).astype(np.float32)
+    p = np.array([0.5, 0.2, 0.15, 0.1, 0.05])          # unequal experts: 4 to ~40 rows
+    ids = np.stack([rng.choice(E, K, replace=False, p=p) for _ in range(R)])
+    flat = ids.reshape(-1)
+    groups = [(np.nonzero(flat == e)[0] // K, np.nonzero(flat == e)[0]) for e in range(E)]
+    outs, seen = [], []
+    for chunk in (0, 1, 3):
+        monkeypatch.setattr(X, "dynamic_chunk", lambda items, c=chunk: (seen.append(items), c)[1])
+        po = np.full((R * K, D), np.nan, np.float32)
+        X.experts(ex, groups, X.Act(x, "int8"), po, X.ACT_SWIGLU, 0.0, "int8")
+        outs.append(po)
+    assert seen[:2] == [E * (F // 16), E * (D // 16)]    # gate/up items, then down items
+    for po in outs[1:]:
+        np.testing.assert_array_equal(po, outs[0])
 
 
 DENSE = [("Q8_0", 40, 128), ("Q5_0", 16, 64), ("MXFP4", 16, 64), ("IQ4_NL", 20, 64), ("IQ4_XS", 20, 256),
