@@ -9,7 +9,7 @@
   compilation is never counted in prefill or decode tok/s.
 * While Numba compiles a kernel (event ``"numba:compile"``, a cache miss) a bar "compiling kernels, once"
   counts the kernels compiled; :func:`end_compile_bar` closes it (the engine calls it when a public call
-  returns).
+  returns). :func:`compiles` gives the process's top-level compiles and their seconds.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ _installed = False
 _install_lock = threading.Lock()
 _compile_bar = None
 _bar_lock = threading.Lock()
+_compiles = [0, 0.0, 0, 0.0]   # top-level compiles, their seconds, nesting depth, start of the open one
 
 
 def stderr_is_terminal() -> bool:
@@ -72,8 +73,13 @@ def install() -> None:
                     s["total"] += time.perf_counter() - s["t0"]
 
         class _CompileBar(ev.Listener):
+            # also counts this process's top-level compiles (a compile nests the compiles of its callees)
             def on_start(self, event):
                 global _compile_bar
+                with _bar_lock:
+                    if _compiles[2] == 0:
+                        _compiles[3] = time.perf_counter()
+                    _compiles[2] += 1
                 if not stderr_is_terminal():
                     return
                 with _bar_lock:
@@ -82,6 +88,10 @@ def install() -> None:
 
             def on_end(self, event):
                 with _bar_lock:
+                    _compiles[2] = max(0, _compiles[2] - 1)
+                    if _compiles[2] == 0:
+                        _compiles[0] += 1
+                        _compiles[1] += time.perf_counter() - _compiles[3]
                     if _compile_bar is not None:
                         _compile_bar.update(1)
 
@@ -96,6 +106,15 @@ def compile_seconds() -> float:
     s = _state()
     extra = time.perf_counter() - s["t0"] if s["depth"] else 0.0
     return s["total"] + extra
+
+
+def compiles() -> tuple[int, float]:
+    """``(top-level compiles, their wall seconds)`` of this process since :func:`install` (Numba's
+    ``"numba:compile"`` events, cache misses; a compile's nested callee compiles are inside its seconds). The test
+    suite's summary line prints it (tests/conftest.py)."""
+    install()
+    with _bar_lock:
+        return _compiles[0], _compiles[1]
 
 
 def end_compile_bar() -> None:

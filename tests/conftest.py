@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -14,28 +13,12 @@ FIXTURES = ROOT / "tests" / "fixtures"
 sys.path.insert(0, str(ROOT))
 
 import cpu_kernels  # noqa: E402, F401  (sets the threading layer before numba is imported anywhere)
-from numba.core import event as _nb_event  # noqa: E402
+from coli import progress as _progress  # noqa: E402
 
 # ------------------------------------------------------------------ where the suite's time goes (a CI log line)
 # Most of a cold run is Numba compiling (docs/cpu_kernels.md "Compile time"); the summary says how much of it this
 # process paid and where the cache is, so a slow CI log tells a cold or unwritable cache from a slow machine.
-_compiles = [0, 0.0, 0, 0.0]   # top-level compiles, their seconds, nesting depth, start of the open one
-
-
-class _CompileClock(_nb_event.Listener):
-    def on_start(self, ev):
-        if _compiles[2] == 0:
-            _compiles[3] = time.perf_counter()
-        _compiles[2] += 1
-
-    def on_end(self, ev):
-        _compiles[2] -= 1
-        if _compiles[2] == 0:
-            _compiles[0] += 1
-            _compiles[1] += time.perf_counter() - _compiles[3]
-
-
-_nb_event.register("numba:compile", _CompileClock())
+_progress.install()
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -48,7 +31,8 @@ def pytest_terminal_summary(terminalreporter):
         where = f"{d} ({size:.0f} MiB, {free:.1f} GiB free, writable: {os.access(d, os.W_OK)})"
     except OSError as e:
         where = f"{d} ({e})"
-    terminalreporter.write_line(f"numba: {_compiles[0]} top-level compiles in this process, {_compiles[1]:.0f} s; "
+    n, secs = _progress.compiles()
+    terminalreporter.write_line(f"numba: {n} top-level compiles in this process, {secs:.0f} s; "
                                 f"cache {where}; load average {os.getloadavg()[0]:.1f}")
 
 # llama.cpp on the same files (../shared/real-inputs.md, the issue): teacher-forced NLL of CAPITALS
