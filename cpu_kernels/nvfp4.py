@@ -7,8 +7,8 @@ weight ``16s + 8 + j`` the high nibble's, with ``ue4m3`` ggml's ``ggml_ue4m3_to_
 is E2M1 doubled; 0x00 and 0x7F decode to 0, bit 7 is ignored).
 
 Kernel layout (``pack``, at prepare time): the nibbles expanded to their int8 ``kvalues_mxfp4`` (|code| <= 12)
-in element order and one f32 scale per 16 weights (the UE4M3 byte through a 256-entry table made by
-``gguf.quants.NVFP4.ue4m3_to_fp32``), i.e. the i-quants' G = 16 layout: ``scale * code`` is the reference's f32
+in element order and one f32 scale per 16 weights (the UE4M3 byte through ``SCALE``, ggml_ue4m3_to_fp32 as
+``gguf.quants.NVFP4.ue4m3_to_fp32`` computes it), i.e. the i-quants' G = 16 layout: ``scale * code`` is the reference's f32
 value bit for bit (every UE4M3 value times a code up to 12 is exact in f32). So NVFP4 runs ``iquants.gemv_g16``,
 ``gemm_g16`` and, with int8 activations, ``gemv_i8_g16`` (a vpdpbusd row with two scales per 32: ggml's
 ``ggml_vec_dot_nvfp4_q8_0`` arithmetic, ``dy * d * sumi`` per sub-block), the int8 GEMM tiles of prompt chunks
@@ -26,16 +26,18 @@ to ``FORMATS`` (``formats.py`` imports it at its end).
 from __future__ import annotations
 
 import numpy as np
-from gguf import quants as gq
 from numba import njit, prange
 
 from coli import nvfp4 as _nv
 
 from . import iquants as _iq
+from . import tiles as _tiles
 from .formats import FORMATS, _row
 
-#: UE4M3 byte -> its f32 block scale, halved (ggml_ue4m3_to_fp32, through gguf.quants)
-SCALE = np.ascontiguousarray(gq.NVFP4.ue4m3_to_fp32(np.arange(256, dtype=np.uint8)).astype(np.float32))
+#: UE4M3 byte -> its f32 block scale, halved (ggml_ue4m3_to_fp32): the t16 tile's table (``tiles._UE4M3``, the
+#: formula its kernel uses, asserted bit for bit against gguf.quants.NVFP4.ue4m3_to_fp32 on every byte at import)
+#: indexed by the byte as the tile rewrites it
+SCALE = np.ascontiguousarray(_tiles._UE4M3[_tiles._ue4m3_byte(np.arange(256, dtype=np.uint8))])
 _KV = np.ascontiguousarray(_nv.KVALUES)
 
 
