@@ -19,6 +19,7 @@ import time
 
 from coli import settings
 from coli.errors import ColiError
+from coli.fetch import MODEL_NAMES  # the names -m takes besides a path (coli models lists them)
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
@@ -32,28 +33,14 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-# names ``-m`` accepts besides a path: coli.fetch's models and the demo MoE (coli models lists them)
-MODEL_NAMES = {"smollm2": "smollm2", "gemma3-270m": "gemma3", "qwen2.5-coder-0.5b": "qwen25", "demo": None,
-               "gemma3": "gemma3", "qwen25": "qwen25"}
-
-
 def resolve_model(name, quiet=False):
-    """A ``-m`` value as a path: a known name (fetched or built on first use) or an existing file."""
+    """A ``-m`` value as a path: a known name (fetched or built on first use) or an existing file
+    (``coli.fetch.resolve``)."""
     if name is None:
         return None
-    if not os.path.exists(name) and name.lower() in MODEL_NAMES:
-        key = MODEL_NAMES[name.lower()]
-        if key is None:
-            from coli.demo import demo_model_path
+    from coli.fetch import resolve
 
-            return str(demo_model_path(quiet=quiet))
-        from coli.fetch import model_path
-
-        return str(model_path(key, quiet=quiet))
-    if not os.path.exists(name):
-        raise ColiError(f"{name}: no such file (give a GGUF path or a model name: "
-                        f"{', '.join(k for k in MODEL_NAMES if k not in ('gemma3', 'qwen25'))}; see coli models)")
-    return name
+    return resolve(name, quiet=quiet)
 
 
 def _engine_args(p: argparse.ArgumentParser, model_required=False):

@@ -245,7 +245,9 @@ def expert_cache_slots(n_experts: int, top_k: int, expert_bytes: int, n_moe_laye
 
 
 class Engine:
-    """A loaded model.
+    """A loaded model. ``path``: a GGUF file, a Hugging Face folder, or a name ``coli run -m`` takes (``smollm2``,
+    ``gemma3-270m``, ``qwen2.5-coder-0.5b``, ``demo``: fetched or built on first use, ``coli.fetch.resolve``);
+    None is the demo MoE.
 
     Options: ``threads`` (Numba threads; default: physical cores available), ``ctx`` (the most positions a
     sequence holds: a generate's KV cache holds its prompt plus ``max_tokens``, a ``keep_kv`` one the whole
@@ -272,6 +274,10 @@ class Engine:
             from coli.demo import demo_model_path
 
             path = demo_model_path(quiet=quiet)
+        else:   # a path, or a name `coli run -m` takes (smollm2, gemma3-270m, qwen2.5-coder-0.5b, demo)
+            from coli.fetch import resolve
+
+            path = resolve(path, quiet=quiet)
         self._lock = threading.RLock()  # one call or generation step at a time (engine_threads)
         self.path = Path(path)
         self.quiet = quiet

@@ -41,13 +41,8 @@ ARMS = {"cpu": dict(device=None), "tier": dict(device="vulkan", balance=False),
 
 
 def resolve_model(name: str) -> str:
-    if name == "demo":
-        from coli.demo import demo_model_path
-        return str(demo_model_path(quiet=False))
-    if os.path.exists(name):
-        return name
-    from coli.fetch import model_path
-    return str(model_path(name))
+    from coli.fetch import resolve
+    return resolve(name)
 
 
 def check_engine_api():

@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import signal
 import statistics
 import subprocess
@@ -66,17 +65,13 @@ def cpu_name() -> str:
 
 
 def resolve_model(name: str) -> Path:
-    """A path, ``demo`` (coli's demo MoE, built on first use) or a key of ``coli.fetch.MODELS``."""
-    p = Path(name)
-    if p.exists():
-        return p.resolve()
-    if name == "demo":
-        from coli.demo import demo_model_path
-        return Path(demo_model_path(quiet=False))
-    from coli.fetch import MODELS, model_path
-    if name not in MODELS:
-        sys.exit(f"bench_vs_llamacpp: model {name!r}: not a file, 'demo' or one of {', '.join(MODELS)}")
-    return Path(model_path(name))
+    """A path, ``demo`` (coli's demo MoE, built on first use) or a model name (``coli.fetch.resolve``)."""
+    from coli.errors import ColiError
+    from coli.fetch import resolve
+    try:
+        return Path(resolve(name)).resolve()
+    except ColiError as e:
+        sys.exit(f"bench_vs_llamacpp: model {e}")
 
 
 def llama_bench_path(a) -> Path:

@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -166,3 +167,15 @@ def test_model_names_and_models_listing(capsys, model_path):
     assert str(model_path("smollm2")) in out
     rc, _, err = _run(capsys, "run", "-m", "llama-9000", "-p", "x")
     assert rc == 2 and "llama-9000: no such file" in err and "smollm2" in err
+
+
+def test_the_api_takes_the_cli_model_names(model_path):
+    """``coli.Engine("smollm2")`` opens what ``coli run -m smollm2`` opens (``coli.fetch.resolve``: one resolver for
+    the CLI, the API and the scripts); an unknown name is the CLI's one-line error, before anything is loaded."""
+    import coli
+    from coli.errors import ColiError
+
+    with coli.Engine("SmolLM2") as eng:
+        assert eng.path == Path(model_path("smollm2"))
+    with pytest.raises(ColiError, match="llama-9000: no such file .*smollm2"):
+        coli.Engine("llama-9000")
