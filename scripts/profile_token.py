@@ -2,7 +2,7 @@
 """Per-part timers of one decode token and one prefill chunk of a coli model, as a table.
 
     python scripts/profile_token.py MODEL [-t THREADS] [--tokens 32] [--prompt 64] [--cpu-act int8|f32]
-                                          [--py-spy out.svg] [--calls]
+                                          [--py-spy out.svg] [--calls] [--head-apart]
 
 MODEL: a GGUF path, a name ``coli.fetch`` knows (smollm2, qwen25, gemma3), ``demo`` (the demo MoE) or the file
 of ``scripts/make_synthetic_moe.py``. The script wraps the forward path's parts (the methods of the blocks in

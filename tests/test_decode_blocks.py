@@ -174,3 +174,19 @@ def test_token_region_head_gives_nan_logits_for_a_non_finite_row(name, fill, mod
             assert np.isfinite(clean).all() and lg.shape == clean.shape and np.isnan(lg).all()
             out.append(clean)
     assert np.array_equal(out[0], out[1])
+
+
+def test_token_region_refuses_logits_it_has_no_head_for(monkeypatch):
+    """``TokenDecode.__call__`` with logits of another shape, or after ``set_head`` refused, is a ValueError naming
+    the region's head rows (not a write past the array inside the compiled region)."""
+    monkeypatch.setattr(decode, "ENABLED", True)
+    with Engine(FIXTURES / "oracles" / "rope_llama3.gguf", threads=2, cpu_act="int8") as eng:
+        m = eng.model
+        V = m.token_dec.vocab
+        kv = m.new_cache(8)
+        h = m.embed(np.array([3]))
+        with pytest.raises(ValueError, match=f"logits float32 \\[1, {V - 1}\\] but the region's head has {V} rows"):
+            m.token_dec(h, kv, 0, np.empty((1, V - 1), np.float32))
+        m.token_dec.vocab = 0
+        with pytest.raises(ValueError, match="0: set_head was not called or refused"):
+            m.token_dec(h, kv, 0, np.empty((1, V), np.float32))
