@@ -141,8 +141,8 @@ def _qkv_post(qkv, b_q, b_k, b_v, qk_mode, w_qn, w_kn, eps, q, k, v, pos, cos, s
             vc[g, p, i] = v[0, g, i]
 
 
-#: phases of :func:`_attention_phases`, :func:`_ffn_phases` and :func:`experts_row`
-ATTN_PHASES, FFN_PHASES, EXPERT_PHASES = 7, 5, 5
+#: phases of :func:`_attention_phases`, :func:`_ffn_phases`, :func:`_head_phases` and :func:`experts_row`
+ATTN_PHASES, FFN_PHASES, HEAD_PHASES, EXPERT_PHASES = 7, 5, 3, 5
 # the first phase ``b`` of the phase functions as int64 values, not Python ints: Numba types an int constant passed
 # to a compiled function as Literal[int](value) and compiles the callee once per literal (and again for an int64
 # variable), so _attention_phases compiled twice and _ffn_phases three times (minutes each on 2 cores)
@@ -216,6 +216,37 @@ def _ffn_phases(ctr, b, nt, h, eps, w_norm, x, xq, xd, xm, gd, ud, dd, d_nch, ps
     wait(ctr, b + 4, 1)
 
 
+@njit(**_JIT)
+def _nan_if_not_finite(h, out):
+    """out[0, :] = NaN when row h f32 [1, D] holds a NaN or an infinity (``Model.head``'s rule), by the bits
+    (exponent all ones), which no fastmath flag can fold away."""
+    bits = h.reshape(h.size).view(np.uint32)
+    for i in range(bits.shape[0]):
+        if bits[i] & 0x7F800000 == 0x7F800000:
+            out[0, :] = np.nan
+            return
+
+
+@njit(**_FJIT)
+def _head_phases(ctr, b, nt, h, eps, w_norm, x, xq, xd, xm, desc, nch, pstart1, rows1, off1, out):
+    """One thread's part of the output head (phases ``b`` .. ``b + 2``) on the last hidden row ``h`` f32 [1, D]:
+    ``out`` f32 [1, V] = output(rms_norm(h, w_norm)) with the norm's int8 codes in x/xq/xd/xm (``Model.head``'s
+    kernels: ``Act.rms_norm``'s ``_rms_norm_q8`` and ``mm_grouped``'s work items), then NaN logits for a
+    non-finite ``h``. ``desc`` int64 [1, 13] the output weight's descriptor (``nch`` int64 [2] its block counts);
+    with ``w_norm`` empty there is no head here (the caller runs ``Model.head``)."""
+    if w_norm.shape[0] == 0:
+        return
+    if serial(ctr, b):
+        _E._rms_norm_q8(h, w_norm, eps, x, xq, xd, xm)
+        finish(ctr, b, 1)
+    wait(ctr, b, 1)
+    _mm_items(ctr, b + 1, nt, desc, nch, pstart1, rows1, rows1, off1, xq, xd, xm, x, out)
+    if serial(ctr, b + 2):
+        _nan_if_not_finite(h, out)
+        finish(ctr, b + 2, 1)
+    wait(ctr, b + 2, 1)
+
+
 @njit(**_PJIT)
 def attention_block(nt, ctr, h, eps, w_norm, x, xq, xd, xm,
                     qkv_desc, qkv_nch, qkv_off, pstart3, rows3, qkv, b_q, b_k, b_v,
@@ -285,9 +316,13 @@ def token_block(nt, ctr, h, eps, W_NORM, x, xq, xd, xm,
                 pos, COS, SIN, rshape, n_rot, neox,
                 KC, VC, kshape, vshape, SCALE, WINDOW, sinks, serial_work, att, a2, aq, ad, am,
                 O_DESC, O_NCH, pstart1, rows1, off1, y, BO, POST_W, y2,
-                F_W_NORM, GD, UD, DD, D_NCH, kind, limit, fa, faq, fad, fam, F_POST_W):
+                F_W_NORM, GD, UD, DD, D_NCH, kind, limit, fa, faq, fad, fam, F_POST_W,
+                out_norm, head_desc, head_nch, logits):
     """Every layer of a dense model for one decode row in ONE parallel region (``ctr``
-    ``sync.counters(L * (ATTN_PHASES + FFN_PHASES))``): layer l runs :func:`layer_block`'s phases with row l
+    ``sync.counters(L * (ATTN_PHASES + FFN_PHASES) + HEAD_PHASES)``), then the output head into ``logits`` f32
+    [1, V] (:func:`_head_phases`: ``out_norm`` f32 [D] the output norm's weight, or empty for no head;
+    ``head_desc`` int64 [1, 13] the output weight's descriptor, ``head_nch`` int64 [2]): layer l runs
+    :func:`layer_block`'s phases with row l
     of the stacked per-layer arrays (``W_NORM`` f32 [L, D], ``QKV_DESC`` int64 [L, 3, 13], ``BQ`` f32 [L, n]
     or [L, 0], ``SCALE`` f32 [L], ``WINDOW`` int64 [L], ...); its KV cache and RoPE tables are addressed by
     ``KC``/``VC``/``COS``/``SIN`` int64 [L] (the f32 arrays' addresses) with shapes ``kshape``/``vshape``
@@ -307,6 +342,8 @@ def token_block(nt, ctr, h, eps, W_NORM, x, xq, xd, xm,
                               BO[il], POST_W[il], y2)
             _ffn_phases(ctr, b + ATTN_PHASES, nt, h, eps, F_W_NORM[il], x, xq, xd, xm, GD[il], UD[il], DD[il],
                         D_NCH[il], pstart1, rows1, off1, kind, limit, fa, faq, fad, fam, y, F_POST_W[il], y2)
+        _head_phases(ctr, W_NORM.shape[0] * (ATTN_PHASES + FFN_PHASES), nt, h, eps, out_norm, x, xq, xd, xm,
+                     head_desc, head_nch, pstart1, rows1, off1, logits)
 
 
 @njit(**_PJIT)
@@ -340,6 +377,7 @@ def experts_row(nt, ctr, x, xq, xd, xm, gd, ud, dd, d_nch, pstart, src, dst, off
 
 
 _NONE = np.zeros(0, np.float32)
+_NO_LOGITS = np.zeros((1, 0), np.float32)
 
 
 def _f32_or_none(a):
@@ -550,9 +588,28 @@ class TokenDecode:
         self.f_w_norm, self.f_post_w = st([f.w_norm for f in F]), st([f.post_w for f in F])
         self.gd, self.ud, self.dd = st([f.f.gd for f in F]), st([f.f.ud for f in F]), st([f.f.dd for f in F])
         self.d_nch = st([f.d_nch for f in F])
-        self.ctr = counters(len(layers) * (ATTN_PHASES + FFN_PHASES))
+        self.ctr = counters(len(layers) * (ATTN_PHASES + FFN_PHASES) + HEAD_PHASES)
         self._cache = None
         self._ropes = None   # the RoPE tables whose addresses are in cos/sin (kept alive here)
+        self.vocab = 0       # the head's rows: 0 = no head in the region (set_head)
+        self.out_norm, self.head_desc, self.head_nch = _NONE, np.zeros((1, 13), np.int64), np.zeros(2, np.int64)
+        self._w_out = None
+
+    def set_head(self, w_out, out_norm, eps: float) -> bool:
+        """Run the model's output head in the token's region too (``Model.head``: RMSNorm with ``out_norm`` f32
+        [D] and ``eps``, the output weight ``w_out`` [V, D] with int8 activations; then NaN logits for a
+        non-finite row): True when it can (``w_out`` a weight of the grouped kernels, ``eps`` the layers'
+        epsilon), else False and the caller keeps ``Model.head``."""
+        a = self.A[0]
+        if not (available(a.attn.m.act, [w_out], w_out.shape[1]) and w_out.shape[1] == a.x.shape[1]
+                and np.float64(eps) == a.eps and out_norm is not None and out_norm.shape == (w_out.shape[1],)):
+            return False
+        self._w_out = w_out   # its arrays back the descriptor's addresses
+        self.out_norm = _f32_or_none(out_norm)
+        self.head_desc = np.ascontiguousarray(w_out.desc.reshape(1, -1))
+        self.head_nch = _nch(self.head_desc)
+        self.vocab = int(w_out.shape[0])
+        return True
 
     @staticmethod
     def of(layers):
@@ -594,10 +651,20 @@ class TokenDecode:
         self._cache = cache
         return True
 
-    def __call__(self, h: np.ndarray, cache, pos0: int) -> bool:
-        """Run every layer on ``h``; False (nothing done) when this cache's layers do not share one shape."""
+    def __call__(self, h: np.ndarray, cache, pos0: int, logits: np.ndarray | None = None) -> bool:
+        """Run every layer on ``h``, then (with ``logits`` f32 [1, vocab], C-contiguous, after :meth:`set_head`)
+        the output head into ``logits``; False (nothing done) when this cache's layers do not share one shape.
+        ValueError for ``logits`` without a head or of another shape."""
         if cache is not self._cache and not self._addresses(cache):
             return False
+        if logits is None:
+            out_norm, logits = _NONE, _NO_LOGITS
+        elif self.vocab and logits.shape == (1, self.vocab) and logits.dtype == np.float32 \
+                and logits.flags.c_contiguous:
+            out_norm = self.out_norm
+        else:
+            raise ValueError(f"token region: logits {logits.dtype} {list(logits.shape)} but the region's head has "
+                             f"{self.vocab} rows (0: set_head was not called or refused)")
         a, f, b = self.A[0], self.F[0], self.b
         a.pos[0] = pos0
         token_block(numba.get_num_threads(), self.ctr, h, a.eps, self.w_norm, a.x, a.xq, a.xd, a.xm,
@@ -607,5 +674,5 @@ class TokenDecode:
                     self.kc, self.vc, self.kshape, self.vshape, self.scale, self.window, _NONE, _attn.SERIAL_WORK,
                     a.att, a.a2, a.aq, a.ad, a.am, self.o_desc, self.o_nch, a.pstart1, a.rows1, _E._ZERO1, a.y,
                     b[3], self.post_w, a.y2, self.f_w_norm, self.gd, self.ud, self.dd, self.d_nch, f.f.kind,
-                    f.f.limit, f.a, f.aq, f.ad, f.am, self.f_post_w)
+                    f.f.limit, f.a, f.aq, f.ad, f.am, self.f_post_w, out_norm, self.head_desc, self.head_nch, logits)
         return True

@@ -2,7 +2,7 @@
 """Per-part timers of one decode token and one prefill chunk of a coli model, as a table.
 
     python scripts/profile_token.py MODEL [-t THREADS] [--tokens 32] [--prompt 64] [--cpu-act int8|f32]
-                                          [--py-spy out.svg] [--calls]
+                                          [--py-spy out.svg] [--calls] [--head-apart]
 
 MODEL: a GGUF path, a name ``coli.fetch`` knows (smollm2, qwen25, gemma3), ``demo`` (the demo MoE) or the file
 of ``scripts/make_synthetic_moe.py``. The script wraps the forward path's parts (the methods of the blocks in
@@ -17,12 +17,19 @@ attention block        a decode row's whole attention block in one compiled call
 norms                  the layer RMSNorms and the final norm (with the input's int8 quantization when fused)
 dense FFN              gate/up/down and the activation of a dense layer (a decode row: the compiled block
                        with its norm and residual)
+token region           a dense model's decode row through every layer in one compiled call, with the output
+                       norm and head in it where they can run there (``Model.token_head``; ``--head-apart``:
+                       the head as its own call, timed as lm_head / norms)
 router                 router logits and top-k (``moe`` less the step)
 MoE experts            ``MoEStep.run`` (the CPU experts, the join, the rank-order sum)
 lm_head                the output projection
-embed                  token embedding lookup
+embed                  token embedding lookup (a decode row's: one compiled call, ``cpu_kernels.embed``)
 python / other         ``forward``'s own time: everything not in a part above
 =====================  ==================================================================================
+
+The prompt rows before the timed decode tokens (4) are charged too: a part that only the prompt runs (attention
+matmuls, dense FFN, norms ... of a dense model whose decode rows run in the token region) shows a small figure
+with calls/token 0 or 1.
 
 ``--calls`` counts Python-level calls and np.empty/np.zeros per decode token with cProfile. The untimed run's
 ms/token is printed too: the timers add ~1 us per wrapped call. ``--py-spy`` records the
@@ -46,8 +53,8 @@ import cpu_kernels  # noqa: E402,F401  (threading layer before numba)
 import numpy as np  # noqa: E402
 
 PARTS = ["attention matmuls", "attention core", "attention block", "layer region (attention + dense FFN)",
-         "token region (every layer)", "norms", "dense FFN", "router", "MoE experts", "lm_head", "embed",
-         "python / other"]
+         "token region (every layer)", "token region (every layer + head)", "norms", "dense FFN", "router",
+         "MoE experts", "lm_head", "embed", "python / other"]
 
 # (wrapped name, the part it is charged to given the innermost wrapped caller)
 _KERNELS = {  # module-level kernel names in coli.models.blocks / base / the family file; part by caller
@@ -82,7 +89,7 @@ _METHODS = {  # (class, method) of the blocks and the model: the part of their o
     ("AttentionDecode", "__call__"): ("attention_block", "attention block"),  # cpu_kernels/decode.py
     ("FFNDecode", "__call__"): ("ffn_block", "dense FFN"),
     ("LayerDecode", "__call__"): ("layer_block", "layer region (attention + dense FFN)"),
-    ("TokenDecode", "__call__"): ("token_block", "token region (every layer)"),
+    ("TokenDecode", "__call__"): ("token_block", "token region (every layer)"),  # "+ head": set in main
 }
 _MM = {"qkv": "attention matmuls", "out": "attention matmuls", "dense_ffn": "dense FFN", "forward": "lm_head",
        "moe": "router", "mla_attend_block": "attention matmuls", "indexer": "attention core",
@@ -219,6 +226,9 @@ def main(argv=None):
                     help="also count Python-level calls and np.empty/np.zeros per decode token (cProfile)")
     ap.add_argument("--layer-regions", action="store_true",
                     help="a dense model's layers as one region each (timed apart), not one region per token")
+    ap.add_argument("--head-apart", action="store_true",
+                    help="a dense model's output head as its own call (Model.head, timed apart), not in the token "
+                         "region")
     ap.add_argument("--split-layers", action="store_true",
                     help="a dense layer's attention and FFN blocks as two regions (timed apart), not one")
     a = ap.parse_args(argv)
@@ -232,6 +242,10 @@ def main(argv=None):
     set_threads(eng.threads)  # the model is called directly below, not through the engine's calls that set them
     if a.split_layers or a.layer_regions:
         m.token_dec = None
+    if a.head_apart:
+        m.token_head = False
+    if getattr(m, "token_head", False) and m.token_dec is not None:
+        _METHODS[("TokenDecode", "__call__")] = ("token_block", "token region (every layer + head)")
     if a.split_layers:
         for L in m.layers:
             if getattr(L, "layer_dec", None) is not None:

@@ -45,8 +45,9 @@ def _decode(path, enabled: bool, monkeypatch, n_prompt: int = 30, n_tokens: int 
                 assert (L.layer_dec is not None) == enabled  # attention and FFN in one parallel region
         if m.step is not None:
             assert (m.step._row is not None) == enabled
-        else:   # a dense model: every layer in one region per token
+        else:   # a dense model: every layer and the output head in one region per token
             assert (m.token_dec is not None) == enabled
+            assert m.token_head == enabled
         out = greedy_logits(m, n_prompt, n_tokens)
         counters = None
         if m.step is not None:
@@ -144,3 +145,48 @@ def test_a_smaller_cache_made_later_does_not_shrink_the_rope_tables(act):
             m.forward(np.arange(58) % 50 + 5, kv)
             out.append(np.array([m.forward(np.array([t]), kv)[0] for t in (3, 9)]))
     assert np.array_equal(out[0], out[1])
+
+
+@pytest.mark.parametrize("name, fill", [("rope_llama3", np.nan), ("smollm2", np.nan), ("smollm2", np.inf)])
+def test_token_region_head_gives_nan_logits_for_a_non_finite_row(name, fill, model_path, monkeypatch):
+    """The head inside the token region keeps ``Model.head``'s rule: a hidden row holding a NaN or an infinity
+    gives a row of NaN logits, on both paths (SmolLM2's Q8_0 head with int8 activations would round the row to
+    finite codes and print normal-looking logits; rope_llama3's F32 head propagates the NaN itself)."""
+    path = FIXTURES / "oracles" / "rope_llama3.gguf" if name == "rope_llama3" else model_path(name)
+    out = []
+    for enabled in (False, True):
+        monkeypatch.setattr(decode, "ENABLED", enabled)
+        with Engine(path, threads=2, cpu_act="int8") as eng:
+            m = eng.model
+            assert m.token_head == enabled
+            kv = m.new_cache(16)
+            m.forward(np.arange(5) + 3, kv)
+            clean = m.forward(np.array([7]), kv)
+            embed = m.embed
+
+            def poisoned(ids):
+                h = embed(ids)
+                h[0, 3] = fill
+                return h
+
+            monkeypatch.setattr(m, "embed", poisoned)
+            lg = m.forward(np.array([8]), kv)
+            assert np.isfinite(clean).all() and lg.shape == clean.shape and np.isnan(lg).all()
+            out.append(clean)
+    assert np.array_equal(out[0], out[1])
+
+
+def test_token_region_refuses_logits_it_has_no_head_for(monkeypatch):
+    """``TokenDecode.__call__`` with logits of another shape, or after ``set_head`` refused, is a ValueError naming
+    the region's head rows (not a write past the array inside the compiled region)."""
+    monkeypatch.setattr(decode, "ENABLED", True)
+    with Engine(FIXTURES / "oracles" / "rope_llama3.gguf", threads=2, cpu_act="int8") as eng:
+        m = eng.model
+        V = m.token_dec.vocab
+        kv = m.new_cache(8)
+        h = m.embed(np.array([3]))
+        with pytest.raises(ValueError, match=f"logits float32 \\[1, {V - 1}\\] but the region's head has {V} rows"):
+            m.token_dec(h, kv, 0, np.empty((1, V - 1), np.float32))
+        m.token_dec.vocab = 0
+        with pytest.raises(ValueError, match="0: set_head was not called or refused"):
+            m.token_dec(h, kv, 0, np.empty((1, V), np.float32))

@@ -17,6 +17,7 @@ from coli.errors import ColiError
 from cpu_kernels import experts as grouped
 from cpu_kernels import formats
 from cpu_kernels.decode import TokenDecode
+from cpu_kernels.embed import rows as embed_rows
 from cpu_kernels.norms import rms_norm
 
 from . import rope_scaling
@@ -236,8 +237,11 @@ class Model:
         self._ropes: dict = {}
         self.check_shapes()
         self.layers = [self.make_layer(il) for il in range(args.n_layers)]
-        # a dense model's decode row through every layer in one compiled call (None: the layers one by one)
+        # a dense model's decode row through every layer in one compiled call (None: the layers one by one), with
+        # the output head in the same call where it can (token_head)
         self.token_dec = TokenDecode.of(self.layers)
+        self.token_head = self.token_dec is not None and self.token_dec.set_head(self.w_out, self.out_norm,
+                                                                                  args.eps)
         self.moe_layers = [il for il, L in enumerate(self.layers) if getattr(L, "moe", None) is not None]
         self.dense_bytes = sum(t.nbytes for n, t in self.t.items() if "_exps" not in n)
 
@@ -321,8 +325,13 @@ class Model:
         """The embedding rows of ``ids`` f32 [T, D]; ColiError naming ``token_embd.weight`` and the token when a
         row holds a NaN or an infinity (the table is not checked whole at load: it is read row by row)."""
         ti = self.tok_embd
-        h = dequantize(ti.type_name, ti.raw[ids], ti.shape[-1])
-        r = finite.first_bad_row(h)
+        got = embed_rows(ti.type_name, ti.raw, ids, ti.shape[-1])   # one compiled call (cpu_kernels/embed.py)
+        if got is not None:
+            h, r = got
+            r = None if r < 0 else r
+        else:
+            h = dequantize(ti.type_name, ti.raw[ids], ti.shape[-1])
+            r = finite.first_bad_row(h)
         if r is not None:
             raise ColiError(f"{self.wt.fname}: tensor '{ti.name}' has a non-finite value in row {int(ids[r])} (the "
                             "embedding of that token): the file is damaged (a NaN or infinity in a weight)")
@@ -357,12 +366,20 @@ class Model:
         h = self.embed(ids)
         if self.embed_scale:
             h *= np.float32(self.embed_scale)
-        if not (T == 1 and self.token_dec is not None and self.token_dec(h, cache, pos0)):
+        lg, done = None, False
+        if T == 1 and self.token_dec is not None:
+            # every layer and (token_head) the head in one compiled call: the same kernels, the same bits
+            lg = np.empty((1, self.token_dec.vocab), np.float32) if self.token_head else None
+            done = self.token_dec(h, cache, pos0, lg)
+        if not done:
+            lg = None
             for L, c in zip(self.layers, cache.layers):
                 h = L(h, c, pos0)
         if self.step is not None and self.step.usage is not None and self.moe_layers:
             self.step.usage.add_tokens(T)
         cache.pos = pos0 + T
+        if lg is not None:
+            return lg
         if not all_logits:
             h = h[-1:]
         return self.head(h)
