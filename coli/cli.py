@@ -63,7 +63,8 @@ def _engine_args(p: argparse.ArgumentParser, model_required=False):
                         "COLI_VULKAN=1, COLI_VK_DEV=N); default cpu")
     p.add_argument("--balance", dest="balance", action="store_true", default=None,
                    help="open the best Vulkan device with the tier and the measured-time balancer")
-    p.add_argument("--no-balance", dest="balance", action="store_false", help="tier without the balancer")
+    p.add_argument("--no-balance", dest="balance", action="store_false",
+                   help="open the best Vulkan device with the tier, without the balancer")
     p.add_argument("--tier-gb", type=float, default=None, metavar="GB",
                    help="device memory for resident experts in GiB (COLI_VK_TIER_GB; default: the budget rule, "
                         "docs/tier.md)")
@@ -83,10 +84,12 @@ def _open_engine(a, quiet=False, save_usage=True):
         device, index = "vulkan", int(device[7:])
     elif device not in (None, "cpu", "vulkan"):
         raise ColiError(f"--device: '{device}' (cpu, vulkan or vulkan:N)")
-    if device is None and (a.balance or settings.get("COLI_VULKAN")):
-        device = "vulkan"
-    if a.balance and device == "cpu":
-        raise ColiError("--balance needs the device: drop --device cpu")
+    tier_flags = [f for f, on in (("--balance", a.balance is True), ("--no-balance", a.balance is False),
+                                  ("--reproducible", a.reproducible)) if on]
+    if device is None and (tier_flags or settings.get("COLI_VULKAN")):
+        device = "vulkan"   # the tier's flags open the best Vulkan device, as --device vulkan does
+    if tier_flags and device == "cpu":
+        raise ColiError(f"{tier_flags[0]} needs the device: drop --device cpu")
     if a.reproducible and a.balance:
         raise ColiError("--reproducible runs without the balancer: drop --balance")
     if a.tier_gb is not None and not a.tier_gb >= 0:
@@ -471,7 +474,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench)
 
     pl = sub.add_parser("plan", help="what a model takes here (RAM, KV cache, expert cache, device, disk), before loading it")
-    pl.add_argument("-m", "--model", default=None, help="GGUF file (default: the demo MoE)")
+    pl.add_argument("-m", "--model", default=None,
+                    help="GGUF file or a model name (smollm2, gemma3-270m, qwen2.5-coder-0.5b, demo; default: demo)")
     pl.add_argument("--device", choices=["cpu", "vulkan"], default=None, help="vulkan: read the device's heaps for the tier")
     pl.add_argument("--ctx", type=int, default=None,
                     help="KV cache positions (default: the trained context, capped by RAM as coli run's)")
@@ -480,7 +484,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=cmd_plan)
 
     tu = sub.add_parser("tune", help="sweep threads, I/O threads, threading layers (and the device): CSV, PNG, a recommendation")
-    tu.add_argument("-m", "--model", default=None, help="GGUF file (default: the demo MoE)")
+    tu.add_argument("-m", "--model", default=None,
+                    help="GGUF file or a model name (smollm2, gemma3-270m, qwen2.5-coder-0.5b, demo; default: demo)")
     tu.add_argument("--device", choices=["cpu", "vulkan"], default=None, help="vulkan: also sweep device on/off, balancer on/off")
     tu.add_argument("--out", default="coli-tune", metavar="DIR", help="folder for tune.csv and tune.png (default ./coli-tune)")
     tu.add_argument("--save", action="store_true", help="write the recommendation to ~/.config/coli/config.toml (coli run reads it)")

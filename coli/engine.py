@@ -399,7 +399,7 @@ class Engine:
         ``budget_bytes`` / ``budget_rule``), the RAM cache's size and the dense bytes, the history, the
         trace, the start line, the warm start (the cache's ``source.read_checked`` on a thread pool)."""
         if device != "vulkan":
-            raise ColiError(f"--device: '{device}' (cpu or vulkan)")
+            raise ColiError(f"{self._name('device')}: '{device}' (cpu or vulkan)")
         try:
             from coli import vulkan as cvk
 
@@ -470,7 +470,7 @@ class Engine:
             self.usage.discard_pending()  # routing of a step an earlier call did not finish
         ctx = max(self.ctx, 1)
         if n > ctx:
-            raise ColiError(f"prompt: {n} tokens do not fit the context of {ctx} positions (--ctx)")
+            raise ColiError(f"prompt: {n} tokens do not fit the context of {ctx} positions ({self._name('ctx')})")
         cap = ctx if positions is None else min(ctx, max(n, int(positions)))
         return self.model.new_cache(cap, rope_ctx=ctx)
 
@@ -621,7 +621,7 @@ class Engine:
         ``Tokenizer.encode_chat``, one BOS where the file asks for one; a model without a template gets
         llama.cpp's ChatML fallback, with a note on stderr unless quiet)."""
         if prompt is None or prompt == "":
-            raise ColiError("prompt: empty (give -p TEXT)")
+            raise ColiError("prompt: empty (give -p TEXT)" if self.cli_names else "prompt: empty (give a non-empty string)")
         if chat:
             ids = self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
             if self.tokenizer.template_fallback and not self.quiet:

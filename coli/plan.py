@@ -176,14 +176,9 @@ def format_table(p: dict) -> str:
 
 def cmd_plan(a) -> int:
     """``coli plan -m MODEL [--device vulkan] [--ctx N] [--expert-cache N] [--json]``."""
-    import os
+    from coli.fetch import resolve
 
-    if not a.model:
-        from coli.demo import demo_model_path
-
-        a.model = str(demo_model_path(quiet=False))
-    if not os.path.exists(a.model):
-        raise ColiError(f"{a.model}: no such file")
+    a.model = resolve(a.model or "demo", quiet=False)   # a path or a name -m takes (smollm2, demo, ...)
     p = make_plan(a.model, device=a.device, ctx=a.ctx, expert_cache=a.expert_cache)
     if a.json:
         json.dump(p, sys.stdout, indent=2)

@@ -308,12 +308,11 @@ def cmd_tune(a) -> int:
     from coli.bench import parse_int_list
     from coli.progress import bar
 
-    if a.model is None:
-        from coli.demo import demo_model_path
+    from coli.fetch import resolve
 
-        a.model = str(demo_model_path(quiet=False))
+    a.model = resolve(a.model or "demo", quiet=False)   # a path or a name -m takes (smollm2, demo, ...)
     if not os.path.isfile(a.model):
-        raise ColiError(f"{a.model}: no such file")
+        raise ColiError(f"{a.model}: not a GGUF file (coli tune takes a .gguf file or a model name)")
     if a.reps < 1:
         raise ColiError(f"--reps: {a.reps} (at least 1)")
     if a.n_prompt < 1 or a.n_gen < 2:

@@ -179,3 +179,17 @@ def test_the_api_takes_the_cli_model_names(model_path):
         assert eng.path == Path(model_path("smollm2"))
     with pytest.raises(ColiError, match="llama-9000: no such file .*smollm2"):
         coli.Engine("llama-9000")
+
+
+def test_api_errors_name_the_api_arguments():
+    """Errors of an Engine the API opened name its arguments, not the CLI's flags (``Engine._name``)."""
+    import coli
+    from coli.errors import ColiError
+
+    with pytest.raises(ColiError, match=r"^device: 'cuda' \(cpu or vulkan\)"):
+        coli.Engine("smollm2", device="cuda")
+    with coli.Engine("smollm2", ctx=8) as eng:
+        with pytest.raises(ColiError, match=r"^prompt: empty \(give a non-empty string\)"):
+            eng.generate("")
+        with pytest.raises(ColiError, match=r"positions \(ctx\)$"):
+            eng.logits(list(range(1, 12)))

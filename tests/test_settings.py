@@ -100,6 +100,31 @@ def test_device_flags_parsed(capsys):
         assert msg in capsys.readouterr().err
 
 
+def test_tier_flags_open_the_device(capsys, monkeypatch):
+    """--balance, --no-balance and --reproducible each open the device tier (as --device vulkan does), with their
+    balancer setting; with --device cpu each is an error naming the flag, before a model loads."""
+    import coli.engine
+    from coli.cli import main
+
+    for flag in ("--balance", "--no-balance", "--reproducible"):
+        assert main(["run", "-m", "smollm2", "-p", "x", "--device", "cpu", flag]) == 2
+        assert f"{flag} needs the device: drop --device cpu" in capsys.readouterr().err
+    seen = []
+
+    class Opened(Exception):
+        pass
+
+    def fake_engine(path, **kw):
+        seen.append((kw["device"], kw["balance"]))
+        raise Opened
+
+    monkeypatch.setattr(coli.engine, "Engine", fake_engine)
+    for flag in ("--balance", "--no-balance", "--reproducible"):
+        with pytest.raises(Opened):
+            main(["run", "-m", "smollm2", "-p", "x", flag])
+    assert seen == [("vulkan", True), ("vulkan", False), ("vulkan", False)]
+
+
 def test_flags_reach_the_tier(tmp_path):
     """On the device (Lavapipe here): --tier-gb sets the tier's budget, --reproducible its sync and no balancer,
     passed down through Engine(env=...), not through os.environ; the device did the work."""
