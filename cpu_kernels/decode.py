@@ -407,6 +407,7 @@ class ExpertsRow:
 
     def __init__(self):
         self._bufs: dict = {}
+        self._ones: dict = {}   # unit weights per expert count (``pairs``)
         self.ctr = counters(EXPERT_PHASES)
 
     def __call__(self, x: np.ndarray, descs, w: np.ndarray, kind: int, limit) -> np.ndarray:
@@ -433,7 +434,11 @@ class ExpertsRow:
         """The experts' unweighted outputs f32 [n, D] (row ``i``: expert ``descs[i]`` on ``x`` f32 [1, D]), computed
         by the same call as :meth:`__call__` (its weighted sum is dropped): a view of scratch, valid until the next
         call. The device tier's decode row takes the CPU's pairs from it (``scheduler.step.MoEStep``)."""
-        self(x, descs, np.ones(len(descs), np.float32), kind, limit)
+        n = len(descs)
+        ones = self._ones.get(n)
+        if ones is None:
+            ones = self._ones[n] = np.ones(n, np.float32)
+        self(x, descs, ones, kind, limit)
         return self._pair_out
 
 

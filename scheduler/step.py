@@ -119,7 +119,7 @@ class MoEStep:
         st.cpu_pairs += sum(len(groups[e]) for e in cpu_experts)
 
         if issued is not None:
-            st.device_pairs += self._join_device(layer, issued, x, groups, K, pair_out, ffn)
+            st.device_pairs += self._join_device(layer, issued, x, K, pair_out, ffn)
 
         y = self.combine(pair_out.reshape(R, K, D), weights)
         if shared_out is not None:
@@ -235,8 +235,7 @@ class MoEStep:
         st.cpu_s += time.perf_counter() - t0
         st.cpu_pairs += len(cpu_experts)
         if issued is not None:
-            groups = {e: np.array([rank[e]], np.int64) for e in issued.experts}
-            st.device_pairs += self._join_device(layer, issued, x, groups, K, pair_out)
+            st.device_pairs += self._join_device(layer, issued, x, K, pair_out)
         y = self.combine(pair_out.reshape(1, K, D), w.reshape(1, K))
         if shared_out is not None:
             y += shared_out
@@ -271,11 +270,12 @@ class MoEStep:
             for e, w in ews:
                 self.tier.note(layer, e, w)
 
-    def _join_device(self, layer, issued, x, groups, K, pair_out, ffn=None) -> int:
+    def _join_device(self, layer, issued, x, K, pair_out, ffn=None) -> int:
         """Join the tier's batch into ``pair_out``; returns the pairs the device computed. After a device loss
         (the tier turned itself off and said why) the batch's experts are computed here on the CPU, from
-        the RAM cache or a disk read, and 0 is returned: the run goes on on the CPU. An error while the tier
-        is still on is not a device loss and is raised."""
+        the RAM cache or a disk read (each expert's pairs: the batch's ``pair_ids`` of that expert, in their
+        order), and 0 is returned: the run goes on on the CPU. An error while the tier is still on is not a
+        device loss and is raised."""
         try:
             n = self.tier.join_step(issued, pair_out)
             if ffn is not None and ffn.has_bias:  # the device's rows are down(a); the down bias is added here
@@ -290,8 +290,8 @@ class MoEStep:
             if w is None:
                 w = cache.fetch(layer, e).result()
                 cache.put(layer, e, w)
-            self._compute(layer, e, w, x, groups[e], K, pair_out, ffn)
-        self.stats.cpu_pairs += sum(len(groups[e]) for e in issued.experts)
+            self._compute(layer, e, w, x, issued.pair_ids[issued.pair_experts == e], K, pair_out, ffn)
+        self.stats.cpu_pairs += len(issued.pair_ids)
         return 0
 
     def _compute(self, layer, e, w, x, pairs, K, pair_out, ffn=None):
