@@ -186,6 +186,72 @@ class Balancer:
         return keep
 
 
+class DecodeGate:
+    """Whether a decode token sends its movable experts to the device at all, by measured token times
+    (docs/balancer.md "The decode gate").
+
+    The per-step :class:`Balancer` weighs the device's batch time (its timestamps) against the CPU's cost per
+    row. A decode step with a device batch also pays host time those timestamps do not show: the submit, the
+    fence wait's wake-up, the join (on the H200 at 16 threads ~0.7 ms a layer, more than the CPU needs for the
+    layer's 8 experts). So the gate compares whole tokens: it alternates tokens with the device (``True``) and
+    without it (``False``: the tier keeps only the experts the CPU does not hold in RAM) until each side has
+    ``window`` samples, then keeps the faster side for ``hold`` tokens, the device unless going without it is
+    faster by more than ``margin`` (a fraction of the device's median). A decision that repeats doubles the
+    hold, up to ``max_hold`` tokens (the losing side then costs about ``window / hold`` of the tokens); a change
+    brings it back to ``hold``.
+
+    :meth:`token` takes each decode token's milliseconds (None: a sample to drop, e.g. a token whose CPU side
+    read experts from disk) and returns whether the next token uses the device. ``enabled=False``: always
+    True. Deterministic: a pure function of the sequence of samples (no clock).
+    """
+
+    def __init__(self, enabled: bool = True, window: int = 8, hold: int = 64, max_hold: int = 4096,
+                 margin: float = 0.03):
+        if window < 1 or hold < 1 or max_hold < hold or not 0.0 <= margin < 1.0:
+            raise ValueError(f"decode gate: window {window}, hold {hold}, max_hold {max_hold}, margin {margin}")
+        self.enabled = enabled
+        self.window, self.hold0, self.max_hold, self.margin = int(window), int(hold), int(max_hold), float(margin)
+        self.hold = self.hold0
+        self.use_device = True            # the current token's side
+        self.decided: bool | None = None  # the last decision (None before the first)
+        self._measuring = True
+        self._left = 0                     # tokens left in the hold
+        self._on: list[float] = []
+        self._off: list[float] = []
+        self.tokens_without = 0            # decode tokens that ran without the device (measured or held)
+        self.decisions: list[tuple[bool, float, float]] = []   # (device, median with, median without)
+
+    def token(self, ms: float | None) -> bool:
+        """The last decode token took ``ms`` milliseconds on the side :attr:`use_device` said (None: drop the
+        sample). Returns the side of the next token."""
+        if not self.enabled:
+            return True
+        if not self.use_device:
+            self.tokens_without += 1
+        if self._measuring:
+            if ms is not None and ms > 0:
+                (self._on if self.use_device else self._off).append(float(ms))
+            if len(self._on) >= self.window and len(self._off) >= self.window:
+                on, off = float(np.median(self._on)), float(np.median(self._off))
+                dev = not off < (1.0 - self.margin) * on
+                self.hold = min(self.max_hold, 2 * self.hold) if dev == self.decided else self.hold0
+                self.decided = dev
+                self.decisions.append((dev, on, off))
+                self._measuring, self._left = False, self.hold
+                self._on, self._off = [], []
+                self.use_device = dev
+            elif len(self._on) >= self.window or len(self._off) >= self.window:
+                self.use_device = len(self._on) < self.window      # the side still short of samples
+            else:
+                self.use_device = not self.use_device               # alternate: drift hits both sides alike
+            return self.use_device
+        self._left -= 1
+        if self._left <= 0:
+            self._measuring = True
+            self.use_device = not self.decided      # the losing side first: its sample is the one that is stale
+        return self.use_device
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Simulation (docs/balancer.md's plot and the convergence test): a deterministic model of a run.
 

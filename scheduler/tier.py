@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from scheduler.balancer import Balancer, StepTimes
+from scheduler.balancer import Balancer, DecodeGate, StepTimes
 from scheduler.tier_policy import (GiB, MiB, SHARED_KINDS, DeviceMemory, _env_int, budget_bytes,  # noqa: F401
                                    halvings_due, history_heat, lfru_victim, warm_plan)
 from scheduler.trace import NULL_TRACE, UPLOADER_TID, Trace, host_ns
@@ -164,6 +164,12 @@ class Tier:
         self.capacity = self.budget // self.expert_bytes
         self.budget_experts = self.capacity
         self.balancer = balancer if balancer is not None else Balancer(enabled=True)
+        # decode tokens with and without the device's round trips, compared by their times (balanced runs only)
+        self.gate = DecodeGate(enabled=self.balancer.enabled and _env_int(env, "COLI_VK_DECODE_GATE", 0) != 0)
+        self._dev_off = False          # this decode token keeps only the experts the CPU lacks on the device
+        self._tok_t0: int | None = None   # host ns: this decode token's start, its last step's start
+        self._tok_last: int | None = None
+        self._tok_cold = 0             # CPU experts of this token read from disk (its sample is dropped)
         self.trace = trace if trace is not None else NULL_TRACE
         self.device_name = device_name or getattr(device, "name", "") or "device"
         self.own_queue = own_queue
@@ -260,7 +266,9 @@ class Tier:
                 f"failed {self.failed} | "
                 f"device {self.device_ms:.1f} ms, CPU share {self.cpu_ms:.1f} ms, waited {self.waited_ms:.1f} ms "
                 f"({hidden:.0f}% of device time hidden) | "
-                f"balance: device share {self.balancer.share:.2f}, {self.handed_rows} rows handed to the CPU")
+                f"balance: device share {self.balancer.share:.2f}, {self.handed_rows} rows handed to the CPU"
+                + (f", {self.gate.tokens_without} decode tokens without the device (the decode gate)"
+                   if self.gate.decisions else ""))
 
     def _say(self, line: str) -> None:
         print(line, file=self.log, flush=True)
@@ -275,6 +283,22 @@ class Tier:
         self._explicit = True
 
     def _begin(self, n_tokens: int) -> None:
+        now = host_ns()
+        if n_tokens == 1:      # a decode token: the last one's time (its start to its last step's) to the gate
+            if self._tok_t0 is not None and self._tok_last is not None:
+                n_dec = len(self.gate.decisions)
+                self.gate.token((self._tok_last - self._tok_t0) / 1e6 if self._tok_cold == 0 else None)
+                if len(self.gate.decisions) > n_dec and not self.gate.decided and self.on:
+                    # without the device is faster: the experts only the device holds (the warm start uploads
+                    # from the file) are read into free RAM slots in the background, so the CPU can take them too
+                    for key in list(self.resident):
+                        self._back_to_ram(key)
+            self._dev_off = not self.gate.use_device
+            self._tok_t0 = now
+        else:                  # a prompt's forward: the device takes its resident experts, no sample
+            self._dev_off = False
+            self._tok_t0 = None
+        self._tok_last, self._tok_cold = None, 0
         n = halvings_due(self.tokens, self._halvings)
         if n:
             self.heat *= 0.5 ** n
@@ -336,10 +360,10 @@ class Tier:
             return experts[:0], experts
         res = self.mask[layer, experts]
         on_dev = res.copy()
-        if res.any() and in_ram is not None and self.balancer.enabled and self.balancer.share < 1.0:
+        if res.any() and in_ram is not None and self.balancer.enabled and (self._dev_off or self.balancer.share < 1.0):
             idx = np.flatnonzero(res)
             movable = np.array([bool(in_ram(layer, int(experts[i]))) for i in idx], dtype=bool)
-            keep = self.balancer.keep(rows[idx], movable)
+            keep = ~movable if self._dev_off else self.balancer.keep(rows[idx], movable)
             on_dev[idx[~keep]] = False
             self.handed_rows += int(rows[idx[~keep]].sum())
         dev_rows = int(rows[on_dev].sum())
@@ -441,6 +465,7 @@ class Tier:
             else:
                 self._begin(n_rows)
         self._last_layer = layer
+        self._tok_last = host_ns()
         self.settle()
 
     def _issue_groups(self, layer, x, groups, cache, K, ffn=None):
@@ -451,6 +476,7 @@ class Tier:
         if cache is not None and self._step is not None:
             cold = sum(1 for e in cpu_e if not cache.in_ram(layer, int(e)))
             self._step = self._step + (cold,)
+            self._tok_cold += cold
         if dev_e.size == 0:
             return [int(e) for e in cpu_e], None
         pair_ids = np.concatenate([np.asarray(groups[int(e)], dtype=np.int64) for e in dev_e])
@@ -474,20 +500,27 @@ class Tier:
         self._step_begin(layer, 1)
         experts = sorted(ids)
         K = len(experts)
-        if self.on and self.resident and self.balancer.enabled and self.balancer.share < 1.0:
+        if self.on and self.resident and self.balancer.enabled and self.balancer.share < 1.0 and not self._dev_off:
             return self._issue_groups(layer, x, {e: np.array([ids.index(e)], np.int64) for e in experts}, cache, K)
         heat = self.heat[layer]
         for e in experts:                  # count(): +1 row each (distinct experts)
             heat[e] += 1.0
         self.routed_pairs += K
         if not self.on or not self.resident:
-            dev, cpu = [], experts
+            dev, cpu, res = [], experts, 0
         else:
             m = self.mask[layer]
             dev = [e for e in experts if m[e]]
-            cpu = [e for e in experts if not m[e]]
+            res = len(dev)
+            if self._dev_off and cache is not None:     # the decode gate: the device keeps what the CPU lacks
+                reads = getattr(cache, "inflight", {})  # a read landed (_back_to_ram's) is the CPU's too
+                dev = [e for e in dev if not cache.in_ram(layer, e)
+                       and not ((layer, e) in reads and reads[(layer, e)].done())]
+                self.handed_rows += res - len(dev)
+            cpu = [e for e in experts if e not in dev]
         cold = sum(1 for e in cpu if not cache.in_ram(layer, e)) if cache is not None else 0
-        self._step = (layer, len(dev), len(dev), K - len(dev), cold)
+        self._tok_cold += cold
+        self._step = (layer, res, len(dev), K - len(dev), cold)
         if not dev:
             return cpu, None
         self.device_pairs += len(dev)

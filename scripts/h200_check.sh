@@ -14,7 +14,7 @@
 #   3. scripts/bench_vs_llamacpp.py on the synthetic MoE, threads 16,8,4,1 (pp128 / tg64, one round of -r 1
 #      each: the time allows no more; a prompt test that dies of SIGILL in AMX code is rerun with --repack 0);
 #   4. scripts/h200_tier_run.sh's bench_tier.py at 50 %: cpu / tier / balanced alternating (H2_RUNS=2,
-#      --warm-gen 32), 16 threads.
+#      --warm-gen 128: the decode of a running session, every expert the CPU needs in RAM), 16 threads.
 # Everything goes to $OUT: check.log (all output), pytest.log, vs_llama.json, bench_tier_50.json, summary.md.
 # Locally (a toy file, the cached llama-bench, no pytest), to check the command lines:
 #   H2_SETUP=0 PY=.venv/bin/python OUT=/tmp/h2c H2_PYTEST=0 H2_VS_THREADS=2 H2_THREADS=2 H2_RUNS=1 \
@@ -78,7 +78,7 @@ fi
 
 say "the tier's arms at 50 % ($(left) s left)"
 H2_SETUP=0 PY=$PY OUT="$OUT" H2_DEADLINE=$(( $(left) - 5 )) H2_CB=0 H2_BT=50 H2_RUNS=${H2_RUNS:-2} \
-  H2_THREADS=${H2_THREADS:-16} H2_BT_OPTS="--warm-gen 32" H2_MODEL="$MODEL" H2_SYNTH="$SYNTH" \
+  H2_THREADS=${H2_THREADS:-16} H2_BT_OPTS="--warm-gen 128" H2_MODEL="$MODEL" H2_SYNTH="$SYNTH" \
   bash scripts/h200_tier_run.sh > /dev/null 2>&1
 tail -25 "$OUT/run.log"
 cp "$OUT/summary.md" "$OUT/summary_tier.md" 2>/dev/null

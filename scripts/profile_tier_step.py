@@ -107,19 +107,22 @@ ORDER = ["token", "attention region", "MoE layer region", "router", "step", " is
 
 ARMS = {"cpu": dict(device=None), "tier": dict(device="vulkan", balance=False),
         "balanced": dict(device="vulkan", balance=True)}
-ARM_NAMES = ("cpu", "tier", "balanced", "tier-blocks", "tier-rate0", "tier-norec")
+ARM_NAMES = ("cpu", "tier", "balanced", "tier-blocks", "tier-rate0", "tier-norec", "tier-spin", "balanced-gate")
 
 
 def run_arm(arm, a):
     """One arm: ``cpu``, ``tier``, ``balanced``, or ``tier-blocks`` (the tier with the decode row's attention and
     router as separate compiled calls, not one region: the layout before the router region), ``tier-rate0``
-    (the tier with no promotions after its warm start: ``COLI_VK_TIER_RATE=0``) or ``tier-norec`` (every device
-    batch planned and recorded anew: ``COLI_VK_REUSE=0``)."""
+    (the tier with no promotions after its warm start: ``COLI_VK_TIER_RATE=0``), ``tier-norec`` (every device
+    batch planned and recorded anew: ``COLI_VK_REUSE=0``), ``tier-spin`` (the join polls its fence up to 2 ms
+    before it blocks: ``COLI_VK_SPIN_US=2000``) or ``balanced-gate`` (the balancer with its decode gate:
+    ``COLI_VK_DECODE_GATE=1``)."""
     from coli.engine import Engine
     from scheduler.step import MoEStep
     base, _, variant = arm.partition("-")
     kw = ARMS[base]
-    env = {"rate0": {"COLI_VK_TIER_RATE": "0"}, "norec": {"COLI_VK_REUSE": "0"}}.get(variant, {})
+    env = {"rate0": {"COLI_VK_TIER_RATE": "0"}, "norec": {"COLI_VK_REUSE": "0"},
+           "spin": {"COLI_VK_SPIN_US": "2000"}, "gate": {"COLI_VK_DECODE_GATE": "1"}}.get(variant, {})
     old_env = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     rr = MoEStep.router_region_ok
@@ -151,6 +154,7 @@ def _measure(eng, arm, kw, a):
         _PROMPT[0] = True
         t = getattr(eng, "tier", None)
         _TIER[:] = [t, _tier_counters(t) if t is not None else None]
+        w0 = t.gate.tokens_without if t is not None else 0
         try:
             r2 = eng.generate(a.prompt, max_tokens=a.tokens, temp=0.0, stop_at_eos=False)
         finally:
@@ -166,6 +170,7 @@ def _measure(eng, arm, kw, a):
             out["device ms/batch"] = (t.device_ms - dev0[0]) / max(1, db)
             out["batches/token"] = db / n_tok
             out["device pairs %"] = 100.0 * (t.device_pairs - dev0[2]) / max(1, t.routed_pairs - dev0[3])
+            out["without %"] = 100.0 * (t.gate.tokens_without - w0) / n_tok
         return out
     finally:
         eng.close()
@@ -208,7 +213,8 @@ def main(argv=None) -> int:
     for r in res:
         if "device ms/batch" in r:
             print(f"{r['arm']}: device {r['device ms/batch']:.3f} ms a batch, {r['batches/token']:.1f} batches a "
-                  f"token, {r['device pairs %']:.0f}% of routed pairs on the device")
+                  f"token, {r['device pairs %']:.0f}% of routed pairs on the device, {r['without %']:.0f}% of "
+                  f"the tokens without the device (the decode gate)")
     return 0
 
 

@@ -167,3 +167,60 @@ def test_never_hands_rows_to_a_cpu_that_is_the_longer_side_fixed_latency_device(
     assert cpu_longer.sum() > 500                          # most steps: the CPU is the longer side
     assert int(on["handed"][cpu_longer].sum()) == 0
     assert on["step"].sum() <= off["step"].sum() * 1.001
+
+
+def _gate_run(gate, on_ms, off_ms, n, drop_every=0):
+    """Feed ``n`` decode tokens whose time depends on the side the gate chose; returns the sides in order."""
+    from itertools import count
+    sides, k = [], count()
+    for _ in range(n):
+        side = gate.use_device
+        sides.append(side)
+        i = next(k)
+        ms = on_ms(i) if side else off_ms(i)
+        gate.token(None if drop_every and i % drop_every == 0 else ms)
+    return sides
+
+
+def test_decode_gate_leaves_the_device_when_tokens_without_it_are_faster():
+    from scheduler.balancer import DecodeGate
+    g = DecodeGate(window=4, hold=8, max_hold=32, margin=0.03)
+    sides = _gate_run(g, lambda i: 26.0, lambda i: 17.0, 8 + 8 + 8 + 16 + 8 + 32 + 1)
+    # measuring: alternate from the device, 4 samples a side; then the faster side (without) for `hold`
+    assert sides[:8] == [True, False] * 4
+    assert sides[8:16] == [False] * 8
+    assert g.decisions[0] == (False, 26.0, 17.0)
+    # the hold's end measures again, the losing side first; the same decision doubles the hold (8 -> 16 -> 32)
+    assert sides[16:24] == [True, False] * 4 and sides[24:40] == [False] * 16
+    assert sides[40:48] == [True, False] * 4 and sides[48:80] == [False] * 32
+    assert [d[0] for d in g.decisions] == [False, False, False]
+    assert g.hold == 32 and g.tokens_without == sides[:-1].count(False)
+
+
+def test_decode_gate_keeps_the_device_within_the_margin_and_comes_back():
+    from scheduler.balancer import DecodeGate
+    g = DecodeGate(window=4, hold=8, margin=0.03)
+    sides = _gate_run(g, lambda i: 10.0, lambda i: 9.8, 16)      # 2 % faster without: within the margin
+    assert g.decisions == [(True, 10.0, 9.8)] and sides[8:16] == [True] * 8
+    g = DecodeGate(window=4, hold=8, margin=0.03)
+    # without the device faster first, then the device 2x faster (e.g. the CPU got busy): the next measurement
+    # takes the device back, and the hold starts again at 8
+    sides = _gate_run(g, lambda i: 20.0 if i < 16 else 5.0, lambda i: 10.0, 16 + 8 + 8)
+    assert [d[0] for d in g.decisions] == [False, True] and sides[24:32] == [True] * 8 and g.hold == 8
+
+
+def test_decode_gate_drops_samples_and_is_deterministic_and_off_when_disabled():
+    from scheduler.balancer import DecodeGate
+    runs = []
+    for _ in range(2):
+        g = DecodeGate(window=4, hold=8)
+        runs.append((_gate_run(g, lambda i: 20.0 + (i % 3), lambda i: 10.0 + (i % 5), 100, drop_every=3),
+                     g.decisions))
+    assert runs[0] == runs[1]
+    g = DecodeGate(window=4, hold=8)
+    _gate_run(g, lambda i: 20.0, lambda i: 10.0, 7, drop_every=1)   # every sample dropped: still measuring
+    assert g.decisions == []
+    g = DecodeGate(enabled=False)
+    assert _gate_run(g, lambda i: 20.0, lambda i: 1.0, 50) == [True] * 50 and g.tokens_without == 0
+    with pytest.raises(ValueError):
+        DecodeGate(window=0)

@@ -163,7 +163,7 @@ def test_device_lost_mid_run_finishes_on_the_cpu(cpu_ref):
     assert not st.tier.on and "[VK] tier olmoe: off, the device failed a join" in log
 
 
-def _row_run(fast: bool, cap: int, slots: int, bal=None, steps=24, seed=3):
+def _row_run(fast: bool, cap: int, slots: int, bal=None, steps=24, seed=3, gate=None):
     """Decode rows (R = 1) through an int8 step with the tier (``NumpyDevice``, synchronous residency): the decode
     row path (``MoEStep._tier_row``) when ``fast``, else the general step. Returns outputs, counters, residency."""
     src, layers = setup()
@@ -176,6 +176,8 @@ def _row_run(fast: bool, cap: int, slots: int, bal=None, steps=24, seed=3):
     st.tier = Tier(dev, "olmoe", max(layers) + 1, 8, per, cap * per, "test", env={"COLI_VK_TIER_SYNC": "1"},
                    balancer=bal if bal is not None else Balancer(enabled=False), log=io.StringIO(),
                    moe_layers=layers, auto_tokens=True, ram=cache)
+    if gate is not None:
+        st.tier.gate = gate
     rng = np.random.default_rng(seed)
     D = src.layers[layers[0]][0].shape[2]
     ys = []
@@ -191,7 +193,7 @@ def _row_run(fast: bool, cap: int, slots: int, bal=None, steps=24, seed=3):
     # (the RAM cache's hits and LRU order are left out: an expert read back in the background at its eviction
     # lands when the I/O pool finishes it, on either path)
     counts = (s_.steps, s_.pairs, s_.cpu_pairs, s_.device_pairs, t.routed_pairs, t.device_pairs, t.evictions,
-              t.uploads, t.handed_rows, t.batches, sorted(t.resident))
+              t.uploads, t.handed_rows, t.batches, sorted(t.resident), dev.submits)
     heat = t.heat.copy()
     t.close()
     cache.close()
@@ -223,3 +225,96 @@ def test_decode_row_path_matches_the_general_step(cap, slots, balanced):
         assert c_f[6] > 0                       # evictions
     if balanced:
         assert c_f[8] > 0                       # rows handed to the CPU
+
+
+class _OffGate:
+    """A decode gate that always says: this token without the device (scheduler.balancer.DecodeGate's API)."""
+    enabled, use_device = True, False
+
+    def __init__(self):
+        self.decisions, self.tokens_without = [(False, 1.0, 0.5)], 0
+
+    def token(self, ms):
+        self.tokens_without += 1
+        return False
+
+
+@pytest.mark.skipif(not step_mod._decode.available("int8", ()), reason="the decode row path runs the int8 VNNI kernels")
+@pytest.mark.parametrize("fast", [True, False])
+def test_decode_gate_off_leaves_the_device_only_what_the_cpu_lacks(fast):
+    """A decode token the gate runs without the device (``Tier._dev_off``), on the decode row path and the general
+    split: with every expert resident AND in RAM no batch is submitted at all and the outputs are the CPU-only
+    run's bit for bit; with 2 RAM slots the device still computes the resident experts the CPU lacks."""
+    ys_cpu, c_cpu, _ = _row_run(fast, 0, 8, Balancer(enabled=True))
+    assert c_cpu[3] == 0 and c_cpu[-1] == 0                 # the reference: no expert resident, no batch
+    ys, c, _ = _row_run(fast, 16, 8, Balancer(enabled=True), gate=_OffGate())
+    assert len(c[10]) > 0 and c[-1] == 0 and c[3] == 0 and c[8] > 0   # resident experts, no submit, rows handed
+    for a, b in zip(ys, ys_cpu):
+        np.testing.assert_array_equal(a, b)
+    ys2, c2, _ = _row_run(fast, 16, 2, Balancer(enabled=True), gate=_OffGate())
+    assert c2[-1] > 0 and 0 < c2[3] < c2[1] and c2[8] > 0   # the device took the experts the CPU did not hold
+    for a, b in zip(ys2, ys_cpu):
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-2 * max(1.0, float(np.abs(b).max())))
+
+
+class _DecideOffGate(_OffGate):
+    """Decides "without the device" at its first sample (as DecodeGate.token appends a decision)."""
+
+    def __init__(self):
+        super().__init__()
+        self.decisions, self.decided = [], None
+
+    def token(self, ms):
+        if not self.decisions:
+            self.decisions.append((False, 2.0, 1.0))
+            self.decided = False
+        return super().token(ms)
+
+
+def test_decode_gate_off_reads_the_device_only_experts_into_ram():
+    """The warm start uploads experts straight from the file, so the CPU cannot take them; a decision to run
+    without the device reads them into the RAM cache's free slots (``Tier._back_to_ram``), after which no
+    decode step needs a batch."""
+    src, layers = setup()
+    cache = ram_mod.RAMCache(src, 8, io_threads=2)
+    st = step_mod.MoEStep(cache, act="int8")
+    dev = NumpyDevice()
+    per = max(src.expert_nbytes(l) for l in layers)
+    t = st.tier = Tier(dev, "olmoe", max(layers) + 1, 8, per, 16 * per, "test", env={"COLI_VK_TIER_SYNC": "1"},
+                       balancer=Balancer(enabled=True), log=io.StringIO(), moe_layers=layers, auto_tokens=True,
+                       ram=cache)
+    t.warm_start(src.read_raw, threads=2)
+    t.settle()
+    assert t.resident and not any(cache.in_ram(l, e) for l, e in t.resident)
+    t.gate = _DecideOffGate()
+    rng = np.random.default_rng(5)
+    D = src.layers[layers[0]][0].shape[2]
+
+    def token():
+        for l in layers:
+            x = rng.standard_normal((1, D)).astype(np.float32)
+            st.run(l, x, rng.choice(8, 2, replace=False).reshape(1, 2), rng.random((1, 2)).astype(np.float32))
+    token()
+    token()                                  # its start feeds the first sample: the decision, the reads
+    assert t.prefetched == len(t.resident)
+    for f in list(cache.inflight.values()):
+        f.result(timeout=30)
+    n = dev.submits
+    for _ in range(4):
+        token()
+    assert dev.submits == n                  # every resident expert movable: no batch
+    assert any(cache.in_ram(l, e) for l, e in t.resident)     # the CPU took the reads it needed
+    t.close()
+    cache.close()
+
+
+def test_decode_gate_is_opt_in_and_only_with_the_balancer():
+    """``COLI_VK_DECODE_GATE=1`` turns the gate on for a balanced tier; off by default and under --no-balance."""
+    def gate(env, enabled):
+        t = Tier(NumpyDevice(), "m", 2, 8, 1024, 4096, "test", env=env, balancer=Balancer(enabled=enabled),
+                 log=io.StringIO())
+        on = t.gate.enabled
+        t.close()
+        return on
+    assert gate({"COLI_VK_DECODE_GATE": "1"}, True)
+    assert not gate({}, True) and not gate({"COLI_VK_DECODE_GATE": "1"}, False)

@@ -359,6 +359,15 @@ class Batch:
             raise DeviceLost(self._lost)
         if self.frame is None:
             return
+        spin = self.dev.spin_s
+        if spin > 0:     # poll first (COLI_VK_SPIN_US: docs/vulkan.md "Fence wait"), then block
+            d, f, st, clock = self.dev._dev, self.frame.fence, lib.vkGetFenceStatus, time.perf_counter
+            end = clock() + spin
+            r = st(d, f)
+            while r == _NOT_READY and clock() < end:
+                r = st(d, f)
+            if r == 0:
+                return
         r = lib.vkWaitForFences(self.dev._dev, 1, self.frame.fence_arr, 1, self.dev._timeout_ns)
         if r == _TIMEOUT:
             self._fail("fence wait timed out")
@@ -491,6 +500,10 @@ class Device:
             chosen = min(cands, key=lambda c: (_TYPE_RANK.get(c[2], 9), c[0]))
         self.device_index, self._pd, dtype, self.name = chosen
         self.type_name = _TYPE_NAMES.get(dtype, "other")
+        # a batch's join may poll its fence this long before it blocks in vkWaitForFences (a thread that slept
+        # in the wait runs the next layer's Python ~2x slower); off by default: on the H200 it shortened the
+        # fence wait but not the token (docs/vulkan.md "Fence wait")
+        self.spin_s = _env_int("COLI_VK_SPIN_US", 0) / 1e6
         pd = self._pd
 
         # properties: subgroup, subgroup size control, limits
