@@ -346,7 +346,12 @@ class Engine:
             self._setup_moe(expert_cache, usage, io_threads)
         self.device = None
         if device not in (None, "cpu"):
-            self._setup_device(device, balance)
+            if self.step is None and device == "vulkan":   # nothing for the tier to hold: no device opened
+                if not self.silent:
+                    print(f"[VK] {self.path.name}: a dense model (no routed experts): the Vulkan tier holds experts "
+                          f"only, so this run is on the CPU (docs/tier.md)", file=sys.stderr)
+            else:
+                self._setup_device(device, balance)
         self.last_stats: dict = {}
         import atexit
         import weakref
@@ -400,15 +405,17 @@ class Engine:
         trace, the start line, the warm start (the cache's ``source.read_checked`` on a thread pool)."""
         if device != "vulkan":
             raise ColiError(f"{self._name('device')}: '{device}' (cpu or vulkan)")
+        from coli import settings
+
         try:
             from coli import vulkan as cvk
 
-            from coli import settings
-
             idx = settings.get("COLI_VK_DEV", self.env)
+            # the CLI's --device vulkan:N sets the index in the settings it passes, not in the environment
+            flag = f"--device vulkan:{idx}" if self.cli_names and idx >= 0 and settings.get("COLI_VK_DEV") != idx else None
             self.device = cvk.open_device(self.path.name, ram_cache_bytes=self.ram_cache_bytes,
                                           dense_bytes=self.model.dense_bytes, quiet=self.silent,
-                                          device_index=None if idx < 0 else idx)
+                                          device_index=None if idx < 0 else idx, index_name=flag)
         except Exception as e:  # the device may fail in any way: the run goes on on the CPU
             print(f"[VK] {self.path.name}: {type(e).__name__}: {e}, running on the CPU", file=sys.stderr)
             self.device = None

@@ -70,7 +70,7 @@ VARS: tuple[Var, ...] = (
         "(0) (default: mapped when the device-local host-visible heap is large enough)"),
     Var("COLI_VK_SPIN_US", "int", 0, "a device batch's join polls its fence this long before it sleeps in the "
         "wait (docs/vulkan.md \"Fence wait\")", "us", lo=0, dev=True),
-    Var("COLI_VK_DECODE_GATE", "bool", False, "a balanced tier compares decode tokens with and without the device "
+    Var("COLI_VK_DECODE_GATE", "bool", True, "a balanced tier compares decode tokens with and without the device "
         "and keeps the faster (docs/balancer.md \"The decode gate\")", dev=True),
     Var("COLI_VK_TIMEOUT_S", "float", 60.0, "a device fence wait longer than this is a lost device", "s", lo=0),
     Var("COLI_VK_LOADER", "path", None, "the Vulkan loader library to open (default libvulkan.so.1)"),

@@ -198,7 +198,8 @@ class DecodeGate:
     ``window`` samples, then keeps the faster side for ``hold`` tokens, the device unless going without it is
     faster by more than ``margin`` (a fraction of the device's median). A decision that repeats doubles the
     hold, up to ``max_hold`` tokens (the losing side then costs about ``window / hold`` of the tokens); a change
-    brings it back to ``hold``.
+    brings it back to ``hold``. A measurement that has not got its samples after ``4 · window`` tokens (samples
+    dropped: tokens that read experts from disk) ends without a decision: the device for ``hold`` tokens.
 
     :meth:`token` takes each decode token's milliseconds (None: a sample to drop, e.g. a token whose CPU side
     read experts from disk) and returns whether the next token uses the device. ``enabled=False``: always
@@ -218,6 +219,7 @@ class DecodeGate:
         self._left = 0                     # tokens left in the hold
         self._on: list[float] = []
         self._off: list[float] = []
+        self._n = 0                        # tokens of the current measurement
         self.tokens_without = 0            # decode tokens that ran without the device (measured or held)
         self.decisions: list[tuple[bool, float, float]] = []   # (device, median with, median without)
 
@@ -229,15 +231,20 @@ class DecodeGate:
         if not self.use_device:
             self.tokens_without += 1
         if self._measuring:
+            self._n += 1
             if ms is not None and ms > 0:
                 (self._on if self.use_device else self._off).append(float(ms))
-            if len(self._on) >= self.window and len(self._off) >= self.window:
+            if self._n >= 4 * self.window and (len(self._on) < self.window or len(self._off) < self.window):
+                self._measuring, self._left, self._n = False, self.hold0, 0    # no evidence: the device
+                self._on, self._off = [], []
+                self.use_device = True
+            elif len(self._on) >= self.window and len(self._off) >= self.window:
                 on, off = float(np.median(self._on)), float(np.median(self._off))
                 dev = not off < (1.0 - self.margin) * on
                 self.hold = min(self.max_hold, 2 * self.hold) if dev == self.decided else self.hold0
                 self.decided = dev
                 self.decisions.append((dev, on, off))
-                self._measuring, self._left = False, self.hold
+                self._measuring, self._left, self._n = False, self.hold, 0
                 self._on, self._off = [], []
                 self.use_device = dev
             elif len(self._on) >= self.window or len(self._off) >= self.window:

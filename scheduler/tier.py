@@ -165,7 +165,9 @@ class Tier:
         self.budget_experts = self.capacity
         self.balancer = balancer if balancer is not None else Balancer(enabled=True)
         # decode tokens with and without the device's round trips, compared by their times (balanced runs only)
-        self.gate = DecodeGate(enabled=self.balancer.enabled and _env_int(env, "COLI_VK_DECODE_GATE", 0) != 0)
+        # (a tier without a RAM cache has no CPU copies to run a token on: no gate)
+        self.gate = DecodeGate(enabled=self.balancer.enabled and ram is not None
+                               and _env_int(env, "COLI_VK_DECODE_GATE", 1) != 0)
         self._dev_off = False          # this decode token keeps only the experts the CPU lacks on the device
         self._tok_t0: int | None = None   # host ns: this decode token's start, its last step's start
         self._tok_last: int | None = None
@@ -268,7 +270,7 @@ class Tier:
                 f"({hidden:.0f}% of device time hidden) | "
                 f"balance: device share {self.balancer.share:.2f}, {self.handed_rows} rows handed to the CPU"
                 + (f", {self.gate.tokens_without} decode tokens without the device (the decode gate)"
-                   if self.gate.decisions else ""))
+                   if self.gate.tokens_without else ""))
 
     def _say(self, line: str) -> None:
         print(line, file=self.log, flush=True)
@@ -291,8 +293,9 @@ class Tier:
                 if len(self.gate.decisions) > n_dec and not self.gate.decided and self.on:
                     # without the device is faster: the experts only the device holds (the warm start uploads
                     # from the file) are read into free RAM slots in the background, so the CPU can take them too
+                    busy = self._ram_busy()
                     for key in list(self.resident):
-                        self._back_to_ram(key)
+                        self._back_to_ram(key, busy)
             self._dev_off = not self.gate.use_device
             self._tok_t0 = now
         else:                  # a prompt's forward: the device takes its resident experts, no sample
@@ -362,6 +365,8 @@ class Tier:
         on_dev = res.copy()
         if res.any() and in_ram is not None and self.balancer.enabled and (self._dev_off or self.balancer.share < 1.0):
             idx = np.flatnonzero(res)
+            if self._dev_off and self.ram is not None:      # the decode gate: only what the CPU holds already
+                in_ram = self._cpu_holds
             movable = np.array([bool(in_ram(layer, int(experts[i]))) for i in idx], dtype=bool)
             keep = ~movable if self._dev_off else self.balancer.keep(rows[idx], movable)
             on_dev[idx[~keep]] = False
@@ -431,7 +436,8 @@ class Tier:
         res_rows = st[1] if st else iss.n_pairs
         cpu_rows = st[3] if st else 0
         cold = st[4] if st and len(st) > 4 else 0
-        self.balancer.update(StepTimes(dev_ms, iss.n_pairs, cpu_ms, cpu_rows, waited, res_rows, cold))
+        if not self._dev_off:   # a token the gate runs without the device says nothing about the split
+            self.balancer.update(StepTimes(dev_ms, iss.n_pairs, cpu_ms, cpu_rows, waited, res_rows, cold))
         if self.trace.enabled:
             self.trace.span(f"join L{iss.layer}", "join", t1, t2, args={"layer": iss.layer})
             ts = getattr(iss.batch, "timestamps_ns", None)
@@ -474,7 +480,7 @@ class Tier:
         rows = np.fromiter((len(groups[int(e)]) for e in experts), dtype=np.int64, count=len(groups))
         dev_e, cpu_e = self.split(layer, experts, rows, _movable(cache))
         if cache is not None and self._step is not None:
-            cold = sum(1 for e in cpu_e if not cache.in_ram(layer, int(e)))
+            cold = sum(1 for e in cpu_e if not self._cpu_holds(layer, int(e), cache))
             self._step = self._step + (cold,)
             self._tok_cold += cold
         if dev_e.size == 0:
@@ -513,12 +519,10 @@ class Tier:
             dev = [e for e in experts if m[e]]
             res = len(dev)
             if self._dev_off and cache is not None:     # the decode gate: the device keeps what the CPU lacks
-                reads = getattr(cache, "inflight", {})  # a read landed (_back_to_ram's) is the CPU's too
-                dev = [e for e in dev if not cache.in_ram(layer, e)
-                       and not ((layer, e) in reads and reads[(layer, e)].done())]
+                dev = [e for e in dev if not self._cpu_holds(layer, e, cache)]
                 self.handed_rows += res - len(dev)
             cpu = [e for e in experts if e not in dev]
-        cold = sum(1 for e in cpu if not cache.in_ram(layer, e)) if cache is not None else 0
+        cold = sum(1 for e in cpu if not self._cpu_holds(layer, e, cache)) if cache is not None else 0
         self._tok_cold += cold
         self._step = (layer, res, len(dev), K - len(dev), cold)
         if not dev:
@@ -617,22 +621,44 @@ class Tier:
         self._q.put(_Job(key[0], key[1], arrays, evict, wait))
         return True
 
-    def _back_to_ram(self, key) -> bool:
+    def _cpu_holds(self, layer: int, e: int, cache=None) -> bool:
+        """The CPU holds expert ``e`` of ``layer``: in the RAM cache (``cache``, default the tier's), or its
+        background read (:meth:`_back_to_ram`) landed without an error (the step takes it from ``inflight`` at
+        no wait)."""
+        cache = self.ram if cache is None else cache
+        if cache.in_ram(layer, e):
+            return True
+        f = getattr(cache, "inflight", {}).get((layer, e))
+        return f is not None and f.done() and not f.cancelled() and f.exception() is None
+
+    def _ram_busy(self) -> dict:
+        """Per layer: the RAM cache's experts plus its reads in flight (the slots :meth:`_back_to_ram` may not
+        take)."""
+        ram = self.ram
+        busy = {l: len(d) for l, d in ram.lru.items()} if ram is not None and hasattr(ram, "lru") else {}
+        for l, _ in getattr(ram, "inflight", {}):
+            busy[l] = busy.get(l, 0) + 1
+        return busy
+
+    def _back_to_ram(self, key, busy: dict | None = None) -> bool:
         """An expert leaving the device that the RAM cache does not hold (the warm start uploads straight from
         the file), while its layer has a free RAM slot: read it into the RAM cache now, in the cache's I/O pool
         (``RAMCache.fetch``), so the CPU, which computes it from the next step on, finds the read landed
-        instead of waiting for the disk inside a step. Returns True when a read was started
-        (``prefetched``)."""
+        instead of waiting for the disk inside a step. ``busy``: :meth:`_ram_busy`'s counts, kept up to date
+        here (many calls in a row would each count the reads in flight again). Returns True when a read was
+        started (``prefetched``)."""
         ram = self.ram
         if ram is None or not hasattr(ram, "fetch"):
             return False
         l, e = key
         if ram.in_ram(l, e) or (l, e) in ram.inflight:
             return False
-        busy = len(ram.lru[l]) + sum(1 for k in ram.inflight if k[0] == l)
-        if busy >= ram.slots:
+        n = busy.get(l, 0) if busy is not None else len(ram.lru[l]) + sum(1 for k in ram.inflight if k[0] == l)
+        if n >= ram.slots:
             return False
         ram.fetch(l, e)
+        if busy is not None:
+            busy[l] = n + 1
         self.prefetched += 1
         return True
 

@@ -40,7 +40,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ARMS = {"cpu": dict(device=None), "tier": dict(device="vulkan", balance=False),
-        "balanced": dict(device="vulkan", balance=True)}
+        "balanced": dict(device="vulkan", balance=True),
+        # the balancer without its decode gate (docs/balancer.md "The decode gate"): not in the default arms
+        "balanced-nogate": dict(device="vulkan", balance=True, env_extra={"COLI_VK_DECODE_GATE": "0"})}
 
 
 def resolve_model(name: str) -> str:
@@ -66,6 +68,9 @@ def check_engine_api():
 
 def one_run(Engine, model, arm, args, usage_copy):
     kw = dict(ARMS[arm])
+    extra = kw.pop("env_extra", None)
+    if extra:
+        kw["env"] = {**os.environ, **extra}
     t0 = time.perf_counter()
     eng = Engine(model, threads=args.threads, usage=usage_copy, save_usage=False, quiet=True,
                  expert_cache=args.expert_cache, **kw)
@@ -97,7 +102,8 @@ def one_run(Engine, model, arm, args, usage_copy):
                        hidden_pct=100.0 * (t.device_ms - t.waited_ms) / t.device_ms if t.device_ms else None,
                        device_pct=100.0 * t.device_pairs / t.routed_pairs if t.routed_pairs else 0.0,
                        share=t.balancer.share, handed_rows=t.handed_rows, resident=len(t.resident),
-                       evictions=t.evictions, uploads=t.uploads, on=t.on, trail=trail, trail_warm=n_warm)
+                       evictions=t.evictions, uploads=t.uploads, on=t.on, trail=trail, trail_warm=n_warm,
+                       without_device=t.gate.tokens_without)
         return out
     finally:
         eng.close()
@@ -158,7 +164,7 @@ def main(argv=None) -> int:
     arms = [x for x in a.arms.split(",") if x]
     bad = [x for x in arms if x not in ARMS]
     if bad:
-        sys.exit(f"bench_tier: --arms: unknown {bad} (cpu, tier, balanced)")
+        sys.exit(f"bench_tier: --arms: unknown {bad} ({', '.join(ARMS)})")
     Engine = check_engine_api()
     model = resolve_model(a.model)
     tmp = Path(tempfile.mkdtemp(prefix="coli-bench-tier-"))

@@ -107,7 +107,7 @@ ORDER = ["token", "attention region", "MoE layer region", "router", "step", " is
 
 ARMS = {"cpu": dict(device=None), "tier": dict(device="vulkan", balance=False),
         "balanced": dict(device="vulkan", balance=True)}
-ARM_NAMES = ("cpu", "tier", "balanced", "tier-blocks", "tier-rate0", "tier-norec", "tier-spin", "balanced-gate")
+ARM_NAMES = ("cpu", "tier", "balanced", "tier-blocks", "tier-rate0", "tier-norec", "tier-spin", "balanced-nogate")
 
 
 def run_arm(arm, a):
@@ -115,14 +115,14 @@ def run_arm(arm, a):
     router as separate compiled calls, not one region: the layout before the router region), ``tier-rate0``
     (the tier with no promotions after its warm start: ``COLI_VK_TIER_RATE=0``), ``tier-norec`` (every device
     batch planned and recorded anew: ``COLI_VK_REUSE=0``), ``tier-spin`` (the join polls its fence up to 2 ms
-    before it blocks: ``COLI_VK_SPIN_US=2000``) or ``balanced-gate`` (the balancer with its decode gate:
-    ``COLI_VK_DECODE_GATE=1``)."""
+    before it blocks: ``COLI_VK_SPIN_US=2000``) or ``balanced-nogate`` (the balancer without its decode
+    gate: ``COLI_VK_DECODE_GATE=0``)."""
     from coli.engine import Engine
     from scheduler.step import MoEStep
     base, _, variant = arm.partition("-")
     kw = ARMS[base]
     env = {"rate0": {"COLI_VK_TIER_RATE": "0"}, "norec": {"COLI_VK_REUSE": "0"},
-           "spin": {"COLI_VK_SPIN_US": "2000"}, "gate": {"COLI_VK_DECODE_GATE": "1"}}.get(variant, {})
+           "spin": {"COLI_VK_SPIN_US": "2000"}, "nogate": {"COLI_VK_DECODE_GATE": "0"}}.get(variant, {})
     old_env = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     rr = MoEStep.router_region_ok

@@ -209,17 +209,22 @@ def test_decode_gate_keeps_the_device_within_the_margin_and_comes_back():
     assert [d[0] for d in g.decisions] == [False, True] and sides[24:32] == [True] * 8 and g.hold == 8
 
 
-def test_decode_gate_drops_samples_and_is_deterministic_and_off_when_disabled():
+def test_decode_gate_drops_samples_and_a_measurement_without_them_ends_on_the_device():
     from scheduler.balancer import DecodeGate
-    runs = []
-    for _ in range(2):
-        g = DecodeGate(window=4, hold=8)
-        runs.append((_gate_run(g, lambda i: 20.0 + (i % 3), lambda i: 10.0 + (i % 5), 100, drop_every=3),
-                     g.decisions))
-    assert runs[0] == runs[1]
     g = DecodeGate(window=4, hold=8)
-    _gate_run(g, lambda i: 20.0, lambda i: 10.0, 7, drop_every=1)   # every sample dropped: still measuring
-    assert g.decisions == []
+    # every third sample dropped: the measurement takes longer, the decision is the same
+    sides = _gate_run(g, lambda i: 20.0, lambda i: 10.0, 40, drop_every=3)
+    assert g.decisions and g.decisions[0] == (False, 20.0, 10.0)
+    g = DecodeGate(window=4, hold=8)
+    # every sample dropped (each token read experts from disk): 4 x window tokens measured, then the device
+    # for `hold` tokens without a decision, then measuring again; not an endless alternation
+    sides = _gate_run(g, lambda i: 20.0, lambda i: 10.0, 16 + 8 + 16 + 1, drop_every=1)
+    assert g.decisions == [] and sides[:16] == [True, False] * 8
+    assert sides[16:24] == [True] * 8 and sides[24:40] == [True, False] * 8
+    g = DecodeGate(window=4, hold=8)
+    # the side without the device never gets a sample: the device after 4 x window tokens, not that side alone
+    sides = _gate_run(g, lambda i: 20.0, lambda i: None, 16 + 8)
+    assert g.decisions == [] and sides[16:24] == [True] * 8 and sides[:16].count(False) == 12
     g = DecodeGate(enabled=False)
     assert _gate_run(g, lambda i: 20.0, lambda i: 1.0, 50) == [True] * 50 and g.tokens_without == 0
     with pytest.raises(ValueError):

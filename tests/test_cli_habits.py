@@ -193,3 +193,36 @@ def test_api_errors_name_the_api_arguments():
             eng.generate("")
         with pytest.raises(ColiError, match=r"positions \(ctx\)$"):
             eng.logits(list(range(1, 12)))
+
+
+def test_vulkan_on_a_dense_model_says_the_run_is_on_the_cpu(capsys):
+    """The tier holds routed experts only: ``device="vulkan"`` on a dense model opens no device and says so once
+    (it used to open the device and end with "0 matmuls on the GPU"); ``silent`` says nothing."""
+    import coli
+
+    with coli.Engine("smollm2", device="vulkan", ctx=16) as eng:
+        assert eng.device is None and eng.tier is None
+    err = capsys.readouterr().err
+    assert "a dense model (no routed experts)" in err and "this run is on the CPU" in err
+    assert "matmuls on the GPU" not in err
+    with coli.Engine("smollm2", device="vulkan", ctx=16, silent=True) as eng:
+        assert eng.device is None
+    assert "dense model" not in capsys.readouterr().err
+
+
+def test_a_missing_vulkan_index_names_the_flag_that_asked_for_it(capsys, monkeypatch):
+    """``--device vulkan:N`` past the devices there are: the line names the flag (it named ``COLI_VK_DEV=N``, the
+    variable the flag sets), and the run goes on on the CPU; set through the variable, it names the variable."""
+    pytest.importorskip("vulkan")
+    monkeypatch.delenv("COLI_VK_DEV", raising=False)
+    rc, out, err = _run(capsys, "run", "-m", "demo", "-p", "Hi", "-n", "1", "--device", "vulkan:57", "--temp", "0")
+    assert rc == 0 and out
+    line = [l for l in err.splitlines() if "running on the CPU" in l]
+    assert line, err
+    if "vulkan:57" not in line[0] and "57" not in line[0]:
+        pytest.skip(f"no Vulkan device opens here ({line[0]})")
+    assert "--device vulkan:57" in line[0] and "COLI_VK_DEV" not in line[0], err
+    monkeypatch.setenv("COLI_VK_DEV", "57")
+    rc, out, err = _run(capsys, "run", "-m", "demo", "-p", "Hi", "-n", "1", "--device", "vulkan", "--temp", "0")
+    line = [l for l in err.splitlines() if "running on the CPU" in l]
+    assert rc == 0 and line and "COLI_VK_DEV=57" in line[0], err

@@ -173,7 +173,8 @@ def _row_run(fast: bool, cap: int, slots: int, bal=None, steps=24, seed=3, gate=
         st.router_region_ok = lambda: False
     dev = NumpyDevice()
     per = max(src.expert_nbytes(l) for l in layers)
-    st.tier = Tier(dev, "olmoe", max(layers) + 1, 8, per, cap * per, "test", env={"COLI_VK_TIER_SYNC": "1"},
+    st.tier = Tier(dev, "olmoe", max(layers) + 1, 8, per, cap * per, "test",
+                   env={"COLI_VK_TIER_SYNC": "1", "COLI_VK_DECODE_GATE": "0"},   # the split alone: no timing
                    balancer=bal if bal is not None else Balancer(enabled=False), log=io.StringIO(),
                    moe_layers=layers, auto_tokens=True, ram=cache)
     if gate is not None:
@@ -308,13 +309,19 @@ def test_decode_gate_off_reads_the_device_only_experts_into_ram():
     cache.close()
 
 
-def test_decode_gate_is_opt_in_and_only_with_the_balancer():
-    """``COLI_VK_DECODE_GATE=1`` turns the gate on for a balanced tier; off by default and under --no-balance."""
-    def gate(env, enabled):
-        t = Tier(NumpyDevice(), "m", 2, 8, 1024, 4096, "test", env=env, balancer=Balancer(enabled=enabled),
-                 log=io.StringIO())
+def test_decode_gate_is_on_with_the_balancer_only():
+    """The gate is on in a balanced tier with a RAM cache (``COLI_VK_DECODE_GATE=0`` turns it off), never under
+    --no-balance."""
+    src, layers = setup()
+    cache = ram_mod.RAMCache(src, 8, io_threads=1)
+
+    def gate(env, enabled, ram=cache):
+        t = Tier(NumpyDevice(), "m", max(layers) + 1, 8, 1024, 4096, "test", env=env,
+                 balancer=Balancer(enabled=enabled), log=io.StringIO(), ram=ram)
         on = t.gate.enabled
         t.close()
         return on
-    assert gate({"COLI_VK_DECODE_GATE": "1"}, True)
-    assert not gate({}, True) and not gate({"COLI_VK_DECODE_GATE": "1"}, False)
+    assert gate({}, True) and gate({"COLI_VK_DECODE_GATE": "1"}, True)
+    assert not gate({"COLI_VK_DECODE_GATE": "0"}, True) and not gate({}, False)
+    assert not gate({}, True, ram=None)          # no RAM cache: no CPU copies to run a token on
+    cache.close()

@@ -62,13 +62,14 @@ def _load_binding():
 
 def open_device(label: str, *, ram_cache_bytes: int = 0, dense_bytes: int = 0, budget_bytes: int | None = None,
                 block_bytes: int | None = None, staging: bool | None = None, device_index: int | None = None,
-                quiet: bool = False):
+                quiet: bool = False, index_name: str | None = None):
     """Open the Vulkan device for ``label`` (the model's name); ``Device`` or None.
 
     ram_cache_bytes / dense_bytes: the RAM expert cache's configured size and the dense weights' bytes
     (the tier's budget rule, scheduler.tier_policy.budget_bytes; docs/vulkan.md). budget_bytes overrides
     the rule (COLI_VK_TIER_GB does from the environment, within the rule). block_bytes: device-memory block size (256 MiB). staging: force the
-    staging path (COLI_VK_STAGING=1). device_index: like COLI_VK_DEV. On success prints
+    staging path (COLI_VK_STAGING=1). device_index: like COLI_VK_DEV; index_name: what set it, for the failure
+    line (the CLI's ``--device vulkan:N``; default the variable's name). On success prints
     ``[VK] <label>: <device line>`` unless quiet; on failure prints ``[VK] <label>: <why>, running on
     the CPU`` and returns None (never raises).
     """
@@ -84,6 +85,8 @@ def open_device(label: str, *, ram_cache_bytes: int = 0, dense_bytes: int = 0, b
                      staging=staging, device_index=device_index, **kw)
     except Exception as e:  # any failure: the CPU runs instead
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if index_name and device_index is not None:   # the index came from a flag: name it, not the variable
+            why = why.replace(f"COLI_VK_DEV={device_index}", index_name)
         print(f"[VK] {label}: {why}, running on the CPU", file=sys.stderr, flush=True)
         return None
     if not quiet:

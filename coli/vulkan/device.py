@@ -368,6 +368,8 @@ class Batch:
                 r = st(d, f)
             if r == 0:
                 return
+            if r < 0:
+                self._fail(f"vkGetFenceStatus returned {r}")
         r = lib.vkWaitForFences(self.dev._dev, 1, self.frame.fence_arr, 1, self.dev._timeout_ns)
         if r == _TIMEOUT:
             self._fail("fence wait timed out")
