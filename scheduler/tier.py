@@ -172,6 +172,7 @@ class Tier:
         self._tok_t0: int | None = None   # host ns: this decode token's start, its last step's start
         self._tok_last: int | None = None
         self._tok_cold = 0             # CPU experts of this token read from disk (its sample is dropped)
+        self._ram_todo: list = []      # device-only experts to read into RAM after a decision against the device
         self.trace = trace if trace is not None else NULL_TRACE
         self.device_name = device_name or getattr(device, "name", "") or "device"
         self.own_queue = own_queue
@@ -293,8 +294,12 @@ class Tier:
                 if len(self.gate.decisions) > n_dec and not self.gate.decided and self.on:
                     # without the device is faster: the experts only the device holds (the warm start uploads
                     # from the file) are read into free RAM slots in the background, so the CPU can take them too
-                    busy = self._ram_busy()
-                    for key in list(self.resident):
+                    self._ram_todo = [k for k in self.resident if not self._cpu_holds(*k)]
+            if self._ram_todo and self.on:     # at most `rate` reads started a token: the CPU's own reads
+                busy = self._ram_busy()        # do not queue behind gigabytes of them
+                todo, self._ram_todo = self._ram_todo[:max(1, self.rate)], self._ram_todo[max(1, self.rate):]
+                for key in todo:
+                    if key in self.resident:
                         self._back_to_ram(key, busy)
             self._dev_off = not self.gate.use_device
             self._tok_t0 = now

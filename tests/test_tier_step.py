@@ -295,8 +295,12 @@ def test_decode_gate_off_reads_the_device_only_experts_into_ram():
         for l in layers:
             x = rng.standard_normal((1, D)).astype(np.float32)
             st.run(l, x, rng.choice(8, 2, replace=False).reshape(1, 2), rng.random((1, 2)).astype(np.float32))
+    t.rate = 2                               # reads started a token (the promotion rate)
     token()
-    token()                                  # its start feeds the first sample: the decision, the reads
+    token()                                  # its start feeds the first sample: the decision, 2 reads
+    assert t.prefetched == 2 < len(t.resident)
+    while t._ram_todo:
+        token()
     assert t.prefetched == len(t.resident)
     for f in list(cache.inflight.values()):
         f.result(timeout=30)
