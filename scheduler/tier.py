@@ -649,21 +649,21 @@ class Tier:
         """An expert leaving the device that the RAM cache does not hold (the warm start uploads straight from
         the file), while its layer has a free RAM slot: read it into the RAM cache now, in the cache's I/O pool
         (``RAMCache.fetch``), so the CPU, which computes it from the next step on, finds the read landed
-        instead of waiting for the disk inside a step. ``busy``: :meth:`_ram_busy`'s counts, kept up to date
-        here (many calls in a row would each count the reads in flight again). Returns True when a read was
-        started (``prefetched``)."""
+        instead of waiting for the disk inside a step. ``busy``: :meth:`_ram_busy`'s counts (counted here when
+        None), kept up to date for the next call of a loop. Returns True when a read was started
+        (``prefetched``)."""
         ram = self.ram
         if ram is None or not hasattr(ram, "fetch"):
             return False
         l, e = key
         if ram.in_ram(l, e) or (l, e) in ram.inflight:
             return False
-        n = busy.get(l, 0) if busy is not None else len(ram.lru[l]) + sum(1 for k in ram.inflight if k[0] == l)
+        busy = self._ram_busy() if busy is None else busy
+        n = busy.get(l, 0)
         if n >= ram.slots:
             return False
         ram.fetch(l, e)
-        if busy is not None:
-            busy[l] = n + 1
+        busy[l] = n + 1
         self.prefetched += 1
         return True
 

@@ -82,11 +82,9 @@ def open_device(label: str, *, ram_cache_bytes: int = 0, dense_bytes: int = 0, b
         from .device import Device
         kw = {} if block_bytes is None else {"block_bytes": block_bytes}
         dev = Device(label, ram_cache_bytes=ram_cache_bytes, dense_bytes=dense_bytes, budget_bytes=budget_bytes,
-                     staging=staging, device_index=device_index, **kw)
+                     staging=staging, device_index=device_index, index_name=index_name, **kw)
     except Exception as e:  # any failure: the CPU runs instead
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        if index_name and device_index is not None:   # the index came from a flag: name it, not the variable
-            why = why.replace(f"COLI_VK_DEV={device_index}", index_name)
         print(f"[VK] {label}: {why}, running on the CPU", file=sys.stderr, flush=True)
         return None
     if not quiet:

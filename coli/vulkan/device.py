@@ -423,8 +423,9 @@ class Device:
 
     def __init__(self, label: str, *, ram_cache_bytes: int = 0, dense_bytes: int = 0,
                  budget_bytes: int | None = None, block_bytes: int = 256 * MiB, staging: bool | None = None,
-                 device_index: int | None = None):
+                 device_index: int | None = None, index_name: str | None = None):
         self.label = label
+        self._index_name = index_name     # what set device_index, for its error (default COLI_VK_DEV=N)
         self._dev = None
         self._objs_ok = False
         self.dispatches = 0
@@ -496,7 +497,7 @@ class Device:
         idx = device_index if device_index is not None else _env_int("COLI_VK_DEV", -1)
         if idx >= 0:
             if idx >= len(cands):
-                raise VulkanError(f"COLI_VK_DEV={idx} but only {len(cands)} device(s)")
+                raise VulkanError(f"{self._index_name or f'COLI_VK_DEV={idx}'} but only {len(cands)} device(s)")
             chosen = cands[idx]
         else:
             chosen = min(cands, key=lambda c: (_TYPE_RANK.get(c[2], 9), c[0]))
