@@ -228,8 +228,10 @@ class MoELayerDecode:
         if step is None:
             return False
         whole = step.region_ok()
-        if not whole and not step.router_region_ok():
-            return False
+        if not whole:
+            if not step.router_region_ok():
+                return False
+            whole = step.row_on_cpu(self.il)    # the decode gate runs this token without the device
         il = self.il
         if whole:
             resident, descs = step.cache.resident_table(il, self.E)

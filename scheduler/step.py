@@ -157,6 +157,12 @@ class MoEStep:
         ``run`` takes ``_run_row``)."""
         return self._row is not None and self.trace is None and (self.tier is None or not self.tier.active)
 
+    def row_on_cpu(self, layer: int) -> bool:
+        """With an active device tier (:meth:`router_region_ok`): starts the decode row's tier step and says whether
+        the decode gate runs this token without the device (``Tier.row_on_cpu``): then the row may run whole in a
+        compiled region as in a CPU-only run (:meth:`region_row` ends the tier's step)."""
+        return self.tier.row_on_cpu(layer)
+
     def router_region_ok(self) -> bool:
         """True when a decode row's attention and router may run in a compiled region that stops before the experts
         (cpu_kernels/decode_moe.py), the step then placing them: an active device tier, no ``--trace``."""
@@ -169,8 +175,11 @@ class MoEStep:
         region's experts are not timed apart)."""
         if self.usage is not None:
             self.usage.add(layer, ids)
-        self._book_row(layer, ids[0].tolist())
+        row = ids[0].tolist()
+        self._book_row(layer, row)
         self.stats.region_rows += 1
+        if self.tier is not None and self.tier.active:     # a token the decode gate runs without the device
+            self.tier.row_done(layer, row)
 
     def _book_row(self, layer: int, ids: list) -> None:
         """A decode row's K experts (all in RAM) counted as the general path counts them: a RAM-cache hit each in

@@ -157,6 +157,7 @@ class Tier:
         self.auto_tokens = auto_tokens
         self._last_layer = None
         self._explicit = False
+        self._begun: int | None = None   # the layer whose step :meth:`row_on_cpu` started (issue_row goes on with it)
         self.ram = ram
         self.expert_bytes = int(expert_bytes)
         self.budget = int(budget)
@@ -469,7 +470,12 @@ class Tier:
 
     def _step_begin(self, layer: int, n_rows: int) -> None:
         """A step's start: a new forward when ``auto_tokens`` and the layer is not above the last step's
-        (:meth:`begin_token` with ``n_rows`` tokens), then :meth:`settle`."""
+        (:meth:`begin_token` with ``n_rows`` tokens), then :meth:`settle`. Nothing again for the layer whose
+        step :meth:`row_on_cpu` started."""
+        if self._begun is not None:
+            begun, self._begun = self._begun, None
+            if begun == layer:
+                return
         if self.auto_tokens and (self._last_layer is None or layer <= self._last_layer):
             if self._explicit:
                 self._explicit = False          # begin_token() was called for this forward already
@@ -542,6 +548,28 @@ class Tier:
         iss.pair_ids = np.array([ids.index(e) for e in dev], np.int64)
         iss.experts, iss.K, iss.pair_experts = dev, K, pair_experts
         return cpu, iss
+
+    def row_on_cpu(self, layer: int) -> bool:
+        """A decode row's step starts (as in :meth:`issue_row`: a new forward when due, :meth:`settle`). True when
+        the decode gate runs this token without the device: the step may run the row whole on the CPU, as a
+        CPU-only run does (the layer's compiled region, docs/balancer.md "The decode gate"), then calls
+        :meth:`row_done`. Otherwise (or when the region cannot take the row) the step goes on through
+        :meth:`issue_row`, which does not start the step again."""
+        self._step_begin(layer, 1)
+        self._begun = layer
+        return self._dev_off and self.on
+
+    def row_done(self, layer: int, ids) -> None:
+        """The CPU ran a decode row's K routed experts ``ids`` (ints, distinct) whole after :meth:`row_on_cpu`: the
+        heat and counters :meth:`issue_row` keeps (the resident ones count as rows handed to the CPU). No promotion
+        candidates: a token without the device uploads nothing."""
+        self._begun = None
+        heat, m = self.heat[layer], self.mask[layer]
+        for e in ids:
+            heat[e] += 1.0
+            if m[e]:
+                self.handed_rows += 1
+        self.routed_pairs += len(ids)
 
     def join_step(self, iss: Issued, pair_out: np.ndarray) -> int:
         """scheduler/step.py's join: waits for the batch and writes its outputs into ``pair_out`` (f32

@@ -5,6 +5,7 @@ step's counters and the routing history; and the region's NumPy pieces against N
 over a sample of every float32, the router logits against a float64 product)."""
 from __future__ import annotations
 
+import io
 import re
 
 import numba
@@ -22,10 +23,11 @@ MODES = ("python", "blocks", "region")  # no compiled blocks; compiled blocks ap
 needs_vnni = pytest.mark.skipif(not HAVE_VNNI, reason="the compiled decode blocks run the int8 VNNI kernels")
 
 
-def _decode(path, mode, monkeypatch, n_prompt=30, n_tokens=12, expert_cache=None):
+def _decode(path, mode, monkeypatch, n_prompt=30, n_tokens=12, expert_cache=None, tier=None):
     """Greedy decode after a prompt with the MoE layers on path ``mode``: the logits f32 [n_tokens, vocab], the
     counters (RAM cache hits, loads; step steps, pairs, cpu_pairs), each MoE layer's LRU order, the staged and
-    committed routing counts, and (region rows, region fallbacks). Asserts the path asked for is the one built."""
+    committed routing counts, and (region rows, region fallbacks). Asserts the path asked for is the one built.
+    ``tier``: ``f(engine) -> scheduler.tier.Tier`` put on the model's step (closed after the decode)."""
     monkeypatch.setattr(decode, "ENABLED", mode != "python")
     monkeypatch.setattr(decode_moe, "ENABLED", mode == "region")
     # one reader thread: reads land in the order they were asked (ascending ids), so the puts into the RAM cache, its
@@ -35,7 +37,12 @@ def _decode(path, mode, monkeypatch, n_prompt=30, n_tokens=12, expert_cache=None
         for L in m.layers:
             if L.moe is not None:
                 assert (L.moe_dec is not None) == (mode == "region" and L.moe.shared is None)
-        out = greedy_logits(m, n_prompt, n_tokens)
+        t = m.step.tier = tier(eng) if tier is not None else None
+        try:
+            out = greedy_logits(m, n_prompt, n_tokens)
+        finally:
+            if t is not None:
+                t.close()
         st, c = m.step.stats, m.step.cache
         counters = (c.hits, c.loads, st.steps, st.pairs, st.cpu_pairs)
         lru = {il: list(c.lru[il]) for il in m.moe_layers}
@@ -93,6 +100,49 @@ def test_moe_region_equals_the_other_paths_on_the_demo_moe(demo_path, monkeypatc
     r = {mode: _decode(demo_path, mode, monkeypatch, n_prompt=20, n_tokens=12) for mode in ("python", "region")}
     _same(r["region"], r["python"])
     assert r["region"][4][0] > 0
+
+
+@needs_vnni
+@pytest.mark.parametrize("slots", [None, 4])
+@pytest.mark.parametrize("use_device", [False, True])
+def test_moe_region_runs_the_rows_the_decode_gate_keeps_off_the_device(slots, use_device, monkeypatch):
+    """An active device tier (``NumpyDevice``, nothing resident, no promotions) whose decode gate says "without the
+    device" (``Tier.row_on_cpu``): the decode rows run whole in the region as in a CPU-only run, so the same bits,
+    RAM-cache counters, LRU order and region rows; with the gate on the device's side the region stops after the
+    router (no region rows) and the bits are the same too. Either way the tier's heat counts every routed pair,
+    and each forward starts one tier token: a row the region hands back to the step (an expert not in RAM, 4
+    slots) does not start another."""
+    from scheduler.balancer import Balancer
+    from scheduler.tier import Tier
+    from tests.test_tier_step import NumpyDevice, _OffGate
+
+    tiers = []
+
+    def tier(eng):
+        m, st = eng.model, eng.model.step
+        per = max(st.cache.source.expert_nbytes(l) for l in m.moe_layers)
+        env = {"COLI_VK_TIER_SYNC": "1", "COLI_VK_TIER_RATE": "0", "COLI_VK_DECODE_GATE": str(1 - use_device)}
+        t = Tier(NumpyDevice(), "olmoe", len(m.layers), st.cache.source.n_experts(m.moe_layers[0]), per, 16 * per,
+                 "test", env=env,
+balancer=Balancer(enabled=True), log=io.StringIO(), moe_layers=m.moe_layers, auto_tokens=True, ram=st.cache)
+        if not use_device:
+            t.gate = _OffGate()
+        tiers.append(t)
+        return t
+    path = FIXTURES / "oracles" / "olmoe.gguf"
+    ref = _decode(path, "region", monkeypatch, expert_cache=slots)
+    got = _decode(path, "region", monkeypatch, expert_cache=slots, tier=tier)
+    assert np.array_equal(got[0], ref[0])
+    assert got[1][2:] == ref[1][2:] and np.array_equal(got[3][0], ref[3][0])
+    if use_device:
+        assert got[4][0] == 0 and ref[4][0] > 0
+    else:
+        assert got[1] == ref[1] and got[2] == ref[2] and got[4] == ref[4] and ref[4][0] > 0
+        assert slots is None or ref[4][1] > 0          # rows handed back to the step
+    t = tiers[0]
+    assert t.device.submits == 0 and not t.resident
+    assert t.heat.sum() == t.routed_pairs == ref[1][3]          # the step's routed pairs
+    assert t.tokens == 30 + 12                         # the prompt's rows and 12 decode tokens, each begun once
 
 
 def test_exp_f32_is_numpys_float32_exp():
