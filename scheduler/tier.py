@@ -173,7 +173,8 @@ class Tier:
         self._tok_t0: int | None = None   # host ns: this decode token's start, its last step's start
         self._tok_last: int | None = None
         self._tok_cold = 0             # CPU experts of this token read from disk (its sample is dropped)
-        self._ram_todo: list = []      # device-only experts to read into RAM after a decision against the device
+        self._ram_todo: list = []      # device-only experts to read into RAM for tokens without the device
+        self._ram_scan = -1            # ``uploads`` when _ram_todo was last built
         self.trace = trace if trace is not None else NULL_TRACE
         self.device_name = device_name or getattr(device, "name", "") or "device"
         self.own_queue = own_queue
@@ -271,8 +272,18 @@ class Tier:
                 f"device {self.device_ms:.1f} ms, CPU share {self.cpu_ms:.1f} ms, waited {self.waited_ms:.1f} ms "
                 f"({hidden:.0f}% of device time hidden) | "
                 f"balance: device share {self.balancer.share:.2f}, {self.handed_rows} rows handed to the CPU"
-                + (f", {self.gate.tokens_without} decode tokens without the device (the decode gate)"
-                   if self.gate.tokens_without else ""))
+                + (f", {self.gate.tokens_without} decode tokens without the device (the decode gate"
+                   + self._gate_decisions() + ")" if self.gate.tokens_without else ""))
+
+    def _gate_decisions(self) -> str:
+        """The decode gate's decisions for the run line: how many each way, the last one's medians."""
+        ds = self.gate.decisions
+        if not ds:
+            return ": no decision"
+        n_dev = sum(1 for d in ds if d[0])
+        dev, on, off = ds[-1]
+        return (f": {len(ds) - n_dev} decisions without, {n_dev} with; the last {'with' if dev else 'without'}, "
+                f"token {on:.2f} ms with, {off:.2f} ms without")
 
     def _say(self, line: str) -> None:
         print(line, file=self.log, flush=True)
@@ -290,19 +301,20 @@ class Tier:
         now = host_ns()
         if n_tokens == 1:      # a decode token: the last one's time (its start to its last step's) to the gate
             if self._tok_t0 is not None and self._tok_last is not None:
-                n_dec = len(self.gate.decisions)
                 self.gate.token((self._tok_last - self._tok_t0) / 1e6 if self._tok_cold == 0 else None)
-                if len(self.gate.decisions) > n_dec and not self.gate.decided and self.on:
-                    # without the device is faster: the experts only the device holds (the warm start uploads
-                    # from the file) are read into free RAM slots in the background, so the CPU can take them too
-                    self._ram_todo = [k for k in self.resident if not self._cpu_holds(*k)]
+            self._dev_off = not self.gate.use_device
+            if self._dev_off and self.on and not self._ram_todo and self._ram_scan != self.uploads:
+                # a token without the device (measured or decided): the experts only the device holds (the warm
+                # start and promotions upload them from the file) are read into free RAM slots in the background,
+                # so the CPU can take them: until then such a token still needs a batch for them
+                self._ram_scan = self.uploads
+                self._ram_todo = [k for k in self.resident if not self._cpu_holds(*k)]
             if self._ram_todo and self.on:     # at most `rate` reads started a token: the CPU's own reads
                 busy = self._ram_busy()        # do not queue behind gigabytes of them
                 todo, self._ram_todo = self._ram_todo[:max(1, self.rate)], self._ram_todo[max(1, self.rate):]
                 for key in todo:
                     if key in self.resident:
                         self._back_to_ram(key, busy)
-            self._dev_off = not self.gate.use_device
             self._tok_t0 = now
         else:                  # a prompt's forward: the device takes its resident experts, no sample
             self._dev_off = False

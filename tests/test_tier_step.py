@@ -258,24 +258,10 @@ def test_decode_gate_off_leaves_the_device_only_what_the_cpu_lacks(fast):
         np.testing.assert_allclose(a, b, rtol=0, atol=2e-2 * max(1.0, float(np.abs(b).max())))
 
 
-class _DecideOffGate(_OffGate):
-    """Decides "without the device" at its first sample (as DecodeGate.token appends a decision)."""
-
-    def __init__(self):
-        super().__init__()
-        self.decisions, self.decided = [], None
-
-    def token(self, ms):
-        if not self.decisions:
-            self.decisions.append((False, 2.0, 1.0))
-            self.decided = False
-        return super().token(ms)
-
-
 def test_decode_gate_off_reads_the_device_only_experts_into_ram():
-    """The warm start uploads experts straight from the file, so the CPU cannot take them; a decision to run
-    without the device reads them into the RAM cache's free slots (``Tier._back_to_ram``), after which no
-    decode step needs a batch."""
+    """The warm start uploads experts straight from the file, so the CPU cannot take them; tokens without the
+    device (measured or decided) read them into the RAM cache's free slots (``Tier._back_to_ram``, ``rate`` a
+    token), after which no decode step needs a batch."""
     src, layers = setup()
     cache = ram_mod.RAMCache(src, 8, io_threads=2)
     st = step_mod.MoEStep(cache, act="int8")
@@ -287,7 +273,7 @@ def test_decode_gate_off_reads_the_device_only_experts_into_ram():
     t.warm_start(src.read_raw, threads=2)
     t.settle()
     assert t.resident and not any(cache.in_ram(l, e) for l, e in t.resident)
-    t.gate = _DecideOffGate()
+    t.gate = _OffGate()
     rng = np.random.default_rng(5)
     D = src.layers[layers[0]][0].shape[2]
 
@@ -296,9 +282,10 @@ def test_decode_gate_off_reads_the_device_only_experts_into_ram():
             x = rng.standard_normal((1, D)).astype(np.float32)
             st.run(l, x, rng.choice(8, 2, replace=False).reshape(1, 2), rng.random((1, 2)).astype(np.float32))
     t.rate = 2                               # reads started a token (the promotion rate)
-    token()
-    token()                                  # its start feeds the first sample: the decision, 2 reads
+    token()                                  # a token without the device: 2 reads started
     assert t.prefetched == 2 < len(t.resident)
+    token()
+    assert t.prefetched == 4
     while t._ram_todo:
         token()
     assert t.prefetched == len(t.resident)
