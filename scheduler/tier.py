@@ -174,7 +174,8 @@ class Tier:
         self._tok_last: int | None = None
         self._tok_cold = 0             # CPU experts of this token read from disk (its sample is dropped)
         self._ram_todo: list = []      # device-only experts to read into RAM for tokens without the device
-        self._ram_scan = -1            # ``uploads`` when _ram_todo was last built
+        self._res_version = 0          # experts made resident so far (settle): a new one may be device-only
+        self._ram_scan = -1            # ``_res_version`` when _ram_todo was last built
         self.trace = trace if trace is not None else NULL_TRACE
         self.device_name = device_name or getattr(device, "name", "") or "device"
         self.own_queue = own_queue
@@ -298,16 +299,16 @@ class Tier:
         self._explicit = True
 
     def _begin(self, n_tokens: int) -> None:
-        now = host_ns()
+        self._begun = None
         if n_tokens == 1:      # a decode token: the last one's time (its start to its last step's) to the gate
             if self._tok_t0 is not None and self._tok_last is not None:
                 self.gate.token((self._tok_last - self._tok_t0) / 1e6 if self._tok_cold == 0 else None)
             self._dev_off = not self.gate.use_device
-            if self._dev_off and self.on and not self._ram_todo and self._ram_scan != self.uploads:
+            if self._dev_off and self.on and not self._ram_todo and self._ram_scan != self._res_version:
                 # a token without the device (measured or decided): the experts only the device holds (the warm
                 # start and promotions upload them from the file) are read into free RAM slots in the background,
                 # so the CPU can take them: until then such a token still needs a batch for them
-                self._ram_scan = self.uploads
+                self._ram_scan = self._res_version
                 self._ram_todo = [k for k in self.resident if not self._cpu_holds(*k)]
             if self._ram_todo and self.on:     # at most `rate` reads started a token: the CPU's own reads
                 busy = self._ram_busy()        # do not queue behind gigabytes of them
@@ -315,7 +316,7 @@ class Tier:
                 for key in todo:
                     if key in self.resident:
                         self._back_to_ram(key, busy)
-            self._tok_t0 = now
+            self._tok_t0 = host_ns()       # the sample starts after the reads' bookkeeping
         else:                  # a prompt's forward: the device takes its resident experts, no sample
             self._dev_off = False
             self._tok_t0 = None
@@ -346,6 +347,7 @@ class Tier:
             self.pending.discard((l, e))
             if not self.on:
                 continue
+            self._res_version += 1
             self.resident[(l, e)] = h
             self.resident_bytes[(l, e)] = nb
             self.mask[l, e] = True
@@ -486,7 +488,7 @@ class Tier:
         step :meth:`row_on_cpu` started."""
         if self._begun is not None:
             begun, self._begun = self._begun, None
-            if begun == layer:
+            if begun == layer and n_rows == 1:
                 return
         if self.auto_tokens and (self._last_layer is None or layer <= self._last_layer):
             if self._explicit:
@@ -606,8 +608,9 @@ class Tier:
         candidate by :meth:`promote` in (layer, expert) order, so the decisions do not depend on the order
         in which the CPU finished its experts (disk reads land in any order): with ``COLI_VK_TIER_SYNC=1``
         residency follows the routing alone. ``bytes_fn`` is called then, on the engine thread. Returns
-        True when recorded (False: tier off, no budget, or already resident / staged)."""
-        if not self.on or self.capacity <= 0:
+        True when recorded (False: tier off, no budget, already resident / staged, or a decode token the
+        gate runs without the device: such a token uploads nothing)."""
+        if not self.on or self.capacity <= 0 or self._dev_off:
             return False
         key = (int(layer), int(e))
         if self.mask[key] or key in self.pending:

@@ -123,8 +123,8 @@ def test_moe_region_runs_the_rows_the_decode_gate_keeps_off_the_device(slots, us
         per = max(st.cache.source.expert_nbytes(l) for l in m.moe_layers)
         env = {"COLI_VK_TIER_SYNC": "1", "COLI_VK_TIER_RATE": "0", "COLI_VK_DECODE_GATE": str(1 - use_device)}
         t = Tier(NumpyDevice(), "olmoe", len(m.layers), st.cache.source.n_experts(m.moe_layers[0]), per, 16 * per,
-                 "test", env=env,
-balancer=Balancer(enabled=True), log=io.StringIO(), moe_layers=m.moe_layers, auto_tokens=True, ram=st.cache)
+                 "test", env=env, balancer=Balancer(enabled=True), log=io.StringIO(), moe_layers=m.moe_layers,
+                 auto_tokens=True, ram=st.cache)
         if not use_device:
             t.gate = _OffGate()
         tiers.append(t)
@@ -143,6 +143,50 @@ balancer=Balancer(enabled=True), log=io.StringIO(), moe_layers=m.moe_layers, aut
     assert t.device.submits == 0 and not t.resident
     assert t.heat.sum() == t.routed_pairs == ref[1][3]          # the step's routed pairs
     assert t.tokens == 30 + 12                         # the prompt's rows and 12 decode tokens, each begun once
+
+
+@needs_vnni
+def test_moe_region_hands_resident_experts_in_ram_to_the_cpu_in_tokens_without_the_device(monkeypatch):
+    """A warm-started tier (``NumpyDevice``: 4 of each layer's 8 experts resident) whose gate keeps every decode token
+    off the device, every expert in RAM before the decode: each decode row runs whole in the region (none falls
+    back), no batch is submitted during the decode, and the rows routed to resident experts count as handed to the
+    CPU (as ``Tier.issue_row`` counts them)."""
+    from scheduler.balancer import Balancer
+    from scheduler.tier import Tier
+    from tests.test_tier_step import NumpyDevice, _OffGate
+
+    seen = {}
+
+    def tier(eng):
+        m, st = eng.model, eng.model.step
+        src, L = st.cache.source, m.moe_layers
+        per = max(src.expert_nbytes(l) for l in L)
+        t = Tier(NumpyDevice(), "olmoe", len(m.layers), src.n_experts(L[0]), per, 4 * len(L) * per, "test",
+                 env={"COLI_VK_TIER_SYNC": "1", "COLI_VK_TIER_RATE": "0"}, balancer=Balancer(enabled=True),
+                 log=io.StringIO(), moe_layers=L, auto_tokens=True, ram=st.cache)
+        t.warm_start(src.read_raw, threads=1)
+        t.settle()
+        for l in L:                                   # every expert in RAM: no fallback, nothing for the device
+            for e in range(src.n_experts(l)):
+                if st.cache.get(l, e) is None:
+                    st.cache.put(l, e, st.cache.fetch(l, e).result())
+        t.gate = _OffGate()
+        seen["tier"], seen["resident"] = t, sorted(t.resident)
+        real = st.region_row
+
+        def region_row(layer, ids):                   # the decode rows' routing, to count the resident ones
+            seen.setdefault("rows", []).append((layer, ids[0].tolist()))
+            real(layer, ids)
+        st.region_row = region_row
+        return t
+    path = FIXTURES / "oracles" / "olmoe.gguf"
+    got = _decode(path, "region", monkeypatch, n_prompt=1, tier=tier)
+    t, res = seen["tier"], set(seen["resident"])
+    layers = sorted({l for l, _ in res})
+    # the one-token prompt is a decode row too: 13 rows a layer
+    assert len(res) == 4 * len(layers) and t.device.submits == 0 and got[4] == (13 * len(layers), 0)
+    assert [l for l, _ in seen["rows"]] == layers * 13
+    assert t.handed_rows == sum(1 for l, ids in seen["rows"] for e in ids if (l, e) in res) > 0
 
 
 def test_exp_f32_is_numpys_float32_exp():

@@ -179,6 +179,7 @@ def _row_run(fast: bool, cap: int, slots: int, bal=None, steps=24, seed=3, gate=
                    moe_layers=layers, auto_tokens=True, ram=cache)
     if gate is not None:
         st.tier.gate = gate
+        gate.dev = dev
     rng = np.random.default_rng(seed)
     D = src.layers[layers[0]][0].shape[2]
     ys = []
@@ -229,33 +230,64 @@ def test_decode_row_path_matches_the_general_step(cap, slots, balanced):
 
 
 class _OffGate:
-    """A decode gate that always says: this token without the device (scheduler.balancer.DecodeGate's API)."""
-    enabled, use_device = True, False
+    """A decode gate (scheduler.balancer.DecodeGate's API) that keeps the device for the first ``on_tokens`` decode
+    tokens, then says: every token without the device. ``submits_at_off``: the device's submits then (``dev``)."""
+    enabled = True
 
-    def __init__(self):
+    def __init__(self, on_tokens: int = 0, dev=None):
         self.decisions, self.tokens_without = [(False, 1.0, 0.5)], 0
+        self.on_left, self.dev = on_tokens, dev
+        self.submits_at_off = None if on_tokens > 0 else 0
+        self.use_device = on_tokens > 0
 
     def token(self, ms):
-        self.tokens_without += 1
-        return False
+        if not self.use_device:
+            self.tokens_without += 1
+        self.on_left -= 1
+        self.use_device = self.on_left > 0
+        if not self.use_device and self.submits_at_off is None:
+            self.submits_at_off = self.dev.submits
+        return self.use_device
 
 
 @pytest.mark.skipif(not step_mod._decode.available("int8", ()), reason="the decode row path runs the int8 VNNI kernels")
 @pytest.mark.parametrize("fast", [True, False])
 def test_decode_gate_off_leaves_the_device_only_what_the_cpu_lacks(fast):
-    """A decode token the gate runs without the device (``Tier._dev_off``), on the decode row path and the general
-    split: with every expert resident AND in RAM no batch is submitted at all and the outputs are the CPU-only
-    run's bit for bit; with 2 RAM slots the device still computes the resident experts the CPU lacks."""
+    """Decode tokens the gate runs without the device (``Tier._dev_off``) after 3 with it (their promotions make
+    experts resident), on the decode row path and the general split: with every expert in RAM no batch is
+    submitted after the switch, no expert is promoted, and the outputs are the CPU-only run's bit for bit; with 2
+    RAM slots the device still computes the resident experts the CPU lacks."""
     ys_cpu, c_cpu, _ = _row_run(fast, 0, 8, Balancer(enabled=True))
     assert c_cpu[3] == 0 and c_cpu[-1] == 0                 # the reference: no expert resident, no batch
-    ys, c, _ = _row_run(fast, 16, 8, Balancer(enabled=True), gate=_OffGate())
-    assert len(c[10]) > 0 and c[-1] == 0 and c[3] == 0 and c[8] > 0   # resident experts, no submit, rows handed
-    for a, b in zip(ys, ys_cpu):
+    n_on = 3 * len(setup()[1])                              # the outputs of the 3 tokens with the device
+    g = _OffGate(3)
+    ys, c, _ = _row_run(fast, 16, 8, Balancer(enabled=True), gate=g)
+    assert len(c[10]) > 0 and c[8] > 0                      # resident experts, rows handed to the CPU
+    assert c[-1] == g.submits_at_off > 0 and g.tokens_without == 24 - 3 - 1
+    for a, b in zip(ys[n_on:], ys_cpu[n_on:]):
         np.testing.assert_array_equal(a, b)
-    ys2, c2, _ = _row_run(fast, 16, 2, Balancer(enabled=True), gate=_OffGate())
-    assert c2[-1] > 0 and 0 < c2[3] < c2[1] and c2[8] > 0   # the device took the experts the CPU did not hold
-    for a, b in zip(ys2, ys_cpu):
+    g2 = _OffGate(3)
+    ys2, c2, _ = _row_run(fast, 16, 2, Balancer(enabled=True), gate=g2)
+    assert c2[-1] > g2.submits_at_off and c2[8] > 0         # the device took the experts the CPU did not hold
+    for a, b in zip(ys2[n_on:], ys_cpu[n_on:]):
         np.testing.assert_allclose(a, b, rtol=0, atol=2e-2 * max(1.0, float(np.abs(b).max())))
+
+
+def test_no_promotion_in_a_decode_token_without_the_device():
+    """A token the gate runs without the device offers the tier no candidate (``Tier.note`` is False); a token with
+    the device does."""
+    src, layers = setup()
+    t = Tier(NumpyDevice(), "m", max(layers) + 1, 8, 1024, 8192, "test", env={"COLI_VK_TIER_SYNC": "1"},
+             balancer=Balancer(enabled=True), log=io.StringIO(), moe_layers=layers, auto_tokens=True,
+             ram=ram_mod.RAMCache(src, 8, io_threads=1))
+    t.gate = _OffGate()
+    t.begin_token()
+    assert not t.note(layers[0], 1, lambda: None) and not t._candidates
+    t.gate = _OffGate(5)
+    t.begin_token()
+    assert t.note(layers[0], 1, lambda: None)
+    t.close()
+    t.ram.close()
 
 
 def test_decode_gate_off_reads_the_device_only_experts_into_ram():
