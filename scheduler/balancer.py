@@ -105,10 +105,14 @@ class Balancer:
                 self.b_ms = self._ema(self.b_ms, t.cpu_ms / t.cpu_rows)
                 self._b_cold = True
         waited_dev = t.device_ms > 0 and t.waited_ms > self.wait_tol * t.device_ms
-        self.cpu_room = t.device_rows > 0 and waited_dev and (self.b_ms is None or t.waited_ms > self.b_ms)
+        # a CPU cost measured with disk reads is no measurement of the rows the balancer moves: until a step
+        # without disk reads replaces it, the rules before a measurement hold (else a first cold step, ms of
+        # disk read per row, would keep the CPU from ever getting a row to measure again)
+        b = None if self._b_cold else self.b_ms
+        self.cpu_room = t.device_rows > 0 and waited_dev and (b is None or t.waited_ms > b)
         if not self.enabled:
             return self.share
-        if self.b_ms is None or self.a_ms is None:
+        if b is None or self.a_ms is None:
             if self.cpu_room:
                 self.share = max(self.floor, self.share - self.probe)
             return self.share

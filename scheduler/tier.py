@@ -172,7 +172,9 @@ class Tier:
         self._dev_off = False          # this decode token keeps only the experts the CPU lacks on the device
         self._tok_t0: int | None = None   # host ns: this decode token's start, its last step's start
         self._tok_last: int | None = None
-        self._tok_cold = 0             # CPU experts of this token read from disk (its sample is dropped)
+        # CPU experts of this token read from disk, and (a token without the device) batches it still needed for
+        # experts only the device held: either drops its sample (it measures neither side's steady state)
+        self._tok_cold = 0
         self._ram_todo: list = []      # device-only experts to read into RAM for tokens without the device
         self._res_version = 0          # experts made resident so far (settle): a new one may be device-only
         self._ram_scan = -1            # ``_res_version`` when _ram_todo was last built
@@ -390,6 +392,8 @@ class Tier:
             movable = np.array([bool(in_ram(layer, int(experts[i]))) for i in idx], dtype=bool)
             keep = ~movable if self._dev_off else self.balancer.keep(rows[idx], movable)
             on_dev[idx[~keep]] = False
+            if self._dev_off and on_dev.any():
+                self._tok_cold += 1        # still a batch: not a token without the device
             self.handed_rows += int(rows[idx[~keep]].sum())
         dev_rows = int(rows[on_dev].sum())
         self._step = (layer, int(rows[res].sum()), dev_rows, total - dev_rows)
@@ -546,6 +550,8 @@ class Tier:
             if self._dev_off and cache is not None:     # the decode gate: the device keeps what the CPU lacks
                 dev = [e for e in dev if not self._cpu_holds(layer, e, cache)]
                 self.handed_rows += res - len(dev)
+                if dev:
+                    self._tok_cold += 1    # still a batch: not a token without the device
             cpu = [e for e in experts if e not in dev]
         cold = sum(1 for e in cpu if not self._cpu_holds(layer, e, cache)) if cache is not None else 0
         self._tok_cold += cold

@@ -90,6 +90,21 @@ def test_cold_cpu_measurement_is_replaced_by_the_first_warm_one():
     assert b.b_ms == pytest.approx(0.5 + 0.3 * (1.0 - 0.5))
 
 
+def test_a_cold_cpu_measurement_does_not_keep_the_cpu_from_rows():
+    """A first CPU cost measured with disk reads (50 ms a row) is no measurement of RAM-held rows: while the join
+    keeps waiting on the device (40 ms a step, less than that cold cost), the share probes down as before any
+    measurement, the CPU gets movable rows again (``keep``), and its first warm step replaces the cold cost."""
+    b = Balancer()
+    b.update(StepTimes(40.0, 4, 50.0, 1, 40.0, 4, cpu_cold=1))   # a disk read: 50 ms for one row
+    for _ in range(3):                                          # the device alone, the join waiting 40 ms
+        b.update(StepTimes(40.0, 4, 0.0, 0, 40.0, 4))
+    assert b.cpu_room and b.share == pytest.approx(1.0 - 4 * b.probe)
+    keep = b.keep(np.array([1, 1, 1, 1]), np.array([True, True, True, True]))
+    assert not keep.all()                                       # rows handed to the CPU
+    b.update(StepTimes(30.0, 3, 1.0, 1, 30.0, 4))               # the CPU's row, from RAM: 1 ms
+    assert b.b_ms == pytest.approx(1.0)
+
+
 def test_target_under_the_floor_leaves_only_measurement_rows():
     b = Balancer(floor=0.05)
     for _ in range(30):

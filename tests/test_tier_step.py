@@ -293,7 +293,8 @@ def test_no_promotion_in_a_decode_token_without_the_device():
 def test_decode_gate_off_reads_the_device_only_experts_into_ram():
     """The warm start uploads experts straight from the file, so the CPU cannot take them; tokens without the
     device (measured or decided) read them into the RAM cache's free slots (``Tier._back_to_ram``, ``rate`` a
-    token), after which no decode step needs a batch."""
+    token), after which no decode step needs a batch. The gate gets no sample of a token that still needed one
+    (every other expert is in RAM from the start: no disk read drops them), and a sample of each token after."""
     src, layers = setup()
     cache = ram_mod.RAMCache(src, 8, io_threads=2)
     st = step_mod.MoEStep(cache, act="int8")
@@ -305,7 +306,13 @@ def test_decode_gate_off_reads_the_device_only_experts_into_ram():
     t.warm_start(src.read_raw, threads=2)
     t.settle()
     assert t.resident and not any(cache.in_ram(l, e) for l, e in t.resident)
+    for l in layers:                         # the experts the device does not hold: in RAM before the decode
+        for e in range(8):
+            if (l, e) not in t.resident:
+                cache.put(l, e, cache.fetch(l, e).result())
     t.gate = _OffGate()
+    samples = []
+    t.gate.token = lambda ms, f=t.gate.token: (samples.append(ms), f(ms))[1]
     rng = np.random.default_rng(5)
     D = src.layers[layers[0]][0].shape[2]
 
@@ -315,18 +322,19 @@ def test_decode_gate_off_reads_the_device_only_experts_into_ram():
             st.run(l, x, rng.choice(8, 2, replace=False).reshape(1, 2), rng.random((1, 2)).astype(np.float32))
     t.rate = 2                               # reads started a token (the promotion rate)
     token()                                  # a token without the device: 2 reads started
-    assert t.prefetched == 2 < len(t.resident)
+    assert t.prefetched == 2 < len(t.resident) and dev.submits > 0
     token()
-    assert t.prefetched == 4
+    assert t.prefetched == 4 and samples == [None]
     while t._ram_todo:
         token()
     assert t.prefetched == len(t.resident)
     for f in list(cache.inflight.values()):
         f.result(timeout=30)
-    n = dev.submits
+    n, k = dev.submits, len(samples)
     for _ in range(4):
         token()
     assert dev.submits == n                  # every resident expert movable: no batch
+    assert all(ms is not None and ms > 0 for ms in samples[k + 1:]) and len(samples) == k + 4
     assert any(cache.in_ram(l, e) for l, e in t.resident)     # the CPU took the reads it needed
     t.close()
     cache.close()
