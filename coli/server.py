@@ -301,13 +301,18 @@ def create_app(eng, model_id: str, aliases=(), max_queue: int = 8):
         if not stream:
             parts = []
             try:
+                next_check = loop.time() + 0.25
                 while True:
                     try:
                         k, v = await asyncio.wait_for(aq.get(), 0.25)
                     except asyncio.TimeoutError:
+                        k = None
+                    if loop.time() >= next_check:   # every 0.25 s, whether or not tokens keep coming
+                        next_check = loop.time() + 0.25
                         if await request.is_disconnected():
                             job.cancel.set()
                             return JSONResponse({}, status_code=499)
+                    if k is None:
                         continue
                     if k == "text":
                         parts.append(v)

@@ -258,6 +258,25 @@ def test_dropped_stream_last_generation_cancelled(server):
     assert h["last"]["completion_tokens"] < 400
 
 
+def test_dropped_request_last_generation_cancelled(server):
+    """A client that gives up on a non-streaming 480-token completion after 1 s (tokens keep coming all the while):
+    the server's last generation ends "cancelled" with fewer than 480 tokens."""
+    base = server["base"]
+    h0 = _health(server)
+    body = {"prompt": "Once upon a time", "max_tokens": 480, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(base + "/v1/completions", json=body, timeout=1)
+    t0 = time.time()
+    while time.time() - t0 < 120:
+        h = _health(server)
+        if h["cancelled"] > h0["cancelled"] and not h["busy"]:
+            break
+        time.sleep(0.2)
+    assert h["cancelled"] == h0["cancelled"] + 1
+    assert h["last"]["finish_reason"] == "cancelled"
+    assert h["last"]["completion_tokens"] < 480
+
+
 def test_malformed_json_is_400(server):
     """A body that is not JSON, or a field of the wrong type: 400 with OpenAI's error object, naming the field."""
     r = httpx.post(server["base"] + "/v1/chat/completions", content=b'{"messages": [', timeout=30,
