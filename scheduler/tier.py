@@ -275,8 +275,14 @@ class Tier:
                 f"device {self.device_ms:.1f} ms, CPU share {self.cpu_ms:.1f} ms, waited {self.waited_ms:.1f} ms "
                 f"({hidden:.0f}% of device time hidden) | "
                 f"balance: device share {self.balancer.share:.2f}, {self.handed_rows} rows handed to the CPU"
-                + (f", {self.gate.tokens_without} decode tokens without the device (the decode gate"
-                   + self._gate_decisions() + ")" if self.gate.tokens_without else ""))
+                + (f", {self.tokens_without} decode tokens without the device (the decode gate"
+                   + self._gate_decisions() + ")" if self.tokens_without else ""))
+
+    @property
+    def tokens_without(self) -> int:
+        """Decode tokens run without the device so far (the gate counts a token when the next one starts: the
+        current one is added here)."""
+        return self.gate.tokens_without + (1 if self._dev_off and self._tok_t0 is not None else 0)
 
     def _gate_decisions(self) -> str:
         """The decode gate's decisions for the run line: how many each way, the last one's medians."""

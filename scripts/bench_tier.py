@@ -103,7 +103,7 @@ def one_run(Engine, model, arm, args, usage_copy):
                        device_pct=100.0 * t.device_pairs / t.routed_pairs if t.routed_pairs else 0.0,
                        share=t.balancer.share, handed_rows=t.handed_rows, resident=len(t.resident),
                        evictions=t.evictions, uploads=t.uploads, on=t.on, trail=trail, trail_warm=n_warm,
-                       without_device=t.gate.tokens_without)
+                       without_device=t.tokens_without)
         return out
     finally:
         eng.close()

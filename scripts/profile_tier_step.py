@@ -154,7 +154,7 @@ def _measure(eng, arm, kw, a):
         _PROMPT[0] = True
         t = getattr(eng, "tier", None)
         _TIER[:] = [t, _tier_counters(t) if t is not None else None]
-        w0 = t.gate.tokens_without if t is not None else 0
+        w0 = t.tokens_without if t is not None else 0
         try:
             r2 = eng.generate(a.prompt, max_tokens=a.tokens, temp=0.0, stop_at_eos=False)
         finally:
@@ -170,7 +170,7 @@ def _measure(eng, arm, kw, a):
             out["device ms/batch"] = (t.device_ms - dev0[0]) / max(1, db)
             out["batches/token"] = db / n_tok
             out["device pairs %"] = 100.0 * (t.device_pairs - dev0[2]) / max(1, t.routed_pairs - dev0[3])
-            out["without %"] = 100.0 * (t.gate.tokens_without - w0) / n_tok
+            out["without %"] = 100.0 * (t.tokens_without - w0) / n_tok
         return out
     finally:
         eng.close()

@@ -143,6 +143,7 @@ def test_moe_region_runs_the_rows_the_decode_gate_keeps_off_the_device(slots, us
     assert t.device.submits == 0 and not t.resident
     assert t.heat.sum() == t.routed_pairs == ref[1][3]          # the step's routed pairs
     assert t.tokens == 30 + 12                         # the prompt's rows and 12 decode tokens, each begun once
+    assert t.tokens_without == (0 if use_device else 12)
 
 
 @needs_vnni
