@@ -175,9 +175,9 @@ class Tier:
         # CPU experts of this token read from disk, and (a token without the device) batches it still needed for
         # experts only the device held: either drops its sample (it measures neither side's steady state)
         self._tok_cold = 0
-        self._ram_todo: list = []      # device-only experts to read into RAM for tokens without the device
-        self._res_version = 0          # experts made resident so far (settle): a new one may be device-only
-        self._ram_scan = -1            # ``_res_version`` when _ram_todo was last built
+        # (balanced runs) experts only the device holds, to read into free RAM slots so the CPU can take them
+        self._ram_todo: list = []
+        self._copies = self.balancer.enabled and ram is not None
         self.trace = trace if trace is not None else NULL_TRACE
         self.device_name = device_name or getattr(device, "name", "") or "device"
         self.own_queue = own_queue
@@ -308,22 +308,21 @@ class Tier:
 
     def _begin(self, n_tokens: int) -> None:
         self._begun = None
+        if self._ram_todo and self.on:
+            # the experts only the device holds (the warm start uploads them from the file) are read into free RAM
+            # slots in the background, so the balancer and the decode gate can hand them to the CPU: until then a
+            # step that routes to one needs a batch. At most `rate` reads a token (the promotions' rate; a prompt's
+            # forward counts as 4 tokens at most), so the CPU's own reads do not queue behind gigabytes of them.
+            k = max(1, self.rate * min(int(n_tokens), 4))
+            busy = self._ram_busy()
+            todo, self._ram_todo = self._ram_todo[:k], self._ram_todo[k:]
+            for key in todo:
+                if key in self.resident:
+                    self._back_to_ram(key, busy)
         if n_tokens == 1:      # a decode token: the last one's time (its start to its last step's) to the gate
             if self._tok_t0 is not None and self._tok_last is not None:
                 self.gate.token((self._tok_last - self._tok_t0) / 1e6 if self._tok_cold == 0 else None)
             self._dev_off = not self.gate.use_device
-            if self._dev_off and self.on and not self._ram_todo and self._ram_scan != self._res_version:
-                # a token without the device (measured or decided): the experts only the device holds (the warm
-                # start and promotions upload them from the file) are read into free RAM slots in the background,
-                # so the CPU can take them: until then such a token still needs a batch for them
-                self._ram_scan = self._res_version
-                self._ram_todo = [k for k in self.resident if not self._cpu_holds(*k)]
-            if self._ram_todo and self.on:     # at most `rate` reads started a token: the CPU's own reads
-                busy = self._ram_busy()        # do not queue behind gigabytes of them
-                todo, self._ram_todo = self._ram_todo[:max(1, self.rate)], self._ram_todo[max(1, self.rate):]
-                for key in todo:
-                    if key in self.resident:
-                        self._back_to_ram(key, busy)
             self._tok_t0 = host_ns()       # the sample starts after the reads' bookkeeping
         else:                  # a prompt's forward: the device takes its resident experts, no sample
             self._dev_off = False
@@ -355,7 +354,8 @@ class Tier:
             self.pending.discard((l, e))
             if not self.on:
                 continue
-            self._res_version += 1
+            if self._copies and not self._cpu_holds(l, e):
+                self._ram_todo.append((l, e))
             self.resident[(l, e)] = h
             self.resident_bytes[(l, e)] = nb
             self.mask[l, e] = True
@@ -817,6 +817,8 @@ class Tier:
                         self.resident[k] = h
                         self.resident_bytes[k] = nb
                         self.mask[k] = True
+                        if self._copies:        # read from the file, not the RAM cache: the CPU lacks it
+                            self._ram_todo.append(k)
                         n += 1
                         n_h += int(counts[k] > 0)
                         with self._lock:

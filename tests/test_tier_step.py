@@ -290,6 +290,30 @@ def test_no_promotion_in_a_decode_token_without_the_device():
     t.ram.close()
 
 
+@pytest.mark.parametrize("balanced", [True, False])
+def test_balanced_tier_reads_the_device_only_experts_into_ram(balanced):
+    """A balanced tier (gate off: ``COLI_VK_DECODE_GATE=0``) reads the warm start's experts into free RAM slots from
+    its first forward, a prompt's too (``rate`` reads a token, a prompt counting 4 at most), so the balancer can
+    hand them to the CPU; ``--no-balance`` (no balancer) reads none."""
+    src, layers = setup()
+    cache = ram_mod.RAMCache(src, 8, io_threads=2)
+    per = max(src.expert_nbytes(l) for l in layers)
+    t = Tier(NumpyDevice(), "olmoe", max(layers) + 1, 8, per, 16 * per, "test",
+             env={"COLI_VK_TIER_SYNC": "1", "COLI_VK_DECODE_GATE": "0", "COLI_VK_TIER_RATE": "2"},
+             balancer=Balancer(enabled=balanced), log=io.StringIO(), moe_layers=layers, auto_tokens=True, ram=cache)
+    t.warm_start(src.read_raw, threads=2)
+    t.settle()
+    assert len(t.resident) == 16 and t.prefetched == 0
+    t.begin_token(30)                        # a prompt's forward: 2 x 4 reads
+    assert t.prefetched == (8 if balanced else 0)
+    t.begin_token(1)                         # a decode token: 2 more
+    assert t.prefetched == (10 if balanced else 0)
+    for f in list(cache.inflight.values()):
+        f.result(timeout=30)
+    t.close()
+    cache.close()
+
+
 def test_decode_gate_off_reads_the_device_only_experts_into_ram():
     """The warm start uploads experts straight from the file, so the CPU cannot take them; tokens without the
     device (measured or decided) read them into the RAM cache's free slots (``Tier._back_to_ram``, ``rate`` a
