@@ -236,6 +236,20 @@ def test_queue_full_is_503_and_dropped_stream_stops(server):
     assert h["served"] == h0["served"] + 1
 
 
+def _wait_cancelled(server, h0):
+    """/health once the server counts one more cancelled generation than ``h0`` and is idle (at most 120 s); asserts
+    that the last generation ended "cancelled"."""
+    t0 = time.time()
+    while time.time() - t0 < 120:
+        h = _health(server)
+        if h["cancelled"] > h0["cancelled"] and not h["busy"]:
+            break
+        time.sleep(0.2)
+    assert h["cancelled"] == h0["cancelled"] + 1
+    assert h["last"]["finish_reason"] == "cancelled"
+    return h
+
+
 def test_dropped_stream_last_generation_cancelled(server):
     """A client that reads two events of a 400-token stream and disconnects: the server's last generation
     ends "cancelled" with fewer than 400 tokens (it did not run on for nobody)."""
@@ -247,14 +261,7 @@ def test_dropped_stream_last_generation_cancelled(server):
             it = resp.iter_lines()
             next(it)
             next(it)
-    t0 = time.time()
-    while time.time() - t0 < 120:
-        h = _health(server)
-        if h["cancelled"] > h0["cancelled"] and not h["busy"]:
-            break
-        time.sleep(0.2)
-    assert h["cancelled"] == h0["cancelled"] + 1
-    assert h["last"]["finish_reason"] == "cancelled"
+    h = _wait_cancelled(server, h0)
     assert h["last"]["completion_tokens"] < 400
 
 
@@ -266,14 +273,7 @@ def test_dropped_request_last_generation_cancelled(server):
     body = {"prompt": "Once upon a time", "max_tokens": 480, "temperature": 0, "ignore_eos": True}
     with pytest.raises(httpx.TimeoutException):
         httpx.post(base + "/v1/completions", json=body, timeout=1)
-    t0 = time.time()
-    while time.time() - t0 < 120:
-        h = _health(server)
-        if h["cancelled"] > h0["cancelled"] and not h["busy"]:
-            break
-        time.sleep(0.2)
-    assert h["cancelled"] == h0["cancelled"] + 1
-    assert h["last"]["finish_reason"] == "cancelled"
+    h = _wait_cancelled(server, h0)
     assert h["last"]["completion_tokens"] < 480
 
 
