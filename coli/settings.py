@@ -51,7 +51,7 @@ VARS: tuple[Var, ...] = (
         "GiB", lo=0),
     Var("COLI_VK_TIER_SYNC", "bool", False, "wait for every staged upload before a step: the device's expert "
         "set is the same in every run (with --no-balance: reproducible logits)", flag="--reproducible"),
-    Var("COLI_VK_TIER_RATE", "int", 16, "expert promotions to the device per token", "experts/token", lo=0),
+    Var("COLI_VK_TIER_RATE", "int", 16, "expert promotions to the device per token (balanced runs: also reads of experts only the device holds into RAM)", "experts/token", lo=0),
     Var("COLI_VK_TIER_QUEUE_MAX", "int", None, "staged uploads in flight at most (default 2 x the rate)",
         "uploads", lo=0),
     Var("COLI_VK_TIER_FILL", "bool", True, "fill the device's free budget with the next-hottest experts"),
