@@ -172,9 +172,9 @@ class Tier:
         self._dev_off = False          # this decode token keeps only the experts the CPU lacks on the device
         self._tok_t0: int | None = None   # host ns: this decode token's start, its last step's start
         self._tok_last: int | None = None
-        # CPU experts of this token read from disk, and (a token without the device) batches it still needed for
-        # experts only the device held: either drops its sample (it measures neither side's steady state)
-        self._tok_cold = 0
+        # reasons this decode token gives the gate no sample (it measures neither side's steady state): its CPU
+        # experts read from disk, and (a token without the device) batches it still needed for device-only experts
+        self._tok_unsampled = 0
         # (balanced runs) experts only the device holds, to read into free RAM slots so the CPU can take them
         self._ram_todo: list = []
         self._copies = self.balancer.enabled and ram is not None
@@ -321,13 +321,13 @@ class Tier:
                     self._back_to_ram(key, busy)
         if n_tokens == 1:      # a decode token: the last one's time (its start to its last step's) to the gate
             if self._tok_t0 is not None and self._tok_last is not None:
-                self.gate.token((self._tok_last - self._tok_t0) / 1e6 if self._tok_cold == 0 else None)
+                self.gate.token((self._tok_last - self._tok_t0) / 1e6 if self._tok_unsampled == 0 else None)
             self._dev_off = not self.gate.use_device
             self._tok_t0 = host_ns()       # the sample starts after the reads' bookkeeping
         else:                  # a prompt's forward: the device takes its resident experts, no sample
             self._dev_off = False
             self._tok_t0 = None
-        self._tok_last, self._tok_cold = None, 0
+        self._tok_last, self._tok_unsampled = None, 0
         n = halvings_due(self.tokens, self._halvings)
         if n:
             self.heat *= 0.5 ** n
@@ -399,7 +399,7 @@ class Tier:
             keep = ~movable if self._dev_off else self.balancer.keep(rows[idx], movable)
             on_dev[idx[~keep]] = False
             if self._dev_off and on_dev.any():
-                self._tok_cold += 1        # still a batch: not a token without the device
+                self._tok_unsampled += 1        # still a batch: not a token without the device
             self.handed_rows += int(rows[idx[~keep]].sum())
         dev_rows = int(rows[on_dev].sum())
         self._step = (layer, int(rows[res].sum()), dev_rows, total - dev_rows)
@@ -517,7 +517,7 @@ class Tier:
         if cache is not None and self._step is not None:
             cold = sum(1 for e in cpu_e if not self._cpu_holds(layer, int(e), cache))
             self._step = self._step + (cold,)
-            self._tok_cold += cold
+            self._tok_unsampled += cold
         if dev_e.size == 0:
             return [int(e) for e in cpu_e], None
         pair_ids = np.concatenate([np.asarray(groups[int(e)], dtype=np.int64) for e in dev_e])
@@ -557,10 +557,10 @@ class Tier:
                 dev = [e for e in dev if not self._cpu_holds(layer, e, cache)]
                 self.handed_rows += res - len(dev)
                 if dev:
-                    self._tok_cold += 1    # still a batch: not a token without the device
+                    self._tok_unsampled += 1    # still a batch: not a token without the device
             cpu = [e for e in experts if e not in dev]
         cold = sum(1 for e in cpu if not self._cpu_holds(layer, e, cache)) if cache is not None else 0
-        self._tok_cold += cold
+        self._tok_unsampled += cold
         self._step = (layer, res, len(dev), K - len(dev), cold)
         if not dev:
             return cpu, None
