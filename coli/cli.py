@@ -68,6 +68,9 @@ def _engine_args(p: argparse.ArgumentParser, model_required=False):
     p.add_argument("--tier-gb", type=float, default=None, metavar="GB",
                    help="device memory for resident experts in GiB (COLI_VK_TIER_GB; default: the budget rule, "
                         "docs/tier.md)")
+    p.add_argument("--gpu-layers", "-ngl", type=int, default=None, metavar="N",
+                   help="run the last N decoder layers whole on the device, one submit a token (-1: as many as the "
+                        "budget holds; 0: the expert tier; COLI_VK_LAYERS; docs/vulkan.md \"Device layers\")")
     p.add_argument("--reproducible", action="store_true",
                    help="the same device expert set, hence the same logits bytes, every run: uploads waited for, "
                         "no balancer (COLI_VK_TIER_SYNC=1 with --no-balance)")
@@ -94,7 +97,13 @@ def _open_engine(a, quiet=False, save_usage=True):
         raise ColiError("--reproducible runs without the balancer: drop --balance")
     if a.tier_gb is not None and not a.tier_gb >= 0:
         raise ColiError(f"--tier-gb: {a.tier_gb} (GiB, 0 or above)")
-    env = settings.overlay(None, COLI_VK_DEV=index, COLI_VK_TIER_GB=a.tier_gb,
+    if a.gpu_layers is not None and a.gpu_layers < -1:
+        raise ColiError(f"--gpu-layers: {a.gpu_layers} (a layer count, -1 for as many as fit, 0 for the expert tier)")
+    if a.gpu_layers and device is None:
+        device = "vulkan"
+    if a.gpu_layers and device == "cpu":
+        raise ColiError("--gpu-layers needs the device: drop --device cpu")
+    env = settings.overlay(None, COLI_VK_DEV=index, COLI_VK_TIER_GB=a.tier_gb, COLI_VK_LAYERS=a.gpu_layers,
                            COLI_VK_TIER_SYNC=True if a.reproducible else None)
     model = resolve_model(a.model, quiet=quiet)
     return Engine(model, threads=a.threads, ctx=a.ctx, expert_cache=a.expert_cache, usage=a.usage,

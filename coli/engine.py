@@ -333,6 +333,7 @@ class Engine:
         self.step = None
         self.usage = None
         self.tier = None
+        self.device_layers = None   # scheduler.layer_split.DeviceLayers (--gpu-layers)
         self.trace = None
         self.ram_cache_bytes = 0
         if trace:
@@ -398,6 +399,31 @@ class Engine:
         self.model.step = self.step
         self.expert_slots = slots
 
+    def _setup_layers(self, dev, budget: int) -> bool:
+        """``COLI_VK_LAYERS`` / ``--gpu-layers`` N != 0: the last N layers (-1: as many as ``budget`` holds) run
+        whole on the device (``scheduler.layer_split``); True when some do. When none qualifies or fits, one line
+        says why and the expert tier runs instead (False)."""
+        from coli import settings
+        from scheduler import layer_split
+
+        want = settings.get("COLI_VK_LAYERS", self.env)
+        if not want:
+            return False
+        first, why = layer_split.plan(self.model, budget, self.ctx, None if want < 0 else want)
+        n = len(self.model.layers) - first
+        if n == 0:
+            if not self.silent:
+                print(f"[VK] {self.path.name}: no decoder layer on the device ({why}); the expert tier instead",
+                      file=sys.stderr)
+            return False
+        dl = layer_split.DeviceLayers(self.model, dev, first, self.ctx)
+        self.model.device_layers = dl
+        self.device_layers = dl
+        if not self.silent:
+            short = f" ({why})" if want > 0 and n < want or want < 0 else ""
+            print(f"[VK] {self.path.name}: {dl.describe()}{short}", file=sys.stderr)
+        return True
+
     def _setup_device(self, device, balance):
         """Open the Vulkan device and wire the expert tier to this engine (docs/tier.md): the budget by the
         one rule (``scheduler.tier_policy.budget_bytes``, which the device applied at open: its
@@ -434,6 +460,8 @@ class Engine:
         budget, rule = budget_bytes(info, self.ram_cache_bytes, self.model.dense_bytes, env=self.env)
         if hasattr(dev, "budget_bytes"):
             dev.budget_bytes, dev.budget_rule = budget, rule
+        if self._setup_layers(dev, int(budget)):
+            return
         counts = self.usage.counts.copy() if self.usage is not None and self.usage.loaded else None
         own = bool(getattr(dev, "own_queue", getattr(dev, "dedicated_compute_queue", False)))
         self.tier = Tier(dev, self.path.name, self.args.n_layers, src.n_experts(layers[0]), per, int(budget),
@@ -870,6 +898,12 @@ class Engine:
                 self.tier.close()
             except Exception as e:  # the run's tokens are out already; say what failed, don't hide it
                 print(f"[VK] {self.path.name}: tier shutdown failed ({type(e).__name__}: {e})", file=sys.stderr)
+        if self.device_layers is not None:
+            if not self.silent:
+                print(f"[VK] {self.path.name}: device layers ran {self.device_layers.tokens} decode tokens",
+                      file=sys.stderr)
+            self.device_layers.close()
+            self.model.device_layers = None
         if self.device is not None:
             if not self.silent:
                 print(self.device.report(), file=sys.stderr)

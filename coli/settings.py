@@ -47,6 +47,9 @@ VARS: tuple[Var, ...] = (
         flag="--device vulkan:N"),
     Var("COLI_VK_TIER_GB", "float", None, "device memory for resident experts (default: the budget rule, "
         "docs/tier.md)", "GiB", lo=0, flag="--tier-gb"),
+    Var("COLI_VK_LAYERS", "int", 0, "decoder layers that run whole on the device, the last ones (llama.cpp's "
+        "-ngl; -1: as many as the budget holds; 0: the expert tier instead; docs/vulkan.md \"Device layers\")",
+        "layers", lo=-1, flag="--gpu-layers"),
     Var("COLI_VK_TIER_RESERVE_GB", "float", 1.0, "device memory a discrete GPU keeps free beside the tier",
         "GiB", lo=0),
     Var("COLI_VK_TIER_SYNC", "bool", False, "wait for every staged upload before a step: the device's expert "

@@ -42,7 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 ARMS = {"cpu": dict(device=None), "tier": dict(device="vulkan", balance=False),
         "balanced": dict(device="vulkan", balance=True),
         # the balancer without its decode gate (docs/balancer.md "The decode gate"): not in the default arms
-        "balanced-nogate": dict(device="vulkan", balance=True, env_extra={"COLI_VK_DECODE_GATE": "0"})}
+        "balanced-nogate": dict(device="vulkan", balance=True, env_extra={"COLI_VK_DECODE_GATE": "0"}),
+        # the split by layer (--gpu-layers, docs/vulkan.md "Device layers"): the last --gpu-layers layers whole on
+        # the device, the budget --layers-gb; not in the default arms
+        "layers": dict(device="vulkan", layers=True)}
 
 
 def resolve_model(name: str) -> str:
@@ -69,13 +72,15 @@ def check_engine_api():
 def one_run(Engine, model, arm, args, usage_copy):
     kw = dict(ARMS[arm])
     extra = kw.pop("env_extra", None)
+    if kw.pop("layers", False):
+        extra = {"COLI_VK_LAYERS": str(args.gpu_layers), "COLI_VK_TIER_GB": str(args.layers_gb)}
     if extra:
         kw["env"] = {**os.environ, **extra}
     t0 = time.perf_counter()
     eng = Engine(model, threads=args.threads, usage=usage_copy, save_usage=False, quiet=True,
                  expert_cache=args.expert_cache, **kw)
     try:
-        if kw.get("device") and getattr(eng, "tier", None) is None:
+        if kw.get("device") and getattr(eng, "tier", None) is None and getattr(eng, "device_layers", None) is None:
             sys.exit(f"bench_tier: arm {arm}: the engine opened no device tier (see the [VK] line above)")
         load_s = time.perf_counter() - t0
         trail = []
@@ -96,6 +101,9 @@ def one_run(Engine, model, arm, args, usage_copy):
         st = dict(r.stats)
         out = {"arm": arm, "decode_tps": st.get("decode_tps", 0.0), "prefill_tps": st.get("prefill_tps", 0.0),
                "load_s": load_s, "ids": list(r.ids)}
+        dl = getattr(eng, "device_layers", None)
+        if dl is not None:
+            out.update(device_layers=len(dl.layers), layer_tokens=dl.tokens, layer_gib=dl.weight_bytes / 2**30)
         t = getattr(eng, "tier", None)
         if t is not None:
             out.update(device_ms=t.device_ms, waited_ms=t.waited_ms, cpu_ms=t.cpu_ms,
@@ -155,6 +163,10 @@ def main(argv=None) -> int:
     ap.add_argument("--expert-cache", type=int, default=None, help="RAM expert slots per layer")
     ap.add_argument("--usage", default=None, help="routing history to start every run from (copied)")
     ap.add_argument("--arms", default="cpu,tier,balanced")
+    ap.add_argument("--gpu-layers", type=int, default=-1, metavar="N",
+                    help="the layers arm: the last N layers on the device (-1: as many as --layers-gb holds)")
+    ap.add_argument("--layers-gb", type=float, default=64.0, metavar="GB",
+                    help="the layers arm: the device budget (COLI_VK_TIER_GB)")
     ap.add_argument("--json", default=None, help="write every run and the medians here")
     ap.add_argument("--share-plot", default=None, metavar="PNG",
                     help="plot the balancer's device share over the last balanced run (matplotlib)")
@@ -187,6 +199,9 @@ def main(argv=None) -> int:
                 tag = "warm-up" if rnd == 0 else f"round {rnd}"
                 extra = "" if r.get("hidden_pct") is None else \
                     f", {r['device_pct']:.0f}% pairs on the device, {r['hidden_pct']:.0f}% of device time hidden, share {r['share']:.2f}"
+                if r.get("device_layers"):
+                    extra = (f", {r['device_layers']} layers on the device ({r['layer_gib']:.2f} GiB), "
+                             f"{r['layer_tokens']} decode tokens there")
                 print(f"  {tag:>8} {arm:>9}: {r['decode_tps']:.2f} tok/s{extra}", flush=True)
                 if rnd > 0:
                     runs.append(r)
@@ -213,8 +228,9 @@ def main(argv=None) -> int:
         others = [med[x]["tps"] for x in ("cpu", "tier") if x in med]
         if others and max(others) > 0:
             print(f"balanced / best of the others: {med['balanced']['tps'] / max(others):.3f}")
-    if "tier" in med and "cpu" in med and med["cpu"]["tps"] > 0:
-        print(f"tier / cpu: {med['tier']['tps'] / med['cpu']['tps']:.3f}")
+    for x in ("tier", "layers"):
+        if x in med and "cpu" in med and med["cpu"]["tps"] > 0:
+            print(f"{x} / cpu: {med[x]['tps'] / med['cpu']['tps']:.3f}")
     bal_runs = [r for r in runs if r["arm"] == "balanced" and r.get("trail")]
     if a.share_plot and bal_runs:
         plot_share(bal_runs[-1], model, a, a.share_plot)

@@ -2,19 +2,8 @@
 // Weights are read through buffer device addresses (GL_EXT_buffer_reference): each expert's tensors
 // sit at offsets inside 256 MiB device-memory blocks, and the per-step group table carries their
 // 64-bit addresses, so one dispatch covers every expert of a step.
-#extension GL_EXT_buffer_reference : require
-#extension GL_EXT_buffer_reference2 : require
-#extension GL_EXT_shader_explicit_arithmetic_types_int64 : require
-#extension GL_EXT_shader_8bit_storage : require
-#extension GL_EXT_shader_16bit_storage : require
-#extension GL_KHR_shader_subgroup_basic : require
-#extension GL_KHR_shader_subgroup_arithmetic : require
-#extension GL_EXT_control_flow_attributes : require
-
-layout(buffer_reference, std430, buffer_reference_align = 1) readonly buffer RB8 { uint8_t v[]; };
-layout(buffer_reference, std430, buffer_reference_align = 2) readonly buffer RB16 { uint16_t v[]; };
-layout(buffer_reference, std430, buffer_reference_align = 4) readonly buffer RB32 { uint v[]; };
-layout(buffer_reference, std430, buffer_reference_align = 16) readonly buffer RB128 { uvec4 v[]; };
+#extension GL_GOOGLE_include_directive : require
+#include "bda.glsl"
 
 // x [R, D] f32 (gate/up input rows), twice: as floats and as vec4
 layout(std430, set = 0, binding = 0) readonly buffer XB { float X[]; };

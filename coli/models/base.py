@@ -222,6 +222,8 @@ class Model:
     """
 
     embed_scale = 0.0
+    #: ``scheduler.layer_split.DeviceLayers`` when the last layers run on the device (the engine sets it)
+    device_layers = None
 
     def __init__(self, g, args: BaseArgs, step=None, act: str = "f32"):
         self.g = g
@@ -371,10 +373,16 @@ class Model:
             # every layer and (token_head) the head in one compiled call: the same kernels, the same bits
             lg = np.empty((1, self.token_dec.vocab), np.float32) if self.token_head else None
             done = self.token_dec(h, cache, pos0, lg)
+        dl = self.device_layers
+        if dl is not None:
+            dl.note_forward(cache, pos0)
         if not done:
             lg = None
-            for L, c in zip(self.layers, cache.layers):
+            stop = dl.first if dl is not None and T == 1 else len(self.layers)
+            for L, c in zip(self.layers[:stop], cache.layers):
                 h = L(h, c, pos0)
+            if stop < len(self.layers):
+                h, lg = self._device_layers(h, cache, pos0)
         if self.step is not None and self.step.usage is not None and self.moe_layers:
             self.step.usage.add_tokens(T)
         cache.pos = pos0 + T
@@ -383,6 +391,25 @@ class Model:
         if not all_logits:
             h = h[-1:]
         return self.head(h)
+
+    def _device_layers(self, h, cache: Cache, pos0: int):
+        """Layers ``device_layers.first ..`` of a decode row on the device: ``(h, logits or None)`` (the logits when
+        the head ran there too); when the device fails, one line on
+        stderr, the device layers off and these layers on the CPU (DESIGN invariant 3: never a wrong token)."""
+        from coli.vulkan import DeviceLost, VulkanError
+
+        dl = self.device_layers
+        try:
+            return dl(h, cache, pos0)
+        except (DeviceLost, VulkanError) as e:
+            import sys
+
+            print(f"[VK] {self.wt.fname}: device layers failed ({e}); the CPU runs every layer from now on",
+                  file=sys.stderr, flush=True)
+            self.device_layers = None
+        for L, c in zip(self.layers[dl.first:], cache.layers[dl.first:]):
+            h = L(h, c, pos0)
+        return h, None
 
     def head(self, h: np.ndarray) -> np.ndarray:
         """Logits f32 [T, vocab] of the last hidden rows ``h`` f32 [T, D]: output norm, then ``output``. A row of

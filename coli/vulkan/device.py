@@ -1518,6 +1518,9 @@ class Device:
         d = self._dev
         if d is not None:
             lib.vkDeviceWaitIdle(d)
+            if getattr(self, "_layer_kernels", None) is not None:
+                self._layer_kernels.close()      # coli/vulkan/layers.py: its pipelines and buffers
+                self._layer_kernels = None
             for h in list(self._handles.values()):
                 h.last_batch = None
                 self.free_expert(h)

@@ -1,0 +1,361 @@
+"""Whole decoder layers on the device: the kernels' host side (docs/vulkan.md "Device layers").
+
+:class:`Kernels` makes the pipelines of the whole-layer kernels (``shaders/lmv.comp``, ``lmoe.comp``,
+``rmsnorm.comp``, ``topk.comp``, ``rope_kv.comp``, ``attn_dec.comp``; their headers give each kernel's push
+constants), buffers with device addresses, and records a list of dispatches into one command buffer that can
+be submitted again and again: every address and size is a push constant fixed at recording, and what changes
+from token to token (the position) is read by the kernels from a params buffer. Every kernel shares one
+pipeline layout: 8 addresses and 16 words of push constants (``shaders/layer_common.glsl``) and set 0 with the
+i-quant grid table at binding 6 (``shaders/iq_common.glsl``).
+
+Imported only with a device open (it imports the ``vulkan`` binding through ``coli.vulkan.device``).
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from .device import (
+    _ACC_HOST_READ,
+    _ACC_SHADER_READ,
+    _ACC_SHADER_WRITE,
+    _ACC_XFER_WRITE,
+    _FULL_SUBGROUPS,
+    _MEM_DEVICE_LOCAL,
+    _MEM_HOST_COHERENT,
+    _MEM_HOST_VISIBLE,
+    _PSTAGE_COMPUTE,
+    _PSTAGE_HOST,
+    _PSTAGE_TRANSFER,
+    _STAGE_COMPUTE,
+    _USAGE_ADDRESS,
+    _USAGE_STORAGE,
+    _USAGE_XFER_DST,
+    _USAGE_XFER_SRC,
+    _Buf,
+    _chk,
+    _s,
+    ffi,
+    lib,
+    vk,
+)
+from .errors import DeviceLost, VulkanError
+
+PC_ADDRS, PC_WORDS = 8, 16
+_PC_BYTES = 8 * PC_ADDRS + 4 * PC_WORDS
+_ACC_XFER_READ = 0x800
+_TIMEOUT = 2
+
+#: the format kernels (compiled per GGUF type) and the others
+FORMAT_KERNELS = ("lmv", "lmoe")
+PLAIN_KERNELS = ("rmsnorm", "topk", "rope_kv", "attn_dec")
+
+
+def f32_bits(x: float) -> int:
+    """The bits of ``x`` as an f32, for a push-constant word."""
+    return struct.unpack("<I", struct.pack("<f", float(x)))[0]
+
+
+@dataclass
+class Dispatch:
+    """One dispatch: ``kernel`` (``type_name`` for a format kernel, ``mode`` its MODE), workgroup counts, up to 8
+    addresses and 16 words of push constants; ``wait``: a compute barrier before it (it reads what an earlier
+    dispatch wrote)."""
+
+    kernel: str
+    groups: tuple
+    addrs: list
+    words: list
+    type_name: str | None = None
+    mode: int = 0
+    wait: bool = True
+
+
+@dataclass
+class Copy:
+    """A buffer copy recorded in the command buffer: ``regions`` [(src offset, dst offset, bytes)]; ``wait``:
+    a barrier before it (compute writes -> transfer reads)."""
+
+    src: object
+    dst: object
+    regions: list
+    wait: bool = True
+
+
+class Buffer(_Buf):
+    """A storage buffer with its device address ``addr``; ``view`` (uint8) when it is host-visible. ``f32()`` /
+    ``u32()``: typed views of it."""
+
+    def f32(self, n: int | None = None, off: int = 0) -> np.ndarray:
+        return self.view[off:].view(np.float32)[:n]
+
+    def u32(self, n: int | None = None, off: int = 0) -> np.ndarray:
+        return self.view[off:].view(np.uint32)[:n]
+
+
+@dataclass
+class Recorded:
+    """A recorded command buffer (``arr``: ``VkCommandBuffer[1]``) and the dispatches it holds."""
+
+    arr: object
+    dispatches: int
+
+
+class Kernels:
+    """Pipelines of the whole-layer kernels on a ``coli.vulkan.device.Device``, buffers, recording, submits.
+
+    Workgroup sizes: the format kernels use the device's GEMV workgroup (``dev.gemv_wg``, ``rows`` output rows
+    a workgroup: ``dev.gemv_rows``); the others 256 (``wg``). Errors: ``VulkanError`` from Vulkan calls,
+    ``DeviceLost`` from a failed submit or wait."""
+
+    def __init__(self, dev, wg: int = 256):
+        self.dev = dev
+        self.wg = int(wg)
+        self.rows = int(dev.gemv_rows)
+        self._pipes: dict = {}
+        self._fence = None
+        self._bufs: list = []
+        self.submits = 0   # submits of recorded command buffers
+        d = dev._dev
+        b = ffi.new("VkDescriptorSetLayoutBinding[1]")
+        b[0].binding = 6
+        b[0].descriptorType = vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER
+        b[0].descriptorCount = 1
+        b[0].stageFlags = _STAGE_COMPUTE
+        lci = _s("VkDescriptorSetLayoutCreateInfo")
+        lci.sType = vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_LAYOUT_CREATE_INFO
+        lci.bindingCount = 1
+        lci.pBindings = b
+        p = ffi.new("VkDescriptorSetLayout*")
+        _chk(lib.vkCreateDescriptorSetLayout(d, lci, ffi.NULL, p), "vkCreateDescriptorSetLayout")
+        self._dsl = p[0]
+        pcr = _s("VkPushConstantRange")
+        pcr.stageFlags = _STAGE_COMPUTE
+        pcr.offset = 0
+        pcr.size = _PC_BYTES
+        plci = _s("VkPipelineLayoutCreateInfo")
+        plci.sType = vk.VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO
+        dsl = ffi.new("VkDescriptorSetLayout[1]", [self._dsl])
+        plci.setLayoutCount = 1
+        plci.pSetLayouts = dsl
+        plci.pushConstantRangeCount = 1
+        plci.pPushConstantRanges = pcr
+        pl = ffi.new("VkPipelineLayout*")
+        _chk(lib.vkCreatePipelineLayout(d, plci, ffi.NULL, pl), "vkCreatePipelineLayout")
+        self.layout = pl[0]
+        # one descriptor set: the grid table at binding 6 (from the device's pool)
+        sets = ffi.new("VkDescriptorSet[1]")
+        dai = _s("VkDescriptorSetAllocateInfo")
+        dai.sType = vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_ALLOCATE_INFO
+        dai.descriptorPool = dev._desc_pool
+        dai.descriptorSetCount = 1
+        dai.pSetLayouts = dsl
+        _chk(lib.vkAllocateDescriptorSets(d, dai, sets), "vkAllocateDescriptorSets")
+        self._set = sets
+        info = _s("VkDescriptorBufferInfo")
+        info.buffer = dev._iq_grids.buffer
+        info.offset = 0
+        info.range = (1 << 64) - 1
+        w = _s("VkWriteDescriptorSet")
+        w.sType = vk.VK_STRUCTURE_TYPE_WRITE_DESCRIPTOR_SET
+        w.dstSet = sets[0]
+        w.dstBinding = 6
+        w.descriptorCount = 1
+        w.descriptorType = vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER
+        w.pBufferInfo = info
+        lib.vkUpdateDescriptorSets(d, 1, w, 0, ffi.NULL)
+        self._pc = ffi.new(f"uint8_t[{_PC_BYTES}]")
+        dev._layer_kernels = self    # Device.close destroys what this made (close())
+
+    # -- pipelines --------------------------------------------------------------------------------------
+    def pipeline(self, kernel: str, type_name: str | None = None, mode: int = 0):
+        key = (kernel, type_name, mode)
+        p = self._pipes.get(key)
+        if p is not None:
+            return p
+        dev = self.dev
+        fmt = kernel in FORMAT_KERNELS
+        module = dev._modules.get((kernel, type_name if fmt else None))
+        if module is None:
+            raise VulkanError(f"no shader module {kernel} for {type_name}" if fmt else f"no shader module {kernel}")
+        vals = [dev.gemv_wg, self.rows, mode] if fmt else [self.wg]
+        data = ffi.new("uint32_t[]", vals)
+        ents = ffi.new("VkSpecializationMapEntry[]", len(vals))
+        for j in range(len(vals)):
+            ents[j].constantID = j
+            ents[j].offset = 4 * j
+            ents[j].size = 4
+        si = _s("VkSpecializationInfo")
+        si.mapEntryCount = len(vals)
+        si.pMapEntries = ents
+        si.dataSize = 4 * len(vals)
+        si.pData = data
+        name = ffi.new("char[]", b"main")
+        cpi = _s("VkComputePipelineCreateInfo")
+        cpi.sType = vk.VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO
+        cpi.stage.sType = vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_CREATE_INFO
+        cpi.stage.stage = _STAGE_COMPUTE
+        cpi.stage.module = module
+        cpi.stage.pName = name
+        cpi.stage.pSpecializationInfo = si
+        rss = _s("VkPipelineShaderStageRequiredSubgroupSizeCreateInfo")
+        wgs = vals[0]
+        if dev.subgroup_pinned:
+            rss.sType = vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_REQUIRED_SUBGROUP_SIZE_CREATE_INFO
+            rss.requiredSubgroupSize = dev.subgroup_size
+            cpi.stage.pNext = rss
+            if dev._full_sg and wgs % dev.subgroup_size == 0:
+                cpi.stage.flags = _FULL_SUBGROUPS
+        cpi.layout = self.layout
+        pp = ffi.new("VkPipeline*")
+        _chk(lib.vkCreateComputePipelines(dev._dev, ffi.NULL, 1, cpi, ffi.NULL, pp),
+             f"vkCreateComputePipelines({kernel}{'_' + type_name if fmt else ''})")
+        self._pipes[key] = pp[0]
+        return pp[0]
+
+    # -- buffers ----------------------------------------------------------------------------------------
+    def buffer(self, nbytes: int, host: bool = True) -> Buffer:
+        """A buffer of ``nbytes`` (rounded up to 256) with a device address: host-visible and mapped
+        (``view``) when ``host``, else device-local (filled by :meth:`upload` or by kernels)."""
+        size = max(256, -(-int(nbytes) // 256) * 256)
+        usage = _USAGE_STORAGE | _USAGE_ADDRESS | _USAGE_XFER_SRC | _USAGE_XFER_DST
+        if host:
+            b = Buffer(self.dev, size, usage, _MEM_HOST_VISIBLE | _MEM_HOST_COHERENT, _MEM_DEVICE_LOCAL,
+                       address=True)
+        else:
+            b = Buffer(self.dev, size, usage, _MEM_DEVICE_LOCAL, 0, address=True)
+        self._bufs.append(b)
+        return b
+
+    def upload(self, dst: Buffer, data: np.ndarray, offset: int = 0) -> None:
+        """Copy ``data``'s bytes into ``dst`` at ``offset``: directly when it is mapped, else through the device's
+        staging buffer (synchronous)."""
+        flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        if dst.view is not None:
+            dst.view[offset:offset + flat.size] = flat
+            return
+        if offset:
+            raise ValueError("a staged upload starts at offset 0")
+        self.dev._staged_copy(flat, dst.buffer)
+
+    # -- recording and submits --------------------------------------------------------------------------
+    def record(self, ops: list):
+        """A :class:`Recorded` command buffer holding ``ops`` (:class:`Dispatch` / :class:`Copy`) in
+        order, a memory barrier before each op whose ``wait`` is set, and one at the end that makes the writes
+        visible to the host. It may be submitted any number of times (:meth:`submit`)."""
+        dev = self.dev
+        cai = _s("VkCommandBufferAllocateInfo")
+        cai.sType = vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO
+        cai.commandPool = dev._cmd_pool
+        cai.level = vk.VK_COMMAND_BUFFER_LEVEL_PRIMARY
+        cai.commandBufferCount = 1
+        arr = ffi.new("VkCommandBuffer[1]")
+        _chk(lib.vkAllocateCommandBuffers(dev._dev, cai, arr), "vkAllocateCommandBuffers")
+        cb = arr[0]
+        n_dispatch = 0
+        bi = _s("VkCommandBufferBeginInfo")
+        bi.sType = vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO
+        _chk(lib.vkBeginCommandBuffer(cb, bi), "vkBeginCommandBuffer")
+        mb = _s("VkMemoryBarrier")
+        mb.sType = vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER
+        # whatever the host wrote before the submit is visible to it (the submit's own guarantee); the barriers
+        # order the dispatches' writes and reads
+        lib.vkCmdBindDescriptorSets(cb, vk.VK_PIPELINE_BIND_POINT_COMPUTE, self.layout, 0, 1, self._set, 0,
+                                    ffi.NULL)
+        bound = None
+        pc = self._pc
+        last = None
+        for op in ops:
+            if isinstance(op, Copy):
+                if op.wait:
+                    mb.srcAccessMask, mb.dstAccessMask = _ACC_SHADER_WRITE | _ACC_XFER_WRITE, _ACC_XFER_READ
+                    lib.vkCmdPipelineBarrier(cb, _PSTAGE_COMPUTE | _PSTAGE_TRANSFER, _PSTAGE_TRANSFER, 0, 1, mb,
+                                             0, ffi.NULL, 0, ffi.NULL)
+                regs = ffi.new("VkBufferCopy[]", len(op.regions))
+                for j, (so, do, n) in enumerate(op.regions):
+                    regs[j].srcOffset, regs[j].dstOffset, regs[j].size = so, do, n
+                lib.vkCmdCopyBuffer(cb, op.src.buffer, op.dst.buffer, len(op.regions), regs)
+                last = "copy"
+                continue
+            if op.wait and last is not None:
+                mb.srcAccessMask = _ACC_SHADER_WRITE | _ACC_XFER_WRITE
+                mb.dstAccessMask = _ACC_SHADER_READ | _ACC_SHADER_WRITE
+                lib.vkCmdPipelineBarrier(cb, _PSTAGE_COMPUTE | _PSTAGE_TRANSFER, _PSTAGE_COMPUTE, 0, 1, mb, 0,
+                                         ffi.NULL, 0, ffi.NULL)
+            pipe = self.pipeline(op.kernel, op.type_name, op.mode)
+            if pipe != bound:
+                lib.vkCmdBindPipeline(cb, vk.VK_PIPELINE_BIND_POINT_COMPUTE, pipe)
+                bound = pipe
+            if len(op.addrs) > PC_ADDRS or len(op.words) > PC_WORDS:
+                raise ValueError(f"{op.kernel}: at most {PC_ADDRS} addresses and {PC_WORDS} words")
+            a = list(op.addrs) + [0] * (PC_ADDRS - len(op.addrs))
+            w = [int(x) & 0xFFFFFFFF for x in op.words] + [0] * (PC_WORDS - len(op.words))
+            ffi.memmove(pc, struct.pack(f"<{PC_ADDRS}Q{PC_WORDS}I", *a, *w), _PC_BYTES)
+            lib.vkCmdPushConstants(cb, self.layout, _STAGE_COMPUTE, 0, _PC_BYTES, pc)
+            gx, gy, gz = (tuple(op.groups) + (1, 1))[:3]
+            lib.vkCmdDispatch(cb, int(gx), int(gy), int(gz))
+            n_dispatch += 1
+            last = "dispatch"
+        mb.srcAccessMask, mb.dstAccessMask = _ACC_SHADER_WRITE | _ACC_XFER_WRITE, _ACC_HOST_READ
+        lib.vkCmdPipelineBarrier(cb, _PSTAGE_COMPUTE | _PSTAGE_TRANSFER, _PSTAGE_HOST, 0, 1, mb, 0, ffi.NULL, 0,
+                                 ffi.NULL)
+        _chk(lib.vkEndCommandBuffer(cb), "vkEndCommandBuffer")
+        return Recorded(arr, n_dispatch)
+
+    def free(self, rec: Recorded) -> None:
+        """Free a command buffer made by :meth:`record` (not while it runs)."""
+        if self.dev._dev is not None and rec.arr is not None:
+            lib.vkFreeCommandBuffers(self.dev._dev, self.dev._cmd_pool, 1, rec.arr)
+            rec.arr = None
+
+    def submit(self, rec: Recorded, wait: bool = True) -> None:
+        """Submit a recorded command buffer; with ``wait``, return when it has run (:meth:`wait`)."""
+        dev = self.dev
+        if self._fence is None:
+            fci = _s("VkFenceCreateInfo")
+            fci.sType = vk.VK_STRUCTURE_TYPE_FENCE_CREATE_INFO
+            self._fence = ffi.new("VkFence[1]")
+            _chk(lib.vkCreateFence(dev._dev, fci, ffi.NULL, self._fence), "vkCreateFence")
+        _chk(lib.vkResetFences(dev._dev, 1, self._fence), "vkResetFences")
+        sub = _s("VkSubmitInfo")
+        sub.sType = vk.VK_STRUCTURE_TYPE_SUBMIT_INFO
+        sub.commandBufferCount = 1
+        sub.pCommandBuffers = rec.arr
+        r = lib.vkQueueSubmit(dev._queue, 1, sub, self._fence[0])
+        if r != 0:
+            dev._mark_lost(f"vkQueueSubmit returned {r}")
+            raise DeviceLost(f"vkQueueSubmit returned {r}")
+        dev.dispatches += rec.dispatches
+        self.submits += 1
+        if wait:
+            self.wait()
+
+    def wait(self) -> None:
+        """Wait for the last submit's fence (the device's timeout); DeviceLost when it fails or times out."""
+        dev = self.dev
+        r = lib.vkWaitForFences(dev._dev, 1, self._fence, 1, dev._timeout_ns)
+        if r != 0:
+            why = "fence wait timed out" if r == _TIMEOUT else f"vkWaitForFences returned {r}"
+            dev._mark_lost(why)
+            raise DeviceLost(why)
+
+    def close(self) -> None:
+        """Destroy the pipelines, the buffers made here, the layout and the fence (the device's close calls it)."""
+        d = self.dev._dev
+        if d is None:
+            return
+        for p in self._pipes.values():
+            lib.vkDestroyPipeline(d, p, ffi.NULL)
+        self._pipes = {}
+        for b in self._bufs:
+            b.destroy()
+        self._bufs = []
+        if self._fence is not None:
+            lib.vkDestroyFence(d, self._fence[0], ffi.NULL)
+            self._fence = None
+        if self.layout is not None:
+            lib.vkDestroyPipelineLayout(d, self.layout, ffi.NULL)
+            lib.vkDestroyDescriptorSetLayout(d, self._dsl, ffi.NULL)
+            self.layout = None

@@ -1,0 +1,330 @@
+"""The split by layer: the last decoder layers run whole on the device, one submit a decode token
+(docs/vulkan.md "Device layers"; llama.cpp's ``-ngl``).
+
+The expert tier (``scheduler.tier``) puts experts on the device and keeps attention and the router on the CPU,
+so every MoE layer of a token pays a submit and a join. Here the device runs layers ``first .. n_layers - 1``
+entirely (RMSNorm, q/k/v, rope, its own copy of their KV cache, attention, output projection and residual,
+RMSNorm, router softmax top-k, the routed SwiGLU experts, their weighted sum and residual) from one command
+buffer recorded once: the host writes the position and the hidden row, submits, waits on a fence and reads the
+row back, with the new K and V rows of those layers, which it writes into the CPU's cache. The CPU's cache
+stays whole, so a prompt (several rows) still runs every layer on the CPU, and the device's copy of the
+rows it lacks is uploaded before the next decode token (``note_forward`` marks rows a CPU forward rewrote).
+
+Which layers: :func:`plan` (the device's budget: each layer's weights and its KV cache; ``COLI_VK_LAYERS``
+sets the count). Which layers qualify: :func:`why_not` (a pre-norm attention + MoE layer with the softmax top-k
+router, no shared expert, no sliding window, no q/k norms or biases yet). Activations are f32 on the device (the
+CPU's layers keep their own mode), so a run's tokens may differ from a CPU-only run's by summation order and
+rounding, as with the tier (docs/tier.md "Numerics").
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from coli.errors import ColiError
+
+_NORM, _NEOX = 0, 2
+
+
+def _formats():
+    from coli.vulkan import shaders as S
+
+    return S.FORMATS
+
+
+def _layer_tensors(m, il: int) -> list[str]:
+    p = f"blk.{il}."
+    return [p + n for n in ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
+                            "attn_output.weight", "ffn_norm.weight", "ffn_gate_inp.weight", "ffn_gate_exps.weight",
+                            "ffn_up_exps.weight", "ffn_down_exps.weight")]
+
+
+def why_not(m, il: int) -> str | None:
+    """None when layer ``il`` of model ``m`` can run whole on the device, else why not (one phrase)."""
+    from coli.models.llama import DecoderLayer
+    from coli.vulkan import shaders as S
+
+    L = m.layers[il]
+    if type(L) is not DecoderLayer:
+        return f"its layers are {type(L).__module__.rsplit('.', 1)[-1]}.{type(L).__name__}"
+    if L.moe is None:
+        return "a layer without routed experts"
+    if getattr(L.moe.route, "softmax_topk", None) is None:
+        return "a router other than softmax top-k"
+    if L.moe.shared is not None:
+        return "a shared expert"
+    a = L.attn
+    if a.window or a.qk_norm is not None or a.rope_kind not in (_NORM, _NEOX):
+        return "a sliding window or q/k norms"
+    if any(b is not None for b in (a.attn_q_b, a.attn_k_b, a.attn_v_b, a.attn_output_b)):
+        return "attention biases"
+    for n in _layer_tensors(m, il):
+        ti = m.t[n]
+        if ti.type_name not in S.FORMATS:
+            return f"tensor '{n}' is {ti.type_name} (no device kernel)"
+        if int(ti.shape[-1]) % 32:
+            return f"tensor '{n}' has {int(ti.shape[-1])} columns (not a multiple of 32)"
+    q, k, v = (m.t[f"blk.{il}.attn_{x}.weight"] for x in "qkv")
+    if len({q.type_name, k.type_name, v.type_name}) != 1:
+        return "q, k and v of different types"
+    if a.head_dim > 256 or a.head_dim != a.attn_v.shape[0] // a.n_kv:
+        return "a head width above 256 or a V head width other than K's"
+    return None
+
+
+def layer_bytes(m, il: int, ctx: int) -> int:
+    """Device bytes of layer ``il``: its weight tensors as stored (GGUF blocks; the router as f32) and its K and
+    V cache of ``ctx`` positions (f32)."""
+    a = m.layers[il].attn
+    w = sum(int(m.t[n].nbytes) for n in _layer_tensors(m, il))
+    return w + 2 * a.n_kv * int(ctx) * a.head_dim * 4
+
+
+def plan(m, budget: int, ctx: int, want: int | None = None) -> tuple[int, str]:
+    """``(first, why)``: layers ``first ..`` go to the device. The last layers that qualify (:func:`why_not`) and
+    fit ``budget`` bytes together (:func:`layer_bytes`), at most ``want`` of them (``COLI_VK_LAYERS``; None: as
+    many as fit). ``first == n_layers`` when none does; ``why`` says what stopped the count."""
+    n = len(m.layers)
+    first, used, why = n, 0, "every layer"
+    for il in range(n - 1, -1, -1):
+        if want is not None and n - first >= want:
+            why = f"{want} asked (COLI_VK_LAYERS)"
+            break
+        w = why_not(m, il)
+        if w is not None:
+            why = f"layer {il}: {w}"
+            break
+        b = layer_bytes(m, il, ctx)
+        if used + b > budget:
+            why = f"the device budget ({budget / 2**30:.2f} GiB)"
+            break
+        used += b
+        first = il
+    return first, why
+
+
+class DeviceLayers:
+    """Layers ``first ..`` of model ``m`` on device ``dev`` for decode rows (see the module docstring).
+
+    ``__call__(h, cache, pos0)``: h f32 [1, D] (the output of layer ``first - 1``) -> ``(h, logits)``: the output
+    of the last layer f32 [1, D] and, when the head runs here too (``head``: the output norm and ``output``
+    when its format has a kernel), the logits f32 [1, vocab], else None; the new K/V rows are written into
+    ``cache``. ``note_forward(cache, pos0)``: a forward
+    starts at ``pos0`` (rows from there are rewritten). Raises ``coli.vulkan.DeviceLost`` when the device fails
+    (the caller runs the layers on the CPU and stops using this). ``tokens``: decode tokens run here."""
+
+    def __init__(self, m, dev, first: int, ctx: int, head: bool = True):
+        from coli.vulkan.layers import Kernels
+
+        self.m, self.dev, self.first, self.ctx = m, dev, int(first), int(ctx)
+        self.K = K = Kernels(dev)
+        a = m.args
+        L0 = m.layers[first]
+        at = L0.attn
+        self.nq, self.nkv, self.hd, self.n_rot = at.n_heads, at.n_kv, at.head_dim, at.n_rot
+        self.D, self.E, self.k = a.d_model, a.n_experts, L0.moe.route.softmax_topk[0]
+        self.norm_topk = bool(L0.moe.route.softmax_topk[1])
+        self.F = int(m.t[f"blk.{first}.ffn_gate_exps.weight"].shape[1])
+        self.rope_kind = at.rope_kind
+        self.scale = at.scale
+        self.layers = list(range(first, len(m.layers)))
+        self.tokens = 0
+        self.weight_bytes = 0
+        self._tensors = []
+        nq, nkv, hd, D, E, k, F = self.nq, self.nkv, self.hd, self.D, self.E, self.k, self.F
+        self.nqkv = (nq + 2 * nkv) * hd
+        # scratch, shared by the layers (they run one after the other, with barriers between)
+        self.hs = K.buffer(4 * D, host=False)
+        self.xn = K.buffer(4 * D, host=False)
+        self.qkv = K.buffer(4 * self.nqkv, host=False)
+        self.q = K.buffer(4 * nq * hd, host=False)
+        self.ao = K.buffer(4 * nq * hd, host=False)
+        self.logits = K.buffer(4 * E, host=False)
+        self.route = K.buffer(8 * k, host=False)
+        self.hbuf = K.buffer(4 * k * F, host=False)
+        self.scores = K.buffer(4 * nq * ctx, host=False)
+        self.kvout = K.buffer(4 * 2 * nkv * hd * len(self.layers), host=False)
+        # host side: the params (pos), the row in and out, the new K/V rows
+        self.params = K.buffer(256, host=True)
+        self.io = K.buffer(4 * 2 * D, host=True)
+        self.kvhost = K.buffer(4 * 2 * nkv * hd * len(self.layers), host=True)
+        cos, sin = at.rope_scaling.table(ctx, self.n_rot, at.rope_base)   # the CPU's tables (Model.rope_table)
+        self.cos = self._const(np.ascontiguousarray(cos[:ctx], np.float32))
+        self.sin = self._const(np.ascontiguousarray(sin[:ctx], np.float32))
+        self.per = []
+        for il in self.layers:
+            self.per.append(self._upload_layer(il, ctx))
+        # the output norm and head too when the last layer is here and the head's format has a kernel
+        out = m.t.get("output.weight", m.tok_embd)
+        self.head = None
+        if head and out.type_name in _formats() and int(out.shape[-1]) % 32 == 0:
+            self.vocab = int(out.shape[0])
+            self.head = {"norm": self._const(m.out_norm), "w": self._place(out), "type": out.type_name}
+            self.lg = K.buffer(4 * self.vocab, host=False)
+            self.lghost = K.buffer(4 * self.vocab, host=True)
+        self._cache = None      # the Cache whose rows the device holds
+        self._valid = 0         # positions 0 .. _valid - 1 of it are on the device
+        self.rec = K.record(self._ops())
+
+    # -- set-up -------------------------------------------------------------------------------------------
+    def _const(self, arr: np.ndarray):
+        b = self.K.buffer(arr.nbytes, host=False)
+        self.K.upload(b, arr)
+        return b
+
+    def _place(self, ti, rows: slice | None = None, raw=None, shape=None):
+        raw = ti.raw if raw is None else raw
+        shape = tuple(int(s) for s in (ti.shape if shape is None else shape))
+        t = self.dev._place(ti.type_name, np.ascontiguousarray(raw).reshape(-1).view(np.uint8), shape)
+        self._tensors.append(t)
+        self.weight_bytes += t.nbytes
+        return t
+
+    def _upload_layer(self, il: int, ctx: int) -> dict:
+        m, K, p = self.m, self.K, f"blk.{il}."
+        t = m.t
+        L = m.layers[il]
+        d = {"il": il}
+        d["attn_norm"] = self._const(L.attn_norm)
+        d["ffn_norm"] = self._const(L.ffn_norm)
+        q, k, v = (t[p + f"attn_{x}.weight"] for x in "qkv")
+        raw = np.concatenate([np.asarray(x.raw).reshape(int(x.shape[0]), -1) for x in (q, k, v)])
+        d["qkv"] = self._place(q, raw=raw, shape=(raw.shape[0], int(q.shape[1])))
+        d["o"] = self._place(t[p + "attn_output.weight"])
+        router = np.ascontiguousarray(L.moe.ffn_gate_inp, np.float32)
+        d["router"] = self.dev._place("F32", router.view(np.uint8).reshape(-1), router.shape)
+        self._tensors.append(d["router"])
+        tab = np.zeros((self.E, 3), np.uint64)
+        for j, n in enumerate(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")):
+            ti = t[p + n + ".weight"]
+            E, O, I = (int(s) for s in ti.shape)
+            raw = np.asarray(ti.raw).reshape(E, -1)
+            for e in range(E):
+                te = self._place(ti, raw=raw[e], shape=(O, I))
+                tab[e, j] = te.addr
+        d["tab"] = self._const(tab)
+        d["K"] = K.buffer(4 * self.nkv * ctx * self.hd, host=False)
+        d["V"] = K.buffer(4 * self.nkv * ctx * self.hd, host=False)
+        return d
+
+    def _ops(self) -> list:
+        from coli.vulkan.layers import Copy, Dispatch, f32_bits
+
+        nq, nkv, hd, D, E, k, F, ctx = self.nq, self.nkv, self.hd, self.D, self.E, self.k, self.F, self.ctx
+        R = self.K.rows
+        eps = f32_bits(self.m.args.eps)
+        kvn = 2 * nkv * hd
+        ops = [Copy(self.io, self.hs, [(0, 0, 4 * D)], wait=False)]
+        for j, d in enumerate(self.per):
+            wt = self.m.t[f"blk.{d['il']}.attn_q.weight"].type_name
+            ot = self.m.t[f"blk.{d['il']}.attn_output.weight"].type_name
+            et = [self.m.t[f"blk.{d['il']}.{n}.weight"].type_name for n in ("ffn_gate_exps", "ffn_down_exps")]
+            kvo = self.kvout.addr + 4 * kvn * j
+            ops += [
+                Dispatch("rmsnorm", (1,), [self.hs.addr, d["attn_norm"].addr, self.xn.addr], [D, eps]),
+                Dispatch("lmv", (-(-self.nqkv // R),), [d["qkv"].addr, self.xn.addr, self.qkv.addr], [self.nqkv, D, 0],
+                         type_name=wt),
+                Dispatch("rope_kv", (nq + nkv,), [self.qkv.addr, self.q.addr, d["K"].addr, d["V"].addr,
+                                                  self.cos.addr, self.sin.addr, self.params.addr, kvo],
+                         [nq, nkv, hd, self.n_rot, ctx, self.rope_kind]),
+                Dispatch("attn_dec", (nq,), [self.q.addr, d["K"].addr, d["V"].addr, self.params.addr, self.ao.addr,
+                                             self.scores.addr], [nq, nkv, hd, ctx, f32_bits(self.scale)]),
+                Dispatch("lmv", (-(-D // R),), [d["o"].addr, self.ao.addr, self.hs.addr], [D, nq * hd, 1],
+                         type_name=ot),
+                Dispatch("rmsnorm", (1,), [self.hs.addr, d["ffn_norm"].addr, self.xn.addr], [D, eps]),
+                Dispatch("lmv", (-(-E // R),), [d["router"].addr, self.xn.addr, self.logits.addr], [E, D, 0],
+                         type_name="F32"),
+                Dispatch("topk", (1,), [self.logits.addr, self.route.addr], [E, k, int(self.norm_topk)]),
+                Dispatch("lmoe", (-(-F // R), k), [d["tab"].addr, self.route.addr, self.xn.addr, self.hbuf.addr],
+                         [F, D, k], type_name=et[0], mode=1),
+                Dispatch("lmoe", (-(-D // R),), [d["tab"].addr, self.route.addr, self.hbuf.addr, self.hs.addr],
+                         [D, F, k], type_name=et[1], mode=0),
+            ]
+        if self.head is not None:
+            V = self.vocab
+            ops += [Dispatch("rmsnorm", (1,), [self.hs.addr, self.head["norm"].addr, self.xn.addr], [D, eps]),
+                    Dispatch("lmv", (-(-V // R),), [self.head["w"].addr, self.xn.addr, self.lg.addr], [V, D, 0],
+                             type_name=self.head["type"]),
+                    Copy(self.lg, self.lghost, [(0, 0, 4 * V)])]
+        ops.append(Copy(self.hs, self.io, [(0, 4 * D, 4 * D)]))
+        ops.append(Copy(self.kvout, self.kvhost, [(0, 0, 4 * kvn * len(self.per))], wait=False))
+        return ops
+
+    # -- per token ------------------------------------------------------------------------------------------
+    def note_forward(self, cache, pos0: int) -> None:
+        """A forward over ``cache`` starts at ``pos0``: the device's rows from there are stale."""
+        if cache is self._cache:
+            self._valid = min(self._valid, int(pos0))
+
+    def _sync(self, cache, pos0: int) -> None:
+        """Upload the K/V rows ``_valid .. pos0 - 1`` of the device's layers from ``cache`` (the CPU's)."""
+        if cache is not self._cache:
+            if cache.ctx > self.ctx:
+                raise ColiError(f"device layers: a cache of {cache.ctx} positions, the device holds {self.ctx}")
+            self._cache, self._valid = cache, 0
+        p0, p1 = self._valid, int(pos0)
+        if p1 <= p0:
+            return
+        hd, nkv, ctx = self.hd, self.nkv, self.ctx
+        for d in self.per:
+            kv = cache.layers[d["il"]]
+            for name, src in (("K", kv.k), ("V", kv.v)):
+                buf = d[name]
+                if buf.view is not None:
+                    dst = buf.view[:4 * nkv * ctx * hd].view(np.float32).reshape(nkv, ctx, hd)
+                    dst[:, p0:p1] = src[:, p0:p1]
+                else:
+                    self._staged_rows(buf, src, p0, p1)
+        self._valid = p1
+
+    def _staged_rows(self, buf, src, p0: int, p1: int) -> None:
+        from coli.vulkan.layers import Copy
+
+        nkv, ctx, hd = src.shape
+        rows = np.ascontiguousarray(src[:, p0:p1])        # [nkv, n, hd]
+        n = rows.nbytes
+        st = self.K.buffer(n, host=True)
+        try:
+            st.view[:n] = rows.reshape(-1).view(np.uint8)
+            per = (p1 - p0) * hd * 4
+            regs = [(h * per, (h * ctx + p0) * hd * 4, per) for h in range(nkv)]
+            rec = self.K.record([Copy(st, buf, regs, wait=False)])
+            try:
+                self.K.submit(rec)
+            finally:
+                self.K.free(rec)
+        finally:
+            st.destroy()
+            self.K._bufs.remove(st)
+
+    def __call__(self, h: np.ndarray, cache, pos0: int):
+        self._sync(cache, pos0)
+        D = self.D
+        self.params.u32(4)[0] = pos0
+        self.io.f32(D)[:] = h.reshape(-1)
+        self.K.submit(self.rec)
+        out = self.io.f32(2 * D)[D:].reshape(1, D).copy()
+        kvn = self.nkv * self.hd
+        new = self.kvhost.f32(2 * kvn * len(self.per)).reshape(len(self.per), 2, self.nkv, self.hd)
+        for j, d in enumerate(self.per):
+            kv = cache.layers[d["il"]]
+            kv.k[:, pos0] = new[j, 0]
+            kv.v[:, pos0] = new[j, 1]
+        self._valid = pos0 + 1
+        self.tokens += 1
+        lg = self.lghost.f32(self.vocab).reshape(1, self.vocab).copy() if self.head is not None else None
+        return out, lg
+
+    def describe(self) -> str:
+        n = len(self.layers)
+        return (f"layers {self.first}-{self.first + n - 1} of {len(self.m.layers)}{' and the head' if self.head else ''} on the device "
+                f"({self.weight_bytes / 2**30:.2f} GiB of weights, KV cache {self.ctx} positions), one submit a "
+                f"decode token")
+
+    def close(self) -> None:
+        """Free the command buffer and the weights (the buffers go with the device's close)."""
+        if self.dev._dev is None:
+            return
+        self.K.free(self.rec)
+        for t in self._tensors:
+            self.dev._drop(t)
+        self._tensors = []

@@ -1,0 +1,154 @@
+#version 460
+// Attention of one query row over the cached positions 0..pos, one workgroup per q head:
+//   out[h] = sum_j softmax_j(scale * q[h] . K[kvh, j]) V[kvh, j],  kvh = h / (nq / nkv)
+// a0 q f32 [nq, hd], a1 K cache f32 [nkv, ctx, hd], a2 V cache f32 [nkv, ctx, hd], a3 params uint [..]
+// (pos = params[0]; keys 0..pos inclusive), a4 out f32 [nq, hd], a5 scratch f32 [nq, ctx] (the scores)
+// u0 nq, u1 nkv, u2 hd (<= 256), u3 ctx, u4 scale (float bits). groups: (nq, 1, 1).
+// Three passes. 1: invocations stride over the keys (key j by invocation j % WG), each a whole dot product,
+// the score into the scratch row; the workgroup max. 2: each invocation turns its own scores into
+// e = exp(s - max) and sums them; the workgroup sum. 3: chunks of 4 WG weights are staged in shared memory (each
+// invocation stages the keys it wrote, so no invocation reads another's global writes); key groups of
+// invocations run over the chunk's keys, the invocations of a group over the head dimensions (vec4 when
+// hd % 4 == 0), and the groups' partial sums are added in group order. Any context length up to ctx; the
+// result does not depend on the subgroup size except through the reductions' order.
+// With hd % 4 == 0, K and V are read as vec4: their addresses must be 16-byte aligned. scale: 1/sqrt(hd) usually.
+#extension GL_GOOGLE_include_directive : require
+#include "layer_common.glsl"
+
+layout(local_size_x_id = 0) in;
+#include "layer_reduce.glsl"
+
+#define MAXNC 8u    // columns an invocation carries in pass 3 (C > WG only: scalar hd 256 at WG 32 takes 8)
+shared vec4 Q4[64];
+shared float SH[4u * gl_WorkGroupSize.x];
+
+void main() {
+    uint nq = pc.u[0], nkv = pc.u[1], hd = pc.u[2], ctx = pc.u[3];
+    float scale = pcf(4u);
+    uint h = gl_WorkGroupID.x, t = gl_LocalInvocationIndex, WG = gl_WorkGroupSize.x;
+    uint kvh = h / (nq / nkv);
+    uint n = min(U32(pc.a[3]).v[0] + 1u, ctx);
+    bool v4 = (hd & 3u) == 0u;
+    uint H4 = (hd + 3u) / 4u;
+    F32 Q = F32(pc.a[0]);
+    F32 S = F32(pc.a[5]);
+    uint sb = h * ctx;                 // this head's scratch row
+    uint kvb = kvh * ctx;              // this kv head's first cache row
+    for (uint i = t; i < 4u * H4; i += WG) Q4[i >> 2][i & 3u] = i < hd ? Q.v[h * hd + i] : 0.0;
+    barrier();
+
+    // pass 1: scores and their max
+    float m = -1.0 / 0.0;
+    if (v4) {
+        F32x4 K4 = F32x4(pc.a[1]);
+        for (uint j = t; j < n; j += WG) {
+            uint kb = (kvb + j) * H4;
+            vec4 a = vec4(0.0);
+            for (uint i = 0u; i < H4; i++) a += Q4[i] * K4.v[kb + i];
+            float s = scale * ((a.x + a.y) + (a.z + a.w));
+            S.v[sb + j] = s;
+            m = max(m, s);
+        }
+    } else {
+        F32 K = F32(pc.a[1]);
+        for (uint j = t; j < n; j += WG) {
+            uint kb = (kvb + j) * hd;
+            float a = 0.0;
+            for (uint i = 0u; i < hd; i++) a += Q4[i >> 2][i & 3u] * K.v[kb + i];
+            float s = scale * a;
+            S.v[sb + j] = s;
+            m = max(m, s);
+        }
+    }
+    m = wg_max(m);
+
+    // pass 2: weights and their sum (each invocation rereads its own scores)
+    float l = 0.0;
+    for (uint j = t; j < n; j += WG) {
+        float e = exp(S.v[sb + j] - m);
+        S.v[sb + j] = e;
+        l += e;
+    }
+    l = wg_sum(l);
+
+    // pass 3: the weighted sum of V. C columns (vec4 or scalar); CW columns per key group, NG key groups,
+    // NC columns per invocation (1 unless C > WG).
+    uint C = v4 ? H4 : hd;
+    uint CW = min(C, WG), NG = WG / CW, NC = (C + CW - 1u) / CW;
+    uint kg = t / CW, c0 = t % CW;
+    vec4 acc[MAXNC];
+    [[unroll]] for (uint q = 0u; q < MAXNC; q++) acc[q] = vec4(0.0);
+    uint CH = 4u * WG;
+    F32x4 V4 = F32x4(pc.a[2]);
+    F32 V = F32(pc.a[2]);
+    for (uint j0 = 0u; j0 < n; j0 += CH) {
+        uint cl = min(CH, n - j0);
+        barrier();
+        for (uint jj = t; jj < cl; jj += WG) SH[jj] = S.v[sb + j0 + jj];
+        barrier();
+        if (kg < NG) {
+            if (v4 && NC == 1u) {      // the usual case: one vec4 column
+                for (uint jj = kg; jj < cl; jj += NG)
+                    acc[0] += SH[jj] * V4.v[(kvb + j0 + jj) * H4 + c0];
+            } else if (v4) {
+                for (uint jj = kg; jj < cl; jj += NG) {
+                    float w = SH[jj];
+                    uint vb = (kvb + j0 + jj) * H4 + c0;
+                    [[unroll]] for (uint q = 0u; q < MAXNC; q++)
+                        if (q < NC && c0 + q * CW < C) acc[q] += w * V4.v[vb + q * CW];
+                }
+            } else {
+                for (uint jj = kg; jj < cl; jj += NG) {
+                    float w = SH[jj];
+                    uint vb = (kvb + j0 + jj) * hd + c0;
+                    [[unroll]] for (uint q = 0u; q < MAXNC; q++)
+                        if (q < NC && c0 + q * CW < C) acc[q].x += w * V.v[vb + q * CW];
+                }
+            }
+        }
+    }
+    F32 O = F32(pc.a[4]);
+    uint ob = h * hd;
+    if (NG == 1u) {                    // one key group: every column's sum is whole
+        [[unroll]] for (uint q = 0u; q < MAXNC; q++) {
+            uint c = c0 + q * CW;
+            if (q < NC && c < C) {
+                if (v4) {
+                    vec4 r = acc[q] / l;
+                    O.v[ob + 4u * c] = r.x;
+                    O.v[ob + 4u * c + 1u] = r.y;
+                    O.v[ob + 4u * c + 2u] = r.z;
+                    O.v[ob + 4u * c + 3u] = r.w;
+                } else {
+                    O.v[ob + c] = acc[q].x / l;
+                }
+            }
+        }
+        return;
+    }
+    // NG > 1 (so NC == 1): the groups' partial sums through shared memory, added in group order
+    barrier();
+    if (kg < NG) {
+        SH[4u * t] = acc[0].x;
+        SH[4u * t + 1u] = acc[0].y;
+        SH[4u * t + 2u] = acc[0].z;
+        SH[4u * t + 3u] = acc[0].w;
+    }
+    barrier();
+    if (t < C) {
+        vec4 r = vec4(0.0);
+        for (uint g = 0u; g < NG; g++) {
+            uint i = 4u * (g * CW + t);
+            r += vec4(SH[i], SH[i + 1u], SH[i + 2u], SH[i + 3u]);
+        }
+        r /= l;
+        if (v4) {
+            O.v[ob + 4u * t] = r.x;
+            O.v[ob + 4u * t + 1u] = r.y;
+            O.v[ob + 4u * t + 2u] = r.z;
+            O.v[ob + 4u * t + 3u] = r.w;
+        } else {
+            O.v[ob + t] = r.x;
+        }
+    }
+}

@@ -1,0 +1,144 @@
+"""Whole decoder layers on the device (scheduler/layer_split.py, --gpu-layers): a decode row through the device's
+layers gives the CPU-only run's logits (f32 on both sides; they differ in summation order only), the device
+did the work (dispatches, tokens), the KV rows stay in step both ways (prompt rows uploaded, decode rows written
+back), and a failing device hands the layers back to the CPU."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from coli import settings
+from tests.tiny_moe import ROOT
+from tests.vk_util import rel_err, requires_vulkan
+
+pytestmark = requires_vulkan
+
+ARGS = ["--layers", "4", "--d", "128", "--heads", "4", "--experts", "8", "--top-k", "3", "--expert-ff", "96",
+        "--vocab", "300", "--type", "Q8_0", "--seed", "7"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("dl") / "moe4.gguf"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_synthetic_moe.py"), "-o", str(out), *ARGS],
+                   check=True, capture_output=True, timeout=120)
+    return out
+
+
+def _engine(path, layers=None, **kw):
+    from coli.engine import Engine
+
+    env = settings.overlay(None, COLI_VK_LAYERS=layers) if layers is not None else None
+    return Engine(path, cpu_act="f32", device="vulkan" if layers else None, env=env, quiet=True, silent=True,
+                  save_usage=False, ctx=64, usage=str(path) + ".usage", **kw)
+
+
+def _decode(e, ids, n_prompt, cache=None):
+    """Logits of a prompt (ids[:n_prompt] in one forward) then of each later id alone (decode rows)."""
+    m = e.model
+    cache = cache or m.new_cache(64, 64)
+    out = [m.forward(ids[:n_prompt], cache)[-1]]
+    for t in ids[n_prompt:]:
+        out.append(m.forward([t], cache)[-1])
+    return np.array(out), cache
+
+
+@pytest.fixture(scope="module")
+def engines(tiny):
+    cpu = _engine(tiny)
+    dev = _engine(tiny, layers=2)
+    yield cpu, dev
+    cpu.close()
+    dev.close()
+
+
+IDS = [5, 17, 200, 3, 44, 9, 120, 77, 250, 1, 64, 33]
+
+
+def test_decode_rows_match_the_cpu(engines):
+    cpu, dev = engines
+    dl = dev.model.device_layers
+    assert dl is not None and dl.first == 2 and dev.tier is None
+    d0, t0 = dev.device.dispatches, dl.tokens
+    ref, _ = _decode(cpu, IDS, 5)
+    got, cache = _decode(dev, IDS, 5)
+    assert dl.tokens - t0 == len(IDS) - 5          # every decode row went through the device's layers
+    assert dev.device.dispatches - d0 >= 11 * 2 * (len(IDS) - 5)
+    assert rel_err(got[0], ref[0]) == 0.0           # the prompt ran on the CPU
+    assert rel_err(got, ref) < 1e-4, rel_err(got, ref)
+    # the decode rows' K/V were written back into the CPU's cache: a CPU forward from there agrees
+    _, cref = _decode(cpu, IDS, 5)
+    for il in (2, 3):
+        assert rel_err(cache.layers[il].k[:, :len(IDS)], cref.layers[il].k[:, :len(IDS)]) < 1e-5
+        assert rel_err(cache.layers[il].v[:, :len(IDS)], cref.layers[il].v[:, :len(IDS)]) < 1e-5
+
+
+def test_rewind_and_new_cache(engines):
+    """A forward that rewinds a cache (the engine keeps a common prefix) and a second cache: the device's rows
+    are uploaded again from the CPU's, so the logits still match."""
+    cpu, dev = engines
+    ref, _ = _decode(cpu, IDS[:8], 3)
+    got, cache = _decode(dev, IDS[:8], 3)
+    assert rel_err(got, ref) < 1e-4
+    other = [7, 8, 9, 10, 11, 12, 13]
+    cache.pos = 4            # rewind: rows 4.. of the first sequence are replaced
+    m = dev.model
+    lg = [m.forward(other[:2], cache)[-1]] + [m.forward([t], cache)[-1] for t in other[2:]]
+    cm = cpu.model
+    cc = cm.new_cache(64, 64)
+    cm.forward(IDS[:4], cc)
+    ref2 = [cm.forward(other[:2], cc)[-1]] + [cm.forward([t], cc)[-1] for t in other[2:]]
+    assert rel_err(np.array(lg), np.array(ref2)) < 1e-4
+
+
+def test_plan_counts_budget_and_request(engines, tiny):
+    from scheduler import layer_split
+
+    cpu, _ = engines
+    m = cpu.model
+    per = layer_split.layer_bytes(m, 3, 64)
+    assert layer_split.plan(m, 10 * per, 64) == (0, "every layer")
+    first, why = layer_split.plan(m, int(2.5 * per), 64)
+    assert first == 2 and "budget" in why
+    first, why = layer_split.plan(m, 10 * per, 64, want=1)
+    assert first == 3 and "COLI_VK_LAYERS" in why
+    assert layer_split.why_not(m, 0) is None
+
+
+def test_dense_layers_refused(model_path):
+    """A model whose layers have no routed experts keeps every layer on the CPU (why_not says so)."""
+    from coli.engine import Engine
+    from scheduler import layer_split
+
+    e = Engine(model_path("smollm2"), quiet=True, silent=True, save_usage=False, ctx=32)
+    try:
+        assert layer_split.why_not(e.model, 0) == "a layer without routed experts"
+        assert layer_split.plan(e.model, 1 << 40, 32)[0] == len(e.model.layers)
+    finally:
+        e.close()
+
+
+def test_device_failure_hands_layers_back(tiny, monkeypatch):
+    """A device that fails mid-run: one line, the layers back on the CPU, the logits still the CPU's."""
+    from coli.vulkan import DeviceLost
+
+    cpu, dev = _engine(tiny), _engine(tiny, layers=1)
+    try:
+        ref, _ = _decode(cpu, IDS[:7], 4)
+        dl = dev.model.device_layers
+        calls = []
+
+        def boom(rec, wait=True):
+            calls.append(1)
+            raise DeviceLost("simulated")
+
+        monkeypatch.setattr(dl.K, "submit", boom)
+        got, _ = _decode(dev, IDS[:7], 4)
+        assert calls == [1] and dev.model.device_layers is None
+        assert np.array_equal(got, ref)          # every layer of every row on the CPU: its bits
+    finally:
+        cpu.close()
+        dev.close()

@@ -1,0 +1,199 @@
+"""The whole-layer kernels without a weight format (coli/vulkan/layers.py, shaders/rmsnorm.comp, topk.comp,
+rope_kv.comp, attn_dec.comp) against coli's CPU code: RMSNorm (cpu_kernels.norms), the router's softmax top-k
+(coli.models.blocks.softmax_topk: the same ids, ties included), rope NORM / NEOX into the KV cache
+(cpu_kernels.rope), decode attention with GQA against a float64 NumPy softmax attention. Each at the default
+workgroup (256) and at 32, where a workgroup has fewer invocations than some loops have columns."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.vk_util import rel_err, requires_vulkan
+
+pytestmark = requires_vulkan
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def dev():
+    from coli.vulkan import open_device
+    d = open_device("test", budget_bytes=1 << 30, quiet=True)
+    if d is None:
+        pytest.fail("libvulkan.so.1 is present but no device opened (see the [VK] line above)")
+    yield d
+    d.close()
+
+
+@pytest.fixture(scope="module", params=[256, 32], ids=["wg256", "wg32"])
+def kern(dev, request):
+    from coli.vulkan.layers import Kernels
+    return Kernels(dev, wg=request.param)
+
+
+def _buf(k, a):
+    """A host-visible buffer holding the array ``a``."""
+    a = np.ascontiguousarray(a)
+    b = k.buffer(a.nbytes)
+    k.upload(b, a)
+    return b
+
+
+def _run(k, kernel, groups, addrs, words):
+    from coli.vulkan.layers import Dispatch
+    rec = k.record([Dispatch(kernel, groups, [b.addr for b in addrs], words)])
+    try:
+        k.submit(rec)
+    finally:
+        k.free(rec)
+
+
+# -- rmsnorm ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("R,D,inplace", [(1, 4096, False), (3, 64, True), (5, 2880, False)])
+def test_rmsnorm(kern, R, D, inplace):
+    from coli.vulkan.layers import f32_bits
+    from cpu_kernels.norms import rms_norm
+    rng = np.random.default_rng(R * D)
+    x = (rng.standard_normal((R, D)) * 3).astype(np.float32)
+    w = (1 + 0.5 * rng.standard_normal(D)).astype(np.float32)
+    eps = 1e-6
+    ref = rms_norm(x, w, eps)
+    bx, bw = _buf(kern, x), _buf(kern, w)
+    by = bx if inplace else kern.buffer(x.nbytes)
+    _run(kern, "rmsnorm", (R, 1, 1), [bx, bw, by], [D, f32_bits(eps)])
+    got = by.f32(R * D).reshape(R, D)
+    assert rel_err(got, ref) <= TOL, rel_err(got, ref)
+
+
+# -- topk -------------------------------------------------------------------------------------------------
+
+def _topk(kern, logits, k, norm):
+    E = logits.size
+    bl, br = _buf(kern, logits.astype(np.float32)), kern.buffer(8 * k)
+    _run(kern, "topk", (1, 1, 1), [bl, br], [E, k, int(norm)])
+    r = br.u32(2 * k)
+    return r[:k].astype(np.int64), r[k:].view(np.float32)
+
+
+def _logits(E, kind, rng):
+    if kind == "normal":
+        return (rng.standard_normal(E) * 2).astype(np.float32)
+    if kind == "ties":          # a few values only: many exact ties, at the top too
+        return rng.integers(-2, 2, E).astype(np.float32)
+    return np.full(E, 0.5, np.float32)      # "equal": every expert ties
+
+
+@pytest.mark.parametrize("E,k", [(8, 2), (60, 4), (128, 8), (256, 8), (384, 13), (512, 32)])
+@pytest.mark.parametrize("kind", ["normal", "ties", "equal"])
+@pytest.mark.parametrize("norm", [False, True])
+def test_topk(kern, E, k, kind, norm):
+    from coli.models.blocks import softmax_topk
+    rng = np.random.default_rng(E * 31 + k)
+    lg = _logits(E, kind, rng)
+    ids_ref, w_ref = softmax_topk(k, norm)(lg[None])
+    ids, w = _topk(kern, lg, k, norm)
+    np.testing.assert_array_equal(ids, ids_ref[0])
+    assert rel_err(w, w_ref[0]) <= 1e-6, rel_err(w, w_ref[0])
+
+
+def test_topk_nan(kern):
+    """A NaN logit makes every weight NaN (NumPy's max is NaN); the ids are then the first k."""
+    from coli.models.blocks import softmax_topk
+    lg = np.random.default_rng(1).standard_normal(64).astype(np.float32)
+    lg[9] = np.nan
+    ids_ref, w_ref = softmax_topk(4, True)(lg[None])
+    ids, w = _topk(kern, lg, 4, True)
+    np.testing.assert_array_equal(ids, ids_ref[0])
+    assert np.isnan(w).all() and np.isnan(w_ref).all()
+
+
+# -- rope_kv ----------------------------------------------------------------------------------------------
+
+NQ, NKV, CTX = 8, 2, 1024
+
+
+@pytest.mark.parametrize("hd,n_rot", [(64, 64), (128, 128), (128, 64), (96, 32)])
+@pytest.mark.parametrize("rope_kind", [0, 2], ids=["norm", "neox"])
+@pytest.mark.parametrize("pos", [0, 5, 700])
+def test_rope_kv(kern, hd, n_rot, rope_kind, pos):
+    from coli.models.rope_scaling import RopeScaling
+    from cpu_kernels.rope import apply_rope
+    rng = np.random.default_rng(hd + n_rot + pos + rope_kind)
+    cos, sin = RopeScaling().table(CTX, n_rot, 10000.0)
+    qkv = rng.standard_normal((NQ + 2 * NKV) * hd).astype(np.float32)
+    q = qkv[:NQ * hd].reshape(1, NQ, hd).copy()
+    kk = qkv[NQ * hd:(NQ + NKV) * hd].reshape(1, NKV, hd).copy()
+    v = qkv[(NQ + NKV) * hd:].reshape(NKV, hd)
+    p = np.array([pos], np.int64)
+    apply_rope(q, p, cos, sin, n_rot, rope_kind)
+    apply_rope(kk, p, cos, sin, n_rot, rope_kind)
+    kc0 = np.full((NKV, CTX, hd), 7.0, np.float32)
+    bqkv, bq = _buf(kern, qkv), kern.buffer(NQ * hd * 4)
+    bk, bv = _buf(kern, kc0), _buf(kern, kc0)
+    bcos, bsin = _buf(kern, cos), _buf(kern, sin)
+    bpar, bkvo = _buf(kern, np.array([pos, 0, 0, 0], np.uint32)), kern.buffer(2 * NKV * hd * 4)
+    _run(kern, "rope_kv", (NQ + NKV, 1, 1), [bqkv, bq, bk, bv, bcos, bsin, bpar, bkvo],
+         [NQ, NKV, hd, n_rot, CTX, rope_kind])
+    assert rel_err(bq.f32(NQ * hd), q.reshape(-1)) <= TOL
+    kc = bk.f32(kc0.size).reshape(kc0.shape).copy()
+    vc = bv.f32(kc0.size).reshape(kc0.shape).copy()
+    assert rel_err(kc[:, pos], kk[0]) <= TOL
+    np.testing.assert_array_equal(vc[:, pos], v)
+    kvo = bkvo.f32(2 * NKV * hd).reshape(2, NKV, hd)
+    np.testing.assert_array_equal(kvo[0], kc[:, pos])
+    np.testing.assert_array_equal(kvo[1], v)
+    kc[:, pos] = vc[:, pos] = 7.0          # no other cache row was touched
+    assert (kc == 7.0).all() and (vc == 7.0).all()
+
+
+# -- attn_dec ---------------------------------------------------------------------------------------------
+
+def _attn_ref(q, K, V, pos, scale):
+    """float64 softmax attention of q [nq, hd] over K/V [nkv, ctx, hd] rows 0..pos, GQA."""
+    nq, nkv = q.shape[0], K.shape[0]
+    out = np.empty(q.shape, np.float64)
+    for h in range(nq):
+        kvh = h // (nq // nkv)
+        s = scale * (K[kvh, :pos + 1].astype(np.float64) @ q[h].astype(np.float64))
+        e = np.exp(s - s.max())
+        out[h] = (e / e.sum()) @ V[kvh, :pos + 1].astype(np.float64)
+    return out
+
+
+# 256: more vec4 columns than a workgroup of 32 has invocations; 70: the scalar path (hd % 4 != 0)
+@pytest.mark.parametrize("hd,pos", [(hd, pos) for hd in (64, 128) for pos in (0, 5, 700, CTX - 1)]
+                         + [(hd, pos) for hd in (256, 70) for pos in (0, 700)])
+def test_attn_dec(kern, hd, pos):
+    from coli.vulkan.layers import f32_bits
+    rng = np.random.default_rng(hd * 1000 + pos)
+    q = rng.standard_normal((NQ, hd)).astype(np.float32)
+    K = rng.standard_normal((NKV, CTX, hd)).astype(np.float32)
+    V = rng.standard_normal((NKV, CTX, hd)).astype(np.float32)
+    K[:, pos + 1:] = 1e30              # rows past pos must not count
+    V[:, pos + 1:] = np.nan
+    scale = 1.0 / np.sqrt(hd)
+    ref = _attn_ref(q, K, V, pos, scale)
+    bq, bk, bv = _buf(kern, q), _buf(kern, K), _buf(kern, V)
+    bpar = _buf(kern, np.array([pos, 0, 0, 0], np.uint32))
+    bo, bs = kern.buffer(q.nbytes), kern.buffer(NQ * CTX * 4)
+    _run(kern, "attn_dec", (NQ, 1, 1), [bq, bk, bv, bpar, bo, bs], [NQ, NKV, hd, CTX, f32_bits(scale)])
+    got = bo.f32(NQ * hd).reshape(NQ, hd)
+    assert rel_err(got, ref) <= TOL, rel_err(got, ref)
+
+
+def test_attn_dec_sharp(kern):
+    """Scores far apart (large q): the softmax is nearly one-hot and exp's range is exercised."""
+    from coli.vulkan.layers import f32_bits
+    hd, pos = 128, 300
+    rng = np.random.default_rng(5)
+    q = (rng.standard_normal((NQ, hd)) * 4).astype(np.float32)
+    K = rng.standard_normal((NKV, CTX, hd)).astype(np.float32)
+    V = rng.standard_normal((NKV, CTX, hd)).astype(np.float32)
+    scale = 1.0 / np.sqrt(hd)
+    ref = _attn_ref(q, K, V, pos, scale)
+    bq, bk, bv = _buf(kern, q), _buf(kern, K), _buf(kern, V)
+    bpar = _buf(kern, np.array([pos, 0, 0, 0], np.uint32))
+    bo, bs = kern.buffer(q.nbytes), kern.buffer(NQ * CTX * 4)
+    _run(kern, "attn_dec", (NQ, 1, 1), [bq, bk, bv, bpar, bo, bs], [NQ, NKV, hd, CTX, f32_bits(scale)])
+    got = bo.f32(NQ * hd).reshape(NQ, hd)
+    assert rel_err(got, ref) <= TOL, rel_err(got, ref)
