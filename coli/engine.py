@@ -900,8 +900,10 @@ class Engine:
                 print(f"[VK] {self.path.name}: tier shutdown failed ({type(e).__name__}: {e})", file=sys.stderr)
         if self.device_layers is not None:
             if not self.silent:
-                print(f"[VK] {self.path.name}: device layers ran {self.device_layers.tokens} decode tokens",
-                      file=sys.stderr)
+                dl = self.device_layers
+                ms = 1e3 * dl.submit_s / dl.tokens if dl.tokens else 0.0
+                print(f"[VK] {self.path.name}: device layers ran {dl.tokens} decode tokens, {ms:.2f} ms a token in "
+                      f"the submit and its wait", file=sys.stderr)
             self.device_layers.close()
             self.model.device_layers = None
         if self.device is not None:

@@ -18,6 +18,8 @@ rounding, as with the tier (docs/tier.md "Numerics").
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from coli.errors import ColiError
@@ -110,7 +112,7 @@ class DeviceLayers:
     when its format has a kernel), the logits f32 [1, vocab], else None; the new K/V rows are written into
     ``cache``. ``note_forward(cache, pos0)``: a forward
     starts at ``pos0`` (rows from there are rewritten). Raises ``coli.vulkan.DeviceLost`` when the device fails
-    (the caller runs the layers on the CPU and stops using this). ``tokens``: decode tokens run here."""
+    (the caller runs the layers on the CPU and stops using this). ``tokens``: decode tokens run here; ``submit_s``: seconds of their submits and waits."""
 
     def __init__(self, m, dev, first: int, ctx: int, head: bool = True):
         from coli.vulkan.layers import Kernels
@@ -128,6 +130,7 @@ class DeviceLayers:
         self.scale = at.scale
         self.layers = list(range(first, len(m.layers)))
         self.tokens = 0
+        self.submit_s = 0.0     # seconds in the submits and their fence waits (the device's time, seen by the host)
         self.weight_bytes = 0
         self._tensors = []
         nq, nkv, hd, D, E, k, F = self.nq, self.nkv, self.hd, self.D, self.E, self.k, self.F
@@ -301,7 +304,9 @@ class DeviceLayers:
         D = self.D
         self.params.u32(4)[0] = pos0
         self.io.f32(D)[:] = h.reshape(-1)
+        t0 = time.perf_counter()
         self.K.submit(self.rec)
+        self.submit_s += time.perf_counter() - t0
         out = self.io.f32(2 * D)[D:].reshape(1, D).copy()
         kvn = self.nkv * self.hd
         new = self.kvhost.f32(2 * kvn * len(self.per)).reshape(len(self.per), 2, self.nkv, self.hd)
