@@ -5,13 +5,14 @@
 //   a1 route: uint [2k], expert ids [k], then their weights as float bits [k] (rank order, j = 0 first)
 // MODE 1, gate/up and SwiGLU: a2 x f32 [D], a3 h f32 [k, F]; u0 F, u1 D, u2 k; groups (ceil(F / ROWS), k, 1).
 //   h[j, o] = silu(g) * u, g = Wg[id_j][o, :] . x, u = Wu[id_j][o, :] . x, silu(g) = g / (1 + exp(-g)).
-// MODE 0, down and the weighted combine into the residual: a2 h f32 [k, F], a3 y f32 [D]; u0 D, u1 F, u2 k;
-//   groups (ceil(D / ROWS), 1, 1). y[o] += sum_j w_j (Wd[id_j][o, :] . h[j, :]), the sum made in a float
-//   (each lane keeps sum_j w_j * its part of the dot products, then one subgroupAdd), added to y[o] once.
-// Inputs (x, h) must be 16-byte aligned. Work layout as lmv.comp: a workgroup owns ROWS output rows, a
-// subgroup carries up to RPS rows at once and its lanes stride over 32-weight units (mode 0: over the k * F/32
-// units of all the row's experts, so small F still fills the subgroup); with fewer row sets than subgroups
-// the subgroups of a set split the units and add their sums through shared memory. Any subgroup size.
+// MODE 0, down and the weighted combine into the residual: a2 h f32 [k, F], a3 y f32 [D]; u0 D, u1 F, u2 k
+//   (k <= MAXK); groups (ceil(D / ROWS), 1, 1). y[o] += s, s = sum_j w_j (Wd[id_j][o, :] . h[j, :]) made in a
+//   float (each lane sums w_j times its units' dot products over all ranks, then one subgroupAdd; the
+//   subgroups that split a row add in subgroup order) and added to y[o] once.
+// x and h must be 16-byte aligned. Work layout as in lmv.comp (a workgroup owns ROWS rows, a subgroup a set of
+// RPC rows without a branch a row, lanes stride over units, spare subgroups split a set's units); in mode 0
+// the lanes stride over the k * F/32 units of all ranks of a row at once (h [k, F] is contiguous: flat unit t
+// is unit t % (F/32) of rank t / (F/32)), so a small F still fills the subgroup. Any subgroup size.
 #extension GL_GOOGLE_include_directive : require
 #include "layer_common.glsl"
 #include "formats.glsl"
@@ -19,22 +20,19 @@
 layout(local_size_x_id = 0) in;
 layout(constant_id = 1) const uint ROWS = 16;   // output rows a workgroup owns
 layout(constant_id = 2) const uint MODE = 1;    // 1: gate/up + SwiGLU; 0: down + combine
-#define RPS 4u       // output rows a subgroup carries at once
-#define MAXSG 64u    // subgroups a workgroup can have (256 lanes of subgroups of 4)
-#define MAXK 64u     // experts a row (mode 0)
+#define RPS 4u       // output rows a subgroup carries at most
+const uint RPC = ROWS < RPS ? ROWS : RPS;   // rows a subgroup carries (a set)
+#define MAXK 64u     // ranks a row (mode 0)
 
-shared float RED[MAXSG * RPS * 2u];
+shared float RED[gl_WorkGroupSize.x * RPS * 2u];   // per subgroup and row: two sums (gate, up)
 shared uint64_t EA[MAXK];   // mode 0: down row-0 address of rank j
 shared float EW[MAXK];      // mode 0: weight of rank j
 
 void main() {
     uint O = pc.u[0], I = pc.u[1], k = pc.u[2];
     uint units = I / 32u;
-    uint64_t rb = uint64_t(ROW_BYTES(I));
     U64 TABLE = U64(pc.a[0]);
     U32 ROUTE = U32(pc.a[1]);
-    F32x4 X = F32x4(pc.a[2]);    // mode 1: x [D]; mode 0: h [k, F]
-    F32 Y = F32(pc.a[3]);        // mode 1: h [k, F]; mode 0: y [D]
     uint64_t wg = 0ul, wu = 0ul;
     uint j1 = gl_WorkGroupID.y;
     if (MODE == 1u) {
@@ -48,79 +46,79 @@ void main() {
         }
         barrier();
     }
+    uint total = MODE == 1u ? units : k * units;   // units a row's lanes stride over
     uint o0 = gl_WorkGroupID.x * ROWS;
     uint oend = min(o0 + ROWS, O);
     uint nsg = gl_NumSubgroups, sg = gl_SubgroupID, lane = gl_SubgroupInvocationID, sgs = gl_SubgroupSize;
-    uint rpe = clamp((ROWS + nsg - 1u) / nsg, 1u, RPS);
-    uint nset = (ROWS + rpe - 1u) / rpe;
-    uint spg = max(1u, nsg / nset);
+    uint nset = (ROWS + RPC - 1u) / RPC;
+    uint spare = max(1u, nsg / nset);
+    uint spg = clamp(min(spare, (total + sgs - 1u) / sgs), 1u, nsg);
     uint cpass = nsg / spg;
-    uint passes = (nset + cpass - 1u) / cpass;
-    uint part = sg % spg, setl = sg / spg;
-    uint total = MODE == 1u ? units : k * units;   // units a row's lanes stride over
-    uint step = spg * sgs;
+    uint passes = (nset + cpass - 1u) / cpass;    // the same for every subgroup
+    uint part = sg % spg, setl = sg / spg;        // subgroups past cpass * spg only join the barriers
+    uint64_t rb = uint64_t(ROW_BYTES(I));
+    F32x4 X = F32x4(pc.a[2]);                     // mode 1: x [D]; mode 0: h [k, F]
     for (uint ps = 0u; ps < passes; ps++) {
-        uint ob = o0 + (ps * cpass + setl) * rpe;
-        uint nrow = (setl < cpass && ob < oend) ? min(rpe, oend - ob) : 0u;   // uniform in the subgroup
+        uint ob = o0 + (ps * cpass + setl) * RPC;
+        uint nrow = (setl < cpass && ob < oend) ? min(RPC, oend - ob) : 0u;   // uniform in the subgroup
         float acc[RPS], acc2[RPS];
-        [[unroll]] for (uint i = 0u; i < RPS; i++) { acc[i] = 0.0; acc2[i] = 0.0; }
+        [[unroll]] for (uint i = 0u; i < RPC; i++) { acc[i] = 0.0; acc2[i] = 0.0; }
         if (nrow > 0u) {
-            uint t = part * sgs + lane;
-            uint j = 0u, u = t;                 // mode 0: unit t is unit u of rank j
-            if (MODE == 0u) { j = t / units; u = t - j * units; }
-            for (; t < total; t += step) {
-                vec4 xv[8];                     // x unit u (mode 1) or h[j] unit u = flat unit t (mode 0)
-                [[unroll]] for (uint q = 0u; q < 8u; q++) xv[q] = X.v[t * 8u + q];
-                if (MODE == 1u) {
-                    [[unroll]] for (uint i = 0u; i < RPS; i++) {
-                        if (i < nrow) {
-                            vec4 w[8], w2[8];
-                            uint64_t ro = uint64_t(ob + i) * rb;
-                            dec_unit(wg + ro, u, w);
-                            dec_unit(wu + ro, u, w2);
-                            float s = 0.0, s2 = 0.0;
-                            [[unroll]] for (uint q = 0u; q < 8u; q++) {
-                                s += dot(w[q], xv[q]);
-                                s2 += dot(w2[q], xv[q]);
-                            }
-                            acc[i] += s;
-                            acc2[i] += s2;
+            // a set past the end of the matrix (the last of the dispatch) decodes its last row again
+            uint64_t ro[RPS];
+            [[unroll]] for (uint i = 0u; i < RPC; i++) ro[i] = uint64_t(min(ob + i, oend - 1u)) * rb;
+            uint t = part * sgs + lane, step = spg * sgs;
+            if (MODE == 1u) {
+                for (; t < total; t += step) {
+                    vec4 xv[8];
+                    [[unroll]] for (uint q = 0u; q < 8u; q++) xv[q] = X.v[t * 8u + q];
+                    [[unroll]] for (uint i = 0u; i < RPC; i++) {
+                        vec4 w[8], w2[8];
+                        dec_unit(wg + ro[i], t, w);
+                        dec_unit(wu + ro[i], t, w2);
+                        float s = 0.0, s2 = 0.0;
+                        [[unroll]] for (uint q = 0u; q < 8u; q++) {
+                            s += dot(w[q], xv[q]);
+                            s2 += dot(w2[q], xv[q]);
                         }
+                        acc[i] += s;
+                        acc2[i] += s2;
                     }
-                    u += step;
-                } else {
+                }
+            } else {
+                // flat unit t of the row: unit u of rank j (h [k, F] is contiguous, so h's unit is t)
+                uint j = t / units, u = t - j * units;
+                for (; t < total; t += step) {
+                    vec4 hv[8];
+                    [[unroll]] for (uint q = 0u; q < 8u; q++) hv[q] = X.v[t * 8u + q];
                     uint64_t ea = EA[j];
                     float ew = EW[j];
-                    [[unroll]] for (uint i = 0u; i < RPS; i++) {
-                        if (i < nrow) {
-                            vec4 w[8];
-                            dec_unit(ea + uint64_t(ob + i) * rb, u, w);
-                            float s = 0.0;
-                            [[unroll]] for (uint q = 0u; q < 8u; q++) s += dot(w[q], xv[q]);
-                            acc[i] += ew * s;
-                        }
+                    [[unroll]] for (uint i = 0u; i < RPC; i++) {
+                        vec4 w[8];
+                        dec_unit(ea + ro[i], u, w);
+                        float s = 0.0;
+                        [[unroll]] for (uint q = 0u; q < 8u; q++) s += dot(w[q], hv[q]);
+                        acc[i] += ew * s;
                     }
                     u += step;
                     while (u >= units) { u -= units; j++; }
                 }
             }
-            [[unroll]] for (uint i = 0u; i < RPS; i++) {
-                if (i < nrow) {
-                    acc[i] = subgroupAdd(acc[i]);
-                    if (MODE == 1u) acc2[i] = subgroupAdd(acc2[i]);
-                }
+            [[unroll]] for (uint i = 0u; i < RPC; i++) {
+                acc[i] = subgroupAdd(acc[i]);
+                if (MODE == 1u) acc2[i] = subgroupAdd(acc2[i]);
             }
         }
-        if (spg > 1u) {                               // uniform in the workgroup (then passes == 1)
+        if (spg > 1u) {                               // uniform in the workgroup
             if (nrow > 0u && subgroupElect()) {
-                [[unroll]] for (uint i = 0u; i < RPS; i++) {
+                [[unroll]] for (uint i = 0u; i < RPC; i++) {
                     RED[(sg * RPS + i) * 2u] = acc[i];
                     RED[(sg * RPS + i) * 2u + 1u] = acc2[i];
                 }
             }
             barrier();
             if (part == 0u && nrow > 0u) {
-                [[unroll]] for (uint i = 0u; i < RPS; i++) {
+                [[unroll]] for (uint i = 0u; i < RPC; i++) {
                     float a = 0.0, b = 0.0;
                     for (uint p = 0u; p < spg; p++) {
                         a += RED[((sg + p) * RPS + i) * 2u];
@@ -130,9 +128,11 @@ void main() {
                     acc2[i] = b;
                 }
             }
+            barrier();
         }
         if (part == 0u && nrow > 0u && subgroupElect()) {
-            [[unroll]] for (uint i = 0u; i < RPS; i++) {
+            F32 Y = F32(pc.a[3]);
+            [[unroll]] for (uint i = 0u; i < RPC; i++) {
                 if (i < nrow) {
                     uint o = ob + i;
                     if (MODE == 1u) {

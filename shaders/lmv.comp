@@ -5,14 +5,14 @@
 //   a2 y f32 [O]; a3 bias f32 [O]
 //   u0 O, u1 I (a multiple of 32), u2 flags: bit 0 accumulate (y[o] += r, else y[o] = r), bit 1 add bias
 //   groups: (ceil(O / ROWS), 1, 1); y[o] = (W[o, :] . x) (+ bias[o]) (+ old y[o])
-// Work layout (the same in lmoe.comp): a workgroup owns ROWS output rows. A subgroup carries a set of up to
-// RPS rows at once: its lanes stride over the 32-weight units, each lane reads its x unit once and dots it
-// with the decoded unit of every row of the set, then subgroupAdd. When the rows, RPS a subgroup, leave
-// subgroups over, the subgroups of a set split its units (as far as the units keep every lane busy) and add
-// their sums through shared memory in subgroup order; else the sets take several passes. The mapping
-// depends on ROWS, the subgroup size and I only, so a row's result is the same in every dispatch.
-// The loop over the units has no branch per row when the set is full (the usual case): the loads of every
-// row of a set are in flight together. Correct at any subgroup size.
+// Work layout (the same in lmoe.comp): a workgroup owns ROWS output rows, in sets of RPC = min(ROWS, RPS)
+// rows. A subgroup carries a set at once: its lanes stride over the 32-weight units, each lane reads its x
+// unit once and dots it with the decoded unit of every row of the set (no branch a row: every row's loads
+// are in flight together; the one set that runs past O decodes its last row again), then subgroupAdd.
+// When there are more subgroups than sets, the subgroups of a set split its units (as far as the units
+// keep every lane busy) and add their sums through shared memory in subgroup order; with fewer, the sets
+// take several passes. The mapping depends on ROWS, the workgroup and subgroup sizes and I only, so a
+// row's result is the same in every dispatch. Correct at any subgroup size.
 #extension GL_GOOGLE_include_directive : require
 #include "layer_common.glsl"
 #include "formats.glsl"
@@ -20,30 +20,10 @@
 layout(local_size_x_id = 0) in;
 layout(constant_id = 1) const uint ROWS = 16;   // output rows a workgroup owns
 layout(constant_id = 2) const uint MODE = 0;    // unused here
-#define RPS 4u       // output rows a subgroup carries at once
+#define RPS 4u       // output rows a subgroup carries at most
+const uint RPC = ROWS < RPS ? ROWS : RPS;   // rows a subgroup carries (a set)
 
 shared float RED[gl_WorkGroupSize.x * RPS];     // one slot set a subgroup (subgroups of one included)
-
-// acc[i] += sum over this lane's units of W[row i] unit . x unit, for the first n rows (n constant when
-// the set is full, so the row guards fold away)
-void dot_rows(uint n, uint64_t wa, uint64_t rb, uint ob, uint t0, uint step, uint units, inout float acc[RPS]) {
-    F32x4 X = F32x4(pc.a[1]);
-    uint64_t ra[RPS];
-    [[unroll]] for (uint i = 0u; i < RPS; i++) ra[i] = wa + uint64_t(ob + min(i, n - 1u)) * rb;
-    for (uint u = t0; u < units; u += step) {
-        vec4 xv[8];
-        [[unroll]] for (uint q = 0u; q < 8u; q++) xv[q] = X.v[u * 8u + q];
-        [[unroll]] for (uint i = 0u; i < RPS; i++) {
-            if (i < n) {
-                vec4 w[8];
-                dec_unit(ra[i], u, w);
-                float s = 0.0;
-                [[unroll]] for (uint q = 0u; q < 8u; q++) s += dot(w[q], xv[q]);
-                acc[i] += s;
-            }
-        }
-    }
-}
 
 void main() {
     uint O = pc.u[0], I = pc.u[1], flags = pc.u[2];
@@ -51,34 +31,45 @@ void main() {
     uint o0 = gl_WorkGroupID.x * ROWS;
     uint oend = min(o0 + ROWS, O);
     uint nsg = gl_NumSubgroups, sg = gl_SubgroupID, lane = gl_SubgroupInvocationID, sgs = gl_SubgroupSize;
-    // subgroups a set (spg): as many as the spare subgroups allow and the units keep busy; sets at once
-    // (cpass); rows a set (rpe)
-    uint spare = max(1u, nsg / ((ROWS + RPS - 1u) / RPS));
+    // sets of RPC rows (nset); subgroups a set (spg): as many as the spare subgroups allow and the units keep
+    // busy; sets at once (cpass)
+    uint nset = (ROWS + RPC - 1u) / RPC;
+    uint spare = max(1u, nsg / nset);
     uint spg = clamp(min(spare, (units + sgs - 1u) / sgs), 1u, nsg);
     uint cpass = nsg / spg;
-    uint rpe = clamp((ROWS + cpass - 1u) / cpass, 1u, RPS);
-    uint nset = (ROWS + rpe - 1u) / rpe;
     uint passes = (nset + cpass - 1u) / cpass;    // the same for every subgroup
     uint part = sg % spg, setl = sg / spg;        // subgroups past cpass * spg only join the barriers
+    uint64_t rb = uint64_t(ROW_BYTES(I));
+    F32x4 X = F32x4(pc.a[1]);
     for (uint ps = 0u; ps < passes; ps++) {
-        uint ob = o0 + (ps * cpass + setl) * rpe;
-        uint nrow = (setl < cpass && ob < oend) ? min(rpe, oend - ob) : 0u;   // uniform in the subgroup
+        uint ob = o0 + (ps * cpass + setl) * RPC;
+        uint nrow = (setl < cpass && ob < oend) ? min(RPC, oend - ob) : 0u;   // uniform in the subgroup
         float acc[RPS];
-        [[unroll]] for (uint i = 0u; i < RPS; i++) acc[i] = 0.0;
+        [[unroll]] for (uint i = 0u; i < RPC; i++) acc[i] = 0.0;
         if (nrow > 0u) {
-            uint t0 = part * sgs + lane, step = spg * sgs;
-            uint64_t rb = uint64_t(ROW_BYTES(I));
-            if (nrow == RPS) dot_rows(RPS, pc.a[0], rb, ob, t0, step, units, acc);
-            else dot_rows(nrow, pc.a[0], rb, ob, t0, step, units, acc);
-            [[unroll]] for (uint i = 0u; i < RPS; i++) acc[i] = subgroupAdd(acc[i]);
+            // a set past the end of W (the last of the dispatch) decodes its last row again: no branch a row
+            uint64_t ra[RPS];
+            [[unroll]] for (uint i = 0u; i < RPC; i++) ra[i] = pc.a[0] + uint64_t(min(ob + i, oend - 1u)) * rb;
+            for (uint u = part * sgs + lane; u < units; u += spg * sgs) {
+                vec4 xv[8];
+                [[unroll]] for (uint q = 0u; q < 8u; q++) xv[q] = X.v[u * 8u + q];
+                [[unroll]] for (uint i = 0u; i < RPC; i++) {
+                    vec4 w[8];
+                    dec_unit(ra[i], u, w);
+                    float s = 0.0;
+                    [[unroll]] for (uint q = 0u; q < 8u; q++) s += dot(w[q], xv[q]);
+                    acc[i] += s;
+                }
+            }
+            [[unroll]] for (uint i = 0u; i < RPC; i++) acc[i] = subgroupAdd(acc[i]);
         }
         if (spg > 1u) {                               // uniform in the workgroup
             if (nrow > 0u && subgroupElect()) {
-                [[unroll]] for (uint i = 0u; i < RPS; i++) RED[sg * RPS + i] = acc[i];
+                [[unroll]] for (uint i = 0u; i < RPC; i++) RED[sg * RPS + i] = acc[i];
             }
             barrier();
             if (part == 0u && nrow > 0u) {
-                [[unroll]] for (uint i = 0u; i < RPS; i++) {
+                [[unroll]] for (uint i = 0u; i < RPC; i++) {
                     float t = 0.0;
                     for (uint p = 0u; p < spg; p++) t += RED[(sg + p) * RPS + i];
                     acc[i] = t;
@@ -88,7 +79,7 @@ void main() {
         }
         if (part == 0u && nrow > 0u && subgroupElect()) {
             F32 Y = F32(pc.a[2]);
-            [[unroll]] for (uint i = 0u; i < RPS; i++) {
+            [[unroll]] for (uint i = 0u; i < RPC; i++) {
                 if (i < nrow) {
                     uint o = ob + i;
                     float r = acc[i];

@@ -1,0 +1,156 @@
+"""The device layers' format kernels (shaders/lmv.comp, shaders/lmoe.comp; coli/vulkan/layers.py) against NumPy
+float64: the dense matrix-vector product with and without accumulate and bias, the routed experts' gate/up +
+SwiGLU (mode 1) and down + weighted combine into the residual (mode 0), with repeated expert ids, at several
+output rows a workgroup (more subgroups than row sets: the split through shared memory; several passes)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.vk_util import make_weight, rel_err, requires_vulkan
+
+pytestmark = requires_vulkan
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def kern():
+    from coli.vulkan import open_device
+    from coli.vulkan.layers import Kernels
+
+    d = open_device("test", budget_bytes=1 << 28, quiet=True)
+    if d is None:
+        pytest.fail("libvulkan.so.1 is present but no device opened (see the [VK] line above)")
+    yield Kernels(d)
+    d.close()
+
+
+def _rows(K, rows):
+    """Set the output rows a workgroup of the format kernels (the pipelines are made again)."""
+    from coli.vulkan.layers import ffi, lib
+
+    if rows != K.rows:
+        for p in K._pipes.values():
+            lib.vkDestroyPipeline(K.dev._dev, p, ffi.NULL)
+        K._pipes = {}
+        K.rows = rows
+
+
+def _run(K, ops):
+    arr = K.record(ops)
+    try:
+        K.submit(arr)
+    finally:
+        K.free(arr)
+
+
+def _buf(K, a, keep):
+    a = np.ascontiguousarray(a)
+    b = K.buffer(a.nbytes)
+    K.upload(b, a)
+    keep.append(b)
+    return b
+
+
+def _inner(t, n=2):
+    return n * 256 if t in ("Q4_K", "Q6_K", "Q5_K", "Q2_K", "Q3_K", "IQ4_XS") or t.startswith(("IQ1", "IQ2", "IQ3")) \
+        else 5 * 32
+
+
+# rows a workgroup (None: the device's default, 4 a subgroup) and the inner size (0: a small default). With
+# Lavapipe's 4 subgroups of 8 lanes a workgroup: 1 x 45 units, 8 x 40 units: spare subgroups split a set's
+# units (4 and 2 a set); 2 x 24 units: 3 a set and one subgroup idle; 6: a set of 2 rows and idle subgroups;
+# 40: three passes. O = 53: the last set of a dispatch runs past O.
+@pytest.mark.parametrize("fmt,rows,I", [("Q8_0", None, 0), ("Q4_K", None, 0), ("Q6_K", None, 0), ("F32", None, 0),
+                                        ("F16", None, 0), ("Q4_0", None, 0), ("MXFP4", None, 0), ("IQ2_XS", None, 0),
+                                        ("IQ4_NL", None, 0), ("Q8_0", 1, 45 * 32), ("Q4_K", 2, 3 * 256),
+                                        ("Q8_0", 6, 0), ("Q6_K", 40, 0), ("Q4_0", 8, 40 * 32)])
+def test_lmv(kern, fmt, rows, I):
+    from coli.vulkan.layers import Dispatch
+
+    K = kern
+    _rows(K, rows or int(K.dev.gemv_rows))
+    rng = np.random.default_rng(11)
+    O, I = 53, I or _inner(fmt)
+    raw, w = make_weight(fmt, O, I, rng)
+    t = K.dev._place(fmt, raw, (O, I))
+    x = rng.standard_normal(I).astype(np.float32)
+    bias = rng.standard_normal(O).astype(np.float32)
+    old = rng.standard_normal(O).astype(np.float32)
+    bufs = []
+    xb, bb = _buf(K, x, bufs), _buf(K, bias, bufs)
+    ys = [_buf(K, old, bufs) for _ in range(4)]
+    groups = (-(-O // K.rows), 1, 1)
+    ops = [Dispatch("lmv", groups, [t.addr, xb.addr, ys[f].addr, bb.addr], [O, I, f], type_name=fmt, wait=False)
+           for f in range(4)]
+    _run(K, ops)
+    ref = np.asarray(w, np.float64) @ np.asarray(x, np.float64)
+    for f in range(4):
+        want = ref + (bias if f & 2 else 0.0) + (old if f & 1 else 0.0)
+        got = ys[f].f32(O)
+        assert rel_err(got, want) <= TOL, (fmt, rows, f, rel_err(got, want))
+    K.dev._drop(t)
+    for b in bufs:
+        b.destroy()
+
+
+def _experts(K, fmt_gu, fmt_d, E, D, F, rng):
+    """E experts on the device: the table buffer (uint64 [E, 3]), the tensors, and (Wg, Wu, Wd) f64 each."""
+    tensors, ws = [], []
+    table = np.zeros((E, 3), np.uint64)
+    for e in range(E):
+        per = []
+        for c, (fmt, O, I) in enumerate(((fmt_gu, F, D), (fmt_gu, F, D), (fmt_d, D, F))):
+            raw, w = make_weight(fmt, O, I, rng, 0.3)
+            t = K.dev._place(fmt, raw, (O, I))
+            tensors.append(t)
+            table[e, c] = t.addr
+            per.append(np.asarray(w, np.float64))
+        ws.append(per)
+    return table, tensors, ws
+
+
+@pytest.mark.parametrize("fmt_gu,fmt_d,D,F,rows", [("Q8_0", "Q8_0", 160, 96, None), ("Q4_K", "Q6_K", 256, 256, None),
+                                                   ("Q8_0", "Q4_0", 1024, 160, 1), ("MXFP4", "Q8_0", 96, 160, 6),
+                                                   ("Q4_K", "IQ4_NL", 256, 96, 40)])
+def test_lmoe(kern, fmt_gu, fmt_d, D, F, rows):
+    from coli.vulkan.layers import Dispatch
+
+    K = kern
+    _rows(K, rows or int(K.dev.gemv_rows))
+    rng = np.random.default_rng(5)
+    E, k = 16, 8
+    table, tensors, ws = _experts(K, fmt_gu, fmt_d, E, D, F, rng)
+    ids = np.array([3, 7, 3, 0, 15, 7, 7, 12], np.uint32)        # repeated ids, rank order
+    wts = rng.uniform(0.05, 1.0, k).astype(np.float32)
+    route = np.concatenate([ids, wts.view(np.uint32)])
+    x = rng.standard_normal(D).astype(np.float32)
+    resid = rng.standard_normal(D).astype(np.float32)
+    bufs = []
+    tb, rb = _buf(K, table, bufs), _buf(K, route, bufs)
+    xb, yb = _buf(K, x, bufs), _buf(K, resid, bufs)
+    hb = _buf(K, np.zeros((k, F), np.float32), bufs)
+    R = K.rows
+    ops = [Dispatch("lmoe", (-(-F // R), k, 1), [tb.addr, rb.addr, xb.addr, hb.addr], [F, D, k], fmt_gu, 1,
+                    wait=False),
+           Dispatch("lmoe", (-(-D // R), 1, 1), [tb.addr, rb.addr, hb.addr, yb.addr], [D, F, k], fmt_d, 0)]
+    _run(K, ops)
+    x64 = np.asarray(x, np.float64)
+    h_ref = np.empty((k, F))
+    for j, e in enumerate(ids):
+        g, u = ws[e][0] @ x64, ws[e][1] @ x64
+        h_ref[j] = g / (1.0 + np.exp(-g)) * u
+    h = hb.f32(k * F).reshape(k, F).copy()
+    assert rel_err(h, h_ref) <= TOL, ("mode 1", rel_err(h, h_ref))
+    # mode 0 against the device's own h (its error is mode 1's, checked above)
+    s = np.zeros(D)
+    for j, e in enumerate(ids):
+        s += float(wts[j]) * (ws[e][2] @ np.asarray(h[j], np.float64))
+    want = np.asarray(resid, np.float64) + s
+    got = yb.f32(D)
+    assert rel_err(got, want) <= TOL, ("mode 0", rel_err(got, want))
+    assert rel_err(got - resid, s) <= 1e-4, ("mode 0 sum", rel_err(got - resid, s))
+    for t in tensors:
+        K.dev._drop(t)
+    for b in bufs:
+        b.destroy()
