@@ -148,8 +148,9 @@ class DeviceLayers:
         self.kvout = K.buffer(4 * 2 * nkv * hd * len(self.layers), host=False)
         # host side: the params (pos), the row in and out, the new K/V rows
         self.params = K.buffer(256, host=True)
-        self.io = K.buffer(4 * 2 * D, host=True)
-        self.kvhost = K.buffer(4 * 2 * nkv * hd * len(self.layers), host=True)
+        self.hin = K.buffer(4 * D, host=True)
+        self.hout = K.buffer(4 * D, host=True, readback=True)
+        self.kvhost = K.buffer(4 * 2 * nkv * hd * len(self.layers), host=True, readback=True)
         cos, sin = at.rope_scaling.table(ctx, self.n_rot, at.rope_base)   # the CPU's tables (Model.rope_table)
         self.cos = self._const(np.ascontiguousarray(cos[:ctx], np.float32))
         self.sin = self._const(np.ascontiguousarray(sin[:ctx], np.float32))
@@ -163,7 +164,7 @@ class DeviceLayers:
             self.vocab = int(out.shape[0])
             self.head = {"norm": self._const(m.out_norm), "w": self._place(out), "type": out.type_name}
             self.lg = K.buffer(4 * self.vocab, host=False)
-            self.lghost = K.buffer(4 * self.vocab, host=True)
+            self.lghost = K.buffer(4 * self.vocab, host=True, readback=True)
         self._cache = None      # the Cache whose rows the device holds
         self._valid = 0         # positions 0 .. _valid - 1 of it are on the device
         self.rec = K.record(self._ops())
@@ -216,7 +217,7 @@ class DeviceLayers:
         R = self.K.rows
         eps = f32_bits(self.m.args.eps)
         kvn = 2 * nkv * hd
-        ops = [Copy(self.io, self.hs, [(0, 0, 4 * D)], wait=False)]
+        ops = [Copy(self.hin, self.hs, [(0, 0, 4 * D)], wait=False)]
         for j, d in enumerate(self.per):
             wt = self.m.t[f"blk.{d['il']}.attn_q.weight"].type_name
             ot = self.m.t[f"blk.{d['il']}.attn_output.weight"].type_name
@@ -248,7 +249,7 @@ class DeviceLayers:
                     Dispatch("lmv", (-(-V // R),), [self.head["w"].addr, self.xn.addr, self.lg.addr], [V, D, 0],
                              type_name=self.head["type"]),
                     Copy(self.lg, self.lghost, [(0, 0, 4 * V)])]
-        ops.append(Copy(self.hs, self.io, [(0, 4 * D, 4 * D)]))
+        ops.append(Copy(self.hs, self.hout, [(0, 0, 4 * D)]))
         ops.append(Copy(self.kvout, self.kvhost, [(0, 0, 4 * kvn * len(self.per))], wait=False))
         return ops
 
@@ -303,11 +304,11 @@ class DeviceLayers:
         self._sync(cache, pos0)
         D = self.D
         self.params.u32(4)[0] = pos0
-        self.io.f32(D)[:] = h.reshape(-1)
+        self.hin.f32(D)[:] = h.reshape(-1)
         t0 = time.perf_counter()
         self.K.submit(self.rec)
         self.submit_s += time.perf_counter() - t0
-        out = self.io.f32(2 * D)[D:].reshape(1, D).copy()
+        out = self.hout.f32(D).reshape(1, D).copy()
         kvn = self.nkv * self.hd
         new = self.kvhost.f32(2 * kvn * len(self.per)).reshape(len(self.per), 2, self.nkv, self.hd)
         for j, d in enumerate(self.per):

@@ -24,6 +24,7 @@ from .device import (
     _ACC_XFER_WRITE,
     _FULL_SUBGROUPS,
     _MEM_DEVICE_LOCAL,
+    _MEM_HOST_CACHED,
     _MEM_HOST_COHERENT,
     _MEM_HOST_VISIBLE,
     _PSTAGE_COMPUTE,
@@ -113,7 +114,11 @@ class Kernels:
     def __init__(self, dev, wg: int = 256):
         self.dev = dev
         self.wg = int(wg)
-        self.rows = int(dev.gemv_rows)
+        # output rows a format kernel's workgroup owns: 4 (a subgroup's row set; spare subgroups split the units),
+        # so a 2048-row matrix gives 512 workgroups (COLI_VK_LAYER_ROWS)
+        from coli.settings import get
+
+        self.rows = int(get("COLI_VK_LAYER_ROWS"))
         self._pipes: dict = {}
         self._fence = None
         self._bufs: list = []
@@ -216,14 +221,16 @@ class Kernels:
         return pp[0]
 
     # -- buffers ----------------------------------------------------------------------------------------
-    def buffer(self, nbytes: int, host: bool = True) -> Buffer:
+    def buffer(self, nbytes: int, host: bool = True, readback: bool = False) -> Buffer:
         """A buffer of ``nbytes`` (rounded up to 256) with a device address: host-visible and mapped
-        (``view``) when ``host``, else device-local (filled by :meth:`upload` or by kernels)."""
+        (``view``) when ``host`` (device-local memory preferred; host-cached memory when ``readback``: the host
+        reads it, and a read from device memory through the PCIe BAR costs milliseconds for 100 KiB), else
+        device-local (filled by :meth:`upload` or by kernels)."""
         size = max(256, -(-int(nbytes) // 256) * 256)
         usage = _USAGE_STORAGE | _USAGE_ADDRESS | _USAGE_XFER_SRC | _USAGE_XFER_DST
         if host:
-            b = Buffer(self.dev, size, usage, _MEM_HOST_VISIBLE | _MEM_HOST_COHERENT, _MEM_DEVICE_LOCAL,
-                       address=True)
+            b = Buffer(self.dev, size, usage, _MEM_HOST_VISIBLE | _MEM_HOST_COHERENT,
+                       _MEM_HOST_CACHED if readback else _MEM_DEVICE_LOCAL, address=True)
         else:
             b = Buffer(self.dev, size, usage, _MEM_DEVICE_LOCAL, 0, address=True)
         self._bufs.append(b)
