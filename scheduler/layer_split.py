@@ -223,12 +223,10 @@ class DeviceLayers:
             ot = self.m.t[f"blk.{d['il']}.attn_output.weight"].type_name
             et = [self.m.t[f"blk.{d['il']}.{n}.weight"].type_name for n in ("ffn_gate_exps", "ffn_down_exps")]
             kvo = self.kvout.addr + 4 * kvn * j
-            # 7 dispatches a layer: the RMSNorms run inside the matmuls that read them (lmv's norm flag: each
-            # workgroup makes the sum of squares; the router's writes the normalized row for the experts), the
-            # router's top-k inside the gate/up pass (lmoe's route flag)
             ops += [
-                Dispatch("lmv", (-(-self.nqkv // R),), [d["qkv"].addr, self.hs.addr, self.qkv.addr, 0,
-                                                         d["attn_norm"].addr], [self.nqkv, D, 4, eps], type_name=wt),
+                Dispatch("rmsnorm", (1,), [self.hs.addr, d["attn_norm"].addr, self.xn.addr], [D, eps]),
+                Dispatch("lmv", (-(-self.nqkv // R),), [d["qkv"].addr, self.xn.addr, self.qkv.addr], [self.nqkv, D, 0],
+                         type_name=wt),
                 Dispatch("rope_kv", (nq + nkv,), [self.qkv.addr, self.q.addr, d["K"].addr, d["V"].addr,
                                                   self.cos.addr, self.sin.addr, self.params.addr, kvo],
                          [nq, nkv, hd, self.n_rot, ctx, self.rope_kind]),
@@ -236,19 +234,20 @@ class DeviceLayers:
                                              self.scores.addr], [nq, nkv, hd, ctx, f32_bits(self.scale)]),
                 Dispatch("lmv", (-(-D // R),), [d["o"].addr, self.ao.addr, self.hs.addr], [D, nq * hd, 1],
                          type_name=ot),
-                Dispatch("lmv", (-(-E // R),), [d["router"].addr, self.hs.addr, self.logits.addr, 0,
-                                                 d["ffn_norm"].addr, self.xn.addr], [E, D, 4 | 8, eps],
+                Dispatch("rmsnorm", (1,), [self.hs.addr, d["ffn_norm"].addr, self.xn.addr], [D, eps]),
+                Dispatch("lmv", (-(-E // R),), [d["router"].addr, self.xn.addr, self.logits.addr], [E, D, 0],
                          type_name="F32"),
-                Dispatch("lmoe", (-(-F // R), k), [d["tab"].addr, self.route.addr, self.xn.addr, self.hbuf.addr,
-                                                   self.logits.addr], [F, D, k, 1 | 2 * self.norm_topk, E],
-                         type_name=et[0], mode=1),
+                Dispatch("topk", (1,), [self.logits.addr, self.route.addr], [E, k, int(self.norm_topk)]),
+                Dispatch("lmoe", (-(-F // R), k), [d["tab"].addr, self.route.addr, self.xn.addr, self.hbuf.addr],
+                         [F, D, k], type_name=et[0], mode=1),
                 Dispatch("lmoe", (-(-D // R),), [d["tab"].addr, self.route.addr, self.hbuf.addr, self.hs.addr],
                          [D, F, k], type_name=et[1], mode=0),
             ]
         if self.head is not None:
             V = self.vocab
-            ops += [Dispatch("lmv", (-(-V // R),), [self.head["w"].addr, self.hs.addr, self.lg.addr, 0,
-                                                    self.head["norm"].addr], [V, D, 4, eps], type_name=self.head["type"]),
+            ops += [Dispatch("rmsnorm", (1,), [self.hs.addr, self.head["norm"].addr, self.xn.addr], [D, eps]),
+                    Dispatch("lmv", (-(-V // R),), [self.head["w"].addr, self.xn.addr, self.lg.addr], [V, D, 0],
+                             type_name=self.head["type"]),
                     Copy(self.lg, self.lghost, [(0, 0, 4 * V)])]
         ops.append(Copy(self.hs, self.hout, [(0, 0, 4 * D)]))
         ops.append(Copy(self.kvout, self.kvhost, [(0, 0, 4 * kvn * len(self.per))], wait=False))

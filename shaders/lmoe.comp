@@ -4,8 +4,6 @@
 //   a0 expert table: uint64 [E][3], the (gate, up, down) row-0 addresses of each expert of the layer
 //   a1 route: uint [2k], expert ids [k], then their weights as float bits [k] (rank order, j = 0 first)
 // MODE 1, gate/up and SwiGLU: a2 x f32 [D], a3 h f32 [k, F]; u0 F, u1 D, u2 k; groups (ceil(F / ROWS), k, 1).
-//   u3 flags: bit 0 make the route here from the router's logits a4 f32 [u4 = E] (topk_route.glsl, renormalised
-//   when bit 1), every workgroup for itself, and workgroup (0, 0) writes it to a1 for mode 0 (one dispatch less)
 //   h[j, o] = silu(g) * u, g = Wg[id_j][o, :] . x, u = Wu[id_j][o, :] . x, silu(g) = g / (1 + exp(-g)).
 // MODE 0, down and the weighted combine into the residual: a2 h f32 [k, F], a3 y f32 [D]; u0 D, u1 F, u2 k
 //   (k <= MAXK); groups (ceil(D / ROWS), 1, 1). y[o] += s, s = sum_j w_j (Wd[id_j][o, :] . h[j, :]) made in a
@@ -27,8 +25,6 @@ const uint RPC = ROWS < RPS ? ROWS : RPS;   // rows a subgroup carries (a set)
 #define MAXK 64u     // ranks a row (mode 0)
 
 shared float RED[gl_WorkGroupSize.x * RPS * 2u];   // per subgroup and row: two sums (gate, up)
-#include "layer_reduce.glsl"
-#include "topk_route.glsl"
 shared uint64_t EA[MAXK];   // mode 0: down row-0 address of rank j
 shared float EW[MAXK];      // mode 0: weight of rank j
 
@@ -40,20 +36,7 @@ void main() {
     uint64_t wg = 0ul, wu = 0ul;
     uint j1 = gl_WorkGroupID.y;
     if (MODE == 1u) {
-        uint e;
-        if ((pc.u[3] & 1u) != 0u) {                 // uniform: a push constant
-            topk_route(F32(pc.a[4]), pc.u[4], k, (pc.u[3] & 2u) != 0u);
-            e = SID[j1];
-            if (gl_WorkGroupID.x == 0u && j1 == 0u && gl_LocalInvocationIndex == 0u) {
-                uint kk = min(min(k, TOPK_MAXK), min(pc.u[4], MAXE));
-                for (uint j = 0u; j < kk; j++) {
-                    ROUTE.v[j] = SID[j];
-                    ROUTE.v[k + j] = floatBitsToUint(SW[j]);
-                }
-            }
-        } else {
-            e = ROUTE.v[j1];
-        }
+        uint e = ROUTE.v[j1];
         wg = TABLE.v[e * 3u];
         wu = TABLE.v[e * 3u + 1u];
     } else {

@@ -3,10 +3,7 @@
 // (coli/vulkan/layers.py; docs/vulkan.md "Device layers"). Compiled once per GGUF type (-DFMT_<NAME>).
 //   a0 W: address of weight row 0 (row o at a0 + o * ROW_BYTES(I)); a1 x f32 [I] (16-byte aligned);
 //   a2 y f32 [O]; a3 bias f32 [O]
-//   u0 O, u1 I (a multiple of 32), u2 flags: bit 0 accumulate (y[o] += r, else y[o] = r), bit 1 add bias,
-//   bit 2 RMSNorm x first: x <- (x * (1 / sqrt(mean(x^2) + eps))) * n with a4 n f32 [I], u3 eps (float bits)
-//   (each workgroup makes the sum of squares itself, as rmsnorm.comp does: one dispatch less), bit 3 (with
-//   bit 2) workgroup 0 also writes the normalized x to a5 f32 [I] (for the kernels after this one)
+//   u0 O, u1 I (a multiple of 32), u2 flags: bit 0 accumulate (y[o] += r, else y[o] = r), bit 1 add bias
 //   groups: (ceil(O / ROWS), 1, 1); y[o] = (W[o, :] . x) (+ bias[o]) (+ old y[o])
 // Work layout (the same in lmoe.comp): a workgroup owns ROWS output rows, in sets of RPC = min(ROWS, RPS)
 // rows. A subgroup carries a set at once: its lanes stride over the 32-weight units, each lane reads its x
@@ -21,7 +18,6 @@
 #include "formats.glsl"
 
 layout(local_size_x_id = 0) in;
-#include "layer_reduce.glsl"
 layout(constant_id = 1) const uint ROWS = 16;   // output rows a workgroup owns
 layout(constant_id = 2) const uint MODE = 0;    // unused here
 #define RPS 4u       // output rows a subgroup carries at most
@@ -45,21 +41,6 @@ void main() {
     uint part = sg % spg, setl = sg / spg;        // subgroups past cpass * spg only join the barriers
     uint64_t rb = uint64_t(ROW_BYTES(I));
     F32x4 X = F32x4(pc.a[1]);
-    F32x4 NW = F32x4(pc.a[4]);
-    bool norm = (flags & 4u) != 0u;               // uniform: a push constant
-    float inv = 1.0;
-    if (norm) {
-        float s = 0.0;
-        for (uint i = gl_LocalInvocationIndex; i < I / 4u; i += gl_WorkGroupSize.x) {
-            vec4 v = X.v[i];
-            s += dot(v, v);
-        }
-        inv = 1.0 / sqrt(wg_sum(s) / float(I) + pcf(3u));
-        if ((flags & 8u) != 0u && gl_WorkGroupID.x == 0u) {
-            F32x4 XO = F32x4(pc.a[5]);
-            for (uint i = gl_LocalInvocationIndex; i < I / 4u; i += gl_WorkGroupSize.x) XO.v[i] = (X.v[i] * inv) * NW.v[i];
-        }
-    }
     for (uint ps = 0u; ps < passes; ps++) {
         uint ob = o0 + (ps * cpass + setl) * RPC;
         uint nrow = (setl < cpass && ob < oend) ? min(RPC, oend - ob) : 0u;   // uniform in the subgroup
@@ -72,9 +53,6 @@ void main() {
             for (uint u = part * sgs + lane; u < units; u += spg * sgs) {
                 vec4 xv[8];
                 [[unroll]] for (uint q = 0u; q < 8u; q++) xv[q] = X.v[u * 8u + q];
-                if (norm) {
-                    [[unroll]] for (uint q = 0u; q < 8u; q++) xv[q] = (xv[q] * inv) * NW.v[u * 8u + q];
-                }
                 [[unroll]] for (uint i = 0u; i < RPC; i++) {
                     vec4 w[8];
                     dec_unit(ra[i], u, w);

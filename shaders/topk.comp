@@ -13,16 +13,77 @@
 
 layout(local_size_x_id = 0) in;
 #include "layer_reduce.glsl"
-#include "topk_route.glsl"
+
+#define MAXE 512u
+#define MAXK 32u
+shared float P[MAXE];
+shared uint SID[MAXK];
+shared float SW[MAXK];
+
+// a (expert ia) comes before b (expert ib): larger first, ties to the lower id, NaN after every number
+bool before(float a, uint ia, float b, uint ib) {
+    if (isnan(a)) return isnan(b) && ia < ib;
+    if (isnan(b)) return true;
+    return a > b || (a == b && ia < ib);
+}
 
 void main() {
-    uint K = min(pc.u[1], TOPK_MAXK), kk = min(K, min(pc.u[0], MAXE));
-    topk_route(F32(pc.a[0]), pc.u[0], pc.u[1], (pc.u[2] & 1u) != 0u);
-    if (gl_LocalInvocationIndex == 0u) {
-        U32 R = U32(pc.a[1]);
+    uint E = min(pc.u[0], MAXE), K = min(pc.u[1], MAXK);
+    bool renorm = (pc.u[2] & 1u) != 0u;
+    uint t = gl_LocalInvocationIndex, WG = gl_WorkGroupSize.x;
+    F32 L = F32(pc.a[0]);
+    U32 R = U32(pc.a[1]);
+    float m = -1.0 / 0.0;
+    bool nan_seen = false;
+    for (uint e = t; e < E; e += WG) {
+        float v = L.v[e];
+        P[e] = v;
+        m = max(m, v);
+        nan_seen = nan_seen || isnan(v);
+    }
+    m = wg_max(m);
+    // NumPy's max is NaN when a logit is: every p is NaN then
+    if (wg_max(nan_seen ? 1.0 : 0.0) > 0.0) m = uintBitsToFloat(0x7fc00000u);
+    float s = 0.0;
+    for (uint e = t; e < E; e += WG) {
+        float p = exp(P[e] - m);
+        P[e] = p;
+        s += p;
+    }
+    s = wg_sum(s);
+    for (uint e = t; e < E; e += WG) P[e] = P[e] / s;
+    barrier();
+    uint kk = min(K, E);
+    for (uint e = t; e < E; e += WG) {
+        float pe = P[e];
+        uint rank = 0u;
+        for (uint f = 0u; f < E && rank < kk; f++)
+            if (before(P[f], f, pe, e)) rank++;
+        if (rank < kk) {
+            SID[rank] = e;
+            SW[rank] = pe;
+        }
+    }
+    barrier();
+    if (t == 0u) {
+        precise float tot = 1.0;
+        if (renorm) {
+            if (kk < 8u) {
+                tot = 0.0;
+                for (uint j = 0u; j < kk; j++) tot += SW[j];
+            } else {
+                precise float r[8];
+                for (uint q = 0u; q < 8u; q++) r[q] = SW[q];
+                uint n8 = kk - kk % 8u, i = 8u;
+                for (; i < n8; i += 8u)
+                    for (uint q = 0u; q < 8u; q++) r[q] += SW[i + q];
+                tot = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+                for (; i < kk; i++) tot += SW[i];
+            }
+        }
         for (uint j = 0u; j < kk; j++) {
             R.v[j] = SID[j];
-            R.v[pc.u[1] + j] = floatBitsToUint(SW[j]);
+            R.v[pc.u[1] + j] = floatBitsToUint(renorm ? SW[j] / tot : SW[j]);
         }
     }
 }

@@ -66,7 +66,7 @@ def test_decode_rows_match_the_cpu(engines):
     ref, _ = _decode(cpu, IDS, 5)
     got, cache = _decode(dev, IDS, 5)
     assert dl.tokens - t0 == len(IDS) - 5          # every decode row went through the device's layers
-    assert dev.device.dispatches - d0 == (7 * 2 + 1) * (len(IDS) - 5)   # 7 a layer, the head
+    assert dev.device.dispatches - d0 >= 11 * 2 * (len(IDS) - 5)
     assert rel_err(got[0], ref[0]) == 0.0           # the prompt ran on the CPU
     assert rel_err(got, ref) < 1e-4, rel_err(got, ref)
     # the decode rows' K/V were written back into the CPU's cache: a CPU forward from there agrees
