@@ -99,8 +99,8 @@ def _open_engine(a, quiet=False, save_usage=True):
         raise ColiError(f"--tier-gb: {a.tier_gb} (GiB, 0 or above)")
     if a.gpu_layers is not None and a.gpu_layers < -1:
         raise ColiError(f"--gpu-layers: {a.gpu_layers} (a layer count, -1 for as many as fit, 0 for the expert tier)")
-    if a.gpu_layers and device is None:
-        device = "vulkan"
+    if device is None and (a.gpu_layers or (a.gpu_layers is None and settings.get("COLI_VK_LAYERS"))):
+        device = "vulkan"   # --gpu-layers N (or COLI_VK_LAYERS=N) opens the device, as the tier's flags do
     if a.gpu_layers and device == "cpu":
         raise ColiError("--gpu-layers needs the device: drop --device cpu")
     env = settings.overlay(None, COLI_VK_DEV=index, COLI_VK_TIER_GB=a.tier_gb, COLI_VK_LAYERS=a.gpu_layers,

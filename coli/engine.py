@@ -416,7 +416,15 @@ class Engine:
                 print(f"[VK] {self.path.name}: no decoder layer on the device ({why}); the expert tier instead",
                       file=sys.stderr)
             return False
-        dl = layer_split.DeviceLayers(self.model, dev, first, self.ctx)
+        from coli.vulkan import DeviceLost, VulkanError
+
+        try:
+            dl = layer_split.DeviceLayers(self.model, dev, first, self.ctx, env=self.env)
+        except (DeviceLost, VulkanError, MemoryError, ValueError) as e:   # the tier instead, as for no layer
+            if not self.silent:
+                print(f"[VK] {self.path.name}: the device layers did not load ({type(e).__name__}: {e}); the expert "
+                      f"tier instead", file=sys.stderr)
+            return False
         self.model.device_layers = dl
         self.device_layers = dl
         if not self.silent:

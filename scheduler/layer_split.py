@@ -12,13 +12,15 @@ rows it lacks is uploaded before the next decode token (``note_forward`` marks r
 
 Which layers: :func:`plan` (the device's budget: each layer's weights and its KV cache; ``COLI_VK_LAYERS``
 sets the count). Which layers qualify: :func:`why_not` (a pre-norm attention + MoE layer with the softmax top-k
-router, no shared expert, no sliding window, no q/k norms or biases yet). Activations are f32 on the device (the
+router, no shared expert, no sliding window; q/k norms per head (Qwen3-MoE) or over the projection (OLMoE) and
+attention biases run here too). Activations are f32 on the device (the
 CPU's layers keep their own mode), so a run's tokens may differ from a CPU-only run's by summation order and
 rounding, as with the tier (docs/tier.md "Numerics").
 """
 from __future__ import annotations
 
 import time
+import weakref
 
 import numpy as np
 
@@ -55,10 +57,10 @@ def why_not(m, il: int) -> str | None:
     if L.moe.shared is not None:
         return "a shared expert"
     a = L.attn
-    if a.window or a.qk_norm is not None or a.rope_kind not in (_NORM, _NEOX):
-        return "a sliding window or q/k norms"
-    if any(b is not None for b in (a.attn_q_b, a.attn_k_b, a.attn_v_b, a.attn_output_b)):
-        return "attention biases"
+    if a.window:
+        return "a sliding window"
+    if a.rope_kind not in (_NORM, _NEOX) or a.qk_norm not in (None, "heads", "full"):
+        return "a rope or q/k norm without a device kernel"
     for n in _layer_tensors(m, il):
         ti = m.t[n]
         if ti.type_name not in S.FORMATS:
@@ -68,6 +70,13 @@ def why_not(m, il: int) -> str | None:
     q, k, v = (m.t[f"blk.{il}.attn_{x}.weight"] for x in "qkv")
     if len({q.type_name, k.type_name, v.type_name}) != 1:
         return "q, k and v of different types"
+    if m.t[f"blk.{il}.ffn_gate_exps.weight"].type_name != m.t[f"blk.{il}.ffn_up_exps.weight"].type_name:
+        return "ffn_gate_exps and ffn_up_exps of different types"
+    if hasattr(m.g, "expert_source"):
+        return "experts of a Hugging Face folder (read through its expert source, not as GGUF tensors)"
+    E, k = m.args.n_experts, L.moe.route.softmax_topk[0]
+    if E > 512 or not 1 <= k <= min(32, E):
+        return f"{E} experts, top-{k} (the device's top-k takes up to 512 experts and 32 a token)"
     if a.head_dim > 256 or a.head_dim != a.attn_v.shape[0] // a.n_kv:
         return "a head width above 256 or a V head width other than K's"
     return None
@@ -77,21 +86,41 @@ def layer_bytes(m, il: int, ctx: int) -> int:
     """Device bytes of layer ``il``: its weight tensors as stored (GGUF blocks; the router as f32) and its K and
     V cache of ``ctx`` positions (f32)."""
     a = m.layers[il].attn
-    w = sum(int(m.t[n].nbytes) for n in _layer_tensors(m, il))
+    w = sum(int(m.t[n].nbytes) for n in _layer_tensors(m, il) if not n.endswith("ffn_gate_inp.weight"))
+    w += 4 * int(np.prod(m.t[f"blk.{il}.ffn_gate_inp.weight"].shape))
     return w + 2 * a.n_kv * int(ctx) * a.head_dim * 4
 
 
+def _shape_key(m, il: int) -> tuple:
+    """What the device's buffers and dispatches take from one layer (they are sized from the first)."""
+    a, t = m.layers[il].attn, m.t
+    return (a.n_heads, a.n_kv, a.head_dim, a.n_rot, a.rope_kind, a.qk_norm, a.scale,
+            tuple(int(s) for s in t[f"blk.{il}.ffn_gate_exps.weight"].shape), m.layers[il].moe.route.softmax_topk)
+
+
+def fixed_bytes(m, ctx: int) -> int:
+    """Device bytes besides the layers': the head (``output``, or the tied ``token_embd``, and the output norm),
+    the rope tables, the attention scores and the scratch rows (an upper bound)."""
+    a = m.args
+    out = m.t.get("output.weight", m.tok_embd)
+    scratch = 4 * (8 * a.d_model + 4 * a.n_heads * a.head_dim + a.n_heads * int(ctx) + int(ctx) * a.head_dim
+                   + 2 * a.vocab + 64 * 4096)
+    return int(out.nbytes) + 4 * a.d_model + scratch
+
+
 def plan(m, budget: int, ctx: int, want: int | None = None) -> tuple[int, str]:
-    """``(first, why)``: layers ``first ..`` go to the device. The last layers that qualify (:func:`why_not`) and
-    fit ``budget`` bytes together (:func:`layer_bytes`), at most ``want`` of them (``COLI_VK_LAYERS``; None: as
+    """``(first, why)``: layers ``first ..`` go to the device. The last layers that qualify (:func:`why_not`), share
+    their shapes, and fit ``budget`` bytes together (:func:`layer_bytes`, with :func:`fixed_bytes`), at most ``want`` of them (``COLI_VK_LAYERS``; None: as
     many as fit). ``first == n_layers`` when none does; ``why`` says what stopped the count."""
     n = len(m.layers)
-    first, used, why = n, 0, "every layer"
+    first, used, why = n, fixed_bytes(m, ctx), "every layer"
     for il in range(n - 1, -1, -1):
         if want is not None and n - first >= want:
             why = f"{want} asked (COLI_VK_LAYERS)"
             break
         w = why_not(m, il)
+        if w is None and il < n - 1 and _shape_key(m, il) != _shape_key(m, n - 1):
+            w = "other attention or expert shapes than the layers after it"
         if w is not None:
             why = f"layer {il}: {w}"
             break
@@ -114,11 +143,20 @@ class DeviceLayers:
     starts at ``pos0`` (rows from there are rewritten). Raises ``coli.vulkan.DeviceLost`` when the device fails
     (the caller runs the layers on the CPU and stops using this). ``tokens``: decode tokens run here; ``submit_s``: seconds of their submits and waits."""
 
-    def __init__(self, m, dev, first: int, ctx: int, head: bool = True):
+    def __init__(self, m, dev, first: int, ctx: int, head: bool = True, env=None):
         from coli.vulkan.layers import Kernels
 
         self.m, self.dev, self.first, self.ctx = m, dev, int(first), int(ctx)
-        self.K = K = Kernels(dev)
+        self._tensors, self.rec, self.K = [], None, None
+        try:
+            self.K = Kernels(dev, env=env)
+            self._build(head)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, head: bool):
+        m, K, ctx, first = self.m, self.K, self.ctx, self.first
         a = m.args
         L0 = m.layers[first]
         at = L0.attn
@@ -132,7 +170,6 @@ class DeviceLayers:
         self.tokens = 0
         self.submit_s = 0.0     # seconds in the submits and their fence waits (the device's time, seen by the host)
         self.weight_bytes = 0
-        self._tensors = []
         nq, nkv, hd, D, E, k, F = self.nq, self.nkv, self.hd, self.D, self.E, self.k, self.F
         self.nqkv = (nq + 2 * nkv) * hd
         # scratch, shared by the layers (they run one after the other, with barriers between)
@@ -142,7 +179,8 @@ class DeviceLayers:
         self.q = K.buffer(4 * nq * hd, host=False)
         self.ao = K.buffer(4 * nq * hd, host=False)
         self.logits = K.buffer(4 * E, host=False)
-        self.route = K.buffer(8 * k, host=False)
+        self.route = K.buffer(8 * k * len(self.layers), host=False)      # each layer's ids and weights
+        self.routehost = K.buffer(8 * k * len(self.layers), host=True, readback=True)
         self.hbuf = K.buffer(4 * k * F, host=False)
         self.scores = K.buffer(4 * nq * ctx, host=False)
         self.kvout = K.buffer(4 * 2 * nkv * hd * len(self.layers), host=False)
@@ -165,7 +203,8 @@ class DeviceLayers:
             self.head = {"norm": self._const(m.out_norm), "w": self._place(out), "type": out.type_name}
             self.lg = K.buffer(4 * self.vocab, host=False)
             self.lghost = K.buffer(4 * self.vocab, host=True, readback=True)
-        self._cache = None      # the Cache whose rows the device holds
+        self._cache = None      # weakref of the Cache whose rows the device holds
+        self._stage = None      # the staging buffer of _sync
         self._valid = 0         # positions 0 .. _valid - 1 of it are on the device
         self.rec = K.record(self._ops())
 
@@ -194,6 +233,18 @@ class DeviceLayers:
         raw = np.concatenate([np.asarray(x.raw).reshape(int(x.shape[0]), -1) for x in (q, k, v)])
         d["qkv"] = self._place(q, raw=raw, shape=(raw.shape[0], int(q.shape[1])))
         d["o"] = self._place(t[p + "attn_output.weight"])
+        at = L.attn
+        nq, nkv, hd = self.nq, self.nkv, self.hd
+        if any(b is not None for b in (at.attn_q_b, at.attn_k_b, at.attn_v_b)):
+            parts = [b if b is not None else np.zeros(n, np.float32)
+                     for b, n in ((at.attn_q_b, nq * hd), (at.attn_k_b, nkv * hd), (at.attn_v_b, nkv * hd))]
+            d["qkv_b"] = self._const(np.concatenate(parts).astype(np.float32))
+        if at.attn_output_b is not None:
+            d["o_b"] = self._const(np.asarray(at.attn_output_b, np.float32))
+        if at.qk_norm is not None:
+            d["q_norm"] = self._const(np.asarray(at.attn_q_norm, np.float32).reshape(-1))
+            d["k_norm"] = self._const(np.asarray(at.attn_k_norm, np.float32).reshape(-1))
+            d["qk_norm"] = at.qk_norm
         router = np.ascontiguousarray(L.moe.ffn_gate_inp, np.float32)
         d["router"] = self.dev._place("F32", router.view(np.uint8).reshape(-1), router.shape)
         self._tensors.append(d["router"])
@@ -223,24 +274,37 @@ class DeviceLayers:
             ot = self.m.t[f"blk.{d['il']}.attn_output.weight"].type_name
             et = [self.m.t[f"blk.{d['il']}.{n}.weight"].type_name for n in ("ffn_gate_exps", "ffn_down_exps")]
             kvo = self.kvout.addr + 4 * kvn * j
+            rt = self.route.addr + 8 * k * j
+            qb = d.get("qkv_b")
             ops += [
                 Dispatch("rmsnorm", (1,), [self.hs.addr, d["attn_norm"].addr, self.xn.addr], [D, eps]),
-                Dispatch("lmv", (-(-self.nqkv // R),), [d["qkv"].addr, self.xn.addr, self.qkv.addr], [self.nqkv, D, 0],
-                         type_name=wt),
+                Dispatch("lmv", (-(-self.nqkv // R),), [d["qkv"].addr, self.xn.addr, self.qkv.addr,
+                                                         qb.addr if qb is not None else 0],
+                         [self.nqkv, D, 2 if qb is not None else 0], type_name=wt),
+            ]
+            if "qk_norm" in d:   # in place on the q and k parts of qkv (heads: one row a head; full: one row)
+                heads = d["qk_norm"] == "heads"
+                kaddr = self.qkv.addr + 4 * nq * hd
+                ops += [Dispatch("rmsnorm", (nq if heads else 1,), [self.qkv.addr, d["q_norm"].addr, self.qkv.addr],
+                                 [hd if heads else nq * hd, eps]),
+                        Dispatch("rmsnorm", (nkv if heads else 1,), [kaddr, d["k_norm"].addr, kaddr],
+                                 [hd if heads else nkv * hd, eps], wait=False)]
+            ob = d.get("o_b")
+            ops += [
                 Dispatch("rope_kv", (nq + nkv,), [self.qkv.addr, self.q.addr, d["K"].addr, d["V"].addr,
                                                   self.cos.addr, self.sin.addr, self.params.addr, kvo],
                          [nq, nkv, hd, self.n_rot, ctx, self.rope_kind]),
                 Dispatch("attn_dec", (nq,), [self.q.addr, d["K"].addr, d["V"].addr, self.params.addr, self.ao.addr,
                                              self.scores.addr], [nq, nkv, hd, ctx, f32_bits(self.scale)]),
-                Dispatch("lmv", (-(-D // R),), [d["o"].addr, self.ao.addr, self.hs.addr], [D, nq * hd, 1],
-                         type_name=ot),
+                Dispatch("lmv", (-(-D // R),), [d["o"].addr, self.ao.addr, self.hs.addr, ob.addr if ob is not None else 0],
+                         [D, nq * hd, 1 | (2 if ob is not None else 0)], type_name=ot),
                 Dispatch("rmsnorm", (1,), [self.hs.addr, d["ffn_norm"].addr, self.xn.addr], [D, eps]),
                 Dispatch("lmv", (-(-E // R),), [d["router"].addr, self.xn.addr, self.logits.addr], [E, D, 0],
                          type_name="F32"),
-                Dispatch("topk", (1,), [self.logits.addr, self.route.addr], [E, k, int(self.norm_topk)]),
-                Dispatch("lmoe", (-(-F // R), k), [d["tab"].addr, self.route.addr, self.xn.addr, self.hbuf.addr],
+                Dispatch("topk", (1,), [self.logits.addr, rt], [E, k, int(self.norm_topk)]),
+                Dispatch("lmoe", (-(-F // R), k), [d["tab"].addr, rt, self.xn.addr, self.hbuf.addr],
                          [F, D, k], type_name=et[0], mode=1),
-                Dispatch("lmoe", (-(-D // R),), [d["tab"].addr, self.route.addr, self.hbuf.addr, self.hs.addr],
+                Dispatch("lmoe", (-(-D // R),), [d["tab"].addr, rt, self.hbuf.addr, self.hs.addr],
                          [D, F, k], type_name=et[1], mode=0),
             ]
         if self.head is not None:
@@ -251,54 +315,54 @@ class DeviceLayers:
                     Copy(self.lg, self.lghost, [(0, 0, 4 * V)])]
         ops.append(Copy(self.hs, self.hout, [(0, 0, 4 * D)]))
         ops.append(Copy(self.kvout, self.kvhost, [(0, 0, 4 * kvn * len(self.per))], wait=False))
+        ops.append(Copy(self.route, self.routehost, [(0, 0, 8 * k * len(self.per))], wait=False))
         return ops
 
     # -- per token ------------------------------------------------------------------------------------------
     def note_forward(self, cache, pos0: int) -> None:
         """A forward over ``cache`` starts at ``pos0``: the device's rows from there are stale."""
-        if cache is self._cache:
+        if self._cache is not None and cache is self._cache():
             self._valid = min(self._valid, int(pos0))
 
     def _sync(self, cache, pos0: int) -> None:
-        """Upload the K/V rows ``_valid .. pos0 - 1`` of the device's layers from ``cache`` (the CPU's)."""
-        if cache is not self._cache:
+        """Upload the K/V rows ``_valid .. pos0 - 1`` of the device's layers from ``cache`` (the CPU's): through
+        one host-visible staging buffer of at most 16 MiB, every layer's rows of a chunk in one submit."""
+        from coli.vulkan.layers import Copy
+
+        if self._cache is None or cache is not self._cache():
             if cache.ctx > self.ctx:
                 raise ColiError(f"device layers: a cache of {cache.ctx} positions, the device holds {self.ctx}")
-            self._cache, self._valid = cache, 0
+            self._cache, self._valid = weakref.ref(cache), 0
         p0, p1 = self._valid, int(pos0)
         if p1 <= p0:
             return
         hd, nkv, ctx = self.hd, self.nkv, self.ctx
-        for d in self.per:
-            kv = cache.layers[d["il"]]
-            for name, src in (("K", kv.k), ("V", kv.v)):
-                buf = d[name]
-                if buf.view is not None:
-                    dst = buf.view[:4 * nkv * ctx * hd].view(np.float32).reshape(nkv, ctx, hd)
-                    dst[:, p0:p1] = src[:, p0:p1]
-                else:
-                    self._staged_rows(buf, src, p0, p1)
-        self._valid = p1
-
-    def _staged_rows(self, buf, src, p0: int, p1: int) -> None:
-        from coli.vulkan.layers import Copy
-
-        nkv, ctx, hd = src.shape
-        rows = np.ascontiguousarray(src[:, p0:p1])        # [nkv, n, hd]
-        n = rows.nbytes
-        st = self.K.buffer(n, host=True)
-        try:
-            st.view[:n] = rows.reshape(-1).view(np.uint8)
-            per = (p1 - p0) * hd * 4
-            regs = [(h * per, (h * ctx + p0) * hd * 4, per) for h in range(nkv)]
-            rec = self.K.record([Copy(st, buf, regs, wait=False)])
+        row = 4 * hd                                     # bytes of one head's row
+        per_pos = 2 * len(self.per) * nkv * row          # bytes a position takes, every layer, K and V
+        step = max(1, (16 << 20) // per_pos)
+        if self._stage is None or self._stage.size < min(p1 - p0, step) * per_pos:
+            if self._stage is not None:
+                self.K.drop(self._stage)
+            self._stage = self.K.buffer(min(p1 - p0, step) * per_pos, host=True)
+        st = self._stage
+        for a in range(p0, p1, step):
+            b = min(p1, a + step)
+            n = (b - a) * row                            # bytes of one head's rows a .. b
+            off, by_dst = 0, {}
+            for d in self.per:
+                kv = cache.layers[d["il"]]
+                for name, src in (("K", kv.k), ("V", kv.v)):
+                    rows = np.ascontiguousarray(src[:, a:b])          # [nkv, b - a, hd]
+                    st.view[off:off + rows.nbytes] = rows.reshape(-1).view(np.uint8)
+                    by_dst.setdefault(name + str(d["il"]), (d[name], []))[1].extend(
+                        (off + h * n, (h * ctx + a) * row, n) for h in range(nkv))
+                    off += rows.nbytes
+            rec = self.K.record([Copy(st, buf, regs, wait=False) for buf, regs in by_dst.values()])
             try:
                 self.K.submit(rec)
             finally:
                 self.K.free(rec)
-        finally:
-            st.destroy()
-            self.K._bufs.remove(st)
+        self._valid = p1
 
     def __call__(self, h: np.ndarray, cache, pos0: int):
         self._sync(cache, pos0)
@@ -317,6 +381,11 @@ class DeviceLayers:
             kv.v[:, pos0] = new[j, 1]
         self._valid = pos0 + 1
         self.tokens += 1
+        step = self.m.step
+        if step is not None and step.usage is not None:     # the routing history counts these layers too
+            ids = self.routehost.u32(2 * self.k * len(self.per)).reshape(len(self.per), 2, self.k)[:, 0]
+            for j, d in enumerate(self.per):
+                step.usage.add(d["il"], ids[j:j + 1].astype(np.int64))
         lg = self.lghost.f32(self.vocab).reshape(1, self.vocab).copy() if self.head is not None else None
         return out, lg
 
@@ -327,10 +396,21 @@ class DeviceLayers:
                 f"decode token")
 
     def close(self) -> None:
-        """Free the command buffer and the weights (the buffers go with the device's close)."""
+        """Wait for the device, free the command buffer, the weights and the kernels' buffers and pipelines
+        (safe after a failed construction and twice)."""
         if self.dev._dev is None:
             return
-        self.K.free(self.rec)
+        from coli.vulkan.device import lib
+
+        lib.vkDeviceWaitIdle(self.dev._dev)   # a timed-out or interrupted submit may still run: nothing freed under it
+        if self.rec is not None:
+            self.K.free(self.rec)
+            self.rec = None
         for t in self._tensors:
             self.dev._drop(t)
         self._tensors = []
+        self._cache = None
+        if self.K is not None:
+            self.K.close()
+            if getattr(self.dev, "_layer_kernels", None) is self.K:
+                self.dev._layer_kernels = None

@@ -99,13 +99,68 @@ def test_plan_counts_budget_and_request(engines, tiny):
 
     cpu, _ = engines
     m = cpu.model
-    per = layer_split.layer_bytes(m, 3, 64)
-    assert layer_split.plan(m, 10 * per, 64) == (0, "every layer")
-    first, why = layer_split.plan(m, int(2.5 * per), 64)
+    per, fixed = layer_split.layer_bytes(m, 3, 64), layer_split.fixed_bytes(m, 64)
+    assert fixed >= m.t["output.weight"].nbytes
+    assert layer_split.plan(m, fixed + 10 * per, 64) == (0, "every layer")
+    first, why = layer_split.plan(m, fixed + int(2.5 * per), 64)
     assert first == 2 and "budget" in why
-    first, why = layer_split.plan(m, 10 * per, 64, want=1)
+    first, why = layer_split.plan(m, fixed + 10 * per, 64, want=1)
     assert first == 3 and "COLI_VK_LAYERS" in why
     assert layer_split.why_not(m, 0) is None
+
+
+def test_a_cache_smaller_than_the_context(tiny):
+    """The engine's own generate makes a cache of the prompt + tokens, smaller than its context: the prompt's K/V
+    rows go to the device at its stride (a fresh engine: no rows left from an earlier run)."""
+    cpu, dev = _engine(tiny), _engine(tiny, layers=2)
+    try:
+        m, cm = dev.model, cpu.model
+        c, cc = m.new_cache(12, 64), cm.new_cache(12, 64)
+        got = [m.forward(IDS[:6], c)[-1]] + [m.forward([x], c)[-1] for x in IDS[6:12]]
+        ref = [cm.forward(IDS[:6], cc)[-1]] + [cm.forward([x], cc)[-1] for x in IDS[6:12]]
+        assert m.device_layers.tokens == 6
+        assert rel_err(np.array(got), np.array(ref)) < 1e-4
+        r_dev = dev.generate(ids=IDS[:5], max_tokens=6, temp=0.0, stop_at_eos=False)
+        r_cpu = cpu.generate(ids=IDS[:5], max_tokens=6, temp=0.0, stop_at_eos=False)
+        assert list(r_dev.ids) == list(r_cpu.ids)
+    finally:
+        cpu.close()
+        dev.close()
+
+
+def test_routing_history_counts_the_device_layers(engines):
+    """The device's routes are read back into the routing history (the tier's warm start ranks by it)."""
+    _, dev = engines
+    u = dev.model.step.usage
+    before = u.counts.copy()
+    _decode(dev, IDS[:6], 3)
+    grew = u.counts.sum(axis=1) - before.sum(axis=1)
+    k = dev.model.device_layers.k
+    assert (grew == 6 * k).all(), grew        # 3 prompt rows on the CPU + 3 decode rows on the device, every layer
+
+
+def test_construction_failure_falls_back(tiny, monkeypatch):
+    """A device layer set that fails to load (out of device memory) leaves nothing behind and the tier runs."""
+    from coli.vulkan import VulkanError
+    from scheduler import layer_split
+
+    calls = []
+    real = layer_split.DeviceLayers._upload_layer
+
+    def fail_late(self, il, ctx):
+        calls.append(il)
+        if len(calls) == 2:
+            raise VulkanError("vkAllocateMemory: out of device memory (simulated)")
+        return real(self, il, ctx)
+
+    monkeypatch.setattr(layer_split.DeviceLayers, "_upload_layer", fail_late)
+    e = _engine(tiny, layers=2)
+    try:
+        assert e.device_layers is None and e.model.device_layers is None and e.tier is not None
+        assert e.device._alloc.used_bytes == sum(h.nbytes for h in e.device._handles.values())
+        assert getattr(e.device, "_layer_kernels", None) is None
+    finally:
+        e.close()
 
 
 def test_dense_layers_refused(model_path):
@@ -142,3 +197,29 @@ def test_device_failure_hands_layers_back(tiny, monkeypatch):
     finally:
         cpu.close()
         dev.close()
+
+
+@pytest.mark.parametrize("family", ["mixtral", "olmoe", "qwen3moe"])
+def test_families_against_hf(family):
+    """Every layer and the head on the device (q/k norms per head for Qwen3-MoE, over the projection for OLMoE,
+    NEOX rope there, NORM for Mixtral): each decode row's logits against HF transformers' (tests/fixtures/oracles,
+    docs/oracles.md) within the families' bound, the argmax equal."""
+    from tests.conftest import FIXTURES
+    from tests.oracle_check import rel
+
+    path = FIXTURES / "oracles" / f"{family}.gguf"
+    oracle = np.load(FIXTURES / "oracles" / f"{family}.npz")
+    e = _engine(path, layers=-1)
+    try:
+        dl = e.model.device_layers
+        assert dl is not None and dl.first == 0 and dl.head is not None
+        ids = oracle["ids"]
+        cache = e.model.new_cache(len(ids), len(ids))
+        got = [e.model.forward(ids[:1], cache)[-1]] + [e.model.forward([int(t)], cache)[-1] for t in ids[1:]]
+        got = np.array(got)
+        assert dl.tokens == len(ids)          # a one-row prompt is a decode row too
+        r = rel(got, oracle["logits"])
+        assert (r <= 1e-4).all(), r.max()
+        assert (got.argmax(1) == oracle["logits"].argmax(1)).all()
+    finally:
+        e.close()

@@ -1510,8 +1510,11 @@ class Device:
                 f"{'on' if self.int_dot else 'emulated'}")
 
     def report(self) -> str:
-        """``[VK] <label>: N matmuls on the GPU`` (the line each run ends with)."""
-        return f"[VK] {self.label}: {self.matmuls} matmuls on the GPU"
+        """``[VK] <label>: N matmuls on the GPU`` (the line each run ends with), and ``, M dispatches of the device
+        layers`` when they ran (coli/vulkan/layers.py)."""
+        s = f"[VK] {self.label}: {self.matmuls} matmuls on the GPU"
+        n = getattr(self, "layer_dispatches", 0)
+        return s + (f", {n} dispatches of the device layers" if n else "")
 
     def close(self) -> None:
         """Wait for the device and destroy every object; safe to call twice."""

@@ -108,17 +108,17 @@ class Kernels:
     """Pipelines of the whole-layer kernels on a ``coli.vulkan.device.Device``, buffers, recording, submits.
 
     Workgroup sizes: the format kernels use the device's GEMV workgroup (``dev.gemv_wg``, ``rows`` output rows
-    a workgroup: ``dev.gemv_rows``); the others 256 (``wg``). Errors: ``VulkanError`` from Vulkan calls,
+    a workgroup: ``COLI_VK_LAYER_ROWS`` of ``env``, the settings); the others 256 (``wg``). Errors: ``VulkanError`` from Vulkan calls,
     ``DeviceLost`` from a failed submit or wait."""
 
-    def __init__(self, dev, wg: int = 256):
+    def __init__(self, dev, wg: int = 256, env=None):
         self.dev = dev
         self.wg = int(wg)
         # output rows a format kernel's workgroup owns: 4 (a subgroup's row set; spare subgroups split the units),
         # so a 2048-row matrix gives 512 workgroups (COLI_VK_LAYER_ROWS)
         from coli.settings import get
 
-        self.rows = int(get("COLI_VK_LAYER_ROWS"))
+        self.rows = int(get("COLI_VK_LAYER_ROWS", env))
         self._pipes: dict = {}
         self._fence = None
         self._bufs: list = []
@@ -236,6 +236,12 @@ class Kernels:
         self._bufs.append(b)
         return b
 
+    def drop(self, b: Buffer) -> None:
+        """Destroy a buffer made by :meth:`buffer` (not while a submit that uses it runs)."""
+        b.destroy()
+        if b in self._bufs:
+            self._bufs.remove(b)
+
     def upload(self, dst: Buffer, data: np.ndarray, offset: int = 0) -> None:
         """Copy ``data``'s bytes into ``dst`` at ``offset``: directly when it is mapped, else through the device's
         staging buffer (synchronous)."""
@@ -335,6 +341,7 @@ class Kernels:
             dev._mark_lost(f"vkQueueSubmit returned {r}")
             raise DeviceLost(f"vkQueueSubmit returned {r}")
         dev.dispatches += rec.dispatches
+        dev.layer_dispatches = getattr(dev, "layer_dispatches", 0) + rec.dispatches
         self.submits += 1
         if wait:
             self.wait()
