@@ -12,7 +12,7 @@ rows it lacks is uploaded before the next decode token (``note_forward`` marks r
 
 Which layers: :func:`plan` (the device's budget: each layer's weights and its KV cache; ``COLI_VK_LAYERS``
 sets the count). Which layers qualify: :func:`why_not` (a pre-norm attention + MoE layer with the softmax top-k
-router, no shared expert, no sliding window; q/k norms per head (Qwen3-MoE) or over the projection (OLMoE) and
+router, no sliding window; q/k norms per head (Qwen3-MoE) or over the projection (OLMoE), Qwen2-MoE's shared expert and
 attention biases run here too). Activations are f32 on the device (the
 CPU's layers keep their own mode), so a run's tokens may differ from a CPU-only run's by summation order and
 rounding, as with the tier (docs/tier.md "Numerics").
@@ -35,11 +35,19 @@ def _formats():
     return S.FORMATS
 
 
+_SHEXP = ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
+
+
 def _layer_tensors(m, il: int) -> list[str]:
     p = f"blk.{il}."
-    return [p + n for n in ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
-                            "attn_output.weight", "ffn_norm.weight", "ffn_gate_inp.weight", "ffn_gate_exps.weight",
-                            "ffn_up_exps.weight", "ffn_down_exps.weight")]
+    names = [p + n for n in ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
+                             "attn_output.weight", "ffn_norm.weight", "ffn_gate_inp.weight", "ffn_gate_exps.weight",
+                             "ffn_up_exps.weight", "ffn_down_exps.weight")]
+    if p + _SHEXP[0] in m.t:     # Qwen2-MoE's shared expert and its gate
+        names += [p + n for n in _SHEXP]
+        if p + "ffn_gate_inp_shexp.weight" in m.t:
+            names.append(p + "ffn_gate_inp_shexp.weight")
+    return names
 
 
 def why_not(m, il: int) -> str | None:
@@ -54,8 +62,6 @@ def why_not(m, il: int) -> str | None:
         return "a layer without routed experts"
     if getattr(L.moe.route, "softmax_topk", None) is None:
         return "a router other than softmax top-k"
-    if L.moe.shared is not None:
-        return "a shared expert"
     a = L.attn
     if a.window:
         return "a sliding window"
@@ -72,6 +78,8 @@ def why_not(m, il: int) -> str | None:
         return "q, k and v of different types"
     if m.t[f"blk.{il}.ffn_gate_exps.weight"].type_name != m.t[f"blk.{il}.ffn_up_exps.weight"].type_name:
         return "ffn_gate_exps and ffn_up_exps of different types"
+    if L.moe.shared is not None and m.t[f"blk.{il}.{_SHEXP[0]}"].type_name != m.t[f"blk.{il}.{_SHEXP[1]}"].type_name:
+        return "ffn_gate_shexp and ffn_up_shexp of different types"
     if hasattr(m.g, "expert_source"):
         return "experts of a Hugging Face folder (read through its expert source, not as GGUF tensors)"
     E, k = m.args.n_experts, L.moe.route.softmax_topk[0]
@@ -95,7 +103,8 @@ def _shape_key(m, il: int) -> tuple:
     """What the device's buffers and dispatches take from one layer (they are sized from the first)."""
     a, t = m.layers[il].attn, m.t
     return (a.n_heads, a.n_kv, a.head_dim, a.n_rot, a.rope_kind, a.qk_norm, a.scale,
-            tuple(int(s) for s in t[f"blk.{il}.ffn_gate_exps.weight"].shape), m.layers[il].moe.route.softmax_topk)
+            tuple(int(s) for s in t[f"blk.{il}.ffn_gate_exps.weight"].shape), m.layers[il].moe.route.softmax_topk,
+            tuple(int(s) for s in t[f"blk.{il}.{_SHEXP[0]}"].shape) if f"blk.{il}.{_SHEXP[0]}" in t else None)
 
 
 def fixed_bytes(m, ctx: int) -> int:
@@ -181,7 +190,8 @@ class DeviceLayers:
         self.logits = K.buffer(4 * E, host=False)
         self.route = K.buffer(8 * k * len(self.layers), host=False)      # each layer's ids and weights
         self.routehost = K.buffer(8 * k * len(self.layers), host=True, readback=True)
-        self.hbuf = K.buffer(4 * k * F, host=False)
+        shF = [int(m.t[f"blk.{il}.{_SHEXP[0]}"].shape[0]) for il in self.layers if f"blk.{il}.{_SHEXP[0]}" in m.t]
+        self.hbuf = K.buffer(4 * max([k * F] + shF), host=False)
         self.scores = K.buffer(4 * nq * ctx, host=False)
         self.kvout = K.buffer(4 * 2 * nkv * hd * len(self.layers), host=False)
         # host side: the params (pos), the row in and out, the new K/V rows
@@ -248,6 +258,17 @@ class DeviceLayers:
         router = np.ascontiguousarray(L.moe.ffn_gate_inp, np.float32)
         d["router"] = self.dev._place("F32", router.view(np.uint8).reshape(-1), router.shape)
         self._tensors.append(d["router"])
+        if p + _SHEXP[0] in t:    # the shared expert: a one-expert table, its route weight sigmoid(x . gate) or 1
+            ts = [self._place(t[p + n]) for n in _SHEXP]
+            d["sh_tab"] = self._const(np.array([[x.addr for x in ts]], np.uint64))
+            d["sh_F"] = int(t[p + _SHEXP[0]].shape[0])
+            d["sh_types"] = (t[p + _SHEXP[0]].type_name, t[p + _SHEXP[2]].type_name)
+            d["sh_route"] = self._const(np.array([0, np.float32(1.0).view(np.uint32)], np.uint32))
+            gi = m.wt.f32(p + "ffn_gate_inp_shexp.weight", False)
+            if gi is not None:
+                gi = np.ascontiguousarray(gi, np.float32).reshape(1, -1)
+                d["sh_gate"] = self.dev._place("F32", gi.view(np.uint8).reshape(-1), gi.shape)
+                self._tensors.append(d["sh_gate"])
         tab = np.zeros((self.E, 3), np.uint64)
         for j, n in enumerate(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")):
             ti = t[p + n + ".weight"]
@@ -307,6 +328,15 @@ class DeviceLayers:
                 Dispatch("lmoe", (-(-D // R),), [d["tab"].addr, rt, self.hbuf.addr, self.hs.addr],
                          [D, F, k], type_name=et[1], mode=0),
             ]
+            if "sh_tab" in d:    # Qwen2-MoE: the shared expert after the routed ones (xn is still the FFN input)
+                sF, sr = d["sh_F"], d["sh_route"].addr
+                if "sh_gate" in d:
+                    ops.append(Dispatch("lmv", (1,), [d["sh_gate"].addr, self.xn.addr, sr + 4], [1, D, 4],
+                                        type_name="F32"))
+                ops += [Dispatch("lmoe", (-(-sF // R), 1), [d["sh_tab"].addr, sr, self.xn.addr, self.hbuf.addr],
+                                 [sF, D, 1], type_name=d["sh_types"][0], mode=1),
+                        Dispatch("lmoe", (-(-D // R),), [d["sh_tab"].addr, sr, self.hbuf.addr, self.hs.addr],
+                                 [D, sF, 1], type_name=d["sh_types"][1], mode=0)]
         if self.head is not None:
             V = self.vocab
             ops += [Dispatch("rmsnorm", (1,), [self.hs.addr, self.head["norm"].addr, self.xn.addr], [D, eps]),

@@ -3,7 +3,8 @@
 // (coli/vulkan/layers.py; docs/vulkan.md "Device layers"). Compiled once per GGUF type (-DFMT_<NAME>).
 //   a0 W: address of weight row 0 (row o at a0 + o * ROW_BYTES(I)); a1 x f32 [I] (16-byte aligned);
 //   a2 y f32 [O]; a3 bias f32 [O]
-//   u0 O, u1 I (a multiple of 32), u2 flags: bit 0 accumulate (y[o] += r, else y[o] = r), bit 1 add bias
+//   u0 O, u1 I (a multiple of 32), u2 flags: bit 0 accumulate (y[o] += r, else y[o] = r), bit 1 add bias,
+//   bit 2 write sigmoid(r) (after the bias; not with bit 0: Qwen2-MoE's shared-expert gate)
 //   groups: (ceil(O / ROWS), 1, 1); y[o] = (W[o, :] . x) (+ bias[o]) (+ old y[o])
 // Work layout (the same in lmoe.comp): a workgroup owns ROWS output rows, in sets of RPC = min(ROWS, RPS)
 // rows. A subgroup carries a set at once: its lanes stride over the 32-weight units, each lane reads its x
@@ -84,6 +85,7 @@ void main() {
                     uint o = ob + i;
                     float r = acc[i];
                     if ((flags & 2u) != 0u) r += F32(pc.a[3]).v[o];
+                    if ((flags & 4u) != 0u) r = 1.0 / (1.0 + exp(-r));
                     if ((flags & 1u) != 0u) r += Y.v[o];
                     Y.v[o] = r;
                 }

@@ -199,10 +199,10 @@ def test_device_failure_hands_layers_back(tiny, monkeypatch):
         dev.close()
 
 
-@pytest.mark.parametrize("family", ["mixtral", "olmoe", "qwen3moe"])
+@pytest.mark.parametrize("family", ["mixtral", "olmoe", "qwen3moe", "qwen2moe"])
 def test_families_against_hf(family):
     """Every layer and the head on the device (q/k norms per head for Qwen3-MoE, over the projection for OLMoE,
-    NEOX rope there, NORM for Mixtral): each decode row's logits against HF transformers' (tests/fixtures/oracles,
+    NEOX rope there, NORM for Mixtral; Qwen2-MoE's q/k/v biases and sigmoid-gated shared expert): each decode row's logits against HF transformers' (tests/fixtures/oracles,
     docs/oracles.md) within the families' bound, the argmax equal."""
     from tests.conftest import FIXTURES
     from tests.oracle_check import rel
