@@ -103,6 +103,9 @@ def _open_engine(a, quiet=False, save_usage=True):
         device = "vulkan"   # --gpu-layers N (or COLI_VK_LAYERS=N) opens the device, as the tier's flags do
     if a.gpu_layers and device == "cpu":
         raise ColiError("--gpu-layers needs the device: drop --device cpu")
+    if a.gpu_layers and tier_flags:
+        raise ColiError(f"--gpu-layers and {tier_flags[0]}: {tier_flags[0]} is the expert tier's; device layers run "
+                        "without it (drop one)")
     env = settings.overlay(None, COLI_VK_DEV=index, COLI_VK_TIER_GB=a.tier_gb, COLI_VK_LAYERS=a.gpu_layers,
                            COLI_VK_TIER_SYNC=True if a.reproducible else None)
     model = resolve_model(a.model, quiet=quiet)

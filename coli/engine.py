@@ -349,8 +349,12 @@ class Engine:
         if device not in (None, "cpu"):
             if self.step is None and device == "vulkan":   # nothing for the tier to hold: no device opened
                 if not self.silent:
-                    print(f"[VK] {self.path.name}: a dense model (no routed experts): the Vulkan tier holds experts "
-                          f"only, so this run is on the CPU (docs/tier.md)", file=sys.stderr)
+                    from coli import settings as _settings
+
+                    what = ("device layers (--gpu-layers) run MoE decoder layers only" if _settings.get("COLI_VK_LAYERS", self.env)
+                            else "the Vulkan tier holds experts only")
+                    print(f"[VK] {self.path.name}: a dense model (no routed experts): {what}, so this run is on the "
+                          f"CPU (docs/tier.md, docs/vulkan.md)", file=sys.stderr)
             else:
                 self._setup_device(device, balance)
         self.last_stats: dict = {}
@@ -484,10 +488,13 @@ class Engine:
     def activations(self) -> str:
         """Which activations each side's matmuls use, for the start line: ``"activations: CPU int8"`` alone,
         ``"activations: CPU int8, device int8"`` with the device tier (the device rounds its activations as the
-        CPU does, so a placement changes only the summation order: docs/vulkan.md "int8 activations")."""
+        CPU does, so a placement changes only the summation order: docs/vulkan.md "int8 activations"), ``", device
+        layers f32"`` with device layers (docs/vulkan.md "Device layers")."""
         s = f"activations: CPU {self.cpu_act}"
         if self.tier is not None:
             s += f", device {getattr(self.device, 'act', self.cpu_act)}"
+        if self.device_layers is not None:
+            s += ", device layers f32"
         return s
 
     # -- text --------------------------------------------------------------------------------------------

@@ -421,7 +421,8 @@ class DeviceLayers:
 
     def describe(self) -> str:
         n = len(self.layers)
-        return (f"layers {self.first}-{self.first + n - 1} of {len(self.m.layers)}{' and the head' if self.head else ''} on the device "
+        which = f"layer {self.first}" if n == 1 else f"layers {self.first}-{self.first + n - 1}"
+        return (f"{which} of {len(self.m.layers)}{' and the head' if self.head else ''} on the device "
                 f"({self.weight_bytes / 2**30:.2f} GiB of weights, KV cache {self.ctx} positions), one submit a "
                 f"decode token")
 
