@@ -148,9 +148,11 @@ class DeviceLayers:
     ``__call__(h, cache, pos0)``: h f32 [1, D] (the output of layer ``first - 1``) -> ``(h, logits)``: the output
     of the last layer f32 [1, D] and, when the head runs here too (``head``: the output norm and ``output``
     when its format has a kernel), the logits f32 [1, vocab], else None; the new K/V rows are written into
-    ``cache``. ``note_forward(cache, pos0)``: a forward
-    starts at ``pos0`` (rows from there are rewritten). Raises ``coli.vulkan.DeviceLost`` when the device fails
-    (the caller runs the layers on the CPU and stops using this). ``tokens``: decode tokens run here; ``submit_s``: seconds of their submits and waits."""
+    ``cache`` and the routes into the routing history. ``note_forward(cache, pos0)``: a forward starts at ``pos0``
+    (rows from there are rewritten). Raises ``coli.vulkan.DeviceLost`` when the device fails (the caller runs the
+    layers on the CPU and stops using this), ``ColiError`` for a cache longer than ``ctx``. Construction raises
+    ``VulkanError`` / ``MemoryError`` (out of device memory) after freeing what it placed. ``tokens``: decode tokens
+    run here; ``submit_s``: seconds of their submits and waits."""
 
     def __init__(self, m, dev, first: int, ctx: int, head: bool = True, env=None):
         from coli.vulkan.layers import Kernels
