@@ -152,7 +152,7 @@ class DeviceLayers:
     (rows from there are rewritten). Raises ``coli.vulkan.DeviceLost`` when the device fails (the caller runs the
     layers on the CPU and stops using this), ``ColiError`` for a cache longer than ``ctx``. Construction raises
     ``VulkanError`` / ``MemoryError`` (out of device memory) after freeing what it placed. ``tokens``: decode tokens
-    run here; ``submit_s``: seconds of their submits and waits."""
+    run here; ``submit_s``: seconds of their submits and waits; ``gpu_s``: of those, the device's own (timestamps)."""
 
     def __init__(self, m, dev, first: int, ctx: int, head: bool = True, env=None):
         from coli.vulkan.layers import Kernels
@@ -180,6 +180,7 @@ class DeviceLayers:
         self.layers = list(range(first, len(m.layers)))
         self.tokens = 0
         self.submit_s = 0.0     # seconds in the submits and their fence waits (the device's time, seen by the host)
+        self.gpu_s = 0.0        # seconds between the command buffer's first and last timestamps (0: none)
         self.weight_bytes = 0
         nq, nkv, hd, D, E, k, F = self.nq, self.nkv, self.hd, self.D, self.E, self.k, self.F
         self.nqkv = (nq + 2 * nkv) * hd
@@ -218,7 +219,7 @@ class DeviceLayers:
         self._cache = None      # weakref of the Cache whose rows the device holds
         self._stage = None      # the staging buffer of _sync
         self._valid = 0         # positions 0 .. _valid - 1 of it are on the device
-        self.rec = K.record(self._ops())
+        self.rec = K.record(self._ops(), timestamps=True)
 
     # -- set-up -------------------------------------------------------------------------------------------
     def _const(self, arr: np.ndarray):
@@ -404,6 +405,9 @@ class DeviceLayers:
         t0 = time.perf_counter()
         self.K.submit(self.rec)
         self.submit_s += time.perf_counter() - t0
+        g = self.K.gpu_ms(self.rec)
+        if g is not None:
+            self.gpu_s += g / 1e3
         out = self.hout.f32(D).reshape(1, D).copy()
         kvn = self.nkv * self.hd
         new = self.kvhost.f32(2 * kvn * len(self.per)).reshape(len(self.per), 2, self.nkv, self.hd)

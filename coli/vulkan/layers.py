@@ -27,8 +27,10 @@ from .device import (
     _MEM_HOST_CACHED,
     _MEM_HOST_COHERENT,
     _MEM_HOST_VISIBLE,
+    _PSTAGE_BOTTOM,
     _PSTAGE_COMPUTE,
     _PSTAGE_HOST,
+    _PSTAGE_TOP,
     _PSTAGE_TRANSFER,
     _STAGE_COMPUTE,
     _USAGE_ADDRESS,
@@ -98,10 +100,12 @@ class Buffer(_Buf):
 
 @dataclass
 class Recorded:
-    """A recorded command buffer (``arr``: ``VkCommandBuffer[1]``) and the dispatches it holds."""
+    """A recorded command buffer (``arr``: ``VkCommandBuffer[1]``), the dispatches it holds and, where the device has
+    timestamps, the query pool of its first and last timestamp (``Kernels.gpu_ms``)."""
 
     arr: object
     dispatches: int
+    qpool: object = None
 
 
 class Kernels:
@@ -254,10 +258,11 @@ class Kernels:
         self.dev._staged_copy(flat, dst.buffer)
 
     # -- recording and submits --------------------------------------------------------------------------
-    def record(self, ops: list):
+    def record(self, ops: list, timestamps: bool = False):
         """A :class:`Recorded` command buffer holding ``ops`` (:class:`Dispatch` / :class:`Copy`) in
         order, a memory barrier before each op whose ``wait`` is set, and one at the end that makes the writes
-        visible to the host. It may be submitted any number of times (:meth:`submit`)."""
+        visible to the host. It may be submitted any number of times (:meth:`submit`). ``timestamps``: a timestamp
+        before the first op and after the last (:meth:`gpu_ms`), where the device has them."""
         dev = self.dev
         cai = _s("VkCommandBufferAllocateInfo")
         cai.sType = vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO
@@ -271,6 +276,17 @@ class Kernels:
         bi = _s("VkCommandBufferBeginInfo")
         bi.sType = vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO
         _chk(lib.vkBeginCommandBuffer(cb, bi), "vkBeginCommandBuffer")
+        qpool = None
+        if timestamps and dev.timestamps:
+            qci = _s("VkQueryPoolCreateInfo")
+            qci.sType = vk.VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO
+            qci.queryType = vk.VK_QUERY_TYPE_TIMESTAMP
+            qci.queryCount = 2
+            pq = ffi.new("VkQueryPool*")
+            _chk(lib.vkCreateQueryPool(dev._dev, qci, ffi.NULL, pq), "vkCreateQueryPool")
+            qpool = pq[0]
+            lib.vkCmdResetQueryPool(cb, qpool, 0, 2)
+            lib.vkCmdWriteTimestamp(cb, _PSTAGE_TOP, qpool, 0)
         mb = _s("VkMemoryBarrier")
         mb.sType = vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER
         # whatever the host wrote before the submit is visible to it (the submit's own guarantee); the barriers
@@ -314,14 +330,31 @@ class Kernels:
         mb.srcAccessMask, mb.dstAccessMask = _ACC_SHADER_WRITE | _ACC_XFER_WRITE, _ACC_HOST_READ
         lib.vkCmdPipelineBarrier(cb, _PSTAGE_COMPUTE | _PSTAGE_TRANSFER, _PSTAGE_HOST, 0, 1, mb, 0, ffi.NULL, 0,
                                  ffi.NULL)
+        if qpool is not None:
+            lib.vkCmdWriteTimestamp(cb, _PSTAGE_BOTTOM, qpool, 1)
         _chk(lib.vkEndCommandBuffer(cb), "vkEndCommandBuffer")
-        return Recorded(arr, n_dispatch)
+        return Recorded(arr, n_dispatch, qpool)
+
+    def gpu_ms(self, rec: Recorded) -> float | None:
+        """Milliseconds between the first and the last timestamp of ``rec``'s last run (after its wait), or None
+        without timestamps."""
+        if rec.qpool is None:
+            return None
+        dev = self.dev
+        data = ffi.new("uint64_t[2]")
+        if lib.vkGetQueryPoolResults(dev._dev, rec.qpool, 0, 2, 16, data, 8, vk.VK_QUERY_RESULT_64_BIT) != 0:
+            return None
+        mask = (1 << dev.timestamp_bits) - 1 if dev.timestamp_bits < 64 else (1 << 64) - 1
+        return ((int(data[1]) - int(data[0])) & mask) * dev.timestamp_period / 1e6
 
     def free(self, rec: Recorded) -> None:
-        """Free a command buffer made by :meth:`record` (not while it runs)."""
+        """Free a command buffer made by :meth:`record` and its query pool (not while it runs)."""
         if self.dev._dev is not None and rec.arr is not None:
             lib.vkFreeCommandBuffers(self.dev._dev, self.dev._cmd_pool, 1, rec.arr)
             rec.arr = None
+        if self.dev._dev is not None and rec.qpool is not None:
+            lib.vkDestroyQueryPool(self.dev._dev, rec.qpool, ffi.NULL)
+            rec.qpool = None
 
     def submit(self, rec: Recorded, wait: bool = True) -> None:
         """Submit a recorded command buffer; with ``wait``, return when it has run (:meth:`wait`)."""
