@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.vk_util import rel_err, requires_vulkan
+from tests.vk_util import open_test_device, rel_err, requires_vulkan
 
 pytestmark = requires_vulkan
 TOL = 1e-5
@@ -16,10 +16,7 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def dev():
-    from coli.vulkan import open_device
-    d = open_device("test", budget_bytes=1 << 30, quiet=True)
-    if d is None:
-        pytest.fail("libvulkan.so.1 is present but no device opened (see the [VK] line above)")
+    d = open_test_device()
     yield d
     d.close()
 
@@ -160,40 +157,38 @@ def _attn_ref(q, K, V, pos, scale):
     return out
 
 
+def _check_attn(kern, q, K, V, pos):
+    """attn_dec of q [NQ, hd] over K, V [NKV, CTX, hd] at ``pos`` against the float64 reference."""
+    from coli.vulkan.layers import f32_bits
+    hd = q.shape[1]
+    scale = 1.0 / np.sqrt(hd)
+    ref = _attn_ref(q, K, V, pos, scale)
+    bq, bk, bv = _buf(kern, q), _buf(kern, K), _buf(kern, V)
+    bpar = _buf(kern, np.array([pos, 0, 0, 0], np.uint32))
+    bo, bs = kern.buffer(q.nbytes), kern.buffer(NQ * CTX * 4)
+    _run(kern, "attn_dec", (NQ, 1, 1), [bq, bk, bv, bpar, bo, bs], [NQ, NKV, hd, CTX, f32_bits(scale)])
+    got = bo.f32(NQ * hd).reshape(NQ, hd)
+    assert rel_err(got, ref) <= TOL, rel_err(got, ref)
+
+
 # 256: more vec4 columns than a workgroup of 32 has invocations; 70: the scalar path (hd % 4 != 0)
 @pytest.mark.parametrize("hd,pos", [(hd, pos) for hd in (64, 128) for pos in (0, 5, 700, CTX - 1)]
                          + [(hd, pos) for hd in (256, 70) for pos in (0, 700)])
 def test_attn_dec(kern, hd, pos):
-    from coli.vulkan.layers import f32_bits
     rng = np.random.default_rng(hd * 1000 + pos)
     q = rng.standard_normal((NQ, hd)).astype(np.float32)
     K = rng.standard_normal((NKV, CTX, hd)).astype(np.float32)
     V = rng.standard_normal((NKV, CTX, hd)).astype(np.float32)
     K[:, pos + 1:] = 1e30              # rows past pos must not count
     V[:, pos + 1:] = np.nan
-    scale = 1.0 / np.sqrt(hd)
-    ref = _attn_ref(q, K, V, pos, scale)
-    bq, bk, bv = _buf(kern, q), _buf(kern, K), _buf(kern, V)
-    bpar = _buf(kern, np.array([pos, 0, 0, 0], np.uint32))
-    bo, bs = kern.buffer(q.nbytes), kern.buffer(NQ * CTX * 4)
-    _run(kern, "attn_dec", (NQ, 1, 1), [bq, bk, bv, bpar, bo, bs], [NQ, NKV, hd, CTX, f32_bits(scale)])
-    got = bo.f32(NQ * hd).reshape(NQ, hd)
-    assert rel_err(got, ref) <= TOL, rel_err(got, ref)
+    _check_attn(kern, q, K, V, pos)
 
 
 def test_attn_dec_sharp(kern):
     """Scores far apart (large q): the softmax is nearly one-hot and exp's range is exercised."""
-    from coli.vulkan.layers import f32_bits
     hd, pos = 128, 300
     rng = np.random.default_rng(5)
     q = (rng.standard_normal((NQ, hd)) * 4).astype(np.float32)
     K = rng.standard_normal((NKV, CTX, hd)).astype(np.float32)
     V = rng.standard_normal((NKV, CTX, hd)).astype(np.float32)
-    scale = 1.0 / np.sqrt(hd)
-    ref = _attn_ref(q, K, V, pos, scale)
-    bq, bk, bv = _buf(kern, q), _buf(kern, K), _buf(kern, V)
-    bpar = _buf(kern, np.array([pos, 0, 0, 0], np.uint32))
-    bo, bs = kern.buffer(q.nbytes), kern.buffer(NQ * CTX * 4)
-    _run(kern, "attn_dec", (NQ, 1, 1), [bq, bk, bv, bpar, bo, bs], [NQ, NKV, hd, CTX, f32_bits(scale)])
-    got = bo.f32(NQ * hd).reshape(NQ, hd)
-    assert rel_err(got, ref) <= TOL, rel_err(got, ref)
+    _check_attn(kern, q, K, V, pos)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.vk_util import make_weight, rel_err, requires_vulkan
+from tests.vk_util import make_weight, open_test_device, rel_err, requires_vulkan
 
 pytestmark = requires_vulkan
 TOL = 1e-5
@@ -15,12 +15,9 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def kern():
-    from coli.vulkan import open_device
     from coli.vulkan.layers import Kernels
 
-    d = open_device("test", budget_bytes=1 << 28, quiet=True)
-    if d is None:
-        pytest.fail("libvulkan.so.1 is present but no device opened (see the [VK] line above)")
+    d = open_test_device(1 << 28)
     yield Kernels(d)
     d.close()
 

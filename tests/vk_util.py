@@ -23,6 +23,17 @@ HAVE_LOADER = _have_loader()
 requires_vulkan = pytest.mark.skipif(not HAVE_LOADER, reason="libvulkan.so.1 not found "
                                      "(apt install libvulkan1 mesa-vulkan-drivers to run the Vulkan tests)")
 
+def open_test_device(budget_bytes: int = 1 << 30):
+    """A Vulkan device for a test module's fixture (close it after); a test failure, not a skip, when the loader is
+    there and no device opens."""
+    from coli.vulkan import open_device
+
+    d = open_device("test", budget_bytes=budget_bytes, quiet=True)
+    if d is None:
+        pytest.fail("libvulkan.so.1 is present but no device opened (see the [VK] line above)")
+    return d
+
+
 def block_elems(type_name: str) -> int:
     """Weights per block of the type, at least 32 (the device's unit)."""
     return max(32, TT.get(type_name).block_size)

@@ -147,6 +147,42 @@ def _round_rows_int8(x: np.ndarray) -> np.ndarray:
     return (q.astype(np.float32).reshape(R, D // 32, 32) * d[:, :, None]).reshape(R, D)
 
 
+def storage_set_layout(d, bindings) -> object:
+    """A descriptor set layout of one storage buffer at each of ``bindings`` (compute stage) on device ``d``."""
+    bindings = list(bindings)
+    b = ffi.new("VkDescriptorSetLayoutBinding[]", len(bindings))
+    for j, n in enumerate(bindings):
+        b[j].binding = n
+        b[j].descriptorType = vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER
+        b[j].descriptorCount = 1
+        b[j].stageFlags = _STAGE_COMPUTE
+    lci = _s("VkDescriptorSetLayoutCreateInfo")
+    lci.sType = vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_LAYOUT_CREATE_INFO
+    lci.bindingCount = len(bindings)
+    lci.pBindings = b
+    p = ffi.new("VkDescriptorSetLayout*")
+    _chk(lib.vkCreateDescriptorSetLayout(d, lci, ffi.NULL, p), "vkCreateDescriptorSetLayout")
+    return p[0]
+
+
+def push_constant_layout(d, dsl, pc_bytes: int) -> object:
+    """A pipeline layout of the one set layout ``dsl`` and ``pc_bytes`` of push constants (compute stage)."""
+    pcr = _s("VkPushConstantRange")
+    pcr.stageFlags = _STAGE_COMPUTE
+    pcr.offset = 0
+    pcr.size = pc_bytes
+    plci = _s("VkPipelineLayoutCreateInfo")
+    plci.sType = vk.VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO
+    arr = ffi.new("VkDescriptorSetLayout[1]", [dsl])
+    plci.setLayoutCount = 1
+    plci.pSetLayouts = arr
+    plci.pushConstantRangeCount = 1
+    plci.pPushConstantRanges = pcr
+    pl = ffi.new("VkPipelineLayout*")
+    _chk(lib.vkCreatePipelineLayout(d, plci, ffi.NULL, pl), "vkCreatePipelineLayout")
+    return pl[0]
+
+
 class _Tensor:
     __slots__ = ("type_name", "O", "I", "alloc", "buffer", "addr", "nbytes")
 
@@ -754,33 +790,8 @@ class Device:
 
     def _make_layouts(self):
         d = self._dev
-        b = ffi.new("VkDescriptorSetLayoutBinding[7]")
-        for j in range(7):
-            b[j].binding = j
-            b[j].descriptorType = vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER
-            b[j].descriptorCount = 1
-            b[j].stageFlags = _STAGE_COMPUTE
-        lci = _s("VkDescriptorSetLayoutCreateInfo")
-        lci.sType = vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_LAYOUT_CREATE_INFO
-        lci.bindingCount = 7
-        lci.pBindings = b
-        p = ffi.new("VkDescriptorSetLayout*")
-        _chk(lib.vkCreateDescriptorSetLayout(d, lci, ffi.NULL, p), "vkCreateDescriptorSetLayout")
-        self._dsl = p[0]
-        pcr = _s("VkPushConstantRange")
-        pcr.stageFlags = _STAGE_COMPUTE
-        pcr.offset = 0
-        pcr.size = 4 * _PC_WORDS
-        plci = _s("VkPipelineLayoutCreateInfo")
-        plci.sType = vk.VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO
-        dsl = ffi.new("VkDescriptorSetLayout[1]", [self._dsl])
-        plci.setLayoutCount = 1
-        plci.pSetLayouts = dsl
-        plci.pushConstantRangeCount = 1
-        plci.pPushConstantRanges = pcr
-        pl = ffi.new("VkPipelineLayout*")
-        _chk(lib.vkCreatePipelineLayout(d, plci, ffi.NULL, pl), "vkCreatePipelineLayout")
-        self._layout = pl[0]
+        self._dsl = storage_set_layout(d, range(7))
+        self._layout = push_constant_layout(d, self._dsl, 4 * _PC_WORDS)
         ps = ffi.new("VkDescriptorPoolSize[1]")
         ps[0].type = vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER
         ps[0].descriptorCount = 7 * 2 * 64
@@ -820,6 +831,15 @@ class Device:
         else:
             vals = [mode]
             ids = [2]
+        pipe = self.compute_pipeline(self._modules[(kernel, type_name)], self._layout, vals, ids,
+                                     self.gemv_wg if kernel.startswith("gemv") else None, f"{kernel}_{type_name}")
+        self._pipes[key] = pipe
+        return pipe
+
+    def compute_pipeline(self, module, layout, vals, ids, pin_wg: int | None, what: str):
+        """A compute pipeline of ``module`` (entry ``main``) with specialization constants ``ids`` = ``vals`` (uint32)
+        on ``layout``; with ``pin_wg`` (its workgroup size) the device's subgroup size is required where it can be
+        pinned, and full subgroups where the size divides it. ``what`` names it in a VulkanError."""
         data = ffi.new("uint32_t[]", vals)
         ents = ffi.new("VkSpecializationMapEntry[]", len(vals))
         for j, cid in enumerate(ids):
@@ -836,21 +856,20 @@ class Device:
         cpi.sType = vk.VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO
         cpi.stage.sType = vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_CREATE_INFO
         cpi.stage.stage = _STAGE_COMPUTE
-        cpi.stage.module = self._modules[(kernel, type_name)]
+        cpi.stage.module = module
         cpi.stage.pName = name
         cpi.stage.pSpecializationInfo = si
         rss = _s("VkPipelineShaderStageRequiredSubgroupSizeCreateInfo")
-        if kernel.startswith("gemv") and self.subgroup_pinned:
+        if pin_wg is not None and self.subgroup_pinned:
             rss.sType = vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_REQUIRED_SUBGROUP_SIZE_CREATE_INFO
             rss.requiredSubgroupSize = self.subgroup_size
             cpi.stage.pNext = rss
-            if self._full_sg and self.gemv_wg % self.subgroup_size == 0:
+            if self._full_sg and pin_wg % self.subgroup_size == 0:
                 cpi.stage.flags = _FULL_SUBGROUPS
-        cpi.layout = self._layout
+        cpi.layout = layout
         pp = ffi.new("VkPipeline*")
         _chk(lib.vkCreateComputePipelines(self._dev, ffi.NULL, 1, cpi, ffi.NULL, pp),
-             f"vkCreateComputePipelines({kernel}_{type_name})")
-        self._pipes[key] = pp[0]
+             f"vkCreateComputePipelines({what})")
         return pp[0]
 
     # -- memory ------------------------------------------------------------------------------------

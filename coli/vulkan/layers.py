@@ -22,7 +22,6 @@ from .device import (
     _ACC_SHADER_READ,
     _ACC_SHADER_WRITE,
     _ACC_XFER_WRITE,
-    _FULL_SUBGROUPS,
     _MEM_DEVICE_LOCAL,
     _MEM_HOST_CACHED,
     _MEM_HOST_COHERENT,
@@ -42,6 +41,8 @@ from .device import (
     _s,
     ffi,
     lib,
+    push_constant_layout,
+    storage_set_layout,
     vk,
 )
 from .errors import DeviceLost, VulkanError
@@ -128,32 +129,9 @@ class Kernels:
         self._bufs: list = []
         self.submits = 0   # submits of recorded command buffers
         d = dev._dev
-        b = ffi.new("VkDescriptorSetLayoutBinding[1]")
-        b[0].binding = 6
-        b[0].descriptorType = vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER
-        b[0].descriptorCount = 1
-        b[0].stageFlags = _STAGE_COMPUTE
-        lci = _s("VkDescriptorSetLayoutCreateInfo")
-        lci.sType = vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_LAYOUT_CREATE_INFO
-        lci.bindingCount = 1
-        lci.pBindings = b
-        p = ffi.new("VkDescriptorSetLayout*")
-        _chk(lib.vkCreateDescriptorSetLayout(d, lci, ffi.NULL, p), "vkCreateDescriptorSetLayout")
-        self._dsl = p[0]
-        pcr = _s("VkPushConstantRange")
-        pcr.stageFlags = _STAGE_COMPUTE
-        pcr.offset = 0
-        pcr.size = _PC_BYTES
-        plci = _s("VkPipelineLayoutCreateInfo")
-        plci.sType = vk.VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO
+        self._dsl = storage_set_layout(d, [6])
+        self.layout = push_constant_layout(d, self._dsl, _PC_BYTES)
         dsl = ffi.new("VkDescriptorSetLayout[1]", [self._dsl])
-        plci.setLayoutCount = 1
-        plci.pSetLayouts = dsl
-        plci.pushConstantRangeCount = 1
-        plci.pPushConstantRanges = pcr
-        pl = ffi.new("VkPipelineLayout*")
-        _chk(lib.vkCreatePipelineLayout(d, plci, ffi.NULL, pl), "vkCreatePipelineLayout")
-        self.layout = pl[0]
         # one descriptor set: the grid table at binding 6 (from the device's pool)
         sets = ffi.new("VkDescriptorSet[1]")
         dai = _s("VkDescriptorSetAllocateInfo")
@@ -190,39 +168,10 @@ class Kernels:
         if module is None:
             raise VulkanError(f"no shader module {kernel} for {type_name}" if fmt else f"no shader module {kernel}")
         vals = [dev.gemv_wg, self.rows, mode] if fmt else [self.wg]
-        data = ffi.new("uint32_t[]", vals)
-        ents = ffi.new("VkSpecializationMapEntry[]", len(vals))
-        for j in range(len(vals)):
-            ents[j].constantID = j
-            ents[j].offset = 4 * j
-            ents[j].size = 4
-        si = _s("VkSpecializationInfo")
-        si.mapEntryCount = len(vals)
-        si.pMapEntries = ents
-        si.dataSize = 4 * len(vals)
-        si.pData = data
-        name = ffi.new("char[]", b"main")
-        cpi = _s("VkComputePipelineCreateInfo")
-        cpi.sType = vk.VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO
-        cpi.stage.sType = vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_CREATE_INFO
-        cpi.stage.stage = _STAGE_COMPUTE
-        cpi.stage.module = module
-        cpi.stage.pName = name
-        cpi.stage.pSpecializationInfo = si
-        rss = _s("VkPipelineShaderStageRequiredSubgroupSizeCreateInfo")
-        wgs = vals[0]
-        if dev.subgroup_pinned:
-            rss.sType = vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_REQUIRED_SUBGROUP_SIZE_CREATE_INFO
-            rss.requiredSubgroupSize = dev.subgroup_size
-            cpi.stage.pNext = rss
-            if dev._full_sg and wgs % dev.subgroup_size == 0:
-                cpi.stage.flags = _FULL_SUBGROUPS
-        cpi.layout = self.layout
-        pp = ffi.new("VkPipeline*")
-        _chk(lib.vkCreateComputePipelines(dev._dev, ffi.NULL, 1, cpi, ffi.NULL, pp),
-             f"vkCreateComputePipelines({kernel}{'_' + type_name if fmt else ''})")
-        self._pipes[key] = pp[0]
-        return pp[0]
+        pipe = dev.compute_pipeline(module, self.layout, vals, list(range(len(vals))), vals[0],
+                                    f"{kernel}_{type_name}" if fmt else kernel)
+        self._pipes[key] = pipe
+        return pipe
 
     # -- buffers ----------------------------------------------------------------------------------------
     def buffer(self, nbytes: int, host: bool = True, readback: bool = False) -> Buffer:
