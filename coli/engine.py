@@ -349,9 +349,9 @@ class Engine:
         if device not in (None, "cpu"):
             if self.step is None and device == "vulkan":   # nothing for the tier to hold: no device opened
                 if not self.silent:
-                    from coli import settings as _settings
+                    from coli import settings
 
-                    what = ("device layers (--gpu-layers) run MoE decoder layers only" if _settings.get("COLI_VK_LAYERS", self.env)
+                    what = ("device layers (--gpu-layers) run MoE decoder layers only" if settings.get("COLI_VK_LAYERS", self.env)
                             else "the Vulkan tier holds experts only")
                     print(f"[VK] {self.path.name}: a dense model (no routed experts): {what}, so this run is on the "
                           f"CPU (docs/tier.md, docs/vulkan.md)", file=sys.stderr)

@@ -53,7 +53,6 @@ def _layer_tensors(m, il: int) -> list[str]:
 def why_not(m, il: int) -> str | None:
     """None when layer ``il`` of model ``m`` can run whole on the device, else why not (one phrase)."""
     from coli.models.llama import DecoderLayer
-    from coli.vulkan import shaders as S
 
     L = m.layers[il]
     if type(L) is not DecoderLayer:
@@ -69,7 +68,7 @@ def why_not(m, il: int) -> str | None:
         return "a rope or q/k norm without a device kernel"
     for n in _layer_tensors(m, il):
         ti = m.t[n]
-        if ti.type_name not in S.FORMATS:
+        if ti.type_name not in _formats():
             return f"tensor '{n}' is {ti.type_name} (no device kernel)"
         if int(ti.shape[-1]) % 32:
             return f"tensor '{n}' has {int(ti.shape[-1])} columns (not a multiple of 32)"
@@ -108,13 +107,18 @@ def _shape_key(m, il: int) -> tuple:
 
 
 def fixed_bytes(m, ctx: int) -> int:
-    """Device bytes besides the layers': the head (``output``, or the tied ``token_embd``, and the output norm),
-    the rope tables, the attention scores and the scratch rows (an upper bound)."""
+    """Device bytes besides the layers': the head (``output``, or the tied ``token_embd``, the output norm and its
+    logits), the rope tables, the attention scores and the scratch rows (``DeviceLayers``' buffers, rounded up)."""
     a = m.args
     out = m.t.get("output.weight", m.tok_embd)
-    scratch = 4 * (8 * a.d_model + 4 * a.n_heads * a.head_dim + a.n_heads * int(ctx) + int(ctx) * a.head_dim
-                   + 2 * a.vocab + 64 * 4096)
-    return int(out.nbytes) + 4 * a.d_model + scratch
+    n = len(m.layers)
+    F = max(int(m.t[f"blk.{il}.ffn_gate_exps.weight"].shape[1]) for il in m.moe_layers) if m.moe_layers else 0
+    Fs = max((int(m.t[f"blk.{il}.{_SHEXP[0]}"].shape[0]) for il in range(n) if f"blk.{il}.{_SHEXP[0]}" in m.t),
+             default=0)
+    rows = (8 * a.d_model + 4 * a.n_heads * a.head_dim        # hidden rows in and out, q/k/v, q, attention out
+            + a.n_heads * int(ctx) + int(ctx) * a.n_rot       # the scores, the rope tables
+            + 2 * a.vocab + a.n_experts + max(a.top_k * F, Fs) + 8 * n * (a.head_dim * a.n_kv_heads + a.top_k))
+    return int(out.nbytes) + 4 * rows + 256 * 32              # 256 bytes of rounding a buffer
 
 
 def plan(m, budget: int, ctx: int, want: int | None = None) -> tuple[int, str]:
@@ -227,13 +231,19 @@ class DeviceLayers:
         self.K.upload(b, arr)
         return b
 
-    def _place(self, ti, rows: slice | None = None, raw=None, shape=None):
+    def _place(self, ti, raw=None, shape=None, type_name=None):
+        """A weight on the device (``ti``'s GGUF bytes, or ``raw`` of ``shape`` and ``type_name``), freed at close."""
         raw = ti.raw if raw is None else raw
         shape = tuple(int(s) for s in (ti.shape if shape is None else shape))
-        t = self.dev._place(ti.type_name, np.ascontiguousarray(raw).reshape(-1).view(np.uint8), shape)
+        t = self.dev._place(type_name or ti.type_name, np.ascontiguousarray(raw).reshape(-1).view(np.uint8), shape)
         self._tensors.append(t)
         self.weight_bytes += t.nbytes
         return t
+
+    def _place_f32(self, arr: np.ndarray):
+        """An f32 matrix [O, I] (a router dequantized at load) on the device, as an F32 weight."""
+        arr = np.ascontiguousarray(arr, np.float32)
+        return self._place(None, raw=arr.view(np.uint8), shape=arr.shape, type_name="F32")
 
     def _upload_layer(self, il: int, ctx: int) -> dict:
         m, K, p = self.m, self.K, f"blk.{il}."
@@ -258,9 +268,7 @@ class DeviceLayers:
             d["q_norm"] = self._const(np.asarray(at.attn_q_norm, np.float32).reshape(-1))
             d["k_norm"] = self._const(np.asarray(at.attn_k_norm, np.float32).reshape(-1))
             d["qk_norm"] = at.qk_norm
-        router = np.ascontiguousarray(L.moe.ffn_gate_inp, np.float32)
-        d["router"] = self.dev._place("F32", router.view(np.uint8).reshape(-1), router.shape)
-        self._tensors.append(d["router"])
+        d["router"] = self._place_f32(L.moe.ffn_gate_inp)
         if p + _SHEXP[0] in t:    # the shared expert: a one-expert table, its route weight sigmoid(x . gate) or 1
             ts = [self._place(t[p + n]) for n in _SHEXP]
             d["sh_tab"] = self._const(np.array([[x.addr for x in ts]], np.uint64))
@@ -269,9 +277,7 @@ class DeviceLayers:
             d["sh_route"] = self._const(np.array([0, np.float32(1.0).view(np.uint32)], np.uint32))
             gi = m.wt.f32(p + "ffn_gate_inp_shexp.weight", False)
             if gi is not None:
-                gi = np.ascontiguousarray(gi, np.float32).reshape(1, -1)
-                d["sh_gate"] = self.dev._place("F32", gi.view(np.uint8).reshape(-1), gi.shape)
-                self._tensors.append(d["sh_gate"])
+                d["sh_gate"] = self._place_f32(gi.reshape(1, -1))
         tab = np.zeros((self.E, 3), np.uint64)
         for j, n in enumerate(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")):
             ti = t[p + n + ".weight"]

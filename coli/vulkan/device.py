@@ -465,6 +465,7 @@ class Device:
         self._dev = None
         self._objs_ok = False
         self.dispatches = 0
+        self.layer_dispatches = 0     # of them, the device layers' (coli/vulkan/layers.py)
         self.matmuls = 0
         self.submits = 0
         self.lost: str | None = None
@@ -1532,7 +1533,7 @@ class Device:
         """``[VK] <label>: N matmuls on the GPU`` (the line each run ends with), and ``, M dispatches of the device
         layers`` when they ran (coli/vulkan/layers.py)."""
         s = f"[VK] {self.label}: {self.matmuls} matmuls on the GPU"
-        n = getattr(self, "layer_dispatches", 0)
+        n = self.layer_dispatches
         return s + (f", {n} dispatches of the device layers" if n else "")
 
     def close(self) -> None:

@@ -92,11 +92,11 @@ class Buffer(_Buf):
     """A storage buffer with its device address ``addr``; ``view`` (uint8) when it is host-visible. ``f32()`` /
     ``u32()``: typed views of it."""
 
-    def f32(self, n: int | None = None, off: int = 0) -> np.ndarray:
-        return self.view[off:].view(np.float32)[:n]
+    def f32(self, n: int | None = None) -> np.ndarray:
+        return self.view.view(np.float32)[:n]
 
-    def u32(self, n: int | None = None, off: int = 0) -> np.ndarray:
-        return self.view[off:].view(np.uint32)[:n]
+    def u32(self, n: int | None = None) -> np.ndarray:
+        return self.view.view(np.uint32)[:n]
 
 
 @dataclass
@@ -127,7 +127,6 @@ class Kernels:
         self._pipes: dict = {}
         self._fence = None
         self._bufs: list = []
-        self.submits = 0   # submits of recorded command buffers
         d = dev._dev
         self._dsl = storage_set_layout(d, [6])
         self.layout = push_constant_layout(d, self._dsl, _PC_BYTES)
@@ -195,15 +194,13 @@ class Kernels:
         if b in self._bufs:
             self._bufs.remove(b)
 
-    def upload(self, dst: Buffer, data: np.ndarray, offset: int = 0) -> None:
-        """Copy ``data``'s bytes into ``dst`` at ``offset``: directly when it is mapped, else through the device's
+    def upload(self, dst: Buffer, data: np.ndarray) -> None:
+        """Copy ``data``'s bytes to the start of ``dst``: directly when it is mapped, else through the device's
         staging buffer (synchronous)."""
         flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         if dst.view is not None:
-            dst.view[offset:offset + flat.size] = flat
+            dst.view[:flat.size] = flat
             return
-        if offset:
-            raise ValueError("a staged upload starts at offset 0")
         self.dev._staged_copy(flat, dst.buffer)
 
     # -- recording and submits --------------------------------------------------------------------------
@@ -305,8 +302,9 @@ class Kernels:
             lib.vkDestroyQueryPool(self.dev._dev, rec.qpool, ffi.NULL)
             rec.qpool = None
 
-    def submit(self, rec: Recorded, wait: bool = True) -> None:
-        """Submit a recorded command buffer; with ``wait``, return when it has run (:meth:`wait`)."""
+    def submit(self, rec: Recorded) -> None:
+        """Submit a recorded command buffer and wait for it (the device's timeout); DeviceLost when the submit or
+        the wait fails."""
         dev = self.dev
         if self._fence is None:
             fci = _s("VkFenceCreateInfo")
@@ -323,14 +321,7 @@ class Kernels:
             dev._mark_lost(f"vkQueueSubmit returned {r}")
             raise DeviceLost(f"vkQueueSubmit returned {r}")
         dev.dispatches += rec.dispatches
-        dev.layer_dispatches = getattr(dev, "layer_dispatches", 0) + rec.dispatches
-        self.submits += 1
-        if wait:
-            self.wait()
-
-    def wait(self) -> None:
-        """Wait for the last submit's fence (the device's timeout); DeviceLost when it fails or times out."""
-        dev = self.dev
+        dev.layer_dispatches += rec.dispatches
         r = lib.vkWaitForFences(dev._dev, 1, self._fence, 1, dev._timeout_ns)
         if r != 0:
             why = "fence wait timed out" if r == _TIMEOUT else f"vkWaitForFences returned {r}"
