@@ -918,8 +918,9 @@ class Engine:
                 dl = self.device_layers
                 ms = 1e3 * dl.submit_s / dl.tokens if dl.tokens else 0.0
                 gpu = f" ({1e3 * dl.gpu_s / dl.tokens:.2f} by the device's timestamps)" if dl.tokens and dl.gpu_s else ""
+                hold = f"; {dl.clock.line()}" if dl.clock is not None else ""
                 print(f"[VK] {self.path.name}: device layers ran {dl.tokens} decode tokens, {ms:.2f} ms a token in "
-                      f"the submit and its wait{gpu}", file=sys.stderr)
+                      f"the submit and its wait{gpu}{hold}", file=sys.stderr)
             self.device_layers.close()
             self.model.device_layers = None
         if self.device is not None:

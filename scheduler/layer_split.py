@@ -162,7 +162,8 @@ class DeviceLayers:
         from coli.vulkan.layers import Kernels
 
         self.m, self.dev, self.first, self.ctx = m, dev, int(first), int(ctx)
-        self._tensors, self.rec, self.K = [], None, None
+        self._tensors, self.rec, self.K, self.clock = [], None, None, None
+        self._env = env
         try:
             self.K = Kernels(dev, env=env)
             self._build(head)
@@ -223,6 +224,11 @@ class DeviceLayers:
         self._cache = None      # weakref of the Cache whose rows the device holds
         self._stage = None      # the staging buffer of _sync
         self._valid = 0         # positions 0 .. _valid - 1 of it are on the device
+        from coli.vulkan.layers import ClockHolder, clock_queue
+
+        q = clock_queue(self.dev, self._env)
+        if q is not None:     # busy between tokens, ended by the next token's first op (docs/vulkan.md "Clocks")
+            self.clock = ClockHolder(K, q)
         self.rec = K.record(self._ops(), timestamps=True)
 
     # -- set-up -------------------------------------------------------------------------------------------
@@ -298,7 +304,8 @@ class DeviceLayers:
         R = self.K.rows
         eps = f32_bits(self.m.args.eps)
         kvn = 2 * nkv * hd
-        ops = [Copy(self.hin, self.hs, [(0, 0, 4 * D)], wait=False)]
+        ops = [] if self.clock is None else [self.clock.stop_op()]
+        ops.append(Copy(self.hin, self.hs, [(0, 0, 4 * D)], wait=False))
         for j, d in enumerate(self.per):
             wt = self.m.t[f"blk.{d['il']}.attn_q.weight"].type_name
             ot = self.m.t[f"blk.{d['il']}.attn_output.weight"].type_name
@@ -429,6 +436,8 @@ class DeviceLayers:
             for j, d in enumerate(self.per):
                 step.usage.add(d["il"], ids[j:j + 1].astype(np.int64))
         lg = self.lghost.f32(self.vocab).reshape(1, self.vocab).copy() if self.head is not None else None
+        if self.clock is not None:
+            self.clock.start()
         return out, lg
 
     def describe(self) -> str:
@@ -445,6 +454,9 @@ class DeviceLayers:
             return
         from coli.vulkan.device import lib
 
+        if self.clock is not None:
+            self.clock.close()
+            self.clock = None
         lib.vkDeviceWaitIdle(self.dev._dev)   # a timed-out or interrupted submit may still run: nothing freed under it
         if self.rec is not None:
             self.K.free(self.rec)

@@ -190,6 +190,10 @@ class Tier:
         self.on = True
         self.off_reason: str | None = None
         self._closed_line = False
+        self._env = env
+        # a discrete GPU's clock holder (docs/vulkan.md "Clocks"): made at the first decode token that uses the
+        # device; False where there is none
+        self._clock = None
 
         if counts is not None:
             counts = np.asarray(counts)
@@ -276,7 +280,8 @@ class Tier:
                 f"({hidden:.0f}% of device time hidden) | "
                 f"balance: device share {self.balancer.share:.2f}, {self.handed_rows} rows handed to the CPU"
                 + (f", {self.tokens_without} decode tokens without the device (the decode gate"
-                   + self._gate_decisions() + ")" if self.tokens_without else ""))
+                   + self._gate_decisions() + ")" if self.tokens_without else "")
+                + (f" | clock holder: {self._clock.runs} heats" if self._clock else ""))
 
     @property
     def tokens_without(self) -> int:
@@ -323,6 +328,8 @@ class Tier:
             if self._tok_t0 is not None and self._tok_last is not None:
                 self.gate.token((self._tok_last - self._tok_t0) / 1e6 if self._tok_unsampled == 0 else None)
             self._dev_off = not self.gate.use_device
+            if not self._dev_off and self.on and self._clock is not False:
+                self._hold_clock()
             self._tok_t0 = host_ns()       # the sample starts after the reads' bookkeeping
         else:                  # a prompt's forward: the device takes its resident experts, no sample
             self._dev_off = False
@@ -334,6 +341,26 @@ class Tier:
             self._halvings += n
         self.tokens += int(n_tokens)
         self.rate_left = self.rate * int(n_tokens)
+
+    def _hold_clock(self) -> None:
+        """Keep a discrete GPU busy through this decode token (its batches are short, with the CPU's work between:
+        idle, the GPU lowers its clock). The heat runs to its cap (nothing stops it); a token whose last heat
+        still runs submits none."""
+        try:
+            if self._clock is None:
+                from coli.vulkan.layers import ClockHolder, Kernels, clock_queue
+
+                q = clock_queue(self.device, self._env)
+                if q is None:
+                    self._clock = False
+                    return
+                with self._dev_lock:
+                    K = getattr(self.device, "_layer_kernels", None) or Kernels(self.device, env=self._env)
+                    self._clock = ClockHolder(K, q)
+            self._clock.start()
+        except Exception as e:  # noqa: BLE001 - the tier runs on without it (a lost device: its own path); say why
+            self._say(f"[VK] tier {self.model}: no clock holder ({type(e).__name__}: {e})")
+            self._clock = False
 
     # ----- the step API
     def settle(self) -> None:
@@ -866,6 +893,9 @@ class Tier:
         """End of run: stop the uploader (after the staged uploads), then free every resident expert when
         ``free`` and the tier is on. Call after the last join."""
         self._candidates = {}
+        if self._clock:
+            with self._dev_lock:
+                self._clock.close()
         if self._thread.is_alive() and self.on:
             self._q.put(None)
             self._thread.join()

@@ -45,7 +45,10 @@ ARMS = {"cpu": dict(device=None), "tier": dict(device="vulkan", balance=False),
         "balanced-nogate": dict(device="vulkan", balance=True, env_extra={"COLI_VK_DECODE_GATE": "0"}),
         # the split by layer (--gpu-layers, docs/vulkan.md "Device layers"): the last --gpu-layers layers whole on
         # the device, the budget --layers-gb; not in the default arms
-        "layers": dict(device="vulkan", layers=True)}
+        "layers": dict(device="vulkan", layers=True),
+        # the tier and the layers without the clock holder (docs/vulkan.md "Clocks"): not in the default arms
+        "tier-noclock": dict(device="vulkan", balance=False, env_extra={"COLI_VK_HOLD_CLOCK": "0"}),
+        "layers-noclock": dict(device="vulkan", layers=True, env_extra={"COLI_VK_HOLD_CLOCK": "0"})}
 
 
 def resolve_model(name: str) -> str:
@@ -73,7 +76,7 @@ def one_run(Engine, model, arm, args, usage_copy):
     kw = dict(ARMS[arm])
     extra = kw.pop("env_extra", None)
     if kw.pop("layers", False):
-        extra = {"COLI_VK_LAYERS": str(args.gpu_layers), "COLI_VK_TIER_GB": str(args.layers_gb)}
+        extra = {**(extra or {}), "COLI_VK_LAYERS": str(args.gpu_layers), "COLI_VK_TIER_GB": str(args.layers_gb)}
     if extra:
         kw["env"] = {**os.environ, **extra}
     t0 = time.perf_counter()
@@ -228,7 +231,7 @@ def main(argv=None) -> int:
         others = [med[x]["tps"] for x in ("cpu", "tier") if x in med]
         if others and max(others) > 0:
             print(f"balanced / best of the others: {med['balanced']['tps'] / max(others):.3f}")
-    for x in ("tier", "layers"):
+    for x in ("tier", "tier-noclock", "layers", "layers-noclock"):
         if x in med and "cpu" in med and med["cpu"]["tps"] > 0:
             print(f"{x} / cpu: {med[x]['tps'] / med['cpu']['tps']:.3f}")
     bal_runs = [r for r in runs if r["arm"] == "balanced" and r.get("trail")]

@@ -225,3 +225,61 @@ def test_families_against_hf(family):
         assert (got.argmax(1) == oracle["logits"].argmax(1)).all()
     finally:
         e.close()
+
+
+def test_clock_holder(tiny, monkeypatch):
+    """The clock holder (shaders/heat.comp, docs/vulkan.md "Clocks"): the kernel stops when the flag reaches the
+    token number or after its rounds; in a run (forced onto the one queue here, so each heat spins to its cap
+    before the next token's work) it is submitted after every decode token and the logits stay the CPU's."""
+    from coli.vulkan import layers
+    from coli.vulkan.layers import Dispatch
+
+    monkeypatch.setattr(layers, "HEAT_ROUNDS", 500)
+    monkeypatch.setattr(layers, "clock_queue", lambda dev, env: dev._queue)
+    cpu, dev = _engine(tiny), _engine(tiny, layers=2)
+    try:
+        dl = dev.model.device_layers
+        assert dl.clock is not None
+        ref, _ = _decode(cpu, IDS[:8], 4)
+        got, _ = _decode(dev, IDS[:8], 4)
+        assert rel_err(got, ref) < 1e-4
+        assert dl.clock.runs + dl.clock.skips == 4 and dl.clock.runs >= 1
+        # the kernel alone: (flag, want) -> (rounds, seen) with a cap of 300 rounds
+        K = dl.K
+        K_buf = K.buffer(16, host=True)
+        for flag, want, rounds, seen in ((7, 7, 0, 1), (9, 3, 0, 1), (2, 3, 300, 0)):
+            K_buf.u32(4)[:] = [flag, want, 99, 99]
+            a = K_buf.addr
+            rec = K.record([Dispatch("heat", (1,), [a, a + 4, a + 8], [300], wait=False)])
+            try:
+                K.submit(rec)
+            finally:
+                K.free(rec)
+            assert list(K_buf.u32(4)[2:]) == [rounds, seen]
+    finally:
+        cpu.close()
+        dev.close()
+
+
+def test_tier_clock_holder(tiny, monkeypatch):
+    """The expert tier starts the clock holder at each decode token that uses the device (forced onto the one
+    queue here); the logits stay the CPU's and its close stops it."""
+    from coli.vulkan import layers
+
+    monkeypatch.setattr(layers, "HEAT_ROUNDS", 500)
+    monkeypatch.setattr(layers, "clock_queue", lambda dev, env: dev._queue)
+    from coli.engine import Engine
+
+    cpu = _engine(tiny)
+    dev = Engine(tiny, cpu_act="f32", device="vulkan", balance=False, quiet=True, silent=True, save_usage=False,
+                 ctx=64, usage=str(tiny) + ".usage")
+    try:
+        assert dev.tier is not None and dev.model.device_layers is None
+        ref, _ = _decode(cpu, IDS[:8], 4)
+        got, _ = _decode(dev, IDS[:8], 4)
+        assert rel_err(got, ref) < 1e-4
+        assert dev.tier._clock and dev.tier._clock.runs + dev.tier._clock.skips == 4 and dev.tier._clock.runs >= 1
+    finally:
+        cpu.close()
+        dev.close()
+    assert dev.tier is None or dev.tier._clock.rec is None

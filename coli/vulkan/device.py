@@ -620,11 +620,14 @@ class Device:
         self.timestamps = self.timestamp_bits > 0 and self.timestamp_period > 0
 
         # device
-        prio = ffi.new("float[1]", [1.0])
+        # a second queue of the family where it has one, at the lowest priority: the device layers' clock
+        # holder (coli/vulkan/layers.py, docs/vulkan.md "Clocks")
+        nq = min(2, int(qf[self.queue_family].queueCount))
+        prio = ffi.new("float[2]", [1.0, 0.0])
         qci = _s("VkDeviceQueueCreateInfo")
         qci.sType = vk.VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO
         qci.queueFamilyIndex = self.queue_family
-        qci.queueCount = 1
+        qci.queueCount = nq
         qci.pQueuePriorities = prio
         e11 = _s("VkPhysicalDeviceVulkan11Features")
         e12 = _s("VkPhysicalDeviceVulkan12Features")
@@ -672,6 +675,10 @@ class Device:
         pq = ffi.new("VkQueue*")
         lib.vkGetDeviceQueue(self._dev, self.queue_family, 0, pq)
         self._queue = pq[0]
+        self._queue2 = None
+        if nq > 1:
+            lib.vkGetDeviceQueue(self._dev, self.queue_family, 1, pq)
+            self._queue2 = pq[0]
         self._full_sg = full_sg and self.subgroup_pinned
 
         # memory types and heaps

@@ -50,11 +50,11 @@ from .errors import DeviceLost, VulkanError
 PC_ADDRS, PC_WORDS = 8, 16
 _PC_BYTES = 8 * PC_ADDRS + 4 * PC_WORDS
 _ACC_XFER_READ = 0x800
-_TIMEOUT = 2
+_TIMEOUT, _NOT_READY = 2, 1
 
 #: the format kernels (compiled per GGUF type) and the others
 FORMAT_KERNELS = ("lmv", "lmoe")
-PLAIN_KERNELS = ("rmsnorm", "topk", "rope_kv", "attn_dec")
+PLAIN_KERNELS = ("rmsnorm", "topk", "rope_kv", "attn_dec", "heat")
 
 
 def f32_bits(x: float) -> int:
@@ -107,6 +107,7 @@ class Recorded:
     arr: object
     dispatches: int
     qpool: object = None
+    fence: object = None     # ``VkFence[1]`` of :meth:`Kernels.start`'s submits
 
 
 class Kernels:
@@ -301,6 +302,37 @@ class Kernels:
         if self.dev._dev is not None and rec.qpool is not None:
             lib.vkDestroyQueryPool(self.dev._dev, rec.qpool, ffi.NULL)
             rec.qpool = None
+        if self.dev._dev is not None and rec.fence is not None:
+            lib.vkDestroyFence(self.dev._dev, rec.fence[0], ffi.NULL)
+            rec.fence = None
+
+    def start(self, rec: Recorded, queue=None) -> bool:
+        """Submit ``rec`` without waiting, on ``queue`` (default: the device's queue); False, submitting
+        nothing, while its previous :meth:`start` still runs. DeviceLost when the submit fails."""
+        dev = self.dev
+        if rec.fence is None:
+            fci = _s("VkFenceCreateInfo")
+            fci.sType = vk.VK_STRUCTURE_TYPE_FENCE_CREATE_INFO
+            rec.fence = ffi.new("VkFence[1]")
+            _chk(lib.vkCreateFence(dev._dev, fci, ffi.NULL, rec.fence), "vkCreateFence")
+        else:
+            r = lib.vkGetFenceStatus(dev._dev, rec.fence[0])
+            if r == _NOT_READY:
+                return False
+            if r != 0:
+                dev._mark_lost(f"vkGetFenceStatus returned {r}")
+                raise DeviceLost(f"vkGetFenceStatus returned {r}")
+            _chk(lib.vkResetFences(dev._dev, 1, rec.fence), "vkResetFences")
+        sub = _s("VkSubmitInfo")
+        sub.sType = vk.VK_STRUCTURE_TYPE_SUBMIT_INFO
+        sub.commandBufferCount = 1
+        sub.pCommandBuffers = rec.arr
+        r = lib.vkQueueSubmit(dev._queue if queue is None else queue, 1, sub, rec.fence[0])
+        if r != 0:
+            dev._mark_lost(f"vkQueueSubmit returned {r}")
+            raise DeviceLost(f"vkQueueSubmit returned {r}")
+        dev.dispatches += rec.dispatches
+        return True
 
     def submit(self, rec: Recorded) -> None:
         """Submit a recorded command buffer and wait for it (the device's timeout); DeviceLost when the submit or
@@ -346,3 +378,73 @@ class Kernels:
             lib.vkDestroyPipelineLayout(d, self.layout, ffi.NULL)
             lib.vkDestroyDescriptorSetLayout(d, self._dsl, ffi.NULL)
             self.layout = None
+
+
+#: the clock holder's longest spin, in rounds of one flag read (shaders/heat.comp): it ends there when nothing
+#: stops it (docs/vulkan.md "Clocks": 44 ms on the H200)
+HEAT_ROUNDS = 1 << 18
+
+
+def clock_queue(dev, env=None):
+    """The queue of a :class:`ClockHolder` (docs/vulkan.md "Clocks"): the device's second queue on a discrete GPU
+    with ``COLI_VK_HOLD_CLOCK`` on (the settings), else None (an integrated GPU would take the CPU's power; a
+    device with one queue would run it in turn with the work)."""
+    from coli.settings import get
+
+    if get("COLI_VK_HOLD_CLOCK", env) and getattr(dev, "type_name", "") == "discrete":
+        return getattr(dev, "_queue2", None)
+    return None
+
+
+class ClockHolder:
+    """Keeps a discrete GPU busy between the engine's submits, so it does not lower its clock while the CPU
+    works (docs/vulkan.md "Clocks"): one workgroup of ``shaders/heat.comp`` on ``queue`` (a second queue: it runs
+    beside the work) that spins until a command buffer holding :meth:`stop_op` runs, or ``rounds`` rounds.
+
+    :meth:`start` after a token's device work (or at a decode token's start); :meth:`stop_op`, the first op of
+    the next token's command buffer, ends the spin. ``runs``: heats submitted; ``seen``: of those, ended by a
+    stop_op (counted when the next one starts); ``skips``: :meth:`start` calls that found the last one still
+    running. Errors: ``DeviceLost`` from a failed submit."""
+
+    def __init__(self, K: Kernels, queue, rounds: int | None = None):
+        self.K, self.queue = K, queue
+        # u32 words: [0] the flag (the token number the last stop_op copied), [1] the token number the next heat
+        # waits for, [2:4] heat.comp's out (rounds spun, 1 when the flag ended it)
+        self.words = K.buffer(16, host=True)
+        self.words.u32(4)[:] = 0
+        a = self.words.addr
+        self.rec = K.record([Dispatch("heat", (1,), [a, a + 4, a + 8], [HEAT_ROUNDS if rounds is None else rounds],
+                                      wait=False)])
+        self.tick = 0
+        self.runs = self.seen = self.skips = 0
+
+    def stop_op(self) -> Copy:
+        """The op that ends a running heat: the token number into the flag (first in a recorded command buffer)."""
+        return Copy(self.words, self.words, [(4, 0, 4)], wait=False)
+
+    def start(self) -> None:
+        """Submit a heat that waits for the next :meth:`stop_op` (nothing while the last one still runs)."""
+        w = self.words.u32(4)
+        seen = int(w[3])                  # the last heat's end (when it has ended): 1 at the flag
+        self.tick = (self.tick + 1) & 0x7FFFFFFF
+        w[1] = self.tick
+        if self.K.start(self.rec, self.queue):
+            self.seen += seen if self.runs else 0
+            self.runs += 1
+        else:
+            self.skips += 1
+
+    def close(self) -> None:
+        """Stop a running heat (the flag at its top) and free the command buffer once it has ended."""
+        if self.rec is None:
+            return
+        if self.words.view is not None:
+            self.words.u32(1)[0] = 0xFFFFFFFF
+        if self.rec.fence is not None and self.K.dev._dev is not None:
+            lib.vkWaitForFences(self.K.dev._dev, 1, self.rec.fence, 1, self.K.dev._timeout_ns)
+        self.K.free(self.rec)
+        self.rec = None
+
+    def line(self) -> str:
+        """``the clock holder ran N times (S ended by the next token, K still busy)``."""
+        return f"the clock holder ran {self.runs} times ({self.seen} ended by the next token, {self.skips} still busy)"
