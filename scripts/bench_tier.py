@@ -188,7 +188,7 @@ def main(argv=None) -> int:
         shutil.copy(a.usage, hist)
     print(f"bench_tier: {model}, {a.tokens} tokens, {a.runs} runs per arm after a warm-up round; Numba threads "
           f"{a.threads or 'default'}, LP_NUM_THREADS={os.environ.get('LP_NUM_THREADS', 'unset')}, "
-          f"COLI_VK_TIER_GB={os.environ.get('COLI_VK_TIER_GB', 'unset')}, CPUs {os.cpu_count()}", flush=True)
+          f"COLI_VK_TIER_GB={os.environ.get('COLI_VK_TIER_GB', 'unset')}, CPUs {os.cpu_count()}, load average {os.getloadavg()[0]:.2f}", flush=True)
     runs = []
     try:
         for rnd in range(a.runs + 1):
@@ -234,6 +234,7 @@ def main(argv=None) -> int:
     for x in ("tier", "tier-noclock", "layers", "layers-noclock"):
         if x in med and "cpu" in med and med["cpu"]["tps"] > 0:
             print(f"{x} / cpu: {med[x]['tps'] / med['cpu']['tps']:.3f}")
+    print(f"load average at the end {os.getloadavg()[0]:.2f}")
     bal_runs = [r for r in runs if r["arm"] == "balanced" and r.get("trail")]
     if a.share_plot and bal_runs:
         plot_share(bal_runs[-1], model, a, a.share_plot)
