@@ -328,8 +328,8 @@ class Tier:
             if self._tok_t0 is not None and self._tok_last is not None:
                 self.gate.token((self._tok_last - self._tok_t0) / 1e6 if self._tok_unsampled == 0 else None)
             self._dev_off = not self.gate.use_device
-            if not self._dev_off and self.on and self._clock is not False:
-                self._hold_clock()
+            if self.on and self._clock is not False:   # a token without the device too: the gate's next "with"
+                self._hold_clock()                      # samples must not find the clock lowered
             self._tok_t0 = host_ns()       # the sample starts after the reads' bookkeeping
         else:                  # a prompt's forward: the device takes its resident experts, no sample
             self._dev_off = False
@@ -344,8 +344,8 @@ class Tier:
 
     def _hold_clock(self) -> None:
         """Keep a discrete GPU busy through this decode token (its batches are short, with the CPU's work between:
-        idle, the GPU lowers its clock). The heat runs to its cap (nothing stops it); a token whose last heat
-        still runs submits none."""
+        idle, the GPU lowers its clock), with or without the device (the decode gate compares both sides at the
+        same clock). The heat runs to its cap (nothing stops it); a token whose last heat still runs submits none."""
         try:
             if self._clock is None:
                 from coli.vulkan.layers import ClockHolder, Kernels, clock_queue

@@ -262,7 +262,7 @@ def test_clock_holder(tiny, monkeypatch):
 
 
 def test_tier_clock_holder(tiny, monkeypatch):
-    """The expert tier starts the clock holder at each decode token that uses the device (forced onto the one
+    """The expert tier starts the clock holder at each decode token (forced onto the one
     queue here); the logits stay the CPU's and its close stops it."""
     from coli.vulkan import layers
 
