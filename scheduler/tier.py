@@ -313,6 +313,7 @@ class Tier:
 
     def _begin(self, n_tokens: int) -> None:
         self._begun = None
+        reading = False
         if self._ram_todo and self.on:
             # the experts only the device holds (the warm start uploads them from the file) are read into free RAM
             # slots in the background, so the balancer and the decode gate can hand them to the CPU: until then a
@@ -323,7 +324,7 @@ class Tier:
             todo, self._ram_todo = self._ram_todo[:k], self._ram_todo[k:]
             for key in todo:
                 if key in self.resident:
-                    self._back_to_ram(key, busy)
+                    reading = self._back_to_ram(key, busy) or reading
         if n_tokens == 1:      # a decode token: the last one's time (its start to its last step's) to the gate
             if self._tok_t0 is not None and self._tok_last is not None:
                 self.gate.token((self._tok_last - self._tok_t0) / 1e6 if self._tok_unsampled == 0 else None)
@@ -334,7 +335,9 @@ class Tier:
         else:                  # a prompt's forward: the device takes its resident experts, no sample
             self._dev_off = False
             self._tok_t0 = None
-        self._tok_last, self._tok_unsampled = None, 0
+        # a token that starts those reads gives the gate no sample: they share the CPU's memory bandwidth with its
+        # experts (on the H200 the gate's first samples, taken while they ran, chose the CPU against a faster tier)
+        self._tok_last, self._tok_unsampled = None, int(reading)
         n = halvings_due(self.tokens, self._halvings)
         if n:
             self.heat *= 0.5 ** n

@@ -318,7 +318,8 @@ def test_decode_gate_off_reads_the_device_only_experts_into_ram():
     """The warm start uploads experts straight from the file, so the CPU cannot take them; tokens without the
     device (measured or decided) read them into the RAM cache's free slots (``Tier._back_to_ram``, ``rate`` a
     token), after which no decode step needs a batch. The gate gets no sample of a token that still needed one
-    (every other expert is in RAM from the start: no disk read drops them), and a sample of each token after."""
+    or that started reads (every other expert is in RAM from the start: no disk read drops them), and a sample
+    of each token after."""
     src, layers = setup()
     cache = ram_mod.RAMCache(src, 8, io_threads=2)
     st = step_mod.MoEStep(cache, act="int8")
@@ -352,6 +353,8 @@ def test_decode_gate_off_reads_the_device_only_experts_into_ram():
     while t._ram_todo:
         token()
     assert t.prefetched == len(t.resident)
+    token()                                  # gives the sample of the loop's last token, which started reads
+    assert samples and all(ms is None for ms in samples)   # no token that started reads gave a sample
     for f in list(cache.inflight.values()):
         f.result(timeout=30)
     n, k = dev.submits, len(samples)
