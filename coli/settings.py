@@ -65,8 +65,9 @@ VARS: tuple[Var, ...] = (
         "rows", lo=1, dev=True),
     Var("COLI_VK_LAYER_ROWS", "int", 4, "output rows a workgroup of the device layers' matrix kernels owns",
         "rows", lo=1, dev=True),
-    Var("COLI_VK_HOLD_CLOCK", "bool", True, "device layers on a discrete GPU keep one workgroup busy on a second "
-        "queue between decode tokens, so the GPU holds its clock (docs/vulkan.md \"Clocks\")", dev=True),
+    Var("COLI_VK_HOLD_CLOCK", "bool", True, "on a discrete GPU that runs a second queue beside the first, one "
+        "workgroup there stays busy through decode (device layers and the tier), so the GPU holds its clock "
+        "(docs/vulkan.md \"Clocks\")", dev=True),
     Var("COLI_VK_I8", "bool", True, "int8 activations with Q8_0 experts in device GEMV groups use integer dot "
         "products (0: the f32 GEMV on the rounded activations)", dev=True),
     Var("COLI_VK_REUSE", "bool", True, "keep a device batch's plan and command buffer for the next batch of the same "

@@ -19,6 +19,7 @@ rounding, as with the tier (docs/tier.md "Numerics").
 """
 from __future__ import annotations
 
+import sys
 import time
 import weakref
 
@@ -224,11 +225,10 @@ class DeviceLayers:
         self._cache = None      # weakref of the Cache whose rows the device holds
         self._stage = None      # the staging buffer of _sync
         self._valid = 0         # positions 0 .. _valid - 1 of it are on the device
-        from coli.vulkan.layers import ClockHolder, clock_queue
+        from coli.vulkan.layers import ClockHolder
 
-        q = clock_queue(self.dev, self._env)
-        if q is not None:     # busy between tokens, ended by the next token's first op (docs/vulkan.md "Clocks")
-            self.clock = ClockHolder(K, q)
+        # busy between tokens, ended by the next token's first op (docs/vulkan.md "Clocks")
+        self.clock = ClockHolder.for_device(self.dev, K, self._env)
         self.rec = K.record(self._ops(), timestamps=True)
 
     # -- set-up -------------------------------------------------------------------------------------------
@@ -437,8 +437,20 @@ class DeviceLayers:
                 step.usage.add(d["il"], ids[j:j + 1].astype(np.int64))
         lg = self.lghost.f32(self.vocab).reshape(1, self.vocab).copy() if self.head is not None else None
         if self.clock is not None:
-            self.clock.start()
+            self._start_clock()
         return out, lg
+
+    def _start_clock(self) -> None:
+        """Start the clock holder's heat; when that fails on a device that is not lost, only the holder goes (the
+        token's results are in)."""
+        try:
+            self.clock.start()
+        except Exception as e:  # noqa: BLE001 - a lost device is the caller's (DeviceLost), anything else ends the holder
+            if self.dev.lost:
+                raise
+            print(f"[VK] device layers: the clock holder stops ({type(e).__name__}: {e})", file=sys.stderr)
+            self.clock.close()
+            self.clock = None
 
     def describe(self) -> str:
         n = len(self.layers)

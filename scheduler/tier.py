@@ -177,6 +177,7 @@ class Tier:
         self._tok_unsampled = 0
         # (balanced runs) experts only the device holds, to read into free RAM slots so the CPU can take them
         self._ram_todo: list = []
+        self._reads: set = set()         # those of them started and not landed when the last token began
         self._copies = self.balancer.enabled and ram is not None
         self.trace = trace if trace is not None else NULL_TRACE
         self.device_name = device_name or getattr(device, "name", "") or "device"
@@ -191,8 +192,8 @@ class Tier:
         self.off_reason: str | None = None
         self._closed_line = False
         self._env = env
-        # a discrete GPU's clock holder (docs/vulkan.md "Clocks"): made at the first decode token that uses the
-        # device; False where there is none
+        # a discrete GPU's clock holder (docs/vulkan.md "Clocks"): made at the first decode token of a tier that is
+        # on; False where there is none
         self._clock = None
 
         if counts is not None:
@@ -313,7 +314,9 @@ class Tier:
 
     def _begin(self, n_tokens: int) -> None:
         self._begun = None
-        reading = False
+        if self._reads:      # the background reads still running share this token's bandwidth
+            inflight = getattr(self.ram, "inflight", {})
+            self._reads = {k for k in self._reads if k in inflight and not inflight[k].done()}
         if self._ram_todo and self.on:
             # the experts only the device holds (the warm start uploads them from the file) are read into free RAM
             # slots in the background, so the balancer and the decode gate can hand them to the CPU: until then a
@@ -323,8 +326,8 @@ class Tier:
             busy = self._ram_busy()
             todo, self._ram_todo = self._ram_todo[:k], self._ram_todo[k:]
             for key in todo:
-                if key in self.resident:
-                    reading = self._back_to_ram(key, busy) or reading
+                if key in self.resident and self._back_to_ram(key, busy):
+                    self._reads.add(key)
         if n_tokens == 1:      # a decode token: the last one's time (its start to its last step's) to the gate
             if self._tok_t0 is not None and self._tok_last is not None:
                 self.gate.token((self._tok_last - self._tok_t0) / 1e6 if self._tok_unsampled == 0 else None)
@@ -335,9 +338,9 @@ class Tier:
         else:                  # a prompt's forward: the device takes its resident experts, no sample
             self._dev_off = False
             self._tok_t0 = None
-        # a token that starts those reads gives the gate no sample: they share the CPU's memory bandwidth with its
-        # experts (on the H200 the gate's first samples, taken while they ran, chose the CPU against a faster tier)
-        self._tok_last, self._tok_unsampled = None, int(reading)
+        # a token during which those reads run gives the gate no sample: they share the CPU's memory bandwidth with
+        # its experts (on the H200 the gate's first samples, taken while they ran, chose the CPU against a faster tier)
+        self._tok_last, self._tok_unsampled = None, int(bool(self._reads))
         n = halvings_due(self.tokens, self._halvings)
         if n:
             self.heat *= 0.5 ** n
@@ -348,22 +351,26 @@ class Tier:
     def _hold_clock(self) -> None:
         """Keep a discrete GPU busy through this decode token (its batches are short, with the CPU's work between:
         idle, the GPU lowers its clock), with or without the device (the decode gate compares both sides at the
-        same clock). The heat runs to its cap (nothing stops it); a token whose last heat still runs submits none."""
-        try:
-            if self._clock is None:
-                from coli.vulkan.layers import ClockHolder, Kernels, clock_queue
+        same clock). The heat runs to its cap (nothing stops it); a token whose last heat still runs submits none.
+        Any failure ends the holder (one line; a lost device is the batches' to report)."""
+        from coli.vulkan.layers import ClockHolder
 
-                q = clock_queue(self.device, self._env)
-                if q is None:
-                    self._clock = False
-                    return
-                with self._dev_lock:
-                    K = getattr(self.device, "_layer_kernels", None) or Kernels(self.device, env=self._env)
-                    self._clock = ClockHolder(K, q)
-            self._clock.start()
-        except Exception as e:  # noqa: BLE001 - the tier runs on without it (a lost device: its own path); say why
-            self._say(f"[VK] tier {self.model}: no clock holder ({type(e).__name__}: {e})")
-            self._clock = False
+        with self._dev_lock:
+            try:
+                if self._clock is None:
+                    h = ClockHolder.for_device(self.device, getattr(self.device, "_layer_kernels", None), self._env)
+                    self._clock = h if h is not None else False
+                    if h is None:
+                        return
+                self._clock.start()
+            except Exception as e:  # noqa: BLE001 - the tier runs on without it; say why
+                self._say(f"[VK] tier {self.model}: no clock holder ({type(e).__name__}: {e})")
+                if self._clock:
+                    try:
+                        self._clock.close()
+                    except Exception:  # noqa: BLE001 - a lost device: nothing more to free here
+                        pass
+                self._clock = False
 
     # ----- the step API
     def settle(self) -> None:

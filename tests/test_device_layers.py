@@ -227,15 +227,23 @@ def test_families_against_hf(family):
         e.close()
 
 
-def test_clock_holder(tiny, monkeypatch):
-    """The clock holder (shaders/heat.comp, docs/vulkan.md "Clocks"): the kernel stops when the flag reaches the
-    token number or after its rounds; in a run (forced onto the one queue here, so each heat spins to its cap
-    before the next token's work) it is submitted after every decode token and the logits stay the CPU's."""
+@pytest.fixture
+def one_queue_holder(monkeypatch):
+    """The clock holder forced onto the device's one queue (Lavapipe has no second): each heat then runs to its
+    cap (500 rounds here) before the next submit's work, and the concurrency probe is passed over."""
     from coli.vulkan import layers
-    from coli.vulkan.layers import Dispatch
 
     monkeypatch.setattr(layers, "HEAT_ROUNDS", 500)
     monkeypatch.setattr(layers, "clock_queue", lambda dev, env: dev._queue)
+    monkeypatch.setattr(layers.ClockHolder, "concurrent", lambda self: True)
+
+
+def test_clock_holder(tiny, one_queue_holder):
+    """The clock holder (shaders/heat.comp, docs/vulkan.md "Clocks"): the kernel stops when the flag reaches the
+    token number or after its rounds; in a run it is started after every decode token, each token's first op
+    copies the token number into the flag, and the logits stay the CPU's."""
+    from coli.vulkan.layers import Dispatch
+
     cpu, dev = _engine(tiny), _engine(tiny, layers=2)
     try:
         dl = dev.model.device_layers
@@ -243,7 +251,9 @@ def test_clock_holder(tiny, monkeypatch):
         ref, _ = _decode(cpu, IDS[:8], 4)
         got, _ = _decode(dev, IDS[:8], 4)
         assert rel_err(got, ref) < 1e-4
-        assert dl.clock.runs + dl.clock.skips == 4 and dl.clock.runs >= 1
+        c = dl.clock
+        assert (c.runs, c.skips, c.tick) == (4, 0, 4)
+        assert int(c.words.u32(4)[0]) == c.tick - 1      # the 4th token's stop op copied the 3rd heat's number
         # the kernel alone: (flag, want) -> (rounds, seen) with a cap of 300 rounds
         K = dl.K
         K_buf = K.buffer(16, host=True)
@@ -261,13 +271,28 @@ def test_clock_holder(tiny, monkeypatch):
         dev.close()
 
 
-def test_tier_clock_holder(tiny, monkeypatch):
-    """The expert tier starts the clock holder at each decode token (forced onto the one
-    queue here); the logits stay the CPU's and its close stops it."""
+def test_the_probe_refuses_queues_that_run_in_turn(tiny, monkeypatch):
+    """``ClockHolder.concurrent``: on one queue the probe's stop op runs only after the heat's cap, so the heat ends
+    unseen and ``for_device`` gives no holder (and frees what it made)."""
     from coli.vulkan import layers
 
-    monkeypatch.setattr(layers, "HEAT_ROUNDS", 500)
+    monkeypatch.setattr(layers, "HEAT_ROUNDS", 2000)
     monkeypatch.setattr(layers, "clock_queue", lambda dev, env: dev._queue)
+    dev = _engine(tiny, layers=2)
+    try:
+        made = []
+        monkeypatch.setattr(layers.ClockHolder, "close", lambda self, f=layers.ClockHolder.close: (made.append(self),
+                                                                                                      f(self))[1])
+        assert layers.ClockHolder.for_device(dev.device, dev.model.device_layers.K) is None
+        (h,) = made
+        assert h.rec is None and list(map(int, h.words.u32(4)[2:])) == [2000, 0]
+    finally:
+        dev.close()
+
+
+def test_tier_clock_holder(tiny, one_queue_holder):
+    """The expert tier starts the clock holder at each decode token (forced onto the one queue here); the logits
+    stay the CPU's and its close stops it."""
     from coli.engine import Engine
 
     cpu = _engine(tiny)
@@ -278,8 +303,9 @@ def test_tier_clock_holder(tiny, monkeypatch):
         ref, _ = _decode(cpu, IDS[:8], 4)
         got, _ = _decode(dev, IDS[:8], 4)
         assert rel_err(got, ref) < 1e-4
-        assert dev.tier._clock and dev.tier._clock.runs + dev.tier._clock.skips == 4 and dev.tier._clock.runs >= 1
+        c = dev.tier._clock
+        assert c and c.runs + c.skips == 4 and c.runs >= 1
     finally:
         cpu.close()
         dev.close()
-    assert dev.tier is None or dev.tier._clock.rec is None
+    assert c.rec is None

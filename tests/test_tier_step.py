@@ -8,6 +8,7 @@ evictions, balancer hand-back, device loss), not Vulkan; tests/test_tier_device.
 """
 import io
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -383,3 +384,42 @@ def test_decode_gate_is_on_with_the_balancer_only():
     assert not gate({"COLI_VK_DECODE_GATE": "0"}, True) and not gate({}, False)
     assert not gate({}, True, ram=None)          # no RAM cache: no CPU copies to run a token on
     cache.close()
+
+
+def test_the_gate_takes_no_sample_while_the_background_reads_run():
+    """A decode token that starts reads of the device-only experts, or begins while some still run, gives the
+    decode gate no sample (they share the CPU's memory bandwidth); the first token after they landed does."""
+
+    class RAM:                    # the RAM cache's surface that Tier._back_to_ram uses
+        slots = 4
+
+        def __init__(self):
+            self.lru, self.inflight = {}, {}
+
+        def in_ram(self, l, e):
+            return False
+
+        def fetch(self, l, e):
+            self.inflight[(l, e)] = Future()
+
+    ram = RAM()
+    t = Tier(NumpyDevice(), "m", 2, 8, 1024, 8 * 1024, "test", balancer=Balancer(enabled=True), log=io.StringIO(),
+             ram=ram)
+    assert t.gate.enabled
+    samples = []
+    t.gate.token = lambda ms, f=t.gate.token: (samples.append(ms), f(ms))[1]
+    t.resident[(0, 1)] = object()
+    t._ram_todo = [(0, 1)]
+
+    def token():
+        t.begin_token(1)
+        t._tok_last = t._tok_t0 + 2_000_000          # the token's last step 2 ms after its start
+
+    token()                       # starts the read
+    token()                       # the read still runs
+    ram.inflight[(0, 1)].set_result(None)    # it landed (the cache keeps it in inflight until a step takes it)
+    token()
+    token()
+    assert t.prefetched == 1
+    assert samples[0] is None and samples[1] is None and samples[2] == pytest.approx(2.0)
+    t.close(free=False)           # the resident "expert" is a stand-in, not the device's

@@ -13,6 +13,7 @@ Imported only with a device open (it imports the ``vulkan`` binding through ``co
 from __future__ import annotations
 
 import struct
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -126,7 +127,7 @@ class Kernels:
 
         self.rows = int(get("COLI_VK_LAYER_ROWS", env))
         self._pipes: dict = {}
-        self._fence = None
+        self.fence = None       # VkFence[1] of submit()
         self._bufs: list = []
         d = dev._dev
         self._dsl = storage_set_layout(d, [6])
@@ -306,55 +307,67 @@ class Kernels:
             lib.vkDestroyFence(self.dev._dev, rec.fence[0], ffi.NULL)
             rec.fence = None
 
-    def start(self, rec: Recorded, queue=None) -> bool:
-        """Submit ``rec`` without waiting, on ``queue`` (default: the device's queue); False, submitting
-        nothing, while its previous :meth:`start` still runs. DeviceLost when the submit fails."""
-        dev = self.dev
-        if rec.fence is None:
+    def _fence(self, holder) -> object:
+        """``holder``'s ``VkFence[1]`` (``fence`` attribute), made unsignalled on first use."""
+        if holder.fence is None:
             fci = _s("VkFenceCreateInfo")
             fci.sType = vk.VK_STRUCTURE_TYPE_FENCE_CREATE_INFO
-            rec.fence = ffi.new("VkFence[1]")
-            _chk(lib.vkCreateFence(dev._dev, fci, ffi.NULL, rec.fence), "vkCreateFence")
-        else:
-            r = lib.vkGetFenceStatus(dev._dev, rec.fence[0])
-            if r == _NOT_READY:
-                return False
-            if r != 0:
-                dev._mark_lost(f"vkGetFenceStatus returned {r}")
-                raise DeviceLost(f"vkGetFenceStatus returned {r}")
-            _chk(lib.vkResetFences(dev._dev, 1, rec.fence), "vkResetFences")
+            f = ffi.new("VkFence[1]")
+            _chk(lib.vkCreateFence(self.dev._dev, fci, ffi.NULL, f), "vkCreateFence")
+            holder.fence = f
+        return holder.fence
+
+    def _queue_submit(self, rec: Recorded, queue, fence) -> None:
         sub = _s("VkSubmitInfo")
         sub.sType = vk.VK_STRUCTURE_TYPE_SUBMIT_INFO
         sub.commandBufferCount = 1
         sub.pCommandBuffers = rec.arr
-        r = lib.vkQueueSubmit(dev._queue if queue is None else queue, 1, sub, rec.fence[0])
+        r = lib.vkQueueSubmit(queue, 1, sub, fence[0])
         if r != 0:
-            dev._mark_lost(f"vkQueueSubmit returned {r}")
+            self.dev._mark_lost(f"vkQueueSubmit returned {r}")
             raise DeviceLost(f"vkQueueSubmit returned {r}")
-        dev.dispatches += rec.dispatches
+
+    def running(self, rec: Recorded) -> bool:
+        """Whether ``rec``'s last :meth:`start` still runs (False before the first); DeviceLost on a fence error."""
+        if rec.fence is None:
+            return False
+        r = lib.vkGetFenceStatus(self.dev._dev, rec.fence[0])
+        if r == _NOT_READY:
+            return True
+        if r != 0:
+            self.dev._mark_lost(f"vkGetFenceStatus returned {r}")
+            raise DeviceLost(f"vkGetFenceStatus returned {r}")
+        return False
+
+    def start(self, rec: Recorded, queue=None) -> bool:
+        """Submit ``rec`` without waiting, on ``queue`` (default: the device's queue); False, submitting
+        nothing, while its previous :meth:`start` still runs (:meth:`running`). Not counted in the device's
+        dispatches (the clock holder's heats are no work). ``VulkanError`` / ``DeviceLost`` when a call fails."""
+        if self.running(rec):
+            return False
+        new = rec.fence is None
+        f = self._fence(rec)
+        if not new:
+            _chk(lib.vkResetFences(self.dev._dev, 1, f), "vkResetFences")
+        self._queue_submit(rec, self.dev._queue if queue is None else queue, f)
         return True
+
+    def wait(self, rec: Recorded) -> bool:
+        """Wait for ``rec``'s last :meth:`start` (the device's timeout); False when the wait failed."""
+        if rec.fence is None:
+            return True
+        return lib.vkWaitForFences(self.dev._dev, 1, rec.fence, 1, self.dev._timeout_ns) == 0
 
     def submit(self, rec: Recorded) -> None:
         """Submit a recorded command buffer and wait for it (the device's timeout); DeviceLost when the submit or
         the wait fails."""
         dev = self.dev
-        if self._fence is None:
-            fci = _s("VkFenceCreateInfo")
-            fci.sType = vk.VK_STRUCTURE_TYPE_FENCE_CREATE_INFO
-            self._fence = ffi.new("VkFence[1]")
-            _chk(lib.vkCreateFence(dev._dev, fci, ffi.NULL, self._fence), "vkCreateFence")
-        _chk(lib.vkResetFences(dev._dev, 1, self._fence), "vkResetFences")
-        sub = _s("VkSubmitInfo")
-        sub.sType = vk.VK_STRUCTURE_TYPE_SUBMIT_INFO
-        sub.commandBufferCount = 1
-        sub.pCommandBuffers = rec.arr
-        r = lib.vkQueueSubmit(dev._queue, 1, sub, self._fence[0])
-        if r != 0:
-            dev._mark_lost(f"vkQueueSubmit returned {r}")
-            raise DeviceLost(f"vkQueueSubmit returned {r}")
+        f = self._fence(self)
+        _chk(lib.vkResetFences(dev._dev, 1, f), "vkResetFences")
+        self._queue_submit(rec, dev._queue, f)
         dev.dispatches += rec.dispatches
         dev.layer_dispatches += rec.dispatches
-        r = lib.vkWaitForFences(dev._dev, 1, self._fence, 1, dev._timeout_ns)
+        r = lib.vkWaitForFences(dev._dev, 1, f, 1, dev._timeout_ns)
         if r != 0:
             why = "fence wait timed out" if r == _TIMEOUT else f"vkWaitForFences returned {r}"
             dev._mark_lost(why)
@@ -371,9 +384,9 @@ class Kernels:
         for b in self._bufs:
             b.destroy()
         self._bufs = []
-        if self._fence is not None:
-            lib.vkDestroyFence(d, self._fence[0], ffi.NULL)
-            self._fence = None
+        if self.fence is not None:
+            lib.vkDestroyFence(d, self.fence[0], ffi.NULL)
+            self.fence = None
         if self.layout is not None:
             lib.vkDestroyPipelineLayout(d, self.layout, ffi.NULL)
             lib.vkDestroyDescriptorSetLayout(d, self._dsl, ffi.NULL)
@@ -402,14 +415,15 @@ class ClockHolder:
     beside the work) that spins until a command buffer holding :meth:`stop_op` runs, or ``rounds`` rounds.
 
     :meth:`start` after a token's device work (or at a decode token's start); :meth:`stop_op`, the first op of
-    the next token's command buffer, ends the spin. ``runs``: heats submitted; ``seen``: of those, ended by a
-    stop_op (counted when the next one starts); ``skips``: :meth:`start` calls that found the last one still
-    running. Errors: ``DeviceLost`` from a failed submit."""
+    the next token's command buffer, ends the spin. ``runs``: heats submitted; ``seen``: of the ended ones, those
+    a stop_op ended; ``skips``: :meth:`start` calls that found the last heat still running. :meth:`concurrent`
+    checks that the device runs the two queues at once (made by :meth:`for_device`). Errors: ``VulkanError`` /
+    ``DeviceLost`` from the Vulkan calls."""
 
     def __init__(self, K: Kernels, queue, rounds: int | None = None):
         self.K, self.queue = K, queue
         # u32 words: [0] the flag (the token number the last stop_op copied), [1] the token number the next heat
-        # waits for, [2:4] heat.comp's out (rounds spun, 1 when the flag ended it)
+        # waits for, [2:4] heat.comp's out (rounds spun; 2 while it spins, then 1 when a stop_op ended it, 0 at the cap)
         self.words = K.buffer(16, host=True)
         self.words.u32(4)[:] = 0
         a = self.words.addr
@@ -418,30 +432,74 @@ class ClockHolder:
         self.tick = 0
         self.runs = self.seen = self.skips = 0
 
+    @classmethod
+    def for_device(cls, dev, K: Kernels | None = None, env=None) -> "ClockHolder | None":
+        """A holder for ``dev`` where :func:`clock_queue` gives a queue and :meth:`concurrent` holds, else None;
+        ``K``: the :class:`Kernels` to use (made when None)."""
+        q = clock_queue(dev, env)
+        if q is None:
+            return None
+        h = cls(K if K is not None else Kernels(dev, env=env), q)
+        try:
+            ok = h.concurrent()
+        except BaseException:
+            h.close()
+            raise
+        if not ok:
+            h.close()
+            return None
+        return h
+
+    def concurrent(self) -> bool:
+        """Whether a heat and the work's queue run at once: a heat on this queue, then (once it spins, or after
+        0.1 s) a command buffer holding only :meth:`stop_op` on the device's queue, which must end it. On a device
+        that runs its queues in turn the stop op waits for the heat's cap: the heat ends unseen (False)."""
+        K, w = self.K, self.words.u32(4)
+        self.tick = 1
+        w[:] = [0, 1, 0, 7]
+        if not K.start(self.rec, self.queue):
+            return False
+        t_end = time.perf_counter() + 0.1
+        while int(w[3]) == 7 and time.perf_counter() < t_end:
+            time.sleep(0)
+        stop = K.record([self.stop_op()])
+        try:
+            K.submit(stop)
+        finally:
+            K.free(stop)
+        if not K.wait(self.rec):
+            raise DeviceLost("the clock holder's probe: fence wait failed")
+        return int(w[3]) == 1
+
     def stop_op(self) -> Copy:
         """The op that ends a running heat: the token number into the flag (first in a recorded command buffer)."""
         return Copy(self.words, self.words, [(4, 0, 4)], wait=False)
 
     def start(self) -> None:
         """Submit a heat that waits for the next :meth:`stop_op` (nothing while the last one still runs)."""
-        w = self.words.u32(4)
-        seen = int(w[3])                  # the last heat's end (when it has ended): 1 at the flag
-        self.tick = (self.tick + 1) & 0x7FFFFFFF
-        w[1] = self.tick
-        if self.K.start(self.rec, self.queue):
-            self.seen += seen if self.runs else 0
-            self.runs += 1
-        else:
+        if self.K.running(self.rec):
             self.skips += 1
+            return
+        w = self.words.u32(4)
+        if self.rec.fence is not None:
+            self.seen += int(w[3]) == 1        # the last heat's end: 1 when a stop_op ended it
+        w[2:4] = 0
+        self.tick = self.tick % 0x7FFFFFFF + 1
+        w[1] = self.tick
+        self.K.start(self.rec, self.queue)
+        self.runs += 1
 
     def close(self) -> None:
-        """Stop a running heat (the flag at its top) and free the command buffer once it has ended."""
+        """Stop a running heat (the flag at its top) and free the command buffer once it has ended (after a failed
+        wait: once the device is idle)."""
         if self.rec is None:
             return
-        if self.words.view is not None:
-            self.words.u32(1)[0] = 0xFFFFFFFF
-        if self.rec.fence is not None and self.K.dev._dev is not None:
-            lib.vkWaitForFences(self.K.dev._dev, 1, self.rec.fence, 1, self.K.dev._timeout_ns)
+        dev = self.K.dev
+        if dev._dev is not None:
+            if self.words.view is not None:
+                self.words.u32(1)[0] = 0xFFFFFFFF
+            if not self.K.wait(self.rec):
+                lib.vkDeviceWaitIdle(dev._dev)
         self.K.free(self.rec)
         self.rec = None
 
