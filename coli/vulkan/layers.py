@@ -13,6 +13,7 @@ Imported only with a device open (it imports the ``vulkan`` binding through ``co
 from __future__ import annotations
 
 import struct
+import sys
 import time
 from dataclasses import dataclass
 
@@ -447,6 +448,8 @@ class ClockHolder:
             raise
         if not ok:
             h.close()
+            print(f"[VK] {getattr(dev, 'name', 'device')}: no clock holder (the device ran the probe's stop op only "
+                  f"after the heat: its queues take turns)", file=sys.stderr)
             return None
         return h
 
