@@ -34,7 +34,7 @@ def test_spv_staleness_is_detected(tmp_path):
     assert sorted(S.stale(tmp_path)) == sorted({S.spv_name(k, t) for k, t in S.builds() if k in old} | q6k)
     assert len(S.stale(tmp_path)) == 2 * len(S.FORMATS) + len(S.I8_KERNELS) + 1 + 2
     (tmp_path / "layer_common.glsl").write_text((tmp_path / "layer_common.glsl").read_text() + "\n")
-    layer = {"lmv", "lmoe", "rmsnorm", "topk", "rope_kv", "attn_dec"}
+    layer = {"lmv", "lmoe", "rmsnorm", "topk", "rope_kv", "attn_dec", "heat"}
     assert sorted(S.stale(tmp_path)) == sorted({S.spv_name(k, t) for k, t in S.builds() if k in old | layer} | q6k)
 
 
