@@ -352,25 +352,31 @@ class Tier:
         """Keep a discrete GPU busy through this decode token (its batches are short, with the CPU's work between:
         idle, the GPU lowers its clock), with or without the device (the decode gate compares both sides at the
         same clock). The heat runs to its cap (nothing stops it); a token whose last heat still runs submits none.
-        Any failure ends the holder (one line; a lost device is the batches' to report)."""
+        Made under the device lock (it records and submits on the device's queue); a heat's submit on its own
+        queue takes no lock (an upload may hold it for milliseconds). Any failure ends the holder (one line)."""
         from coli.vulkan.layers import ClockHolder
 
-        with self._dev_lock:
-            try:
-                if self._clock is None:
+        try:
+            if self._clock is None:
+                with self._dev_lock:
                     h = ClockHolder.for_device(self.device, getattr(self.device, "_layer_kernels", None), self._env)
-                    self._clock = h if h is not None else False
-                    if h is None:
-                        return
+                self._clock = h if h is not None else False
+                if h is None:
+                    return
+            if self._clock.queue == self.device._queue:     # the device's own queue (tests): its lock
+                with self._dev_lock:
+                    self._clock.start()
+            else:
                 self._clock.start()
-            except Exception as e:  # noqa: BLE001 - the tier runs on without it; say why
-                self._say(f"[VK] tier {self.model}: no clock holder ({type(e).__name__}: {e})")
-                if self._clock:
+        except Exception as e:  # noqa: BLE001 - the tier runs on without it; say why
+            self._say(f"[VK] tier {self.model}: no clock holder ({type(e).__name__}: {e})")
+            if self._clock:
+                with self._dev_lock:
                     try:
                         self._clock.close()
                     except Exception:  # noqa: BLE001 - a lost device: nothing more to free here
                         pass
-                self._clock = False
+            self._clock = False
 
     # ----- the step API
     def settle(self) -> None:
