@@ -620,8 +620,8 @@ class Device:
         self.timestamps = self.timestamp_bits > 0 and self.timestamp_period > 0
 
         # device
-        # a second queue of the family where it has one, at the lowest priority: the device layers' clock
-        # holder (coli/vulkan/layers.py, docs/vulkan.md "Clocks")
+        # a second queue of the family where it has one, at the lowest priority: the clock
+        # holder of the device layers and the tier (coli/vulkan/layers.py, docs/vulkan.md "Clocks")
         nq = min(2, int(qf[self.queue_family].queueCount))
         prio = ffi.new("float[2]", [1.0, 0.0])
         qci = _s("VkDeviceQueueCreateInfo")
