@@ -147,6 +147,26 @@ def _round_rows_int8(x: np.ndarray) -> np.ndarray:
     return (q.astype(np.float32).reshape(R, D // 32, 32) * d[:, :, None]).reshape(R, D)
 
 
+def new_fence(d) -> object:
+    """An unsignalled ``VkFence[1]`` on device ``d``."""
+    fci = _s("VkFenceCreateInfo")
+    fci.sType = vk.VK_STRUCTURE_TYPE_FENCE_CREATE_INFO
+    f = ffi.new("VkFence[1]")
+    _chk(lib.vkCreateFence(d, fci, ffi.NULL, f), "vkCreateFence")
+    return f
+
+
+def timestamp_pool(d) -> object:
+    """A query pool of two timestamps (a command buffer's first and last) on device ``d``."""
+    qci = _s("VkQueryPoolCreateInfo")
+    qci.sType = vk.VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO
+    qci.queryType = vk.VK_QUERY_TYPE_TIMESTAMP
+    qci.queryCount = 2
+    pq = ffi.new("VkQueryPool*")
+    _chk(lib.vkCreateQueryPool(d, qci, ffi.NULL, pq), "vkCreateQueryPool")
+    return pq[0]
+
+
 def storage_set_layout(d, bindings) -> object:
     """A descriptor set layout of one storage buffer at each of ``bindings`` (compute stage) on device ``d``."""
     bindings = list(bindings)
@@ -274,21 +294,10 @@ class _Frame:
         _chk(lib.vkAllocateCommandBuffers(d, cai, pc), "vkAllocateCommandBuffers")
         self.cmd = pc[0]
         self.cmd_arr = pc
-        fci = _s("VkFenceCreateInfo")
-        fci.sType = vk.VK_STRUCTURE_TYPE_FENCE_CREATE_INFO
-        pf = ffi.new("VkFence[1]")
-        _chk(lib.vkCreateFence(d, fci, ffi.NULL, pf), "vkCreateFence")
+        pf = new_fence(d)
         self.fence_arr = pf
         self.fence = pf[0]
-        self.qpool = None
-        if dev.timestamps:
-            qci = _s("VkQueryPoolCreateInfo")
-            qci.sType = vk.VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO
-            qci.queryType = vk.VK_QUERY_TYPE_TIMESTAMP
-            qci.queryCount = 2
-            pq = ffi.new("VkQueryPool*")
-            _chk(lib.vkCreateQueryPool(d, qci, ffi.NULL, pq), "vkCreateQueryPool")
-            self.qpool = pq[0]
+        self.qpool = timestamp_pool(d) if dev.timestamps else None
         sets = ffi.new("VkDescriptorSet[2]")
         dai = _s("VkDescriptorSetAllocateInfo")
         dai.sType = vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_ALLOCATE_INFO
@@ -434,12 +443,7 @@ class Batch:
         n = self.P * self.D
         self._result = f.bufs["y"].view[:n * 4].view(np.float32).reshape(self.P, self.D).copy()
         if f.qpool is not None:
-            data = ffi.new("uint64_t[2]")
-            r = lib.vkGetQueryPoolResults(self.dev._dev, f.qpool, 0, 2, 16, data, 8, vk.VK_QUERY_RESULT_64_BIT)
-            if r == 0:
-                mask = (1 << self.dev.timestamp_bits) - 1 if self.dev.timestamp_bits < 64 else (1 << 64) - 1
-                ticks = (int(data[1]) - int(data[0])) & mask
-                self.device_ms = ticks * self.dev.timestamp_period / 1e6
+            self.device_ms = self.dev.timestamp_ms(f.qpool)
         self.dev._release(f)
         self.frame = None
         return self._result
@@ -974,10 +978,7 @@ class Device:
             cai.commandBufferCount = 1
             self._staging_cmd = ffi.new("VkCommandBuffer[1]")
             _chk(lib.vkAllocateCommandBuffers(self._dev, cai, self._staging_cmd), "vkAllocateCommandBuffers")
-            fci = _s("VkFenceCreateInfo")
-            fci.sType = vk.VK_STRUCTURE_TYPE_FENCE_CREATE_INFO
-            self._staging_fence = ffi.new("VkFence[1]")
-            _chk(lib.vkCreateFence(self._dev, fci, ffi.NULL, self._staging_fence), "vkCreateFence")
+            self._staging_fence = new_fence(self._dev)
         sb = self._staging_buf
         cb = self._staging_cmd[0]
         bi = _s("VkCommandBufferBeginInfo")
@@ -1535,6 +1536,15 @@ class Device:
                 f"families, heaps: {heaps}, {'staged' if self.staging else 'mapped'} uploads, "
                 f"budget {self.budget_bytes / GiB:.2f} GiB ({self.budget_rule}), int8 dot product "
                 f"{'on' if self.int_dot else 'emulated'}")
+
+    def timestamp_ms(self, qpool) -> float | None:
+        """Milliseconds between the two timestamps of ``qpool`` (:func:`timestamp_pool`) after their command buffer
+        ran, or None when the results are not there."""
+        data = ffi.new("uint64_t[2]")
+        if lib.vkGetQueryPoolResults(self._dev, qpool, 0, 2, 16, data, 8, vk.VK_QUERY_RESULT_64_BIT) != 0:
+            return None
+        mask = (1 << self.timestamp_bits) - 1 if self.timestamp_bits < 64 else (1 << 64) - 1
+        return ((int(data[1]) - int(data[0])) & mask) * self.timestamp_period / 1e6
 
     def report(self) -> str:
         """``[VK] <label>: N matmuls on the GPU`` (the line each run ends with), and ``, M dispatches of the device

@@ -28,12 +28,14 @@ from .device import (
     _MEM_HOST_CACHED,
     _MEM_HOST_COHERENT,
     _MEM_HOST_VISIBLE,
+    _NOT_READY,
     _PSTAGE_BOTTOM,
     _PSTAGE_COMPUTE,
     _PSTAGE_HOST,
     _PSTAGE_TOP,
     _PSTAGE_TRANSFER,
     _STAGE_COMPUTE,
+    _TIMEOUT,
     _USAGE_ADDRESS,
     _USAGE_STORAGE,
     _USAGE_XFER_DST,
@@ -43,8 +45,10 @@ from .device import (
     _s,
     ffi,
     lib,
+    new_fence,
     push_constant_layout,
     storage_set_layout,
+    timestamp_pool,
     vk,
 )
 from .errors import DeviceLost, VulkanError
@@ -52,7 +56,6 @@ from .errors import DeviceLost, VulkanError
 PC_ADDRS, PC_WORDS = 8, 16
 _PC_BYTES = 8 * PC_ADDRS + 4 * PC_WORDS
 _ACC_XFER_READ = 0x800
-_TIMEOUT, _NOT_READY = 2, 1
 
 #: the format kernels (compiled per GGUF type) and the others
 FORMAT_KERNELS = ("lmv", "lmoe")
@@ -227,13 +230,7 @@ class Kernels:
         _chk(lib.vkBeginCommandBuffer(cb, bi), "vkBeginCommandBuffer")
         qpool = None
         if timestamps and dev.timestamps:
-            qci = _s("VkQueryPoolCreateInfo")
-            qci.sType = vk.VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO
-            qci.queryType = vk.VK_QUERY_TYPE_TIMESTAMP
-            qci.queryCount = 2
-            pq = ffi.new("VkQueryPool*")
-            _chk(lib.vkCreateQueryPool(dev._dev, qci, ffi.NULL, pq), "vkCreateQueryPool")
-            qpool = pq[0]
+            qpool = timestamp_pool(dev._dev)
             lib.vkCmdResetQueryPool(cb, qpool, 0, 2)
             lib.vkCmdWriteTimestamp(cb, _PSTAGE_TOP, qpool, 0)
         mb = _s("VkMemoryBarrier")
@@ -287,14 +284,7 @@ class Kernels:
     def gpu_ms(self, rec: Recorded) -> float | None:
         """Milliseconds between the first and the last timestamp of ``rec``'s last run (after its wait), or None
         without timestamps."""
-        if rec.qpool is None:
-            return None
-        dev = self.dev
-        data = ffi.new("uint64_t[2]")
-        if lib.vkGetQueryPoolResults(dev._dev, rec.qpool, 0, 2, 16, data, 8, vk.VK_QUERY_RESULT_64_BIT) != 0:
-            return None
-        mask = (1 << dev.timestamp_bits) - 1 if dev.timestamp_bits < 64 else (1 << 64) - 1
-        return ((int(data[1]) - int(data[0])) & mask) * dev.timestamp_period / 1e6
+        return None if rec.qpool is None else self.dev.timestamp_ms(rec.qpool)
 
     def free(self, rec: Recorded) -> None:
         """Free a command buffer made by :meth:`record` and its query pool (not while it runs)."""
@@ -311,11 +301,7 @@ class Kernels:
     def _fence(self, holder) -> object:
         """``holder``'s ``VkFence[1]`` (``fence`` attribute), made unsignalled on first use."""
         if holder.fence is None:
-            fci = _s("VkFenceCreateInfo")
-            fci.sType = vk.VK_STRUCTURE_TYPE_FENCE_CREATE_INFO
-            f = ffi.new("VkFence[1]")
-            _chk(lib.vkCreateFence(self.dev._dev, fci, ffi.NULL, f), "vkCreateFence")
-            holder.fence = f
+            holder.fence = new_fence(self.dev._dev)
         return holder.fence
 
     def _queue_submit(self, rec: Recorded, queue, fence) -> None:
