@@ -354,10 +354,10 @@ class Tier:
         same clock). The heat runs to its cap (nothing stops it); a token whose last heat still runs submits none.
         Made under the device lock (it records and submits on the device's queue); a heat's submit on its own
         queue takes no lock (an upload may hold it for milliseconds). Any failure ends the holder (one line)."""
-        from coli.vulkan.layers import ClockHolder
-
         try:
             if self._clock is None:
+                from coli.vulkan.layers import ClockHolder
+
                 with self._dev_lock:
                     h = ClockHolder.for_device(self.device, getattr(self.device, "_layer_kernels", None), self._env)
                 self._clock = h if h is not None else False
