@@ -1,5 +1,5 @@
 """coli: Mixture-of-Experts inference on the machines people own."""
-from .paths import cache_dir
+from .base.paths import cache_dir
 
 
 def __getattr__(name):  # lazy: `import coli` stays light (the CLI's error paths must be fast)

@@ -3,7 +3,7 @@
 ppN: one prompt of N tokens from an empty KV cache (in the engine's prompt steps); tgN: N single-token
 forwards from an empty cache (llama-bench's ``tg`` test). Every test runs once to warm up (Numba's first
 compile, the page cache), then ``reps`` times; time spent holding Numba's compiler lock is subtracted
-(``coli.progress.compile_seconds``), so compilation is never counted. ``-p``, ``-n`` and ``-t`` take
+(``coli.base.progress.compile_seconds``), so compilation is never counted. ``-p``, ``-n`` and ``-t`` take
 lists and ranges as llama-bench's (``1,2,4``, ``1-16``, ``1-16+2``, ``2-16*2``: :func:`parse_int_list`);
 each thread count runs every test.
 
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 from coli.gguf_file import file_type_name
 
 FIELDS = ["build_commit", "build_number", "cpu_info", "gpu_info", "backends", "model_filename", "model_type",
@@ -255,7 +255,7 @@ def run_bench(eng, n_prompt=128, n_gen=64, reps=5, cold=False, threads=None, ban
     import numba
 
     from coli.engine import PREFILL_CHUNK, engine_threads
-    from coli.progress import compile_seconds
+    from coli.base.progress import compile_seconds
 
     pp = [n_prompt] if isinstance(n_prompt, int) else list(n_prompt)
     tg = [n_gen] if isinstance(n_gen, int) else list(n_gen)

@@ -13,7 +13,7 @@ import signal
 import sys
 import threading
 
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 
 HELP = "/reset forgets the conversation, /exit (or Ctrl-D) quits; Ctrl-C stops an answer"
 

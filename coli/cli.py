@@ -17,8 +17,8 @@ import secrets
 import sys
 import time
 
-from coli import settings
-from coli.errors import ColiError
+from coli.base import settings
+from coli.base.errors import ColiError
 from coli.fetch import MODEL_NAMES  # the names -m takes besides a path (coli models lists them)
 
 
@@ -277,7 +277,7 @@ def cmd_serve(a) -> int:
 def cmd_models(a) -> int:
     from coli.demo import demo_file_name
     from coli.fetch import MODELS
-    from coli.paths import cache_dir
+    from coli.base.paths import cache_dir
 
     rows = []
     for name in ("smollm2", "gemma3-270m", "qwen2.5-coder-0.5b"):
@@ -317,7 +317,7 @@ def cmd_perplexity(a) -> int:
             ids = ids[: a.max_tokens]
         t0 = time.perf_counter()
 
-        from coli.progress import bar, stderr_is_terminal
+        from coli.base.progress import bar, stderr_is_terminal
 
         terminal = stderr_is_terminal()
         pb = None

@@ -30,7 +30,7 @@ MoE block feeds ``ffn_gate_inp``) of the dense model on a fixed 69-token calibra
 Router logits then have std ``ROUTER_LOGIT_STD`` (2.5) on real hidden states: the top-k softmax is
 decisive, not near-uniform, and the choice changes from token to token (see docs/demo_moe.md).
 
-Errors: a bad parameter raises ``coli.errors.ColiError`` naming the parameter.
+Errors: a bad parameter raises ``coli.base.errors.ColiError`` naming the parameter.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import ColiError
+from .base.errors import ColiError
 
 VERSION = 1  # bump when the construction changes: it is part of the cached file's name
 EXPERT_TYPES = ("Q8_0", "same", "F16", "Q4_0")
@@ -79,13 +79,13 @@ def demo_model_path(noise: float = 0.05, expert_type: str = "Q8_0", n_experts: i
                     seed: int = 0, quiet: bool = False) -> Path:
     """Path of the demo MoE GGUF for these parameters, building it on first use.
 
-    The file lives in ``coli.paths.cache_dir("demo")`` under ``demo_file_name(...)``. A build writes a
+    The file lives in ``coli.base.paths.cache_dir("demo")`` under ``demo_file_name(...)``. A build writes a
     temp file in that folder, fsyncs it and ``os.replace``s it into place, so an interrupted build leaves
     no file at the final path (and removes its temp file). Concurrent builders are serialised by an
     advisory lock (``fcntl.flock``) on ``<cache>/demo/.build.lock``; the second finds the file built.
     Progress goes to stderr unless ``quiet``. Raises ``ColiError`` for a bad parameter.
     """
-    from .paths import cache_dir
+    from .base.paths import cache_dir
 
     name = demo_file_name(noise, expert_type, n_experts, top_k, seed)
     folder = cache_dir("demo")
@@ -390,7 +390,7 @@ def build_demo_moe(src: Path | str, dest: Path | str, noise: float = 0.05, exper
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         layers_done = 0
-        from .progress import bar
+        from .base.progress import bar
 
         with concurrent.futures.ThreadPoolExecutor(_n_workers()) as pool, \
                 bar(total=n_layer, desc=f"building {dest.name}", unit=" layers", disable=quiet) as pb:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 
 PREFILL_CHUNK = 64  # rows of a prompt step (bounds the attention scratch and the expert batches)
 CTX_RAM_SHARE = 0.25  # the default context's KV cache takes at most this share of the available RAM
@@ -142,7 +142,7 @@ def engine_threads(eng):
     kernels, once" bar at the end."""
     import numba
 
-    from coli.progress import end_compile_bar, install
+    from coli.base.progress import end_compile_bar, install
 
     install()
     with eng._lock:
@@ -258,7 +258,7 @@ class Engine:
     readers), ``device`` (None | "vulkan": the expert tier on the best Vulkan device, the CPU alone when
     there is none), ``balance`` (the measured-time balancer; default on with a device), ``trace`` (path of a Chrome trace JSON),
     ``quiet`` (no notes on stderr), ``silent`` (not even the device's and the tier's), ``env`` (the
-    ``COLI_*`` settings, ``os.environ`` by default: ``coli.settings.overlay`` puts flags on top, docs/settings.md),
+    ``COLI_*`` settings, ``os.environ`` by default: ``coli.base.settings.overlay`` puts flags on top, docs/settings.md),
     ``cli_names`` (errors name CLI flags instead of API arguments). Raises ``ColiError`` for bad files or options.
     """
 
@@ -283,7 +283,7 @@ class Engine:
         self.quiet = quiet
         self.save_usage_on_close = save_usage
         self.cli_names = cli_names  # errors name CLI flags (the CLI) or API arguments
-        self.env = os.environ if env is None else env  # the COLI_* settings passed down (coli.settings.overlay)
+        self.env = os.environ if env is None else env  # the COLI_* settings passed down (coli.base.settings.overlay)
         self.silent = silent  # no device or tier notes on stderr either (the CLI's -q)
         self._kv, self._kv_ids = None, []  # the KV cache kept across keep_kv calls and the ids it holds
         self.io_threads = int(io_threads)
@@ -333,11 +333,11 @@ class Engine:
         self.step = None
         self.usage = None
         self.tier = None
-        self.device_layers = None   # scheduler.layer_split.DeviceLayers (--gpu-layers)
+        self.device_layers = None   # coli.vulkan.device_layers.DeviceLayers (--gpu-layers)
         self.trace = None
         self.ram_cache_bytes = 0
         if trace:
-            from coli.paths import check_writable_file, is_json_array_of_objects
+            from coli.base.paths import check_writable_file, is_json_array_of_objects
             from scheduler.trace import Trace
 
             check_writable_file(trace, "--trace", overwrite_if=is_json_array_of_objects)
@@ -349,7 +349,7 @@ class Engine:
         if device not in (None, "cpu"):
             if self.step is None and device == "vulkan":   # nothing for the tier to hold: no device opened
                 if not self.silent:
-                    from coli import settings
+                    from coli.base import settings
 
                     what = ("device layers (--gpu-layers) run MoE decoder layers only" if settings.get("COLI_VK_LAYERS", self.env)
                             else "the Vulkan tier holds experts only")
@@ -387,7 +387,7 @@ class Engine:
                     print(f"coli: --expert-cache {slots} is below top-k {a.top_k}: raised to {a.top_k}", file=sys.stderr)
                 slots = a.top_k
         if usage_path is not None:
-            from coli.paths import check_writable_file
+            from coli.base.paths import check_writable_file
 
             check_writable_file(usage_path, "--usage")
         self.usage = Usage.open(self.path, a.n_layers, E, path=usage_path, quiet=self.quiet)
@@ -405,15 +405,15 @@ class Engine:
 
     def _setup_layers(self, dev, budget: int) -> bool:
         """``COLI_VK_LAYERS`` / ``--gpu-layers`` N != 0: the last N layers (-1: as many as ``budget`` holds) run
-        whole on the device (``scheduler.layer_split``); True when some do. When none qualifies or fits, one line
+        whole on the device (``coli.vulkan.device_layers``); True when some do. When none qualifies or fits, one line
         says why and the expert tier runs instead (False)."""
-        from coli import settings
-        from scheduler import layer_split
+        from coli.base import settings
+        from coli.vulkan import device_layers
 
         want = settings.get("COLI_VK_LAYERS", self.env)
         if not want:
             return False
-        first, why = layer_split.plan(self.model, budget, self.ctx, None if want < 0 else want)
+        first, why = device_layers.plan(self.model, budget, self.ctx, None if want < 0 else want)
         n = len(self.model.layers) - first
         if n == 0:
             if not self.silent:
@@ -423,7 +423,7 @@ class Engine:
         from coli.vulkan import DeviceLost, VulkanError
 
         try:
-            dl = layer_split.DeviceLayers(self.model, dev, first, self.ctx, env=self.env)
+            dl = device_layers.DeviceLayers(self.model, dev, first, self.ctx, env=self.env)
         except (DeviceLost, VulkanError, MemoryError, ValueError) as e:   # the tier instead, as for no layer
             if not self.silent:
                 print(f"[VK] {self.path.name}: the device layers did not load ({type(e).__name__}: {e}); the expert "
@@ -438,12 +438,12 @@ class Engine:
 
     def _setup_device(self, device, balance):
         """Open the Vulkan device and wire the expert tier to this engine (docs/tier.md): the budget by the
-        one rule (``scheduler.tier_policy.budget_bytes``, which the device applied at open: its
+        one rule (``scheduler.tier_policy.budget_bytes``, passed to the device, which applies it at open: its
         ``budget_bytes`` / ``budget_rule``), the RAM cache's size and the dense bytes, the history, the
         trace, the start line, the warm start (the cache's ``source.read_checked`` on a thread pool)."""
         if device != "vulkan":
             raise ColiError(f"{self._name('device')}: '{device}' (cpu or vulkan)")
-        from coli import settings
+        from coli.base import settings
 
         try:
             from coli import vulkan as cvk
@@ -451,8 +451,13 @@ class Engine:
             idx = settings.get("COLI_VK_DEV", self.env)
             # the CLI's --device vulkan:N sets the index in the settings it passes, not in the environment
             flag = f"--device vulkan:{idx}" if self.cli_names and idx >= 0 and settings.get("COLI_VK_DEV") != idx else None
-            self.device = cvk.open_device(self.path.name, ram_cache_bytes=self.ram_cache_bytes,
-                                          dense_bytes=self.model.dense_bytes, quiet=self.silent,
+            from scheduler.tier_policy import budget_bytes
+
+            # the one rule, on the settings passed down (a --tier-gb flag is in self.env, not os.environ)
+            def budget(info):
+                return budget_bytes(info, self.ram_cache_bytes, self.model.dense_bytes, env=self.env)
+
+            self.device = cvk.open_device(self.path.name, budget=budget, quiet=self.silent,
                                           device_index=None if idx < 0 else idx, index_name=flag)
         except Exception as e:  # the device may fail in any way: the run goes on on the CPU
             print(f"[VK] {self.path.name}: {type(e).__name__}: {e}, running on the CPU", file=sys.stderr)
@@ -462,23 +467,18 @@ class Engine:
         self.device.act = self.cpu_act      # the device's activations rounded as the CPU's (int8 or f32)
         from scheduler.balancer import Balancer
         from scheduler.tier import Tier
-        from scheduler.tier_policy import DeviceMemory, budget_bytes
 
         dev, src = self.device, self.cache.source
         layers = list(self.model.moe_layers)
         per = max(src.expert_nbytes(l) for l in layers)          # the biggest expert (gate + up + down)
-        info = DeviceMemory.of(dev)
-        # the one rule, on the settings passed down (a --tier-gb flag is in self.env, not os.environ)
-        budget, rule = budget_bytes(info, self.ram_cache_bytes, self.model.dense_bytes, env=self.env)
-        if hasattr(dev, "budget_bytes"):
-            dev.budget_bytes, dev.budget_rule = budget, rule
+        budget, rule = dev.budget_bytes, dev.budget_rule          # set at open by the rule passed in
         if self._setup_layers(dev, int(budget)):
             return
         counts = self.usage.counts.copy() if self.usage is not None and self.usage.loaded else None
         own = bool(getattr(dev, "own_queue", getattr(dev, "dedicated_compute_queue", False)))
         self.tier = Tier(dev, self.path.name, self.args.n_layers, src.n_experts(layers[0]), per, int(budget),
                          rule, counts=counts, balancer=Balancer(enabled=True if balance is None else bool(balance)),
-                         trace=self.trace, device_name=info.name, own_queue=own, moe_layers=layers,
+                         trace=self.trace, device_name=dev.name, own_queue=own, moe_layers=layers,
                          auto_tokens=True, ram=self.cache, env=self.env,
                          log=open(os.devnull, "w") if self.silent else None)
         self.tier._say(self.tier.start_line())
@@ -808,7 +808,7 @@ class Engine:
             kv = self._new_cache(len(ids), None if keep_kv else len(ids) + n_gen)
         self._kv, self._kv_ids = (kv, [int(i) for i in ids]) if keep_kv else (None, [])
         self._reset_counters()
-        from coli.progress import compile_seconds  # compile time is never counted in tok/s
+        from coli.base.progress import compile_seconds  # compile time is never counted in tok/s
 
         c0 = compile_seconds()
         t0 = time.perf_counter()

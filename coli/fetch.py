@@ -17,8 +17,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from .errors import ColiError
-from .paths import cache_dir
+from .base.errors import ColiError
+from .base.paths import cache_dir
 
 MODELS = {
     "smollm2": dict(
@@ -80,7 +80,7 @@ def model_path(name: str, quiet: bool = False) -> Path:
     dest = cache_dir("models") / spec["file"]
     if dest.exists():
         return dest
-    from .progress import bar
+    from .base.progress import bar
 
     with tempfile.TemporaryDirectory(dir=cache_dir("models")) as tmp:
         tmp = Path(tmp)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 
 
 #: Values per ``np.isfinite`` pass: bounds its bool temporary (4 MiB) on a large tensor (a 600M-value F32 head).
@@ -52,7 +52,7 @@ def check_array(a: np.ndarray, where: str) -> None:
 
 
 #: Formats whose packed codes (``Weight.arrays[0]``, uint8 [O, I]) can encode NaN: code & mask == mask.
-#: FP8_E4M3_B128: float8_e4m3fn's S.1111.111 (coli/fp8_blocks.py).
+#: FP8_E4M3_B128: float8_e4m3fn's S.1111.111 (coli/types/fp8_blocks.py).
 NAN_CODES = {"FP8_E4M3_B128": 0x7F}
 
 
@@ -99,9 +99,9 @@ def _f16_bad(hi: np.ndarray) -> np.ndarray:
 def first_bad_raw_row(type_name: str, raw: np.ndarray) -> int | None:
     """The same as :func:`check_weight` on the file's bytes, without preparing them: the first row of ``raw``
     (uint8 [O, row bytes] of GGUF type ``type_name``) with a non-finite value (F32 / F16 / BF16) or f16 block scale
-    (the ``scale_offsets`` of ``coli.tensor_types``, ggml-common.h ``block_*``), or None. A type without listed
+    (the ``scale_offsets`` of ``coli.types.table``, ggml-common.h ``block_*``), or None. A type without listed
     f16 scales is prepared and its packed float arrays are checked (``check_weight``'s rule)."""
-    from coli import tensor_types
+    from coli.types import table as tensor_types
 
     raw = np.ascontiguousarray(raw).reshape(raw.shape[0], -1)
     O = raw.shape[0]

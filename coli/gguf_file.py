@@ -18,7 +18,7 @@ one field object per string: 9.4 s for Qwen2.5's 151936 tokens + 151387 merges, 
 bytes left in the file *and* decodes the values in the same pass; the type tables (block size, bytes
 per block, type names) come from ``gguf.constants``. Tests compare the result with ``GGUFReader``.
 
-Errors: every malformed input raises :class:`coli.errors.ColiError` with one line
+Errors: every malformed input raises :class:`coli.base.errors.ColiError` with one line
 ``"<file>: <field>: <what>"`` (``header``, ``kv '<key>'``, ``tensor '<name>'``), before any large
 allocation.
 """
@@ -35,7 +35,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from .errors import ColiError
+from .base.errors import ColiError
 
 GGUF_MAGIC = b"GGUF"
 GGUF_DEFAULT_ALIGNMENT = 32

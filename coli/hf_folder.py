@@ -16,7 +16,7 @@ Folder layout (what ``save_pretrained`` writes and the FP8 releases ship):
   read-only memory map (its NumPy backend has no bfloat16 / float8 dtypes, so the bytes are viewed as uint8
   at the header's ``data_offsets``). Dtypes: F32, F16, BF16 as the GGUF types of those names; F8_E4M3 with
   its ``weight_scale_inv`` (F32 or BF16, one per 128x128 block) as coli's ``FP8_E4M3_B128`` row
-  (``coli/fp8_blocks.py``; the row layout is a copy, made at load for dense weights and per read for experts).
+  (``coli/types/fp8_blocks.py``; the row layout is a copy, made at load for dense weights and per read for experts).
 * ``tokenizer.json`` (+ ``tokenizer_config.json``, ``chat_template.jinja``, ``generation_config.json``).
 
 Tensor names (HF ``modeling_*.py`` -> GGUF, as ``gguf-py``'s ``tensor_mapping.py``): ``model.embed_tokens`` ->
@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 from coli.gguf_file import TensorInfo
 from scheduler.ram_cache import ExpertSource
 
@@ -286,7 +286,7 @@ def _scale_f32(folder: Path, name: str, s: _Src) -> np.ndarray:
 
 
 def _fp8_raw(folder: Path, name: str, w: _Src, s: _Src) -> np.ndarray:
-    from coli import fp8_blocks as fp8
+    from coli.types import fp8_blocks as fp8
 
     if len(w.shape) != 2:
         _fail(folder, f"tensor '{name}': F8_E4M3 tensor of shape {list(w.shape)} (2-D expected)")

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import sys
 
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 
 GiB = 1 << 30
 MiB = 1 << 20

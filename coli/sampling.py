@@ -26,7 +26,7 @@ from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 
 _FMAX = float(np.finfo(np.float64).max)
 

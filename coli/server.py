@@ -35,7 +35,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 
 DEFAULTS = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0, repeat_last_n=64,
                 presence_penalty=0.0, frequency_penalty=0.0)

@@ -30,7 +30,7 @@ transformers does (``trim_blocks``, ``lstrip_blocks``, ``{% generation %}``, ``r
 ``dict``, ``namespace``); :meth:`Tokenizer.encode_chat` gives the ids with exactly one BOS where the file asks
 for one, and falls back to llama.cpp's ChatML when the file has no template.
 
-Errors: :class:`coli.errors.ColiError` naming the file and the ``tokenizer.*`` key.
+Errors: :class:`coli.base.errors.ColiError` naming the file and the ``tokenizer.*`` key.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .errors import ColiError
+from .base.errors import ColiError
 
 CONTROL, USER_DEFINED, UNUSED, BYTE = 3, 4, 5, 6  # llama.cpp llama_token_type / gguf TokenType
 

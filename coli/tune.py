@@ -36,7 +36,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 
 CSV_FIELDS = ["model", "layer", "threads", "io_threads", "device", "balance", "rep", "n_prompt", "n_gen",
               "prefill_tps", "decode_tps", "decode_weight_gbps", "load_avg"]
@@ -46,14 +46,14 @@ LAYERS = ("tbb", "omp")
 # -- configuration file ------------------------------------------------------------------------------------
 def config_path() -> Path:
     """``$XDG_CONFIG_HOME/coli/config.toml`` or ``~/.config/coli/config.toml``; when HOME is unusable (unset,
-    missing or not writable), ``config.toml`` in coli's cache folder (``coli.paths.cache_dir()``)."""
+    missing or not writable), ``config.toml`` in coli's cache folder (``coli.base.paths.cache_dir()``)."""
     xdg = os.environ.get("XDG_CONFIG_HOME")
     home = os.environ.get("HOME")
     if xdg:
         return Path(xdg) / "coli" / "config.toml"
     if home and os.path.isdir(home) and os.access(home, os.W_OK):
         return Path(home) / ".config" / "coli" / "config.toml"
-    from coli.paths import cache_dir
+    from coli.base.paths import cache_dir
 
     return Path(cache_dir()) / "config.toml"
 
@@ -306,7 +306,7 @@ def cmd_tune(a) -> int:
     """``coli tune -m MODEL [--device cpu|vulkan] [--out DIR] [--save] [--threads LIST] [--io-threads LIST]
     [--layers LIST] [--reps N] [-p N] [-n N] [--max-load X]``."""
     from coli.bench import parse_int_list
-    from coli.progress import bar
+    from coli.base.progress import bar
 
     from coli.fetch import resolve
 

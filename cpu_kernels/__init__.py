@@ -10,7 +10,7 @@ and pitfall 12):
   collapses under CPU contention).
 * Never workqueue: it aborts the process (SIGABRT) when two threads call parallel kernels concurrently.
 
-``NUMBA_CACHE_DIR`` defaults to ``coli.paths.cache_dir("numba", <digest of this package's sources>)`` (kernels
+``NUMBA_CACHE_DIR`` defaults to ``coli.base.paths.cache_dir("numba", <digest of this package's sources>)`` (kernels
 are ``cache=True``; the digest keeps a kernel that inlines another file's function from going stale); when the
 cache cannot be written, a temporary folder for this process (one warning line).
 
@@ -31,11 +31,11 @@ def _choose_layer() -> str:
         import numba  # noqa: F401
 
         return os.environ.get("NUMBA_THREADING_LAYER", "default")
-    from coli import settings
+    from coli.base import settings
 
     want = settings.get("COLI_THREADING")
     if want not in ("tbb", "omp"):
-        from coli.errors import ColiError
+        from coli.base.errors import ColiError
 
         raise ColiError(f"COLI_THREADING={want!r}: expected tbb or omp (docs/settings.md)")
     candidates = [os.path.join(sys.prefix, "lib", "libtbb.so.12"), "libtbb.so.12"] if want == "tbb" else []
@@ -63,7 +63,7 @@ def _set_cache_dir() -> None:
         return
     import hashlib
 
-    from coli.paths import optional_cache_dir
+    from coli.base.paths import optional_cache_dir
 
     here = os.path.dirname(os.path.abspath(__file__))
     h = hashlib.sha1()

@@ -61,8 +61,8 @@ from gguf import GGMLQuantizationType as QT
 from gguf import quants as gq
 from numba import njit, prange
 
-from coli import tensor_types as _TT
-from coli.errors import ColiError
+from coli.types import table as _TT
+from coli.base.errors import ColiError
 
 from . import DEFAULT_ACT
 from . import vnni as _vnni
@@ -953,7 +953,7 @@ class Format:
 
 
 def _row(name, bs, ts, pack, gemv, gemm, shader, int8, gemv_i8=None, no_i8=None):
-    """A FORMATS entry keyed by the tensor-type table (coli.tensor_types): geometry, reference and shader name
+    """A FORMATS entry keyed by the tensor-type table (coli.types.table): geometry, reference and shader name
     come from the table; ``bs``, ``ts``, ``shader`` are checked against it."""
     t = _TT.get(name)
     assert (t.block_size, t.type_size, t.shader) == (bs, ts, shader), name

@@ -1,5 +1,5 @@
 """CPU kernels of coli's own ``FP8_E4M3_B128`` row (E4M3 weights, an f32 scale per 128x128 block; the layout,
-the NumPy reference and ``to_raw`` are in ``coli/fp8_blocks.py``, which this module re-exports).
+the NumPy reference and ``to_raw`` are in ``coli/types/fp8_blocks.py``, which this module re-exports).
 
 Kernels (the registry's contract, ``cpu_kernels/formats.py``): ``pack`` splits the codes (uint8 [O, I])
 from the scales (f32 [O, I/128]); the GEMV decodes each code through a 256-entry f32 table (``E4M3``) and
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from coli.fp8_blocks import BLOCK, E4M3, NAME, TYPE_SIZE, e4m3_values, reference, to_raw  # noqa: F401
+from coli.types.fp8_blocks import BLOCK, E4M3, NAME, TYPE_SIZE, e4m3_values, reference, to_raw  # noqa: F401
 
 
 def pack(raw: np.ndarray, O: int, I: int):
@@ -70,7 +70,7 @@ def gemm(q, d, x, out):
         _tile(buf, n, x, c0, out)
 
 
-# the registry row (the table marks it coli's own and CPU only: coli/tensor_types.py)
+# the registry row (the table marks it coli's own and CPU only: coli/types/table.py)
 _formats.FORMATS.update([_formats._row(NAME, BLOCK, TYPE_SIZE, pack, gemv, gemm, NAME.lower(), True, None,
                                        "E4M3 codes are not integers: act=int8 runs these kernels on the rounded x")])
 # and its CPU column in the table, here too: when this module is imported first, formats.py's registration loop

@@ -2,7 +2,7 @@
 
 Block layouts are ggml's (``ggml/src/ggml-common.h`` ``block_iq2_xxs`` ...; all QK_K = 256 weights; decoding as
 ``dequantize_row_iq*`` in ``ggml/src/ggml-quants.c``, mirrored by ``gguf.quants``). ``d`` is an IEEE f16;
-grids and ``ksigns_iq2xs`` come from ``coli.iq_tables`` (decoded from ``gguf.quants``, never retyped):
+grids and ``ksigns_iq2xs`` come from ``coli.types.iq_tables`` (decoded from ``gguf.quants``, never retyped):
 
 =======  =====  ====================================================================================================
 type     bytes  layout per 256 weights (byte offsets); per 32-weight sub-block ``ib``
@@ -53,7 +53,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
 
-from coli import iq_tables
+from coli.types import iq_tables
 
 from . import vnni as _vnni
 from .formats import FORMATS, _row, _tile, gemm_q8_0, gemv_q8_0

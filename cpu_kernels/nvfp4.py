@@ -1,7 +1,7 @@
 """CPU kernels of NVFP4 (a row of ``cpu_kernels.formats.FORMATS``): the G = 16 kernels of ``cpu_kernels.iquants``.
 
 Block (ggml-common.h ``block_nvfp4``, QK_NVFP4 = 64; decoding as ggml-quants.c ``dequantize_row_nvfp4``, mirrored
-by ``gguf.quants.NVFP4``; layout details in ``coli/nvfp4.py``): 36 bytes per 64 weights, four UE4M3 sub-block
+by ``gguf.quants.NVFP4``; layout details in ``coli/types/nvfp4.py``): 36 bytes per 64 weights, four UE4M3 sub-block
 scales ``d[4]`` then ``qs[32]``; weight ``16s + j`` (j < 8) is ``kvalues_mxfp4[qs[8s + j] & 15] * ue4m3(d[s])``,
 weight ``16s + 8 + j`` the high nibble's, with ``ue4m3`` ggml's ``ggml_ue4m3_to_fp32`` (halved, as ``kvalues_mxfp4``
 is E2M1 doubled; 0x00 and 0x7F decode to 0, bit 7 is ignored).
@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from coli import nvfp4 as _nv
+from coli.types import nvfp4 as _nv
 
 from . import iquants as _iq
 from . import tiles as _tiles

@@ -84,7 +84,7 @@ bias 7 moved to f32's 127, the 1/2 of the doubled table folded in), or ``u * 2^-
 
 IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S (``dequantize_row_iq2_xxs``/``iq2_xs``/``iq2_s``/``iq3_xxs``: w = d
 (0.5 + s) / 4 (IQ3_XXS / 2) x grid x sign; ``iq3_s``: d (1 + 2s) x grid x sign): every value of their grids is
-one of 3 (IQ2: 8, 25, 43) or 8 (IQ3_XXS: 4, 12, ..., 52, 62; IQ3_S: 1, 3, ..., 15) levels (``coli.iq_tables``),
+one of 3 (IQ2: 8, 25, 43) or 8 (IQ3_XXS: 4, 12, ..., 52, 62; IQ3_S: 1, 3, ..., 15) levels (``coli.types.iq_tables``),
 so ``pack`` (``_pack_grid``) re-encodes each weight as its level code and sign bit (ksigns' parity bit written
 out) and the kernels decode them in registers, no table gathers. IQ3_XXS and IQ3_S are IQ4_XS's tile with the 16
 signed levels as its table. IQ2_* cut 2-bit codes as Q2_K's tile, look them up as unsigned levels (``vpshufb``:
@@ -160,10 +160,10 @@ _LUT = {"MXFP4": 0, "IQ4_NL": 1, "IQ4_XS": 1, "IQ3_XXS": 2, "IQ3_S": 4}
 
 
 def _levels(type_name):
-    """The distinct values of a grid i-quant's codebook (coli.iq_tables: IQ2 8, 25, 43; IQ3_XXS 4, 12, ..., 52,
+    """The distinct values of a grid i-quant's codebook (coli.types.iq_tables: IQ2 8, 25, 43; IQ3_XXS 4, 12, ..., 52,
     62; IQ3_S 1, 3, ..., 15), ascending: a grid entry is a code per weight into these (2 bits for the IQ2 types,
     3 for the IQ3 types)."""
-    from coli import iq_tables
+    from coli.types import iq_tables
 
     return np.unique(iq_tables.grid(type_name)).astype(np.int8)
 
@@ -416,14 +416,14 @@ def pack(type_name: str, raw: np.ndarray, O: int, I: int) -> np.ndarray:
     blk = np.ascontiguousarray(raw).reshape(T, ROWS, nb, bsz)   # C order: one specialisation per kernel
     out = np.empty((T, nb, rec), np.uint8)
     if type_name in ("IQ2_XXS", "IQ3_XXS", "IQ3_S", "IQ2_XS", "IQ2_S"):
-        from coli import iq_tables
+        from coli.types import iq_tables
 
         out[:] = 0
         cmap = np.searchsorted(_levels(type_name), iq_tables.grid(type_name)).astype(np.uint8)
         _pack_grid(blk, KIND[type_name], cmap, iq_tables.ksigns(), out)
         return out.reshape(T, nb * rec)
     if type_name in ("IQ1_S", "IQ1_M"):
-        from coli import iq_tables
+        from coli.types import iq_tables
 
         out[:] = 0
         cmap = (iq_tables.grid("IQ1_S") + 1).astype(np.uint8)   # {-1, 0, 1} -> 0, 1, 2 (IQ1_M shares the grid)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from coli import finite
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 from cpu_kernels import experts as grouped
 from cpu_kernels import formats
 

@@ -826,7 +826,7 @@ class Tier:
         threads = threads or max(1, min(8, os.cpu_count() or 1))
         n = failed = n_h = 0
         window = 2 * threads
-        from coli.progress import bar  # drawn only when stderr is a terminal
+        from coli.base.progress import bar  # drawn only when stderr is a terminal
 
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="coli-warm") as ex, \
                 bar(total=len(plan), desc="warm start", unit=" experts") as pb:

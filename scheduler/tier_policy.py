@@ -24,15 +24,15 @@ SHARED_KINDS = ("integrated", "cpu", "virtual", "other")
 
 
 def _env_float(env, name: str, default: float | None) -> float | None:
-    """``COLI_*`` number from ``env`` through coli.settings (one parser; ColiError naming the variable)."""
-    from coli.settings import get
+    """``COLI_*`` number from ``env`` through coli.base.settings (one parser; ColiError naming the variable)."""
+    from coli.base.settings import get
 
     v = get(name, env)
     return default if v is None else float(v)
 
 
 def _env_int(env, name: str, default: int) -> int:
-    from coli.settings import get
+    from coli.base.settings import get
 
     v = get(name, env)
     return default if v is None else int(v)

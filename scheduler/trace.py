@@ -31,7 +31,7 @@ temp file in the same folder, then ``os.replace``), so a crash never leaves half
 """
 from __future__ import annotations
 
-from coli.paths import atomic_write_text
+from coli.base.paths import atomic_write_text
 
 import json
 import os

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from coli.paths import atomic_write_text, optional_cache_dir
+from coli.base.paths import atomic_write_text, optional_cache_dir
 
 
 def default_path(model_path: str | os.PathLike) -> Path | None:
@@ -112,7 +112,7 @@ class Usage:
         """Load the history for ``model_path`` (zeros if none, or if the entry does not match the model: a
         note). A file that is not a routing history is never overwritten: given as ``path`` (``--usage``),
         ``ColiError``; at the default place, it is renamed aside (``<name>.not-history-<n>``) with a note."""
-        from coli.errors import ColiError
+        from coli.base.errors import ColiError
 
         p = Path(path) if path else default_path(model_path)
         u = cls(p, Path(model_path), n_layers, n_experts)
@@ -176,7 +176,7 @@ class Usage:
         """Add this run's committed counts to the file's entry for this model and replace the file atomically,
         under a lock on its folder (re-read inside the lock, so another run's save in between is kept).
         ``ColiError`` if the file became something that is not a history; ``OSError`` from the disk."""
-        from coli.errors import ColiError
+        from coli.base.errors import ColiError
 
         if self.path is None:
             return

@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import cpu_kernels  # noqa: E402,F401  (threading layer before numba)
-from coli import tensor_types as TT  # noqa: E402
+from coli.types import table as TT  # noqa: E402
 from tests import test_backend_ops as H  # noqa: E402
 
 
@@ -25,7 +25,8 @@ def main(argv=None) -> int:
     ap.add_argument("--types", default="", help="comma-separated GGUF types (default: every implemented one)")
     ap.add_argument("--no-vulkan", action="store_true", help="CPU only")
     a = ap.parse_args(argv)
-    TT.load_backends()
+    import coli.vulkan.shaders  # noqa: F401  (the backends' registries fill the table's backends column)
+    import cpu_kernels.formats  # noqa: F401
     names = [n for n, t in TT.TYPES.items() if t.backends]
     if a.types:
         names = [n for n in names if n in a.types.split(",")]
@@ -33,7 +34,7 @@ def main(argv=None) -> int:
     if not a.no_vulkan:
         from coli.vulkan import open_device
 
-        d = open_device("backend-ops", budget_bytes=1 << 28, quiet=True)
+        d = open_device("backend-ops", budget=1 << 28, quiet=True)
         if d is not None:
             backends["vulkan"] = H.Backend("vulkan", d)
             print(f"vulkan: {d.name}", file=sys.stderr)

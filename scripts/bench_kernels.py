@@ -21,7 +21,7 @@ import cpu_kernels  # noqa: F401  (threading layer before numba)
 import numpy as np
 from numba import njit, prange
 
-from coli import tensor_types as TT
+from coli.types import table as TT
 from cpu_kernels import formats as F
 
 # (O, I): SmolLM2-135M (576/1536/49152 vocab), Qwen2.5-0.5B (896/4864/151936), Gemma-3-270M (640/2048/1024)
@@ -90,7 +90,7 @@ def random_raw(name: str, O: int, I: int, rng) -> np.ndarray:
         for k in range(4):
             blocks[:, :, 49 + 2 * k] = (blocks[:, :, 49 + 2 * k] & 15) | (((h >> (4 * k)) & 15) << 4)
     else:
-        for off in TT.get(name).scale_offsets:  # d (and dmin) of the block: coli.tensor_types
+        for off in TT.get(name).scale_offsets:  # d (and dmin) of the block: coli.types.table
             blocks[:, :, off:off + 2] = one
     return blocks.reshape(O, -1)
 

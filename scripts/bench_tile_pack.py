@@ -75,7 +75,7 @@ def main():
         bs, rec, nc, bsz = tiles.SPEC[t]
         O, I = 1536, (576 if bs == 32 else 1024)
         if tn in tiles.AS_BLOCKS:
-            from coli import tensor_types
+            from coli.types import table as tensor_types
             tt = tensor_types.get(tn)
             raw = rng.integers(0, 256, (O, I // tt.block_size * tt.type_size), dtype=np.uint8)
         else:

@@ -66,7 +66,7 @@ def cpu_name() -> str:
 
 def resolve_model(name: str) -> Path:
     """A path, ``demo`` (coli's demo MoE, built on first use) or a model name (``coli.fetch.resolve``)."""
-    from coli.errors import ColiError
+    from coli.base.errors import ColiError
     from coli.fetch import resolve
     try:
         return Path(resolve(name)).resolve()
@@ -81,7 +81,7 @@ def llama_bench_path(a) -> Path:
         if not os.access(p, os.X_OK):
             sys.exit(f"bench_vs_llamacpp: --llama-bench {p}: not an executable file")
         return p
-    from coli.paths import cache_dir
+    from coli.base.paths import cache_dir
     work = Path(a.build_dir) if a.build_dir else cache_dir("llama.cpp")
     exe = work / "build" / "bin" / "llama-bench"
     if os.access(exe, os.X_OK):

@@ -20,12 +20,12 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from coli import tensor_types as TT  # noqa: E402
+from coli.types import table as TT  # noqa: E402
 from coli.vulkan import open_device  # noqa: E402
 
 def random_weight(t: str, O: int, I: int, rng) -> np.ndarray:
     """Random GGUF bytes [O, row_bytes] with finite scales: the tensor-type table's test weights
-    (``coli.tensor_types.random_blocks``: real quantized blocks where gguf can quantize the type)."""
+    (``coli.types.table.random_blocks``: real quantized blocks where gguf can quantize the type)."""
     return TT.random_blocks(t, O, I, rng, 1.0)
 
 
@@ -43,7 +43,7 @@ def main():
     if a.small:
         a.D, a.F, a.E, a.copy_mb = 256, 256, 8, 64
     rows = [int(r) for r in a.rows.split(",")]
-    dev = open_device("bench", budget_bytes=64 << 30)
+    dev = open_device("bench", budget=64 << 30)
     if dev is None:
         return 1
     print(f"device: {dev.describe()}")

@@ -31,8 +31,8 @@ from numba import njit, prange, types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
-from coli import iq_tables  # noqa: E402
-from coli import tensor_types as TT  # noqa: E402
+from coli.types import iq_tables  # noqa: E402
+from coli.types import table as TT  # noqa: E402
 from cpu_kernels import formats as F  # noqa: E402
 from cpu_kernels import vnni as V  # noqa: E402
 

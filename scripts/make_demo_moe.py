@@ -20,7 +20,7 @@ from pathlib import Path
 
 def main(argv: list[str] | None = None) -> int:
     from coli import demo
-    from coli.errors import ColiError
+    from coli.base.errors import ColiError
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--noise", type=float, default=0.05, help="relative RMS noise per expert (default 0.05)")

@@ -11,7 +11,7 @@ scripts/build_llama_bench.sh into ``~/.cache/coli/llama.cpp/build/bin``; CI neve
   (x is the one tensor of a GGUF given to ``llama-quantize --tensor-type ffn_gate_exps=nvfp4``). Rows of x:
   normals at scales 10^-4 .. 10^3.5 (UE4M3 sub-block scales that round to zero, subnormal, normal and
   saturated at 448), a zero row, and rows whose sub-blocks have amax 6 * 2^k and every other value exactly
-  half-way between two neighbouring E2M1 values (ggml's tie-break: the first index). coli/nvfp4.py's port
+  half-way between two neighbouring E2M1 values (ggml's tie-break: the first index). coli/types/nvfp4.py's port
   must reproduce the bytes.
 * ``nvfp4_moe.gguf``: a tiny llama-architecture MoE (scripts/make_synthetic_moe.py: F32, 2 layers, d 128,
   2 heads, 4 experts top-2, expert FFN 128, vocabulary 256, seed 8) through ``llama-quantize ... Q8_0`` with

@@ -15,7 +15,7 @@ def main() -> int:
     from coli.vulkan import layers as L
     from coli.vulkan.device import lib
 
-    dev = open_device("heat probe", budget_bytes=1 << 30, quiet=True)
+    dev = open_device("heat probe", budget=1 << 30, quiet=True)
     if dev is None:
         sys.exit("vk_heat_probe: no Vulkan device")
     print(dev.describe(), "| second queue:", dev._queue2 is not None)

@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from coli import tensor_types as TT  # noqa: E402
+from coli.types import table as TT  # noqa: E402
 from coli.vulkan import open_device  # noqa: E402
 
 
@@ -78,7 +78,7 @@ def main():
         ap.error("--reps >= 1, --pairs each in 1..64, --series 0 or >= 100 (windows of 100), --series-gap >= 0")
     if a.only_series:
         pairs = []
-    dev = open_device("probe", budget_bytes=16 << 30)
+    dev = open_device("probe", budget=16 << 30)
     if dev is None:
         return 1
     print(f"device: {dev.describe()}; {a.type} experts D={a.D} F={a.F}; gemv_rows {dev.gemv_rows}")

@@ -1,5 +1,5 @@
 // Shared pieces of the i-quant decoders (fmt_iq*.glsl). The grids (ggml-common.h's iq2xxs_grid ... as
-// gguf.quants carries them) live in a storage buffer the device uploads once from coli/iq_tables.py
+// gguf.quants carries them) live in a storage buffer the device uploads once from coli/types/iq_tables.py
 // (device_grids); the generated iq_grids.glsl names each grid's offset in it. A const array in the shader
 // made Lavapipe copy the whole table into every invocation.
 layout(std430, set = 0, binding = 6) readonly buffer IQG { uint IQGRID[]; };

@@ -13,7 +13,7 @@ FIXTURES = ROOT / "tests" / "fixtures"
 sys.path.insert(0, str(ROOT))
 
 import cpu_kernels  # noqa: E402, F401  (sets the threading layer before numba is imported anywhere)
-from coli import progress as _progress  # noqa: E402
+from coli.base import progress as _progress  # noqa: E402
 
 # ------------------------------------------------------------------ where the suite's time goes (a CI log line)
 # Most of a cold run is Numba compiling (docs/cpu_kernels.md "Compile time"); the summary says how much of it this

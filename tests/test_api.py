@@ -14,7 +14,7 @@ import pytest
 from conftest import ROOT
 
 from coli.engine import StopText
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 
 P = "The capital of France is"
 

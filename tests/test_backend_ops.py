@@ -2,7 +2,7 @@
 against the NumPy reference.
 
 * Backends: ``cpu`` (the Numba kernels, ``cpu_kernels.formats``) and ``vulkan`` (whatever device the loader
-  finds; Lavapipe in CI). Types: every row of the backend's registry (``coli.tensor_types`` keys them).
+  finds; Lavapipe in CI). Types: every row of the backend's registry (``coli.types.table`` keys them).
 * Ops: ``gemv`` (few activation rows: the CPU's per-row GEMV, the device's GEMV shader), ``gemm`` (many rows:
   the blocked CPU GEMM, the device's tiled GEMM) and ``expert`` (a SwiGLU expert batch: several experts, rows
   routed top-2, one expert with enough rows for the GEMM, the rest on the GEMV; on the CPU through
@@ -10,8 +10,8 @@ against the NumPy reference.
 * Activations: ``f32``, and ``int8`` (llama.cpp's Q8 activation blocks: per 32, d = amax/127, q = rint(x/d)) for
   the quantized formats on both backends (the device rounds on the host or in shaders/act_q8.comp); the
   reference then multiplies the rounded activations (an exact NumPy model).
-* Reference: ``coli.tensor_types`` ``reference`` (``gguf.quants.dequantize``), products in float64.
-* Test weights: one generator, ``coli.tensor_types.random_blocks`` (``gguf.quants.quantize`` where gguf can
+* Reference: ``coli.types.table`` ``reference`` (``gguf.quants.dequantize``), products in float64.
+* Test weights: one generator, ``coli.types.table.random_blocks`` (``gguf.quants.quantize`` where gguf can
   quantize the type, coli's port of ggml's quantizer for NVFP4, random valid blocks with finite f16 scales
   elsewhere).
 * One tolerance per (op, act) (``TOL``): max |got - want| / max |want|.
@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 from gguf.constants import GGML_QUANT_SIZES
 
-from coli import tensor_types as TT
+from coli.types import table as TT
 from cpu_kernels import formats as F
 from coli.vulkan import shaders as S
 from tests.vk_util import numpy_expert, requires_vulkan
@@ -45,6 +45,14 @@ TOL = {("gemv", "f32"): 2e-5, ("gemm", "f32"): 2e-5, ("expert", "f32"): 2e-5,
 ROWS = {"gemv": (1, min(3, F.GEMV_MAX_T)), "gemm": (max(F.GEMV_I8_MAX_T, F.GEMV_MAX_T, 16) + 1, 37)}
 O_ODD = 37   # output rows: not a multiple of the CPU's 16-row chunks nor of the device's 64-row tiles
 
+
+
+def load_backends():
+    """Import both backends' registries (neither compiles nor needs a Vulkan loader) so the table's ``backends``
+    column is full; the table's rows."""
+    import coli.vulkan.shaders  # noqa: F401
+    import cpu_kernels.formats  # noqa: F401
+    return TT.TYPES
 
 def registry(backend: str) -> list[str]:
     """The GGUF types a backend's registry implements."""
@@ -229,7 +237,7 @@ def _backend(backends, name):
     if name not in backends:
         from coli.vulkan import open_device
 
-        d = open_device("backend-ops", budget_bytes=1 << 28, quiet=True)
+        d = open_device("backend-ops", budget=1 << 28, quiet=True)
         if d is None:
             pytest.fail("libvulkan.so.1 is present but no device opened")
         backends[name] = Backend(name, d)
@@ -245,9 +253,9 @@ def test_op_matches_reference(backends, backend, type_name, op, act):
 # ----------------------------------------------------------------------------------------------- the table
 def test_every_backend_has_every_row():
     """A type one backend implements and another lacks fails here, unless the table marks it CPU only."""
-    TT.load_backends()
+    load_backends()
     assert TT.gaps() == [], ("backends lack rows (implement them, or mark the type CPU only in "
-                             f"coli.tensor_types.CPU_ONLY with the reason): {TT.gaps()}")
+                             f"coli.types.table.CPU_ONLY with the reason): {TT.gaps()}")
     for b in TT.BACKENDS:
         assert set(registry(b)) == {n for n, t in TT.TYPES.items() if b in t.backends}
 
@@ -268,7 +276,7 @@ def test_gaps_flags_a_missing_row_unless_cpu_only():
 
 
 def test_rows_agree_with_gguf_and_each_other():
-    TT.load_backends()
+    load_backends()
     for n, t in TT.TYPES.items():
         if t.qtype is None:  # coli's own type: no GGUF geometry to agree with
             assert t.own and t.random is not None, n
@@ -288,7 +296,7 @@ def test_rows_agree_with_gguf_and_each_other():
 
 def test_random_blocks_are_finite_and_varied():
     rng = np.random.default_rng(0)
-    for n in TT.load_backends():
+    for n in load_backends():
         t = TT.TYPES[n]
         if not t.backends:
             continue
@@ -299,7 +307,7 @@ def test_random_blocks_are_finite_and_varied():
 
 
 def test_unknown_type_is_one_clear_error():
-    from coli.errors import ColiError
+    from coli.base.errors import ColiError
 
     with pytest.raises(ColiError, match="Q9_9"):
         TT.get("Q9_9")

@@ -14,7 +14,7 @@ import numba
 import pytest
 
 from coli.bench import COLI_FIELDS, FIELDS, parse_int_list
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 from tiny_moe import ROOT, build_tiny_moe
 
 # llama.cpp tools/llama-bench/llama-bench.cpp, test::get_fields (the ones that apply to coli) and the
@@ -166,7 +166,7 @@ def test_compile_clock_counts_compiles_of_this_thread_only():
     import threading
     import time
 
-    from coli import progress
+    from coli.base import progress
 
     progress.install()
 

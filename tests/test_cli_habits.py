@@ -173,7 +173,7 @@ def test_the_api_takes_the_cli_model_names(model_path):
     """``coli.Engine("smollm2")`` opens what ``coli run -m smollm2`` opens (``coli.fetch.resolve``: one resolver for
     the CLI, the API and the scripts); an unknown name is the CLI's one-line error, before anything is loaded."""
     import coli
-    from coli.errors import ColiError
+    from coli.base.errors import ColiError
 
     with coli.Engine("SmolLM2") as eng:
         assert eng.path == Path(model_path("smollm2"))
@@ -184,7 +184,7 @@ def test_the_api_takes_the_cli_model_names(model_path):
 def test_api_errors_name_the_api_arguments():
     """Errors of an Engine the API opened name its arguments, not the CLI's flags (``Engine._name``)."""
     import coli
-    from coli.errors import ColiError
+    from coli.base.errors import ColiError
 
     with pytest.raises(ColiError, match=r"^device: 'cuda' \(cpu or vulkan\)"):
         coli.Engine("smollm2", device="cuda")

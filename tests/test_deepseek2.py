@@ -222,7 +222,7 @@ def _rewrite(name, out, keys=None, tensors=None):
 
 def test_missing_mla_tensor_is_a_clear_error(tmp_path):
     from coli.engine import Engine
-    from coli.errors import ColiError
+    from coli.base.errors import ColiError
 
     out = _rewrite("deepseek2_lite", tmp_path / "broken.gguf", tensors={"blk.1.attn_v_b.weight": None})
     with pytest.raises(ColiError, match=r"broken\.gguf: tensor 'blk\.1\.attn_v_b\.weight'"):

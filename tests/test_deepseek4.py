@@ -185,7 +185,7 @@ def test_deepseek4_window_and_compressor_state_belong_to_the_cache(oracle, tmp_p
 
 
 def test_deepseek4_refuses_bad_metadata():
-    from coli.errors import ColiError
+    from coli.base.errors import ColiError
     from coli.gguf_file import open_gguf
     from coli.models import deepseek4
 

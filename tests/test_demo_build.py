@@ -13,7 +13,7 @@ gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize, quantize  # noqa: E402
 
 from coli import demo  # noqa: E402
-from coli.errors import ColiError  # noqa: E402
+from coli.base.errors import ColiError  # noqa: E402
 from coli.fetch import model_path  # noqa: E402
 
 E, K, NOISE = 8, 2, 0.05

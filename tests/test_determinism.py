@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coli import tensor_types as TT
+from coli.types import table as TT
 from cpu_kernels import experts as X
 from cpu_kernels import formats as F
 

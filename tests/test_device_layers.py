@@ -1,4 +1,4 @@
-"""Whole decoder layers on the device (scheduler/layer_split.py, --gpu-layers): a decode row through the device's
+"""Whole decoder layers on the device (coli/vulkan/device_layers.py, --gpu-layers): a decode row through the device's
 layers gives the CPU-only run's logits (f32 on both sides; they differ in summation order only), the device
 did the work (dispatches, tokens), the KV rows stay in step both ways (prompt rows uploaded, decode rows written
 back), and a failing device hands the layers back to the CPU."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coli import settings
+from coli.base import settings
 from tests.tiny_moe import ROOT
 from tests.vk_util import rel_err, requires_vulkan
 

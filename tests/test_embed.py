@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coli import finite, tensor_types
+from coli import finite
+from coli.types import table as tensor_types
 from coli.models.base import dequantize
 from cpu_kernels import embed
 

@@ -186,7 +186,7 @@ def test_tables_that_disagree_are_refused(tmp_path, kw, name):
     """Refused at load (llama.cpp refuses the same files: its n_vocab is the token count and create_tensor checks
     the shape), never a ValueError when an extra id is sampled."""
     from coli.engine import Engine
-    from coli.errors import ColiError
+    from coli.base.errors import ColiError
 
     p = _tiny_llama(tmp_path / "bad.gguf", **kw)
     with pytest.raises(ColiError) as e:
@@ -200,7 +200,7 @@ def test_tables_that_disagree_are_refused(tmp_path, kw, name):
 def test_trace_never_overwrites_a_file_coli_did_not_write(tmp_path, demo_path):
     """``--trace notes.txt`` on an existing text file is refused; a trace coli wrote may be replaced."""
     from coli.engine import Engine
-    from coli.errors import ColiError
+    from coli.base.errors import ColiError
 
     f = tmp_path / "notes.txt"
     f.write_text("keep me")
@@ -256,7 +256,7 @@ def test_balance_says_the_activations_and_f32_gives_the_same_tokens(demo_path, t
 def test_api_inputs_of_the_wrong_kind_are_coli_errors(model_path, engine):
     """Token ids that are not integers were truncated (1.5 -> 1) or raised ValueError; text that is not a string,
     an id outside the table in detokenize and malformed chat messages raised TypeError/ValueError."""
-    from coli.errors import ColiError
+    from coli.base.errors import ColiError
 
     eng = engine(model_path("smollm2"))
     for ids, msg in (([1.5], "not integers"), ("abc", "is text"), ([[1, 2], [3]], "not a list of integers"),

@@ -11,9 +11,9 @@ from gguf import GGMLQuantizationType as QT
 from gguf import quants as gq
 
 import cpu_kernels
-from coli import tensor_types as TT
+from coli.types import table as TT
 from cpu_kernels import formats as F
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 
 def _random_raw(name: str, O: int, I: int, rng) -> np.ndarray:
     """uint8 [O, row_bytes] of valid blocks of type `name` (the shared generator of tests/test_backend_ops.py)."""
@@ -131,7 +131,7 @@ _models = {}
 def _real_rows(model, tname, rows):
     from coli.fetch import MODELS
     from coli.gguf_file import open_gguf
-    from coli.paths import cache_dir
+    from coli.base.paths import cache_dir
 
     path = cache_dir("models") / MODELS[model]["file"]
     if not path.exists():
@@ -233,7 +233,7 @@ def test_block_field_gathers_equal_numpy_copies():
 _NO_VNNI_CHILD = r"""
 import numpy as np
 from cpu_kernels import experts as X, formats as F, vnni
-from coli import tensor_types as TT
+from coli.types import table as TT
 assert not vnni.HAVE_VNNI
 rng = np.random.default_rng(3)
 for t in ("Q5_0", "MXFP4", "IQ4_NL", "IQ4_XS"):

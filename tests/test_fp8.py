@@ -21,7 +21,7 @@ import pytest
 
 from conftest import FIXTURES, ROOT
 
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 from cpu_kernels import fp8
 from tests.vk_util import requires_vulkan
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 from coli.fetch import model_path
 from coli.gguf_file import describe, file_type_name, open_gguf
 

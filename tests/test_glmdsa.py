@@ -192,7 +192,7 @@ def _rewrite(tmp_path, drop_key=None, set_key=None):
 ])
 def test_bad_indexer_metadata_is_one_clear_error(tmp_path, change, match):
     from coli.engine import Engine
-    from coli.errors import ColiError
+    from coli.base.errors import ColiError
 
     path = _rewrite(tmp_path, **change)
     with pytest.raises(ColiError, match=match):

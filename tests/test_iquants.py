@@ -11,17 +11,17 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf import quants as gq
 
-from coli import iq_tables
+from coli.types import iq_tables
 from cpu_kernels.vnni import HAVE_VNNI
 from cpu_kernels import formats as F
 from cpu_kernels import iquants
-from coli import tensor_types as TT
+from coli.types import table as TT
 
 
 @pytest.mark.parametrize("name", iq_tables.IQ_TYPES)
 def test_packed_layout_equals_gguf_dequantize(name):
     """scale[o, i // G] * q[o, i] == gguf.quants.dequantize(raw) exactly (f32), on random valid blocks
-    (coli.tensor_types.random_blocks) with ordinary, tiny and large super-block scales."""
+    (coli.types.table.random_blocks) with ordinary, tiny and large super-block scales."""
     rng = np.random.default_rng(zlib.crc32(name.encode()))
     for O, I, scale in ((5, 256, 1.0), (3, 768, 1e-3), (2, 512, 1e4)):
         raw = TT.random_blocks(name, O, I, rng, scale)
@@ -65,7 +65,7 @@ def test_tables_are_gguf_quants_grids():
 
 
 def test_shader_grids_are_current_and_decode_to_the_grids():
-    """shaders/iq_grids.glsl is what coli/iq_tables.py generates, and the words the device uploads at each of its
+    """shaders/iq_grids.glsl is what coli/types/iq_tables.py generates, and the words the device uploads at each of its
     offsets unpack (as shaders/fmt_iq*.glsl read them) to gguf.quants' grids."""
     from coli.vulkan.shaders import SHADER_DIR
 
@@ -86,7 +86,7 @@ def test_shader_grids_are_current_and_decode_to_the_grids():
 
 
 def test_bad_inner_size_is_a_coli_error():
-    from coli.errors import ColiError
+    from coli.base.errors import ColiError
 
     with pytest.raises(ColiError, match="IQ2_XXS.*multiple of the block size 256"):
         F.prepare("IQ2_XXS", np.zeros(66, np.uint8), (1, 288))

@@ -283,7 +283,7 @@ def _rewrite(out, keys=None, tensors=None):
 def test_broken_file_is_one_clear_error(tmp_path, keys, tensors, msg):
     """A missing KDA tensor, one of the wrong shape, a missing KDA key: one ColiError naming the file and it."""
     from coli.engine import Engine
-    from coli.errors import ColiError
+    from coli.base.errors import ColiError
 
     out = _rewrite(tmp_path / "broken.gguf", keys, tensors)
     with pytest.raises(ColiError, match=msg):

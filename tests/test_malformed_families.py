@@ -65,7 +65,7 @@ def _rewrite(name: str, dest: Path, drop_key: str = "", drop_tensor: str = "", w
 ])
 def test_missing_key_is_one_clear_error(tmp_path, name, drop_key, match):
     from coli.engine import Engine
-    from coli.errors import ColiError
+    from coli.base.errors import ColiError
 
     path = _rewrite(name, tmp_path / f"{name}.gguf", drop_key)
     with pytest.raises(ColiError, match=match):
@@ -83,7 +83,7 @@ def test_missing_key_is_one_clear_error(tmp_path, name, drop_key, match):
 ])
 def test_broken_tensor_is_one_clear_error(tmp_path, name, drop_key, drop_tensor, match):
     from coli.engine import Engine
-    from coli.errors import ColiError
+    from coli.base.errors import ColiError
 
     path = _rewrite(name, tmp_path / f"{name}.gguf", drop_key, drop_tensor)
     with pytest.raises(ColiError, match=match):
@@ -114,7 +114,7 @@ def test_cli_prints_one_line_and_exits_2(tmp_path):
 ])
 def test_wrong_width_is_one_clear_error(tmp_path, name, widen, match):
     from coli.engine import Engine
-    from coli.errors import ColiError
+    from coli.base.errors import ColiError
 
     path = _rewrite(name, tmp_path / f"{name}.gguf", widen=widen)
     with pytest.raises(ColiError, match=match):
@@ -127,7 +127,7 @@ def test_numeric_key_as_string_is_one_clear_error(tmp_path, name, key):
     """A string where llama.cpp's key table has a number: ColiError naming the key when the file opens (before: a
     ValueError from int() in the family's argument parsing)."""
     from coli.engine import Engine
-    from coli.errors import ColiError
+    from coli.base.errors import ColiError
 
     path = _rewrite(name, tmp_path / f"{name}.gguf", to_str=key)
     with pytest.raises(ColiError, match=rf"{name}\.gguf: kv '{key}': type string, expected a number"):
@@ -140,7 +140,7 @@ def test_unsupported_type_names_file_and_tensor(tmp_path):
     import gguf
 
     from coli.engine import Engine
-    from coli.errors import ColiError
+    from coli.base.errors import ColiError
 
     src = gguf.GGUFReader(str(ORACLES / "gptoss.gguf"))
     path = tmp_path / "gptoss.gguf"
@@ -187,7 +187,7 @@ def test_unsupported_type_names_file_and_tensor(tmp_path):
 ])
 def test_mla_internal_wrong_width_is_one_clear_error(tmp_path, name, widen, match):
     from coli.engine import Engine
-    from coli.errors import ColiError
+    from coli.base.errors import ColiError
 
     path = _rewrite(name, tmp_path / f"{name}.gguf", widen=widen)
     with pytest.raises(ColiError, match=match):
@@ -201,7 +201,7 @@ def test_mla_internal_wrong_width_is_one_clear_error(tmp_path, name, widen, matc
                                                ("kimi", "blk.1.exp_probs_b.bias")])
 def test_missing_correction_bias_is_one_clear_error(tmp_path, name, drop_tensor):
     from coli.engine import Engine
-    from coli.errors import ColiError
+    from coli.base.errors import ColiError
 
     path = _rewrite(name, tmp_path / f"{name}.gguf", drop_tensor=drop_tensor)
     with pytest.raises(ColiError, match=rf"{name}\.gguf: tensor '{drop_tensor}' is missing"):
@@ -226,7 +226,7 @@ def test_deepseek4_internal_width_is_one_clear_error(tmp_path, widen, want):
     import re
 
     from coli.engine import Engine
-    from coli.errors import ColiError
+    from coli.base.errors import ColiError
 
     path = _rewrite("deepseek4", tmp_path / "deepseek4.gguf", widen=widen)
     with pytest.raises(ColiError, match=rf"deepseek4\.gguf: tensor '{re.escape(widen)}' has shape \[.*\] "
@@ -240,7 +240,7 @@ def test_deepseek4_internal_width_is_one_clear_error(tmp_path, widen, want):
 def test_zero_head_count_or_width_is_one_clear_error(tmp_path, name, key):
     """A head count or model width of 0 was a ZeroDivisionError while the file's shapes were worked out."""
     from coli.engine import Engine
-    from coli.errors import ColiError
+    from coli.base.errors import ColiError
 
     path = _rewrite(name, tmp_path / f"{name}.gguf", zero=key)
     with pytest.raises(ColiError, match=rf"{name}\.gguf: metadata '{key}': 0 \(must be at least 1\)"):

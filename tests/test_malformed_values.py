@@ -55,7 +55,7 @@ def test_nan_or_inf_weight_is_one_clear_error(tmp_path, name, tensor, edit, matc
     """Before: a NaN norm weight gave normal-looking tokens with int8 activations (a NaN row rounds to finite int8
     codes, so no logit is non-finite) and a ZeroDivisionError in the attention kernel with f32 activations."""
     from coli.engine import Engine
-    from coli.errors import ColiError
+    from coli.base.errors import ColiError
 
     path = _rewrite(name, tmp_path / f"{name}.gguf", edit={tensor: edit})
     with pytest.raises(ColiError, match=match):
@@ -65,7 +65,7 @@ def test_nan_or_inf_weight_is_one_clear_error(tmp_path, name, tensor, edit, matc
 def test_non_finite_block_scale_is_one_clear_error(tmp_path, tiny):
     """A Q8_0 weight with an infinite block scale (its codes are integers: the scales are its only float field)."""
     from coli.engine import Engine
-    from coli.errors import ColiError
+    from coli.base.errors import ColiError
 
     path = _rewrite("", tmp_path / "tiny.gguf", src=tiny, edit={"blk.1.attn_v.weight": _q8_scale(6, 1, F16_INF)})
     with pytest.raises(ColiError, match=r"tiny\.gguf: tensor 'blk\.1\.attn_v\.weight' has a non-finite block scale "
@@ -77,7 +77,7 @@ def test_non_finite_embedding_row_names_the_token(tmp_path):
     """The embedding table is read row by row (not checked whole at load): the token's row is checked when it is
     embedded; the other rows still run."""
     from coli.engine import Engine
-    from coli.errors import ColiError
+    from coli.base.errors import ColiError
 
     path = _rewrite("qwen3moe", tmp_path / "qwen3moe.gguf", edit={"token_embd.weight": _set(7 * 64 + 1, np.nan)})
     with Engine(str(path), threads=1, ctx=32) as eng:
@@ -98,7 +98,7 @@ def test_non_finite_expert_is_one_clear_error_from_the_reader(tmp_path, tiny, sr
     """An expert is read lazily by the RAM cache's reader threads: the check runs there, and the ColiError reaches
     the caller through the read's Future (no hang, no thread traceback); the expert's neighbours still load."""
     from coli.engine import Engine
-    from coli.errors import ColiError
+    from coli.base.errors import ColiError
 
     name = "tiny" if src == "tiny" else src
     path = _rewrite(name, tmp_path / f"{name}.gguf", src=tiny if src == "tiny" else None, edit={tensor: edit})
@@ -174,7 +174,7 @@ def _first(n: int, axis: int = 0):
 ])
 def test_expert_shape_is_one_clear_error(tmp_path, name, tensor, edit, match):
     from coli.engine import Engine
-    from coli.errors import ColiError
+    from coli.base.errors import ColiError
 
     path = _rewrite(name, tmp_path / f"{name}.gguf", edit={tensor: edit})
     with pytest.raises(ColiError, match=match):
@@ -204,7 +204,7 @@ def test_expert_shape_is_one_clear_error(tmp_path, name, tensor, edit, match):
 ])
 def test_zero_count_is_not_reported_missing(tmp_path, name, zero, drop_key, match):
     from coli.engine import Engine
-    from coli.errors import ColiError
+    from coli.base.errors import ColiError
 
     path = _rewrite(name, tmp_path / f"{name}.gguf", drop_key=drop_key, zero=zero)
     with pytest.raises(ColiError, match=match):
@@ -212,7 +212,7 @@ def test_zero_count_is_not_reported_missing(tmp_path, name, zero, drop_key, matc
 
 
 def _scale_types():
-    from coli import tensor_types
+    from coli.types import table as tensor_types
     from cpu_kernels import formats
 
     return [n for n in formats.FORMATS if tensor_types.get(n).scale_offsets]
@@ -223,7 +223,8 @@ def test_raw_check_finds_the_row_the_reference_decodes_non_finite(type_name):
     """``coli.finite.first_bad_raw_row`` (the device tier's warm start uploads the bytes as read) against gguf's
     reference decoder (``gguf.quants.dequantize``) and the packed-array check of ``check_weight``: one block scale
     (each f16 scale field in turn) or value set to inf in row 2 of 4 random rows."""
-    from coli import finite, tensor_types
+    from coli import finite
+    from coli.types import table as tensor_types
     from cpu_kernels import formats
 
     t = tensor_types.get(type_name)
@@ -256,7 +257,7 @@ def test_device_warm_start_refuses_a_non_finite_expert(tmp_path, tiny):
     if not HAVE_LOADER:  # only a machine without the loader skips (tests/vk_util.py's rule)
         pytest.skip("libvulkan.so.1 not found (apt install libvulkan1 mesa-vulkan-drivers)")
     from coli.engine import Engine
-    from coli.errors import ColiError
+    from coli.base.errors import ColiError
 
     def every_expert(a):  # Q8_0 [E, D, row bytes]: block 1's scale of row 9 of each expert
         a[:, 9, 34:36] = F16_NAN
@@ -270,9 +271,10 @@ def test_device_warm_start_refuses_a_non_finite_expert(tmp_path, tiny):
 
 def test_fp8_nan_code_is_found_by_both_checks():
     """FP8_E4M3_B128 (from FP8 Hugging Face checkpoints): its codes are bytes in the packed arrays, and
-    float8_e4m3fn's S.1111.111 is NaN (coli.fp8_blocks' reference decodes it so): both checks name the row."""
-    from coli import finite, fp8_blocks, tensor_types
-    from coli.errors import ColiError
+    float8_e4m3fn's S.1111.111 is NaN (coli.types.fp8_blocks' reference decodes it so): both checks name the row."""
+    from coli import finite
+    from coli.types import fp8_blocks, table as tensor_types
+    from coli.base.errors import ColiError
     from cpu_kernels import formats
 
     raw = tensor_types.random_blocks("FP8_E4M3_B128", 4, 256, np.random.default_rng(2))
@@ -289,7 +291,7 @@ def test_non_finite_hidden_row_gives_nan_logits_with_int8_activations(tiny):
     whose int8 activations rounded it to finite codes: normal-looking logits. The head now makes that row's logits
     NaN, so ``Engine.logits`` shows it and ``generate`` stops with the sampler's ColiError (coli.sampling)."""
     from coli.engine import Engine
-    from coli.errors import ColiError
+    from coli.base.errors import ColiError
     from cpu_kernels import formats
 
     x = np.ones((1, 64), np.float32)
@@ -319,7 +321,7 @@ def test_non_finite_hidden_row_gives_nan_logits_with_int8_activations(tiny):
 
 
 def tiny_q8(O: int, I: int) -> np.ndarray:
-    from coli import tensor_types
+    from coli.types import table as tensor_types
 
     return tensor_types.random_blocks("Q8_0", O, I, np.random.default_rng(3))
 

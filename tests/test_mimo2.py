@@ -162,7 +162,7 @@ def test_mimo2_group_limited_routing_oracle(tmp_path):
 def test_mimo2_mtp_blocks_are_not_trunk_layers():
     """A file with MTP blocks (``nextn_predict_layers``) counted in ``block_count`` and the per-layer arrays: the
     trunk is the first ``block_count - nextn`` blocks and its per-layer values are the arrays' first entries."""
-    from coli.errors import ColiError
+    from coli.base.errors import ColiError
     from coli.gguf_file import open_gguf
     from coli.models import mimo2
 
@@ -181,7 +181,7 @@ def test_mimo2_mtp_blocks_are_not_trunk_layers():
 def test_mimo2_group_keys_checked_and_other_gating_refused(tmp_path):
     """Groups are read from ``expert_group_count`` / ``expert_group_used_count``; 8 experts in 3 groups, or kept
     groups holding fewer than top-k (3) experts, are a ColiError naming the key; so is softmax gating."""
-    from coli.errors import ColiError
+    from coli.base.errors import ColiError
     from coli.gguf_file import open_gguf
     from coli.models import mimo2
 

@@ -14,8 +14,8 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf import quants as gq
 
-from coli import nvfp4
-from coli.errors import ColiError
+from coli.types import nvfp4
+from coli.base.errors import ColiError
 from cpu_kernels import formats as F
 from tests.vk_util import requires_vulkan
 
@@ -33,7 +33,7 @@ def _all_bytes_blocks(O: int, I: int, seed: int) -> np.ndarray:
 
 
 def test_quantize_is_llama_quantize():
-    """coli.nvfp4.quantize gives llama-quantize's bytes: normals from 1e-4 to 3e3 (UE4M3 scales zero, subnormal,
+    """coli.types.nvfp4.quantize gives llama-quantize's bytes: normals from 1e-4 to 3e3 (UE4M3 scales zero, subnormal,
     normal, saturated), a zero row, and sub-blocks of exact ties between neighbouring E2M1 values."""
     z = np.load(FIX / "nvfp4_quant.npz")
     got = nvfp4.quantize(z["x"])
@@ -72,7 +72,7 @@ def test_device_dequantizes_bit_exact():
     """shaders/fmt_nvfp4.glsl through the device GEMM (Lavapipe here): gguf.quants' values bit for bit."""
     from coli.vulkan import open_device
 
-    d = open_device("nvfp4", budget_bytes=1 << 26, quiet=True)
+    d = open_device("nvfp4", budget=1 << 26, quiet=True)
     assert d is not None, "the Vulkan loader is installed but no device opens"
     try:
         O, I = 37, 192

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 
 from conftest import ROOT
 

@@ -9,7 +9,7 @@ import sys
 import gguf
 import pytest
 
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 from coli.plan import make_plan
 from tiny_moe import ROOT, build_tiny_moe
 from vk_util import requires_vulkan

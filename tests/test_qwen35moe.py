@@ -69,7 +69,7 @@ def test_vision_projector_file_refused(capsys, tmp_path):
     """The converter's ``--mmproj`` file (the vision tower, ``general.architecture`` clip): one ColiError naming
     the file and what it is; ``coli run`` exits 2 with one line on stderr, no traceback."""
     from coli.cli import main
-    from coli.errors import ColiError
+    from coli.base.errors import ColiError
     from coli.gguf_file import open_gguf
     from coli.models import model_class
 

@@ -292,7 +292,7 @@ def test_legacy_fused_ssm_in(tmp_path):
 def test_missing_ssm_key_and_bad_shape(tmp_path):
     """A file without ``qwen3next.ssm.state_size`` or with a DeltaNet tensor of the wrong shape: one ColiError
     naming the key / tensor."""
-    from coli.errors import ColiError
+    from coli.base.errors import ColiError
     from coli.gguf_file import open_gguf
     from coli.models import model_class
 

@@ -21,7 +21,7 @@ import pytest
 
 from conftest import FIXTURES, ROOT
 
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 
 NAMES = ["rope_linear", "rope_yarn", "rope_yarn_params", "rope_llama3"]
 DIR = FIXTURES / "oracles"

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 from coli.sampling import Sampler, SamplingParams
 
 from conftest import ROOT

@@ -1,4 +1,4 @@
-"""coli/settings.py: every COLI_* variable the code names is declared there and documented, none is read
+"""coli/base/settings.py: every COLI_* variable the code names is declared there and documented, none is read
 from os.environ anywhere else, one parser with one error style naming the variable, and the flags pass their
 values down (the environment untouched)."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 
 from conftest import ROOT
 
-from coli import settings
-from coli.errors import ColiError
+from coli.base import settings
+from coli.base.errors import ColiError
 
 CODE = [p for d in ("coli", "scheduler", "cpu_kernels", "tests", "scripts") for p in (ROOT / d).rglob("*.py")]
 

@@ -3,7 +3,7 @@ warm-start plan, the LFRU eviction choice. Exact values from the rules in docs/t
 import numpy as np
 import pytest
 
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 from scheduler.tier_policy import (GiB, DeviceMemory, budget_bytes, halvings_due, history_heat, lfru_victim,
                                    warm_plan)
 

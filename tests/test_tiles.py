@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from numba import njit
 
-from coli import tensor_types as TT
-from coli.errors import ColiError
+from coli.types import table as TT
+from coli.base.errors import ColiError
 from coli.finite import check_weight
 from cpu_kernels import formats as F
 from cpu_kernels import tiles

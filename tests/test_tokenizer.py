@@ -17,7 +17,7 @@ import gguf
 import numpy as np
 import pytest
 
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 from coli.fetch import model_path
 from coli.gguf_file import open_gguf
 from coli.tokenizer import Tokenizer

@@ -7,7 +7,7 @@ from __future__ import annotations
 import gguf
 import pytest
 
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 from coli.gguf_file import open_gguf
 from coli.tokenizer import CHATML_TEMPLATE, Tokenizer
 

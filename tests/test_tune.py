@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import cpu_kernels
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 from coli.tune import load_config, save_config
 from tiny_moe import ROOT, build_tiny_moe
 

@@ -37,9 +37,9 @@ def test_failed_save_leaves_old_file(model, monkeypatch):
     def boom(*a, **k):
         raise OSError("disk full")
 
-    import coli.paths
+    import coli.base.paths
 
-    monkeypatch.setattr(coli.paths.os, "fsync", boom)  # the disk fails after the new bytes were written
+    monkeypatch.setattr(coli.base.paths.os, "fsync", boom)  # the disk fails after the new bytes were written
     with pytest.raises(OSError):
         u.save()
     assert u.path.read_bytes() == before

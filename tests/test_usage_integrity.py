@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 from scheduler import usage as U
 
 from conftest import ROOT

@@ -18,7 +18,7 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def dev():
     from coli.vulkan import open_device
-    d = open_device("test", budget_bytes=1 << 30, quiet=True)
+    d = open_device("test", budget=1 << 30, quiet=True)
     if d is None:
         pytest.fail("libvulkan.so.1 is present but no device opened (see the [VK] line above)")
     yield d
@@ -150,7 +150,7 @@ def test_batches_in_flight_and_free_waits(dev):
 
 def test_memory_blocks_best_fit_and_return(dev):
     from coli.vulkan import open_device, BudgetExceeded
-    d = open_device("mem", budget_bytes=4 << 20, block_bytes=1 << 20, quiet=True)
+    d = open_device("mem", budget=4 << 20, block_bytes=1 << 20, quiet=True)
     assert d is not None
     try:
         rng = np.random.default_rng(1)
@@ -177,7 +177,7 @@ def test_memory_blocks_best_fit_and_return(dev):
 def test_staging_path(monkeypatch):
     from coli.vulkan import open_device
     monkeypatch.setenv("COLI_VK_STAGING", "1")
-    d = open_device("staged", budget_bytes=1 << 28, quiet=True)
+    d = open_device("staged", budget=1 << 28, quiet=True)
     assert d is not None and d.staging
     try:
         rng = np.random.default_rng(9)
@@ -197,7 +197,11 @@ def test_staging_path(monkeypatch):
 def test_budget_rules(monkeypatch):
     import psutil
     from coli.vulkan import open_device
+    from scheduler.tier_policy import budget_bytes
     GiB = 1 << 30
+
+    def rule(ram_cache_bytes=0, dense_bytes=0):  # the engine's: the tier's rule, passed to the device
+        return lambda info: budget_bytes(info, ram_cache_bytes, dense_bytes)
     d = open_device("budget", quiet=True)
     try:
         if d.type_name in ("integrated", "cpu"):
@@ -205,16 +209,16 @@ def test_budget_rules(monkeypatch):
                 available = 14 * GiB
             monkeypatch.setattr(psutil, "virtual_memory", lambda: VM)
             # the tier's rule (scheduler.tier_policy.budget_bytes), capped at the device's heap
-            d2 = open_device("budget", ram_cache_bytes=2 * GiB, dense_bytes=2 * GiB, quiet=True)
+            d2 = open_device("budget", budget=rule(2 * GiB, 2 * GiB), quiet=True)
             assert d2.budget_bytes == (14 - 2 - 2) * GiB // 4 - 2 * GiB      # 0.5 GiB
             assert d2.budget_rule.startswith("shared RAM: a quarter")
             d2.close()
             VM.available = 9 * GiB
-            d3 = open_device("budget", ram_cache_bytes=2 * GiB, quiet=True)
+            d3 = open_device("budget", budget=rule(2 * GiB), quiet=True)
             assert d3.budget_bytes == 0                                       # never below 0
             d3.close()
         monkeypatch.setenv("COLI_VK_TIER_GB", "1.5")
-        d4 = open_device("budget", quiet=True)
+        d4 = open_device("budget", budget=rule(), quiet=True)
         assert d4.budget_bytes == int(1.5 * GiB) and d4.budget_rule.startswith("COLI_VK_TIER_GB=1.5")
         spec, w = make_expert("Q8_0", "Q8_0", 64, 32, np.random.default_rng(0))
         h = d4.upload_expert(*spec)
@@ -229,7 +233,7 @@ def test_budget_rules(monkeypatch):
 def test_fault_injection_device_lost_at_nth_submit_cpu_finishes(monkeypatch):
     from coli.vulkan import DeviceLost, open_device
     monkeypatch.setenv("COLI_VK_FAULT", "2")
-    d = open_device("fault", budget_bytes=1 << 28, quiet=True)
+    d = open_device("fault", budget=1 << 28, quiet=True)
     try:
         rng = np.random.default_rng(2)
         spec, w = make_expert("Q4_1", "Q4_1", 64, 64, rng)
@@ -286,7 +290,7 @@ def test_gemv_only_and_gemm_only_thresholds(monkeypatch):
     ref = x.astype(np.float64) @ w.T.astype(np.float64)
     for rows_env in ("0", "1"):                 # 0: never the GEMM (GEMV chunks); 1: the GEMM from 1 row
         monkeypatch.setenv("COLI_VK_TIER_GEMM_ROWS", rows_env)
-        d = open_device("thr", budget_bytes=1 << 26, quiet=True)
+        d = open_device("thr", budget=1 << 26, quiet=True)
         try:
             for n in (1, 5, 33):
                 assert rel_err(d.matmul("Q5_0", raw, (40, 96), x[:n]), ref[:n]) < TOL
@@ -396,7 +400,7 @@ def test_recorded_batches_are_submitted_again_with_new_tables(monkeypatch, act):
     out = {}
     for reuse in ("1", "0"):
         monkeypatch.setenv("COLI_VK_REUSE", reuse)
-        d = open_device("test", budget_bytes=1 << 30, quiet=True)
+        d = open_device("test", budget=1 << 30, quiet=True)
         try:
             d.act = act
             hs = [d.upload_expert(*s) for s in specs]

@@ -15,7 +15,7 @@ pytestmark = requires_vulkan
 @pytest.fixture(scope="module")
 def dev():
     from coli.vulkan import open_device
-    d = open_device("int8", budget_bytes=1 << 28, quiet=True)
+    d = open_device("int8", budget=1 << 28, quiet=True)
     if d is None:
         pytest.fail("libvulkan.so.1 is present but no device opened")
     yield d
@@ -76,7 +76,7 @@ def test_integer_dot_kernel_equals_its_emulation_and_the_int32_sums(dev, monkeyp
     (int32 code dot products times the two scales, gguf's Q8_0 layout)."""
     from coli.vulkan import open_device
     monkeypatch.setenv("COLI_VK_INT_DOT", "0")
-    emu = open_device("emu", budget_bytes=1 << 28, quiet=True)
+    emu = open_device("emu", budget=1 << 28, quiet=True)
     try:
         assert emu.i8_kernel == "gemv_i8emu"
         rng = np.random.default_rng(3)

@@ -6,7 +6,7 @@ import ctypes
 import numpy as np
 import pytest
 
-from coli import tensor_types as TT
+from coli.types import table as TT
 
 
 def _have_loader() -> bool:
@@ -28,7 +28,7 @@ def open_test_device(budget_bytes: int = 1 << 30):
     there and no device opens."""
     from coli.vulkan import open_device
 
-    d = open_device("test", budget_bytes=budget_bytes, quiet=True)
+    d = open_device("test", budget=budget_bytes, quiet=True)
     if d is None:
         pytest.fail("libvulkan.so.1 is present but no device opened (see the [VK] line above)")
     return d
@@ -40,7 +40,7 @@ def block_elems(type_name: str) -> int:
 
 
 def make_weight(type_name: str, O: int, I: int, rng: np.random.Generator, scale: float = 1.0):
-    """GGUF bytes of one [O, I] matrix from the shared generator ``coli.tensor_types.random_blocks`` (real
+    """GGUF bytes of one [O, I] matrix from the shared generator ``coli.types.table.random_blocks`` (real
     gguf.quants blocks where gguf can quantize the type, random valid blocks elsewhere):
     (raw uint8 [O, row_bytes], the table's reference decoding f32 [O, I])."""
     raw = TT.random_blocks(type_name, O, I, rng, scale)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import importlib
 
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 
 ARCHITECTURES = {
     "llama": "llama",

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from coli import finite
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 from cpu_kernels import experts as grouped
 from cpu_kernels import formats
 from cpu_kernels.decode import TokenDecode
@@ -222,7 +222,7 @@ class Model:
     """
 
     embed_scale = 0.0
-    #: ``scheduler.layer_split.DeviceLayers`` when the last layers run on the device (the engine sets it)
+    #: ``coli.vulkan.device_layers.DeviceLayers`` when the last layers run on the device (the engine sets it)
     device_layers = None
 
     def __init__(self, g, args: BaseArgs, step=None, act: str = "f32"):

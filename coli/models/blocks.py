@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 from cpu_kernels import decode as _decode
 from cpu_kernels import experts as grouped
 from cpu_kernels import router as _router

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 from cpu_kernels.norms import rms_norm
 
 from . import base

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 from cpu_kernels import dsv4
 from cpu_kernels import experts as grouped
 from cpu_kernels.norms import rms_norm

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 from cpu_kernels import experts as grouped
 from cpu_kernels.deltanet import causal_conv1d_silu, gated_deltanet
 

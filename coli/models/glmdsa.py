@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 from cpu_kernels.mla import dsa_topk
 from cpu_kernels.rope import NORM, apply_rope
 

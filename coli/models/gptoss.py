@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 from cpu_kernels import experts as grouped
 from cpu_kernels.attention import attend
 from cpu_kernels.norms import rms_norm

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 from cpu_kernels import experts as grouped
 from cpu_kernels.deltanet import causal_conv1d_silu
 from cpu_kernels.kda import kda

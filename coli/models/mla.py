@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 from cpu_kernels import experts as grouped
 from cpu_kernels.mla import mla_attend
 from cpu_kernels.norms import rms_norm

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 from cpu_kernels.norms import rms_norm
 from cpu_kernels.rope import NEOX
 

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 
 TYPES = ("none", "linear", "yarn")
 _KEYS = {"type", "factor", "original_context_length", "attn_factor", "finetuned", "yarn_ext_factor",

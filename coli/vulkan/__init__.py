@@ -16,7 +16,7 @@ __all__ = ["open_device", "wanted", "DeviceLost", "VulkanError", "BudgetExceeded
 
 def wanted(device_flag: str | None = None) -> bool:
     """True when a device is asked for: ``--device vulkan`` or ``COLI_VULKAN=1``."""
-    from coli.settings import get
+    from coli.base.settings import get
 
     return device_flag == "vulkan" or get("COLI_VULKAN")
 
@@ -36,7 +36,7 @@ class _FFIProxy:
 
 def _load_binding():
     """Import the ``vulkan`` binding; ``COLI_VK_LOADER`` names another loader library to open."""
-    from coli.settings import get
+    from coli.base.settings import get
 
     loader = get("COLI_VK_LOADER")
     if loader and "vulkan" not in sys.modules:
@@ -60,14 +60,14 @@ def _load_binding():
         raise OSError(f"no Vulkan loader ({loader or 'libvulkan.so.1'}: {str(e).splitlines()[0]})") from None
 
 
-def open_device(label: str, *, ram_cache_bytes: int = 0, dense_bytes: int = 0, budget_bytes: int | None = None,
-                block_bytes: int | None = None, staging: bool | None = None, device_index: int | None = None,
-                quiet: bool = False, index_name: str | None = None):
+def open_device(label: str, *, budget=None, block_bytes: int | None = None, staging: bool | None = None,
+                device_index: int | None = None, quiet: bool = False, index_name: str | None = None):
     """Open the Vulkan device for ``label`` (the model's name); ``Device`` or None.
 
-    ram_cache_bytes / dense_bytes: the RAM expert cache's configured size and the dense weights' bytes
-    (the tier's budget rule, scheduler.tier_policy.budget_bytes; docs/vulkan.md). budget_bytes overrides
-    the rule (COLI_VK_TIER_GB does from the environment, within the rule). block_bytes: device-memory block size (256 MiB). staging: force the
+    budget: the device memory the experts may take, from the caller: bytes, or a callable that takes the
+    device's figures ``{"name", "kind", "heap_bytes", "budget_free"}`` and returns ``(bytes, words of the
+    rule)`` (the engine passes the tier's rule, scheduler.tier_policy.budget_bytes; docs/vulkan.md); None: the
+    whole heap. block_bytes: device-memory block size (256 MiB). staging: force the
     staging path (COLI_VK_STAGING=1). device_index: like COLI_VK_DEV; index_name: what set it, for the failure
     line (the CLI's ``--device vulkan:N``; default the variable's name). On success prints
     ``[VK] <label>: <device line>`` unless quiet; on failure prints ``[VK] <label>: <why>, running on
@@ -81,8 +81,7 @@ def open_device(label: str, *, ram_cache_bytes: int = 0, dense_bytes: int = 0, b
         _load_binding()
         from .device import Device
         kw = {} if block_bytes is None else {"block_bytes": block_bytes}
-        dev = Device(label, ram_cache_bytes=ram_cache_bytes, dense_bytes=dense_bytes, budget_bytes=budget_bytes,
-                     staging=staging, device_index=device_index, index_name=index_name, **kw)
+        dev = Device(label, budget=budget, staging=staging, device_index=device_index, index_name=index_name, **kw)
     except Exception as e:  # any failure: the CPU runs instead
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"[VK] {label}: {why}, running on the CPU", file=sys.stderr, flush=True)

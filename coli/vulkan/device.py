@@ -23,8 +23,8 @@ import time
 import numpy as np
 import vulkan as vk
 
-from coli import iq_tables
-from coli import tensor_types as TT
+from coli.types import iq_tables
+from coli.types import table as TT
 
 from . import shaders as S
 from .alloc import BlockAllocator
@@ -67,15 +67,15 @@ def _chk(res: int, what: str) -> None:
 
 
 def _env_int(name: str, default: int) -> int:
-    """``COLI_*`` integer through coli.settings (one parser, errors naming the variable)."""
-    from coli.settings import get
+    """``COLI_*`` integer through coli.base.settings (one parser, errors naming the variable)."""
+    from coli.base.settings import get
 
     v = get(name)
     return default if v is None else int(v)
 
 
 def _env_float(name: str, default: float | None) -> float | None:
-    from coli.settings import get
+    from coli.base.settings import get
 
     v = get(name)
     return default if v is None else float(v)
@@ -97,7 +97,7 @@ def _addr6_of(h) -> tuple:
 
 
 def row_bytes(type_name: str, inner: int) -> int:
-    """Bytes of one row of ``inner`` elements in GGUF format ``type_name`` (geometry: ``coli.tensor_types``)."""
+    """Bytes of one row of ``inner`` elements in GGUF format ``type_name`` (geometry: ``coli.types.table``)."""
     t = TT.get(type_name)
     return inner // t.block_size * t.type_size
 
@@ -455,14 +455,13 @@ class Device:
     Public figures: ``name``, ``type_name`` ("discrete"/"integrated"/"cpu"...), ``subgroup_size``,
     ``subgroup_pinned``, ``queue_family``, ``dedicated_compute_queue``, ``heaps`` (list of
     (bytes, device_local)), ``budget_free`` (VK_EXT_memory_budget's free bytes of the weights' heap, or
-    None), ``budget_bytes`` (uploads past it raise BudgetExceeded; a caller with its own rule may assign
-    it), ``budget_rule``, ``staging``; counters ``dispatches``
+    None), ``budget_bytes`` (uploads past it raise BudgetExceeded; set from the caller's ``budget``),
+    ``budget_rule``, ``staging``; counters ``dispatches``
     (compute dispatches submitted), ``matmuls`` (weight-matrix products submitted: 3 per expert group
     of a batch, 1 per plain matmul), ``submits``.
     """
 
-    def __init__(self, label: str, *, ram_cache_bytes: int = 0, dense_bytes: int = 0,
-                 budget_bytes: int | None = None, block_bytes: int = 256 * MiB, staging: bool | None = None,
+    def __init__(self, label: str, *, budget=None, block_bytes: int = 256 * MiB, staging: bool | None = None,
                  device_index: int | None = None, index_name: str | None = None):
         self.label = label
         self._index_name = index_name     # what set device_index, for its error (default COLI_VK_DEV=N)
@@ -495,13 +494,13 @@ class Device:
         self._next_handle = 1
         self._handles: dict[int, ExpertHandle] = {}
         try:
-            self._open(ram_cache_bytes, dense_bytes, budget_bytes, block_bytes, staging, device_index)
+            self._open(budget, block_bytes, staging, device_index)
         except BaseException:
             self.close()
             raise
 
     # -- opening -----------------------------------------------------------------------------------
-    def _open(self, ram_cache_bytes, dense_bytes, budget_bytes, block_bytes, staging, device_index):
+    def _open(self, budget, block_bytes, staging, device_index):
         # shaders first: a missing .spv is a reason not to open
         sdir = S.shader_dir()
         spv = {}
@@ -708,7 +707,7 @@ class Device:
         mapped = [t for t, (fl, h) in enumerate(self._mtypes)
                   if fl & _MEM_DEVICE_LOCAL and fl & _MEM_HOST_VISIBLE and fl & _MEM_HOST_COHERENT]
         mapped_ok = any(self.heaps[self._mtypes[t][1]][0] * 4 >= self.heaps[big][0] for t in mapped)
-        from coli.settings import get
+        from coli.base.settings import get
 
         env_st = get("COLI_VK_STAGING")
         if staging is None:
@@ -745,16 +744,20 @@ class Device:
         w_heap = self._mtypes[self._w_type][1]
         # free bytes of the weights' heap by VK_EXT_memory_budget (None without it)
         self.budget_free = heap_free[w_heap] if self.memory_budget_ext else None
-        if budget_bytes is not None:
-            self.budget_bytes, self.budget_rule = int(budget_bytes), "given by the caller"
-        else:       # the tier's rule, the only one (docs/tier.md "budget")
-            from scheduler.tier_policy import DeviceMemory, budget_bytes as policy_budget
-            mem = DeviceMemory(self.name, self.type_name, self.heaps[w_heap][0], self.budget_free)
-            self.budget_bytes, self.budget_rule = policy_budget(mem, ram_cache_bytes, dense_bytes)
+        # the budget is the caller's (one rule for RAM and device: scheduler.tier_policy.budget_bytes)
+        if callable(budget):
+            self.budget_bytes, self.budget_rule = budget(dict(name=self.name, kind=self.type_name,
+                                                              heap_bytes=self.heaps[w_heap][0],
+                                                              budget_free=self.budget_free))
+            self.budget_bytes = int(self.budget_bytes)
+        elif budget is not None:
+            self.budget_bytes, self.budget_rule = int(budget), "given by the caller"
+        else:
+            self.budget_bytes, self.budget_rule = int(self.heaps[w_heap][0]), "the whole heap (no budget given)"
 
         # pipeline objects
         self._make_layouts()
-        # binding 6: the i-quant grids (coli/iq_tables.py, read by shaders/fmt_iq*.glsl), uploaded once
+        # binding 6: the i-quant grids (coli/types/iq_tables.py, read by shaders/fmt_iq*.glsl), uploaded once
         words, _ = iq_tables.device_grids()
         self._iq_grids = _Buf(self, words.nbytes, _USAGE_STORAGE, _MEM_HOST_VISIBLE | _MEM_HOST_COHERENT,
                               _MEM_DEVICE_LOCAL)

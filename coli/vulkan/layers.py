@@ -127,7 +127,7 @@ class Kernels:
         self.wg = int(wg)
         # output rows a format kernel's workgroup owns: 4 (a subgroup's row set; spare subgroups split the units),
         # so a 2048-row matrix gives 512 workgroups (COLI_VK_LAYER_ROWS)
-        from coli.settings import get
+        from coli.base.settings import get
 
         self.rows = int(get("COLI_VK_LAYER_ROWS", env))
         self._pipes: dict = {}
@@ -389,7 +389,7 @@ def clock_queue(dev, env=None):
     """The queue of a :class:`ClockHolder` (docs/vulkan.md "Clocks"): the device's second queue on a discrete GPU
     with ``COLI_VK_HOLD_CLOCK`` on (the settings), else None (an integrated GPU would take the CPU's power; a
     device with one queue would run it in turn with the work)."""
-    from coli.settings import get
+    from coli.base.settings import get
 
     if get("COLI_VK_HOLD_CLOCK", env) and getattr(dev, "type_name", "") == "discrete":
         return getattr(dev, "_queue2", None)

@@ -25,7 +25,7 @@ import weakref
 
 import numpy as np
 
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 
 _NORM, _NEOX = 0, 2
 
@@ -53,10 +53,8 @@ def _layer_tensors(m, il: int) -> list[str]:
 
 def why_not(m, il: int) -> str | None:
     """None when layer ``il`` of model ``m`` can run whole on the device, else why not (one phrase)."""
-    from coli.models.llama import DecoderLayer
-
     L = m.layers[il]
-    if type(L) is not DecoderLayer:
+    if f"{type(L).__module__}.{type(L).__qualname__}" != "coli.models.llama.DecoderLayer":  # by name: models sit above
         return f"its layers are {type(L).__module__.rsplit('.', 1)[-1]}.{type(L).__name__}"
     if L.moe is None:
         return "a layer without routed experts"

@@ -14,13 +14,13 @@ backends implement it. Columns:
 * ``cpu_only``: the reason the device tier lacks the type on purpose (None: every backend must have it).
 * ``backends``: filled by the backends' registries when they are imported (``register``): backend name ->
   what implements the type there (``"cpu"``: the ``cpu_kernels.formats.FORMATS`` row's kernels; ``"vulkan"``:
-  the decoder file). ``load_backends()`` imports both registries; ``gaps()`` lists a type one backend has and
+  the decoder file); importing ``cpu_kernels.formats`` and ``coli.vulkan.shaders`` fills it. ``gaps()`` lists a type one backend has and
   another lacks without a ``cpu_only`` reason (``tests/test_backend_ops.py`` fails on any).
 
 coli's own types (``own`` set, ``qtype`` None: ``FP8_E4M3_B128``, made from FP8 Hugging Face checkpoints) are
 rows too, added by ``_own_rows`` with their geometry, reference and ``random`` test-weight maker. GGUF types that
 gguf.quants decodes but cannot quantize get a ``random`` maker where coli ports ggml's quantizer (NVFP4:
-``coli/nvfp4.py``), so their test weights are real blocks too.
+``coli/types/nvfp4.py``), so their test weights are real blocks too.
 
 Adding a format (docs/formats.md has the checklist), in this order:
 
@@ -48,7 +48,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import quants as gq
 from gguf.constants import GGML_QUANT_SIZES
 
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 
 #: Backends the table knows, in the order of the coverage table.
 BACKENDS = ("cpu", "vulkan")
@@ -125,11 +125,11 @@ TYPES: dict[str, TensorType] = {
 
 # coli's own types: formats coli's loaders make from other checkpoints, never found in a GGUF file.
 def _own_rows() -> dict[str, TensorType]:
-    from coli import fp8_blocks as fb
+    from coli.types import fp8_blocks as fb
 
     return {fb.NAME: TensorType(fb.NAME, None, fb.BLOCK, fb.TYPE_SIZE, fb.reference, False, (), fb.NAME.lower(),
                                 CPU_ONLY.get(fb.NAME), own="E4M3 weights with an f32 scale per 128x128 block, from FP8 "
-                                "Hugging Face checkpoints (coli/hf_folder.py; layout in coli/fp8_blocks.py)",
+                                "Hugging Face checkpoints (coli/hf_folder.py; layout in coli/types/fp8_blocks.py)",
                                 random=fb.random_blocks)}
 
 
@@ -139,7 +139,7 @@ TYPES.update(_own_rows())
 # GGUF types gguf.quants decodes but cannot quantize, for which coli ports ggml's quantizer: their test weights
 # (``random``) are real blocks, as for the types gguf quantizes.
 def _ported_quantizers() -> None:
-    from coli import nvfp4
+    from coli.types import nvfp4
 
     TYPES["NVFP4"].random = nvfp4.random_blocks   # ggml quantize_row_nvfp4_ref
 
@@ -168,14 +168,6 @@ def register(backend: str, name: str, what: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r} (known: {BACKENDS})")
     get(name).backends[backend] = what
-
-
-def load_backends() -> dict[str, TensorType]:
-    """Import every backend's registry (cpu_kernels.formats compiles nothing at import; coli.vulkan.shaders needs
-    no Vulkan loader) so the ``backends`` column is full. Returns TYPES."""
-    import cpu_kernels.formats  # noqa: F401
-    import coli.vulkan.shaders  # noqa: F401
-    return TYPES
 
 
 def gaps(types: dict[str, TensorType] | None = None) -> list[tuple[str, str]]:

@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 from typing import Mapping
 
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 gguf.quants has NVFP4's decoder (``gguf.quants.NVFP4.dequantize_blocks``) and its UE4M3 scale conversions
 (``ue4m3_to_fp32``, ``fp32_to_ue4m3``: ggml-impl.h ``ggml_ue4m3_to_fp32`` / ``ggml_fp32_to_ue4m3``) but no
-quantizer; coli needs one for test weights (``coli.tensor_types.random_blocks``) and to requantize a model's
+quantizer; coli needs one for test weights (``coli.types.table.random_blocks``) and to requantize a model's
 experts. Layout (ggml-common.h ``block_nvfp4``, QK_NVFP4 = 64, QK_NVFP4_SUB = 16): 36 bytes per 64 weights,
 ``d[4]`` (one UE4M3 scale per 16 weights, bytes 0..3), then ``qs[32]``; sub-block ``s`` uses ``qs[8s .. 8s+7]``,
 the low nibble of byte ``j`` is weight ``16s + j``, the high nibble weight ``16s + 8 + j``. A nibble indexes
@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import quants as gq
 
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 
 BLOCK = 64
 SUB = 16

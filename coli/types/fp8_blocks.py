@@ -1,5 +1,5 @@
 """FP8 E4M3 weights with one f32 scale per 128x128 block: the block layout of coli's own ``FP8_E4M3_B128`` type
-(NumPy only; the kernels are in ``cpu_kernels/fp8.py``, the table row in ``coli/tensor_types.py``).
+(NumPy only; the kernels are in ``cpu_kernels/fp8.py``, the table row in ``coli/types/table.py``).
 
 The source layout is the one of FP8 Hugging Face checkpoints (Qwen3-*-FP8, DeepSeek-V3; transformers
 ``integrations/finegrained_fp8.py``, ``quantization_config = {"quant_method": "fp8", "weight_block_size":
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 
 NAME = "FP8_E4M3_B128"
 BLOCK = 128
