@@ -1,4 +1,4 @@
-# Sourced (not run) by the H200 scripts (h200_check.sh, h200_tier_run.sh, h200_moe_region.sh): the set-up of a
+# Sourced (not run) by the H200 scripts (h200_check.sh, h200_tier_run.sh): the set-up of a
 # fresh H200 machine (docs/h200.md) from the carried folders: the Vulkan loader .debs of .gl unpacked into / (when
 # .gl was carried), the Python 3.12 wheels of .whl and .whl_tier into /tmp/site, TBB's libraries taken out of its
 # wheel into /tmp/site/lib (`pip --target` drops a wheel's data/lib; without them Numba falls back to OpenMP).

@@ -116,8 +116,7 @@ def test_matches_llama_perplexity_token_by_token(tmp_path):
     attention moves a perplexity by up to 2 %, docs/iquants.md), coli's tokens, perplexity and every scored
     token's NLL equal llama-perplexity's (read from its ``--kl-divergence-base`` logits file, whose log-probs
     are stored in steps of at most 16/65535)."""
-    sys.path.insert(0, str(ROOT))
-    from scripts.mixed_moe_attrib import read_kld
+    from llama_kld import read_kld
 
     from coli.engine import Engine
 
