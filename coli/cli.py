@@ -16,6 +16,7 @@ import os
 import secrets
 import sys
 import time
+from pathlib import Path
 
 from coli.base import settings
 from coli.base.errors import ColiError
@@ -410,6 +411,37 @@ def cmd_plan(a) -> int:
     return plan(a)
 
 
+def cmd_trace(a) -> int:
+    """``coli trace FILE``: a ``--trace`` file's totals per category, the overlap of device and CPU time and the
+    share of device time hidden behind the CPU (``scheduler.trace.summarize`` defines them)."""
+    import json
+
+    from scheduler.trace import CATEGORIES, summarize
+
+    try:
+        events = json.loads(Path(a.trace).read_text())
+    except (OSError, ValueError) as e:
+        raise ColiError(f"{a.trace}: {e}") from None
+    if not isinstance(events, list):
+        raise ColiError(f"{a.trace}: not a JSON array of trace events (coli run --trace writes one)")
+    s = summarize(events)
+    if a.json:
+        print(json.dumps(s, indent=1))
+        return 0
+    print(f"{'category':<10}{'events':>8}{'total ms':>12}{'busy ms':>12}")
+    order = [c for c in CATEGORIES if c in s["categories"]] + sorted(set(s["categories"]) - set(CATEGORIES))
+    for c in order:
+        d = s["categories"][c]
+        print(f"{c:<10}{d['count']:>8}{d['total_us'] / 1e3:>12.3f}{d['busy_us'] / 1e3:>12.3f}")
+    print(f"device busy {s['device_us'] / 1e3:.3f} ms, CPU busy {s['cpu_us'] / 1e3:.3f} ms, "
+          f"overlap {s['overlap_us'] / 1e3:.3f} ms, device time in joins {s['join_overlap_us'] / 1e3:.3f} ms")
+    if s["hidden_pct"] is None:
+        print("no device events: nothing to hide")
+    else:
+        print(f"{s['hidden_pct']:.1f}% of device time hidden behind CPU expert work")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="coli", description="Mixture-of-Experts inference: CPU kernels, a device expert tier, experts streamed from disk",
                                 formatter_class=_Help,
@@ -494,6 +526,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--expert-cache", type=int, default=None, metavar="N", help="RAM expert cache slots per MoE layer")
     pl.add_argument("--json", action="store_true", help="the plan as JSON (bytes)")
     pl.set_defaults(func=cmd_plan)
+
+    tr = sub.add_parser("trace", help="summarise a --trace file: time per category, device time hidden behind the CPU")
+    tr.add_argument("trace", metavar="FILE", help="a trace JSON file written by coli run --trace")
+    tr.add_argument("--json", action="store_true", help="the summary as JSON")
+    tr.set_defaults(func=cmd_trace)
 
     tu = sub.add_parser("tune", help="sweep threads, I/O threads, threading layers (and the device): CSV, PNG, a recommendation")
     tu.add_argument("-m", "--model", default=None,

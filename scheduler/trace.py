@@ -182,7 +182,7 @@ NULL_TRACE = Trace(None)
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Summaries (scripts/trace_summary.py prints these)
+# Summaries (`coli trace` prints these)
 
 def union(intervals) -> list[tuple[float, float]]:
     """Merge ``[(start, end), ...]`` into disjoint sorted intervals (touching ones merge)."""

@@ -1,4 +1,4 @@
-"""Trace events (scheduler/trace.py) and their summary (scripts/trace_summary.py): valid Chrome-trace JSON,
+"""Trace events (scheduler/trace.py) and their summary (`coli trace`): valid Chrome-trace JSON,
 atomic write, device placement by a calibration, and the hidden % on a hand-made trace."""
 import json
 import subprocess
@@ -78,19 +78,20 @@ def test_disabled_trace_is_a_noop(tmp_path):
     assert tr.events() == [] and tr.write() is None
 
 
-def test_trace_summary_script(tmp_path):
+def test_coli_trace_summary(tmp_path):
     p = tmp_path / "hand.json"
     p.write_text(json.dumps(HAND))
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "trace_summary.py"), str(p)],
+    r = subprocess.run([sys.executable, "-m", "coli", "trace", str(p)], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "50.0% of device time hidden" in r.stdout
     assert "overlap 0.100 ms" in r.stdout
     bad = tmp_path / "bad.json"
     bad.write_text("{")
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "trace_summary.py"), str(bad)],
+    r = subprocess.run([sys.executable, "-m", "coli", "trace", str(bad)], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "bad.json" in r.stderr
+    assert r.returncode == 2 and r.stderr.startswith("coli: ") and "bad.json" in r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_cpu_only_run_records_disk_reads(tmp_path):
