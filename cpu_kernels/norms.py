@@ -99,7 +99,7 @@ def _swiglu(g, u, out, limit):
 
 
 def swiglu(g: np.ndarray, u: np.ndarray, limit: float = 0.0, out: np.ndarray | None = None) -> np.ndarray:
-    """SwiGLU ``silu(g) * u`` (f32 [N, F] each). ``limit > 0`` clamps as gpt-oss/colibri's ``swiglu_limit``
+    """SwiGLU ``silu(g) * u`` (f32 [N, F] each). ``limit > 0`` clamps as gpt-oss's ``swiglu_limit``
     (gate above ``limit``, up to ``[-limit, limit]``); 0 means no clamp."""
     if out is None:
         out = np.empty_like(g)

@@ -1,5 +1,4 @@
-"""The balancer: measured times -> the device's share of a step's resident rows (seed S0:L312, L431, L436;
-digest 1(d) "The balancer").
+"""The balancer: measured times -> the device's share of a step's resident rows (docs/balancer.md).
 
 Each MoE layer step the tier sends the (row, expert) pairs whose expert is resident to the device and the
 CPU computes the rest. When the join keeps waiting (the device is the slower side: an integrated GPU, or
@@ -129,7 +128,7 @@ class Balancer:
             new = min(new, self.share)      # the join waited more than a CPU row: the device was the slower side
         elif t.device_rows > 0:
             # the join waited less than one CPU row costs (or not at all): one more row would make the CPU
-            # the longer side, or it already is: never lower (seed S0:L312: the CPU gets rows only while the
+            # the longer side, or it already is: never lower (the CPU gets rows only while the
             # join keeps waiting on the device). The wait is host time, so it includes the batch's submit and
             # fence latency, which the device's timestamps do not: a discrete GPU's batch is mostly that
             # latency, so its per-row cost looks tiny and the equal-finish point asks for a fraction of a row,

@@ -5,7 +5,7 @@ An expert's bytes are touched only when it is routed: a cold expert is read with
 slices of ``ffn_{gate,up,down}_exps`` (GGUF stores expert ``e`` of a ``[E, O, row_bytes]`` tensor as one
 contiguous run), never through the mmap, so the page cache and the byte counters see real disk reads.
 Pinned slots (the hottest experts of the routing history, counted within ``slots``: ``slots // 2`` of them,
-seed S0:L72-75 "PIN") are never evicted. A slot that is being computed stays alive while the step holds a
+"PIN") are never evicted. A slot that is being computed stays alive while the step holds a
 reference (Python's reference count is the seeds' "slots count readers": eviction never frees one in use).
 """
 from __future__ import annotations

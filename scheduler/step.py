@@ -1,7 +1,7 @@
 """One MoE layer step: route -> (device batch) -> CPU pairs -> join -> sum in routing-rank order.
 
 The model's MoE block computes the router and top-k itself, then calls ``MoEStep.run``; the block never
-knows where an expert ran (docs/contracts.md, "MoE step"; the flow is ../shared/DESIGN.md's "One MoE step").
+knows where an expert ran (docs/contracts.md, "MoE step"; the flow is docs/tier.md's).
 
 Invariant 1 (DESIGN.md): every expert output joins its row in routing-rank order, whoever computed it, so
 ``y[r] = w[r,0]*E0(x[r]) + w[r,1]*E1(x[r]) + ...`` is summed left to right in the same order on every path.

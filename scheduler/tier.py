@@ -1,11 +1,11 @@
-"""The device expert tier: which routed experts live on the device (seed S0:L296-436; digest 1(c), 1(d)).
+"""The device expert tier: which routed experts live on the device (docs/tier.md).
 
 Pure policy plus calls into a ``device`` with the contract's interface (docs/contracts.md "Device"):
 ``upload_expert(gate, up, down) -> handle``, ``free_expert(handle)``,
 ``submit_experts(x, pairs_rows, pairs_handles) -> Batch``, ``Batch.join() -> f32 [P, D]``, ``Batch.device_ms``.
 The step API the MoE step (scheduler/step.py) calls is described in docs/tier.md.
 
-Rules (the seed's, as issue #4 states them):
+Rules (docs/tier.md):
   - budget (:func:`budget_bytes`): discrete GPU: VK_EXT_memory_budget's free device-local bytes (the heap's
     size without the extension) less a 1 GiB reserve (``COLI_VK_TIER_RESERVE_GB``); a device sharing the
     CPU's RAM (integrated GPU, Lavapipe): a quarter of (available RAM − the RAM expert cache's configured
@@ -253,7 +253,7 @@ class Tier:
     # ----- lines
     def start_line(self) -> str:
         """``[VK] tier <model>: on, <device>, budget B GiB = N experts of S MiB, <rule>, own queue|shared
-        queue, up to R promotions per token, balanced against the CPU|not balanced`` (issue #4 item 5)."""
+        queue, up to R promotions per token, balanced against the CPU|not balanced``."""
         return (f"[VK] tier {self.model}: on, {self.device_name}, budget {self.budget / GiB:.2f} GiB = "
                 f"{self.budget_experts} experts of {_mib(self.expert_bytes)} MiB, {self.rule}, "
                 f"{'own queue' if self.own_queue else 'shared queue'}, up to {self.rate} promotions per token, "
@@ -261,7 +261,7 @@ class Tier:
 
     def run_line(self, ram_hits: int, disk_loads: int, blocks: int | None = None,
                  frag: float | None = None) -> str:
-        """The end-of-run line (issue #4 item 5). ``ram_hits`` / ``disk_loads``: the RAM cache's counters
+        """The end-of-run line. ``ram_hits`` / ``disk_loads``: the RAM cache's counters
         for the CPU's pairs; ``blocks`` / ``frag``: the device's expert pool (memory blocks, ``1 - largest
         free extent / free bytes``) when the device reports them, else "n/a"."""
         P, D = self.routed_pairs, self.device_pairs

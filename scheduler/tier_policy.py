@@ -1,5 +1,5 @@
-"""The device expert tier's pure policy: budget, heat, warm-start plan, eviction choice (seed S0:L296-436;
-digest 1(c), 1(d); the rules' table is docs/tier.md).
+"""The device expert tier's pure policy: budget, heat, warm-start plan, eviction choice (the rules'
+table is docs/tier.md).
 
 No device, no threads, no clock: functions of their arguments (and, for :func:`budget_bytes`, of the
 environment and psutil's available RAM when not given), like ``scheduler/balancer.py``. ``scheduler/tier.py``
@@ -16,7 +16,7 @@ import numpy as np
 
 GiB = 1 << 30
 MiB = 1 << 20
-HEAT_HISTORY_TOP = 32.0       # a layer's hottest expert in the history starts at this heat (seed S0:L299)
+HEAT_HISTORY_TOP = 32.0       # a layer's hottest expert in the history starts at this heat
 HEAT_HALF_TOKENS = 1024       # heat halves every 1024 tokens
 LFRU_FACTOR = 1.25            # promote over the coldest when heat > 1.25 * coldest + 4
 LFRU_ADD = 4.0
@@ -88,7 +88,6 @@ def budget_bytes(device_info, ram_cache_bytes: int, dense_bytes: int, env=None,
     weights' bytes (on the CPU in coli, so they count against RAM on a shared-RAM device only);
     ``env``: the environment (``os.environ``); ``available``: RAM available (``psutil.virtual_memory()
     .available`` when None). ColiError on a malformed ``COLI_VK_TIER_GB`` / ``COLI_VK_TIER_RESERVE_GB``.
-    Rule: seed S0:L409-418 as issue #4 states it (see the module docstring).
     """
     env = os.environ if env is None else env
     d = DeviceMemory.of(device_info)
@@ -125,7 +124,7 @@ def budget_bytes(device_info, ram_cache_bytes: int, dense_bytes: int, env=None,
 
 def history_heat(counts: np.ndarray) -> np.ndarray:
     """Initial heat from the history: float64 [L, E], each layer's hottest expert at 32, the others
-    ``32 · count / that layer's max`` (zeros for a layer the history never routed). Seed S0:L299."""
+    ``32 · count / that layer's max`` (zeros for a layer the history never routed)."""
     c = np.asarray(counts, dtype=np.float64)
     if c.ndim != 2:
         raise ValueError(f"history counts must be [layers, experts], got shape {c.shape}")
@@ -141,7 +140,7 @@ def warm_plan(counts: np.ndarray, capacity: int, fill: bool = True,
     the budget holds. First every expert with a count > 0, highest count first (ties: lower layer, then
     lower expert id), up to ``capacity``; then, when ``fill``, the room left with experts the history
     never named, one expert per layer in turn (layer 0's lowest unnamed id, layer 1's, ..., then each
-    layer's second, ...). Seed S0:L299, L383-384 (``COLI_VK_TIER_FILL``).
+    layer's second, ...). (``COLI_VK_TIER_FILL``).
     """
     c = np.asarray(counts, dtype=np.int64)
     L, E = c.shape
@@ -165,14 +164,14 @@ def warm_plan(counts: np.ndarray, capacity: int, fill: bool = True,
 
 def halvings_due(tokens_done: int, halvings: int) -> int:
     """Heat halvings owed at the start of a forward: the 1024-token boundaries ``tokens_done`` (tokens of the
-    completed forwards) crossed beyond the ``halvings`` already applied (stepwise decay; seed S0:L299).
+    completed forwards) crossed beyond the ``halvings`` already applied (stepwise decay).
     The heat is then multiplied by ``0.5 ** n``; a forward that crossed several boundaries halves once per
     boundary."""
     return max(0, int(tokens_done) // HEAT_HALF_TOKENS - int(halvings))
 
 
 def lfru_victim(heat: np.ndarray, mask: np.ndarray, key: tuple[int, int]) -> tuple[int, int] | None:
-    """The LFRU eviction choice for a candidate when the budget is full (seed S0:L300-305).
+    """The LFRU eviction choice for a candidate when the budget is full.
 
     ``heat``: float64 [L, E]; ``mask``: bool [L, E], True where resident; ``key``: the candidate (layer,
     expert). Returns the coldest resident (ties: lowest (layer, expert)) when the candidate's heat is

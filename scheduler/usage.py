@@ -1,7 +1,7 @@
 """Routing history: ``.coli_usage``, per (layer, expert) routing counts and tokens seen.
 
 Where: ``--usage PATH`` if given; else ``.coli_usage`` beside the model file (the folder is the model's,
-as colibri keeps it in the snapshot folder, seed S0:L406-408); when that folder is not writable, the user's
+as the C engine keeps it in the snapshot folder); when that folder is not writable, the user's
 cache (``<cache>/usage/<model file name>-<size>.coli_usage``).
 
 Format (ours; the seeds give none): UTF-8 JSON, one entry per model file of the folder::

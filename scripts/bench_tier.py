@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark the device expert tier (issue #4, "Speed"): one prompt, three arms, alternating.
+"""Benchmark the device expert tier (docs/tier.md): one prompt, three arms, alternating.
 
 Arms: ``cpu`` (no device), ``tier`` (``device="vulkan", balance=False``: the tier, share fixed at 1) and
 ``balanced`` (``device="vulkan", balance=True``). Each round runs every arm once, in turn (a different
@@ -68,7 +68,7 @@ def check_engine_api():
     missing = [p for p in ("device", "balance", "usage", "threads", "save_usage") if p not in params]
     if missing:
         sys.exit(f"bench_tier: coli.Engine lacks the options {missing} that the tier benchmark needs "
-                 f"(issue #4: Engine(path, device='vulkan', balance=True|False, ...))")
+                 f"(Engine(path, device='vulkan', balance=True|False, ...))")
     return Engine
 
 

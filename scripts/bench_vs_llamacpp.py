@@ -9,7 +9,7 @@ over the rounds of its per-run average (llama-bench's and coli's ``avg_ts``, bot
 
 llama-bench: ``--llama-bench PATH``; else the cached build ``<coli cache>/llama.cpp/build/bin/llama-bench``;
 else it is built there once by ``scripts/build_llama_bench.sh`` (from the ``llama-cpp-python`` sdist, or from
-``--llama-src TARBALL``, a tar of llama.cpp's tree such as ../shared/peers' trimmed one, on a machine
+``--llama-src TARBALL``, a tar of llama.cpp's tree such as a trimmed vendor tree, on a machine
 without network). ``GGML_NATIVE`` builds turn on llama.cpp's AMX code where the CPU reports AMX; on some VMs
 the prompt test then dies with an illegal instruction (SIGILL, exit 132): that test is run again with
 ``--repack 0`` (no repacked "extra buffer" weights, so no AMX) and the table says so; a test killed by another

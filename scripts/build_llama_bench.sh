@@ -7,7 +7,7 @@
 #
 # WORKDIR (default: coli's cache folder llama.cpp, i.e. ~/.cache/coli/llama.cpp, where other tools find it):
 # the llama.cpp tree is unpacked to WORKDIR/src, from
-#   - LLAMA_SRC=TARBALL when set: a tar of llama.cpp's tree with one top folder (e.g. ../shared/peers'
+#   - LLAMA_SRC=TARBALL when set: a tar of llama.cpp's tree with one top folder (e.g. a peers'
 #     llama.cpp-0.3.36-vendor-trim.tar.xz, which holds llama-bench only; for machines without network), or
 #   - the llama-cpp-python==$VERSION sdist's vendor/llama.cpp, downloaded into WORKDIR if missing
 #     (`pip download --no-deps --no-binary=llama-cpp-python`; ":all:" would also build every build

@@ -2,7 +2,7 @@
 # On the H200 machine (device tool), ONE call of at most ~9 minutes: set-up, the device suites, coli beside
 # llama.cpp on the synthetic MoE at 16/8/4/1 threads, and the tier's three arms at 50 % resident.
 #   run tool: command "bash scripts/h200_check.sh", carry [".gl", ".whl", ".whl_tier", ".peers"], timeout_s 600
-# .peers/ holds ../shared/peers' llama.cpp-0.3.36-vendor-trim.tar.xz (the machine has no network).
+# .peers/ holds llama.cpp-0.3.36-vendor-trim.tar.xz (the machine has no network).
 # Steps (each under a deadline H2_TOTAL s, default 530, after the start; a step gets what is left minus what
 # the later ones need):
 #   0. set-up as scripts/h200_tier_run.sh does (loader .debs, Python 3.12 wheels, TBB's libraries);

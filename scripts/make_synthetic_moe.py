@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """A synthetic MoE GGUF with real shapes and random weights, for speed measurements (not for text).
 
-Default: OLMoE-1B-7B's dimensions as a llama-architecture file with experts (the shape of the llama.cpp peer
-run in ../shared/stack-notes.md, last section): 16 layers, d 2048, 16 heads (kv 16), 64 experts top-8, expert
+Default: OLMoE-1B-7B's dimensions as a llama-architecture file with experts (the shape of the llama.cpp
+peer runs in docs/benchmarks.md): 16 layers, d 2048, 16 heads (kv 16), 64 experts top-8, expert
 FFN 1024, vocab 49152; every matrix Q8_0 (or Q4_0; or F16, F32, which take any d and FFN width) with random
 codes and scales chosen so activations stay O(1) through the layers; norms 1. A byte-level placeholder
 vocabulary (``<t0>``..) makes it loadable.

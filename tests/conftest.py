@@ -35,7 +35,7 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(f"numba: {n} top-level compiles in this process, {secs:.0f} s; "
                                 f"cache {where}; load average {os.getloadavg()[0]:.1f}")
 
-# llama.cpp on the same files (../shared/real-inputs.md, the issue): teacher-forced NLL of CAPITALS
+# llama.cpp on the same files: teacher-forced NLL of CAPITALS
 LLAMA_CPP_NLL = {"smollm2": (1.315, 1.321), "gemma3": (1.776, 1.776), "qwen25": (1.098, 1.098)}
 CAPITALS = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is Rome."
 

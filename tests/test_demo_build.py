@@ -168,8 +168,7 @@ def test_router_decisive_and_input_dependent(dense_run, moe):
 
 def test_dense_forward_matches_llama_cpp_nll(dense_run):
     """The calibration forward pass is the real model: NLL of the reference text (its first 21 tokens, no
-    BOS; causal, so the 69-token run's first 21 rows) is within 3% of llama.cpp's 1.315-1.321 on this file
-    (../shared/real-inputs.md)."""
+    BOS; causal, so the 69-token run's first 21 rows) is within 3% of llama.cpp's 1.315-1.321 on this file."""
     ids = demo.CALIBRATION_IDS[:21]
     logits = dense_run[1][:21]
     lp = logits - logits.max(1, keepdims=True)

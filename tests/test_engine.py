@@ -244,7 +244,7 @@ def test_cli_bench_bad_reps(model_path):
 
 
 def test_device_runs_keep_the_cpus_default_activations(model_path):
-    """DESIGN invariant 2 (issue 7 item 4): a run with the device tier keeps the CPU's default activations
+    """Invariant (docs/contracts.md): a run with the device tier keeps the CPU's default activations
     (int8 where VNNI) and the device rounds its own the same way (Device.act)."""
     import cpu_kernels
     from coli.engine import Engine

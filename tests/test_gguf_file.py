@@ -3,7 +3,7 @@
 The real models are the three cached GGUFs (``coli.fetch.model_path``). ``gguf.GGUFReader`` is the
 reference reader; it takes ~2 s on SmolLM2 but 9-17 s on Qwen2.5 / Gemma-3 (one object per vocabulary
 string), so those two are compared with it only when ``COLI_SLOW_TESTS=1``; the fast tests check them
-against the type counts and dimensions recorded in ``../shared/real-inputs.md`` and exact layout invariants.
+against the type counts and dimensions recorded when the fixtures were chosen and exact layout invariants.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from coli.gguf_file import describe, file_type_name, open_gguf
 ROOT = Path(__file__).resolve().parents[1]
 SLOW = os.environ.get("COLI_SLOW_TESTS") == "1"
 
-# ../shared/real-inputs.md: tensor count by ggml type, and dims, of each cached model
+# tensor count by ggml type, and dims, of each cached model
 REAL = {
     "smollm2": dict(arch="llama", types={"Q4_1": 210, "Q8_0": 1, "F32": 61}, layers=30, d=576, vocab=49152,
                     ctx=8192, heads=9, kv_heads=3),

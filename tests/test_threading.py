@@ -1,5 +1,5 @@
 """The Numba threading layer: not workqueue (which aborts the process when two Python threads call parallel
-kernels at once, ../shared/stack-notes.md section 4), and two threads calling a parallel kernel together work.
+kernels at once, docs/cpu_kernels.md), and two threads calling a parallel kernel together work.
 Run in a subprocess so an abort shows up as a failed return code instead of killing pytest."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The tier's pure policy (scheduler/tier_policy.py): the budget rule, history heat, the heat's halving, the
-warm-start plan, the LFRU eviction choice. Exact values from the rules in docs/tier.md (seed S0:L296-436)."""
+warm-start plan, the LFRU eviction choice. Exact values from the rules in docs/tier.md."""
 import numpy as np
 import pytest
 

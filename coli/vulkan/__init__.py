@@ -1,4 +1,4 @@
-"""The Vulkan backend: resident experts on any GPU a Vulkan driver can see (issue #3, docs/vulkan.md).
+"""The Vulkan backend: resident experts on any GPU a Vulkan driver can see (docs/vulkan.md).
 
 ``open_device(label, ...)`` is the only entry point; importing ``coli.vulkan`` does not import the
 ``vulkan`` binding (which dlopens the loader). On any failure it prints one line

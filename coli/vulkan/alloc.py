@@ -1,4 +1,4 @@
-"""Best-fit sub-allocator over device-memory blocks (seed-digest 1(g), colibrì's vk_alloc.h).
+"""Best-fit sub-allocator over device-memory blocks (docs/vulkan.md "Memory").
 
 Tensors are placed at offsets inside blocks of ``block_bytes`` (256 MiB by default): one memory object
 per tensor would make every submit pay for thousands of referenced allocations. A request takes the

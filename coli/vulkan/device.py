@@ -6,7 +6,7 @@ Calls go through the binding's raw cffi layer (``vk.ffi`` / ``vk.lib``): the wra
 raise exceptions for success codes and return the wrong value for vkGetBufferDeviceAddress
 (stack-notes section 3 and pitfalls 3-7).
 
-Design (issue #3, seed-digest 1(c), 1(e), 1(f), 1(g)):
+Design (docs/vulkan.md):
 - Weights stay in their GGUF block bytes; each tensor is a VkBuffer bound at an offset inside a
   256 MiB device-memory block (``alloc.BlockAllocator``), and shaders read it through its buffer
   device address, so one dispatch covers every expert of a step.
