@@ -52,9 +52,13 @@ def _engine_args(p: argparse.ArgumentParser, model_required=False):
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: physical cores available)")
     p.add_argument("--ctx", "-c", type=int, default=None,
                    help="KV cache positions (default: the model's trained context, capped so the KV cache "
-                        "takes at most a quarter of the available RAM)")
+                        "takes at most a quarter of what the memory budget leaves)")
     p.add_argument("--expert-cache", type=int, default=None, metavar="N",
-                   help="RAM expert cache slots per MoE layer (default: all experts if they fit half the RAM)")
+                   help="RAM expert cache slots per MoE layer (default: all experts if they fit the memory budget, "
+                        "else what fits)")
+    p.add_argument("--mem", type=float, default=None, metavar="GiB",
+                   help="memory the run may use in all (COLI_MEM; default: the smallest of the cgroup's limit and "
+                        "the RAM available)")
     p.add_argument("--usage", default=None, metavar="PATH", help="routing history file (default .coli_usage beside the model)")
     p.add_argument("--cpu-act", choices=["f32", "int8"], default=None,
                    help="activations of the CPU matmuls: f32, or int8 per 32 as llama.cpp (default: measured, see docs)")
@@ -108,13 +112,22 @@ def _open_engine(a, quiet=False, save_usage=True):
         raise ColiError(f"--gpu-layers and {tier_flags[0]}: {tier_flags[0]} is the expert tier's; device layers run "
                         "without it (drop one)")
     env = settings.overlay(None, COLI_VK_DEV=index, COLI_VK_TIER_GB=a.tier_gb, COLI_VK_LAYERS=a.gpu_layers,
-                           COLI_VK_TIER_SYNC=True if a.reproducible else None)
+                           COLI_VK_TIER_SYNC=True if a.reproducible else None, COLI_MEM=_mem_flag(a))
     model = resolve_model(a.model, quiet=quiet)
     return Engine(model, threads=a.threads, ctx=a.ctx, expert_cache=a.expert_cache, usage=a.usage,
                   cpu_act=a.cpu_act, io_threads=4 if a.io_threads is None else a.io_threads, device=device,
                   balance=False if a.reproducible else a.balance,
                   trace=a.trace, quiet=quiet, save_usage=save_usage, cli_names=True, env=env,
                   silent=bool(getattr(a, "quiet", False)))
+
+
+def _mem_flag(a):
+    """``--mem`` as the value of ``COLI_MEM`` (None when not given); ColiError naming the flag when below 0.1."""
+    if getattr(a, "mem", None) is None:
+        return None
+    if not a.mem >= 0.1:
+        raise ColiError(f"--mem: {a.mem} (GiB, 0.1 or above)")
+    return f"{a.mem:g}"
 
 
 def _read_prompt(a) -> str:
@@ -142,15 +155,18 @@ def _read_prompt(a) -> str:
 
 
 def _start_line(eng) -> str:
-    """The engine line on stderr: model, experts, threads, context (and why it is capped)."""
+    """The engine line on stderr: model, experts, threads, context (and why it is capped), the memory budget."""
     a = eng.args
     s = (f"coli: {eng.path.name}: {a.arch}, {a.n_layers} layers"
          + (f", {a.n_experts} experts top-{a.top_k}" if a.n_experts else "")
          + f", {eng.threads} thread{'s' if eng.threads != 1 else ''}, ctx {eng.ctx}")
     if eng.ctx < a.ctx_train:
-        why = ("capped by RAM: the KV cache at most a quarter of the available RAM" if eng.ctx == eng.ctx_cap
+        why = ("capped by the memory budget: the KV cache at most a quarter of what it leaves" if eng.ctx == eng.ctx_cap
                else "--ctx")
         s += f" of {a.ctx_train} trained ({why})"
+    s += f", {eng.memory.describe()}"
+    if getattr(eng, "cache", None) is not None:
+        s += f", expert cache {eng.expert_slots} a layer"
     return s
 
 
@@ -522,8 +538,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="GGUF file or a model name (smollm2, gemma3-270m, qwen2.5-coder-0.5b, demo; default: demo)")
     pl.add_argument("--device", choices=["cpu", "vulkan"], default=None, help="vulkan: read the device's heaps for the tier")
     pl.add_argument("--ctx", type=int, default=None,
-                    help="KV cache positions (default: the trained context, capped by RAM as coli run's)")
+                    help="KV cache positions (default: the trained context, capped by the memory budget as coli run's)")
     pl.add_argument("--expert-cache", type=int, default=None, metavar="N", help="RAM expert cache slots per MoE layer")
+    pl.add_argument("--mem", type=float, default=None, metavar="GiB",
+                    help="memory the run may use in all (COLI_MEM; default: the cgroup's limit or the RAM available)")
     pl.add_argument("--json", action="store_true", help="the plan as JSON (bytes)")
     pl.set_defaults(func=cmd_plan)
 

@@ -22,7 +22,9 @@ import numpy as np
 from coli.base.errors import ColiError
 
 PREFILL_CHUNK = 64  # rows of a prompt step (bounds the attention scratch and the expert batches)
-CTX_RAM_SHARE = 0.25  # the default context's KV cache takes at most this share of the available RAM
+CTX_RAM_SHARE = 0.25  # the default context's KV cache takes at most this share of what the memory budget leaves
+HEADROOM_SHARE = 0.10  # of the memory budget, kept free of the sizers (kernels loaded at first use, scratch)
+HEADROOM_MIN = 64 << 20
 
 
 @dataclass
@@ -185,10 +187,22 @@ def _on_engine_threads(fn):
     return call
 
 
-def _available_ram() -> int:
-    import psutil
+def headroom(budget_bytes: int) -> int:
+    """Bytes of the memory budget the sizers leave free, for what they do not count: compiled kernels loaded at
+    their first call, a prompt step's scratch, logits, the allocator's slack. ``HEADROOM_SHARE`` of the budget,
+    at least ``HEADROOM_MIN``."""
+    return max(HEADROOM_MIN, int(budget_bytes * HEADROOM_SHARE))
 
-    return int(psutil.virtual_memory().available)
+
+def budget_needed(held: int) -> int:
+    """The smallest memory budget whose :func:`headroom` still leaves ``held`` bytes (bytes)."""
+    return max(int(held) + HEADROOM_MIN, int(held / (1 - HEADROOM_SHARE)) + 1)
+
+
+def _fmt(n) -> str:
+    from coli.base.memory import fmt_bytes
+
+    return fmt_bytes(n)
 
 
 def check_vocab_tables(g, n_tokens: int) -> None:
@@ -223,25 +237,36 @@ def kv_cache_bytes(args, ctx: int) -> int:
     return model_class_of(args.arch).cache_bytes(args, ctx)
 
 
-def default_ctx(args, available: int) -> int:
+def default_ctx(args, room: int) -> int:
     """The default context (``--ctx``): the model's trained context, capped so that the f32 KV cache takes at
-    most ``CTX_RAM_SHARE`` of ``available`` RAM bytes; at least 1."""
+    most ``CTX_RAM_SHARE`` of ``room``, the bytes the memory budget leaves once the model is loaded (less the
+    :func:`headroom`); at least 1."""
     fixed = kv_cache_bytes(args, 0)  # a recurrent state does not grow with the context
     per = max(1, kv_cache_bytes(args, 1) - fixed)
-    return max(1, min(int(args.ctx_train), int(max(0, available * CTX_RAM_SHARE - fixed) // per)))
+    return max(1, min(int(args.ctx_train), int(max(0, room * CTX_RAM_SHARE - fixed) // per)))
+
+
+def cache_room(room: int, kv_bytes: int, expert_file_bytes: int, io_threads: int, n_experts: int,
+               held_bytes: int) -> int:
+    """Bytes left for the RAM expert cache out of ``room`` (what the budget leaves once the model is loaded, less
+    the :func:`headroom`): less the whole context's KV cache (``kv_bytes``), the file's bytes the ``io_threads``
+    readers hold while they prepare an expert each, and one layer's ``n_experts`` experts as held (``held_bytes``
+    each: a prompt step routes to every expert of a layer, and the step keeps the ones read from disk until it
+    ends, cached or not), >= 0."""
+    return max(0, int(room) - int(kv_bytes) - max(1, int(io_threads)) * int(expert_file_bytes)
+               - int(n_experts) * int(held_bytes))
 
 
 def expert_cache_slots(n_experts: int, top_k: int, expert_bytes: int, n_moe_layers: int, expert_cache=None,
-                       available: int | None = None) -> int:
-    """RAM expert cache slots per MoE layer (the engine's rule, docs/engine.md): ``expert_cache`` when given
-    (at most ``n_experts``; below top-k raised to top-k by the caller); else every expert when all of them fit
-    in half the available RAM, else what fits there, never below top-k. ``expert_bytes``: the biggest
-    expert's gate+up+down bytes; ``available``: RAM available in bytes (psutil's when None)."""
+                       room: int = 0) -> int:
+    """RAM expert cache slots per MoE layer (the engine's rule, docs/engine.md "Memory budget"): ``expert_cache``
+    when given (at most ``n_experts``; below top-k raised to top-k by the caller); else every expert when all of
+    them fit in ``room`` bytes (:func:`cache_room`), else what fits there: top-k or more where that fits, else
+    fewer, down to 0 (the experts a token routes past the cache are then read from disk each time).
+    ``expert_bytes``: the biggest expert's bytes as the cache holds it (``ExpertSource.held_nbytes``)."""
     if expert_cache is not None:
         return min(int(expert_cache), n_experts)
-    avail = _available_ram() if available is None else int(available)
-    fit = int(avail // 2 // max(1, expert_bytes * n_moe_layers))
-    return max(top_k, min(n_experts, fit))
+    return max(0, min(n_experts, int(room // max(1, expert_bytes * n_moe_layers))))
 
 
 class Engine:
@@ -252,13 +277,15 @@ class Engine:
     Options: ``threads`` (Numba threads; default: physical cores available), ``ctx`` (the most positions a
     sequence holds: a generate's KV cache holds its prompt plus ``max_tokens``, a ``keep_kv`` one the whole
     context, docs/engine.md "KV cache"; default the trained context, capped so a whole-context f32 KV cache
-    takes at most ``CTX_RAM_SHARE`` of the available RAM: ``ctx_cap``), ``expert_cache`` (RAM slots per MoE layer; default every expert when
-    they fit in half the available RAM, else what fits; raised to top-k), ``usage`` (path of the routing
+    takes at most ``CTX_RAM_SHARE`` of what the memory budget leaves: ``ctx_cap``), ``expert_cache`` (RAM slots
+    per MoE layer; default every expert when they fit what the budget leaves, else what fits, down to 0; given:
+    raised to top-k, ColiError past the budget), ``usage`` (path of the routing
     history; default ``.coli_usage`` beside the model), ``cpu_act`` ("f32" | "int8"), ``io_threads`` (disk
     readers), ``device`` (None | "vulkan": the expert tier on the best Vulkan device, the CPU alone when
     there is none), ``balance`` (the measured-time balancer; default on with a device), ``trace`` (path of a Chrome trace JSON),
     ``quiet`` (no notes on stderr), ``silent`` (not even the device's and the tier's), ``env`` (the
-    ``COLI_*`` settings, ``os.environ`` by default: ``coli.base.settings.overlay`` puts flags on top, docs/settings.md),
+    ``COLI_*`` settings, ``os.environ`` by default: ``coli.base.settings.overlay`` puts flags on top, docs/settings.md;
+    ``COLI_MEM`` caps the memory budget, ``coli.base.memory.budget``: ``memory``),
     ``cli_names`` (errors name CLI flags instead of API arguments). Raises ``ColiError`` for bad files or options.
     """
 
@@ -285,6 +312,12 @@ class Engine:
         self.cli_names = cli_names  # errors name CLI flags (the CLI) or API arguments
         self.env = os.environ if env is None else env  # the COLI_* settings passed down (coli.base.settings.overlay)
         self.silent = silent  # no device or tier notes on stderr either (the CLI's -q)
+        from coli.base import memory, settings
+
+        # the memory budget every sizer below sizes from (docs/engine.md "Memory budget"); the CLI's --mem is in
+        # self.env, not in os.environ
+        flagged = cli_names and settings.get("COLI_MEM", self.env) != settings.get("COLI_MEM")
+        self.memory = memory.budget(self.env, flag="--mem" if flagged else None)
         self._kv, self._kv_ids = None, []  # the KV cache kept across keep_kv calls and the ids it holds
         self.io_threads = int(io_threads)
         self.threads = int(threads) if threads is not None else cpu_kernels.default_threads()
@@ -317,16 +350,19 @@ class Engine:
             self.args = cls.args_from(self.g)
             self.tokenizer = Tokenizer.from_gguf(self.g)
         check_vocab_tables(self.g, self.tokenizer.vocab_size)
+        self._check_dense_fits()
         self.model = cls(self.g, self.args, None, self.cpu_act)
         a = self.args
-        self.ctx_cap = default_ctx(a, _available_ram())
+        # what the budget leaves once the model's dense part is loaded, less the headroom
+        self.room = max(0, self.memory.left() - headroom(self.memory.bytes))
+        self.ctx_cap = default_ctx(a, self.room)
         self.ctx = int(ctx) if ctx is not None else self.ctx_cap
         if self.ctx < 1:
             raise ColiError(f"{self._name('ctx')}: {ctx} (at least 1)")
         kv_bytes = kv_cache_bytes(a, self.ctx)
-        if kv_bytes > _available_ram() * 0.8:
-            raise ColiError(f"{self._name('ctx')}: {self.ctx} positions need {kv_bytes / 2**30:.1f} GiB of KV cache, more than the "
-                            f"{_available_ram() / 2**30:.1f} GiB of RAM available")
+        if kv_bytes > self.room:
+            raise ColiError(f"{self._name('ctx')}: {self.ctx} positions need {_fmt(kv_bytes)} of KV cache, more than "
+                            f"the {_fmt(self.room)} the {self.memory.describe()} leaves once the model is loaded")
         if self.ctx > a.ctx_train and not quiet:
             print(f"coli: --ctx {self.ctx} is above the {a.ctx_train} positions the model was trained for", file=sys.stderr)
         self.cache = None
@@ -344,7 +380,7 @@ class Engine:
 
             self.trace = Trace(trace)
         if self.model.moe_layers:
-            self._setup_moe(expert_cache, usage, io_threads)
+            self._setup_moe(expert_cache, usage, io_threads, keep_raw=device not in (None, "cpu"))
         self.device = None
         if device not in (None, "cpu"):
             if self.step is None and device == "vulkan":   # nothing for the tier to hold: no device opened
@@ -363,8 +399,22 @@ class Engine:
 
         atexit.register(_close_at_exit, weakref.ref(self))
 
+    def _check_dense_fits(self) -> None:
+        """Before the model loads: ColiError when its dense part (every tensor but the routed experts, as the file
+        has them) with what the process holds already and the :func:`headroom` does not fit the memory budget;
+        the line says the budget it would run with (the experts streamed from disk)."""
+        dense = sum(int(t.nbytes) for n, t in self.g.tensors.items() if "_exps" not in n)
+        from coli.base.memory import process_rss
+
+        rss = process_rss()
+        need = budget_needed(rss + dense)
+        if need > self.memory.bytes:
+            raise ColiError(f"{self.path.name}: its dense weights ({_fmt(dense)}) and coli itself ({_fmt(rss)}) need "
+                            f"a memory budget of {_fmt(need)} or more, above the {self.memory.describe()}; with "
+                            f"{_fmt(need)} it runs with its experts streamed from disk")
+
     # -- MoE ---------------------------------------------------------------------------------------------
-    def _setup_moe(self, expert_cache, usage_path, io_threads):
+    def _setup_moe(self, expert_cache, usage_path, io_threads, keep_raw):
         from scheduler.ram_cache import ExpertSource, RAMCache
         from scheduler.step import MoEStep
         from scheduler.usage import Usage
@@ -375,10 +425,13 @@ class Engine:
         else:
             source = ExpertSource(self.path, self.model.expert_tensors())
         source.tiles = self.model.wt.tiles   # the experts take the layout the model's matrices took
+        source.keep_raw = keep_raw           # the file's bytes kept beside the prepared ones only for a device tier
         L = self.model.moe_layers
         E = source.n_experts(L[0])
-        per = max(source.expert_nbytes(l) for l in L)
-        slots = expert_cache_slots(E, a.top_k, per, len(L), expert_cache)
+        per = max(source.held_nbytes(l) for l in L)       # an expert as the cache holds it
+        room = cache_room(self.room, kv_cache_bytes(a, self.ctx), max(source.expert_nbytes(l) for l in L),
+                          io_threads, E, per)
+        slots = expert_cache_slots(E, a.top_k, per, len(L), expert_cache, room)
         if expert_cache is not None:
             if int(expert_cache) < 0:
                 raise ColiError(f"--expert-cache: {expert_cache} (slots per layer, >= top-k {a.top_k})")
@@ -386,6 +439,11 @@ class Engine:
                 if not self.quiet:
                     print(f"coli: --expert-cache {slots} is below top-k {a.top_k}: raised to {a.top_k}", file=sys.stderr)
                 slots = a.top_k
+            if slots * len(L) * per > room:
+                fit = expert_cache_slots(E, a.top_k, per, len(L), None, room)
+                raise ColiError(f"{self._name('expert_cache')}: {slots} slots x {len(L)} layers x {_fmt(per)} = "
+                                f"{_fmt(slots * len(L) * per)}, more than the {_fmt(room)} the {self.memory.describe()} "
+                                f"leaves for the expert cache; {fit} fit")
         if usage_path is not None:
             from coli.base.paths import check_writable_file
 
@@ -400,6 +458,7 @@ class Engine:
         self.cache = RAMCache(source, slots, pins, io_threads=io_threads)
         self.step = MoEStep(self.cache, self.usage, act=self.cpu_act, trace=self.trace)
         self.ram_cache_bytes = slots * len(L) * per  # the RAM cache's configured size (the tier's budget rule)
+        self.expert_held_ratio = per / max(1, max(source.expert_nbytes(l) for l in L))  # held / file bytes
         self.model.step = self.step
         self.expert_slots = slots
 

@@ -1,18 +1,24 @@
 """``coli plan``: what a model will take on this machine, before loading anything heavy.
 
-From the GGUF header (tensor sizes; nothing is dequantized or read beyond the header), psutil (RAM) and, with
+From the GGUF header (tensor sizes; nothing is dequantized or read beyond the header), the memory budget
+(``coli.base.memory.budget``: the smallest of the cgroup's limit, ``COLI_MEM`` and the RAM available) and, with
 ``device="vulkan"``, the Vulkan device's heaps (the device is opened and closed; no weight is placed):
 
 * ``dense_bytes``: every tensor that is not a routed expert (``*_exps``), as ``Model.dense_bytes``;
 * ``expert_bytes``: one expert's gate+up+down bytes (the biggest layer's), ``expert_bytes_per_layer``
   (all experts of each MoE layer) and ``expert_bytes_total``;
 * ``kv_cache_bytes``: the f32 KV cache at ``ctx`` positions (:func:`coli.engine.kv_cache_bytes`);
-* the RAM expert cache the engine would set up (:func:`coli.engine.expert_cache_slots`, the same function
-  ``Engine._setup_moe`` calls): ``ram_cache_slots`` per layer, ``ram_cache_bytes``;
+* ``budget_bytes``, ``budget_source``: the memory budget and where it came from; ``coli_bytes``: what coli
+  itself holds before a model loads (this process's resident set: Python, NumPy, the kernels' module);
+* ``expert_held_bytes``: one expert as the RAM cache holds it (``ExpertSource.held_nbytes``: the kernels' layout,
+  plus the file's bytes with a device tier), ``expert_held_ratio`` = held / file bytes;
+* the RAM expert cache the engine would set up (:func:`coli.engine.expert_cache_slots` on
+  :func:`coli.engine.cache_room`, as ``Engine._setup_moe``): ``ram_cache_slots`` per layer, ``ram_cache_bytes``;
 * with a device, the tier's budget (:func:`scheduler.tier_policy.budget_bytes`, the rule ``Engine._setup_device``
   uses) and ``device_experts`` = budget // expert bytes, at most every expert;
-* ``ram_needed_bytes``: dense + RAM expert cache + KV cache (+ the device's experts on a device that shares
-  the CPU's RAM: integrated, Lavapipe), ``fits_ram`` against the available RAM;
+* ``ram_needed_bytes``: coli itself + dense + RAM expert cache + KV cache (+ the device's experts on a device that
+  shares the CPU's RAM: integrated, Lavapipe) + the headroom (:func:`coli.engine.headroom`), ``fits_ram``
+  against the budget (the engine refuses a model whose dense part does not fit: ``dense_fits``);
 * what streams from disk: ``streamed_experts`` = experts neither in the RAM cache nor on the device;
 * ``cold_disk_bytes_per_token``: bytes a decode token reads from disk with an empty RAM cache and no device:
   top-k experts of every MoE layer (top-k picks distinct experts); ``cold_disk_bytes_per_token_device``: the
@@ -53,11 +59,15 @@ def make_plan(path, *, device: str | None = None, ctx: int | None = None, expert
     """The plan of model ``path`` as a dict of ints/strings (fields in the module docstring).
 
     ``device``: None | "cpu" | "vulkan"; ``ctx``: KV positions (default the engine's ``default_ctx``); ``expert_cache``: slots per layer as ``--expert-cache``; ``available``: RAM available in bytes
-    (psutil's when None); ``device_info``: a ``DeviceMemory`` (or what ``DeviceMemory.of`` takes) instead of
-    opening the device; ``env``: environment for the tier's ``COLI_VK_TIER_GB`` (``os.environ``)."""
+    (psutil's when None; the budget is still capped by the cgroup and ``COLI_MEM``); ``device_info``: a
+    ``DeviceMemory`` (or what ``DeviceMemory.of`` takes) instead of opening the device; ``env``: the ``COLI_*``
+    settings (``COLI_MEM``, the tier's ``COLI_VK_TIER_GB``; ``os.environ``)."""
     import psutil
 
-    from coli.engine import default_ctx, expert_cache_slots, kv_cache_bytes
+    import cpu_kernels
+    from coli.base import memory
+    from coli.engine import (budget_needed, cache_room, default_ctx, expert_cache_slots, headroom,
+                             kv_cache_bytes)
     from scheduler.tier_policy import SHARED_KINDS
     from coli.gguf_file import open_gguf
     from coli.models import model_class
@@ -67,16 +77,21 @@ def make_plan(path, *, device: str | None = None, ctx: int | None = None, expert
     g = open_gguf(path)
     a = model_class(g).args_from(g)
     vm = psutil.virtual_memory()
-    avail = int(vm.available) if available is None else int(available)
-    ctx = int(ctx) if ctx is not None else default_ctx(a, avail)
+    bud = memory.budget(env, available=available)
+    t = g.tensors
+    dense = sum(ti.nbytes for n, ti in t.items() if "_exps" not in n)
+    # what the engine's sizers see once the dense part is loaded: the budget less coli itself and the dense bytes
+    room = max(0, bud.bytes - bud.rss - dense - headroom(bud.bytes))
+    ctx = int(ctx) if ctx is not None else default_ctx(a, room)
     if ctx < 1:
         raise ColiError(f"--ctx: {ctx} (at least 1)")
-    t = g.tensors
     moe = [il for il in range(a.n_layers) if f"blk.{il}.ffn_gate_exps.weight" in t]
     p = dict(model=g.path.name, path=str(g.path), arch=a.arch, file_bytes=int(g.file_size), n_layers=a.n_layers,
-             moe_layers=len(moe), n_experts=a.n_experts, top_k=a.top_k, ctx=ctx,
-             dense_bytes=sum(ti.nbytes for n, ti in t.items() if "_exps" not in n),
-             kv_cache_bytes=kv_cache_bytes(a, ctx), ram_total=int(vm.total), ram_available=avail)
+             moe_layers=len(moe), n_experts=a.n_experts, top_k=a.top_k, ctx=ctx, dense_bytes=dense,
+             kv_cache_bytes=kv_cache_bytes(a, ctx), ram_total=int(vm.total), ram_available=int(
+                 vm.available if available is None else available),
+             budget_bytes=bud.bytes, budget_source=bud.source, coli_bytes=bud.rss,
+             dense_fits=budget_needed(bud.rss + dense) <= bud.bytes)
     per_layer, per = [], 0
     if moe:
         from scheduler.ram_cache import ExpertSource
@@ -88,20 +103,27 @@ def make_plan(path, *, device: str | None = None, ctx: int | None = None, expert
             except KeyError as e:
                 raise ColiError(f"{g.path.name}: tensor {e.args[0]} is missing") from None
         src = ExpertSource(g.path, exps)
+        src.tiles = cpu_kernels.DEFAULT_ACT == "int8"   # the engine's default layout (Model's Weights)
+        src.keep_raw = device == "vulkan"                # as Engine._setup_moe: raw bytes kept for a device tier
         try:
             E = src.n_experts(moe[0])
             per = max(src.expert_nbytes(il) for il in moe)
+            held = max(src.held_nbytes(il) for il in moe)
             per_layer = [src.expert_nbytes(il) * src.n_experts(il) for il in moe]
         finally:
             src.close()
         if expert_cache is not None and int(expert_cache) < 0:
             raise ColiError(f"--expert-cache: {expert_cache} (slots per layer, >= top-k {a.top_k})")
-        slots = max(a.top_k, expert_cache_slots(E, a.top_k, per, len(moe), expert_cache, avail))
+        slots = expert_cache_slots(E, a.top_k, held, len(moe), expert_cache,
+                                   cache_room(room, p["kv_cache_bytes"], per, 4, E, held))
+        if expert_cache is not None:
+            slots = max(a.top_k, slots)
     else:
-        E, slots = 0, 0
+        E, slots, held = 0, 0, 0
     total_experts = E * len(moe)
-    ram_cache_bytes = slots * len(moe) * per
+    ram_cache_bytes = slots * len(moe) * held
     p.update(expert_bytes=per, expert_bytes_per_layer=per_layer, expert_bytes_total=sum(per_layer),
+             expert_held_bytes=held, expert_held_ratio=round(held / per, 3) if per else 0.0,
              total_experts=total_experts, ram_cache_slots=slots, ram_cache_experts=slots * len(moe),
              ram_cache_bytes=ram_cache_bytes)
     dev = None
@@ -112,7 +134,7 @@ def make_plan(path, *, device: str | None = None, ctx: int | None = None, expert
         from scheduler.tier_policy import DeviceMemory, budget_bytes
 
         d = DeviceMemory.of(dev)
-        budget, rule = budget_bytes(d, ram_cache_bytes, p["dense_bytes"], env=env, available=avail)
+        budget, rule = budget_bytes(d, ram_cache_bytes, p["dense_bytes"], env=env, available=bud.bytes - bud.rss)
         device_experts = min(total_experts, budget // per) if per else 0
         p.update(device=d.name, device_kind=d.kind, device_heap_bytes=d.heap_bytes, device_budget_bytes=int(budget),
                  device_budget_rule=rule, device_experts=int(device_experts))
@@ -126,10 +148,11 @@ def make_plan(path, *, device: str | None = None, ctx: int | None = None, expert
              cold_disk_bytes_per_token=routed,
              cold_disk_bytes_per_token_device=int(round(routed * (1.0 - frac_dev))),
              steady_disk_bytes_per_token=int(round(routed * frac_miss)))
-    ram_need = p["dense_bytes"] + ram_cache_bytes + p["kv_cache_bytes"]
+    ram_need = bud.rss + p["dense_bytes"] + ram_cache_bytes + p["kv_cache_bytes"]
     if dev is not None and p["device_kind"] in SHARED_KINDS:  # the tier's experts live in the same RAM
         ram_need += device_experts * per
-    p.update(ram_needed_bytes=ram_need, fits_ram=ram_need <= avail)
+    ram_need += headroom(bud.bytes)
+    p.update(ram_needed_bytes=ram_need, fits_ram=ram_need <= bud.bytes)
     return p
 
 
@@ -151,6 +174,7 @@ def format_table(p: dict) -> str:
                              f"one expert {_sz(p['expert_bytes'])}"),
                  ("expert bytes a layer", _sz(pl[0]) if min(pl) == max(pl) else f"{_sz(min(pl))} .. {_sz(max(pl))}"),
                  ("expert bytes in all", _sz(p["expert_bytes_total"])),
+                 ("expert in RAM", f"{_sz(p['expert_held_bytes'])} = {p['expert_held_ratio']:.2f}x its file bytes"),
                  ("RAM expert cache", f"{p['ram_cache_slots']} slots a layer = {p['ram_cache_experts']} experts, "
                                       f"{_sz(p['ram_cache_bytes'])}")]
     if p.get("device_budget_bytes") is not None:
@@ -166,8 +190,11 @@ def format_table(p: dict) -> str:
                   + (f"; {_sz(p['cold_disk_bytes_per_token_device'])} with the device"
                      if p.get("device_budget_bytes") is not None else "")),
                  ("disk per token, steady", f"{_sz(p['steady_disk_bytes_per_token'])} (routing spread evenly)")]
-    rows += [("RAM", f"needs {_sz(p['ram_needed_bytes'])} of {_sz(p['ram_available'])} available "
-                     f"({_sz(p['ram_total'])} total): {'fits' if p['fits_ram'] else 'does NOT fit'}")]
+    rows += [("memory budget", f"{_sz(p['budget_bytes'])} ({p['budget_source']}; RAM {_sz(p['ram_available'])} "
+                               f"available of {_sz(p['ram_total'])})"),
+             ("RAM", f"needs {_sz(p['ram_needed_bytes'])} (coli itself {_sz(p['coli_bytes'])}, headroom included): "
+                     + ("fits" if p["fits_ram"] else "does NOT fit" + ("" if p["dense_fits"] else
+                                                                     " (the dense part alone: refused)")))]
     w = max(len(k) for k, _ in rows)
     out = [f"| {'what'.ljust(w)} | plan |", f"|{'-' * (w + 2)}|------|"]
     out += [f"| {k.ljust(w)} | {v} |" for k, v in rows]
@@ -175,11 +202,15 @@ def format_table(p: dict) -> str:
 
 
 def cmd_plan(a) -> int:
-    """``coli plan -m MODEL [--device vulkan] [--ctx N] [--expert-cache N] [--json]``."""
+    """``coli plan -m MODEL [--device vulkan] [--ctx N] [--expert-cache N] [--mem GiB] [--json]``."""
     from coli.fetch import resolve
 
     a.model = resolve(a.model or "demo", quiet=False)   # a path or a name -m takes (smollm2, demo, ...)
-    p = make_plan(a.model, device=a.device, ctx=a.ctx, expert_cache=a.expert_cache)
+    from coli.base import settings
+    from coli.cli import _mem_flag
+
+    env = settings.overlay(None, COLI_MEM=_mem_flag(a))
+    p = make_plan(a.model, device=a.device, ctx=a.ctx, expert_cache=a.expert_cache, env=env)
     if a.json:
         json.dump(p, sys.stdout, indent=2)
         sys.stdout.write("\n")

@@ -27,13 +27,15 @@ from cpu_kernels import formats
 
 @dataclass
 class ExpertWeights:
-    """One expert's three matrices, prepared for the CPU kernels, and the raw bytes (for device uploads)."""
+    """One expert's three matrices, prepared for the CPU kernels, and the file's bytes when a device tier uploads
+    them (``raw``; None otherwise: the prepared matrices are then all a cached expert holds)."""
 
     gate: "formats.Weight"
     up: "formats.Weight"
     down: "formats.Weight"
-    raw: tuple  # ((type_name, raw uint8 [O, row_bytes], (O, I)) x 3) gate, up, down
-    nbytes: int
+    raw: tuple | None  # ((type_name, raw uint8 [O, row_bytes], (O, I)) x 3) gate, up, down; None: not kept
+    nbytes: int        # bytes held: the prepared arrays, plus ``raw``'s when kept
+    file_nbytes: int = 0  # the expert's bytes in the file
 
 
 class ExpertSource:
@@ -48,12 +50,29 @@ class ExpertSource:
         self.layers = layers
         self.fd = os.open(self.path, os.O_RDONLY) if open_file else -1
         self.tiles = None  # formats.prepare's layout choice: the engine sets it from its activation mode
+        # keep the file's bytes beside the prepared matrices (a device tier uploads them from the RAM cache); the
+        # engine turns it off for a run without a device, so a cached expert costs its prepared bytes alone
+        self.keep_raw = True
+        self._held: dict = {}  # layer -> held_nbytes
         self.bytes_read = 0
         self.reads = 0
         self._lock = threading.Lock()
 
     def expert_nbytes(self, layer: int) -> int:
         return sum(t.raw[0].nbytes for t in self.layers[layer])
+
+    def held_nbytes(self, layer: int) -> int:
+        """Bytes one expert of ``layer`` holds in the RAM cache as :meth:`load` makes it: its three matrices as
+        ``formats.prepare`` lays them out for ``tiles`` (measured on zero bytes of the same type and shape; nothing
+        is read), plus the file's bytes when ``keep_raw``."""
+        n = self._held.get(layer)
+        if n is None:
+            n = 0
+            for t in self.layers[layer]:
+                raw = np.zeros(t.raw.shape[1:], np.uint8)
+                n += formats.prepare(t.type_name, raw, tuple(t.shape[1:]), tiles=self.tiles).nbytes
+            self._held[layer] = n
+        return n + (self.expert_nbytes(layer) if self.keep_raw else 0)
 
     def n_experts(self, layer: int) -> int:
         return self.layers[layer][0].shape[0]
@@ -100,7 +119,9 @@ class ExpertSource:
         ws = [formats.prepare(tn, r, shp, tiles=self.tiles) for tn, r, shp in raw]
         for t, w in zip(self.layers[layer], ws):
             finite.check_weight(w, f"{os.path.basename(self.path)}: tensor '{t.name}' expert {e}")
-        return ExpertWeights(ws[0], ws[1], ws[2], raw, sum(r.nbytes for _, r, _ in raw))
+        file_n = sum(r.nbytes for _, r, _ in raw)
+        held = sum(w.nbytes for w in ws) + (file_n if self.keep_raw else 0)
+        return ExpertWeights(ws[0], ws[1], ws[2], raw if self.keep_raw else None, held, file_n)
 
     def close(self):
         if self.fd >= 0:

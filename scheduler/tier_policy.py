@@ -2,7 +2,7 @@
 table is docs/tier.md).
 
 No device, no threads, no clock: functions of their arguments (and, for :func:`budget_bytes`, of the
-environment and psutil's available RAM when not given), like ``scheduler/balancer.py``. ``scheduler/tier.py``
+environment and the memory budget, ``coli.base.memory.budget``, when not given), like ``scheduler/balancer.py``. ``scheduler/tier.py``
 (the residency and the step API) and ``coli.vulkan``'s ``Device`` (its upload guard) both use
 :func:`budget_bytes`: the device budget has this one rule.
 """
@@ -86,8 +86,9 @@ def budget_bytes(device_info, ram_cache_bytes: int, dense_bytes: int, env=None,
     ``device_info``: :class:`DeviceMemory` (or what :meth:`DeviceMemory.of` takes); ``ram_cache_bytes``:
     the RAM expert cache's configured size (slots × layers × expert bytes); ``dense_bytes``: the dense
     weights' bytes (on the CPU in coli, so they count against RAM on a shared-RAM device only);
-    ``env``: the environment (``os.environ``); ``available``: RAM available (``psutil.virtual_memory()
-    .available`` when None). ColiError on a malformed ``COLI_VK_TIER_GB`` / ``COLI_VK_TIER_RESERVE_GB``.
+    ``env``: the environment (``os.environ``); ``available``: memory the process may still take (when None: what
+    the memory budget, ``coli.base.memory.budget``, leaves: the smallest of the cgroup's limit, ``COLI_MEM`` and the
+    RAM available, less what the process holds). ColiError on a malformed ``COLI_VK_TIER_GB`` / ``COLI_VK_TIER_RESERVE_GB``.
     """
     env = os.environ if env is None else env
     d = DeviceMemory.of(device_info)
@@ -107,8 +108,10 @@ def budget_bytes(device_info, ram_cache_bytes: int, dense_bytes: int, env=None,
             free, what = d.heap_bytes, f"the {d.heap_bytes / GiB:.2f} GiB heap (no VK_EXT_memory_budget)"
         return max(0, free - reserve), f"discrete: {what} less a {reserve / GiB:g} GiB reserve"
     if available is None:
-        import psutil
-        available = psutil.virtual_memory().available
+        from coli.base.memory import budget
+
+        b = budget(env)
+        available = max(0, b.bytes - b.rss)
     left = int(available) - int(ram_cache_bytes) - int(dense_bytes)
     b = max(0, left // 4 - 2 * GiB)
     words = (f"shared RAM: a quarter of what the expert cache leaves ({available / GiB:.2f} GiB available"

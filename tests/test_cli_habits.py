@@ -117,18 +117,27 @@ def test_seed_minus_one_printed_and_repeatable(capsys):
 
 def test_ctx_default_is_trained_context_capped(capsys, ref, monkeypatch):
     """The default context is the model's trained context (SmolLM2: 8192, from the file's metadata) unless
-    the KV cache would pass a quarter of the available RAM: then the cap, said in the start line."""
+    the KV cache would pass a quarter of what the memory budget leaves: then the cap, said in the start line with
+    the budget and its source."""
     from coli import engine as E
+    from coli.base import memory
 
     trained = int(ref.g.get("llama.context_length"))
     assert ref.args.ctx_train == trained == 8192
     per = E.kv_cache_bytes(ref.args, 1)
     assert E.default_ctx(ref.args, 10**15) == trained
     assert E.default_ctx(ref.args, per * 4 * 1000) == 1000
-    monkeypatch.setattr(E, "_available_ram", lambda: per * 4 * 1000)
+    # no cgroup, nothing held: the budget is the RAM available, and it leaves that less the headroom (its
+    # minimum at this size) for the KV cache's quarter
+    avail = per * 4 * 1000 + E.HEADROOM_MIN
+    assert E.headroom(avail) == E.HEADROOM_MIN
+    monkeypatch.setattr(memory, "cgroup_limit", lambda root="/": (None, ""))
+    monkeypatch.setattr(memory, "available_ram", lambda: avail)
+    monkeypatch.setattr(memory, "process_rss", lambda: 0)
     rc, _, err = _run(capsys, "run", *BASE, "-p", P, "-n", "1")
     assert rc == 0
-    assert "ctx 1000 of 8192 trained (capped by RAM" in err
+    assert "ctx 1000 of 8192 trained (capped by the memory budget" in err
+    assert f"memory budget {memory.fmt_bytes(avail)} (RAM available)" in err
 
 
 def test_quiet_errors_still_printed(capsys):

@@ -42,6 +42,8 @@ class Var:
 VARS: tuple[Var, ...] = (
     Var("COLI_CACHE", "path", None, "folder for downloaded models, the demo MoE, Numba's cache and routing "
         "histories of read-only model folders (default $XDG_CACHE_HOME/coli, else ~/.cache/coli)"),
+    Var("COLI_MEM", "float", None, "memory the run may use in all; the budget is the smallest of this, the "
+        "cgroup's limit and the RAM available (docs/engine.md \"Memory budget\")", "GiB", lo=0.1, flag="--mem"),
     Var("COLI_VULKAN", "bool", False, "open the Vulkan expert tier, as --device vulkan", flag="--device vulkan"),
     Var("COLI_VK_DEV", "int", -1, "Vulkan device index (-1: the best device)", "index", lo=-1,
         flag="--device vulkan:N"),

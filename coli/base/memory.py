@@ -1,0 +1,135 @@
+"""The memory a run may use: the smallest of its cgroup's limit, the RAM available and the user's ``COLI_MEM``.
+
+Every sizer of coli (the RAM expert cache, the default context's KV cache, the shared-RAM device tier's budget,
+``coli plan``) sizes from :func:`budget`, so that a run in a container sizes from the container's limit and not
+from the host's RAM (which is what ``psutil.virtual_memory()`` reports inside one).
+
+* cgroup v2: ``memory.max`` of the process's group (``0::PATH`` in ``/proc/self/cgroup``) and of every group
+  above it, under the cgroup2 mount (``/sys/fs/cgroup``, or ``/sys/fs/cgroup/unified`` on a hybrid host);
+  ``max`` means no limit.
+* cgroup v1: ``memory.limit_in_bytes`` of the ``memory`` controller's group and the groups above it, under
+  ``/sys/fs/cgroup/memory``; a value of 2**62 or more (the kernel's "unlimited", a page-rounded 2**63 - 1) means
+  none.
+* RAM: ``psutil.virtual_memory().available`` plus what this process already holds (its resident set): the
+  budget is what the whole process may hold, so what it holds already counts toward it.
+* ``COLI_MEM`` (GiB; the flag ``--mem``).
+
+A group whose folder is not under the mount (a container's cgroup namespace shows its own group as ``/``) is
+read at the folders that exist: the mount's root is the container's own group there.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from coli.base import settings
+
+GiB = 1 << 30
+MiB = 1 << 20
+_UNLIMITED = 1 << 62  # cgroup v1 reports "no limit" as 2**63 - 1 rounded down to a page
+
+
+def _read_limit(path: str) -> int | None:
+    """The limit in the file ``path`` in bytes; None when the file is missing or says there is none."""
+    try:
+        with open(path) as f:
+            s = f.read().strip()
+    except OSError:
+        return None
+    if s == "max" or not s.isdigit():
+        return None
+    v = int(s)
+    return None if v >= _UNLIMITED else v
+
+
+def _ancestors(mount: str, group: str):
+    """``mount/group``, then each folder above it up to ``mount`` itself."""
+    parts = [p for p in group.strip("/").split("/") if p]
+    for i in range(len(parts), -1, -1):
+        yield os.path.join(mount, *parts[:i])
+
+
+def cgroup_limit(root: str = "/") -> tuple[int | None, str]:
+    """This process's cgroup memory limit in bytes and the file that sets it: the smallest limit of its group
+    and the groups above it, v1 or v2; ``(None, "")`` without one. ``root``: the file system's root (a test passes
+    a folder holding fake ``proc/self/cgroup`` and ``sys/fs/cgroup/...`` trees)."""
+    try:
+        with open(os.path.join(root, "proc/self/cgroup")) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None, ""
+    fs = os.path.join(root, "sys/fs/cgroup")
+    best, where = None, ""
+    for line in lines:
+        hid, _, rest = line.partition(":")
+        ctrls, _, group = rest.partition(":")
+        if hid == "0" and ctrls == "":  # v2: the unified hierarchy
+            mount = fs if os.path.exists(os.path.join(fs, "cgroup.controllers")) else os.path.join(fs, "unified")
+            name, kind = "memory.max", "cgroup v2"
+        elif "memory" in ctrls.split(","):
+            mount, name, kind = os.path.join(fs, "memory"), "memory.limit_in_bytes", "cgroup v1"
+        else:
+            continue
+        for d in _ancestors(mount, group):
+            v = _read_limit(os.path.join(d, name))
+            if v is not None and (best is None or v < best):
+                rel = os.path.relpath(d, mount)
+                best, where = v, f"{kind} {name} of {'/' if rel == '.' else '/' + rel}"
+    return best, where
+
+
+def available_ram() -> int:
+    """RAM available to new allocations, in bytes (``psutil.virtual_memory().available``: free + reclaimable)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def process_rss() -> int:
+    """This process's resident set in bytes (``psutil.Process().memory_info().rss``)."""
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """``bytes``: the most this process may hold in all; ``source``: where that came from, in words for the start
+    line (``"cgroup v1 memory.limit_in_bytes of /box"``, ``"--mem 0.5"``, ``"RAM available"``); ``rss``: the
+    process's resident set when the budget was taken (bytes)."""
+
+    bytes: int
+    source: str
+    rss: int = 0
+
+    def left(self, rss: int | None = None) -> int:
+        """Bytes the process may still take: the budget less its resident set (``rss``; now when None), >= 0."""
+        return max(0, self.bytes - (process_rss() if rss is None else int(rss)))
+
+    def describe(self) -> str:
+        return f"memory budget {fmt_bytes(self.bytes)} ({self.source})"
+
+
+def fmt_bytes(n) -> str:
+    n = int(n)
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.0f} MiB"
+
+
+def budget(env=None, *, flag: str | None = None, root: str = "/", available: int | None = None,
+           rss: int | None = None) -> Budget:
+    """The run's memory budget: the smallest of ``COLI_MEM`` (GiB, from ``env``: ``os.environ`` when None), the
+    cgroup limit (:func:`cgroup_limit` under ``root``) and the RAM available (``available``: psutil's when None)
+    plus this process's resident set (``rss``: now when None). ``flag``: how the start line names a
+    ``COLI_MEM`` the user gave as a flag (``"--mem"``). ColiError for a malformed ``COLI_MEM``."""
+    env = os.environ if env is None else env
+    avail = available_ram() if available is None else int(available)
+    own = process_rss() if rss is None else int(rss)
+    got = [(avail + own, "RAM available")]
+    lim, where = cgroup_limit(root)
+    if lim is not None:
+        got.append((lim, where))
+    mem = settings.get("COLI_MEM", env)
+    if mem is not None:
+        got.append((int(mem * GiB), f"{flag} {env['COLI_MEM']}" if flag else f"COLI_MEM={env['COLI_MEM']}"))
+    b, src = min(got, key=lambda x: x[0])
+    return Budget(int(b), src, own)

@@ -1,0 +1,199 @@
+"""The memory budget (coli/base/memory.py): the cgroup readers on fake /proc and /sys trees (v1, v2, hybrid, 'max',
+a namespaced group), the smallest of the three sources, and the sizers under a small budget (exact invariants:
+what the engine sizes fits what the budget leaves; a model whose dense part cannot fit is refused before it
+loads)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from coli.base import memory
+from coli.base.errors import ColiError
+from tiny_moe import ROOT, build_tiny_moe
+
+GiB, MiB = 1 << 30, 1 << 20
+V1_UNLIMITED = "9223372036854771712"   # what a v1 group without a limit reports (2**63 - 1 less a page)
+
+
+def _tree(root: Path, cgroup: str, files: dict) -> str:
+    """A fake file system under ``root``: ``proc/self/cgroup`` holding ``cgroup`` and each ``{path: text}``."""
+    (root / "proc/self").mkdir(parents=True)
+    (root / "proc/self/cgroup").write_text(cgroup)
+    for p, text in files.items():
+        f = root / p
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text + "\n")
+    return str(root)
+
+
+def test_cgroup_v1_smallest_limit_up_the_tree(tmp_path):
+    r = _tree(tmp_path, "5:devices:/box/job\n4:memory:/box/job\n0::/\n", {
+        "sys/fs/cgroup/memory/memory.limit_in_bytes": V1_UNLIMITED,
+        "sys/fs/cgroup/memory/box/memory.limit_in_bytes": str(2 * GiB),
+        "sys/fs/cgroup/memory/box/job/memory.limit_in_bytes": str(500 * MiB)})
+    assert memory.cgroup_limit(r) == (500 * MiB, "cgroup v1 memory.limit_in_bytes of /box/job")
+
+
+def test_cgroup_v1_parent_limit_wins(tmp_path):
+    r = _tree(tmp_path, "4:cpuacct,memory:/box/job\n", {
+        "sys/fs/cgroup/memory/box/memory.limit_in_bytes": str(300 * MiB),
+        "sys/fs/cgroup/memory/box/job/memory.limit_in_bytes": V1_UNLIMITED})
+    assert memory.cgroup_limit(r) == (300 * MiB, "cgroup v1 memory.limit_in_bytes of /box")
+
+
+def test_cgroup_v1_unlimited_is_none(tmp_path):
+    r = _tree(tmp_path, "4:memory:/x\n", {"sys/fs/cgroup/memory/memory.limit_in_bytes": V1_UNLIMITED,
+                                          "sys/fs/cgroup/memory/x/memory.limit_in_bytes": V1_UNLIMITED})
+    assert memory.cgroup_limit(r) == (None, "")
+
+
+def test_cgroup_v2_memory_max(tmp_path):
+    r = _tree(tmp_path, "0::/user.slice/app.scope\n", {
+        "sys/fs/cgroup/cgroup.controllers": "cpu io memory pids",
+        "sys/fs/cgroup/user.slice/memory.max": str(4 * GiB),
+        "sys/fs/cgroup/user.slice/app.scope/memory.max": "max"})
+    assert memory.cgroup_limit(r) == (4 * GiB, "cgroup v2 memory.max of /user.slice")
+
+
+def test_cgroup_v2_max_everywhere_is_none(tmp_path):
+    r = _tree(tmp_path, "0::/a\n", {"sys/fs/cgroup/cgroup.controllers": "memory",
+                                    "sys/fs/cgroup/a/memory.max": "max"})
+    assert memory.cgroup_limit(r) == (None, "")
+
+
+def test_cgroup_hybrid_and_namespaced(tmp_path):
+    """A hybrid host (v1 memory controller, v2 at /sys/fs/cgroup/unified) whose group path is not under the mount
+    (a container's namespace shows its own group at the mount's root): the root's limit."""
+    r = _tree(tmp_path, "4:memory:/docker/abc\n0::/docker/abc\n", {
+        "sys/fs/cgroup/memory/memory.limit_in_bytes": str(512 * MiB),
+        "sys/fs/cgroup/unified/cgroup.procs": ""})
+    assert memory.cgroup_limit(r) == (512 * MiB, "cgroup v1 memory.limit_in_bytes of /")
+
+
+def test_cgroup_absent(tmp_path):
+    assert memory.cgroup_limit(str(tmp_path)) == (None, "")
+
+
+def test_budget_is_the_smallest_source(tmp_path):
+    r = _tree(tmp_path, "0::/c\n", {"sys/fs/cgroup/cgroup.controllers": "memory",
+                                    "sys/fs/cgroup/c/memory.max": str(3 * GiB)})
+    b = memory.budget({}, root=r, available=8 * GiB, rss=GiB)
+    assert (b.bytes, b.source, b.rss) == (3 * GiB, "cgroup v2 memory.max of /c", GiB)
+    b = memory.budget({}, root=r, available=GiB, rss=GiB)          # the RAM available plus what it holds
+    assert (b.bytes, b.source) == (2 * GiB, "RAM available")
+    b = memory.budget({"COLI_MEM": "1.5"}, root=r, available=8 * GiB, rss=0)
+    assert (b.bytes, b.source) == (int(1.5 * GiB), "COLI_MEM=1.5")
+    b = memory.budget({"COLI_MEM": "1.5"}, flag="--mem", root=r, available=8 * GiB, rss=0)
+    assert b.source == "--mem 1.5" and b.describe() == "memory budget 1.50 GiB (--mem 1.5)"
+    assert b.left(rss=GiB) == b.bytes - GiB and b.left(rss=2 * GiB) == 0
+    with pytest.raises(ColiError, match="COLI_MEM='lots': not a number"):
+        memory.budget({"COLI_MEM": "lots"}, root=r)
+    with pytest.raises(ColiError, match="COLI_MEM='0': out of range"):
+        memory.budget({"COLI_MEM": "0"}, root=r)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_moe(tmp_path_factory.mktemp("mem"))
+
+
+def test_held_bytes_are_what_a_load_holds(tiny):
+    """``ExpertSource.held_nbytes`` (the sizers' expert) equals what a loaded expert holds, with and without the
+    file's bytes kept for a device tier; without them the expert keeps no copy of the file's bytes."""
+    from coli.gguf_file import open_gguf
+    from scheduler.ram_cache import ExpertSource
+
+    g = open_gguf(tiny)
+    layers = {il: tuple(g.tensors[f"blk.{il}.{n}.weight"] for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
+              for il in range(2)}
+    src = ExpertSource(tiny, layers)
+    try:
+        for tiles in (False, True):
+            for keep in (False, True):
+                src.tiles, src.keep_raw = tiles, keep
+                src._held.clear()
+                w = src.load(1, 3)
+                assert w.nbytes == src.held_nbytes(1) == sum(x.nbytes for x in (w.gate, w.up, w.down)) + (
+                    src.expert_nbytes(1) if keep else 0)
+                assert w.file_nbytes == src.expert_nbytes(1)
+                assert (w.raw is not None) == keep
+    finally:
+        src.close()
+
+
+def test_cache_slots_rule():
+    """``expert_cache_slots`` on ``cache_room``: every expert when all fit, else what fits, down to 0; the room is
+    what is left after the whole context's KV cache, an expert's file bytes per reader and one layer's experts."""
+    from coli.engine import cache_room, expert_cache_slots
+
+    room = cache_room(10_000, kv_bytes=1_000, expert_file_bytes=100, io_threads=4, n_experts=2, held_bytes=200)
+    assert room == 10_000 - 1_000 - 400 - 400
+    assert expert_cache_slots(8, 2, 300, 3, None, room) == 8           # all fit: 8 x 3 x 300 <= 8200
+    assert expert_cache_slots(16, 2, 300, 3, None, room) == 8200 // 900 == 9
+    assert expert_cache_slots(16, 2, 3000, 3, None, room) == 0      # below top-k: streamed from disk
+    assert expert_cache_slots(16, 2, 300, 3, 20, room) == 16          # given: at most every expert
+    assert cache_room(100, 1_000, 100, 4, 2, 200) == 0
+
+
+def _fixed_memory(monkeypatch, available):
+    """No cgroup and nothing held: the budget is ``available`` and all of it is left to the engine."""
+    monkeypatch.setattr(memory, "cgroup_limit", lambda root="/": (None, ""))
+    monkeypatch.setattr(memory, "available_ram", lambda: available)
+    monkeypatch.setattr(memory, "process_rss", lambda: 0)
+
+
+def test_sizers_fit_a_small_budget(tiny, tmp_path, monkeypatch):
+    """A budget that leaves the KV cache of 64 positions, the readers' in-flight experts and two and a half
+    experts a layer: the engine sizes 2 slots a layer, and the expert cache, the whole context's KV cache and the
+    in-flight experts fit what the budget leaves less the headroom, with no room for a third slot."""
+    from coli import engine as E
+    from coli.engine import Engine
+
+    with Engine(tiny, ctx=64, usage=str(tmp_path / "u0"), save_usage=False) as big:
+        src, L = big.cache.source, big.model.moe_layers
+        held = max(src.held_nbytes(l) for l in L)
+        assert held < max(src.expert_nbytes(l) for l in L) * 1.2   # no copy of the file's bytes beside the kernels'
+        kv = E.kv_cache_bytes(big.args, 64)
+        inflight = 4 * max(src.expert_nbytes(l) for l in L) + 4 * held     # 4 readers, 4 experts a layer
+    room = kv + inflight + int(2.5 * len(L) * held)
+    _fixed_memory(monkeypatch, room + E.HEADROOM_MIN)
+    assert E.headroom(room + E.HEADROOM_MIN) == E.HEADROOM_MIN
+    eng = Engine(tiny, ctx=64, usage=str(tmp_path / "u"), save_usage=False, env={})
+    try:
+        assert (eng.memory.bytes, eng.memory.source, eng.room) == (room + E.HEADROOM_MIN, "RAM available", room)
+        assert eng.expert_slots == 2 and eng.ram_cache_bytes == 2 * len(L) * held
+        used = eng.ram_cache_bytes + kv + inflight
+        assert used <= eng.room < used + len(L) * held
+        r = eng.generate(ids=[5, 6, 7], max_tokens=4)
+        assert len(r.ids) == 4
+        assert eng.cache.nbytes() <= eng.ram_cache_bytes      # the slots never hold more than they were sized for
+    finally:
+        eng.close()
+    # the default context: a quarter of the room, in whole positions
+    eng = Engine(tiny, usage=str(tmp_path / "u"), save_usage=False, env={})
+    try:
+        assert eng.ctx == eng.ctx_cap == min(eng.args.ctx_train, room // 4 // E.kv_cache_bytes(eng.args, 1))
+    finally:
+        eng.close()
+    with pytest.raises(ColiError, match=r"expert_cache: 3 slots x 2 layers x .* more than the .* leaves for the "
+                                        r"expert cache; 2 fit"):
+        Engine(tiny, ctx=64, expert_cache=3, usage=str(tmp_path / "u"), save_usage=False, env={})
+    with pytest.raises(ColiError, match=r"ctx: 100000 positions need .* of KV cache, more than the .* the memory "
+                                        r"budget .* \(RAM available\) leaves once the model is loaded"):
+        Engine(tiny, ctx=100000, usage=str(tmp_path / "u"), save_usage=False, env={})
+
+
+def test_dense_part_that_cannot_fit_is_refused(tmp_path):
+    """A budget below what coli itself holds: one line naming the dense bytes and the budget it would need, exit 2,
+    before the model loads (the demo's 45 MiB dense part; nothing is built here: the tiny MoE's line is the same)."""
+    tiny = build_tiny_moe(tmp_path)
+    r = subprocess.run([sys.executable, "-m", "coli", "run", "-m", str(tiny), "-p", "hi", "-n", "1", "--mem", "0.1"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 2 and r.stdout == ""
+    line = r.stderr.strip()
+    assert "\n" not in line and "Traceback" not in line
+    assert line.startswith("coli: tiny-moe.gguf: its dense weights (") and "memory budget 102 MiB (--mem 0.1)" in line
+    assert "it runs with its experts streamed from disk" in line
