@@ -47,15 +47,25 @@ def main():
     a = ap.parse_args()
     cmd = a.cmd[1:] if a.cmd and a.cmd[0] == "--" else a.cmd
     kind, parent = _own_group()
-    g = os.path.join(parent.rstrip("/"), f"coli-bench-{os.getpid()}")
-    os.mkdir(g)
     limit = int(a.limit_mb * 1e6)
+    if kind == "v2" and not os.path.exists(os.path.join(parent, "memory.max")):
+        parent = "/sys/fs/cgroup"   # v2: a group whose parent has the memory controller (the root's children do)
+    g = os.path.join(parent.rstrip("/"), f"coli-bench-{os.getpid()}")
+    if kind == "v2":
+        try:
+            open(os.path.join(parent, "cgroup.subtree_control"), "w").write("+memory")
+        except OSError:
+            pass
+    os.mkdir(g)
     try:
         if kind == "v1":
             open(os.path.join(g, "memory.limit_in_bytes"), "w").write(str(limit))
         else:
             open(os.path.join(g, "memory.max"), "w").write(str(limit))
-            open(os.path.join(g, "memory.swap.max"), "w").write("0")
+            try:
+                open(os.path.join(g, "memory.swap.max"), "w").write("0")
+            except OSError:
+                pass
         procs = os.path.join(g, "cgroup.procs")
         load = os.getloadavg()[0]
         t0 = time.perf_counter()
