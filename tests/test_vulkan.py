@@ -208,6 +208,8 @@ def test_budget_rules(monkeypatch):
             class VM:
                 available = 14 * GiB
             monkeypatch.setattr(psutil, "virtual_memory", lambda: VM)
+            from coli.base import memory   # the memory budget is then the RAM available: no cgroup limit under it
+            monkeypatch.setattr(memory, "cgroup_limit", lambda root="/": (None, ""))
             # the tier's rule (scheduler.tier_policy.budget_bytes), capped at the device's heap
             d2 = open_device("budget", budget=rule(2 * GiB, 2 * GiB), quiet=True)
             assert d2.budget_bytes == (14 - 2 - 2) * GiB // 4 - 2 * GiB      # 0.5 GiB
