@@ -44,6 +44,9 @@ def test_plan_matches_a_real_run(tiny, tmp_path):
         assert p["kv_cache_bytes"] == eng.model.new_cache(eng.ctx).nbytes()
         assert p["ram_cache_slots"] == eng.expert_slots == 3
         assert p["ram_cache_bytes"] == eng.ram_cache_bytes
+        # an expert as the cache holds it: the plan's measure is what a load holds
+        assert p["expert_held_bytes"] == eng.cache.source.held_nbytes(0) == eng.cache.source.load(0, 1).nbytes
+        assert p["expert_held_ratio"] == round(p["expert_held_bytes"] / p["expert_bytes"], 3)
         assert p["streamed_experts"] == 2 * (4 - 3) and p["streams_from_disk"]
         # one token from an empty RAM cache: what the plan predicts is read from disk, byte for byte
         r = eng.generate(ids=[5], max_tokens=1)
@@ -118,3 +121,15 @@ def test_plan_device_matches_the_engine_on_lavapipe(tiny, tmp_path, monkeypatch)
         assert p["streamed_experts"] == 0  # 2 x 2 RAM slots + 5 on the device cover the 8 experts
     finally:
         eng.close()
+
+
+def test_plan_under_a_memory_budget(tiny):
+    """``COLI_MEM`` below what coli itself holds: the plan says the budget and its source, and that the engine would
+    refuse the model (``dense_fits``) as the engine does."""
+    p = make_plan(tiny, ctx=32, env={"COLI_MEM": "0.1"})
+    assert p["budget_bytes"] == int(0.1 * (1 << 30)) and p["budget_source"] == "COLI_MEM=0.1"
+    assert not p["dense_fits"] and not p["fits_ram"]
+    with pytest.raises(ColiError, match="its dense weights .* need a memory budget of"):
+        from coli.engine import Engine
+
+        Engine(tiny, ctx=32, env={"COLI_MEM": "0.1"}, save_usage=False)
