@@ -295,7 +295,8 @@ def run_bench(eng, n_prompt=128, n_gen=64, reps=5, cold=False, threads=None, ban
                         if cold:
                             if eng.cache is not None:
                                 eng.cache.clear()
-                            drop_page_cache(eng.path)
+                            for f in getattr(eng.g, "shards", None) or [eng.path]:  # every shard of a split GGUF
+                                drop_page_cache(f)
                         kv = eng.model.new_cache(n + 1)
                         eng._reset_counters()
                         with _weight_counter(eng) as wc:

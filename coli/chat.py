@@ -14,6 +14,7 @@ import sys
 import threading
 
 from coli.base.errors import ColiError
+from coli.tokenizer import check_text
 
 HELP = "/reset forgets the conversation, /exit (or Ctrl-D) quits; Ctrl-C stops an answer"
 
@@ -44,6 +45,13 @@ def run_chat(eng, a, inp=input, out=sys.stdout) -> int:
             return 0
         except KeyboardInterrupt:
             out.write("\n")
+            continue
+        except UnicodeDecodeError as e:  # a strict stdin lost the buffered input: stop, as `coli run` does
+            raise ColiError(f"stdin: not UTF-8 text (byte {e.start})") from None
+        try:  # invalid bytes read with surrogateescape (the C locale): say so, keep the REPL
+            check_text(line, "stdin")
+        except ColiError as e:
+            print(f"coli: {e}; line skipped", file=sys.stderr)
             continue
         text = line.strip()
         if not text:

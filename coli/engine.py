@@ -346,6 +346,7 @@ class Engine:
             self.tokenizer = self.g.tokenizer()
         else:
             self.g = open_gguf(self.path)
+            self.path = self.g.path  # a split model is named by its first shard, whichever shard was given
             cls = model_class(self.g)
             self.args = cls.args_from(self.g)
             self.tokenizer = Tokenizer.from_gguf(self.g)

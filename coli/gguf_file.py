@@ -68,6 +68,8 @@ class TensorInfo:
       with ``row_bytes = shape[-1] // block_size * type_size`` (ggml's block layout).
     * ``offset``: absolute byte offset of the data in the file; ``nbytes``: its size in bytes.
     * ``type_id``: the ggml type number; ``n_elements``: ``prod(shape)``.
+    * ``file``: the path of the shard holding the data when the model is split (``offset`` is then in that
+      file), None for a single file.
     """
 
     name: str
@@ -78,6 +80,7 @@ class TensorInfo:
     nbytes: int
     type_id: int = -1
     n_elements: int = 0
+    file: str | None = None
 
 
 @dataclass(eq=False)
@@ -89,6 +92,11 @@ class GGUFModel:
     ``np.ndarray`` view of the file for numeric/bool arrays (``tokenizer.ggml.token_type``/``scores``),
     and ``list`` for arrays of arrays. ``kv_types`` gives each key's GGUF value type number (an array's
     is ``(9, element_type)``). ``tensors`` keeps file order.
+
+    A split model (llama.cpp's ``gguf-split``: ``NAME-0000i-of-0000N.gguf``) is one ``GGUFModel``: ``path`` is
+    the first shard (which holds the metadata), ``shards`` every shard's path in order, ``tensors`` all of them
+    (each ``TensorInfo.file`` naming its shard), ``file_size`` the shards' total bytes. ``shards`` is empty for
+    a single file.
     """
 
     path: Path
@@ -100,6 +108,7 @@ class GGUFModel:
     data_offset: int
     file_size: int
     kv_types: dict[str, Any] = field(default_factory=dict)
+    shards: list = field(default_factory=list)
     _mm: Any = field(default=None, repr=False)
 
     def get(self, key: str, default: Any = None) -> Any:
@@ -241,8 +250,91 @@ def _type_tables():
     return GGML_QUANT_SIZES, GGMLQuantizationType
 
 
+# llama.cpp's split keys (``LLM_KV_SPLIT_*``) and shard names (``llama_split_path``: "%s-%05d-of-%05d.gguf")
+SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS = "split.no", "split.count", "split.tensors.count"
+
+
+def split_path(prefix: str, no: int, count: int) -> str:
+    """The path of shard ``no`` (0-based) of ``count``: ``f"{prefix}-{no + 1:05d}-of-{count:05d}.gguf"``."""
+    return f"{prefix}-{no + 1:05d}-of-{count:05d}.gguf"
+
+
 def open_gguf(path) -> GGUFModel:
-    """Validate and open the GGUF file at ``path`` (memory-mapped, read-only).
+    """Validate and open the GGUF model at ``path``: a single file, or any shard of a split model as llama.cpp's
+    ``gguf-split`` writes it (``NAME-0000i-of-0000N.gguf``; the first shard holds every metadata key plus
+    ``split.no`` (u16, 0-based), ``split.count`` (u16) and ``split.tensors.count`` (i32); the others only the
+    ``split.*`` keys and their tensors). Every shard is opened and checked as :func:`open_gguf_file` does; then
+    each shard's ``split.count`` and ``split.no`` must match its name, no tensor may be in two shards, and the
+    shards must hold ``split.tensors.count`` tensors in all (llama.cpp's loader checks the same).
+
+    Returns a :class:`GGUFModel` (for a split model: the first shard's metadata, every shard's tensors).
+    Raises :class:`ColiError` naming the file and field, or the missing or mismatched shard.
+    """
+    first = open_gguf_file(path, require_arch=False)
+    n = first.meta.get(SPLIT_COUNT)
+    if n is None or (_is_int(n) and n <= 1):  # one shard of one is a whole file (llama.cpp reads it so)
+        if first.arch is None:
+            raise ColiError(f"{first.path.name}: kv 'general.architecture': missing")
+        return first
+    return _open_split(first)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _open_split(given: GGUFModel) -> GGUFModel:
+    """The shards of the split model ``given`` belongs to, as one GGUFModel (see :func:`open_gguf`)."""
+    fname = given.path.name
+    n, no = given.meta.get(SPLIT_COUNT), given.meta.get(SPLIT_NO)
+    if not _is_int(n) or n < 1:
+        raise ColiError(f"{fname}: kv '{SPLIT_COUNT}': {n!r} (the number of shards, at least 1)")
+    if not _is_int(no) or not 0 <= no < n:
+        raise ColiError(f"{fname}: kv '{SPLIT_NO}': {no!r} (the shard's index, 0 to {n - 1}, with {SPLIT_COUNT} {n})")
+    tail = split_path("", no, n)
+    full = str(given.path)
+    if not full.endswith(tail) or len(full) == len(tail):
+        raise ColiError(f"{fname}: shard {no + 1} of {n} (kv '{SPLIT_NO}' {no}, '{SPLIT_COUNT}' {n}), but the file "
+                        f"name does not end in '{tail}', so the other shards cannot be found (llama.cpp names them "
+                        "NAME-0000i-of-0000N.gguf)")
+    prefix = full[:-len(tail)]
+    shards: list[GGUFModel] = []
+    for i in range(n):
+        p = split_path(prefix, i, n)
+        if i == no:
+            m = given
+        else:
+            if not os.path.exists(p):
+                raise ColiError(f"{Path(p).name}: missing: shard {i + 1} of {n} of the split model {fname} "
+                                "(every shard must be in the same folder)")
+            m = open_gguf_file(p, require_arch=False)
+        sn, sc = m.meta.get(SPLIT_NO), m.meta.get(SPLIT_COUNT)
+        if sc != n or sn != i:
+            raise ColiError(f"{m.path.name}: kv '{SPLIT_NO}' {sn!r}, '{SPLIT_COUNT}' {sc!r}: expected shard "
+                            f"{i} of {n} (from its name); the shard belongs to another split")
+        shards.append(m)
+    head = shards[0]
+    if head.arch is None:
+        raise ColiError(f"{head.path.name}: kv 'general.architecture': missing (the first shard holds the metadata)")
+    tensors: dict[str, TensorInfo] = {}
+    for m in shards:
+        for name, t in m.tensors.items():
+            if name in tensors:
+                raise ColiError(f"{m.path.name}: tensor '{name}': also in shard {tensors[name].file}")
+            tensors[name] = TensorInfo(t.name, t.type_name, t.shape, t.raw, t.offset, t.nbytes, t.type_id,
+                                       t.n_elements, file=str(m.path))
+    want = head.meta.get(SPLIT_TENSORS)
+    if want is not None and want != len(tensors):
+        raise ColiError(f"{head.path.name}: kv '{SPLIT_TENSORS}': {want!r}, but the {n} shards hold {len(tensors)} "
+                        "tensors (a shard of another split, or a damaged one)")
+    return GGUFModel(path=head.path, arch=head.arch, meta=head.meta, tensors=tensors, version=head.version,
+                     alignment=head.alignment, data_offset=head.data_offset,
+                     file_size=sum(m.file_size for m in shards), kv_types=head.kv_types,
+                     shards=[m.path for m in shards], _mm=[m._mm for m in shards])
+
+
+def open_gguf_file(path, require_arch: bool = True) -> GGUFModel:
+    """Validate and open one GGUF file at ``path`` (memory-mapped, read-only), a shard of a split model as is.
 
     Checks, in file order, with every length bounded by the bytes left: magic ``GGUF``; version 2 or 3;
     ``tensor_count`` and ``kv_count`` no more than the file can hold; each key (valid UTF-8, unique);
@@ -385,7 +477,7 @@ def open_gguf(path) -> GGUFModel:
             w.fail(f"tensor '{a}'", f"data [{data_offset + o1}, {data_offset + o1 + n1}) overlaps tensor '{b}' "
                                     f"(from {data_offset + o2}): a tensor's type or shape does not match its data")
 
-    if arch is None:
+    if arch is None and require_arch:
         w.fail("kv 'general.architecture'", "missing")
     return GGUFModel(path=path, arch=arch, meta=meta, tensors=tensors, version=version, alignment=alignment,
                      data_offset=data_offset, file_size=size, kv_types=kv_types, _mm=mm)
@@ -407,13 +499,16 @@ def file_type_name(model: GGUFModel) -> str | None:
 
 
 def describe(model: GGUFModel) -> str:
-    """A human summary for ``coli info``: architecture, parameters, context, layers, heads, experts,
+    """A human summary for ``coli info``: the shards of a split model (name, tensors, MiB), architecture, parameters, context, layers, heads, experts,
     file size, tensor count and bytes by ggml type, then every tensor (name, type, shape, MiB)."""
     g = model.arch_get
     n_params = sum(t.n_elements for t in model.tensors.values())
     lines = [
         f"file          {model.path.name}  ({model.file_size / 2**20:.1f} MiB, "
         + (f"GGUF v{model.version})" if isinstance(model.version, int) else f"{model.version})"),
+        *([f"shards        {len(model.shards)}: " + ", ".join(
+            f"{Path(p).name} ({sum(1 for t in model.tensors.values() if t.file == str(p))} tensors, "
+            f"{os.path.getsize(p) / 2**20:.1f} MiB)" for p in model.shards)] if model.shards else []),
         f"architecture  {model.arch}" + (f"  ({model.get('general.name')})" if model.get("general.name") else ""),
         f"parameters    {n_params / 1e6:.1f} M ({n_params})",
         f"file type     {file_type_name(model) or '?'}  (general.file_type: the type the file was quantized to)",

@@ -92,6 +92,19 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(bs, cs)}
 
 
+def check_text(text: str, what: str = "text") -> None:
+    """ColiError naming ``what`` when ``text`` holds a lone surrogate (U+D800..U+DFFF: no UTF-8 encodes it; it is
+    what invalid UTF-8 bytes become under Python's ``surrogateescape``, e.g. on stdin in the C locale, or a JSON
+    ``"\\ud800"`` escape), as invalid UTF-8 in a ``-f`` prompt file is one error."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = ord(text[e.start])
+        raw = f", the byte 0x{c - 0xDC00:02X} that is not UTF-8" if 0xDC80 <= c <= 0xDCFF else ""
+        raise ColiError(f"{what}: not valid Unicode: a lone surrogate U+{c:04X} at character {e.start}{raw} "
+                        "(give UTF-8 text)") from None
+
+
 class Tokenizer:
     """Text <-> token ids for one GGUF model. Build with :meth:`from_gguf`.
 
@@ -183,9 +196,11 @@ class Tokenizer:
     # ------------------------------------------------------------------------------------------ encoding
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Token ids of ``text``; control/user-defined token texts in ``text`` become their ids.
-        ``add_bos=None`` follows the file (``self.add_bos``)."""
+        ``add_bos=None`` follows the file (``self.add_bos``). ColiError when ``text`` is not a string or holds a
+        lone surrogate (:func:`check_text`)."""
         if not isinstance(text, str):
             raise ColiError(f"text: {type(text).__name__} {str(text)[:40]!r} is not a string")
+        check_text(text)
         ids = self.hf.encode(text, add_special_tokens=False).ids
         if self.add_bos if add_bos is None else add_bos:
             if self.bos_id is None:
@@ -220,9 +235,12 @@ class Tokenizer:
         self._piece_cache[token_id] = b
         return b
 
-    def decode(self, ids, skip_special: bool = False) -> str:
+    def decode(self, ids, skip_special: bool = False, lstrip: bool = True) -> str:
         """Text of ``ids``; invalid UTF-8 (a cut multi-byte character) becomes U+FFFD. ``skip_special`` drops
-        control tokens (``<|im_end|>``, ``<bos>``)."""
+        control tokens (``<|im_end|>``, ``<bos>``). ``ids`` are taken as a text from its start: the space a
+        SentencePiece vocabulary with ``add_space_prefix`` put before the first word is dropped (llama.cpp's
+        ``llama_detokenize``), so ``decode(encode(text)) == text``. For a completion that follows a prompt pass
+        ``lstrip=False`` (its first piece's space is the text's), or use :meth:`stream`."""
         parts = []
         for i in ids:
             i = int(i)
@@ -230,16 +248,21 @@ class Tokenizer:
                 continue
             parts.append(self.piece_bytes(i))
         text = b"".join(parts).decode("utf-8", errors="replace")
-        if self.kind == "llama" and self._strip_prefix and text.startswith(" "):
+        if lstrip and self.kind == "llama" and self._strip_prefix and text.startswith(" "):
             text = text[1:]
         return text
 
     _strip_prefix = False
 
-    def stream(self, skip_special: bool = False) -> "StreamDecoder":
+    def stream(self, skip_special: bool = False, lstrip: bool = False) -> "StreamDecoder":
         """An incremental decoder for printing tokens as they come: ``d.push(id) -> str`` returns only whole
-        characters (a multi-byte character cut across tokens waits for its last byte); ``d.flush()``."""
-        return StreamDecoder(self, skip_special)
+        characters (a multi-byte character cut across tokens waits for its last byte); ``d.flush()``.
+
+        For a completion after a prompt (the default) every piece is printed as is, the first one included: a
+        SentencePiece ``▁Paris`` after "The capital of France is" gives " Paris", as llama.cpp's
+        ``llama_token_to_piece`` (``lstrip`` 0) prints it in llama-cli and llama-server. ``lstrip=True`` drops
+        the leading space of the first piece, as :meth:`decode` does for a text decoded from its start."""
+        return StreamDecoder(self, skip_special, lstrip)
 
     # ------------------------------------------------------------------------------------------ chat
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
@@ -414,11 +437,11 @@ def _compile_template(source: str):
 class StreamDecoder:
     """Incremental UTF-8 decoding of a token stream (see :meth:`Tokenizer.stream`)."""
 
-    def __init__(self, tok: Tokenizer, skip_special: bool = False):
+    def __init__(self, tok: Tokenizer, skip_special: bool = False, lstrip: bool = False):
         self.tok = tok
         self.skip_special = skip_special
         self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._first = True
+        self._first = lstrip  # strip the first piece's leading space (a text from its start)
 
     def push(self, token_id: int) -> str:
         tok = self.tok

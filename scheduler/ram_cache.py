@@ -42,13 +42,18 @@ class ExpertSource:
     """Reads experts of the MoE layers from the model file.
 
     ``layers``: ``{layer: (gate, up, down)}`` of ``coli.gguf_file.TensorInfo`` for the 3-D expert tensors
-    (NumPy shapes ``[E, F, D]``, ``[E, F, D]``, ``[E, D, F]``).
+    (NumPy shapes ``[E, F, D]``, ``[E, F, D]``, ``[E, D, F]``). A tensor whose ``file`` is set (a split
+    model's shard) is read from that file; the others from ``path``.
     """
 
     def __init__(self, path, layers: dict, open_file: bool = True):
         self.path = str(path)
         self.layers = layers
         self.fd = os.open(self.path, os.O_RDONLY) if open_file else -1
+        self._fds = {}  # a split model's shards: file -> fd
+        if open_file:
+            for f in sorted({t.file for ts in layers.values() for t in ts if getattr(t, "file", None)}):
+                self._fds[f] = os.open(f, os.O_RDONLY)
         self.tiles = None  # formats.prepare's layout choice: the engine sets it from its activation mode
         # keep the file's bytes beside the prepared matrices (a device tier uploads them from the RAM cache); the
         # engine turns it off for a run without a device, so a cached expert costs its prepared bytes alone
@@ -106,9 +111,10 @@ class ExpertSource:
     def read_one(self, layer: int, t, e: int):
         """Expert ``e``'s slice of the 3-D tensor ``t``: ``(type_name, uint8 [O, row_bytes], bytes read)``."""
         per = t.raw[0].nbytes
-        buf = os.pread(self.fd, per, t.offset + e * per)
+        f = getattr(t, "file", None)
+        buf = os.pread(self._fds[f] if f else self.fd, per, t.offset + e * per)
         if len(buf) != per:
-            raise OSError(f"{self.path}: short read of {t.name} expert {e} ({len(buf)} of {per} bytes)")
+            raise OSError(f"{f or self.path}: short read of {t.name} expert {e} ({len(buf)} of {per} bytes)")
         return t.type_name, np.frombuffer(buf, dtype=np.uint8).reshape(t.raw.shape[1:]), per
 
     def load(self, layer: int, e: int) -> ExpertWeights:
@@ -124,11 +130,13 @@ class ExpertSource:
         return ExpertWeights(ws[0], ws[1], ws[2], raw if self.keep_raw else None, held, file_n)
 
     def close(self):
-        if self.fd >= 0:
-            try:
-                os.close(self.fd)
-            except OSError:
-                pass
+        for fd in (self.fd, *self._fds.values()):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self.fd, self._fds = -1, {}
 
 
 class RAMCache:

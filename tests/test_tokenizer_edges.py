@@ -179,3 +179,71 @@ def test_gemma_base_chat_prompt(model_path):
     g = Tokenizer.from_gguf(open_gguf(model_path("gemma3")))
     ids = g.encode_chat([{"role": "user", "content": "Hi"}])
     assert ids[0] == g.bos_id and ids.count(g.bos_id) == 1 and g.template_fallback
+
+
+# -- templates raise what transformers raises ------------------------------------------------------------------
+RUNTIME_TMPLS = [
+    "{{ foo.bar }}",                                          # an undefined variable's attribute: raises
+    "{% for m in messages %}{{ m.nope.x }}{% endfor %}",      # a missing field's attribute: raises
+    "{% if foo.bar %}x{% endif %}",                           # tested, not printed: raises all the same
+    "{{ messages[0].content.nope }}|{{ nope }}|{{ messages[0].nope }}",  # undefined printed: renders empty
+    "{{ messages[5].content }}",                              # past the list's end
+    "{{ (messages | length) / 0 }}",                          # Python's ZeroDivisionError
+    "{{ foo | length }}",                                     # an undefined through a filter: 0
+]
+
+
+@pytest.mark.parametrize("tmpl", RUNTIME_TMPLS)
+def test_template_runtime_errors_are_transformers(tmp_path, tmpl):
+    """transformers' own compiled template is the oracle: where it raises, coli raises one ColiError naming
+    ``tokenizer.chat_template``; where it renders, coli renders the same text."""
+    import transformers.utils.chat_template_utils as hf
+
+    msgs = [{"role": "user", "content": "hi"}]
+    try:
+        want = hf._compile_jinja_template(tmpl).render(messages=msgs, tools=None, documents=None,
+                                                       add_generation_prompt=True, bos_token="<s>",
+                                                       eos_token="</s>", unk_token="<unk>", pad_token="")
+    except Exception as e:  # noqa: BLE001
+        want = e
+    tok = _spm(tmp_path / "t.gguf", template=tmpl)
+    if isinstance(want, Exception):
+        with pytest.raises(ColiError) as e:
+            tok.apply_chat_template(msgs)
+        msg = str(e.value)
+        assert msg.startswith("t.gguf: kv 'tokenizer.chat_template': ") and "\n" not in msg
+        assert str(want).split(" ")[0] in msg  # the same complaint ("'foo' is undefined", "division ...")
+    else:
+        assert tok.apply_chat_template(msgs) == want
+
+
+# -- text that is not Unicode ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("text", ["hi \udcff\udcfe there", "\ud800", "ok\udfff"])
+def test_lone_surrogate_is_one_error(tmp_path, text):
+    """A lone surrogate (invalid UTF-8 read with surrogateescape, or a JSON "\\ud800" escape) through either
+    vocabulary kind: one ColiError naming the character, not the tokenizers package's TypeError."""
+    for tok in (_spm(tmp_path / "s.gguf"), _bpe(tmp_path / "b.gguf", [("<|end|>", CONTROL)])):
+        with pytest.raises(ColiError, match=r"^text: not valid Unicode: a lone surrogate U\+D[89A-F][0-9A-F]{2} "
+                                            r"at character \d+"):
+            tok.encode(text)
+        with pytest.raises(ColiError, match="not valid Unicode"):
+            tok.encode_chat([{"role": "user", "content": text}])
+
+
+# -- SentencePiece: a completion keeps its leading space ------------------------------------------------------
+def test_spm_completion_keeps_its_leading_space(tmp_path):
+    """llama.cpp prints each generated token with ``llama_token_to_piece`` (no lstrip): after the prompt "hi",
+    the completion ``▁hi`` is " hi", streamed and whole (the engine's text is the stream's). Only a text decoded
+    from its start drops the space its encoding added (``decode``, llama.cpp's ``llama_detokenize``)."""
+    tok = _spm(tmp_path / "s.gguf")
+    ids = tok.encode("hi hi hi", add_bos=False)
+    assert [tok.tokens[i] for i in ids] == ["\u2581hi"] * 3
+    prompt, completion = ids[:1], ids[1:]
+    d = tok.stream()
+    streamed = "".join(d.push(i) for i in completion) + d.flush()
+    assert streamed == " hi hi"
+    assert tok.decode(completion, lstrip=False) == " hi hi"
+    assert tok.decode(prompt) + streamed == "hi hi hi"       # prompt + completion = the text
+    assert tok.decode(ids) == "hi hi hi"                     # a text from its start
+    d = tok.stream(lstrip=True)
+    assert "".join(d.push(i) for i in ids) + d.flush() == "hi hi hi"
