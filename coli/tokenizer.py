@@ -44,34 +44,134 @@ from .base.errors import ColiError
 
 CONTROL, USER_DEFINED, UNUSED, BYTE = 3, 4, 5, 6  # llama.cpp llama_token_type / gguf TokenType
 
-# llama.cpp src/llama-vocab.cpp (llm_tokenizer_bpe constructor): the split regexes per pre-tokenizer type
+# llama.cpp src/llama-vocab.cpp (llm_tokenizer_bpe constructor; llama-cpp-python 0.3.36's vendored tree): the split
+# regexes per pre-tokenizer type, applied in sequence. llama.cpp runs four of them (gpt2, llama3, qwen2, qwen35) with
+# hand-written splitters equal to the regex, kimi-k2's and afmoe's digits only so (src/unicode.cpp), the rest with
+# std::regex on a text whose non-ASCII characters are collapsed to one byte per Unicode category: there \p{Lu},
+# \p{Ll}, \p{Lt}, \p{Lm} and \p{Lo} all mean "a letter", so they are written \p{L} here (_collapsed).
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN35 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+_LLAMA3 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
            r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-          r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_JAIS2 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+          r"|\s{512}(?!\S)|\s{256}(?!\S)|\s{128}(?!\S)|\s{64}(?!\S)|\s{32}(?!\S)|\s{16}(?!\S)|\s{8}(?!\S)"
+          r"|\s{4}(?!\S)|\s{1,2}(?!\S)|\s{1}")
+# the letter runs of gpt-4o/tekken as llama.cpp adapted them: an upper-then-lower word, with a lookahead for
+# "a letter that is not a-z" (std::regex has no \p{Lu})
+_UP = r"((?=[\p{L}])([^a-z]))"
+_LO = r"((?=[\p{L}])([^A-Z]))"
+_TEKKEN = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UP}*{_LO}+|[^\r\n\p{{L}}\p{{N}}]?{_UP}+{_LO}*|\p{{N}}"
+           r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT4O = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UP}*{_LO}+{_CONTRACTIONS}?|[^\r\n\p{{L}}\p{{N}}]?{_UP}+{_LO}*{_CONTRACTIONS}?"
           r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_UPM = r"((?=[\p{L}\p{M}])([^a-z]))"
+_LOM = r"((?=[\p{L}\p{M}])([^A-Z]))"
+_GRANITE_EMB = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPM}*{_LOM}+{_CONTRACTIONS}?|[^\r\n\p{{L}}\p{{N}}]?{_UPM}+{_LOM}*"
+                rf"{_CONTRACTIONS}?|\p{{N}}{{1,3}}| ?[^\s\p{{L}}\p{{N}}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LUM = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"
+_LLM = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_CASED = (rf"[^\r\n\p{{L}}\p{{N}}]?{_LUM}*{_LLM}+{_CONTRACTIONS}?|[^\r\n\p{{L}}\p{{N}}]?{_LUM}+{_LLM}*"
+          rf"{_CONTRACTIONS}?")
+_TINY_AYA = _CASED + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_YOUTU = ['[\uac00-\ud7a3\u3131-\u318e]+|[\uff01\u2026\u201c\u201d\u2018\u2019\u2014\uff1a\uff1b\uff0c\u3001-\u303f\ufe30-\ufe4f]+|[\u3105-\u312f]+|[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+',
+          _CASED + r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"]
+_DEEPSEEK_LLM = [
+    r"[\r\n]",
+    '\\s?[A-Za-z\xb5\xc0-\xd6\xd8-\xf6\xf8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af\u0370-\u0373\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1\u03a3-\u03f5\u03f7-\u0481\u048a-\u052f\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5\u13f8-\u13fd\u1c90-\u1cba\u1cbd-\u1cbf\u1d00-\u1d2b\u1d6b-\u1d77\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d\u1f20-\u1f45\u1f48-\u1f4d\u1f50-\u1f57\u1f59\u1f5b\u1f5d\u1f5f-\u1f7d\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe\u1fc2-\u1fc4\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-\u1fdb\u1fe0-\u1fec\u1ff2-\u1ff4\u1ff6-\u1ffc\u2102\u2107\u210a-\u2113\u2115\u2119-\u211d\u2124\u2126\u2128\u212a-\u212d\u212f-\u2134\u2139\u213c-\u213f\u2145-\u2149\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3\ua640-\ua66d\ua680-\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06\ufb13-\ufb17\uff21-\uff3a\uff41-\uff5a\U00010400-\U0001044f\U000104b0-\U000104d3\U000104d8-\U000104fb\U00010c80-\U00010cb2\U00010cc0-\U00010cf2\U000118a0-\U000118df\U0001e900-\U0001e943]+',
+    '\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+',
+    r"\s+$",
+    '[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+',
+    r"\p{N}+",
+]
+_DEEPSEEK3 = [r"\p{N}{1,3}", '[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+',
+              r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+              r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"]
+_SPARK = [r"\p{N}{1,3}", '[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+',
+          r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+          r"| ?[\p{P}\p{S}]+|[\r\n]|\s+(?!\S)|\s+", r"\p{N}"]
+# kimi-k2: llama.cpp's hand-written splitter (unicode.cpp unicode_regex_split_custom_kimi_k2) as one regex: Han runs
+# (its unicode_cpt_is_han ranges), then words of other letters (no marks, case not told apart), digits by three
+_HAN = ("[\u4e00-\u9fff\u3400-\u4dbf\U00020000-\U0002a6df\U0002a700-\U0002b73f\U0002b740-\U0002b81f"
+        "\U0002b820-\U0002ceaf\U0002ceb0-\U0002ebef\uf900-\ufaff\U0002f800-\U0002fa1f]")
+_KIMI = (rf"{_HAN}+|[^\r\n\p{{L}}\p{{N}}]?[\p{{L}}&&[^{_HAN[1:-1]}]]+{_CONTRACTIONS}?|\p{{N}}{{1,3}}"
+         r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# afmoe's digits and tiny_aya's "\d{1,3}(?=(?:\d{3})*\b)": llama.cpp's splitter groups a digit run by three from
+# the right
+_DIGITS3 = r"\p{N}{1,3}(?=(?:\p{N}{3})*(?!\p{N}))"
+_AFMOE = [_DIGITS3, '[\u4e00-\u9fff\u3400-\u4dbf\u8c48-\ufaff\u3040-\u309f\u30a0-\u30ff\uff65-\uff9f\u2f00-\u2fdf\u0e40-\u0e7f\u0e80-\u0eff\u1780-\u17ff\u1000-\u109f\uaa60-\uaa7f\ua9e0-\ua9ff\uac00-\ud7af\u1100-\u11ff]+',
+          r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+          r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"]
+_BLOOM = ' ?[^(\\s|.,!?\u2026\u3002\uff0c\u3001\u0964\u06d4\u060c)]+'
+_CHAMELEON = [r"<sentinel:[0-9]+>", r"(IMGIMG)((A|B|C|D|E|F|G|H|I){1,4})Z", r"([\t\n]|    |  )", r"\p{N}",
+              r"[\p{P}!-/:-@\[-`{-~]", _GPT2]
 _DEFAULT = [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"]
 
-PRE_SPLITS: dict[str, list[str]] = {
-    **{k: [_LLAMA3] for k in ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0",
-                               "lfm2", "jina-v5-nano", "dbrx", "smaug-bpe")},
-    **{k: [_QWEN2] for k in ("qwen2", "stablelm2", "hunyuan", "deepseek-r1-qwen", "megrez")},
-    "qwen35": [_QWEN35],
-    **{k: [_GPT4O] for k in ("gpt-4o", "minimax-m2", "llama4")},
-    **{k: [r"\p{N}", _GPT2] for k in ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone",
-                                       "minerva-7b")},
-    **{k: [_GPT2] for k in ("gpt-2", "gpt2", "mpt", "olmo", "jais", "trillion", "granite-docling")},
-    "falcon": [r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"],
-    "default": _DEFAULT,
-}
-# llama.cpp: these pre types set ignore_merges = true and add_bos = true
-_LLAMA3_FAMILY = {"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
-                  "jina-v5-nano"}
+
+def _collapsed(r: str) -> str:
+    """llama.cpp's std::regex path sees one "letter" class (see above)."""
+    for c in ("Lu", "Ll", "Lt", "Lm", "Lo"):
+        r = r.replace(rf"\p{{{c}}}", r"\p{L}")
+    return r
+
+
+_TINY_AYA, _YOUTU = _collapsed(_TINY_AYA), [_YOUTU[0], _collapsed(_YOUTU[1])]
+
+# (tokenizer.ggml.pre names, split regexes, ignore_merges, add_bos default), as llama.cpp's llama_vocab::load maps
+# the names to types (chatglm3 has no name there)
+_PRE_TYPES: list[tuple[tuple[str, ...], list[str], bool, bool]] = [
+    (("default",), _DEFAULT, False, False),
+    (("minicpm5",), [r"\p{N}{1,3}", _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}+| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                                                     r"|\s*[\r\n]+|\s+(?!\S)|\s+"], True, False),
+    (("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano"),
+     [_LLAMA3], True, True),
+    (("deepseek-llm",), _DEEPSEEK_LLM, False, False),
+    (("deepseek-coder",), [r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", '[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+', r"\p{N}"], False, False),
+    (("deepseek-v3", "hunyuan-dense", "hy_v4", "joyai-llm"), _DEEPSEEK3, False, False),
+    (("spark2_5",), _SPARK, False, False),
+    (("youtu",), _YOUTU, True, False),
+    (("falcon",), [r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"], False, False),
+    (("mpt", "gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0", "mellum",
+      "modern-bert", "jina-v1-en", "jina-v2-code", "roberta-bpe", "olmo", "jais", "exaone4", "trillion",
+      "granite-docling"), [_GPT2], False, False),
+    (("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b", "mellum2"),
+     [r"\p{N}", _GPT2], False, False),
+    (("jais-2",), [_JAIS2], False, False),
+    (("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "stablelm2", "megrez", "hunyuan", "solar-open"),
+     [_QWEN2], False, False),
+    (("qwen35",), [_QWEN35], False, False),
+    (("dbrx", "smaug-bpe"), [_LLAMA3], False, False),
+    (("poro-chat", "bloom", "gpt3-finnish"), [_BLOOM], False, False),
+    (("chatglm-bpe",), [_LLAMA3], False, False),
+    (("glm4", "glm5"), [_LLAMA3], True, False),
+    (("viking",), [_BLOOM, r"\p{N}"], False, False),
+    (("tekken",), [_TEKKEN], True, True),
+    (("chameleon",), _CHAMELEON, False, True),
+    (("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), [_GPT4O], False, False),
+    (("granite-embed-multi-97m",), [_GRANITE_EMB], True, False),
+    (("tiny_aya", "cohere2moe"), [_DIGITS3, _TINY_AYA], False, False),
+    (("superbpe",), [r"\p{N}+", r"(?=(\d{3})+(?!\d))"], False, False),
+    (("bailingmoe", "bailingmoe2", "llada-moe"),
+     [r"'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+      r"|\s*[\r\n]|\s+(?!\S)|\s+"], False, False),
+    (("seed-coder",), [_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+"
+                                       r"|\s+(?!\S)|\s+"], False, False),
+    (("kimi-k2",), [_KIMI], False, False),
+    (("ufakzeka",), [r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"],
+     False, False),
+    (("grok-2",), [_QWEN2], False, False),
+    (("afmoe",), _AFMOE, False, False),
+    (("laguna",), [r"[^\n]+|[\n]+", _QWEN2], False, False),
+    (("exaone-moe",), [_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?(?:\p{L}\p{M}*(?: \p{L}\p{M}*)*)+|\p{N}"
+                                       r"| ?[^\s\p{L}\p{N}]+[\r\n/]?|\s*[\r\n]|\s+(?!\S)|\s+"], False, False),
+]
+PRE_SPLITS: dict[str, list[str]] = {n: regs for names, regs, _im, _bos in _PRE_TYPES for n in names}
+# llama.cpp: these pre types set ignore_merges = true; these add_bos = true (tokenizer.ggml.add_bos_token overrides)
+_IGNORE_MERGES = {n for names, _r, im, _b in _PRE_TYPES if im for n in names}
+_LLAMA3_FAMILY = {n for names, _r, _im, bos in _PRE_TYPES if bos for n in names}
+# pre types llama.cpp runs on SentencePiece-style text (spaces as U+2581, no byte-level alphabet): not a gpt2 vocabulary
+_NOT_BYTE_LEVEL = {"gemma4", "granite-embed-multi-311m", "sarvam-moe", "whitespace"}
 
 # end-of-turn tokens llama.cpp also treats as end of generation (llama-vocab.cpp, special_eog_ids)
 _EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>",
@@ -515,15 +615,28 @@ class _BPEBackend:
         return i if i is not None else self.hf.token_to_id(text)
 
 
+def pre_tokenizer(pre: str):
+    """The ``tokenizers`` pre-tokenizer of a byte-level vocabulary with ``tokenizer.ggml.pre`` = ``pre`` (a key of
+    ``PRE_SPLITS``): llama.cpp's split regexes in sequence, each ``Split(isolated)`` (a piece of the previous split
+    is split again), then ``ByteLevel`` without its own regex."""
+    from tokenizers import Regex, pre_tokenizers
+
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_SPLITS[pre]]
+                                   + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
 def _build_bpe(meta, tokens, tt, pre, fname):
-    from tokenizers import Regex, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
 
     merges = meta.get("tokenizer.ggml.merges")
     if merges is None:
         raise ColiError(f"{fname}: kv 'tokenizer.ggml.merges': missing (needed by a gpt2 vocabulary)")
     if pre is None:
         pre = "default"
+    if pre in _NOT_BYTE_LEVEL:
+        raise ColiError(f"{fname}: kv 'tokenizer.ggml.pre': {pre!r} is a SentencePiece-style BPE (spaces as U+2581, "
+                        "no byte-level alphabet), which coli does not read yet")
     if pre not in PRE_SPLITS:
         raise ColiError(f"{fname}: kv 'tokenizer.ggml.pre': {pre!r} is not a known pre-tokenizer "
                         f"({', '.join(sorted(PRE_SPLITS))})")
@@ -541,13 +654,11 @@ def _build_bpe(meta, tokens, tt, pre, fname):
             raise ColiError(f"{fname}: kv 'tokenizer.ggml.merges': entry {k} {merges[k]!r} is not 'left right'")
     try:
         bpe = models.BPE(vocab, [(a, b) for a, b in pairs], dropout=None, continuing_subword_prefix="", end_of_word_suffix="",
-                         fuse_unk=False, ignore_merges=pre in _LLAMA3_FAMILY)
+                         fuse_unk=False, ignore_merges=pre in _IGNORE_MERGES)
     except Exception as e:  # a merge naming a piece the vocabulary lacks
         raise ColiError(f"{fname}: kv 'tokenizer.ggml.merges': {e}") from None
     hf = HFTokenizer(bpe)
-    hf.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_SPLITS[pre]]
-        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    hf.pre_tokenizer = pre_tokenizer(pre)
     hf.decoder = decoders.ByteLevel()
     return _BPEBackend(hf, _AddedSplit(tokens, tt))
 

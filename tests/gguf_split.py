@@ -4,7 +4,8 @@ for tests that cannot build llama.cpp (``tools/gguf-split/gguf-split.cpp`` ``spl
 
 * shard ``i`` is ``PREFIX-{i+1:05d}-of-{n:05d}.gguf``, GGUF v3; a new shard starts every N tensors;
 * the first shard holds every metadata key of the source in its order, then ``split.no`` (u16),
-  ``split.count`` (u16), ``split.tensors.count`` (i32); the others only those three keys;
+  ``split.tensors.count`` (i32), ``split.count`` (u16: set last, once the count is known, which moves it to the
+  end); the others only those three keys;
 * tensor infos in source order with ``n_dims = ggml_n_dims`` (trailing dimensions of 1 dropped), offsets
   from the shard's data start, each tensor padded to the alignment with zeros.
 
@@ -53,7 +54,7 @@ def write_split(src, prefix, max_tensors: int) -> list[Path]:
     out = []
     for i, group in enumerate(groups):
         kvs = [_kv(k, g.meta[k], g.kv_types[k]) for k in g.meta] if i == 0 else []
-        kvs += [_kv("split.no", i, 2), _kv("split.count", n, 2), _kv("split.tensors.count", len(names), 5)]
+        kvs += [_kv("split.no", i, 2), _kv("split.tensors.count", len(names), 5), _kv("split.count", n, 2)]
         infos, off = [], 0
         for name in group:
             t = g.tensors[name]
