@@ -90,3 +90,33 @@ def test_chat_no_template_is_one_error(tmp_path):
     out = child.before
     assert child.exitstatus == 2 and "Traceback" not in out
     assert re.search(r"coli: .*x\.gguf", out)
+
+
+def test_chat_input_that_is_not_utf8(capsys):
+    """Invalid bytes on stdin: a line read with surrogateescape (the C locale) is skipped with one line naming
+    stdin and the byte, the chat goes on; a strict stdin that cannot decode ends it with one ColiError (the CLI's
+    exit 2), as a non-UTF-8 ``coli run`` prompt does. The engine is never reached with either."""
+    from types import SimpleNamespace
+
+    from coli.base.errors import ColiError
+    from coli.chat import run_chat
+
+    lines = iter(["hi \udcff\udcfe there"])
+
+    def inp(_prompt):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    a = SimpleNamespace(system=None, quiet=True)
+    assert run_chat(None, a, inp=inp, out=sys.stdout) == 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "stdin: not valid Unicode: a lone surrogate U+DCFF at character 3, the byte " \
+                                    "0xFF that is not UTF-8" in err and "line skipped" in err
+
+    def strict(_prompt):
+        b"\xff".decode("utf-8")
+
+    with pytest.raises(ColiError, match=r"^stdin: not UTF-8 text \(byte 0\)$"):
+        run_chat(None, a, inp=strict, out=sys.stdout)
