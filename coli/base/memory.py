@@ -111,8 +111,11 @@ class Budget:
 
 
 def fmt_bytes(n) -> str:
+    """``n`` bytes in words: ``1.50 GiB``, ``477 MiB``, ``2.7 MiB``."""
     n = int(n)
-    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.0f} MiB"
+    if n >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    return f"{n / MiB:.0f} MiB" if n >= 100 * MiB else f"{n / MiB:.1f} MiB"
 
 
 def budget(env=None, *, flag: str | None = None, root: str = "/", available: int | None = None,
