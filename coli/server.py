@@ -402,7 +402,10 @@ def create_app(eng, model_id: str, aliases=(), max_queue: int = 8):
             if isinstance(p, str):
                 if p == "":
                     raise APIError(400, "'prompt': empty", param="prompt")
-                ids = eng.tokenize(p)
+                try:
+                    ids = eng.tokenize(p)
+                except ColiError as e:  # e.g. a lone surrogate ("\ud800" in the JSON): not Unicode text
+                    raise APIError(400, f"'prompt': {e}", param="prompt") from None
             elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
                 if min(p) < 0 or max(p) >= eng.args.vocab:
                     raise APIError(400, f"'prompt': token ids outside the vocabulary of {eng.args.vocab}",

@@ -292,6 +292,20 @@ def test_malformed_json_is_400(server):
     assert e.value.body["param"] == "messages[0].role"
 
 
+def test_lone_surrogate_is_400(server):
+    """A JSON "\\ud800" escape decodes to a lone surrogate, which no UTF-8 encodes: 400 naming the field and the
+    character (coli.tokenizer.check_text), in a completion prompt and in a chat message; the server goes on."""
+    for path, body, param in (("/v1/completions", '{"prompt": "hi \\ud800", "max_tokens": 2}', "prompt"),
+                              ("/v1/chat/completions",
+                               '{"messages": [{"role": "user", "content": "\\udcff"}], "max_tokens": 2}', "messages")):
+        r = httpx.post(server["base"] + path, content=body.encode(), timeout=60,
+                       headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and "not valid Unicode: a lone surrogate U+D" in err["message"]
+    assert _health(server)["status"] == "ok"
+
+
 def test_unknown_model_is_404(server):
     """A model name the server does not serve: 404, code model_not_found (OpenAI's answer)."""
     with pytest.raises(openai.NotFoundError) as e:

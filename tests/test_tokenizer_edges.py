@@ -234,7 +234,9 @@ def test_lone_surrogate_is_one_error(tmp_path, text):
 def test_spm_completion_keeps_its_leading_space(tmp_path):
     """llama.cpp prints each generated token with ``llama_token_to_piece`` (no lstrip): after the prompt "hi",
     the completion ``▁hi`` is " hi", streamed and whole (the engine's text is the stream's). Only a text decoded
-    from its start drops the space its encoding added (``decode``, llama.cpp's ``llama_detokenize``)."""
+    from its start drops the space its encoding added (``decode``, llama.cpp's ``llama_detokenize``). llama.cpp's
+    ``llama-tokenize`` on this vocabulary (with llama hparams added) prints ``263 -> ' hi'`` for each of the three
+    tokens of "hi hi hi", the first one included."""
     tok = _spm(tmp_path / "s.gguf")
     ids = tok.encode("hi hi hi", add_bos=False)
     assert [tok.tokens[i] for i in ids] == ["\u2581hi"] * 3
