@@ -3,7 +3,8 @@
 //   out[r, i] = x[r, i] * (1 / sqrt(mean_i(x[r, :]^2) + eps)) * w[i]
 // a0 x f32 [R, D], a1 w f32 [D], a2 out f32 [R, D] (may be a0: in place; each invocation reads the elements it
 // writes, after the reduction)
-// u0 D, u1 eps (float bits). groups: (R, 1, 1).
+// u0 D, u1 eps (float bits), u2 nper, u3 stride: with nper > 0 row r starts at (r / nper) * stride + (r % nper) * D
+// (q/k heads inside rows of qkv), else at r * D. groups: (R, 1, 1).
 // The sum of squares is f32 (the CPU's is f64): per-invocation running sums, then the workgroup sum.
 #extension GL_GOOGLE_include_directive : require
 #include "layer_common.glsl"
@@ -18,7 +19,8 @@ void main() {
     F32 X = F32(pc.a[0]);
     F32 W = F32(pc.a[1]);
     F32 Y = F32(pc.a[2]);
-    uint base = r * D;
+    uint nper = pc.u[2];
+    uint base = nper == 0u ? r * D : (r / nper) * pc.u[3] + (r % nper) * D;
     float s = 0.0;
     for (uint i = t; i < D; i += WG) {
         float v = X.v[base + i];

@@ -1,11 +1,11 @@
 #version 460
-// Rope on q and k at the position in params[0], k and v into the KV cache (CPU: cpu_kernels/rope.py):
-// a0 qkv f32 [nq*hd + 2*nkv*hd] (q heads, then k heads, then v heads), a1 q out f32 [nq, hd] (rotated q),
+// Rope on q and k of R rows at positions params[0] + r, k and v into the KV cache (CPU: cpu_kernels/rope.py):
+// a0 qkv f32 [R, nq*hd + 2*nkv*hd] (q heads, then k heads, then v heads), a1 q out f32 [R, nq, hd] (rotated q),
 // a2 K cache f32 [nkv, ctx, hd], a3 V cache f32 [nkv, ctx, hd], a4 cos f32 [ctx, n_rot/2],
-// a5 sin f32 [ctx, n_rot/2], a6 params uint [..] (pos = params[0]), a7 kv_out f32 [2, nkv*hd] (the new rows:
-// rotated k heads, then v heads)
+// a5 sin f32 [ctx, n_rot/2], a6 params uint [..] (pos = params[0] + r), a7 kv_out f32 [2, nkv*hd] (the new rows:
+// rotated k heads, then v heads; one row only) or 0 (none written)
 // u0 nq, u1 nkv, u2 hd, u3 n_rot (even, <= hd), u4 ctx, u5 kind (0 NORM, 2 NEOX)
-// groups: (nq + nkv, 1, 1): workgroup g < nq rotates q head g; g >= nq rotates k head g - nq into
+// groups: (nq + nkv, R, 1): workgroup (g, r), g < nq rotates q head g; g >= nq rotates k head g - nq into
 // K[g - nq, pos, :] and kv_out[0], and copies v head g - nq into V[g - nq, pos, :] and kv_out[1].
 // Pair i < n_rot/2 (c = cos[pos, i], s = sin[pos, i]): NORM (x[2i], x[2i+1]), NEOX (x[i], x[i + n_rot/2]),
 // (a, b) -> (a c - b s, a s + b c); dimensions >= n_rot are copied. `precise`: no fused multiply-add, the CPU's
@@ -18,17 +18,19 @@ layout(local_size_x_id = 0) in;
 void main() {
     uint nq = pc.u[0], nkv = pc.u[1], hd = pc.u[2], n_rot = pc.u[3], ctx = pc.u[4];
     bool neox = pc.u[5] == 2u;
-    uint g = gl_WorkGroupID.x, t = gl_LocalInvocationIndex, WG = gl_WorkGroupSize.x;
+    uint g = gl_WorkGroupID.x, r = gl_WorkGroupID.y, t = gl_LocalInvocationIndex, WG = gl_WorkGroupSize.x;
     F32 QKV = F32(pc.a[0]);
-    uint pos = U32(pc.a[6]).v[0];
+    uint pos = U32(pc.a[6]).v[0] + r;
+    uint rq = r * (nq + 2u * nkv) * hd;   // row r of qkv
+    bool kvo = pc.a[7] != 0ul;
     uint half_ = n_rot / 2u;
     F32 CS = F32(pc.a[4]);
     F32 SN = F32(pc.a[5]);
     bool is_q = g < nq;
     uint kh = g - nq;
     F32 DST = F32(is_q ? pc.a[1] : pc.a[2]);
-    uint src = is_q ? g * hd : (nq + kh) * hd;
-    uint dst = is_q ? g * hd : (kh * ctx + pos) * hd;
+    uint src = rq + (is_q ? g * hd : (nq + kh) * hd);
+    uint dst = is_q ? (r * nq + g) * hd : (kh * ctx + pos) * hd;
     F32 KVO = F32(pc.a[7]);
     uint ko = kh * hd;
     // n_rot/2 pairs, then hd - n_rot copied dimensions
@@ -41,7 +43,7 @@ void main() {
             precise float y1 = a * s + b * c;
             DST.v[dst + i0] = y0;
             DST.v[dst + i1] = y1;
-            if (!is_q) {
+            if (!is_q && kvo) {
                 KVO.v[ko + i0] = y0;
                 KVO.v[ko + i1] = y1;
             }
@@ -49,16 +51,16 @@ void main() {
             uint d = n_rot + (j - half_);
             float x = QKV.v[src + d];
             DST.v[dst + d] = x;
-            if (!is_q) KVO.v[ko + d] = x;
+            if (!is_q && kvo) KVO.v[ko + d] = x;
         }
     }
     if (!is_q) {
         F32 V = F32(pc.a[3]);
-        uint vs = (nq + nkv + kh) * hd, vd = (kh * ctx + pos) * hd;
+        uint vs = rq + (nq + nkv + kh) * hd, vd = (kh * ctx + pos) * hd;
         for (uint d = t; d < hd; d += WG) {
             float x = QKV.v[vs + d];
             V.v[vd + d] = x;
-            KVO.v[nkv * hd + ko + d] = x;
+            if (kvo) KVO.v[nkv * hd + ko + d] = x;
         }
     }
 }

@@ -2,8 +2,8 @@
 // Softmax over E router logits and the top k, one workgroup (CPU: coli/models/blocks.py softmax_topk):
 //   p = exp(l - max l) / sum exp(l - max l); ids = the k largest p in decreasing order, ties to the lower id
 //   (NaN last: NumPy's argsort(-p, kind="stable")[:k]); weights p[ids], or p[ids] / sum p[ids] (flags bit0).
-// a0 logits f32 [E], a1 route uint [2k] (ids [k], then the weights' float bits [k])
-// u0 E (<= 512), u1 k (<= 32), u2 flags: bit0 renormalise the k weights to sum 1. groups: (1, 1, 1).
+// a0 logits f32 [R, E], a1 route uint [R, 2k] (a row's ids [k], then the weights' float bits [k])
+// u0 E (<= 512), u1 k (<= 32), u2 flags: bit0 renormalise the k weights to sum 1. groups: (R, 1, 1), one a row.
 // Every p is ranked by counting the p that come before it (a strict total order: value, then id), so ids need
 // no sort and no iterative argmax; an invocation stops counting once k come before its expert. The renormalising
 // sum follows NumPy's (pairwise_sum of up to 128 floats: in order below 8, else 8 running sums), so with equal p
@@ -31,8 +31,9 @@ void main() {
     uint E = min(pc.u[0], MAXE), K = min(pc.u[1], MAXK);
     bool renorm = (pc.u[2] & 1u) != 0u;
     uint t = gl_LocalInvocationIndex, WG = gl_WorkGroupSize.x;
-    F32 L = F32(pc.a[0]);
-    U32 R = U32(pc.a[1]);
+    uint row = gl_WorkGroupID.x;
+    F32 L = F32(pc.a[0] + uint64_t(4u * row * pc.u[0]));
+    U32 R = U32(pc.a[1] + uint64_t(8u * row * pc.u[1]));
     float m = -1.0 / 0.0;
     bool nan_seen = false;
     for (uint e = t; e < E; e += WG) {

@@ -67,6 +67,8 @@ VARS: tuple[Var, ...] = (
         "rows", lo=1, dev=True),
     Var("COLI_VK_LAYER_ROWS", "int", 4, "output rows a workgroup of the device layers' matrix kernels owns",
         "rows", lo=1, dev=True),
+    Var("COLI_VK_PROMPT_ROWS", "int", 512, "rows of a prompt step when device layers run (--gpu-layers): the "
+        "device layers take a prompt chunk of up to this many rows in one submit", "rows", lo=1),
     Var("COLI_VK_HOLD_CLOCK", "bool", True, "on a discrete GPU that runs a second queue beside the first, one "
         "workgroup there stays busy through decode (device layers and the tier), so the GPU holds its clock "
         "(docs/vulkan.md \"Clocks\")", dev=True),

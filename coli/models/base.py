@@ -378,11 +378,11 @@ class Model:
             dl.note_forward(cache, pos0)
         if not done:
             lg = None
-            stop = dl.first if dl is not None and T == 1 else len(self.layers)
+            stop = dl.first if dl is not None else len(self.layers)
             for L, c in zip(self.layers[:stop], cache.layers):
                 h = L(h, c, pos0)
             if stop < len(self.layers):
-                h, lg = self._device_layers(h, cache, pos0)
+                h, lg = self._device_layers(h, cache, pos0, all_logits)
         if self.step is not None and self.step.usage is not None and self.moe_layers:
             self.step.usage.add_tokens(T)
         cache.pos = pos0 + T
@@ -392,21 +392,26 @@ class Model:
             h = h[-1:]
         return self.head(h)
 
-    def _device_layers(self, h, cache: Cache, pos0: int):
-        """Layers ``device_layers.first ..`` of a decode row on the device: ``(h, logits or None)`` (the logits when
-        the head ran there too); when the device fails, one line on
-        stderr, the device layers off and these layers on the CPU (DESIGN invariant 3: never a wrong token)."""
+    def _device_layers(self, h, cache: Cache, pos0: int, all_logits: bool = False):
+        """Layers ``device_layers.first ..`` of rows ``h`` on the device (a decode row, or a prompt chunk's rows):
+        ``(h, logits or None)`` (the logits when the head ran there too: one row, or every row with
+        ``all_logits``). When the device fails: one line on stderr, the device layers off, the K/V rows only the
+        device held computed again on the CPU, and these rows' layers on the CPU (DESIGN invariant 3: never a
+        wrong token)."""
         from coli.vulkan import DeviceLost, VulkanError
 
         dl = self.device_layers
         try:
-            return dl(h, cache, pos0)
+            if len(h) == 1:
+                return dl(h, cache, pos0)
+            return dl.prompt(h, cache, pos0, all_logits)
         except (DeviceLost, VulkanError) as e:
             import sys
 
             print(f"[VK] {self.wt.fname}: device layers failed ({e}); the CPU runs every layer from now on",
                   file=sys.stderr, flush=True)
             self.device_layers = None
+        dl.recompute_on_cpu(cache, pos0)
         for L, c in zip(self.layers[dl.first:], cache.layers[dl.first:]):
             h = L(h, c, pos0)
         return h, None

@@ -105,9 +105,25 @@ def _shape_key(m, il: int) -> tuple:
             tuple(int(s) for s in t[f"blk.{il}.{_SHEXP[0]}"].shape) if f"blk.{il}.{_SHEXP[0]}" in t else None)
 
 
-def fixed_bytes(m, ctx: int) -> int:
+def prompt_bytes(m, rows: int) -> int:
+    """Device bytes of the prompt chunks' scratch at ``rows`` rows (``DeviceLayers._prompt_bufs``): the hidden and
+    normalized rows, q/k/v, q, the attention output, router logits, routes, the grouped pairs, the experts' h and
+    outputs, the shared expert's output and the logits of every row."""
+    a = m.args
+    n = len(m.layers)
+    F = max(int(m.t[f"blk.{il}.ffn_gate_exps.weight"].shape[1]) for il in m.moe_layers) if m.moe_layers else 0
+    Fs = max((int(m.t[f"blk.{il}.{_SHEXP[0]}"].shape[0]) for il in range(n) if f"blk.{il}.{_SHEXP[0]}" in m.t),
+             default=0)
+    nqkv = (a.n_heads + 2 * a.n_kv_heads) * a.head_dim
+    per_row = (4 * a.d_model + nqkv + 2 * a.n_heads * a.head_dim + a.n_experts + 2 * n * a.top_k + 2 + a.top_k
+               + max(a.top_k * F, Fs) + a.top_k * a.d_model + a.vocab)
+    return 4 * int(rows) * per_row + 4 * (a.n_experts + 1) + 256 * 24
+
+
+def fixed_bytes(m, ctx: int, prompt_rows: int = 0) -> int:
     """Device bytes besides the layers': the head (``output``, or the tied ``token_embd``, the output norm and its
-    logits), the rope tables, the attention scores and the scratch rows (``DeviceLayers``' buffers, rounded up)."""
+    logits), the rope tables, the attention scores and the scratch rows (``DeviceLayers``' buffers, rounded up),
+    and the prompt chunks' scratch at ``prompt_rows`` rows (:func:`prompt_bytes`)."""
     a = m.args
     out = m.t.get("output.weight", m.tok_embd)
     n = len(m.layers)
@@ -117,15 +133,17 @@ def fixed_bytes(m, ctx: int) -> int:
     rows = (8 * a.d_model + 4 * a.n_heads * a.head_dim        # hidden rows in and out, q/k/v, q, attention out
             + a.n_heads * int(ctx) + int(ctx) * a.n_rot       # the scores, the rope tables
             + 2 * a.vocab + a.n_experts + max(a.top_k * F, Fs) + 8 * n * (a.head_dim * a.n_kv_heads + a.top_k))
-    return int(out.nbytes) + 4 * rows + 256 * 32              # 256 bytes of rounding a buffer
+    pb = prompt_bytes(m, prompt_rows) if prompt_rows else 0
+    return int(out.nbytes) + 4 * rows + 256 * 32 + pb         # 256 bytes of rounding a buffer
 
 
-def plan(m, budget: int, ctx: int, want: int | None = None) -> tuple[int, str]:
+def plan(m, budget: int, ctx: int, want: int | None = None, prompt_rows: int = 0) -> tuple[int, str]:
     """``(first, why)``: layers ``first ..`` go to the device. The last layers that qualify (:func:`why_not`), share
     their shapes, and fit ``budget`` bytes together (:func:`layer_bytes`, with :func:`fixed_bytes`), at most ``want`` of them (``COLI_VK_LAYERS``; None: as
-    many as fit). ``first == n_layers`` when none does; ``why`` says what stopped the count."""
+    many as fit; ``prompt_rows``: the prompt chunks' rows, whose scratch counts too). ``first == n_layers`` when none
+    does; ``why`` says what stopped the count."""
     n = len(m.layers)
-    first, used, why = n, fixed_bytes(m, ctx), "every layer"
+    first, used, why = n, fixed_bytes(m, ctx, prompt_rows), "every layer"
     for il in range(n - 1, -1, -1):
         if want is not None and n - first >= want:
             why = f"{want} asked (COLI_VK_LAYERS)"
@@ -162,6 +180,7 @@ class DeviceLayers:
 
         self.m, self.dev, self.first, self.ctx = m, dev, int(first), int(ctx)
         self._tensors, self.rec, self.K, self.clock = [], None, None, None
+        self._precs = {}
         self._env = env
         try:
             self.K = Kernels(dev, env=env)
@@ -182,6 +201,15 @@ class DeviceLayers:
         self.rope_kind = at.rope_kind
         self.scale = at.scale
         self.layers = list(range(first, len(m.layers)))
+        from coli.settings import get
+
+        self.prompt_rows = int(get("COLI_VK_PROMPT_ROWS", self._env))   # rows of a prompt chunk, at most
+        self.prompt_tokens = 0  # prompt rows run here (every layer from first, in chunks)
+        self.prompt_chunks = 0
+        self.prompt_s = 0.0     # seconds of the prompt chunks' submits and waits
+        self._pR = 0            # rows the prompt scratch holds (_prompt_bufs)
+        self._precs: dict = {}  # (rows, all logits) -> the recorded prompt chunk
+        self._lgR = 0           # rows the prompt logits buffers hold
         self.tokens = 0
         self.submit_s = 0.0     # seconds in the submits and their fence waits (the device's time, seen by the host)
         self.gpu_s = 0.0        # seconds between the command buffer's first and last timestamps (0: none)
@@ -222,7 +250,13 @@ class DeviceLayers:
             self.lghost = K.buffer(4 * self.vocab, host=True, readback=True)
         self._cache = None      # weakref of the Cache whose rows the device holds
         self._stage = None      # the staging buffer of _sync
+        self._rstage = None     # the readback buffer of _fetch
         self._valid = 0         # positions 0 .. _valid - 1 of it are on the device
+        # positions lo .. hi - 1 of that cache whose K/V rows of these layers only the device holds (prompt chunks
+        # write the CPU's copy only when the CPU needs it: _fetch), and the input rows of layer first from lo on
+        # (f32 [n, D]: a failed device's rows are computed again on the CPU from them, recompute_on_cpu)
+        self._lo = self._hi = 0
+        self._hist = np.zeros((0, self.D), np.float32)
         from coli.vulkan.layers import ClockHolder
 
         # busy between tokens, ended by the next token's first op (docs/vulkan.md "Clocks")
@@ -367,6 +401,80 @@ class DeviceLayers:
         """A forward over ``cache`` starts at ``pos0``: the device's rows from there are stale."""
         if self._cache is not None and cache is self._cache():
             self._valid = min(self._valid, int(pos0))
+            self._hi = min(self._hi, int(pos0))
+            if self._hi <= self._lo:
+                self._lo = self._hi = 0
+
+    def _keep(self, h: np.ndarray, pos0: int) -> None:
+        """Keep the input rows ``h`` f32 [T, D] of positions ``pos0 ..`` while some rows are the device's only."""
+        if self._hi <= self._lo:
+            return
+        n = pos0 + len(h) - self._lo
+        if n > len(self._hist):
+            grown = np.empty((max(n, 2 * len(self._hist)), self.D), np.float32)
+            grown[:len(self._hist)] = self._hist
+            self._hist = grown
+        self._hist[pos0 - self._lo:n] = h
+
+    def _fetch(self, cache) -> None:
+        """Write the K/V rows ``_lo .. _hi - 1`` of these layers that only the device holds into ``cache`` (the
+        CPU's), through the staging buffer (readback memory), at most 16 MiB a submit."""
+        from coli.vulkan.layers import Copy
+
+        p0, p1 = self._lo, self._hi
+        self._lo = self._hi = 0
+        self._hist = np.zeros((0, self.D), np.float32)
+        if p1 <= p0:
+            return
+        hd, nkv, ctx = self.hd, self.nkv, self.ctx
+        row = 4 * hd
+        per_pos = 2 * len(self.per) * nkv * row
+        step = max(1, (16 << 20) // per_pos)
+        need = min(p1 - p0, step) * per_pos
+        if self._rstage is None or self._rstage.size < need:
+            if self._rstage is not None:
+                self.K.drop(self._rstage)
+            self._rstage = self.K.buffer(need, host=True, readback=True)
+        st = self._rstage
+        for a in range(p0, p1, step):
+            b = min(p1, a + step)
+            n = (b - a) * row
+            off, ops, spots = 0, [], []
+            for d in self.per:
+                for name in ("K", "V"):
+                    ops.append(Copy(d[name], st, [((h * ctx + a) * row, off + h * n, n) for h in range(nkv)],
+                                    wait=False))
+                    spots.append((d["il"], name, off))
+                    off += nkv * n
+            rec = self.K.record(ops)
+            try:
+                self.K.submit(rec)
+            finally:
+                self.K.free(rec)
+            for il, name, o in spots:
+                kv = cache.layers[il]
+                dst = kv.k if name == "K" else kv.v
+                dst[:, a:b] = st.view[o:o + nkv * n].view(np.float32).reshape(nkv, b - a, hd)
+
+    def host_kv(self, cache) -> None:
+        """Make the CPU's copy of these layers' K/V rows of ``cache`` whole (a caller about to read them)."""
+        if self._cache is not None and cache is self._cache():
+            self._fetch(cache)
+
+    def recompute_on_cpu(self, cache, pos0: int) -> None:
+        """After a device failure: compute the K/V rows of these layers that only the device held (positions
+        ``_lo .. min(_hi, pos0) - 1`` of ``cache``) on the CPU, from the kept input rows, so the CPU can go on."""
+        if self._cache is None or cache is not self._cache():
+            return
+        p0, p1 = self._lo, min(self._hi, int(pos0))
+        hist = self._hist
+        self._lo = self._hi = 0
+        self._hist = np.zeros((0, self.D), np.float32)
+        if p1 <= p0:
+            return
+        h = np.array(hist[:p1 - p0], np.float32)
+        for il in self.layers:
+            h = self.m.layers[il](h, cache.layers[il], p0)
 
     def _sync(self, cache, pos0: int) -> None:
         """Upload the K/V rows ``_valid .. pos0 - 1`` of the device's layers from ``cache`` (the CPU's): through
@@ -376,7 +484,12 @@ class DeviceLayers:
         if self._cache is None or cache is not self._cache():
             if cache.ctx > self.ctx:
                 raise ColiError(f"device layers: a cache of {cache.ctx} positions, the device holds {self.ctx}")
+            old = self._cache() if self._cache is not None else None
+            if old is not None:
+                self._fetch(old)        # its rows that only the device holds, before another cache overwrites them
             self._cache, self._valid = weakref.ref(cache), 0
+            self._lo = self._hi = 0
+            self._hist = np.zeros((0, self.D), np.float32)
         p0, p1 = self._valid, int(pos0)
         if p1 <= p0:
             return
@@ -410,6 +523,7 @@ class DeviceLayers:
 
     def __call__(self, h: np.ndarray, cache, pos0: int):
         self._sync(cache, pos0)
+        self._keep(h, pos0)
         D = self.D
         self.params.u32(4)[0] = pos0
         self.hin.f32(D)[:] = h.reshape(-1)
@@ -437,6 +551,175 @@ class DeviceLayers:
         if self.clock is not None:
             self._start_clock()
         return out, lg
+
+    # -- prompt chunks ----------------------------------------------------------------------------------------
+    def _prompt_bufs(self, R: int, lg_rows: int) -> None:
+        """The prompt chunks' scratch for ``R`` rows (made at the first chunk, made again larger for a longer one;
+        the recorded chunks go with it) and the logits of ``lg_rows`` rows."""
+        K, D, k, E = self.K, self.D, self.k, self.E
+        if R > self._pR:
+            for rec in self._precs.values():
+                K.free(rec)
+            self._precs = {}
+            for name in ("p_hs", "p_xn", "p_qkv", "p_q", "p_ao", "p_lgt", "p_route", "p_off", "p_pairs", "p_h",
+                         "p_yk", "p_ysh", "p_shr", "p_in", "p_out", "p_routeh"):
+                if getattr(self, name, None) is not None:
+                    K.drop(getattr(self, name))
+            nq, hd, L = self.nq, self.hd, len(self.per)
+            shF = max([d.get("sh_F", 0) for d in self.per])
+            self.p_hs = K.buffer(4 * R * D, host=False)
+            self.p_xn = K.buffer(4 * R * D, host=False)
+            self.p_qkv = K.buffer(4 * R * self.nqkv, host=False)
+            self.p_q = K.buffer(4 * R * nq * hd, host=False)
+            self.p_ao = K.buffer(4 * R * nq * hd, host=False)
+            self.p_lgt = K.buffer(4 * R * E, host=False)
+            self.p_route = K.buffer(8 * k * R * L, host=False)       # each layer's [R, 2k]
+            self.p_off = K.buffer(4 * (E + 1), host=False)
+            self.p_pairs = K.buffer(4 * R * k, host=False)
+            self.p_h = K.buffer(4 * R * max(k * self.F, shF), host=False)
+            self.p_yk = K.buffer(4 * R * k * D, host=False)
+            self.p_ysh = K.buffer(4 * R * D, host=False) if shF else None
+            # the shared expert's routes [R, 2]: expert 0, weight 1 (or its gate, written by the chunk)
+            self.p_shr = None
+            if shF:
+                self.p_shr = K.buffer(8 * R, host=False)
+                K.upload(self.p_shr, np.tile(np.array([0, np.float32(1.0).view(np.uint32)], np.uint32), R))
+            self.p_in = K.buffer(4 * R * D, host=True)
+            self.p_out = K.buffer(4 * R * D, host=True, readback=True)
+            self.p_routeh = K.buffer(8 * k * R * L, host=True, readback=True)
+            self._pR = R
+        if self.head is not None and lg_rows > self._lgR:
+            for rec in self._precs.values():     # every recorded chunk writes its logits there
+                K.free(rec)
+            self._precs = {}
+            for name in ("p_lg", "p_lgh"):
+                if getattr(self, name, None) is not None:
+                    K.drop(getattr(self, name))
+            self.p_lg = K.buffer(4 * lg_rows * self.vocab, host=False)
+            self.p_lgh = K.buffer(4 * lg_rows * self.vocab, host=True, readback=True)
+            self._lgR = lg_rows
+
+    def _prompt_ops(self, R: int, all_logits: bool) -> list:
+        """The ops of one prompt chunk of ``R`` rows at positions params[0] .. (every layer, then the head's rows:
+        all of them when ``all_logits``, else the last)."""
+        from coli.vulkan.layers import Copy, Dispatch, f32_bits
+
+        nq, nkv, hd, D, E, k, F, ctx = self.nq, self.nkv, self.hd, self.D, self.E, self.k, self.F, self.ctx
+        eps = f32_bits(self.m.args.eps)
+        BM, BN = 64, 32                          # lmm.comp's tile
+        gr = -(-R // BN)
+        ops = [] if self.clock is None else [self.clock.stop_op()]
+        ops.append(Copy(self.p_in, self.p_hs, [(0, 0, 4 * R * D)], wait=False))
+        hs, xn, qkv = self.p_hs.addr, self.p_xn.addr, self.p_qkv.addr
+        for j, d in enumerate(self.per):
+            p = f"blk.{d['il']}."
+            wt = self.m.t[p + "attn_q.weight"].type_name
+            ot = self.m.t[p + "attn_output.weight"].type_name
+            et = [self.m.t[p + n + ".weight"].type_name for n in ("ffn_gate_exps", "ffn_down_exps")]
+            rt = self.p_route.addr + 8 * k * R * j
+            qb, ob = d.get("qkv_b"), d.get("o_b")
+            ops += [
+                Dispatch("rmsnorm", (R,), [hs, d["attn_norm"].addr, xn], [D, eps]),
+                Dispatch("lmm", (-(-self.nqkv // BM), gr), [d["qkv"].addr, xn, qkv, qb.addr if qb is not None else 0],
+                         [self.nqkv, D, 2 if qb is not None else 0, R, 0], type_name=wt),
+            ]
+            if "qk_norm" in d:
+                heads = d["qk_norm"] == "heads"
+                kaddr = qkv + 4 * nq * hd
+                ops += [Dispatch("rmsnorm", (R * nq if heads else R,), [qkv, d["q_norm"].addr, qkv],
+                                 [hd if heads else nq * hd, eps, nq if heads else 1, self.nqkv]),
+                        Dispatch("rmsnorm", (R * nkv if heads else R,), [kaddr, d["k_norm"].addr, kaddr],
+                                 [hd if heads else nkv * hd, eps, nkv if heads else 1, self.nqkv], wait=False)]
+            ops += [
+                Dispatch("rope_kv", (nq + nkv, R), [qkv, self.p_q.addr, d["K"].addr, d["V"].addr, self.cos.addr,
+                                                    self.sin.addr, self.params.addr, 0],
+                         [nq, nkv, hd, self.n_rot, ctx, self.rope_kind]),
+                Dispatch("attn_pre", (nq, R), [self.p_q.addr, d["K"].addr, d["V"].addr, self.params.addr,
+                                               self.p_ao.addr], [nq, nkv, hd, ctx, f32_bits(self.scale)]),
+                Dispatch("lmm", (-(-D // BM), gr), [d["o"].addr, self.p_ao.addr, hs, ob.addr if ob is not None else 0],
+                         [D, nq * hd, 1 | (2 if ob is not None else 0), R, 0], type_name=ot),
+                Dispatch("rmsnorm", (R,), [hs, d["ffn_norm"].addr, xn], [D, eps]),
+                Dispatch("lmm", (-(-E // BM), gr), [d["router"].addr, xn, self.p_lgt.addr, 0], [E, D, 0, R, 0],
+                         type_name="F32"),
+                Dispatch("topk", (R,), [self.p_lgt.addr, rt], [E, k, int(self.norm_topk)]),
+                Dispatch("moe_sort", (1,), [rt, self.p_off.addr, self.p_pairs.addr], [E, k, R]),
+                Dispatch("lmm", (-(-F // BM), gr, E), [d["tab"].addr, xn, self.p_h.addr, rt, self.p_pairs.addr,
+                                                      self.p_off.addr], [F, D, 0, R, 0, k], type_name=et[0], mode=1),
+                Dispatch("lmm", (-(-D // BM), gr, E), [d["tab"].addr, self.p_h.addr, self.p_yk.addr, rt,
+                                                      self.p_pairs.addr, self.p_off.addr], [D, F, 0, R, 0, k],
+                         type_name=et[1], mode=2),
+            ]
+            ysh = 0
+            if "sh_tab" in d:    # Qwen2-MoE: the shared expert as one expert every row takes (lmm's a5 = 0)
+                sF, sr = d["sh_F"], self.p_shr.addr
+                if "sh_gate" in d:
+                    ops.append(Dispatch("lmm", (1, gr), [d["sh_gate"].addr, xn, sr + 4, 0], [1, D, 4, R, 2],
+                                        type_name="F32"))
+                ops += [Dispatch("lmm", (-(-sF // BM), gr, 1), [d["sh_tab"].addr, xn, self.p_h.addr, sr, 0, 0],
+                                 [sF, D, 0, R, 0, 1], type_name=d["sh_types"][0], mode=1),
+                        Dispatch("lmm", (-(-D // BM), gr, 1), [d["sh_tab"].addr, self.p_h.addr, self.p_ysh.addr, sr,
+                                                               0, 0], [D, sF, 0, R, 0, 1], type_name=d["sh_types"][1],
+                                 mode=2)]
+                ysh = self.p_ysh.addr
+            ops.append(Dispatch("moe_sum", (R,), [self.p_yk.addr, hs, ysh], [D, k]))
+        if self.head is not None:
+            V = self.vocab
+            n = R if all_logits else 1
+            src = hs if all_logits else hs + 4 * D * (R - 1)
+            ops += [Dispatch("rmsnorm", (n,), [src, self.head["norm"].addr, xn], [D, eps]),
+                    Dispatch("lmm", (-(-V // BM), -(-n // BN)), [self.head["w"].addr, xn, self.p_lg.addr, 0],
+                             [V, D, 0, n, 0], type_name=self.head["type"]),
+                    Copy(self.p_lg, self.p_lgh, [(0, 0, 4 * n * V)])]
+        else:
+            ops.append(Copy(self.p_hs, self.p_out, [(0, 0, 4 * R * D)]))
+        ops.append(Copy(self.p_route, self.p_routeh, [(0, 0, 8 * k * R * len(self.per))], wait=False))
+        return ops
+
+    def prompt(self, h: np.ndarray, cache, pos0: int, all_logits: bool = False):
+        """Rows ``h`` f32 [T, D] (the output of layer ``first - 1`` at positions ``pos0 ..``) through these layers
+        on the device, in chunks of at most ``prompt_rows`` rows, one submit a chunk: ``(h, logits)``, the last
+        layer's output f32 [T, D] and None, or, when the head runs here, None and the logits f32 [T, vocab]
+        (``all_logits``) or [1, vocab] (the last row's). The K/V rows go into the device's cache only (the
+        CPU's copy is written when it is needed: :meth:`host_kv`). Raises as :meth:`__call__`."""
+        self._sync(cache, pos0)
+        T, D, k, L = len(h), self.D, self.k, len(self.per)
+        R0 = min(T, self.prompt_rows)
+        self._prompt_bufs(R0, (R0 if all_logits else 1) if self.head is not None else 0)
+        outs, lgs = [], []
+        for s in range(0, T, R0):
+            R = min(R0, T - s)
+            p = pos0 + s
+            if self._hi <= self._lo:
+                self._lo = p
+            self._hi = p + R
+            self._keep(h[s:s + R], p)
+            key = (R, bool(all_logits) and self.head is not None)
+            rec = self._precs.get(key)
+            if rec is None:
+                rec = self._precs[key] = self.K.record(self._prompt_ops(R, key[1]), timestamps=True)
+            self.params.u32(4)[0] = p
+            self.p_in.f32(R * D)[:] = h[s:s + R].reshape(-1)
+            t0 = time.perf_counter()
+            self.K.submit(rec)
+            self.prompt_s += time.perf_counter() - t0
+            self._valid = p + R
+            self.prompt_tokens += R
+            self.prompt_chunks += 1
+            if self.head is not None:
+                n = R if key[1] else 1
+                lgs.append(self.p_lgh.f32(n * self.vocab).reshape(n, self.vocab).copy())
+            else:
+                outs.append(self.p_out.f32(R * D).reshape(R, D).copy())
+            step = self.m.step
+            if step is not None and step.usage is not None:
+                ids = self.p_routeh.u32(2 * k * R * L).reshape(L, R, 2, k)[:, :, 0]
+                for j, d in enumerate(self.per):
+                    step.usage.add(d["il"], ids[j].astype(np.int64))
+        if self.clock is not None:
+            self._start_clock()
+        if self.head is not None:
+            return None, (np.concatenate(lgs) if all_logits else lgs[-1])
+        return np.concatenate(outs), None
 
     def _start_clock(self) -> None:
         """Start the clock holder's heat; when that fails on a device that is not lost, only the holder goes (the
@@ -471,6 +754,9 @@ class DeviceLayers:
         if self.rec is not None:
             self.K.free(self.rec)
             self.rec = None
+        for rec in self._precs.values():
+            self.K.free(rec)
+        self._precs = {}
         for t in self._tensors:
             self.dev._drop(t)
         self._tensors = []

@@ -58,8 +58,8 @@ _PC_BYTES = 8 * PC_ADDRS + 4 * PC_WORDS
 _ACC_XFER_READ = 0x800
 
 #: the format kernels (compiled per GGUF type) and the others
-FORMAT_KERNELS = ("lmv", "lmoe")
-PLAIN_KERNELS = ("rmsnorm", "topk", "rope_kv", "attn_dec", "heat")
+FORMAT_KERNELS = ("lmv", "lmoe", "lmm")
+PLAIN_KERNELS = ("rmsnorm", "topk", "rope_kv", "attn_dec", "heat", "attn_pre", "moe_sort", "moe_sum")
 
 
 def f32_bits(x: float) -> int:
@@ -172,9 +172,12 @@ class Kernels:
         module = dev._modules.get((kernel, type_name if fmt else None))
         if module is None:
             raise VulkanError(f"no shader module {kernel} for {type_name}" if fmt else f"no shader module {kernel}")
-        vals = [dev.gemv_wg, self.rows, mode] if fmt else [self.wg]
-        pipe = dev.compute_pipeline(module, self.layout, vals, list(range(len(vals))), vals[0],
-                                    f"{kernel}_{type_name}" if fmt else kernel)
+        if kernel == "lmm":      # a fixed workgroup of 128 without subgroup operations: only MODE is set
+            vals, ids, pin = [mode], [2], None
+        else:
+            vals = [dev.gemv_wg, self.rows, mode] if fmt else [self.wg]
+            ids, pin = list(range(len(vals))), vals[0]
+        pipe = dev.compute_pipeline(module, self.layout, vals, ids, pin, f"{kernel}_{type_name}" if fmt else kernel)
         self._pipes[key] = pipe
         return pipe
 
