@@ -17,7 +17,9 @@ deviation with Bessel's correction, 0 for one sample, as llama-bench), ``samples
 ``expert_cache`` (RAM slots a layer), ``io_threads``, ``load_avg`` (1-minute, after the test), ``cold``,
 ``weight_bytes`` (weights a run reads: dense matrices once a forward, each distinct routed expert once a
 step), ``weight_gbps`` (weight_bytes / mean time, GB = 1e9 bytes), ``probe_gbps`` (the memory-read probe at
-that thread count, ``--bandwidth``), ``expert_disk_loads``, ``expert_bytes_read`` (per run).
+that thread count, ``--bandwidth``), ``device_rows`` / ``cpu_rows`` (the placement: rows of the last run whose
+device layers (``--gpu-layers``) ran on the device / on the CPU; 0 and N without device layers),
+``expert_disk_loads``, ``expert_bytes_read`` (per run).
 
 ``cold`` drops the model file's pages (``posix_fadvise(DONTNEED)``) and empties the RAM expert cache before
 each run, so expert loads are real disk reads. See docs/tuning.md.
@@ -44,7 +46,7 @@ FIELDS = ["build_commit", "build_number", "cpu_info", "gpu_info", "backends", "m
           "model_size", "model_n_params", "n_batch", "n_ubatch", "n_threads", "type_k", "type_v", "n_gpu_layers",
           "n_prompt", "n_gen", "n_depth", "test_time", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts"]
 COLI_FIELDS = ["test", "device", "balance", "cpu_act", "expert_cache", "io_threads", "load_avg", "cold",
-               "weight_bytes", "weight_gbps", "probe_gbps"]
+               "weight_bytes", "weight_gbps", "probe_gbps", "device_rows", "cpu_rows"]
 SAMPLE_FIELDS = ["samples_ns", "samples_ts", "expert_disk_loads", "expert_bytes_read"]
 FORMATS = ("md", "json", "csv", "jsonl")
 
@@ -254,7 +256,7 @@ def run_bench(eng, n_prompt=128, n_gen=64, reps=5, cold=False, threads=None, ban
     ColiError for a thread count above Numba's pool (``NUMBA_NUM_THREADS``)."""
     import numba
 
-    from coli.engine import PREFILL_CHUNK, engine_threads
+    from coli.engine import engine_threads
     from coli.base.progress import compile_seconds
 
     pp = [n_prompt] if isinstance(n_prompt, int) else list(n_prompt)
@@ -273,7 +275,8 @@ def run_bench(eng, n_prompt=128, n_gen=64, reps=5, cold=False, threads=None, ban
     common = dict(build_commit=_build_commit(), build_number=0, cpu_info=_cpu_info(),
                   gpu_info=getattr(eng.device, "name", "") if eng.device is not None else "",
                   backends="CPU,Vulkan" if eng.device is not None else "CPU", model_filename=str(eng.path),
-                  **model_facts(eng), n_batch=PREFILL_CHUNK, n_ubatch=PREFILL_CHUNK, type_k="f32", type_v="f32",
+                  **model_facts(eng), n_batch=eng.prompt_chunk(), n_ubatch=eng.prompt_chunk(), type_k="f32",
+                  type_v="f32",
                   n_gpu_layers=len(eng.device_layers.layers) if getattr(eng, "device_layers", None) else 0,
                   n_depth=0,
                   device=getattr(eng.device, "name", "vulkan") if eng.device is not None else "cpu",
@@ -315,12 +318,15 @@ def run_bench(eng, n_prompt=128, n_gen=64, reps=5, cold=False, threads=None, ban
                             loads.append(eng._counters())
                             wbytes.append(wc["bytes"])
                 st = _stats(samples, n)
+                last = loads[-1] if loads else {}
+                dev_rows = last.get("device_prompt_rows", 0) + last.get("device_decode_rows", 0)
                 rec = dict(common, n_threads=nt, n_prompt=n if kind == "pp" else 0, n_gen=n if kind == "tg" else 0,
                            test_time=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), **st,
                            test=f"{kind}{n}", load_avg=round(os.getloadavg()[0], 2),
                            weight_bytes=int(np.mean(wbytes)),
                            weight_gbps=float(np.mean(wbytes) / (st["avg_ns"] / 1e9) / 1e9),
                            probe_gbps=None if probe is None else round(probe, 2),
+                           device_rows=int(dev_rows), cpu_rows=int(n - dev_rows),
                            expert_disk_loads=[l["disk_loads"] for l in loads],
                            expert_bytes_read=[l["bytes_read"] for l in loads])
                 recs.append(rec)

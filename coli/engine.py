@@ -609,9 +609,10 @@ class Engine:
 
     def _prefill(self, kv, ids, all_logits: bool):
         out = []
-        for s in range(0, len(ids), PREFILL_CHUNK):
-            chunk = ids[s : s + PREFILL_CHUNK]
-            last = s + PREFILL_CHUNK >= len(ids)
+        step = self.prompt_chunk()
+        for s in range(0, len(ids), step):
+            chunk = ids[s : s + step]
+            last = s + step >= len(ids)
             lg = self.model.forward(chunk, kv, all_logits=all_logits)
             if all_logits or last:
                 out.append(lg)
@@ -628,12 +629,13 @@ class Engine:
     def _score(self, window: np.ndarray, first: int) -> np.ndarray:
         """Negative log-likelihoods (nats, f64) of ``window[first + 1:]``, each given the tokens before it in
         the window, from a fresh KV cache. The log-softmax sums in f64 as llama-perplexity's ``log_softmax``;
-        logits are kept one prefill step (64 rows) at a time. ColiError on non-finite logits."""
+        logits are kept one prefill step (:meth:`prompt_chunk` rows) at a time. ColiError on non-finite logits."""
         kv = self._new_cache(len(window), len(window))
         out = []
         T = len(window)
-        for s in range(0, T, PREFILL_CHUNK):
-            chunk = window[s : s + PREFILL_CHUNK]
+        step = self.prompt_chunk()
+        for s in range(0, T, step):
+            chunk = window[s : s + step]
             want = s + len(chunk) > first  # rows before ``first`` are only context
             lg = self.model.forward(chunk, kv, all_logits=True) if want else self.model.forward(chunk, kv)
             lo, hi = max(s, first), min(s + len(chunk), T - 1)
@@ -937,13 +939,29 @@ class Engine:
     def _reset_counters(self):
         c = self.cache
         self._c0 = (c.hits, c.loads, c.source.bytes_read) if c is not None else (0, 0, 0)
+        dl = self.device_layers
+        self._d0 = (dl.prompt_tokens, dl.tokens) if dl is not None else (0, 0)
 
     def _counters(self) -> dict:
+        """Since :meth:`_reset_counters`: expert cache hits, disk loads and bytes read; with device layers, the
+        prompt rows and decode rows whose device layers ran on the device (``device_prompt_rows``,
+        ``device_decode_rows``)."""
         c = self.cache
-        if c is None:
-            return dict(expert_hits=0, disk_loads=0, bytes_read=0)
-        h0, l0, b0 = getattr(self, "_c0", (0, 0, 0))
-        return dict(expert_hits=c.hits - h0, disk_loads=c.loads - l0, bytes_read=c.source.bytes_read - b0)
+        out = dict(expert_hits=0, disk_loads=0, bytes_read=0)
+        if c is not None:
+            h0, l0, b0 = getattr(self, "_c0", (0, 0, 0))
+            out = dict(expert_hits=c.hits - h0, disk_loads=c.loads - l0, bytes_read=c.source.bytes_read - b0)
+        dl = self.device_layers
+        if dl is not None:
+            p0, t0 = getattr(self, "_d0", (0, 0))
+            out.update(device_prompt_rows=dl.prompt_tokens - p0, device_decode_rows=dl.tokens - t0)
+        return out
+
+    def prompt_chunk(self) -> int:
+        """Rows of a prompt step: ``COLI_VK_PROMPT_ROWS`` with device layers (the device takes a chunk in one
+        submit), else ``PREFILL_CHUNK`` (the CPU's attention scratch and expert batches)."""
+        dl = self.device_layers
+        return dl.prompt_rows if dl is not None and self.model.device_layers is dl else PREFILL_CHUNK
 
     def stats_line(self, st: dict | None = None) -> str:
         """One line: prefill and decode tok/s, expert cache hits, disk loads, bytes read; the seed of a
@@ -956,6 +974,8 @@ class Engine:
         if self.cache is not None:
             s += (f" | experts: cache hits {st.get('expert_hits', 0)}, disk loads {st.get('disk_loads', 0)}, "
                   f"read {st.get('bytes_read', 0) / 2**20:.1f} MiB ({self.expert_slots} slots/layer)")
+        if "device_prompt_rows" in st:   # the placement, so a fallback to the CPU never passes for device speed
+            s += f" | prompt rows on the device: {st['device_prompt_rows']} of {n_pre}"
         if st.get("seed") is not None:
             s += f" | seed {st['seed']}"
         if st.get("masked_logit_steps"):
@@ -979,8 +999,11 @@ class Engine:
                 ms = 1e3 * dl.submit_s / dl.tokens if dl.tokens else 0.0
                 gpu = f" ({1e3 * dl.gpu_s / dl.tokens:.2f} by the device's timestamps)" if dl.tokens and dl.gpu_s else ""
                 hold = f"; {dl.clock.line()}" if dl.clock is not None else ""
+                pre = (f"; {dl.prompt_tokens} prompt rows in {dl.prompt_chunks} chunks, "
+                       f"{dl.prompt_tokens / dl.prompt_s:.0f} rows/s in the submits and waits" if dl.prompt_chunks else
+                       "; no prompt rows")
                 print(f"[VK] {self.path.name}: device layers ran {dl.tokens} decode tokens, {ms:.2f} ms a token in "
-                      f"the submit and its wait{gpu}{hold}", file=sys.stderr)
+                      f"the submit and its wait{gpu}{hold}{pre}", file=sys.stderr)
             self.device_layers.close()
             self.model.device_layers = None
         if self.device is not None:

@@ -1,70 +1,106 @@
 #version 460
 // attn_pre: causal attention of R query rows (a prompt chunk at positions pos0 .. pos0 + R - 1) over the cached
-// positions, one workgroup per (q head, row), online softmax over key tiles (CPU: coli/models/blocks.py attend):
+// positions (CPU: coli/models/blocks.py attend), flash-attention style: one workgroup per (q head, block of BQ rows),
+// keys in tiles of BK with an online softmax per row:
 //   out[r, h] = sum_{j <= pos0 + r} softmax_j(scale * q[r, h] . K[kvh, j]) V[kvh, j],  kvh = h / (nq / nkv)
 // a0 q f32 [R, nq, hd], a1 K cache f32 [nkv, ctx, hd], a2 V cache f32 [nkv, ctx, hd], a3 params uint [..]
 // (pos0 = params[0]), a4 out f32 [R, nq, hd]
-// u0 nq, u1 nkv, u2 hd (<= 8 * WG, <= 256), u3 ctx, u4 scale (float bits). groups: (nq, R, 1).
-// Key tiles of WG keys: each invocation one key's score (a whole dot product), the tile's max and the running max
-// m, the running sum l and the output rescaled by exp(m_old - m_new), the tile's weights staged in shared memory,
-// then invocation t sums weight x V for head dimensions t, t + WG, ... in key order. The tiles start at key 0 for
-// every row, so a row's result does not depend on the chunk it came in.
+// u0 nq, u1 nkv, u2 hd (<= 256), u3 ctx, u4 scale (float bits), u5 R. groups: (nq, ceil(R / BQ), 1).
+// Per tile: the K tile into shared memory, one invocation a (row, key) score (a whole dot product, in dimension
+// order), each row's running max m, sum l and rescale exp(m_old - m_new) by one invocation, the V tile into the same
+// shared memory, then each invocation adds weight x V for its row and dimensions in key order. Tiles start at key 0
+// for every row, so a row's result does not depend on the chunk it came in. A fixed workgroup of 128.
 #extension GL_GOOGLE_include_directive : require
 #include "layer_common.glsl"
 
-layout(local_size_x_id = 0) in;
-#include "layer_reduce.glsl"
-
-#define MAXNC 8u
-shared float QS[256];
-shared float PS[gl_WorkGroupSize.x];
+layout(local_size_x = 128) in;
+layout(constant_id = 2) const uint MODE = 0;    // unused
+#define BQ 8u
+#define BK 16u
+#define MAXD 256u
+#define TPR (128u / BQ)               // invocations a row in the V pass (16)
+#define MAXC (MAXD / TPR)             // dimensions an invocation carries (16)
+shared float QS[BQ * MAXD];
+shared float KV[BK * (MAXD + 1u)];    // a tile of K, then of V; rows padded by one (no bank conflicts)
+shared float P[BQ * BK];
+shared float M[BQ], L[BQ], A[BQ];
 
 void main() {
-    uint nq = pc.u[0], nkv = pc.u[1], hd = pc.u[2], ctx = pc.u[3];
+    uint nq = pc.u[0], nkv = pc.u[1], hd = pc.u[2], ctx = pc.u[3], R = pc.u[5];
     float scale = pcf(4u);
-    uint h = gl_WorkGroupID.x, r = gl_WorkGroupID.y, t = gl_LocalInvocationIndex, WG = gl_WorkGroupSize.x;
+    uint h = gl_WorkGroupID.x, rb = gl_WorkGroupID.y * BQ, t = gl_LocalInvocationIndex;
     uint kvh = h / (nq / nkv);
-    uint n = min(U32(pc.a[3]).v[0] + r + 1u, ctx);
+    uint pos0 = U32(pc.a[3]).v[0];
+    uint nrow = min(BQ, R - rb);
+    uint n = min(pos0 + rb + nrow, ctx);          // keys the block's last row sees
     F32 Q = F32(pc.a[0]);
     F32 K = F32(pc.a[1]);
     F32 V = F32(pc.a[2]);
-    uint qb = (r * nq + h) * hd;
-    for (uint i = t; i < hd; i += WG) QS[i] = Q.v[qb + i];
-    barrier();
+    uint st = hd + 1u;
+    for (uint i = t; i < BQ * hd; i += 128u) {
+        uint r = i / hd, d = i - r * hd;
+        QS[r * MAXD + d] = r < nrow ? Q.v[((rb + r) * nq + h) * hd + d] : 0.0;
+    }
+    if (t < BQ) { M[t] = -1.0 / 0.0; L[t] = 0.0; }
+    uint vr = t / TPR, vc = t % TPR;              // V pass: row vr, dimensions vc + TPR * c
+    float acc[MAXC];
+    [[unroll]] for (uint c = 0u; c < MAXC; c++) acc[c] = 0.0;
     uint kvb = kvh * ctx;
-    float m = -1.0 / 0.0, l = 0.0;
-    float acc[MAXNC];
-    [[unroll]] for (uint c = 0u; c < MAXNC; c++) acc[c] = 0.0;
-    for (uint j0 = 0u; j0 < n; j0 += WG) {
-        uint j = j0 + t;
-        float s = -1.0 / 0.0;
-        if (j < n) {
-            uint kb = (kvb + j) * hd;
-            float a = 0.0;
-            for (uint i = 0u; i < hd; i++) a += QS[i] * K.v[kb + i];
-            s = scale * a;
-        }
-        float mn = max(m, wg_max(s));
-        float alpha = exp(m - mn);
-        float p = j < n ? exp(s - mn) : 0.0;
-        l = l * alpha + wg_sum(p);
-        PS[t] = p;
+    for (uint j0 = 0u; j0 < n; j0 += BK) {
+        uint nk = min(BK, n - j0);
         barrier();
-        uint cl = min(WG, n - j0);
-        [[unroll]] for (uint c = 0u; c < MAXNC; c++) {
-            uint d = t + c * WG;
+        for (uint i = t; i < nk * hd; i += 128u) {
+            uint j = i / hd, d = i - j * hd;
+            KV[j * st + d] = K.v[(kvb + j0 + j) * hd + d];
+        }
+        barrier();
+        {   // scores: invocation t -> row t / BK, key t % BK
+            uint r = t / BK, j = t % BK;
+            float s = -1.0 / 0.0;
+            if (j < nk && r < nrow && j0 + j <= pos0 + rb + r) {
+                float a = 0.0;
+                for (uint d = 0u; d < hd; d++) a += QS[r * MAXD + d] * KV[j * st + d];
+                s = scale * a;
+            }
+            P[r * BK + j] = s;
+        }
+        barrier();
+        if (t < BQ) {   // the row's online softmax
+            float mt = -1.0 / 0.0;
+            for (uint j = 0u; j < BK; j++) mt = max(mt, P[t * BK + j]);
+            float mo = M[t], mn = max(mo, mt);
+            float al = mn == -1.0 / 0.0 ? 1.0 : exp(mo - mn);
+            float s = 0.0;
+            for (uint j = 0u; j < BK; j++) {
+                float e = mn == -1.0 / 0.0 ? 0.0 : exp(P[t * BK + j] - mn);
+                P[t * BK + j] = e;
+                s += e;
+            }
+            L[t] = L[t] * al + s;
+            M[t] = mn;
+            A[t] = al;
+        }
+        for (uint i = t; i < nk * hd; i += 128u) {   // the V tile over the K tile (the scores are all made)
+            uint j = i / hd, d = i - j * hd;
+            KV[j * st + d] = V.v[(kvb + j0 + j) * hd + d];
+        }
+        barrier();
+        float al = A[vr];
+        [[unroll]] for (uint c = 0u; c < MAXC; c++) {
+            uint d = vc + TPR * c;
             if (d < hd) {
-                float a = acc[c] * alpha;
-                for (uint jj = 0u; jj < cl; jj++) a += PS[jj] * V.v[(kvb + j0 + jj) * hd + d];
+                float a = acc[c] * al;
+                for (uint j = 0u; j < nk; j++) a += P[vr * BK + j] * KV[j * st + d];
                 acc[c] = a;
             }
         }
-        barrier();
-        m = mn;
     }
-    F32 OUT = F32(pc.a[4]);
-    [[unroll]] for (uint c = 0u; c < MAXNC; c++) {
-        uint d = t + c * WG;
-        if (d < hd) OUT.v[qb + d] = acc[c] / l;
+    if (vr < nrow) {
+        F32 O = F32(pc.a[4]);
+        float l = L[vr];
+        [[unroll]] for (uint c = 0u; c < MAXC; c++) {
+            uint d = vc + TPR * c;
+            if (d < hd) O.v[((rb + vr) * nq + h) * hd + d] = acc[c] / l;
+        }
     }
 }

@@ -156,12 +156,12 @@ def new_fence(d) -> object:
     return f
 
 
-def timestamp_pool(d) -> object:
-    """A query pool of two timestamps (a command buffer's first and last) on device ``d``."""
+def timestamp_pool(d, n: int = 2) -> object:
+    """A query pool of ``n`` timestamps (two: a command buffer's first and last) on device ``d``."""
     qci = _s("VkQueryPoolCreateInfo")
     qci.sType = vk.VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO
     qci.queryType = vk.VK_QUERY_TYPE_TIMESTAMP
-    qci.queryCount = 2
+    qci.queryCount = n
     pq = ffi.new("VkQueryPool*")
     _chk(lib.vkCreateQueryPool(d, qci, ffi.NULL, pq), "vkCreateQueryPool")
     return pq[0]
@@ -1540,14 +1540,15 @@ class Device:
                 f"budget {self.budget_bytes / GiB:.2f} GiB ({self.budget_rule}), int8 dot product "
                 f"{'on' if self.int_dot else 'emulated'}")
 
-    def timestamp_ms(self, qpool) -> float | None:
+    def timestamp_ms(self, qpool, n: int = 2):
         """Milliseconds between the two timestamps of ``qpool`` (:func:`timestamp_pool`) after their command buffer
-        ran, or None when the results are not there."""
-        data = ffi.new("uint64_t[2]")
-        if lib.vkGetQueryPoolResults(self._dev, qpool, 0, 2, 16, data, 8, vk.VK_QUERY_RESULT_64_BIT) != 0:
+        ran, or None when the results are not there; with ``n`` > 2 timestamps, the list of the ``n - 1`` gaps."""
+        data = ffi.new(f"uint64_t[{n}]")
+        if lib.vkGetQueryPoolResults(self._dev, qpool, 0, n, 8 * n, data, 8, vk.VK_QUERY_RESULT_64_BIT) != 0:
             return None
         mask = (1 << self.timestamp_bits) - 1 if self.timestamp_bits < 64 else (1 << 64) - 1
-        return ((int(data[1]) - int(data[0])) & mask) * self.timestamp_period / 1e6
+        gaps = [((int(data[i + 1]) - int(data[i])) & mask) * self.timestamp_period / 1e6 for i in range(n - 1)]
+        return gaps[0] if n == 2 else gaps
 
     def report(self) -> str:
         """``[VK] <label>: N matmuls on the GPU`` (the line each run ends with), and ``, M dispatches of the device

@@ -201,7 +201,7 @@ class DeviceLayers:
         self.rope_kind = at.rope_kind
         self.scale = at.scale
         self.layers = list(range(first, len(m.layers)))
-        from coli.settings import get
+        from coli.base.settings import get
 
         self.prompt_rows = int(get("COLI_VK_PROMPT_ROWS", self._env))   # rows of a prompt chunk, at most
         self.prompt_tokens = 0  # prompt rows run here (every layer from first, in chunks)
@@ -606,7 +606,8 @@ class DeviceLayers:
 
         nq, nkv, hd, D, E, k, F, ctx = self.nq, self.nkv, self.hd, self.D, self.E, self.k, self.F, self.ctx
         eps = f32_bits(self.m.args.eps)
-        BM, BN = 64, 32                          # lmm.comp's tile
+        BM, BN = 64, 64                          # lmm.comp's tile
+        # an address lmm does not read (no bias) is a valid one all the same: a compiler may load before it branches
         gr = -(-R // BN)
         ops = [] if self.clock is None else [self.clock.stop_op()]
         ops.append(Copy(self.p_in, self.p_hs, [(0, 0, 4 * R * D)], wait=False))
@@ -620,7 +621,7 @@ class DeviceLayers:
             qb, ob = d.get("qkv_b"), d.get("o_b")
             ops += [
                 Dispatch("rmsnorm", (R,), [hs, d["attn_norm"].addr, xn], [D, eps]),
-                Dispatch("lmm", (-(-self.nqkv // BM), gr), [d["qkv"].addr, xn, qkv, qb.addr if qb is not None else 0],
+                Dispatch("lmm", (-(-self.nqkv // BM), gr), [d["qkv"].addr, xn, qkv, qb.addr if qb is not None else qkv],
                          [self.nqkv, D, 2 if qb is not None else 0, R, 0], type_name=wt),
             ]
             if "qk_norm" in d:
@@ -634,12 +635,12 @@ class DeviceLayers:
                 Dispatch("rope_kv", (nq + nkv, R), [qkv, self.p_q.addr, d["K"].addr, d["V"].addr, self.cos.addr,
                                                     self.sin.addr, self.params.addr, 0],
                          [nq, nkv, hd, self.n_rot, ctx, self.rope_kind]),
-                Dispatch("attn_pre", (nq, R), [self.p_q.addr, d["K"].addr, d["V"].addr, self.params.addr,
-                                               self.p_ao.addr], [nq, nkv, hd, ctx, f32_bits(self.scale)]),
-                Dispatch("lmm", (-(-D // BM), gr), [d["o"].addr, self.p_ao.addr, hs, ob.addr if ob is not None else 0],
+                Dispatch("attn_pre", (nq, -(-R // 8)), [self.p_q.addr, d["K"].addr, d["V"].addr, self.params.addr,
+                                                        self.p_ao.addr], [nq, nkv, hd, ctx, f32_bits(self.scale), R]),
+                Dispatch("lmm", (-(-D // BM), gr), [d["o"].addr, self.p_ao.addr, hs, ob.addr if ob is not None else hs],
                          [D, nq * hd, 1 | (2 if ob is not None else 0), R, 0], type_name=ot),
                 Dispatch("rmsnorm", (R,), [hs, d["ffn_norm"].addr, xn], [D, eps]),
-                Dispatch("lmm", (-(-E // BM), gr), [d["router"].addr, xn, self.p_lgt.addr, 0], [E, D, 0, R, 0],
+                Dispatch("lmm", (-(-E // BM), gr), [d["router"].addr, xn, self.p_lgt.addr, self.p_lgt.addr], [E, D, 0, R, 0],
                          type_name="F32"),
                 Dispatch("topk", (R,), [self.p_lgt.addr, rt], [E, k, int(self.norm_topk)]),
                 Dispatch("moe_sort", (1,), [rt, self.p_off.addr, self.p_pairs.addr], [E, k, R]),
@@ -653,21 +654,22 @@ class DeviceLayers:
             if "sh_tab" in d:    # Qwen2-MoE: the shared expert as one expert every row takes (lmm's a5 = 0)
                 sF, sr = d["sh_F"], self.p_shr.addr
                 if "sh_gate" in d:
-                    ops.append(Dispatch("lmm", (1, gr), [d["sh_gate"].addr, xn, sr + 4, 0], [1, D, 4, R, 2],
+                    ops.append(Dispatch("lmm", (1, gr), [d["sh_gate"].addr, xn, sr + 4, sr], [1, D, 4, R, 2],
                                         type_name="F32"))
-                ops += [Dispatch("lmm", (-(-sF // BM), gr, 1), [d["sh_tab"].addr, xn, self.p_h.addr, sr, 0, 0],
-                                 [sF, D, 0, R, 0, 1], type_name=d["sh_types"][0], mode=1),
+                pa, oa = self.p_pairs.addr, self.p_off.addr      # unread (u6 = 1: every row its own pair)
+                ops += [Dispatch("lmm", (-(-sF // BM), gr, 1), [d["sh_tab"].addr, xn, self.p_h.addr, sr, pa, oa],
+                                 [sF, D, 0, R, 0, 1, 1], type_name=d["sh_types"][0], mode=1),
                         Dispatch("lmm", (-(-D // BM), gr, 1), [d["sh_tab"].addr, self.p_h.addr, self.p_ysh.addr, sr,
-                                                               0, 0], [D, sF, 0, R, 0, 1], type_name=d["sh_types"][1],
-                                 mode=2)]
+                                                               pa, oa], [D, sF, 0, R, 0, 1, 1],
+                                 type_name=d["sh_types"][1], mode=2)]
                 ysh = self.p_ysh.addr
-            ops.append(Dispatch("moe_sum", (R,), [self.p_yk.addr, hs, ysh], [D, k]))
+            ops.append(Dispatch("moe_sum", (R,), [self.p_yk.addr, hs, ysh or self.p_yk.addr], [D, k, int(bool(ysh))]))
         if self.head is not None:
             V = self.vocab
             n = R if all_logits else 1
             src = hs if all_logits else hs + 4 * D * (R - 1)
             ops += [Dispatch("rmsnorm", (n,), [src, self.head["norm"].addr, xn], [D, eps]),
-                    Dispatch("lmm", (-(-V // BM), -(-n // BN)), [self.head["w"].addr, xn, self.p_lg.addr, 0],
+                    Dispatch("lmm", (-(-V // BM), -(-n // BN)), [self.head["w"].addr, xn, self.p_lg.addr, self.p_lg.addr],
                              [V, D, 0, n, 0], type_name=self.head["type"]),
                     Copy(self.p_lg, self.p_lgh, [(0, 0, 4 * n * V)])]
         else:

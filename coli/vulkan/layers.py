@@ -113,6 +113,7 @@ class Recorded:
     dispatches: int
     qpool: object = None
     fence: object = None     # ``VkFence[1]`` of :meth:`Kernels.start`'s submits
+    n_stamps: int = 2        # timestamps in qpool (``each``: one before the first op and one after every op)
 
 
 class Kernels:
@@ -172,7 +173,7 @@ class Kernels:
         module = dev._modules.get((kernel, type_name if fmt else None))
         if module is None:
             raise VulkanError(f"no shader module {kernel} for {type_name}" if fmt else f"no shader module {kernel}")
-        if kernel == "lmm":      # a fixed workgroup of 128 without subgroup operations: only MODE is set
+        if kernel in ("lmm", "attn_pre"):   # a fixed workgroup of 128 without subgroup operations: only MODE is set
             vals, ids, pin = [mode], [2], None
         else:
             vals = [dev.gemv_wg, self.rows, mode] if fmt else [self.wg]
@@ -213,11 +214,12 @@ class Kernels:
         self.dev._staged_copy(flat, dst.buffer)
 
     # -- recording and submits --------------------------------------------------------------------------
-    def record(self, ops: list, timestamps: bool = False):
+    def record(self, ops: list, timestamps: bool = False, each: bool = False):
         """A :class:`Recorded` command buffer holding ``ops`` (:class:`Dispatch` / :class:`Copy`) in
         order, a memory barrier before each op whose ``wait`` is set, and one at the end that makes the writes
         visible to the host. It may be submitted any number of times (:meth:`submit`). ``timestamps``: a timestamp
-        before the first op and after the last (:meth:`gpu_ms`), where the device has them."""
+        before the first op and after the last (:meth:`gpu_ms`), where the device has them; ``each``: one after
+        every op too (:meth:`op_ms`: a profile of the ops, for benchmarks)."""
         dev = self.dev
         cai = _s("VkCommandBufferAllocateInfo")
         cai.sType = vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO
@@ -232,9 +234,10 @@ class Kernels:
         bi.sType = vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO
         _chk(lib.vkBeginCommandBuffer(cb, bi), "vkBeginCommandBuffer")
         qpool = None
-        if timestamps and dev.timestamps:
-            qpool = timestamp_pool(dev._dev)
-            lib.vkCmdResetQueryPool(cb, qpool, 0, 2)
+        n_stamps = len(ops) + 1 if each else 2
+        if (timestamps or each) and dev.timestamps:
+            qpool = timestamp_pool(dev._dev, n_stamps)
+            lib.vkCmdResetQueryPool(cb, qpool, 0, n_stamps)
             lib.vkCmdWriteTimestamp(cb, _PSTAGE_TOP, qpool, 0)
         mb = _s("VkMemoryBarrier")
         mb.sType = vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER
@@ -245,7 +248,7 @@ class Kernels:
         bound = None
         pc = self._pc
         last = None
-        for op in ops:
+        for n_op, op in enumerate(ops):
             if isinstance(op, Copy):
                 if op.wait:
                     mb.srcAccessMask, mb.dstAccessMask = _ACC_SHADER_WRITE | _ACC_XFER_WRITE, _ACC_XFER_READ
@@ -256,6 +259,8 @@ class Kernels:
                     regs[j].srcOffset, regs[j].dstOffset, regs[j].size = so, do, n
                 lib.vkCmdCopyBuffer(cb, op.src.buffer, op.dst.buffer, len(op.regions), regs)
                 last = "copy"
+                if each and qpool is not None:
+                    lib.vkCmdWriteTimestamp(cb, _PSTAGE_BOTTOM, qpool, n_op + 1)
                 continue
             if op.wait and last is not None:
                 mb.srcAccessMask = _ACC_SHADER_WRITE | _ACC_XFER_WRITE
@@ -276,18 +281,29 @@ class Kernels:
             lib.vkCmdDispatch(cb, int(gx), int(gy), int(gz))
             n_dispatch += 1
             last = "dispatch"
+            if each and qpool is not None:
+                lib.vkCmdWriteTimestamp(cb, _PSTAGE_BOTTOM, qpool, n_op + 1)
         mb.srcAccessMask, mb.dstAccessMask = _ACC_SHADER_WRITE | _ACC_XFER_WRITE, _ACC_HOST_READ
         lib.vkCmdPipelineBarrier(cb, _PSTAGE_COMPUTE | _PSTAGE_TRANSFER, _PSTAGE_HOST, 0, 1, mb, 0, ffi.NULL, 0,
                                  ffi.NULL)
-        if qpool is not None:
+        if qpool is not None and not each:
             lib.vkCmdWriteTimestamp(cb, _PSTAGE_BOTTOM, qpool, 1)
         _chk(lib.vkEndCommandBuffer(cb), "vkEndCommandBuffer")
-        return Recorded(arr, n_dispatch, qpool)
+        return Recorded(arr, n_dispatch, qpool, n_stamps=n_stamps)
 
     def gpu_ms(self, rec: Recorded) -> float | None:
         """Milliseconds between the first and the last timestamp of ``rec``'s last run (after its wait), or None
         without timestamps."""
-        return None if rec.qpool is None else self.dev.timestamp_ms(rec.qpool)
+        if rec.qpool is None:
+            return None
+        if rec.n_stamps > 2:
+            g = self.dev.timestamp_ms(rec.qpool, rec.n_stamps)
+            return None if g is None else sum(g)
+        return self.dev.timestamp_ms(rec.qpool)
+
+    def op_ms(self, rec: Recorded) -> list | None:
+        """Milliseconds of each op of ``rec``'s last run (recorded with ``each``), or None without timestamps."""
+        return None if rec.qpool is None or rec.n_stamps <= 2 else self.dev.timestamp_ms(rec.qpool, rec.n_stamps)
 
     def free(self, rec: Recorded) -> None:
         """Free a command buffer made by :meth:`record` and its query pool (not while it runs)."""
