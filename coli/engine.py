@@ -473,7 +473,8 @@ class Engine:
         want = settings.get("COLI_VK_LAYERS", self.env)
         if not want:
             return False
-        first, why = device_layers.plan(self.model, budget, self.ctx, None if want < 0 else want)
+        first, why = device_layers.plan(self.model, budget, self.ctx, None if want < 0 else want,
+                                        prompt_rows=settings.get("COLI_VK_PROMPT_ROWS", self.env))
         n = len(self.model.layers) - first
         if n == 0:
             if not self.silent:
