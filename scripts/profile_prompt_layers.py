@@ -6,12 +6,12 @@ pipelines, the scratch), then records the same chunk again with a timestamp afte
 ms of each kind of op (kernel, format, mode) summed over the layers, with the chunk's total and rows/s by the
 device's clock. Needs a device with timestamps.
 
-usage: scripts/profile_prompt_layers.py --model FILE [--gpu-layers 16] [--rows 512] [--reps 3]
+usage: scripts/profile_prompt_layers.py --model FILE [--gpu-layers 16] [--rows 512] [--reps 3] [--tiles 64,32]
+(--tiles: each of lmm.comp's tile heights in turn, COLI_VK_PROMPT_TILE, in the same engine)
 """
 import argparse
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -26,10 +26,10 @@ def main():
     ap.add_argument("--rows", type=int, default=512)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--tiles", default="64")
     a = ap.parse_args()
     from coli.base import settings
     from coli.engine import Engine
-    from coli.vulkan.layers import Copy
 
     env = settings.overlay(None, COLI_VK_LAYERS=a.gpu_layers, COLI_VK_PROMPT_ROWS=a.rows)
     kw = dict(threads=a.threads) if a.threads else {}
@@ -40,38 +40,52 @@ def main():
             sys.exit("no device layers")
         rng = np.random.default_rng(0)
         ids = rng.integers(0, eng.model.args.vocab, a.rows)
-        for rep in range(a.reps + 1):
-            kv = eng.model.new_cache(a.rows + 1)
-            t0 = time.perf_counter()
-            eng._prefill(kv, ids, False)
-            dt = time.perf_counter() - t0
-            print(f"prefill {a.rows} rows: {dt * 1e3:.1f} ms, {a.rows / dt:.0f} tok/s{' (warm-up)' if rep == 0 else ''}")
-        ops = dl._prompt_ops(a.rows, False)
-        rec = dl.K.record(ops, each=True)
-        dl.params.u32(4)[0] = 0
-        dl.p_in.f32(a.rows * dl.D)[:] = eng.model.embed(ids).reshape(-1)
-        best = None
-        for _ in range(3):
-            dl.K.submit(rec)
-            ms = dl.K.op_ms(rec)
-            if ms is not None and (best is None or sum(ms) < sum(best)):
-                best = ms
-        dl.K.free(rec)
-        if best is None:
-            sys.exit("the device has no timestamps")
-        by = defaultdict(lambda: [0.0, 0])
-        for op, t in zip(ops, best):
-            key = "copy" if isinstance(op, Copy) else f"{op.kernel}" + (f" {op.type_name}" if op.type_name else "") + (
-                f" mode {op.mode}" if op.kernel == "lmm" else "")
-            by[key][0] += t
-            by[key][1] += 1
-        tot = sum(best)
-        print(f"device: {eng.device.name}; {len(dl.layers)} layers, {a.rows} rows: {tot:.2f} ms by timestamps "
-              f"({a.rows / tot * 1e3:.0f} rows/s)")
-        for k, (t, n) in sorted(by.items(), key=lambda x: -x[1][0]):
-            print(f"  {k:28s} {n:4d} ops {t:8.3f} ms {100 * t / tot:5.1f} %")
+        for tile in [int(x) for x in a.tiles.split(",")]:
+            dl.K.tile = tile
+            for rec in dl._precs.values():
+                dl.K.free(rec)
+            dl._precs = {}
+            print(f"--- tile {tile} rows")
+            profile(eng, dl, ids, a)
     finally:
         eng.close()
+
+
+def profile(eng, dl, ids, a):
+    from collections import defaultdict
+
+    from coli.vulkan.layers import Copy
+
+    for rep in range(a.reps + 1):
+        kv = eng.model.new_cache(a.rows + 1)
+        t0 = time.perf_counter()
+        eng._prefill(kv, ids, False)
+        dt = time.perf_counter() - t0
+        print(f"prefill {a.rows} rows: {dt * 1e3:.1f} ms, {a.rows / dt:.0f} tok/s{' (warm-up)' if rep == 0 else ''}")
+    ops = dl._prompt_ops(a.rows, False)
+    rec = dl.K.record(ops, each=True)
+    dl.params.u32(4)[0] = 0
+    dl.p_in.f32(a.rows * dl.D)[:] = eng.model.embed(ids).reshape(-1)
+    best = None
+    for _ in range(3):
+        dl.K.submit(rec)
+        ms = dl.K.op_ms(rec)
+        if ms is not None and (best is None or sum(ms) < sum(best)):
+            best = ms
+    dl.K.free(rec)
+    if best is None:
+        sys.exit("the device has no timestamps")
+    by = defaultdict(lambda: [0.0, 0])
+    for op, t in zip(ops, best):
+        key = "copy" if isinstance(op, Copy) else f"{op.kernel}" + (f" {op.type_name}" if op.type_name else "") + (
+            f" mode {op.mode}" if op.kernel == "lmm" else "")
+        by[key][0] += t
+        by[key][1] += 1
+    tot = sum(best)
+    print(f"device: {eng.device.name}; {len(dl.layers)} layers, {a.rows} rows: {tot:.2f} ms by timestamps "
+          f"({a.rows / tot * 1e3:.0f} rows/s)")
+    for k, (t, n) in sorted(by.items(), key=lambda x: -x[1][0]):
+        print(f"  {k:28s} {n:4d} ops {t:8.3f} ms {100 * t / tot:5.1f} %")
 
 
 if __name__ == "__main__":

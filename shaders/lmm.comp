@@ -17,19 +17,19 @@
 // MODE 2, the experts' down, each pair's output scaled by its route weight: yk[p, o] = w_p (Wd[e][o, :] . h[p, :])
 //   a0 table, a1 h f32 [R * k, I], a2 yk f32 [R * k, O], a3 route, a4 pairs, a5 offsets; u0 O (D), u1 I (F), u3 R,
 //   u5 k; groups as mode 1.
-// A workgroup of 256 invocations owns a BM = 64-output x BN = 64-row tile. Per 32-input unit, invocations 0..63
+// A workgroup of 4 BN invocations owns a BM = 64-output x BN-row tile (BN 32 or 64, specialization constant 3). Per 32-input unit, invocations 0..63
 // decode one weight row's unit each into shared memory (64..127 decode up's rows in mode 1), every invocation
-// stages 8 inputs of one activation row, then each runs a 4 x 4 block (outputs tm + 16 i, rows tn + 16 j). Each
+// stages 8 inputs of one activation row, then each runs a 4 x 4 block (outputs tm + 16 i, rows tn + BN/4 j). Each
 // unit's products sum into a fresh partial added to the total (blocked summation), so an output's value depends
 // only on its row and weights, not on the other rows of the chunk. No subgroup operations.
 #extension GL_GOOGLE_include_directive : require
 #include "layer_common.glsl"
 #include "formats.glsl"
 
-layout(local_size_x = 256) in;
+layout(local_size_x_id = 0) in;             // 4 BN
 layout(constant_id = 2) const uint MODE = 0;
+layout(constant_id = 3) const uint BN = 64u;   // rows of a tile: 32 or 64
 #define BM 64u
-#define BN 64u
 #define ST 9u   // vec4 stride of a row in the tiles (8 + 1 pad)
 
 shared vec4 Wg[BM * ST];
@@ -65,7 +65,7 @@ void main() {
     bool dec_first = t < 64u;
     bool dec_on = (o0 + dm < O) && (dec_first || (MODE == 1u && t < 128u));
     uint64_t wrow = (dec_first ? wbase : wbase2) + uint64_t(min(o0 + dm, O - 1u)) * rb;
-    // staging: invocation t loads 8 inputs (2 vec4) of tile row t / 4 (64 rows)
+    // staging: invocation t loads 8 inputs (2 vec4) of tile row t / 4
     uint xn = t >> 2, xq = (t & 3u) * 2u;
     bool x_on = n0 + xn < cnt;
     uint xbase = 0u;
@@ -102,7 +102,7 @@ void main() {
                 a[i] = Wg[(tm + 16u * i) * ST + kq];
                 a2[i] = MODE == 1u ? Wu[(tm + 16u * i) * ST + kq] : vec4(0.0);
             }
-            [[unroll]] for (uint j = 0u; j < 4u; j++) bx[j] = Xs[(tn + 16u * j) * ST + kq];
+            [[unroll]] for (uint j = 0u; j < 4u; j++) bx[j] = Xs[(tn + (BN / 4u) * j) * ST + kq];
             [[unroll]] for (uint c = 0u; c < 4u; c++)
                 [[unroll]] for (uint i = 0u; i < 4u; i++) [[unroll]] for (uint j = 0u; j < 4u; j++) {
                     p[i][j] = fma(a[i][c], bx[j][c], p[i][j]);
@@ -118,7 +118,7 @@ void main() {
     U32 ROUTE = U32(pc.a[3]);
     uint ldy = MODE == 0u ? (pc.u[4] == 0u ? O : pc.u[4]) : O;
     [[unroll]] for (uint j = 0u; j < 4u; j++) {
-        uint n = n0 + tn + 16u * j;
+        uint n = n0 + tn + (BN / 4u) * j;
         if (n >= cnt) continue;
         uint orow = n;
         float rw = 1.0;

@@ -606,7 +606,7 @@ class DeviceLayers:
 
         nq, nkv, hd, D, E, k, F, ctx = self.nq, self.nkv, self.hd, self.D, self.E, self.k, self.F, self.ctx
         eps = f32_bits(self.m.args.eps)
-        BM, BN = 64, 64                          # lmm.comp's tile
+        BM, BN = 64, self.K.tile                 # lmm.comp's tile
         # an address lmm does not read (no bias) is a valid one all the same: a compiler may load before it branches
         gr = -(-R // BN)
         ops = [] if self.clock is None else [self.clock.stop_op()]

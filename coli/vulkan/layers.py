@@ -131,6 +131,12 @@ class Kernels:
         from coli.base.settings import get
 
         self.rows = int(get("COLI_VK_LAYER_ROWS", env))
+        # rows of a prompt GEMM tile (lmm.comp): 32 or 64 (COLI_VK_PROMPT_TILE)
+        self.tile = int(get("COLI_VK_PROMPT_TILE", env))
+        if self.tile not in (32, 64):
+            from coli.base.errors import ColiError
+
+            raise ColiError(f"COLI_VK_PROMPT_TILE={self.tile}: 32 or 64 (rows of a prompt GEMM tile)")
         self._pipes: dict = {}
         self.fence = None       # VkFence[1] of submit()
         self._bufs: list = []
@@ -164,7 +170,7 @@ class Kernels:
 
     # -- pipelines --------------------------------------------------------------------------------------
     def pipeline(self, kernel: str, type_name: str | None = None, mode: int = 0):
-        key = (kernel, type_name, mode)
+        key = (kernel, type_name, mode, self.tile if kernel == "lmm" else 0)
         p = self._pipes.get(key)
         if p is not None:
             return p
@@ -173,7 +179,9 @@ class Kernels:
         module = dev._modules.get((kernel, type_name if fmt else None))
         if module is None:
             raise VulkanError(f"no shader module {kernel} for {type_name}" if fmt else f"no shader module {kernel}")
-        if kernel in ("lmm", "attn_pre"):   # a fixed workgroup of 128 without subgroup operations: only MODE is set
+        if kernel == "lmm":      # 4 x the tile's rows, no subgroup operations: the workgroup, MODE and the tile
+            vals, ids, pin = [4 * self.tile, mode, self.tile], [0, 2, 3], None
+        elif kernel == "attn_pre":   # a fixed workgroup of 128 without subgroup operations
             vals, ids, pin = [mode], [2], None
         else:
             vals = [dev.gemv_wg, self.rows, mode] if fmt else [self.wg]
