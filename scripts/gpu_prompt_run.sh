@@ -56,10 +56,11 @@ timeout 200 $PY -m coli bench -m /tmp/h2/tiny.gguf --gpu-layers 2 -p 64 -n 4 -r 
 [ -n "${GEN:-}" ] && wait $GEN
 cat /tmp/h2/gen.log 2>/dev/null | tail -1
 say "profile: a 512-row chunk, every layer on the device"
-timeout 150 $PY scripts/profile_prompt_layers.py --model "$MODEL" --gpu-layers 16 --rows 512 --reps 2 --threads 16 2>&1 \
+timeout 150 $PY scripts/profile_prompt_layers.py --model "$MODEL" --gpu-layers 16 --rows 512 --reps 2 --threads 16 \
+  --tiles ${GP_TILES_PROFILE:-64,32} 2>&1 \
   | grep -v "^layer\|^\[coli\]"
 [ -n "${BLD:-}" ] && { say "waiting for the llama.cpp build"; wait $BLD; tail -2 /tmp/llbuild.log; }
-coli() {  # name, gpu layers, bench args
+coli() {  # name, gpu layers, bench args (COLI_VK_PROMPT_TILE from the caller's environment)
   say "coli $1"
   timeout $(( $(left) > 150 ? 150 : $(left) )) $PY -m coli bench -m "$MODEL" --gpu-layers $2 -t 16 -r 3 $3 -o json \
     --usage /tmp/h2/u.$RANDOM > "$OUT/coli_$1_r$r.json" 2> /tmp/h2/err.log
@@ -74,7 +75,7 @@ llama() {  # name, args
 for r in $(seq 1 ${GP_ROUNDS:-2}); do
   [ $(left) -lt 60 ] && { say "out of time"; break; }
   llama "all layers (-ngl 99)" "-ngl 99 -p 512 -n 64"
-  coli all16 16 "-p 512 -n 64"
+  for tl in ${GP_TILES:-64}; do COLI_VK_PROMPT_TILE=$tl coli all16_tile$tl 16 "-p 512 -n 64"; done
   llama "half the layers (--n-cpu-moe 8)" "-ngl 99 --n-cpu-moe 8 -p 512 -n 0"
   coli half8 8 "-p 512 -n 0"
 done

@@ -28,7 +28,7 @@
 
 layout(local_size_x_id = 0) in;             // 4 BN
 layout(constant_id = 2) const uint MODE = 0;
-layout(constant_id = 3) const uint BN = 64u;   // rows of a tile: 32 or 64
+layout(constant_id = 3) const uint BN = 32u;   // rows of a tile: 32 or 64
 #define BM 64u
 #define ST 9u   // vec4 stride of a row in the tiles (8 + 1 pad)
 

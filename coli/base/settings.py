@@ -69,7 +69,7 @@ VARS: tuple[Var, ...] = (
         "rows", lo=1, dev=True),
     Var("COLI_VK_PROMPT_ROWS", "int", 512, "rows of a prompt step when device layers run (--gpu-layers): the "
         "device layers take a prompt chunk of up to this many rows in one submit", "rows", lo=1),
-    Var("COLI_VK_PROMPT_TILE", "int", 64, "rows of a tile of the device layers' prompt GEMM (shaders/lmm.comp): "
+    Var("COLI_VK_PROMPT_TILE", "int", 32, "rows of a tile of the device layers' prompt GEMM (shaders/lmm.comp): "
         "32 or 64", "rows", lo=32, dev=True),
     Var("COLI_VK_HOLD_CLOCK", "bool", True, "on a discrete GPU that runs a second queue beside the first, one "
         "workgroup there stays busy through decode (device layers and the tier), so the GPU holds its clock "
