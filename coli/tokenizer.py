@@ -6,8 +6,9 @@ Two vocabulary kinds (``tokenizer.ggml.model``):
   ``tokenizer.ggml.merges``: a ``tokenizers`` BPE, the pre-tokenizer split regexes that llama.cpp uses for the
   file's ``tokenizer.ggml.pre`` (``src/llama-vocab.cpp``, ``llm_tokenizer_bpe``; applied in sequence, each
   splitting the pieces of the previous one, as ``Split(behavior="isolated")`` does), then ``ByteLevel``
-  without its own regex, and the ``ByteLevel`` decoder. ``ignore_merges`` (a whole word that is a token is
-  taken as is) for the llama-3 family, as llama.cpp sets it.
+  without its own regex, and the ``ByteLevel`` decoder. Every byte-level pre type llama.cpp knows
+  (``PRE_SPLITS``); ``ignore_merges`` (a whole word that is a token is taken as is) where llama.cpp sets it
+  (the llama-3 family, glm4, tekken, ...).
 * ``"llama"``: SentencePiece BPE with byte fallback (Gemma, Llama-2, Mistral/Mixtral), with the vocabulary
   spelling, merge order and added tokens of transformers 5.24's GGUF conversion
   (``transformers/integrations/gguf/gguf_tokenizer_mapping.py``: ``gemma_tokenizer`` /
@@ -21,7 +22,7 @@ they are matched whole on the raw text whatever their characters (``《SEP》`` 
 never split (llama.cpp ``tokenizer_st_partition`` with ``parse_special=true``).
 
 BOS/EOS: ``tokenizer.ggml.bos_token_id``/``eos_token_id``; ``add_bos`` from ``tokenizer.ggml.add_bos_token``,
-else llama.cpp's default (true for SentencePiece ``llama`` vocabularies and the ``llama-bpe`` family, false
+else llama.cpp's default (true for SentencePiece ``llama`` vocabularies and the ``llama-bpe`` family, ``tekken`` and ``chameleon``, false
 for other ``gpt2`` ones). ``eos_ids`` also holds ``eot``/``eom`` ids and the end-of-turn tokens
 (``<|im_end|>``, ``<end_of_turn>``, ``<|eot_id|>``, ``<|endoftext|>``, ...) when the vocabulary has them.
 
@@ -169,7 +170,7 @@ _PRE_TYPES: list[tuple[tuple[str, ...], list[str], bool, bool]] = [
 PRE_SPLITS: dict[str, list[str]] = {n: regs for names, regs, _im, _bos in _PRE_TYPES for n in names}
 # llama.cpp: these pre types set ignore_merges = true; these add_bos = true (tokenizer.ggml.add_bos_token overrides)
 _IGNORE_MERGES = {n for names, _r, im, _b in _PRE_TYPES if im for n in names}
-_LLAMA3_FAMILY = {n for names, _r, _im, bos in _PRE_TYPES if bos for n in names}
+_ADD_BOS = {n for names, _r, _im, bos in _PRE_TYPES if bos for n in names}
 # pre types llama.cpp runs on SentencePiece-style text (spaces as U+2581, no byte-level alphabet): not a gpt2 vocabulary
 _NOT_BYTE_LEVEL = {"gemma4", "granite-embed-multi-311m", "sarvam-moe", "whitespace"}
 
@@ -268,7 +269,7 @@ class Tokenizer:
         if kind == "gpt2":
             hf = _build_bpe(meta, tokens, tt, pre, fname)
             strip_prefix = False
-            add_bos_default = pre in _LLAMA3_FAMILY
+            add_bos_default = pre in _ADD_BOS
         elif kind == "llama":
             hf, strip_prefix = _build_spm(model, tokens, tt, fname)
             add_bos_default = True
