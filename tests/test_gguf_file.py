@@ -44,7 +44,9 @@ def test_real_file_layout_and_metadata(name):
     path = model_path(name)
     best = min(_timed(lambda: open_gguf(path))[1] for _ in range(3))
     m = open_gguf(path)
-    assert best < 1.0, f"open_gguf({path.name}) took {best:.2f} s (best of 3)"
+    # a guard against reading the tensors at open (seconds on a 400 MB file), not a speed figure: generous, since
+    # a loaded machine slows the metadata parse too
+    assert best < 10.0, f"open_gguf({path.name}) took {best:.2f} s (best of 3)"
     exp = REAL[name]
     assert m.arch == exp["arch"]
     assert m.arch_get("block_count") == exp["layers"] == m.get(f"{m.arch}.block_count")
@@ -343,7 +345,7 @@ def _check_bad(path, expect):
         open_gguf(path)
     dt = time.perf_counter() - t0
     msg = str(ei.value)
-    assert dt < 1.0, f"{dt:.2f} s"
+    assert dt < 10.0, f"{dt:.2f} s"  # no hang and no read of a huge claimed size (not a speed figure)
     assert "\n" not in msg
     assert msg.startswith(f"{Path(path).name}: "), msg
     assert expect in msg, msg
