@@ -1,14 +1,17 @@
-"""The split by layer: the last decoder layers run whole on the device, one submit a decode token
-(docs/vulkan.md "Device layers"; llama.cpp's ``-ngl``).
+"""The split by layer: the last decoder layers run whole on the device, one submit a decode token or a prompt
+chunk (docs/vulkan.md "Device layers"; llama.cpp's ``-ngl``).
 
 The expert tier (``scheduler.tier``) puts experts on the device and keeps attention and the router on the CPU,
 so every MoE layer of a token pays a submit and a join. Here the device runs layers ``first .. n_layers - 1``
 entirely (RMSNorm, q/k/v, rope, its own copy of their KV cache, attention, output projection and residual,
 RMSNorm, router softmax top-k, the routed SwiGLU experts, their weighted sum and residual) from one command
 buffer recorded once: the host writes the position and the hidden row, submits, waits on a fence and reads the
-row back, with the new K and V rows of those layers, which it writes into the CPU's cache. The CPU's cache
-stays whole, so a prompt (several rows) still runs every layer on the CPU, and the device's copy of the
-rows it lacks is uploaded before the next decode token (``note_forward`` marks rows a CPU forward rewrote).
+row back, with the new K and V rows of those layers, which it writes into the CPU's cache. A prompt chunk
+(several rows: prefill, perplexity, ``Engine.logits``) runs the same layers from one program recorded per chunk
+length (``shaders/lmm.comp``'s tiled GEMM, ``attn_pre.comp``'s causal attention over query blocks, the experts'
+rows grouped by expert); its K/V rows stay on the device until the CPU needs them (another cache takes the
+device: ``_fetch``; a failed device: ``recompute_on_cpu`` from the kept input rows). The device's copy of rows
+it lacks is uploaded before the next row or chunk (``note_forward`` marks rows a forward rewrote).
 
 Which layers: :func:`plan` (the device's budget: each layer's weights and its KV cache; ``COLI_VK_LAYERS``
 sets the count). Which layers qualify: :func:`why_not` (a pre-norm attention + MoE layer with the softmax top-k
@@ -164,7 +167,8 @@ def plan(m, budget: int, ctx: int, want: int | None = None, prompt_rows: int = 0
 
 
 class DeviceLayers:
-    """Layers ``first ..`` of model ``m`` on device ``dev`` for decode rows (see the module docstring).
+    """Layers ``first ..`` of model ``m`` on device ``dev`` for decode rows and prompt chunks (see the module
+    docstring; :meth:`prompt` for chunks).
 
     ``__call__(h, cache, pos0)``: h f32 [1, D] (the output of layer ``first - 1``) -> ``(h, logits)``: the output
     of the last layer f32 [1, D] and, when the head runs here too (``head``: the output norm and ``output``
@@ -173,7 +177,8 @@ class DeviceLayers:
     (rows from there are rewritten). Raises ``coli.vulkan.DeviceLost`` when the device fails (the caller runs the
     layers on the CPU and stops using this), ``ColiError`` for a cache longer than ``ctx``. Construction raises
     ``VulkanError`` / ``MemoryError`` (out of device memory) after freeing what it placed. ``tokens``: decode tokens
-    run here; ``submit_s``: seconds of their submits and waits; ``gpu_s``: of those, the device's own (timestamps)."""
+    run here; ``submit_s``: seconds of their submits and waits; ``gpu_s``: of those, the device's own (timestamps);
+    ``prompt_tokens`` / ``prompt_chunks`` / ``prompt_s``: prompt rows, chunks and their submits' seconds."""
 
     def __init__(self, m, dev, first: int, ctx: int, head: bool = True, env=None):
         from coli.vulkan.layers import Kernels
