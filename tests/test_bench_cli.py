@@ -193,7 +193,7 @@ def test_compile_clock_counts_compiles_of_this_thread_only():
 
 
 def test_compile_bar_on_a_terminal():
-    code = ("import cpu_kernels, numba; from coli import progress; progress.install(); "
+    code = ("import cpu_kernels, numba; from coli.base import progress; progress.install(); "
             "f = numba.njit(lambda x: x + 1); f(1); progress.end_compile_bar()")
     import fcntl
     import os
