@@ -55,13 +55,14 @@ def _device_info(label: str):
 
 
 def make_plan(path, *, device: str | None = None, ctx: int | None = None, expert_cache: int | None = None,
-              available: int | None = None, device_info=None, env=None) -> dict:
+              available: int | None = None, device_info=None, env=None, mem_flag: str | None = None) -> dict:
     """The plan of model ``path`` as a dict of ints/strings (fields in the module docstring).
 
     ``device``: None | "cpu" | "vulkan"; ``ctx``: KV positions (default the engine's ``default_ctx``); ``expert_cache``: slots per layer as ``--expert-cache``; ``available``: RAM available in bytes
     (psutil's when None; the budget is still capped by the cgroup and ``COLI_MEM``); ``device_info``: a
     ``DeviceMemory`` (or what ``DeviceMemory.of`` takes) instead of opening the device; ``env``: the ``COLI_*``
-    settings (``COLI_MEM``, the tier's ``COLI_VK_TIER_GB``; ``os.environ``)."""
+    settings (``COLI_MEM``, the tier's ``COLI_VK_TIER_GB``; ``os.environ``); ``mem_flag``: the flag that set
+    ``COLI_MEM`` there, for the budget's words (``"--mem"``)."""
     import psutil
 
     import cpu_kernels
@@ -77,7 +78,7 @@ def make_plan(path, *, device: str | None = None, ctx: int | None = None, expert
     g = open_gguf(path)
     a = model_class(g).args_from(g)
     vm = psutil.virtual_memory()
-    bud = memory.budget(env, available=available)
+    bud = memory.budget(env, flag=mem_flag, available=available)
     t = g.tensors
     dense = sum(ti.nbytes for n, ti in t.items() if "_exps" not in n)
     # what the engine's sizers see once the dense part is loaded: the budget less coli itself and the dense bytes
@@ -210,7 +211,8 @@ def cmd_plan(a) -> int:
     from coli.cli import _mem_flag
 
     env = settings.overlay(None, COLI_MEM=_mem_flag(a))
-    p = make_plan(a.model, device=a.device, ctx=a.ctx, expert_cache=a.expert_cache, env=env)
+    p = make_plan(a.model, device=a.device, ctx=a.ctx, expert_cache=a.expert_cache, env=env,
+                  mem_flag="--mem" if getattr(a, "mem", None) is not None else None)
     if a.json:
         json.dump(p, sys.stdout, indent=2)
         sys.stdout.write("\n")
