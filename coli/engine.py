@@ -792,8 +792,9 @@ class Engine:
         (never part of ``text``; llama.cpp server's ``stop``). ``on_text(str)`` receives text as it is
         produced; ``stream=True`` returns a :class:`TextStream` (iterate for the text, then ``.result``)
         instead of a :class:`GenerateResult`. ``keep_kv`` reuses the KV cache of the previous ``keep_kv`` call
-        for the longest common token prefix (a conversation's earlier turns are not recomputed; with int8
-        activations a resumed prompt may round differently from a whole one). ``should_stop()``, polled
+        for the longest common token prefix (a conversation's earlier turns are not recomputed; at the default
+        activations the resumed prompt's logits are the whole one's, bit for bit: docs/engine.md "Batch
+        invariance"). ``should_stop()``, polled
         between tokens, ends the generation early (``finish_reason`` "cancelled").
 
         Raises ``ColiError`` naming the argument for bad settings, a prompt that does not fit the context

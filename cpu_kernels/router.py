@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -243,3 +243,34 @@ def logits_row(x, W, out):
     """out f32 [1, E] = the router logits of the row x f32 [1, D] (:func:`logit`), W f32 [E, D]."""
     for e in range(W.shape[0]):
         out[0, e] = logit(x, W, e)
+
+
+@njit(nogil=True, cache=True)
+def _logits_rows(x, W, out):
+    for r in range(x.shape[0]):
+        xr = x[r:r + 1]
+        for e in range(W.shape[0]):
+            out[r, e] = logit(xr, W, e)
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _logits_rows_par(x, W, out):
+    for r in prange(x.shape[0]):
+        xr = x[r:r + 1]
+        for e in range(W.shape[0]):
+            out[r, e] = logit(xr, W, e)
+
+
+#: multiply-adds from which ``logits_rows`` runs its rows in parallel (a parallel launch costs ~10 us)
+PAR_WORK = 1 << 16
+
+
+def logits_rows(x: np.ndarray, W: np.ndarray) -> np.ndarray:
+    """Router logits f32 [R, E] of the rows x f32 [R, D] (W f32 [E, D], C-contiguous, read-only allowed): each row
+    :func:`logit`'s fixed order, the decode row's bits, whatever R (a prompt's rows through NumPy's matmul summed
+    in an order that depends on R: a token's routing then depended on how its prompt was chunked). Rows in
+    parallel from ``PAR_WORK`` multiply-adds."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty((x.shape[0], W.shape[0]), np.float32)
+    (_logits_rows_par if x.shape[0] > 1 and x.size * W.shape[0] >= PAR_WORK else _logits_rows)(x, W, out)
+    return out

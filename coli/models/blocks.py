@@ -315,28 +315,26 @@ class MoE:
         fused = None
         if all(grouped.supports(w) for w in (gate, up, down)):
             fused = grouped.FFN(gate, up, down, grouped.ACT_SWIGLU, 0.0, m.act)
+        # t16 tiles: the fused kernels at every row count (MLP.fused_any_rows), so a prompt's rows get a decode
+        # row's SwiGLU and bits
+        any_rows = fused is not None and all(w.layout == "t16" for w in (gate, up, down))
 
         def run(x):
-            if fused is not None and m.grouped_rows(x.shape[0]):
+            if fused is not None and (any_rows or m.grouped_rows(x.shape[0])):
                 y = fused(grouped.Act(x, m.act), m.act)
             else:
                 y = m.mm(down, swiglu(m.mm(gate, x), m.mm(up, x)))
             if gate_inp is not None:  # Qwen2-MoE: sigmoid(x . w_gate_inp_shexp) scales it
-                s = x @ gate_inp.reshape(-1)
+                s = router_logits(x, gate_inp.reshape(1, -1))[:, 0]
                 y *= (1.0 / (1.0 + np.exp(-s)))[:, None].astype(np.float32)
             return y
 
         return run
 
     def logits(self, x: np.ndarray) -> np.ndarray:
-        """Router logits f32 [R, E] of x f32 [R, D]: a decode row (R = 1) through ``cpu_kernels.router.logits_row``
-        (one fixed summation order, the one the compiled MoE decode region runs: cpu_kernels/decode_moe.py), more
-        rows through NumPy's matmul."""
-        if x.shape[0] == 1 and self.ffn_gate_inp.dtype == np.float32 and self.ffn_gate_inp.flags.c_contiguous:
-            lg = np.empty((1, self.ffn_gate_inp.shape[0]), np.float32)
-            _router.logits_row(np.ascontiguousarray(x, dtype=np.float32), self.ffn_gate_inp, lg)
-            return lg
-        return x @ self.ffn_gate_inp.T
+        """Router logits f32 [R, E] of x f32 [R, D] (:func:`router_logits`: each row in the one order the compiled
+        MoE decode region sums, whatever R)."""
+        return router_logits(x, self.ffn_gate_inp)
 
     def decoder(self, attn_dec, w_norm: np.ndarray):
         """The compiled decode region of the whole layer (``attn_dec``'s attention block, then this MoE block's
@@ -349,6 +347,16 @@ class MoE:
     def __call__(self, x: np.ndarray) -> np.ndarray:
         ids, w = self.route(self.logits(x))
         return self.m.step.run(self.il, x, ids, w, shared=self.shared)
+
+
+def router_logits(x: np.ndarray, W: np.ndarray) -> np.ndarray:
+    """``x @ W.T`` f32 [R, E] for x f32 [R, D] and an f32 router W [E, D]: each row through
+    ``cpu_kernels.router.logits_rows`` (float32 products in one fixed order, the decode row's and the compiled
+    region's), so a token's routing does not depend on how many rows its step holds (NumPy's matmul sums in an
+    order that changes with R: docs/engine.md "Batch invariance"). Another dtype or layout: NumPy's matmul."""
+    if W.dtype == np.float32 and W.flags.c_contiguous and W.ndim == 2:
+        return _router.logits_rows(x, W)
+    return x @ W.T
 
 
 def expert_groups(g, n_experts: int, top_k: int) -> tuple[int, int]:

@@ -359,7 +359,7 @@ class MoE(blocks.MoE):
         return run
 
     def route_tokens(self, x, tokens):
-        s = sqrtsoftplus(x @ self.ffn_gate_inp.T)
+        s = sqrtsoftplus(blocks.router_logits(x, self.ffn_gate_inp))
         if self.hash:
             ids = self.tid2eid[tokens].astype(np.int32)
         else:

@@ -113,7 +113,7 @@ class BiasedMoE(blocks.MoE):
         self.ffn = grouped.ExpertFFN(kind, limit, *b)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        logits = x @ self.ffn_gate_inp.T
+        logits = self.logits(x)   # blocks.router_logits: the decode row's order for every row
         if self.ffn_gate_inp_b is not None:
             logits += self.ffn_gate_inp_b
         ids, w = self.route(logits)
