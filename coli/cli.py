@@ -50,7 +50,7 @@ def _engine_args(p: argparse.ArgumentParser, model_required=False):
                         "name (smollm2, gemma3-270m, qwen2.5-coder-0.5b, demo: coli models); "
                         "default: the demo MoE, built on first use")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: physical cores available)")
-    p.add_argument("--ctx", "-c", type=int, default=None,
+    p.add_argument("--ctx", "-c", "--ctx-size", type=int, default=None,
                    help="KV cache positions (default: the model's trained context, capped so the KV cache "
                         "takes at most a quarter of what the memory budget leaves)")
     p.add_argument("--expert-cache", type=int, default=None, metavar="N",
@@ -62,7 +62,7 @@ def _engine_args(p: argparse.ArgumentParser, model_required=False):
     p.add_argument("--usage", default=None, metavar="PATH", help="routing history file (default .coli_usage beside the model)")
     p.add_argument("--cpu-act", choices=["f32", "int8"], default=None,
                    help="activations of the CPU matmuls: f32, or int8 per 32 as llama.cpp (default: measured, see docs)")
-    p.add_argument("--io-threads", type=int, default=None, help="background expert readers (default 4)")
+    p.add_argument("--io-threads", type=int, default=None, help="background expert readers, 1 to 64 (default 4)")
     p.add_argument("--device", default=None, metavar="cpu|vulkan|vulkan:N",
                    help="vulkan: experts on the GPU tier of the best device, vulkan:N on device N (also "
                         "COLI_VULKAN=1, COLI_VK_DEV=N); default cpu")
@@ -73,7 +73,7 @@ def _engine_args(p: argparse.ArgumentParser, model_required=False):
     p.add_argument("--tier-gb", type=float, default=None, metavar="GB",
                    help="device memory for resident experts in GiB (COLI_VK_TIER_GB; default: the budget rule, "
                         "docs/tier.md)")
-    p.add_argument("--gpu-layers", "-ngl", type=int, default=None, metavar="N",
+    p.add_argument("--gpu-layers", "-ngl", "--n-gpu-layers", type=int, default=None, metavar="N",
                    help="run the last N decoder layers whole on the device, one submit a token (-1: as many as the "
                         "budget holds; 0: the expert tier; COLI_VK_LAYERS; docs/vulkan.md \"Device layers\")")
     p.add_argument("--reproducible", action="store_true",
@@ -233,7 +233,7 @@ def cmd_run(a) -> int:
 
 
 def _sampling_args(p, temp: float):
-    p.add_argument("--temp", type=float, default=temp, help="temperature (0 = greedy)")
+    p.add_argument("--temp", "--temperature", type=float, default=temp, help="temperature (0 = greedy)")
     p.add_argument("--top-k", type=int, default=40, help="sample among the K most likely (0 = all)")
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus: the smallest set with this probability")
     p.add_argument("--min-p", type=float, default=0.05, help="drop tokens below this share of the top one's probability")
@@ -375,7 +375,10 @@ def cmd_info(a) -> int:
 
     path = a.model_pos or a.model
     if path is not None and os.path.isdir(path):  # a Hugging Face folder, as coli reads it (coli/hf_folder.py)
+        from coli.fetch import check_folder
         from coli.hf_folder import open_folder
+
+        check_folder(path)
 
         g = open_folder(path)
     else:
@@ -470,7 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("prompt_pos", nargs="?", default=None, metavar="PROMPT")
     r.add_argument("-p", "--prompt", default=None, help="the prompt; - reads it from stdin (as does a pipe)")
     r.add_argument("-f", "--file", default=None, help="read the prompt from FILE")
-    r.add_argument("-n", "--n-predict", dest="n", type=int, default=64,
+    r.add_argument("-n", "--n-predict", "--predict", dest="n", type=int, default=64,
                    help="tokens to generate; -1: until end of generation or the context is full")
     r.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     _sampling_args(r, temp=0.0)
@@ -482,8 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("chat", help="interactive chat in the terminal (/reset, /exit; Ctrl-C stops an answer)",
                        formatter_class=_Help)
-    c.add_argument("--system", "-sys", default=None, help="system message")
-    c.add_argument("-n", "--n-predict", dest="n", type=int, default=-1,
+    c.add_argument("--system", "-sys", "--system-prompt", default=None, help="system message")
+    c.add_argument("-n", "--n-predict", "--predict", dest="n", type=int, default=-1,
                    help="tokens per answer at most; -1: until end of generation or the context is full")
     _sampling_args(c, temp=0.8)
     c.add_argument("-q", "--quiet", action="store_true", help="no start and speed lines")
@@ -537,7 +540,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("-m", "--model", default=None,
                     help="GGUF file or a model name (smollm2, gemma3-270m, qwen2.5-coder-0.5b, demo; default: demo)")
     pl.add_argument("--device", choices=["cpu", "vulkan"], default=None, help="vulkan: read the device's heaps for the tier")
-    pl.add_argument("--ctx", type=int, default=None,
+    pl.add_argument("--ctx", "-c", "--ctx-size", type=int, default=None,
                     help="KV cache positions (default: the trained context, capped by the memory budget as coli run's)")
     pl.add_argument("--expert-cache", type=int, default=None, metavar="N", help="RAM expert cache slots per MoE layer")
     pl.add_argument("--mem", type=float, default=None, metavar="GiB",

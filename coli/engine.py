@@ -100,7 +100,8 @@ class TextStream:
 _FLAGS = {"temp": "--temp", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p", "max_tokens": "-n",
           "repeat_penalty": "--repeat-penalty", "repeat_last_n": "--repeat-last-n", "ctx": "--ctx",
           "threads": "--threads", "stop": "--stop", "cpu_act": "--cpu-act", "expert_cache": "--expert-cache",
-          "device": "--device", "seed": "--seed"}
+          "device": "--device", "seed": "--seed", "io_threads": "--io-threads"}
+IO_THREADS_MAX = 64  # background expert readers at most (more only queue on the same disk)
 
 
 def _close_at_exit(ref):
@@ -297,6 +298,14 @@ class Engine:
         from coli.models import model_class
         from coli.tokenizer import Tokenizer
 
+        self.cli_names = cli_names  # errors name CLI flags (the CLI) or API arguments
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            raise ColiError(f"path: {path!r} (a GGUF file, a Hugging Face folder or a model name: smollm2, "
+                            f"gemma3-270m, qwen2.5-coder-0.5b, demo)")
+        threads = self._int_arg("threads", threads, 1)
+        ctx = self._int_arg("ctx", ctx, 1)
+        expert_cache = self._int_arg("expert_cache", expert_cache, 0)
+        io_threads = self._int_arg("io_threads", io_threads, 1, IO_THREADS_MAX)
         if path is None:
             from coli.demo import demo_model_path
 
@@ -309,7 +318,6 @@ class Engine:
         self.path = Path(path)
         self.quiet = quiet
         self.save_usage_on_close = save_usage
-        self.cli_names = cli_names  # errors name CLI flags (the CLI) or API arguments
         self.env = os.environ if env is None else env  # the COLI_* settings passed down (coli.base.settings.overlay)
         self.silent = silent  # no device or tier notes on stderr either (the CLI's -q)
         from coli.base import memory, settings
@@ -742,6 +750,17 @@ class Engine:
                       file=sys.stderr)
             return ids
         return self.tokenize(prompt)
+
+    def _int_arg(self, arg: str, v, lo: int, hi: int | None = None):
+        """``v`` (None or an integer in ``lo..hi``) as an int; ColiError naming the argument (or its flag) for
+        anything else (a string, a float, a bool)."""
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise ColiError(f"{self._name(arg)}: {v!r} is not an integer")
+        if v < lo or (hi is not None and v > hi):
+            raise ColiError(f"{self._name(arg)}: {v} (" + (f"{lo} to {hi})" if hi is not None else f"at least {lo})"))
+        return int(v)
 
     def _name(self, arg: str) -> str:
         """How an error names option ``arg``: the CLI flag when the CLI opened the engine, else the API

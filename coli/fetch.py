@@ -68,7 +68,25 @@ def resolve(name, quiet: bool = False) -> str:
     if not os.path.exists(name):
         raise ColiError(f"{name}: no such file (give a GGUF path or a model name: "
                         f"{', '.join(k for k in MODEL_NAMES if k not in ('gemma3', 'qwen25'))}; see coli models)")
+    check_folder(name)
     return name
+
+
+def check_folder(path) -> None:
+    """ColiError listing the GGUF files of ``path`` when it is a folder of GGUF files rather than a Hugging Face
+    model folder (no ``config.json``): ``-m DIR`` where ``-m DIR/NAME.gguf`` was meant. A multi-file GGUF's
+    shards count as one model (its first shard, ``-00001-of-``)."""
+    import re
+
+    p = Path(path)
+    if not p.is_dir() or (p / "config.json").exists():
+        return
+    ggufs = sorted(f.name for f in p.glob("*.gguf") if f.is_file())
+    ggufs = [n for n in ggufs if not re.search(r"-(\d{5})-of-\d{5}\.gguf$", n) or "-00001-of-" in n]
+    if ggufs:
+        shown = ", ".join(ggufs[:8]) + (f" and {len(ggufs) - 8} more" if len(ggufs) > 8 else "")
+        raise ColiError(f"{p}: a folder of GGUF files, not a Hugging Face model folder (no config.json); give one "
+                        f"file: -m {p / ggufs[0]} (here: {shown})")
 
 
 def model_path(name: str, quiet: bool = False) -> Path:

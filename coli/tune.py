@@ -44,40 +44,62 @@ LAYERS = ("tbb", "omp")
 
 
 # -- configuration file ------------------------------------------------------------------------------------
-def config_path() -> Path:
-    """``$XDG_CONFIG_HOME/coli/config.toml`` or ``~/.config/coli/config.toml``; when HOME is unusable (unset,
-    missing or not writable), ``config.toml`` in coli's cache folder (``coli.base.paths.cache_dir()``)."""
-    xdg = os.environ.get("XDG_CONFIG_HOME")
-    home = os.environ.get("HOME")
+RUN_KEYS = ("threads", "io_threads", "threading_layer")  # the keys of the [run] table
+
+
+def _abs_env(name: str) -> str | None:
+    """An XDG base-directory variable when it is an absolute path (the XDG spec: a relative one is ignored)."""
+    v = os.environ.get(name)
+    return v if v and os.path.isabs(v) else None
+
+
+def config_path() -> Path | None:
+    """``$XDG_CONFIG_HOME/coli/config.toml`` or ``~/.config/coli/config.toml`` (None without a home folder:
+    HOME unset and no passwd entry). The path is returned whether or not it can be written: a read-only or
+    file ``HOME`` only has no config file to read (:func:`load_config`), and ``--save`` says it cannot write."""
+    xdg = _abs_env("XDG_CONFIG_HOME")
     if xdg:
         return Path(xdg) / "coli" / "config.toml"
-    if home and os.path.isdir(home) and os.access(home, os.W_OK):
-        return Path(home) / ".config" / "coli" / "config.toml"
-    from coli.base.paths import cache_dir
-
-    return Path(cache_dir()) / "config.toml"
+    try:
+        home = Path.home()
+    except (RuntimeError, KeyError, OSError):
+        return None
+    return home / ".config" / "coli" / "config.toml"
 
 
 def load_config(path: Path | None = None) -> tuple[dict, Path | None]:
     """The ``[run]`` table of the config file and its path, or ``({}, None)`` when there is no file.
-    ColiError naming the file for bad TOML or a bad value (``threads``/``io_threads`` ints >= 1,
-    ``threading_layer`` one of :data:`LAYERS`)."""
+    ColiError naming the file for bad TOML, a bad value (``threads`` an int >= 1, ``io_threads`` an int in
+    1..``coli.engine.IO_THREADS_MAX``, ``threading_layer`` one of :data:`LAYERS`) or a key coli does not know
+    (a misspelt key would otherwise be ignored without a word)."""
     import tomllib
 
+    from coli.engine import IO_THREADS_MAX
+
     p = Path(path) if path is not None else config_path()
-    if not p.is_file():
+    try:
+        if p is None or not p.is_file():
+            return {}, None
+    except OSError:  # HOME unreadable: no config to read
         return {}, None
     try:
         with open(p, "rb") as f:
             doc = tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise ColiError(f"{p}: not a readable TOML file ({e})") from None
+    unknown = [k for k in doc if k != "run"]
+    if unknown:
+        raise ColiError(f"{p}: unknown table or key '{unknown[0]}' (coli reads [run] only)")
     run = doc.get("run", {})
     if not isinstance(run, dict):
         raise ColiError(f"{p}: [run] must be a table")
-    for k in ("threads", "io_threads"):
-        if k in run and (not isinstance(run[k], int) or isinstance(run[k], bool) or run[k] < 1):
-            raise ColiError(f"{p}: run.{k} = {run[k]!r} (an integer >= 1)")
+    unknown = [k for k in run if k not in RUN_KEYS]
+    if unknown:
+        raise ColiError(f"{p}: unknown key run.{unknown[0]} (known: {', '.join(RUN_KEYS)})")
+    for k, hi in (("threads", None), ("io_threads", IO_THREADS_MAX)):
+        if k in run and (not isinstance(run[k], int) or isinstance(run[k], bool) or run[k] < 1
+                         or (hi is not None and run[k] > hi)):
+            raise ColiError(f"{p}: run.{k} = {run[k]!r} (an integer >= 1" + (f", at most {hi})" if hi else ")"))
     if "threading_layer" in run and run["threading_layer"] not in LAYERS:
         raise ColiError(f"{p}: run.threading_layer = {run['threading_layer']!r} ({' or '.join(LAYERS)})")
     return run, p
@@ -87,17 +109,22 @@ def save_config(rec: dict, note: str, path: Path | None = None) -> Path:
     """Write ``rec`` (``threads``, ``io_threads``, ``threading_layer``) as the ``[run]`` table, atomically.
     Refuses (ColiError) to overwrite a file that coli did not write (no ``# coli tune`` first line)."""
     p = Path(path) if path is not None else config_path()
+    if p is None:
+        raise ColiError("--save: no home folder for ~/.config/coli/config.toml (HOME unset); set XDG_CONFIG_HOME")
     if p.exists():
         with open(p, encoding="utf-8", errors="replace") as f:
             if not f.readline().startswith("# coli tune"):
                 raise ColiError(f"{p}: exists and was not written by coli tune; not overwritten")
-    p.parent.mkdir(parents=True, exist_ok=True)
     lines = [f"# coli tune, {_dt.datetime.now().strftime('%Y-%m-%d %H:%M')}: {note}", "[run]",
              f"threads = {int(rec['threads'])}", f"io_threads = {int(rec['io_threads'])}",
              f'threading_layer = "{rec["layer"]}"', ""]
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-    tmp.write_text("\n".join(lines), encoding="utf-8")
-    os.replace(tmp, p)
+    from coli.base.paths import atomic_write_text
+
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(p, "\n".join(lines))
+    except OSError as e:
+        raise ColiError(f"--save: {p}: {e.strerror or e} (set XDG_CONFIG_HOME to a writable folder)") from None
     return p
 
 
@@ -239,19 +266,24 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _n(k: int, what: str) -> str:
+    """``1 thread``, ``2 threads``."""
+    return f"{k} {what}{'' if k == 1 else 's'}"
+
+
 def recommend(points: list[dict], default: dict) -> tuple[dict, dict | None, str]:
     """The point with the best mean decode tok/s, the default point (or None when the sweep missed it) and
     a sentence: the margin over the default, and whether the two overlap (min-max), i.e. within noise."""
     best = max(points, key=lambda p: (p["decode_mean"], p["prefill_mean"]))
     keys = ("layer", "threads", "io_threads", "device", "balance")
     dflt = next((p for p in points if all(p[k] == default[k] for k in keys)), None)
-    what = (f"{best['threads']} threads, {best['io_threads']} I/O threads, {best['layer']}"
+    what = (f"{_n(best['threads'], 'thread')}, {_n(best['io_threads'], 'I/O thread')}, {best['layer']}"
             + ("" if best["device"] == "cpu" else f", device {best['device']} balance {best['balance']}"))
     if dflt is None:
         return best, None, f"recommended: {what} (decode {best['decode_mean']:.2f} tok/s; the default was not swept)"
     margin = 100.0 * (best["decode_mean"] / dflt["decode_mean"] - 1.0) if dflt["decode_mean"] > 0 else 0.0
     s = (f"recommended: {what}: decode {best['decode_mean']:.2f} tok/s, {margin:+.1f}% over the default "
-         f"({dflt['threads']} threads: {dflt['decode_mean']:.2f} tok/s)")
+         f"({_n(dflt['threads'], 'thread')}: {dflt['decode_mean']:.2f} tok/s)")
     if best is dflt:
         s = f"recommended: the default ({what}): decode {best['decode_mean']:.2f} tok/s, best of the sweep"
     elif best["decode_min"] <= dflt["decode_max"]:
@@ -259,8 +291,10 @@ def recommend(points: list[dict], default: dict) -> tuple[dict, dict | None, str
     return best, dflt, s
 
 
-def plot(points: list[dict], path: Path, title: str = "") -> None:
-    """PNG of decode and prefill tok/s against threads: one line per configuration, mean with min-max bars."""
+def plot(points: list[dict], path: Path | None, title: str = ""):
+    """PNG of decode and prefill tok/s against threads: one line per configuration, mean with min-max bars, the
+    y axes from 0, ``title`` (the model and the sweep) above both. ``path`` None: returns the matplotlib figure
+    instead of writing it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -272,7 +306,7 @@ def plot(points: list[dict], path: Path, title: str = "") -> None:
         label = f"{p['layer']}, io {p['io_threads']}" + ("" if p["device"] == "cpu" else f", {p['device']} balance {p['balance']}")
         confs.setdefault(label, []).append(p)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, m, title in ((axes[0], "decode", "decode"), (axes[1], "prefill", "prefill")):
+    for ax, m in ((axes[0], "decode"), (axes[1], "prefill")):
         for label, ps in confs.items():
             ps = sorted(ps, key=lambda p: p["threads"])
             x = [p["threads"] for p in ps]
@@ -283,12 +317,15 @@ def plot(points: list[dict], path: Path, title: str = "") -> None:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("Numba threads")
         ax.set_ylabel("tok/s")
-        ax.set_title(f"{title} tok/s (mean, min-max)")
+        ax.set_ylim(bottom=0)  # from 0: a 2 % difference does not look like a 2x one
+        ax.set_title(f"{m} tok/s (mean, min-max)")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
+    if path is None:  # the figure itself (tests read its titles and axes)
+        return fig
     tmp = path.with_name(f".{path.name}.tmp")
     fig.savefig(tmp, format="png", dpi=100)
     plt.close(fig)
@@ -329,6 +366,10 @@ def cmd_tune(a) -> int:
     plan = make_plan(a.model)
     if a.io_threads:
         ios = parse_int_list(a.io_threads, "--io-threads", minimum=1)
+        from coli.engine import IO_THREADS_MAX
+
+        if max(ios) > IO_THREADS_MAX:
+            raise ColiError(f"--io-threads: {max(ios)} (1 to {IO_THREADS_MAX})")
     else:
         ios = [1, 4, 8] if plan["streams_from_disk"] else [4]
     if a.layers:

@@ -235,3 +235,49 @@ def test_a_missing_vulkan_index_names_the_flag_that_asked_for_it(capsys, monkeyp
     rc, out, err = _run(capsys, "run", "-m", "demo", "-p", "Hi", "-n", "1", "--device", "vulkan", "--temp", "0")
     line = [l for l in err.splitlines() if "running on the CPU" in l]
     assert rc == 0 and line and "COLI_VK_DEV=57" in line[0], err
+
+
+@pytest.mark.parametrize("kw,msg", [(dict(path=123), r"^path: 123 \(a GGUF file"),
+                                    (dict(ctx="big"), r"^ctx: 'big' is not an integer$"),
+                                    (dict(threads=2.5), r"^threads: 2.5 is not an integer$"),
+                                    (dict(io_threads=0), r"^io_threads: 0 \(1 to 64\)$"),
+                                    (dict(expert_cache=True), r"^expert_cache: True is not an integer$")])
+def test_api_arguments_of_the_wrong_kind(kw, msg):
+    """``Engine(123)``, ``Engine(ctx="big")``...: one ColiError naming the argument (they raised TypeError and
+    ValueError from deep inside), before anything is read."""
+    import coli
+    from coli.base.errors import ColiError
+
+    path = kw.pop("path", "smollm2")
+    with pytest.raises(ColiError, match=msg):
+        coli.Engine(path, **kw)
+
+
+def test_llama_cpp_long_options(capsys, ref):
+    """The long options a llama.cpp user types (``--ctx-size``, ``--n-gpu-layers``, ``--temperature``,
+    ``--predict``, ``--system-prompt``) are the same options as coli's names."""
+    from coli.cli import build_parser
+
+    p = build_parser()
+    a = p.parse_args(["run", "--ctx-size", "64", "--n-gpu-layers", "3", "--temperature", "0.5", "--predict", "7", "x"])
+    assert (a.ctx, a.gpu_layers, a.temp, a.n) == (64, 3, 0.5, 7)
+    assert p.parse_args(["chat", "--system-prompt", "be brief"]).system == "be brief"
+    assert p.parse_args(["plan", "--ctx-size", "9"]).ctx == 9
+    assert p.parse_args(["perplexity", "-f", "x", "--ctx-size", "9"]).ctx == 9
+    rc, out, _ = _run(capsys, "run", *BASE, "--ctx-size", "32", "--predict", "3", "-p", P)
+    rc2, out2, _ = _run(capsys, "run", *BASE, "--ctx", "32", "-n", "3", "-p", P)
+    assert rc == rc2 == 0 and out == out2 and out.startswith(P)
+
+
+def test_model_folder_of_gguf_files_lists_them(tmp_path, capsys):
+    """``-m DIR`` where DIR holds GGUF files (not a Hugging Face folder): the error lists them and shows the
+    ``-m`` to give (it said ``config.json: missing``); a split model's shards are listed once, by the first."""
+    (tmp_path / "b.gguf").write_bytes(b"GGUF")
+    (tmp_path / "a.gguf").write_bytes(b"GGUF")
+    for i in (1, 2):
+        (tmp_path / f"big-0000{i}-of-00002.gguf").write_bytes(b"GGUF")
+    for cmd in (("run", "-p", "hi"), ("info",)):
+        rc, out, err = _run(capsys, *cmd, "-m", str(tmp_path))
+        assert rc == 2 and err == (f"coli: {tmp_path}: a folder of GGUF files, not a Hugging Face model folder (no "
+                                   f"config.json); give one file: -m {tmp_path}/a.gguf (here: a.gguf, b.gguf, "
+                                   f"big-00001-of-00002.gguf)\n"), err

@@ -215,7 +215,8 @@ def test_unsupported_tensor_type(tmp_path, model_path):
 
 @pytest.mark.parametrize("flag,value", [("--threads", "0"), ("--ctx", "0"), ("--expert-cache", "-1"), ("-n", "-5"),
                                         ("--temp", "-1"), ("--top-p", "2"), ("--ctx", "100000000"),
-                                        ("--trace", "/nonexistent-coli/x.json"), ("--usage", "/nonexistent-coli/u")])
+                                        ("--trace", "/nonexistent-coli/x.json"), ("--usage", "/nonexistent-coli/u"),
+                                        ("--io-threads", "0"), ("--io-threads", "-1"), ("--io-threads", "1000")])
 def test_cli_bad_numbers(flag, value, demo_path):
     r = _cli("run", "-m", str(demo_path), "-p", "hi", "-n", "2", flag, value)
     assert r.returncode == 2 and flag in r.stderr and "Traceback" not in r.stderr

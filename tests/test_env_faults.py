@@ -281,3 +281,28 @@ def test_cli_empty_text_file(model_path, tmp_path):
     r = subprocess.run([PY, "-m", "coli", "perplexity", "-m", str(model_path("smollm2")), "-f", str(f)],
                        capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert r.returncode == 2 and "empty.txt: empty" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_run_with_a_file_home_and_no_coli_cache(tmp_path):
+    """``coli run -m FILE.gguf`` with HOME a file and COLI_CACHE unset runs (docker --read-only): the config
+    file's place is HOME's, where there is none to read (it fell back to the cache folder, which raised: exit 2)."""
+    from tiny_moe import build_tiny_moe
+
+    tiny = build_tiny_moe(tmp_path)
+    home = tmp_path / "home-file"
+    home.write_text("x")
+    env = _env(HOME=str(home), NUMBA_CACHE_DIR=os.environ["NUMBA_CACHE_DIR"])  # the suite's compiled kernels
+    env.pop("XDG_CONFIG_HOME", None)
+    r = subprocess.run([PY, "-m", "coli", "run", "-m", str(tiny), "-p", "ab", "-n", "2", "--temp", "0"],
+                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert r.stdout.startswith("ab") and not [l for l in r.stderr.splitlines() if l.startswith("coli: ") and
+                                              "warning" not in l and "tiny-moe" not in l and "prefill" not in l]
+
+
+def test_relative_coli_cache_is_an_error(tmp_path):
+    """A relative COLI_CACHE would make a new cache in every working folder: one ``coli:`` line naming it."""
+    r = subprocess.run([PY, "-m", "coli", "models"], capture_output=True, text=True, cwd=ROOT,
+                       env=_env(HOME=str(tmp_path), COLI_CACHE="rel-cache"), timeout=600)
+    assert r.returncode == 2 and r.stderr.startswith("coli: COLI_CACHE='rel-cache': a relative path"), r.stderr
+    assert not (ROOT / "rel-cache").exists()

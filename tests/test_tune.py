@@ -102,3 +102,54 @@ def test_config_file_rules(tmp_path):
     q.write_text("[run\n")
     with pytest.raises(ColiError, match="TOML"):
         load_config(q)
+
+
+def test_config_unknown_keys_are_named(tmp_path):
+    """A misspelt key (``thread``) or a table coli does not read is an error naming it, not ignored; io_threads
+    past the engine's most (64) is refused as ``--io-threads`` is."""
+    q = tmp_path / "c.toml"
+    q.write_text("[run]\nthread = 3\n")
+    with pytest.raises(ColiError, match=r"unknown key run\.thread \(known: threads, io_threads, threading_layer\)"):
+        load_config(q)
+    q.write_text("[runn]\nthreads = 3\n")
+    with pytest.raises(ColiError, match="unknown table or key 'runn'"):
+        load_config(q)
+    q.write_text("[run]\nio_threads = 1000\n")
+    with pytest.raises(ColiError, match=r"run\.io_threads = 1000 .*at most 64"):
+        load_config(q)
+
+
+def test_config_path_with_a_file_or_read_only_home(tmp_path, monkeypatch):
+    """HOME a file (or read-only): the config path is still HOME's (nothing to read there: no config, no error;
+    it fell back to the cache folder, which raised); ``--save`` there is one error naming the path. A relative
+    XDG_CONFIG_HOME is ignored, as the XDG spec says."""
+    from coli.tune import config_path
+
+    home = tmp_path / "home-file"
+    home.write_text("x")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("XDG_CONFIG_HOME", raising=False)
+    monkeypatch.delenv("COLI_CACHE", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert config_path() == home / ".config" / "coli" / "config.toml"
+    assert load_config() == ({}, None)
+    with pytest.raises(ColiError, match=rf"--save: {home}/.config/coli/config.toml: Not a directory"):
+        save_config(dict(threads=2, io_threads=4, layer="tbb"), "x")
+    monkeypatch.setenv("XDG_CONFIG_HOME", "relative/cfg")
+    assert config_path() == home / ".config" / "coli" / "config.toml"
+
+
+def test_plot_titles_axes_from_zero():
+    """The figure's title is the model and the sweep (a loop variable named ``title`` overwrote it with
+    "prefill"); each panel names its measure; both y axes start at 0; one thread is "1 thread"."""
+    from coli.tune import plot, recommend
+
+    pts = [dict(layer="tbb", threads=t, io_threads=4, device="cpu", balance="", runs=2, decode_mean=10.0 + t,
+                decode_min=9.5 + t, decode_max=10.5 + t, prefill_mean=50.0 + t, prefill_min=49 + t,
+                prefill_max=51 + t) for t in (1, 2)]
+    fig = plot(pts, None, "coli tune: tiny.gguf, 2 runs a point")
+    assert fig._suptitle.get_text() == "coli tune: tiny.gguf, 2 runs a point"
+    assert [ax.get_title() for ax in fig.axes] == ["decode tok/s (mean, min-max)", "prefill tok/s (mean, min-max)"]
+    assert all(ax.get_ylim()[0] == 0 for ax in fig.axes)
+    best, dflt, s = recommend(pts, dict(layer="tbb", threads=1, io_threads=4, device="cpu", balance=""))
+    assert best["threads"] == 2 and "(1 thread: 11.00 tok/s)" in s and "1 threads" not in s

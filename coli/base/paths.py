@@ -1,6 +1,7 @@
 """Where coli keeps what it downloads or builds: the user's cache directory.
 
-``COLI_CACHE`` overrides; else ``$XDG_CACHE_HOME/coli``; else ``~/.cache/coli``. When that folder cannot be
+``COLI_CACHE`` overrides (an absolute path: a relative one is a ColiError); else ``$XDG_CACHE_HOME/coli``
+(when absolute: the XDG spec ignores a relative one); else ``~/.cache/coli``. When that folder cannot be
 made or written (``HOME`` a file, ``COLI_CACHE=/proc/x``, a uid without a passwd entry and no ``HOME``),
 :func:`cache_dir` raises ``ColiError`` naming the variable; callers that can do without the cache (Numba's
 compiled kernels, the default routing-history place) use :func:`optional_cache_dir`, which says so once on
@@ -26,7 +27,7 @@ def cache_root() -> tuple[Path, str]:
     if root:
         return Path(root), f"COLI_CACHE={root}"
     xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
+    if xdg and os.path.isabs(xdg):  # the XDG spec: a relative value is invalid and ignored
         return Path(xdg) / "coli", f"XDG_CACHE_HOME={xdg}"
     try:
         home = Path.home()

@@ -11,7 +11,8 @@ Flags set the ones a user sets (``--device vulkan:N`` = ``COLI_VK_DEV``, ``--tie
 the environment with the flags' values on top, which the engine passes down to the device and the tier
 instead of their reading ``os.environ`` deep in the code.
 
-Kinds: ``bool`` (1/0, true/false, yes/no, on/off), ``int``, ``float`` (finite), ``path``, ``str``.
+Kinds: ``bool`` (1/0, true/false, yes/no, on/off), ``int``, ``float`` (finite), ``path``, ``abspath`` (an
+absolute path: a relative one would name another folder in each working directory), ``str``.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from coli.base.errors import ColiError
 
 @dataclass(frozen=True)
 class Var:
-    """One variable: ``kind`` (bool | int | float | path | str), ``default``, ``unit``, ``lo`` (the least
+    """One variable: ``kind`` (bool | int | float | path | abspath | str), ``default``, ``unit``, ``lo`` (the least
     value of a number), ``help``, ``flag`` (the command-line flag that sets it, if any), ``dev`` (a
     developer's or a test's knob rather than a user's)."""
 
@@ -40,7 +41,7 @@ class Var:
 
 
 VARS: tuple[Var, ...] = (
-    Var("COLI_CACHE", "path", None, "folder for downloaded models, the demo MoE, Numba's cache and routing "
+    Var("COLI_CACHE", "abspath", None, "folder for downloaded models, the demo MoE, Numba's cache and routing "
         "histories of read-only model folders (default $XDG_CACHE_HOME/coli, else ~/.cache/coli)"),
     Var("COLI_MEM", "float", None, "memory the run may use in all; the budget is the smallest of this, the "
         "cgroup's limit and the RAM available (docs/engine.md \"Memory budget\")", "GiB", lo=0.1, flag="--mem"),
@@ -107,7 +108,7 @@ def _what(v: Var) -> str:
         if v.lo is not None:
             s += f" >= {v.lo:g}"
         return s + (f", {v.unit}" if v.unit else "")
-    return "a path" if v.kind == "path" else "text"
+    return {"path": "a path", "abspath": "an absolute path"}.get(v.kind, "text")
 
 
 def parse(name: str, raw: str):
@@ -136,6 +137,10 @@ def parse(name: str, raw: str):
             raise bad("not a number") from None
         if not math.isfinite(x):
             raise bad("not finite")
+    elif v.kind == "abspath":
+        if not os.path.isabs(os.path.expanduser(s)):
+            raise bad("a relative path (each working directory would get its own)")
+        return os.path.expanduser(s)
     else:
         return s
     if v.lo is not None and x < v.lo:
