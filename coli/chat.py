@@ -6,6 +6,11 @@ tokens after the common prefix with the previous turn are computed (the start li
 line says how many were reused). Commands: ``/reset`` (forget the conversation), ``/exit`` (or Ctrl-D).
 Ctrl-C while an answer streams stops that answer (what was printed stays in the conversation); Ctrl-C at the
 prompt clears the line.
+
+A message of several lines: paste it (the terminal's bracketed paste: the pasted lines are one message, sent
+with Enter), or write it between two lines of three double quotes. When the conversation no longer leaves room for an
+answer in the context (``--ctx``; the room is ``-n``, or a quarter of the context with ``-n -1``), its oldest
+turns are dropped (the system message stays), said in one line, as llama.cpp's chat shifts its context.
 """
 from __future__ import annotations
 
@@ -16,7 +21,52 @@ import threading
 from coli.base.errors import ColiError
 from coli.tokenizer import check_text
 
-HELP = "/reset forgets the conversation, /exit (or Ctrl-D) quits; Ctrl-C stops an answer"
+HELP = ('/reset forgets the conversation, /exit (or Ctrl-D) quits; Ctrl-C stops an answer; several lines: paste '
+        'them, or write them between two lines of """')
+PASTE_START, PASTE_END = "\x1b[200~", "\x1b[201~"   # xterm's bracketed paste markers
+PASTE_ON = "\x1b[?2004h"
+
+
+def read_message(inp) -> str:
+    """One user message from ``inp`` (``input``): a line; the lines of a bracketed paste (readline gives them
+    as one string with newlines; without readline the markers arrive and the lines up to the end marker are
+    joined); or the lines between a line starting with three double quotes and one ending with it. EOFError and
+    KeyboardInterrupt pass through."""
+    line = inp("> ")
+    if PASTE_START in line:
+        text = line
+        while PASTE_END not in text:
+            text += "\n" + inp("")
+        return text.replace(PASTE_START, "").replace(PASTE_END, "")
+    if line.lstrip().startswith('"""'):
+        first = line.lstrip()[3:]
+        if first.rstrip().endswith('"""'):
+            return first.rstrip()[:-3]
+        lines = [first] if first.strip() else []
+        while True:
+            nxt = inp("... ")
+            if nxt.rstrip().endswith('"""'):
+                last = nxt.rstrip()[:-3]
+                if last.strip():
+                    lines.append(last)
+                return "\n".join(lines)
+            lines.append(nxt)
+    return line
+
+
+def fit_context(eng, msgs: list, n: int) -> int:
+    """Drop the oldest turns of ``msgs`` (in place; a user message and the answer after it; never the system
+    message or the last message) until the rendered conversation leaves ``n`` positions for the answer
+    (``n`` <= 0: a quarter of the context). Returns the turns dropped."""
+    room = n if n and n > 0 else max(1, eng.ctx // 4)
+    first = 1 if msgs and msgs[0]["role"] == "system" else 0
+    dropped = 0
+    while len(msgs) - first > 1 and len(eng.chat_ids(msgs)) + room > eng.ctx:
+        del msgs[first]
+        if len(msgs) - first > 1 and msgs[first]["role"] == "assistant":
+            del msgs[first]
+        dropped += 1
+    return dropped
 
 
 def run_chat(eng, a, inp=input, out=sys.stdout) -> int:
@@ -32,6 +82,9 @@ def run_chat(eng, a, inp=input, out=sys.stdout) -> int:
     msgs = fresh()
     if not a.quiet:
         print(f"coli: {HELP}", file=sys.stderr)
+    if inp is input and sys.stdin.isatty() and out.isatty():
+        out.write(PASTE_ON)  # a paste of several lines arrives marked, as one message (readline keeps it on)
+        out.flush()
     stop = threading.Event()
 
     def on_sigint(signum, frame):  # during an answer: stop it after the current token
@@ -39,7 +92,7 @@ def run_chat(eng, a, inp=input, out=sys.stdout) -> int:
 
     while True:
         try:
-            line = inp("> ")
+            line = read_message(inp)
         except EOFError:
             out.write("\n")
             return 0
@@ -66,6 +119,15 @@ def run_chat(eng, a, inp=input, out=sys.stdout) -> int:
             print(f"coli: {HELP}", file=sys.stderr)
             continue
         msgs.append({"role": "user", "content": line})
+        try:
+            dropped = fit_context(eng, msgs, a.n)
+        except ColiError as e:  # a template error: say so, keep the REPL
+            msgs.pop()
+            print(f"coli: {e}", file=sys.stderr)
+            continue
+        if dropped:
+            print(f"coli: the context ({eng.ctx} positions) is full: the oldest {dropped} turn"
+                  f"{'s' if dropped > 1 else ''} dropped from the conversation", file=sys.stderr)
         stop.clear()
         old = signal.signal(signal.SIGINT, on_sigint)
         try:

@@ -216,7 +216,7 @@ def cmd_run(a) -> int:
         try:
             r = eng.generate(ids=ids, max_tokens=n, temp=a.temp, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
                              repeat_penalty=a.repeat_penalty, repeat_last_n=a.repeat_last_n, seed=seed,
-                             stop=a.stop, on_text=emit)
+                             stop=eng.chat_stops(a.stop) if a.chat else a.stop, on_text=emit)
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the stats of what was generated, then main's exit code
             _say("\n", sys.stdout)
             _say("coli: " + eng.stats_line(eng.last_stats) + "\n", sys.stderr)

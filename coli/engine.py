@@ -22,6 +22,7 @@ import numpy as np
 from coli.base.errors import ColiError
 
 PREFILL_CHUNK = 64  # rows of a prompt step (bounds the attention scratch and the expert batches)
+CHATML_END = "<|im_end|>"  # the end of a turn of llama.cpp's ChatML fallback template
 CTX_RAM_SHARE = 0.25  # the default context's KV cache takes at most this share of what the memory budget leaves
 HEADROOM_SHARE = 0.10  # of the memory budget, kept free of the sizers (kernels loaded at first use, scratch)
 HEADROOM_MIN = 64 << 20
@@ -744,12 +745,17 @@ class Engine:
         if prompt is None or prompt == "":
             raise ColiError("prompt: empty (give -p TEXT)" if self.cli_names else "prompt: empty (give a non-empty string)")
         if chat:
-            ids = self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
-            if self.tokenizer.template_fallback and not self.quiet:
-                print(f"coli: {self.path.name} has no tokenizer.chat_template: using llama.cpp's fallback, ChatML",
-                      file=sys.stderr)
-            return ids
+            return self.chat_ids([{"role": "user", "content": prompt}])
         return self.tokenize(prompt)
+
+    def chat_stops(self, stop=None) -> list | None:
+        """The stop strings of a chat answer: ``stop`` (a string or strings, or None), plus ChatML's end of turn
+        ``<|im_end|>`` when the model has no template and runs llama.cpp's ChatML fallback (the model does not
+        know that marker as its end-of-generation token, so it would print it and go on)."""
+        if not self.tokenizer.template_fallback:
+            return stop
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        return stops if CHATML_END in stops else stops + [CHATML_END]
 
     def _int_arg(self, arg: str, v, lo: int, hi: int | None = None):
         """``v`` (None or an integer in ``lo..hi``) as an int; ColiError naming the argument (or its flag) for
@@ -824,6 +830,8 @@ class Engine:
         self._check_open()
         if ids is None:
             ids = self.prompt_ids(prompt, chat=chat)
+            if chat:
+                stop = self.chat_stops(stop)
         ids = self._check_ids(ids)
         if isinstance(stop, str):
             stop = [stop]
@@ -861,7 +869,12 @@ class Engine:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ColiError(f"messages[{i}]: {m!r} (a dict with 'role' and 'content' strings)")
-        return self.tokenizer.encode_chat([{"role": m["role"], "content": m["content"]} for m in messages])
+        ids = self.tokenizer.encode_chat([{"role": m["role"], "content": m["content"]} for m in messages])
+        if self.tokenizer.template_fallback and not self.quiet and not getattr(self, "_fallback_said", False):
+            self._fallback_said = True   # once an engine: a chat or a server says it at its first turn
+            print(f"coli: warning: {self.path.name} has no tokenizer.chat_template: using llama.cpp's fallback, "
+                  f"ChatML (answers may be poor; {CHATML_END} ends them)", file=sys.stderr)
+        return ids
 
     def chat(self, messages, **kw):
         """The assistant's answer to ``messages`` (OpenAI's shape: ``[{"role": "system"|"user"|"assistant",
@@ -870,7 +883,9 @@ class Engine:
         :class:`TextStream`). Returns a :class:`GenerateResult`."""
         self._check_open()
         kw.setdefault("keep_kv", True)
-        return self.generate(ids=self.chat_ids(messages), **kw)
+        ids = self.chat_ids(messages)
+        kw["stop"] = self.chat_stops(kw.get("stop"))
+        return self.generate(ids=ids, **kw)
 
     @_on_engine_threads
     def _generate_iter(self, ids, n_gen, sampler, stop, stop_at_eos, keep_kv, should_stop):

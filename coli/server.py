@@ -387,6 +387,7 @@ def create_app(eng, model_id: str, aliases=(), max_queue: int = 8):
                 ids = eng.chat_ids(msgs)
             except ColiError as e:
                 raise APIError(400, str(e), param="messages") from None
+            options["stop"] = eng.chat_stops(options.get("stop"))  # the ChatML fallback's <|im_end|>
             fit(ids, options)
             stream, include_usage = stream_flags(body)
             return await run(request, ids, options, "chat", include_usage, stream)

@@ -120,3 +120,110 @@ def test_chat_input_that_is_not_utf8(capsys):
 
     with pytest.raises(ColiError, match=r"^stdin: not UTF-8 text \(byte 0\)$"):
         run_chat(None, a, inp=strict, out=sys.stdout)
+
+
+def _opts(**kw):
+    import argparse
+
+    d = dict(system=None, n=8, temp=0.0, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0, repeat_last_n=64,
+             stop=None, seed=0, quiet=False)
+    d.update(kw)
+    return argparse.Namespace(**d)
+
+
+def _feed(lines):
+    it = iter(lines)
+
+    def inp(prompt):
+        try:
+            return next(it)
+        except StopIteration:
+            raise EOFError from None
+    return inp
+
+
+def test_read_message_blocks_and_pastes():
+    """A message of several lines: between lines of three double quotes (first and last line may carry text), or
+    a bracketed paste whose markers reach ``input`` (no readline): the lines up to the end marker."""
+    from coli.chat import read_message
+
+    assert read_message(_feed(['"""', "a", 'b"""'])) == "a\nb"
+    assert read_message(_feed(['"""x', "", "a", '"""'])) == "x\n\na"
+    assert read_message(_feed(['"""one"""'])) == "one"
+    assert read_message(_feed(["\x1b[200~l1", "l2", "l3\x1b[201~"])) == "l1\nl2\nl3"
+    assert read_message(_feed(["plain"])) == "plain"
+
+
+def test_chat_full_context_drops_the_oldest_turns(model_path, engine, capsys):
+    """A conversation that no longer leaves ``-n`` positions in the context: the oldest turn is dropped, said in
+    one line, and the answer is the library's answer to the conversation without it (it was an error, a dead end
+    until /reset)."""
+    import io
+
+    from coli.chat import run_chat
+
+    ref = engine(model_path("smollm2"), ctx=CTX, cpu_act="f32")
+    kw = dict(max_tokens=8, temp=0.0, keep_kv=False)
+    qs = ["Name a fruit.", "Name a colour.", "Name an animal."]
+    m = []
+    for q in qs[:2]:
+        m += [{"role": "user", "content": q}, {"role": "assistant", "content": ref.chat(m + [{"role": "user", "content": q}], **kw).text}]
+    full = len(ref.chat_ids(m + [{"role": "user", "content": qs[2]}]))
+    kept = m[2:] + [{"role": "user", "content": qs[2]}]
+    want = ref.chat(kept, **kw).text
+    from coli.engine import Engine
+
+    with Engine(ref.path, ctx=full + 8 - 1, cpu_act="f32", save_usage=False) as eng:  # one position short
+        out = io.StringIO()
+        assert run_chat(eng, _opts(n=8), inp=_feed(qs), out=out) == 0
+    answers = out.getvalue().split("\n")
+    assert answers[2] == want, out.getvalue()
+    err = capsys.readouterr().err
+    assert err.count("is full") == 1 and f"coli: the context ({full + 7} positions) is full: the oldest 1 turn dropped" in err
+
+
+def test_chat_paste_of_several_lines_is_one_message(model_path, engine):
+    """A terminal paste of three lines (bracketed paste, readline's by default) is one message: the answer is the
+    library's to that message, and the next prompt comes once."""
+    ref = engine(model_path("smollm2"), ctx=CTX, cpu_act="f32")
+    msg = "Here is a list:\napples\npears"
+    a1 = ref.chat([{"role": "user", "content": msg}], max_tokens=12, temp=0.0, keep_kv=False)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TERM="xterm")
+    child = pexpect.spawn(sys.executable, ["-m", "coli", "chat", "-m", str(ref.path), "--ctx", str(CTX),
+                                           "--cpu-act", "f32", "--temp", "0", "-n", "12"],
+                          cwd=str(ROOT), env=env, encoding="utf-8", timeout=240, dimensions=(50, 400))
+    try:
+        child.expect_exact("> ")
+        child.send("\x1b[200~" + msg + "\x1b[201~")
+        child.send("\r")
+        child.expect(r"coli: (\d+) new prompt tokens \((\d+) reused")
+        assert int(child.match.group(1)) + int(child.match.group(2)) == len(a1.prompt_ids)
+        assert _tty(a1.text) in child.before
+        child.expect_exact("> ")
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0
+
+
+def test_chatml_fallback_warns_and_stops_at_im_end(model_path, capsys):
+    """Gemma-3-270M (no chat template) in a chat: one warning that the ChatML fallback runs, and the fallback's
+    end of turn ``<|im_end|>`` ends the answer (it was printed and generation went on): the answer is the text
+    of the same greedy generation without the stop, cut before its first ``<|im_end|>``."""
+    import io
+
+    from coli.chat import run_chat
+    from coli.engine import Engine
+
+    with Engine(model_path("gemma3"), ctx=256, cpu_act="f32", save_usage=False, quiet=False) as eng:
+        msgs = [{"role": "user", "content": "What is the capital of France?"}]
+        raw = eng.generate(ids=eng.chat_ids(msgs), max_tokens=40, temp=0.0).text
+        assert "<|im_end|>" in raw  # the model writes the marker: without the stop it is printed and it goes on
+        r = eng.chat(msgs, max_tokens=40, temp=0.0, keep_kv=False)
+        assert r.text == raw.split("<|im_end|>")[0] and r.finish_reason == "stop"
+        out = io.StringIO()
+        run_chat(eng, _opts(n=40, quiet=True), inp=_feed([msgs[0]["content"]]), out=out)
+        assert out.getvalue().split("\n")[0] == r.text
+    err = capsys.readouterr().err
+    assert err.count("has no tokenizer.chat_template: using llama.cpp's fallback, ChatML") == 1, err
