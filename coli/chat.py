@@ -79,6 +79,12 @@ def run_chat(eng, a, inp=input, out=sys.stdout) -> int:
     def fresh():
         return [{"role": "system", "content": a.system}] if a.system else []
 
+    from coli.base.progress import HoldFirst, text_on_line
+
+    def write(t):
+        out.write(t)
+        out.flush()
+
     msgs = fresh()
     if not a.quiet:
         print(f"coli: {HELP}", file=sys.stderr)
@@ -129,15 +135,17 @@ def run_chat(eng, a, inp=input, out=sys.stdout) -> int:
             print(f"coli: the context ({eng.ctx} positions) is full: the oldest {dropped} turn"
                   f"{'s' if dropped > 1 else ''} dropped from the conversation", file=sys.stderr)
         stop.clear()
+        hold = HoldFirst(write)  # the first token waits while the first steps compile (a bar must not erase it)
         old = signal.signal(signal.SIGINT, on_sigint)
         try:
             s = eng.chat(msgs, stream=True, max_tokens=a.n, temp=a.temp, top_k=a.top_k, top_p=a.top_p,
                          min_p=a.min_p, repeat_penalty=a.repeat_penalty, repeat_last_n=a.repeat_last_n,
                          stop=a.stop, seed=None if a.seed == -1 else a.seed, should_stop=stop.is_set)
             for piece in s:
-                out.write(piece)
-                out.flush()
+                hold(piece)
+            hold.flush()
         except ColiError as e:  # e.g. the conversation no longer fits the context: say so, keep the REPL
+            hold.flush()
             msgs.pop()
             print(f"coli: {e} (/reset starts over)", file=sys.stderr)
             continue
@@ -146,6 +154,7 @@ def run_chat(eng, a, inp=input, out=sys.stdout) -> int:
         r = s.result
         out.write("\n")
         out.flush()
+        text_on_line(False)
         if r.finish_reason == "cancelled":
             print("coli: stopped", file=sys.stderr)
         msgs.append({"role": "assistant", "content": r.text})

@@ -205,31 +205,43 @@ def cmd_run(a) -> int:
         if not a.quiet:
             print(_start_line(eng) + f", {eng.activations()}" + cfg_note + (f", seed {seed}" if a.temp > 0 else ""),
                   file=sys.stderr)
-        if not a.chat and not a.no_display_prompt:
-            sys.stdout.write(prompt)
-            sys.stdout.flush()
+        from coli.base.progress import HoldFirst, text_on_line
 
-        def emit(s):
+        def write(s):
             sys.stdout.write(s)
             sys.stdout.flush()
 
+        # the echoed prompt and the first token wait while the first steps compile (a bar must not erase them)
+        emit = HoldFirst(write, prompt if not a.chat and not a.no_display_prompt else "")
         try:
             r = eng.generate(ids=ids, max_tokens=n, temp=a.temp, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
                              repeat_penalty=a.repeat_penalty, repeat_last_n=a.repeat_last_n, seed=seed,
                              stop=eng.chat_stops(a.stop) if a.chat else a.stop, on_text=emit)
+            emit.flush()
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the stats of what was generated, then main's exit code
+            _flush_held(emit)
             _say("\n", sys.stdout)
             _say("coli: " + eng.stats_line(eng.last_stats) + "\n", sys.stderr)
             raise
         except ColiError:  # a damaged expert read mid-answer...: end the echoed text's line before main's error line
+            _flush_held(emit)
             _say("\n", sys.stdout)
             raise
         sys.stdout.write("\n")
+        text_on_line(False)
         if not a.quiet:
             print("coli: " + eng.stats_line(r.stats), file=sys.stderr)
     finally:
         _close(eng)
     return 0
+
+
+def _flush_held(emit) -> None:
+    """Write what a :class:`coli.base.progress.HoldFirst` still holds, to a stdout that may be gone."""
+    try:
+        emit.flush()
+    except (OSError, ValueError):
+        pass
 
 
 def _sampling_args(p, temp: float):

@@ -210,4 +210,4 @@ def test_compile_bar_on_a_terminal():
         os.close(s)
         os.close(m)
     assert r.returncode == 0
-    assert "compiling kernels, once" in out
+    assert "compiling the CPU kernels, once" in out

@@ -7,9 +7,14 @@
   kernel, or loading it from Numba's on-disk cache), counted from numba's event API
   (``numba.core.event``, kind ``"numba:compiler_lock"``). Timed regions subtract it, so first-run
   compilation is never counted in prefill or decode tok/s.
-* While Numba compiles a kernel (event ``"numba:compile"``, a cache miss) a bar "compiling kernels, once"
-  counts the kernels compiled; :func:`end_compile_bar` closes it (the engine calls it when a public call
-  returns). :func:`compiles` gives the process's top-level compiles and their seconds.
+* While Numba compiles a kernel (event ``"numba:compile"``, a cache miss) a bar "compiling the CPU kernels,
+  once" counts the kernels compiled when stderr is a terminal; :func:`end_compile_bar` closes it (the engine
+  calls it when a public call returns). When stderr is not a terminal (a pipe, CI, docker logs) the first
+  compile prints one line instead, once a process: what compiles, about how long, where it is cached.
+  :func:`compiles` gives the process's top-level compiles and their seconds.
+* :class:`HoldFirst` keeps a generation's text off the terminal line while the first tokens' kernels compile,
+  and no bar is drawn while model text holds the current line (:func:`text_on_line`): a bar redraws its line
+  with ``\r`` and would erase the text there.
 """
 from __future__ import annotations
 
@@ -23,6 +28,51 @@ _install_lock = threading.Lock()
 _compile_bar = None
 _bar_lock = threading.Lock()
 _compiles = [0, 0.0, 0, 0.0]   # top-level compiles, their seconds, nesting depth, start of the open one
+_line = {"text": False, "told": False}  # model text on the terminal's current line; the compile notice given
+COMPILE_NOTE = "compiling the CPU kernels, once: about 2-5 minutes on a first run"
+
+
+def compile_notice() -> str:
+    """The line a first compile prints when stderr is not a terminal (without the ``coli: `` prefix)."""
+    import os
+
+    d = os.environ.get("NUMBA_CACHE_DIR")
+    return COMPILE_NOTE + (f"; later runs load them from {d}" if d else "")
+
+
+def text_on_line(on: bool) -> None:
+    """Say whether model text now holds the terminal's current line (no compile bar is drawn while it does)."""
+    _line["text"] = bool(on)
+
+
+def compiled_any() -> bool:
+    """True once this process has started compiling a kernel (a cold cache: the next calls may compile too)."""
+    with _bar_lock:
+        return _compiles[0] > 0 or _compiles[2] > 0
+
+
+class HoldFirst:
+    """A writer of a generation's text pieces (``write(str)``) that holds ``head`` (the echoed prompt) and the
+    first piece back while kernels compile in this process, and writes them with the second piece: the first
+    decode step compiles too, and its bar then has a line of its own instead of erasing the text (nothing is
+    held on a warm cache). Call :meth:`flush` when the generation ends or fails. Tells :func:`text_on_line`."""
+
+    def __init__(self, write, head: str = ""):
+        self.write, self.buf, self.n = write, [head] if head else [], 0
+
+    def __call__(self, s: str) -> None:
+        self.n += 1
+        self.buf.append(s)
+        if self.n < 2 and compiled_any():
+            return
+        self.flush()
+
+    def flush(self) -> None:
+        text = "".join(self.buf)
+        self.buf.clear()
+        if text:
+            self.write(text)
+            text_on_line(not text.endswith("\n"))
 
 
 def stderr_is_terminal() -> bool:
@@ -81,10 +131,18 @@ def install() -> None:
                         _compiles[3] = time.perf_counter()
                     _compiles[2] += 1
                 if not stderr_is_terminal():
+                    with _bar_lock:
+                        told, _line["told"] = _line["told"], True
+                    if not told:  # a log gets one line, not a silent wait of minutes
+                        try:
+                            print(f"coli: {compile_notice()}", file=sys.stderr, flush=True)
+                        except (OSError, ValueError, AttributeError):
+                            pass
                     return
                 with _bar_lock:
-                    if _compile_bar is None:
-                        _compile_bar = bar(desc="compiling kernels, once", unit=" kernels")
+                    if _compile_bar is None and not _line["text"]:  # a bar would erase the text on the line
+                        _line["told"] = True
+                        _compile_bar = bar(desc=f"coli: {COMPILE_NOTE}", unit=" kernels")
 
             def on_end(self, event):
                 with _bar_lock:
@@ -118,7 +176,7 @@ def compiles() -> tuple[int, float]:
 
 
 def end_compile_bar() -> None:
-    """Close the "compiling kernels, once" bar if one is open."""
+    """Close the "compiling the CPU kernels, once" bar if one is open (its line is cleared)."""
     global _compile_bar
     with _bar_lock:
         if _compile_bar is not None:
