@@ -1,5 +1,5 @@
 """GLM-5 (GGUF ``glm-dsa``: MLA + the DeepSeek sparse attention indexer): a tiny random HF ``glm_moe_dsa`` converted
-by llama.cpp's converter with an MTP layer appended (scripts/oracle_glmdsa.py; docs/families.md "GLM-5
+by llama.cpp's converter with an MTP layer appended (scripts/oracles/make.py glmdsa; docs/families.md "GLM-5
 (glm-dsa)"). coli's logits within 1e-4 of the largest |logit| at every position over 96 prompt tokens (past
 ``index_topk`` 24) and 8 greedy decode steps; the indexer's positions equal HF's; routing equals HF's."""
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """gpt-oss: attention sinks, the clamped SwiGLU (gpt-oss's form), expert and router biases, MXFP4 experts.
 
 Kernels against NumPy transcriptions of transformers' ``models/gpt_oss/modeling_gpt_oss.py``; the family file
-against the HF oracle ``tests/fixtures/oracles/gptoss.*`` (scripts/oracle_gptoss.py; docs/families.md "gpt-oss").
+against the HF oracle ``tests/fixtures/oracles/gptoss.*`` (scripts/oracles/make.py gptoss; docs/families.md "gpt-oss").
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Kimi-Linear (GGUF ``kimi-linear``: KDA linear attention beside MLA): a tiny random HF ``kimi_linear`` model
-converted by llama.cpp's converter (scripts/oracle_kimi.py; docs/families.md "Kimi-Linear (KDA + MLA)"). coli's
+converted by llama.cpp's converter (scripts/oracles/make.py kimi; docs/families.md "Kimi-Linear (KDA + MLA)"). coli's
 logits within 1e-4 of the largest |logit| at every position over 96 prompt tokens (past HF's KDA chunk of 64) and 8
 greedy decode steps (the KDA states and the latent caches carried); the prompt in one call equals the same tokens
 one at a time; HF's routing at every MoE layer; the KDA kernel against HF's recurrence in NumPy; each piece the

@@ -1,4 +1,4 @@
-"""The committed MoE oracle fixtures (tests/fixtures/oracles/, made by scripts/make_oracles.py) are sound.
+"""The committed MoE oracle fixtures (tests/fixtures/oracles/, made by scripts/oracles/make.py moe) are sound.
 
 No torch here: the files are read with gguf's reader and NumPy. What is checked:
 - each GGUF holds exactly the tensors llama.cpp's layout names for its architecture, with the shapes the
@@ -165,7 +165,7 @@ def test_fixtures_are_small():
 def test_convert_check_matched():
     path = DIR / "convert_check.json"
     if not path.exists():
-        pytest.skip("convert_check.json not made (scripts/make_oracles.py --no-convert-check)")
+        pytest.skip("convert_check.json not made (scripts/oracles/make.py --no-convert-check)")
     checks = json.loads(path.read_text())
     assert "mixtral" in checks  # the issue requires at least the llama-arch file checked
     for name, res in checks.items():

@@ -1,11 +1,10 @@
-#!/usr/bin/env python3
 """NVFP4 oracles made with llama.cpp's own quantizer (``llama-quantize``, built from the llama-cpp-python sdist by
-scripts/build_llama_bench.sh into ``~/.cache/coli/llama.cpp/build/bin``; CI never runs this script).
+scripts/build_llama_bench.sh into ``~/.cache/coli/llama.cpp/build/bin``; no torch), so never made by default::
 
-    python scripts/oracle_nvfp4.py fixtures [--bin DIR]
-    python scripts/oracle_nvfp4.py demo [--bin DIR] [--threads 2] [--ctx 128] [--eval-chars 4000] [-o GGUF]
+    python scripts/oracles/make.py nvfp4 [--bin DIR]
+    python scripts/oracles/families/nvfp4.py demo [--bin DIR] [--threads 2] [--ctx 128] [--eval-chars 4000] [-o GGUF]
 
-``fixtures`` writes two files to tests/fixtures/oracles/ (tests/test_nvfp4.py reads them):
+``make.py nvfp4`` writes two files to tests/fixtures/oracles/ (tests/test_nvfp4.py reads them):
 
 * ``nvfp4_quant.npz``: ``x`` f32 [64, 256] and ``blocks`` uint8 [64, 144], llama-quantize's NVFP4 bytes of x
   (x is the one tensor of a GGUF given to ``llama-quantize --tensor-type ffn_gate_exps=nvfp4``). Rows of x:
@@ -36,12 +35,12 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 from scripts import make_mixed_moe as M  # noqa: E402  (run, die, coli_perplexity, general_name, default_text)
 
-FIX = ROOT / "tests" / "fixtures" / "oracles"
+NAMES = ["nvfp4"]
 MOE_ARGS = ["--layers", "2", "--d", "128", "--heads", "2", "--experts", "4", "--top-k", "2", "--expert-ff", "128",
             "--vocab", "256", "--type", "F32", "--seed", "8"]
 DEMO_NAME = "coli demo MoE, NVFP4 experts (llama-quantize)"
@@ -89,20 +88,20 @@ def quantize_with_llama(quantize: Path, x: np.ndarray, work: Path) -> np.ndarray
     return np.asarray(t.data, np.uint8).reshape(x.shape[0], -1).copy()
 
 
-def fixtures(a) -> int:
-    quantize = a.bin / "llama-quantize"
+def make(name: str, ctx) -> dict:
+    """``nvfp4_quant.npz`` and ``nvfp4_moe.gguf`` in ctx.out (module docstring)."""
+    quantize = ctx.args.bin / "llama-quantize"
     if not os.access(quantize, os.X_OK):
         M.die(f"{quantize}: not found or not executable (--bin: the llama.cpp build folder)")
     work = Path(tempfile.mkdtemp(prefix="oracle_nvfp4_"))
     x = probe_rows()
     blocks = quantize_with_llama(quantize, x, work)
-    np.savez_compressed(FIX / "nvfp4_quant.npz", x=x, blocks=blocks)
-    print(f"wrote {FIX / 'nvfp4_quant.npz'}")
+    np.savez_compressed(ctx.out / "nvfp4_quant.npz", x=x, blocks=blocks)
 
     src = work / "moe-f32.gguf"
     subprocess.run([sys.executable, str(ROOT / "scripts" / "make_synthetic_moe.py"), "-o", str(src), *MOE_ARGS],
                    check=True, capture_output=True)
-    out = FIX / "nvfp4_moe.gguf"
+    out = ctx.out / "nvfp4_moe.gguf"
     tmp = out.with_name(out.name + ".part")
     M.run([str(quantize), *EXPERTS, str(src), str(tmp), "Q8_0"], work / "moe.log")
     os.replace(tmp, out)
@@ -111,8 +110,7 @@ def fixtures(a) -> int:
     types = sorted({t.type_name for n, t in open_gguf(str(out)).tensors.items() if "_exps." in n})
     if types != ["NVFP4"]:
         M.die(f"{out}: expert types {types}, expected NVFP4 only")
-    print(f"wrote {out} ({out.stat().st_size} bytes)")
-    return 0
+    return {"nvfp4_quant.npz": (ctx.out / "nvfp4_quant.npz").stat().st_size, "nvfp4_moe.gguf": out.stat().st_size}
 
 
 def demo(a) -> int:
@@ -169,8 +167,9 @@ def demo(a) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("fixtures", "demo"))
+    ap = argparse.ArgumentParser(description="NVFP4 experts of the demo MoE by llama-quantize: coli's perplexity "
+                                 "against llama-perplexity's (the fixtures: scripts/oracles/make.py nvfp4)")
+    ap.add_argument("what", choices=("demo",))
     ap.add_argument("--bin", type=Path, default=Path.home() / ".cache/coli/llama.cpp/build/bin",
                     help="folder with llama-quantize (and llama-perplexity for demo)")
     ap.add_argument("-o", "--out", type=Path, help="demo: the NVFP4 GGUF (default: beside the demo MoE)")
@@ -179,7 +178,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cpu-act", choices=("f32", "int8"), default=None, help="coli's activations (default: the CPU's)")
     a = ap.parse_args(argv)
-    return fixtures(a) if a.what == "fixtures" else demo(a)
+    return demo(a)
 
 
 if __name__ == "__main__":

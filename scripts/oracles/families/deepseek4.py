@@ -1,46 +1,21 @@
-#!/usr/bin/env python3
-"""Build the DeepSeek-V4 oracle: a tiny random checkpoint in the hub's layout, HF ``deepseek_v4``'s logits on it,
-and its GGUF by llama.cpp's converter (``DeepseekV4ForCausalLM`` -> arch ``deepseek4``).
-
-A developer tool (torch, transformers 5.24; docs/oracles.md for the venv); CI never runs it. Outputs under
-``tests/fixtures/oracles/``: ``deepseek4.gguf``, ``deepseek4.npz``, ``deepseek4.config.json``.
-
-1. One set of parameters under the hub checkpoint's names (``layers.<i>.attn.wq_a.weight``,
-   ``layers.<i>.ffn.experts.<e>.w1.weight`` ...), from our own seeded generator: 4 layers (sliding only,
-   CSA ratio 4 with its lightning indexer (8 heads of 16), HCA ratio 16, CSA), window 16, index_topk 4 (seeds
-   where the 4th and 5th visible indexer scores are within 1e-3 anywhere are skipped), 4 query heads over one
-   shared K=V head of 32 dims (8 roped, interleaved, at the tail), 4 hyper-connection streams, grouped output
-   projection (2 groups), 8 experts top-2 with a shared expert, layer 0 hash-routed (``tid2eid``), the others
-   ``sqrtsoftplus`` scores with a correction bias choosing; the routers in bf16 (the issue's "bf16 router"; the
-   converter keeps a bf16 source tensor BF16); the routed experts as MXFP4 (E2M1 codes + E8M0
-   scales, the hub's FP4 layout) and the clamped SwiGLU at ``swiglu_limit`` 1.0 (so the clamp bites).
-2. Two directories of that checkpoint: ``hf/`` with the experts dequantized to f32 (transformers loads the hub
-   names through its own ``conversion_mapping`` for ``deepseek_v4``: so the tensor-name mapping is HF's, not
-   ours; loading must report no missing/unexpected key) and ``conv/`` with the experts as packed codes +
-   ``.scale`` (what ``DeepseekV4Model._write_mxfp4_expert_tensor`` repacks losslessly) and the hub-style
-   config.json (``compress_ratios``, ``num_hash_layers``, ``qk_rope_head_dim``, ``rope_scaling``: the fields
-   the converter reads and transformers does not write back). The HF reference thus runs on exactly the MXFP4
-   values the GGUF holds (``check_mxfp4`` compares gguf.quants' dequantization of the GGUF with our f32).
-3. The prompt (96 tokens: 6 windows past the window, 24 CSA entries for 4 indexer picks, 6 HCA entries) runs
-   without a cache, then 8 greedy steps with HF's cache (its compressor/indexer state is per call); the cached
-   logits must equal a no-cache run of the same sequence. The npz also keeps HF's indexer picks and experts
-   on the prompt (``picks``).
+"""DeepSeek-V4 (docs/families.md): one set of seeded parameters under the hub checkpoint's names (sliding, CSA with
+its indexer, HCA layers; hyper-connections; grouped output projection; layer 0 hash-routed, the others sqrtsoftplus +
+bias; bf16 routers; MXFP4 experts). ``hf/`` holds them with the experts dequantized, loaded by transformers' own
+name mapping (no missing or unexpected key); ``conv/`` holds the packed experts and the hub config.json for
+llama.cpp's converter, whose MXFP4 tensors must dequantize to the same values. npz: ``ids`` [96], ``logits``,
+``gen_ids``, ``gen_logits``, ``router_margin``, ``logit_gap``, ``indexer_picks``, ``expert_ids`` (HF's on the prompt).
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import make_oracles as mo  # noqa: E402
+import make as M
 
-NAME = "deepseek4"
+NAMES = ["deepseek4"]
+NAME = NAMES[0]
 SEED = 9400
 N_TOKENS, N_STEPS = 96, 8
 D, H, HD, ROPE, QL, OG, OL = 32, 4, 32, 8, 16, 2, 8
@@ -57,7 +32,7 @@ ROPE_SCALING = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings
                 "beta_slow": 1}
 LAYER_TYPE = {0: "sliding_attention", 4: "compressed_sparse_attention", 16: "heavily_compressed_attention"}
 #: hub-style config.json (DeepSeek-V4-Flash's field names; the converter reads these)
-HUB = dict(architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", vocab_size=mo.VOCAB, hidden_size=D,
+HUB = dict(architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", vocab_size=M.VOCAB, hidden_size=D,
            moe_intermediate_size=FF, num_hidden_layers=len(RATIOS), num_attention_heads=H, num_key_value_heads=1,
            head_dim=HD, qk_rope_head_dim=ROPE, q_lora_rank=QL, o_groups=OG, o_lora_rank=OL, n_routed_experts=E,
            num_experts_per_tok=K, n_shared_experts=1, scoring_func="sqrtsoftplus", norm_topk_prob=True,
@@ -65,19 +40,7 @@ HUB = dict(architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", vo
            rope_scaling=ROPE_SCALING, compress_ratios=RATIOS, num_hash_layers=N_HASH, hc_mult=HC,
            hc_sinkhorn_iters=20, hc_eps=1e-6, swiglu_limit=LIMIT, sliding_window=WINDOW, index_n_heads=IH,
            index_head_dim=ID, index_topk=ITOPK, num_nextn_predict_layers=0, rms_norm_eps=1e-6, hidden_act="silu",
-           bos_token_id=mo.BOS_ID, eos_token_id=mo.EOS_ID, tie_word_embeddings=False, torch_dtype="float32")
-DEFAULT_LLAMA = mo.DEFAULT_LLAMA
-# the converter reads config.json itself (as for mimo2: transformers' config object drops the hub's legacy keys)
-CONVERT_WRAPPER = mo.CONVERT_WRAPPER.replace(
-    "import conversion.base as base\n",
-    "import conversion.base as base\n"
-    "class _NoAutoConfig:\n"
-    "    @staticmethod\n"
-    "    def from_pretrained(*a, **k):\n"
-    "        raise ValueError('config.json is read as the hub has it')\n"
-    "base.AutoConfig = _NoAutoConfig\n")
-assert CONVERT_WRAPPER != mo.CONVERT_WRAPPER
-
+           bos_token_id=M.BOS_ID, eos_token_id=M.EOS_ID, tie_word_embeddings=False, torch_dtype="float32")
 #: E2M1 values by 4-bit code (ggml's kvalues_mxfp4 halved; the OCP MX spec's FP4 table)
 E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 
@@ -116,8 +79,8 @@ def params(seed: int):
 
     f, q = {}, {}
     nhc = (2 + HC) * HC
-    f["embed.weight"] = rng.standard_normal((mo.VOCAB, D)).astype(np.float32)
-    f["head.weight"] = mat(mo.VOCAB, D)
+    f["embed.weight"] = rng.standard_normal((M.VOCAB, D)).astype(np.float32)
+    f["head.weight"] = mat(M.VOCAB, D)
     f["norm.weight"] = vec(D)
     f["hc_head_fn"] = mat(HC, HC * D)
     f["hc_head_base"] = vec(HC, 0.0, 0.5)
@@ -155,7 +118,7 @@ def params(seed: int):
         g = p + "ffn."
         f[g + "gate.weight"] = bf16_exact(mat(E, D, ROUTER_SCALE))
         if il < N_HASH:
-            f[g + "gate.tid2eid"] = np.stack([rng.permutation(E)[:K] for _ in range(mo.VOCAB)]).astype(np.int64)
+            f[g + "gate.tid2eid"] = np.stack([rng.permutation(E)[:K] for _ in range(M.VOCAB)]).astype(np.int64)
         else:
             f[g + "gate.bias"] = (BIAS_STD * rng.standard_normal(E)).astype(np.float32)
         for w, (o, i) in (("w1", (FF, D)), ("w2", (D, FF)), ("w3", (FF, D))):
@@ -214,40 +177,17 @@ def run(model, ids):
     """Logits and, per non-hash MoE layer, the choice scores (sqrtsoftplus + correction bias)."""
     import torch
 
-    caught = {}
-    hooks = [r.register_forward_hook(lambda mod, inp, out, il=il: caught.__setitem__(il, out[0].detach().clone()))
-             for il, r in routers(model) if il >= N_HASH]
-    try:
-        with torch.no_grad():
-            out = model(input_ids=torch.tensor(ids[None, :], dtype=torch.long), use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
-    choice = []
-    for il, r in routers(model):
-        if il >= N_HASH:
-            s = torch.sqrt(torch.nn.functional.softplus(caught[il].float()))
-            choice.append((s + r.e_score_correction_bias).numpy())
-    return out.logits[0].float().numpy(), np.stack(choice)
+    rs = [r for il, r in routers(model) if il >= N_HASH]
+    logits, caught = M.forward(model, ids, rs, grab=lambda out: out[0].detach().clone())
+    return logits, np.stack([(torch.sqrt(torch.nn.functional.softplus(c.float())) + r.e_score_correction_bias).numpy()
+                             for c, r in zip(caught, rs)])
 
 
 def indexer_margin(model, seq) -> float:
     """Smallest gap between the ITOPK-th and next visible indexer score over every query of every CSA layer
     where more than ITOPK entries are visible (ReLU makes exact ties at 0 likely: a tie there would leave the
     pick to torch.topk's order)."""
-    import torch
-
-    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as mdl
-
-    caught = []
-    hooks = [mod.register_forward_hook(lambda m_, i_, out: caught.append(out.detach()[0].numpy().copy()))
-             for mod in model.modules() if isinstance(mod, mdl.DeepseekV4IndexerScorer)]
-    try:
-        with torch.no_grad():
-            model(input_ids=torch.tensor(seq[None, :], dtype=torch.long), use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
+    _, caught = M.forward(model, seq, M.modules_named(model, "DeepseekV4IndexerScorer"), grab=first_row)
     worst = np.inf
     for sc in caught:                          # [S, n_entries]
         for t in range(sc.shape[0]):
@@ -258,25 +198,16 @@ def indexer_margin(model, seq) -> float:
     return worst
 
 
+def first_row(out):
+    return out.detach()[0].numpy().copy()
+
+
 def picks(model, ids):
     """HF's choices on the prompt (no cache): the indexer's top-k per CSA layer (int32 [n_csa, T, ITOPK], -1 where
     fewer entries are visible; HF ``DeepseekV4Indexer``'s return) and every layer's experts (int32 [L, T, K],
     sorted; the routers' ``indices``)."""
-    import torch
-
-    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as mdl
-
-    idx, exp = [], []
-    hooks = [mod.register_forward_hook(lambda m_, i_, out: idx.append(out.detach()[0].numpy().copy()))
-             for mod in model.modules() if isinstance(mod, mdl.DeepseekV4Indexer)]
-    hooks += [r.register_forward_hook(lambda m_, i_, out: exp.append(out[2].detach().numpy().copy()))
-              for _, r in routers(model)]
-    try:
-        with torch.no_grad():
-            model(input_ids=torch.tensor(ids[None, :], dtype=torch.long), use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
+    _, idx = M.forward(model, ids, M.modules_named(model, "DeepseekV4Indexer"), grab=first_row)
+    _, exp = M.forward(model, ids, [r for _, r in routers(model)], grab=lambda out: out[2].detach().numpy().copy())
     ii = np.stack(idx).astype(np.int32)
     pad = np.full(ii.shape[:2] + (ITOPK,), -1, np.int32)   # torch.topk returns min(k, n) columns
     pad[..., :ii.shape[2]] = ii
@@ -306,27 +237,14 @@ def check_mxfp4(gguf_path: Path, f: dict) -> float:
     return worst
 
 
-def main(argv=None) -> int:
+def make(name: str, ctx) -> dict:
     import torch
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=mo.DEFAULT_OUT)
-    ap.add_argument("--work", type=Path, default=mo.DEFAULT_WORK)
-    ap.add_argument("--llama-cpp", type=Path, default=DEFAULT_LLAMA)
-    args = ap.parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    tok_dir = args.work / "tokenizer"
-    tok_dir.mkdir(parents=True, exist_ok=True)
-    mo.build_tokenizer(tok_dir)
-    for attempt in range(40):
-        seed = SEED + attempt
-        cfg, model, f, q = build(seed, args.work)
-        ids = np.random.default_rng(seed).integers(2, mo.VOCAB, size=N_TOKENS).astype(np.int32)
-        ids[0] = mo.BOS_ID
+    def attempt(seed):
+        cfg, model, f, q = build(seed, ctx.work)
+        ids = M.prompt(seed, N_TOKENS)
         logits, choice = run(model, ids)
-        margin = mo.router_margin(choice, K)
-        top2 = -np.sort(-logits, axis=-1)[:, :2]
-        gap = (top2[:, 0] - top2[:, 1]).astype(np.float32)
+        margin, gap = M.router_margin(choice, K), M.logit_gap(logits)
         # the indexer margin over the prompt and the greedy continuation (a no-cache run of both)
         with torch.no_grad():
             ext = list(ids)
@@ -334,36 +252,17 @@ def main(argv=None) -> int:
                 lg = model(input_ids=torch.tensor([ext], dtype=torch.long), use_cache=False).logits[0, -1]
                 ext.append(int(lg.argmax()))
         imargin = indexer_margin(model, np.array(ext, np.int64))
-        if (float(margin.min()) >= MIN_MARGIN and float(gap.min()) >= mo.MIN_LOGIT_GAP and imargin >= MIN_MARGIN
-                and np.isfinite(logits).all()):
-            break
-        print(f"{NAME}: seed {seed} margin {margin.min():.2e}, gap {gap.min():.2e}, indexer {imargin:.2e}")
-    else:
-        raise SystemExit(f"{NAME}: no seed gave margins")
-    with torch.no_grad():
-        o = model(input_ids=torch.tensor(ids[None, :], dtype=torch.long), use_cache=True)
-        cache, last = o.past_key_values, o.logits[0, -1]
-        gen, gen_logits, gaps = [], [], []
-        for _ in range(N_STEPS):
-            s = torch.sort(last, descending=True).values
-            gaps.append(float(s[0] - s[1]))
-            tok = int(last.argmax())
-            gen.append(tok)
-            gen_logits.append(last.float().numpy())
-            o = model(input_ids=torch.tensor([[tok]]), past_key_values=cache, use_cache=True)
-            cache, last = o.past_key_values, o.logits[0, -1]
-        seq = np.concatenate([ids, np.array(gen[:-1], np.int32)])
-        full = model(input_ids=torch.tensor(seq[None, :], dtype=torch.long), use_cache=False).logits[0].numpy()
-    gen_logits = np.stack(gen_logits)
-    d_cache = float(np.abs(full[N_TOKENS - 1:] - gen_logits).max())
-    assert d_cache < 1e-4 * float(np.abs(gen_logits).max()), d_cache
-    indexer_picks, expert_ids = picks(model, ids)
-    np.savez(args.out / f"{NAME}.npz", ids=ids, logits=logits.astype(np.float32), gen_ids=np.array(gen, np.int32),
-             gen_logits=gen_logits.astype(np.float32), router_margin=margin, logit_gap=gap,
-             indexer_picks=indexer_picks, expert_ids=expert_ids)
+        ok = (float(margin.min()) >= MIN_MARGIN and float(gap.min()) >= M.MIN_LOGIT_GAP and imargin >= MIN_MARGIN
+              and np.isfinite(logits).all())
+        return ok, (seed, cfg, model, f, q, ids, logits, margin, gap, imargin), \
+            f"margin {margin.min():.2e}, gap {gap.min():.2e}, indexer {imargin:.2e}"
 
+    seed, cfg, model, f, q, ids, logits, margin, gap, imargin = M.reseed(NAME, SEED, 40, attempt)
+    indexer_picks, expert_ids = picks(model, ids)
+    rec = M.decode_after(NAME, ctx, model, ids, logits, N_STEPS, router_margin=margin, logit_gap=gap,
+                         indexer_picks=indexer_picks, expert_ids=expert_ids)
     cfg_json0 = json.loads(cfg.to_json_string(use_diff=False))
-    conv = args.work / NAME / "conv"
+    conv = ctx.work / NAME / "conv"
     conv.mkdir(parents=True, exist_ok=True)
     fq = {k: v for k, v in f.items() if ".experts." not in k}
     fq.update(q)
@@ -372,29 +271,14 @@ def main(argv=None) -> int:
     # path knows only the hub's 0/4/128, and the converter's tokenizer load goes through AutoConfig
     hub = {**HUB, **{k: cfg_json0[k] for k in ("layer_types", "compress_rates", "mlp_layer_types")}}
     (conv / "config.json").write_text(json.dumps(hub, indent=1))
-    for t in tok_dir.iterdir():
-        (conv / t.name).write_bytes(t.read_bytes())
-    gguf_path = args.out / f"{NAME}.gguf"
-    cmd = [sys.executable, "-c", CONVERT_WRAPPER, str(args.llama_cpp), str(conv), "--outtype", "f32",
-           "--outfile", str(gguf_path)]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    if r.returncode != 0:
-        raise SystemExit(f"convert_hf_to_gguf.py failed for {NAME}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    M.copy_tokenizer(ctx.tok_dir, conv)
+    gguf_path = M.convert(NAME, ctx.llama_cpp, conv, ctx.out / f"{NAME}.gguf", wrapper=M.HUB_CONFIG_WRAPPER)
     d_mx = check_mxfp4(gguf_path, f)
     assert d_mx == 0.0, d_mx
-    cfg_json = json.loads(cfg.to_json_string(use_diff=False))
     info = {"seed": seed, "router_scale": ROUTER_SCALE, "correction_bias_std": BIAS_STD,
             "min_router_margin": float(margin.min()), "min_indexer_margin": imargin, "min_logit_gap": float(gap.min()),
-            "min_gen_logit_gap": min(gaps), "max_abs_logit": float(np.abs(logits).max()),
-            "cached_vs_uncached_max_abs": d_cache, "mxfp4_gguf_vs_hf_max_abs": d_mx,
+            **rec, "mxfp4_gguf_vs_hf_max_abs": d_mx,
             "gguf": "llama.cpp convert_hf_to_gguf.py --outtype f32 on the hub-layout checkpoint (conv/)",
-            "torch": torch.__version__, "transformers": __import__("transformers").__version__,
-            "gguf_bytes": gguf_path.stat().st_size}
-    cfg_json["coli_oracle"] = info
-    (args.out / f"{NAME}.config.json").write_text(json.dumps(cfg_json, indent=1, sort_keys=True) + "\n")
-    print(f"{NAME}: {info}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+            **M.versions(), "gguf_bytes": gguf_path.stat().st_size}
+    M.write_config(ctx.out / f"{NAME}.config.json", cfg, info)
+    return info

@@ -1,0 +1,118 @@
+"""Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE (docs/oracles.md): our own GGUF writer, checked against llama.cpp's converter.
+
+``<name>.npz``: ``ids`` int32 [24], ``logits`` f32 [T, V], ``router_logits`` f32 [L, T, E], ``expert_ids`` int32
+[L, T, K], ``expert_weights`` f32 [L, T, K], ``router_margin`` f32 [L, T], ``logit_gap`` f32 [T]. The saved
+checkpoint must reload to the same logits (transformers' own un-fusing of the fused experts).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+import make as M
+
+N_TOKENS = 24
+# name -> (HF model_type, GGUF arch, seed, HF config overrides). Shapes vary on purpose between archs.
+ARCHS: dict[str, tuple[str, str, int, dict]] = {
+    "mixtral": ("mixtral", "llama", 1000, dict(
+        num_hidden_layers=4, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    "qwen2moe": ("qwen2_moe", "qwen2moe", 2000, dict(
+        num_hidden_layers=2, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, qkv_bias=True, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    "qwen3moe": ("qwen3_moe", "qwen3moe", 3000, dict(
+        num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32, head_dim=32,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=4,
+        norm_topk_prob=True, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    "olmoe": ("olmoe", "olmoe", 4000, dict(
+        num_hidden_layers=2, intermediate_size=32, num_attention_heads=4, num_key_value_heads=4,
+        num_experts=8, num_experts_per_tok=3, norm_topk_prob=False, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
+}
+NAMES = list(ARCHS)
+
+
+def gguf_tensors(arch: str, cfg, sd: dict) -> dict[str, np.ndarray]:
+    """HF state dict (transformers 5 names, fused experts) -> GGUF tensor name -> array (NumPy order)."""
+    def layer(p, b):
+        t = {}
+        for hf, gg in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output")):
+            for suf in ("weight", "bias"):
+                key = f"{p}self_attn.{hf}.{suf}"
+                if key in sd:
+                    a = sd[key]
+                    if arch == "llama" and hf == "q_proj":
+                        a = M.permute_llama(a, cfg.num_attention_heads)
+                    elif arch == "llama" and hf == "k_proj":
+                        a = M.permute_llama(a, cfg.num_key_value_heads)
+                    t[f"{b}{gg}.{suf}"] = a
+        for hf, gg in (("q_norm", "attn_q_norm"), ("k_norm", "attn_k_norm")):
+            if f"{p}self_attn.{hf}.weight" in sd:
+                t[f"{b}{gg}.weight"] = sd[f"{p}self_attn.{hf}.weight"]
+        t[b + "ffn_gate_inp.weight"] = sd[p + "mlp.gate.weight"]                      # [E, H]
+        gu = sd[p + "mlp.experts.gate_up_proj"]                                        # [E, 2F, H]
+        f = gu.shape[1] // 2
+        t[b + "ffn_gate_exps.weight"] = gu[:, :f, :]                                   # [E, F, H]
+        t[b + "ffn_up_exps.weight"] = gu[:, f:, :]                                     # [E, F, H]
+        t[b + "ffn_down_exps.weight"] = sd[p + "mlp.experts.down_proj"]                # [E, H, F]
+        if p + "mlp.shared_expert_gate.weight" in sd:
+            for proj in ("gate", "up", "down"):
+                t[f"{b}ffn_{proj}_shexp.weight"] = sd[f"{p}mlp.shared_expert.{proj}_proj.weight"]
+            t[b + "ffn_gate_inp_shexp.weight"] = sd[p + "mlp.shared_expert_gate.weight"]  # [1, H]
+        return t
+    return M.dense_tensors(cfg, sd, layer)
+
+
+def arch_keys(arch: str, cfg):
+    def keys(w):
+        w.add_expert_count(getattr(cfg, "num_local_experts", None) or cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if arch in ("qwen2moe", "qwen3moe"):
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if arch == "qwen2moe":
+            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+        if getattr(cfg, "head_dim", None) is not None and arch == "qwen3moe":
+            w.add_key_length(cfg.head_dim)
+            w.add_value_length(cfg.head_dim)
+        if arch == "llama":
+            w.add_vocab_size(cfg.vocab_size)
+            w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    return keys
+
+
+def make(name: str, ctx) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model_type, arch, seed0, over = ARCHS[name]
+
+    def attempt(seed):
+        cfg, model, g = M.hf_model(model_type, over, seed)
+        M.randomize(model, g)
+        ids = M.prompt(seed, N_TOKENS)
+        logits, rl, w, ix = M.run_model(model, ids)
+        margin, gap = M.router_margin(rl, cfg.num_experts_per_tok), M.logit_gap(logits)
+        ok = float(margin.min()) >= M.MIN_MARGIN and float(gap.min()) >= M.MIN_LOGIT_GAP and np.isfinite(logits).all()
+        return ok, (seed, cfg, model, ids, logits, rl, w, ix, margin, gap), \
+            f"min router margin {margin.min():.2e}, logit gap {gap.min():.2e}"
+
+    seed, cfg, model, ids, logits, rl, w, ix, margin, gap = M.reseed(name, seed0, 20, attempt)
+    out = ctx.out
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    np.savez(out / f"{name}.npz", ids=ids, logits=logits.astype(np.float32), router_logits=rl.astype(np.float32),
+             expert_ids=ix, expert_weights=w.astype(np.float32), router_margin=margin, logit_gap=gap)
+    M.write_config(out / f"{name}.config.json", cfg, {
+        "seed": seed, "router_scale": M.ROUTER_SCALE, "gguf_arch": arch, "min_router_margin": M.MIN_MARGIN,
+        "min_logit_gap": M.MIN_LOGIT_GAP, **M.versions()})
+    M.write_gguf(out / f"{name}.gguf", arch, name, cfg, ctx.tokmeta, gguf_tensors(arch, cfg, sd), arch_keys(arch, cfg))
+    hf_dir = M.save_hf(model, ctx.work / name / "hf", ctx.tok_dir)
+    # the saved checkpoint reloads to the same logits (transformers' own un-fusing round trip)
+    reloaded = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").float().eval()
+    l2, *_ = M.run_model(reloaded, ids)
+    assert np.array_equal(l2, logits), f"{name}: reloaded checkpoint differs by {np.abs(l2 - logits).max()}"
+    ctx.ok &= M.convert_check(name, ctx, hf_dir)
+    return {"seed": seed, "min_router_margin": float(margin.min()), "min_logit_gap": float(gap.min()),
+            "max_abs_logit": float(np.abs(logits).max()),
+            "gguf_bytes": (out / f"{name}.gguf").stat().st_size, "npz_bytes": (out / f"{name}.npz").stat().st_size}
