@@ -1,7 +1,7 @@
 """Coverage table of the backend-parity harness (tests/test_backend_ops.py): every (backend, type, op, act) case
 run against the NumPy reference, printed as a Markdown table (docs/formats.md).
 
-usage: python -m scripts.backend_ops [--types Q4_K,Q2_K] [--no-vulkan]
+usage: python -m scripts.backend_ops [--types Q4_K,Q2_K] [--ops lmm] [--no-vulkan]
 
 A cell is the case's max error relative to the largest |value| (``ok`` when under the harness tolerance,
 ``FAIL`` when over), ``-`` where the backend's registry lacks the type (the table gives the CPU-only reason
@@ -23,6 +23,7 @@ from tests import test_backend_ops as H  # noqa: E402
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", default="", help="comma-separated GGUF types (default: every implemented one)")
+    ap.add_argument("--ops", default="", help=f"comma-separated ops of {', '.join(H.OPS)} (default: all)")
     ap.add_argument("--no-vulkan", action="store_true", help="CPU only")
     a = ap.parse_args(argv)
     import coli.vulkan.shaders  # noqa: F401  (the backends' registries fill the table's backends column)
@@ -38,7 +39,8 @@ def main(argv=None) -> int:
         if d is not None:
             backends["vulkan"] = H.Backend("vulkan", d)
             print(f"vulkan: {d.name}", file=sys.stderr)
-    cols = [(b, op, act) for b in TT.BACKENDS for op in H.OPS for act in ("f32", "int8") if act in H.ACTS[b]]
+    cols = [(b, op, act) for b in TT.BACKENDS for op in H.BACKEND_OPS[b] for act in ("f32", "int8")
+            if act in H.ACTS[b] and act in H.OP_ACTS.get(op, H.ACTS[b]) and (not a.ops or op in a.ops.split(","))]
     print("| type | block | bytes | test weights | " + " | ".join(f"{b} {op} {act}" for b, op, act in cols) + " |")
     print("|---|---|---|---|" + "---|" * len(cols))
     failed = 0
@@ -50,7 +52,7 @@ def main(argv=None) -> int:
                 cells.append("-")
             elif b not in backends:
                 cells.append("no device")
-            elif act not in H.acts(b, n):
+            elif act not in H.acts(b, n, op):
                 cells.append("f32")
             else:
                 e = H.run_case(backends[b], n, op, act)

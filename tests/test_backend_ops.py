@@ -4,9 +4,12 @@ against the NumPy reference.
 * Backends: ``cpu`` (the Numba kernels, ``cpu_kernels.formats``) and ``vulkan`` (whatever device the loader
   finds; Lavapipe in CI). Types: every row of the backend's registry (``coli.types.table`` keys them).
 * Ops: ``gemv`` (few activation rows: the CPU's per-row GEMV, the device's GEMV shader), ``gemm`` (many rows:
-  the blocked CPU GEMM, the device's tiled GEMM) and ``expert`` (a SwiGLU expert batch: several experts, rows
+  the blocked CPU GEMM, the device's tiled GEMM), ``expert`` (a SwiGLU expert batch: several experts, rows
   routed top-2, one expert with enough rows for the GEMM, the rest on the GEMV; on the CPU through
-  ``scheduler.step.MoEStep.expert_cpu``, on the device through ``Device.submit_experts``).
+  ``scheduler.step.MoEStep.expert_cpu``, on the device through ``Device.submit_experts``) and, on the device
+  only, ``lmm`` (the device layers' prompt GEMM, ``shaders/lmm.comp`` through ``coli.vulkan.layers.Kernels``, at
+  16, 64 and 512 rows: mode 0 dense, mode 1 the experts' gate and up with SwiGLU and mode 2 their down scaled by
+  the route weight, over rows routed top-2 to 4 experts (one without rows) and grouped by expert; f32 only).
 * Activations: ``f32``, and ``int8`` (llama.cpp's Q8 activation blocks: per 32, d = amax/127, q = rint(x/d)) for
   the quantized formats on both backends (the device rounds on the host or in shaders/act_q8.comp); the
   reference then multiplies the rounded activations (an exact NumPy model).
@@ -17,6 +20,12 @@ against the NumPy reference.
 * One tolerance per (op, act) (``TOL``): max |got - want| / max |want|.
 
 ``python -m scripts.backend_ops`` runs the same cases and prints the coverage table of docs/formats.md.
+
+Quick start for a new op: name it in ``OPS`` (and in ``BACKEND_OPS`` for the backends that have it; ``OP_ACTS``
+when it has fewer activation modes), give it a ``TOL`` entry per activation mode and its ``ROWS``, a method on
+``Backend`` that runs it on the backend and counts the work, and a branch of ``run_case`` that builds weights with
+``weight`` (the shared generator), runs it, asserts the work count grew and returns the largest ``err`` against
+the float64 reference.
 """
 from __future__ import annotations
 
@@ -32,17 +41,21 @@ from cpu_kernels import formats as F
 from coli.vulkan import shaders as S
 from tests.vk_util import numpy_expert, requires_vulkan
 
-OPS = ("gemv", "gemm", "expert")
-#: The activation modes each backend implements.
+OPS = ("gemv", "gemm", "expert", "lmm")
+#: The ops each backend implements (``lmm``: the device layers' prompt GEMM, a device kernel only).
+BACKEND_OPS = {"cpu": ("gemv", "gemm", "expert"), "vulkan": OPS}
+#: The activation modes each backend implements, and ops with fewer (``lmm`` multiplies f32 activations).
 ACTS = {"cpu": ("f32", "int8"), "vulkan": ("f32", "int8")}
+OP_ACTS = {"lmm": ("f32",)}
 #: max |got - want| / max |want| per (op, act). int8 expert: the SwiGLU output is rounded to int8 again before
 #: down, from f32 values on the backend and float64 in the model, so codes at a rounding tie may flip: the check
 #: first subtracts the most those can move each output (``expert_reference``'s slack).
 TOL = {("gemv", "f32"): 2e-5, ("gemm", "f32"): 2e-5, ("expert", "f32"): 2e-5,
-       ("gemv", "int8"): 2e-5, ("gemm", "int8"): 2e-5, ("expert", "int8"): 2e-5}
+       ("gemv", "int8"): 2e-5, ("gemm", "int8"): 2e-5, ("expert", "int8"): 2e-5, ("lmm", "f32"): 2e-5}
 #: Activation rows per op: CPU GEMV up to F.GEMV_MAX_T rows (f32; the VNNI int8 GEMV goes further), the device
 #: GEMV below 16 rows (COLI_VK_TIER_GEMM_ROWS); GEMM rows above both backends' GEMV limits.
-ROWS = {"gemv": (1, min(3, F.GEMV_MAX_T)), "gemm": (max(F.GEMV_I8_MAX_T, F.GEMV_MAX_T, 16) + 1, 37)}
+ROWS = {"gemv": (1, min(3, F.GEMV_MAX_T)), "gemm": (max(F.GEMV_I8_MAX_T, F.GEMV_MAX_T, 16) + 1, 37),
+        "lmm": (16, 64, 512)}
 O_ODD = 37   # output rows: not a multiple of the CPU's 16-row chunks nor of the device's 64-row tiles
 
 
@@ -59,11 +72,12 @@ def registry(backend: str) -> list[str]:
     return list(F.FORMATS) if backend == "cpu" else list(S.FORMATS)
 
 
-def acts(backend: str, type_name: str) -> tuple[str, ...]:
-    """Activation modes that change the arithmetic for this type (F32/F16/BF16 weights ignore act everywhere)."""
+def acts(backend: str, type_name: str, op: str = "gemv") -> tuple[str, ...]:
+    """Activation modes that change the arithmetic for this type and op (F32/F16/BF16 weights ignore act
+    everywhere; ``OP_ACTS`` limits an op's modes)."""
     if TT.get(type_name).block_size == 1:
         return ("f32",)
-    return ACTS[backend]
+    return tuple(a for a in ACTS[backend] if a in OP_ACTS.get(op, ACTS[backend]))
 
 
 def inner(type_name: str, k: int = 0) -> int:
@@ -77,8 +91,8 @@ def cases():
     out = []
     for backend in TT.BACKENDS:
         for t in registry(backend):
-            for op in OPS:
-                for act in acts(backend, t):
+            for op in BACKEND_OPS[backend]:
+                for act in acts(backend, t, op):
                     marks = [requires_vulkan] if backend == "vulkan" else []
                     out.append(pytest.param(backend, t, op, act, marks=marks, id=f"{backend}-{t}-{op}-{act}"))
     return out
@@ -122,6 +136,65 @@ class Backend:
     def __init__(self, name: str, dev=None):
         self.name, self.dev = name, dev
         self.calls = 0
+        self._K = None     # the device layers' coli.vulkan.layers.Kernels, made on the first lmm
+
+    def lmm(self, type_name, dense, xd, experts, x, xh, ids, wts):
+        """The device layers' prompt GEMM (``shaders/lmm.comp``) on the device only, its three modes in one
+        command buffer. dense (raw, (O, I)) and xd f32 [R, I]: mode 0, y [R, O] = xd W^T. experts: per expert the
+        raw bytes of gate, up [Fd, D] and down [D, Fd]; x f32 [R, D]; ids int [R, k] (distinct in a row), wts f32
+        [R, k]: pair p = r * k + j (row r's j-th expert): mode 1, h [R * k, Fd] = silu(x[r] Wg^T) * (x[r] Wu^T);
+        mode 2 from its own input xh f32 [R * k, Fd], yk [R * k, D] = wts[r, j] (xh[p] Wd^T). -> (y, h, yk) f32;
+        the dispatches count in the device's ``dispatches`` and ``layer_dispatches``."""
+        from coli.vulkan.layers import Dispatch, Kernels
+
+        if self._K is None:
+            self._K = Kernels(self.dev)
+        K, dev = self._K, self.dev
+        (raw, (O, I)), (R, k), E = dense, ids.shape, len(experts)
+        D, Fd = x.shape[1], xh.shape[1]
+        placed, bufs = [], []
+
+        def buf(a, readback=False):
+            a = np.ascontiguousarray(a)
+            b = K.buffer(a.nbytes, readback=readback)
+            K.upload(b, a)
+            bufs.append(b)
+            return b
+
+        try:
+            tw = dev._place(type_name, raw, (O, I))
+            placed.append(tw)
+            table = np.zeros((E, 3), np.uint64)          # gate, up, down addresses per expert
+            for e, mats in enumerate(experts):
+                for c, (m, shape) in enumerate(zip(mats, ((Fd, D), (Fd, D), (D, Fd)))):
+                    placed.append(dev._place(type_name, m, shape))
+                    table[e, c] = placed[-1].addr
+            flat = ids.reshape(-1).astype(np.int64)
+            pairs = np.argsort(flat, kind="stable").astype(np.uint32)        # grouped by expert (moe_sort.comp's job)
+            off = np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=E))]).astype(np.uint32)
+            route = np.concatenate([ids.astype(np.uint32), wts.astype(np.float32).view(np.uint32)], axis=1)
+            xdb, xb, xhb, tb, rb, pb, ob = (buf(a) for a in (xd, x, xh, table, route, pairs, off))
+            # NaN: an output lmm skips fails the finite check
+            yb, hb, ykb = (buf(np.full(n, np.nan, np.float32), True) for n in ((R, O), (R * k, Fd), (R * k, D)))
+            BM, gr = 64, -(-R // K.tile)                 # lmm.comp's tile: 64 outputs x K.tile rows
+            ops = [Dispatch("lmm", (-(-O // BM), gr), [tw.addr, xdb.addr, yb.addr, yb.addr], [O, I, 0, R, 0],
+                            type_name=type_name, wait=False),
+                   Dispatch("lmm", (-(-Fd // BM), gr, E), [tb.addr, xb.addr, hb.addr, rb.addr, pb.addr, ob.addr],
+                            [Fd, D, 0, R, 0, k], type_name=type_name, mode=1, wait=False),
+                   Dispatch("lmm", (-(-D // BM), gr, E), [tb.addr, xhb.addr, ykb.addr, rb.addr, pb.addr, ob.addr],
+                            [D, Fd, 0, R, 0, k], type_name=type_name, mode=2, wait=False)]
+            rec = K.record(ops)
+            try:
+                K.submit(rec)
+            finally:
+                K.free(rec)
+            return (yb.f32(R * O).reshape(R, O).copy(), hb.f32(R * k * Fd).reshape(R * k, Fd).copy(),
+                    ykb.f32(R * k * D).reshape(R * k, D).copy())
+        finally:
+            for b in bufs:
+                K.drop(b)
+            for t in placed:
+                dev._drop(t)
 
     def work(self) -> int:
         return self.dev.dispatches if self.dev is not None else self.calls
@@ -176,10 +249,56 @@ def expert_reference(x, w, act):
     return act_model(h, act) @ wd.T, step @ np.abs(wd).T
 
 
+def lmm_shapes(type_name: str) -> tuple[int, int, int, int]:
+    """(O, I) of the dense mode (69 outputs: a partial second 64-output tile; ``inner``'s odd number of blocks) and
+    (D, Fd) of the experts (each a multiple of the block: gate/up [Fd, D], down [D, Fd]; small, for Lavapipe)."""
+    bs = TT.get(type_name).block_size
+    D, Fd = (256, 256) if bs == 256 else (128, 256) if bs == 128 else (128, 192) if bs == 64 else (96, 160)
+    return O_ODD + 32, inner(type_name), D, Fd
+
+
+def lmm_errors(be: Backend, type_name: str, R: int, rng) -> dict:
+    """One ``lmm`` run of R rows: {mode: err} for mode 0 (dense), 1 (gate/up + SwiGLU), 2 (down x route weight),
+    each against float64 products of the reference weights."""
+    O, I, D, Fd = lmm_shapes(type_name)
+    E, k = 4, 2          # expert 3 gets no rows: its tiles return at once
+    raw, W = weight(type_name, O, I, rng)
+    specs, ws = [], []
+    for _ in range(E):
+        g, wg = weight(type_name, Fd, D, rng, 0.3)
+        u, wu = weight(type_name, Fd, D, rng, 0.3)
+        dn, wd = weight(type_name, D, Fd, rng, 0.3)
+        specs.append((g, u, dn))
+        ws.append((wg, wu, wd))
+    ids = np.stack([rng.choice(3, k, replace=False, p=(0.6, 0.3, 0.1)) for _ in range(R)])
+    wts = rng.uniform(0.05, 1.0, (R, k)).astype(np.float32)
+    xd = rng.standard_normal((R, I)).astype(np.float32)
+    x = rng.standard_normal((R, D)).astype(np.float32)
+    xh = rng.standard_normal((R * k, Fd)).astype(np.float32)
+    w0 = be.dev.layer_dispatches
+    y, h, yk = be.lmm(type_name, (raw, (O, I)), xd, specs, x, xh, ids, wts)
+    assert be.dev.layer_dispatches == w0 + 3, f"{be.name} did not run the three lmm dispatches"
+    for a in (y, h, yk):
+        assert a.dtype == np.float32 and np.isfinite(a).all()
+    e_of = ids.reshape(-1)
+    x64, xh64 = x.astype(np.float64), xh.astype(np.float64)
+    h_ref, yk_ref = np.empty(h.shape), np.empty(yk.shape)
+    for p, e in enumerate(e_of):
+        g, u = ws[e][0] @ x64[p // k], ws[e][1] @ x64[p // k]
+        with np.errstate(over="ignore"):
+            h_ref[p] = g / (1.0 + np.exp(-g)) * u
+        yk_ref[p] = np.float64(wts.reshape(-1)[p]) * (ws[e][2] @ xh64[p])
+    return {0: err(y, xd.astype(np.float64) @ W.T), 1: err(h, h_ref), 2: err(yk, yk_ref)}
+
+
 def run_case(be: Backend, type_name: str, op: str, act: str) -> float:
     """Run one (backend, type, op, act) case; returns the largest error over its shapes and row counts."""
     rng = np.random.default_rng(_seed(be.name, type_name, op, act))
     worst = 0.0
+    if op == "lmm":
+        for R in ROWS["lmm"]:
+            worst = max(worst, *lmm_errors(be, type_name, R, rng).values())
+        return worst
     if op in ("gemv", "gemm"):
         for k in (0, 1):
             O, I = O_ODD + 32 * k, inner(type_name, k)
