@@ -9,7 +9,8 @@ against the NumPy reference.
   ``scheduler.step.MoEStep.expert_cpu``, on the device through ``Device.submit_experts``) and, on the device
   only, ``lmm`` (the device layers' prompt GEMM, ``shaders/lmm.comp`` through ``coli.vulkan.layers.Kernels``, at
   16, 64 and 512 rows: mode 0 dense, mode 1 the experts' gate and up with SwiGLU and mode 2 their down scaled by
-  the route weight, over rows routed top-2 to 4 experts (one without rows) and grouped by expert; f32 only).
+  the route weight, over rows routed top-2 to 4 experts (one without rows) and grouped by expert, and modes 1
+  and 2 in the shared expert's one-expert form; f32 only).
 * Activations: ``f32``, and ``int8`` (llama.cpp's Q8 activation blocks: per 32, d = amax/127, q = rint(x/d)) for
   the quantized formats on both backends (the device rounds on the host or in shaders/act_q8.comp); the
   reference then multiplies the rounded activations (an exact NumPy model).
@@ -143,8 +144,10 @@ class Backend:
         command buffer. dense (raw, (O, I)) and xd f32 [R, I]: mode 0, y [R, O] = xd W^T. experts: per expert the
         raw bytes of gate, up [Fd, D] and down [D, Fd]; x f32 [R, D]; ids int [R, k] (distinct in a row), wts f32
         [R, k]: pair p = r * k + j (row r's j-th expert): mode 1, h [R * k, Fd] = silu(x[r] Wg^T) * (x[r] Wu^T);
-        mode 2 from its own input xh f32 [R * k, Fd], yk [R * k, D] = wts[r, j] (xh[p] Wd^T). -> (y, h, yk) f32;
-        the dispatches count in the device's ``dispatches`` and ``layer_dispatches``."""
+        mode 2 from its own input xh f32 [R * k, Fd], yk [R * k, D] = wts[r, j] (xh[p] Wd^T). Then the shared
+        expert's form (u6 = 1: one expert, every row its own pair; expert 0's weights, route weight wts[r, 0]): hs
+        [R, Fd] as h of row r, ys [R, D] = wts[r, 0] (xh[r] Wd^T). -> (y, h, yk, hs, ys) f32; the five dispatches
+        count in the device's ``dispatches`` and ``layer_dispatches``."""
         from coli.vulkan.layers import Dispatch, Kernels
 
         if self._K is None:
@@ -173,23 +176,29 @@ class Backend:
             pairs = np.argsort(flat, kind="stable").astype(np.uint32)        # grouped by expert (moe_sort.comp's job)
             off = np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=E))]).astype(np.uint32)
             route = np.concatenate([ids.astype(np.uint32), wts.astype(np.float32).view(np.uint32)], axis=1)
-            xdb, xb, xhb, tb, rb, pb, ob = (buf(a) for a in (xd, x, xh, table, route, pairs, off))
+            route1 = np.stack([np.zeros(R, np.uint32), wts[:, 0].astype(np.float32).view(np.uint32)], axis=1)
+            xdb, xb, xhb, tb, rb, pb, ob, r1b = (buf(a) for a in (xd, x, xh, table, route, pairs, off, route1))
             # NaN: an output lmm skips fails the finite check
-            yb, hb, ykb = (buf(np.full(n, np.nan, np.float32), True) for n in ((R, O), (R * k, Fd), (R * k, D)))
+            yb, hb, ykb, hsb, ysb = (buf(np.full(n, np.nan, np.float32), True)
+                                     for n in ((R, O), (R * k, Fd), (R * k, D), (R, Fd), (R, D)))
             BM, gr = 64, -(-R // K.tile)                 # lmm.comp's tile: 64 outputs x K.tile rows
             ops = [Dispatch("lmm", (-(-O // BM), gr), [tw.addr, xdb.addr, yb.addr, yb.addr], [O, I, 0, R, 0],
                             type_name=type_name, wait=False),
                    Dispatch("lmm", (-(-Fd // BM), gr, E), [tb.addr, xb.addr, hb.addr, rb.addr, pb.addr, ob.addr],
                             [Fd, D, 0, R, 0, k], type_name=type_name, mode=1, wait=False),
                    Dispatch("lmm", (-(-D // BM), gr, E), [tb.addr, xhb.addr, ykb.addr, rb.addr, pb.addr, ob.addr],
-                            [D, Fd, 0, R, 0, k], type_name=type_name, mode=2, wait=False)]
+                            [D, Fd, 0, R, 0, k], type_name=type_name, mode=2, wait=False),
+                   Dispatch("lmm", (-(-Fd // BM), gr, 1), [tb.addr, xb.addr, hsb.addr, r1b.addr, pb.addr, ob.addr],
+                            [Fd, D, 0, R, 0, 1, 1], type_name=type_name, mode=1, wait=False),
+                   Dispatch("lmm", (-(-D // BM), gr, 1), [tb.addr, xhb.addr, ysb.addr, r1b.addr, pb.addr, ob.addr],
+                            [D, Fd, 0, R, 0, 1, 1], type_name=type_name, mode=2, wait=False)]
             rec = K.record(ops)
             try:
                 K.submit(rec)
             finally:
                 K.free(rec)
-            return (yb.f32(R * O).reshape(R, O).copy(), hb.f32(R * k * Fd).reshape(R * k, Fd).copy(),
-                    ykb.f32(R * k * D).reshape(R * k, D).copy())
+            return tuple(b.f32(n * m).reshape(n, m).copy() for b, (n, m) in
+                         ((yb, (R, O)), (hb, (R * k, Fd)), (ykb, (R * k, D)), (hsb, (R, Fd)), (ysb, (R, D))))
         finally:
             for b in bufs:
                 K.drop(b)
@@ -258,8 +267,9 @@ def lmm_shapes(type_name: str) -> tuple[int, int, int, int]:
 
 
 def lmm_errors(be: Backend, type_name: str, R: int, rng) -> dict:
-    """One ``lmm`` run of R rows: {mode: err} for mode 0 (dense), 1 (gate/up + SwiGLU), 2 (down x route weight),
-    each against float64 products of the reference weights."""
+    """One ``lmm`` run of R rows: {mode: err} for mode 0 (dense), 1 (gate/up + SwiGLU), 2 (down x route weight)
+    and "1s", "2s" (modes 1 and 2 in the shared expert's one-expert form), each against float64 products of the
+    reference weights."""
     O, I, D, Fd = lmm_shapes(type_name)
     E, k = 4, 2          # expert 3 gets no rows: its tiles return at once
     raw, W = weight(type_name, O, I, rng)
@@ -276,9 +286,9 @@ def lmm_errors(be: Backend, type_name: str, R: int, rng) -> dict:
     x = rng.standard_normal((R, D)).astype(np.float32)
     xh = rng.standard_normal((R * k, Fd)).astype(np.float32)
     w0 = be.dev.layer_dispatches
-    y, h, yk = be.lmm(type_name, (raw, (O, I)), xd, specs, x, xh, ids, wts)
-    assert be.dev.layer_dispatches == w0 + 3, f"{be.name} did not run the three lmm dispatches"
-    for a in (y, h, yk):
+    y, h, yk, hs, ys = be.lmm(type_name, (raw, (O, I)), xd, specs, x, xh, ids, wts)
+    assert be.dev.layer_dispatches == w0 + 5, f"{be.name} did not run the five lmm dispatches"
+    for a in (y, h, yk, hs, ys):
         assert a.dtype == np.float32 and np.isfinite(a).all()
     e_of = ids.reshape(-1)
     x64, xh64 = x.astype(np.float64), xh.astype(np.float64)
@@ -288,7 +298,12 @@ def lmm_errors(be: Backend, type_name: str, R: int, rng) -> dict:
         with np.errstate(over="ignore"):
             h_ref[p] = g / (1.0 + np.exp(-g)) * u
         yk_ref[p] = np.float64(wts.reshape(-1)[p]) * (ws[e][2] @ xh64[p])
-    return {0: err(y, xd.astype(np.float64) @ W.T), 1: err(h, h_ref), 2: err(yk, yk_ref)}
+    with np.errstate(over="ignore"):
+        g, u = x64 @ ws[0][0].T, x64 @ ws[0][1].T
+        hs_ref = g / (1.0 + np.exp(-g)) * u
+    ys_ref = wts[:, :1].astype(np.float64) * (xh64[:R] @ ws[0][2].T)
+    return {0: err(y, xd.astype(np.float64) @ W.T), 1: err(h, h_ref), 2: err(yk, yk_ref), "1s": err(hs, hs_ref),
+            "2s": err(ys, ys_ref)}
 
 
 def run_case(be: Backend, type_name: str, op: str, act: str) -> float:
