@@ -37,8 +37,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from scheduler.balancer import Balancer, DecodeGate, StepTimes
-from scheduler.tier_policy import (GiB, MiB, SHARED_KINDS, DeviceMemory, _env_int, budget_bytes,  # noqa: F401
-                                   halvings_due, history_heat, lfru_victim, warm_plan)
+from scheduler.tier_policy import (GiB, MiB, SHARED_KINDS, TRIAL_PAYBACK, Admission, DeviceMemory,  # noqa: F401
+                                   _env_float, _env_int, budget_bytes, halvings_due, history_heat, lfru_victim,
+                                   warm_plan)
 from scheduler.trace import NULL_TRACE, UPLOADER_TID, Trace, host_ns
 
 def _mib(n: int) -> str:
@@ -207,6 +208,12 @@ class Tier:
         self.tokens = 0
         self._halvings = 0
         self.rate_left = self.rate
+        # routings per (layer, expert) since start, never decayed: what the admission judges its trials by
+        self.routings = np.zeros((self.L, self.E), dtype=np.int64)
+        # evicting promotions admitted by their measured yield (COLI_VK_TIER_YIELD=0: every LFRU promotion, as before)
+        self.admission = (Admission(self.rate, _env_float(env, "COLI_VK_TIER_PAYBACK", TRIAL_PAYBACK),
+                                    cap=max(1, self.capacity))
+                          if _env_int(env, "COLI_VK_TIER_YIELD", 1) != 0 and self.rate > 0 else None)
 
         self.resident: dict[tuple[int, int], object] = {}
         self.resident_bytes: dict[tuple[int, int], int] = {}
@@ -226,6 +233,7 @@ class Tier:
         self.evictions = 0
         self.skipped_queue = 0
         self.skipped_rate = 0
+        self.skipped_yield = 0   # LFRU promotions the admission refused (the last rounds' uploads did not pay)
         self.failed = 0
         self.device_ms = 0.0
         self.cpu_ms = 0.0
@@ -275,14 +283,21 @@ class Tier:
                 f"resident {len(self.resident)} (budget {self.capacity}, {res_b / GiB:.2f} GiB of "
                 f"{self.budget / GiB:.2f} GiB, {bl}, {fr}) | "
                 f"uploads {self.uploads} ({self.upload_bytes / GiB:.2f} GiB, {self.warm_uploads} warm), "
-                f"evictions {self.evictions}, skipped {self.skipped_queue} queue + {self.skipped_rate} rate, "
-                f"failed {self.failed} | "
+                f"evictions {self.evictions}{self._rounds()}, skipped {self.skipped_queue} queue + "
+                f"{self.skipped_rate} rate + {self.skipped_yield} yield, failed {self.failed} | "
                 f"device {self.device_ms:.1f} ms, CPU share {self.cpu_ms:.1f} ms, waited {self.waited_ms:.1f} ms "
                 f"({hidden:.0f}% of device time hidden) | "
                 f"balance: device share {self.balancer.share:.2f}, {self.handed_rows} rows handed to the CPU"
                 + (f", {self.tokens_without} decode tokens without the device (the decode gate"
                    + self._gate_decisions() + ")" if self.tokens_without else "")
                 + (f" | clock holder: {self._clock.runs} heats" if self._clock else ""))
+
+    def _rounds(self) -> str:
+        """The admission's judged rounds for the run line (nothing when none was judged)."""
+        a = self.admission
+        if a is None or not (a.rounds_paid or a.rounds_failed):
+            return ""
+        return f" (trial rounds: {a.rounds_paid} paid, {a.rounds_failed} not)"
 
     @property
     def tokens_without(self) -> int:
@@ -341,6 +356,8 @@ class Tier:
         # a token during which those reads run gives the gate no sample: they share the CPU's memory bandwidth with
         # its experts (on the H200 the gate's first samples, taken while they ran, chose the CPU against a faster tier)
         self._tok_last, self._tok_unsampled = None, int(bool(self._reads))
+        if self.admission is not None:
+            self.admission.judge(self.tokens, self.routings)
         n = halvings_due(self.tokens, self._halvings)
         if n:
             self.heat *= 0.5 ** n
@@ -412,7 +429,9 @@ class Tier:
 
     def count(self, layer: int, experts, rows) -> None:
         """Heat: +``rows`` for each expert of ``experts`` (int arrays of one layer). :meth:`split` calls it."""
-        np.add.at(self.heat[layer], np.asarray(experts, dtype=np.int64), np.asarray(rows, dtype=np.float64))
+        experts = np.asarray(experts, dtype=np.int64)
+        np.add.at(self.heat[layer], experts, np.asarray(rows, dtype=np.float64))
+        np.add.at(self.routings[layer], experts, np.asarray(rows, dtype=np.int64))
 
     def split(self, layer: int, experts, rows_per_expert, in_ram=None) -> tuple[np.ndarray, np.ndarray]:
         """Split one layer step's routed experts between the device and the CPU.
@@ -586,9 +605,10 @@ class Tier:
         K = len(experts)
         if self.on and self.resident and self.balancer.enabled and self.balancer.share < 1.0 and not self._dev_off:
             return self._issue_groups(layer, x, {e: np.array([ids.index(e)], np.int64) for e in experts}, cache, K)
-        heat = self.heat[layer]
+        heat, routed = self.heat[layer], self.routings[layer]
         for e in experts:                  # count(): +1 row each (distinct experts)
             heat[e] += 1.0
+            routed[e] += 1
         self.routed_pairs += K
         if not self.on or not self.resident:
             dev, cpu, res = [], experts, 0
@@ -633,9 +653,10 @@ class Tier:
         heat and counters :meth:`issue_row` keeps (the resident ones count as rows handed to the CPU). No promotion
         candidates: a token without the device uploads nothing."""
         self._begun = None
-        heat, m = self.heat[layer], self.mask[layer]
+        heat, m, routed = self.heat[layer], self.mask[layer], self.routings[layer]
         for e in ids:
             heat[e] += 1.0
+            routed[e] += 1
             if m[e]:
                 self.handed_rows += 1
         self.routed_pairs += len(ids)
@@ -684,7 +705,8 @@ class Tier:
     def promote(self, layer: int, e: int, bytes_fn) -> bool:
         """The LFRU decision for one candidate, now: staged for upload while resident + staged < budget,
         or when its heat > 1.25 × the coldest resident's + 4 (the coldest, ties → lowest (layer, expert),
-        is evicted: freed by the uploader after every in-flight batch that reads it has been joined); at
+        is evicted: freed by the uploader after every in-flight batch that reads it has been joined) when the
+        admission (:class:`scheduler.tier_policy.Admission`) has room for a trial (``skipped_yield``); at
         most ``rate`` a token (``skipped_rate``) and ``queue_max`` staged (``skipped_queue``). Returns True
         when staged (it serves from a step after a later :meth:`settle`)."""
         if not self.on or self.capacity <= 0:
@@ -702,6 +724,9 @@ class Tier:
             victim = lfru_victim(self.heat, self.mask, key) if self.resident else None
             if victim is None:
                 return False
+            if self.admission is not None and not self.admission.allows(self.tokens):
+                self.skipped_yield += 1
+                return False
         if self.rate_left <= 0:
             self.skipped_rate += 1
             return False
@@ -716,6 +741,8 @@ class Tier:
             self.evictions += 1
             wait = [i.joined for i in self._inflight if victim in i.keys]
             self._back_to_ram(victim)
+            if self.admission is not None:
+                self.admission.staged(self.tokens, key, victim, self.routings)
         arrays = tuple(bytes_fn())
         self.rate_left -= 1
         self.pending.add(key)

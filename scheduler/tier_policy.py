@@ -187,3 +187,87 @@ def lfru_victim(heat: np.ndarray, mask: np.ndarray, key: tuple[int, int]) -> tup
     if not heat[key] > LFRU_FACTOR * heat[v] + LFRU_ADD:
         return None
     return int(v[0]), int(v[1])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Admission: evicting promotions as trials judged by their yield
+
+TRIAL_TOKENS = 32          # a trial is judged on the routings of the 32 tokens after it was staged
+TRIAL_MIN = 4              # a round after a failed one: 4 trials (the mean of fewer is noise)
+TRIAL_PAYBACK = 4.0        # device hits over the victim's, per trial, that repay an upload (COLI_VK_TIER_PAYBACK)
+
+
+@dataclass
+class Trial:
+    """One evicting promotion: ``new`` replaced ``old`` (both (layer, expert)) at ``token`` (tokens begun); their
+    routing counts then (``n_new``, ``n_old``)."""
+
+    new: tuple
+    old: tuple
+    token: int
+    n_new: int
+    n_old: int
+
+
+class Admission:
+    """Whether an evicting promotion (the budget full, LFRU found a victim) may be staged now, from the measured
+    yield of earlier ones (docs/tier.md "Admission by yield"). Pure bookkeeping: no device, no clock; tokens are
+    the tier's tokens begun, routings its cumulative int [L, E] counts.
+
+    Evicting promotions come in rounds. A round opens at the first evicting promotion asked for at or after
+    ``open_at`` and stages at most ``size`` trials during ``window`` tokens. Each trial's gain is the routings of
+    the newcomer minus those of the expert it evicted over the ``window`` tokens after it was staged (the device
+    hits it served against those the victim would have served). When the last trial's window has passed the round
+    is judged: its mean gain >= ``payback`` pays (the next round opens at once with twice the trials, at most
+    ``cap``); otherwise the next round has ``TRIAL_MIN`` trials and opens ``backoff`` tokens later (``window`` after
+    a round that paid, doubling per failed round up to ``backoff_max``). Under uniform routing a newcomer is routed
+    as often as its victim, the rounds fail and uploads fall to ``TRIAL_MIN`` per ``backoff_max`` tokens; under
+    skewed routing a hot newcomer displacing a cold victim gains its extra routings and the hot set fills."""
+
+    def __init__(self, first: int, payback: float = TRIAL_PAYBACK, window: int = TRIAL_TOKENS, cap: int = 1 << 30,
+                 backoff_max: int = HEAT_HALF_TOKENS):
+        self.size = max(1, int(first))
+        self.payback, self.window, self.cap, self.backoff_max = float(payback), int(window), max(1, int(cap)), int(backoff_max)
+        self.open_at = 0
+        self.backoff = self.window
+        self.trials: list[Trial] = []      # the open round's trials (empty: no round open)
+        self.until = 0                     # the open round stages while tokens < until
+        self.rounds_paid = 0
+        self.rounds_failed = 0
+        self.last_gain: float | None = None   # the last judged round's mean gain per trial
+
+    def allows(self, tokens: int) -> bool:
+        """True when an evicting promotion may be staged at ``tokens`` (tokens begun)."""
+        if not self.trials:
+            return tokens >= self.open_at
+        return len(self.trials) < self.size and tokens < self.until
+
+    def staged(self, tokens: int, new: tuple, old: tuple, routings: np.ndarray) -> None:
+        """Record a staged evicting promotion (:meth:`allows` said yes)."""
+        if not self.trials:
+            self.until = tokens + self.window
+        self.trials.append(Trial(new, old, tokens, int(routings[new]), int(routings[old])))
+
+    def judge(self, done: int, routings: np.ndarray) -> bool | None:
+        """At a forward's start, ``done`` tokens completed: judge the open round when its staging has closed and its
+        last trial's window has passed. Returns True (paid), False (did not) or None (nothing judged)."""
+        if not self.trials:
+            return None
+        if len(self.trials) < self.size and done < self.until:
+            return None
+        if done < self.trials[-1].token + self.window:
+            return None
+        gain = sum((int(routings[t.new]) - t.n_new) - (int(routings[t.old]) - t.n_old) for t in self.trials)
+        self.last_gain = gain / len(self.trials)
+        self.trials = []
+        if self.last_gain >= self.payback:
+            self.rounds_paid += 1
+            self.size = min(2 * self.size, self.cap)
+            self.backoff = self.window
+            self.open_at = done
+            return True
+        self.rounds_failed += 1
+        self.size = TRIAL_MIN
+        self.open_at = done + self.backoff
+        self.backoff = min(2 * self.backoff, self.backoff_max)
+        return False

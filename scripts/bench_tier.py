@@ -46,6 +46,8 @@ ARMS = {"cpu": dict(device=None), "tier": dict(device="vulkan", balance=False),
         # the split by layer (--gpu-layers, docs/vulkan.md "Device layers"): the last --gpu-layers layers whole on
         # the device, the budget --layers-gb; not in the default arms
         "layers": dict(device="vulkan", layers=True),
+        # the tier with LFRU alone, every promotion admitted (docs/tier.md "Admission by yield"): not in the default arms
+        "tier-lfru": dict(device="vulkan", balance=False, env_extra={"COLI_VK_TIER_YIELD": "0"}),
         # the tier and the layers without the clock holder (docs/vulkan.md "Clocks"): not in the default arms
         "tier-noclock": dict(device="vulkan", balance=False, env_extra={"COLI_VK_HOLD_CLOCK": "0"}),
         "layers-noclock": dict(device="vulkan", layers=True, env_extra={"COLI_VK_HOLD_CLOCK": "0"})}
@@ -113,7 +115,9 @@ def one_run(Engine, model, arm, args, usage_copy):
                        hidden_pct=100.0 * (t.device_ms - t.waited_ms) / t.device_ms if t.device_ms else None,
                        device_pct=100.0 * t.device_pairs / t.routed_pairs if t.routed_pairs else 0.0,
                        share=t.balancer.share, handed_rows=t.handed_rows, resident=len(t.resident),
-                       evictions=t.evictions, uploads=t.uploads, on=t.on, trail=trail, trail_warm=n_warm,
+                       evictions=t.evictions, uploads=t.uploads, warm_uploads=t.warm_uploads,
+                       upload_gib=t.upload_bytes / 2**30, skipped_yield=getattr(t, "skipped_yield", 0), on=t.on,
+                       trail=trail, trail_warm=n_warm,
                        without_device=t.tokens_without)
         return out
     finally:
@@ -201,7 +205,9 @@ def main(argv=None) -> int:
                 r["round"] = rnd
                 tag = "warm-up" if rnd == 0 else f"round {rnd}"
                 extra = "" if r.get("hidden_pct") is None else \
-                    f", {r['device_pct']:.0f}% pairs on the device, {r['hidden_pct']:.0f}% of device time hidden, share {r['share']:.2f}"
+                    (f", {r['device_pct']:.0f}% pairs on the device, {r['hidden_pct']:.0f}% of device time hidden, share "
+                     f"{r['share']:.2f}, uploads {r['uploads'] - r['warm_uploads']} after the warm start "
+                     f"({r['upload_gib']:.2f} GiB in all), evictions {r['evictions']}, skipped by yield {r['skipped_yield']}")
                 if r.get("device_layers"):
                     extra = (f", {r['device_layers']} layers on the device ({r['layer_gib']:.2f} GiB), "
                              f"{r['layer_tokens']} decode tokens there")
@@ -231,7 +237,7 @@ def main(argv=None) -> int:
         others = [med[x]["tps"] for x in ("cpu", "tier") if x in med]
         if others and max(others) > 0:
             print(f"balanced / best of the others: {med['balanced']['tps'] / max(others):.3f}")
-    for x in ("tier", "tier-noclock", "layers", "layers-noclock"):
+    for x in ("tier", "tier-lfru", "tier-noclock", "layers", "layers-noclock"):
         if x in med and "cpu" in med and med["cpu"]["tps"] > 0:
             print(f"{x} / cpu: {med[x]['tps'] / med['cpu']['tps']:.3f}")
     print(f"load average at the end {os.getloadavg()[0]:.2f}")

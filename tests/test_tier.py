@@ -14,6 +14,7 @@ import pytest
 
 from scheduler.balancer import Balancer
 from scheduler.tier import Tier
+from scheduler.tier_policy import TRIAL_TOKENS
 
 EXPERT_BYTES = 3 * 4 * 8  # three [4, 8]-byte matrices
 
@@ -283,7 +284,7 @@ def test_join_feeds_the_balancer_and_run_line():
     line = t.run_line(7, 3)
     assert line.startswith("[VK] tier m run: device 2 of 3 routed experts (66.7%) | CPU RAM hits 7, disk loads 3 | "
                            "resident 1 (budget 8, 0.00 GiB of 0.00 GiB, n/a blocks, frag n/a) | uploads 1 (")
-    assert "evictions 0, skipped 0 queue + 0 rate, failed 0 | device 1.0 ms, CPU share" in line
+    assert "evictions 0, skipped 0 queue + 0 rate + 0 yield, failed 0 | device 1.0 ms, CPU share" in line
     assert line.endswith("rows handed to the CPU")
     t.close()
 
@@ -344,3 +345,69 @@ def test_noted_candidates_are_decided_in_layer_expert_order():
         t.settle()
         assert sorted(t.resident) == [(0, 2), (0, 7)]
         t.close()
+
+
+# ---- admission by yield ------------------------------------------------------------------------------------
+
+def _routed_run(env, skew, L, E, K, cap, tokens, seed=0):
+    """A decode run of ``tokens`` tokens on a warm-started tier (the fill: each layer's lowest ids) under
+    COLI_VK_TIER_SYNC=1, every expert the CPU computes offered: routing uniform over the E experts, or skewed (the
+    highest quarter of ids takes 80 % of the routings). Returns the tier (closed), the evictions counted after each
+    token, the hot quarter's resident experts at the end and the device's share of the last half's pairs."""
+    rng = np.random.default_rng(seed)
+    t, dev, _ = make(cap=cap, L=L, E=E, env={"COLI_VK_TIER_SYNC": "1", **env})
+    t.warm_start(lambda l, e: arrays(e), threads=1)
+    assert t.warm_uploads == cap and t.evictions == 0
+    p = np.full(E, 1.0 / E)
+    if skew:
+        p[:] = 0.2 / (E - E // 4)
+        p[E - E // 4:] = 0.8 / (E // 4)
+    ev = []
+    for tok in range(tokens):
+        t.begin_token()
+        if tok == tokens // 2:
+            half = (t.device_pairs, t.routed_pairs)
+        for l in range(L):
+            t.settle()
+            _, cpu = t.split(l, rng.choice(E, K, replace=False, p=p), np.ones(K, np.int64))
+            for e in cpu:
+                t.note(l, int(e), lambda e=e: arrays(int(e)))
+        ev.append(t.evictions)
+    hot = int(t.mask[:, E - E // 4:].sum())
+    late = (t.device_pairs - half[0]) / (t.routed_pairs - half[1])
+    t.close()
+    return t, ev, hot, late
+
+
+def test_uniform_routing_stops_uploading_after_the_first_rounds():
+    """Uniform routing over 64 experts top-8, half of them resident: a newcomer is routed as often as the expert it
+    evicts, so every round of trials fails. The count follows from the rule: the first round stages COLI_VK_TIER_RATE
+    (16) trials, then rounds of 4 open 32 tokens after the last one was judged plus a wait doubling from 32 tokens:
+    rounds at T, T+32+32, +32+64, +32+128, ... (T: the first round's last trial). Each of these rounds fills at its
+    opening token, so 600 tokens give 16 + 3 x 4 = 28 evictions (uploads), against LFRU alone's 166."""
+    t, ev, _, late = _routed_run({}, False, L=8, E=64, K=8, cap=256, tokens=600)
+    a = t.admission
+    assert a.rounds_paid == 0 and a.rounds_failed == 4       # the first and three later ones
+    first = ev.index(16) + 1                     # tokens begun when the first round's 16th trial was staged
+    assert max(ev[:first + 2 * TRIAL_TOKENS - 1]) == 16                 # nothing until the second round opens
+    opens = [first + 64, first + 64 + 96, first + 64 + 96 + 160]
+    for k, o in enumerate(opens):               # each later round: 4 trials at its opening token
+        assert ev[o - 2] == 16 + 4 * k and ev[o - 1] == 16 + 4 * (k + 1)
+    assert opens[-1] + 32 + 256 > 600 and ev[-1] == 28 == t.uploads - t.warm_uploads
+    assert t.skipped_yield > 0 and f"evictions 28 (trial rounds: 0 paid, 4 not), skipped 0 queue + 0 rate + " \
+        f"{t.skipped_yield} yield" in t.run_line(0, 0)
+    assert 0.45 < late < 0.55                    # half the experts resident serve half the pairs, as before
+    old, ev_old, _, _ = _routed_run({"COLI_VK_TIER_YIELD": "0"}, False, L=8, E=64, K=8, cap=256, tokens=600)
+    assert ev_old[-1] > 5 * 28 and old.skipped_yield == 0     # LFRU alone keeps swapping
+
+
+def test_skewed_routing_fills_the_hot_set():
+    """The highest quarter of each layer's 32 experts takes 80 % of the routings (top-4), the budget holds half of
+    them and the warm start's fill took the lowest ids: the trials that bring the hot experts in pay (a hot newcomer
+    is routed ~16x as often as a cold victim), so rounds double until the whole hot quarter is resident, and the
+    device serves more than the hot share of the pairs (LFRU alone: 61 evictions, this rule 52)."""
+    t, ev, hot, late = _routed_run({}, True, L=4, E=32, K=4, cap=64, tokens=1000)
+    assert hot == 4 * 8 and t.admission.rounds_paid >= 1
+    assert late > 0.8
+    old, ev_old, _, _ = _routed_run({"COLI_VK_TIER_YIELD": "0"}, True, L=4, E=32, K=4, cap=64, tokens=1000)
+    assert ev[-1] < ev_old[-1]                   # the cold-for-cold swaps that do not pay are skipped

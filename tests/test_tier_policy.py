@@ -1,11 +1,11 @@
 """The tier's pure policy (scheduler/tier_policy.py): the budget rule, history heat, the heat's halving, the
-warm-start plan, the LFRU eviction choice. Exact values from the rules in docs/tier.md."""
+warm-start plan, the LFRU eviction choice, the admission by yield. Exact values from the rules in docs/tier.md."""
 import numpy as np
 import pytest
 
 from coli.base.errors import ColiError
-from scheduler.tier_policy import (GiB, DeviceMemory, budget_bytes, halvings_due, history_heat, lfru_victim,
-                                   warm_plan)
+from scheduler.tier_policy import (TRIAL_MIN, TRIAL_TOKENS, Admission, GiB, DeviceMemory, budget_bytes,
+                                   halvings_due, history_heat, lfru_victim, warm_plan)
 
 
 def test_budget_discrete_memory_budget_and_heap():
@@ -81,3 +81,52 @@ def test_lfru_victim_exact_margin_and_ties():
     assert lfru_victim(heat, mask, (0, 0)) is None
     heat[0, 0] = np.nextafter(9.0, np.inf)                         # the next float above: evicts (1, 2)
     assert lfru_victim(heat, mask, (0, 0)) == (1, 2)
+
+
+# ---- admission by yield ----------------------------------------------------------------------------------
+
+def _round(a, tok, routings, n, new_layer=0):
+    """Stage ``n`` trials at token ``tok``: newcomer (new_layer, i) evicts (1, i)."""
+    for i in range(n):
+        assert a.allows(tok)
+        a.staged(tok, (new_layer, i), (1, i), routings)
+
+
+@pytest.mark.parametrize("gain, paid", [(4, True), (3, False)])
+def test_admission_round_pays_at_exactly_the_payback(gain, paid):
+    r = np.zeros((2, 16), np.int64)
+    a = Admission(first=4, payback=4.0, cap=64)
+    _round(a, 10, r, 4)
+    assert not a.allows(10)                              # the round is full: no fifth trial
+    r[0, :4] += 10 + gain                                # each newcomer routed `gain` more times than its victim
+    r[1, :4] += 10
+    assert a.judge(10 + TRIAL_TOKENS - 1, r) is None     # the last trial's 32 tokens have not passed
+    assert a.judge(10 + TRIAL_TOKENS, r) is paid
+    assert a.last_gain == gain
+    if paid:                                             # twice the trials, at once
+        assert a.size == 8 and a.allows(10 + TRIAL_TOKENS)
+    else:                                                # TRIAL_MIN trials, 32 tokens later
+        assert a.size == TRIAL_MIN and not a.allows(10 + 2 * TRIAL_TOKENS - 1) and a.allows(10 + 2 * TRIAL_TOKENS)
+
+
+def test_admission_backs_off_doubling_to_the_heat_half_life():
+    r = np.zeros((2, 16), np.int64)
+    a = Admission(first=16, payback=4.0)
+    tok, waits = 0, []
+    for k in range(8):
+        while not a.allows(tok):
+            tok += 1
+        _round(a, tok, r, a.size)                        # every round fills at its first token; nobody routed
+        assert a.judge(tok + TRIAL_TOKENS, r) is False
+        tok += TRIAL_TOKENS
+        waits.append(a.open_at - tok)
+        assert a.size == TRIAL_MIN
+    assert waits == [32, 64, 128, 256, 512, 1024, 1024, 1024] and a.rounds_failed == 8
+
+
+def test_admission_round_closes_after_its_window_unfilled():
+    r = np.zeros((2, 16), np.int64)
+    a = Admission(first=16, payback=4.0)
+    _round(a, 5, r, 3)
+    assert a.allows(5 + TRIAL_TOKENS - 1) and not a.allows(5 + TRIAL_TOKENS)   # stages for 32 tokens at most
+    assert a.judge(5 + TRIAL_TOKENS, r) is False and a.rounds_failed == 1
