@@ -503,12 +503,13 @@ def describe(model: GGUFModel) -> str:
     file size, tensor count and bytes by ggml type, then every tensor (name, type, shape, MiB)."""
     g = model.arch_get
     n_params = sum(t.n_elements for t in model.tensors.values())
+    shards = getattr(model, "shards", [])  # a Hugging Face folder (coli/hf_folder.py) has none
     lines = [
         f"file          {model.path.name}  ({model.file_size / 2**20:.1f} MiB, "
         + (f"GGUF v{model.version})" if isinstance(model.version, int) else f"{model.version})"),
-        *([f"shards        {len(model.shards)}: " + ", ".join(
+        *([f"shards        {len(shards)}: " + ", ".join(
             f"{Path(p).name} ({sum(1 for t in model.tensors.values() if t.file == str(p))} tensors, "
-            f"{os.path.getsize(p) / 2**20:.1f} MiB)" for p in model.shards)] if model.shards else []),
+            f"{os.path.getsize(p) / 2**20:.1f} MiB)" for p in shards)] if shards else []),
         f"architecture  {model.arch}" + (f"  ({model.get('general.name')})" if model.get("general.name") else ""),
         f"parameters    {n_params / 1e6:.1f} M ({n_params})",
         f"file type     {file_type_name(model) or '?'}  (general.file_type: the type the file was quantized to)",

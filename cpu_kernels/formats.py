@@ -1130,8 +1130,10 @@ from . import fp8 as _fp8  # noqa: E402,F401
 
 # The blocked int8 GEMM of prompt chunks (uses _quantize_act_i8 above)
 from . import gemm_i8 as _gemm_i8  # noqa: E402
-# The grouped kernels (they run the t16 tiles)
-from . import experts as _experts  # noqa: E402
+# The grouped kernels (they run the t16 tiles, and compile fp8's decoder at import): when fp8 was imported before
+# this module, fp8 is half-made here and imports them itself at its end
+if hasattr(_fp8, "gemm"):
+    from . import experts as _experts  # noqa: E402
 
 # Every row, whichever module appended it, fills the CPU column of the tensor-type table.
 for _f in FORMATS.values():

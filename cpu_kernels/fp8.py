@@ -76,3 +76,8 @@ _formats.FORMATS.update([_formats._row(NAME, BLOCK, TYPE_SIZE, pack, gemv, gemm,
 # and its CPU column in the table, here too: when this module is imported first, formats.py's registration loop
 # runs (inside the import of formats above) before this row exists
 _formats._TT.register("cpu", NAME, f"{gemv.__module__}.{gemv.__name__}")
+# and the grouped kernels, which formats.py leaves to this module then (they compile ``_dec`` at import)
+if not hasattr(_formats, "_experts"):
+    from . import experts as _experts  # noqa: E402
+
+    _formats._experts = _experts
