@@ -8,8 +8,28 @@ codes and scales chosen so activations stay O(1) through the layers; norms 1. A 
 vocabulary (``<t0>``..) makes it loadable.
 Routing on random weights is near uniform, so a tier budget of X% of the experts serves about X% of pairs.
 
+``--skew SHARE`` makes each layer's routers favour a hot set: a random quarter of the layer's experts (``--hot``)
+takes about SHARE of the routings (0.8: the hottest quarter serving 80 %). How: dimension 0 of the residual stream
+is a constant (the embedding's column 0 is set to the largest code, and row 0 of every attention output and expert
+down matrix is zero, so no layer changes it), and the router's column 0 gives the hot experts a logit bias ``b`` on
+it; ``b`` is solved so that top-k of (b for the hot, 0 for the others) + N(0, 3²) logits picks hot experts SHARE of
+the time (3: the random router part's standard deviation, router weights N(0, (3/√d)²) on a normed row of norm √d).
+The norm's scale varies with the token, so the realized share differs a little: ``--check`` prints it.
+What the numbers are:
+  - 0.8 of the routings to the hottest quarter is our choice (it is the skewed file of the H100 measurements in
+    docs/tier.md's issue notes), not a published figure: trained routers are balanced over a corpus (Mixtral,
+    arXiv:2401.04088 section 5, Figure 7: on every Pile subset each of the 8 experts gets close to 1/8 of the
+    assignments); the skew a tier sees is per sequence.
+  - token-to-token reuse: Mixtral's Table 5 (same section) measures how often token i+1 reuses an expert of token
+    i: the first choice 23.6-28.4 % at layer 15 (random: 12.5 %), either of the top-2 61.6-67.0 % at layer 15 and
+    44.5-53.6 % at layer 31 (random: 46 %). This file's reuse comes from the skew alone (no other mechanism):
+    ``--check`` prints its first-choice repetition beside those numbers, not a match of them.
+
     python scripts/make_synthetic_moe.py -o synth.gguf [--layers 16 --d 2048 --experts 64 --top-k 8
-        --expert-ff 1024 --vocab 49152 --type Q8_0|Q4_0|F16|F32 --seed 0]
+        --expert-ff 1024 --vocab 49152 --type Q8_0|Q4_0|F16|F32 --seed 0] [--skew 0.8 [--hot 0.25]] [--check]
+
+``--check`` (after writing): generates 48 tokens with coli (CPU) from a fresh routing history and prints, per
+layer, the share of routings its hottest quarter took (from the history's counts), and the whole file's.
 
 The file is written atomically (temp file, then rename).
 """
@@ -48,6 +68,32 @@ def mat(rng, rows: int, cols: int, qtype: str, scale: float) -> dict:
     return {"tensor": q_blocks(rng, rows, cols, qtype, scale), "raw_dtype": gguf.GGMLQuantizationType[qtype]}
 
 
+def skew_bias(E: int, k: int, hot: int, share: float, sigma: float = 3.0, n: int = 20000, seed: int = 0) -> float:
+    """The logit bias ``b`` for which top-``k`` of ``b`` (``hot`` experts) or 0 (the others) plus N(0, sigma²) logits
+    picks a hot expert ``share`` of the time (bisection on a Monte Carlo of ``n`` rows)."""
+    z = np.random.default_rng(seed).standard_normal((n, E)) * sigma
+    lo, hi = 0.0, 20.0 * sigma
+    for _ in range(40):
+        b = (lo + hi) / 2
+        top = np.argpartition(-(z + np.where(np.arange(E) < hot, b, 0.0)), k - 1, axis=1)[:, :k]
+        lo, hi = (b, hi) if (top < hot).mean() < share else (lo, b)
+    return (lo + hi) / 2
+
+
+def zero_row0(m: dict) -> dict:
+    """Row 0 (output dimension 0) of a :func:`mat` matrix (or a stack of them) set to zero: the layer adds nothing to
+    the residual's dimension 0."""
+    t = m["tensor"]
+    if "raw_dtype" in m:          # block bytes: zero codes (Q8_0: int8 0; Q4_0: nibble 8, i.e. 0x88)
+        row = t[..., 0, :] if t.ndim == 3 else t[0]
+        bs = 34 if m["raw_dtype"].name == "Q8_0" else 18
+        blocks = row.reshape(*row.shape[:-1], -1, bs)
+        blocks[..., 2:] = 0 if bs == 34 else 0x88
+    else:
+        t[..., 0, :] = 0
+    return m
+
+
 def stack(parts: list[dict]) -> dict:
     """The experts' matrices of :func:`mat` stacked into one [E, rows, ...] tensor."""
     return dict(parts[0], tensor=np.stack([p["tensor"] for p in parts]))
@@ -67,7 +113,13 @@ def main(argv=None):
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--type", default="Q8_0")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skew", type=float, default=None, metavar="SHARE",
+                    help="each layer's hot set takes about this share of the routings (e.g. 0.8)")
+    ap.add_argument("--hot", type=float, default=0.25, help="the hot set's fraction of a layer's experts (--skew)")
+    ap.add_argument("--check", action="store_true", help="after writing, print the realized routing popularity")
     a = ap.parse_args(argv)
+    if a.skew is not None and not (0 < a.skew < 1 and 0 < a.hot < 1):
+        raise SystemExit(f"--skew {a.skew} / --hot {a.hot}: both must be in (0, 1)")
     rng = np.random.default_rng(a.seed)
     out = Path(a.out)
     tmp = out.with_name(out.name + ".tmp")
@@ -99,6 +151,21 @@ def main(argv=None):
     s = 1.0 / np.sqrt(d)
     t = a.type
     emb = mat(rng, a.vocab, d, t, 1.0)
+    n_hot = max(1, round(a.hot * E))
+    if a.skew is not None:       # the residual's dimension 0: a constant, the hot experts' bias reads it
+        if "raw_dtype" in emb:
+            bs = 34 if t == "Q8_0" else 18
+            blk = emb["tensor"].reshape(a.vocab, -1, bs)
+            c0 = 127 * (1.0 / 64.0) if t == "Q8_0" else 7 * (1.0 / 4.6)
+            if t == "Q8_0":
+                blk[:, 0, 2] = 127
+            else:
+                blk[:, 0, 2] = (blk[:, 0, 2] & 0xF0) | 0x0F     # low nibble 15: code 15 - 8 = 7
+        else:
+            emb["tensor"][:, 0] = c0 = 2.0
+        bias = skew_bias(E, a.top_k, n_hot, a.skew)
+        print(f"skew: {n_hot} hot experts of {E} per layer, router bias {bias:.2f} for a {a.skew:.0%} share "
+              f"(residual dimension 0 = {c0:.2f})", file=sys.stderr)
     if "raw_dtype" in emb:   # block bytes: the writer is told the byte shape
         emb["raw_shape"] = emb["tensor"].shape
     w.add_tensor("token_embd.weight", emb.pop("tensor"), **emb)
@@ -109,11 +176,17 @@ def main(argv=None):
         w.add_tensor(p + "attn_norm.weight", np.ones(d, np.float32))
         w.add_tensor(p + "ffn_norm.weight", np.ones(d, np.float32))
         for n in ("attn_q", "attn_k", "attn_v", "attn_output"):
-            w.add_tensor(p + n + ".weight", **mat(rng, d, d, t, s))
-        w.add_tensor(p + "ffn_gate_inp.weight", (rng.standard_normal((E, d)) * 3 * s).astype(np.float32))
+            m = mat(rng, d, d, t, s)
+            w.add_tensor(p + n + ".weight", **(zero_row0(m) if a.skew is not None and n == "attn_output" else m))
+        router = (rng.standard_normal((E, d)) * 3 * s).astype(np.float32)
+        if a.skew is not None:   # a random hot set per layer; x_0 after the norm is about c0 (the rows' rms ~ 1)
+            router[:, 0] = 0.0
+            router[rng.permutation(E)[:n_hot], 0] = bias / c0
+        w.add_tensor(p + "ffn_gate_inp.weight", router)
         w.add_tensor(p + "ffn_gate_exps.weight", **stack([mat(rng, F, d, t, s) for _ in range(E)]))
         w.add_tensor(p + "ffn_up_exps.weight", **stack([mat(rng, F, d, t, s) for _ in range(E)]))
-        w.add_tensor(p + "ffn_down_exps.weight", **stack([mat(rng, d, F, t, 1.0 / np.sqrt(F)) for _ in range(E)]))
+        down = stack([mat(rng, d, F, t, 1.0 / np.sqrt(F)) for _ in range(E)])
+        w.add_tensor(p + "ffn_down_exps.weight", **(zero_row0(down) if a.skew is not None else down))
         print(f"layer {il + 1}/{L}", file=sys.stderr, flush=True)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -121,6 +194,36 @@ def main(argv=None):
     w.close()
     os.replace(tmp, out)
     print(out)
+    if a.check:
+        check(out, a.top_k, n_hot)
+
+
+def check(path: Path, k: int, n_hot: int, tokens: int = 48) -> dict:
+    """Generate ``tokens`` tokens with coli on the CPU from a fresh routing history (a temporary file) and print each
+    layer's share of routings taken by its ``n_hot`` most-routed experts, and the whole file's. Returns
+    ``{"layers": [share per layer], "all": share}``."""
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import json
+
+    from coli.engine import Engine
+
+    with tempfile.TemporaryDirectory(prefix="coli-skew-check-") as tmp:
+        hist = Path(tmp) / "history.coli_usage"
+        eng = Engine(str(path), usage=str(hist), save_usage=True, quiet=True)
+        try:
+            eng.generate("a b ab", max_tokens=tokens, temp=0.0, stop_at_eos=False)
+        finally:
+            eng.close()
+        doc = json.loads(hist.read_text(encoding="utf-8"))       # scheduler/usage.py's format
+        c = np.asarray(doc["models"][path.name]["counts"], dtype=np.float64)
+    top = -np.sort(-c, axis=1)[:, :n_hot].sum(axis=1)
+    per = [float(x) for x in top / np.maximum(c.sum(axis=1), 1)]
+    allv = float(top.sum() / max(c.sum(), 1))
+    print(f"check: {tokens} tokens (and the prompt), top-{k}: the {n_hot} most-routed experts of each layer took "
+          + ", ".join(f"{x:.0%}" for x in per) + f" of its routings; {allv:.0%} in all (uniform: {n_hot / c.shape[1]:.0%})")
+    return {"layers": per, "all": allv}
 
 
 if __name__ == "__main__":
