@@ -14,16 +14,18 @@ is a constant (the embedding's column 0 is set to the largest code, and row 0 of
 down matrix is zero, so no layer changes it), and the router's column 0 gives the hot experts a logit bias ``b`` on
 it; ``b`` is solved so that top-k of (b for the hot, 0 for the others) + N(0, 3²) logits picks hot experts SHARE of
 the time (3: the random router part's standard deviation, router weights N(0, (3/√d)²) on a normed row of norm √d).
-The norm's scale varies with the token, so the realized share differs a little: ``--check`` prints it.
+The norm's scale grows with the residual's rms, so the realized share is lower than SHARE: ``--check`` prints it
+(a 2-layer d-256 file, 16 experts top-4, ``--skew 0.8``: 67 % to each layer's 4 most-routed experts over 48 tokens,
+against 38 % on the same file without ``--skew``, where a short sample alone lifts the top 4 above 25 %).
 What the numbers are:
-  - 0.8 of the routings to the hottest quarter is our choice (it is the skewed file of the H100 measurements in
-    docs/tier.md's issue notes), not a published figure: trained routers are balanced over a corpus (Mixtral,
-    arXiv:2401.04088 section 5, Figure 7: on every Pile subset each of the 8 experts gets close to 1/8 of the
-    assignments); the skew a tier sees is per sequence.
+  - 0.8 of the routings to the hottest quarter is our choice, not a published figure: trained routers are balanced
+    over a corpus (Mixtral, arXiv:2401.04088 section 5, Figure 7: on every Pile subset each of the 8 experts gets
+    close to 1/8 of the assignments); the skew a tier sees is per sequence.
   - token-to-token reuse: Mixtral's Table 5 (same section) measures how often token i+1 reuses an expert of token
     i: the first choice 23.6-28.4 % at layer 15 (random: 12.5 %), either of the top-2 61.6-67.0 % at layer 15 and
-    44.5-53.6 % at layer 31 (random: 46 %). This file's reuse comes from the skew alone (no other mechanism):
-    ``--check`` prints its first-choice repetition beside those numbers, not a match of them.
+    44.5-53.6 % at layer 31 (random: 46 %). This file has no mechanism of its own for it: its reuse is what the skew
+    gives (a hot expert is likelier to repeat), and ``--check`` does not measure it (the routing history holds
+    counts, not sequences).
 
     python scripts/make_synthetic_moe.py -o synth.gguf [--layers 16 --d 2048 --experts 64 --top-k 8
         --expert-ff 1024 --vocab 49152 --type Q8_0|Q4_0|F16|F32 --seed 0] [--skew 0.8 [--hot 0.25]] [--check]
