@@ -170,6 +170,16 @@ def _start_line(eng) -> str:
     return s
 
 
+def _cpu_line() -> str:
+    """The second start line: whether AMX tile instructions run here (``cpu_kernels.amx.probe``, a child process)
+    and which instructions the CPU int8 matmuls use."""
+    from cpu_kernels.amx import probe
+    from cpu_kernels.vnni import HAVE_VNNI
+
+    ok, line = probe()
+    return f"coli: {line}; CPU int8 matmuls on {'AVX-512 VNNI' if HAVE_VNNI else 'no VNNI (f32 activations)'}"
+
+
 def _apply_config(a) -> str:
     """Settings from ``coli tune --save``'s config file for those not given on the command line (threads,
     I/O threads, the threading layer); returns the start line's note naming the file ("" without one)."""
@@ -205,6 +215,7 @@ def cmd_run(a) -> int:
         if not a.quiet:
             print(_start_line(eng) + f", {eng.activations()}" + cfg_note + (f", seed {seed}" if a.temp > 0 else ""),
                   file=sys.stderr)
+            print(_cpu_line(), file=sys.stderr)
         from coli.base.progress import HoldFirst, text_on_line
 
         def write(s):
@@ -276,6 +287,7 @@ def cmd_chat(a) -> int:
     try:
         if not a.quiet:
             print(_start_line(eng) + cfg_note, file=sys.stderr)
+            print(_cpu_line(), file=sys.stderr)
         return run_chat(eng, a)
     finally:
         _close(eng)
@@ -293,6 +305,7 @@ def cmd_serve(a) -> int:
     eng.cli_names = False  # errors go to HTTP clients: name the request's fields, not coli's flags
     if not a.quiet:
         print(_start_line(eng) + cfg_note, file=sys.stderr)
+        print(_cpu_line(), file=sys.stderr)
     aliases = {eng.path.name}
     if a.model:
         aliases.add(a.model)

@@ -65,6 +65,9 @@ def test_stdin_dash_and_stop(capsys, monkeypatch, ref):
     assert rc == 0
     assert out == P + full[: full.find(stop)] + "\n"
     assert "ctx" in err  # the start line (not -q)
+    from cpu_kernels.amx import probe
+
+    assert f"coli: {probe()[1]}; CPU int8 matmuls on " in err  # the AMX probe's line after it
 
 
 def test_pipe_prompt_subprocess(ref):
