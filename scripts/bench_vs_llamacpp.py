@@ -1,27 +1,36 @@
 #!/usr/bin/env python3
-"""coli beside llama.cpp's ``llama-bench`` on the same GGUF files and threads, alternating (docs/benchmarks.md).
+"""coli beside llama.cpp's and ik_llama.cpp's ``llama-bench`` on the same GGUF files and threads, alternating
+(docs/benchmarks.md).
 
-For every (model, threads) and every round, the two engines run one after the other (llama.cpp first in even
-rounds, coli first in odd ones, so slow drift of a shared machine hits both alike): ``llama-bench -p N -n 0``
-and ``-p 0 -n M`` (separate processes, so a crash of one test does not lose the other) and ``coli bench -p N
--n M`` (one process per (model, threads): Numba's pool is sized at start). Each side's figure is the median
-over the rounds of its per-run average (llama-bench's and coli's ``avg_ts``, both after their own warm-up).
+For every (model, threads) and every round, the engines run one after the other, each round starting with the
+next one (llama.cpp, ik_llama.cpp, coli; then ik_llama.cpp, coli, llama.cpp; ...: slow drift of a shared machine
+hits all alike): ``llama-bench -p N -n 0`` for every prompt length N of ``-p`` and ``-p 0 -n M`` (separate
+processes, so a crash of one test does not lose the others) and ``coli bench -p N1,N2,.. -n M`` (one process per
+(model, threads): Numba's pool is sized at start). Each engine's figure is the median over the rounds of its
+per-run average (llama-bench's and coli's ``avg_ts``, both after their own warm-up).
 
 llama-bench: ``--llama-bench PATH``; else the cached build ``<coli cache>/llama.cpp/build/bin/llama-bench``;
 else it is built there once by ``scripts/build_llama_bench.sh`` (from the ``llama-cpp-python`` sdist, or from
-``--llama-src TARBALL``, a tar of llama.cpp's tree such as a trimmed vendor tree, on a machine
-without network). ``GGML_NATIVE`` builds turn on llama.cpp's AMX code where the CPU reports AMX; on some VMs
-the prompt test then dies with an illegal instruction (SIGILL, exit 132): that test is run again with
-``--repack 0`` (no repacked "extra buffer" weights, so no AMX) and the table says so; a test killed by another
-signal (a SIGSEGV of the prompt test was seen on the 2-core VM) is retried the same way.
+``--llama-src TARBALL``, a tar of llama.cpp's tree, on a machine without network). ``GGML_NATIVE`` builds turn
+on llama.cpp's AMX code where the CPU reports AMX; on some VMs the prompt test then dies with an illegal
+instruction (SIGILL, exit 132): that test is run again with ``--repack 0`` (no repacked "extra buffer" weights,
+so no AMX) and the table says so; a test killed by another signal (a SIGSEGV of the prompt test was seen on the
+2-core VM) is retried the same way.
 
-Prints one table (model, threads, coli pp/tg, llama.cpp pp/tg, ratios, load average before/after each
-model's runs) and writes every record to ``--json``.
+ik_llama.cpp's llama-bench: ``--ik-bench PATH``; else the cached build
+``<coli cache>/ik_llama.cpp/build/bin/llama-bench``; else built there once from ``--ik-src TARBALL`` (a tar of
+its tree) by the same script, without AMX code (``-mno-amx-*``) where ``cpu_kernels.amx.probe`` says the tile
+instructions do not run; else left out (``--peers`` picks the peers).
+
+Prints one table (model, threads, test, each engine's tok/s, coli's ratio to each peer, load average before/after
+each model's runs) and writes every record to ``--json``.
 
 Usage::
 
     python scripts/bench_vs_llamacpp.py                                  # the four models, 2 threads
-    python scripts/bench_vs_llamacpp.py -m synth.gguf -t 1,4,8,16 --llama-src .peers/llama.cpp-0.3.36-vendor-trim.tar.xz
+    python scripts/bench_vs_llamacpp.py -m synth.gguf -t 1,4,8,16 --llama-src llama.cpp-0.3.36-vendor-trim.tar.xz
+    python scripts/bench_vs_llamacpp.py -m smollm2 -m demo -p 128,512,2048 --peers ik_llama.cpp \\
+        --ik-src ik_llama.cpp-8337e4cd3-trim.tar.xz
 """
 from __future__ import annotations
 
@@ -74,33 +83,70 @@ def resolve_model(name: str) -> Path:
         sys.exit(f"bench_vs_llamacpp: model {e}")
 
 
-def llama_bench_path(a) -> Path:
-    """The llama-bench binary: given, cached, or built now (once) into the cache."""
-    if a.llama_bench:
-        p = Path(a.llama_bench)
-        if not os.access(p, os.X_OK):
-            sys.exit(f"bench_vs_llamacpp: --llama-bench {p}: not an executable file")
-        return p
-    from coli.base.paths import cache_dir
-    work = Path(a.build_dir) if a.build_dir else cache_dir("llama.cpp")
+def _build(work: Path, src: str | None, jobs, cflags: str = "") -> Path:
+    """llama-bench built by ``scripts/build_llama_bench.sh`` into ``work`` (once; from ``src``, a tarball of the
+    tree, when given, else the llama-cpp-python sdist); exits with a message when that fails."""
     exe = work / "build" / "bin" / "llama-bench"
-    if os.access(exe, os.X_OK):
-        return exe
     env = dict(os.environ)
-    if a.llama_src:
-        env["LLAMA_SRC"] = str(Path(a.llama_src).resolve())
-    env.setdefault("JOBS", str(a.jobs or os.cpu_count() or 2))
+    if src:
+        env["LLAMA_SRC"] = str(Path(src).resolve())
+    if cflags:  # CMake's first configure reads them into CMAKE_C_FLAGS / CMAKE_CXX_FLAGS
+        env["CFLAGS"] = (env.get("CFLAGS", "") + " " + cflags).strip()
+        env["CXXFLAGS"] = (env.get("CXXFLAGS", "") + " " + cflags).strip()
+    env.setdefault("JOBS", str(jobs or os.cpu_count() or 2))
     env.setdefault("PIP", f"{sys.executable} -m pip")
     log(f"bench_vs_llamacpp: building llama-bench into {work} (once; scripts/build_llama_bench.sh)")
     r = subprocess.run(["bash", str(ROOT / "scripts" / "build_llama_bench.sh"), str(work)], env=env)
     if r.returncode != 0 or not os.access(exe, os.X_OK):
-        sys.exit(f"bench_vs_llamacpp: building llama-bench failed (exit {r.returncode})")
+        sys.exit(f"bench_vs_llamacpp: building llama-bench in {work} failed (exit {r.returncode})")
     return exe
 
 
-def run_llama(exe: Path, model: Path, threads: int, test: str, n: int, reps: int, extra=()) -> dict:
+def _given(path: str, flag: str) -> Path:
+    p = Path(path)
+    if not os.access(p, os.X_OK):
+        sys.exit(f"bench_vs_llamacpp: {flag} {p}: not an executable file")
+    return p
+
+
+def llama_bench_path(a) -> Path:
+    """The llama-bench binary: given, cached, or built now (once) into the cache."""
+    if a.llama_bench:
+        return _given(a.llama_bench, "--llama-bench")
+    from coli.base.paths import cache_dir
+    work = Path(a.build_dir) if a.build_dir else cache_dir("llama.cpp")
+    exe = work / "build" / "bin" / "llama-bench"
+    return exe if os.access(exe, os.X_OK) else _build(work, a.llama_src, a.jobs)
+
+
+#: configure flags that keep a GGML_NATIVE build out of AMX code (gcc's -march=native turns it on where CPUID
+#: reports AMX, also on a VM that kills the process at the first tile instruction)
+NO_AMX_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def ik_bench_path(a) -> Path | None:
+    """ik_llama.cpp's llama-bench: ``--ik-bench``, else the cached build ``<coli cache>/ik_llama.cpp/build/bin``,
+    else built there once from ``--ik-src`` (its tree's tarball), with AMX code off where the AMX probe
+    (``cpu_kernels.amx``) says no; None when none of these is given or found."""
+    if a.ik_bench:
+        return _given(a.ik_bench, "--ik-bench")
+    from coli.base.paths import cache_dir
+    work = cache_dir("ik_llama.cpp")
+    exe = work / "build" / "bin" / "llama-bench"
+    if os.access(exe, os.X_OK):
+        return exe
+    if not a.ik_src:
+        return None
+    from cpu_kernels.amx import probe
+    ok, line = probe()
+    log(f"bench_vs_llamacpp: {line}" + ("" if ok else "; ik_llama.cpp built without AMX code"))
+    return _build(work, a.ik_src, a.jobs, "" if ok else NO_AMX_FLAGS)
+
+
+def run_llama(exe: Path, model: Path, threads: int, test: str, n: int, reps: int, extra=(), retry=True) -> dict:
     """One llama-bench process for one test ("pp" or "tg"). Returns {"ts": avg tok/s or None, "rc", "sigill",
-    "repack0", "record" | "error"}; a SIGILL is retried once with ``--repack 0``."""
+    "repack0", "record" | "error"}; a SIGILL is retried once with ``--repack 0`` when ``retry`` (llama.cpp's
+    flag; ik_llama.cpp's llama-bench has none)."""
     args = ["-p", str(n), "-n", "0"] if test == "pp" else ["-p", "0", "-n", str(n)]
     out = {"repack0": False}
     for attempt in range(2):
@@ -110,7 +156,7 @@ def run_llama(exe: Path, model: Path, threads: int, test: str, n: int, reps: int
         r = subprocess.run(cmd, capture_output=True, text=True)
         out["rc"] = r.returncode
         out["cmd"] = " ".join(cmd)
-        if attempt == 0 and (r.returncode < 0 or r.returncode > 128):
+        if retry and attempt == 0 and (r.returncode < 0 or r.returncode > 128):
             # killed by a signal: SIGILL is AMX code on a CPU that refuses it; a SIGSEGV of the prompt test was
             # seen here too (2026-11-30, 2-core VM): both are retried without the repacked weights
             sig = -r.returncode if r.returncode < 0 else r.returncode - 128
@@ -122,7 +168,7 @@ def run_llama(exe: Path, model: Path, threads: int, test: str, n: int, reps: int
             out["repack0"] = True
             continue
         if r.returncode != 0:
-            out["error"] = (r.stderr or r.stdout)[-400:]
+            out["error"] = (r.stderr or r.stdout)[-400:] or f"exit {r.returncode}"
             out["ts"] = None
             log(f"  llama-bench {test}{n} t={threads}: exit {r.returncode}: {out['error'].strip()[-200:]}")
             return out
@@ -139,10 +185,11 @@ def run_llama(exe: Path, model: Path, threads: int, test: str, n: int, reps: int
     return out
 
 
-def run_coli(model: Path, threads: int, n_prompt: int, n_gen: int, reps: int, extra=()) -> dict:
-    """One ``coli bench`` process (pp and tg). Returns {"pp", "tg", "rc", "records" | "error"}."""
-    cmd = [sys.executable, "-m", "coli", "bench", "-m", str(model), "-t", str(threads), "-p", str(n_prompt),
-           "-n", str(n_gen), "-r", str(reps), "--json", *extra]
+def run_coli(model: Path, threads: int, n_prompt: list, n_gen: int, reps: int, extra=()) -> dict:
+    """One ``coli bench`` process (every pp length and tg). Returns {"ppN": tok/s, ..., "tgM", "rc", "records" |
+    "error"}."""
+    cmd = [sys.executable, "-m", "coli", "bench", "-m", str(model), "-t", str(threads), "-p",
+           ",".join(str(n) for n in n_prompt), "-n", str(n_gen), "-r", str(reps), "--json", *extra]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=str(ROOT))
     out = {"rc": r.returncode, "cmd": " ".join(cmd)}
     if r.returncode != 0:
@@ -152,7 +199,7 @@ def run_coli(model: Path, threads: int, n_prompt: int, n_gen: int, reps: int, ex
     recs = json.loads(r.stdout)
     out["records"] = recs
     for rec in recs:
-        out["pp" if rec["n_prompt"] else "tg"] = float(rec["avg_ts"])
+        out[f"pp{rec['n_prompt']}" if rec["n_prompt"] else f"tg{rec['n_gen']}"] = float(rec["avg_ts"])
     return out
 
 
@@ -170,81 +217,109 @@ def main(argv=None) -> int:
     p.add_argument("-m", "--model", action="append", default=None,
                    help=f"GGUF path, 'demo' or a coli.fetch name (repeatable; default: {' '.join(DEFAULT_MODELS)})")
     p.add_argument("-t", "--threads", default="2", help="comma-separated thread counts (default 2)")
-    p.add_argument("-p", "--n-prompt", type=int, default=128)
+    p.add_argument("-p", "--n-prompt", default="128", help="comma-separated prompt lengths (default 128)")
     p.add_argument("-n", "--n-gen", type=int, default=64)
     p.add_argument("-r", "--repetitions", type=int, default=3, help="runs per test inside each process")
-    p.add_argument("--rounds", type=int, default=2, help="alternations of the two engines")
+    p.add_argument("--rounds", type=int, default=2, help="alternations of the engines")
+    p.add_argument("--peers", default="llama.cpp,ik_llama.cpp",
+                   help="engines beside coli, comma-separated from llama.cpp, ik_llama.cpp (default both; "
+                        "ik_llama.cpp only where its binary is given, cached or built from --ik-src)")
     p.add_argument("--llama-bench", default=None, metavar="PATH", help="a llama-bench binary to use")
     p.add_argument("--llama-src", default=None, metavar="TARBALL",
                    help="build llama-bench from this tarball of llama.cpp's tree (no network needed)")
     p.add_argument("--build-dir", default=None, help="where to build llama-bench (default: <coli cache>/llama.cpp)")
-    p.add_argument("--jobs", type=int, default=None, help="compile jobs for the build (default: all cores)")
+    p.add_argument("--ik-bench", default=None, metavar="PATH", help="ik_llama.cpp's llama-bench binary to use")
+    p.add_argument("--ik-src", default=None, metavar="TARBALL",
+                   help="build ik_llama.cpp's llama-bench from this tarball of its tree into "
+                        "<coli cache>/ik_llama.cpp (once)")
+    p.add_argument("--jobs", type=int, default=None, help="compile jobs for a build (default: all cores)")
     p.add_argument("--coli-arg", action="append", default=[], help="extra argument for coli bench (repeatable)")
     p.add_argument("--json", default=None, metavar="OUT", help="write every record here")
     a = p.parse_args(argv)
     try:
         threads = [int(t) for t in a.threads.split(",") if t.strip()]
+        n_prompt = [int(n) for n in a.n_prompt.split(",") if n.strip()]
     except ValueError:
-        sys.exit(f"bench_vs_llamacpp: -t {a.threads!r}: comma-separated integers expected")
-    if not threads or min(threads) < 1 or a.rounds < 1 or a.repetitions < 1:
-        sys.exit("bench_vs_llamacpp: threads, --rounds and -r must be >= 1")
-    exe = llama_bench_path(a)
+        sys.exit(f"bench_vs_llamacpp: -t {a.threads!r} / -p {a.n_prompt!r}: comma-separated integers expected")
+    if not threads or min(threads) < 1 or a.rounds < 1 or a.repetitions < 1 or not n_prompt or min(n_prompt) < 1:
+        sys.exit("bench_vs_llamacpp: threads, prompt lengths, --rounds and -r must be >= 1")
+    peers = [x.strip() for x in a.peers.split(",") if x.strip()]
+    if set(peers) - {"llama.cpp", "ik_llama.cpp"}:
+        sys.exit(f"bench_vs_llamacpp: --peers {a.peers!r}: llama.cpp and/or ik_llama.cpp expected")
+    exes = {}
+    if "llama.cpp" in peers:
+        exes["llama.cpp"] = llama_bench_path(a)
+    if "ik_llama.cpp" in peers:
+        ik = ik_bench_path(a)
+        if ik is None:
+            log("bench_vs_llamacpp: ik_llama.cpp left out (no --ik-bench, no cached build, no --ik-src)")
+        else:
+            exes["ik_llama.cpp"] = ik
+    engines = list(exes) + ["coli"]
+    tests = [f"pp{n}" for n in n_prompt] + [f"tg{a.n_gen}"]
     models = [(Path(m).stem if Path(m).exists() else m, resolve_model(m)) for m in (a.model or DEFAULT_MODELS)]
     info = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_name(),
-            "cores": os.cpu_count(), "llama_bench": str(exe), "command": " ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])),
-            "n_prompt": a.n_prompt, "n_gen": a.n_gen, "reps": a.repetitions, "rounds": a.rounds}
-    log(f"bench_vs_llamacpp: {info['date']}, {info['cpu']} ({info['cores']} CPUs), llama-bench {exe}")
+            "cores": os.cpu_count(), "peers": {k: str(v) for k, v in exes.items()},
+            "command": " ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])),
+            "n_prompt": n_prompt, "n_gen": a.n_gen, "reps": a.repetitions, "rounds": a.rounds}
+    log(f"bench_vs_llamacpp: {info['date']}, {info['cpu']} ({info['cores']} CPUs), "
+        + ", ".join(f"{k} {v}" for k, v in exes.items()))
     rows, raw = [], []
     for name, path in models:
         for t in threads:
             load0 = loadavg()
-            lp, lt, cp, ct, notes = [], [], [], [], set()
+            runs = {(e, x): [] for e in engines for x in tests}
+            notes = set()
             for rnd in range(a.rounds):
-                order = ("llama", "coli") if rnd % 2 == 0 else ("coli", "llama")
-                for side in order:
-                    if side == "llama":
-                        rp = run_llama(exe, path, t, "pp", a.n_prompt, a.repetitions)
-                        rt = run_llama(exe, path, t, "tg", a.n_gen, a.repetitions)
-                        for r in (rp, rt):
-                            if r.get("repack0"):
-                                notes.add(f"llama.cpp {'pp' if r is rp else 'tg'}: {r.get('signal', 'SIGILL')}, "
-                                          f"rerun with --repack 0")
-                            if r.get("ts") is None:
-                                notes.add("llama.cpp failed: " + str(r.get("error", ""))[-80:])
-                        lp.append(rp.get("ts"))
-                        lt.append(rt.get("ts"))
-                        raw.append({"model": name, "threads": t, "round": rnd, "engine": "llama.cpp", "pp": rp, "tg": rt})
-                    else:
-                        rc = run_coli(path, t, a.n_prompt, a.n_gen, a.repetitions, a.coli_arg)
+                k = rnd % len(engines)  # each round starts with the next engine (slow drift hits all alike)
+                for side in engines[k:] + engines[:k]:
+                    if side == "coli":
+                        rc = run_coli(path, t, n_prompt, a.n_gen, a.repetitions, a.coli_arg)
                         if rc["rc"] != 0:
                             notes.add("coli failed: " + rc.get("error", "")[-80:])
-                        cp.append(rc.get("pp"))
-                        ct.append(rc.get("tg"))
+                        for x in tests:
+                            runs[("coli", x)].append(rc.get(x))
                         raw.append({"model": name, "threads": t, "round": rnd, "engine": "coli", "run": rc})
-                    log(f"  {name} t={t} round {rnd} {side}: pp {fmt((lp if side == 'llama' else cp)[-1])} "
-                        f"tg {fmt((lt if side == 'llama' else ct)[-1])} (load {loadavg()})")
-            row = {"model": name, "file": path.name, "threads": t, "coli_pp": med(cp), "coli_tg": med(ct),
-                   "llama_pp": med(lp), "llama_tg": med(lt), "coli_pp_runs": cp, "coli_tg_runs": ct,
-                   "llama_pp_runs": lp, "llama_tg_runs": lt, "load_before": load0, "load_after": loadavg(),
-                   "notes": sorted(notes)}
-            row["ratio_pp"] = row["coli_pp"] / row["llama_pp"] if row["coli_pp"] and row["llama_pp"] else None
-            row["ratio_tg"] = row["coli_tg"] / row["llama_tg"] if row["coli_tg"] and row["llama_tg"] else None
-            rows.append(row)
-            if a.json:      # after every row: a run cut off by a timeout keeps what it measured
+                    else:
+                        res = {}
+                        for x in tests:
+                            r = run_llama(exes[side], path, t, x[:2], int(x[2:]), a.repetitions,
+                                          retry=side == "llama.cpp")
+                            res[x] = r
+                            if r.get("repack0"):
+                                notes.add(f"{side} {x[:2]}: {r.get('signal', 'SIGILL')}, rerun with --repack 0")
+                            if r.get("ts") is None:
+                                notes.add(f"{side} failed: " + str(r.get("error", ""))[-80:])
+                            runs[(side, x)].append(r.get("ts"))
+                        raw.append({"model": name, "threads": t, "round": rnd, "engine": side, "tests": res})
+                    log(f"  {name} t={t} round {rnd} {side}: "
+                        + " ".join(f"{x} {fmt(runs[(side, x)][-1])}" for x in tests) + f" (load {loadavg()})")
+            load1 = loadavg()
+            for x in tests:
+                row = {"model": name, "file": path.name, "threads": t, "test": x, "load_before": load0,
+                       "load_after": load1, "notes": sorted(notes)}
+                for e in engines:
+                    row[e] = med(runs[(e, x)])
+                    row[e + "_runs"] = runs[(e, x)]
+                for e in exes:
+                    row["coli/" + e] = row["coli"] / row[e] if row["coli"] and row[e] else None
+                rows.append(row)
+            if a.json:      # after every model: a run cut off by a timeout keeps what it measured
                 Path(a.json).parent.mkdir(parents=True, exist_ok=True)
                 Path(a.json).write_text(json.dumps({"info": info, "rows": rows, "raw": raw}, indent=1))
-    print(f"# coli vs llama-bench, {info['date']}, {info['cpu']} ({info['cores']} CPUs); pp{a.n_prompt} / "
-          f"tg{a.n_gen} tok/s, median of {a.rounds} alternating rounds of -r {a.repetitions}")
+    print(f"# coli vs {', '.join(exes) or 'nothing'}, {info['date']}, {info['cpu']} ({info['cores']} CPUs); tok/s, "
+          f"median of {a.rounds} alternating rounds of -r {a.repetitions}")
     print(f"# command: {info['command']}")
-    print("| model | threads | coli pp | coli tg | llama.cpp pp | llama.cpp tg | ratio pp | ratio tg | load before -> after | notes |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---|")
+    print("| model | threads | test | coli | " + " | ".join(exes) + " | "
+          + " | ".join(f"coli / {e}" for e in exes) + " | load before -> after | notes |")
+    print("|---|---:|---|---:|" + "---:|" * (2 * len(exes)) + "---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['threads']} | {fmt(r['coli_pp'])} | {fmt(r['coli_tg'])} | {fmt(r['llama_pp'])} | "
-              f"{fmt(r['llama_tg'])} | {fmt(r['ratio_pp'], 2)} | {fmt(r['ratio_tg'], 2)} | {r['load_before']} -> "
-              f"{r['load_after']} | {'; '.join(r['notes'])} |")
+        print(f"| {r['model']} | {r['threads']} | {r['test']} | {fmt(r['coli'])} | "
+              + "".join(f"{fmt(r[e])} | " for e in exes) + "".join(f"{fmt(r['coli/' + e], 2)} | " for e in exes)
+              + f"{r['load_before']} -> {r['load_after']} | {'; '.join(r['notes'])} |")
     if a.json:
         log(f"bench_vs_llamacpp: records in {a.json}")
-    bad = [r for r in rows if r["coli_tg"] is None or r["llama_tg"] is None]
+    bad = [r for r in rows if r["test"].startswith("tg") and any(r[e] is None for e in engines)]
     return 1 if bad else 0
 
 

@@ -15,7 +15,9 @@
 # Built in WORKDIR/build with -DGGML_NATIVE=ON (this machine's ISA), no curl/openssl/tests/examples/server,
 # static libraries. Targets: llama-bench plus the EXTRA_TARGETs (e.g. llama-quantize llama-imatrix
 # llama-perplexity). The compile runs under `nice -n 19` (the machine is shared); JOBS (default: nproc) sets
-# the -j. At the end WORKDIR/READY lists the built binaries' paths, one a line (written atomically; others
+# the -j; CFLAGS / CXXFLAGS reach the first configure as CMake reads them (e.g. -mno-amx-tile -mno-amx-int8
+# -mno-amx-bf16 where the CPU reports AMX but the machine refuses it). The tree may also be ik_llama.cpp's (its
+# llama-bench is under examples/). At the end WORKDIR/READY lists the built binaries' paths, one a line (written atomically; others
 # wait for it). Prints the path of the llama-bench binary on the last line.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -55,10 +57,13 @@ fi
 
 GEN=()
 if command -v ninja >/dev/null 2>&1; then GEN=(-G Ninja); fi
+# llama-bench is in tools/ in llama.cpp's tree and in examples/ in older trees and ik_llama.cpp's
+EXAMPLES=OFF
+if [ ! -d "$SRC/tools/llama-bench" ] && [ -d "$SRC/examples/llama-bench" ]; then EXAMPLES=ON; fi
 if [ ! -f "$WORK/build/CMakeCache.txt" ]; then
   nice -n 19 cmake -S "$SRC" -B "$WORK/build" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release \
     -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DBUILD_SHARED_LIBS=OFF \
-    -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF
+    -DLLAMA_BUILD_EXAMPLES=$EXAMPLES -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF
 fi
 nice -n 19 cmake --build "$WORK/build" --config Release -j "$JOBS" --target "${TARGETS[@]}"
 EXE="$WORK/build/bin/llama-bench"
