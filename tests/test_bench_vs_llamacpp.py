@@ -35,7 +35,7 @@ def test_peers_prompt_lengths_sigill_retry_rotation_and_the_table(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_vs_llamacpp.py"), "-m", str(FIX), "-t", "1",
                         "-p", "8,16", "-n", "4", "-r", "1", "--rounds", "3", "--llama-bench",
                         str(tmp_path / "llama-bench"), "--ik-bench", str(tmp_path / "ik-llama-bench"),
-                        "--json", str(out)], capture_output=True, text=True, env=env, timeout=600)
+                        "--json", str(out)], capture_output=True, text=True, env=env, timeout=1800)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "illegal instruction" in r.stderr and "--repack 0" in r.stderr
     calls = (tmp_path / "calls.log").read_text().splitlines()
