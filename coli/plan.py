@@ -40,14 +40,15 @@ MiB = 1 << 20
 
 
 def _device_info(label: str):
-    """``scheduler.tier_policy.DeviceMemory`` of the best Vulkan device, or None (with the one-line reason printed by
-    ``coli.vulkan.open_device``)."""
+    """``scheduler.tier_policy.DeviceMemory`` of the best Vulkan device; ColiError naming ``--device vulkan`` when
+    there is none to open (a plan without the device it was asked about would mislead)."""
     from coli import vulkan as cvk
     from scheduler.tier_policy import DeviceMemory
 
-    dev = cvk.open_device(label, quiet=True)
-    if dev is None:
-        return None
+    try:
+        dev = cvk.open_device(label, quiet=True, required=True)
+    except cvk.VulkanError as e:
+        raise ColiError(f"--device vulkan: {e}") from None
     try:
         return DeviceMemory.of(dev)
     finally:

@@ -11,7 +11,8 @@ spin and two Python threads may call parallel kernels at the same time (docs/cpu
 
 ``NUMBA_CACHE_DIR`` defaults to ``coli.base.paths.cache_dir("numba", <digest of this package's sources>)`` (kernels
 are ``cache=True``; the digest keeps a kernel that inlines another file's function from going stale); when the
-cache cannot be written, a temporary folder for this process (one warning line).
+cache cannot be written, a temporary folder for this process (one warning line); a cache write that fails later
+(a full disk) is one warning line and the kernels run uncached.
 
 Public API: ``set_threads(n)``, ``default_threads()``, ``threading_layer()``, ``DEFAULT_ACT``.
 """
@@ -82,10 +83,39 @@ def _set_cache_dir() -> None:
     os.environ["NUMBA_CACHE_DIR"] = str(d)
 
 
+def _guard_cache_writes() -> None:
+    """A kernel-cache write that fails (a full disk, a quota, a folder gone read-only) is one warning line naming
+    the folder and what the cache takes, once, and the kernels run uncached: Numba raised the ``OSError`` out of
+    the compile (a 130-line traceback). Wraps ``numba.core.caching.Cache.save_overload``."""
+    from numba.core import caching
+
+    save = caching.Cache.save_overload
+    failed = []
+
+    def save_overload(self, sig, data):
+        if failed:  # the disk said no once: do not try (and fail) at every kernel
+            return
+        try:
+            save(self, sig, data)
+        except OSError as e:
+            failed.append(e)
+            folder = os.environ.get("NUMBA_CACHE_DIR") or getattr(self, "cache_path", "?")
+            try:
+                print(f"coli: warning: Numba's kernel cache {folder}: {e.strerror or e} (a model's kernels take "
+                      f"about 100 MiB there); compiled kernels are not kept on disk (each run compiles them again)",
+                      file=sys.stderr, flush=True)
+            except (OSError, ValueError, AttributeError):
+                pass
+
+    caching.Cache.save_overload = save_overload
+
+
 _set_cache_dir()
 _LAYER_CHOICE = _choose_layer()
 
 import numba  # noqa: E402  (must come after the environment is set)
+
+_guard_cache_writes()
 import psutil  # noqa: E402
 
 from .vnni import HAVE_VNNI  # noqa: E402

@@ -12,6 +12,9 @@ ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
 sys.path.insert(0, str(ROOT))
 
+# Lavapipe (a software rasterizer) is the Vulkan test backend: let coli pick it by itself, as a user's GPU
+os.environ.setdefault("COLI_VK_SOFTWARE", "1")
+
 import cpu_kernels  # noqa: E402, F401  (sets the threading layer before numba is imported anywhere)
 from coli.base import progress as _progress  # noqa: E402
 

@@ -215,3 +215,54 @@ def test_source_not_dense_llama_is_refused(tmp_path):
     with pytest.raises(ColiError, match=r"qwen2\.gguf: general\.architecture"):
         demo.build_demo_moe(p, tmp_path / "out.gguf", quiet=True)
     assert sorted(x.name for x in tmp_path.iterdir()) == ["qwen2.gguf"]
+
+
+def test_a_killed_builds_temp_file_is_removed_by_the_next_build(tmp_path, monkeypatch):
+    """A build killed with SIGKILL leaves its temp file (147 MB for the default demo); the next build removes it
+    under the builders' lock, whatever its age (only files an hour old were removed, so it stayed)."""
+    smollm2 = model_path("smollm2", quiet=True)
+    monkeypatch.setattr("coli.fetch.model_path", lambda name, quiet=False: smollm2)
+    monkeypatch.setenv("COLI_CACHE", str(tmp_path))
+    folder = tmp_path / "demo"
+    folder.mkdir()
+    name = demo.demo_file_name()
+    (folder / f".{name}.k1ll3d.tmp").write_bytes(b"\0" * 4096)                     # this variant's, fresh
+    (folder / f".{demo.demo_file_name(n_experts=4)}.x.tmp").write_bytes(b"\0")    # another variant's
+    seen = []
+
+    def build(src, dest, **kw):
+        seen.append(sorted(p.name for p in folder.iterdir()))
+        dest.write_bytes(b"GGUF")
+
+    monkeypatch.setattr(demo, "build_demo_moe", build)
+    assert demo.demo_model_path(quiet=True) == folder / name
+    assert seen == [[".build.lock"]]
+
+
+def test_a_second_builder_says_it_waits(tmp_path):
+    """A process that finds another one building the demo says so on stderr, then finds the file built."""
+    import fcntl
+    import os
+    import select
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT
+
+    folder = tmp_path / "demo"
+    folder.mkdir()
+    dest = folder / demo.demo_file_name()
+    with open(folder / ".build.lock", "a+b") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        p = subprocess.Popen([sys.executable, "-c", "from coli.demo import demo_model_path; print(demo_model_path())"],
+                             cwd=ROOT, env=dict(os.environ, COLI_CACHE=str(tmp_path), PYTHONPATH=str(ROOT)),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        t0, err = time.time(), ""
+        while "waiting" not in err and time.time() - t0 < 120:
+            if select.select([p.stderr], [], [], 1.0)[0]:
+                err += p.stderr.readline()
+        dest.write_bytes(b"GGUF")  # what the other builder finishes with
+    out, rest = p.communicate(timeout=120)
+    assert err == f"coli demo: waiting for another process building the demo (lock {folder / '.build.lock'})\n"
+    assert p.returncode == 0 and out.strip() == str(dest), rest

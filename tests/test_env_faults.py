@@ -5,6 +5,7 @@ different lengths (refused as llama.cpp refuses them); the start line names both
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -297,7 +298,8 @@ def test_run_with_a_file_home_and_no_coli_cache(tmp_path):
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     assert r.stdout.startswith("ab") and not [l for l in r.stderr.splitlines() if l.startswith("coli: ") and
-                                              "warning" not in l and "tiny-moe" not in l and "prefill" not in l]
+                                              "warning" not in l and "tiny-moe" not in l and "prefill" not in l
+                                              and "compiling the CPU kernels" not in l]
 
 
 def test_relative_coli_cache_is_an_error(tmp_path):
@@ -306,3 +308,50 @@ def test_relative_coli_cache_is_an_error(tmp_path):
                        env=_env(HOME=str(tmp_path), COLI_CACHE="rel-cache"), timeout=600)
     assert r.returncode == 2 and r.stderr.startswith("coli: COLI_CACHE='rel-cache': a relative path"), r.stderr
     assert not (ROOT / "rel-cache").exists()
+
+
+def _small_tmpfs(tmp_path, size: str):
+    """``(prefix, folder)``: a command prefix that runs its command with a tmpfs of ``size`` mounted on ``folder``
+    in a mount namespace of its own (a full disk, for real); skips where mounts are not allowed."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    pre = ["unshare", "-m" if os.geteuid() == 0 else "-rm", "sh", "-c",
+           f'mount -t tmpfs -o size={size} tmpfs "{mnt}" && exec "$@"', "sh"]
+    try:
+        ok = subprocess.run(pre + ["true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        ok = False
+    if not ok:
+        pytest.skip("no mount namespace here (unshare -m / -rm) for a small tmpfs")
+    return pre, mnt
+
+
+def test_full_disk_numba_cache_is_one_warning_and_runs_uncached(tmp_path):
+    """Numba's cache on a full disk (an 8 KiB tmpfs): one warning line naming the folder and what the cache
+    takes, the kernel's result, exit 0 (it was a 130-line ``OSError: [Errno 28]`` traceback)."""
+    pre, mnt = _small_tmpfs(tmp_path, "8k")
+    r = subprocess.run(pre + [PY, "-c", IMPORT_ALL], capture_output=True, text=True, cwd=ROOT, timeout=600,
+                       env=_env(HOME=str(tmp_path), NUMBA_CACHE_DIR=str(mnt)))
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert abs(float(r.stdout) - 64 / np.sqrt(1 + 1e-6)) < 1e-4
+    assert _warnings(r.stderr) == [f"coli: warning: Numba's kernel cache {mnt}: No space left on device (a model's "
+                                   "kernels take about 100 MiB there); compiled kernels are not kept on disk (each "
+                                   "run compiles them again)"], r.stderr
+
+
+def test_full_disk_demo_build_is_one_error(tmp_path, model_path):
+    """The demo build on a full disk (a 4 MiB tmpfs as COLI_CACHE): one ``coli:`` line naming the folder and the
+    MB it needs, exit 2, no temp file left (it was ``OSError: ... requested and ... written``)."""
+    pre, mnt = _small_tmpfs(tmp_path, "4m")
+    smollm2 = model_path("smollm2")
+    code = (f"import os, sys; os.makedirs('{mnt}/models'); os.symlink('{smollm2}', '{mnt}/models/{smollm2.name}'); "
+            f"from coli.cli import main; rc = main(['run', '-p', 'hi', '-n', '1']); "
+            f"print(sorted(os.listdir('{mnt}/demo'))); sys.exit(rc)")
+    r = subprocess.run(pre + [PY, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600,
+                       env=_env(HOME=str(tmp_path), COLI_CACHE=str(mnt), NUMBA_CACHE_DIR=os.environ["NUMBA_CACHE_DIR"]))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    errs = [l for l in r.stderr.splitlines() if l.startswith("coli: ")]
+    assert len(errs) == 1 and errs[0].startswith(f"coli: {mnt}/demo: the demo build could not write smollm2-moe-"), r.stderr
+    assert re.search(r"it needs about (\d+) MB free there, [0-4] MB are", errs[0]) and int(
+        re.search(r"about (\d+) MB", errs[0]).group(1)) > 500, errs[0]
+    assert r.stdout.strip() == "['.build.lock']"  # no temp file left

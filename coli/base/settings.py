@@ -48,6 +48,9 @@ VARS: tuple[Var, ...] = (
     Var("COLI_VULKAN", "bool", False, "open the Vulkan expert tier, as --device vulkan", flag="--device vulkan"),
     Var("COLI_VK_DEV", "int", -1, "Vulkan device index (-1: the best device)", "index", lo=-1,
         flag="--device vulkan:N"),
+    Var("COLI_VK_SOFTWARE", "bool", False, "a software rasterizer (Mesa's llvmpipe, a Vulkan device of type CPU) "
+        "may be the device coli picks by itself; it is slower than coli's CPU kernels, so only when named "
+        "(--device vulkan:N) or with this (the tests' backend)"),
     Var("COLI_VK_TIER_GB", "float", None, "device memory for resident experts (default: the budget rule, "
         "docs/tier.md)", "GiB", lo=0, flag="--tier-gb"),
     Var("COLI_VK_LAYERS", "int", 0, "decoder layers that run whole on the device, the last ones (llama.cpp's "

@@ -61,7 +61,8 @@ def _load_binding():
 
 
 def open_device(label: str, *, budget=None, block_bytes: int | None = None, staging: bool | None = None,
-                device_index: int | None = None, quiet: bool = False, index_name: str | None = None):
+                device_index: int | None = None, quiet: bool = False, index_name: str | None = None,
+                required: bool = False):
     """Open the Vulkan device for ``label`` (the model's name); ``Device`` or None.
 
     budget: the device memory the experts may take, from the caller: bytes, or a callable that takes the
@@ -71,7 +72,9 @@ def open_device(label: str, *, budget=None, block_bytes: int | None = None, stag
     staging path (COLI_VK_STAGING=1). device_index: like COLI_VK_DEV; index_name: what set it, for the failure
     line (the CLI's ``--device vulkan:N``; default the variable's name). On success prints
     ``[VK] <label>: <device line>`` unless quiet; on failure prints ``[VK] <label>: <why>, running on
-    the CPU`` and returns None (never raises).
+    the CPU`` and returns None, or with ``required`` (a device the user asked for) raises ``VulkanError(why)``
+    and prints nothing. With no index, a software rasterizer (llvmpipe) is not chosen unless
+    ``COLI_VK_SOFTWARE=1``.
     """
     try:
         from . import shaders as S
@@ -82,8 +85,10 @@ def open_device(label: str, *, budget=None, block_bytes: int | None = None, stag
         from .device import Device
         kw = {} if block_bytes is None else {"block_bytes": block_bytes}
         dev = Device(label, budget=budget, staging=staging, device_index=device_index, index_name=index_name, **kw)
-    except Exception as e:  # any failure: the CPU runs instead
+    except Exception as e:  # any failure: the CPU runs instead (or the caller's error, when required)
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if required:
+            raise VulkanError(why) from None
         print(f"[VK] {label}: {why}, running on the CPU", file=sys.stderr, flush=True)
         return None
     if not quiet:

@@ -50,6 +50,7 @@ _DEVICE_LOST = -4
 _TIMEOUT, _NOT_READY = 2, 1
 _TYPE_NAMES = {0: "other", 1: "integrated", 2: "discrete", 3: "virtual", 4: "cpu"}
 _TYPE_RANK = {2: 0, 1: 1, 3: 2, 4: 3, 0: 4}       # discrete > integrated > virtual > CPU
+_TYPE_CPU = 4                                       # VK_PHYSICAL_DEVICE_TYPE_CPU: a software rasterizer (llvmpipe)
 
 MAXR = 4           # rows a GEMV group holds (shaders/gemv.comp): larger GEMV groups go in chunks
 GEMM_BM, GEMM_BN = 64, 32
@@ -535,12 +536,22 @@ class Device:
             lib.vkGetPhysicalDeviceProperties(pds[i], pr)
             cands.append((i, pds[i], pr.deviceType, ffi.string(pr.deviceName).decode(errors="replace")))
         idx = device_index if device_index is not None else _env_int("COLI_VK_DEV", -1)
+        listed = ", ".join(f"{c[0]}: {c[3]}" for c in cands)
         if idx >= 0:
             if idx >= len(cands):
-                raise VulkanError(f"{self._index_name or f'COLI_VK_DEV={idx}'} but only {len(cands)} device(s)")
+                raise VulkanError(f"{self._index_name or f'COLI_VK_DEV={idx}'}: no device {idx} (the Vulkan "
+                                  f"device{'s are' if len(cands) > 1 else ' is'} {listed})")
             chosen = cands[idx]
         else:
-            chosen = min(cands, key=lambda c: (_TYPE_RANK.get(c[2], 9), c[0]))
+            # a software rasterizer (Mesa's llvmpipe, type CPU) is slower than coli's own CPU kernels: never
+            # picked for speed, only when named (an index) or allowed (COLI_VK_SOFTWARE=1, the tests' backend)
+            pick = [c for c in cands if c[2] != _TYPE_CPU or _env_int("COLI_VK_SOFTWARE", 0)]
+            if not pick:
+                raise VulkanError(f"no GPU: the only Vulkan device{'s are' if len(cands) > 1 else ' is'} {listed}, "
+                                  f"a software rasterizer (slower than coli's CPU kernels); name it to use it "
+                                  f"anyway (--device vulkan:{cands[0][0]}, COLI_VK_DEV={cands[0][0]} or "
+                                  f"COLI_VK_SOFTWARE=1)")
+            chosen = min(pick, key=lambda c: (_TYPE_RANK.get(c[2], 9), c[0]))
         self.device_index, self._pd, dtype, self.name = chosen
         self.type_name = _TYPE_NAMES.get(dtype, "other")
         # a batch's join may poll its fence this long before it blocks in vkWaitForFences (a thread that slept
