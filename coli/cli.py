@@ -294,13 +294,25 @@ def cmd_chat(a) -> int:
 
 
 def cmd_serve(a) -> int:
-    from coli.server import serve
+    from coli.server import bind, serve
 
     if not 0 <= a.port <= 65535:
         raise ColiError(f"--port: {a.port} (0 to 65535)")
     if a.queue < 1:
         raise ColiError(f"--queue: {a.queue} (at least 1)")
+    if not a.body_limit > 0:
+        raise ColiError(f"--body-limit: {a.body_limit} (MiB, above 0)")
+    key = a.api_key
+    if a.api_key_file:
+        try:
+            key = open(a.api_key_file, encoding="utf-8").read().strip()
+        except OSError as e:
+            raise ColiError(f"--api-key-file {a.api_key_file}: {e.strerror or e}") from None
+        if not key:
+            raise ColiError(f"--api-key-file {a.api_key_file}: empty")
+    key = key or settings.get("COLI_API_KEY")
     cfg_note = _apply_config(a)
+    sock = bind(a.host, a.port)  # a port in use is an error before the model loads
     eng = _open_engine(a, quiet=a.quiet)
     eng.cli_names = False  # errors go to HTTP clients: name the request's fields, not coli's flags
     if not a.quiet:
@@ -311,7 +323,8 @@ def cmd_serve(a) -> int:
         aliases.add(a.model)
     model_id = a.alias or eng.path.stem
     try:
-        return serve(eng, model_id, host=a.host, port=a.port, aliases=aliases, max_queue=a.queue, quiet=a.quiet)
+        return serve(eng, model_id, host=a.host, port=a.port, aliases=aliases, max_queue=a.queue, quiet=a.quiet,
+                     sock=sock, api_key=key, cors=a.cors, body_limit_mb=a.body_limit)
     finally:
         _close(eng)  # already closed by the server's shutdown; idempotent
 
@@ -523,8 +536,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
     s.add_argument("--port", type=int, default=8080, help="TCP port")
     s.add_argument("--queue", type=int, default=8, help="requests waiting at most (more get 503)")
-    s.add_argument("--alias", default=None, help="model name the server answers to (default: the file's stem)")
-    s.add_argument("-q", "--quiet", action="store_true", help="no start line or access log")
+    s.add_argument("--alias", default=None, help="the served model's id (default: the file's stem)")
+    s.add_argument("--api-key", default=None, metavar="KEY",
+                   help="clients must send 'Authorization: Bearer KEY' (else COLI_API_KEY; none: no check)")
+    s.add_argument("--api-key-file", default=None, metavar="FILE", help="read the key from FILE")
+    s.add_argument("--cors", nargs="+", default=None, metavar="ORIGIN",
+                   help="browser origins allowed to call the server ('*' for any; default: localhost's only)")
+    s.add_argument("--body-limit", type=float, default=16, metavar="MiB", help="request bodies above it get 413")
+    s.add_argument("-q", "--quiet", action="store_true", help="no start line or access log (the serving line stays)")
     _engine_args(s)
     s.set_defaults(func=cmd_serve)
 

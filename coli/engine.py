@@ -621,10 +621,14 @@ class Engine:
             raise ColiError(f"token ids: id {int(ids[i])} at index {i} is outside the vocabulary of {self.args.vocab}")
         return ids
 
-    def _prefill(self, kv, ids, all_logits: bool):
+    def _prefill(self, kv, ids, all_logits: bool, should_stop=None):
+        """Logits of ``ids`` run in chunks of PREFILL_CHUNK; None when ``should_stop()`` said so between
+        chunks (a client that went away does not hold the engine for the rest of a long prompt)."""
         out = []
         step = self.prompt_chunk()
         for s in range(0, len(ids), step):
+            if s and should_stop is not None and should_stop():
+                return None
             chunk = ids[s : s + step]
             last = s + step >= len(ids)
             lg = self.model.forward(chunk, kv, all_logits=all_logits)
@@ -823,8 +827,8 @@ class Engine:
         instead of a :class:`GenerateResult`. ``keep_kv`` reuses the KV cache of the previous ``keep_kv`` call
         for the longest common token prefix (a conversation's earlier turns are not recomputed; at the default
         activations the resumed prompt's logits are the whole one's, bit for bit: docs/engine.md "Batch
-        invariance"). ``should_stop()``, polled
-        between tokens, ends the generation early (``finish_reason`` "cancelled").
+        invariance"). ``should_stop()``, polled between tokens and between prompt chunks, ends the generation
+        early (``finish_reason`` "cancelled").
 
         Raises ``ColiError`` naming the argument for bad settings, a prompt that does not fit the context
         (``max_tokens`` included), a call after :meth:`close`, or a step whose logits are all non-finite.
@@ -920,7 +924,11 @@ class Engine:
         finish = "length"
         cut = StopText(stop)
         try:
-            lg = self._prefill(kv, ids[n_same:], False)[-1]
+            lg = self._prefill(kv, ids[n_same:], False, should_stop)
+            if lg is None:
+                finish, n_gen = "cancelled", 0
+            else:
+                lg = lg[-1]
             t1 = time.perf_counter()
             c1 = compile_seconds()
             eos = self.tokenizer.eos_ids

@@ -140,7 +140,8 @@ class Sampler:
     """
 
     def __init__(self, params: SamplingParams | None = None, *, ctx: int | None = None, n_vocab: int | None = None,
-                 rng: np.random.Generator | None = None, **kw):
+                 rng: np.random.Generator | None = None, logit_bias: dict | None = None, constraint=None,
+                 top_logprobs: int | None = None, **kw):
         if params is None:
             params = SamplingParams(**kw)
         elif kw:
@@ -158,6 +159,10 @@ class Sampler:
         self.n_vocab = n_vocab
         self.masked_steps = 0
         self.masked_logits = 0
+        self.logit_bias = {int(k): float(v) for k, v in (logit_bias or {}).items()}
+        self.constraint = constraint
+        self.top_logprobs = top_logprobs
+        self.logprobs: list = []
 
     # -- state -------------------------------------------------------------------------------------------
     def accept(self, token: int) -> None:
@@ -208,9 +213,35 @@ class Sampler:
         lg[toks[fin]] = v[fin]
 
     def sample(self, logits) -> int:
-        """The next token id for one row of logits (does not ``accept`` it: call ``accept`` after)."""
-        p = self.params
+        """The next token id for one row of logits (does not ``accept`` it: call ``accept`` after).
+
+        Before the chain: ``logit_bias`` ({token id: bias}, OpenAI's: added to the logit; -100 bans, 100
+        forces) and ``constraint`` (an object with ``mask(lg)``, setting the logits of tokens its grammar
+        forbids to -inf in place, and ``consume(token)``, told the chosen token). With ``top_logprobs`` (an
+        int >= 0) each step appends ``(token, logprob, [(id, logprob), ...])`` to ``self.logprobs``: the
+        log-softmax of the model's logits (after bias and mask, before penalties, truncation and temperature)."""
         lg = self._finite(logits)
+        for t, b in self.logit_bias.items():
+            if 0 <= t < lg.size:
+                lg[t] += b
+        if self.constraint is not None:
+            self.constraint.mask(lg)
+            if not np.isfinite(lg).any():
+                raise ColiError("constrained decoding: the grammar allows no token of the vocabulary")
+        tok = self._chain(lg.copy() if self.top_logprobs is not None else lg)
+        if self.top_logprobs is not None:
+            m = lg.max()
+            lp = lg - (m + math.log(np.exp(lg - m).sum()))
+            k = self.top_logprobs
+            top = np.argpartition(-lp, k - 1)[:k] if 0 < k < lp.size else np.arange(lp.size if k else 0)
+            top = top[np.argsort(-lp[top], kind="stable")]
+            self.logprobs.append((tok, float(lp[tok]), [(int(i), float(lp[i])) for i in top]))
+        if self.constraint is not None:
+            self.constraint.consume(tok)
+        return tok
+
+    def _chain(self, lg: np.ndarray) -> int:
+        p = self.params
         self._penalize(lg)
         if p.greedy:
             return int(np.argmax(lg))

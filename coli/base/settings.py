@@ -99,6 +99,8 @@ VARS: tuple[Var, ...] = (
     Var("COLI_VK_SHADERS", "path", None, "folder of the compiled .spv shaders (default the package's shaders/)",
         dev=True),
     Var("COLI_VK_FAULT", "int", 0, "simulate a lost device at submit N (0: never)", "submit", lo=0, dev=True),
+    Var("COLI_API_KEY", "str", None, "the key coli serve requires of clients (Authorization: Bearer KEY; "
+        "as llama-server's LLAMA_API_KEY); docs/serve.md", flag="--api-key"),
     Var("COLI_THREADING", "str", "tbb", "Numba's threading layer for the CPU kernels: tbb (where its library "
         "loads; else omp) or omp (OpenMP with passive wait); docs/cpu_kernels.md \"threads\"", dev=True),
     Var("COLI_SLOW_TESTS", "bool", False, "run the slow oracle tests (transformers, gguf's reader)", dev=True),

@@ -1,0 +1,161 @@
+"""Constrained decoding for ``coli serve``: ``response_format`` (``json_object``, ``json_schema``) and forced
+tool calls (``tool_choice`` "required" or a named function) through llguidance's token masks.
+
+llguidance (Microsoft's grammar engine behind guidance, llama.cpp's ``--grammar`` LLGuidance backend and
+vLLM's ``guided_decoding_backend=guidance``) compiles a JSON schema to a grammar and, at each step, gives the
+set of tokens that keep the text inside it; :class:`Constraint` sets every other token's logit to -inf
+(``coli.sampling.Sampler(constraint=...)``). Why llguidance rather than xgrammar or outlines-core, with the
+measured mask times: docs/serve.md "Structured output".
+"""
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+
+from coli.errors import ColiError
+
+_LOCK = threading.Lock()
+_CACHE: dict = {}
+# compact JSON (", " and ": "), no free whitespace: a small model cannot loop on blank lines inside an object
+JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+def _error(message, param):
+    from coli.server import APIError
+
+    return APIError(400, message, param=param)
+
+
+def lltokenizer(tok):
+    """llguidance's tokenizer for a :class:`coli.tokenizer.Tokenizer` (its pieces' bytes; control tokens and
+    ``<...>`` user-defined ones marked special with a leading 0xFF byte, as llguidance's llama.cpp binding
+    does), made once per tokenizer (about a second at a 150k vocabulary)."""
+    import llguidance
+
+    from coli.tokenizer import CONTROL, USER_DEFINED
+
+    with _LOCK:
+        got = _CACHE.get(id(tok))
+        if got is not None and got[0] is tok:
+            return got[1]
+        tokens = []
+        for i in range(tok.vocab_size):
+            b = tok.piece_bytes(i)
+            t = int(tok.token_type[i])
+            if t == CONTROL or (t == USER_DEFINED and b.startswith(b"<") and b.endswith(b">")):
+                b = b"\xff" + b
+            tokens.append(b)
+
+        class _Wrapped:
+            eos_token_id = tok.eos_id
+            bos_token_id = tok.bos_id
+            special_token_ids = [i for i in range(tok.vocab_size) if tokens[i][:1] == b"\xff"]
+
+            def __call__(self, s):
+                return tok.encode(s.decode("utf-8", "replace") if isinstance(s, bytes) else s, add_bos=False)
+
+        w = _Wrapped()
+        w.tokens = tokens
+        llt = llguidance.LLTokenizer(llguidance.TokenizerWrapper(w), eos_token=sorted(tok.eos_ids))
+        _CACHE[id(tok)] = (tok, llt)
+        return llt
+
+
+class Constraint:
+    """One generation's grammar state: ``mask(lg)`` sets the logits (f64 [n_logits], in place) of tokens the
+    grammar forbids to -inf (rows past the tokenizer's vocabulary too); ``consume(token)`` advances it
+    (an end-of-generation token once the grammar is complete is accepted). ColiError when the grammar ends
+    in an error."""
+
+    def __init__(self, matcher, n_tokens: int, eos_ids):
+        self.m = matcher
+        self.n = n_tokens
+        self.eos = set(eos_ids)
+        self.bits = np.zeros((n_tokens + 31) // 32, np.int32)
+
+    def mask(self, lg: np.ndarray) -> None:
+        self.m.unsafe_compute_mask_ptr(self.bits.ctypes.data, self.bits.nbytes)
+        allowed = np.unpackbits(self.bits.view(np.uint8), bitorder="little")[: self.n].view(bool)
+        n = min(self.n, lg.size)
+        lg[:n][~allowed[:n]] = -np.inf
+        lg[n:] = -np.inf
+
+    def consume(self, token: int) -> None:
+        if token in self.eos and (self.m.is_accepting() or self.m.is_stopped()):
+            return
+        if not self.m.consume_token(int(token)):
+            raise ColiError(f"constrained decoding: {self.m.get_error()}")
+
+
+def grammar(eng, schema, param: str):
+    """A validated llguidance matcher for JSON ``schema`` (a dict); APIError 400 naming ``param`` when the
+    schema is not one llguidance compiles."""
+    import llguidance
+
+    try:
+        g = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
+    except (ValueError, TypeError) as e:
+        raise _error(f"'{param}': not a JSON schema ({e})", param) from None
+    llt = lltokenizer(eng.tokenizer)
+    m = llguidance.LLMatcher(llt, g, log_level=0)
+    if m.is_error():
+        raise _error(f"'{param}': the schema cannot be used for constrained decoding: {m.get_error()}", param)
+    return m
+
+
+def factory(eng, matcher):
+    tok = eng.tokenizer
+    return lambda: Constraint(matcher.deep_copy(), tok.vocab_size, tok.eos_ids)
+
+
+def response_schema(body: dict):
+    """The JSON schema ``response_format`` asks for, or None (text). APIError for a malformed field."""
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+        raise _error(f"'response_format': {rf!r:.80} (type text, json_object or json_schema)", "response_format")
+    if rf["type"] == "text":
+        return None
+    if rf["type"] == "json_object":
+        return {"type": "object"}
+    js = rf.get("json_schema")
+    if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+        raise _error("'response_format.json_schema': not {'name', 'schema': {...}}", "response_format")
+    return js.get("schema") or {"type": "object"}
+
+
+def tool_call_schema(tools, key: str = "arguments") -> dict:
+    """The JSON of one call of one of ``tools`` (or of the one ``tools.choice`` names): ``{"name": NAME,
+    key: arguments per the function's parameters}``."""
+    names = tools.names if tools.choice == "required" else [tools.choice]
+    alts = [{"type": "object", "properties": {"name": {"const": n}, key: tools.schemas[n]},
+             "required": ["name", key], "additionalProperties": False} for n in names]
+    return alts[0] if len(alts) == 1 else {"anyOf": alts}
+
+
+def for_request(eng, body: dict, tools) -> tuple:
+    """``(constraint factory or None, prefix)`` of a chat request: ``response_format``'s schema, or a forced
+    tool call (``tool_choice`` "required" / named): the call's opening (``prefix``, e.g. ``<tool_call>\\n``
+    for Hermes templates) is appended to the prompt and its JSON constrained. APIError 400 for a schema
+    llguidance cannot compile, or a forced call with a template whose call syntax is not JSON after a fixed
+    opening."""
+    from coli.tool_calls import template_format
+
+    schema = response_schema(body)
+    if tools.parse and tools.choice not in ("auto", "none"):
+        fmt = template_format(eng.tokenizer.chat_template)
+        if fmt in ("hermes", "none"):
+            prefix, key = "<tool_call>\n", "arguments"
+        elif fmt == "llama3":
+            prefix, key = "", "parameters"
+        else:
+            raise _error(f"'tool_choice': {tools.choice!r} needs constrained decoding, which this server does for "
+                         f"Hermes/Qwen and Llama 3 templates only (this model's tool calls are {fmt}'s); use "
+                         f"'auto'", "tool_choice")
+        return factory(eng, grammar(eng, tool_call_schema(tools, key), "tools")), prefix
+    if schema is None:
+        return None, ""
+    return factory(eng, grammar(eng, schema, "response_format")), ""

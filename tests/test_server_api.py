@@ -1,0 +1,405 @@
+"""``coli serve``'s OpenAI protocol in process (Starlette's TestClient on the app, no socket): the cases clients
+and agent frameworks send that servers get wrong, sampling fields (logprobs, logit_bias, n), the API key,
+CORS, /metrics, tool-call parsing of each family's format. SmolLM2 with f32 activations, so the server's
+greedy text equals the library's (``Engine.generate`` on the same engine while the server is idle).
+
+The subprocess tests (the real ``openai`` client, disconnects, signals, ports) are in test_server.py."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from coli import tool_calls as TC
+
+CTX = 512
+Q = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def eng(model_path):
+    from coli.engine import Engine
+
+    e = Engine(model_path("smollm2"), ctx=CTX, cpu_act="f32", save_usage=False)
+    e.cli_names = False
+    yield e
+    e.close()
+
+
+def _client(eng, **kw):
+    from starlette.testclient import TestClient
+
+    from coli.server import create_app
+
+    app = create_app(eng, "smol", **kw)
+    app.router.lifespan_context = _keep_open(app.router.lifespan_context, eng)
+    return TestClient(app)
+
+
+def _keep_open(lifespan, eng):
+    """The app's lifespan without its engine close (the module's engine serves several apps)."""
+    import contextlib
+
+    @contextlib.asynccontextmanager
+    async def span(app):
+        close, eng.close = eng.close, lambda: None
+        try:
+            async with lifespan(app):
+                yield
+        finally:
+            eng.close = close
+    return span
+
+
+@pytest.fixture(scope="module")
+def http(eng):
+    with _client(eng) as c:
+        yield c
+
+
+def _greedy(eng, ids, n, **kw):
+    return eng.generate(ids=ids, max_tokens=n, temp=0.0, keep_kv=False, **kw)
+
+
+def _events(r) -> list:
+    out = []
+    for line in r.text.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            out.append(json.loads(line[6:]))
+    return out
+
+
+# ------------------------------------------------------------------------------------- the protocol table
+
+def test_max_tokens_with_null_max_completion_tokens(http):
+    """A client that sends every field (max_completion_tokens: null next to max_tokens: 5) gets 5 tokens."""
+    r = http.post("/v1/chat/completions", json={"messages": Q, "max_tokens": 5, "max_completion_tokens": None,
+                                                "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 5
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_top_p_zero_is_greedy_and_top_k_minus_one_is_off(http, eng):
+    """top_p 0 (the smallest nucleus: the most likely token) at temperature 1 gives the greedy text; top_k -1
+    is accepted as "off"."""
+    want = _greedy(eng, eng.tokenize("Once upon a time"), 8, stop_at_eos=False).text
+    r = http.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 8, "temperature": 1,
+                                           "top_p": 0, "seed": 3, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == want
+    r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "top_k": -1, "seed": 1})
+    assert r.status_code == 200, r.text
+
+
+def test_bad_seed_streamed_is_400_before_the_stream(http):
+    """seed -5 with stream: a 400 JSON error object, not a 200 event stream that carries an error."""
+    r = http.post("/v1/chat/completions", json={"messages": Q, "seed": -5, "stream": True, "max_tokens": 2})
+    assert r.status_code == 400
+    assert r.headers["content-type"].startswith("application/json")
+    assert r.json()["error"]["param"] == "seed"
+
+
+def test_lone_surrogate_is_400(http):
+    """A lone UTF-16 surrogate in a message (valid JSON, not valid Unicode): 400 with OpenAI's error object."""
+    raw = b'{"messages": [{"role": "user", "content": "bad \\ud800 text"}], "max_tokens": 2}'
+    r = http.post("/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["code"] == "invalid_unicode"
+    assert err["param"] == "messages" and "'messages[0].content': not valid Unicode" in err["message"]
+
+
+def test_template_kwargs_reach_the_template(http, eng):
+    """chat_template_kwargs and reasoning_effort are variables of the chat template: a template that writes
+    them gets a prompt with them (its token count is the library's for the same variables)."""
+    tok = eng.tokenizer
+    saved = tok.chat_template
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                         "{% if enable_thinking is defined and not enable_thinking %}NO THINKING {% endif %}"
+                         "{% if reasoning_effort is defined %}effort {{ reasoning_effort }} {% endif %}"
+                         "<|im_start|>assistant\n")
+    try:
+        want = len(tok.encode_chat(Q, enable_thinking=False, reasoning_effort="low"))
+        plain = len(tok.encode_chat(Q))
+        assert want > plain
+        r = http.post("/v1/chat/completions", json={"messages": Q, "max_tokens": 1, "reasoning_effort": "low",
+                                                    "chat_template_kwargs": {"enable_thinking": False}})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == want
+        r = http.post("/v1/chat/completions", json={"messages": Q, "max_tokens": 1, "reasoning_effort": "huge"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
+    finally:
+        tok.chat_template = saved
+
+
+def test_completions_list_of_prompts(http, eng):
+    """/v1/completions with a list of prompts (text and token ids): one choice per prompt, in order, each the
+    library's greedy text."""
+    ps = ["The capital of France is", "Once upon a time"]
+    ids = eng.tokenize("1, 2, 3,")
+    r = http.post("/v1/completions", json={"prompt": ps + [ids], "max_tokens": 6, "temperature": 0,
+                                           "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    ch = r.json()["choices"]
+    assert [c["index"] for c in ch] == [0, 1, 2]
+    for c, p in zip(ch, ps):
+        assert c["text"] == _greedy(eng, eng.tokenize(p), 6, stop_at_eos=False).text
+    assert ch[2]["text"] == _greedy(eng, ids, 6, stop_at_eos=False).text
+    assert r.json()["usage"]["completion_tokens"] == 18
+
+
+def test_body_over_the_limit_is_413(eng):
+    """A 50 MB body: 413 at the body limit (Starlette's RequestBodyLimitMiddleware answers from the
+    Content-Length, the body is never parsed); sent in chunks without a length, the limit stops the read and
+    the answer is OpenAI's error object. The server answers the next request."""
+    with _client(eng, body_limit_mb=16) as c:
+        big = b'{"prompt": "' + b"a" * (50 * 2**20) + b'", "max_tokens": 1}'
+        r = c.post("/v1/completions", content=big, headers={"Content-Type": "application/json"})
+        assert r.status_code == 413
+
+        def chunks():
+            for k in range(0, len(big), 2**20):
+                yield big[k:k + 2**20]
+
+        r = c.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        assert c.get("/health").json()["status"] == "ok"
+
+
+def test_conversation_outgrowing_context_drops_oldest_turns(http, eng):
+    """A conversation longer than the context: the oldest turns (after the system message) are dropped until
+    the prompt leaves a quarter of the context for the answer; the answer says how many
+    (``context_shift.dropped_messages`` and the ``X-Context-Dropped-Messages`` header) and its prompt is the
+    template's rendering of the kept messages."""
+    filler = " ".join(["the quick brown fox jumps over the lazy dog"] * 12)
+    msgs = [{"role": "system", "content": "Be brief."}]
+    for i in range(8):
+        msgs += [{"role": "user", "content": f"Turn {i}: {filler}"}, {"role": "assistant", "content": filler}]
+    msgs.append({"role": "user", "content": "Say hi."})
+    assert len(eng.tokenizer.encode_chat(msgs)) > CTX
+    r = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200, r.text
+    d = r.json()
+    k = d["context_shift"]["dropped_messages"]
+    assert k > 0 and k % 2 == 0 and r.headers["X-Context-Dropped-Messages"] == str(k)
+    kept = msgs[:1] + msgs[1 + k:]
+    n = len(eng.tokenizer.encode_chat(kept))
+    assert d["usage"]["prompt_tokens"] == n
+    assert n + 4 <= CTX and len(eng.tokenizer.encode_chat(msgs[:1] + msgs[k - 1:])) + CTX // 4 > CTX
+
+
+# ------------------------------------------------------------------------------------- sampling fields
+
+def _log_softmax(row):
+    row = row.astype(np.float64)
+    m = row.max()
+    return row - (m + math.log(np.exp(row - m).sum()))
+
+
+def test_logprobs_equal_the_model_log_softmax(http, eng):
+    """Chat logprobs with top_logprobs 3 (greedy): each token's logprob is the log-softmax of the model's logits
+    at its position (Engine.logits on the prompt and the tokens before it), its top alternatives are the 3
+    largest, the first being the token itself."""
+    r = http.post("/v1/chat/completions", json={"messages": Q, "max_tokens": 4, "temperature": 0,
+                                                "logprobs": True, "top_logprobs": 3, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]["content"]
+    prompt = eng.tokenizer.encode_chat(Q)
+    gen = _greedy(eng, prompt, 4, stop_at_eos=False).ids
+    assert len(lp) == 4
+    rows = eng.logits(prompt + gen[:-1])[len(prompt) - 1:]
+    for j, e in enumerate(lp):
+        ls = _log_softmax(rows[j][: eng.args.vocab])
+        assert e["logprob"] == pytest.approx(ls[gen[j]], abs=2e-3)
+        assert bytes(e["bytes"]) == eng.tokenizer.piece_bytes(gen[j])
+        top = np.argsort(-ls)[:3]
+        assert [a["logprob"] for a in e["top_logprobs"]] == pytest.approx(ls[top].tolist(), abs=2e-3)
+        assert e["top_logprobs"][0]["token"] == e["token"]
+    r = http.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 3, "temperature": 0,
+                                           "logprobs": 2, "ignore_eos": True})
+    c = r.json()["choices"][0]["logprobs"]
+    assert len(c["tokens"]) == len(c["token_logprobs"]) == len(c["top_logprobs"]) == 3
+    assert "".join(c["tokens"]) == r.json()["choices"][0]["text"]
+
+
+def test_logit_bias(http, eng):
+    """logit_bias -100 bans the greedy first token (the answer starts with another); +100 on one token makes
+    greedy decoding repeat it."""
+    ids = eng.tokenize("Once upon a time")
+    first = _greedy(eng, ids, 1, stop_at_eos=False).ids[0]
+    r = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 1, "temperature": 0, "ignore_eos": True,
+                                           "logprobs": 0, "logit_bias": {str(first): -100}})
+    assert r.status_code == 200, r.text
+    got = r.json()["choices"][0]["logprobs"]["tokens"][0]
+    assert got.encode() != eng.tokenizer.piece_bytes(first)
+    x = eng.tokenize(" banana")[-1]
+    r = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+                                           "logit_bias": {str(x): 100}})
+    assert r.json()["choices"][0]["text"] == eng.detokenize([x] * 3)
+    r = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 1, "logit_bias": {"abc": 1}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+
+
+def test_n_choices_with_seeds(http):
+    """n 2 with seed s: two choices (index 0, 1), the same as two requests with seeds s and s+1."""
+    body = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 1.0, "ignore_eos": True}
+    r = http.post("/v1/completions", json={**body, "n": 2, "seed": 11})
+    assert r.status_code == 200, r.text
+    ch = r.json()["choices"]
+    assert [c["index"] for c in ch] == [0, 1]
+    for i, s in enumerate((11, 12)):
+        one = http.post("/v1/completions", json={**body, "seed": s}).json()["choices"][0]["text"]
+        assert ch[i]["text"] == one
+    assert r.json()["usage"]["completion_tokens"] == 16
+    st = http.post("/v1/chat/completions", json={"messages": Q, "n": 2, "seed": 11, "max_tokens": 4,
+                                                 "stream": True, "ignore_eos": True})
+    ev = _events(st)
+    assert {c["index"] for e in ev for c in e["choices"]} == {0, 1}
+    assert [c["finish_reason"] for e in ev for c in e["choices"] if c["finish_reason"]] == ["length", "length"]
+
+
+# ------------------------------------------------------------------------------------- safety, names, metrics
+
+def test_api_key(eng):
+    """--api-key: no key or a wrong one is a 401 with OpenAI's error object; the key (Bearer) is let through;
+    /health and /v1/models stay public."""
+    with _client(eng, api_key="s3cret") as c:
+        r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
+                   headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401
+        r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
+                   headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 200
+        assert c.get("/health").status_code == 200 and c.get("/v1/models").status_code == 200
+        assert c.get("/metrics").status_code == 401
+
+
+def test_cors_localhost_only_unless_given(eng):
+    """Browsers on localhost origins may call the server, others not (no Access-Control-Allow-Origin);
+    --cors ORIGIN allows that origin."""
+    pre = {"Access-Control-Request-Method": "POST"}
+    with _client(eng) as c:
+        r = c.options("/v1/chat/completions", headers={"Origin": "http://localhost:3000", **pre})
+        assert r.headers.get("access-control-allow-origin") == "http://localhost:3000"
+        r = c.options("/v1/chat/completions", headers={"Origin": "https://evil.example", **pre})
+        assert "access-control-allow-origin" not in r.headers
+        r = c.get("/v1/models", headers={"Origin": "https://evil.example"})
+        assert "access-control-allow-origin" not in r.headers
+    with _client(eng, cors=["https://app.example"]) as c:
+        r = c.get("/v1/models", headers={"Origin": "https://app.example"})
+        assert r.headers.get("access-control-allow-origin") == "https://app.example"
+
+
+def test_any_model_name_is_served(http):
+    """One model is served: any ``model`` name is answered by it (as llama-server), the answer names it."""
+    r = http.post("/v1/chat/completions", json={"model": "gpt-4o", "messages": Q, "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["model"] == "smol"
+    assert http.get("/v1/models/gpt-4o").status_code == 404
+
+
+def test_metrics_prometheus_text(http):
+    """/metrics: Prometheus text whose counters moved with a request (prompt and generated tokens, a 200)."""
+    def scrape():
+        out = {}
+        for line in http.get("/metrics").text.splitlines():
+            if line and not line.startswith("#"):
+                name, v = line.rsplit(" ", 1)
+                out[name] = float(v)
+        return out
+
+    m0 = scrape()
+    r = http.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 3, "ignore_eos": True})
+    u = r.json()["usage"]
+    m1 = scrape()
+    key = 'coli_requests_total{endpoint="completion",status="200"}'
+    assert m1[key] == m0.get(key, 0) + 1
+    assert m1["coli_tokens_predicted_total"] == m0["coli_tokens_predicted_total"] + 3
+    assert m1["coli_prompt_tokens_total"] == m0["coli_prompt_tokens_total"] + u["prompt_tokens"]
+    assert m1["coli_time_to_first_token_seconds_count"] == m0["coli_time_to_first_token_seconds_count"] + 1
+    assert m1["coli_requests_deferred"] == 0
+
+
+# ------------------------------------------------------------------------------------- tools
+
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                             "parameters": {"type": "object",
+                                                            "properties": {"city": {"type": "string"}},
+                                                            "required": ["city"]}}}]
+
+
+def test_tool_history_on_a_template_without_tools(http, eng):
+    """SmolLM2's template never reads ``tools``: the tools are described in the system message (Hermes's
+    words), an assistant turn with content null + tool_calls and a ``tool`` result are written as Hermes
+    text; the request is answered (no 400) and its prompt is exactly that rendering."""
+    msgs = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "23 C"}]
+    r = http.post("/v1/chat/completions", json={"messages": msgs, "tools": WEATHER, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    tools = TC.request_tools({"tools": WEATHER})
+    want = eng.tokenizer.encode_chat(TC.without_tool_syntax(
+        [{"role": "user", "content": "Weather in Paris?"},
+         {"role": "assistant", "content": None,
+          "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+         {"role": "tool", "content": "23 C"}], tools))
+    assert r.json()["usage"]["prompt_tokens"] == len(want)
+    text = eng.tokenizer.decode(want)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert "<tool_response>\n23 C\n</tool_response>" in text and '"name": "get_weather"' in text
+    r = http.post("/v1/chat/completions", json={"messages": Q, "tools": WEATHER, "tool_choice": "none",
+                                                "max_tokens": 1})
+    assert r.status_code == 200
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    ('Let me check.<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
+     '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>', "Let me check.", [("f", {"a": 1}), ("g", {})]),
+    ('<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>\n'
+     '<arg_value>3</arg_value>\n</tool_call>', "", [("get_weather", {"city": "Paris", "days": 3})]),
+    ('<|python_tag|>{"name": "f", "parameters": {"x": "y"}}', "", [("f", {"x": "y"})]),
+    ('{"name": "f", "parameters": {"x": 2}}', "", [("f", {"x": 2})]),
+    ('[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {"b": 2}}]', "",
+     [("f", {"a": 1}), ("g", {"b": 2})]),
+    ('[TOOL_CALLS]f[ARGS]{"a": 1}', "", [("f", {"a": 1})]),
+    ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{"a": 1}\n```'
+     '<｜tool▁call▁end｜><｜tool▁calls▁end｜>', "", [("f", {"a": 1})]),
+    ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{"a": 1}<｜tool▁call▁end｜><｜tool▁calls▁end｜>', "",
+     [("f", {"a": 1})]),
+    ('<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"a": 1}'
+     '<|tool_call_end|><|tool_calls_section_end|>', "", [("f", {"a": 1})]),
+    ('<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary '
+     'to=functions.f <|constrain|>json<|message|>{"a": 1}<|call|>', "", [("f", {"a": 1})]),
+    ('No call here {not json', "No call here {not json", []),
+])
+def test_parse_tool_call_formats(text, content, calls):
+    """Each family's tool-call syntax (the examples of their model cards / chat templates) parses into the
+    same (name, arguments) pairs; text outside the syntax is the content."""
+    got_content, got, _ = TC.parse(text, ["f", "g", "get_weather"])
+    assert got_content == content
+    assert [(n, json.loads(a)) for n, a in got] == calls
+
+
+def test_streamed_tool_call_deltas_equal_the_whole_parse():
+    """The stream parser sends content before a call as it comes, holds the call, and ends with the same
+    calls as the whole text's parse (OpenAI's tool_calls deltas with index, id, name and arguments)."""
+    from types import SimpleNamespace
+
+    text = 'Sure.<tool_call>\n{"name": "f", "arguments": {"a": [1, 2]}}\n</tool_call>'
+    fin = TC.Finisher(TC.request_tools({"tools": [{"type": "function", "function": {"name": "f"}}]}))
+    sp = fin.stream(0)
+    deltas = []
+    for k in range(0, len(text), 3):
+        deltas += sp.push(text[k:k + 3])
+    last, reason = sp.finish(SimpleNamespace(finish_reason="stop"))
+    assert "".join(d["content"] for d in deltas) == "Sure."
+    assert reason == "tool_calls"
+    calls = [d["tool_calls"][0] for d in last if "tool_calls" in d]
+    assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [(0, "f", {"a": [1, 2]})]
