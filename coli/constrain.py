@@ -14,7 +14,7 @@ import threading
 
 import numpy as np
 
-from coli.errors import ColiError
+from coli.base.errors import ColiError
 
 _LOCK = threading.Lock()
 _CACHE: dict = {}
