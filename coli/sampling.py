@@ -135,7 +135,9 @@ class Sampler:
     None or -1; print it to let a run be repeated). ``n_vocab`` restricts sampling to the first ``n_vocab``
     logits (rows of the output matrix beyond the token table are never sampled).
 
-    Counters: ``masked_steps`` (rows that had a non-finite logit), ``masked_logits`` (how many in all).
+    ``logit_bias``, ``constraint`` and ``top_logprobs`` (per-token logprobs into ``self.logprobs``): see
+    :meth:`sample`. Counters: ``masked_steps`` (rows that had a non-finite logit), ``masked_logits`` (how many in
+    all).
     Raises ``ColiError`` for bad settings and for a row with no finite logit.
     """
 

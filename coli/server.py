@@ -80,7 +80,7 @@ def _num(body, name, lo=None, hi=None, lo_open=False, integer=False):
 def _unsupported(body: dict) -> None:
     """400 for request fields this server cannot honour (rather than ignoring them and answering otherwise)."""
     for k in ("functions", "function_call", "suffix", "best_of"):
-        if body.get(k) is not None:
+        if body.get(k) not in ((None, 1) if k == "best_of" else (None, [], "")):
             raise APIError(400, f"'{k}': not supported by this server", param=k, code="unsupported_parameter")
 
 
