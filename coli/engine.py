@@ -878,11 +878,17 @@ class Engine:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ColiError(f"messages[{i}]: {m!r} (a dict with 'role' and 'content' strings)")
         ids = self.tokenizer.encode_chat([{"role": m["role"], "content": m["content"]} for m in messages])
+        self.note_template_fallback()
+        return ids
+
+    def note_template_fallback(self) -> None:
+        """After a chat render: one warning an engine (unless quiet) when the model has no chat template and
+        llama.cpp's ChatML fallback was used (callers that render through ``tokenizer.encode_chat`` with
+        template variables, such as the server, call it too)."""
         if self.tokenizer.template_fallback and not self.quiet and not getattr(self, "_fallback_said", False):
             self._fallback_said = True   # once an engine: a chat or a server says it at its first turn
             print(f"coli: warning: {self.path.name} has no tokenizer.chat_template: using llama.cpp's fallback, "
                   f"ChatML (answers may be poor; {CHATML_END} ends them)", file=sys.stderr)
-        return ids
 
     def chat(self, messages, **kw):
         """The assistant's answer to ``messages`` (OpenAI's shape: ``[{"role": "system"|"user"|"assistant",

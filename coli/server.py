@@ -756,6 +756,7 @@ def create_app(eng, model_id: str, aliases=(), max_queue: int = 8, api_key: str 
                 return ids, dropped
 
             ids, dropped = await run_in_threadpool(prepare)
+            eng.note_template_fallback()
             options["stop"] = eng.chat_stops(options.get("stop"))  # the ChatML fallback's <|im_end|>
             fit(ids, options)
             stream, include_usage = stream_flags(body)
