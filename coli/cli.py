@@ -79,6 +79,9 @@ def _engine_args(p: argparse.ArgumentParser, model_required=False):
     p.add_argument("--reproducible", action="store_true",
                    help="the same device expert set, hence the same logits bytes, every run: uploads waited for, "
                         "no balancer (COLI_VK_TIER_SYNC=1 with --no-balance)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="a token's logits bit-identical however its prompt was chunked for every matrix, also those "
+                        "without t16 tiles (COLI_BATCH_INVARIANT=1; docs/engine.md \"Batch invariance\")")
     p.add_argument("--trace", default=None, metavar="FILE.json", help="write Chrome/Perfetto trace events")
 
 
@@ -112,7 +115,8 @@ def _open_engine(a, quiet=False, save_usage=True):
         raise ColiError(f"--gpu-layers and {tier_flags[0]}: {tier_flags[0]} is the expert tier's; device layers run "
                         "without it (drop one)")
     env = settings.overlay(None, COLI_VK_DEV=index, COLI_VK_TIER_GB=a.tier_gb, COLI_VK_LAYERS=a.gpu_layers,
-                           COLI_VK_TIER_SYNC=True if a.reproducible else None, COLI_MEM=_mem_flag(a))
+                           COLI_VK_TIER_SYNC=True if a.reproducible else None, COLI_MEM=_mem_flag(a),
+                           COLI_BATCH_INVARIANT=True if a.batch_invariant else None)
     model = resolve_model(a.model, quiet=quiet)
     return Engine(model, threads=a.threads, ctx=a.ctx, expert_cache=a.expert_cache, usage=a.usage,
                   cpu_act=a.cpu_act, io_threads=4 if a.io_threads is None else a.io_threads, device=device,

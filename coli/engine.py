@@ -361,7 +361,10 @@ class Engine:
             self.tokenizer = Tokenizer.from_gguf(self.g)
         check_vocab_tables(self.g, self.tokenizer.vocab_size)
         self._check_dense_fits()
-        self.model = cls(self.g, self.args, None, self.cpu_act)
+        from coli.base import settings
+
+        self.model = cls(self.g, self.args, None, self.cpu_act,
+                         invariant=bool(settings.get("COLI_BATCH_INVARIANT", self.env)))
         a = self.args
         # what the budget leaves once the model's dense part is loaded, less the headroom
         self.room = max(0, self.memory.left() - headroom(self.memory.bytes))

@@ -15,6 +15,7 @@ import pytest
 
 import cpu_kernels
 from coli import engine as E
+from coli.models import base
 from coli.types import table as TT
 from cpu_kernels import experts as X
 from cpu_kernels import formats as F
@@ -95,11 +96,12 @@ def _inner(t: str) -> int:
     return 2 * bs if bs >= 256 else 512 if bs >= 64 else 320   # an even number of 32-blocks: the GEMM's shapes
 
 
-def _rows_alone_check(w, x):
-    alone = np.concatenate([F.matmul(w, x[t:t + 1]) for t in range(len(x))])
+def _rows_alone_check(w, x, invariant=False):
+    mm = (lambda x: base.matmul(w, x, "int8", True)) if invariant else (lambda x: F.matmul(w, x))  # noqa: E731
+    alone = np.concatenate([mm(x[t:t + 1]) for t in range(len(x))])
     assert np.isfinite(alone).all()
     for T in (2, 5, 13, 40):
-        got = F.matmul(w, x[:T])
+        got = mm(x[:T])
         rows = np.flatnonzero((got != alone[:T]).any(axis=1))
         assert not len(rows), (f"{w.name} {w.layout} O={w.shape[0]}: {T} rows at once differ from the rows alone at "
                                f"{rows[:8]} by up to {np.abs(got - alone[:T]).max():.3g}")
@@ -153,6 +155,37 @@ def test_an_experts_pairs_do_not_depend_on_its_row_count(type_name, tiles):
             assert np.array_equal(got, want), (f"{type_name} tiles={tiles}: expert {e} with {len(rows)} rows (expert "
                                                f"0: {n0}) differs from its rows alone by up to "
                                                f"{np.abs(got - want).max():.3g}")
+
+
+@needs_vnni
+@pytest.mark.parametrize("type_name", list(F.FORMATS))
+def test_batch_invariant_matmul_rows_for_every_format(type_name):
+    """``--batch-invariant`` (``coli.models.base.matmul(..., invariant=True)``, what ``Model.mm`` runs): every format, the row layouts (O = 37) and
+    F32/F16/BF16 and FP8 weights included, gives each of T rows the bits of that row alone."""
+    rng = np.random.default_rng(len(type_name) + 1)
+    I = _inner(type_name)
+    for O in (48, 37):
+        w = F.prepare(type_name, TT.random_blocks(type_name, O, I, rng, 1.0), (O, I))
+        x = rng.standard_normal((40, I)).astype(np.float32)
+        x[3, :32] = 0.0
+        _rows_alone_check(w, x, invariant=True)
+
+
+@needs_vnni
+def test_batch_invariant_flag_on_a_model_of_f32_weights(monkeypatch):
+    """The Mixtral-shaped oracle (every matrix F32: no t16 tiles) with ``COLI_BATCH_INVARIANT=1``: its layers run
+    the grouped kernels at every row count, and 40 ids give the same logits in one step, steps of 1 and of 7."""
+    from coli.base import settings
+    from coli.engine import Engine
+    from conftest import FIXTURES
+
+    env = settings.overlay(None, COLI_BATCH_INVARIANT=True)
+    with Engine(FIXTURES / "oracles" / "mixtral.gguf", threads=2, save_usage=False, env=env, quiet=True) as eng:
+        assert eng.model.invariant and all(L.attn.qkv_any_rows for L in eng.model.layers)
+        ids = [int(i) % eng.args.vocab for i in range(3, 123, 3)]
+        whole = _chunked(eng, ids, 64, monkeypatch)
+        for chunk in (1, 7):
+            assert np.array_equal(_chunked(eng, ids, chunk, monkeypatch), whole), chunk
 
 
 @pytest.mark.parametrize("W_ro", [False, True])

@@ -58,6 +58,11 @@ VARS: tuple[Var, ...] = (
         "layers", lo=-1, flag="--gpu-layers"),
     Var("COLI_VK_TIER_RESERVE_GB", "float", 1.0, "device memory a discrete GPU keeps free beside the tier",
         "GiB", lo=0),
+    Var("COLI_BATCH_INVARIANT", "bool", False, "with int8 activations, the prompt matmuls of the matrices "
+        "without t16 tiles (F32/F16/BF16; quantized ones whose rows are not a multiple of 16) run the decode "
+        "kernels at every row count, so their logits do not depend on the prompt's chunking either (t16 matrices "
+        "always are: docs/engine.md \"Batch invariance\"); 1.1-2.9x slower prompt matmuls on those matrices",
+        flag="--batch-invariant"),
     Var("COLI_VK_TIER_SYNC", "bool", False, "wait for every staged upload before a step: the device's expert "
         "set is the same in every run (with --no-balance: reproducible logits)", flag="--reproducible"),
     Var("COLI_VK_TIER_RATE", "int", 16, "expert promotions to the device per token (balanced runs: also reads of experts only the device holds into RAM)", "experts/token", lo=0),

@@ -196,6 +196,27 @@ def dequantize(type_name: str, raw: np.ndarray, cols: int) -> np.ndarray:
     return fmt.reference(raw, (raw.shape[0], cols)).astype(np.float32, copy=False)
 
 
+def any_rows(w, act: str, invariant: bool = False) -> bool:
+    """True when weight ``w`` runs the grouped kernels (``cpu_kernels.experts``) at every row count, so that a
+    prompt's row gets the bits of the same row alone (a decode row; docs/engine.md "Batch invariance"): t16 tiles
+    always; with ``invariant`` (``--batch-invariant``), int8 activations and a VNNI CPU also every other format with
+    a grouped-kernel code (row layouts: the row kernels per (weight row, activation row) pair; F32/F16/BF16: the
+    decoded row's dot with the f32 row) instead of the prompt GEMMs (``gemm_i8``'s 4 x 4 tiles, the f32 GEMM),
+    which sum in another order than the GEMVs and are 1.1-2.9x faster on those matrices."""
+    return w.layout == "t16" or (invariant and act == "int8" and grouped.HAVE_VNNI and grouped.supports(w))
+
+
+def matmul(w, x: np.ndarray, act: str, invariant: bool = False) -> np.ndarray:
+    """``formats.matmul(w, x, act)`` (x f32 [T, I] -> f32 [T, O]); with ``invariant`` a weight :func:`any_rows`
+    takes runs the grouped kernels at every T (as t16 weights always do there), so row t of the result is the
+    GEMV's (T = 1) row bit for bit."""
+    if invariant and w.layout != "t16" and any_rows(w, act, True):
+        if w._group is None:
+            w._group = grouped.Group([w])
+        return w._group(grouped.Act(np.ascontiguousarray(x.reshape(-1, w.shape[1]), dtype=np.float32), act))
+    return formats.matmul(w, x, act=act)
+
+
 class Cache:
     """The per-layer caches of one sequence: ``layers[il]`` is what layer ``il``'s ``new_cache`` made (a
     ``blocks.KV`` for attention, a recurrent state for DeltaNet...), ``ctx`` positions, ``pos`` the next one.
@@ -225,8 +246,10 @@ class Model:
     #: ``coli.vulkan.device_layers.DeviceLayers`` when the last layers run on the device (the engine sets it)
     device_layers = None
 
-    def __init__(self, g, args: BaseArgs, step=None, act: str = "f32"):
+    def __init__(self, g, args: BaseArgs, step=None, act: str = "f32", invariant: bool = False):
         self.g = g
+        # --batch-invariant: every int8 matmul on the grouped kernels at every row count (any_rows)
+        self.invariant = invariant
         self.args = args
         self.step = step
         self.act = act
@@ -297,7 +320,7 @@ class Model:
 
     # -- shared helpers of the blocks --------------------------------------------------------------------
     def mm(self, w, x):
-        return formats.matmul(w, x, act=self.act)
+        return matmul(w, x, self.act, self.invariant)
 
     def grouped_rows(self, T: int) -> bool:
         """True when ``T`` rows run the grouped kernels (``cpu_kernels.experts``): up to the GEMV crossover of

@@ -26,6 +26,8 @@ from cpu_kernels.attention import attend
 from cpu_kernels.norms import geglu_tanh, rms_norm, rms_norm_heads, swiglu
 from cpu_kernels.rope import apply_rope
 
+from .base import any_rows
+
 
 class KV:
     """One attention layer's KV cache: ``k``, ``v`` f32 [n_kv, ctx, head_dim], preallocated for ``ctx``
@@ -86,7 +88,7 @@ class Attention:
         # q/k/v in one grouped launch on the layer input quantized once (cpu_kernels.experts)
         self.qkv_group = grouped.Group(qkv) if all(grouped.supports(w) for w in qkv) else None
         # t16 tiles run in the grouped kernels at every row count (formats.matmul sends them there one by one)
-        self.qkv_any_rows = self.qkv_group is not None and all(w.layout == "t16" for w in qkv)
+        self.qkv_any_rows = self.qkv_group is not None and all(any_rows(w, m.act, m.invariant) for w in qkv)
 
     def _check_shapes(self, fname: str, p: str, d: int):
         """The projections' [O, I] shapes against the hyper-parameters (the head split in ``heads`` and the KV
@@ -214,7 +216,7 @@ class MLP:
         # t16 tiles run in the grouped kernels at every row count; fused there a prompt chunk measured faster than
         # three matmuls and the NumPy-side activation: SwiGLU 8 % (SmolLM2), GeGLU (its tanh GELU in float32 in the
         # kernel) 20-32 % on Gemma-3-270M chunks of 16-64 rows (docs/cpu_kernels.md)
-        self.fused_any_rows = self.fused is not None and all(w.layout == "t16" for w in ws)
+        self.fused_any_rows = self.fused is not None and all(any_rows(w, m.act, m.invariant) for w in ws)
 
     def decoder(self, w_norm: np.ndarray, post_w: np.ndarray | None = None):
         """The compiled decode block ``h += post_w-norm(self(rms_norm(h) * w_norm))`` of this FFN
@@ -317,7 +319,7 @@ class MoE:
             fused = grouped.FFN(gate, up, down, grouped.ACT_SWIGLU, 0.0, m.act)
         # t16 tiles: the fused kernels at every row count (MLP.fused_any_rows), so a prompt's rows get a decode
         # row's SwiGLU and bits
-        any_rows = fused is not None and all(w.layout == "t16" for w in (gate, up, down))
+        any_rows = fused is not None and all(any_rows(w, m.act, m.invariant) for w in (gate, up, down))
 
         def run(x):
             if fused is not None and (any_rows or m.grouped_rows(x.shape[0])):

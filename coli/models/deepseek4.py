@@ -401,13 +401,13 @@ class DecoderLayer:
 class Model(base.Model):
     """DeepSeek-V4 over the hc residual streams; ``forward`` as ``base.Model.forward`` (module docstring)."""
 
-    def __init__(self, g, args, step=None, act: str = "f32"):
+    def __init__(self, g, args, step=None, act: str = "f32", invariant: bool = False):
         # compressed layers: the file's YaRN without its mscale (HF forces attention_factor 1 for V4)
         rs = args.rope_scaling
         self.compress_scaling = RopeScaling(rs.kind, rs.factor, rs.orig_ctx, rs.attn_factor, 1.0, rs.beta_fast,
                                             rs.beta_slow, rs.freq_factors) if rs.kind == "yarn" else rs
         self.tokens = None
-        super().__init__(g, args, step, act)
+        super().__init__(g, args, step, act, invariant)
         self.hc_head = HyperConnection(self, "output_hc_", head=True)
 
     @staticmethod

@@ -71,8 +71,8 @@ class DecoderLayer:
 
 
 class Model(base.Model):
-    def __init__(self, g, args, step=None, act="f32"):
-        super().__init__(g, args, step, act)
+    def __init__(self, g, args, step=None, act="f32", invariant=False):
+        super().__init__(g, args, step, act, invariant)
         self.embed_scale = math.sqrt(args.d_model)
 
     def make_layer(self, il):

@@ -197,8 +197,8 @@ class MTP:
 class Model(base.Model):
     dsa_positions = None
 
-    def __init__(self, g, args, step=None, act: str = "f32"):
-        super().__init__(g, args, step, act)
+    def __init__(self, g, args, step=None, act: str = "f32", invariant: bool = False):
+        super().__init__(g, args, step, act, invariant)
         self.mtp = [MTP(self, args.n_layers + i) for i in range(args.n_nextn)]
 
     @staticmethod
