@@ -210,10 +210,10 @@ class Tier:
         self.rate_left = self.rate
         # routings per (layer, expert) since start, never decayed: what the admission judges its trials by
         self.routings = np.zeros((self.L, self.E), dtype=np.int64)
-        # evicting promotions admitted by their measured yield (COLI_VK_TIER_YIELD=0: every LFRU promotion, as before)
+        # evicting promotions admitted by their measured yield (COLI_VK_TIER_YIELD=1; off: every LFRU promotion)
         self.admission = (Admission(self.rate, _env_float(env, "COLI_VK_TIER_PAYBACK", TRIAL_PAYBACK),
                                     cap=max(1, self.capacity))
-                          if _env_int(env, "COLI_VK_TIER_YIELD", 1) != 0 and self.rate > 0 else None)
+                          if _env_int(env, "COLI_VK_TIER_YIELD", 0) != 0 and self.rate > 0 else None)
 
         self.resident: dict[tuple[int, int], object] = {}
         self.resident_bytes: dict[tuple[int, int], int] = {}

@@ -47,7 +47,7 @@ ARMS = {"cpu": dict(device=None), "tier": dict(device="vulkan", balance=False),
         # the device, the budget --layers-gb; not in the default arms
         "layers": dict(device="vulkan", layers=True),
         # the tier with LFRU alone, every promotion admitted (docs/tier.md "Admission by yield"): not in the default arms
-        "tier-lfru": dict(device="vulkan", balance=False, env_extra={"COLI_VK_TIER_YIELD": "0"}),
+        "tier-yield": dict(device="vulkan", balance=False, env_extra={"COLI_VK_TIER_YIELD": "1"}),
         # the tier and the layers without the clock holder (docs/vulkan.md "Clocks"): not in the default arms
         "tier-noclock": dict(device="vulkan", balance=False, env_extra={"COLI_VK_HOLD_CLOCK": "0"}),
         "layers-noclock": dict(device="vulkan", layers=True, env_extra={"COLI_VK_HOLD_CLOCK": "0"})}
@@ -237,7 +237,7 @@ def main(argv=None) -> int:
         others = [med[x]["tps"] for x in ("cpu", "tier") if x in med]
         if others and max(others) > 0:
             print(f"balanced / best of the others: {med['balanced']['tps'] / max(others):.3f}")
-    for x in ("tier", "tier-lfru", "tier-noclock", "layers", "layers-noclock"):
+    for x in ("tier", "tier-yield", "tier-noclock", "layers", "layers-noclock"):
         if x in med and "cpu" in med and med["cpu"]["tps"] > 0:
             print(f"{x} / cpu: {med[x]['tps'] / med['cpu']['tps']:.3f}")
     print(f"load average at the end {os.getloadavg()[0]:.2f}")

@@ -385,7 +385,7 @@ def test_uniform_routing_stops_uploading_after_the_first_rounds():
     (16) trials, then rounds of 4 open 32 tokens after the last one was judged plus a wait doubling from 32 tokens:
     rounds at T, T+32+32, +32+64, +32+128, ... (T: the first round's last trial). Each of these rounds fills at its
     opening token, so 600 tokens give 16 + 3 x 4 = 28 evictions (uploads), against LFRU alone's 166."""
-    t, ev, _, late = _routed_run({}, False, L=8, E=64, K=8, cap=256, tokens=600)
+    t, ev, _, late = _routed_run({"COLI_VK_TIER_YIELD": "1"}, False, L=8, E=64, K=8, cap=256, tokens=600)
     a = t.admission
     assert a.rounds_paid == 0 and a.rounds_failed == 4       # the first and three later ones
     first = ev.index(16) + 1                     # tokens begun when the first round's 16th trial was staged
@@ -406,7 +406,7 @@ def test_skewed_routing_fills_the_hot_set():
     them and the warm start's fill took the lowest ids: the trials that bring the hot experts in pay (a hot newcomer
     is routed ~16x as often as a cold victim), so rounds double until the whole hot quarter is resident, and the
     device serves more than the hot share of the pairs (LFRU alone: 61 evictions, this rule 52)."""
-    t, ev, hot, late = _routed_run({}, True, L=4, E=32, K=4, cap=64, tokens=1000)
+    t, ev, hot, late = _routed_run({"COLI_VK_TIER_YIELD": "1"}, True, L=4, E=32, K=4, cap=64, tokens=1000)
     assert hot == 4 * 8 and t.admission.rounds_paid >= 1
     assert late > 0.8
     old, ev_old, _, _ = _routed_run({"COLI_VK_TIER_YIELD": "0"}, True, L=4, E=32, K=4, cap=64, tokens=1000)

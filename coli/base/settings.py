@@ -68,8 +68,8 @@ VARS: tuple[Var, ...] = (
     Var("COLI_VK_TIER_RATE", "int", 16, "expert promotions to the device per token (balanced runs: also reads of experts only the device holds into RAM)", "experts/token", lo=0),
     Var("COLI_VK_TIER_QUEUE_MAX", "int", None, "staged uploads in flight at most (default 2 x the rate)",
         "uploads", lo=0),
-    Var("COLI_VK_TIER_YIELD", "bool", True, "admit evicting promotions by their measured yield (docs/tier.md "
-        "\"Admission by yield\"; 0: every promotion LFRU allows)"),
+    Var("COLI_VK_TIER_YIELD", "bool", False, "admit evicting promotions by their measured yield (docs/tier.md "
+        "\"Admission by yield\": off by default, it measured slower on the H100; 0: every promotion LFRU allows)"),
     Var("COLI_VK_TIER_PAYBACK", "float", 4.0, "device hits over its victim's, per evicting promotion in its 32 "
         "tokens, that repay an upload (the admission's threshold)", "routings", lo=0.0),
     Var("COLI_VK_TIER_FILL", "bool", True, "fill the device's free budget with the next-hottest experts"),
