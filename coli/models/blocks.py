@@ -319,10 +319,10 @@ class MoE:
             fused = grouped.FFN(gate, up, down, grouped.ACT_SWIGLU, 0.0, m.act)
         # t16 tiles: the fused kernels at every row count (MLP.fused_any_rows), so a prompt's rows get a decode
         # row's SwiGLU and bits
-        any_rows = fused is not None and all(any_rows(w, m.act, m.invariant) for w in (gate, up, down))
+        every_count = fused is not None and all(any_rows(w, m.act, m.invariant) for w in (gate, up, down))
 
         def run(x):
-            if fused is not None and (any_rows or m.grouped_rows(x.shape[0])):
+            if fused is not None and (every_count or m.grouped_rows(x.shape[0])):
                 y = fused(grouped.Act(x, m.act), m.act)
             else:
                 y = m.mm(down, swiglu(m.mm(gate, x), m.mm(up, x)))
