@@ -1057,7 +1057,8 @@ class Engine:
                 gpu = f" ({1e3 * dl.gpu_s / dl.tokens:.2f} by the device's timestamps)" if dl.tokens and dl.gpu_s else ""
                 hold = f"; {dl.clock.line()}" if dl.clock is not None else ""
                 pre = (f"; {dl.prompt_tokens} prompt rows in {dl.prompt_chunks} chunks, "
-                       f"{dl.prompt_tokens / dl.prompt_s:.0f} rows/s in the submits and waits" if dl.prompt_chunks else
+                       f"{dl.prompt_tokens / dl.prompt_s:.0f} rows/s in the submits and waits, "
+                       f"the {dl.K.route} GEMM route" if dl.prompt_chunks else
                        "; no prompt rows")
                 print(f"[VK] {self.path.name}: device layers ran {dl.tokens} decode tokens, {ms:.2f} ms a token in "
                       f"the submit and its wait{gpu}{hold}{pre}", file=sys.stderr)

@@ -38,7 +38,7 @@ def main(argv=None) -> int:
         d = open_device("backend-ops", budget=1 << 28, quiet=True)
         if d is not None:
             backends["vulkan"] = H.Backend("vulkan", d)
-            print(f"vulkan: {d.name}", file=sys.stderr)
+            print(f"vulkan: {d.name}, prompt GEMM route {backends['vulkan'].route()}", file=sys.stderr)
     cols = [(b, op, act) for b in TT.BACKENDS for op in H.BACKEND_OPS[b] for act in ("f32", "int8")
             if act in H.ACTS[b] and act in H.OP_ACTS.get(op, H.ACTS[b]) and (not a.ops or op in a.ops.split(","))]
     print("| type | block | bytes | test weights | " + " | ".join(f"{b} {op} {act}" for b, op, act in cols) + " |")
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
                 cells.append("f32")
             else:
                 e = H.run_case(backends[b], n, op, act)
-                ok = e < H.TOL[(op, act)]
+                ok = e < H.tolerance(backends[b], op, act)
                 failed += not ok
                 cells.append(f"{'ok' if ok else 'FAIL'} {e:.0e}")
             print(f"  {n} {b} {op} {act}: {cells[-1]}", file=sys.stderr, flush=True)

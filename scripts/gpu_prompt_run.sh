@@ -5,7 +5,9 @@
 #   run tool: command "bash scripts/gpu_prompt_run.sh" from the repo root, carry .gl .whl (the Vulkan loader debs
 #   and the Python 3.12 wheels: vulkan, cffi, pycparser, gguf, tbb, tcmlib) and, for llama.cpp,
 #   .peers/llama.cpp-0.3.36-vendor-cuda-trim.tar.xz
-# GP_LLAMA=0 skips llama.cpp; GP_ROUNDS rounds (2); GP_DEADLINE s (560). Output: $OUT/run.log, $OUT/*.json.
+# GP_LLAMA=0 skips llama.cpp; GP_ROUNDS rounds (2); GP_DEADLINE s (560); GP_ROUTES the prompt GEMM routes to time
+# (COLI_VK_PROMPT_ROUTE: "f32 coopmat"), each checked first by the backend-parity harness's lmm rows (every format).
+# Output: $OUT/run.log, $OUT/*.json.
 set -u
 T0=$SECONDS
 OUT=${OUT:-/tmp/gpout}
@@ -55,10 +57,15 @@ $PY scripts/make_synthetic_moe.py -o /tmp/h2/tiny.gguf --layers 2 --d 256 --head
 timeout 200 $PY -m coli bench -m /tmp/h2/tiny.gguf --gpu-layers 2 -p 64 -n 4 -r 1 -t 16 2>&1 | tail -4
 [ -n "${GEN:-}" ] && wait $GEN
 cat /tmp/h2/gen.log 2>/dev/null | tail -1
+for route in ${GP_ROUTES:-f32 coopmat}; do
+  say "lmm parity, route $route (every device format, 16/64/512 rows, against float64)"
+  COLI_VK_PROMPT_ROUTE=$route timeout 120 $PY -m scripts.backend_ops --ops lmm 2>&1 | tail -32
+done
 say "profile: a 512-row chunk, every layer on the device"
-timeout 150 $PY scripts/profile_prompt_layers.py --model "$MODEL" --gpu-layers 16 --rows 512 --reps 2 --threads 16 \
-  --tiles ${GP_TILES_PROFILE:-64,32} 2>&1 \
-  | grep -v "^layer\|^\[coli\]"
+for route in ${GP_ROUTES:-f32 coopmat}; do
+  COLI_VK_PROMPT_ROUTE=$route timeout 150 $PY scripts/profile_prompt_layers.py --model "$MODEL" --gpu-layers 16 \
+    --rows 512 --reps 2 --threads 16 --tiles ${GP_TILES_PROFILE:-64} 2>&1 | grep -v "^layer\|^\[coli\]"
+done
 [ -n "${BLD:-}" ] && { say "waiting for the llama.cpp build"; wait $BLD; tail -2 /tmp/llbuild.log; }
 coli() {  # name, gpu layers, bench args (COLI_VK_PROMPT_TILE from the caller's environment)
   say "coli $1"
@@ -75,13 +82,13 @@ llama() {  # name, args
 for r in $(seq 1 ${GP_ROUNDS:-2}); do
   [ $(left) -lt 60 ] && { say "out of time"; break; }
   llama "all layers (-ngl 99)" "-ngl 99 -p 512 -n 64"
-  for tl in ${GP_TILES:-64}; do COLI_VK_PROMPT_TILE=$tl coli all16_tile$tl 16 "-p 512 -n 64"; done
+  for route in ${GP_ROUTES:-f32 coopmat}; do COLI_VK_PROMPT_ROUTE=$route coli all16_$route 16 "-p 512 -n 64"; done
   llama "half the layers (--n-cpu-moe 8)" "-ngl 99 --n-cpu-moe 8 -p 512 -n 0"
-  coli half8 8 "-p 512 -n 0"
+  for route in ${GP_ROUTES:-f32 coopmat}; do COLI_VK_PROMPT_ROUTE=$route coli half8_$route 8 "-p 512 -n 0"; done
 done
 if [ "${GP_LONG:-1}" = 1 ] && [ $(left) -gt 90 ]; then
   r=long
   llama "all layers, pp2048" "-ngl 99 -p 2048 -n 0"
-  coli all16_pp2048 16 "-p 2048 -n 0"
+  for route in ${GP_ROUTES:-f32 coopmat}; do COLI_VK_PROMPT_ROUTE=$route coli all16_pp2048_$route 16 "-p 2048 -n 0"; done
 fi
 say "done"

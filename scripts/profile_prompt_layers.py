@@ -41,11 +41,13 @@ def main():
         rng = np.random.default_rng(0)
         ids = rng.integers(0, eng.model.args.vocab, a.rows)
         for tile in [int(x) for x in a.tiles.split(",")]:
+            if dl.K.route == "coopmat" and tile != 64:
+                continue                    # lmm_cm.comp's tile is 64 rows
             dl.K.tile = tile
             for rec in dl._precs.values():
                 dl.K.free(rec)
             dl._precs = {}
-            print(f"--- tile {tile} rows")
+            print(f"--- tile {tile} rows, the {dl.K.route} route (COLI_VK_PROMPT_ROUTE)")
             profile(eng, dl, ids, a)
     finally:
         eng.close()

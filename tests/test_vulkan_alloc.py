@@ -26,15 +26,15 @@ def test_spv_staleness_is_detected(tmp_path):
             shutil.copy(p, tmp_path / p.name)
     assert S.stale(tmp_path) == []
     (tmp_path / "fmt_q6_k.glsl").write_text((tmp_path / "fmt_q6_k.glsl").read_text() + "\n// edit\n")
-    assert sorted(S.stale(tmp_path)) == sorted(f"{k}_q6_k.spv" for k in S.KERNELS)
+    assert sorted(S.stale(tmp_path)) == sorted(f"{k}_q6_k.spv" for k in S.KERNELS + S.COOP_KERNELS)
     (tmp_path / "common.glsl").write_text((tmp_path / "common.glsl").read_text() + "\n")
     # the expert op's kernels include it (gemv, gemm, the int8 GEMVs, act_q8), not the device layers' (lmv, lmoe, lmm)
     old = {"gemv", "gemm", "gemv_i8dot", "gemv_i8emu", "act_q8"}
-    q6k = {f"{k}_q6_k.spv" for k in S.KERNELS}       # still stale from the edit above
+    q6k = {f"{k}_q6_k.spv" for k in S.KERNELS + S.COOP_KERNELS}       # still stale from the edit above
     assert sorted(S.stale(tmp_path)) == sorted({S.spv_name(k, t) for k, t in S.builds() if k in old} | q6k)
-    assert len(S.stale(tmp_path)) == 2 * len(S.FORMATS) + len(S.I8_KERNELS) + 1 + 3
+    assert len(S.stale(tmp_path)) == 2 * len(S.FORMATS) + len(S.I8_KERNELS) + 1 + len(q6k) - 2
     (tmp_path / "layer_common.glsl").write_text((tmp_path / "layer_common.glsl").read_text() + "\n")
-    layer = {"lmv", "lmoe", "lmm", "rmsnorm", "topk", "rope_kv", "attn_dec", "heat", "attn_pre", "moe_sort", "moe_sum"}
+    layer = {"lmv", "lmoe", "lmm", "lmm_cm", "rmsnorm", "topk", "rope_kv", "attn_dec", "heat", "attn_pre", "moe_sort", "moe_sum"}
     assert sorted(S.stale(tmp_path)) == sorted({S.spv_name(k, t) for k, t in S.builds() if k in old | layer} | q6k)
 
 

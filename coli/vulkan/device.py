@@ -603,7 +603,19 @@ class Device:
         have_dp = api >= v13 or "VK_KHR_shader_integer_dot_product" in exts
         if have_dp:
             (fsc if have_sgc else f12).pNext = fdp
+        # VK_KHR_cooperative_matrix: the prompt GEMM's float16 route (shaders/lmm_cm.comp)
+        fcm = _s("VkPhysicalDeviceCooperativeMatrixFeaturesKHR")
+        fcm.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR
+        have_cm = "VK_KHR_cooperative_matrix" in exts
+        if have_cm:
+            fcm.pNext = f2.pNext
+            f2.pNext = fcm
         lib.vkGetPhysicalDeviceFeatures2(pd, f2)
+        #: True when lmm_cm.comp can run: 16 x 16 x 16 float16 products with float32 sums on a subgroup of 32 or 64
+        #: (the workgroup of 128 holds 4 or 2 of them), float16 arithmetic and 31 KiB of shared memory
+        self.coopmat = bool(have_cm and fcm.cooperativeMatrix and f12.shaderFloat16
+                            and self.subgroup_size in (32, 64) and lim.maxComputeSharedMemorySize >= 32768
+                            and self._coopmat_f16_16())
         #: True when the device's integer dot product (shaderIntegerDotProduct) is on: the int8 GEMV uses it
         self.int_dot = bool(have_dp and fdp.shaderIntegerDotProduct) and _env_int("COLI_VK_INT_DOT", 1) != 0
         self.i8_kernel = "gemv_i8dot" if self.int_dot else "gemv_i8emu"
@@ -617,6 +629,8 @@ class Device:
         self.subgroup_pinned = bool(have_sgc and fsc.subgroupSizeControl and (sg_stages & _STAGE_COMPUTE)
                                     and sgc.minSubgroupSize <= self.subgroup_size <= sgc.maxSubgroupSize)
         full_sg = bool(have_sgc and fsc.computeFullSubgroups)
+        # lmm_cm.comp's blocks per subgroup follow the subgroup size: it must be the one the shader gets
+        self.coopmat = self.coopmat and (self.subgroup_pinned or self.subgroup_size == 32)
 
         # queues: a compute family without graphics first (async compute), else any compute family
         qn = ffi.new("uint32_t*")
@@ -666,7 +680,16 @@ class Device:
         if self.int_dot:
             edp.shaderIntegerDotProduct = 1
             (esc if self.subgroup_pinned else e12).pNext = edp
+        ecm = _s("VkPhysicalDeviceCooperativeMatrixFeaturesKHR")
+        ecm.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR
+        if self.coopmat:
+            ecm.cooperativeMatrix = 1
+            e12.shaderFloat16 = 1
+            ecm.pNext = ef2.pNext
+            ef2.pNext = ecm
         want_ext = []
+        if self.coopmat:
+            want_ext.append("VK_KHR_cooperative_matrix")
         if self.int_dot and api < v13:
             want_ext.append("VK_KHR_shader_integer_dot_product")
         if self.subgroup_pinned and api < v13:
@@ -776,6 +799,8 @@ class Device:
         for (k, t), code in spv.items():
             if k == "gemv_i8dot" and not self.int_dot:
                 continue                    # its OpSDot needs the feature
+            if k in S.COOP_KERNELS and not self.coopmat:
+                continue                    # cooperative matrices
             smci = _s("VkShaderModuleCreateInfo")
             smci.sType = vk.VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO
             smci.codeSize = len(code)
@@ -798,6 +823,26 @@ class Device:
         # the staging buffer and its command buffer
         self._staging_buf = None
         self._objs_ok = True
+
+    def _coopmat_f16_16(self) -> bool:
+        """Whether the device lists a subgroup-scope 16 x 16 x 16 cooperative matrix product of float16 A and B with
+        float32 C and result (vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR)."""
+        fn = lib.vkGetInstanceProcAddr(self._inst, b"vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR")
+        if fn == ffi.NULL:
+            return False
+        get = ffi.cast("PFN_vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR", fn)
+        n = ffi.new("uint32_t*")
+        if get(self._pd, n, ffi.NULL) != 0 or n[0] == 0:
+            return False
+        arr = ffi.new("VkCooperativeMatrixPropertiesKHR[]", n[0])
+        for i in range(n[0]):
+            arr[i].sType = vk.VK_STRUCTURE_TYPE_COOPERATIVE_MATRIX_PROPERTIES_KHR
+        if get(self._pd, n, arr) != 0:
+            return False
+        f16, f32 = vk.VK_COMPONENT_TYPE_FLOAT16_KHR, vk.VK_COMPONENT_TYPE_FLOAT32_KHR
+        return any(p.MSize == 16 and p.NSize == 16 and p.KSize == 16 and p.AType == f16 and p.BType == f16
+                   and p.CType == f32 and p.ResultType == f32 and p.scope == vk.VK_SCOPE_SUBGROUP_KHR
+                   for p in arr)
 
     def _device_extensions(self) -> set[str]:
         n = ffi.new("uint32_t*")

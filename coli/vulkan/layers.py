@@ -137,6 +137,16 @@ class Kernels:
             from coli.base.errors import ColiError
 
             raise ColiError(f"COLI_VK_PROMPT_TILE={self.tile}: 32 or 64 (rows of a prompt GEMM tile)")
+        route = str(get("COLI_VK_PROMPT_ROUTE", env) or "f32").lower()
+        if route not in ("f32", "coopmat", "auto"):
+            from coli.base.errors import ColiError
+
+            raise ColiError(f"COLI_VK_PROMPT_ROUTE={route}: f32, coopmat or auto (the device layers' prompt GEMM)")
+        #: the prompt GEMM's route: "coopmat" (shaders/lmm_cm.comp: 64-row tiles, float16 products) where asked
+        #: for and the device has cooperative matrices (``dev.coopmat``), else "f32" (shaders/lmm.comp)
+        self.route = "coopmat" if route != "f32" and getattr(dev, "coopmat", False) else "f32"
+        if self.route == "coopmat":
+            self.tile = 64
         self._pipes: dict = {}
         self.fence = None       # VkFence[1] of submit()
         self._bufs: list = []
@@ -176,10 +186,13 @@ class Kernels:
             return p
         dev = self.dev
         fmt = kernel in FORMAT_KERNELS
-        module = dev._modules.get((kernel, type_name if fmt else None))
+        coop = kernel == "lmm" and self.route == "coopmat"
+        module = dev._modules.get(("lmm_cm" if coop else kernel, type_name if fmt else None))
         if module is None:
             raise VulkanError(f"no shader module {kernel} for {type_name}" if fmt else f"no shader module {kernel}")
-        if kernel == "lmm":      # 4 x the tile's rows, no subgroup operations: the workgroup, MODE and the tile
+        if coop:                 # 128 invocations of the device's subgroup size: MODE and the 16-output blocks each
+            vals, ids, pin = [mode, 4 * dev.subgroup_size // 128], [2, 4], 128
+        elif kernel == "lmm":      # 4 x the tile's rows, no subgroup operations: the workgroup, MODE and the tile
             vals, ids, pin = [4 * self.tile, mode, self.tile], [0, 2, 3], None
         elif kernel == "attn_pre":   # a fixed workgroup of 128 without subgroup operations
             vals, ids, pin = [mode], [2], None

@@ -1,0 +1,152 @@
+#version 460
+// lmm_cm: lmm.comp's three products on the device's cooperative matrices (VK_KHR_cooperative_matrix, 16 x 16 x 16,
+// float16 inputs, float32 accumulators): the prompt route of devices that have them (coli/vulkan/layers.py,
+// docs/vulkan.md "Prompt routes"). Same push constants, addresses, MODE (specialization constant 2) and output as
+// lmm.comp (its header says which address is which); weights and activation rows are rounded to float16 in shared
+// memory, so a product differs from lmm.comp's by float16 rounding (about 1e-3 relative), and a row's outputs
+// still depend only on that row and the weights (batch invariant within the route).
+// A workgroup of 128 invocations owns a 64-output x 64-row tile. Per 64 inputs (two 32-input units), invocations
+// decode one weight row's unit each into shared memory (mode 1: gate's and up's), stage the activations, then
+// subgroup s multiplies its 16-output blocks (OB of them: 4 subgroups of 32 take one each, 2 of 64 take two) by
+// the tile's four 16-row blocks. Results go out through a per-subgroup 16 x 16 scratch: bias, sigmoid, SwiGLU
+// (in registers, elementwise on the two accumulators), route weights, as lmm.comp.
+#extension GL_GOOGLE_include_directive : require
+#extension GL_KHR_cooperative_matrix : require
+#extension GL_KHR_memory_scope_semantics : require
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
+#include "layer_common.glsl"
+#include "formats.glsl"
+
+layout(local_size_x = 128) in;
+layout(constant_id = 2) const uint MODE = 0;
+layout(constant_id = 4) const uint OB = 1;     // 16-output blocks a subgroup owns: 4 / (subgroups in 128)
+#define BM 64u
+#define BN 64u
+#define LD 18u      // f16vec4 stride of a tile row: 64 inputs (16) + 2 pad
+#define NSG 4u      // scratch slots: the most subgroups a workgroup of 128 has here (subgroups of 32)
+
+shared f16vec4 Wg[BM * LD];
+shared f16vec4 Wu[BM * LD];
+shared f16vec4 Xs[BN * LD];
+shared float Cs[NSG * 256u];
+
+#define ACC coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>
+
+void main() {
+    uint O = pc.u[0], I = pc.u[1], flags = pc.u[2], R = pc.u[3], k = pc.u[5];
+    uint units = I / 32u;
+    uint64_t rb = uint64_t(ROW_BYTES(I));
+    uint o0 = gl_WorkGroupID.x * BM, n0 = gl_WorkGroupID.y * BN;
+    uint t = gl_LocalInvocationID.x;
+    uint beg = 0u, cnt = R;
+    uint64_t wbase = pc.a[0], wbase2 = 0ul;
+    U32 PAIRS = U32(pc.a[4]);
+    bool ident = pc.u[6] == 1u;
+    if (MODE != 0u) {
+        uint e = gl_WorkGroupID.z;
+        if (!ident) {
+            U32 OFF = U32(pc.a[5]);
+            beg = OFF.v[e];
+            cnt = OFF.v[e + 1u] - beg;
+        }
+        if (n0 >= cnt) return;                    // uniform in the workgroup
+        U64 TAB = U64(pc.a[0]);
+        wbase = TAB.v[e * 3u + (MODE == 1u ? 0u : 2u)];
+        wbase2 = TAB.v[e * 3u + 1u];
+    } else if (n0 >= R) {
+        return;
+    }
+    // decoding: invocation t takes weight row dm's unit (step + dh) (and up's in mode 1)
+    uint dm = t & 63u, dh = t >> 6;
+    bool dec_on = o0 + dm < O;
+    uint64_t orow_off = uint64_t(min(o0 + dm, O - 1u)) * rb;
+    // staging: invocation t loads 32 inputs (8 vec4) of tile row t / 2, the half t & 1 of the 64
+    uint xn = t >> 1, xh = t & 1u;
+    bool x_on = n0 + xn < cnt;
+    uint xbase = 0u;
+    if (x_on) {
+        uint xr = MODE == 0u || ident ? n0 + xn : PAIRS.v[beg + n0 + xn];
+        if (MODE == 1u) xr /= k;
+        xbase = xr * (I / 4u);
+    }
+    F32x4 X = F32x4(pc.a[1]);
+
+    uint sg = gl_SubgroupID;
+    ACC acc[OB][4], acc2[OB][4];
+    [[unroll]] for (uint i = 0u; i < OB; i++) [[unroll]] for (uint j = 0u; j < 4u; j++) {
+        acc[i][j] = ACC(0.0);
+        acc2[i][j] = ACC(0.0);
+    }
+    coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> a, a2;
+    coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> b;
+
+    for (uint s = 0u; s < units; s += 2u) {
+        uint u = s + dh;
+        vec4 w[8], w2[8];
+        if (dec_on && u < units) {
+            dec_unit(wbase + orow_off, u, w);
+            if (MODE == 1u) dec_unit(wbase2 + orow_off, u, w2);
+        } else {
+            [[unroll]] for (uint q = 0u; q < 8u; q++) { w[q] = vec4(0.0); w2[q] = vec4(0.0); }
+        }
+        vec4 xv[8];
+        uint xu = s + xh;
+        [[unroll]] for (uint q = 0u; q < 8u; q++) xv[q] = (x_on && xu < units) ? X.v[xbase + xu * 8u + q] : vec4(0.0);
+        barrier();
+        [[unroll]] for (uint q = 0u; q < 8u; q++) {
+            Wg[dm * LD + dh * 8u + q] = f16vec4(w[q]);
+            if (MODE == 1u) Wu[dm * LD + dh * 8u + q] = f16vec4(w2[q]);
+            Xs[xn * LD + xh * 8u + q] = f16vec4(xv[q]);
+        }
+        barrier();
+        [[unroll]] for (uint kk = 0u; kk < 4u; kk++) {
+            [[unroll]] for (uint i = 0u; i < OB; i++) {
+                uint ob = sg * OB + i;
+                coopMatLoad(a, Wg, ob * 16u * LD + kk * 4u, LD, gl_CooperativeMatrixLayoutRowMajor);
+                if (MODE == 1u) coopMatLoad(a2, Wu, ob * 16u * LD + kk * 4u, LD, gl_CooperativeMatrixLayoutRowMajor);
+                [[unroll]] for (uint j = 0u; j < 4u; j++) {
+                    coopMatLoad(b, Xs, j * 16u * LD + kk * 4u, LD, gl_CooperativeMatrixLayoutColumnMajor);
+                    acc[i][j] = coopMatMulAdd(a, b, acc[i][j]);
+                    if (MODE == 1u) acc2[i][j] = coopMatMulAdd(a2, b, acc2[i][j]);
+                }
+            }
+        }
+    }
+
+    F32 Y = F32(pc.a[2]);
+    U32 ROUTE = U32(pc.a[3]);
+    uint ldy = MODE == 0u ? (pc.u[4] == 0u ? O : pc.u[4]) : O;
+    uint lane = gl_SubgroupInvocationID, nl = gl_SubgroupSize;
+    [[unroll]] for (uint i = 0u; i < OB; i++) [[unroll]] for (uint j = 0u; j < 4u; j++) {
+        ACC c = acc[i][j];
+        if (MODE == 1u) {
+            ACC c2 = acc2[i][j];
+            for (int e = 0; e < c.length(); e++) c[e] = c[e] / (1.0 + exp(-c[e])) * c2[e];
+        }
+        // element (o, n) of the 16 x 16 block at Cs[sg * 256 + n * 16 + o]
+        coopMatStore(c, Cs, sg * 256u, 16u, gl_CooperativeMatrixLayoutColumnMajor);
+        subgroupMemoryBarrierShared();
+        subgroupBarrier();
+        for (uint el = lane; el < 256u; el += nl) {
+            uint o = o0 + (sg * OB + i) * 16u + (el & 15u);
+            uint n = n0 + j * 16u + (el >> 4);
+            if (o >= O || n >= cnt) continue;
+            float r = Cs[sg * 256u + el];
+            uint orow = n;
+            if (MODE != 0u) {
+                orow = ident ? n : PAIRS.v[beg + n];
+                if (MODE == 2u) r *= uintBitsToFloat(ROUTE.v[(orow / k) * 2u * k + k + orow % k]);
+            }
+            uint yi = orow * ldy + o;
+            if (MODE == 0u) {
+                if ((flags & 2u) != 0u) r += F32(pc.a[3]).v[o];
+                if ((flags & 4u) != 0u) r = 1.0 / (1.0 + exp(-r));
+                if ((flags & 1u) != 0u) r += Y.v[yi];
+            }
+            Y.v[yi] = r;
+        }
+        subgroupMemoryBarrierShared();
+        subgroupBarrier();
+    }
+}
