@@ -121,7 +121,7 @@ import psutil  # noqa: E402
 from .vnni import HAVE_VNNI  # noqa: E402
 
 #: Activation format used by ``formats.matmul`` when the caller does not say, chosen by
-#: ``scripts/bench_kernels.py`` (docs/cpu_kernels.md): "int8" where the CPU has AVX-512 VNNI (the integer-dot
+#: ``scripts/bench/kernels.py`` (docs/cpu_kernels.md): "int8" where the CPU has AVX-512 VNNI (the integer-dot
 #: GEMVs made one decode token's GEMVs 1.5x faster than f32 on all three real models), else "f32" (there int8 only
 #: adds a rounding pass). Parity tests against the device or HF oracles pass act="f32" explicitly.
 DEFAULT_ACT = "int8" if HAVE_VNNI else "f32"

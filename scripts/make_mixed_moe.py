@@ -29,7 +29,7 @@ accumulator in f16) move this file's perplexity by as much as the check's 1% on 
 printed beside it but not judged.
 
 ``-nr`` (no repacked weights): with repacking, llama-imatrix on this CPU (AVX-512, AMX) died of SIGSEGV; the
-same reason ``scripts/bench_vs_llamacpp.py`` reruns with ``--repack 0``.
+same reason ``scripts/bench/vs_llamacpp.py`` reruns with ``--repack 0``.
 
 Text: ``--text`` or, by default, the Python standard library's ``LICENSE.txt`` (stable per Python release).
 The output is refused when it exists and is not this script's (GGUF ``general.name`` != ``NAME``).

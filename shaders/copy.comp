@@ -1,6 +1,6 @@
 #version 460
 // Device-to-device copy through a compute shader (16 bytes a load), the bandwidth reference of
-// scripts/bench_vulkan.py: every byte is read once and written once.
+// scripts/bench/vulkan.py: every byte is read once and written once.
 #extension GL_EXT_buffer_reference : require
 #extension GL_EXT_shader_explicit_arithmetic_types_int64 : require
 layout(local_size_x = 256) in;

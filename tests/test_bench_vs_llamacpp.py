@@ -1,4 +1,4 @@
-"""scripts/bench_vs_llamacpp.py against stand-in llama-bench binaries (scripts with llama-bench's JSON output):
+"""scripts/bench/vs_llamacpp.py against stand-in llama-bench binaries (scripts with llama-bench's JSON output):
 llama.cpp's dies of SIGILL in its prompt tests unless given --repack 0, as a GGML_NATIVE build does in AMX code
 on some VMs; ik_llama.cpp's never gets that retry (its llama-bench has no --repack). Checked: the retry and the
 note saying so, every prompt length run, the rotation of the three engines over the rounds, the table and the
@@ -32,7 +32,7 @@ def test_peers_prompt_lengths_sigill_retry_rotation_and_the_table(tmp_path):
         (tmp_path / name).chmod(0o755)
     out = tmp_path / "r.json"
     env = dict(os.environ, FAKE_LOG=str(tmp_path / "calls.log"))
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_vs_llamacpp.py"), "-m", str(FIX), "-t", "1",
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "vs_llamacpp.py"), "-m", str(FIX), "-t", "1",
                         "-p", "8,16", "-n", "4", "-r", "1", "--rounds", "3", "--llama-bench",
                         str(tmp_path / "llama-bench"), "--ik-bench", str(tmp_path / "ik-llama-bench"),
                         "--json", str(out)], capture_output=True, text=True, env=env, timeout=1800)

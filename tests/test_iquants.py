@@ -70,7 +70,7 @@ def test_shader_grids_are_current_and_decode_to_the_grids():
     from coli.vulkan.shaders import SHADER_DIR
 
     for fname, text in iq_tables.glsl_tables().items():
-        assert (SHADER_DIR / fname).read_text() == text, f"shaders/{fname} is stale: run scripts/build_shaders"
+        assert (SHADER_DIR / fname).read_text() == text, f"shaders/{fname} is stale: run coli.vulkan.build"
     words, offs = iq_tables.device_grids()
     text = iq_tables.glsl_tables()["iq_grids.glsl"]
     for acc, name in iq_tables.GLSL_GRIDS.items():

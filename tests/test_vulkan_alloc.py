@@ -16,7 +16,7 @@ from coli.vulkan.alloc import BlockAllocator
 
 def test_spv_set_is_fresh():
     stale = S.stale()
-    assert not stale, f"rebuild with scripts/build_shaders: {stale}"
+    assert not stale, f"rebuild with coli.vulkan.build: {stale}"
 
 
 def test_spv_staleness_is_detected(tmp_path):

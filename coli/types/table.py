@@ -31,7 +31,7 @@ Adding a format (docs/formats.md has the checklist), in this order:
    (``formats._row(name, block_size, type_size, pack, gemv, gemm, shader, int8, gemv_i8, no_i8)``, as
    ``cpu_kernels/lowbit.py``'s ``rows``); ``formats.py`` registers every row in the table at its end.
 3. Device: ``shaders/fmt_<name lower>.glsl`` (``dec_unit``: one 32-element unit of a row), the name appended to
-   ``coli.vulkan.shaders.DEVICE_TYPES``, then ``scripts/build_shaders`` (it regenerates ``shaders/formats.glsl``
+   ``coli.vulkan.shaders.DEVICE_TYPES``, then ``python -m coli.vulkan.build`` (it regenerates ``shaders/formats.glsl``
    from this table and compiles the .spv pair).
 4. ``pytest -q tests/test_backend_ops.py`` checks every backend x op x activation mode against ``reference``
    and fails on a gap; ``python -m scripts.backend_ops`` prints the coverage table for docs/formats.md.

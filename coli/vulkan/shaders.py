@@ -1,6 +1,6 @@
 """The SPIR-V set: which kernels are built for which formats, where the .spv files live, and the source hash.
 
-The .spv files are committed beside their GLSL in ``shaders/`` (built by ``scripts/build_shaders`` with
+The .spv files are committed beside their GLSL in ``shaders/`` (built by ``python -m coli.vulkan.build`` with
 Debian's ``glslc --target-env=vulkan1.2 -O``), so users need no compiler. Beside each ``<name>.spv`` is
 ``<name>.spv.sha256``: the SHA-256 of the compiler flags and of every source file the kernel includes
 for that format. Compilers differ in bytes, so staleness is judged by the source hash, not the SPIR-V.
@@ -9,7 +9,7 @@ Importing this module does not import ``vulkan``.
 This is the device tier's format registry: ``DEVICE_TYPES`` lists the GGUF types with a block decoder
 ``shaders/fmt_<suffix>.glsl``; names, suffixes and block geometry come from ``coli.types.table`` (which this
 module fills with a ``"vulkan"`` column). ``shaders/formats.glsl`` is generated from the two
-(``formats_glsl()``, written by ``scripts/build_shaders``): one ``#if``/``#elif`` branch per type defining
+(``formats_glsl()``, written by ``python -m coli.vulkan.build``): one ``#if``/``#elif`` branch per type defining
 ``BLOCK_SIZE``, ``TYPE_SIZE`` and ``ROW_BYTES(I)`` and including the decoder.
 """
 from __future__ import annotations

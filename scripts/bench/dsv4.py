@@ -11,7 +11,7 @@
    ``attend`` per layer kind (the CSA one beside the per-row NumPy formula the kernels replaced, BLAS matmuls),
    and ``GroupedLinear`` over a Q8_0 ``attn_output_a`` (random codes).
 
-    .venv/bin/python scripts/bench_dsv4.py [--threads N] [--runs 5] [--baseline faa0a5b] [--ctx 1024,8192,65536]
+    .venv/bin/python scripts/bench/dsv4.py [--threads N] [--runs 5] [--baseline faa0a5b] [--ctx 1024,8192,65536]
 
 Prints the load average with the figures: compare only figures of one run.
 """
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FIX = ROOT / "tests" / "fixtures" / "oracles"
 
 

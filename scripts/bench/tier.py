@@ -21,8 +21,8 @@ own ``LP_NUM_THREADS`` (``--lp-threads``, set before the Vulkan driver loads) â€
 
 Usage::
 
-    python scripts/bench_tier.py --model demo --tokens 64 --runs 5 --threads 1 --lp-threads 1
-    COLI_VK_TIER_GB=2 python scripts/bench_tier.py --model synth.gguf --threads 16 --runs 5 --json out.json
+    python scripts/bench/tier.py --model demo --tokens 64 --runs 5 --threads 1 --lp-threads 1
+    COLI_VK_TIER_GB=2 python scripts/bench/tier.py --model synth.gguf --threads 16 --runs 5 --json out.json
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 ARMS = {"cpu": dict(device=None), "tier": dict(device="vulkan", balance=False),
         "balanced": dict(device="vulkan", balance=True),

@@ -11,7 +11,7 @@ random f32 weights and caches filled to ``ctx`` positions, one decode row (T = 1
 
 The two are timed alternately (A/B, ``--reps`` rounds, median), with the load average printed; only figures of
 the same run compare (docs/benchmarks.md). ``--dsa 8192``: GLM-5's indexer + MLA over its 2048 positions beside
-MLA over all of them. Usage: ``python scripts/bench_mla.py [--ctx 512 4096] [--threads 1] [--dsa 8192]``.
+MLA over all of them. Usage: ``python scripts/bench/mla.py [--ctx 512 4096] [--threads 1] [--dsa 8192]``.
 """
 from __future__ import annotations
 
@@ -135,7 +135,7 @@ def tiny(args):
 
     from coli.engine import Engine
 
-    fix = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "oracles"
+    fix = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "oracles"
     rng = np.random.default_rng(1)
     for name in ("deepseek2_lite", "glmdsa", "kimi"):
         eng = Engine(fix / f"{name}.gguf", cpu_act="f32", threads=args.threads, quiet=True, save_usage=False,

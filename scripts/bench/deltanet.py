@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Benchmark the Gated DeltaNet layer (coli/models/deltanet.py, cpu_kernels/deltanet.py) on the CPU.
 
-    python scripts/bench_deltanet.py [--threads 2] [--fmt Q8_0] [--act f32|int8] [--reps 20] [--json]
+    python scripts/bench/deltanet.py [--threads 2] [--fmt Q8_0] [--act f32|int8] [--reps 20] [--json]
 
 1. Decode, per token per layer (each piece's minimum over --reps rounds of a real call's sequence), at the DeltaNet shape of Qwen3-Next-80B-A3B and Qwen3.5/3.6-35B-A3B (hidden 2048,
    16 key heads, 32 value heads, head dims 128, conv kernel 4; weights N(0, 1/fan_in) quantized to --fmt by
@@ -31,7 +31,7 @@ from pathlib import Path
 import cpu_kernels  # noqa: F401  (threading layer before numba)
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 from cpu_kernels import experts as grouped  # noqa: E402
 from cpu_kernels import formats  # noqa: E402

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Per-part timers of one decode token and one prefill chunk of a coli model, as a table.
 
-    python scripts/profile_token.py MODEL [-t THREADS] [--tokens 32] [--prompt 64] [--cpu-act int8|f32]
+    python scripts/bench/profile_token.py MODEL [-t THREADS] [--tokens 32] [--prompt 64] [--cpu-act int8|f32]
                                           [--py-spy out.svg] [--calls] [--head-apart]
 
 MODEL: a GGUF path, a name ``coli.fetch`` knows (smollm2, qwen25, gemma3), ``demo`` (the demo MoE) or the file
@@ -46,7 +46,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import cpu_kernels  # noqa: E402,F401  (threading layer before numba)

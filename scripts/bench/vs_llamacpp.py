@@ -27,9 +27,9 @@ each model's runs) and writes every record to ``--json``.
 
 Usage::
 
-    python scripts/bench_vs_llamacpp.py                                  # the four models, 2 threads
-    python scripts/bench_vs_llamacpp.py -m synth.gguf -t 1,4,8,16 --llama-src llama.cpp-0.3.36-vendor-trim.tar.xz
-    python scripts/bench_vs_llamacpp.py -m smollm2 -m demo -p 128,512,2048 --peers ik_llama.cpp \\
+    python scripts/bench/vs_llamacpp.py                                  # the four models, 2 threads
+    python scripts/bench/vs_llamacpp.py -m synth.gguf -t 1,4,8,16 --llama-src llama.cpp-0.3.36-vendor-trim.tar.xz
+    python scripts/bench/vs_llamacpp.py -m smollm2 -m demo -p 128,512,2048 --peers ik_llama.cpp \\
         --ik-src ik_llama.cpp-8337e4cd3-trim.tar.xz
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 DEFAULT_MODELS = ("smollm2", "qwen25", "gemma3", "demo")

@@ -1,7 +1,7 @@
 """Constrained-decoding libraries compared on one tokenizer: llguidance, xgrammar, outlines-core. A benchmark
 for docs/serve.md "Structured output", not a test.
 
-    python scripts/bench_constrain.py [MODEL] [--extra-path DIR ...]
+    python scripts/bench/constrain.py [MODEL] [--extra-path DIR ...]
 
 For each library and JSON schema: the compile time (schema -> grammar/index for this vocabulary), then a
 walk along the tokens of a document the schema accepts (the model's own tokenization of compact JSON):

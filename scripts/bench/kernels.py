@@ -3,7 +3,7 @@
 shapes, in GB/s of weight bytes as the GGUF file stores them, beside a memory-bandwidth probe (a Numba prange
 read and copy of >= 1 GiB) run in the same process.
 
-    python scripts/bench_kernels.py --threads 2 [--formats Q4_1,Q8_0] [--act f32|int8|both] [--layouts t16,rows]
+    python scripts/bench/kernels.py --threads 2 [--formats Q4_1,Q8_0] [--act f32|int8|both] [--layouts t16,rows]
         [--json]
 
 Times are the minimum over --reps runs (the machine is shared; the minimum is the least disturbed run).

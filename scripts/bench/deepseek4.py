@@ -5,7 +5,7 @@ of the same heads (H x key_length, K and V per head, ``cpu_kernels.attention.att
 place, alternated; the cache bytes per position of each (the V4 figure counts the fixed window ring and buffers
 spread over the 128 positions of the run). The hyper-connection streams and the MoE are the same in both.
 
-    .venv/bin/python scripts/bench_deepseek4.py [--threads N]
+    .venv/bin/python scripts/bench/deepseek4.py [--threads N]
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-FIX = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "oracles"
+FIX = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "oracles"
 
 
 class PlainAttention:

@@ -6,7 +6,7 @@ pipelines, the scratch), then records the same chunk again with a timestamp afte
 ms of each kind of op (kernel, format, mode) summed over the layers, with the chunk's total and rows/s by the
 device's clock. Needs a device with timestamps.
 
-usage: scripts/profile_prompt_layers.py --model FILE [--gpu-layers 16] [--rows 512] [--reps 3] [--tiles 64,32]
+usage: scripts/bench/profile_prompt_layers.py --model FILE [--gpu-layers 16] [--rows 512] [--reps 3] [--tiles 64,32]
 (--tiles: each of lmm.comp's tile heights in turn, COLI_VK_PROMPT_TILE, in the same engine)
 """
 import argparse
@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np  # noqa: E402
 

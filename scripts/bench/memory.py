@@ -1,6 +1,6 @@
 """Run a command inside a fresh memory-limited cgroup and report its peak memory (root only).
 
-    python scripts/bench_memory.py --limit-mb 500 -- python -m coli run "Once upon a time" -n 32
+    python scripts/bench/memory.py --limit-mb 500 -- python -m coli run "Once upon a time" -n 32
 
 Creates a child group of this process's own memory cgroup (v1: ``memory.limit_in_bytes`` under
 ``/sys/fs/cgroup/memory``; v2: ``memory.max`` under the cgroup2 mount), starts the command in it, polls the

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Decode/prefill throughput of coli beside llama.cpp on the same GGUF files, 2 threads by default.
 
-    .venv/bin/python scripts/bench_engine.py [--threads 2] [--llama-bench PATH] [--models smollm2,qwen25,gemma3,demo]
+    .venv/bin/python scripts/bench/engine.py [--threads 2] [--llama-bench PATH] [--models smollm2,qwen25,gemma3,demo]
 
 Runs ``coli bench`` (pp128, tg64, llama-bench's method) in a fresh process per model; with ``--llama-bench`` it
 also runs llama.cpp's ``llama-bench -t N -p 128 -n 64 -r 3 -o json`` on the same file, alternating the two;
@@ -10,7 +10,7 @@ SmolLM2 Q4_1 tg 121, Qwen2.5-0.5B Q4_K_M 50.9, Gemma-3-270M 79). Prints a table 
 ``--rounds K`` repeats the coli/llama.cpp alternation K times per model and keeps each side's best avg_ts (the
 machine is shared: docs/benchmarks.md); every round's figures and the load average before each run are kept in
 the JSON, with the Numba threading layer. The memory-bandwidth probe beside the kernels' GB/s is
-``scripts/bench_kernels.py`` (this script does not run it).
+``scripts/bench/kernels.py`` (this script does not run it).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 QUOTED_TG = {"smollm2": 121.0, "qwen25": 50.9, "gemma3": 79.0}
