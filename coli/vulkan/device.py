@@ -1532,7 +1532,7 @@ class Device:
 
         ``{"shader": <copy.comp, 16-byte loads>, "transfer": <vkCmdCopyBuffer on this queue>}``. Each byte
         is read once and written once: the DRAM traffic is twice these figures. A benchmark reference for
-        scripts/bench/vulkan.py; needs timestamps.
+        scripts/bench/gpu_kernels.py; needs timestamps.
         """
         self._check_alive()
         if not self.timestamps:

@@ -8,7 +8,7 @@ bytes of the batch / device time (timestamp queries around the whole command buf
 after a warm-up), so a format's bytes per weight count. Expert bytes are random blocks with finite
 scales (the values do not matter for speed; tests/test_vulkan.py checks correctness).
 
-usage: scripts/bench/vulkan.py [--D 2048] [--F 1024] [--E 64] [--rows 1,4,16,64]
+usage: scripts/bench/gpu_kernels.py [--D 2048] [--F 1024] [--E 64] [--rows 1,4,16,64]
                                [--formats Q4_K,Q8_0,MXFP4,F16] [--reps 10] [--copy-mb 1024] [--small]
 Prints a markdown table. --small: D=256 F=256 E=8 (a quick run on Lavapipe).
 """
