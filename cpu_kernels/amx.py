@@ -12,7 +12,8 @@ as a script: standard library only, no Numba) that
    int32 product against Python's integer arithmetic.
 
 The parent reads the child's one line, or its death by a signal, into ``(ok, line)``; :func:`probe` runs it once a
-process. AMX kernels do not exist yet: the answer is reported (the start line of ``coli run``/``serve``/``chat``)
+process and keeps a definitive answer in the cache folder per CPU, kernel and coli version (``<cache>/amx/``), so
+a later run on the same machine starts no child. AMX kernels do not exist yet: the answer is reported (the start line of ``coli run``/``serve``/``chat``)
 and the int8 kernels stay on AVX-512 VNNI where it is no (docs/cpu_kernels.md "AMX probe").
 """
 from __future__ import annotations
@@ -96,30 +97,106 @@ def _child(force: bool) -> int:
     return 0
 
 
-@functools.lru_cache(maxsize=None)
-def probe(force: bool = False) -> tuple[bool, str]:
-    """``(ok, line)``: whether AMX tile instructions run here, and one line saying so (``"AMX: ..."`` or
-    ``"no AMX: <why>"``), from a child process (module docstring); once a process. ``force``: run the tile
-    instructions even where CPUID or arch_prctl said no (tests: the child must then die and be reported)."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False, f"no AMX: not an x86-64 CPU ({platform.machine()})"
+def _run_child(force: bool) -> tuple[bool, str, bool]:
+    """``(ok, line, definitive)`` from one child process; ``definitive`` False for a timeout, a failed start or an
+    unexpected exit (not cached: the next run asks again)."""
     cmd = [sys.executable, "-I", os.path.abspath(__file__), "--child"] + (["--force"] if force else [])
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        return False, f"no AMX: the probe process did not answer in {_TIMEOUT_S} s"
+        return False, f"no AMX: the probe process did not answer in {_TIMEOUT_S} s", False
     except OSError as e:
-        return False, f"no AMX: the probe process did not start ({e})"
+        return False, f"no AMX: the probe process did not start ({e})", False
     line = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
     if r.returncode < 0:
         name = signal.Signals(-r.returncode).name
         why = "" if force else "the CPU reports AMX but "
-        return False, f"no AMX: {why}the machine killed the probe's tile instruction ({name})"
+        return False, f"no AMX: {why}the machine killed the probe's tile instruction ({name})", name == "SIGILL"
     if r.returncode == 0 and line.startswith("ok "):
-        return True, line[3:]
+        return True, line[3:], True
     if line.startswith("no AMX"):
-        return False, line
-    return False, f"no AMX: the probe process failed (exit {r.returncode}: {r.stderr.strip()[-200:]})"
+        return False, line, True
+    return False, f"no AMX: the probe process failed (exit {r.returncode}: {r.stderr.strip()[-200:]})", False
+
+
+def cache_key() -> dict:
+    """What the verdict depends on: the CPU (``model name`` and the ``flags`` Linux shows, which drop AMX where the
+    tile state is not enabled, from /proc/cpuinfo), the kernel (``platform.release()``/``version()``) and this
+    probe (coli's version and a digest of this file). A change of any of them asks the child again."""
+    import hashlib
+    from importlib import metadata
+
+    model = flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for ln in f:
+                k, _, v = ln.partition(":")
+                k = k.strip()
+                if k == "model name" and not model:
+                    model = v.strip()
+                elif k == "flags" and not flags:
+                    flags = hashlib.sha1(" ".join(sorted(v.split())).encode()).hexdigest()[:16]
+    except OSError:
+        pass
+    try:
+        version = metadata.version("coli")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    with open(os.path.abspath(__file__), "rb") as f:
+        src = hashlib.sha1(f.read()).hexdigest()[:16]
+    return {"cpu": model, "cpu_flags": flags, "kernel": f"{platform.release()} {platform.version()}",
+            "coli": version, "probe": src}
+
+
+def cache_path(key: dict) -> "Path | None":
+    """``<cache>/amx/<digest of key>.json``, or None when the cache folder cannot be made or written (the probe
+    then runs every time; coli's other caches say so on stderr)."""
+    import hashlib
+    import json
+
+    from coli.base.errors import ColiError
+    from coli.base.paths import cache_dir
+
+    try:
+        d = cache_dir("amx")
+    except ColiError:
+        return None
+    return d / (hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16] + ".json")
+
+
+@functools.lru_cache(maxsize=None)
+def probe(force: bool = False) -> tuple[bool, str]:
+    """``(ok, line)``: whether AMX tile instructions run here, and one line saying so (``"AMX: ..."`` or
+    ``"no AMX: <why>"``), from a child process (module docstring); once a process, and the child's definitive
+    answer is kept in the cache folder (``cache_path(cache_key())``: per CPU model and flags, kernel and coli
+    version), so later runs on the same machine start no child. A cache file that does not parse or names
+    another key is asked again and rewritten. ``force``: run the tile instructions even where CPUID or
+    arch_prctl said no (tests: the child must then die and be reported); never cached."""
+    import json
+
+    from coli.base.paths import atomic_write_text
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False, f"no AMX: not an x86-64 CPU ({platform.machine()})"
+    if force:
+        return _run_child(True)[:2]
+    key = cache_key()
+    path = cache_path(key)
+    if path is not None:
+        try:
+            rec = json.loads(path.read_text())
+            if (isinstance(rec, dict) and rec.get("key") == key and isinstance(rec.get("ok"), bool)
+                    and isinstance(rec.get("line"), str) and "\n" not in rec["line"]):
+                return rec["ok"], rec["line"]
+        except (OSError, ValueError):
+            pass
+    ok, line, definitive = _run_child(False)
+    if definitive and path is not None:
+        try:
+            atomic_write_text(path, json.dumps({"key": key, "ok": ok, "line": line}, sort_keys=True) + "\n")
+        except OSError:
+            pass
+    return ok, line
 
 
 if __name__ == "__main__" and "--child" in sys.argv:
