@@ -21,14 +21,16 @@
 layout(local_size_x = 128) in;
 layout(constant_id = 2) const uint MODE = 0;
 layout(constant_id = 4) const uint OB = 1;     // 16-output blocks a subgroup owns: 4 / (subgroups in 128)
+layout(constant_id = 5) const uint PIPE = 2;   // 0: 64 inputs a step, one buffer; 2: 32 a step, two buffers
 #define BM 64u
 #define BN 64u
 #define LD 18u      // f16vec4 stride of a tile row: 64 inputs (16) + 2 pad
+#define LD2 10u     // PIPE 2: 32 inputs (8) + 2 pad; buffer b at b * 640
 #define NSG 4u      // scratch slots: the most subgroups a workgroup of 128 has here (subgroups of 32)
 
-shared f16vec4 Wg[BM * LD];
-shared f16vec4 Wu[BM * LD];
-shared f16vec4 Xs[BN * LD];
+shared f16vec4 Wg[2u * BM * LD2];
+shared f16vec4 Wu[2u * BM * LD2];
+shared f16vec4 Xs[2u * BN * LD2];
 shared float Cs[NSG * 256u];
 
 #define ACC coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>
@@ -81,6 +83,52 @@ void main() {
     coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> a, a2;
     coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> b;
 
+    if (PIPE == 2u) {
+    // two buffers: step s+1's weights and activations are read and decoded into registers before step s's products
+    // (from the other buffer) are issued, so their latency hides behind the matrix units; one barrier a step
+    uint pm = t >> 6;                             // mode 1: 0 gate, 1 up; else 0 (1: stage activations only)
+    bool pdec = dec_on && (MODE == 1u || pm == 0u);
+    uint64_t prow = (MODE == 1u && pm == 1u ? wbase2 : wbase) + orow_off;
+    uint pxq = xh * 4u;                           // 16 of the row's 32 inputs: vec4 pxq .. pxq + 3
+    vec4 w[8], xv[4];
+    [[unroll]] for (uint q = 0u; q < 8u; q++) w[q] = vec4(0.0);
+    if (pdec) dec_unit(prow, 0u, w);
+    [[unroll]] for (uint q = 0u; q < 4u; q++) xv[q] = x_on ? X.v[xbase + pxq + q] : vec4(0.0);
+    [[unroll]] for (uint q = 0u; q < 8u; q++) {
+        if (MODE == 1u && pm == 1u) Wu[dm * LD2 + q] = f16vec4(w[q]);
+        else if (pm == 0u) Wg[dm * LD2 + q] = f16vec4(w[q]);
+    }
+    [[unroll]] for (uint q = 0u; q < 4u; q++) Xs[xn * LD2 + pxq + q] = f16vec4(xv[q]);
+    barrier();
+    for (uint s = 0u; s < units; s++) {
+        uint cur = (s & 1u) * 640u, nxt = 640u - cur;
+        bool more = s + 1u < units;
+        if (more) {
+            if (pdec) dec_unit(prow, s + 1u, w);
+            [[unroll]] for (uint q = 0u; q < 4u; q++) xv[q] = x_on ? X.v[xbase + (s + 1u) * 8u + pxq + q] : vec4(0.0);
+        }
+        [[unroll]] for (uint kk = 0u; kk < 2u; kk++) {
+            [[unroll]] for (uint i = 0u; i < OB; i++) {
+                uint ob = sg * OB + i;
+                coopMatLoad(a, Wg, cur + ob * 16u * LD2 + kk * 4u, LD2, gl_CooperativeMatrixLayoutRowMajor);
+                if (MODE == 1u) coopMatLoad(a2, Wu, cur + ob * 16u * LD2 + kk * 4u, LD2, gl_CooperativeMatrixLayoutRowMajor);
+                [[unroll]] for (uint j = 0u; j < 4u; j++) {
+                    coopMatLoad(b, Xs, cur + j * 16u * LD2 + kk * 4u, LD2, gl_CooperativeMatrixLayoutColumnMajor);
+                    acc[i][j] = coopMatMulAdd(a, b, acc[i][j]);
+                    if (MODE == 1u) acc2[i][j] = coopMatMulAdd(a2, b, acc2[i][j]);
+                }
+            }
+        }
+        if (more) {
+            [[unroll]] for (uint q = 0u; q < 8u; q++) {
+                if (MODE == 1u && pm == 1u) Wu[nxt + dm * LD2 + q] = f16vec4(w[q]);
+                else if (pm == 0u) Wg[nxt + dm * LD2 + q] = f16vec4(w[q]);
+            }
+            [[unroll]] for (uint q = 0u; q < 4u; q++) Xs[nxt + xn * LD2 + pxq + q] = f16vec4(xv[q]);
+        }
+        barrier();
+    }
+    } else
     for (uint s = 0u; s < units; s += 2u) {
         uint u = s + dh;
         vec4 w[8], w2[8];

@@ -147,6 +147,7 @@ class Kernels:
         self.route = "coopmat" if route != "f32" and getattr(dev, "coopmat", False) else "f32"
         if self.route == "coopmat":
             self.tile = 64
+        self.cm_pipe = 2     # lmm_cm.comp's PIPE: 2 (32 inputs a step, two buffers) or 0 (64 a step, one buffer)
         self._pipes: dict = {}
         self.fence = None       # VkFence[1] of submit()
         self._bufs: list = []
@@ -180,7 +181,7 @@ class Kernels:
 
     # -- pipelines --------------------------------------------------------------------------------------
     def pipeline(self, kernel: str, type_name: str | None = None, mode: int = 0):
-        key = (kernel, type_name, mode, self.tile if kernel == "lmm" else 0)
+        key = (kernel, type_name, mode, (self.tile, self.cm_pipe) if kernel == "lmm" else 0)
         p = self._pipes.get(key)
         if p is not None:
             return p
@@ -191,7 +192,7 @@ class Kernels:
         if module is None:
             raise VulkanError(f"no shader module {kernel} for {type_name}" if fmt else f"no shader module {kernel}")
         if coop:                 # 128 invocations of the device's subgroup size: MODE and the 16-output blocks each
-            vals, ids, pin = [mode, 4 * dev.subgroup_size // 128], [2, 4], 128
+            vals, ids, pin = [mode, 4 * dev.subgroup_size // 128, self.cm_pipe], [2, 4, 5], 128
         elif kernel == "lmm":      # 4 x the tile's rows, no subgroup operations: the workgroup, MODE and the tile
             vals, ids, pin = [4 * self.tile, mode, self.tile], [0, 2, 3], None
         elif kernel == "attn_pre":   # a fixed workgroup of 128 without subgroup operations
