@@ -401,7 +401,7 @@ for route in ${GP_ROUTES:-f32 coopmat}; do
 done
 say "profile: a 512-row chunk, every layer on the device"
 for route in ${GP_ROUTES:-f32 coopmat}; do
-  COLI_VK_PROMPT_ROUTE=$route timeout 150 $PY -m scripts.bench.profile_prompt_layers --cm-pipes ${GP_CM_PIPES:-2} --model "$MODEL" --gpu-layers 16 \
+  COLI_VK_PROMPT_ROUTE=$route timeout 150 $PY -m scripts.bench.profile_prompt_layers --cm-pipes "${GP_CM_PIPES:-}" --model "$MODEL" --gpu-layers 16 \
     --rows 512 --reps 2 --threads 16 --tiles ${GP_TILES_PROFILE:-64} 2>&1 | grep -v "^layer\|^\[coli\]"
 done
 [ -n "${BLD:-}" ] && { say "waiting for the llama.cpp build"; wait $BLD; tail -2 /tmp/llbuild.log; }

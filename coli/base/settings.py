@@ -84,9 +84,9 @@ VARS: tuple[Var, ...] = (
         "device layers take a prompt chunk of up to this many rows in one submit", "rows", lo=1),
     Var("COLI_VK_PROMPT_TILE", "int", 32, "rows of a tile of the device layers' prompt GEMM (shaders/lmm.comp): "
         "32 or 64", "rows", lo=32, dev=True),
-    Var("COLI_VK_PROMPT_ROUTE", "str", "f32", "the device layers' prompt GEMM: f32 (shaders/lmm.comp), coopmat "
-        "(float16 cooperative matrices, shaders/lmm_cm.comp, where the device has them; else f32) or auto (coopmat "
-        "where the device has it) (docs/vulkan.md \"Prompt routes\")", dev=True),
+    Var("COLI_VK_PROMPT_ROUTE", "str", "auto", "the device layers' prompt GEMM: auto (float16 cooperative matrices, "
+        "shaders/lmm_cm.comp, where the device has them, else f32), coopmat (the same) or f32 (shaders/lmm.comp, "
+        "float32 products everywhere) (docs/vulkan.md \"Prompt routes\")", dev=True),
     Var("COLI_GLSLC", "str", "glslc", "the shader compiler scripts/build_shaders runs; the cooperative-matrix "
         "kernels need one whose glslang is 13 or later (docs/vulkan.md \"Prompt routes\")", dev=True),
     Var("COLI_VK_HOLD_CLOCK", "bool", True, "on a discrete GPU that runs a second queue beside the first, one "

@@ -137,7 +137,7 @@ class Kernels:
             from coli.base.errors import ColiError
 
             raise ColiError(f"COLI_VK_PROMPT_TILE={self.tile}: 32 or 64 (rows of a prompt GEMM tile)")
-        route = str(get("COLI_VK_PROMPT_ROUTE", env) or "f32").lower()
+        route = str(get("COLI_VK_PROMPT_ROUTE", env) or "auto").lower()
         if route not in ("f32", "coopmat", "auto"):
             from coli.base.errors import ColiError
 
@@ -147,7 +147,10 @@ class Kernels:
         self.route = "coopmat" if route != "f32" and getattr(dev, "coopmat", False) else "f32"
         if self.route == "coopmat":
             self.tile = 64
-        self.cm_pipe = 2     # lmm_cm.comp's PIPE: 2 (32 inputs a step, two buffers) or 0 (64 a step, one buffer)
+        #: lmm_cm.comp's PIPE per MODE: the experts' gate/up (mode 1: both halves of the workgroup decode) take two
+        #: buffers of 32 inputs; dense and down (mode 0, 2) one buffer of 64, where every invocation decodes (H100:
+        #: mode 1 27.3 -> 15.8 ms a 512-row chunk with 2, mode 2 9.5 -> 11.0 ms: docs/vulkan.md "Prompt routes")
+        self.cm_pipe = {0: 0, 1: 2, 2: 0}
         self._pipes: dict = {}
         self.fence = None       # VkFence[1] of submit()
         self._bufs: list = []
@@ -181,7 +184,7 @@ class Kernels:
 
     # -- pipelines --------------------------------------------------------------------------------------
     def pipeline(self, kernel: str, type_name: str | None = None, mode: int = 0):
-        key = (kernel, type_name, mode, (self.tile, self.cm_pipe) if kernel == "lmm" else 0)
+        key = (kernel, type_name, mode, (self.tile, self.cm_pipe[mode]) if kernel == "lmm" else 0)
         p = self._pipes.get(key)
         if p is not None:
             return p
@@ -192,7 +195,7 @@ class Kernels:
         if module is None:
             raise VulkanError(f"no shader module {kernel} for {type_name}" if fmt else f"no shader module {kernel}")
         if coop:                 # 128 invocations of the device's subgroup size: MODE and the 16-output blocks each
-            vals, ids, pin = [mode, 4 * dev.subgroup_size // 128, self.cm_pipe], [2, 4, 5], 128
+            vals, ids, pin = [mode, 4 * dev.subgroup_size // 128, self.cm_pipe[mode]], [2, 4, 5], 128
         elif kernel == "lmm":      # 4 x the tile's rows, no subgroup operations: the workgroup, MODE and the tile
             vals, ids, pin = [4 * self.tile, mode, self.tile], [0, 2, 3], None
         elif kernel == "attn_pre":   # a fixed workgroup of 128 without subgroup operations

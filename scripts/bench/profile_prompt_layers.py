@@ -27,7 +27,8 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--tiles", default="64")
-    ap.add_argument("--cm-pipes", default="2", help="lmm_cm.comp's PIPE values to time in turn (coopmat route)")
+    ap.add_argument("--cm-pipes", default="", help="lmm_cm.comp's PIPE values to time in turn, each for every mode "
+                    "(coopmat route; default: the route's own choice per mode)")
     a = ap.parse_args()
     from coli.base import settings
     from coli.engine import Engine
@@ -44,13 +45,15 @@ def main():
         for tile in [int(x) for x in a.tiles.split(",")]:
             if dl.K.route == "coopmat" and tile != 64:
                 continue                    # lmm_cm.comp's tile is 64 rows
-            for pipe in [int(x) for x in a.cm_pipes.split(",")] if dl.K.route == "coopmat" else [dl.K.cm_pipe]:
-                dl.K.tile, dl.K.cm_pipe = tile, pipe
+            own = dict(dl.K.cm_pipe)
+            pipes = [int(x) for x in a.cm_pipes.split(",")] if a.cm_pipes and dl.K.route == "coopmat" else [None]
+            for pipe in pipes:
+                dl.K.tile, dl.K.cm_pipe = tile, own if pipe is None else {0: pipe, 1: pipe, 2: pipe}
                 for rec in dl._precs.values():
                     dl.K.free(rec)
                 dl._precs = {}
                 print(f"--- tile {tile} rows, the {dl.K.route} route (COLI_VK_PROMPT_ROUTE)"
-                      + (f", PIPE {pipe}" if dl.K.route == "coopmat" else ""))
+                      + (f", PIPE {dl.K.cm_pipe}" if dl.K.route == "coopmat" else ""))
                 profile(eng, dl, ids, a)
     finally:
         eng.close()
