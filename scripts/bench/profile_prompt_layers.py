@@ -7,7 +7,9 @@ ms of each kind of op (kernel, format, mode) summed over the layers, with the ch
 device's clock. Needs a device with timestamps.
 
 usage: scripts/bench/profile_prompt_layers.py --model FILE [--gpu-layers 16] [--rows 512] [--reps 3] [--tiles 64,32]
-(--tiles: each of lmm.comp's tile heights in turn, COLI_VK_PROMPT_TILE, in the same engine)
+       [--cm-pipes 0,2] [--decode POS]
+(--tiles: each of lmm.comp's tile heights in turn, COLI_VK_PROMPT_TILE, in the same engine; --decode: also a decode
+token's program at position POS, op by op). Run it as a module (python -m scripts.bench.profile_prompt_layers).
 """
 import argparse
 import sys
@@ -27,6 +29,7 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--tiles", default="64")
+    ap.add_argument("--decode", type=int, default=0, help="also profile a decode token at this position (0: not)")
     ap.add_argument("--cm-pipes", default="", help="lmm_cm.comp's PIPE values to time in turn, each for every mode "
                     "(coopmat route; default: the route's own choice per mode)")
     a = ap.parse_args()
@@ -55,15 +58,13 @@ def main():
                 print(f"--- tile {tile} rows, the {dl.K.route} route (COLI_VK_PROMPT_ROUTE)"
                       + (f", PIPE {dl.K.cm_pipe}" if dl.K.route == "coopmat" else ""))
                 profile(eng, dl, ids, a)
+        if a.decode:
+            profile_decode(eng, dl, a.decode)
     finally:
         eng.close()
 
 
 def profile(eng, dl, ids, a):
-    from collections import defaultdict
-
-    from coli.vulkan.layers import Copy
-
     for rep in range(a.reps + 1):
         kv = eng.model.new_cache(a.rows + 1)
         t0 = time.perf_counter()
@@ -83,15 +84,41 @@ def profile(eng, dl, ids, a):
     dl.K.free(rec)
     if best is None:
         sys.exit("the device has no timestamps")
+    table(eng, dl, ops, best, f"{a.rows} rows", a.rows)
+
+
+def profile_decode(eng, dl, pos: int):
+    """One decode token's program (``DeviceLayers._ops``) at position ``pos``, a timestamp after every op."""
+    ops = dl._ops()
+    rec = dl.K.record(ops, each=True)
+    dl.params.u32(4)[0] = pos
+    dl.hin.f32(dl.D)[:] = eng.model.embed(np.array([1])).reshape(-1)
+    best = None
+    for _ in range(5):
+        dl.K.submit(rec)
+        ms = dl.K.op_ms(rec)
+        if ms is not None and (best is None or sum(ms) < sum(best)):
+            best = ms
+    dl.K.free(rec)
+    if best is None:
+        sys.exit("the device has no timestamps")
+    table(eng, dl, ops, best, f"a decode token at position {pos}", 1)
+
+
+def table(eng, dl, ops, best, what, rows):
+    from collections import defaultdict
+
+    from coli.vulkan.layers import Copy
+
     by = defaultdict(lambda: [0.0, 0])
     for op, t in zip(ops, best):
         key = "copy" if isinstance(op, Copy) else f"{op.kernel}" + (f" {op.type_name}" if op.type_name else "") + (
-            f" mode {op.mode}" if op.kernel == "lmm" else "")
+            f" mode {op.mode}" if op.kernel in ("lmm", "lmoe") else "")
         by[key][0] += t
         by[key][1] += 1
     tot = sum(best)
-    print(f"device: {eng.device.name}; {len(dl.layers)} layers, {a.rows} rows: {tot:.2f} ms by timestamps "
-          f"({a.rows / tot * 1e3:.0f} rows/s)")
+    print(f"device: {eng.device.name}; {len(dl.layers)} layers, {what}: {tot:.3f} ms by timestamps "
+          f"({rows / tot * 1e3:.0f} rows/s, {len(ops)} ops)")
     for k, (t, n) in sorted(by.items(), key=lambda x: -x[1][0]):
         print(f"  {k:28s} {n:4d} ops {t:8.3f} ms {100 * t / tot:5.1f} %")
 
