@@ -304,6 +304,8 @@ def cmd_serve(a) -> int:
         raise ColiError(f"--port: {a.port} (0 to 65535)")
     if a.queue < 1:
         raise ColiError(f"--queue: {a.queue} (at least 1)")
+    if a.parallel < 1:
+        raise ColiError(f"--parallel: {a.parallel} (slots, at least 1)")
     if not a.body_limit > 0:
         raise ColiError(f"--body-limit: {a.body_limit} (MiB, above 0)")
     key = a.api_key
@@ -318,6 +320,13 @@ def cmd_serve(a) -> int:
     cfg_note = _apply_config(a)
     sock = bind(a.host, a.port)  # a port in use is an error before the model loads
     eng = _open_engine(a, quiet=a.quiet)
+    from coli.slots import check_parallel
+
+    try:
+        check_parallel(eng, a.parallel)  # before listening: the slots' KV caches fit the memory budget
+    except ColiError:
+        _close(eng)
+        raise
     eng.cli_names = False  # errors go to HTTP clients: name the request's fields, not coli's flags
     if not a.quiet:
         print(_start_line(eng) + cfg_note, file=sys.stderr)
@@ -328,7 +337,8 @@ def cmd_serve(a) -> int:
     model_id = a.alias or eng.path.stem
     try:
         return serve(eng, model_id, host=a.host, port=a.port, aliases=aliases, max_queue=a.queue, quiet=a.quiet,
-                     sock=sock, api_key=key, cors=a.cors, body_limit_mb=a.body_limit)
+                     sock=sock, api_key=key, cors=a.cors, body_limit_mb=a.body_limit,
+                     parallel=a.parallel)
     finally:
         _close(eng)  # already closed by the server's shutdown; idempotent
 
@@ -540,6 +550,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
     s.add_argument("--port", type=int, default=8080, help="TCP port")
     s.add_argument("--queue", type=int, default=8, help="requests waiting at most (more get 503)")
+    s.add_argument("-np", "--parallel", type=int, default=1, metavar="N",
+                   help="slots: requests decoded together as one batch, each with its own KV cache of --ctx")
     s.add_argument("--alias", default=None, help="the served model's id (default: the file's stem)")
     s.add_argument("--api-key", default=None, metavar="KEY",
                    help="clients must send 'Authorization: Bearer KEY' (else COLI_API_KEY; none: no check)")

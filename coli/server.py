@@ -11,11 +11,13 @@ tool-call text is parsed into ``tool_calls``: ``coli.tool_calls``), ``response_f
 constrained decoding: ``coli.constrain``), ``chat_template_kwargs`` and ``reasoning_effort`` (template
 variables). Defaults are llama-server's (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05). docs/serve.md.
 
-Design: one engine and one worker thread that runs one generation at a time, in arrival order, fed by a
-bounded queue (``--queue``, 503 ``server_busy`` when full). The engine keeps its KV cache between requests
-(``keep_kv``): the prompt's longest common token prefix with the previous request is not recomputed, so the
-turns of a conversation only pay for their new tokens. A client that disconnects cancels its generation (the
-worker polls a flag between tokens and between prompt chunks). Request bodies are parsed and prompts
+Design: one engine and one worker thread that drives ``--parallel N`` slots (``coli.slots``): the running
+requests are decoded together, one step over all their rows at a time, prompts read in chunks between the
+decode steps; waiting requests (a bounded queue, ``--queue``, 503 ``server_busy`` when full) take the free
+slots in arrival order. Each slot keeps its KV cache between requests: a prompt's longest common token prefix
+with a slot's tokens (its own, or copied from another slot) is not recomputed, so the turns of a conversation
+only pay for their new tokens. A client that disconnects cancels its generation (the worker polls a flag
+before each step: between tokens and between prompt chunks). Request bodies are parsed and prompts
 tokenized in a thread, never in the event loop, behind a body size limit (413). Bad requests get OpenAI's
 error object (``{"error": {"message", "type", "param", "code"}}``) with a 4xx status; anything unexpected a
 500 with that object, never a traceback. SIGINT or SIGTERM cancel the running generation (its stream ends
@@ -339,12 +341,17 @@ class Metrics:
 
 
 class Worker:
-    """The one thread that runs the engine: jobs in arrival order from a queue of at most ``max_queue``."""
+    """The one thread that runs the engine: ``parallel`` slots (``coli.slots.Batcher``) decoded together step by
+    step, fed in arrival order from a queue of at most ``max_queue`` waiting jobs. A job's generations (``n``)
+    run one after the other in its slot; between two steps, waiting jobs take the free slots."""
 
-    def __init__(self, eng, max_queue: int, metrics: Metrics | None = None):
+    def __init__(self, eng, max_queue: int, metrics: Metrics | None = None, parallel: int = 1):
+        from coli.slots import Batcher
+
         self.eng = eng
+        self.batcher = Batcher(eng, parallel)
         self.q: queue.Queue = queue.Queue(maxsize=max_queue)
-        self.current: Job | None = None
+        self.running: dict = {}  # Sequence -> (job, generation index)
         self.served = 0
         self.cancelled = 0
         self.last: dict = {}
@@ -352,6 +359,15 @@ class Worker:
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="coli-engine", daemon=True)
         self.thread.start()
+
+    @property
+    def current(self):
+        """A running job, or None when idle."""
+        return next((j for j, _ in list(self.running.values())), None)
+
+    def busy(self) -> int:
+        """Jobs being generated."""
+        return len({id(j) for j, _ in list(self.running.values())})
 
     def submit(self, job: Job) -> None:
         if self.stopping.is_set():
@@ -362,69 +378,117 @@ class Worker:
             raise APIError(503, f"the server is busy: {self.q.maxsize} requests are waiting already (--queue); "
                                 f"retry later", "server_error", code="server_busy") from None
 
-    def _generate(self, job: Job, i: int, g: Gen) -> None:
+    def _start(self, job: Job, i: int) -> None:
+        """Start generation ``i`` of ``job`` in a free slot."""
         from coli.sampling import Sampler, SamplingParams
+        from coli.slots import Sequence
 
+        g = job.gens[i]
         o = g.options
         params = SamplingParams(**{k: o[k] for k in ("temp", "top_k", "top_p", "min_p", "repeat_penalty",
                                                      "repeat_last_n", "presence_penalty", "frequency_penalty",
                                                      "seed")})
         sampler = Sampler(params, ctx=self.eng.ctx, logit_bias=o.get("logit_bias"), top_logprobs=g.top_logprobs,
                           constraint=g.constraint() if g.constraint is not None else None)
-        stop = lambda: job.cancel.is_set() or self.stopping.is_set()  # noqa: E731
-        ts = self.eng.generate(ids=g.ids, stream=True, keep_kv=True, should_stop=stop, sampler=sampler,
-                               max_tokens=o["max_tokens"], stop=o.get("stop"), stop_at_eos=o["stop_at_eos"])
-        seen = 0
+        ids = self.eng._check_ids(g.ids)
+        n_gen = self.eng.check_fits(len(ids), o["max_tokens"])
+        sampler.accept_many(int(t) for t in ids)
         m = self.metrics
-        first = True
-        for piece in ts:
-            if first and i == 0:
+        seen = [0, i != 0]  # logprobs posted; the first piece (TTFT) counted
+
+        def on_text(piece):
+            if not seen[1]:
+                seen[1] = True
                 m.ttft_sum += time.perf_counter() - job.t_submit
                 m.ttft_n += 1
-            first = False
-            job.post("text", i, (piece, sampler.logprobs[seen:]))
-            seen = len(sampler.logprobs)
-        r = ts.result
-        st = r.stats
-        self.last = dict(finish_reason=r.finish_reason, completion_tokens=len(r.ids),
-                         prompt_tokens=len(r.prompt_ids), cached_tokens=st.get("cached_tokens", 0))
-        m.prompt_tokens += len(r.prompt_ids)
-        m.cached_tokens += st.get("cached_tokens", 0)
-        m.predicted_tokens += len(r.ids)
-        m.prompt_seconds += st.get("prefill_s", 0.0)
-        m.predicted_seconds += st.get("decode_s", 0.0)
-        if r.finish_reason == "cancelled":
-            self.cancelled += 1
-            m.cancelled += 1
-            if self.stopping.is_set():  # the answer is cut: say so rather than end it as complete
-                raise APIError(503, "the server is shutting down: the answer was cut", "server_error",
-                               code="shutting_down")
-            raise APIError(499, "cancelled", "server_error")
-        job.post("done", i, (r, sampler.logprobs[:len(r.ids)]))
+            job.post("text", i, (piece, sampler.logprobs[seen[0]:]))
+            seen[0] = len(sampler.logprobs)
+
+        stop = lambda: job.cancel.is_set() or self.stopping.is_set()  # noqa: E731
+        seq = Sequence(self.eng, ids, n_gen, sampler, stop=o.get("stop"), stop_at_eos=o["stop_at_eos"],
+                       should_stop=stop, on_text=on_text)
+        self.batcher.start(seq)
+        self.running[seq] = (job, i)
+
+    def _finished(self, seq) -> None:
+        """Post a finished generation's result (or its error); start the job's next one."""
+        job, i = self.running.pop(seq)
+        try:
+            if seq.error is not None:
+                raise seq.error
+            r = seq.result
+            st = r.stats
+            m = self.metrics
+            self.last = dict(finish_reason=r.finish_reason, completion_tokens=len(r.ids),
+                             prompt_tokens=len(r.prompt_ids), cached_tokens=st.get("cached_tokens", 0),
+                             slot=st.get("slot"))
+            m.prompt_tokens += len(r.prompt_ids)
+            m.cached_tokens += st.get("cached_tokens", 0)
+            m.predicted_tokens += len(r.ids)
+            m.prompt_seconds += st.get("prefill_s", 0.0)
+            m.predicted_seconds += st.get("decode_s", 0.0)
+            if r.finish_reason == "cancelled":
+                self.cancelled += 1
+                m.cancelled += 1
+                if self.stopping.is_set():  # the answer is cut: say so rather than end it as complete
+                    raise APIError(503, "the server is shutting down: the answer was cut", "server_error",
+                                   code="shutting_down")
+                raise APIError(499, "cancelled", "server_error")
+            job.post("done", i, (r, seq.sampler.logprobs[:len(r.ids)]))
+            if i + 1 < len(job.gens):
+                self._start(job, i + 1)
+            else:
+                self.served += 1
+        except Exception as e:  # noqa: BLE001
+            self._fail(job, e)
+
+    def _fail(self, job: Job, e: Exception) -> None:
+        """The job's error as OpenAI's error object: APIError as is, ColiError a 400, anything else a 500 (and
+        on stderr, not hidden)."""
+        if isinstance(e, APIError):
+            job.post("error", 0, e)
+        elif isinstance(e, ColiError):
+            job.post("error", 0, APIError(400, str(e)))
+        else:
+            print(f"coli serve: {type(e).__name__}: {e}", file=sys.stderr)
+            job.post("error", 0, APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
 
     def _run(self):
+        b = self.batcher
         while True:
-            job = self.q.get()
-            if job is None:
-                return
-            self.current = job
-            try:
+            while b.free():  # waiting jobs take the free slots (block only when nothing runs)
+                try:
+                    job = self.q.get() if not self.running else self.q.get_nowait()
+                except queue.Empty:
+                    break
+                if job is None:
+                    self._drain()
+                    return
                 if job.cancel.is_set() or self.stopping.is_set():
                     self.cancelled += 1
                     job.post("error", 0, APIError(499, "cancelled", "server_error"))
                     continue
-                for i, g in enumerate(job.gens):
-                    self._generate(job, i, g)
-                self.served += 1
-            except APIError as e:
-                job.post("error", 0, e)
-            except ColiError as e:
-                job.post("error", 0, APIError(400, str(e)))
-            except Exception as e:  # noqa: BLE001  (reported to the client as a 500 and on stderr, not hidden)
-                print(f"coli serve: {type(e).__name__}: {e}", file=sys.stderr)
-                job.post("error", 0, APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
-            finally:
-                self.current = None
+                try:
+                    self._start(job, 0)
+                except Exception as e:  # noqa: BLE001
+                    self._fail(job, e)
+            if not self.running:
+                continue
+            try:
+                done = b.step()
+            except Exception as e:  # noqa: BLE001  (a bug in the step itself: every running job is told)
+                done = []
+                for seq in list(self.running):
+                    seq.end("error", e)
+                    done.append(seq)
+            for seq in done:
+                self._finished(seq)
+
+    def _drain(self):
+        """At shutdown: step until the running generations ended (they see ``stopping`` and cancel)."""
+        while self.running:
+            for seq in self.batcher.step():
+                self._finished(seq)
 
     def stop(self):
         """Cancel the running and the queued jobs, end the thread."""
@@ -472,13 +536,14 @@ def fit_conversation(encode, msgs: list, ctx: int, max_tokens) -> tuple[list, in
 # ---------------------------------------------------------------------------------------------- app
 
 def create_app(eng, model_id: str, aliases=(), max_queue: int = 8, api_key: str | None = None, cors=None,
-               body_limit_mb: float = BODY_LIMIT_MB):
+               body_limit_mb: float = BODY_LIMIT_MB, parallel: int = 1):
     """The Starlette app serving ``eng`` as model ``model_id``. Any ``model`` name in a request is answered
     by it (one model is served, as llama-server; the answer names ``model_id``); ``aliases`` are the other
     names ``GET /v1/models/{name}`` knows. ``api_key``: requests other than ``/health`` and ``/v1/models``
     need ``Authorization: Bearer KEY`` (401 otherwise). ``cors``: the origins browsers may call from (None:
     localhost's only). Bodies above ``body_limit_mb`` MiB are a 413. The engine is closed when the app's
-    lifespan ends."""
+    lifespan ends. ``parallel``: the slots decoded together (``coli.slots``; ColiError when their KV caches do
+    not fit the memory budget)."""
     from starlette.applications import Starlette
     from starlette.authentication import AuthCredentials, AuthenticationBackend, AuthenticationError, SimpleUser
     from starlette.concurrency import run_in_threadpool
@@ -836,13 +901,15 @@ def create_app(eng, model_id: str, aliases=(), max_queue: int = 8, api_key: str 
 
     async def health(request: Request):
         w = state["worker"]
+        b = w.batcher
         return JSONResponse({"status": "ok", "model": model_id, "ctx": eng.ctx, "queued": w.q.qsize(),
                              "busy": w.current is not None, "served": w.served, "cancelled": w.cancelled,
-                             "last": w.last})
+                             "last": w.last, "slots": len(b.slots), "slots_busy": len(b.slots) - b.free(),
+                             "reused_rows": b.reused_rows, "steps": b.steps, "most_in_a_step": b.most_rows_of})
 
     async def metrics_route(request: Request):
         w = state["worker"]
-        return PlainTextResponse(metrics.text(w.q.qsize(), int(w.current is not None)),
+        return PlainTextResponse(metrics.text(w.q.qsize(), w.busy()),
                                  media_type="text/plain; version=0.0.4")
 
     async def http_error(request, exc: HTTPException):
@@ -877,7 +944,7 @@ def create_app(eng, model_id: str, aliases=(), max_queue: int = 8, api_key: str 
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        state["worker"] = Worker(eng, max_queue, metrics)
+        state["worker"] = Worker(eng, max_queue, metrics, parallel)
         try:
             yield
         finally:
@@ -925,14 +992,15 @@ def bind(host: str, port: int) -> socket.socket:
 
 def serve(eng, model_id: str, host: str = "127.0.0.1", port: int = 8080, aliases=(), max_queue: int = 8,
           quiet: bool = False, sock: socket.socket | None = None, api_key: str | None = None, cors=None,
-          body_limit_mb: float = BODY_LIMIT_MB) -> int:
+          body_limit_mb: float = BODY_LIMIT_MB, parallel: int = 1) -> int:
     """Serve ``eng`` on ``sock`` (or a socket :func:`bind` makes) until SIGINT/SIGTERM; the running generation
     is cancelled, then the engine is closed (routing history saved). Returns 128 + the signal's number
     (130, 143), as a process killed by it, or 0 when the server stopped by itself."""
     import uvicorn
 
     sock = sock or bind(host, port)
-    app = create_app(eng, model_id, aliases, max_queue, api_key=api_key, cors=cors, body_limit_mb=body_limit_mb)
+    app = create_app(eng, model_id, aliases, max_queue, api_key=api_key, cors=cors, body_limit_mb=body_limit_mb,
+                     parallel=parallel)
     got = []
 
     class Server(uvicorn.Server):

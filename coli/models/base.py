@@ -415,6 +415,48 @@ class Model:
             h = h[-1:]
         return self.head(h)
 
+    def batches_rows(self) -> bool:
+        """True when :meth:`forward_rows` runs several sequences' rows as one step: every layer is one whose
+        only per-sequence part is ``blocks.Attention`` (``many_rows``) over a ``blocks.KV`` cache, the family
+        keeps this class's ``forward``, and no layer runs on the device. Else ``forward_rows`` runs the
+        sequences one after the other (the same results, no sharing of the weights' reads)."""
+        from .blocks import Attention
+
+        return (type(self).forward is Model.forward and self.device_layers is None
+                and all(getattr(L, "many_rows", False) and type(L.attn).__call__ is Attention.__call__
+                        for L in self.layers))
+
+    def forward_rows(self, parts) -> list:
+        """One step over the rows of several sequences: ``parts`` ``[(ids int [T_i], cache)]``, each sequence's
+        ids at its positions ``cache.pos ..``; returns each one's last-row logits f32 [1, vocab] and advances
+        each cache. The rows run through every matmul and MoE step together (an expert is read once for all of
+        them), attention per sequence on its own cache (``blocks.Rows``); a row's logits are the bits it gets
+        in :meth:`forward` alone (docs/engine.md "Batch invariance"), which ``tests/test_slots.py`` checks.
+        ColiError when a sequence does not fit its cache."""
+        from .blocks import Rows
+
+        if len(parts) == 1 or not self.batches_rows():
+            return [self.forward(ids, c) for ids, c in parts]
+        ids_all, spans, a = [], [], 0
+        for ids, c in parts:
+            ids = np.asarray(ids, dtype=np.int64)
+            if c.pos + len(ids) > c.ctx:
+                raise ColiError(f"context: {c.pos + len(ids)} tokens do not fit the context of {c.ctx} (--ctx)")
+            ids_all.append(ids)
+            spans.append((a, a + len(ids)))
+            a += len(ids)
+        h = self.embed(np.concatenate(ids_all))
+        if self.embed_scale:
+            h *= np.float32(self.embed_scale)
+        for il, L in enumerate(self.layers):
+            h = L(h, Rows([(c.layers[il], c.pos, s, e) for (_, c), (s, e) in zip(parts, spans)]), 0)
+        if self.step is not None and self.step.usage is not None and self.moe_layers:
+            self.step.usage.add_tokens(a)
+        for (ids, c), (s, e) in zip(parts, spans):
+            c.pos += e - s
+        lg = self.head(np.ascontiguousarray(h[[e - 1 for _, e in spans]]))
+        return [lg[i:i + 1] for i in range(len(parts))]
+
     def _device_layers(self, h, cache: Cache, pos0: int, all_logits: bool = False):
         """Layers ``device_layers.first ..`` of rows ``h`` on the device (a decode row, or a prompt chunk's rows):
         ``(h, logits or None)`` (the logits when the head ran there too: one row, or every row with

@@ -180,11 +180,32 @@ class Attention:
             return None
         return _decode.AttentionDecode(self, w_norm, post_w, self.m.args.eps)
 
-    def __call__(self, x: np.ndarray, xa, kv: KV, pos0: int) -> np.ndarray:
+    def __call__(self, x: np.ndarray, xa, kv, pos0: int) -> np.ndarray:
         q, k, v = self.heads(*self.qkv(x, xa))
-        self.rope(q, k, pos0)
-        o = self.attend(q, k, v, kv, pos0)
+        if isinstance(kv, Rows):  # rows of several sequences: rope and attention per sequence, on its own cache
+            o = None
+            for c, p0, a, b in kv.parts:
+                self.rope(q[a:b], k[a:b], p0)
+                ob = self.attend(q[a:b], k[a:b], v[a:b], c, p0)
+                if o is None:
+                    o = np.empty((q.shape[0],) + ob.shape[1:], np.float32)
+                o[a:b] = ob
+        else:
+            self.rope(q, k, pos0)
+            o = self.attend(q, k, v, kv, pos0)
         return self.out(o.reshape(x.shape[0], -1))
+
+
+class Rows:
+    """The layer cache argument of a step over the rows of several sequences (``Model.forward_rows``): ``parts``
+    is ``[(kv, pos0, a, b)]``, rows ``a:b`` of the step belong to the sequence whose layer cache is ``kv`` and
+    sit at its positions ``pos0 ..``. Only :class:`Attention` reads it (every other block computes each row
+    alone, so one call over all rows gives each row the bits it gets alone: docs/engine.md "Batch invariance")."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts):
+        self.parts = parts
 
 
 def expect_shapes(m, p: str, want: dict) -> None:

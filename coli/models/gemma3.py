@@ -29,6 +29,8 @@ def is_local(il: int) -> bool:
 class DecoderLayer:
     """``h += post_attention_norm(attn(attn_norm(h))); h += post_ffw_norm(geglu_ffn(ffn_norm(h)))``."""
 
+    many_rows = True  # passes the cache to blocks.Attention only: Model.forward_rows can batch sequences
+
     moe = None
 
     def __init__(self, m, il: int):

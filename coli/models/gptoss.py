@@ -123,6 +123,8 @@ class BiasedMoE(blocks.MoE):
 class DecoderLayer:
     """``h += attn(attn_norm(h)); h += moe(post_attention_norm(h))`` (module docstring)."""
 
+    many_rows = True  # passes the cache to blocks.Attention only: Model.forward_rows can batch sequences
+
     def __init__(self, m, il: int):
         p = f"blk.{il}."
         a = m.args

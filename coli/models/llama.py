@@ -21,6 +21,8 @@ class DecoderLayer:
     """``h += attn_output(attention(attn_norm(h))); h += ffn(ffn_norm(h))`` where ffn is the MoE block when the
     layer has a router (``ffn_gate_inp``), else the dense SwiGLU FFN."""
 
+    many_rows = True  # passes the cache to blocks.Attention only: Model.forward_rows can batch sequences
+
     def __init__(self, m, il: int, *, rope_kind: int, qk_norm: str | None = None, norm_topk: bool = True):
         p = f"blk.{il}."
         self.m = m
