@@ -19,7 +19,8 @@ deviation with Bessel's correction, 0 for one sample, as llama-bench), ``samples
 step), ``weight_gbps`` (weight_bytes / mean time, GB = 1e9 bytes), ``probe_gbps`` (the memory-read probe at
 that thread count, ``--bandwidth``), ``device_rows`` / ``cpu_rows`` (the placement: rows of the last run whose
 device layers (``--gpu-layers``) ran on the device / on the CPU; 0 and N without device layers),
-``expert_disk_loads``, ``expert_bytes_read`` (per run).
+``expert_disk_loads``, ``expert_bytes_read`` (per run), ``device_expert_rows`` / ``cpu_expert_rows`` (routed (row,
+expert) pairs of the last run computed on the device / on the CPU: the tier's and the device layers' experts).
 
 ``cold`` drops the model file's pages (``posix_fadvise(DONTNEED)``) and empties the RAM expert cache before
 each run, so expert loads are real disk reads. See docs/tuning.md.
@@ -47,7 +48,8 @@ FIELDS = ["build_commit", "build_number", "cpu_info", "gpu_info", "backends", "m
           "n_prompt", "n_gen", "n_depth", "test_time", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts"]
 COLI_FIELDS = ["test", "device", "balance", "cpu_act", "expert_cache", "io_threads", "load_avg", "cold",
                "weight_bytes", "weight_gbps", "probe_gbps", "device_rows", "cpu_rows"]
-SAMPLE_FIELDS = ["samples_ns", "samples_ts", "expert_disk_loads", "expert_bytes_read"]
+SAMPLE_FIELDS = ["samples_ns", "samples_ts", "expert_disk_loads", "expert_bytes_read", "device_expert_rows",
+                 "cpu_expert_rows"]
 FORMATS = ("md", "json", "csv", "jsonl")
 
 _RANGE = re.compile(r"^(\d+)-(\d+)(?:([+*])(\d+))?$")
@@ -328,7 +330,9 @@ def run_bench(eng, n_prompt=128, n_gen=64, reps=5, cold=False, threads=None, ban
                            probe_gbps=None if probe is None else round(probe, 2),
                            device_rows=int(dev_rows), cpu_rows=int(n - dev_rows),
                            expert_disk_loads=[l["disk_loads"] for l in loads],
-                           expert_bytes_read=[l["bytes_read"] for l in loads])
+                           expert_bytes_read=[l["bytes_read"] for l in loads],
+                           device_expert_rows=int(last.get("device_expert_rows", 0)),
+                           cpu_expert_rows=int(last.get("cpu_expert_rows", 0)))
                 recs.append(rec)
                 if on_test is not None:
                     on_test(rec)

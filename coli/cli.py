@@ -76,6 +76,11 @@ def _engine_args(p: argparse.ArgumentParser, model_required=False):
     p.add_argument("--gpu-layers", "-ngl", "--n-gpu-layers", type=int, default=None, metavar="N",
                    help="run the last N decoder layers whole on the device, one submit a token (-1: as many as the "
                         "budget holds; 0: the expert tier; COLI_VK_LAYERS; docs/vulkan.md \"Device layers\")")
+    p.add_argument("--cpu-moe", action="store_true",
+                   help="device layers keep every routed expert on the CPU (RAM), joined mid-layer; alone: every layer "
+                        "that fits on the device (COLI_VK_CPU_MOE=-1; docs/vulkan.md \"Experts on the CPU\")")
+    p.add_argument("--n-cpu-moe", type=int, default=None, metavar="N",
+                   help="the routed experts of the model's first N layers stay on the CPU (COLI_VK_CPU_MOE=N)")
     p.add_argument("--reproducible", action="store_true",
                    help="the same device expert set, hence the same logits bytes, every run: uploads waited for, "
                         "no balancer (COLI_VK_TIER_SYNC=1 with --no-balance)")
@@ -107,14 +112,28 @@ def _open_engine(a, quiet=False, save_usage=True):
         raise ColiError(f"--tier-gb: {a.tier_gb} (GiB, 0 or above)")
     if a.gpu_layers is not None and a.gpu_layers < -1:
         raise ColiError(f"--gpu-layers: {a.gpu_layers} (a layer count, -1 for as many as fit, 0 for the expert tier)")
+    cpu_moe = getattr(a, "n_cpu_moe", None)
+    if cpu_moe is not None and cpu_moe < 0:
+        raise ColiError(f"--n-cpu-moe: {cpu_moe} (layers whose experts stay on the CPU, 0 or more)")
+    if getattr(a, "cpu_moe", False):
+        if cpu_moe is not None:
+            raise ColiError("--cpu-moe and --n-cpu-moe: one of them (--cpu-moe is every layer)")
+        cpu_moe = -1
+    if cpu_moe and a.gpu_layers == 0:
+        raise ColiError("--n-cpu-moe/--cpu-moe with --gpu-layers 0: they place the experts of device layers")
+    if cpu_moe and device == "cpu":
+        raise ColiError("--n-cpu-moe/--cpu-moe needs the device: drop --device cpu")
+    if device is None and cpu_moe:
+        device = "vulkan"
     if device is None and (a.gpu_layers or (a.gpu_layers is None and settings.get("COLI_VK_LAYERS"))):
         device = "vulkan"   # --gpu-layers N (or COLI_VK_LAYERS=N) opens the device, as the tier's flags do
     if a.gpu_layers and device == "cpu":
         raise ColiError("--gpu-layers needs the device: drop --device cpu")
-    if a.gpu_layers and tier_flags:
+    if (a.gpu_layers or cpu_moe) and tier_flags:
         raise ColiError(f"--gpu-layers and {tier_flags[0]}: {tier_flags[0]} is the expert tier's; device layers run "
                         "without it (drop one)")
     env = settings.overlay(None, COLI_VK_DEV=index, COLI_VK_TIER_GB=a.tier_gb, COLI_VK_LAYERS=a.gpu_layers,
+                           COLI_VK_CPU_MOE=cpu_moe,
                            COLI_VK_TIER_SYNC=True if a.reproducible else None, COLI_MEM=_mem_flag(a),
                            COLI_BATCH_INVARIANT=True if a.batch_invariant else None)
     model = resolve_model(a.model, quiet=quiet)

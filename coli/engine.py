@@ -483,11 +483,17 @@ class Engine:
         from coli.vulkan import device_layers
 
         want = settings.get("COLI_VK_LAYERS", self.env)
+        cpu_moe = settings.get("COLI_VK_CPU_MOE", self.env)
+        if not want and cpu_moe:
+            want = -1       # --cpu-moe / --n-cpu-moe alone: every layer that fits, as llama.cpp's -ngl 99 with them
         if not want:
             return False
+        # experts placed apart from their layers: some stay on the CPU, or --tier-gb sizes the resident ones
+        apart = bool(cpu_moe) or settings.get("COLI_VK_TIER_GB", self.env) is not None
         first, why = device_layers.plan(self.model, budget, self.ctx, None if want < 0 else want,
-                                        prompt_rows=settings.get("COLI_VK_PROMPT_ROWS", self.env))
+                                        prompt_rows=settings.get("COLI_VK_PROMPT_ROWS", self.env), experts=not apart)
         n = len(self.model.layers) - first
+        resident = self._layer_experts(first, budget, cpu_moe) if apart and n else None
         if n == 0:
             if not self.silent:
                 print(f"[VK] {self.path.name}: no decoder layer on the device ({why}); the expert tier instead",
@@ -496,7 +502,7 @@ class Engine:
         from coli.vulkan import DeviceLost, VulkanError
 
         try:
-            dl = device_layers.DeviceLayers(self.model, dev, first, self.ctx, env=self.env)
+            dl = device_layers.DeviceLayers(self.model, dev, first, self.ctx, env=self.env, resident=resident)
         except (DeviceLost, VulkanError, MemoryError, ValueError) as e:   # the tier instead, as for no layer
             if not self.silent:
                 print(f"[VK] {self.path.name}: the device layers did not load ({type(e).__name__}: {e}); the expert "
@@ -508,6 +514,40 @@ class Engine:
             short = f" ({why})" if want > 0 and n < want or want < 0 else ""
             print(f"[VK] {self.path.name}: {dl.describe()}{short}", file=sys.stderr)
         return True
+
+    def _layer_experts(self, first: int, budget: int, cpu_moe: int) -> dict:
+        """The routed experts of device layers ``first ..`` that sit on the device when they are placed apart from
+        their layers: {layer: expert ids} (a layer absent: all of them). ``cpu_moe`` (``COLI_VK_CPU_MOE``): -1 every
+        layer's experts on the CPU, N the first N layers' of the model. The other layers' experts fill what
+        ``budget`` leaves after the layers (:func:`coli.vulkan.device_layers.fixed_bytes`, ``layer_bytes`` without
+        experts), chosen as the tier's warm start chooses them (``scheduler.tier_policy.warm_plan``: the routing
+        history's hottest first, then one unnamed expert per layer in turn). Static: no promotion while running."""
+        from coli.base import settings
+        from coli.vulkan import device_layers
+        from scheduler.tier_policy import warm_plan
+
+        m = self.model
+        n, E = len(m.layers), int(self.args.n_experts)
+        layers = list(range(first, n))
+        out = {il: [] for il in layers if cpu_moe < 0 or il < cpu_moe}
+        rest = [il for il in layers if il not in out]
+        if not rest:
+            return out
+        used = device_layers.fixed_bytes(m, self.ctx, settings.get("COLI_VK_PROMPT_ROWS", self.env))
+        used += sum(device_layers.layer_bytes(m, il, self.ctx, experts=False) for il in layers)
+        per = max(device_layers.expert_bytes(m, il) for il in rest)
+        cap = max(0, (int(budget) - used) // per)
+        if cap >= E * len(rest):
+            return out
+        counts = np.zeros((n, E), np.int64)
+        if self.usage is not None and self.usage.loaded:
+            counts[rest] = self.usage.counts[rest]
+        chosen, _ = warm_plan(counts, cap, fill=True, layers=rest)
+        for il in rest:
+            out[il] = []
+        for il, e in chosen:
+            out[il].append(e)
+        return out
 
     def _setup_device(self, device, balance):
         """Open the Vulkan device and wire the expert tier to this engine (docs/tier.md): the budget by the
@@ -998,11 +1038,21 @@ class Engine:
         self._c0 = (c.hits, c.loads, c.source.bytes_read) if c is not None else (0, 0, 0)
         dl = self.device_layers
         self._d0 = (dl.prompt_tokens, dl.tokens) if dl is not None else (0, 0)
+        self._x0 = self._expert_rows()
+
+    def _expert_rows(self) -> tuple[int, int]:
+        """Routed (row, expert) pairs computed so far on the device (the tier's and the device layers') and on the
+        CPU."""
+        st = self.step.stats if self.step is not None else None
+        dl = self.device_layers
+        dev = (st.device_pairs if st is not None else 0) + (getattr(dl, "dev_rows", 0) if dl is not None else 0)
+        return dev, st.cpu_pairs if st is not None else 0
 
     def _counters(self) -> dict:
         """Since :meth:`_reset_counters`: expert cache hits, disk loads and bytes read; with device layers, the
         prompt rows and decode rows whose device layers ran on the device (``device_prompt_rows``,
-        ``device_decode_rows``)."""
+        ``device_decode_rows``); the routed (row, expert) pairs computed on the device and on the CPU
+        (``device_expert_rows``, ``cpu_expert_rows``)."""
         c = self.cache
         out = dict(expert_hits=0, disk_loads=0, bytes_read=0)
         if c is not None:
@@ -1012,6 +1062,9 @@ class Engine:
         if dl is not None:
             p0, t0 = getattr(self, "_d0", (0, 0))
             out.update(device_prompt_rows=dl.prompt_tokens - p0, device_decode_rows=dl.tokens - t0)
+        x0 = getattr(self, "_x0", (0, 0))
+        x1 = self._expert_rows()
+        out.update(device_expert_rows=x1[0] - x0[0], cpu_expert_rows=x1[1] - x0[1])
         return out
 
     def prompt_chunk(self) -> int:

@@ -9,6 +9,10 @@
 //   (k <= MAXK); groups (ceil(D / ROWS), 1, 1). y[o] += s, s = sum_j w_j (Wd[id_j][o, :] . h[j, :]) made in a
 //   float (each lane sums w_j times its units' dot products over all ranks, then one subgroupAdd; the
 //   subgroups that split a row add in subgroup order) and added to y[o] once.
+// A rank whose expert's table entry is 0 (not on the device: its rows come from the CPU, docs/vulkan.md "Experts on
+// the CPU") is skipped: mode 1 writes no h for it, mode 0 adds nothing for it. u3 (mode 0): where the weights start
+// in the route, in words (0: at k); a device layer with CPU experts passes k = 1, the route at rank j and u3 = K so
+// that each rank's weighted output goes to its own row (summed in rank order by moe_sum.comp).
 // x and h must be 16-byte aligned. Work layout as in lmv.comp (a workgroup owns ROWS rows, a subgroup a set of
 // RPC rows without a branch a row, lanes stride over units, spare subgroups split a set's units); in mode 0
 // the lanes stride over the k * F/32 units of all ranks of a row at once (h [k, F] is contiguous: flat unit t
@@ -39,10 +43,12 @@ void main() {
         uint e = ROUTE.v[j1];
         wg = TABLE.v[e * 3u];
         wu = TABLE.v[e * 3u + 1u];
+        if (wg == 0ul) return;    // the whole workgroup: a CPU rank (before any barrier)
     } else {
+        uint wo = pc.u[3] == 0u ? k : pc.u[3];
         for (uint t = gl_LocalInvocationIndex; t < k; t += gl_WorkGroupSize.x) {
             EA[t] = TABLE.v[ROUTE.v[t] * 3u + 2u];
-            EW[t] = uintBitsToFloat(ROUTE.v[k + t]);
+            EW[t] = uintBitsToFloat(ROUTE.v[wo + t]);
         }
         barrier();
     }
@@ -93,7 +99,7 @@ void main() {
                     [[unroll]] for (uint q = 0u; q < 8u; q++) hv[q] = X.v[t * 8u + q];
                     uint64_t ea = EA[j];
                     float ew = EW[j];
-                    [[unroll]] for (uint i = 0u; i < RPC; i++) {
+                    if (ea != 0ul) [[unroll]] for (uint i = 0u; i < RPC; i++) {
                         vec4 w[8];
                         dec_unit(ea + ro[i], u, w);
                         float s = 0.0;

@@ -52,10 +52,14 @@ VARS: tuple[Var, ...] = (
         "may be the device coli picks by itself; it is slower than coli's CPU kernels, so only when named "
         "(--device vulkan:N) or with this (the tests' backend)"),
     Var("COLI_VK_TIER_GB", "float", None, "device memory for resident experts (default: the budget rule, "
-        "docs/tier.md)", "GiB", lo=0, flag="--tier-gb"),
+        "docs/tier.md); with --gpu-layers the device layers' memory, their experts resident in what the layers "
+        "leave (docs/vulkan.md \"Experts on the CPU\")", "GiB", lo=0, flag="--tier-gb"),
     Var("COLI_VK_LAYERS", "int", 0, "decoder layers that run whole on the device, the last ones (llama.cpp's "
         "-ngl; -1: as many as the budget holds; 0: the expert tier instead; docs/vulkan.md \"Device layers\")",
         "layers", lo=-1, flag="--gpu-layers"),
+    Var("COLI_VK_CPU_MOE", "int", 0, "device layers whose routed experts stay on the CPU, joined mid-layer "
+        "(llama.cpp's --n-cpu-moe N: the first N layers of the model; -1: every layer, --cpu-moe; docs/vulkan.md "
+        "\"Experts on the CPU\")", "layers", lo=-1, flag="--n-cpu-moe"),
     Var("COLI_VK_TIER_RESERVE_GB", "float", 1.0, "device memory a discrete GPU keeps free beside the tier",
         "GiB", lo=0),
     Var("COLI_BATCH_INVARIANT", "bool", False, "with int8 activations, the prompt matmuls of the matrices "

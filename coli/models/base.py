@@ -469,7 +469,13 @@ class Model:
         try:
             if len(h) == 1:
                 return dl(h, cache, pos0)
-            return dl.prompt(h, cache, pos0, all_logits)
+            if getattr(dl, "takes_prompts", True):
+                return dl.prompt(h, cache, pos0, all_logits)
+            # experts on the CPU: a prompt chunk's layers run on the CPU (the device's K/V rows follow at the next
+            # decode row: DeviceLayers._sync; docs/vulkan.md "Experts on the CPU")
+            for L, c in zip(self.layers[dl.first:], cache.layers[dl.first:]):
+                h = L(h, c, pos0)
+            return h, None
         except (DeviceLost, VulkanError) as e:
             import sys
 

@@ -39,6 +39,14 @@ def _formats():
     return S.FORMATS
 
 
+class _Cut:
+    """Where the decode token's program is cut for the host's experts (``DeviceLayers._split_ops``): ``kind``
+    "cpu" (after the route of the ``j``-th device layer), "x" (after its resident ranks) or "end"."""
+
+    def __init__(self, j, kind: str):
+        self.j, self.kind = j, kind
+
+
 _SHEXP = ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
 
 
@@ -91,11 +99,20 @@ def why_not(m, il: int) -> str | None:
     return None
 
 
-def layer_bytes(m, il: int, ctx: int) -> int:
+def expert_bytes(m, il: int) -> int:
+    """Device bytes of one routed expert of layer ``il`` (its gate, up and down rows as stored)."""
+    p = f"blk.{il}."
+    return sum(int(m.t[p + n + ".weight"].nbytes) for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")) \
+        // int(m.args.n_experts)
+
+
+def layer_bytes(m, il: int, ctx: int, experts: bool = True) -> int:
     """Device bytes of layer ``il``: its weight tensors as stored (GGUF blocks; the router as f32) and its K and
-    V cache of ``ctx`` positions (f32)."""
+    V cache of ``ctx`` positions (f32); ``experts=False``: without the routed experts (they stay on the CPU or
+    are placed one by one: ``expert_bytes``)."""
     a = m.layers[il].attn
-    w = sum(int(m.t[n].nbytes) for n in _layer_tensors(m, il) if not n.endswith("ffn_gate_inp.weight"))
+    w = sum(int(m.t[n].nbytes) for n in _layer_tensors(m, il) if not n.endswith("ffn_gate_inp.weight")
+            and (experts or "_exps." not in n))
     w += 4 * int(np.prod(m.t[f"blk.{il}.ffn_gate_inp.weight"].shape))
     return w + 2 * a.n_kv * int(ctx) * a.head_dim * 4
 
@@ -140,11 +157,13 @@ def fixed_bytes(m, ctx: int, prompt_rows: int = 0) -> int:
     return int(out.nbytes) + 4 * rows + 256 * 32 + pb         # 256 bytes of rounding a buffer
 
 
-def plan(m, budget: int, ctx: int, want: int | None = None, prompt_rows: int = 0) -> tuple[int, str]:
+def plan(m, budget: int, ctx: int, want: int | None = None, prompt_rows: int = 0,
+         experts: bool = True) -> tuple[int, str]:
     """``(first, why)``: layers ``first ..`` go to the device. The last layers that qualify (:func:`why_not`), share
     their shapes, and fit ``budget`` bytes together (:func:`layer_bytes`, with :func:`fixed_bytes`), at most ``want`` of them (``COLI_VK_LAYERS``; None: as
-    many as fit; ``prompt_rows``: the prompt chunks' rows, whose scratch counts too). ``first == n_layers`` when none
-    does; ``why`` says what stopped the count."""
+    many as fit; ``prompt_rows``: the prompt chunks' rows, whose scratch counts too; ``experts=False``: the layers'
+    routed experts not counted, they are placed apart: :func:`residency`). ``first == n_layers`` when none does;
+    ``why`` says what stopped the count."""
     n = len(m.layers)
     first, used, why = n, fixed_bytes(m, ctx, prompt_rows), "every layer"
     for il in range(n - 1, -1, -1):
@@ -157,7 +176,7 @@ def plan(m, budget: int, ctx: int, want: int | None = None, prompt_rows: int = 0
         if w is not None:
             why = f"layer {il}: {w}"
             break
-        b = layer_bytes(m, il, ctx)
+        b = layer_bytes(m, il, ctx, experts)
         if used + b > budget:
             why = f"the device budget ({budget / 2**30:.2f} GiB)"
             break
@@ -180,10 +199,22 @@ class DeviceLayers:
     run here; ``submit_s``: seconds of their submits and waits; ``gpu_s``: of those, the device's own (timestamps);
     ``prompt_tokens`` / ``prompt_chunks`` / ``prompt_s``: prompt rows, chunks and their submits' seconds."""
 
-    def __init__(self, m, dev, first: int, ctx: int, head: bool = True, env=None):
+    def __init__(self, m, dev, first: int, ctx: int, head: bool = True, env=None, resident: dict | None = None):
         from coli.vulkan.layers import Kernels
 
         self.m, self.dev, self.first, self.ctx = m, dev, int(first), int(ctx)
+        # layer -> bool [E], the routed experts on the device, for the layers whose experts are not all here (the
+        # others run on the CPU, joined mid-layer: docs/vulkan.md "Experts on the CPU"); absent: every expert here
+        E = int(m.args.n_experts)
+        self.resident = {}
+        for il, ids in (resident or {}).items():
+            mask = np.zeros(E, bool)
+            mask[np.asarray(list(ids), np.int64)] = True
+            if not mask.all():
+                self.resident[int(il)] = mask
+        self.cpu_rows = 0       # routed (row, expert) pairs of device layers computed on the CPU
+        self.dev_rows = 0       # and on the device
+        self.segs = []          # with CPU experts: the token's program in segments (_record_split)
         self._tensors, self.rec, self.K, self.clock = [], None, None, None
         self._precs = {}
         self._env = env
@@ -266,7 +297,10 @@ class DeviceLayers:
 
         # busy between tokens, ended by the next token's first op (docs/vulkan.md "Clocks")
         self.clock = ClockHolder.for_device(self.dev, K, self._env)
-        self.rec = K.record(self._ops(), timestamps=True)
+        if self.resident:
+            self._record_split()
+        else:
+            self.rec = K.record(self._ops(), timestamps=True)
 
     # -- set-up -------------------------------------------------------------------------------------------
     def _const(self, arr: np.ndarray):
@@ -321,12 +355,15 @@ class DeviceLayers:
             gi = m.wt.f32(p + "ffn_gate_inp_shexp.weight", False)
             if gi is not None:
                 d["sh_gate"] = self._place_f32(gi.reshape(1, -1))
-        tab = np.zeros((self.E, 3), np.uint64)
+        tab = np.zeros((self.E, 3), np.uint64)    # an expert not on the device: 0 (lmoe.comp skips its ranks)
+        res = self.resident.get(il)
         for j, n in enumerate(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")):
             ti = t[p + n + ".weight"]
             E, O, I = (int(s) for s in ti.shape)
             raw = np.asarray(ti.raw).reshape(E, -1)
             for e in range(E):
+                if res is not None and not res[e]:
+                    continue
                 te = self._place(ti, raw=raw[e], shape=(O, I))
                 tab[e, j] = te.addr
         d["tab"] = self._const(tab)
@@ -376,6 +413,11 @@ class DeviceLayers:
                 Dispatch("lmv", (-(-E // R),), [d["router"].addr, self.xn.addr, self.logits.addr], [E, D, 0],
                          type_name="F32"),
                 Dispatch("topk", (1,), [self.logits.addr, rt], [E, k, int(self.norm_topk)]),
+            ]
+            if d["il"] in self.resident:
+                ops += self._split_ops(j, d, rt, et)
+                continue
+            ops += [
                 Dispatch("lmoe", (-(-F // R), k), [d["tab"].addr, rt, self.xn.addr, self.hbuf.addr],
                          [F, D, k], type_name=et[0], mode=1),
                 Dispatch("lmoe", (-(-D // R),), [d["tab"].addr, rt, self.hbuf.addr, self.hs.addr],
@@ -400,6 +442,117 @@ class DeviceLayers:
         ops.append(Copy(self.kvout, self.kvhost, [(0, 0, 4 * kvn * len(self.per))], wait=False))
         ops.append(Copy(self.route, self.routehost, [(0, 0, 8 * k * len(self.per))], wait=False))
         return ops
+
+    # -- experts on the CPU (docs/vulkan.md "Experts on the CPU") ------------------------------------------------
+    def _split_ops(self, j: int, d: dict, rt: int, et: list) -> list:
+        """The MoE part of device layer ``d`` (``j``-th here) whose experts are not all on the device, as ops with two
+        cuts (:class:`_Cut`): the shared expert into row k of the layer's ``yk`` (zeroed first), the FFN input and the
+        route copied to the host, cut (the host reads them, starts the next segment and computes the CPU's ranks
+        into their rows of ``yk``, host-visible); the resident ranks (``lmoe.comp`` skips ranks whose table entry is
+        0), each rank's weighted output into its own row of ``yk``; cut; ``moe_sum.comp`` adds rows 0 .. k of ``yk``
+        to the residual in rank order (the CPU path's order: docs/contracts.md "MoE step")."""
+        from coli.vulkan.layers import Copy, Dispatch
+
+        D, k, F, R = self.D, self.k, self.F, self.K.rows
+        yk = self.yk[j]
+        ops = [Copy(self.zeros, yk, [(0, 0, 4 * D * (k + 1))], wait=False)]
+        if "sh_tab" in d:
+            sF, sr = d["sh_F"], d["sh_route"].addr
+            if "sh_gate" in d:
+                ops.append(Dispatch("lmv", (1,), [d["sh_gate"].addr, self.xn.addr, sr + 4], [1, D, 4],
+                                    type_name="F32"))
+            ops += [Dispatch("lmoe", (-(-sF // R), 1), [d["sh_tab"].addr, sr, self.xn.addr, self.hbuf.addr],
+                             [sF, D, 1], type_name=d["sh_types"][0], mode=1),
+                    Dispatch("lmoe", (-(-D // R),), [d["sh_tab"].addr, sr, self.hbuf.addr, yk.addr + 4 * D * k],
+                             [D, sF, 1], type_name=d["sh_types"][1], mode=0)]
+        ops += [Copy(self.xn, self.xnh, [(0, 4 * D * j, 4 * D)]),
+                Copy(self.route, self.routehost, [(8 * k * j, 8 * k * j, 8 * k)], wait=False),
+                _Cut(j, "cpu"),
+                Dispatch("lmoe", (-(-F // R), k), [d["tab"].addr, rt, self.xn.addr, self.hbuf.addr], [F, D, k],
+                         type_name=et[0], mode=1)]
+        ops += [Dispatch("lmoe", (-(-D // R),), [d["tab"].addr, rt + 4 * r, self.hbuf.addr + 4 * F * r,
+                                                 yk.addr + 4 * D * r], [D, F, 1, k], type_name=et[1], mode=0,
+                         wait=r == 0) for r in range(k)]
+        ops += [_Cut(j, "x"), Dispatch("moe_sum", (1,), [yk.addr, self.hs.addr, yk.addr], [D, k + 1, 0])]
+        return ops
+
+    def _record_split(self) -> None:
+        """The decode token's program cut where the host joins (:meth:`_split_ops`): ``segs`` [(kind, Recorded, j)],
+        kind "S" (submitted and waited for; j: the layer whose route the host reads after it, or None at the end)
+        or "X" (the resident ranks of layer j, started without a wait while the host computes the CPU's)."""
+        K, n = self.K, len(self.per)
+        self.zeros = K.buffer(4 * self.D * (self.k + 1), host=False)
+        K.upload(self.zeros, np.zeros(self.D * (self.k + 1), np.float32))
+        self.yk = [K.buffer(4 * self.D * (self.k + 1), host=True) if d["il"] in self.resident else None
+                   for d in self.per]
+        self.xnh = K.buffer(4 * self.D * n, host=True, readback=True)
+        ops, cur, kind = self._ops(), [], "S"
+        for op in ops + [_Cut(None, "end")]:
+            if not isinstance(op, _Cut):
+                cur.append(op)
+                continue
+            j = op.j if op.kind == "cpu" else None if op.kind == "end" else op.j
+            rec = K.record(cur, timestamps=True, lead=bool(self.segs))
+            self.segs.append((kind, rec, j))
+            kind, cur = ("X" if op.kind == "cpu" else "S"), []
+        self.rec = None
+
+    def _run_split(self) -> None:
+        """One decode token through the segments (:meth:`_record_split`): submit a segment, read the layer's route and
+        FFN input, start its resident ranks, compute the CPU's ranks (the RAM expert cache, the CPU kernels, the
+        engine's activations) into their rows of ``yk``, submit the next segment (it waits for both)."""
+        K, k, D = self.K, self.k, self.D
+        started, pend = None, None
+        step = self.m.step
+        for kind, rec, j in self.segs:
+            if kind == "S":
+                t0 = time.perf_counter()
+                K.submit(rec)
+                self.submit_s += time.perf_counter() - t0
+                if started is not None:
+                    if not K.wait(started):
+                        self.dev._mark_lost("fence wait of the resident experts failed")
+                        from coli.vulkan import DeviceLost
+
+                        raise DeviceLost("fence wait of the resident experts failed")
+                    g = K.gpu_ms(started)
+                    self.gpu_s += (g or 0.0) / 1e3
+                    started = None
+                g = K.gpu_ms(rec)
+                self.gpu_s += (g or 0.0) / 1e3
+                if j is not None:
+                    rr = self.routehost.u32(2 * k * (j + 1))[2 * k * j:]
+                    ids = rr[:k].astype(np.int64)
+                    w = rr[k:2 * k].view(np.float32).copy()
+                    pend = (j, ids, w)
+                continue
+            j, ids, w = pend
+            d = self.per[j]
+            on_dev = self.resident[d["il"]][ids]
+            if on_dev.any():
+                K.start(rec)
+                self.dev.dispatches += rec.dispatches
+                self.dev.layer_dispatches += rec.dispatches
+                started = rec
+            ranks = np.flatnonzero(~on_dev)
+            self.dev_rows += k - len(ranks)
+            self.cpu_rows += len(ranks)
+            if len(ranks):
+                t0 = time.perf_counter()
+                x = self.xnh.f32(D * (j + 1))[D * j:].reshape(1, D).copy()
+                groups = {int(e): np.array([r], np.int64) for e, r in sorted((int(ids[r]), int(r)) for r in ranks)}
+                out = np.zeros((k, D), np.float32)
+                step._cpu_experts(d["il"], x, list(groups), groups, k, out)
+                self.yk[j].f32((k + 1) * D).reshape(k + 1, D)[ranks] = w[ranks, None] * out[ranks]
+                st = step.stats
+                st.cpu_pairs += len(ranks)
+                st.pairs += len(ranks)
+                st.cpu_s += time.perf_counter() - t0
+
+    @property
+    def takes_prompts(self) -> bool:
+        """False when some layer's experts are on the CPU: prompt chunks then run these layers on the CPU."""
+        return not self.resident
 
     # -- per token ------------------------------------------------------------------------------------------
     def note_forward(self, cache, pos0: int) -> None:
@@ -532,12 +685,16 @@ class DeviceLayers:
         D = self.D
         self.params.u32(4)[0] = pos0
         self.hin.f32(D)[:] = h.reshape(-1)
-        t0 = time.perf_counter()
-        self.K.submit(self.rec)
-        self.submit_s += time.perf_counter() - t0
-        g = self.K.gpu_ms(self.rec)
-        if g is not None:
-            self.gpu_s += g / 1e3
+        if self.segs:
+            self._run_split()
+        else:
+            t0 = time.perf_counter()
+            self.K.submit(self.rec)
+            self.submit_s += time.perf_counter() - t0
+            g = self.K.gpu_ms(self.rec)
+            if g is not None:
+                self.gpu_s += g / 1e3
+            self.dev_rows += self.k * len(self.per)
         out = self.hout.f32(D).reshape(1, D).copy()
         kvn = self.nkv * self.hd
         new = self.kvhost.f32(2 * kvn * len(self.per)).reshape(len(self.per), 2, self.nkv, self.hd)
@@ -712,6 +869,7 @@ class DeviceLayers:
             self._valid = p + R
             self.prompt_tokens += R
             self.prompt_chunks += 1
+            self.dev_rows += R * k * L
             if self.head is not None:
                 n = R if key[1] else 1
                 lgs.append(self.p_lgh.f32(n * self.vocab).reshape(n, self.vocab).copy())
@@ -743,9 +901,17 @@ class DeviceLayers:
     def describe(self) -> str:
         n = len(self.layers)
         which = f"layer {self.first}" if n == 1 else f"layers {self.first}-{self.first + n - 1}"
+        if not self.resident:
+            ex = "every routed expert on the device, one submit a decode token"
+        else:
+            E = self.E
+            res = sum(int(self.resident[il].sum()) if il in self.resident else E for il in self.layers)
+            cut = len(self.resident)
+            ex = (f"routed experts: {res} of {E * n} on the device, the rest on the CPU (RAM expert cache) joined "
+                  f"mid-layer in {cut} layer{'s' if cut != 1 else ''} (a submit and a wait each: the program cut "
+                  f"there), prompt chunks on the CPU")
         return (f"{which} of {len(self.m.layers)}{' and the head' if self.head else ''} on the device "
-                f"({self.weight_bytes / 2**30:.2f} GiB of weights, KV cache {self.ctx} positions), one submit a "
-                f"decode token")
+                f"({self.weight_bytes / 2**30:.2f} GiB of weights, KV cache {self.ctx} positions); {ex}")
 
     def close(self) -> None:
         """Wait for the device, free the command buffer, the weights and the kernels' buffers and pipelines
@@ -761,6 +927,9 @@ class DeviceLayers:
         if self.rec is not None:
             self.K.free(self.rec)
             self.rec = None
+        for _, rec, _ in self.segs:
+            self.K.free(rec)
+        self.segs = []
         for rec in self._precs.values():
             self.K.free(rec)
         self._precs = {}

@@ -239,12 +239,13 @@ class Kernels:
         self.dev._staged_copy(flat, dst.buffer)
 
     # -- recording and submits --------------------------------------------------------------------------
-    def record(self, ops: list, timestamps: bool = False, each: bool = False):
+    def record(self, ops: list, timestamps: bool = False, each: bool = False, lead: bool = False):
         """A :class:`Recorded` command buffer holding ``ops`` (:class:`Dispatch` / :class:`Copy`) in
         order, a memory barrier before each op whose ``wait`` is set, and one at the end that makes the writes
         visible to the host. It may be submitted any number of times (:meth:`submit`). ``timestamps``: a timestamp
         before the first op and after the last (:meth:`gpu_ms`), where the device has them; ``each``: one after
-        every op too (:meth:`op_ms`: a profile of the ops, for benchmarks)."""
+        every op too (:meth:`op_ms`: a profile of the ops, for benchmarks); ``lead``: the first dispatch waits
+        too (on what earlier submits wrote: a program cut into several command buffers)."""
         dev = self.dev
         cai = _s("VkCommandBufferAllocateInfo")
         cai.sType = vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO
@@ -272,7 +273,7 @@ class Kernels:
                                     ffi.NULL)
         bound = None
         pc = self._pc
-        last = None
+        last = "lead" if lead else None
         for n_op, op in enumerate(ops):
             if isinstance(op, Copy):
                 if op.wait:

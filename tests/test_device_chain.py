@@ -1,0 +1,171 @@
+"""Device layers whose routed experts stay (partly) on the CPU (coli/vulkan/device_layers.py ``resident``; the CLI's
+--cpu-moe / --n-cpu-moe, --gpu-layers with --tier-gb; docs/vulkan.md "Experts on the CPU"): the device runs the
+attention, router, shared expert and the resident experts, the CPU the other experts from the RAM expert cache,
+joined mid-layer in rank order. Decode logits equal the CPU-only run's within the device layers' tolerance (f32 both
+sides), greedy tokens equal the CPU-only run's with int8 activations on both sides (the CPU's experts int8 here as
+there), both sides did work (dispatches, CPU rows), and a device lost mid-layer hands the layers back to the CPU."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from coli.base import settings
+from tests.test_device_layers import ARGS, IDS, _decode
+from tests.tiny_moe import ROOT
+from tests.vk_util import rel_err, requires_vulkan
+
+pytestmark = requires_vulkan
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("dc") / "moe4.gguf"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_synthetic_moe.py"), "-o", str(out), *ARGS],
+                   check=True, capture_output=True, timeout=120)
+    return out
+
+
+def _engine(path, act="f32", **env):
+    from coli.engine import Engine
+
+    env = settings.overlay(None, **env) if env else None
+    return Engine(path, cpu_act=act, device="vulkan" if env else None, env=env, quiet=True, silent=True,
+                  save_usage=False, ctx=64, usage=str(path) + ".usage")
+
+
+@pytest.fixture(scope="module")
+def cpu(tiny):
+    e = _engine(tiny)
+    yield e
+    e.close()
+
+
+def test_every_expert_on_the_cpu(tiny, cpu):
+    """--cpu-moe (COLI_VK_CPU_MOE=-1) alone: every layer on the device, no expert uploaded, every routed pair of a
+    decode row computed on the CPU, the logits the CPU-only run's; prompt rows run on the CPU."""
+    dev = _engine(tiny, COLI_VK_CPU_MOE=-1)
+    try:
+        dl = dev.model.device_layers
+        assert dl is not None and dl.first == 0 and dev.tier is None
+        assert sorted(dl.resident) == [0, 1, 2, 3] and not any(m.any() for m in dl.resident.values())
+        assert "routed experts: 0 of 32 on the device" in dl.describe()
+        d0 = dev.device.layer_dispatches
+        ref, _ = _decode(cpu, IDS, 5)
+        got, _ = _decode(dev, IDS, 5)
+        n = len(IDS) - 5
+        assert dl.tokens == n and dl.prompt_tokens == 0
+        assert dev.device.layer_dispatches - d0 >= 8 * 4 * n      # each layer's attention and router a token
+        assert dl.cpu_rows == n * 4 * dl.k and dl.dev_rows == 0
+        assert rel_err(got, ref) < 1e-5, rel_err(got, ref)
+    finally:
+        dev.close()
+
+
+def test_part_resident_by_budget(tiny, cpu):
+    """--n-cpu-moe 1 with --gpu-layers -1 and a --tier-gb that holds the layers and 9 experts: layer 0's experts on
+    the CPU, 9 of the others' 24 on the device (the history's order, then lowest ids a layer in turn); a decode row's
+    pairs split between the two sides, the logits the CPU-only run's; the run's stats and coli bench's records count
+    both sides' expert rows."""
+    from coli.bench import run_bench
+    from coli.vulkan import device_layers as DL
+
+    m = cpu.model
+    need = DL.fixed_bytes(m, 64, settings.get("COLI_VK_PROMPT_ROWS")) + sum(
+        DL.layer_bytes(m, il, 64, experts=False) for il in range(4)) + 9 * DL.expert_bytes(m, 1)
+    dev = _engine(tiny, COLI_VK_LAYERS=-1, COLI_VK_CPU_MOE=1, COLI_VK_TIER_GB=(need + 100) / 2**30)
+    try:
+        dl = dev.model.device_layers
+        assert dl is not None and dl.first == 0
+        assert sorted(dl.resident) == [0, 1, 2, 3]
+        assert not dl.resident[0].any() and sum(int(dl.resident[il].sum()) for il in (1, 2, 3)) == 9
+        ref, _ = _decode(cpu, IDS, 5)
+        got, _ = _decode(dev, IDS, 5)
+        assert dl.cpu_rows > 0 and dl.dev_rows > 0
+        assert dl.cpu_rows + dl.dev_rows == (len(IDS) - 5) * 4 * dl.k
+        assert rel_err(got, ref) < 1e-5, rel_err(got, ref)
+        r = dev.generate(ids=IDS[:5], max_tokens=4, temp=0.0, stop_at_eos=False)
+        assert r.stats["device_expert_rows"] > 0 and r.stats["cpu_expert_rows"] > 0
+        assert r.stats["device_prompt_rows"] == 0
+        recs = run_bench(dev, n_prompt=0, n_gen=3, reps=1, warmup=False)
+        assert recs[0]["device_expert_rows"] + recs[0]["cpu_expert_rows"] == 3 * 4 * dl.k
+        assert recs[0]["device_expert_rows"] > 0 and recs[0]["cpu_expert_rows"] > 0
+    finally:
+        dev.close()
+
+
+def test_device_lost_mid_layer(tiny, cpu, monkeypatch):
+    """The device fails at the second segment of a token (after the first layer's route was read and its CPU
+    experts computed): one line, the layers back on the CPU, the logits the CPU's bits."""
+    from coli.vulkan import DeviceLost
+
+    dev = _engine(tiny, COLI_VK_CPU_MOE=-1)
+    try:
+        ref, _ = _decode(cpu, IDS[:7], 4)
+        dl = dev.model.device_layers
+        real, calls = dl.K.submit, []
+
+        def boom(rec):
+            if any(rec is r for _, r, _ in dl.segs):      # the token's segments (not the K/V rows' upload)
+                calls.append(1)
+                if len(calls) == 2:
+                    raise DeviceLost("simulated")
+            return real(rec)
+
+        monkeypatch.setattr(dl.K, "submit", boom)
+        got, _ = _decode(dev, IDS[:7], 4)
+        assert len(calls) == 2 and dev.model.device_layers is None and dl.cpu_rows == dl.k
+        assert np.array_equal(got, ref)          # every layer of every row on the CPU: its bits
+    finally:
+        dev.close()
+
+
+@pytest.mark.parametrize("family", ["mixtral", "olmoe", "qwen3moe", "qwen2moe"])
+def test_families_int8_tokens(family):
+    """The oracle families with every layer on the device: every expert on the CPU (--cpu-moe), and part of them
+    resident (--tier-gb holding about half of them): 8 greedy tokens equal the CPU-only run's with int8 activations
+    on both sides (the CPU's experts int8 as in that run; the device's parts f32), the decode logits within 2e-3 of
+    the largest (int8 rounding of slightly different inputs), both sides' expert rows counted."""
+    from coli.vulkan import device_layers as DL
+    from tests.conftest import FIXTURES
+
+    path = FIXTURES / "oracles" / f"{family}.gguf"
+    ids = [int(t) for t in np.load(FIXTURES / "oracles" / f"{family}.npz")["ids"]]
+    cpu = _engine(path, act="int8")
+    try:
+        m = cpu.model
+        n = len(m.layers)
+        half = DL.fixed_bytes(m, 64, settings.get("COLI_VK_PROMPT_ROWS")) + sum(
+            DL.layer_bytes(m, il, 64, experts=False) for il in range(n)) + \
+            (m.args.n_experts * n // 2) * DL.expert_bytes(m, 0)
+        r_cpu = cpu.generate(ids=ids, max_tokens=8, temp=0.0, stop_at_eos=False)
+        ref, _ = _decode(cpu, ids + list(r_cpu.ids)[:4], len(ids))
+        for env in (dict(COLI_VK_CPU_MOE=-1), dict(COLI_VK_LAYERS=-1, COLI_VK_TIER_GB=(half + 100) / 2**30)):
+            dev = _engine(path, act="int8", **env)
+            try:
+                dl = dev.model.device_layers
+                assert dl is not None and dl.first == 0 and dl.resident
+                r = dev.generate(ids=ids, max_tokens=8, temp=0.0, stop_at_eos=False)
+                assert list(r.ids) == list(r_cpu.ids), env
+                assert r.stats["cpu_expert_rows"] > 0 and r.stats["device_decode_rows"] == 7
+                if "COLI_VK_TIER_GB" in env:
+                    assert r.stats["device_expert_rows"] > 0
+                got, _ = _decode(dev, ids + list(r_cpu.ids)[:4], len(ids))
+                assert rel_err(got, ref) < 2e-3, rel_err(got, ref)
+            finally:
+                dev.close()
+    finally:
+        cpu.close()
+
+
+def test_cli_flags(tiny, capsys):
+    """--cpu-moe / --n-cpu-moe: bad values and clashes are one ColiError line naming the flag (exit 2)."""
+    from coli.cli import main
+
+    for argv, msg in ((["--n-cpu-moe", "-2"], "--n-cpu-moe"), (["--cpu-moe", "--n-cpu-moe", "2"], "--cpu-moe"),
+                      (["--cpu-moe", "--device", "cpu"], "--device cpu"), (["--cpu-moe", "--balance"], "--balance")):
+        assert main(["run", "-m", str(tiny), "-n", "2", "-p", "hi", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert msg in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
