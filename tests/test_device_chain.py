@@ -89,6 +89,13 @@ def test_part_resident_by_budget(tiny, cpu):
         r = dev.generate(ids=IDS[:5], max_tokens=4, temp=0.0, stop_at_eos=False)
         assert r.stats["device_expert_rows"] > 0 and r.stats["cpu_expert_rows"] > 0
         assert r.stats["device_prompt_rows"] == 0
+        whole = _engine(tiny, COLI_VK_LAYERS=-1, COLI_VK_CPU_MOE=2)   # layers 2 and 3 whole: their rows count too
+        try:
+            r = whole.generate(ids=IDS[:5], max_tokens=4, temp=0.0, stop_at_eos=False)
+            k = whole.model.device_layers.k
+            assert (r.stats["device_expert_rows"], r.stats["cpu_expert_rows"]) == (3 * 2 * k, 5 * 4 * k + 3 * 2 * k)
+        finally:
+            whole.close()
         recs = run_bench(dev, n_prompt=0, n_gen=3, reps=1, warmup=False)
         assert recs[0]["device_expert_rows"] + recs[0]["cpu_expert_rows"] == 3 * 4 * dl.k
         assert recs[0]["device_expert_rows"] > 0 and recs[0]["cpu_expert_rows"] > 0

@@ -13,6 +13,12 @@ rows grouped by expert); its K/V rows stay on the device until the CPU needs the
 device: ``_fetch``; a failed device: ``recompute_on_cpu`` from the kept input rows). The device's copy of rows
 it lacks is uploaded before the next row or chunk (``note_forward`` marks rows a forward rewrote).
 
+Experts on the CPU (``resident``: llama.cpp's ``--cpu-moe`` / ``--n-cpu-moe``): a layer whose routed experts are not
+all here runs its resident ranks on the device and the others on the CPU from the RAM expert cache, joined mid-layer in
+rank order; the decode program is cut at each such layer (submit, wait, the CPU's ranks while the resident ones run,
+submit the rest: :meth:`DeviceLayers._split_ops`), and its prompt chunks run on the CPU (docs/vulkan.md "Experts on the
+CPU").
+
 Which layers: :func:`plan` (the device's budget: each layer's weights and its KV cache; ``COLI_VK_LAYERS``
 sets the count). Which layers qualify: :func:`why_not` (a pre-norm attention + MoE layer with the softmax top-k
 router, no sliding window; q/k norms per head (Qwen3-MoE) or over the projection (OLMoE), Qwen2-MoE's shared expert and
@@ -687,6 +693,7 @@ class DeviceLayers:
         self.hin.f32(D)[:] = h.reshape(-1)
         if self.segs:
             self._run_split()
+            self.dev_rows += self.k * (len(self.per) - len(self.resident))   # the layers whose experts are all here
         else:
             t0 = time.perf_counter()
             self.K.submit(self.rec)
