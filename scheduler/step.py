@@ -250,6 +250,28 @@ class MoEStep:
             y += shared_out
         return y
 
+    def row_experts(self, layer: int, x: np.ndarray, experts: list) -> np.ndarray:
+        """The routed experts ``experts`` (distinct ids) of one decode row ``x`` f32 [1, D] on the CPU, for a caller
+        that joins them itself (device layers with experts on the CPU: coli/vulkan/device_layers.py): f32 [n, D],
+        row i expert ``experts[i]``'s output (unweighted). One compiled call (``ExpertsRow.pairs``, the kernels of
+        ``run``) when all are in the RAM cache with grouped-kernel codes, else ``run``'s CPU path (disk reads
+        as they land). Counted as CPU pairs (no routing: the caller records it)."""
+        st, cache = self.stats, self.cache
+        n, D = len(experts), x.shape[1]
+        t0 = time.perf_counter()
+        ws = [cache.get(layer, e) for e in experts]
+        descs = [grouped.expert_desc(w) if w is not None else None for w in ws] if self._row is not None else [None]
+        if n and all(d is not None for d in descs):
+            out = self._row.pairs(np.ascontiguousarray(x, dtype=np.float32), descs, grouped.ACT_SWIGLU, self.clamp)
+        else:
+            out = np.empty((n, D), np.float32)
+            groups = {e: np.array([i], np.int64) for i, e in enumerate(experts)}
+            self._cpu_experts(layer, x, list(experts), groups, n, out, None, ws)
+        st.pairs += n
+        st.cpu_pairs += n
+        st.cpu_s += time.perf_counter() - t0
+        return out
+
     def _compute_many(self, layer, ews, xa, groups, K, pair_out, ffn=None):
         """The CPU experts ``ews`` [(e, ExpertWeights)] of one step in two parallel launches (gate+up+SwiGLU for
         all, then all down rows; ``cpu_kernels.experts``), each pair written to ``pair_out[pair]``. An expert in a

@@ -544,16 +544,9 @@ class DeviceLayers:
             self.dev_rows += k - len(ranks)
             self.cpu_rows += len(ranks)
             if len(ranks):
-                t0 = time.perf_counter()
                 x = self.xnh.f32(D * (j + 1))[D * j:].reshape(1, D).copy()
-                groups = {int(e): np.array([r], np.int64) for e, r in sorted((int(ids[r]), int(r)) for r in ranks)}
-                out = np.zeros((k, D), np.float32)
-                step._cpu_experts(d["il"], x, list(groups), groups, k, out)
-                self.yk[j].f32((k + 1) * D).reshape(k + 1, D)[ranks] = w[ranks, None] * out[ranks]
-                st = step.stats
-                st.cpu_pairs += len(ranks)
-                st.pairs += len(ranks)
-                st.cpu_s += time.perf_counter() - t0
+                out = step.row_experts(d["il"], x, [int(e) for e in ids[ranks]])
+                self.yk[j].f32((k + 1) * D).reshape(k + 1, D)[ranks] = w[ranks, None] * out
 
     @property
     def takes_prompts(self) -> bool:
