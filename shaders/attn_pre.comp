@@ -5,21 +5,24 @@
 //   out[r, h] = sum_{j <= pos0 + r} softmax_j(scale * q[r, h] . K[kvh, j]) V[kvh, j],  kvh = h / (nq / nkv)
 // a0 q f32 [R, nq, hd], a1 K cache f32 [nkv, ctx, hd], a2 V cache f32 [nkv, ctx, hd], a3 params uint [..]
 // (pos0 = params[0]), a4 out f32 [R, nq, hd]
-// u0 nq, u1 nkv, u2 hd (<= 256), u3 ctx, u4 scale (float bits), u5 R. groups: (nq, ceil(R / BQ), 1).
+// u0 nq, u1 nkv, u2 hd (<= MAXD), u3 ctx, u4 scale (float bits), u5 R. groups: (nq, ceil(R / BQ), 1).
+// Specialization constants: 3 BQ, the query rows of a workgroup (8, 16 or 32: each K/V tile read from memory once
+// serves them all), 4 MAXD, the largest head dimension (128 or 256; BQ x MAXD floats of shared memory).
 // Per tile: the K tile into shared memory, one invocation a (row, key) score (a whole dot product, in dimension
-// order), each row's running max m, sum l and rescale exp(m_old - m_new) by one invocation, the V tile into the same
-// shared memory, then each invocation adds weight x V for its row and dimensions in key order. Tiles start at key 0
-// for every row, so a row's result does not depend on the chunk it came in. A fixed workgroup of 128.
+// order; BQ / 8 of them each), each row's running max m, sum l and rescale exp(m_old - m_new) by one invocation, the
+// V tile into the same shared memory, then each invocation adds weight x V for its row and dimensions in key order.
+// Tiles start at key 0 for every row, so a row's result does not depend on the chunk it came in (nor on BQ). A fixed
+// workgroup of 128.
 #extension GL_GOOGLE_include_directive : require
 #include "layer_common.glsl"
 
 layout(local_size_x = 128) in;
 layout(constant_id = 2) const uint MODE = 0;    // unused
-#define BQ 8u
+layout(constant_id = 3) const uint BQ = 8u;
+layout(constant_id = 4) const uint MAXD = 256u;
 #define BK 16u
-#define MAXD 256u
-#define TPR (128u / BQ)               // invocations a row in the V pass (16)
-#define MAXC (MAXD / TPR)             // dimensions an invocation carries (16)
+const uint TPR = 128u / BQ;                    // invocations a row in the V pass
+const uint MAXC = MAXD / TPR;                  // dimensions an invocation carries
 shared float QS[BQ * MAXD];
 shared float KV[BK * (MAXD + 1u)];    // a tile of K, then of V; rows padded by one (no bank conflicts)
 shared float P[BQ * BK];
@@ -54,8 +57,8 @@ void main() {
             KV[j * st + d] = K.v[(kvb + j0 + j) * hd + d];
         }
         barrier();
-        {   // scores: invocation t -> row t / BK, key t % BK
-            uint r = t / BK, j = t % BK;
+        [[unroll]] for (uint q = 0u; q < BQ / 8u; q++) {   // scores: invocation t -> rows t / BK + 8 q, key t % BK
+            uint r = t / BK + 8u * q, j = t % BK;
             float s = -1.0 / 0.0;
             if (j < nk && r < nrow && j0 + j <= pos0 + rb + r) {
                 float a = 0.0;

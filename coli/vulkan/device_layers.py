@@ -769,6 +769,7 @@ class DeviceLayers:
         nq, nkv, hd, D, E, k, F, ctx = self.nq, self.nkv, self.hd, self.D, self.E, self.k, self.F, self.ctx
         eps = f32_bits(self.m.args.eps)
         BM, BN = 64, self.K.tile                 # lmm.comp's tile
+        amaxd, abq = self.K.attn_pre(self.hd)     # attn_pre.comp's head-dimension bound and query rows
         # an address lmm does not read (no bias) is a valid one all the same: a compiler may load before it branches
         gr = -(-R // BN)
         ops = [] if self.clock is None else [self.clock.stop_op()]
@@ -797,8 +798,9 @@ class DeviceLayers:
                 Dispatch("rope_kv", (nq + nkv, R), [qkv, self.p_q.addr, d["K"].addr, d["V"].addr, self.cos.addr,
                                                     self.sin.addr, self.params.addr, 0],
                          [nq, nkv, hd, self.n_rot, ctx, self.rope_kind]),
-                Dispatch("attn_pre", (nq, -(-R // 8)), [self.p_q.addr, d["K"].addr, d["V"].addr, self.params.addr,
-                                                        self.p_ao.addr], [nq, nkv, hd, ctx, f32_bits(self.scale), R]),
+                Dispatch("attn_pre", (nq, -(-R // abq)), [self.p_q.addr, d["K"].addr, d["V"].addr, self.params.addr,
+                                                          self.p_ao.addr], [nq, nkv, hd, ctx, f32_bits(self.scale), R],
+                         mode=amaxd),
                 Dispatch("lmm", (-(-D // BM), gr), [d["o"].addr, self.p_ao.addr, hs, ob.addr if ob is not None else hs],
                          [D, nq * hd, 1 | (2 if ob is not None else 0), R, 0], type_name=ot),
                 Dispatch("rmsnorm", (R,), [hs, d["ffn_norm"].addr, xn], [D, eps]),

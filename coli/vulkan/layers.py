@@ -116,6 +116,20 @@ class Recorded:
     n_stamps: int = 2        # timestamps in qpool (``each``: one before the first op and one after every op)
 
 
+def prompt_route(dev, env=None) -> str:
+    """The prompt GEMM's route on ``dev``: "coopmat" (shaders/lmm_cm.comp: 64-row tiles, float16 products) where
+    ``COLI_VK_PROMPT_ROUTE`` (of ``env``, the settings) is auto or coopmat and the device has cooperative matrices
+    (``dev.coopmat``), else "f32" (shaders/lmm.comp). Raises ColiError naming the variable for another value."""
+    from coli.base.settings import get
+
+    route = str(get("COLI_VK_PROMPT_ROUTE", env) or "auto").lower()
+    if route not in ("f32", "coopmat", "auto"):
+        from coli.base.errors import ColiError
+
+        raise ColiError(f"COLI_VK_PROMPT_ROUTE={route}: f32, coopmat or auto (the device layers' prompt GEMM)")
+    return "coopmat" if route != "f32" and getattr(dev, "coopmat", False) else "f32"
+
+
 class Kernels:
     """Pipelines of the whole-layer kernels on a ``coli.vulkan.device.Device``, buffers, recording, submits.
 
@@ -137,20 +151,17 @@ class Kernels:
             from coli.base.errors import ColiError
 
             raise ColiError(f"COLI_VK_PROMPT_TILE={self.tile}: 32 or 64 (rows of a prompt GEMM tile)")
-        route = str(get("COLI_VK_PROMPT_ROUTE", env) or "auto").lower()
-        if route not in ("f32", "coopmat", "auto"):
-            from coli.base.errors import ColiError
-
-            raise ColiError(f"COLI_VK_PROMPT_ROUTE={route}: f32, coopmat or auto (the device layers' prompt GEMM)")
-        #: the prompt GEMM's route: "coopmat" (shaders/lmm_cm.comp: 64-row tiles, float16 products) where asked
-        #: for and the device has cooperative matrices (``dev.coopmat``), else "f32" (shaders/lmm.comp)
-        self.route = "coopmat" if route != "f32" and getattr(dev, "coopmat", False) else "f32"
+        #: the prompt GEMM's route (:func:`prompt_route`)
+        self.route = prompt_route(dev, env)
         if self.route == "coopmat":
             self.tile = 64
         #: lmm_cm.comp's PIPE per MODE: the experts' gate/up (mode 1: both halves of the workgroup decode) take two
         #: buffers of 32 inputs; dense and down (mode 0, 2) one buffer of 64, where every invocation decodes (H100:
         #: mode 1 27.3 -> 15.8 ms a 512-row chunk with 2, mode 2 9.5 -> 11.0 ms: docs/vulkan.md "Prompt routes")
         self.cm_pipe = {0: 0, 1: 2, 2: 0}
+        #: query rows of an attn_pre.comp workgroup (8, 16 or 32; at most 16 when the head dimension exceeds 128:
+        #: shared memory): :meth:`attn_rows` gives the grid's
+        self.attn_bq = 8
         self._pipes: dict = {}
         self.fence = None       # VkFence[1] of submit()
         self._bufs: list = []
@@ -184,7 +195,8 @@ class Kernels:
 
     # -- pipelines --------------------------------------------------------------------------------------
     def pipeline(self, kernel: str, type_name: str | None = None, mode: int = 0):
-        key = (kernel, type_name, mode, (self.tile, self.cm_pipe[mode]) if kernel == "lmm" else 0)
+        key = (kernel, type_name, mode, (self.tile, self.cm_pipe[mode]) if kernel == "lmm" else
+               self.attn_bq if kernel == "attn_pre" else 0)
         p = self._pipes.get(key)
         if p is not None:
             return p
@@ -198,14 +210,20 @@ class Kernels:
             vals, ids, pin = [mode, 4 * dev.subgroup_size // 128, self.cm_pipe[mode]], [2, 4, 5], 128
         elif kernel == "lmm":      # 4 x the tile's rows, no subgroup operations: the workgroup, MODE and the tile
             vals, ids, pin = [4 * self.tile, mode, self.tile], [0, 2, 3], None
-        elif kernel == "attn_pre":   # a fixed workgroup of 128 without subgroup operations
-            vals, ids, pin = [mode], [2], None
+        elif kernel == "attn_pre":   # a fixed workgroup of 128 without subgroup operations; mode: MAXD (128 or 256)
+            vals, ids, pin = [0, self.attn_bq if mode == 128 else min(self.attn_bq, 16), mode], [2, 3, 4], None
         else:
             vals = [dev.gemv_wg, self.rows, mode] if fmt else [self.wg]
             ids, pin = list(range(len(vals))), vals[0]
         pipe = dev.compute_pipeline(module, self.layout, vals, ids, pin, f"{kernel}_{type_name}" if fmt else kernel)
         self._pipes[key] = pipe
         return pipe
+
+    def attn_pre(self, hd: int) -> tuple[int, int]:
+        """(MAXD, BQ) of attn_pre.comp for head dimension ``hd`` (<= 256): the Dispatch's ``mode`` and the query
+        rows of a workgroup (the grid's y is ceil(R / BQ))."""
+        maxd = 128 if hd <= 128 else 256
+        return maxd, self.attn_bq if maxd == 128 else min(self.attn_bq, 16)
 
     # -- buffers ----------------------------------------------------------------------------------------
     def buffer(self, nbytes: int, host: bool = True, readback: bool = False) -> Buffer:

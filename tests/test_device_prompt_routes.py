@@ -1,0 +1,66 @@
+"""The device layers' prompt kernels' variants (docs/vulkan.md "Prompt routes"): attn_pre.comp's query rows a
+workgroup change no bit of a prompt's logits (each row's sums run in the same order whatever block it is in), and
+the prompt GEMM's route is the one the device can run (Lavapipe has no cooperative matrices: f32) and a bad route
+name is one clear error."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from coli.base import settings
+from coli.base.errors import ColiError
+from tests.tiny_moe import ROOT
+from tests.vk_util import requires_vulkan
+
+pytestmark = requires_vulkan
+
+ARGS = ["--layers", "2", "--d", "128", "--heads", "4", "--experts", "8", "--top-k", "3", "--expert-ff", "96",
+        "--vocab", "300", "--type", "Q8_0", "--seed", "11"]
+IDS = [5, 17, 200, 3, 44, 9, 120, 77, 250, 1, 64, 33, 8, 90, 12, 150, 2, 240, 7, 100]
+
+
+@pytest.fixture(scope="module")
+def dev(tmp_path_factory):
+    from coli.engine import Engine
+
+    out = tmp_path_factory.mktemp("routes") / "moe2.gguf"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_synthetic_moe.py"), "-o", str(out), *ARGS],
+                   check=True, capture_output=True, timeout=120)
+    e = Engine(out, cpu_act="f32", device="vulkan", env=settings.overlay(None, COLI_VK_LAYERS=2), quiet=True,
+               silent=True, save_usage=False, ctx=64, usage=str(out) + ".usage")
+    yield e
+    e.close()
+
+
+def test_attention_rows_a_workgroup_change_no_bit(dev):
+    dl = dev.model.device_layers
+    assert dl is not None and dl.K.attn_pre(dl.hd)[0] == 128
+    out = {}
+    for bq in (8, 16, 32):
+        dl.K.attn_bq = bq
+        for rec in dl._precs.values():
+            dl.K.free(rec)
+        dl._precs = {}
+        p0 = dl.prompt_tokens
+        out[bq] = dev.model.forward(IDS, dev.model.new_cache(64, 64), all_logits=True)
+        assert dl.prompt_tokens - p0 == len(IDS)          # the rows ran on the device
+    dl.K.attn_bq = 8
+    assert np.array_equal(out[8], out[16]) and np.array_equal(out[8], out[32])
+
+
+def test_the_route_is_one_the_device_runs(dev):
+    from types import SimpleNamespace
+
+    from coli.vulkan.layers import prompt_route
+
+    assert not dev.device.coopmat                         # Lavapipe: no VK_KHR_cooperative_matrix
+    for route in ("auto", "coopmat", "f32", "COOPMAT"):
+        env = settings.overlay(None, COLI_VK_PROMPT_ROUTE=route)
+        assert prompt_route(dev.device, env) == "f32"
+        want = "f32" if route == "f32" else "coopmat"
+        assert prompt_route(SimpleNamespace(coopmat=True), env) == want
+    with pytest.raises(ColiError, match="COLI_VK_PROMPT_ROUTE=tensor"):
+        prompt_route(dev.device, settings.overlay(None, COLI_VK_PROMPT_ROUTE="tensor"))
