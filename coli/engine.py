@@ -19,13 +19,12 @@ from pathlib import Path
 
 import numpy as np
 
+from coli import runtime
 from coli.base.errors import ColiError
+from coli.runtime import IO_THREADS_MAX
 
 PREFILL_CHUNK = 64  # rows of a prompt step (bounds the attention scratch and the expert batches)
 CHATML_END = "<|im_end|>"  # the end of a turn of llama.cpp's ChatML fallback template
-CTX_RAM_SHARE = 0.25  # the default context's KV cache takes at most this share of what the memory budget leaves
-HEADROOM_SHARE = 0.10  # of the memory budget, kept free of the sizers (kernels loaded at first use, scratch)
-HEADROOM_MIN = 64 << 20
 
 
 @dataclass
@@ -102,7 +101,6 @@ _FLAGS = {"temp": "--temp", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--
           "repeat_penalty": "--repeat-penalty", "repeat_last_n": "--repeat-last-n", "ctx": "--ctx",
           "threads": "--threads", "stop": "--stop", "cpu_act": "--cpu-act", "expert_cache": "--expert-cache",
           "device": "--device", "seed": "--seed", "io_threads": "--io-threads"}
-IO_THREADS_MAX = 64  # background expert readers at most (more only queue on the same disk)
 
 
 def _close_at_exit(ref):
@@ -189,88 +187,6 @@ def _on_engine_threads(fn):
     return call
 
 
-def headroom(budget_bytes: int) -> int:
-    """Bytes of the memory budget the sizers leave free, for what they do not count: compiled kernels loaded at
-    their first call, a prompt step's scratch, logits, the allocator's slack. ``HEADROOM_SHARE`` of the budget,
-    at least ``HEADROOM_MIN``."""
-    return max(HEADROOM_MIN, int(budget_bytes * HEADROOM_SHARE))
-
-
-def budget_needed(held: int) -> int:
-    """The smallest memory budget whose :func:`headroom` still leaves ``held`` bytes (bytes)."""
-    return max(int(held) + HEADROOM_MIN, int(held / (1 - HEADROOM_SHARE)) + 1)
-
-
-def _fmt(n) -> str:
-    from coli.base.memory import fmt_bytes
-
-    return fmt_bytes(n)
-
-
-def check_vocab_tables(g, n_tokens: int) -> None:
-    """The tables indexed by token id agree: ``{arch}.vocab_size`` (when present), the rows of
-    ``token_embd.weight`` and of ``output.weight`` (when present) all equal the ``n_tokens`` entries of
-    ``tokenizer.ggml.tokens``. Else ``ColiError`` naming the tensor or key and both counts.
-
-    llama.cpp refuses such a file the same way: its ``n_vocab`` is the token count and ``create_tensor``
-    checks ``token_embd``/``output`` against ``{n_embd, n_vocab}`` ("tensor ... has wrong shape"). Masking
-    the extra rows instead would hide a broken conversion (an id the tokenizer cannot print, an embedding
-    row no token reaches), so coli refuses too."""
-    fname = g.path.name
-    key = f"{g.arch}.vocab_size"
-    v = g.meta.get(key)
-    if v is not None and v != n_tokens:
-        raise ColiError(f"{fname}: kv '{key}': {v}, but kv 'tokenizer.ggml.tokens' has {n_tokens} tokens "
-                        f"(llama.cpp refuses this file too)")
-    if "token_embd.weight" not in g.tensors:
-        raise ColiError(f"{fname}: tensor 'token_embd.weight': missing (the token embedding table)")
-    for name in ("token_embd.weight", "output.weight"):
-        t = g.tensors.get(name)
-        if t is not None and t.shape[0] != n_tokens:
-            raise ColiError(f"{fname}: tensor '{name}': {t.shape[0]} rows, but kv 'tokenizer.ggml.tokens' has "
-                            f"{n_tokens} tokens (one row per token; llama.cpp refuses this file too)")
-
-
-def kv_cache_bytes(args, ctx: int) -> int:
-    """Bytes of the model's caches at ``ctx`` positions (the family's ``Model.cache_bytes``: f32 K and V
-    ``[n_kv_heads, ctx, head_dim]`` per attention layer, plus any recurrent state or latent cache)."""
-    from coli.models import model_class_of
-
-    return model_class_of(args.arch).cache_bytes(args, ctx)
-
-
-def default_ctx(args, room: int) -> int:
-    """The default context (``--ctx``): the model's trained context, capped so that the f32 KV cache takes at
-    most ``CTX_RAM_SHARE`` of ``room``, the bytes the memory budget leaves once the model is loaded (less the
-    :func:`headroom`); at least 1."""
-    fixed = kv_cache_bytes(args, 0)  # a recurrent state does not grow with the context
-    per = max(1, kv_cache_bytes(args, 1) - fixed)
-    return max(1, min(int(args.ctx_train), int(max(0, room * CTX_RAM_SHARE - fixed) // per)))
-
-
-def cache_room(room: int, kv_bytes: int, expert_file_bytes: int, io_threads: int, n_experts: int,
-               held_bytes: int) -> int:
-    """Bytes left for the RAM expert cache out of ``room`` (what the budget leaves once the model is loaded, less
-    the :func:`headroom`): less the whole context's KV cache (``kv_bytes``), the file's bytes the ``io_threads``
-    readers hold while they prepare an expert each, and one layer's ``n_experts`` experts as held (``held_bytes``
-    each: a prompt step routes to every expert of a layer, and the step keeps the ones read from disk until it
-    ends, cached or not), >= 0."""
-    return max(0, int(room) - int(kv_bytes) - max(1, int(io_threads)) * int(expert_file_bytes)
-               - int(n_experts) * int(held_bytes))
-
-
-def expert_cache_slots(n_experts: int, top_k: int, expert_bytes: int, n_moe_layers: int, expert_cache=None,
-                       room: int = 0) -> int:
-    """RAM expert cache slots per MoE layer (the engine's rule, docs/engine.md "Memory budget"): ``expert_cache``
-    when given (at most ``n_experts``; below top-k raised to top-k by the caller); else every expert when all of
-    them fit in ``room`` bytes (:func:`cache_room`), else what fits there: top-k or more where that fits, else
-    fewer, down to 0 (the experts a token routes past the cache are then read from disk each time).
-    ``expert_bytes``: the biggest expert's bytes as the cache holds it (``ExpertSource.held_nbytes``)."""
-    if expert_cache is not None:
-        return min(int(expert_cache), n_experts)
-    return max(0, min(n_experts, int(room // max(1, expert_bytes * n_moe_layers))))
-
-
 class Engine:
     """A loaded model. ``path``: a GGUF file, a Hugging Face folder, or a name ``coli run -m`` takes (``smollm2``,
     ``gemma3-270m``, ``qwen2.5-coder-0.5b``, ``demo``: fetched or built on first use, ``coli.fetch.resolve``);
@@ -295,9 +211,6 @@ class Engine:
                  io_threads=4, device=None, balance=None, trace=None, quiet=True, save_usage=True,
                  cli_names=False, env=None, silent=False):
         import cpu_kernels
-        from coli.gguf_file import open_gguf
-        from coli.models import model_class
-        from coli.tokenizer import Tokenizer
 
         self.cli_names = cli_names  # errors name CLI flags (the CLI) or API arguments
         if path is not None and not isinstance(path, (str, os.PathLike)):
@@ -346,261 +259,13 @@ class Engine:
         self.cpu_act = cpu_act or cpu_kernels.DEFAULT_ACT
         if self.cpu_act not in ("f32", "int8"):
             raise ColiError(f"{self._name('cpu_act')}: '{cpu_act}' (f32 or int8)")
-        if self.path.is_dir():  # a Hugging Face folder (config.json, *.safetensors, tokenizer.json)
-            from coli.hf_folder import open_folder
-
-            self.g = open_folder(self.path)
-            cls = model_class(self.g)
-            self.args = cls.args_from(self.g)
-            self.tokenizer = self.g.tokenizer()
-        else:
-            self.g = open_gguf(self.path)
-            self.path = self.g.path  # a split model is named by its first shard, whichever shard was given
-            cls = model_class(self.g)
-            self.args = cls.args_from(self.g)
-            self.tokenizer = Tokenizer.from_gguf(self.g)
-        check_vocab_tables(self.g, self.tokenizer.vocab_size)
-        self._check_dense_fits()
-        from coli.base import settings
-
-        self.model = cls(self.g, self.args, None, self.cpu_act,
-                         invariant=bool(settings.get("COLI_BATCH_INVARIANT", self.env)))
-        a = self.args
-        # what the budget leaves once the model's dense part is loaded, less the headroom
-        self.room = max(0, self.memory.left() - headroom(self.memory.bytes))
-        self.ctx_cap = default_ctx(a, self.room)
-        self.ctx = int(ctx) if ctx is not None else self.ctx_cap
-        if self.ctx < 1:
-            raise ColiError(f"{self._name('ctx')}: {ctx} (at least 1)")
-        kv_bytes = kv_cache_bytes(a, self.ctx)
-        if kv_bytes > self.room:
-            raise ColiError(f"{self._name('ctx')}: {self.ctx} positions need {_fmt(kv_bytes)} of KV cache, more than "
-                            f"the {_fmt(self.room)} the {self.memory.describe()} leaves once the model is loaded")
-        if self.ctx > a.ctx_train and not quiet:
-            print(f"coli: --ctx {self.ctx} is above the {a.ctx_train} positions the model was trained for", file=sys.stderr)
-        self.cache = None
-        self.step = None
-        self.usage = None
-        self.tier = None
-        self.device_layers = None   # coli.vulkan.device_layers.DeviceLayers (--gpu-layers)
-        self.trace = None
-        self.ram_cache_bytes = 0
-        if trace:
-            from coli.base.paths import check_writable_file, is_json_array_of_objects
-            from scheduler.trace import Trace
-
-            check_writable_file(trace, "--trace", overwrite_if=is_json_array_of_objects)
-
-            self.trace = Trace(trace)
-        if self.model.moe_layers:
-            self._setup_moe(expert_cache, usage, io_threads, keep_raw=device not in (None, "cpu"))
-        self.device = None
-        if device not in (None, "cpu"):
-            if self.step is None and device == "vulkan":   # nothing for the tier to hold: no device opened
-                if not self.silent:
-                    from coli.base import settings
-
-                    what = ("device layers (--gpu-layers) run MoE decoder layers only" if settings.get("COLI_VK_LAYERS", self.env)
-                            else "the Vulkan tier holds experts only")
-                    print(f"[VK] {self.path.name}: a dense model (no routed experts): {what}, so this run is on the "
-                          f"CPU (docs/tier.md, docs/vulkan.md)", file=sys.stderr)
-            else:
-                self._setup_device(device, balance)
+        runtime.build(self, ctx=ctx, expert_cache=expert_cache, usage=usage, io_threads=io_threads, device=device,
+                      balance=balance, trace=trace)
         self.last_stats: dict = {}
         import atexit
         import weakref
 
         atexit.register(_close_at_exit, weakref.ref(self))
-
-    def _check_dense_fits(self) -> None:
-        """Before the model loads: ColiError when its dense part (every tensor but the routed experts, as the file
-        has them) with what the process holds already and the :func:`headroom` does not fit the memory budget;
-        the line says the budget it would run with (the experts streamed from disk)."""
-        dense = sum(int(t.nbytes) for n, t in self.g.tensors.items() if "_exps" not in n)
-        from coli.base.memory import process_rss
-
-        rss = process_rss()
-        need = budget_needed(rss + dense)
-        if need > self.memory.bytes:
-            raise ColiError(f"{self.path.name}: its dense weights ({_fmt(dense)}) and coli itself ({_fmt(rss)}) need "
-                            f"a memory budget of {_fmt(need)} or more, above the {self.memory.describe()}; with "
-                            f"{_fmt(need)} it runs with its experts streamed from disk")
-
-    # -- MoE ---------------------------------------------------------------------------------------------
-    def _setup_moe(self, expert_cache, usage_path, io_threads, keep_raw):
-        from scheduler.ram_cache import ExpertSource, RAMCache
-        from scheduler.step import MoEStep
-        from scheduler.usage import Usage
-
-        a = self.args
-        if hasattr(self.g, "expert_source"):  # a Hugging Face folder: per-expert tensors across its shards
-            source = self.g.expert_source(self.model.expert_tensors())
-        else:
-            source = ExpertSource(self.path, self.model.expert_tensors())
-        source.tiles = self.model.wt.tiles   # the experts take the layout the model's matrices took
-        source.keep_raw = keep_raw           # the file's bytes kept beside the prepared ones only for a device tier
-        L = self.model.moe_layers
-        E = source.n_experts(L[0])
-        per = max(source.held_nbytes(l) for l in L)       # an expert as the cache holds it
-        room = cache_room(self.room, kv_cache_bytes(a, self.ctx), max(source.expert_nbytes(l) for l in L),
-                          io_threads, E, per)
-        slots = expert_cache_slots(E, a.top_k, per, len(L), expert_cache, room)
-        if expert_cache is not None:
-            if int(expert_cache) < 0:
-                raise ColiError(f"--expert-cache: {expert_cache} (slots per layer, >= top-k {a.top_k})")
-            if slots < a.top_k:
-                if not self.quiet:
-                    print(f"coli: --expert-cache {slots} is below top-k {a.top_k}: raised to {a.top_k}", file=sys.stderr)
-                slots = a.top_k
-            if slots * len(L) * per > room:
-                fit = expert_cache_slots(E, a.top_k, per, len(L), None, room)
-                raise ColiError(f"{self._name('expert_cache')}: {slots} slots x {len(L)} layers x {_fmt(per)} = "
-                                f"{_fmt(slots * len(L) * per)}, more than the {_fmt(room)} the {self.memory.describe()} "
-                                f"leaves for the expert cache; {fit} fit")
-        if usage_path is not None:
-            from coli.base.paths import check_writable_file
-
-            check_writable_file(usage_path, "--usage")
-        self.usage = Usage.open(self.path, a.n_layers, E, path=usage_path, quiet=self.quiet)
-        pins = {}
-        if self.usage.loaded and slots < E:
-            n_pin = slots // 2
-            for l in L:
-                hot = [int(e) for e in self.usage.hottest(l)[:n_pin] if self.usage.counts[l, e] > 0]
-                pins[l] = set(hot)
-        self.cache = RAMCache(source, slots, pins, io_threads=io_threads)
-        self.step = MoEStep(self.cache, self.usage, act=self.cpu_act, trace=self.trace)
-        self.ram_cache_bytes = slots * len(L) * per  # the RAM cache's configured size (the tier's budget rule)
-        self.expert_held_ratio = per / max(1, max(source.expert_nbytes(l) for l in L))  # held / file bytes
-        self.model.step = self.step
-        self.expert_slots = slots
-
-    def _setup_layers(self, dev, budget: int) -> bool:
-        """``COLI_VK_LAYERS`` / ``--gpu-layers`` N != 0: the last N layers (-1: as many as ``budget`` holds) run
-        whole on the device (``coli.vulkan.device_layers``); True when some do. When none qualifies or fits, one line
-        says why and the expert tier runs instead (False)."""
-        from coli.base import settings
-        from coli.vulkan import device_layers
-
-        want = settings.get("COLI_VK_LAYERS", self.env)
-        cpu_moe = settings.get("COLI_VK_CPU_MOE", self.env)
-        if not want and cpu_moe:
-            want = -1       # --cpu-moe / --n-cpu-moe alone: every layer that fits, as llama.cpp's -ngl 99 with them
-        if not want:
-            return False
-        # experts placed apart from their layers: some stay on the CPU, or --tier-gb sizes the resident ones
-        apart = bool(cpu_moe) or settings.get("COLI_VK_TIER_GB", self.env) is not None
-        first, why = device_layers.plan(self.model, budget, self.ctx, None if want < 0 else want,
-                                        prompt_rows=settings.get("COLI_VK_PROMPT_ROWS", self.env), experts=not apart)
-        n = len(self.model.layers) - first
-        resident = self._layer_experts(first, budget, cpu_moe) if apart and n else None
-        if n == 0:
-            if not self.silent:
-                print(f"[VK] {self.path.name}: no decoder layer on the device ({why}); the expert tier instead",
-                      file=sys.stderr)
-            return False
-        from coli.vulkan import DeviceLost, VulkanError
-
-        try:
-            dl = device_layers.DeviceLayers(self.model, dev, first, self.ctx, env=self.env, resident=resident)
-        except (DeviceLost, VulkanError, MemoryError, ValueError) as e:   # the tier instead, as for no layer
-            if not self.silent:
-                print(f"[VK] {self.path.name}: the device layers did not load ({type(e).__name__}: {e}); the expert "
-                      f"tier instead", file=sys.stderr)
-            return False
-        self.model.device_layers = dl
-        self.device_layers = dl
-        if not self.silent:
-            short = f" ({why})" if want > 0 and n < want or want < 0 else ""
-            print(f"[VK] {self.path.name}: {dl.describe()}{short}", file=sys.stderr)
-        return True
-
-    def _layer_experts(self, first: int, budget: int, cpu_moe: int) -> dict:
-        """The routed experts of device layers ``first ..`` that sit on the device when they are placed apart from
-        their layers: {layer: expert ids} (a layer absent: all of them). ``cpu_moe`` (``COLI_VK_CPU_MOE``): -1 every
-        layer's experts on the CPU, N the first N layers' of the model. The other layers' experts fill what
-        ``budget`` leaves after the layers (:func:`coli.vulkan.device_layers.fixed_bytes`, ``layer_bytes`` without
-        experts), chosen as the tier's warm start chooses them (``scheduler.tier_policy.warm_plan``: the routing
-        history's hottest first, then one unnamed expert per layer in turn). Static: no promotion while running."""
-        from coli.base import settings
-        from coli.vulkan import device_layers
-        from scheduler.tier_policy import warm_plan
-
-        m = self.model
-        n, E = len(m.layers), int(self.args.n_experts)
-        layers = list(range(first, n))
-        out = {il: [] for il in layers if cpu_moe < 0 or il < cpu_moe}
-        rest = [il for il in layers if il not in out]
-        if not rest:
-            return out
-        used = device_layers.fixed_bytes(m, self.ctx, settings.get("COLI_VK_PROMPT_ROWS", self.env))
-        used += sum(device_layers.layer_bytes(m, il, self.ctx, experts=False) for il in layers)
-        per = max(device_layers.expert_bytes(m, il) for il in rest)
-        cap = max(0, (int(budget) - used) // per)
-        if cap >= E * len(rest):
-            return out
-        counts = np.zeros((n, E), np.int64)
-        if self.usage is not None and self.usage.loaded:
-            counts[rest] = self.usage.counts[rest]
-        chosen, _ = warm_plan(counts, cap, fill=True, layers=rest)
-        for il in rest:
-            out[il] = []
-        for il, e in chosen:
-            out[il].append(e)
-        return out
-
-    def _setup_device(self, device, balance):
-        """Open the Vulkan device and wire the expert tier to this engine (docs/tier.md): the budget by the
-        one rule (``scheduler.tier_policy.budget_bytes``, passed to the device, which applies it at open: its
-        ``budget_bytes`` / ``budget_rule``), the RAM cache's size and the dense bytes, the history, the
-        trace, the start line, the warm start (the cache's ``source.read_checked`` on a thread pool)."""
-        if device != "vulkan":
-            raise ColiError(f"{self._name('device')}: '{device}' (cpu or vulkan)")
-        from coli.base import settings
-
-        try:
-            from coli import vulkan as cvk
-
-            idx = settings.get("COLI_VK_DEV", self.env)
-            # the CLI's --device vulkan:N sets the index in the settings it passes, not in the environment
-            flag = f"--device vulkan:{idx}" if self.cli_names and idx >= 0 and settings.get("COLI_VK_DEV") != idx else None
-            from scheduler.tier_policy import budget_bytes
-
-            # the one rule, on the settings passed down (a --tier-gb flag is in self.env, not os.environ)
-            def budget(info):
-                return budget_bytes(info, self.ram_cache_bytes, self.model.dense_bytes, env=self.env)
-
-            self.device = cvk.open_device(self.path.name, budget=budget, quiet=self.silent,
-                                          device_index=None if idx < 0 else idx, index_name=flag, required=True)
-        except Exception as e:  # a device asked for and not had is an error, not a silent CPU run
-            what = flag or (f"COLI_VK_DEV={idx}" if idx >= 0 else
-                            "--device vulkan" if self.cli_names else "device='vulkan'")
-            why = str(e) or type(e).__name__
-            if self.cache is not None:
-                self.cache.close()  # its readers started; the engine is not returned
-            raise ColiError(why if why.startswith(what) else f"{what}: {why}") from None
-        if self.device is None or self.step is None:
-            return
-        self.device.act = self.cpu_act      # the device's activations rounded as the CPU's (int8 or f32)
-        from scheduler.balancer import Balancer
-        from scheduler.tier import Tier
-
-        dev, src = self.device, self.cache.source
-        layers = list(self.model.moe_layers)
-        per = max(src.expert_nbytes(l) for l in layers)          # the biggest expert (gate + up + down)
-        budget, rule = dev.budget_bytes, dev.budget_rule          # set at open by the rule passed in
-        if self._setup_layers(dev, int(budget)):
-            return
-        counts = self.usage.counts.copy() if self.usage is not None and self.usage.loaded else None
-        own = bool(getattr(dev, "own_queue", getattr(dev, "dedicated_compute_queue", False)))
-        self.tier = Tier(dev, self.path.name, self.args.n_layers, src.n_experts(layers[0]), per, int(budget),
-                         rule, counts=counts, balancer=Balancer(enabled=True if balance is None else bool(balance)),
-                         trace=self.trace, device_name=dev.name, own_queue=own, moe_layers=layers,
-                         auto_tokens=True, ram=self.cache, env=self.env,
-                         log=open(os.devnull, "w") if self.silent else None)
-        self.tier._say(self.tier.start_line())
-        self.tier.warm_start(src.read_checked)  # uploaded as read: checked for NaN / inf here (coli.finite)
-        self.step.tier = self.tier
 
     def activations(self) -> str:
         """Which activations each side's matmuls use, for the start line: ``"activations: CPU int8"`` alone,

@@ -7,17 +7,17 @@ From the GGUF header (tensor sizes; nothing is dequantized or read beyond the he
 * ``dense_bytes``: every tensor that is not a routed expert (``*_exps``), as ``Model.dense_bytes``;
 * ``expert_bytes``: one expert's gate+up+down bytes (the biggest layer's), ``expert_bytes_per_layer``
   (all experts of each MoE layer) and ``expert_bytes_total``;
-* ``kv_cache_bytes``: the f32 KV cache at ``ctx`` positions (:func:`coli.engine.kv_cache_bytes`);
+* ``kv_cache_bytes``: the f32 KV cache at ``ctx`` positions (:func:`coli.runtime.kv_cache_bytes`);
 * ``budget_bytes``, ``budget_source``: the memory budget and where it came from; ``coli_bytes``: what coli
   itself holds before a model loads (this process's resident set: Python, NumPy, the kernels' module);
 * ``expert_held_bytes``: one expert as the RAM cache holds it (``ExpertSource.held_nbytes``: the kernels' layout,
   plus the file's bytes with a device tier), ``expert_held_ratio`` = held / file bytes;
-* the RAM expert cache the engine would set up (:func:`coli.engine.expert_cache_slots` on
-  :func:`coli.engine.cache_room`, as ``Engine._setup_moe``): ``ram_cache_slots`` per layer, ``ram_cache_bytes``;
-* with a device, the tier's budget (:func:`scheduler.tier_policy.budget_bytes`, the rule ``Engine._setup_device``
+* the RAM expert cache the engine would set up (:func:`coli.runtime.expert_cache_slots` on
+  :func:`coli.runtime.cache_room`, as ``coli.runtime.setup_moe``): ``ram_cache_slots`` per layer, ``ram_cache_bytes``;
+* with a device, the tier's budget (:func:`scheduler.tier_policy.budget_bytes`, the rule ``coli.runtime.setup_device``
   uses) and ``device_experts`` = budget // expert bytes, at most every expert;
 * ``ram_needed_bytes``: coli itself + dense + RAM expert cache + KV cache (+ the device's experts on a device that
-  shares the CPU's RAM: integrated, Lavapipe) + the headroom (:func:`coli.engine.headroom`), ``fits_ram``
+  shares the CPU's RAM: integrated, Lavapipe) + the headroom (:func:`coli.runtime.headroom`), ``fits_ram``
   against the budget (the engine refuses a model whose dense part does not fit: ``dense_fits``);
 * what streams from disk: ``streamed_experts`` = experts neither in the RAM cache nor on the device;
 * ``cold_disk_bytes_per_token``: bytes a decode token reads from disk with an empty RAM cache and no device:
@@ -68,8 +68,8 @@ def make_plan(path, *, device: str | None = None, ctx: int | None = None, expert
 
     import cpu_kernels
     from coli.base import memory
-    from coli.engine import (budget_needed, cache_room, default_ctx, expert_cache_slots, headroom,
-                             kv_cache_bytes)
+    from coli.runtime import (budget_needed, cache_room, default_ctx, expert_cache_slots, headroom,
+                              kv_cache_bytes)
     from scheduler.tier_policy import SHARED_KINDS
     from coli.gguf_file import open_gguf
     from coli.models import model_class
@@ -106,7 +106,7 @@ def make_plan(path, *, device: str | None = None, ctx: int | None = None, expert
                 raise ColiError(f"{g.path.name}: tensor {e.args[0]} is missing") from None
         src = ExpertSource(g.path, exps)
         src.tiles = cpu_kernels.DEFAULT_ACT == "int8"   # the engine's default layout (Model's Weights)
-        src.keep_raw = device == "vulkan"                # as Engine._setup_moe: raw bytes kept for a device tier
+        src.keep_raw = device == "vulkan"                # as `coli.runtime.setup_moe`: raw bytes kept for a device tier
         try:
             E = src.n_experts(moe[0])
             per = max(src.expert_nbytes(il) for il in moe)

@@ -70,11 +70,11 @@ def config_path() -> Path | None:
 def load_config(path: Path | None = None) -> tuple[dict, Path | None]:
     """The ``[run]`` table of the config file and its path, or ``({}, None)`` when there is no file.
     ColiError naming the file for bad TOML, a bad value (``threads`` an int >= 1, ``io_threads`` an int in
-    1..``coli.engine.IO_THREADS_MAX``, ``threading_layer`` one of :data:`LAYERS`) or a key coli does not know
+    1..``coli.runtime.IO_THREADS_MAX``, ``threading_layer`` one of :data:`LAYERS`) or a key coli does not know
     (a misspelt key would otherwise be ignored without a word)."""
     import tomllib
 
-    from coli.engine import IO_THREADS_MAX
+    from coli.runtime import IO_THREADS_MAX
 
     p = Path(path) if path is not None else config_path()
     try:
@@ -366,7 +366,7 @@ def cmd_tune(a) -> int:
     plan = make_plan(a.model)
     if a.io_threads:
         ios = parse_int_list(a.io_threads, "--io-threads", minimum=1)
-        from coli.engine import IO_THREADS_MAX
+        from coli.runtime import IO_THREADS_MAX
 
         if max(ios) > IO_THREADS_MAX:
             raise ColiError(f"--io-threads: {max(ios)} (1 to {IO_THREADS_MAX})")

@@ -122,7 +122,7 @@ def test_ctx_default_is_trained_context_capped(capsys, ref, monkeypatch):
     """The default context is the model's trained context (SmolLM2: 8192, from the file's metadata) unless
     the KV cache would pass a quarter of what the memory budget leaves: then the cap, said in the start line with
     the budget and its source."""
-    from coli import engine as E
+    from coli import runtime as E
     from coli.base import memory
 
     trained = int(ref.g.get("llama.context_length"))

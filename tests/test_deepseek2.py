@@ -147,7 +147,7 @@ def test_oracle_needs_the_v3_rule(engines, monkeypatch):
 
 
 def test_cache_holds_latent_and_rope_key_only(engines):
-    from coli.engine import kv_cache_bytes
+    from coli.runtime import kv_cache_bytes
     from coli.models.mla import LatentCache
 
     m = engines["deepseek2_lite"].model

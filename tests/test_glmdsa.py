@@ -124,7 +124,7 @@ def test_oracle_needs_the_indexer(eng, ref, monkeypatch):
 
 
 def test_cache_and_mtp(eng):
-    from coli.engine import kv_cache_bytes
+    from coli.runtime import kv_cache_bytes
     from coli.models.glmdsa import IndexedCache
     from coli.models.mla import LatentCache
 

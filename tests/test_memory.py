@@ -127,7 +127,7 @@ def test_held_bytes_are_what_a_load_holds(tiny):
 def test_cache_slots_rule():
     """``expert_cache_slots`` on ``cache_room``: every expert when all fit, else what fits, down to 0; the room is
     what is left after the whole context's KV cache, an expert's file bytes per reader and one layer's experts."""
-    from coli.engine import cache_room, expert_cache_slots
+    from coli.runtime import cache_room, expert_cache_slots
 
     room = cache_room(10_000, kv_bytes=1_000, expert_file_bytes=100, io_threads=4, n_experts=2, held_bytes=200)
     assert room == 10_000 - 1_000 - 400 - 400
@@ -149,7 +149,7 @@ def test_sizers_fit_a_small_budget(tiny, tmp_path, monkeypatch):
     """A budget that leaves the KV cache of 64 positions, the readers' in-flight experts and two and a half
     experts a layer: the engine sizes 2 slots a layer, and the expert cache, the whole context's KV cache and the
     in-flight experts fit what the budget leaves less the headroom, with no room for a third slot."""
-    from coli import engine as E
+    from coli import runtime as E
     from coli.engine import Engine
 
     with Engine(tiny, ctx=64, usage=str(tmp_path / "u0"), save_usage=False) as big:

@@ -1,0 +1,369 @@
+"""The assembly of a loaded model, apart from the :class:`coli.engine.Engine` API: the file opened, the model loaded,
+the context and the RAM expert cache sized from the memory budget (docs/engine.md "Memory budget"; ``coli plan``
+sizes with the same functions), the MoE step, the device with the expert tier or the device layers.
+
+``build(eng, ...)`` is what ``Engine.__init__`` calls once its options are checked; it sets the engine's attributes
+(``model``, ``ctx``, ``cache``, ``step``, ``usage``, ``device``, ``tier``, ``device_layers``, ...).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+from coli.base.errors import ColiError
+
+CTX_RAM_SHARE = 0.25  # the default context's KV cache takes at most this share of what the memory budget leaves
+HEADROOM_SHARE = 0.10  # of the memory budget, kept free of the sizers (kernels loaded at first use, scratch)
+HEADROOM_MIN = 64 << 20
+IO_THREADS_MAX = 64  # background expert readers at most (more only queue on the same disk)
+
+
+def headroom(budget_bytes: int) -> int:
+    """Bytes of the memory budget the sizers leave free, for what they do not count: compiled kernels loaded at
+    their first call, a prompt step's scratch, logits, the allocator's slack. ``HEADROOM_SHARE`` of the budget,
+    at least ``HEADROOM_MIN``."""
+    return max(HEADROOM_MIN, int(budget_bytes * HEADROOM_SHARE))
+
+
+def budget_needed(held: int) -> int:
+    """The smallest memory budget whose :func:`headroom` still leaves ``held`` bytes (bytes)."""
+    return max(int(held) + HEADROOM_MIN, int(held / (1 - HEADROOM_SHARE)) + 1)
+
+
+def _fmt(n) -> str:
+    from coli.base.memory import fmt_bytes
+
+    return fmt_bytes(n)
+
+
+def check_vocab_tables(g, n_tokens: int) -> None:
+    """The tables indexed by token id agree: ``{arch}.vocab_size`` (when present), the rows of
+    ``token_embd.weight`` and of ``output.weight`` (when present) all equal the ``n_tokens`` entries of
+    ``tokenizer.ggml.tokens``. Else ``ColiError`` naming the tensor or key and both counts.
+
+    llama.cpp refuses such a file the same way: its ``n_vocab`` is the token count and ``create_tensor``
+    checks ``token_embd``/``output`` against ``{n_embd, n_vocab}`` ("tensor ... has wrong shape"). Masking
+    the extra rows instead would hide a broken conversion (an id the tokenizer cannot print, an embedding
+    row no token reaches), so coli refuses too."""
+    fname = g.path.name
+    key = f"{g.arch}.vocab_size"
+    v = g.meta.get(key)
+    if v is not None and v != n_tokens:
+        raise ColiError(f"{fname}: kv '{key}': {v}, but kv 'tokenizer.ggml.tokens' has {n_tokens} tokens "
+                        f"(llama.cpp refuses this file too)")
+    if "token_embd.weight" not in g.tensors:
+        raise ColiError(f"{fname}: tensor 'token_embd.weight': missing (the token embedding table)")
+    for name in ("token_embd.weight", "output.weight"):
+        t = g.tensors.get(name)
+        if t is not None and t.shape[0] != n_tokens:
+            raise ColiError(f"{fname}: tensor '{name}': {t.shape[0]} rows, but kv 'tokenizer.ggml.tokens' has "
+                            f"{n_tokens} tokens (one row per token; llama.cpp refuses this file too)")
+
+
+def kv_cache_bytes(args, ctx: int) -> int:
+    """Bytes of the model's caches at ``ctx`` positions (the family's ``Model.cache_bytes``: f32 K and V
+    ``[n_kv_heads, ctx, head_dim]`` per attention layer, plus any recurrent state or latent cache)."""
+    from coli.models import model_class_of
+
+    return model_class_of(args.arch).cache_bytes(args, ctx)
+
+
+def default_ctx(args, room: int) -> int:
+    """The default context (``--ctx``): the model's trained context, capped so that the f32 KV cache takes at
+    most ``CTX_RAM_SHARE`` of ``room``, the bytes the memory budget leaves once the model is loaded (less the
+    :func:`headroom`); at least 1."""
+    fixed = kv_cache_bytes(args, 0)  # a recurrent state does not grow with the context
+    per = max(1, kv_cache_bytes(args, 1) - fixed)
+    return max(1, min(int(args.ctx_train), int(max(0, room * CTX_RAM_SHARE - fixed) // per)))
+
+
+def cache_room(room: int, kv_bytes: int, expert_file_bytes: int, io_threads: int, n_experts: int,
+               held_bytes: int) -> int:
+    """Bytes left for the RAM expert cache out of ``room`` (what the budget leaves once the model is loaded, less
+    the :func:`headroom`): less the whole context's KV cache (``kv_bytes``), the file's bytes the ``io_threads``
+    readers hold while they prepare an expert each, and one layer's ``n_experts`` experts as held (``held_bytes``
+    each: a prompt step routes to every expert of a layer, and the step keeps the ones read from disk until it
+    ends, cached or not), >= 0."""
+    return max(0, int(room) - int(kv_bytes) - max(1, int(io_threads)) * int(expert_file_bytes)
+               - int(n_experts) * int(held_bytes))
+
+
+def expert_cache_slots(n_experts: int, top_k: int, expert_bytes: int, n_moe_layers: int, expert_cache=None,
+                       room: int = 0) -> int:
+    """RAM expert cache slots per MoE layer (the engine's rule, docs/engine.md "Memory budget"): ``expert_cache``
+    when given (at most ``n_experts``; below top-k raised to top-k by the caller); else every expert when all of
+    them fit in ``room`` bytes (:func:`cache_room`), else what fits there: top-k or more where that fits, else
+    fewer, down to 0 (the experts a token routes past the cache are then read from disk each time).
+    ``expert_bytes``: the biggest expert's bytes as the cache holds it (``ExpertSource.held_nbytes``)."""
+    if expert_cache is not None:
+        return min(int(expert_cache), n_experts)
+    return max(0, min(n_experts, int(room // max(1, expert_bytes * n_moe_layers))))
+
+
+def build(eng, *, ctx, expert_cache, usage, io_threads, device, balance, trace) -> None:
+    """Assemble ``eng`` (an :class:`coli.engine.Engine` whose options are checked and set: ``path``, ``env``,
+    ``memory``, ``threads``, ``cpu_act``, ``quiet``, ``silent``, ``cli_names``): the file or folder opened
+    (``g``, ``args``, ``tokenizer``), the model loaded (``model``), the context sized (``room``, ``ctx_cap``,
+    ``ctx``), then for a MoE the RAM expert cache, the routing history and the step (``cache``, ``usage``,
+    ``step``), the trace, and with ``device`` the device with the expert tier or the device layers (``device``,
+    ``tier``, ``device_layers``). Raises ``ColiError`` for bad files or options (the engine is not returned)."""
+    from coli.gguf_file import open_gguf
+    from coli.models import model_class
+    from coli.tokenizer import Tokenizer
+
+    if eng.path.is_dir():  # a Hugging Face folder (config.json, *.safetensors, tokenizer.json)
+        from coli.hf_folder import open_folder
+
+        eng.g = open_folder(eng.path)
+        cls = model_class(eng.g)
+        eng.args = cls.args_from(eng.g)
+        eng.tokenizer = eng.g.tokenizer()
+    else:
+        eng.g = open_gguf(eng.path)
+        eng.path = eng.g.path  # a split model is named by its first shard, whichever shard was given
+        cls = model_class(eng.g)
+        eng.args = cls.args_from(eng.g)
+        eng.tokenizer = Tokenizer.from_gguf(eng.g)
+    check_vocab_tables(eng.g, eng.tokenizer.vocab_size)
+    check_dense_fits(eng)
+    from coli.base import settings
+
+    eng.model = cls(eng.g, eng.args, None, eng.cpu_act,
+                    invariant=bool(settings.get("COLI_BATCH_INVARIANT", eng.env)))
+    a = eng.args
+    # what the budget leaves once the model's dense part is loaded, less the headroom
+    eng.room = max(0, eng.memory.left() - headroom(eng.memory.bytes))
+    eng.ctx_cap = default_ctx(a, eng.room)
+    eng.ctx = int(ctx) if ctx is not None else eng.ctx_cap
+    if eng.ctx < 1:
+        raise ColiError(f"{eng._name('ctx')}: {ctx} (at least 1)")
+    kv_bytes = kv_cache_bytes(a, eng.ctx)
+    if kv_bytes > eng.room:
+        raise ColiError(f"{eng._name('ctx')}: {eng.ctx} positions need {_fmt(kv_bytes)} of KV cache, more than "
+                        f"the {_fmt(eng.room)} the {eng.memory.describe()} leaves once the model is loaded")
+    if eng.ctx > a.ctx_train and not eng.quiet:
+        print(f"coli: --ctx {eng.ctx} is above the {a.ctx_train} positions the model was trained for", file=sys.stderr)
+    eng.cache = None
+    eng.step = None
+    eng.usage = None
+    eng.tier = None
+    eng.device_layers = None   # coli.vulkan.device_layers.DeviceLayers (--gpu-layers)
+    eng.trace = None
+    eng.ram_cache_bytes = 0
+    if trace:
+        from coli.base.paths import check_writable_file, is_json_array_of_objects
+        from scheduler.trace import Trace
+
+        check_writable_file(trace, "--trace", overwrite_if=is_json_array_of_objects)
+
+        eng.trace = Trace(trace)
+    if eng.model.moe_layers:
+        setup_moe(eng, expert_cache, usage, io_threads, keep_raw=device not in (None, "cpu"))
+    eng.device = None
+    if device not in (None, "cpu"):
+        if eng.step is None and device == "vulkan":   # nothing for the tier to hold: no device opened
+            if not eng.silent:
+                from coli.base import settings
+
+                what = ("device layers (--gpu-layers) run MoE decoder layers only" if settings.get("COLI_VK_LAYERS", eng.env)
+                        else "the Vulkan tier holds experts only")
+                print(f"[VK] {eng.path.name}: a dense model (no routed experts): {what}, so this run is on the "
+                      f"CPU (docs/tier.md, docs/vulkan.md)", file=sys.stderr)
+        else:
+            setup_device(eng, device, balance)
+
+
+def check_dense_fits(eng) -> None:
+    """Before the model loads: ColiError when its dense part (every tensor but the routed experts, as the file
+    has them) with what the process holds already and the :func:`headroom` does not fit the memory budget;
+    the line says the budget it would run with (the experts streamed from disk)."""
+    dense = sum(int(t.nbytes) for n, t in eng.g.tensors.items() if "_exps" not in n)
+    from coli.base.memory import process_rss
+
+    rss = process_rss()
+    need = budget_needed(rss + dense)
+    if need > eng.memory.bytes:
+        raise ColiError(f"{eng.path.name}: its dense weights ({_fmt(dense)}) and coli itself ({_fmt(rss)}) need "
+                        f"a memory budget of {_fmt(need)} or more, above the {eng.memory.describe()}; with "
+                        f"{_fmt(need)} it runs with its experts streamed from disk")
+
+
+def setup_moe(eng, expert_cache, usage_path, io_threads, keep_raw) -> None:
+    from scheduler.ram_cache import ExpertSource, RAMCache
+    from scheduler.step import MoEStep
+    from scheduler.usage import Usage
+
+    a = eng.args
+    if hasattr(eng.g, "expert_source"):  # a Hugging Face folder: per-expert tensors across its shards
+        source = eng.g.expert_source(eng.model.expert_tensors())
+    else:
+        source = ExpertSource(eng.path, eng.model.expert_tensors())
+    source.tiles = eng.model.wt.tiles   # the experts take the layout the model's matrices took
+    source.keep_raw = keep_raw           # the file's bytes kept beside the prepared ones only for a device tier
+    L = eng.model.moe_layers
+    E = source.n_experts(L[0])
+    per = max(source.held_nbytes(l) for l in L)       # an expert as the cache holds it
+    room = cache_room(eng.room, kv_cache_bytes(a, eng.ctx), max(source.expert_nbytes(l) for l in L),
+                      io_threads, E, per)
+    slots = expert_cache_slots(E, a.top_k, per, len(L), expert_cache, room)
+    if expert_cache is not None:
+        if int(expert_cache) < 0:
+            raise ColiError(f"--expert-cache: {expert_cache} (slots per layer, >= top-k {a.top_k})")
+        if slots < a.top_k:
+            if not eng.quiet:
+                print(f"coli: --expert-cache {slots} is below top-k {a.top_k}: raised to {a.top_k}", file=sys.stderr)
+            slots = a.top_k
+        if slots * len(L) * per > room:
+            fit = expert_cache_slots(E, a.top_k, per, len(L), None, room)
+            raise ColiError(f"{eng._name('expert_cache')}: {slots} slots x {len(L)} layers x {_fmt(per)} = "
+                            f"{_fmt(slots * len(L) * per)}, more than the {_fmt(room)} the {eng.memory.describe()} "
+                            f"leaves for the expert cache; {fit} fit")
+    if usage_path is not None:
+        from coli.base.paths import check_writable_file
+
+        check_writable_file(usage_path, "--usage")
+    eng.usage = Usage.open(eng.path, a.n_layers, E, path=usage_path, quiet=eng.quiet)
+    pins = {}
+    if eng.usage.loaded and slots < E:
+        n_pin = slots // 2
+        for l in L:
+            hot = [int(e) for e in eng.usage.hottest(l)[:n_pin] if eng.usage.counts[l, e] > 0]
+            pins[l] = set(hot)
+    eng.cache = RAMCache(source, slots, pins, io_threads=io_threads)
+    eng.step = MoEStep(eng.cache, eng.usage, act=eng.cpu_act, trace=eng.trace)
+    eng.ram_cache_bytes = slots * len(L) * per  # the RAM cache's configured size (the tier's budget rule)
+    eng.expert_held_ratio = per / max(1, max(source.expert_nbytes(l) for l in L))  # held / file bytes
+    eng.model.step = eng.step
+    eng.expert_slots = slots
+
+
+def setup_layers(eng, dev, budget: int) -> bool:
+    """``COLI_VK_LAYERS`` / ``--gpu-layers`` N != 0: the last N layers (-1: as many as ``budget`` holds) run
+    whole on the device (``coli.vulkan.device_layers``); True when some do. When none qualifies or fits, one line
+    says why and the expert tier runs instead (False)."""
+    from coli.base import settings
+    from coli.vulkan import device_layers
+
+    want = settings.get("COLI_VK_LAYERS", eng.env)
+    cpu_moe = settings.get("COLI_VK_CPU_MOE", eng.env)
+    if not want and cpu_moe:
+        want = -1       # --cpu-moe / --n-cpu-moe alone: every layer that fits, as llama.cpp's -ngl 99 with them
+    if not want:
+        return False
+    # experts placed apart from their layers: some stay on the CPU, or --tier-gb sizes the resident ones
+    apart = bool(cpu_moe) or settings.get("COLI_VK_TIER_GB", eng.env) is not None
+    first, why = device_layers.plan(eng.model, budget, eng.ctx, None if want < 0 else want,
+                                    prompt_rows=settings.get("COLI_VK_PROMPT_ROWS", eng.env), experts=not apart)
+    n = len(eng.model.layers) - first
+    resident = layer_experts(eng, first, budget, cpu_moe) if apart and n else None
+    if n == 0:
+        if not eng.silent:
+            print(f"[VK] {eng.path.name}: no decoder layer on the device ({why}); the expert tier instead",
+                  file=sys.stderr)
+        return False
+    from coli.vulkan import DeviceLost, VulkanError
+
+    try:
+        dl = device_layers.DeviceLayers(eng.model, dev, first, eng.ctx, env=eng.env, resident=resident)
+    except (DeviceLost, VulkanError, MemoryError, ValueError) as e:   # the tier instead, as for no layer
+        if not eng.silent:
+            print(f"[VK] {eng.path.name}: the device layers did not load ({type(e).__name__}: {e}); the expert "
+                  f"tier instead", file=sys.stderr)
+        return False
+    eng.model.device_layers = dl
+    eng.device_layers = dl
+    if not eng.silent:
+        short = f" ({why})" if want > 0 and n < want or want < 0 else ""
+        print(f"[VK] {eng.path.name}: {dl.describe()}{short}", file=sys.stderr)
+    return True
+
+
+def layer_experts(eng, first: int, budget: int, cpu_moe: int) -> dict:
+    """The routed experts of device layers ``first ..`` that sit on the device when they are placed apart from
+    their layers: {layer: expert ids} (a layer absent: all of them). ``cpu_moe`` (``COLI_VK_CPU_MOE``): -1 every
+    layer's experts on the CPU, N the first N layers' of the model. The other layers' experts fill what
+    ``budget`` leaves after the layers (:func:`coli.vulkan.device_layers.fixed_bytes`, ``layer_bytes`` without
+    experts), chosen as the tier's warm start chooses them (``scheduler.tier_policy.warm_plan``: the routing
+    history's hottest first, then one unnamed expert per layer in turn). Static: no promotion while running."""
+    from coli.base import settings
+    from coli.vulkan import device_layers
+    from scheduler.tier_policy import warm_plan
+
+    m = eng.model
+    n, E = len(m.layers), int(eng.args.n_experts)
+    layers = list(range(first, n))
+    out = {il: [] for il in layers if cpu_moe < 0 or il < cpu_moe}
+    rest = [il for il in layers if il not in out]
+    if not rest:
+        return out
+    used = device_layers.fixed_bytes(m, eng.ctx, settings.get("COLI_VK_PROMPT_ROWS", eng.env))
+    used += sum(device_layers.layer_bytes(m, il, eng.ctx, experts=False) for il in layers)
+    per = max(device_layers.expert_bytes(m, il) for il in rest)
+    cap = max(0, (int(budget) - used) // per)
+    if cap >= E * len(rest):
+        return out
+    counts = np.zeros((n, E), np.int64)
+    if eng.usage is not None and eng.usage.loaded:
+        counts[rest] = eng.usage.counts[rest]
+    chosen, _ = warm_plan(counts, cap, fill=True, layers=rest)
+    for il in rest:
+        out[il] = []
+    for il, e in chosen:
+        out[il].append(e)
+    return out
+
+
+def setup_device(eng, device, balance) -> None:
+    """Open the Vulkan device and wire the expert tier to this engine (docs/tier.md): the budget by the
+    one rule (``scheduler.tier_policy.budget_bytes``, passed to the device, which applies it at open: its
+    ``budget_bytes`` / ``budget_rule``), the RAM cache's size and the dense bytes, the history, the
+    trace, the start line, the warm start (the cache's ``source.read_checked`` on a thread pool)."""
+    if device != "vulkan":
+        raise ColiError(f"{eng._name('device')}: '{device}' (cpu or vulkan)")
+    from coli.base import settings
+
+    try:
+        from coli import vulkan as cvk
+
+        idx = settings.get("COLI_VK_DEV", eng.env)
+        # the CLI's --device vulkan:N sets the index in the settings it passes, not in the environment
+        flag = f"--device vulkan:{idx}" if eng.cli_names and idx >= 0 and settings.get("COLI_VK_DEV") != idx else None
+        from scheduler.tier_policy import budget_bytes
+
+        # the one rule, on the settings passed down (a --tier-gb flag is in eng.env, not os.environ)
+        def budget(info):
+            return budget_bytes(info, eng.ram_cache_bytes, eng.model.dense_bytes, env=eng.env)
+
+        eng.device = cvk.open_device(eng.path.name, budget=budget, quiet=eng.silent,
+                                      device_index=None if idx < 0 else idx, index_name=flag, required=True)
+    except Exception as e:  # a device asked for and not had is an error, not a silent CPU run
+        what = flag or (f"COLI_VK_DEV={idx}" if idx >= 0 else
+                        "--device vulkan" if eng.cli_names else "device='vulkan'")
+        why = str(e) or type(e).__name__
+        if eng.cache is not None:
+            eng.cache.close()  # its readers started; the engine is not returned
+        raise ColiError(why if why.startswith(what) else f"{what}: {why}") from None
+    if eng.device is None or eng.step is None:
+        return
+    eng.device.act = eng.cpu_act      # the device's activations rounded as the CPU's (int8 or f32)
+    from scheduler.balancer import Balancer
+    from scheduler.tier import Tier
+
+    dev, src = eng.device, eng.cache.source
+    layers = list(eng.model.moe_layers)
+    per = max(src.expert_nbytes(l) for l in layers)          # the biggest expert (gate + up + down)
+    budget, rule = dev.budget_bytes, dev.budget_rule          # set at open by the rule passed in
+    if setup_layers(eng, dev, int(budget)):
+        return
+    counts = eng.usage.counts.copy() if eng.usage is not None and eng.usage.loaded else None
+    own = bool(getattr(dev, "own_queue", getattr(dev, "dedicated_compute_queue", False)))
+    eng.tier = Tier(dev, eng.path.name, eng.args.n_layers, src.n_experts(layers[0]), per, int(budget),
+                     rule, counts=counts, balancer=Balancer(enabled=True if balance is None else bool(balance)),
+                     trace=eng.trace, device_name=dev.name, own_queue=own, moe_layers=layers,
+                     auto_tokens=True, ram=eng.cache, env=eng.env,
+                     log=open(os.devnull, "w") if eng.silent else None)
+    eng.tier._say(eng.tier.start_line())
+    eng.tier.warm_start(src.read_checked)  # uploaded as read: checked for NaN / inf here (coli.finite)
+    eng.step.tier = eng.tier
