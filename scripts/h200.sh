@@ -51,7 +51,7 @@ mkdir -p "$d" && echo "$d/synth.gguf"
 
 # tier: on the H200 machine, the tier against the CPU on a synthetic MoE with OLMoE-1B-7B's shapes.
 #
-# One call does everything (see docs/h200.md for the numbers and how to read them):
+# One call does everything (see docs/notes/h200.md for the numbers and how to read them):
 #   run tool: command "bash scripts/h200.sh tier", carry [".gl", ".whl", ".whl_tier"], timeout_s 600
 # Steps, each under a deadline (H2_DEADLINE s after the start; later steps are skipped when time runs short):
 #   0. set-up: the Vulkan loader .debs (.gl), the Python 3.12 wheels (.whl, .whl_tier) into /tmp/site, TBB's

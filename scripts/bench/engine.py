@@ -5,7 +5,7 @@
 
 Runs ``coli bench`` (pp128, tg64, llama-bench's method) in a fresh process per model; with ``--llama-bench`` it
 also runs llama.cpp's ``llama-bench -t N -p 128 -n 64 -r 3 -o json`` on the same file, alternating the two;
-without it, the llama.cpp figures measured on this machine kind earlier (docs/benchmarks.md) are used (2 threads:
+without it, the llama.cpp figures measured on this machine kind earlier (docs/notes/benchmarks.md, "The first table") are used (2 threads:
 SmolLM2 Q4_1 tg 121, Qwen2.5-0.5B Q4_K_M 50.9, Gemma-3-270M 79). Prints a table and writes ``--json``.
 ``--rounds K`` repeats the coli/llama.cpp alternation K times per model and keeps each side's best avg_ts (the
 machine is shared: docs/benchmarks.md); every round's figures and the load average before each run are kept in
@@ -94,7 +94,7 @@ def main():
             return max((r[side][test] for r in rounds), key=lambda x: x["avg_ts"])
 
         c_tg, c_pp = best("coli", "tg64"), best("coli", "pp128")
-        ref_tg, ref_pp, src = QUOTED_TG.get(name), None, "quoted (docs/benchmarks.md)"
+        ref_tg, ref_pp, src = QUOTED_TG.get(name), None, "quoted (docs/notes/benchmarks.md)"
         if a.llama_bench:
             ref_tg, ref_pp, src = best("llama", "tg64")["avg_ts"], best("llama", "pp128")["avg_ts"], "llama-bench (same run)"
         rows.append(dict(model=name, file=path.name, coli_pp128=c_pp["avg_ts"], coli_tg64=c_tg["avg_ts"],

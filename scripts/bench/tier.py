@@ -16,7 +16,7 @@ in whichever phase first needs it: the CPU-only arm reads nearly all of them dur
 arm partly during the decode, which its decode tok/s then pays. On the same prompt the greedy tokens repeat the
 warm-up's, so the warm-up should be longer than the measured generate: with ``--warm-gen 32 --tokens 64`` on the
 H200's synthetic MoE the last 32 measured tokens still read experts from disk and the CPU-only arm measured 29.8
-tok/s where its steady state is 59.6 (docs/benchmarks.md, 2026-12-01 22:39 and 23:13 UTC). The cores: ``--threads`` Numba threads; Lavapipe's
+tok/s where its steady state is 59.6 (docs/notes/benchmarks.md, 2026-12-01 22:39 and 23:13 UTC). The cores: ``--threads`` Numba threads; Lavapipe's
 own ``LP_NUM_THREADS`` (``--lp-threads``, set before the Vulkan driver loads) — the header says both.
 
 Usage::
