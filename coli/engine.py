@@ -49,14 +49,16 @@ class StopText:
         self.stops = [s for s in (stops or []) if s]
         self.buf = ""
         self.hit = False
+        self.matched = None  # the stop string that matched
 
     def push(self, s: str) -> str:
         if not self.stops:
             return s
         self.buf += s
-        found = [i for i in (self.buf.find(t) for t in self.stops) if i >= 0]
+        found = [(i, t) for i, t in ((self.buf.find(t), t) for t in self.stops) if i >= 0]
         if found:
-            out, self.buf, self.hit = self.buf[: min(found)], "", True
+            i, self.matched = min(found, key=lambda x: x[0])
+            out, self.buf, self.hit = self.buf[:i], "", True
             return out
         hold = 0
         for t in self.stops:

@@ -615,10 +615,43 @@ def create_app(eng, model_id: str, aliases=(), max_queue: int = 8, api_key: str 
         return dict(tokens=[text(t) for t, _, _ in entries], token_logprobs=[lp for _, lp, _ in entries],
                     top_logprobs=[{text(a): alp for a, alp in top} for _, _, top in entries], text_offset=None)
 
-    async def run(request: Request, endpoint, gens, kind, stream, include_usage, extra_headers=None, finish=None,
-                  extra=None):
-        """Submit the generations, answer as one JSON object or as server-sent events. ``finish(i, text,
-        result)`` -> (message fields, finish_reason) lets chat turn a choice's text into tool calls."""
+    async def gather(request: Request, job, aq, n, endpoint, answer=None):
+        """A non-streamed answer's ``(texts [[piece]], results, logprobs)`` from the worker's posts, or an error
+        response (``answer(APIError)`` makes it; default OpenAI's), or None when the client left (the job is
+        cancelled; checked every 0.25 s whether or not tokens keep coming)."""
+        loop = asyncio.get_running_loop()
+        parts = [[] for _ in range(n)]
+        results = [None] * n
+        lps = [None] * n
+        try:
+            next_check = loop.time() + 0.25
+            while None in results:
+                try:
+                    k, i, v = await asyncio.wait_for(aq.get(), 0.25)
+                except asyncio.TimeoutError:
+                    k = None
+                if loop.time() >= next_check:
+                    next_check = loop.time() + 0.25
+                    if await request.is_disconnected():
+                        job.cancel.set()
+                        metrics.count(endpoint, 499)
+                        return JSONResponse({}, status_code=499)
+                if k is None:
+                    continue
+                if k == "text":
+                    parts[i].append(v[0])
+                elif k == "error":
+                    metrics.count(endpoint, v.status)
+                    return answer(v) if answer else JSONResponse(v.body(), status_code=v.status)
+                else:
+                    results[i], lps[i] = v
+        except asyncio.CancelledError:
+            job.cancel.set()
+            raise
+        return parts, results, lps
+
+    def submit(gens):
+        """A job of ``gens`` queued: ``(job, its asyncio queue of (kind, index, value) posts)``."""
         loop = asyncio.get_running_loop()
         aq: asyncio.Queue = asyncio.Queue()
 
@@ -627,6 +660,13 @@ def create_app(eng, model_id: str, aliases=(), max_queue: int = 8, api_key: str 
 
         job = Job(gens, post)
         state["worker"].submit(job)
+        return job, aq
+
+    async def run(request: Request, endpoint, gens, kind, stream, include_usage, extra_headers=None, finish=None,
+                  extra=None):
+        """Submit the generations, answer as one JSON object or as server-sent events. ``finish(i, text,
+        result)`` -> (message fields, finish_reason) lets chat turn a choice's text into tool calls."""
+        job, aq = submit(gens)
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         now = int(time.time())
         want_lp = gens[0].top_logprobs is not None
@@ -636,33 +676,10 @@ def create_app(eng, model_id: str, aliases=(), max_queue: int = 8, api_key: str 
             return "length" if r.finish_reason == "length" else "stop"
 
         if not stream:
-            parts = [[] for _ in gens]
-            results = [None] * len(gens)
-            lps = [None] * len(gens)
-            try:
-                next_check = loop.time() + 0.25
-                while None in results:
-                    try:
-                        k, i, v = await asyncio.wait_for(aq.get(), 0.25)
-                    except asyncio.TimeoutError:
-                        k = None
-                    if loop.time() >= next_check:   # every 0.25 s, whether or not tokens keep coming
-                        next_check = loop.time() + 0.25
-                        if await request.is_disconnected():
-                            job.cancel.set()
-                            metrics.count(endpoint, 499)
-                            return JSONResponse({}, status_code=499)
-                    if k is None:
-                        continue
-                    if k == "text":
-                        parts[i].append(v[0])
-                    elif k == "error":
-                        return error_response(v, endpoint)
-                    else:
-                        results[i], lps[i] = v
-            except asyncio.CancelledError:
-                job.cancel.set()
-                raise
+            got = await gather(request, job, aq, len(gens), endpoint)
+            if not isinstance(got, tuple):
+                return got if got is not None else error_response(APIError(499, "cancelled"), endpoint)
+            parts, results, lps = got
             choices = []
             for i, r in enumerate(results):
                 text = "".join(parts[i])
@@ -789,51 +806,135 @@ def create_app(eng, model_id: str, aliases=(), max_queue: int = 8, api_key: str 
             kw.setdefault("reasoning_effort", re_)
         return kw
 
-    async def chat_completions(request: Request):
+    async def prepare_chat(body):
+        """The generations of a chat request body: ``(gens, headers, extra, finish)`` (APIError for a bad one)."""
         from coli import constrain
         from coli import tool_calls as TC
 
+        msgs = chat_messages(body)
+        options = sampling_options(body, eng.args.vocab)
+        top = _logprobs_field(body, "chat")
+        n = n_field(body)
+        kw = template_kwargs(body)
+        tools = TC.request_tools(body)
+        constraint, prefix = constrain.for_request(eng, body, tools)
+        if TC.template_format(eng.tokenizer.chat_template) == "none":
+            if tools.render or any(m["role"] == "tool" or m.get("tool_calls") for m in msgs):
+                msgs = TC.without_tool_syntax(msgs, tools)
+        elif tools.render:
+            kw["tools"] = tools.render
+
+        def encode(m):
+            try:
+                return eng.tokenizer.encode_chat(m, **kw)
+            except ColiError as e:
+                raise APIError(400, str(e), param="messages") from None
+
+        def prepare():
+            ids, dropped = fit_conversation(encode, msgs, eng.ctx, options["max_tokens"])
+            if prefix:
+                ids = ids + eng.tokenizer.encode(prefix, add_bos=False)
+            return ids, dropped
+
+        ids, dropped = await run_in_threadpool(prepare)
+        eng.note_template_fallback()
+        options["stop"] = eng.chat_stops(options.get("stop"))  # the ChatML fallback's <|im_end|>
+        fit(ids, options)
+        headers, extra = {}, {}
+        if dropped:
+            headers["X-Context-Dropped-Messages"] = str(dropped)
+            extra["context_shift"] = {"dropped_messages": dropped}
+        finish = TC.Finisher(tools, prefix) if tools.parse else None
+        return copies(ids, options, n, top, constraint), headers, extra, finish
+
+    async def chat_completions(request: Request):
         try:
             body = await read_body(request)
-            msgs = chat_messages(body)
-            options = sampling_options(body, eng.args.vocab)
-            top = _logprobs_field(body, "chat")
-            n = n_field(body)
-            kw = template_kwargs(body)
-            tools = TC.request_tools(body)
-            constraint, prefix = constrain.for_request(eng, body, tools)
-            if TC.template_format(eng.tokenizer.chat_template) == "none":
-                if tools.render or any(m["role"] == "tool" or m.get("tool_calls") for m in msgs):
-                    msgs = TC.without_tool_syntax(msgs, tools)
-            elif tools.render:
-                kw["tools"] = tools.render
-
-            def encode(m):
-                try:
-                    return eng.tokenizer.encode_chat(m, **kw)
-                except ColiError as e:
-                    raise APIError(400, str(e), param="messages") from None
-
-            def prepare():
-                ids, dropped = fit_conversation(encode, msgs, eng.ctx, options["max_tokens"])
-                if prefix:
-                    ids = ids + eng.tokenizer.encode(prefix, add_bos=False)
-                return ids, dropped
-
-            ids, dropped = await run_in_threadpool(prepare)
-            eng.note_template_fallback()
-            options["stop"] = eng.chat_stops(options.get("stop"))  # the ChatML fallback's <|im_end|>
-            fit(ids, options)
+            gens, headers, extra, finish = await prepare_chat(body)
             stream, include_usage = stream_flags(body)
-            headers, extra = {}, {}
-            if dropped:
-                headers["X-Context-Dropped-Messages"] = str(dropped)
-                extra["context_shift"] = {"dropped_messages": dropped}
-            finish = TC.Finisher(tools, prefix) if tools.parse else None
-            return await run(request, "chat", copies(ids, options, n, top, constraint), "chat", stream,
-                             include_usage, headers, finish, extra)
+            return await run(request, "chat", gens, "chat", stream, include_usage, headers, finish, extra)
         except APIError as e:
             return error_response(e, "chat")
+
+    async def messages(request: Request):
+        """Anthropic's ``POST /v1/messages`` (``coli.messages``) on the chat path."""
+        from coli import messages as AM
+
+        def answer(e):
+            return JSONResponse(AM.error_body(e), status_code=e.status)
+
+        try:
+            body = await read_body(request)
+            oai = AM.to_openai(body)
+            gens, headers, _, finish = await prepare_chat(oai)
+            job, aq = submit(gens)
+        except APIError as e:
+            metrics.count("messages", e.status)
+            return answer(e)
+        stops = oai.get("stop")
+        mid = "msg_" + uuid.uuid4().hex[:24]
+        n_prompt = len(gens[0].ids)
+
+        def usage(r):
+            cached = int(r.stats.get("cached_tokens", 0)) if r is not None else 0
+            return {"input_tokens": n_prompt - cached, "cache_read_input_tokens": cached,
+                    "cache_creation_input_tokens": 0, "output_tokens": len(r.ids) if r is not None else 0}
+
+        def fin(r, text):
+            fr = "length" if r.finish_reason == "length" else "stop"
+            msg, fr = finish(0, text, r) if finish is not None else ({"content": text}, fr)
+            return msg, AM.stop_reason(fr, r.stats.get("stop_string"), stops)
+
+        if not body.get("stream"):
+            got = await gather(request, job, aq, 1, "messages", answer)
+            if not isinstance(got, tuple):
+                return got
+            parts, results, _ = got
+            r = results[0]
+            msg, (reason, seq) = fin(r, "".join(parts[0]))
+            metrics.count("messages", 200)
+            return JSONResponse({"id": mid, "type": "message", "role": "assistant", "model": model_id,
+                                 "content": AM.content_blocks(msg), "stop_reason": reason, "stop_sequence": seq,
+                                 "usage": usage(r)}, headers=headers)
+
+        async def events():
+            ev = AM.Events()
+            sp = finish.stream(0) if finish is not None else None
+            try:
+                yield AM.event("message_start", {"type": "message_start", "message": {
+                    "id": mid, "type": "message", "role": "assistant", "model": model_id, "content": [],
+                    "stop_reason": None, "stop_sequence": None,
+                    "usage": {"input_tokens": n_prompt, "output_tokens": 0}}})
+                yield AM.event("ping", {"type": "ping"})
+                while True:
+                    k, i, v = await aq.get()
+                    if k == "text":
+                        for d in (sp.push(v[0]) if sp is not None else [{"content": v[0]}]):
+                            for e in ev.delta(d):
+                                yield e
+                    elif k == "error":
+                        metrics.count("messages", v.status)
+                        yield AM.event("error", AM.error_body(v))
+                        return
+                    else:
+                        r = v[0]
+                        if sp is not None:
+                            deltas, fr = sp.finish(r)
+                            for d in deltas:
+                                for e in ev.delta(d):
+                                    yield e
+                            reason, seq = AM.stop_reason(fr, r.stats.get("stop_string"), stops)
+                        else:
+                            _, (reason, seq) = fin(r, "")
+                        for e in ev.end(reason, seq, len(r.ids)):
+                            yield e
+                        metrics.count("messages", 200)
+                        return
+            finally:  # the client went away (the task is cancelled) or the answer is complete
+                job.cancel.set()
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
 
     async def completions(request: Request):
         try:
@@ -951,9 +1052,31 @@ def create_app(eng, model_id: str, aliases=(), max_queue: int = 8, api_key: str 
             state["worker"].stop()
             eng.close()
 
+    too_large = APIError(413, f"the request body exceeds {body_limit_mb:g} MiB (coli serve --body-limit)",
+                         code="request_too_large")
+
+    class ContentLengthLimit:
+        """A ``Content-Length`` above the limit: the 413 error object at once, before the body is read
+        (Starlette's ``RequestBodyLimitMiddleware`` answers that case in plain text; a chunked body past the
+        limit reaches ``http_error`` through it)."""
+
+        def __init__(self, app, max_body_size: int):
+            self.app, self.max = app, max_body_size
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] == "http":
+                cl = dict(scope.get("headers") or ()).get(b"content-length", b"")
+                if cl.isdigit() and int(cl) > self.max:
+                    metrics.count("body_limit", 413)
+                    await JSONResponse(too_large.body(), status_code=413)(scope, receive, send)
+                    return
+            await self.app(scope, receive, send)
+
     cors_kw = dict(allow_origins=list(cors)) if cors else dict(allow_origin_regex=LOCAL_ORIGINS)
+    limit = int(body_limit_mb * 2**20)
     middleware = [Middleware(CORSMiddleware, allow_methods=["GET", "POST"], allow_headers=["*"], **cors_kw),
-                  Middleware(RequestBodyLimitMiddleware, max_body_size=int(body_limit_mb * 2**20))]
+                  Middleware(ContentLengthLimit, max_body_size=limit),
+                  Middleware(RequestBodyLimitMiddleware, max_body_size=limit)]
     if api_key:
         middleware.append(Middleware(AuthenticationMiddleware, backend=KeyCheck(), on_error=auth_error))
     routes = []
@@ -962,7 +1085,8 @@ def create_app(eng, model_id: str, aliases=(), max_queue: int = 8, api_key: str 
                    Route(f"{prefix}/completions", completions, methods=["POST"]),
                    Route(f"{prefix}/models", models, methods=["GET"]),
                    Route(f"{prefix}/health", health, methods=["GET"])]
-    routes += [Route("/v1/models/{name:path}", model, methods=["GET"]), Route("/metrics", metrics_route)]
+    routes += [Route("/v1/models/{name:path}", model, methods=["GET"]), Route("/metrics", metrics_route),
+               Route("/v1/messages", messages, methods=["POST"])]
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: any_error},
                     lifespan=lifespan, middleware=middleware)
     app.state.coli = state

@@ -149,7 +149,8 @@ class Sequence:
         n_pre = len(self.ids) - self.cached
         st = dict(prompt_tokens=len(self.ids), cached_tokens=self.cached, prefill_s=pre_s, gen_tokens=len(self.out),
                   decode_s=dec_s, prefill_tps=n_pre / max(pre_s, 1e-9),
-                  decode_tps=n_dec / max(dec_s, 1e-9) if n_dec else 0.0, slot=self.slot.index if self.slot else None)
+                  decode_tps=n_dec / max(dec_s, 1e-9) if n_dec else 0.0, slot=self.slot.index if self.slot else None,
+                  stop_string=self.cut.matched)
         sp = self.sampler
         st.update(seed=None if sp.params.greedy else sp.seed, masked_logit_steps=sp.masked_steps)
         self.result = GenerateResult(list(self.out), "".join(self.text), list(self.ids), st, finish)
@@ -161,9 +162,13 @@ class Sequence:
 def check_parallel(eng, n_slots) -> None:
     """ColiError naming ``--parallel`` for a slot count below 1 or not an integer, or when ``n_slots`` KV caches
     of the engine's context (each slot holds ``--ctx`` positions; llama-server splits its ``-c`` among them
-    instead) do not fit what the memory budget leaves once the model is loaded."""
+    instead) do not fit what the memory budget leaves once the model is loaded, or with device layers (they
+    hold one sequence's K/V rows)."""
     if isinstance(n_slots, bool) or not isinstance(n_slots, int) or n_slots < 1:
         raise ColiError(f"--parallel: {n_slots!r} (slots, at least 1)")
+    if n_slots > 1 and eng.device_layers is not None:  # they hold one sequence's K/V rows on the device
+        raise ColiError(f"--parallel {n_slots}: device layers (--gpu-layers) serve one sequence; use --parallel 1 "
+                        f"or the expert tier")
     need = n_slots * kv_cache_bytes(eng.args, eng.ctx)
     if n_slots > 1 and need > eng.room:
         from coli.base.memory import fmt_bytes

@@ -152,20 +152,21 @@ def test_completions_list_of_prompts(http, eng):
 
 
 def test_body_over_the_limit_is_413(eng):
-    """A 50 MB body: 413 at the body limit (Starlette's RequestBodyLimitMiddleware answers from the
-    Content-Length, the body is never parsed); sent in chunks without a length, the limit stops the read and
-    the answer is OpenAI's error object. The server answers the next request."""
+    """A 50 MB body: 413 at the body limit, OpenAI's error object (``request_too_large``) whether the
+    Content-Length says so (answered before the body is read) or the body comes in chunks without a length
+    (the limit stops the read). The server answers the next request."""
     with _client(eng, body_limit_mb=16) as c:
         big = b'{"prompt": "' + b"a" * (50 * 2**20) + b'", "max_tokens": 1}'
         r = c.post("/v1/completions", content=big, headers={"Content-Type": "application/json"})
-        assert r.status_code == 413
+        assert r.status_code == 413 and r.headers["content-type"] == "application/json"
+        whole = r.json()
 
         def chunks():
             for k in range(0, len(big), 2**20):
                 yield big[k:k + 2**20]
 
         r = c.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
-        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        assert r.status_code == 413 and r.json() == whole and whole["error"]["code"] == "request_too_large"
         assert c.get("/health").json()["status"] == "ok"
 
 
@@ -403,3 +404,111 @@ def test_streamed_tool_call_deltas_equal_the_whole_parse():
     calls = [d["tool_calls"][0] for d in last if "tool_calls" in d]
     assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
         [(0, "f", {"a": [1, 2]})]
+
+
+# ------------------------------------------------------------------------------------- Anthropic's /v1/messages
+
+SYS = "You answer in one short sentence."
+
+
+def _chat_greedy(eng, msgs, n, **kw):
+    return _greedy(eng, eng.tokenizer.encode_chat(msgs), n, **kw)
+
+
+def test_messages_with_the_anthropic_client(http, eng):
+    """The ``anthropic`` client on /v1/messages: a system prompt and a user turn get the greedy answer of the
+    same messages through the chat template (text block, stop_reason, usage); streamed (``messages.stream``)
+    the text deltas join to the same text and the final message equals the whole one."""
+    anthropic = pytest.importorskip("anthropic")
+    c = anthropic.Anthropic(base_url=str(http.base_url), api_key="none", http_client=http, max_retries=0)
+    want = _chat_greedy(eng, [{"role": "system", "content": SYS}] + Q, 8)
+    kw = dict(model="claude-anything", max_tokens=8, system=SYS, extra_body={"temperature": 0},  # not a client arg
+              messages=[{"role": "user", "content": [{"type": "text", "text": Q[0]["content"]}]}])
+    m = c.messages.create(**kw)
+    assert m.type == "message" and m.role == "assistant" and m.model == "smol"
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == want.text
+    assert m.stop_reason == ("max_tokens" if want.finish_reason == "length" else "end_turn")
+    assert m.usage.output_tokens == len(want.ids)
+    assert m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) == len(want.prompt_ids)
+    with c.messages.stream(**kw) as s:
+        text = "".join(s.text_stream)
+        final = s.get_final_message()
+    assert text == want.text and final.content[0].text == want.text and final.stop_reason == m.stop_reason
+
+
+def test_messages_stream_events_and_stop_sequence(http, eng):
+    """Raw stream events in Anthropic's documented order (message_start, ping, content_block_start,
+    content_block_delta..., content_block_stop, message_delta, message_stop); a stop sequence ends the text
+    before it with stop_reason "stop_sequence" naming it."""
+    want = _chat_greedy(eng, Q, 12, stop_at_eos=False)
+    words = want.text.split()
+    assert len(words) >= 3, want.text
+    stop = " " + words[2]
+    r = http.post("/v1/messages", json={"model": "x", "max_tokens": 12, "temperature": 0, "stream": True,
+                                        "messages": Q, "stop_sequences": [stop]})
+    assert r.status_code == 200
+    names, datas = [], []
+    for block in r.text.split("\n\n"):
+        lines = dict(ln.split(": ", 1) for ln in block.splitlines() if ": " in ln)
+        if "event" in lines:
+            names.append(lines["event"])
+            datas.append(json.loads(lines["data"]))
+    assert names[:3] == ["message_start", "ping", "content_block_start"] and names[-3:] == [
+        "content_block_stop", "message_delta", "message_stop"]
+    assert set(names[3:-3]) == {"content_block_delta"}
+    assert all(d["type"] == n for n, d in zip(names, datas))
+    text = "".join(d["delta"]["text"] for d in datas if d["type"] == "content_block_delta")
+    assert text == want.text[:want.text.index(stop)]
+    assert datas[-2]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": stop}
+
+
+def test_messages_blocks_map_to_the_chat_request(http):
+    """tool_use in an assistant turn and tool_result in a user turn become the chat request's tool_calls and
+    tool message; tools and tool_choice map to OpenAI's; an image block is a 400 in Anthropic's error shape."""
+    from coli import messages as AM
+
+    body = {"max_tokens": 5, "system": [{"type": "text", "text": "S"}],
+            "tools": [{"name": "get_weather", "description": "d", "input_schema": {"type": "object"}}],
+            "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+            "messages": [{"role": "user", "content": "Weather in Oslo?"},
+                         {"role": "assistant", "content": [{"type": "text", "text": "Checking."},
+                                                           {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                                            "input": {"city": "Oslo"}}]},
+                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                                       "content": [{"type": "text", "text": "12 C"}]},
+                                                      {"type": "text", "text": "Thanks"}]}]}
+    o = AM.to_openai(body)
+    assert o["messages"] == [
+        {"role": "system", "content": "S"}, {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [
+            {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "12 C"}, {"role": "user", "content": "Thanks"}]
+    assert o["tools"] == [{"type": "function", "function": {"name": "get_weather", "description": "d",
+                                                            "parameters": {"type": "object"}}}]
+    assert o["tool_choice"] == "required" and o["parallel_tool_calls"] is False
+    r = http.post("/v1/messages", json=body)  # SmolLM2 has no tool template: rendered as text, answered
+    assert r.status_code == 200 and r.json()["type"] == "message"
+    bad = {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}
+    r = http.post("/v1/messages", json=bad)
+    assert r.status_code == 400
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+    assert "messages[0].content[0]" in r.json()["error"]["message"]
+    r = http.post("/v1/messages", json={"messages": Q})
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+    # a tool call in the answer: a tool_use block, stop_reason tool_use, and its events
+    msg = {"content": "Let me look.", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}
+    assert AM.content_blocks(msg) == [{"type": "text", "text": "Let me look."},
+                                      {"type": "tool_use", "id": "call_1", "name": "get_weather",
+                                       "input": {"city": "Oslo"}}]
+    assert AM.stop_reason("tool_calls", None, None) == ("tool_use", None)
+    ev = AM.Events()
+    evs = ev.delta({"content": "Let me look."}) + ev.delta({"tool_calls": [msg["tool_calls"][0]]}) + ev.end(
+        "tool_use", None, 9)
+    kinds = [(e.split("\n")[0][7:], json.loads(e.split("\n")[1][6:])) for e in evs]
+    assert [k for k, _ in kinds] == ["content_block_start", "content_block_delta", "content_block_stop",
+                                     "content_block_start", "content_block_delta", "content_block_stop",
+                                     "message_delta", "message_stop"]
+    assert kinds[3][1]["content_block"] == {"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {}}
+    assert kinds[4][1]["index"] == 1 and kinds[4][1]["delta"] == {"type": "input_json_delta",
+                                                                   "partial_json": '{"city": "Oslo"}'}
