@@ -3,7 +3,11 @@
 //   out[h] = sum_j softmax_j(scale * q[h] . K[kvh, j]) V[kvh, j],  kvh = h / (nq / nkv)
 // a0 q f32 [nq, hd], a1 K cache f32 [nkv, ctx, hd], a2 V cache f32 [nkv, ctx, hd], a3 params uint [..]
 // (pos = params[0]; keys 0..pos inclusive), a4 out f32 [nq, hd], a5 scratch f32 [nq, ctx] (the scores)
-// u0 nq, u1 nkv, u2 hd (<= 256), u3 ctx, u4 scale (float bits). groups: (nq, 1, 1).
+// u0 nq, u1 nkv, u2 hd (<= 256), u3 ctx, u4 scale (float bits), u5 CHK: keys a workgroup (0: all). groups: (nq, 1, 1)
+// with CHK 0; else (nq, ceil(ctx / CHK), 1): workgroup (h, s) takes keys s * CHK .. (s + 1) * CHK - 1 of 0..pos
+// (those past pos return at once) and, when pos + 1 > CHK, writes its part to a6 f32 [nq, ceil(ctx / CHK), hd + 2]
+// (its max m, its sum l of exp(score - m), the V rows' sum weighted by exp(score - m)) for attn_comb.comp to join;
+// with pos + 1 <= CHK the one workgroup writes out[h] itself, as with CHK 0 (the same sums in the same order).
 // Three passes. 1: invocations stride over the keys (key j by invocation j % WG), each a whole dot product,
 // the score into the scratch row; the workgroup max. 2: each invocation turns its own scores into
 // e = exp(s - max) and sums them; the workgroup sum. 3: chunks of 4 WG weights are staged in shared memory (each
@@ -28,6 +32,11 @@ void main() {
     uint h = gl_WorkGroupID.x, t = gl_LocalInvocationIndex, WG = gl_WorkGroupSize.x;
     uint kvh = h / (nq / nkv);
     uint n = min(U32(pc.a[3]).v[0] + 1u, ctx);
+    uint CHK = pc.u[5];
+    uint j1 = CHK == 0u ? 0u : gl_WorkGroupID.y * CHK;   // this workgroup's keys: j1 .. n - 1
+    if (j1 >= n) return;                                  // uniform: past the position
+    bool part = CHK != 0u && n > CHK;
+    if (part) n = min(n, j1 + CHK);
     bool v4 = (hd & 3u) == 0u;
     uint H4 = (hd + 3u) / 4u;
     F32 Q = F32(pc.a[0]);
@@ -41,7 +50,7 @@ void main() {
     float m = -1.0 / 0.0;
     if (v4) {
         F32x4 K4 = F32x4(pc.a[1]);
-        for (uint j = t; j < n; j += WG) {
+        for (uint j = j1 + t; j < n; j += WG) {
             uint kb = (kvb + j) * H4;
             vec4 a = vec4(0.0);
             for (uint i = 0u; i < H4; i++) a += Q4[i] * K4.v[kb + i];
@@ -51,7 +60,7 @@ void main() {
         }
     } else {
         F32 K = F32(pc.a[1]);
-        for (uint j = t; j < n; j += WG) {
+        for (uint j = j1 + t; j < n; j += WG) {
             uint kb = (kvb + j) * hd;
             float a = 0.0;
             for (uint i = 0u; i < hd; i++) a += Q4[i >> 2][i & 3u] * K.v[kb + i];
@@ -64,7 +73,7 @@ void main() {
 
     // pass 2: weights and their sum (each invocation rereads its own scores)
     float l = 0.0;
-    for (uint j = t; j < n; j += WG) {
+    for (uint j = j1 + t; j < n; j += WG) {
         float e = exp(S.v[sb + j] - m);
         S.v[sb + j] = e;
         l += e;
@@ -81,7 +90,7 @@ void main() {
     uint CH = 4u * WG;
     F32x4 V4 = F32x4(pc.a[2]);
     F32 V = F32(pc.a[2]);
-    for (uint j0 = 0u; j0 < n; j0 += CH) {
+    for (uint j0 = j1; j0 < n; j0 += CH) {
         uint cl = min(CH, n - j0);
         barrier();
         for (uint jj = t; jj < cl; jj += WG) SH[jj] = S.v[sb + j0 + jj];
@@ -107,8 +116,15 @@ void main() {
             }
         }
     }
-    F32 O = F32(pc.a[4]);
+    // the output: out[h] normalized, or this workgroup's part (m, l, unnormalized sums) for attn_comb.comp
+    F32 O = F32(pc.a[part ? 6 : 4]);
     uint ob = h * hd;
+    if (part) {
+        ob = (h * ((ctx + CHK - 1u) / CHK) + gl_WorkGroupID.y) * (hd + 2u);
+        if (t == 0u) { O.v[ob] = m; O.v[ob + 1u] = l; }
+        ob += 2u;
+        l = 1.0;
+    }
     if (NG == 1u) {                    // one key group: every column's sum is whole
         [[unroll]] for (uint q = 0u; q < MAXNC; q++) {
             uint c = c0 + q * CW;

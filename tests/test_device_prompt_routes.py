@@ -64,3 +64,30 @@ def test_the_route_is_one_the_device_runs(dev):
         assert prompt_route(SimpleNamespace(coopmat=True), env) == want
     with pytest.raises(ColiError, match="COLI_VK_PROMPT_ROUTE=tensor"):
         prompt_route(dev.device, settings.overlay(None, COLI_VK_PROMPT_ROUTE="tensor"))
+
+
+def test_decode_attention_split_over_positions_matches_the_cpu(dev, tmp_path):
+    """Decode rows whose context outgrows COLI_VK_ATTN_CHUNK keys: attn_dec.comp's parts over positions, joined by
+    attn_comb.comp, give the CPU-only f32 run's logits within 1e-5 of the largest."""
+    from coli.engine import Engine
+    from tests.vk_util import rel_err
+
+    path = dev.path
+    split = Engine(path, cpu_act="f32", device="vulkan", quiet=True, silent=True, save_usage=False, ctx=64,
+                   env=settings.overlay(None, COLI_VK_LAYERS=2, COLI_VK_ATTN_CHUNK=16), usage=str(tmp_path / "u"))
+    cpu = Engine(path, cpu_act="f32", quiet=True, silent=True, save_usage=False, ctx=64, usage=str(tmp_path / "u2"))
+    try:
+        dl = split.model.device_layers
+        assert dl.attn_chunk == 16 and [getattr(op, "kernel", None) for op in dl._ops()].count("attn_comb") == 2
+        ids = IDS + IDS[::-1] + IDS[:10]                  # 50 positions: up to 4 parts of 16 keys
+        c, cc = split.model.new_cache(64, 64), cpu.model.new_cache(64, 64)
+        split.model.forward(ids[:4], c)
+        cpu.model.forward(ids[:4], cc)
+        t0 = dl.tokens
+        got = np.array([split.model.forward([t], c)[-1] for t in ids[4:]])
+        ref = np.array([cpu.model.forward([t], cc)[-1] for t in ids[4:]])
+        assert dl.tokens - t0 == len(ids) - 4             # every row decoded on the device
+        assert rel_err(got, ref) < 1e-5, rel_err(got, ref)
+    finally:
+        split.close()
+        cpu.close()

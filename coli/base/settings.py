@@ -91,6 +91,9 @@ VARS: tuple[Var, ...] = (
     Var("COLI_VK_PROMPT_ROUTE", "str", "auto", "the device layers' prompt GEMM: auto (float16 cooperative matrices, "
         "shaders/lmm_cm.comp, where the device has them, else f32), coopmat (the same) or f32 (shaders/lmm.comp, "
         "float32 products everywhere) (docs/vulkan.md \"Prompt routes\")", dev=True),
+    Var("COLI_VK_ATTN_CHUNK", "int", 256, "keys a workgroup of the device layers' decode attention takes "
+        "(shaders/attn_dec.comp); a longer context is split over positions and joined (attn_comb.comp)", "keys",
+        lo=16, dev=True),
     Var("COLI_GLSLC", "str", "glslc", "the shader compiler scripts/build_shaders runs; the cooperative-matrix "
         "kernels need one whose glslang is 13 or later (docs/vulkan.md \"Prompt routes\")", dev=True),
     Var("COLI_VK_HOLD_CLOCK", "bool", True, "on a discrete GPU that runs a second queue beside the first, one "

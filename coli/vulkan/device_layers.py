@@ -158,6 +158,7 @@ def fixed_bytes(m, ctx: int, prompt_rows: int = 0) -> int:
              default=0)
     rows = (8 * a.d_model + 4 * a.n_heads * a.head_dim        # hidden rows in and out, q/k/v, q, attention out
             + a.n_heads * int(ctx) + int(ctx) * a.n_rot       # the scores, the rope tables
+            + a.n_heads * (-(-int(ctx) // 128)) * (a.head_dim + 2)   # decode attention's parts (at most 1 / 128 keys)
             + 2 * a.vocab + a.n_experts + max(a.top_k * F, Fs) + 8 * n * (a.head_dim * a.n_kv_heads + a.top_k))
     pb = prompt_bytes(m, prompt_rows) if prompt_rows else 0
     return int(out.nbytes) + 4 * rows + 256 * 32 + pb         # 256 bytes of rounding a buffer
@@ -270,6 +271,9 @@ class DeviceLayers:
         shF = [int(m.t[f"blk.{il}.{_SHEXP[0]}"].shape[0]) for il in self.layers if f"blk.{il}.{_SHEXP[0]}" in m.t]
         self.hbuf = K.buffer(4 * max([k * F] + shF), host=False)
         self.scores = K.buffer(4 * nq * ctx, host=False)
+        # decode attention over positions in parts of K.attn_chunk keys (attn_dec.comp, joined by attn_comb.comp)
+        self.attn_chunk = K.attn_chunk if ctx > K.attn_chunk else 0
+        self.attn_parts = K.buffer(4 * nq * -(-ctx // K.attn_chunk) * (hd + 2), host=False) if self.attn_chunk else None
         self.kvout = K.buffer(4 * 2 * nkv * hd * len(self.layers), host=False)
         # host side: the params (pos), the row in and out, the new K/V rows
         self.params = K.buffer(256, host=True)
@@ -411,8 +415,7 @@ class DeviceLayers:
                 Dispatch("rope_kv", (nq + nkv,), [self.qkv.addr, self.q.addr, d["K"].addr, d["V"].addr,
                                                   self.cos.addr, self.sin.addr, self.params.addr, kvo],
                          [nq, nkv, hd, self.n_rot, ctx, self.rope_kind]),
-                Dispatch("attn_dec", (nq,), [self.q.addr, d["K"].addr, d["V"].addr, self.params.addr, self.ao.addr,
-                                             self.scores.addr], [nq, nkv, hd, ctx, f32_bits(self.scale)]),
+                *self._attn_dec(d),
                 Dispatch("lmv", (-(-D // R),), [d["o"].addr, self.ao.addr, self.hs.addr, ob.addr if ob is not None else 0],
                          [D, nq * hd, 1 | (2 if ob is not None else 0)], type_name=ot),
                 Dispatch("rmsnorm", (1,), [self.hs.addr, d["ffn_norm"].addr, self.xn.addr], [D, eps]),
@@ -552,6 +555,20 @@ class DeviceLayers:
     def takes_prompts(self) -> bool:
         """False when some layer's experts are on the CPU: prompt chunks then run these layers on the CPU."""
         return not self.resident
+
+    def _attn_dec(self, d) -> list:
+        """A decode row's attention for layer ``d``: attn_dec.comp, over the positions in parts of ``attn_chunk`` keys
+        joined by attn_comb.comp where the context is longer than one part."""
+        from coli.vulkan.layers import Dispatch, f32_bits
+
+        nq, nkv, hd, ctx, chk = self.nq, self.nkv, self.hd, self.ctx, self.attn_chunk
+        parts = self.attn_parts.addr if chk else 0
+        ops = [Dispatch("attn_dec", (nq, -(-ctx // chk) if chk else 1),
+                        [self.q.addr, d["K"].addr, d["V"].addr, self.params.addr, self.ao.addr, self.scores.addr, parts],
+                        [nq, nkv, hd, ctx, f32_bits(self.scale), chk])]
+        if chk:
+            ops.append(Dispatch("attn_comb", (nq,), [parts, self.params.addr, self.ao.addr], [nq, 0, hd, ctx, 0, chk]))
+        return ops
 
     # -- per token ------------------------------------------------------------------------------------------
     def note_forward(self, cache, pos0: int) -> None:

@@ -59,7 +59,7 @@ _ACC_XFER_READ = 0x800
 
 #: the format kernels (compiled per GGUF type) and the others
 FORMAT_KERNELS = ("lmv", "lmoe", "lmm")
-PLAIN_KERNELS = ("rmsnorm", "topk", "rope_kv", "attn_dec", "heat", "attn_pre", "moe_sort", "moe_sum")
+PLAIN_KERNELS = ("rmsnorm", "topk", "rope_kv", "attn_dec", "heat", "attn_pre", "moe_sort", "moe_sum", "attn_comb")
 
 
 def f32_bits(x: float) -> int:
@@ -162,6 +162,9 @@ class Kernels:
         #: query rows of an attn_pre.comp workgroup (8, 16 or 32; at most 16 when the head dimension exceeds 128:
         #: shared memory): :meth:`attn_rows` gives the grid's
         self.attn_bq = 8
+        #: keys an attn_dec.comp workgroup takes in decode (its split over positions, joined by attn_comb.comp); a
+        #: context of at most this many keys keeps one workgroup a head and no join
+        self.attn_chunk = int(get("COLI_VK_ATTN_CHUNK", env))
         self._pipes: dict = {}
         self.fence = None       # VkFence[1] of submit()
         self._bufs: list = []
