@@ -39,7 +39,7 @@ def main():
 
     env = settings.overlay(None, COLI_VK_LAYERS=a.gpu_layers, COLI_VK_PROMPT_ROWS=a.rows)
     kw = dict(threads=a.threads) if a.threads else {}
-    eng = Engine(a.model, device="vulkan", env=env, ctx=a.rows + 16, save_usage=False, **kw)
+    eng = Engine(a.model, device="vulkan", env=env, ctx=max(a.rows, a.decode) + 16, save_usage=False, **kw)
     try:
         dl = eng.device_layers
         if dl is None:
