@@ -22,7 +22,8 @@ import time
 import numpy as np
 
 from coli.base.errors import ColiError
-from coli.engine import GenerateResult, StopText, engine_threads, kv_cache_bytes
+from coli.engine import GenerateResult, StopText, engine_threads
+from coli.runtime import kv_cache_bytes
 
 
 class Slot:
