@@ -496,6 +496,7 @@ for r in $(seq 1 ${GP_ROUNDS:-2}); do
   llama "attention on the GPU, experts in RAM (-ngl 99 -ot exps=CPU)" "-ngl 99 -ot exps=CPU"
   coli cpumoe16 "--gpu-layers 16 --cpu-moe"
   llama "--n-cpu-moe 8" "-ngl 99 --n-cpu-moe 8"
+  coli ncpumoe8 "--gpu-layers 16 --n-cpu-moe 8"
   coli tier16 "--gpu-layers 16 --tier-gb 3.19"
   coli half8 "--gpu-layers 8"
   llama "every layer (-ngl 99)" "-ngl 99"
