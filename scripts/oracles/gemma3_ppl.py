@@ -1,0 +1,80 @@
+#!/usr/bin/env python3
+"""HF transformers' per-token NLL for the real Gemma-3-270M Q4_K_M, scored as llama-perplexity scores (docs/oracles.md,
+"The real Gemma-3-270M: perplexity per token"; tests/test_perplexity.py checks coli against it).
+
+A developer tool, run once in the oracle venv (torch); its output is committed and CI never runs it::
+
+    .venv-oracle/bin/python scripts/oracles/gemma3_ppl.py [GGUF] [--out tests/fixtures/oracles/gemma3_270m_ppl.json]
+
+GGUF: the file ``coli.fetch`` caches as ``gemma3`` (default ``~/.cache/coli/models/gemma-3-270m-q4_k_m.gguf``).
+transformers loads it with its own GGUF reader (every tensor dequantized by ``gguf.quants`` to float32; the
+Gemma norms' stored 1 + w taken back to w) and its tokenizer from the file's vocabulary. The text is tokenized
+by HF, cut into chunks of ``CTX`` tokens, each chunk's first token replaced by BOS, and the second half of
+each chunk scored (llama-perplexity's convention: ``CTX - 1 - CTX // 2`` tokens per chunk); NLLs in float64
+from float32 logits.
+
+Output JSON: ``text``, ``ctx``, ``gguf`` (file name, size in bytes, sha256), ``tokens`` (int [n_chunk * ctx],
+as tokenized, before the BOS replacement), ``nll`` (float [n_chunk][ctx - 1 - ctx // 2], nats), ``ppl``,
+``versions`` (torch, transformers, gguf).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+# tests/test_perplexity.py's TEXT, four times
+TEXT = ("The old lighthouse stood at the end of the rocky point, where the sea met the sky in a line of grey. "
+        "Every night the keeper climbed the narrow stairs, trimmed the wick, and watched the beam sweep across "
+        "the water. Ships passed safely because of him, though few of their sailors ever knew his name.") * 4
+CTX = 32
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("gguf", nargs="?", type=Path,
+                    default=Path.home() / ".cache" / "coli" / "models" / "gemma-3-270m-q4_k_m.gguf")
+    ap.add_argument("--out", type=Path, default=ROOT / "tests" / "fixtures" / "oracles" / "gemma3_270m_ppl.json")
+    a = ap.parse_args()
+
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(a.gguf.parent, gguf_file=a.gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(a.gguf.parent, gguf_file=a.gguf.name, dtype=torch.float32).eval()
+    ids = tok(TEXT)["input_ids"]
+    assert ids[0] == tok.bos_token_id, "the file asks for BOS first"
+    n_chunk = len(ids) // CTX
+    first = CTX // 2
+    tokens = ids[: n_chunk * CTX]
+    nll = []
+    with torch.no_grad():
+        for c in range(n_chunk):
+            w = list(tokens[c * CTX:(c + 1) * CTX])
+            w[0] = tok.bos_token_id
+            lg = model(torch.tensor([w])).logits[0].double().numpy()
+            m = lg.max(axis=1, keepdims=True)
+            lse = m[:, 0] + np.log(np.exp(lg - m).sum(axis=1))
+            pos = np.arange(first, CTX - 1)
+            nll.append((lse[pos] - lg[pos, np.asarray(w)[pos + 1]]).tolist())
+    data = a.gguf.read_bytes()
+    out = {"text": TEXT, "ctx": CTX,
+           "gguf": {"name": a.gguf.name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()},
+           "tokens": tokens, "nll": nll, "ppl": math.exp(float(np.mean(nll))),
+           "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                        "gguf": importlib.metadata.version("gguf")}}
+    a.out.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"{a.out}: {n_chunk} chunks, {n_chunk * (CTX - 1 - first)} tokens scored, PPL {out['ppl']:.4f}")
+
+
+if __name__ == "__main__":
+    main()
