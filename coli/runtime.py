@@ -163,14 +163,14 @@ def build(eng, *, ctx, expert_cache, usage, io_threads, device, balance, trace) 
         setup_moe(eng, expert_cache, usage, io_threads, keep_raw=device not in (None, "cpu"))
     eng.device = None
     if device not in (None, "cpu"):
-        if eng.step is None and device == "vulkan":   # nothing for the tier to hold: no device opened
-            if not eng.silent:
-                from coli.base import settings
+        from coli.base import settings
 
-                what = ("device layers (--gpu-layers) run MoE decoder layers only" if settings.get("COLI_VK_LAYERS", eng.env)
-                        else "the Vulkan tier holds experts only")
-                print(f"[VK] {eng.path.name}: a dense model (no routed experts): {what}, so this run is on the "
-                      f"CPU (docs/tier.md, docs/vulkan.md)", file=sys.stderr)
+        if eng.step is None and device == "vulkan" and not settings.get("COLI_VK_LAYERS", eng.env):
+            # nothing for the tier to hold: no device opened (device layers, --gpu-layers, run dense layers)
+            if not eng.silent:
+                print(f"[VK] {eng.path.name}: a dense model (no routed experts): the Vulkan tier holds experts "
+                      f"only, so this run is on the CPU (--gpu-layers N puts its layers on the device; docs/tier.md, "
+                      f"docs/vulkan.md)", file=sys.stderr)
         else:
             setup_device(eng, device, balance)
 
@@ -253,15 +253,18 @@ def setup_layers(eng, dev, budget: int) -> bool:
     if not want:
         return False
     # experts placed apart from their layers: some stay on the CPU, or --tier-gb sizes the resident ones
-    apart = bool(cpu_moe) or settings.get("COLI_VK_TIER_GB", eng.env) is not None
+    apart = (bool(cpu_moe) or settings.get("COLI_VK_TIER_GB", eng.env) is not None) and bool(eng.model.moe_layers)
     first, why = device_layers.plan(eng.model, budget, eng.ctx, None if want < 0 else want,
                                     prompt_rows=settings.get("COLI_VK_PROMPT_ROWS", eng.env), experts=not apart)
     n = len(eng.model.layers) - first
     resident = layer_experts(eng, first, budget, cpu_moe) if apart and n else None
+    instead = "the expert tier instead" if eng.step is not None else "every layer on the CPU"
     if n == 0:
         if not eng.silent:
-            print(f"[VK] {eng.path.name}: no decoder layer on the device ({why}); the expert tier instead",
-                  file=sys.stderr)
+            # the last layer refused: every layer's reason (runs of layers together), else what stopped the count
+            last = why.startswith(f"layer {first - 1}:")
+            print(f"[VK] {eng.path.name}: no decoder layer on the device "
+                  f"({device_layers.why_not_all(eng.model) if last else why}); {instead}", file=sys.stderr)
         return False
     from coli.vulkan import DeviceLost, VulkanError
 
@@ -269,8 +272,8 @@ def setup_layers(eng, dev, budget: int) -> bool:
         dl = device_layers.DeviceLayers(eng.model, dev, first, eng.ctx, env=eng.env, resident=resident)
     except (DeviceLost, VulkanError, MemoryError, ValueError) as e:   # the tier instead, as for no layer
         if not eng.silent:
-            print(f"[VK] {eng.path.name}: the device layers did not load ({type(e).__name__}: {e}); the expert "
-                  f"tier instead", file=sys.stderr)
+            print(f"[VK] {eng.path.name}: the device layers did not load ({type(e).__name__}: {e}); {instead}",
+                  file=sys.stderr)
         return False
     eng.model.device_layers = dl
     eng.device_layers = dl
@@ -345,7 +348,12 @@ def setup_device(eng, device, balance) -> None:
         if eng.cache is not None:
             eng.cache.close()  # its readers started; the engine is not returned
         raise ColiError(why if why.startswith(what) else f"{what}: {why}") from None
-    if eng.device is None or eng.step is None:
+    if eng.device is None:
+        return
+    if eng.step is None:     # a dense model: device layers or nothing (no experts for a tier)
+        if not setup_layers(eng, eng.device, int(eng.device.budget_bytes)):
+            eng.device.close()
+            eng.device = None
         return
     eng.device.act = eng.cpu_act      # the device's activations rounded as the CPU's (int8 or f32)
     from scheduler.balancer import Balancer

@@ -8,6 +8,7 @@
 // (those past pos return at once) and, when pos + 1 > CHK, writes its part to a6 f32 [nq, ceil(ctx / CHK), hd + 2]
 // (its max m, its sum l of exp(score - m), the V rows' sum weighted by exp(score - m)) for attn_comb.comp to join;
 // with pos + 1 <= CHK the one workgroup writes out[h] itself, as with CHK 0 (the same sums in the same order).
+// u6 window W (0: none; with CHK 0 only): the keys max(0, pos - W + 1) .. pos, the query's own position included.
 // Three passes. 1: invocations stride over the keys (key j by invocation j % WG), each a whole dot product,
 // the score into the scratch row; the workgroup max. 2: each invocation turns its own scores into
 // e = exp(s - max) and sums them; the workgroup sum. 3: chunks of 4 WG weights are staged in shared memory (each
@@ -32,8 +33,9 @@ void main() {
     uint h = gl_WorkGroupID.x, t = gl_LocalInvocationIndex, WG = gl_WorkGroupSize.x;
     uint kvh = h / (nq / nkv);
     uint n = min(U32(pc.a[3]).v[0] + 1u, ctx);
-    uint CHK = pc.u[5];
-    uint j1 = CHK == 0u ? 0u : gl_WorkGroupID.y * CHK;   // this workgroup's keys: j1 .. n - 1
+    uint CHK = pc.u[5], W = pc.u[6];
+    uint wlo = (W > 0u && n > W) ? n - W : 0u;           // a sliding window's first key
+    uint j1 = CHK == 0u ? wlo : gl_WorkGroupID.y * CHK;   // this workgroup's keys: j1 .. n - 1
     if (j1 >= n) return;                                  // uniform: past the position
     bool part = CHK != 0u && n > CHK;
     if (part) n = min(n, j1 + CHK);

@@ -5,14 +5,16 @@
 //   out[r, h] = sum_{j <= pos0 + r} softmax_j(scale * q[r, h] . K[kvh, j]) V[kvh, j],  kvh = h / (nq / nkv)
 // a0 q f32 [R, nq, hd], a1 K cache f32 [nkv, ctx, hd], a2 V cache f32 [nkv, ctx, hd], a3 params uint [..]
 // (pos0 = params[0]), a4 out f32 [R, nq, hd]
-// u0 nq, u1 nkv, u2 hd (<= MAXD), u3 ctx, u4 scale (float bits), u5 R. groups: (nq, ceil(R / BQ), 1).
+// u0 nq, u1 nkv, u2 hd (<= MAXD), u3 ctx, u4 scale (float bits), u5 R, u6 window W (0: none; else row p sees keys
+// p - W + 1 .. p). groups: (nq, ceil(R / BQ), 1).
 // Specialization constants: 3 BQ, the query rows of a workgroup (8, 16 or 32: each K/V tile read from memory once
 // serves them all), 4 MAXD, the largest head dimension (128 or 256; BQ x MAXD floats of shared memory).
 // Per tile: the K tile into shared memory, one invocation a (row, key) score (a whole dot product, in dimension
 // order; BQ / 8 of them each), each row's running max m, sum l and rescale exp(m_old - m_new) by one invocation, the
 // V tile into the same shared memory, then each invocation adds weight x V for its row and dimensions in key order.
-// Tiles start at key 0 for every row, so a row's result does not depend on the chunk it came in (nor on BQ). A fixed
-// workgroup of 128.
+// Tiles start at key 0 for every row, so a row's result does not depend on the chunk it came in (nor on BQ; with a
+// window the block starts at the tile of its first row's first key: the tiles before it are masked for every row of
+// the block and would change nothing). A fixed workgroup of 128.
 #extension GL_GOOGLE_include_directive : require
 #include "layer_common.glsl"
 
@@ -36,6 +38,8 @@ void main() {
     uint pos0 = U32(pc.a[3]).v[0];
     uint nrow = min(BQ, R - rb);
     uint n = min(pos0 + rb + nrow, ctx);          // keys the block's last row sees
+    uint W = pc.u[6];
+    uint jlo = (W > 0u && pos0 + rb + 1u > W) ? pos0 + rb + 1u - W : 0u;   // the block's first row's first key
     F32 Q = F32(pc.a[0]);
     F32 K = F32(pc.a[1]);
     F32 V = F32(pc.a[2]);
@@ -49,7 +53,7 @@ void main() {
     float acc[MAXC];
     [[unroll]] for (uint c = 0u; c < MAXC; c++) acc[c] = 0.0;
     uint kvb = kvh * ctx;
-    for (uint j0 = 0u; j0 < n; j0 += BK) {
+    for (uint j0 = (jlo / BK) * BK; j0 < n; j0 += BK) {
         uint nk = min(BK, n - j0);
         barrier();
         for (uint i = t; i < nk * hd; i += 128u) {
@@ -60,7 +64,7 @@ void main() {
         [[unroll]] for (uint q = 0u; q < BQ / 8u; q++) {   // scores: invocation t -> rows t / BK + 8 q, key t % BK
             uint r = t / BK + 8u * q, j = t % BK;
             float s = -1.0 / 0.0;
-            if (j < nk && r < nrow && j0 + j <= pos0 + rb + r) {
+            if (j < nk && r < nrow && j0 + j <= pos0 + rb + r && (W == 0u || j0 + j + W > pos0 + rb + r)) {
                 float a = 0.0;
                 for (uint d = 0u; d < hd; d++) a += QS[r * MAXD + d] * KV[j * st + d];
                 s = scale * a;

@@ -13,7 +13,8 @@
 //   a5 offsets uint [E + 1] (expert e's pairs are pairs[off[e] .. off[e + 1]])
 //   u0 O (F), u1 I (D), u3 R, u5 k; groups (ceil(O / BM), ceil(R / BN), E): tiles past an expert's pairs return.
 //   u6 = 1: one expert (E = 1) and every row its pair p = row (the shared expert; k = 1; a4 and a5 unread but
-//   valid addresses: a compiler may load before it branches)
+//   valid addresses: a compiler may load before it branches); u7 the activation (0 SiLU, 1 the tanh GELU:
+//   act.glsl)
 // MODE 2, the experts' down, each pair's output scaled by its route weight: yk[p, o] = w_p (Wd[e][o, :] . h[p, :])
 //   a0 table, a1 h f32 [R * k, I], a2 yk f32 [R * k, O], a3 route, a4 pairs, a5 offsets; u0 O (D), u1 I (F), u3 R,
 //   u5 k; groups as mode 1.
@@ -25,6 +26,7 @@
 #extension GL_GOOGLE_include_directive : require
 #include "layer_common.glsl"
 #include "formats.glsl"
+#include "act.glsl"
 
 layout(local_size_x_id = 0) in;             // 4 BN
 layout(constant_id = 2) const uint MODE = 0;
@@ -136,7 +138,7 @@ void main() {
                 if ((flags & 4u) != 0u) r = 1.0 / (1.0 + exp(-r));
                 if ((flags & 1u) != 0u) r += Y.v[yi];
             } else if (MODE == 1u) {
-                r = r / (1.0 + exp(-r)) * acc2[i][j];
+                r = glu(r, acc2[i][j], pc.u[7]);
             } else {
                 r = rw * r;
             }

@@ -3,8 +3,9 @@
 // "Device layers"). Compiled once per GGUF type (-DFMT_<NAME>); MODE (specialization constant 2) picks the pass.
 //   a0 expert table: uint64 [E][3], the (gate, up, down) row-0 addresses of each expert of the layer
 //   a1 route: uint [2k], expert ids [k], then their weights as float bits [k] (rank order, j = 0 first)
-// MODE 1, gate/up and SwiGLU: a2 x f32 [D], a3 h f32 [k, F]; u0 F, u1 D, u2 k; groups (ceil(F / ROWS), k, 1).
-//   h[j, o] = silu(g) * u, g = Wg[id_j][o, :] . x, u = Wu[id_j][o, :] . x, silu(g) = g / (1 + exp(-g)).
+// MODE 1, gate/up and SwiGLU: a2 x f32 [D], a3 h f32 [k, F]; u0 F, u1 D, u2 k, u3 act (0 SiLU, 1 the tanh GELU:
+//   act.glsl); groups (ceil(F / ROWS), k, 1).
+//   h[j, o] = act(g) * u, g = Wg[id_j][o, :] . x, u = Wu[id_j][o, :] . x, silu(g) = g / (1 + exp(-g)).
 // MODE 0, down and the weighted combine into the residual: a2 h f32 [k, F], a3 y f32 [D]; u0 D, u1 F, u2 k
 //   (k <= MAXK); groups (ceil(D / ROWS), 1, 1). y[o] += s, s = sum_j w_j (Wd[id_j][o, :] . h[j, :]) made in a
 //   float (each lane sums w_j times its units' dot products over all ranks, then one subgroupAdd; the
@@ -20,6 +21,7 @@
 #extension GL_GOOGLE_include_directive : require
 #include "layer_common.glsl"
 #include "formats.glsl"
+#include "act.glsl"
 
 layout(local_size_x_id = 0) in;
 layout(constant_id = 1) const uint ROWS = 16;   // output rows a workgroup owns
@@ -143,7 +145,7 @@ void main() {
                     uint o = ob + i;
                     if (MODE == 1u) {
                         float g = acc[i];
-                        Y.v[j1 * O + o] = g / (1.0 + exp(-g)) * acc2[i];
+                        Y.v[j1 * O + o] = glu(g, acc2[i], pc.u[3]);
                     } else {
                         Y.v[o] += acc[i];
                     }

@@ -4,7 +4,8 @@
 // a0 x f32 [R, D], a1 w f32 [D], a2 out f32 [R, D] (may be a0: in place; each invocation reads the elements it
 // writes, after the reduction)
 // u0 D, u1 eps (float bits), u2 nper, u3 stride: with nper > 0 row r starts at (r / nper) * stride + (r % nper) * D
-// (q/k heads inside rows of qkv), else at r * D. groups: (R, 1, 1).
+// (q/k heads inside rows of qkv), else at r * D; u4 bit 0: out[r, i] += the normed value (Gemma 3's post-attention
+// and post-FFN norms into the residual; a2 other than a0). groups: (R, 1, 1).
 // The sum of squares is f32 (the CPU's is f64): per-invocation running sums, then the workgroup sum.
 #extension GL_GOOGLE_include_directive : require
 #include "layer_common.glsl"
@@ -28,5 +29,9 @@ void main() {
     }
     s = wg_sum(s);
     float inv = 1.0 / sqrt(s / float(D) + eps);
-    for (uint i = t; i < D; i += WG) Y.v[base + i] = (X.v[base + i] * inv) * W.v[i];
+    if ((pc.u[4] & 1u) != 0u) {
+        for (uint i = t; i < D; i += WG) Y.v[base + i] += (X.v[base + i] * inv) * W.v[i];
+    } else {
+        for (uint i = t; i < D; i += WG) Y.v[base + i] = (X.v[base + i] * inv) * W.v[i];
+    }
 }

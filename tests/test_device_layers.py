@@ -9,7 +9,7 @@ import pytest
 
 from coli.base import settings
 from tests.tiny_moe import ROOT
-from tests.vk_util import rel_err, requires_vulkan
+from tests.vk_util import open_test_device, rel_err, requires_vulkan
 
 pytestmark = requires_vulkan
 
@@ -28,12 +28,12 @@ def tiny(tmp_path_factory):
     return out
 
 
-def _engine(path, layers=None, **kw):
+def _engine(path, layers=None, ctx=64, **kw):
     from coli.engine import Engine
 
     env = settings.overlay(None, COLI_VK_LAYERS=layers) if layers is not None else None
     return Engine(path, cpu_act="f32", device="vulkan" if layers else None, env=env, quiet=True, silent=True,
-                  save_usage=False, ctx=64, usage=str(path) + ".usage", **kw)
+                  save_usage=False, ctx=ctx, usage=str(path) + ".usage", **kw)
 
 
 def _decode(e, ids, n_prompt, cache=None):
@@ -241,16 +241,168 @@ def test_construction_failure_falls_back(tiny, monkeypatch):
         e.close()
 
 
-def test_dense_layers_refused(model_path):
-    """A model whose layers have no routed experts keeps every layer on the CPU (why_not says so)."""
+@pytest.mark.parametrize("family,why", [
+    ("gptoss", "layers 0-2: attention sinks (gptoss.SinkAttention: no device kernel)"),
+    ("deepseek2_lite", "layers 0-2: its mixer is mla.MLA (no device kernel)"),
+    ("qwen3next", "layers 0-2: its mixer is deltanet.GatedDeltaNet (no device kernel); layer 3: its mixer is "
+                  "qwen3next.GatedAttention (no device kernel)"),
+    ("rope_linear", ""), ("mixtral", "")])
+def test_layers_qualify_by_what_they_need(family, why):
+    """``why_not`` asks what kernels a layer needs, not its class: each layer's reason (runs of layers with one
+    reason together), none for the dense llama and the MoE layers; a sliding window and q/k/v of different formats
+    no longer refuse a layer, a q/k norm or an FFN activation without a kernel does."""
+    from tests.conftest import FIXTURES
     from coli.engine import Engine
     from coli.vulkan import device_layers
 
-    e = Engine(model_path("smollm2"), quiet=True, silent=True, save_usage=False, ctx=32)
+    e = Engine(FIXTURES / "oracles" / f"{family}.gguf", quiet=True, silent=True, save_usage=False, ctx=32)
     try:
-        assert device_layers.why_not(e.model, 0) == "a layer without routed experts"
-        assert device_layers.plan(e.model, 1 << 40, 32)[0] == len(e.model.layers)
+        m = e.model
+        assert device_layers.why_not_all(m) == why
+        assert device_layers.plan(m, 1 << 40, 32)[0] == (len(m.layers) if why else 0)
+        if why:
+            return
+        L = m.layers[0]
+        L.attn.window = 4
+        assert device_layers.why_not(m, 0) is None
+        L.attn.qk_norm = "rows"
+        assert device_layers.why_not(m, 0) == "q/k norm 'rows' (no device kernel)"
+        L.attn.qk_norm = None
+        if L.mlp is not None:
+            L.mlp.act = "relu2"
+            assert device_layers.why_not(m, 0) == "the FFN activation 'relu2' (no device kernel)"
     finally:
+        e.close()
+
+
+def test_no_layer_says_why_per_layer(capfd):
+    """``--gpu-layers`` on a file none of whose layers qualifies: one line giving each layer's reason, the expert
+    tier instead."""
+    from tests.conftest import FIXTURES
+    from coli.engine import Engine
+
+    path = FIXTURES / "oracles" / "gptoss.gguf"
+    e = Engine(path, device="vulkan", env=settings.overlay(None, COLI_VK_LAYERS=-1), quiet=True, save_usage=False,
+               ctx=32, usage=None)
+    try:
+        assert e.device_layers is None and e.tier is not None
+    finally:
+        e.close()
+    err = capfd.readouterr().err
+    assert ("[VK] gptoss.gguf: no decoder layer on the device (layers 0-2: attention sinks (gptoss.SinkAttention: "
+            "no device kernel)); the expert tier instead") in err
+
+
+@pytest.mark.parametrize("family", ["rope_linear", "rope_llama3", "rope_yarn", "rope_yarn_params"])
+def test_dense_llama_against_hf(family):
+    """A dense llama (SwiGLU FFN, rope scaled by linear / llama3 / yarn tables) with every layer and the head on the
+    device: the prompt less 8 rows as one chunk, then 8 decode rows, each row's logits within the CPU path's bound of
+    HF transformers' (1e-4 of the largest, tests/oracle_check.py) with HF's argmax; greedy tokens equal to the
+    CPU-only run's at the default activations (int8 there, f32 on the device)."""
+    from tests.conftest import FIXTURES
+    from tests.oracle_check import rel
+    from coli.engine import Engine
+
+    path = FIXTURES / "oracles" / f"{family}.gguf"
+    oracle = np.load(FIXTURES / "oracles" / f"{family}.npz")
+    e = _engine(path, layers=-1, ctx=len(oracle["ids"]))
+    try:
+        dl, m = e.model.device_layers, e.model
+        assert dl is not None and dl.first == 0 and dl.head is not None and m.step is None
+        ids, ref = oracle["ids"], oracle["logits"]
+        n = len(ids) - 8
+        d0 = e.device.layer_dispatches
+        c = m.new_cache(len(ids), len(ids))
+        got = [m.forward(ids[:n], c, all_logits=True)] + [m.forward([int(t)], c) for t in ids[n:]]
+        got = np.concatenate(got)
+        assert (dl.prompt_tokens, dl.prompt_chunks, dl.tokens) == (n, 1, 8)
+        assert e.device.layer_dispatches - d0 >= 9 * 9          # every row's layer and head ran on the device
+        r = rel(got, ref)
+        assert (r <= 1e-4).all(), r.max()
+        assert (got.argmax(1) == ref.argmax(1)).all()
+    finally:
+        e.close()
+    dev = Engine(path, device="vulkan", env=settings.overlay(None, COLI_VK_LAYERS=-1), quiet=True, silent=True,
+                 save_usage=False, ctx=64)
+    cpu = Engine(path, quiet=True, silent=True, save_usage=False, ctx=64)
+    try:
+        assert dev.model.device_layers is not None and cpu.cpu_act == dev.cpu_act
+        a = dev.generate(ids=ids[:12].tolist(), max_tokens=8, temp=0.0, stop_at_eos=False)
+        b = cpu.generate(ids=ids[:12].tolist(), max_tokens=8, temp=0.0, stop_at_eos=False)
+        assert a.stats["device_decode_rows"] == 7 and list(a.ids) == list(b.ids)
+    finally:
+        dev.close()
+        cpu.close()
+
+
+def test_gemma3_sandwich_window_and_two_ropes(model_path):
+    """Gemma-3-270M (the real GGUF: q/k Q5_0 with v Q8_0 as three matrices, per-head q/k norms, post-attention and
+    post-FFN norms, GeGLU, the local layers' rope base 10000 beside the global layers' 1e6, the embedding scale on
+    the CPU) with every layer on the device, its sliding window shortened to 5 positions so that a short prompt
+    crosses it, in prompt chunks of 7 rows: every row's logits and 2 decode rows' equal the CPU-only f32 run's within
+    1e-5 of the largest (the window changes them by far more); with the last 6 layers on the device, greedy tokens at
+    the default activations (int8 on the CPU, f32 on the device) equal the CPU-only run's."""
+    from coli.engine import Engine
+    from coli.vulkan import device_layers
+
+    path = model_path("gemma3")
+    W = 5
+
+    def run(e, ids, n_dec):
+        m = e.model
+        c = m.new_cache(32, 32)
+        lg = [m.forward(ids, c, all_logits=True)]
+        for t in range(n_dec):
+            lg.append(m.forward([int(lg[-1][-1].argmax())], c))
+        return np.concatenate(lg)
+
+    e = Engine(path, cpu_act="f32", quiet=True, silent=True, save_usage=False, ctx=32)
+    dev = None
+    try:
+        m = e.model
+        atts = [L.attn for L in m.layers]
+        assert {a.window for a in atts} == {512, 0} and len({a.rope_base for a in atts}) == 2
+        windows = [W if a.window else 0 for a in atts]
+        for a, w in zip(atts, windows):
+            a.window = 0
+        ids = e.tokenize("The capital of France is Paris, and the capital of Germany is")
+        assert len(ids) > 2 * W
+        full = run(e, ids, 0)
+        for a, w in zip(atts, windows):
+            a.window = w
+        ref = run(e, ids, 2)
+        assert rel_err(full, ref[:len(ids)]) > 1e-2        # the window matters here
+        assert device_layers.why_not_all(m) == ""
+        dev = open_test_device()
+        dl = device_layers.DeviceLayers(m, dev, 0, 32, head=False)   # the head (262144 rows) on the CPU: seconds
+        dl.prompt_rows = 7
+        m.device_layers = dl
+        d0 = dev.layer_dispatches
+        got = run(e, ids, 2)
+        assert (dl.prompt_chunks, dl.prompt_tokens, dl.tokens) == (-(-len(ids) // 7), len(ids), 2)
+        assert dev.layer_dispatches - d0 >= 18 * 10 * (dl.prompt_chunks + 2)
+        assert rel_err(got, ref) < 1e-5, rel_err(got, ref)
+    finally:
+        e.model.device_layers = None
+        if dev is not None:
+            dl.close()
+        e.close()
+    # the default activations (int8 on the CPU, f32 on the device), the file's window: the CPU-only run's tokens
+    e = Engine(path, quiet=True, silent=True, save_usage=False, ctx=32)
+    try:
+        assert e.cpu_act == "int8"
+        ids = e.tokenize("The capital of France is")
+        ref = e.generate(ids=ids, max_tokens=4, temp=0.0, stop_at_eos=False)
+        dl = device_layers.DeviceLayers(e.model, dev, 12, 32, head=False)   # layers 0-11 on the CPU (int8)
+        e.model.device_layers = dl
+        got = e.generate(ids=ids, max_tokens=4, temp=0.0, stop_at_eos=False)
+        assert dl.tokens == 3 and dl.prompt_tokens == len(ids)
+        assert list(got.ids) == list(ref.ids)
+    finally:
+        e.model.device_layers = None
+        if dev is not None:
+            dl.close()
+            dev.close()
         e.close()
 
 

@@ -392,11 +392,11 @@ class Model:
         if self.embed_scale:
             h *= np.float32(self.embed_scale)
         lg, done = None, False
-        if T == 1 and self.token_dec is not None:
+        dl = self.device_layers
+        if T == 1 and self.token_dec is not None and dl is None:   # not with device layers: they take the last layers
             # every layer and (token_head) the head in one compiled call: the same kernels, the same bits
             lg = np.empty((1, self.token_dec.vocab), np.float32) if self.token_head else None
             done = self.token_dec(h, cache, pos0, lg)
-        dl = self.device_layers
         if dl is not None:
             dl.note_forward(cache, pos0)
         if not done:

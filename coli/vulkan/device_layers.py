@@ -54,13 +54,27 @@ class _Cut:
 
 
 _SHEXP = ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
+_MLP = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+#: the layer forms the device runs (a family's decoder layer says its form in ``device_form``): "pre-norm"
+#: ``h += attn(norm(h)); h += ffn(norm(h))`` (llama.DecoderLayer); "sandwich" with a norm after each block too,
+#: ``h += norm(attn(norm(h))); h += norm(ffn(norm(h)))`` (gemma3.DecoderLayer: ``post_attention_norm``,
+#: ``post_ffw_norm``)
+FORMS = ("pre-norm", "sandwich")
+
+
+def _cls(x) -> str:
+    return f"{type(x).__module__.rsplit('.', 1)[-1]}.{type(x).__name__}"
 
 
 def _layer_tensors(m, il: int) -> list[str]:
+    """The GGUF tensors layer ``il`` places on the device (its norms besides: f32 vectors)."""
     p = f"blk.{il}."
     names = [p + n for n in ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
-                             "attn_output.weight", "ffn_norm.weight", "ffn_gate_inp.weight", "ffn_gate_exps.weight",
-                             "ffn_up_exps.weight", "ffn_down_exps.weight")]
+                             "attn_output.weight", "ffn_norm.weight")]
+    if getattr(m.layers[il], "moe", None) is None:      # the dense FFN
+        return names + [p + n for n in _MLP]
+    names += [p + n for n in ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight",
+                              "ffn_down_exps.weight")]
     if p + _SHEXP[0] in m.t:     # Qwen2-MoE's shared expert and its gate
         names += [p + n for n in _SHEXP]
         if p + "ffn_gate_inp_shexp.weight" in m.t:
@@ -68,40 +82,86 @@ def _layer_tensors(m, il: int) -> list[str]:
     return names
 
 
-def why_not(m, il: int) -> str | None:
-    """None when layer ``il`` of model ``m`` can run whole on the device, else why not (one phrase)."""
-    L = m.layers[il]
-    if f"{type(L).__module__}.{type(L).__qualname__}" != "coli.models.llama.DecoderLayer":  # by name: models sit above
-        return f"its layers are {type(L).__module__.rsplit('.', 1)[-1]}.{type(L).__name__}"
-    if L.moe is None:
-        return "a layer without routed experts"
-    if getattr(L.moe.route, "softmax_topk", None) is None:
+def _is(x, name: str) -> bool:
+    """Whether ``x`` is exactly the class ``name`` (``module.qualname``; by name: coli.vulkan imports no model)."""
+    return f"{type(x).__module__}.{type(x).__qualname__}" == name
+
+
+def _why_not_attention(a) -> str | None:
+    """Why the attention block ``a`` has no device kernels, or None: ``coli.models.blocks.Attention`` (GQA) with rope
+    NORM / NEOX (any base and scaling: a table a layer), q/k norms per head or over the projection, q/k/v/o biases,
+    a sliding window, head widths up to 256 with V's equal to K's."""
+    if not _is(a, "coli.models.blocks.Attention"):
+        if getattr(a, "attn_sinks", None) is not None:
+            return "attention sinks (no device kernel)"
+        return f"its attention is {_cls(a)} (no device kernel)"
+    if a.rope_kind not in (_NORM, _NEOX):
+        return "a rope pairing without a device kernel"
+    if a.qk_norm not in (None, "heads", "full"):
+        return f"q/k norm '{a.qk_norm}' (no device kernel)"
+    if a.head_dim > 256 or a.head_dim != a.attn_v.shape[0] // a.n_kv:
+        return "a head width above 256 or a V head width other than K's"
+    if a.n_rot % 2 or a.n_rot > a.head_dim or a.n_heads % a.n_kv:
+        return "a rope width or a head grouping without a device kernel"
+    return None
+
+
+def _why_not_ffn(m, il: int, L) -> str | None:
+    """Why the FFN of layer ``L`` has no device kernels, or None: the MoE block with the softmax top-k router (up to
+    512 experts, top-32) and an optional shared expert (with its sigmoid gate), or the dense gated FFN (SwiGLU or
+    GeGLU)."""
+    moe, mlp = getattr(L, "moe", None), getattr(L, "mlp", None)
+    if moe is None and mlp is None:
+        return "a layer without an FFN block"
+    if moe is None:
+        if not _is(mlp, "coli.models.blocks.MLP"):
+            return f"its FFN is {_cls(mlp)} (no device kernel)"
+        if mlp.act not in ("swiglu", "geglu"):
+            return f"the FFN activation '{mlp.act}' (no device kernel)"
+        return None
+    if not _is(moe, "coli.models.blocks.MoE"):
+        return f"its MoE block is {_cls(moe)} (expert biases or another activation: no device kernel)"
+    if getattr(moe.route, "softmax_topk", None) is None:
         return "a router other than softmax top-k"
-    a = L.attn
-    if a.window:
-        return "a sliding window"
-    if a.rope_kind not in (_NORM, _NEOX) or a.qk_norm not in (None, "heads", "full"):
-        return "a rope or q/k norm without a device kernel"
+    if hasattr(m.g, "expert_source"):
+        return "experts of a Hugging Face folder (read through its expert source, not as GGUF tensors)"
+    E, k = m.args.n_experts, moe.route.softmax_topk[0]
+    if E > 512 or not 1 <= k <= min(32, E):
+        return f"{E} experts, top-{k} (the device's top-k takes up to 512 experts and 32 a token)"
+    return None
+
+
+def why_not(m, il: int) -> str | None:
+    """None when layer ``il`` of model ``m`` can run whole on the device, else why not (one phrase). By what the
+    layer needs, not by its class: its form (``device_form``: :data:`FORMS`), its attention block
+    (:func:`_why_not_attention`), its FFN (:func:`_why_not_ffn`) and its tensors' formats (a device decoder for each,
+    widths in whole 32-weight units; gate and up of one format: one kernel reads both)."""
+    L = m.layers[il]
+    form = getattr(L, "device_form", None)
+    if form not in FORMS:
+        # the mixer's name where the layer has one (the first kernel it lacks), else the layer's
+        mixer = next((x for x in (getattr(L, n, None) for n in ("attn", "linear_attn", "self_attn", "mla"))
+                      if x is not None), None)
+        if getattr(mixer, "attn_sinks", None) is not None:
+            return f"attention sinks ({_cls(mixer)}: no device kernel)"
+        if mixer is not None and not type(mixer).__module__.endswith(".blocks"):
+            return f"its mixer is {_cls(mixer)} (no device kernel)"
+        return f"its layers are {_cls(L)} (a block order without a device form)"
+    w = _why_not_attention(L.attn) or _why_not_ffn(m, il, L)
+    if w is not None:
+        return w
     for n in _layer_tensors(m, il):
         ti = m.t[n]
         if ti.type_name not in _formats():
             return f"tensor '{n}' is {ti.type_name} (no device kernel)"
         if int(ti.shape[-1]) % 32:
             return f"tensor '{n}' has {int(ti.shape[-1])} columns (not a multiple of 32)"
-    q, k, v = (m.t[f"blk.{il}.attn_{x}.weight"] for x in "qkv")
-    if len({q.type_name, k.type_name, v.type_name}) != 1:
-        return "q, k and v of different types"
-    if m.t[f"blk.{il}.ffn_gate_exps.weight"].type_name != m.t[f"blk.{il}.ffn_up_exps.weight"].type_name:
-        return "ffn_gate_exps and ffn_up_exps of different types"
-    if L.moe.shared is not None and m.t[f"blk.{il}.{_SHEXP[0]}"].type_name != m.t[f"blk.{il}.{_SHEXP[1]}"].type_name:
-        return "ffn_gate_shexp and ffn_up_shexp of different types"
-    if hasattr(m.g, "expert_source"):
-        return "experts of a Hugging Face folder (read through its expert source, not as GGUF tensors)"
-    E, k = m.args.n_experts, L.moe.route.softmax_topk[0]
-    if E > 512 or not 1 <= k <= min(32, E):
-        return f"{E} experts, top-{k} (the device's top-k takes up to 512 experts and 32 a token)"
-    if a.head_dim > 256 or a.head_dim != a.attn_v.shape[0] // a.n_kv:
-        return "a head width above 256 or a V head width other than K's"
+    p = f"blk.{il}."
+    pairs = [("ffn_gate_exps", "ffn_up_exps"), ("ffn_gate_shexp", "ffn_up_shexp"), ("ffn_gate", "ffn_up")]
+    for g, u in pairs:
+        if p + g + ".weight" in m.t and p + u + ".weight" in m.t and \
+                m.t[p + g + ".weight"].type_name != m.t[p + u + ".weight"].type_name:
+            return f"{g} and {u} of different types"
     return None
 
 
@@ -112,6 +172,21 @@ def expert_bytes(m, il: int) -> int:
         // int(m.args.n_experts)
 
 
+def why_not_all(m) -> str:
+    """Every layer's :func:`why_not`, runs of layers with one reason together: ``layers 0-17: a sliding window; layer
+    18: ...`` (empty when every layer qualifies)."""
+    runs: list = []
+    for il in range(len(m.layers)):
+        w = why_not(m, il)
+        if w is None:
+            continue
+        if runs and runs[-1][2] == w and runs[-1][1] == il - 1:
+            runs[-1][1] = il
+        else:
+            runs.append([il, il, w])
+    return "; ".join((f"layer {a}" if a == b else f"layers {a}-{b}") + f": {w}" for a, b, w in runs)
+
+
 def layer_bytes(m, il: int, ctx: int, experts: bool = True) -> int:
     """Device bytes of layer ``il``: its weight tensors as stored (GGUF blocks; the router as f32) and its K and
     V cache of ``ctx`` positions (f32); ``experts=False``: without the routed experts (they stay on the CPU or
@@ -119,30 +194,54 @@ def layer_bytes(m, il: int, ctx: int, experts: bool = True) -> int:
     a = m.layers[il].attn
     w = sum(int(m.t[n].nbytes) for n in _layer_tensors(m, il) if not n.endswith("ffn_gate_inp.weight")
             and (experts or "_exps." not in n))
-    w += 4 * int(np.prod(m.t[f"blk.{il}.ffn_gate_inp.weight"].shape))
+    if f"blk.{il}.ffn_gate_inp.weight" in m.t:
+        w += 4 * int(np.prod(m.t[f"blk.{il}.ffn_gate_inp.weight"].shape))
     return w + 2 * a.n_kv * int(ctx) * a.head_dim * 4
 
 
+def _ffn_key(m, il: int) -> tuple:
+    L, t, p = m.layers[il], m.t, f"blk.{il}."
+    if L.moe is None:
+        return ("dense", int(t[p + _MLP[0]].shape[0]))
+    return ("moe", tuple(int(s) for s in t[p + "ffn_gate_exps.weight"].shape), L.moe.route.softmax_topk,
+            tuple(int(s) for s in t[p + _SHEXP[0]].shape) if p + _SHEXP[0] in t else None)
+
+
 def _shape_key(m, il: int) -> tuple:
-    """What the device's buffers and dispatches take from one layer (they are sized from the first)."""
-    a, t = m.layers[il].attn, m.t
-    return (a.n_heads, a.n_kv, a.head_dim, a.n_rot, a.rope_kind, a.qk_norm, a.scale,
-            tuple(int(s) for s in t[f"blk.{il}.ffn_gate_exps.weight"].shape), m.layers[il].moe.route.softmax_topk,
-            tuple(int(s) for s in t[f"blk.{il}.{_SHEXP[0]}"].shape) if f"blk.{il}.{_SHEXP[0]}" in t else None)
+    """What the device's buffers take from one layer (they are sized from the first); the rest (rope, window,
+    norms, scale, formats) is a layer's own."""
+    a = m.layers[il].attn
+    return (a.n_heads, a.n_kv, a.head_dim, _ffn_key(m, il))
+
+
+def _hidden_width(m, il: int) -> int:
+    """Floats of the FFN's hidden rows of one token in layer ``il``: top-k x the expert width, the shared expert's
+    width, or the dense FFN's."""
+    L, t, p = m.layers[il], m.t, f"blk.{il}."
+    if L.moe is None:
+        return int(t[p + _MLP[0]].shape[0])
+    w = L.moe.route.softmax_topk[0] * int(t[p + "ffn_gate_exps.weight"].shape[1])
+    return max(w, int(t[p + _SHEXP[0]].shape[0]) if p + _SHEXP[0] in t else 0)
+
+
+def _rope_tables(m) -> int:
+    """Distinct rope tables (base, scaling, width) of the model's layers (Gemma 3: the local and the global one)."""
+    keys = {(L.attn.rope_base, L.attn.rope_scaling, L.attn.n_rot) for il, L in enumerate(m.layers)
+            if why_not(m, il) is None}
+    return max(1, len(keys))
 
 
 def prompt_bytes(m, rows: int) -> int:
     """Device bytes of the prompt chunks' scratch at ``rows`` rows (``DeviceLayers._prompt_bufs``): the hidden and
     normalized rows, q/k/v, q, the attention output, router logits, routes, the grouped pairs, the experts' h and
-    outputs, the shared expert's output and the logits of every row."""
+    outputs, the shared expert's output, a post-norm's input and the logits of every row."""
     a = m.args
     n = len(m.layers)
-    F = max(int(m.t[f"blk.{il}.ffn_gate_exps.weight"].shape[1]) for il in m.moe_layers) if m.moe_layers else 0
-    Fs = max((int(m.t[f"blk.{il}.{_SHEXP[0]}"].shape[0]) for il in range(n) if f"blk.{il}.{_SHEXP[0]}" in m.t),
-             default=0)
+    F = max((_hidden_width(m, il) for il in range(n) if why_not(m, il) is None), default=0)
     nqkv = (a.n_heads + 2 * a.n_kv_heads) * a.head_dim
-    per_row = (4 * a.d_model + nqkv + 2 * a.n_heads * a.head_dim + a.n_experts + 2 * n * a.top_k + 2 + a.top_k
-               + max(a.top_k * F, Fs) + a.top_k * a.d_model + a.vocab)
+    k = a.top_k if m.moe_layers else 0
+    per_row = (5 * a.d_model + nqkv + 2 * a.n_heads * a.head_dim + a.n_experts + 2 * n * k + 2 + k
+               + F + k * a.d_model + a.vocab)
     return 4 * int(rows) * per_row + 4 * (a.n_experts + 1) + 256 * 24
 
 
@@ -153,13 +252,12 @@ def fixed_bytes(m, ctx: int, prompt_rows: int = 0) -> int:
     a = m.args
     out = m.t.get("output.weight", m.tok_embd)
     n = len(m.layers)
-    F = max(int(m.t[f"blk.{il}.ffn_gate_exps.weight"].shape[1]) for il in m.moe_layers) if m.moe_layers else 0
-    Fs = max((int(m.t[f"blk.{il}.{_SHEXP[0]}"].shape[0]) for il in range(n) if f"blk.{il}.{_SHEXP[0]}" in m.t),
-             default=0)
-    rows = (8 * a.d_model + 4 * a.n_heads * a.head_dim        # hidden rows in and out, q/k/v, q, attention out
-            + a.n_heads * int(ctx) + int(ctx) * a.n_rot       # the scores, the rope tables
+    F = max((_hidden_width(m, il) for il in range(n) if why_not(m, il) is None), default=0)
+    k = a.top_k if m.moe_layers else 0
+    rows = (9 * a.d_model + 4 * a.n_heads * a.head_dim        # hidden rows in and out, q/k/v, q, attention out
+            + a.n_heads * int(ctx) + _rope_tables(m) * int(ctx) * a.n_rot   # the scores, the rope tables
             + a.n_heads * (-(-int(ctx) // 128)) * (a.head_dim + 2)   # decode attention's parts (at most 1 / 128 keys)
-            + 2 * a.vocab + a.n_experts + max(a.top_k * F, Fs) + 8 * n * (a.head_dim * a.n_kv_heads + a.top_k))
+            + 2 * a.vocab + a.n_experts + F + 8 * n * (a.head_dim * a.n_kv_heads + k))
     pb = prompt_bytes(m, prompt_rows) if prompt_rows else 0
     return int(out.nbytes) + 4 * rows + 256 * 32 + pb         # 256 bytes of rounding a buffer
 
@@ -237,12 +335,16 @@ class DeviceLayers:
         a = m.args
         L0 = m.layers[first]
         at = L0.attn
-        self.nq, self.nkv, self.hd, self.n_rot = at.n_heads, at.n_kv, at.head_dim, at.n_rot
-        self.D, self.E, self.k = a.d_model, a.n_experts, L0.moe.route.softmax_topk[0]
-        self.norm_topk = bool(L0.moe.route.softmax_topk[1])
-        self.F = int(m.t[f"blk.{first}.ffn_gate_exps.weight"].shape[1])
-        self.rope_kind = at.rope_kind
-        self.scale = at.scale
+        self.nq, self.nkv, self.hd = at.n_heads, at.n_kv, at.head_dim
+        self.D = a.d_model
+        self.moe = L0.moe is not None      # the layers' FFN: routed experts, or dense (every layer alike: plan)
+        if self.moe:
+            self.E, self.k = a.n_experts, L0.moe.route.softmax_topk[0]
+            self.norm_topk = bool(L0.moe.route.softmax_topk[1])
+            self.F = int(m.t[f"blk.{first}.ffn_gate_exps.weight"].shape[1])
+        else:                              # no router, no routes to read back
+            self.E = self.k = self.F = 0
+            self.norm_topk = False
         self.layers = list(range(first, len(m.layers)))
         from coli.base.settings import get
 
@@ -268,8 +370,10 @@ class DeviceLayers:
         self.logits = K.buffer(4 * E, host=False)
         self.route = K.buffer(8 * k * len(self.layers), host=False)      # each layer's ids and weights
         self.routehost = K.buffer(8 * k * len(self.layers), host=True, readback=True)
-        shF = [int(m.t[f"blk.{il}.{_SHEXP[0]}"].shape[0]) for il in self.layers if f"blk.{il}.{_SHEXP[0]}" in m.t]
-        self.hbuf = K.buffer(4 * max([k * F] + shF), host=False)
+        self.hbuf = K.buffer(4 * max(_hidden_width(m, il) for il in self.layers), host=False)
+        self.tmp = K.buffer(4 * D, host=False)     # a block's output before its post-norm (Gemma 3)
+        # the dense FFN's route: one expert (the layer's gate/up/down table row 0), weight 1
+        self.one_route = self._const(np.array([0, np.float32(1.0).view(np.uint32)], np.uint32))
         self.scores = K.buffer(4 * nq * ctx, host=False)
         # decode attention over positions in parts of K.attn_chunk keys (attn_dec.comp, joined by attn_comb.comp)
         self.attn_chunk = K.attn_chunk if ctx > K.attn_chunk else 0
@@ -280,9 +384,7 @@ class DeviceLayers:
         self.hin = K.buffer(4 * D, host=True)
         self.hout = K.buffer(4 * D, host=True, readback=True)
         self.kvhost = K.buffer(4 * 2 * nkv * hd * len(self.layers), host=True, readback=True)
-        cos, sin = at.rope_scaling.table(ctx, self.n_rot, at.rope_base)   # the CPU's tables (Model.rope_table)
-        self.cos = self._const(np.ascontiguousarray(cos[:ctx], np.float32))
-        self.sin = self._const(np.ascontiguousarray(sin[:ctx], np.float32))
+        self._ropes: dict = {}      # (base, scaling, n_rot) -> the cos and sin tables on the device
         self.per = []
         for il in self.layers:
             self.per.append(self._upload_layer(il, ctx))
@@ -332,6 +434,17 @@ class DeviceLayers:
         arr = np.ascontiguousarray(arr, np.float32)
         return self._place(None, raw=arr.view(np.uint8), shape=arr.shape, type_name="F32")
 
+    def _rope(self, at) -> tuple:
+        """The cos and sin tables f32 [ctx, n_rot / 2] of attention ``at``'s rope base and scaling (the CPU's tables:
+        ``Model.rope_table``), made once per (base, scaling, width)."""
+        key = (at.rope_base, at.rope_scaling, at.n_rot)
+        r = self._ropes.get(key)
+        if r is None:
+            cos, sin = at.rope_scaling.table(self.ctx, at.n_rot, at.rope_base)
+            r = self._ropes[key] = (self._const(np.ascontiguousarray(cos[:self.ctx], np.float32)),
+                                    self._const(np.ascontiguousarray(sin[:self.ctx], np.float32)))
+        return r
+
     def _upload_layer(self, il: int, ctx: int) -> dict:
         m, K, p = self.m, self.K, f"blk.{il}."
         t = m.t
@@ -339,12 +452,21 @@ class DeviceLayers:
         d = {"il": il}
         d["attn_norm"] = self._const(L.attn_norm)
         d["ffn_norm"] = self._const(L.ffn_norm)
-        q, k, v = (t[p + f"attn_{x}.weight"] for x in "qkv")
-        raw = np.concatenate([np.asarray(x.raw).reshape(int(x.shape[0]), -1) for x in (q, k, v)])
-        d["qkv"] = self._place(q, raw=raw, shape=(raw.shape[0], int(q.shape[1])))
-        d["o"] = self._place(t[p + "attn_output.weight"])
+        if L.device_form == "sandwich":      # the norms after the attention and the FFN (Gemma 3)
+            d["post_attn"] = self._const(np.asarray(L.post_attention_norm, np.float32))
+            d["post_ffn"] = self._const(np.asarray(L.post_ffw_norm, np.float32))
         at = L.attn
         nq, nkv, hd = self.nq, self.nkv, self.hd
+        q, k, v = (t[p + f"attn_{x}.weight"] for x in "qkv")
+        # q/k/v as one matrix (their rows concatenated) when they share a format, else one matrix each; parts:
+        # (weight, format, first output row in qkv, rows)
+        if len({q.type_name, k.type_name, v.type_name}) == 1:
+            raw = np.concatenate([np.asarray(x.raw).reshape(int(x.shape[0]), -1) for x in (q, k, v)])
+            d["qkv"] = [(self._place(q, raw=raw, shape=(raw.shape[0], int(q.shape[1]))), q.type_name, 0, raw.shape[0])]
+        else:
+            d["qkv"] = [(self._place(x), x.type_name, o, int(x.shape[0]))
+                        for x, o in ((q, 0), (k, nq * hd), (v, (nq + nkv) * hd))]
+        d["o"] = self._place(t[p + "attn_output.weight"])
         if any(b is not None for b in (at.attn_q_b, at.attn_k_b, at.attn_v_b)):
             parts = [b if b is not None else np.zeros(n, np.float32)
                      for b, n in ((at.attn_q_b, nq * hd), (at.attn_k_b, nkv * hd), (at.attn_v_b, nkv * hd))]
@@ -355,6 +477,18 @@ class DeviceLayers:
             d["q_norm"] = self._const(np.asarray(at.attn_q_norm, np.float32).reshape(-1))
             d["k_norm"] = self._const(np.asarray(at.attn_k_norm, np.float32).reshape(-1))
             d["qk_norm"] = at.qk_norm
+        d["cos"], d["sin"] = self._rope(at)
+        d["n_rot"], d["rope_kind"], d["scale"], d["window"] = at.n_rot, at.rope_kind, at.scale, int(at.window or 0)
+        d["K"] = K.buffer(4 * self.nkv * ctx * self.hd, host=False)
+        d["V"] = K.buffer(4 * self.nkv * ctx * self.hd, host=False)
+        if L.moe is None:    # the dense FFN: a one-expert table (gate, up, down), its route self.one_route
+            ts = [self._place(t[p + n]) for n in _MLP]
+            d["mlp_tab"] = self._const(np.array([[x.addr for x in ts]], np.uint64))
+            d["mlp_down"] = ts[2]
+            d["mlp_F"] = int(t[p + _MLP[0]].shape[0])
+            d["mlp_types"] = (t[p + _MLP[0]].type_name, t[p + _MLP[2]].type_name)
+            d["act"] = 1 if L.mlp.act == "geglu" else 0
+            return d
         d["router"] = self._place_f32(L.moe.ffn_gate_inp)
         if p + _SHEXP[0] in t:    # the shared expert: a one-expert table, its route weight sigmoid(x . gate) or 1
             ts = [self._place(t[p + n]) for n in _SHEXP]
@@ -377,8 +511,6 @@ class DeviceLayers:
                 te = self._place(ti, raw=raw[e], shape=(O, I))
                 tab[e, j] = te.addr
         d["tab"] = self._const(tab)
-        d["K"] = K.buffer(4 * self.nkv * ctx * self.hd, host=False)
-        d["V"] = K.buffer(4 * self.nkv * ctx * self.hd, host=False)
         return d
 
     def _ops(self) -> list:
@@ -390,36 +522,51 @@ class DeviceLayers:
         kvn = 2 * nkv * hd
         ops = [] if self.clock is None else [self.clock.stop_op()]
         ops.append(Copy(self.hin, self.hs, [(0, 0, 4 * D)], wait=False))
+        hs, xn, qkv, tmp = self.hs.addr, self.xn.addr, self.qkv.addr, self.tmp.addr
         for j, d in enumerate(self.per):
-            wt = self.m.t[f"blk.{d['il']}.attn_q.weight"].type_name
-            ot = self.m.t[f"blk.{d['il']}.attn_output.weight"].type_name
-            et = [self.m.t[f"blk.{d['il']}.{n}.weight"].type_name for n in ("ffn_gate_exps", "ffn_down_exps")]
+            p = f"blk.{d['il']}."
+            ot = self.m.t[p + "attn_output.weight"].type_name
             kvo = self.kvout.addr + 4 * kvn * j
-            rt = self.route.addr + 8 * k * j
             qb = d.get("qkv_b")
-            ops += [
-                Dispatch("rmsnorm", (1,), [self.hs.addr, d["attn_norm"].addr, self.xn.addr], [D, eps]),
-                Dispatch("lmv", (-(-self.nqkv // R),), [d["qkv"].addr, self.xn.addr, self.qkv.addr,
-                                                         qb.addr if qb is not None else 0],
-                         [self.nqkv, D, 2 if qb is not None else 0], type_name=wt),
-            ]
+            ops.append(Dispatch("rmsnorm", (1,), [hs, d["attn_norm"].addr, xn], [D, eps]))
+            for i, (w, wt, o, n) in enumerate(d["qkv"]):     # the parts write apart: one barrier before the first
+                ops.append(Dispatch("lmv", (-(-n // R),), [w.addr, xn, qkv + 4 * o, qb.addr + 4 * o if qb is not None else 0],
+                                    [n, D, 2 if qb is not None else 0], type_name=wt, wait=i == 0))
             if "qk_norm" in d:   # in place on the q and k parts of qkv (heads: one row a head; full: one row)
                 heads = d["qk_norm"] == "heads"
-                kaddr = self.qkv.addr + 4 * nq * hd
-                ops += [Dispatch("rmsnorm", (nq if heads else 1,), [self.qkv.addr, d["q_norm"].addr, self.qkv.addr],
+                kaddr = qkv + 4 * nq * hd
+                ops += [Dispatch("rmsnorm", (nq if heads else 1,), [qkv, d["q_norm"].addr, qkv],
                                  [hd if heads else nq * hd, eps]),
                         Dispatch("rmsnorm", (nkv if heads else 1,), [kaddr, d["k_norm"].addr, kaddr],
                                  [hd if heads else nkv * hd, eps], wait=False)]
             ob = d.get("o_b")
+            post = d.get("post_attn")
             ops += [
-                Dispatch("rope_kv", (nq + nkv,), [self.qkv.addr, self.q.addr, d["K"].addr, d["V"].addr,
-                                                  self.cos.addr, self.sin.addr, self.params.addr, kvo],
-                         [nq, nkv, hd, self.n_rot, ctx, self.rope_kind]),
+                Dispatch("rope_kv", (nq + nkv,), [qkv, self.q.addr, d["K"].addr, d["V"].addr,
+                                                  d["cos"].addr, d["sin"].addr, self.params.addr, kvo],
+                         [nq, nkv, hd, d["n_rot"], ctx, d["rope_kind"]]),
                 *self._attn_dec(d),
-                Dispatch("lmv", (-(-D // R),), [d["o"].addr, self.ao.addr, self.hs.addr, ob.addr if ob is not None else 0],
-                         [D, nq * hd, 1 | (2 if ob is not None else 0)], type_name=ot),
-                Dispatch("rmsnorm", (1,), [self.hs.addr, d["ffn_norm"].addr, self.xn.addr], [D, eps]),
-                Dispatch("lmv", (-(-E // R),), [d["router"].addr, self.xn.addr, self.logits.addr], [E, D, 0],
+                # into the residual, or (a post-norm) into tmp, normed into the residual
+                Dispatch("lmv", (-(-D // R),), [d["o"].addr, self.ao.addr, tmp if post else hs,
+                                                ob.addr if ob is not None else 0],
+                         [D, nq * hd, (0 if post else 1) | (2 if ob is not None else 0)], type_name=ot),
+            ]
+            if post:
+                ops.append(Dispatch("rmsnorm", (1,), [tmp, post.addr, hs], [D, eps, 0, 0, 1]))
+            ops.append(Dispatch("rmsnorm", (1,), [hs, d["ffn_norm"].addr, xn], [D, eps]))
+            if "mlp_tab" in d:   # the dense FFN: gate/up and the activation as one expert, then down
+                mF, post = d["mlp_F"], d.get("post_ffn")
+                ops += [Dispatch("lmoe", (-(-mF // R), 1), [d["mlp_tab"].addr, self.one_route.addr, xn, self.hbuf.addr],
+                                 [mF, D, 1, d["act"]], type_name=d["mlp_types"][0], mode=1),
+                        Dispatch("lmv", (-(-D // R),), [d["mlp_down"].addr, self.hbuf.addr, tmp if post else hs, 0],
+                                 [D, mF, 0 if post else 1], type_name=d["mlp_types"][1])]
+                if post:
+                    ops.append(Dispatch("rmsnorm", (1,), [tmp, post.addr, hs], [D, eps, 0, 0, 1]))
+                continue
+            et = [self.m.t[p + n + ".weight"].type_name for n in ("ffn_gate_exps", "ffn_down_exps")]
+            rt = self.route.addr + 8 * k * j
+            ops += [
+                Dispatch("lmv", (-(-E // R),), [d["router"].addr, xn, self.logits.addr], [E, D, 0],
                          type_name="F32"),
                 Dispatch("topk", (1,), [self.logits.addr, rt], [E, k, int(self.norm_topk)]),
             ]
@@ -427,29 +574,30 @@ class DeviceLayers:
                 ops += self._split_ops(j, d, rt, et)
                 continue
             ops += [
-                Dispatch("lmoe", (-(-F // R), k), [d["tab"].addr, rt, self.xn.addr, self.hbuf.addr],
+                Dispatch("lmoe", (-(-F // R), k), [d["tab"].addr, rt, xn, self.hbuf.addr],
                          [F, D, k], type_name=et[0], mode=1),
-                Dispatch("lmoe", (-(-D // R),), [d["tab"].addr, rt, self.hbuf.addr, self.hs.addr],
+                Dispatch("lmoe", (-(-D // R),), [d["tab"].addr, rt, self.hbuf.addr, hs],
                          [D, F, k], type_name=et[1], mode=0),
             ]
             if "sh_tab" in d:    # Qwen2-MoE: the shared expert after the routed ones (xn is still the FFN input)
                 sF, sr = d["sh_F"], d["sh_route"].addr
                 if "sh_gate" in d:
-                    ops.append(Dispatch("lmv", (1,), [d["sh_gate"].addr, self.xn.addr, sr + 4], [1, D, 4],
+                    ops.append(Dispatch("lmv", (1,), [d["sh_gate"].addr, xn, sr + 4], [1, D, 4],
                                         type_name="F32"))
-                ops += [Dispatch("lmoe", (-(-sF // R), 1), [d["sh_tab"].addr, sr, self.xn.addr, self.hbuf.addr],
+                ops += [Dispatch("lmoe", (-(-sF // R), 1), [d["sh_tab"].addr, sr, xn, self.hbuf.addr],
                                  [sF, D, 1], type_name=d["sh_types"][0], mode=1),
-                        Dispatch("lmoe", (-(-D // R),), [d["sh_tab"].addr, sr, self.hbuf.addr, self.hs.addr],
+                        Dispatch("lmoe", (-(-D // R),), [d["sh_tab"].addr, sr, self.hbuf.addr, hs],
                                  [D, sF, 1], type_name=d["sh_types"][1], mode=0)]
         if self.head is not None:
             V = self.vocab
-            ops += [Dispatch("rmsnorm", (1,), [self.hs.addr, self.head["norm"].addr, self.xn.addr], [D, eps]),
-                    Dispatch("lmv", (-(-V // R),), [self.head["w"].addr, self.xn.addr, self.lg.addr], [V, D, 0],
+            ops += [Dispatch("rmsnorm", (1,), [hs, self.head["norm"].addr, xn], [D, eps]),
+                    Dispatch("lmv", (-(-V // R),), [self.head["w"].addr, xn, self.lg.addr], [V, D, 0],
                              type_name=self.head["type"]),
                     Copy(self.lg, self.lghost, [(0, 0, 4 * V)])]
         ops.append(Copy(self.hs, self.hout, [(0, 0, 4 * D)]))
         ops.append(Copy(self.kvout, self.kvhost, [(0, 0, 4 * kvn * len(self.per))], wait=False))
-        ops.append(Copy(self.route, self.routehost, [(0, 0, 8 * k * len(self.per))], wait=False))
+        if k:
+            ops.append(Copy(self.route, self.routehost, [(0, 0, 8 * k * len(self.per))], wait=False))
         return ops
 
     # -- experts on the CPU (docs/vulkan.md "Experts on the CPU") ------------------------------------------------
@@ -561,11 +709,12 @@ class DeviceLayers:
         joined by attn_comb.comp where the context is longer than one part."""
         from coli.vulkan.layers import Dispatch, f32_bits
 
-        nq, nkv, hd, ctx, chk = self.nq, self.nkv, self.hd, self.ctx, self.attn_chunk
+        nq, nkv, hd, ctx = self.nq, self.nkv, self.hd, self.ctx
+        chk = 0 if d["window"] else self.attn_chunk     # a windowed layer: one workgroup a head over its window
         parts = self.attn_parts.addr if chk else 0
         ops = [Dispatch("attn_dec", (nq, -(-ctx // chk) if chk else 1),
                         [self.q.addr, d["K"].addr, d["V"].addr, self.params.addr, self.ao.addr, self.scores.addr, parts],
-                        [nq, nkv, hd, ctx, f32_bits(self.scale), chk])]
+                        [nq, nkv, hd, ctx, f32_bits(d["scale"]), chk, d["window"]])]
         if chk:
             ops.append(Dispatch("attn_comb", (nq,), [parts, self.params.addr, self.ao.addr], [nq, 0, hd, ctx, 0, chk]))
         return ops
@@ -722,7 +871,7 @@ class DeviceLayers:
         self._valid = pos0 + 1
         self.tokens += 1
         step = self.m.step
-        if step is not None and step.usage is not None:     # the routing history counts these layers too
+        if self.k and step is not None and step.usage is not None:   # the routing history counts these layers too
             ids = self.routehost.u32(2 * self.k * len(self.per)).reshape(len(self.per), 2, self.k)[:, 0]
             for j, d in enumerate(self.per):
                 step.usage.add(d["il"], ids[j:j + 1].astype(np.int64))
@@ -741,11 +890,12 @@ class DeviceLayers:
                 K.free(rec)
             self._precs = {}
             for name in ("p_hs", "p_xn", "p_qkv", "p_q", "p_ao", "p_lgt", "p_route", "p_off", "p_pairs", "p_h",
-                         "p_yk", "p_ysh", "p_shr", "p_in", "p_out", "p_routeh"):
+                         "p_yk", "p_ysh", "p_shr", "p_in", "p_out", "p_routeh", "p_tmp"):
                 if getattr(self, name, None) is not None:
                     K.drop(getattr(self, name))
             nq, hd, L = self.nq, self.hd, len(self.per)
             shF = max([d.get("sh_F", 0) for d in self.per])
+            hF = max(_hidden_width(self.m, d["il"]) for d in self.per)
             self.p_hs = K.buffer(4 * R * D, host=False)
             self.p_xn = K.buffer(4 * R * D, host=False)
             self.p_qkv = K.buffer(4 * R * self.nqkv, host=False)
@@ -755,7 +905,8 @@ class DeviceLayers:
             self.p_route = K.buffer(8 * k * R * L, host=False)       # each layer's [R, 2k]
             self.p_off = K.buffer(4 * (E + 1), host=False)
             self.p_pairs = K.buffer(4 * R * k, host=False)
-            self.p_h = K.buffer(4 * R * max(k * self.F, shF), host=False)
+            self.p_h = K.buffer(4 * R * hF, host=False)
+            self.p_tmp = K.buffer(4 * R * D, host=False)      # a block's output before its post-norm (Gemma 3)
             self.p_yk = K.buffer(4 * R * k * D, host=False)
             self.p_ysh = K.buffer(4 * R * D, host=False) if shF else None
             # the shared expert's routes [R, 2]: expert 0, weight 1 (or its gate, written by the chunk)
@@ -791,19 +942,16 @@ class DeviceLayers:
         gr = -(-R // BN)
         ops = [] if self.clock is None else [self.clock.stop_op()]
         ops.append(Copy(self.p_in, self.p_hs, [(0, 0, 4 * R * D)], wait=False))
-        hs, xn, qkv = self.p_hs.addr, self.p_xn.addr, self.p_qkv.addr
+        hs, xn, qkv, tmp = self.p_hs.addr, self.p_xn.addr, self.p_qkv.addr, self.p_tmp.addr
         for j, d in enumerate(self.per):
             p = f"blk.{d['il']}."
-            wt = self.m.t[p + "attn_q.weight"].type_name
             ot = self.m.t[p + "attn_output.weight"].type_name
-            et = [self.m.t[p + n + ".weight"].type_name for n in ("ffn_gate_exps", "ffn_down_exps")]
-            rt = self.p_route.addr + 8 * k * R * j
             qb, ob = d.get("qkv_b"), d.get("o_b")
-            ops += [
-                Dispatch("rmsnorm", (R,), [hs, d["attn_norm"].addr, xn], [D, eps]),
-                Dispatch("lmm", (-(-self.nqkv // BM), gr), [d["qkv"].addr, xn, qkv, qb.addr if qb is not None else qkv],
-                         [self.nqkv, D, 2 if qb is not None else 0, R, 0], type_name=wt),
-            ]
+            ops.append(Dispatch("rmsnorm", (R,), [hs, d["attn_norm"].addr, xn], [D, eps]))
+            for i, (w, wt, o, n) in enumerate(d["qkv"]):     # rows of qkv at a stride (ldy): the parts write apart
+                ops.append(Dispatch("lmm", (-(-n // BM), gr), [w.addr, xn, qkv + 4 * o,
+                                                               qb.addr + 4 * o if qb is not None else qkv],
+                                    [n, D, 2 if qb is not None else 0, R, self.nqkv], type_name=wt, wait=i == 0))
             if "qk_norm" in d:
                 heads = d["qk_norm"] == "heads"
                 kaddr = qkv + 4 * nq * hd
@@ -811,16 +959,33 @@ class DeviceLayers:
                                  [hd if heads else nq * hd, eps, nq if heads else 1, self.nqkv]),
                         Dispatch("rmsnorm", (R * nkv if heads else R,), [kaddr, d["k_norm"].addr, kaddr],
                                  [hd if heads else nkv * hd, eps, nkv if heads else 1, self.nqkv], wait=False)]
+            post = d.get("post_attn")
             ops += [
-                Dispatch("rope_kv", (nq + nkv, R), [qkv, self.p_q.addr, d["K"].addr, d["V"].addr, self.cos.addr,
-                                                    self.sin.addr, self.params.addr, 0],
-                         [nq, nkv, hd, self.n_rot, ctx, self.rope_kind]),
+                Dispatch("rope_kv", (nq + nkv, R), [qkv, self.p_q.addr, d["K"].addr, d["V"].addr, d["cos"].addr,
+                                                    d["sin"].addr, self.params.addr, 0],
+                         [nq, nkv, hd, d["n_rot"], ctx, d["rope_kind"]]),
                 Dispatch("attn_pre", (nq, -(-R // abq)), [self.p_q.addr, d["K"].addr, d["V"].addr, self.params.addr,
-                                                          self.p_ao.addr], [nq, nkv, hd, ctx, f32_bits(self.scale), R],
-                         mode=amaxd),
-                Dispatch("lmm", (-(-D // BM), gr), [d["o"].addr, self.p_ao.addr, hs, ob.addr if ob is not None else hs],
-                         [D, nq * hd, 1 | (2 if ob is not None else 0), R, 0], type_name=ot),
-                Dispatch("rmsnorm", (R,), [hs, d["ffn_norm"].addr, xn], [D, eps]),
+                                                          self.p_ao.addr],
+                         [nq, nkv, hd, ctx, f32_bits(d["scale"]), R, d["window"]], mode=amaxd),
+                Dispatch("lmm", (-(-D // BM), gr), [d["o"].addr, self.p_ao.addr, tmp if post else hs,
+                                                    ob.addr if ob is not None else hs],
+                         [D, nq * hd, (0 if post else 1) | (2 if ob is not None else 0), R, 0], type_name=ot),
+            ]
+            if post:
+                ops.append(Dispatch("rmsnorm", (R,), [tmp, post.addr, hs], [D, eps, 0, 0, 1]))
+            ops.append(Dispatch("rmsnorm", (R,), [hs, d["ffn_norm"].addr, xn], [D, eps]))
+            if "mlp_tab" in d:   # the dense FFN: gate/up with the activation as one expert every row takes, then down
+                mF, post = d["mlp_F"], d.get("post_ffn")
+                ops += [Dispatch("lmm", (-(-mF // BM), gr, 1), [d["mlp_tab"].addr, xn, self.p_h.addr, xn, xn, xn],
+                                 [mF, D, 0, R, 0, 1, 1, d["act"]], type_name=d["mlp_types"][0], mode=1),
+                        Dispatch("lmm", (-(-D // BM), gr), [d["mlp_down"].addr, self.p_h.addr, tmp if post else hs, hs],
+                                 [D, mF, 0 if post else 1, R, 0], type_name=d["mlp_types"][1])]
+                if post:
+                    ops.append(Dispatch("rmsnorm", (R,), [tmp, post.addr, hs], [D, eps, 0, 0, 1]))
+                continue
+            et = [self.m.t[p + n + ".weight"].type_name for n in ("ffn_gate_exps", "ffn_down_exps")]
+            rt = self.p_route.addr + 8 * k * R * j
+            ops += [
                 Dispatch("lmm", (-(-E // BM), gr), [d["router"].addr, xn, self.p_lgt.addr, self.p_lgt.addr], [E, D, 0, R, 0],
                          type_name="F32"),
                 Dispatch("topk", (R,), [self.p_lgt.addr, rt], [E, k, int(self.norm_topk)]),
@@ -855,7 +1020,8 @@ class DeviceLayers:
                     Copy(self.p_lg, self.p_lgh, [(0, 0, 4 * n * V)])]
         else:
             ops.append(Copy(self.p_hs, self.p_out, [(0, 0, 4 * R * D)]))
-        ops.append(Copy(self.p_route, self.p_routeh, [(0, 0, 8 * k * R * len(self.per))], wait=False))
+        if k:
+            ops.append(Copy(self.p_route, self.p_routeh, [(0, 0, 8 * k * R * len(self.per))], wait=False))
         return ops
 
     def prompt(self, h: np.ndarray, cache, pos0: int, all_logits: bool = False):
@@ -895,7 +1061,7 @@ class DeviceLayers:
             else:
                 outs.append(self.p_out.f32(R * D).reshape(R, D).copy())
             step = self.m.step
-            if step is not None and step.usage is not None:
+            if self.k and step is not None and step.usage is not None:
                 ids = self.p_routeh.u32(2 * k * R * L).reshape(L, R, 2, k)[:, :, 0]
                 for j, d in enumerate(self.per):
                     step.usage.add(d["il"], ids[j].astype(np.int64))
