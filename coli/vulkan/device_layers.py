@@ -976,7 +976,9 @@ class DeviceLayers:
             ops.append(Dispatch("rmsnorm", (R,), [hs, d["ffn_norm"].addr, xn], [D, eps]))
             if "mlp_tab" in d:   # the dense FFN: gate/up with the activation as one expert every row takes, then down
                 mF, post = d["mlp_F"], d.get("post_ffn")
-                ops += [Dispatch("lmm", (-(-mF // BM), gr, 1), [d["mlp_tab"].addr, xn, self.p_h.addr, xn, xn, xn],
+                # lmm_cm.comp (the cooperative-matrix route) runs SwiGLU only: the GeGLU on lmm.comp
+                ops += [Dispatch("lmm_f32" if d["act"] else "lmm", (-(-mF // BM), gr, 1),
+                                 [d["mlp_tab"].addr, xn, self.p_h.addr, xn, xn, xn],
                                  [mF, D, 0, R, 0, 1, 1, d["act"]], type_name=d["mlp_types"][0], mode=1),
                         Dispatch("lmm", (-(-D // BM), gr), [d["mlp_down"].addr, self.p_h.addr, tmp if post else hs, hs],
                                  [D, mF, 0 if post else 1, R, 0], type_name=d["mlp_types"][1])]
