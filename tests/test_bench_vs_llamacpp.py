@@ -58,3 +58,21 @@ def test_peers_prompt_lengths_sigill_retry_rotation_and_the_table(tmp_path):
                                                "llama.cpp", "coli", "llama.cpp", "ik_llama.cpp"]   # rotating
     assert "| olmoe | 1 | pp16 |" in r.stdout and "SIGILL, rerun with --repack 0" in r.stdout
     assert "| coli / llama.cpp | coli / ik_llama.cpp |" in r.stdout
+
+
+def test_n_0_runs_the_prompt_tests_only(tmp_path):
+    (tmp_path / "ik-llama-bench").write_text(FAKE)
+    (tmp_path / "ik-llama-bench").chmod(0o755)
+    out = tmp_path / "r.json"
+    env = dict(os.environ, FAKE_LOG=str(tmp_path / "calls.log"))
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "vs_llamacpp.py"), "-m", str(FIX), "-t", "1",
+                        "-p", "8", "-n", "0", "-r", "1", "--rounds", "1", "--peers", "ik_llama.cpp", "--ik-bench",
+                        str(tmp_path / "ik-llama-bench"), "--json", str(out)],
+                       capture_output=True, text=True, env=env, timeout=1800)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "calls.log").read_text().splitlines() == [
+        f"ik -m {FIX} -t 1 -r 1 -o json -p 8 -n 0"]
+    d = json.loads(out.read_text())
+    assert [x["test"] for x in d["rows"]] == ["pp8"] and d["rows"][0]["ik_llama.cpp"] == 808.0
+    coli = [x["run"] for x in d["raw"] if x["engine"] == "coli"][0]
+    assert "-n 0" in coli["cmd"] and [k for k in coli if k.startswith(("pp", "tg"))] == ["pp8"]

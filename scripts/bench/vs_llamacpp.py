@@ -218,7 +218,7 @@ def main(argv=None) -> int:
                    help=f"GGUF path, 'demo' or a coli.fetch name (repeatable; default: {' '.join(DEFAULT_MODELS)})")
     p.add_argument("-t", "--threads", default="2", help="comma-separated thread counts (default 2)")
     p.add_argument("-p", "--n-prompt", default="128", help="comma-separated prompt lengths (default 128)")
-    p.add_argument("-n", "--n-gen", type=int, default=64)
+    p.add_argument("-n", "--n-gen", type=int, default=64, help="generated tokens of the tg test (0: no tg test)")
     p.add_argument("-r", "--repetitions", type=int, default=3, help="runs per test inside each process")
     p.add_argument("--rounds", type=int, default=2, help="alternations of the engines")
     p.add_argument("--peers", default="llama.cpp,ik_llama.cpp",
@@ -241,8 +241,8 @@ def main(argv=None) -> int:
         n_prompt = [int(n) for n in a.n_prompt.split(",") if n.strip()]
     except ValueError:
         sys.exit(f"bench_vs_llamacpp: -t {a.threads!r} / -p {a.n_prompt!r}: comma-separated integers expected")
-    if not threads or min(threads) < 1 or a.rounds < 1 or a.repetitions < 1 or not n_prompt or min(n_prompt) < 1:
-        sys.exit("bench_vs_llamacpp: threads, prompt lengths, --rounds and -r must be >= 1")
+    if not threads or min(threads) < 1 or a.n_gen < 0 or a.rounds < 1 or a.repetitions < 1 or not n_prompt or min(n_prompt) < 1:
+        sys.exit("bench_vs_llamacpp: threads, prompt lengths, --rounds and -r must be >= 1, -n >= 0")
     peers = [x.strip() for x in a.peers.split(",") if x.strip()]
     if set(peers) - {"llama.cpp", "ik_llama.cpp"}:
         sys.exit(f"bench_vs_llamacpp: --peers {a.peers!r}: llama.cpp and/or ik_llama.cpp expected")
@@ -256,7 +256,7 @@ def main(argv=None) -> int:
         else:
             exes["ik_llama.cpp"] = ik
     engines = list(exes) + ["coli"]
-    tests = [f"pp{n}" for n in n_prompt] + [f"tg{a.n_gen}"]
+    tests = [f"pp{n}" for n in n_prompt] + ([f"tg{a.n_gen}"] if a.n_gen > 0 else [])  # -n 0: prompts only
     models = [(Path(m).stem if Path(m).exists() else m, resolve_model(m)) for m in (a.model or DEFAULT_MODELS)]
     info = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_name(),
             "cores": os.cpu_count(), "peers": {k: str(v) for k, v in exes.items()},
