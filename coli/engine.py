@@ -23,7 +23,7 @@ from coli import runtime
 from coli.base.errors import ColiError
 from coli.runtime import IO_THREADS_MAX
 
-PREFILL_CHUNK = 64  # rows of a prompt step (bounds the attention scratch and the expert batches)
+PREFILL_CHUNK = None  # rows of every CPU prompt step when set (tests, scripts); None: COLI_UBATCH (default 64)
 CHATML_END = "<|im_end|>"  # the end of a turn of llama.cpp's ChatML fallback template
 
 
@@ -332,7 +332,7 @@ class Engine:
         return ids
 
     def _prefill(self, kv, ids, all_logits: bool, should_stop=None):
-        """Logits of ``ids`` run in chunks of PREFILL_CHUNK; None when ``should_stop()`` said so between
+        """Logits of ``ids`` run in prompt steps (:meth:`prompt_chunk` rows); None when ``should_stop()`` said so between
         chunks (a client that went away does not hold the engine for the rest of a long prompt)."""
         out = []
         step = self.prompt_chunk()
@@ -736,9 +736,16 @@ class Engine:
 
     def prompt_chunk(self) -> int:
         """Rows of a prompt step: ``COLI_VK_PROMPT_ROWS`` with device layers (the device takes a chunk in one
-        submit), else ``PREFILL_CHUNK`` (the CPU's attention scratch and expert batches)."""
+        submit), else ``PREFILL_CHUNK`` when set, else ``COLI_UBATCH`` (default 64: bounds the attention scratch,
+        the expert batches and a step's logits)."""
         dl = self.device_layers
-        return dl.prompt_rows if dl is not None and self.model.device_layers is dl else PREFILL_CHUNK
+        if dl is not None and self.model.device_layers is dl:
+            return dl.prompt_rows
+        if PREFILL_CHUNK is not None:
+            return PREFILL_CHUNK
+        from coli.base import settings
+
+        return settings.get("COLI_UBATCH", self.env)
 
     def stats_line(self, st: dict | None = None) -> str:
         """One line: prefill and decode tok/s, expert cache hits, disk loads, bytes read; the seed of a

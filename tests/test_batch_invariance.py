@@ -205,3 +205,34 @@ def test_router_logits_rows_are_the_decode_rows(W_ro):
             assert np.array_equal(got[r], one[0])
         ref = x.astype(np.float64) @ W.T.astype(np.float64)
         assert np.abs(got - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max())
+
+
+@needs_vnni
+def test_coli_ubatch_sets_the_prompt_steps(engine, demo_path, monkeypatch):
+    """A prompt runs in steps of 64 rows by default and of COLI_UBATCH's when set (PREFILL_CHUNK over both, for
+    tests and scripts): the demo MoE's logits in steps of 128 are those in steps of 64, bit for bit."""
+    from coli.base import settings
+    from coli.base.errors import ColiError
+
+    eng = engine(demo_path, threads=2)
+    assert E.PREFILL_CHUNK is None and eng.prompt_chunk() == 64
+    ids = (eng.tokenize(TEXT) * 4)[:150]
+    assert len(ids) == 150
+    steps = []
+    fwd = eng.model.forward
+    monkeypatch.setattr(eng.model, "forward", lambda chunk, *a, **k: steps.append(len(chunk)) or fwd(chunk, *a, **k))
+    old = eng.env
+    eng.env = settings.overlay(old, COLI_UBATCH=128)
+    try:
+        assert eng.prompt_chunk() == 128
+        got = eng.logits(ids)
+        assert steps == [128, 22]
+        monkeypatch.setattr(E, "PREFILL_CHUNK", 5)
+        assert eng.prompt_chunk() == 5
+    finally:
+        eng.env = old
+    monkeypatch.setattr(E, "PREFILL_CHUNK", None)
+    steps.clear()
+    assert np.array_equal(got, eng.logits(ids)) and steps == [64, 64, 22]
+    with pytest.raises(ColiError, match="COLI_UBATCH"):
+        settings.overlay(None, COLI_UBATCH=0)
