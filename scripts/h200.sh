@@ -6,6 +6,7 @@
 #   bash scripts/h200.sh layers   the device layers (--gpu-layers) after `tier` on a warm machine
 #   bash scripts/h200.sh prompt   prompt chunks on the device layers beside llama.cpp CUDA (carry .gl .whl .peers)
 #   bash scripts/h200.sh chain    device layers with experts on the CPU beside llama.cpp CUDA (carry .gl .whl .peers)
+#   bash scripts/h200.sh cpu-prefill   CPU prompt processing beside llama.cpp and ik_llama.cpp (carry .whl .peers)
 #   bash scripts/h200.sh synth-path   where the synthetic MoE is (or goes)
 # Carried folders: .gl the Vulkan loader .debs, .whl/.whl_tier the Python 3.12 wheels (vulkan, cffi, pycparser, gguf,
 # tbb, tcmlib), .peers llama.cpp's trimmed source tarballs. Output under $OUT. Each subcommand's own notes follow.
@@ -504,6 +505,86 @@ done
 say "done"
 }
 
+# cpu-prefill: CPU prompt processing beside llama.cpp and ik_llama.cpp on the machine's 16 cores, ONE call of at most
+# ~9 minutes (docs/benchmarks.md "CPU prefill"): the synthetic OLMoE-shaped MoE (scripts/make_synthetic_moe.py
+# defaults) in Q8_0 and in Q4_0; pp128 / pp512 / pp2048 at 16 threads, no tg test (scripts/bench/vs_llamacpp.py,
+# -r 1 --rounds 1: the time allows no more), coli again in prompt steps of 256 rows (COLI_UBATCH=256: each of the
+# 64 experts gets 32 rows a step on average instead of 8), then pp128 at 1 thread (the scaling).
+#   run tool: command "bash scripts/h200.sh cpu-prefill", carry [".whl", ".peers"], timeout_s 600
+# .peers holds the two CPU trees' tarballs llama.cpp-0.3.36-vendor-trim.tar.xz and ik_llama.cpp-8337e4cd3-trim.tar.xz
+# (copied from the peers folder: the machine has no network).
+# Steps, under the deadline CP_DEADLINE s (default 545) after the start:
+#   0. set-up (.whl);
+#   1. in the background, side by side: the two files (in /dev/shm when it has room), llama-bench of both trees
+#      (scripts/build_llama_bench.sh, GGML_NATIVE, JOBS=16 each, the llama-bench target only; ik_llama.cpp without
+#      AMX code where cpu_kernels.amx says the tile instructions do not run), and coli's kernels compiled into
+#      NUMBA_CACHE_DIR by a pp32 of a tiny Q8_0 file (the kernels take every format);
+#   2. the three benchmark runs above, each under a timeout of what is left.
+# Output in $OUT: run.log (everything), vs16.json, ub256.json, vs1.json (every record), the builds' and generators'
+# logs. CP_THREADS (16), CP_SYNTH (more make_synthetic_moe arguments), CP_LLB / CP_IKB (llama-bench binaries
+# already built: no build) for a local check of the command lines.
+cpu_prefill() {
+set -u
+T0=$SECONDS
+OUT=${OUT:-/tmp/cpout}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/run.log") 2>&1
+PY=${PY:-python3}
+DEADLINE=${CP_DEADLINE:-545}
+NT=${CP_THREADS:-16}
+say() { echo "=== [$((SECONDS - T0)) s] $* (load $(cut -d' ' -f1-3 /proc/loadavg))"; }
+left() { echo $((DEADLINE - (SECONDS - T0))); }
+say "set-up"
+[ "${CP_SETUP:-1}" = 1 ] && { setup || exit 2; }
+export PYTHONUNBUFFERED=1 NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-/tmp/nbcache} COLI_CACHE=${COLI_CACHE:-/tmp/colicache}
+$PY -c "import cpu_kernels as c; print('threading', c.threading_layer(), 'DEFAULT_ACT', c.DEFAULT_ACT)"
+lscpu 2>/dev/null | grep -E '^(Model name|CPU\(s\))'
+git log -1 --format='repo at %h %s' 2>/dev/null
+AMX=$($PY -c "from cpu_kernels.amx import probe; ok, line = probe(); print(int(ok), line)")
+echo "probe: ${AMX#* }"
+a=$(df --output=avail -k /dev/shm 2>/dev/null | tail -1)
+if [ "${a:-0}" -gt 16000000 ] 2>/dev/null; then D=/dev/shm/cp; else D=/tmp/cp; fi
+mkdir -p "$D" /tmp/cpw
+say "background: the files in $D, the two llama-bench builds, coli's kernels"
+pids=()
+for t in Q8_0 Q4_0; do
+  ( $PY scripts/make_synthetic_moe.py -o "$D/synth-$t.gguf" --type $t ${CP_SYNTH:-} > "$OUT/gen-$t.log" 2>&1
+    echo "gen $t rc $?" >> "$OUT/gen-$t.log" ) &
+  pids+=($!)
+done
+( $PY scripts/make_synthetic_moe.py -o /tmp/cpw/tiny.gguf --layers 2 --d 256 --heads 4 --experts 16 --top-k 4 \
+    --expert-ff 128 --vocab 512 > /dev/null 2>&1 &&
+  $PY -m coli bench -m /tmp/cpw/tiny.gguf -t "$NT" -p 32 -n 0 -r 1 > "$OUT/warm.log" 2>&1; echo "warm rc $?" >> "$OUT/warm.log" ) &
+pids+=($!)
+LLB=${CP_LLB:-/tmp/llb/build/bin/llama-bench}
+IKB=${CP_IKB:-/tmp/ikb/build/bin/llama-bench}
+if [ ! -x "$LLB" ]; then
+  ( LLAMA_SRC=$(ls .peers/llama.cpp-*-vendor-trim.tar.xz | head -1) JOBS=16 bash scripts/build_llama_bench.sh /tmp/llb \
+      > "$OUT/build-llama.log" 2>&1; echo "build rc $?" >> "$OUT/build-llama.log" ) &
+  pids+=($!)
+fi
+if [ ! -x "$IKB" ]; then
+  NOAMX=""
+  [ "${AMX%% *}" = 1 ] || NOAMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+  ( LLAMA_SRC=$(ls .peers/ik_llama.cpp-*-trim.tar.xz | head -1) JOBS=16 CFLAGS="$NOAMX" CXXFLAGS="$NOAMX" \
+      bash scripts/build_llama_bench.sh /tmp/ikb > "$OUT/build-ik.log" 2>&1; echo "build rc $?" >> "$OUT/build-ik.log" ) &
+  pids+=($!)
+fi
+wait "${pids[@]}"
+for f in "$OUT"/gen-*.log "$OUT"/warm.log "$OUT"/build-*.log; do echo "--- $f"; tail -2 "$f"; done
+ls -la "$D"
+vs() {  # json, threads, prompt lengths, more arguments
+  say "vs_llamacpp $1: -t $2 -p $3 $4 ($(left) s left)"
+  timeout $(( $(left) > 20 ? $(left) : 20 )) $PY scripts/bench/vs_llamacpp.py -m "$D/synth-Q8_0.gguf" \
+    -m "$D/synth-Q4_0.gguf" -t "$2" -p "$3" -n 0 -r 1 --rounds 1 --llama-bench "$LLB" --ik-bench "$IKB" \
+    --json "$OUT/$1.json" $4
+  say "rc $?"
+}
+vs vs$NT "$NT" 128,512,2048 ""
+COLI_UBATCH=256 vs ub256 "$NT" 128,512,2048 "--peers="
+vs vs1 1 128 ""
+}
+
 case "${1:-}" in
 setup) setup ;;
 synth-path) synth_path ;;
@@ -511,6 +592,7 @@ tier) tier ;;
 check) check ;;
 layers) layers ;;
 prompt) prompt ;;
+cpu-prefill) cpu_prefill ;;
 chain) chain ;;
-*) echo "usage: bash scripts/h200.sh tier|check|layers|prompt|chain|synth-path" >&2; exit 2 ;;
+*) echo "usage: bash scripts/h200.sh tier|check|layers|prompt|chain|cpu-prefill|synth-path" >&2; exit 2 ;;
 esac

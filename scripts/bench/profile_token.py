@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Per-part timers of one decode token and one prefill chunk of a coli model, as a table.
 
-    python scripts/bench/profile_token.py MODEL [-t THREADS] [--tokens 32] [--prompt 64] [--cpu-act int8|f32]
+    python scripts/bench/profile_token.py MODEL [-t THREADS] [--tokens 32] [--prompt 64 [--chunk N]] [--cpu-act int8|f32]
                                           [--py-spy out.svg] [--calls] [--head-apart]
 
 MODEL: a GGUF path, a name ``coli.fetch`` knows (smollm2, qwen25, gemma3), ``demo`` (the demo MoE) or the file
@@ -21,7 +21,9 @@ token region           a dense model's decode row through every layer in one com
                        norm and head in it where they can run there (``Model.token_head``; ``--head-apart``:
                        the head as its own call, timed as lm_head / norms)
 router                 router logits and top-k (``moe`` less the step)
-MoE experts            ``MoEStep.run`` (the CPU experts, the join, the rank-order sum)
+MoE experts            ``MoEStep.run`` (the CPU experts, the join, the rank-order sum) less the two below
+MoE gate/up GEMM       a prompt step's gate/up/activation launch of its experts (``experts.ffn_gate_up_gemm``)
+MoE down GEMM          and its down launch (``experts.mm_grouped_gemm``)
 lm_head                the output projection
 embed                  token embedding lookup (a decode row's: one compiled call, ``cpu_kernels.embed``)
 python / other         ``forward``'s own time: everything not in a part above
@@ -54,7 +56,7 @@ import numpy as np  # noqa: E402
 
 PARTS = ["attention matmuls", "attention core", "attention block", "layer region (attention + dense FFN)",
          "token region (every layer)", "token region (every layer + head)", "norms", "dense FFN", "router",
-         "MoE experts", "lm_head", "embed", "python / other"]
+         "MoE experts", "MoE gate/up GEMM", "MoE down GEMM", "lm_head", "embed", "python / other"]
 
 # (wrapped name, the part it is charged to given the innermost wrapped caller)
 _KERNELS = {  # module-level kernel names in coli.models.blocks / base / the family file; part by caller
@@ -159,6 +161,11 @@ def instrument(model, prof: Profiler):
         cls = classes[cls_name]
         patch(cls, meth, prof.wrap(label, getattr(cls, meth), lambda c, p=part: p))
     patch(base.Model, "mm", prof.wrap("mm", base.Model.mm, lambda c: _MM.get(c, "python / other")))
+    import cpu_kernels.experts as experts
+
+    # a prompt step's expert GEMM launches (``experts._experts_gemm``), apart from the rest of the step
+    patch(experts, "ffn_gate_up_gemm", prof.wrap("gu_gemm", experts.ffn_gate_up_gemm, lambda c: "MoE gate/up GEMM"))
+    patch(experts, "mm_grouped_gemm", prof.wrap("down_gemm", experts.mm_grouped_gemm, lambda c: "MoE down GEMM"))
     step = getattr(model, "step", None)
     if step is not None:
         step.run = prof.wrap("step", step.run, lambda c: "MoE experts")
@@ -219,7 +226,10 @@ def main(argv=None):
     ap.add_argument("-t", "--threads", type=int, default=None)
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens timed")
     ap.add_argument("--prompt", type=int, default=64, help="rows of the prefill chunk timed (0: skip)")
-    ap.add_argument("--reps", type=int, default=3, help="prefill chunks timed")
+    ap.add_argument("--reps", type=int, default=3, help="prefills timed")
+    ap.add_argument("--chunk", type=int, default=0,
+                    help="run the prompt in steps of this many rows, as the engine does (Engine.prompt_chunk); "
+                         "0: the whole prompt in one step")
     ap.add_argument("--cpu-act", default=None)
     ap.add_argument("--py-spy", default=None, metavar="SVG", help="also record the decode loop with py-spy")
     ap.add_argument("--calls", action="store_true",
@@ -263,12 +273,18 @@ def main(argv=None):
             m.forward([int(ids[4 + i])], kv)
         return (time.perf_counter() - t0) / n * 1e3
 
+    step = a.chunk or a.prompt
+
+    def prompt(T):
+        kv = m.new_cache(T + 8)
+        for s in range(0, T, step):
+            m.forward(ids[s:min(T, s + step)], kv)
+
     def prefill(T, reps):
         best = 1e9
         for _ in range(reps):
-            kv = m.new_cache(T + 8)
             t0 = time.perf_counter()
-            m.forward(ids[:T], kv)
+            prompt(T)
             best = min(best, time.perf_counter() - t0)
         return best * 1e3
 
@@ -289,13 +305,12 @@ def main(argv=None):
         undo = instrument(m, prof)
         t0 = time.perf_counter()
         for _ in range(a.reps):
-            kv = m.new_cache(a.prompt + 8)
-            m.forward(ids[:a.prompt], kv)
+            prompt(a.prompt)
         timed_p = (time.perf_counter() - t0) / a.reps * 1e3
         for k in prof.t:
             prof.t[k] /= a.reps
             prof.n[k] = int(prof.n[k] / a.reps)
-        out += ["", table(prof, 1, f"prefill chunk of {a.prompt} rows (ms per chunk; best untimed "
+        out += ["", table(prof, 1, f"prefill of {a.prompt} rows in steps of {step} (ms per prefill; best untimed "
                                    f"{a.prompt / untimed_p * 1e3:.1f} tok/s)", untimed_p, timed_p)]
     undo()
     print("\n".join(out))
