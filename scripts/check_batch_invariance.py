@@ -4,9 +4,9 @@ of 20 prompts equal across a fresh prefill, the kept KV prefix, and prompt steps
 512 rows, on the demo MoE and the three real models at the default activations, and on the MoE oracle fixtures (F32
 weights) with ``COLI_BATCH_INVARIANT=1``; one long prompt's logits whole against steps of 512 and 64 rows.
 
-    python scripts/check_batch_invariance.py
+    python scripts/check_batch_invariance.py [NAME ...]   (NAME: smollm2, demo, ..., olmoe (flag): a subset)
 
-Prints one line per model: how many prompts gave the same ids in every mode, and the long prompt's largest logit
+Prompt steps of ``None`` are the engine's own (``COLI_UBATCH``). Prints one line per model: how many prompts gave the same ids in every mode, and the long prompt's largest logit
 difference (0 when bit-equal)."""
 import sys
 import time
@@ -43,7 +43,7 @@ def check(path, env=None, label=""):
         eng.generate(ids=[0, 1], max_tokens=1, keep_kv=True)
         first = gen(eng, ids, keep_kv=True); again = gen(eng, ids, keep_kv=True)
         outs = {"fresh": fresh, "kept": again, "first": first}
-        for c in (1, 7, 64):
+        for c in (1, 7, 64, None):
             E.PREFILL_CHUNK = c
             outs[f"chunk{c}"] = gen(eng, ids)
         E.PREFILL_CHUNK = 512
@@ -61,8 +61,12 @@ def check(path, env=None, label=""):
     print(f"{label}: {len(PROMPTS) - bad}/{len(PROMPTS)} prompts equal in every mode; {n_long}-token logits whole vs "
           f"chunks 512/64 max diff {d[512]:.3g}/{d[64]:.3g}; {time.time() - t0:.0f} s", flush=True)
 
+ONLY = set(sys.argv[1:])
 for name in ("smollm2", "demo", "gemma3-270m", "qwen2.5-coder-0.5b"):
-    check(resolve(name, quiet=True), label=name)
+    if not ONLY or name in ONLY:
+        check(resolve(name, quiet=True), label=name)
 for fam in ("mixtral", "olmoe", "qwen2moe", "qwen3moe"):
+    if ONLY and f"{fam} (flag)" not in ONLY:
+        continue
     check(ROOT / "tests" / "fixtures" / "oracles" / f"{fam}.gguf", env={"COLI_BATCH_INVARIANT": "1"},
           label=f"{fam} (flag)")
