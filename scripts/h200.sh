@@ -521,8 +521,10 @@ say "done"
 #      NUMBA_CACHE_DIR by a pp32 of a tiny Q8_0 file (the kernels take every format);
 #   2. the three benchmark runs above, each under a timeout of what is left.
 # Output in $OUT: run.log (everything), vs16.json, ub256.json, vs1.json (every record), the builds' and generators'
-# logs. CP_THREADS (16), CP_SYNTH (more make_synthetic_moe arguments), CP_LLB / CP_IKB (llama-bench binaries
-# already built: no build) for a local check of the command lines.
+# logs. CP_RUNS picks the runs ("peers ub256 t1"; a second call on the warm machine reuses the files, the builds
+# and the compiled kernels: e.g. CP_RUNS=t1 when the first call ran out of time). CP_THREADS (16), CP_SYNTH (more
+# make_synthetic_moe arguments), CP_LLB / CP_IKB (llama-bench binaries already built: no build) for a local check
+# of the command lines.
 cpu_prefill() {
 set -u
 T0=$SECONDS
@@ -548,11 +550,12 @@ mkdir -p "$D" /tmp/cpw
 say "background: the files in $D, the two llama-bench builds, coli's kernels"
 pids=()
 for t in Q8_0 Q4_0; do
+  [ -s "$D/synth-$t.gguf" ] && continue   # a warm machine keeps /dev/shm and /tmp between calls
   ( $PY scripts/make_synthetic_moe.py -o "$D/synth-$t.gguf" --type $t ${CP_SYNTH:-} > "$OUT/gen-$t.log" 2>&1
     echo "gen $t rc $?" >> "$OUT/gen-$t.log" ) &
   pids+=($!)
 done
-( $PY scripts/make_synthetic_moe.py -o /tmp/cpw/tiny.gguf --layers 2 --d 256 --heads 4 --experts 16 --top-k 4 \
+[ -s /tmp/cpw/tiny.gguf ] || ( $PY scripts/make_synthetic_moe.py -o /tmp/cpw/tiny.gguf --layers 2 --d 256 --heads 4 --experts 16 --top-k 4 \
     --expert-ff 128 --vocab 512 > /dev/null 2>&1 &&
   $PY -m coli bench -m /tmp/cpw/tiny.gguf -t "$NT" -p 32 -n 0 -r 1 > "$OUT/warm.log" 2>&1; echo "warm rc $?" >> "$OUT/warm.log" ) &
 pids+=($!)
@@ -580,9 +583,13 @@ vs() {  # json, threads, prompt lengths, more arguments
     --json "$OUT/$1.json" $4
   say "rc $?"
 }
-vs vs$NT "$NT" 128,512,2048 ""
-COLI_UBATCH=256 vs ub256 "$NT" 128,512,2048 "--peers="
-vs vs1 1 128 ""
+for run in ${CP_RUNS:-peers ub256 t1}; do
+  case $run in
+    peers) vs vs$NT "$NT" 128,512,2048 "" ;;
+    ub256) COLI_UBATCH=256 vs ub256 "$NT" 128,512,2048 "--peers=" ;;
+    t1) vs vs1 1 128 "" ;;
+  esac
+done
 }
 
 case "${1:-}" in
