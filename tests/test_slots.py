@@ -1,7 +1,7 @@
 """Slots decoded together (``coli.slots``, ``coli serve --parallel N``): a sequence's tokens are the ones it
 gets alone (``Engine.generate``), whether it ran beside 1-3 others, with its prompt in chunks between their
-decode steps, on SmolLM2 and the demo MoE; the prompt cache reuses a slot's rows (its own, or copied from
-another slot) and gives the cold run's tokens."""
+decode steps, on SmolLM2, the demo MoE, Gemma-3-270M and Qwen2.5-Coder-0.5B; the prompt cache reuses a slot's
+rows (its own, or copied from another slot) and gives the cold run's tokens."""
 from __future__ import annotations
 
 import time
@@ -29,7 +29,7 @@ def _alone(eng, ids, n, temp=0.0, seed=None):
     return eng.generate(ids=ids, max_tokens=n, temp=temp, seed=seed, keep_kv=False, stop_at_eos=True)
 
 
-@pytest.mark.parametrize("name", ["smollm2", "demo"])
+@pytest.mark.parametrize("name", ["smollm2", "demo", "gemma3", "qwen25"])
 def test_batched_tokens_equal_alone(name, engine, model_path, demo_path):
     """Four sequences, two started while the first two decode (their prompts in chunks of 5 rows between the
     decode steps), one sampled with a seed: each one's tokens and text equal its run alone."""
