@@ -156,3 +156,18 @@ def test_server_parallel_streams_together(model_path):
         assert h["slots_busy"] == 0 and h["cancelled"] >= 1
     finally:
         _stop(p)
+
+
+def test_parallel_checked_against_the_memory_budget(engine, model_path):
+    """``--parallel``: below 1, or more slots than the memory budget holds KV caches of ``--ctx`` for, is one
+    ColiError naming the flag (the server says it before listening)."""
+    from coli.base.errors import ColiError
+    from coli.runtime import kv_cache_bytes
+    from coli.slots import check_parallel
+
+    eng = engine(model_path("smollm2"), threads=2, ctx=256)
+    check_parallel(eng, 4)
+    too_many = eng.room // kv_cache_bytes(eng.args, eng.ctx) + 1
+    for bad in (0, too_many):
+        with pytest.raises(ColiError, match="^--parallel"):
+            check_parallel(eng, int(bad))
