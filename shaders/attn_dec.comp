@@ -9,6 +9,8 @@
 // (its max m, its sum l of exp(score - m), the V rows' sum weighted by exp(score - m)) for attn_comb.comp to join;
 // with pos + 1 <= CHK the one workgroup writes out[h] itself, as with CHK 0 (the same sums in the same order).
 // u6 window W (0: none; with CHK 0 only): the keys max(0, pos - W + 1) .. pos, the query's own position included.
+// u7 1 (with CHK 0 only): a7 sinks f32 [nq], one logit a head in the softmax's max and denominator only (gpt-oss; CPU
+// cpu_kernels/attention.py _row_finish).
 // Three passes. 1: invocations stride over the keys (key j by invocation j % WG), each a whole dot product,
 // the score into the scratch row; the workgroup max. 2: each invocation turns its own scores into
 // e = exp(s - max) and sums them; the workgroup sum. 3: chunks of 4 WG weights are staged in shared memory (each
@@ -81,6 +83,15 @@ void main() {
         l += e;
     }
     l = wg_sum(l);
+    if (pc.u[7] != 0u) {   // the sink: out = acc c / (l c + 1) when it is above the max (c = exp(m - sink))
+        float sk = F32(pc.a[7]).v[h];
+        if (sk > m) {
+            float c = exp(m - sk);
+            l = (l * c + 1.0) / c;
+        } else {
+            l += exp(sk - m);
+        }
+    }
 
     // pass 3: the weighted sum of V. C columns (vec4 or scalar); CW columns per key group, NG key groups,
     // NC columns per invocation (1 unless C > WG).

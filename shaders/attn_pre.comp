@@ -6,7 +6,8 @@
 // a0 q f32 [R, nq, hd], a1 K cache f32 [nkv, ctx, hd], a2 V cache f32 [nkv, ctx, hd], a3 params uint [..]
 // (pos0 = params[0]), a4 out f32 [R, nq, hd]
 // u0 nq, u1 nkv, u2 hd (<= MAXD), u3 ctx, u4 scale (float bits), u5 R, u6 window W (0: none; else row p sees keys
-// p - W + 1 .. p). groups: (nq, ceil(R / BQ), 1).
+// p - W + 1 .. p), u7 1: a5 sinks f32 [nq], one logit a head in the softmax's max and denominator only (gpt-oss;
+// CPU cpu_kernels/attention.py _row_finish). groups: (nq, ceil(R / BQ), 1).
 // Specialization constants: 3 BQ, the query rows of a workgroup (8, 16 or 32: each K/V tile read from memory once
 // serves them all), 4 MAXD, the largest head dimension (128 or 256; BQ x MAXD floats of shared memory).
 // Per tile: the K tile into shared memory, one invocation a (row, key) score (a whole dot product, in dimension
@@ -105,6 +106,15 @@ void main() {
     if (vr < nrow) {
         F32 O = F32(pc.a[4]);
         float l = L[vr];
+        if (pc.u[7] != 0u) {   // the sink: out = acc c / (l c + 1) when it is above the max (c = exp(m - sink))
+            float sk = F32(pc.a[5]).v[h], mo = M[vr];
+            if (sk > mo) {
+                float c = exp(mo - sk);
+                l = (l * c + 1.0) / c;
+            } else {
+                l += exp(sk - mo);
+            }
+        }
         [[unroll]] for (uint c = 0u; c < MAXC; c++) {
             uint d = vc + TPR * c;
             if (d < hd) O.v[((rb + vr) * nq + h) * hd + d] = acc[c] / l;

@@ -13,11 +13,12 @@
 //   a5 offsets uint [E + 1] (expert e's pairs are pairs[off[e] .. off[e + 1]])
 //   u0 O (F), u1 I (D), u3 R, u5 k; groups (ceil(O / BM), ceil(R / BN), E): tiles past an expert's pairs return.
 //   u6 = 1: one expert (E = 1) and every row its pair p = row (the shared expert; k = 1; a4 and a5 unread but
-//   valid addresses: a compiler may load before it branches); u7 the activation (0 SiLU, 1 the tanh GELU:
-//   act.glsl)
+//   valid addresses: a compiler may load before it branches); u7 the activation (0 SiLU, 1 the tanh GELU, 2
+//   gpt-oss's: act.glsl), u9 its clamp (float bits, 0 none); u8 bit 0: the expert's gate and up biases a6 / a7
+//   f32 [E, O] added before the activation
 // MODE 2, the experts' down, each pair's output scaled by its route weight: yk[p, o] = w_p (Wd[e][o, :] . h[p, :])
 //   a0 table, a1 h f32 [R * k, I], a2 yk f32 [R * k, O], a3 route, a4 pairs, a5 offsets; u0 O (D), u1 I (F), u3 R,
-//   u5 k; groups as mode 1.
+//   u5 k; groups as mode 1; u8 bit 0: the expert's down bias a6 f32 [E, O] added before the weight.
 // A workgroup of 4 BN invocations owns a BM = 64-output x BN-row tile (BN 32 or 64, specialization constant 3). Per 32-input unit, invocations 0..63
 // decode one weight row's unit each into shared memory (64..127 decode up's rows in mode 1), every invocation
 // stages 8 inputs of one activation row, then each runs a 4 x 4 block (outputs tm + 16 i, rows tn + BN/4 j). Each
@@ -138,8 +139,14 @@ void main() {
                 if ((flags & 4u) != 0u) r = 1.0 / (1.0 + exp(-r));
                 if ((flags & 1u) != 0u) r += Y.v[yi];
             } else if (MODE == 1u) {
-                r = glu(r, acc2[i][j], pc.u[7]);
+                float uu = acc2[i][j];
+                if ((pc.u[8] & 1u) != 0u) {
+                    r += F32(pc.a[6]).v[gl_WorkGroupID.z * O + o];
+                    uu += F32(pc.a[7]).v[gl_WorkGroupID.z * O + o];
+                }
+                r = glu(r, uu, pc.u[7], pcf(9u));
             } else {
+                if ((pc.u[8] & 1u) != 0u) r += F32(pc.a[6]).v[gl_WorkGroupID.z * O + o];
                 r = rw * r;
             }
             Y.v[yi] = r;

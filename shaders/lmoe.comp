@@ -3,10 +3,13 @@
 // "Device layers"). Compiled once per GGUF type (-DFMT_<NAME>); MODE (specialization constant 2) picks the pass.
 //   a0 expert table: uint64 [E][3], the (gate, up, down) row-0 addresses of each expert of the layer
 //   a1 route: uint [2k], expert ids [k], then their weights as float bits [k] (rank order, j = 0 first)
-// MODE 1, gate/up and SwiGLU: a2 x f32 [D], a3 h f32 [k, F]; u0 F, u1 D, u2 k, u3 act (0 SiLU, 1 the tanh GELU:
-//   act.glsl); groups (ceil(F / ROWS), k, 1).
+// MODE 1, gate/up and SwiGLU: a2 x f32 [D], a3 h f32 [k, F]; u0 F, u1 D, u2 k, u3 act (0 SiLU, 1 the tanh GELU,
+//   2 gpt-oss's: act.glsl), u4 bit 0: add the expert's gate and up biases a4 / a5 f32 [E, F] before the
+//   activation, u5 the activation's clamp (float bits; 0 none); groups (ceil(F / ROWS), k, 1).
 //   h[j, o] = act(g) * u, g = Wg[id_j][o, :] . x, u = Wu[id_j][o, :] . x, silu(g) = g / (1 + exp(-g)).
-// MODE 0, down and the weighted combine into the residual: a2 h f32 [k, F], a3 y f32 [D]; u0 D, u1 F, u2 k
+// MODE 0, down and the weighted combine into the residual: a2 h f32 [k, F], a3 y f32 [D]; u0 D, u1 F, u2 k,
+//   u4 bit 0: each rank's down bias a4 f32 [E, D] too (y[o] += sum_j w_j bias[id_j, o] besides s; ranks on the
+//   device only)
 //   (k <= MAXK); groups (ceil(D / ROWS), 1, 1). y[o] += s, s = sum_j w_j (Wd[id_j][o, :] . h[j, :]) made in a
 //   float (each lane sums w_j times its units' dot products over all ranks, then one subgroupAdd; the
 //   subgroups that split a row add in subgroup order) and added to y[o] once.
@@ -33,6 +36,7 @@ const uint RPC = ROWS < RPS ? ROWS : RPS;   // rows a subgroup carries (a set)
 shared float RED[gl_WorkGroupSize.x * RPS * 2u];   // per subgroup and row: two sums (gate, up)
 shared uint64_t EA[MAXK];   // mode 0: down row-0 address of rank j
 shared float EW[MAXK];      // mode 0: weight of rank j
+shared uint EI[MAXK];       // mode 0: expert of rank j
 
 void main() {
     uint O = pc.u[0], I = pc.u[1], k = pc.u[2];
@@ -50,6 +54,7 @@ void main() {
         uint wo = pc.u[3] == 0u ? k : pc.u[3];
         for (uint t = gl_LocalInvocationIndex; t < k; t += gl_WorkGroupSize.x) {
             EA[t] = TABLE.v[ROUTE.v[t] * 3u + 2u];
+            EI[t] = ROUTE.v[t];
             EW[t] = uintBitsToFloat(ROUTE.v[wo + t]);
         }
         barrier();
@@ -144,10 +149,20 @@ void main() {
                 if (i < nrow) {
                     uint o = ob + i;
                     if (MODE == 1u) {
-                        float g = acc[i];
-                        Y.v[j1 * O + o] = glu(g, acc2[i], pc.u[3]);
+                        float g = acc[i], uu = acc2[i];
+                        if ((pc.u[4] & 1u) != 0u) {
+                            uint e = ROUTE.v[j1];
+                            g += F32(pc.a[4]).v[e * O + o];
+                            uu += F32(pc.a[5]).v[e * O + o];
+                        }
+                        Y.v[j1 * O + o] = glu(g, uu, pc.u[3], pcf(5u));
                     } else {
-                        Y.v[o] += acc[i];
+                        float b = 0.0;
+                        if ((pc.u[4] & 1u) != 0u) {
+                            for (uint j = 0u; j < k; j++)
+                                if (EA[j] != 0ul) b += EW[j] * F32(pc.a[4]).v[EI[j] * O + o];
+                        }
+                        Y.v[o] += acc[i] + b;
                     }
                 }
             }

@@ -3,7 +3,9 @@
 //   p = exp(l - max l) / sum exp(l - max l); ids = the k largest p in decreasing order, ties to the lower id
 //   (NaN last: NumPy's argsort(-p, kind="stable")[:k]); weights p[ids], or p[ids] / sum p[ids] (flags bit0).
 // a0 logits f32 [R, E], a1 route uint [R, 2k] (a row's ids [k], then the weights' float bits [k])
-// u0 E (<= 512), u1 k (<= 32), u2 flags: bit0 renormalise the k weights to sum 1. groups: (R, 1, 1), one a row.
+// u0 E (<= 512), u1 k (<= 32), u2 flags: bit0 renormalise the k weights to sum 1; bit 1 gpt-oss's rule instead
+// (coli/models/gptoss.py topk_softmax): the top k of the logits themselves (the same order and ties), weights the
+// softmax over the k chosen logits. groups: (R, 1, 1), one a row.
 // Every p is ranked by counting the p that come before it (a strict total order: value, then id), so ids need
 // no sort and no iterative argmax; an invocation stops counting once k come before its expert. The renormalising
 // sum follows NumPy's (pairwise_sum of up to 128 floats: in order below 8, else 8 running sums), so with equal p
@@ -29,7 +31,8 @@ bool before(float a, uint ia, float b, uint ib) {
 
 void main() {
     uint E = min(pc.u[0], MAXE), K = min(pc.u[1], MAXK);
-    bool renorm = (pc.u[2] & 1u) != 0u;
+    bool tks = (pc.u[2] & 2u) != 0u;
+    bool renorm = tks || (pc.u[2] & 1u) != 0u;
     uint t = gl_LocalInvocationIndex, WG = gl_WorkGroupSize.x;
     uint row = gl_WorkGroupID.x;
     F32 L = F32(pc.a[0] + uint64_t(4u * row * pc.u[0]));
@@ -48,11 +51,13 @@ void main() {
     float s = 0.0;
     for (uint e = t; e < E; e += WG) {
         float p = exp(P[e] - m);
-        P[e] = p;
+        if (!tks) P[e] = p;          // (top-k softmax: the logits are ranked)
         s += p;
     }
     s = wg_sum(s);
-    for (uint e = t; e < E; e += WG) P[e] = P[e] / s;
+    if (!tks) {
+        for (uint e = t; e < E; e += WG) P[e] = P[e] / s;
+    }
     barrier();
     uint kk = min(K, E);
     for (uint e = t; e < E; e += WG) {
@@ -67,6 +72,10 @@ void main() {
     }
     barrier();
     if (t == 0u) {
+        if (tks) {   // exp(v - the largest chosen), renormalised below: the softmax over the k chosen
+            float mx = SW[0];
+            for (uint j = 0u; j < kk; j++) SW[j] = exp(SW[j] - mx);
+        }
         precise float tot = 1.0;
         if (renorm) {
             if (kk < 8u) {

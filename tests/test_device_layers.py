@@ -242,7 +242,8 @@ def test_construction_failure_falls_back(tiny, monkeypatch):
 
 
 @pytest.mark.parametrize("family,why", [
-    ("gptoss", "layers 0-2: attention sinks (gptoss.SinkAttention: no device kernel)"),
+    ("mimo2", "layer 0: its mixer is mimo2.Attention (no device kernel); layers 1-2: attention sinks (mimo2.Attention: "
+              "no device kernel); layer 3: its mixer is mimo2.Attention (no device kernel)"),
     ("deepseek2_lite", "layers 0-2: its mixer is mla.MLA (no device kernel)"),
     ("qwen3next", "layers 0-2: its mixer is deltanet.GatedDeltaNet (no device kernel); layer 3: its mixer is "
                   "qwen3next.GatedAttention (no device kernel)"),
@@ -281,7 +282,7 @@ def test_no_layer_says_why_per_layer(capfd):
     from tests.conftest import FIXTURES
     from coli.engine import Engine
 
-    path = FIXTURES / "oracles" / "gptoss.gguf"
+    path = FIXTURES / "oracles" / "deepseek2_lite.gguf"
     e = Engine(path, device="vulkan", env=settings.overlay(None, COLI_VK_LAYERS=-1), quiet=True, save_usage=False,
                ctx=32, usage=None)
     try:
@@ -289,8 +290,8 @@ def test_no_layer_says_why_per_layer(capfd):
     finally:
         e.close()
     err = capfd.readouterr().err
-    assert ("[VK] gptoss.gguf: no decoder layer on the device (layers 0-2: attention sinks (gptoss.SinkAttention: "
-            "no device kernel)); the expert tier instead") in err
+    assert ("[VK] deepseek2_lite.gguf: no decoder layer on the device (layers 0-2: its mixer is mla.MLA (no device "
+            "kernel)); the expert tier instead") in err
 
 
 @pytest.mark.parametrize("family", ["rope_linear", "rope_llama3", "rope_yarn", "rope_yarn_params"])
@@ -589,3 +590,27 @@ def test_tier_clock_holder(tiny, one_queue_holder):
         cpu.close()
         dev.close()
     assert c.rec is None
+
+
+def test_gptoss_against_hf():
+    """gpt-oss with every layer and the head on the device: attention sinks (one logit a head in the softmax's
+    denominator), the sliding window of its even layers (16 positions, crossed by the 88-row prompt), YaRN rope
+    without truncation, q/k/v/o biases, the router's bias and its top-k softmax, the experts' biases and clamped
+    SwiGLU on MXFP4 experts: the prompt as one chunk, every row within the CPU path's bound of HF transformers'
+    (1e-4 of the largest), then 8 greedy decode rows against HF's logits and tokens (tests/oracle_check.py)."""
+    from tests.conftest import FIXTURES
+    from tests.oracle_check import check_prompt_and_decode
+
+    path = FIXTURES / "oracles" / "gptoss.gguf"
+    oracle = np.load(FIXTURES / "oracles" / "gptoss.npz")
+    e = _engine(path, layers=-1, ctx=128)
+    try:
+        m, dl = e.model, e.model.device_layers
+        assert dl is not None and dl.first == 0 and dl.head is not None and dl.topk_flags == 2
+        assert [d["window"] for d in dl.per] == [16, 0, 16] and all("sinks" in d and "ebias" in d for d in dl.per)
+        d0 = e.device.layer_dispatches
+        check_prompt_and_decode(m, m.new_cache(128, 128), oracle)
+        assert (dl.prompt_tokens, dl.prompt_chunks, dl.tokens) == (len(oracle["ids"]), 1, 8)
+        assert e.device.layer_dispatches - d0 >= 9 * 14
+    finally:
+        e.close()

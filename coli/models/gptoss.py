@@ -98,6 +98,7 @@ def topk_softmax(k: int):
         e = np.exp(v - v.max(axis=1, keepdims=True))
         return ids.astype(np.int32), (e / e.sum(axis=1, keepdims=True)).astype(np.float32)
 
+    route.topk_softmax = k  # the rule, for the device layers (coli/vulkan/device_layers.py)
     return route
 
 
@@ -124,6 +125,9 @@ class DecoderLayer:
     """``h += attn(attn_norm(h)); h += moe(post_attention_norm(h))`` (module docstring)."""
 
     many_rows = True  # passes the cache to blocks.Attention only: Model.forward_rows can batch sequences
+    #: the block order for the device layers (coli/vulkan/device_layers.py ``FORMS``): pre-norm, the FFN's input
+    #: norm being ``post_attention_norm`` (``ffn_norm`` below)
+    device_form = "pre-norm"
 
     def __init__(self, m, il: int):
         p = f"blk.{il}."
@@ -133,6 +137,7 @@ class DecoderLayer:
         self.attn = SinkAttention(m, p, rope_kind=NEOX, window=a.sliding_window if is_sliding(il) else 0,
                                   rope_scaling=untruncated(a.rope_scaling))
         self.post_attention_norm = m.wt.f32(p + "post_attention_norm.weight")
+        self.ffn_norm = self.post_attention_norm      # the FFN's input norm, by the name the device layers read
         self.moe = BiasedMoE(m, p, il, route=topk_softmax(a.top_k), kind=grouped.ACT_SWIGLU_OAI,
                              limit=SWIGLU_LIMIT, expert_bias=True)
         # gpt-oss's projections and router carry biases (llama.cpp's loader requires them): a file without one is

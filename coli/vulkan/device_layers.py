@@ -20,9 +20,11 @@ submit the rest: :meth:`DeviceLayers._split_ops`), and its prompt chunks run on 
 CPU").
 
 Which layers: :func:`plan` (the device's budget: each layer's weights and its KV cache; ``COLI_VK_LAYERS``
-sets the count). Which layers qualify: :func:`why_not` (a pre-norm attention + MoE layer with the softmax top-k
-router, no sliding window; q/k norms per head (Qwen3-MoE) or over the projection (OLMoE), Qwen2-MoE's shared expert and
-attention biases run here too). Activations are f32 on the device (the
+sets the count). Which layers qualify: :func:`why_not`, by what a layer needs: its form (pre-norm, or Gemma 3's norms
+after each block too), its attention (GQA, rope NORM / NEOX with a table a layer, q/k norms, biases, a sliding window,
+gpt-oss's sinks), its FFN (the softmax top-k MoE with Qwen2-MoE's shared expert, gpt-oss's biased MoE with its top-k
+softmax router and clamped SwiGLU, or the dense SwiGLU / GeGLU FFN) and its tensors' formats. Activations are f32 on
+the device (the
 CPU's layers keep their own mode), so a run's tokens may differ from a CPU-only run's by summation order and
 rounding, as with the tier (docs/tier.md "Numerics").
 """
@@ -69,8 +71,7 @@ def _cls(x) -> str:
 def _layer_tensors(m, il: int) -> list[str]:
     """The GGUF tensors layer ``il`` places on the device (its norms besides: f32 vectors)."""
     p = f"blk.{il}."
-    names = [p + n for n in ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
-                             "attn_output.weight", "ffn_norm.weight")]
+    names = [p + n for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight")]
     if getattr(m.layers[il], "moe", None) is None:      # the dense FFN
         return names + [p + n for n in _MLP]
     names += [p + n for n in ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight",
@@ -87,13 +88,29 @@ def _is(x, name: str) -> bool:
     return f"{type(x).__module__}.{type(x).__qualname__}" == name
 
 
+#: cpu_kernels.experts' activation kinds (its ACT_*), the numbers shaders/act.glsl takes
+ACT_SWIGLU, ACT_GEGLU, ACT_SWIGLU_OAI = 0, 1, 2
+
+
+def route_rule(moe) -> tuple | None:
+    """The MoE block's routing rule as the device runs it: ``("softmax_topk", k, renormalise)`` (softmax over every
+    expert, then top-k: ``blocks.softmax_topk``), ``("topk_softmax", k, False)`` (top-k of the logits, then the
+    softmax over the k chosen: gpt-oss), or None (another rule)."""
+    r = getattr(moe.route, "softmax_topk", None)
+    if r is not None:
+        return ("softmax_topk", int(r[0]), bool(r[1]))
+    k = getattr(moe.route, "topk_softmax", None)
+    return None if k is None else ("topk_softmax", int(k), False)
+
+
 def _why_not_attention(a) -> str | None:
     """Why the attention block ``a`` has no device kernels, or None: ``coli.models.blocks.Attention`` (GQA) with rope
     NORM / NEOX (any base and scaling: a table a layer), q/k norms per head or over the projection, q/k/v/o biases,
     a sliding window, head widths up to 256 with V's equal to K's."""
-    if not _is(a, "coli.models.blocks.Attention"):
+    # gpt-oss's: one sink logit a head in the softmax's denominator (attn_dec / attn_pre take it)
+    if not (_is(a, "coli.models.blocks.Attention") or _is(a, "coli.models.gptoss.SinkAttention")):
         if getattr(a, "attn_sinks", None) is not None:
-            return "attention sinks (no device kernel)"
+            return f"attention sinks ({_cls(a)}: no device kernel)"
         return f"its attention is {_cls(a)} (no device kernel)"
     if a.rope_kind not in (_NORM, _NEOX):
         return "a rope pairing without a device kernel"
@@ -119,13 +136,17 @@ def _why_not_ffn(m, il: int, L) -> str | None:
         if mlp.act not in ("swiglu", "geglu"):
             return f"the FFN activation '{mlp.act}' (no device kernel)"
         return None
-    if not _is(moe, "coli.models.blocks.MoE"):
-        return f"its MoE block is {_cls(moe)} (expert biases or another activation: no device kernel)"
-    if getattr(moe.route, "softmax_topk", None) is None:
-        return "a router other than softmax top-k"
+    if _is(moe, "coli.models.gptoss.BiasedMoE"):    # a router bias, expert biases, the clamped SwiGLU
+        if moe.ffn.kind not in (ACT_SWIGLU, ACT_SWIGLU_OAI):
+            return f"expert activation {moe.ffn.kind} (no device kernel)"
+    elif not _is(moe, "coli.models.blocks.MoE"):
+        return f"its MoE block is {_cls(moe)} (no device kernel)"
+    rule = route_rule(moe)
+    if rule is None:
+        return "a router other than softmax top-k or top-k softmax"
     if hasattr(m.g, "expert_source"):
         return "experts of a Hugging Face folder (read through its expert source, not as GGUF tensors)"
-    E, k = m.args.n_experts, moe.route.softmax_topk[0]
+    E, k = m.args.n_experts, rule[1]
     if E > 512 or not 1 <= k <= min(32, E):
         return f"{E} experts, top-{k} (the device's top-k takes up to 512 experts and 32 a token)"
     return None
@@ -203,7 +224,7 @@ def _ffn_key(m, il: int) -> tuple:
     L, t, p = m.layers[il], m.t, f"blk.{il}."
     if L.moe is None:
         return ("dense", int(t[p + _MLP[0]].shape[0]))
-    return ("moe", tuple(int(s) for s in t[p + "ffn_gate_exps.weight"].shape), L.moe.route.softmax_topk,
+    return ("moe", tuple(int(s) for s in t[p + "ffn_gate_exps.weight"].shape), route_rule(L.moe),
             tuple(int(s) for s in t[p + _SHEXP[0]].shape) if p + _SHEXP[0] in t else None)
 
 
@@ -220,7 +241,7 @@ def _hidden_width(m, il: int) -> int:
     L, t, p = m.layers[il], m.t, f"blk.{il}."
     if L.moe is None:
         return int(t[p + _MLP[0]].shape[0])
-    w = L.moe.route.softmax_topk[0] * int(t[p + "ffn_gate_exps.weight"].shape[1])
+    w = route_rule(L.moe)[1] * int(t[p + "ffn_gate_exps.weight"].shape[1])
     return max(w, int(t[p + _SHEXP[0]].shape[0]) if p + _SHEXP[0] in t else 0)
 
 
@@ -317,6 +338,10 @@ class DeviceLayers:
             mask[np.asarray(list(ids), np.int64)] = True
             if not mask.all():
                 self.resident[int(il)] = mask
+        for il in self.resident:    # the CPU's ranks are joined as plain SwiGLU experts (MoEStep.row_experts)
+            if getattr(m.layers[il].moe, "ffn", None) is not None:
+                raise ValueError(f"layer {il}: experts with biases or another activation (gpt-oss) are not joined from "
+                                 f"the CPU mid-layer (--cpu-moe)")
         self.cpu_rows = 0       # routed (row, expert) pairs of device layers computed on the CPU
         self.dev_rows = 0       # and on the device
         self.segs = []          # with CPU experts: the token's program in segments (_record_split)
@@ -339,12 +364,14 @@ class DeviceLayers:
         self.D = a.d_model
         self.moe = L0.moe is not None      # the layers' FFN: routed experts, or dense (every layer alike: plan)
         if self.moe:
-            self.E, self.k = a.n_experts, L0.moe.route.softmax_topk[0]
-            self.norm_topk = bool(L0.moe.route.softmax_topk[1])
+            rule = route_rule(L0.moe)
+            self.E, self.k = a.n_experts, rule[1]
+            # topk.comp's flags: bit 0 renormalise the k softmax weights, bit 1 the softmax over the k chosen logits
+            self.topk_flags = int(rule[2]) if rule[0] == "softmax_topk" else 2
             self.F = int(m.t[f"blk.{first}.ffn_gate_exps.weight"].shape[1])
         else:                              # no router, no routes to read back
             self.E = self.k = self.F = 0
-            self.norm_topk = False
+            self.topk_flags = 0
         self.layers = list(range(first, len(m.layers)))
         from coli.base.settings import get
 
@@ -477,6 +504,8 @@ class DeviceLayers:
             d["q_norm"] = self._const(np.asarray(at.attn_q_norm, np.float32).reshape(-1))
             d["k_norm"] = self._const(np.asarray(at.attn_k_norm, np.float32).reshape(-1))
             d["qk_norm"] = at.qk_norm
+        if getattr(at, "attn_sinks", None) is not None:    # gpt-oss: a sink logit a head
+            d["sinks"] = self._const(np.asarray(at.attn_sinks, np.float32))
         d["cos"], d["sin"] = self._rope(at)
         d["n_rot"], d["rope_kind"], d["scale"], d["window"] = at.n_rot, at.rope_kind, at.scale, int(at.window or 0)
         d["K"] = K.buffer(4 * self.nkv * ctx * self.hd, host=False)
@@ -490,6 +519,14 @@ class DeviceLayers:
             d["act"] = 1 if L.mlp.act == "geglu" else 0
             return d
         d["router"] = self._place_f32(L.moe.ffn_gate_inp)
+        rb = getattr(L.moe, "ffn_gate_inp_b", None)
+        if rb is not None:                   # gpt-oss: the router's bias
+            d["router_b"] = self._const(np.asarray(rb, np.float32))
+        ffn = getattr(L.moe, "ffn", None)    # gpt-oss: the experts' activation, its clamp and their biases
+        d["eact"], d["elimit"] = (int(ffn.kind), float(ffn.limit)) if ffn is not None else (ACT_SWIGLU, 0.0)
+        if ffn is not None and ffn.has_bias:
+            d["ebias"] = tuple(self._const(np.ascontiguousarray(b, np.float32))
+                               for b in (ffn.gate_bias, ffn.up_bias, ffn.down_bias))
         if p + _SHEXP[0] in t:    # the shared expert: a one-expert table, its route weight sigmoid(x . gate) or 1
             ts = [self._place(t[p + n]) for n in _SHEXP]
             d["sh_tab"] = self._const(np.array([[x.addr for x in ts]], np.uint64))
@@ -565,19 +602,21 @@ class DeviceLayers:
                 continue
             et = [self.m.t[p + n + ".weight"].type_name for n in ("ffn_gate_exps", "ffn_down_exps")]
             rt = self.route.addr + 8 * k * j
+            rb, eb = d.get("router_b"), d.get("ebias")
+            bias = [b.addr for b in eb] if eb is not None else [xn, xn, xn]   # unread without u4 / u3 bit 0
             ops += [
-                Dispatch("lmv", (-(-E // R),), [d["router"].addr, xn, self.logits.addr], [E, D, 0],
-                         type_name="F32"),
-                Dispatch("topk", (1,), [self.logits.addr, rt], [E, k, int(self.norm_topk)]),
+                Dispatch("lmv", (-(-E // R),), [d["router"].addr, xn, self.logits.addr, rb.addr if rb is not None else 0],
+                         [E, D, 2 if rb is not None else 0], type_name="F32"),
+                Dispatch("topk", (1,), [self.logits.addr, rt], [E, k, self.topk_flags]),
             ]
             if d["il"] in self.resident:
                 ops += self._split_ops(j, d, rt, et)
                 continue
             ops += [
-                Dispatch("lmoe", (-(-F // R), k), [d["tab"].addr, rt, xn, self.hbuf.addr],
-                         [F, D, k], type_name=et[0], mode=1),
-                Dispatch("lmoe", (-(-D // R),), [d["tab"].addr, rt, self.hbuf.addr, hs],
-                         [D, F, k], type_name=et[1], mode=0),
+                Dispatch("lmoe", (-(-F // R), k), [d["tab"].addr, rt, xn, self.hbuf.addr, bias[0], bias[1]],
+                         [F, D, k, d["eact"], int(eb is not None), f32_bits(d["elimit"])], type_name=et[0], mode=1),
+                Dispatch("lmoe", (-(-D // R),), [d["tab"].addr, rt, self.hbuf.addr, hs, bias[2]],
+                         [D, F, k, 0, int(eb is not None)], type_name=et[1], mode=0),
             ]
             if "sh_tab" in d:    # Qwen2-MoE: the shared expert after the routed ones (xn is still the FFN input)
                 sF, sr = d["sh_F"], d["sh_route"].addr
@@ -710,11 +749,13 @@ class DeviceLayers:
         from coli.vulkan.layers import Dispatch, f32_bits
 
         nq, nkv, hd, ctx = self.nq, self.nkv, self.hd, self.ctx
-        chk = 0 if d["window"] else self.attn_chunk     # a windowed layer: one workgroup a head over its window
+        # a windowed layer or one with sinks: one workgroup a head (attn_comb.comp joins neither)
+        chk = 0 if d["window"] or "sinks" in d else self.attn_chunk
         parts = self.attn_parts.addr if chk else 0
+        sinks = d["sinks"].addr if "sinks" in d else self.q.addr
         ops = [Dispatch("attn_dec", (nq, -(-ctx // chk) if chk else 1),
-                        [self.q.addr, d["K"].addr, d["V"].addr, self.params.addr, self.ao.addr, self.scores.addr, parts],
-                        [nq, nkv, hd, ctx, f32_bits(d["scale"]), chk, d["window"]])]
+                        [self.q.addr, d["K"].addr, d["V"].addr, self.params.addr, self.ao.addr, self.scores.addr, parts,
+                         sinks], [nq, nkv, hd, ctx, f32_bits(d["scale"]), chk, d["window"], int("sinks" in d)])]
         if chk:
             ops.append(Dispatch("attn_comb", (nq,), [parts, self.params.addr, self.ao.addr], [nq, 0, hd, ctx, 0, chk]))
         return ops
@@ -965,8 +1006,8 @@ class DeviceLayers:
                                                     d["sin"].addr, self.params.addr, 0],
                          [nq, nkv, hd, d["n_rot"], ctx, d["rope_kind"]]),
                 Dispatch("attn_pre", (nq, -(-R // abq)), [self.p_q.addr, d["K"].addr, d["V"].addr, self.params.addr,
-                                                          self.p_ao.addr],
-                         [nq, nkv, hd, ctx, f32_bits(d["scale"]), R, d["window"]], mode=amaxd),
+                                                          self.p_ao.addr, d["sinks"].addr if "sinks" in d else self.p_q.addr],
+                         [nq, nkv, hd, ctx, f32_bits(d["scale"]), R, d["window"], int("sinks" in d)], mode=amaxd),
                 Dispatch("lmm", (-(-D // BM), gr), [d["o"].addr, self.p_ao.addr, tmp if post else hs,
                                                     ob.addr if ob is not None else hs],
                          [D, nq * hd, (0 if post else 1) | (2 if ob is not None else 0), R, 0], type_name=ot),
@@ -987,16 +1028,23 @@ class DeviceLayers:
                 continue
             et = [self.m.t[p + n + ".weight"].type_name for n in ("ffn_gate_exps", "ffn_down_exps")]
             rt = self.p_route.addr + 8 * k * R * j
+            rb, eb = d.get("router_b"), d.get("ebias")
+            bias = [b.addr for b in eb] if eb is not None else [xn, xn, xn]   # unread without u8 bit 0
+            nb = int(eb is not None)
+            f32r = "lmm_f32" if nb or d["eact"] else "lmm"
             ops += [
-                Dispatch("lmm", (-(-E // BM), gr), [d["router"].addr, xn, self.p_lgt.addr, self.p_lgt.addr], [E, D, 0, R, 0],
-                         type_name="F32"),
-                Dispatch("topk", (R,), [self.p_lgt.addr, rt], [E, k, int(self.norm_topk)]),
+                Dispatch("lmm", (-(-E // BM), gr), [d["router"].addr, xn, self.p_lgt.addr,
+                                                    rb.addr if rb is not None else self.p_lgt.addr],
+                         [E, D, 2 if rb is not None else 0, R, 0], type_name="F32"),
+                Dispatch("topk", (R,), [self.p_lgt.addr, rt], [E, k, self.topk_flags]),
                 Dispatch("moe_sort", (1,), [rt, self.p_off.addr, self.p_pairs.addr], [E, k, R]),
-                Dispatch("lmm", (-(-F // BM), gr, E), [d["tab"].addr, xn, self.p_h.addr, rt, self.p_pairs.addr,
-                                                      self.p_off.addr], [F, D, 0, R, 0, k], type_name=et[0], mode=1),
-                Dispatch("lmm", (-(-D // BM), gr, E), [d["tab"].addr, self.p_h.addr, self.p_yk.addr, rt,
-                                                      self.p_pairs.addr, self.p_off.addr], [D, F, 0, R, 0, k],
-                         type_name=et[1], mode=2),
+                # lmm_cm.comp (the cooperative-matrix route) has neither the biases nor gpt-oss's activation
+                Dispatch(f32r, (-(-F // BM), gr, E), [d["tab"].addr, xn, self.p_h.addr, rt, self.p_pairs.addr,
+                                                     self.p_off.addr, bias[0], bias[1]],
+                         [F, D, 0, R, 0, k, 0, d["eact"], nb, f32_bits(d["elimit"])], type_name=et[0], mode=1),
+                Dispatch(f32r, (-(-D // BM), gr, E), [d["tab"].addr, self.p_h.addr, self.p_yk.addr, rt,
+                                                     self.p_pairs.addr, self.p_off.addr, bias[2]],
+                         [D, F, 0, R, 0, k, 0, 0, nb], type_name=et[1], mode=2),
             ]
             ysh = 0
             if "sh_tab" in d:    # Qwen2-MoE: the shared expert as one expert every row takes (lmm's a5 = 0)
