@@ -37,14 +37,20 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
+import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import gguf
 import numpy as np
+from gguf.quants import dequantize, quantize
 
+from . import fetch
+from .base import progress
 from .base.errors import ColiError
+from .base.paths import cache_dir
 
 VERSION = 1  # bump when the construction changes: it is part of the cached file's name
 EXPERT_TYPES = ("Q8_0", "same", "F16", "Q4_0")
@@ -87,8 +93,6 @@ def demo_model_path(noise: float = 0.05, expert_type: str = "Q8_0", n_experts: i
     skips the cleanup). Progress goes to stderr unless ``quiet``. Raises ``ColiError`` for a bad parameter or a
     disk too full for the file (naming the folder and the MB it needs).
     """
-    from .base.paths import cache_dir
-
     name = demo_file_name(noise, expert_type, n_experts, top_k, seed)
     folder = cache_dir("demo")
     dest = folder / name
@@ -98,9 +102,8 @@ def demo_model_path(noise: float = 0.05, expert_type: str = "Q8_0", n_experts: i
         if dest.exists():
             return dest
         _remove_stale_temps(folder, "*", age_s=0.0)  # under the lock every temp file is a killed build's
-        from .fetch import model_path
 
-        src = model_path("smollm2", quiet=quiet)
+        src = fetch.model_path("smollm2", quiet=quiet)
         build_demo_moe(src, dest, noise=noise, expert_type=expert_type, n_experts=n_experts, top_k=top_k,
                        seed=seed, quiet=quiet)
     return dest
@@ -182,8 +185,6 @@ def _dense_forward(reader, ids, want_logits: bool = False):
     llama.cpp's llm_build_llama (pre-norm attention with GQA and NORM rope, SwiGLU FFN), causal, no BOS
     added. Used only to calibrate the router scale; the engine is elsewhere.
     """
-    from gguf.quants import dequantize
-
     f = reader.fields
     arch = f["general.architecture"].contents()
     kv = lambda k: f[f"{arch}.{k}"].contents()  # noqa: E731
@@ -257,9 +258,6 @@ def _routers(reader, n_experts: int, seed: int) -> tuple[list[np.ndarray], list[
 def _expert_stack(dense, L: int, m: int, noise: float, expert_type: str, n_experts: int, seed: int,
                   pool) -> np.ndarray:
     """uint8 [E, O, row_bytes]: the E experts of dense tensor ``dense`` (a gguf ReaderTensor [O, I])."""
-    import gguf
-    from gguf.quants import dequantize, quantize
-
     src_type = dense.tensor_type
     raw = np.asarray(dense.data)
     if expert_type == "same" and noise == 0:
@@ -305,8 +303,6 @@ def build_demo_moe(src: Path | str, dest: Path | str, noise: float = 0.05, exper
     ``{"seconds", "bytes", "router_scales"}``. Raises ``ColiError`` for a bad parameter or a source
     that is not a dense llama GGUF.
     """
-    import gguf
-
     _check_params(noise, expert_type, n_experts, top_k, seed)
     noise = float(noise)
     src, dest = Path(src), Path(dest)
@@ -402,10 +398,8 @@ def build_demo_moe(src: Path | str, dest: Path | str, noise: float = 0.05, exper
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         layers_done = 0
-        from .base.progress import bar
-
         with concurrent.futures.ThreadPoolExecutor(_n_workers()) as pool, \
-                bar(total=n_layer, desc=f"building {dest.name}", unit=" layers", disable=quiet) as pb:
+                progress.bar(total=n_layer, desc=f"building {dest.name}", unit=" layers", disable=quiet) as pb:
             for tname, kind, what in plan:
                 if kind == "router":
                     arr = routers[what]
@@ -431,8 +425,6 @@ def build_demo_moe(src: Path | str, dest: Path | str, noise: float = 0.05, exper
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
         if isinstance(e, OSError):  # a full disk (numpy's "N requested and M written"), a quota, an I/O error
-            import shutil
-
             free = shutil.disk_usage(folder).free
             raise ColiError(f"{folder}: the demo build could not write {dest.name} ({e.strerror or e}); it needs "
                             f"about {need / 1e6:.0f} MB free there, {free / 1e6:.0f} MB are (free some space, or set "

@@ -7,6 +7,7 @@ through the RAM expert cache, optionally a device tier), generate text.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import inspect
@@ -14,14 +15,21 @@ import os
 import sys
 import threading
 import time
+import warnings
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from coli import runtime
+from coli.base import memory, settings
 from coli.base.errors import ColiError
+from coli.base.progress import compile_seconds, end_compile_bar, install
+from coli.demo import demo_model_path
+from coli.fetch import resolve
 from coli.runtime import IO_THREADS_MAX
+from coli.sampling import Sampler, SamplingParams
 
 PREFILL_CHUNK = None  # rows of every CPU prompt step when set (tests, scripts); None: COLI_UBATCH (default 64)
 CHATML_END = "<|im_end|>"  # the end of a turn of llama.cpp's ChatML fallback template
@@ -109,8 +117,6 @@ def _close_at_exit(ref):
     """atexit: close an Engine the program did not close (the routing history is saved), with a warning."""
     eng = ref()
     if eng is not None and not getattr(eng, "_closed", False):
-        import warnings
-
         warnings.warn(f"coli.Engine({eng.path.name}) was not closed; closing it at exit (call close() or use "
                       f"'with Engine(...)')", stacklevel=1)
         eng.close()
@@ -145,8 +151,6 @@ def engine_threads(eng):
     compiled decode blocks' scratch buffers require (docs/cpu_kernels.md). Also closes the "compiling
     kernels, once" bar at the end."""
     import numba
-
-    from coli.base.progress import end_compile_bar, install
 
     install()
     with eng._lock:
@@ -212,7 +216,7 @@ class Engine:
     def __init__(self, path=None, *, threads=None, ctx=None, expert_cache=None, usage=None, cpu_act=None,
                  io_threads=4, device=None, balance=None, trace=None, quiet=True, save_usage=True,
                  cli_names=False, env=None, silent=False):
-        import cpu_kernels
+        import cpu_kernels  # Numba and the kernels load with the first engine, not with `import coli.engine`
 
         self.cli_names = cli_names  # errors name CLI flags (the CLI) or API arguments
         if path is not None and not isinstance(path, (str, os.PathLike)):
@@ -223,12 +227,8 @@ class Engine:
         expert_cache = self._int_arg("expert_cache", expert_cache, 0)
         io_threads = self._int_arg("io_threads", io_threads, 1, IO_THREADS_MAX)
         if path is None:
-            from coli.demo import demo_model_path
-
             path = demo_model_path(quiet=quiet)
         else:   # a path, or a name `coli run -m` takes (smollm2, gemma3-270m, qwen2.5-coder-0.5b, demo)
-            from coli.fetch import resolve
-
             path = resolve(path, quiet=quiet)
         self._lock = threading.RLock()  # one call or generation step at a time (engine_threads)
         self.path = Path(path)
@@ -236,7 +236,6 @@ class Engine:
         self.save_usage_on_close = save_usage
         self.env = os.environ if env is None else env  # the COLI_* settings passed down (coli.base.settings.overlay)
         self.silent = silent  # no device or tier notes on stderr either (the CLI's -q)
-        from coli.base import memory, settings
 
         # the memory budget every sizer below sizes from (docs/engine.md "Memory budget"); the CLI's --mem is in
         # self.env, not in os.environ
@@ -248,7 +247,7 @@ class Engine:
         if self.threads < 1:
             raise ColiError(f"{self._name('threads')}: {threads} (at least 1)")
         # the count is set per call (engine_threads), never left behind in the constructing thread
-        import numba
+        import numba  # loaded by cpu_kernels above; local as that import is
 
         got = max(1, min(self.threads, numba.config.NUMBA_NUM_THREADS))
         if got != self.threads and not quiet:
@@ -264,8 +263,6 @@ class Engine:
         runtime.build(self, ctx=ctx, expert_cache=expert_cache, usage=usage, io_threads=io_threads, device=device,
                       balance=balance, trace=trace)
         self.last_stats: dict = {}
-        import atexit
-        import weakref
 
         atexit.register(_close_at_exit, weakref.ref(self))
 
@@ -500,8 +497,6 @@ class Engine:
         """The number of tokens to generate: ``max_tokens``, or up to the end of the context when it is None
         or -1. ColiError when the prompt plus the tokens to generate exceed the context, or a sampling setting
         (``temp``, ``top_k``, ``top_p`` and the other ``coli.sampling.SamplingParams`` fields) is out of range."""
-        from coli.sampling import SamplingParams
-
         SamplingParams(temp=temp, top_k=top_k, top_p=top_p, **sampling).validated()
         n = self._name
         if max_tokens is None or (max_tokens == -1 and not isinstance(max_tokens, bool)):
@@ -543,8 +538,6 @@ class Engine:
         Raises ``ColiError`` naming the argument for bad settings, a prompt that does not fit the context
         (``max_tokens`` included), a call after :meth:`close`, or a step whose logits are all non-finite.
         """
-        from coli.sampling import Sampler, SamplingParams
-
         self._check_open()
         if ids is None:
             ids = self.prompt_ids(prompt, chat=chat)
@@ -630,7 +623,6 @@ class Engine:
             kv = self._new_cache(len(ids), None if keep_kv else len(ids) + n_gen)
         self._kv, self._kv_ids = (kv, [int(i) for i in ids]) if keep_kv else (None, [])
         self._reset_counters()
-        from coli.base.progress import compile_seconds  # compile time is never counted in tok/s
 
         c0 = compile_seconds()
         t0 = time.perf_counter()

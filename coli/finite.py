@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from coli.base.errors import ColiError
+from coli.types import table as tensor_types
 
 
 #: Values per ``np.isfinite`` pass: bounds its bool temporary (4 MiB) on a large tensor (a 600M-value F32 head).
@@ -101,8 +102,6 @@ def first_bad_raw_row(type_name: str, raw: np.ndarray) -> int | None:
     (uint8 [O, row bytes] of GGUF type ``type_name``) with a non-finite value (F32 / F16 / BF16) or f16 block scale
     (the ``scale_offsets`` of ``coli.types.table``, ggml-common.h ``block_*``), or None. A type without listed
     f16 scales is prepared and its packed float arrays are checked (``check_weight``'s rule)."""
-    from coli.types import table as tensor_types
-
     raw = np.ascontiguousarray(raw).reshape(raw.shape[0], -1)
     O = raw.shape[0]
     if type_name == "F32":

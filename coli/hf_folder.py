@@ -35,6 +35,7 @@ Errors: ``ColiError`` naming the folder and the file, key or tensor.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import re
@@ -44,9 +45,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from safetensors import safe_open
+from tokenizers import Tokenizer as HFTok
 
 from coli.base.errors import ColiError
 from coli.gguf_file import TensorInfo
+from coli.tokenizer import CONTROL, Tokenizer, UNUSED, USER_DEFINED, _EOG_TEXTS
+from coli.types import fp8_blocks as fp8
 from scheduler.ram_cache import ExpertSource
 
 #: HF ``model_type`` -> GGUF architecture (coli's model files)
@@ -114,8 +119,6 @@ def _read_json(folder: Path, name: str, required: bool = True):
 
 def _open_safetensors(folder: Path, fname: str, maps: list) -> dict[str, _Src]:
     """Validate one file with the ``safetensors`` package, then map it and view each tensor's bytes."""
-    from safetensors import safe_open
-
     p = folder / fname
     if not p.is_file():
         _fail(folder, f"{fname}: missing (named by model.safetensors.index.json)")
@@ -286,8 +289,6 @@ def _scale_f32(folder: Path, name: str, s: _Src) -> np.ndarray:
 
 
 def _fp8_raw(folder: Path, name: str, w: _Src, s: _Src) -> np.ndarray:
-    from coli.types import fp8_blocks as fp8
-
     if len(w.shape) != 2:
         _fail(folder, f"tensor '{name}': F8_E4M3 tensor of shape {list(w.shape)} (2-D expected)")
     codes = w.bytes().reshape(w.shape)
@@ -426,8 +427,6 @@ def open_folder(path) -> HFModel:
 
 def _llama3_freqs(rp: dict, dim: int) -> TensorInfo:
     """The ``rope_freqs`` factors llama.cpp's converter computes for rope_type llama3 (conversion/llama.py)."""
-    import math
-
     base = rp.get("rope_theta", 10000.0)
     freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
     factor, lo, hi = rp.get("factor", 8.0), rp.get("low_freq_factor", 1.0), rp.get("high_freq_factor", 4.0)
@@ -475,10 +474,6 @@ def tokenizer_from_folder(folder: Path, cfg: dict):
     (default false), end-of-generation ids also from generation_config.json, the chat template from
     ``chat_template.jinja`` or tokenizer_config's ``chat_template``. Byte-level vocabularies decode as
     ``gpt2``, SentencePiece ones (``byte_fallback``) as ``llama``."""
-    from tokenizers import Tokenizer as HFTok
-
-    from coli.tokenizer import _EOG_TEXTS, CONTROL, UNUSED, USER_DEFINED, Tokenizer
-
     p = folder / "tokenizer.json"
     if not p.exists():
         _fail(folder, "tokenizer.json: missing")

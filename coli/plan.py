@@ -33,7 +33,16 @@ from __future__ import annotations
 import json
 import sys
 
+import psutil
+
+from coli import vulkan as cvk
+from coli.base import memory, settings
 from coli.base.errors import ColiError
+from coli.fetch import resolve
+from coli.gguf_file import open_gguf
+from coli.models import model_class
+from coli.runtime import budget_needed, cache_room, default_ctx, expert_cache_slots, headroom, kv_cache_bytes
+from scheduler.tier_policy import DeviceMemory, SHARED_KINDS, budget_bytes
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -42,9 +51,6 @@ MiB = 1 << 20
 def _device_info(label: str):
     """``scheduler.tier_policy.DeviceMemory`` of the best Vulkan device; ColiError naming ``--device vulkan`` when
     there is none to open (a plan without the device it was asked about would mislead)."""
-    from coli import vulkan as cvk
-    from scheduler.tier_policy import DeviceMemory
-
     try:
         dev = cvk.open_device(label, quiet=True, required=True)
     except cvk.VulkanError as e:
@@ -64,15 +70,7 @@ def make_plan(path, *, device: str | None = None, ctx: int | None = None, expert
     ``DeviceMemory`` (or what ``DeviceMemory.of`` takes) instead of opening the device; ``env``: the ``COLI_*``
     settings (``COLI_MEM``, the tier's ``COLI_VK_TIER_GB``; ``os.environ``); ``mem_flag``: the flag that set
     ``COLI_MEM`` there, for the budget's words (``"--mem"``)."""
-    import psutil
-
-    import cpu_kernels
-    from coli.base import memory
-    from coli.runtime import (budget_needed, cache_room, default_ctx, expert_cache_slots, headroom,
-                              kv_cache_bytes)
-    from scheduler.tier_policy import SHARED_KINDS
-    from coli.gguf_file import open_gguf
-    from coli.models import model_class
+    import cpu_kernels  # loads Numba: when a plan is made, not when `coli` parses its flags
 
     if device not in (None, "cpu", "vulkan"):
         raise ColiError(f"--device: '{device}' (cpu or vulkan)")
@@ -96,7 +94,7 @@ def make_plan(path, *, device: str | None = None, ctx: int | None = None, expert
              dense_fits=budget_needed(bud.rss + dense) <= bud.bytes)
     per_layer, per = [], 0
     if moe:
-        from scheduler.ram_cache import ExpertSource
+        from scheduler.ram_cache import ExpertSource  # loads Numba, as cpu_kernels above
 
         exps = {}
         for il in moe:
@@ -133,8 +131,6 @@ def make_plan(path, *, device: str | None = None, ctx: int | None = None, expert
         dev = device_info if device_info is not None else _device_info(g.path.name)
     device_experts = 0
     if dev is not None:
-        from scheduler.tier_policy import DeviceMemory, budget_bytes
-
         d = DeviceMemory.of(dev)
         budget, rule = budget_bytes(d, ram_cache_bytes, p["dense_bytes"], env=env, available=bud.bytes - bud.rss)
         device_experts = min(total_experts, budget // per) if per else 0
@@ -205,11 +201,8 @@ def format_table(p: dict) -> str:
 
 def cmd_plan(a) -> int:
     """``coli plan -m MODEL [--device vulkan] [--ctx N] [--expert-cache N] [--mem GiB] [--json]``."""
-    from coli.fetch import resolve
-
     a.model = resolve(a.model or "demo", quiet=False)   # a path or a name -m takes (smollm2, demo, ...)
-    from coli.base import settings
-    from coli.cli import _mem_flag
+    from coli.cli import _mem_flag  # coli.cli imports this module for the subcommand: a circle at import time
 
     env = settings.overlay(None, COLI_MEM=_mem_flag(a))
     p = make_plan(a.model, device=a.device, ctx=a.ctx, expert_cache=a.expert_cache, env=env,

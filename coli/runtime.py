@@ -12,7 +12,19 @@ import sys
 
 import numpy as np
 
+from coli import vulkan as cvk
+from coli.base import memory, settings
 from coli.base.errors import ColiError
+from coli.base.paths import check_writable_file, is_json_array_of_objects
+from coli.gguf_file import open_gguf
+from coli.models import model_class, model_class_of
+from coli.tokenizer import Tokenizer
+from coli.vulkan import DeviceLost, VulkanError, device_layers
+from scheduler.balancer import Balancer
+from scheduler.tier import Tier
+from scheduler.tier_policy import budget_bytes, warm_plan
+from scheduler.trace import Trace
+from scheduler.usage import Usage
 
 CTX_RAM_SHARE = 0.25  # the default context's KV cache takes at most this share of what the memory budget leaves
 HEADROOM_SHARE = 0.10  # of the memory budget, kept free of the sizers (kernels loaded at first use, scratch)
@@ -33,9 +45,7 @@ def budget_needed(held: int) -> int:
 
 
 def _fmt(n) -> str:
-    from coli.base.memory import fmt_bytes
-
-    return fmt_bytes(n)
+    return memory.fmt_bytes(n)
 
 
 def check_vocab_tables(g, n_tokens: int) -> None:
@@ -65,8 +75,6 @@ def check_vocab_tables(g, n_tokens: int) -> None:
 def kv_cache_bytes(args, ctx: int) -> int:
     """Bytes of the model's caches at ``ctx`` positions (the family's ``Model.cache_bytes``: f32 K and V
     ``[n_kv_heads, ctx, head_dim]`` per attention layer, plus any recurrent state or latent cache)."""
-    from coli.models import model_class_of
-
     return model_class_of(args.arch).cache_bytes(args, ctx)
 
 
@@ -109,12 +117,8 @@ def build(eng, *, ctx, expert_cache, usage, io_threads, device, balance, trace) 
     ``ctx``), then for a MoE the RAM expert cache, the routing history and the step (``cache``, ``usage``,
     ``step``), the trace, and with ``device`` the device with the expert tier or the device layers (``device``,
     ``tier``, ``device_layers``). Raises ``ColiError`` for bad files or options (the engine is not returned)."""
-    from coli.gguf_file import open_gguf
-    from coli.models import model_class
-    from coli.tokenizer import Tokenizer
-
     if eng.path.is_dir():  # a Hugging Face folder (config.json, *.safetensors, tokenizer.json)
-        from coli.hf_folder import open_folder
+        from coli.hf_folder import open_folder  # loads Numba: only for a folder, not with `import coli.engine`
 
         eng.g = open_folder(eng.path)
         cls = model_class(eng.g)
@@ -128,7 +132,6 @@ def build(eng, *, ctx, expert_cache, usage, io_threads, device, balance, trace) 
         eng.tokenizer = Tokenizer.from_gguf(eng.g)
     check_vocab_tables(eng.g, eng.tokenizer.vocab_size)
     check_dense_fits(eng)
-    from coli.base import settings
 
     eng.model = cls(eng.g, eng.args, None, eng.cpu_act,
                     invariant=bool(settings.get("COLI_BATCH_INVARIANT", eng.env)))
@@ -153,9 +156,6 @@ def build(eng, *, ctx, expert_cache, usage, io_threads, device, balance, trace) 
     eng.trace = None
     eng.ram_cache_bytes = 0
     if trace:
-        from coli.base.paths import check_writable_file, is_json_array_of_objects
-        from scheduler.trace import Trace
-
         check_writable_file(trace, "--trace", overwrite_if=is_json_array_of_objects)
 
         eng.trace = Trace(trace)
@@ -163,8 +163,6 @@ def build(eng, *, ctx, expert_cache, usage, io_threads, device, balance, trace) 
         setup_moe(eng, expert_cache, usage, io_threads, keep_raw=device not in (None, "cpu"))
     eng.device = None
     if device not in (None, "cpu"):
-        from coli.base import settings
-
         if eng.step is None and device == "vulkan" and not settings.get("COLI_VK_LAYERS", eng.env):
             # nothing for the tier to hold: no device opened (device layers, --gpu-layers, run dense layers)
             if not eng.silent:
@@ -180,9 +178,8 @@ def check_dense_fits(eng) -> None:
     has them) with what the process holds already and the :func:`headroom` does not fit the memory budget;
     the line says the budget it would run with (the experts streamed from disk)."""
     dense = sum(int(t.nbytes) for n, t in eng.g.tensors.items() if "_exps" not in n)
-    from coli.base.memory import process_rss
 
-    rss = process_rss()
+    rss = memory.process_rss()
     need = budget_needed(rss + dense)
     if need > eng.memory.bytes:
         raise ColiError(f"{eng.path.name}: its dense weights ({_fmt(dense)}) and coli itself ({_fmt(rss)}) need "
@@ -191,9 +188,9 @@ def check_dense_fits(eng) -> None:
 
 
 def setup_moe(eng, expert_cache, usage_path, io_threads, keep_raw) -> None:
+    # these load Numba and the kernels: with the first MoE engine, not with `import coli.engine`
     from scheduler.ram_cache import ExpertSource, RAMCache
     from scheduler.step import MoEStep
-    from scheduler.usage import Usage
 
     a = eng.args
     if hasattr(eng.g, "expert_source"):  # a Hugging Face folder: per-expert tensors across its shards
@@ -221,8 +218,6 @@ def setup_moe(eng, expert_cache, usage_path, io_threads, keep_raw) -> None:
                             f"{_fmt(slots * len(L) * per)}, more than the {_fmt(room)} the {eng.memory.describe()} "
                             f"leaves for the expert cache; {fit} fit")
     if usage_path is not None:
-        from coli.base.paths import check_writable_file
-
         check_writable_file(usage_path, "--usage")
     eng.usage = Usage.open(eng.path, a.n_layers, E, path=usage_path, quiet=eng.quiet)
     pins = {}
@@ -243,9 +238,6 @@ def setup_layers(eng, dev, budget: int) -> bool:
     """``COLI_VK_LAYERS`` / ``--gpu-layers`` N != 0: the last N layers (-1: as many as ``budget`` holds) run
     whole on the device (``coli.vulkan.device_layers``); True when some do. When none qualifies or fits, one line
     says why and the expert tier runs instead (False)."""
-    from coli.base import settings
-    from coli.vulkan import device_layers
-
     want = settings.get("COLI_VK_LAYERS", eng.env)
     cpu_moe = settings.get("COLI_VK_CPU_MOE", eng.env)
     if not want and cpu_moe:
@@ -266,7 +258,6 @@ def setup_layers(eng, dev, budget: int) -> bool:
             print(f"[VK] {eng.path.name}: no decoder layer on the device "
                   f"({device_layers.why_not_all(eng.model) if last else why}); {instead}", file=sys.stderr)
         return False
-    from coli.vulkan import DeviceLost, VulkanError
 
     try:
         dl = device_layers.DeviceLayers(eng.model, dev, first, eng.ctx, env=eng.env, resident=resident)
@@ -290,10 +281,6 @@ def layer_experts(eng, first: int, budget: int, cpu_moe: int) -> dict:
     ``budget`` leaves after the layers (:func:`coli.vulkan.device_layers.fixed_bytes`, ``layer_bytes`` without
     experts), chosen as the tier's warm start chooses them (``scheduler.tier_policy.warm_plan``: the routing
     history's hottest first, then one unnamed expert per layer in turn). Static: no promotion while running."""
-    from coli.base import settings
-    from coli.vulkan import device_layers
-    from scheduler.tier_policy import warm_plan
-
     m = eng.model
     n, E = len(m.layers), int(eng.args.n_experts)
     layers = list(range(first, n))
@@ -325,16 +312,11 @@ def setup_device(eng, device, balance) -> None:
     trace, the start line, the warm start (the cache's ``source.read_checked`` on a thread pool)."""
     if device != "vulkan":
         raise ColiError(f"{eng._name('device')}: '{device}' (cpu or vulkan)")
-    from coli.base import settings
 
     try:
-        from coli import vulkan as cvk
-
         idx = settings.get("COLI_VK_DEV", eng.env)
         # the CLI's --device vulkan:N sets the index in the settings it passes, not in the environment
         flag = f"--device vulkan:{idx}" if eng.cli_names and idx >= 0 and settings.get("COLI_VK_DEV") != idx else None
-        from scheduler.tier_policy import budget_bytes
-
         # the one rule, on the settings passed down (a --tier-gb flag is in eng.env, not os.environ)
         def budget(info):
             return budget_bytes(info, eng.ram_cache_bytes, eng.model.dense_bytes, env=eng.env)
@@ -356,8 +338,6 @@ def setup_device(eng, device, balance) -> None:
             eng.device = None
         return
     eng.device.act = eng.cpu_act      # the device's activations rounded as the CPU's (int8 or f32)
-    from scheduler.balancer import Balancer
-    from scheduler.tier import Tier
 
     dev, src = eng.device, eng.cache.source
     layers = list(eng.model.moe_layers)

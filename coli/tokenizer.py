@@ -36,10 +36,15 @@ Errors: :class:`coli.base.errors.ColiError` naming the file and the ``tokenizer.
 from __future__ import annotations
 
 import codecs
+import heapq
 import json
+import re
+from datetime import datetime
 from functools import lru_cache
+from types import SimpleNamespace
 
 import numpy as np
+from tokenizers import Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
 from .base.errors import ColiError
 
@@ -494,8 +499,6 @@ def _compile_template(source: str):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     def strftime_now(fmt):
-        from datetime import datetime
-
         return datetime.now().strftime(fmt)
 
     class TemplateDict:
@@ -570,8 +573,6 @@ class _AddedSplit:
     the whole text; the two differ only for overlapping added texts)."""
 
     def __init__(self, tokens, tt):
-        import re
-
         self.ids: dict[str, int] = {}
         for i in np.flatnonzero((tt == CONTROL) | (tt == USER_DEFINED)).tolist():
             t = tokens[i]
@@ -601,8 +602,6 @@ class _BPEBackend:
         self.added = added
 
     def encode(self, text, add_special_tokens=False):
-        from types import SimpleNamespace
-
         ids: list[int] = []
         for frag in self.added.split(text):
             if isinstance(frag, int):
@@ -620,16 +619,11 @@ def pre_tokenizer(pre: str):
     """The ``tokenizers`` pre-tokenizer of a byte-level vocabulary with ``tokenizer.ggml.pre`` = ``pre`` (a key of
     ``PRE_SPLITS``): llama.cpp's split regexes in sequence, each ``Split(isolated)`` (a piece of the previous split
     is split again), then ``ByteLevel`` without its own regex."""
-    from tokenizers import Regex, pre_tokenizers
-
     return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_SPLITS[pre]]
                                    + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
 def _build_bpe(meta, tokens, tt, pre, fname):
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models
-
     merges = meta.get("tokenizer.ggml.merges")
     if merges is None:
         raise ColiError(f"{fname}: kv 'tokenizer.ggml.merges': missing (needed by a gpt2 vocabulary)")
@@ -683,8 +677,6 @@ class _SentencePieceBPE:
 
     def __init__(self, vocab: dict[str, int], rank_of, byte_ids: list[int | None], unk_id: int | None,
                  added: dict[str, int], prefix: bool):
-        import re
-
         self.vocab = vocab
         self.rank_of = rank_of
         self.byte_ids = byte_ids
@@ -722,8 +714,6 @@ class _SentencePieceBPE:
         return hit
 
     def _bpe(self, word: str) -> list[int]:
-        import heapq
-
         vocab, rank_of = self.vocab, self.rank_of
         # symbols: piece text, or None for a run of byte tokens that never merges
         syms: list[str | None] = []
@@ -786,8 +776,6 @@ class _SPMBackend:
         self.spm = spm
 
     def encode(self, text, add_special_tokens=False):
-        from types import SimpleNamespace
-
         return SimpleNamespace(ids=self.spm.encode(text))
 
     def token_to_id(self, text):

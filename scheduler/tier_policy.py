@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from coli.base.memory import budget
+from coli.base.settings import get
+
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -25,15 +28,11 @@ SHARED_KINDS = ("integrated", "cpu", "virtual", "other")
 
 def _env_float(env, name: str, default: float | None) -> float | None:
     """``COLI_*`` number from ``env`` through coli.base.settings (one parser; ColiError naming the variable)."""
-    from coli.base.settings import get
-
     v = get(name, env)
     return default if v is None else float(v)
 
 
 def _env_int(env, name: str, default: int) -> int:
-    from coli.base.settings import get
-
     v = get(name, env)
     return default if v is None else int(v)
 
@@ -108,8 +107,6 @@ def budget_bytes(device_info, ram_cache_bytes: int, dense_bytes: int, env=None,
             free, what = d.heap_bytes, f"the {d.heap_bytes / GiB:.2f} GiB heap (no VK_EXT_memory_budget)"
         return max(0, free - reserve), f"discrete: {what} less a {reserve / GiB:g} GiB reserve"
     if available is None:
-        from coli.base.memory import budget
-
         b = budget(env)
         available = max(0, b.bytes - b.rss)
     left = int(available) - int(ram_cache_bytes) - int(dense_bytes)

@@ -22,6 +22,8 @@ place it is renamed aside with a note.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import sys
@@ -29,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from coli.base.errors import ColiError
 from coli.base.paths import atomic_write_text, optional_cache_dir
 
 
@@ -47,9 +50,6 @@ def default_path(model_path: str | os.PathLike) -> Path | None:
 def _lock_folder(folder: Path):
     """An exclusive ``flock`` on the folder itself (Linux locks directories; no lock file left beside the
     model), held while a save re-reads and replaces the history. Blocks until the other run's save ends."""
-    import contextlib
-    import fcntl
-
     @contextlib.contextmanager
     def held():
         fd = os.open(folder, os.O_RDONLY)
@@ -112,8 +112,6 @@ class Usage:
         """Load the history for ``model_path`` (zeros if none, or if the entry does not match the model: a
         note). A file that is not a routing history is never overwritten: given as ``path`` (``--usage``),
         ``ColiError``; at the default place, it is renamed aside (``<name>.not-history-<n>``) with a note."""
-        from coli.base.errors import ColiError
-
         p = Path(path) if path else default_path(model_path)
         u = cls(p, Path(model_path), n_layers, n_experts)
         if p is None:
@@ -176,8 +174,6 @@ class Usage:
         """Add this run's committed counts to the file's entry for this model and replace the file atomically,
         under a lock on its folder (re-read inside the lock, so another run's save in between is kept).
         ``ColiError`` if the file became something that is not a history; ``OSError`` from the disk."""
-        from coli.base.errors import ColiError
-
         if self.path is None:
             return
         d_counts = self.counts - self._saved_counts

@@ -22,6 +22,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import psutil
+
 from coli.base import settings
 
 GiB = 1 << 30
@@ -80,15 +82,11 @@ def cgroup_limit(root: str = "/") -> tuple[int | None, str]:
 
 def available_ram() -> int:
     """RAM available to new allocations, in bytes (``psutil.virtual_memory().available``: free + reclaimable)."""
-    import psutil
-
     return int(psutil.virtual_memory().available)
 
 
 def process_rss() -> int:
     """This process's resident set in bytes (``psutil.Process().memory_info().rss``)."""
-    import psutil
-
     return int(psutil.Process().memory_info().rss)
 
 

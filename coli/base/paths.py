@@ -9,9 +9,14 @@ stderr and returns None.
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
+import tempfile
 from pathlib import Path
+
+from .errors import ColiError
+from .settings import get
 
 _warned: set = set()
 
@@ -19,10 +24,6 @@ _warned: set = set()
 def cache_root() -> tuple[Path, str]:
     """The cache folder (not created) and where it came from (``"COLI_CACHE=..."``, ``"HOME=..."``).
     ColiError when there is no home folder to put it in."""
-    from .errors import ColiError
-
-    from .settings import get
-
     root = get("COLI_CACHE")
     if root:
         return Path(root), f"COLI_CACHE={root}"
@@ -40,10 +41,6 @@ def cache_root() -> tuple[Path, str]:
 def cache_dir(*parts: str) -> Path:
     """Return (and create) ``<cache>/<parts...>``, checked writable. ColiError naming the variable the
     folder came from when it cannot be made or written."""
-    import tempfile
-
-    from .errors import ColiError
-
     base, origin = cache_root()
     p = base.joinpath(*parts)
     try:
@@ -58,8 +55,6 @@ def cache_dir(*parts: str) -> Path:
 def optional_cache_dir(*parts: str, what: str) -> Path | None:
     """:func:`cache_dir`, or None with one warning line on stderr (once per process) saying ``what`` goes
     without it, for uses that can do without the disk cache."""
-    from .errors import ColiError
-
     try:
         return cache_dir(*parts)
     except ColiError as e:
@@ -76,8 +71,6 @@ def atomic_write_text(path, text: str) -> None:
     """Write ``text`` to ``path`` so that readers see the old file or the whole new one, never a part:
     a temp file in the same folder, fsync, then ``os.replace``; the temp file is removed on any failure.
     The file gets the mode ``open()`` would give it (0666 less the umask)."""
-    import tempfile
-
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -101,8 +94,6 @@ def check_writable_file(path, what: str, overwrite_if=None) -> "Path":
     """ColiError unless ``path``'s folder exists and is writable (user-given output paths: --trace, --usage).
     ``overwrite_if(path) -> bool``: when given and the file exists, it must say the file is one coli wrote
     (coli never overwrites a file it did not write: ColiError otherwise)."""
-    from .errors import ColiError
-
     p = Path(path)
     folder = p.parent if str(p.parent) else Path(".")
     if not folder.is_dir():
@@ -118,8 +109,6 @@ def check_writable_file(path, what: str, overwrite_if=None) -> "Path":
 
 def is_json_array_of_objects(path) -> bool:
     """True when ``path`` holds a JSON array of objects (a Chrome trace as ``--trace`` writes it) or is empty."""
-    import json
-
     try:
         raw = Path(path).read_bytes()
         if not raw.strip():

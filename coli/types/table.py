@@ -41,6 +41,7 @@ Importing this module imports neither numba nor vulkan.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from importlib.metadata import version
 from typing import Callable
 
 import numpy as np
@@ -49,6 +50,7 @@ from gguf import quants as gq
 from gguf.constants import GGML_QUANT_SIZES
 
 from coli.base.errors import ColiError
+from coli.types import fp8_blocks as fb, nvfp4
 
 #: Backends the table knows, in the order of the coverage table.
 BACKENDS = ("cpu", "vulkan")
@@ -125,8 +127,6 @@ TYPES: dict[str, TensorType] = {
 
 # coli's own types: formats coli's loaders make from other checkpoints, never found in a GGUF file.
 def _own_rows() -> dict[str, TensorType]:
-    from coli.types import fp8_blocks as fb
-
     return {fb.NAME: TensorType(fb.NAME, None, fb.BLOCK, fb.TYPE_SIZE, fb.reference, False, (), fb.NAME.lower(),
                                 CPU_ONLY.get(fb.NAME), own="E4M3 weights with an f32 scale per 128x128 block, from FP8 "
                                 "Hugging Face checkpoints (coli/hf_folder.py; layout in coli/types/fp8_blocks.py)",
@@ -139,8 +139,6 @@ TYPES.update(_own_rows())
 # GGUF types gguf.quants decodes but cannot quantize, for which coli ports ggml's quantizer: their test weights
 # (``random``) are real blocks, as for the types gguf quantizes.
 def _ported_quantizers() -> None:
-    from coli.types import nvfp4
-
     TYPES["NVFP4"].random = nvfp4.random_blocks   # ggml quantize_row_nvfp4_ref
 
 
@@ -157,7 +155,6 @@ def get(name: str) -> TensorType:
 
 def _gguf_version() -> str:
     try:
-        from importlib.metadata import version
         return version("gguf")
     except Exception:  # pragma: no cover - metadata missing in an odd install
         return "(unknown version)"
