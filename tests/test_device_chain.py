@@ -43,15 +43,20 @@ def cpu(tiny):
     e.close()
 
 
-def test_every_expert_on_the_cpu(tiny, cpu):
+@pytest.mark.parametrize("chain", [True, False])
+def test_every_expert_on_the_cpu(tiny, cpu, chain):
     """--cpu-moe (COLI_VK_CPU_MOE=-1) alone: every layer on the device, no expert uploaded, every routed pair of a
-    decode row computed on the CPU, the logits the CPU-only run's; prompt rows run on the CPU."""
+    decode row computed on the CPU, the logits the CPU-only run's; prompt rows run on the CPU. ``chain``: one submit
+    a token (the timeline semaphore), else a submit a segment."""
     dev = _engine(tiny, COLI_VK_CPU_MOE=-1)
     try:
         dl = dev.model.device_layers
         assert dl is not None and dl.first == 0 and dev.tier is None
+        assert dl.chain == dev.device.timeline                 # Lavapipe has timeline semaphores (Vulkan 1.3)
+        dl.chain = chain
         assert sorted(dl.resident) == [0, 1, 2, 3] and not any(m.any() for m in dl.resident.values())
         assert "routed experts: 0 of 32 on the device" in dl.describe()
+        assert ("timeline semaphore" in dl.describe()) == chain
         d0 = dev.device.layer_dispatches
         ref, _ = _decode(cpu, IDS, 5)
         got, _ = _decode(dev, IDS, 5)
@@ -64,7 +69,8 @@ def test_every_expert_on_the_cpu(tiny, cpu):
         dev.close()
 
 
-def test_part_resident_by_budget(tiny, cpu):
+@pytest.mark.parametrize("chain", [True, False])
+def test_part_resident_by_budget(tiny, cpu, chain):
     """--n-cpu-moe 1 with --gpu-layers -1 and a --tier-gb that holds the layers and 9 experts: layer 0's experts on
     the CPU, 9 of the others' 24 on the device (the history's order, then lowest ids a layer in turn); a decode row's
     pairs split between the two sides, the logits the CPU-only run's; the run's stats and coli bench's records count
@@ -79,6 +85,7 @@ def test_part_resident_by_budget(tiny, cpu):
     try:
         dl = dev.model.device_layers
         assert dl is not None and dl.first == 0
+        dl.chain = chain
         assert sorted(dl.resident) == [0, 1, 2, 3]
         assert not dl.resident[0].any() and sum(int(dl.resident[il].sum()) for il in (1, 2, 3)) == 9
         ref, _ = _decode(cpu, IDS, 5)
@@ -103,19 +110,48 @@ def test_part_resident_by_budget(tiny, cpu):
         dev.close()
 
 
-def test_device_lost_mid_layer(tiny, cpu, monkeypatch):
-    """The device fails at the second segment of a token (after the first layer's route was read and its CPU
-    experts computed): one line, the layers back on the CPU, the logits the CPU's bits."""
+def test_device_lost_mid_layer_in_one_submit(tiny, cpu, monkeypatch):
+    """One submit a token: the device fails while the host waits for the second layer's route (after the first
+    layer's CPU experts were joined): one line, the layers back on the CPU, the logits the CPU's bits, and the queue
+    drained (the host signalled the token's last value: closing does not hang)."""
     from coli.vulkan import DeviceLost
 
     dev = _engine(tiny, COLI_VK_CPU_MOE=-1)
     try:
         ref, _ = _decode(cpu, IDS[:7], 4)
         dl = dev.model.device_layers
+        assert dl.chain
+        real, calls = dl.K.wait_value, []
+
+        def boom(value):
+            calls.append(value)
+            if len(calls) == 2:
+                raise DeviceLost("simulated")
+            return real(value)
+
+        monkeypatch.setattr(dl.K, "wait_value", boom)
+        got, _ = _decode(dev, IDS[:7], 4)
+        assert len(calls) == 2 and dev.model.device_layers is None and dl.cpu_rows == dl.k
+        assert np.array_equal(got, ref)
+        assert dl._tl == 4                       # a token of 4 cut layers: the host's values 1 .. 4, the last signalled
+    finally:
+        dev.close()
+
+
+def test_device_lost_mid_layer(tiny, cpu, monkeypatch):
+    """A submit a segment: the device fails at the second segment of a token (after the first layer's route was read
+    and its CPU experts computed): one line, the layers back on the CPU, the logits the CPU's bits."""
+    from coli.vulkan import DeviceLost
+
+    dev = _engine(tiny, COLI_VK_CPU_MOE=-1)
+    try:
+        ref, _ = _decode(cpu, IDS[:7], 4)
+        dl = dev.model.device_layers
+        dl.chain = False
         real, calls = dl.K.submit, []
 
         def boom(rec):
-            if any(rec is r for _, r, _ in dl.segs):      # the token's segments (not the K/V rows' upload)
+            if any(rec is r for _, r, _ in dl.segs if r is not None):      # the token's segments (not the K/V rows' upload)
                 calls.append(1)
                 if len(calls) == 2:
                     raise DeviceLost("simulated")

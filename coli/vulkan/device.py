@@ -625,6 +625,9 @@ class Device:
                                      ("bufferDeviceAddress", f12.bufferDeviceAddress)) if not ok]
         if missing:
             raise VulkanError(f"device {self.name} lacks {', '.join(missing)}")
+        #: True when timeline semaphores are on: device layers with experts on the CPU submit a token once
+        #: (coli/vulkan/device_layers.py, docs/vulkan.md "Experts on the CPU")
+        self.timeline = bool(f12.timelineSemaphore)
         sg_stages = sgc.requiredSubgroupSizeStages if have_sgc else 0
         self.subgroup_pinned = bool(have_sgc and fsc.subgroupSizeControl and (sg_stages & _STAGE_COMPUTE)
                                     and sgc.minSubgroupSize <= self.subgroup_size <= sgc.maxSubgroupSize)
@@ -669,6 +672,7 @@ class Device:
         e11.storageBuffer16BitAccess = 1
         e12.storageBuffer8BitAccess = 1
         e12.bufferDeviceAddress = 1
+        e12.timelineSemaphore = 1 if self.timeline else 0
         ef2.pNext = e11
         e11.pNext = e12
         if self.subgroup_pinned:

@@ -15,9 +15,10 @@ it lacks is uploaded before the next row or chunk (``note_forward`` marks rows a
 
 Experts on the CPU (``resident``: llama.cpp's ``--cpu-moe`` / ``--n-cpu-moe``): a layer whose routed experts are not
 all here runs its resident ranks on the device and the others on the CPU from the RAM expert cache, joined mid-layer in
-rank order; the decode program is cut at each such layer (submit, wait, the CPU's ranks while the resident ones run,
-submit the rest: :meth:`DeviceLayers._split_ops`), and its prompt chunks run on the CPU (docs/vulkan.md "Experts on the
-CPU").
+rank order; the decode program is cut at each such layer (:meth:`DeviceLayers._split_ops`) and its segments go in one
+submit a token, the host joining through timeline semaphores (:meth:`DeviceLayers._run_chain`), or, without them, a
+submit and a wait a segment (:meth:`DeviceLayers._run_split`); such layers' prompt chunks run on the CPU
+(docs/vulkan.md "Experts on the CPU").
 
 Which layers: :func:`plan` (the device's budget: each layer's weights and its KV cache; ``COLI_VK_LAYERS``
 sets the count). Which layers qualify: :func:`why_not`, by what a layer needs: its form (pre-norm, or Gemma 3's norms
@@ -663,19 +664,21 @@ class DeviceLayers:
                              [D, sF, 1], type_name=d["sh_types"][1], mode=0)]
         ops += [Copy(self.xn, self.xnh, [(0, 4 * D * j, 4 * D)]),
                 Copy(self.route, self.routehost, [(8 * k * j, 8 * k * j, 8 * k)], wait=False),
-                _Cut(j, "cpu"),
-                Dispatch("lmoe", (-(-F // R), k), [d["tab"].addr, rt, self.xn.addr, self.hbuf.addr], [F, D, k],
-                         type_name=et[0], mode=1)]
-        ops += [Dispatch("lmoe", (-(-D // R),), [d["tab"].addr, rt + 4 * r, self.hbuf.addr + 4 * F * r,
-                                                 yk.addr + 4 * D * r], [D, F, 1, k], type_name=et[1], mode=0,
-                         wait=r == 0) for r in range(k)]
+                _Cut(j, "cpu")]
+        if self.resident[d["il"]].any():     # else no X segment: the host computes every rank
+            ops.append(Dispatch("lmoe", (-(-F // R), k), [d["tab"].addr, rt, self.xn.addr, self.hbuf.addr],
+                                [F, D, k], type_name=et[0], mode=1))
+            ops += [Dispatch("lmoe", (-(-D // R),), [d["tab"].addr, rt + 4 * r, self.hbuf.addr + 4 * F * r,
+                                                     yk.addr + 4 * D * r], [D, F, 1, k], type_name=et[1], mode=0,
+                             wait=r == 0) for r in range(k)]
         ops += [_Cut(j, "x"), Dispatch("moe_sum", (1,), [yk.addr, self.hs.addr, yk.addr], [D, k + 1, 0])]
         return ops
 
     def _record_split(self) -> None:
         """The decode token's program cut where the host joins (:meth:`_split_ops`): ``segs`` [(kind, Recorded, j)],
-        kind "S" (submitted and waited for; j: the layer whose route the host reads after it, or None at the end)
-        or "X" (the resident ranks of layer j, started without a wait while the host computes the CPU's)."""
+        kind "S" (j: the layer whose route the host reads after it, None for the last) or "X" (layer j's resident
+        ranks; None when that layer has none on the device). ``chain`` (the device has timeline semaphores): the
+        segments go in one submit a token (:meth:`_run_chain`), else one submit a segment (:meth:`_run_split`)."""
         K, n = self.K, len(self.per)
         self.zeros = K.buffer(4 * self.D * (self.k + 1), host=False)
         K.upload(self.zeros, np.zeros(self.D * (self.k + 1), np.float32))
@@ -687,56 +690,99 @@ class DeviceLayers:
             if not isinstance(op, _Cut):
                 cur.append(op)
                 continue
-            j = op.j if op.kind == "cpu" else None if op.kind == "end" else op.j
-            rec = K.record(cur, timestamps=True, lead=bool(self.segs))
+            j = None if op.kind == "end" else op.j
+            rec = K.record(cur, timestamps=True, lead=bool(self.segs)) if cur else None
             self.segs.append((kind, rec, j))
             kind, cur = ("X" if op.kind == "cpu" else "S"), []
         self.rec = None
+        self.chain = bool(getattr(self.dev, "timeline", False))
+        self._tl = 0            # the timeline semaphore's value after the last token
+
+    def _route(self, j: int):
+        """Layer ``j``'s route as the device wrote it: ids int64 [k], weights f32 [k], and which ranks are resident."""
+        k = self.k
+        rr = self.routehost.u32(2 * k * (j + 1))[2 * k * j:]
+        ids = rr[:k].astype(np.int64)
+        return ids, rr[k:2 * k].view(np.float32).copy(), self.resident[self.per[j]["il"]][ids]
+
+    def _cpu_ranks(self, j: int, ids, w, on_dev) -> None:
+        """The CPU's ranks of layer ``j`` (the RAM expert cache, the CPU kernels, the engine's activations) into their
+        rows of its ``yk``: ``w_r * expert_r(x)``."""
+        k, D = self.k, self.D
+        ranks = np.flatnonzero(~on_dev)
+        self.dev_rows += k - len(ranks)
+        self.cpu_rows += len(ranks)
+        if len(ranks):
+            x = self.xnh.f32(D * (j + 1))[D * j:].reshape(1, D).copy()
+            out = self.m.step.row_experts(self.per[j]["il"], x, [int(e) for e in ids[ranks]])
+            self.yk[j].f32((k + 1) * D).reshape(k + 1, D)[ranks] = w[ranks, None] * out
 
     def _run_split(self) -> None:
-        """One decode token through the segments (:meth:`_record_split`): submit a segment, read the layer's route and
-        FFN input, start its resident ranks, compute the CPU's ranks (the RAM expert cache, the CPU kernels, the
-        engine's activations) into their rows of ``yk``, submit the next segment (it waits for both)."""
-        K, k, D = self.K, self.k, self.D
+        """One decode token, a submit a segment: submit a segment and wait, read the layer's route and FFN input, start
+        its resident ranks (when the token has some), compute the CPU's ranks meanwhile, submit the next segment (it
+        waits for both)."""
+        from coli.vulkan import DeviceLost
+
+        K = self.K
         started, pend = None, None
-        step = self.m.step
         for kind, rec, j in self.segs:
             if kind == "S":
                 t0 = time.perf_counter()
                 K.submit(rec)
                 self.submit_s += time.perf_counter() - t0
+                self.gpu_s += (K.gpu_ms(rec) or 0.0) / 1e3
                 if started is not None:
                     if not K.wait(started):
                         self.dev._mark_lost("fence wait of the resident experts failed")
-                        from coli.vulkan import DeviceLost
-
                         raise DeviceLost("fence wait of the resident experts failed")
-                    g = K.gpu_ms(started)
-                    self.gpu_s += (g or 0.0) / 1e3
+                    self.gpu_s += (K.gpu_ms(started) or 0.0) / 1e3
                     started = None
-                g = K.gpu_ms(rec)
-                self.gpu_s += (g or 0.0) / 1e3
                 if j is not None:
-                    rr = self.routehost.u32(2 * k * (j + 1))[2 * k * j:]
-                    ids = rr[:k].astype(np.int64)
-                    w = rr[k:2 * k].view(np.float32).copy()
-                    pend = (j, ids, w)
+                    pend = (j,) + self._route(j)
                 continue
-            j, ids, w = pend
-            d = self.per[j]
-            on_dev = self.resident[d["il"]][ids]
-            if on_dev.any():
-                K.start(rec)
+            j, ids, w, on_dev = pend
+            if rec is not None and on_dev.any():
+                if not K.start(rec):
+                    raise DeviceLost("the resident experts' command buffer still ran")
                 self.dev.dispatches += rec.dispatches
                 self.dev.layer_dispatches += rec.dispatches
                 started = rec
-            ranks = np.flatnonzero(~on_dev)
-            self.dev_rows += k - len(ranks)
-            self.cpu_rows += len(ranks)
-            if len(ranks):
-                x = self.xnh.f32(D * (j + 1))[D * j:].reshape(1, D).copy()
-                out = step.row_experts(d["il"], x, [int(e) for e in ids[ranks]])
-                self.yk[j].f32((k + 1) * D).reshape(k + 1, D)[ranks] = w[ranks, None] * out
+            self._cpu_ranks(j, ids, w, on_dev)
+
+    def _run_chain(self) -> None:
+        """One decode token in one submit (timeline semaphores, ``Kernels.submit_batches``): segment S_i signals
+        value base + i + 1 of the device's timeline once layer i's route is out (the host waits for it, reads the
+        route, computes the CPU's ranks into ``yk``), X_i (layer i's resident ranks) runs beside the host, and
+        S_i+1 waits for value base + i + 1 of the host's timeline, which the host signals once it wrote those rows.
+        On any failure the host signals its last value, so the queue drains before the caller goes on."""
+        K = self.K
+        S = [(rec, j) for kind, rec, j in self.segs if kind == "S"]
+        X = [rec for kind, rec, j in self.segs if kind == "X"]
+        n, base = len(X), self._tl
+        batches = []
+        for i, (rec, j) in enumerate(S):
+            batches.append(([rec], base + i if i else 0, base + i + 1 if j is not None else 0))
+            if i < n and X[i] is not None:
+                batches.append(([X[i]], 0, 0))
+        top, done = base + n, base
+        t0 = time.perf_counter()
+        try:
+            K.submit_batches(batches)
+            for i in range(n):
+                K.wait_value(base + i + 1)
+                self._cpu_ranks(S[i][1], *self._route(S[i][1]))
+                K.signal(base + i + 1)
+                done = base + i + 1
+            K.wait_batches()
+        finally:
+            self._tl = top
+            if done < top:
+                try:
+                    K.signal(top)
+                except Exception:  # noqa: BLE001 - a lost device: the caller's DeviceLost says so
+                    pass
+        self.submit_s += time.perf_counter() - t0
+        self.gpu_s += sum((K.gpu_ms(r) or 0.0) for r in [rec for rec, _ in S] + [x for x in X if x is not None]) / 1e3
 
     @property
     def takes_prompts(self) -> bool:
@@ -892,7 +938,7 @@ class DeviceLayers:
         self.params.u32(4)[0] = pos0
         self.hin.f32(D)[:] = h.reshape(-1)
         if self.segs:
-            self._run_split()
+            (self._run_chain if self.chain else self._run_split)()
             self.dev_rows += self.k * (len(self.per) - len(self.resident))   # the layers whose experts are all here
         else:
             t0 = time.perf_counter()
@@ -1142,9 +1188,10 @@ class DeviceLayers:
             E = self.E
             res = sum(int(self.resident[il].sum()) if il in self.resident else E for il in self.layers)
             cut = len(self.resident)
+            how = ("one submit a token, the host joining through a timeline semaphore" if self.chain else
+                   "a submit and a wait each: the program cut there")
             ex = (f"routed experts: {res} of {E * n} on the device, the rest on the CPU (RAM expert cache) joined "
-                  f"mid-layer in {cut} layer{'s' if cut != 1 else ''} (a submit and a wait each: the program cut "
-                  f"there), prompt chunks on the CPU")
+                  f"mid-layer in {cut} layer{'s' if cut != 1 else ''} ({how}), prompt chunks on the CPU")
         return (f"{which} of {len(self.m.layers)}{' and the head' if self.head else ''} on the device "
                 f"({self.weight_bytes / 2**30:.2f} GiB of weights, KV cache {self.ctx} positions); {ex}")
 
@@ -1163,7 +1210,8 @@ class DeviceLayers:
             self.K.free(self.rec)
             self.rec = None
         for _, rec, _ in self.segs:
-            self.K.free(rec)
+            if rec is not None:
+                self.K.free(rec)
         self.segs = []
         for rec in self._precs.values():
             self.K.free(rec)

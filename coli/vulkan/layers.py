@@ -428,11 +428,109 @@ class Kernels:
             dev._mark_lost(why)
             raise DeviceLost(why)
 
+    # -- one submit of several batches, joined by the host through a timeline semaphore ----------------------
+    def _timeline(self, which: int = 0):
+        """Timeline semaphore ``which`` (``VkSemaphore[1]``, made at first use, value 0): 0 the host signals and
+        batches wait for, 1 batches signal and the host waits for (two, so that a host that gives up can signal
+        its last value at once without running ahead of values the device still signals)."""
+        tl = getattr(self, "_tl", None)
+        if tl is None:
+            tl = self._tl = [None, None]
+        if tl[which] is None:
+            sti = _s("VkSemaphoreTypeCreateInfo")
+            sti.sType = vk.VK_STRUCTURE_TYPE_SEMAPHORE_TYPE_CREATE_INFO
+            sti.semaphoreType = vk.VK_SEMAPHORE_TYPE_TIMELINE
+            sti.initialValue = 0
+            sci = _s("VkSemaphoreCreateInfo")
+            sci.sType = vk.VK_STRUCTURE_TYPE_SEMAPHORE_CREATE_INFO
+            sci.pNext = sti
+            sem = ffi.new("VkSemaphore[1]")
+            _chk(lib.vkCreateSemaphore(self.dev._dev, sci, ffi.NULL, sem), "vkCreateSemaphore")
+            tl[which] = sem
+        return tl[which]
+
+    def submit_batches(self, batches: list) -> None:
+        """One ``vkQueueSubmit`` of ``batches`` [(recs, wait, signal)]: each batch's :class:`Recorded` command buffers,
+        waiting (at its compute and transfer stages) for value ``wait`` of the host's timeline (0: none) and
+        signalling value ``signal`` of the device's (0: none) when done; the last batch signals the fence
+        :meth:`wait_batches` waits for. The host signals its values (:meth:`signal`) and waits for the device's
+        (:meth:`wait_value`). DeviceLost when the submit fails."""
+        dev, sem, dsem = self.dev, self._timeline(0), self._timeline(1)
+        n = len(batches)
+        subs = ffi.new("VkSubmitInfo[]", n)
+        keep = []
+        stage = ffi.new("VkPipelineStageFlags[1]", [_PSTAGE_COMPUTE | _PSTAGE_TRANSFER])
+        for i, (recs, w, sg) in enumerate(batches):
+            cbs = ffi.new("VkCommandBuffer[]", [r.arr[0] for r in recs])
+            tsi = _s("VkTimelineSemaphoreSubmitInfo")
+            tsi.sType = vk.VK_STRUCTURE_TYPE_TIMELINE_SEMAPHORE_SUBMIT_INFO
+            sub = subs[i]
+            sub.sType = vk.VK_STRUCTURE_TYPE_SUBMIT_INFO
+            sub.pNext = tsi
+            sub.commandBufferCount = len(recs)
+            sub.pCommandBuffers = cbs
+            keep += [cbs, tsi]
+            if w:
+                wv = ffi.new("uint64_t[1]", [int(w)])
+                sub.waitSemaphoreCount, sub.pWaitSemaphores, sub.pWaitDstStageMask = 1, sem, stage
+                tsi.waitSemaphoreValueCount, tsi.pWaitSemaphoreValues = 1, wv
+                keep.append(wv)
+            if sg:
+                sv = ffi.new("uint64_t[1]", [int(sg)])
+                sub.signalSemaphoreCount, sub.pSignalSemaphores = 1, dsem
+                tsi.signalSemaphoreValueCount, tsi.pSignalSemaphoreValues = 1, sv
+                keep.append(sv)
+            nd = sum(r.dispatches for r in recs)
+            dev.dispatches += nd
+            dev.layer_dispatches += nd
+        f = self._fence(self)
+        _chk(lib.vkResetFences(dev._dev, 1, f), "vkResetFences")
+        r = lib.vkQueueSubmit(dev._queue, n, subs, f[0])
+        if r != 0:
+            dev._mark_lost(f"vkQueueSubmit returned {r}")
+            raise DeviceLost(f"vkQueueSubmit returned {r}")
+
+    def wait_value(self, value: int) -> None:
+        """Wait until the device has signalled ``value`` of its timeline (the device's timeout); DeviceLost
+        otherwise."""
+        wi = _s("VkSemaphoreWaitInfo")
+        wi.sType = vk.VK_STRUCTURE_TYPE_SEMAPHORE_WAIT_INFO
+        wi.semaphoreCount = 1
+        wi.pSemaphores = self._timeline(1)
+        v = ffi.new("uint64_t[1]", [int(value)])
+        wi.pValues = v
+        r = lib.vkWaitSemaphores(self.dev._dev, wi, self.dev._timeout_ns)
+        if r != 0:
+            why = "semaphore wait timed out" if r == _TIMEOUT else f"vkWaitSemaphores returned {r}"
+            self.dev._mark_lost(why)
+            raise DeviceLost(why)
+
+    def signal(self, value: int) -> None:
+        """Signal ``value`` of the host's timeline (the batches waiting for it may start)."""
+        si = _s("VkSemaphoreSignalInfo")
+        si.sType = vk.VK_STRUCTURE_TYPE_SEMAPHORE_SIGNAL_INFO
+        si.semaphore = self._timeline(0)[0]
+        si.value = int(value)
+        _chk(lib.vkSignalSemaphore(self.dev._dev, si), "vkSignalSemaphore")
+
+    def wait_batches(self) -> None:
+        """Wait for the fence of the last :meth:`submit_batches`; DeviceLost when the wait fails."""
+        dev = self.dev
+        r = lib.vkWaitForFences(dev._dev, 1, self._fence(self), 1, dev._timeout_ns)
+        if r != 0:
+            why = "fence wait timed out" if r == _TIMEOUT else f"vkWaitForFences returned {r}"
+            dev._mark_lost(why)
+            raise DeviceLost(why)
+
     def close(self) -> None:
         """Destroy the pipelines, the buffers made here, the layout and the fence (the device's close calls it)."""
         d = self.dev._dev
         if d is None:
             return
+        for sem in getattr(self, "_tl", None) or []:
+            if sem is not None:
+                lib.vkDestroySemaphore(d, sem[0], ffi.NULL)
+        self._tl = None
         for p in self._pipes.values():
             lib.vkDestroyPipeline(d, p, ffi.NULL)
         self._pipes = {}
