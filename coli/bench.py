@@ -33,6 +33,7 @@ import datetime as _dt
 import io
 import json
 import os
+import platform
 import re
 import subprocess
 import time
@@ -41,6 +42,8 @@ from pathlib import Path
 import numpy as np
 
 from coli.base.errors import ColiError
+from coli.base.progress import compile_seconds
+from coli.engine import engine_threads
 from coli.gguf_file import file_type_name
 
 FIELDS = ["build_commit", "build_number", "cpu_info", "gpu_info", "backends", "model_filename", "model_type",
@@ -109,7 +112,7 @@ def _tokens(eng, n, seed=1234):
 
 # -- the memory-read probe ---------------------------------------------------------------------------------
 def _probe_kernel():
-    import numba
+    import numba  # here, not at the top: cpu_kernels chooses Numba's threading layer before numba loads
 
     @numba.njit(parallel=True, cache=True, fastmath=True)
     def read_all(a, n_chunks):  # pragma: no cover - compiled
@@ -132,7 +135,7 @@ def memory_read_gbps(nbytes: int = 256 << 20, reps: int = 3, threads: int | None
     """Memory-read bandwidth in GB/s (1e9 bytes/s): the best of ``reps`` passes of a Numba parallel sum over
     a float32 buffer of ``nbytes`` (default 256 MiB, beyond the CPU caches), on ``threads`` Numba threads
     (the calling thread's count when None). Compile time is outside the timed passes."""
-    import numba
+    import numba  # here, not at the top: cpu_kernels chooses Numba's threading layer before numba loads
 
     global _PROBE
     if _PROBE is None:
@@ -204,7 +207,6 @@ def _cpu_info() -> str:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    import platform
 
     return platform.processor() or platform.machine()
 
@@ -256,10 +258,7 @@ def run_bench(eng, n_prompt=128, n_gen=64, reps=5, cold=False, threads=None, ban
     the memory-read probe at each thread count; ``on_test(record)``: called after each test; ``warmup``:
     one untimed run before each test (``coli tune`` warms each engine once itself).
     ColiError for a thread count above Numba's pool (``NUMBA_NUM_THREADS``)."""
-    import numba
-
-    from coli.engine import engine_threads
-    from coli.base.progress import compile_seconds
+    import numba  # here, not at the top: cpu_kernels chooses Numba's threading layer before numba loads
 
     pp = [n_prompt] if isinstance(n_prompt, int) else list(n_prompt)
     tg = [n_gen] if isinstance(n_gen, int) else list(n_gen)

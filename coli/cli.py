@@ -8,19 +8,26 @@ a name coli can fetch (``coli models``).
 User errors (``ColiError``) print one line ``coli: <message>`` on stderr and exit with code 2. Ctrl-C exits 130
 and SIGTERM 143, both after the stats line and the routing history's save; a closed or broken stdout ends
 the run quietly (exit 0).
+
+Each command imports what it runs inside its function (the engine with Numba and the kernels, the server, the
+tuner, the GGUF reader): ``coli --help`` and a flag's error line come without loading them.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
+import signal
 import sys
 import time
 from pathlib import Path
 
 from coli.base import settings
 from coli.base.errors import ColiError
-from coli.fetch import MODEL_NAMES  # the names -m takes besides a path (coli models lists them)
+from coli.base.paths import cache_dir
+from coli.fetch import MODEL_NAMES, MODELS, check_folder, resolve  # MODEL_NAMES: the names -m takes besides a path
+from scheduler.trace import CATEGORIES, summarize
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
@@ -39,7 +46,6 @@ def resolve_model(name, quiet=False):
     (``coli.fetch.resolve``)."""
     if name is None:
         return None
-    from coli.fetch import resolve
 
     return resolve(name, quiet=quiet)
 
@@ -364,8 +370,6 @@ def cmd_serve(a) -> int:
 
 def cmd_models(a) -> int:
     from coli.demo import demo_file_name
-    from coli.fetch import MODELS
-    from coli.base.paths import cache_dir
 
     rows = []
     for name in ("smollm2", "gemma3-270m", "qwen2.5-coder-0.5b"):
@@ -446,7 +450,6 @@ def cmd_info(a) -> int:
 
     path = a.model_pos or a.model
     if path is not None and os.path.isdir(path):  # a Hugging Face folder, as coli reads it (coli/hf_folder.py)
-        from coli.fetch import check_folder
         from coli.hf_folder import open_folder
 
         check_folder(path)
@@ -504,10 +507,6 @@ def cmd_plan(a) -> int:
 def cmd_trace(a) -> int:
     """``coli trace FILE``: a ``--trace`` file's totals per category, the overlap of device and CPU time and the
     share of device time hidden behind the CPU (``scheduler.trace.summarize`` defines them)."""
-    import json
-
-    from scheduler.trace import CATEGORIES, summarize
-
     try:
         events = json.loads(Path(a.trace).read_text())
     except (OSError, ValueError) as e:
@@ -670,8 +669,6 @@ def _say(text: str, stream) -> None:
 def _close(eng) -> None:
     """``eng.close()`` (saves the routing history) with SIGINT and SIGTERM held back until it is done, so a
     second Ctrl-C or a repeated SIGTERM cannot cut the save short."""
-    import signal
-
     sigs = {signal.SIGINT, signal.SIGTERM}
     try:
         old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
@@ -706,8 +703,6 @@ def _devnull_stdout() -> None:
 
 
 def main(argv=None) -> int:
-    import signal
-
     if sys.stdout is None:
         sys.stdout = _ClosedStdout()
     if sys.stderr is None:  # 2>&-: notes go nowhere rather than into stdout (print(file=None) means stdout)

@@ -25,6 +25,10 @@ recommending. ``--save`` writes the recommendation to :func:`config_path` (``[ru
 ``io_threads``, ``threading_layer``), which ``coli run`` reads (:func:`load_config`).
 
 Errors: ``ColiError`` naming the option or file.
+
+Numba, cpu_kernels, the engine and matplotlib are imported inside the functions that use them: ``coli run`` reads
+the saved config (``load_config``, ``apply_layer``) before Numba loads, so that its threading layer still applies,
+and matplotlib loads only to draw the plot.
 """
 from __future__ import annotations
 
@@ -34,9 +38,17 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+import tomllib
 from pathlib import Path
 
+import numpy as np
+import psutil
+
 from coli.base.errors import ColiError
+from coli.base.paths import atomic_write_text
+from coli.base.progress import bar
+from coli.fetch import resolve
 
 CSV_FIELDS = ["model", "layer", "threads", "io_threads", "device", "balance", "rep", "n_prompt", "n_gen",
               "prefill_tps", "decode_tps", "decode_weight_gbps", "load_avg"]
@@ -72,8 +84,6 @@ def load_config(path: Path | None = None) -> tuple[dict, Path | None]:
     ColiError naming the file for bad TOML, a bad value (``threads`` an int >= 1, ``io_threads`` an int in
     1..``coli.runtime.IO_THREADS_MAX``, ``threading_layer`` one of :data:`LAYERS`) or a key coli does not know
     (a misspelt key would otherwise be ignored without a word)."""
-    import tomllib
-
     from coli.runtime import IO_THREADS_MAX
 
     p = Path(path) if path is not None else config_path()
@@ -118,7 +128,6 @@ def save_config(rec: dict, note: str, path: Path | None = None) -> Path:
     lines = [f"# coli tune, {_dt.datetime.now().strftime('%Y-%m-%d %H:%M')}: {note}", "[run]",
              f"threads = {int(rec['threads'])}", f"io_threads = {int(rec['io_threads'])}",
              f'threading_layer = "{rec["layer"]}"', ""]
-    from coli.base.paths import atomic_write_text
 
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
@@ -155,8 +164,6 @@ def usable_layers() -> list[str]:
 
 def default_threads_list() -> list[int]:
     """1 .. physical cores available, then the logical count when larger."""
-    import psutil
-
     import cpu_kernels
 
     phys = cpu_kernels.default_threads()
@@ -227,7 +234,6 @@ def _run_layer(spec: dict, on_record) -> None:
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    import tempfile
 
     with tempfile.TemporaryFile(mode="w+") as errf:  # a file, not a pipe: a chatty worker never blocks
         p = subprocess.Popen([sys.executable, "-m", "coli.tune", "--worker", json.dumps(spec)],
@@ -250,8 +256,6 @@ def _run_layer(spec: dict, on_record) -> None:
 
 def summarize(rows: list[dict]) -> list[dict]:
     """One entry a point: its settings, n runs, mean/min/max of prefill and decode tok/s."""
-    import numpy as np
-
     keys = ("layer", "threads", "io_threads", "device", "balance")
     groups: dict = {}
     for r in rows:
@@ -343,9 +347,6 @@ def cmd_tune(a) -> int:
     """``coli tune -m MODEL [--device cpu|vulkan] [--out DIR] [--save] [--threads LIST] [--io-threads LIST]
     [--layers LIST] [--reps N] [-p N] [-n N] [--max-load X]``."""
     from coli.bench import parse_int_list
-    from coli.base.progress import bar
-
-    from coli.fetch import resolve
 
     a.model = resolve(a.model or "demo", quiet=False)   # a path or a name -m takes (smollm2, demo, ...)
     if not os.path.isfile(a.model):
