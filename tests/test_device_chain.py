@@ -212,3 +212,29 @@ def test_cli_flags(tiny, capsys):
         assert main(["run", "-m", str(tiny), "-n", "2", "-p", "hi", *argv]) == 2, argv
         err = capsys.readouterr().err
         assert msg in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_demo_moe_tokens(demo_path):
+    """The demo MoE (30 layers, 8 experts top-2, Q8_0 experts) with every layer on the device: every expert on the CPU
+    (--cpu-moe) and the last 15 layers' experts resident (--n-cpu-moe 15): 6 greedy tokens equal to the CPU-only
+    run's with int8 activations on both sides, each side's expert rows as placed."""
+    from coli.engine import Engine
+
+    cpu = Engine(demo_path, cpu_act="int8", quiet=True, silent=True, save_usage=False, ctx=64)
+    try:
+        ids = cpu.tokenize("The capital of France is")
+        ref = list(cpu.generate(ids=ids, max_tokens=6, temp=0.0, stop_at_eos=False).ids)
+    finally:
+        cpu.close()
+    for n_cpu in (-1, 15):
+        e = Engine(demo_path, cpu_act="int8", device="vulkan", env=settings.overlay(None, COLI_VK_CPU_MOE=n_cpu),
+                   quiet=True, silent=True, save_usage=False, ctx=64)
+        try:
+            dl = e.model.device_layers
+            assert dl is not None and dl.first == 0 and len(dl.resident) == (30 if n_cpu < 0 else 15)
+            r = e.generate(ids=ids, max_tokens=6, temp=0.0, stop_at_eos=False)
+            assert list(r.ids) == ref, n_cpu
+            assert r.stats["device_decode_rows"] == 5 and dl.cpu_rows == 5 * 2 * len(dl.resident)
+            assert (r.stats["device_expert_rows"] > 0) == (n_cpu > 0)
+        finally:
+            e.close()
