@@ -23,7 +23,7 @@ JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 def _error(message, param):
-    from coli.server import APIError
+    from coli.server import APIError  # coli.server imports this module: the two would import each other
 
     return APIError(400, message, param=param)
 

@@ -66,7 +66,7 @@ def _bad_weight_row(w):
             return int(np.argmax(bad.reshape(bad.shape[0], -1).any(axis=1))), "NaN code", None
     arrays = w.arrays
     if w.layout == "t16":  # the f16 scales inside the tile records (cpu_kernels.tiles)
-        from cpu_kernels import tiles
+        from cpu_kernels import tiles  # loads Numba: only to locate a bad row
 
         if tiles.f16_scales_finite(w.name, w.arrays[0], *w.shape):   # their bits only: no f32 copy (expert loads)
             return None
@@ -112,7 +112,7 @@ def first_bad_raw_row(type_name: str, raw: np.ndarray) -> int | None:
     else:
         t = tensor_types.get(type_name)
         if not t.scale_offsets:
-            from cpu_kernels import formats
+            from cpu_kernels import formats  # loads Numba: only to locate a bad row
 
             bad = _bad_weight_row(formats.prepare(type_name, raw, (O, raw.shape[1] // t.type_size * t.block_size)))
             return None if bad is None else bad[0]

@@ -35,7 +35,7 @@ HERMES_SYSTEM = ("# Tools\n\nYou may call one or more functions to assist with t
 
 
 def _error(message, param):
-    from coli.server import APIError
+    from coli.server import APIError  # coli.server imports this module: the two would import each other
 
     return APIError(400, message, param=param)
 

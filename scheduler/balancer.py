@@ -312,7 +312,7 @@ def simulate(phases, steps_per_phase: int = 150, rows: int = 32, resident: float
 
 
 def _plot(path: str) -> None:  # pragma: no cover - docs helper
-    import matplotlib
+    import matplotlib  # heavy and only for the plot
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -85,7 +85,7 @@ def stderr_is_terminal() -> bool:
 def bar(total=None, desc: str = "", unit: str = "it", **kw):
     """A ``tqdm`` progress bar on stderr, never drawn unless stderr is a terminal; ``disable=True`` turns it
     off there too (``None``/``False``: the terminal decides)."""
-    from tqdm import tqdm
+    from tqdm import tqdm  # tqdm loads only when a bar is drawn
 
     kw["disable"] = bool(kw.get("disable")) or not stderr_is_terminal()
     return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False, dynamic_ncols=True, **kw)
@@ -106,7 +106,7 @@ def install() -> None:
     with _install_lock:
         if _installed:
             return
-        import numba.core.event as ev
+        import numba.core.event as ev  # loads Numba: only when an engine installs the notice
 
         class _LockClock(ev.Listener):
             # the compiler lock is re-entrant: count only the outermost hold of each thread

@@ -420,7 +420,7 @@ class Model:
         only per-sequence part is ``blocks.Attention`` (``many_rows``) over a ``blocks.KV`` cache, the family
         keeps this class's ``forward``, and no layer runs on the device. Else ``forward_rows`` runs the
         sequences one after the other (the same results, no sharing of the weights' reads)."""
-        from .blocks import Attention
+        from .blocks import Attention  # blocks imports this module: a circle at import time
 
         return (type(self).forward is Model.forward and self.device_layers is None
                 and all(getattr(L, "many_rows", False) and type(L.attn).__call__ is Attention.__call__
@@ -433,7 +433,7 @@ class Model:
         them), attention per sequence on its own cache (``blocks.Rows``); a row's logits are the bits it gets
         in :meth:`forward` alone (docs/engine.md "Batch invariance"), which ``tests/test_slots.py`` checks.
         ColiError when a sequence does not fit its cache."""
-        from .blocks import Rows
+        from .blocks import Rows  # blocks imports this module: a circle at import time
 
         if len(parts) == 1 or not self.batches_rows():
             return [self.forward(ids, c) for ids, c in parts]

@@ -20,13 +20,14 @@ import numpy as np
 
 from coli.base.errors import ColiError
 from cpu_kernels import decode as _decode
+from cpu_kernels import decode_moe
 from cpu_kernels import experts as grouped
 from cpu_kernels import router as _router
 from cpu_kernels.attention import attend
 from cpu_kernels.norms import geglu_tanh, rms_norm, rms_norm_heads, swiglu
 from cpu_kernels.rope import apply_rope
 
-from .base import any_rows
+from .base import any_rows, below_one
 
 
 class KV:
@@ -313,8 +314,6 @@ class MoE:
         the next tensor's bytes."""
         E, D = m.args.n_experts, m.args.d_model
         if E <= 0:
-            from .base import below_one
-
             raise below_one(m.g, "expert_count", f"the layer has routed experts '{p}ffn_gate_exps.weight'")
         gate = m.wt.info(p + "ffn_gate_exps.weight")
         F = int(gate.shape[1]) if len(gate.shape) == 3 else -1
@@ -363,8 +362,6 @@ class MoE:
         """The compiled decode region of the whole layer (``attn_dec``'s attention block, then this MoE block's
         ``rms_norm(h, w_norm)``, router, top-k and routed experts: ``cpu_kernels.decode_moe.MoELayerDecode``), or
         None where it cannot run (the caller runs the blocks apart)."""
-        from cpu_kernels import decode_moe
-
         return decode_moe.MoELayerDecode.of(attn_dec, self, w_norm, self.m.args.eps)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:

@@ -118,7 +118,7 @@ class RopeScaling:
     def table(self, n_pos: int, n_rot: int, base: float) -> tuple[np.ndarray, np.ndarray]:
         """cos, sin f32 [n_pos, n_rot // 2], computed in float64 (the layout of
         ``cpu_kernels.rope.rope_table``, which this equals bit for bit when ``is_identity``)."""
-        from cpu_kernels.rope import rope_table
+        from cpu_kernels.rope import rope_table  # loads Numba: only when a table is built
 
         if self.is_identity:
             return rope_table(n_pos, n_rot, base)

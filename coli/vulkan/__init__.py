@@ -82,7 +82,7 @@ def open_device(label: str, *, budget=None, block_bytes: int | None = None, stag
             if not (S.shader_dir() / S.spv_name(k, t)).exists():
                 raise FileNotFoundError(f"missing shaders ({S.shader_dir() / S.spv_name(k, t)})")
         _load_binding()
-        from .device import Device
+        from .device import Device  # loads the vulkan binding: only when a device is opened
         kw = {} if block_bytes is None else {"block_bytes": block_bytes}
         dev = Device(label, budget=budget, staging=staging, device_index=device_index, index_name=index_name, **kw)
     except Exception as e:  # any failure: the CPU runs instead (or the caller's error, when required)
