@@ -5,7 +5,12 @@
 // a0 logits f32 [R, E], a1 route uint [R, 2k] (a row's ids [k], then the weights' float bits [k])
 // u0 E (<= 512), u1 k (<= 32), u2 flags: bit0 renormalise the k weights to sum 1; bit 1 gpt-oss's rule instead
 // (coli/models/gptoss.py topk_softmax): the top k of the logits themselves (the same order and ties), weights the
-// softmax over the k chosen logits. groups: (R, 1, 1), one a row.
+// softmax over the k chosen logits; bit 2 the DeepSeek rule (coli/models/blocks.py deepseek_route): scores p the
+// softmax, or with bit 3 the sigmoid, of the logits; the choice on c = p + bias (bit 4: a2 bias f32 [E], the
+// correction bias), with u3 groups > 1 the experts in u3 contiguous groups, the u4 best by their score (u5 0: the
+// group's best c, 1: the sum of its two best) kept and the others' c = -inf (groups ranked as experts are: value,
+// then id); weights p[ids], renormalised by sum + 1e-20 with bit 0, times u6 (float bits: the routed scaling factor).
+// groups: (R, 1, 1), one a row.
 // Every p is ranked by counting the p that come before it (a strict total order: value, then id), so ids need
 // no sort and no iterative argmax; an invocation stops counting once k come before its expert. The renormalising
 // sum follows NumPy's (pairwise_sum of up to 128 floats: in order below 8, else 8 running sums), so with equal p
@@ -19,6 +24,10 @@ layout(local_size_x_id = 0) in;
 #define MAXE 512u
 #define MAXK 32u
 shared float P[MAXE];
+#define MAXG 64u
+shared float C[MAXE];      // the DeepSeek rule's choice scores
+shared float GS[MAXG];     // and its groups' scores
+shared bool GK[MAXG];      // kept groups
 shared uint SID[MAXK];
 shared float SW[MAXK];
 
@@ -33,6 +42,7 @@ void main() {
     uint E = min(pc.u[0], MAXE), K = min(pc.u[1], MAXK);
     bool tks = (pc.u[2] & 2u) != 0u;
     bool renorm = tks || (pc.u[2] & 1u) != 0u;
+    bool ds = (pc.u[2] & 4u) != 0u, sig = ds && (pc.u[2] & 8u) != 0u;
     uint t = gl_LocalInvocationIndex, WG = gl_WorkGroupSize.x;
     uint row = gl_WorkGroupID.x;
     F32 L = F32(pc.a[0] + uint64_t(4u * row * pc.u[0]));
@@ -56,18 +66,49 @@ void main() {
     }
     s = wg_sum(s);
     if (!tks) {
-        for (uint e = t; e < E; e += WG) P[e] = P[e] / s;
+        for (uint e = t; e < E; e += WG) P[e] = sig ? 1.0 / (1.0 + exp(-L.v[e])) : P[e] / s;
+    }
+    if (ds) {                        // the choice scores, then the groups that keep their experts
+        bool hasb = (pc.u[2] & 16u) != 0u;
+        for (uint e = t; e < E; e += WG) C[e] = hasb ? P[e] + F32(pc.a[2]).v[e] : P[e];
+        uint ng = min(max(pc.u[3], 1u), MAXG), gsz = E / ng;
+        barrier();
+        if (ng > 1u) {
+            for (uint g = t; g < ng; g += WG) {
+                float b1 = -1.0 / 0.0, b2 = -1.0 / 0.0;      // the group's best and second best
+                for (uint i = 0u; i < gsz; i++) {
+                    float v = C[g * gsz + i];
+                    if (v > b1) { b2 = b1; b1 = v; } else if (v > b2) b2 = v;
+                }
+                GS[g] = (pc.u[5] == 1u && gsz > 1u) ? b2 + b1 : b1;
+            }
+            barrier();
+            for (uint g = t; g < ng; g += WG) {
+                uint rank = 0u;
+                for (uint f = 0u; f < ng; f++)
+                    if (before(GS[f], f, GS[g], g)) rank++;
+                GK[g] = rank < pc.u[4];
+            }
+            barrier();
+            for (uint e = t; e < E; e += WG)
+                if (!GK[e / gsz]) C[e] = -1.0 / 0.0;
+        }
     }
     barrier();
     uint kk = min(K, E);
     for (uint e = t; e < E; e += WG) {
-        float pe = P[e];
+        float pe = ds ? C[e] : P[e];
         uint rank = 0u;
-        for (uint f = 0u; f < E && rank < kk; f++)
-            if (before(P[f], f, pe, e)) rank++;
+        if (ds) {
+            for (uint f = 0u; f < E && rank < kk; f++)
+                if (before(C[f], f, pe, e)) rank++;
+        } else {
+            for (uint f = 0u; f < E && rank < kk; f++)
+                if (before(P[f], f, pe, e)) rank++;
+        }
         if (rank < kk) {
             SID[rank] = e;
-            SW[rank] = pe;
+            SW[rank] = P[e];
         }
     }
     barrier();
@@ -93,7 +134,8 @@ void main() {
         }
         for (uint j = 0u; j < kk; j++) {
             R.v[j] = SID[j];
-            R.v[pc.u[1] + j] = floatBitsToUint(renorm ? SW[j] / tot : SW[j]);
+            float w = renorm ? SW[j] / (ds ? tot + 1e-20 : tot) : SW[j];
+            R.v[pc.u[1] + j] = floatBitsToUint(ds ? w * pcf(6u) : w);
         }
     }
 }

@@ -614,3 +614,50 @@ def test_gptoss_against_hf():
         assert e.device.layer_dispatches - d0 >= 9 * 14
     finally:
         e.close()
+
+
+def test_deepseek_router_on_the_device():
+    """The DeepSeek routing rule (``blocks.deepseek_route``: sigmoid scores, the correction bias for the choice, 4
+    groups of 2 experts scored by their two best, the best 2 kept, renormalised weights times 1.5) on the Mixtral
+    oracle's layers in place of its softmax top-k, every layer and the head on the device: the prompt (chunks of 5
+    rows) and 4 decode rows give the CPU-only f32 run's logits within 1e-5 of the largest (the rule changes them by
+    far more)."""
+    from tests.conftest import FIXTURES
+    from coli.models.blocks import deepseek_route
+    from coli.vulkan import device_layers
+
+    path = FIXTURES / "oracles" / "mixtral.gguf"
+    ids = np.load(FIXTURES / "oracles" / "mixtral.npz")["ids"][:16]
+    e = _engine(path)
+    dev = dl = None
+
+    def run():
+        c = e.model.new_cache(32, 32)
+        lg = [e.model.forward(ids[:12], c, all_logits=True)]
+        return np.concatenate(lg + [e.model.forward([int(t)], c) for t in ids[12:]])
+
+    try:
+        m = e.model
+        base = run()
+        rng = np.random.default_rng(3)
+        for L in m.layers:
+            bias = (rng.standard_normal(m.args.n_experts) * 0.3).astype(np.float32)
+            L.moe.route = deepseek_route(2, gating="sigmoid", n_group=4, topk_group=2, group_score="top2sum",
+                                         norm=True, scale=1.5, bias=bias)
+        ref = run()
+        assert rel_err(ref, base) > 1e-2
+        assert device_layers.why_not_all(m) == ""
+        dev = open_test_device()
+        dl = device_layers.DeviceLayers(m, dev, 0, 32)
+        dl.prompt_rows = 5
+        m.device_layers = dl
+        got = run()
+        assert (dl.prompt_chunks, dl.prompt_tokens, dl.tokens) == (3, 12, 4) and dl.topk_flags == 1 | 4 | 8
+        assert rel_err(got, ref) < 1e-5, rel_err(got, ref)
+    finally:
+        e.model.device_layers = None
+        if dl is not None:
+            dl.close()
+        if dev is not None:
+            dev.close()
+        e.close()

@@ -104,6 +104,48 @@ def test_topk_nan(kern):
     assert np.isnan(w).all() and np.isnan(w_ref).all()
 
 
+def test_topk_softmax_of_the_chosen(kern):
+    """Flag bit 1, gpt-oss's rule (``gptoss.topk_softmax``): the top k of the logits, the softmax over those k."""
+    from coli.models.gptoss import topk_softmax
+    rng = np.random.default_rng(5)
+    for E, k, kind in ((32, 4, "normal"), (128, 4, "ties"), (64, 8, "normal")):
+        lg = _logits(E, kind, rng)
+        ids_ref, w_ref = topk_softmax(k)(lg[None])
+        bl, br = _buf(kern, lg), kern.buffer(8 * k)
+        _run(kern, "topk", (1, 1, 1), [bl, br], [E, k, 2])
+        r = br.u32(2 * k)
+        np.testing.assert_array_equal(r[:k], ids_ref[0])
+        assert rel_err(r[k:].view(np.float32), w_ref[0]) <= 1e-6
+
+
+@pytest.mark.parametrize("E,k,gating,n_group,topk_group,score,norm,scale", [
+    (64, 6, "sigmoid", 8, 4, "top2sum", True, 2.5),      # DeepSeek-V3 / GLM / MiMo-V2 (noaux_tc)
+    (64, 6, "sigmoid", 1, 1, "top2sum", True, 1.0),      # Kimi / no groups
+    (160, 6, "softmax", 8, 3, "max", False, 16.0),       # DeepSeek-V2 (group_limited_greedy)
+    (256, 8, "sigmoid", 8, 4, "top2sum", True, 2.5),
+    (32, 4, "sigmoid", 32, 6, "top2sum", False, 1.0)])   # groups of one expert
+def test_topk_deepseek_rule(kern, E, k, gating, n_group, topk_group, score, norm, scale):
+    """Flag bit 2, the DeepSeek rule (``blocks.deepseek_route``): sigmoid or softmax scores, the choice on them plus
+    the correction bias, group-limited (max or top-2 sum), weights the unbiased scores renormalised and scaled: the
+    ids equal NumPy's (ties too), the weights within 1e-6."""
+    from coli.models.blocks import deepseek_route
+    from coli.vulkan.layers import f32_bits
+    rng = np.random.default_rng(E + k + n_group)
+    for kind in ("normal", "ties"):
+        lg = _logits(E, kind, rng)
+        bias = (rng.integers(-3, 3, E) * 0.25).astype(np.float32) if kind == "ties" else \
+            (rng.standard_normal(E) * 0.1).astype(np.float32)
+        ids_ref, w_ref = deepseek_route(k, gating=gating, n_group=n_group, topk_group=topk_group, group_score=score,
+                                        norm=norm, scale=scale, bias=bias)(lg[None])
+        bl, bb, br = _buf(kern, lg), _buf(kern, bias), kern.buffer(8 * k)
+        flags = int(norm) | 4 | (8 if gating == "sigmoid" else 0) | 16
+        _run(kern, "topk", (1, 1, 1), [bl, br, bb], [E, k, flags, n_group, topk_group, int(score == "top2sum"),
+                                                     f32_bits(scale)])
+        r = br.u32(2 * k)
+        np.testing.assert_array_equal(r[:k], ids_ref[0])
+        assert rel_err(r[k:].view(np.float32), w_ref[0]) <= 1e-6, rel_err(r[k:].view(np.float32), w_ref[0])
+
+
 # -- rope_kv ----------------------------------------------------------------------------------------------
 
 NQ, NKV, CTX = 8, 2, 1024

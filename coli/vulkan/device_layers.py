@@ -96,10 +96,15 @@ ACT_SWIGLU, ACT_GEGLU, ACT_SWIGLU_OAI = 0, 1, 2
 def route_rule(moe) -> tuple | None:
     """The MoE block's routing rule as the device runs it: ``("softmax_topk", k, renormalise)`` (softmax over every
     expert, then top-k: ``blocks.softmax_topk``), ``("topk_softmax", k, False)`` (top-k of the logits, then the
-    softmax over the k chosen: gpt-oss), or None (another rule)."""
+    softmax over the k chosen: gpt-oss), ``("deepseek", k, renormalise, gating, n_group, topk_group, group_score,
+    scale)`` (``blocks.deepseek_route``; its correction bias is the layer's own), or None (another rule)."""
     r = getattr(moe.route, "softmax_topk", None)
     if r is not None:
         return ("softmax_topk", int(r[0]), bool(r[1]))
+    ds = getattr(moe.route, "deepseek", None)
+    if ds is not None:
+        return ("deepseek", int(ds["k"]), bool(ds["norm"]), ds["gating"], int(ds["n_group"]), int(ds["topk_group"]),
+                ds["group_score"], float(ds["scale"]))
     k = getattr(moe.route, "topk_softmax", None)
     return None if k is None else ("topk_softmax", int(k), False)
 
@@ -125,9 +130,9 @@ def _why_not_attention(a) -> str | None:
 
 
 def _why_not_ffn(m, il: int, L) -> str | None:
-    """Why the FFN of layer ``L`` has no device kernels, or None: the MoE block with the softmax top-k router (up to
-    512 experts, top-32) and an optional shared expert (with its sigmoid gate), or the dense gated FFN (SwiGLU or
-    GeGLU)."""
+    """Why the FFN of layer ``L`` has no device kernels, or None: the MoE block (up to 512 experts, top-32) with the
+    softmax top-k, gpt-oss's top-k softmax or the DeepSeek router (:func:`route_rule`) and an optional shared expert
+    (with its sigmoid gate), gpt-oss's biased MoE, or the dense gated FFN (SwiGLU or GeGLU)."""
     moe, mlp = getattr(L, "moe", None), getattr(L, "mlp", None)
     if moe is None and mlp is None:
         return "a layer without an FFN block"
@@ -144,7 +149,9 @@ def _why_not_ffn(m, il: int, L) -> str | None:
         return f"its MoE block is {_cls(moe)} (no device kernel)"
     rule = route_rule(moe)
     if rule is None:
-        return "a router other than softmax top-k or top-k softmax"
+        return "a router other than softmax top-k, top-k softmax or DeepSeek's"
+    if rule[0] == "deepseek" and rule[4] > 64:
+        return f"{rule[4]} expert groups (the device's top-k takes up to 64)"
     if hasattr(m.g, "expert_source"):
         return "experts of a Hugging Face folder (read through its expert source, not as GGUF tensors)"
     E, k = m.args.n_experts, rule[1]
@@ -369,10 +376,16 @@ class DeviceLayers:
             self.E, self.k = a.n_experts, rule[1]
             # topk.comp's flags: bit 0 renormalise the k softmax weights, bit 1 the softmax over the k chosen logits
             self.topk_flags = int(rule[2]) if rule[0] == "softmax_topk" else 2
+            self.topk_words = []    # the DeepSeek rule's groups, group score and scale (topk.comp u3 .. u6)
+            if rule[0] == "deepseek":
+                from coli.vulkan.layers import f32_bits
+
+                self.topk_flags = int(rule[2]) | 4 | (8 if rule[3] == "sigmoid" else 0)
+                self.topk_words = [rule[4], rule[5], int(rule[6] == "top2sum"), f32_bits(rule[7])]
             self.F = int(m.t[f"blk.{first}.ffn_gate_exps.weight"].shape[1])
         else:                              # no router, no routes to read back
             self.E = self.k = self.F = 0
-            self.topk_flags = 0
+            self.topk_flags, self.topk_words = 0, []
         self.layers = list(range(first, len(m.layers)))
         from coli.base.settings import get
 
@@ -520,6 +533,9 @@ class DeviceLayers:
             d["act"] = 1 if L.mlp.act == "geglu" else 0
             return d
         d["router"] = self._place_f32(L.moe.ffn_gate_inp)
+        ds = getattr(L.moe.route, "deepseek", None)
+        if ds is not None and ds["bias"] is not None:    # the DeepSeek rule's correction bias (exp_probs_b)
+            d["route_b"] = self._const(np.asarray(ds["bias"], np.float32).reshape(-1))
         rb = getattr(L.moe, "ffn_gate_inp_b", None)
         if rb is not None:                   # gpt-oss: the router's bias
             d["router_b"] = self._const(np.asarray(rb, np.float32))
@@ -608,7 +624,8 @@ class DeviceLayers:
             ops += [
                 Dispatch("lmv", (-(-E // R),), [d["router"].addr, xn, self.logits.addr, rb.addr if rb is not None else 0],
                          [E, D, 2 if rb is not None else 0], type_name="F32"),
-                Dispatch("topk", (1,), [self.logits.addr, rt], [E, k, self.topk_flags]),
+                Dispatch("topk", (1,), [self.logits.addr, rt, d["route_b"].addr if "route_b" in d else rt],
+                         [E, k, self.topk_flags | (16 if "route_b" in d else 0), *self.topk_words]),
             ]
             if d["il"] in self.resident:
                 ops += self._split_ops(j, d, rt, et)
@@ -1082,7 +1099,8 @@ class DeviceLayers:
                 Dispatch("lmm", (-(-E // BM), gr), [d["router"].addr, xn, self.p_lgt.addr,
                                                     rb.addr if rb is not None else self.p_lgt.addr],
                          [E, D, 2 if rb is not None else 0, R, 0], type_name="F32"),
-                Dispatch("topk", (R,), [self.p_lgt.addr, rt], [E, k, self.topk_flags]),
+                Dispatch("topk", (R,), [self.p_lgt.addr, rt, d["route_b"].addr if "route_b" in d else rt],
+                         [E, k, self.topk_flags | (16 if "route_b" in d else 0), *self.topk_words]),
                 Dispatch("moe_sort", (1,), [rt, self.p_off.addr, self.p_pairs.addr], [E, k, R]),
                 # lmm_cm.comp (the cooperative-matrix route) has neither the biases nor gpt-oss's activation
                 Dispatch(f32r, (-(-F // BM), gr, E), [d["tab"].addr, xn, self.p_h.addr, rt, self.p_pairs.addr,
@@ -1182,7 +1200,9 @@ class DeviceLayers:
     def describe(self) -> str:
         n = len(self.layers)
         which = f"layer {self.first}" if n == 1 else f"layers {self.first}-{self.first + n - 1}"
-        if not self.resident:
+        if not self.moe:
+            ex = "a dense FFN, one submit a decode token"
+        elif not self.resident:
             ex = "every routed expert on the device, one submit a decode token"
         else:
             E = self.E
