@@ -244,10 +244,17 @@ def setup_layers(eng, dev, budget: int) -> bool:
         want = -1       # --cpu-moe / --n-cpu-moe alone: every layer that fits, as llama.cpp's -ngl 99 with them
     if not want:
         return False
-    # experts placed apart from their layers: some stay on the CPU, or --tier-gb sizes the resident ones
-    apart = (bool(cpu_moe) or settings.get("COLI_VK_TIER_GB", eng.env) is not None) and bool(eng.model.moe_layers)
-    first, why = device_layers.plan(eng.model, budget, eng.ctx, None if want < 0 else want,
-                                    prompt_rows=settings.get("COLI_VK_PROMPT_ROWS", eng.env), experts=not apart)
+    # experts placed apart from their layers: some stay on the CPU (--cpu-moe, --n-cpu-moe), or --gpu-layers N with
+    # --tier-gb G where N whole layers do not fit G (the experts resident in what the layers leave)
+    moe = bool(eng.model.moe_layers)
+    apart = bool(cpu_moe) and moe
+    rows = settings.get("COLI_VK_PROMPT_ROWS", eng.env)
+    first, why = device_layers.plan(eng.model, budget, eng.ctx, None if want < 0 else want, prompt_rows=rows,
+                                    experts=not apart)
+    if (not apart and moe and want > 0 and settings.get("COLI_VK_TIER_GB", eng.env) is not None
+            and len(eng.model.layers) - first < want and "budget" in why):
+        apart = True
+        first, why = device_layers.plan(eng.model, budget, eng.ctx, want, prompt_rows=rows, experts=False)
     n = len(eng.model.layers) - first
     resident = layer_experts(eng, first, budget, cpu_moe) if apart and n else None
     instead = "the expert tier instead" if eng.step is not None else "every layer on the CPU"

@@ -110,6 +110,24 @@ def test_part_resident_by_budget(tiny, cpu, chain):
         dev.close()
 
 
+def test_tier_gb_keeps_whole_layers_that_fit(tiny):
+    """--gpu-layers N --tier-gb G where N whole layers fit G, or --gpu-layers -1 (as many as fit): whole layers, every
+    expert on the device, as before; N that do not fit whole: their experts placed apart."""
+    from coli.vulkan import device_layers as DL
+
+    ref = _engine(tiny)
+    m = ref.model
+    whole2 = DL.fixed_bytes(m, 64, settings.get("COLI_VK_PROMPT_ROWS")) + 2 * DL.layer_bytes(m, 3, 64)
+    ref.close()
+    for layers, first, apart in ((2, 2, False), (-1, 2, False), (4, 0, True)):
+        e = _engine(tiny, COLI_VK_LAYERS=layers, COLI_VK_TIER_GB=(whole2 + 100) / 2**30)
+        try:
+            dl = e.model.device_layers
+            assert (dl.first, bool(dl.resident)) == (first, apart), layers
+        finally:
+            e.close()
+
+
 def test_device_lost_mid_layer_in_one_submit(tiny, cpu, monkeypatch):
     """One submit a token: the device fails while the host waits for the second layer's route (after the first
     layer's CPU experts were joined): one line, the layers back on the CPU, the logits the CPU's bits, and the queue
@@ -168,7 +186,7 @@ def test_device_lost_mid_layer(tiny, cpu, monkeypatch):
 @pytest.mark.parametrize("family", ["mixtral", "olmoe", "qwen3moe", "qwen2moe"])
 def test_families_int8_tokens(family):
     """The oracle families with every layer on the device: every expert on the CPU (--cpu-moe), and part of them
-    resident (--tier-gb holding about half of them): 8 greedy tokens equal the CPU-only run's with int8 activations
+    resident (--gpu-layers L with a --tier-gb where L whole layers do not fit, holding about half of them): 8 greedy tokens equal the CPU-only run's with int8 activations
     on both sides (the CPU's experts int8 as in that run; the device's parts f32), the decode logits within 2e-3 of
     the largest (int8 rounding of slightly different inputs), both sides' expert rows counted."""
     from coli.vulkan import device_layers as DL
@@ -185,7 +203,7 @@ def test_families_int8_tokens(family):
             (m.args.n_experts * n // 2) * DL.expert_bytes(m, 0)
         r_cpu = cpu.generate(ids=ids, max_tokens=8, temp=0.0, stop_at_eos=False)
         ref, _ = _decode(cpu, ids + list(r_cpu.ids)[:4], len(ids))
-        for env in (dict(COLI_VK_CPU_MOE=-1), dict(COLI_VK_LAYERS=-1, COLI_VK_TIER_GB=(half + 100) / 2**30)):
+        for env in (dict(COLI_VK_CPU_MOE=-1), dict(COLI_VK_LAYERS=n, COLI_VK_TIER_GB=(half + 100) / 2**30)):
             dev = _engine(path, act="int8", **env)
             try:
                 dl = dev.model.device_layers

@@ -52,8 +52,8 @@ VARS: tuple[Var, ...] = (
         "may be the device coli picks by itself; it is slower than coli's CPU kernels, so only when named "
         "(--device vulkan:N) or with this (the tests' backend)"),
     Var("COLI_VK_TIER_GB", "float", None, "device memory for resident experts (default: the budget rule, "
-        "docs/tier.md); with --gpu-layers the device layers' memory, their experts resident in what the layers "
-        "leave (docs/vulkan.md \"Experts on the CPU\")", "GiB", lo=0, flag="--tier-gb"),
+        "docs/tier.md); with --gpu-layers N the device layers' memory: N layers that do not fit it whole get their "
+        "experts resident in what the layers leave (docs/vulkan.md \"Experts on the CPU\")", "GiB", lo=0, flag="--tier-gb"),
     Var("COLI_VK_LAYERS", "int", 0, "decoder layers that run whole on the device, the last ones (llama.cpp's "
         "-ngl; -1: as many as the budget holds; 0: the expert tier instead; docs/vulkan.md \"Device layers\")",
         "layers", lo=-1, flag="--gpu-layers"),
