@@ -8,9 +8,10 @@
 // (those past pos return at once) and, when pos + 1 > CHK, writes its part to a6 f32 [nq, ceil(ctx / CHK), hd + 2]
 // (its max m, its sum l of exp(score - m), the V rows' sum weighted by exp(score - m)) for attn_comb.comp to join;
 // with pos + 1 <= CHK the one workgroup writes out[h] itself, as with CHK 0 (the same sums in the same order).
-// u6 window W (0: none; with CHK 0 only): the keys max(0, pos - W + 1) .. pos, the query's own position included.
-// u7 1 (with CHK 0 only): a7 sinks f32 [nq], one logit a head in the softmax's max and denominator only (gpt-oss; CPU
-// cpu_kernels/attention.py _row_finish).
+// u6 window W (0: none): the keys max(0, pos - W + 1) .. pos, the query's own position included (a part's range
+// before the window's start returns at once; attn_comb.comp joins the parts from the window's). u7 1: a7 sinks f32
+// [nq], one logit a head in the softmax's max and denominator only (gpt-oss; CPU cpu_kernels/attention.py
+// _row_finish), here when this workgroup writes out itself, else in attn_comb.comp's join.
 // Three passes. 1: invocations stride over the keys (key j by invocation j % WG), each a whole dot product,
 // the score into the scratch row; the workgroup max. 2: each invocation turns its own scores into
 // e = exp(s - max) and sums them; the workgroup sum. 3: chunks of 4 WG weights are staged in shared memory (each
@@ -37,10 +38,11 @@ void main() {
     uint n = min(U32(pc.a[3]).v[0] + 1u, ctx);
     uint CHK = pc.u[5], W = pc.u[6];
     uint wlo = (W > 0u && n > W) ? n - W : 0u;           // a sliding window's first key
-    uint j1 = CHK == 0u ? wlo : gl_WorkGroupID.y * CHK;   // this workgroup's keys: j1 .. n - 1
+    uint j1 = CHK == 0u ? wlo : max(gl_WorkGroupID.y * CHK, wlo);   // this workgroup's keys: j1 .. n - 1
     if (j1 >= n) return;                                  // uniform: past the position
     bool part = CHK != 0u && n > CHK;
-    if (part) n = min(n, j1 + CHK);
+    if (part) n = min(n, gl_WorkGroupID.y * CHK + CHK);
+    if (j1 >= n) return;                                  // uniform: a range before the window
     bool v4 = (hd & 3u) == 0u;
     uint H4 = (hd + 3u) / 4u;
     F32 Q = F32(pc.a[0]);
@@ -83,7 +85,7 @@ void main() {
         l += e;
     }
     l = wg_sum(l);
-    if (pc.u[7] != 0u) {   // the sink: out = acc c / (l c + 1) when it is above the max (c = exp(m - sink))
+    if (pc.u[7] != 0u && !part) {   // the sink: out = acc c / (l c + 1) when it is above the max (c = exp(m - sink))
         float sk = F32(pc.a[7]).v[h];
         if (sk > m) {
             float c = exp(m - sk);

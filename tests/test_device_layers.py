@@ -592,20 +592,26 @@ def test_tier_clock_holder(tiny, one_queue_holder):
     assert c.rec is None
 
 
-def test_gptoss_against_hf():
+@pytest.mark.parametrize("chunk", [256, 24])
+def test_gptoss_against_hf(chunk):
     """gpt-oss with every layer and the head on the device: attention sinks (one logit a head in the softmax's
     denominator), the sliding window of its even layers (16 positions, crossed by the 88-row prompt), YaRN rope
     without truncation, q/k/v/o biases, the router's bias and its top-k softmax, the experts' biases and clamped
     SwiGLU on MXFP4 experts: the prompt as one chunk, every row within the CPU path's bound of HF transformers'
-    (1e-4 of the largest), then 8 greedy decode rows against HF's logits and tokens (tests/oracle_check.py)."""
+    (1e-4 of the largest), then 8 greedy decode rows against HF's logits and tokens (tests/oracle_check.py). With
+    ``COLI_VK_ATTN_CHUNK`` 24 the decode attention is split in parts of 24 keys (the window's start inside a part,
+    the sinks in attn_comb.comp's join)."""
     from tests.conftest import FIXTURES
     from tests.oracle_check import check_prompt_and_decode
+    from coli.engine import Engine
 
     path = FIXTURES / "oracles" / "gptoss.gguf"
     oracle = np.load(FIXTURES / "oracles" / "gptoss.npz")
-    e = _engine(path, layers=-1, ctx=128)
+    e = Engine(path, cpu_act="f32", device="vulkan", quiet=True, silent=True, save_usage=False, ctx=128,
+               usage=str(path) + ".usage", env=settings.overlay(None, COLI_VK_LAYERS=-1, COLI_VK_ATTN_CHUNK=chunk))
     try:
         m, dl = e.model, e.model.device_layers
+        assert dl.attn_chunk == (chunk if chunk < 128 else 0)
         assert dl is not None and dl.first == 0 and dl.head is not None and dl.topk_flags == 2
         assert [d["window"] for d in dl.per] == [16, 0, 16] and all("sinks" in d and "ebias" in d for d in dl.per)
         d0 = e.device.layer_dispatches

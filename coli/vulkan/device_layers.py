@@ -812,15 +812,15 @@ class DeviceLayers:
         from coli.vulkan.layers import Dispatch, f32_bits
 
         nq, nkv, hd, ctx = self.nq, self.nkv, self.hd, self.ctx
-        # a windowed layer or one with sinks: one workgroup a head (attn_comb.comp joins neither)
-        chk = 0 if d["window"] or "sinks" in d else self.attn_chunk
+        chk = self.attn_chunk
         parts = self.attn_parts.addr if chk else 0
         sinks = d["sinks"].addr if "sinks" in d else self.q.addr
         ops = [Dispatch("attn_dec", (nq, -(-ctx // chk) if chk else 1),
                         [self.q.addr, d["K"].addr, d["V"].addr, self.params.addr, self.ao.addr, self.scores.addr, parts,
                          sinks], [nq, nkv, hd, ctx, f32_bits(d["scale"]), chk, d["window"], int("sinks" in d)])]
         if chk:
-            ops.append(Dispatch("attn_comb", (nq,), [parts, self.params.addr, self.ao.addr], [nq, 0, hd, ctx, 0, chk]))
+            ops.append(Dispatch("attn_comb", (nq,), [parts, self.params.addr, self.ao.addr, sinks],
+                                [nq, 0, hd, ctx, 0, chk, d["window"], int("sinks" in d)]))
         return ops
 
     # -- per token ------------------------------------------------------------------------------------------
