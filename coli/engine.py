@@ -779,8 +779,8 @@ class Engine:
                        f"{dl.prompt_tokens / dl.prompt_s:.0f} rows/s in the submits and waits, "
                        f"the {dl.K.route} GEMM route" if dl.prompt_chunks else
                        "; no prompt rows")
-                ex = (f"; routed pairs of decode rows: {dl.dev_rows} on the device, {dl.cpu_rows} on the CPU"
-                      if dl.resident else "")
+                ex = (f"; routed pairs of decode rows: {dl.dev_rows} on the device, {dl.cpu_rows} on the CPU, "
+                      f"{dl.swaps} experts swapped in" if dl.resident else "")
                 print(f"[VK] {self.path.name}: device layers ran {dl.tokens} decode tokens, {ms:.2f} ms a token in "
                       f"the submit and its wait{gpu}{hold}{pre}{ex}", file=sys.stderr)
             self.device_layers.close()

@@ -234,6 +234,28 @@ def setup_moe(eng, expert_cache, usage_path, io_threads, keep_raw) -> None:
     eng.expert_slots = slots
 
 
+def _layer_swaps(eng, dl):
+    """The device layers' per-token hook that keeps their resident experts hot (``scheduler.layer_residency``:
+    the tier's heat and LFRU rule inside a layer, one swap a token at most). A swap that fails to place (out of
+    device memory) ends the swaps with one line; the token's results are in already."""
+    from scheduler.layer_residency import LayerLFRU
+
+    counts = eng.usage.counts if eng.usage is not None and eng.usage.loaded else None
+    policy = LayerLFRU(dl.resident, counts)
+
+    def on_token(dl, ids):
+        for il, e_in, e_out in policy.token(ids):
+            try:
+                dl.swap(il, e_in, e_out)
+            except (VulkanError, MemoryError) as e:
+                if not eng.silent:
+                    print(f"[VK] {eng.path.name}: device layers: no more expert swaps ({type(e).__name__}: {e})",
+                          file=sys.stderr)
+                dl.on_token = None
+                return
+    return on_token
+
+
 def setup_layers(eng, dev, budget: int) -> bool:
     """``COLI_VK_LAYERS`` / ``--gpu-layers`` N != 0: the last N layers (-1: as many as ``budget`` holds) run
     whole on the device (``coli.vulkan.device_layers``); True when some do. When none qualifies or fits, one line
@@ -275,6 +297,8 @@ def setup_layers(eng, dev, budget: int) -> bool:
         return False
     eng.model.device_layers = dl
     eng.device_layers = dl
+    if resident and any(m.any() and not m.all() for m in dl.resident.values()):
+        dl.on_token = _layer_swaps(eng, dl)
     if not eng.silent:
         short = f" ({why})" if want > 0 and n < want or want < 0 else ""
         print(f"[VK] {eng.path.name}: {dl.describe()}{short}", file=sys.stderr)

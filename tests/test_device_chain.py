@@ -256,3 +256,45 @@ def test_demo_moe_tokens(demo_path):
             assert (r.stats["device_expert_rows"] > 0) == (n_cpu > 0)
         finally:
             e.close()
+
+
+def test_hot_experts_swapped_in(tiny, cpu):
+    """--gpu-layers 4 with a --tier-gb that holds the layers and 9 of their 32 experts: after each decode token the
+    tier's LFRU rule inside a layer (scheduler/layer_residency.py) swaps the token's hottest non-resident expert in
+    for the coldest resident once its heat passes 1.25 x that one's + 4; the resident count of each layer stays, the
+    expert table follows (the logits stay the CPU-only run's), and the policy alone gives the same swaps."""
+    from coli.vulkan import device_layers as DL
+    from scheduler.layer_residency import LayerLFRU
+
+    m = cpu.model
+    need = DL.fixed_bytes(m, 64, settings.get("COLI_VK_PROMPT_ROWS")) + sum(
+        DL.layer_bytes(m, il, 64, experts=False) for il in range(4)) + 9 * DL.expert_bytes(m, 1)
+    dev = _engine(tiny, COLI_VK_LAYERS=4, COLI_VK_TIER_GB=(need + 100) / 2**30)
+    try:
+        dl = dev.model.device_layers
+        assert dl.first == 0 and dl.on_token is not None
+        start = {il: mk.copy() for il, mk in dl.resident.items()}
+        seen = []
+        real = dl.swap
+        dl.swap = lambda il, a, b: (seen.append((il, a, b)), real(il, a, b))[1]
+        shadow = LayerLFRU({il: mk.copy() for il, mk in start.items()})
+        hook = dl.on_token
+
+        def both(d, ids):
+            for il, a, b in shadow.token(ids):
+                shadow.resident[il][a], shadow.resident[il][b] = True, False
+            hook(d, ids)
+
+        dl.on_token = both
+        ids = IDS + IDS[::-1] + IDS
+        ref, _ = _decode(cpu, ids, 3)
+        got, _ = _decode(dev, ids, 3)
+        assert dl.swaps == len(seen) > 0
+        for il in start:
+            assert dl.resident[il].sum() == start[il].sum()
+            assert (dl.resident[il] == shadow.resident[il]).all()
+            on = np.flatnonzero(dl.per[il]["tab_np"][:, 0])
+            assert (on == np.flatnonzero(dl.resident[il])).all()
+        assert rel_err(got, ref) < 1e-5, rel_err(got, ref)
+    finally:
+        dev.close()

@@ -130,3 +130,23 @@ def test_admission_round_closes_after_its_window_unfilled():
     _round(a, 5, r, 3)
     assert a.allows(5 + TRIAL_TOKENS - 1) and not a.allows(5 + TRIAL_TOKENS)   # stages for 32 tokens at most
     assert a.judge(5 + TRIAL_TOKENS, r) is False and a.rounds_failed == 1
+
+
+def test_layer_lfru_rule():
+    """scheduler/layer_residency.py: a non-resident expert routed 5 times (heat 5 > 1.25 x 0 + 4) replaces the coldest
+    resident (lowest id among equals), 4 times is not enough; a layer wholly resident or wholly on the CPU never
+    swaps; the history seeds the heat."""
+    from scheduler.layer_residency import LayerLFRU
+
+    res = {0: np.array([True, True, False, False]), 1: np.array([True] * 4), 2: np.array([False] * 4)}
+    p = LayerLFRU(res)
+    assert p.layers == [0]
+    tok = {0: np.array([2, 0]), 1: np.array([1, 2]), 2: np.array([3, 1])}
+    for _ in range(4):
+        assert p.token(tok) == []
+    assert p.token(tok) == [(0, 2, 1)]           # expert 2 at 5, expert 0 at 5, expert 1 at 0: 1 goes
+    counts = np.zeros((3, 4), np.int64)
+    counts[0] = [0, 100, 10, 0]                  # history: expert 1 hot (32), expert 2 at 3.2
+    q = LayerLFRU({0: np.array([True, True, False, False])}, counts)
+    assert q.token({0: np.array([2, 3])}) == [(0, 2, 0)]   # 3.2 + 1 = 4.2 > 1.25 x 0 + 4: the coldest, 0, goes
+    assert q.heat[0][2] == 4.2 and q.heat[0][1] == 32.0

@@ -350,6 +350,8 @@ class DeviceLayers:
             if getattr(m.layers[il].moe, "ffn", None) is not None:
                 raise ValueError(f"layer {il}: experts with biases or another activation (gpt-oss) are not joined from "
                                  f"the CPU mid-layer (--cpu-moe)")
+        self.on_token = None    # called after each decode token with (self, {layer: routed ids int64 [k]})
+        self.swaps = 0          # experts swapped onto the device while running (swap)
         self.cpu_rows = 0       # routed (row, expert) pairs of device layers computed on the CPU
         self.dev_rows = 0       # and on the device
         self.segs = []          # with CPU experts: the token's program in segments (_record_split)
@@ -564,8 +566,47 @@ class DeviceLayers:
                     continue
                 te = self._place(ti, raw=raw[e], shape=(O, I))
                 tab[e, j] = te.addr
+                if res is not None:
+                    d.setdefault("experts", {}).setdefault(e, []).append(te)
         d["tab"] = self._const(tab)
+        d["tab_np"] = tab
         return d
+
+    def swap(self, il: int, e_in: int, e_out: int) -> None:
+        """Routed expert ``e_in`` of device layer ``il`` (one whose experts are not all here, ``resident``) onto the
+        device in place of the resident ``e_out``: its gate, up and down placed, the layer's expert table updated,
+        ``e_out``'s freed (between tokens: nothing runs). ``VulkanError`` / ``MemoryError`` when placing fails (then
+        nothing changed)."""
+        j = self.layers.index(int(il))
+        d, mask = self.per[j], self.resident[int(il)]
+        if mask[e_in] or not mask[e_out]:
+            raise ValueError(f"swap: expert {e_in} resident or {e_out} not, in layer {il}")
+        p, t = f"blk.{il}.", self.m.t
+        new = []
+        try:
+            for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+                ti = t[p + n + ".weight"]
+                E, O, I = (int(x) for x in ti.shape)
+                new.append(self._place(ti, raw=np.asarray(ti.raw).reshape(E, -1)[e_in], shape=(O, I)))
+        except BaseException:
+            for x in new:
+                self._forget(x)
+            raise
+        tab = d["tab_np"]
+        tab[e_in] = [x.addr for x in new]
+        tab[e_out] = 0
+        self.K.upload(d["tab"], tab)
+        for x in d["experts"].pop(e_out):
+            self._forget(x)
+        d["experts"][e_in] = new
+        mask[e_in], mask[e_out] = True, False
+        self.swaps += 1
+
+    def _forget(self, t) -> None:
+        """Free a weight placed by :meth:`_place` before close."""
+        self._tensors.remove(t)
+        self.weight_bytes -= t.nbytes
+        self.dev._drop(t)
 
     def _ops(self) -> list:
         from coli.vulkan.layers import Copy, Dispatch, f32_bits
@@ -980,6 +1021,9 @@ class DeviceLayers:
             for j, d in enumerate(self.per):
                 step.usage.add(d["il"], ids[j:j + 1].astype(np.int64))
         lg = self.lghost.f32(self.vocab).reshape(1, self.vocab).copy() if self.head is not None else None
+        if self.on_token is not None and self.k:
+            ids = self.routehost.u32(2 * self.k * len(self.per)).reshape(len(self.per), 2, self.k)[:, 0]
+            self.on_token(self, {d["il"]: ids[j].astype(np.int64) for j, d in enumerate(self.per)})
         if self.clock is not None:
             self._start_clock()
         return out, lg
