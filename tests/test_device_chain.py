@@ -54,6 +54,7 @@ def test_every_expert_on_the_cpu(tiny, cpu, chain):
         assert dl is not None and dl.first == 0 and dev.tier is None
         assert dl.chain == dev.device.timeline                 # Lavapipe has timeline semaphores (Vulkan 1.3)
         dl.chain = chain
+        dl.spin_s = 30.0 if chain else 0.0      # the flag path: the host spins until each layer's flag is up
         assert sorted(dl.resident) == [0, 1, 2, 3] and not any(m.any() for m in dl.resident.values())
         assert "routed experts: 0 of 32 on the device" in dl.describe()
         assert ("timeline semaphore" in dl.describe()) == chain
@@ -65,6 +66,7 @@ def test_every_expert_on_the_cpu(tiny, cpu, chain):
         assert dev.device.layer_dispatches - d0 >= 8 * 4 * n      # each layer's attention and router a token
         assert dl.cpu_rows == n * 4 * dl.k and dl.dev_rows == 0
         assert rel_err(got, ref) < 1e-5, rel_err(got, ref)
+        assert (dl.spun, dl.slept) == ((n * 4, 0) if chain else (0, 0))
     finally:
         dev.close()
 
@@ -139,6 +141,7 @@ def test_device_lost_mid_layer_in_one_submit(tiny, cpu, monkeypatch):
         ref, _ = _decode(cpu, IDS[:7], 4)
         dl = dev.model.device_layers
         assert dl.chain
+        dl.spin_s = 0.0                          # every layer's route waited for on the timeline
         real, calls = dl.K.wait_value, []
 
         def boom(value):
@@ -151,6 +154,7 @@ def test_device_lost_mid_layer_in_one_submit(tiny, cpu, monkeypatch):
         got, _ = _decode(dev, IDS[:7], 4)
         assert len(calls) == 2 and dev.model.device_layers is None and dl.cpu_rows == dl.k
         assert np.array_equal(got, ref)
+        assert (dl.spun, dl.slept) == (0, 2)
         assert dl._tl == 4                       # a token of 4 cut layers: the host's values 1 .. 4, the last signalled
     finally:
         dev.close()

@@ -722,6 +722,7 @@ class DeviceLayers:
                              [D, sF, 1], type_name=d["sh_types"][1], mode=0)]
         ops += [Copy(self.xn, self.xnh, [(0, 4 * D * j, 4 * D)]),
                 Copy(self.route, self.routehost, [(8 * k * j, 8 * k * j, 8 * k)], wait=False),
+                Copy(self.params, self.flags, [(32, 4 * j, 4)]),     # the token's number, after the two above
                 _Cut(j, "cpu")]
         if self.resident[d["il"]].any():     # else no X segment: the host computes every rank
             ops.append(Dispatch("lmoe", (-(-F // R), k), [d["tab"].addr, rt, self.xn.addr, self.hbuf.addr],
@@ -743,6 +744,11 @@ class DeviceLayers:
         self.yk = [K.buffer(4 * self.D * (self.k + 1), host=True) if d["il"] in self.resident else None
                    for d in self.per]
         self.xnh = K.buffer(4 * self.D * n, host=True, readback=True)
+        self.flags = K.buffer(4 * n, host=True, readback=True)      # layer j's route is out: the token's number
+        self.flags.u32(n)[:] = 0
+        self._seq = 0           # the decode token's number (params word 8), copied into flags[j] by segment S_j
+        self.spin_s = 0.002     # how long the host spins on a flag before it sleeps on the device's timeline
+        self.spun = self.slept = 0
         ops, cur, kind = self._ops(), [], "S"
         for op in ops + [_Cut(None, "end")]:
             if not isinstance(op, _Cut):
@@ -808,9 +814,11 @@ class DeviceLayers:
             self._cpu_ranks(j, ids, w, on_dev)
 
     def _run_chain(self) -> None:
-        """One decode token in one submit (timeline semaphores, ``Kernels.submit_batches``): segment S_i signals
-        value base + i + 1 of the device's timeline once layer i's route is out (the host waits for it, reads the
-        route, computes the CPU's ranks into ``yk``), X_i (layer i's resident ranks) runs beside the host, and
+        """One decode token in one submit (timeline semaphores, ``Kernels.submit_batches``): segment S_i copies the
+        token's number into ``flags[i]`` after layer i's route and signals value base + i + 1 of the device's
+        timeline (the host spins on the flag for ``spin_s``, then sleeps on the value; ``spun`` / ``slept`` count
+        which; then it reads the route and computes the CPU's ranks into ``yk``), X_i (layer i's resident ranks) runs
+        beside the host, and
         S_i+1 waits for value base + i + 1 of the host's timeline, which the host signals once it wrote those rows.
         On any failure the host signals its last value, so the queue drains before the caller goes on."""
         K = self.K
@@ -823,12 +831,23 @@ class DeviceLayers:
             if i < n and X[i] is not None:
                 batches.append(([X[i]], 0, 0))
         top, done = base + n, base
+        self._seq = seq = (self._seq + 1) & 0xFFFFFFFF or 1
+        self.params.u32(16)[8] = seq
+        flags = self.flags.u32(len(self.per))
         t0 = time.perf_counter()
         try:
             K.submit_batches(batches)
             for i in range(n):
-                K.wait_value(base + i + 1)
-                self._cpu_ranks(S[i][1], *self._route(S[i][1]))
+                j = S[i][1]
+                end = time.perf_counter() + self.spin_s
+                while flags[j] != seq and time.perf_counter() < end:   # the flag S_i writes: no sleep, no wake-up
+                    pass
+                if flags[j] == seq:
+                    self.spun += 1
+                else:
+                    self.slept += 1
+                    K.wait_value(base + i + 1)
+                self._cpu_ranks(j, *self._route(j))
                 K.signal(base + i + 1)
                 done = base + i + 1
             K.wait_batches()
