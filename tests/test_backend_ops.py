@@ -160,15 +160,18 @@ class Backend:
             self._K = Kernels(self.dev)
         return self._K.route
 
-    def lmm(self, type_name, dense, xd, experts, x, xh, ids, wts):
+    def lmm(self, type_name, dense, xd, experts, x, xh, ids, wts, biases):
         """The device layers' prompt GEMM (``shaders/lmm.comp``) on the device only, its three modes in one
         command buffer. dense (raw, (O, I)) and xd f32 [R, I]: mode 0, y [R, O] = xd W^T. experts: per expert the
         raw bytes of gate, up [Fd, D] and down [D, Fd]; x f32 [R, D]; ids int [R, k] (distinct in a row), wts f32
         [R, k]: pair p = r * k + j (row r's j-th expert): mode 1, h [R * k, Fd] = silu(x[r] Wg^T) * (x[r] Wu^T);
         mode 2 from its own input xh f32 [R * k, Fd], yk [R * k, D] = wts[r, j] (xh[p] Wd^T). Then the shared
         expert's form (u6 = 1: one expert, every row its own pair; expert 0's weights, route weight wts[r, 0]): hs
-        [R, Fd] as h of row r, ys [R, D] = wts[r, 0] (xh[r] Wd^T). -> (y, h, yk, hs, ys) f32; the five dispatches
-        count in the device's ``dispatches`` and ``layer_dispatches``."""
+        [R, Fd] as h of row r, ys [R, D] = wts[r, 0] (xh[r] Wd^T). Then, with ``biases`` (bg, bu f32 [E, Fd], bd f32
+        [E, D]: each expert's gate, up and down biases): hg as h with the tanh GELU and the biases, ho as h with
+        gpt-oss's clamped SwiGLU (limit 7) and the biases, ykb as yk with the down bias before the route weight.
+        -> (y, h, yk, hs, ys, hg, ho, ykb) f32; the eight dispatches count in the device's ``dispatches`` and
+        ``layer_dispatches``."""
         from coli.vulkan.layers import Dispatch, Kernels
 
         if self._K is None:
@@ -200,8 +203,9 @@ class Backend:
             route1 = np.stack([np.zeros(R, np.uint32), wts[:, 0].astype(np.float32).view(np.uint32)], axis=1)
             xdb, xb, xhb, tb, rb, pb, ob, r1b = (buf(a) for a in (xd, x, xh, table, route, pairs, off, route1))
             # NaN: an output lmm skips fails the finite check
-            yb, hb, ykb, hsb, ysb = (buf(np.full(n, np.nan, np.float32), True)
-                                     for n in ((R, O), (R * k, Fd), (R * k, D), (R, Fd), (R, D)))
+            yb, hb, ykb, hsb, ysb, hgb, hob, ykbb = (buf(np.full(n, np.nan, np.float32), True) for n in (
+                (R, O), (R * k, Fd), (R * k, D), (R, Fd), (R, D), (R * k, Fd), (R * k, Fd), (R * k, D)))
+            bgb, bub, bdb = (buf(b) for b in biases)
             BM, gr = 64, -(-R // K.tile)                 # lmm.comp's tile: 64 outputs x K.tile rows
             ops = [Dispatch("lmm", (-(-O // BM), gr), [tw.addr, xdb.addr, yb.addr, yb.addr], [O, I, 0, R, 0],
                             type_name=type_name, wait=False),
@@ -212,14 +216,27 @@ class Backend:
                    Dispatch("lmm", (-(-Fd // BM), gr, 1), [tb.addr, xb.addr, hsb.addr, r1b.addr, pb.addr, ob.addr],
                             [Fd, D, 0, R, 0, 1, 1], type_name=type_name, mode=1, wait=False),
                    Dispatch("lmm", (-(-D // BM), gr, 1), [tb.addr, xhb.addr, ysb.addr, r1b.addr, pb.addr, ob.addr],
-                            [D, Fd, 0, R, 0, 1, 1], type_name=type_name, mode=2, wait=False)]
+                            [D, Fd, 0, R, 0, 1, 1], type_name=type_name, mode=2, wait=False),
+                   # the other gated activations with the experts' biases (gpt-oss, Gemma's GeGLU): mode 1 with the
+                   # tanh GELU, mode 1 with gpt-oss's clamped SwiGLU (limit 7), mode 2 with the down bias
+                   Dispatch("lmm", (-(-Fd // BM), gr, E), [tb.addr, xb.addr, hgb.addr, rb.addr, pb.addr, ob.addr,
+                                                          bgb.addr, bub.addr],
+                            [Fd, D, 0, R, 0, k, 0, 1, 1, 0], type_name=type_name, mode=1, wait=False),
+                   Dispatch("lmm", (-(-Fd // BM), gr, E), [tb.addr, xb.addr, hob.addr, rb.addr, pb.addr, ob.addr,
+                                                          bgb.addr, bub.addr],
+                            [Fd, D, 0, R, 0, k, 0, 2, 1, int(np.float32(7.0).view(np.uint32))], type_name=type_name,
+                            mode=1, wait=False),
+                   Dispatch("lmm", (-(-D // BM), gr, E), [tb.addr, xhb.addr, ykbb.addr, rb.addr, pb.addr, ob.addr,
+                                                         bdb.addr],
+                            [D, Fd, 0, R, 0, k, 0, 0, 1], type_name=type_name, mode=2, wait=False)]
             rec = K.record(ops)
             try:
                 K.submit(rec)
             finally:
                 K.free(rec)
             return tuple(b.f32(n * m).reshape(n, m).copy() for b, (n, m) in
-                         ((yb, (R, O)), (hb, (R * k, Fd)), (ykb, (R * k, D)), (hsb, (R, Fd)), (ysb, (R, D))))
+                         ((yb, (R, O)), (hb, (R * k, Fd)), (ykb, (R * k, D)), (hsb, (R, Fd)), (ysb, (R, D)),
+                          (hgb, (R * k, Fd)), (hob, (R * k, Fd)), (ykbb, (R * k, D))))
         finally:
             for b in bufs:
                 K.drop(b)
@@ -288,9 +305,10 @@ def lmm_shapes(type_name: str) -> tuple[int, int, int, int]:
 
 
 def lmm_errors(be: Backend, type_name: str, R: int, rng) -> dict:
-    """One ``lmm`` run of R rows: {mode: err} for mode 0 (dense), 1 (gate/up + SwiGLU), 2 (down x route weight)
-    and "1s", "2s" (modes 1 and 2 in the shared expert's one-expert form), each against float64 products of the
-    reference weights."""
+    """One ``lmm`` run of R rows: {mode: err} for mode 0 (dense), 1 (gate/up + SwiGLU), 2 (down x route weight),
+    "1s", "2s" (modes 1 and 2 in the shared expert's one-expert form), "1g" / "1o" (mode 1 with the experts' biases
+    and the tanh GELU / gpt-oss's clamped SwiGLU) and "2b" (mode 2 with the down bias), each against float64
+    products of the reference weights."""
     O, I, D, Fd = lmm_shapes(type_name)
     E, k = 4, 2          # expert 3 gets no rows: its tiles return at once
     raw, W = weight(type_name, O, I, rng)
@@ -306,25 +324,33 @@ def lmm_errors(be: Backend, type_name: str, R: int, rng) -> dict:
     xd = rng.standard_normal((R, I)).astype(np.float32)
     x = rng.standard_normal((R, D)).astype(np.float32)
     xh = rng.standard_normal((R * k, Fd)).astype(np.float32)
+    bg, bu = (rng.uniform(-0.5, 0.5, (E, Fd)).astype(np.float32) for _ in range(2))
+    bd = rng.uniform(-0.5, 0.5, (E, D)).astype(np.float32)
     w0 = be.dev.layer_dispatches
-    y, h, yk, hs, ys = be.lmm(type_name, (raw, (O, I)), xd, specs, x, xh, ids, wts)
-    assert be.dev.layer_dispatches == w0 + 5, f"{be.name} did not run the five lmm dispatches"
-    for a in (y, h, yk, hs, ys):
+    y, h, yk, hs, ys, hg, ho, ykb = be.lmm(type_name, (raw, (O, I)), xd, specs, x, xh, ids, wts, (bg, bu, bd))
+    assert be.dev.layer_dispatches == w0 + 8, f"{be.name} did not run the eight lmm dispatches"
+    for a in (y, h, yk, hs, ys, hg, ho, ykb):
         assert a.dtype == np.float32 and np.isfinite(a).all()
     e_of = ids.reshape(-1)
     x64, xh64 = x.astype(np.float64), xh.astype(np.float64)
     h_ref, yk_ref = np.empty(h.shape), np.empty(yk.shape)
+    hg_ref, ho_ref, ykb_ref = np.empty(hg.shape), np.empty(ho.shape), np.empty(ykb.shape)
     for p, e in enumerate(e_of):
         g, u = ws[e][0] @ x64[p // k], ws[e][1] @ x64[p // k]
         with np.errstate(over="ignore"):
             h_ref[p] = g / (1.0 + np.exp(-g)) * u
+            gb, ub = g + bg[e], u + bu[e]
+            hg_ref[p] = 0.5 * gb * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (gb + 0.044715 * gb ** 3))) * ub
+            gc, uc = np.minimum(gb, 7.0), np.clip(ub, -7.0, 7.0)     # gpt-oss: gate min(g, 7), up clamped +-7
+            ho_ref[p] = gc / (1.0 + np.exp(-1.702 * gc)) * (uc + 1.0)
         yk_ref[p] = np.float64(wts.reshape(-1)[p]) * (ws[e][2] @ xh64[p])
+        ykb_ref[p] = np.float64(wts.reshape(-1)[p]) * (ws[e][2] @ xh64[p] + bd[e])
     with np.errstate(over="ignore"):
         g, u = x64 @ ws[0][0].T, x64 @ ws[0][1].T
         hs_ref = g / (1.0 + np.exp(-g)) * u
     ys_ref = wts[:, :1].astype(np.float64) * (xh64[:R] @ ws[0][2].T)
     return {0: err(y, xd.astype(np.float64) @ W.T), 1: err(h, h_ref), 2: err(yk, yk_ref), "1s": err(hs, hs_ref),
-            "2s": err(ys, ys_ref)}
+            "2s": err(ys, ys_ref), "1g": err(hg, hg_ref), "1o": err(ho, ho_ref), "2b": err(ykb, ykb_ref)}
 
 
 def run_case(be: Backend, type_name: str, op: str, act: str) -> float:
