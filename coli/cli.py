@@ -93,6 +93,11 @@ def _engine_args(p: argparse.ArgumentParser, model_required=False):
     p.add_argument("--batch-invariant", action="store_true",
                    help="a token's logits bit-identical however its prompt was chunked for every matrix, also those "
                         "without t16 tiles (COLI_BATCH_INVARIANT=1; docs/engine.md \"Batch invariance\")")
+    p.add_argument("--cache-type-k", "-ctk", default=None, metavar="TYPE",
+                   help="KV cache type of K: f32, f16, bf16 or q8_0 (COLI_CACHE_TYPE_K; default f32; docs/engine.md "
+                        "\"KV cache types\")")
+    p.add_argument("--cache-type-v", "-ctv", default=None, metavar="TYPE",
+                   help="KV cache type of V, as --cache-type-k (COLI_CACHE_TYPE_V)")
     p.add_argument("--trace", default=None, metavar="FILE.json", help="write Chrome/Perfetto trace events")
 
 
@@ -147,7 +152,8 @@ def _open_engine(a, quiet=False, save_usage=True):
                   cpu_act=a.cpu_act, io_threads=4 if a.io_threads is None else a.io_threads, device=device,
                   balance=False if a.reproducible else a.balance,
                   trace=a.trace, quiet=quiet, save_usage=save_usage, cli_names=True, env=env,
-                  silent=bool(getattr(a, "quiet", False)))
+                  silent=bool(getattr(a, "quiet", False)), cache_type_k=getattr(a, "cache_type_k", None),
+                  cache_type_v=getattr(a, "cache_type_v", None))
 
 
 def _mem_flag(a):
@@ -623,6 +629,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--expert-cache", type=int, default=None, metavar="N", help="RAM expert cache slots per MoE layer")
     pl.add_argument("--mem", type=float, default=None, metavar="GiB",
                     help="memory the run may use in all (COLI_MEM; default: the cgroup's limit or the RAM available)")
+    pl.add_argument("--cache-type-k", "-ctk", default=None, metavar="TYPE",
+                    help="KV cache type of K: f32, f16, bf16 or q8_0 (COLI_CACHE_TYPE_K; default f32)")
+    pl.add_argument("--cache-type-v", "-ctv", default=None, metavar="TYPE",
+                    help="KV cache type of V (COLI_CACHE_TYPE_V; default f32)")
     pl.add_argument("--json", action="store_true", help="the plan as JSON (bytes)")
     pl.set_defaults(func=cmd_plan)
 

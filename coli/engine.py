@@ -200,7 +200,7 @@ class Engine:
 
     Options: ``threads`` (Numba threads; default: physical cores available), ``ctx`` (the most positions a
     sequence holds: a generate's KV cache holds its prompt plus ``max_tokens``, a ``keep_kv`` one the whole
-    context, docs/engine.md "KV cache"; default the trained context, capped so a whole-context f32 KV cache
+    context, docs/engine.md "KV cache"; default the trained context, capped so a whole-context KV cache
     takes at most ``CTX_RAM_SHARE`` of what the memory budget leaves: ``ctx_cap``), ``expert_cache`` (RAM slots
     per MoE layer; default every expert when they fit what the budget leaves, else what fits, down to 0; given:
     raised to top-k, ColiError past the budget), ``usage`` (path of the routing
@@ -210,12 +210,14 @@ class Engine:
     ``quiet`` (no notes on stderr), ``silent`` (not even the device's and the tier's), ``env`` (the
     ``COLI_*`` settings, ``os.environ`` by default: ``coli.base.settings.overlay`` puts flags on top, docs/settings.md;
     ``COLI_MEM`` caps the memory budget, ``coli.base.memory.budget``: ``memory``),
-    ``cli_names`` (errors name CLI flags instead of API arguments). Raises ``ColiError`` for bad files or options.
+    ``cli_names`` (errors name CLI flags instead of API arguments), ``cache_type_k`` / ``cache_type_v`` (the KV
+    cache's types: "f32", "f16", "bf16", "q8_0"; default the settings ``COLI_CACHE_TYPE_K/V``, f32:
+    ``coli.runtime.kv_types``, docs/engine.md "KV cache types"). Raises ``ColiError`` for bad files or options.
     """
 
     def __init__(self, path=None, *, threads=None, ctx=None, expert_cache=None, usage=None, cpu_act=None,
                  io_threads=4, device=None, balance=None, trace=None, quiet=True, save_usage=True,
-                 cli_names=False, env=None, silent=False):
+                 cli_names=False, env=None, silent=False, cache_type_k=None, cache_type_v=None):
         import cpu_kernels  # Numba and the kernels load with the first engine, not with `import coli.engine`
 
         self.cli_names = cli_names  # errors name CLI flags (the CLI) or API arguments
@@ -261,7 +263,7 @@ class Engine:
         if self.cpu_act not in ("f32", "int8"):
             raise ColiError(f"{self._name('cpu_act')}: '{cpu_act}' (f32 or int8)")
         runtime.build(self, ctx=ctx, expert_cache=expert_cache, usage=usage, io_threads=io_threads, device=device,
-                      balance=balance, trace=trace)
+                      balance=balance, trace=trace, cache_type_k=cache_type_k, cache_type_v=cache_type_v)
         self.last_stats: dict = {}
 
         atexit.register(_close_at_exit, weakref.ref(self))

@@ -7,7 +7,8 @@ From the GGUF header (tensor sizes; nothing is dequantized or read beyond the he
 * ``dense_bytes``: every tensor that is not a routed expert (``*_exps``), as ``Model.dense_bytes``;
 * ``expert_bytes``: one expert's gate+up+down bytes (the biggest layer's), ``expert_bytes_per_layer``
   (all experts of each MoE layer) and ``expert_bytes_total``;
-* ``kv_cache_bytes``: the f32 KV cache at ``ctx`` positions (:func:`coli.runtime.kv_cache_bytes`);
+* ``kv_cache_bytes``: the KV cache at ``ctx`` positions (:func:`coli.runtime.kv_cache_bytes`), of the types
+  ``kv_types`` (K, V: ``--cache-type-k/-v``), ``kv_bytes_per_position`` a position;
 * ``budget_bytes``, ``budget_source``: the memory budget and where it came from; ``coli_bytes``: what coli
   itself holds before a model loads (this process's resident set: Python, NumPy, the kernels' module);
 * ``expert_held_bytes``: one expert as the RAM cache holds it (``ExpertSource.held_nbytes``: the kernels' layout,
@@ -41,7 +42,8 @@ from coli.base.errors import ColiError
 from coli.fetch import resolve
 from coli.gguf_file import open_gguf
 from coli.models import model_class
-from coli.runtime import budget_needed, cache_room, default_ctx, expert_cache_slots, headroom, kv_cache_bytes
+from coli.runtime import (budget_needed, cache_room, default_ctx, expert_cache_slots, headroom, kv_cache_bytes,
+                          kv_types)
 from scheduler.tier_policy import DeviceMemory, SHARED_KINDS, budget_bytes
 
 GiB = 1 << 30
@@ -62,20 +64,24 @@ def _device_info(label: str):
 
 
 def make_plan(path, *, device: str | None = None, ctx: int | None = None, expert_cache: int | None = None,
-              available: int | None = None, device_info=None, env=None, mem_flag: str | None = None) -> dict:
+              available: int | None = None, device_info=None, env=None, mem_flag: str | None = None,
+              cache_type_k: str | None = None, cache_type_v: str | None = None) -> dict:
     """The plan of model ``path`` as a dict of ints/strings (fields in the module docstring).
 
     ``device``: None | "cpu" | "vulkan"; ``ctx``: KV positions (default the engine's ``default_ctx``); ``expert_cache``: slots per layer as ``--expert-cache``; ``available``: RAM available in bytes
     (psutil's when None; the budget is still capped by the cgroup and ``COLI_MEM``); ``device_info``: a
     ``DeviceMemory`` (or what ``DeviceMemory.of`` takes) instead of opening the device; ``env``: the ``COLI_*``
     settings (``COLI_MEM``, the tier's ``COLI_VK_TIER_GB``; ``os.environ``); ``mem_flag``: the flag that set
-    ``COLI_MEM`` there, for the budget's words (``"--mem"``)."""
+    ``COLI_MEM`` there, for the budget's words (``"--mem"``); ``cache_type_k/v``: the KV cache's types as
+    ``--cache-type-k/-v`` (default ``COLI_CACHE_TYPE_K/V``, f32; ``coli.runtime.kv_types``)."""
     import cpu_kernels  # loads Numba: when a plan is made, not when `coli` parses its flags
 
     if device not in (None, "cpu", "vulkan"):
         raise ColiError(f"--device: '{device}' (cpu or vulkan)")
     g = open_gguf(path)
-    a = model_class(g).args_from(g)
+    cls = model_class(g)
+    a = cls.args_from(g)
+    a.kv_types = kv_types(cls, a, env, cache_type_k, cache_type_v)
     vm = psutil.virtual_memory()
     bud = memory.budget(env, flag=mem_flag, available=available)
     t = g.tensors
@@ -88,7 +94,8 @@ def make_plan(path, *, device: str | None = None, ctx: int | None = None, expert
     moe = [il for il in range(a.n_layers) if f"blk.{il}.ffn_gate_exps.weight" in t]
     p = dict(model=g.path.name, path=str(g.path), arch=a.arch, file_bytes=int(g.file_size), n_layers=a.n_layers,
              moe_layers=len(moe), n_experts=a.n_experts, top_k=a.top_k, ctx=ctx, dense_bytes=dense,
-             kv_cache_bytes=kv_cache_bytes(a, ctx), ram_total=int(vm.total), ram_available=int(
+             kv_cache_bytes=kv_cache_bytes(a, ctx), kv_types=list(a.kv_types),
+             kv_bytes_per_position=kv_cache_bytes(a, 1) - kv_cache_bytes(a, 0), ram_total=int(vm.total), ram_available=int(
                  vm.available if available is None else available),
              budget_bytes=bud.bytes, budget_source=bud.source, coli_bytes=bud.rss,
              dense_fits=budget_needed(bud.rss + dense) <= bud.bytes)
@@ -165,7 +172,8 @@ def format_table(p: dict) -> str:
     """The plan as a two-column Markdown table."""
     rows = [("model", f"{p['model']} ({p['arch']}, {p['n_layers']} layers, {_sz(p['file_bytes'])} file)"),
             ("dense weights", _sz(p["dense_bytes"])),
-            ("KV cache", f"{_sz(p['kv_cache_bytes'])} at {p['ctx']} positions (f32)")]
+            ("KV cache", f"{_sz(p['kv_cache_bytes'])} at {p['ctx']} positions (K {p['kv_types'][0]}, V "
+                         f"{p['kv_types'][1]}: {_sz(p['kv_bytes_per_position'])} a position)")]
     if p["moe_layers"]:
         pl = p["expert_bytes_per_layer"]
         rows += [("experts", f"{p['moe_layers']} MoE layers x {p['n_experts']} experts, top-{p['top_k']}; "
@@ -206,7 +214,8 @@ def cmd_plan(a) -> int:
 
     env = settings.overlay(None, COLI_MEM=_mem_flag(a))
     p = make_plan(a.model, device=a.device, ctx=a.ctx, expert_cache=a.expert_cache, env=env,
-                  mem_flag="--mem" if getattr(a, "mem", None) is not None else None)
+                  mem_flag="--mem" if getattr(a, "mem", None) is not None else None,
+                  cache_type_k=getattr(a, "cache_type_k", None), cache_type_v=getattr(a, "cache_type_v", None))
     if a.json:
         json.dump(p, sys.stdout, indent=2)
         sys.stdout.write("\n")

@@ -72,15 +72,42 @@ def check_vocab_tables(g, n_tokens: int) -> None:
                             f"{n_tokens} tokens (one row per token; llama.cpp refuses this file too)")
 
 
+def kv_types(cls, args, env=None, k=None, v=None, cli_names: bool = True) -> tuple:
+    """The KV cache's (K, V) types of a model of class ``cls`` with hyper-parameters ``args``: ``k`` / ``v`` when
+    given, else the settings ``COLI_CACHE_TYPE_K`` / ``COLI_CACHE_TYPE_V`` of ``env`` (llama.cpp's
+    ``--cache-type-k/-v``; cpu_kernels/kvcache.py). One-line ColiError naming the flag (``cli_names``), the
+    argument or the variable for a name that is not a type, a type the family's caches do not take
+    (``Model.KV_TYPES``: the MLA latent cache is f32 only) and q8_0 on heads that are not a multiple of 32 wide."""
+    from cpu_kernels.kvcache import KINDS, QK8_0  # loads Numba: with a model, not with `import coli.runtime`
+
+    out = []
+    for side, given, var, width in (("k", k, "COLI_CACHE_TYPE_K", args.head_dim),
+                                    ("v", v, "COLI_CACHE_TYPE_V", getattr(args, "head_dim_v", None) or args.head_dim)):
+        name = f"--cache-type-{side}" if cli_names else f"cache_type_{side}"
+        t = given
+        if t is None:   # the setting (the CLI passes its flags as arguments)
+            t, name = settings.get(var, env), var
+        if t not in KINDS:
+            raise ColiError(f"{name}: {t!r} (f32, f16, bf16 or q8_0)")
+        if t not in cls.KV_TYPES:
+            raise ColiError(f"{name} {t}: {args.arch} keeps {cls.KV_WHAT} in f32 only")
+        if t == "q8_0" and width % QK8_0:
+            raise ColiError(f"{name} q8_0: {args.arch}'s {side.upper()} heads are {width} values wide, not a multiple "
+                            f"of {QK8_0} (the q8_0 block)")
+        out.append(t)
+    return tuple(out)
+
+
 def kv_cache_bytes(args, ctx: int) -> int:
-    """Bytes of the model's caches at ``ctx`` positions (the family's ``Model.cache_bytes``: f32 K and V
-    ``[n_kv_heads, ctx, head_dim]`` per attention layer, plus any recurrent state or latent cache)."""
+    """Bytes of the model's caches at ``ctx`` positions (the family's ``Model.cache_bytes``: K and V
+    ``[n_kv_heads, ctx, head_dim]`` per attention layer of the types ``args.kv_types``, plus any recurrent state
+    or latent cache)."""
     return model_class_of(args.arch).cache_bytes(args, ctx)
 
 
 def default_ctx(args, room: int) -> int:
-    """The default context (``--ctx``): the model's trained context, capped so that the f32 KV cache takes at
-    most ``CTX_RAM_SHARE`` of ``room``, the bytes the memory budget leaves once the model is loaded (less the
+    """The default context (``--ctx``): the model's trained context, capped so that the KV cache (of the types
+    ``args.kv_types``) takes at most ``CTX_RAM_SHARE`` of ``room``, the bytes the memory budget leaves once the model is loaded (less the
     :func:`headroom`); at least 1."""
     fixed = kv_cache_bytes(args, 0)  # a recurrent state does not grow with the context
     per = max(1, kv_cache_bytes(args, 1) - fixed)
@@ -110,13 +137,15 @@ def expert_cache_slots(n_experts: int, top_k: int, expert_bytes: int, n_moe_laye
     return max(0, min(n_experts, int(room // max(1, expert_bytes * n_moe_layers))))
 
 
-def build(eng, *, ctx, expert_cache, usage, io_threads, device, balance, trace) -> None:
+def build(eng, *, ctx, expert_cache, usage, io_threads, device, balance, trace, cache_type_k=None,
+          cache_type_v=None) -> None:
     """Assemble ``eng`` (an :class:`coli.engine.Engine` whose options are checked and set: ``path``, ``env``,
     ``memory``, ``threads``, ``cpu_act``, ``quiet``, ``silent``, ``cli_names``): the file or folder opened
     (``g``, ``args``, ``tokenizer``), the model loaded (``model``), the context sized (``room``, ``ctx_cap``,
     ``ctx``), then for a MoE the RAM expert cache, the routing history and the step (``cache``, ``usage``,
     ``step``), the trace, and with ``device`` the device with the expert tier or the device layers (``device``,
-    ``tier``, ``device_layers``). Raises ``ColiError`` for bad files or options (the engine is not returned)."""
+    ``tier``, ``device_layers``); ``cache_type_k/v``: the KV cache's types (:func:`kv_types`). Raises
+    ``ColiError`` for bad files or options (the engine is not returned)."""
     if eng.path.is_dir():  # a Hugging Face folder (config.json, *.safetensors, tokenizer.json)
         from coli.hf_folder import open_folder  # loads Numba: only for a folder, not with `import coli.engine`
 
@@ -131,6 +160,7 @@ def build(eng, *, ctx, expert_cache, usage, io_threads, device, balance, trace) 
         eng.args = cls.args_from(eng.g)
         eng.tokenizer = Tokenizer.from_gguf(eng.g)
     check_vocab_tables(eng.g, eng.tokenizer.vocab_size)
+    eng.args.kv_types = kv_types(cls, eng.args, eng.env, cache_type_k, cache_type_v, eng.cli_names)
     check_dense_fits(eng)
 
     eng.model = cls(eng.g, eng.args, None, eng.cpu_act,
@@ -288,6 +318,10 @@ def setup_layers(eng, dev, budget: int) -> bool:
                   f"({device_layers.why_not_all(eng.model) if last else why}); {instead}", file=sys.stderr)
         return False
 
+    if eng.args.kv_types != ("f32", "f32"):   # the device keeps its own f32 copy, synced from the CPU's arrays
+        kt = eng.args.kv_types
+        raise ColiError(f"--gpu-layers: the device layers keep an f32 KV cache; this run's is {kt[0]}/{kt[1]} "
+                        f"(--cache-type-k/-v): drop one")
     try:
         dl = device_layers.DeviceLayers(eng.model, dev, first, eng.ctx, env=eng.env, resident=resident)
     except (DeviceLost, VulkanError, MemoryError, ValueError) as e:   # the tier instead, as for no layer

@@ -27,6 +27,7 @@ import math
 import numba as nb
 import numpy as np
 
+from . import kvcache as kvc
 from .sync import atomic_add
 
 #: key positions per tile of the online softmax; tile boundaries at multiples of it (absolute positions, so a
@@ -37,10 +38,12 @@ QUERY_BLOCK = 32
 
 
 @nb.njit(inline="always", nogil=True, cache=True, fastmath=True)
-def _row_tile(q, t, h, kc, vc, g, ja, jb, scale, first, m, l, sc, out):
-    """Row ``t``, head ``h`` (KV head ``g``) over key positions ``ja .. jb-1`` (inside one key tile): updates the
-    accumulator ``out[t, h]`` in place and returns the new running ``(m, l)`` (f32 maximum, f64 sum); ``first``:
-    the row's first tile (no earlier state). ``sc`` f32 [>= jb - ja] scratch."""
+def _row_tile(q, t, h, kc, gk, ok, vc, gv, ov, ja, jb, scale, first, m, l, sc, out):
+    """Row ``t``, head ``h`` over key positions ``ja .. jb-1`` (inside one key tile), the keys at ``kc[gk, j - ok]``
+    and the values at ``vc[gv, j - ov]`` (the cache itself: the KV head and 0; a dequantized tile: 0 and the
+    tile's first position): updates the accumulator ``out[t, h]`` in place and returns the new running ``(m, l)``
+    (f32 maximum, f64 sum); ``first``: the row's first tile (no earlier state). ``sc`` f32 [>= jb - ja]
+    scratch."""
     hd = q.shape[2]
     vd = vc.shape[2]
     n = jb - ja
@@ -49,7 +52,7 @@ def _row_tile(q, t, h, kc, vc, g, ja, jb, scale, first, m, l, sc, out):
         j = ja + jj
         s = np.float32(0.0)
         for i in range(hd):
-            s += q[t, h, i] * kc[g, j, i]
+            s += q[t, h, i] * kc[gk, j - ok, i]
         s *= scale
         sc[jj] = s
         if jj == 0 or s > mt:
@@ -73,9 +76,9 @@ def _row_tile(q, t, h, kc, vc, g, ja, jb, scale, first, m, l, sc, out):
         l += e
     for jj in range(n):
         wgt = sc[jj]
-        j = ja + jj
+        j = ja + jj - ov
         for i in range(vd):
-            out[t, h, i] += wgt * vc[g, j, i]
+            out[t, h, i] += wgt * vc[gv, j, i]
     return mn, l
 
 
@@ -106,41 +109,68 @@ def _first_key(p, window):
 
 
 @nb.njit(inline="always", nogil=True, cache=True, fastmath=True)
-def _attend_head(q, kc, vc, pos0, scale, window, sinks, out, t, h):
-    """One row (``t``, at position ``pos0 + t``) of one query head over its key tiles (module docstring)."""
-    rep = q.shape[1] // kc.shape[0]
+def _tile(S, g, ja, n, scr):
+    """Where key tile rows ``ja .. ja+n-1`` of KV head ``g`` of side ``S`` (cpu_kernels/kvcache.py) are read
+    from: ``(array, head, offset)`` for :func:`_row_tile`, the cache itself for an f32 side, else ``scr`` f32
+    [1, >= n, w] filled with the rows dequantized."""
+    if S[0] == kvc.F32:
+        return S[1], g, 0
+    kvc.load_tile(S, g, ja, n, scr)
+    return scr, 0, ja
+
+
+@nb.njit(inline="always", nogil=True, cache=True)
+def _scratch(S, w):
+    """The dequantized tile's scratch f32 [1, KEY_TILE, w] of a non-f32 side (empty for an f32 one)."""
+    return np.empty((1, KEY_TILE if S[0] != kvc.F32 else 0, w), np.float32)
+
+
+@nb.njit(inline="always", nogil=True, cache=True, fastmath=True)
+def _attend_head(q, K, V, pos0, scale, window, sinks, out, t, h):
+    """One row (``t``, at position ``pos0 + t``) of one query head over its key tiles (module docstring); ``K``,
+    ``V`` the cache's sides (cpu_kernels/kvcache.py)."""
+    rep = q.shape[1] // kvc.side_heads(K)
     g = h // rep
     p = pos0 + t
     j0 = _first_key(p, window)
     sc = np.empty(KEY_TILE, dtype=np.float32)
+    ks = _scratch(K, q.shape[2])
+    vs = _scratch(V, kvc.side_width(V))
     m = np.float32(0.0)
     l = 0.0
     ja = j0
     while ja <= p:
         jb = min((ja // KEY_TILE + 1) * KEY_TILE, p + 1)
-        m, l = _row_tile(q, t, h, kc, vc, g, ja, jb, scale, ja == j0, m, l, sc, out)
+        kc, gk, ok = _tile(K, g, ja, jb - ja, ks)
+        vc, gv, ov = _tile(V, g, ja, jb - ja, vs)
+        m, l = _row_tile(q, t, h, kc, gk, ok, vc, gv, ov, ja, jb, scale, ja == j0, m, l, sc, out)
         ja = jb
     _row_finish(out, t, h, m, l, sinks)
 
 
 @nb.njit(inline="always", nogil=True, cache=True, fastmath=True)
-def _block_item(q, kc, vc, pos0, scale, window, sinks, out, h, r0, r1, ms, ls, sc):
-    """Rows ``r0 .. r1-1`` of query head ``h``: key tile by key tile, each row's part of the tile by
+def _block_item(q, K, V, pos0, scale, window, sinks, out, h, r0, r1, ms, ls, sc, ks, vs):
+    """Rows ``r0 .. r1-1`` of query head ``h``: key tile by key tile (dequantized once for all the rows when
+    the side is not f32: ``ks``/``vs`` scratch as :func:`_scratch`), each row's part of the tile by
     :func:`_row_tile` (the rows' arithmetic is :func:`_attend_head`'s). ``ms`` f32, ``ls`` f64 [>= r1 - r0]."""
-    rep = q.shape[1] // kc.shape[0]
+    rep = q.shape[1] // kvc.side_heads(K)
     g = h // rep
     j_lo = _first_key(pos0 + r0, window)
     p_hi = pos0 + r1 - 1
     ja0 = (j_lo // KEY_TILE) * KEY_TILE
     while ja0 <= p_hi:
         jb0 = ja0 + KEY_TILE
+        n = min(jb0, p_hi + 1) - ja0
+        kc, gk, ok = _tile(K, g, ja0, n, ks)
+        vc, gv, ov = _tile(V, g, ja0, n, vs)
         for t in range(r0, r1):
             p = pos0 + t
             j0 = _first_key(p, window)
             ja = ja0 if ja0 > j0 else j0
             jb = jb0 if jb0 < p + 1 else p + 1
             if ja < jb:
-                m, l = _row_tile(q, t, h, kc, vc, g, ja, jb, scale, ja == j0, ms[t - r0], ls[t - r0], sc, out)
+                m, l = _row_tile(q, t, h, kc, gk, ok, vc, gv, ov, ja, jb, scale, ja == j0, ms[t - r0], ls[t - r0],
+                                 sc, out)
                 ms[t - r0] = m
                 ls[t - r0] = l
         ja0 = jb0
@@ -149,22 +179,22 @@ def _block_item(q, kc, vc, pos0, scale, window, sinks, out, h, r0, r1, ms, ls, s
 
 
 @nb.njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def _attend(q, kc, vc, pos0, scale, window, sinks, out):
-    # q [T, H, hd]; kc/vc [Hkv, S, hd]; sinks [H] or [0]; out [T, H, hd]: one item per (row, head)
+def _attend(q, K, V, pos0, scale, window, sinks, out):
+    # q [T, H, hd]; K/V the sides of [Hkv, S, hd]; sinks [H] or [0]; out [T, H, hd]: one item per (row, head)
     t_n, h_n, hd = q.shape
     for idx in nb.prange(t_n * h_n):
-        _attend_head(q, kc, vc, pos0, scale, window, sinks, out, idx // h_n, idx % h_n)
+        _attend_head(q, K, V, pos0, scale, window, sinks, out, idx // h_n, idx % h_n)
 
 
 @nb.njit(nogil=True, cache=True, fastmath=True)
-def _attend_serial(q, kc, vc, pos0, scale, window, sinks, out):
+def _attend_serial(q, K, V, pos0, scale, window, sinks, out):
     t_n, h_n, hd = q.shape
     for idx in range(t_n * h_n):
-        _attend_head(q, kc, vc, pos0, scale, window, sinks, out, idx // h_n, idx % h_n)
+        _attend_head(q, K, V, pos0, scale, window, sinks, out, idx // h_n, idx % h_n)
 
 
 @nb.njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def _attend_blocks(q, kc, vc, pos0, scale, window, sinks, out, qb, nt):
+def _attend_blocks(q, K, V, pos0, scale, window, sinks, out, qb, nt):
     """The prompt kernel: ``nt`` threads claim (query head, block of ``qb`` rows) items from one counter, the
     last blocks (the most keys) first."""
     t_n, h_n, hd = q.shape
@@ -175,24 +205,29 @@ def _attend_blocks(q, kc, vc, pos0, scale, window, sinks, out, qb, nt):
         ms = np.empty(qb, np.float32)
         ls = np.empty(qb, np.float64)
         sc = np.empty(KEY_TILE, np.float32)
+        ks = _scratch(K, hd)
+        vs = _scratch(V, kvc.side_width(V))
         while True:
             i = atomic_add(ctr, 0, 1)
             if i >= n_items:
                 break
             b = n_b - 1 - i // h_n
             r0 = b * qb
-            _block_item(q, kc, vc, pos0, scale, window, sinks, out, i % h_n, r0, min(r0 + qb, t_n), ms, ls, sc)
+            _block_item(q, K, V, pos0, scale, window, sinks, out, i % h_n, r0, min(r0 + qb, t_n), ms, ls, sc,
+                        ks, vs)
 
 
 @nb.njit(nogil=True, cache=True, fastmath=True)
-def _attend_blocks_serial(q, kc, vc, pos0, scale, window, sinks, out, qb):
+def _attend_blocks_serial(q, K, V, pos0, scale, window, sinks, out, qb):
     t_n, h_n, hd = q.shape
     ms = np.empty(qb, np.float32)
     ls = np.empty(qb, np.float64)
     sc = np.empty(KEY_TILE, np.float32)
+    ks = _scratch(K, hd)
+    vs = _scratch(V, kvc.side_width(V))
     for h in range(h_n):
         for r0 in range(0, t_n, qb):
-            _block_item(q, kc, vc, pos0, scale, window, sinks, out, h, r0, min(r0 + qb, t_n), ms, ls, sc)
+            _block_item(q, K, V, pos0, scale, window, sinks, out, h, r0, min(r0 + qb, t_n), ms, ls, sc, ks, vs)
 
 
 #: multiply-adds (rows x positions x heads x head size) up to which attention runs serially (one launch of the
@@ -203,12 +238,13 @@ SERIAL_WORK = 1 << 16
 _NO_SINKS = np.zeros(0, np.float32)
 
 
-def attend(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos0: int, scale: float, window: int = 0,
+def attend(q: np.ndarray, kc, vc, pos0: int, scale: float, window: int = 0,
            out: np.ndarray | None = None, sinks: np.ndarray | None = None, *, blocks: bool = True) -> np.ndarray:
     """Attention for ``T`` new rows at positions ``pos0 .. pos0+T-1``, all heads in one kernel.
 
     ``q`` f32 [T, H, hd]; ``kc`` f32 [Hkv, S, hd], ``vc`` f32 [Hkv, S, hd_v] (hd_v may differ from hd: MiMo-V2)
-    already holding rows ``0 .. pos0+T-1``; ``window``:
+    already holding rows ``0 .. pos0+T-1``, or either a ``kvcache.KVSide`` of another type (f16, bf16, q8_0:
+    dequantized tile by tile inside the kernels); ``window``:
     positions a row sees including itself (0: all); ``sinks``: f32 [H] sink logits (module docstring) or None.
     Returns f32 [T, H, hd_v] (``out`` when given). Serial below SERIAL_WORK multiply-adds; else one row
     (decode) runs parallel over heads, more rows (a prompt chunk) parallel over (head, query block) items
@@ -216,6 +252,8 @@ def attend(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos0: int, scale: floa
     bits per row. Raises ValueError when ``sinks`` is not [H].
     """
     T, H, hd = q.shape
+    K = kc.t if isinstance(kc, kvc.KVSide) else kvc.as_side(kc)
+    V = vc.t if isinstance(vc, kvc.KVSide) else kvc.as_side(vc)
     if out is None:
         out = np.empty((T, H, vc.shape[2]), np.float32)
     if sinks is None:
@@ -227,14 +265,14 @@ def attend(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos0: int, scale: floa
     work = T * (pos0 + T) * H * hd
     scale = np.float32(scale)
     if T == 1 or not blocks:
-        (_attend_serial if work <= SERIAL_WORK else _attend)(q, kc, vc, pos0, scale, window, sinks, out)
+        (_attend_serial if work <= SERIAL_WORK else _attend)(q, K, V, pos0, scale, window, sinks, out)
         return out
     nt = nb.get_num_threads()
     qb = QUERY_BLOCK
     while qb > 4 and H * -(-T // qb) < 4 * nt:  # at least ~4 items a thread while blocks stay >= 4 rows
         qb //= 2
     if work <= SERIAL_WORK:
-        _attend_blocks_serial(q, kc, vc, pos0, scale, window, sinks, out, qb)
+        _attend_blocks_serial(q, K, V, pos0, scale, window, sinks, out, qb)
     else:
-        _attend_blocks(q, kc, vc, pos0, scale, window, sinks, out, qb, nt)
+        _attend_blocks(q, K, V, pos0, scale, window, sinks, out, qb, nt)
     return out

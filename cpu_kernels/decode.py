@@ -35,6 +35,7 @@ from numba import njit, prange
 from . import experts as _E
 from . import formats as _F
 from . import attention as _attn
+from . import kvcache as _kvc
 from .attention import _attend_head, _attend_serial
 from .norms import _rms_norm_heads_serial, _rms_norm_serial
 from .rope import NEOX as _NEOX
@@ -102,8 +103,9 @@ def _gate_up_items(ctr, ph, nt, gd, ud, pstart, src, xq, xd, xm, x, kind, limit,
 
 
 @njit(**_JIT)
-def _qkv_post(qkv, b_q, b_k, b_v, qk_mode, w_qn, w_kn, eps, q, k, v, pos, cos, sin, n_rot, neox, kc, vc):
-    """The q/k/v row split into heads, biases, q/k norms, RoPE and the KV cache write of row ``pos[0]``."""
+def _qkv_post(qkv, b_q, b_k, b_v, qk_mode, w_qn, w_kn, eps, q, k, v, pos, cos, sin, n_rot, neox, K, V):
+    """The q/k/v row split into heads, biases, q/k norms, RoPE and the KV cache write of row ``pos[0]`` (into the
+    sides ``K``, ``V``: cpu_kernels/kvcache.py, the prompt path's store)."""
     qf = q.reshape(q.size)
     kf = k.reshape(k.size)
     vf = v.reshape(v.size)
@@ -134,11 +136,9 @@ def _qkv_post(qkv, b_q, b_k, b_v, qk_mode, w_qn, w_kn, eps, q, k, v, pos, cos, s
     _rope_serial(q, pos, cos, sin, n_rot, neox)
     _rope_serial(k, pos, cos, sin, n_rot, neox)
     p = pos[0]
-    for g in range(kc.shape[0]):
-        for i in range(kc.shape[2]):
-            kc[g, p, i] = k[0, g, i]
-        for i in range(vc.shape[2]):
-            vc[g, p, i] = v[0, g, i]
+    for g in range(k.shape[1]):
+        _kvc._store_row(K, g, p, k, 0)
+        _kvc._store_row(V, g, p, v, 0)
 
 
 #: phases of :func:`_attention_phases`, :func:`_ffn_phases`, :func:`_head_phases` and :func:`experts_row`
@@ -154,7 +154,7 @@ def _attention_phases(ctr, b, nt, h, eps, w_norm, x, xq, xd, xm,
                       qkv_desc, qkv_nch, qkv_off, pstart3, rows3, qkv, b_q, b_k, b_v,
                       qk_mode, w_qn, w_kn, q, k, v,
                       pos, cos, sin, n_rot, neox,
-                      kc, vc, scale, window, sinks, serial_work, att, a2, aq, ad, am,
+                      K, V, scale, window, sinks, serial_work, att, a2, aq, ad, am,
                       o_desc, o_nch, pstart1, rows1, off1, y, b_o, post_w, y2):
     """One thread's part of the attention block (phases ``b`` .. ``b + 6``; arguments as
     :func:`attention_block`)."""
@@ -164,14 +164,14 @@ def _attention_phases(ctr, b, nt, h, eps, w_norm, x, xq, xd, xm,
     wait(ctr, b, 1)
     _mm_items(ctr, b + 1, nt, qkv_desc, qkv_nch, pstart3, rows3, rows3, qkv_off, xq, xd, xm, x, qkv)
     if serial(ctr, b + 2):
-        _qkv_post(qkv, b_q, b_k, b_v, qk_mode, w_qn, w_kn, eps, q, k, v, pos, cos, sin, n_rot, neox, kc, vc)
+        _qkv_post(qkv, b_q, b_k, b_v, qk_mode, w_qn, w_kn, eps, q, k, v, pos, cos, sin, n_rot, neox, K, V)
         finish(ctr, b + 2, 1)
     wait(ctr, b + 2, 1)
     p = pos[0]
     H = q.shape[1]
     if (p + 1) * H * q.shape[2] <= serial_work:  # attention.attend's rule: one item, all heads
         if serial(ctr, b + 3):
-            _attend_serial(q, kc, vc, p, scale, window, sinks, att)
+            _attend_serial(q, K, V, p, scale, window, sinks, att)
             finish(ctr, b + 3, 1)
         wait(ctr, b + 3, 1)
     else:  # one item per head (the same per-head arithmetic)
@@ -179,7 +179,7 @@ def _attention_phases(ctr, b, nt, h, eps, w_norm, x, xq, xd, xm,
             hh = claim(ctr, b + 3, 1)
             if hh >= H:
                 break
-            _attend_head(q, kc, vc, p, scale, window, sinks, att, 0, hh)
+            _attend_head(q, K, V, p, scale, window, sinks, att, 0, hh)
             finish(ctr, b + 3, 1)
         wait(ctr, b + 3, H)
     if serial(ctr, b + 4):
@@ -252,7 +252,7 @@ def attention_block(nt, ctr, h, eps, w_norm, x, xq, xd, xm,
                     qkv_desc, qkv_nch, qkv_off, pstart3, rows3, qkv, b_q, b_k, b_v,
                     qk_mode, w_qn, w_kn, q, k, v,
                     pos, cos, sin, n_rot, neox,
-                    kc, vc, scale, window, sinks, serial_work, att, a2, aq, ad, am,
+                    K, V, scale, window, sinks, serial_work, att, a2, aq, ad, am,
                     o_desc, o_nch, pstart1, rows1, off1, y, b_o, post_w, y2):
     """The attention block of one decode row (module docstring), in place on ``h`` f32 [1, D], as ONE parallel
     region over ``nt`` threads (``cpu_kernels.sync``: ``ctr`` ``sync.counters(ATTN_PHASES)`` its counters).
@@ -262,13 +262,13 @@ def attention_block(nt, ctr, h, eps, w_norm, x, xq, xd, xm,
     counts ``qkv_nch`` int64 [4], ``experts.block_counts``); q f32 [1, H, hd], k [1, Hkv, hd],
     v [1, Hkv, hd_v]; att f32 [1, H, hd_v] and a2 its [1, H*hd_v] view, aq/ad/am its int8 codes; y, y2 f32
     [1, D]. Biases ``b_*`` and ``w_qn``/``w_kn``/``post_w`` are empty arrays when the layer has none. ``pos``
-    int64 [1] the row's position, ``cos``/``sin`` f32 [ctx, n_rot/2]; ``kc``/``vc`` f32 [Hkv, ctx, hd] the KV
-    cache (row ``pos`` is written here); ``serial_work``: attention is one work item up to that many
+    int64 [1] the row's position, ``cos``/``sin`` f32 [ctx, n_rot/2]; ``K``/``V`` the KV cache's sides of
+    [Hkv, ctx, hd] (``kvcache.KVSide.t``: f32, f16, bf16 or q8_0; row ``pos`` is written here); ``serial_work``: attention is one work item up to that many
     multiply-adds (``attention.SERIAL_WORK``), else one per head."""
     reset(ctr)
     for _t in prange(nt):
         _attention_phases(ctr, _B0, nt, h, eps, w_norm, x, xq, xd, xm, qkv_desc, qkv_nch, qkv_off, pstart3, rows3, qkv,
-                          b_q, b_k, b_v, qk_mode, w_qn, w_kn, q, k, v, pos, cos, sin, n_rot, neox, kc, vc, scale,
+                          b_q, b_k, b_v, qk_mode, w_qn, w_kn, q, k, v, pos, cos, sin, n_rot, neox, K, V, scale,
                           window, sinks, serial_work, att, a2, aq, ad, am, o_desc, o_nch, pstart1, rows1, off1, y,
                           b_o, post_w, y2)
 
@@ -292,7 +292,7 @@ def layer_block(nt, ctr, h, eps, w_norm, x, xq, xd, xm,
                 qkv_desc, qkv_nch, qkv_off, pstart3, rows3, qkv, b_q, b_k, b_v,
                 qk_mode, w_qn, w_kn, q, k, v,
                 pos, cos, sin, n_rot, neox,
-                kc, vc, scale, window, sinks, serial_work, att, a2, aq, ad, am,
+                K, V, scale, window, sinks, serial_work, att, a2, aq, ad, am,
                 o_desc, o_nch, pstart1, rows1, off1, y, b_o, post_w, y2,
                 f_eps, f_w_norm, f_x, f_xq, f_xd, f_xm, gd, ud, dd, d_nch, f_pstart1, f_rows1, f_off1, kind, limit,
                 fa, faq, fad, fam, f_y, f_post_w, f_y2):
@@ -302,7 +302,7 @@ def layer_block(nt, ctr, h, eps, w_norm, x, xq, xd, xm,
     reset(ctr)
     for _t in prange(nt):
         _attention_phases(ctr, _B0, nt, h, eps, w_norm, x, xq, xd, xm, qkv_desc, qkv_nch, qkv_off, pstart3, rows3, qkv,
-                          b_q, b_k, b_v, qk_mode, w_qn, w_kn, q, k, v, pos, cos, sin, n_rot, neox, kc, vc, scale,
+                          b_q, b_k, b_v, qk_mode, w_qn, w_kn, q, k, v, pos, cos, sin, n_rot, neox, K, V, scale,
                           window, sinks, serial_work, att, a2, aq, ad, am, o_desc, o_nch, pstart1, rows1, off1, y,
                           b_o, post_w, y2)
         _ffn_phases(ctr, _B_FFN, nt, h, f_eps, f_w_norm, f_x, f_xq, f_xd, f_xm, gd, ud, dd, d_nch, f_pstart1,
@@ -325,9 +325,11 @@ def token_block(nt, ctr, h, eps, W_NORM, x, xq, xd, xm,
     :func:`layer_block`'s phases with row l
     of the stacked per-layer arrays (``W_NORM`` f32 [L, D], ``QKV_DESC`` int64 [L, 3, 13], ``BQ`` f32 [L, n]
     or [L, 0], ``SCALE`` f32 [L], ``WINDOW`` int64 [L], ...); its KV cache and RoPE tables are addressed by
-    ``KC``/``VC``/``COS``/``SIN`` int64 [L] (the f32 arrays' addresses) with shapes ``kshape``/``vshape``
+    ``KC``/``VC``/``COS``/``SIN`` int64 [L] (the f32 arrays' addresses: an f32 KV cache only) with shapes ``kshape``/``vshape``
     int64 [3] and ``rshape`` int64 [2]. The scratch arrays are shared by the layers (their shapes agree)."""
     reset(ctr)
+    e16 = np.zeros((0, 0, 0), np.uint16)
+    e8 = np.zeros((0, 0, 0), np.int8)
     for _t in prange(nt):
         for il in range(W_NORM.shape[0]):
             b = il * (ATTN_PHASES + FFN_PHASES)
@@ -335,9 +337,11 @@ def token_block(nt, ctr, h, eps, W_NORM, x, xq, xd, xm,
             sin = numba.carray(_E._pf32(SIN[il]), (rshape[0], rshape[1]))
             kc = numba.carray(_E._pf32(KC[il]), (kshape[0], kshape[1], kshape[2]))
             vc = numba.carray(_E._pf32(VC[il]), (vshape[0], vshape[1], vshape[2]))
+            K = (np.int64(_kvc.F32), kc, e16, e8, e16)
+            V = (np.int64(_kvc.F32), vc, e16, e8, e16)
             _attention_phases(ctr, b, nt, h, eps, W_NORM[il], x, xq, xd, xm, QKV_DESC[il], QKV_NCH[il],
                               QKV_OFF[il], pstart3, rows3, qkv, BQ[il], BK[il], BV[il], qk_mode, WQN[il], WKN[il],
-                              q, k, v, pos, cos, sin, n_rot, neox, kc, vc, SCALE[il], WINDOW[il], sinks,
+                              q, k, v, pos, cos, sin, n_rot, neox, K, V, SCALE[il], WINDOW[il], sinks,
                               serial_work, att, a2, aq, ad, am, O_DESC[il], O_NCH[il], pstart1, rows1, off1, y,
                               BO[il], POST_W[il], y2)
             _ffn_phases(ctr, b + ATTN_PHASES, nt, h, eps, F_W_NORM[il], x, xq, xd, xm, GD[il], UD[il], DD[il],
@@ -505,7 +509,7 @@ class AttentionDecode:
                 self.qkv_desc, self.qkv_nch, self.qkv_off, self.pstart3, self.rows3, self.qkv, *self.b[:3],
                 self.qk_mode, self.w_qn, self.w_kn, self.q, self.k, self.v,
                 self.pos, cos, sin, a.n_rot, a.rope_kind == _NEOX,
-                kv.k, kv.v, np.float32(a.scale), a.window, _NONE, _attn.SERIAL_WORK, self.att, self.a2,
+                kv.K.t, kv.V.t, np.float32(a.scale), a.window, _NONE, _attn.SERIAL_WORK, self.att, self.a2,
                 self.aq, self.ad, self.am, self.o_desc, self.o_nch, self.pstart1, self.rows1, _E._ZERO1, self.y,
                 self.b[3], self.post_w, self.y2)
 
@@ -639,6 +643,8 @@ class TokenDecode:
 
     def _addresses(self, cache) -> bool:
         a0 = self.A[0]
+        if any(getattr(c, "k", None) is None for c in cache.layers):   # a KV cache of another type than f32
+            return False
         ks = {c.k.shape for c in cache.layers}
         vs = {c.v.shape for c in cache.layers}
         ropes = [a.attn.m.rope_table(a.attn.rope_base, a.attn.rope_scaling, a.attn.n_rot) for a in self.A]

@@ -895,7 +895,9 @@ def ffn_gate_up_gemm(gdesc, udesc, pstart, xq, xd, xm, xu, kind, limit, gb, ub, 
                 a[p, o] = _act(gb[p, o], ub[p, o], kind, limit)
 
 
-@njit(nogil=True, cache=True)
+# fastmath=False spelled out: the decode regions (fastmath) call it, and Numba compiles a function that does not set
+# it with the flags of its first caller (a NaN row then raised ZeroDivisionError when a region compiled it first)
+@njit(nogil=True, cache=True, fastmath=False)
 def _rms_norm_q8(h, w, eps, out, xq, xd, xm):
     """RMSNorm (norms._rms_norm's arithmetic: the sum in float64) and the int8 quantization of its output
     (formats._quantize_act_i8's arithmetic) in one serial pass per row: h f32 [T, D] -> out f32 [T, D], xq int8
@@ -1139,7 +1141,7 @@ def _combine_row(po, w, y, r):
             y[r, d] = y[r, d] + po[r, k, d] * wk
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=False)   # the decode regions call it: flags spelled out (_rms_norm_q8)
 def combine_rows(po, w, y):
     """The MoE step's rank-order sum (invariant 1): y[r] = po[r, 0] * w[r, 0] + po[r, 1] * w[r, 1] + ... left to
     right, f32 (no fastmath: no FMA contraction, the same roundings as the NumPy expression). po f32 [R, K, D],

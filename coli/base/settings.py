@@ -45,6 +45,10 @@ VARS: tuple[Var, ...] = (
         "histories of read-only model folders (default $XDG_CACHE_HOME/coli, else ~/.cache/coli)"),
     Var("COLI_MEM", "float", None, "memory the run may use in all; the budget is the smallest of this, the "
         "cgroup's limit and the RAM available (docs/engine.md \"Memory budget\")", "GiB", lo=0.1, flag="--mem"),
+    Var("COLI_CACHE_TYPE_K", "str", "f32", "the KV cache's K type: f32, f16, bf16 or q8_0 (llama.cpp's names; "
+        "q8_0: blocks of 32 with an f16 scale; MLA latent caches take f32 only; docs/engine.md \"KV cache types\")",
+        flag="--cache-type-k"),
+    Var("COLI_CACHE_TYPE_V", "str", "f32", "the KV cache's V type, as COLI_CACHE_TYPE_K", flag="--cache-type-v"),
     Var("COLI_VULKAN", "bool", False, "open the Vulkan expert tier, as --device vulkan", flag="--device vulkan"),
     Var("COLI_VK_DEV", "int", -1, "Vulkan device index (-1: the best device)", "index", lo=-1,
         flag="--device vulkan:N"),

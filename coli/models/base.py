@@ -62,6 +62,8 @@ class BaseArgs:
     norm_topk: bool = True
     sliding_window: int = 0
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    #: the KV cache's (K, V) types (``--cache-type-k/-v``; cpu_kernels/kvcache.py): the engine sets them
+    kv_types: tuple = ("f32", "f32")
 
     @classmethod
     def from_gguf(cls, g, **overrides):
@@ -243,6 +245,11 @@ class Model:
     """
 
     embed_scale = 0.0
+    #: the KV cache types the family's caches take (``--cache-type-k/-v``); the latent (MLA) and compressed
+    #: caches are f32 only
+    KV_TYPES = ("f32", "f16", "bf16", "q8_0")
+    #: what those caches are, for the error naming a type they do not take
+    KV_WHAT = "its caches"
     #: ``coli.vulkan.device_layers.DeviceLayers`` when the last layers run on the device (the engine sets it)
     device_layers = None
 
@@ -374,10 +381,12 @@ class Model:
     @classmethod
     def cache_bytes(cls, args: BaseArgs, ctx: int) -> int:
         """Bytes of the caches at ``ctx`` positions, from the hyper-parameters alone (the engine sizes the
-        default context by it before loading; ``coli plan`` shows it): here K and V f32
-        [n_kv_heads, ctx, head_dim] per layer. A family with other caches (recurrent state, MLA latent)
+        default context by it before loading; ``coli plan`` shows it): here K and V [n_kv_heads, ctx,
+        head_dim] per layer of the types ``args.kv_types`` (``blocks.KV.bytes_per_position``). A family with other caches (recurrent state, MLA latent)
         overrides it."""
-        return 2 * args.n_layers * args.n_kv_heads * int(ctx) * args.head_dim * 4
+        from .blocks import KV
+
+        return args.n_layers * int(ctx) * KV.bytes_per_position(args.n_kv_heads, args.head_dim, types=args.kv_types)
 
     # -- forward -----------------------------------------------------------------------------------------
     def forward(self, ids, cache: Cache, all_logits: bool = False) -> np.ndarray:

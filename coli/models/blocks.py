@@ -24,6 +24,7 @@ from cpu_kernels import decode_moe
 from cpu_kernels import experts as grouped
 from cpu_kernels import router as _router
 from cpu_kernels.attention import attend
+from cpu_kernels.kvcache import KVSide, row_bytes
 from cpu_kernels.norms import geglu_tanh, rms_norm, rms_norm_heads, swiglu
 from cpu_kernels.rope import apply_rope
 
@@ -31,21 +32,35 @@ from .base import any_rows, below_one
 
 
 class KV:
-    """One attention layer's KV cache: ``k``, ``v`` f32 [n_kv, ctx, head_dim], preallocated for ``ctx``
-    positions; position p is row p (``Cache.pos`` may move back: the rows past it are overwritten)."""
+    """One attention layer's KV cache: sides ``K`` [n_kv, ctx, head_dim] and ``V`` [n_kv, ctx, head_dim_v]
+    (``cpu_kernels.kvcache.KVSide``) of types ``types`` (K's, V's: ``"f32"``, ``"f16"``, ``"bf16"``, ``"q8_0"``;
+    llama.cpp's ``--cache-type-k/-v``), preallocated for ``ctx`` positions; position p is row p (``Cache.pos`` may
+    move back: the rows past it are overwritten). ``k``, ``v``: the f32 arrays of an f32 side (None for
+    another type). ValueError for an unknown type or a q8_0 row width that is not a multiple of 32."""
 
     rewindable = True
 
-    def __init__(self, n_kv: int, ctx: int, head_dim: int, head_dim_v: int | None = None):
-        self.k = np.zeros((n_kv, ctx, head_dim), np.float32)
-        self.v = np.zeros((n_kv, ctx, head_dim if head_dim_v is None else head_dim_v), np.float32)
+    def __init__(self, n_kv: int, ctx: int, head_dim: int, head_dim_v: int | None = None,
+                 types: tuple = ("f32", "f32")):
+        self.types = tuple(types)
+        self.K = KVSide(self.types[0], n_kv, ctx, head_dim)
+        self.V = KVSide(self.types[1], n_kv, ctx, head_dim if head_dim_v is None else head_dim_v)
+        self.k, self.v = self.K.f32, self.V.f32
 
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return self.K.nbytes() + self.V.nbytes()
+
+    def write(self, pos0: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Rows ``k`` f32 [T, n_kv, head_dim] and ``v`` [T, n_kv, head_dim_v] at positions ``pos0 ..``."""
+        self.K.write(pos0, k)
+        self.V.write(pos0, v)
 
     @staticmethod
-    def bytes_per_position(n_kv: int, head_dim: int, head_dim_v: int | None = None) -> int:
-        return 4 * n_kv * (head_dim + (head_dim if head_dim_v is None else head_dim_v))
+    def bytes_per_position(n_kv: int, head_dim: int, head_dim_v: int | None = None,
+                           types: tuple = ("f32", "f32")) -> int:
+        """Bytes one position takes in a layer's cache (``kvcache.row_bytes`` of K and V per KV head)."""
+        return n_kv * (row_bytes(types[0], head_dim) + row_bytes(types[1], head_dim if head_dim_v is None
+                                                                   else head_dim_v))
 
 
 class Attention:
@@ -115,7 +130,7 @@ class Attention:
                             f"head width of '{p}attn_v.weight')")
 
     def new_cache(self, ctx: int) -> KV:
-        return KV(self.n_kv, ctx, self.head_dim)
+        return KV(self.n_kv, ctx, self.head_dim, types=self.m.args.kv_types)
 
     def qkv(self, x: np.ndarray, xa=None):
         """q, k, v projections of ``x`` f32 [T, D] (biases added): one quantization of x and one parallel launch
@@ -161,10 +176,8 @@ class Attention:
 
     def attend(self, q, k, v, kv: KV, pos0: int) -> np.ndarray:
         """Write k, v at ``pos0 ..`` into the cache and attend; f32 [T, H, hd_v]."""
-        T = q.shape[0]
-        kv.k[:, pos0:pos0 + T] = k.transpose(1, 0, 2)
-        kv.v[:, pos0:pos0 + T] = v.transpose(1, 0, 2)
-        return attend(q, kv.k, kv.v, pos0, self.scale, self.window)
+        kv.write(pos0, k, v)
+        return attend(q, kv.K, kv.V, pos0, self.scale, self.window)
 
     def out(self, o: np.ndarray) -> np.ndarray:
         """The output projection of the heads' outputs f32 [T, H * hd_v] (bias added)."""

@@ -161,6 +161,9 @@ class DecoderLayer:
 
 
 class Model(base.Model):
+    KV_TYPES = ("f32",)
+    KV_WHAT = "an MLA latent cache"
+
     @staticmethod
     def args_from(g) -> Args:
         return read_args(g)

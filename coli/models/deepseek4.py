@@ -401,6 +401,9 @@ class DecoderLayer:
 class Model(base.Model):
     """DeepSeek-V4 over the hc residual streams; ``forward`` as ``base.Model.forward`` (module docstring)."""
 
+    KV_TYPES = ("f32",)
+    KV_WHAT = "compressed KV caches"
+
     def __init__(self, g, args, step=None, act: str = "f32", invariant: bool = False):
         # compressed layers: the file's YaRN without its mscale (HF forces attention_factor 1 for V4)
         rs = args.rope_scaling

@@ -195,6 +195,9 @@ class MTP:
 
 
 class Model(base.Model):
+    KV_TYPES = ("f32",)
+    KV_WHAT = "an MLA latent cache"
+
     dsa_positions = None
 
     def __init__(self, g, args, step=None, act: str = "f32", invariant: bool = False):

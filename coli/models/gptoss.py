@@ -81,10 +81,8 @@ class SinkAttention(blocks.Attention):
                             f"expected [{self.n_heads}] (one per query head)")
 
     def attend(self, q, k, v, kv, pos0: int) -> np.ndarray:
-        T = q.shape[0]
-        kv.k[:, pos0:pos0 + T] = k.transpose(1, 0, 2)
-        kv.v[:, pos0:pos0 + T] = v.transpose(1, 0, 2)
-        return attend(q, kv.k, kv.v, pos0, self.scale, self.window, sinks=self.attn_sinks)
+        kv.write(pos0, k, v)
+        return attend(q, kv.K, kv.V, pos0, self.scale, self.window, sinks=self.attn_sinks)
 
 
 def topk_softmax(k: int):

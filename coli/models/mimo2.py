@@ -73,7 +73,7 @@ class Attention(SinkAttention):
                             f"{self.n_kv * head_dim_v} (KV heads {self.n_kv} x attention.value_length {head_dim_v})")
 
     def new_cache(self, ctx: int) -> blocks.KV:
-        return blocks.KV(self.n_kv, ctx, self.head_dim, self.head_dim_v)
+        return blocks.KV(self.n_kv, ctx, self.head_dim, self.head_dim_v, types=self.m.args.kv_types)
 
     def __call__(self, x, xa, kv, pos0: int):
         q, k, v = self.qkv(x, xa)
@@ -162,4 +162,5 @@ class Model(base.Model):
     @classmethod
     def cache_bytes(cls, args, ctx: int) -> int:
         """K f32 [n_kv(il), ctx, key_length] and V f32 [n_kv(il), ctx, value_length] per layer."""
-        return sum(blocks.KV.bytes_per_position(n, args.head_dim, args.head_dim_v) for n in args.n_kv_layer) * int(ctx)
+        return sum(blocks.KV.bytes_per_position(n, args.head_dim, args.head_dim_v, args.kv_types)
+                   for n in args.n_kv_layer) * int(ctx)

@@ -26,7 +26,7 @@ from cpu_kernels.norms import rms_norm
 from cpu_kernels.rope import NEOX
 
 from . import base
-from .blocks import MLP, Attention, MoE, softmax_topk
+from .blocks import KV, MLP, Attention, MoE, softmax_topk
 from .deltanet import DeltaNetCache, GatedDeltaNet, ssm_dims
 
 
@@ -144,5 +144,6 @@ class Model(base.Model):
         """K and V f32 [n_kv_heads, ctx, head_dim] per full-attention layer, plus per DeltaNet layer its conv state
         f32 [K - 1, 2 Hk dk + Hv dv] and recurrent state f32 [Hv, dk, dv] (independent of ``ctx``)."""
         n_rec = sum(args.recurrent)
-        kv = 2 * (args.n_layers - n_rec) * args.n_kv_heads * int(ctx) * args.head_dim * 4
+        kv = (args.n_layers - n_rec) * int(ctx) * KV.bytes_per_position(args.n_kv_heads, args.head_dim,
+                                                                                 types=args.kv_types)
         return kv + n_rec * DeltaNetCache.bytes_for(args.ssm)
