@@ -296,6 +296,14 @@ def setup_layers(eng, dev, budget: int) -> bool:
         want = -1       # --cpu-moe / --n-cpu-moe alone: every layer that fits, as llama.cpp's -ngl 99 with them
     if not want:
         return False
+    if eng.args.kv_types != ("f32", "f32"):   # the device keeps its own f32 copy, synced from the CPU's arrays
+        kt = eng.args.kv_types
+        dev.close()
+        eng.device = None
+        if eng.cache is not None:
+            eng.cache.close()  # its readers started; the engine is not returned
+        raise ColiError(f"--gpu-layers: the device layers keep an f32 KV cache; this run's is {kt[0]}/{kt[1]} "
+                        f"(--cache-type-k/-v): drop one")
     # experts placed apart from their layers: some stay on the CPU (--cpu-moe, --n-cpu-moe), or --gpu-layers N with
     # --tier-gb G where N whole layers do not fit G (the experts resident in what the layers leave)
     moe = bool(eng.model.moe_layers)
@@ -318,10 +326,6 @@ def setup_layers(eng, dev, budget: int) -> bool:
                   f"({device_layers.why_not_all(eng.model) if last else why}); {instead}", file=sys.stderr)
         return False
 
-    if eng.args.kv_types != ("f32", "f32"):   # the device keeps its own f32 copy, synced from the CPU's arrays
-        kt = eng.args.kv_types
-        raise ColiError(f"--gpu-layers: the device layers keep an f32 KV cache; this run's is {kt[0]}/{kt[1]} "
-                        f"(--cache-type-k/-v): drop one")
     try:
         dl = device_layers.DeviceLayers(eng.model, dev, first, eng.ctx, env=eng.env, resident=resident)
     except (DeviceLost, VulkanError, MemoryError, ValueError) as e:   # the tier instead, as for no layer

@@ -667,3 +667,13 @@ def test_deepseek_router_on_the_device():
         if dev is not None:
             dev.close()
         e.close()
+
+
+def test_a_typed_kv_cache_is_refused_with_device_layers(tiny):
+    """The device layers keep their own f32 K/V rows, synced from the CPU's f32 arrays: a KV cache of another type
+    (--cache-type-k/-v) with --gpu-layers is one line naming both, not a silent conversion."""
+    from coli.base.errors import ColiError
+
+    with pytest.raises(ColiError, match=r"^--gpu-layers: the device layers keep an f32 KV cache; this run's is "
+                                        r"f16/q8_0 \(--cache-type-k/-v\): drop one$"):
+        _engine(tiny, layers=2, cache_type_k="f16", cache_type_v="q8_0")
