@@ -218,15 +218,16 @@ class Backend:
                    Dispatch("lmm", (-(-D // BM), gr, 1), [tb.addr, xhb.addr, ysb.addr, r1b.addr, pb.addr, ob.addr],
                             [D, Fd, 0, R, 0, 1, 1], type_name=type_name, mode=2, wait=False),
                    # the other gated activations with the experts' biases (gpt-oss, Gemma's GeGLU): mode 1 with the
-                   # tanh GELU, mode 1 with gpt-oss's clamped SwiGLU (limit 7), mode 2 with the down bias
-                   Dispatch("lmm", (-(-Fd // BM), gr, E), [tb.addr, xb.addr, hgb.addr, rb.addr, pb.addr, ob.addr,
+                   # tanh GELU, mode 1 with gpt-oss's clamped SwiGLU (limit 7), mode 2 with the down bias; lmm.comp
+                   # on either route ("lmm_f32": lmm_cm.comp runs SwiGLU without biases only)
+                   Dispatch("lmm_f32", (-(-Fd // BM), gr, E), [tb.addr, xb.addr, hgb.addr, rb.addr, pb.addr, ob.addr,
                                                           bgb.addr, bub.addr],
                             [Fd, D, 0, R, 0, k, 0, 1, 1, 0], type_name=type_name, mode=1, wait=False),
-                   Dispatch("lmm", (-(-Fd // BM), gr, E), [tb.addr, xb.addr, hob.addr, rb.addr, pb.addr, ob.addr,
+                   Dispatch("lmm_f32", (-(-Fd // BM), gr, E), [tb.addr, xb.addr, hob.addr, rb.addr, pb.addr, ob.addr,
                                                           bgb.addr, bub.addr],
                             [Fd, D, 0, R, 0, k, 0, 2, 1, int(np.float32(7.0).view(np.uint32))], type_name=type_name,
                             mode=1, wait=False),
-                   Dispatch("lmm", (-(-D // BM), gr, E), [tb.addr, xhb.addr, ykbb.addr, rb.addr, pb.addr, ob.addr,
+                   Dispatch("lmm_f32", (-(-D // BM), gr, E), [tb.addr, xhb.addr, ykbb.addr, rb.addr, pb.addr, ob.addr,
                                                          bdb.addr],
                             [D, Fd, 0, R, 0, k, 0, 0, 1], type_name=type_name, mode=2, wait=False)]
             rec = K.record(ops)

@@ -1143,7 +1143,8 @@ class DeviceLayers:
             ops.append(Dispatch("rmsnorm", (R,), [hs, d["ffn_norm"].addr, xn], [D, eps]))
             if "mlp_tab" in d:   # the dense FFN: gate/up with the activation as one expert every row takes, then down
                 mF, post = d["mlp_F"], d.get("post_ffn")
-                ops += [Dispatch("lmm", (-(-mF // BM), gr, 1),
+                # lmm_cm.comp (the cooperative-matrix route) runs SwiGLU only: the GeGLU on lmm.comp
+                ops += [Dispatch("lmm_f32" if d["act"] else "lmm", (-(-mF // BM), gr, 1),
                                  [d["mlp_tab"].addr, xn, self.p_h.addr, xn, xn, xn],
                                  [mF, D, 0, R, 0, 1, 1, d["act"]], type_name=d["mlp_types"][0], mode=1),
                         Dispatch("lmm", (-(-D // BM), gr), [d["mlp_down"].addr, self.p_h.addr, tmp if post else hs, hs],
@@ -1156,6 +1157,7 @@ class DeviceLayers:
             rb, eb = d.get("router_b"), d.get("ebias")
             bias = [b.addr for b in eb] if eb is not None else [xn, xn, xn]   # unread without u8 bit 0
             nb = int(eb is not None)
+            f32r = "lmm_f32" if nb or d["eact"] else "lmm"
             ops += [
                 Dispatch("lmm", (-(-E // BM), gr), [d["router"].addr, xn, self.p_lgt.addr,
                                                     rb.addr if rb is not None else self.p_lgt.addr],
@@ -1163,10 +1165,11 @@ class DeviceLayers:
                 Dispatch("topk", (R,), [self.p_lgt.addr, rt, d["route_b"].addr if "route_b" in d else rt],
                          [E, k, self.topk_flags | (16 if "route_b" in d else 0), *self.topk_words]),
                 Dispatch("moe_sort", (1,), [rt, self.p_off.addr, self.p_pairs.addr], [E, k, R]),
-                Dispatch("lmm", (-(-F // BM), gr, E), [d["tab"].addr, xn, self.p_h.addr, rt, self.p_pairs.addr,
+                # lmm_cm.comp (the cooperative-matrix route) has neither the biases nor gpt-oss's activation
+                Dispatch(f32r, (-(-F // BM), gr, E), [d["tab"].addr, xn, self.p_h.addr, rt, self.p_pairs.addr,
                                                      self.p_off.addr, bias[0], bias[1]],
                          [F, D, 0, R, 0, k, 0, d["eact"], nb, f32_bits(d["elimit"])], type_name=et[0], mode=1),
-                Dispatch("lmm", (-(-D // BM), gr, E), [d["tab"].addr, self.p_h.addr, self.p_yk.addr, rt,
+                Dispatch(f32r, (-(-D // BM), gr, E), [d["tab"].addr, self.p_h.addr, self.p_yk.addr, rt,
                                                      self.p_pairs.addr, self.p_off.addr, bias[2]],
                          [D, F, 0, R, 0, k, 0, 0, nb], type_name=et[1], mode=2),
             ]
