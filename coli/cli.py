@@ -81,7 +81,8 @@ def _engine_args(p: argparse.ArgumentParser, model_required=False):
                         "docs/tier.md)")
     p.add_argument("--gpu-layers", "-ngl", "--n-gpu-layers", type=int, default=None, metavar="N",
                    help="run the last N decoder layers whole on the device, one submit a token (-1: as many as the "
-                        "budget holds; 0: the expert tier; COLI_VK_LAYERS; docs/vulkan.md \"Device layers\")")
+                        "budget holds; 0: none, the CPU alone, or the expert tier with --device vulkan; COLI_VK_LAYERS; "
+                        "docs/vulkan.md \"Device layers\")")
     p.add_argument("--cpu-moe", action="store_true",
                    help="device layers keep every routed expert on the CPU (RAM), joined mid-layer; alone: every layer "
                         "that fits on the device (COLI_VK_CPU_MOE=-1; docs/vulkan.md \"Experts on the CPU\")")
@@ -94,8 +95,8 @@ def _engine_args(p: argparse.ArgumentParser, model_required=False):
                    help="a token's logits bit-identical however its prompt was chunked for every matrix, also those "
                         "without t16 tiles (COLI_BATCH_INVARIANT=1; docs/engine.md \"Batch invariance\")")
     p.add_argument("--cache-type-k", "-ctk", default=None, metavar="TYPE",
-                   help="KV cache type of K: f32, f16, bf16 or q8_0 (COLI_CACHE_TYPE_K; default f32; docs/engine.md "
-                        "\"KV cache types\")")
+                   help="KV cache type of K: f32, f16, bf16 or q8_0 (COLI_CACHE_TYPE_K; default f32; device layers "
+                        "(--gpu-layers) take f32 only; docs/engine.md \"KV cache types\")")
     p.add_argument("--cache-type-v", "-ctv", default=None, metavar="TYPE",
                    help="KV cache type of V, as --cache-type-k (COLI_CACHE_TYPE_V)")
     p.add_argument("--trace", default=None, metavar="FILE.json", help="write Chrome/Perfetto trace events")
@@ -569,7 +570,8 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(c)
     c.set_defaults(func=cmd_chat)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)",
+    s = sub.add_parser("serve", help="HTTP server: OpenAI's /v1/chat/completions and /v1/completions, Anthropic's "
+                       "/v1/messages",
                        formatter_class=_Help)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
     s.add_argument("--port", type=int, default=8080, help="TCP port")

@@ -777,7 +777,8 @@ class Engine:
                 ms = 1e3 * dl.submit_s / dl.tokens if dl.tokens else 0.0
                 gpu = f" ({1e3 * dl.gpu_s / dl.tokens:.2f} by the device's timestamps)" if dl.tokens and dl.gpu_s else ""
                 hold = f"; {dl.clock.line()}" if dl.clock is not None else ""
-                pre = (f"; {dl.prompt_tokens} prompt rows in {dl.prompt_chunks} chunks, "
+                pre = (f"; {dl.prompt_tokens} prompt rows in {dl.prompt_chunks} "
+                       f"chunk{'s' if dl.prompt_chunks != 1 else ''}, "
                        f"{dl.prompt_tokens / dl.prompt_s:.0f} rows/s in the submits and waits, "
                        f"the {dl.K.route} GEMM route" if dl.prompt_chunks else
                        "; no prompt rows")

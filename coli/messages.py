@@ -215,9 +215,11 @@ class Events:
             out.append(event("content_block_stop", {"type": "content_block_stop", "index": self.index}))
         return out
 
-    def end(self, reason: str, sequence, output_tokens: int) -> list:
+    def end(self, reason: str, sequence, usage: dict) -> list:
+        """The closing events; ``usage`` the answer's whole count (the non-streamed answer's ``usage``: the prompt's
+        rows run and those read from the prompt cache, known only once the prompt ran)."""
         return self._close() + [
             event("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason,
                                                                        "stop_sequence": sequence},
-                                    "usage": {"output_tokens": output_tokens}}),
+                                    "usage": usage}),
             event("message_stop", {"type": "message_stop"})]

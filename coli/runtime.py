@@ -303,7 +303,7 @@ def setup_layers(eng, dev, budget: int) -> bool:
         if eng.cache is not None:
             eng.cache.close()  # its readers started; the engine is not returned
         raise ColiError(f"--gpu-layers: the device layers keep an f32 KV cache; this run's is {kt[0]}/{kt[1]} "
-                        f"(--cache-type-k/-v): drop one")
+                        f"(--cache-type-k/-v): leave --cache-type-k/-v at f32, or run without --gpu-layers")
     # experts placed apart from their layers: some stay on the CPU (--cpu-moe, --n-cpu-moe), or --gpu-layers N with
     # --tier-gb G where N whole layers do not fit G (the experts resident in what the layers leave)
     moe = bool(eng.model.moe_layers)

@@ -926,7 +926,7 @@ def create_app(eng, model_id: str, aliases=(), max_queue: int = 8, api_key: str 
                             reason, seq = AM.stop_reason(fr, r.stats.get("stop_string"), stops)
                         else:
                             _, (reason, seq) = fin(r, "")
-                        for e in ev.end(reason, seq, len(r.ids)):
+                        for e in ev.end(reason, seq, usage(r)):
                             yield e
                         metrics.count("messages", 200)
                         return
@@ -1036,12 +1036,17 @@ def create_app(eng, model_id: str, aliases=(), max_queue: int = 8, api_key: str 
             h = conn.headers.get("authorization", "")
             got = h[7:].strip() if h[:7].lower() == "bearer " else conn.headers.get("x-api-key", "")
             if not hmac.compare_digest(got.encode(), api_key.encode()):
-                raise AuthenticationError("invalid API key" if got else "no API key: send 'Authorization: Bearer KEY'")
+                raise AuthenticationError("invalid API key" if got else
+                                          "no API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'")
             return AuthCredentials(["authenticated"]), SimpleUser("client")
 
     def auth_error(conn, exc):
-        return JSONResponse(APIError(401, str(exc), code="invalid_api_key").body(), status_code=401,
-                            headers={"WWW-Authenticate": "Bearer"})
+        e = APIError(401, str(exc), code="invalid_api_key")
+        if conn.url.path == "/v1/messages":      # Anthropic's clients read their own error object
+            from coli import messages as AM
+
+            return JSONResponse(AM.error_body(e), status_code=401)
+        return JSONResponse(e.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -1143,7 +1148,7 @@ def serve(eng, model_id: str, host: str = "127.0.0.1", port: int = 8080, aliases
     server = Server(config)
     h, p = sock.getsockname()[:2]
     shown = f"[{h}]" if ":" in h else h  # printed with -q too: the real port (--port 0) is what a script needs
-    print(f"coli: serving {model_id} on http://{shown}:{p}/v1 (OpenAI API; Ctrl-C to stop)", file=sys.stderr,
+    print(f"coli: serving {model_id} on http://{shown}:{p}/v1 (OpenAI API, and Anthropic's /v1/messages; Ctrl-C to stop)", file=sys.stderr,
           flush=True)
     server.run(sockets=[sock])
     return 128 + got[0] if got else 0

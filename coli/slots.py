@@ -49,13 +49,18 @@ def common_prefix(a: list, b: list) -> int:
 
 def copy_rows(dst, src, n: int) -> bool:
     """Copy positions ``0 .. n`` of every layer's K/V from cache ``src`` to ``dst`` (``coli.models.base.Cache``
-    of the same model); False (nothing copied) when a layer's cache is not position-indexed K/V arrays."""
+    of the same model): each side's stored arrays as they are (f32 rows, or a typed cache's codes and scales:
+    ``cpu_kernels.kvcache.KVSide.t``); False (nothing copied) when a layer's cache is not position-indexed K/V
+    sides of the same types."""
     pairs = list(zip(dst.layers, src.layers))
-    if not all(hasattr(d, "k") and hasattr(d, "v") and getattr(d, "rewindable", False) for d, _ in pairs):
+    if not all(hasattr(d, "K") and hasattr(d, "V") and getattr(d, "rewindable", False)
+               and getattr(d, "types", None) == getattr(s, "types", None) for d, s in pairs):
         return False
     for d, s in pairs:
-        d.k[:, :n] = s.k[:, :n]
-        d.v[:, :n] = s.v[:, :n]
+        for ds, ss in ((d.K, s.K), (d.V, s.V)):
+            for a, b in zip(ds.t[1:], ss.t[1:]):
+                if a.size:                   # the kind's own arrays; the others are empty placeholders
+                    a[:, :n] = b[:, :n]
     return True
 
 

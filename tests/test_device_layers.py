@@ -675,5 +675,6 @@ def test_a_typed_kv_cache_is_refused_with_device_layers(tiny):
     from coli.base.errors import ColiError
 
     with pytest.raises(ColiError, match=r"^--gpu-layers: the device layers keep an f32 KV cache; this run's is "
-                                        r"f16/q8_0 \(--cache-type-k/-v\): drop one$"):
+                                        r"f16/q8_0 \(--cache-type-k/-v\): leave --cache-type-k/-v at f32, "
+                                        r"or run without --gpu-layers$"):
         _engine(tiny, layers=2, cache_type_k="f16", cache_type_v="q8_0")

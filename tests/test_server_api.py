@@ -265,8 +265,8 @@ def test_n_choices_with_seeds(http):
 # ------------------------------------------------------------------------------------- safety, names, metrics
 
 def test_api_key(eng):
-    """--api-key: no key or a wrong one is a 401 with OpenAI's error object; the key (Bearer) is let through;
-    /health and /v1/models stay public."""
+    """--api-key: no key or a wrong one is a 401 with OpenAI's error object (Anthropic's on /v1/messages); the key
+    (Bearer, or x-api-key) is let through; /health and /v1/models stay public."""
     with _client(eng, api_key="s3cret") as c:
         r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
@@ -278,6 +278,12 @@ def test_api_key(eng):
         assert r.status_code == 200
         assert c.get("/health").status_code == 200 and c.get("/v1/models").status_code == 200
         assert c.get("/metrics").status_code == 401
+        # /v1/messages answers in Anthropic's error object, and takes Anthropic's x-api-key header
+        body = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]}
+        r = c.post("/v1/messages", json=body)
+        assert r.status_code == 401 and r.json()["type"] == "error"
+        assert r.json()["error"]["type"] == "authentication_error" and "x-api-key" in r.json()["error"]["message"]
+        assert c.post("/v1/messages", json=body, headers={"x-api-key": "s3cret"}).status_code == 200
 
 
 def test_cors_localhost_only_unless_given(eng):
@@ -460,6 +466,10 @@ def test_messages_stream_events_and_stop_sequence(http, eng):
     text = "".join(d["delta"]["text"] for d in datas if d["type"] == "content_block_delta")
     assert text == want.text[:want.text.index(stop)]
     assert datas[-2]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": stop}
+    # the closing usage splits the prompt as the non-streamed answer does (rows run, rows from the prompt cache)
+    u = datas[-2]["usage"]
+    assert u["input_tokens"] + u["cache_read_input_tokens"] == datas[0]["message"]["usage"]["input_tokens"]
+    assert u["output_tokens"] > 0
 
 
 def test_messages_blocks_map_to_the_chat_request(http):

@@ -57,10 +57,12 @@ def test_batched_tokens_equal_alone(name, engine, model_path, demo_path):
         assert s.result.finish_reason == w.finish_reason
 
 
-def test_prompt_cache_own_slot_and_copied(engine, model_path):
+@pytest.mark.parametrize("kv", ["f32", "q8_0"])
+def test_prompt_cache_own_slot_and_copied(engine, model_path, kv):
     """A second turn reuses the slot's rows of the first (prompt and answer); a request sharing a prefix with a
-    busy slot gets that slot's rows copied; both give the cold run's tokens."""
-    eng = engine(model_path("smollm2"), threads=2, ctx=256)
+    busy slot gets that slot's rows copied (a typed KV cache's codes and scales too); both give the cold run's
+    tokens."""
+    eng = engine(model_path("smollm2"), threads=2, ctx=256, cache_type_k=kv, cache_type_v=kv)
     turn1 = eng.chat_ids([{"role": "user", "content": "Name a fruit."}])
     b = Batcher(eng, 2)
     r1 = b.run([_seq(eng, turn1, 6)])[0]

@@ -59,7 +59,8 @@ VARS: tuple[Var, ...] = (
         "docs/tier.md); with --gpu-layers N the device layers' memory: N layers that do not fit it whole get their "
         "experts resident in what the layers leave (docs/vulkan.md \"Experts on the CPU\")", "GiB", lo=0, flag="--tier-gb"),
     Var("COLI_VK_LAYERS", "int", 0, "decoder layers that run whole on the device, the last ones (llama.cpp's "
-        "-ngl; -1: as many as the budget holds; 0: the expert tier instead; docs/vulkan.md \"Device layers\")",
+        "-ngl; -1: as many as the budget holds; 0: none, the expert tier where the device is open; docs/vulkan.md "
+        "\"Device layers\")",
         "layers", lo=-1, flag="--gpu-layers"),
     Var("COLI_VK_CPU_MOE", "int", 0, "device layers whose routed experts stay on the CPU, joined mid-layer "
         "(llama.cpp's --n-cpu-moe N: the first N layers of the model; -1: every layer, --cpu-moe; docs/vulkan.md "
