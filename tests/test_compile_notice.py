@@ -103,3 +103,17 @@ def test_piped_run_says_once_that_kernels_compile(want, tmp_path):
     assert lines == [f"coli: compiling the CPU kernels, once: about 2-5 minutes on a first run; later runs load "
                      f"them from {os.environ['NUMBA_CACHE_DIR']}"], r.stderr
     assert r.stderr.index(lines[0]) < r.stderr.index("prefill")  # before the stats line, not after the wait
+
+
+def test_the_logged_notice_starts_its_own_line():
+    """Piped, the notice follows model text on a line of its own (stdout and stderr often share one file): a newline
+    first when text holds the current line, none otherwise."""
+    from coli.base import progress
+
+    try:
+        progress.text_on_line(True)
+        assert progress.notice_line() == "\ncoli: " + progress.compile_notice()
+        progress.text_on_line(False)
+        assert progress.notice_line() == "coli: " + progress.compile_notice()
+    finally:
+        progress.text_on_line(False)

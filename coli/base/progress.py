@@ -40,6 +40,12 @@ def compile_notice() -> str:
     return COMPILE_NOTE + (f"; later runs load them from {d}" if d else "")
 
 
+def notice_line() -> str:
+    """The compile notice as a log gets it: ``coli: `` and :func:`compile_notice`, on a line of its own (after a
+    newline when model text holds the current line: stdout and stderr often share one terminal or file)."""
+    return ("\n" if _line["text"] else "") + f"coli: {compile_notice()}"
+
+
 def text_on_line(on: bool) -> None:
     """Say whether model text now holds the terminal's current line (no compile bar is drawn while it does)."""
     _line["text"] = bool(on)
@@ -135,7 +141,7 @@ def install() -> None:
                         told, _line["told"] = _line["told"], True
                     if not told:  # a log gets one line, not a silent wait of minutes
                         try:
-                            print(f"coli: {compile_notice()}", file=sys.stderr, flush=True)
+                            print(notice_line(), file=sys.stderr, flush=True)
                         except (OSError, ValueError, AttributeError):
                             pass
                     return
