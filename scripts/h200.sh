@@ -38,6 +38,34 @@ export PYTHONPATH=/tmp/site:$PWD
 export LD_LIBRARY_PATH=/tmp/site/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 }
 
+# gpu_start WHAT ARGS (called by prompt, chain): the synthetic MoE (MODEL) written and llama.cpp's CUDA llama-bench (LL)
+# built in the background (BLD: the build's pid; GP_LLAMA=0 skips it), then a tiny MoE's coli bench with ARGS ("smoke:
+# a tiny MoE, WHAT"; it compiles the Numba kernels); waits for the file. Needs $PY and say.
+gpu_start() {
+MODEL=$(bash scripts/h200.sh synth-path)
+mkdir -p "$(dirname "$MODEL")" /tmp/h2
+if [ ! -s "$MODEL" ]; then
+  ( $PY scripts/make_synthetic_moe.py -o "$MODEL" > /tmp/h2/gen.log 2>&1; echo "gen rc $?" >> /tmp/h2/gen.log ) &
+  GEN=$!
+fi
+LL=/tmp/llcuda/build/bin/llama-bench
+if [ "${GP_LLAMA:-1}" = 1 ] && [ ! -x $LL ]; then
+  say "building llama.cpp (CUDA) in the background"
+  ( tar -xJf .peers/llama.cpp-0.3.36-vendor-cuda-trim.tar.xz -C /tmp && cmake -S /tmp/llcuda -B /tmp/llcuda/build -G Ninja \
+    -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=OFF \
+    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+    -DBUILD_SHARED_LIBS=OFF > /tmp/llbuild.log 2>&1 && cmake --build /tmp/llcuda/build -j 14 --target llama-bench >> /tmp/llbuild.log 2>&1
+    echo "build rc $?" >> /tmp/llbuild.log ) &
+  BLD=$!
+fi
+say "smoke: a tiny MoE, $1 (compiles the Numba kernels)"
+$PY scripts/make_synthetic_moe.py -o /tmp/h2/tiny.gguf --layers 2 --d 256 --heads 4 --experts 16 --top-k 4 \
+  --expert-ff 128 --vocab 512 > /dev/null 2>&1
+timeout 200 $PY -m coli bench -m /tmp/h2/tiny.gguf $2 -r 1 -t 16 2>&1 | tail -4
+[ -n "${GEN:-}" ] && wait $GEN
+cat /tmp/h2/gen.log 2>/dev/null | tail -1
+}
+
 # synth-path: prints where the recipes keep the synthetic MoE (scripts/make_synthetic_moe.py, ~7.5 GB): a file already in
 # /dev/shm/h2 or /tmp/h2 first; else /dev/shm/h2 when /dev/shm has room for it (RAM: written in 32-40 s on the H200,
 # 2026-12-01), else /tmp/h2 (the machine's disk: 370 s).
@@ -375,28 +403,7 @@ say "set-up"
 setup || exit 2
 nvidia-smi -L; nproc; free -g | head -2
 $PY -c "import sys, numpy, numba; print(sys.version.split()[0], 'numpy', numpy.__version__, 'numba', numba.__version__)"
-MODEL=$(bash scripts/h200.sh synth-path)
-mkdir -p "$(dirname "$MODEL")" /tmp/h2
-if [ ! -s "$MODEL" ]; then
-  ( $PY scripts/make_synthetic_moe.py -o "$MODEL" > /tmp/h2/gen.log 2>&1; echo "gen rc $?" >> /tmp/h2/gen.log ) &
-  GEN=$!
-fi
-LL=/tmp/llcuda/build/bin/llama-bench
-if [ "${GP_LLAMA:-1}" = 1 ] && [ ! -x $LL ]; then
-  say "building llama.cpp (CUDA) in the background"
-  ( tar -xJf .peers/llama.cpp-0.3.36-vendor-cuda-trim.tar.xz -C /tmp && cmake -S /tmp/llcuda -B /tmp/llcuda/build -G Ninja \
-    -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=OFF \
-    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
-    -DBUILD_SHARED_LIBS=OFF > /tmp/llbuild.log 2>&1 && cmake --build /tmp/llcuda/build -j 14 --target llama-bench >> /tmp/llbuild.log 2>&1
-    echo "build rc $?" >> /tmp/llbuild.log ) &
-  BLD=$!
-fi
-say "smoke: a tiny MoE, every layer on the device (compiles the Numba kernels)"
-$PY scripts/make_synthetic_moe.py -o /tmp/h2/tiny.gguf --layers 2 --d 256 --heads 4 --experts 16 --top-k 4 \
-  --expert-ff 128 --vocab 512 > /dev/null 2>&1
-timeout 200 $PY -m coli bench -m /tmp/h2/tiny.gguf --gpu-layers 2 -p 64 -n 4 -r 1 -t 16 2>&1 | tail -4
-[ -n "${GEN:-}" ] && wait $GEN
-cat /tmp/h2/gen.log 2>/dev/null | tail -1
+gpu_start "every layer on the device" "--gpu-layers 2 -p 64 -n 4"
 for route in ${GP_ROUTES:-f32 coopmat}; do
   say "lmm parity, route $route (every device format, 16/64/512 rows, against float64)"
   COLI_VK_PROMPT_ROUTE=$route timeout 120 $PY -m scripts.backend_ops --ops lmm 2>&1 | tail -32
@@ -455,28 +462,7 @@ left() { echo $((DEADLINE - (SECONDS - T0))); }
 say "set-up"
 setup || exit 2
 nvidia-smi -L; nproc; free -g | head -2
-MODEL=$(bash scripts/h200.sh synth-path)
-mkdir -p "$(dirname "$MODEL")" /tmp/h2
-if [ ! -s "$MODEL" ]; then
-  ( $PY scripts/make_synthetic_moe.py -o "$MODEL" > /tmp/h2/gen.log 2>&1; echo "gen rc $?" >> /tmp/h2/gen.log ) &
-  GEN=$!
-fi
-LL=/tmp/llcuda/build/bin/llama-bench
-if [ "${GP_LLAMA:-1}" = 1 ] && [ ! -x $LL ]; then
-  say "building llama.cpp (CUDA) in the background"
-  ( tar -xJf .peers/llama.cpp-0.3.36-vendor-cuda-trim.tar.xz -C /tmp && cmake -S /tmp/llcuda -B /tmp/llcuda/build -G Ninja \
-    -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=OFF \
-    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
-    -DBUILD_SHARED_LIBS=OFF > /tmp/llbuild.log 2>&1 && cmake --build /tmp/llcuda/build -j 14 --target llama-bench >> /tmp/llbuild.log 2>&1
-    echo "build rc $?" >> /tmp/llbuild.log ) &
-  BLD=$!
-fi
-say "smoke: a tiny MoE, every layer on the device with its experts on the CPU (compiles the Numba kernels)"
-$PY scripts/make_synthetic_moe.py -o /tmp/h2/tiny.gguf --layers 2 --d 256 --heads 4 --experts 16 --top-k 4 \
-  --expert-ff 128 --vocab 512 > /dev/null 2>&1
-timeout 200 $PY -m coli bench -m /tmp/h2/tiny.gguf --gpu-layers 2 --cpu-moe -p 0 -n 4 -r 1 -t 16 2>&1 | tail -4
-[ -n "${GEN:-}" ] && wait $GEN
-cat /tmp/h2/gen.log 2>/dev/null | tail -1
+gpu_start "every layer on the device with its experts on the CPU" "--gpu-layers 2 --cpu-moe -p 0 -n 4"
 [ -n "${BLD:-}" ] && { say "waiting for the llama.cpp build"; wait $BLD; tail -2 /tmp/llbuild.log; }
 N=${GP_GEN:-64}
 coli() {  # name, coli args

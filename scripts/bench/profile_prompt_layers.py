@@ -75,29 +75,25 @@ def profile(eng, dl, ids, a):
         dt = time.perf_counter() - t0
         print(f"prefill {a.rows} rows: {dt * 1e3:.1f} ms, {a.rows / dt:.0f} tok/s{' (warm-up)' if rep == 0 else ''}")
     ops = dl._prompt_ops(a.rows, False)
-    rec = dl.K.record(ops, each=True)
     dl.params.u32(4)[0] = 0
     dl.p_in.f32(a.rows * dl.D)[:] = eng.model.embed(ids).reshape(-1)
-    best = None
-    for _ in range(3):
-        dl.K.submit(rec)
-        ms = dl.K.op_ms(rec)
-        if ms is not None and (best is None or sum(ms) < sum(best)):
-            best = ms
-    dl.K.free(rec)
-    if best is None:
-        sys.exit("the device has no timestamps")
-    table(eng, dl, ops, best, f"{a.rows} rows", a.rows)
+    table(eng, dl, ops, best_op_ms(dl, ops, 3), f"{a.rows} rows", a.rows)
 
 
 def profile_decode(eng, dl, pos: int):
     """One decode token's program (``DeviceLayers._ops``) at position ``pos``, a timestamp after every op."""
     ops = dl._ops()
-    rec = dl.K.record(ops, each=True)
     dl.params.u32(4)[0] = pos
     dl.hin.f32(dl.D)[:] = eng.model.embed(np.array([1])).reshape(-1)
+    table(eng, dl, ops, best_op_ms(dl, ops, 5), f"a decode token at position {pos}", 1)
+
+
+def best_op_ms(dl, ops, n: int) -> list:
+    """``ops`` recorded with a timestamp after each and submitted ``n`` times: the ms of each op in the fastest
+    submit (exits when the device has no timestamps)."""
+    rec = dl.K.record(ops, each=True)
     best = None
-    for _ in range(5):
+    for _ in range(n):
         dl.K.submit(rec)
         ms = dl.K.op_ms(rec)
         if ms is not None and (best is None or sum(ms) < sum(best)):
@@ -105,7 +101,7 @@ def profile_decode(eng, dl, pos: int):
     dl.K.free(rec)
     if best is None:
         sys.exit("the device has no timestamps")
-    table(eng, dl, ops, best, f"a decode token at position {pos}", 1)
+    return best
 
 
 def table(eng, dl, ops, best, what, rows):
