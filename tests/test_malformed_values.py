@@ -134,6 +134,7 @@ def test_attention_with_a_non_finite_score_gives_nan_not_an_exception(fill, kern
     ZeroDivisionError; the row is NaN now (the engine's non-finite check reports it) and the other heads are
     unchanged: all-ones K and V give exactly 1 (softmax weights summing to 1 times V = 1)."""
     from cpu_kernels import attention
+    from cpu_kernels import kvcache
 
     q = np.ones((1, 2, 8), np.float32)
     q[0, 0, 0] = fill
@@ -141,7 +142,7 @@ def test_attention_with_a_non_finite_score_gives_nan_not_an_exception(fill, kern
     vc = np.ones((1, 4, 8), np.float32)
     out = np.empty((1, 2, 8), np.float32)
     fn = attention._attend_serial if kernel == "serial" else attention._attend
-    fn(q, kc, vc, 3, np.float32(0.35), 0, np.zeros(0, np.float32), out)
+    fn(q, kvcache.as_side(kc), kvcache.as_side(vc), 3, np.float32(0.35), 0, np.zeros(0, np.float32), out)
     assert np.isnan(out[0, 0]).all()
     np.testing.assert_allclose(out[0, 1], 1.0, rtol=1e-6)
 
