@@ -160,7 +160,7 @@ class Kernels:
         #: mode 1 27.3 -> 15.8 ms a 512-row chunk with 2, mode 2 9.5 -> 11.0 ms: docs/vulkan.md "Prompt routes")
         self.cm_pipe = {0: 0, 1: 2, 2: 0}
         #: query rows of an attn_pre.comp workgroup (8, 16 or 32; at most 16 when the head dimension exceeds 128:
-        #: shared memory): :meth:`attn_rows` gives the grid's
+        #: shared memory): :meth:`attn_pre` gives the grid's
         self.attn_bq = 8
         #: keys an attn_dec.comp workgroup takes in decode (its split over positions, joined by attn_comb.comp); a
         #: context of at most this many keys keeps one workgroup a head and no join
