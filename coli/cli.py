@@ -370,7 +370,7 @@ def cmd_serve(a) -> int:
     try:
         return serve(eng, model_id, host=a.host, port=a.port, aliases=aliases, max_queue=a.queue, quiet=a.quiet,
                      sock=sock, api_key=key, cors=a.cors, body_limit_mb=a.body_limit,
-                     parallel=a.parallel)
+                     parallel=a.parallel, warmup=not a.no_warmup)
     finally:
         _close(eng)  # already closed by the server's shutdown; idempotent
 
@@ -585,6 +585,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cors", nargs="+", default=None, metavar="ORIGIN",
                    help="browser origins allowed to call the server ('*' for any; default: localhost's only)")
     s.add_argument("--body-limit", type=float, default=16, metavar="MiB", help="request bodies above it get 413")
+    s.add_argument("--no-warmup", action="store_true",
+                   help="skip the warm-up generation before the first request (it pays the kernels' compile; "
+                        "/health answers 503 until it ends)")
     s.add_argument("-q", "--quiet", action="store_true", help="no start line or access log (the serving line stays)")
     _engine_args(s)
     s.set_defaults(func=cmd_serve)

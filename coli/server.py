@@ -345,11 +345,15 @@ class Worker:
     step, fed in arrival order from a queue of at most ``max_queue`` waiting jobs. A job's generations (``n``)
     run one after the other in its slot; between two steps, waiting jobs take the free slots."""
 
-    def __init__(self, eng, max_queue: int, metrics: Metrics | None = None, parallel: int = 1):
+    def __init__(self, eng, max_queue: int, metrics: Metrics | None = None, parallel: int = 1,
+                 warmup: bool = False):
         from coli.slots import Batcher
 
         self.eng = eng
         self.batcher = Batcher(eng, parallel)
+        self.warmup = warmup
+        self.warmed: dict | None = None  # the warm-up's {"steps", "seconds"} once it ran
+        self.ready = threading.Event()  # set after the warm-up (at once without one): /health 200, jobs taken
         self.q: queue.Queue = queue.Queue(maxsize=max_queue)
         self.running: dict = {}  # Sequence -> (job, generation index)
         self.served = 0
@@ -372,6 +376,8 @@ class Worker:
     def submit(self, job: Job) -> None:
         if self.stopping.is_set():
             raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
+        if not self.ready.is_set():  # llama-server's answer while it loads; clients retry a 503
+            raise APIError(503, "Loading model", "unavailable_error", code="loading_model")
         try:
             self.q.put_nowait(job)
         except queue.Full:
@@ -453,7 +459,35 @@ class Worker:
             print(f"coli serve: {type(e).__name__}: {e}", file=sys.stderr)
             job.post("error", 0, APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
 
+    def _warm_up(self) -> None:
+        """One short greedy generation through the slots before the first request (llama-server's warm-up):
+        a 2-token prompt step and a 1-row decode step, so that the kernels' compile (tens of seconds on a cold
+        Numba cache) and the first touch of the weights are paid here, not by the first client. The slot's rows
+        and the step counters are then cleared: the warm-up leaves no prompt cache and counts no steps. A
+        failure is printed (the requests will meet it too), never hidden."""
+        from coli.sampling import Sampler, SamplingParams
+        from coli.slots import Sequence
+
+        eng, b = self.eng, self.batcher
+        t0 = time.perf_counter()
+        ids = eng.tokenize("Hello")[:2]
+        ids += ids[-1:] * (2 - len(ids))
+        steps0 = b.steps
+        seq = Sequence(eng, ids, 2, Sampler(SamplingParams(temp=0.0), ctx=eng.ctx), stop_at_eos=False)
+        try:
+            b.run([seq])
+        except Exception as e:  # noqa: BLE001
+            print(f"coli serve: the warm-up failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        finally:
+            if seq.slot is not None:
+                seq.slot.ids = []
+            self.warmed = dict(steps=b.steps - steps0, seconds=round(time.perf_counter() - t0, 3))
+            b.steps, b.most_rows_of, b.reused_rows, b.copied_rows = steps0, 0, 0, 0
+
     def _run(self):
+        if self.warmup and not self.stopping.is_set():
+            self._warm_up()
+        self.ready.set()
         b = self.batcher
         while True:
             while b.free():  # waiting jobs take the free slots (block only when nothing runs)
@@ -536,14 +570,15 @@ def fit_conversation(encode, msgs: list, ctx: int, max_tokens) -> tuple[list, in
 # ---------------------------------------------------------------------------------------------- app
 
 def create_app(eng, model_id: str, aliases=(), max_queue: int = 8, api_key: str | None = None, cors=None,
-               body_limit_mb: float = BODY_LIMIT_MB, parallel: int = 1):
+               body_limit_mb: float = BODY_LIMIT_MB, parallel: int = 1, warmup: bool = False):
     """The Starlette app serving ``eng`` as model ``model_id``. Any ``model`` name in a request is answered
     by it (one model is served, as llama-server; the answer names ``model_id``); ``aliases`` are the other
     names ``GET /v1/models/{name}`` knows. ``api_key``: requests other than ``/health`` and ``/v1/models``
     need ``Authorization: Bearer KEY`` (401 otherwise). ``cors``: the origins browsers may call from (None:
     localhost's only). Bodies above ``body_limit_mb`` MiB are a 413. The engine is closed when the app's
     lifespan ends. ``parallel``: the slots decoded together (``coli.slots``; ColiError when their KV caches do
-    not fit the memory budget)."""
+    not fit the memory budget). ``warmup``: one short generation before the first request (the kernels'
+    compile paid then); until it ends ``/health`` and every request answer 503 "Loading model"."""
     from starlette.applications import Starlette
     from starlette.authentication import AuthCredentials, AuthenticationBackend, AuthenticationError, SimpleUser
     from starlette.concurrency import run_in_threadpool
@@ -1002,8 +1037,11 @@ def create_app(eng, model_id: str, aliases=(), max_queue: int = 8, api_key: str 
 
     async def health(request: Request):
         w = state["worker"]
+        if not w.ready.is_set():  # llama-server's body while it loads
+            return JSONResponse({"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}},
+                                status_code=503)
         b = w.batcher
-        return JSONResponse({"status": "ok", "model": model_id, "ctx": eng.ctx, "queued": w.q.qsize(),
+        return JSONResponse({"status": "ok", "warmup": w.warmed, "model": model_id, "ctx": eng.ctx, "queued": w.q.qsize(),
                              "busy": w.current is not None, "served": w.served, "cancelled": w.cancelled,
                              "last": w.last, "slots": len(b.slots), "slots_busy": len(b.slots) - b.free(),
                              "reused_rows": b.reused_rows, "steps": b.steps, "most_in_a_step": b.most_rows_of})
@@ -1050,7 +1088,7 @@ def create_app(eng, model_id: str, aliases=(), max_queue: int = 8, api_key: str 
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        state["worker"] = Worker(eng, max_queue, metrics, parallel)
+        state["worker"] = Worker(eng, max_queue, metrics, parallel, warmup)
         try:
             yield
         finally:
@@ -1121,7 +1159,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 def serve(eng, model_id: str, host: str = "127.0.0.1", port: int = 8080, aliases=(), max_queue: int = 8,
           quiet: bool = False, sock: socket.socket | None = None, api_key: str | None = None, cors=None,
-          body_limit_mb: float = BODY_LIMIT_MB, parallel: int = 1) -> int:
+          body_limit_mb: float = BODY_LIMIT_MB, parallel: int = 1, warmup: bool = True) -> int:
     """Serve ``eng`` on ``sock`` (or a socket :func:`bind` makes) until SIGINT/SIGTERM; the running generation
     is cancelled, then the engine is closed (routing history saved). Returns 128 + the signal's number
     (130, 143), as a process killed by it, or 0 when the server stopped by itself."""
@@ -1129,7 +1167,7 @@ def serve(eng, model_id: str, host: str = "127.0.0.1", port: int = 8080, aliases
 
     sock = sock or bind(host, port)
     app = create_app(eng, model_id, aliases, max_queue, api_key=api_key, cors=cors, body_limit_mb=body_limit_mb,
-                     parallel=parallel)
+                     parallel=parallel, warmup=warmup)
     got = []
 
     class Server(uvicorn.Server):

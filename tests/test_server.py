@@ -88,6 +88,11 @@ def test_models_lists_the_file(server, ref):
     assert ids == [ref.path.stem]
 
 
+def test_warmup_ran_before_the_first_request(server):
+    """``coli serve`` warms up by default: /health (200 once ready) counts the warm-up's two model steps."""
+    assert _health(server)["warmup"]["steps"] == 2
+
+
 def test_model_retrieve_and_unsupported_fields(server):
     """GET /v1/models/{id} (client.models.retrieve) answers for the served id, 404 for another; a field the
     server cannot honour (the legacy ``functions``) is a 400 naming it, not silently ignored."""
@@ -363,7 +368,8 @@ def test_sigterm_saves_routing_history(demo_path, tmp_path):
 def test_sigterm_cuts_a_stream_visibly(model_path):
     """SIGTERM while a stream runs: the stream ends with an error event (code shutting_down), no
     finish_reason "stop" and no [DONE] (a cut answer must not read as complete); the process exits 143."""
-    p, base = _start(model_path("smollm2"), "--ctx", "512")
+    p, base = _start(model_path("smollm2"), "--ctx", "512", "--no-warmup")
+    assert httpx.get(base + "/health", timeout=10).json()["warmup"] is None  # --no-warmup: none ran
     events = []
     try:
         body = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "stream": True,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import numpy as np
 import pytest
@@ -168,6 +169,48 @@ def test_body_over_the_limit_is_413(eng):
         r = c.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
         assert r.status_code == 413 and r.json() == whole and whole["error"]["code"] == "request_too_large"
         assert c.get("/health").json()["status"] == "ok"
+
+
+def test_warmup_health_503_then_200(eng, monkeypatch):
+    """With the warm-up on, /health answers llama-server's 503 "Loading model" and a request a 503 until the
+    warm-up ran (held here until the test lets it go, so the 503 is seen); then 200 with the warm-up's two
+    model steps (a 2-token prompt and a decode row) counted, and the first answer is the library's with no
+    prompt rows reused (the warm-up leaves no cache and no steps). Without it /health says none ran."""
+    import threading
+
+    from coli.server import Worker
+
+    gate = threading.Event()
+    orig = Worker._warm_up
+
+    def held(self):
+        assert gate.wait(60)
+        orig(self)
+
+    monkeypatch.setattr(Worker, "_warm_up", held)
+    with _client(eng, warmup=True) as c:
+        r = c.get("/health")
+        assert r.status_code == 503
+        assert r.json() == {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+        r = c.post("/v1/chat/completions", json={"messages": Q, "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "loading_model"
+        gate.set()
+        for _ in range(600):
+            r = c.get("/health")
+            if r.status_code == 200:
+                break
+            time.sleep(0.1)
+        h = r.json()
+        assert r.status_code == 200 and h["status"] == "ok"
+        assert h["warmup"]["steps"] == 2 and h["warmup"]["seconds"] > 0
+        assert h["steps"] == 0 and h["reused_rows"] == 0
+        ids = eng.tokenizer.encode_chat(Q)
+        r = c.post("/v1/chat/completions", json={"messages": Q, "max_tokens": 6, "temperature": 0})
+        assert r.json()["choices"][0]["message"]["content"] == _greedy(eng, ids, 6).text
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    with _client(eng) as c:
+        h = c.get("/health")
+        assert h.status_code == 200 and h.json()["warmup"] is None
 
 
 def test_conversation_outgrowing_context_drops_oldest_turns(http, eng):
