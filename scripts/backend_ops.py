@@ -1,11 +1,13 @@
 """Coverage table of the backend-parity harness (tests/test_backend_ops.py): every (backend, type, op, act) case
 run against the NumPy reference, printed as a Markdown table (docs/formats.md).
 
-usage: python -m scripts.backend_ops [--types Q4_K,Q2_K] [--ops lmm] [--no-vulkan]
+usage: python -m scripts.backend_ops [--types Q4_K,Q2_K] [--ops lmm,attn] [--no-vulkan]
 
 A cell is the case's max error relative to the largest |value| (``ok`` when under the harness tolerance,
 ``FAIL`` when over), ``-`` where the backend's registry lacks the type (the table gives the CPU-only reason
-underneath), ``f32`` where the type has only f32 arithmetic (float weights ignore act). Exit 1 on any FAIL.
+underneath), ``f32`` where the type has only f32 arithmetic (float weights ignore act). ``attn`` (the device's prompt
+attention, no weight format) prints its own table after it: each case of the harness's ``ATTN_CASES``, the kernel
+the device's route takes for its head dimension and its error. Exit 1 on any FAIL.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from tests import test_backend_ops as H  # noqa: E402
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", default="", help="comma-separated GGUF types (default: every implemented one)")
-    ap.add_argument("--ops", default="", help=f"comma-separated ops of {', '.join(H.OPS)} (default: all)")
+    ap.add_argument("--ops", default="", help=f"comma-separated ops of {', '.join(H.OPS)}, attn (default: all)")
     ap.add_argument("--no-vulkan", action="store_true", help="CPU only")
     a = ap.parse_args(argv)
     import coli.vulkan.shaders  # noqa: F401  (the backends' registries fill the table's backends column)
@@ -41,10 +43,11 @@ def main(argv=None) -> int:
             print(f"vulkan: {d.name}, prompt GEMM route {backends['vulkan'].route()}", file=sys.stderr)
     cols = [(b, op, act) for b in TT.BACKENDS for op in H.BACKEND_OPS[b] for act in ("f32", "int8")
             if act in H.ACTS[b] and act in H.OP_ACTS.get(op, H.ACTS[b]) and (not a.ops or op in a.ops.split(","))]
-    print("| type | block | bytes | test weights | " + " | ".join(f"{b} {op} {act}" for b, op, act in cols) + " |")
-    print("|---|---|---|---|" + "---|" * len(cols))
     failed = 0
-    for n in names:
+    if cols:
+        print("| type | block | bytes | test weights | " + " | ".join(f"{b} {op} {act}" for b, op, act in cols) + " |")
+        print("|---|---|---|---|" + "---|" * len(cols))
+    for n in names if cols else ():
         t = TT.TYPES[n]
         cells = []
         for b, op, act in cols:
@@ -63,6 +66,16 @@ def main(argv=None) -> int:
         gen = ("gguf quantize" if t.quantizable else "coli quantize" if t.random is not None and t.own is None
                else "random blocks")
         print(f"| {n} | {t.block_size} | {t.type_size} | {gen} | " + " | ".join(cells) + " |", flush=True)
+    if "vulkan" in backends and (not a.ops or "attn" in a.ops.split(",")):
+        be = backends["vulkan"]
+        print("\n| attention case (nq, nkv, head dim, first position, rows, window, sinks) | kernel | error |")
+        print("|---|---|---|")
+        for case in H.ATTN_CASES:
+            e, tol = H.attn_error(be, case), H.attn_tolerance(be, case[2])
+            failed += e >= tol
+            print(f"| {H.attn_id(case)} | {be.attn_kernel(case[2])} | {'ok' if e < tol else 'FAIL'} {e:.0e} |",
+                  flush=True)
+        print(f"attention tolerances: attn_pre {H.TOL_ATTN:g}, attn_pre_cm {H.TOL_ATTN_F16:g}")
     only = [f"{n}: {t.cpu_only}" for n, t in TT.TYPES.items() if t.cpu_only]
     print("\nTolerances (max |got - want| / max |want|): " +
           ", ".join(f"{op} {act} {tol:g}" for (op, act), tol in H.TOL.items()))

@@ -20,6 +20,11 @@ against the NumPy reference.
   elsewhere).
 * One tolerance per (op, act) (``TOL``): max |got - want| / max |want|.
 
+* Prompt attention (``attn``, the device only, no weight format): the device layers' causal attention of a prompt
+  chunk over the KV cache (``shaders/attn_pre.comp``, or ``attn_pre_cm.comp`` on the cooperative-matrix route;
+  ``Kernels.attn_kernel``) in the cases of ``ATTN_CASES`` (GQA, a chunk after cached positions, rows not a multiple
+  of the workgroup's, a window, sinks, head dimensions 64 .. 256) against a float64 softmax attention.
+
 ``python -m scripts.backend_ops`` runs the same cases and prints the coverage table of docs/formats.md.
 
 Quick start for a new op: name it in ``OPS`` (and in ``BACKEND_OPS`` for the backends that have it; ``OP_ACTS``
@@ -56,6 +61,22 @@ TOL = {("gemv", "f32"): 2e-5, ("gemm", "f32"): 2e-5, ("expert", "f32"): 2e-5,
 #: ``lmm`` on the cooperative-matrix route (shaders/lmm_cm.comp): weights and activations rounded to float16 (a
 #: relative 2^-11 each) before float32 sums, so an output's error is a few 1e-4 of the largest.
 TOL_LMM_F16 = 4e-3
+
+
+#: ``attn``: the float32 kernel (attn_pre.comp) against float64, and the cooperative-matrix one (attn_pre_cm.comp):
+#: q, K, V and the softmax weights rounded to float16 (a relative 2^-11 each; a NumPy model of that rounding gives
+#: at most 1.5e-3 of the largest output over ATTN_CASES).
+TOL_ATTN, TOL_ATTN_F16 = 2e-5, 6e-3
+#: (nq, nkv, hd, pos0, R, window, sinks): the chunk's rows at positions pos0 .. pos0 + R - 1 over a cache of CTX_ATTN
+ATTN_CASES = ((4, 2, 128, 0, 16, 0, False), (4, 2, 128, 37, 100, 0, False), (2, 1, 64, 200, 130, 0, True),
+              (2, 2, 128, 5, 70, 48, False), (2, 1, 80, 3, 33, 0, False), (2, 2, 256, 9, 40, 0, False),
+              (2, 1, 128, 60, 64, 20, True))
+CTX_ATTN = 400
+
+
+def attn_id(case) -> str:
+    nq, nkv, hd, pos0, R, W, sk = case
+    return f"q{nq}kv{nkv}-hd{hd}-pos{pos0}-R{R}" + (f"-win{W}" if W else "") + ("-sinks" if sk else "")
 
 
 def tolerance(be, op: str, act: str) -> float:
@@ -244,6 +265,49 @@ class Backend:
             for t in placed:
                 dev._drop(t)
 
+    def attn_kernel(self, hd: int) -> str:
+        """The device's prompt attention kernel for head dimension ``hd`` (``Kernels.attn_kernel``)."""
+        self.route()
+        return self._K.attn_kernel(hd)
+
+    def attn(self, q, K, V, pos0: int, scale: float, window: int = 0, sinks=None):
+        """The device layers' prompt attention (``Kernels.attn_kernel``'s kernel) of q f32 [R, nq, hd] at positions
+        pos0 .. pos0 + R - 1 over the cache K, V f32 [nkv, ctx, hd]; window 0: none; sinks f32 [nq] or None ->
+        f32 [R, nq, hd]; the dispatch counts in the device's ``layer_dispatches``."""
+        from coli.vulkan.layers import Dispatch, f32_bits
+
+        self.route()
+        Kk = self._K
+        R, nq, hd = q.shape
+        nkv, ctx = K.shape[:2]
+        kern = Kk.attn_kernel(hd)
+        maxd, bq = Kk.attn_pre(hd)
+        bufs = []
+
+        def buf(a, readback=False):
+            a = np.ascontiguousarray(a)
+            b = Kk.buffer(a.nbytes, readback=readback)
+            Kk.upload(b, a)
+            bufs.append(b)
+            return b
+
+        try:
+            bqb, bk, bv = buf(q), buf(K), buf(V)
+            bp = buf(np.array([pos0, 0, 0, 0], np.uint32))
+            bo = buf(np.full(q.shape, np.nan, np.float32), True)     # NaN: a row the kernel skips fails
+            bs = buf(np.zeros(nq, np.float32) if sinks is None else np.asarray(sinks, np.float32))
+            rec = Kk.record([Dispatch(kern, (nq, -(-R // bq)), [bqb.addr, bk.addr, bv.addr, bp.addr, bo.addr, bs.addr],
+                                      [nq, nkv, hd, ctx, f32_bits(scale), R, window, int(sinks is not None)],
+                                      mode=maxd, wait=False)])
+            try:
+                Kk.submit(rec)
+            finally:
+                Kk.free(rec)
+            return bo.f32(q.size).reshape(q.shape).copy()
+        finally:
+            for b in bufs:
+                Kk.drop(b)
+
     def work(self) -> int:
         return self.dev.dispatches if self.dev is not None else self.calls
 
@@ -354,6 +418,55 @@ def lmm_errors(be: Backend, type_name: str, R: int, rng) -> dict:
             "2s": err(ys, ys_ref), "1g": err(hg, hg_ref), "1o": err(ho, ho_ref), "2b": err(ykb, ykb_ref)}
 
 
+def attn_reference(q, K, V, pos0: int, scale: float, window: int = 0, sinks=None) -> np.ndarray:
+    """float64 causal softmax attention (coli/models/blocks.py attend; gpt-oss's sink: one more logit a head in the
+    max and the denominator): row r at position p = pos0 + r sees keys max(0, p - window + 1) .. p (window 0: all),
+    q head h the KV head h // (nq / nkv) -> float64 [R, nq, hd]."""
+    R, nq, hd = q.shape
+    nkv = K.shape[0]
+    out = np.empty(q.shape, np.float64)
+    for r in range(R):
+        p = pos0 + r
+        lo = max(0, p - window + 1) if window else 0
+        for h in range(nq):
+            kvh = h // (nq // nkv)
+            s = scale * (K[kvh, lo:p + 1].astype(np.float64) @ q[r, h].astype(np.float64))
+            mx = s.max() if sinks is None else max(s.max(), float(sinks[h]))
+            e = np.exp(s - mx)
+            den = e.sum() + (0.0 if sinks is None else np.exp(float(sinks[h]) - mx))
+            out[r, h] = (e / den) @ V[kvh, lo:p + 1].astype(np.float64)
+    return out
+
+
+def attn_inputs(case, rng):
+    """(q [R, nq, hd], K, V [nkv, CTX_ATTN, hd], scale, window, sinks or None) of one ``ATTN_CASES`` entry: K and V
+    past the chunk's last position are 1e30 and NaN (a kernel that reads them fails)."""
+    nq, nkv, hd, pos0, R, W, sk = case
+    q = rng.standard_normal((R, nq, hd)).astype(np.float32)
+    K = rng.standard_normal((nkv, CTX_ATTN, hd)).astype(np.float32)
+    V = rng.standard_normal((nkv, CTX_ATTN, hd)).astype(np.float32)
+    q[R // 2] *= 4.0                                   # a row with sharp scores: exp's range
+    K[:, pos0 + R:], V[:, pos0 + R:] = 1e30, np.nan
+    sinks = rng.uniform(-1.0, 3.0, nq).astype(np.float32) if sk else None
+    return q, K, V, 1.0 / np.sqrt(hd), W, sinks
+
+
+def attn_tolerance(be, hd: int) -> float:
+    """``TOL_ATTN_F16`` where the device's kernel for ``hd`` is the cooperative-matrix one, else ``TOL_ATTN``."""
+    return TOL_ATTN_F16 if be.attn_kernel(hd) == "attn_pre_cm" else TOL_ATTN
+
+
+def attn_error(be, case) -> float:
+    """One ``ATTN_CASES`` case on the device: max |got - want| / max |want| against ``attn_reference``."""
+    rng = np.random.default_rng(_seed("attn", attn_id(case)))
+    q, K, V, scale, W, sinks = attn_inputs(case, rng)
+    w0 = be.dev.layer_dispatches
+    got = be.attn(q, K, V, case[3], scale, W, sinks)
+    assert be.dev.layer_dispatches == w0 + 1, f"{be.name} did not run the attention dispatch"
+    assert got.dtype == np.float32 and np.isfinite(got).all()
+    return err(got, attn_reference(q, K, V, case[3], scale, W, sinks))
+
+
 def run_case(be: Backend, type_name: str, op: str, act: str) -> float:
     """Run one (backend, type, op, act) case; returns the largest error over its shapes and row counts."""
     rng = np.random.default_rng(_seed(be.name, type_name, op, act))
@@ -431,6 +544,14 @@ def test_op_matches_reference(backends, backend, type_name, op, act):
     be = _backend(backends, backend)
     e, tol = run_case(be, type_name, op, act), tolerance(be, op, act)
     assert e < tol, f"{backend} {type_name} {op} act={act}: error {e:.3g} > {tol:g}"
+
+
+@requires_vulkan
+@pytest.mark.parametrize("case", ATTN_CASES, ids=[attn_id(c) for c in ATTN_CASES])
+def test_prompt_attention_matches_reference(backends, case):
+    be = _backend(backends, "vulkan")
+    e, tol = attn_error(be, case), attn_tolerance(be, case[2])
+    assert e < tol, f"{be.attn_kernel(case[2])} {attn_id(case)}: error {e:.3g} > {tol:g}"
 
 
 # ----------------------------------------------------------------------------------------------- the table

@@ -66,6 +66,21 @@ def test_the_route_is_one_the_device_runs(dev):
         prompt_route(dev.device, settings.overlay(None, COLI_VK_PROMPT_ROUTE="tensor"))
 
 
+def test_the_attention_kernel_follows_the_route(dev):
+    """The prompt attention takes attn_pre_cm.comp on the coopmat route for head dimensions it has (a multiple of 16
+    up to 128: 64 rows a workgroup), attn_pre.comp elsewhere; Lavapipe (no cooperative matrices, no module) f32."""
+    K = dev.model.device_layers.K
+    assert K.attn_route == "f32" and ("attn_pre_cm", None) not in dev.device._modules
+    assert [K.attn_kernel(hd) for hd in (64, 128, 256)] == ["attn_pre"] * 3
+    try:
+        K.attn_route = "coopmat"
+        assert [K.attn_kernel(hd) for hd in (64, 80, 128, 72, 256)] == [
+            "attn_pre_cm", "attn_pre_cm", "attn_pre_cm", "attn_pre", "attn_pre"]
+        assert K.attn_pre(128) == (128, 64) and K.attn_pre(256) == (256, 8)
+    finally:
+        K.attn_route = "f32"
+
+
 def test_decode_attention_split_over_positions_matches_the_cpu(dev, tmp_path):
     """Decode rows whose context outgrows COLI_VK_ATTN_CHUNK keys: attn_dec.comp's parts over positions, joined by
     attn_comb.comp, give the CPU-only f32 run's logits within 1e-5 of the largest."""

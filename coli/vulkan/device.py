@@ -803,7 +803,7 @@ class Device:
         for (k, t), code in spv.items():
             if k == "gemv_i8dot" and not self.int_dot:
                 continue                    # its OpSDot needs the feature
-            if k in S.COOP_KERNELS and not self.coopmat:
+            if (k in S.COOP_KERNELS or k in S.COOP_EXTRA) and not self.coopmat:
                 continue                    # cooperative matrices
             smci = _s("VkShaderModuleCreateInfo")
             smci.sType = vk.VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO

@@ -59,7 +59,8 @@ _ACC_XFER_READ = 0x800
 
 #: the format kernels (compiled per GGUF type) and the others
 FORMAT_KERNELS = ("lmv", "lmoe", "lmm")
-PLAIN_KERNELS = ("rmsnorm", "topk", "rope_kv", "attn_dec", "heat", "attn_pre", "moe_sort", "moe_sum", "attn_comb")
+PLAIN_KERNELS = ("rmsnorm", "topk", "rope_kv", "attn_dec", "heat", "attn_pre", "moe_sort", "moe_sum", "attn_comb",
+                 "attn_pre_cm")
 
 
 def f32_bits(x: float) -> int:
@@ -162,6 +163,9 @@ class Kernels:
         #: query rows of an attn_pre.comp workgroup (8, 16 or 32; at most 16 when the head dimension exceeds 128:
         #: shared memory): :meth:`attn_pre` gives the grid's
         self.attn_bq = 8
+        #: the prompt attention's route: "coopmat" (attn_pre_cm.comp, float16 products, 64 rows a workgroup) with
+        #: the GEMM's coopmat route, else "f32" (attn_pre.comp); :meth:`attn_kernel` gives a head dimension's kernel
+        self.attn_route = "coopmat" if self.route == "coopmat" and ("attn_pre_cm", None) in dev._modules else "f32"
         #: keys an attn_dec.comp workgroup takes in decode (its split over positions, joined by attn_comb.comp); a
         #: context of at most this many keys keeps one workgroup a head and no join
         self.attn_chunk = int(get("COLI_VK_ATTN_CHUNK", env))
@@ -217,6 +221,8 @@ class Kernels:
             vals, ids, pin = [4 * self.tile, mode, self.tile], [0, 2, 3], None
         elif kernel == "attn_pre":   # a fixed workgroup of 128 without subgroup operations; mode: MAXD (128 or 256)
             vals, ids, pin = [0, self.attn_bq if mode == 128 else min(self.attn_bq, 16), mode], [2, 3, 4], None
+        elif kernel == "attn_pre_cm":   # 128 invocations of the device's subgroup size: the 16-row blocks each
+            vals, ids, pin = [4 * dev.subgroup_size // 128], [4], 128
         else:
             vals = [dev.gemv_wg, self.rows, mode] if fmt else [self.wg]
             ids, pin = list(range(len(vals))), vals[0]
@@ -224,9 +230,16 @@ class Kernels:
         self._pipes[key] = pipe
         return pipe
 
+    def attn_kernel(self, hd: int) -> str:
+        """The prompt attention's kernel for head dimension ``hd``: "attn_pre_cm" on the coopmat route
+        (``attn_route``) when ``hd`` is a multiple of 16 up to 128, else "attn_pre"."""
+        return "attn_pre_cm" if self.attn_route == "coopmat" and hd % 16 == 0 and hd <= 128 else "attn_pre"
+
     def attn_pre(self, hd: int) -> tuple[int, int]:
-        """(MAXD, BQ) of attn_pre.comp for head dimension ``hd`` (<= 256): the Dispatch's ``mode`` and the query
-        rows of a workgroup (the grid's y is ceil(R / BQ))."""
+        """(MAXD, BQ) of :meth:`attn_kernel`'s kernel for head dimension ``hd`` (<= 256): the Dispatch's ``mode``
+        and the query rows of a workgroup (the grid's y is ceil(R / BQ)); attn_pre_cm.comp: (128, 64)."""
+        if self.attn_kernel(hd) == "attn_pre_cm":
+            return 128, 64
         maxd = 128 if hd <= 128 else 256
         return maxd, self.attn_bq if maxd == 128 else min(self.attn_bq, 16)
 

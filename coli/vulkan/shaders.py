@@ -65,12 +65,15 @@ I8_KERNELS = (("gemv_i8dot", "Q8_0"), ("gemv_i8emu", "Q8_0"))
 #: format kernels that use cooperative matrices (VK_KHR_cooperative_matrix): loaded only on a device that has them,
 #: and compiled by a glslc whose glslang knows GL_KHR_cooperative_matrix (13 or later; ``COLI_GLSLC``)
 COOP_KERNELS = ("lmm_cm",)
+#: kernels without a format that use cooperative matrices (loaded and compiled as COOP_KERNELS): the prompt
+#: attention of the "coopmat" route
+COOP_EXTRA = ("attn_pre_cm",)
 
 
 def builds() -> list[tuple[str, str | None]]:
     """Every (kernel, type_name) pair that has a .spv."""
     return ([(k, t) for k in KERNELS + COOP_KERNELS for t in FORMATS] + list(I8_KERNELS)
-            + [(k, None) for k in EXTRA])
+            + [(k, None) for k in EXTRA + COOP_EXTRA])
 
 
 _GLSL_HEAD = """\
