@@ -370,7 +370,7 @@ def cmd_serve(a) -> int:
     try:
         return serve(eng, model_id, host=a.host, port=a.port, aliases=aliases, max_queue=a.queue, quiet=a.quiet,
                      sock=sock, api_key=key, cors=a.cors, body_limit_mb=a.body_limit,
-                     parallel=a.parallel, warmup=not a.no_warmup)
+                     parallel=a.parallel, warmup=not a.no_warmup, reasoning_format=a.reasoning_format)
     finally:
         _close(eng)  # already closed by the server's shutdown; idempotent
 
@@ -588,6 +588,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-warmup", action="store_true",
                    help="skip the warm-up generation before the first request (it pays the kernels' compile; "
                         "/health answers 503 until it ends)")
+    s.add_argument("--reasoning-format", default="auto", choices=("auto", "deepseek", "none"),
+                   help="a <think> span of the answer as reasoning_content / thinking blocks: auto (when the chat "
+                        "template writes one), deepseek (always), none (left in the content)")
     s.add_argument("-q", "--quiet", action="store_true", help="no start line or access log (the serving line stays)")
     _engine_args(s)
     s.set_defaults(func=cmd_serve)

@@ -151,8 +151,11 @@ def to_openai(body: dict) -> dict:
 
 
 def content_blocks(msg: dict) -> list:
-    """Anthropic content blocks of the server's chat message fields (``content``, ``tool_calls``)."""
+    """Anthropic content blocks of the server's chat message fields (``reasoning_content`` as a ``thinking``
+    block, its ``signature`` empty: nothing signs a local model's reasoning; ``content``, ``tool_calls``)."""
     out = []
+    if msg.get("reasoning_content"):
+        out.append({"type": "thinking", "thinking": msg["reasoning_content"], "signature": ""})
     if msg.get("content"):
         out.append({"type": "text", "text": msg["content"]})
     for c in msg.get("tool_calls") or []:
@@ -178,24 +181,41 @@ def event(name: str, data: dict) -> str:
 
 
 class Events:
-    """The stream events of one answer from the server's chat deltas (``{"content"}``, ``{"tool_calls"}``):
-    a text block opened at the first text, closed before a tool call; a ``tool_use`` block per call (its
-    arguments as one ``input_json_delta``)."""
+    """The stream events of one answer from the server's chat deltas (``{"reasoning_content"}``,
+    ``{"content"}``, ``{"tool_calls"}``): a ``thinking`` block (``thinking_delta``s, then an empty
+    ``signature_delta`` as Anthropic's stream ends one) and a text block opened at their first delta and closed
+    when another kind comes; a ``tool_use`` block per call (its arguments as one ``input_json_delta``)."""
 
     def __init__(self):
         self.index = -1
-        self.open = None  # "text" while a text block is open
+        self.open = None  # "text" or "thinking" while such a block is open
 
     def _close(self) -> list:
         if self.open is None:
             return []
+        out = []
+        if self.open == "thinking":
+            out.append(event("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                                     "delta": {"type": "signature_delta", "signature": ""}}))
         self.open = None
-        return [event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+        return out + [event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
 
     def delta(self, d: dict) -> list:
         out = []
+        if d.get("reasoning_content"):
+            if self.open != "thinking":
+                out += self._close()
+                self.index += 1
+                self.open = "thinking"
+                out.append(event("content_block_start", {"type": "content_block_start", "index": self.index,
+                                                         "content_block": {"type": "thinking", "thinking": "",
+                                                                           "signature": ""}}))
+            out.append(event("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                                     "delta": {"type": "thinking_delta",
+                                                               "thinking": d["reasoning_content"]}}))
         if d.get("content"):
             if self.open != "text":
+                out += self._close()
                 self.index += 1
                 self.open = "text"
                 out.append(event("content_block_start", {"type": "content_block_start", "index": self.index,

@@ -52,6 +52,7 @@ DEFAULTS = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalt
 BODY_LIMIT_MB = 16  # a request body above it is a 413 (a 1M-token prompt is ~4 MB of text)
 LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"  # CORS without --cors
 MAX_N = 16  # choices a request at most (they run one after the other)
+REASONING_FORMATS = ("auto", "deepseek", "none")  # llama-server's --reasoning-format values coli reads
 
 
 class APIError(Exception):
@@ -570,7 +571,8 @@ def fit_conversation(encode, msgs: list, ctx: int, max_tokens) -> tuple[list, in
 # ---------------------------------------------------------------------------------------------- app
 
 def create_app(eng, model_id: str, aliases=(), max_queue: int = 8, api_key: str | None = None, cors=None,
-               body_limit_mb: float = BODY_LIMIT_MB, parallel: int = 1, warmup: bool = False):
+               body_limit_mb: float = BODY_LIMIT_MB, parallel: int = 1, warmup: bool = False,
+               reasoning_format: str = "auto"):
     """The Starlette app serving ``eng`` as model ``model_id``. Any ``model`` name in a request is answered
     by it (one model is served, as llama-server; the answer names ``model_id``); ``aliases`` are the other
     names ``GET /v1/models/{name}`` knows. ``api_key``: requests other than ``/health`` and ``/v1/models``
@@ -578,7 +580,10 @@ def create_app(eng, model_id: str, aliases=(), max_queue: int = 8, api_key: str 
     localhost's only). Bodies above ``body_limit_mb`` MiB are a 413. The engine is closed when the app's
     lifespan ends. ``parallel``: the slots decoded together (``coli.slots``; ColiError when their KV caches do
     not fit the memory budget). ``warmup``: one short generation before the first request (the kernels'
-    compile paid then); until it ends ``/health`` and every request answer 503 "Loading model"."""
+    compile paid then); until it ends ``/health`` and every request answer 503 "Loading model".
+    ``reasoning_format``: "auto" (a ``<think>`` span read into ``reasoning_content`` when the chat template
+    writes one), "deepseek" (always), "none" (the span stays in the content); llama-server's
+    ``--reasoning-format``, a request's ``reasoning_format`` field overrides it."""
     from starlette.applications import Starlette
     from starlette.authentication import AuthCredentials, AuthenticationBackend, AuthenticationError, SimpleUser
     from starlette.concurrency import run_in_threadpool
@@ -872,6 +877,12 @@ def create_app(eng, model_id: str, aliases=(), max_queue: int = 8, api_key: str 
             return ids, dropped
 
         ids, dropped = await run_in_threadpool(prepare)
+        rf = body.get("reasoning_format", reasoning_format)
+        if rf not in REASONING_FORMATS:
+            raise APIError(400, f"'reasoning_format': {rf!r:.40} ({', '.join(REASONING_FORMATS)})",
+                           param="reasoning_format")
+        think = None if prefix else TC.think_mode(eng.tokenizer.chat_template,
+                                                  eng.tokenizer.decode(ids[-16:], lstrip=False), rf)
         eng.note_template_fallback()
         options["stop"] = eng.chat_stops(options.get("stop"))  # the ChatML fallback's <|im_end|>
         fit(ids, options)
@@ -879,7 +890,7 @@ def create_app(eng, model_id: str, aliases=(), max_queue: int = 8, api_key: str 
         if dropped:
             headers["X-Context-Dropped-Messages"] = str(dropped)
             extra["context_shift"] = {"dropped_messages": dropped}
-        finish = TC.Finisher(tools, prefix) if tools.parse else None
+        finish = TC.Finisher(tools, prefix, think) if tools.parse or think else None
         return copies(ids, options, n, top, constraint), headers, extra, finish
 
     async def chat_completions(request: Request):
@@ -1159,7 +1170,8 @@ def bind(host: str, port: int) -> socket.socket:
 
 def serve(eng, model_id: str, host: str = "127.0.0.1", port: int = 8080, aliases=(), max_queue: int = 8,
           quiet: bool = False, sock: socket.socket | None = None, api_key: str | None = None, cors=None,
-          body_limit_mb: float = BODY_LIMIT_MB, parallel: int = 1, warmup: bool = True) -> int:
+          body_limit_mb: float = BODY_LIMIT_MB, parallel: int = 1, warmup: bool = True,
+          reasoning_format: str = "auto") -> int:
     """Serve ``eng`` on ``sock`` (or a socket :func:`bind` makes) until SIGINT/SIGTERM; the running generation
     is cancelled, then the engine is closed (routing history saved). Returns 128 + the signal's number
     (130, 143), as a process killed by it, or 0 when the server stopped by itself."""
@@ -1167,7 +1179,7 @@ def serve(eng, model_id: str, host: str = "127.0.0.1", port: int = 8080, aliases
 
     sock = sock or bind(host, port)
     app = create_app(eng, model_id, aliases, max_queue, api_key=api_key, cors=cors, body_limit_mb=body_limit_mb,
-                     parallel=parallel, warmup=warmup)
+                     parallel=parallel, warmup=warmup, reasoning_format=reasoning_format)
     got = []
 
     class Server(uvicorn.Server):

@@ -15,6 +15,9 @@ read the same formats):
 - Kimi K2: ``<|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>ARGS<|tool_call_end|>``
 - gpt-oss (harmony): ``<|channel|>commentary to=functions.NAME ... <|message|>ARGS<|call|>``; the ``final``
   channel is the content, the ``analysis`` channel ``reasoning_content``.
+
+A ``<think>...</think>`` span (DeepSeek, Qwen3, GLM, Kimi) is read into ``reasoning_content`` first
+(:func:`think_mode`, :func:`split_reasoning`: llama-server's ``--reasoning-format deepseek``).
 """
 from __future__ import annotations
 
@@ -267,20 +270,57 @@ def openai_calls(calls) -> list:
              "function": {"name": name, "arguments": args}} for name, args in calls]
 
 
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def think_mode(template: str | None, prompt_tail: str, reasoning_format: str = "auto") -> str | None:
+    """How an answer's reasoning is read (llama-server's ``--reasoning-format``): None (not at all: ``none``, or
+    ``auto`` with a template that never writes ``<think>``), "open" (the prompt ends with ``<think>``, as
+    DeepSeek-R1's and V4's thinking prompts do: the answer starts inside the span) or "tag" (a span the answer
+    opens itself, as Qwen3's)."""
+    if reasoning_format == "none" or (reasoning_format == "auto" and THINK_OPEN not in (template or "")):
+        return None
+    return "open" if prompt_tail.rstrip().endswith(THINK_OPEN) else "tag"
+
+
+def split_reasoning(text: str, mode: str | None) -> tuple:
+    """``(reasoning, content)`` of a whole answer read in ``mode`` (:func:`think_mode`): the think span's text
+    (stripped; None when there is no span) and what follows ``</think>`` (left-stripped). A span the answer
+    never closes (``max_tokens`` cut it) is all reasoning, as llama-server reads it."""
+    if mode is None:
+        return None, text
+    s = text
+    if mode == "tag":
+        st = s.lstrip()
+        if not st.startswith(THINK_OPEN):
+            return None, text
+        s = st[len(THINK_OPEN):]
+    j = s.find(THINK_CLOSE)
+    if j < 0:
+        return s.strip(), ""
+    return s[:j].strip(), s[j + len(THINK_CLOSE):].lstrip()
+
+
 class Finisher:
     """Turns a chat choice's text into OpenAI's message fields and finish_reason: ``finish(i, text, result)``
     for a whole answer, ``stream(i)`` for a streamed one. ``prefix`` is text the server put at the start of
-    the answer (the opening of a forced tool call), parsed with it."""
+    the answer (the opening of a forced tool call), parsed with it. ``think``: how a ``<think>`` span is read
+    into ``reasoning_content`` (:func:`think_mode`; None: not). Tool calls are parsed when ``tools.parse``."""
 
-    def __init__(self, tools: Tools, prefix: str = ""):
-        self.tools, self.prefix = tools, prefix
+    def __init__(self, tools: Tools, prefix: str = "", think: str | None = None):
+        self.tools, self.prefix, self.think = tools, prefix, think
 
-    def _message(self, text: str, finish_reason: str):
-        content, calls, reasoning = parse(self.prefix + text, self.tools.names)
+    def _message(self, text: str, finish_reason: str, think: bool = True):
+        reasoning, text = split_reasoning(text, self.think if think else None)
+        if self.tools.parse:
+            content, calls, r2 = parse(self.prefix + text, self.tools.names)
+        else:
+            content, calls, r2 = self.prefix + text, [], None
+        reasoning = r2 if reasoning is None else reasoning
         if not self.tools.parallel:
             calls = calls[:1]
         msg = {"content": content if (content or not calls) else None}
-        if reasoning is not None:
+        if reasoning:
             msg["reasoning_content"] = reasoning
         if calls:
             msg["tool_calls"] = openai_calls(calls)
@@ -304,8 +344,58 @@ class _StreamParser:
         self.sent = ""     # content already sent
         self.buf = ""      # held text (the prefix is added when it is parsed)
         self.holding = bool(fin.prefix)
+        self.thinking = fin.think      # "open" / "tag" while the think span may still run, else None
+        self.tbuf = ""                 # the answer's text while thinking
+        self.tsent = ""                # reasoning already sent
+        self.lead = fin.think is not None  # content's leading whitespace after a span is dropped
+
+    def _think(self, piece: str) -> tuple:
+        """``(reasoning deltas, content that follows the span)`` while in the think span: the reasoning sent as
+        the whole answer's split has it (stripped: a trailing blank or a partial ``</think>`` is held)."""
+        self.tbuf += piece
+        t = self.tbuf
+        if self.thinking == "tag":
+            st = t.lstrip()
+            if not st:
+                return [], ""
+            if not st.startswith(THINK_OPEN):
+                if THINK_OPEN.startswith(st):
+                    return [], ""  # maybe the opening, still coming
+                self.thinking = None  # no span: the text is content
+                self.lead = False
+                return [], t
+            t = st[len(THINK_OPEN):]
+        j = t.find(THINK_CLOSE)
+        if j >= 0:
+            r, rest = t[:j].strip(), t[j + len(THINK_CLOSE):]
+            self.thinking = None
+        else:
+            hold = next((k for k in range(min(len(THINK_CLOSE) - 1, len(t)), 0, -1) if t.endswith(THINK_CLOSE[:k])),
+                        0)
+            r, rest = t[:len(t) - hold].strip(), ""
+        out = []
+        if r.startswith(self.tsent) and len(r) > len(self.tsent):
+            out.append({"reasoning_content": r[len(self.tsent):]})
+            self.tsent = r
+        return out, rest
 
     def push(self, piece: str) -> list:
+        out = []
+        if self.thinking is not None:
+            out, piece = self._think(piece)
+            if self.thinking is not None or not piece:
+                return out
+        if self.lead:
+            piece = piece.lstrip()
+            if not piece:
+                return out
+            self.lead = False
+        if not self.fin.tools.parse:
+            self.sent += piece
+            return out + [{"content": piece}]
+        return out + self._push(piece)
+
+    def _push(self, piece: str) -> list:
         self.buf += piece
         if self.holding:
             return []
@@ -329,9 +419,21 @@ class _StreamParser:
 
     def finish(self, result):
         """(the last deltas, finish_reason)."""
-        msg, fr = self.fin._message(self.buf, "length" if result.finish_reason == "length" else "stop")
-        # the held text parsed alone: its content (what was not a call) and the calls
+        fr = "length" if result.finish_reason == "length" else "stop"
         out = []
+        if self.thinking is not None:  # the span never closed (cut by max_tokens): all of it is reasoning
+            r, _ = split_reasoning(self.tbuf, self.thinking)
+            if r is None:  # "tag" mode and only blanks or a partial opening came: content
+                if self.fin.tools.parse:
+                    self.buf += self.tbuf
+                elif self.tbuf:
+                    out.append({"content": self.tbuf})
+            elif len(r) > len(self.tsent):
+                out.append({"reasoning_content": r[len(self.tsent):]})
+        if not self.fin.tools.parse:
+            return out, fr
+        msg, fr = self.fin._message(self.buf, fr, think=False)
+        # the held text parsed alone: its content (what was not a call) and the calls
         if msg.get("reasoning_content"):
             out.append({"reasoning_content": msg["reasoning_content"]})
         if msg.get("content"):

@@ -565,3 +565,105 @@ def test_messages_blocks_map_to_the_chat_request(http):
     assert kinds[3][1]["content_block"] == {"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {}}
     assert kinds[4][1]["index"] == 1 and kinds[4][1]["delta"] == {"type": "input_json_delta",
                                                                    "partial_json": '{"city": "Oslo"}'}
+
+
+# ------------------------------------------------------------------------------------- reasoning (think spans)
+
+def _ds4_template():
+    """DeepSeek-V4's chat template, as its oracle GGUF carries it: a thinking prompt ends with ``<think>``
+    (the answer starts inside the span), a plain one with ``</think>``."""
+    from conftest import ROOT
+    from gguf import GGUFReader
+
+    f = GGUFReader(ROOT / "tests/fixtures/oracles/deepseek4.gguf").fields["tokenizer.chat_template"]
+    return bytes(f.parts[f.data[0]]).decode()
+
+
+THINK_TEXTS = [  # (answer, mode, reasoning, content): llama-server's --reasoning-format deepseek reading
+    ("<think>\nThe user greets.  I reply.\n</think>\n\nHello there!", "tag", "The user greets.  I reply.",
+     "Hello there!"),
+    ("\nThe user greets. a < b\n</think>\n\nHello there!", "open", "The user greets. a < b", "Hello there!"),
+    ("<think>\nStill thinking when max_tokens cut it", "tag", "Still thinking when max_tokens cut it", ""),
+    ("Still thinking when max_tokens cut it", "open", "Still thinking when max_tokens cut it", ""),
+    ("Hello <think> there", "tag", None, "Hello <think> there"),
+    ("<think>x</think>\n<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}\n</tool_call>", "tag", "x", None),
+]
+
+
+@pytest.mark.parametrize("text,mode,reasoning,content", THINK_TEXTS)
+def test_think_span_streamed_equals_whole(eng, text, mode, reasoning, content):
+    """An answer's think span, read whole and streamed token by token (SmolLM2's real tokenizer: its pieces
+    split the markers), gives the same reasoning_content and content (and tool call); the Anthropic stream
+    events of those deltas carry the reasoning as thinking_delta in a thinking block before the text block."""
+    from types import SimpleNamespace
+
+    from coli import messages as AM
+
+    tools = TC.request_tools({"tools": [{"type": "function", "function": {"name": "f"}}]} if "tool_call" in text
+                             else {})
+    fin = TC.Finisher(tools, think=mode)
+    msg, reason = fin(0, text, SimpleNamespace(finish_reason="stop"))
+    assert msg.get("reasoning_content") == reasoning and msg["content"] == content
+    assert reason == ("tool_calls" if content is None else "stop")
+    sp = fin.stream(0)
+    dec = eng.tokenizer.stream()
+    ids = eng.tokenizer.encode(text, add_bos=False)
+    assert len(ids) >= 5
+    deltas = [d for t in ids for d in sp.push(dec.push(t))]
+    last, reason2 = sp.finish(SimpleNamespace(finish_reason="stop"))
+    deltas += last
+    assert reason2 == reason
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == (reasoning or "")
+    assert "".join(d.get("content", "") for d in deltas) == (content or "")
+    if reasoning and len(reasoning) > 1:
+        assert len([d for d in deltas if "reasoning_content" in d]) > 1  # sent as it came, not at the end
+    ev = AM.Events()
+    events = [json.loads(e.split("data: ", 1)[1]) for d in deltas for e in ev.delta(d)]
+    events += [json.loads(e.split("data: ", 1)[1]) for e in ev.end("end_turn", None, {})]
+    kinds = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
+    assert kinds == (["thinking"] if reasoning else []) + (["text"] if content else []) + \
+        (["tool_use"] if content is None else [])
+    thinking = "".join(e["delta"]["thinking"] for e in events if e.get("delta", {}).get("type") == "thinking_delta")
+    assert thinking == (reasoning or "")
+
+
+def test_reasoning_content_and_thinking_blocks_from_the_model(http, eng, monkeypatch):
+    """A template whose thinking prompt opens the span (DeepSeek-V4's, on SmolLM2): the model's greedy answer
+    comes back as reasoning_content (chat, whole and streamed) and as a thinking block over /v1/messages
+    (whole and streamed as thinking_delta events), equal to the library's greedy text of the same prompt; with
+    thinking off (the prompt ends ``</think>``) or ``reasoning_format: "none"`` it is the content."""
+    monkeypatch.setattr(eng.tokenizer, "chat_template", _ds4_template())
+    ids = eng.tokenizer.encode_chat(Q, enable_thinking=True)
+    assert eng.tokenizer.decode(ids[-8:]).endswith("<think>")
+    want = _greedy(eng, ids, 10).text
+    assert "</think>" not in want and want.strip()
+    body = {"messages": Q, "max_tokens": 10, "temperature": 0, "chat_template_kwargs": {"enable_thinking": True}}
+    m = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert m["reasoning_content"] == want.strip() and m["content"] == ""
+    ev = _events(http.post("/v1/chat/completions", json={**body, "stream": True}))
+    ds = [c["choices"][0]["delta"] for c in ev if c["choices"]]
+    assert "".join(d.get("reasoning_content", "") for d in ds) == want.strip()
+    assert "".join(d.get("content") or "" for d in ds) == ""
+    raw = http.post("/v1/chat/completions", json={**body, "reasoning_format": "none"}).json()
+    assert raw["choices"][0]["message"]["content"] == want and "reasoning_content" not in raw["choices"][0]["message"]
+    off = _greedy(eng, eng.tokenizer.encode_chat(Q, enable_thinking=False), 10).text
+    m = http.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"enable_thinking": False}}).json()
+    assert m["choices"][0]["message"]["content"] == off and "reasoning_content" not in m["choices"][0]["message"]
+
+    amsg = {"model": "x", "max_tokens": 10, "temperature": 0, "messages": Q, "thinking": {"type": "enabled",
+                                                                                          "budget_tokens": 1024}}
+    r = http.post("/v1/messages", json=amsg).json()
+    assert r["content"] == [{"type": "thinking", "thinking": want.strip(), "signature": ""}]
+    r = http.post("/v1/messages", json={**amsg, "stream": True})
+    datas = [json.loads(b.split("data: ", 1)[1]) for b in r.text.split("\n\n") if "data: " in b]
+    starts = [d["content_block"] for d in datas if d["type"] == "content_block_start"]
+    assert starts == [{"type": "thinking", "thinking": "", "signature": ""}]
+    deltas = [d["delta"] for d in datas if d["type"] == "content_block_delta"]
+    assert "".join(d["thinking"] for d in deltas if d["type"] == "thinking_delta") == want.strip()
+    assert deltas[-1] == {"type": "signature_delta", "signature": ""}
+    anthropic = pytest.importorskip("anthropic")
+    c = anthropic.Anthropic(base_url=str(http.base_url), api_key="none", http_client=http, max_retries=0)
+    with c.messages.stream(model="x", max_tokens=10, messages=Q, thinking={"type": "enabled", "budget_tokens": 1024},
+                           extra_body={"temperature": 0}) as s:
+        final = s.get_final_message()
+    assert final.content[0].type == "thinking" and final.content[0].thinking == want.strip()
