@@ -706,7 +706,8 @@ class Engine:
         CPU."""
         st = self.step.stats if self.step is not None else None
         dl = self.device_layers
-        dev = (st.device_pairs if st is not None else 0) + (getattr(dl, "dev_rows", 0) if dl is not None else 0)
+        dev = (st.device_pairs if st is not None else 0) + (
+            getattr(dl, "dev_rows", 0) + getattr(dl, "p_dev_rows", 0) if dl is not None else 0)
         return dev, st.cpu_pairs if st is not None else 0
 
     def _counters(self) -> dict:
@@ -783,6 +784,7 @@ class Engine:
                        f"the {dl.K.route} GEMM route, attention {dl.K.attn_kernel(dl.hd)}.comp" if dl.prompt_chunks else
                        "; no prompt rows")
                 ex = (f"; routed pairs of decode rows: {dl.dev_rows} on the device, {dl.cpu_rows} on the CPU, "
+                      f"of prompt rows: {dl.p_dev_rows} on the device, {dl.p_cpu_rows} on the CPU, "
                       f"{dl.swaps} experts swapped in" if dl.resident else "")
                 print(f"[VK] {self.path.name}: device layers ran {dl.tokens} decode tokens, {ms:.2f} ms a token in "
                       f"the submit and its wait{gpu}{hold}{pre}{ex}", file=sys.stderr)

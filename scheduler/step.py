@@ -272,6 +272,25 @@ class MoEStep:
         st.cpu_s += time.perf_counter() - t0
         return out
 
+    def pair_experts(self, layer: int, x: np.ndarray, groups: dict, K: int, pair_out: np.ndarray) -> int:
+        """The routed (row, rank) pairs ``groups`` ({expert: int64 pair ids r*K+k}, experts ascending) of rows ``x``
+        f32 [R, D] on the CPU, for a caller that joins them itself (a device layer's prompt chunk with experts on the
+        CPU: coli/vulkan/device_layers.py): each pair's unweighted expert output into ``pair_out[pair]`` (f32
+        [R * K, D]; other rows untouched), by the CPU's prompt path (the rows quantized once, the experts grouped, RAM
+        cache hits in one launch, disk reads as they land: the kernels and sums of ``run``). Returns the pairs
+        computed; counted as CPU pairs (no routing: the caller records it)."""
+        n = int(sum(len(g) for g in groups.values()))
+        if not n:
+            return 0
+        t0 = time.perf_counter()
+        self._cpu_experts(layer, np.ascontiguousarray(x, np.float32), list(groups), groups, K, pair_out)
+        st = self.stats
+        st.steps += 1
+        st.pairs += n
+        st.cpu_pairs += n
+        st.cpu_s += time.perf_counter() - t0
+        return n
+
     def _compute_many(self, layer, ews, xa, groups, K, pair_out, ffn=None):
         """The CPU experts ``ews`` [(e, ExpertWeights)] of one step in two parallel launches (gate+up+SwiGLU for
         all, then all down rows; ``cpu_kernels.experts``), each pair written to ``pair_out[pair]``. An expert in a

@@ -478,13 +478,7 @@ class Model:
         try:
             if len(h) == 1:
                 return dl(h, cache, pos0)
-            if getattr(dl, "takes_prompts", True):
-                return dl.prompt(h, cache, pos0, all_logits)
-            # experts on the CPU: a prompt chunk's layers run on the CPU (the device's K/V rows follow at the next
-            # decode row: DeviceLayers._sync; docs/vulkan.md "Experts on the CPU")
-            for L, c in zip(self.layers[dl.first:], cache.layers[dl.first:]):
-                h = L(h, c, pos0)
-            return h, None
+            return dl.prompt(h, cache, pos0, all_logits)
         except (DeviceLost, VulkanError) as e:
             import sys
 

@@ -17,8 +17,9 @@ Experts on the CPU (``resident``: llama.cpp's ``--cpu-moe`` / ``--n-cpu-moe``): 
 all here runs its resident ranks on the device and the others on the CPU from the RAM expert cache, joined mid-layer in
 rank order; the decode program is cut at each such layer (:meth:`DeviceLayers._split_ops`) and its segments go in one
 submit a token, the host joining through timeline semaphores (:meth:`DeviceLayers._run_chain`), or, without them, a
-submit and a wait a segment (:meth:`DeviceLayers._run_split`); such layers' prompt chunks run on the CPU
-(docs/vulkan.md "Experts on the CPU").
+submit and a wait a segment (:meth:`DeviceLayers._run_split`); a prompt chunk's program is cut there too, a submit a
+segment, the CPU's pairs grouped by expert (:meth:`DeviceLayers._run_prompt_split`; docs/vulkan.md "Experts on the
+CPU").
 
 Which layers: :func:`plan` (the device's budget: each layer's weights and its KV cache; ``COLI_VK_LAYERS``
 sets the count). Which layers qualify: :func:`why_not`, by what a layer needs: its form (pre-norm, or Gemma 3's norms
@@ -354,6 +355,8 @@ class DeviceLayers:
         self.swaps = 0          # experts swapped onto the device while running (swap)
         self.cpu_rows = 0       # routed (row, expert) pairs of device layers computed on the CPU
         self.dev_rows = 0       # and on the device
+        self.p_cpu_rows = 0     # the same of prompt rows
+        self.p_dev_rows = 0
         self.segs = []          # with CPU experts: the token's program in segments (_record_split)
         self._tensors, self.rec, self.K, self.clock = [], None, None, None
         self._precs = {}
@@ -861,11 +864,6 @@ class DeviceLayers:
         self.submit_s += time.perf_counter() - t0
         self.gpu_s += sum((K.gpu_ms(r) or 0.0) for r in [rec for rec, _ in S] + [x for x in X if x is not None]) / 1e3
 
-    @property
-    def takes_prompts(self) -> bool:
-        """False when some layer's experts are on the CPU: prompt chunks then run these layers on the CPU."""
-        return not self.resident
-
     def _attn_dec(self, d) -> list:
         """A decode row's attention for layer ``d``: attn_dec.comp, over the positions in parts of ``attn_chunk`` keys
         joined by attn_comb.comp where the context is longer than one part."""
@@ -1048,16 +1046,23 @@ class DeviceLayers:
         return out, lg
 
     # -- prompt chunks ----------------------------------------------------------------------------------------
+    def _free_precs(self) -> None:
+        """Free the recorded prompt chunks (a command buffer, or with experts on the CPU its segments)."""
+        for rec in self._precs.values():
+            for r in ([x for _, x, _ in rec] if isinstance(rec, list) else [rec]):
+                if r is not None:
+                    self.K.free(r)
+        self._precs = {}
+
     def _prompt_bufs(self, R: int, lg_rows: int) -> None:
         """The prompt chunks' scratch for ``R`` rows (made at the first chunk, made again larger for a longer one;
         the recorded chunks go with it) and the logits of ``lg_rows`` rows."""
         K, D, k, E = self.K, self.D, self.k, self.E
         if R > self._pR:
-            for rec in self._precs.values():
-                K.free(rec)
-            self._precs = {}
+            self._free_precs()
             for name in ("p_hs", "p_xn", "p_qkv", "p_q", "p_ao", "p_lgt", "p_route", "p_off", "p_pairs", "p_h",
-                         "p_yk", "p_ysh", "p_shr", "p_in", "p_out", "p_routeh", "p_tmp"):
+                         "p_yk", "p_ysh", "p_shr", "p_in", "p_out", "p_routeh", "p_tmp", "p_xnh", "p_offh",
+                         "p_pairsh"):
                 if getattr(self, name, None) is not None:
                     K.drop(getattr(self, name))
             nq, hd, L = self.nq, self.hd, len(self.per)
@@ -1074,7 +1079,13 @@ class DeviceLayers:
             self.p_pairs = K.buffer(4 * R * k, host=False)
             self.p_h = K.buffer(4 * R * hF, host=False)
             self.p_tmp = K.buffer(4 * R * D, host=False)      # a block's output before its post-norm (Gemma 3)
-            self.p_yk = K.buffer(4 * R * k * D, host=False)
+            # experts on the CPU: the host writes its pairs' rows of yk, and the resident pairs grouped by expert
+            # (offsets, pairs), and reads the FFN input rows (_prompt_split_ops)
+            split = bool(self.resident)
+            self.p_yk = K.buffer(4 * R * k * D, host=split)
+            self.p_xnh = K.buffer(4 * R * D, host=True, readback=True) if split else None
+            self.p_offh = K.buffer(4 * (E + 1), host=True) if split else None
+            self.p_pairsh = K.buffer(4 * R * k, host=True) if split else None
             self.p_ysh = K.buffer(4 * R * D, host=False) if shF else None
             # the shared expert's routes [R, 2]: expert 0, weight 1 (or its gate, written by the chunk)
             self.p_shr = None
@@ -1086,9 +1097,7 @@ class DeviceLayers:
             self.p_routeh = K.buffer(8 * k * R * L, host=True, readback=True)
             self._pR = R
         if self.head is not None and lg_rows > self._lgR:
-            for rec in self._precs.values():     # every recorded chunk writes its logits there
-                K.free(rec)
-            self._precs = {}
+            self._free_precs()       # every recorded chunk writes its logits there
             for name in ("p_lg", "p_lgh"):
                 if getattr(self, name, None) is not None:
                     K.drop(getattr(self, name))
@@ -1165,6 +1174,11 @@ class DeviceLayers:
                          [E, D, 2 if rb is not None else 0, R, 0], type_name="F32"),
                 Dispatch("topk", (R,), [self.p_lgt.addr, rt, d["route_b"].addr if "route_b" in d else rt],
                          [E, k, self.topk_flags | (16 if "route_b" in d else 0), *self.topk_words]),
+            ]
+            if d["il"] in self.resident:     # experts on the CPU: the program cut for the host's pairs
+                ops += self._prompt_split_ops(j, d, R, rt, et)
+                continue
+            ops += [
                 Dispatch("moe_sort", (1,), [rt, self.p_off.addr, self.p_pairs.addr], [E, k, R]),
                 # lmm_cm.comp (the cooperative-matrix route) has neither the biases nor gpt-oss's activation
                 Dispatch(f32r, (-(-F // BM), gr, E), [d["tab"].addr, xn, self.p_h.addr, rt, self.p_pairs.addr,
@@ -1176,16 +1190,7 @@ class DeviceLayers:
             ]
             ysh = 0
             if "sh_tab" in d:    # Qwen2-MoE: the shared expert as one expert every row takes (lmm's a5 = 0)
-                sF, sr = d["sh_F"], self.p_shr.addr
-                if "sh_gate" in d:
-                    ops.append(Dispatch("lmm", (1, gr), [d["sh_gate"].addr, xn, sr + 4, sr], [1, D, 4, R, 2],
-                                        type_name="F32"))
-                pa, oa = self.p_pairs.addr, self.p_off.addr      # unread (u6 = 1: every row its own pair)
-                ops += [Dispatch("lmm", (-(-sF // BM), gr, 1), [d["sh_tab"].addr, xn, self.p_h.addr, sr, pa, oa],
-                                 [sF, D, 0, R, 0, 1, 1], type_name=d["sh_types"][0], mode=1),
-                        Dispatch("lmm", (-(-D // BM), gr, 1), [d["sh_tab"].addr, self.p_h.addr, self.p_ysh.addr, sr,
-                                                               pa, oa], [D, sF, 0, R, 0, 1, 1],
-                                 type_name=d["sh_types"][1], mode=2)]
+                ops += self._prompt_shared(d, R)
                 ysh = self.p_ysh.addr
             ops.append(Dispatch("moe_sum", (R,), [self.p_yk.addr, hs, ysh or self.p_yk.addr], [D, k, int(bool(ysh))]))
         if self.head is not None:
@@ -1201,6 +1206,127 @@ class DeviceLayers:
         if k:
             ops.append(Copy(self.p_route, self.p_routeh, [(0, 0, 8 * k * R * len(self.per))], wait=False))
         return ops
+
+    def _prompt_shared(self, d: dict, R: int) -> list:
+        """Qwen2-MoE's shared expert of a prompt chunk's rows into ``p_ysh`` (scaled by its gate when it has one)."""
+        from coli.vulkan.layers import Dispatch
+
+        D, BM, gr = self.D, 64, -(-R // self.K.tile)
+        xn, sF, sr = self.p_xn.addr, d["sh_F"], self.p_shr.addr
+        ops = []
+        if "sh_gate" in d:
+            ops.append(Dispatch("lmm", (1, gr), [d["sh_gate"].addr, xn, sr + 4, sr], [1, D, 4, R, 2],
+                                type_name="F32"))
+        pa, oa = self.p_pairs.addr, self.p_off.addr      # unread (u6 = 1: every row its own pair)
+        return ops + [Dispatch("lmm", (-(-sF // BM), gr, 1), [d["sh_tab"].addr, xn, self.p_h.addr, sr, pa, oa],
+                               [sF, D, 0, R, 0, 1, 1], type_name=d["sh_types"][0], mode=1),
+                      Dispatch("lmm", (-(-D // BM), gr, 1), [d["sh_tab"].addr, self.p_h.addr, self.p_ysh.addr, sr,
+                                                             pa, oa], [D, sF, 0, R, 0, 1, 1],
+                               type_name=d["sh_types"][1], mode=2)]
+
+    def _prompt_split_ops(self, j: int, d: dict, R: int, rt: int, et: list) -> list:
+        """The experts of a prompt chunk's layer ``d`` (``j``-th here) whose routed experts are not all on the device,
+        as ops with two cuts (:class:`_Cut`): the shared expert (into ``p_ysh``), the FFN input rows and the layer's
+        route copied to the host, cut (the host groups the pairs by expert: the resident ones' offsets and pairs into
+        ``p_offh`` / ``p_pairsh``, the others' ``w * expert(x)`` computed by the CPU into their rows of ``p_yk``,
+        host-visible); the resident pairs' gate/up and down (``lmm.comp`` modes 1 and 2 over the host's grouping: an
+        expert with no pair there has no tile), cut; ``moe_sum.comp`` adds each row's k ranks (and the shared expert)
+        to the residual in rank order, as for a layer whose experts are all here."""
+        from coli.vulkan.layers import Copy, Dispatch
+
+        D, k, F, E, BM = self.D, self.k, self.F, self.E, 64
+        gr = -(-R // self.K.tile)
+        xn = self.p_xn.addr
+        ops = self._prompt_shared(d, R) if "sh_tab" in d else []
+        ops += [Copy(self.p_xn, self.p_xnh, [(0, 0, 4 * R * D)]),
+                Copy(self.p_route, self.p_routeh, [(8 * k * R * j, 8 * k * R * j, 8 * k * R)], wait=False),
+                _Cut(j, "cpu")]
+        if self.resident[d["il"]].any():     # else no X segment: the host computes every pair
+            off, pairs = self.p_offh.addr, self.p_pairsh.addr
+            ops += [Dispatch("lmm", (-(-F // BM), gr, E), [d["tab"].addr, xn, self.p_h.addr, rt, pairs, off, xn, xn],
+                             [F, D, 0, R, 0, k, 0, d["eact"], 0, 0], type_name=et[0], mode=1),
+                    Dispatch("lmm", (-(-D // BM), gr, E), [d["tab"].addr, self.p_h.addr, self.p_yk.addr, rt, pairs,
+                                                           off, xn], [D, F, 0, R, 0, k, 0, 0, 0],
+                             type_name=et[1], mode=2)]
+        ysh = self.p_ysh.addr if "sh_tab" in d else 0
+        return ops + [_Cut(j, "x"), Dispatch("moe_sum", (R,), [self.p_yk.addr, self.p_hs.addr, ysh or self.p_yk.addr],
+                                             [D, k, int(bool(ysh))])]
+
+    def _prompt_segments(self, ops: list) -> list:
+        """A prompt chunk's ops cut where the host joins (:meth:`_prompt_split_ops`), recorded: [(kind, Recorded or
+        None, j)] as :meth:`_record_split`'s ``segs``."""
+        segs, cur, kind = [], [], "S"
+        for op in ops + [_Cut(None, "end")]:
+            if not isinstance(op, _Cut):
+                cur.append(op)
+                continue
+            rec = self.K.record(cur, timestamps=True, lead=bool(segs)) if cur else None
+            segs.append((kind, rec, None if op.kind == "end" else op.j))
+            kind, cur = ("X" if op.kind == "cpu" else "S"), []
+        return segs
+
+    def _prompt_group(self, j: int, R: int):
+        """Layer ``j``'s pairs of a prompt chunk of ``R`` rows, once its route is out (``p_routeh``): the resident
+        experts' pairs grouped for the X segment (``p_offh``: offsets [E + 1], ``p_pairsh``: pair ids r*k+rank, an
+        expert's ascending); returns (the device's pair count, the CPU's pairs {expert: int64 pair ids}, the route
+        uint32 [R, 2k])."""
+        from scheduler.step import group_pairs
+
+        k, E = self.k, self.E
+        rr = self.p_routeh.u32(2 * k * R * len(self.per)).reshape(len(self.per), R, 2 * k)[j]
+        groups = group_pairs(rr[:, :k])
+        res = self.resident[self.per[j]["il"]]
+        on = [e for e in groups if res[e]]
+        cnt = np.zeros(E + 1, np.uint32)
+        for e in on:
+            cnt[e + 1] = len(groups[e])
+        self.p_offh.u32(E + 1)[:] = np.cumsum(cnt, dtype=np.uint32)
+        n_dev = int(cnt.sum())
+        if n_dev:
+            self.p_pairsh.u32(n_dev)[:] = np.concatenate([groups[e] for e in on]).astype(np.uint32)
+        self.p_dev_rows += n_dev
+        return n_dev, {e: g for e, g in groups.items() if not res[e]}, rr
+
+    def _prompt_cpu(self, j: int, R: int, cpu: dict, rr: np.ndarray) -> None:
+        """The CPU's pairs ``cpu`` of layer ``j``'s prompt chunk (``MoEStep.pair_experts``: the RAM expert cache, the
+        engine's activations) into their rows of ``p_yk``: ``w * expert(x)``, rounded to f32 as the CPU's combine
+        and ``lmm.comp``'s mode 2 round it."""
+        if not cpu:
+            return
+        k, D = self.k, self.D
+        x = self.p_xnh.f32(R * D).reshape(R, D)
+        out = np.empty((R * k, D), np.float32)
+        self.m.step.pair_experts(self.per[j]["il"], x, cpu, k, out)
+        p = np.concatenate(list(cpu.values()))
+        w = rr[:, k:].view(np.float32).reshape(-1)
+        self.p_yk.f32(R * k * D).reshape(R * k, D)[p] = w[p, None] * out[p]
+        self.p_cpu_rows += len(p)
+
+    def _run_prompt_split(self, segs: list, R: int) -> None:
+        """One prompt chunk with experts on the CPU, a submit a segment: S_j submitted and waited for, the resident
+        pairs' grouping written, X_j (those pairs) started, the CPU's pairs computed meanwhile, S_j+1 submitted (its
+        first op waits for X_j), X_j's fence waited."""
+        from coli.vulkan import DeviceLost
+
+        K, started, pend = self.K, None, None
+        for kind, rec, j in segs:
+            if kind == "S":
+                K.submit(rec)
+                if started is not None:
+                    if not K.wait(started):
+                        self.dev._mark_lost("fence wait of the resident experts failed")
+                        raise DeviceLost("fence wait of the resident experts failed")
+                    started = None
+                pend = j
+                continue
+            n_dev, cpu, rr = self._prompt_group(pend, R)
+            if rec is not None and n_dev:
+                if not K.start(rec):
+                    raise DeviceLost("the resident experts' command buffer still ran")
+                self.dev.dispatches += rec.dispatches
+                self.dev.layer_dispatches += rec.dispatches
+                started = rec
+            self._prompt_cpu(pend, R, cpu, rr)
 
     def prompt(self, h: np.ndarray, cache, pos0: int, all_logits: bool = False):
         """Rows ``h`` f32 [T, D] (the output of layer ``first - 1`` at positions ``pos0 ..``) through these layers
@@ -1223,16 +1349,21 @@ class DeviceLayers:
             key = (R, bool(all_logits) and self.head is not None)
             rec = self._precs.get(key)
             if rec is None:
-                rec = self._precs[key] = self.K.record(self._prompt_ops(R, key[1]), timestamps=True)
+                ops = self._prompt_ops(R, key[1])
+                rec = self._precs[key] = self._prompt_segments(ops) if self.resident else \
+                    self.K.record(ops, timestamps=True)
             self.params.u32(4)[0] = p
             self.p_in.f32(R * D)[:] = h[s:s + R].reshape(-1)
             t0 = time.perf_counter()
-            self.K.submit(rec)
+            if self.resident:
+                self._run_prompt_split(rec, R)
+            else:
+                self.K.submit(rec)
             self.prompt_s += time.perf_counter() - t0
             self._valid = p + R
             self.prompt_tokens += R
             self.prompt_chunks += 1
-            self.dev_rows += R * k * L
+            self.p_dev_rows += R * k * (L - len(self.resident))    # the layers whose experts are all here
             if self.head is not None:
                 n = R if key[1] else 1
                 lgs.append(self.p_lgh.f32(n * self.vocab).reshape(n, self.vocab).copy())
@@ -1275,7 +1406,8 @@ class DeviceLayers:
             how = ("one submit a token, the host joining through a timeline semaphore" if self.chain else
                    "a submit and a wait each: the program cut there")
             ex = (f"routed experts: {res} of {E * n} on the device, the rest on the CPU (RAM expert cache) joined "
-                  f"mid-layer in {cut} layer{'s' if cut != 1 else ''} ({how}), prompt chunks on the CPU")
+                  f"mid-layer in {cut} layer{'s' if cut != 1 else ''} ({how}; prompt chunks: a submit a layer, the CPU's "
+                  f"pairs grouped by expert)")
         return (f"{which} of {len(self.m.layers)}{' and the head' if self.head else ''} on the device "
                 f"({self.weight_bytes / 2**30:.2f} GiB of weights, KV cache {self.ctx} positions); {ex}")
 
@@ -1297,9 +1429,7 @@ class DeviceLayers:
             if rec is not None:
                 self.K.free(rec)
         self.segs = []
-        for rec in self._precs.values():
-            self.K.free(rec)
-        self._precs = {}
+        self._free_precs()
         for t in self._tensors:
             self.dev._drop(t)
         self._tensors = []
