@@ -1270,11 +1270,14 @@ class DeviceLayers:
         experts' pairs grouped for the X segment (``p_offh``: offsets [E + 1], ``p_pairsh``: pair ids r*k+rank, an
         expert's ascending); returns (the device's pair count, the CPU's pairs {expert: int64 pair ids}, the route
         uint32 [R, 2k])."""
-        from scheduler.step import group_pairs
-
         k, E = self.k, self.E
         rr = self.p_routeh.u32(2 * k * R * len(self.per)).reshape(len(self.per), R, 2 * k)[j]
-        groups = group_pairs(rr[:, :k])
+        # the pairs grouped by expert, experts ascending, each one's pairs ascending (scheduler.step.group_pairs's
+        # order; coli.vulkan imports no scheduler)
+        flat = rr[:, :k].reshape(-1).astype(np.int64)
+        order = np.argsort(flat, kind="stable")
+        experts, starts = np.unique(flat[order], return_index=True)
+        groups = {int(e): order[a:b] for e, a, b in zip(experts, starts, np.append(starts[1:], len(flat)))}
         res = self.resident[self.per[j]["il"]]
         on = [e for e in groups if res[e]]
         cnt = np.zeros(E + 1, np.uint32)
