@@ -776,7 +776,9 @@ class Engine:
             if not self.silent:
                 dl = self.device_layers
                 ms = 1e3 * dl.submit_s / dl.tokens if dl.tokens else 0.0
-                gpu = f" ({1e3 * dl.gpu_s / dl.tokens:.2f} by the device's timestamps)" if dl.tokens and dl.gpu_s else ""
+                gpu = (f" ({1e3 * dl.gpu_s / dl.gpu_tokens:.2f} by the device's timestamps"
+                       f"{'' if dl.gpu_tokens == dl.tokens else f' of {dl.gpu_tokens} tokens'})"
+                       if dl.gpu_tokens and dl.gpu_s else "")
                 hold = f"; {dl.clock.line()}" if dl.clock is not None else ""
                 pre = (f"; {dl.prompt_tokens} prompt rows in {dl.prompt_chunks} "
                        f"chunk{'s' if dl.prompt_chunks != 1 else ''}, "
@@ -788,6 +790,8 @@ class Engine:
                       f"{dl.swaps} experts swapped in" if dl.resident else "")
                 print(f"[VK] {self.path.name}: device layers ran {dl.tokens} decode tokens, {ms:.2f} ms a token in "
                       f"the submit and its wait{gpu}{hold}{pre}{ex}", file=sys.stderr)
+            if self.device_layers.prof is not None and self.device_layers.prof.tokens:   # COLI_VK_JOIN_PROFILE: asked for
+                print(self.device_layers.prof.table(self.path.name), file=sys.stderr)
             self.device_layers.close()
             self.model.device_layers = None
         if self.device is not None:

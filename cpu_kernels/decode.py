@@ -414,9 +414,10 @@ class ExpertsRow:
         self._ones: dict = {}   # unit weights per expert count (``pairs``)
         self.ctr = counters(EXPERT_PHASES)
 
-    def __call__(self, x: np.ndarray, descs, w: np.ndarray, kind: int, limit) -> np.ndarray:
+    def __call__(self, x: np.ndarray, descs, w: np.ndarray, kind: int, limit, pair_out=None) -> np.ndarray:
         """``x`` f32 [1, D]; ``descs`` the K experts' int64 [3, 13] descriptor stacks (``experts.expert_desc``)
-        in routing-rank order; ``w`` f32 [K]. Returns a new f32 [1, D]."""
+        in routing-rank order; ``w`` f32 [K]; ``pair_out``: f32 [K, D] C-contiguous, writable, where the experts'
+        unweighted rows go (default: scratch). Returns a new f32 [1, D]."""
         K, D = len(descs), x.shape[1]
         d3 = np.stack(descs, axis=1)  # [3, K, 13]
         F = int(d3[0, 0, 1])
@@ -426,7 +427,8 @@ class ExpertsRow:
                                          np.zeros(K, np.int64), np.arange(K, dtype=np.int64),
                                          np.empty((K, F), np.float32), *_codes(K, F),
                                          np.empty((K, D), np.float32), _nch(d3[2]))
-        xq, xd, xm, pstart, zeros, dst, a, aq, ad, am, pair_out, d_nch = b
+        xq, xd, xm, pstart, zeros, dst, a, aq, ad, am, scratch, d_nch = b
+        pair_out = scratch if pair_out is None else pair_out
         y = np.empty((1, D), np.float32)
         experts_row(numba.get_num_threads(), self.ctr, x, xq, xd, xm, d3[0], d3[1], d3[2], d_nch, pstart, zeros,
                     dst, zeros, kind, np.float32(limit), a, aq, ad, am, pair_out,
@@ -434,15 +436,17 @@ class ExpertsRow:
         self._pair_out = pair_out
         return y
 
-    def pairs(self, x: np.ndarray, descs, kind: int, limit) -> np.ndarray:
+    def pairs(self, x: np.ndarray, descs, kind: int, limit, out=None) -> np.ndarray:
         """The experts' unweighted outputs f32 [n, D] (row ``i``: expert ``descs[i]`` on ``x`` f32 [1, D]), computed
-        by the same call as :meth:`__call__` (its weighted sum is dropped): a view of scratch, valid until the next
-        call. The device tier's decode row takes the CPU's pairs from it (``scheduler.step.MoEStep``)."""
+        by the same call as :meth:`__call__` (its weighted sum is dropped): written into ``out`` (f32 [n, D],
+        C-contiguous, writable: e.g. rows of a host-visible device buffer) and returned, else a view of scratch,
+        valid until the next call. The device tier's decode row takes the CPU's pairs from it
+        (``scheduler.step.MoEStep``)."""
         n = len(descs)
         ones = self._ones.get(n)
         if ones is None:
             ones = self._ones[n] = np.ones(n, np.float32)
-        self(x, descs, ones, kind, limit)
+        self(x, descs, ones, kind, limit, pair_out=out)
         return self._pair_out
 
 

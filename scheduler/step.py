@@ -52,6 +52,7 @@ class MoEStep:
         self.stats = StepStats()
         # a decode row whose experts are all in RAM: one compiled call (cpu_kernels.decode.experts_row)
         self._row = _decode.ExpertsRow() if _decode.available(act, ()) else None
+        self.row_call_s = 0.0   # seconds in row_experts' compiled calls (device layers' join profile)
         if trace is not None:
             trace.hook_reads(cache)     # --trace records disk reads with or without a device tier
 
@@ -250,21 +251,26 @@ class MoEStep:
             y += shared_out
         return y
 
-    def row_experts(self, layer: int, x: np.ndarray, experts: list) -> np.ndarray:
+    def row_experts(self, layer: int, x: np.ndarray, experts: list, out: np.ndarray | None = None) -> np.ndarray:
         """The routed experts ``experts`` (distinct ids) of one decode row ``x`` f32 [1, D] on the CPU, for a caller
         that joins them itself (device layers with experts on the CPU: coli/vulkan/device_layers.py): f32 [n, D],
-        row i expert ``experts[i]``'s output (unweighted). One compiled call (``ExpertsRow.pairs``, the kernels of
-        ``run``) when all are in the RAM cache with grouped-kernel codes, else ``run``'s CPU path (disk reads
-        as they land). Counted as CPU pairs (no routing: the caller records it)."""
+        row i expert ``experts[i]``'s output (unweighted), written into ``out`` when given (f32 [n, D],
+        C-contiguous, writable: rows of a host-visible buffer, no copy) and returned. One compiled call
+        (``ExpertsRow.pairs``, the kernels of ``run``) when all are in the RAM cache with grouped-kernel codes, else
+        ``run``'s CPU path (disk reads as they land). Counted as CPU pairs (no routing: the caller records it);
+        ``row_call_s`` adds the compiled calls' seconds."""
         st, cache = self.stats, self.cache
         n, D = len(experts), x.shape[1]
         t0 = time.perf_counter()
         ws = [cache.get(layer, e) for e in experts]
         descs = [grouped.expert_desc(w) if w is not None else None for w in ws] if self._row is not None else [None]
         if n and all(d is not None for d in descs):
-            out = self._row.pairs(np.ascontiguousarray(x, dtype=np.float32), descs, grouped.ACT_SWIGLU, self.clamp)
+            t1 = time.perf_counter()
+            out = self._row.pairs(np.ascontiguousarray(x, dtype=np.float32), descs, grouped.ACT_SWIGLU, self.clamp,
+                                  out=out)
+            self.row_call_s += time.perf_counter() - t1
         else:
-            out = np.empty((n, D), np.float32)
+            out = np.empty((n, D), np.float32) if out is None else out
             groups = {e: np.array([i], np.int64) for i, e in enumerate(experts)}
             self._cpu_experts(layer, x, list(experts), groups, n, out, None, ws)
         st.pairs += n

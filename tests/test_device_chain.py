@@ -306,3 +306,32 @@ def test_hot_experts_swapped_in(tiny, cpu):
         assert rel_err(got, ref) < 1e-5, rel_err(got, ref)
     finally:
         dev.close()
+
+
+def test_join_profile(tiny, cpu):
+    """COLI_VK_JOIN_PROFILE=1 with every expert on the CPU, one submit a token: each decode token's host time charged
+    to its parts (one submit, a wait / route read / compiled-call share / signal per cut layer, one tail), the parts
+    summing to no more than the token's time, the timestamps read every token, the logits unchanged; off, nothing is
+    timed and the timestamps are read one token in ``stamp_every``."""
+    on = _engine(tiny, COLI_VK_CPU_MOE=-1, COLI_VK_JOIN_PROFILE=1)
+    off = _engine(tiny, COLI_VK_CPU_MOE=-1)
+    try:
+        dl, dl0 = on.model.device_layers, off.model.device_layers
+        assert dl.chain and dl.prof is not None and dl0.prof is None
+        ref, _ = _decode(cpu, IDS, 5)
+        got, _ = _decode(on, IDS, 5)
+        n = len(IDS) - 5
+        P = dl.prof
+        assert P.tokens == n and rel_err(got, ref) < 1e-5
+        assert P.n["submit"] == n and P.n["tail"] == n and P.n["signal"] == 4 * n and P.n["route read"] == 4 * n
+        assert P.n["wait: flag"] + P.n["wait: semaphore"] == 4 * n == dl.spun + dl.slept
+        assert P.n["rows out"] == 4 * n and P.n["rest of the token"] == n
+        assert all(v >= 0 for v in P.s.values()) and sum(P.s.values()) <= P.total_s * 1.0001
+        assert P.n["timestamps"] == (n if on.device.timestamps else 0) and dl.gpu_tokens == P.n["timestamps"]
+        t = P.table()
+        assert "| experts: compiled call |" in t and f"({n} decode tokens" in t
+        _decode(off, IDS, 5)
+        assert dl0.tokens == n and dl0.gpu_tokens == (-(-n // dl0.stamp_every) if off.device.timestamps else 0)
+    finally:
+        on.close()
+        off.close()

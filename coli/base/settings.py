@@ -107,6 +107,10 @@ VARS: tuple[Var, ...] = (
     Var("COLI_VK_HOLD_CLOCK", "bool", True, "on a discrete GPU that runs a second queue beside the first, one "
         "workgroup there stays busy through decode (device layers and the tier), so the GPU holds its clock "
         "(docs/vulkan.md \"Clocks\")", dev=True),
+    Var("COLI_VK_JOIN_PROFILE", "bool", False, "time the host's part of each decode token of device layers whose "
+        "experts are (partly) on the CPU (the submit, the waits for the device's flags, the CPU experts' call, the "
+        "copies, the signals, the timestamp reads) and print one table when the run ends (docs/vulkan.md \"Experts "
+        "on the CPU\"); off: nothing is timed", dev=True),
     Var("COLI_VK_I8", "bool", True, "int8 activations with Q8_0 experts in device GEMV groups use integer dot "
         "products (0: the f32 GEMV on the rounded activations)", dev=True),
     Var("COLI_VK_REUSE", "bool", True, "keep a device batch's plan and command buffer for the next batch of the same "

@@ -404,6 +404,11 @@ class DeviceLayers:
         self.tokens = 0
         self.submit_s = 0.0     # seconds in the submits and their fence waits (the device's time, seen by the host)
         self.gpu_s = 0.0        # seconds between the command buffer's first and last timestamps (0: none)
+        self.gpu_tokens = 0     # the decode tokens gpu_s covers (with CPU experts: one in stamp_every)
+        self.stamp_every = 16   # with CPU experts, the tokens between two reads of the segments' timestamps
+        from coli.vulkan.join_profile import JoinProfile
+
+        self.prof = JoinProfile() if get("COLI_VK_JOIN_PROFILE", self._env) else None   # where a token's host time goes
         self.weight_bytes = 0
         nq, nkv, hd, D, E, k, F = self.nq, self.nkv, self.hd, self.D, self.E, self.k, self.F
         self.nqkv = (nq + 2 * nkv) * hd
@@ -764,25 +769,54 @@ class DeviceLayers:
         self.rec = None
         self.chain = bool(getattr(self.dev, "timeline", False))
         self._tl = 0            # the timeline semaphore's value after the last token
+        self._chain = None      # the token's prepared submit (_chain_prepare)
+        # views made once: each layer's route, FFN input and yk rows in host-visible memory, the params' words, the flags
+        k, D = self.k, self.D
+        rh = self.routehost.u32(2 * k * n)
+        self._rv = [rh[2 * k * j:2 * k * (j + 1)] for j in range(n)]
+        xh = self.xnh.f32(D * n)
+        self._xv = [xh[D * j:D * (j + 1)].reshape(1, D) for j in range(n)]
+        self._ykv = [y.f32((k + 1) * D).reshape(k + 1, D) if y is not None else None for y in self.yk]
+        self._params_u32 = self.params.u32(16)
+        self._flags_u32 = self.flags.u32(n)
 
     def _route(self, j: int):
         """Layer ``j``'s route as the device wrote it: ids int64 [k], weights f32 [k], and which ranks are resident."""
         k = self.k
-        rr = self.routehost.u32(2 * k * (j + 1))[2 * k * j:]
+        rr = self._rv[j]
         ids = rr[:k].astype(np.int64)
-        return ids, rr[k:2 * k].view(np.float32).copy(), self.resident[self.per[j]["il"]][ids]
+        return ids, rr[k:].view(np.float32).copy(), self.resident[self.per[j]["il"]][ids]
 
     def _cpu_ranks(self, j: int, ids, w, on_dev) -> None:
         """The CPU's ranks of layer ``j`` (the RAM expert cache, the CPU kernels, the engine's activations) into their
-        rows of its ``yk``: ``w_r * expert_r(x)``."""
-        k, D = self.k, self.D
+        rows of its ``yk``: ``w_r * expert_r(x)``. The compiled call writes straight into ``yk`` when those ranks are
+        one run of rows (every rank on the CPU, say), and the weights are applied there in place."""
+        k, P = self.k, self.prof
         ranks = np.flatnonzero(~on_dev)
-        self.dev_rows += k - len(ranks)
-        self.cpu_rows += len(ranks)
-        if len(ranks):
-            x = self.xnh.f32(D * (j + 1))[D * j:].reshape(1, D).copy()
-            out = self.m.step.row_experts(self.per[j]["il"], x, [int(e) for e in ids[ranks]])
-            self.yk[j].f32((k + 1) * D).reshape(k + 1, D)[ranks] = w[ranks, None] * out
+        n = len(ranks)
+        self.dev_rows += k - n
+        self.cpu_rows += n
+        if not n:
+            return
+        step = self.m.step
+        if P is not None:
+            t0, c0 = time.perf_counter(), step.row_call_s
+        yk = self._ykv[j]
+        r0 = int(ranks[0])
+        run = int(ranks[-1]) - r0 + 1 == n
+        out = step.row_experts(self.per[j]["il"], self._xv[j], [int(e) for e in ids[ranks]],
+                               out=yk[r0:r0 + n] if run else None)
+        if P is not None:
+            t1 = time.perf_counter()
+            call = step.row_call_s - c0
+            P.add("experts: compiled call", call)
+            P.add("experts: lookups", t1 - t0 - call)
+        if run:
+            out *= w[r0:r0 + n, None]
+        else:
+            yk[ranks] = w[ranks, None] * out
+        if P is not None:
+            P.lap("rows out", t1)
 
     def _run_split(self) -> None:
         """One decode token, a submit a segment: submit a segment and wait, read the layer's route and FFN input, start
@@ -790,22 +824,33 @@ class DeviceLayers:
         waits for both)."""
         from coli.vulkan import DeviceLost
 
-        K = self.K
+        K, P = self.K, self.prof
+        stamps = self._stamps_due()
         started, pend = None, None
         for kind, rec, j in self.segs:
             if kind == "S":
                 t0 = time.perf_counter()
                 K.submit(rec)
                 self.submit_s += time.perf_counter() - t0
-                self.gpu_s += (K.gpu_ms(rec) or 0.0) / 1e3
+                if P is not None:
+                    P.lap("submit", t0)
+                if stamps:
+                    t0 = time.perf_counter()
+                    self._gpu_add(K.gpu_ms(rec))
+                    if P is not None:
+                        P.lap("timestamps", t0)
                 if started is not None:
                     if not K.wait(started):
                         self.dev._mark_lost("fence wait of the resident experts failed")
                         raise DeviceLost("fence wait of the resident experts failed")
-                    self.gpu_s += (K.gpu_ms(started) or 0.0) / 1e3
+                    if stamps:
+                        self._gpu_add(K.gpu_ms(started))
                     started = None
                 if j is not None:
+                    t0 = time.perf_counter()
                     pend = (j,) + self._route(j)
+                    if P is not None:
+                        P.lap("route read", t0)
                 continue
             j, ids, w, on_dev = pend
             if rec is not None and on_dev.any():
@@ -815,45 +860,82 @@ class DeviceLayers:
                 self.dev.layer_dispatches += rec.dispatches
                 started = rec
             self._cpu_ranks(j, ids, w, on_dev)
+        if stamps:
+            self.gpu_tokens += 1
+
+    def _stamps_due(self) -> bool:
+        """Whether this token's segments' timestamps are read: every token with the join profile on, else one token in
+        ``stamp_every`` (the closing line's device time a token comes from those)."""
+        return self.K.dev.timestamps and (self.prof is not None or self.tokens % self.stamp_every == 0)
+
+    def _gpu_add(self, ms) -> None:
+        if ms is not None:
+            self.gpu_s += ms / 1e3
+            if self.prof is not None:
+                self.prof.gpu_s += ms / 1e3
+
+    def _chain_prepare(self) -> None:
+        """The token's batches for :meth:`_run_chain`, their submit structures made once (``Kernels.prepare_batches``:
+        the timeline values are offsets from the token's base, set in place each token)."""
+        S = [(rec, j) for kind, rec, j in self.segs if kind == "S"]
+        X = [rec for kind, rec, j in self.segs if kind == "X"]
+        n = len(X)
+        batches = []
+        for i, (rec, j) in enumerate(S):
+            batches.append(([rec], i if i else 0, i + 1 if j is not None else 0))
+            if i < n and X[i] is not None:
+                batches.append(([X[i]], 0, 0))
+        self._chain = (self.K.prepare_batches(batches), [j for _, j in S[:n]], n,
+                       [rec for rec, _ in S] + [x for x in X if x is not None])
 
     def _run_chain(self) -> None:
-        """One decode token in one submit (timeline semaphores, ``Kernels.submit_batches``): segment S_i copies the
+        """One decode token in one submit (timeline semaphores, ``Kernels.submit_prepared``): segment S_i copies the
         token's number into ``flags[i]`` after layer i's route and signals value base + i + 1 of the device's
         timeline (the host spins on the flag for ``spin_s``, then sleeps on the value; ``spun`` / ``slept`` count
         which; then it reads the route and computes the CPU's ranks into ``yk``), X_i (layer i's resident ranks) runs
         beside the host, and
         S_i+1 waits for value base + i + 1 of the host's timeline, which the host signals once it wrote those rows.
-        On any failure the host signals its last value, so the queue drains before the caller goes on."""
-        K = self.K
-        S = [(rec, j) for kind, rec, j in self.segs if kind == "S"]
-        X = [rec for kind, rec, j in self.segs if kind == "X"]
-        n, base = len(X), self._tl
-        batches = []
-        for i, (rec, j) in enumerate(S):
-            batches.append(([rec], base + i if i else 0, base + i + 1 if j is not None else 0))
-            if i < n and X[i] is not None:
-                batches.append(([X[i]], 0, 0))
+        On any failure the host signals its last value, so the queue drains before the caller goes on. The segments'
+        timestamps are read one token in ``stamp_every`` (every token with the join profile)."""
+        K, P, pc = self.K, self.prof, time.perf_counter
+        if self._chain is None:
+            self._chain_prepare()
+        prep, js, n, recs = self._chain
+        base = self._tl
         top, done = base + n, base
         self._seq = seq = (self._seq + 1) & 0xFFFFFFFF or 1
-        self.params.u32(16)[8] = seq
-        flags = self.flags.u32(len(self.per))
-        t0 = time.perf_counter()
+        self._params_u32[8] = seq
+        flags = self._flags_u32
+        spin = self.spin_s
+        t0 = t = pc()
         try:
-            K.submit_batches(batches)
+            K.submit_prepared(prep, base)
+            t = pc() if P is None else P.lap("submit", t)
             for i in range(n):
-                j = S[i][1]
-                end = time.perf_counter() + self.spin_s
-                while flags[j] != seq and time.perf_counter() < end:   # the flag S_i writes: no sleep, no wake-up
+                j = js[i]
+                end = t + spin
+                while flags[j] != seq and pc() < end:   # the flag S_i writes: no sleep, no wake-up
                     pass
                 if flags[j] == seq:
                     self.spun += 1
+                    if P is not None:
+                        t = P.lap("wait: flag", t)
                 else:
                     self.slept += 1
                     K.wait_value(base + i + 1)
-                self._cpu_ranks(j, *self._route(j))
+                    if P is not None:
+                        t = P.lap("wait: semaphore", t)
+                r = self._route(j)
+                if P is not None:
+                    P.lap("route read", t)
+                self._cpu_ranks(j, *r)
+                t = pc()
                 K.signal(base + i + 1)
                 done = base + i + 1
+                t = pc() if P is None else P.lap("signal", t)
             K.wait_batches()
+            if P is not None:
+                P.lap("tail", t)
         finally:
             self._tl = top
             if done < top:
@@ -861,8 +943,14 @@ class DeviceLayers:
                     K.signal(top)
                 except Exception:  # noqa: BLE001 - a lost device: the caller's DeviceLost says so
                     pass
-        self.submit_s += time.perf_counter() - t0
-        self.gpu_s += sum((K.gpu_ms(r) or 0.0) for r in [rec for rec, _ in S] + [x for x in X if x is not None]) / 1e3
+        self.submit_s += pc() - t0
+        if self._stamps_due():
+            t = pc()
+            for rec in recs:
+                self._gpu_add(K.gpu_ms(rec))
+            self.gpu_tokens += 1
+            if P is not None:
+                P.lap("timestamps", t)
 
     def _attn_dec(self, d) -> list:
         """A decode row's attention for layer ``d``: attn_dec.comp, over the positions in parts of ``attn_chunk`` keys
@@ -1007,6 +1095,9 @@ class DeviceLayers:
         self._valid = p1
 
     def __call__(self, h: np.ndarray, cache, pos0: int):
+        P = self.prof
+        if P is not None:
+            t_call, s0 = time.perf_counter(), sum(P.s.values())
         self._sync(cache, pos0)
         self._keep(h, pos0)
         D = self.D
@@ -1019,9 +1110,8 @@ class DeviceLayers:
             t0 = time.perf_counter()
             self.K.submit(self.rec)
             self.submit_s += time.perf_counter() - t0
-            g = self.K.gpu_ms(self.rec)
-            if g is not None:
-                self.gpu_s += g / 1e3
+            self._gpu_add(self.K.gpu_ms(self.rec))
+            self.gpu_tokens += 1
             self.dev_rows += self.k * len(self.per)
         out = self.hout.f32(D).reshape(1, D).copy()
         kvn = self.nkv * self.hd
@@ -1043,6 +1133,10 @@ class DeviceLayers:
             self.on_token(self, {d["il"]: ids[j].astype(np.int64) for j, d in enumerate(self.per)})
         if self.clock is not None:
             self._start_clock()
+        if P is not None:
+            dt = time.perf_counter() - t_call
+            P.add("rest of the token", dt - (sum(P.s.values()) - s0))
+            P.token(dt)
         return out, lg
 
     # -- prompt chunks ----------------------------------------------------------------------------------------

@@ -117,6 +117,20 @@ class Recorded:
     n_stamps: int = 2        # timestamps in qpool (``each``: one before the first op and one after every op)
 
 
+@dataclass
+class Prepared:
+    """A submit of several batches made once (:meth:`Kernels.prepare_batches`): ``subs`` ``VkSubmitInfo[n]``, ``vals``
+    uint64 (a view of the cffi array the batches' timeline values are read from) = base + ``offs``, the dispatches in
+    it, and ``keep`` (the cffi objects the structures point to)."""
+
+    subs: object
+    n: int
+    vals: np.ndarray
+    offs: np.ndarray
+    dispatches: int
+    keep: list
+
+
 def prompt_route(dev, env=None) -> str:
     """The prompt GEMM's route on ``dev``: "coopmat" (shaders/lmm_cm.comp: 64-row tiles, float16 products) where
     ``COLI_VK_PROMPT_ROUTE`` (of ``env``, the settings) is auto or coopmat and the device has cooperative matrices
@@ -467,12 +481,21 @@ class Kernels:
         waiting (at its compute and transfer stages) for value ``wait`` of the host's timeline (0: none) and
         signalling value ``signal`` of the device's (0: none) when done; the last batch signals the fence
         :meth:`wait_batches` waits for. The host signals its values (:meth:`signal`) and waits for the device's
-        (:meth:`wait_value`). DeviceLost when the submit fails."""
-        dev, sem, dsem = self.dev, self._timeline(0), self._timeline(1)
+        (:meth:`wait_value`). DeviceLost when the submit fails. A submit repeated with values that move by a base
+        each time: :meth:`prepare_batches` once, :meth:`submit_prepared` each time."""
+        self.submit_prepared(self.prepare_batches(batches), 0)
+
+    def prepare_batches(self, batches: list) -> "Prepared":
+        """The cffi structures of a :meth:`submit_batches` of ``batches`` [(recs, wait, signal)] made once, the values
+        ``wait`` / ``signal`` being offsets from the base each :meth:`submit_prepared` gives (0: none)."""
+        sem, dsem = self._timeline(0), self._timeline(1)
         n = len(batches)
         subs = ffi.new("VkSubmitInfo[]", n)
-        keep = []
+        m = sum((1 if w else 0) + (1 if sg else 0) for _, w, sg in batches)
+        vals = ffi.new("uint64_t[]", max(m, 1))
+        keep, offs, at = [subs, vals], [], 0
         stage = ffi.new("VkPipelineStageFlags[1]", [_PSTAGE_COMPUTE | _PSTAGE_TRANSFER])
+        keep.append(stage)
         for i, (recs, w, sg) in enumerate(batches):
             cbs = ffi.new("VkCommandBuffer[]", [r.arr[0] for r in recs])
             tsi = _s("VkTimelineSemaphoreSubmitInfo")
@@ -484,21 +507,28 @@ class Kernels:
             sub.pCommandBuffers = cbs
             keep += [cbs, tsi]
             if w:
-                wv = ffi.new("uint64_t[1]", [int(w)])
                 sub.waitSemaphoreCount, sub.pWaitSemaphores, sub.pWaitDstStageMask = 1, sem, stage
-                tsi.waitSemaphoreValueCount, tsi.pWaitSemaphoreValues = 1, wv
-                keep.append(wv)
+                tsi.waitSemaphoreValueCount, tsi.pWaitSemaphoreValues = 1, vals + at
+                offs.append(int(w))
+                at += 1
             if sg:
-                sv = ffi.new("uint64_t[1]", [int(sg)])
                 sub.signalSemaphoreCount, sub.pSignalSemaphores = 1, dsem
-                tsi.signalSemaphoreValueCount, tsi.pSignalSemaphoreValues = 1, sv
-                keep.append(sv)
-            nd = sum(r.dispatches for r in recs)
-            dev.dispatches += nd
-            dev.layer_dispatches += nd
+                tsi.signalSemaphoreValueCount, tsi.pSignalSemaphoreValues = 1, vals + at
+                offs.append(int(sg))
+                at += 1
+        view = np.frombuffer(ffi.buffer(vals, 8 * max(m, 1)), np.uint64)[:m]
+        return Prepared(subs, n, view, np.array(offs, np.uint64), sum(r.dispatches for b in batches for r in b[0]),
+                        keep)
+
+    def submit_prepared(self, p: "Prepared", base: int) -> None:
+        """Submit the batches of :meth:`prepare_batches` with their values ``base`` + offset (set in place)."""
+        dev = self.dev
+        np.add(p.offs, np.uint64(base), out=p.vals)
+        dev.dispatches += p.dispatches
+        dev.layer_dispatches += p.dispatches
         f = self._fence(self)
         _chk(lib.vkResetFences(dev._dev, 1, f), "vkResetFences")
-        r = lib.vkQueueSubmit(dev._queue, n, subs, f[0])
+        r = lib.vkQueueSubmit(dev._queue, p.n, p.subs, f[0])
         if r != 0:
             dev._mark_lost(f"vkQueueSubmit returned {r}")
             raise DeviceLost(f"vkQueueSubmit returned {r}")
@@ -506,12 +536,16 @@ class Kernels:
     def wait_value(self, value: int) -> None:
         """Wait until the device has signalled ``value`` of its timeline (the device's timeout); DeviceLost
         otherwise."""
-        wi = _s("VkSemaphoreWaitInfo")
-        wi.sType = vk.VK_STRUCTURE_TYPE_SEMAPHORE_WAIT_INFO
-        wi.semaphoreCount = 1
-        wi.pSemaphores = self._timeline(1)
-        v = ffi.new("uint64_t[1]", [int(value)])
-        wi.pValues = v
+        wi = getattr(self, "_waitinfo", None)
+        if wi is None:     # made once: a token waits up to once a layer
+            wi = _s("VkSemaphoreWaitInfo")
+            wi.sType = vk.VK_STRUCTURE_TYPE_SEMAPHORE_WAIT_INFO
+            wi.semaphoreCount = 1
+            wi.pSemaphores = self._timeline(1)
+            v = ffi.new("uint64_t[1]")
+            wi.pValues = v
+            self._waitinfo, self._waitval = wi, v
+        self._waitval[0] = int(value)
         r = lib.vkWaitSemaphores(self.dev._dev, wi, self.dev._timeout_ns)
         if r != 0:
             why = "semaphore wait timed out" if r == _TIMEOUT else f"vkWaitSemaphores returned {r}"
@@ -520,9 +554,11 @@ class Kernels:
 
     def signal(self, value: int) -> None:
         """Signal ``value`` of the host's timeline (the batches waiting for it may start)."""
-        si = _s("VkSemaphoreSignalInfo")
-        si.sType = vk.VK_STRUCTURE_TYPE_SEMAPHORE_SIGNAL_INFO
-        si.semaphore = self._timeline(0)[0]
+        si = getattr(self, "_siginfo", None)
+        if si is None:     # made once: a token signals once a layer
+            si = self._siginfo = _s("VkSemaphoreSignalInfo")
+            si.sType = vk.VK_STRUCTURE_TYPE_SEMAPHORE_SIGNAL_INFO
+            si.semaphore = self._timeline(0)[0]
         si.value = int(value)
         _chk(lib.vkSignalSemaphore(self.dev._dev, si), "vkSignalSemaphore")
 
@@ -543,7 +579,7 @@ class Kernels:
         for sem in getattr(self, "_tl", None) or []:
             if sem is not None:
                 lib.vkDestroySemaphore(d, sem[0], ffi.NULL)
-        self._tl = None
+        self._tl = self._siginfo = self._waitinfo = None
         for p in self._pipes.values():
             lib.vkDestroyPipeline(d, p, ffi.NULL)
         self._pipes = {}
