@@ -316,6 +316,11 @@ def setup_layers(eng, dev, budget: int) -> bool:
         apart = True
         first, why = device_layers.plan(eng.model, budget, eng.ctx, want, prompt_rows=rows, experts=False)
     n = len(eng.model.layers) - first
+    if 0 < cpu_moe <= first and n and not eng.silent:   # llama.cpp's count from layer 0: only CPU layers named
+        flag = f"--n-cpu-moe {cpu_moe}" if eng.cli_names else f"COLI_VK_CPU_MOE={cpu_moe}"
+        lo = "layer 0 is" if cpu_moe == 1 else f"layers 0-{cpu_moe - 1} are"
+        print(f"[VK] {eng.path.name}: warning: {flag} has no effect: it counts from layer 0 (llama.cpp's meaning) "
+              f"and {lo} on the CPU anyway (the device holds layers {first}-{first + n - 1})", file=sys.stderr)
     resident = layer_experts(eng, first, budget, cpu_moe) if apart and n else None
     instead = "the expert tier instead" if eng.step is not None else "every layer on the CPU"
     if n == 0:

@@ -335,3 +335,21 @@ def test_join_profile(tiny, cpu):
     finally:
         on.close()
         off.close()
+
+
+def test_n_cpu_moe_below_the_device_layers_warns(tiny, capsys):
+    """--gpu-layers 2 --n-cpu-moe 1 on the 4-layer MoE: N counts from layer 0 (llama.cpp's meaning) and layer 0 runs on
+    the CPU anyway, so the placement is --gpu-layers 2's (whole layers, every expert on the device): one warning line
+    says so at start and the run goes on (exit 0); --n-cpu-moe 3 reaches a device layer: no warning, its experts on
+    the CPU."""
+    from coli.cli import main
+
+    bench = ["bench", "-m", str(tiny), "-p", "0", "-n", "2", "-r", "1", "--ctx", "64"]
+    assert main([*bench, "--gpu-layers", "2", "--n-cpu-moe", "1"]) == 0
+    err = capsys.readouterr().err
+    warn = [ln for ln in err.splitlines() if "warning: --n-cpu-moe 1 has no effect" in ln]
+    assert len(warn) == 1 and "layer 0 is on the CPU anyway (the device holds layers 2-3)" in warn[0], err
+    assert "routed experts:" not in err and "Traceback" not in err
+    assert main([*bench, "--gpu-layers", "2", "--n-cpu-moe", "3"]) == 0
+    err = capsys.readouterr().err
+    assert "no effect" not in err and "joined mid-layer in 1 layer " in err, err
