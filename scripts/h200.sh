@@ -5,7 +5,7 @@
 #   bash scripts/h200.sh check    the device suites, coli beside llama.cpp, the tier's arms (also carry .peers)
 #   bash scripts/h200.sh layers   the device layers (--gpu-layers) after `tier` on a warm machine
 #   bash scripts/h200.sh prompt   prompt chunks on the device layers beside llama.cpp CUDA (carry .gl .whl .peers)
-#   bash scripts/h200.sh chain    device layers with experts on the CPU beside llama.cpp CUDA (carry .gl .whl .peers)
+#   bash scripts/h200.sh chain    device layers with experts on the CPU: the join profile, then beside llama.cpp CUDA (carry .gl .whl .peers)
 #   bash scripts/h200.sh cpu-prefill   CPU prompt processing beside llama.cpp and ik_llama.cpp (carry .whl .peers)
 #   bash scripts/h200.sh synth-path   where the synthetic MoE is (or goes)
 # Carried folders: .gl the Vulkan loader .debs, .whl/.whl_tier the Python 3.12 wheels (vulkan, cffi, pycparser, gguf,
@@ -441,13 +441,21 @@ fi
 say "done"
 }
 
-# chain: experts on the CPU beside llama.cpp CUDA (docs/vulkan.md "Experts on the CPU"): tg64 at 16 threads on the
-# synthetic OLMoE-shaped Q8_0, alternating rounds: coli CPU-only, coli --gpu-layers 16 --cpu-moe, --gpu-layers 16
-# --tier-gb 3.19, --gpu-layers 8; llama-bench -ngl 99 -ot exps=CPU, -ngl 99 --n-cpu-moe 8, -ngl 99 (coli at --ctx 512:
-# the device layers' KV cache is sized by the context and --tier-gb holds it too).
-#   run tool: command "bash scripts/h200.sh chain" from the repo root, carry .gl .whl .peers (as prompt)
-# GP_LLAMA=0 skips llama.cpp; GP_ROUNDS rounds (2); GP_DEADLINE s (560); GP_GEN tokens (64). Output: $OUT/run.log,
-# $OUT/*.json (coli bench's records: device_expert_rows / cpu_expert_rows say where the experts ran).
+# chain: experts on the CPU beside llama.cpp CUDA (docs/vulkan.md "Experts on the CPU"), ONE call of at most ~9 minutes
+# on a fresh machine (GP_DEADLINE s, 540):
+#   run tool: command "bash scripts/h200.sh chain" from the repo root, carry [".gl", ".whl", ".peers"], timeout_s 600
+# Steps: 0. set-up; 1. the synthetic OLMoE-shaped Q8_0 (in the background), llama.cpp's CUDA llama-bench (built in the
+# background, ~120 s), the tiny MoE's smoke (gpu_start); 2. the kernels compiled BEFORE any timed arm: untimed runs of
+# each arm's kind on the tiny MoE (CPU only; device layers over CPU layers; experts on the CPU in part), then the
+# llama.cpp build waited for (a quiet machine from here on); 3. the join profile (scripts/bench/profile_join.py: a
+# decode token's host time by part after 16 warm-up tokens, 64 profiled) for --gpu-layers 16 --cpu-moe and
+# --gpu-layers 16 --n-cpu-moe 8; 4. alternating rounds of tg64 at 16 threads (coli --ctx 512: the device layers' KV
+# cache is sized by the context): coli CPU-only, llama.cpp -ngl 99 -ot exps=CPU, coli --gpu-layers 16 --cpu-moe,
+# llama.cpp -ngl 99 --n-cpu-moe 8, coli --gpu-layers 16 --n-cpu-moe 8, coli --gpu-layers 16 --tier-gb 3.19 (half the
+# experts resident), coli --gpu-layers 8, llama.cpp -ngl 99; a round starts only with GP_ROUND_S (170) s left, an arm
+# with 40. GP_LLAMA=0 skips llama.cpp; GP_ROUNDS rounds (2); GP_GEN tokens (64); GP_PROFILE=0 skips step 3. Output:
+# $OUT/run.log, $OUT/profile_*.txt, $OUT/*.json (coli bench's records: device_expert_rows / cpu_expert_rows say where
+# the experts ran).
 chain() {
 set -u
 T0=$SECONDS
@@ -455,7 +463,7 @@ OUT=${OUT:-/tmp/gpout}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/run.log") 2>&1
 PY=${PY:-python3}
-DEADLINE=${GP_DEADLINE:-560}
+DEADLINE=${GP_DEADLINE:-540}
 export PYTHONUNBUFFERED=1 NUMBA_CACHE_DIR=/tmp/nbcache
 say() { echo "=== [$((SECONDS - T0)) s] $* (load $(cut -d' ' -f1-3 /proc/loadavg))"; }
 left() { echo $((DEADLINE - (SECONDS - T0))); }
@@ -463,22 +471,40 @@ say "set-up"
 setup || exit 2
 nvidia-smi -L; nproc; free -g | head -2
 gpu_start "every layer on the device with its experts on the CPU" "--gpu-layers 2 --cpu-moe -p 0 -n 4"
+# the kernels of every arm compiled here, untimed (a 4-layer tiny MoE: Numba compiles by types, not sizes)
+$PY scripts/make_synthetic_moe.py -o /tmp/h2/tiny4.gguf --layers 4 --d 256 --heads 4 --experts 16 --top-k 4 \
+  --expert-ff 128 --vocab 512 > /dev/null 2>&1
+for w in "--device cpu" "--gpu-layers 2" "--gpu-layers 4 --n-cpu-moe 2" "--gpu-layers 4 --tier-gb 0.0175"; do
+  say "warm-up (compiles; untimed): tiny MoE $w"
+  timeout $(( $(left) > 300 ? 240 : 60 )) $PY -m coli bench -m /tmp/h2/tiny4.gguf $w -p 0 -n 4 -r 1 -t 16 --ctx 512 \
+    2>&1 | grep -E "^\| |compil" | tail -2
+done
 [ -n "${BLD:-}" ] && { say "waiting for the llama.cpp build"; wait $BLD; tail -2 /tmp/llbuild.log; }
 N=${GP_GEN:-64}
+if [ "${GP_PROFILE:-1}" = 1 ]; then
+  for arm in "cpumoe16:--gpu-layers 16 --cpu-moe" "ncpumoe8:--gpu-layers 16 --n-cpu-moe 8"; do
+    say "join profile: ${arm#*:} (16 warm-up tokens, $N profiled)"
+    timeout $(( $(left) > 200 ? 90 : 30 )) $PY -m scripts.bench.profile_join --model "$MODEL" ${arm#*:} -t 16 --warm 16 \
+      --tokens $N --ctx 512 > "$OUT/profile_${arm%%:*}.txt" 2> /tmp/h2/perr.log
+    cat "$OUT/profile_${arm%%:*}.txt"; grep -E "Error|error" /tmp/h2/perr.log | tail -3
+  done
+fi
 coli() {  # name, coli args
+  [ $(left) -lt 40 ] && { say "out of time: coli $1 skipped"; return; }
   say "coli $1 ($2)"
-  timeout $(( $(left) > 150 ? 150 : $(left) )) $PY -m coli bench -m "$MODEL" -t 16 -r 3 -p 0 -n $N --ctx 512 $2 -o json \
+  timeout $(( $(left) > 120 ? 120 : $(left) )) $PY -m coli bench -m "$MODEL" -t 16 -r 3 -p 0 -n $N --ctx 512 $2 -o json \
     --usage /tmp/h2/u.$RANDOM > "$OUT/coli_$1_r$r.json" 2> /tmp/h2/err.log
-  grep -E "^\[VK\]" /tmp/h2/err.log | grep -v "^\[VK\] .*: [0-9]* matmuls" | head -4
+  grep -E "^\[VK\]|compil" /tmp/h2/err.log | grep -v "^\[VK\] .*: [0-9]* matmuls" | head -5
   $PY -c "import json,sys; [print(f\"  {x['test']}: {x['avg_ts']:.1f} t/s (samples {[round(s,1) for s in x['samples_ts']]}), expert rows device {x.get('device_expert_rows')} cpu {x.get('cpu_expert_rows')}, load {x['load_avg']}\") for x in json.load(open(sys.argv[1]))]" "$OUT/coli_$1_r$r.json" || tail -5 /tmp/h2/err.log
 }
 llama() {  # name, args
   [ -x $LL ] || return
+  [ $(left) -lt 40 ] && { say "out of time: llama.cpp $1 skipped"; return; }
   say "llama.cpp $1"
-  timeout 120 $LL -m "$MODEL" -t 16 -r 3 -p 0 -n $N $2 -o md 2>&1 | grep -E "^\|" | tail -3
+  timeout $(( $(left) > 90 ? 90 : $(left) )) $LL -m "$MODEL" -t 16 -r 3 -p 0 -n $N $2 -o md 2>&1 | grep -E "^\|" | tail -3
 }
 for r in $(seq 1 ${GP_ROUNDS:-2}); do
-  [ $(left) -lt 60 ] && { say "out of time"; break; }
+  [ $(left) -lt ${GP_ROUND_S:-170} ] && { say "no time for round $r"; break; }
   coli cpu "--device cpu"
   llama "attention on the GPU, experts in RAM (-ngl 99 -ot exps=CPU)" "-ngl 99 -ot exps=CPU"
   coli cpumoe16 "--gpu-layers 16 --cpu-moe"
