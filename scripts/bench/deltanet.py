@@ -36,18 +36,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from cpu_kernels import experts as grouped  # noqa: E402
 from cpu_kernels import formats  # noqa: E402
 from cpu_kernels.deltanet import causal_conv1d_silu, gated_deltanet  # noqa: E402
+from timing import best, load  # noqa: E402
 
 SHAPE = dict(d_model=2048, n_k_heads=16, n_v_heads=32, dk=128, dv=128, kernel=4)
-
-
-def _best(f, reps):
-    f()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        f()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def _weights(fmt: str, shape, rng) -> np.ndarray:
@@ -99,7 +90,7 @@ def bench_layer(fmt, act, reps, rng):
     x1 = rng.standard_normal((1, D)).astype(np.float32)
     cache = blk.new_cache(0)
     names = ("projections", "conv", "recurrence", "ssm_out", "layer_call")
-    best = dict.fromkeys(names, float("inf"))
+    mins = dict.fromkeys(names, float("inf"))
     for it in range(reps + 1):  # each round runs the pieces in a real call's order, then a whole call
         t0 = time.perf_counter()
         qkv, z, b, a = blk.projections(x1, None)
@@ -114,8 +105,8 @@ def bench_layer(fmt, act, reps, rng):
         t5 = time.perf_counter()
         if it:  # round 0 compiles
             for n, dt in zip(names, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
-                best[n] = min(best[n], dt)
-    t_proj, t_conv, t_rec, t_out, t_call = (best[n] for n in names)
+                mins[n] = min(mins[n], dt)
+    t_proj, t_conv, t_rec, t_out, t_call = (mins[n] for n in names)
     proj_bytes = sum(w.file_nbytes for w in blk._proj) + blk.ssm_out.file_nbytes
     decode = {"projections_ms": 1e3 * t_proj, "conv_ms": 1e3 * t_conv, "recurrence_ms": 1e3 * t_rec,
               "ssm_out_ms": 1e3 * t_out, "matmul_ms": 1e3 * (t_proj + t_out), "layer_call_ms": 1e3 * t_call,
@@ -153,7 +144,7 @@ def bench_attention(reps, rng, contexts=(256, 4096, 32768)):
     for ctx in contexts:
         kc = rng.standard_normal((Hkv, ctx, hd)).astype(np.float32)
         vc = rng.standard_normal((Hkv, ctx, hd)).astype(np.float32)
-        res[f"attend_ms_at_{ctx}"] = 1e3 * _best(lambda: attend(q, kc, vc, ctx - 1, hd ** -0.5), reps)
+        res[f"attend_ms_at_{ctx}"] = 1e3 * best(lambda: attend(q, kc, vc, ctx - 1, hd ** -0.5), reps)
     return res
 
 
@@ -209,11 +200,11 @@ def main(argv=None):
     if a.threads:
         cpu_kernels.set_threads(a.threads)
     rng = np.random.default_rng(0)
-    load0 = open("/proc/loadavg").read().split()[:3]
+    load0 = load()
     decode, prefill = bench_layer(a.fmt, a.act, a.reps, rng)
     attn = bench_attention(a.reps, rng)
     model = bench_model(a.act, a.reps)
-    load1 = open("/proc/loadavg").read().split()[:3]
+    load1 = load()
     res = {"shape": SHAPE, "fmt": a.fmt, "act": a.act, "threads": a.threads, "loadavg_start": load0,
            "loadavg_end": load1, "decode_per_token_per_layer": decode, "attention_layer_decode": attn, "prefill_layer_256": prefill,
            "prefill_qwen3next_fixture_256": model}

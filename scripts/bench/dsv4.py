@@ -4,14 +4,16 @@
 1. the tiny oracle (tests/fixtures/oracles/deepseek4.gguf, f32): decode tok/s (32 steps after a 64-token prompt,
    median of ``--runs`` runs) and the time of each layer's attention per decode step; with ``--baseline REV``
    the same with ``coli/models/deepseek4.py`` of git revision REV swapped in (its ``Attention`` on the same
-   model), alternated run by run;
+   model), with ``--plain`` plain multi-head attention of the same heads (H x key_length, K and V per head,
+   ``cpu_kernels.attention.attend`` over every position) in its place, alternated run by run; the cache bytes
+   per position of each arm (V4's counts the fixed window ring and buffers spread over the 128 positions);
 2. the kernels at DeepSeek-V4-Flash's attention shapes (HF ``DeepseekV4Config`` defaults: 64 heads of 512, one
    K=V head, window 128, CSA ratio 4 with an indexer of 64 heads of 128 and top-k 512, HCA ratio 128, 8 output
    groups of rank 1024) at several context lengths, one decode row and one prompt chunk: ``indexer_topk``,
    ``attend`` per layer kind (the CSA one beside the per-row NumPy formula the kernels replaced, BLAS matmuls),
    and ``GroupedLinear`` over a Q8_0 ``attn_output_a`` (random codes).
 
-    .venv/bin/python scripts/bench/dsv4.py [--threads N] [--runs 5] [--baseline faa0a5b] [--ctx 1024,8192,65536]
+    .venv/bin/python scripts/bench/dsv4.py [--threads N] [--runs 5] [--baseline faa0a5b] [--plain] [--ctx 1024,8192,65536]
 
 Prints the load average with the figures: compare only figures of one run.
 """
@@ -25,7 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import mla
 import numpy as np
+from timing import best, load
 
 ROOT = Path(__file__).resolve().parents[2]
 FIX = ROOT / "tests" / "fixtures" / "oracles"
@@ -44,6 +48,19 @@ def load_baseline(rev: str):
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+class PlainAttention(mla.PlainAttention):
+    """Plain MHA of a V4 layer's heads (``att.H`` x ``att.hd``): random f32 q/k/v/o, NORM rope on all dims."""
+
+    def __init__(self, m, att, rng):
+        super().__init__(m, att.H, att.hd, rng)
+
+    def __call__(self, x, kv, pos0):
+        from cpu_kernels.rope import rope_table
+
+        cos, sin = rope_table(kv.k.shape[1], self.hd, self.m.args.rope_base)
+        return self.run(x, kv, pos0, cos, sin, self.hd)
 
 
 class Timed:
@@ -74,7 +91,11 @@ def tiny(args) -> None:
     if args.baseline:
         old = load_baseline(args.baseline)
         arms[args.baseline] = [old.Attention(m, il) for il in range(len(m.layers))]
+    if args.plain:
+        rng = np.random.default_rng(1)
+        arms["plain"] = [PlainAttention(m, a, rng) for a in arms["kernels"]]
     res = {k: [] for k in arms}
+    bpp = {}
     lay = {k: [[] for _ in m.layers] for k in arms}
 
     def decode(kind, n=32):
@@ -85,6 +106,7 @@ def tiny(args) -> None:
         t0 = time.perf_counter()
         for t in ids[64:64 + n]:
             m.forward(np.array([t]), c)
+        bpp[kind] = c.nbytes() / 128
         return n / (time.perf_counter() - t0)
 
     for kind in arms:
@@ -95,25 +117,16 @@ def tiny(args) -> None:
     for _ in range(args.runs):
         for kind in arms:
             res[kind].append(decode(kind))
-    load = open("/proc/loadavg").read().split()[0]
+    la = load()[0]
     print(f"tiny deepseek4 ({len(m.layers)} layers, ratios {list(m.args.ratios)}, {args.threads} thread(s)), decode "
-          f"after 64 prompt tokens, median of {args.runs}; load average {load}")
+          f"after 64 prompt tokens, median of {args.runs}; load average {la}")
     for kind in arms:
         per = " ".join(f"L{il}(m={m.args.ratios[il]}) {1e6 * np.median(a):.0f}" for il, a in enumerate(lay[kind]))
-        print(f"  {kind:>10}: {np.median(res[kind]):6.1f} tok/s; attention per layer per step (us): {per}")
+        print(f"  {kind:>10}: {np.median(res[kind]):6.1f} tok/s, {bpp[kind]:.0f} cache bytes per position at ctx "
+              f"128; attention per layer per step (us): {per}")
     for L, a in zip(m.layers, arms["kernels"]):
         L.attn = a
     eng.close()
-
-
-def _best(f, n=3):
-    f()
-    ts = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        f()
-        ts.append(time.perf_counter() - t0)
-    return min(ts)
 
 
 def numpy_attend(q, kv, win, pos0, ent, sel, sinks):
@@ -140,9 +153,9 @@ def flash(args) -> None:
 
     H, hd, R, W, Hi, Di, K, G, r = 64, 512, 64, 128, 64, 128, 512, 8, 1024
     rng = np.random.default_rng(0)
-    load = open("/proc/loadavg").read().split()[0]
+    la = load()[0]
     print(f"V4-Flash attention shapes ({H} heads x {hd}, window {W}, CSA m=4 indexer {Hi}x{Di} top-k {K}, "
-          f"HCA m=128), best of 3, {args.threads} thread(s); load average {load}")
+          f"HCA m=128), best of 3, {args.threads} thread(s); load average {la}")
     # attn_output_a as Q8_0: random codes, f16 scales ~ 1e-3 (34 bytes per 32 weights)
     I = H * hd // G
     blk = np.zeros((G * r, I // 32), dtype=[("d", "<f2"), ("q", "i1", 32)])
@@ -154,8 +167,8 @@ def flash(args) -> None:
           f"(f32: {G * r * I * 4 / 2**20:.0f} MiB)")
     for T in (1, 64):
         x = rng.standard_normal((T, G, I)).astype(np.float32)
-        print(f"  GroupedLinear Q8_0 [{G}x{r}, {I}] T={T}: f32 act {1e3 * _best(lambda: gl(x, 'f32')):.2f} ms, "
-              f"int8 act {1e3 * _best(lambda: gl(x, 'int8')):.2f} ms")
+        print(f"  GroupedLinear Q8_0 [{G}x{r}, {I}] T={T}: f32 act {1e3 * best(lambda: gl(x, 'f32')):.2f} ms, "
+              f"int8 act {1e3 * best(lambda: gl(x, 'int8')):.2f} ms")
     for ctx in args.ctx:
         for T in (1, 64):
             pos0 = ctx - T
@@ -170,12 +183,12 @@ def flash(args) -> None:
             iw = rng.standard_normal((T, Hi)).astype(np.float32)
             ent4 = rng.standard_normal((ctx // 4, hd)).astype(np.float32)
             ent128 = rng.standard_normal((ctx // 128, hd)).astype(np.float32)
-            t_idx = _best(lambda: dsv4.indexer_topk(iq, ik, iw, pos0, 4, K))
+            t_idx = best(lambda: dsv4.indexer_topk(iq, ik, iw, pos0, 4, K))
             sel = dsv4.indexer_topk(iq, ik, iw, pos0, 4, K)
-            t_csa = _best(lambda: dsv4.attend(q, kv, win, pos0, ent4, 4, sel, sinks, cos, sin))
-            t_np = _best(lambda: numpy_attend(q, kv, win, pos0, ent4, sel, sinks))
-            t_hca = _best(lambda: dsv4.attend(q, kv, win, pos0, ent128, 128, None, sinks, cos, sin))
-            t_swa = _best(lambda: dsv4.attend(q, kv, win, pos0, ent128[:0], 0, None, sinks, cos, sin))
+            t_csa = best(lambda: dsv4.attend(q, kv, win, pos0, ent4, 4, sel, sinks, cos, sin))
+            t_np = best(lambda: numpy_attend(q, kv, win, pos0, ent4, sel, sinks))
+            t_hca = best(lambda: dsv4.attend(q, kv, win, pos0, ent128, 128, None, sinks, cos, sin))
+            t_swa = best(lambda: dsv4.attend(q, kv, win, pos0, ent128[:0], 0, None, sinks, cos, sin))
             print(f"  ctx {ctx:>6} T={T:>2}: CSA indexer_topk {1e3 * t_idx:8.2f} ms + attend {1e3 * t_csa:7.2f} ms "
                   f"(NumPy per row {1e3 * t_np:7.2f} ms); HCA attend {1e3 * t_hca:7.2f} ms; sliding attend "
                   f"{1e3 * t_swa:7.2f} ms")
@@ -186,6 +199,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--baseline", default="", help="git revision whose deepseek4.py Attention to alternate with")
+    ap.add_argument("--plain", action="store_true", help="also plain multi-head attention of the same heads")
     ap.add_argument("--ctx", default="1024,8192,65536", help="context lengths of the V4-Flash shapes (comma list)")
     ap.add_argument("--skip-flash", action="store_true", help="only the tiny model")
     args = ap.parse_args(argv)

@@ -23,6 +23,7 @@ from numba import njit, prange
 
 from coli.types import table as TT
 from cpu_kernels import formats as F
+from timing import best
 
 # (O, I): SmolLM2-135M (576/1536/49152 vocab), Qwen2.5-0.5B (896/4864/151936), Gemma-3-270M (640/2048/1024)
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (49152, 576), (896, 4864), (4864, 896), (151936, 896),
@@ -52,22 +53,12 @@ def _copy_probe(dst, src):
             dst[i] = src[i]
 
 
-def _best(f, reps):
-    f()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        f()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def bandwidth_probe(gib: float = 1.0, reps: int = 5) -> dict:
     n = int(gib * 2**30) // 4
     a = np.ones(n, np.float32)
     b = np.empty_like(a)
-    tr = _best(lambda: _read_probe(a), reps)
-    tc = _best(lambda: _copy_probe(b, a), reps)
+    tr = best(lambda: _read_probe(a), reps)
+    tc = best(lambda: _copy_probe(b, a), reps)
     return {"bytes": a.nbytes, "read_gbs": a.nbytes / tr / 1e9, "copy_gbs": a.nbytes / tc / 1e9,
             "copy_rw_gbs": 2 * a.nbytes / tc / 1e9}
 
@@ -100,13 +91,13 @@ def _best_ab(fs, reps):
     change in the machine's load hits every layout alike."""
     for f in fs:
         f()
-    best = [float("inf")] * len(fs)
+    mins = [float("inf")] * len(fs)
     for _ in range(reps):
         for i, f in enumerate(fs):
             t = time.perf_counter()
             f()
-            best[i] = min(best[i], time.perf_counter() - t)
-    return best
+            mins[i] = min(mins[i], time.perf_counter() - t)
+    return mins
 
 
 def bench_format(name, shapes, T, reps, act, rng, layouts=("default",)):
@@ -164,7 +155,7 @@ def bench_model(model: str, reps: int, act: str) -> dict:
         for w in ws:
             F.matmul(w, xs[w.shape[1]], act=act)
 
-    t = _best(one_pass, reps)
+    t = best(one_pass, reps)
     by_type = {}
     for w in ws:
         by_type[w.name] = by_type.get(w.name, 0) + w.file_nbytes

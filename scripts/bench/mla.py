@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     return 0
 
 
-class _PlainAttention:
+class PlainAttention:
     """Plain multi-head attention of ``H`` heads of ``hd`` (an MLA layer's H and dn + dr = dv in the tiny oracles;
     a KDA layer's heads and head size), random f32 weights: ``blocks.KV`` cache, ``cpu_kernels.attention.attend``."""
 
@@ -111,6 +111,13 @@ class _PlainAttention:
         return KV(self.H, ctx, self.hd)
 
     def __call__(self, x, xa, kv, pos0):
+        m = self.m
+        cos, sin = m.rope_table(m.args.rope_base, m.args.rope_scaling, m.args.n_rot)
+        return self.run(x, kv, pos0, cos, sin, m.args.n_rot)
+
+    def run(self, x, kv, pos0, cos, sin, n_rot):
+        """Rows ``x`` f32 [T, D] at positions ``pos0..``: q/k/v, NORM rope on the first ``n_rot`` dims (tables
+        ``cos``/``sin``), the KV write, ``attend``, the output projection; f32 [T, D]."""
         from cpu_kernels.attention import attend
         from cpu_kernels.rope import NORM, apply_rope
 
@@ -119,9 +126,8 @@ class _PlainAttention:
         k = m.mm(self.wk, x).reshape(T, self.H, self.hd)
         v = m.mm(self.wv, x).reshape(T, self.H, self.hd)
         pos = np.arange(pos0, pos0 + T, dtype=np.int64)
-        cos, sin = m.rope_table(m.args.rope_base, m.args.rope_scaling, m.args.n_rot)
-        apply_rope(q, pos, cos, sin, m.args.n_rot, NORM)
-        apply_rope(k, pos, cos, sin, m.args.n_rot, NORM)
+        apply_rope(q, pos, cos, sin, n_rot, NORM)
+        apply_rope(k, pos, cos, sin, n_rot, NORM)
         kv.k[:, pos0:pos0 + T] = k.transpose(1, 0, 2)
         kv.v[:, pos0:pos0 + T] = v.transpose(1, 0, 2)
         return m.mm(self.wo, attend(q, kv.k, kv.v, pos0, 1 / np.sqrt(self.hd)).reshape(T, -1))
@@ -129,7 +135,7 @@ class _PlainAttention:
 
 def tiny(args):
     """Decode tok/s of the tiny oracle models (f32, 1 thread) with their own attention and with
-    :class:`_PlainAttention` in its place, alternated; cache bytes per position of each."""
+    :class:`PlainAttention` in its place, alternated; cache bytes per position of each."""
     import tempfile
     from pathlib import Path
 
@@ -142,7 +148,7 @@ def tiny(args):
                      usage=str(Path(tempfile.mkdtemp()) / "u.coli_usage"))
         m = eng.model
         own = [L.attn for L in m.layers]
-        twin = [_PlainAttention.of(m, a, rng) for a in own]
+        twin = [PlainAttention.of(m, a, rng) for a in own]
         ids = np.load(fix / f"{name}.npz")["ids"]
         res = {"own": [], "plain": []}
 
