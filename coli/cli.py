@@ -73,7 +73,8 @@ def _engine_args(p: argparse.ArgumentParser, model_required=False):
                    help="vulkan: experts on the GPU tier of the best device, vulkan:N on device N (also "
                         "COLI_VULKAN=1, COLI_VK_DEV=N); default cpu")
     p.add_argument("--balance", dest="balance", action="store_true", default=None,
-                   help="open the best Vulkan device with the tier and the measured-time balancer")
+                   help="open the best Vulkan device with the tier and the measured-time balancer; with "
+                        "--gpu-layers, it moves the resident experts' rows of a layer to the CPU by measured times")
     p.add_argument("--no-balance", dest="balance", action="store_false",
                    help="open the best Vulkan device with the tier, without the balancer")
     p.add_argument("--tier-gb", type=float, default=None, metavar="GB",
@@ -141,8 +142,8 @@ def _open_engine(a, quiet=False, save_usage=True):
         device = "vulkan"   # --gpu-layers N (or COLI_VK_LAYERS=N) opens the device, as the tier's flags do
     if a.gpu_layers and device == "cpu":
         raise ColiError("--gpu-layers needs the device: drop --device cpu")
-    if (a.gpu_layers or cpu_moe) and tier_flags:
-        raise ColiError(f"--gpu-layers and {tier_flags[0]}: {tier_flags[0]} is the expert tier's; device layers run "
+    if (a.gpu_layers or cpu_moe) and a.reproducible:
+        raise ColiError("--gpu-layers and --reproducible: --reproducible is the expert tier's; device layers run "
                         "without it (drop one)")
     env = settings.overlay(None, COLI_VK_DEV=index, COLI_VK_TIER_GB=a.tier_gb, COLI_VK_LAYERS=a.gpu_layers,
                            COLI_VK_CPU_MOE=cpu_moe,

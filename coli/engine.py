@@ -788,6 +788,8 @@ class Engine:
                 ex = (f"; routed pairs of decode rows: {dl.dev_rows} on the device, {dl.cpu_rows} on the CPU, "
                       f"of prompt rows: {dl.p_dev_rows} on the device, {dl.p_cpu_rows} on the CPU, "
                       f"{dl.swaps} experts swapped in" if dl.resident else "")
+                if dl.bal is not None:
+                    ex += f"; balance: device share {dl.bal.share:.2f}, {dl.handed} resident ranks handed to the CPU"
                 print(f"[VK] {self.path.name}: device layers ran {dl.tokens} decode tokens, {ms:.2f} ms a token in "
                       f"the submit and its wait{gpu}{hold}{pre}{ex}", file=sys.stderr)
             if self.device_layers.prof is not None and self.device_layers.prof.tokens:   # COLI_VK_JOIN_PROFILE: asked for

@@ -286,10 +286,11 @@ def _layer_swaps(eng, dl):
     return on_token
 
 
-def setup_layers(eng, dev, budget: int) -> bool:
+def setup_layers(eng, dev, budget: int, balance=None) -> bool:
     """``COLI_VK_LAYERS`` / ``--gpu-layers`` N != 0: the last N layers (-1: as many as ``budget`` holds) run
     whole on the device (``coli.vulkan.device_layers``); True when some do. When none qualifies or fits, one line
-    says why and the expert tier runs instead (False)."""
+    says why and the expert tier runs instead (False). ``balance`` True (``--balance``): the balancer hands
+    resident ranks of layers with experts on both sides to the CPU by measured times (off by default here)."""
     want = settings.get("COLI_VK_LAYERS", eng.env)
     cpu_moe = settings.get("COLI_VK_CPU_MOE", eng.env)
     if not want and cpu_moe:
@@ -332,7 +333,8 @@ def setup_layers(eng, dev, budget: int) -> bool:
         return False
 
     try:
-        dl = device_layers.DeviceLayers(eng.model, dev, first, eng.ctx, env=eng.env, resident=resident)
+        dl = device_layers.DeviceLayers(eng.model, dev, first, eng.ctx, env=eng.env, resident=resident,
+                                        balancer=Balancer(enabled=True) if balance is True else None)
     except (DeviceLost, VulkanError, MemoryError, ValueError) as e:   # the tier instead, as for no layer
         if not eng.silent:
             print(f"[VK] {eng.path.name}: the device layers did not load ({type(e).__name__}: {e}); {instead}",
@@ -345,6 +347,9 @@ def setup_layers(eng, dev, budget: int) -> bool:
     if not eng.silent:
         short = f" ({why})" if want > 0 and n < want or want < 0 else ""
         print(f"[VK] {eng.path.name}: {dl.describe()}{short}", file=sys.stderr)
+        if balance is True and dl.bal is None:
+            print(f"[VK] {eng.path.name}: {'--balance' if eng.cli_names else 'balance=True'}: no device layer holds part of its routed experts "
+                  f"(whole layers, or every expert on the CPU): nothing to balance", file=sys.stderr)
     return True
 
 
@@ -407,7 +412,7 @@ def setup_device(eng, device, balance) -> None:
     if eng.device is None:
         return
     if eng.step is None:     # a dense model: device layers or nothing (no experts for a tier)
-        if not setup_layers(eng, eng.device, int(eng.device.budget_bytes)):
+        if not setup_layers(eng, eng.device, int(eng.device.budget_bytes), balance):
             eng.device.close()
             eng.device = None
         return
@@ -417,7 +422,7 @@ def setup_device(eng, device, balance) -> None:
     layers = list(eng.model.moe_layers)
     per = max(src.expert_nbytes(l) for l in layers)          # the biggest expert (gate + up + down)
     budget, rule = dev.budget_bytes, dev.budget_rule          # set at open by the rule passed in
-    if setup_layers(eng, dev, int(budget)):
+    if setup_layers(eng, dev, int(budget), balance):
         return
     counts = eng.usage.counts.copy() if eng.usage is not None and eng.usage.loaded else None
     own = bool(getattr(dev, "own_queue", getattr(dev, "dedicated_compute_queue", False)))

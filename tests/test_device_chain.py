@@ -28,12 +28,12 @@ def tiny(tmp_path_factory):
     return out
 
 
-def _engine(path, act="f32", **env):
+def _engine(path, act="f32", balance=None, **env):
     from coli.engine import Engine
 
     env = settings.overlay(None, **env) if env else None
     return Engine(path, cpu_act=act, device="vulkan" if env else None, env=env, quiet=True, silent=True,
-                  save_usage=False, ctx=64, usage=str(path) + ".usage")
+                  save_usage=False, ctx=64, usage=str(path) + ".usage", balance=balance)
 
 
 @pytest.fixture(scope="module")
@@ -230,11 +230,12 @@ def test_families_int8_tokens(family):
 
 
 def test_cli_flags(tiny, capsys):
-    """--cpu-moe / --n-cpu-moe: bad values and clashes are one ColiError line naming the flag (exit 2)."""
+    """--cpu-moe / --n-cpu-moe: bad values and clashes are one ColiError line naming the flag (exit 2); --reproducible
+    is the expert tier's (--balance is taken: test_balance_with_device_layers)."""
     from coli.cli import main
 
     for argv, msg in ((["--n-cpu-moe", "-2"], "--n-cpu-moe"), (["--cpu-moe", "--n-cpu-moe", "2"], "--cpu-moe"),
-                      (["--cpu-moe", "--device", "cpu"], "--device cpu"), (["--cpu-moe", "--balance"], "--balance")):
+                      (["--cpu-moe", "--device", "cpu"], "--device cpu"), (["--cpu-moe", "--reproducible"], "--reproducible")):
         assert main(["run", "-m", str(tiny), "-n", "2", "-p", "hi", *argv]) == 2, argv
         err = capsys.readouterr().err
         assert msg in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
@@ -353,3 +354,70 @@ def test_n_cpu_moe_below_the_device_layers_warns(tiny, capsys):
     assert main([*bench, "--gpu-layers", "2", "--n-cpu-moe", "3"]) == 0
     err = capsys.readouterr().err
     assert "no effect" not in err and "joined mid-layer in 1 layer " in err, err
+
+
+@pytest.mark.parametrize("chain", [True, False])
+def test_balance_with_device_layers(tiny, cpu, chain):
+    """--balance with device layers whose experts sit on both sides (--n-cpu-moe 1, a --tier-gb holding 9 of the
+    other layers' 24 experts): the balancer (scheduler/balancer.py, the tier's rules) takes every cut layer's step
+    of a decode row after the token, with its measured times; the resident ranks it hands to the CPU are computed
+    there (the device skips them: the route it reads points them at an absent expert). Held at its floor, it hands
+    nearly every resident rank over; the logits stay the CPU-only run's (f32 both sides) and every routed pair is
+    counted once, on one side. Free, it runs on its own measurements: the greedy tokens the CPU-only run's."""
+    from coli.vulkan import device_layers as DL
+
+    m = cpu.model
+    need = DL.fixed_bytes(m, 64, settings.get("COLI_VK_PROMPT_ROWS")) + sum(
+        DL.layer_bytes(m, il, 64, experts=False) for il in range(4)) + 9 * DL.expert_bytes(m, 1)
+    env = dict(COLI_VK_LAYERS=-1, COLI_VK_CPU_MOE=1, COLI_VK_TIER_GB=(need + 100) / 2**30)
+    ref, _ = _decode(cpu, IDS, 5)
+    n = len(IDS) - 5
+    dev = _engine(tiny, balance=True, **env)
+    try:
+        dl = dev.model.device_layers
+        assert dl.bal is not None and dl.xroute is not None
+        dl.chain = chain
+        bal = dl.bal
+        bal.share = bal.floor
+        steps = []
+        bal.update = lambda t: (steps.append(t), bal.share)[1]     # held at the floor, the steps recorded
+        got, _ = _decode(dev, IDS, 5)
+        assert rel_err(got, ref) < 1e-5, rel_err(got, ref)
+        assert len(steps) == 4 * n and sum(t.resident_rows for t in steps) > 0
+        assert dl.handed > 0 and dl.handed == sum(t.resident_rows - t.device_rows for t in steps)
+        assert dl.cpu_rows + dl.dev_rows == n * 4 * dl.k
+        assert dl.dev_rows == sum(t.device_rows for t in steps)
+    finally:
+        dev.close()
+    cpu_ids = list(cpu.generate(ids=IDS[:5], max_tokens=6, temp=0.0, stop_at_eos=False).ids)
+    dev = _engine(tiny, balance=True, **env)
+    try:
+        dl = dev.model.device_layers
+        dl.chain = chain
+        r = dev.generate(ids=IDS[:5], max_tokens=6, temp=0.0, stop_at_eos=False)
+        assert list(r.ids) == cpu_ids
+        assert dl.bal.steps == 4 * 5 and dl.cpu_rows > 0
+        assert dl.dev_rows + dl.cpu_rows == 5 * 4 * dl.k      # the decode rows' pairs (prompt rows apart)
+    finally:
+        dev.close()
+
+
+def test_balance_cli(tiny, capsys):
+    """coli bench --gpu-layers 4 --tier-gb G --balance (experts on both sides): runs, the closing line gives both
+    sides' routed pairs and the balancer's share; --cpu-moe --balance (no layer with experts on both sides): one
+    line says there is nothing to balance, the run goes on."""
+    from coli.cli import main
+    from coli.vulkan import device_layers as DL
+
+    e = _engine(tiny)
+    m = e.model
+    need = DL.fixed_bytes(m, 512, settings.get("COLI_VK_PROMPT_ROWS")) + sum(
+        DL.layer_bytes(m, il, 512, experts=False) for il in range(4)) + 12 * DL.expert_bytes(m, 1)
+    e.close()
+    bench = ["bench", "-m", str(tiny), "-p", "0", "-n", "3", "-r", "1", "--ctx", "512"]
+    assert main([*bench, "--gpu-layers", "4", "--tier-gb", f"{(need + 100) / 2**30:.6f}", "--balance"]) == 0
+    err = capsys.readouterr().err
+    assert "balance: device share" in err and "routed pairs of decode rows:" in err and "Traceback" not in err, err
+    assert main([*bench, "--cpu-moe", "--balance"]) == 0
+    err = capsys.readouterr().err
+    assert "--balance: no device layer holds part of its routed experts" in err, err

@@ -334,7 +334,8 @@ class DeviceLayers:
     run here; ``submit_s``: seconds of their submits and waits; ``gpu_s``: of those, the device's own (timestamps);
     ``prompt_tokens`` / ``prompt_chunks`` / ``prompt_s``: prompt rows, chunks and their submits' seconds."""
 
-    def __init__(self, m, dev, first: int, ctx: int, head: bool = True, env=None, resident: dict | None = None):
+    def __init__(self, m, dev, first: int, ctx: int, head: bool = True, env=None, resident: dict | None = None,
+                 balancer=None):
         from coli.vulkan.layers import Kernels
 
         self.m, self.dev, self.first, self.ctx = m, dev, int(first), int(ctx)
@@ -352,6 +353,11 @@ class DeviceLayers:
                 raise ValueError(f"layer {il}: experts with biases or another activation (gpt-oss) are not joined from "
                                  f"the CPU mid-layer (--cpu-moe)")
         self.on_token = None    # called after each decode token with (self, {layer: routed ids int64 [k]})
+        # --balance: a scheduler.balancer.Balancer that hands resident ranks of a decode row to the CPU by measured
+        # times (layers with experts on both sides only; docs/vulkan.md "Experts on the CPU")
+        self.bal = balancer if any(mk.any() for mk in self.resident.values()) else None
+        self.handed = 0         # resident ranks the balancer handed to the CPU
+        self._steps = []        # this token's balanced layer steps [j, device rows, cpu rows, resident rows, cold, cpu s]
         self.swaps = 0          # experts swapped onto the device while running (swap)
         self.cpu_rows = 0       # routed (row, expert) pairs of device layers computed on the CPU
         self.dev_rows = 0       # and on the device
@@ -732,6 +738,8 @@ class DeviceLayers:
                 Copy(self.route, self.routehost, [(8 * k * j, 8 * k * j, 8 * k)], wait=False),
                 Copy(self.params, self.flags, [(32, 4 * j, 4)]),     # the token's number, after the two above
                 _Cut(j, "cpu")]
+        if self.bal is not None:     # the route as the host leaves it (ranks it takes point at an absent expert)
+            rt = self.xroute.addr + 8 * k * j
         if self.resident[d["il"]].any():     # else no X segment: the host computes every rank
             ops.append(Dispatch("lmoe", (-(-F // R), k), [d["tab"].addr, rt, self.xn.addr, self.hbuf.addr],
                                 [F, D, k], type_name=et[0], mode=1))
@@ -752,6 +760,8 @@ class DeviceLayers:
         self.yk = [K.buffer(4 * self.D * (self.k + 1), host=True) if d["il"] in self.resident else None
                    for d in self.per]
         self.xnh = K.buffer(4 * self.D * n, host=True, readback=True)
+        # --balance: each layer's route for its resident ranks, written by the host before they start
+        self.xroute = K.buffer(8 * self.k * n, host=True) if self.bal is not None else None
         self.flags = K.buffer(4 * n, host=True, readback=True)      # layer j's route is out: the token's number
         self.flags.u32(n)[:] = 0
         self._seq = 0           # the decode token's number (params word 8), copied into flags[j] by segment S_j
@@ -770,6 +780,8 @@ class DeviceLayers:
         self.chain = bool(getattr(self.dev, "timeline", False))
         self._tl = 0            # the timeline semaphore's value after the last token
         self._chain = None      # the token's prepared submit (_chain_prepare)
+        self._xrec = {}         # layer j -> its X segment (_chain_prepare)
+        self._V = 2 if self.bal is not None else 1   # the host's timeline values a cut layer: (route,) rows in
         # views made once: each layer's route, FFN input and yk rows in host-visible memory, the params' words, the flags
         k, D = self.k, self.D
         rh = self.routehost.u32(2 * k * n)
@@ -778,6 +790,9 @@ class DeviceLayers:
         self._xv = [xh[D * j:D * (j + 1)].reshape(1, D) for j in range(n)]
         self._ykv = [y.f32((k + 1) * D).reshape(k + 1, D) if y is not None else None for y in self.yk]
         self._params_u32 = self.params.u32(16)
+        if self.xroute is not None:
+            xr = self.xroute.u32(2 * k * n)
+            self._xrv = [xr[2 * k * j:2 * k * (j + 1)] for j in range(n)]
         self._flags_u32 = self.flags.u32(n)
 
     def _route(self, j: int):
@@ -853,20 +868,71 @@ class DeviceLayers:
                         P.lap("route read", t0)
                 continue
             j, ids, w, on_dev = pend
+            if self.bal is not None:
+                ids, w, on_dev = self._hand(j, ids, w, on_dev)
             if rec is not None and on_dev.any():
                 if not K.start(rec):
                     raise DeviceLost("the resident experts' command buffer still ran")
                 self.dev.dispatches += rec.dispatches
                 self.dev.layer_dispatches += rec.dispatches
                 started = rec
+            tc = time.perf_counter()
             self._cpu_ranks(j, ids, w, on_dev)
+            if self.bal is not None:
+                self._steps[-1][5] = time.perf_counter() - tc
         if stamps:
             self.gpu_tokens += 1
+        if self.bal is not None:
+            self._balance_after()
+
+    def _hand(self, j: int, ids, w, on_dev):
+        """--balance: which of layer ``j``'s resident ranks this decode row the device keeps
+        (``Balancer.keep``: one row each; movable where the RAM expert cache holds the expert or has a free slot
+        in the layer, as the tier's rule); the others go to the CPU. Writes the route the resident ranks read
+        (``xroute``: a rank handed over points at an expert that is not resident, which ``lmoe.comp`` skips) and
+        notes the step for :meth:`_balance_after`. Returns ``(ids, w, on_dev)`` with the handed ranks off the
+        device."""
+        il = self.per[j]["il"]
+        cache = self.m.step.cache
+        res = np.flatnonzero(on_dev)
+        xr = self._xrv[j]
+        xr[:] = self._rv[j]
+        handed = 0
+        if len(res):
+            lru, slots = getattr(cache, "lru", None), getattr(cache, "slots", None)
+            free = lru is not None and slots is not None and len(lru[il]) < slots
+            movable = np.array([free or cache.in_ram(il, int(ids[r])) for r in res], bool)
+            keep = self.bal.keep(np.ones(len(res), np.int64), movable)
+            give = res[~keep]
+            handed = len(give)
+            if handed:
+                xr[give] = int(np.flatnonzero(~self.resident[il])[0])
+                on_dev = on_dev.copy()
+                on_dev[give] = False
+                self.handed += handed
+        cold = sum(1 for e in ids[~on_dev] if not cache.in_ram(il, int(e)))
+        self._steps.append([j, len(res) - handed, int((~on_dev).sum()), len(res), cold, 0.0])
+        return ids, w, on_dev
+
+    def _balance_after(self) -> None:
+        """--balance, after a decode token: each balanced layer step's times to the balancer, in layer order (its
+        resident ranks' device ms by their segment's timestamps; the CPU's ms by the host clock; the join's wait
+        taken as the device's ms past the CPU's, both starting when the host wrote the route)."""
+        from types import SimpleNamespace   # scheduler.balancer.StepTimes's fields (coli.vulkan imports no scheduler)
+
+        for j, nd, nc, nres, cold, cpu_s in self._steps:
+            rec = self._xrec.get(j) if self.chain else next(r for kind, r, jj in self.segs if kind == "X" and jj == j)
+            dms = (self.K.gpu_ms(rec) or 0.0) if rec is not None and nd else 0.0
+            cms = cpu_s * 1e3
+            self.bal.update(SimpleNamespace(device_ms=dms, device_rows=nd, cpu_ms=cms, cpu_rows=nc,
+                                      waited_ms=max(0.0, dms - cms), resident_rows=nres, cpu_cold=cold))
+        self._steps.clear()
 
     def _stamps_due(self) -> bool:
         """Whether this token's segments' timestamps are read: every token with the join profile on, else one token in
         ``stamp_every`` (the closing line's device time a token comes from those)."""
-        return self.K.dev.timestamps and (self.prof is not None or self.tokens % self.stamp_every == 0)
+        return self.K.dev.timestamps and (self.prof is not None or self.bal is not None
+                                          or self.tokens % self.stamp_every == 0)
 
     def _gpu_add(self, ms) -> None:
         if ms is not None:
@@ -880,13 +946,15 @@ class DeviceLayers:
         S = [(rec, j) for kind, rec, j in self.segs if kind == "S"]
         X = [rec for kind, rec, j in self.segs if kind == "X"]
         n = len(X)
+        V = self._V
         batches = []
         for i, (rec, j) in enumerate(S):
-            batches.append(([rec], i if i else 0, i + 1 if j is not None else 0))
-            if i < n and X[i] is not None:
-                batches.append(([X[i]], 0, 0))
+            batches.append(([rec], V * i if i else 0, V * i + 1 if j is not None else 0))
+            if i < n and X[i] is not None:     # with a balancer it waits for the host's route (value V i + 1)
+                batches.append(([X[i]], V * i + 1 if V == 2 else 0, 0))
         self._chain = (self.K.prepare_batches(batches), [j for _, j in S[:n]], n,
                        [rec for rec, _ in S] + [x for x in X if x is not None])
+        self._xrec = {j: X[i] for i, j in enumerate(self._chain[1])}
 
     def _run_chain(self) -> None:
         """One decode token in one submit (timeline semaphores, ``Kernels.submit_prepared``): segment S_i copies the
@@ -901,8 +969,8 @@ class DeviceLayers:
         if self._chain is None:
             self._chain_prepare()
         prep, js, n, recs = self._chain
-        base = self._tl
-        top, done = base + n, base
+        base, V, bal = self._tl, self._V, self.bal
+        top, done = base + V * n, base
         self._seq = seq = (self._seq + 1) & 0xFFFFFFFF or 1
         self._params_u32[8] = seq
         flags = self._flags_u32
@@ -922,16 +990,23 @@ class DeviceLayers:
                         t = P.lap("wait: flag", t)
                 else:
                     self.slept += 1
-                    K.wait_value(base + i + 1)
+                    K.wait_value(base + V * i + 1)
                     if P is not None:
                         t = P.lap("wait: semaphore", t)
                 r = self._route(j)
                 if P is not None:
                     P.lap("route read", t)
+                if bal is not None:     # the resident ranks' route, then they start (value V i + 1)
+                    r = self._hand(j, *r)
+                    K.signal(base + V * i + 1)
+                    done = base + V * i + 1
+                    tc = pc()
                 self._cpu_ranks(j, *r)
+                if bal is not None:
+                    self._steps[-1][5] = pc() - tc
                 t = pc()
-                K.signal(base + i + 1)
-                done = base + i + 1
+                K.signal(base + V * (i + 1))
+                done = base + V * (i + 1)
                 t = pc() if P is None else P.lap("signal", t)
             K.wait_batches()
             if P is not None:
@@ -951,6 +1026,8 @@ class DeviceLayers:
             self.gpu_tokens += 1
             if P is not None:
                 P.lap("timestamps", t)
+        if bal is not None:
+            self._balance_after()
 
     def _attn_dec(self, d) -> list:
         """A decode row's attention for layer ``d``: attn_dec.comp, over the positions in parts of ``attn_chunk`` keys
