@@ -421,3 +421,39 @@ def test_balance_cli(tiny, capsys):
     assert main([*bench, "--cpu-moe", "--balance"]) == 0
     err = capsys.readouterr().err
     assert "--balance: no device layer holds part of its routed experts" in err, err
+
+
+def test_balance_device_lost_mid_layer(tiny, cpu, monkeypatch):
+    """--balance, one submit a token (two host values a cut layer: the resident ranks' route, then the rows): the
+    device fails while the host waits for the second layer's route: the host signals the token's last value (8 for 4
+    cut layers) after pointing the resident ranks it did not route at an absent expert (their segments run while the
+    queue drains), the queue drains (closing does not hang), the layers go back to the CPU and the decode logits are
+    the CPU's bits."""
+    from coli.vulkan import DeviceLost
+    from coli.vulkan import device_layers as DL
+
+    m = cpu.model
+    need = DL.fixed_bytes(m, 64, settings.get("COLI_VK_PROMPT_ROWS")) + sum(
+        DL.layer_bytes(m, il, 64, experts=False) for il in range(4)) + 9 * DL.expert_bytes(m, 1)
+    dev = _engine(tiny, balance=True, COLI_VK_LAYERS=-1, COLI_VK_CPU_MOE=1, COLI_VK_TIER_GB=(need + 100) / 2**30)
+    try:
+        ref, _ = _decode(cpu, IDS[:7], 4)
+        dl = dev.model.device_layers
+        assert dl.chain and dl.bal is not None and dl._V == 2
+        dl.spin_s = 0.0
+        real, calls = dl.K.wait_value, []
+
+        def boom(value):
+            calls.append(value)
+            if len(calls) == 2:
+                raise DeviceLost("simulated")
+            return real(value)
+
+        monkeypatch.setattr(dl.K, "wait_value", boom)
+        got, _ = _decode(dev, IDS[:7], 4)
+        assert calls == [1, 3] and dev.model.device_layers is None
+        assert rel_err(got[:1], ref[:1]) < 1e-5         # the prompt's rows on the device
+        assert np.array_equal(got[1:], ref[1:])          # then every layer of every row on the CPU: its bits
+        assert dl._tl == 8
+    finally:
+        dev.close()

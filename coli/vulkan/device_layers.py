@@ -793,6 +793,8 @@ class DeviceLayers:
         if self.xroute is not None:
             xr = self.xroute.u32(2 * k * n)
             self._xrv = [xr[2 * k * j:2 * k * (j + 1)] for j in range(n)]
+            for j in range(n):
+                self._skip_route(j)
         self._flags_u32 = self.flags.u32(n)
 
     def _route(self, j: int):
@@ -914,6 +916,16 @@ class DeviceLayers:
         self._steps.append([j, len(res) - handed, int((~on_dev).sum()), len(res), cold, 0.0])
         return ids, w, on_dev
 
+    def _skip_route(self, j: int) -> None:
+        """Layer ``j``'s ``xroute``: every rank at an expert that is not resident, weight 0 (its resident ranks' segment
+        then does nothing): before the first token, and for the layers a failed token did not reach (their segments
+        still run while the queue drains)."""
+        il = self.per[j]["il"]
+        if il in self.resident:
+            xr = self._xrv[j]
+            xr[:self.k] = int(np.flatnonzero(~self.resident[il])[0])
+            xr[self.k:] = 0
+
     def _balance_after(self) -> None:
         """--balance, after a decode token: each balanced layer step's times to the balancer, in layer order (its
         resident ranks' device ms by their segment's timestamps; the CPU's ms by the host clock; the join's wait
@@ -1014,6 +1026,10 @@ class DeviceLayers:
         finally:
             self._tl = top
             if done < top:
+                if bal is not None:     # the resident ranks not yet routed this token: nothing to run
+                    for i in range(n):
+                        if base + V * i + 1 > done:
+                            self._skip_route(js[i])
                 try:
                     K.signal(top)
                 except Exception:  # noqa: BLE001 - a lost device: the caller's DeviceLost says so
