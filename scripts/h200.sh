@@ -446,14 +446,15 @@ say "done"
 #   run tool: command "bash scripts/h200.sh chain" from the repo root, carry [".gl", ".whl", ".peers"], timeout_s 600
 # Steps: 0. set-up; 1. the synthetic OLMoE-shaped Q8_0 (in the background), llama.cpp's CUDA llama-bench (built in the
 # background, ~120 s), the tiny MoE's smoke (gpu_start); 2. the kernels compiled BEFORE any timed arm: untimed runs of
-# each arm's kind on the tiny MoE (CPU only; device layers over CPU layers; experts on the CPU in part), then the
-# llama.cpp build waited for (a quiet machine from here on); 3. the join profile (scripts/bench/profile_join.py: a
+# each arm's kind on a tiny MoE (CPU only and device layers over CPU layers in the background beside the smoke; then
+# experts on the CPU in part, balanced), then the llama.cpp build waited for (a quiet machine from here on); 3. the
+# join profile (scripts/bench/profile_join.py: a
 # decode token's host time by part after 16 warm-up tokens, 64 profiled) for --gpu-layers 16 --cpu-moe and
 # --gpu-layers 16 --n-cpu-moe 8; 4. alternating rounds of tg64 at 16 threads (coli --ctx 512: the device layers' KV
 # cache is sized by the context): coli CPU-only, llama.cpp -ngl 99 -ot exps=CPU, coli --gpu-layers 16 --cpu-moe,
 # llama.cpp -ngl 99 --n-cpu-moe 8, coli --gpu-layers 16 --n-cpu-moe 8, coli --gpu-layers 16 --tier-gb 3.19 (half the
-# experts resident), coli --gpu-layers 8, llama.cpp -ngl 99; a round starts only with GP_ROUND_S (170) s left, an arm
-# with 40. GP_LLAMA=0 skips llama.cpp; GP_ROUNDS rounds (2); GP_GEN tokens (64); GP_PROFILE=0 skips step 3. Output:
+# experts resident) without and with --balance, coli --gpu-layers 8, llama.cpp -ngl 99; a round starts only with
+# GP_ROUND_S (190) s left, an arm with 40. GP_LLAMA=0 skips llama.cpp; GP_ROUNDS rounds (2); GP_GEN tokens (64); GP_PROFILE=0 skips step 3. Output:
 # $OUT/run.log, $OUT/profile_*.txt, $OUT/*.json (coli bench's records: device_expert_rows / cpu_expert_rows say where
 # the experts ran).
 chain() {
@@ -470,14 +471,27 @@ left() { echo $((DEADLINE - (SECONDS - T0))); }
 say "set-up"
 setup || exit 2
 nvidia-smi -L; nproc; free -g | head -2
-gpu_start "every layer on the device with its experts on the CPU" "--gpu-layers 2 --cpu-moe -p 0 -n 4"
-# the kernels of every arm compiled here, untimed (a 4-layer tiny MoE: Numba compiles by types, not sizes)
+# the kernels of every arm compiled before any timed arm, untimed, on a 4-layer tiny MoE (Numba compiles by types,
+# not sizes): the CPU-only run's and the CPU layers' below device layers in two background processes beside the
+# smoke (each compiles on one core; the llama.cpp build takes the others), then the rest from their cache
+mkdir -p /tmp/h2
 $PY scripts/make_synthetic_moe.py -o /tmp/h2/tiny4.gguf --layers 4 --d 256 --heads 4 --experts 16 --top-k 4 \
   --expert-ff 128 --vocab 512 > /dev/null 2>&1
-for w in "--device cpu" "--gpu-layers 2" "--gpu-layers 4 --n-cpu-moe 2" "--gpu-layers 4 --tier-gb 0.0175"; do
-  say "warm-up (compiles; untimed): tiny MoE $w"
-  timeout $(( $(left) > 300 ? 240 : 60 )) $PY -m coli bench -m /tmp/h2/tiny4.gguf $w -p 0 -n 4 -r 1 -t 16 --ctx 512 \
-    2>&1 | grep -E "^\| |compil" | tail -2
+warm() {  # untimed tiny-MoE bench with these placement flags
+  timeout $(( $(left) > 300 ? 300 : 60 )) $PY -m coli bench -m /tmp/h2/tiny4.gguf "$@" -p 8 -n 4 -r 1 -t 16 --ctx 512 \
+    2>&1 | grep -E "^\| .*tg|compil" | tail -2
+}
+say "warm-up (compiles; untimed, in the background): tiny MoE --device cpu; --gpu-layers 2"
+warm --device cpu > /tmp/h2/warm_cpu.log 2>&1 &
+W1=$!
+warm --gpu-layers 2 > /tmp/h2/warm_g2.log 2>&1 &
+W2=$!
+gpu_start "every layer on the device with its experts on the CPU" "--gpu-layers 2 --cpu-moe -p 8 -n 4"
+wait $W1 $W2
+cat /tmp/h2/warm_cpu.log /tmp/h2/warm_g2.log
+for w in "--gpu-layers 4 --n-cpu-moe 2" "--gpu-layers 4 --tier-gb 0.0175 --balance"; do
+  say "warm-up (untimed): tiny MoE $w"
+  warm $w
 done
 [ -n "${BLD:-}" ] && { say "waiting for the llama.cpp build"; wait $BLD; tail -2 /tmp/llbuild.log; }
 N=${GP_GEN:-64}
@@ -504,13 +518,14 @@ llama() {  # name, args
   timeout $(( $(left) > 90 ? 90 : $(left) )) $LL -m "$MODEL" -t 16 -r 3 -p 0 -n $N $2 -o md 2>&1 | grep -E "^\|" | tail -3
 }
 for r in $(seq 1 ${GP_ROUNDS:-2}); do
-  [ $(left) -lt ${GP_ROUND_S:-170} ] && { say "no time for round $r"; break; }
+  [ $(left) -lt ${GP_ROUND_S:-190} ] && { say "no time for round $r"; break; }
   coli cpu "--device cpu"
   llama "attention on the GPU, experts in RAM (-ngl 99 -ot exps=CPU)" "-ngl 99 -ot exps=CPU"
   coli cpumoe16 "--gpu-layers 16 --cpu-moe"
   llama "--n-cpu-moe 8" "-ngl 99 --n-cpu-moe 8"
   coli ncpumoe8 "--gpu-layers 16 --n-cpu-moe 8"
   coli tier16 "--gpu-layers 16 --tier-gb 3.19"
+  coli tier16bal "--gpu-layers 16 --tier-gb 3.19 --balance"
   coli half8 "--gpu-layers 8"
   llama "every layer (-ngl 99)" "-ngl 99"
 done
