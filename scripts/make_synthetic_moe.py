@@ -2,7 +2,7 @@
 """A synthetic MoE GGUF with real shapes and random weights, for speed measurements (not for text).
 
 Default: OLMoE-1B-7B's dimensions as a llama-architecture file with experts (the shape of the llama.cpp
-peer runs in docs/benchmarks.md): 16 layers, d 2048, 16 heads (kv 16), 64 experts top-8, expert
+peer runs in docs/benchmarks.md): 16 layers, d 2048, 16 heads (kv 16; --kv-heads N: GQA), 64 experts top-8, expert
 FFN 1024, vocab 49152; every matrix Q8_0 (or Q4_0; or F16, F32, which take any d and FFN width) with random
 codes and scales chosen so activations stay O(1) through the layers; norms 1. A byte-level placeholder
 vocabulary (``<t0>``..) makes it loadable.
@@ -109,6 +109,7 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--d", type=int, default=2048)
     ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=0, help="KV heads (GQA: a divisor of --heads; 0: --heads)")
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--expert-ff", type=int, default=1024)
@@ -122,6 +123,9 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.skew is not None and not (0 < a.skew < 1 and 0 < a.hot < 1):
         raise SystemExit(f"--skew {a.skew} / --hot {a.hot}: both must be in (0, 1)")
+    kvh = a.kv_heads or a.heads
+    if a.heads % kvh:
+        raise SystemExit(f"--kv-heads {kvh}: a divisor of --heads {a.heads}")
     rng = np.random.default_rng(a.seed)
     out = Path(a.out)
     tmp = out.with_name(out.name + ".tmp")
@@ -133,7 +137,7 @@ def main(argv=None):
     w.add_embedding_length(d)
     w.add_feed_forward_length(F)
     w.add_head_count(a.heads)
-    w.add_head_count_kv(a.heads)
+    w.add_head_count_kv(kvh)
     w.add_rope_dimension_count(d // a.heads)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
@@ -178,7 +182,7 @@ def main(argv=None):
         w.add_tensor(p + "attn_norm.weight", np.ones(d, np.float32))
         w.add_tensor(p + "ffn_norm.weight", np.ones(d, np.float32))
         for n in ("attn_q", "attn_k", "attn_v", "attn_output"):
-            m = mat(rng, d, d, t, s)
+            m = mat(rng, d * kvh // a.heads if n in ("attn_k", "attn_v") else d, d, t, s)
             w.add_tensor(p + n + ".weight", **(zero_row0(m) if a.skew is not None and n == "attn_output" else m))
         router = (rng.standard_normal((E, d)) * 3 * s).astype(np.float32)
         if a.skew is not None:   # a random hot set per layer; x_0 after the norm is about c0 (the rows' rms ~ 1)

@@ -1,21 +1,24 @@
 #version 460
 // attn_pre: causal attention of R query rows (a prompt chunk at positions pos0 .. pos0 + R - 1) over the cached
-// positions (CPU: coli/models/blocks.py attend), flash-attention style: one workgroup per (q head, block of BQ rows),
-// keys in tiles of BK with an online softmax per row:
+// positions (CPU: coli/models/blocks.py attend), flash-attention style: one workgroup per (G q heads of a KV head,
+// block of rows), keys in tiles of BK with an online softmax per row:
 //   out[r, h] = sum_{j <= pos0 + r} softmax_j(scale * q[r, h] . K[kvh, j]) V[kvh, j],  kvh = h / (nq / nkv)
 // a0 q f32 [R, nq, hd], a1 K cache f32 [nkv, ctx, hd], a2 V cache f32 [nkv, ctx, hd], a3 params uint [..]
 // (pos0 = params[0]), a4 out f32 [R, nq, hd]
 // u0 nq, u1 nkv, u2 hd (<= MAXD), u3 ctx, u4 scale (float bits), u5 R, u6 window W (0: none; else row p sees keys
 // p - W + 1 .. p), u7 1: a5 sinks f32 [nq], one logit a head in the softmax's max and denominator only (gpt-oss;
-// CPU cpu_kernels/attention.py _row_finish). groups: (nq, ceil(R / BQ), 1).
+// CPU cpu_kernels/attention.py _row_finish). groups: (nq / G, ceil(R / PB), 1), PB = BQ / G (rounded down).
 // Specialization constants: 3 BQ, the query rows of a workgroup (8, 16 or 32: each K/V tile read from memory once
-// serves them all), 4 MAXD, the largest head dimension (128 or 256; BQ x MAXD floats of shared memory).
+// serves them all), 4 MAXD, the largest head dimension (128 or 256; BQ x MAXD floats of shared memory), 5 G, the q
+// heads of one KV head a workgroup serves (GQA: a divisor of nq / nkv, at most BQ; 1: one q head): its BQ rows are
+// PB positions x G heads (row i: position i / G, head i % G; the last BQ - PB G rows unused), so each K/V tile is
+// read once for the group.
 // Per tile: the K tile into shared memory, one invocation a (row, key) score (a whole dot product, in dimension
 // order; BQ / 8 of them each), each row's running max m, sum l and rescale exp(m_old - m_new) by one invocation, the
 // V tile into the same shared memory, then each invocation adds weight x V for its row and dimensions in key order.
-// Tiles start at key 0 for every row, so a row's result does not depend on the chunk it came in (nor on BQ; with a
-// window the block starts at the tile of its first row's first key: the tiles before it are masked for every row of
-// the block and would change nothing). A fixed workgroup of 128.
+// Tiles start at key 0 for every row, so a row's result does not depend on the chunk it came in (nor on BQ or G;
+// with a window the block starts at the tile of its first row's first key: the tiles before it are masked for every
+// row of the block and would change nothing). A fixed workgroup of 128.
 #extension GL_GOOGLE_include_directive : require
 #include "layer_common.glsl"
 
@@ -23,9 +26,11 @@ layout(local_size_x = 128) in;
 layout(constant_id = 2) const uint MODE = 0;    // unused
 layout(constant_id = 3) const uint BQ = 8u;
 layout(constant_id = 4) const uint MAXD = 256u;
+layout(constant_id = 5) const uint G = 1u;
 #define BK 16u
 const uint TPR = 128u / BQ;                    // invocations a row in the V pass
 const uint MAXC = MAXD / TPR;                  // dimensions an invocation carries
+const uint PB = BQ / G;                        // positions of a block
 shared float QS[BQ * MAXD];
 shared float KV[BK * (MAXD + 1u)];    // a tile of K, then of V; rows padded by one (no bank conflicts)
 shared float P[BQ * BK];
@@ -34,10 +39,10 @@ shared float M[BQ], L[BQ], A[BQ];
 void main() {
     uint nq = pc.u[0], nkv = pc.u[1], hd = pc.u[2], ctx = pc.u[3], R = pc.u[5];
     float scale = pcf(4u);
-    uint h = gl_WorkGroupID.x, rb = gl_WorkGroupID.y * BQ, t = gl_LocalInvocationIndex;
-    uint kvh = h / (nq / nkv);
+    uint h0 = gl_WorkGroupID.x * G, rb = gl_WorkGroupID.y * PB, t = gl_LocalInvocationIndex;   // row i: head h0 + i % G
+    uint kvh = h0 / (nq / nkv);
     uint pos0 = U32(pc.a[3]).v[0];
-    uint nrow = min(BQ, R - rb);
+    uint nrow = min(PB, R - rb);                  // positions; row i is on when i / G < nrow (and i < PB G)
     uint n = min(pos0 + rb + nrow, ctx);          // keys the block's last row sees
     uint W = pc.u[6];
     uint jlo = (W > 0u && pos0 + rb + 1u > W) ? pos0 + rb + 1u - W : 0u;   // the block's first row's first key
@@ -47,7 +52,7 @@ void main() {
     uint st = hd + 1u;
     for (uint i = t; i < BQ * hd; i += 128u) {
         uint r = i / hd, d = i - r * hd;
-        QS[r * MAXD + d] = r < nrow ? Q.v[((rb + r) * nq + h) * hd + d] : 0.0;
+        QS[r * MAXD + d] = r < PB * G && r / G < nrow ? Q.v[((rb + r / G) * nq + h0 + r % G) * hd + d] : 0.0;
     }
     if (t < BQ) { M[t] = -1.0 / 0.0; L[t] = 0.0; }
     uint vr = t / TPR, vc = t % TPR;              // V pass: row vr, dimensions vc + TPR * c
@@ -63,9 +68,9 @@ void main() {
         }
         barrier();
         [[unroll]] for (uint q = 0u; q < BQ / 8u; q++) {   // scores: invocation t -> rows t / BK + 8 q, key t % BK
-            uint r = t / BK + 8u * q, j = t % BK;
+            uint r = t / BK + 8u * q, j = t % BK, pr = pos0 + rb + r / G;   // pr: the row's position
             float s = -1.0 / 0.0;
-            if (j < nk && r < nrow && j0 + j <= pos0 + rb + r && (W == 0u || j0 + j + W > pos0 + rb + r)) {
+            if (j < nk && r < PB * G && r / G < nrow && j0 + j <= pr && (W == 0u || j0 + j + W > pr)) {
                 float a = 0.0;
                 for (uint d = 0u; d < hd; d++) a += QS[r * MAXD + d] * KV[j * st + d];
                 s = scale * a;
@@ -103,7 +108,8 @@ void main() {
             }
         }
     }
-    if (vr < nrow) {
+    uint h = h0 + vr % G;
+    if (vr < PB * G && vr / G < nrow) {
         F32 O = F32(pc.a[4]);
         float l = L[vr];
         if (pc.u[7] != 0u) {   // the sink: out = acc c / (l c + 1) when it is above the max (c = exp(m - sink))
@@ -117,7 +123,7 @@ void main() {
         }
         [[unroll]] for (uint c = 0u; c < MAXC; c++) {
             uint d = vc + TPR * c;
-            if (d < hd) O.v[((rb + vr) * nq + h) * hd + d] = acc[c] / l;
+            if (d < hd) O.v[((rb + vr / G) * nq + h) * hd + d] = acc[c] / l;
         }
     }
 }

@@ -70,7 +70,7 @@ TOL_ATTN, TOL_ATTN_F16 = 2e-5, 6e-3
 #: (nq, nkv, hd, pos0, R, window, sinks): the chunk's rows at positions pos0 .. pos0 + R - 1 over a cache of CTX_ATTN
 ATTN_CASES = ((4, 2, 128, 0, 16, 0, False), (4, 2, 128, 37, 100, 0, False), (2, 1, 64, 200, 130, 0, True),
               (2, 2, 128, 5, 70, 48, False), (2, 1, 80, 3, 33, 0, False), (2, 2, 256, 9, 40, 0, False),
-              (2, 1, 128, 60, 64, 20, True))
+              (2, 1, 128, 60, 64, 20, True), (6, 2, 64, 11, 45, 0, False), (8, 2, 128, 30, 50, 16, True))
 CTX_ATTN = 400
 
 
@@ -280,8 +280,7 @@ class Backend:
         Kk = self._K
         R, nq, hd = q.shape
         nkv, ctx = K.shape[:2]
-        kern = Kk.attn_kernel(hd)
-        maxd, bq = Kk.attn_pre(hd)
+        kern, groups, mode = Kk.attn_dispatch(nq, nkv, hd, R)
         bufs = []
 
         def buf(a, readback=False):
@@ -296,9 +295,9 @@ class Backend:
             bp = buf(np.array([pos0, 0, 0, 0], np.uint32))
             bo = buf(np.full(q.shape, np.nan, np.float32), True)     # NaN: a row the kernel skips fails
             bs = buf(np.zeros(nq, np.float32) if sinks is None else np.asarray(sinks, np.float32))
-            rec = Kk.record([Dispatch(kern, (nq, -(-R // bq)), [bqb.addr, bk.addr, bv.addr, bp.addr, bo.addr, bs.addr],
+            rec = Kk.record([Dispatch(kern, groups, [bqb.addr, bk.addr, bv.addr, bp.addr, bo.addr, bs.addr],
                                       [nq, nkv, hd, ctx, f32_bits(scale), R, window, int(sinks is not None)],
-                                      mode=maxd, wait=False)])
+                                      mode=mode, wait=False)])
             try:
                 Kk.submit(rec)
             finally:
@@ -552,6 +551,31 @@ def test_prompt_attention_matches_reference(backends, case):
     be = _backend(backends, "vulkan")
     e, tol = attn_error(be, case), attn_tolerance(be, case[2])
     assert e < tol, f"{be.attn_kernel(case[2])} {attn_id(case)}: error {e:.3g} > {tol:g}"
+
+
+@requires_vulkan
+def test_prompt_attention_gqa_workgroups_change_no_bit(backends):
+    """attn_pre.comp serving the q heads of a KV head in one workgroup (G of them: 2, 3 with rows of the block unused,
+    4) gives every row the same bits as one q head a workgroup, at each query-rows setting."""
+    be = _backend(backends, "vulkan")
+    be.route()
+    K = be._K
+    route = K.attn_route
+    seen = set()
+    try:
+        K.attn_route = "f32"
+        for case in [c for c in ATTN_CASES if c[0] > c[1]]:
+            q, Kc, Vc, scale, W, sinks = attn_inputs(case, np.random.default_rng(_seed("gqa", attn_id(case))))
+            for bq in (8, 16, 32):
+                out = {}
+                for gqa in (False, True):
+                    K.attn_bq, K.attn_gqa = bq, gqa
+                    out[gqa] = be.attn(q, Kc, Vc, case[3], scale, W, sinks)
+                seen.add(K.attn_group(case[0], case[1], case[2]))
+                assert np.array_equal(out[False], out[True]), (attn_id(case), bq)
+    finally:
+        K.attn_route, K.attn_bq, K.attn_gqa = route, 8, True
+    assert seen == {2, 3, 4}
 
 
 # ----------------------------------------------------------------------------------------------- the table

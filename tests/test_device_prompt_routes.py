@@ -1,5 +1,6 @@
 """The device layers' prompt kernels' variants (docs/vulkan.md "Prompt routes"): attn_pre.comp's query rows a
-workgroup change no bit of a prompt's logits (each row's sums run in the same order whatever block it is in), and
+workgroup and its GQA grouping (the q heads of a KV head in one workgroup) change no bit of a prompt's logits (each
+row's sums run in the same order whatever block it is in), and
 the prompt GEMM's route is the one the device can run (Lavapipe has no cooperative matrices: f32) and a bad route
 name is one clear error."""
 from __future__ import annotations
@@ -17,7 +18,7 @@ from tests.vk_util import requires_vulkan
 
 pytestmark = requires_vulkan
 
-ARGS = ["--layers", "2", "--d", "128", "--heads", "4", "--experts", "8", "--top-k", "3", "--expert-ff", "96",
+ARGS = ["--layers", "2", "--d", "128", "--heads", "4", "--kv-heads", "2", "--experts", "8", "--top-k", "3", "--expert-ff", "96",
         "--vocab", "300", "--type", "Q8_0", "--seed", "11"]
 IDS = [5, 17, 200, 3, 44, 9, 120, 77, 250, 1, 64, 33, 8, 90, 12, 150, 2, 240, 7, 100]
 
@@ -37,18 +38,20 @@ def dev(tmp_path_factory):
 
 def test_attention_rows_a_workgroup_change_no_bit(dev):
     dl = dev.model.device_layers
-    assert dl is not None and dl.K.attn_pre(dl.hd)[0] == 128
+    assert dl is not None and dl.K.attn_pre(dl.hd)[0] == 128 and (dl.nq, dl.nkv) == (4, 2)
     out = {}
     for bq in (8, 16, 32):
-        dl.K.attn_bq = bq
-        for rec in dl._precs.values():
-            dl.K.free(rec)
-        dl._precs = {}
-        p0 = dl.prompt_tokens
-        out[bq] = dev.model.forward(IDS, dev.model.new_cache(64, 64), all_logits=True)
-        assert dl.prompt_tokens - p0 == len(IDS)          # the rows ran on the device
-    dl.K.attn_bq = 8
-    assert np.array_equal(out[8], out[16]) and np.array_equal(out[8], out[32])
+        for gqa in (False, True):
+            dl.K.attn_bq, dl.K.attn_gqa = bq, gqa
+            assert dl.K.attn_group(dl.nq, dl.nkv, dl.hd) == (2 if gqa else 1)
+            for rec in dl._precs.values():
+                dl.K.free(rec)
+            dl._precs = {}
+            p0 = dl.prompt_tokens
+            out[bq, gqa] = dev.model.forward(IDS, dev.model.new_cache(64, 64), all_logits=True)
+            assert dl.prompt_tokens - p0 == len(IDS)      # the rows ran on the device
+    dl.K.attn_bq, dl.K.attn_gqa = 8, True
+    assert all(np.array_equal(out[8, False], o) for o in out.values())
 
 
 def test_the_route_is_one_the_device_runs(dev):

@@ -1300,8 +1300,8 @@ class DeviceLayers:
         nq, nkv, hd, D, E, k, F, ctx = self.nq, self.nkv, self.hd, self.D, self.E, self.k, self.F, self.ctx
         eps = f32_bits(self.m.args.eps)
         BM, BN = 64, self.K.tile                 # lmm.comp's tile
-        akern = self.K.attn_kernel(self.hd)       # attn_pre.comp, or attn_pre_cm.comp on the coopmat route
-        amaxd, abq = self.K.attn_pre(self.hd)     # its head-dimension bound and query rows
+        # attn_pre.comp (GQA heads a workgroup), or attn_pre_cm.comp on the coopmat route
+        akern, agroups, amode = self.K.attn_dispatch(nq, nkv, self.hd, R)
         # an address lmm does not read (no bias) is a valid one all the same: a compiler may load before it branches
         gr = -(-R // BN)
         ops = [] if self.clock is None else [self.clock.stop_op()]
@@ -1328,9 +1328,9 @@ class DeviceLayers:
                 Dispatch("rope_kv", (nq + nkv, R), [qkv, self.p_q.addr, d["K"].addr, d["V"].addr, d["cos"].addr,
                                                     d["sin"].addr, self.params.addr, 0],
                          [nq, nkv, hd, d["n_rot"], ctx, d["rope_kind"]]),
-                Dispatch(akern, (nq, -(-R // abq)), [self.p_q.addr, d["K"].addr, d["V"].addr, self.params.addr,
-                                                          self.p_ao.addr, d["sinks"].addr if "sinks" in d else self.p_q.addr],
-                         [nq, nkv, hd, ctx, f32_bits(d["scale"]), R, d["window"], int("sinks" in d)], mode=amaxd),
+                Dispatch(akern, agroups, [self.p_q.addr, d["K"].addr, d["V"].addr, self.params.addr, self.p_ao.addr,
+                                          d["sinks"].addr if "sinks" in d else self.p_q.addr],
+                         [nq, nkv, hd, ctx, f32_bits(d["scale"]), R, d["window"], int("sinks" in d)], mode=amode),
                 Dispatch("lmm", (-(-D // BM), gr), [d["o"].addr, self.p_ao.addr, tmp if post else hs,
                                                     ob.addr if ob is not None else hs],
                          [D, nq * hd, (0 if post else 1) | (2 if ob is not None else 0), R, 0], type_name=ot),

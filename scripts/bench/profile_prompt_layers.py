@@ -7,9 +7,10 @@ ms of each kind of op (kernel, format, mode) summed over the layers, with the ch
 device's clock. Needs a device with timestamps.
 
 usage: scripts/bench/profile_prompt_layers.py --model FILE [--gpu-layers 16] [--rows 512] [--reps 3] [--tiles 64,32]
-       [--cm-pipes 0,2] [--attn-bq 8,16,32] [--attn-routes coopmat,f32] [--decode POS]
+       [--cm-pipes 0,2] [--attn-bq 8,16,32] [--attn-routes coopmat,f32] [--attn-gqa 1,0] [--decode POS]
 (--tiles: each of lmm.comp's tile heights in turn, COLI_VK_PROMPT_TILE, in the same engine; --attn-routes: the prompt
-attention's kernels in turn, attn_pre_cm.comp (coopmat, where the device has it) and attn_pre.comp (f32); --decode:
+attention's kernels in turn, attn_pre_cm.comp (coopmat, where the device has it) and attn_pre.comp (f32); --attn-gqa:
+attn_pre.comp with the q heads of a KV head in one workgroup (1) and one q head a workgroup (0) in turn; --decode:
 also a decode token's program at position POS, op by op). Run it as a module
 (python -m scripts.bench.profile_prompt_layers).
 """
@@ -34,6 +35,7 @@ def main():
     ap.add_argument("--attn-bq", default="", help="attn_pre.comp's query rows a workgroup to time in turn (8,16,32)")
     ap.add_argument("--attn-routes", default="", help="the prompt attention's routes to time in turn (coopmat,f32; "
                     "default: the device's own)")
+    ap.add_argument("--attn-gqa", default="", help="attn_pre.comp's GQA grouping to time in turn (1,0; default: on)")
     ap.add_argument("--decode", type=int, default=0, help="also profile a decode token at this position (0: not)")
     ap.add_argument("--cm-pipes", default="", help="lmm_cm.comp's PIPE values to time in turn, each for every mode "
                     "(coopmat route; default: the route's own choice per mode)")
@@ -59,15 +61,17 @@ def main():
             own_attn = dl.K.attn_route
             aroutes = [r for r in a.attn_routes.split(",") if r != "coopmat" or own_attn == "coopmat"] \
                 if a.attn_routes else [own_attn]
-            for pipe, bq, ar in [(p, b, r) for p in pipes for b in bqs for r in aroutes]:
+            gqas = [x != "0" for x in a.attn_gqa.split(",")] if a.attn_gqa else [dl.K.attn_gqa]
+            for pipe, bq, ar, gq in [(p, b, r, g) for p in pipes for b in bqs for r in aroutes for g in gqas]:
                 dl.K.tile, dl.K.cm_pipe = tile, own if pipe is None else {0: pipe, 1: pipe, 2: pipe}
-                dl.K.attn_bq, dl.K.attn_route = bq, ar
+                dl.K.attn_bq, dl.K.attn_route, dl.K.attn_gqa = bq, ar, gq
                 for rec in dl._precs.values():
                     dl.K.free(rec)
                 dl._precs = {}
                 print(f"--- tile {tile} rows, the {dl.K.route} route (COLI_VK_PROMPT_ROUTE)"
                       + (f", PIPE {dl.K.cm_pipe}" if dl.K.route == "coopmat" else "")
-                      + f", attention {dl.K.attn_kernel(dl.hd)}" + (f" rows {bq}" if ar == "f32" else ""))
+                      + f", attention {dl.K.attn_kernel(dl.hd)}" + (f" rows {bq}" if ar == "f32" else "")
+                      + f" (q heads a workgroup: {dl.K.attn_group(dl.nq, dl.nkv, dl.hd)})")
                 profile(eng, dl, ids, a)
         if a.decode:
             profile_decode(eng, dl, a.decode)
