@@ -127,35 +127,94 @@ def response_schema(body: dict):
     return js.get("schema") or {"type": "object"}
 
 
+def closed(schema: dict) -> dict:
+    """A function's parameters schema with ``additionalProperties: false`` where it names properties and does not
+    say: llama.cpp's grammar reads an unset ``additionalProperties`` so for tool arguments (JSON Schema's
+    default, true, lets a small model invent keys until ``max_tokens``)."""
+    if isinstance(schema, dict) and "properties" in schema and "additionalProperties" not in schema:
+        return {**schema, "additionalProperties": False}
+    return schema
+
+
 def tool_call_schema(tools, key: str = "arguments") -> dict:
     """The JSON of one call of one of ``tools`` (or of the one ``tools.choice`` names): ``{"name": NAME,
     key: arguments per the function's parameters}``."""
     names = tools.names if tools.choice == "required" else [tools.choice]
-    alts = [{"type": "object", "properties": {"name": {"const": n}, key: tools.schemas[n]},
+    alts = [{"type": "object", "properties": {"name": {"const": n}, key: closed(tools.schemas[n])},
              "required": ["name", key], "additionalProperties": False} for n in names]
     return alts[0] if len(alts) == 1 else {"anyOf": alts}
 
 
+GENERIC_SYSTEM = ("Respond in JSON format, either with `tool_call` (a request to call tools) or with `response` reply to "
+                  "the user's request")  # llama.cpp's generic tool-call form (common/chat.cpp), word for word
+
+
+def generic_call_schema(tools) -> dict:
+    """llama.cpp's generic tool-call JSON, forced: ``{"tool_calls": [call, ...]}`` (at least one), or
+    ``{"tool_call": call}`` when parallel calls are off; a call is ``{"name", "arguments"}``."""
+    call = tool_call_schema(tools)
+    if not tools.parallel:
+        return {"type": "object", "properties": {"tool_call": call}, "required": ["tool_call"],
+                "additionalProperties": False}
+    return {"type": "object", "properties": {"tool_calls": {"type": "array", "items": call, "minItems": 1}},
+            "required": ["tool_calls"], "additionalProperties": False}
+
+
+def lark_grammar(eng, text: str, param: str):
+    """A validated llguidance matcher for the Lark grammar ``text``; APIError 400 naming ``param``."""
+    import llguidance
+
+    g = llguidance.LLMatcher.grammar_from_lark(text)
+    err = llguidance.LLMatcher.validate_grammar(g)
+    if err:
+        raise _error(f"'{param}': cannot be used for constrained decoding: {err}", param)
+    m = llguidance.LLMatcher(lltokenizer(eng.tokenizer), g, log_level=0)
+    if m.is_error():
+        raise _error(f"'{param}': cannot be used for constrained decoding: {m.get_error()}", param)
+    return m
+
+
+def mistral_args_grammar(tools) -> str:
+    """Lark for one call in Mistral's newer form (after the ``[TOOL_CALLS]`` opening): ``NAME[ARGS]{...}``, the
+    arguments per that function's parameters (compact JSON, as :data:`JSON_OPTIONS`)."""
+    names = tools.names if tools.choice == "required" else [tools.choice]
+    rules = []
+    for i, n in enumerate(names):
+        schema = {"x-guidance": JSON_OPTIONS, **closed(tools.schemas[n])}
+        rules.append(f"call_{i}: {json.dumps(n)} \"[ARGS]\" %json {json.dumps(schema)}")
+    return "start: " + " | ".join(f"call_{i}" for i in range(len(names))) + "\n" + "\n".join(rules) + "\n"
+
+
 def for_request(eng, body: dict, tools) -> tuple:
-    """``(constraint factory or None, prefix)`` of a chat request: ``response_format``'s schema, or a forced
-    tool call (``tool_choice`` "required" / named): the call's opening (``prefix``, e.g. ``<tool_call>\\n``
-    for Hermes templates) is appended to the prompt and its JSON constrained. APIError 400 for a schema
-    llguidance cannot compile, or a forced call with a template whose call syntax is not JSON after a fixed
-    opening."""
+    """``(constraint factory or None, prefix, form)`` of a chat request: ``response_format``'s schema, or a
+    forced tool call (``tool_choice`` "required" / named) in the form the chat template teaches
+    (:func:`coli.tool_calls.template_format`): the call's opening (``prefix``: ``<tool_call>\n`` for Hermes
+    templates and those that do not read ``tools``, ``[TOOL_CALLS]`` for Mistral's, nothing for Llama 3's) is
+    appended to the prompt and what follows constrained (Hermes: ``{"name", "arguments"}``; Llama 3:
+    ``{"name", "parameters"}``; Mistral: a JSON list of calls, or ``NAME[ARGS]{...}`` where the template writes
+    ``[ARGS]``). Any other template (one that reads ``tools`` in another syntax, or in one coli does not force:
+    GLM, DeepSeek, Kimi, harmony) gets llama.cpp's generic form: ``form`` "generic" (the caller adds
+    :data:`GENERIC_SYSTEM` to the system message) and the answer constrained to :func:`generic_call_schema`.
+    ``form`` is the template's format, or None without a forced call. APIError 400 for a schema llguidance
+    cannot compile."""
     from coli.tool_calls import template_format
 
     schema = response_schema(body)
     if tools.parse and tools.choice not in ("auto", "none"):
-        fmt = template_format(eng.tokenizer.chat_template)
+        tmpl = eng.tokenizer.chat_template
+        fmt = template_format(tmpl)
         if fmt in ("hermes", "none"):
-            prefix, key = "<tool_call>\n", "arguments"
-        elif fmt == "llama3":
-            prefix, key = "", "parameters"
-        else:
-            raise _error(f"'tool_choice': {tools.choice!r} needs constrained decoding, which this server does for "
-                         f"Hermes/Qwen and Llama 3 templates only (this model's tool calls are {fmt}'s); use "
-                         f"'auto'", "tool_choice")
-        return factory(eng, grammar(eng, tool_call_schema(tools, key), "tools")), prefix
+            return factory(eng, grammar(eng, tool_call_schema(tools), "tools")), "<tool_call>\n", fmt
+        if fmt == "llama3":
+            return factory(eng, grammar(eng, tool_call_schema(tools, "parameters"), "tools")), "", fmt
+        if fmt == "mistral":
+            if "[ARGS]" in (tmpl or ""):
+                return factory(eng, lark_grammar(eng, mistral_args_grammar(tools), "tools")), "[TOOL_CALLS]", fmt
+            calls = {"type": "array", "items": tool_call_schema(tools), "minItems": 1}
+            if not tools.parallel:
+                calls["maxItems"] = 1
+            return factory(eng, grammar(eng, calls, "tools")), "[TOOL_CALLS]", fmt
+        return factory(eng, grammar(eng, generic_call_schema(tools), "tools")), "", "generic"
     if schema is None:
-        return None, ""
-    return factory(eng, grammar(eng, schema, "response_format")), ""
+        return None, "", None
+    return factory(eng, grammar(eng, schema, "response_format")), "", None

@@ -857,12 +857,17 @@ def create_app(eng, model_id: str, aliases=(), max_queue: int = 8, api_key: str 
         n = n_field(body)
         kw = template_kwargs(body)
         tools = TC.request_tools(body)
-        constraint, prefix = constrain.for_request(eng, body, tools)
-        if TC.template_format(eng.tokenizer.chat_template) == "none":
+        constraint, prefix, form = constrain.for_request(eng, body, tools)
+        fmt = TC.template_format(eng.tokenizer.chat_template)
+        if fmt == "none":
             if tools.render or any(m["role"] == "tool" or m.get("tool_calls") for m in msgs):
                 msgs = TC.without_tool_syntax(msgs, tools)
         elif tools.render:
             kw["tools"] = tools.render
+        if fmt == "generic" and "tool_calls" not in (eng.tokenizer.chat_template or ""):
+            msgs = TC.generic_history(msgs)
+        if form == "generic":  # llama.cpp's generic form: the instruction joins the system message
+            msgs = TC.with_system(msgs, constrain.GENERIC_SYSTEM)
 
         def encode(m):
             try:
@@ -890,7 +895,8 @@ def create_app(eng, model_id: str, aliases=(), max_queue: int = 8, api_key: str 
         if dropped:
             headers["X-Context-Dropped-Messages"] = str(dropped)
             extra["context_shift"] = {"dropped_messages": dropped}
-        finish = TC.Finisher(tools, prefix, think) if tools.parse or think else None
+        fin_fmt = form if form == "generic" else (None if fmt == "generic" else fmt)  # generic: only when forced
+        finish = TC.Finisher(tools, prefix, think, fin_fmt) if tools.parse or think else None
         return copies(ids, options, n, top, constraint), headers, extra, finish
 
     async def chat_completions(request: Request):

@@ -22,7 +22,9 @@ A ``<think>...</think>`` span (DeepSeek, Qwen3, GLM, Kimi) is read into ``reason
 from __future__ import annotations
 
 import json
+import random
 import re
+import string
 import uuid
 from dataclasses import dataclass, field
 
@@ -102,8 +104,8 @@ def request_tools(body: dict) -> Tools:
 
 
 def template_format(template: str | None) -> str:
-    """The tool-call format a chat template teaches: hermes, glm, llama3, mistral, deepseek, kimi, harmony, or
-    "none" when the template never reads ``tools``."""
+    """The tool-call format a chat template teaches: hermes, glm, llama3, mistral, deepseek, kimi, harmony;
+    "generic" when it reads ``tools`` but none of those markers appear; "none" when it never reads ``tools``."""
     s = template or ""
     if "tools" not in s:
         return "none"
@@ -112,7 +114,7 @@ def template_format(template: str | None) -> str:
                       ("llama3", "<|python_tag|>"), ("llama3", "ipython")):
         if mark in s:
             return fmt
-    return "hermes"
+    return "generic"  # it reads tools but writes calls in a syntax of its own (Cohere, Granite, DeepSeek-V4's DSML)
 
 
 def without_tool_syntax(msgs: list, tools: Tools) -> list:
@@ -133,11 +135,35 @@ def without_tool_syntax(msgs: list, tools: Tools) -> list:
         m["content"] = m.get("content") or ""
         out.append(m)
     if tools.render:
-        text = HERMES_SYSTEM.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools.render))
-        if out and out[0]["role"] == "system":
-            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + text}
-        else:
-            out.insert(0, {"role": "system", "content": text})
+        out = with_system(out, HERMES_SYSTEM.format(tools="\n".join(json.dumps(t, ensure_ascii=False)
+                                                                     for t in tools.render)))
+    return out
+
+
+def generic_history(msgs: list) -> list:
+    """Messages for a template that reads ``tools`` but never ``tool_calls``: an assistant turn's calls written
+    as its content in llama.cpp's generic JSON (minja's tool-call polyfill: ``{"tool_calls": [{"name",
+    "arguments", "id"}], "content"}``, indented by 2)."""
+    out = []
+    for m in msgs:
+        if m.get("tool_calls"):
+            obj = {"tool_calls": [{"name": c["function"]["name"], "arguments": c["function"]["arguments"],
+                                   **({"id": c["id"]} if c.get("id") else {})} for c in m["tool_calls"]]}
+            if m.get("content"):
+                obj["content"] = m["content"]
+            m = {k: v for k, v in m.items() if k != "tool_calls"}
+            m["content"] = json.dumps(obj, indent=2, ensure_ascii=False)
+        out.append(m)
+    return out
+
+
+def with_system(msgs: list, text: str) -> list:
+    """``msgs`` with ``text`` appended to the first system message (after a blank line), or as a new one."""
+    out = list(msgs)
+    if out and out[0]["role"] == "system":
+        out[0] = {**out[0], "content": (out[0].get("content") or "") + "\n\n" + text}
+    else:
+        out.insert(0, {"role": "system", "content": text})
     return out
 
 
@@ -265,8 +291,32 @@ def _parse_harmony(text: str):
     return "".join(content), calls, ("".join(reasoning) or None)
 
 
-def openai_calls(calls) -> list:
-    return [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+def parse_generic(text: str):
+    """``(content, calls)`` of llama.cpp's generic form: ``{"tool_calls": [{"name", "arguments"}, ...]}``,
+    ``{"tool_call": {...}}`` or ``{"response": TEXT}``; anything else is content as is."""
+    obj, end = _json_at(text.strip())
+    if not isinstance(obj, dict) or text.strip()[end:].strip():
+        return text, []
+    if isinstance(obj.get("tool_calls"), list):
+        return "", [c for c in map(_from_obj, obj["tool_calls"]) if c]
+    c = _from_obj(obj.get("tool_call"))
+    if c:
+        return "", [c]
+    if isinstance(obj.get("response"), str):
+        return obj["response"], []
+    return text, []
+
+
+def call_id(fmt: str | None = None) -> str:
+    """A tool call's id: 9 letters and digits for Mistral's templates (they reject other ids in the history
+    with raise_exception), else OpenAI's ``call_`` and 24 hex digits."""
+    if fmt == "mistral":
+        return "".join(random.choices(string.ascii_letters + string.digits, k=9))
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def openai_calls(calls, fmt: str | None = None) -> list:
+    return [{"id": call_id(fmt), "type": "function",
              "function": {"name": name, "arguments": args}} for name, args in calls]
 
 
@@ -307,12 +357,14 @@ class Finisher:
     the answer (the opening of a forced tool call), parsed with it. ``think``: how a ``<think>`` span is read
     into ``reasoning_content`` (:func:`think_mode`; None: not). Tool calls are parsed when ``tools.parse``."""
 
-    def __init__(self, tools: Tools, prefix: str = "", think: str | None = None):
-        self.tools, self.prefix, self.think = tools, prefix, think
+    def __init__(self, tools: Tools, prefix: str = "", think: str | None = None, fmt: str | None = None):
+        self.tools, self.prefix, self.think, self.fmt = tools, prefix, think, fmt
 
     def _message(self, text: str, finish_reason: str, think: bool = True):
         reasoning, text = split_reasoning(text, self.think if think else None)
-        if self.tools.parse:
+        if self.tools.parse and self.fmt == "generic":
+            (content, calls), r2 = parse_generic(self.prefix + text), None
+        elif self.tools.parse:
             content, calls, r2 = parse(self.prefix + text, self.tools.names)
         else:
             content, calls, r2 = self.prefix + text, [], None
@@ -323,7 +375,7 @@ class Finisher:
         if reasoning:
             msg["reasoning_content"] = reasoning
         if calls:
-            msg["tool_calls"] = openai_calls(calls)
+            msg["tool_calls"] = openai_calls(calls, self.fmt)
             return msg, "tool_calls"
         return msg, finish_reason
 
@@ -343,7 +395,7 @@ class _StreamParser:
         self.fin = fin
         self.sent = ""     # content already sent
         self.buf = ""      # held text (the prefix is added when it is parsed)
-        self.holding = bool(fin.prefix)
+        self.holding = bool(fin.prefix) or fin.fmt == "generic"  # a forced call's text is held whole
         self.thinking = fin.think      # "open" / "tag" while the think span may still run, else None
         self.tbuf = ""                 # the answer's text while thinking
         self.tsent = ""                # reasoning already sent

@@ -667,3 +667,90 @@ def test_reasoning_content_and_thinking_blocks_from_the_model(http, eng, monkeyp
                            extra_body={"temperature": 0}) as s:
         final = s.get_final_message()
     assert final.content[0].type == "thinking" and final.content[0].thinking == want.strip()
+
+
+# ------------------------------------------------------------------------------------- forced tool calls per form
+
+WEATHER_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                      "parameters": {"type": "object", "properties": {
+                                          "city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time", "description": "The time in a time zone.",
+                                      "parameters": {"type": "object", "properties": {
+                                          "tz": {"type": "string", "enum": ["UTC", "CET", "PST"]}},
+                                          "required": ["tz"]}}}]
+TQ = [{"role": "system", "content": "You call tools."},  # short: Mistral-Small's own default is 700 tokens
+      {"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _fixture_template(name):
+    from conftest import ROOT
+
+    return (ROOT / "tests/fixtures/templates" / f"{name}.jinja").read_text()
+
+
+@pytest.mark.parametrize("name,prefix,form", [
+    ("mistralai-Mistral-Nemo-Instruct-2407", "[TOOL_CALLS]", "mistral"),
+    ("Mistral-Small-3.2-24B-Instruct-2506", "[TOOL_CALLS]", "mistral"),
+    ("ibm-granite-granite-3.3-2B-Instruct", "", "generic"),
+])
+def test_forced_tool_calls_through_real_templates(http, eng, monkeypatch, name, prefix, form):
+    """tool_choice "required" and a named function through real models' chat templates (llama.cpp's copies,
+    on SmolLM2): Mistral's ``[TOOL_CALLS]`` opening (a JSON list, or ``NAME[ARGS]{...}`` where the template
+    writes ``[ARGS]``) and llama.cpp's generic JSON form for a template with a syntax of its own (Granite's).
+    The prompt is the template's render of the messages and tools (the generic form's instruction in the system
+    message) plus the opening; the call is one of the tools (the named one), its arguments valid under the
+    function's schema (jsonschema); streamed, the same call; the answer sent back with a tool result renders
+    through the template again (Mistral's demand 9-character call ids)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from coli import constrain
+
+    monkeypatch.setattr(eng.tokenizer, "chat_template", _fixture_template(name))
+    assert TC.template_format(eng.tokenizer.chat_template) == form
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in WEATHER_TOOLS}
+    msgs = TQ if form != "generic" else TC.with_system(TQ, constrain.GENERIC_SYSTEM)
+    want_prompt = len(eng.tokenizer.encode_chat(msgs, tools=WEATHER_TOOLS)) + \
+        len(eng.tokenizer.encode(prefix, add_bos=False) if prefix else [])
+    for choice, names in (("required", set(schemas)), ({"type": "function", "function": {"name": "get_time"}},
+                                                       {"get_time"})):
+        body = {"messages": TQ, "tools": WEATHER_TOOLS, "tool_choice": choice, "parallel_tool_calls": False,
+                "max_tokens": 40, "temperature": 0}
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        ch = r.json()["choices"][0]
+        assert r.json()["usage"]["prompt_tokens"] == want_prompt
+        assert ch["finish_reason"] == "tool_calls" and ch["message"]["content"] is None, ch
+        (call,) = ch["message"]["tool_calls"]
+        fn = call["function"]
+        assert fn["name"] in names
+        jsonschema.validate(json.loads(fn["arguments"]), schemas[fn["name"]])
+        if form == "mistral":
+            assert len(call["id"]) == 9 and call["id"].isalnum()
+        ev = _events(http.post("/v1/chat/completions", json={**body, "stream": True}))
+        tcs = [t for c in ev if c["choices"] for t in c["choices"][0]["delta"].get("tool_calls") or []]
+        assert [(t["function"]["name"], json.loads(t["function"]["arguments"])) for t in tcs] == \
+            [(fn["name"], json.loads(fn["arguments"]))]
+        assert ev[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        back = TQ + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": call["id"], "content": '{"result": "sunny"}'}]
+        r = http.post("/v1/chat/completions", json={"messages": back, "tools": WEATHER_TOOLS, "max_tokens": 2,
+                                                    "temperature": 0})
+        assert r.status_code == 200, r.text
+
+
+def test_generic_form_parse_and_schema():
+    """llama.cpp's generic form: ``{"tool_calls": [...]}`` (parallel), ``{"tool_call": {...}}`` (not parallel)
+    and ``{"response": TEXT}`` read back; the forced schema takes the parallel form's list (at least one call)
+    or the single call."""
+    from coli import constrain
+
+    assert TC.parse_generic('{"tool_calls": [{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {}}]}') \
+        == ("", [("f", '{"a": 1}'), ("g", "{}")])
+    assert TC.parse_generic('{"tool_call": {"name": "f", "arguments": {}}}') == ("", [("f", "{}")])
+    assert TC.parse_generic('{"response": "Hi."}') == ("Hi.", [])
+    assert TC.parse_generic("Hi {") == ("Hi {", [])
+    t = TC.request_tools({"tools": WEATHER_TOOLS, "tool_choice": "required"})
+    s = constrain.generic_call_schema(t)
+    assert s["required"] == ["tool_calls"] and s["properties"]["tool_calls"]["minItems"] == 1
+    t = TC.request_tools({"tools": WEATHER_TOOLS, "tool_choice": "required", "parallel_tool_calls": False})
+    assert constrain.generic_call_schema(t)["required"] == ["tool_call"]
