@@ -109,3 +109,36 @@ def test_decode_attention_split_over_positions_matches_the_cpu(dev, tmp_path):
     finally:
         split.close()
         cpu.close()
+
+
+def test_demo_shaped_moe_prompt_on_the_device(tmp_path):
+    """A prompt of 40 rows in chunks of 16 through every layer on the device, on a file of the demo MoE's layer shape
+    (scripts/make_synthetic_moe.py: d 576, 9 q heads over 3 KV heads of 64, 8 experts top-2 of FFN 1536; 2 layers
+    and a small vocabulary, so Lavapipe takes seconds): every row's logits within 1e-5 of the largest of the
+    CPU-only f32 run's, and every prompt row ran on the device (attn_pre.comp serving 3 q heads a workgroup)."""
+    from coli.engine import Engine
+    from tests.vk_util import rel_err
+
+    path = tmp_path / "demo_shape.gguf"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_synthetic_moe.py"), "-o", str(path), "--layers", "2",
+                    "--d", "576", "--heads", "9", "--kv-heads", "3", "--experts", "8", "--top-k", "2", "--expert-ff",
+                    "1536", "--vocab", "512", "--type", "Q8_0", "--seed", "5"], check=True, capture_output=True,
+                   timeout=120)
+    ids = [(7 * i * i + 3 * i + 11) % 512 for i in range(40)]
+    cpu = Engine(path, cpu_act="f32", quiet=True, silent=True, save_usage=False, ctx=64, usage=str(tmp_path / "u"))
+    try:
+        ref = cpu.model.forward(ids, cpu.model.new_cache(64, 64), all_logits=True)
+    finally:
+        cpu.close()
+    dev = Engine(path, cpu_act="f32", device="vulkan", quiet=True, silent=True, save_usage=False, ctx=64,
+                 env=settings.overlay(None, COLI_VK_LAYERS=2, COLI_VK_PROMPT_ROWS=16), usage=str(tmp_path / "u2"))
+    try:
+        dl = dev.model.device_layers
+        assert dl is not None and dl.first == 0 and (dl.nq, dl.nkv, dl.hd) == (9, 3, 64)
+        assert dl.K.attn_group(dl.nq, dl.nkv, dl.hd) == 3
+        got = dev.model.forward(ids, dev.model.new_cache(64, 64), all_logits=True)
+        assert (dl.prompt_tokens, dl.prompt_chunks) == (40, 3)
+        assert got.shape == ref.shape == (40, 512)
+        assert rel_err(got, ref) < 1e-5, rel_err(got, ref)
+    finally:
+        dev.close()
