@@ -386,7 +386,9 @@ done
 #   and the Python 3.12 wheels: vulkan, cffi, pycparser, gguf, tbb, tcmlib) and, for llama.cpp,
 #   .peers/llama.cpp-0.3.36-vendor-cuda-trim.tar.xz
 # GP_LLAMA=0 skips llama.cpp; GP_ROUNDS rounds (2); GP_DEADLINE s (560); GP_ROUTES the prompt GEMM routes to time
-# (COLI_VK_PROMPT_ROUTE: "f32 coopmat"), each checked first by the backend-parity harness's lmm rows (every format).
+# (COLI_VK_PROMPT_ROUTE: "f32 coopmat"), each checked first by the backend-parity harness's lmm rows (every format) and
+# attn rows (the prompt attention); GP_PROFILE_ROWS the profiled chunk's rows (512); GP_ATTN_ROUTES the prompt
+# attention's kernels the profile times in turn (e.g. "coopmat,f32"; default: the route's own).
 # Output: $OUT/run.log, $OUT/*.json.
 prompt() {
 set -u
@@ -405,13 +407,14 @@ nvidia-smi -L; nproc; free -g | head -2
 $PY -c "import sys, numpy, numba; print(sys.version.split()[0], 'numpy', numpy.__version__, 'numba', numba.__version__)"
 gpu_start "every layer on the device" "--gpu-layers 2 -p 64 -n 4"
 for route in ${GP_ROUTES:-f32 coopmat}; do
-  say "lmm parity, route $route (every device format, 16/64/512 rows, against float64)"
-  COLI_VK_PROMPT_ROUTE=$route timeout 120 $PY -m scripts.backend_ops --ops lmm 2>&1 | tail -32
+  say "lmm and attn parity, route $route (every device format, 16/64/512 rows; the prompt attention; against float64)"
+  COLI_VK_PROMPT_ROUTE=$route timeout 150 $PY -m scripts.backend_ops --ops lmm,attn 2>&1 | tail -46
 done
-say "profile: a 512-row chunk, every layer on the device"
+say "profile: a ${GP_PROFILE_ROWS:-512}-row chunk, every layer on the device"
 for route in ${GP_ROUTES:-f32 coopmat}; do
   COLI_VK_PROMPT_ROUTE=$route timeout 150 $PY -m scripts.bench.profile_prompt_layers --cm-pipes "${GP_CM_PIPES:-}" --model "$MODEL" --gpu-layers 16 \
-    --rows 512 --reps 2 --threads 16 --tiles ${GP_TILES_PROFILE:-64} 2>&1 | grep -v "^layer\|^\[coli\]"
+    --rows ${GP_PROFILE_ROWS:-512} --reps 2 --threads 16 --tiles ${GP_TILES_PROFILE:-64} \
+    ${GP_ATTN_ROUTES:+--attn-routes $GP_ATTN_ROUTES} 2>&1 | grep -v "^layer\|^\[coli\]"
 done
 [ -n "${BLD:-}" ] && { say "waiting for the llama.cpp build"; wait $BLD; tail -2 /tmp/llbuild.log; }
 coli() {  # name, gpu layers, bench args (COLI_VK_PROMPT_TILE from the caller's environment)
