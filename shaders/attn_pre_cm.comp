@@ -33,11 +33,12 @@ layout(constant_id = 4) const uint RB = 1;     // 16-row blocks a subgroup owns:
 #define ND (MAXD / 16u)
 #define LDK 34u     // f16vec4 stride of a q / K / V row in KV: MAXD / 4 + 2 pad
 #define PLD 10u     // f16vec4 stride of a row of P: BK / 4 + 2 pad
-#define SLD 36u     // float stride of a row of S: BK + 4 pad
+#define SLD 68u     // float stride of a key's column of S: BQ + 4 pad (invocation t reads row t: no bank conflicts)
 #define NEG_INF (-1.0 / 0.0)
 
 shared f16vec4 KV[2u * BK * LDK];   // the q rows first (BQ rows); then a tile: K rows at 0, V rows at BK * LDK
-shared float S[BQ * SLD];           // scores; then the rows' factors (16 a row: at 16 r) and the output scratch
+shared float S[BK * SLD];           // scores (row r, key j at j SLD + r); then the rows' factors (16 a row: at 16 r)
+                                    // and the output scratch
 shared f16vec4 PS[BQ * PLD];        // the softmax weights, float16
 
 #define ACC coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>
@@ -99,7 +100,7 @@ void main() {
                         s = coopMatMulAdd(qa[i][dd], kt, s);
                     }
                 }
-                coopMatStore(s, S, b * 16u * SLD + kb * 16u, SLD, gl_CooperativeMatrixLayoutRowMajor);
+                coopMatStore(s, S, kb * 16u * SLD + b * 16u, SLD, gl_CooperativeMatrixLayoutColumnMajor);
             }
         }
         barrier();
@@ -109,8 +110,8 @@ void main() {
             for (uint j = 0u; j < BK; j++) {
                 uint key = j0 + j;
                 bool on = j < nk && t < nrow && key <= p && (W == 0u || key + W > p);
-                float s = on ? scale * S[t * SLD + j] : NEG_INF;
-                S[t * SLD + j] = s;
+                float s = on ? scale * S[j * SLD + t] : NEG_INF;
+                S[j * SLD + t] = s;
                 mt = max(mt, s);
             }
             float mn = max(m, mt);
@@ -119,8 +120,8 @@ void main() {
             for (uint q = 0u; q < BK / 4u; q++) {
                 vec4 e = vec4(0.0);
                 if (mn != NEG_INF)
-                    e = exp(vec4(S[t * SLD + 4u * q], S[t * SLD + 4u * q + 1u], S[t * SLD + 4u * q + 2u],
-                                 S[t * SLD + 4u * q + 3u]) - mn);
+                    e = exp(vec4(S[4u * q * SLD + t], S[(4u * q + 1u) * SLD + t], S[(4u * q + 2u) * SLD + t],
+                                 S[(4u * q + 3u) * SLD + t]) - mn);
                 f16vec4 eh = f16vec4(e);
                 PS[t * PLD + q] = eh;
                 vec4 ef = vec4(eh);               // l sums the weights P V multiplies
