@@ -23,6 +23,9 @@ Rules (docs/tier.md):
     device by the uploader thread; a promoted expert serves from the next step (:meth:`Tier.settle`).
     Evicting an expert an in-flight batch reads waits for that batch's join; a failed upload shrinks the
     planned residency by one expert. ``COLI_VK_TIER_SYNC=1``: settle() waits for every staged upload.
+  - reuse gate (:class:`scheduler.tier_policy.ReuseGate`, ``COLI_VK_TIER_REUSE=1``): an evicting promotion only
+    when the newcomer's expected routings over its victim's in the next 1024 tokens (measured, shrunk by how much
+    of the experts' spread the sampling noise explains) repay an upload (``COLI_VK_TIER_PAYBACK`` device hits).
 """
 from __future__ import annotations
 
@@ -38,8 +41,8 @@ import numpy as np
 
 from scheduler.balancer import Balancer, DecodeGate, StepTimes
 from scheduler.tier_policy import (GiB, MiB, SHARED_KINDS, TRIAL_PAYBACK, Admission, DeviceMemory,  # noqa: F401
-                                   _env_float, _env_int, budget_bytes, halvings_due, history_heat, lfru_victim,
-                                   warm_plan)
+                                   ReuseGate, _env_float, _env_int, budget_bytes, halvings_due, history_heat,
+                                   lfru_victim, warm_plan)
 from scheduler.trace import NULL_TRACE, UPLOADER_TID, Trace, host_ns
 
 def _mib(n: int) -> str:
@@ -202,8 +205,10 @@ class Tier:
             if counts.shape != (self.L, self.E):
                 raise ValueError(f"history counts shape {counts.shape} != ({self.L}, {self.E})")
             self.heat = history_heat(counts)
+            self._seed = self.heat.copy()      # the history's part of the heat (halved with it)
         else:
             self.heat = np.zeros((self.L, self.E), dtype=np.float64)
+            self._seed = None
         self.counts = counts
         self.tokens = 0
         self._halvings = 0
@@ -214,6 +219,12 @@ class Tier:
         self.admission = (Admission(self.rate, _env_float(env, "COLI_VK_TIER_PAYBACK", TRIAL_PAYBACK),
                                     cap=max(1, self.capacity))
                           if _env_int(env, "COLI_VK_TIER_YIELD", 0) != 0 and self.rate > 0 else None)
+        # evicting promotions only when the newcomer's expected reuse over its victim's repays the upload
+        # (COLI_VK_TIER_REUSE=1, the default; docs/tier.md "The reuse gate")
+        self.reuse = (ReuseGate(_env_float(env, "COLI_VK_TIER_PAYBACK", TRIAL_PAYBACK))
+                      if _env_int(env, "COLI_VK_TIER_REUSE", 1) != 0 else None)
+        self._reuse_due = True        # refresh the gate's shrinkage at the next evicting promotion
+        self._fwd_tokens = 0          # the tokens of the forward under way (the gate counts them when it ends)
 
         self.resident: dict[tuple[int, int], object] = {}
         self.resident_bytes: dict[tuple[int, int], int] = {}
@@ -234,6 +245,7 @@ class Tier:
         self.skipped_queue = 0
         self.skipped_rate = 0
         self.skipped_yield = 0   # LFRU promotions the admission refused (the last rounds' uploads did not pay)
+        self.skipped_reuse = 0   # LFRU promotions the reuse gate refused (their expected reuse does not repay an upload)
         self.failed = 0
         self.device_ms = 0.0
         self.cpu_ms = 0.0
@@ -284,7 +296,8 @@ class Tier:
                 f"{self.budget / GiB:.2f} GiB, {bl}, {fr}) | "
                 f"uploads {self.uploads} ({self.upload_bytes / GiB:.2f} GiB, {self.warm_uploads} warm), "
                 f"evictions {self.evictions}{self._rounds()}, skipped {self.skipped_queue} queue + "
-                f"{self.skipped_rate} rate + {self.skipped_yield} yield, failed {self.failed} | "
+                f"{self.skipped_rate} rate + {self.skipped_yield} yield + {self.skipped_reuse} reuse, "
+                f"failed {self.failed} | "
                 f"device {self.device_ms:.1f} ms, CPU share {self.cpu_ms:.1f} ms, waited {self.waited_ms:.1f} ms "
                 f"({hidden:.0f}% of device time hidden) | "
                 f"balance: device share {self.balancer.share:.2f}, {self.handed_rows} rows handed to the CPU"
@@ -359,6 +372,11 @@ class Tier:
         if self.admission is not None:
             self.admission.judge(self.tokens, self.routings)
         n = halvings_due(self.tokens, self._halvings)
+        if self.reuse is not None:          # the last forward's routings are in the heat: its weights too
+            self.reuse.tokens(self._fwd_tokens)
+            self.reuse.halve(n)
+            self._fwd_tokens = int(n_tokens)
+            self._reuse_due = True
         if n:
             self.heat *= 0.5 ** n
             self._halvings += n
@@ -706,7 +724,7 @@ class Tier:
         """The LFRU decision for one candidate, now: staged for upload while resident + staged < budget,
         or when its heat > 1.25 × the coldest resident's + 4 (the coldest, ties → lowest (layer, expert),
         is evicted: freed by the uploader after every in-flight batch that reads it has been joined) when the
-        admission (:class:`scheduler.tier_policy.Admission`) has room for a trial (``skipped_yield``); at
+        reuse gate finds it repays its upload (``skipped_reuse``) and the admission (:class:`scheduler.tier_policy.Admission`) has room for a trial (``skipped_yield``); at
         most ``rate`` a token (``skipped_rate``) and ``queue_max`` staged (``skipped_queue``). Returns True
         when staged (it serves from a step after a later :meth:`settle`)."""
         if not self.on or self.capacity <= 0:
@@ -723,6 +741,9 @@ class Tier:
         if used >= self.capacity:
             victim = lfru_victim(self.heat, self.mask, key) if self.resident else None
             if victim is None:
+                return False
+            if self.reuse is not None and not self._reuse_pays(key, victim):
+                self.skipped_reuse += 1
                 return False
             if self.admission is not None and not self.admission.allows(self.tokens):
                 self.skipped_yield += 1
@@ -750,6 +771,24 @@ class Tier:
             self._staged += 1
         self._q.put(_Job(key[0], key[1], arrays, evict, wait))
         return True
+
+    def _measured(self) -> np.ndarray:
+        """float [L, E]: the heat without its history seed (the routings measured in this run, halved alike)."""
+        if self._seed is None:
+            return self.heat
+        return self.heat - self._seed * 0.5 ** self._halvings
+
+    def _reuse_pays(self, key: tuple, victim: tuple) -> bool:
+        """The reuse gate (:class:`scheduler.tier_policy.ReuseGate`): ``key`` replacing ``victim`` repays its
+        upload. The shrinkage is refreshed once a forward (at its first evicting promotion)."""
+        if self._reuse_due:
+            self.reuse.refresh(self._measured(), self.moe_layers)
+            self._reuse_due = False
+        f = 0.5 ** self._halvings
+        r_new, r_old = self.heat[key], self.heat[victim]
+        if self._seed is not None:
+            r_new, r_old = r_new - self._seed[key] * f, r_old - self._seed[victim] * f
+        return self.reuse.pays(key[0], r_new, victim[0], r_old)
 
     def _cpu_holds(self, layer: int, e: int, cache=None) -> bool:
         """The CPU holds expert ``e`` of ``layer``: in the RAM cache (``cache``, default the tier's), or its

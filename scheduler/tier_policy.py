@@ -187,6 +187,83 @@ def lfru_victim(heat: np.ndarray, mask: np.ndarray, key: tuple[int, int]) -> tup
 
 
 # ---------------------------------------------------------------------------------------------------------
+# The reuse gate: an evicting promotion only when its expected extra routings repay the upload
+
+REUSE_Z = 2.0              # standard errors of the dispersion estimate the signal must clear (a one-sided 2 %)
+
+
+class ReuseGate:
+    """Whether an evicting promotion pays: the expected extra device hits of the newcomer over its victim in the next
+    ``horizon`` tokens >= ``payback`` (the upload's cost in device hits, ``COLI_VK_TIER_PAYBACK``).
+
+    The admission test is TinyLFU's (Einziger, Friedman, Manes, "TinyLFU: A Highly Efficient Cache Admission
+    Policy", ACM Transactions on Storage 13(4), 2017: admit a candidate only when its frequency exceeds the
+    victim's), with the frequencies shrunk by empirical Bayes (Efron and Morris, "Stein's Estimation Rule and Its
+    Competitors - An Empirical Bayes Approach", JASA 68(341), 1973), so that a difference sampling noise explains
+    counts for nothing. Each expert's measured routings ``r`` (the heat without its history seed: +1 a routing,
+    halved with it) over the tokens' weights ``S1 = sum w``, ``S2 = sum w^2`` (1 a token, halved with the heat) are,
+    were every expert of a layer routed alike at the layer's rate ``p = m / S1`` (``m`` the layer's mean), binomial
+    sums of variance ``N = m (1 - p) S2 / S1``. The spread across experts, ``T = mean (r - m)^2`` over the MoE
+    layers, estimates ``N + sigma^2`` (sigma^2: the spread of the true rates); ``sigma^2 = max(0, T - N (1 + z
+    sqrt(2 / n)))`` (``n`` experts, ``z`` = :data:`REUSE_Z`: the noise estimate's upper bound) and each rate is shrunk
+    to ``m + B (r - m)``, ``B = sigma^2 / (sigma^2 + N)``. The gain of ``c`` over ``v`` is ``(m_c - m_v + B ((r_c -
+    m_c) - (r_v - m_v)) - z B sqrt((r_c + r_v) S2 / S1)) / S1 * horizon``: the shrunk difference less ``z`` standard
+    errors of the pair's own counts, so that two experts of one popularity class (two cold ones under a skewed
+    routing: ``B`` near 1 there) do not swap on their noise either. Under uniform routing ``B`` is 0 (no swap pays, uploads stop after the
+    warm start); under a skewed routing ``B`` nears 1 and a hot newcomer gains its extra routings (the hot set
+    fills). Pure bookkeeping: the tier feeds tokens, halvings and its heat."""
+
+    def __init__(self, payback: float = 4.0, horizon: int = HEAT_HALF_TOKENS, z: float = REUSE_Z):
+        self.payback, self.horizon, self.z = float(payback), int(horizon), float(z)
+        self.s1 = 0.0
+        self.s2 = 0.0
+        self.B = 0.0
+        self.mean: np.ndarray | None = None    # float [L]: each layer's mean measured routings at the last refresh
+
+    def tokens(self, n: int) -> None:
+        """A forward of ``n`` tokens starts (each token weighs 1 until the next halving)."""
+        self.s1 += n
+        self.s2 += n
+
+    def halve(self, n: int) -> None:
+        """The heat halved ``n`` times: the weights too."""
+        self.s1 *= 0.5 ** n
+        self.s2 *= 0.25 ** n
+
+    def refresh(self, recent: np.ndarray, layers) -> float:
+        """Shrinkage factor ``B`` from ``recent`` (float [L, E], the heat without its seed) over the MoE ``layers``;
+        returns it. B = 0 before any token."""
+        self.mean = recent.mean(axis=1)
+        self.B = 0.0
+        if self.s1 <= 0 or not len(layers):
+            return 0.0
+        r = recent[list(layers)]
+        m = r.mean(axis=1, keepdims=True)
+        p = np.clip(m / self.s1, 0.0, 1.0)
+        noise = float((m * (1.0 - p)).mean()) * self.s2 / self.s1
+        spread = float(((r - m) ** 2).mean())
+        sig = spread - noise * (1.0 + self.z * np.sqrt(2.0 / r.size))
+        if sig > 0 and noise >= 0:
+            self.B = sig / (sig + noise)
+        return self.B
+
+    def gain(self, new_layer: int, r_new: float, old_layer: int, r_old: float) -> float:
+        """Expected device hits the newcomer (its layer, its measured routings ``r_new``) brings over the victim
+        (``old_layer``, ``r_old``) in the next ``horizon`` tokens, by the last :meth:`refresh`'s ``B``."""
+        if self.s1 <= 0 or self.mean is None:
+            return 0.0
+        mc, mv = float(self.mean[new_layer]), float(self.mean[old_layer])
+        d = mc - mv + self.B * ((float(r_new) - mc) - (float(r_old) - mv))
+        # less z standard errors of the pair's own difference (each count's binomial variance ~ r S2 / S1)
+        d -= self.z * self.B * np.sqrt(max(0.0, float(r_new) + float(r_old)) * self.s2 / self.s1)
+        return d / self.s1 * self.horizon
+
+    def pays(self, new_layer: int, r_new: float, old_layer: int, r_old: float) -> bool:
+        """:meth:`gain` >= ``payback``."""
+        return self.gain(new_layer, r_new, old_layer, r_old) >= self.payback
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Admission: evicting promotions as trials judged by their yield
 
 TRIAL_TOKENS = 32          # a trial is judged on the routings of the 32 tokens after it was staged

@@ -69,8 +69,9 @@ class RecordingDevice:
 def make(cap=4, L=2, E=8, counts=None, env=None, bal=None, dev=None):
     dev = dev or RecordingDevice()
     log = io.StringIO()
+    env = {"COLI_VK_TIER_REUSE": "0", **(env or {})}    # LFRU's own rules unless a test turns the reuse gate on
     t = Tier(dev, "m", L, E, EXPERT_BYTES, cap * EXPERT_BYTES, "test rule", counts=counts,
-             balancer=bal or Balancer(enabled=False), env=env or {}, log=log)
+             balancer=bal or Balancer(enabled=False), env=env, log=log)
     return t, dev, log
 
 
@@ -284,7 +285,7 @@ def test_join_feeds_the_balancer_and_run_line():
     line = t.run_line(7, 3)
     assert line.startswith("[VK] tier m run: device 2 of 3 routed experts (66.7%) | CPU RAM hits 7, disk loads 3 | "
                            "resident 1 (budget 8, 0.00 GiB of 0.00 GiB, n/a blocks, frag n/a) | uploads 1 (")
-    assert "evictions 0, skipped 0 queue + 0 rate + 0 yield, failed 0 | device 1.0 ms, CPU share" in line
+    assert "evictions 0, skipped 0 queue + 0 rate + 0 yield + 0 reuse, failed 0 | device 1.0 ms, CPU share" in line
     assert line.endswith("rows handed to the CPU")
     t.close()
 
@@ -395,7 +396,7 @@ def test_uniform_routing_stops_uploading_after_the_first_rounds():
         assert ev[o - 2] == 16 + 4 * k and ev[o - 1] == 16 + 4 * (k + 1)
     assert opens[-1] + 32 + 256 > 600 and ev[-1] == 28 == t.uploads - t.warm_uploads
     assert t.skipped_yield > 0 and f"evictions 28 (trial rounds: 0 paid, 4 not), skipped 0 queue + 0 rate + " \
-        f"{t.skipped_yield} yield" in t.run_line(0, 0)
+        f"{t.skipped_yield} yield + 0 reuse" in t.run_line(0, 0)
     assert 0.45 < late < 0.55                    # half the experts resident serve half the pairs, as before
     old, ev_old, _, _ = _routed_run({"COLI_VK_TIER_YIELD": "0"}, False, L=8, E=64, K=8, cap=256, tokens=600)
     assert ev_old[-1] > 5 * 28 and old.skipped_yield == 0     # LFRU alone keeps swapping
@@ -411,3 +412,35 @@ def test_skewed_routing_fills_the_hot_set():
     assert late > 0.8
     old, ev_old, _, _ = _routed_run({"COLI_VK_TIER_YIELD": "0"}, True, L=4, E=32, K=4, cap=64, tokens=1000)
     assert ev[-1] < ev_old[-1]                   # the cold-for-cold swaps that do not pay are skipped
+
+
+# ---- the reuse gate ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_reuse_gate_uniform_routing_stops_uploading_after_the_warm_start(seed):
+    """Uniform routing over 64 experts top-8, half of them resident, 600 tokens: the spread of the measured routings
+    is the sampling noise's, so the gate's shrinkage is 0 at the end and (but for the first tokens' noise) no swap
+    is expected to repay an upload. LFRU alone swaps 166-172 times on the same routings."""
+    env = {"COLI_VK_TIER_REUSE": "1"}
+    t, ev, _, late = _routed_run(env, False, L=8, E=64, K=8, cap=256, tokens=600, seed=seed)
+    assert t.uploads - t.warm_uploads == t.evictions == ev[-1] <= 3
+    assert ev[100] == ev[-1]                     # none after the first 100 tokens
+    assert t.reuse.B == 0.0 and t.skipped_reuse > 10_000
+    assert f"skipped 0 queue + 0 rate + 0 yield + {t.skipped_reuse} reuse" in t.run_line(0, 0)
+    assert 0.45 < late < 0.55                    # half the experts resident serve half the pairs either way
+    old, ev_old, _, late_old = _routed_run({"COLI_VK_TIER_REUSE": "0"}, False, L=8, E=64, K=8, cap=256, tokens=600,
+                                           seed=seed)
+    assert ev_old[-1] > 150 and old.skipped_reuse == 0 and 0.45 < late_old < 0.55
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_reuse_gate_skewed_routing_fills_the_hot_set(seed):
+    """The highest quarter of each layer's 32 experts takes 80 % of the routings (top-4), the budget holds half and
+    the warm start took the lowest ids: the shrinkage nears 1 and every hot expert comes in, as with LFRU alone, while
+    swaps of a cold expert for another cold one fail the pair's own noise bound (seed 0: 42 evictions, LFRU 61)."""
+    t, ev, hot, late = _routed_run({"COLI_VK_TIER_REUSE": "1"}, True, L=4, E=32, K=4, cap=64, tokens=1000, seed=seed)
+    assert hot == 4 * 8 and t.reuse.B > 0.9 and late > 0.8
+    assert ev[-1] >= 4 * 8 == hot                # each hot expert evicted a cold one (the fill took only cold ones)
+    old, ev_old, hot_old, late_old = _routed_run({"COLI_VK_TIER_REUSE": "0"}, True, L=4, E=32, K=4, cap=64,
+                                                 tokens=1000, seed=seed)
+    assert hot_old == hot and ev[-1] < ev_old[-1]     # LFRU alone: the same hot set, more cold-for-cold swaps

@@ -150,3 +150,32 @@ def test_layer_lfru_rule():
     q = LayerLFRU({0: np.array([True, True, False, False])}, counts)
     assert q.token({0: np.array([2, 3])}) == [(0, 2, 0)]   # 3.2 + 1 = 4.2 > 1.25 x 0 + 4: the coldest, 0, goes
     assert q.heat[0][2] == 4.2 and q.heat[0][1] == 32.0
+
+
+# ---- the reuse gate ------------------------------------------------------------------------------------------
+
+def test_reuse_gate_shrinkage_and_gain():
+    """scheduler/tier_policy.py ReuseGate: B = sigma^2 / (sigma^2 + N) with N = m (1 - m / S1) S2 / S1 and sigma^2 =
+    T - N (1 + 2 sqrt(2 / n)); the gain (B-shrunk difference less 2 B sqrt((r_c + r_v) S2 / S1)) / S1 x 1024
+    against the payback; equal counts and the
+    first token (every spread is the noise's) give B = 0; halving scales S1 by 1/2 and S2 by 1/4."""
+    from scheduler.tier_policy import ReuseGate
+
+    g = ReuseGate(payback=4.0)
+    r = np.array([[0.0, 0.0, 10.0, 10.0], [5.0, 5.0, 5.0, 5.0]])
+    assert g.refresh(r, [0, 1]) == 0.0 and g.gain(0, 10.0, 0, 0.0) == 0.0      # no token yet: nothing measured
+    g.tokens(10)
+    assert g.refresh(r[1:], [0]) == 0.0                 # every expert routed alike: no spread, no gain
+    assert g.gain(0, 5.0, 0, 5.0) == 0.0 and not g.pays(0, 5.0, 0, 5.0)
+    B = g.refresh(r[:1], [0])
+    N = 5 * (1 - 5 / 10) * 10 / 10
+    sig = 25.0 - N * (1 + 2.0 * np.sqrt(2 / 4))
+    assert B == pytest.approx(sig / (sig + N), rel=1e-12)
+    d = B * 10 - 2.0 * B * np.sqrt(10 * 10 / 10)       # less 2 standard errors of the pair's counts
+    assert g.gain(0, 10.0, 0, 0.0) == pytest.approx(d / 10 * 1024, rel=1e-12) and g.pays(0, 10.0, 0, 0.0)
+    assert g.gain(0, 0.0, 0, 10.0) < 0 and not g.pays(0, 0.0, 0, 10.0)
+    g.halve(1)
+    assert (g.s1, g.s2) == (5.0, 2.5)
+    one = ReuseGate()
+    one.tokens(1)                                       # one token: each expert 0 or 1, K of E set
+    assert one.refresh(np.array([[1.0, 0.0, 0.0, 1.0]]), [0]) == 0.0

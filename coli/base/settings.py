@@ -79,8 +79,12 @@ VARS: tuple[Var, ...] = (
         "uploads", lo=0),
     Var("COLI_VK_TIER_YIELD", "bool", False, "admit evicting promotions by their measured yield (docs/tier.md "
         "\"Admission by yield\": off by default, it measured slower on the H100; 0: every promotion LFRU allows)"),
-    Var("COLI_VK_TIER_PAYBACK", "float", 4.0, "device hits over its victim's, per evicting promotion in its 32 "
-        "tokens, that repay an upload (the admission's threshold)", "routings", lo=0.0),
+    Var("COLI_VK_TIER_REUSE", "bool", True, "evict for a promotion only when the newcomer's expected routings "
+        "over its victim's in the next 1024 tokens repay the upload (docs/tier.md \"The reuse gate\"; 0: every "
+        "promotion LFRU allows)"),
+    Var("COLI_VK_TIER_PAYBACK", "float", 4.0, "device hits over its victim's that repay an upload: the reuse "
+        "gate's threshold over 1024 tokens, the admission's per evicting promotion in its 32 tokens", "routings",
+        lo=0.0),
     Var("COLI_VK_TIER_FILL", "bool", True, "fill the device's free budget with the next-hottest experts"),
     Var("COLI_VK_TIER_WARM", "bool", True, "warm start: upload the history's hottest experts at load"),
     Var("COLI_VK_TIER_GEMM_ROWS", "int", 16, "rows from which an expert runs as a tiled GEMM on the device "
