@@ -3,10 +3,12 @@
 // cooperative matrices (VK_KHR_cooperative_matrix, 16 x 16 x 16, float16 inputs, float32 accumulators): the prompt
 // route "coopmat" (coli/vulkan/layers.py Kernels.attn_kernel, docs/vulkan.md "Prompt routes"), flash-attention 2
 // style. Same addresses, push constants, window, sinks and output as attn_pre.comp (its header says which is
-// which); groups: (nq, ceil(R / 64), 1). Head dimensions that are a multiple of 16 up to 128 (others take
-// attn_pre.comp).
-// A workgroup of 128 invocations owns (q head h, 64 query rows); subgroup s owns RB blocks of 16 rows (4 subgroups
-// of 32 one each, 2 of 64 two each). The block's q rows are rounded to float16 once and kept as A matrices. Per
+// which); groups: (nq / G, ceil(R / PB), 1), PB = 64 / G (rounded down). Head dimensions that are a multiple of 16
+// up to 128 (others take attn_pre.comp).
+// A workgroup of 128 invocations owns 64 query rows: PB positions x G q heads of one KV head (GQA, specialization
+// constant 5: a divisor of nq / nkv; row i: position i / G, head h0 + i % G; the last 64 - PB G rows unused), so a
+// K/V tile is read once for the group; subgroup s owns RB blocks of 16 rows (4 subgroups of 32 one each, 2 of 64
+// two each). The block's q rows are rounded to float16 once and kept as A matrices. Per
 // tile of 32 keys: K and V rows rounded to float16 into shared memory; S = Q K^T (float32 sums) stored to shared
 // memory; one invocation a row masks (causal, window), scales and takes the online softmax in float32 (running
 // max m, sum l of the float16-rounded weights, rescale exp(m_old - m_new)), writing P = exp(s - m) as float16;
@@ -27,6 +29,7 @@
 layout(local_size_x = 128) in;
 layout(constant_id = 2) const uint MODE = 0;   // unused
 layout(constant_id = 4) const uint RB = 1;     // 16-row blocks a subgroup owns: 4 / (subgroups in 128)
+layout(constant_id = 5) const uint G = 1u;     // q heads of one KV head a workgroup serves
 #define BQ 64u      // query rows a workgroup
 #define BK 32u      // keys a tile (BQ = 2 BK: the q staging fills KV exactly)
 #define MAXD 128u   // the largest head dimension
@@ -35,6 +38,7 @@ layout(constant_id = 4) const uint RB = 1;     // 16-row blocks a subgroup owns:
 #define PLD 10u     // f16vec4 stride of a row of P: BK / 4 + 2 pad
 #define SLD 68u     // float stride of a key's column of S: BQ + 4 pad (invocation t reads row t: no bank conflicts)
 #define NEG_INF (-1.0 / 0.0)
+const uint PB = BQ / G;                        // positions of a block
 
 shared f16vec4 KV[2u * BK * LDK];   // the q rows first (BQ rows); then a tile: K rows at 0, V rows at BK * LDK
 shared float S[BK * SLD];           // scores (row r, key j at j SLD + r); then the rows' factors (16 a row: at 16 r)
@@ -48,10 +52,10 @@ shared f16vec4 PS[BQ * PLD];        // the softmax weights, float16
 void main() {
     uint nq = pc.u[0], nkv = pc.u[1], hd = pc.u[2], ctx = pc.u[3], R = pc.u[5], W = pc.u[6];
     float scale = pcf(4u);
-    uint h = gl_WorkGroupID.x, rb = gl_WorkGroupID.y * BQ, t = gl_LocalInvocationIndex;
-    uint kvh = h / (nq / nkv);
+    uint h0 = gl_WorkGroupID.x * G, rb = gl_WorkGroupID.y * PB, t = gl_LocalInvocationIndex;   // row i: head h0 + i % G
+    uint kvh = h0 / (nq / nkv);
     uint pos0 = U32(pc.a[3]).v[0];
-    uint nrow = min(BQ, R - rb);
+    uint nrow = min(PB, R - rb);                  // positions; row i is on when i < PB G and i / G < nrow
     uint n = min(pos0 + rb + nrow, ctx);          // keys the block's last row sees
     uint jlo = (W > 0u && pos0 + rb + 1u > W) ? pos0 + rb + 1u - W : 0u;   // the block's first row's first key
     uint h4 = hd / 4u, nd = hd / 16u;
@@ -63,7 +67,8 @@ void main() {
     // the block's q rows (zeros past R), float16, as A matrices: row block b, dimensions 16 dd .. 16 dd + 15
     for (uint i = t; i < BQ * h4; i += 128u) {
         uint r = i / h4, q = i - r * h4;
-        KV[r * LDK + q] = f16vec4(r < nrow ? Q4.v[((rb + r) * nq + h) * h4 + q] : vec4(0.0));
+        bool on = r < PB * G && r / G < nrow;
+        KV[r * LDK + q] = f16vec4(on ? Q4.v[((rb + r / G) * nq + h0 + r % G) * h4 + q] : vec4(0.0));
     }
     barrier();
     MATA qa[RB][ND];
@@ -75,7 +80,8 @@ void main() {
     }
 
     float m = NEG_INF, l = 0.0;                   // invocation t < BQ: row t's running max and sum
-    uint p = pos0 + rb + t;                       // that row's position
+    uint p = pos0 + rb + t / G;                   // that row's position
+    bool row_on = t < PB * G && t / G < nrow;
     uint kvb = kvh * ctx;
     for (uint j0 = (jlo / BK) * BK; j0 < n; j0 += BK) {
         uint nk = min(BK, n - j0);
@@ -109,7 +115,7 @@ void main() {
             float mt = NEG_INF;
             for (uint j = 0u; j < BK; j++) {
                 uint key = j0 + j;
-                bool on = j < nk && t < nrow && key <= p && (W == 0u || key + W > p);
+                bool on = j < nk && row_on && key <= p && (W == 0u || key + W > p);
                 float s = on ? scale * S[j * SLD + t] : NEG_INF;
                 S[j * SLD + t] = s;
                 mt = max(mt, s);
@@ -157,7 +163,7 @@ void main() {
     barrier();                                    // the last factors are read
     if (t < BQ) {
         if (pc.u[7] != 0u && m != NEG_INF) {   // the sink: as attn_pre.comp (l in the frame of the larger max)
-            float sk = F32(pc.a[5]).v[h];
+            float sk = F32(pc.a[5]).v[h0 + t % G];
             if (sk > m) {
                 float c = exp(m - sk);
                 l = (l * c + 1.0) / c;
@@ -185,7 +191,8 @@ void main() {
                 subgroupBarrier();
                 for (uint el = lane; el < 256u; el += nl) {
                     uint r = b * 16u + (el >> 4);
-                    if (r < nrow) O.v[((rb + r) * nq + h) * hd + dd * 16u + (el & 15u)] = S[scr + el];
+                    if (r < PB * G && r / G < nrow)
+                        O.v[((rb + r / G) * nq + h0 + r % G) * hd + dd * 16u + (el & 15u)] = S[scr + el];
                 }
                 subgroupMemoryBarrierShared();
                 subgroupBarrier();

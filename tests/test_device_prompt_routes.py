@@ -71,7 +71,8 @@ def test_the_route_is_one_the_device_runs(dev):
 
 def test_the_attention_kernel_follows_the_route(dev):
     """The prompt attention takes attn_pre_cm.comp on the coopmat route for head dimensions it has (a multiple of 16
-    up to 128: 64 rows a workgroup), attn_pre.comp elsewhere; Lavapipe (no cooperative matrices, no module) f32."""
+    up to 128: 64 rows a workgroup), attn_pre.comp elsewhere; Lavapipe (no cooperative matrices, no module) f32. Both
+    kernels serve the q heads of a KV head in one workgroup (G of them, positions x heads in its rows)."""
     K = dev.model.device_layers.K
     assert K.attn_route == "f32" and ("attn_pre_cm", None) not in dev.device._modules
     assert [K.attn_kernel(hd) for hd in (64, 128, 256)] == ["attn_pre"] * 3
@@ -80,8 +81,13 @@ def test_the_attention_kernel_follows_the_route(dev):
         assert [K.attn_kernel(hd) for hd in (64, 80, 128, 72, 256)] == [
             "attn_pre_cm", "attn_pre_cm", "attn_pre_cm", "attn_pre", "attn_pre"]
         assert K.attn_pre(128) == (128, 64) and K.attn_pre(256) == (256, 8)
+        # GQA: 9 q heads over 3 KV heads, 40 rows: 3 heads x 21 positions a workgroup (f32: 3 x 2 of its 8 rows)
+        assert K.attn_dispatch(9, 3, 64, 40) == ("attn_pre_cm", (3, 2), 128 | 3 << 16)
+        assert K.attn_dispatch(9, 3, 256, 40) == ("attn_pre", (3, 20), 256 | 3 << 16)
+        K.attn_gqa = False
+        assert K.attn_dispatch(9, 3, 64, 40) == ("attn_pre_cm", (9, 1), 128 | 1 << 16)
     finally:
-        K.attn_route = "f32"
+        K.attn_route, K.attn_gqa = "f32", True
 
 
 def test_decode_attention_split_over_positions_matches_the_cpu(dev, tmp_path):

@@ -177,8 +177,8 @@ class Kernels:
         #: query rows of an attn_pre.comp workgroup (8, 16 or 32; at most 16 when the head dimension exceeds 128:
         #: shared memory): :meth:`attn_pre` gives the grid's
         self.attn_bq = 8
-        #: attn_pre.comp serves the q heads of one KV head in one workgroup (GQA: each K/V tile read once for them;
-        #: the same sums as one head a workgroup): :meth:`attn_group`
+        #: the prompt attention serves the q heads of one KV head in one workgroup (GQA: each K/V tile read once for
+        #: them; the same sums as one head a workgroup): :meth:`attn_group`
         self.attn_gqa = True
         #: the prompt attention's route: "coopmat" (attn_pre_cm.comp, float16 products, 64 rows a workgroup) with
         #: the GEMM's coopmat route, else "f32" (attn_pre.comp); :meth:`attn_kernel` gives a head dimension's kernel
@@ -239,8 +239,8 @@ class Kernels:
         elif kernel == "attn_pre":   # a fixed workgroup of 128 without subgroup operations; mode: MAXD | G << 16
             maxd, g = mode & 0xFFFF, max(1, mode >> 16)
             vals, ids, pin = [0, self.attn_bq if maxd == 128 else min(self.attn_bq, 16), maxd, g], [2, 3, 4, 5], None
-        elif kernel == "attn_pre_cm":   # 128 invocations of the device's subgroup size: the 16-row blocks each
-            vals, ids, pin = [4 * dev.subgroup_size // 128], [4], 128
+        elif kernel == "attn_pre_cm":   # 128 invocations of the device's subgroup size: 16-row blocks each, G
+            vals, ids, pin = [4 * dev.subgroup_size // 128, max(1, mode >> 16)], [4, 5], 128
         else:
             vals = [dev.gemv_wg, self.rows, mode] if fmt else [self.wg]
             ids, pin = list(range(len(vals))), vals[0]
@@ -254,16 +254,16 @@ class Kernels:
         return "attn_pre_cm" if self.attn_route == "coopmat" and hd % 16 == 0 and hd <= 128 else "attn_pre"
 
     def attn_group(self, nq: int, nkv: int, hd: int) -> int:
-        """G of attn_pre.comp: the q heads of one KV head a workgroup serves, the largest divisor of nq / nkv up to its
-        query rows (``attn_pre``'s BQ); 1 with ``attn_gqa`` off and for attn_pre_cm.comp."""
-        if self.attn_kernel(hd) != "attn_pre" or not self.attn_gqa:
+        """G of the prompt attention (attn_pre.comp, attn_pre_cm.comp): the q heads of one KV head a workgroup serves,
+        the largest divisor of nq / nkv up to its query rows (``attn_pre``'s BQ); 1 with ``attn_gqa`` off."""
+        if not self.attn_gqa:
             return 1
         gs, bq = nq // nkv, self.attn_pre(hd)[1]
         return max(g for g in range(1, min(gs, bq) + 1) if gs % g == 0)
 
     def attn_dispatch(self, nq: int, nkv: int, hd: int, R: int) -> tuple[str, tuple, int]:
-        """(kernel, workgroup counts, Dispatch ``mode``) of the prompt attention of R rows: attn_pre_cm.comp (nq,
-        ceil(R / 64)), or attn_pre.comp (nq / G, ceil(R / (BQ // G))) with mode MAXD | G << 16."""
+        """(kernel, workgroup counts, Dispatch ``mode``) of the prompt attention of R rows: :meth:`attn_kernel`'s,
+        (nq / G, ceil(R / (BQ // G))) with BQ of :meth:`attn_pre` (64 for attn_pre_cm.comp), mode MAXD | G << 16."""
         kern, (maxd, bq) = self.attn_kernel(hd), self.attn_pre(hd)
         g = self.attn_group(nq, nkv, hd)
         return kern, (nq // g, -(-R // (bq // g))), maxd | (g << 16)
