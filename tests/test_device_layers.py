@@ -244,7 +244,10 @@ def test_construction_failure_falls_back(tiny, monkeypatch):
 @pytest.mark.parametrize("family,why", [
     ("mimo2", "layer 0: its mixer is mimo2.Attention (no device kernel); layers 1-2: attention sinks (mimo2.Attention: "
               "no device kernel); layer 3: its mixer is mimo2.Attention (no device kernel)"),
-    ("deepseek2_lite", "layers 0-2: its mixer is mla.MLA (no device kernel)"),
+    ("glmdsa", "layers 0-3: its attention is glmdsa.DSA (no device kernel)"),
+    ("deepseek3", "layer 0: tensor 'blk.0.attn_q_b.weight' has 20 columns (not a multiple of 32); layer 1: tensor "
+                  "'blk.1.attn_q_b.weight' has 20 columns (not a multiple of 32); layer 2: tensor "
+                  "'blk.2.attn_q_b.weight' has 20 columns (not a multiple of 32)"),
     ("qwen3next", "layers 0-2: its mixer is deltanet.GatedDeltaNet (no device kernel); layer 3: its mixer is "
                   "qwen3next.GatedAttention (no device kernel)"),
     ("rope_linear", ""), ("mixtral", "")])
@@ -282,7 +285,7 @@ def test_no_layer_says_why_per_layer(capfd):
     from tests.conftest import FIXTURES
     from coli.engine import Engine
 
-    path = FIXTURES / "oracles" / "deepseek2_lite.gguf"
+    path = FIXTURES / "oracles" / "glmdsa.gguf"
     e = Engine(path, device="vulkan", env=settings.overlay(None, COLI_VK_LAYERS=-1), quiet=True, save_usage=False,
                ctx=32, usage=None)
     try:
@@ -290,7 +293,7 @@ def test_no_layer_says_why_per_layer(capfd):
     finally:
         e.close()
     err = capfd.readouterr().err
-    assert ("[VK] deepseek2_lite.gguf: no decoder layer on the device (layers 0-2: its mixer is mla.MLA (no device "
+    assert ("[VK] glmdsa.gguf: no decoder layer on the device (layers 0-3: its attention is glmdsa.DSA (no device "
             "kernel)); the expert tier instead") in err
 
 
@@ -678,3 +681,123 @@ def test_a_typed_kv_cache_is_refused_with_device_layers(tiny):
                                         r"f16/q8_0 \(--cache-type-k/-v\): leave --cache-type-k/-v at f32, "
                                         r"or run without --gpu-layers$"):
         _engine(tiny, layers=2, cache_type_k="f16", cache_type_v="q8_0")
+
+
+def _padded_q_lora(out):
+    """The DeepSeek-V3 oracle (q_lora_rank 20) rewritten by gguf's writer with q_lora_rank 32: attn_q_a's 12 new rows
+    and attn_q_b's 12 new columns zero, attn_q_a_norm scaled by sqrt(20 / 32) so that the RMSNorm over 32 values
+    gives the 20 values' result (up to eps): the same model for HF's logits, with widths the device's matrix kernels
+    take (a multiple of 32)."""
+    import gguf
+    from tests.conftest import FIXTURES
+
+    src = gguf.GGUFReader(str(FIXTURES / "oracles" / "deepseek3.gguf"))
+    w = gguf.GGUFWriter(str(out), "deepseek2")
+    for k, f in src.fields.items():
+        if k.startswith("GGUF.") or k == "general.architecture":
+            continue
+        v = 32 if k == "deepseek2.attention.q_lora_rank" else f.contents()
+        if f.types[0] == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(k, v, f.types[0], sub_type=f.types[-1])
+        else:
+            w.add_key_value(k, v, f.types[0])
+    for t in src.tensors:
+        a = np.asarray(t.data, np.float32)
+        if t.name.endswith("attn_q_a.weight"):          # [20, D] -> [32, D]
+            a = np.concatenate([a, np.zeros((12, a.shape[1]), np.float32)])
+        elif t.name.endswith("attn_q_a_norm.weight"):
+            a = np.concatenate([a * np.float32(np.sqrt(20 / 32)), np.zeros(12, np.float32)])
+        elif t.name.endswith("attn_q_b.weight"):        # [H (dn + dr), 20] -> [.., 32]
+            a = np.concatenate([a, np.zeros((a.shape[0], 12), np.float32)], 1)
+        w.add_tensor(t.name, np.ascontiguousarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _greedy(m, cache, ids, n):
+    """The prompt ``ids`` then ``n`` greedy decode rows: (prompt logits f32 [T, V], decode logits f32 [n, V], ids)."""
+    got = m.forward(ids, cache, all_logits=True)
+    last, steps, gen = got[-1], [], []
+    for _ in range(n):
+        steps.append(last)
+        gen.append(int(last.argmax()))
+        last = m.forward([gen[-1]], cache)[0]
+    return got, np.array(steps), gen
+
+
+@pytest.mark.parametrize("family", ["deepseek2_lite", "deepseek2_yarn", "deepseek3_q32"])
+def test_mla_against_hf(family, tmp_path):
+    """DeepSeek-V2/V3's MLA on the device (shaders/mla.comp: the kv_a latent normed into the device's latent cache
+    with its rope key, q (or q_a, its norm, q_b) absorbed through attn_k_b, attention over the latent cache, attn_v_b,
+    the output projection), with the DeepSeek router and the shared experts: the MoE layers 1-2 and the head on the
+    device (layer 0's dense FFN has other shapes: the CPU's), the 96-row prompt in chunks of 40 rows, every row
+    within the CPU path's bound of HF transformers' (1e-4 of the largest) with HF's argmax, 8 greedy decode rows
+    against HF's logits and tokens (tests/oracle_check.py); the CPU-only run's logits within 1e-5 and its tokens.
+    V2-Lite's shape (no q_lora), its YaRN rope, and DeepSeek-V3 (q_lora, sigmoid router with groups; its
+    q_lora_rank padded from 20 to 32 with zeros, :func:`_padded_q_lora`, for the device's matrix widths)."""
+    from tests.conftest import FIXTURES
+    from tests.oracle_check import check_prompt_and_decode
+    from coli.engine import Engine
+
+    name = "deepseek3" if family == "deepseek3_q32" else family
+    path = _padded_q_lora(tmp_path / "q32.gguf") if family == "deepseek3_q32" else FIXTURES / "oracles" / f"{name}.gguf"
+    oracle = np.load(FIXTURES / "oracles" / f"{name}.npz")
+    cpu = _engine(path, ctx=128)
+    e = _engine(path, layers=-1, ctx=128)
+    try:
+        m, dl = e.model, e.model.device_layers
+        dl.prompt_rows = 40
+        assert dl is not None and dl.first == 1 and dl.head is not None and dl.mla is not None
+        assert [d["il"] for d in dl.per] == [1, 2] and all("mla" in d for d in dl.per)
+        assert (dl.mla[5] == 32) == (family == "deepseek3_q32")
+        d0 = e.device.layer_dispatches
+        got = check_prompt_and_decode(m, m.new_cache(128, 128), oracle)
+        assert (dl.prompt_tokens, dl.prompt_chunks, dl.tokens) == (len(oracle["ids"]), 3, 8)
+        assert e.device.layer_dispatches - d0 >= 8 * 2 * 7
+        ref, ref_steps, ref_gen = _greedy(cpu.model, cpu.model.new_cache(128, 128), oracle["ids"], 8)
+        _, steps, gen = _greedy(m, m.new_cache(128, 128), oracle["ids"], 8)
+        assert rel_err(got, ref) < 1e-5 and rel_err(steps, ref_steps) < 1e-5, (rel_err(got, ref),
+                                                                               rel_err(steps, ref_steps))
+        assert gen == ref_gen
+    finally:
+        e.close()
+        cpu.close()
+
+
+def test_mla_latent_rows_move_both_ways():
+    """The device's latent cache and the CPU's stay in step: rows the CPU wrote (a prompt with the device layers
+    off) are uploaded before the next decode rows on the device (their logits within 1e-5 of the CPU-only run's);
+    rows a device prompt chunk wrote come back on ``host_kv`` (the latent and the rope key within 1e-5 of the
+    CPU's)."""
+    from tests.conftest import FIXTURES
+
+    path = FIXTURES / "oracles" / "deepseek2_lite.gguf"
+    ids = np.load(FIXTURES / "oracles" / "deepseek2_lite.npz")["ids"][:44]
+    cpu = _engine(path, ctx=64)
+    e = _engine(path, layers=-1, ctx=64)
+    try:
+        m, dl = e.model, e.model.device_layers
+        cc = cpu.model.new_cache(64, 64)
+        ref = np.concatenate([cpu.model.forward(ids[:40], cc)] + [cpu.model.forward([int(t)], cc) for t in ids[40:]])
+        c = m.new_cache(64, 64)
+        m.device_layers = None          # the prompt on the CPU
+        out = [m.forward(ids[:40], c)]
+        m.device_layers = dl
+        out += [m.forward([int(t)], c) for t in ids[40:]]
+        assert dl.tokens == 4 and dl.prompt_tokens == 0
+        assert rel_err(np.concatenate(out), ref) < 1e-5
+        c2 = m.new_cache(64, 64)
+        m.forward(ids, c2)
+        assert dl.prompt_tokens == 44
+        assert not c2.layers[2].lat[:44].any()      # the device's only, until asked for
+        dl.host_kv(c2)
+        for il in (1, 2):
+            for part in ("lat", "kr"):
+                a, b = getattr(c2.layers[il], part)[:44], getattr(cc.layers[il], part)[:44]
+                assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max(), (il, part)
+    finally:
+        e.close()
+        cpu.close()

@@ -120,6 +120,8 @@ class DecoderLayer:
     always has one sets ``needs_bias``."""
 
     needs_bias = False
+    #: the device's layer form (coli/vulkan/device_layers.py ``FORMS``): the MLA block qualifies by its kernels there
+    device_form = "pre-norm"
 
     def __init__(self, m, il: int):
         a = m.args

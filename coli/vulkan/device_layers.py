@@ -24,11 +24,11 @@ CPU").
 Which layers: :func:`plan` (the device's budget: each layer's weights and its KV cache; ``COLI_VK_LAYERS``
 sets the count). Which layers qualify: :func:`why_not`, by what a layer needs: its form (pre-norm, or Gemma 3's norms
 after each block too), its attention (GQA, rope NORM / NEOX with a table a layer, q/k norms, biases, a sliding window,
-gpt-oss's sinks), its FFN (the softmax top-k MoE with Qwen2-MoE's shared expert, gpt-oss's biased MoE with its top-k
-softmax router and clamped SwiGLU, or the dense SwiGLU / GeGLU FFN) and its tensors' formats. Activations are f32 on
-the device (the
-CPU's layers keep their own mode), so a run's tokens may differ from a CPU-only run's by summation order and
-rounding, as with the tier (docs/tier.md "Numerics").
+gpt-oss's sinks; or DeepSeek-V2's MLA over a latent cache, shaders/mla.comp), its FFN (the softmax top-k MoE with
+Qwen2-MoE's shared expert, gpt-oss's biased MoE with its top-k softmax router and clamped SwiGLU, or the dense
+SwiGLU / GeGLU FFN) and its tensors' formats. Activations are f32 on the device (the CPU's layers keep their own
+mode), so a run's tokens may differ from a CPU-only run's by summation order and rounding, as with the tier
+(docs/tier.md "Numerics").
 """
 from __future__ import annotations
 
@@ -73,7 +73,12 @@ def _cls(x) -> str:
 def _layer_tensors(m, il: int) -> list[str]:
     """The GGUF tensors layer ``il`` places on the device (its norms besides: f32 vectors)."""
     p = f"blk.{il}."
-    names = [p + n for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight")]
+    at = m.layers[il].attn
+    if _is_mla(at):     # its attn_k_b / attn_v_b go as f32 (mla_bytes)
+        qs = ("attn_q.weight",) if at.attn_q is not None else ("attn_q_a.weight", "attn_q_b.weight")
+        names = [p + n for n in qs + ("attn_kv_a_mqa.weight", "attn_output.weight")]
+    else:
+        names = [p + n for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight")]
     if getattr(m.layers[il], "moe", None) is None:      # the dense FFN
         return names + [p + n for n in _MLP]
     names += [p + n for n in ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight",
@@ -88,6 +93,36 @@ def _layer_tensors(m, il: int) -> list[str]:
 def _is(x, name: str) -> bool:
     """Whether ``x`` is exactly the class ``name`` (``module.qualname``; by name: coli.vulkan imports no model)."""
     return f"{type(x).__module__}.{type(x).__qualname__}" == name
+
+
+def _is_mla(a) -> bool:
+    """Whether the attention block ``a`` is DeepSeek-V2's MLA (``coli.models.mla.MLA``, shaders/mla.comp)."""
+    return _is(a, "coli.models.mla.MLA")
+
+
+#: shaders/mla.comp's bounds: a cache row (kv_lora_rank + rope dims) and a nope part of at most MLA_MAXW floats
+MLA_MAXW = 1152
+
+
+def _why_not_mla(a) -> str | None:
+    """Why the MLA block ``a`` has no device kernels, or None (shaders/mla.comp: the absorbed form over the latent
+    cache, rope NORM or none)."""
+    if a.r + a.dr > MLA_MAXW or a.dn > MLA_MAXW:
+        return f"an MLA latent of {a.r} + {a.dr} dims (the device's MLA takes {MLA_MAXW} at most)"
+    if a.dr % 2:
+        return "an odd MLA rope width (no device kernel)"
+    return None
+
+
+def _rope_key(at) -> tuple:
+    """(base, scaling, rotated dims) of an attention block: its rope table."""
+    return (at.rope_base, at.rope_scaling, at.dr if _is_mla(at) else at.n_rot)
+
+
+def mla_bytes(at, ctx: int) -> int:
+    """Device bytes of an MLA block besides its GGUF matrices: attn_k_b and attn_v_b as f32 and the latent cache
+    of ``ctx`` positions (f32 [ctx, kv_lora_rank + rope dims])."""
+    return 4 * (int(at.attn_k_b.size) + int(at.attn_v_b.size)) + 4 * int(ctx) * (at.r + at.dr)
 
 
 #: cpu_kernels.experts' activation kinds (its ACT_*), the numbers shaders/act.glsl takes
@@ -113,7 +148,9 @@ def route_rule(moe) -> tuple | None:
 def _why_not_attention(a) -> str | None:
     """Why the attention block ``a`` has no device kernels, or None: ``coli.models.blocks.Attention`` (GQA) with rope
     NORM / NEOX (any base and scaling: a table a layer), q/k norms per head or over the projection, q/k/v/o biases,
-    a sliding window, head widths up to 256 with V's equal to K's."""
+    a sliding window, head widths up to 256 with V's equal to K's; or DeepSeek-V2's MLA (:func:`_why_not_mla`)."""
+    if _is_mla(a):
+        return _why_not_mla(a)
     # gpt-oss's: one sink logit a head in the softmax's denominator (attn_dec / attn_pre take it)
     if not (_is(a, "coli.models.blocks.Attention") or _is(a, "coli.models.gptoss.SinkAttention")):
         if getattr(a, "attn_sinks", None) is not None:
@@ -226,6 +263,8 @@ def layer_bytes(m, il: int, ctx: int, experts: bool = True) -> int:
             and (experts or "_exps." not in n))
     if f"blk.{il}.ffn_gate_inp.weight" in m.t:
         w += 4 * int(np.prod(m.t[f"blk.{il}.ffn_gate_inp.weight"].shape))
+    if _is_mla(a):
+        return w + mla_bytes(a, ctx)
     return w + 2 * a.n_kv * int(ctx) * a.head_dim * 4
 
 
@@ -241,6 +280,8 @@ def _shape_key(m, il: int) -> tuple:
     """What the device's buffers take from one layer (they are sized from the first); the rest (rope, window,
     norms, scale, formats) is a layer's own."""
     a = m.layers[il].attn
+    if _is_mla(a):
+        return ("mla", a.H, a.r, a.dn, a.dr, a.dv, a.attn_q is None, _ffn_key(m, il))
     return (a.n_heads, a.n_kv, a.head_dim, _ffn_key(m, il))
 
 
@@ -256,9 +297,21 @@ def _hidden_width(m, il: int) -> int:
 
 def _rope_tables(m) -> int:
     """Distinct rope tables (base, scaling, width) of the model's layers (Gemma 3: the local and the global one)."""
-    keys = {(L.attn.rope_base, L.attn.rope_scaling, L.attn.n_rot) for il, L in enumerate(m.layers)
-            if why_not(m, il) is None}
+    keys = {_rope_key(L.attn) for il, L in enumerate(m.layers) if why_not(m, il) is None}
     return max(1, len(keys))
+
+
+def _mla_floats(m) -> int:
+    """Floats of one row's MLA scratch (q, kv, q_a, the absorbed q, the attended latent, the values), 0 without MLA
+    layers on the device."""
+    out = 0
+    for il, L in enumerate(m.layers):
+        a = getattr(L, "attn", None)
+        if _is_mla(a) and why_not(m, il) is None:
+            W = a.r + a.dr
+            ql = 0 if a.attn_q is not None else int(a.attn_q_a.shape[0])
+            out = max(out, a.H * (a.dn + a.dr) + W + ql + a.H * W + a.H * a.r + a.H * a.dv)
+    return out
 
 
 def prompt_bytes(m, rows: int) -> int:
@@ -271,7 +324,7 @@ def prompt_bytes(m, rows: int) -> int:
     nqkv = (a.n_heads + 2 * a.n_kv_heads) * a.head_dim
     k = a.top_k if m.moe_layers else 0
     per_row = (5 * a.d_model + nqkv + 2 * a.n_heads * a.head_dim + a.n_experts + 2 * n * k + 2 + k
-               + F + k * a.d_model + a.vocab)
+               + F + k * a.d_model + a.vocab + _mla_floats(m))
     return 4 * int(rows) * per_row + 4 * (a.n_experts + 1) + 256 * 24
 
 
@@ -287,7 +340,7 @@ def fixed_bytes(m, ctx: int, prompt_rows: int = 0) -> int:
     rows = (9 * a.d_model + 4 * a.n_heads * a.head_dim        # hidden rows in and out, q/k/v, q, attention out
             + a.n_heads * int(ctx) + _rope_tables(m) * int(ctx) * a.n_rot   # the scores, the rope tables
             + a.n_heads * (-(-int(ctx) // 128)) * (a.head_dim + 2)   # decode attention's parts (at most 1 / 128 keys)
-            + 2 * a.vocab + a.n_experts + F + 8 * n * (a.head_dim * a.n_kv_heads + k))
+            + 2 * a.vocab + a.n_experts + F + 8 * n * (a.head_dim * a.n_kv_heads + k) + 2 * _mla_floats(m))
     pb = prompt_bytes(m, prompt_rows) if prompt_rows else 0
     return int(out.nbytes) + 4 * rows + 256 * 32 + pb         # 256 bytes of rounding a buffer
 
@@ -379,7 +432,14 @@ class DeviceLayers:
         a = m.args
         L0 = m.layers[first]
         at = L0.attn
-        self.nq, self.nkv, self.hd = at.n_heads, at.n_kv, at.head_dim
+        # MLA: its cache on the device is one "head" of r + dr floats a position (LAT [ctx, W]): _sync, _fetch and the
+        # readback move it as K rows of one head with no V
+        self.mla = (at.H, at.r, at.dn, at.dr, at.dv, 0 if at.attn_q is not None else int(at.attn_q_a.shape[0])) \
+            if _is_mla(at) else None
+        if self.mla:
+            self.nq, self.nkv, self.hd = at.H, 1, at.r + at.dr
+        else:
+            self.nq, self.nkv, self.hd = at.n_heads, at.n_kv, at.head_dim
         self.D = a.d_model
         self.moe = L0.moe is not None      # the layers' FFN: routed experts, or dense (every layer alike: plan)
         if self.moe:
@@ -431,11 +491,18 @@ class DeviceLayers:
         self.tmp = K.buffer(4 * D, host=False)     # a block's output before its post-norm (Gemma 3)
         # the dense FFN's route: one expert (the layer's gate/up/down table row 0), weight 1
         self.one_route = self._const(np.array([0, np.float32(1.0).view(np.uint32)], np.uint32))
-        self.scores = K.buffer(4 * nq * ctx, host=False)
+        self.scores = K.buffer(4 * nq * ctx, host=False) if not self.mla else None
         # decode attention over positions in parts of K.attn_chunk keys (attn_dec.comp, joined by attn_comb.comp)
-        self.attn_chunk = K.attn_chunk if ctx > K.attn_chunk else 0
+        self.attn_chunk = K.attn_chunk if ctx > K.attn_chunk and not self.mla else 0
         self.attn_parts = K.buffer(4 * nq * -(-ctx // K.attn_chunk) * (hd + 2), host=False) if self.attn_chunk else None
+        if self.mla:    # q, kv, q_a; self.q holds the absorbed q [H, W], self.ao the values [H, dv]
+            H, r, dn, dr, dv, ql = self.mla
+            self.m_q = K.buffer(4 * H * (dn + dr), host=False)
+            self.m_kv = K.buffer(4 * (r + dr), host=False)
+            self.m_qa = K.buffer(4 * max(ql, 1), host=False)
+            self.m_ol = K.buffer(4 * H * r, host=False)
         self.kvout = K.buffer(4 * 2 * nkv * hd * len(self.layers), host=False)
+        self._kv_names = ("K",) if self.mla else ("K", "V")     # the device's cache buffers of a layer
         # host side: the params (pos), the row in and out, the new K/V rows
         self.params = K.buffer(256, host=True)
         self.hin = K.buffer(4 * D, host=True)
@@ -494,18 +561,17 @@ class DeviceLayers:
     def _rope(self, at) -> tuple:
         """The cos and sin tables f32 [ctx, n_rot / 2] of attention ``at``'s rope base and scaling (the CPU's tables:
         ``Model.rope_table``), made once per (base, scaling, width)."""
-        key = (at.rope_base, at.rope_scaling, at.n_rot)
+        key = _rope_key(at)
         r = self._ropes.get(key)
         if r is None:
-            cos, sin = at.rope_scaling.table(self.ctx, at.n_rot, at.rope_base)
+            cos, sin = at.rope_scaling.table(self.ctx, key[2], at.rope_base)
             r = self._ropes[key] = (self._const(np.ascontiguousarray(cos[:self.ctx], np.float32)),
                                     self._const(np.ascontiguousarray(sin[:self.ctx], np.float32)))
         return r
 
     def _upload_layer(self, il: int, ctx: int) -> dict:
-        m, K, p = self.m, self.K, f"blk.{il}."
-        t = m.t
-        L = m.layers[il]
+        p = f"blk.{il}."
+        L = self.m.layers[il]
         d = {"il": il}
         d["attn_norm"] = self._const(L.attn_norm)
         d["ffn_norm"] = self._const(L.ffn_norm)
@@ -513,6 +579,37 @@ class DeviceLayers:
             d["post_attn"] = self._const(np.asarray(L.post_attention_norm, np.float32))
             d["post_ffn"] = self._const(np.asarray(L.post_ffw_norm, np.float32))
         at = L.attn
+        if self.mla:
+            self._upload_mla(d, at, p, ctx)
+        else:
+            self._upload_attention(d, at, p, ctx)
+        return self._upload_ffn(d, L, il, p)
+
+    def _upload_mla(self, d: dict, at, p: str, ctx: int) -> None:
+        """An MLA block's tensors (``coli.models.mla.MLA``): the projections as stored, attn_k_b / attn_v_b and the
+        norms as f32, the rope table, the latent cache LAT f32 [ctx, r + dr] as ``d["K"]``."""
+        t = self.m.t
+        d["mla"] = True
+        if at.attn_q is not None:
+            d["m_q"] = (self._place(t[p + "attn_q.weight"]), t[p + "attn_q.weight"].type_name)
+        else:
+            d["m_qa"] = (self._place(t[p + "attn_q_a.weight"]), t[p + "attn_q_a.weight"].type_name)
+            d["m_qa_norm"] = self._const(np.asarray(at.attn_q_a_norm, np.float32))
+            d["m_q"] = (self._place(t[p + "attn_q_b.weight"]), t[p + "attn_q_b.weight"].type_name)
+        d["m_kv"] = (self._place(t[p + "attn_kv_a_mqa.weight"]), t[p + "attn_kv_a_mqa.weight"].type_name)
+        d["m_kv_norm"] = self._const(np.asarray(at.attn_kv_a_norm, np.float32))
+        d["m_kb"] = self._const(np.ascontiguousarray(at.attn_k_b, np.float32))
+        d["m_vb"] = self._const(np.ascontiguousarray(at.attn_v_b, np.float32))
+        self.weight_bytes += d["m_kb"].size + d["m_vb"].size
+        d["o"] = self._place(t[p + "attn_output.weight"])
+        d["rot"] = at.rope_base is not None      # Kimi's MLA: no rope
+        d["cos"], d["sin"] = self._rope(at) if d["rot"] else (d["m_kv_norm"], d["m_kv_norm"])
+        d["scale"] = at.scale
+        d["K"] = self.K.buffer(4 * ctx * (at.r + at.dr), host=False)
+
+    def _upload_attention(self, d: dict, at, p: str, ctx: int) -> None:
+        """A GQA attention block's tensors (``blocks.Attention``): q/k/v, output, biases, norms, sinks, rope, K/V."""
+        K, t = self.K, self.m.t
         nq, nkv, hd = self.nq, self.nkv, self.hd
         q, k, v = (t[p + f"attn_{x}.weight"] for x in "qkv")
         # q/k/v as one matrix (their rows concatenated) when they share a format, else one matrix each; parts:
@@ -540,6 +637,10 @@ class DeviceLayers:
         d["n_rot"], d["rope_kind"], d["scale"], d["window"] = at.n_rot, at.rope_kind, at.scale, int(at.window or 0)
         d["K"] = K.buffer(4 * self.nkv * ctx * self.hd, host=False)
         d["V"] = K.buffer(4 * self.nkv * ctx * self.hd, host=False)
+
+    def _upload_ffn(self, d: dict, L, il: int, p: str) -> dict:
+        """The FFN's tensors: the dense MLP as a one-expert table, or the router, routed and shared experts."""
+        m, K, t = self.m, self.K, self.m.t
         if L.moe is None:    # the dense FFN: a one-expert table (gate, up, down), its route self.one_route
             ts = [self._place(t[p + n]) for n in _MLP]
             d["mlp_tab"] = self._const(np.array([[x.addr for x in ts]], np.uint64))
@@ -638,7 +739,7 @@ class DeviceLayers:
             kvo = self.kvout.addr + 4 * kvn * j
             qb = d.get("qkv_b")
             ops.append(Dispatch("rmsnorm", (1,), [hs, d["attn_norm"].addr, xn], [D, eps]))
-            for i, (w, wt, o, n) in enumerate(d["qkv"]):     # the parts write apart: one barrier before the first
+            for i, (w, wt, o, n) in enumerate(d.get("qkv", ())):   # the parts write apart: one barrier before the first
                 ops.append(Dispatch("lmv", (-(-n // R),), [w.addr, xn, qkv + 4 * o, qb.addr + 4 * o if qb is not None else 0],
                                     [n, D, 2 if qb is not None else 0], type_name=wt, wait=i == 0))
             if "qk_norm" in d:   # in place on the q and k parts of qkv (heads: one row a head; full: one row)
@@ -650,7 +751,9 @@ class DeviceLayers:
                                  [hd if heads else nkv * hd, eps], wait=False)]
             ob = d.get("o_b")
             post = d.get("post_attn")
-            ops += [
+            if "mla" in d:
+                ops += self._mla_ops(d, 1, kvo, False)
+            ops += [] if "mla" in d else [
                 Dispatch("rope_kv", (nq + nkv,), [qkv, self.q.addr, d["K"].addr, d["V"].addr,
                                                   d["cos"].addr, d["sin"].addr, self.params.addr, kvo],
                          [nq, nkv, hd, d["n_rot"], ctx, d["rope_kind"]]),
@@ -1045,6 +1148,48 @@ class DeviceLayers:
         if bal is not None:
             self._balance_after()
 
+    def _mla_ops(self, d: dict, R: int, kvo: int, prompt: bool) -> list:
+        """MLA layer ``d``'s attention block for ``R`` rows (``xn`` normed, output added to the residual): q (or q_a,
+        its norm, q_b) and kv_a (lmv.comp a decode row, lmm.comp a prompt chunk), then shaders/mla.comp's four modes
+        (the latent row into the cache with rope, the absorbed q, attention over the latent cache, the values), then
+        the output projection into the residual. ``kvo``: the address the decode row's new cache row goes to."""
+        from coli.vulkan.layers import Dispatch, f32_bits
+
+        H, r, dn, dr, dv, ql = self.mla
+        W, D, Rw = r + dr, self.D, self.K.rows
+        if prompt:
+            b = self._pm
+            hs, xn, q, kv, qa, QA, ol, o = (self.p_hs.addr, self.p_xn.addr, b["q"].addr, b["kv"].addr, b["qa"].addr,
+                                            self.p_q.addr, b["ol"].addr, self.p_ao.addr)
+        else:
+            hs, xn, q, kv, qa, QA, ol, o = (self.hs.addr, self.xn.addr, self.m_q.addr, self.m_kv.addr, self.m_qa.addr,
+                                            self.q.addr, self.m_ol.addr, self.ao.addr)
+        BN = self.K.tile
+
+        def mv(w, wt, x, y, n, i, flags=0):     # y = W x (flags bit 0: y += W x) on R rows
+            if prompt:
+                return Dispatch("lmm", (-(-n // 64), -(-R // BN)), [w.addr, x, y, y], [n, i, flags, R, 0], type_name=wt)
+            return Dispatch("lmv", (-(-n // Rw),), [w.addr, x, y, 0], [n, i, flags], type_name=wt)
+
+        eps = f32_bits(self.m.args.eps)
+        ops = []
+        if ql:
+            ops += [mv(*d["m_qa"], xn, qa, ql, D),
+                    Dispatch("rmsnorm", (R,), [qa, d["m_qa_norm"].addr, qa], [ql, eps])]
+        ops += [mv(*d["m_q"], qa if ql else xn, q, H * (dn + dr), ql or D), mv(*d["m_kv"], xn, kv, W, D)]
+        ops[-1].wait = bool(ql)   # both read xn, written before the first: one barrier
+        words = [0, H, r, dn, dr, dv, self.ctx, f32_bits(d["scale"]), eps, int(d["rot"]) | (2 if kvo else 0),
+                 H * (dn + dr)]
+        lat, par = d["K"].addr, self.params.addr
+        for mode, groups, a4, a5, a6, a7 in ((0, (R,), d["m_kv_norm"].addr, d["cos"].addr, d["sin"].addr, kvo or q),
+                                             (1, (H, R), d["m_kb"].addr, QA, ol, o),
+                                             (2, (H, R), d["m_kb"].addr, QA, ol, o),
+                                             (3, (H, R), d["m_vb"].addr, QA, ol, o)):
+            words[0] = mode
+            ops.append(Dispatch("mla", groups, [q, kv, lat, par, a4, a5, a6, a7], list(words)))
+        ops.append(mv(d["o"], self.m.t[f"blk.{d['il']}.attn_output.weight"].type_name, o, hs, D, H * dv, 1))
+        return ops
+
     def _attn_dec(self, d) -> list:
         """A decode row's attention for layer ``d``: attn_dec.comp, over the positions in parts of ``attn_chunk`` keys
         joined by attn_comb.comp where the context is longer than one part."""
@@ -1094,7 +1239,7 @@ class DeviceLayers:
             return
         hd, nkv, ctx = self.hd, self.nkv, self.ctx
         row = 4 * hd
-        per_pos = 2 * len(self.per) * nkv * row
+        per_pos = len(self._kv_names) * len(self.per) * nkv * row
         step = max(1, (16 << 20) // per_pos)
         need = min(p1 - p0, step) * per_pos
         if self._rstage is None or self._rstage.size < need:
@@ -1107,7 +1252,7 @@ class DeviceLayers:
             n = (b - a) * row
             off, ops, spots = 0, [], []
             for d in self.per:
-                for name in ("K", "V"):
+                for name in self._kv_names:
                     ops.append(Copy(d[name], st, [((h * ctx + a) * row, off + h * n, n) for h in range(nkv)],
                                     wait=False))
                     spots.append((d["il"], name, off))
@@ -1118,9 +1263,13 @@ class DeviceLayers:
             finally:
                 self.K.free(rec)
             for il, name, o in spots:
+                rows = st.view[o:o + nkv * n].view(np.float32).reshape(nkv, b - a, hd)
                 kv = cache.layers[il]
+                if self.mla:     # LAT rows: the latent, then the rope key
+                    kv.lat[a:b], kv.kr[a:b] = rows[0, :, :self.mla[1]], rows[0, :, self.mla[1]:]
+                    continue
                 dst = kv.k if name == "K" else kv.v
-                dst[:, a:b] = st.view[o:o + nkv * n].view(np.float32).reshape(nkv, b - a, hd)
+                dst[:, a:b] = rows
 
     def host_kv(self, cache) -> None:
         """Make the CPU's copy of these layers' K/V rows of ``cache`` whole (a caller about to read them)."""
@@ -1161,7 +1310,7 @@ class DeviceLayers:
             return
         hd, nkv, ctx = self.hd, self.nkv, self.ctx
         row = 4 * hd                                     # bytes of one head's row
-        per_pos = 2 * len(self.per) * nkv * row          # bytes a position takes, every layer, K and V
+        per_pos = len(self._kv_names) * len(self.per) * nkv * row   # bytes a position takes, every layer, K and V
         step = max(1, (16 << 20) // per_pos)
         if self._stage is None or self._stage.size < min(p1 - p0, step) * per_pos:
             if self._stage is not None:
@@ -1174,8 +1323,11 @@ class DeviceLayers:
             off, by_dst = 0, {}
             for d in self.per:
                 kv = cache.layers[d["il"]]
-                for name, src in (("K", kv.k), ("V", kv.v)):
-                    rows = np.ascontiguousarray(src[:, a:b])          # [nkv, b - a, hd]
+                # MLA: one "head" of LAT rows, the latent then the rope key
+                parts = ((("K", np.concatenate([kv.lat[a:b], kv.kr[a:b]], 1)[None]),) if self.mla else
+                         (("K", kv.k), ("V", kv.v)))
+                for name, src in parts:
+                    rows = np.ascontiguousarray(src if self.mla else src[:, a:b])          # [nkv, b - a, hd]
                     st.view[off:off + rows.nbytes] = rows.reshape(-1).view(np.uint8)
                     by_dst.setdefault(name + str(d["il"]), (d[name], []))[1].extend(
                         (off + h * n, (h * ctx + a) * row, n) for h in range(nkv))
@@ -1211,6 +1363,9 @@ class DeviceLayers:
         new = self.kvhost.f32(2 * kvn * len(self.per)).reshape(len(self.per), 2, self.nkv, self.hd)
         for j, d in enumerate(self.per):
             kv = cache.layers[d["il"]]
+            if self.mla:    # the new LAT row: the latent, then the rope key
+                kv.lat[pos0], kv.kr[pos0] = new[j, 0, 0, :self.mla[1]], new[j, 0, 0, self.mla[1]:]
+                continue
             kv.k[:, pos0] = new[j, 0]
             kv.v[:, pos0] = new[j, 1]
         self._valid = pos0 + 1
@@ -1279,6 +1434,13 @@ class DeviceLayers:
             if shF:
                 self.p_shr = K.buffer(8 * R, host=False)
                 K.upload(self.p_shr, np.tile(np.array([0, np.float32(1.0).view(np.uint32)], np.uint32), R))
+            for b in getattr(self, "_pm", {}).values():
+                K.drop(b)
+            self._pm = {}
+            if self.mla:    # MLA's rows: q, kv, q_a, the attended latent (p_q: the absorbed q, p_ao: the values)
+                H, r, dn, dr, dv, ql = self.mla
+                self._pm = {n: K.buffer(4 * R * w, host=False) for n, w in
+                            (("q", H * (dn + dr)), ("kv", r + dr), ("qa", max(ql, 1)), ("ol", H * r))}
             self.p_in = K.buffer(4 * R * D, host=True)
             self.p_out = K.buffer(4 * R * D, host=True, readback=True)
             self.p_routeh = K.buffer(8 * k * R * L, host=True, readback=True)
@@ -1312,7 +1474,9 @@ class DeviceLayers:
             ot = self.m.t[p + "attn_output.weight"].type_name
             qb, ob = d.get("qkv_b"), d.get("o_b")
             ops.append(Dispatch("rmsnorm", (R,), [hs, d["attn_norm"].addr, xn], [D, eps]))
-            for i, (w, wt, o, n) in enumerate(d["qkv"]):     # rows of qkv at a stride (ldy): the parts write apart
+            if "mla" in d:
+                ops += self._mla_ops(d, R, 0, True)
+            for i, (w, wt, o, n) in enumerate(d.get("qkv", ())):   # rows of qkv at a stride (ldy): the parts write apart
                 ops.append(Dispatch("lmm", (-(-n // BM), gr), [w.addr, xn, qkv + 4 * o,
                                                                qb.addr + 4 * o if qb is not None else qkv],
                                     [n, D, 2 if qb is not None else 0, R, self.nqkv], type_name=wt, wait=i == 0))
@@ -1324,7 +1488,7 @@ class DeviceLayers:
                         Dispatch("rmsnorm", (R * nkv if heads else R,), [kaddr, d["k_norm"].addr, kaddr],
                                  [hd if heads else nkv * hd, eps, nkv if heads else 1, self.nqkv], wait=False)]
             post = d.get("post_attn")
-            ops += [
+            ops += [] if "mla" in d else [
                 Dispatch("rope_kv", (nq + nkv, R), [qkv, self.p_q.addr, d["K"].addr, d["V"].addr, d["cos"].addr,
                                                     d["sin"].addr, self.params.addr, 0],
                          [nq, nkv, hd, d["n_rot"], ctx, d["rope_kind"]]),

@@ -1,0 +1,158 @@
+#version 460
+// Multi-head latent attention (DeepSeek-V2/V3 MLA) in the absorbed form, for R rows at positions params[0] + t
+// (CPU: coli/models/mla.py, cpu_kernels/mla.py; docs/vulkan.md "Device layers"). Four modes (u0), run in order:
+// the projections (q or q_b(norm(q_a x)), kv_a x) and the output projection are lmv.comp / lmm.comp dispatches.
+// Shapes: H heads, r = kv_lora_rank, dn nope dims, dr rope dims, dv value dims, W = r + dr; the layer's cache on
+// the device is LAT f32 [ctx, W]: position p's normalized latent c_p (r) then its rotated rope key kr_p (dr).
+// Common: a3 params uint [..] (pos0 = params[0]), u1 H, u2 r, u3 dn, u4 dr, u5 dv, u6 ctx, u7 scale (float bits),
+// u8 eps (float bits), u9 flags (bit 0: rotate, NORM pairs (x[2i], x[2i+1]); bit 1: mode 0 writes the new cache
+// row to a7 too: decode), u10 ldq (floats between q rows: H * (dn + dr)).
+//  mode 0 (latent), groups (R, 1, 1): a1 kv f32 [R, W] (attn_kv_a_mqa's rows), a4 the kv_a norm f32 [r], a5 cos,
+//    a6 sin f32 [ctx, dr / 2], a2 LAT: LAT[pos] = [RMSNorm(kv[:r]) * w, rope(kv[r:])]; a0 q f32 [R, ldq]: each
+//    head's rope part q[h * (dn + dr) + dn ..] rotated in place; a7 f32 [W] the new row (flag bit 1).
+//  mode 1 (absorb), groups (H, R, 1): a0 q, a4 attn_k_b f32 [H, r, dn], a5 qa f32 [R, H, W]:
+//    qa[t, h, c] = sum_i k_b[h, c, i] q[t, h, i] (c < r), then the rotated rope part q[t, h, dn ..] (dr).
+//  mode 2 (attend), groups (H, R, 1): a5 qa, a2 LAT, a6 ol f32 [R, H, r]: keys 0 .. pos0 + t,
+//    s_j = scale * qa[t, h] . LAT[j], ol[t, h] = sum_j softmax(s)_j LAT[j][:r]; tiles of WG keys with a running max
+//    (online softmax: each tile's sum rescaled by exp(old max - new max)).
+//  mode 3 (values), groups (H, R, 1): a6 ol, a4 attn_v_b f32 [H, dv, r], a7 o f32 [R, H * dv]:
+//    o[t, h * dv + v] = sum_c v_b[h, v, c] ol[t, h, c].
+// r <= MAXC * WG and W <= MAXW (DeepSeek-V2/V3: r 512, dr 64). `precise` rope: the CPU's rounding (no FMA).
+#extension GL_GOOGLE_include_directive : require
+#include "layer_common.glsl"
+
+layout(local_size_x_id = 0) in;
+#include "layer_reduce.glsl"
+
+#define MAXW 1152u
+#define MAXC 8u
+shared float QS[MAXW];
+shared float PS[gl_WorkGroupSize.x];
+
+void main() {
+    uint mode = pc.u[0], H = pc.u[1], r = pc.u[2], dn = pc.u[3], dr = pc.u[4], dv = pc.u[5], ctx = pc.u[6];
+    uint flags = pc.u[9], ldq = pc.u[10];
+    uint W = r + dr, t = gl_LocalInvocationIndex, WG = gl_WorkGroupSize.x;
+    uint pos0 = U32(pc.a[3]).v[0];
+    F32 Q = F32(pc.a[0]);
+    F32 LAT = F32(pc.a[2]);
+    if (mode == 0u) {
+        uint row = gl_WorkGroupID.x, pos = pos0 + row;
+        F32 KV = F32(pc.a[1]);
+        F32 NW = F32(pc.a[4]);
+        F32 CS = F32(pc.a[5]);
+        F32 SN = F32(pc.a[6]);
+        F32 KVO = F32(pc.a[7]);
+        bool rot = (flags & 1u) != 0u, out_ = (flags & 2u) != 0u;
+        uint kb = row * W, lb = pos * W;
+        float s = 0.0;
+        for (uint i = t; i < r; i += WG) {
+            float v = KV.v[kb + i];
+            s += v * v;
+        }
+        s = wg_sum(s);
+        float inv = 1.0 / sqrt(s / float(r) + pcf(8u));
+        for (uint i = t; i < r; i += WG) {
+            float y = (KV.v[kb + i] * inv) * NW.v[i];
+            LAT.v[lb + i] = y;
+            if (out_) KVO.v[i] = y;
+        }
+        uint half_ = dr / 2u;
+        // the shared rope key, then every head's rope part of q: one pair an invocation
+        for (uint j = t; j < (H + 1u) * half_; j += WG) {
+            uint g = j / half_, i = j % half_;
+            float c = rot ? CS.v[pos * half_ + i] : 1.0, sn = rot ? SN.v[pos * half_ + i] : 0.0;
+            if (g == 0u) {
+                float a = KV.v[kb + r + 2u * i], b = KV.v[kb + r + 2u * i + 1u];
+                precise float y0 = a * c - b * sn;
+                precise float y1 = a * sn + b * c;
+                LAT.v[lb + r + 2u * i] = y0;
+                LAT.v[lb + r + 2u * i + 1u] = y1;
+                if (out_) {
+                    KVO.v[r + 2u * i] = y0;
+                    KVO.v[r + 2u * i + 1u] = y1;
+                }
+            } else if (rot) {
+                uint qb = row * ldq + (g - 1u) * (dn + dr) + dn + 2u * i;
+                float a = Q.v[qb], b = Q.v[qb + 1u];
+                precise float y0 = a * c - b * sn;
+                precise float y1 = a * sn + b * c;
+                Q.v[qb] = y0;
+                Q.v[qb + 1u] = y1;
+            }
+        }
+        return;
+    }
+    uint h = gl_WorkGroupID.x, row = gl_WorkGroupID.y;
+    uint qa_b = (row * H + h) * W;
+    if (mode == 1u) {
+        F32 KB = F32(pc.a[4]);
+        F32 QA = F32(pc.a[5]);
+        uint qb = row * ldq + h * (dn + dr);
+        for (uint i = t; i < dn; i += WG) QS[i] = Q.v[qb + i];
+        barrier();
+        for (uint c = t; c < r; c += WG) {
+            uint kr = (h * r + c) * dn;
+            float s = 0.0;
+            for (uint i = 0u; i < dn; i++) s += KB.v[kr + i] * QS[i];
+            QA.v[qa_b + c] = s;
+        }
+        for (uint i = t; i < dr; i += WG) QA.v[qa_b + r + i] = Q.v[qb + dn + i];
+        return;
+    }
+    F32 OL = F32(pc.a[6]);
+    uint ol_b = (row * H + h) * r;
+    if (mode == 3u) {
+        F32 VB = F32(pc.a[4]);
+        F32 O = F32(pc.a[7]);
+        for (uint c = t; c < r; c += WG) QS[c] = OL.v[ol_b + c];
+        barrier();
+        for (uint v = t; v < dv; v += WG) {
+            uint vr = (h * dv + v) * r;
+            float s = 0.0;
+            for (uint c = 0u; c < r; c++) s += VB.v[vr + c] * QS[c];
+            O.v[row * H * dv + h * dv + v] = s;
+        }
+        return;
+    }
+    // mode 2: the scores over keys 0 .. n - 1 in tiles of WG keys, a running max and sum
+    F32 QA = F32(pc.a[5]);
+    float scale = pcf(7u);
+    uint n = min(pos0 + row + 1u, ctx);
+    for (uint i = t; i < W; i += WG) QS[i] = QA.v[qa_b + i];
+    barrier();
+    float acc[MAXC];
+    for (uint k = 0u; k < MAXC; k++) acc[k] = 0.0;
+    float m = -1.0 / 0.0, l = 0.0;
+    for (uint j0 = 0u; j0 < n; j0 += WG) {
+        uint j = j0 + t;
+        float s = -1.0 / 0.0;
+        if (j < n) {
+            float d = 0.0;
+            for (uint c = 0u; c < W; c++) d += QS[c] * LAT.v[j * W + c];
+            s = d * scale;
+        }
+        float mn = max(m, wg_max(s));
+        float e = j < n ? exp(s - mn) : 0.0;
+        PS[t] = e;
+        float lt = wg_sum(e);          // its barriers make every PS entry visible
+        float alpha = exp(m - mn);     // 0 at the first tile (m = -inf, mn finite)
+        l = l * alpha + lt;
+        uint nt = min(WG, n - j0);
+        for (uint k = 0u; k < MAXC; k++) {
+            uint c = t + k * WG;
+            if (c >= r) break;
+            float a = acc[k] * alpha;
+            for (uint jj = 0u; jj < nt; jj++) a += PS[jj] * LAT.v[(j0 + jj) * W + c];
+            acc[k] = a;
+        }
+        m = mn;
+        barrier();                     // every PS read before the next tile writes it
+    }
+    float il = 1.0 / l;
+    for (uint k = 0u; k < MAXC; k++) {
+        uint c = t + k * WG;
+        if (c >= r) break;
+        OL.v[ol_b + c] = acc[k] * il;
+    }
+}
