@@ -30,6 +30,13 @@ What the numbers are:
     python scripts/make_synthetic_moe.py -o synth.gguf [--layers 16 --d 2048 --experts 64 --top-k 8
         --expert-ff 1024 --vocab 49152 --type Q8_0|Q4_0|F16|F32 --seed 0] [--skew 0.8 [--hot 0.25]] [--check]
 
+``--arch deepseek2``: a DeepSeek-V2 file (GGUF ``deepseek2``, MLA attention, coli/models/deepseek2.py) instead:
+attn_q [H (nope + rope), d], attn_kv_a_mqa [kv_lora_rank + rope, d] with its norm, attn_k_b [H, kv_lora_rank,
+nope] and attn_v_b [H, v, kv_lora_rank] (as llama.cpp's converter splits kv_b), attn_output [d, H v]; the MoE
+layers' softmax router, ``--shared-experts`` shared experts of ``--expert-ff`` each (one ffn_*_shexp of their total
+width), no leading dense layer. DeepSeek-V2-Lite's attention by default (``--kv-lora-rank 512 --nope 128
+--rope-dims 64 --v-dim 128``, 16 heads, d 2048); its experts with ``--experts 64 --top-k 6 --expert-ff 1408``.
+
 ``--check`` (after writing): generates 48 tokens with coli (CPU) from a fresh routing history and prints, per
 layer, the share of routings its hottest quarter took (from the history's counts), and the whole file's.
 
@@ -101,6 +108,19 @@ def stack(parts: list[dict]) -> dict:
     return dict(parts[0], tensor=np.stack([p["tensor"] for p in parts]))
 
 
+def mla_layer(w, rng, p: str, a, t: str) -> None:
+    """A DeepSeek-V2 layer's MLA tensors (``--arch deepseek2``): ``attn_kv_a_norm`` ones, the matrices random with
+    scales that keep the activations O(1); ``attn_k_b`` / ``attn_v_b`` per head, in the file's type."""
+    d, H, r, dn, dr, dv = a.d, a.heads, a.kv_lora_rank, a.nope, a.rope_dims, a.v_dim
+    s = 1.0 / np.sqrt(d)
+    w.add_tensor(p + "attn_q.weight", **mat(rng, H * (dn + dr), d, t, s))
+    w.add_tensor(p + "attn_kv_a_mqa.weight", **mat(rng, r + dr, d, t, s))
+    w.add_tensor(p + "attn_kv_a_norm.weight", np.ones(r, np.float32))
+    w.add_tensor(p + "attn_k_b.weight", **stack([mat(rng, r, dn, t, 1.0 / np.sqrt(dn)) for _ in range(H)]))
+    w.add_tensor(p + "attn_v_b.weight", **stack([mat(rng, dv, r, t, 1.0 / np.sqrt(r)) for _ in range(H)]))
+    w.add_tensor(p + "attn_output.weight", **mat(rng, d, H * dv, t, 1.0 / np.sqrt(H * dv)))
+
+
 def main(argv=None):
     import gguf
 
@@ -120,7 +140,16 @@ def main(argv=None):
                     help="each layer's hot set takes about this share of the routings (e.g. 0.8)")
     ap.add_argument("--hot", type=float, default=0.25, help="the hot set's fraction of a layer's experts (--skew)")
     ap.add_argument("--check", action="store_true", help="after writing, print the realized routing popularity")
+    ap.add_argument("--arch", default="llama", choices=("llama", "deepseek2"),
+                    help="deepseek2: MLA attention and shared experts (see the module's docstring)")
+    ap.add_argument("--kv-lora-rank", type=int, default=512, help="deepseek2: the KV latent's width")
+    ap.add_argument("--nope", type=int, default=128, help="deepseek2: a head's key dims without rope")
+    ap.add_argument("--rope-dims", type=int, default=64, help="deepseek2: a head's rope dims (the shared key's)")
+    ap.add_argument("--v-dim", type=int, default=128, help="deepseek2: a head's value dims")
+    ap.add_argument("--shared-experts", type=int, default=2, help="deepseek2: shared experts (0: none)")
     a = ap.parse_args(argv)
+    if a.arch == "deepseek2" and a.skew is not None:
+        raise SystemExit("--skew: llama files only")
     if a.skew is not None and not (0 < a.skew < 1 and 0 < a.hot < 1):
         raise SystemExit(f"--skew {a.skew} / --hot {a.hot}: both must be in (0, 1)")
     kvh = a.kv_heads or a.heads
@@ -129,7 +158,7 @@ def main(argv=None):
     rng = np.random.default_rng(a.seed)
     out = Path(a.out)
     tmp = out.with_name(out.name + ".tmp")
-    w = gguf.GGUFWriter(str(tmp), "llama")
+    w = gguf.GGUFWriter(str(tmp), a.arch)
     d, F, E, L = a.d, a.expert_ff, a.experts, a.layers
     w.add_name("coli synthetic MoE (random weights)")
     w.add_block_count(L)
@@ -137,8 +166,20 @@ def main(argv=None):
     w.add_embedding_length(d)
     w.add_feed_forward_length(F)
     w.add_head_count(a.heads)
-    w.add_head_count_kv(kvh)
-    w.add_rope_dimension_count(d // a.heads)
+    w.add_head_count_kv(1 if a.arch == "deepseek2" else kvh)
+    w.add_rope_dimension_count(a.rope_dims if a.arch == "deepseek2" else d // a.heads)
+    if a.arch == "deepseek2":    # llama.cpp's deepseek2 keys (the _mla lengths: the absorbed form's)
+        ar = "deepseek2"
+        w.add_uint32(f"{ar}.attention.kv_lora_rank", a.kv_lora_rank)
+        w.add_uint32(f"{ar}.attention.key_length", a.kv_lora_rank + a.rope_dims)
+        w.add_uint32(f"{ar}.attention.value_length", a.kv_lora_rank)
+        w.add_uint32(f"{ar}.attention.key_length_mla", a.nope + a.rope_dims)
+        w.add_uint32(f"{ar}.attention.value_length_mla", a.v_dim)
+        w.add_uint32(f"{ar}.leading_dense_block_count", 0)
+        w.add_uint32(f"{ar}.expert_feed_forward_length", F)
+        w.add_uint32(f"{ar}.expert_shared_count", a.shared_experts)
+        w.add_float32(f"{ar}.expert_weights_scale", 1.0)
+        w.add_uint32(f"{ar}.expert_gating_func", 1)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_expert_count(E)
@@ -181,7 +222,9 @@ def main(argv=None):
         p = f"blk.{il}."
         w.add_tensor(p + "attn_norm.weight", np.ones(d, np.float32))
         w.add_tensor(p + "ffn_norm.weight", np.ones(d, np.float32))
-        for n in ("attn_q", "attn_k", "attn_v", "attn_output"):
+        if a.arch == "deepseek2":
+            mla_layer(w, rng, p, a, t)
+        for n in (() if a.arch == "deepseek2" else ("attn_q", "attn_k", "attn_v", "attn_output")):
             m = mat(rng, d * kvh // a.heads if n in ("attn_k", "attn_v") else d, d, t, s)
             w.add_tensor(p + n + ".weight", **(zero_row0(m) if a.skew is not None and n == "attn_output" else m))
         router = (rng.standard_normal((E, d)) * 3 * s).astype(np.float32)
@@ -193,6 +236,11 @@ def main(argv=None):
         w.add_tensor(p + "ffn_up_exps.weight", **stack([mat(rng, F, d, t, s) for _ in range(E)]))
         down = stack([mat(rng, d, F, t, 1.0 / np.sqrt(F)) for _ in range(E)])
         w.add_tensor(p + "ffn_down_exps.weight", **(zero_row0(down) if a.skew is not None else down))
+        if a.arch == "deepseek2" and a.shared_experts:   # the shared experts as one FFN of their total width
+            sF = a.shared_experts * F
+            w.add_tensor(p + "ffn_gate_shexp.weight", **mat(rng, sF, d, t, s))
+            w.add_tensor(p + "ffn_up_shexp.weight", **mat(rng, sF, d, t, s))
+            w.add_tensor(p + "ffn_down_shexp.weight", **mat(rng, d, sF, t, 1.0 / np.sqrt(sF)))
         print(f"layer {il + 1}/{L}", file=sys.stderr, flush=True)
     w.write_header_to_file()
     w.write_kv_data_to_file()

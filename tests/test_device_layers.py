@@ -801,3 +801,37 @@ def test_mla_latent_rows_move_both_ways():
     finally:
         e.close()
         cpu.close()
+
+
+def test_mla_synthetic_q8_0_past_one_key_tile(tmp_path):
+    """MLA on the device with Q8_0 projections and attn_k_b / attn_v_b (scripts/make_synthetic_moe.py --arch
+    deepseek2: 2 layers, d 256, a latent of 64 + 32 rope dims, 2 shared experts, every layer and the head on the
+    device): a 300-row prompt (keys past mla.comp's first tile of 256: its running max and rescaled sums) and 4
+    decode rows give the CPU-only f32 run's logits within 1e-5 of the largest."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "ds2.gguf"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_synthetic_moe.py"), "-o", str(path), "--arch",
+                    "deepseek2", "--layers", "2", "--d", "256", "--heads", "4", "--experts", "8", "--top-k", "2",
+                    "--expert-ff", "128", "--vocab", "300", "--kv-lora-rank", "64", "--nope", "32", "--rope-dims",
+                    "32", "--v-dim", "32"], check=True, capture_output=True, timeout=120)
+    ids = np.random.default_rng(0).integers(0, 300, 304)
+    cpu = _engine(path, ctx=320)
+    e = _engine(path, layers=-1, ctx=320)
+
+    def run(m):
+        c = m.new_cache(320, 320)
+        return np.concatenate([m.forward(ids[:300], c, all_logits=True)]
+                              + [m.forward([int(t)], c) for t in ids[300:]])
+
+    try:
+        dl = e.model.device_layers
+        assert dl.first == 0 and dl.head is not None and dl.mla == (4, 64, 32, 32, 32, 0)
+        assert {e.model.t[f"blk.0.{n}.weight"].type_name for n in ("attn_q", "attn_kv_a_mqa", "attn_k_b")} == {"Q8_0"}
+        ref, got = run(cpu.model), run(e.model)
+        assert (dl.prompt_tokens, dl.prompt_chunks, dl.tokens) == (300, 1, 4)
+        assert rel_err(got, ref) < 1e-5, rel_err(got, ref)
+    finally:
+        e.close()
+        cpu.close()
