@@ -41,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
+from coli import runtime
 from coli.base.errors import ColiError
 from coli.base.progress import compile_seconds
 from coli.engine import engine_threads
@@ -302,7 +303,7 @@ def run_bench(eng, n_prompt=128, n_gen=64, reps=5, cold=False, threads=None, ban
                             for f in getattr(eng.g, "shards", None) or [eng.path]:  # every shard of a split GGUF
                                 drop_page_cache(f)
                         kv = eng.model.new_cache(n + 1)
-                        eng._reset_counters()
+                        runtime.reset_counters(eng)
                         with _weight_counter(eng) as wc:
                             c0 = compile_seconds()
                             t0 = time.perf_counter_ns()
@@ -316,7 +317,7 @@ def run_bench(eng, n_prompt=128, n_gen=64, reps=5, cold=False, threads=None, ban
                             dt = time.perf_counter_ns() - t0 - int((compile_seconds() - c0) * 1e9)
                         if rep > 0:
                             samples.append(max(dt, 1))
-                            loads.append(eng._counters())
+                            loads.append(runtime.counters(eng))
                             wbytes.append(wc["bytes"])
                 st = _stats(samples, n)
                 last = loads[-1] if loads else {}

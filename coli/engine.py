@@ -8,16 +8,11 @@ through the RAM expert cache, optionally a device tier), generate text.
 from __future__ import annotations
 
 import atexit
-import contextlib
-import functools
-import inspect
 import os
 import sys
 import threading
 import time
-import warnings
 import weakref
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -25,172 +20,18 @@ import numpy as np
 from coli import runtime
 from coli.base import memory, settings
 from coli.base.errors import ColiError
-from coli.base.progress import compile_seconds, end_compile_bar, install
+from coli.base.progress import compile_seconds
 from coli.demo import demo_model_path
 from coli.fetch import resolve
-from coli.runtime import IO_THREADS_MAX
+from coli.generation import GenerateResult, PerplexityResult, StopText, TextStream, check_ids, perplexity_windows
+from coli.runtime import FLAGS, IO_THREADS_MAX, close_at_exit, engine_threads, int_arg, on_engine_threads
 from coli.sampling import Sampler, SamplingParams
+from coli.tokenizer import CHATML_END
+
+# re-exported: the CLI, the server, coli.slots and the tests import these from here
+__all__ = ["Engine", "GenerateResult", "PerplexityResult", "StopText", "TextStream", "engine_threads"]
 
 PREFILL_CHUNK = None  # rows of every CPU prompt step when set (tests, scripts); None: COLI_UBATCH (default 64)
-CHATML_END = "<|im_end|>"  # the end of a turn of llama.cpp's ChatML fallback template
-
-
-@dataclass
-class GenerateResult:
-    """``ids``: generated token ids; ``text``: their text (cut before a stop string); ``prompt_ids``; timing
-    in ``stats``; ``finish_reason``: ``"stop"`` (end-of-generation token or a stop string), ``"length"``
-    (``max_tokens`` or the context reached) or ``"cancelled"`` (``should_stop`` said so)."""
-
-    ids: list
-    text: str
-    prompt_ids: list
-    stats: dict = field(default_factory=dict)
-    finish_reason: str = "stop"
-
-
-class StopText:
-    """Cuts a text stream at the first of ``stops`` (llama.cpp server's ``find_stopping_strings``): ``push``
-    returns the text that is safe to show, holding back a tail that may be the start of a stop string;
-    ``hit`` turns True when one matched (the stop string itself is never returned)."""
-
-    def __init__(self, stops):
-        self.stops = [s for s in (stops or []) if s]
-        self.buf = ""
-        self.hit = False
-        self.matched = None  # the stop string that matched
-
-    def push(self, s: str) -> str:
-        if not self.stops:
-            return s
-        self.buf += s
-        found = [(i, t) for i, t in ((self.buf.find(t), t) for t in self.stops) if i >= 0]
-        if found:
-            i, self.matched = min(found, key=lambda x: x[0])
-            out, self.buf, self.hit = self.buf[:i], "", True
-            return out
-        hold = 0
-        for t in self.stops:
-            for k in range(min(len(t) - 1, len(self.buf)), hold, -1):
-                if self.buf.endswith(t[:k]):
-                    hold = k
-                    break
-        out = self.buf[: len(self.buf) - hold]
-        self.buf = self.buf[len(self.buf) - hold :]
-        return out
-
-    def flush(self) -> str:
-        out, self.buf = self.buf, ""
-        return out
-
-
-class TextStream:
-    """Iterator over the text pieces of one generation (:meth:`Engine.stream`); ``.result`` holds the
-    :class:`GenerateResult` once the iteration ended. ``close()`` (or leaving the loop early and dropping
-    it) ends the generation after the current token."""
-
-    def __init__(self, gen):
-        self._gen = gen
-        self.result: GenerateResult | None = None
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> str:
-        try:
-            return next(self._gen)
-        except StopIteration as e:
-            self.result = e.value
-            raise
-
-    def close(self):
-        self._gen.close()
-
-
-# CLI flags of the Engine's options, for errors when the CLI opened it (the API names the argument)
-_FLAGS = {"temp": "--temp", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p", "max_tokens": "-n",
-          "repeat_penalty": "--repeat-penalty", "repeat_last_n": "--repeat-last-n", "ctx": "--ctx",
-          "threads": "--threads", "stop": "--stop", "cpu_act": "--cpu-act", "expert_cache": "--expert-cache",
-          "device": "--device", "seed": "--seed", "io_threads": "--io-threads"}
-
-
-def _close_at_exit(ref):
-    """atexit: close an Engine the program did not close (the routing history is saved), with a warning."""
-    eng = ref()
-    if eng is not None and not getattr(eng, "_closed", False):
-        warnings.warn(f"coli.Engine({eng.path.name}) was not closed; closing it at exit (call close() or use "
-                      f"'with Engine(...)')", stacklevel=1)
-        eng.close()
-
-
-@dataclass
-class PerplexityResult:
-    """``nll``: mean nats/token; ``n``: tokens scored; ``ppl`` = exp(nll); ``ppl_err``: llama-perplexity's
-    ``+/-``; ``chunks``; ``running``: the estimate after each chunk; ``all_tokens``: which convention;
-    ``ctx``: the chunk length (see :meth:`Engine.perplexity`)."""
-
-    nll: float
-    n: int
-    ppl: float
-    ppl_err: float
-    chunks: int
-    running: list
-    all_tokens: bool
-    ctx: int
-
-
-@contextlib.contextmanager
-def engine_threads(eng):
-    """Run the block on ``eng.threads`` Numba threads, holding the engine's lock, then give the calling thread
-    its count back.
-
-    Numba's thread count belongs to the calling Python thread (``numba.set_num_threads`` is thread-local;
-    a new thread starts at ``NUMBA_NUM_THREADS``), so each public Engine call sets it at its entry: a call
-    from a worker thread runs on the engine's threads, and constructing a second engine leaves the first
-    one's count alone (docs/tuning.md). The lock (re-entrant, one per engine) makes calls from several Python
-    threads run one at a time (a generation step by step): the model runs one forward at a time, as its
-    compiled decode blocks' scratch buffers require (docs/cpu_kernels.md). Also closes the "compiling
-    kernels, once" bar at the end."""
-    import numba
-
-    install()
-    with eng._lock:
-        prev = numba.get_num_threads()
-        if prev != eng.threads:
-            numba.set_num_threads(eng.threads)
-        try:
-            yield
-        finally:
-            if prev != eng.threads:
-                numba.set_num_threads(prev)
-            end_compile_bar()
-
-
-def _on_engine_threads(fn):
-    """Decorator of the public Engine calls: :func:`engine_threads` around the call (around each step of a
-    generator)."""
-    if inspect.isgeneratorfunction(fn):
-        @functools.wraps(fn)
-        def gen(self, *a, **kw):
-            it = fn(self, *a, **kw)
-            value = None
-            try:
-                while True:
-                    with engine_threads(self):
-                        try:
-                            out = it.send(value)
-                        except StopIteration as stop:
-                            return stop.value
-                    value = yield out
-            finally:
-                with engine_threads(self):
-                    it.close()
-        return gen
-
-    @functools.wraps(fn)
-    def call(self, *a, **kw):
-        with engine_threads(self):
-            return fn(self, *a, **kw)
-    return call
 
 
 class Engine:
@@ -224,10 +65,10 @@ class Engine:
         if path is not None and not isinstance(path, (str, os.PathLike)):
             raise ColiError(f"path: {path!r} (a GGUF file, a Hugging Face folder or a model name: smollm2, "
                             f"gemma3-270m, qwen2.5-coder-0.5b, demo)")
-        threads = self._int_arg("threads", threads, 1)
-        ctx = self._int_arg("ctx", ctx, 1)
-        expert_cache = self._int_arg("expert_cache", expert_cache, 0)
-        io_threads = self._int_arg("io_threads", io_threads, 1, IO_THREADS_MAX)
+        threads = int_arg(self, "threads", threads, 1)
+        ctx = int_arg(self, "ctx", ctx, 1)
+        expert_cache = int_arg(self, "expert_cache", expert_cache, 0)
+        io_threads = int_arg(self, "io_threads", io_threads, 1, IO_THREADS_MAX)
         if path is None:
             path = demo_model_path(quiet=quiet)
         else:   # a path, or a name `coli run -m` takes (smollm2, gemma3-270m, qwen2.5-coder-0.5b, demo)
@@ -266,7 +107,7 @@ class Engine:
                       balance=balance, trace=trace, cache_type_k=cache_type_k, cache_type_v=cache_type_v)
         self.last_stats: dict = {}
 
-        atexit.register(_close_at_exit, weakref.ref(self))
+        atexit.register(close_at_exit, weakref.ref(self))
 
     def activations(self) -> str:
         """Which activations each side's matmuls use, for the start line: ``"activations: CPU int8"`` alone,
@@ -290,45 +131,12 @@ class Engine:
 
     # -- forward -----------------------------------------------------------------------------------------
     def _new_cache(self, n: int, positions: int | None = None):
-        """A fresh cache for a call that runs ``n`` prompt tokens and writes ``positions`` positions in all
-        (prompt and generated tokens; at least ``n``, at most the context), or every position of the context
-        when ``positions`` is None (a cache kept for later calls: ``keep_kv``). ColiError when ``n`` exceeds
-        the context.
-
-        A call's cache holds what the call writes, not the whole context: a cache is zeroed memory (by the
-        kernel on first touch, 2 MiB transparent huge pages at a time for NumPy arrays of 4 MiB and more, or by
-        ``np.zeros`` memsetting reused heap memory), and a context-sized one cost every generate its zeroing
-        (SmolLM2 at ``--ctx 8192``: 360 MiB, 40-100 ms a generate; docs/engine.md "KV cache"). The RoPE tables still cover the whole context (built once)."""
-        if self.usage is not None:
-            self.usage.discard_pending()  # routing of a step an earlier call did not finish
-        ctx = max(self.ctx, 1)
-        if n > ctx:
-            raise ColiError(f"prompt: {n} tokens do not fit the context of {ctx} positions ({self._name('ctx')})")
-        cap = ctx if positions is None else min(ctx, max(n, int(positions)))
-        return self.model.new_cache(cap, rope_ctx=ctx)
+        """:func:`coli.runtime.new_cache`: a fresh KV cache for ``n`` prompt tokens and ``positions`` in all."""
+        return runtime.new_cache(self, n, positions)
 
     def _check_ids(self, ids):
-        """``ids`` as int64 [T]: ColiError for an empty list, something not integers (1.5, "abc": never
-        truncated), or an id outside the vocabulary (naming the first such id)."""
-        if isinstance(ids, (str, bytes)):
-            raise ColiError(f"token ids: {ids[:20]!r}... is text, not token ids (give the prompt as text instead)")
-        try:
-            raw = np.asarray(ids)
-        except (TypeError, ValueError) as e:
-            raise ColiError(f"token ids: not a list of integers ({e})") from None
-        if raw.size == 0:
-            raise ColiError("prompt: empty (no tokens to run)")
-        if raw.dtype.kind not in "iu":
-            if raw.dtype.kind == "f" and np.isfinite(raw).all() and (raw == np.round(raw)).all():
-                raw = raw.astype(np.int64)
-            else:
-                raise ColiError(f"token ids: {raw.reshape(-1)[:8].tolist()}... are not integers")
-        ids = raw.astype(np.int64).reshape(-1)
-        bad = (ids < 0) | (ids >= self.args.vocab)
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise ColiError(f"token ids: id {int(ids[i])} at index {i} is outside the vocabulary of {self.args.vocab}")
-        return ids
+        """:func:`coli.generation.check_ids` against this model's vocabulary: int64 [T], or ColiError."""
+        return check_ids(ids, self.args.vocab)
 
     def _prefill(self, kv, ids, all_logits: bool, should_stop=None):
         """Logits of ``ids`` run in prompt steps (:meth:`prompt_chunk` rows); None when ``should_stop()`` said so between
@@ -345,7 +153,7 @@ class Engine:
                 out.append(lg)
         return np.concatenate(out, axis=0)
 
-    @_on_engine_threads
+    @on_engine_threads
     def logits(self, token_ids) -> np.ndarray:
         """Logits f32 [T, vocab] for exactly ``token_ids`` (no BOS added), from a fresh KV cache."""
         self._check_open()
@@ -378,7 +186,7 @@ class Engine:
             out.append(lse - rows[np.arange(len(tgt)), tgt].astype(np.float64))
         return np.concatenate(out) if out else np.zeros(0)
 
-    @_on_engine_threads
+    @on_engine_threads
     def perplexity(self, token_ids, all_tokens: bool = False, on_chunk=None) -> "PerplexityResult":
         """Perplexity of ``token_ids`` (the text's ids as :meth:`tokenize` gives them, BOS included where the
         model wants one) with llama-perplexity's convention (``tools/perplexity/perplexity.cpp``), so figures
@@ -397,34 +205,8 @@ class Engine:
         ColiError for a text too short or logits that are not finite."""
         ids = self._check_ids(token_ids)
         n_ctx = self.ctx
-        tok = self.tokenizer
-        bos = tok.bos_id if tok.add_bos else None
-        windows: list = []
-        need = 2 if all_tokens else 3  # a window scores ctx - 1 tokens (--all-tokens) or ctx - 1 - ctx // 2
-        if n_ctx < need:
-            raise ColiError(f"--ctx {n_ctx}: perplexity scores no token with fewer than {need} positions per chunk"
-                            + ("" if all_tokens else " (llama-perplexity's convention scores its second half)"))
-        if not all_tokens:
-            if len(ids) < 2 * n_ctx:
-                raise ColiError(f"text: {len(ids)} tokens; llama-perplexity's convention needs at least 2 x --ctx = "
-                                f"{2 * n_ctx} (lower --ctx, or score every token with --all-tokens)")
-            first = n_ctx // 2
-            for i in range(len(ids) // n_ctx):
-                w = ids[i * n_ctx : (i + 1) * n_ctx].copy()
-                if bos is not None:
-                    w[0] = bos
-                windows.append(w)
-        else:
-            first = 0
-            prefix = ids[:1] if bos is not None and ids[0] == bos else ids[:0]
-            body = ids[len(prefix):]
-            step = n_ctx - len(prefix)
-            if len(ids) < 2 or step < 1:
-                raise ColiError(f"text: {len(ids)} tokens with --ctx {n_ctx}: nothing to score")
-            for s in range(0, len(body), step):
-                w = np.concatenate([prefix, body[s : s + step]])
-                if len(w) >= 2:
-                    windows.append(w)
+        bos = self.tokenizer.bos_id if self.tokenizer.add_bos else None
+        windows, first = perplexity_windows(ids, n_ctx, bos, all_tokens)
         total = total2 = 0.0
         n = 0
         running = []
@@ -443,7 +225,7 @@ class Engine:
         return PerplexityResult(nll=mean, n=n, ppl=ppl, ppl_err=err, chunks=len(windows), running=running,
                                 all_tokens=bool(all_tokens), ctx=n_ctx)
 
-    @_on_engine_threads
+    @on_engine_threads
     def nll(self, token_ids) -> tuple[float, int]:
         """Teacher-forced mean negative log-likelihood (nats) of every token after the first, and the number
         scored: :meth:`perplexity` with ``all_tokens`` (windows of ``ctx`` tokens, each starting with the
@@ -466,29 +248,13 @@ class Engine:
         return self.tokenize(prompt)
 
     def chat_stops(self, stop=None) -> list | None:
-        """The stop strings of a chat answer: ``stop`` (a string or strings, or None), plus ChatML's end of turn
-        ``<|im_end|>`` when the model has no template and runs llama.cpp's ChatML fallback (the model does not
-        know that marker as its end-of-generation token, so it would print it and go on)."""
-        if not self.tokenizer.template_fallback:
-            return stop
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        return stops if CHATML_END in stops else stops + [CHATML_END]
-
-    def _int_arg(self, arg: str, v, lo: int, hi: int | None = None):
-        """``v`` (None or an integer in ``lo..hi``) as an int; ColiError naming the argument (or its flag) for
-        anything else (a string, a float, a bool)."""
-        if v is None:
-            return None
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-            raise ColiError(f"{self._name(arg)}: {v!r} is not an integer")
-        if v < lo or (hi is not None and v > hi):
-            raise ColiError(f"{self._name(arg)}: {v} (" + (f"{lo} to {hi})" if hi is not None else f"at least {lo})"))
-        return int(v)
+        """The stop strings of a chat answer: :meth:`coli.tokenizer.Tokenizer.chat_stops`."""
+        return self.tokenizer.chat_stops(stop)
 
     def _name(self, arg: str) -> str:
         """How an error names option ``arg``: the CLI flag when the CLI opened the engine, else the API
         argument."""
-        return _FLAGS.get(arg, arg) if getattr(self, "cli_names", False) else arg
+        return FLAGS.get(arg, arg) if getattr(self, "cli_names", False) else arg
 
     def _check_open(self):
         if getattr(self, "_closed", False):
@@ -606,7 +372,7 @@ class Engine:
         kw["stop"] = self.chat_stops(kw.get("stop"))
         return self.generate(ids=ids, **kw)
 
-    @_on_engine_threads
+    @on_engine_threads
     def _generate_iter(self, ids, n_gen, sampler, stop, stop_at_eos, keep_kv, should_stop):
         """The generation loop as a generator of text pieces; returns the :class:`GenerateResult`."""
         if self.usage is not None:
@@ -624,7 +390,7 @@ class Engine:
         else:  # a kept cache spans the context (later calls extend it); else the prompt and the tokens to generate
             kv = self._new_cache(len(ids), None if keep_kv else len(ids) + n_gen)
         self._kv, self._kv_ids = (kv, [int(i) for i in ids]) if keep_kv else (None, [])
-        self._reset_counters()
+        runtime.reset_counters(self)
 
         c0 = compile_seconds()
         t0 = time.perf_counter()
@@ -688,46 +454,10 @@ class Engine:
             st = dict(prompt_tokens=len(ids), cached_tokens=n_same, prefill_s=pre_s, gen_tokens=len(out),
                       decode_s=dec_s, prefill_tps=n_pre / max(pre_s, 1e-9),
                       decode_tps=n_dec / max(dec_s, 1e-9) if n_dec else 0.0, compile_s=c2 - c0)
-            st.update(self._counters())
+            st.update(runtime.counters(self))
             st.update(seed=None if sampler.params.greedy else sampler.seed, masked_logit_steps=sampler.masked_steps)
             self.last_stats = st
         return GenerateResult(out, "".join(text), [int(i) for i in ids], st, finish)
-
-    # -- counters ----------------------------------------------------------------------------------------
-    def _reset_counters(self):
-        c = self.cache
-        self._c0 = (c.hits, c.loads, c.source.bytes_read) if c is not None else (0, 0, 0)
-        dl = self.device_layers
-        self._d0 = (dl.prompt_tokens, dl.tokens) if dl is not None else (0, 0)
-        self._x0 = self._expert_rows()
-
-    def _expert_rows(self) -> tuple[int, int]:
-        """Routed (row, expert) pairs computed so far on the device (the tier's and the device layers') and on the
-        CPU."""
-        st = self.step.stats if self.step is not None else None
-        dl = self.device_layers
-        dev = (st.device_pairs if st is not None else 0) + (
-            getattr(dl, "dev_rows", 0) + getattr(dl, "p_dev_rows", 0) if dl is not None else 0)
-        return dev, st.cpu_pairs if st is not None else 0
-
-    def _counters(self) -> dict:
-        """Since :meth:`_reset_counters`: expert cache hits, disk loads and bytes read; with device layers, the
-        prompt rows and decode rows whose device layers ran on the device (``device_prompt_rows``,
-        ``device_decode_rows``); the routed (row, expert) pairs computed on the device and on the CPU
-        (``device_expert_rows``, ``cpu_expert_rows``)."""
-        c = self.cache
-        out = dict(expert_hits=0, disk_loads=0, bytes_read=0)
-        if c is not None:
-            h0, l0, b0 = getattr(self, "_c0", (0, 0, 0))
-            out = dict(expert_hits=c.hits - h0, disk_loads=c.loads - l0, bytes_read=c.source.bytes_read - b0)
-        dl = self.device_layers
-        if dl is not None:
-            p0, t0 = getattr(self, "_d0", (0, 0))
-            out.update(device_prompt_rows=dl.prompt_tokens - p0, device_decode_rows=dl.tokens - t0)
-        x0 = getattr(self, "_x0", (0, 0))
-        x1 = self._expert_rows()
-        out.update(device_expert_rows=x1[0] - x0[0], cpu_expert_rows=x1[1] - x0[1])
-        return out
 
     def prompt_chunk(self) -> int:
         """Rows of a prompt step: ``COLI_VK_PROMPT_ROWS`` with device layers (the device takes a chunk in one
@@ -738,80 +468,15 @@ class Engine:
             return dl.prompt_rows
         if PREFILL_CHUNK is not None:
             return PREFILL_CHUNK
-        from coli.base import settings
-
         return settings.get("COLI_UBATCH", self.env)
 
     def stats_line(self, st: dict | None = None) -> str:
-        """One line: prefill and decode tok/s, expert cache hits, disk loads, bytes read; the seed of a
-        sampled (not greedy) run; how many steps had non-finite logits masked."""
-        st = st or self.last_stats
-        # the tokens prefilled: a kept KV cache's reused prefix is not computed (prefill_tps counts the same)
-        n_pre = st.get('prompt_tokens', 0) - st.get('cached_tokens', 0)
-        s = (f"prefill {n_pre} tok at {st.get('prefill_tps', 0):.1f} tok/s, "
-             f"decode {st.get('gen_tokens', 0)} tok at {st.get('decode_tps', 0):.1f} tok/s")
-        if self.cache is not None:
-            s += (f" | experts: cache hits {st.get('expert_hits', 0)}, disk loads {st.get('disk_loads', 0)}, "
-                  f"read {st.get('bytes_read', 0) / 2**20:.1f} MiB ({self.expert_slots} slots/layer)")
-        if "device_prompt_rows" in st:   # the placement, so a fallback to the CPU never passes for device speed
-            s += f" | prompt rows on the device: {st['device_prompt_rows']} of {n_pre}"
-        if st.get("seed") is not None:
-            s += f" | seed {st['seed']}"
-        if st.get("masked_logit_steps"):
-            s += f" | {st['masked_logit_steps']} steps had non-finite logits (masked, never sampled)"
-        return s
+        """One line of the last (or ``st``'s) generation's speeds and counters: :func:`coli.runtime.stats_line`."""
+        return runtime.stats_line(self, st)
 
     def close(self):
         """Save the routing history, end the tier and the I/O pool, write the trace (idempotent)."""
-        if getattr(self, "_closed", False):
-            return
-        self._closed = True
-        self._kv, self._kv_ids = None, []
-        if self.tier is not None:
-            try:
-                self.tier.close()
-            except Exception as e:  # the run's tokens are out already; say what failed, don't hide it
-                print(f"[VK] {self.path.name}: tier shutdown failed ({type(e).__name__}: {e})", file=sys.stderr)
-        if self.device_layers is not None:
-            if not self.silent:
-                dl = self.device_layers
-                ms = 1e3 * dl.submit_s / dl.tokens if dl.tokens else 0.0
-                gpu = (f" ({1e3 * dl.gpu_s / dl.gpu_tokens:.2f} by the device's timestamps"
-                       f"{'' if dl.gpu_tokens == dl.tokens else f' of {dl.gpu_tokens} tokens'})"
-                       if dl.gpu_tokens and dl.gpu_s else "")
-                hold = f"; {dl.clock.line()}" if dl.clock is not None else ""
-                pre = (f"; {dl.prompt_tokens} prompt rows in {dl.prompt_chunks} "
-                       f"chunk{'s' if dl.prompt_chunks != 1 else ''}, "
-                       f"{dl.prompt_tokens / dl.prompt_s:.0f} rows/s in the submits and waits, "
-                       f"the {dl.K.route} GEMM route, attention {dl.K.attn_kernel(dl.hd)}.comp" if dl.prompt_chunks else
-                       "; no prompt rows")
-                ex = (f"; routed pairs of decode rows: {dl.dev_rows} on the device, {dl.cpu_rows} on the CPU, "
-                      f"of prompt rows: {dl.p_dev_rows} on the device, {dl.p_cpu_rows} on the CPU, "
-                      f"{dl.swaps} experts swapped in" if dl.resident else "")
-                if dl.bal is not None:
-                    ex += f"; balance: device share {dl.bal.share:.2f}, {dl.handed} resident ranks handed to the CPU"
-                print(f"[VK] {self.path.name}: device layers ran {dl.tokens} decode tokens, {ms:.2f} ms a token in "
-                      f"the submit and its wait{gpu}{hold}{pre}{ex}", file=sys.stderr)
-            if self.device_layers.prof is not None and self.device_layers.prof.tokens:   # COLI_VK_JOIN_PROFILE: asked for
-                print(self.device_layers.prof.table(self.path.name), file=sys.stderr)
-            self.device_layers.close()
-            self.model.device_layers = None
-        if self.device is not None:
-            if not self.silent:
-                print(self.device.report(), file=sys.stderr)
-            try:
-                self.device.close()
-            except Exception:
-                pass
-        if self.usage is not None and self.save_usage_on_close and self.usage.run_tokens:
-            try:
-                self.usage.save()
-            except (OSError, ColiError) as e:
-                print(f"coli: {self.usage.path}: routing history not saved ({e})", file=sys.stderr)
-        if self.cache is not None:
-            self.cache.close()
-        if self.trace is not None:
-            self.trace.save()
+        runtime.close(self)
 
     def __enter__(self):
         return self

@@ -3,12 +3,18 @@ the context and the RAM expert cache sized from the memory budget (docs/engine.m
 sizes with the same functions), the MoE step, the device with the expert tier or the device layers.
 
 ``build(eng, ...)`` is what ``Engine.__init__`` calls once its options are checked; it sets the engine's attributes
-(``model``, ``ctx``, ``cache``, ``step``, ``usage``, ``device``, ``tier``, ``device_layers``, ...).
+(``model``, ``ctx``, ``cache``, ``step``, ``usage``, ``device``, ``tier``, ``device_layers``, ...). The Engine's
+calls run on its threads (:func:`engine_threads`), take their KV caches from :func:`new_cache`, count what a
+generation did (:func:`reset_counters`, :func:`counters`, :func:`stats_line`) and end in :func:`close`.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import os
 import sys
+import warnings
 
 import numpy as np
 
@@ -16,6 +22,7 @@ from coli import vulkan as cvk
 from coli.base import memory, settings
 from coli.base.errors import ColiError
 from coli.base.paths import check_writable_file, is_json_array_of_objects
+from coli.base.progress import end_compile_bar, install
 from coli.gguf_file import open_gguf
 from coli.models import model_class, model_class_of
 from coli.tokenizer import Tokenizer
@@ -434,3 +441,217 @@ def setup_device(eng, device, balance) -> None:
     eng.tier._say(eng.tier.start_line())
     eng.tier.warm_start(src.read_checked)  # uploaded as read: checked for NaN / inf here (coli.finite)
     eng.step.tier = eng.tier
+
+
+# -- the engine's threads, counters and closing lines (the Engine API calls these) ----------------------------
+# CLI flags of the Engine's options, for errors when the CLI opened it (the API names the argument)
+FLAGS = {"temp": "--temp", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p", "max_tokens": "-n",
+         "repeat_penalty": "--repeat-penalty", "repeat_last_n": "--repeat-last-n", "ctx": "--ctx",
+         "threads": "--threads", "stop": "--stop", "cpu_act": "--cpu-act", "expert_cache": "--expert-cache",
+         "device": "--device", "seed": "--seed", "io_threads": "--io-threads"}
+
+
+def close_at_exit(ref):
+    """atexit: close an Engine the program did not close (the routing history is saved), with a warning."""
+    eng = ref()
+    if eng is not None and not getattr(eng, "_closed", False):
+        warnings.warn(f"coli.Engine({eng.path.name}) was not closed; closing it at exit (call close() or use "
+                      f"'with Engine(...)')", stacklevel=1)
+        eng.close()
+
+
+def int_arg(eng, arg: str, v, lo: int, hi: int | None = None):
+    """``v`` (None or an integer in ``lo..hi``) as an int; ColiError naming the argument (or its flag) for
+    anything else (a string, a float, a bool)."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise ColiError(f"{eng._name(arg)}: {v!r} is not an integer")
+    if v < lo or (hi is not None and v > hi):
+        raise ColiError(f"{eng._name(arg)}: {v} (" + (f"{lo} to {hi})" if hi is not None else f"at least {lo})"))
+    return int(v)
+
+
+@contextlib.contextmanager
+def engine_threads(eng):
+    """Run the block on ``eng.threads`` Numba threads, holding the engine's lock, then give the calling thread
+    its count back.
+
+    Numba's thread count belongs to the calling Python thread (``numba.set_num_threads`` is thread-local;
+    a new thread starts at ``NUMBA_NUM_THREADS``), so each public Engine call sets it at its entry: a call
+    from a worker thread runs on the engine's threads, and constructing a second engine leaves the first
+    one's count alone (docs/tuning.md). The lock (re-entrant, one per engine) makes calls from several Python
+    threads run one at a time (a generation step by step): the model runs one forward at a time, as its
+    compiled decode blocks' scratch buffers require (docs/cpu_kernels.md). Also closes the "compiling
+    kernels, once" bar at the end."""
+    import numba
+
+    install()
+    with eng._lock:
+        prev = numba.get_num_threads()
+        if prev != eng.threads:
+            numba.set_num_threads(eng.threads)
+        try:
+            yield
+        finally:
+            if prev != eng.threads:
+                numba.set_num_threads(prev)
+            end_compile_bar()
+
+
+def on_engine_threads(fn):
+    """Decorator of the public Engine calls: :func:`engine_threads` around the call (around each step of a
+    generator)."""
+    if inspect.isgeneratorfunction(fn):
+        @functools.wraps(fn)
+        def gen(self, *a, **kw):
+            it = fn(self, *a, **kw)
+            value = None
+            try:
+                while True:
+                    with engine_threads(self):
+                        try:
+                            out = it.send(value)
+                        except StopIteration as stop:
+                            return stop.value
+                    value = yield out
+            finally:
+                with engine_threads(self):
+                    it.close()
+        return gen
+
+    @functools.wraps(fn)
+    def call(self, *a, **kw):
+        with engine_threads(self):
+            return fn(self, *a, **kw)
+    return call
+
+
+def new_cache(eng, n: int, positions: int | None = None):
+    """A fresh cache for a call that runs ``n`` prompt tokens and writes ``positions`` positions in all
+    (prompt and generated tokens; at least ``n``, at most the context), or every position of the context
+    when ``positions`` is None (a cache kept for later calls: ``keep_kv``). ColiError when ``n`` exceeds
+    the context.
+
+    A call's cache holds what the call writes, not the whole context: a cache is zeroed memory (by the
+    kernel on first touch, 2 MiB transparent huge pages at a time for NumPy arrays of 4 MiB and more, or by
+    ``np.zeros`` memsetting reused heap memory), and a context-sized one cost every generate its zeroing
+    (SmolLM2 at ``--ctx 8192``: 360 MiB, 40-100 ms a generate; docs/engine.md "KV cache"). The RoPE tables still cover the whole context (built once)."""
+    if eng.usage is not None:
+        eng.usage.discard_pending()  # routing of a step an earlier call did not finish
+    ctx = max(eng.ctx, 1)
+    if n > ctx:
+        raise ColiError(f"prompt: {n} tokens do not fit the context of {ctx} positions ({eng._name('ctx')})")
+    cap = ctx if positions is None else min(ctx, max(n, int(positions)))
+    return eng.model.new_cache(cap, rope_ctx=ctx)
+
+
+def reset_counters(eng):
+    c = eng.cache
+    eng._c0 = (c.hits, c.loads, c.source.bytes_read) if c is not None else (0, 0, 0)
+    dl = eng.device_layers
+    eng._d0 = (dl.prompt_tokens, dl.tokens) if dl is not None else (0, 0)
+    eng._x0 = expert_rows(eng)
+
+
+def expert_rows(eng) -> tuple[int, int]:
+    """Routed (row, expert) pairs computed so far on the device (the tier's and the device layers') and on the
+    CPU."""
+    st = eng.step.stats if eng.step is not None else None
+    dl = eng.device_layers
+    dev = (st.device_pairs if st is not None else 0) + (
+        getattr(dl, "dev_rows", 0) + getattr(dl, "p_dev_rows", 0) if dl is not None else 0)
+    return dev, st.cpu_pairs if st is not None else 0
+
+
+def counters(eng) -> dict:
+    """Since :func:`reset_counters`: expert cache hits, disk loads and bytes read; with device layers, the
+    prompt rows and decode rows whose device layers ran on the device (``device_prompt_rows``,
+    ``device_decode_rows``); the routed (row, expert) pairs computed on the device and on the CPU
+    (``device_expert_rows``, ``cpu_expert_rows``)."""
+    c = eng.cache
+    out = dict(expert_hits=0, disk_loads=0, bytes_read=0)
+    if c is not None:
+        h0, l0, b0 = getattr(eng, "_c0", (0, 0, 0))
+        out = dict(expert_hits=c.hits - h0, disk_loads=c.loads - l0, bytes_read=c.source.bytes_read - b0)
+    dl = eng.device_layers
+    if dl is not None:
+        p0, t0 = getattr(eng, "_d0", (0, 0))
+        out.update(device_prompt_rows=dl.prompt_tokens - p0, device_decode_rows=dl.tokens - t0)
+    x0 = getattr(eng, "_x0", (0, 0))
+    x1 = expert_rows(eng)
+    out.update(device_expert_rows=x1[0] - x0[0], cpu_expert_rows=x1[1] - x0[1])
+    return out
+
+
+def stats_line(eng, st: dict | None = None) -> str:
+    """One line: prefill and decode tok/s, expert cache hits, disk loads, bytes read; the seed of a
+    sampled (not greedy) run; how many steps had non-finite logits masked."""
+    st = st or eng.last_stats
+    # the tokens prefilled: a kept KV cache's reused prefix is not computed (prefill_tps counts the same)
+    n_pre = st.get('prompt_tokens', 0) - st.get('cached_tokens', 0)
+    s = (f"prefill {n_pre} tok at {st.get('prefill_tps', 0):.1f} tok/s, "
+         f"decode {st.get('gen_tokens', 0)} tok at {st.get('decode_tps', 0):.1f} tok/s")
+    if eng.cache is not None:
+        s += (f" | experts: cache hits {st.get('expert_hits', 0)}, disk loads {st.get('disk_loads', 0)}, "
+              f"read {st.get('bytes_read', 0) / 2**20:.1f} MiB ({eng.expert_slots} slots/layer)")
+    if "device_prompt_rows" in st:   # the placement, so a fallback to the CPU never passes for device speed
+        s += f" | prompt rows on the device: {st['device_prompt_rows']} of {n_pre}"
+    if st.get("seed") is not None:
+        s += f" | seed {st['seed']}"
+    if st.get("masked_logit_steps"):
+        s += f" | {st['masked_logit_steps']} steps had non-finite logits (masked, never sampled)"
+    return s
+
+
+def close(eng):
+    """Save the routing history, end the tier and the I/O pool, write the trace (idempotent)."""
+    if getattr(eng, "_closed", False):
+        return
+    eng._closed = True
+    eng._kv, eng._kv_ids = None, []
+    if eng.tier is not None:
+        try:
+            eng.tier.close()
+        except Exception as e:  # the run's tokens are out already; say what failed, don't hide it
+            print(f"[VK] {eng.path.name}: tier shutdown failed ({type(e).__name__}: {e})", file=sys.stderr)
+    if eng.device_layers is not None:
+        if not eng.silent:
+            dl = eng.device_layers
+            ms = 1e3 * dl.submit_s / dl.tokens if dl.tokens else 0.0
+            gpu = (f" ({1e3 * dl.gpu_s / dl.gpu_tokens:.2f} by the device's timestamps"
+                   f"{'' if dl.gpu_tokens == dl.tokens else f' of {dl.gpu_tokens} tokens'})"
+                   if dl.gpu_tokens and dl.gpu_s else "")
+            hold = f"; {dl.clock.line()}" if dl.clock is not None else ""
+            pre = (f"; {dl.prompt_tokens} prompt rows in {dl.prompt_chunks} "
+                   f"chunk{'s' if dl.prompt_chunks != 1 else ''}, "
+                   f"{dl.prompt_tokens / dl.prompt_s:.0f} rows/s in the submits and waits, "
+                   f"the {dl.K.route} GEMM route, attention {dl.K.attn_kernel(dl.hd)}.comp" if dl.prompt_chunks else
+                   "; no prompt rows")
+            ex = (f"; routed pairs of decode rows: {dl.dev_rows} on the device, {dl.cpu_rows} on the CPU, "
+                  f"of prompt rows: {dl.p_dev_rows} on the device, {dl.p_cpu_rows} on the CPU, "
+                  f"{dl.swaps} experts swapped in" if dl.resident else "")
+            if dl.bal is not None:
+                ex += f"; balance: device share {dl.bal.share:.2f}, {dl.handed} resident ranks handed to the CPU"
+            print(f"[VK] {eng.path.name}: device layers ran {dl.tokens} decode tokens, {ms:.2f} ms a token in "
+                  f"the submit and its wait{gpu}{hold}{pre}{ex}", file=sys.stderr)
+        if eng.device_layers.prof is not None and eng.device_layers.prof.tokens:   # COLI_VK_JOIN_PROFILE: asked for
+            print(eng.device_layers.prof.table(eng.path.name), file=sys.stderr)
+        eng.device_layers.close()
+        eng.model.device_layers = None
+    if eng.device is not None:
+        if not eng.silent:
+            print(eng.device.report(), file=sys.stderr)
+        try:
+            eng.device.close()
+        except Exception:
+            pass
+    if eng.usage is not None and eng.save_usage_on_close and eng.usage.run_tokens:
+        try:
+            eng.usage.save()
+        except (OSError, ColiError) as e:
+            print(f"coli: {eng.usage.path}: routing history not saved ({e})", file=sys.stderr)
+    if eng.cache is not None:
+        eng.cache.close()
+    if eng.trace is not None:
+        eng.trace.save()

@@ -424,6 +424,15 @@ class Tokenizer:
                 text = text[len(bos):]
         return self.encode(text, add_bos=self.add_bos)
 
+    def chat_stops(self, stop=None) -> list | None:
+        """The stop strings of a chat answer: ``stop`` (a string or strings, or None), plus ChatML's end of turn
+        ``<|im_end|>`` when the model has no template and runs llama.cpp's ChatML fallback (the model does not
+        know that marker as its end-of-generation token, so it would print it and go on)."""
+        if not self.template_fallback:
+            return stop
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        return stops if CHATML_END in stops else stops + [CHATML_END]
+
     template_fallback = False
     unk_id = None
     pad_id = None
@@ -442,6 +451,7 @@ CHATML_TEMPLATE = ("{%- for message in messages -%}\n"
                    "{%- if add_generation_prompt -%}\n"
                    "  {{- '<|im_start|>assistant\\n' -}}\n"
                    "{%- endif -%}")
+CHATML_END = "<|im_end|>"  # the end of a turn of the ChatML fallback template
 
 
 def _check_messages(messages) -> None:
