@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from coli.base import settings
-from tests.test_device_layers import ARGS, IDS, _decode
-from tests.tiny_moe import ROOT
+from tests.test_device_layers import IDS, _decode
+from tests.tiny_moe import DEVICE_ARGS, build_tiny_moe
 from tests.vk_util import rel_err, requires_vulkan
 
 pytestmark = requires_vulkan
@@ -19,13 +19,7 @@ pytestmark = requires_vulkan
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    import subprocess
-    import sys
-
-    out = tmp_path_factory.mktemp("dc") / "moe4.gguf"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_synthetic_moe.py"), "-o", str(out), *ARGS],
-                   check=True, capture_output=True, timeout=120)
-    return out
+    return build_tiny_moe(tmp_path_factory.mktemp("dc"), DEVICE_ARGS, "moe4.gguf")
 
 
 def _engine(path, act="f32", balance=None, **env):

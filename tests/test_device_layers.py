@@ -8,24 +8,16 @@ import numpy as np
 import pytest
 
 from coli.base import settings
-from tests.tiny_moe import ROOT
+from tests.tiny_moe import DEVICE_ARGS, build_tiny_moe
 from tests.vk_util import open_test_device, rel_err, requires_vulkan
 
 pytestmark = requires_vulkan
-
-ARGS = ["--layers", "4", "--d", "128", "--heads", "4", "--experts", "8", "--top-k", "3", "--expert-ff", "96",
-        "--vocab", "300", "--type", "Q8_0", "--seed", "7"]
+ARGS = DEVICE_ARGS  # the name other device tests import
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    import subprocess
-    import sys
-
-    out = tmp_path_factory.mktemp("dl") / "moe4.gguf"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_synthetic_moe.py"), "-o", str(out), *ARGS],
-                   check=True, capture_output=True, timeout=120)
-    return out
+    return build_tiny_moe(tmp_path_factory.mktemp("dl"), DEVICE_ARGS, "moe4.gguf")
 
 
 def _engine(path, layers=None, ctx=64, **kw):
@@ -808,14 +800,9 @@ def test_mla_synthetic_q8_0_past_one_key_tile(tmp_path):
     deepseek2: 2 layers, d 256, a latent of 64 + 32 rope dims, 2 shared experts, every layer and the head on the
     device): a 300-row prompt (keys past mla.comp's first tile of 256: its running max and rescaled sums) and 4
     decode rows give the CPU-only f32 run's logits within 1e-5 of the largest."""
-    import subprocess
-    import sys
-
-    path = tmp_path / "ds2.gguf"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_synthetic_moe.py"), "-o", str(path), "--arch",
-                    "deepseek2", "--layers", "2", "--d", "256", "--heads", "4", "--experts", "8", "--top-k", "2",
-                    "--expert-ff", "128", "--vocab", "300", "--kv-lora-rank", "64", "--nope", "32", "--rope-dims",
-                    "32", "--v-dim", "32"], check=True, capture_output=True, timeout=120)
+    path = build_tiny_moe(tmp_path, ["--arch", "deepseek2", "--layers", "2", "--d", "256", "--heads", "4", "--experts",
+                                     "8", "--top-k", "2", "--expert-ff", "128", "--vocab", "300", "--kv-lora-rank",
+                                     "64", "--nope", "32", "--rope-dims", "32", "--v-dim", "32"], "ds2.gguf")
     ids = np.random.default_rng(0).integers(0, 300, 304)
     cpu = _engine(path, ctx=320)
     e = _engine(path, layers=-1, ctx=320)

@@ -11,8 +11,8 @@ import pytest
 
 from coli.base import settings
 from tests.test_device_chain import _engine
-from tests.test_device_layers import ARGS, IDS
-from tests.tiny_moe import ROOT
+from tests.test_device_layers import IDS
+from tests.tiny_moe import DEVICE_ARGS, build_tiny_moe
 from tests.vk_util import rel_err, requires_vulkan
 
 pytestmark = requires_vulkan
@@ -20,13 +20,7 @@ pytestmark = requires_vulkan
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    import subprocess
-    import sys
-
-    out = tmp_path_factory.mktemp("dpc") / "moe4.gguf"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_synthetic_moe.py"), "-o", str(out), *ARGS],
-                   check=True, capture_output=True, timeout=120)
-    return out
+    return build_tiny_moe(tmp_path_factory.mktemp("dpc"), DEVICE_ARGS, "moe4.gguf")
 
 
 @pytest.fixture(scope="module")

@@ -5,15 +5,12 @@ the prompt GEMM's route is the one the device can run (Lavapipe has no cooperati
 name is one clear error."""
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
 from coli.base import settings
 from coli.base.errors import ColiError
-from tests.tiny_moe import ROOT
+from tests.tiny_moe import build_tiny_moe
 from tests.vk_util import requires_vulkan
 
 pytestmark = requires_vulkan
@@ -27,9 +24,7 @@ IDS = [5, 17, 200, 3, 44, 9, 120, 77, 250, 1, 64, 33, 8, 90, 12, 150, 2, 240, 7,
 def dev(tmp_path_factory):
     from coli.engine import Engine
 
-    out = tmp_path_factory.mktemp("routes") / "moe2.gguf"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_synthetic_moe.py"), "-o", str(out), *ARGS],
-                   check=True, capture_output=True, timeout=120)
+    out = build_tiny_moe(tmp_path_factory.mktemp("routes"), ARGS, "moe2.gguf")
     e = Engine(out, cpu_act="f32", device="vulkan", env=settings.overlay(None, COLI_VK_LAYERS=2), quiet=True,
                silent=True, save_usage=False, ctx=64, usage=str(out) + ".usage")
     yield e
@@ -125,11 +120,9 @@ def test_demo_shaped_moe_prompt_on_the_device(tmp_path):
     from coli.engine import Engine
     from tests.vk_util import rel_err
 
-    path = tmp_path / "demo_shape.gguf"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_synthetic_moe.py"), "-o", str(path), "--layers", "2",
-                    "--d", "576", "--heads", "9", "--kv-heads", "3", "--experts", "8", "--top-k", "2", "--expert-ff",
-                    "1536", "--vocab", "512", "--type", "Q8_0", "--seed", "5"], check=True, capture_output=True,
-                   timeout=120)
+    path = build_tiny_moe(tmp_path, ["--layers", "2", "--d", "576", "--heads", "9", "--kv-heads", "3", "--experts", "8",
+                                     "--top-k", "2", "--expert-ff", "1536", "--vocab", "512", "--type", "Q8_0",
+                                     "--seed", "5"], "demo_shape.gguf")
     ids = [(7 * i * i + 3 * i + 11) % 512 for i in range(40)]
     cpu = Engine(path, cpu_act="f32", quiet=True, silent=True, save_usage=False, ctx=64, usage=str(tmp_path / "u"))
     try:
