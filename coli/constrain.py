@@ -15,6 +15,8 @@ import threading
 import numpy as np
 
 from coli.base.errors import ColiError
+from coli.tokenizer import CONTROL, USER_DEFINED
+from coli.tool_calls import template_format
 
 _LOCK = threading.Lock()
 _CACHE: dict = {}
@@ -32,9 +34,7 @@ def lltokenizer(tok):
     """llguidance's tokenizer for a :class:`coli.tokenizer.Tokenizer` (its pieces' bytes; control tokens and
     ``<...>`` user-defined ones marked special with a leading 0xFF byte, as llguidance's llama.cpp binding
     does), made once per tokenizer (about a second at a 150k vocabulary)."""
-    import llguidance
-
-    from coli.tokenizer import CONTROL, USER_DEFINED
+    import llguidance  # a native library (30 ms): loaded by the first constrained request, not by coli serve
 
     with _LOCK:
         got = _CACHE.get(id(tok))
@@ -92,7 +92,7 @@ class Constraint:
 def grammar(eng, schema, param: str):
     """A validated llguidance matcher for JSON ``schema`` (a dict); APIError 400 naming ``param`` when the
     schema is not one llguidance compiles."""
-    import llguidance
+    import llguidance  # on use, as in lltokenizer
 
     try:
         g = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
@@ -162,7 +162,7 @@ def generic_call_schema(tools) -> dict:
 
 def lark_grammar(eng, text: str, param: str):
     """A validated llguidance matcher for the Lark grammar ``text``; APIError 400 naming ``param``."""
-    import llguidance
+    import llguidance  # on use, as in lltokenizer
 
     g = llguidance.LLMatcher.grammar_from_lark(text)
     err = llguidance.LLMatcher.validate_grammar(g)
@@ -197,8 +197,6 @@ def for_request(eng, body: dict, tools) -> tuple:
     :data:`GENERIC_SYSTEM` to the system message) and the answer constrained to :func:`generic_call_schema`.
     ``form`` is the template's format, or None without a forced call. APIError 400 for a schema llguidance
     cannot compile."""
-    from coli.tool_calls import template_format
-
     schema = response_schema(body)
     if tools.parse and tools.choice not in ("auto", "none"):
         tmpl = eng.tokenizer.chat_template

@@ -18,9 +18,17 @@ Public API: ``set_threads(n)``, ``default_threads()``, ``threading_layer()``, ``
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
+import hashlib
 import os
+import shutil
 import sys
+import tempfile
+
+from coli.base import settings
+from coli.base.errors import ColiError
+from coli.base.paths import optional_cache_dir
 
 _LAYER_CHOICE = None  # "tbb" or "omp": what this module asked numba for
 
@@ -28,15 +36,11 @@ _LAYER_CHOICE = None  # "tbb" or "omp": what this module asked numba for
 def _choose_layer() -> str:
     if "numba" in sys.modules:
         # Too late to choose: whoever imported numba first decided. Say so rather than pretend.
-        import numba  # noqa: F401
+        import numba  # noqa: F401  (here only when it is loaded already: importing it chooses the layer)
 
         return os.environ.get("NUMBA_THREADING_LAYER", "default")
-    from coli.base import settings
-
     want = settings.get("COLI_THREADING")
     if want not in ("tbb", "omp"):
-        from coli.base.errors import ColiError
-
         raise ColiError(f"COLI_THREADING={want!r}: expected tbb or omp (docs/settings.md)")
     candidates = [os.path.join(sys.prefix, "lib", "libtbb.so.12"), "libtbb.so.12"] if want == "tbb" else []
     for path in candidates:
@@ -61,10 +65,6 @@ def _set_cache_dir() -> None:
     writable at all) and nothing is kept on disk."""
     if os.environ.get("NUMBA_CACHE_DIR"):
         return
-    import hashlib
-
-    from coli.base.paths import optional_cache_dir
-
     here = os.path.dirname(os.path.abspath(__file__))
     h = hashlib.sha1()
     for name in sorted(os.listdir(here)):
@@ -74,10 +74,6 @@ def _set_cache_dir() -> None:
     d = optional_cache_dir("numba", h.hexdigest()[:16],
                            what="compiled kernels are not kept on disk (each run compiles them again)")
     if d is None:
-        import atexit
-        import shutil
-        import tempfile
-
         d = tempfile.mkdtemp(prefix="coli-numba-")
         atexit.register(shutil.rmtree, d, True)
     os.environ["NUMBA_CACHE_DIR"] = str(d)
@@ -87,8 +83,6 @@ def _guard_cache_writes() -> None:
     """A kernel-cache write that fails (a full disk, a quota, a folder gone read-only) is one warning line naming
     the folder and what the cache takes, once, and the kernels run uncached: Numba raised the ``OSError`` out of
     the compile (a 130-line traceback). Wraps ``numba.core.caching.Cache.save_overload``."""
-    from numba.core import caching
-
     save = caching.Cache.save_overload
     failed = []
 
@@ -114,6 +108,9 @@ _set_cache_dir()
 _LAYER_CHOICE = _choose_layer()
 
 import numba  # noqa: E402  (must come after the environment is set)
+from numba.core import caching  # noqa: E402
+
+from . import _probe  # noqa: E402  (a kernel that starts the pool: threading_layer)
 
 _guard_cache_writes()
 import psutil  # noqa: E402
@@ -151,8 +148,6 @@ def threading_layer() -> str:
     try:
         return numba.threading_layer()
     except ValueError:
-        from . import _probe
-
         _probe.touch()
         return numba.threading_layer()
 

@@ -18,12 +18,20 @@ and the int8 kernels stay on AVX-512 VNNI where it is no (docs/cpu_kernels.md "A
 """
 from __future__ import annotations
 
+import ctypes
 import functools
+import hashlib
+import json
+import mmap
 import os
 import platform
 import signal
 import subprocess
 import sys
+from importlib import metadata
+
+from coli.base.errors import ColiError
+from coli.base.paths import atomic_write_text, cache_dir
 
 # cpuid(leaf: edi, out: rsi -> u32[4] eax ebx ecx edx), subleaf 0:
 #   push rbx; mov eax, edi; xor ecx, ecx; cpuid; mov [rsi], eax; mov [rsi+4], ebx; mov [rsi+8], ecx;
@@ -43,9 +51,6 @@ _TIMEOUT_S = 30
 
 def _child(force: bool) -> int:
     """The probe itself (in the child): prints ``ok ...`` (exit 0) or ``no ...`` (exit 1); may die of SIGILL."""
-    import ctypes
-    import mmap
-
     def fn(code, *argtypes):
         buf = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
         buf.write(code)
@@ -123,9 +128,6 @@ def cache_key() -> dict:
     """What the verdict depends on: the CPU (``model name`` and the ``flags`` Linux shows, which drop AMX where the
     tile state is not enabled, from /proc/cpuinfo), the kernel (``platform.release()``/``version()``) and this
     probe (coli's version and a digest of this file). A change of any of them asks the child again."""
-    import hashlib
-    from importlib import metadata
-
     model = flags = ""
     try:
         with open("/proc/cpuinfo") as f:
@@ -151,12 +153,6 @@ def cache_key() -> dict:
 def cache_path(key: dict) -> "Path | None":
     """``<cache>/amx/<digest of key>.json``, or None when the cache folder cannot be made or written (the probe
     then runs every time; coli's other caches say so on stderr)."""
-    import hashlib
-    import json
-
-    from coli.base.errors import ColiError
-    from coli.base.paths import cache_dir
-
     try:
         d = cache_dir("amx")
     except ColiError:
@@ -172,10 +168,6 @@ def probe(force: bool = False) -> tuple[bool, str]:
     version), so later runs on the same machine start no child. A cache file that does not parse or names
     another key is asked again and rewritten. ``force``: run the tile instructions even where CPUID or
     arch_prctl said no (tests: the child must then die and be reported); never cached."""
-    import json
-
-    from coli.base.paths import atomic_write_text
-
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False, f"no AMX: not an x86-64 CPU ({platform.machine()})"
     if force:
