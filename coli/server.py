@@ -45,7 +45,25 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+import uvicorn
+from starlette.applications import Starlette
+from starlette.authentication import AuthCredentials, AuthenticationBackend, AuthenticationError, SimpleUser
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.authentication import AuthenticationMiddleware
+from starlette.middleware.body_limit import RequestBodyLimitMiddleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.routing import Route
+
+from coli import constrain
+from coli import messages as AM
+from coli import tool_calls as TC
 from coli.base.errors import ColiError
+from coli.sampling import Sampler, SamplingParams
+from coli.slots import Batcher, Sequence
 
 DEFAULTS = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0, repeat_last_n=64,
                 presence_penalty=0.0, frequency_penalty=0.0)
@@ -95,8 +113,6 @@ def sampling_options(body: dict, vocab: int | None = None) -> dict:
     Client defaults that other servers reject are read as their meaning: ``top_p: 0`` keeps only the most
     likely token (top_k 1), ``top_k: -1`` is off (0). ``max_completion_tokens: null`` next to ``max_tokens``
     leaves ``max_tokens`` in force."""
-    from coli.sampling import SamplingParams
-
     _unsupported(body)
     o = {}
     t = _num(body, "temperature", 0, 2)
@@ -348,8 +364,6 @@ class Worker:
 
     def __init__(self, eng, max_queue: int, metrics: Metrics | None = None, parallel: int = 1,
                  warmup: bool = False):
-        from coli.slots import Batcher
-
         self.eng = eng
         self.batcher = Batcher(eng, parallel)
         self.warmup = warmup
@@ -387,9 +401,6 @@ class Worker:
 
     def _start(self, job: Job, i: int) -> None:
         """Start generation ``i`` of ``job`` in a free slot."""
-        from coli.sampling import Sampler, SamplingParams
-        from coli.slots import Sequence
-
         g = job.gens[i]
         o = g.options
         params = SamplingParams(**{k: o[k] for k in ("temp", "top_k", "top_p", "min_p", "repeat_penalty",
@@ -466,9 +477,6 @@ class Worker:
         Numba cache) and the first touch of the weights are paid here, not by the first client. The slot's rows
         and the step counters are then cleared: the warm-up leaves no prompt cache and counts no steps. A
         failure is printed (the requests will meet it too), never hidden."""
-        from coli.sampling import Sampler, SamplingParams
-        from coli.slots import Sequence
-
         eng, b = self.eng, self.batcher
         t0 = time.perf_counter()
         ids = eng.tokenize("Hello")[:2]
@@ -584,18 +592,6 @@ def create_app(eng, model_id: str, aliases=(), max_queue: int = 8, api_key: str 
     ``reasoning_format``: "auto" (a ``<think>`` span read into ``reasoning_content`` when the chat template
     writes one), "deepseek" (always), "none" (the span stays in the content); llama-server's
     ``--reasoning-format``, a request's ``reasoning_format`` field overrides it."""
-    from starlette.applications import Starlette
-    from starlette.authentication import AuthCredentials, AuthenticationBackend, AuthenticationError, SimpleUser
-    from starlette.concurrency import run_in_threadpool
-    from starlette.exceptions import HTTPException
-    from starlette.middleware import Middleware
-    from starlette.middleware.authentication import AuthenticationMiddleware
-    from starlette.middleware.body_limit import RequestBodyLimitMiddleware
-    from starlette.middleware.cors import CORSMiddleware
-    from starlette.requests import Request
-    from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
-    from starlette.routing import Route
-
     names = {model_id, *aliases}
     created = int(time.time())
     metrics = Metrics()
@@ -848,9 +844,6 @@ def create_app(eng, model_id: str, aliases=(), max_queue: int = 8, api_key: str 
 
     async def prepare_chat(body):
         """The generations of a chat request body: ``(gens, headers, extra, finish)`` (APIError for a bad one)."""
-        from coli import constrain
-        from coli import tool_calls as TC
-
         msgs = chat_messages(body)
         options = sampling_options(body, eng.args.vocab)
         top = _logprobs_field(body, "chat")
@@ -910,8 +903,6 @@ def create_app(eng, model_id: str, aliases=(), max_queue: int = 8, api_key: str 
 
     async def messages(request: Request):
         """Anthropic's ``POST /v1/messages`` (``coli.messages``) on the chat path."""
-        from coli import messages as AM
-
         def answer(e):
             return JSONResponse(AM.error_body(e), status_code=e.status)
 
@@ -1098,8 +1089,6 @@ def create_app(eng, model_id: str, aliases=(), max_queue: int = 8, api_key: str 
     def auth_error(conn, exc):
         e = APIError(401, str(exc), code="invalid_api_key")
         if conn.url.path == "/v1/messages":      # Anthropic's clients read their own error object
-            from coli import messages as AM
-
             return JSONResponse(AM.error_body(e), status_code=401)
         return JSONResponse(e.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
@@ -1181,8 +1170,6 @@ def serve(eng, model_id: str, host: str = "127.0.0.1", port: int = 8080, aliases
     """Serve ``eng`` on ``sock`` (or a socket :func:`bind` makes) until SIGINT/SIGTERM; the running generation
     is cancelled, then the engine is closed (routing history saved). Returns 128 + the signal's number
     (130, 143), as a process killed by it, or 0 when the server stopped by itself."""
-    import uvicorn
-
     sock = sock or bind(host, port)
     app = create_app(eng, model_id, aliases, max_queue, api_key=api_key, cors=cors, body_limit_mb=body_limit_mb,
                      parallel=parallel, warmup=warmup, reasoning_format=reasoning_format)
