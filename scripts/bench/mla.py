@@ -19,6 +19,7 @@ import argparse
 import time
 
 import numpy as np
+from timing import alternate, load
 
 
 def main(argv=None) -> int:
@@ -48,7 +49,7 @@ def main(argv=None) -> int:
     q_plain = rng.standard_normal((1, H, hd_plain)).astype(f)
     mla_bpp = 4 * (r + dr)
     plain_bpp = 4 * H * (dn + dr + dv)
-    print(f"load average: {open('/proc/loadavg').read().split()[:3]}; threads {args.threads}")
+    print(f"load average: {load()}; threads {args.threads}")
     print(f"cache bytes per position per layer: MLA {mla_bpp} (latent {r} + rope key {dr}, f32), "
           f"plain attention {plain_bpp} ({H} heads x (K {dn + dr} + V {dv}), f32): {plain_bpp / mla_bpp:.1f}x")
     for ctx in args.ctx:
@@ -60,15 +61,7 @@ def main(argv=None) -> int:
             "mla": lambda: mla_attend(q_nope, q_pe, k_b, v_b, lat, kr, pos0, 0.07),
             "plain": lambda: attend(q_plain, kc, vc, pos0, 0.07),
         }
-        for fn in runs.values():  # compile and warm
-            fn()
-        t = {k: [] for k in runs}
-        for _ in range(args.reps):
-            for k, fn in runs.items():
-                t0 = time.perf_counter()
-                fn()
-                t[k].append(time.perf_counter() - t0)
-        med = {k: float(np.median(v)) for k, v in t.items()}
+        med = alternate(runs, args.reps)  # the warm-up call compiles
         print(f"ctx {ctx}: decode attention per token per layer: MLA {med['mla'] * 1e3:.3f} ms "
               f"({1 / med['mla']:.0f} tok/s), plain {med['plain'] * 1e3:.3f} ms ({1 / med['plain']:.0f} tok/s); "
               f"cache MLA {ctx * mla_bpp / 2**20:.2f} MiB vs plain {ctx * plain_bpp / 2**20:.2f} MiB")
@@ -76,7 +69,7 @@ def main(argv=None) -> int:
         dsa(args, rng)
     if args.tiny:
         tiny(args)
-    print(f"load average after: {open('/proc/loadavg').read().split()[:3]}")
+    print(f"load average after: {load()}")
     return 0
 
 
@@ -204,15 +197,7 @@ def dsa(args, rng):
             "indexer": lambda: dsa_topk(iq, ik, w, pos0, Di ** -0.5, K),
             "dense": lambda: mla_attend(q_nope, q_pe, k_b, v_b, lat, kr, pos0, 0.06),
         }
-        for fn in runs.values():
-            fn()
-        t = {k: [] for k in runs}
-        for _ in range(max(3, args.reps // 3)):
-            for k, fn in runs.items():
-                t0 = time.perf_counter()
-                fn()
-                t[k].append(time.perf_counter() - t0)
-        med = {k: float(np.median(v)) for k, v in t.items()}
+        med = alternate(runs, max(3, args.reps // 3))
         print(f"ctx {ctx}: decode per token per layer: indexer + sparse MLA ({K} positions) "
               f"{med['sparse'] * 1e3:.1f} ms (of which the indexer {med['indexer'] * 1e3:.1f} ms), "
               f"dense MLA {med['dense'] * 1e3:.1f} ms")
