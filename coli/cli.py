@@ -356,7 +356,7 @@ def cmd_serve(a) -> int:
     from coli.slots import check_parallel
 
     try:
-        check_parallel(eng, a.parallel)  # before listening: the slots' KV caches fit the memory budget
+        check_parallel(eng, a.parallel, a.kv_unified)  # before listening: the slots' KV caches fit the memory budget
     except ColiError:
         _close(eng)
         raise
@@ -371,7 +371,8 @@ def cmd_serve(a) -> int:
     try:
         return serve(eng, model_id, host=a.host, port=a.port, aliases=aliases, max_queue=a.queue, quiet=a.quiet,
                      sock=sock, api_key=key, cors=a.cors, body_limit_mb=a.body_limit,
-                     parallel=a.parallel, warmup=not a.no_warmup, reasoning_format=a.reasoning_format)
+                     parallel=a.parallel, warmup=not a.no_warmup, reasoning_format=a.reasoning_format,
+                     kv_unified=a.kv_unified)
     finally:
         _close(eng)  # already closed by the server's shutdown; idempotent
 
@@ -579,6 +580,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--queue", type=int, default=8, help="requests waiting at most (more get 503)")
     s.add_argument("-np", "--parallel", type=int, default=1, metavar="N",
                    help="slots: requests decoded together as one batch, each with its own KV cache of --ctx")
+    s.add_argument("-kvu", "--kv-unified", action="store_true",
+                   help="the slots share --ctx positions in all (each request sized to what it writes; one that does "
+                        "not fit beside the running ones waits) instead of --ctx each")
     s.add_argument("--alias", default=None, help="the served model's id (default: the file's stem)")
     s.add_argument("--api-key", default=None, metavar="KEY",
                    help="clients must send 'Authorization: Bearer KEY' (else COLI_API_KEY; none: no check)")

@@ -63,7 +63,7 @@ from coli import messages as AM
 from coli import tool_calls as TC
 from coli.base.errors import ColiError
 from coli.sampling import Sampler, SamplingParams
-from coli.slots import Batcher, Sequence
+from coli.slots import Batcher, NoRoom, Sequence
 
 DEFAULTS = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0, repeat_last_n=64,
                 presence_penalty=0.0, frequency_penalty=0.0)
@@ -363,9 +363,10 @@ class Worker:
     run one after the other in its slot; between two steps, waiting jobs take the free slots."""
 
     def __init__(self, eng, max_queue: int, metrics: Metrics | None = None, parallel: int = 1,
-                 warmup: bool = False):
+                 warmup: bool = False, kv_unified: bool = False):
         self.eng = eng
-        self.batcher = Batcher(eng, parallel)
+        self.batcher = Batcher(eng, parallel, unified=kv_unified)
+        self.deferred: list = []  # (job, generation)s that wait for KV room (--kv-unified), first in line first
         self.warmup = warmup
         self.warmed: dict | None = None  # the warm-up's {"steps", "seconds"} once it ran
         self.ready = threading.Event()  # set after the warm-up (at once without one): /health 200, jobs taken
@@ -454,7 +455,10 @@ class Worker:
                 raise APIError(499, "cancelled", "server_error")
             job.post("done", i, (r, seq.sampler.logprobs[:len(r.ids)]))
             if i + 1 < len(job.gens):
-                self._start(job, i + 1)
+                try:
+                    self._start(job, i + 1)
+                except NoRoom:
+                    self.deferred.append((job, i + 1))
             else:
                 self.served += 1
         except Exception as e:  # noqa: BLE001
@@ -500,6 +504,20 @@ class Worker:
         b = self.batcher
         while True:
             while b.free():  # waiting jobs take the free slots (block only when nothing runs)
+                if self.deferred:  # --kv-unified: the first in line waits for room, the rest behind it
+                    job, i = self.deferred.pop(0)
+                    if job.cancel.is_set() or self.stopping.is_set():
+                        self.cancelled += 1
+                        job.post("error", 0, APIError(499, "cancelled", "server_error"))
+                        continue
+                    try:
+                        self._start(job, i)
+                    except NoRoom:
+                        self.deferred.insert(0, (job, i))
+                        break
+                    except Exception as e:  # noqa: BLE001
+                        self._fail(job, e)
+                    continue
                 try:
                     job = self.q.get() if not self.running else self.q.get_nowait()
                 except queue.Empty:
@@ -513,6 +531,9 @@ class Worker:
                     continue
                 try:
                     self._start(job, 0)
+                except NoRoom:
+                    self.deferred.append((job, 0))
+                    break
                 except Exception as e:  # noqa: BLE001
                     self._fail(job, e)
             if not self.running:
@@ -580,7 +601,7 @@ def fit_conversation(encode, msgs: list, ctx: int, max_tokens) -> tuple[list, in
 
 def create_app(eng, model_id: str, aliases=(), max_queue: int = 8, api_key: str | None = None, cors=None,
                body_limit_mb: float = BODY_LIMIT_MB, parallel: int = 1, warmup: bool = False,
-               reasoning_format: str = "auto"):
+               reasoning_format: str = "auto", kv_unified: bool = False):
     """The Starlette app serving ``eng`` as model ``model_id``. Any ``model`` name in a request is answered
     by it (one model is served, as llama-server; the answer names ``model_id``); ``aliases`` are the other
     names ``GET /v1/models/{name}`` knows. ``api_key``: requests other than ``/health`` and ``/v1/models``
@@ -591,7 +612,8 @@ def create_app(eng, model_id: str, aliases=(), max_queue: int = 8, api_key: str 
     compile paid then); until it ends ``/health`` and every request answer 503 "Loading model".
     ``reasoning_format``: "auto" (a ``<think>`` span read into ``reasoning_content`` when the chat template
     writes one), "deepseek" (always), "none" (the span stays in the content); llama-server's
-    ``--reasoning-format``, a request's ``reasoning_format`` field overrides it."""
+    ``--reasoning-format``, a request's ``reasoning_format`` field overrides it. ``kv_unified``: the slots share
+    the context's positions (``coli.slots.Batcher``'s ``unified``; llama-server's ``--kv-unified``)."""
     names = {model_id, *aliases}
     created = int(time.time())
     metrics = Metrics()
@@ -1052,7 +1074,9 @@ def create_app(eng, model_id: str, aliases=(), max_queue: int = 8, api_key: str 
         return JSONResponse({"status": "ok", "warmup": w.warmed, "model": model_id, "ctx": eng.ctx, "queued": w.q.qsize(),
                              "busy": w.current is not None, "served": w.served, "cancelled": w.cancelled,
                              "last": w.last, "slots": len(b.slots), "slots_busy": len(b.slots) - b.free(),
-                             "reused_rows": b.reused_rows, "steps": b.steps, "most_in_a_step": b.most_rows_of})
+                             "reused_rows": b.reused_rows, "steps": b.steps, "most_in_a_step": b.most_rows_of,
+                             "kv_unified": b.unified, "kv_cells": b.cells if b.unified else None,
+                             "kv_cells_held": b.held(), "waiting_for_kv": len(w.deferred)})
 
     async def metrics_route(request: Request):
         w = state["worker"]
@@ -1094,7 +1118,7 @@ def create_app(eng, model_id: str, aliases=(), max_queue: int = 8, api_key: str 
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        state["worker"] = Worker(eng, max_queue, metrics, parallel, warmup)
+        state["worker"] = Worker(eng, max_queue, metrics, parallel, warmup, kv_unified)
         try:
             yield
         finally:
@@ -1166,13 +1190,13 @@ def bind(host: str, port: int) -> socket.socket:
 def serve(eng, model_id: str, host: str = "127.0.0.1", port: int = 8080, aliases=(), max_queue: int = 8,
           quiet: bool = False, sock: socket.socket | None = None, api_key: str | None = None, cors=None,
           body_limit_mb: float = BODY_LIMIT_MB, parallel: int = 1, warmup: bool = True,
-          reasoning_format: str = "auto") -> int:
+          reasoning_format: str = "auto", kv_unified: bool = False) -> int:
     """Serve ``eng`` on ``sock`` (or a socket :func:`bind` makes) until SIGINT/SIGTERM; the running generation
     is cancelled, then the engine is closed (routing history saved). Returns 128 + the signal's number
     (130, 143), as a process killed by it, or 0 when the server stopped by itself."""
     sock = sock or bind(host, port)
     app = create_app(eng, model_id, aliases, max_queue, api_key=api_key, cors=cors, body_limit_mb=body_limit_mb,
-                     parallel=parallel, warmup=warmup, reasoning_format=reasoning_format)
+                     parallel=parallel, warmup=warmup, reasoning_format=reasoning_format, kv_unified=kv_unified)
     got = []
 
     class Server(uvicorn.Server):

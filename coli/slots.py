@@ -14,6 +14,10 @@ The prompt cache: a new sequence takes the free slot whose tokens share the long
 computes only the rest; when another slot (busy or free) holds a longer prefix, its K/V rows are copied into
 the free slot first (llama-server's ``cache_prompt`` across slots: the turns of conversations, a shared system
 prompt). ``Batcher.reused_rows`` counts the prompt rows so taken.
+
+Unified KV cells (``Batcher(unified=True)``, ``coli serve --kv-unified``): the slots' caches hold the engine's
+context in positions all together, each sized (in pages of :data:`PAGE`) to what its request writes and grown by
+copying its rows; a request that does not fit beside the busy slots raises :class:`NoRoom` and waits.
 """
 from __future__ import annotations
 
@@ -165,17 +169,28 @@ class Sequence:
             self.slot.used = t2
 
 
-def check_parallel(eng, n_slots) -> None:
+class NoRoom(ColiError):
+    """A sequence's positions do not fit the unified KV cells now (busy slots hold them): start it later."""
+
+
+PAGE = 64  # a unified slot's cache grows in whole pages of positions
+
+
+def check_parallel(eng, n_slots, unified: bool = False) -> None:
     """ColiError naming ``--parallel`` for a slot count below 1 or not an integer, or when ``n_slots`` KV caches
     of the engine's context (each slot holds ``--ctx`` positions; llama-server splits its ``-c`` among them
     instead) do not fit what the memory budget leaves once the model is loaded, or with device layers (they
-    hold one sequence's K/V rows)."""
+    hold one sequence's K/V rows). ``unified`` (``--kv-unified``): the slots share ``--ctx`` positions in all,
+    one context's KV cache whatever ``n_slots`` (ColiError for a family with a recurrent state)."""
     if isinstance(n_slots, bool) or not isinstance(n_slots, int) or n_slots < 1:
         raise ColiError(f"--parallel: {n_slots!r} (slots, at least 1)")
     if n_slots > 1 and eng.device_layers is not None:  # they hold one sequence's K/V rows on the device
         raise ColiError(f"--parallel {n_slots}: device layers (--gpu-layers) serve one sequence; use --parallel 1 "
                         f"or the expert tier")
-    need = n_slots * kv_cache_bytes(eng.args, eng.ctx)
+    if unified and not eng.model.new_cache(1, rope_ctx=max(eng.ctx, 1)).rewindable:
+        raise ColiError(f"--kv-unified: {eng.path.name}'s layers keep a recurrent state, not K/V rows by position "
+                        f"(their caches cannot be sized or copied); serve it without --kv-unified")
+    need = (1 if unified else n_slots) * kv_cache_bytes(eng.args, eng.ctx)
     if n_slots > 1 and need > eng.room:
         from coli.base.memory import fmt_bytes
 
@@ -190,9 +205,15 @@ class Batcher:
     ``--parallel`` when the slots' KV caches do not fit what the memory budget leaves. Not thread-safe: one
     thread drives it (the server's worker)."""
 
-    def __init__(self, eng, n_slots: int = 1, chunk: int | None = None):
-        check_parallel(eng, n_slots)
+    def __init__(self, eng, n_slots: int = 1, chunk: int | None = None, unified: bool = False):
+        check_parallel(eng, n_slots, unified)
         self.eng = eng
+        # --kv-unified: the slots' caches hold eng.ctx positions in all, each sized to what its requests write
+        # (whole PAGEs), grown by copying its rows, the free slots' caches dropped (least recently used first)
+        # when a new request needs their room; a request that does not fit beside the busy slots waits (NoRoom)
+        self.unified = bool(unified)
+        self.cells = max(eng.ctx, 1)
+        self.most_cells = 0  # the most positions the slots' caches held at once (unified)
         self.slots = [Slot(i) for i in range(n_slots)]
         self.chunk = int(chunk or eng.prompt_chunk())
         self.reused_rows = 0  # prompt rows taken from a slot's cache instead of computed
@@ -207,12 +228,55 @@ class Batcher:
     def free(self) -> int:
         return sum(s.seq is None for s in self.slots)
 
+    def held(self) -> int:
+        """Positions the slots' caches hold now."""
+        return sum(s.cache.ctx for s in self.slots if s.cache is not None)
+
+    def need(self, seq: Sequence) -> int:
+        """Positions ``seq`` writes: its prompt and the tokens it may generate."""
+        return len(seq.ids) + max(seq.n_gen, 0)
+
+    def fits(self, seq: Sequence) -> bool:
+        """Whether :meth:`start` can place ``seq`` now: a free slot, and (unified) its positions beside the busy
+        slots' caches (the free slots' caches can be dropped)."""
+        if not self.free():
+            return False
+        if not self.unified:
+            return True
+        busy = sum(s.cache.ctx for s in self.slots if s.seq is not None and s.cache is not None)
+        return busy + self.need(seq) <= self.cells
+
+    def _room(self, slot: Slot, seq: Sequence, n: int) -> None:
+        """Unified: ``slot``'s cache made to hold ``seq``'s positions (a whole number of pages, within the
+        cells the others leave), its first ``n`` rows kept (copied into a bigger cache when it grows); free
+        slots' caches dropped, least recently used first, until the held positions fit the cells."""
+        need = self.need(seq)
+        others = lambda: sum(s.cache.ctx for s in self.slots if s is not slot and s.cache is not None)  # noqa: E731
+        if slot.cache is None or slot.cache.ctx < need:
+            cap = min(-(-need // PAGE) * PAGE, self.eng.ctx)
+            for s in sorted((s for s in self.slots if s is not slot and s.seq is None and s.cache is not None),
+                            key=lambda s: s.used):
+                if others() + cap <= self.cells:
+                    break
+                s.cache, s.ids = None, []
+            cap = max(need, min(cap, self.cells - others()))
+            old = slot.cache
+            slot.cache = self.eng._new_cache(len(seq.ids), positions=cap)
+            if old is not None and n and copy_rows(slot.cache, old, n):
+                slot.ids = slot.ids[:n]
+            else:
+                slot.ids = []
+        self.most_cells = max(self.most_cells, self.held())
+
     def start(self, seq: Sequence) -> Sequence:
-        """Put ``seq`` in a free slot (ColiError when none is free), reusing the longest cached prefix of its
-        prompt (the slot's own rows, or rows copied from another slot's cache)."""
+        """Put ``seq`` in a free slot (ColiError when none is free; :class:`NoRoom` when, unified, its positions
+        do not fit beside the busy slots' caches: start it after one of them finished), reusing the longest
+        cached prefix of its prompt (the slot's own rows, or rows copied from another slot's cache)."""
         free = [s for s in self.slots if s.seq is None]
         if not free:
             raise ColiError("no free slot")
+        if not self.fits(seq):
+            raise NoRoom(f"--kv-unified: {self.need(seq)} positions do not fit beside the busy slots' now")
         ids = seq.ids
         limit = len(ids) - 1  # the last prompt token always runs: its logits give the first token
 
@@ -228,10 +292,13 @@ class Batcher:
             slot = min(free, key=lambda s: (s.cache is not None, s.used))
         eng = self.eng
         with engine_threads(eng):
+            if self.unified:  # first: it may drop free slots' caches (a donor is chosen among the rest)
+                self._room(slot, seq, n)
+                n = min(n, len(slot.ids))
             donor = max((s for s in self.slots if s is not slot and s.cache is not None and s.cache.rewindable),
                         key=lambda s: min(common_prefix(s.ids, ids), limit), default=None)
             got = min(common_prefix(donor.ids, ids), limit) if donor is not None else 0
-            if slot.cache is None or (n == 0 and not slot.cache.rewindable):
+            if not self.unified and (slot.cache is None or (n == 0 and not slot.cache.rewindable)):
                 slot.cache = eng._new_cache(len(ids))  # the whole context: the slot keeps it for later requests
                 slot.ids = []
             if got > n and slot.cache.rewindable and copy_rows(slot.cache, donor.cache, got):
@@ -300,11 +367,13 @@ class Batcher:
         return finished
 
     def run(self, seqs) -> list:
-        """Start ``seqs`` (at most the free slots) and step until all are done; their results. For tests and
-        scripts; the server interleaves :meth:`start` and :meth:`step` itself."""
-        for s in seqs:
-            self.start(s)
-        while any(not s.done for s in seqs):
+        """Start ``seqs`` in order, each as soon as it fits (a free slot; unified, its positions), and step until
+        all are done; their results. For tests and scripts; the server interleaves :meth:`start` and :meth:`step`
+        itself."""
+        waiting = list(seqs)
+        while waiting or any(not s.done for s in seqs):
+            while waiting and self.fits(waiting[0]):
+                self.start(waiting.pop(0))
             self.step()
         for s in seqs:
             if s.error is not None:

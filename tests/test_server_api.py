@@ -755,3 +755,19 @@ def test_generic_form_parse_and_schema():
     assert s["required"] == ["tool_calls"] and s["properties"]["tool_calls"]["minItems"] == 1
     t = TC.request_tools({"tools": WEATHER_TOOLS, "tool_choice": "required", "parallel_tool_calls": False})
     assert constrain.generic_call_schema(t)["required"] == ["tool_call"]
+
+
+def test_kv_unified_server(eng):
+    """``create_app(kv_unified=True)`` (``coli serve --kv-unified``): /health says the slots share the
+    context's cells and how many the slot caches hold (a page-rounded cache of what the request wrote), and
+    a request answers the library's greedy text."""
+    from coli.slots import PAGE
+
+    with _client(eng, parallel=2, kv_unified=True) as c:
+        h = c.get("/health").json()
+        assert h["kv_unified"] is True and h["kv_cells"] == CTX and h["kv_cells_held"] == 0
+        ids = eng.tokenizer.encode_chat(Q)
+        r = c.post("/v1/chat/completions", json={"messages": Q, "max_tokens": 6, "temperature": 0}).json()
+        assert r["choices"][0]["message"]["content"] == _greedy(eng, ids, 6).text
+        h = c.get("/health").json()
+        assert h["kv_cells_held"] == -(-(len(ids) + 6) // PAGE) * PAGE and h["waiting_for_kv"] == 0

@@ -89,6 +89,46 @@ def test_prompt_cache_own_slot_and_copied(engine, model_path, kv):
     assert sa.result.ids == _alone(eng, a, 12).ids
 
 
+def test_unified_kv_cells_shared_tokens_equal_alone(engine, model_path):
+    """``--kv-unified``: four slots share the context's 256 positions, each cache sized to what its request
+    writes (whole pages of 64); a request that does not fit beside the busy ones waits though a slot is free,
+    starts when one finishes, and every request's tokens equal its run alone; the held positions never pass
+    the 256. A second turn longer than its slot's cache grows it (its rows copied) and reuses them."""
+    from coli.slots import PAGE, NoRoom
+
+    eng = engine(model_path("smollm2"), threads=2, ctx=256)
+    long_ids = eng.tokenize(" ".join(["word"] * 60))
+    ids = [long_ids] + [eng.tokenize(p) for p in PROMPTS[:3]]
+    n = 8
+    want = [_alone(eng, x, n) for x in ids]
+    b = Batcher(eng, 4, chunk=5, unified=True)
+    assert b.unified and b.cells == 256
+    seqs = [_seq(eng, x, n) for x in ids]
+    for s in seqs[:3]:
+        b.start(s)
+    assert [s.slot.cache.ctx for s in seqs[:3]] == [-(-(len(x) + n) // PAGE) * PAGE for x in ids[:3]] == \
+        [128, 64, 64]
+    assert b.free() == 1 and not b.fits(seqs[3])
+    with pytest.raises(NoRoom):
+        b.start(seqs[3])
+    assert seqs[3].slot is None
+    b.run(seqs[3:])  # steps the three until one finishes, then the fourth
+    while any(not s.done for s in seqs):
+        b.step()
+    assert b.most_cells <= 256 and b.most_rows_of >= 3
+    for s, w in zip(seqs, want):
+        assert s.error is None and s.result.ids == w.ids, (s.result.ids, w.ids)
+    # a second turn of the first short request: more positions than its 64, its rows copied into a bigger cache
+    s1 = seqs[1]
+    turn2 = s1.ids + s1.result.ids + eng.tokenize(" " + " ".join(["more"] * 50), add_bos=False)
+    b2 = Batcher(eng, 1, unified=True)
+    r1 = b2.run([_seq(eng, s1.ids, n)])[0]
+    assert b2.slots[0].cache.ctx == 64
+    r2 = b2.run([_seq(eng, turn2, n)])[0]
+    assert b2.slots[0].cache.ctx == 128 and r2.stats["cached_tokens"] == len(s1.ids) + len(r1.ids) - 1
+    assert r2.ids == _alone(eng, turn2, n).ids
+
+
 def test_cancel_frees_the_slot(engine, model_path):
     """A sequence whose ``should_stop`` turns true ends "cancelled" at the next step, mid-prompt, and frees its
     slot; its neighbour goes on to its own tokens."""
@@ -111,16 +151,18 @@ def test_cancel_frees_the_slot(engine, model_path):
     assert s2.result.ids == _alone(eng, s2.ids, 8).ids
 
 
-def test_server_parallel_streams_together(model_path):
-    """``coli serve --parallel 3``: three streamed requests at once are decoded together (a step ran their rows
-    together) and answer what the same requests answer one at a time; a client that leaves mid-stream frees
-    its slot at once."""
+@pytest.mark.parametrize("unified", [False, True])
+def test_server_parallel_streams_together(model_path, unified):
+    """``coli serve --parallel 3`` (and with ``--kv-unified``: the three share the 512 positions): three
+    streamed requests at once are decoded together (a step ran their rows together) and answer what the same
+    requests answer one at a time; a client that leaves mid-stream frees its slot at once."""
     httpx = pytest.importorskip("httpx")
     import threading
 
     from test_server import _start, _stop
 
-    p, base = _start(model_path("smollm2"), "--parallel", "3", "--ctx", "512", "--queue", "4")
+    p, base = _start(model_path("smollm2"), "--parallel", "3", "--ctx", "512", "--queue", "4",
+                     *(["--kv-unified"] if unified else []))
     try:
         def ask(prompt, out, i):
             with httpx.stream("POST", base + "/v1/completions", timeout=120,
@@ -140,7 +182,9 @@ def test_server_parallel_streams_together(model_path):
         for t in ts:
             t.join(180)
         h = httpx.get(base + "/health", timeout=10).json()
-        assert h["slots"] == 3 and h["most_in_a_step"] >= 2
+        assert h["slots"] == 3 and h["most_in_a_step"] >= 2 and h["kv_unified"] is unified
+        if unified:
+            assert h["kv_cells"] == 512 and 0 < h["kv_cells_held"] <= 512
         alone = [None] * 3
         for i in range(3):
             ask(PROMPTS[i], alone, i)
@@ -173,3 +217,4 @@ def test_parallel_checked_against_the_memory_budget(engine, model_path):
     for bad in (0, too_many):
         with pytest.raises(ColiError, match="^--parallel"):
             check_parallel(eng, int(bad))
+    check_parallel(eng, int(too_many), unified=True)  # --kv-unified: one context's cache whatever the slots

@@ -147,6 +147,8 @@ def over_http(name: str, threads: int, n_tok: int) -> dict:
                         n_in = d["usage"]["prompt_tokens"]
             got[i] = (n_out, first, time.perf_counter() - t0, n_in)
 
+        while httpx.get(base + "/health", timeout=60).status_code == 503:  # the server's warm-up runs
+            time.sleep(0.2)
         ask("Hello", 4, [None], 0)  # warm up
         for r, k in enumerate((1, 2, 4)):
             got = [None] * k
