@@ -860,7 +860,9 @@ class DeviceLayers:
         K, n = self.K, len(self.per)
         self.zeros = K.buffer(4 * self.D * (self.k + 1), host=False)
         K.upload(self.zeros, np.zeros(self.D * (self.k + 1), np.float32))
-        self.yk = [K.buffer(4 * self.D * (self.k + 1), host=True) if d["il"] in self.resident else None
+        # host-cached memory (readback): the CPU's compiled call writes its rows there and the weights are applied in
+        # place, so the host reads them back; through a discrete device's BAR each such read costs microseconds
+        self.yk = [K.buffer(4 * self.D * (self.k + 1), host=True, readback=True) if d["il"] in self.resident else None
                    for d in self.per]
         self.xnh = K.buffer(4 * self.D * n, host=True, readback=True)
         # --balance: each layer's route for its resident ranks, written by the host before they start
