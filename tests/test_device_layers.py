@@ -240,8 +240,6 @@ def test_construction_failure_falls_back(tiny, monkeypatch):
     ("deepseek3", "layer 0: tensor 'blk.0.attn_q_b.weight' has 20 columns (not a multiple of 32); layer 1: tensor "
                   "'blk.1.attn_q_b.weight' has 20 columns (not a multiple of 32); layer 2: tensor "
                   "'blk.2.attn_q_b.weight' has 20 columns (not a multiple of 32)"),
-    ("qwen3next", "layers 0-2: its mixer is deltanet.GatedDeltaNet (no device kernel); layer 3: its mixer is "
-                  "qwen3next.GatedAttention (no device kernel)"),
     ("rope_linear", ""), ("mixtral", "")])
 def test_layers_qualify_by_what_they_need(family, why):
     """``why_not`` asks what kernels a layer needs, not its class: each layer's reason (runs of layers with one

@@ -92,6 +92,9 @@ class DecoderLayer:
     DeltaNet) on recurrent layers, else ``self_attn`` (gated attention); ffn the MoE block when the layer has a
     router, else the dense SwiGLU FFN. ``tiled``: the DeltaNet value-head order (coli/models/deltanet.py)."""
 
+    #: the device runs this layer (coli/vulkan/device_layers.py): ``post_attention_norm`` is its FFN's pre-norm
+    device_form = "pre-norm"
+
     def __init__(self, m, il: int, *, tiled: bool = False):
         p = f"blk.{il}."
         a = m.args

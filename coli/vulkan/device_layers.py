@@ -24,8 +24,9 @@ CPU").
 Which layers: :func:`plan` (the device's budget: each layer's weights and its KV cache; ``COLI_VK_LAYERS``
 sets the count). Which layers qualify: :func:`why_not`, by what a layer needs: its form (pre-norm, or Gemma 3's norms
 after each block too), its attention (GQA, rope NORM / NEOX with a table a layer, q/k norms, biases, a sliding window,
-gpt-oss's sinks; or DeepSeek-V2's MLA over a latent cache, shaders/mla.comp), its FFN (the softmax top-k MoE with
-Qwen2-MoE's shared expert, gpt-oss's biased MoE with its top-k softmax router and clamped SwiGLU, or the dense
+gpt-oss's sinks, Qwen3-Next's output gate; or DeepSeek-V2's MLA over a latent cache, shaders/mla.comp; or
+Gated DeltaNet with its conv and recurrent states on the device, shaders/deltanet.comp), its FFN (the softmax
+top-k MoE with Qwen2-MoE's shared expert, gpt-oss's biased MoE with its top-k softmax router and clamped SwiGLU, or the dense
 SwiGLU / GeGLU FFN) and its tensors' formats. Activations are f32 on the device (the CPU's layers keep their own
 mode), so a run's tokens may differ from a CPU-only run's by summation order and rounding, as with the tier
 (docs/tier.md "Numerics").
@@ -73,8 +74,11 @@ def _cls(x) -> str:
 def _layer_tensors(m, il: int) -> list[str]:
     """The GGUF tensors layer ``il`` places on the device (its norms besides: f32 vectors)."""
     p = f"blk.{il}."
-    at = m.layers[il].attn
-    if _is_mla(at):     # its attn_k_b / attn_v_b go as f32 (mla_bytes)
+    at = _attn(m.layers[il])
+    if _is_dn(m.layers[il]):    # its conv weights, ssm_a, dt bias and norm go as f32 (dn_bytes)
+        ba = ("ssm_ba.weight",) if p + "ssm_ba.weight" in m.t else ("ssm_beta.weight", "ssm_alpha.weight")
+        names = [p + n for n in ("attn_qkv.weight", "attn_gate.weight") + ba + ("ssm_out.weight",)]
+    elif _is_mla(at):     # its attn_k_b / attn_v_b go as f32 (mla_bytes)
         qs = ("attn_q.weight",) if at.attn_q is not None else ("attn_q_a.weight", "attn_q_b.weight")
         names = [p + n for n in qs + ("attn_kv_a_mqa.weight", "attn_output.weight")]
     else:
@@ -93,6 +97,43 @@ def _layer_tensors(m, il: int) -> list[str]:
 def _is(x, name: str) -> bool:
     """Whether ``x`` is exactly the class ``name`` (``module.qualname``; by name: coli.vulkan imports no model)."""
     return f"{type(x).__module__}.{type(x).__qualname__}" == name
+
+
+def _is_dn(L) -> bool:
+    """Whether layer ``L`` mixes with Gated DeltaNet (``coli.models.deltanet.GatedDeltaNet``, shaders/deltanet.comp)."""
+    return _is(getattr(L, "linear_attn", None), "coli.models.deltanet.GatedDeltaNet")
+
+
+def _gated(L) -> bool:
+    """Whether layer ``L``'s attention is Qwen3-Next's gated attention (``qwen3next.GatedAttention``: q and a
+    sigmoid output gate from one ``attn_q``)."""
+    return _is(getattr(L, "self_attn", None), "coli.models.qwen3next.GatedAttention")
+
+
+def _attn(L):
+    """Layer ``L``'s attention block (``blocks.Attention``, MLA, ...: the gated attention's inner ``Attention``), or
+    None (a DeltaNet layer)."""
+    return L.self_attn.attn if _gated(L) else getattr(L, "attn", None)
+
+
+#: shaders/deltanet.comp's bound on the key head width (its q and k rows in shared memory)
+DN_MAXK = 256
+
+
+def _why_not_dn(m, il: int, dn) -> str | None:
+    """Why the Gated DeltaNet block ``dn`` of layer ``il`` has no device kernels, or None."""
+    if dn.dk > DN_MAXK:
+        return f"a DeltaNet key head of {dn.dk} dims (the device's takes {DN_MAXK} at most)"
+    if f"blk.{il}.attn_qkv.weight" not in m.t:
+        return "a fused ssm_in (an older conversion: no device kernel)"
+    return None
+
+
+def dn_bytes(dn) -> int:
+    """Device bytes of a DeltaNet block besides its GGUF matrices: the conv weights, ssm_a, dt bias and norm as f32,
+    its conv state and recurrent state (independent of the context)."""
+    C = dn.conv_channels
+    return 4 * (C * dn.kernel + 2 * dn.n_v_heads + dn.dv + (dn.kernel - 1) * C + dn.n_v_heads * dn.dk * dn.dv)
 
 
 def _is_mla(a) -> bool:
@@ -214,7 +255,7 @@ def why_not(m, il: int) -> str | None:
         if mixer is not None and not type(mixer).__module__.endswith(".blocks"):
             return f"its mixer is {_cls(mixer)} (no device kernel)"
         return f"its layers are {_cls(L)} (a block order without a device form)"
-    w = _why_not_attention(L.attn) or _why_not_ffn(m, il, L)
+    w = (_why_not_dn(m, il, L.linear_attn) if _is_dn(L) else _why_not_attention(_attn(L))) or _why_not_ffn(m, il, L)
     if w is not None:
         return w
     for n in _layer_tensors(m, il):
@@ -258,11 +299,13 @@ def layer_bytes(m, il: int, ctx: int, experts: bool = True) -> int:
     """Device bytes of layer ``il``: its weight tensors as stored (GGUF blocks; the router as f32) and its K and
     V cache of ``ctx`` positions (f32); ``experts=False``: without the routed experts (they stay on the CPU or
     are placed one by one: ``expert_bytes``)."""
-    a = m.layers[il].attn
+    a = _attn(m.layers[il])
     w = sum(int(m.t[n].nbytes) for n in _layer_tensors(m, il) if not n.endswith("ffn_gate_inp.weight")
             and (experts or "_exps." not in n))
     if f"blk.{il}.ffn_gate_inp.weight" in m.t:
         w += 4 * int(np.prod(m.t[f"blk.{il}.ffn_gate_inp.weight"].shape))
+    if _is_dn(m.layers[il]):
+        return w + dn_bytes(m.layers[il].linear_attn)
     if _is_mla(a):
         return w + mla_bytes(a, ctx)
     return w + 2 * a.n_kv * int(ctx) * a.head_dim * 4
@@ -277,12 +320,27 @@ def _ffn_key(m, il: int) -> tuple:
 
 
 def _shape_key(m, il: int) -> tuple:
-    """What the device's buffers take from one layer (they are sized from the first); the rest (rope, window,
-    norms, scale, formats) is a layer's own."""
-    a = m.layers[il].attn
+    """What the device's buffers take from one layer (they are sized from the first of its mixer kind): (the mixer's
+    shape, its first item the kind: "mla", "gqa" or "dn", the FFN's); the rest (rope, window, norms, scale,
+    formats) is a layer's own."""
+    L = m.layers[il]
+    if _is_dn(L):
+        x = L.linear_attn
+        return (("dn", x.n_k_heads, x.n_v_heads, x.dk, x.dv, x.kernel, x.tiled, x.ssm_ba is not None),
+                _ffn_key(m, il))
+    a = _attn(L)
     if _is_mla(a):
-        return ("mla", a.H, a.r, a.dn, a.dr, a.dv, a.attn_q is None, _ffn_key(m, il))
-    return (a.n_heads, a.n_kv, a.head_dim, _ffn_key(m, il))
+        return (("mla", a.H, a.r, a.dn, a.dr, a.dv, a.attn_q is None), _ffn_key(m, il))
+    return (("gqa", a.n_heads, a.n_kv, a.head_dim, _gated(L)), _ffn_key(m, il))
+
+
+def _shapes_agree(m, il: int) -> bool:
+    """Whether layer ``il`` shares its FFN's shape with every later layer and its mixer's with the later layers of
+    its kind; DeltaNet layers mix with one other kind (Qwen3-Next's gated attention), MLA and GQA do not mix."""
+    k = _shape_key(m, il)
+    later = [_shape_key(m, j) for j in range(il + 1, len(m.layers))]
+    kinds = {x[0][0] for x in later + [k]} - {"dn"}
+    return len(kinds) <= 1 and all(x[1] == k[1] and (x[0] == k[0] or x[0][0] != k[0][0]) for x in later)
 
 
 def _hidden_width(m, il: int) -> int:
@@ -297,7 +355,7 @@ def _hidden_width(m, il: int) -> int:
 
 def _rope_tables(m) -> int:
     """Distinct rope tables (base, scaling, width) of the model's layers (Gemma 3: the local and the global one)."""
-    keys = {_rope_key(L.attn) for il, L in enumerate(m.layers) if why_not(m, il) is None}
+    keys = {_rope_key(_attn(L)) for il, L in enumerate(m.layers) if why_not(m, il) is None and not _is_dn(L)}
     return max(1, len(keys))
 
 
@@ -314,6 +372,17 @@ def _mla_floats(m) -> int:
     return out
 
 
+def _dn_floats(m) -> int:
+    """Floats of one row's DeltaNet scratch (the q/k/v rows before and after the conv, z, beta and alpha, the
+    output), 0 without DeltaNet layers on the device."""
+    out = 0
+    for il, L in enumerate(m.layers):
+        if _is_dn(L) and why_not(m, il) is None:
+            x = L.linear_attn
+            out = max(out, 2 * x.conv_channels + 2 * x.n_v_heads * x.dv + 2 * x.n_v_heads)
+    return out
+
+
 def prompt_bytes(m, rows: int) -> int:
     """Device bytes of the prompt chunks' scratch at ``rows`` rows (``DeviceLayers._prompt_bufs``): the hidden and
     normalized rows, q/k/v, q, the attention output, router logits, routes, the grouped pairs, the experts' h and
@@ -324,7 +393,7 @@ def prompt_bytes(m, rows: int) -> int:
     nqkv = (a.n_heads + 2 * a.n_kv_heads) * a.head_dim
     k = a.top_k if m.moe_layers else 0
     per_row = (5 * a.d_model + nqkv + 2 * a.n_heads * a.head_dim + a.n_experts + 2 * n * k + 2 + k
-               + F + k * a.d_model + a.vocab + _mla_floats(m))
+               + F + k * a.d_model + a.vocab + _mla_floats(m) + _dn_floats(m) + a.n_heads * a.head_dim)
     return 4 * int(rows) * per_row + 4 * (a.n_experts + 1) + 256 * 24
 
 
@@ -340,7 +409,8 @@ def fixed_bytes(m, ctx: int, prompt_rows: int = 0) -> int:
     rows = (9 * a.d_model + 4 * a.n_heads * a.head_dim        # hidden rows in and out, q/k/v, q, attention out
             + a.n_heads * int(ctx) + _rope_tables(m) * int(ctx) * a.n_rot   # the scores, the rope tables
             + a.n_heads * (-(-int(ctx) // 128)) * (a.head_dim + 2)   # decode attention's parts (at most 1 / 128 keys)
-            + 2 * a.vocab + a.n_experts + F + 8 * n * (a.head_dim * a.n_kv_heads + k) + 2 * _mla_floats(m))
+            + 2 * a.vocab + a.n_experts + F + 8 * n * (a.head_dim * a.n_kv_heads + k) + 2 * _mla_floats(m)
+            + a.n_heads * a.head_dim + _dn_floats(m))
     pb = prompt_bytes(m, prompt_rows) if prompt_rows else 0
     return int(out.nbytes) + 4 * rows + 256 * 32 + pb         # 256 bytes of rounding a buffer
 
@@ -359,7 +429,7 @@ def plan(m, budget: int, ctx: int, want: int | None = None, prompt_rows: int = 0
             why = f"{want} asked (COLI_VK_LAYERS)"
             break
         w = why_not(m, il)
-        if w is None and il < n - 1 and _shape_key(m, il) != _shape_key(m, n - 1):
+        if w is None and il < n - 1 and not _shapes_agree(m, il):
             w = "other attention or expert shapes than the layers after it"
         if w is not None:
             why = f"layer {il}: {w}"
@@ -431,13 +501,17 @@ class DeviceLayers:
         m, K, ctx, first = self.m, self.K, self.ctx, self.first
         a = m.args
         L0 = m.layers[first]
-        at = L0.attn
+        # the attention's shape from the first attention layer here (Qwen3-Next: DeltaNet layers between them)
+        at = next((_attn(m.layers[il]) for il in range(first, len(m.layers)) if not _is_dn(m.layers[il])), None)
+        dn0 = next((m.layers[il].linear_attn for il in range(first, len(m.layers)) if _is_dn(m.layers[il])), None)
         # MLA: its cache on the device is one "head" of r + dr floats a position (LAT [ctx, W]): _sync, _fetch and the
         # readback move it as K rows of one head with no V
         self.mla = (at.H, at.r, at.dn, at.dr, at.dv, 0 if at.attn_q is not None else int(at.attn_q_a.shape[0])) \
             if _is_mla(at) else None
         if self.mla:
             self.nq, self.nkv, self.hd = at.H, 1, at.r + at.dr
+        elif at is None:    # DeltaNet layers only: a one-float attention scratch
+            self.nq, self.nkv, self.hd = 1, 1, 1
         else:
             self.nq, self.nkv, self.hd = at.n_heads, at.n_kv, at.head_dim
         self.D = a.d_model
@@ -478,10 +552,26 @@ class DeviceLayers:
         self.weight_bytes = 0
         nq, nkv, hd, D, E, k, F = self.nq, self.nkv, self.hd, self.D, self.E, self.k, self.F
         self.nqkv = (nq + 2 * nkv) * hd
+        # Qwen3-Next's gated attention: its gate rows after v in qkv (_upload_attention reorders attn_q's rows)
+        self.gated = any(_gated(m.layers[il]) for il in range(first, len(m.layers)))
+        # DeltaNet: (Hk, Hv, dk, dv, conv kernel, C) of its layers here (one shape: plan), None without
+        self.dn = None if dn0 is None else (dn0.n_k_heads, dn0.n_v_heads, dn0.dk, dn0.dv, dn0.kernel,
+                                            dn0.conv_channels)
         # scratch, shared by the layers (they run one after the other, with barriers between)
         self.hs = K.buffer(4 * D, host=False)
         self.xn = K.buffer(4 * D, host=False)
-        self.qkv = K.buffer(4 * self.nqkv, host=False)
+        self.qkv = K.buffer(4 * (self.nqkv + (nq * hd if self.gated else 0)), host=False)
+        if self.dn:     # the q/k/v rows before and after the conv, z, beta and alpha, the output
+            Hk, Hv, dk, dv, kc, C = self.dn
+            self.dn_x = K.buffer(4 * C, host=False)
+            self.dn_c = K.buffer(4 * C, host=False)
+            self.dn_z = K.buffer(4 * Hv * dv, host=False)
+            self.dn_ba = K.buffer(4 * 2 * Hv, host=False)
+            self.dn_o = K.buffer(4 * Hv * dv, host=False)
+            n_dn = sum(_is_dn(m.layers[il]) for il in range(first, len(m.layers)))
+            self.dn_floats = (kc - 1) * C + Hv * dk * dv     # a layer's conv state, then its recurrent state
+            self.dnhost = K.buffer(4 * self.dn_floats * n_dn, host=True, readback=True)
+        self._dn_at = None      # (weakref to the cache, position) the device's DeltaNet states are current for
         self.q = K.buffer(4 * nq * hd, host=False)
         self.ao = K.buffer(4 * nq * hd, host=False)
         self.logits = K.buffer(4 * E, host=False)
@@ -574,16 +664,42 @@ class DeviceLayers:
         L = self.m.layers[il]
         d = {"il": il}
         d["attn_norm"] = self._const(L.attn_norm)
-        d["ffn_norm"] = self._const(L.ffn_norm)
+        # Qwen3-Next's FFN norm is its post_attention_norm (a pre-norm layer all the same)
+        d["ffn_norm"] = self._const(L.ffn_norm if hasattr(L, "ffn_norm") else L.post_attention_norm)
         if L.device_form == "sandwich":      # the norms after the attention and the FFN (Gemma 3)
             d["post_attn"] = self._const(np.asarray(L.post_attention_norm, np.float32))
             d["post_ffn"] = self._const(np.asarray(L.post_ffw_norm, np.float32))
-        at = L.attn
-        if self.mla:
-            self._upload_mla(d, at, p, ctx)
+        if _is_dn(L):
+            self._upload_dn(d, L.linear_attn, p)
+        elif self.mla:
+            self._upload_mla(d, _attn(L), p, ctx)
         else:
-            self._upload_attention(d, at, p, ctx)
+            self._upload_attention(d, _attn(L), p, ctx, _gated(L))
         return self._upload_ffn(d, L, il, p)
+
+    def _upload_dn(self, d: dict, x, p: str) -> None:
+        """A Gated DeltaNet block's tensors (``deltanet.GatedDeltaNet``): attn_qkv, attn_gate, ssm_ba (or ssm_beta and
+        ssm_alpha writing the two halves of one buffer) and ssm_out as stored; the conv weights, ssm_a, dt bias and
+        norm as f32; its conv state f32 [K - 1, C] and recurrent state f32 [Hv, dk, dv] (``d["dn_conv"]``,
+        ``d["dn_state"]``), loaded from the CPU's cache before a row (:meth:`_dn_load`)."""
+        t, Hv = self.m.t, x.n_v_heads
+        d["dn"] = True
+        d["dn_n"] = sum("dn" in e for e in self.per)       # its place in dnhost
+        d["dn_qkv"] = (self._place(t[p + "attn_qkv.weight"]), t[p + "attn_qkv.weight"].type_name)
+        d["dn_gate"] = (self._place(t[p + "attn_gate.weight"]), t[p + "attn_gate.weight"].type_name)
+        if x.ssm_ba is not None:
+            d["dn_ba"] = [(self._place(t[p + "ssm_ba.weight"]), t[p + "ssm_ba.weight"].type_name, 0)]
+        else:
+            d["dn_ba"] = [(self._place(t[p + n]), t[p + n].type_name, o)
+                          for n, o in (("ssm_beta.weight", 0), ("ssm_alpha.weight", Hv))]
+        d["dn_out"] = (self._place(t[p + "ssm_out.weight"]), t[p + "ssm_out.weight"].type_name)
+        d["dn_w"] = self._const(np.ascontiguousarray(x.ssm_conv1d, np.float32))
+        d["dn_a"] = self._const(np.ascontiguousarray(x.ssm_a, np.float32))
+        d["dn_dt"] = self._const(np.ascontiguousarray(x.ssm_dt, np.float32))
+        d["dn_norm"] = self._const(np.ascontiguousarray(x.ssm_norm, np.float32))
+        d["dn_conv"] = self.K.buffer(4 * (x.kernel - 1) * x.conv_channels, host=False)
+        d["dn_state"] = self.K.buffer(4 * Hv * x.dk * x.dv, host=False)
+        self.weight_bytes += dn_bytes(x)
 
     def _upload_mla(self, d: dict, at, p: str, ctx: int) -> None:
         """An MLA block's tensors (``coli.models.mla.MLA``): the projections as stored, attn_k_b / attn_v_b and the
@@ -607,19 +723,31 @@ class DeviceLayers:
         d["scale"] = at.scale
         d["K"] = self.K.buffer(4 * ctx * (at.r + at.dr), host=False)
 
-    def _upload_attention(self, d: dict, at, p: str, ctx: int) -> None:
-        """A GQA attention block's tensors (``blocks.Attention``): q/k/v, output, biases, norms, sinks, rope, K/V."""
+    def _upload_attention(self, d: dict, at, p: str, ctx: int, gated: bool = False) -> None:
+        """A GQA attention block's tensors (``blocks.Attention``): q/k/v, output, biases, norms, sinks, rope, K/V.
+        ``gated`` (Qwen3-Next): attn_q's rows per head are hd query rows then hd gate rows (rows of a GGUF matrix are
+        independent blocks): the query rows go into q/k/v, the gate rows are a matrix of their own, ``d["gate"]``."""
         K, t = self.K, self.m.t
         nq, nkv, hd = self.nq, self.nkv, self.hd
         q, k, v = (t[p + f"attn_{x}.weight"] for x in "qkv")
-        # q/k/v as one matrix (their rows concatenated) when they share a format, else one matrix each; parts:
+        rows = lambda x: np.asarray(x.raw).reshape(int(x.shape[0]), -1)     # noqa: E731
+        # parts: (raw rows, tensor, first output row in qkv)
+        if gated:
+            qg = rows(q).reshape(nq, 2, hd, -1)
+            parts = [(qg[:, 0].reshape(nq * hd, -1), q, 0), (rows(k), k, nq * hd), (rows(v), v, (nq + nkv) * hd)]
+            g = np.ascontiguousarray(qg[:, 1].reshape(nq * hd, -1))
+            d["gate"] = (self._place(q, raw=g, shape=(nq * hd, int(q.shape[1]))), q.type_name)
+            d["gated"] = True
+        else:
+            parts = [(rows(q), q, 0), (rows(k), k, nq * hd), (rows(v), v, (nq + nkv) * hd)]
+        # q/k/v as one matrix (their rows concatenated) when they share a format, else one matrix each; d["qkv"]:
         # (weight, format, first output row in qkv, rows)
-        if len({q.type_name, k.type_name, v.type_name}) == 1:
-            raw = np.concatenate([np.asarray(x.raw).reshape(int(x.shape[0]), -1) for x in (q, k, v)])
+        if len({x.type_name for _, x, _ in parts}) == 1:
+            raw = np.concatenate([r for r, _, _ in parts])
             d["qkv"] = [(self._place(q, raw=raw, shape=(raw.shape[0], int(q.shape[1]))), q.type_name, 0, raw.shape[0])]
         else:
-            d["qkv"] = [(self._place(x), x.type_name, o, int(x.shape[0]))
-                        for x, o in ((q, 0), (k, nq * hd), (v, (nq + nkv) * hd))]
+            d["qkv"] = [(self._place(x, raw=r, shape=(r.shape[0], int(x.shape[1]))), x.type_name, o, r.shape[0])
+                        for r, x, o in parts]
         d["o"] = self._place(t[p + "attn_output.weight"])
         if any(b is not None for b in (at.attn_q_b, at.attn_k_b, at.attn_v_b)):
             parts = [b if b is not None else np.zeros(n, np.float32)
@@ -735,13 +863,19 @@ class DeviceLayers:
         hs, xn, qkv, tmp = self.hs.addr, self.xn.addr, self.qkv.addr, self.tmp.addr
         for j, d in enumerate(self.per):
             p = f"blk.{d['il']}."
-            ot = self.m.t[p + "attn_output.weight"].type_name
             kvo = self.kvout.addr + 4 * kvn * j
             qb = d.get("qkv_b")
             ops.append(Dispatch("rmsnorm", (1,), [hs, d["attn_norm"].addr, xn], [D, eps]))
+            if "dn" in d:
+                ops += self._dn_ops(d)
+            else:
+                ot = self.m.t[p + "attn_output.weight"].type_name
             for i, (w, wt, o, n) in enumerate(d.get("qkv", ())):   # the parts write apart: one barrier before the first
                 ops.append(Dispatch("lmv", (-(-n // R),), [w.addr, xn, qkv + 4 * o, qb.addr + 4 * o if qb is not None else 0],
                                     [n, D, 2 if qb is not None else 0], type_name=wt, wait=i == 0))
+            if "gate" in d:     # Qwen3-Next's output gate rows after v
+                ops.append(Dispatch("lmv", (-(-nq * hd // R),), [d["gate"][0].addr, xn, qkv + 4 * self.nqkv, 0],
+                                    [nq * hd, D, 0], type_name=d["gate"][1], wait=False))
             if "qk_norm" in d:   # in place on the q and k parts of qkv (heads: one row a head; full: one row)
                 heads = d["qk_norm"] == "heads"
                 kaddr = qkv + 4 * nq * hd
@@ -753,11 +887,14 @@ class DeviceLayers:
             post = d.get("post_attn")
             if "mla" in d:
                 ops += self._mla_ops(d, 1, kvo, False)
-            ops += [] if "mla" in d else [
+            ops += [] if "mla" in d or "dn" in d else [
                 Dispatch("rope_kv", (nq + nkv,), [qkv, self.q.addr, d["K"].addr, d["V"].addr,
                                                   d["cos"].addr, d["sin"].addr, self.params.addr, kvo],
                          [nq, nkv, hd, d["n_rot"], ctx, d["rope_kind"]]),
                 *self._attn_dec(d),
+                # Qwen3-Next: the attention output times sigmoid(gate), the gate rows after v in qkv
+                *([Dispatch("deltanet", (-(-nq * hd // self.K.wg), 1), [self.ao.addr, qkv],
+                            [2, nq * hd, 0, self.nqkv])] if "gated" in d else []),
                 # into the residual, or (a post-norm) into tmp, normed into the residual
                 Dispatch("lmv", (-(-D // R),), [d["o"].addr, self.ao.addr, tmp if post else hs,
                                                 ob.addr if ob is not None else 0],
@@ -811,6 +948,7 @@ class DeviceLayers:
                     Copy(self.lg, self.lghost, [(0, 0, 4 * V)])]
         ops.append(Copy(self.hs, self.hout, [(0, 0, 4 * D)]))
         ops.append(Copy(self.kvout, self.kvhost, [(0, 0, 4 * kvn * len(self.per))], wait=False))
+        ops += self._dn_readback()     # the DeltaNet states back to the CPU's cache each row (_dn_store)
         if k:
             ops.append(Copy(self.route, self.routehost, [(0, 0, 8 * k * len(self.per))], wait=False))
         return ops
@@ -1192,6 +1330,54 @@ class DeviceLayers:
         ops.append(mv(d["o"], self.m.t[f"blk.{d['il']}.attn_output.weight"].type_name, o, hs, D, H * dv, 1))
         return ops
 
+    def _dn_ops(self, d: dict) -> list:
+        """A decode row's Gated DeltaNet mixer for layer ``d`` (the normed row in xn): attn_qkv, attn_gate and
+        beta / alpha by lmv, the conv (deltanet.comp mode 0), the delta rule with the gated norm (mode 1), ssm_out
+        accumulated into the residual."""
+        from coli.vulkan.layers import Dispatch, f32_bits
+
+        Hk, Hv, dk, dv, kc, C = self.dn
+        R, D = self.K.rows, self.D
+        xn = self.xn.addr
+        x = self.m.layers[d["il"]].linear_attn
+        mv = lambda w, y, n, first=True: Dispatch("lmv", (-(-n // R),), [w[0].addr, xn, y, 0], [n, D, 0],  # noqa: E731
+                                                  type_name=w[1], wait=first)
+        ops = [mv(d["dn_qkv"], self.dn_x.addr, C), mv(d["dn_gate"], self.dn_z.addr, Hv * dv, False)]
+        n_ba = 2 * Hv if len(d["dn_ba"]) == 1 else Hv
+        ops += [mv((w, wt), self.dn_ba.addr + 4 * o, n_ba, False) for w, wt, o in d["dn_ba"]]
+        ops += [Dispatch("deltanet", (-(-C // self.K.wg),), [self.dn_x.addr, d["dn_w"].addr, d["dn_conv"].addr,
+                                                              self.dn_c.addr], [0, C, kc, 1]),
+                Dispatch("deltanet", (Hv,), [self.dn_c.addr, self.dn_z.addr, self.dn_ba.addr, d["dn_state"].addr,
+                                             d["dn_a"].addr, d["dn_dt"].addr, d["dn_norm"].addr, self.dn_o.addr],
+                         [1, Hk, Hv, dk, dv, 1, f32_bits(x.eps), int(x.tiled) | (2 if x.ssm_ba is not None else 0)]),
+                Dispatch("lmv", (-(-D // R),), [d["dn_out"][0].addr, self.dn_o.addr, self.hs.addr, 0], [D, Hv * dv, 1],
+                         type_name=d["dn_out"][1])]
+        return ops
+
+    def _dn_load(self, cache, pos0: int) -> None:
+        """The DeltaNet layers' conv and recurrent states of ``cache`` onto the device, unless the device's are
+        already those of ``cache`` at ``pos0`` (the last row ran here)."""
+        at = self._dn_at
+        if at is not None and at[0]() is cache and at[1] == pos0:
+            return
+        self._dn_at = None
+        for d in self.per:
+            if "dn" in d:
+                c = cache.layers[d["il"]]
+                self.K.upload(d["dn_conv"], c.conv)
+                self.K.upload(d["dn_state"], c.state)
+
+    def _dn_store(self, cache, pos: int) -> None:
+        """The DeltaNet states the row left (read back into dnhost) into ``cache``, the CPU's: current at ``pos``."""
+        nf, c = self.dn_floats, (self.dn[4] - 1) * self.dn[5]
+        for d in self.per:
+            if "dn" in d:
+                st = cache.layers[d["il"]]
+                row = self.dnhost.f32(nf * (d["dn_n"] + 1))[nf * d["dn_n"]:]
+                st.conv[...] = row[:c].reshape(st.conv.shape)
+                st.state[...] = row[c:].reshape(st.state.shape)
+        self._dn_at = (weakref.ref(cache), pos)
+
     def _attn_dec(self, d) -> list:
         """A decode row's attention for layer ``d``: attn_dec.comp, over the positions in parts of ``attn_chunk`` keys
         joined by attn_comb.comp where the context is longer than one part."""
@@ -1241,7 +1427,7 @@ class DeviceLayers:
             return
         hd, nkv, ctx = self.hd, self.nkv, self.ctx
         row = 4 * hd
-        per_pos = len(self._kv_names) * len(self.per) * nkv * row
+        per_pos = len(self._kv_names) * max(1, self._n_kv_layers()) * nkv * row
         step = max(1, (16 << 20) // per_pos)
         need = min(p1 - p0, step) * per_pos
         if self._rstage is None or self._rstage.size < need:
@@ -1254,7 +1440,7 @@ class DeviceLayers:
             n = (b - a) * row
             off, ops, spots = 0, [], []
             for d in self.per:
-                for name in self._kv_names:
+                for name in (() if "dn" in d else self._kv_names):     # a DeltaNet layer has no K/V
                     ops.append(Copy(d[name], st, [((h * ctx + a) * row, off + h * n, n) for h in range(nkv)],
                                     wait=False))
                     spots.append((d["il"], name, off))
@@ -1293,6 +1479,10 @@ class DeviceLayers:
         for il in self.layers:
             h = self.m.layers[il](h, cache.layers[il], p0)
 
+    def _n_kv_layers(self) -> int:
+        """The layers here with a K/V (or latent) cache: not the DeltaNet ones."""
+        return sum("dn" not in d for d in self.per)
+
     def _sync(self, cache, pos0: int) -> None:
         """Upload the K/V rows ``_valid .. pos0 - 1`` of the device's layers from ``cache`` (the CPU's): through
         one host-visible staging buffer of at most 16 MiB, every layer's rows of a chunk in one submit."""
@@ -1312,7 +1502,7 @@ class DeviceLayers:
             return
         hd, nkv, ctx = self.hd, self.nkv, self.ctx
         row = 4 * hd                                     # bytes of one head's row
-        per_pos = len(self._kv_names) * len(self.per) * nkv * row   # bytes a position takes, every layer, K and V
+        per_pos = len(self._kv_names) * max(1, self._n_kv_layers()) * nkv * row   # bytes a position takes, K and V
         step = max(1, (16 << 20) // per_pos)
         if self._stage is None or self._stage.size < min(p1 - p0, step) * per_pos:
             if self._stage is not None:
@@ -1324,6 +1514,8 @@ class DeviceLayers:
             n = (b - a) * row                            # bytes of one head's rows a .. b
             off, by_dst = 0, {}
             for d in self.per:
+                if "dn" in d:       # its states: _dn_load
+                    continue
                 kv = cache.layers[d["il"]]
                 # MLA: one "head" of LAT rows, the latent then the rope key
                 parts = ((("K", np.concatenate([kv.lat[a:b], kv.kr[a:b]], 1)[None]),) if self.mla else
@@ -1347,6 +1539,8 @@ class DeviceLayers:
             t_call, s0 = time.perf_counter(), sum(P.s.values())
         self._sync(cache, pos0)
         self._keep(h, pos0)
+        if self.dn:
+            self._dn_load(cache, pos0)
         D = self.D
         self.params.u32(4)[0] = pos0
         self.hin.f32(D)[:] = h.reshape(-1)
@@ -1363,7 +1557,11 @@ class DeviceLayers:
         out = self.hout.f32(D).reshape(1, D).copy()
         kvn = self.nkv * self.hd
         new = self.kvhost.f32(2 * kvn * len(self.per)).reshape(len(self.per), 2, self.nkv, self.hd)
+        if self.dn:
+            self._dn_store(cache, pos0 + 1)
         for j, d in enumerate(self.per):
+            if "dn" in d:
+                continue
             kv = cache.layers[d["il"]]
             if self.mla:    # the new LAT row: the latent, then the rope key
                 kv.lat[pos0], kv.kr[pos0] = new[j, 0, 0, :self.mla[1]], new[j, 0, 0, self.mla[1]:]
@@ -1406,7 +1604,7 @@ class DeviceLayers:
             self._free_precs()
             for name in ("p_hs", "p_xn", "p_qkv", "p_q", "p_ao", "p_lgt", "p_route", "p_off", "p_pairs", "p_h",
                          "p_yk", "p_ysh", "p_shr", "p_in", "p_out", "p_routeh", "p_tmp", "p_xnh", "p_offh",
-                         "p_pairsh"):
+                         "p_pairsh", "p_gate", "p_dnx", "p_dnc", "p_dnz", "p_dnba", "p_dno"):
                 if getattr(self, name, None) is not None:
                     K.drop(getattr(self, name))
             nq, hd, L = self.nq, self.hd, len(self.per)
@@ -1443,6 +1641,14 @@ class DeviceLayers:
                 H, r, dn, dr, dv, ql = self.mla
                 self._pm = {n: K.buffer(4 * R * w, host=False) for n, w in
                             (("q", H * (dn + dr)), ("kv", r + dr), ("qa", max(ql, 1)), ("ol", H * r))}
+            # Qwen3-Next's attention gate rows; DeltaNet's q/k/v rows before and after the conv, z, beta and alpha,
+            # the output
+            self.p_gate = K.buffer(4 * R * nq * hd, host=False) if self.gated else None
+            if self.dn:
+                Hk, Hv, dk, dv, kc, C = self.dn
+                self.p_dnx, self.p_dnc = K.buffer(4 * R * C, host=False), K.buffer(4 * R * C, host=False)
+                self.p_dnz, self.p_dno = K.buffer(4 * R * Hv * dv, host=False), K.buffer(4 * R * Hv * dv, host=False)
+                self.p_dnba = K.buffer(4 * R * 2 * Hv, host=False)
             self.p_in = K.buffer(4 * R * D, host=True)
             self.p_out = K.buffer(4 * R * D, host=True, readback=True)
             self.p_routeh = K.buffer(8 * k * R * L, host=True, readback=True)
@@ -1473,9 +1679,16 @@ class DeviceLayers:
         hs, xn, qkv, tmp = self.p_hs.addr, self.p_xn.addr, self.p_qkv.addr, self.p_tmp.addr
         for j, d in enumerate(self.per):
             p = f"blk.{d['il']}."
-            ot = self.m.t[p + "attn_output.weight"].type_name
             qb, ob = d.get("qkv_b"), d.get("o_b")
             ops.append(Dispatch("rmsnorm", (R,), [hs, d["attn_norm"].addr, xn], [D, eps]))
+            if "dn" in d:
+                ops += self._dn_prompt_ops(d, R)
+            else:
+                ot = self.m.t[p + "attn_output.weight"].type_name
+            if "gate" in d:     # Qwen3-Next's output gate rows [R, nq hd]
+                ops.append(Dispatch("lmm", (-(-nq * hd // BM), gr), [d["gate"][0].addr, xn, self.p_gate.addr,
+                                                                      self.p_gate.addr], [nq * hd, D, 0, R, 0],
+                                    type_name=d["gate"][1]))
             if "mla" in d:
                 ops += self._mla_ops(d, R, 0, True)
             for i, (w, wt, o, n) in enumerate(d.get("qkv", ())):   # rows of qkv at a stride (ldy): the parts write apart
@@ -1490,13 +1703,16 @@ class DeviceLayers:
                         Dispatch("rmsnorm", (R * nkv if heads else R,), [kaddr, d["k_norm"].addr, kaddr],
                                  [hd if heads else nkv * hd, eps, nkv if heads else 1, self.nqkv], wait=False)]
             post = d.get("post_attn")
-            ops += [] if "mla" in d else [
+            ops += [] if "mla" in d or "dn" in d else [
                 Dispatch("rope_kv", (nq + nkv, R), [qkv, self.p_q.addr, d["K"].addr, d["V"].addr, d["cos"].addr,
                                                     d["sin"].addr, self.params.addr, 0],
                          [nq, nkv, hd, d["n_rot"], ctx, d["rope_kind"]]),
                 Dispatch(akern, agroups, [self.p_q.addr, d["K"].addr, d["V"].addr, self.params.addr, self.p_ao.addr,
                                           d["sinks"].addr if "sinks" in d else self.p_q.addr],
                          [nq, nkv, hd, ctx, f32_bits(d["scale"]), R, d["window"], int("sinks" in d)], mode=amode),
+                # Qwen3-Next: the attention output times sigmoid(gate)
+                *([Dispatch("deltanet", (-(-nq * hd // self.K.wg), R), [self.p_ao.addr, self.p_gate.addr],
+                            [2, nq * hd, nq * hd, 0])] if "gated" in d else []),
                 Dispatch("lmm", (-(-D // BM), gr), [d["o"].addr, self.p_ao.addr, tmp if post else hs,
                                                     ob.addr if ob is not None else hs],
                          [D, nq * hd, (0 if post else 1) | (2 if ob is not None else 0), R, 0], type_name=ot),
@@ -1558,6 +1774,46 @@ class DeviceLayers:
             ops.append(Copy(self.p_hs, self.p_out, [(0, 0, 4 * R * D)]))
         if k:
             ops.append(Copy(self.p_route, self.p_routeh, [(0, 0, 8 * k * R * len(self.per))], wait=False))
+        return ops + self._dn_readback()
+
+    def _dn_prompt_ops(self, d: dict, R: int) -> list:
+        """A prompt chunk's Gated DeltaNet mixer for layer ``d`` (its R normed rows in p_xn): the projections by
+        lmm.comp, the conv over the rows in order (deltanet.comp mode 0), the delta rule row by row in each head's
+        workgroup (mode 1), ssm_out accumulated into the residual rows."""
+        from coli.vulkan.layers import Dispatch, f32_bits
+
+        Hk, Hv, dk, dv, kc, C = self.dn
+        D, BM, gr = self.D, 64, -(-R // self.K.tile)
+        xn = self.p_xn.addr
+        x = self.m.layers[d["il"]].linear_attn
+
+        def mm(w, y, n, ld=0, first=True):
+            return Dispatch("lmm", (-(-n // BM), gr), [w[0].addr, xn, y, y], [n, D, 0, R, ld], type_name=w[1],
+                            wait=first)
+
+        ops = [mm(d["dn_qkv"], self.p_dnx.addr, C), mm(d["dn_gate"], self.p_dnz.addr, Hv * dv, first=False)]
+        n_ba = 2 * Hv if len(d["dn_ba"]) == 1 else Hv
+        ops += [mm((w, wt), self.p_dnba.addr + 4 * o, n_ba, 2 * Hv, False) for w, wt, o in d["dn_ba"]]
+        return ops + [
+            Dispatch("deltanet", (-(-C // self.K.wg),), [self.p_dnx.addr, d["dn_w"].addr, d["dn_conv"].addr,
+                                                         self.p_dnc.addr], [0, C, kc, R]),
+            Dispatch("deltanet", (Hv,), [self.p_dnc.addr, self.p_dnz.addr, self.p_dnba.addr, d["dn_state"].addr,
+                                         d["dn_a"].addr, d["dn_dt"].addr, d["dn_norm"].addr, self.p_dno.addr],
+                     [1, Hk, Hv, dk, dv, R, f32_bits(x.eps), int(x.tiled) | (2 if x.ssm_ba is not None else 0)]),
+            Dispatch("lmm", (-(-D // BM), gr), [d["dn_out"][0].addr, self.p_dno.addr, self.p_hs.addr, self.p_hs.addr],
+                     [D, Hv * dv, 1, R, 0], type_name=d["dn_out"][1])]
+
+    def _dn_readback(self) -> list:
+        """Copies of the DeltaNet layers' conv and recurrent states into dnhost (a program's last ops; _dn_store)."""
+        from coli.vulkan.layers import Copy
+
+        if not self.dn:
+            return []
+        nf, c, ops = self.dn_floats, 4 * (self.dn[4] - 1) * self.dn[5], []
+        for d in self.per:
+            if "dn" in d:
+                ops += [Copy(d["dn_conv"], self.dnhost, [(0, 4 * nf * d["dn_n"], c)], wait=False),
+                        Copy(d["dn_state"], self.dnhost, [(0, 4 * nf * d["dn_n"] + c, 4 * nf - c)], wait=False)]
         return ops
 
     def _prompt_shared(self, d: dict, R: int) -> list:
@@ -1689,7 +1945,9 @@ class DeviceLayers:
         on the device, in chunks of at most ``prompt_rows`` rows, one submit a chunk: ``(h, logits)``, the last
         layer's output f32 [T, D] and None, or, when the head runs here, None and the logits f32 [T, vocab]
         (``all_logits``) or [1, vocab] (the last row's). The K/V rows go into the device's cache only (the
-        CPU's copy is written when it is needed: :meth:`host_kv`). Raises as :meth:`__call__`."""
+        CPU's copy is written when it is needed: :meth:`host_kv`). Raises as :meth:`__call__`. With DeltaNet layers
+        (Qwen3-Next) their states are written back each chunk, and the chunk's K/V rows too: no row is the device's
+        only (a failed device's rows could not be recomputed over states that already took them)."""
         self._sync(cache, pos0)
         T, D, k, L = len(h), self.D, self.k, len(self.per)
         R0 = min(T, self.prompt_rows)
@@ -1708,6 +1966,8 @@ class DeviceLayers:
                 ops = self._prompt_ops(R, key[1])
                 rec = self._precs[key] = self._prompt_segments(ops) if self.resident else \
                     self.K.record(ops, timestamps=True)
+            if self.dn:
+                self._dn_load(cache, p)
             self.params.u32(4)[0] = p
             self.p_in.f32(R * D)[:] = h[s:s + R].reshape(-1)
             t0 = time.perf_counter()
@@ -1717,6 +1977,9 @@ class DeviceLayers:
                 self.K.submit(rec)
             self.prompt_s += time.perf_counter() - t0
             self._valid = p + R
+            if self.dn:
+                self._dn_store(cache, p + R)
+                self._fetch(cache)
             self.prompt_tokens += R
             self.prompt_chunks += 1
             self.p_dev_rows += R * k * (L - len(self.resident))    # the layers whose experts are all here

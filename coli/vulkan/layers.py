@@ -60,7 +60,7 @@ _ACC_XFER_READ = 0x800
 #: the format kernels (compiled per GGUF type) and the others
 FORMAT_KERNELS = ("lmv", "lmoe", "lmm")
 PLAIN_KERNELS = ("rmsnorm", "topk", "rope_kv", "attn_dec", "heat", "attn_pre", "moe_sort", "moe_sum", "attn_comb",
-                 "attn_pre_cm", "mla")
+                 "attn_pre_cm", "mla", "deltanet")
 
 
 def f32_bits(x: float) -> int:
