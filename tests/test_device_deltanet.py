@@ -121,3 +121,37 @@ def test_deltanet_qualification():
         assert device_layers.plan(m, 1 << 40, 32)[0] == 2
     finally:
         e.close()
+
+
+def test_deltanet_device_failure_after_a_device_prompt(monkeypatch):
+    """The device fails at a decode row after it ran a prompt (chunks of 7) and decode rows: the CPU's cache already
+    holds the DeltaNet states and the K/V rows the device wrote (no row is the device's only), so the CPU goes on
+    from there: every row's logits within 1e-5 of the CPU-only run's, the greedy ids equal."""
+    from tests.conftest import FIXTURES
+    from coli.vulkan import DeviceLost
+
+    path = FIXTURES / "oracles" / "qwen3next.gguf"
+    ids = [int(t) for t in np.load(FIXTURES / "oracles" / "qwen3next.npz")["ids"][:22]]
+    cpu = _engine(path, ctx=64)
+    e = _engine(path, layers=-1, ctx=64)
+    try:
+        cc = cpu.model.new_cache(64, 64)
+        ref = np.concatenate([cpu.model.forward(ids[:16], cc)] + [cpu.model.forward([t], cc) for t in ids[16:]])
+        m, dl = e.model, e.model.device_layers
+        dl.prompt_rows = 7
+        c = m.new_cache(64, 64)
+        got = [m.forward(ids[:16], c)] + [m.forward([t], c) for t in ids[16:18]]
+        assert (dl.prompt_chunks, dl.tokens) == (3, 2) and dl._hi <= dl._lo
+
+        def boom(rec, wait=True):
+            raise DeviceLost("simulated")
+
+        monkeypatch.setattr(dl.K, "submit", boom)
+        got += [m.forward([t], c) for t in ids[18:]]
+        assert m.device_layers is None
+        got = np.concatenate(got)
+        assert rel_err(got, ref) < 1e-5, rel_err(got, ref)
+        assert (got.argmax(1) == ref.argmax(1)).all()
+    finally:
+        e.close()
+        cpu.close()
