@@ -432,6 +432,8 @@ def setup_device(eng, device, balance) -> None:
     if setup_layers(eng, dev, int(budget), balance):
         return
     counts = eng.usage.counts.copy() if eng.usage is not None and eng.usage.loaded else None
+    # a zero-copy device maps the RAM cache's bytes: page-aligned reads from here on (the warm start's too)
+    src.page_aligned = bool(getattr(dev, "zero_copy", False))
     own = bool(getattr(dev, "own_queue", getattr(dev, "dedicated_compute_queue", False)))
     eng.tier = Tier(dev, eng.path.name, eng.args.n_layers, src.n_experts(layers[0]), per, int(budget),
                      rule, counts=counts, balancer=Balancer(enabled=True if balance is None else bool(balance)),

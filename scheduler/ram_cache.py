@@ -10,6 +10,7 @@ reference (Python's reference count is the seeds' "slots count readers": evictio
 """
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 import time
@@ -58,6 +59,9 @@ class ExpertSource:
         # keep the file's bytes beside the prepared matrices (a device tier uploads them from the RAM cache); the
         # engine turns it off for a run without a device, so a cached expert costs its prepared bytes alone
         self.keep_raw = True
+        # read each matrix into page-aligned memory of its own (anonymous mmap, read-only views): a zero-copy device
+        # imports those pages as device memory where they lie (VK_EXT_external_memory_host; the engine sets it)
+        self.page_aligned = False
         self._held: dict = {}  # layer -> held_nbytes
         self.bytes_read = 0
         self.reads = 0
@@ -112,7 +116,16 @@ class ExpertSource:
         """Expert ``e``'s slice of the 3-D tensor ``t``: ``(type_name, uint8 [O, row_bytes], bytes read)``."""
         per = t.raw[0].nbytes
         f = getattr(t, "file", None)
-        buf = os.pread(self._fds[f] if f else self.fd, per, t.offset + e * per)
+        fd = self._fds[f] if f else self.fd
+        if self.page_aligned:
+            mm = mmap.mmap(-1, -(-per // mmap.PAGESIZE) * mmap.PAGESIZE)
+            got = os.preadv(fd, [memoryview(mm)[:per]], t.offset + e * per)
+            if got != per:
+                raise OSError(f"{f or self.path}: short read of {t.name} expert {e} ({got} of {per} bytes)")
+            arr = np.frombuffer(mm, dtype=np.uint8, count=per)
+            arr.flags.writeable = False       # shared with the device as it is (the tier copies writable arrays)
+            return t.type_name, arr.reshape(t.raw.shape[1:]), per
+        buf = os.pread(fd, per, t.offset + e * per)
         if len(buf) != per:
             raise OSError(f"{f or self.path}: short read of {t.name} expert {e} ({len(buf)} of {per} bytes)")
         return t.type_name, np.frombuffer(buf, dtype=np.uint8).reshape(t.raw.shape[1:]), per

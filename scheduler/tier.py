@@ -273,11 +273,14 @@ class Tier:
     # ----- lines
     def start_line(self) -> str:
         """``[VK] tier <model>: on, <device>, budget B GiB = N experts of S MiB, <rule>, own queue|shared
-        queue, up to R promotions per token, balanced against the CPU|not balanced``."""
+        queue, up to R promotions per token, balanced against the CPU|not balanced``, then the device's expert
+        placement when it says it (``experts mapped from RAM (zero-copy, ...)`` or ``experts copied to the device
+        (...)``)."""
         return (f"[VK] tier {self.model}: on, {self.device_name}, budget {self.budget / GiB:.2f} GiB = "
                 f"{self.budget_experts} experts of {_mib(self.expert_bytes)} MiB, {self.rule}, "
                 f"{'own queue' if self.own_queue else 'shared queue'}, up to {self.rate} promotions per token, "
-                f"{'balanced against the CPU' if self.balancer.enabled else 'not balanced'}")
+                f"{'balanced against the CPU' if self.balancer.enabled else 'not balanced'}"
+                + (f", {self.device.expert_mode()}" if hasattr(self.device, "expert_mode") else ""))
 
     def run_line(self, ram_hits: int, disk_loads: int, blocks: int | None = None,
                  frag: float | None = None) -> str:
@@ -867,7 +870,7 @@ class Tier:
                                 args={"layer": job.layer, "expert": job.expert, "bytes": nb})
                 with self._cond:
                     self.uploads += 1
-                    self.upload_bytes += nb
+                    self.upload_bytes += getattr(h, "uploaded", nb)    # zero-copy: mapped, nothing copied
                     self._done.append((job.layer, job.expert, h, nb))
             finally:
                 with self._cond:
@@ -932,7 +935,7 @@ class Tier:
                         n_h += int(counts[k] > 0)
                         with self._lock:
                             self.uploads += 1
-                            self.upload_bytes += nb
+                            self.upload_bytes += getattr(h, "uploaded", nb)
                         self.warm_uploads += 1
                 if failed == 0:
                     nxt = next(it, None)

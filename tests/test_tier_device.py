@@ -265,3 +265,27 @@ def test_tier_odd_expert_sizes(lavapipe, tmp_path):
         finally:
             eng.close()
     same(out["vulkan"], out[None])
+
+
+def test_zero_copy_equals_the_copied_mode(lavapipe, tmp_path, monkeypatch, capsys):
+    """COLI_VK_ZERO_COPY=on against off on the OLMoE oracle, a 3-expert budget that evicts (LFRU alone, so that the
+    RAM cache's experts are promoted): the same tokens and logits bit for bit (the same kernels read the same bytes),
+    no byte uploaded, every matrix imported where the RAM cache's page-aligned read put it, the device's dispatches
+    and pairs > 0, and each start line says which mode runs."""
+    monkeypatch.setenv("COLI_VK_TIER_GB", repr(3 * 3 * 32 * 64 * 4 / 2**30))
+    monkeypatch.setenv("COLI_VK_TIER_SYNC", "1")
+    monkeypatch.setenv("COLI_VK_TIER_REUSE", "0")
+    runs = {}
+    for zc in ("off", "on"):
+        monkeypatch.setenv("COLI_VK_ZERO_COPY", zc)
+        capsys.readouterr()
+        runs[zc] = run("olmoe", tmp_path, device="vulkan", balance=False)
+        runs[zc] += (capsys.readouterr().err,)
+    off, on = runs["off"], runs["on"]
+    assert on[0] == off[0] and on[1].tobytes() == off[1].tobytes()
+    t, d = on[2], on[2].device
+    assert d.zero_copy and t.upload_bytes == 0 and t.evictions > 0 and t.uploads > t.warm_uploads
+    assert d.imported_in_place == 3 * t.uploads and d.imported_copied == 0
+    assert d.dispatches > 0 and t.device_pairs > 0 and d.imported_live == 0       # every import let go at close
+    assert "experts mapped from RAM (zero-copy, COLI_VK_ZERO_COPY=on)" in on[4]
+    assert off[2].upload_bytes > 0 and "experts copied to the device (COLI_VK_ZERO_COPY=off)" in off[4]

@@ -148,8 +148,9 @@ def test_batches_in_flight_and_free_waits(dev):
     dev.free_expert(hb)
 
 
-def test_memory_blocks_best_fit_and_return(dev):
+def test_memory_blocks_best_fit_and_return(dev, monkeypatch):
     from coli.vulkan import open_device, BudgetExceeded
+    monkeypatch.setenv("COLI_VK_ZERO_COPY", "off")     # the block allocator's copies (zero-copy imports take no block)
     d = open_device("mem", budget=4 << 20, block_bytes=1 << 20, quiet=True)
     assert d is not None
     try:
@@ -177,6 +178,7 @@ def test_memory_blocks_best_fit_and_return(dev):
 def test_staging_path(monkeypatch):
     from coli.vulkan import open_device
     monkeypatch.setenv("COLI_VK_STAGING", "1")
+    monkeypatch.setenv("COLI_VK_ZERO_COPY", "off")     # experts copied: through the staging buffer
     d = open_device("staged", budget=1 << 28, quiet=True)
     assert d is not None and d.staging
     try:
@@ -414,3 +416,62 @@ def test_recorded_batches_are_submitted_again_with_new_tables(monkeypatch, act):
         assert np.array_equal(a, b), f"batch {i}"
     assert out["0n"] == (6, 6)
     assert out["1n"][1] == 6 and out["1n"][0] < 6, out["1n"]
+
+
+def test_zero_copy_imports_host_memory(monkeypatch):
+    """COLI_VK_ZERO_COPY (VK_EXT_external_memory_host, which Lavapipe has): auto on a device sharing the CPU's RAM
+    (Lavapipe is type CPU) imports each expert matrix as device memory: in place when its address is page-aligned,
+    else from a page-aligned host copy; nothing goes into the block allocator, the outputs equal NumPy's expert, the
+    import counts in the budget and a free lets it go. off copies as before; a bad value is one ColiError."""
+    import mmap
+    from coli.base.errors import ColiError
+    from coli.vulkan import open_device
+
+    rng = np.random.default_rng(5)
+    spec, w = make_expert("Q8_0", "Q4_K", 256, 256, rng)
+    aligned = []
+    for t, raw, shp in spec:                          # page-aligned, read-only copies: what the RAM cache reads into
+        mm = mmap.mmap(-1, -(-raw.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+        a = np.frombuffer(mm, np.uint8, count=raw.size).reshape(raw.shape)
+        a[...] = raw
+        aligned.append((t, a, shp))
+    odd = []
+    for t, raw, shp in spec:                          # one byte past a page: never page-aligned
+        buf = np.zeros(raw.size + mmap.PAGESIZE + 1, np.uint8)
+        off = (-buf.ctypes.data) % mmap.PAGESIZE + 1
+        v = buf[off:off + raw.size].reshape(raw.shape)
+        v[...] = raw
+        odd.append((t, v, shp))
+    x = rng.standard_normal((5, 256)).astype(np.float32)
+    ref = numpy_expert(x, w)
+    monkeypatch.setenv("COLI_VK_ZERO_COPY", "auto")
+    d = open_device("zc", budget=1 << 28, quiet=True)
+    try:
+        assert d.zero_copy and d.type_name == "cpu" and "zero-copy, auto: a cpu device" in d.describe()
+        need = d.expert_bytes(*spec)
+        ha = d.upload_expert(*aligned)
+        assert (d.imported_in_place, d.imported_copied) == (3, 0) and ha.uploaded == 0
+        ho = d.upload_expert(*odd)
+        assert (d.imported_in_place, d.imported_copied, d.imported_copy_bytes) == (3, 3, need)
+        st = d.memory_stats()
+        assert st["blocks"] == 0 and st["imported"] == st["used"] == 2 * need
+        for h in (ha, ho):
+            y = d.submit_experts(x, np.arange(5), [h] * 5).join()
+            assert rel_err(y, ref) < TOL
+        assert d.dispatches > 0
+        d.free_expert(ha)
+        d.free_expert(ho)
+        assert d.memory_stats()["imported"] == 0
+    finally:
+        d.close()
+    monkeypatch.setenv("COLI_VK_ZERO_COPY", "off")
+    d = open_device("zc", budget=1 << 28, quiet=True)
+    try:
+        h = d.upload_expert(*aligned)
+        assert not d.zero_copy and h.uploaded == d.expert_bytes(*spec) and d.memory_stats()["blocks"] == 1
+        assert "experts copied to the device (COLI_VK_ZERO_COPY=off)" in d.describe()
+    finally:
+        d.close()
+    monkeypatch.setenv("COLI_VK_ZERO_COPY", "sometimes")
+    with pytest.raises(ColiError, match="COLI_VK_ZERO_COPY=sometimes: auto, on or off"):
+        open_device("zc", budget=1 << 28, quiet=True)

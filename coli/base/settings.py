@@ -85,6 +85,10 @@ VARS: tuple[Var, ...] = (
     Var("COLI_VK_TIER_PAYBACK", "float", 4.0, "device hits over its victim's that repay an upload: the reuse "
         "gate's threshold over 1024 tokens, the admission's per evicting promotion in its 32 tokens", "routings",
         lo=0.0),
+    Var("COLI_VK_ZERO_COPY", "str", "auto", "experts the device reads from the RAM expert cache's memory "
+        "(VK_EXT_external_memory_host) instead of copies in its own: auto (where the device shares the CPU's RAM: "
+        "an integrated GPU, Lavapipe), on (any device with the extension; a discrete GPU then reads experts over "
+        "PCIe) or off (docs/vulkan.md \"Zero-copy experts\")"),
     Var("COLI_VK_TIER_FILL", "bool", True, "fill the device's free budget with the next-hottest experts"),
     Var("COLI_VK_TIER_WARM", "bool", True, "warm start: upload the history's hottest experts at load"),
     Var("COLI_VK_TIER_GEMM_ROWS", "int", 16, "rows from which an expert runs as a tiled GEMM on the device "

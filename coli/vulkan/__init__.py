@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import sys
 
+from coli.base.errors import ColiError
+
 from .errors import BudgetExceeded, DeviceLost, VulkanError
 
 __all__ = ["open_device", "wanted", "DeviceLost", "VulkanError", "BudgetExceeded"]
@@ -85,6 +87,8 @@ def open_device(label: str, *, budget=None, block_bytes: int | None = None, stag
         from .device import Device  # loads the vulkan binding: only when a device is opened
         kw = {} if block_bytes is None else {"block_bytes": block_bytes}
         dev = Device(label, budget=budget, staging=staging, device_index=device_index, index_name=index_name, **kw)
+    except ColiError:       # a bad setting (COLI_VK_ZERO_COPY=...): the user's error, one line, not a fallback
+        raise
     except Exception as e:  # any failure: the CPU runs instead (or the caller's error, when required)
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         if required:

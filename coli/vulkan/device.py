@@ -17,12 +17,14 @@ Design (docs/vulkan.md):
 """
 from __future__ import annotations
 
+import mmap
 import struct
 import time
 
 import numpy as np
 import vulkan as vk
 
+from coli.base.errors import ColiError
 from coli.types import iq_tables
 from coli.types import table as TT
 
@@ -47,6 +49,8 @@ _PSTAGE_TOP, _PSTAGE_COMPUTE, _PSTAGE_TRANSFER, _PSTAGE_BOTTOM, _PSTAGE_HOST = 0
 _ACC_SHADER_READ, _ACC_SHADER_WRITE, _ACC_XFER_WRITE, _ACC_HOST_READ = 0x20, 0x40, 0x1000, 0x2000
 _FULL_SUBGROUPS = 0x2                  # VK_PIPELINE_SHADER_STAGE_CREATE_REQUIRE_FULL_SUBGROUPS_BIT
 _DEVICE_LOST = -4
+_HOST_ALLOCATION = 0x80                # VK_EXTERNAL_MEMORY_HANDLE_TYPE_HOST_ALLOCATION_BIT_EXT
+_SHARED_TYPES = ("integrated", "cpu")  # devices whose memory is the CPU's DRAM: zero-copy by default
 _TIMEOUT, _NOT_READY = 2, 1
 _TYPE_NAMES = {0: "other", 1: "integrated", 2: "discrete", 3: "virtual", 4: "cpu"}
 _TYPE_RANK = {2: 0, 1: 1, 3: 2, 4: 3, 0: 4}       # discrete > integrated > virtual > CPU
@@ -205,13 +209,13 @@ def push_constant_layout(d, dsl, pc_bytes: int) -> object:
 
 
 class _Tensor:
-    __slots__ = ("type_name", "O", "I", "alloc", "buffer", "addr", "nbytes")
+    __slots__ = ("type_name", "O", "I", "alloc", "buffer", "addr", "nbytes", "memory", "host")
 
 
 class ExpertHandle:
     """A resident expert: its gate, up and down tensors on the device (from ``Device.upload_expert``)."""
     __slots__ = ("id", "gate", "up", "down", "D", "F", "Dp", "Fp", "sig", "nbytes", "last_batch", "freed",
-                 "addr6")
+                 "addr6", "uploaded")
 
     def __repr__(self):
         return f"<expert {self.id}: {self.gate.type_name}/{self.down.type_name} D={self.D} F={self.F}>"
@@ -701,6 +705,22 @@ class Device:
         self.memory_budget_ext = "VK_EXT_memory_budget" in exts
         if self.memory_budget_ext:
             want_ext.append("VK_EXT_memory_budget")
+        # zero-copy experts: host memory imported as device memory (VK_EXT_external_memory_host) instead of copies
+        from coli.base.settings import get as _get
+        zc = str(_get("COLI_VK_ZERO_COPY") or "auto").lower()
+        if zc not in ("auto", "on", "off"):
+            raise ColiError(f"COLI_VK_ZERO_COPY={zc}: auto, on or off (experts mapped from RAM into the device)")
+        has_host = "VK_EXT_external_memory_host" in exts
+        if zc == "on" and not has_host:
+            raise ColiError(f"COLI_VK_ZERO_COPY=on: {self.name} lacks VK_EXT_external_memory_host (host memory "
+                            f"imported as device memory); set auto or off")
+        self.zero_copy = has_host and (zc == "on" or zc == "auto" and self.type_name in _SHARED_TYPES)
+        self.zero_copy_why = ("COLI_VK_ZERO_COPY=on" if zc == "on" else
+                              f"auto: a {self.type_name} device" + ("" if has_host or zc == "off" else
+                                                                    " without VK_EXT_external_memory_host")
+                              if zc == "auto" else "COLI_VK_ZERO_COPY=off")
+        if self.zero_copy:
+            want_ext.append("VK_EXT_external_memory_host")
         ext_c = [ffi.new("char[]", e.encode()) for e in want_ext]
         ext_arr = ffi.new("char*[]", ext_c) if ext_c else ffi.NULL
         dci = _s("VkDeviceCreateInfo")
@@ -721,6 +741,26 @@ class Device:
             lib.vkGetDeviceQueue(self._dev, self.queue_family, 1, pq)
             self._queue2 = pq[0]
         self._full_sg = full_sg and self.subgroup_pinned
+        self.host_align = 4096
+        self._host_ptr_props = None
+        if self.zero_copy:
+            hp = _s("VkPhysicalDeviceExternalMemoryHostPropertiesEXT")
+            hp.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_EXTERNAL_MEMORY_HOST_PROPERTIES_EXT
+            p2 = _s("VkPhysicalDeviceProperties2")
+            p2.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2
+            p2.pNext = hp
+            lib.vkGetPhysicalDeviceProperties2(pd, p2)
+            self.host_align = max(1, int(hp.minImportedHostPointerAlignment))
+            fn = lib.vkGetDeviceProcAddr(self._dev, b"vkGetMemoryHostPointerPropertiesEXT")
+            if fn == ffi.NULL:
+                raise VulkanError("VK_EXT_external_memory_host enabled but vkGetMemoryHostPointerPropertiesEXT missing")
+            self._host_ptr_props = ffi.cast("PFN_vkGetMemoryHostPointerPropertiesEXT", fn)
+        # counters of the zero-copy mode: matrices imported where they lay (the RAM cache's page-aligned bytes), and
+        # those first copied into page-aligned host memory (not page-aligned, or rows the kernels need padded)
+        self.imported_in_place = 0
+        self.imported_copied = 0
+        self.imported_copy_bytes = 0
+        self.imported_live = 0        # bytes of the imported matrices the device holds now (count in the budget)
 
         # memory types and heaps
         mp2 = _s("VkPhysicalDeviceMemoryProperties2")
@@ -974,10 +1014,11 @@ class Device:
         b.view = None
         lib.vkFreeMemory(self._dev, b.memory, ffi.NULL)
 
-    def _place(self, type_name: str, raw: np.ndarray, shape, rows: int | None = None) -> _Tensor:
+    def _place(self, type_name: str, raw: np.ndarray, shape, rows: int | None = None, host: bool = False) -> _Tensor:
         """One [O, I] GGUF matrix into device memory as [rows (default O), ceil32(I)]: a float format's rows
         are zero-padded to a multiple of 32 weights (:func:`_pad_rows`); a block format's inner size is a
-        multiple of its block already (ValueError otherwise, as for bytes that do not match the shape)."""
+        multiple of its block already (ValueError otherwise, as for bytes that do not match the shape). ``host``: the
+        host's bytes imported as device memory (:meth:`_import`, zero-copy experts) instead of a copy in a block."""
         O, I = (int(shape[0]), int(shape[1]))
         if type_name not in S.FORMATS:
             raise ValueError(f"weight format {type_name} has no device kernel")
@@ -995,6 +1036,9 @@ class Device:
         O, I, rb = Op, Ip, row_bytes(type_name, Ip)
         t = _Tensor()
         t.type_name, t.O, t.I, t.nbytes = type_name, O, I, O * rb
+        t.memory = t.host = None
+        if host:                 # zero-copy (an expert on a zero-copy device): the host's bytes, imported
+            return self._import(t, raw.reshape(-1))
         t.alloc = self._alloc.alloc(t.nbytes, 256)
         t.buffer = None
         try:
@@ -1028,6 +1072,80 @@ class Device:
         if t.alloc is not None:
             self._alloc.free(t.alloc)
             t.alloc = None
+        if t.memory is not None:          # an imported host range: the device lets go, then the host may free it
+            lib.vkFreeMemory(self._dev, t.memory, ffi.NULL)
+            t.memory = None
+            self.imported_live -= t.nbytes
+        t.host = None
+
+    def _import(self, t: _Tensor, flat: np.ndarray) -> _Tensor:
+        """Zero-copy placement (VK_EXT_external_memory_host): ``flat`` (uint8, the matrix's device layout) is
+        imported as device memory where it lies when its address is a multiple of ``host_align`` (the RAM
+        cache's page-aligned reads; the import covers the whole pages it spans, which stay mapped while the array
+        lives: the tensor holds a reference), else first copied into page-aligned host memory (``imported_copied``).
+        The device then reads the host's bytes: no device copy, no upload. VulkanError when the driver refuses."""
+        a = self.host_align
+        size = -(-t.nbytes // a) * a
+        ptr = flat.ctypes.data if flat.flags.c_contiguous else 0
+        if ptr and ptr % a == 0:
+            host = flat
+            self.imported_in_place += 1
+        else:
+            mm = mmap.mmap(-1, size)          # page-aligned, zero-filled, freed when its last view goes
+            host = np.frombuffer(mm, np.uint8)
+            host[:t.nbytes] = flat
+            ptr = host.ctypes.data
+            self.imported_copied += 1
+            self.imported_copy_bytes += t.nbytes
+        t.alloc, t.buffer, t.host = None, None, host
+        try:
+            props = _s("VkMemoryHostPointerPropertiesEXT")
+            props.sType = vk.VK_STRUCTURE_TYPE_MEMORY_HOST_POINTER_PROPERTIES_EXT
+            _chk(self._host_ptr_props(self._dev, _HOST_ALLOCATION, ffi.cast("void*", ptr), props),
+                 "vkGetMemoryHostPointerPropertiesEXT")
+            ebi = _s("VkExternalMemoryBufferCreateInfo")
+            ebi.sType = vk.VK_STRUCTURE_TYPE_EXTERNAL_MEMORY_BUFFER_CREATE_INFO
+            ebi.handleTypes = _HOST_ALLOCATION
+            bci = _s("VkBufferCreateInfo")
+            bci.sType = vk.VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO
+            bci.pNext = ebi
+            bci.size = size
+            bci.usage = _USAGE_STORAGE | _USAGE_ADDRESS
+            pb = ffi.new("VkBuffer*")
+            _chk(lib.vkCreateBuffer(self._dev, bci, ffi.NULL, pb), "vkCreateBuffer(imported)")
+            t.buffer = pb[0]
+            mr = _s("VkMemoryRequirements")
+            lib.vkGetBufferMemoryRequirements(self._dev, t.buffer, mr)
+            bits = int(props.memoryTypeBits) & int(mr.memoryTypeBits)
+            if not bits:
+                raise VulkanError(f"no memory type both imports host memory and backs a storage buffer "
+                                  f"(host {int(props.memoryTypeBits):#x}, buffer {int(mr.memoryTypeBits):#x})")
+            imp = _s("VkImportMemoryHostPointerInfoEXT")
+            imp.sType = vk.VK_STRUCTURE_TYPE_IMPORT_MEMORY_HOST_POINTER_INFO_EXT
+            imp.handleType = _HOST_ALLOCATION
+            imp.pHostPointer = ffi.cast("void*", ptr)
+            fl = _s("VkMemoryAllocateFlagsInfo")
+            fl.sType = vk.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_FLAGS_INFO
+            fl.flags = _DEVICE_ADDRESS_BIT
+            fl.pNext = imp
+            mai = _s("VkMemoryAllocateInfo")
+            mai.sType = vk.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO
+            mai.pNext = fl
+            mai.allocationSize = size
+            mai.memoryTypeIndex = (bits & -bits).bit_length() - 1
+            pm = ffi.new("VkDeviceMemory*")
+            _chk(lib.vkAllocateMemory(self._dev, mai, ffi.NULL, pm), f"vkAllocateMemory(import of {size} bytes)")
+            t.memory = pm[0]
+            self.imported_live += t.nbytes    # (_drop takes it off again on a failure below)
+            _chk(lib.vkBindBufferMemory(self._dev, t.buffer, t.memory, 0), "vkBindBufferMemory(imported)")
+            ai = _s("VkBufferDeviceAddressInfo")
+            ai.sType = vk.VK_STRUCTURE_TYPE_BUFFER_DEVICE_ADDRESS_INFO
+            ai.buffer = t.buffer
+            t.addr = int(lib.vkGetBufferDeviceAddress(self._dev, ai))
+        except BaseException:
+            self._drop(t)
+            raise
+        return t
 
     def _staged_copy(self, flat: np.ndarray, dst) -> None:
         """Copy bytes into a device-local buffer through a host-visible staging buffer (synchronous)."""
@@ -1071,10 +1189,12 @@ class Device:
         self.staged_bytes = getattr(self, "staged_bytes", 0) + flat.size
 
     def memory_stats(self) -> dict:
-        """budget, used (bytes of tensors), reserved (bytes in blocks), blocks, free, largest_free, frag."""
+        """budget, used (bytes of tensors, imported ones included), reserved (bytes in blocks), blocks, free,
+        largest_free, frag, imported (bytes of the zero-copy experts' imported host memory)."""
         a = self._alloc
-        return {"budget": self.budget_bytes, "used": a.used_bytes, "reserved": a.reserved_bytes,
-                "blocks": len(a.blocks), "free": a.free_bytes, "largest_free": a.largest_free, "frag": a.frag}
+        return {"budget": self.budget_bytes, "used": a.used_bytes + self.imported_live, "reserved": a.reserved_bytes,
+                "blocks": len(a.blocks), "free": a.free_bytes, "largest_free": a.largest_free, "frag": a.frag,
+                "imported": self.imported_live}
 
     # -- experts -----------------------------------------------------------------------------------
     @staticmethod
@@ -1105,8 +1225,9 @@ class Device:
         if tg != tu:
             raise ValueError(f"gate ({tg}) and up ({tu}) formats differ; the device kernel needs one")
         need = self.expert_bytes(gate, up, down)
-        if self._alloc.used_bytes + need > self.budget_bytes:
-            raise BudgetExceeded(f"expert of {need} bytes does not fit: {self._alloc.used_bytes} of "
+        if self._alloc.used_bytes + self.imported_live + need > self.budget_bytes:
+            raise BudgetExceeded(f"expert of {need} bytes does not fit: "
+                                 f"{self._alloc.used_bytes + self.imported_live} of "
                                  f"{self.budget_bytes} budget bytes used")
         for t in (tg, td):
             self._pipeline("gemv", t, 1 if t == tg else 0)
@@ -1114,7 +1235,7 @@ class Device:
         try:
             Fp = _ceil32(F)
             for spec, rows in ((gate, Fp), (up, Fp), (down, D)):
-                parts.append(self._place(*spec, rows=rows))
+                parts.append(self._place(*spec, rows=rows, host=self.zero_copy))
         except BaseException:
             for t in parts:
                 self._drop(t)
@@ -1128,6 +1249,7 @@ class Device:
         h.sig = (tg, td)
         h.addr6 = _addr6(h)
         h.nbytes = need
+        h.uploaded = 0 if self.zero_copy else need    # bytes copied into device memory (zero-copy: none)
         h.last_batch = None
         h.freed = False
         self._handles[h.id] = h
@@ -1597,8 +1719,15 @@ class Device:
         return (f"{self.name} ({self.type_name}, Vulkan {self.api_version}), subgroup {self.subgroup_size}"
                 f"{' pinned' if self.subgroup_pinned else ''}, {q}, {len(self.queue_families)} queue "
                 f"families, heaps: {heaps}, {'staged' if self.staging else 'mapped'} uploads, "
+                f"{self.expert_mode()}, "
                 f"budget {self.budget_bytes / GiB:.2f} GiB ({self.budget_rule}), int8 dot product "
                 f"{'on' if self.int_dot else 'emulated'}")
+
+    def expert_mode(self) -> str:
+        """The experts' placement in words: ``experts mapped from RAM (zero-copy, <why>)`` or ``experts copied to the
+        device (<why>)``."""
+        return (f"experts mapped from RAM (zero-copy, {self.zero_copy_why})" if self.zero_copy
+                else f"experts copied to the device ({self.zero_copy_why})")
 
     def timestamp_ms(self, qpool, n: int = 2):
         """Milliseconds between the two timestamps of ``qpool`` (:func:`timestamp_pool`) after their command buffer
