@@ -20,7 +20,9 @@ step), ``weight_gbps`` (weight_bytes / mean time, GB = 1e9 bytes), ``probe_gbps`
 that thread count, ``--bandwidth``), ``device_rows`` / ``cpu_rows`` (the placement: rows of the last run whose
 device layers (``--gpu-layers``) ran on the device / on the CPU; 0 and N without device layers),
 ``expert_disk_loads``, ``expert_bytes_read`` (per run), ``device_expert_rows`` / ``cpu_expert_rows`` (routed (row,
-expert) pairs of the last run computed on the device / on the CPU: the tier's and the device layers' experts).
+expert) pairs of the last run computed on the device / on the CPU: the tier's and the device layers' experts),
+``device_streamed_bytes`` (expert bytes the last run streamed to the device for prompt chunks:
+``COLI_VK_PROMPT_EXPERTS``).
 
 ``cold`` drops the model file's pages (``posix_fadvise(DONTNEED)``) and empties the RAM expert cache before
 each run, so expert loads are real disk reads. See docs/tuning.md.
@@ -53,7 +55,7 @@ FIELDS = ["build_commit", "build_number", "cpu_info", "gpu_info", "backends", "m
 COLI_FIELDS = ["test", "device", "balance", "cpu_act", "expert_cache", "io_threads", "load_avg", "cold",
                "weight_bytes", "weight_gbps", "probe_gbps", "device_rows", "cpu_rows"]
 SAMPLE_FIELDS = ["samples_ns", "samples_ts", "expert_disk_loads", "expert_bytes_read", "device_expert_rows",
-                 "cpu_expert_rows"]
+                 "cpu_expert_rows", "device_streamed_bytes"]
 FORMATS = ("md", "json", "csv", "jsonl")
 
 _RANGE = re.compile(r"^(\d+)-(\d+)(?:([+*])(\d+))?$")
@@ -332,7 +334,8 @@ def run_bench(eng, n_prompt=128, n_gen=64, reps=5, cold=False, threads=None, ban
                            expert_disk_loads=[l["disk_loads"] for l in loads],
                            expert_bytes_read=[l["bytes_read"] for l in loads],
                            device_expert_rows=int(last.get("device_expert_rows", 0)),
-                           cpu_expert_rows=int(last.get("cpu_expert_rows", 0)))
+                           cpu_expert_rows=int(last.get("cpu_expert_rows", 0)),
+                           device_streamed_bytes=int(last.get("device_streamed_bytes", 0)))
                 recs.append(rec)
                 if on_test is not None:
                     on_test(rec)

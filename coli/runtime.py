@@ -552,7 +552,7 @@ def reset_counters(eng):
     c = eng.cache
     eng._c0 = (c.hits, c.loads, c.source.bytes_read) if c is not None else (0, 0, 0)
     dl = eng.device_layers
-    eng._d0 = (dl.prompt_tokens, dl.tokens) if dl is not None else (0, 0)
+    eng._d0 = (dl.prompt_tokens, dl.tokens, dl.streamed_bytes) if dl is not None else (0, 0, 0)
     eng._x0 = expert_rows(eng)
 
 
@@ -569,7 +569,8 @@ def expert_rows(eng) -> tuple[int, int]:
 def counters(eng) -> dict:
     """Since :func:`reset_counters`: expert cache hits, disk loads and bytes read; with device layers, the
     prompt rows and decode rows whose device layers ran on the device (``device_prompt_rows``,
-    ``device_decode_rows``); the routed (row, expert) pairs computed on the device and on the CPU
+    ``device_decode_rows``) and the expert bytes streamed to the device for prompt chunks
+    (``device_streamed_bytes``); the routed (row, expert) pairs computed on the device and on the CPU
     (``device_expert_rows``, ``cpu_expert_rows``)."""
     c = eng.cache
     out = dict(expert_hits=0, disk_loads=0, bytes_read=0)
@@ -578,8 +579,9 @@ def counters(eng) -> dict:
         out = dict(expert_hits=c.hits - h0, disk_loads=c.loads - l0, bytes_read=c.source.bytes_read - b0)
     dl = eng.device_layers
     if dl is not None:
-        p0, t0 = getattr(eng, "_d0", (0, 0))
-        out.update(device_prompt_rows=dl.prompt_tokens - p0, device_decode_rows=dl.tokens - t0)
+        p0, t0, s0 = getattr(eng, "_d0", (0, 0, 0))
+        out.update(device_prompt_rows=dl.prompt_tokens - p0, device_decode_rows=dl.tokens - t0,
+                   device_streamed_bytes=dl.streamed_bytes - s0)
     x0 = getattr(eng, "_x0", (0, 0))
     x1 = expert_rows(eng)
     out.update(device_expert_rows=x1[0] - x0[0], cpu_expert_rows=x1[1] - x0[1])
@@ -635,6 +637,10 @@ def close(eng):
                   f"{dl.swaps} experts swapped in" if dl.resident else "")
             if dl.bal is not None:
                 ex += f"; balance: device share {dl.bal.share:.2f}, {dl.handed} resident ranks handed to the CPU"
+            if dl.stream_chunks:
+                ex += (f"; experts streamed for {dl.stream_chunks} prompt chunk"
+                       f"{'s' if dl.stream_chunks != 1 else ''}: {dl.streamed_bytes / 1e9:.2f} GB in "
+                       f"{dl.stream_s:.2f} s of copies ({dl.streamed_bytes / 1e9 / max(dl.stream_s, 1e-9):.1f} GB/s)")
             print(f"[VK] {eng.path.name}: device layers ran {dl.tokens} decode tokens, {ms:.2f} ms a token in "
                   f"the submit and its wait{gpu}{hold}{pre}{ex}", file=sys.stderr)
         if eng.device_layers.prof is not None and eng.device_layers.prof.tokens:   # COLI_VK_JOIN_PROFILE: asked for

@@ -131,9 +131,10 @@ def test_device_lost_in_a_prompt_chunk(tiny, cpu, monkeypatch):
 
 @pytest.mark.parametrize("family", ["mixtral", "olmoe", "qwen3moe", "qwen2moe"])
 def test_families_prompt_int8_tokens(family):
-    """The oracle families with every layer on the device and every expert on the CPU (--cpu-moe), and about half of
-    them resident: the prompt's rows on the device (its CPU pairs int8 as in the CPU-only run), 8 greedy tokens equal
-    to the CPU-only int8 run's, the prompt's last logits within 2e-3 of the largest."""
+    """The oracle families with every layer on the device and every expert on the CPU (--cpu-moe), about half of
+    them resident, and every expert streamed for the prompt (COLI_VK_PROMPT_EXPERTS=stream): the prompt's rows on the
+    device (its CPU pairs int8 as in the CPU-only run), 8 greedy tokens equal to the CPU-only int8 run's, the
+    prompt's last logits within 2e-3 of the largest."""
     from coli.vulkan import device_layers as DL
     from tests.conftest import FIXTURES
 
@@ -148,14 +149,17 @@ def test_families_prompt_int8_tokens(family):
             (m.args.n_experts * n // 2) * DL.expert_bytes(m, 0)
         r_cpu = cpu.generate(ids=ids, max_tokens=8, temp=0.0, stop_at_eos=False)
         ref = cpu.model.forward(ids, cpu.model.new_cache(64, 64))
-        for env in (dict(COLI_VK_CPU_MOE=-1), dict(COLI_VK_LAYERS=n, COLI_VK_TIER_GB=(half + 100) / 2**30)):
+        for env in (dict(COLI_VK_CPU_MOE=-1), dict(COLI_VK_LAYERS=n, COLI_VK_TIER_GB=(half + 100) / 2**30),
+                    dict(COLI_VK_CPU_MOE=-1, COLI_VK_PROMPT_EXPERTS="stream")):
             dev = _engine(path, act="int8", **env)
             try:
                 dl = dev.model.device_layers
                 assert dl is not None and dl.first == 0 and dl.resident
                 r = dev.generate(ids=ids, max_tokens=8, temp=0.0, stop_at_eos=False)
                 assert list(r.ids) == list(r_cpu.ids), env
-                assert r.stats["device_prompt_rows"] == len(ids) and dl.p_cpu_rows > 0
+                assert r.stats["device_prompt_rows"] == len(ids)
+                stream = "COLI_VK_PROMPT_EXPERTS" in env
+                assert (dl.p_cpu_rows == 0 and dl.streamed_bytes > 0) if stream else dl.p_cpu_rows > 0
                 if "COLI_VK_TIER_GB" in env:
                     assert dl.p_dev_rows > 0
                 got = dev.model.forward(ids, dev.model.new_cache(64, 64))
@@ -164,3 +168,51 @@ def test_families_prompt_int8_tokens(family):
                 dev.close()
     finally:
         cpu.close()
+
+
+@pytest.mark.parametrize("placement", ["cpu-moe", "part"])
+def test_streamed_prompt_experts(tiny, cpu, placement):
+    """COLI_VK_PROMPT_EXPERTS=stream: each chunk copies every cut layer's non-resident experts into a stream slot
+    (two, alternating) and runs every pair on the device: the 12 rows' logits within 1e-5 of the CPU-only f32 run's,
+    no CPU expert pair, the streamed bytes those experts' a chunk; auto streams the chunks of at least
+    COLI_VK_STREAM_ROWS rows only (the last, shorter one: the CPU's pairs)."""
+    m = cpu.model
+    env = dict(COLI_VK_CPU_MOE=-1) if placement == "cpu-moe" else _part_resident_env(m, 9)
+    ref, _ = _prompt(cpu, IDS, 5)
+    dev = _engine(tiny, COLI_VK_PROMPT_EXPERTS="stream", **env)
+    try:
+        dl = dev.model.device_layers
+        c0 = dev.model.step.stats.cpu_pairs
+        got, c = _prompt(dev, IDS, 5)
+        assert rel_err(got, ref) < 1e-5, rel_err(got, ref)
+        assert dev.model.step.stats.cpu_pairs == c0 and dl.p_cpu_rows == 0
+        assert dl.p_dev_rows == len(IDS) * 4 * dl.k and dl.stream_chunks == dl.prompt_chunks == 3
+        one = sum(-(-int(x.shape[1]) // 256) * 256 for x in dl._expert_parts(0))     # an expert's gate, up, down
+        away = sum(int((~mk).sum()) for mk in dl.resident.values())
+        assert away == (32 if placement == "cpu-moe" else 23)
+        assert dl.streamed_bytes == 3 * away * one
+    finally:
+        dev.close()
+    dev = _engine(tiny, COLI_VK_PROMPT_EXPERTS="auto", COLI_VK_STREAM_ROWS=5, **env)
+    try:
+        dl = dev.model.device_layers
+        got, _ = _prompt(dev, IDS, 5)
+        assert rel_err(got, ref) < 1e-5, rel_err(got, ref)
+        assert dl.stream_chunks == 2 and dl.p_cpu_rows > 0
+        assert dl.p_cpu_rows + dl.p_dev_rows == len(IDS) * 4 * dl.k
+        from coli.bench import run_bench
+
+        b0, dl.prompt_rows = dl.streamed_bytes, 512
+        rec = run_bench(dev, n_prompt=8, n_gen=0, reps=1, warmup=False)[0]     # one chunk of 8 rows: streamed
+        assert rec["device_streamed_bytes"] == dl.streamed_bytes - b0 == away * one
+        assert rec["cpu_expert_rows"] == 0 and rec["device_expert_rows"] == 8 * 4 * dl.k
+    finally:
+        dev.close()
+
+
+def test_prompt_experts_setting_refused(tiny):
+    """COLI_VK_PROMPT_EXPERTS other than cpu, stream or auto: one ColiError naming the variable."""
+    from coli.base.errors import ColiError
+
+    with pytest.raises(ColiError, match="COLI_VK_PROMPT_EXPERTS=gpu"):
+        _engine(tiny, COLI_VK_CPU_MOE=-1, COLI_VK_PROMPT_EXPERTS="gpu")

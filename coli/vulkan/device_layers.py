@@ -535,6 +535,16 @@ class DeviceLayers:
         from coli.base.settings import get
 
         self.prompt_rows = int(get("COLI_VK_PROMPT_ROWS", self._env))   # rows of a prompt chunk, at most
+        # a prompt chunk's experts that are not resident: computed by the CPU, or streamed to the device
+        self.prompt_experts = str(get("COLI_VK_PROMPT_EXPERTS", self._env) or "cpu").lower()
+        if self.prompt_experts not in ("cpu", "stream", "auto"):
+            raise ColiError(f"COLI_VK_PROMPT_EXPERTS={self.prompt_experts}: cpu, stream or auto (a prompt chunk's "
+                            f"experts that are not on the device)")
+        self.stream_rows = int(get("COLI_VK_STREAM_ROWS", self._env))   # auto: stream chunks of this many rows
+        self.streamed_bytes = 0     # expert bytes copied into the stream slots
+        self.stream_s = 0.0         # seconds the host spent copying them
+        self.stream_chunks = 0      # prompt chunks whose experts were streamed
+        self._slots, self._ptab = None, {}
         self.prompt_tokens = 0  # prompt rows run here (every layer from first, in chunks)
         self.prompt_chunks = 0
         self.prompt_s = 0.0     # seconds of the prompt chunks' submits and waits
@@ -1662,9 +1672,11 @@ class DeviceLayers:
             self.p_lgh = K.buffer(4 * lg_rows * self.vocab, host=True, readback=True)
             self._lgR = lg_rows
 
-    def _prompt_ops(self, R: int, all_logits: bool) -> list:
+    def _prompt_ops(self, R: int, all_logits: bool, stream: bool = False) -> list:
         """The ops of one prompt chunk of ``R`` rows at positions params[0] .. (every layer, then the head's rows:
-        all of them when ``all_logits``, else the last)."""
+        all of them when ``all_logits``, else the last). A layer whose experts are not all here: cut for the host's
+        pairs (:meth:`_prompt_split_ops`), or, ``stream``, before its experts' products, which read the layer's
+        chunk table (resident experts and the streamed ones: :meth:`_stream_layer`)."""
         from coli.vulkan.layers import Copy, Dispatch, f32_bits
 
         nq, nkv, hd, D, E, k, F, ctx = self.nq, self.nkv, self.hd, self.D, self.E, self.k, self.F, self.ctx
@@ -1744,16 +1756,23 @@ class DeviceLayers:
                 Dispatch("topk", (R,), [self.p_lgt.addr, rt, d["route_b"].addr if "route_b" in d else rt],
                          [E, k, self.topk_flags | (16 if "route_b" in d else 0), *self.topk_words]),
             ]
-            if d["il"] in self.resident:     # experts on the CPU: the program cut for the host's pairs
-                ops += self._prompt_split_ops(j, d, R, rt, et)
-                continue
+            tab = d["tab"].addr
+            if d["il"] in self.resident:
+                if not stream:           # experts on the CPU: the program cut for the host's pairs
+                    ops += self._prompt_split_ops(j, d, R, rt, et)
+                    continue
+                # streamed: the layer's other experts in a slot, its table the chunk's (_stream_layer); cut before
+                # their products, so the host fills the slot while the device runs what comes before
+                tab = self._ptab[j].addr
+                ops += [Dispatch("moe_sort", (1,), [rt, self.p_off.addr, self.p_pairs.addr], [E, k, R]), _Cut(j, "stream")]
+            else:
+                ops.append(Dispatch("moe_sort", (1,), [rt, self.p_off.addr, self.p_pairs.addr], [E, k, R]))
             ops += [
-                Dispatch("moe_sort", (1,), [rt, self.p_off.addr, self.p_pairs.addr], [E, k, R]),
                 # lmm_cm.comp (the cooperative-matrix route) has neither the biases nor gpt-oss's activation
-                Dispatch(f32r, (-(-F // BM), gr, E), [d["tab"].addr, xn, self.p_h.addr, rt, self.p_pairs.addr,
+                Dispatch(f32r, (-(-F // BM), gr, E), [tab, xn, self.p_h.addr, rt, self.p_pairs.addr,
                                                      self.p_off.addr, bias[0], bias[1]],
                          [F, D, 0, R, 0, k, 0, d["eact"], nb, f32_bits(d["elimit"])], type_name=et[0], mode=1),
-                Dispatch(f32r, (-(-D // BM), gr, E), [d["tab"].addr, self.p_h.addr, self.p_yk.addr, rt,
+                Dispatch(f32r, (-(-D // BM), gr, E), [tab, self.p_h.addr, self.p_yk.addr, rt,
                                                      self.p_pairs.addr, self.p_off.addr, bias[2]],
                          [D, F, 0, R, 0, k, 0, 0, nb], type_name=et[1], mode=2),
             ]
@@ -1862,17 +1881,115 @@ class DeviceLayers:
                                              [D, k, int(bool(ysh))])]
 
     def _prompt_segments(self, ops: list) -> list:
-        """A prompt chunk's ops cut where the host joins (:meth:`_prompt_split_ops`), recorded: [(kind, Recorded or
-        None, j)] as :meth:`_record_split`'s ``segs``."""
+        """A prompt chunk's ops cut where the host joins (:meth:`_prompt_split_ops`: kinds "S" and "X") or streams a
+        layer's experts (kind "G", the segment before layer j's expert products), recorded: [(kind, Recorded or None,
+        j)] as :meth:`_record_split`'s ``segs``."""
         segs, cur, kind = [], [], "S"
         for op in ops + [_Cut(None, "end")]:
             if not isinstance(op, _Cut):
                 cur.append(op)
                 continue
             rec = self.K.record(cur, timestamps=True, lead=bool(segs)) if cur else None
-            segs.append((kind, rec, None if op.kind == "end" else op.j))
-            kind, cur = ("X" if op.kind == "cpu" else "S"), []
+            segs.append(("G" if op.kind == "stream" or kind == "G" else kind, rec, None if op.kind == "end" else op.j))
+            kind, cur = ("X" if op.kind == "cpu" else "G" if op.kind == "stream" else "S"), []
         return segs
+
+    # -- experts streamed to the device for prompts -------------------------------------------------------------
+    def _prompt_mode(self, R: int) -> str:
+        """How a prompt chunk of ``R`` rows runs: "whole" (every expert here), "cpu" (the CPU computes the pairs of
+        the experts that are not here: :meth:`_run_prompt_split`) or "stream" (they are copied to the device:
+        :meth:`_run_prompt_stream`): ``COLI_VK_PROMPT_EXPERTS`` cpu / stream, or auto: stream from
+        ``COLI_VK_STREAM_ROWS`` rows. "cpu" when the stream slots could not be made (said once)."""
+        if not self.resident:
+            return "whole"
+        mode = self.prompt_experts
+        if mode == "auto":
+            mode = "stream" if R >= self.stream_rows else "cpu"
+        return "stream" if mode == "stream" and self._stream_slots() else "cpu"
+
+    def _expert_parts(self, il: int) -> list:
+        """Layer ``il``'s routed experts as uint8 [E, bytes of one expert] views of the file's gate, up and down."""
+        E, t = self.E, self.m.t
+        return [np.ascontiguousarray(np.asarray(t[f"blk.{il}.{n}.weight"].raw).reshape(E, -1)).view(np.uint8)
+                for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")]
+
+    def _stream_slots(self) -> bool:
+        """The two stream slots (host-visible device memory, device-local where the device has it: each holds one
+        layer's experts that are not resident, 256-byte aligned) and each cut layer's chunk table, made once; False
+        (and one ``[VK]`` line; the chunks' experts then run on the CPU) when the device cannot hold them."""
+        if self._slots is not None:
+            return bool(self._slots)
+        from coli.vulkan import VulkanError
+
+        il = next(iter(self.resident))
+        each = sum(-(-int(x.shape[1]) // 256) * 256 for x in self._expert_parts(il))
+        most = max(int((~mk).sum()) for mk in self.resident.values())
+        try:
+            self._slots = [self.K.buffer(max(1, most) * each, host=True) for _ in range(2)]
+            self._ptab = {j: self.K.buffer(8 * 3 * self.E, host=True) for j, d in enumerate(self.per)
+                          if d["il"] in self.resident}
+        except (VulkanError, MemoryError) as e:
+            for b in (self._slots or []) + list(self._ptab.values()):
+                self.K.drop(b)
+            self._slots, self._ptab = [], {}
+            self.prompt_experts = "cpu"
+            print(f"[VK] device layers: no room to stream experts for prompts ({2 * most * each / 2**30:.2f} GiB: "
+                  f"{type(e).__name__}: {e}); the CPU computes them", file=sys.stderr)
+            return False
+        return True
+
+    def _stream_layer(self, j: int, slot: int) -> None:
+        """Copy device layer ``j``'s experts that are not resident into stream slot ``slot`` and write its chunk
+        table: the resident experts' addresses, and the slot's for the others."""
+        d, sl = self.per[j], self._slots[slot]
+        il = d["il"]
+        tab = d["tab_np"].copy()
+        t0 = time.perf_counter()
+        parts, off = self._expert_parts(il), 0
+        for e in np.flatnonzero(~self.resident[il]):
+            for c, x in enumerate(parts):
+                n = x.shape[1]
+                sl.view[off:off + n] = x[e]
+                tab[e, c] = sl.addr + off
+                off += -(-n // 256) * 256
+        self._ptab[j].view[:tab.nbytes] = tab.reshape(-1).view(np.uint8)
+        self.stream_s += time.perf_counter() - t0
+        self.streamed_bytes += off
+
+    def _run_prompt_stream(self, segs: list) -> None:
+        """One prompt chunk whose experts that are not resident are streamed (segments G_0 .. G_n, G_i ending before
+        the i-th cut layer's expert products): that layer's experts copied into slot i % 2 before G_i+1 is submitted,
+        while G_i runs; slot i % 2 is written again only after G_i-1... is waited for (the layer that read it).
+        Every pair of the chunk on the device."""
+        from coli.vulkan import DeviceLost
+
+        K, n = self.K, len(segs) - 1
+
+        def start(rec):
+            if not K.start(rec):
+                raise DeviceLost("a prompt segment's command buffer still ran")
+            self.dev.dispatches += rec.dispatches
+            self.dev.layer_dispatches += rec.dispatches
+
+        def wait(rec):
+            if not K.wait(rec):
+                self.dev._mark_lost("fence wait of a prompt segment failed")
+                raise DeviceLost("fence wait of a prompt segment failed")
+
+        self._stream_layer(segs[0][2], 0)
+        start(segs[0][1])
+        try:
+            for i in range(n):
+                start(segs[i + 1][1])            # layer j_i's experts (slot i % 2) .. layer j_i+1's route
+                if i + 1 < n:
+                    wait(segs[i][1])             # it read slot (i + 1) % 2 (layer j_i-1's experts)
+                    self._stream_layer(segs[i + 1][2], (i + 1) % 2)
+        finally:
+            for _, rec, _ in segs:
+                if rec.fence is not None and not K.wait(rec):
+                    self.dev._mark_lost("fence wait of a prompt segment failed")
+                    raise DeviceLost("fence wait of a prompt segment failed")
+        self.stream_chunks += 1
 
     def _prompt_group(self, j: int, R: int):
         """Layer ``j``'s pairs of a prompt chunk of ``R`` rows, once its route is out (``p_routeh``): the resident
@@ -1960,19 +2077,22 @@ class DeviceLayers:
                 self._lo = p
             self._hi = p + R
             self._keep(h[s:s + R], p)
-            key = (R, bool(all_logits) and self.head is not None)
+            mode = self._prompt_mode(R)
+            key = (R, bool(all_logits) and self.head is not None, mode)
             rec = self._precs.get(key)
             if rec is None:
-                ops = self._prompt_ops(R, key[1])
-                rec = self._precs[key] = self._prompt_segments(ops) if self.resident else \
-                    self.K.record(ops, timestamps=True)
+                ops = self._prompt_ops(R, key[1], stream=mode == "stream")
+                rec = self._precs[key] = self.K.record(ops, timestamps=True) if mode == "whole" else \
+                    self._prompt_segments(ops)
             if self.dn:
                 self._dn_load(cache, p)
             self.params.u32(4)[0] = p
             self.p_in.f32(R * D)[:] = h[s:s + R].reshape(-1)
             t0 = time.perf_counter()
-            if self.resident:
+            if mode == "cpu":
                 self._run_prompt_split(rec, R)
+            elif mode == "stream":
+                self._run_prompt_stream(rec)
             else:
                 self.K.submit(rec)
             self.prompt_s += time.perf_counter() - t0
@@ -1982,7 +2102,8 @@ class DeviceLayers:
                 self._fetch(cache)
             self.prompt_tokens += R
             self.prompt_chunks += 1
-            self.p_dev_rows += R * k * (L - len(self.resident))    # the layers whose experts are all here
+            # the layers whose experts are all here (and, streamed, the others)
+            self.p_dev_rows += R * k * (L - (len(self.resident) if mode == "cpu" else 0))
             if self.head is not None:
                 n = R if key[1] else 1
                 lgs.append(self.p_lgh.f32(n * self.vocab).reshape(n, self.vocab).copy())
