@@ -388,7 +388,10 @@ done
 # GP_LLAMA=0 skips llama.cpp; GP_ROUNDS rounds (2); GP_DEADLINE s (560); GP_ROUTES the prompt GEMM routes to time
 # (COLI_VK_PROMPT_ROUTE: "f32 coopmat"), each checked first by the backend-parity harness's lmm rows (every format) and
 # attn rows (the prompt attention); GP_PROFILE_ROWS the profiled chunk's rows (512); GP_ATTN_ROUTES the prompt
-# attention's kernels the profile times in turn (e.g. "coopmat,f32"; default: the route's own).
+# attention's kernels the profile times in turn (e.g. "coopmat,f32"; default: the route's own); GP_PROFILE=0 skips
+# those checks and the chunk profile; GP_SETS the arms of a round ("all half cpumoe"): every layer, half the layers,
+# and every layer with its experts in RAM (llama-bench -ngl 99 -ot exps=CPU pp512 beside coli --gpu-layers 16
+# --cpu-moe pp512 with COLI_VK_PROMPT_EXPERTS=cpu and =stream, route GP_CPUMOE_ROUTE, auto).
 # Output: $OUT/run.log, $OUT/*.json.
 prompt() {
 set -u
@@ -406,6 +409,7 @@ setup || exit 2
 nvidia-smi -L; nproc; free -g | head -2
 $PY -c "import sys, numpy, numba; print(sys.version.split()[0], 'numpy', numpy.__version__, 'numba', numba.__version__)"
 gpu_start "every layer on the device" "--gpu-layers 2 -p 64 -n 4"
+if [ "${GP_PROFILE:-1}" = 1 ]; then
 for route in ${GP_ROUTES:-f32 coopmat}; do
   say "lmm and attn parity, route $route (every device format, 16/64/512 rows; the prompt attention; against float64)"
   COLI_VK_PROMPT_ROUTE=$route timeout 150 $PY -m scripts.backend_ops --ops lmm,attn 2>&1 | tail -46
@@ -416,14 +420,16 @@ for route in ${GP_ROUTES:-f32 coopmat}; do
     --rows ${GP_PROFILE_ROWS:-512} --reps 2 --threads 16 --tiles ${GP_TILES_PROFILE:-64} \
     ${GP_ATTN_ROUTES:+--attn-routes $GP_ATTN_ROUTES} 2>&1 | grep -v "^layer\|^\[coli\]"
 done
+fi
 [ -n "${BLD:-}" ] && { say "waiting for the llama.cpp build"; wait $BLD; tail -2 /tmp/llbuild.log; }
 coli() {  # name, gpu layers, bench args (COLI_VK_PROMPT_TILE from the caller's environment)
   say "coli $1"
   timeout $(( $(left) > 150 ? 150 : $(left) )) $PY -m coli bench -m "$MODEL" --gpu-layers $2 -t 16 -r 3 $3 -o json \
     --usage /tmp/h2/u.$RANDOM > "$OUT/coli_$1_r$r.json" 2> /tmp/h2/err.log
   grep -E "^\[VK\]" /tmp/h2/err.log | grep -v "^\[VK\] .*: [0-9]* matmuls" | head -4
-  $PY -c "import json,sys; [print(f\"  {x['test']}: {x['avg_ts']:.1f} t/s (samples {[round(s,1) for s in x['samples_ts']]}), device rows {x['device_rows']}, cpu rows {x['cpu_rows']}, load {x['load_avg']}\") for x in json.load(open(sys.argv[1]))]" "$OUT/coli_$1_r$r.json" || tail -5 /tmp/h2/err.log
+  $PY -c "import json,sys; [print(f\"  {x['test']}: {x['avg_ts']:.1f} t/s (samples {[round(s,1) for s in x['samples_ts']]}), device rows {x['device_rows']}, cpu rows {x['cpu_rows']}, expert rows device {x.get('device_expert_rows')} cpu {x.get('cpu_expert_rows')}, streamed {x.get('device_streamed_bytes', 0) / 1e9:.2f} GB, load {x['load_avg']}\") for x in json.load(open(sys.argv[1]))]" "$OUT/coli_$1_r$r.json" || tail -5 /tmp/h2/err.log
 }
+has() { case " ${GP_SETS:-all half cpumoe} " in *" $1 "*) return 0 ;; esac; return 1; }
 llama() {  # name, args
   [ -x $LL ] || return
   say "llama.cpp $1"
@@ -431,12 +437,22 @@ llama() {  # name, args
 }
 for r in $(seq 1 ${GP_ROUNDS:-2}); do
   [ $(left) -lt 60 ] && { say "out of time"; break; }
-  llama "all layers (-ngl 99)" "-ngl 99 -p 512 -n 64"
-  for route in ${GP_ROUTES:-f32 coopmat}; do COLI_VK_PROMPT_ROUTE=$route coli all16_$route 16 "-p 512 -n 64"; done
-  llama "half the layers (--n-cpu-moe 8)" "-ngl 99 --n-cpu-moe 8 -p 512 -n 0"
-  for route in ${GP_ROUTES:-f32 coopmat}; do COLI_VK_PROMPT_ROUTE=$route coli half8_$route 8 "-p 512 -n 0"; done
+  if has all; then
+    llama "all layers (-ngl 99)" "-ngl 99 -p 512 -n 64"
+    for route in ${GP_ROUTES:-f32 coopmat}; do COLI_VK_PROMPT_ROUTE=$route coli all16_$route 16 "-p 512 -n 64"; done
+  fi
+  if has half; then
+    llama "half the layers (--n-cpu-moe 8)" "-ngl 99 --n-cpu-moe 8 -p 512 -n 0"
+    for route in ${GP_ROUTES:-f32 coopmat}; do COLI_VK_PROMPT_ROUTE=$route coli half8_$route 8 "-p 512 -n 0"; done
+  fi
+  if has cpumoe; then    # attention on the GPU, experts in RAM: the CPU computes them, or each chunk streams them
+    llama "attention on the GPU, experts in RAM (-ngl 99 -ot exps=CPU)" "-ngl 99 -ot exps=CPU -p 512 -n 0"
+    for mode in cpu stream; do
+      COLI_VK_PROMPT_ROUTE=${GP_CPUMOE_ROUTE:-auto} COLI_VK_PROMPT_EXPERTS=$mode coli cpumoe16_$mode 16 "--cpu-moe -p 512 -n 0"
+    done
+  fi
 done
-if [ "${GP_LONG:-1}" = 1 ] && [ $(left) -gt 90 ]; then
+if [ "${GP_LONG:-1}" = 1 ] && has all && [ $(left) -gt 90 ]; then
   r=long
   llama "all layers, pp2048" "-ngl 99 -p 2048 -n 0"
   for route in ${GP_ROUTES:-f32 coopmat}; do COLI_VK_PROMPT_ROUTE=$route coli all16_pp2048_$route 16 "-p 2048 -n 0"; done

@@ -18,8 +18,9 @@ all here runs its resident ranks on the device and the others on the CPU from th
 rank order; the decode program is cut at each such layer (:meth:`DeviceLayers._split_ops`) and its segments go in one
 submit a token, the host joining through timeline semaphores (:meth:`DeviceLayers._run_chain`), or, without them, a
 submit and a wait a segment (:meth:`DeviceLayers._run_split`); a prompt chunk's program is cut there too, a submit a
-segment, the CPU's pairs grouped by expert (:meth:`DeviceLayers._run_prompt_split`; docs/vulkan.md "Experts on the
-CPU").
+segment, the CPU's pairs grouped by expert (:meth:`DeviceLayers._run_prompt_split`), or, with
+``COLI_VK_PROMPT_EXPERTS=stream``, the layer's other experts copied to the device while the layer before computes
+(:meth:`DeviceLayers._run_prompt_stream`; docs/vulkan.md "Experts on the CPU").
 
 Which layers: :func:`plan` (the device's budget: each layer's weights and its KV cache; ``COLI_VK_LAYERS``
 sets the count). Which layers qualify: :func:`why_not`, by what a layer needs: its form (pre-norm, or Gemma 3's norms
@@ -1958,9 +1959,9 @@ class DeviceLayers:
 
     def _run_prompt_stream(self, segs: list) -> None:
         """One prompt chunk whose experts that are not resident are streamed (segments G_0 .. G_n, G_i ending before
-        the i-th cut layer's expert products): that layer's experts copied into slot i % 2 before G_i+1 is submitted,
-        while G_i runs; slot i % 2 is written again only after G_i-1... is waited for (the layer that read it).
-        Every pair of the chunk on the device."""
+        the i-th cut layer's expert products): that layer's experts are copied into slot i % 2 while G_i runs, before
+        G_i+1 (which reads them) is submitted; a slot is written again only after the segment that last read it was
+        waited for. Every pair of the chunk on the device. Raises DeviceLost when a submit or a fence wait fails."""
         from coli.vulkan import DeviceLost
 
         K, n = self.K, len(segs) - 1
