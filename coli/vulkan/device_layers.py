@@ -546,6 +546,7 @@ class DeviceLayers:
         self.stream_s = 0.0         # seconds the host spent copying them
         self.stream_chunks = 0      # prompt chunks whose experts were streamed
         self._slots, self._ptab = None, {}
+        self._pool = None           # the threads that copy streamed experts (made at the first stream)
         self.prompt_tokens = 0  # prompt rows run here (every layer from first, in chunks)
         self.prompt_chunks = 0
         self.prompt_s = 0.0     # seconds of the prompt chunks' submits and waits
@@ -1946,13 +1947,22 @@ class DeviceLayers:
         il = d["il"]
         tab = d["tab_np"].copy()
         t0 = time.perf_counter()
-        parts, off = self._expert_parts(il), 0
+        parts, off, jobs = self._expert_parts(il), 0, []
         for e in np.flatnonzero(~self.resident[il]):
             for c, x in enumerate(parts):
                 n = x.shape[1]
-                sl.view[off:off + n] = x[e]
+                jobs.append((off, x[e]))
                 tab[e, c] = sl.addr + off
                 off += -(-n // 256) * 256
+
+        def put(job):
+            o, src = job
+            sl.view[o:o + len(src)] = src       # NumPy's copy lets go of the GIL: the copies run side by side
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(8, thread_name_prefix="coli-stream")
+        list(self._pool.map(put, jobs))
         self._ptab[j].view[:tab.nbytes] = tab.reshape(-1).view(np.uint8)
         self.stream_s += time.perf_counter() - t0
         self.streamed_bytes += off
@@ -2162,6 +2172,9 @@ class DeviceLayers:
         if self.clock is not None:
             self.clock.close()
             self.clock = None
+        if getattr(self, "_pool", None) is not None:
+            self._pool.shutdown()
+            self._pool = None
         lib.vkDeviceWaitIdle(self.dev._dev)   # a timed-out or interrupted submit may still run: nothing freed under it
         if self.rec is not None:
             self.K.free(self.rec)
