@@ -478,14 +478,17 @@ class Worker:
     def _warm_up(self) -> None:
         """One short greedy generation through the slots before the first request (llama-server's warm-up):
         a 2-token prompt step and a 1-row decode step, so that the kernels' compile (tens of seconds on a cold
-        Numba cache) and the first touch of the weights are paid here, not by the first client. The slot's rows
-        and the step counters are then cleared: the warm-up leaves no prompt cache and counts no steps. A
-        failure is printed (the requests will meet it too), never hidden."""
+        Numba cache) and the first touch of the weights are paid here, not by the first client. The slot's rows,
+        the step counters and the routing history are then put back: the warm-up leaves no prompt cache, counts no
+        steps and adds no routings. A failure is printed (the requests will meet it too), never hidden."""
         eng, b = self.eng, self.batcher
         t0 = time.perf_counter()
         ids = eng.tokenize("Hello")[:2]
         ids += ids[-1:] * (2 - len(ids))
         steps0 = b.steps
+        # the routing history is the tier's warm start: a synthetic prompt's routings must not enter it
+        u = getattr(eng, "usage", None)
+        hist = (u.counts.copy(), u.tokens) if u is not None else None
         seq = Sequence(eng, ids, 2, Sampler(SamplingParams(temp=0.0), ctx=eng.ctx), stop_at_eos=False)
         try:
             b.run([seq])
@@ -496,6 +499,9 @@ class Worker:
                 seq.slot.ids = []
             self.warmed = dict(steps=b.steps - steps0, seconds=round(time.perf_counter() - t0, 3))
             b.steps, b.most_rows_of, b.reused_rows, b.copied_rows = steps0, 0, 0, 0
+            if hist is not None:
+                u.discard_pending()
+                u.counts[...], u.tokens = hist
 
     def _run(self):
         if self.warmup and not self.stopping.is_set():
