@@ -722,8 +722,8 @@ def _greedy(m, cache, ids, n):
 def test_mla_against_hf(family, tmp_path):
     """DeepSeek-V2/V3's MLA on the device (shaders/mla.comp: the kv_a latent normed into the device's latent cache
     with its rope key, q (or q_a, its norm, q_b) absorbed through attn_k_b, attention over the latent cache, attn_v_b,
-    the output projection), with the DeepSeek router and the shared experts: the MoE layers 1-2 and the head on the
-    device (layer 0's dense FFN has other shapes: the CPU's), the 96-row prompt in chunks of 40 rows, every row
+    the output projection), with the DeepSeek router and the shared experts: every layer (layer 0's dense FFN beside
+    the MoE layers') and the head on the device, the 96-row prompt in chunks of 40 rows, every row
     within the CPU path's bound of HF transformers' (1e-4 of the largest) with HF's argmax, 8 greedy decode rows
     against HF's logits and tokens (tests/oracle_check.py); the CPU-only run's logits within 1e-5 and its tokens.
     V2-Lite's shape (no q_lora), its YaRN rope, and DeepSeek-V3 (q_lora, sigmoid router with groups; its
@@ -740,13 +740,15 @@ def test_mla_against_hf(family, tmp_path):
     try:
         m, dl = e.model, e.model.device_layers
         dl.prompt_rows = 40
-        assert dl is not None and dl.first == 1 and dl.head is not None and dl.mla is not None
-        assert [d["il"] for d in dl.per] == [1, 2] and all("mla" in d for d in dl.per)
+        assert dl is not None and dl.first == 0 and dl.head is not None and dl.mla is not None
+        assert all("mla" in d for d in dl.per) and ["tab" in d for d in dl.per] == [False, True, True]
         assert (dl.mla[5] == 32) == (family == "deepseek3_q32")
-        d0 = e.device.layer_dispatches
+        d0, u0 = e.device.layer_dispatches, m.step.usage.counts.copy()
         got = check_prompt_and_decode(m, m.new_cache(128, 128), oracle)
         assert (dl.prompt_tokens, dl.prompt_chunks, dl.tokens) == (len(oracle["ids"]), 3, 8)
-        assert e.device.layer_dispatches - d0 >= 8 * 2 * 7
+        assert e.device.layer_dispatches - d0 >= 8 * 3 * 7
+        grew = (m.step.usage.counts - u0).sum(1)     # the routes of the MoE layers only (layer 0 has none)
+        assert grew.tolist() == [0] + [(len(oracle["ids"]) + 8) * m.args.top_k] * 2, grew
         ref, ref_steps, ref_gen = _greedy(cpu.model, cpu.model.new_cache(128, 128), oracle["ids"], 8)
         _, steps, gen = _greedy(m, m.new_cache(128, 128), oracle["ids"], 8)
         assert rel_err(got, ref) < 1e-5 and rel_err(steps, ref_steps) < 1e-5, (rel_err(got, ref),

@@ -341,7 +341,9 @@ def _shapes_agree(m, il: int) -> bool:
     k = _shape_key(m, il)
     later = [_shape_key(m, j) for j in range(il + 1, len(m.layers))]
     kinds = {x[0][0] for x in later + [k]} - {"dn"}
-    return len(kinds) <= 1 and all(x[1] == k[1] and (x[0] == k[0] or x[0][0] != k[0][0]) for x in later)
+    # a dense FFN of any width sits beside MoE layers (DeepSeek's leading dense layers); MoE layers share theirs
+    return len(kinds) <= 1 and all((x[1] == k[1] or "dense" in (x[1][0], k[1][0]))
+                                   and (x[0] == k[0] or x[0][0] != k[0][0]) for x in later)
 
 
 def _hidden_width(m, il: int) -> int:
@@ -501,7 +503,6 @@ class DeviceLayers:
     def _build(self, head: bool):
         m, K, ctx, first = self.m, self.K, self.ctx, self.first
         a = m.args
-        L0 = m.layers[first]
         # the attention's shape from the first attention layer here (Qwen3-Next: DeltaNet layers between them)
         at = next((_attn(m.layers[il]) for il in range(first, len(m.layers)) if not _is_dn(m.layers[il])), None)
         dn0 = next((m.layers[il].linear_attn for il in range(first, len(m.layers)) if _is_dn(m.layers[il])), None)
@@ -516,9 +517,12 @@ class DeviceLayers:
         else:
             self.nq, self.nkv, self.hd = at.n_heads, at.n_kv, at.head_dim
         self.D = a.d_model
-        self.moe = L0.moe is not None      # the layers' FFN: routed experts, or dense (every layer alike: plan)
+        # the layers' FFN: routed experts (every MoE layer alike: plan), dense, or both (DeepSeek's leading dense
+        # layers before its MoE layers): the router's sizes and rule from the first MoE layer
+        Lm = next((m.layers[il] for il in range(first, len(m.layers)) if m.layers[il].moe is not None), None)
+        self.moe = Lm is not None
         if self.moe:
-            rule = route_rule(L0.moe)
+            rule = route_rule(Lm.moe)
             self.E, self.k = a.n_experts, rule[1]
             # topk.comp's flags: bit 0 renormalise the k softmax weights, bit 1 the softmax over the k chosen logits
             self.topk_flags = int(rule[2]) if rule[0] == "softmax_topk" else 2
@@ -528,7 +532,7 @@ class DeviceLayers:
 
                 self.topk_flags = int(rule[2]) | 4 | (8 if rule[3] == "sigmoid" else 0)
                 self.topk_words = [rule[4], rule[5], int(rule[6] == "top2sum"), f32_bits(rule[7])]
-            self.F = int(m.t[f"blk.{first}.ffn_gate_exps.weight"].shape[1])
+            self.F = int(m.t[f"blk.{m.layers.index(Lm)}.ffn_gate_exps.weight"].shape[1])
         else:                              # no router, no routes to read back
             self.E = self.k = self.F = 0
             self.topk_flags, self.topk_words = 0, []
@@ -614,6 +618,7 @@ class DeviceLayers:
         self.per = []
         for il in self.layers:
             self.per.append(self._upload_layer(il, ctx))
+        self.n_moe = sum("tab" in d for d in self.per)      # the layers with routed experts (and a route slot)
         # the output norm and head too when the last layer is here and the head's format has a kernel
         out = m.t.get("output.weight", m.tok_embd)
         self.head = None
@@ -1558,14 +1563,14 @@ class DeviceLayers:
         self.hin.f32(D)[:] = h.reshape(-1)
         if self.segs:
             (self._run_chain if self.chain else self._run_split)()
-            self.dev_rows += self.k * (len(self.per) - len(self.resident))   # the layers whose experts are all here
+            self.dev_rows += self.k * (self.n_moe - len(self.resident))   # the layers whose experts are all here
         else:
             t0 = time.perf_counter()
             self.K.submit(self.rec)
             self.submit_s += time.perf_counter() - t0
             self._gpu_add(self.K.gpu_ms(self.rec))
             self.gpu_tokens += 1
-            self.dev_rows += self.k * len(self.per)
+            self.dev_rows += self.k * self.n_moe
         out = self.hout.f32(D).reshape(1, D).copy()
         kvn = self.nkv * self.hd
         new = self.kvhost.f32(2 * kvn * len(self.per)).reshape(len(self.per), 2, self.nkv, self.hd)
@@ -1586,11 +1591,12 @@ class DeviceLayers:
         if self.k and step is not None and step.usage is not None:   # the routing history counts these layers too
             ids = self.routehost.u32(2 * self.k * len(self.per)).reshape(len(self.per), 2, self.k)[:, 0]
             for j, d in enumerate(self.per):
-                step.usage.add(d["il"], ids[j:j + 1].astype(np.int64))
+                if "tab" in d:      # a dense layer has no route
+                    step.usage.add(d["il"], ids[j:j + 1].astype(np.int64))
         lg = self.lghost.f32(self.vocab).reshape(1, self.vocab).copy() if self.head is not None else None
         if self.on_token is not None and self.k:
             ids = self.routehost.u32(2 * self.k * len(self.per)).reshape(len(self.per), 2, self.k)[:, 0]
-            self.on_token(self, {d["il"]: ids[j].astype(np.int64) for j, d in enumerate(self.per)})
+            self.on_token(self, {d["il"]: ids[j].astype(np.int64) for j, d in enumerate(self.per) if "tab" in d})
         if self.clock is not None:
             self._start_clock()
         if P is not None:
@@ -2113,8 +2119,8 @@ class DeviceLayers:
                 self._fetch(cache)
             self.prompt_tokens += R
             self.prompt_chunks += 1
-            # the layers whose experts are all here (and, streamed, the others)
-            self.p_dev_rows += R * k * (L - (len(self.resident) if mode == "cpu" else 0))
+            # the layers whose experts are all here (and, streamed, the others); a dense layer has none
+            self.p_dev_rows += R * k * (self.n_moe - (len(self.resident) if mode == "cpu" else 0))
             if self.head is not None:
                 n = R if key[1] else 1
                 lgs.append(self.p_lgh.f32(n * self.vocab).reshape(n, self.vocab).copy())
@@ -2124,7 +2130,8 @@ class DeviceLayers:
             if self.k and step is not None and step.usage is not None:
                 ids = self.p_routeh.u32(2 * k * R * L).reshape(L, R, 2, k)[:, :, 0]
                 for j, d in enumerate(self.per):
-                    step.usage.add(d["il"], ids[j].astype(np.int64))
+                    if "tab" in d:
+                        step.usage.add(d["il"], ids[j].astype(np.int64))
         if self.clock is not None:
             self._start_clock()
         if self.head is not None:
