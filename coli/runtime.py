@@ -370,7 +370,7 @@ def layer_experts(eng, first: int, budget: int, cpu_moe: int) -> dict:
     m = eng.model
     n, E = len(m.layers), int(eng.args.n_experts)
     layers = list(range(first, n))
-    moe = [il for il in layers if m.layers[il].moe is not None]     # a dense layer among them has no experts
+    moe = [il for il in layers if getattr(m.layers[il], "moe", None) is not None]     # a dense layer among them has no experts
     out = {il: [] for il in moe if cpu_moe < 0 or il < cpu_moe}
     rest = [il for il in moe if il not in out]
     if not rest:
