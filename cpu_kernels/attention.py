@@ -26,6 +26,10 @@ import math
 
 import numba as nb
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from . import kvcache as kvc
 from .sync import atomic_add
@@ -37,49 +41,200 @@ KEY_TILE = 64
 QUERY_BLOCK = 32
 
 
-@nb.njit(inline="always", nogil=True, cache=True, fastmath=True)
-def _row_tile(q, t, h, kc, gk, ok, vc, gv, ov, ja, jb, scale, first, m, l, sc, out):
-    """Row ``t``, head ``h`` over key positions ``ja .. jb-1`` (inside one key tile), the keys at ``kc[gk, j - ok]``
-    and the values at ``vc[gv, j - ov]`` (the cache itself: the KV head and 0; a dequantized tile: 0 and the
-    tile's first position): updates the accumulator ``out[t, h]`` in place and returns the new running ``(m, l)``
-    (f32 maximum, f64 sum); ``first``: the row's first tile (no earlier state). ``sc`` f32 [>= jb - ja]
-    scratch."""
-    hd = q.shape[2]
-    vd = vc.shape[2]
-    n = jb - ja
-    mt = np.float32(0.0)
-    for jj in range(n):
-        j = ja + jj
-        s = np.float32(0.0)
-        for i in range(hd):
-            s += q[t, h, i] * kc[gk, j - ok, i]
-        s *= scale
-        sc[jj] = s
-        if jj == 0 or s > mt:
-            mt = s
-    if first:
-        mn = mt
-        for i in range(vd):
-            out[t, h, i] = 0.0
-        l = 0.0
-    else:
-        mn = mt if mt > m else m
-        if mn > m:  # the maximum moved: earlier terms shrink by exp(m_old - m_new)
-            alpha = math.exp(float(m) - float(mn))
-            l *= alpha
-            af = np.float32(alpha)
-            for i in range(vd):
-                out[t, h, i] *= af
-    for jj in range(n):
-        e = math.exp(float(sc[jj]) - float(mn))  # float64 exp and sum; the weight rounded to f32
-        sc[jj] = e
-        l += e
-    for jj in range(n):
-        wgt = sc[jj]
-        j = ja + jj - ov
-        for i in range(vd):
-            out[t, h, i] += wgt * vc[gv, j, i]
-    return mn, l
+# ---- the micro kernels (LLVM IR: explicit <8 x float> vectors, so every path sums in one order) -------------
+
+_F32 = ir.FloatType()
+_I32 = ir.IntType(32)
+_V8 = ir.VectorType(_F32, 8)
+_I32x8 = ir.VectorType(_I32, 8)
+_PF = types.CPointer(types.float32)
+
+
+def _fma_fn(builder, ty):
+    name = "llvm.fma.v8f32" if ty == _V8 else "llvm.fma.f32"
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty, ty, ty]), name)
+
+
+def _splat(builder, s):
+    v = builder.insert_element(ir.Constant(_V8, None), s, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(_V8, None), ir.Constant(_I32x8, [0] * 8))
+
+
+def _vptr(builder, p, off):
+    return builder.bitcast(builder.gep(p, [off]), _V8.as_pointer())
+
+
+@intrinsic
+def _addr(typingctx, a, i, j, k):
+    """The address of ``a[i, j, k]`` (f32 array of three dimensions, any strides) as a float32 pointer."""
+    if not (isinstance(a, types.Array) and a.dtype == types.float32 and a.ndim == 3):
+        return None
+    sig = _PF(a, i, j, k)
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        idx = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], signature.args[1:])]
+        return cgutils.get_item_pointer(context, builder, signature.args[0], ary, idx)
+
+    return sig, codegen
+
+
+@intrinsic
+def _addr2(typingctx, a, i, j):
+    """The address of ``a[i, j]`` (f32 array of two dimensions) as a float32 pointer."""
+    if not (isinstance(a, types.Array) and a.dtype == types.float32 and a.ndim == 2):
+        return None
+    sig = _PF(a, i, j)
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        idx = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], signature.args[1:])]
+        return cgutils.get_item_pointer(context, builder, signature.args[0], ary, idx)
+
+    return sig, codegen
+
+
+def _qk_kernel(R, J):
+    """An intrinsic ``(qp, qs, kp, ks, sp, ss, hd, scale)``: scores ``S[r, j] = scale * q_r . k_j`` of ``R``
+    query rows (``qp + r*qs``) and ``J`` keys (``kp + j*ks``) into ``sp + r*ss + j``, f32 pointers and strides in
+    elements. Every (row, key) pair sums in one order whatever ``R`` and ``J``: lane ``l`` of an 8-wide
+    accumulator takes ``fma(q[i], k[i], .)`` for ``i = 8c + l``, ``c`` ascending from 0.0; then
+    ``((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))``; then ``fma(q[i], k[i], .)`` over the ``hd % 8`` last
+    ``i``; then times ``scale``."""
+
+    @intrinsic
+    def qk(typingctx, qp, qs, kp, ks, sp, ss, hd, scale):
+        sig = types.void(_PF, types.intp, _PF, types.intp, _PF, types.intp, types.intp, types.float32)
+
+        def codegen(context, builder, signature, args):
+            qp, qs, kp, ks, sp, ss, hd, scale = args
+            b = builder
+            fv = _fma_fn(b, _V8)
+            fs = _fma_fn(b, _F32)
+            it = hd.type
+            qrow = [b.gep(qp, [b.mul(qs, ir.Constant(it, r))]) for r in range(R)]
+            krow = [b.gep(kp, [b.mul(ks, ir.Constant(it, j))]) for j in range(J)]
+            acc = [[cgutils.alloca_once_value(b, ir.Constant(_V8, None)) for _j in range(J)] for _r in range(R)]
+            for r in range(R):
+                for j in range(J):
+                    b.store(ir.Constant(_V8, [0.0] * 8), acc[r][j])
+            n8 = b.lshr(hd, ir.Constant(it, 3))
+            with cgutils.for_range(b, n8) as loop:
+                off = b.shl(loop.index, ir.Constant(it, 3))
+                qv = [b.load(_vptr(b, qrow[r], off), align=4) for r in range(R)]
+                kv = [b.load(_vptr(b, krow[j], off), align=4) for j in range(J)]
+                for r in range(R):
+                    for j in range(J):
+                        b.store(b.call(fv, [qv[r], kv[j], b.load(acc[r][j])]), acc[r][j])
+            i0 = b.shl(n8, ir.Constant(it, 3))
+            for r in range(R):
+                for j in range(J):
+                    v = b.load(acc[r][j])
+                    e = [b.extract_element(v, ir.Constant(_I32, l)) for l in range(8)]
+                    s = b.fadd(b.fadd(b.fadd(e[0], e[4]), b.fadd(e[2], e[6])),
+                               b.fadd(b.fadd(e[1], e[5]), b.fadd(e[3], e[7])))
+                    sv = cgutils.alloca_once_value(b, s)
+                    b.store(s, sv)
+                    with cgutils.for_range_slice(b, i0, hd, ir.Constant(it, 1)) as (i, _c):
+                        qi = b.load(b.gep(qrow[r], [i]))
+                        ki = b.load(b.gep(krow[j], [i]))
+                        b.store(b.call(fs, [qi, ki, b.load(sv)]), sv)
+                    dst = b.gep(sp, [b.add(b.mul(ss, ir.Constant(it, r)), ir.Constant(it, j))])
+                    b.store(b.fmul(b.load(sv), scale), dst)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return qk
+
+
+def _pv_kernel(R, NV):
+    """An intrinsic ``(pp, ps, vp, vs, op, os, n)``: ``o_r[c] = fma(P[r, j], v_j[c], o_r[c])`` for ``j = 0 ..
+    n-1`` in that order, ``R`` rows (weights at ``pp + r*ps + j``, outputs at ``op + r*os``), columns ``0 ..
+    8*NV-1`` (values at ``vp + j*vs``), in place. A column's result does not depend on ``R`` or ``NV`` (one fma
+    chain over ``j``)."""
+
+    @intrinsic
+    def pv(typingctx, pp, ps, vp, vs, op, os, n):
+        sig = types.void(_PF, types.intp, _PF, types.intp, _PF, types.intp, types.intp)
+
+        def codegen(context, builder, signature, args):
+            pp, ps, vp, vs, op, os, n = args
+            b = builder
+            fv = _fma_fn(b, _V8)
+            it = n.type
+            prow = [b.gep(pp, [b.mul(ps, ir.Constant(it, r))]) for r in range(R)]
+            orow = [b.gep(op, [b.mul(os, ir.Constant(it, r))]) for r in range(R)]
+            acc = [[cgutils.alloca_once_value(b, ir.Constant(_V8, None)) for _v in range(NV)] for _r in range(R)]
+            for r in range(R):
+                for c in range(NV):
+                    b.store(b.load(_vptr(b, orow[r], ir.Constant(it, 8 * c)), align=4), acc[r][c])
+            with cgutils.for_range(b, n) as loop:
+                j = loop.index
+                vrow = b.gep(vp, [b.mul(vs, j)])
+                vv = [b.load(_vptr(b, vrow, ir.Constant(it, 8 * c)), align=4) for c in range(NV)]
+                for r in range(R):
+                    w = _splat(b, b.load(b.gep(prow[r], [j])))
+                    for c in range(NV):
+                        b.store(b.call(fv, [w, vv[c], b.load(acc[r][c])]), acc[r][c])
+            for r in range(R):
+                for c in range(NV):
+                    b.store(b.load(acc[r][c]), _vptr(b, orow[r], ir.Constant(it, 8 * c)), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return pv
+
+
+_qk42, _qk41, _qk14, _qk11 = _qk_kernel(4, 2), _qk_kernel(4, 1), _qk_kernel(1, 4), _qk_kernel(1, 1)
+_pv42, _pv41, _pv14, _pv11 = _pv_kernel(4, 2), _pv_kernel(4, 1), _pv_kernel(1, 4), _pv_kernel(1, 1)
+
+#: Cephes ``expf``: ln 2 in two parts and the polynomial of exp on [-ln2/2, ln2/2]
+_EXP_P = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
+
+
+@intrinsic
+def _exp8(typingctx, p, m):
+    """In place on the 8 f32 at ``p``: ``x -> exp(x - m)`` (Cephes ``expf``'s reduction and polynomial, within 2
+    ulp of exp; arguments below -87.3 give exp(-87.3); a NaN stays NaN), the same bits on every path."""
+    sig = types.void(_PF, types.float32)
+
+    def codegen(context, builder, signature, args):
+        p, m = args
+        b = builder
+        fv = _fma_fn(b, _V8)
+        floor = cgutils.get_or_insert_function(b.module, ir.FunctionType(_V8, [_V8]), "llvm.floor.v8f32")
+        c = lambda v: ir.Constant(_V8, [float(np.float32(v))] * 8)  # noqa: E731
+        vp = _vptr(b, p, ir.Constant(ir.IntType(64), 0))
+        x = b.fsub(b.load(vp, align=4), _splat(b, m))
+        lo = c(-87.3)
+        x = b.select(b.fcmp_ordered("<", x, lo), lo, x)
+        n = b.call(floor, [b.fadd(b.fmul(x, c(1.44269504088896341)), c(0.5))])
+        r = b.fsub(x, b.fmul(n, c(0.693359375)))
+        r = b.fsub(r, b.fmul(n, c(-2.12194440e-4)))
+        y = c(_EXP_P[0])
+        for k in _EXP_P[1:]:
+            y = b.call(fv, [y, r, c(k)])
+        y = b.fadd(b.fadd(b.fmul(y, b.fmul(r, r)), r), c(1.0))
+        nn = b.select(b.fcmp_ordered(">", n, c(-126.0)), n, c(-126.0))
+        e = b.shl(b.add(b.fptosi(nn, _I32x8), ir.Constant(_I32x8, [127] * 8)), ir.Constant(_I32x8, [23] * 8))
+        b.store(b.fmul(y, b.bitcast(e, _V8)), vp, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _fma1(typingctx, a, x, y):
+    """``fma(a, x, y)`` of three f32, rounded once (a lane of the vector kernels' fma)."""
+    sig = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.call(_fma_fn(builder, _F32), list(args))
+
+    return sig, codegen
+
 
 
 @nb.njit(inline="always", nogil=True, cache=True, fastmath=True)
@@ -125,36 +280,139 @@ def _scratch(S, w):
     return np.empty((1, KEY_TILE if S[0] != kvc.F32 else 0, w), np.float32)
 
 
-@nb.njit(inline="always", nogil=True, cache=True, fastmath=True)
-def _attend_head(q, K, V, pos0, scale, window, sinks, out, t, h):
-    """One row (``t``, at position ``pos0 + t``) of one query head over its key tiles (module docstring); ``K``,
-    ``V`` the cache's sides (cpu_kernels/kvcache.py)."""
-    rep = q.shape[1] // kvc.side_heads(K)
-    g = h // rep
-    p = pos0 + t
-    j0 = _first_key(p, window)
-    sc = np.empty(KEY_TILE, dtype=np.float32)
-    ks = _scratch(K, q.shape[2])
-    vs = _scratch(V, kvc.side_width(V))
-    m = np.float32(0.0)
-    l = 0.0
-    ja = j0
-    while ja <= p:
-        jb = min((ja // KEY_TILE + 1) * KEY_TILE, p + 1)
-        kc, gk, ok = _tile(K, g, ja, jb - ja, ks)
-        vc, gv, ov = _tile(V, g, ja, jb - ja, vs)
-        m, l = _row_tile(q, t, h, kc, gk, ok, vc, gv, ov, ja, jb, scale, ja == j0, m, l, sc, out)
-        ja = jb
-    _row_finish(out, t, h, m, l, sinks)
+@intrinsic
+def _padd(typingctx, p, k):
+    """The float32 pointer ``p + k`` (elements)."""
+    sig = _PF(_PF, types.intp)
+
+    def codegen(context, builder, signature, args):
+        return builder.gep(args[0], [args[1]])
+
+    return sig, codegen
 
 
-@nb.njit(inline="always", nogil=True, cache=True, fastmath=True)
-def _block_item(q, K, V, pos0, scale, window, sinks, out, h, r0, r1, ms, ls, sc, ks, vs):
-    """Rows ``r0 .. r1-1`` of query head ``h``: key tile by key tile (dequantized once for all the rows when
-    the side is not f32: ``ks``/``vs`` scratch as :func:`_scratch`), each row's part of the tile by
-    :func:`_row_tile` (the rows' arithmetic is :func:`_attend_head`'s). ``ms`` f32, ``ls`` f64 [>= r1 - r0]."""
+@nb.njit(nogil=True, cache=True, fastmath={"nnan", "nsz"})
+def _tile_max(S, t, a, b):
+    """max of ``S[t, a:b]`` (exact whatever the order, so vectorized freely)."""
+    mt = S[t, a]
+    for jj in range(a + 1, b):
+        s = S[t, jj]
+        mt = s if s > mt else mt
+    return mt
+
+
+@nb.njit(nogil=True, cache=True)
+def _lanes_add(L, t, S, c0, c1):
+    """``L[t, l] += S[t, c + l]`` for the 8-aligned ``c`` in ``c0 .. c1-1``, each lane in ascending ``c``."""
+    for c in range(c0, c1, 8):
+        for l in range(8):
+            L[t, l] += np.float64(S[t, c + l])
+
+
+@nb.njit(nogil=True, cache=True)
+def _lanes_sum(L, t):
+    """The sum of row ``t``'s 8 lanes in one fixed order."""
+    return ((L[t, 0] + L[t, 4]) + (L[t, 2] + L[t, 6])) + ((L[t, 1] + L[t, 5]) + (L[t, 3] + L[t, 7]))
+
+
+@nb.njit(inline="always", nogil=True, cache=True)
+def _qk_rows(qp, qs, kp, ks, sp, ss, nr, n, hd, scale):
+    """Scores of ``nr`` (1 or 4) query rows x ``n`` keys (:func:`_qk_kernel`'s pointers and strides)."""
+    if nr == 4:
+        j = 0
+        while j + 2 <= n:
+            _qk42(qp, qs, _padd(kp, j * ks), ks, _padd(sp, j), ss, hd, scale)
+            j += 2
+        if j < n:
+            _qk41(qp, qs, _padd(kp, j * ks), ks, _padd(sp, j), ss, hd, scale)
+    else:
+        j = 0
+        while j + 4 <= n:
+            _qk14(qp, qs, _padd(kp, j * ks), ks, _padd(sp, j), ss, hd, scale)
+            j += 4
+        while j < n:
+            _qk11(qp, qs, _padd(kp, j * ks), ks, _padd(sp, j), ss, hd, scale)
+            j += 1
+
+
+@nb.njit(inline="always", nogil=True, cache=True)
+def _pv_rows(pp, ps, vp, vs, op, os, nr, n, vd):
+    """``o += P . V`` for ``nr`` (1 or 4) rows over ``n`` keys, columns ``0 .. vd - vd % 8 - 1``
+    (:func:`_pv_kernel`'s pointers and strides); returns the first column not done."""
+    c = 0
+    if nr == 4:
+        while c + 16 <= vd:
+            _pv42(pp, ps, _padd(vp, c), vs, _padd(op, c), os, n)
+            c += 16
+        if c + 8 <= vd:
+            _pv41(pp, ps, _padd(vp, c), vs, _padd(op, c), os, n)
+            c += 8
+    else:
+        while c + 32 <= vd:
+            _pv14(pp, ps, _padd(vp, c), vs, _padd(op, c), os, n)
+            c += 32
+        while c + 8 <= vd:
+            _pv11(pp, ps, _padd(vp, c), vs, _padd(op, c), os, n)
+            c += 8
+    return c
+
+
+@nb.njit(inline="always", nogil=True, cache=True)
+def _tile_op(pv, q, h, r0, t, nr, kc, gk, ok, vc, gv, ov, out, S, ja0, ja, jb, scale):
+    """Rows ``r0 + t .. r0 + t + nr - 1`` (``nr`` 1 or 4) over keys ``ja .. jb-1`` of the tile at ``ja0``:
+    their scores into ``S[t.., j - ja0]`` (``pv`` False) or ``out[r, h] += S[t.., j - ja0] v_j`` (``pv``)."""
+    n = jb - ja
+    if n <= 0:
+        return
+    if not pv:
+        _qk_rows(_addr(q, r0 + t, h, 0), q.strides[0] // 4, _addr(kc, gk, ja - ok, 0), kc.strides[1] // 4,
+                 _addr2(S, t, ja - ja0), S.strides[0] // 4, nr, n, q.shape[2], scale)
+        return
+    vd = out.shape[2]
+    c = _pv_rows(_addr2(S, t, ja - ja0), S.strides[0] // 4, _addr(vc, gv, ja - ov, 0), vc.strides[1] // 4,
+                 _addr(out, r0 + t, h, 0), out.strides[0] // 4, nr, n, vd)
+    for r in range(nr):  # the columns past the last 8 (one fma chain each, as a vector lane's)
+        for i in range(c, vd):
+            o = out[r0 + t + r, h, i]
+            for j in range(ja, jb):
+                o = _fma1(S[t + r, j - ja0], vc[gv, j - ov, i], o)
+            out[r0 + t + r, h, i] = o
+
+
+@nb.njit(inline="always", nogil=True, cache=True)
+def _tile_rows(pv, q, h, r0, R, kc, gk, ok, vc, gv, ov, out, S, ja0, rng, scale):
+    """:func:`_tile_op` over the ``R`` rows of a block, each over its range ``rng[t]``: four rows at a time over
+    the keys they share (each row's own keys before and after on its own), so every row sees its keys in
+    ascending order, as a row alone does."""
+    t = 0
+    while t < R:
+        if t + 4 <= R:
+            a = max(max(rng[t, 0], rng[t + 1, 0]), max(rng[t + 2, 0], rng[t + 3, 0]))
+            b = min(min(rng[t, 1], rng[t + 1, 1]), min(rng[t + 2, 1], rng[t + 3, 1]))
+            if b - a >= 8:
+                for u in range(t, t + 4):
+                    _tile_op(pv, q, h, r0, u, 1, kc, gk, ok, vc, gv, ov, out, S, ja0, rng[u, 0], a, scale)
+                _tile_op(pv, q, h, r0, t, 4, kc, gk, ok, vc, gv, ov, out, S, ja0, a, b, scale)
+                for u in range(t, t + 4):
+                    _tile_op(pv, q, h, r0, u, 1, kc, gk, ok, vc, gv, ov, out, S, ja0, b, rng[u, 1], scale)
+                t += 4
+                continue
+        _tile_op(pv, q, h, r0, t, 1, kc, gk, ok, vc, gv, ov, out, S, ja0, rng[t, 0], rng[t, 1], scale)
+        t += 1
+
+
+@nb.njit(nogil=True, cache=True)
+def _block_item(q, K, V, pos0, scale, window, sinks, out, h, r0, r1, ms, L, S, rng, ks, vs):
+    """Rows ``r0 .. r1-1`` of query head ``h`` (one row: the decode row), key tile by key tile (dequantized
+    once for all the rows when the side is not f32: ``ks``/``vs`` scratch as :func:`_scratch`): the tile's
+    scores (:func:`_qk_kernel`), each row's online-softmax step (f32 max, :func:`_exp8`, the f64 sum in 8 lanes
+    by position mod 8), the weighted values (:func:`_pv_kernel`). Every row's arithmetic is the same whatever
+    rows come with it. Scratch: ``ms`` f32 [>= R], ``L`` f64 [>= R, 8], ``S`` f32 [>= R, KEY_TILE], ``rng``
+    int64 [>= R, 2]; ``q``, ``out`` and the f32 sides' rows contiguous."""
     rep = q.shape[1] // kvc.side_heads(K)
     g = h // rep
+    R = r1 - r0
+    vd = out.shape[2]
     j_lo = _first_key(pos0 + r0, window)
     p_hi = pos0 + r1 - 1
     ja0 = (j_lo // KEY_TILE) * KEY_TILE
@@ -163,19 +421,65 @@ def _block_item(q, K, V, pos0, scale, window, sinks, out, h, r0, r1, ms, ls, sc,
         n = min(jb0, p_hi + 1) - ja0
         kc, gk, ok = _tile(K, g, ja0, n, ks)
         vc, gv, ov = _tile(V, g, ja0, n, vs)
-        for t in range(r0, r1):
-            p = pos0 + t
+        for t in range(R):
+            p = pos0 + r0 + t
             j0 = _first_key(p, window)
-            ja = ja0 if ja0 > j0 else j0
-            jb = jb0 if jb0 < p + 1 else p + 1
-            if ja < jb:
-                m, l = _row_tile(q, t, h, kc, gk, ok, vc, gv, ov, ja, jb, scale, ja == j0, ms[t - r0], ls[t - r0],
-                                 sc, out)
-                ms[t - r0] = m
-                ls[t - r0] = l
+            rng[t, 0] = ja0 if ja0 > j0 else j0
+            rng[t, 1] = jb0 if jb0 < p + 1 else p + 1
+        _tile_rows(False, q, h, r0, R, kc, gk, ok, vc, gv, ov, out, S, ja0, rng, scale)
+        for t in range(R):
+            ja = rng[t, 0]
+            jb = rng[t, 1]
+            if ja >= jb:
+                continue
+            a = ja - ja0
+            b = jb - ja0
+            mt = _tile_max(S, t, a, b)
+            if ja == _first_key(pos0 + r0 + t, window):
+                mn = mt
+                for i in range(vd):
+                    out[r0 + t, h, i] = 0.0
+                for i in range(8):
+                    L[t, i] = 0.0
+            else:
+                m = ms[t]
+                mn = mt if mt > m else m
+                if mn > m:  # the maximum moved: earlier terms shrink by exp(m_old - m_new)
+                    alpha = math.exp(float(m) - float(mn))
+                    for i in range(8):
+                        L[t, i] *= alpha
+                    af = np.float32(alpha)
+                    for i in range(vd):
+                        out[r0 + t, h, i] *= af
+            ms[t] = mn
+            c0 = (a // 8) * 8
+            c1 = ((b + 7) // 8) * 8
+            for c in range(c0, c1, 8):
+                _exp8(_addr2(S, t, c), mn)
+            for jj in range(c0, a):  # the lanes' keys outside the row's range weigh 0 (added exactly)
+                S[t, jj] = 0.0
+            for jj in range(b, c1):
+                S[t, jj] = 0.0
+            _lanes_add(L, t, S, c0, c1)
+        _tile_rows(True, q, h, r0, R, kc, gk, ok, vc, gv, ov, out, S, ja0, rng, scale)
         ja0 = jb0
-    for t in range(r0, r1):
-        _row_finish(out, t, h, ms[t - r0], ls[t - r0], sinks)
+    for t in range(R):
+        _row_finish(out, r0 + t, h, ms[t], _lanes_sum(L, t), sinks)
+
+
+@nb.njit(inline="always", nogil=True, cache=True)
+def _item_scratch(K, V, qb, hd, vd):
+    """``_block_item``'s scratch for blocks of up to ``qb`` rows."""
+    return (np.empty(qb, np.float32), np.empty((qb, 8), np.float64), np.empty((qb, KEY_TILE), np.float32),
+            np.empty((qb, 2), np.int64), _scratch(K, hd), _scratch(V, vd))
+
+
+@nb.njit(inline="always", nogil=True, cache=True, fastmath=True)
+def _attend_head(q, K, V, pos0, scale, window, sinks, out, t, h):
+    """One row (``t``, at position ``pos0 + t``) of one query head over its key tiles (module docstring); ``K``,
+    ``V`` the cache's sides (cpu_kernels/kvcache.py)."""
+    ms, L, S, rng, ks, vs = _item_scratch(K, V, 1, q.shape[2], out.shape[2])
+    _block_item(q, K, V, pos0, scale, window, sinks, out, h, t, t + 1, ms, L, S, rng, ks, vs)
 
 
 @nb.njit(parallel=True, nogil=True, cache=True, fastmath=True)
@@ -202,32 +506,24 @@ def _attend_blocks(q, K, V, pos0, scale, window, sinks, out, qb, nt):
     n_items = n_b * h_n
     ctr = np.zeros(1, np.int64)
     for _w in nb.prange(nt):
-        ms = np.empty(qb, np.float32)
-        ls = np.empty(qb, np.float64)
-        sc = np.empty(KEY_TILE, np.float32)
-        ks = _scratch(K, hd)
-        vs = _scratch(V, kvc.side_width(V))
+        ms, L, S, rng, ks, vs = _item_scratch(K, V, qb, hd, out.shape[2])
         while True:
             i = atomic_add(ctr, 0, 1)
             if i >= n_items:
                 break
             b = n_b - 1 - i // h_n
             r0 = b * qb
-            _block_item(q, K, V, pos0, scale, window, sinks, out, i % h_n, r0, min(r0 + qb, t_n), ms, ls, sc,
+            _block_item(q, K, V, pos0, scale, window, sinks, out, i % h_n, r0, min(r0 + qb, t_n), ms, L, S, rng,
                         ks, vs)
 
 
 @nb.njit(nogil=True, cache=True, fastmath=True)
 def _attend_blocks_serial(q, K, V, pos0, scale, window, sinks, out, qb):
     t_n, h_n, hd = q.shape
-    ms = np.empty(qb, np.float32)
-    ls = np.empty(qb, np.float64)
-    sc = np.empty(KEY_TILE, np.float32)
-    ks = _scratch(K, hd)
-    vs = _scratch(V, kvc.side_width(V))
+    ms, L, S, rng, ks, vs = _item_scratch(K, V, qb, hd, out.shape[2])
     for h in range(h_n):
         for r0 in range(0, t_n, qb):
-            _block_item(q, K, V, pos0, scale, window, sinks, out, h, r0, min(r0 + qb, t_n), ms, ls, sc, ks, vs)
+            _block_item(q, K, V, pos0, scale, window, sinks, out, h, r0, min(r0 + qb, t_n), ms, L, S, rng, ks, vs)
 
 
 #: multiply-adds (rows x positions x heads x head size) up to which attention runs serially (one launch of the
@@ -236,6 +532,11 @@ SERIAL_WORK = 1 << 16
 
 
 _NO_SINKS = np.zeros(0, np.float32)
+
+
+def _unit_rows(a):
+    """``a`` itself when its last axis is contiguous f32, else a contiguous copy."""
+    return a if a.dtype == np.float32 and a.strides[-1] == 4 else np.ascontiguousarray(a, dtype=np.float32)
 
 
 def attend(q: np.ndarray, kc, vc, pos0: int, scale: float, window: int = 0,
@@ -252,10 +553,13 @@ def attend(q: np.ndarray, kc, vc, pos0: int, scale: float, window: int = 0,
     bits per row. Raises ValueError when ``sinks`` is not [H].
     """
     T, H, hd = q.shape
-    K = kc.t if isinstance(kc, kvc.KVSide) else kvc.as_side(kc)
-    V = vc.t if isinstance(vc, kvc.KVSide) else kvc.as_side(vc)
+    q = _unit_rows(q)  # the kernels read rows as contiguous vectors
+    K = kc.t if isinstance(kc, kvc.KVSide) else kvc.as_side(_unit_rows(kc))
+    V = vc.t if isinstance(vc, kvc.KVSide) else kvc.as_side(_unit_rows(vc))
     if out is None:
         out = np.empty((T, H, vc.shape[2]), np.float32)
+    elif out.strides[2] != 4:
+        raise ValueError("attend: out's last axis must be contiguous")
     if sinks is None:
         sinks = _NO_SINKS
     else:
