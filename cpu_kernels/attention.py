@@ -7,10 +7,17 @@ Gemma 3's local layers and llama.cpp's SWA mask), softmax, weighted sum of V. Qu
 Key tiles and online softmax (flash-attention's arithmetic on the CPU): a row walks the key positions in tiles of
 ``KEY_TILE`` whose boundaries sit at absolute positions (multiples of ``KEY_TILE``, cut by the row's first and
 last visible position); per tile it takes the scores' maximum ``m_t``, moves its running maximum to
-``m = max(m, m_t)``, rescales its running sum ``l`` (float64) and its output accumulator by ``exp(m_old - m)``
-and adds ``exp(s_j - m)`` and ``exp(s_j - m) v_j``; at the end ``o = acc / l``. One function (``_row_tile``)
-does one row's tile, and every caller runs a row's tiles in ascending order with the same function: the decode
-row (``_attend_head``, also inlined in cpu_kernels/decode.py's regions) and the prompt's query blocks
+``m = max(m, m_t)``, rescales its running sum ``l`` (float64, in 8 lanes: key position mod 8) and its output
+accumulator by ``exp(m_old - m)`` and adds ``exp(s_j - m)`` (f32, :func:`_exp8`) and ``exp(s_j - m) v_j``; at
+the end ``o = acc / l``.
+
+The tile is GEMM-shaped: one function (``_block_item``) runs a block of query rows of one head over a key tile as
+two small matmuls, the scores ``Q K^T`` (register tiles of 4 rows x 2 keys, :func:`_qk_kernel`) and ``P V`` (4
+rows x 16 columns, :func:`_pv_kernel`), explicit ``<8 x float>`` fma chains in LLVM IR whose per-element order
+does not depend on the tile shape: a score sums its head dimension in 8 lanes (``i mod 8``, then one fixed tree),
+an output column takes one fma per key in ascending order. Rows that see different keys (the causal diagonal,
+a window's edge) run their own keys one row at a time, in the same order. So the decode row (``_attend_head``,
+one row through the same function; also in cpu_kernels/decode.py's regions) and the prompt's query blocks
 (``_attend_blocks``) give bit-identical rows for a row at a position, whatever the chunk it comes in
 (tests/test_attention.py). The prompt kernel is one launch over (query head, query block) items, the blocks of
 ``QUERY_BLOCK`` rows reading each key tile once for all their rows, heaviest items (the last rows) claimed first.
@@ -266,7 +273,7 @@ def _first_key(p, window):
 @nb.njit(inline="always", nogil=True, cache=True, fastmath=True)
 def _tile(S, g, ja, n, scr):
     """Where key tile rows ``ja .. ja+n-1`` of KV head ``g`` of side ``S`` (cpu_kernels/kvcache.py) are read
-    from: ``(array, head, offset)`` for :func:`_row_tile`, the cache itself for an f32 side, else ``scr`` f32
+    from: ``(array, head, offset)`` for :func:`_block_item`, the cache itself for an f32 side, else ``scr`` f32
     [1, >= n, w] filled with the rows dequantized."""
     if S[0] == kvc.F32:
         return S[1], g, 0

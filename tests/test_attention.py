@@ -87,3 +87,26 @@ def test_sinks_of_the_wrong_shape_are_refused():
     q, kc, vc, _ = _inputs(4, 2, 16, 16, 8, False)
     with pytest.raises(ValueError, match=r"sinks must be f32 \[4\]"):
         A.attend(q, kc, vc, 0, 0.25, sinks=np.zeros(3, np.float32))
+
+
+def test_exp8_is_within_2_ulp_of_numpy_exp():
+    """The softmax weights' exp (Cephes' expf on 8 lanes) against NumPy's float64 exp rounded to f32, over the
+    range a weight's argument takes (s - m <= 0), the clamp below -87.3 and NaN kept."""
+    import numba
+
+    @numba.njit
+    def run(x, m):
+        for c in range(0, x.shape[1], 8):
+            A._exp8(A._addr2(x, 0, c), m)
+
+    rng = np.random.default_rng(3)
+    x = np.concatenate([-rng.random(4000) * 87.3, -rng.random(4000) * 2, np.zeros(8)]).astype(np.float32)
+    got = x[None].copy()
+    run(got, np.float32(0.0))
+    want = np.exp(x.astype(np.float64)).astype(np.float32)
+    ulp = np.abs(got[0].view(np.int32).astype(np.int64) - want.view(np.int32).astype(np.int64))
+    assert ulp.max() <= 2, (ulp.max(), x[ulp.argmax()])
+    edge = np.array([[1.0, -100.0, np.nan, 0.5, -3.0, 1.0, 2.0, 1.0]], np.float32)
+    run(edge, np.float32(1.0))
+    assert edge[0, 0] == 1.0 and edge[0, 1] == np.float32(np.exp(np.float64(np.float32(-87.3))))
+    assert np.isnan(edge[0, 2]) and abs(edge[0, 4] - np.exp(-4.0)) < 1e-6 * np.exp(-4.0) * 4
