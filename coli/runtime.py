@@ -263,7 +263,7 @@ def setup_moe(eng, expert_cache, usage_path, io_threads, keep_raw) -> None:
         for l in L:
             hot = [int(e) for e in eng.usage.hottest(l)[:n_pin] if eng.usage.counts[l, e] > 0]
             pins[l] = set(hot)
-    eng.cache = RAMCache(source, slots, pins, io_threads=io_threads)
+    eng.cache = RAMCache(source, slots, pins, io_threads=io_threads, capacity=slots * len(L) * per)
     eng.step = MoEStep(eng.cache, eng.usage, act=eng.cpu_act, trace=eng.trace)
     eng.ram_cache_bytes = slots * len(L) * per  # the RAM cache's configured size (the tier's budget rule)
     eng.expert_held_ratio = per / max(1, max(source.expert_nbytes(l) for l in L))  # held / file bytes

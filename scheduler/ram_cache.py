@@ -1,15 +1,27 @@
-"""The RAM expert cache: per MoE layer an LRU of ``slots`` expert copies, pinned hot experts, and the
-background I/O pool that reads cold experts from the model file.
+"""The RAM expert cache: one pool of expert copies shared by every MoE layer (at most ``capacity`` bytes, by
+default ``slots`` a layer), evicted by LFRU across layers, pinned hot experts, and the background I/O pool that
+reads cold experts from the model file.
 
 An expert's bytes are touched only when it is routed: a cold expert is read with ``os.pread`` from its three
 slices of ``ffn_{gate,up,down}_exps`` (GGUF stores expert ``e`` of a ``[E, O, row_bytes]`` tensor as one
 contiguous run), never through the mmap, so the page cache and the byte counters see real disk reads.
-Pinned slots (the hottest experts of the routing history, counted within ``slots``: ``slots // 2`` of them,
-"PIN") are never evicted. A slot that is being computed stays alive while the step holds a
+Pinned slots (the hottest experts of the routing history, counted within the pool: ``slots // 2`` a layer,
+"PIN") are never evicted.
+
+LFRU (least frequently and recently used): each use of a cached expert (a hit, its insertion) adds 1 to its
+heat, which halves every ``half_life`` uses of the cache (``half_life``: the experts the pool holds), so a
+frequent expert outlives a recent one-off and an expert that stopped being routed cools down. Kept as the score
+``log2(heat) + tick / half_life`` (``tick``: uses so far), which orders experts as their decayed heats do and
+does not change until the expert's next use: the coldest unpinned expert, whatever its layer, is the one with
+the smallest score (a min-heap with stale entries skipped). A layer whose experts are routed more holds more of
+the pool; the pool's bytes never exceed ``capacity`` (an expert that cannot fit beside the pinned ones is
+computed and not cached). A slot that is being computed stays alive while the step holds a
 reference (Python's reference count is the seeds' "slots count readers": eviction never frees one in use).
 """
 from __future__ import annotations
 
+import heapq
+import math
 import mmap
 import os
 import threading
@@ -153,18 +165,35 @@ class ExpertSource:
 
 
 class RAMCache:
-    """Per-layer LRU of ``slots`` experts with pins, fed by a pool of ``io_threads`` readers.
+    """One pool of cached experts for every MoE layer, at most ``capacity`` bytes (default: ``slots`` experts a
+    layer, as ``source.held_nbytes`` counts them), LFRU eviction across layers (module docstring), with pins,
+    fed by a pool of ``io_threads`` readers. ``slots``: the pool's share a layer (the pins' count, the device
+    tier's rule for reading an expert back into RAM).
 
     ``get(layer, e)`` returns the cached ``ExpertWeights`` (a hit) or None; ``fetch(layer, e)`` starts a
-    background read and returns a ``Future``; ``put`` inserts (evicting the least recently used unpinned slot).
-    Counters: ``hits``, ``loads`` (disk loads), ``source.bytes_read``, ``load_s`` (reader-thread seconds).
+    background read and returns a ``Future``; ``put`` inserts (evicting the coldest unpinned experts until it
+    fits). ``lru[layer]``: a layer's cached experts, least recently used first. Counters: ``hits``, ``loads``
+    (disk loads), ``evictions``, ``held`` (bytes cached), ``source.bytes_read``, ``load_s`` (reader-thread
+    seconds).
     """
 
-    def __init__(self, source: ExpertSource, slots: int, pins: dict | None = None, io_threads: int = 4):
+    def __init__(self, source: ExpertSource, slots: int, pins: dict | None = None, io_threads: int = 4,
+                 capacity: int | None = None):
         self.source = source
         self.slots = int(slots)
         self.pins = {l: set(int(e) for e in s) for l, s in (pins or {}).items()}
         self.lru: dict[int, OrderedDict] = {l: OrderedDict() for l in source.layers}
+        if capacity is None:
+            capacity = max(0, self.slots) * sum(source.held_nbytes(l) for l in source.layers)
+        self.capacity = int(capacity)
+        self.held = 0
+        self.evictions = 0
+        per = max((source.held_nbytes(l) for l in source.layers), default=1)
+        self.half_life = max(16, self.capacity // max(1, per))   # uses of the cache per halving of a heat
+        self._tick = 0
+        self._score: dict = {}   # (layer, e) -> LFRU score of a cached, unpinned expert
+        self._heat: dict = {}    # (layer, e) -> (heat, tick of its last use) of a cached expert
+        self._heap: list = []    # (score, layer, e), stale entries included
         self.pool = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="coli-io")
         self.inflight: dict[tuple, Future] = {}
         self.hits = 0
@@ -211,7 +240,50 @@ class RAMCache:
         if w is not None:
             d.move_to_end(e)
             self.hits += 1
+            self._use(layer, e)
         return w
+
+    def _use(self, layer: int, e: int) -> None:
+        """One use of cached expert ``(layer, e)``: its decayed heat plus 1, its score (module docstring)."""
+        self._tick += 1
+        t = self._tick
+        h, t0 = self._heat.get((layer, e), (0.0, t))
+        h = h * 2.0 ** (-(t - t0) / self.half_life) + 1.0
+        self._heat[(layer, e)] = (h, t)
+        if e in self.pins.get(layer, ()):
+            return   # never a victim: not in the heap
+        sc = math.log2(h) + t / self.half_life
+        self._score[(layer, e)] = sc
+        heapq.heappush(self._heap, (sc, layer, e))
+        if len(self._heap) > 4 * len(self._score) + 64:   # drop the stale entries
+            self._heap = [(v, l, x) for (l, x), v in self._score.items()]
+            heapq.heapify(self._heap)
+
+    def _evict_one(self, keep) -> bool:
+        """Evict the coldest unpinned expert other than ``keep`` (a ``(layer, e)``); False when there is none."""
+        held_back = []
+        victim = None
+        while self._heap:
+            sc, l, x = heapq.heappop(self._heap)
+            if self._score.get((l, x)) != sc:
+                continue   # stale: used again since, or evicted
+            if (l, x) == keep:
+                held_back.append((sc, l, x))
+                continue
+            victim = (l, x)
+            break
+        for it in held_back:
+            heapq.heappush(self._heap, it)
+        if victim is None:
+            return False
+        l, x = victim
+        w = self.lru[l].pop(x)
+        self.held -= w.nbytes
+        del self._score[victim]
+        self._heat.pop(victim, None)
+        self._note(l, x, None)
+        self.evictions += 1
+        return True
 
     def _read(self, layer, e):
         t0 = time.perf_counter()
@@ -231,23 +303,28 @@ class RAMCache:
         return f
 
     def put(self, layer: int, e: int, w: ExpertWeights) -> None:
+        """Cache expert ``e`` of ``layer`` just read (a disk load): the coldest unpinned experts of any layer are
+        evicted until it fits ``capacity``; when it cannot (the pinned ones fill the pool) it is not cached."""
         self.inflight.pop((layer, e), None)
         self.loads += 1
         if self.slots <= 0:
             return
         d = self.lru[layer]
+        old = d.get(e)
+        if old is not None:   # read again while cached (two reads raced): the new copy replaces it
+            self.held -= old.nbytes
+            del d[e]
+        while self.held + w.nbytes > self.capacity:
+            if not self._evict_one((layer, e)):
+                if old is not None:
+                    self._score.pop((layer, e), None)
+                    self._heat.pop((layer, e), None)
+                    self._note(layer, e, None)
+                return
         d[e] = w
-        d.move_to_end(e)
+        self.held += w.nbytes
         self._note(layer, e, w)
-        pins = self.pins.get(layer, ())
-        while len(d) > self.slots:
-            for k in d:
-                if k not in pins and k != e:
-                    del d[k]
-                    self._note(layer, k, None)
-                    break
-            else:
-                break
+        self._use(layer, e)
 
     def warm_pins(self) -> int:
         """Read every pinned expert now (in parallel); returns how many."""
@@ -262,6 +339,10 @@ class RAMCache:
     def clear(self) -> None:
         for d in self.lru.values():
             d.clear()
+        self.held = 0
+        self._score.clear()
+        self._heat.clear()
+        self._heap.clear()
         for resident, _ in self._tables.values():
             resident[:] = 0
 

@@ -62,8 +62,9 @@ def test_demo_same_equals_dense(model_path, demo_same_path, engine):
 
 
 def test_streaming_cache_one_equals_full(demo_path, engine, tmp_path):
-    """``--expert-cache 1`` (raised to top-k) gives the tokens of a cache that holds every expert, and the
-    routing history counts sum to tokens x top-k x MoE layers."""
+    """``--expert-cache 1`` (raised to top-k: a pool of top-k experts a layer shared by the layers, evicting
+    across them) gives the tokens of a cache that holds every expert, and the routing history counts sum to
+    tokens x top-k x MoE layers."""
     from coli.engine import Engine
 
     full = Engine(demo_path, expert_cache=8, usage=tmp_path / "full.coli_usage", cpu_act="f32")
@@ -74,6 +75,10 @@ def test_streaming_cache_one_equals_full(demo_path, engine, tmp_path):
         r2 = small.generate("Once upon a time", max_tokens=12)
         assert r1.ids == r2.ids
         assert r2.stats["disk_loads"] > r1.stats["disk_loads"]  # the small cache had to reload experts
+        c = small.cache   # one pool for the layers: top-k slots a layer x layers, never exceeded
+        L = small.model.moe_layers
+        assert c.capacity == small.args.top_k * len(L) * c.source.held_nbytes(L[0])
+        assert c.evictions > 0 and c.held == c.nbytes() <= c.capacity
         u = small.usage
         fwd = len(r2.prompt_ids) + len(r2.ids) - 1
         assert u.tokens == fwd

@@ -32,11 +32,72 @@ def test_lru_with_pins():
     from scheduler.ram_cache import RAMCache
 
     src, _ = _source()
-    c = RAMCache(src, slots=3, pins={0: {4}}, io_threads=2)
+    per = src.held_nbytes(0)
+    c = RAMCache(src, slots=3, pins={0: {4}}, io_threads=2, capacity=3 * per)   # a pool of 3 experts
     for e in (4, 1, 2, 3, 5):  # 4 is pinned: it survives although it is the least recently used
         c.put(0, e, c.fetch(0, e).result())
-    assert set(c.lru[0]) == {4, 3, 5}
+    assert set(c.lru[0]) == {4, 3, 5} and c.held == c.nbytes() == 3 * per and c.evictions == 2
     assert c.get(0, 1) is None and c.get(0, 4) is not None and c.hits == 1
     assert c.loads == 5 and src.bytes_read == 5 * src.expert_nbytes(0)
     assert not c.in_ram(1, 4)  # other layers untouched: nothing read for experts nobody routed
+    c.close()
+
+
+def test_one_pool_across_layers_evicts_the_coldest_of_any_layer():
+    """The pool is shared: a layer takes more than its share while the other layer's experts are colder, and the
+    victim is the least frequently used (then least recently) expert whatever its layer."""
+    from scheduler.ram_cache import RAMCache
+
+    src, _ = _source()
+    per = src.held_nbytes(0)
+    assert src.held_nbytes(1) == per
+    c = RAMCache(src, slots=2, io_threads=1)   # 2 a layer x 2 layers: a pool of 4 experts
+    assert c.capacity == 4 * per
+    w = {(l, e): src.load(l, e) for l in (0, 1) for e in range(6)}
+    for k in ((0, 1), (0, 2), (1, 3)):
+        c.put(*k, w[k])
+    for _ in range(3):
+        assert c.get(0, 1) is not None and c.get(1, 3) is not None
+    c.put(0, 4, w[(0, 4)])           # room: 4 experts, 3 of them in layer 0 (above its share of 2)
+    assert [set(c.lru[l]) for l in (0, 1)] == [{1, 2, 4}, {3}] and c.evictions == 0
+    c.put(1, 5, w[(1, 5)])           # full: (0, 2), used once and the oldest such, goes (layer 0's, for layer 1)
+    assert [set(c.lru[l]) for l in (0, 1)] == [{1, 4}, {3, 5}]
+    c.put(1, 0, w[(1, 0)])           # (0, 4) and (1, 5) were used once each: the older one goes
+    assert [set(c.lru[l]) for l in (0, 1)] == [{1}, {0, 3, 5}]
+    assert c.held == c.nbytes() == 4 * per and c.evictions == 2
+    c.close()
+
+
+def test_the_pool_never_exceeds_its_capacity():
+    """Exact invariant over random routings: the cached bytes are counted exactly (``held`` equals the sum of
+    the cached experts), never above ``capacity``, the pinned experts stay, the resident tables follow; and an
+    expert that cannot fit beside the pins is computed uncached."""
+    from scheduler.ram_cache import RAMCache
+
+    src, _ = _source()
+    per = src.held_nbytes(0)
+    w = {(l, e): src.load(l, e) for l in (0, 1) for e in range(8)}
+    rng = np.random.default_rng(3)
+    for cap in (1, 3, 5, 16):
+        pins = {0: {2}, 1: {6}} if cap >= 3 else {}
+        c = RAMCache(src, slots=1, pins=pins, io_threads=1, capacity=cap * per)
+        for l in (0, 1):
+            c.resident_table(l, 8)
+        for k in pins.items():
+            for e in k[1]:
+                c.put(k[0], e, w[(k[0], e)])
+        for _ in range(300):
+            l, e = int(rng.integers(2)), int(rng.choice(8, p=[.3, .2, .1, .1, .1, .1, .05, .05]))
+            if c.get(l, e) is None:
+                c.put(l, e, w[(l, e)])
+            assert c.held == c.nbytes() <= c.capacity
+            assert all(e in c.lru[l] for l, s in pins.items() for e in s)
+            for l2 in (0, 1):
+                assert np.array_equal(np.flatnonzero(c.resident_table(l2, 8)[0]), sorted(c.lru[l2]))
+        assert sum(len(d) for d in c.lru.values()) == min(cap, 16)
+        c.close()
+    c = RAMCache(src, slots=1, pins={0: {1}}, io_threads=1, capacity=per + per // 2)
+    c.put(0, 1, w[(0, 1)])
+    c.put(1, 3, w[(1, 3)])   # does not fit beside the pinned expert: not cached
+    assert not c.in_ram(1, 3) and c.held == per and c.loads == 2
     c.close()
