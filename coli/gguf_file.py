@@ -483,6 +483,50 @@ def open_gguf_file(path, require_arch: bool = True) -> GGUFModel:
                      data_offset=data_offset, file_size=size, kv_types=kv_types, _mm=mm)
 
 
+def drop_pages(model: GGUFModel, names) -> int:
+    """Give the file pages of tensors ``names`` back to the system once the process no longer reads them through
+    the mapping (their values were copied or repacked into RAM at load): ``madvise(MADV_DONTNEED)`` on the
+    mapping's whole pages inside those tensors' byte ranges (adjacent tensors merged first), which drops them
+    from the process's resident set, then ``posix_fadvise(POSIX_FADV_DONTNEED)`` on the same ranges, which
+    drops them from the page cache where no other mapping holds them. The mapping stays valid: a later read of
+    such a page faults it back from the file, the same bytes. Returns the bytes advised (0 where the system has
+    no ``madvise``); OSError from the system calls is not caught (a valid mapping does not raise it)."""
+    mms = model._mm if isinstance(model._mm, list) else [model._mm]
+    files = [str(p) for p in model.shards] if model.shards else [None]
+    if not hasattr(mmap, "MADV_DONTNEED") or any(m is None for m in mms):
+        return 0
+    spans: dict = {}
+    for n in names:
+        t = model.tensors[n]
+        spans.setdefault(files.index(t.file) if model.shards else 0, []).append((t.offset, t.offset + t.nbytes))
+    page = mmap.PAGESIZE
+    done = 0
+    for i, rs in spans.items():
+        rs.sort()
+        merged = [list(rs[0])]
+        for a, b in rs[1:]:
+            if a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        fd = None
+        try:
+            for a, b in merged:
+                a, b = -(-a // page) * page, b // page * page   # the whole pages inside the range
+                if b <= a:
+                    continue
+                mms[i].madvise(mmap.MADV_DONTNEED, a, b - a)
+                if hasattr(os, "posix_fadvise"):
+                    if fd is None:
+                        fd = os.open(files[i] or model.path, os.O_RDONLY)
+                    os.posix_fadvise(fd, a, b - a, os.POSIX_FADV_DONTNEED)
+                done += b - a
+        finally:
+            if fd is not None:
+                os.close(fd)
+    return done
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:.2f}"
 

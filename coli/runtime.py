@@ -172,6 +172,7 @@ def build(eng, *, ctx, expert_cache, usage, io_threads, device, balance, trace, 
 
     eng.model = cls(eng.g, eng.args, None, eng.cpu_act,
                     invariant=bool(settings.get("COLI_BATCH_INVARIANT", eng.env)))
+    eng.model.drop_file_pages()   # the repacked tensors' file pages leave the resident set before it is sized
     a = eng.args
     # what the budget leaves once the model's dense part is loaded, less the headroom
     eng.room = max(0, eng.memory.left() - headroom(eng.memory.bytes))

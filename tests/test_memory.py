@@ -197,3 +197,54 @@ def test_dense_part_that_cannot_fit_is_refused(tmp_path):
     assert "\n" not in line and "Traceback" not in line
     assert line.startswith("coli: tiny-moe.gguf: its dense weights (") and "memory budget 102 MiB (--mem 0.1)" in line
     assert "it runs with its experts streamed from disk" in line
+
+
+def _mapped_rss(start: int) -> int:
+    """Resident bytes of this process's mapping that starts at address ``start`` (``/proc/self/smaps``)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and not head[0].endswith(":"):   # a mapping's first line: lo-hi perms ...
+                inside = int(head[0].split("-")[0], 16) == start
+            elif inside and head[0] == "Rss:":
+                return int(head[1]) * 1024
+    raise AssertionError(f"no mapping at {start:#x}")
+
+
+@pytest.mark.parametrize("name", ["rope_llama3", "qwen3moe"])
+def test_repacked_dense_pages_are_given_back(name, monkeypatch, tmp_path):
+    """After the load the file pages of the dense tensors copied or repacked into RAM are out of the resident
+    set (the kernel's count of the mapping's resident pages leaves them out), the pages of every other tensor
+    (the embedding, read at each token; routed experts, never mapped) are not advised, and the logits are
+    those of a run that keeps them."""
+    import mmap
+
+    import numpy as np
+
+    from coli.engine import Engine
+    from coli.models import base
+    from conftest import FIXTURES
+
+    path = FIXTURES / "oracles" / f"{name}.gguf"
+    ids = [5, 9, 2, 7, 11, 3]
+
+    def run():
+        with Engine(path, threads=1, save_usage=False, usage=tmp_path / "u", quiet=True, ctx=32) as eng:
+            m = eng.model
+            ti = m.t["token_embd.weight"]
+            rss = _mapped_rss(ti.raw.ctypes.data - ti.offset)   # the file's mapping, before a token is embedded
+            return m, rss, eng.logits(ids)
+
+    m, rss, got = run()
+    copied = [n for n in m.wt.copied if n not in m.READ_MAPPED]
+    assert "token_embd.weight" not in copied and not any("_exps" in n for n in copied)
+    page = mmap.PAGESIZE
+    span = sum(m.t[n].nbytes for n in copied)
+    # whole pages inside the merged ranges: at most a page lost at each end of each tensor's range
+    assert span - 2 * page * len(copied) <= m.dropped_bytes <= span and m.dropped_bytes > 0
+    assert rss <= m.g.file_size - m.dropped_bytes
+    monkeypatch.setattr(base.Model, "drop_file_pages", lambda self: 0)
+    m2, rss2, ref = run()
+    assert m2.dropped_bytes == 0 and rss2 >= m.dropped_bytes   # the load faulted in every page it repacked
+    assert np.array_equal(got, ref)

@@ -126,6 +126,9 @@ class Weights:
         self.t = g.tensors
         self.fname = g.path.name
         _refuse_nvfp4_scales(self.t, self.fname)
+        #: tensors whose values were copied or repacked into arrays of their own (none of the file's mapping):
+        #: their file pages can be given back once the model is loaded (``Model.drop_file_pages``)
+        self.copied: set = set()
 
     def has(self, name: str) -> bool:
         return name in self.t
@@ -146,6 +149,8 @@ class Weights:
         except ColiError as e:
             raise ColiError(f"{self.fname}: tensor '{ti.name}': {e}") from None
         finite.check_weight(w, f"{self.fname}: tensor '{ti.name}'")
+        if not any(np.may_share_memory(a, ti.raw) for a in w.arrays):
+            self.copied.add(ti.name)
         return w
 
     def w(self, name: str):
@@ -174,6 +179,7 @@ class Weights:
             except ColiError as e:
                 raise ColiError(f"{self.fname}: tensor '{name}': {e}") from None
         finite.check_array(out, f"{self.fname}: tensor '{name}'")
+        self.copied.add(name)
         return out
 
 
@@ -276,6 +282,25 @@ class Model:
                                                                                   args.eps)
         self.moe_layers = [il for il, L in enumerate(self.layers) if getattr(L, "moe", None) is not None]
         self.dense_bytes = sum(t.nbytes for n, t in self.t.items() if "_exps" not in n)
+        #: bytes of the file's pages given back after the load (:meth:`drop_file_pages`)
+        self.dropped_bytes = 0
+
+    #: tensors read from the file's mapping at every token, never given back (the embedding's rows)
+    READ_MAPPED = ("token_embd.weight",)
+
+    def drop_file_pages(self) -> int:
+        """Give back the file pages of the dense tensors that the load copied or repacked into RAM
+        (``Weights.copied``, less ``READ_MAPPED``; ``coli.gguf_file.drop_pages``): the load read them through the
+        mapping, so they sat in the resident set beside their repacked copy (docs/engine.md "Memory"). Returns
+        the bytes advised (``dropped_bytes``, cumulative); 0 for a model that is not one mapped GGUF file."""
+        from coli.gguf_file import GGUFModel, drop_pages
+
+        if not isinstance(self.g, GGUFModel):
+            return 0
+        names = sorted(n for n in self.wt.copied if n not in self.READ_MAPPED and n in self.t)
+        if names:
+            self.dropped_bytes += drop_pages(self.g, names)
+        return self.dropped_bytes
 
     # Tensors whose GGUF ne0 (inputs; NumPy shape[-1]) or ne1 (outputs; shape[-2], the row count of a 1-D bias
     # or norm) is the model width ``embedding_length`` in every family (llama.cpp's create_tensor shapes).
