@@ -309,12 +309,29 @@ def layer_block(nt, ctr, h, eps, w_norm, x, xq, xd, xm,
                     f_rows1, f_off1, kind, limit, fa, faq, fad, fam, f_y, f_post_w, f_y2)
 
 
+_pu16 = _E._ptr_of(numba.types.uint16)
+
+
+@njit(inline="always", **_JIT)
+def _side_at(a, shp, e32, e16, e8):
+    """A KV cache side as the kernels take it (``kvcache.KVSide.t``) from its arrays' addresses ``a`` int64 [2]
+    (the values' array, and a q8_0 side's scales) and ``shp`` int64 [4] = (kind code, n, ctx, w); ``e32``/``e16``/
+    ``e8`` empty [0, 0, 0] arrays for the ones its kind does not use."""
+    kind = shp[0]
+    n, c, w = shp[1], shp[2], shp[3]
+    f = numba.carray(_E._pf32(a[0]), (n, c, w)) if kind == _kvc.F32 else e32
+    h = numba.carray(_pu16(a[0]), (n, c, w)) if kind == _kvc.F16 or kind == _kvc.BF16 else e16
+    q = numba.carray(_E._pi8(a[0]), (n, c, w)) if kind == _kvc.Q8_0 else e8
+    d = numba.carray(_pu16(a[1]), (n, c, w // _kvc.QK8_0)) if kind == _kvc.Q8_0 else e16
+    return (kind, f, h, q, d)
+
+
 @njit(**_PJIT)
 def token_block(nt, ctr, h, eps, W_NORM, x, xq, xd, xm,
                 QKV_DESC, QKV_NCH, QKV_OFF, pstart3, rows3, qkv, BQ, BK, BV,
                 qk_mode, WQN, WKN, q, k, v,
                 pos, COS, SIN, rshape, n_rot, neox,
-                KC, VC, kshape, vshape, SCALE, WINDOW, sinks, serial_work, att, a2, aq, ad, am,
+                KA, VA, kshape, vshape, SCALE, WINDOW, sinks, serial_work, att, a2, aq, ad, am,
                 O_DESC, O_NCH, pstart1, rows1, off1, y, BO, POST_W, y2,
                 F_W_NORM, GD, UD, DD, D_NCH, kind, limit, fa, faq, fad, fam, F_POST_W,
                 out_norm, head_desc, head_nch, logits):
@@ -325,9 +342,11 @@ def token_block(nt, ctr, h, eps, W_NORM, x, xq, xd, xm,
     :func:`layer_block`'s phases with row l
     of the stacked per-layer arrays (``W_NORM`` f32 [L, D], ``QKV_DESC`` int64 [L, 3, 13], ``BQ`` f32 [L, n]
     or [L, 0], ``SCALE`` f32 [L], ``WINDOW`` int64 [L], ...); its KV cache and RoPE tables are addressed by
-    ``KC``/``VC``/``COS``/``SIN`` int64 [L] (the f32 arrays' addresses: an f32 KV cache only) with shapes ``kshape``/``vshape``
-    int64 [3] and ``rshape`` int64 [2]. The scratch arrays are shared by the layers (their shapes agree)."""
+    ``KA``/``VA`` int64 [L, 2] (a side's array addresses, :func:`_side_at`) and ``COS``/``SIN`` int64 [L] with
+    ``kshape``/``vshape`` int64 [4] (the sides' kind code and shape) and ``rshape`` int64 [2]. The scratch arrays
+    are shared by the layers (their shapes agree)."""
     reset(ctr)
+    e32 = np.zeros((0, 0, 0), np.float32)
     e16 = np.zeros((0, 0, 0), np.uint16)
     e8 = np.zeros((0, 0, 0), np.int8)
     for _t in prange(nt):
@@ -335,10 +354,8 @@ def token_block(nt, ctr, h, eps, W_NORM, x, xq, xd, xm,
             b = il * (ATTN_PHASES + FFN_PHASES)
             cos = numba.carray(_E._pf32(COS[il]), (rshape[0], rshape[1]))
             sin = numba.carray(_E._pf32(SIN[il]), (rshape[0], rshape[1]))
-            kc = numba.carray(_E._pf32(KC[il]), (kshape[0], kshape[1], kshape[2]))
-            vc = numba.carray(_E._pf32(VC[il]), (vshape[0], vshape[1], vshape[2]))
-            K = (np.int64(_kvc.F32), kc, e16, e8, e16)
-            V = (np.int64(_kvc.F32), vc, e16, e8, e16)
+            K = _side_at(KA[il], kshape, e32, e16, e8)
+            V = _side_at(VA[il], vshape, e32, e16, e8)
             _attention_phases(ctr, b, nt, h, eps, W_NORM[il], x, xq, xd, xm, QKV_DESC[il], QKV_NCH[il],
                               QKV_OFF[il], pstart3, rows3, qkv, BQ[il], BK[il], BV[il], qk_mode, WQN[il], WKN[il],
                               q, k, v, pos, cos, sin, n_rot, neox, K, V, SCALE[il], WINDOW[il], sinks,
@@ -645,23 +662,40 @@ class TokenDecode:
         except ValueError:   # per-layer arrays of different shapes (e.g. a bias on some layers only)
             return None
 
+    @staticmethod
+    def _side_addresses(sides):
+        """``(addresses int64 [L, 2], shape int64 [4])`` of the layers' sides (``kvcache.KVSide``) for
+        :func:`_side_at`, or None unless they share one kind and shape and their arrays are C-contiguous."""
+        if not all(hasattr(S, "t") and hasattr(S, "shape") for S in sides):
+            return None
+        if len({(S.t[0], S.shape) for S in sides}) != 1:
+            return None
+        kind = sides[0].t[0]
+        main = {_kvc.F32: 1, _kvc.F16: 2, _kvc.BF16: 2, _kvc.Q8_0: 3}[kind]
+        arrays = [S.t[main] for S in sides] + ([S.t[4] for S in sides] if kind == _kvc.Q8_0 else [])
+        if not all(x.flags.c_contiguous and x.shape[:2] == sides[0].shape[:2] for x in arrays):
+            return None
+        a = np.zeros((len(sides), 2), np.int64)
+        for i, S in enumerate(sides):
+            a[i, 0] = S.t[main].ctypes.data
+            if kind == _kvc.Q8_0:
+                a[i, 1] = S.t[4].ctypes.data
+        return a, np.array((kind, *sides[0].shape), np.int64)
+
     def _addresses(self, cache) -> bool:
         a0 = self.A[0]
-        if any(getattr(c, "k", None) is None for c in cache.layers):   # a KV cache of another type than f32
-            return False
-        ks = {c.k.shape for c in cache.layers}
-        vs = {c.v.shape for c in cache.layers}
+        ks = self._side_addresses([getattr(c, "K", None) for c in cache.layers])
+        vs = self._side_addresses([getattr(c, "V", None) for c in cache.layers])
         ropes = [a.attn.m.rope_table(a.attn.rope_base, a.attn.rope_scaling, a.attn.n_rot) for a in self.A]
         rs = {r[0].shape for r in ropes} | {r[1].shape for r in ropes}
-        arrays = [c.k for c in cache.layers] + [c.v for c in cache.layers] + [x for r in ropes for x in r]
-        if (len(ks) != 1 or len(vs) != 1 or len(rs) != 1 or a0.q.shape[2] != next(iter(ks))[2]
+        arrays = [x for r in ropes for x in r]
+        if (ks is None or vs is None or len(rs) != 1 or a0.q.shape[2] != ks[1][3]
                 or not all(x.dtype == np.float32 and x.flags.c_contiguous for x in arrays)):
             return False
         addr = lambda xs: np.array([x.ctypes.data for x in xs], np.int64)  # noqa: E731
         self._ropes = ropes
-        self.kc, self.vc = addr([c.k for c in cache.layers]), addr([c.v for c in cache.layers])
+        (self.ka, self.kshape), (self.va, self.vshape) = ks, vs
         self.cos, self.sin = addr([r[0] for r in ropes]), addr([r[1] for r in ropes])
-        self.kshape, self.vshape = np.array(next(iter(ks)), np.int64), np.array(next(iter(vs)), np.int64)
         self.rshape = np.array(next(iter(rs)), np.int64)
         self._cache = cache
         return True
@@ -686,7 +720,7 @@ class TokenDecode:
                     self.qkv_desc, self.qkv_nch, self.qkv_off, a.pstart3, a.rows3, a.qkv, b[0], b[1], b[2],
                     a.qk_mode, self.wqn, self.wkn, a.q, a.k, a.v,
                     a.pos, self.cos, self.sin, self.rshape, a.attn.n_rot, a.attn.rope_kind == _NEOX,
-                    self.kc, self.vc, self.kshape, self.vshape, self.scale, self.window, _NONE, _attn.SERIAL_WORK,
+                    self.ka, self.va, self.kshape, self.vshape, self.scale, self.window, _NONE, _attn.SERIAL_WORK,
                     a.att, a.a2, a.aq, a.ad, a.am, self.o_desc, self.o_nch, a.pstart1, a.rows1, _E._ZERO1, a.y,
                     b[3], self.post_w, a.y2, self.f_w_norm, self.gd, self.ud, self.dd, self.d_nch, f.f.kind,
                     f.f.limit, f.a, f.aq, f.ad, f.am, self.f_post_w, out_norm, self.head_desc, self.head_nch, logits)

@@ -31,11 +31,12 @@ def greedy_logits(m, n_prompt: int, n_tokens: int) -> np.ndarray:
     return np.array(out)
 
 
-def _decode(path, enabled: bool, monkeypatch, n_prompt: int = 30, n_tokens: int = 12):
+def _decode(path, enabled: bool, monkeypatch, n_prompt: int = 30, n_tokens: int = 12, kv_type: str = "f32"):
     """Logits f32 [n_tokens, vocab] of greedy decode tokens after an n_prompt prompt, with the compiled blocks on
-    or off, and the engine's MoE counters; asserts that the path asked for is the one that ran."""
+    or off (a KV cache of type ``kv_type``, both sides), and the engine's MoE counters; asserts that the path
+    asked for is the one that ran."""
     monkeypatch.setattr(decode, "ENABLED", enabled)
-    with Engine(path, threads=2, cpu_act="int8") as eng:
+    with Engine(path, threads=2, cpu_act="int8", cache_type_k=kv_type, cache_type_v=kv_type) as eng:
         m = eng.model
         for L in m.layers:
             if hasattr(L, "attn_dec"):
@@ -49,6 +50,8 @@ def _decode(path, enabled: bool, monkeypatch, n_prompt: int = 30, n_tokens: int 
             assert (m.token_dec is not None) == enabled
             assert m.token_head == enabled
         out = greedy_logits(m, n_prompt, n_tokens)
+        if m.step is None and enabled:   # the token region ran over this type's cache
+            assert m.token_dec._cache.layers[0].types == (kv_type, kv_type)
         counters = None
         if m.step is not None:
             st = m.step.stats
@@ -65,32 +68,46 @@ def test_compiled_decode_equals_the_python_path_on_tiny_models(name, monkeypatch
     assert c_got == c_ref  # the RAM cache's hits/loads and the step's counters as the general path counts them
 
 
-def test_compiled_decode_equals_the_python_path_with_parallel_attention(monkeypatch):
-    """SERIAL_WORK 0: attention runs the parallel kernel inside the compiled block (as the Python path does)."""
+@pytest.mark.parametrize("kv_type", ["f32", "f16", "q8_0"])
+def test_compiled_decode_equals_the_python_path_with_parallel_attention(kv_type, monkeypatch):
+    """SERIAL_WORK 0: attention runs the parallel kernel inside the compiled block (as the Python path does),
+    over an f32 cache and over typed ones."""
     monkeypatch.setattr(attention, "SERIAL_WORK", 0)
     path = FIXTURES / "oracles" / "qwen3moe.gguf"
-    ref, _ = _decode(path, False, monkeypatch)
-    got, _ = _decode(path, True, monkeypatch)
+    ref, _ = _decode(path, False, monkeypatch, kv_type=kv_type)
+    got, _ = _decode(path, True, monkeypatch, kv_type=kv_type)
     assert np.array_equal(got, ref)
 
 
-@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
-def test_compiled_decode_equals_the_python_path_on_real_files(name, model_path, monkeypatch):
+@pytest.mark.parametrize("name,kv_type", [("rope_llama3", "f16"), ("rope_llama3", "bf16"), ("qwen3moe", "q8_0")])
+def test_compiled_decode_over_a_typed_cache_equals_the_python_path(name, kv_type, monkeypatch):
+    """A typed KV cache keeps the compiled blocks (a dense model's token region, a MoE layer's region): the same
+    bits as the Python path over the same cache."""
+    path = FIXTURES / "oracles" / f"{name}.gguf"
+    ref, c_ref = _decode(path, False, monkeypatch, kv_type=kv_type)
+    got, c_got = _decode(path, True, monkeypatch, kv_type=kv_type)
+    assert np.array_equal(got, ref)
+    assert c_got == c_ref
+
+
+@pytest.mark.parametrize("name,kv_type", [("smollm2", "f32"), ("gemma3", "f32"), ("smollm2", "q8_0")])
+def test_compiled_decode_equals_the_python_path_on_real_files(name, kv_type, model_path, monkeypatch):
     path = model_path(name)
-    ref, _ = _decode(path, False, monkeypatch, n_prompt=40, n_tokens=8)
-    got, _ = _decode(path, True, monkeypatch, n_prompt=40, n_tokens=8)
+    ref, _ = _decode(path, False, monkeypatch, n_prompt=40, n_tokens=8, kv_type=kv_type)
+    got, _ = _decode(path, True, monkeypatch, n_prompt=40, n_tokens=8, kv_type=kv_type)
     assert np.array_equal(got, ref)
 
 
-@pytest.mark.parametrize("name,nt", [("qwen3moe", 1), ("qwen3moe", 5), ("rope_llama3", 7)])
-def test_regions_with_more_or_fewer_iterations_than_threads(name, nt, monkeypatch):
+@pytest.mark.parametrize("name,nt,kv_type", [("qwen3moe", 1, "f32"), ("qwen3moe", 5, "f32"), ("rope_llama3", 7, "f32"),
+                                             ("qwen3moe", 5, "q8_0"), ("rope_llama3", 7, "f16")])
+def test_regions_with_more_or_fewer_iterations_than_threads(name, nt, kv_type, monkeypatch):
     """A region's ``prange`` runs ``nt`` iterations on the pool's 2 threads: with nt > 2 some iterations start
     after others finished (as TBB may schedule them); work claiming must still finish every phase once, with
     the same bits (cpu_kernels/sync.py: a thread waits only for items a running thread has claimed)."""
     path = FIXTURES / "oracles" / f"{name}.gguf"
-    ref, c_ref = _decode(path, False, monkeypatch)
+    ref, c_ref = _decode(path, False, monkeypatch, kv_type=kv_type)
     monkeypatch.setattr(decode.numba, "get_num_threads", lambda: nt)
-    got, c_got = _decode(path, True, monkeypatch)
+    got, c_got = _decode(path, True, monkeypatch, kv_type=kv_type)
     assert np.array_equal(got, ref)
     assert c_got == c_ref
 
