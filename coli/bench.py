@@ -214,6 +214,13 @@ def _cpu_info() -> str:
     return platform.processor() or platform.machine()
 
 
+
+def _kv_type(eng, side: int) -> str:
+    """The KV cache's type of side 0 (K) or 1 (V) as the engine was opened (``--cache-type-k/v``), for llama-bench's
+    ``type_k`` / ``type_v``."""
+    return str(getattr(eng.args, "kv_types", ("f32", "f32"))[side])
+
+
 def _build_commit() -> str:
     root = Path(__file__).resolve().parent.parent
     try:
@@ -279,8 +286,8 @@ def run_bench(eng, n_prompt=128, n_gen=64, reps=5, cold=False, threads=None, ban
     common = dict(build_commit=_build_commit(), build_number=0, cpu_info=_cpu_info(),
                   gpu_info=getattr(eng.device, "name", "") if eng.device is not None else "",
                   backends="CPU,Vulkan" if eng.device is not None else "CPU", model_filename=str(eng.path),
-                  **model_facts(eng), n_batch=eng.prompt_chunk(), n_ubatch=eng.prompt_chunk(), type_k="f32",
-                  type_v="f32",
+                  **model_facts(eng), n_batch=eng.prompt_chunk(), n_ubatch=eng.prompt_chunk(), type_k=_kv_type(eng, 0),
+                  type_v=_kv_type(eng, 1),
                   n_gpu_layers=len(eng.device_layers.layers) if getattr(eng, "device_layers", None) else 0,
                   n_depth=0,
                   device=getattr(eng.device, "name", "vulkan") if eng.device is not None else "cpu",

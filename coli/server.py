@@ -503,6 +503,15 @@ class Worker:
                 u.discard_pending()
                 u.counts[...], u.tokens = hist
 
+    def _drop(self, job) -> None:
+        """A waiting job that never starts: its client left (499, no one reads it) or the server is stopping (503
+        ``shutting_down``, as docs/serve.md "Shutdown" says)."""
+        self.cancelled += 1
+        if job.cancel.is_set():
+            job.post("error", 0, APIError(499, "cancelled", "server_error"))
+        else:
+            job.post("error", 0, APIError(503, "the server is shutting down", "server_error", code="shutting_down"))
+
     def _run(self):
         if self.warmup and not self.stopping.is_set():
             self._warm_up()
@@ -513,8 +522,7 @@ class Worker:
                 if self.deferred:  # --kv-unified: the first in line waits for room, the rest behind it
                     job, i = self.deferred.pop(0)
                     if job.cancel.is_set() or self.stopping.is_set():
-                        self.cancelled += 1
-                        job.post("error", 0, APIError(499, "cancelled", "server_error"))
+                        self._drop(job)
                         continue
                     try:
                         self._start(job, i)
@@ -532,8 +540,7 @@ class Worker:
                     self._drain()
                     return
                 if job.cancel.is_set() or self.stopping.is_set():
-                    self.cancelled += 1
-                    job.post("error", 0, APIError(499, "cancelled", "server_error"))
+                    self._drop(job)
                     continue
                 try:
                     self._start(job, 0)

@@ -56,6 +56,13 @@ def _coli(*args, timeout=600):
                           timeout=timeout)
 
 
+def test_bench_records_the_kv_cache_types(tiny):
+    """type_k / type_v are the types the KV cache was opened with (llama-bench's -ctk / -ctv fields)."""
+    r = _coli("bench", "-m", str(tiny), "-p", "4", "-n", "0", "-r", "1", "-o", "json", "-ctk", "f16", "-ctv", "bf16")
+    assert r.returncode == 0, r.stderr
+    assert [(x["type_k"], x["type_v"]) for x in json.loads(r.stdout)] == [("f16", "bf16")]
+
+
 def test_bench_json_schema(tiny):
     threads = "1,2" if numba.config.NUMBA_NUM_THREADS >= 2 else "1"
     r = _coli("bench", "-m", str(tiny), "-p", "8,4", "-n", "3", "-t", threads, "-r", "2", "-o", "json",
@@ -73,6 +80,7 @@ def test_bench_json_schema(tiny):
         assert x["model_filename"] == str(tiny)
         assert (x["model_size"], x["model_n_params"]) == want_size
         assert x["device"] == "cpu" and x["backends"] == "CPU" and x["balance"] is False
+        assert x["type_k"] == x["type_v"] == "f32"
         assert x["expert_cache"] == 4 and x["io_threads"] == 4
         n = x["n_prompt"] + x["n_gen"]
         assert len(x["samples_ns"]) == len(x["samples_ts"]) == 2

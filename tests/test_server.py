@@ -79,7 +79,11 @@ def ref(model_path, engine):
 
 
 def _health(server):
-    return httpx.get(server["base"] + "/health", timeout=10).json()
+    return _health_at(server["base"])
+
+
+def _health_at(base):
+    return httpx.get(base + "/health", timeout=10).json()
 
 
 def test_models_lists_the_file(server, ref):
@@ -370,7 +374,7 @@ def test_sigterm_cuts_a_stream_visibly(model_path):
     finish_reason "stop" and no [DONE] (a cut answer must not read as complete); the process exits 143."""
     p, base = _start(model_path("smollm2"), "--ctx", "512", "--no-warmup")
     assert httpx.get(base + "/health", timeout=10).json()["warmup"] is None  # --no-warmup: none ran
-    events = []
+    events, queued = [], []
     try:
         body = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "stream": True,
                 "ignore_eos": True}
@@ -379,11 +383,21 @@ def test_sigterm_cuts_a_stream_visibly(model_path):
                 if not line.startswith("data: "):
                     continue
                 events.append(line[6:])
-                if len(events) == 3:
+                if len(events) == 3:  # a second request waits behind the stream (one slot), then SIGTERM
+                    t = threading.Thread(target=lambda: queued.append(httpx.post(
+                        base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=120)))
+                    t.start()
+                    t0 = time.time()
+                    while _health_at(base)["queued"] < 1 and time.time() - t0 < 60:
+                        time.sleep(0.05)
                     p.send_signal(signal.SIGTERM)
+        t.join(120)
     finally:
         rc = p.wait(120)
     assert rc == 143
+    # the waiting request never started: 503 shutting_down (docs/serve.md "Shutdown"), not a client's 499
+    assert queued and queued[0].status_code == 503, queued and queued[0].text
+    assert queued[0].json()["error"]["code"] == "shutting_down"
     assert "[DONE]" not in events
     last = json.loads(events[-1])
     assert last["error"]["code"] == "shutting_down"
