@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hmac
 import json
 import queue
@@ -1194,6 +1195,9 @@ def bind(host: str, port: int) -> socket.socket:
         s.listen(2048)
     except OSError as e:
         s.close()
+        if e.errno == errno.EADDRNOTAVAIL:  # no interface of this machine has that address: the host is wrong
+            raise ColiError(f"--host {host}: cannot listen there ({e.strerror}: not an address of this machine; "
+                            f"127.0.0.1 for this machine only, 0.0.0.0 for every interface)") from None
         raise ColiError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror}; another server is using "
                         f"it? give another --port, or --port 0 for a free one)") from None
     s.set_inheritable(True)

@@ -420,6 +420,16 @@ def test_port_taken_is_one_line_before_the_model_loads(model_path):
     assert len(lines) == 1 and lines[0].startswith(f"coli: --port {port}:"), r.stderr
 
 
+def test_host_not_of_this_machine_names_host(model_path):
+    """An address no interface here has (TEST-NET-1, RFC 5737): exit 2, one line naming --host, no port hint."""
+    r = subprocess.run([sys.executable, "-m", "coli", "serve", "-m", str(model_path("smollm2")), "--host",
+                        "192.0.2.1", "--port", "0"], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("coli: --host 192.0.2.1:") and "--port" not in lines[0], r.stderr
+
+
 WEATHER = [{"type": "function", "function": {
     "name": "get_weather", "description": "The current weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "the city"}},
