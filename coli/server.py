@@ -101,8 +101,8 @@ def _num(body, name, lo=None, hi=None, lo_open=False, integer=False):
 
 def _unsupported(body: dict) -> None:
     """400 for request fields this server cannot honour (rather than ignoring them and answering otherwise)."""
-    for k in ("functions", "function_call", "suffix", "best_of"):
-        if body.get(k) not in ((None, 1) if k == "best_of" else (None, [], "")):
+    for k in ("functions", "function_call", "suffix", "best_of", "echo"):
+        if body.get(k) not in ((None, 1) if k == "best_of" else (None, False) if k == "echo" else (None, [], "")):
             raise APIError(400, f"'{k}': not supported by this server", param=k, code="unsupported_parameter")
 
 
@@ -1030,8 +1030,6 @@ def create_app(eng, model_id: str, aliases=(), max_queue: int = 8, api_key: str 
             else:
                 raise APIError(400, "'prompt': give a string, a list of token ids, or a list of them",
                                param="prompt")
-            if body.get("echo"):
-                raise APIError(400, "'echo': not supported", param="echo")
             options = sampling_options(body, eng.args.vocab)
             top = _logprobs_field(body, "completion")
             n = n_field(body)

@@ -108,6 +108,10 @@ def test_model_retrieve_and_unsupported_fields(server):
         c.chat.completions.create(model=server["model"], messages=Q, max_tokens=2,
                                   functions=[{"name": "f", "parameters": {}}])
     assert e.value.body["param"] == "functions" and e.value.body["code"] == "unsupported_parameter"
+    for path, body in (("/v1/completions", {"prompt": "Hi"}), ("/v1/chat/completions", {"messages": Q})):
+        r = httpx.post(server["base"] + path, json={**body, "max_tokens": 2, "echo": True}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter", r.text
+        assert r.json()["error"]["param"] == "echo"
 
 
 def test_chat_non_streamed_equals_library(server, ref):
