@@ -14,7 +14,7 @@ import threading
 
 import numpy as np
 
-from coli.base.errors import ColiError
+from coli.base.errors import APIError, ColiError
 from coli.tokenizer import CONTROL, USER_DEFINED
 from coli.tool_calls import template_format
 
@@ -25,8 +25,6 @@ JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 def _error(message, param):
-    from coli.server import APIError  # coli.server imports this module: the two would import each other
-
     return APIError(400, message, param=param)
 
 

@@ -17,19 +17,19 @@ from __future__ import annotations
 import json
 import uuid
 
+from coli.base.errors import APIError
+
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 499: "api_error",
                500: "api_error", 503: "overloaded_error"}
 
 
 def _err(message: str, param: str):
-    from coli.server import APIError
-
     return APIError(400, message, param=param)
 
 
 def error_body(e) -> dict:
-    """Anthropic's error object of a ``coli.server.APIError``."""
+    """Anthropic's error object of a ``coli.base.errors.APIError``."""
     return {"type": "error", "error": {"type": ERROR_TYPES.get(e.status, "api_error"), "message": e.message}}
 
 

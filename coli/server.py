@@ -62,7 +62,7 @@ from starlette.routing import Route
 from coli import constrain
 from coli import messages as AM
 from coli import tool_calls as TC
-from coli.base.errors import ColiError
+from coli.base.errors import APIError, ColiError
 from coli.sampling import Sampler, SamplingParams
 from coli.slots import Batcher, NoRoom, Sequence
 
@@ -72,17 +72,6 @@ BODY_LIMIT_MB = 16  # a request body above it is a 413 (a 1M-token prompt is ~4 
 LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"  # CORS without --cors
 MAX_N = 16  # choices a request at most (they run one after the other)
 REASONING_FORMATS = ("auto", "deepseek", "none")  # llama-server's --reasoning-format values coli reads
-
-
-class APIError(Exception):
-    """An OpenAI-style error: HTTP ``status``, ``message``, ``type``, ``param`` (the field), ``code``."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param=None, code=None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 # ---------------------------------------------------------------------------------------------- fields

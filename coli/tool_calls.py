@@ -28,6 +28,8 @@ import string
 import uuid
 from dataclasses import dataclass, field
 
+from coli.base.errors import APIError
+
 # text that starts a tool call in some family's format; the content before it is the answer's text
 MARKERS = ("<tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>",
            "<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|channel|>", "<|start|>")
@@ -40,8 +42,6 @@ HERMES_SYSTEM = ("# Tools\n\nYou may call one or more functions to assist with t
 
 
 def _error(message, param):
-    from coli.server import APIError  # coli.server imports this module: the two would import each other
-
     return APIError(400, message, param=param)
 
 

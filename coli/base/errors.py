@@ -1,4 +1,6 @@
-"""User-facing errors: one line naming the file and the field, exit code 2, no traceback."""
+"""User-facing errors: one line naming the file and the field, exit code 2, no traceback; and the HTTP
+server's OpenAI-style error (:class:`APIError`), here so that the request parsers (``coli.constrain``,
+``coli.tool_calls``, ``coli.messages``) raise it without importing ``coli.server``, which imports them."""
 from __future__ import annotations
 
 
@@ -11,3 +13,14 @@ class ColiError(Exception):
     """
 
     exit_code = 2
+
+
+class APIError(Exception):
+    """An OpenAI-style error: HTTP ``status``, ``message``, ``type``, ``param`` (the field), ``code``."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param=None, code=None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
