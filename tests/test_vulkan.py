@@ -279,7 +279,7 @@ def test_report_line_and_describe(dev):
 
 
 def test_own_compute_queue_where_the_device_has_one(dev):
-    from coli.vulkan.device import _Q_COMPUTE, _Q_GRAPHICS
+    from coli.vulkan.binding import _Q_COMPUTE, _Q_GRAPHICS
     own = [i for i, fl, n in dev.queue_families if fl & _Q_COMPUTE and not fl & _Q_GRAPHICS]
     if not own:
         pytest.skip(f"{dev.name} has no compute-only queue family")

@@ -8,7 +8,7 @@ from token to token (the position) is read by the kernels from a params buffer. 
 pipeline layout: 8 addresses and 16 words of push constants (``shaders/layer_common.glsl``) and set 0 with the
 i-quant grid table at binding 6 (``shaders/iq_common.glsl``).
 
-Imported only with a device open (it imports the ``vulkan`` binding through ``coli.vulkan.device``).
+Imported only with a device open (it imports the ``vulkan`` binding through ``coli.vulkan.binding``).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .device import (
+from .binding import (
     _ACC_HOST_READ,
     _ACC_SHADER_READ,
     _ACC_SHADER_WRITE,
@@ -40,17 +40,16 @@ from .device import (
     _USAGE_STORAGE,
     _USAGE_XFER_DST,
     _USAGE_XFER_SRC,
-    _Buf,
     _chk,
     _s,
     ffi,
     lib,
     new_fence,
-    push_constant_layout,
-    storage_set_layout,
     timestamp_pool,
     vk,
 )
+from .device import push_constant_layout, storage_set_layout
+from .memory import _Buf
 from .errors import DeviceLost, VulkanError
 
 PC_ADDRS, PC_WORDS = 8, 16
