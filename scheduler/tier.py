@@ -30,28 +30,22 @@ Rules (docs/tier.md):
 from __future__ import annotations
 
 import os
-import queue
 import sys
 import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from scheduler.balancer import Balancer, DecodeGate, StepTimes
-from scheduler.tier_policy import (GiB, MiB, SHARED_KINDS, TRIAL_PAYBACK, Admission, DeviceMemory,  # noqa: F401
-                                   ReuseGate, _env_float, _env_int, budget_bytes, halvings_due, history_heat,
-                                   lfru_victim, warm_plan)
-from scheduler.trace import NULL_TRACE, UPLOADER_TID, Trace, host_ns
+from scheduler.tier_policy import (GiB, MiB, TRIAL_PAYBACK, Admission, ReuseGate, _env_float, _env_int, halvings_due,
+                                   history_heat, lfru_victim)
+from scheduler.tier_upload import TierUploads, UploadJob
+from scheduler.trace import NULL_TRACE, Trace, host_ns
+
 
 def _mib(n: int) -> str:
     x = n / MiB
     return f"{x:.1f}" if x >= 10 else f"{x:.2f}" if x >= 0.1 else f"{x:.3g}"
-
-
-def _expert_nbytes(arrays) -> int:
-    return int(sum(np.asarray(raw).nbytes for (_t, raw, _s) in arrays))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -109,28 +103,7 @@ class Issued:
     K: int = 1
 
 
-@dataclass
-class WarmStart:
-    """What :meth:`Tier.warm_start` did: experts uploaded (``n``; ``n_history`` of them the history's),
-    ``failed`` uploads, wall ``seconds``, and the status ``line``."""
-
-    n: int
-    n_history: int
-    failed: int
-    seconds: float
-    line: str
-
-
-@dataclass
-class _Job:
-    layer: int
-    expert: int
-    arrays: tuple
-    evict: object            # the evicted expert's handle, or None
-    wait: list               # Events of the in-flight batches that read the evicted expert
-
-
-class Tier:
+class Tier(TierUploads):
     """Residency of routed experts on one device. Engine-thread API (not thread-safe across engine
     threads): :meth:`begin_token`, :meth:`settle`, :meth:`split`, :meth:`issue`, :meth:`join`, :meth:`note`,
     :meth:`warm_start`, :meth:`off`, :meth:`close`; one uploader thread talks to the device besides.
@@ -188,9 +161,6 @@ class Tier:
         self.own_queue = own_queue
         self.log = log if log is not None else sys.stderr
         self.rate = _env_int(env, "COLI_VK_TIER_RATE", 16)
-        self.sync = _env_int(env, "COLI_VK_TIER_SYNC", 0) == 1
-        self.fill = _env_int(env, "COLI_VK_TIER_FILL", 1) != 0
-        self.warm = _env_int(env, "COLI_VK_TIER_WARM", 1) != 0
         self.queue_max = _env_int(env, "COLI_VK_TIER_QUEUE_MAX", 2 * max(1, self.rate))
         self.on = True
         self.off_reason: str | None = None
@@ -237,16 +207,12 @@ class Tier:
         # counters for the run line
         self.routed_pairs = 0
         self.device_pairs = 0
-        self.uploads = 0
-        self.warm_uploads = 0
         self.prefetched = 0   # experts leaving the device read back into the RAM cache (_back_to_ram)
-        self.upload_bytes = 0
         self.evictions = 0
         self.skipped_queue = 0
         self.skipped_rate = 0
         self.skipped_yield = 0   # LFRU promotions the admission refused (the last rounds' uploads did not pay)
         self.skipped_reuse = 0   # LFRU promotions the reuse gate refused (their expected reuse does not repay an upload)
-        self.failed = 0
         self.device_ms = 0.0
         self.cpu_ms = 0.0
         self.waited_ms = 0.0
@@ -257,18 +223,7 @@ class Tier:
         # engine thread and the uploader thread holds this lock (a join holds it while it waits, so an
         # upload waits for the join; uploads overlap the CPU's work between issue and join)
         self._dev_lock = threading.Lock()
-        # uploader thread state (guarded by _lock)
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
-        self._q: queue.Queue = queue.Queue()
-        self._staged = 0
-        self._completed = 0
-        self._done: list[tuple[int, int, object, int]] = []
-        self._failed_keys: list[tuple[int, int, str]] = []
-        self._fail_said: set[str] = set()      # the reasons of failed uploads already printed
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._uploader, name="coli-tier-uploader", daemon=True)
-        self._thread.start()
+        self._init_uploads(env)
 
     # ----- lines
     def start_line(self) -> str:
@@ -417,37 +372,6 @@ class Tier:
             self._clock = False
 
     # ----- the step API
-    def settle(self) -> None:
-        """Call at each layer step's start (no batch in flight): finished uploads become resident, failed
-        ones shrink the planned residency. With ``COLI_VK_TIER_SYNC=1`` first waits for every upload staged
-        so far (then residency follows the routing alone: reproducible). Decides the candidates that
-        :meth:`note` recorded since the last call first."""
-        self.promote_noted()
-        with self._cond:
-            if self.sync:
-                if self._inflight:
-                    raise RuntimeError("Tier.settle() with COLI_VK_TIER_SYNC=1 while a batch is in flight")
-                target = self._staged
-                self._cond.wait_for(lambda: self._completed >= target or self._stop.is_set())
-            done, self._done = self._done, []
-            failed, self._failed_keys = self._failed_keys, []
-        for l, e, h, nb in done:
-            self.pending.discard((l, e))
-            if not self.on:
-                continue
-            if self._copies and not self._cpu_holds(l, e):
-                self._ram_todo.append((l, e))
-            self.resident[(l, e)] = h
-            self.resident_bytes[(l, e)] = nb
-            self.mask[l, e] = True
-        for l, e, why in failed:
-            self.pending.discard((l, e))
-            self.capacity = max(0, self.capacity - 1)
-            if why != "tier off" and why not in self._fail_said:     # each reason said once, never silent
-                self._fail_said.add(why)
-                self._say(f"[VK] tier {self.model}: upload of layer {l} expert {e} failed ({why}); "
-                          f"budget now {self.capacity} experts")
-
     def count(self, layer: int, experts, rows) -> None:
         """Heat: +``rows`` for each expert of ``experts`` (int arrays of one layer). :meth:`split` calls it."""
         experts = np.asarray(experts, dtype=np.int64)
@@ -772,7 +696,7 @@ class Tier:
         self.pending.add(key)
         with self._lock:
             self._staged += 1
-        self._q.put(_Job(key[0], key[1], arrays, evict, wait))
+        self._q.put(UploadJob(key[0], key[1], arrays, evict, wait))
         return True
 
     def _measured(self) -> np.ndarray:
@@ -834,120 +758,6 @@ class Tier:
         self.prefetched += 1
         return True
 
-    # ----- uploader thread
-    def _uploader(self) -> None:
-        while True:
-            job = self._q.get()
-            if job is None:
-                return
-            try:
-                for ev in job.wait:
-                    while not ev.wait(0.05):
-                        if self._stop.is_set():
-                            break
-                if job.evict is not None and self.on:
-                    try:
-                        with self._dev_lock:
-                            self.device.free_expert(job.evict)
-                    except Exception:
-                        pass  # the device is gone: the next join reports it and turns the tier off
-                if self._stop.is_set() or not self.on:
-                    with self._cond:
-                        self._failed_keys.append((job.layer, job.expert, "tier off"))
-                    continue
-                t0 = host_ns()
-                nb = _expert_nbytes(job.arrays)
-                try:
-                    with self._dev_lock:
-                        h = self.device.upload_expert(*job.arrays)
-                except Exception as err:
-                    with self._cond:
-                        self.failed += 1
-                        self._failed_keys.append((job.layer, job.expert, f"{type(err).__name__}: {err}"))
-                    continue
-                t1 = host_ns()
-                self.trace.span(f"upload L{job.layer} E{job.expert}", "upload", t0, t1, tid=UPLOADER_TID,
-                                args={"layer": job.layer, "expert": job.expert, "bytes": nb})
-                with self._cond:
-                    self.uploads += 1
-                    self.upload_bytes += getattr(h, "uploaded", nb)    # zero-copy: mapped, nothing copied
-                    self._done.append((job.layer, job.expert, h, nb))
-            finally:
-                with self._cond:
-                    self._completed += 1
-                    self._cond.notify_all()
-
-    # ----- warm start
-    def warm_start(self, read_expert, threads: int | None = None) -> WarmStart:
-        """Fill the budget before the run: :func:`warm_plan` from the history, bytes read by
-        ``read_expert(layer, e) -> (gate, up, down)`` on a thread pool (``threads``, default
-        min(8, CPUs)), uploaded on this thread as they arrive. The first failed upload stops it and the
-        planned residency shrinks to what is resident. Prints and returns the line
-        ``[VK] tier <model>: warm start, N experts from the history in T s`` (``; F more to fill the room``
-        before `` in`` when the fill added experts). ``COLI_VK_TIER_WARM=0``: nothing."""
-        t0 = time.perf_counter()
-        if not self.warm or not self.on or self.counts is None and not self.fill:
-            return WarmStart(0, 0, 0, 0.0, "")
-        counts = self.counts if self.counts is not None else np.zeros((self.L, self.E), dtype=np.int64)
-        room = self.capacity - len(self.resident) - len(self.pending)
-        plan, n_hist = warm_plan(counts, room, fill=self.fill, layers=self.moe_layers)
-        plan = [k for k in plan if not self.mask[k] and k not in self.pending]
-        threads = threads or max(1, min(8, os.cpu_count() or 1))
-        n = failed = n_h = 0
-        window = 2 * threads
-        from coli.base.progress import bar  # drawn only when stderr is a terminal
-
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="coli-warm") as ex, \
-                bar(total=len(plan), desc="warm start", unit=" experts") as pb:
-            futs = []
-            it = iter(plan)
-            for k in it:
-                futs.append((k, ex.submit(read_expert, *k)))
-                if len(futs) >= window:
-                    break
-            i = 0
-            while i < len(futs):
-                k, f = futs[i]
-                futs[i] = None
-                i += 1
-                arrays = f.result()
-                pb.update(1)
-                if failed == 0:
-                    ts = host_ns()
-                    try:
-                        with self._dev_lock:
-                            h = self.device.upload_expert(*arrays)
-                    except Exception as err:
-                        failed += 1
-                        self.failed += 1
-                        self.capacity = len(self.resident)
-                        why = f"layer {k[0]} expert {k[1]}: {type(err).__name__}: {err}"
-                    else:
-                        nb = _expert_nbytes(arrays)
-                        self.trace.span(f"upload L{k[0]} E{k[1]} (warm)", "upload", ts, host_ns(),
-                                        args={"layer": k[0], "expert": k[1], "bytes": nb, "warm": True})
-                        self.resident[k] = h
-                        self.resident_bytes[k] = nb
-                        self.mask[k] = True
-                        if self._copies:        # read from the file, not the RAM cache: the CPU lacks it
-                            self._ram_todo.append(k)
-                        n += 1
-                        n_h += int(counts[k] > 0)
-                        with self._lock:
-                            self.uploads += 1
-                            self.upload_bytes += getattr(h, "uploaded", nb)
-                        self.warm_uploads += 1
-                if failed == 0:
-                    nxt = next(it, None)
-                    if nxt is not None:
-                        futs.append((nxt, ex.submit(read_expert, *nxt)))
-        dt = time.perf_counter() - t0
-        extra = f"; {n - n_h} more to fill the room" if n > n_h else ""
-        fail = f"; an upload failed ({why}), budget now {self.capacity} experts" if failed else ""
-        line = f"[VK] tier {self.model}: warm start, {n_h} experts from the history{extra} in {dt:.1f} s{fail}"
-        self._say(line)
-        return WarmStart(n, n_h, failed, dt, line)
-
     # ----- off / close
     def off(self, reason: str) -> None:
         """Turn the tier off (the device is lost or failed): one line, nothing more goes to the device,
@@ -965,14 +775,6 @@ class Tier:
             i.joined.set()
         self._inflight.clear()
         self._shutdown(wait=False)
-
-    def _shutdown(self, wait: bool) -> None:
-        self._stop.set()
-        with self._cond:
-            self._cond.notify_all()
-        self._q.put(None)
-        if wait:
-            self._thread.join()
 
     def close(self, free: bool = True) -> None:
         """End of run: stop the uploader (after the staged uploads), then free every resident expert when
