@@ -7,7 +7,7 @@ set by :meth:`TierUploads._init_uploads`. It reads the tier's ``device``, ``_dev
 residency (``resident``, ``resident_bytes``, ``mask``, ``pending``, ``capacity``), which it writes only on the engine
 thread, in :meth:`TierUploads.settle` and :meth:`TierUploads.warm_start`. The uploader thread touches only the job
 queue, the upload counters and the lists :meth:`TierUploads.settle` takes, under ``_lock``; its jobs are staged by the
-promotion (:meth:`scheduler.tier.Tier.promote`).
+promotion (:meth:`scheduler.tier_residency.TierResidency.promote`).
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ class WarmStart:
 
 @dataclass
 class UploadJob:
-    """One expert for the uploader thread (staged by :meth:`scheduler.tier.Tier.promote`)."""
+    """One expert for the uploader thread (staged by :meth:`scheduler.tier_residency.TierResidency.promote`)."""
 
     layer: int
     expert: int
