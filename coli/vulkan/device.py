@@ -22,17 +22,11 @@ import time
 
 import numpy as np
 
-from coli.types import iq_tables
-
-from . import shaders as S
 from .binding import (
     _ACC_HOST_READ,
     _ACC_SHADER_READ,
     _ACC_SHADER_WRITE,
-    _FULL_SUBGROUPS,
     _MEM_DEVICE_LOCAL,
-    _MEM_HOST_COHERENT,
-    _MEM_HOST_VISIBLE,
     _NOT_READY,
     _PSTAGE_BOTTOM,
     _PSTAGE_COMPUTE,
@@ -61,13 +55,13 @@ from .binding import (
 )
 from .errors import BudgetExceeded, DeviceLost, VulkanError
 from .memory import MemoryMixin, _Buf, _ceil32, row_bytes
+from .pipelines import _PC_WORDS, PipelineMixin
 
 _TYPE_NAMES = {0: "other", 1: "integrated", 2: "discrete", 3: "virtual", 4: "cpu"}
 _TYPE_RANK = {2: 0, 1: 1, 3: 2, 4: 3, 0: 4}       # discrete > integrated > virtual > CPU
 
 MAXR = 4           # rows a GEMV group holds (shaders/gemv.comp): larger GEMV groups go in chunks
 GEMM_BM, GEMM_BN = 64, 32
-_PC_WORDS = 10     # push constants (shaders/common.glsl)
 # pc.act_flags bits (shaders/common.glsl expert_act)
 _ACT_CLAMP, _ACT_OAI, _ACT_BIAS = 1, 2, 4
 
@@ -110,42 +104,6 @@ def _round_rows_int8(x: np.ndarray) -> np.ndarray:
     q, d = quantize_act_int8(x)
     R, D = x.shape
     return (q.astype(np.float32).reshape(R, D // 32, 32) * d[:, :, None]).reshape(R, D)
-
-
-def storage_set_layout(d, bindings) -> object:
-    """A descriptor set layout of one storage buffer at each of ``bindings`` (compute stage) on device ``d``."""
-    bindings = list(bindings)
-    b = ffi.new("VkDescriptorSetLayoutBinding[]", len(bindings))
-    for j, n in enumerate(bindings):
-        b[j].binding = n
-        b[j].descriptorType = vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER
-        b[j].descriptorCount = 1
-        b[j].stageFlags = _STAGE_COMPUTE
-    lci = _s("VkDescriptorSetLayoutCreateInfo")
-    lci.sType = vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_LAYOUT_CREATE_INFO
-    lci.bindingCount = len(bindings)
-    lci.pBindings = b
-    p = ffi.new("VkDescriptorSetLayout*")
-    _chk(lib.vkCreateDescriptorSetLayout(d, lci, ffi.NULL, p), "vkCreateDescriptorSetLayout")
-    return p[0]
-
-
-def push_constant_layout(d, dsl, pc_bytes: int) -> object:
-    """A pipeline layout of the one set layout ``dsl`` and ``pc_bytes`` of push constants (compute stage)."""
-    pcr = _s("VkPushConstantRange")
-    pcr.stageFlags = _STAGE_COMPUTE
-    pcr.offset = 0
-    pcr.size = pc_bytes
-    plci = _s("VkPipelineLayoutCreateInfo")
-    plci.sType = vk.VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO
-    arr = ffi.new("VkDescriptorSetLayout[1]", [dsl])
-    plci.setLayoutCount = 1
-    plci.pSetLayouts = arr
-    plci.pushConstantRangeCount = 1
-    plci.pPushConstantRanges = pcr
-    pl = ffi.new("VkPipelineLayout*")
-    _chk(lib.vkCreatePipelineLayout(d, plci, ffi.NULL, pl), "vkCreatePipelineLayout")
-    return pl[0]
 
 
 class ExpertHandle:
@@ -328,7 +286,7 @@ class Batch:
         return self._result
 
 
-class Device(MemoryMixin):
+class Device(MemoryMixin, PipelineMixin):
     """A Vulkan device holding experts. Open it with ``coli.vulkan.open_device``.
 
     Public figures: ``name``, ``type_name`` ("discrete"/"integrated"/"cpu"...), ``subgroup_size``,
@@ -380,14 +338,7 @@ class Device(MemoryMixin):
 
     # -- opening -----------------------------------------------------------------------------------
     def _open(self, budget, block_bytes, staging, device_index):
-        # shaders first: a missing .spv is a reason not to open
-        sdir = S.shader_dir()
-        spv = {}
-        for k, t in S.builds():
-            p = sdir / S.spv_name(k, t)
-            if not p.exists():
-                raise VulkanError(f"missing shaders ({p})")
-            spv[(k, t)] = p.read_bytes()
+        spv = self._read_spirv()            # shaders first: a missing .spv is a reason not to open
 
         app_name = ffi.new("char[]", b"coli")
         app = _s("VkApplicationInfo")
@@ -608,35 +559,8 @@ class Device(MemoryMixin):
         self._set_budget(budget, heap_free)
 
         self._make_layouts()
-        # binding 6: the i-quant grids (coli/types/iq_tables.py, read by shaders/fmt_iq*.glsl), uploaded once
-        words, _ = iq_tables.device_grids()
-        self._iq_grids = _Buf(self, words.nbytes, _USAGE_STORAGE, _MEM_HOST_VISIBLE | _MEM_HOST_COHERENT,
-                              _MEM_DEVICE_LOCAL)
-        self._iq_grids.view[:] = words.view(np.uint8)
-        for (k, t), code in spv.items():
-            if k == "gemv_i8dot" and not self.int_dot:
-                continue                    # its OpSDot needs the feature
-            if (k in S.COOP_KERNELS or k in S.COOP_EXTRA) and not self.coopmat:
-                continue                    # cooperative matrices
-            smci = _s("VkShaderModuleCreateInfo")
-            smci.sType = vk.VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO
-            smci.codeSize = len(code)
-            buf = ffi.from_buffer("uint32_t[]", code)
-            smci.pCode = buf
-            pm = ffi.new("VkShaderModule*")
-            r = lib.vkCreateShaderModule(self._dev, smci, ffi.NULL, pm)
-            if r != 0 and k == "gemv_i8dot":    # the driver refuses OpSDot: the emulated kernel instead
-                self.int_dot, self.i8_kernel = False, "gemv_i8emu"
-                continue
-            _chk(r, f"vkCreateShaderModule({k}_{t})")
-            self._modules[(k, t)] = pm[0]
-        # GEMV: a workgroup of 4 subgroups (at least 32 lanes), one output row per subgroup
-        self.gemv_wg = max(32, min(256, 4 * self.subgroup_size))
-        # output rows a GEMV workgroup owns (a subgroup carries 4 at once): COLI_VK_GEMV_ROWS
-        self.gemv_rows = max(1, _env_int("COLI_VK_GEMV_ROWS", 4 * (self.gemv_wg // self.subgroup_size)))
-        # units (of 32 inputs) of the activation rows the GEMV stages in shared memory at a time: a multiple
-        # of the subgroup size keeps every lane busy (32 KiB of shared memory at most for 64)
-        self.gemv_chunk = max(32, self.subgroup_size)
+        self._make_command_pool()
+        self._load_kernels(spv)
         # the staging buffer and its command buffer
         self._staging_buf = None
         self._objs_ok = True
@@ -668,21 +592,10 @@ class Device(MemoryMixin):
         lib.vkEnumerateDeviceExtensionProperties(self._pd, ffi.NULL, n, arr)
         return {ffi.string(arr[i].extensionName).decode() for i in range(n[0])}
 
-    def _make_layouts(self):
+    def _make_command_pool(self):
+        """The command pool of the queue family (buffers reset one by one): frames, staging and the device layers
+        allocate from it."""
         d = self._dev
-        self._dsl = storage_set_layout(d, range(7))
-        self._layout = push_constant_layout(d, self._dsl, 4 * _PC_WORDS)
-        ps = ffi.new("VkDescriptorPoolSize[1]")
-        ps[0].type = vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER
-        ps[0].descriptorCount = 7 * 2 * 64
-        dpci = _s("VkDescriptorPoolCreateInfo")
-        dpci.sType = vk.VK_STRUCTURE_TYPE_DESCRIPTOR_POOL_CREATE_INFO
-        dpci.maxSets = 2 * 64
-        dpci.poolSizeCount = 1
-        dpci.pPoolSizes = ps
-        pp = ffi.new("VkDescriptorPool*")
-        _chk(lib.vkCreateDescriptorPool(d, dpci, ffi.NULL, pp), "vkCreateDescriptorPool")
-        self._desc_pool = pp[0]
         cpci = _s("VkCommandPoolCreateInfo")
         cpci.sType = vk.VK_STRUCTURE_TYPE_COMMAND_POOL_CREATE_INFO
         cpci.flags = vk.VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT
@@ -690,67 +603,6 @@ class Device(MemoryMixin):
         pc = ffi.new("VkCommandPool*")
         _chk(lib.vkCreateCommandPool(d, cpci, ffi.NULL, pc), "vkCreateCommandPool")
         self._cmd_pool = pc[0]
-
-    def _pipeline(self, kernel: str, type_name: str, mode: int):
-        if kernel == "gemv_i8dot":
-            try:
-                return self._make_pipeline(kernel, type_name, mode)
-            except VulkanError:      # the driver refuses the OpSDot pipeline: the emulated kernel from now on
-                self.int_dot, self.i8_kernel = False, "gemv_i8emu"
-                kernel = "gemv_i8emu"
-        return self._make_pipeline(kernel, type_name, mode)
-
-    def _make_pipeline(self, kernel: str, type_name: str, mode: int):
-        key = (kernel, type_name, mode)
-        p = self._pipes.get(key)
-        if p is not None:
-            return p
-        if kernel.startswith("gemv"):
-            vals = [self.gemv_wg, self.gemv_rows, mode, self.gemv_chunk]
-            ids = [0, 1, 2, 3]
-        else:
-            vals = [mode]
-            ids = [2]
-        pipe = self.compute_pipeline(self._modules[(kernel, type_name)], self._layout, vals, ids,
-                                     self.gemv_wg if kernel.startswith("gemv") else None, f"{kernel}_{type_name}")
-        self._pipes[key] = pipe
-        return pipe
-
-    def compute_pipeline(self, module, layout, vals, ids, pin_wg: int | None, what: str):
-        """A compute pipeline of ``module`` (entry ``main``) with specialization constants ``ids`` = ``vals`` (uint32)
-        on ``layout``; with ``pin_wg`` (its workgroup size) the device's subgroup size is required where it can be
-        pinned, and full subgroups where the size divides it. ``what`` names it in a VulkanError."""
-        data = ffi.new("uint32_t[]", vals)
-        ents = ffi.new("VkSpecializationMapEntry[]", len(vals))
-        for j, cid in enumerate(ids):
-            ents[j].constantID = cid
-            ents[j].offset = 4 * j
-            ents[j].size = 4
-        si = _s("VkSpecializationInfo")
-        si.mapEntryCount = len(vals)
-        si.pMapEntries = ents
-        si.dataSize = 4 * len(vals)
-        si.pData = data
-        name = ffi.new("char[]", b"main")
-        cpi = _s("VkComputePipelineCreateInfo")
-        cpi.sType = vk.VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO
-        cpi.stage.sType = vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_CREATE_INFO
-        cpi.stage.stage = _STAGE_COMPUTE
-        cpi.stage.module = module
-        cpi.stage.pName = name
-        cpi.stage.pSpecializationInfo = si
-        rss = _s("VkPipelineShaderStageRequiredSubgroupSizeCreateInfo")
-        if pin_wg is not None and self.subgroup_pinned:
-            rss.sType = vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_REQUIRED_SUBGROUP_SIZE_CREATE_INFO
-            rss.requiredSubgroupSize = self.subgroup_size
-            cpi.stage.pNext = rss
-            if self._full_sg and pin_wg % self.subgroup_size == 0:
-                cpi.stage.flags = _FULL_SUBGROUPS
-        cpi.layout = layout
-        pp = ffi.new("VkPipeline*")
-        _chk(lib.vkCreateComputePipelines(self._dev, ffi.NULL, 1, cpi, ffi.NULL, pp),
-             f"vkCreateComputePipelines({what})")
-        return pp[0]
 
     # -- experts -----------------------------------------------------------------------------------
     @staticmethod
@@ -1184,30 +1036,6 @@ class Device(MemoryMixin):
         for h, _, _ in groups:
             h.last_batch = b
         return b
-
-    def _copy_pipeline(self):
-        if getattr(self, "_copy_pipe", None) is None:
-            pcr = _s("VkPushConstantRange")
-            pcr.stageFlags, pcr.offset, pcr.size = _STAGE_COMPUTE, 0, 20
-            plci = _s("VkPipelineLayoutCreateInfo")
-            plci.sType = vk.VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO
-            plci.pushConstantRangeCount = 1
-            plci.pPushConstantRanges = pcr
-            pl = ffi.new("VkPipelineLayout*")
-            _chk(lib.vkCreatePipelineLayout(self._dev, plci, ffi.NULL, pl), "vkCreatePipelineLayout")
-            self._copy_layout = pl[0]
-            name = ffi.new("char[]", b"main")
-            cpi = _s("VkComputePipelineCreateInfo")
-            cpi.sType = vk.VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO
-            cpi.stage.sType = vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_CREATE_INFO
-            cpi.stage.stage = _STAGE_COMPUTE
-            cpi.stage.module = self._modules[("copy", None)]
-            cpi.stage.pName = name
-            cpi.layout = self._copy_layout
-            pp = ffi.new("VkPipeline*")
-            _chk(lib.vkCreateComputePipelines(self._dev, ffi.NULL, 1, cpi, ffi.NULL, pp), "vkCreateComputePipelines(copy)")
-            self._copy_pipe = pp[0]
-        return self._copy_pipe
 
     def measure_copy(self, nbytes: int = 1 << 30, reps: int = 5) -> dict:
         """Device-to-device copy bandwidth, bytes copied per second in GB/s, best of ``reps`` by timestamps.

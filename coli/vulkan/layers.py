@@ -48,8 +48,8 @@ from .binding import (
     timestamp_pool,
     vk,
 )
-from .device import push_constant_layout, storage_set_layout
 from .memory import _Buf
+from .pipelines import push_constant_layout, storage_set_layout
 from .errors import DeviceLost, VulkanError
 
 PC_ADDRS, PC_WORDS = 8, 16
