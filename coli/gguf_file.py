@@ -349,6 +349,23 @@ def open_gguf_file(path, require_arch: bool = True) -> GGUFModel:
     missing/unreadable file or any failed check.
     """
     path = Path(path)
+    mm, size = _map_file(path)
+    arr = np.frombuffer(mm, dtype=np.uint8)
+    w = _Walker(mm, size, path.name)
+    version, tensor_count, kv_count = _read_header(w)
+    meta, kv_types = _read_kvs(w, kv_count, arr)
+    alignment, arch = _check_meta(w, meta, kv_types)
+    infos = _read_tensor_infos(w, tensor_count, alignment)
+    data_offset, tensors = _tensor_views(w, infos, arr, alignment)
+    if arch is None and require_arch:
+        w.fail("kv 'general.architecture'", "missing")
+    return GGUFModel(path=path, arch=arch, meta=meta, tensors=tensors, version=version, alignment=alignment,
+                     data_offset=data_offset, file_size=size, kv_types=kv_types, _mm=mm)
+
+
+def _map_file(path: Path):
+    """``(mmap, size in bytes)`` of the file at ``path``, read-only; ColiError for a missing, unreadable or
+    directory path and for a file shorter than the 24-byte header (naming its magic when that is wrong too)."""
     fname = path.name
     try:
         f = open(path, "rb")
@@ -366,9 +383,13 @@ def open_gguf_file(path, require_arch: bool = True) -> GGUFModel:
                 raise ColiError(f"{fname}: header: not a GGUF file (magic {head!r}, expected b'GGUF')")
             raise ColiError(f"{fname}: header: file is {size} bytes, shorter than the 24-byte GGUF header")
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    arr = np.frombuffer(mm, dtype=np.uint8)
-    w = _Walker(mm, size, fname)
+    return mm, size
 
+
+def _read_header(w: _Walker) -> tuple[int, int, int]:
+    """``(version, tensor_count, kv_count)`` from the header at offset 0: magic, version 2 or 3 (v1 and big-endian
+    files named), and a ``kv_count`` no more than the bytes left can hold. Leaves ``w`` after the header."""
+    mm, size = w.buf, w.size
     magic = mm[0:4]
     if magic != GGUF_MAGIC:
         w.fail("header", f"not a GGUF file (magic {magic!r}, expected b'GGUF')")
@@ -388,7 +409,12 @@ def open_gguf_file(path, require_arch: bool = True) -> GGUFModel:
     left = size - w.pos
     if kv_count * 13 > left:
         w.fail("header", f"kv_count {kv_count} is more than the file can hold ({left} bytes left)")
+    return version, tensor_count, kv_count
 
+
+def _read_kvs(w: _Walker, kv_count: int, arr: np.ndarray) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(meta, kv_types)``: the ``kv_count`` key/value pairs at ``w.pos`` (unique UTF-8 keys, known value types),
+    values decoded by :func:`_read_value` (``arr``: the file as uint8, for zero-copy numeric arrays)."""
     meta: dict[str, Any] = {}
     kv_types: dict[str, Any] = {}
     for i in range(kv_count):
@@ -400,7 +426,12 @@ def open_gguf_file(path, require_arch: bool = True) -> GGUFModel:
         if vtype not in TYPE_NAMES:
             w.fail(where, f"value type {vtype} is not a GGUF type (0..12)")
         meta[key], kv_types[key] = _read_value(w, vtype, where, arr)
+    return meta, kv_types
 
+
+def _check_meta(w: _Walker, meta: dict, kv_types: dict) -> tuple[int, str | None]:
+    """``(alignment, arch)``: ``general.alignment`` an integer power of two (default 32), ``general.architecture``
+    a string when present, and the family's :data:`NUMERIC_ARCH_KEYS` numbers."""
     alignment = GGUF_DEFAULT_ALIGNMENT
     if "general.alignment" in meta:
         a = meta["general.alignment"]
@@ -422,7 +453,13 @@ def open_gguf_file(path, require_arch: bool = True) -> GGUFModel:
                 w.fail(f"kv '{key}'", f"type {TYPE_NAMES.get(kt[1] if isinstance(kt, tuple) else kt, '?')}"
                                       f"{' array' if isinstance(kt, tuple) else ''}, expected a number "
                                       "(or numbers, one per layer)")
+    return alignment, arch
 
+
+def _read_tensor_infos(w: _Walker, tensor_count: int, alignment: int) -> list[tuple]:
+    """The ``tensor_count`` tensor infos at ``w.pos``, checked (see :func:`open_gguf_file`): a list of ``(name,
+    GGMLQuantizationType, shape in NumPy order, row bytes, data offset, nbytes, elements)``."""
+    size = w.size
     left = size - w.pos
     if tensor_count * 32 > left:
         w.fail("header", f"tensor_count {tensor_count} is more than the file can hold "
@@ -461,7 +498,14 @@ def open_gguf_file(path, require_arch: bool = True) -> GGUFModel:
         if off % alignment:
             w.fail(where, f"data offset {off} is not a multiple of the alignment {alignment}")
         infos.append((name, qt, tuple(reversed(ne)), ne[0] // block * tsize, off, nbytes, n_el))
+    return infos
 
+
+def _tensor_views(w: _Walker, infos: list[tuple], arr: np.ndarray, alignment: int) -> tuple[int, dict]:
+    """``(data_offset, tensors)``: the data section's start (after the infos, aligned) and a :class:`TensorInfo`
+    per info whose ``raw`` is a zero-copy view of ``arr``; each tensor's data inside the file and overlapping no
+    other's."""
+    size = w.size
     data_offset = -(-w.pos // alignment) * alignment
     tensors: dict[str, TensorInfo] = {}
     for name, qt, shape, row_bytes, off, nbytes, n_el in infos:
@@ -477,10 +521,7 @@ def open_gguf_file(path, require_arch: bool = True) -> GGUFModel:
             w.fail(f"tensor '{a}'", f"data [{data_offset + o1}, {data_offset + o1 + n1}) overlaps tensor '{b}' "
                                     f"(from {data_offset + o2}): a tensor's type or shape does not match its data")
 
-    if arch is None and require_arch:
-        w.fail("kv 'general.architecture'", "missing")
-    return GGUFModel(path=path, arch=arch, meta=meta, tensors=tensors, version=version, alignment=alignment,
-                     data_offset=data_offset, file_size=size, kv_types=kv_types, _mm=mm)
+    return data_offset, tensors
 
 
 def drop_pages(model: GGUFModel, names) -> int:
