@@ -20,27 +20,11 @@ from __future__ import annotations
 import numpy as np
 
 from .batches import Batch, BatchMixin, _addr6, _Frame
-from .binding import (
-    _Q_COMPUTE,
-    _Q_GRAPHICS,
-    _STAGE_COMPUTE,
-    _TYPE_CPU,
-    GiB,
-    MiB,
-    _chk,
-    _env_float,
-    _env_int,
-    _s,
-    ffi,
-    lib,
-    vk,
-)
-from .errors import BudgetExceeded, VulkanError
+from .binding import GiB, MiB, _env_float, _env_int, ffi, lib
+from .errors import BudgetExceeded
+from .instance import InstanceMixin
 from .memory import MemoryMixin, _ceil32, row_bytes
 from .pipelines import PipelineMixin
-
-_TYPE_NAMES = {0: "other", 1: "integrated", 2: "discrete", 3: "virtual", 4: "cpu"}
-_TYPE_RANK = {2: 0, 1: 1, 3: 2, 4: 3, 0: 4}       # discrete > integrated > virtual > CPU
 
 
 def _int8_format(type_name: str) -> bool:
@@ -81,7 +65,7 @@ class ExpertHandle:
         return f"<expert {self.id}: {self.gate.type_name}/{self.down.type_name} D={self.D} F={self.F}>"
 
 
-class Device(MemoryMixin, PipelineMixin, BatchMixin):
+class Device(InstanceMixin, MemoryMixin, PipelineMixin, BatchMixin):
     """A Vulkan device holding experts. Open it with ``coli.vulkan.open_device``.
 
     Public figures: ``name``, ``type_name`` ("discrete"/"integrated"/"cpu"...), ``subgroup_size``,
@@ -119,6 +103,10 @@ class Device(MemoryMixin, PipelineMixin, BatchMixin):
         self._plans: dict = {}
         self.recordings = 0
         self._timeout_ns = int(_env_float("COLI_VK_TIMEOUT_S", 60.0) * 1e9)
+        # a batch's join may poll its fence this long before it blocks in vkWaitForFences (a thread that slept
+        # in the wait runs the next layer's Python ~2x slower); off by default: on the H200 it shortened the
+        # fence wait but not the token (docs/vulkan.md "Fence wait")
+        self.spin_s = _env_int("COLI_VK_SPIN_US", 0) / 1e6
         self._frames_free: list[_Frame] = []
         self._frames_all: list[_Frame] = []
         self._pipes: dict = {}
@@ -133,226 +121,20 @@ class Device(MemoryMixin, PipelineMixin, BatchMixin):
 
     # -- opening -----------------------------------------------------------------------------------
     def _open(self, budget, block_bytes, staging, device_index):
+        """Open the device in named steps, each setting the figures the next ones read (a failing step raises;
+        ``__init__`` then closes what the earlier ones made)."""
         spv = self._read_spirv()            # shaders first: a missing .spv is a reason not to open
-
-        app_name = ffi.new("char[]", b"coli")
-        app = _s("VkApplicationInfo")
-        app.sType = vk.VK_STRUCTURE_TYPE_APPLICATION_INFO
-        app.pApplicationName = app_name
-        app.pEngineName = app_name
-        app.apiVersion = (1 << 22) | (3 << 12)      # 1.3 where the device has it (1.2 is what we need)
-        ici = _s("VkInstanceCreateInfo")
-        ici.sType = vk.VK_STRUCTURE_TYPE_INSTANCE_CREATE_INFO
-        ici.pApplicationInfo = app
-        pi = ffi.new("VkInstance*")
-        _chk(lib.vkCreateInstance(ici, ffi.NULL, pi), "vkCreateInstance")
-        self._inst = pi[0]
-
-        n = ffi.new("uint32_t*")
-        _chk(lib.vkEnumeratePhysicalDevices(self._inst, n, ffi.NULL), "vkEnumeratePhysicalDevices")
-        if n[0] == 0:
-            raise VulkanError("no Vulkan device")
-        pds = ffi.new("VkPhysicalDevice[]", n[0])
-        _chk(lib.vkEnumeratePhysicalDevices(self._inst, n, pds), "vkEnumeratePhysicalDevices")
-        cands = []
-        for i in range(n[0]):
-            pr = _s("VkPhysicalDeviceProperties")
-            lib.vkGetPhysicalDeviceProperties(pds[i], pr)
-            cands.append((i, pds[i], pr.deviceType, ffi.string(pr.deviceName).decode(errors="replace")))
-        idx = device_index if device_index is not None else _env_int("COLI_VK_DEV", -1)
-        listed = ", ".join(f"{c[0]}: {c[3]}" for c in cands)
-        if idx >= 0:
-            if idx >= len(cands):
-                raise VulkanError(f"{self._index_name or f'COLI_VK_DEV={idx}'}: no device {idx} (the Vulkan "
-                                  f"device{'s are' if len(cands) > 1 else ' is'} {listed})")
-            chosen = cands[idx]
-        else:
-            # a software rasterizer (Mesa's llvmpipe, type CPU) is slower than coli's own CPU kernels: never
-            # picked for speed, only when named (an index) or allowed (COLI_VK_SOFTWARE=1, the tests' backend)
-            pick = [c for c in cands if c[2] != _TYPE_CPU or _env_int("COLI_VK_SOFTWARE", 0)]
-            if not pick:
-                raise VulkanError(f"no GPU: the only Vulkan device{'s are' if len(cands) > 1 else ' is'} {listed}, "
-                                  f"a software rasterizer (slower than coli's CPU kernels); name it to use it "
-                                  f"anyway (--device vulkan:{cands[0][0]}, COLI_VK_DEV={cands[0][0]} or "
-                                  f"COLI_VK_SOFTWARE=1)")
-            chosen = min(pick, key=lambda c: (_TYPE_RANK.get(c[2], 9), c[0]))
-        self.device_index, self._pd, dtype, self.name = chosen
-        self.type_name = _TYPE_NAMES.get(dtype, "other")
-        # a batch's join may poll its fence this long before it blocks in vkWaitForFences (a thread that slept
-        # in the wait runs the next layer's Python ~2x slower); off by default: on the H200 it shortened the
-        # fence wait but not the token (docs/vulkan.md "Fence wait")
-        self.spin_s = _env_int("COLI_VK_SPIN_US", 0) / 1e6
-        pd = self._pd
-
-        # properties: subgroup, subgroup size control, limits
-        props2 = _s("VkPhysicalDeviceProperties2")
-        sgp = _s("VkPhysicalDeviceSubgroupProperties")
-        sgc = _s("VkPhysicalDeviceSubgroupSizeControlProperties")
-        props2.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2
-        sgp.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES
-        sgc.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_SIZE_CONTROL_PROPERTIES
+        self._create_instance()
+        self._choose_physical_device(device_index)
         exts = self._device_extensions()
-        pr = _s("VkPhysicalDeviceProperties")
-        lib.vkGetPhysicalDeviceProperties(pd, pr)
-        api = pr.apiVersion
-        v13 = (1 << 22) | (3 << 12)
-        have_sgc = api >= v13 or "VK_EXT_subgroup_size_control" in exts
-        props2.pNext = sgp
-        if have_sgc:
-            sgp.pNext = sgc
-        lib.vkGetPhysicalDeviceProperties2(pd, props2)
-        lim = props2.properties.limits
-        self.api_version = f"{api >> 22}.{(api >> 12) & 0x3ff}.{api & 0xfff}"
-        self.subgroup_size = int(sgp.subgroupSize)
-        if not (sgp.supportedStages & _STAGE_COMPUTE) or not (sgp.supportedOperations & 0x8):
-            raise VulkanError("no subgroup arithmetic in compute shaders")
-        self.timestamp_period = float(lim.timestampPeriod)
-
-        # features we need
-        f2 = _s("VkPhysicalDeviceFeatures2")
-        f11 = _s("VkPhysicalDeviceVulkan11Features")
-        f12 = _s("VkPhysicalDeviceVulkan12Features")
-        fsc = _s("VkPhysicalDeviceSubgroupSizeControlFeatures")
-        f2.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2
-        f11.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES
-        f12.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES
-        fsc.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_SIZE_CONTROL_FEATURES
-        f2.pNext = f11
-        f11.pNext = f12
-        if have_sgc:
-            f12.pNext = fsc
-        # VK_KHR_shader_integer_dot_product (core in 1.3): the int8-activation GEMV's OpSDot
-        fdp = _s("VkPhysicalDeviceShaderIntegerDotProductFeatures")
-        fdp.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_INTEGER_DOT_PRODUCT_FEATURES
-        have_dp = api >= v13 or "VK_KHR_shader_integer_dot_product" in exts
-        if have_dp:
-            (fsc if have_sgc else f12).pNext = fdp
-        # VK_KHR_cooperative_matrix: the prompt GEMM's float16 route (shaders/lmm_cm.comp)
-        fcm = _s("VkPhysicalDeviceCooperativeMatrixFeaturesKHR")
-        fcm.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR
-        have_cm = "VK_KHR_cooperative_matrix" in exts
-        if have_cm:
-            fcm.pNext = f2.pNext
-            f2.pNext = fcm
-        lib.vkGetPhysicalDeviceFeatures2(pd, f2)
-        #: True when lmm_cm.comp can run: 16 x 16 x 16 float16 products with float32 sums on a subgroup of 32 or 64
-        #: (the workgroup of 128 holds 4 or 2 of them), float16 arithmetic and 31 KiB of shared memory
-        self.coopmat = bool(have_cm and fcm.cooperativeMatrix and f12.shaderFloat16
-                            and self.subgroup_size in (32, 64) and lim.maxComputeSharedMemorySize >= 32768
-                            and self._coopmat_f16_16())
-        #: True when the device's integer dot product (shaderIntegerDotProduct) is on: the int8 GEMV uses it
-        self.int_dot = bool(have_dp and fdp.shaderIntegerDotProduct) and _env_int("COLI_VK_INT_DOT", 1) != 0
-        self.i8_kernel = "gemv_i8dot" if self.int_dot else "gemv_i8emu"
-        missing = [nm for nm, ok in (("shaderInt64", f2.features.shaderInt64),
-                                     ("storageBuffer16BitAccess", f11.storageBuffer16BitAccess),
-                                     ("storageBuffer8BitAccess", f12.storageBuffer8BitAccess),
-                                     ("bufferDeviceAddress", f12.bufferDeviceAddress)) if not ok]
-        if missing:
-            raise VulkanError(f"device {self.name} lacks {', '.join(missing)}")
-        #: True when timeline semaphores are on: device layers with experts on the CPU submit a token once
-        #: (coli/vulkan/device_layers.py, docs/vulkan.md "Experts on the CPU")
-        self.timeline = bool(f12.timelineSemaphore)
-        sg_stages = sgc.requiredSubgroupSizeStages if have_sgc else 0
-        self.subgroup_pinned = bool(have_sgc and fsc.subgroupSizeControl and (sg_stages & _STAGE_COMPUTE)
-                                    and sgc.minSubgroupSize <= self.subgroup_size <= sgc.maxSubgroupSize)
-        full_sg = bool(have_sgc and fsc.computeFullSubgroups)
-        # lmm_cm.comp's blocks per subgroup follow the subgroup size: it must be the one the shader gets
-        self.coopmat = self.coopmat and (self.subgroup_pinned or self.subgroup_size == 32)
-
-        # queues: a compute family without graphics first (async compute), else any compute family
-        qn = ffi.new("uint32_t*")
-        lib.vkGetPhysicalDeviceQueueFamilyProperties(pd, qn, ffi.NULL)
-        qf = ffi.new("VkQueueFamilyProperties[]", qn[0])
-        lib.vkGetPhysicalDeviceQueueFamilyProperties(pd, qn, qf)
-        self.queue_families = [(i, int(qf[i].queueFlags), int(qf[i].queueCount)) for i in range(qn[0])]
-        comp = [i for i in range(qn[0]) if qf[i].queueFlags & _Q_COMPUTE]
-        if not comp:
-            raise VulkanError("no compute queue")
-        own = [i for i in comp if not qf[i].queueFlags & _Q_GRAPHICS]
-        self.queue_family = own[0] if own else comp[0]
-        self.dedicated_compute_queue = bool(own)
-        self.timestamp_bits = int(qf[self.queue_family].timestampValidBits)
-        self.timestamps = self.timestamp_bits > 0 and self.timestamp_period > 0
-
-        # device
-        # a second queue of the family where it has one, at the lowest priority: the clock
-        # holder of the device layers and the tier (coli/vulkan/layers.py, docs/vulkan.md "Clocks")
-        nq = min(2, int(qf[self.queue_family].queueCount))
-        prio = ffi.new("float[2]", [1.0, 0.0])
-        qci = _s("VkDeviceQueueCreateInfo")
-        qci.sType = vk.VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO
-        qci.queueFamilyIndex = self.queue_family
-        qci.queueCount = nq
-        qci.pQueuePriorities = prio
-        e11 = _s("VkPhysicalDeviceVulkan11Features")
-        e12 = _s("VkPhysicalDeviceVulkan12Features")
-        esc = _s("VkPhysicalDeviceSubgroupSizeControlFeatures")
-        ef2 = _s("VkPhysicalDeviceFeatures2")
-        ef2.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2
-        e11.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES
-        e12.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES
-        esc.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_SIZE_CONTROL_FEATURES
-        ef2.features.shaderInt64 = 1
-        e11.storageBuffer16BitAccess = 1
-        e12.storageBuffer8BitAccess = 1
-        e12.bufferDeviceAddress = 1
-        e12.timelineSemaphore = 1 if self.timeline else 0
-        ef2.pNext = e11
-        e11.pNext = e12
-        if self.subgroup_pinned:
-            esc.subgroupSizeControl = 1
-            esc.computeFullSubgroups = 1 if full_sg else 0
-            e12.pNext = esc
-        edp = _s("VkPhysicalDeviceShaderIntegerDotProductFeatures")
-        edp.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_INTEGER_DOT_PRODUCT_FEATURES
-        if self.int_dot:
-            edp.shaderIntegerDotProduct = 1
-            (esc if self.subgroup_pinned else e12).pNext = edp
-        ecm = _s("VkPhysicalDeviceCooperativeMatrixFeaturesKHR")
-        ecm.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR
-        if self.coopmat:
-            ecm.cooperativeMatrix = 1
-            e12.shaderFloat16 = 1
-            ecm.pNext = ef2.pNext
-            ef2.pNext = ecm
-        want_ext = []
-        if self.coopmat:
-            want_ext.append("VK_KHR_cooperative_matrix")
-        if self.int_dot and api < v13:
-            want_ext.append("VK_KHR_shader_integer_dot_product")
-        if self.subgroup_pinned and api < v13:
-            want_ext.append("VK_EXT_subgroup_size_control")
-        self.memory_budget_ext = "VK_EXT_memory_budget" in exts
-        if self.memory_budget_ext:
-            want_ext.append("VK_EXT_memory_budget")
-        self._choose_zero_copy(exts)
-        if self.zero_copy:
-            want_ext.append("VK_EXT_external_memory_host")
-        ext_c = [ffi.new("char[]", e.encode()) for e in want_ext]
-        ext_arr = ffi.new("char*[]", ext_c) if ext_c else ffi.NULL
-        dci = _s("VkDeviceCreateInfo")
-        dci.sType = vk.VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO
-        dci.pNext = ef2
-        dci.queueCreateInfoCount = 1
-        dci.pQueueCreateInfos = qci
-        dci.enabledExtensionCount = len(ext_c)
-        dci.ppEnabledExtensionNames = ext_arr
-        pdv = ffi.new("VkDevice*")
-        _chk(lib.vkCreateDevice(pd, dci, ffi.NULL, pdv), "vkCreateDevice")
-        self._dev = pdv[0]
-        pq = ffi.new("VkQueue*")
-        lib.vkGetDeviceQueue(self._dev, self.queue_family, 0, pq)
-        self._queue = pq[0]
-        self._queue2 = None
-        if nq > 1:
-            lib.vkGetDeviceQueue(self._dev, self.queue_family, 1, pq)
-            self._queue2 = pq[0]
-        self._full_sg = full_sg and self.subgroup_pinned
+        api, have_sgc, sgc, shared_mem = self._read_properties(exts)
+        self._read_features(exts, api, have_sgc, sgc, shared_mem)
+        self._choose_queue_family()
+        self._create_logical_device(exts, api)
         self._init_host_import()
         heap_free = self._read_memory_types()
         self._choose_weight_memory(staging, block_bytes)
         self._set_budget(budget, heap_free)
-
         self._make_layouts()
         self._make_command_pool()
         self._load_kernels(spv)
@@ -360,32 +142,6 @@ class Device(MemoryMixin, PipelineMixin, BatchMixin):
         self._staging_buf = None
         self._objs_ok = True
 
-    def _coopmat_f16_16(self) -> bool:
-        """Whether the device lists a subgroup-scope 16 x 16 x 16 cooperative matrix product of float16 A and B with
-        float32 C and result (vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR)."""
-        fn = lib.vkGetInstanceProcAddr(self._inst, b"vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR")
-        if fn == ffi.NULL:
-            return False
-        get = ffi.cast("PFN_vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR", fn)
-        n = ffi.new("uint32_t*")
-        if get(self._pd, n, ffi.NULL) != 0 or n[0] == 0:
-            return False
-        arr = ffi.new("VkCooperativeMatrixPropertiesKHR[]", n[0])
-        for i in range(n[0]):
-            arr[i].sType = vk.VK_STRUCTURE_TYPE_COOPERATIVE_MATRIX_PROPERTIES_KHR
-        if get(self._pd, n, arr) != 0:
-            return False
-        f16, f32 = vk.VK_COMPONENT_TYPE_FLOAT16_KHR, vk.VK_COMPONENT_TYPE_FLOAT32_KHR
-        return any(p.MSize == 16 and p.NSize == 16 and p.KSize == 16 and p.AType == f16 and p.BType == f16
-                   and p.CType == f32 and p.ResultType == f32 and p.scope == vk.VK_SCOPE_SUBGROUP_KHR
-                   for p in arr)
-
-    def _device_extensions(self) -> set[str]:
-        n = ffi.new("uint32_t*")
-        lib.vkEnumerateDeviceExtensionProperties(self._pd, ffi.NULL, n, ffi.NULL)
-        arr = ffi.new("VkExtensionProperties[]", n[0])
-        lib.vkEnumerateDeviceExtensionProperties(self._pd, ffi.NULL, n, arr)
-        return {ffi.string(arr[i].extensionName).decode() for i in range(n[0])}
 
     # -- experts -----------------------------------------------------------------------------------
     @staticmethod
