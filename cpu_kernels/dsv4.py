@@ -478,7 +478,7 @@ class GroupedLinear:
     Int8 rows up to ``formats.GEMV_I8_MAX_T`` (decode) run as one ``cpu_kernels.experts.mm_grouped`` launch over
     (group, block of 16 rows), the activations quantized once; otherwise each group through ``formats.matmul``
     (its fused f32 GEMV, or the blocked GEMMs of a prompt chunk: measured faster there than the grouped kernel's
-    decode-then-dot f32 rows, scripts/bench/dsv4.py)."""
+    decode-then-dot f32 rows, scripts/bench/kernels.py --op dsv4)."""
 
     def __init__(self, weights):
         self.weights = list(weights)            # they own the arrays the descriptors point at

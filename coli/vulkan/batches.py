@@ -496,7 +496,7 @@ class BatchMixin:
 
         ``{"shader": <copy.comp, 16-byte loads>, "transfer": <vkCmdCopyBuffer on this queue>}``. Each byte
         is read once and written once: the DRAM traffic is twice these figures. A benchmark reference for
-        scripts/bench/gpu_kernels.py; needs timestamps.
+        scripts/bench/kernels.py --op gpu; needs timestamps.
         """
         self._check_alive()
         if not self.timestamps:

@@ -1,13 +1,39 @@
 #!/usr/bin/env python
-"""Benchmark the CPU weight-format kernels: GEMV (T=1, decode) and GEMM (T=128, prompt chunks) at real model
-shapes, in GB/s of weight bytes as the GGUF file stores them, beside a memory-bandwidth probe (a Numba prange
-read and copy of >= 1 GiB) run in the same process.
+"""Kernel benchmarks, one ``--op`` a run (each op's options: ``--op OP --help``); times are minima or medians of
+alternating rounds (the machine is shared): quote them with the load average printed, compare within one run.
 
-    python scripts/bench/kernels.py --threads 2 [--formats Q4_1,Q8_0] [--act f32|int8|both] [--layouts t16,rows]
-        [--json]
+    python scripts/bench/kernels.py [--op formats] --threads 2 [--formats Q4_1,Q8_0] [--act f32|int8|both]
+        [--layouts t16,rows] [--models smollm2] [--json]
+    python scripts/bench/kernels.py --op mla [--ctx 512 4096] [--threads 1] [--tiny] [--dsa 8192]
+    python scripts/bench/kernels.py --op dsv4 [--threads N] [--runs 5] [--plain] [--ctx 1024,8192,65536]
+    python scripts/bench/kernels.py --op deltanet [--threads 2] [--fmt Q8_0] [--act f32|int8] [--reps 20] [--json]
+    python scripts/bench/kernels.py --op gpu [--D 2048] [--F 1024] [--E 64] [--rows 1,4,16,64] [--small]
 
-Times are the minimum over --reps runs (the machine is shared; the minimum is the least disturbed run).
-Weights are random valid blocks (codes uniform, f16 scales small), which cost the kernels what real ones do.
+``formats``: the CPU weight-format kernels, GEMV (T=1, decode) and GEMM (T=128, prompt chunks) at real model
+shapes, in GB/s of weight bytes as the GGUF file stores them, beside a memory-bandwidth probe (a Numba prange read
+and copy of >= 1 GiB) in the same process; random valid blocks (codes uniform, f16 scales small), which cost the
+kernels what real ones do; ``--models``: one decode token's GEMVs over real models.
+
+``mla``: one MLA decode layer at DeepSeek-V2-Lite's shapes (H 16, kv_lora_rank 512, qk_nope 128, qk_rope 64, v 128;
+random f32 weights, caches filled to ``--ctx``) beside plain multi-head attention of the same bytes and
+multiply-adds per position (``attend`` at head size 160 for K 192 + V 128), A/B: cache bytes per position and
+decode time per token per layer; ``--tiny``: the tiny MLA oracles whole; ``--dsa N``: GLM-5's indexer + MLA
+over its 2048 positions beside MLA over all N.
+
+``dsv4``: DeepSeek-V4 attention (cpu_kernels/dsv4.py; docs/families.md "DeepSeek-V4"): the tiny oracle's decode
+tok/s and each layer's attention time per step (``--plain``: plain MHA of the same heads alternated in its place;
+the cache bytes per position of each arm), then the kernels at V4-Flash's attention shapes at several context
+lengths (``indexer_topk``, ``attend`` per layer kind beside the per-row NumPy formula, ``GroupedLinear`` over a
+Q8_0 ``attn_output_a``).
+
+``deltanet``: the Gated DeltaNet layer (coli/models/deltanet.py, cpu_kernels/deltanet.py) at Qwen3-Next's shape:
+decode per token per layer by piece beside one full-attention layer at 256 / 4096 / 32768 positions (and their
+cache bytes); a 256-row prefill in one block vs row by row (outputs compared); the qwen3next oracle's prefill in
+one call, 64-row steps and row by row (logits compared).
+
+``gpu``: weight GB/s of the Vulkan expert batch (E experts of D x F per format, 1/4/16/64 rows an expert: GEMV
+below COLI_VK_TIER_GEMM_ROWS, tiled GEMM from there; device time by timestamps, best of ``--reps``) beside the
+device's measured copy bandwidth; ``--small``: D=256 F=256 E=8 (a quick run on Lavapipe).
 """
 from __future__ import annotations
 
@@ -15,16 +41,26 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
+import types
+from pathlib import Path
 
 import cpu_kernels  # noqa: F401  (threading layer before numba)
 import numpy as np
 from numba import njit, prange
 
 from coli.types import table as TT
+from cpu_kernels import experts as grouped
+from cpu_kernels import formats
 from cpu_kernels import formats as F
-from timing import best
+from cpu_kernels.deltanet import causal_conv1d_silu, gated_deltanet
+from timing import alternate, best, load
 
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ---------------------------------------------------------------------------------------------------- formats
 # (O, I): SmolLM2-135M (576/1536/49152 vocab), Qwen2.5-0.5B (896/4864/151936), Gemma-3-270M (640/2048/1024)
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (49152, 576), (896, 4864), (4864, 896), (151936, 896),
           (640, 2048), (2048, 640), (640, 1024)]
@@ -133,7 +169,7 @@ def bench_format(name, shapes, T, reps, act, rng, layouts=("default",)):
     return rows
 
 
-def bench_model(model: str, reps: int, act: str) -> dict:
+def formats_model(model: str, reps: int, act: str) -> dict:
     """One decode token's GEMVs over a real model's matrices (every 2-D weight once; token_embd as the lm_head
     when there is no output.weight), weights visited in file order like the engine does, so they stream from
     memory instead of sitting in cache. Returns ms per pass and GB/s of file bytes."""
@@ -165,7 +201,7 @@ def bench_model(model: str, reps: int, act: str) -> dict:
             "pass_ms": t * 1e3, "gbs": file_bytes / t / 1e9}
 
 
-def main(argv=None):
+def formats_main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=cpu_kernels.default_threads())
     ap.add_argument("--formats", default=",".join(F.FORMATS))
@@ -193,7 +229,7 @@ def main(argv=None):
             if act == "int8" and not F.FORMATS[name].int8:
                 continue
             rows += bench_format(name, shapes, a.T, a.reps, act, rng, tuple(a.layouts.split(",")))
-    models = [bench_model(m, max(3, a.reps // 4), act) for m in a.models.split(",") if m for act in acts]
+    models = [formats_model(m, max(3, a.reps // 4), act) for m in a.models.split(",") if m for act in acts]
     meta = {"threads": a.threads, "layer": cpu_kernels.threading_layer(), "reps": a.reps,
             "loadavg": os.getloadavg(), "probe": probe}
     if a.json:
@@ -215,5 +251,618 @@ def main(argv=None):
               f"= {m['gbs']:.2f} GB/s")
 
 
+# ---------------------------------------------------------------------------------------------------- mla
+def mla_main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ctx", type=int, nargs="*", default=[512, 4096])
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tiny", action="store_true",
+                    help="also whole-model decode of the tiny oracles (deepseek2_lite, glmdsa, kimi) beside the same "
+                         "model with plain attention of the same heads in place of MLA / KDA")
+    ap.add_argument("--dsa", type=int, nargs="*", default=[],
+                    help="also GLM-5's indexer + sparse MLA beside dense MLA at these contexts (e.g. 8192)")
+    args = ap.parse_args(argv)
+    import numba
+
+    from cpu_kernels.attention import attend
+    from cpu_kernels.mla import mla_attend
+
+    numba.set_num_threads(args.threads)
+    H, r, dn, dr, dv = 16, 512, 128, 64, 128
+    hd_plain = (dn + dr + dv) // 2
+    rng = np.random.default_rng(0)
+    f = np.float32
+    k_b = (rng.standard_normal((H, r, dn)) / 20).astype(f)
+    v_b = (rng.standard_normal((H, dv, r)) / 20).astype(f)
+    q_nope, q_pe = rng.standard_normal((1, H, dn)).astype(f), rng.standard_normal((1, H, dr)).astype(f)
+    q_plain = rng.standard_normal((1, H, hd_plain)).astype(f)
+    mla_bpp = 4 * (r + dr)
+    plain_bpp = 4 * H * (dn + dr + dv)
+    print(f"load average: {load()}; threads {args.threads}")
+    print(f"cache bytes per position per layer: MLA {mla_bpp} (latent {r} + rope key {dr}, f32), "
+          f"plain attention {plain_bpp} ({H} heads x (K {dn + dr} + V {dv}), f32): {plain_bpp / mla_bpp:.1f}x")
+    for ctx in args.ctx:
+        lat, kr = rng.standard_normal((ctx, r)).astype(f), rng.standard_normal((ctx, dr)).astype(f)
+        kc = rng.standard_normal((H, ctx, hd_plain)).astype(f)
+        vc = rng.standard_normal((H, ctx, hd_plain)).astype(f)
+        pos0 = ctx - 1
+        runs = {
+            "mla": lambda: mla_attend(q_nope, q_pe, k_b, v_b, lat, kr, pos0, 0.07),
+            "plain": lambda: attend(q_plain, kc, vc, pos0, 0.07),
+        }
+        med = alternate(runs, args.reps)  # the warm-up call compiles
+        print(f"ctx {ctx}: decode attention per token per layer: MLA {med['mla'] * 1e3:.3f} ms "
+              f"({1 / med['mla']:.0f} tok/s), plain {med['plain'] * 1e3:.3f} ms ({1 / med['plain']:.0f} tok/s); "
+              f"cache MLA {ctx * mla_bpp / 2**20:.2f} MiB vs plain {ctx * plain_bpp / 2**20:.2f} MiB")
+    if args.dsa:
+        mla_dsa(args, rng)
+    if args.tiny:
+        mla_tiny(args)
+    print(f"load average after: {load()}")
+    return 0
+
+
+class PlainAttention:
+    """Plain multi-head attention of ``H`` heads of ``hd`` (an MLA layer's H and dn + dr = dv in the tiny oracles;
+    a KDA layer's heads and head size), random f32 weights: ``blocks.KV`` cache, ``cpu_kernels.attention.attend``."""
+
+    def __init__(self, m, H, hd, rng):
+        from cpu_kernels import formats
+
+        D = m.args.d_model
+
+        def w(o, i):
+            a = (rng.standard_normal((o, i)) / np.sqrt(i)).astype(np.float32)
+            return formats.prepare("F32", a.view(np.uint8).reshape(o, -1), (o, i))
+        self.m, self.H, self.hd = m, H, hd
+        self.wq, self.wk, self.wv, self.wo = w(H * hd, D), w(H * hd, D), w(H * hd, D), w(D, H * hd)
+
+    @classmethod
+    def of(cls, m, block, rng):
+        """The twin of an MLA block (``dn + dr == dv`` needed) or of a KDA block."""
+        if hasattr(block, "mla"):
+            block = block.mla
+        if hasattr(block, "dn"):
+            assert block.dv == block.dn + block.dr, "the twin needs dn + dr == dv"
+            return cls(m, block.H, block.dn + block.dr, rng)
+        return cls(m, block.H, block.d, rng)
+
+    def new_cache(self, ctx):
+        from coli.models.blocks import KV
+
+        return KV(self.H, ctx, self.hd)
+
+    def __call__(self, x, xa, kv, pos0):
+        m = self.m
+        cos, sin = m.rope_table(m.args.rope_base, m.args.rope_scaling, m.args.n_rot)
+        return self.run(x, kv, pos0, cos, sin, m.args.n_rot)
+
+    def run(self, x, kv, pos0, cos, sin, n_rot):
+        """Rows ``x`` f32 [T, D] at positions ``pos0..``: q/k/v, NORM rope on the first ``n_rot`` dims (tables
+        ``cos``/``sin``), the KV write, ``attend``, the output projection; f32 [T, D]."""
+        from cpu_kernels.attention import attend
+        from cpu_kernels.rope import NORM, apply_rope
+
+        m, T = self.m, x.shape[0]
+        q = m.mm(self.wq, x).reshape(T, self.H, self.hd)
+        k = m.mm(self.wk, x).reshape(T, self.H, self.hd)
+        v = m.mm(self.wv, x).reshape(T, self.H, self.hd)
+        pos = np.arange(pos0, pos0 + T, dtype=np.int64)
+        apply_rope(q, pos, cos, sin, n_rot, NORM)
+        apply_rope(k, pos, cos, sin, n_rot, NORM)
+        kv.k[:, pos0:pos0 + T] = k.transpose(1, 0, 2)
+        kv.v[:, pos0:pos0 + T] = v.transpose(1, 0, 2)
+        return m.mm(self.wo, attend(q, kv.k, kv.v, pos0, 1 / np.sqrt(self.hd)).reshape(T, -1))
+
+
+def mla_tiny(args):
+    """Decode tok/s of the tiny oracle models (f32, 1 thread) with their own attention and with
+    :class:`PlainAttention` in its place, alternated; cache bytes per position of each."""
+    import tempfile
+    from pathlib import Path
+
+    from coli.engine import Engine
+
+    fix = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "oracles"
+    rng = np.random.default_rng(1)
+    for name in ("deepseek2_lite", "glmdsa", "kimi"):
+        eng = Engine(fix / f"{name}.gguf", cpu_act="f32", threads=args.threads, quiet=True, save_usage=False,
+                     usage=str(Path(tempfile.mkdtemp()) / "u.coli_usage"))
+        m = eng.model
+        own = [L.attn for L in m.layers]
+        twin = [PlainAttention.of(m, a, rng) for a in own]
+        ids = np.load(fix / f"{name}.npz")["ids"]
+        res = {"own": [], "plain": []}
+
+        def decode(kind, n=48):
+            for L, a, b in zip(m.layers, own, twin):
+                L.attn = a if kind == "own" else b
+            c = m.new_cache(128)
+            m.forward(ids[:64], c)
+            t0 = time.perf_counter()
+            for t in ids[64:64 + n]:
+                m.forward(np.array([t]), c)
+            dt = time.perf_counter() - t0
+            c1, c129 = m.new_cache(1).nbytes(), m.new_cache(129).nbytes()
+            per = (c129 - c1) // 128
+            return n / dt, per, c1 - per          # tok/s, cache bytes per position, fixed state bytes
+        for kind in res:
+            decode(kind, 2)
+        for _ in range(5):
+            for kind in res:
+                res[kind].append(decode(kind))
+        tok = {k: float(np.median([r[0] for r in v])) for k, v in res.items()}
+        bpp = {k: v[0][1] for k, v in res.items()}
+        fixed = res["own"][0][2]
+        fx = f" + {fixed} fixed state bytes" if fixed else ""
+        print(f"{name} (tiny, {len(m.layers)} layers): decode {tok['own']:.0f} tok/s with its attention "
+              f"({bpp['own']} cache bytes per position{fx}) vs {tok['plain']:.0f} tok/s with plain attention of "
+              f"the same heads ({bpp['plain']} bytes per position)")
+        for L, a in zip(m.layers, own):
+            L.attn = a
+        eng.close()
+
+
+def mla_dsa(args, rng):
+    """GLM-5's layer shapes (H 64, r 512, dn 192, dr 64, dv 256; indexer 32 heads of 128, top-k 2048): one decode
+    row's indexer + MLA over the chosen positions beside MLA over every position, alternated."""
+    from cpu_kernels.mla import dsa_topk, mla_attend
+
+    H, r, dn, dr, dv, Hi, Di, K = 64, 512, 192, 64, 256, 32, 128, 2048
+    f = np.float32
+    k_b = (rng.standard_normal((H, r, dn)) / 20).astype(f)
+    v_b = (rng.standard_normal((H, dv, r)) / 20).astype(f)
+    q_nope, q_pe = rng.standard_normal((1, H, dn)).astype(f), rng.standard_normal((1, H, dr)).astype(f)
+    iq, w = rng.standard_normal((1, Hi, Di)).astype(f), rng.standard_normal((1, Hi)).astype(f)
+    print(f"GLM-5 shapes: cache bytes per position per layer: MLA {4 * (r + dr)} + indexer keys {4 * Di} = "
+          f"{4 * (r + dr + Di)}")
+    for ctx in args.dsa:
+        lat, kr = rng.standard_normal((ctx, r)).astype(f), rng.standard_normal((ctx, dr)).astype(f)
+        ik = rng.standard_normal((ctx, Di)).astype(f)
+        pos0 = ctx - 1
+        runs = {
+            "sparse": lambda: mla_attend(q_nope, q_pe, k_b, v_b, lat, kr, pos0, 0.06,
+                                         sel=dsa_topk(iq, ik, w, pos0, Di ** -0.5, K)),
+            "indexer": lambda: dsa_topk(iq, ik, w, pos0, Di ** -0.5, K),
+            "dense": lambda: mla_attend(q_nope, q_pe, k_b, v_b, lat, kr, pos0, 0.06),
+        }
+        med = alternate(runs, max(3, args.reps // 3))
+        print(f"ctx {ctx}: decode per token per layer: indexer + sparse MLA ({K} positions) "
+              f"{med['sparse'] * 1e3:.1f} ms (of which the indexer {med['indexer'] * 1e3:.1f} ms), "
+              f"dense MLA {med['dense'] * 1e3:.1f} ms")
+
+
+# ---------------------------------------------------------------------------------------------------- dsv4
+FIX = ROOT / "tests" / "fixtures" / "oracles"
+
+
+class V4PlainAttention(PlainAttention):
+    """Plain MHA of a V4 layer's heads (``att.H`` x ``att.hd``): random f32 q/k/v/o, NORM rope on all dims."""
+
+    def __init__(self, m, att, rng):
+        super().__init__(m, att.H, att.hd, rng)
+
+    def __call__(self, x, kv, pos0):
+        from cpu_kernels.rope import rope_table
+
+        cos, sin = rope_table(kv.k.shape[1], self.hd, self.m.args.rope_base)
+        return self.run(x, kv, pos0, cos, sin, self.hd)
+
+
+class Timed:
+    """An attention object that adds its call times (decode rows only) to ``acc``."""
+
+    def __init__(self, att, acc: list):
+        self.att, self.acc = att, acc
+
+    def new_cache(self, ctx):
+        return self.att.new_cache(ctx)
+
+    def __call__(self, x, cache, pos0):
+        t0 = time.perf_counter()
+        y = self.att(x, cache, pos0)
+        if x.shape[0] == 1:
+            self.acc.append(time.perf_counter() - t0)
+        return y
+
+
+def dsv4_tiny(args) -> None:
+    from coli.engine import Engine
+
+    eng = Engine(FIX / "deepseek4.gguf", cpu_act="f32", threads=args.threads, quiet=True, save_usage=False,
+                 usage=str(Path(tempfile.mkdtemp()) / "u.coli_usage"), ctx=128)
+    m = eng.model
+    ids = np.load(FIX / "deepseek4.npz")["ids"]
+    arms = {"kernels": [L.attn for L in m.layers]}
+    if args.plain:
+        rng = np.random.default_rng(1)
+        arms["plain"] = [V4PlainAttention(m, a, rng) for a in arms["kernels"]]
+    res = {k: [] for k in arms}
+    bpp = {}
+    lay = {k: [[] for _ in m.layers] for k in arms}
+
+    def decode(kind, n=32):
+        for L, a, acc in zip(m.layers, arms[kind], lay[kind]):
+            L.attn = Timed(a, acc)
+        c = m.new_cache(128)
+        m.forward(ids[:64], c)
+        t0 = time.perf_counter()
+        for t in ids[64:64 + n]:
+            m.forward(np.array([t]), c)
+        bpp[kind] = c.nbytes() / 128
+        return n / (time.perf_counter() - t0)
+
+    for kind in arms:
+        decode(kind, 2)
+    for acc in lay.values():
+        for a in acc:
+            a.clear()
+    for _ in range(args.runs):
+        for kind in arms:
+            res[kind].append(decode(kind))
+    la = load()[0]
+    print(f"tiny deepseek4 ({len(m.layers)} layers, ratios {list(m.args.ratios)}, {args.threads} thread(s)), decode "
+          f"after 64 prompt tokens, median of {args.runs}; load average {la}")
+    for kind in arms:
+        per = " ".join(f"L{il}(m={m.args.ratios[il]}) {1e6 * np.median(a):.0f}" for il, a in enumerate(lay[kind]))
+        print(f"  {kind:>10}: {np.median(res[kind]):6.1f} tok/s, {bpp[kind]:.0f} cache bytes per position at ctx "
+              f"128; attention per layer per step (us): {per}")
+    for L, a in zip(m.layers, arms["kernels"]):
+        L.attn = a
+    eng.close()
+
+
+def numpy_attend(q, kv, win, pos0, ent, sel, sinks):
+    """The per-row NumPy formula of the attention before the kernels (BLAS matmuls per query row; no rope undo):
+    the speed reference of ``dsv4_flash``."""
+    T, H, hd = q.shape
+    W = win.shape[0]
+    n_old = min(pos0, W - 1)
+    keys = np.concatenate([win[np.arange(pos0 - n_old, pos0) % W], kv])
+    kpos = np.arange(pos0 - n_old, pos0 + T)
+    o = np.empty_like(q)
+    for t in range(T):
+        p = pos0 + t
+        k = np.concatenate([keys[(kpos <= p) & (kpos > p - W)], ent[sel[t][sel[t] >= 0]]])
+        lg = (q[t] @ k.T) * np.float32(hd ** -0.5)
+        mx = np.maximum(lg.max(1), sinks)
+        e = np.exp(lg - mx[:, None])
+        o[t] = (e / (e.sum(1) + np.exp(sinks - mx))[:, None]) @ k
+    return o
+
+
+def dsv4_flash(args) -> None:
+    from cpu_kernels import dsv4, formats
+
+    H, hd, R, W, Hi, Di, K, G, r = 64, 512, 64, 128, 64, 128, 512, 8, 1024
+    rng = np.random.default_rng(0)
+    la = load()[0]
+    print(f"V4-Flash attention shapes ({H} heads x {hd}, window {W}, CSA m=4 indexer {Hi}x{Di} top-k {K}, "
+          f"HCA m=128), best of 3, {args.threads} thread(s); load average {la}")
+    # attn_output_a as Q8_0: random codes, f16 scales ~ 1e-3 (34 bytes per 32 weights)
+    I = H * hd // G
+    blk = np.zeros((G * r, I // 32), dtype=[("d", "<f2"), ("q", "i1", 32)])
+    blk["d"] = 1e-3
+    blk["q"] = rng.integers(-127, 128, blk["q"].shape)
+    raw = blk.view(np.uint8).reshape(G * r, -1)
+    gl = dsv4.GroupedLinear([formats.prepare("Q8_0", raw[g * r:(g + 1) * r], (r, I)) for g in range(G)])
+    print(f"  attn_output_a: {sum(w.nbytes for w in gl.weights) / 2**20:.0f} MiB prepared Q8_0 "
+          f"(f32: {G * r * I * 4 / 2**20:.0f} MiB)")
+    for T in (1, 64):
+        x = rng.standard_normal((T, G, I)).astype(np.float32)
+        print(f"  GroupedLinear Q8_0 [{G}x{r}, {I}] T={T}: f32 act {1e3 * best(lambda: gl(x, 'f32')):.2f} ms, "
+              f"int8 act {1e3 * best(lambda: gl(x, 'int8')):.2f} ms")
+    for ctx in args.ctx:
+        for T in (1, 64):
+            pos0 = ctx - T
+            cos = rng.standard_normal((ctx, R // 2)).astype(np.float32)
+            sin = rng.standard_normal((ctx, R // 2)).astype(np.float32)
+            q = rng.standard_normal((T, H, hd)).astype(np.float32)
+            kv = rng.standard_normal((T, hd)).astype(np.float32)
+            win = rng.standard_normal((W, hd)).astype(np.float32)
+            sinks = rng.standard_normal(H).astype(np.float32)
+            iq = rng.standard_normal((T, Hi, Di)).astype(np.float32)
+            ik = rng.standard_normal((ctx // 4, Di)).astype(np.float32)
+            iw = rng.standard_normal((T, Hi)).astype(np.float32)
+            ent4 = rng.standard_normal((ctx // 4, hd)).astype(np.float32)
+            ent128 = rng.standard_normal((ctx // 128, hd)).astype(np.float32)
+            t_idx = best(lambda: dsv4.indexer_topk(iq, ik, iw, pos0, 4, K))
+            sel = dsv4.indexer_topk(iq, ik, iw, pos0, 4, K)
+            t_csa = best(lambda: dsv4.attend(q, kv, win, pos0, ent4, 4, sel, sinks, cos, sin))
+            t_np = best(lambda: numpy_attend(q, kv, win, pos0, ent4, sel, sinks))
+            t_hca = best(lambda: dsv4.attend(q, kv, win, pos0, ent128, 128, None, sinks, cos, sin))
+            t_swa = best(lambda: dsv4.attend(q, kv, win, pos0, ent128[:0], 0, None, sinks, cos, sin))
+            print(f"  ctx {ctx:>6} T={T:>2}: CSA indexer_topk {1e3 * t_idx:8.2f} ms + attend {1e3 * t_csa:7.2f} ms "
+                  f"(NumPy per row {1e3 * t_np:7.2f} ms); HCA attend {1e3 * t_hca:7.2f} ms; sliding attend "
+                  f"{1e3 * t_swa:7.2f} ms")
+
+
+def dsv4_main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--plain", action="store_true", help="also plain multi-head attention of the same heads")
+    ap.add_argument("--ctx", default="1024,8192,65536", help="context lengths of the V4-Flash shapes (comma list)")
+    ap.add_argument("--skip-flash", action="store_true", help="only the tiny model")
+    args = ap.parse_args(argv)
+    args.ctx = [int(c) for c in args.ctx.split(",") if c]
+    import cpu_kernels
+
+    cpu_kernels.set_threads(args.threads)
+    dsv4_tiny(args)
+    if not args.skip_flash:
+        dsv4_flash(args)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------- deltanet
+DN_SHAPE = dict(d_model=2048, n_k_heads=16, n_v_heads=32, dk=128, dv=128, kernel=4)
+
+
+def _weights(fmt: str, shape, rng) -> np.ndarray:
+    """Raw GGUF rows [O, row bytes] of an N(0, 1/I) matrix in format ``fmt`` (gguf.quants)."""
+    import gguf
+
+    w = (rng.standard_normal(shape) / np.sqrt(shape[1])).astype(np.float32)
+    qt = gguf.GGMLQuantizationType[fmt]
+    if fmt == "F32":
+        return w.view(np.uint8)
+    return np.ascontiguousarray(gguf.quants.quantize(w, qt)).view(np.uint8).reshape(shape[0], -1)
+
+
+def synthetic_layer(fmt: str, act: str, rng):
+    """A ``GatedDeltaNet`` over random weights of Qwen3-Next's DeltaNet shape, on a stand-in of the model
+    (``m.wt``, ``m.mm``, ``m.grouped_rows`` as coli.models.base.Model has them)."""
+    from coli.models.deltanet import GatedDeltaNet
+
+    s = DN_SHAPE
+    D, Hk, Hv, dk, dv, K = s["d_model"], s["n_k_heads"], s["n_v_heads"], s["dk"], s["dv"], s["kernel"]
+    C = 2 * Hk * dk + Hv * dv
+    mats = {"attn_qkv.weight": (C, D), "attn_gate.weight": (Hv * dv, D), "ssm_ba.weight": (2 * Hv, D),
+            "ssm_out.weight": (D, Hv * dv)}
+    vecs = {"ssm_conv1d.weight": 0.3 * rng.standard_normal((C, K)), "ssm_a": -rng.uniform(0.5, 4, Hv),
+            "ssm_dt.bias": 0.5 * rng.standard_normal(Hv), "ssm_norm.weight": 1 + 0.1 * rng.standard_normal(dv)}
+    prepared = {n: formats.prepare(fmt, _weights(fmt, shp, rng), shp) for n, shp in mats.items()}
+    f32 = {n: np.ascontiguousarray(v, dtype=np.float32) for n, v in vecs.items()}
+    shapes = {**{n: shp for n, shp in mats.items()}, **{n: v.shape for n, v in f32.items()}}
+    p = "blk.0."
+    wt = types.SimpleNamespace(
+        w=lambda n: prepared[n[len(p):]], f32=lambda n, required=True: f32[n[len(p):]],
+        has=lambda n: n[len(p):] in prepared or n[len(p):] in f32, fname="synthetic")
+    g = types.SimpleNamespace(path=Path("synthetic"),
+                              tensors={p + n: types.SimpleNamespace(shape=shp) for n, shp in shapes.items()})
+    mm = lambda w, x: formats.matmul(w, x, act=act)  # noqa: E731
+
+    def grouped_rows(T):
+        return T <= (formats.GEMV_I8_MAX_T if act == "int8" and grouped.HAVE_VNNI else formats.GEMV_MAX_T)
+
+    m = types.SimpleNamespace(wt=wt, g=g, act=act, mm=mm, grouped_rows=grouped_rows,
+                              args=types.SimpleNamespace(eps=1e-6, d_model=D))
+    dims = dict(kernel=K, dk=dk, dv=dv, n_k_heads=Hk, n_v_heads=Hv)
+    return GatedDeltaNet(m, p, dims, tiled=False), m
+
+
+def bench_layer(fmt, act, reps, rng):
+    blk, m = synthetic_layer(fmt, act, rng)
+    D = DN_SHAPE["d_model"]
+    x1 = rng.standard_normal((1, D)).astype(np.float32)
+    cache = blk.new_cache(0)
+    names = ("projections", "conv", "recurrence", "ssm_out", "layer_call")
+    mins = dict.fromkeys(names, float("inf"))
+    for it in range(reps + 1):  # each round runs the pieces in a real call's order, then a whole call
+        t0 = time.perf_counter()
+        qkv, z, b, a = blk.projections(x1, None)
+        t1 = time.perf_counter()
+        conv = causal_conv1d_silu(qkv, blk.ssm_conv1d, cache.conv)
+        t2 = time.perf_counter()
+        o = gated_deltanet(conv, z, b, a, blk.ssm_a, blk.ssm_dt, blk.ssm_norm, 1e-6, cache.state, blk.n_k_heads)
+        t3 = time.perf_counter()
+        m.mm(blk.ssm_out, o)
+        t4 = time.perf_counter()
+        blk(x1, None, cache)
+        t5 = time.perf_counter()
+        if it:  # round 0 compiles
+            for n, dt in zip(names, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
+                mins[n] = min(mins[n], dt)
+    t_proj, t_conv, t_rec, t_out, t_call = (mins[n] for n in names)
+    proj_bytes = sum(w.file_nbytes for w in blk._proj) + blk.ssm_out.file_nbytes
+    decode = {"projections_ms": 1e3 * t_proj, "conv_ms": 1e3 * t_conv, "recurrence_ms": 1e3 * t_rec,
+              "ssm_out_ms": 1e3 * t_out, "matmul_ms": 1e3 * (t_proj + t_out), "layer_call_ms": 1e3 * t_call,
+              "state_bytes": int(cache.nbytes()), "weight_bytes": proj_bytes}
+
+    T = 256
+    xs = rng.standard_normal((T, D)).astype(np.float32)
+    out = {}
+
+    def block():
+        c = blk.new_cache(0)
+        out["block"] = blk(xs, None, c)
+
+    def rows():
+        c = blk.new_cache(0)
+        out["rows"] = np.concatenate([blk(xs[i:i + 1], None, c) for i in range(T)])
+
+    tb, tr = [], []
+    for _ in range(max(2, reps // 5)):  # alternate A/B
+        tb.append(_time_once(block))
+        tr.append(_time_once(rows))
+    diff = float(np.abs(out["block"] - out["rows"]).max() / np.abs(out["rows"]).max())
+    prefill = {"rows": T, "block_ms": 1e3 * min(tb), "row_by_row_ms": 1e3 * min(tr), "max_rel_diff": diff}
+    return decode, prefill
+
+
+def bench_attention(reps, rng, contexts=(256, 4096, 32768)):
+    """One decode row of Qwen3-Next-80B's gated attention layer (16 q / 2 KV heads of 256) over ``ctx`` cached
+    positions: ms of ``attend`` (the projections are matmuls like the DeltaNet's) and KV bytes per position."""
+    from cpu_kernels.attention import attend
+
+    H, Hkv, hd = 16, 2, 256
+    res = {"kv_bytes_per_position": 2 * Hkv * hd * 4}
+    q = rng.standard_normal((1, H, hd)).astype(np.float32)
+    for ctx in contexts:
+        kc = rng.standard_normal((Hkv, ctx, hd)).astype(np.float32)
+        vc = rng.standard_normal((Hkv, ctx, hd)).astype(np.float32)
+        res[f"attend_ms_at_{ctx}"] = 1e3 * best(lambda: attend(q, kc, vc, ctx - 1, hd ** -0.5), reps)
+    return res
+
+
+def _time_once(f):
+    t = time.perf_counter()
+    f()
+    return time.perf_counter() - t
+
+
+def deltanet_model(act, reps):
+    from coli.engine import Engine
+
+    path = ROOT / "tests" / "fixtures" / "oracles" / "qwen3next.gguf"
+    ids = np.random.default_rng(1).integers(2, 320, 256)
+    res = {}
+    with Engine(path, cpu_act=act, save_usage=False, quiet=True, usage=os.devnull + ".none") as eng:
+        m = eng.model
+        out = {}
+
+        def one():
+            out["one"] = m.forward(ids, m.new_cache(256), all_logits=True)
+
+        def chunks():
+            c = m.new_cache(256)
+            out["chunks"] = np.concatenate([m.forward(ids[s:s + 64], c, all_logits=True) for s in range(0, 256, 64)])
+
+        def rows():
+            c = m.new_cache(256)
+            out["rows"] = np.concatenate([m.forward(ids[i:i + 1], c) for i in range(256)])
+
+        one(), chunks(), rows()
+        t = {"one_call": [], "64_row_steps": [], "one_row_at_a_time": []}
+        for _ in range(max(2, reps // 5)):
+            t["one_call"].append(_time_once(one))
+            t["64_row_steps"].append(_time_once(chunks))
+            t["one_row_at_a_time"].append(_time_once(rows))
+    scale = np.abs(out["rows"]).max()
+    res = {k + "_ms": 1e3 * min(v) for k, v in t.items()}
+    res["max_rel_diff_one_call_vs_rows"] = float(np.abs(out["one"] - out["rows"]).max() / scale)
+    res["max_rel_diff_steps_vs_rows"] = float(np.abs(out["chunks"] - out["rows"]).max() / scale)
+    res["argmax_equal"] = bool((out["one"].argmax(-1) == out["rows"].argmax(-1)).all())
+    return res
+
+
+def deltanet_main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--fmt", default="Q8_0")
+    ap.add_argument("--act", default="f32", choices=["f32", "int8"])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    if a.threads:
+        cpu_kernels.set_threads(a.threads)
+    rng = np.random.default_rng(0)
+    load0 = load()
+    decode, prefill = bench_layer(a.fmt, a.act, a.reps, rng)
+    attn = bench_attention(a.reps, rng)
+    model = deltanet_model(a.act, a.reps)
+    load1 = load()
+    res = {"shape": DN_SHAPE, "fmt": a.fmt, "act": a.act, "threads": a.threads, "loadavg_start": load0,
+           "loadavg_end": load1, "decode_per_token_per_layer": decode, "attention_layer_decode": attn, "prefill_layer_256": prefill,
+           "prefill_qwen3next_fixture_256": model}
+    if a.json:
+        print(json.dumps(res, indent=1))
+    else:
+        print(f"loadavg {' '.join(load0)} -> {' '.join(load1)}; {a.fmt} weights, act {a.act}, threads {a.threads}")
+        print("decode, one DeltaNet layer of Qwen3-Next-80B shape, per token (ms): "
+              + ", ".join(f"{k[:-3]} {v:.3f}" for k, v in decode.items() if k.endswith("_ms")))
+        print(f"  state {decode['state_bytes']} bytes per layer (any context)")
+        print("beside it, full attention of that model per token per layer (ms): "
+              + ", ".join(f"{k[10:]} positions {v:.3f}" for k, v in attn.items() if k.startswith("attend_ms"))
+              + f"; KV {attn['kv_bytes_per_position']} bytes per position")
+        print(f"prefill 256 rows through that layer: one block {prefill['block_ms']:.1f} ms, row by row "
+              f"{prefill['row_by_row_ms']:.1f} ms, max rel diff {prefill['max_rel_diff']:.2e}")
+        print("prefill 256 tokens, qwen3next oracle model (ms): "
+              + ", ".join(f"{k[:-3]} {v:.1f}" for k, v in model.items() if k.endswith("_ms"))
+              + f"; logits max rel diff one call vs rows {model['max_rel_diff_one_call_vs_rows']:.2e}, "
+              f"64-row steps vs rows {model['max_rel_diff_steps_vs_rows']:.2e}, argmax equal {model['argmax_equal']}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------- gpu
+def random_weight(t: str, O: int, I: int, rng) -> np.ndarray:
+    """Random GGUF bytes [O, row_bytes] with finite scales: the tensor-type table's test weights
+    (``coli.types.table.random_blocks``: real quantized blocks where gguf can quantize the type)."""
+    return TT.random_blocks(t, O, I, rng, 1.0)
+
+
+def gpu_main(argv=None):
+    from coli.vulkan import open_device  # the Vulkan binding loads only for this op
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--D", type=int, default=2048)
+    ap.add_argument("--F", type=int, default=1024)
+    ap.add_argument("--E", type=int, default=64)
+    ap.add_argument("--rows", default="1,4,16,64")
+    ap.add_argument("--formats", default="Q4_K,Q8_0,MXFP4,F16")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--copy-mb", type=int, default=1024)
+    ap.add_argument("--small", action="store_true")
+    a = ap.parse_args(argv)
+    if a.small:
+        a.D, a.F, a.E, a.copy_mb = 256, 256, 8, 64
+    rows = [int(r) for r in a.rows.split(",")]
+    dev = open_device("bench", budget=64 << 30)
+    if dev is None:
+        return 1
+    print(f"device: {dev.describe()}")
+    cp = dev.measure_copy(a.copy_mb << 20)
+    copy = 2 * cp["shader"]          # DRAM traffic of a copy: read + write
+    print(f"copy bandwidth ({a.copy_mb} MiB buffers): compute-shader copy {cp['shader']:.4g} GB/s copied = "
+          f"{copy:.4g} GB/s read + write; vkCmdCopyBuffer on this queue {cp['transfer']:.4g} GB/s copied")
+    print("(% of copy = weight GB/s / the shader copy's read + write GB/s)")
+    print(f"experts: E={a.E}, D={a.D}, F={a.F}; GEMM from {dev.gemm_rows} rows; best of {a.reps}")
+    print()
+    print("| format | MiB/expert | rows/expert | pairs | device ms | weight GB/s | % of copy | wall ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    rng = np.random.default_rng(0)
+    for t in a.formats.split(","):
+        g = random_weight(t, a.F, a.D, rng)
+        u = random_weight(t, a.F, a.D, rng)
+        d = random_weight(t, a.D, a.F, rng)
+        hs = [dev.upload_expert((t, g, (a.F, a.D)), (t, u, (a.F, a.D)), (t, d, (a.D, a.F))) for _ in range(a.E)]
+        eb = dev.expert_bytes((t, g, (a.F, a.D)), (t, u, (a.F, a.D)), (t, d, (a.D, a.F)))
+        for r in rows:
+            P = a.E * r
+            x = rng.standard_normal((P, a.D), dtype=np.float32)
+            pairs = [hs[i // r] for i in range(P)]
+            prow = np.arange(P)
+            dms, walls = [], []
+            for k in range(a.reps + 2):
+                t0 = time.perf_counter()
+                b = dev.submit_experts(x, prow, pairs)
+                b.join()
+                if k >= 2:
+                    walls.append((time.perf_counter() - t0) * 1e3)
+                    dms.append(b.device_ms)
+            best = min(dms)
+            gbs = a.E * eb / (best * 1e-3) / 1e9
+            print(f"| {t} | {eb / 2**20:.2f} | {r} | {P} | {best:.3f} | {gbs:.4g} | {100 * gbs / copy:.3g}% "
+                  f"| {np.median(walls):.2f} |", flush=True)
+        for h in hs:
+            dev.free_expert(h)
+    print()
+    print(dev.report())
+    dev.close()
+    return 0
+
+
+OPS = {"formats": formats_main, "mla": mla_main, "dsv4": dsv4_main, "deltanet": deltanet_main, "gpu": gpu_main}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--op", choices=OPS, default="formats")
+    a, rest = ap.parse_known_args(argv)
+    return OPS[a.op](rest)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
