@@ -1,10 +1,13 @@
-"""The Vulkan device: opening, memory, pipelines, the expert batch and the plain matmul.
+"""The Vulkan device: ``Device``, its experts (upload, free, the expert batch), the plain matmul, reporting and
+closing; opening is ``Device._open``, a list of named steps.
 
-Imported only when a device is asked for (``coli.vulkan.open_device``): importing it imports the
-``vulkan`` binding, which dlopens ``libvulkan.so.1`` and raises OSError where there is none.
-Calls go through the binding's raw cffi layer (``vk.ffi`` / ``vk.lib``): the wrappers cost 2-8 us a call,
-raise exceptions for success codes and return the wrong value for vkGetBufferDeviceAddress
-(stack-notes section 3 and pitfalls 3-7).
+Imported only when a device is asked for (``coli.vulkan.open_device``): it imports the ``vulkan`` binding
+(``coli.vulkan.binding``), which dlopens ``libvulkan.so.1`` and raises OSError where there is none.
+
+``Device`` is assembled from parts by concern (docs/vulkan.md "Modules"): ``instance.InstanceMixin`` (instance,
+physical device, features, queues, logical device), ``memory.MemoryMixin`` (memory types, placement, budget,
+zero-copy imports, tensors), ``pipelines.PipelineMixin`` (shader modules, layouts, pipelines) and
+``batches.BatchMixin`` (frames, plans, recording, submits, fences, timestamps).
 
 Design (docs/vulkan.md):
 - Weights stay in their GGUF block bytes; each tensor is a VkBuffer bound at an offset inside a
@@ -142,7 +145,6 @@ class Device(InstanceMixin, MemoryMixin, PipelineMixin, BatchMixin):
         self._staging_buf = None
         self._objs_ok = True
 
-
     # -- experts -----------------------------------------------------------------------------------
     @staticmethod
     def expert_bytes(gate, up, down) -> int:
@@ -215,7 +217,7 @@ class Device(InstanceMixin, MemoryMixin, PipelineMixin, BatchMixin):
         h.last_batch = None
         self._handles.pop(h.id, None)
 
-    # -- batches -----------------------------------------------------------------------------------
+    # -- the expert batch and the plain matmul -----------------------------------------------------
     def supports_ffn(self, ffn) -> bool:
         """True when :meth:`submit_experts` computes experts with ``ffn`` (a ``cpu_kernels.experts.ExpertFFN``):
         SwiGLU or gpt-oss's clamped SwiGLU, with or without gate/up biases (the down bias is the caller's: it
