@@ -307,85 +307,14 @@ def build_demo_moe(src: Path | str, dest: Path | str, noise: float = 0.05, exper
     noise = float(noise)
     src, dest = Path(src), Path(dest)
     t0 = time.perf_counter()
-    reader = gguf.GGUFReader(src)
-    arch = reader.fields["general.architecture"].contents()
-    if arch != "llama" or f"{arch}.expert_count" in reader.fields:
-        raise ColiError(f"{src}: general.architecture: need a dense llama model, got {arch!r}")
-    n_layer = reader.fields["llama.block_count"].contents()
-    tensors = {t.name: t for t in reader.tensors}
-    for L in range(n_layer):
-        for k in _FFN:
-            if f"blk.{L}.ffn_{k}.weight" not in tensors:
-                raise ColiError(f"{src}: tensors: blk.{L}.ffn_{k}.weight missing")
-
+    reader, arch, n_layer, tensors = _open_dense(src)
     _log(quiet, f"building {dest.name} from {src.name} (E={n_experts}, top-k={top_k}, "
                 f"experts {expert_type}, noise {noise:g}, seed {seed})")
     routers, scales = _routers(reader, n_experts, seed)
     _log(quiet, f"router calibrated ({time.perf_counter() - t0:.1f} s)")
-
-    # The tensor plan: source order, each layer's dense FFN replaced by router + 3 expert tensors.
-    plan: list[tuple[str, str, object]] = []  # (name, "copy" | "router" | "experts", tensor | L | (L, m))
-    done_layers = set()
-    for t in reader.tensors:
-        parts = t.name.split(".")
-        if len(parts) == 4 and parts[0] == "blk" and parts[2] in ("ffn_gate", "ffn_up", "ffn_down"):
-            L = int(parts[1])
-            if L not in done_layers:
-                done_layers.add(L)
-                plan.append((f"blk.{L}.ffn_gate_inp.weight", "router", L))
-                plan.append((f"blk.{L}.ffn_gate_exps.weight", "experts", (L, 0)))
-                plan.append((f"blk.{L}.ffn_up_exps.weight", "experts", (L, 1)))
-                plan.append((f"blk.{L}.ffn_down_exps.weight", "experts", (L, 2)))
-        else:
-            plan.append((t.name, "copy", t))
-
-    w = gguf.GGUFWriter(None, arch)
-    src_ftype = reader.fields["general.file_type"].contents() if "general.file_type" in reader.fields else None
-    ftype = {"Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "F16": gguf.LlamaFileType.MOSTLY_F16,
-             "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}.get(expert_type, src_ftype)
-    name = (f"coli demo MoE: SmolLM2-135M-Instruct upcycled, {n_experts} experts top-{top_k}, "
-            f"{expert_type} experts, noise {noise:g}, seed {seed}")
-    for field in reader.fields.values():
-        key = field.name
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        vtype = gguf.GGUFValueType(field.types[0])
-        sub = gguf.GGUFValueType(field.types[-1]) if vtype == gguf.GGUFValueType.ARRAY else None
-        if key == "general.name":
-            w.add_key_value(key, name, vtype)
-        elif key == "general.file_type" and ftype is not None:
-            w.add_key_value(key, int(ftype), vtype)
-        else:
-            w.add_key_value(key, field.contents(), vtype, sub_type=sub)
-        if key == f"{arch}.feed_forward_length":  # the expert keys next to the FFN size
-            w.add_uint32(f"{arch}.expert_count", n_experts)
-            w.add_uint32(f"{arch}.expert_used_count", top_k)
-    if "general.name" not in reader.fields:
-        w.add_name(name)
-
-    etype = None if expert_type == "same" else gguf.GGMLQuantizationType[expert_type]
-    need = 0  # the file's tensor bytes (the header is small): what the build's disk full error says it needs
-    for tname, kind, what in plan:
-        if kind == "router":
-            r = routers[what]
-            need += r.nbytes
-            w.add_tensor_info(tname, r.shape, r.dtype, r.nbytes)
-        elif kind == "experts":
-            L, m = what
-            dense = tensors[f"blk.{L}.ffn_{_FFN[m]}.weight"]
-            qt = dense.tensor_type if etype is None else etype
-            O, I = (int(v) for v in reversed(dense.shape.tolist()))
-            bs, ts = gguf.GGML_QUANT_SIZES[qt]
-            if I % bs:
-                raise ColiError(f"{src}: {dense.name}: row of {I} is not a multiple of {qt.name}'s block {bs}")
-            shape = (n_experts, O, I // bs * ts)
-            need += int(np.prod(shape))
-            w.add_tensor_info(tname, shape, np.dtype(np.uint8), int(np.prod(shape)), raw_dtype=qt)
-        else:
-            data = np.asarray(what.data)
-            need += int(what.n_bytes)
-            w.add_tensor_info(tname, data.shape, data.dtype, int(what.n_bytes), raw_dtype=what.tensor_type)
-
+    plan = _tensor_plan(reader)
+    w = _writer(reader, arch, noise, expert_type, n_experts, top_k, seed)
+    need = _add_tensor_infos(w, plan, routers, tensors, src, expert_type, n_experts)
     folder = dest.parent
     folder.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(folder, dest.name)
@@ -397,24 +326,8 @@ def build_demo_moe(src: Path | str, dest: Path | str, noise: float = 0.05, exper
         w.write_header_to_file(path=tmp)
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        layers_done = 0
-        with concurrent.futures.ThreadPoolExecutor(_n_workers()) as pool, \
-                progress.bar(total=n_layer, desc=f"building {dest.name}", unit=" layers", disable=quiet) as pb:
-            for tname, kind, what in plan:
-                if kind == "router":
-                    arr = routers[what]
-                elif kind == "experts":
-                    L, m = what
-                    arr = _expert_stack(tensors[f"blk.{L}.ffn_{_FFN[m]}.weight"], L, m, noise, expert_type,
-                                        n_experts, seed, pool)
-                    if m == 2:
-                        layers_done += 1
-                        pb.update(1)
-                        if pb.disable and (layers_done % 5 == 0 or layers_done == n_layer):  # the bar says it
-                            _log(quiet, f"{layers_done}/{n_layer} layers ({time.perf_counter() - t0:.1f} s)")
-                else:
-                    arr = np.asarray(what.data)
-                w.write_tensor_data(arr)
+        _write_tensors(w, plan, routers, tensors, n_layer, noise, expert_type, n_experts, seed, dest.name, quiet,
+                       t0)
         w.flush()
         os.fsync(w.fout[0].fileno())
         w.close()
@@ -440,6 +353,123 @@ def build_demo_moe(src: Path | str, dest: Path | str, noise: float = 0.05, exper
     size = dest.stat().st_size
     _log(quiet, f"wrote {dest} ({size / 1e6:.0f} MB, {secs:.1f} s)")
     return {"seconds": secs, "bytes": size, "router_scales": scales}
+
+
+def _open_dense(src: Path):
+    """``(reader, arch, n_layer, tensors by name)`` of the dense llama GGUF ``src`` (gguf.GGUFReader); ColiError when it is
+    not a dense llama model or a layer lacks one of its FFN tensors."""
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    if arch != "llama" or f"{arch}.expert_count" in reader.fields:
+        raise ColiError(f"{src}: general.architecture: need a dense llama model, got {arch!r}")
+    n_layer = reader.fields["llama.block_count"].contents()
+    tensors = {t.name: t for t in reader.tensors}
+    for L in range(n_layer):
+        for k in _FFN:
+            if f"blk.{L}.ffn_{k}.weight" not in tensors:
+                raise ColiError(f"{src}: tensors: blk.{L}.ffn_{k}.weight missing")
+    return reader, arch, n_layer, tensors
+
+
+def _tensor_plan(reader) -> list[tuple[str, str, object]]:
+    """The output's tensors in the source's order, each layer's dense FFN replaced by its router and 3 expert
+    tensors: ``(name, "copy" | "router" | "experts", source tensor | layer L | (L, m))``."""
+    plan: list[tuple[str, str, object]] = []
+    done_layers = set()
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        if len(parts) == 4 and parts[0] == "blk" and parts[2] in ("ffn_gate", "ffn_up", "ffn_down"):
+            L = int(parts[1])
+            if L not in done_layers:
+                done_layers.add(L)
+                plan.append((f"blk.{L}.ffn_gate_inp.weight", "router", L))
+                plan.append((f"blk.{L}.ffn_gate_exps.weight", "experts", (L, 0)))
+                plan.append((f"blk.{L}.ffn_up_exps.weight", "experts", (L, 1)))
+                plan.append((f"blk.{L}.ffn_down_exps.weight", "experts", (L, 2)))
+        else:
+            plan.append((t.name, "copy", t))
+    return plan
+
+
+def _writer(reader, arch: str, noise: float, expert_type: str, n_experts: int, top_k: int, seed: int):
+    """A ``gguf.GGUFWriter`` holding the source's KVs but ``general.name`` and ``general.file_type`` (the experts'),
+    with ``expert_count`` / ``expert_used_count`` next to the FFN size."""
+    w = gguf.GGUFWriter(None, arch)
+    src_ftype = reader.fields["general.file_type"].contents() if "general.file_type" in reader.fields else None
+    ftype = {"Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "F16": gguf.LlamaFileType.MOSTLY_F16,
+             "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}.get(expert_type, src_ftype)
+    name = (f"coli demo MoE: SmolLM2-135M-Instruct upcycled, {n_experts} experts top-{top_k}, "
+            f"{expert_type} experts, noise {noise:g}, seed {seed}")
+    for field in reader.fields.values():
+        key = field.name
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        vtype = gguf.GGUFValueType(field.types[0])
+        sub = gguf.GGUFValueType(field.types[-1]) if vtype == gguf.GGUFValueType.ARRAY else None
+        if key == "general.name":
+            w.add_key_value(key, name, vtype)
+        elif key == "general.file_type" and ftype is not None:
+            w.add_key_value(key, int(ftype), vtype)
+        else:
+            w.add_key_value(key, field.contents(), vtype, sub_type=sub)
+        if key == f"{arch}.feed_forward_length":  # the expert keys next to the FFN size
+            w.add_uint32(f"{arch}.expert_count", n_experts)
+            w.add_uint32(f"{arch}.expert_used_count", top_k)
+    if "general.name" not in reader.fields:
+        w.add_name(name)
+    return w
+
+
+def _add_tensor_infos(w, plan, routers, tensors, src: Path, expert_type: str, n_experts: int) -> int:
+    """Add the plan's tensor infos to ``w``; returns the file's tensor bytes (what the build's disk full error says
+    it needs). ColiError when an FFN row is not a whole number of the expert type's blocks."""
+    etype = None if expert_type == "same" else gguf.GGMLQuantizationType[expert_type]
+    need = 0  # the file's tensor bytes (the header is small): what the build's disk full error says it needs
+    for tname, kind, what in plan:
+        if kind == "router":
+            r = routers[what]
+            need += r.nbytes
+            w.add_tensor_info(tname, r.shape, r.dtype, r.nbytes)
+        elif kind == "experts":
+            L, m = what
+            dense = tensors[f"blk.{L}.ffn_{_FFN[m]}.weight"]
+            qt = dense.tensor_type if etype is None else etype
+            O, I = (int(v) for v in reversed(dense.shape.tolist()))
+            bs, ts = gguf.GGML_QUANT_SIZES[qt]
+            if I % bs:
+                raise ColiError(f"{src}: {dense.name}: row of {I} is not a multiple of {qt.name}'s block {bs}")
+            shape = (n_experts, O, I // bs * ts)
+            need += int(np.prod(shape))
+            w.add_tensor_info(tname, shape, np.dtype(np.uint8), int(np.prod(shape)), raw_dtype=qt)
+        else:
+            data = np.asarray(what.data)
+            need += int(what.n_bytes)
+            w.add_tensor_info(tname, data.shape, data.dtype, int(what.n_bytes), raw_dtype=what.tensor_type)
+    return need
+
+
+def _write_tensors(w, plan, routers, tensors, n_layer: int, noise: float, expert_type: str, n_experts: int,
+                   seed: int, name: str, quiet: bool, t0: float) -> None:
+    """Write the plan's tensor data to ``w`` in order, the experts drawn layer by layer (one layer's float experts
+    in memory at a time) on a thread pool; progress by layer (``name``: the file's, for the bar)."""
+    layers_done = 0
+    with concurrent.futures.ThreadPoolExecutor(_n_workers()) as pool, \
+            progress.bar(total=n_layer, desc=f"building {name}", unit=" layers", disable=quiet) as pb:
+        for tname, kind, what in plan:
+            if kind == "router":
+                arr = routers[what]
+            elif kind == "experts":
+                L, m = what
+                arr = _expert_stack(tensors[f"blk.{L}.ffn_{_FFN[m]}.weight"], L, m, noise, expert_type,
+                                    n_experts, seed, pool)
+                if m == 2:
+                    layers_done += 1
+                    pb.update(1)
+                    if pb.disable and (layers_done % 5 == 0 or layers_done == n_layer):  # the bar says it
+                        _log(quiet, f"{layers_done}/{n_layer} layers ({time.perf_counter() - t0:.1f} s)")
+            else:
+                arr = np.asarray(what.data)
+            w.write_tensor_data(arr)
 
 
 def _chmod_like_open(path: Path) -> None:
