@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from coli.base import settings
+from coli.base.memory import mem_flag
 from coli.base.errors import ColiError
 from coli.base.paths import cache_dir
 from coli.fetch import MODEL_NAMES, MODELS, check_folder, resolve  # MODEL_NAMES: the names -m takes besides a path
@@ -147,7 +148,7 @@ def _open_engine(a, quiet=False, save_usage=True):
                         "without it (drop one)")
     env = settings.overlay(None, COLI_VK_DEV=index, COLI_VK_TIER_GB=a.tier_gb, COLI_VK_LAYERS=a.gpu_layers,
                            COLI_VK_CPU_MOE=cpu_moe,
-                           COLI_VK_TIER_SYNC=True if a.reproducible else None, COLI_MEM=_mem_flag(a),
+                           COLI_VK_TIER_SYNC=True if a.reproducible else None, COLI_MEM=mem_flag(a),
                            COLI_BATCH_INVARIANT=True if a.batch_invariant else None)
     model = resolve_model(a.model, quiet=quiet)
     return Engine(model, threads=a.threads, ctx=a.ctx, expert_cache=a.expert_cache, usage=a.usage,
@@ -156,15 +157,6 @@ def _open_engine(a, quiet=False, save_usage=True):
                   trace=a.trace, quiet=quiet, save_usage=save_usage, cli_names=True, env=env,
                   silent=bool(getattr(a, "quiet", False)), cache_type_k=getattr(a, "cache_type_k", None),
                   cache_type_v=getattr(a, "cache_type_v", None))
-
-
-def _mem_flag(a):
-    """``--mem`` as the value of ``COLI_MEM`` (None when not given); ColiError naming the flag when below 0.1."""
-    if getattr(a, "mem", None) is None:
-        return None
-    if not a.mem >= 0.1:
-        raise ColiError(f"--mem: {a.mem} (GiB, 0.1 or above)")
-    return f"{a.mem:g}"
 
 
 def _read_prompt(a) -> str:

@@ -210,9 +210,7 @@ def format_table(p: dict) -> str:
 def cmd_plan(a) -> int:
     """``coli plan -m MODEL [--device vulkan] [--ctx N] [--expert-cache N] [--mem GiB] [--json]``."""
     a.model = resolve(a.model or "demo", quiet=False)   # a path or a name -m takes (smollm2, demo, ...)
-    from coli.cli import _mem_flag  # coli.cli imports this module for the subcommand: a circle at import time
-
-    env = settings.overlay(None, COLI_MEM=_mem_flag(a))
+    env = settings.overlay(None, COLI_MEM=memory.mem_flag(a))
     p = make_plan(a.model, device=a.device, ctx=a.ctx, expert_cache=a.expert_cache, env=env,
                   mem_flag="--mem" if getattr(a, "mem", None) is not None else None,
                   cache_type_k=getattr(a, "cache_type_k", None), cache_type_v=getattr(a, "cache_type_v", None))

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import psutil
 
 from coli.base import settings
+from coli.base.errors import ColiError
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -134,3 +135,13 @@ def budget(env=None, *, flag: str | None = None, root: str = "/", available: int
         got.append((int(mem * GiB), f"{flag} {env['COLI_MEM']}" if flag else f"COLI_MEM={env['COLI_MEM']}"))
     b, src = min(got, key=lambda x: x[0])
     return Budget(int(b), src, own)
+
+
+def mem_flag(a):
+    """The ``--mem`` flag of a parsed command line ``a`` (GiB, float, or None when not given) as the value of
+    ``COLI_MEM`` (str); ColiError naming the flag when below 0.1."""
+    if getattr(a, "mem", None) is None:
+        return None
+    if not a.mem >= 0.1:
+        raise ColiError(f"--mem: {a.mem} (GiB, 0.1 or above)")
+    return f"{a.mem:g}"
