@@ -293,9 +293,9 @@ say "done"
 # H2_LRUNS runs) for each "layers:rows" of H2_LVARIANTS ("8:4 8:16 16:4": 8 or 16 of the 16 layers on the device,
 # COLI_VK_LAYER_ROWS 4 or 16). Output in $OUT/layers.log.
 layers() {
-SETUP=0 begin /tmp/h2out layers.log 600
-export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json  # `tier`'s set-up, in this shell
 export PYTHONPATH=/tmp/site:$PWD LD_LIBRARY_PATH=/tmp/site/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+SETUP=0 begin /tmp/h2out layers.log 600
 MODEL=${H2_MODEL:-$(bash scripts/h200.sh synth-path)}
 for v in ${H2_LVARIANTS:-8:4 8:16 16:4}; do
   say "layers ${v%%:*}, rows ${v##*:}"
