@@ -1,14 +1,18 @@
 """DeepSeek-V4 (``deepseek4``) against the HF oracle ``tests/fixtures/oracles/deepseek4.*``
 (scripts/oracles/make.py deepseek4; docs/families.md "DeepSeek-V4"): hyper-connection streams, the sliding K=V head
 with sinks, CSA (overlapping compressor + lightning indexer) and HCA compressed entries, the grouped output
-projection, hash and sqrt-softplus routing, MXFP4 experts with the clamped SwiGLU."""
+projection, hash and sqrt-softplus routing, MXFP4 experts with the clamped SwiGLU. The checks every family
+shares (HF's logits over 96 prompt tokens and 8 greedy steps, streamed experts, the prompt one token at a time,
+keep_kv turns on a cache that is not rewindable, the device tier with the balancer) are
+tests/test_family_parity.py's; here, the file's layout, HF's indexer picks and experts, uneven prompt chunks, what
+the oracle must see, bad metadata and a quantized grouped projection."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from conftest import FIXTURES
-from oracle_check import check_prompt_and_decode, rel as _rel
+from oracle_check import copy_gguf, rel as _rel
 
 ORACLE = FIXTURES / "oracles"
 GGUF = ORACLE / "deepseek4.gguf"
@@ -25,23 +29,17 @@ def _engine(tmp_path, **kw):
     return Engine(GGUF, cpu_act="f32", usage=tmp_path / "u", save_usage=False, ctx=128, **kw)
 
 
+def test_deepseek4_layout_from_the_file():
+    """Compression ratios per layer, 4 hyper-connection streams, one hash-routed layer, the indexer's top-k; MXFP4
+    experts and BF16 routers."""
+    from coli.gguf_file import open_gguf
+    from coli.models import deepseek4
 
-
-@pytest.mark.parametrize("cache", [None, 1])
-def test_deepseek4_oracle_prompt_and_decode(oracle, cache, tmp_path):
-    """96 prompt rows in one call, then 8 greedy steps one token at a time: within 1e-4 of the largest |logit| of
-    HF's at every position, argmax equal, HF's tokens; the cache's bytes are what cache_bytes says."""
-    with _engine(tmp_path, expert_cache=cache) as eng:
-        m = eng.model
-        assert type(m).__module__ == "coli.models.deepseek4"
-        a = m.args
-        assert a.ratios == (0, 4, 16, 4) and a.hc == 4 and a.n_hash == 1 and a.idx_topk == 4
-        assert m.t["blk.1.ffn_gate_exps.weight"].type_name == "MXFP4"
-        assert {m.t[f"blk.{il}.ffn_gate_inp.weight"].type_name for il in range(4)} == {"BF16"}
-        kv = m.new_cache(128)
-        assert not kv.rewindable
-        check_prompt_and_decode(m, kv, oracle)
-        assert kv.nbytes() == type(m).cache_bytes(m.args, 128)
+    g = open_gguf(GGUF)
+    a = deepseek4.Model.args_from(g)
+    assert a.ratios == (0, 4, 16, 4) and a.hc == 4 and a.n_hash == 1 and a.idx_topk == 4
+    assert g.tensors["blk.1.ffn_gate_exps.weight"].type_name == "MXFP4"
+    assert {g.tensors[f"blk.{il}.ffn_gate_inp.weight"].type_name for il in range(4)} == {"BF16"}
 
 
 def test_deepseek4_indexer_picks_and_experts_equal_hf(oracle, tmp_path):
@@ -79,21 +77,18 @@ def test_deepseek4_indexer_picks_and_experts_equal_hf(oracle, tmp_path):
     assert (np.stack(got_ids) == oracle["expert_ids"]).all()
 
 
-def test_deepseek4_prompt_in_one_call_equals_one_at_a_time(oracle, tmp_path):
-    """The window ring, the compressors' open windows and the CSA overlap carried across calls: the prompt one
-    token at a time, and in uneven chunks, equals it in one call."""
+def test_deepseek4_prompt_in_uneven_chunks_equals_one_call(oracle, tmp_path):
+    """The window ring, the compressors' open windows and the CSA overlap carried across calls: the prompt in
+    uneven chunks equals it in one call (one token at a time: tests/test_family_parity.py)."""
     ids = oracle["ids"]
     with _engine(tmp_path) as eng:
         m = eng.model
         whole = m.forward(ids, m.new_cache(128), all_logits=True)
         kv = m.new_cache(128)
-        single = np.concatenate([m.forward([t], kv) for t in ids])
-        kv = m.new_cache(128)
         cuts = [0, 3, 21, 22, 50, 96]
         chunks = np.concatenate([m.forward(ids[s:e], kv, all_logits=True) for s, e in zip(cuts, cuts[1:])])
-    assert (_rel(single, whole) <= 1e-5).all(), _rel(single, whole).max()
     assert (_rel(chunks, whole) <= 1e-5).all(), _rel(chunks, whole).max()
-    assert (single.argmax(1) == whole.argmax(1)).all()
+    assert (chunks.argmax(1) == whole.argmax(1)).all()
 
 
 def test_deepseek4_oracle_is_demanding(oracle, tmp_path):
@@ -169,21 +164,6 @@ def test_deepseek4_oracle_is_demanding(oracle, tmp_path):
         assert run() <= 1e-4
 
 
-def test_deepseek4_window_and_compressor_state_belong_to_the_cache(oracle, tmp_path):
-    """A used cache continues, a fresh one restarts: keep_kv turns (the cache is not rewindable, so the engine
-    starts a fresh one when the prefix is not kept) give the tokens of fresh runs."""
-    ids = oracle["ids"].tolist()
-    with _engine(tmp_path) as eng:
-        g1 = list(eng.generate(ids=ids[:50], max_tokens=4, temp=0.0, keep_kv=True).ids)
-        t2 = ids[:50] + g1 + ids[50:60]
-        g2 = list(eng.generate(ids=t2, max_tokens=6, temp=0.0, keep_kv=True).ids)
-        t3 = ids[:30] + ids[70:88]
-        g3 = list(eng.generate(ids=t3, max_tokens=6, temp=0.0, keep_kv=True).ids)
-    with _engine(tmp_path) as eng:
-        assert list(eng.generate(ids=t2, max_tokens=6, temp=0.0).ids) == g2
-        assert list(eng.generate(ids=t3, max_tokens=6, temp=0.0).ids) == g3
-
-
 def test_deepseek4_refuses_bad_metadata():
     from coli.base.errors import ColiError
     from coli.gguf_file import open_gguf
@@ -211,52 +191,6 @@ def test_deepseek4_refuses_bad_metadata():
         deepseek4.Model.args_from(g)
 
 
-def test_deepseek4_tier_tokens_equal_cpu(oracle, tmp_path):
-    """The MXFP4 experts with the clamped SwiGLU on Lavapipe (--device vulkan, balance on): the CPU's greedy
-    tokens, HF's logits within 1e-4, device pairs and dispatches > 0."""
-    from coli.engine import Engine
-    from tests.vk_util import HAVE_LOADER
-
-    if not HAVE_LOADER:
-        pytest.skip("libvulkan.so.1 not found (apt install libvulkan1 mesa-vulkan-drivers)")
-    kw = dict(threads=1, save_usage=False, quiet=True, cpu_act="f32", ctx=128)
-    ids = oracle["ids"][:40].tolist()
-    with Engine(GGUF, usage=str(tmp_path / "a"), **kw) as eng:
-        cpu_ids = list(eng.generate(ids=ids, max_tokens=8, temp=0.0).ids)
-    with Engine(GGUF, usage=str(tmp_path / "b"), device="vulkan", balance=True, **kw) as eng:
-        assert eng.tier is not None and eng.tier.on, "the Vulkan loader is installed but no device opened"
-        dev_ids = list(eng.generate(ids=ids, max_tokens=8, temp=0.0).ids)
-        lg = eng.logits(oracle["ids"])
-        assert eng.tier.device_pairs > 0 and eng.device.dispatches > 0
-    assert dev_ids == cpu_ids
-    assert (_rel(lg, oracle["logits"]) <= 1e-4).all(), _rel(lg, oracle["logits"]).max()
-
-
-def _with_tensors(dest, replace: dict):
-    """The fixture with the tensors of ``replace`` ({name: (array, GGMLQuantizationType)}: f32 values, or the
-    raw bytes of a quantized type) in place of the stored ones; every key and other tensor as stored."""
-    import gguf
-
-    src = gguf.GGUFReader(str(GGUF))
-    w = gguf.GGUFWriter(str(dest), src.fields["general.architecture"].contents())
-    for k, f in src.fields.items():
-        if not (k.startswith("GGUF.") or k == "general.architecture"):
-            vt = gguf.GGUFValueType(f.types[0])
-            w.add_key_value(k, f.contents(), vt,
-                            sub_type=gguf.GGUFValueType(f.types[-1]) if vt == gguf.GGUFValueType.ARRAY else None)
-    for t in src.tensors:
-        a, kind = replace.get(t.name, (np.asarray(t.data), t.tensor_type))
-        if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-            w.add_tensor(t.name, a)
-        else:
-            w.add_tensor(t.name, a, raw_shape=a.shape, raw_dtype=kind)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dest
-
-
 def test_deepseek4_quantized_output_a_runs_in_its_type(oracle, tmp_path):
     """attn_output_a requantized to Q8_0 (gguf.quants) stays Q8_0 in the model (the grouped kernel reads its
     codes; no f32 copy) and gives, prompt and decode steps, the logits of the same file with that tensor stored
@@ -266,18 +200,18 @@ def test_deepseek4_quantized_output_a_runs_in_its_type(oracle, tmp_path):
 
     from coli.engine import Engine
 
-    Q8, F32 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F32
+    Q8 = gguf.GGMLQuantizationType.Q8_0
     r = gguf.GGUFReader(str(GGUF))
     q8, deq = {}, {}
     for t in r.tensors:
         if t.name.endswith("attn_output_a.weight"):
             codes = gguf.quants.quantize(np.asarray(t.data, np.float32), Q8)
             q8[t.name] = (codes, Q8)
-            deq[t.name] = (gguf.quants.dequantize(codes, Q8).astype(np.float32), F32)
+            deq[t.name] = gguf.quants.dequantize(codes, Q8).astype(np.float32)
     assert len(q8) == 4
     runs = []
     for name, rep in (("q8", q8), ("deq", deq)):
-        path = _with_tensors(tmp_path / f"{name}.gguf", rep)
+        path = copy_gguf(GGUF, tmp_path / f"{name}.gguf", tensors=rep)
         with Engine(path, cpu_act="f32", usage=tmp_path / "u", save_usage=False, ctx=128) as eng:
             m = eng.model
             gl = [L.attn.wo_a for L in m.layers]

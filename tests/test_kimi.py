@@ -1,10 +1,11 @@
 """Kimi-Linear (GGUF ``kimi-linear``: KDA linear attention beside MLA): a tiny random HF ``kimi_linear`` model
-converted by llama.cpp's converter (scripts/oracles/make.py kimi; docs/families.md "Kimi-Linear (KDA + MLA)"). coli's
-logits within 1e-4 of the largest |logit| at every position over 96 prompt tokens (past HF's KDA chunk of 64) and 8
-greedy decode steps (the KDA states and the latent caches carried); the prompt in one call equals the same tokens
-one at a time; HF's routing at every MoE layer; the KDA kernel against HF's recurrence in NumPy; each piece the
-oracle must see (per-channel decay, the sigmoid output gate, NoPE MLA, renormalised routing) moves the logits far
-past the tolerance when it is done another way; the KDA state is constant-size and not rewindable."""
+converted by llama.cpp's converter (scripts/oracles/make.py kimi; docs/families.md "Kimi-Linear (KDA + MLA)"). The checks every family
+shares (HF's logits over 96 prompt tokens, past HF's KDA chunk of 64, and 8 greedy decode steps with the KDA states
+and the latent caches carried; the prompt in one call equal to one token at a time; HF's routing at every MoE
+layer; keep_kv turns; the device tier) are tests/test_family_parity.py's. Here: the layer kinds, the KDA kernel
+against HF's recurrence in NumPy; each piece the oracle must see (per-channel decay, the sigmoid output gate, NoPE
+MLA, renormalised routing) moves the logits far past the tolerance when it is done another way; the KDA state is
+constant-size and not rewindable; broken files."""
 from __future__ import annotations
 
 import json
@@ -13,24 +14,15 @@ import numpy as np
 import pytest
 
 from conftest import FIXTURES
-from oracle_check import rel as _rel
+from oracle_check import copy_gguf, oracle_engine, rel as _rel
 
 DIR = FIXTURES / "oracles"
 NAME = "kimi"
 
 
-def _engine(tmp_path, **kw):
-    from coli.engine import Engine
-
-    return Engine(DIR / f"{NAME}.gguf", cpu_act="f32", threads=1, quiet=True, save_usage=False,
-                  usage=str(tmp_path / "u.coli_usage"), **kw)
-
-
-
-
 @pytest.fixture(scope="module")
 def eng(tmp_path_factory):
-    e = _engine(tmp_path_factory.mktemp("kimi"))
+    e = oracle_engine(DIR / f"{NAME}.gguf", tmp_path_factory.mktemp("kimi"))
     yield e
     e.close()
 
@@ -57,56 +49,6 @@ def test_layer_kinds_follow_the_file(eng):
     a = eng.model.args
     assert (a.kda_dim, a.conv_kernel, a.gating, a.norm_topk) == (cfg["linear_head_dim"], 4, "sigmoid", True)
     assert a.weights_scale == pytest.approx(cfg["routed_scaling_factor"])
-
-
-def test_prompt_and_decode_logits_match_hf(eng, d):
-    m = eng.model
-    cache = m.new_cache(128)
-    got = m.forward(d["ids"], cache, all_logits=True)          # the prompt in one call
-    assert (_rel(got, d["logits"]) <= 1e-4).all(), _rel(got, d["logits"]).max()
-    assert (got.argmax(1) == d["logits"].argmax(1)).all()
-    steps = [got[-1]]
-    for t in d["gen_ids"][:-1]:                                  # 8 greedy steps on the KDA states and latents
-        steps.append(m.forward(np.array([t]), cache)[-1])
-    steps = np.stack(steps)
-    assert (_rel(steps, d["gen_logits"]) <= 1e-4).all(), _rel(steps, d["gen_logits"]).max()
-    assert steps.argmax(1).tolist() == d["gen_ids"].tolist()
-    assert list(eng.generate(ids=d["ids"].tolist(), max_tokens=8, temp=0.0).ids) == d["gen_ids"].tolist()
-
-
-def test_prompt_in_one_call_equals_one_at_a_time(eng, d):
-    m = eng.model
-    ids = d["ids"][:40]
-    whole = m.forward(ids, m.new_cache(64), all_logits=True)
-    c = m.new_cache(64)
-    one = np.concatenate([m.forward(ids[i:i + 1], c) for i in range(len(ids))])
-    assert np.abs(whole - one).max() <= 1e-5 * np.abs(whole).max()
-    assert (whole.argmax(1) == one.argmax(1)).all()
-
-
-def test_routing_matches_hf_layer_by_layer(eng, d):
-    """Sigmoid scores, the choice on scores + ``exp_probs_b``, the unbiased scores renormalised and scaled: coli's
-    experts and weights equal HF's at every MoE layer and position (compared per expert id)."""
-    m = eng.model
-    seen = []
-    moes = [L.moe for L in m.layers if L.moe is not None]
-    orig = [mo.route for mo in moes]
-    for mo in moes:
-        def rec(lg, f=mo.route):
-            ids, w = f(lg)
-            seen.append((ids, w))
-            return ids, w
-        mo.route = rec
-    try:
-        m.forward(_seq(d), m.new_cache(128))
-    finally:
-        for mo, f in zip(moes, orig):
-            mo.route = f
-    assert len(seen) == d["expert_ids"].shape[0]
-    for (ids, w), hi, hw in zip(seen, d["expert_ids"], d["expert_weights"]):
-        o, oh = np.argsort(ids, axis=1), np.argsort(hi, axis=1)
-        assert (np.take_along_axis(ids, o, 1) == np.take_along_axis(hi, oh, 1)).all()
-        np.testing.assert_allclose(np.take_along_axis(w, o, 1), np.take_along_axis(hw, oh, 1), rtol=1e-4, atol=3e-5)
 
 
 def _kda_reference(q, k, v, g, beta, state):
@@ -214,66 +156,6 @@ def test_cache_kda_state_and_latents(eng):
     assert Model.cache_bytes(a, 100) - fixed == 100 * (a.kv_lora_rank + a.n_rot) * 4 * (a.n_layers - sum(a.kda_layers))
 
 
-def test_keep_kv_starts_a_fresh_state(eng, d):
-    """A second ``keep_kv`` call sharing a prefix cannot rewind the KDA state: the engine starts a fresh cache, so
-    the tokens equal a fresh run's (a state carried over would give other logits)."""
-    a, b = d["ids"][:40].tolist(), d["ids"][:25].tolist() + d["ids"][60:75].tolist()
-    eng.generate(ids=a, max_tokens=4, temp=0.0, keep_kv=True)
-    assert not eng._kv.rewindable
-    got = eng.generate(ids=b, max_tokens=6, temp=0.0, keep_kv=True)
-    want = eng.generate(ids=b, max_tokens=6, temp=0.0, keep_kv=False)
-    assert list(got.ids) == list(want.ids)
-
-
-def test_device_tier_gives_the_cpus_tokens(eng, d, tmp_path):
-    """``device="vulkan"`` (Lavapipe): the routed experts run on the device (dispatched pairs > 0) and the greedy
-    tokens and logits equal the CPU-only run's."""
-    from tests.vk_util import HAVE_LOADER
-
-    if not HAVE_LOADER:
-        pytest.skip("libvulkan.so.1 not found (apt install libvulkan1 mesa-vulkan-drivers)")
-    prompt = d["ids"][:24].tolist()
-    want = list(eng.generate(ids=prompt, max_tokens=8, temp=0.0).ids)
-    want_lg = eng.logits(prompt + want[:-1])
-    dev = _engine(tmp_path, device="vulkan")
-    try:
-        assert dev.tier is not None and dev.tier.on, "the Vulkan loader exists but the tier is off"
-        got = list(dev.generate(ids=prompt, max_tokens=8, temp=0.0).ids)
-        got_lg = dev.logits(prompt + got[:-1])
-        assert dev.tier.device_pairs > 0 and dev.device.dispatches > 0
-    finally:
-        dev.close()
-    assert got == want
-    assert (_rel(got_lg, want_lg) <= 1e-4).all()
-
-
-def _rewrite(out, keys=None, tensors=None):
-    """The fixture rewritten to ``out`` by gguf's writer: ``keys`` {key: value or None (drop)}, ``tensors``
-    {name: array or None (drop)}."""
-    import gguf
-
-    keys, tensors = keys or {}, tensors or {}
-    src = gguf.GGUFReader(str(DIR / f"{NAME}.gguf"))
-    w = gguf.GGUFWriter(str(out), "kimi-linear")
-    for k, f in src.fields.items():
-        if k.startswith("GGUF.") or k == "general.architecture" or (k in keys and keys[k] is None):
-            continue
-        v = keys.get(k, f.contents())
-        if f.types[0] == gguf.GGUFValueType.ARRAY:
-            w.add_key_value(k, v, f.types[0], sub_type=f.types[-1])
-        else:
-            w.add_key_value(k, v, f.types[0])
-    for t in src.tensors:
-        a = tensors.get(t.name, np.asarray(t.data))
-        if a is not None:
-            w.add_tensor(t.name, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
-
-
 @pytest.mark.parametrize("keys,tensors,msg", [
     ({}, {"blk.1.ssm_f_b.weight": None}, r"broken\.gguf: tensor 'blk\.1\.ssm_f_b\.weight' is missing"),
     ({}, {"blk.0.ssm_beta.weight": np.zeros((3, 32), np.float32)},
@@ -285,6 +167,6 @@ def test_broken_file_is_one_clear_error(tmp_path, keys, tensors, msg):
     from coli.engine import Engine
     from coli.base.errors import ColiError
 
-    out = _rewrite(tmp_path / "broken.gguf", keys, tensors)
+    out = copy_gguf(DIR / f"{NAME}.gguf", tmp_path / "broken.gguf", keys, tensors)
     with pytest.raises(ColiError, match=msg):
         Engine(out, cpu_act="f32", quiet=True, save_usage=False, usage=str(tmp_path / "u"))

@@ -1,55 +1,26 @@
 """Malformed copies of the new families' fixtures (tests/fixtures/oracles/*.gguf, rewritten with gguf-py's
 GGUFReader/GGUFWriter): a metadata key that disagrees with the tensors gives one ColiError naming the key or the
 tensor at load, never a NumPy error mid-prompt (docs/families.md)."""
-from pathlib import Path
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-ORACLES = Path(__file__).parent / "fixtures" / "oracles"
+from oracle_check import copy_gguf, malformed_copy
+from conftest import FIXTURES
+
+ORACLES = FIXTURES / "oracles"
 
 
-def _rewrite(name: str, dest: Path, drop_key: str = "", drop_tensor: str = "", widen: str = "",
-             to_str: str = "", zero: str = "", edit: dict | None = None, src: Path | None = None) -> Path:
-    """The fixture ``name`` (or the file ``src``) with metadata key ``drop_key`` and tensor ``drop_tensor`` left
-    out, the F32 tensor ``widen`` one column (GGUF ne0) wider, key ``to_str`` a string, integer key ``zero`` 0,
-    tensor ``n`` of ``edit`` replaced by ``edit[n](data)`` (a copy of its NumPy data: float values of an F32 /
-    F16 tensor, the raw bytes uint8 [..., row bytes] of a block format); every other key and tensor as stored."""
-    import gguf
+def _refused(tmp_path, name: str, match: str, **change):
+    """The fixture ``name`` through ``malformed_copy(**change)``: loading it is one ColiError matching ``match``."""
+    from coli.engine import Engine
+    from coli.base.errors import ColiError
 
-    src = gguf.GGUFReader(str(src or ORACLES / f"{name}.gguf"))
-    w = gguf.GGUFWriter(str(dest), src.fields["general.architecture"].contents())
-    for k, f in src.fields.items():
-        if k.startswith("GGUF.") or k == "general.architecture" or k == drop_key:
-            continue
-        if k == to_str:
-            w.add_string(k, "sixteen")
-            continue
-        if k == zero:
-            w.add_uint32(k, 0)
-            continue
-        vt = gguf.GGUFValueType(f.types[0])
-        sub = gguf.GGUFValueType(f.types[-1]) if vt == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(k, f.contents(), vt, sub_type=sub)
-    for t in src.tensors:
-        if t.name == drop_tensor:
-            continue
-        a = np.asarray(t.data)
-        if t.name == widen:
-            a = np.concatenate([a, a[..., :1]], axis=-1)
-        if edit and t.name in edit:
-            a = edit[t.name](a.copy())
-        if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-            w.add_tensor(t.name, a)
-        else:
-            w.add_tensor(t.name, a, raw_shape=a.shape, raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dest
+    path = malformed_copy(ORACLES / f"{name}.gguf", tmp_path / f"{name}.gguf", **change)
+    with pytest.raises(ColiError, match=match):
+        Engine(str(path), threads=1, ctx=32)
 
 
 # head_count_kv missing: llama.cpp (and coli) default it to head_count, which the fixtures' attn_k rows
@@ -64,12 +35,7 @@ def _rewrite(name: str, dest: Path, drop_key: str = "", drop_tensor: str = "", w
     ("deepseek4", "deepseek4.rope.dimension_count", r"metadata 'deepseek4\.rope\.dimension_count' is missing"),
 ])
 def test_missing_key_is_one_clear_error(tmp_path, name, drop_key, match):
-    from coli.engine import Engine
-    from coli.base.errors import ColiError
-
-    path = _rewrite(name, tmp_path / f"{name}.gguf", drop_key)
-    with pytest.raises(ColiError, match=match):
-        Engine(str(path), threads=1, ctx=32)
+    _refused(tmp_path, name, match, drop_key=drop_key)
 
 
 # gpt-oss's biases are required by llama.cpp's loader; a shared expert with a part missing is a broken file (it
@@ -82,17 +48,12 @@ def test_missing_key_is_one_clear_error(tmp_path, name, drop_key, match):
     ("mimo2", "mimo2.attention.value_length", "", r"tensor 'blk\.0\.attn_v\.weight' has \d+ rows.*value_length"),
 ])
 def test_broken_tensor_is_one_clear_error(tmp_path, name, drop_key, drop_tensor, match):
-    from coli.engine import Engine
-    from coli.base.errors import ColiError
-
-    path = _rewrite(name, tmp_path / f"{name}.gguf", drop_key, drop_tensor)
-    with pytest.raises(ColiError, match=match):
-        Engine(str(path), threads=1, ctx=32)
+    _refused(tmp_path, name, match, drop_key=drop_key, drop_tensor=drop_tensor)
 
 
 def test_cli_prints_one_line_and_exits_2(tmp_path):
     """The CLI's side of it: ``coli run`` on such a file prints one ``coli: ...`` line, exit code 2."""
-    path = _rewrite("gptoss", tmp_path / "gptoss.gguf", "gpt-oss.expert_used_count")
+    path = malformed_copy(ORACLES / "gptoss.gguf", tmp_path / "gptoss.gguf", "gpt-oss.expert_used_count")
     r = subprocess.run([sys.executable, "-m", "coli", "run", "-m", str(path), "-p", "Hi", "-n", "2"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2
@@ -113,12 +74,7 @@ def test_cli_prints_one_line_and_exits_2(tmp_path):
     ("deepseek4", "blk.0.ffn_down_shexp.weight", r"'blk\.0\.ffn_down_shexp\.weight'.*the rows of its ffn_up"),
 ])
 def test_wrong_width_is_one_clear_error(tmp_path, name, widen, match):
-    from coli.engine import Engine
-    from coli.base.errors import ColiError
-
-    path = _rewrite(name, tmp_path / f"{name}.gguf", widen=widen)
-    with pytest.raises(ColiError, match=match):
-        Engine(str(path), threads=1, ctx=32)
+    _refused(tmp_path, name, match, widen=widen)
 
 
 @pytest.mark.parametrize("name, key", [("gptoss", "gpt-oss.block_count"), ("qwen3next", "qwen3next.ssm.state_size"),
@@ -126,12 +82,7 @@ def test_wrong_width_is_one_clear_error(tmp_path, name, widen, match):
 def test_numeric_key_as_string_is_one_clear_error(tmp_path, name, key):
     """A string where llama.cpp's key table has a number: ColiError naming the key when the file opens (before: a
     ValueError from int() in the family's argument parsing)."""
-    from coli.engine import Engine
-    from coli.base.errors import ColiError
-
-    path = _rewrite(name, tmp_path / f"{name}.gguf", to_str=key)
-    with pytest.raises(ColiError, match=rf"{name}\.gguf: kv '{key}': type string, expected a number"):
-        Engine(str(path), threads=1, ctx=32)
+    _refused(tmp_path, name, rf"{name}\.gguf: kv '{key}': type string, expected a number", to_str=key)
 
 
 def test_unsupported_type_names_file_and_tensor(tmp_path):
@@ -142,25 +93,9 @@ def test_unsupported_type_names_file_and_tensor(tmp_path):
     from coli.engine import Engine
     from coli.base.errors import ColiError
 
-    src = gguf.GGUFReader(str(ORACLES / "gptoss.gguf"))
-    path = tmp_path / "gptoss.gguf"
-    w = gguf.GGUFWriter(str(path), "gpt-oss")
-    for k, f in src.fields.items():
-        if not (k.startswith("GGUF.") or k == "general.architecture"):
-            vt = gguf.GGUFValueType(f.types[0])
-            w.add_key_value(k, f.contents(), vt, sub_type=gguf.GGUFValueType(f.types[-1]) if vt == 9 else None)
-    for t in src.tensors:
-        a = np.asarray(t.data)
-        if t.name == "output_norm.weight":
-            a = a.astype(np.int32)
-        if a.dtype != np.uint8:
-            w.add_tensor(t.name, a)
-        else:
-            w.add_tensor(t.name, a, raw_shape=a.shape, raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    norm = next(t for t in gguf.GGUFReader(str(ORACLES / "gptoss.gguf")).tensors if t.name == "output_norm.weight")
+    path = copy_gguf(ORACLES / "gptoss.gguf", tmp_path / "gptoss.gguf",
+                     tensors={"output_norm.weight": np.asarray(norm.data).astype(np.int32)})
     with pytest.raises(ColiError, match=r"gptoss\.gguf: tensor 'output_norm\.weight': tensor type I32 is not supported"):
         Engine(str(path), threads=1, ctx=32)
 
@@ -186,12 +121,7 @@ def test_unsupported_type_names_file_and_tensor(tmp_path):
      r"kimi\.gguf: tensor 'blk\.2\.attn_kv_a_norm\.weight'.*\[24\].*kv_lora_rank"),
 ])
 def test_mla_internal_wrong_width_is_one_clear_error(tmp_path, name, widen, match):
-    from coli.engine import Engine
-    from coli.base.errors import ColiError
-
-    path = _rewrite(name, tmp_path / f"{name}.gguf", widen=widen)
-    with pytest.raises(ColiError, match=match):
-        Engine(str(path), threads=1, ctx=32)
+    _refused(tmp_path, name, match, widen=widen)
 
 
 # The correction bias of a MoE layer is part of GLM-5's and Kimi-Linear's router (HF GlmMoeDsaTopkRouter /
@@ -200,12 +130,7 @@ def test_mla_internal_wrong_width_is_one_clear_error(tmp_path, name, widen, matc
 @pytest.mark.parametrize("name, drop_tensor", [("glmdsa", "blk.1.exp_probs_b.bias"),
                                                ("kimi", "blk.1.exp_probs_b.bias")])
 def test_missing_correction_bias_is_one_clear_error(tmp_path, name, drop_tensor):
-    from coli.engine import Engine
-    from coli.base.errors import ColiError
-
-    path = _rewrite(name, tmp_path / f"{name}.gguf", drop_tensor=drop_tensor)
-    with pytest.raises(ColiError, match=rf"{name}\.gguf: tensor '{drop_tensor}' is missing"):
-        Engine(str(path), threads=1, ctx=32)
+    _refused(tmp_path, name, rf"{name}\.gguf: tensor '{drop_tensor}' is missing", drop_tensor=drop_tensor)
 
 
 # DeepSeek-V4's own tensors (attention, grouped output, compressors, indexer) one column too wide: before, NumPy
@@ -225,13 +150,8 @@ def test_missing_correction_bias_is_one_clear_error(tmp_path, name, drop_tensor)
 def test_deepseek4_internal_width_is_one_clear_error(tmp_path, widen, want):
     import re
 
-    from coli.engine import Engine
-    from coli.base.errors import ColiError
-
-    path = _rewrite("deepseek4", tmp_path / "deepseek4.gguf", widen=widen)
-    with pytest.raises(ColiError, match=rf"deepseek4\.gguf: tensor '{re.escape(widen)}' has shape \[.*\] "
-                                        rf"\(NumPy order\), expected {re.escape(want)} \("):
-        Engine(str(path), threads=1, ctx=32)
+    _refused(tmp_path, "deepseek4", rf"deepseek4\.gguf: tensor '{re.escape(widen)}' has shape \[.*\] "
+                                    rf"\(NumPy order\), expected {re.escape(want)} \(", widen=widen)
 
 
 @pytest.mark.parametrize("name, key", [("gptoss", "gpt-oss.attention.head_count"),
@@ -239,9 +159,4 @@ def test_deepseek4_internal_width_is_one_clear_error(tmp_path, widen, want):
                                        ("deepseek4", "deepseek4.embedding_length")])
 def test_zero_head_count_or_width_is_one_clear_error(tmp_path, name, key):
     """A head count or model width of 0 was a ZeroDivisionError while the file's shapes were worked out."""
-    from coli.engine import Engine
-    from coli.base.errors import ColiError
-
-    path = _rewrite(name, tmp_path / f"{name}.gguf", zero=key)
-    with pytest.raises(ColiError, match=rf"{name}\.gguf: metadata '{key}': 0 \(must be at least 1\)"):
-        Engine(str(path), threads=1, ctx=32)
+    _refused(tmp_path, name, rf"{name}\.gguf: metadata '{key}': 0 \(must be at least 1\)", zero=key)

@@ -1,5 +1,5 @@
 """Damaged weight values and expert tensors of the wrong shape, in copies of the small fixtures (rewritten with
-``test_malformed_families._rewrite``): one ColiError naming the file and the tensor (and the expert), at load for
+``oracle_check.malformed_copy``): one ColiError naming the file and the tensor (and the expert), at load for
 the dense tensors and at the expert's read for the experts the RAM cache reads lazily, never normal-looking
 tokens, a NumPy error or a kernel's ZeroDivisionError (docs/formats.md "Damaged weights", docs/families.md)."""
 import subprocess
@@ -8,15 +8,18 @@ import sys
 import numpy as np
 import pytest
 
-from test_malformed_families import _rewrite
+from conftest import FIXTURES
+from oracle_check import malformed_copy
 from tiny_moe import build_tiny_moe
+
+ORACLES = FIXTURES / "oracles"
 
 F16_INF = np.array([0x00, 0x7C], np.uint8)   # +inf as f16 little-endian bytes (IEEE 754 binary16)
 F16_NAN = np.array([0x00, 0x7E], np.uint8)
 
 
 def _set(flat_index: int, value):
-    """An ``edit`` of ``_rewrite``: value ``value`` at flat index ``flat_index`` of the tensor's data."""
+    """An ``edit`` of ``malformed_copy``: value ``value`` at flat index ``flat_index`` of the tensor's data."""
     def f(a):
         a.reshape(-1)[flat_index] = value
         return a
@@ -57,7 +60,7 @@ def test_nan_or_inf_weight_is_one_clear_error(tmp_path, name, tensor, edit, matc
     from coli.engine import Engine
     from coli.base.errors import ColiError
 
-    path = _rewrite(name, tmp_path / f"{name}.gguf", edit={tensor: edit})
+    path = malformed_copy(ORACLES / f"{name}.gguf", tmp_path / f"{name}.gguf", edit={tensor: edit})
     with pytest.raises(ColiError, match=match):
         Engine(str(path), threads=1, ctx=32)
 
@@ -67,7 +70,7 @@ def test_non_finite_block_scale_is_one_clear_error(tmp_path, tiny):
     from coli.engine import Engine
     from coli.base.errors import ColiError
 
-    path = _rewrite("", tmp_path / "tiny.gguf", src=tiny, edit={"blk.1.attn_v.weight": _q8_scale(6, 1, F16_INF)})
+    path = malformed_copy(tiny, tmp_path / "tiny.gguf", edit={"blk.1.attn_v.weight": _q8_scale(6, 1, F16_INF)})
     with pytest.raises(ColiError, match=r"tiny\.gguf: tensor 'blk\.1\.attn_v\.weight' has a non-finite block scale "
                                         r"\(inf\) in row 6 \(Q8_0"):
         Engine(str(path), threads=1, ctx=32)
@@ -79,7 +82,8 @@ def test_non_finite_embedding_row_names_the_token(tmp_path):
     from coli.engine import Engine
     from coli.base.errors import ColiError
 
-    path = _rewrite("qwen3moe", tmp_path / "qwen3moe.gguf", edit={"token_embd.weight": _set(7 * 64 + 1, np.nan)})
+    path = malformed_copy(ORACLES / "qwen3moe.gguf", tmp_path / "qwen3moe.gguf",
+                          edit={"token_embd.weight": _set(7 * 64 + 1, np.nan)})
     with Engine(str(path), threads=1, ctx=32) as eng:
         assert np.isfinite(eng.logits([5, 6])).all()
         with pytest.raises(ColiError, match=r"qwen3moe\.gguf: tensor 'token_embd\.weight' has a non-finite value "
@@ -101,7 +105,8 @@ def test_non_finite_expert_is_one_clear_error_from_the_reader(tmp_path, tiny, sr
     from coli.base.errors import ColiError
 
     name = "tiny" if src == "tiny" else src
-    path = _rewrite(name, tmp_path / f"{name}.gguf", src=tiny if src == "tiny" else None, edit={tensor: edit})
+    path = malformed_copy(tiny if src == "tiny" else ORACLES / f"{name}.gguf", tmp_path / f"{name}.gguf",
+                          edit={tensor: edit})
     with Engine(str(path), threads=1, ctx=32, expert_cache=2) as eng:
         eng.cache.fetch(layer, expert - 1).result(timeout=60)
         with pytest.raises(ColiError, match=match):
@@ -115,7 +120,8 @@ def test_cli_non_finite_expert_prints_one_line_and_exits_2(tmp_path):
         a[:, 4, 7] = np.nan  # [E, F, D]: row 4 of each expert
         return a
 
-    path = _rewrite("mixtral", tmp_path / "mixtral.gguf", edit={"blk.0.ffn_gate_exps.weight": every_expert})
+    path = malformed_copy(ORACLES / "mixtral.gguf", tmp_path / "mixtral.gguf",
+                          edit={"blk.0.ffn_gate_exps.weight": every_expert})
     r = subprocess.run([sys.executable, "-m", "coli", "run", "-q", "-m", str(path), "-p", "Hi", "-n", "2"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr
@@ -177,7 +183,7 @@ def test_expert_shape_is_one_clear_error(tmp_path, name, tensor, edit, match):
     from coli.engine import Engine
     from coli.base.errors import ColiError
 
-    path = _rewrite(name, tmp_path / f"{name}.gguf", edit={tensor: edit})
+    path = malformed_copy(ORACLES / f"{name}.gguf", tmp_path / f"{name}.gguf", edit={tensor: edit})
     with pytest.raises(ColiError, match=match):
         Engine(str(path), threads=1, ctx=32)
 
@@ -207,7 +213,7 @@ def test_zero_count_is_not_reported_missing(tmp_path, name, zero, drop_key, matc
     from coli.engine import Engine
     from coli.base.errors import ColiError
 
-    path = _rewrite(name, tmp_path / f"{name}.gguf", drop_key=drop_key, zero=zero)
+    path = malformed_copy(ORACLES / f"{name}.gguf", tmp_path / f"{name}.gguf", drop_key=drop_key, zero=zero)
     with pytest.raises(ColiError, match=match):
         Engine(str(path), threads=1, ctx=32)
 
@@ -264,7 +270,7 @@ def test_device_warm_start_refuses_a_non_finite_expert(tmp_path, tiny):
         a[:, 9, 34:36] = F16_NAN
         return a
 
-    path = _rewrite("", tmp_path / "tiny.gguf", src=tiny, edit={"blk.1.ffn_down_exps.weight": every_expert})
+    path = malformed_copy(tiny, tmp_path / "tiny.gguf", edit={"blk.1.ffn_down_exps.weight": every_expert})
     with pytest.raises(ColiError, match=r"tiny\.gguf: tensor 'blk\.1\.ffn_down_exps\.weight' expert \d has a "
                                         r"non-finite block scale or minimum in row 9 \(Q8_0\)"):
         Engine(str(path), threads=1, ctx=32, device="vulkan", quiet=True, usage=str(tmp_path / "none.coli_usage"))

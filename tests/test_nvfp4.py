@@ -17,9 +17,11 @@ from gguf import quants as gq
 from coli.types import nvfp4
 from coli.base.errors import ColiError
 from cpu_kernels import formats as F
+from oracle_check import copy_gguf
 from tests.vk_util import requires_vulkan
+from conftest import FIXTURES, ROOT
 
-FIX = Path(__file__).parent / "fixtures" / "oracles"
+FIX = FIXTURES / "oracles"
 PROMPT = [1, 2, 3, 4, 5, 6, 7]
 
 
@@ -95,34 +97,15 @@ def test_bad_shapes_are_coli_errors():
 
 
 # ----------------------------------------------------------------------------------------------- a real file
-def _f32_copy(src: Path, dest: Path, extra=None) -> Path:
+def _f32_copy(src: Path, dest: Path) -> Path:
     """``src`` with its NVFP4 tensors replaced by gguf.quants' F32 dequantization (every other tensor and key as
-    is); ``extra``: {name: f32 array} added as they are, NVFP4 tensors then kept."""
-    import gguf
+    is)."""
+    def dequant(t):
+        if t.tensor_type == QT.NVFP4:
+            return gq.dequantize(np.asarray(t.data), QT.NVFP4).astype(np.float32), None
+        return np.asarray(t.data), t.tensor_type
 
-    r = gguf.GGUFReader(str(src))
-    w = gguf.GGUFWriter(str(dest), r.fields["general.architecture"].contents())
-    for f in r.fields.values():
-        if f.name.startswith("GGUF.") or f.name == "general.architecture":
-            continue
-        vt = gguf.GGUFValueType(f.types[0])
-        sub = gguf.GGUFValueType(f.types[-1]) if vt == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(f.name, f.contents(), vt, sub_type=sub)
-    for t in r.tensors:
-        data = np.asarray(t.data)
-        if t.tensor_type == QT.NVFP4 and extra is None:
-            w.add_tensor(t.name, gq.dequantize(data, QT.NVFP4).astype(np.float32))
-        elif t.tensor_type in (QT.F32, QT.F16):
-            w.add_tensor(t.name, data)
-        else:
-            w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
-    for n, a in (extra or {}).items():
-        w.add_tensor(n, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dest
+    return copy_gguf(src, dest, convert=dequant)
 
 
 def _run(path, tmp_path, device=None, n=12):
@@ -207,10 +190,10 @@ def test_nvfp4_file_with_per_expert_scales_is_refused(tmp_path):
     import subprocess
     import sys
 
-    path = _f32_copy(FIX / "nvfp4_moe.gguf", tmp_path / "scaled.gguf",
-                     {"blk.1.ffn_down_exps.scale": np.full(4, 0.5, np.float32)})
+    path = copy_gguf(FIX / "nvfp4_moe.gguf", tmp_path / "scaled.gguf",
+                     tensors={"blk.1.ffn_down_exps.scale": np.full(4, 0.5, np.float32)})
     r = subprocess.run([sys.executable, "-m", "coli", "run", "-m", str(path), "-p", "a", "-n", "1"],
-                       capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent)
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "blk.1.ffn_down_exps.scale" in r.stderr and "NVFP4" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1

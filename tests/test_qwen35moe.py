@@ -6,56 +6,28 @@ docs/families.md): a tiny random model with DeltaNet and gated-attention layers 
 6 value heads (the converter's tiled value-head order is what coli must undo: the grouped order is > 1 off), 6
 experts top-3 (router margins >= 1e-2 between the 3rd and 4th) + the gated shared expert, f16 weights; the text
 GGUF and the vision projector GGUF written by llama.cpp's converter; HF's logits for 96 prompt tokens and 8 cached
-greedy steps. The checks are tests/test_qwen3next.py's.
+greedy steps. The checks every family shares are tests/test_family_parity.py's; here, the value-head order and
+the vision projector file.
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from test_qwen3next import (ORACLES, _check_cache, _check_cli, _check_device, _check_generate,
-                            _check_one_call_equals_rows, _check_prompt_and_decode, _check_quantized, lavapipe)  # noqa: F401
+from conftest import FIXTURES
 
+ORACLES = FIXTURES / "oracles"
 NAME = "qwen35moe"
-
-
-def test_logits_prompt_and_decode(tmp_path):
-    _check_prompt_and_decode(NAME, tmp_path)
-
-
-def test_generate_tokens(tmp_path):
-    _check_generate(NAME, tmp_path)
-
-
-def test_prompt_in_one_call_equals_one_at_a_time(tmp_path):
-    _check_one_call_equals_rows(NAME, tmp_path)
-
-
-def test_cache_carries_and_resets(tmp_path):
-    _check_cache(NAME, tmp_path)
-
-
-def test_cli_run(capsys, tmp_path):
-    _check_cli(NAME, capsys, tmp_path)
-
-
-def test_quantized_file_equals_its_dequantized_twin(tmp_path):
-    _check_quantized(NAME, tmp_path)
-
-
-@pytest.mark.parametrize("balance", [False, True])
-def test_device_tier_tokens_equal_cpu(lavapipe, tmp_path, balance):  # noqa: F811
-    _check_device(NAME, tmp_path, balance)
 
 
 def test_value_head_order_matters(tmp_path):
     """The fixture tells the value-head orders apart: the same file run with Qwen3-Next's grouped order (the
     DeltaNet blocks' ``tiled`` switched off) is far from HF's logits."""
-    import numpy as np
-
-    from test_qwen3next import _engine
+    from coli.engine import Engine
 
     d = np.load(ORACLES / f"{NAME}.npz")
-    with _engine(NAME, tmp_path) as eng:
+    with Engine(ORACLES / f"{NAME}.gguf", cpu_act="f32", usage=str(tmp_path / "u"), save_usage=False,
+                quiet=True) as eng:
         m = eng.model
         blocks = [L.linear_attn for L in m.layers if L.linear_attn is not None]
         assert blocks and all(b.tiled for b in blocks)

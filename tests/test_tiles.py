@@ -321,11 +321,13 @@ def test_the_scale_bit_check_agrees_with_the_scales(type_name):
 def test_the_engines_activation_mode_picks_the_layout(tmp_path):
     """The tiles are the int8 kernels' layout: an int8 engine prepares its Q8_0 matrices and RAM-cache experts
     as t16, an f32 engine keeps the row layouts (whose f32 kernels measured 2x faster than decoding tiles)."""
-    from tests.test_qwen3next import ORACLES, _copy_gguf, _engine_path, _q8_matrices
+    from coli.engine import Engine
+    from tests.conftest import FIXTURES
+    from tests.oracle_check import copy_gguf, q8_matrices
 
-    path = _copy_gguf(ORACLES / "qwen3next.gguf", tmp_path / "q8.gguf", _q8_matrices)
+    path = copy_gguf(FIXTURES / "oracles" / "qwen3next.gguf", tmp_path / "q8.gguf", convert=q8_matrices)
     for act, layout in (("int8", "t16"), ("f32", "rows")):
-        with _engine_path(path, tmp_path, cpu_act=act) as eng:
+        with Engine(path, cpu_act=act, usage=str(tmp_path / "u"), save_usage=False, quiet=True) as eng:
             m = eng.model
             w = m.w_out
             assert w.name == "Q8_0" and w.shape[0] % 16 == 0 and w.layout == layout, (act, w)
