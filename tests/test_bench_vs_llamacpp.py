@@ -7,9 +7,9 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from conftest import ROOT
+
 FIX = ROOT / "tests" / "fixtures" / "oracles" / "olmoe.gguf"
 
 FAKE = r'''#!/usr/bin/env python3

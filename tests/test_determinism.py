@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 import types
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,8 +13,9 @@ import pytest
 from coli.types import table as TT
 from cpu_kernels import experts as X
 from cpu_kernels import formats as F
+from conftest import FIXTURES
 
-ORACLES = Path(__file__).parent / "fixtures" / "oracles"
+ORACLES = FIXTURES / "oracles"
 
 
 def _expert(t, rng, D=256, Fd=512):

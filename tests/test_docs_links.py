@@ -2,9 +2,8 @@
 no reference behind). Paths: ``docs/``, ``scripts/``, ``coli/``, ``cpu_kernels/``, ``scheduler/``,
 ``shaders/`` or ``tests/`` followed by a file name with an extension."""
 import re
-from pathlib import Path
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 PATH = re.compile(r"(?<![\w./-])((?:docs|scripts|coli|cpu_kernels|scheduler|shaders|tests)/[\w./-]*\w\.(?:md|py|sh|comp|glsl|json|png|toml))\b")
 EXTERNAL = {"docs/gguf.md"}  # ggml's GGUF specification, named as ggml's
 TEXTS = ["README.md", *(str(p.relative_to(ROOT)) for d in ("docs", "coli", "cpu_kernels", "scheduler", "scripts",

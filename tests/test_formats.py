@@ -14,6 +14,8 @@ import cpu_kernels
 from coli.types import table as TT
 from cpu_kernels import formats as F
 from coli.base.errors import ColiError
+from conftest import ROOT
+
 
 def _random_raw(name: str, O: int, I: int, rng) -> np.ndarray:
     """uint8 [O, row_bytes] of valid blocks of type `name` (the shared generator of tests/test_backend_ops.py)."""
@@ -266,5 +268,5 @@ def test_formats_without_vnni_keep_widened_codes(tmp_path):
     env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES="+avx2,+fma,+f16c,+popcnt,+sse4.2",
                NUMBA_CACHE_DIR=str(tmp_path / "nb"))
     r = subprocess.run([sys.executable, "-c", _NO_VNNI_CHILD], env=env, capture_output=True, text=True,
-                       cwd=Path(__file__).resolve().parent.parent, timeout=600)
+                       cwd=ROOT, timeout=600)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]

@@ -22,8 +22,8 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from coli.base.errors import ColiError
 from coli.fetch import model_path
 from coli.gguf_file import describe, file_type_name, open_gguf
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 SLOW = os.environ.get("COLI_SLOW_TESTS") == "1"
 
 # tensor count by ggml type, and dims, of each cached model

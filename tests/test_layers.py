@@ -3,7 +3,8 @@
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT
+
 IO = ("coli.gguf_file", "coli.hf_folder", "coli.tokenizer", "coli.finite", "coli.fetch", "coli.demo",
       "coli.sampling", "coli.generation")
 LAYERS = [("coli.base",), ("coli.types",), ("cpu_kernels", "coli.vulkan"), ("scheduler", "coli.models") + IO,

@@ -13,14 +13,15 @@ No torch here: the files are read with gguf's reader and NumPy. What is checked:
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from conftest import FIXTURES
+
 gguf = pytest.importorskip("gguf")
 
-DIR = Path(__file__).parent / "fixtures" / "oracles"
+DIR = FIXTURES / "oracles"
 NAMES = ["mixtral", "qwen2moe", "qwen3moe", "olmoe"]
 # GGUF arch, renormalise the top-k softmax weights (llama.cpp src/models/*.cpp build_moe_ffn norm_w flag)
 RULES = {"mixtral": ("llama", True), "qwen2moe": ("qwen2moe", False), "qwen3moe": ("qwen3moe", True),

@@ -8,7 +8,6 @@ shared vocabulary shows."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -16,8 +15,9 @@ import pytest
 from coli.base.errors import ColiError
 from coli.gguf_file import open_gguf
 from coli.tokenizer import _IGNORE_MERGES, PRE_SPLITS, Tokenizer, pre_tokenizer
+from conftest import FIXTURES
 
-ORACLE = json.loads((Path(__file__).parent / "fixtures" / "tokenizer" / "pretokenizers.json").read_text("utf-8"))
+ORACLE = json.loads((FIXTURES / "tokenizer" / "pretokenizers.json").read_text("utf-8"))
 
 
 def _with_pre(g, pre):

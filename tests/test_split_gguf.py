@@ -18,8 +18,8 @@ from coli.base.errors import ColiError
 from coli.gguf_file import describe, open_gguf, split_path
 from gguf_split import write_split
 from tiny_moe import build_tiny_moe
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 TOOL = os.environ.get("LLAMA_GGUF_SPLIT") or shutil.which("llama-gguf-split")
 
 

@@ -4,12 +4,12 @@ column 0 one value, row 0 of every attention output and expert down matrix zero;
 exactly the hot experts). The realized routing of a generated file is what ``--check`` prints (it runs the engine)."""
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT
+
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import make_synthetic_moe as msm  # noqa: E402

@@ -6,26 +6,24 @@ balancer on and off, with a budget of a few experts (evictions), after a warm st
 device lost mid-run (COLI_VK_FAULT), both sides computing pairs in one step, and reproducible mode
 (COLI_VK_TIER_SYNC=1, --no-balance) giving identical logits bytes. Skipped where no Vulkan device opens."""
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-FIX = Path(__file__).parent / "fixtures" / "oracles"
+from conftest import FIXTURES, ROOT
+
+FIX = FIXTURES / "oracles"
 PROMPT = [1, 2, 3, 4, 5, 6, 7]
 N = 32
 
 
 @pytest.fixture(scope="module")
 def lavapipe():
-    from coli.vulkan import open_device
-    from tests.vk_util import HAVE_LOADER
+    from tests.vk_util import HAVE_LOADER, open_test_device
 
     if not HAVE_LOADER:  # only a machine without the loader skips (tests/vk_util.py's rule)
         pytest.skip("libvulkan.so.1 not found (apt install libvulkan1 mesa-vulkan-drivers)")
-    d = open_device("probe", quiet=True)
-    assert d is not None, "the Vulkan loader is installed but no device opens (Lavapipe expected)"
-    d.close()
+    open_test_device().close()
     return True
 
 
@@ -245,7 +243,7 @@ def test_tier_odd_expert_sizes(lavapipe, tmp_path):
 
     from coli.engine import Engine
     path = tmp_path / "odd.gguf"
-    subprocess.run([sys.executable, str(Path(__file__).parent.parent / "scripts" / "make_synthetic_moe.py"),
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_synthetic_moe.py"),
                     "-o", str(path), "--layers", "2", "--d", "40", "--heads", "2", "--experts", "4", "--top-k",
                     "2", "--expert-ff", "52", "--vocab", "256", "--type", "F32"],
                    check=True, capture_output=True, timeout=120)

@@ -9,10 +9,11 @@ evictions, balancer hand-back, device loss), not Vulkan; tests/test_tier_device.
 import io
 import time
 from concurrent.futures import Future
-from pathlib import Path
 
 import numpy as np
 import pytest
+
+from conftest import FIXTURES
 
 formats = pytest.importorskip("cpu_kernels.formats")
 step_mod = pytest.importorskip("scheduler.step")
@@ -25,7 +26,7 @@ from coli.gguf_file import open_gguf  # noqa: E402
 from scheduler.balancer import Balancer  # noqa: E402
 from scheduler.tier import Tier  # noqa: E402
 
-FIX = Path(__file__).parent / "fixtures" / "oracles" / "olmoe.gguf"
+FIX = FIXTURES / "oracles" / "olmoe.gguf"
 
 
 class NumpyBatch:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from pathlib import Path
 
 import gguf
 import numpy as np
@@ -21,8 +20,9 @@ from coli.base.errors import ColiError
 from coli.fetch import model_path
 from coli.gguf_file import open_gguf
 from coli.tokenizer import Tokenizer
+from conftest import FIXTURES
 
-FIX = Path(__file__).resolve().parent / "fixtures" / "tokenizer"
+FIX = FIXTURES / "tokenizer"
 ORACLE = json.loads((FIX / "oracle.json").read_text())
 TEXTS = ORACLE["texts"]
 MODELS = list(ORACLE["models"])

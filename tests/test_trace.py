@@ -4,13 +4,11 @@ import json
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 
+from conftest import FIXTURES, ROOT
 from scheduler.trace import Calibration, Trace, intersect, measure, summarize, union
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def ev(cat, ts, dur, name=None):
@@ -98,7 +96,7 @@ def test_cpu_only_run_records_disk_reads(tmp_path):
     """--trace without a device: the RAM cache's disk reads are recorded (one "disk" event per expert load,
     the cache's own counter is the oracle)."""
     from coli.engine import Engine
-    fix = Path(__file__).parent / "fixtures" / "oracles" / "olmoe.gguf"
+    fix = FIXTURES / "oracles" / "olmoe.gguf"
     p = tmp_path / "cpu.json"
     eng = Engine(fix, threads=1, save_usage=False, quiet=True, usage=str(tmp_path / "none.coli_usage"),
                  trace=str(p))

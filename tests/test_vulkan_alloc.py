@@ -12,6 +12,7 @@ import pytest
 
 from coli.vulkan import shaders as S
 from coli.vulkan.alloc import BlockAllocator
+from conftest import ROOT
 
 
 def test_spv_set_is_fresh():
@@ -115,7 +116,7 @@ def _run_py(code: str, env: dict) -> subprocess.CompletedProcess:
     e = dict(os.environ)
     e.update(env)
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          env=e, timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                          env=e, timeout=120, cwd=str(ROOT))
 
 
 def test_no_loader_runs_on_the_cpu():
