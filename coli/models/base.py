@@ -14,6 +14,8 @@ import numpy as np
 
 from coli import finite
 from coli.base.errors import ColiError
+from coli.gguf_file import GGUFModel, drop_pages
+from coli.vulkan import DeviceLost, VulkanError
 from cpu_kernels import experts as grouped
 from cpu_kernels import formats
 from cpu_kernels.decode import TokenDecode
@@ -21,6 +23,7 @@ from cpu_kernels.embed import rows as embed_rows
 from cpu_kernels.norms import rms_norm
 
 from . import rope_scaling
+from .blocks import KV, Attention, Rows, any_rows, below_one
 from .rope_scaling import RopeScaling
 
 
@@ -30,16 +33,6 @@ def need_key(g, key: str):
     if v is None:
         raise ColiError(f"{g.path.name}: metadata '{g.arch}.{key}' is missing")
     return v
-
-
-def below_one(g, key: str, why: str = "") -> ColiError:
-    """The ColiError for metadata ``<arch>.<key>`` that must be at least 1 and is not: ``is missing`` when the file
-    lacks it, else its value (a key present with value 0 is not missing). ``why``: what needs it."""
-    v = g.get(f"{g.arch}.{key}")
-    tail = f" ({why})" if why else ""
-    if v is None:
-        return ColiError(f"{g.path.name}: metadata '{g.arch}.{key}' is missing{tail}")
-    return ColiError(f"{g.path.name}: metadata '{g.arch}.{key}': {v} (must be at least 1{'; ' + why if why else ''})")
 
 
 @dataclass
@@ -204,16 +197,6 @@ def dequantize(type_name: str, raw: np.ndarray, cols: int) -> np.ndarray:
     return fmt.reference(raw, (raw.shape[0], cols)).astype(np.float32, copy=False)
 
 
-def any_rows(w, act: str, invariant: bool = False) -> bool:
-    """True when weight ``w`` runs the grouped kernels (``cpu_kernels.experts``) at every row count, so that a
-    prompt's row gets the bits of the same row alone (a decode row; docs/engine.md "Batch invariance"): t16 tiles
-    always; with ``invariant`` (``--batch-invariant``), int8 activations and a VNNI CPU also every other format with
-    a grouped-kernel code (row layouts: the row kernels per (weight row, activation row) pair; F32/F16/BF16: the
-    decoded row's dot with the f32 row) instead of the prompt GEMMs (``gemm_i8``'s 4 x 4 tiles, the f32 GEMM),
-    which sum in another order than the GEMVs and are 1.1-2.9x faster on those matrices."""
-    return w.layout == "t16" or (invariant and act == "int8" and grouped.HAVE_VNNI and grouped.supports(w))
-
-
 def matmul(w, x: np.ndarray, act: str, invariant: bool = False) -> np.ndarray:
     """``formats.matmul(w, x, act)`` (x f32 [T, I] -> f32 [T, O]); with ``invariant`` a weight :func:`any_rows`
     takes runs the grouped kernels at every T (as t16 weights always do there), so row t of the result is the
@@ -293,8 +276,6 @@ class Model:
         (``Weights.copied``, less ``READ_MAPPED``; ``coli.gguf_file.drop_pages``): the load read them through the
         mapping, so they sat in the resident set beside their repacked copy (docs/engine.md "Memory"). Returns
         the bytes advised (``dropped_bytes``, cumulative); 0 for a model that is not one mapped GGUF file."""
-        from coli.gguf_file import GGUFModel, drop_pages
-
         if not isinstance(self.g, GGUFModel):
             return 0
         names = sorted(n for n in self.wt.copied if n not in self.READ_MAPPED and n in self.t)
@@ -409,8 +390,6 @@ class Model:
         default context by it before loading; ``coli plan`` shows it): here K and V [n_kv_heads, ctx,
         head_dim] per layer of the types ``args.kv_types`` (``blocks.KV.bytes_per_position``). A family with other caches (recurrent state, MLA latent)
         overrides it."""
-        from .blocks import KV
-
         return args.n_layers * int(ctx) * KV.bytes_per_position(args.n_kv_heads, args.head_dim, types=args.kv_types)
 
     # -- forward -----------------------------------------------------------------------------------------
@@ -454,8 +433,6 @@ class Model:
         only per-sequence part is ``blocks.Attention`` (``many_rows``) over a ``blocks.KV`` cache, the family
         keeps this class's ``forward``, and no layer runs on the device. Else ``forward_rows`` runs the
         sequences one after the other (the same results, no sharing of the weights' reads)."""
-        from .blocks import Attention  # blocks imports this module: a circle at import time
-
         return (type(self).forward is Model.forward and self.device_layers is None
                 and all(getattr(L, "many_rows", False) and type(L.attn).__call__ is Attention.__call__
                         for L in self.layers))
@@ -467,8 +444,6 @@ class Model:
         them), attention per sequence on its own cache (``blocks.Rows``); a row's logits are the bits it gets
         in :meth:`forward` alone (docs/engine.md "Batch invariance"), which ``tests/test_slots.py`` checks.
         ColiError when a sequence does not fit its cache."""
-        from .blocks import Rows  # blocks imports this module: a circle at import time
-
         if len(parts) == 1 or not self.batches_rows():
             return [self.forward(ids, c) for ids, c in parts]
         ids_all, spans, a = [], [], 0
@@ -497,8 +472,6 @@ class Model:
         ``all_logits``). When the device fails: one line on stderr, the device layers off, the K/V rows only the
         device held computed again on the CPU, and these rows' layers on the CPU (DESIGN invariant 3: never a
         wrong token)."""
-        from coli.vulkan import DeviceLost, VulkanError
-
         dl = self.device_layers
         try:
             if len(h) == 1:

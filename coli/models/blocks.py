@@ -28,7 +28,25 @@ from cpu_kernels.kvcache import KVSide, row_bytes
 from cpu_kernels.norms import geglu_tanh, rms_norm, rms_norm_heads, swiglu
 from cpu_kernels.rope import apply_rope
 
-from .base import any_rows, below_one
+
+def below_one(g, key: str, why: str = "") -> ColiError:
+    """The ColiError for metadata ``<arch>.<key>`` that must be at least 1 and is not: ``is missing`` when the file
+    lacks it, else its value (a key present with value 0 is not missing). ``why``: what needs it."""
+    v = g.get(f"{g.arch}.{key}")
+    tail = f" ({why})" if why else ""
+    if v is None:
+        return ColiError(f"{g.path.name}: metadata '{g.arch}.{key}' is missing{tail}")
+    return ColiError(f"{g.path.name}: metadata '{g.arch}.{key}': {v} (must be at least 1{'; ' + why if why else ''})")
+
+
+def any_rows(w, act: str, invariant: bool = False) -> bool:
+    """True when weight ``w`` runs the grouped kernels (``cpu_kernels.experts``) at every row count, so that a
+    prompt's row gets the bits of the same row alone (a decode row; docs/engine.md "Batch invariance"): t16 tiles
+    always; with ``invariant`` (``--batch-invariant``), int8 activations and a VNNI CPU also every other format with
+    a grouped-kernel code (row layouts: the row kernels per (weight row, activation row) pair; F32/F16/BF16: the
+    decoded row's dot with the f32 row) instead of the prompt GEMMs (``gemm_i8``'s 4 x 4 tiles, the f32 GEMM),
+    which sum in another order than the GEMVs and are 1.1-2.9x faster on those matrices."""
+    return w.layout == "t16" or (invariant and act == "int8" and grouped.HAVE_VNNI and grouped.supports(w))
 
 
 class KV:
