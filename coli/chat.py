@@ -19,6 +19,7 @@ import sys
 import threading
 
 from coli.base.errors import ColiError
+from coli.base.progress import HoldFirst, text_on_line
 from coli.tokenizer import check_text
 
 HELP = ('/reset forgets the conversation, /exit (or Ctrl-D) quits; Ctrl-C stops an answer; several lines: paste '
@@ -78,8 +79,6 @@ def run_chat(eng, a, inp=input, out=sys.stdout) -> int:
 
     def fresh():
         return [{"role": "system", "content": a.system}] if a.system else []
-
-    from coli.base.progress import HoldFirst, text_on_line
 
     def write(t):
         out.write(t)

@@ -27,6 +27,7 @@ from coli.base import settings
 from coli.base.memory import mem_flag
 from coli.base.errors import ColiError
 from coli.base.paths import cache_dir
+from coli.base.progress import HoldFirst, bar, stderr_is_terminal, text_on_line
 from coli.fetch import MODEL_NAMES, MODELS, check_folder, resolve  # MODEL_NAMES: the names -m takes besides a path
 from scheduler.trace import CATEGORIES, summarize
 
@@ -105,7 +106,7 @@ def _engine_args(p: argparse.ArgumentParser, model_required=False):
 
 
 def _open_engine(a, quiet=False, save_usage=True):
-    from coli.engine import Engine
+    from coli.engine import Engine  # loads Numba: only when a command opens a model, not for --help
 
     device, index = a.device, None
     if device is not None and device.startswith("vulkan:"):
@@ -202,7 +203,7 @@ def _start_line(eng) -> str:
 def _cpu_line() -> str:
     """The second start line: whether AMX tile instructions run here (``cpu_kernels.amx.probe``, a child process)
     and which instructions the CPU int8 matmuls use."""
-    from cpu_kernels.amx import probe
+    from cpu_kernels.amx import probe  # these two load Numba: only for the start line of a run
     from cpu_kernels.vnni import HAVE_VNNI
 
     ok, line = probe()
@@ -212,7 +213,7 @@ def _cpu_line() -> str:
 def _apply_config(a) -> str:
     """Settings from ``coli tune --save``'s config file for those not given on the command line (threads,
     I/O threads, the threading layer); returns the start line's note naming the file ("" without one)."""
-    from coli.tune import apply_layer, load_config
+    from coli.tune import apply_layer, load_config  # NumPy and psutil: only with a tuned configuration
 
     cfg, path = load_config()
     if not cfg:
@@ -245,7 +246,6 @@ def cmd_run(a) -> int:
             print(_start_line(eng) + f", {eng.activations()}" + cfg_note + (f", seed {seed}" if a.temp > 0 else ""),
                   file=sys.stderr)
             print(_cpu_line(), file=sys.stderr)
-        from coli.base.progress import HoldFirst, text_on_line
 
         def write(s):
             sys.stdout.write(s)
@@ -307,7 +307,7 @@ def _version() -> str:
 
 
 def cmd_chat(a) -> int:
-    from coli.chat import run_chat
+    from coli.chat import run_chat  # imports the engine (Numba): only for coli chat
 
     if a.seed < -1:
         raise ColiError(f"--seed: {a.seed} (-1 for random, or 0 and above)")
@@ -323,7 +323,7 @@ def cmd_chat(a) -> int:
 
 
 def cmd_serve(a) -> int:
-    from coli.server import bind, serve
+    from coli.server import bind, serve  # Starlette and uvicorn: only for coli serve
 
     if not 0 <= a.port <= 65535:
         raise ColiError(f"--port: {a.port} (0 to 65535)")
@@ -345,7 +345,7 @@ def cmd_serve(a) -> int:
     cfg_note = _apply_config(a)
     sock = bind(a.host, a.port)  # a port in use is an error before the model loads
     eng = _open_engine(a, quiet=a.quiet)
-    from coli.slots import check_parallel
+    from coli.slots import check_parallel  # imports the engine (Numba): only for coli serve
 
     try:
         check_parallel(eng, a.parallel, a.kv_unified)  # before listening: the slots' KV caches fit the memory budget
@@ -370,7 +370,7 @@ def cmd_serve(a) -> int:
 
 
 def cmd_models(a) -> int:
-    from coli.demo import demo_file_name
+    from coli.demo import demo_file_name  # gguf and NumPy: only for coli models
 
     rows = []
     for name in ("smollm2", "gemma3-270m", "qwen2.5-coder-0.5b"):
@@ -410,8 +410,6 @@ def cmd_perplexity(a) -> int:
             ids = ids[: a.max_tokens]
         t0 = time.perf_counter()
 
-        from coli.base.progress import bar, stderr_is_terminal
-
         terminal = stderr_is_terminal()
         pb = None
         done = []
@@ -447,11 +445,11 @@ def cmd_perplexity(a) -> int:
 
 
 def cmd_info(a) -> int:
-    from coli.gguf_file import describe, open_gguf
+    from coli.gguf_file import describe, open_gguf  # gguf and NumPy: only for coli info
 
     path = a.model_pos or a.model
     if path is not None and os.path.isdir(path):  # a Hugging Face folder, as coli reads it (coli/hf_folder.py)
-        from coli.hf_folder import open_folder
+        from coli.hf_folder import open_folder  # loads Numba: only for a folder
 
         check_folder(path)
 
@@ -464,7 +462,7 @@ def cmd_info(a) -> int:
 
 def cmd_bench(a) -> int:
     """``coli bench``: llama-bench's lists (-p, -n, -t), -r repetitions, -o md|json|csv|jsonl (coli/bench.py)."""
-    from coli.bench import format_records, parse_int_list, run_bench
+    from coli.bench import format_records, parse_int_list, run_bench  # the engine (Numba): only for coli bench
 
     if a.repetitions < 1:
         raise ColiError(f"-r: {a.repetitions} repetitions (at least 1)")
@@ -494,13 +492,13 @@ def cmd_bench(a) -> int:
 
 
 def cmd_tune(a) -> int:
-    from coli.tune import cmd_tune as tune
+    from coli.tune import cmd_tune as tune  # NumPy and psutil: only for coli tune
 
     return tune(a)
 
 
 def cmd_plan(a) -> int:
-    from coli.plan import cmd_plan as plan
+    from coli.plan import cmd_plan as plan  # the runtime (Numba): only for coli plan
 
     return plan(a)
 

@@ -28,6 +28,7 @@ from coli.models import model_class, model_class_of
 from coli.tokenizer import Tokenizer
 from coli.vulkan import DeviceLost, VulkanError, device_layers
 from scheduler.balancer import Balancer
+from scheduler.layer_residency import LayerLFRU
 from scheduler.tier import Tier
 from scheduler.tier_policy import budget_bytes, warm_plan
 from scheduler.trace import Trace
@@ -276,8 +277,6 @@ def _layer_swaps(eng, dl):
     """The device layers' per-token hook that keeps their resident experts hot (``scheduler.layer_residency``:
     the tier's heat and LFRU rule inside a layer, one swap a token at most). A swap that fails to place (out of
     device memory) ends the swaps with one line; the token's results are in already."""
-    from scheduler.layer_residency import LayerLFRU
-
     counts = eng.usage.counts if eng.usage is not None and eng.usage.loaded else None
     policy = LayerLFRU(dl.resident, counts)
 

@@ -26,6 +26,7 @@ import time
 import numpy as np
 
 from coli.base.errors import ColiError
+from coli.base.memory import fmt_bytes
 from coli.engine import GenerateResult, StopText, engine_threads
 from coli.runtime import kv_cache_bytes
 
@@ -192,8 +193,6 @@ def check_parallel(eng, n_slots, unified: bool = False) -> None:
                         f"(their caches cannot be sized or copied); serve it without --kv-unified")
     need = (1 if unified else n_slots) * kv_cache_bytes(eng.args, eng.ctx)
     if n_slots > 1 and need > eng.room:
-        from coli.base.memory import fmt_bytes
-
         raise ColiError(f"--parallel {n_slots}: {n_slots} slots x --ctx {eng.ctx} positions need "
                         f"{fmt_bytes(need)} of KV cache, more than the {fmt_bytes(eng.room)} the "
                         f"{eng.memory.describe()} leaves once the model is loaded (lower --parallel or --ctx)")
