@@ -5,7 +5,7 @@ import numpy as np
 from numba import njit, prange
 
 
-@njit(parallel=True, nogil=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True, fastmath=False)
 def psum(a):
     """Sum of a float64 vector, parallel over chunks (float64 [n] -> float64)."""
     n = a.shape[0]

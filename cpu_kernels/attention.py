@@ -308,7 +308,7 @@ def _tile_max(S, t, a, b):
     return mt
 
 
-@nb.njit(nogil=True, cache=True)
+@nb.njit(nogil=True, cache=True, fastmath=False)
 def _lanes_add(L, t, S, c0, c1):
     """``L[t, l] += S[t, c + l]`` for the 8-aligned ``c`` in ``c0 .. c1-1``, each lane in ascending ``c``."""
     for c in range(c0, c1, 8):
@@ -316,7 +316,7 @@ def _lanes_add(L, t, S, c0, c1):
             L[t, l] += np.float64(S[t, c + l])
 
 
-@nb.njit(nogil=True, cache=True)
+@nb.njit(nogil=True, cache=True, fastmath=False)
 def _lanes_sum(L, t):
     """The sum of row ``t``'s 8 lanes in one fixed order."""
     return ((L[t, 0] + L[t, 4]) + (L[t, 2] + L[t, 6])) + ((L[t, 1] + L[t, 5]) + (L[t, 3] + L[t, 7]))
@@ -408,7 +408,7 @@ def _tile_rows(pv, q, h, r0, R, kc, gk, ok, vc, gv, ov, out, S, ja0, rng, scale)
         t += 1
 
 
-@nb.njit(nogil=True, cache=True)
+@nb.njit(nogil=True, cache=True, fastmath=True)
 def _block_item(q, K, V, pos0, scale, window, sinks, out, h, r0, r1, ms, L, S, rng, ks, vs):
     """Rows ``r0 .. r1-1`` of query head ``h`` (one row: the decode row), key tile by key tile (dequantized
     once for all the rows when the side is not f32: ``ks``/``vs`` scratch as :func:`_scratch`): the tile's

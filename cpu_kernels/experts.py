@@ -679,7 +679,7 @@ def _dot_f32(buf, x):
     return s
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=True)
 def _act(g, u, kind, limit):
     # its own function without fastmath: a loop of it vectorised in one kernel and not in another (the grouped
     # kernels' launch and the persistent decode blocks) may not round differently (reciprocal estimates)
@@ -914,7 +914,7 @@ def _rms_norm_q8(h, w, eps, out, xq, xd, xm):
     _F._quantize_act_i8(out, xq, xd, xm)
 
 
-@njit(parallel=True, nogil=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True, fastmath=False)
 def _quantize_rows_par(x, xq, xd, xm):
     """``formats._quantize_act_i8`` with the rows in parallel (the same per-row arithmetic, bit for bit)."""
     for t in prange(x.shape[0]):
@@ -1150,7 +1150,7 @@ def combine_rows(po, w, y):
         _combine_row(po, w, y, r)
 
 
-@njit(parallel=True, nogil=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True, fastmath=False)
 def combine_rows_par(po, w, y):
     """``combine_rows`` with the rows in parallel (the same per-row arithmetic)."""
     for r in prange(po.shape[0]):

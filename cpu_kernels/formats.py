@@ -633,7 +633,7 @@ def gemm_q6_k(q, sc, d, x, out):
 ACT_AMAX_MIN = np.float32(127.0 * 2.0**-126)
 
 
-@njit(parallel=True, nogil=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True, fastmath=False)
 def _round_act_int8(x, y):
     """Per 32 activations: d = amax/127 (f32), q = rint(x * (1/d)) (round half to even), as llama.cpp's
     ``quantize_row_q8_0`` (ggml-quants.c) except that d stays f32; y = q * d. x f32 [T, I] -> y f32 [T, I].
@@ -697,7 +697,7 @@ def quantize_act_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 # ----------------------------------------------------------------------------------------------- packing
-@njit(parallel=True, nogil=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True, fastmath=False)
 def _gather3(a, out):
     """out[o, b * w + j] = a[o, b, j]: one field of every block (a uint8 [O, nb, w], a strided view of the
     blocks) gathered into rows (out uint8 [O, nb * w]). NumPy's copy of such a view moves 2 to 32 bytes per
@@ -765,7 +765,7 @@ def _pack_q8_0(raw, O, I):
     return _c(b[:, :, 2:], O).view(np.int8), _c(_f16(b[:, :, 0:2]), O)
 
 
-@njit(parallel=True, nogil=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True, fastmath=False)
 def _u_pair(raw, bpb, off, out):
     """ggml 4-bit blocks (codes at byte ``off`` of each ``bpb``-byte block; low nibble element j, high j+16) ->
     pair layout: out[o, 32p + j] = element j of block 2p | element j of block 2p+1 << 4 (a last odd block pairs
@@ -794,7 +794,7 @@ def _u_pair(raw, bpb, off, out):
                 w[p * 32 + 16 + j] = v0 >> s4
 
 
-@njit(parallel=True, nogil=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True, fastmath=False)
 def _u_q5_k(raw, q):
     """Q5_K blocks -> 5-bit codes (uint8) in element order (dequantize_row_q5_K)."""
     O = raw.shape[0]
@@ -810,7 +810,7 @@ def _u_q5_k(raw, q):
                     q[o, b * 256 + k * 64 + 32 + l] = (v >> 4) | (((h >> (2 * k + 1)) & 1) << 4)
 
 
-@njit(parallel=True, nogil=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True, fastmath=False)
 def _u_q6_k(raw, q):
     """Q6_K blocks -> int8 codes (q - 32) in element order (dequantize_row_q6_K)."""
     O = raw.shape[0]
@@ -837,7 +837,7 @@ def _pair_nibbles(raw: np.ndarray, nb: int, bpb: int, off: int) -> np.ndarray:
     return out
 
 
-@njit(parallel=True, nogil=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True, fastmath=False)
 def _u_q5_0(raw, q):
     """Q5_0 blocks -> int8 codes (q - 16) in element order (dequantize_row_q5_0)."""
     O = raw.shape[0]
@@ -853,7 +853,7 @@ def _u_q5_0(raw, q):
                 q[o, b * 32 + 16 + j] = ((v >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16
 
 
-@njit(parallel=True, nogil=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True, fastmath=False)
 def _u_mxfp4(raw, kv, q):
     """MXFP4 blocks -> int8 doubled e2m1 values (``kv``) in element order."""
     O = raw.shape[0]

@@ -199,7 +199,7 @@ _PJ = dict(parallel=True, nogil=True, cache=True, fastmath=True)
 _J = dict(nogil=True, cache=True, fastmath=True)
 
 
-@njit(parallel=True, nogil=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True, fastmath=False)
 def prep_act(x, xq, xd, xm, xu, xp, xsp, signed, nib):
     """The int8 activations of a prompt chunk, rows in parallel: xq/xd/xm as ``formats._quantize_act_i8`` (the
     same arithmetic, bit for bit), ``signed``: xu = xq + 128 as uint8; ``nib``: xp/xsp = codes and scales with

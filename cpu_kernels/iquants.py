@@ -61,7 +61,7 @@ from .formats import FORMATS, _row, _tile, gemm_q8_0, gemv_q8_0
 _RB = 16  # output rows per parallel chunk (as formats._RB)
 _JIT = dict(nogil=True, cache=True, fastmath=True)
 _PJIT = dict(parallel=True, nogil=True, cache=True, fastmath=True)
-_UJIT = dict(parallel=True, nogil=True, cache=True)  # unpackers: no fastmath, scales rounded as the reference
+_UJIT = dict(parallel=True, nogil=True, cache=True, fastmath=False)  # unpackers: no fastmath, scales rounded as the reference
 _F0 = np.float32(0.0)
 _HALF = np.float32(0.5)
 _QUART = np.float32(0.25)

@@ -229,7 +229,7 @@ def gemm_q3_k(qs, hm, sc, d, x, out):
 
 
 # ----------------------------------------------------------------------------------------------- packing
-@njit(parallel=True, nogil=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True, fastmath=False)
 def _u_q5_1(raw, q):
     """Q5_1 blocks -> int8 codes (q - 16) in element order (dequantize_row_q5_1)."""
     O = raw.shape[0]
@@ -245,7 +245,7 @@ def _u_q5_1(raw, q):
                 q[o, b * 32 + 16 + j] = ((v >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16
 
 
-@njit(parallel=True, nogil=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True, fastmath=False)
 def _u_nl(raw, bpb, off, nsub, kv, q):
     """Blocks of ``bpb`` bytes whose ``nsub`` runs of 16 code bytes start at byte ``off`` (low nibble: element
     j of the run's 32, high: j + 16) -> int8 kv[code] in element order (IQ4_NL, IQ4_XS)."""

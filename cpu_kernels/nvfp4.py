@@ -41,7 +41,7 @@ SCALE = np.ascontiguousarray(_tiles._UE4M3[_tiles._ue4m3_byte(np.arange(256, dty
 _KV = np.ascontiguousarray(_nv.KVALUES)
 
 
-@njit(parallel=True, nogil=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True, fastmath=False)
 def _u_nvfp4(raw, kv, lut, q, s):
     """NVFP4 blocks uint8 [O, nb*36] -> int8 kvalues in element order q [O, nb*64], f32 scales s [O, nb*4]."""
     O = raw.shape[0]

@@ -40,7 +40,7 @@ def _rope_head(x, pos, cos, sin, n_rot, neox, t, h):
             x[t, h, 2 * i + 1] = a * s + b * c
 
 
-@nb.njit(parallel=True, nogil=True, cache=True)
+@nb.njit(parallel=True, nogil=True, cache=True, fastmath=False)
 def _rope(x, pos, cos, sin, n_rot, neox):
     # x [T, H, hd] in place; pos [T] int64
     t_n, h_n, _ = x.shape

@@ -20,7 +20,7 @@ from numba.extending import intrinsic
 _F0 = np.float32(0.0)
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=False)
 def _block_sum(a, lo, n):
     """NumPy's pairwise sum of a[lo:lo+n] for n <= 128 (one block: 8 accumulators, then the rest in order)."""
     if n < 8:
@@ -54,7 +54,7 @@ def _block_sum(a, lo, n):
     return res
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=False)
 def _pairwise_sum(a, lo, n):
     """NumPy's float32 pairwise sum of a[lo:lo+n]: above 128 elements the two halves (the first a multiple of 8)
     summed separately and added. Written with an explicit stack: Numba's cache cannot reload a recursive
@@ -91,7 +91,7 @@ def _pairwise_sum(a, lo, n):
     return vals[0]
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=False)
 def shift_by_max(lg):
     """lg f32 [R, E] in place: each row minus its maximum (NaN when the row holds a NaN, as NumPy's max)."""
     R, E = lg.shape
@@ -107,7 +107,7 @@ def shift_by_max(lg):
             lg[r, e] = lg[r, e] - m
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=False)
 def normalize_topk(p, k, norm, ids, w):
     """p f32 [R, E] = exp(shifted logits): normalized in place (each row over its pairwise sum), then the k
     largest per row, ties to the lower expert id and NaN last (``argsort(-p, kind="stable")``), into ids int32
@@ -176,7 +176,7 @@ _Q1 = np.float32(-2.742335390411667452936e-01)
 _Q2 = np.float32(2.159509375685829852307e-02)
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=False)
 def exp_f32(x):
     """``np.exp`` of a float32 scalar bit for bit, on a CPU where NumPy runs its AVX2-FMA3 or AVX-512F float32
     kernel (``simd_exp_FLOAT``: Cody-Waite reduction by ln 2, a 5/2 rational approximation, scaled by 2^k):
@@ -204,7 +204,7 @@ def exp_f32(x):
     return np.float32(math.ldexp(np.float64(p), int(q)))
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=False)
 def exp_inplace(a):
     """a f32 [n] <- exp_f32(a) elementwise (``np.exp(a, out=a)``'s bits)."""
     for i in range(a.shape[0]):
@@ -238,14 +238,14 @@ def logit(x, W, e):
     return s
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=False)
 def logits_row(x, W, out):
     """out f32 [1, E] = the router logits of the row x f32 [1, D] (:func:`logit`), W f32 [E, D]."""
     for e in range(W.shape[0]):
         out[0, e] = logit(x, W, e)
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=False)
 def _logits_rows(x, W, out):
     for r in range(x.shape[0]):
         xr = x[r:r + 1]
@@ -253,7 +253,7 @@ def _logits_rows(x, W, out):
             out[r, e] = logit(xr, W, e)
 
 
-@njit(parallel=True, nogil=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True, fastmath=False)
 def _logits_rows_par(x, W, out):
     for r in prange(x.shape[0]):
         xr = x[r:r + 1]

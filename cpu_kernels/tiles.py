@@ -220,7 +220,7 @@ def _as_blocks(type_name: str, raw: np.ndarray, O: int, I: int) -> np.ndarray:
     return out.reshape(O, nb * 84)
 
 
-@njit(parallel=True, nogil=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True, fastmath=False)
 def _pack(blk, out, fields):
     """blk uint8 [T, 16, nb, block bytes] -> out uint8 [T, nb, record], both C-contiguous. Per field (src byte,
     count, width, dst byte): item k (``width`` bytes at src + width k) of row r goes to dst + width (16 k + r), i.e.
@@ -287,7 +287,7 @@ _FIELDS = {"Q4_0": [(2, 4, 4, 0), (0, 1, 2, 256)],
            "Q5_K": [(48, 32, 4, 0), (16, 8, 4, 2048), (0, 1, 2, 2816), (2, 1, 2, 2848)]}
 
 
-@njit(parallel=True, nogil=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True, fastmath=False)
 def _pack_grid(blk, kind, cmap, ksig, out):
     """blk uint8 [T, 16, nb, block bytes] of IQ2_XXS (kind 13), IQ3_XXS (14), IQ3_S (15), IQ2_XS (16) or IQ2_S
     (17) -> out uint8 [T, nb, record] (zeroed by the caller): each weight's level code ``cmap[grid index, j]``
@@ -356,7 +356,7 @@ def _pack_grid(blk, kind, cmap, ksig, out):
                             out[t, b, q] |= (code | (neg << 3)) << (4 * (w >> 4))
 
 
-@njit(parallel=True, nogil=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True, fastmath=False)
 def _pack_iq1(blk, m, cmap, out):
     """blk uint8 [T, 16, nb, 50] of IQ1_S (m = 0) or [T, 16, nb, 56] of IQ1_M (m = 1) -> out uint8 [T, nb,
     record] (zeroed by the caller): each weight's level code grid + 1 (``cmap``: 0, 1, 2) as Q2_K's qs; IQ1_S's

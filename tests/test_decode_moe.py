@@ -242,6 +242,27 @@ def test_strict_helpers_keep_their_flags_under_a_fastmath_caller():
     assert not fast
 
 
+def test_every_lazily_compiled_kernel_spells_its_fastmath():
+    """The pitfall above, for every kernel: a cpu_kernels dispatcher that is compiled on first call (no explicit
+    signature) and not inlined (an inlined body takes its caller's flags on every path alike) sets ``fastmath``
+    itself, True or False; unset, its bits would depend on which caller compiled it first in the run that wrote
+    Numba's cache (a device test's CPU reference once moved 4e-5 that way in a clean clone)."""
+    import importlib
+    import pkgutil
+
+    import cpu_kernels
+    from numba.core.registry import CPUDispatcher
+
+    unset = []
+    for info in pkgutil.iter_modules(cpu_kernels.__path__):
+        mod = importlib.import_module(f"cpu_kernels.{info.name}")
+        for name, f in vars(mod).items():
+            if isinstance(f, CPUDispatcher) and f.__module__ == mod.__name__ and f._can_compile:
+                if f.targetoptions.get("inline", "never") == "never" and "fastmath" not in f.targetoptions:
+                    unset.append(f"{info.name}.{name}")
+    assert len(unset) == 0, unset
+
+
 def test_router_logits_against_a_float64_product():
     rng = np.random.default_rng(0)
     for E, D in ((8, 64), (64, 2048), (5, 37)):
