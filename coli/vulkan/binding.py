@@ -4,7 +4,7 @@ struct allocation, the device's ``COLI_VK_*`` integers, fences and timestamp poo
 Importing it imports the ``vulkan`` binding, which dlopens ``libvulkan.so.1`` and raises OSError where there is
 none (``coli.vulkan.open_device`` imports it only when a device is asked for). Calls go through the binding's
 raw cffi layer (``vk.ffi`` / ``vk.lib``): the wrappers cost 2-8 us a call, raise exceptions for success codes
-and return the wrong value for vkGetBufferDeviceAddress (stack-notes section 3 and pitfalls 3-7).
+and return the wrong value for vkGetBufferDeviceAddress (the PyPI ``vulkan`` package, 1.3.275.1).
 """
 from __future__ import annotations
 
