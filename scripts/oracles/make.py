@@ -160,6 +160,16 @@ def run_model(model, ids):
     return logits, *stack_routing(caught)
 
 
+def top_k_margins(model, ids):
+    """``run_model`` and the reseed test of a softmax top-k router: (ok, (logits, router logits, weights, ids,
+    router_margin f32 [L, T], logit_gap f32 [T]), what to print when not ok); ok when every margin is at least
+    MIN_MARGIN, every gap at least MIN_LOGIT_GAP and the logits finite."""
+    logits, rl, w, ix = run_model(model, ids)
+    margin, gap = router_margin(rl, model.config.num_experts_per_tok), logit_gap(logits)
+    ok = float(margin.min()) >= MIN_MARGIN and float(gap.min()) >= MIN_LOGIT_GAP and bool(np.isfinite(logits).all())
+    return ok, (logits, rl, w, ix, margin, gap), f"router margin {margin.min():.2e}, logit gap {gap.min():.2e}"
+
+
 def stack_routing(caught):
     """Router hook outputs (logits, weights, ids) per layer -> f32 [L, T, E], f32 [L, T, K], int32 [L, T, K]."""
     return (np.stack([c[0].float().numpy() for c in caught]), np.stack([c[1].float().numpy() for c in caught]),

@@ -83,12 +83,10 @@ def make(name: str, ctx) -> dict:
         M.randomize(model, g)
         ckpt = checkpoint(model, cfg)
         ids = M.prompt(seed, N_TOKENS)
-        logits, rl, w, ix = M.run_model(model, ids)
-        margin, gap = M.router_margin(rl, cfg.num_experts_per_tok), M.logit_gap(logits)
-        return (float(margin.min()) >= M.MIN_MARGIN and float(gap.min()) >= M.MIN_LOGIT_GAP), \
-            (seed, cfg, ckpt, ids, logits, margin, gap), f"router margin {margin.min():.2e}, logit gap {gap.min():.2e}"
+        ok, res, why = M.top_k_margins(model, ids)
+        return ok, (seed, cfg, ckpt, ids, *res), why
 
-    seed, cfg, ckpt, ids, logits, margin, gap = M.reseed(name, SEED, 20, attempt)
+    seed, cfg, ckpt, ids, logits, _, _, _, margin, gap = M.reseed(name, SEED, 20, attempt)
     folder = ctx.out / name
     folder.mkdir(parents=True, exist_ok=True)
     for f in folder.iterdir():

@@ -121,13 +121,10 @@ def make(name: str, ctx) -> dict:
     def attempt(seed):
         cfg, model, packed = build(seed)
         ids = M.prompt(seed, N_TOKENS)
-        logits, rl, _, _ = M.run_model(model, ids)
-        margin, gap = M.router_margin(rl, cfg.num_experts_per_tok), M.logit_gap(logits)
-        ok = float(margin.min()) >= M.MIN_MARGIN and float(gap.min()) >= M.MIN_LOGIT_GAP and np.isfinite(logits).all()
-        return ok, (seed, cfg, model, packed, ids, logits, margin, gap), \
-            f"router margin {margin.min():.2e}, logit gap {gap.min():.2e}"
+        ok, res, why = M.top_k_margins(model, ids)
+        return ok, (seed, cfg, model, packed, ids, *res), why
 
-    seed, cfg, model, packed, ids, logits, margin, gap = M.reseed(name, SEED, 30, attempt)
+    seed, cfg, model, packed, ids, logits, _, _, _, margin, gap = M.reseed(name, SEED, 30, attempt)
     rec = M.decode_after(name, ctx, model, ids, logits, N_STEPS, router_margin=margin, logit_gap=gap)
     hf_dir = ctx.work / name / "hf"
     hf_dir.mkdir(parents=True, exist_ok=True)

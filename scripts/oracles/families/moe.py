@@ -92,11 +92,8 @@ def make(name: str, ctx) -> dict:
         cfg, model, g = M.hf_model(model_type, over, seed)
         M.randomize(model, g)
         ids = M.prompt(seed, N_TOKENS)
-        logits, rl, w, ix = M.run_model(model, ids)
-        margin, gap = M.router_margin(rl, cfg.num_experts_per_tok), M.logit_gap(logits)
-        ok = float(margin.min()) >= M.MIN_MARGIN and float(gap.min()) >= M.MIN_LOGIT_GAP and np.isfinite(logits).all()
-        return ok, (seed, cfg, model, ids, logits, rl, w, ix, margin, gap), \
-            f"min router margin {margin.min():.2e}, logit gap {gap.min():.2e}"
+        ok, res, why = M.top_k_margins(model, ids)
+        return ok, (seed, cfg, model, ids, *res), why
 
     seed, cfg, model, ids, logits, rl, w, ix, margin, gap = M.reseed(name, seed0, 20, attempt)
     out = ctx.out

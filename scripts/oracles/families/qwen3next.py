@@ -45,13 +45,10 @@ def make(name: str, ctx) -> dict:
         cfg, model, g = M.hf_model("qwen3_next", CONFIG, seed)
         M.randomize(model, g, hybrid_param, fan_in=fan_all)
         ids = M.prompt(seed, N_TOKENS)
-        logits, rl, w, ix = M.run_model(model, ids)
-        margin, gap = M.router_margin(rl, cfg.num_experts_per_tok), M.logit_gap(logits)
-        ok = float(margin.min()) >= M.MIN_MARGIN and float(gap.min()) >= M.MIN_LOGIT_GAP and np.isfinite(logits).all()
-        return ok, (seed, cfg, model, ids, logits, margin, gap), \
-            f"router margin {margin.min():.2e}, logit gap {gap.min():.2e}"
+        ok, res, why = M.top_k_margins(model, ids)
+        return ok, (seed, cfg, model, ids, *res), why
 
-    seed, cfg, model, ids, logits, margin, gap = M.reseed(name, SEED, 20, attempt)
+    seed, cfg, model, ids, logits, _, _, _, margin, gap = M.reseed(name, SEED, 20, attempt)
     rec = M.decode_after(name, ctx, model, ids, logits, N_STEPS, keep_full=True, router_margin=margin, logit_gap=gap)
     M.write_config(ctx.out / f"{name}.config.json", cfg, {
         "seed": seed, "router_scale": M.ROUTER_SCALE, "gguf": "llama.cpp convert_hf_to_gguf.py f32", **M.versions(),

@@ -82,14 +82,11 @@ def write(path, name: str, cfg, sd: dict, tokmeta: dict) -> None:
 
 
 def make(name: str, ctx) -> dict:
-    import torch
-
     def attempt(seed):
         cfg, model, g = M.hf_model("llama", {**CONFIG, "rope_parameters": dict(ROPE[name][1])}, seed)
         M.randomize(model, g)
         ids = M.prompt(seed, N_TOKENS)
-        with torch.no_grad():
-            logits = model(input_ids=torch.tensor(ids[None, :], dtype=torch.long), use_cache=False).logits[0].numpy()
+        logits, _ = M.forward(model, ids)
         gap = M.logit_gap(logits)
         return (float(gap.min()) >= M.MIN_LOGIT_GAP and np.isfinite(logits).all()), (seed, cfg, model, ids, logits, gap), \
             f"logit gap {gap.min():.2e}"
