@@ -130,6 +130,6 @@ def make(name: str, ctx) -> dict:
                  "experts_routed_per_layer": [int(len(np.unique(ix[l]))) for l in range(ix.shape[0])]})
     hf_dir = M.save_hf(model, ctx.work / name / "hf", ctx.tok_dir)
     add_mtp_layer(hf_dir, cfg, seed)
-    return M.converted(name, ctx, cfg, hf_dir, info, {
+    return M.converted(name, ctx, cfg, hf_dir, info, record={
         "mtp_layer_appended": True, "gguf": "llama.cpp convert_hf_to_gguf.py --outtype f32 (GlmMoeDsaModel)"},
         wrapper=GLM_WRAPPER)

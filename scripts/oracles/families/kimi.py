@@ -86,5 +86,5 @@ def make(name: str, ctx) -> dict:
                  "experts_routed_per_layer": [int(len(np.unique(ix[l]))) for l in range(ix.shape[0])]})
     hf_dir = M.save_hf(model, ctx.work / name / "hf", ctx.tok_dir, HUB_FIELDS)
     hub_layout(hf_dir, cfg)
-    return M.converted(name, ctx, cfg, hf_dir, info, {
+    return M.converted(name, ctx, cfg, hf_dir, info, record={
         "gguf": "llama.cpp convert_hf_to_gguf.py --outtype f32 (KimiLinearModel)", "hub_fields": HUB_FIELDS})

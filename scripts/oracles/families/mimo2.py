@@ -107,14 +107,11 @@ def make(name: str, ctx) -> dict:
     seed, cfg, model, ids, logits, margin, gmargin, gap, r = M.reseed(name, SEED, 80, attempt)
     rec = M.decode_after(name, ctx, model, ids, logits, N_STEPS, router_margin=margin, logit_gap=gap)
     hf_dir = M.save_hf(model, ctx.work / name / "hf", ctx.tok_dir, hub_config(cfg))
-    gguf_path = M.convert(name, ctx.llama_cpp, hf_dir, ctx.out / f"{name}.gguf", "--no-mtp",
-                          wrapper=M.HUB_CONFIG_WRAPPER)
-    info = {"seed": seed, "router_scale": ROUTER_SCALE, "correction_bias_std": BIAS_STD,
-            "min_router_margin": float(margin.min()), "min_logit_gap": float(gap.min()),
-            "rows_where_the_bias_changes_the_choice": r["bias_moves"], **rec,
-            "min_group_margin": float(gmargin.min()), "rows_where_groups_change_the_choice": r["grouped_differs"],
-            "rows_where_top2sum_and_max_group_scores_choose_differently": r["top2_vs_max"],
-            "gguf": "llama.cpp convert_hf_to_gguf.py --outtype f32 --no-mtp, hub-style config.json",
-            **M.versions(), "gguf_bytes": gguf_path.stat().st_size}
-    M.write_config(ctx.out / f"{name}.config.json", cfg, info)
-    return info
+    return M.converted(name, ctx, cfg, hf_dir, {
+        "seed": seed, "router_scale": ROUTER_SCALE, "correction_bias_std": BIAS_STD,
+        "min_router_margin": float(margin.min()), "min_logit_gap": float(gap.min()),
+        "rows_where_the_bias_changes_the_choice": r["bias_moves"], **rec,
+        "min_group_margin": float(gmargin.min()), "rows_where_groups_change_the_choice": r["grouped_differs"],
+        "rows_where_top2sum_and_max_group_scores_choose_differently": r["top2_vs_max"],
+        "gguf": "llama.cpp convert_hf_to_gguf.py --outtype f32 --no-mtp, hub-style config.json"},
+        "--no-mtp", wrapper=M.HUB_CONFIG_WRAPPER)
