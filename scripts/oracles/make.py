@@ -244,14 +244,17 @@ def decode_after(name: str, ctx, model, ids, logits, steps: int, keep_full: bool
 
 
 def decode_record(name: str, ctx, seed: int, cfg, ids, logits, gen, gen_logits, full, **arrays) -> dict:
-    """``<name>.npz`` of a prompt + greedy decode oracle (ids, logits, gen_ids, gen_logits, full_logits, arrays)
-    and what its config.json and print record: seed, margins asked, cache differences."""
-    n = len(ids)
+    """``<name>.npz`` of a prompt + greedy decode oracle (ids, logits, gen_ids, gen_logits, full_logits, arrays:
+    expert_ids int32 [L, T, K] and logit_gap f32 [T] among them) and what its config.json and print record: seed,
+    cache differences, the smallest logit gap, the experts routed per layer."""
+    n, ix = len(ids), arrays["expert_ids"]
     np.savez(ctx.out / f"{name}.npz", ids=ids, logits=logits.astype(np.float32), gen_ids=np.array(gen, np.int32),
              gen_logits=gen_logits.astype(np.float32), full_logits=full.astype(np.float32), **arrays)
     return {"seed": seed, "max_abs_logit": float(np.abs(full).max()),
             "cached_vs_uncached_max_abs": float(np.abs(full[n - 1:] - gen_logits).max()),
-            "prompt_cached_vs_uncached_max_abs": float(np.abs(full[:n] - logits).max())}
+            "prompt_cached_vs_uncached_max_abs": float(np.abs(full[:n] - logits).max()),
+            "min_logit_gap": float(arrays["logit_gap"].min()),
+            "experts_routed_per_layer": [int(len(np.unique(ix[l]))) for l in range(ix.shape[0])]}
 
 
 def converted(name: str, ctx, cfg, hf_dir: Path, info: dict, *extra: str, wrapper: str = CONVERT_WRAPPER,

@@ -105,9 +105,7 @@ def make(name: str, ctx) -> dict:
         M.reseed(name, seed0, 40, attempt)
     info = M.decode_record(name, ctx, seed, cfg, ids, logits, gen, gen_logits, full, expert_ids=ix,
                            expert_weights=w.astype(np.float32), router_margin=margin, logit_gap=gap)
-    info.update({"min_router_margin": float(margin.min()), "min_logit_gap": float(gap.min()),
-                 "group_changes": changes, "group_rule_changes": rule_changes,
-                 "experts_routed_per_layer": [int(len(np.unique(ix[l]))) for l in range(ix.shape[0])]})
+    info.update({"min_router_margin": float(margin.min()), "group_changes": changes, "group_rule_changes": rule_changes})
     hf_dir = M.save_hf(model, ctx.work / name / "hf", ctx.tok_dir, HUB_FIELDS.get(name))
     return M.converted(name, ctx, cfg, hf_dir, info, record={
         "gguf": "llama.cpp convert_hf_to_gguf.py --outtype f32 (DeepseekV2Model)", "hub_fields": HUB_FIELDS.get(name, {})})

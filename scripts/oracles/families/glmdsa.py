@@ -126,8 +126,7 @@ def make(name: str, ctx) -> dict:
         M.reseed(name, SEED, 60, attempt)
     info = M.decode_record(name, ctx, seed, cfg, ids, logits, gen, gen_logits, full, expert_ids=ix,
                            expert_weights=w.astype(np.float32), index_topk=topk, logit_gap=gap)
-    info.update({"min_router_margin": rmargin, "min_index_margin": imargin, "min_logit_gap": float(gap.min()),
-                 "experts_routed_per_layer": [int(len(np.unique(ix[l]))) for l in range(ix.shape[0])]})
+    info.update({"min_router_margin": rmargin, "min_index_margin": imargin})
     hf_dir = M.save_hf(model, ctx.work / name / "hf", ctx.tok_dir)
     add_mtp_layer(hf_dir, cfg, seed)
     return M.converted(name, ctx, cfg, hf_dir, info, record={

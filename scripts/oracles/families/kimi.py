@@ -82,8 +82,7 @@ def make(name: str, ctx) -> dict:
     seed, cfg, model, ids, logits, gen, gen_logits, full, ix, w, margin, gap = M.reseed(name, SEED, 40, attempt)
     info = M.decode_record(name, ctx, seed, cfg, ids, logits, gen, gen_logits, full, expert_ids=ix,
                            expert_weights=w.astype(np.float32), router_margin=np.float32(margin), logit_gap=gap)
-    info.update({"min_router_margin": float(margin), "min_logit_gap": float(gap.min()),
-                 "experts_routed_per_layer": [int(len(np.unique(ix[l]))) for l in range(ix.shape[0])]})
+    info["min_router_margin"] = float(margin)
     hf_dir = M.save_hf(model, ctx.work / name / "hf", ctx.tok_dir, HUB_FIELDS)
     hub_layout(hf_dir, cfg)
     return M.converted(name, ctx, cfg, hf_dir, info, record={
