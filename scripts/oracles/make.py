@@ -257,12 +257,12 @@ def decode_record(name: str, ctx, seed: int, cfg, ids, logits, gen, gen_logits, 
             "experts_routed_per_layer": [int(len(np.unique(ix[l]))) for l in range(ix.shape[0])]}
 
 
-def converted(name: str, ctx, cfg, hf_dir: Path, info: dict, *extra: str, wrapper: str = CONVERT_WRAPPER,
+def converted(name: str, ctx, cfg, hf_dir: Path, info: dict, *extra: str, wrapper: str | None = None,
               record: dict | None = None) -> dict:
     """llama.cpp's converter on hf_dir (extra: its flags) -> ``<name>.gguf``; ``<name>.config.json`` with info, the
     file's size and the versions, and where record is given, record, the router scale and the file's tensors and
     keys (``gguf_summary``). Returns info with ``gguf_bytes``."""
-    path = convert(name, ctx.llama_cpp, hf_dir, ctx.out / f"{name}.gguf", *extra, wrapper=wrapper)
+    path = convert(name, ctx.llama_cpp, hf_dir, ctx.out / f"{name}.gguf", *extra, wrapper=wrapper or CONVERT_WRAPPER)
     info = {**info, "gguf_bytes": path.stat().st_size}
     more = {} if record is None else {"router_scale": ROUTER_SCALE, **record, **gguf_summary(path)}
     write_config(ctx.out / f"{name}.config.json", cfg, {**info, **more, **versions()})
