@@ -9,8 +9,9 @@ It needs torch, so it runs in a separate venv (docs/oracles.md)::
 
 Each family is a small module in ``families/`` (``NAMES``, ``make(name, ctx)``) holding its configuration and
 only what is its own (a hook, a margin rule, a hub-layout rewrite); this file holds what they share: the tiny
-byte-level BPE tokenizer, the seeded parameter fill, the reseed-until-margins loop, forward hooks, greedy decoding
-with HF's cache, llama.cpp's converter and the GGUF comparison, and the npz / config.json writing.
+byte-level BPE tokenizer, the seeded parameter fill, the reseed-until-margins loop (and the softmax top-k router's
+margin test), forward hooks, greedy decoding with HF's cache, llama.cpp's converter with its config.json record and
+the GGUF comparison, and the npz / config.json writing.
 """
 from __future__ import annotations
 
