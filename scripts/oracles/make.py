@@ -127,6 +127,13 @@ def randomize(model, g, special=None, router: str = "mlp.gate.weight", router_sc
                 b.copy_(bias_std * torch.randn(b.shape, generator=g))
 
 
+def random_model(model_type: str, config: dict, seed: int, n_tokens: int, special=None, **fill):
+    """``hf_model``, ``randomize`` (special, fill: its keywords), ``prompt``: (config, model, ids int32 [n_tokens])."""
+    cfg, model, g = hf_model(model_type, config, seed)
+    randomize(model, g, special, **fill)
+    return cfg, model, prompt(seed, n_tokens)
+
+
 def prompt(seed: int, n: int, vocab: int = VOCAB) -> np.ndarray:
     """int32 [n]: BOS, then seeded random ids in [2, vocab)."""
     ids = np.random.default_rng(seed).integers(2, vocab, size=n).astype(np.int32)

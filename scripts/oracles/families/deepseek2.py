@@ -78,9 +78,7 @@ def make(name: str, ctx) -> dict:
     seed0, over = VARIANTS[name]
 
     def attempt(seed):
-        cfg, model, g = M.hf_model(MODEL_TYPE.get(name, "deepseek_v2"), {**SHAPE, **over}, seed)
-        M.randomize(model, g)
-        ids = M.prompt(seed, N_TOKENS)
+        cfg, model, ids = M.random_model(MODEL_TYPE.get(name, "deepseek_v2"), {**SHAPE, **over}, seed, N_TOKENS)
         routers = M.modules_named(model, "DeepseekV2TopkRouter", "DeepseekV3TopkRouter")
         logits, gen, gen_logits, full, caught = M.decode_then_full(model, ids, N_STEPS, routers)
         assert len(caught) == len(routers) == cfg.num_hidden_layers - cfg.first_k_dense_replace

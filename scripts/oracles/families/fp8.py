@@ -79,10 +79,8 @@ def make(name: str, ctx) -> dict:
     from transformers import AutoModelForCausalLM
 
     def attempt(seed):
-        cfg, model, g = M.hf_model("qwen3_moe", CONFIG, seed)
-        M.randomize(model, g)
+        cfg, model, ids = M.random_model("qwen3_moe", CONFIG, seed, N_TOKENS)
         ckpt = checkpoint(model, cfg)
-        ids = M.prompt(seed, N_TOKENS)
         ok, res, why = M.top_k_margins(model, ids)
         return ok, (seed, cfg, ckpt, ids, *res), why
 

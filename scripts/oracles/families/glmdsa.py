@@ -93,9 +93,7 @@ def add_mtp_layer(hf_dir, cfg, seed: int) -> None:
 
 def make(name: str, ctx) -> dict:
     def attempt(seed):
-        cfg, model, g = M.hf_model("glm_moe_dsa", CONFIG, seed)
-        M.randomize(model, g)
-        ids = M.prompt(seed, N_TOKENS)
+        cfg, model, ids = M.random_model("glm_moe_dsa", CONFIG, seed, N_TOKENS)
         routers = M.modules_named(model, "GlmMoeDsaTopkRouter")
         indexers = M.modules_named(model, "GlmMoeDsaIndexer")
         logits, gen, gen_logits, _ = M.generate(model, ids, N_STEPS)

@@ -67,9 +67,7 @@ def hub_layout(hf_dir, cfg) -> None:
 
 def make(name: str, ctx) -> dict:
     def attempt(seed):
-        cfg, model, g = M.hf_model("kimi_linear", SHAPE, seed)
-        M.randomize(model, g, kda_param)
-        ids = M.prompt(seed, N_TOKENS)
+        cfg, model, ids = M.random_model("kimi_linear", SHAPE, seed, N_TOKENS, kda_param)
         routers = M.modules_named(model, "KimiLinearTopkRouter")
         logits, gen, gen_logits, full, caught = M.decode_then_full(model, ids, N_STEPS, routers)
         rl, w, ix = M.stack_routing(caught)

@@ -85,9 +85,8 @@ def make(name: str, ctx) -> dict:
     n_group, topk_group, K = config["n_group"], config["topk_group"], CONFIG["num_experts_per_tok"]
 
     def attempt(seed):
-        cfg, model, g = M.hf_model("mimo_v2_flash", config, seed)
-        M.randomize(model, g, param, router_scale=ROUTER_SCALE, bias_std=BIAS_STD)
-        ids = M.prompt(seed, N_TOKENS)
+        cfg, model, ids = M.random_model("mimo_v2_flash", config, seed, N_TOKENS, param, router_scale=ROUTER_SCALE,
+                                         bias_std=BIAS_STD)
         logits, choice, plain = scores(model, ids)
         by_choice, margin, gmargin = grouped_choice(choice, K, n_group, topk_group)
         gap = M.logit_gap(logits)

@@ -89,9 +89,7 @@ def make(name: str, ctx) -> dict:
     model_type, arch, seed0, over = ARCHS[name]
 
     def attempt(seed):
-        cfg, model, g = M.hf_model(model_type, over, seed)
-        M.randomize(model, g)
-        ids = M.prompt(seed, N_TOKENS)
+        cfg, model, ids = M.random_model(model_type, over, seed, N_TOKENS)
         ok, res, why = M.top_k_margins(model, ids)
         return ok, (seed, cfg, model, ids, *res), why
 

@@ -42,9 +42,7 @@ def fan_all(shape):
 
 def make(name: str, ctx) -> dict:
     def attempt(seed):
-        cfg, model, g = M.hf_model("qwen3_next", CONFIG, seed)
-        M.randomize(model, g, hybrid_param, fan_in=fan_all)
-        ids = M.prompt(seed, N_TOKENS)
+        cfg, model, ids = M.random_model("qwen3_next", CONFIG, seed, N_TOKENS, hybrid_param, fan_in=fan_all)
         ok, res, why = M.top_k_margins(model, ids)
         return ok, (seed, cfg, model, ids, *res), why
 

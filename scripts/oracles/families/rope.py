@@ -83,9 +83,8 @@ def write(path, name: str, cfg, sd: dict, tokmeta: dict) -> None:
 
 def make(name: str, ctx) -> dict:
     def attempt(seed):
-        cfg, model, g = M.hf_model("llama", {**CONFIG, "rope_parameters": dict(ROPE[name][1])}, seed)
-        M.randomize(model, g)
-        ids = M.prompt(seed, N_TOKENS)
+        config = {**CONFIG, "rope_parameters": dict(ROPE[name][1])}
+        cfg, model, ids = M.random_model("llama", config, seed, N_TOKENS)
         logits, _ = M.forward(model, ids)
         gap = M.logit_gap(logits)
         return (float(gap.min()) >= M.MIN_LOGIT_GAP and np.isfinite(logits).all()), (seed, cfg, model, ids, logits, gap), \
