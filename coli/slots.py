@@ -8,7 +8,7 @@ next chunk: at most ``chunk`` prompt rows a step, the shortest prompt first, so 
 stuck behind a long one and the streams keep flowing) and runs them through ``Model.forward_rows`` as one step,
 then samples each sequence's next token from its own logits. A sequence's tokens are the ones it gets alone
 (``Engine.generate`` with the same sampler): every row's logits are the bits of the row run alone
-(docs/engine.md "Batch invariance"; ``tests/test_slots.py``).
+(docs/engine.md "Batch invariance"; ``tests/server/test_slots.py``).
 
 The prompt cache: a new sequence takes the free slot whose tokens share the longest prefix with its prompt and
 computes only the rest; when another slot (busy or free) holds a longer prefix, its K/V rows are copied into

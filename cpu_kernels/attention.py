@@ -19,7 +19,7 @@ an output column takes one fma per key in ascending order. Rows that see differe
 a window's edge) run their own keys one row at a time, in the same order. So the decode row (``_attend_head``,
 one row through the same function; also in cpu_kernels/decode.py's regions) and the prompt's query blocks
 (``_attend_blocks``) give bit-identical rows for a row at a position, whatever the chunk it comes in
-(tests/test_attention.py). The prompt kernel is one launch over (query head, query block) items, the blocks of
+(tests/kernels/test_attention.py). The prompt kernel is one launch over (query head, query block) items, the blocks of
 ``QUERY_BLOCK`` rows reading each key tile once for all their rows, heaviest items (the last rows) claimed first.
 
 Attention sinks (gpt-oss, MiMo-V2): one learned logit ``s_h`` per query head joins the softmax denominator and

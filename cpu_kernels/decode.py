@@ -8,7 +8,7 @@ about 2,400 calls and 500 ``np.empty`` per token, half of the token's time on 2 
 Numba function that runs **the same kernels in the same order** as the Python path (``Act.rms_norm``'s
 ``_rms_norm_q8``, ``mm_grouped``, ``ffn_gate_up``, ``formats._quantize_act_i8``, the serial norm / RoPE /
 attention kernels below their thresholds), so a token's bits do not depend on which path ran it
-(tests/test_decode_blocks.py). Scratch buffers
+(tests/kernels/test_decode_blocks.py). Scratch buffers
 belong to the :class:`AttentionDecode` / :class:`FFNDecode` / :class:`ExpertsRow` objects (no allocation per
 token), so one model runs one forward at a time (as the engine and the server do: one generation at a time).
 

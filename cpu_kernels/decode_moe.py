@@ -6,7 +6,7 @@ The path it replaces runs, per MoE layer and decode token, the attention region 
 Python (``rms_norm``, the router logits, ``blocks.softmax_topk``, ``scheduler.step.MoEStep.run`` looking the experts
 up in the RAM cache) and then the experts region (``decode.experts_row``): two pool wake-ups, the second after
 serial Python work, and ~40 Python calls. Here the same kernels run in the same order inside one region
-(:func:`moe_layer_block`), so a token's bits do not depend on the path (tests/test_decode_moe.py):
+(:func:`moe_layer_block`), so a token's bits do not depend on the path (tests/kernels/test_decode_moe.py):
 
 * the norm: ``norms._rms_norm_serial`` (what ``norms.rms_norm`` runs on one row);
 * the router logits: ``router.logit`` per expert (claimed in runs; the Python path's decode row calls the same

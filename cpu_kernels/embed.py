@@ -5,7 +5,7 @@ the rows read (docs/cpu_kernels.md, "Work outside the token region").
 A decode step embeds one token; through the format's NumPy reference (``gguf.quants.dequantize``: a dozen NumPy
 operations and their temporaries) and ``coli.finite.first_bad_row`` that was 30 us on a warm core and 150-300 us
 right after the token's parallel region had evicted the interpreter's working set from L1/L2 (SmolLM2 on 2
-cores). Here it is one dispatch. The values are the reference's bit for bit (tests/test_embed.py): each is
+cores). Here it is one dispatch. The values are the reference's bit for bit (tests/kernels/test_embed.py): each is
 computed with the reference's f32 operations in its order (``d * q``, ``d * q + m`` for Q4_1), without fastmath.
 
 Block layouts (ggml-common.h; f16 little-endian, decoded by ``tiles.f16_at``):

@@ -16,7 +16,7 @@ compiled decode blocks both call, so a row's bits do not depend on the path that
 the attention kernels, one key tile at a time (:func:`load_tile`, cpu_kernels/attention.py).
 
 Numba has no float16 type: the f16 conversions are LLVM's ``fpext`` / ``fptrunc`` through ``half`` (one
-instruction each with F16C), the same values as NumPy's conversions (tests/test_kv_types.py).
+instruction each with F16C), the same values as NumPy's conversions (tests/kernels/test_kv_types.py).
 
 A side as the kernels take it, :attr:`KVSide.t`: the tuple ``(kind, f, h, q, d)`` of the kind code (``F32``,
 ``F16``, ``BF16``, ``Q8_0``) and the four arrays, the ones its kind does not use empty (one compiled signature

@@ -1,4 +1,4 @@
-"""Coverage table of the backend-parity harness (tests/test_backend_ops.py): every (backend, type, op, act) case
+"""Coverage table of the backend-parity harness (tests/kernels/test_backend_ops.py): every (backend, type, op, act) case
 run against the NumPy reference, printed as a Markdown table (docs/formats.md).
 
 usage: python -m scripts.backend_ops [--types Q4_K,Q2_K] [--ops lmm,attn] [--no-vulkan]
@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import cpu_kernels  # noqa: E402,F401  (threading layer before numba)
 from coli.types import table as TT  # noqa: E402
-from tests import test_backend_ops as H  # noqa: E402
+from tests.kernels import test_backend_ops as H  # noqa: E402
 
 
 def main(argv=None) -> int:

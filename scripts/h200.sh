@@ -248,9 +248,9 @@ BLD=
 if [ ! -x "$LLB" ] && [ -n "$TARBALL" ]; then llb_bg /tmp/llb "$TARBALL"; BLD=$!; fi
 if [ "${H2_PYTEST:-1}" = 1 ]; then
   say "pytest: the device suites"
-  timeout $(( $(left) - 330 > 60 ? $(left) - 330 : 60 )) $PY -m pytest -q -p no:cacheprovider tests/test_vulkan.py \
-    tests/test_vulkan_alloc.py tests/test_vulkan_int8.py tests/test_tier_device.py tests/test_oracles.py \
-    tests/test_threading.py tests/test_sync.py tests/test_decode_blocks.py -k "not real_files" 2>&1 \
+  timeout $(( $(left) - 330 > 60 ? $(left) - 330 : 60 )) $PY -m pytest -q -p no:cacheprovider tests/vulkan/test_vulkan.py \
+    tests/vulkan/test_vulkan_alloc.py tests/vulkan/test_vulkan_int8.py tests/vulkan/test_tier_device.py tests/models/test_oracles.py \
+    tests/kernels/test_threading.py tests/kernels/test_sync.py tests/kernels/test_decode_blocks.py -k "not real_files" 2>&1 \
     | tee "$OUT/pytest.log" | tail -15
 fi
 [ -n "$GEN" ] && { wait $GEN; tail -2 "$MODEL.log"; }

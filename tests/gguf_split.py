@@ -9,7 +9,7 @@ for tests that cannot build llama.cpp (``tools/gguf-split/gguf-split.cpp`` ``spl
 * tensor infos in source order with ``n_dims = ggml_n_dims`` (trailing dimensions of 1 dropped), offsets
   from the shard's data start, each tensor padded to the alignment with zeros.
 
-``tests/test_split_gguf.py`` checks the output against the real tool byte for byte where it is built.
+``tests/io/test_split_gguf.py`` checks the output against the real tool byte for byte where it is built.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ ARGS = ["--layers", "2", "--d", "64", "--heads", "2", "--experts", "4", "--top-k
         "--vocab", "256", "--type", "Q8_0"]
 
 
-# the device tests' MoE (tests/test_device_layers.py, test_device_chain.py, test_device_prompt_routes.py): 4 layers
+# the device tests' MoE (tests/vulkan/test_device_layers.py, test_device_chain.py, test_device_prompt_routes.py): 4 layers
 # of d 128, 8 experts top-3, Q8_0
 DEVICE_ARGS = ["--layers", "4", "--d", "128", "--heads", "4", "--experts", "8", "--top-k", "3", "--expert-ff", "96",
                "--vocab", "300", "--type", "Q8_0", "--seed", "7"]

@@ -442,7 +442,7 @@ class Model:
         ids at its positions ``cache.pos ..``; returns each one's last-row logits f32 [1, vocab] and advances
         each cache. The rows run through every matmul and MoE step together (an expert is read once for all of
         them), attention per sequence on its own cache (``blocks.Rows``); a row's logits are the bits it gets
-        in :meth:`forward` alone (docs/engine.md "Batch invariance"), which ``tests/test_slots.py`` checks.
+        in :meth:`forward` alone (docs/engine.md "Batch invariance"), which ``tests/server/test_slots.py`` checks.
         ColiError when a sequence does not fit its cache."""
         if len(parts) == 1 or not self.batches_rows():
             return [self.forward(ids, c) for ids, c in parts]

@@ -5,7 +5,7 @@ ggml publishes the i-quant codebooks in ``ggml/src/ggml-common.h`` (``iq2xxs_gri
 tables as hex text (``IQ2_XXS.grid_hex`` ...) for its NumPy dequantizers. This module is the ONE place coli reads
 them from: the CPU packers (``cpu_kernels.iquants``) and the Vulkan grid buffer (``device_grids``, read
 through the generated ``shaders/iq_grids.glsl``) both take their values from here, and
-tests/test_iquants.py checks the kernels against ``gguf.quants``' dequantizers.
+tests/kernels/test_iquants.py checks the kernels against ``gguf.quants``' dequantizers.
 
 Pure NumPy (no Numba, no Vulkan): ``scripts/build_shaders`` imports it.
 

@@ -11,7 +11,7 @@ compensating 1/2: ``w = kvalues[q] * ue4m3(d[s]) / 2``.
 
 ggml's quantizer, per sub-block of 16: ``d = ue4m3(fp32_to_ue4m3(amax / 6))`` (halved as above), then per weight
 the index minimising ``|kvalues[i] * d - x|`` in f32, the first such index on a tie (``best_index_mxfp4``). This
-port computes the same f32 values and tie-breaks, so its bytes are llama.cpp's (``tests/test_nvfp4.py`` checks
+port computes the same f32 values and tie-breaks, so its bytes are llama.cpp's (``tests/kernels/test_nvfp4.py`` checks
 them against llama-quantize's output). NVFP4 checkpoints may carry a per-tensor f32 scale on top of the blocks
 (``*.scale`` tensors in llama.cpp's loader); this quantizer writes the blocks only.
 """

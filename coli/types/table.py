@@ -15,7 +15,7 @@ backends implement it. Columns:
 * ``backends``: filled by the backends' registries when they are imported (``register``): backend name ->
   what implements the type there (``"cpu"``: the ``cpu_kernels.formats.FORMATS`` row's kernels; ``"vulkan"``:
   the decoder file); importing ``cpu_kernels.formats`` and ``coli.vulkan.shaders`` fills it. ``gaps()`` lists a type one backend has and
-  another lacks without a ``cpu_only`` reason (``tests/test_backend_ops.py`` fails on any).
+  another lacks without a ``cpu_only`` reason (``tests/kernels/test_backend_ops.py`` fails on any).
 
 coli's own types (``own`` set, ``qtype`` None: ``FP8_E4M3_B128``, made from FP8 Hugging Face checkpoints) are
 rows too, added by ``_own_rows`` with their geometry, reference and ``random`` test-weight maker. GGUF types that
@@ -33,7 +33,7 @@ Adding a format (docs/formats.md has the checklist), in this order:
 3. Device: ``shaders/fmt_<name lower>.glsl`` (``dec_unit``: one 32-element unit of a row), the name appended to
    ``coli.vulkan.shaders.DEVICE_TYPES``, then ``python -m coli.vulkan.build`` (it regenerates ``shaders/formats.glsl``
    from this table and compiles the .spv pair).
-4. ``pytest -q tests/test_backend_ops.py`` checks every backend x op x activation mode against ``reference``
+4. ``pytest -q tests/kernels/test_backend_ops.py`` checks every backend x op x activation mode against ``reference``
    and fails on a gap; ``python -m scripts.backend_ops`` prints the coverage table for docs/formats.md.
 
 Importing this module imports neither numba nor vulkan.

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """HF transformers' per-token NLL for the real Gemma-3-270M Q4_K_M, scored as llama-perplexity scores (docs/oracles.md,
-"The real Gemma-3-270M: perplexity per token"; tests/test_perplexity.py checks coli against it).
+"The real Gemma-3-270M: perplexity per token"; tests/models/test_perplexity.py checks coli against it).
 
 A developer tool, run once in the oracle venv (torch); its output is committed and CI never runs it::
 
@@ -30,7 +30,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
-# tests/test_perplexity.py's TEXT, four times
+# tests/models/test_perplexity.py's TEXT, four times
 TEXT = ("The old lighthouse stood at the end of the rocky point, where the sea met the sky in a line of grey. "
         "Every night the keeper climbed the narrow stairs, trimmed the wick, and watched the beam sweep across "
         "the water. Ships passed safely because of him, though few of their sailors ever knew his name.") * 4

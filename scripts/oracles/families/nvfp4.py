@@ -4,7 +4,7 @@ scripts/build_llama_bench.sh into ``~/.cache/coli/llama.cpp/build/bin``; no torc
     python scripts/oracles/make.py nvfp4 [--bin DIR]
     python scripts/oracles/families/nvfp4.py demo [--bin DIR] [--threads 2] [--ctx 128] [--eval-chars 4000] [-o GGUF]
 
-``make.py nvfp4`` writes two files to tests/fixtures/oracles/ (tests/test_nvfp4.py reads them):
+``make.py nvfp4`` writes two files to tests/fixtures/oracles/ (tests/kernels/test_nvfp4.py reads them):
 
 * ``nvfp4_quant.npz``: ``x`` f32 [64, 256] and ``blocks`` uint8 [64, 144], llama-quantize's NVFP4 bytes of x
   (x is the one tensor of a GGUF given to ``llama-quantize --tensor-type ffn_gate_exps=nvfp4``). Rows of x:

@@ -1,0 +1,220 @@
+"""Slots decoded together (``coli.slots``, ``coli serve --parallel N``): a sequence's tokens are the ones it
+gets alone (``Engine.generate``), whether it ran beside 1-3 others, with its prompt in chunks between their
+decode steps, on SmolLM2, the demo MoE, Gemma-3-270M and Qwen2.5-Coder-0.5B; the prompt cache reuses a slot's
+rows (its own, or copied from another slot) and gives the cold run's tokens."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from coli.sampling import Sampler, SamplingParams
+from coli.slots import Batcher, Sequence
+
+PROMPTS = ["The capital of France is", "Once upon a time there was a little dragon who",
+           "def fibonacci(n):\n    ", "List three colours: red,"]
+
+
+def _path(name, model_path, demo_path):
+    return demo_path if name == "demo" else model_path(name)
+
+
+def _seq(eng, ids, n, temp=0.0, seed=None, stop=None):
+    s = Sampler(SamplingParams(temp=temp, seed=seed), ctx=eng.ctx)
+    s.accept_many(int(i) for i in ids)
+    return Sequence(eng, ids, n, s, stop=stop)
+
+
+def _alone(eng, ids, n, temp=0.0, seed=None):
+    return eng.generate(ids=ids, max_tokens=n, temp=temp, seed=seed, keep_kv=False, stop_at_eos=True)
+
+
+@pytest.mark.parametrize("name", ["smollm2", "demo", "gemma3", "qwen25"])
+def test_batched_tokens_equal_alone(name, engine, model_path, demo_path):
+    """Four sequences, two started while the first two decode (their prompts in chunks of 5 rows between the
+    decode steps), one sampled with a seed: each one's tokens and text equal its run alone."""
+    eng = engine(_path(name, model_path, demo_path), threads=2, ctx=256)
+    ids = [eng.tokenize(p) for p in PROMPTS]
+    n = 10
+    want = [_alone(eng, ids[0], n), _alone(eng, ids[1], n), _alone(eng, ids[2], n, temp=0.8, seed=7),
+            _alone(eng, ids[3], n)]
+    b = Batcher(eng, 4, chunk=5)
+    assert b.batched
+    seqs = [_seq(eng, ids[0], n), _seq(eng, ids[1], n), _seq(eng, ids[2], n, temp=0.8, seed=7), _seq(eng, ids[3], n)]
+    b.start(seqs[0])
+    b.start(seqs[1])
+    for _ in range(4):  # the first two's prompts (5 rows a step) and their first decode steps
+        b.step()
+    b.start(seqs[2])
+    b.start(seqs[3])
+    while any(not s.done for s in seqs):
+        b.step()
+    assert b.most_rows_of > 2  # steps ran rows of three or four sequences together
+    for s, w in zip(seqs, want):
+        assert s.error is None
+        assert s.result.ids == w.ids, (s.result.ids, w.ids)
+        assert s.result.text == w.text
+        assert s.result.finish_reason == w.finish_reason
+
+
+@pytest.mark.parametrize("kv", ["f32", "q8_0"])
+def test_prompt_cache_own_slot_and_copied(engine, model_path, kv):
+    """A second turn reuses the slot's rows of the first (prompt and answer); a request sharing a prefix with a
+    busy slot gets that slot's rows copied (a typed KV cache's codes and scales too); both give the cold run's
+    tokens."""
+    eng = engine(model_path("smollm2"), threads=2, ctx=256, cache_type_k=kv, cache_type_v=kv)
+    turn1 = eng.chat_ids([{"role": "user", "content": "Name a fruit."}])
+    b = Batcher(eng, 2)
+    r1 = b.run([_seq(eng, turn1, 6)])[0]
+    turn2 = turn1 + r1.ids + eng.tokenize(" And a vegetable?", add_bos=False)
+    r2 = b.run([_seq(eng, turn2, 6)])[0]
+    assert r2.stats["cached_tokens"] == len(turn1) + len(r1.ids) - 1  # the last token sampled never ran
+    assert r2.ids == _alone(eng, turn2, 6).ids
+    assert b.reused_rows == r2.stats["cached_tokens"] and b.copied_rows == 0
+    # a long answer keeps slot 0 busy; a request with the same system prompt takes slot 1 with slot 0's rows
+    system = [{"role": "system", "content": "You are a terse assistant who answers in one line."}]
+    a = eng.chat_ids(system + [{"role": "user", "content": "Say hello."}])
+    c = eng.chat_ids(system + [{"role": "user", "content": "Say goodbye."}])
+    shared = next(i for i, (x, y) in enumerate(zip(a, c)) if x != y)
+    sa, sc = _seq(eng, a, 12), _seq(eng, c, 6)
+    b.start(sa)
+    b.step()
+    b.step()
+    assert not sa.done
+    b.start(sc)
+    assert sc.slot is not sa.slot and sc.cached == shared and b.copied_rows == shared > 0
+    while not (sa.done and sc.done):
+        b.step()
+    assert sc.result.ids == _alone(eng, c, 6).ids
+    assert sa.result.ids == _alone(eng, a, 12).ids
+
+
+def test_unified_kv_cells_shared_tokens_equal_alone(engine, model_path):
+    """``--kv-unified``: four slots share the context's 256 positions, each cache sized to what its request
+    writes (whole pages of 64); a request that does not fit beside the busy ones waits though a slot is free,
+    starts when one finishes, and every request's tokens equal its run alone; the held positions never pass
+    the 256. A second turn longer than its slot's cache grows it (its rows copied) and reuses them."""
+    from coli.slots import PAGE, NoRoom
+
+    eng = engine(model_path("smollm2"), threads=2, ctx=256)
+    long_ids = eng.tokenize(" ".join(["word"] * 60))
+    ids = [long_ids] + [eng.tokenize(p) for p in PROMPTS[:3]]
+    n = 8
+    want = [_alone(eng, x, n) for x in ids]
+    b = Batcher(eng, 4, chunk=5, unified=True)
+    assert b.unified and b.cells == 256
+    seqs = [_seq(eng, x, n) for x in ids]
+    for s in seqs[:3]:
+        b.start(s)
+    assert [s.slot.cache.ctx for s in seqs[:3]] == [-(-(len(x) + n) // PAGE) * PAGE for x in ids[:3]] == \
+        [128, 64, 64]
+    assert b.free() == 1 and not b.fits(seqs[3])
+    with pytest.raises(NoRoom):
+        b.start(seqs[3])
+    assert seqs[3].slot is None
+    b.run(seqs[3:])  # steps the three until one finishes, then the fourth
+    while any(not s.done for s in seqs):
+        b.step()
+    assert b.most_cells <= 256 and b.most_rows_of >= 3
+    for s, w in zip(seqs, want):
+        assert s.error is None and s.result.ids == w.ids, (s.result.ids, w.ids)
+    # a second turn of the first short request: more positions than its 64, its rows copied into a bigger cache
+    s1 = seqs[1]
+    turn2 = s1.ids + s1.result.ids + eng.tokenize(" " + " ".join(["more"] * 50), add_bos=False)
+    b2 = Batcher(eng, 1, unified=True)
+    r1 = b2.run([_seq(eng, s1.ids, n)])[0]
+    assert b2.slots[0].cache.ctx == 64
+    r2 = b2.run([_seq(eng, turn2, n)])[0]
+    assert b2.slots[0].cache.ctx == 128 and r2.stats["cached_tokens"] == len(s1.ids) + len(r1.ids) - 1
+    assert r2.ids == _alone(eng, turn2, n).ids
+
+
+def test_cancel_frees_the_slot(engine, model_path):
+    """A sequence whose ``should_stop`` turns true ends "cancelled" at the next step, mid-prompt, and frees its
+    slot; its neighbour goes on to its own tokens."""
+    eng = engine(model_path("smollm2"), threads=2, ctx=256)
+    b = Batcher(eng, 2, chunk=4)
+    flag = []
+    long_ids = eng.tokenize(" ".join(["word"] * 60))
+    s1 = _seq(eng, long_ids, 5)
+    s1.should_stop = lambda: bool(flag)
+    s2 = _seq(eng, eng.tokenize(PROMPTS[0]), 8)
+    b.start(s1)
+    b.start(s2)
+    b.step()
+    flag.append(1)
+    b.step()
+    assert s1.done and s1.result.finish_reason == "cancelled" and s1.pending
+    assert b.free() == 1
+    while not s2.done:
+        b.step()
+    assert s2.result.ids == _alone(eng, s2.ids, 8).ids
+
+
+@pytest.mark.parametrize("unified", [False, True])
+def test_server_parallel_streams_together(model_path, unified):
+    """``coli serve --parallel 3`` (and with ``--kv-unified``: the three share the 512 positions): three
+    streamed requests at once are decoded together (a step ran their rows together) and answer what the same
+    requests answer one at a time; a client that leaves mid-stream frees its slot at once."""
+    httpx = pytest.importorskip("httpx")
+    import threading
+
+    from tests.server.test_server import _start, _stop
+
+    p, base = _start(model_path("smollm2"), "--parallel", "3", "--ctx", "512", "--queue", "4",
+                     *(["--kv-unified"] if unified else []))
+    try:
+        def ask(prompt, out, i):
+            with httpx.stream("POST", base + "/v1/completions", timeout=120,
+                              json={"prompt": prompt, "max_tokens": 12, "temperature": 0, "stream": True}) as r:
+                text = []
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        import json
+
+                        text.append(json.loads(line[6:])["choices"][0]["text"])
+                out[i] = "".join(text)
+
+        together = [None] * 3
+        ts = [threading.Thread(target=ask, args=(PROMPTS[i], together, i)) for i in range(3)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(180)
+        h = httpx.get(base + "/health", timeout=10).json()
+        assert h["slots"] == 3 and h["most_in_a_step"] >= 2 and h["kv_unified"] is unified
+        if unified:
+            assert h["kv_cells"] == 512 and 0 < h["kv_cells_held"] <= 512
+        alone = [None] * 3
+        for i in range(3):
+            ask(PROMPTS[i], alone, i)
+        assert together == alone and all(together)
+        # a client that leaves after its first chunk: its slot is free again within a few steps
+        with httpx.stream("POST", base + "/v1/completions", timeout=60,
+                          json={"prompt": PROMPTS[1], "max_tokens": 400, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    break
+        t0 = time.time()
+        while time.time() - t0 < 20 and httpx.get(base + "/health", timeout=10).json()["slots_busy"]:
+            time.sleep(0.1)
+        h = httpx.get(base + "/health", timeout=10).json()
+        assert h["slots_busy"] == 0 and h["cancelled"] >= 1
+    finally:
+        _stop(p)
+
+
+def test_parallel_checked_against_the_memory_budget(engine, model_path):
+    """``--parallel``: below 1, or more slots than the memory budget holds KV caches of ``--ctx`` for, is one
+    ColiError naming the flag (the server says it before listening)."""
+    from coli.base.errors import ColiError
+    from coli.runtime import kv_cache_bytes
+    from coli.slots import check_parallel
+
+    eng = engine(model_path("smollm2"), threads=2, ctx=256)
+    check_parallel(eng, 4)
+    too_many = eng.room // kv_cache_bytes(eng.args, eng.ctx) + 1
+    for bad in (0, too_many):
+        with pytest.raises(ColiError, match="^--parallel"):
+            check_parallel(eng, int(bad))
+    check_parallel(eng, int(too_many), unified=True)  # --kv-unified: one context's cache whatever the slots

@@ -1,0 +1,157 @@
+"""Gated DeltaNet layers on the device (coli/vulkan/device_layers.py, shaders/deltanet.comp): Qwen3-Next's and
+Qwen3.5-MoE's hybrid stacks (DeltaNet layers and gated full attention) whole on the device against HF transformers
+and the CPU-only run, the DeltaNet states moving between the CPU's cache and the device's both ways."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.vulkan.test_device_layers import _engine, _greedy
+from tests.vk_util import rel_err, requires_vulkan
+
+pytestmark = requires_vulkan
+
+
+def _no_cpu_deltanet(monkeypatch):
+    """Make the CPU's DeltaNet mixer fail: what runs after this ran on the device."""
+    from coli.models import deltanet
+
+    def refuse(self, *a, **k):
+        raise AssertionError("the CPU ran a DeltaNet layer")
+
+    monkeypatch.setattr(deltanet.GatedDeltaNet, "__call__", refuse)
+
+
+@pytest.mark.parametrize("family", ["qwen3next", "qwen35moe"])
+def test_deltanet_layers_against_hf(family, monkeypatch):
+    """Every layer and the head on the device: three DeltaNet layers (the conv over the device's conv state, the
+    delta rule over its recurrent state, the gated norm; Qwen3-Next's ssm_ba in HF's grouped head order, Qwen3.5's
+    ssm_beta / ssm_alpha with tiled value heads) and the gated full-attention layer (partial NEOX rope, q/k norms,
+    the sigmoid output gate), the MoE with the gated shared expert. The 96-row prompt in chunks of 40 rows (the conv and
+    the delta rule over a chunk's rows in order) within the CPU path's bound of HF transformers' (1e-4 of the largest) at every row with HF's argmax, HF's 8
+    greedy decode rows and tokens (tests/oracle_check.py); the CPU-only f32 run's logits within 5e-5 (the prompt rows:
+    lmm.comp's blocked sums against the CPU's, carried across rows by the recurrence; measured 2.8e-5, the CPU run
+    itself is 2.2e-5 from HF) and 2e-5 (the decode rows), and its greedy tokens. The CPU's DeltaNet is made to fail meanwhile: the device did that work."""
+    from tests.conftest import FIXTURES
+    from tests.oracle_check import check_prompt_and_decode
+    from coli.vulkan import device_layers
+
+    path = FIXTURES / "oracles" / f"{family}.gguf"
+    oracle = np.load(FIXTURES / "oracles" / f"{family}.npz")
+    cpu = _engine(path, ctx=128)
+    e = _engine(path, layers=-1, ctx=128)
+    try:
+        ref, ref_steps, ref_gen = _greedy(cpu.model, cpu.model.new_cache(128, 128), oracle["ids"], 8)
+        m, dl = e.model, e.model.device_layers
+        assert device_layers.why_not_all(m) == ""
+        assert dl is not None and dl.first == 0 and dl.head is not None and dl.dn is not None
+        rec = list(m.args.recurrent)    # qwen3next: layers 0-2 DeltaNet, 3 attention; qwen35moe: 0 and 2, 1 and 3
+        assert sum(rec) >= 2 and not all(rec)
+        assert [d["il"] for d in dl.per if "dn" in d] == [il for il in range(4) if rec[il]]
+        assert [d["il"] for d in dl.per if "gated" in d] == [il for il in range(4) if not rec[il]]
+        dl.prompt_rows = 40
+        _no_cpu_deltanet(monkeypatch)
+        d0 = e.device.layer_dispatches
+        got = check_prompt_and_decode(m, m.new_cache(128, 128), oracle)
+        assert (dl.prompt_tokens, dl.prompt_chunks, dl.tokens) == (len(oracle["ids"]), 3, 8)
+        assert e.device.layer_dispatches - d0 >= (3 + 8) * 4 * 6
+        _, steps, gen = _greedy(m, m.new_cache(128, 128), oracle["ids"], 8)
+        assert rel_err(got, ref) < 5e-5 and rel_err(steps, ref_steps) < 2e-5, (rel_err(got, ref),
+                                                                               rel_err(steps, ref_steps))
+        assert gen == ref_gen
+    finally:
+        e.close()
+        cpu.close()
+
+
+def test_deltanet_states_move_both_ways(monkeypatch):
+    """The DeltaNet states and the attention's K/V stay in step between the CPU's cache and the device's: a prompt on
+    the CPU, decode rows on the device (the CPU's states uploaded), two caches taking turns (each one's states
+    loaded again), then decode rows on the CPU from the states the device wrote back; a device prompt in chunks of 7
+    rows, then decode rows on the CPU from its states and K/V rows: every row's logits within 1e-5 of the CPU-only
+    run's."""
+    from tests.conftest import FIXTURES
+
+    path = FIXTURES / "oracles" / "qwen3next.gguf"
+    ids = [int(t) for t in np.load(FIXTURES / "oracles" / "qwen3next.npz")["ids"][:24]]
+    cpu = _engine(path, ctx=64)
+    e = _engine(path, layers=-1, ctx=64)
+    try:
+        cc = cpu.model.new_cache(64, 64)
+        ref = np.concatenate([cpu.model.forward(ids[:16], cc)] + [cpu.model.forward([t], cc) for t in ids[16:]])
+        m, dl = e.model, e.model.device_layers
+        a, b = m.new_cache(64, 64), m.new_cache(64, 64)
+        m.device_layers = None          # the prompts on the CPU
+        out_a, out_b = [m.forward(ids[:16], a)], [m.forward(ids[:16], b)]
+        m.device_layers = dl
+        for t in ids[16:20]:            # the two caches in turn on the device
+            out_a.append(m.forward([t], a))
+            out_b.append(m.forward([t], b))
+        assert dl.tokens == 8 and dl.prompt_tokens == 0
+        m.device_layers = None          # the rest of a on the CPU, from the states the device wrote back
+        out_a += [m.forward([t], a) for t in ids[20:]]
+        assert rel_err(np.concatenate(out_a), ref) < 1e-5
+        assert rel_err(np.concatenate(out_b), ref[:len(out_b)]) < 1e-5
+        m.device_layers, dl.prompt_rows = dl, 7
+        c = m.new_cache(64, 64)
+        out = [m.forward(ids[:16], c)]
+        assert dl.prompt_tokens == 16 and dl.prompt_chunks == 3
+        m.device_layers = None
+        out += [m.forward([t], c) for t in ids[16:]]
+        assert rel_err(np.concatenate(out), ref) < 1e-5
+    finally:
+        m.device_layers = dl
+        e.close()
+        cpu.close()
+
+
+def test_deltanet_qualification():
+    """A DeltaNet layer qualifies by what the device's kernels take: a key head wider than shaders/deltanet.comp's
+    shared rows is refused with its width."""
+    from tests.conftest import FIXTURES
+    from coli.engine import Engine
+    from coli.vulkan import device_layers
+
+    e = Engine(FIXTURES / "oracles" / "qwen3next.gguf", quiet=True, silent=True, save_usage=False, ctx=32)
+    try:
+        m = e.model
+        assert device_layers.why_not_all(m) == "" and device_layers.plan(m, 1 << 40, 32)[0] == 0
+        m.layers[1].linear_attn.dk = 512
+        assert device_layers.why_not(m, 1) == "a DeltaNet key head of 512 dims (the device's takes 256 at most)"
+        assert device_layers.plan(m, 1 << 40, 32)[0] == 2
+    finally:
+        e.close()
+
+
+def test_deltanet_device_failure_after_a_device_prompt(monkeypatch):
+    """The device fails at a decode row after it ran a prompt (chunks of 7) and decode rows: the CPU's cache already
+    holds the DeltaNet states and the K/V rows the device wrote (no row is the device's only), so the CPU goes on
+    from there: every row's logits within 1e-5 of the CPU-only run's, the greedy ids equal."""
+    from tests.conftest import FIXTURES
+    from coli.vulkan import DeviceLost
+
+    path = FIXTURES / "oracles" / "qwen3next.gguf"
+    ids = [int(t) for t in np.load(FIXTURES / "oracles" / "qwen3next.npz")["ids"][:22]]
+    cpu = _engine(path, ctx=64)
+    e = _engine(path, layers=-1, ctx=64)
+    try:
+        cc = cpu.model.new_cache(64, 64)
+        ref = np.concatenate([cpu.model.forward(ids[:16], cc)] + [cpu.model.forward([t], cc) for t in ids[16:]])
+        m, dl = e.model, e.model.device_layers
+        dl.prompt_rows = 7
+        c = m.new_cache(64, 64)
+        got = [m.forward(ids[:16], c)] + [m.forward([t], c) for t in ids[16:18]]
+        assert (dl.prompt_chunks, dl.tokens) == (3, 2) and dl._hi <= dl._lo
+
+        def boom(rec, wait=True):
+            raise DeviceLost("simulated")
+
+        monkeypatch.setattr(dl.K, "submit", boom)
+        got += [m.forward([t], c) for t in ids[18:]]
+        assert m.device_layers is None
+        got = np.concatenate(got)
+        assert rel_err(got, ref) < 1e-5, rel_err(got, ref)
+        assert (got.argmax(1) == ref.argmax(1)).all()
+    finally:
+        e.close()
+        cpu.close()
