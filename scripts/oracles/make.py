@@ -239,7 +239,7 @@ def decode_then_full(model, ids, steps: int, routers=(), grab=lambda out: [o.det
 def decode_after(name: str, ctx, model, ids, logits, steps: int, keep_full: bool = False, **arrays) -> dict:
     """After a no-cache prompt run (logits): ``steps`` greedy tokens with HF's cache, the whole sequence again without
     one (must agree to 1e-4 of the largest logit), and ``<name>.npz``: ids, logits, gen_ids, gen_logits,
-    [full_logits,] arrays. Returns what config.json records of it."""
+    [full_logits,] arrays (router_margin and logit_gap among them). Returns what config.json records of it."""
     _, gen, gen_logits, gaps = generate(model, ids, steps)
     full, _ = forward(model, continuation(ids, gen))
     d_cache = float(np.abs(full[len(ids) - 1:] - gen_logits).max())
@@ -247,7 +247,8 @@ def decode_after(name: str, ctx, model, ids, logits, steps: int, keep_full: bool
     np.savez(ctx.out / f"{name}.npz", ids=ids, logits=logits.astype(np.float32), gen_ids=np.array(gen, np.int32),
              gen_logits=gen_logits.astype(np.float32), **({"full_logits": full.astype(np.float32)} if keep_full else {}),
              **arrays)
-    return {"min_gen_logit_gap": min(gaps), "max_abs_logit": float(np.abs(logits).max()),
+    return {"min_router_margin": float(arrays["router_margin"].min()),
+            "min_logit_gap": float(arrays["logit_gap"].min()), "min_gen_logit_gap": min(gaps), "max_abs_logit": float(np.abs(logits).max()),
             "cached_vs_uncached_max_abs": d_cache}
 
 

@@ -276,7 +276,7 @@ def make(name: str, ctx) -> dict:
     d_mx = check_mxfp4(gguf_path, f)
     assert d_mx == 0.0, d_mx
     info = {"seed": seed, "router_scale": ROUTER_SCALE, "correction_bias_std": BIAS_STD,
-            "min_router_margin": float(margin.min()), "min_indexer_margin": imargin, "min_logit_gap": float(gap.min()),
+            "min_indexer_margin": imargin,
             **rec, "mxfp4_gguf_vs_hf_max_abs": d_mx,
             "gguf": "llama.cpp convert_hf_to_gguf.py --outtype f32 on the hub-layout checkpoint (conv/)",
             **M.versions(), "gguf_bytes": gguf_path.stat().st_size}

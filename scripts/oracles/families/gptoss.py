@@ -130,8 +130,7 @@ def make(name: str, ctx) -> dict:
     hf_dir.mkdir(parents=True, exist_ok=True)
     save_mxfp4_checkpoint(model, packed, hf_dir, ctx.tok_dir)
     info = M.converted(name, ctx, cfg, hf_dir, {
-        "seed": seed, "router_scale": M.ROUTER_SCALE, "min_router_margin": float(margin.min()),
-        "min_logit_gap": float(gap.min()), **rec,
+        "seed": seed, "router_scale": M.ROUTER_SCALE, **rec,
         "experts": "MXFP4 in the GGUF, equal to the HF weights (gguf-py dequantize)",
         "gguf": "llama.cpp convert_hf_to_gguf.py --outtype f32 from an openai-layout MXFP4 checkpoint"})
     return {**info, "expert_tensors_checked": len(check_gguf_experts(ctx.out / f"{name}.gguf", model))}

@@ -108,7 +108,6 @@ def make(name: str, ctx) -> dict:
     hf_dir = M.save_hf(model, ctx.work / name / "hf", ctx.tok_dir, hub_config(cfg))
     return M.converted(name, ctx, cfg, hf_dir, {
         "seed": seed, "router_scale": ROUTER_SCALE, "correction_bias_std": BIAS_STD,
-        "min_router_margin": float(margin.min()), "min_logit_gap": float(gap.min()),
         "rows_where_the_bias_changes_the_choice": r["bias_moves"], **rec,
         "min_group_margin": float(gmargin.min()), "rows_where_groups_change_the_choice": r["grouped_differs"],
         "rows_where_top2sum_and_max_group_scores_choose_differently": r["top2_vs_max"],

@@ -89,7 +89,7 @@ def make(name: str, ctx) -> dict:
          "merge_size": VISION["spatial_merge_size"], "temporal_patch_size": VISION["temporal_patch_size"]}) + "\n")
     M.convert(name, ctx.llama_cpp, hf_dir, out / f"{name}.gguf", "--no-mtp", outtype="f16")
     M.convert(name, ctx.llama_cpp, hf_dir, out / f"{name}.mmproj.gguf", "--mmproj")
-    return {"seed": seed, "min_router_margin": float(margin.min()), "min_logit_gap": float(gap.min()), **rec,
+    return {"seed": seed, **rec,
             "gguf_bytes": (out / f"{name}.gguf").stat().st_size,
             "mmproj_bytes": (out / f"{name}.mmproj.gguf").stat().st_size,
             "npz_bytes": (out / f"{name}.npz").stat().st_size}

@@ -53,5 +53,5 @@ def make(name: str, ctx) -> dict:
         "cached_vs_uncached_max_abs": rec["cached_vs_uncached_max_abs"]})
     hf_dir = M.save_hf(model, ctx.work / name / "hf", ctx.tok_dir)
     gguf_path = M.convert(name, ctx.llama_cpp, hf_dir, ctx.out / f"{name}.gguf", "--no-mtp")  # no MTP head here
-    return {"seed": seed, "min_router_margin": float(margin.min()), "min_logit_gap": float(gap.min()), **rec,
+    return {"seed": seed, **rec,
             "gguf_bytes": gguf_path.stat().st_size}
