@@ -275,8 +275,7 @@ def make(name: str, ctx) -> dict:
     gguf_path = M.convert(NAME, ctx.llama_cpp, conv, ctx.out / f"{NAME}.gguf", wrapper=M.HUB_CONFIG_WRAPPER)
     d_mx = check_mxfp4(gguf_path, f)
     assert d_mx == 0.0, d_mx
-    info = {"seed": seed, "router_scale": ROUTER_SCALE, "correction_bias_std": BIAS_STD,
-            "min_indexer_margin": imargin,
+    info = {"seed": seed, "router_scale": ROUTER_SCALE, "correction_bias_std": BIAS_STD, "min_indexer_margin": imargin,
             **rec, "mxfp4_gguf_vs_hf_max_abs": d_mx,
             "gguf": "llama.cpp convert_hf_to_gguf.py --outtype f32 on the hub-layout checkpoint (conv/)",
             **M.versions(), "gguf_bytes": gguf_path.stat().st_size}
