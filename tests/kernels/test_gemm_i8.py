@@ -199,11 +199,10 @@ def test_float_experts_in_an_int8_prompt_chunk_keep_the_f32_rows(tmp_path, monke
     """F32 experts have no int8 codes: in an int8 step with 4+ rows per expert (the GEMM tiles' case) they must
     still read the f32 rows, so the OLMoE oracle's F32 file gives the same logits in int8 and f32 modes, bit for
     bit, and HF's within 1e-4 (a prompt chunk once sent F32 experts through the int8 tiles: 0.89 off)."""
-    from pathlib import Path
-
     from coli.engine import Engine
+    from conftest import FIXTURES
 
-    fx = Path(__file__).parent / "fixtures" / "oracles"
+    fx = FIXTURES / "oracles"
     d = np.load(fx / "olmoe.npz")
     gemm_steps = []
     orig = X._experts_gemm
