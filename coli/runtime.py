@@ -26,7 +26,7 @@ from coli.base.progress import end_compile_bar, install
 from coli.gguf_file import open_gguf
 from coli.models import model_class, model_class_of
 from coli.tokenizer import Tokenizer
-from coli.vulkan import DeviceLost, VulkanError, device_layers
+from coli.vulkan import DeviceLost, VulkanError, device_layers, layer_plan
 from scheduler.balancer import Balancer
 from scheduler.layer_residency import LayerLFRU
 from scheduler.tier import Tier
@@ -317,12 +317,12 @@ def setup_layers(eng, dev, budget: int, balance=None) -> bool:
     moe = bool(eng.model.moe_layers)
     apart = bool(cpu_moe) and moe
     rows = settings.get("COLI_VK_PROMPT_ROWS", eng.env)
-    first, why = device_layers.plan(eng.model, budget, eng.ctx, None if want < 0 else want, prompt_rows=rows,
+    first, why = layer_plan.plan(eng.model, budget, eng.ctx, None if want < 0 else want, prompt_rows=rows,
                                     experts=not apart)
     if (not apart and moe and want > 0 and settings.get("COLI_VK_TIER_GB", eng.env) is not None
             and len(eng.model.layers) - first < want and "budget" in why):
         apart = True
-        first, why = device_layers.plan(eng.model, budget, eng.ctx, want, prompt_rows=rows, experts=False)
+        first, why = layer_plan.plan(eng.model, budget, eng.ctx, want, prompt_rows=rows, experts=False)
     n = len(eng.model.layers) - first
     if 0 < cpu_moe <= first and n and not eng.silent:   # llama.cpp's count from layer 0: only CPU layers named
         flag = f"--n-cpu-moe {cpu_moe}" if eng.cli_names else f"COLI_VK_CPU_MOE={cpu_moe}"
@@ -336,7 +336,7 @@ def setup_layers(eng, dev, budget: int, balance=None) -> bool:
             # the last layer refused: every layer's reason (runs of layers together), else what stopped the count
             last = why.startswith(f"layer {first - 1}:")
             print(f"[VK] {eng.path.name}: no decoder layer on the device "
-                  f"({device_layers.why_not_all(eng.model) if last else why}); {instead}", file=sys.stderr)
+                  f"({layer_plan.why_not_all(eng.model) if last else why}); {instead}", file=sys.stderr)
         return False
 
     try:
@@ -364,7 +364,7 @@ def layer_experts(eng, first: int, budget: int, cpu_moe: int) -> dict:
     """The routed experts of device layers ``first ..`` that sit on the device when they are placed apart from
     their layers: {layer: expert ids} (a layer absent: all of them). ``cpu_moe`` (``COLI_VK_CPU_MOE``): -1 every
     layer's experts on the CPU, N the first N layers' of the model. The other layers' experts fill what
-    ``budget`` leaves after the layers (:func:`coli.vulkan.device_layers.fixed_bytes`, ``layer_bytes`` without
+    ``budget`` leaves after the layers (:func:`coli.vulkan.layer_plan.fixed_bytes`, ``layer_bytes`` without
     experts), chosen as the tier's warm start chooses them (``scheduler.tier_policy.warm_plan``: the routing
     history's hottest first, then one unnamed expert per layer in turn). Static: no promotion while running."""
     m = eng.model
@@ -375,9 +375,9 @@ def layer_experts(eng, first: int, budget: int, cpu_moe: int) -> dict:
     rest = [il for il in moe if il not in out]
     if not rest:
         return out
-    used = device_layers.fixed_bytes(m, eng.ctx, settings.get("COLI_VK_PROMPT_ROWS", eng.env))
-    used += sum(device_layers.layer_bytes(m, il, eng.ctx, experts=False) for il in layers)
-    per = max(device_layers.expert_bytes(m, il) for il in rest)
+    used = layer_plan.fixed_bytes(m, eng.ctx, settings.get("COLI_VK_PROMPT_ROWS", eng.env))
+    used += sum(layer_plan.layer_bytes(m, il, eng.ctx, experts=False) for il in layers)
+    per = max(layer_plan.expert_bytes(m, il) for il in rest)
     cap = max(0, (int(budget) - used) // per)
     if cap >= E * len(rest):
         return out

@@ -469,7 +469,7 @@ def deepseek_route(k: int, *, gating: str = "softmax", n_group: int = 1, topk_gr
             w = w / (w.sum(axis=1, keepdims=True) + np.float32(1e-20))
         return ids.astype(np.int32), (w * np.float32(scale)).astype(np.float32)
 
-    # the rule, for the device layers (coli/vulkan/device_layers.py route_rule: shaders/topk.comp's DeepSeek flag)
+    # the rule, for the device layers (coli/vulkan/layer_plan.py route_rule: shaders/topk.comp's DeepSeek flag)
     route.deepseek = dict(k=k, gating=gating, n_group=n_group, topk_group=topk_group, group_score=group_score,
                           norm=norm, scale=scale, bias=bias)
     return route

@@ -120,7 +120,7 @@ class DecoderLayer:
     always has one sets ``needs_bias``."""
 
     needs_bias = False
-    #: the device's layer form (coli/vulkan/device_layers.py ``FORMS``): the MLA block qualifies by its kernels there
+    #: the device's layer form (coli/vulkan/layer_plan.py ``FORMS``): the MLA block qualifies by its kernels there
     device_form = "pre-norm"
 
     def __init__(self, m, il: int):

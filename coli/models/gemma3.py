@@ -32,7 +32,7 @@ class DecoderLayer:
     many_rows = True  # passes the cache to blocks.Attention only: Model.forward_rows can batch sequences
 
     moe = None
-    #: the block order for the device layers (coli/vulkan/device_layers.py ``FORMS``: a norm after each block too)
+    #: the block order for the device layers (coli/vulkan/layer_plan.py ``FORMS``: a norm after each block too)
     device_form = "sandwich"
 
     def __init__(self, m, il: int):

@@ -22,7 +22,7 @@ class DecoderLayer:
     layer has a router (``ffn_gate_inp``), else the dense SwiGLU FFN."""
 
     many_rows = True  # passes the cache to blocks.Attention only: Model.forward_rows can batch sequences
-    #: the block order for the device layers (coli/vulkan/device_layers.py ``FORMS``: they check the blocks' kernels)
+    #: the block order for the device layers (coli/vulkan/layer_plan.py ``FORMS``: they check the blocks' kernels)
     device_form = "pre-norm"
 
     def __init__(self, m, il: int, *, rope_kind: int, qk_norm: str | None = None, norm_topk: bool = True):

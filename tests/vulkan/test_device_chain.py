@@ -73,11 +73,11 @@ def test_part_resident_by_budget(tiny, cpu, chain):
     pairs split between the two sides, the logits the CPU-only run's; the run's stats and coli bench's records count
     both sides' expert rows."""
     from coli.bench import run_bench
-    from coli.vulkan import device_layers as DL
+    from coli.vulkan import layer_plan as LP
 
     m = cpu.model
-    need = DL.fixed_bytes(m, 64, settings.get("COLI_VK_PROMPT_ROWS")) + sum(
-        DL.layer_bytes(m, il, 64, experts=False) for il in range(4)) + 9 * DL.expert_bytes(m, 1)
+    need = LP.fixed_bytes(m, 64, settings.get("COLI_VK_PROMPT_ROWS")) + sum(
+        LP.layer_bytes(m, il, 64, experts=False) for il in range(4)) + 9 * LP.expert_bytes(m, 1)
     dev = _engine(tiny, COLI_VK_LAYERS=-1, COLI_VK_CPU_MOE=1, COLI_VK_TIER_GB=(need + 100) / 2**30)
     try:
         dl = dev.model.device_layers
@@ -111,11 +111,11 @@ def test_part_resident_by_budget(tiny, cpu, chain):
 def test_tier_gb_keeps_whole_layers_that_fit(tiny):
     """--gpu-layers N --tier-gb G where N whole layers fit G, or --gpu-layers -1 (as many as fit): whole layers, every
     expert on the device, as before; N that do not fit whole: their experts placed apart."""
-    from coli.vulkan import device_layers as DL
+    from coli.vulkan import layer_plan as LP
 
     ref = _engine(tiny)
     m = ref.model
-    whole2 = DL.fixed_bytes(m, 64, settings.get("COLI_VK_PROMPT_ROWS")) + 2 * DL.layer_bytes(m, 3, 64)
+    whole2 = LP.fixed_bytes(m, 64, settings.get("COLI_VK_PROMPT_ROWS")) + 2 * LP.layer_bytes(m, 3, 64)
     ref.close()
     for layers, first, apart in ((2, 2, False), (-1, 2, False), (4, 0, True)):
         e = _engine(tiny, COLI_VK_LAYERS=layers, COLI_VK_TIER_GB=(whole2 + 100) / 2**30)
@@ -191,7 +191,7 @@ def test_families_int8_tokens(family):
     resident (--gpu-layers L with a --tier-gb where L whole layers do not fit, holding about half of them): 8 greedy tokens equal the CPU-only run's with int8 activations
     on both sides (the CPU's experts int8 as in that run; the device's parts f32), the decode logits within 2e-3 of
     the largest (int8 rounding of slightly different inputs), both sides' expert rows counted."""
-    from coli.vulkan import device_layers as DL
+    from coli.vulkan import layer_plan as LP
     from tests.conftest import FIXTURES
 
     path = FIXTURES / "oracles" / f"{family}.gguf"
@@ -200,9 +200,9 @@ def test_families_int8_tokens(family):
     try:
         m = cpu.model
         n = len(m.layers)
-        half = DL.fixed_bytes(m, 64, settings.get("COLI_VK_PROMPT_ROWS")) + sum(
-            DL.layer_bytes(m, il, 64, experts=False) for il in range(n)) + \
-            (m.args.n_experts * n // 2) * DL.expert_bytes(m, 0)
+        half = LP.fixed_bytes(m, 64, settings.get("COLI_VK_PROMPT_ROWS")) + sum(
+            LP.layer_bytes(m, il, 64, experts=False) for il in range(n)) + \
+            (m.args.n_experts * n // 2) * LP.expert_bytes(m, 0)
         r_cpu = cpu.generate(ids=ids, max_tokens=8, temp=0.0, stop_at_eos=False)
         ref, _ = _decode(cpu, ids + list(r_cpu.ids)[:4], len(ids))
         for env in (dict(COLI_VK_CPU_MOE=-1), dict(COLI_VK_LAYERS=n, COLI_VK_TIER_GB=(half + 100) / 2**30)):
@@ -266,12 +266,12 @@ def test_hot_experts_swapped_in(tiny, cpu):
     tier's LFRU rule inside a layer (scheduler/layer_residency.py) swaps the token's hottest non-resident expert in
     for the coldest resident once its heat passes 1.25 x that one's + 4; the resident count of each layer stays, the
     expert table follows (the logits stay the CPU-only run's), and the policy alone gives the same swaps."""
-    from coli.vulkan import device_layers as DL
+    from coli.vulkan import layer_plan as LP
     from scheduler.layer_residency import LayerLFRU
 
     m = cpu.model
-    need = DL.fixed_bytes(m, 64, settings.get("COLI_VK_PROMPT_ROWS")) + sum(
-        DL.layer_bytes(m, il, 64, experts=False) for il in range(4)) + 9 * DL.expert_bytes(m, 1)
+    need = LP.fixed_bytes(m, 64, settings.get("COLI_VK_PROMPT_ROWS")) + sum(
+        LP.layer_bytes(m, il, 64, experts=False) for il in range(4)) + 9 * LP.expert_bytes(m, 1)
     dev = _engine(tiny, COLI_VK_LAYERS=4, COLI_VK_TIER_GB=(need + 100) / 2**30)
     try:
         dl = dev.model.device_layers
@@ -358,11 +358,11 @@ def test_balance_with_device_layers(tiny, cpu, chain):
     there (the device skips them: the route it reads points them at an absent expert). Held at its floor, it hands
     nearly every resident rank over; the logits stay the CPU-only run's (f32 both sides) and every routed pair is
     counted once, on one side. Free, it runs on its own measurements: the greedy tokens the CPU-only run's."""
-    from coli.vulkan import device_layers as DL
+    from coli.vulkan import layer_plan as LP
 
     m = cpu.model
-    need = DL.fixed_bytes(m, 64, settings.get("COLI_VK_PROMPT_ROWS")) + sum(
-        DL.layer_bytes(m, il, 64, experts=False) for il in range(4)) + 9 * DL.expert_bytes(m, 1)
+    need = LP.fixed_bytes(m, 64, settings.get("COLI_VK_PROMPT_ROWS")) + sum(
+        LP.layer_bytes(m, il, 64, experts=False) for il in range(4)) + 9 * LP.expert_bytes(m, 1)
     env = dict(COLI_VK_LAYERS=-1, COLI_VK_CPU_MOE=1, COLI_VK_TIER_GB=(need + 100) / 2**30)
     ref, _ = _decode(cpu, IDS, 5)
     n = len(IDS) - 5
@@ -401,12 +401,12 @@ def test_balance_cli(tiny, capsys):
     sides' routed pairs and the balancer's share; --cpu-moe --balance (no layer with experts on both sides): one
     line says there is nothing to balance, the run goes on."""
     from coli.cli import main
-    from coli.vulkan import device_layers as DL
+    from coli.vulkan import layer_plan as LP
 
     e = _engine(tiny)
     m = e.model
-    need = DL.fixed_bytes(m, 512, settings.get("COLI_VK_PROMPT_ROWS")) + sum(
-        DL.layer_bytes(m, il, 512, experts=False) for il in range(4)) + 12 * DL.expert_bytes(m, 1)
+    need = LP.fixed_bytes(m, 512, settings.get("COLI_VK_PROMPT_ROWS")) + sum(
+        LP.layer_bytes(m, il, 512, experts=False) for il in range(4)) + 12 * LP.expert_bytes(m, 1)
     e.close()
     bench = ["bench", "-m", str(tiny), "-p", "0", "-n", "3", "-r", "1", "--ctx", "512"]
     assert main([*bench, "--gpu-layers", "4", "--tier-gb", f"{(need + 100) / 2**30:.6f}", "--balance"]) == 0
@@ -424,11 +424,11 @@ def test_balance_device_lost_mid_layer(tiny, cpu, monkeypatch):
     queue drains), the queue drains (closing does not hang), the layers go back to the CPU and the decode logits are
     the CPU's bits."""
     from coli.vulkan import DeviceLost
-    from coli.vulkan import device_layers as DL
+    from coli.vulkan import layer_plan as LP
 
     m = cpu.model
-    need = DL.fixed_bytes(m, 64, settings.get("COLI_VK_PROMPT_ROWS")) + sum(
-        DL.layer_bytes(m, il, 64, experts=False) for il in range(4)) + 9 * DL.expert_bytes(m, 1)
+    need = LP.fixed_bytes(m, 64, settings.get("COLI_VK_PROMPT_ROWS")) + sum(
+        LP.layer_bytes(m, il, 64, experts=False) for il in range(4)) + 9 * LP.expert_bytes(m, 1)
     dev = _engine(tiny, balance=True, COLI_VK_LAYERS=-1, COLI_VK_CPU_MOE=1, COLI_VK_TIER_GB=(need + 100) / 2**30)
     try:
         ref, _ = _decode(cpu, IDS[:7], 4)

@@ -34,7 +34,7 @@ def test_deltanet_layers_against_hf(family, monkeypatch):
     itself is 2.2e-5 from HF) and 2e-5 (the decode rows), and its greedy tokens. The CPU's DeltaNet is made to fail meanwhile: the device did that work."""
     from tests.conftest import FIXTURES
     from tests.oracle_check import check_prompt_and_decode
-    from coli.vulkan import device_layers
+    from coli.vulkan import layer_plan
 
     path = FIXTURES / "oracles" / f"{family}.gguf"
     oracle = np.load(FIXTURES / "oracles" / f"{family}.npz")
@@ -43,7 +43,7 @@ def test_deltanet_layers_against_hf(family, monkeypatch):
     try:
         ref, ref_steps, ref_gen = _greedy(cpu.model, cpu.model.new_cache(128, 128), oracle["ids"], 8)
         m, dl = e.model, e.model.device_layers
-        assert device_layers.why_not_all(m) == ""
+        assert layer_plan.why_not_all(m) == ""
         assert dl is not None and dl.first == 0 and dl.head is not None and dl.dn is not None
         rec = list(m.args.recurrent)    # qwen3next: layers 0-2 DeltaNet, 3 attention; qwen35moe: 0 and 2, 1 and 3
         assert sum(rec) >= 2 and not all(rec)
@@ -110,15 +110,15 @@ def test_deltanet_qualification():
     shared rows is refused with its width."""
     from tests.conftest import FIXTURES
     from coli.engine import Engine
-    from coli.vulkan import device_layers
+    from coli.vulkan import layer_plan
 
     e = Engine(FIXTURES / "oracles" / "qwen3next.gguf", quiet=True, silent=True, save_usage=False, ctx=32)
     try:
         m = e.model
-        assert device_layers.why_not_all(m) == "" and device_layers.plan(m, 1 << 40, 32)[0] == 0
+        assert layer_plan.why_not_all(m) == "" and layer_plan.plan(m, 1 << 40, 32)[0] == 0
         m.layers[1].linear_attn.dk = 512
-        assert device_layers.why_not(m, 1) == "a DeltaNet key head of 512 dims (the device's takes 256 at most)"
-        assert device_layers.plan(m, 1 << 40, 32)[0] == 2
+        assert layer_plan.why_not(m, 1) == "a DeltaNet key head of 512 dims (the device's takes 256 at most)"
+        assert layer_plan.plan(m, 1 << 40, 32)[0] == 2
     finally:
         e.close()
 

@@ -165,18 +165,18 @@ def test_perplexity_and_the_placement_are_reported(tiny):
 
 
 def test_plan_counts_budget_and_request(engines, tiny):
-    from coli.vulkan import device_layers
+    from coli.vulkan import layer_plan
 
     cpu, _ = engines
     m = cpu.model
-    per, fixed = device_layers.layer_bytes(m, 3, 64), device_layers.fixed_bytes(m, 64)
+    per, fixed = layer_plan.layer_bytes(m, 3, 64), layer_plan.fixed_bytes(m, 64)
     assert fixed >= m.t["output.weight"].nbytes
-    assert device_layers.plan(m, fixed + 10 * per, 64) == (0, "every layer")
-    first, why = device_layers.plan(m, fixed + int(2.5 * per), 64)
+    assert layer_plan.plan(m, fixed + 10 * per, 64) == (0, "every layer")
+    first, why = layer_plan.plan(m, fixed + int(2.5 * per), 64)
     assert first == 2 and "budget" in why
-    first, why = device_layers.plan(m, fixed + 10 * per, 64, want=1)
+    first, why = layer_plan.plan(m, fixed + 10 * per, 64, want=1)
     assert first == 3 and "COLI_VK_LAYERS" in why
-    assert device_layers.why_not(m, 0) is None
+    assert layer_plan.why_not(m, 0) is None
 
 
 def test_a_cache_smaller_than_the_context(tiny):
@@ -250,24 +250,24 @@ def test_layers_qualify_by_what_they_need(family, why):
     no longer refuse a layer, a q/k norm or an FFN activation without a kernel does."""
     from tests.conftest import FIXTURES
     from coli.engine import Engine
-    from coli.vulkan import device_layers
+    from coli.vulkan import layer_plan
 
     e = Engine(FIXTURES / "oracles" / f"{family}.gguf", quiet=True, silent=True, save_usage=False, ctx=32)
     try:
         m = e.model
-        assert device_layers.why_not_all(m) == why
-        assert device_layers.plan(m, 1 << 40, 32)[0] == (len(m.layers) if why else 0)
+        assert layer_plan.why_not_all(m) == why
+        assert layer_plan.plan(m, 1 << 40, 32)[0] == (len(m.layers) if why else 0)
         if why:
             return
         L = m.layers[0]
         L.attn.window = 4
-        assert device_layers.why_not(m, 0) is None
+        assert layer_plan.why_not(m, 0) is None
         L.attn.qk_norm = "rows"
-        assert device_layers.why_not(m, 0) == "q/k norm 'rows' (no device kernel)"
+        assert layer_plan.why_not(m, 0) == "q/k norm 'rows' (no device kernel)"
         L.attn.qk_norm = None
         if L.mlp is not None:
             L.mlp.act = "relu2"
-            assert device_layers.why_not(m, 0) == "the FFN activation 'relu2' (no device kernel)"
+            assert layer_plan.why_not(m, 0) == "the FFN activation 'relu2' (no device kernel)"
     finally:
         e.close()
 
@@ -340,7 +340,7 @@ def test_gemma3_sandwich_window_and_two_ropes(model_path):
     1e-5 of the largest (the window changes them by far more); with the last 6 layers on the device, greedy tokens at
     the default activations (int8 on the CPU, f32 on the device) equal the CPU-only run's."""
     from coli.engine import Engine
-    from coli.vulkan import device_layers
+    from coli.vulkan import device_layers, layer_plan
 
     path = model_path("gemma3")
     W = 5
@@ -369,7 +369,7 @@ def test_gemma3_sandwich_window_and_two_ropes(model_path):
             a.window = w
         ref = run(e, ids, 2)
         assert rel_err(full, ref[:len(ids)]) > 1e-2        # the window matters here
-        assert device_layers.why_not_all(m) == ""
+        assert layer_plan.why_not_all(m) == ""
         dev = open_test_device()
         dl = device_layers.DeviceLayers(m, dev, 0, 32, head=False)   # the head (262144 rows) on the CPU: seconds
         dl.prompt_rows = 7
@@ -626,7 +626,7 @@ def test_deepseek_router_on_the_device():
     far more)."""
     from tests.conftest import FIXTURES
     from coli.models.blocks import deepseek_route
-    from coli.vulkan import device_layers
+    from coli.vulkan import device_layers, layer_plan
 
     path = FIXTURES / "oracles" / "mixtral.gguf"
     ids = np.load(FIXTURES / "oracles" / "mixtral.npz")["ids"][:16]
@@ -648,7 +648,7 @@ def test_deepseek_router_on_the_device():
                                          norm=True, scale=1.5, bias=bias)
         ref = run()
         assert rel_err(ref, base) > 1e-2
-        assert device_layers.why_not_all(m) == ""
+        assert layer_plan.why_not_all(m) == ""
         dev = open_test_device()
         dl = device_layers.DeviceLayers(m, dev, 0, 32)
         dl.prompt_rows = 5

@@ -32,10 +32,10 @@ def cpu(tiny):
 
 def _part_resident_env(m, n_res: int) -> dict:
     """--n-cpu-moe 1 with a --tier-gb holding the 4 layers without experts and ``n_res`` of layers 1-3's experts."""
-    from coli.vulkan import device_layers as DL
+    from coli.vulkan import layer_plan as LP
 
-    need = DL.fixed_bytes(m, 64, settings.get("COLI_VK_PROMPT_ROWS")) + sum(
-        DL.layer_bytes(m, il, 64, experts=False) for il in range(4)) + n_res * DL.expert_bytes(m, 1)
+    need = LP.fixed_bytes(m, 64, settings.get("COLI_VK_PROMPT_ROWS")) + sum(
+        LP.layer_bytes(m, il, 64, experts=False) for il in range(4)) + n_res * LP.expert_bytes(m, 1)
     return dict(COLI_VK_LAYERS=-1, COLI_VK_CPU_MOE=1, COLI_VK_TIER_GB=(need + 100) / 2**30)
 
 
@@ -135,7 +135,7 @@ def test_families_prompt_int8_tokens(family):
     them resident, and every expert streamed for the prompt (COLI_VK_PROMPT_EXPERTS=stream): the prompt's rows on the
     device (its CPU pairs int8 as in the CPU-only run), 8 greedy tokens equal to the CPU-only int8 run's, the
     prompt's last logits within 2e-3 of the largest."""
-    from coli.vulkan import device_layers as DL
+    from coli.vulkan import layer_plan as LP
     from tests.conftest import FIXTURES
 
     path = FIXTURES / "oracles" / f"{family}.gguf"
@@ -144,9 +144,9 @@ def test_families_prompt_int8_tokens(family):
     try:
         m = cpu.model
         n = len(m.layers)
-        half = DL.fixed_bytes(m, 64, settings.get("COLI_VK_PROMPT_ROWS")) + sum(
-            DL.layer_bytes(m, il, 64, experts=False) for il in range(n)) + \
-            (m.args.n_experts * n // 2) * DL.expert_bytes(m, 0)
+        half = LP.fixed_bytes(m, 64, settings.get("COLI_VK_PROMPT_ROWS")) + sum(
+            LP.layer_bytes(m, il, 64, experts=False) for il in range(n)) + \
+            (m.args.n_experts * n // 2) * LP.expert_bytes(m, 0)
         r_cpu = cpu.generate(ids=ids, max_tokens=8, temp=0.0, stop_at_eos=False)
         ref = cpu.model.forward(ids, cpu.model.new_cache(64, 64))
         for env in (dict(COLI_VK_CPU_MOE=-1), dict(COLI_VK_LAYERS=n, COLI_VK_TIER_GB=(half + 100) / 2**30),

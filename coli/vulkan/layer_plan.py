@@ -1,0 +1,412 @@
+"""Which decoder layers run whole on the device (coli/vulkan/device_layers.py) and what they cost in device bytes:
+functions of the model alone (no device is opened here; docs/vulkan.md "Device layers").
+
+Which layers: :func:`plan` (the device's budget: each layer's weights and its KV cache; ``COLI_VK_LAYERS``
+sets the count). Which layers qualify: :func:`why_not`, by what a layer needs: its form (pre-norm, or Gemma 3's norms
+after each block too), its attention (GQA, rope NORM / NEOX with a table a layer, q/k norms, biases, a sliding window,
+gpt-oss's sinks, Qwen3-Next's output gate; or DeepSeek-V2's MLA over a latent cache, shaders/mla.comp; or
+Gated DeltaNet with its conv and recurrent states on the device, shaders/deltanet.comp), its FFN (the softmax
+top-k MoE with Qwen2-MoE's shared expert, gpt-oss's biased MoE with its top-k softmax router and clamped SwiGLU, or the dense
+SwiGLU / GeGLU FFN) and its tensors' formats. The predicates that tell a layer's blocks apart (:func:`is_deltanet`,
+:func:`is_mla`, :func:`is_gated`, :func:`attn_block`) and the sizes the device's buffers take (:func:`hidden_width`)
+serve ``DeviceLayers`` too.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+_NORM, _NEOX = 0, 2
+
+
+def device_formats():
+    """The tensor types the device has kernels for (``coli.vulkan.shaders.FORMATS``)."""
+    from coli.vulkan import shaders as S
+
+    return S.FORMATS
+
+
+SHEXP_TENSORS = ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
+MLP_TENSORS = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+#: the layer forms the device runs (a family's decoder layer says its form in ``device_form``): "pre-norm"
+#: ``h += attn(norm(h)); h += ffn(norm(h))`` (llama.DecoderLayer); "sandwich" with a norm after each block too,
+#: ``h += norm(attn(norm(h))); h += norm(ffn(norm(h)))`` (gemma3.DecoderLayer: ``post_attention_norm``,
+#: ``post_ffw_norm``)
+FORMS = ("pre-norm", "sandwich")
+
+
+def _cls(x) -> str:
+    return f"{type(x).__module__.rsplit('.', 1)[-1]}.{type(x).__name__}"
+
+
+def _layer_tensors(m, il: int) -> list[str]:
+    """The GGUF tensors layer ``il`` places on the device (its norms besides: f32 vectors)."""
+    p = f"blk.{il}."
+    at = attn_block(m.layers[il])
+    if is_deltanet(m.layers[il]):    # its conv weights, ssm_a, dt bias and norm go as f32 (dn_bytes)
+        ba = ("ssm_ba.weight",) if p + "ssm_ba.weight" in m.t else ("ssm_beta.weight", "ssm_alpha.weight")
+        names = [p + n for n in ("attn_qkv.weight", "attn_gate.weight") + ba + ("ssm_out.weight",)]
+    elif is_mla(at):     # its attn_k_b / attn_v_b go as f32 (mla_bytes)
+        qs = ("attn_q.weight",) if at.attn_q is not None else ("attn_q_a.weight", "attn_q_b.weight")
+        names = [p + n for n in qs + ("attn_kv_a_mqa.weight", "attn_output.weight")]
+    else:
+        names = [p + n for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight")]
+    if getattr(m.layers[il], "moe", None) is None:      # the dense FFN
+        return names + [p + n for n in MLP_TENSORS]
+    names += [p + n for n in ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight",
+                              "ffn_down_exps.weight")]
+    if p + SHEXP_TENSORS[0] in m.t:     # Qwen2-MoE's shared expert and its gate
+        names += [p + n for n in SHEXP_TENSORS]
+        if p + "ffn_gate_inp_shexp.weight" in m.t:
+            names.append(p + "ffn_gate_inp_shexp.weight")
+    return names
+
+
+def _is(x, name: str) -> bool:
+    """Whether ``x`` is exactly the class ``name`` (``module.qualname``; by name: coli.vulkan imports no model)."""
+    return f"{type(x).__module__}.{type(x).__qualname__}" == name
+
+
+def is_deltanet(L) -> bool:
+    """Whether layer ``L`` mixes with Gated DeltaNet (``coli.models.deltanet.GatedDeltaNet``, shaders/deltanet.comp)."""
+    return _is(getattr(L, "linear_attn", None), "coli.models.deltanet.GatedDeltaNet")
+
+
+def is_gated(L) -> bool:
+    """Whether layer ``L``'s attention is Qwen3-Next's gated attention (``qwen3next.GatedAttention``: q and a
+    sigmoid output gate from one ``attn_q``)."""
+    return _is(getattr(L, "self_attn", None), "coli.models.qwen3next.GatedAttention")
+
+
+def attn_block(L):
+    """Layer ``L``'s attention block (``blocks.Attention``, MLA, ...: the gated attention's inner ``Attention``), or
+    None (a DeltaNet layer)."""
+    return L.self_attn.attn if is_gated(L) else getattr(L, "attn", None)
+
+
+#: shaders/deltanet.comp's bound on the key head width (its q and k rows in shared memory)
+DN_MAXK = 256
+
+
+def _why_not_dn(m, il: int, dn) -> str | None:
+    """Why the Gated DeltaNet block ``dn`` of layer ``il`` has no device kernels, or None."""
+    if dn.dk > DN_MAXK:
+        return f"a DeltaNet key head of {dn.dk} dims (the device's takes {DN_MAXK} at most)"
+    if f"blk.{il}.attn_qkv.weight" not in m.t:
+        return "a fused ssm_in (an older conversion: no device kernel)"
+    return None
+
+
+def dn_bytes(dn) -> int:
+    """Device bytes of a DeltaNet block besides its GGUF matrices: the conv weights, ssm_a, dt bias and norm as f32,
+    its conv state and recurrent state (independent of the context)."""
+    C = dn.conv_channels
+    return 4 * (C * dn.kernel + 2 * dn.n_v_heads + dn.dv + (dn.kernel - 1) * C + dn.n_v_heads * dn.dk * dn.dv)
+
+
+def is_mla(a) -> bool:
+    """Whether the attention block ``a`` is DeepSeek-V2's MLA (``coli.models.mla.MLA``, shaders/mla.comp)."""
+    return _is(a, "coli.models.mla.MLA")
+
+
+#: shaders/mla.comp's bounds: a cache row (kv_lora_rank + rope dims) and a nope part of at most MLA_MAXW floats
+MLA_MAXW = 1152
+
+
+def _why_not_mla(a) -> str | None:
+    """Why the MLA block ``a`` has no device kernels, or None (shaders/mla.comp: the absorbed form over the latent
+    cache, rope NORM or none)."""
+    if a.r + a.dr > MLA_MAXW or a.dn > MLA_MAXW:
+        return f"an MLA latent of {a.r} + {a.dr} dims (the device's MLA takes {MLA_MAXW} at most)"
+    if a.dr % 2:
+        return "an odd MLA rope width (no device kernel)"
+    return None
+
+
+def rope_key(at) -> tuple:
+    """(base, scaling, rotated dims) of an attention block: its rope table."""
+    return (at.rope_base, at.rope_scaling, at.dr if is_mla(at) else at.n_rot)
+
+
+def mla_bytes(at, ctx: int) -> int:
+    """Device bytes of an MLA block besides its GGUF matrices: attn_k_b and attn_v_b as f32 and the latent cache
+    of ``ctx`` positions (f32 [ctx, kv_lora_rank + rope dims])."""
+    return 4 * (int(at.attn_k_b.size) + int(at.attn_v_b.size)) + 4 * int(ctx) * (at.r + at.dr)
+
+
+#: cpu_kernels.experts' activation kinds (its ACT_*), the numbers shaders/act.glsl takes
+ACT_SWIGLU, ACT_GEGLU, ACT_SWIGLU_OAI = 0, 1, 2
+
+
+def route_rule(moe) -> tuple | None:
+    """The MoE block's routing rule as the device runs it: ``("softmax_topk", k, renormalise)`` (softmax over every
+    expert, then top-k: ``blocks.softmax_topk``), ``("topk_softmax", k, False)`` (top-k of the logits, then the
+    softmax over the k chosen: gpt-oss), ``("deepseek", k, renormalise, gating, n_group, topk_group, group_score,
+    scale)`` (``blocks.deepseek_route``; its correction bias is the layer's own), or None (another rule)."""
+    r = getattr(moe.route, "softmax_topk", None)
+    if r is not None:
+        return ("softmax_topk", int(r[0]), bool(r[1]))
+    ds = getattr(moe.route, "deepseek", None)
+    if ds is not None:
+        return ("deepseek", int(ds["k"]), bool(ds["norm"]), ds["gating"], int(ds["n_group"]), int(ds["topk_group"]),
+                ds["group_score"], float(ds["scale"]))
+    k = getattr(moe.route, "topk_softmax", None)
+    return None if k is None else ("topk_softmax", int(k), False)
+
+
+def _why_not_attention(a) -> str | None:
+    """Why the attention block ``a`` has no device kernels, or None: ``coli.models.blocks.Attention`` (GQA) with rope
+    NORM / NEOX (any base and scaling: a table a layer), q/k norms per head or over the projection, q/k/v/o biases,
+    a sliding window, head widths up to 256 with V's equal to K's; or DeepSeek-V2's MLA (:func:`_why_not_mla`)."""
+    if is_mla(a):
+        return _why_not_mla(a)
+    # gpt-oss's: one sink logit a head in the softmax's denominator (attn_dec / attn_pre take it)
+    if not (_is(a, "coli.models.blocks.Attention") or _is(a, "coli.models.gptoss.SinkAttention")):
+        if getattr(a, "attn_sinks", None) is not None:
+            return f"attention sinks ({_cls(a)}: no device kernel)"
+        return f"its attention is {_cls(a)} (no device kernel)"
+    if a.rope_kind not in (_NORM, _NEOX):
+        return "a rope pairing without a device kernel"
+    if a.qk_norm not in (None, "heads", "full"):
+        return f"q/k norm '{a.qk_norm}' (no device kernel)"
+    if a.head_dim > 256 or a.head_dim != a.attn_v.shape[0] // a.n_kv:
+        return "a head width above 256 or a V head width other than K's"
+    if a.n_rot % 2 or a.n_rot > a.head_dim or a.n_heads % a.n_kv:
+        return "a rope width or a head grouping without a device kernel"
+    return None
+
+
+def _why_not_ffn(m, il: int, L) -> str | None:
+    """Why the FFN of layer ``L`` has no device kernels, or None: the MoE block (up to 512 experts, top-32) with the
+    softmax top-k, gpt-oss's top-k softmax or the DeepSeek router (:func:`route_rule`) and an optional shared expert
+    (with its sigmoid gate), gpt-oss's biased MoE, or the dense gated FFN (SwiGLU or GeGLU)."""
+    moe, mlp = getattr(L, "moe", None), getattr(L, "mlp", None)
+    if moe is None and mlp is None:
+        return "a layer without an FFN block"
+    if moe is None:
+        if not _is(mlp, "coli.models.blocks.MLP"):
+            return f"its FFN is {_cls(mlp)} (no device kernel)"
+        if mlp.act not in ("swiglu", "geglu"):
+            return f"the FFN activation '{mlp.act}' (no device kernel)"
+        return None
+    if _is(moe, "coli.models.gptoss.BiasedMoE"):    # a router bias, expert biases, the clamped SwiGLU
+        if moe.ffn.kind not in (ACT_SWIGLU, ACT_SWIGLU_OAI):
+            return f"expert activation {moe.ffn.kind} (no device kernel)"
+    elif not _is(moe, "coli.models.blocks.MoE"):
+        return f"its MoE block is {_cls(moe)} (no device kernel)"
+    rule = route_rule(moe)
+    if rule is None:
+        return "a router other than softmax top-k, top-k softmax or DeepSeek's"
+    if rule[0] == "deepseek" and rule[4] > 64:
+        return f"{rule[4]} expert groups (the device's top-k takes up to 64)"
+    if hasattr(m.g, "expert_source"):
+        return "experts of a Hugging Face folder (read through its expert source, not as GGUF tensors)"
+    E, k = m.args.n_experts, rule[1]
+    if E > 512 or not 1 <= k <= min(32, E):
+        return f"{E} experts, top-{k} (the device's top-k takes up to 512 experts and 32 a token)"
+    return None
+
+
+def why_not(m, il: int) -> str | None:
+    """None when layer ``il`` of model ``m`` can run whole on the device, else why not (one phrase). By what the
+    layer needs, not by its class: its form (``device_form``: :data:`FORMS`), its attention block
+    (:func:`_why_not_attention`), its FFN (:func:`_why_not_ffn`) and its tensors' formats (a device decoder for each,
+    widths in whole 32-weight units; gate and up of one format: one kernel reads both)."""
+    L = m.layers[il]
+    form = getattr(L, "device_form", None)
+    if form not in FORMS:
+        # the mixer's name where the layer has one (the first kernel it lacks), else the layer's
+        mixer = next((x for x in (getattr(L, n, None) for n in ("attn", "linear_attn", "self_attn", "mla"))
+                      if x is not None), None)
+        if getattr(mixer, "attn_sinks", None) is not None:
+            return f"attention sinks ({_cls(mixer)}: no device kernel)"
+        if mixer is not None and not type(mixer).__module__.endswith(".blocks"):
+            return f"its mixer is {_cls(mixer)} (no device kernel)"
+        return f"its layers are {_cls(L)} (a block order without a device form)"
+    w = (_why_not_dn(m, il, L.linear_attn) if is_deltanet(L) else _why_not_attention(attn_block(L))) or _why_not_ffn(m, il, L)
+    if w is not None:
+        return w
+    for n in _layer_tensors(m, il):
+        ti = m.t[n]
+        if ti.type_name not in device_formats():
+            return f"tensor '{n}' is {ti.type_name} (no device kernel)"
+        if int(ti.shape[-1]) % 32:
+            return f"tensor '{n}' has {int(ti.shape[-1])} columns (not a multiple of 32)"
+    p = f"blk.{il}."
+    pairs = [("ffn_gate_exps", "ffn_up_exps"), ("ffn_gate_shexp", "ffn_up_shexp"), ("ffn_gate", "ffn_up")]
+    for g, u in pairs:
+        if p + g + ".weight" in m.t and p + u + ".weight" in m.t and \
+                m.t[p + g + ".weight"].type_name != m.t[p + u + ".weight"].type_name:
+            return f"{g} and {u} of different types"
+    return None
+
+
+def expert_bytes(m, il: int) -> int:
+    """Device bytes of one routed expert of layer ``il`` (its gate, up and down rows as stored)."""
+    p = f"blk.{il}."
+    return sum(int(m.t[p + n + ".weight"].nbytes) for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")) \
+        // int(m.args.n_experts)
+
+
+def why_not_all(m) -> str:
+    """Every layer's :func:`why_not`, runs of layers with one reason together: ``layers 0-17: a sliding window; layer
+    18: ...`` (empty when every layer qualifies)."""
+    runs: list = []
+    for il in range(len(m.layers)):
+        w = why_not(m, il)
+        if w is None:
+            continue
+        if runs and runs[-1][2] == w and runs[-1][1] == il - 1:
+            runs[-1][1] = il
+        else:
+            runs.append([il, il, w])
+    return "; ".join((f"layer {a}" if a == b else f"layers {a}-{b}") + f": {w}" for a, b, w in runs)
+
+
+def layer_bytes(m, il: int, ctx: int, experts: bool = True) -> int:
+    """Device bytes of layer ``il``: its weight tensors as stored (GGUF blocks; the router as f32) and its K and
+    V cache of ``ctx`` positions (f32); ``experts=False``: without the routed experts (they stay on the CPU or
+    are placed one by one: ``expert_bytes``)."""
+    a = attn_block(m.layers[il])
+    w = sum(int(m.t[n].nbytes) for n in _layer_tensors(m, il) if not n.endswith("ffn_gate_inp.weight")
+            and (experts or "_exps." not in n))
+    if f"blk.{il}.ffn_gate_inp.weight" in m.t:
+        w += 4 * int(np.prod(m.t[f"blk.{il}.ffn_gate_inp.weight"].shape))
+    if is_deltanet(m.layers[il]):
+        return w + dn_bytes(m.layers[il].linear_attn)
+    if is_mla(a):
+        return w + mla_bytes(a, ctx)
+    return w + 2 * a.n_kv * int(ctx) * a.head_dim * 4
+
+
+def _ffn_key(m, il: int) -> tuple:
+    L, t, p = m.layers[il], m.t, f"blk.{il}."
+    if L.moe is None:
+        return ("dense", int(t[p + MLP_TENSORS[0]].shape[0]))
+    return ("moe", tuple(int(s) for s in t[p + "ffn_gate_exps.weight"].shape), route_rule(L.moe),
+            tuple(int(s) for s in t[p + SHEXP_TENSORS[0]].shape) if p + SHEXP_TENSORS[0] in t else None)
+
+
+def _shape_key(m, il: int) -> tuple:
+    """What the device's buffers take from one layer (they are sized from the first of its mixer kind): (the mixer's
+    shape, its first item the kind: "mla", "gqa" or "dn", the FFN's); the rest (rope, window, norms, scale,
+    formats) is a layer's own."""
+    L = m.layers[il]
+    if is_deltanet(L):
+        x = L.linear_attn
+        return (("dn", x.n_k_heads, x.n_v_heads, x.dk, x.dv, x.kernel, x.tiled, x.ssm_ba is not None),
+                _ffn_key(m, il))
+    a = attn_block(L)
+    if is_mla(a):
+        return (("mla", a.H, a.r, a.dn, a.dr, a.dv, a.attn_q is None), _ffn_key(m, il))
+    return (("gqa", a.n_heads, a.n_kv, a.head_dim, is_gated(L)), _ffn_key(m, il))
+
+
+def _shapes_agree(m, il: int) -> bool:
+    """Whether layer ``il`` shares its FFN's shape with every later layer and its mixer's with the later layers of
+    its kind; DeltaNet layers mix with one other kind (Qwen3-Next's gated attention), MLA and GQA do not mix."""
+    k = _shape_key(m, il)
+    later = [_shape_key(m, j) for j in range(il + 1, len(m.layers))]
+    kinds = {x[0][0] for x in later + [k]} - {"dn"}
+    # a dense FFN of any width sits beside MoE layers (DeepSeek's leading dense layers); MoE layers share theirs
+    return len(kinds) <= 1 and all((x[1] == k[1] or "dense" in (x[1][0], k[1][0]))
+                                   and (x[0] == k[0] or x[0][0] != k[0][0]) for x in later)
+
+
+def hidden_width(m, il: int) -> int:
+    """Floats of the FFN's hidden rows of one token in layer ``il``: top-k x the expert width, the shared expert's
+    width, or the dense FFN's."""
+    L, t, p = m.layers[il], m.t, f"blk.{il}."
+    if L.moe is None:
+        return int(t[p + MLP_TENSORS[0]].shape[0])
+    w = route_rule(L.moe)[1] * int(t[p + "ffn_gate_exps.weight"].shape[1])
+    return max(w, int(t[p + SHEXP_TENSORS[0]].shape[0]) if p + SHEXP_TENSORS[0] in t else 0)
+
+
+def _rope_tables(m) -> int:
+    """Distinct rope tables (base, scaling, width) of the model's layers (Gemma 3: the local and the global one)."""
+    keys = {rope_key(attn_block(L)) for il, L in enumerate(m.layers) if why_not(m, il) is None and not is_deltanet(L)}
+    return max(1, len(keys))
+
+
+def _mla_floats(m) -> int:
+    """Floats of one row's MLA scratch (q, kv, q_a, the absorbed q, the attended latent, the values), 0 without MLA
+    layers on the device."""
+    out = 0
+    for il, L in enumerate(m.layers):
+        a = getattr(L, "attn", None)
+        if is_mla(a) and why_not(m, il) is None:
+            W = a.r + a.dr
+            ql = 0 if a.attn_q is not None else int(a.attn_q_a.shape[0])
+            out = max(out, a.H * (a.dn + a.dr) + W + ql + a.H * W + a.H * a.r + a.H * a.dv)
+    return out
+
+
+def _dn_floats(m) -> int:
+    """Floats of one row's DeltaNet scratch (the q/k/v rows before and after the conv, z, beta and alpha, the
+    output), 0 without DeltaNet layers on the device."""
+    out = 0
+    for il, L in enumerate(m.layers):
+        if is_deltanet(L) and why_not(m, il) is None:
+            x = L.linear_attn
+            out = max(out, 2 * x.conv_channels + 2 * x.n_v_heads * x.dv + 2 * x.n_v_heads)
+    return out
+
+
+def prompt_bytes(m, rows: int) -> int:
+    """Device bytes of the prompt chunks' scratch at ``rows`` rows (``DeviceLayers._prompt_bufs``): the hidden and
+    normalized rows, q/k/v, q, the attention output, router logits, routes, the grouped pairs, the experts' h and
+    outputs, the shared expert's output, a post-norm's input and the logits of every row."""
+    a = m.args
+    n = len(m.layers)
+    F = max((hidden_width(m, il) for il in range(n) if why_not(m, il) is None), default=0)
+    nqkv = (a.n_heads + 2 * a.n_kv_heads) * a.head_dim
+    k = a.top_k if m.moe_layers else 0
+    per_row = (5 * a.d_model + nqkv + 2 * a.n_heads * a.head_dim + a.n_experts + 2 * n * k + 2 + k
+               + F + k * a.d_model + a.vocab + _mla_floats(m) + _dn_floats(m) + a.n_heads * a.head_dim)
+    return 4 * int(rows) * per_row + 4 * (a.n_experts + 1) + 256 * 24
+
+
+def fixed_bytes(m, ctx: int, prompt_rows: int = 0) -> int:
+    """Device bytes besides the layers': the head (``output``, or the tied ``token_embd``, the output norm and its
+    logits), the rope tables, the attention scores and the scratch rows (``DeviceLayers``' buffers, rounded up),
+    and the prompt chunks' scratch at ``prompt_rows`` rows (:func:`prompt_bytes`)."""
+    a = m.args
+    out = m.t.get("output.weight", m.tok_embd)
+    n = len(m.layers)
+    F = max((hidden_width(m, il) for il in range(n) if why_not(m, il) is None), default=0)
+    k = a.top_k if m.moe_layers else 0
+    rows = (9 * a.d_model + 4 * a.n_heads * a.head_dim        # hidden rows in and out, q/k/v, q, attention out
+            + a.n_heads * int(ctx) + _rope_tables(m) * int(ctx) * a.n_rot   # the scores, the rope tables
+            + a.n_heads * (-(-int(ctx) // 128)) * (a.head_dim + 2)   # decode attention's parts (at most 1 / 128 keys)
+            + 2 * a.vocab + a.n_experts + F + 8 * n * (a.head_dim * a.n_kv_heads + k) + 2 * _mla_floats(m)
+            + a.n_heads * a.head_dim + _dn_floats(m))
+    pb = prompt_bytes(m, prompt_rows) if prompt_rows else 0
+    return int(out.nbytes) + 4 * rows + 256 * 32 + pb         # 256 bytes of rounding a buffer
+
+
+def plan(m, budget: int, ctx: int, want: int | None = None, prompt_rows: int = 0,
+         experts: bool = True) -> tuple[int, str]:
+    """``(first, why)``: layers ``first ..`` go to the device. The last layers that qualify (:func:`why_not`), share
+    their shapes, and fit ``budget`` bytes together (:func:`layer_bytes`, with :func:`fixed_bytes`), at most ``want`` of them (``COLI_VK_LAYERS``; None: as
+    many as fit; ``prompt_rows``: the prompt chunks' rows, whose scratch counts too; ``experts=False``: the layers'
+    routed experts not counted, they are placed apart: :func:`residency`). ``first == n_layers`` when none does;
+    ``why`` says what stopped the count."""
+    n = len(m.layers)
+    first, used, why = n, fixed_bytes(m, ctx, prompt_rows), "every layer"
+    for il in range(n - 1, -1, -1):
+        if want is not None and n - first >= want:
+            why = f"{want} asked (COLI_VK_LAYERS)"
+            break
+        w = why_not(m, il)
+        if w is None and il < n - 1 and not _shapes_agree(m, il):
+            w = "other attention or expert shapes than the layers after it"
+        if w is not None:
+            why = f"layer {il}: {w}"
+            break
+        b = layer_bytes(m, il, ctx, experts)
+        if used + b > budget:
+            why = f"the device budget ({budget / 2**30:.2f} GiB)"
+            break
+        used += b
+        first = il
+    return first, why
