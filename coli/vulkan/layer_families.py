@@ -1,0 +1,199 @@
+"""The device layers' mixers besides GQA attention (coli/vulkan/device_layers.py): DeepSeek-V2's MLA over a latent
+cache (shaders/mla.comp; docs/vulkan.md "MLA on the device") and Gated DeltaNet with its conv and recurrent states
+on the device (shaders/deltanet.comp; "Gated DeltaNet on the device"): each one's tensors, its decode-row and
+prompt-chunk ops, and DeltaNet's states between the CPU's cache and the device.
+"""
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+
+from coli.vulkan.layer_plan import dn_bytes
+
+
+class MLAMixer:
+    """DeepSeek-V2's MLA layers of :class:`DeviceLayers` (``self.mla``: (H, r, dn, dr, dv, q_a rows), the latent
+    cache of a layer ``d["K"]``): their tensors and their attention ops, a decode row's or a prompt chunk's."""
+
+    def _upload_mla(self, d: dict, at, p: str, ctx: int) -> None:
+        """An MLA block's tensors (``coli.models.mla.MLA``): the projections as stored, attn_k_b / attn_v_b and the
+        norms as f32, the rope table, the latent cache LAT f32 [ctx, r + dr] as ``d["K"]``."""
+        t = self.m.t
+        d["mla"] = True
+        if at.attn_q is not None:
+            d["m_q"] = (self._place(t[p + "attn_q.weight"]), t[p + "attn_q.weight"].type_name)
+        else:
+            d["m_qa"] = (self._place(t[p + "attn_q_a.weight"]), t[p + "attn_q_a.weight"].type_name)
+            d["m_qa_norm"] = self._const(np.asarray(at.attn_q_a_norm, np.float32))
+            d["m_q"] = (self._place(t[p + "attn_q_b.weight"]), t[p + "attn_q_b.weight"].type_name)
+        d["m_kv"] = (self._place(t[p + "attn_kv_a_mqa.weight"]), t[p + "attn_kv_a_mqa.weight"].type_name)
+        d["m_kv_norm"] = self._const(np.asarray(at.attn_kv_a_norm, np.float32))
+        d["m_kb"] = self._const(np.ascontiguousarray(at.attn_k_b, np.float32))
+        d["m_vb"] = self._const(np.ascontiguousarray(at.attn_v_b, np.float32))
+        self.weight_bytes += d["m_kb"].size + d["m_vb"].size
+        d["o"] = self._place(t[p + "attn_output.weight"])
+        d["rot"] = at.rope_base is not None      # Kimi's MLA: no rope
+        d["cos"], d["sin"] = self._rope(at) if d["rot"] else (d["m_kv_norm"], d["m_kv_norm"])
+        d["scale"] = at.scale
+        d["K"] = self.K.buffer(4 * ctx * (at.r + at.dr), host=False)
+
+    def _mla_ops(self, d: dict, R: int, kvo: int, prompt: bool) -> list:
+        """MLA layer ``d``'s attention block for ``R`` rows (``xn`` normed, output added to the residual): q (or q_a,
+        its norm, q_b) and kv_a (lmv.comp a decode row, lmm.comp a prompt chunk), then shaders/mla.comp's four modes
+        (the latent row into the cache with rope, the absorbed q, attention over the latent cache, the values), then
+        the output projection into the residual. ``kvo``: the address the decode row's new cache row goes to."""
+        from coli.vulkan.layers import Dispatch, f32_bits
+
+        H, r, dn, dr, dv, ql = self.mla
+        W, D, Rw = r + dr, self.D, self.K.rows
+        if prompt:
+            b = self._pm
+            hs, xn, q, kv, qa, QA, ol, o = (self.p_hs.addr, self.p_xn.addr, b["q"].addr, b["kv"].addr, b["qa"].addr,
+                                            self.p_q.addr, b["ol"].addr, self.p_ao.addr)
+        else:
+            hs, xn, q, kv, qa, QA, ol, o = (self.hs.addr, self.xn.addr, self.m_q.addr, self.m_kv.addr, self.m_qa.addr,
+                                            self.q.addr, self.m_ol.addr, self.ao.addr)
+        BN = self.K.tile
+
+        def mv(w, wt, x, y, n, i, flags=0):     # y = W x (flags bit 0: y += W x) on R rows
+            if prompt:
+                return Dispatch("lmm", (-(-n // 64), -(-R // BN)), [w.addr, x, y, y], [n, i, flags, R, 0], type_name=wt)
+            return Dispatch("lmv", (-(-n // Rw),), [w.addr, x, y, 0], [n, i, flags], type_name=wt)
+
+        eps = f32_bits(self.m.args.eps)
+        ops = []
+        if ql:
+            ops += [mv(*d["m_qa"], xn, qa, ql, D),
+                    Dispatch("rmsnorm", (R,), [qa, d["m_qa_norm"].addr, qa], [ql, eps])]
+        ops += [mv(*d["m_q"], qa if ql else xn, q, H * (dn + dr), ql or D), mv(*d["m_kv"], xn, kv, W, D)]
+        ops[-1].wait = bool(ql)   # both read xn, written before the first: one barrier
+        words = [0, H, r, dn, dr, dv, self.ctx, f32_bits(d["scale"]), eps, int(d["rot"]) | (2 if kvo else 0),
+                 H * (dn + dr)]
+        lat, par = d["K"].addr, self.params.addr
+        for mode, groups, a4, a5, a6, a7 in ((0, (R,), d["m_kv_norm"].addr, d["cos"].addr, d["sin"].addr, kvo or q),
+                                             (1, (H, R), d["m_kb"].addr, QA, ol, o),
+                                             (2, (H, R), d["m_kb"].addr, QA, ol, o),
+                                             (3, (H, R), d["m_vb"].addr, QA, ol, o)):
+            words[0] = mode
+            ops.append(Dispatch("mla", groups, [q, kv, lat, par, a4, a5, a6, a7], list(words)))
+        ops.append(mv(d["o"], self.m.t[f"blk.{d['il']}.attn_output.weight"].type_name, o, hs, D, H * dv, 1))
+        return ops
+
+
+class DeltaNetMixer:
+    """Gated DeltaNet layers of :class:`DeviceLayers` (``self.dn``: (Hk, Hv, dk, dv, conv kernel, C)): their tensors,
+    their mixer's ops (a decode row, a prompt chunk), and their conv and recurrent states between the CPU's cache
+    and the device (``dnhost``, read back by each program's last ops)."""
+
+    def _upload_dn(self, d: dict, x, p: str) -> None:
+        """A Gated DeltaNet block's tensors (``deltanet.GatedDeltaNet``): attn_qkv, attn_gate, ssm_ba (or ssm_beta and
+        ssm_alpha writing the two halves of one buffer) and ssm_out as stored; the conv weights, ssm_a, dt bias and
+        norm as f32; its conv state f32 [K - 1, C] and recurrent state f32 [Hv, dk, dv] (``d["dn_conv"]``,
+        ``d["dn_state"]``), loaded from the CPU's cache before a row (:meth:`_dn_load`)."""
+        t, Hv = self.m.t, x.n_v_heads
+        d["dn"] = True
+        d["dn_n"] = sum("dn" in e for e in self.per)       # its place in dnhost
+        d["dn_qkv"] = (self._place(t[p + "attn_qkv.weight"]), t[p + "attn_qkv.weight"].type_name)
+        d["dn_gate"] = (self._place(t[p + "attn_gate.weight"]), t[p + "attn_gate.weight"].type_name)
+        if x.ssm_ba is not None:
+            d["dn_ba"] = [(self._place(t[p + "ssm_ba.weight"]), t[p + "ssm_ba.weight"].type_name, 0)]
+        else:
+            d["dn_ba"] = [(self._place(t[p + n]), t[p + n].type_name, o)
+                          for n, o in (("ssm_beta.weight", 0), ("ssm_alpha.weight", Hv))]
+        d["dn_out"] = (self._place(t[p + "ssm_out.weight"]), t[p + "ssm_out.weight"].type_name)
+        d["dn_w"] = self._const(np.ascontiguousarray(x.ssm_conv1d, np.float32))
+        d["dn_a"] = self._const(np.ascontiguousarray(x.ssm_a, np.float32))
+        d["dn_dt"] = self._const(np.ascontiguousarray(x.ssm_dt, np.float32))
+        d["dn_norm"] = self._const(np.ascontiguousarray(x.ssm_norm, np.float32))
+        d["dn_conv"] = self.K.buffer(4 * (x.kernel - 1) * x.conv_channels, host=False)
+        d["dn_state"] = self.K.buffer(4 * Hv * x.dk * x.dv, host=False)
+        self.weight_bytes += dn_bytes(x)
+
+    def _dn_ops(self, d: dict) -> list:
+        """A decode row's Gated DeltaNet mixer for layer ``d`` (the normed row in xn): attn_qkv, attn_gate and
+        beta / alpha by lmv, the conv (deltanet.comp mode 0), the delta rule with the gated norm (mode 1), ssm_out
+        accumulated into the residual."""
+        from coli.vulkan.layers import Dispatch, f32_bits
+
+        Hk, Hv, dk, dv, kc, C = self.dn
+        R, D = self.K.rows, self.D
+        xn = self.xn.addr
+        x = self.m.layers[d["il"]].linear_attn
+        mv = lambda w, y, n, first=True: Dispatch("lmv", (-(-n // R),), [w[0].addr, xn, y, 0], [n, D, 0],  # noqa: E731
+                                                  type_name=w[1], wait=first)
+        ops = [mv(d["dn_qkv"], self.dn_x.addr, C), mv(d["dn_gate"], self.dn_z.addr, Hv * dv, False)]
+        n_ba = 2 * Hv if len(d["dn_ba"]) == 1 else Hv
+        ops += [mv((w, wt), self.dn_ba.addr + 4 * o, n_ba, False) for w, wt, o in d["dn_ba"]]
+        ops += [Dispatch("deltanet", (-(-C // self.K.wg),), [self.dn_x.addr, d["dn_w"].addr, d["dn_conv"].addr,
+                                                              self.dn_c.addr], [0, C, kc, 1]),
+                Dispatch("deltanet", (Hv,), [self.dn_c.addr, self.dn_z.addr, self.dn_ba.addr, d["dn_state"].addr,
+                                             d["dn_a"].addr, d["dn_dt"].addr, d["dn_norm"].addr, self.dn_o.addr],
+                         [1, Hk, Hv, dk, dv, 1, f32_bits(x.eps), int(x.tiled) | (2 if x.ssm_ba is not None else 0)]),
+                Dispatch("lmv", (-(-D // R),), [d["dn_out"][0].addr, self.dn_o.addr, self.hs.addr, 0], [D, Hv * dv, 1],
+                         type_name=d["dn_out"][1])]
+        return ops
+
+    def _dn_load(self, cache, pos0: int) -> None:
+        """The DeltaNet layers' conv and recurrent states of ``cache`` onto the device, unless the device's are
+        already those of ``cache`` at ``pos0`` (the last row ran here)."""
+        at = self._dn_at
+        if at is not None and at[0]() is cache and at[1] == pos0:
+            return
+        self._dn_at = None
+        for d in self.per:
+            if "dn" in d:
+                c = cache.layers[d["il"]]
+                self.K.upload(d["dn_conv"], c.conv)
+                self.K.upload(d["dn_state"], c.state)
+
+    def _dn_store(self, cache, pos: int) -> None:
+        """The DeltaNet states the row left (read back into dnhost) into ``cache``, the CPU's: current at ``pos``."""
+        nf, c = self.dn_floats, (self.dn[4] - 1) * self.dn[5]
+        for d in self.per:
+            if "dn" in d:
+                st = cache.layers[d["il"]]
+                row = self.dnhost.f32(nf * (d["dn_n"] + 1))[nf * d["dn_n"]:]
+                st.conv[...] = row[:c].reshape(st.conv.shape)
+                st.state[...] = row[c:].reshape(st.state.shape)
+        self._dn_at = (weakref.ref(cache), pos)
+
+    def _dn_prompt_ops(self, d: dict, R: int) -> list:
+        """A prompt chunk's Gated DeltaNet mixer for layer ``d`` (its R normed rows in p_xn): the projections by
+        lmm.comp, the conv over the rows in order (deltanet.comp mode 0), the delta rule row by row in each head's
+        workgroup (mode 1), ssm_out accumulated into the residual rows."""
+        from coli.vulkan.layers import Dispatch, f32_bits
+
+        Hk, Hv, dk, dv, kc, C = self.dn
+        D, BM, gr = self.D, 64, -(-R // self.K.tile)
+        xn = self.p_xn.addr
+        x = self.m.layers[d["il"]].linear_attn
+
+        def mm(w, y, n, ld=0, first=True):
+            return Dispatch("lmm", (-(-n // BM), gr), [w[0].addr, xn, y, y], [n, D, 0, R, ld], type_name=w[1],
+                            wait=first)
+
+        ops = [mm(d["dn_qkv"], self.p_dnx.addr, C), mm(d["dn_gate"], self.p_dnz.addr, Hv * dv, first=False)]
+        n_ba = 2 * Hv if len(d["dn_ba"]) == 1 else Hv
+        ops += [mm((w, wt), self.p_dnba.addr + 4 * o, n_ba, 2 * Hv, False) for w, wt, o in d["dn_ba"]]
+        return ops + [
+            Dispatch("deltanet", (-(-C // self.K.wg),), [self.p_dnx.addr, d["dn_w"].addr, d["dn_conv"].addr,
+                                                         self.p_dnc.addr], [0, C, kc, R]),
+            Dispatch("deltanet", (Hv,), [self.p_dnc.addr, self.p_dnz.addr, self.p_dnba.addr, d["dn_state"].addr,
+                                         d["dn_a"].addr, d["dn_dt"].addr, d["dn_norm"].addr, self.p_dno.addr],
+                     [1, Hk, Hv, dk, dv, R, f32_bits(x.eps), int(x.tiled) | (2 if x.ssm_ba is not None else 0)]),
+            Dispatch("lmm", (-(-D // BM), gr), [d["dn_out"][0].addr, self.p_dno.addr, self.p_hs.addr, self.p_hs.addr],
+                     [D, Hv * dv, 1, R, 0], type_name=d["dn_out"][1])]
+
+    def _dn_readback(self) -> list:
+        """Copies of the DeltaNet layers' conv and recurrent states into dnhost (a program's last ops; _dn_store)."""
+        from coli.vulkan.layers import Copy
+
+        if not self.dn:
+            return []
+        nf, c, ops = self.dn_floats, 4 * (self.dn[4] - 1) * self.dn[5], []
+        for d in self.per:
+            if "dn" in d:
+                ops += [Copy(d["dn_conv"], self.dnhost, [(0, 4 * nf * d["dn_n"], c)], wait=False),
+                        Copy(d["dn_state"], self.dnhost, [(0, 4 * nf * d["dn_n"] + c, 4 * nf - c)], wait=False)]
+        return ops
