@@ -36,8 +36,8 @@ import numpy as np
 
 from coli.base.errors import ColiError
 from coli.vulkan.layer_families import MLAMixer, DeltaNetMixer
-from coli.vulkan.layer_plan import (ACT_SWIGLU, MLP_TENSORS, SHEXP_TENSORS, attn_block, device_formats, hidden_width,
-                                    is_deltanet, is_gated, is_mla, rope_key, route_rule)
+from coli.vulkan.layer_plan import attn_block, device_formats, hidden_width, is_deltanet, is_gated, is_mla, route_rule
+from coli.vulkan.layer_weights import LayerWeights
 
 
 class _Cut:
@@ -48,7 +48,7 @@ class _Cut:
         self.j, self.kind = j, kind
 
 
-class DeviceLayers(MLAMixer, DeltaNetMixer):
+class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer):
     """Layers ``first ..`` of model ``m`` on device ``dev`` for decode rows and prompt chunks (see the module
     docstring; :meth:`prompt` for chunks).
 
@@ -247,183 +247,6 @@ class DeviceLayers(MLAMixer, DeltaNetMixer):
             self._record_split()
         else:
             self.rec = K.record(self._ops(), timestamps=True)
-
-    # -- set-up -------------------------------------------------------------------------------------------
-    def _const(self, arr: np.ndarray):
-        b = self.K.buffer(arr.nbytes, host=False)
-        self.K.upload(b, arr)
-        return b
-
-    def _place(self, ti, raw=None, shape=None, type_name=None):
-        """A weight on the device (``ti``'s GGUF bytes, or ``raw`` of ``shape`` and ``type_name``), freed at close."""
-        raw = ti.raw if raw is None else raw
-        shape = tuple(int(s) for s in (ti.shape if shape is None else shape))
-        t = self.dev._place(type_name or ti.type_name, np.ascontiguousarray(raw).reshape(-1).view(np.uint8), shape)
-        self._tensors.append(t)
-        self.weight_bytes += t.nbytes
-        return t
-
-    def _place_f32(self, arr: np.ndarray):
-        """An f32 matrix [O, I] (a router dequantized at load) on the device, as an F32 weight."""
-        arr = np.ascontiguousarray(arr, np.float32)
-        return self._place(None, raw=arr.view(np.uint8), shape=arr.shape, type_name="F32")
-
-    def _rope(self, at) -> tuple:
-        """The cos and sin tables f32 [ctx, n_rot / 2] of attention ``at``'s rope base and scaling (the CPU's tables:
-        ``Model.rope_table``), made once per (base, scaling, width)."""
-        key = rope_key(at)
-        r = self._ropes.get(key)
-        if r is None:
-            cos, sin = at.rope_scaling.table(self.ctx, key[2], at.rope_base)
-            r = self._ropes[key] = (self._const(np.ascontiguousarray(cos[:self.ctx], np.float32)),
-                                    self._const(np.ascontiguousarray(sin[:self.ctx], np.float32)))
-        return r
-
-    def _upload_layer(self, il: int, ctx: int) -> dict:
-        p = f"blk.{il}."
-        L = self.m.layers[il]
-        d = {"il": il}
-        d["attn_norm"] = self._const(L.attn_norm)
-        # Qwen3-Next's FFN norm is its post_attention_norm (a pre-norm layer all the same)
-        d["ffn_norm"] = self._const(L.ffn_norm if hasattr(L, "ffn_norm") else L.post_attention_norm)
-        if L.device_form == "sandwich":      # the norms after the attention and the FFN (Gemma 3)
-            d["post_attn"] = self._const(np.asarray(L.post_attention_norm, np.float32))
-            d["post_ffn"] = self._const(np.asarray(L.post_ffw_norm, np.float32))
-        if is_deltanet(L):
-            self._upload_dn(d, L.linear_attn, p)
-        elif self.mla:
-            self._upload_mla(d, attn_block(L), p, ctx)
-        else:
-            self._upload_attention(d, attn_block(L), p, ctx, is_gated(L))
-        return self._upload_ffn(d, L, il, p)
-
-    def _upload_attention(self, d: dict, at, p: str, ctx: int, gated: bool = False) -> None:
-        """A GQA attention block's tensors (``blocks.Attention``): q/k/v, output, biases, norms, sinks, rope, K/V.
-        ``gated`` (Qwen3-Next): attn_q's rows per head are hd query rows then hd gate rows (rows of a GGUF matrix are
-        independent blocks): the query rows go into q/k/v, the gate rows are a matrix of their own, ``d["gate"]``."""
-        K, t = self.K, self.m.t
-        nq, nkv, hd = self.nq, self.nkv, self.hd
-        q, k, v = (t[p + f"attn_{x}.weight"] for x in "qkv")
-        rows = lambda x: np.asarray(x.raw).reshape(int(x.shape[0]), -1)     # noqa: E731
-        # parts: (raw rows, tensor, first output row in qkv)
-        if gated:
-            qg = rows(q).reshape(nq, 2, hd, -1)
-            parts = [(qg[:, 0].reshape(nq * hd, -1), q, 0), (rows(k), k, nq * hd), (rows(v), v, (nq + nkv) * hd)]
-            g = np.ascontiguousarray(qg[:, 1].reshape(nq * hd, -1))
-            d["gate"] = (self._place(q, raw=g, shape=(nq * hd, int(q.shape[1]))), q.type_name)
-            d["gated"] = True
-        else:
-            parts = [(rows(q), q, 0), (rows(k), k, nq * hd), (rows(v), v, (nq + nkv) * hd)]
-        # q/k/v as one matrix (their rows concatenated) when they share a format, else one matrix each; d["qkv"]:
-        # (weight, format, first output row in qkv, rows)
-        if len({x.type_name for _, x, _ in parts}) == 1:
-            raw = np.concatenate([r for r, _, _ in parts])
-            d["qkv"] = [(self._place(q, raw=raw, shape=(raw.shape[0], int(q.shape[1]))), q.type_name, 0, raw.shape[0])]
-        else:
-            d["qkv"] = [(self._place(x, raw=r, shape=(r.shape[0], int(x.shape[1]))), x.type_name, o, r.shape[0])
-                        for r, x, o in parts]
-        d["o"] = self._place(t[p + "attn_output.weight"])
-        if any(b is not None for b in (at.attn_q_b, at.attn_k_b, at.attn_v_b)):
-            parts = [b if b is not None else np.zeros(n, np.float32)
-                     for b, n in ((at.attn_q_b, nq * hd), (at.attn_k_b, nkv * hd), (at.attn_v_b, nkv * hd))]
-            d["qkv_b"] = self._const(np.concatenate(parts).astype(np.float32))
-        if at.attn_output_b is not None:
-            d["o_b"] = self._const(np.asarray(at.attn_output_b, np.float32))
-        if at.qk_norm is not None:
-            d["q_norm"] = self._const(np.asarray(at.attn_q_norm, np.float32).reshape(-1))
-            d["k_norm"] = self._const(np.asarray(at.attn_k_norm, np.float32).reshape(-1))
-            d["qk_norm"] = at.qk_norm
-        if getattr(at, "attn_sinks", None) is not None:    # gpt-oss: a sink logit a head
-            d["sinks"] = self._const(np.asarray(at.attn_sinks, np.float32))
-        d["cos"], d["sin"] = self._rope(at)
-        d["n_rot"], d["rope_kind"], d["scale"], d["window"] = at.n_rot, at.rope_kind, at.scale, int(at.window or 0)
-        d["K"] = K.buffer(4 * self.nkv * ctx * self.hd, host=False)
-        d["V"] = K.buffer(4 * self.nkv * ctx * self.hd, host=False)
-
-    def _upload_ffn(self, d: dict, L, il: int, p: str) -> dict:
-        """The FFN's tensors: the dense MLP as a one-expert table, or the router, routed and shared experts."""
-        m, K, t = self.m, self.K, self.m.t
-        if L.moe is None:    # the dense FFN: a one-expert table (gate, up, down), its route self.one_route
-            ts = [self._place(t[p + n]) for n in MLP_TENSORS]
-            d["mlp_tab"] = self._const(np.array([[x.addr for x in ts]], np.uint64))
-            d["mlp_down"] = ts[2]
-            d["mlp_F"] = int(t[p + MLP_TENSORS[0]].shape[0])
-            d["mlp_types"] = (t[p + MLP_TENSORS[0]].type_name, t[p + MLP_TENSORS[2]].type_name)
-            d["act"] = 1 if L.mlp.act == "geglu" else 0
-            return d
-        d["router"] = self._place_f32(L.moe.ffn_gate_inp)
-        ds = getattr(L.moe.route, "deepseek", None)
-        if ds is not None and ds["bias"] is not None:    # the DeepSeek rule's correction bias (exp_probs_b)
-            d["route_b"] = self._const(np.asarray(ds["bias"], np.float32).reshape(-1))
-        rb = getattr(L.moe, "ffn_gate_inp_b", None)
-        if rb is not None:                   # gpt-oss: the router's bias
-            d["router_b"] = self._const(np.asarray(rb, np.float32))
-        ffn = getattr(L.moe, "ffn", None)    # gpt-oss: the experts' activation, its clamp and their biases
-        d["eact"], d["elimit"] = (int(ffn.kind), float(ffn.limit)) if ffn is not None else (ACT_SWIGLU, 0.0)
-        if ffn is not None and ffn.has_bias:
-            d["ebias"] = tuple(self._const(np.ascontiguousarray(b, np.float32))
-                               for b in (ffn.gate_bias, ffn.up_bias, ffn.down_bias))
-        if p + SHEXP_TENSORS[0] in t:    # the shared expert: one-expert table, its route weight sigmoid(x . gate) or 1
-            ts = [self._place(t[p + n]) for n in SHEXP_TENSORS]
-            d["sh_tab"] = self._const(np.array([[x.addr for x in ts]], np.uint64))
-            d["sh_F"] = int(t[p + SHEXP_TENSORS[0]].shape[0])
-            d["sh_types"] = (t[p + SHEXP_TENSORS[0]].type_name, t[p + SHEXP_TENSORS[2]].type_name)
-            d["sh_route"] = self._const(np.array([0, np.float32(1.0).view(np.uint32)], np.uint32))
-            gi = m.wt.f32(p + "ffn_gate_inp_shexp.weight", False)
-            if gi is not None:
-                d["sh_gate"] = self._place_f32(gi.reshape(1, -1))
-        tab = np.zeros((self.E, 3), np.uint64)    # an expert not on the device: 0 (lmoe.comp skips its ranks)
-        res = self.resident.get(il)
-        for j, n in enumerate(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")):
-            ti = t[p + n + ".weight"]
-            E, O, I = (int(s) for s in ti.shape)
-            raw = np.asarray(ti.raw).reshape(E, -1)
-            for e in range(E):
-                if res is not None and not res[e]:
-                    continue
-                te = self._place(ti, raw=raw[e], shape=(O, I))
-                tab[e, j] = te.addr
-                if res is not None:
-                    d.setdefault("experts", {}).setdefault(e, []).append(te)
-        d["tab"] = self._const(tab)
-        d["tab_np"] = tab
-        return d
-
-    def swap(self, il: int, e_in: int, e_out: int) -> None:
-        """Routed expert ``e_in`` of device layer ``il`` (one whose experts are not all here, ``resident``) onto the
-        device in place of the resident ``e_out``: its gate, up and down placed, the layer's expert table updated,
-        ``e_out``'s freed (between tokens: nothing runs). ``VulkanError`` / ``MemoryError`` when placing fails (then
-        nothing changed)."""
-        j = self.layers.index(int(il))
-        d, mask = self.per[j], self.resident[int(il)]
-        if mask[e_in] or not mask[e_out]:
-            raise ValueError(f"swap: expert {e_in} resident or {e_out} not, in layer {il}")
-        p, t = f"blk.{il}.", self.m.t
-        new = []
-        try:
-            for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
-                ti = t[p + n + ".weight"]
-                E, O, I = (int(x) for x in ti.shape)
-                new.append(self._place(ti, raw=np.asarray(ti.raw).reshape(E, -1)[e_in], shape=(O, I)))
-        except BaseException:
-            for x in new:
-                self._forget(x)
-            raise
-        tab = d["tab_np"]
-        tab[e_in] = [x.addr for x in new]
-        tab[e_out] = 0
-        self.K.upload(d["tab"], tab)
-        for x in d["experts"].pop(e_out):
-            self._forget(x)
-        d["experts"][e_in] = new
-        mask[e_in], mask[e_out] = True, False
-        self.swaps += 1
-
-    def _forget(self, t) -> None:
-        """Free a weight placed by :meth:`_place` before close."""
-        self._tensors.remove(t)
-        self.weight_bytes -= t.nbytes
-        self.dev._drop(t)
 
     def _ops(self) -> list:
         from coli.vulkan.layers import Copy, Dispatch, f32_bits
