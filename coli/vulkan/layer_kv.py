@@ -1,0 +1,155 @@
+"""The device layers' K/V rows and the CPU's cache (coli/vulkan/device_layers.py; docs/vulkan.md "Device layers"):
+rows the device lacks uploaded before a decode row or a prompt chunk (``_sync``), rows only the device holds
+written into the CPU's cache when the CPU needs them (``_fetch``, ``host_kv``) and, after a device failure,
+computed again on the CPU from the kept input rows (``recompute_on_cpu``).
+"""
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+
+from coli.base.errors import ColiError
+
+
+class KVRows:
+    """The K/V rows of :class:`DeviceLayers`' layers (``_cache``: a weakref of the Cache whose rows the device holds;
+    ``_valid``: its positions 0 .. _valid - 1 are on the device; ``_lo`` .. ``_hi``: rows only the device holds,
+    ``_hist``: their input rows f32 [n, D])."""
+
+    def note_forward(self, cache, pos0: int) -> None:
+        """A forward over ``cache`` starts at ``pos0``: the device's rows from there are stale."""
+        if self._cache is not None and cache is self._cache():
+            self._valid = min(self._valid, int(pos0))
+            self._hi = min(self._hi, int(pos0))
+            if self._hi <= self._lo:
+                self._lo = self._hi = 0
+
+    def _keep(self, h: np.ndarray, pos0: int) -> None:
+        """Keep the input rows ``h`` f32 [T, D] of positions ``pos0 ..`` while some rows are the device's only."""
+        if self._hi <= self._lo:
+            return
+        n = pos0 + len(h) - self._lo
+        if n > len(self._hist):
+            grown = np.empty((max(n, 2 * len(self._hist)), self.D), np.float32)
+            grown[:len(self._hist)] = self._hist
+            self._hist = grown
+        self._hist[pos0 - self._lo:n] = h
+
+    def _fetch(self, cache) -> None:
+        """Write the K/V rows ``_lo .. _hi - 1`` of these layers that only the device holds into ``cache`` (the
+        CPU's), through the staging buffer (readback memory), at most 16 MiB a submit."""
+        from coli.vulkan.layers import Copy
+
+        p0, p1 = self._lo, self._hi
+        self._lo = self._hi = 0
+        self._hist = np.zeros((0, self.D), np.float32)
+        if p1 <= p0:
+            return
+        hd, nkv, ctx = self.hd, self.nkv, self.ctx
+        row = 4 * hd
+        per_pos = len(self._kv_names) * max(1, self._n_kv_layers()) * nkv * row
+        step = max(1, (16 << 20) // per_pos)
+        need = min(p1 - p0, step) * per_pos
+        if self._rstage is None or self._rstage.size < need:
+            if self._rstage is not None:
+                self.K.drop(self._rstage)
+            self._rstage = self.K.buffer(need, host=True, readback=True)
+        st = self._rstage
+        for a in range(p0, p1, step):
+            b = min(p1, a + step)
+            n = (b - a) * row
+            off, ops, spots = 0, [], []
+            for d in self.per:
+                for name in (() if "dn" in d else self._kv_names):     # a DeltaNet layer has no K/V
+                    ops.append(Copy(d[name], st, [((h * ctx + a) * row, off + h * n, n) for h in range(nkv)],
+                                    wait=False))
+                    spots.append((d["il"], name, off))
+                    off += nkv * n
+            rec = self.K.record(ops)
+            try:
+                self.K.submit(rec)
+            finally:
+                self.K.free(rec)
+            for il, name, o in spots:
+                rows = st.view[o:o + nkv * n].view(np.float32).reshape(nkv, b - a, hd)
+                kv = cache.layers[il]
+                if self.mla:     # LAT rows: the latent, then the rope key
+                    kv.lat[a:b], kv.kr[a:b] = rows[0, :, :self.mla[1]], rows[0, :, self.mla[1]:]
+                    continue
+                dst = kv.k if name == "K" else kv.v
+                dst[:, a:b] = rows
+
+    def host_kv(self, cache) -> None:
+        """Make the CPU's copy of these layers' K/V rows of ``cache`` whole (a caller about to read them)."""
+        if self._cache is not None and cache is self._cache():
+            self._fetch(cache)
+
+    def recompute_on_cpu(self, cache, pos0: int) -> None:
+        """After a device failure: compute the K/V rows of these layers that only the device held (positions
+        ``_lo .. min(_hi, pos0) - 1`` of ``cache``) on the CPU, from the kept input rows, so the CPU can go on."""
+        if self._cache is None or cache is not self._cache():
+            return
+        p0, p1 = self._lo, min(self._hi, int(pos0))
+        hist = self._hist
+        self._lo = self._hi = 0
+        self._hist = np.zeros((0, self.D), np.float32)
+        if p1 <= p0:
+            return
+        h = np.array(hist[:p1 - p0], np.float32)
+        for il in self.layers:
+            h = self.m.layers[il](h, cache.layers[il], p0)
+
+    def _n_kv_layers(self) -> int:
+        """The layers here with a K/V (or latent) cache: not the DeltaNet ones."""
+        return sum("dn" not in d for d in self.per)
+
+    def _sync(self, cache, pos0: int) -> None:
+        """Upload the K/V rows ``_valid .. pos0 - 1`` of the device's layers from ``cache`` (the CPU's): through
+        one host-visible staging buffer of at most 16 MiB, every layer's rows of a chunk in one submit."""
+        from coli.vulkan.layers import Copy
+
+        if self._cache is None or cache is not self._cache():
+            if cache.ctx > self.ctx:
+                raise ColiError(f"device layers: a cache of {cache.ctx} positions, the device holds {self.ctx}")
+            old = self._cache() if self._cache is not None else None
+            if old is not None:
+                self._fetch(old)        # its rows that only the device holds, before another cache overwrites them
+            self._cache, self._valid = weakref.ref(cache), 0
+            self._lo = self._hi = 0
+            self._hist = np.zeros((0, self.D), np.float32)
+        p0, p1 = self._valid, int(pos0)
+        if p1 <= p0:
+            return
+        hd, nkv, ctx = self.hd, self.nkv, self.ctx
+        row = 4 * hd                                     # bytes of one head's row
+        per_pos = len(self._kv_names) * max(1, self._n_kv_layers()) * nkv * row   # bytes a position takes, K and V
+        step = max(1, (16 << 20) // per_pos)
+        if self._stage is None or self._stage.size < min(p1 - p0, step) * per_pos:
+            if self._stage is not None:
+                self.K.drop(self._stage)
+            self._stage = self.K.buffer(min(p1 - p0, step) * per_pos, host=True)
+        st = self._stage
+        for a in range(p0, p1, step):
+            b = min(p1, a + step)
+            n = (b - a) * row                            # bytes of one head's rows a .. b
+            off, by_dst = 0, {}
+            for d in self.per:
+                if "dn" in d:       # its states: _dn_load
+                    continue
+                kv = cache.layers[d["il"]]
+                # MLA: one "head" of LAT rows, the latent then the rope key
+                parts = ((("K", np.concatenate([kv.lat[a:b], kv.kr[a:b]], 1)[None]),) if self.mla else
+                         (("K", kv.k), ("V", kv.v)))
+                for name, src in parts:
+                    rows = np.ascontiguousarray(src if self.mla else src[:, a:b])          # [nkv, b - a, hd]
+                    st.view[off:off + rows.nbytes] = rows.reshape(-1).view(np.uint8)
+                    by_dst.setdefault(name + str(d["il"]), (d[name], []))[1].extend(
+                        (off + h * n, (h * ctx + a) * row, n) for h in range(nkv))
+                    off += rows.nbytes
+            rec = self.K.record([Copy(st, buf, regs, wait=False) for buf, regs in by_dst.values()])
+            try:
+                self.K.submit(rec)
+            finally:
+                self.K.free(rec)
+        self._valid = p1
