@@ -1,0 +1,195 @@
+"""A decode row through the device layers (coli/vulkan/device_layers.py): the token's program (``_ops``: every
+layer, the head, the readbacks), and ``__call__``, which brings the device's K/V rows up to date, submits, and
+writes the new K/V rows, the routes and the logits back.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+
+class DecodeRow:
+    """One decode token through :class:`DeviceLayers`: ``__call__(h, cache, pos0) -> (h, logits)`` (the class's
+    docstring), its program :meth:`_ops` recorded once (``rec``), or cut for the host's experts (``segs``:
+    coli/vulkan/layer_join.py)."""
+
+    def _ops(self) -> list:
+        from coli.vulkan.layers import Copy, Dispatch, f32_bits
+
+        nq, nkv, hd, D, E, k, F, ctx = self.nq, self.nkv, self.hd, self.D, self.E, self.k, self.F, self.ctx
+        R = self.K.rows
+        eps = f32_bits(self.m.args.eps)
+        kvn = 2 * nkv * hd
+        ops = [] if self.clock is None else [self.clock.stop_op()]
+        ops.append(Copy(self.hin, self.hs, [(0, 0, 4 * D)], wait=False))
+        hs, xn, qkv, tmp = self.hs.addr, self.xn.addr, self.qkv.addr, self.tmp.addr
+        for j, d in enumerate(self.per):
+            p = f"blk.{d['il']}."
+            kvo = self.kvout.addr + 4 * kvn * j
+            qb = d.get("qkv_b")
+            ops.append(Dispatch("rmsnorm", (1,), [hs, d["attn_norm"].addr, xn], [D, eps]))
+            if "dn" in d:
+                ops += self._dn_ops(d)
+            else:
+                ot = self.m.t[p + "attn_output.weight"].type_name
+            for i, (w, wt, o, n) in enumerate(d.get("qkv", ())):   # the parts write apart: one barrier before the first
+                ops.append(Dispatch("lmv", (-(-n // R),), [w.addr, xn, qkv + 4 * o, qb.addr + 4 * o if qb is not None else 0],
+                                    [n, D, 2 if qb is not None else 0], type_name=wt, wait=i == 0))
+            if "gate" in d:     # Qwen3-Next's output gate rows after v
+                ops.append(Dispatch("lmv", (-(-nq * hd // R),), [d["gate"][0].addr, xn, qkv + 4 * self.nqkv, 0],
+                                    [nq * hd, D, 0], type_name=d["gate"][1], wait=False))
+            if "qk_norm" in d:   # in place on the q and k parts of qkv (heads: one row a head; full: one row)
+                heads = d["qk_norm"] == "heads"
+                kaddr = qkv + 4 * nq * hd
+                ops += [Dispatch("rmsnorm", (nq if heads else 1,), [qkv, d["q_norm"].addr, qkv],
+                                 [hd if heads else nq * hd, eps]),
+                        Dispatch("rmsnorm", (nkv if heads else 1,), [kaddr, d["k_norm"].addr, kaddr],
+                                 [hd if heads else nkv * hd, eps], wait=False)]
+            ob = d.get("o_b")
+            post = d.get("post_attn")
+            if "mla" in d:
+                ops += self._mla_ops(d, 1, kvo, False)
+            ops += [] if "mla" in d or "dn" in d else [
+                Dispatch("rope_kv", (nq + nkv,), [qkv, self.q.addr, d["K"].addr, d["V"].addr,
+                                                  d["cos"].addr, d["sin"].addr, self.params.addr, kvo],
+                         [nq, nkv, hd, d["n_rot"], ctx, d["rope_kind"]]),
+                *self._attn_dec(d),
+                # Qwen3-Next: the attention output times sigmoid(gate), the gate rows after v in qkv
+                *([Dispatch("deltanet", (-(-nq * hd // self.K.wg), 1), [self.ao.addr, qkv],
+                            [2, nq * hd, 0, self.nqkv])] if "gated" in d else []),
+                # into the residual, or (a post-norm) into tmp, normed into the residual
+                Dispatch("lmv", (-(-D // R),), [d["o"].addr, self.ao.addr, tmp if post else hs,
+                                                ob.addr if ob is not None else 0],
+                         [D, nq * hd, (0 if post else 1) | (2 if ob is not None else 0)], type_name=ot),
+            ]
+            if post:
+                ops.append(Dispatch("rmsnorm", (1,), [tmp, post.addr, hs], [D, eps, 0, 0, 1]))
+            ops.append(Dispatch("rmsnorm", (1,), [hs, d["ffn_norm"].addr, xn], [D, eps]))
+            if "mlp_tab" in d:   # the dense FFN: gate/up and the activation as one expert, then down
+                mF, post = d["mlp_F"], d.get("post_ffn")
+                ops += [Dispatch("lmoe", (-(-mF // R), 1), [d["mlp_tab"].addr, self.one_route.addr, xn, self.hbuf.addr],
+                                 [mF, D, 1, d["act"]], type_name=d["mlp_types"][0], mode=1),
+                        Dispatch("lmv", (-(-D // R),), [d["mlp_down"].addr, self.hbuf.addr, tmp if post else hs, 0],
+                                 [D, mF, 0 if post else 1], type_name=d["mlp_types"][1])]
+                if post:
+                    ops.append(Dispatch("rmsnorm", (1,), [tmp, post.addr, hs], [D, eps, 0, 0, 1]))
+                continue
+            et = [self.m.t[p + n + ".weight"].type_name for n in ("ffn_gate_exps", "ffn_down_exps")]
+            rt = self.route.addr + 8 * k * j
+            rb, eb = d.get("router_b"), d.get("ebias")
+            bias = [b.addr for b in eb] if eb is not None else [xn, xn, xn]   # unread without u4 / u3 bit 0
+            ops += [
+                Dispatch("lmv", (-(-E // R),), [d["router"].addr, xn, self.logits.addr, rb.addr if rb is not None else 0],
+                         [E, D, 2 if rb is not None else 0], type_name="F32"),
+                Dispatch("topk", (1,), [self.logits.addr, rt, d["route_b"].addr if "route_b" in d else rt],
+                         [E, k, self.topk_flags | (16 if "route_b" in d else 0), *self.topk_words]),
+            ]
+            if d["il"] in self.resident:
+                ops += self._split_ops(j, d, rt, et)
+                continue
+            ops += [
+                Dispatch("lmoe", (-(-F // R), k), [d["tab"].addr, rt, xn, self.hbuf.addr, bias[0], bias[1]],
+                         [F, D, k, d["eact"], int(eb is not None), f32_bits(d["elimit"])], type_name=et[0], mode=1),
+                Dispatch("lmoe", (-(-D // R),), [d["tab"].addr, rt, self.hbuf.addr, hs, bias[2]],
+                         [D, F, k, 0, int(eb is not None)], type_name=et[1], mode=0),
+            ]
+            if "sh_tab" in d:    # Qwen2-MoE: the shared expert after the routed ones (xn is still the FFN input)
+                sF, sr = d["sh_F"], d["sh_route"].addr
+                if "sh_gate" in d:
+                    ops.append(Dispatch("lmv", (1,), [d["sh_gate"].addr, xn, sr + 4], [1, D, 4],
+                                        type_name="F32"))
+                ops += [Dispatch("lmoe", (-(-sF // R), 1), [d["sh_tab"].addr, sr, xn, self.hbuf.addr],
+                                 [sF, D, 1], type_name=d["sh_types"][0], mode=1),
+                        Dispatch("lmoe", (-(-D // R),), [d["sh_tab"].addr, sr, self.hbuf.addr, hs],
+                                 [D, sF, 1], type_name=d["sh_types"][1], mode=0)]
+        if self.head is not None:
+            V = self.vocab
+            ops += [Dispatch("rmsnorm", (1,), [hs, self.head["norm"].addr, xn], [D, eps]),
+                    Dispatch("lmv", (-(-V // R),), [self.head["w"].addr, xn, self.lg.addr], [V, D, 0],
+                             type_name=self.head["type"]),
+                    Copy(self.lg, self.lghost, [(0, 0, 4 * V)])]
+        ops.append(Copy(self.hs, self.hout, [(0, 0, 4 * D)]))
+        ops.append(Copy(self.kvout, self.kvhost, [(0, 0, 4 * kvn * len(self.per))], wait=False))
+        ops += self._dn_readback()     # the DeltaNet states back to the CPU's cache each row (_dn_store)
+        if k:
+            ops.append(Copy(self.route, self.routehost, [(0, 0, 8 * k * len(self.per))], wait=False))
+        return ops
+
+    def _gpu_add(self, ms) -> None:
+        if ms is not None:
+            self.gpu_s += ms / 1e3
+            if self.prof is not None:
+                self.prof.gpu_s += ms / 1e3
+
+    def _attn_dec(self, d) -> list:
+        """A decode row's attention for layer ``d``: attn_dec.comp, over the positions in parts of ``attn_chunk`` keys
+        joined by attn_comb.comp where the context is longer than one part."""
+        from coli.vulkan.layers import Dispatch, f32_bits
+
+        nq, nkv, hd, ctx = self.nq, self.nkv, self.hd, self.ctx
+        chk = self.attn_chunk
+        parts = self.attn_parts.addr if chk else 0
+        sinks = d["sinks"].addr if "sinks" in d else self.q.addr
+        ops = [Dispatch("attn_dec", (nq, -(-ctx // chk) if chk else 1),
+                        [self.q.addr, d["K"].addr, d["V"].addr, self.params.addr, self.ao.addr, self.scores.addr, parts,
+                         sinks], [nq, nkv, hd, ctx, f32_bits(d["scale"]), chk, d["window"], int("sinks" in d)])]
+        if chk:
+            ops.append(Dispatch("attn_comb", (nq,), [parts, self.params.addr, self.ao.addr, sinks],
+                                [nq, 0, hd, ctx, 0, chk, d["window"], int("sinks" in d)]))
+        return ops
+
+    def __call__(self, h: np.ndarray, cache, pos0: int):
+        P = self.prof
+        if P is not None:
+            t_call, s0 = time.perf_counter(), sum(P.s.values())
+        self._sync(cache, pos0)
+        self._keep(h, pos0)
+        if self.dn:
+            self._dn_load(cache, pos0)
+        D = self.D
+        self.params.u32(4)[0] = pos0
+        self.hin.f32(D)[:] = h.reshape(-1)
+        if self.segs:
+            (self._run_chain if self.chain else self._run_split)()
+            self.dev_rows += self.k * (self.n_moe - len(self.resident))   # the layers whose experts are all here
+        else:
+            t0 = time.perf_counter()
+            self.K.submit(self.rec)
+            self.submit_s += time.perf_counter() - t0
+            self._gpu_add(self.K.gpu_ms(self.rec))
+            self.gpu_tokens += 1
+            self.dev_rows += self.k * self.n_moe
+        out = self.hout.f32(D).reshape(1, D).copy()
+        kvn = self.nkv * self.hd
+        new = self.kvhost.f32(2 * kvn * len(self.per)).reshape(len(self.per), 2, self.nkv, self.hd)
+        if self.dn:
+            self._dn_store(cache, pos0 + 1)
+        for j, d in enumerate(self.per):
+            if "dn" in d:
+                continue
+            kv = cache.layers[d["il"]]
+            if self.mla:    # the new LAT row: the latent, then the rope key
+                kv.lat[pos0], kv.kr[pos0] = new[j, 0, 0, :self.mla[1]], new[j, 0, 0, self.mla[1]:]
+                continue
+            kv.k[:, pos0] = new[j, 0]
+            kv.v[:, pos0] = new[j, 1]
+        self._valid = pos0 + 1
+        self.tokens += 1
+        step = self.m.step
+        if self.k and step is not None and step.usage is not None:   # the routing history counts these layers too
+            ids = self.routehost.u32(2 * self.k * len(self.per)).reshape(len(self.per), 2, self.k)[:, 0]
+            for j, d in enumerate(self.per):
+                if "tab" in d:      # a dense layer has no route
+                    step.usage.add(d["il"], ids[j:j + 1].astype(np.int64))
+        lg = self.lghost.f32(self.vocab).reshape(1, self.vocab).copy() if self.head is not None else None
+        if self.on_token is not None and self.k:
+            ids = self.routehost.u32(2 * self.k * len(self.per)).reshape(len(self.per), 2, self.k)[:, 0]
+            self.on_token(self, {d["il"]: ids[j].astype(np.int64) for j, d in enumerate(self.per) if "tab" in d})
+        if self.clock is not None:
+            self._start_clock()
+        if P is not None:
+            dt = time.perf_counter() - t_call
+            P.add("rest of the token", dt - (sum(P.s.values()) - s0))
+            P.token(dt)
+        return out, lg
