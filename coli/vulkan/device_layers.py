@@ -36,20 +36,13 @@ import numpy as np
 from coli.base.errors import ColiError
 from coli.vulkan.layer_decode import DecodeRow
 from coli.vulkan.layer_families import MLAMixer, DeltaNetMixer
+from coli.vulkan.layer_join import Cut, RowJoin
 from coli.vulkan.layer_kv import KVRows
 from coli.vulkan.layer_plan import attn_block, device_formats, hidden_width, is_deltanet, is_gated, is_mla, route_rule
 from coli.vulkan.layer_weights import LayerWeights
 
 
-class _Cut:
-    """Where the decode token's program is cut for the host's experts (``DeviceLayers._split_ops``): ``kind``
-    "cpu" (after the route of the ``j``-th device layer), "x" (after its resident ranks) or "end"."""
-
-    def __init__(self, j, kind: str):
-        self.j, self.kind = j, kind
-
-
-class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow):
+class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, RowJoin):
     """Layers ``first ..`` of model ``m`` on device ``dev`` for decode rows and prompt chunks (see the module
     docstring; :meth:`prompt` for chunks).
 
@@ -249,335 +242,6 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow):
         else:
             self.rec = K.record(self._ops(), timestamps=True)
 
-    # -- experts on the CPU (docs/vulkan.md "Experts on the CPU") ------------------------------------------------
-    def _split_ops(self, j: int, d: dict, rt: int, et: list) -> list:
-        """The MoE part of device layer ``d`` (``j``-th here) whose experts are not all on the device, as ops with two
-        cuts (:class:`_Cut`): the shared expert into row k of the layer's ``yk`` (zeroed first), the FFN input and the
-        route copied to the host, cut (the host reads them, starts the next segment and computes the CPU's ranks
-        into their rows of ``yk``, host-visible); the resident ranks (``lmoe.comp`` skips ranks whose table entry is
-        0), each rank's weighted output into its own row of ``yk``; cut; ``moe_sum.comp`` adds rows 0 .. k of ``yk``
-        to the residual in rank order (the CPU path's order: docs/contracts.md "MoE step")."""
-        from coli.vulkan.layers import Copy, Dispatch
-
-        D, k, F, R = self.D, self.k, self.F, self.K.rows
-        yk = self.yk[j]
-        ops = [Copy(self.zeros, yk, [(0, 0, 4 * D * (k + 1))], wait=False)]
-        if "sh_tab" in d:
-            sF, sr = d["sh_F"], d["sh_route"].addr
-            if "sh_gate" in d:
-                ops.append(Dispatch("lmv", (1,), [d["sh_gate"].addr, self.xn.addr, sr + 4], [1, D, 4],
-                                    type_name="F32"))
-            ops += [Dispatch("lmoe", (-(-sF // R), 1), [d["sh_tab"].addr, sr, self.xn.addr, self.hbuf.addr],
-                             [sF, D, 1], type_name=d["sh_types"][0], mode=1),
-                    Dispatch("lmoe", (-(-D // R),), [d["sh_tab"].addr, sr, self.hbuf.addr, yk.addr + 4 * D * k],
-                             [D, sF, 1], type_name=d["sh_types"][1], mode=0)]
-        ops += [Copy(self.xn, self.xnh, [(0, 4 * D * j, 4 * D)]),
-                Copy(self.route, self.routehost, [(8 * k * j, 8 * k * j, 8 * k)], wait=False),
-                Copy(self.params, self.flags, [(32, 4 * j, 4)]),     # the token's number, after the two above
-                _Cut(j, "cpu")]
-        if self.bal is not None:     # the route as the host leaves it (ranks it takes point at an absent expert)
-            rt = self.xroute.addr + 8 * k * j
-        if self.resident[d["il"]].any():     # else no X segment: the host computes every rank
-            ops.append(Dispatch("lmoe", (-(-F // R), k), [d["tab"].addr, rt, self.xn.addr, self.hbuf.addr],
-                                [F, D, k], type_name=et[0], mode=1))
-            ops += [Dispatch("lmoe", (-(-D // R),), [d["tab"].addr, rt + 4 * r, self.hbuf.addr + 4 * F * r,
-                                                     yk.addr + 4 * D * r], [D, F, 1, k], type_name=et[1], mode=0,
-                             wait=r == 0) for r in range(k)]
-        ops += [_Cut(j, "x"), Dispatch("moe_sum", (1,), [yk.addr, self.hs.addr, yk.addr], [D, k + 1, 0])]
-        return ops
-
-    def _record_split(self) -> None:
-        """The decode token's program cut where the host joins (:meth:`_split_ops`): ``segs`` [(kind, Recorded, j)],
-        kind "S" (j: the layer whose route the host reads after it, None for the last) or "X" (layer j's resident
-        ranks; None when that layer has none on the device). ``chain`` (the device has timeline semaphores): the
-        segments go in one submit a token (:meth:`_run_chain`), else one submit a segment (:meth:`_run_split`)."""
-        K, n = self.K, len(self.per)
-        self.zeros = K.buffer(4 * self.D * (self.k + 1), host=False)
-        K.upload(self.zeros, np.zeros(self.D * (self.k + 1), np.float32))
-        # host-cached memory (readback): the CPU's compiled call writes its rows there and the weights are applied in
-        # place, so the host reads them back; through a discrete device's BAR each such read costs microseconds
-        self.yk = [K.buffer(4 * self.D * (self.k + 1), host=True, readback=True) if d["il"] in self.resident else None
-                   for d in self.per]
-        self.xnh = K.buffer(4 * self.D * n, host=True, readback=True)
-        # --balance: each layer's route for its resident ranks, written by the host before they start
-        self.xroute = K.buffer(8 * self.k * n, host=True) if self.bal is not None else None
-        self.flags = K.buffer(4 * n, host=True, readback=True)      # layer j's route is out: the token's number
-        self.flags.u32(n)[:] = 0
-        self._seq = 0           # the decode token's number (params word 8), copied into flags[j] by segment S_j
-        self.spin_s = 0.002     # how long the host spins on a flag before it sleeps on the device's timeline
-        self.spun = self.slept = 0
-        ops, cur, kind = self._ops(), [], "S"
-        for op in ops + [_Cut(None, "end")]:
-            if not isinstance(op, _Cut):
-                cur.append(op)
-                continue
-            j = None if op.kind == "end" else op.j
-            rec = K.record(cur, timestamps=True, lead=bool(self.segs)) if cur else None
-            self.segs.append((kind, rec, j))
-            kind, cur = ("X" if op.kind == "cpu" else "S"), []
-        self.rec = None
-        self.chain = bool(getattr(self.dev, "timeline", False))
-        self._tl = 0            # the timeline semaphore's value after the last token
-        self._chain = None      # the token's prepared submit (_chain_prepare)
-        self._xrec = {}         # layer j -> its X segment (_chain_prepare)
-        self._V = 2 if self.bal is not None else 1   # the host's timeline values a cut layer: (route,) rows in
-        # views made once: each layer's route, FFN input and yk rows in host-visible memory, the params' words, the flags
-        k, D = self.k, self.D
-        rh = self.routehost.u32(2 * k * n)
-        self._rv = [rh[2 * k * j:2 * k * (j + 1)] for j in range(n)]
-        xh = self.xnh.f32(D * n)
-        self._xv = [xh[D * j:D * (j + 1)].reshape(1, D) for j in range(n)]
-        self._ykv = [y.f32((k + 1) * D).reshape(k + 1, D) if y is not None else None for y in self.yk]
-        self._params_u32 = self.params.u32(16)
-        if self.xroute is not None:
-            xr = self.xroute.u32(2 * k * n)
-            self._xrv = [xr[2 * k * j:2 * k * (j + 1)] for j in range(n)]
-            for j in range(n):
-                self._skip_route(j)
-        self._flags_u32 = self.flags.u32(n)
-
-    def _route(self, j: int):
-        """Layer ``j``'s route as the device wrote it: ids int64 [k], weights f32 [k], and which ranks are resident."""
-        k = self.k
-        rr = self._rv[j]
-        ids = rr[:k].astype(np.int64)
-        return ids, rr[k:].view(np.float32).copy(), self.resident[self.per[j]["il"]][ids]
-
-    def _cpu_ranks(self, j: int, ids, w, on_dev) -> None:
-        """The CPU's ranks of layer ``j`` (the RAM expert cache, the CPU kernels, the engine's activations) into their
-        rows of its ``yk``: ``w_r * expert_r(x)``. The compiled call writes straight into ``yk`` when those ranks are
-        one run of rows (every rank on the CPU, say), and the weights are applied there in place."""
-        k, P = self.k, self.prof
-        ranks = np.flatnonzero(~on_dev)
-        n = len(ranks)
-        self.dev_rows += k - n
-        self.cpu_rows += n
-        if not n:
-            return
-        step = self.m.step
-        if P is not None:
-            t0, c0 = time.perf_counter(), step.row_call_s
-        yk = self._ykv[j]
-        r0 = int(ranks[0])
-        run = int(ranks[-1]) - r0 + 1 == n
-        out = step.row_experts(self.per[j]["il"], self._xv[j], [int(e) for e in ids[ranks]],
-                               out=yk[r0:r0 + n] if run else None)
-        if P is not None:
-            t1 = time.perf_counter()
-            call = step.row_call_s - c0
-            P.add("experts: compiled call", call)
-            P.add("experts: lookups", t1 - t0 - call)
-        if run:
-            out *= w[r0:r0 + n, None]
-        else:
-            yk[ranks] = w[ranks, None] * out
-        if P is not None:
-            P.lap("rows out", t1)
-
-    def _run_split(self) -> None:
-        """One decode token, a submit a segment: submit a segment and wait, read the layer's route and FFN input, start
-        its resident ranks (when the token has some), compute the CPU's ranks meanwhile, submit the next segment (it
-        waits for both)."""
-        from coli.vulkan import DeviceLost
-
-        K, P = self.K, self.prof
-        stamps = self._stamps_due()
-        started, pend = None, None
-        for kind, rec, j in self.segs:
-            if kind == "S":
-                t0 = time.perf_counter()
-                K.submit(rec)
-                self.submit_s += time.perf_counter() - t0
-                if P is not None:
-                    P.lap("submit", t0)
-                if stamps:
-                    t0 = time.perf_counter()
-                    self._gpu_add(K.gpu_ms(rec))
-                    if P is not None:
-                        P.lap("timestamps", t0)
-                if started is not None:
-                    if not K.wait(started):
-                        self.dev._mark_lost("fence wait of the resident experts failed")
-                        raise DeviceLost("fence wait of the resident experts failed")
-                    if stamps:
-                        self._gpu_add(K.gpu_ms(started))
-                    started = None
-                if j is not None:
-                    t0 = time.perf_counter()
-                    pend = (j,) + self._route(j)
-                    if P is not None:
-                        P.lap("route read", t0)
-                continue
-            j, ids, w, on_dev = pend
-            if self.bal is not None:
-                ids, w, on_dev = self._hand(j, ids, w, on_dev)
-            if rec is not None and on_dev.any():
-                if not K.start(rec):
-                    raise DeviceLost("the resident experts' command buffer still ran")
-                self.dev.dispatches += rec.dispatches
-                self.dev.layer_dispatches += rec.dispatches
-                started = rec
-            tc = time.perf_counter()
-            self._cpu_ranks(j, ids, w, on_dev)
-            if self.bal is not None:
-                self._steps[-1][5] = time.perf_counter() - tc
-        if stamps:
-            self.gpu_tokens += 1
-        if self.bal is not None:
-            self._balance_after()
-
-    def _hand(self, j: int, ids, w, on_dev):
-        """--balance: which of layer ``j``'s resident ranks this decode row the device keeps
-        (``Balancer.keep``: one row each; movable where the RAM expert cache holds the expert or has a free slot
-        in the layer, as the tier's rule); the others go to the CPU. Writes the route the resident ranks read
-        (``xroute``: a rank handed over points at an expert that is not resident, which ``lmoe.comp`` skips) and
-        notes the step for :meth:`_balance_after`. Returns ``(ids, w, on_dev)`` with the handed ranks off the
-        device."""
-        il = self.per[j]["il"]
-        cache = self.m.step.cache
-        res = np.flatnonzero(on_dev)
-        xr = self._xrv[j]
-        xr[:] = self._rv[j]
-        handed = 0
-        if len(res):
-            lru, slots = getattr(cache, "lru", None), getattr(cache, "slots", None)
-            free = lru is not None and slots is not None and len(lru[il]) < slots
-            movable = np.array([free or cache.in_ram(il, int(ids[r])) for r in res], bool)
-            keep = self.bal.keep(np.ones(len(res), np.int64), movable)
-            give = res[~keep]
-            handed = len(give)
-            if handed:
-                xr[give] = int(np.flatnonzero(~self.resident[il])[0])
-                on_dev = on_dev.copy()
-                on_dev[give] = False
-                self.handed += handed
-        cold = sum(1 for e in ids[~on_dev] if not cache.in_ram(il, int(e)))
-        self._steps.append([j, len(res) - handed, int((~on_dev).sum()), len(res), cold, 0.0])
-        return ids, w, on_dev
-
-    def _skip_route(self, j: int) -> None:
-        """Layer ``j``'s ``xroute``: every rank at an expert that is not resident, weight 0 (its resident ranks' segment
-        then does nothing): before the first token, and for the layers a failed token did not reach (their segments
-        still run while the queue drains)."""
-        il = self.per[j]["il"]
-        if il in self.resident:
-            xr = self._xrv[j]
-            xr[:self.k] = int(np.flatnonzero(~self.resident[il])[0])
-            xr[self.k:] = 0
-
-    def _balance_after(self) -> None:
-        """--balance, after a decode token: each balanced layer step's times to the balancer, in layer order (its
-        resident ranks' device ms by their segment's timestamps; the CPU's ms by the host clock; the join's wait
-        taken as the device's ms past the CPU's, both starting when the host wrote the route)."""
-        from types import SimpleNamespace   # scheduler.balancer.StepTimes's fields (coli.vulkan imports no scheduler)
-
-        for j, nd, nc, nres, cold, cpu_s in self._steps:
-            rec = self._xrec.get(j) if self.chain else next(r for kind, r, jj in self.segs if kind == "X" and jj == j)
-            dms = (self.K.gpu_ms(rec) or 0.0) if rec is not None and nd else 0.0
-            cms = cpu_s * 1e3
-            self.bal.update(SimpleNamespace(device_ms=dms, device_rows=nd, cpu_ms=cms, cpu_rows=nc,
-                                      waited_ms=max(0.0, dms - cms), resident_rows=nres, cpu_cold=cold))
-        self._steps.clear()
-
-    def _stamps_due(self) -> bool:
-        """Whether this token's segments' timestamps are read: every token with the join profile on, else one token in
-        ``stamp_every`` (the closing line's device time a token comes from those)."""
-        return self.K.dev.timestamps and (self.prof is not None or self.bal is not None
-                                          or self.tokens % self.stamp_every == 0)
-
-    def _chain_prepare(self) -> None:
-        """The token's batches for :meth:`_run_chain`, their submit structures made once (``Kernels.prepare_batches``:
-        the timeline values are offsets from the token's base, set in place each token)."""
-        S = [(rec, j) for kind, rec, j in self.segs if kind == "S"]
-        X = [rec for kind, rec, j in self.segs if kind == "X"]
-        n = len(X)
-        V = self._V
-        batches = []
-        for i, (rec, j) in enumerate(S):
-            batches.append(([rec], V * i if i else 0, V * i + 1 if j is not None else 0))
-            if i < n and X[i] is not None:     # with a balancer it waits for the host's route (value V i + 1)
-                batches.append(([X[i]], V * i + 1 if V == 2 else 0, 0))
-        self._chain = (self.K.prepare_batches(batches), [j for _, j in S[:n]], n,
-                       [rec for rec, _ in S] + [x for x in X if x is not None])
-        self._xrec = {j: X[i] for i, j in enumerate(self._chain[1])}
-
-    def _run_chain(self) -> None:
-        """One decode token in one submit (timeline semaphores, ``Kernels.submit_prepared``): segment S_i copies the
-        token's number into ``flags[i]`` after layer i's route and signals value base + i + 1 of the device's
-        timeline (the host spins on the flag for ``spin_s``, then sleeps on the value; ``spun`` / ``slept`` count
-        which; then it reads the route and computes the CPU's ranks into ``yk``), X_i (layer i's resident ranks) runs
-        beside the host, and
-        S_i+1 waits for value base + i + 1 of the host's timeline, which the host signals once it wrote those rows.
-        On any failure the host signals its last value, so the queue drains before the caller goes on. The segments'
-        timestamps are read one token in ``stamp_every`` (every token with the join profile)."""
-        K, P, pc = self.K, self.prof, time.perf_counter
-        if self._chain is None:
-            self._chain_prepare()
-        prep, js, n, recs = self._chain
-        base, V, bal = self._tl, self._V, self.bal
-        top, done = base + V * n, base
-        self._seq = seq = (self._seq + 1) & 0xFFFFFFFF or 1
-        self._params_u32[8] = seq
-        flags = self._flags_u32
-        spin = self.spin_s
-        t0 = t = pc()
-        try:
-            K.submit_prepared(prep, base)
-            t = pc() if P is None else P.lap("submit", t)
-            for i in range(n):
-                j = js[i]
-                end = t + spin
-                while flags[j] != seq and pc() < end:   # the flag S_i writes: no sleep, no wake-up
-                    pass
-                if flags[j] == seq:
-                    self.spun += 1
-                    if P is not None:
-                        t = P.lap("wait: flag", t)
-                else:
-                    self.slept += 1
-                    K.wait_value(base + V * i + 1)
-                    if P is not None:
-                        t = P.lap("wait: semaphore", t)
-                r = self._route(j)
-                if P is not None:
-                    P.lap("route read", t)
-                if bal is not None:     # the resident ranks' route, then they start (value V i + 1)
-                    r = self._hand(j, *r)
-                    K.signal(base + V * i + 1)
-                    done = base + V * i + 1
-                    tc = pc()
-                self._cpu_ranks(j, *r)
-                if bal is not None:
-                    self._steps[-1][5] = pc() - tc
-                t = pc()
-                K.signal(base + V * (i + 1))
-                done = base + V * (i + 1)
-                t = pc() if P is None else P.lap("signal", t)
-            K.wait_batches()
-            if P is not None:
-                P.lap("tail", t)
-        finally:
-            self._tl = top
-            if done < top:
-                if bal is not None:     # the resident ranks not yet routed this token: nothing to run
-                    for i in range(n):
-                        if base + V * i + 1 > done:
-                            self._skip_route(js[i])
-                try:
-                    K.signal(top)
-                except Exception:  # noqa: BLE001 - a lost device: the caller's DeviceLost says so
-                    pass
-        self.submit_s += pc() - t0
-        if self._stamps_due():
-            t = pc()
-            for rec in recs:
-                self._gpu_add(K.gpu_ms(rec))
-            self.gpu_tokens += 1
-            if P is not None:
-                P.lap("timestamps", t)
-        if bal is not None:
-            self._balance_after()
-
     # -- prompt chunks ----------------------------------------------------------------------------------------
     def _free_precs(self) -> None:
         """Free the recorded prompt chunks (a command buffer, or with experts on the CPU its segments)."""
@@ -745,7 +409,7 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow):
                 # streamed: the layer's other experts in a slot, its table the chunk's (_stream_layer); cut before
                 # their products, so the host fills the slot while the device runs what comes before
                 tab = self._ptab[j].addr
-                ops += [Dispatch("moe_sort", (1,), [rt, self.p_off.addr, self.p_pairs.addr], [E, k, R]), _Cut(j, "stream")]
+                ops += [Dispatch("moe_sort", (1,), [rt, self.p_off.addr, self.p_pairs.addr], [E, k, R]), Cut(j, "stream")]
             else:
                 ops.append(Dispatch("moe_sort", (1,), [rt, self.p_off.addr, self.p_pairs.addr], [E, k, R]))
             ops += [
@@ -795,7 +459,7 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow):
 
     def _prompt_split_ops(self, j: int, d: dict, R: int, rt: int, et: list) -> list:
         """The experts of a prompt chunk's layer ``d`` (``j``-th here) whose routed experts are not all on the device,
-        as ops with two cuts (:class:`_Cut`): the shared expert (into ``p_ysh``), the FFN input rows and the layer's
+        as ops with two cuts (:class:`Cut`): the shared expert (into ``p_ysh``), the FFN input rows and the layer's
         route copied to the host, cut (the host groups the pairs by expert: the resident ones' offsets and pairs into
         ``p_offh`` / ``p_pairsh``, the others' ``w * expert(x)`` computed by the CPU into their rows of ``p_yk``,
         host-visible); the resident pairs' gate/up and down (``lmm.comp`` modes 1 and 2 over the host's grouping: an
@@ -809,7 +473,7 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow):
         ops = self._prompt_shared(d, R) if "sh_tab" in d else []
         ops += [Copy(self.p_xn, self.p_xnh, [(0, 0, 4 * R * D)]),
                 Copy(self.p_route, self.p_routeh, [(8 * k * R * j, 8 * k * R * j, 8 * k * R)], wait=False),
-                _Cut(j, "cpu")]
+                Cut(j, "cpu")]
         if self.resident[d["il"]].any():     # else no X segment: the host computes every pair
             off, pairs = self.p_offh.addr, self.p_pairsh.addr
             ops += [Dispatch("lmm", (-(-F // BM), gr, E), [d["tab"].addr, xn, self.p_h.addr, rt, pairs, off, xn, xn],
@@ -818,7 +482,7 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow):
                                                            off, xn], [D, F, 0, R, 0, k, 0, 0, 0],
                              type_name=et[1], mode=2)]
         ysh = self.p_ysh.addr if "sh_tab" in d else 0
-        return ops + [_Cut(j, "x"), Dispatch("moe_sum", (R,), [self.p_yk.addr, self.p_hs.addr, ysh or self.p_yk.addr],
+        return ops + [Cut(j, "x"), Dispatch("moe_sum", (R,), [self.p_yk.addr, self.p_hs.addr, ysh or self.p_yk.addr],
                                              [D, k, int(bool(ysh))])]
 
     def _prompt_segments(self, ops: list) -> list:
@@ -826,8 +490,8 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow):
         layer's experts (kind "G", the segment before layer j's expert products), recorded: [(kind, Recorded or None,
         j)] as :meth:`_record_split`'s ``segs``."""
         segs, cur, kind = [], [], "S"
-        for op in ops + [_Cut(None, "end")]:
-            if not isinstance(op, _Cut):
+        for op in ops + [Cut(None, "end")]:
+            if not isinstance(op, Cut):
                 cur.append(op)
                 continue
             rec = self.K.record(cur, timestamps=True, lead=bool(segs)) if cur else None
