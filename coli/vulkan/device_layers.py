@@ -37,7 +37,7 @@ from coli.vulkan.layer_decode import DecodeRow
 from coli.vulkan.layer_families import MLAMixer, DeltaNetMixer
 from coli.vulkan.layer_join import RowJoin
 from coli.vulkan.layer_kv import KVRows
-from coli.vulkan.layer_plan import attn_block, device_formats, hidden_width, is_deltanet, is_gated, is_mla, route_rule
+from coli.vulkan.layer_plan import attn_block, device_formats, is_deltanet, is_gated, is_mla, route_rule
 from coli.vulkan.layer_prompt import PromptChunks
 from coli.vulkan.layer_prompt_join import PromptJoin
 from coli.vulkan.layer_weights import LayerWeights
@@ -98,7 +98,45 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
             raise
 
     def _build(self, head: bool):
-        m, K, ctx, first = self.m, self.K, self.ctx, self.first
+        m, K, ctx = self.m, self.K, self.ctx
+        self._shapes()
+        self._settings()
+        self._decode_bufs()
+        self._ropes: dict = {}      # (base, scaling, n_rot) -> the cos and sin tables on the device
+        self.per = []
+        for il in self.layers:
+            self.per.append(self._upload_layer(il, ctx))
+        self.n_moe = sum("tab" in d for d in self.per)      # the layers with routed experts (and a route slot)
+        # the output norm and head too when the last layer is here and the head's format has a kernel
+        out = m.t.get("output.weight", m.tok_embd)
+        self.head = None
+        if head and out.type_name in device_formats() and int(out.shape[-1]) % 32 == 0:
+            self.vocab = int(out.shape[0])
+            self.head = {"norm": self._const(m.out_norm), "w": self._place(out), "type": out.type_name}
+            self.lg = K.buffer(4 * self.vocab, host=False)
+            self.lghost = K.buffer(4 * self.vocab, host=True, readback=True)
+        self._cache = None      # weakref of the Cache whose rows the device holds
+        self._stage = None      # the staging buffer of _sync
+        self._rstage = None     # the readback buffer of _fetch
+        self._valid = 0         # positions 0 .. _valid - 1 of it are on the device
+        # positions lo .. hi - 1 of that cache whose K/V rows of these layers only the device holds (prompt chunks
+        # write the CPU's copy only when the CPU needs it: _fetch), and the input rows of layer first from lo on
+        # (f32 [n, D]: a failed device's rows are computed again on the CPU from them, recompute_on_cpu)
+        self._lo = self._hi = 0
+        self._hist = np.zeros((0, self.D), np.float32)
+        from coli.vulkan.layers import ClockHolder
+
+        # busy between tokens, ended by the next token's first op (docs/vulkan.md "Clocks")
+        self.clock = ClockHolder.for_device(self.dev, K, self._env)
+        if self.resident:
+            self._record_split()
+        else:
+            self.rec = K.record(self._ops(), timestamps=True)
+
+    def _shapes(self) -> None:
+        """The sizes the layers' buffers take: the attention's (GQA, MLA or none), the router's rule and sizes, the
+        DeltaNet blocks' (the first layer here of each kind: they agree, ``layer_plan.plan``)."""
+        m, first = self.m, self.first
         a = m.args
         # the attention's shape from the first attention layer here (Qwen3-Next: DeltaNet layers between them)
         at = next((attn_block(m.layers[il]) for il in range(first, len(m.layers)) if not is_deltanet(m.layers[il])),
@@ -135,6 +173,17 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
             self.E = self.k = self.F = 0
             self.topk_flags, self.topk_words = 0, []
         self.layers = list(range(first, len(m.layers)))
+        self.nqkv = (self.nq + 2 * self.nkv) * self.hd
+        # Qwen3-Next's gated attention: its gate rows after v in qkv (_upload_attention reorders attn_q's rows)
+        self.gated = any(is_gated(m.layers[il]) for il in range(first, len(m.layers)))
+        # DeltaNet: (Hk, Hv, dk, dv, conv kernel, C) of its layers here (one shape: plan), None without
+        self.dn = None if dn0 is None else (dn0.n_k_heads, dn0.n_v_heads, dn0.dk, dn0.dv, dn0.kernel,
+                                            dn0.conv_channels)
+
+    def _settings(self) -> None:
+        """The settings the layers read (``COLI_VK_PROMPT_ROWS``, ``COLI_VK_PROMPT_EXPERTS``,
+        ``COLI_VK_STREAM_ROWS``, ``COLI_VK_JOIN_PROFILE``) and the run's counters at zero. Raises ``ColiError`` for
+        a ``COLI_VK_PROMPT_EXPERTS`` other than cpu, stream or auto."""
         from coli.base.settings import get
 
         self.prompt_rows = int(get("COLI_VK_PROMPT_ROWS", self._env))   # rows of a prompt chunk, at most
@@ -164,84 +213,6 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
 
         self.prof = JoinProfile() if get("COLI_VK_JOIN_PROFILE", self._env) else None   # where a token's host time goes
         self.weight_bytes = 0
-        nq, nkv, hd, D, E, k, F = self.nq, self.nkv, self.hd, self.D, self.E, self.k, self.F
-        self.nqkv = (nq + 2 * nkv) * hd
-        # Qwen3-Next's gated attention: its gate rows after v in qkv (_upload_attention reorders attn_q's rows)
-        self.gated = any(is_gated(m.layers[il]) for il in range(first, len(m.layers)))
-        # DeltaNet: (Hk, Hv, dk, dv, conv kernel, C) of its layers here (one shape: plan), None without
-        self.dn = None if dn0 is None else (dn0.n_k_heads, dn0.n_v_heads, dn0.dk, dn0.dv, dn0.kernel,
-                                            dn0.conv_channels)
-        # scratch, shared by the layers (they run one after the other, with barriers between)
-        self.hs = K.buffer(4 * D, host=False)
-        self.xn = K.buffer(4 * D, host=False)
-        self.qkv = K.buffer(4 * (self.nqkv + (nq * hd if self.gated else 0)), host=False)
-        if self.dn:     # the q/k/v rows before and after the conv, z, beta and alpha, the output
-            Hk, Hv, dk, dv, kc, C = self.dn
-            self.dn_x = K.buffer(4 * C, host=False)
-            self.dn_c = K.buffer(4 * C, host=False)
-            self.dn_z = K.buffer(4 * Hv * dv, host=False)
-            self.dn_ba = K.buffer(4 * 2 * Hv, host=False)
-            self.dn_o = K.buffer(4 * Hv * dv, host=False)
-            n_dn = sum(is_deltanet(m.layers[il]) for il in range(first, len(m.layers)))
-            self.dn_floats = (kc - 1) * C + Hv * dk * dv     # a layer's conv state, then its recurrent state
-            self.dnhost = K.buffer(4 * self.dn_floats * n_dn, host=True, readback=True)
-        self._dn_at = None      # (weakref to the cache, position) the device's DeltaNet states are current for
-        self.q = K.buffer(4 * nq * hd, host=False)
-        self.ao = K.buffer(4 * nq * hd, host=False)
-        self.logits = K.buffer(4 * E, host=False)
-        self.route = K.buffer(8 * k * len(self.layers), host=False)      # each layer's ids and weights
-        self.routehost = K.buffer(8 * k * len(self.layers), host=True, readback=True)
-        self.hbuf = K.buffer(4 * max(hidden_width(m, il) for il in self.layers), host=False)
-        self.tmp = K.buffer(4 * D, host=False)     # a block's output before its post-norm (Gemma 3)
-        # the dense FFN's route: one expert (the layer's gate/up/down table row 0), weight 1
-        self.one_route = self._const(np.array([0, np.float32(1.0).view(np.uint32)], np.uint32))
-        self.scores = K.buffer(4 * nq * ctx, host=False) if not self.mla else None
-        # decode attention over positions in parts of K.attn_chunk keys (attn_dec.comp, joined by attn_comb.comp)
-        self.attn_chunk = K.attn_chunk if ctx > K.attn_chunk and not self.mla else 0
-        self.attn_parts = K.buffer(4 * nq * -(-ctx // K.attn_chunk) * (hd + 2), host=False) if self.attn_chunk else None
-        if self.mla:    # q, kv, q_a; self.q holds the absorbed q [H, W], self.ao the values [H, dv]
-            H, r, dn, dr, dv, ql = self.mla
-            self.m_q = K.buffer(4 * H * (dn + dr), host=False)
-            self.m_kv = K.buffer(4 * (r + dr), host=False)
-            self.m_qa = K.buffer(4 * max(ql, 1), host=False)
-            self.m_ol = K.buffer(4 * H * r, host=False)
-        self.kvout = K.buffer(4 * 2 * nkv * hd * len(self.layers), host=False)
-        self._kv_names = ("K",) if self.mla else ("K", "V")     # the device's cache buffers of a layer
-        # host side: the params (pos), the row in and out, the new K/V rows
-        self.params = K.buffer(256, host=True)
-        self.hin = K.buffer(4 * D, host=True)
-        self.hout = K.buffer(4 * D, host=True, readback=True)
-        self.kvhost = K.buffer(4 * 2 * nkv * hd * len(self.layers), host=True, readback=True)
-        self._ropes: dict = {}      # (base, scaling, n_rot) -> the cos and sin tables on the device
-        self.per = []
-        for il in self.layers:
-            self.per.append(self._upload_layer(il, ctx))
-        self.n_moe = sum("tab" in d for d in self.per)      # the layers with routed experts (and a route slot)
-        # the output norm and head too when the last layer is here and the head's format has a kernel
-        out = m.t.get("output.weight", m.tok_embd)
-        self.head = None
-        if head and out.type_name in device_formats() and int(out.shape[-1]) % 32 == 0:
-            self.vocab = int(out.shape[0])
-            self.head = {"norm": self._const(m.out_norm), "w": self._place(out), "type": out.type_name}
-            self.lg = K.buffer(4 * self.vocab, host=False)
-            self.lghost = K.buffer(4 * self.vocab, host=True, readback=True)
-        self._cache = None      # weakref of the Cache whose rows the device holds
-        self._stage = None      # the staging buffer of _sync
-        self._rstage = None     # the readback buffer of _fetch
-        self._valid = 0         # positions 0 .. _valid - 1 of it are on the device
-        # positions lo .. hi - 1 of that cache whose K/V rows of these layers only the device holds (prompt chunks
-        # write the CPU's copy only when the CPU needs it: _fetch), and the input rows of layer first from lo on
-        # (f32 [n, D]: a failed device's rows are computed again on the CPU from them, recompute_on_cpu)
-        self._lo = self._hi = 0
-        self._hist = np.zeros((0, self.D), np.float32)
-        from coli.vulkan.layers import ClockHolder
-
-        # busy between tokens, ended by the next token's first op (docs/vulkan.md "Clocks")
-        self.clock = ClockHolder.for_device(self.dev, K, self._env)
-        if self.resident:
-            self._record_split()
-        else:
-            self.rec = K.record(self._ops(), timestamps=True)
 
     def _start_clock(self) -> None:
         """Start the clock holder's heat; when that fails on a device that is not lost, only the holder goes (the

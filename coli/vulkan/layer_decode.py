@@ -8,11 +8,59 @@ import time
 
 import numpy as np
 
+from coli.vulkan.layer_plan import hidden_width, is_deltanet
+
 
 class DecodeRow:
     """One decode token through :class:`DeviceLayers`: ``__call__(h, cache, pos0) -> (h, logits)`` (the class's
     docstring), its program :meth:`_ops` recorded once (``rec``), or cut for the host's experts (``segs``:
     coli/vulkan/layer_join.py)."""
+
+    def _decode_bufs(self) -> None:
+        """A decode row's scratch, shared by the layers (they run one after the other, with barriers between), and
+        the host-visible buffers: the params (pos), the row in and out, the new K/V rows, the routes."""
+        m, K, ctx, first = self.m, self.K, self.ctx, self.first
+        nq, nkv, hd, D, E, k = self.nq, self.nkv, self.hd, self.D, self.E, self.k
+        self.hs = K.buffer(4 * D, host=False)
+        self.xn = K.buffer(4 * D, host=False)
+        self.qkv = K.buffer(4 * (self.nqkv + (nq * hd if self.gated else 0)), host=False)
+        if self.dn:     # the q/k/v rows before and after the conv, z, beta and alpha, the output
+            Hk, Hv, dk, dv, kc, C = self.dn
+            self.dn_x = K.buffer(4 * C, host=False)
+            self.dn_c = K.buffer(4 * C, host=False)
+            self.dn_z = K.buffer(4 * Hv * dv, host=False)
+            self.dn_ba = K.buffer(4 * 2 * Hv, host=False)
+            self.dn_o = K.buffer(4 * Hv * dv, host=False)
+            n_dn = sum(is_deltanet(m.layers[il]) for il in range(first, len(m.layers)))
+            self.dn_floats = (kc - 1) * C + Hv * dk * dv     # a layer's conv state, then its recurrent state
+            self.dnhost = K.buffer(4 * self.dn_floats * n_dn, host=True, readback=True)
+        self._dn_at = None      # (weakref to the cache, position) the device's DeltaNet states are current for
+        self.q = K.buffer(4 * nq * hd, host=False)
+        self.ao = K.buffer(4 * nq * hd, host=False)
+        self.logits = K.buffer(4 * E, host=False)
+        self.route = K.buffer(8 * k * len(self.layers), host=False)      # each layer's ids and weights
+        self.routehost = K.buffer(8 * k * len(self.layers), host=True, readback=True)
+        self.hbuf = K.buffer(4 * max(hidden_width(m, il) for il in self.layers), host=False)
+        self.tmp = K.buffer(4 * D, host=False)     # a block's output before its post-norm (Gemma 3)
+        # the dense FFN's route: one expert (the layer's gate/up/down table row 0), weight 1
+        self.one_route = self._const(np.array([0, np.float32(1.0).view(np.uint32)], np.uint32))
+        self.scores = K.buffer(4 * nq * ctx, host=False) if not self.mla else None
+        # decode attention over positions in parts of K.attn_chunk keys (attn_dec.comp, joined by attn_comb.comp)
+        self.attn_chunk = K.attn_chunk if ctx > K.attn_chunk and not self.mla else 0
+        self.attn_parts = K.buffer(4 * nq * -(-ctx // K.attn_chunk) * (hd + 2), host=False) if self.attn_chunk else None
+        if self.mla:    # q, kv, q_a; self.q holds the absorbed q [H, W], self.ao the values [H, dv]
+            H, r, dn, dr, dv, ql = self.mla
+            self.m_q = K.buffer(4 * H * (dn + dr), host=False)
+            self.m_kv = K.buffer(4 * (r + dr), host=False)
+            self.m_qa = K.buffer(4 * max(ql, 1), host=False)
+            self.m_ol = K.buffer(4 * H * r, host=False)
+        self.kvout = K.buffer(4 * 2 * nkv * hd * len(self.layers), host=False)
+        self._kv_names = ("K",) if self.mla else ("K", "V")     # the device's cache buffers of a layer
+        # host side: the params (pos), the row in and out, the new K/V rows
+        self.params = K.buffer(256, host=True)
+        self.hin = K.buffer(4 * D, host=True)
+        self.hout = K.buffer(4 * D, host=True, readback=True)
+        self.kvhost = K.buffer(4 * 2 * nkv * hd * len(self.layers), host=True, readback=True)
 
     def _ops(self) -> list:
         from coli.vulkan.layers import Copy, Dispatch, f32_bits

@@ -98,7 +98,7 @@ class PromptChunks:
         chunk table (resident experts and the streamed ones: :meth:`_stream_layer`)."""
         from coli.vulkan.layers import Copy, Dispatch, f32_bits
 
-        nq, nkv, hd, D, E, k, F, ctx = self.nq, self.nkv, self.hd, self.D, self.E, self.k, self.F, self.ctx
+        nq, nkv, hd, D, k, ctx = self.nq, self.nkv, self.hd, self.D, self.k, self.ctx
         eps = f32_bits(self.m.args.eps)
         BM, BN = 64, self.K.tile                 # lmm.comp's tile
         # attn_pre.comp (GQA heads a workgroup), or attn_pre_cm.comp on the coopmat route
@@ -162,44 +162,7 @@ class PromptChunks:
                 if post:
                     ops.append(Dispatch("rmsnorm", (R,), [tmp, post.addr, hs], [D, eps, 0, 0, 1]))
                 continue
-            et = [self.m.t[p + n + ".weight"].type_name for n in ("ffn_gate_exps", "ffn_down_exps")]
-            rt = self.p_route.addr + 8 * k * R * j
-            rb, eb = d.get("router_b"), d.get("ebias")
-            bias = [b.addr for b in eb] if eb is not None else [xn, xn, xn]   # unread without u8 bit 0
-            nb = int(eb is not None)
-            f32r = "lmm_f32" if nb or d["eact"] else "lmm"
-            ops += [
-                Dispatch("lmm", (-(-E // BM), gr), [d["router"].addr, xn, self.p_lgt.addr,
-                                                    rb.addr if rb is not None else self.p_lgt.addr],
-                         [E, D, 2 if rb is not None else 0, R, 0], type_name="F32"),
-                Dispatch("topk", (R,), [self.p_lgt.addr, rt, d["route_b"].addr if "route_b" in d else rt],
-                         [E, k, self.topk_flags | (16 if "route_b" in d else 0), *self.topk_words]),
-            ]
-            tab = d["tab"].addr
-            if d["il"] in self.resident:
-                if not stream:           # experts on the CPU: the program cut for the host's pairs
-                    ops += self._prompt_split_ops(j, d, R, rt, et)
-                    continue
-                # streamed: the layer's other experts in a slot, its table the chunk's (_stream_layer); cut before
-                # their products, so the host fills the slot while the device runs what comes before
-                tab = self._ptab[j].addr
-                ops += [Dispatch("moe_sort", (1,), [rt, self.p_off.addr, self.p_pairs.addr], [E, k, R]), Cut(j, "stream")]
-            else:
-                ops.append(Dispatch("moe_sort", (1,), [rt, self.p_off.addr, self.p_pairs.addr], [E, k, R]))
-            ops += [
-                # lmm_cm.comp (the cooperative-matrix route) has neither the biases nor gpt-oss's activation
-                Dispatch(f32r, (-(-F // BM), gr, E), [tab, xn, self.p_h.addr, rt, self.p_pairs.addr,
-                                                     self.p_off.addr, bias[0], bias[1]],
-                         [F, D, 0, R, 0, k, 0, d["eact"], nb, f32_bits(d["elimit"])], type_name=et[0], mode=1),
-                Dispatch(f32r, (-(-D // BM), gr, E), [tab, self.p_h.addr, self.p_yk.addr, rt,
-                                                     self.p_pairs.addr, self.p_off.addr, bias[2]],
-                         [D, F, 0, R, 0, k, 0, 0, nb], type_name=et[1], mode=2),
-            ]
-            ysh = 0
-            if "sh_tab" in d:    # Qwen2-MoE: the shared expert as one expert every row takes (lmm's a5 = 0)
-                ops += self._prompt_shared(d, R)
-                ysh = self.p_ysh.addr
-            ops.append(Dispatch("moe_sum", (R,), [self.p_yk.addr, hs, ysh or self.p_yk.addr], [D, k, int(bool(ysh))]))
+            ops += self._prompt_moe_ops(j, d, R, stream)
         if self.head is not None:
             V = self.vocab
             n = R if all_logits else 1
@@ -213,6 +176,57 @@ class PromptChunks:
         if k:
             ops.append(Copy(self.p_route, self.p_routeh, [(0, 0, 8 * k * R * len(self.per))], wait=False))
         return ops + self._dn_readback()
+
+    def _prompt_moe_ops(self, j: int, d: dict, R: int, stream: bool) -> list:
+        """A prompt chunk's MoE block of layer ``d`` (``j``-th here; its R normed rows in ``p_xn``): the router and
+        top-k, the rows grouped by expert, the experts' gate/up and down (``lmm.comp`` modes 1 and 2), the shared
+        expert, and their sum into the residual rows in rank order; a layer whose experts are not all here as
+        :meth:`_prompt_ops` says."""
+        from coli.vulkan.layers import Dispatch, f32_bits
+
+        D, E, k, F = self.D, self.E, self.k, self.F
+        BM, gr = 64, -(-R // self.K.tile)
+        hs, xn = self.p_hs.addr, self.p_xn.addr
+        p = f"blk.{d['il']}."
+        ops = []
+        et = [self.m.t[p + n + ".weight"].type_name for n in ("ffn_gate_exps", "ffn_down_exps")]
+        rt = self.p_route.addr + 8 * k * R * j
+        rb, eb = d.get("router_b"), d.get("ebias")
+        bias = [b.addr for b in eb] if eb is not None else [xn, xn, xn]   # unread without u8 bit 0
+        nb = int(eb is not None)
+        f32r = "lmm_f32" if nb or d["eact"] else "lmm"
+        ops += [
+            Dispatch("lmm", (-(-E // BM), gr), [d["router"].addr, xn, self.p_lgt.addr,
+                                                rb.addr if rb is not None else self.p_lgt.addr],
+                     [E, D, 2 if rb is not None else 0, R, 0], type_name="F32"),
+            Dispatch("topk", (R,), [self.p_lgt.addr, rt, d["route_b"].addr if "route_b" in d else rt],
+                     [E, k, self.topk_flags | (16 if "route_b" in d else 0), *self.topk_words]),
+        ]
+        tab = d["tab"].addr
+        if d["il"] in self.resident:
+            if not stream:           # experts on the CPU: the program cut for the host's pairs
+                return ops + self._prompt_split_ops(j, d, R, rt, et)
+            # streamed: the layer's other experts in a slot, its table the chunk's (_stream_layer); cut before
+            # their products, so the host fills the slot while the device runs what comes before
+            tab = self._ptab[j].addr
+            ops += [Dispatch("moe_sort", (1,), [rt, self.p_off.addr, self.p_pairs.addr], [E, k, R]), Cut(j, "stream")]
+        else:
+            ops.append(Dispatch("moe_sort", (1,), [rt, self.p_off.addr, self.p_pairs.addr], [E, k, R]))
+        ops += [
+            # lmm_cm.comp (the cooperative-matrix route) has neither the biases nor gpt-oss's activation
+            Dispatch(f32r, (-(-F // BM), gr, E), [tab, xn, self.p_h.addr, rt, self.p_pairs.addr,
+                                                 self.p_off.addr, bias[0], bias[1]],
+                     [F, D, 0, R, 0, k, 0, d["eact"], nb, f32_bits(d["elimit"])], type_name=et[0], mode=1),
+            Dispatch(f32r, (-(-D // BM), gr, E), [tab, self.p_h.addr, self.p_yk.addr, rt,
+                                                 self.p_pairs.addr, self.p_off.addr, bias[2]],
+                     [D, F, 0, R, 0, k, 0, 0, nb], type_name=et[1], mode=2),
+        ]
+        ysh = 0
+        if "sh_tab" in d:    # Qwen2-MoE: the shared expert as one expert every row takes (lmm's a5 = 0)
+            ops += self._prompt_shared(d, R)
+            ysh = self.p_ysh.addr
+        ops.append(Dispatch("moe_sum", (R,), [self.p_yk.addr, hs, ysh or self.p_yk.addr], [D, k, int(bool(ysh))]))
+        return ops
 
     def _prompt_shared(self, d: dict, R: int) -> list:
         """Qwen2-MoE's shared expert of a prompt chunk's rows into ``p_ysh`` (scaled by its gate when it has one)."""
