@@ -25,6 +25,18 @@ segment, the CPU's pairs grouped by expert (:meth:`DeviceLayers._run_prompt_spli
 Which layers, and which qualify: coli/vulkan/layer_plan.py (``plan``, ``why_not``). Activations are f32 on the
 device (the CPU's layers keep their own mode), so a run's tokens may differ from a CPU-only run's by summation order
 and rounding, as with the tier (docs/tier.md "Numerics").
+
+:class:`DeviceLayers` is built from one mixin a concern (docs/vulkan.md "Device layers"); this module holds its
+construction (the shapes, the settings, the weights placed, the decode program recorded), ``describe`` and ``close``:
+
+- coli/vulkan/layer_weights.py ``LayerWeights``: each layer's tensors on the device, the rope tables, an expert's swap;
+- coli/vulkan/layer_families.py ``MLAMixer``, ``DeltaNetMixer``: MLA's and Gated DeltaNet's tensors, ops and states;
+- coli/vulkan/layer_kv.py ``KVRows``: the K/V rows between the CPU's cache and the device's;
+- coli/vulkan/layer_decode.py ``DecodeRow``: a decode row's scratch, its program and ``__call__``;
+- coli/vulkan/layer_join.py ``RowJoin``: a decode row's experts on the CPU, the host's join, the balancer's hand-off;
+- coli/vulkan/layer_prompt.py ``PromptChunks``: prompt chunks' scratch, their program and ``prompt``;
+- coli/vulkan/layer_prompt_join.py ``PromptJoin``: a prompt chunk's experts not on the device (the CPU's, or
+  streamed).
 """
 from __future__ import annotations
 
@@ -98,6 +110,8 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
             raise
 
     def _build(self, head: bool):
+        """The layers' shapes and settings, the decode row's scratch, every layer's weights, the head (when
+        ``head`` and its format has a kernel), the K/V rows' state, the clock holder and the decode program."""
         m, K, ctx = self.m, self.K, self.ctx
         self._shapes()
         self._settings()

@@ -1,5 +1,5 @@
 """Where the host's time goes in a decode token of device layers whose experts are (partly) on the CPU
-(``COLI_VK_JOIN_PROFILE=1``; coli/vulkan/device_layers.py ``_run_chain`` / ``_run_split``, docs/vulkan.md "Experts
+(``COLI_VK_JOIN_PROFILE=1``; coli/vulkan/layer_join.py ``_run_chain`` / ``_run_split``, docs/vulkan.md "Experts
 on the CPU"). The decode loop charges each stretch of the host's wall time to one part (:meth:`JoinProfile.lap`);
 :meth:`JoinProfile.table` prints the parts per token. Off (no profile object), the loop times nothing."""
 from __future__ import annotations

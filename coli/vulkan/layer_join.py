@@ -11,8 +11,10 @@ import numpy as np
 
 
 class Cut:
-    """Where the decode token's program is cut for the host's experts (``DeviceLayers._split_ops``): ``kind``
-    "cpu" (after the route of the ``j``-th device layer), "x" (after its resident ranks) or "end"."""
+    """Where a program is cut for the host's experts (a decode token's: :meth:`RowJoin._split_ops`; a prompt chunk's:
+    ``PromptJoin._prompt_split_ops``, coli/vulkan/layer_prompt_join.py): ``kind`` "cpu" (after the route of the
+    ``j``-th device layer), "x" (after its resident ranks), "stream" (a prompt chunk's, before the ``j``-th layer's
+    streamed experts' products) or "end"."""
 
     def __init__(self, j, kind: str):
         self.j, self.kind = j, kind
