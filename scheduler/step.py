@@ -253,7 +253,7 @@ class MoEStep:
 
     def row_experts(self, layer: int, x: np.ndarray, experts: list, out: np.ndarray | None = None) -> np.ndarray:
         """The routed experts ``experts`` (distinct ids) of one decode row ``x`` f32 [1, D] on the CPU, for a caller
-        that joins them itself (device layers with experts on the CPU: coli/vulkan/device_layers.py): f32 [n, D],
+        that joins them itself (device layers with experts on the CPU: coli/vulkan/layer_join.py): f32 [n, D],
         row i expert ``experts[i]``'s output (unweighted), written into ``out`` when given (f32 [n, D],
         C-contiguous, writable: rows of a host-visible buffer, no copy) and returned. One compiled call
         (``ExpertsRow.pairs``, the kernels of ``run``) when all are in the RAM cache with grouped-kernel codes, else
@@ -281,7 +281,7 @@ class MoEStep:
     def pair_experts(self, layer: int, x: np.ndarray, groups: dict, K: int, pair_out: np.ndarray) -> int:
         """The routed (row, rank) pairs ``groups`` ({expert: int64 pair ids r*K+k}, experts ascending) of rows ``x``
         f32 [R, D] on the CPU, for a caller that joins them itself (a device layer's prompt chunk with experts on the
-        CPU: coli/vulkan/device_layers.py): each pair's unweighted expert output into ``pair_out[pair]`` (f32
+        CPU: coli/vulkan/layer_prompt_join.py): each pair's unweighted expert output into ``pair_out[pair]`` (f32
         [R * K, D]; other rows untouched), by the CPU's prompt path (the rows quantized once, the experts grouped, RAM
         cache hits in one launch, disk reads as they land: the kernels and sums of ``run``). Returns the pairs
         computed; counted as CPU pairs (no routing: the caller records it)."""
