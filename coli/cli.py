@@ -530,14 +530,8 @@ def cmd_trace(a) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="coli", description="Mixture-of-Experts inference: CPU kernels, a device expert tier, experts streamed from disk",
-                                formatter_class=_Help,
-                                epilog="environment: " + ", ".join(v.name for v in settings.VARS if not v.dev)
-                                       + " (defaults and units: docs/settings.md)")
-    p.add_argument("--version", action="version", version=f"coli {_version()}")
-    sub = p.add_subparsers(dest="cmd", required=True)
-
+def _run_parser(sub) -> None:
+    """``coli run``'s flags."""
     r = sub.add_parser("run", help="generate text", formatter_class=_Help)
     r.add_argument("prompt_pos", nargs="?", default=None, metavar="PROMPT")
     r.add_argument("-p", "--prompt", default=None, help="the prompt; - reads it from stdin (as does a pipe)")
@@ -552,6 +546,9 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(r)
     r.set_defaults(func=cmd_run)
 
+
+def _chat_parser(sub) -> None:
+    """``coli chat``'s flags."""
     c = sub.add_parser("chat", help="interactive chat in the terminal (/reset, /exit; Ctrl-C stops an answer)",
                        formatter_class=_Help)
     c.add_argument("--system", "-sys", "--system-prompt", default=None, help="system message")
@@ -562,6 +559,9 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(c)
     c.set_defaults(func=cmd_chat)
 
+
+def _serve_parser(sub) -> None:
+    """``coli serve``'s flags."""
     s = sub.add_parser("serve", help="HTTP server: OpenAI's /v1/chat/completions and /v1/completions, Anthropic's "
                        "/v1/messages",
                        formatter_class=_Help)
@@ -590,9 +590,15 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(s)
     s.set_defaults(func=cmd_serve)
 
+
+def _models_parser(sub) -> None:
+    """``coli models``'s flags."""
     m = sub.add_parser("models", help="the model names -m accepts and where they are cached", formatter_class=_Help)
     m.set_defaults(func=cmd_models)
 
+
+def _perplexity_parser(sub) -> None:
+    """``coli perplexity``'s flags."""
     q = sub.add_parser("perplexity", help="perplexity of a text file, as llama-perplexity computes it")
     q.add_argument("-f", "--file", required=True)
     q.add_argument("--max-tokens", type=int, default=None, metavar="N", help="score only the first N tokens")
@@ -602,12 +608,18 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(q)
     q.set_defaults(func=cmd_perplexity)
 
+
+def _info_parser(sub) -> None:
+    """``coli info``'s flags."""
     i = sub.add_parser("info", help="architecture, tensors, types, sizes, experts")
     i.add_argument("model_pos", nargs="?", metavar="MODEL")
     i.add_argument("-m", "--model", default=None,
                    help="GGUF file, Hugging Face folder or a model name (smollm2, gemma3-270m, qwen2.5-coder-0.5b, demo)")
     i.set_defaults(func=cmd_info)
 
+
+def _bench_parser(sub) -> None:
+    """``coli bench``'s flags."""
     b = sub.add_parser("bench", help="prefill ppN and decode tgN tok/s, llama-bench style", conflict_handler="resolve")
     b.add_argument("-p", "--n-prompt", default="128", help="prompt lengths: 128 or 64,512 or 0 (none)")
     b.add_argument("-n", "--n-gen", default="64", help="tokens generated: 64 or 16,64 or 0 (none)")
@@ -623,6 +635,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Numba thread counts: 2, 1,2,4, 1-16, 1-16*2 (default: physical cores available)")
     b.set_defaults(func=cmd_bench)
 
+
+def _plan_parser(sub) -> None:
+    """``coli plan``'s flags."""
     pl = sub.add_parser("plan", help="what a model takes here (RAM, KV cache, expert cache, device, disk), before loading it")
     pl.add_argument("-m", "--model", default=None,
                     help="GGUF file or a model name (smollm2, gemma3-270m, qwen2.5-coder-0.5b, demo; default: demo)")
@@ -639,11 +654,17 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="the plan as JSON (bytes)")
     pl.set_defaults(func=cmd_plan)
 
+
+def _trace_parser(sub) -> None:
+    """``coli trace``'s flags."""
     tr = sub.add_parser("trace", help="summarise a --trace file: time per category, device time hidden behind the CPU")
     tr.add_argument("trace", metavar="FILE", help="a trace JSON file written by coli run --trace")
     tr.add_argument("--json", action="store_true", help="the summary as JSON")
     tr.set_defaults(func=cmd_trace)
 
+
+def _tune_parser(sub) -> None:
+    """``coli tune``'s flags."""
     tu = sub.add_parser("tune", help="sweep threads, I/O threads, threading layers (and the device): CSV, PNG, a recommendation")
     tu.add_argument("-m", "--model", default=None,
                     help="GGUF file or a model name (smollm2, gemma3-270m, qwen2.5-coder-0.5b, demo; default: demo)")
@@ -659,7 +680,27 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--max-load", type=float, default=None, metavar="X",
                     help="no recommendation when the load average before the sweep is above X (default: half the CPUs)")
     tu.set_defaults(func=cmd_tune)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="coli", description="Mixture-of-Experts inference: CPU kernels, a device expert tier, experts streamed from disk",
+                                formatter_class=_Help,
+                                epilog="environment: " + ", ".join(v.name for v in settings.VARS if not v.dev)
+                                       + " (defaults and units: docs/settings.md)")
+    p.add_argument("--version", action="version", version=f"coli {_version()}")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    _run_parser(sub)
+    _chat_parser(sub)
+    _serve_parser(sub)
+    _models_parser(sub)
+    _perplexity_parser(sub)
+    _info_parser(sub)
+    _bench_parser(sub)
+    _plan_parser(sub)
+    _trace_parser(sub)
+    _tune_parser(sub)
     return p
+
 
 
 class Terminated(KeyboardInterrupt):
