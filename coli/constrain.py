@@ -172,15 +172,115 @@ def lark_grammar(eng, text: str, param: str):
     return m
 
 
-def mistral_args_grammar(tools) -> str:
+def special_pieces(tok) -> dict:
+    """``{text: id}`` of the tokenizer's special tokens (those :func:`lltokenizer` marks special), made once."""
+    got = _CACHE.get(("special", id(tok)))
+    if got is not None and got[0] is tok:
+        return got[1]
+    out = {}
+    for i in range(tok.vocab_size):
+        t = int(tok.token_type[i])
+        if t == CONTROL or t == USER_DEFINED:
+            b = tok.piece_bytes(i)
+            if t == CONTROL or (b.startswith(b"<") and b.endswith(b">")):
+                out.setdefault(b.decode("utf-8", "replace"), i)
+    _CACHE[("special", id(tok))] = (tok, out)
+    return out
+
+
+def lark_literal(tok, text: str) -> str:
+    """``text`` as a Lark sequence: its special tokens (``[ARGS]``, ``<|channel|>``, ``<｜tool▁sep｜>`` where the
+    tokenizer has them as one special token) as ``<[id]>``, which only that token matches (llguidance marks
+    special tokens so that their text never matches a string), the rest as quoted strings."""
+    sp = special_pieces(tok)
+    parts = []
+    i = 0
+    while i < len(text):
+        j = min([k for k in (text.find(p, i) for p in sp if p) if k >= 0], default=len(text))
+        if j > i:
+            parts.append(json.dumps(text[i:j], ensure_ascii=False))
+        if j == len(text):
+            break
+        p = max((p for p in sp if p and text.startswith(p, j)), key=len)
+        parts.append(f"<[{sp[p]}]>")
+        i = j + len(p)
+    return " ".join(parts) or '""'
+
+
+# the arguments as chat templates write them (jinja's tojson: json.dumps's ", " and ": ", no other whitespace)
+TEMPLATE_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _json_rule(schema, options=None) -> str:
+    return f"%json {json.dumps({'x-guidance': options or TEMPLATE_JSON, **schema}, ensure_ascii=False)}"
+
+
+def _choices(tools) -> list:
+    return tools.names if tools.choice == "required" else [tools.choice]
+
+
+def mistral_args_grammar(tools, tok) -> str:
     """Lark for one call in Mistral's newer form (after the ``[TOOL_CALLS]`` opening): ``NAME[ARGS]{...}``, the
     arguments per that function's parameters (compact JSON, as :data:`JSON_OPTIONS`)."""
-    names = tools.names if tools.choice == "required" else [tools.choice]
-    rules = []
-    for i, n in enumerate(names):
-        schema = {"x-guidance": JSON_OPTIONS, **closed(tools.schemas[n])}
-        rules.append(f"call_{i}: {json.dumps(n)} \"[ARGS]\" %json {json.dumps(schema)}")
+    return _one_call(tools, lambda n: f"{lark_literal(tok, n + '[ARGS]')} "
+                                      f"{_json_rule(closed(tools.schemas[n]), JSON_OPTIONS)}")
+
+
+def _one_call(tools, rule) -> str:
+    """Lark: one call of one of the functions ``tool_choice`` allows, ``rule(name)`` its body."""
+    names = _choices(tools)
+    rules = [f"call_{i}: {rule(n)}" for i, n in enumerate(names)]
     return "start: " + " | ".join(f"call_{i}" for i in range(len(names))) + "\n" + "\n".join(rules) + "\n"
+
+
+def _glm_value(schema: dict, defs) -> str:
+    """A GLM ``<arg_value>``: a string parameter's text as is (no ``<``), an enum of strings one of them, any
+    other JSON per its schema."""
+    if schema.get("type") == "string" and "enum" not in schema:
+        lo, hi = schema.get("minLength", 0), schema.get("maxLength")
+        return f"/[^<]{{{lo},{'' if hi is None else hi}}}/" if (lo or hi is not None) else "/[^<]*/"
+    if schema.get("type") == "string" and all(isinstance(e, str) for e in schema["enum"]):
+        return "(" + " | ".join(json.dumps(e, ensure_ascii=False) for e in schema["enum"]) + ")"
+    return _json_rule({**schema, **({"$defs": defs} if defs and "$defs" not in schema else {})})
+
+
+def _glm_call(tok, name: str, schema: dict) -> str:
+    """GLM-4.5/4.6's call after ``<tool_call>``, as its template writes one: ``NAME\n`` then per parameter (in
+    the schema's order; the required ones always) ``<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n``, then
+    ``</tool_call>``."""
+    props = schema.get("properties") or {}
+    req = set(schema.get("required") or ())
+    out = [lark_literal(tok, name + "\n")]
+    for k, v in props.items():
+        arg = (f"{lark_literal(tok, f'<arg_key>{k}</arg_key>' + chr(10) + '<arg_value>')} "
+               f"{_glm_value(v if isinstance(v, dict) else {}, schema.get('$defs'))} "
+               f"{lark_literal(tok, '</arg_value>' + chr(10))}")
+        out.append(arg if k in req else f"({arg})?")
+    return " ".join(out + [lark_literal(tok, "</tool_call>")])
+
+
+NATIVE_OPENINGS = {  # the text that opens a call in each family's form (appended to the prompt when forced)
+    "glm": "<tool_call>",
+    "deepseek": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>",
+    "kimi": "<|tool_calls_section_begin|><|tool_call_begin|>functions.",
+    "harmony": " to=functions.",
+}
+
+
+def native_call(tok, tools, fmt: str) -> str:
+    """Lark for one forced call in the family's own form, after :data:`NATIVE_OPENINGS` (what its chat template
+    writes for a call in the history; llama.cpp's parsers read the same):
+    GLM ``NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n...</tool_call>``; DeepSeek V3/R1
+    ``NAME\n```json\nARGS\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>``; Kimi K2
+    ``NAME:0<|tool_call_argument_begin|>ARGS<|tool_call_end|><|tool_calls_section_end|>``; gpt-oss
+    ``NAME<|channel|>commentary json<|message|>ARGS<|call|>`` (the recipient in the role, as its template)."""
+    lit = lambda t: lark_literal(tok, t)  # noqa: E731
+    if fmt == "glm":
+        return _one_call(tools, lambda n: _glm_call(tok, n, closed(tools.schemas[n])))
+    tail = {"deepseek": ("\n```json\n", "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
+            "kimi": (":0<|tool_call_argument_begin|>", "<|tool_call_end|><|tool_calls_section_end|>"),
+            "harmony": ("<|channel|>commentary json<|message|>", "<|call|>")}[fmt]
+    return _one_call(tools, lambda n: f"{lit(n + tail[0])} {_json_rule(closed(tools.schemas[n]))} {lit(tail[1])}")
 
 
 def for_request(eng, body: dict, tools) -> tuple:
@@ -190,8 +290,8 @@ def for_request(eng, body: dict, tools) -> tuple:
     templates and those that do not read ``tools``, ``[TOOL_CALLS]`` for Mistral's, nothing for Llama 3's) is
     appended to the prompt and what follows constrained (Hermes: ``{"name", "arguments"}``; Llama 3:
     ``{"name", "parameters"}``; Mistral: a JSON list of calls, or ``NAME[ARGS]{...}`` where the template writes
-    ``[ARGS]``). Any other template (one that reads ``tools`` in another syntax, or in one coli does not force:
-    GLM, DeepSeek, Kimi, harmony) gets llama.cpp's generic form: ``form`` "generic" (the caller adds
+    ``[ARGS]``; GLM, DeepSeek V3/R1, Kimi K2 and gpt-oss in their own forms: :func:`native_call`). Any other
+    template (one that reads ``tools`` in a syntax of its own) gets llama.cpp's generic form: ``form`` "generic" (the caller adds
     :data:`GENERIC_SYSTEM` to the system message) and the answer constrained to :func:`generic_call_schema`.
     ``form`` is the template's format, or None without a forced call. APIError 400 for a schema llguidance
     cannot compile."""
@@ -205,11 +305,18 @@ def for_request(eng, body: dict, tools) -> tuple:
             return factory(eng, grammar(eng, tool_call_schema(tools, "parameters"), "tools")), "", fmt
         if fmt == "mistral":
             if "[ARGS]" in (tmpl or ""):
-                return factory(eng, lark_grammar(eng, mistral_args_grammar(tools), "tools")), "[TOOL_CALLS]", fmt
+                return (factory(eng, lark_grammar(eng, mistral_args_grammar(tools, eng.tokenizer), "tools")),
+                        "[TOOL_CALLS]", fmt)
             calls = {"type": "array", "items": tool_call_schema(tools), "minItems": 1}
             if not tools.parallel:
                 calls["maxItems"] = 1
             return factory(eng, grammar(eng, calls, "tools")), "[TOOL_CALLS]", fmt
+        if fmt in NATIVE_OPENINGS:
+            prefix = NATIVE_OPENINGS[fmt]
+            if fmt == "glm":  # its template's empty think span before a call (unless the prompt wrote it)
+                kw = body.get("chat_template_kwargs") or {}
+                prefix = ("\n" if kw.get("enable_thinking") is False else "\n<think></think>\n") + prefix
+            return factory(eng, lark_grammar(eng, native_call(eng.tokenizer, tools, fmt), "tools")), prefix, fmt
         return factory(eng, grammar(eng, generic_call_schema(tools), "tools")), "", "generic"
     if schema is None:
         return None, "", None

@@ -253,6 +253,8 @@ class Routes:
             msgs = TC.generic_history(msgs)
         if form == "generic":  # llama.cpp's generic form: the instruction joins the system message
             msgs = TC.with_system(msgs, constrain.GENERIC_SYSTEM)
+        if fmt in ("glm", "harmony"):  # their templates print a null content ("None") or test text in it
+            msgs = [{**m, "content": ""} if m.get("content") is None else m for m in msgs]
 
         def encode(m):
             try:
@@ -262,8 +264,11 @@ class Routes:
 
         def prepare():
             ids, dropped = fit_conversation(encode, msgs, eng.ctx, options["max_tokens"])
-            if prefix:
-                ids = ids + eng.tokenizer.encode(prefix, add_bos=False)
+            pre = prefix
+            if pre and eng.tokenizer.decode(ids[-4:], lstrip=False).rstrip().endswith(TC.THINK_OPEN):
+                pre = TC.THINK_CLOSE + "\n\n" + pre  # a forced call after a prompt that opens the think span
+            if pre:
+                ids = ids + eng.tokenizer.encode(pre, add_bos=False)
             return ids, dropped
 
         ids, dropped = await run_in_threadpool(prepare)
@@ -278,7 +283,7 @@ class Routes:
             headers["X-Context-Dropped-Messages"] = str(dropped)
             extra["context_shift"] = {"dropped_messages": dropped}
         fin_fmt = form if form == "generic" else (None if fmt == "generic" else fmt)  # generic: only when forced
-        finish = TC.Finisher(tools, prefix, think, fin_fmt) if tools.parse or think else None
+        finish = TC.Finisher(tools, TC.opening(prefix), think, fin_fmt) if tools.parse or think else None
         return self.copies(ids, options, n, top, constraint), headers, extra, finish
 
     async def chat_completions(self, request: Request):

@@ -505,8 +505,14 @@ def _compile_template(source: str):
     def raise_exception(message):
         raise _TemplateError(str(message))
 
+    def listed(o):  # a filter's generator (``tools | map(attribute='function')``) as the list it yields, as minja
+        if hasattr(o, "__iter__") and not isinstance(o, (str, bytes, dict)):
+            return list(o)
+        raise TypeError(f"Object of type {type(o).__name__} is not JSON serializable")
+
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys,
+                          default=listed)
 
     def strftime_now(fmt):
         return datetime.now().strftime(fmt)

@@ -13,8 +13,12 @@ read the same formats):
 - Mistral: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}]`` or ``[TOOL_CALLS]NAME[ARGS]{...}``
 - DeepSeek V3 / R1 / V3.1: ``<｜tool▁call▁begin｜>[function<｜tool▁sep｜>]NAME[\\n```json\\n]ARGS[```]<｜tool▁call▁end｜>``
 - Kimi K2: ``<|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>ARGS<|tool_call_end|>``
-- gpt-oss (harmony): ``<|channel|>commentary to=functions.NAME ... <|message|>ARGS<|call|>``; the ``final``
-  channel is the content, the ``analysis`` channel ``reasoning_content``.
+- gpt-oss (harmony): ``<|channel|>commentary to=functions.NAME ... <|message|>ARGS<|call|>``, or the recipient
+  before the channel as its template writes it (`` to=functions.NAME<|channel|>commentary json<|message|>``);
+  the ``final`` channel is the content, the ``analysis`` channel ``reasoning_content``.
+
+GLM's values are text: a parameter whose schema type is ``string`` keeps its text as is, others are read as
+JSON when they parse (llama.cpp's GLM-4.5 parser does the same).
 
 A ``<think>...</think>`` span (DeepSeek, Qwen3, GLM, Kimi) is read into ``reasoning_content`` first
 (:func:`think_mode`, :func:`split_reasoning`: llama-server's ``--reasoning-format deepseek``).
@@ -32,7 +36,7 @@ from coli.base.errors import APIError
 
 # text that starts a tool call in some family's format; the content before it is the answer's text
 MARKERS = ("<tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>",
-           "<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|channel|>", "<|start|>")
+           "<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|channel|>", "<|start|>", " to=functions.")
 
 HERMES_SYSTEM = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided "
                  "with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\nFor each "
@@ -201,12 +205,13 @@ def _from_obj(obj):
     return None
 
 
-def parse(text: str, names=()) -> tuple[str, list, str | None]:
+def parse(text: str, names=(), schemas=None) -> tuple[str, list, str | None]:
     """``(content, calls, reasoning)`` of a whole answer: the text outside tool-call syntax, the calls as
     ``(name, arguments JSON string)``, and harmony's analysis channel (None elsewhere). Text that looks like a
-    call but does not parse stays in the content."""
+    call but does not parse stays in the content. ``schemas`` (name -> parameters schema) tell which of GLM's
+    text values are strings."""
     calls: list = []
-    if "<|channel|>" in text or "<|start|>" in text:
+    if "<|channel|>" in text or "<|start|>" in text or text.startswith(" to=functions."):
         return _parse_harmony(text)
     cut = min([i for i in (text.find(m) for m in MARKERS) if i >= 0], default=-1)
     if cut < 0:
@@ -225,11 +230,7 @@ def parse(text: str, names=()) -> tuple[str, list, str | None]:
                 c = _from_obj(_json_at(body)[0])
             else:  # GLM-4.5: NAME then <arg_key>/<arg_value> pairs
                 name = body.split("<arg_key>", 1)[0].strip()
-                args = {}
-                for k, v in re.findall(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", body, re.S):
-                    val, end = _json_at(v)
-                    args[k.strip()] = val if val is not None and not v[end:].strip() else v
-                c = _call(name, args) if name else None
+                c = _call(name, _glm_args(body, (schemas or {}).get(name))) if name else None
             if c:
                 calls.append(c)
     elif rest.startswith("<|python_tag|>"):
@@ -272,12 +273,27 @@ def parse(text: str, names=()) -> tuple[str, list, str | None]:
     return content, calls, None
 
 
+def _glm_args(body: str, schema) -> dict:
+    """GLM's ``<arg_key>K</arg_key><arg_value>V</arg_value>`` pairs: V as is for a string parameter, else as
+    JSON when it parses."""
+    props = schema.get("properties", {}) if isinstance(schema, dict) else {}
+    args = {}
+    for k, v in re.findall(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", body, re.S):
+        k = k.strip()
+        if isinstance(props.get(k), dict) and props[k].get("type") == "string":
+            args[k] = v
+            continue
+        val, end = _json_at(v)
+        args[k] = val if val is not None and not v[end:].strip() else v
+    return args
+
+
 def _parse_harmony(text: str):
     """gpt-oss's channels: ``final`` -> content, ``analysis`` -> reasoning, ``to=functions.NAME`` -> calls."""
     content, reasoning, calls = [], [], []
-    for m in re.finditer(r"(?:<\|start\|>assistant)?<\|channel\|>(\w+)([^<]*?)(?:<\|constrain\|>\w+)?"
+    for m in re.finditer(r"(?:<\|start\|>assistant)?( to=[^<]*)?<\|channel\|>(\w+)([^<]*?)(?:<\|constrain\|>\w+)?"
                          r"<\|message\|>(.*?)(?:<\|end\|>|<\|call\|>|<\|return\|>|(?=<\|start\|>)|$)", text, re.S):
-        channel, head, body = m.group(1), m.group(2), m.group(3)
+        channel, head, body = m.group(2), (m.group(1) or "") + m.group(3), m.group(4)
         to = re.search(r"to=functions\.([\w.-]+)", head)
         if to:
             obj, _ = _json_at(body)
@@ -307,17 +323,27 @@ def parse_generic(text: str):
     return text, []
 
 
-def call_id(fmt: str | None = None) -> str:
+def call_id(fmt: str | None = None, name: str = "", index: int = 0) -> str:
     """A tool call's id: 9 letters and digits for Mistral's templates (they reject other ids in the history
-    with raise_exception), else OpenAI's ``call_`` and 24 hex digits."""
+    with raise_exception), Kimi's ``functions.NAME:INDEX`` (its template writes that id for each call, as
+    llama.cpp names them), else OpenAI's ``call_`` and 24 hex digits."""
     if fmt == "mistral":
         return "".join(random.choices(string.ascii_letters + string.digits, k=9))
+    if fmt == "kimi":
+        return f"functions.{name}:{index}"
     return "call_" + uuid.uuid4().hex[:24]
 
 
 def openai_calls(calls, fmt: str | None = None) -> list:
-    return [{"id": call_id(fmt), "type": "function",
-             "function": {"name": name, "arguments": args}} for name, args in calls]
+    return [{"id": call_id(fmt, name, j), "type": "function",
+             "function": {"name": name, "arguments": args}} for j, (name, args) in enumerate(calls)]
+
+
+def opening(prefix: str) -> str:
+    """The part of a forced call's ``prefix`` (text put at the end of the prompt) that belongs to the call: from
+    its first marker on (an empty think span before it, GLM's or DeepSeek-R1's, is not answer text)."""
+    cut = min([i for i in (prefix.find(m) for m in MARKERS) if i >= 0], default=0)
+    return prefix[cut:]
 
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -365,7 +391,7 @@ class Finisher:
         if self.tools.parse and self.fmt == "generic":
             (content, calls), r2 = parse_generic(self.prefix + text), None
         elif self.tools.parse:
-            content, calls, r2 = parse(self.prefix + text, self.tools.names)
+            content, calls, r2 = parse(self.prefix + text, self.tools.names, self.tools.schemas)
         else:
             content, calls, r2 = self.prefix + text, [], None
         reasoning = r2 if reasoning is None else reasoning

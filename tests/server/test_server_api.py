@@ -427,6 +427,7 @@ def test_tool_history_on_a_template_without_tools(http, eng):
      '<|tool_call_end|><|tool_calls_section_end|>', "", [("f", {"a": 1})]),
     ('<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary '
      'to=functions.f <|constrain|>json<|message|>{"a": 1}<|call|>', "", [("f", {"a": 1})]),
+    (' to=functions.f<|channel|>commentary json<|message|>{"a": 1}<|call|>', "", [("f", {"a": 1})]),
     ('No call here {not json', "No call here {not json", []),
 ])
 def test_parse_tool_call_formats(text, content, calls):
@@ -694,11 +695,16 @@ def _fixture_template(name):
     ("mistralai-Mistral-Nemo-Instruct-2407", "[TOOL_CALLS]", "mistral"),
     ("Mistral-Small-3.2-24B-Instruct-2506", "[TOOL_CALLS]", "mistral"),
     ("ibm-granite-granite-3.3-2B-Instruct", "", "generic"),
+    ("GLM-4.6", "\n<think></think>\n<tool_call>", "glm"),
+    ("llama-cpp-deepseek-r1", "</think>\n\n<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>", "deepseek"),
+    ("moonshotai-Kimi-K2", "<|tool_calls_section_begin|><|tool_call_begin|>functions.", "kimi"),
+    ("openai-gpt-oss-120b", " to=functions.", "harmony"),
 ])
 def test_forced_tool_calls_through_real_templates(http, eng, monkeypatch, name, prefix, form):
     """tool_choice "required" and a named function through real models' chat templates (llama.cpp's copies,
     on SmolLM2): Mistral's ``[TOOL_CALLS]`` opening (a JSON list, or ``NAME[ARGS]{...}`` where the template
-    writes ``[ARGS]``) and llama.cpp's generic JSON form for a template with a syntax of its own (Granite's).
+    writes ``[ARGS]``), GLM's, DeepSeek-R1's (its prompt's open think span closed first), Kimi K2's and gpt-oss's
+    own forms, and llama.cpp's generic JSON form for a template with a syntax of its own (Granite's).
     The prompt is the template's render of the messages and tools (the generic form's instruction in the system
     message) plus the opening; the call is one of the tools (the named one), its arguments valid under the
     function's schema (jsonschema); streamed, the same call; the answer sent back with a tool result renders
@@ -727,6 +733,8 @@ def test_forced_tool_calls_through_real_templates(http, eng, monkeypatch, name, 
         jsonschema.validate(json.loads(fn["arguments"]), schemas[fn["name"]])
         if form == "mistral":
             assert len(call["id"]) == 9 and call["id"].isalnum()
+        if form == "kimi":
+            assert call["id"] == f"functions.{fn['name']}:0"
         ev = _events(http.post("/v1/chat/completions", json={**body, "stream": True}))
         tcs = [t for c in ev if c["choices"] for t in c["choices"][0]["delta"].get("tool_calls") or []]
         assert [(t["function"]["name"], json.loads(t["function"]["arguments"])) for t in tcs] == \
@@ -737,6 +745,62 @@ def test_forced_tool_calls_through_real_templates(http, eng, monkeypatch, name, 
         r = http.post("/v1/chat/completions", json={"messages": back, "tools": WEATHER_TOOLS, "max_tokens": 2,
                                                     "temperature": 0})
         assert r.status_code == 200, r.text
+
+
+NATIVE = ["GLM-4.6", "llama-cpp-deepseek-r1", "moonshotai-Kimi-K2", "openai-gpt-oss-120b"]
+
+
+@pytest.mark.parametrize("name", NATIVE)
+def test_native_calls_round_trip_through_real_templates(eng, monkeypatch, name):
+    """A call as each family's real chat template writes it in the history (the text after the generation
+    prompt) is parsed back into the same call (name, arguments, GLM's string value kept as text), and the forced
+    call's grammar (after the form's opening) accepts exactly that text: what coli forces is what the model was
+    trained to write."""
+    import llguidance
+
+    from coli import constrain
+    from coli.server_params import chat_messages
+
+    tok = eng.tokenizer
+    monkeypatch.setattr(tok, "chat_template", _fixture_template(name))
+    fmt = TC.template_format(tok.chat_template)
+    args = {"city": "42"}  # a string that reads as JSON: GLM's schema-typed value keeps it a string
+    msgs = chat_messages({"messages": TQ + [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "functions.get_weather:0", "type": "function",
+         "function": {"name": "get_weather", "arguments": json.dumps(args)}}]}]})
+    prompt = tok.apply_chat_template(msgs[:-1], True, tools=WEATHER_TOOLS)
+    full = tok.apply_chat_template(msgs, False, tools=WEATHER_TOOLS)
+    k = next(i for i, (a, b) in enumerate(zip(prompt + "\0", full)) if a != b)
+    k -= full[k - 1] == "<"  # DeepSeek-R1's prompt opens <think> where its history writes the call
+    written = full[k:]
+    tools = TC.request_tools({"tools": WEATHER_TOOLS, "tool_choice": "required"})
+    think = TC.think_mode(tok.chat_template, prompt[-16:])
+    if think == "open":  # the model closes the span its prompt opened (the history drops the reasoning)
+        written = TC.THINK_CLOSE + "\n\n" + written
+    msg, reason = TC.Finisher(tools, "", think, fmt)(0, written, type("R", (), {"finish_reason": "stop"})())
+    assert reason == "tool_calls" and not msg["content"], (written, msg)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == \
+        [("get_weather", args)]
+    opening = constrain.NATIVE_OPENINGS[fmt]
+    body = written[written.index(opening) + len(opening):]
+    g = llguidance.LLMatcher.grammar_from_lark(constrain.native_call(tok, tools, fmt))
+    m = llguidance.LLMatcher(constrain.lltokenizer(tok), g, log_level=0)
+    for end in ("<｜end▁of▁sentence｜>", "<|im_end|>"):  # the turn's end follows the call: not the grammar's
+        body = body.removesuffix(end)
+    for t in tok.encode(body, add_bos=False):
+        assert m.consume_token(t), (body, m.get_error())
+    assert m.is_accepting(), body
+
+
+def test_lark_literal_names_special_tokens(eng):
+    """Text that holds a special token of the tokenizer is written to the grammar with the token's id (only that
+    token matches it: llguidance never matches a special token's text with a string), the rest quoted."""
+    from coli import constrain
+
+    tok = eng.tokenizer
+    (im,) = tok.encode("<|im_start|>", add_bos=False)
+    assert constrain.lark_literal(tok, "a<|im_start|>b") == f'"a" <[{im}]> "b"'
+    assert constrain.lark_literal(tok, "[ARGS]") == '"[ARGS]"'  # not a special token of SmolLM2
 
 
 def test_generic_form_parse_and_schema():
