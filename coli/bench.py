@@ -73,7 +73,7 @@ def parse_int_list(text, what: str = "-t", minimum: int = 0) -> list[int]:
     if not items or any(s == "" for s in items):
         raise ColiError(f"{what} {text!r}: empty item (give N, A-B, A-B+S or A-B*M, comma-separated)")
     for s in items:
-        if s.isdigit():
+        if s.isdigit() or (minimum < 0 and s[:1] == "-" and s[1:].isdigit()):  # -1 where a list allows it
             vals = [int(s)]
         else:
             m = _RANGE.match(s)

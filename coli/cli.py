@@ -168,11 +168,14 @@ def _read_prompt(a) -> str:
     if a.file is not None:
         try:
             with open(a.file, encoding="utf-8") as f:
-                return f.read()
+                prompt = f.read()
         except OSError as e:
             raise ColiError(f"-f {a.file}: {e.strerror or e}") from None
         except UnicodeDecodeError as e:
             raise ColiError(f"-f {a.file}: not UTF-8 text (byte {e.start})") from None
+        if prompt == "":  # said before the model (or a device: --cpu-moe, --gpu-layers) is opened
+            raise ColiError(f"-f {a.file}: empty (no prompt in it)")
+        return prompt
     prompt = a.prompt if a.prompt is not None else a.prompt_pos
     if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
         try:
@@ -284,8 +287,20 @@ def _flush_held(emit) -> None:
         pass
 
 
+def _temperature(v: str) -> float:
+    """``--temp``: a number; below 0 read as 0 (greedy), as llama.cpp's ``common/arg.cpp`` clamps it."""
+    try:
+        t = float(v)
+    except ValueError:
+        t = float("nan")
+    if t != t:
+        raise argparse.ArgumentTypeError(f"{v!r} is not a number")
+    return max(t, 0.0)
+
+
 def _sampling_args(p, temp: float):
-    p.add_argument("--temp", "--temperature", type=float, default=temp, help="temperature (0 = greedy)")
+    p.add_argument("--temp", "--temperature", type=_temperature, default=temp, metavar="T",
+                   help="temperature (0 = greedy; below 0 read as 0, as llama.cpp)")
     p.add_argument("--top-k", type=int, default=40, help="sample among the K most likely (0 = all)")
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus: the smallest set with this probability")
     p.add_argument("--min-p", type=float, default=0.05, help="drop tokens below this share of the top one's probability")
@@ -401,6 +416,8 @@ def cmd_perplexity(a) -> int:
         raise ColiError(f"{a.file}: not UTF-8 text (byte {e.start})")
     if a.max_tokens is not None and a.max_tokens < 2:
         raise ColiError(f"--max-tokens: {a.max_tokens} (at least 2)")
+    if a.chunks == 0:
+        raise ColiError("--chunks: 0 (a chunk count, or -1 for all)")
     if text == "":
         raise ColiError(f"{a.file}: empty (no text to score)")
     eng = _open_engine(a, quiet=True)
@@ -434,7 +451,8 @@ def cmd_perplexity(a) -> int:
         if not a.quiet:
             way = "every token" if a.all_tokens else "second half of each chunk, as llama-perplexity"
             print(f"coli: {eng.path.name}: {len(ids)} tokens, chunks of {eng.ctx} ({way})", file=sys.stderr)
-        r = eng.perplexity(ids, all_tokens=a.all_tokens, on_chunk=None if a.quiet else progress)
+        r = eng.perplexity(ids, all_tokens=a.all_tokens, on_chunk=None if a.quiet else progress,
+                           max_chunks=a.chunks if a.chunks > 0 else None)
         dt = time.perf_counter() - t0
         print(f"{a.file}: {r.n} tokens scored in {r.chunks} chunks of {r.ctx}"
               f"{' (all tokens)' if r.all_tokens else ''}, NLL {r.nll:.4f} nats/token, "
@@ -471,22 +489,24 @@ def cmd_bench(a) -> int:
     if not any(pp) and not any(tg):
         raise ColiError(f"-p {a.n_prompt} -n {a.n_gen}: token counts must be >= 0, not all 0")
     threads = parse_int_list(a.threads, "-t", minimum=1) if a.threads is not None else None
+    ngls = parse_int_list(a.gpu_layers, "-ngl", minimum=-1) if a.gpu_layers is not None else [None]
     fmt = "json" if a.json else a.output
     a.threads = max(threads) if threads else None
-    eng = _open_engine(a, quiet=True, save_usage=False)  # a benchmark does not feed the routing history
-    try:
-        if threads is None:
-            threads = [eng.threads]
 
-        def progress(rec):
-            if fmt == "md" and sys.stderr.isatty():
-                print(f"coli bench: {rec['test']} at {rec['n_threads']} threads: {rec['avg_ts']:.2f} t/s",
-                      file=sys.stderr)
+    def progress(rec):
+        if fmt == "md" and sys.stderr.isatty():
+            print(f"coli bench: {rec['test']} at {rec['n_threads']} threads: {rec['avg_ts']:.2f} t/s",
+                  file=sys.stderr)
 
-        recs = run_bench(eng, n_prompt=pp, n_gen=tg, reps=a.repetitions, cold=a.cold, threads=threads,
-                         bandwidth=a.bandwidth, on_test=progress)
-    finally:
-        _close(eng)
+    recs = []
+    for ngl in ngls:  # llama-bench's -ngl list: a model (here an engine) per value
+        a.gpu_layers = ngl
+        eng = _open_engine(a, quiet=True, save_usage=False)  # a benchmark does not feed the routing history
+        try:
+            recs += run_bench(eng, n_prompt=pp, n_gen=tg, reps=a.repetitions, cold=a.cold,
+                              threads=threads or [eng.threads], bandwidth=a.bandwidth, on_test=progress)
+        finally:
+            _close(eng)
     print(format_records(recs, fmt))
     return 0
 
@@ -602,6 +622,8 @@ def _perplexity_parser(sub) -> None:
     q = sub.add_parser("perplexity", help="perplexity of a text file, as llama-perplexity computes it")
     q.add_argument("-f", "--file", required=True)
     q.add_argument("--max-tokens", type=int, default=None, metavar="N", help="score only the first N tokens")
+    q.add_argument("--chunks", type=int, default=-1, metavar="N",
+                   help="score at most N chunks of --ctx (-1: all), as llama-perplexity's --chunks")
     q.add_argument("--all-tokens", action="store_true",
                    help="score every token (default: the second half of each --ctx chunk, as llama-perplexity)")
     q.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
@@ -633,6 +655,9 @@ def _bench_parser(sub) -> None:
     _engine_args(b)
     b.add_argument("-t", "--threads", default=None, metavar="LIST",
                    help="Numba thread counts: 2, 1,2,4, 1-16, 1-16*2 (default: physical cores available)")
+    b.add_argument("--gpu-layers", "-ngl", "--n-gpu-layers", dest="gpu_layers", default=None, metavar="LIST",
+                   help="device layers, a list as llama-bench's -ngl (1,2 or 0-8+4; -1: as many as fit): the model "
+                        "is opened once per value; as coli run's --gpu-layers otherwise")
     b.set_defaults(func=cmd_bench)
 
 

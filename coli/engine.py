@@ -187,7 +187,8 @@ class Engine:
         return np.concatenate(out) if out else np.zeros(0)
 
     @on_engine_threads
-    def perplexity(self, token_ids, all_tokens: bool = False, on_chunk=None) -> "PerplexityResult":
+    def perplexity(self, token_ids, all_tokens: bool = False, on_chunk=None,
+                   max_chunks: int | None = None) -> "PerplexityResult":
         """Perplexity of ``token_ids`` (the text's ids as :meth:`tokenize` gives them, BOS included where the
         model wants one) with llama-perplexity's convention (``tools/perplexity/perplexity.cpp``), so figures
         compare with llama.cpp's at the same ``--ctx``:
@@ -200,13 +201,17 @@ class Engine:
         * ``all_tokens``: every token is scored; windows of ``ctx`` tokens, each starting with the BOS when
           the ids start with one (a window after the first has BOS then the next ``ctx - 1`` text tokens).
 
-        ``on_chunk(i, n_chunks, running_ppl)`` is called after each chunk. Returns a :class:`PerplexityResult`
+        ``max_chunks``: score the first that many chunks only (llama-perplexity's ``--chunks``; the text must
+        still hold 2 chunks, as llama-perplexity checks before it counts them). ``on_chunk(i, n_chunks,
+        running_ppl)`` is called after each chunk. Returns a :class:`PerplexityResult`
         (``ppl_err``: llama-perplexity's ``+/-``, the standard error of the mean NLL times ppl). Raises
         ColiError for a text too short or logits that are not finite."""
         ids = self._check_ids(token_ids)
         n_ctx = self.ctx
         bos = self.tokenizer.bos_id if self.tokenizer.add_bos else None
         windows, first = perplexity_windows(ids, n_ctx, bos, all_tokens)
+        if max_chunks is not None:
+            windows = windows[:max_chunks]
         total = total2 = 0.0
         n = 0
         running = []

@@ -9,7 +9,8 @@ What maps: ``system`` (a string or text blocks), ``messages`` whose ``content`` 
 or text blocks), ``max_tokens`` (required), ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``,
 ``stream``, ``tools`` (``name``, ``description``, ``input_schema``), ``tool_choice`` (``auto``, ``any``,
 ``tool``, ``none``; ``disable_parallel_tool_use``), ``thinking`` (``enabled`` / ``disabled``: the template's
-``enable_thinking``). Images, documents and Anthropic's server tools are a 400 naming the field; ``metadata``
+``enable_thinking``; ``enabled`` also reads the answer's think span into thinking blocks whatever
+``--reasoning-format`` says, as the request's ``reasoning_format: "deepseek"``). Images, documents and Anthropic's server tools are a 400 naming the field; ``metadata``
 and ``service_tier`` are accepted and have no effect here.
 """
 from __future__ import annotations
@@ -146,6 +147,8 @@ def to_openai(body: dict) -> dict:
         if not isinstance(th, dict) or th.get("type") not in ("enabled", "disabled"):
             raise _err("'thinking': {'type': 'enabled' | 'disabled'}", "thinking")
         o["chat_template_kwargs"] = {"enable_thinking": th["type"] == "enabled"}
+        if th["type"] == "enabled":  # the client asked for thinking blocks: a think span is read whatever
+            o["reasoning_format"] = "deepseek"  # --reasoning-format says (none, or auto on a template without one)
     _tools(body, o)
     return o
 

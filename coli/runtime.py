@@ -52,6 +52,11 @@ def budget_needed(held: int) -> int:
     return max(int(held) + HEADROOM_MIN, int(held / (1 - HEADROOM_SHARE)) + 1)
 
 
+def _layers(a: int, b: int) -> str:
+    """``layer 3`` or ``layers 2-3``: a run of layer indices as a line names it."""
+    return f"layer {a}" if a == b else f"layers {a}-{b}"
+
+
 def _fmt(n) -> str:
     return memory.fmt_bytes(n)
 
@@ -326,9 +331,9 @@ def setup_layers(eng, dev, budget: int, balance=None) -> bool:
     n = len(eng.model.layers) - first
     if 0 < cpu_moe <= first and n and not eng.silent:   # llama.cpp's count from layer 0: only CPU layers named
         flag = f"--n-cpu-moe {cpu_moe}" if eng.cli_names else f"COLI_VK_CPU_MOE={cpu_moe}"
-        lo = "layer 0 is" if cpu_moe == 1 else f"layers 0-{cpu_moe - 1} are"
+        lo = _layers(0, cpu_moe - 1) + (" is" if cpu_moe == 1 else " are")
         print(f"[VK] {eng.path.name}: warning: {flag} has no effect: it counts from layer 0 (llama.cpp's meaning) "
-              f"and {lo} on the CPU anyway (the device holds layers {first}-{first + n - 1})", file=sys.stderr)
+              f"and {lo} on the CPU anyway (the device holds {_layers(first, first + n - 1)})", file=sys.stderr)
     resident = layer_experts(eng, first, budget, cpu_moe) if apart and n else None
     instead = "the expert tier instead" if eng.step is not None else "every layer on the CPU"
     if n == 0:

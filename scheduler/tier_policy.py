@@ -111,8 +111,9 @@ def budget_bytes(device_info, ram_cache_bytes: int, dense_bytes: int, env=None,
         available = max(0, b.bytes - b.rss)
     left = int(available) - int(ram_cache_bytes) - int(dense_bytes)
     b = max(0, left // 4 - 2 * GiB)
-    words = (f"shared RAM: a quarter of what the expert cache leaves ({available / GiB:.2f} GiB available"
-             f" - {ram_cache_bytes / GiB:.2f} GiB cache - {dense_bytes / GiB:.2f} GiB dense) less 2 GiB")
+    # one level of brackets in the line that prints it: the sum after a colon, not in nested parentheses
+    words = (f"shared RAM: a quarter of what the expert cache leaves, less 2 GiB: ({available / GiB:.2f} GiB "
+             f"available - {ram_cache_bytes / GiB:.2f} GiB cache - {dense_bytes / GiB:.2f} GiB dense) / 4 - 2 GiB")
     if d.heap_bytes and b > d.heap_bytes:
         b = d.heap_bytes
         words += f", capped at the device's {d.heap_bytes / GiB:.2f} GiB heap"

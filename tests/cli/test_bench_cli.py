@@ -16,6 +16,7 @@ import pytest
 from coli.bench import COLI_FIELDS, FIELDS, parse_int_list
 from coli.base.errors import ColiError
 from tiny_moe import ROOT, build_tiny_moe
+from vk_util import requires_vulkan
 
 # llama.cpp tools/llama-bench/llama-bench.cpp, test::get_fields (the ones that apply to coli) and the
 # json/jsonl samples
@@ -115,8 +116,20 @@ def test_bench_csv_jsonl_md(tiny):
     assert "| tg2 |" in row and " ± " in row
 
 
+@requires_vulkan
+def test_bench_gpu_layers_list_opens_the_model_per_value(tiny, capsys):
+    """``-ngl 0,1`` (llama-bench's list): one engine a value, each record's n_gpu_layers the device layers that
+    engine ran (0: the CPU alone; 1: the last layer on the device)."""
+    from coli.cli import main
+
+    assert main(["bench", "-m", str(tiny), "-p", "4", "-n", "0", "-r", "1", "-o", "json", "-ngl", "0,1"]) == 0
+    recs = json.loads(capsys.readouterr().out)
+    assert [(x["n_gpu_layers"], x["backends"], x["test"]) for x in recs] == [(0, "CPU", "pp4"), (1, "CPU,Vulkan", "pp4")]
+    assert parse_int_list("-1,2", "-ngl", minimum=-1) == [-1, 2]
+
+
 def test_bench_bad_lists_are_one_line_errors(tiny):
-    for args in (["-t", "1-"], ["-p", "x"], ["-t", str(numba.config.NUMBA_NUM_THREADS + 1)], ["-p", "0", "-n", "0"]):
+    for args in (["-t", "1-"], ["-p", "x"], ["-ngl", "1,x"], ["-t", str(numba.config.NUMBA_NUM_THREADS + 1)], ["-p", "0", "-n", "0"]):
         r = _coli("bench", "-m", str(tiny), "-r", "1", *args)
         assert r.returncode == 2, (args, r.stderr)
         assert r.stderr.startswith("coli: ") and "Traceback" not in r.stderr

@@ -143,6 +143,17 @@ def test_ctx_default_is_trained_context_capped(capsys, ref, monkeypatch):
     assert f"memory budget {memory.fmt_bytes(avail)} (RAM available)" in err
 
 
+def test_empty_prompt_file_and_negative_temp(capsys, tmp_path, ref):
+    """An empty ``-f`` file is one line before anything opens (``--cpu-moe`` would open the device first: no
+    ``[VK]`` line); ``--temp -1`` is greedy, as llama.cpp clamps it to 0 (the library's greedy text)."""
+    f = tmp_path / "empty.txt"
+    f.write_text("")
+    rc, out, err = _run(capsys, "run", "-m", "demo", "-f", str(f), "--cpu-moe")
+    assert rc == 2 and out == "" and err == f"coli: -f {f}: empty (no prompt in it)\n", err
+    rc, out, _ = _run(capsys, "run", *BASE, "-p", P, "-n", "6", "--temp", "-1", "--no-display-prompt", "-q")
+    assert rc == 0 and out == ref.generate(P, max_tokens=6, temp=0).text + "\n"
+
+
 def test_quiet_errors_still_printed(capsys):
     """``-q`` hides the start and speed lines, not errors: a bad value is one line on stderr, status 2."""
     rc, out, err = _run(capsys, "run", *BASE, "-p", P, "--min-p", "2", "-q")

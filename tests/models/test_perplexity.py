@@ -61,6 +61,22 @@ def test_every_chunk_starts_with_bos_and_scores_its_second_half(gemma):
     assert nobos > ref[15:].mean() + 1.0
 
 
+def test_max_chunks_scores_the_first_chunks_only(gemma, model_path, tmp_path):
+    """``max_chunks`` (``coli perplexity --chunks N``, llama-perplexity's): the first N chunks, their estimate the
+    full run's running estimate after N; the text must still hold 2 chunks; ``--chunks 0`` is a one-line error."""
+    from coli.cli import main
+
+    ids = gemma.tokenize(TEXT)
+    full = gemma.perplexity(ids)
+    one = gemma.perplexity(ids, max_chunks=1)
+    assert one.chunks == 1 and one.n == 15 and abs(one.ppl - full.running[0]) < 1e-6 * one.ppl
+    with pytest.raises(ColiError, match="at least 2 x --ctx"):
+        gemma.perplexity(ids[:40], max_chunks=1)
+    f = tmp_path / "t.txt"
+    f.write_text(TEXT)
+    assert main(["perplexity", "-m", str(model_path("gemma3")), "-f", str(f), "--chunks", "0"]) == 2
+
+
 def test_all_tokens_variant_scores_every_token_with_bos_per_window(gemma):
     """Second case: ``all_tokens``: windows of BOS + 31 text tokens; every text token is scored once."""
     ids = gemma.tokenize(TEXT)

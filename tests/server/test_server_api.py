@@ -669,6 +669,12 @@ def test_reasoning_content_and_thinking_blocks_from_the_model(http, eng, monkeyp
                            extra_body={"temperature": 0}) as s:
         final = s.get_final_message()
     assert final.content[0].type == "thinking" and final.content[0].thinking == want.strip()
+    # thinking enabled switches reasoning on for its request on a server that reads none (--reasoning-format none)
+    with _client(eng, reasoning_format="none") as plain:
+        r = plain.post("/v1/messages", json=amsg).json()
+        assert r["content"] == [{"type": "thinking", "thinking": want.strip(), "signature": ""}]
+        r = plain.post("/v1/chat/completions", json=body).json()
+        assert r["choices"][0]["message"]["content"] == want
 
 
 # ------------------------------------------------------------------------------------- forced tool calls per form

@@ -348,6 +348,9 @@ def test_n_cpu_moe_below_the_device_layers_warns(tiny, capsys):
     assert main([*bench, "--gpu-layers", "2", "--n-cpu-moe", "3"]) == 0
     err = capsys.readouterr().err
     assert "no effect" not in err and "joined mid-layer in 1 layer " in err, err
+    assert main([*bench, "--gpu-layers", "1", "--n-cpu-moe", "2"]) == 0  # one device layer: "layer 3", not "layers 3-3"
+    err = capsys.readouterr().err
+    assert "layers 0-1 are on the CPU anyway (the device holds layer 3)" in err, err
 
 
 @pytest.mark.parametrize("chain", [True, False])
