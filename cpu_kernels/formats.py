@@ -52,6 +52,7 @@ Public API: ``FORMATS``, ``Format``, ``Weight``, ``prepare(type_name, raw, shape
 """
 from __future__ import annotations
 
+import types as _types
 from dataclasses import dataclass
 from typing import Callable
 
@@ -59,6 +60,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 from gguf import quants as gq
 from numba import njit, prange
+from numba.core.errors import TypingError
+from numba.extending import overload
 
 from coli.types import table as _TT
 from coli.base.errors import ColiError
@@ -209,6 +212,58 @@ def _tile(buf, n, x, c0, out):
             r += 1
 
 
+def _dec_row(dec, fields, o, buf):
+    """``dec(*fields, o, buf)``: the row decoder called on a tuple of kernel arrays (Numba inlines no call with
+    ``*args``, so the overload below spells each arity out)."""
+    raise NotImplementedError("only callable inside Numba kernels")
+
+
+@overload(_dec_row, inline="always")
+def _dec_row_impl(dec, fields, o, buf):
+    f = dec.dispatcher
+    n = len(fields)
+    if n == 2:
+        return lambda dec, fields, o, buf: f(fields[0], fields[1], o, buf)
+    if n == 3:
+        return lambda dec, fields, o, buf: f(fields[0], fields[1], fields[2], o, buf)
+    if n == 4:
+        return lambda dec, fields, o, buf: f(fields[0], fields[1], fields[2], fields[3], o, buf)
+    if n == 5:
+        return lambda dec, fields, o, buf: f(fields[0], fields[1], fields[2], fields[3], fields[4], o, buf)
+    raise TypingError(f"_dec_row: {n} kernel arrays (2 to 5 are spelled out)")
+
+
+def _decoded_gemm(*a):
+    """out f32 [T, O] = x W^T for a(*fields, x f32 [T, I], out f32 [T, O]): the template of ``decoded_gemm``,
+    whose ``_DEC`` is one format's row decoder. A thread decodes its _RB weight rows to f32 once, then runs them
+    against the activations through ``_tile``."""
+    x = a[-2]
+    out = a[-1]
+    O = out.shape[1]
+    for c in prange((O + _RB - 1) // _RB):
+        buf = np.empty((_RB, x.shape[1]), np.float32)
+        c0 = c * _RB
+        n = min(_RB, O - c0)
+        for r in range(n):
+            _dec_row(_DEC, a[:-2], c0 + r, buf[r])  # noqa: F821  (bound per format by decoded_gemm)
+        _tile(buf, n, x, c0, out)
+
+
+def decoded_gemm(dec, name: str, doc: str | None = None):
+    """The f32 GEMM of a row format from its row decoder: ``gemm(*fields, x, out)``, the format's kernel arrays
+    then x f32 [T, I] and out f32 [T, O]. ``dec(*fields, o, buf)`` writes weight row o as f32 into buf [I]
+    (an ``inline="always"`` kernel). ``name`` names the kernel (and its Numba cache entry: unique per format);
+    ``doc``: its docstring (shapes of the fields).
+
+    The decoder is bound as the global ``_DEC`` of a copy of ``_decoded_gemm``, not as a closure cell: Numba
+    keys a closure's cache entry by pickling its cells, and a dispatcher pickles with a per-process id, so a
+    closure would compile again in every process."""
+    f = _types.FunctionType(_decoded_gemm.__code__, dict(globals(), _DEC=dec), name)
+    f.__qualname__ = name
+    f.__doc__ = doc or f"{name}(*fields, x, out): ``decoded_gemm`` of ``{dec.__name__}``."
+    return njit(**_PJIT)(f)
+
+
 # ----------------------------------------------------------------------------------------------- F32
 @njit(**_PJIT)
 def gemv_f32(w, x, out):
@@ -253,16 +308,7 @@ def _dec_q8_0(q, d, o, buf):
             buf[b * 32 + j] = db * np.float32(q[o, b * 32 + j])
 
 
-@njit(**_PJIT)
-def gemm_q8_0(q, d, x, out):
-    O, nb = d.shape
-    for c in prange((O + _RB - 1) // _RB):
-        buf = np.empty((_RB, nb * 32), np.float32)
-        c0 = c * _RB
-        n = min(_RB, O - c0)
-        for r in range(n):
-            _dec_q8_0(q, d, c0 + r, buf[r])
-        _tile(buf, n, x, c0, out)
+gemm_q8_0 = decoded_gemm(_dec_q8_0, "gemm_q8_0")
 
 
 # ----------------------------------------------------------------------------------------------- Q4_0 / Q4_1
@@ -305,16 +351,7 @@ def _dec_q4_0(qs, d, o, buf):
                 buf[b * 32 + j] = db * (np.float32(qs[o, p * 32 + j] & _M4) - _F8)
 
 
-@njit(**_PJIT)
-def gemm_q4_0(qs, d, x, out):
-    O, nb = d.shape
-    for c in prange((O + _RB - 1) // _RB):
-        buf = np.empty((_RB, nb * 32), np.float32)
-        c0 = c * _RB
-        n = min(_RB, O - c0)
-        for r in range(n):
-            _dec_q4_0(qs, d, c0 + r, buf[r])
-        _tile(buf, n, x, c0, out)
+gemm_q4_0 = decoded_gemm(_dec_q4_0, "gemm_q4_0")
 
 
 @njit(**_PJIT)
@@ -358,16 +395,7 @@ def _dec_q4_1(qs, d, m, o, buf):
                 buf[b * 32 + j] = db * np.float32(qs[o, p * 32 + j] & _M4) + mb
 
 
-@njit(**_PJIT)
-def gemm_q4_1(qs, d, m, x, out):
-    O, nb = d.shape
-    for c in prange((O + _RB - 1) // _RB):
-        buf = np.empty((_RB, nb * 32), np.float32)
-        c0 = c * _RB
-        n = min(_RB, O - c0)
-        for r in range(n):
-            _dec_q4_1(qs, d, m, c0 + r, buf[r])
-        _tile(buf, n, x, c0, out)
+gemm_q4_1 = decoded_gemm(_dec_q4_1, "gemm_q4_1")
 
 
 # ----------------------------------------------------------------------------------------------- Q5_0
@@ -414,16 +442,7 @@ def _dec_q5_0(qs, qh, d, o, buf):
     _dec_i8(q, d, o, buf)
 
 
-@njit(**_PJIT)
-def gemm_q5_0(qs, qh, d, x, out):
-    O, nb = d.shape
-    for c in prange((O + _RB - 1) // _RB):
-        buf = np.empty((_RB, nb * 32), np.float32)
-        c0 = c * _RB
-        n = min(_RB, O - c0)
-        for r in range(n):
-            _dec_q5_0(qs, qh, d, c0 + r, buf[r])
-        _tile(buf, n, x, c0, out)
+gemm_q5_0 = decoded_gemm(_dec_q5_0, "gemm_q5_0")
 
 
 # ----------------------------------------------------------------------------------------------- 4-bit table codes
@@ -450,16 +469,7 @@ def _dec_lut(qs, d, kv, o, buf):
     _dec_i8(q, d, o, buf)
 
 
-@njit(**_PJIT)
-def gemm_lut(qs, d, kv, x, out):
-    O, nb = d.shape
-    for c in prange((O + _RB - 1) // _RB):
-        buf = np.empty((_RB, nb * 32), np.float32)
-        c0 = c * _RB
-        n = min(_RB, O - c0)
-        for r in range(n):
-            _dec_lut(qs, d, kv, c0 + r, buf[r])
-        _tile(buf, n, x, c0, out)
+gemm_lut = decoded_gemm(_dec_lut, "gemm_lut")
 
 
 def pack_lut(qs16: np.ndarray, nb: int, d: np.ndarray, kv: np.ndarray):
@@ -520,16 +530,7 @@ def _dec_q4_k(qs, sc, mn, d, dm, o, buf):
                 buf[x0 + 32 + j] = s1 * np.float32(qs[o, q0 + j] >> _S4) - m1
 
 
-@njit(**_PJIT)
-def gemm_q4_k(qs, sc, mn, d, dm, x, out):
-    O, nb = d.shape
-    for c in prange((O + _RB - 1) // _RB):
-        buf = np.empty((_RB, nb * 256), np.float32)
-        c0 = c * _RB
-        n = min(_RB, O - c0)
-        for r in range(n):
-            _dec_q4_k(qs, sc, mn, d, dm, c0 + r, buf[r])
-        _tile(buf, n, x, c0, out)
+gemm_q4_k = decoded_gemm(_dec_q4_k, "gemm_q4_k")
 
 
 # ----------------------------------------------------------------------------------------------- Q5_K
@@ -569,16 +570,7 @@ def _dec_q5_k(q, sc, mn, d, dm, o, buf):
                 buf[e0 + j] = s0 * np.float32(q[o, e0 + j]) - m0
 
 
-@njit(**_PJIT)
-def gemm_q5_k(q, sc, mn, d, dm, x, out):
-    O, nb = d.shape
-    for c in prange((O + _RB - 1) // _RB):
-        buf = np.empty((_RB, nb * 256), np.float32)
-        c0 = c * _RB
-        n = min(_RB, O - c0)
-        for r in range(n):
-            _dec_q5_k(q, sc, mn, d, dm, c0 + r, buf[r])
-        _tile(buf, n, x, c0, out)
+gemm_q5_k = decoded_gemm(_dec_q5_k, "gemm_q5_k")
 
 
 # ----------------------------------------------------------------------------------------------- Q6_K
@@ -612,16 +604,7 @@ def _dec_q6_k(q, sc, d, o, buf):
                 buf[e0 + j] = s * np.float32(q[o, e0 + j])
 
 
-@njit(**_PJIT)
-def gemm_q6_k(q, sc, d, x, out):
-    O, nb = d.shape
-    for c in prange((O + _RB - 1) // _RB):
-        buf = np.empty((_RB, nb * 256), np.float32)
-        c0 = c * _RB
-        n = min(_RB, O - c0)
-        for r in range(n):
-            _dec_q6_k(q, sc, d, c0 + r, buf[r])
-        _tile(buf, n, x, c0, out)
+gemm_q6_k = decoded_gemm(_dec_q6_k, "gemm_q6_k")
 
 
 # ----------------------------------------------------------------------------------------------- int8 activations

@@ -25,7 +25,7 @@ def pack(raw: np.ndarray, O: int, I: int):
 
 # ----------------------------------------------------------------------------------------------- kernels
 from . import formats as _formats  # noqa: E402  (formats imports this module at its end: the names below exist)
-from .formats import _F0, _JIT, _PJIT, _RB, _lanes_sum, _tile  # noqa: E402
+from .formats import _F0, _JIT, _PJIT, _RB, _lanes_sum  # noqa: E402
 
 
 @njit(**_PJIT)
@@ -57,17 +57,7 @@ def _dec(q, d, o, buf):
             buf[b * 128 + j] = db * lut[q[o, b * 128 + j]]
 
 
-@njit(**_PJIT)
-def gemm(q, d, x, out):
-    """out f32 [T, O] = x W^T for activation rows x f32 [T, I]."""
-    O, nb = d.shape
-    for c in prange((O + _RB - 1) // _RB):
-        buf = np.empty((_RB, nb * 128), np.float32)
-        c0 = c * _RB
-        n = min(_RB, O - c0)
-        for r in range(n):
-            _dec(q, d, c0 + r, buf[r])
-        _tile(buf, n, x, c0, out)
+gemm = _formats.decoded_gemm(_dec, "gemm_fp8", """out f32 [T, O] = x W^T for activation rows x f32 [T, I].""")
 
 
 # the registry row (the table marks it coli's own and CPU only: coli/types/table.py)

@@ -56,7 +56,7 @@ from numba.core import cgutils
 from coli.types import iq_tables
 
 from . import vnni as _vnni
-from .formats import FORMATS, _row, _tile, gemm_q8_0, gemv_q8_0
+from .formats import FORMATS, _row, decoded_gemm, gemm_q8_0, gemv_q8_0
 
 _RB = 16  # output rows per parallel chunk (as formats._RB)
 _JIT = dict(nogil=True, cache=True, fastmath=True)
@@ -298,18 +298,9 @@ def _dec_g16(q, s, o, buf):
             buf[k * 16 + j] = sk * np.float32(q[o, k * 16 + j])
 
 
-@njit(**_PJIT)
-def gemm_g16(q, s, x, out):
-    """out[t, o] = sum_i s[o, i // 16] * q[o, i] * x[t, i]: each thread decodes 16 rows to f32, then the
-    register-tiled ``formats._tile``. q int8 [O, I], s f32 [O, I/16], x f32 [T, I], out f32 [T, O]."""
-    O, ns = s.shape
-    for c in prange((O + _RB - 1) // _RB):
-        buf = np.empty((_RB, ns * 16), np.float32)
-        c0 = c * _RB
-        n = min(_RB, O - c0)
-        for r in range(n):
-            _dec_g16(q, s, c0 + r, buf[r])
-        _tile(buf, n, x, c0, out)
+gemm_g16 = decoded_gemm(_dec_g16, "gemm_g16", """out[t, o] = sum_i s[o, i // 16] * q[o, i] * x[t, i]: each thread
+    decodes 16 rows to f32, then the register-tiled ``formats._tile``. q int8 [O, I], s f32 [O, I/16], x f32 [T, I],
+    out f32 [T, O].""")
 
 
 # ----------------------------------------------------------------------------------------------- VNNI, G = 16

@@ -46,7 +46,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .formats import _F0, _JIT, _PJIT, _RB, _block_sums, _blocks, _c, _f16, _lanes_sum, _tile
+from .formats import _F0, _JIT, _PJIT, _RB, _block_sums, _blocks, _c, _f16, _lanes_sum
 from . import formats as _F
 from .vnni import HAVE_VNNI as _HAVE_VNNI
 
@@ -98,16 +98,7 @@ def _dec_q5_1(q, d, m, o, buf):
             buf[b * 32 + j] = db * np.float32(q[o, b * 32 + j]) + mb
 
 
-@njit(**_PJIT)
-def gemm_q5_1(q, d, m, x, out):
-    O, nb = d.shape
-    for c in prange((O + _RB - 1) // _RB):
-        buf = np.empty((_RB, nb * 32), np.float32)
-        c0 = c * _RB
-        n = min(_RB, O - c0)
-        for r in range(n):
-            _dec_q5_1(q, d, m, c0 + r, buf[r])
-        _tile(buf, n, x, c0, out)
+gemm_q5_1 = _F.decoded_gemm(_dec_q5_1, "gemm_q5_1")
 
 
 # ----------------------------------------------------------------------------------------------- Q2_K
@@ -158,16 +149,7 @@ def _dec_q2_k(qs, sc, mn, d, dm, o, buf):
                         buf[e0 + j] = sl * np.float32((qs[o, q0 + 16 * h + j] >> sh) & _M2) - ml
 
 
-@njit(**_PJIT)
-def gemm_q2_k(qs, sc, mn, d, dm, x, out):
-    O, nb = d.shape
-    for c in prange((O + _RB - 1) // _RB):
-        buf = np.empty((_RB, nb * 256), np.float32)
-        c0 = c * _RB
-        n = min(_RB, O - c0)
-        for r in range(n):
-            _dec_q2_k(qs, sc, mn, d, dm, c0 + r, buf[r])
-        _tile(buf, n, x, c0, out)
+gemm_q2_k = _F.decoded_gemm(_dec_q2_k, "gemm_q2_k")
 
 
 # ----------------------------------------------------------------------------------------------- Q3_K
@@ -216,16 +198,7 @@ def _dec_q3_k(qs, hm, sc, d, o, buf):
                         buf[e0 + j] = sl * (np.float32(v) - _F4)
 
 
-@njit(**_PJIT)
-def gemm_q3_k(qs, hm, sc, d, x, out):
-    O, nb = d.shape
-    for c in prange((O + _RB - 1) // _RB):
-        buf = np.empty((_RB, nb * 256), np.float32)
-        c0 = c * _RB
-        n = min(_RB, O - c0)
-        for r in range(n):
-            _dec_q3_k(qs, hm, sc, d, c0 + r, buf[r])
-        _tile(buf, n, x, c0, out)
+gemm_q3_k = _F.decoded_gemm(_dec_q3_k, "gemm_q3_k")
 
 
 # ----------------------------------------------------------------------------------------------- packing
