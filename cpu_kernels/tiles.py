@@ -545,18 +545,500 @@ def _i32x16(v):
     return ir.Constant(_I32x16, [v] * 16)
 
 
+class _Rec:
+    """One record of ``_emit_tile``'s loop, as the family emitters below read it: the builder ``b``; the record
+    index ``k`` (``c(v)``: a constant of its type); the tile's type ``name`` and the offset ``nc`` of its scales in
+    the record; the activation rows (``nr``, ``rows``, their f32 lane accumulators ``faccs``, ``xbs``: each row's
+    codes of this record); the intrinsics ``op``; shared constants; and the load helpers."""
+
+    def __init__(self, b, name, nc, op, rows, faccs, k, base, xbs):
+        self.b, self.name, self.nc, self.op, self.rows, self.faccs = b, name, nc, op, rows, faccs
+        self.nr = len(rows)
+        self.k, self.base, self.xbs = k, base, xbs
+        self.m4 = ir.Constant(_I8x64, [15] * 64)
+        self.sh4 = ir.Constant(_I8x64, [4] * 64)
+        self.i32p = _I32.as_pointer()
+        self.zero = ir.Constant(_I32x16, None)
+        self.ones = b.bitcast(self.bmask(1), _I32x16)   # for a vpdpbusd that sums signed weight codes
+        self.x80 = ir.Constant(_I32, 0x80808080 - (1 << 32))
+
+    def c(self, v):
+        return ir.Constant(self.k.type, v)
+
+    def xs(self, i, j):  # activation codes j..j+3 of row i's block, broadcast to 16 lanes
+        b = self.b
+        return _splat_i(b, b.load(b.bitcast(b.gep(self.xbs[i], [self.c(j)]), self.i32p), align=1))
+
+    def ld(self, o, ty):
+        b = self.b
+        return b.load(b.bitcast(b.gep(self.base, [self.c(o)]), ty.as_pointer()), align=1)
+
+    def f16x16(self, o):
+        return self.b.fpext(self.ld(o, _F16x16), _F32x16)
+
+    def xd(self, i, idx):
+        b = self.b
+        return _splat_f(b, b.load(b.gep(self.rows[i][1], [idx])))
+
+    def xm(self, i, idx):
+        b = self.b
+        return _splat_f(b, b.load(b.gep(self.rows[i][2], [idx])))
+
+    def srl(self, v, n):  # a right shift of the 32-bit lanes (byte codes masked after it; no byte shifts on x86)
+        b = self.b
+        return b.bitcast(b.lshr(b.bitcast(v, _I32x16), _i32x16(n)), _I8x64) if n else v
+
+    def bmask(self, v):
+        return ir.Constant(_I8x64, [v] * 64)
+
+    def ssum16(self, i, off):  # the sum of row i's 16 activation codes at off (int32; exact)
+        b = self.b
+        red = cgutils.get_or_insert_function(b.module, ir.FunctionType(_I32, [_I32x16]),
+                                             "llvm.vector.reduce.add.v16i32")
+        xsub = b.load(b.bitcast(b.gep(self.xbs[i], [self.c(off)]), _I8x16.as_pointer()), align=1)
+        return b.call(red, [b.sext(xsub, _I32x16)])
+
+    def xu(self, i, j):  # row i's activation codes j..j+3 made unsigned (x ^ 0x80 = x + 128), broadcast
+        b = self.b
+        p = b.bitcast(b.gep(self.xbs[i], [self.c(j)]), self.i32p)
+        return _splat_i(b, b.xor(b.load(p, align=1), self.x80))
+
+
+def _emit_nvfp4(t):
+    """NVFP4: MXFP4's lookup on 64-weight records, a UE4M3 scale per 16 weights."""
+    b, k, c, nc, nr, op, faccs = t.b, t.k, t.c, t.nc, t.nr, t.op, t.faccs
+    rows, m4, zero, ones, ld, xd, srl, xu = t.rows, t.m4, t.zero, t.ones, t.ld, t.xd, t.srl, t.xu
+    # MXFP4's lookup and operand order on a 64-weight record: per sub-block s (16 weights, its own scale)
+    # the groups g = 2s, 2s + 1 (low nibbles: weights 16s + 4(g & 1) + 0..3, high: + 8); the weight sum
+    # from one vpdpbusd per sub-block on its four looked-up vectors added bytewise (|sum| <= 48)
+    tab = ir.Constant(_I8x64, [int(v) for v in _TABLES[0]] * 4)
+    scs = []
+    for s_ in range(4):   # the 16 rows' UE4M3 bytes u of sub-block s_ -> f32 (as ``_UE4M3``, exact)
+        u = b.zext(ld(nc + 16 * s_, _I8x16), _I32x16)
+        nrm = b.bitcast(b.add(b.shl(u, _i32x16(20)), _i32x16(119 << 23)), _F32x16)
+        sub = b.fmul(b.sitofp(u, _F32x16), ir.Constant(_F32x16, [2.0 ** -10] * 16))
+        scs.append(b.select(b.icmp_unsigned("<", u, _i32x16(8)), sub, nrm))
+    for p in range(2):   # activation block 2k + p: sub-blocks 2p, 2p + 1
+        saccs = [None] * nr
+        for s_ in (2 * p, 2 * p + 1):
+            wb = None
+            parts = [zero] * nr
+            for h in range(2):
+                v = ld(64 * (2 * s_ + h), _I8x64)
+                lo8 = b.call(op.shuf512, [tab, b.and_(v, m4)])
+                hi8 = b.call(op.shuf512, [tab, b.and_(srl(v, 4), m4)])
+                wb = b.add(lo8, hi8) if wb is None else b.add(wb, b.add(lo8, hi8))
+                lo, hi = b.bitcast(lo8, _I32x16), b.bitcast(hi8, _I32x16)
+                for i in range(nr):
+                    a_ = b.call(op.dp512, [parts[i], xu(i, 16 * s_ + 4 * h), lo])
+                    parts[i] = b.call(op.dp512, [a_, xu(i, 16 * s_ + 8 + 4 * h), hi])
+            corr = b.shl(b.call(op.dp512, [zero, ones, b.bitcast(wb, _I32x16)]), _i32x16(7))
+            for i in range(nr):
+                t_ = b.fmul(b.sitofp(b.sub(parts[i], corr), _F32x16), scs[s_])
+                saccs[i] = t_ if saccs[i] is None else b.fadd(saccs[i], t_)
+        for i in range(nr):
+            xdv = xd(i, b.add(b.mul(k, c(2)), c(p)))
+            b.store(b.fadd(b.load(faccs[i]), b.fmul(saccs[i], xdv)), faccs[i])
+
+
+def _emit_lut(t):
+    """The 4-bit table types (MXFP4, IQ4_NL, IQ4_XS) and IQ3_XXS, IQ3_S: codes looked up with vpshufb."""
+    b, k, c, name, nc, nr, op, faccs = t.b, t.k, t.c, t.name, t.nc, t.nr, t.op, t.faccs
+    rows, m4, zero, ones, ld, f16x16, xd, srl, xu = t.rows, t.m4, t.zero, t.ones, t.ld, t.f16x16, t.xd, t.srl, t.xu
+    # 4-bit codes looked up in the 16-entry table (vpshufb, the table in every 128-bit lane): signed int8
+    # weights w. vpdpbusd takes them as its signed operand and the activations made unsigned (x + 128,
+    # x ^ 0x80): dot = sum w x + 128 sum w, the sum w per block and row from one vpdpbusd with ones
+    # (weight-side, shared by the batch's rows), subtracted exactly in int32
+    tab = ir.Constant(_I8x64, [int(v) for v in _TABLES[_LUT[name]]] * 4)
+    nsub = 8 if name in ("IQ4_XS", "IQ3_XXS", "IQ3_S") else 1
+    if name == "MXFP4":   # E8M0 -> 2^(e - 128) (ggml_e8m0_to_fp32_half: the table is doubled), bit-exact
+        e = b.zext(ld(nc, _I8x16), _I32x16)
+        bits = b.select(b.icmp_unsigned("<", e, _i32x16(2)), b.shl(_i32x16(0x00200000), e),
+                        b.shl(b.sub(e, _i32x16(1)), _i32x16(23)))
+        dv = b.bitcast(bits, _F32x16)
+    else:
+        dv = f16x16(nc + (128 if nsub == 8 else 0))
+    if name == "IQ3_XXS":   # w = d/4 * (2s + 1) * code: the power of two on d (exact), weight-side
+        dv = b.fmul(dv, ir.Constant(_F32x16, [0.25] * 16))
+    saccs = [ir.Constant(_F32x16, None)] * nr   # IQ4_XS: sum over sub-blocks of (ls - 32) xd isum
+    for sb in range(nsub):
+        ws, parts = [], [[] for _ in range(nr)]
+        for g in range(4):
+            v = ld(256 * sb + 64 * g, _I8x64)
+            lo = b.bitcast(b.call(op.shuf512, [tab, b.and_(v, m4)]), _I32x16)
+            hi = b.bitcast(b.call(op.shuf512, [tab, b.and_(srl(v, 4), m4)]), _I32x16)
+            ws.append(b.call(op.dp512, [b.call(op.dp512, [zero, ones, lo]), ones, hi]))
+            for i in range(nr):
+                a_ = b.call(op.dp512, [zero, xu(i, 32 * sb + 4 * g), lo])
+                parts[i].append(b.call(op.dp512, [a_, xu(i, 32 * sb + 16 + 4 * g), hi]))
+        corr = b.shl(b.add(b.add(ws[0], ws[1]), b.add(ws[2], ws[3])), _i32x16(7))
+        for i in range(nr):
+            isum = b.sitofp(b.sub(b.add(b.add(parts[i][0], parts[i][1]), b.add(parts[i][2], parts[i][3])),
+                                  corr), _F32x16)
+            if nsub == 1:
+                b.store(b.fadd(b.load(faccs[i]), b.fmul(isum, b.fmul(dv, xd(i, k)))), faccs[i])
+            else:       # Q4_K's shape: d once per super-block, the 6-bit scales (ls - 32) per sub-block
+                lsv = b.sitofp(b.sext(ld(nc + 16 * sb, _I8x16), _I32x16), _F32x16)
+                sx = b.fmul(lsv, xd(i, b.add(b.mul(k, c(8)), c(sb))))
+                saccs[i] = b.fadd(saccs[i], b.fmul(isum, sx))
+    if nsub == 8:
+        for i in range(nr):
+            b.store(b.fadd(b.load(faccs[i]), b.fmul(dv, saccs[i])), faccs[i])
+
+
+def _emit_iq2(t):
+    """IQ2_XXS, IQ2_XS, IQ2_S: Q2_K's planes, level codes looked up, the signs on the activations."""
+    b, k, c, name, nc, nr, op, faccs = t.b, t.k, t.c, t.name, t.nc, t.nr, t.op, t.faccs
+    m4, zero, xs, ld, f16x16, xd, srl, bmask = t.m4, t.zero, t.xs, t.ld, t.f16x16, t.xd, t.srl, t.bmask
+    # Q2_K's planes: per half n and shift j the 2-bit level codes of sub-block ib = 4n + j, looked up
+    # (vpshufb) as the unsigned levels 8, 25, 43; the signs go on the broadcast activations instead (a
+    # masked negation under the sign plane's bit 4n + j, one vptestmb; |x| <= 127), so vpdpbusd takes the
+    # levels as its unsigned operand with no correction term. Then IQ4_XS's arithmetic: the integer
+    # sub-block scale 2s + 1 per sub-block, d / 8 once per super-block. A nibble of qs holds the codes of
+    # shifts 2h and 2h + 1: one 16-entry table per position looks either up without a shift of its own
+    lv = [int(v) for v in _TABLES[3][:4]]
+    tabs = [ir.Constant(_I8x64, [lv[q & 3] for q in range(16)] * 4),
+            ir.Constant(_I8x64, [lv[q >> 2] for q in range(16)] * 4)]
+    # IQ2_XS, IQ2_S: a scale per 16 weights, so the two halves of a sub-block (g < 4, g >= 4) sum apart
+    s0 = b.mul(k, c(8))
+    zb = ir.Constant(_I8x64, None)
+    saccs = [ir.Constant(_F32x16, None)] * nr
+    nh = 1 if name == "IQ2_XXS" else 2
+    for n in range(2):
+        acc = [[[zero] * nh for _ in range(4)] for _ in range(nr)]
+        for g in range(8):
+            h = (g >> 2) if nh == 2 else 0
+            V = ld(64 * (8 * n + g), _I8x64)
+            H = ld(1024 + 64 * g, _I8x64)
+            nib = (b.and_(V, m4), b.and_(srl(V, 4), m4))
+            for j in range(4):
+                wv = b.bitcast(b.call(op.shuf512, [tabs[j & 1], nib[j >> 1]]), _I32x16)
+                mk = b.icmp_unsigned("!=", b.and_(H, bmask(1 << (4 * n + j))), zb)
+                for i in range(nr):
+                    xv = b.bitcast(xs(i, 128 * n + 32 * j + 4 * g), _I8x64)
+                    xv = b.bitcast(b.select(mk, b.sub(zb, xv), xv), _I32x16)
+                    acc[i][j][h] = b.call(op.dp512, [acc[i][j][h], wv, xv])
+        for j in range(4):
+            ib = 4 * n + j
+            for h in range(nh):
+                lsv = b.sitofp(b.sext(ld(nc + 16 * (nh * ib + h), _I8x16), _I32x16), _F32x16)
+                for i in range(nr):
+                    sx = b.fmul(lsv, xd(i, b.add(s0, c(ib))))
+                    saccs[i] = b.fadd(saccs[i], b.fmul(b.sitofp(acc[i][j][h], _F32x16), sx))
+    dv = b.fmul(f16x16(nc + 128 * nh), ir.Constant(_F32x16, [0.125] * 16))
+    for i in range(nr):
+        b.store(b.fadd(b.load(faccs[i]), b.fmul(dv, saccs[i])), faccs[i])
+
+
+def _emit_iq1(t):
+    """IQ1_S, IQ1_M: Q2_K's planes with the grid codes plus a per-row delta term."""
+    b, k, c, name, nc, nr, op, faccs, rows = t.b, t.k, t.c, t.name, t.nc, t.nr, t.op, t.faccs, t.rows
+    zero, ones, xs, ld, f16x16, xd, srl, bmask, ssum16, xu = t.zero, t.ones, t.xs, t.ld, t.f16x16, t.xd, t.srl, t.bmask, t.ssum16, t.xu
+    # Q2_K's planes with the level codes c = grid + 1 (0, 1, 2); per half n, shift j (sub-block ib = 4n + j)
+    # and code group g a weight byte made of 8c (a shift and a mask) and a per-row delta term (constant
+    # over the group's dword lane: IQ1_S's delta is per 32, IQ1_M's per 8, a lane holds 4 weights of one
+    # 8-group); 8 (grid + delta) = 8c - 8 + sign(delta) is exact in int32 either way:
+    # * IQ1_S, and IQ1_M for one activation row (decode): the unsigned byte 8c + 2 [delta > 0] against the
+    #   signed activations, then 9 x the scale group's activation code sum off (S: 32 or 16 codes);
+    # * IQ1_M for several rows (tile4): the signed byte 8c - 7 or 8c - 9 against the activations made
+    #   unsigned (x ^ 0x80), then 128 x the weight sum off (weight-side: shared by the rows, where the
+    #   sums S are per row). Measured: each the faster for its case (docs/iquants.md); IQ1_S's GEMM gained
+    #   nothing from the second, and with it its decode and batch rows came out of LLVM's fast-math
+    #   rounded apart in the last bit (test_a_rows_result_does_not_depend_on_its_batch).
+    # Both give the same int32 group dots and the same float steps after them. Then IQ4_XS's arithmetic:
+    # the integer scale 2s + 1 per scale group, d / 8 per super-block (a power of two, exact)
+    m1 = name == "IQ1_M"
+    sgn = m1 and nr > 1
+    nh = 2 if m1 else 1
+    s0 = b.mul(k, c(8))
+    saccs = [ir.Constant(_F32x16, None)] * nr
+    m18 = bmask(0x18)
+    if sgn:   # bytes -7 (delta +1/8) and -9 (-1/8)
+        dplus, dminus = _i32x16(0xF9F9F9F9 - (1 << 32)), _i32x16(0xF7F7F7F7 - (1 << 32))
+    else:     # bytes 2 and 0
+        dplus, dminus = _i32x16(0x02020202), zero
+
+    def zx16(o):   # 16 bytes (one per row) widened to the row's i32 lane
+        return b.zext(ld(o, _I8x16), _I32x16)
+
+    def dterm(v, bit):   # the delta term where bit ``bit`` of the row's byte is clear (delta +1/8) or set
+        return b.bitcast(b.select(b.icmp_unsigned("==", b.and_(v, _i32x16(1 << bit)), zero), dplus, dminus),
+                         _I8x64)
+
+    for n in range(2):
+        # IQ1_S: the nibble s | neg << 3 of sub-blocks 2p, 2p + 1 in byte p; IQ1_M: the delta bits of
+        # 8-groups 8p..8p + 7 in byte p
+        sb = [zx16(nc + (128 if m1 else 0) + 16 * (2 * n + p)) for p in range(2)]
+        dt = [None] * 4
+        # IQ1_M: one 16-weight half (its own scale) at a time, so that 4 x nr accumulators are live, not
+        # 8 x nr (with 4 activation rows those would not fit the 32 vector registers)
+        for h in range(nh):
+            acc = [[zero] * 4 for _ in range(nr)]
+            wsum = [zero] * 4
+            for g in range(4 * h, 4 * h + 4) if m1 else range(8):
+                V = ld(64 * (8 * n + g), _I8x64)
+                for j in range(4):
+                    if g == 0 or (m1 and g % 2 == 0):
+                        ib = 4 * n + j
+                        dt[j] = dterm(sb[j >> 1], 4 * (ib & 1) + (g >> 1 if m1 else 3))
+                    sh = 2 * j - 3   # code bits 2j, 2j + 1 -> bits 3, 4 of the byte (8c)
+                    cv = (srl(V, sh) if sh > 0
+                          else b.bitcast(b.shl(b.bitcast(V, _I32x16), _i32x16(-sh)), _I8x64))
+                    wv = b.bitcast(b.add(b.and_(cv, m18), dt[j]), _I32x16)
+                    if sgn:
+                        wsum[j] = b.call(op.dp512, [wsum[j], ones, wv])
+                    for i in range(nr):
+                        xv = xu(i, 128 * n + 32 * j + 4 * g) if sgn else xs(i, 128 * n + 32 * j + 4 * g)
+                        acc[i][j] = b.call(op.dp512, [acc[i][j], xv, wv] if sgn else [acc[i][j], wv, xv])
+            for j in range(4):
+                ib = 4 * n + j
+                if m1:
+                    scb = b.and_(b.lshr(zx16(nc + 16 * ib), _i32x16(4 * h)), _i32x16(7))
+                else:
+                    scb = b.and_(b.lshr(sb[j >> 1], _i32x16(4 * (ib & 1))), _i32x16(7))
+                scv = b.sitofp(b.add(b.shl(scb, _i32x16(1)), _i32x16(1)), _F32x16)
+                corr = b.shl(wsum[j], _i32x16(7)) if sgn else None
+                for i in range(nr):
+                    if not sgn:
+                        ss = ssum16(i, 32 * ib + 16 * h)
+                        if not m1:
+                            ss = b.add(ss, ssum16(i, 32 * ib + 16))
+                        corr = _splat_i(b, b.mul(ss, ir.Constant(_I32, 9)))
+                    sx = b.fmul(scv, xd(i, b.add(s0, c(ib))))
+                    v = b.sitofp(b.sub(acc[i][j], corr), _F32x16)
+                    saccs[i] = b.fadd(saccs[i], b.fmul(v, sx))
+    dv = b.fmul(f16x16(nc + (192 if m1 else 64)), ir.Constant(_F32x16, [0.125] * 16))
+    for i in range(nr):
+        b.store(b.fadd(b.load(faccs[i]), b.fmul(dv, saccs[i])), faccs[i])
+
+
+def _emit_q2_q3_k(t):
+    """Q2_K, Q3_K (and TQ1_0, TQ2_0 as Q2_K blocks): 2-bit codes, Q3_K's high bit."""
+    b, k, c, name, nc, nr, op, faccs = t.b, t.k, t.c, t.name, t.nc, t.nr, t.op, t.faccs
+    rows, zero, xs, ld, f16x16, srl, bmask, ssum16 = t.rows, t.zero, t.xs, t.ld, t.f16x16, t.srl, t.bmask, t.ssum16
+    # per half n and 16-element half h: 4 code groups (l = 4g..4g+3, g = 4h..4h+3) give the 2-bit codes of
+    # sub-blocks u = 8n + 2j + h (ggml's shift 2j); Q3_K adds the hmask bit 4n + j as bit 2 and takes its
+    # -4 exactly as 4 x the sub-block's activation code sum; Q2_K's mins go through the same sums
+    s0 = b.mul(k, c(8))
+    q3 = name == "Q3_K"
+    saccs = [ir.Constant(_F32x16, None)] * nr
+    maccs = [ir.Constant(_F32x16, None)] * nr
+    m3 = bmask(3)
+    b4 = bmask(4)
+    for n in range(2):
+        for h in range(2):
+            acc = [[zero] * 4 for _ in range(nr)]
+            for gg in range(4):
+                g = 4 * h + gg
+                V = ld(64 * (8 * n + g), _I8x64)
+                H = ld(1024 + 64 * g, _I8x64) if q3 else None
+                for j in range(4):
+                    cv = b.and_(srl(V, 2 * j), m3)
+                    if q3:
+                        hb = 4 * n + j
+                        hv = srl(H, hb - 2) if hb >= 2 else b.bitcast(
+                            b.shl(b.bitcast(H, _I32x16), _i32x16(2 - hb)), _I8x64)
+                        cv = b.or_(cv, b.and_(hv, b4))
+                    cv = b.bitcast(cv, _I32x16)
+                    for i in range(nr):
+                        acc[i][j] = b.call(op.dp512, [acc[i][j], cv, xs(i, 128 * n + 32 * j + 4 * g)])
+            for j in range(4):
+                u = 8 * n + 2 * j + h
+                if q3:
+                    scv = b.sitofp(b.sext(ld(nc + 16 * u, _I8x16), _I32x16), _F32x16)
+                else:
+                    sb = b.zext(ld(nc + 16 * u, _I8x16), _I32x16)
+                    scv = b.uitofp(b.and_(sb, _i32x16(15)), _F32x16)
+                    mnv = b.uitofp(b.lshr(sb, _i32x16(4)), _F32x16)
+                for i in range(nr):
+                    xdu = b.load(b.gep(rows[i][1], [b.add(s0, c(4 * n + j))]))
+                    ss = ssum16(i, 16 * u)
+                    v = acc[i][j]
+                    if q3:
+                        v = b.sub(v, _splat_i(b, b.shl(ss, ir.Constant(_I32, 2))))
+                    else:
+                        maccs[i] = b.fadd(maccs[i], b.fmul(mnv, _splat_f(b, b.fmul(xdu, b.sitofp(ss, _F32)))))
+                    saccs[i] = b.fadd(saccs[i], b.fmul(b.sitofp(v, _F32x16), b.fmul(scv, _splat_f(b, xdu))))
+    dv = f16x16(nc + 256)
+    dmv = None if q3 else f16x16(nc + 288)
+    for i in range(nr):
+        f = b.fmul(dv, saccs[i])
+        if not q3:
+            f = b.fsub(f, b.fmul(dmv, maccs[i]))
+        b.store(b.fadd(b.load(faccs[i]), f), faccs[i])
+
+
+def _emit_q6_k(t):
+    """Q6_K: 6-bit codes from ql and qh, an int8 scale per 16 weights."""
+    b, k, c, nc, nr, op, faccs = t.b, t.k, t.c, t.nc, t.nr, t.op, t.faccs
+    xbs, m4, sh4, zero, xs, ld, f16x16, xd = t.xbs, t.m4, t.sh4, t.zero, t.xs, t.ld, t.f16x16, t.xd
+    # per half n and l-half h: code groups g' of ql (A: l, B: l + 32) and qh (H) give the 6-bit codes of 4
+    # sub-blocks s = 8n + 2kk + h (kk: ggml's four 32-element quarters of the half); each is an exact
+    # int32 dot minus 32 x the sub-block's activation code sum (codes are q + 32, unsigned)
+    s0 = b.mul(k, c(8))
+    red = cgutils.get_or_insert_function(b.module, ir.FunctionType(_I32, [_I32x16]),
+                                         "llvm.vector.reduce.add.v16i32")
+    saccs = [ir.Constant(_F32x16, None)] * nr
+    m3 = ir.Constant(_I8x64, [3] * 64)
+    mc = ir.Constant(_I8x64, [0x0C] * 64)
+    m30 = ir.Constant(_I8x64, [0x30] * 64)
+    mc0 = ir.Constant(_I8x64, [0xC0] * 64)
+    two = ir.Constant(_I8x64, [2] * 64)
+    for n in range(2):
+        for h in range(2):
+            acc = [[zero] * 4 for _ in range(nr)]
+            for gg in range(4):
+                gp = 4 * h + gg                                  # g' (l0 = 4 g')
+                A = ld(64 * (16 * n + gp), _I8x64)
+                B = ld(64 * (16 * n + 8 + gp), _I8x64)
+                H = ld(2048 + 64 * (8 * n + gp), _I8x64)
+                qs = (b.or_(b.and_(A, m4), b.shl(b.and_(H, m3), sh4)),
+                      b.or_(b.and_(B, m4), b.shl(b.and_(H, mc), two)),
+                      b.or_(b.lshr(A, sh4), b.and_(H, m30)),
+                      b.or_(b.lshr(B, sh4), b.lshr(b.and_(H, mc0), two)))
+                for kk in range(4):
+                    qv = b.bitcast(qs[kk], _I32x16)
+                    for i in range(nr):
+                        acc[i][kk] = b.call(op.dp512, [acc[i][kk], qv, xs(i, 128 * n + 32 * kk + 4 * gp)])
+            for kk in range(4):
+                sub = 8 * n + 2 * kk + h
+                scv = b.sitofp(b.sext(ld(nc + 16 * sub, _I8x16), _I32x16), _F32x16)
+                for i in range(nr):
+                    xsub = b.load(b.bitcast(b.gep(xbs[i], [c(16 * sub)]), _I8x16.as_pointer()), align=1)
+                    ssum = b.call(red, [b.sext(xsub, _I32x16)])
+                    v = b.sub(acc[i][kk], _splat_i(b, b.shl(ssum, ir.Constant(_I32, 5))))
+                    sx = b.fmul(scv, xd(i, b.add(s0, c(sub // 2))))
+                    saccs[i] = b.fadd(saccs[i], b.fmul(b.sitofp(v, _F32x16), sx))
+    dv = f16x16(nc + 256)
+    for i in range(nr):
+        b.store(b.fadd(b.load(faccs[i]), b.fmul(dv, saccs[i])), faccs[i])
+
+
+def _emit_q4_q5_k(t):
+    """Q4_K, Q5_K: nibbles (Q5_K's fifth bit from qh), 6-bit scales and mins per 32 weights."""
+    b, k, c, name, nc, nr, op, faccs, m4 = t.b, t.k, t.c, t.name, t.nc, t.nr, t.op, t.faccs, t.m4
+    sh4, zero, xs, ld, f16x16, xd, xm, srl, bmask = t.sh4, t.zero, t.xs, t.ld, t.f16x16, t.xd, t.xm, t.srl, t.bmask
+    s0 = b.mul(k, c(8))
+    saccs = [ir.Constant(_F32x16, None)] * nr
+    b16 = bmask(16)
+
+    def bit4(H, bit):  # bit ``bit`` of each byte of H moved to bit 4 (Q5_K's fifth bit)
+        if bit >= 4:
+            return b.and_(srl(H, bit - 4), b16)
+        return b.and_(b.bitcast(b.shl(b.bitcast(H, _I32x16), _i32x16(4 - bit)), _I8x64), b16)
+
+    for j in range(4):
+        lo = [[zero, zero] for _ in range(nr)]
+        hi = [[zero, zero] for _ in range(nr)]
+        for g in range(8):
+            v = ld(512 * j + 64 * g, _I8x64)
+            vl, vh = b.and_(v, m4), b.lshr(v, sh4)
+            if name == "Q5_K":  # qh byte l: bit 2j the fifth bit of element 64j + l, 2j + 1 of 64j + 32 + l
+                H = ld(2048 + 64 * g, _I8x64)
+                vl, vh = b.or_(vl, bit4(H, 2 * j)), b.or_(vh, bit4(H, 2 * j + 1))
+            vl, vh = b.bitcast(vl, _I32x16), b.bitcast(vh, _I32x16)
+            for i in range(nr):
+                lo[i][g & 1] = b.call(op.dp512, [lo[i][g & 1], vl, xs(i, 64 * j + 4 * g)])
+                hi[i][g & 1] = b.call(op.dp512, [hi[i][g & 1], vh, xs(i, 64 * j + 32 + 4 * g)])
+        for h, parts in ((0, lo), (1, hi)):
+            sub = 2 * j + h
+            scv = b.uitofp(b.zext(ld(nc + 16 * sub, _I8x16), _I32x16), _F32x16)
+            for i in range(nr):
+                sx = b.fmul(scv, xd(i, b.add(s0, c(sub))))
+                saccs[i] = b.fadd(saccs[i], b.fmul(b.sitofp(b.add(parts[i][0], parts[i][1]), _F32x16), sx))
+    maccs = [ir.Constant(_F32x16, None)] * nr
+    for sub in range(8):
+        mnv = b.uitofp(b.zext(ld(nc + 128 + 16 * sub, _I8x16), _I32x16), _F32x16)
+        for i in range(nr):
+            maccs[i] = b.fadd(maccs[i], b.fmul(mnv, xm(i, b.add(s0, c(sub)))))
+    dv, dmv = f16x16(nc + 256), f16x16(nc + 288)
+    for i in range(nr):
+        f = b.fadd(b.load(faccs[i]), b.fsub(b.fmul(dv, saccs[i]), b.fmul(dmv, maccs[i])))
+        b.store(f, faccs[i])
+
+
+def _emit_q32(t):
+    """The 32-weight types Q4_0, Q4_1, Q5_0, Q5_1 (nibbles, Q5's fifth bits) and Q8_0 (int8 codes)."""
+    b, k, name, nc, nr, op, faccs, rows, m4 = t.b, t.k, t.name, t.nc, t.nr, t.op, t.faccs, t.rows, t.m4
+    sh4, zero, ones, xs, ld, f16x16, xd, xm, xu = t.sh4, t.zero, t.ones, t.xs, t.ld, t.f16x16, t.xd, t.xm, t.xu
+    parts = [[] for _ in range(nr)]
+    wsum = None
+    if name == "Q8_0":
+        # the table types' operand order: the activations made unsigned (x ^ 0x80 = x + 128) against
+        # the signed weight codes, and 128 x the row's code sum (a vpdpbusd with ones, weight-side,
+        # shared by the rows) taken off exactly in int32: the same int32 block dot as sum(w x), with
+        # one vector op per row and group instead of the sign trick's three
+        wsum = zero
+        for g in range(8):
+            v = b.bitcast(ld(64 * g, _I8x64), _I32x16)
+            wsum = b.call(op.dp512, [wsum, ones, v])
+            for i in range(nr):
+                prev = parts[i][g % 4] if g >= 4 else zero
+                d = b.call(op.dp512, [prev, xu(i, 4 * g), v])
+                if g >= 4:
+                    parts[i][g % 4] = d
+                else:
+                    parts[i].append(d)
+        wsum = b.shl(wsum, _i32x16(7))
+    else:
+        qh = ld(nc, _I32x16) if name in ("Q5_0", "Q5_1") else None
+        for g in range(4):
+            v = ld(64 * g, _I8x64)
+            lo = b.and_(v, m4)
+            hi = b.lshr(v, sh4)
+            if qh is not None:  # bits 4g..4g+3 (and 16+4g..) of each row's qh -> bit 4 of its 4 bytes
+                def spread(sh):
+                    t = b.and_(b.lshr(qh, _i32x16(sh)), _i32x16(15))
+                    t = b.and_(b.mul(t, _i32x16(0x00204081)), _i32x16(0x01010101))
+                    return b.bitcast(b.shl(t, _i32x16(4)), _I8x64)
+
+                lo = b.or_(lo, spread(4 * g))
+                hi = b.or_(hi, spread(16 + 4 * g))
+            lo, hi = b.bitcast(lo, _I32x16), b.bitcast(hi, _I32x16)
+            for i in range(nr):
+                a_ = b.call(op.dp512, [zero, lo, xs(i, 4 * g)])
+                parts[i].append(b.call(op.dp512, [a_, hi, xs(i, 16 + 4 * g)]))
+    od = nc + (64 if name in ("Q5_0", "Q5_1") else 0)
+    dv = f16x16(od)
+    mv = f16x16(od + 32) if name in ("Q4_1", "Q5_1") else None
+    for i in range(nr):
+        isum = b.add(b.add(parts[i][0], parts[i][1]), b.add(parts[i][2], parts[i][3]))
+        if wsum is not None:
+            isum = b.sub(isum, wsum)
+        f = b.fadd(b.load(faccs[i]), b.fmul(b.sitofp(isum, _F32x16), b.fmul(dv, xd(i, k))))
+        if mv is not None:
+            f = b.fadd(f, b.fmul(mv, xm(i, k)))
+        elif name in ("Q4_0", "Q5_0"):
+            off_q = 8.0 if name == "Q4_0" else 16.0
+            mk = b.load(b.gep(rows[i][2], [k]))
+            f = b.fsub(f, b.fmul(dv, _splat_f(b, b.fmul(mk, ir.Constant(_F32, off_q)))))
+        b.store(f, faccs[i])
+
+
+#: tile type -> the emitter of its family's record arithmetic
+_EMIT = {n: f for f, names in (
+    (_emit_nvfp4, ("NVFP4",)),
+    (_emit_lut, tuple(_LUT)),
+    (_emit_iq2, ("IQ2_XXS", "IQ2_XS", "IQ2_S")),
+    (_emit_iq1, ("IQ1_S", "IQ1_M")),
+    (_emit_q2_q3_k, ("Q2_K", "Q3_K")),
+    (_emit_q6_k, ("Q6_K",)),
+    (_emit_q4_q5_k, ("Q4_K", "Q5_K")),
+    (_emit_q32, ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")),
+) for n in names}
+assert set(_EMIT) == set(KIND), set(KIND) ^ set(_EMIT)
+
+
 def _emit_tile(b, name, rec_data, nsb, rows):
     """The tile arithmetic for one or more activation rows. ``rows``: per row (xq i8*, xd float*, xm float*,
     out float*). Each row gets the same instruction sequence whatever the number of rows (the weight loads and
-    nibble splits are shared), so a row's result does not depend on its batch."""
+    nibble splits are shared), so a row's result does not depend on its batch. The loop over the records and
+    their prefetch are here; each record's arithmetic is its type family's emitter (``_EMIT``)."""
     bs, rec_bytes, nc, _ = SPEC[name]
+    emit = _EMIT[name]
     op = _Ops(b)
     nr = len(rows)
     faccs = [cgutils.alloca_once_value(b, ir.Constant(_F32x16, None)) for _ in range(nr)]
-    m4 = ir.Constant(_I8x64, [15] * 64)
-    sh4 = ir.Constant(_I8x64, [4] * 64)
-    i32p = _I32.as_pointer()
-    zero = ir.Constant(_I32x16, None)
     _i32 = lambda v: ir.Constant(_I32, v)  # noqa: E731
     # llvm.prefetch(address, read, locality 3 = all cache levels, data cache)
     prefetch = cgutils.get_or_insert_function(b.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(),
@@ -569,414 +1051,10 @@ def _emit_tile(b, name, rec_data, nsb, rows):
         for q in range(0, rec_bytes, 64):   # the records PREFETCH bytes ahead, a cache line at a time
             b.call(prefetch, [b.gep(base, [c(PREFETCH + q)]), _i32(0), _i32(3), _i32(1)])
         xbs = [b.gep(r[0], [b.mul(k, c(bs))]) for r in rows]
-
-        def xs(i, j):  # activation codes j..j+3 of row i's block, broadcast to 16 lanes
-            return _splat_i(b, b.load(b.bitcast(b.gep(xbs[i], [c(j)]), i32p), align=1))
-
-        def ld(o, ty):
-            return b.load(b.bitcast(b.gep(base, [c(o)]), ty.as_pointer()), align=1)
-
-        def f16x16(o):
-            return b.fpext(ld(o, _F16x16), _F32x16)
-
-        def xd(i, idx):
-            return _splat_f(b, b.load(b.gep(rows[i][1], [idx])))
-
-        def xm(i, idx):
-            return _splat_f(b, b.load(b.gep(rows[i][2], [idx])))
-
-        def srl(v, n):  # a right shift of the 32-bit lanes (byte codes masked after it; no byte shifts on x86)
-            return b.bitcast(b.lshr(b.bitcast(v, _I32x16), _i32x16(n)), _I8x64) if n else v
-
-        def bmask(v):
-            return ir.Constant(_I8x64, [v] * 64)
-
-        def ssum16(i, off):  # the sum of row i's 16 activation codes at off (int32; exact)
-            red = cgutils.get_or_insert_function(b.module, ir.FunctionType(_I32, [_I32x16]),
-                                                 "llvm.vector.reduce.add.v16i32")
-            xsub = b.load(b.bitcast(b.gep(xbs[i], [c(off)]), _I8x16.as_pointer()), align=1)
-            return b.call(red, [b.sext(xsub, _I32x16)])
-
-        ones = b.bitcast(bmask(1), _I32x16)   # for a vpdpbusd that sums signed weight codes
-        x80 = ir.Constant(_I32, 0x80808080 - (1 << 32))
-
-        def xu(i, j):  # row i's activation codes j..j+3 made unsigned (x ^ 0x80 = x + 128), broadcast
-            p = b.bitcast(b.gep(xbs[i], [c(j)]), i32p)
-            return _splat_i(b, b.xor(b.load(p, align=1), x80))
-
-        if name == "NVFP4":
-            # MXFP4's lookup and operand order on a 64-weight record: per sub-block s (16 weights, its own scale)
-            # the groups g = 2s, 2s + 1 (low nibbles: weights 16s + 4(g & 1) + 0..3, high: + 8); the weight sum
-            # from one vpdpbusd per sub-block on its four looked-up vectors added bytewise (|sum| <= 48)
-            tab = ir.Constant(_I8x64, [int(v) for v in _TABLES[0]] * 4)
-            scs = []
-            for s_ in range(4):   # the 16 rows' UE4M3 bytes u of sub-block s_ -> f32 (as ``_UE4M3``, exact)
-                u = b.zext(ld(nc + 16 * s_, _I8x16), _I32x16)
-                nrm = b.bitcast(b.add(b.shl(u, _i32x16(20)), _i32x16(119 << 23)), _F32x16)
-                sub = b.fmul(b.sitofp(u, _F32x16), ir.Constant(_F32x16, [2.0 ** -10] * 16))
-                scs.append(b.select(b.icmp_unsigned("<", u, _i32x16(8)), sub, nrm))
-            for p in range(2):   # activation block 2k + p: sub-blocks 2p, 2p + 1
-                saccs = [None] * nr
-                for s_ in (2 * p, 2 * p + 1):
-                    wb = None
-                    parts = [zero] * nr
-                    for h in range(2):
-                        v = ld(64 * (2 * s_ + h), _I8x64)
-                        lo8 = b.call(op.shuf512, [tab, b.and_(v, m4)])
-                        hi8 = b.call(op.shuf512, [tab, b.and_(srl(v, 4), m4)])
-                        wb = b.add(lo8, hi8) if wb is None else b.add(wb, b.add(lo8, hi8))
-                        lo, hi = b.bitcast(lo8, _I32x16), b.bitcast(hi8, _I32x16)
-                        for i in range(nr):
-                            a_ = b.call(op.dp512, [parts[i], xu(i, 16 * s_ + 4 * h), lo])
-                            parts[i] = b.call(op.dp512, [a_, xu(i, 16 * s_ + 8 + 4 * h), hi])
-                    corr = b.shl(b.call(op.dp512, [zero, ones, b.bitcast(wb, _I32x16)]), _i32x16(7))
-                    for i in range(nr):
-                        t_ = b.fmul(b.sitofp(b.sub(parts[i], corr), _F32x16), scs[s_])
-                        saccs[i] = t_ if saccs[i] is None else b.fadd(saccs[i], t_)
-                for i in range(nr):
-                    xdv = xd(i, b.add(b.mul(k, c(2)), c(p)))
-                    b.store(b.fadd(b.load(faccs[i]), b.fmul(saccs[i], xdv)), faccs[i])
-        elif name in _LUT:
-            # 4-bit codes looked up in the 16-entry table (vpshufb, the table in every 128-bit lane): signed int8
-            # weights w. vpdpbusd takes them as its signed operand and the activations made unsigned (x + 128,
-            # x ^ 0x80): dot = sum w x + 128 sum w, the sum w per block and row from one vpdpbusd with ones
-            # (weight-side, shared by the batch's rows), subtracted exactly in int32
-            tab = ir.Constant(_I8x64, [int(v) for v in _TABLES[_LUT[name]]] * 4)
-            nsub = 8 if name in ("IQ4_XS", "IQ3_XXS", "IQ3_S") else 1
-            if name == "MXFP4":   # E8M0 -> 2^(e - 128) (ggml_e8m0_to_fp32_half: the table is doubled), bit-exact
-                e = b.zext(ld(nc, _I8x16), _I32x16)
-                bits = b.select(b.icmp_unsigned("<", e, _i32x16(2)), b.shl(_i32x16(0x00200000), e),
-                                b.shl(b.sub(e, _i32x16(1)), _i32x16(23)))
-                dv = b.bitcast(bits, _F32x16)
-            else:
-                dv = f16x16(nc + (128 if nsub == 8 else 0))
-            if name == "IQ3_XXS":   # w = d/4 * (2s + 1) * code: the power of two on d (exact), weight-side
-                dv = b.fmul(dv, ir.Constant(_F32x16, [0.25] * 16))
-            saccs = [ir.Constant(_F32x16, None)] * nr   # IQ4_XS: sum over sub-blocks of (ls - 32) xd isum
-            for sb in range(nsub):
-                ws, parts = [], [[] for _ in range(nr)]
-                for g in range(4):
-                    v = ld(256 * sb + 64 * g, _I8x64)
-                    lo = b.bitcast(b.call(op.shuf512, [tab, b.and_(v, m4)]), _I32x16)
-                    hi = b.bitcast(b.call(op.shuf512, [tab, b.and_(srl(v, 4), m4)]), _I32x16)
-                    ws.append(b.call(op.dp512, [b.call(op.dp512, [zero, ones, lo]), ones, hi]))
-                    for i in range(nr):
-                        a_ = b.call(op.dp512, [zero, xu(i, 32 * sb + 4 * g), lo])
-                        parts[i].append(b.call(op.dp512, [a_, xu(i, 32 * sb + 16 + 4 * g), hi]))
-                corr = b.shl(b.add(b.add(ws[0], ws[1]), b.add(ws[2], ws[3])), _i32x16(7))
-                for i in range(nr):
-                    isum = b.sitofp(b.sub(b.add(b.add(parts[i][0], parts[i][1]), b.add(parts[i][2], parts[i][3])),
-                                          corr), _F32x16)
-                    if nsub == 1:
-                        b.store(b.fadd(b.load(faccs[i]), b.fmul(isum, b.fmul(dv, xd(i, k)))), faccs[i])
-                    else:       # Q4_K's shape: d once per super-block, the 6-bit scales (ls - 32) per sub-block
-                        lsv = b.sitofp(b.sext(ld(nc + 16 * sb, _I8x16), _I32x16), _F32x16)
-                        sx = b.fmul(lsv, xd(i, b.add(b.mul(k, c(8)), c(sb))))
-                        saccs[i] = b.fadd(saccs[i], b.fmul(isum, sx))
-            if nsub == 8:
-                for i in range(nr):
-                    b.store(b.fadd(b.load(faccs[i]), b.fmul(dv, saccs[i])), faccs[i])
-        elif name in ("IQ2_XXS", "IQ2_XS", "IQ2_S"):
-            # Q2_K's planes: per half n and shift j the 2-bit level codes of sub-block ib = 4n + j, looked up
-            # (vpshufb) as the unsigned levels 8, 25, 43; the signs go on the broadcast activations instead (a
-            # masked negation under the sign plane's bit 4n + j, one vptestmb; |x| <= 127), so vpdpbusd takes the
-            # levels as its unsigned operand with no correction term. Then IQ4_XS's arithmetic: the integer
-            # sub-block scale 2s + 1 per sub-block, d / 8 once per super-block. A nibble of qs holds the codes of
-            # shifts 2h and 2h + 1: one 16-entry table per position looks either up without a shift of its own
-            lv = [int(v) for v in _TABLES[3][:4]]
-            tabs = [ir.Constant(_I8x64, [lv[q & 3] for q in range(16)] * 4),
-                    ir.Constant(_I8x64, [lv[q >> 2] for q in range(16)] * 4)]
-            # IQ2_XS, IQ2_S: a scale per 16 weights, so the two halves of a sub-block (g < 4, g >= 4) sum apart
-            s0 = b.mul(k, c(8))
-            zb = ir.Constant(_I8x64, None)
-            saccs = [ir.Constant(_F32x16, None)] * nr
-            nh = 1 if name == "IQ2_XXS" else 2
-            for n in range(2):
-                acc = [[[zero] * nh for _ in range(4)] for _ in range(nr)]
-                for g in range(8):
-                    h = (g >> 2) if nh == 2 else 0
-                    V = ld(64 * (8 * n + g), _I8x64)
-                    H = ld(1024 + 64 * g, _I8x64)
-                    nib = (b.and_(V, m4), b.and_(srl(V, 4), m4))
-                    for j in range(4):
-                        wv = b.bitcast(b.call(op.shuf512, [tabs[j & 1], nib[j >> 1]]), _I32x16)
-                        mk = b.icmp_unsigned("!=", b.and_(H, bmask(1 << (4 * n + j))), zb)
-                        for i in range(nr):
-                            xv = b.bitcast(xs(i, 128 * n + 32 * j + 4 * g), _I8x64)
-                            xv = b.bitcast(b.select(mk, b.sub(zb, xv), xv), _I32x16)
-                            acc[i][j][h] = b.call(op.dp512, [acc[i][j][h], wv, xv])
-                for j in range(4):
-                    ib = 4 * n + j
-                    for h in range(nh):
-                        lsv = b.sitofp(b.sext(ld(nc + 16 * (nh * ib + h), _I8x16), _I32x16), _F32x16)
-                        for i in range(nr):
-                            sx = b.fmul(lsv, xd(i, b.add(s0, c(ib))))
-                            saccs[i] = b.fadd(saccs[i], b.fmul(b.sitofp(acc[i][j][h], _F32x16), sx))
-            dv = b.fmul(f16x16(nc + 128 * nh), ir.Constant(_F32x16, [0.125] * 16))
-            for i in range(nr):
-                b.store(b.fadd(b.load(faccs[i]), b.fmul(dv, saccs[i])), faccs[i])
-        elif name in ("IQ1_S", "IQ1_M"):
-            # Q2_K's planes with the level codes c = grid + 1 (0, 1, 2); per half n, shift j (sub-block ib = 4n + j)
-            # and code group g a weight byte made of 8c (a shift and a mask) and a per-row delta term (constant
-            # over the group's dword lane: IQ1_S's delta is per 32, IQ1_M's per 8, a lane holds 4 weights of one
-            # 8-group); 8 (grid + delta) = 8c - 8 + sign(delta) is exact in int32 either way:
-            # * IQ1_S, and IQ1_M for one activation row (decode): the unsigned byte 8c + 2 [delta > 0] against the
-            #   signed activations, then 9 x the scale group's activation code sum off (S: 32 or 16 codes);
-            # * IQ1_M for several rows (tile4): the signed byte 8c - 7 or 8c - 9 against the activations made
-            #   unsigned (x ^ 0x80), then 128 x the weight sum off (weight-side: shared by the rows, where the
-            #   sums S are per row). Measured: each the faster for its case (docs/iquants.md); IQ1_S's GEMM gained
-            #   nothing from the second, and with it its decode and batch rows came out of LLVM's fast-math
-            #   rounded apart in the last bit (test_a_rows_result_does_not_depend_on_its_batch).
-            # Both give the same int32 group dots and the same float steps after them. Then IQ4_XS's arithmetic:
-            # the integer scale 2s + 1 per scale group, d / 8 per super-block (a power of two, exact)
-            m1 = name == "IQ1_M"
-            sgn = m1 and nr > 1
-            nh = 2 if m1 else 1
-            s0 = b.mul(k, c(8))
-            saccs = [ir.Constant(_F32x16, None)] * nr
-            m18 = bmask(0x18)
-            if sgn:   # bytes -7 (delta +1/8) and -9 (-1/8)
-                dplus, dminus = _i32x16(0xF9F9F9F9 - (1 << 32)), _i32x16(0xF7F7F7F7 - (1 << 32))
-            else:     # bytes 2 and 0
-                dplus, dminus = _i32x16(0x02020202), zero
-
-            def zx16(o):   # 16 bytes (one per row) widened to the row's i32 lane
-                return b.zext(ld(o, _I8x16), _I32x16)
-
-            def dterm(v, bit):   # the delta term where bit ``bit`` of the row's byte is clear (delta +1/8) or set
-                return b.bitcast(b.select(b.icmp_unsigned("==", b.and_(v, _i32x16(1 << bit)), zero), dplus, dminus),
-                                 _I8x64)
-
-            for n in range(2):
-                # IQ1_S: the nibble s | neg << 3 of sub-blocks 2p, 2p + 1 in byte p; IQ1_M: the delta bits of
-                # 8-groups 8p..8p + 7 in byte p
-                sb = [zx16(nc + (128 if m1 else 0) + 16 * (2 * n + p)) for p in range(2)]
-                dt = [None] * 4
-                # IQ1_M: one 16-weight half (its own scale) at a time, so that 4 x nr accumulators are live, not
-                # 8 x nr (with 4 activation rows those would not fit the 32 vector registers)
-                for h in range(nh):
-                    acc = [[zero] * 4 for _ in range(nr)]
-                    wsum = [zero] * 4
-                    for g in range(4 * h, 4 * h + 4) if m1 else range(8):
-                        V = ld(64 * (8 * n + g), _I8x64)
-                        for j in range(4):
-                            if g == 0 or (m1 and g % 2 == 0):
-                                ib = 4 * n + j
-                                dt[j] = dterm(sb[j >> 1], 4 * (ib & 1) + (g >> 1 if m1 else 3))
-                            sh = 2 * j - 3   # code bits 2j, 2j + 1 -> bits 3, 4 of the byte (8c)
-                            cv = (srl(V, sh) if sh > 0
-                                  else b.bitcast(b.shl(b.bitcast(V, _I32x16), _i32x16(-sh)), _I8x64))
-                            wv = b.bitcast(b.add(b.and_(cv, m18), dt[j]), _I32x16)
-                            if sgn:
-                                wsum[j] = b.call(op.dp512, [wsum[j], ones, wv])
-                            for i in range(nr):
-                                xv = xu(i, 128 * n + 32 * j + 4 * g) if sgn else xs(i, 128 * n + 32 * j + 4 * g)
-                                acc[i][j] = b.call(op.dp512, [acc[i][j], xv, wv] if sgn else [acc[i][j], wv, xv])
-                    for j in range(4):
-                        ib = 4 * n + j
-                        if m1:
-                            scb = b.and_(b.lshr(zx16(nc + 16 * ib), _i32x16(4 * h)), _i32x16(7))
-                        else:
-                            scb = b.and_(b.lshr(sb[j >> 1], _i32x16(4 * (ib & 1))), _i32x16(7))
-                        scv = b.sitofp(b.add(b.shl(scb, _i32x16(1)), _i32x16(1)), _F32x16)
-                        corr = b.shl(wsum[j], _i32x16(7)) if sgn else None
-                        for i in range(nr):
-                            if not sgn:
-                                ss = ssum16(i, 32 * ib + 16 * h)
-                                if not m1:
-                                    ss = b.add(ss, ssum16(i, 32 * ib + 16))
-                                corr = _splat_i(b, b.mul(ss, ir.Constant(_I32, 9)))
-                            sx = b.fmul(scv, xd(i, b.add(s0, c(ib))))
-                            v = b.sitofp(b.sub(acc[i][j], corr), _F32x16)
-                            saccs[i] = b.fadd(saccs[i], b.fmul(v, sx))
-            dv = b.fmul(f16x16(nc + (192 if m1 else 64)), ir.Constant(_F32x16, [0.125] * 16))
-            for i in range(nr):
-                b.store(b.fadd(b.load(faccs[i]), b.fmul(dv, saccs[i])), faccs[i])
-        elif name in ("Q2_K", "Q3_K"):
-            # per half n and 16-element half h: 4 code groups (l = 4g..4g+3, g = 4h..4h+3) give the 2-bit codes of
-            # sub-blocks u = 8n + 2j + h (ggml's shift 2j); Q3_K adds the hmask bit 4n + j as bit 2 and takes its
-            # -4 exactly as 4 x the sub-block's activation code sum; Q2_K's mins go through the same sums
-            s0 = b.mul(k, c(8))
-            q3 = name == "Q3_K"
-            saccs = [ir.Constant(_F32x16, None)] * nr
-            maccs = [ir.Constant(_F32x16, None)] * nr
-            m3 = bmask(3)
-            b4 = bmask(4)
-            for n in range(2):
-                for h in range(2):
-                    acc = [[zero] * 4 for _ in range(nr)]
-                    for gg in range(4):
-                        g = 4 * h + gg
-                        V = ld(64 * (8 * n + g), _I8x64)
-                        H = ld(1024 + 64 * g, _I8x64) if q3 else None
-                        for j in range(4):
-                            cv = b.and_(srl(V, 2 * j), m3)
-                            if q3:
-                                hb = 4 * n + j
-                                hv = srl(H, hb - 2) if hb >= 2 else b.bitcast(
-                                    b.shl(b.bitcast(H, _I32x16), _i32x16(2 - hb)), _I8x64)
-                                cv = b.or_(cv, b.and_(hv, b4))
-                            cv = b.bitcast(cv, _I32x16)
-                            for i in range(nr):
-                                acc[i][j] = b.call(op.dp512, [acc[i][j], cv, xs(i, 128 * n + 32 * j + 4 * g)])
-                    for j in range(4):
-                        u = 8 * n + 2 * j + h
-                        if q3:
-                            scv = b.sitofp(b.sext(ld(nc + 16 * u, _I8x16), _I32x16), _F32x16)
-                        else:
-                            sb = b.zext(ld(nc + 16 * u, _I8x16), _I32x16)
-                            scv = b.uitofp(b.and_(sb, _i32x16(15)), _F32x16)
-                            mnv = b.uitofp(b.lshr(sb, _i32x16(4)), _F32x16)
-                        for i in range(nr):
-                            xdu = b.load(b.gep(rows[i][1], [b.add(s0, c(4 * n + j))]))
-                            ss = ssum16(i, 16 * u)
-                            v = acc[i][j]
-                            if q3:
-                                v = b.sub(v, _splat_i(b, b.shl(ss, ir.Constant(_I32, 2))))
-                            else:
-                                maccs[i] = b.fadd(maccs[i], b.fmul(mnv, _splat_f(b, b.fmul(xdu, b.sitofp(ss, _F32)))))
-                            saccs[i] = b.fadd(saccs[i], b.fmul(b.sitofp(v, _F32x16), b.fmul(scv, _splat_f(b, xdu))))
-            dv = f16x16(nc + 256)
-            dmv = None if q3 else f16x16(nc + 288)
-            for i in range(nr):
-                f = b.fmul(dv, saccs[i])
-                if not q3:
-                    f = b.fsub(f, b.fmul(dmv, maccs[i]))
-                b.store(b.fadd(b.load(faccs[i]), f), faccs[i])
-        elif name == "Q6_K":
-            # per half n and l-half h: code groups g' of ql (A: l, B: l + 32) and qh (H) give the 6-bit codes of 4
-            # sub-blocks s = 8n + 2kk + h (kk: ggml's four 32-element quarters of the half); each is an exact
-            # int32 dot minus 32 x the sub-block's activation code sum (codes are q + 32, unsigned)
-            s0 = b.mul(k, c(8))
-            red = cgutils.get_or_insert_function(b.module, ir.FunctionType(_I32, [_I32x16]),
-                                                 "llvm.vector.reduce.add.v16i32")
-            saccs = [ir.Constant(_F32x16, None)] * nr
-            m3 = ir.Constant(_I8x64, [3] * 64)
-            mc = ir.Constant(_I8x64, [0x0C] * 64)
-            m30 = ir.Constant(_I8x64, [0x30] * 64)
-            mc0 = ir.Constant(_I8x64, [0xC0] * 64)
-            two = ir.Constant(_I8x64, [2] * 64)
-            for n in range(2):
-                for h in range(2):
-                    acc = [[zero] * 4 for _ in range(nr)]
-                    for gg in range(4):
-                        gp = 4 * h + gg                                  # g' (l0 = 4 g')
-                        A = ld(64 * (16 * n + gp), _I8x64)
-                        B = ld(64 * (16 * n + 8 + gp), _I8x64)
-                        H = ld(2048 + 64 * (8 * n + gp), _I8x64)
-                        qs = (b.or_(b.and_(A, m4), b.shl(b.and_(H, m3), sh4)),
-                              b.or_(b.and_(B, m4), b.shl(b.and_(H, mc), two)),
-                              b.or_(b.lshr(A, sh4), b.and_(H, m30)),
-                              b.or_(b.lshr(B, sh4), b.lshr(b.and_(H, mc0), two)))
-                        for kk in range(4):
-                            qv = b.bitcast(qs[kk], _I32x16)
-                            for i in range(nr):
-                                acc[i][kk] = b.call(op.dp512, [acc[i][kk], qv, xs(i, 128 * n + 32 * kk + 4 * gp)])
-                    for kk in range(4):
-                        sub = 8 * n + 2 * kk + h
-                        scv = b.sitofp(b.sext(ld(nc + 16 * sub, _I8x16), _I32x16), _F32x16)
-                        for i in range(nr):
-                            xsub = b.load(b.bitcast(b.gep(xbs[i], [c(16 * sub)]), _I8x16.as_pointer()), align=1)
-                            ssum = b.call(red, [b.sext(xsub, _I32x16)])
-                            v = b.sub(acc[i][kk], _splat_i(b, b.shl(ssum, ir.Constant(_I32, 5))))
-                            sx = b.fmul(scv, xd(i, b.add(s0, c(sub // 2))))
-                            saccs[i] = b.fadd(saccs[i], b.fmul(b.sitofp(v, _F32x16), sx))
-            dv = f16x16(nc + 256)
-            for i in range(nr):
-                b.store(b.fadd(b.load(faccs[i]), b.fmul(dv, saccs[i])), faccs[i])
-        elif name in ("Q4_K", "Q5_K"):
-            s0 = b.mul(k, c(8))
-            saccs = [ir.Constant(_F32x16, None)] * nr
-            b16 = bmask(16)
-
-            def bit4(H, bit):  # bit ``bit`` of each byte of H moved to bit 4 (Q5_K's fifth bit)
-                if bit >= 4:
-                    return b.and_(srl(H, bit - 4), b16)
-                return b.and_(b.bitcast(b.shl(b.bitcast(H, _I32x16), _i32x16(4 - bit)), _I8x64), b16)
-
-            for j in range(4):
-                lo = [[zero, zero] for _ in range(nr)]
-                hi = [[zero, zero] for _ in range(nr)]
-                for g in range(8):
-                    v = ld(512 * j + 64 * g, _I8x64)
-                    vl, vh = b.and_(v, m4), b.lshr(v, sh4)
-                    if name == "Q5_K":  # qh byte l: bit 2j the fifth bit of element 64j + l, 2j + 1 of 64j + 32 + l
-                        H = ld(2048 + 64 * g, _I8x64)
-                        vl, vh = b.or_(vl, bit4(H, 2 * j)), b.or_(vh, bit4(H, 2 * j + 1))
-                    vl, vh = b.bitcast(vl, _I32x16), b.bitcast(vh, _I32x16)
-                    for i in range(nr):
-                        lo[i][g & 1] = b.call(op.dp512, [lo[i][g & 1], vl, xs(i, 64 * j + 4 * g)])
-                        hi[i][g & 1] = b.call(op.dp512, [hi[i][g & 1], vh, xs(i, 64 * j + 32 + 4 * g)])
-                for h, parts in ((0, lo), (1, hi)):
-                    sub = 2 * j + h
-                    scv = b.uitofp(b.zext(ld(nc + 16 * sub, _I8x16), _I32x16), _F32x16)
-                    for i in range(nr):
-                        sx = b.fmul(scv, xd(i, b.add(s0, c(sub))))
-                        saccs[i] = b.fadd(saccs[i], b.fmul(b.sitofp(b.add(parts[i][0], parts[i][1]), _F32x16), sx))
-            maccs = [ir.Constant(_F32x16, None)] * nr
-            for sub in range(8):
-                mnv = b.uitofp(b.zext(ld(nc + 128 + 16 * sub, _I8x16), _I32x16), _F32x16)
-                for i in range(nr):
-                    maccs[i] = b.fadd(maccs[i], b.fmul(mnv, xm(i, b.add(s0, c(sub)))))
-            dv, dmv = f16x16(nc + 256), f16x16(nc + 288)
-            for i in range(nr):
-                f = b.fadd(b.load(faccs[i]), b.fsub(b.fmul(dv, saccs[i]), b.fmul(dmv, maccs[i])))
-                b.store(f, faccs[i])
-        else:
-            parts = [[] for _ in range(nr)]
-            wsum = None
-            if name == "Q8_0":
-                # the table types' operand order: the activations made unsigned (x ^ 0x80 = x + 128) against
-                # the signed weight codes, and 128 x the row's code sum (a vpdpbusd with ones, weight-side,
-                # shared by the rows) taken off exactly in int32: the same int32 block dot as sum(w x), with
-                # one vector op per row and group instead of the sign trick's three
-                wsum = zero
-                for g in range(8):
-                    v = b.bitcast(ld(64 * g, _I8x64), _I32x16)
-                    wsum = b.call(op.dp512, [wsum, ones, v])
-                    for i in range(nr):
-                        prev = parts[i][g % 4] if g >= 4 else zero
-                        d = b.call(op.dp512, [prev, xu(i, 4 * g), v])
-                        if g >= 4:
-                            parts[i][g % 4] = d
-                        else:
-                            parts[i].append(d)
-                wsum = b.shl(wsum, _i32x16(7))
-            else:
-                qh = ld(nc, _I32x16) if name in ("Q5_0", "Q5_1") else None
-                for g in range(4):
-                    v = ld(64 * g, _I8x64)
-                    lo = b.and_(v, m4)
-                    hi = b.lshr(v, sh4)
-                    if qh is not None:  # bits 4g..4g+3 (and 16+4g..) of each row's qh -> bit 4 of its 4 bytes
-                        def spread(sh):
-                            t = b.and_(b.lshr(qh, _i32x16(sh)), _i32x16(15))
-                            t = b.and_(b.mul(t, _i32x16(0x00204081)), _i32x16(0x01010101))
-                            return b.bitcast(b.shl(t, _i32x16(4)), _I8x64)
-
-                        lo = b.or_(lo, spread(4 * g))
-                        hi = b.or_(hi, spread(16 + 4 * g))
-                    lo, hi = b.bitcast(lo, _I32x16), b.bitcast(hi, _I32x16)
-                    for i in range(nr):
-                        a_ = b.call(op.dp512, [zero, lo, xs(i, 4 * g)])
-                        parts[i].append(b.call(op.dp512, [a_, hi, xs(i, 16 + 4 * g)]))
-            od = nc + (64 if name in ("Q5_0", "Q5_1") else 0)
-            dv = f16x16(od)
-            mv = f16x16(od + 32) if name in ("Q4_1", "Q5_1") else None
-            for i in range(nr):
-                isum = b.add(b.add(parts[i][0], parts[i][1]), b.add(parts[i][2], parts[i][3]))
-                if wsum is not None:
-                    isum = b.sub(isum, wsum)
-                f = b.fadd(b.load(faccs[i]), b.fmul(b.sitofp(isum, _F32x16), b.fmul(dv, xd(i, k))))
-                if mv is not None:
-                    f = b.fadd(f, b.fmul(mv, xm(i, k)))
-                elif name in ("Q4_0", "Q5_0"):
-                    off_q = 8.0 if name == "Q4_0" else 16.0
-                    mk = b.load(b.gep(rows[i][2], [k]))
-                    f = b.fsub(f, b.fmul(dv, _splat_f(b, b.fmul(mk, ir.Constant(_F32, off_q)))))
-                b.store(f, faccs[i])
+        emit(_Rec(b, name, nc, op, rows, faccs, k, base, xbs))
     for i in range(nr):
         b.store(b.load(faccs[i]), b.bitcast(rows[i][3], _F32x16.as_pointer()), align=4)
+
 
 
 def _nsb(b, name, xda_shape_n):   # records per row: the activation blocks of 32 over the record's weights
@@ -1099,165 +1177,191 @@ def f16_at(rec, i):
     return np.float32(-v if h >> 15 else v)
 
 
-@njit(**_JIT)
-def decode_row(rec, kind, r, I, buf):
-    """Row r (0..15) of a tile decoded to f32 into buf [I] (ggml's dequantize_row_q4_0 / q4_1 / q8_0 / q5_0 /
-    q4_K / q6_K / mxfp4 / iq4_nl / iq4_xs / q2_K / q3_K / iq2_* / iq3_* / iq1_s / iq1_m / nvfp4). rec uint8: the tile's records;
-    kind: ``KIND`` (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0, 4 Q4_K, 5 Q6_K, 6 MXFP4, 7 IQ4_NL, 8 IQ4_XS, 9 Q2_K, 10 Q3_K,
-    11 Q5_1, 12 Q5_K, 13 IQ2_XXS, 14 IQ3_XXS, 15 IQ3_S, 16 IQ2_XS, 17 IQ2_S, 18 IQ1_S, 19 IQ1_M, 20 NVFP4); the
-    grid i-quants and NVFP4 bit for bit as gguf.quants."""
-    if kind == 9 or kind == 10:
-        for s in range(I // 256):
-            base = s * _REC[kind]
-            nc = _NC[kind]
-            d = f16_at(rec, base + nc + 256 + 2 * r)
-            dm = f16_at(rec, base + nc + 288 + 2 * r) if kind == 9 else np.float32(0.0)
-            for n in range(2):
-                for g in range(8):
-                    for i in range(4):
-                        q = np.int64(rec[base + 64 * (8 * n + g) + 4 * r + i])
-                        hm = np.int64(rec[base + 1024 + 64 * g + 4 * r + i]) if kind == 10 else np.int64(0)
-                        for j in range(4):
-                            u = 8 * n + 2 * j + (g >> 2)
-                            sc = np.int64(rec[base + nc + 16 * u + r])
-                            cq = (q >> (2 * j)) & 3
-                            e = 256 * s + 128 * n + 32 * j + 4 * g + i
-                            if kind == 9:   # dequantize_row_q2_K: d * (sc & 15) * q - dmin * (sc >> 4)
-                                buf[e] = d * np.float32(sc & 15) * np.float32(cq) - dm * np.float32(sc >> 4)
-                            else:           # dequantize_row_q3_K: d * (sc - 32) * (q - (hmask bit ? 0 : 4))
-                                sc = sc - 256 if sc > 127 else sc
-                                cq = cq - (0 if (hm >> (4 * n + j)) & 1 else 4)
-                                buf[e] = d * np.float32(sc) * np.float32(cq)
-        return
-    if kind == 20:   # NVFP4: dequantize_row_nvfp4's kvalues_mxfp4[q] * ue4m3(d_s) / 2 per 16 weights, exact in f32
-        for bk in range(I // 64):
-            base = bk * _REC[20]
-            for s in range(4):
-                d = _UE4M3[rec[base + _NC[20] + 16 * s + r]]
-                for h in range(2):
-                    for i in range(4):
-                        q = rec[base + 64 * (2 * s + h) + 4 * r + i]
-                        e = 64 * bk + 16 * s + 4 * h + i
-                        buf[e] = d * np.float32(_TABLES[0][q & 15])
-                        buf[e + 8] = d * np.float32(_TABLES[0][q >> 4])
-        return
-    if kind == 18 or kind == 19:   # IQ1_S, IQ1_M: dequantize_row_iq1_s / iq1_m's d * (2s + 1) * (grid + delta),
-        m1 = kind == 19               # delta = +-1/8, as d (2s + 1) (8 (c - 1) +- 1) / 8: every product exact
-        for s in range(I // 256):
-            base = s * _REC[kind]
-            nc = _NC[kind]
-            d = f16_at(rec, base + nc + (192 if m1 else 64) + 2 * r)
-            for e in range(256):
-                ib = e >> 5
-                lp = e & 31
-                cq = (np.int64(rec[base + 64 * (8 * (e >> 7) + (lp >> 2)) + 4 * r + (lp & 3)]) >> (2 * (ib & 3))) & 3
-                if m1:
-                    sc = (np.int64(rec[base + nc + 16 * ib + r]) >> (4 * (lp >> 4))) & 7
-                    neg = (np.int64(rec[base + nc + 128 + 16 * (ib >> 1) + r]) >> (4 * (ib & 1) + (lp >> 3))) & 1
-                else:
-                    nbl = (np.int64(rec[base + nc + 16 * (ib >> 1) + r]) >> (4 * (ib & 1))) & 15
-                    sc = nbl & 7
-                    neg = nbl >> 3
-                w8 = 8 * cq - 8 + (-1 if neg else 1)
-                buf[256 * s + e] = d * np.float32(2 * sc + 1) * np.float32(w8) * np.float32(0.125)
-        return
-    if kind == 13 or kind == 16 or kind == 17:   # IQ2_XXS, IQ2_XS, IQ2_S planes: dequantize_row_iq2_*'s
-        nh = 2 if kind >= 16 else 1   # d * (0.5 + s) * 0.25 * grid * sign, f32 as gguf; IQ2_XS, IQ2_S a scale per 16
-        for s in range(I // 256):
-            base = s * _REC[kind]
-            nc = _NC[kind]
-            d = f16_at(rec, base + nc + 128 * nh + 2 * r)
-            for n in range(2):
-                for g in range(8):
-                    for i in range(4):
-                        q = np.int64(rec[base + 64 * (8 * n + g) + 4 * r + i])
-                        for j in range(4):
-                            ib = 4 * n + j
-                            u = nh * ib + (g >> 2 if nh == 2 else 0)
-                            db = d * (np.float32(0.5) + np.float32((np.int64(rec[base + nc + 16 * u + r]) - 1)
-                                                                   // 2)) * np.float32(0.25)
-                            sb = np.int64(rec[base + 1024 + 64 * g + 4 * r + i]) >> ib
-                            v = _TABLES[3][((q >> (2 * j)) & 3) | ((sb & 1) << 2)]
-                            buf[256 * s + 128 * n + 32 * j + 4 * g + i] = db * np.float32(v)
-        return
-    if kind == 14 or kind == 15:   # IQ3_XXS / IQ3_S nibbles: dequantize_row_iq3_xxs's d * (0.5 + s) * 0.5,
-        kv = _TABLES[2] if kind == 14 else _TABLES[4]   # iq3_s's d * (1 + 2s); times grid * sign
-        for s in range(I // 256):
-            base = s * _REC[kind]
-            nc = _NC[kind]
-            d = f16_at(rec, base + nc + 128 + 2 * r)
-            for sb in range(8):
+@njit(inline="always", **_JIT)
+def _decode_q2_q3_k(rec, kind, r, I, buf):
+    """``decode_row`` of Q2_K, Q3_K (kinds 9, 10)."""
+    for s in range(I // 256):
+        base = s * _REC[kind]
+        nc = _NC[kind]
+        d = f16_at(rec, base + nc + 256 + 2 * r)
+        dm = f16_at(rec, base + nc + 288 + 2 * r) if kind == 9 else np.float32(0.0)
+        for n in range(2):
+            for g in range(8):
+                for i in range(4):
+                    q = np.int64(rec[base + 64 * (8 * n + g) + 4 * r + i])
+                    hm = np.int64(rec[base + 1024 + 64 * g + 4 * r + i]) if kind == 10 else np.int64(0)
+                    for j in range(4):
+                        u = 8 * n + 2 * j + (g >> 2)
+                        sc = np.int64(rec[base + nc + 16 * u + r])
+                        cq = (q >> (2 * j)) & 3
+                        e = 256 * s + 128 * n + 32 * j + 4 * g + i
+                        if kind == 9:   # dequantize_row_q2_K: d * (sc & 15) * q - dmin * (sc >> 4)
+                            buf[e] = d * np.float32(sc & 15) * np.float32(cq) - dm * np.float32(sc >> 4)
+                        else:           # dequantize_row_q3_K: d * (sc - 32) * (q - (hmask bit ? 0 : 4))
+                            sc = sc - 256 if sc > 127 else sc
+                            cq = cq - (0 if (hm >> (4 * n + j)) & 1 else 4)
+                            buf[e] = d * np.float32(sc) * np.float32(cq)
+
+
+@njit(inline="always", **_JIT)
+def _decode_nvfp4(rec, kind, r, I, buf):
+    """``decode_row`` of NVFP4 (kind 20)."""
+    # NVFP4: dequantize_row_nvfp4's kvalues_mxfp4[q] * ue4m3(d_s) / 2 per 16 weights, exact in f32
+    for bk in range(I // 64):
+        base = bk * _REC[20]
+        for s in range(4):
+            d = _UE4M3[rec[base + _NC[20] + 16 * s + r]]
+            for h in range(2):
+                for i in range(4):
+                    q = rec[base + 64 * (2 * s + h) + 4 * r + i]
+                    e = 64 * bk + 16 * s + 4 * h + i
+                    buf[e] = d * np.float32(_TABLES[0][q & 15])
+                    buf[e + 8] = d * np.float32(_TABLES[0][q >> 4])
+
+
+@njit(inline="always", **_JIT)
+def _decode_iq1(rec, kind, r, I, buf):
+    """``decode_row`` of IQ1_S, IQ1_M (kinds 18, 19)."""
+    # IQ1_S, IQ1_M: dequantize_row_iq1_s / iq1_m's d * (2s + 1) * (grid + delta),
+    m1 = kind == 19               # delta = +-1/8, as d (2s + 1) (8 (c - 1) +- 1) / 8: every product exact
+    for s in range(I // 256):
+        base = s * _REC[kind]
+        nc = _NC[kind]
+        d = f16_at(rec, base + nc + (192 if m1 else 64) + 2 * r)
+        for e in range(256):
+            ib = e >> 5
+            lp = e & 31
+            cq = (np.int64(rec[base + 64 * (8 * (e >> 7) + (lp >> 2)) + 4 * r + (lp & 3)]) >> (2 * (ib & 3))) & 3
+            if m1:
+                sc = (np.int64(rec[base + nc + 16 * ib + r]) >> (4 * (lp >> 4))) & 7
+                neg = (np.int64(rec[base + nc + 128 + 16 * (ib >> 1) + r]) >> (4 * (ib & 1) + (lp >> 3))) & 1
+            else:
+                nbl = (np.int64(rec[base + nc + 16 * (ib >> 1) + r]) >> (4 * (ib & 1))) & 15
+                sc = nbl & 7
+                neg = nbl >> 3
+            w8 = 8 * cq - 8 + (-1 if neg else 1)
+            buf[256 * s + e] = d * np.float32(2 * sc + 1) * np.float32(w8) * np.float32(0.125)
+
+
+@njit(inline="always", **_JIT)
+def _decode_iq2(rec, kind, r, I, buf):
+    """``decode_row`` of IQ2_XXS, IQ2_XS, IQ2_S (kinds 13, 16, 17)."""
+    # IQ2_XXS, IQ2_XS, IQ2_S planes: dequantize_row_iq2_*'s
+    nh = 2 if kind >= 16 else 1   # d * (0.5 + s) * 0.25 * grid * sign, f32 as gguf; IQ2_XS, IQ2_S a scale per 16
+    for s in range(I // 256):
+        base = s * _REC[kind]
+        nc = _NC[kind]
+        d = f16_at(rec, base + nc + 128 * nh + 2 * r)
+        for n in range(2):
+            for g in range(8):
+                for i in range(4):
+                    q = np.int64(rec[base + 64 * (8 * n + g) + 4 * r + i])
+                    for j in range(4):
+                        ib = 4 * n + j
+                        u = nh * ib + (g >> 2 if nh == 2 else 0)
+                        db = d * (np.float32(0.5) + np.float32((np.int64(rec[base + nc + 16 * u + r]) - 1)
+                                                               // 2)) * np.float32(0.25)
+                        sb = np.int64(rec[base + 1024 + 64 * g + 4 * r + i]) >> ib
+                        v = _TABLES[3][((q >> (2 * j)) & 3) | ((sb & 1) << 2)]
+                        buf[256 * s + 128 * n + 32 * j + 4 * g + i] = db * np.float32(v)
+
+
+@njit(inline="always", **_JIT)
+def _decode_iq3(rec, kind, r, I, buf):
+    """``decode_row`` of IQ3_XXS, IQ3_S (kinds 14, 15)."""
+    # IQ3_XXS / IQ3_S nibbles: dequantize_row_iq3_xxs's d * (0.5 + s) * 0.5,
+    kv = _TABLES[2] if kind == 14 else _TABLES[4]   # iq3_s's d * (1 + 2s); times grid * sign
+    for s in range(I // 256):
+        base = s * _REC[kind]
+        nc = _NC[kind]
+        d = f16_at(rec, base + nc + 128 + 2 * r)
+        for sb in range(8):
+            ls = np.int64(rec[base + nc + 16 * sb + r])
+            if kind == 14:
+                db = d * (np.float32(0.5) + np.float32((ls - 1) // 2)) * np.float32(0.5)
+            else:
+                db = d * np.float32(ls)
+            for g in range(4):
+                for i in range(4):
+                    q = rec[base + 256 * sb + 64 * g + 4 * r + i]
+                    e = 256 * s + 32 * sb + 4 * g + i
+                    buf[e] = db * np.float32(kv[q & 15])
+                    buf[e + 16] = db * np.float32(kv[q >> 4])
+
+
+@njit(inline="always", **_JIT)
+def _decode_lut(rec, kind, r, I, buf):
+    """``decode_row`` of the 4-bit table types MXFP4, IQ4_NL, IQ4_XS (kinds 6-8)."""
+    # the 4-bit table types: per 32, codes as Q4_0's, w = d * table[code]
+    kv = _TABLES[0] if kind == 6 else _TABLES[1]
+    nsub = 8 if kind == 8 else 1
+    for s in range(I // (32 * nsub)):
+        base = s * _REC[kind]
+        nc = _NC[kind]
+        for sb in range(nsub):
+            if kind == 6:      # ggml_e8m0_to_fp32_half
+                d = np.float32(2.0 ** (np.int64(rec[base + nc + r]) - 128))
+            elif kind == 7:
+                d = f16_at(rec, base + nc + 2 * r)
+            else:              # dequantize_row_iq4_xs: d * (ls - 32)
                 ls = np.int64(rec[base + nc + 16 * sb + r])
-                if kind == 14:
-                    db = d * (np.float32(0.5) + np.float32((ls - 1) // 2)) * np.float32(0.5)
-                else:
-                    db = d * np.float32(ls)
-                for g in range(4):
+                d = f16_at(rec, base + nc + 128 + 2 * r) * np.float32(ls - 256 if ls > 127 else ls)
+            for g in range(4):
+                for i in range(4):
+                    q = rec[base + 256 * sb + 64 * g + 4 * r + i]
+                    e = 32 * (s * nsub + sb) + 4 * g + i
+                    buf[e] = d * np.float32(kv[q & 15])
+                    buf[e + 16] = d * np.float32(kv[q >> 4])
+
+
+@njit(inline="always", **_JIT)
+def _decode_q6_k(rec, kind, r, I, buf):
+    """``decode_row`` of Q6_K (kind 5)."""
+    for s in range(I // 256):
+        base = s * _REC[5]
+        d = f16_at(rec, base + _NC[5] + 256 + 2 * r)
+        for n in range(2):
+            for l in range(32):
+                g = l >> 2
+                i = l & 3
+                A = np.int64(rec[base + 64 * (16 * n + g) + 4 * r + i])
+                B = np.int64(rec[base + 64 * (16 * n + 8 + g) + 4 * r + i])
+                H = np.int64(rec[base + 2048 + 64 * (8 * n + g) + 4 * r + i])   # qh after ql's 2048
+                qv = ((A & 15) | ((H & 3) << 4), (B & 15) | (((H >> 2) & 3) << 4),
+                      (A >> 4) | (((H >> 4) & 3) << 4), (B >> 4) | (((H >> 6) & 3) << 4))
+                for kk in range(4):
+                    sub = 8 * n + 2 * kk + (l >> 4)
+                    sc = np.int64(rec[base + _NC[5] + 16 * sub + r])
+                    sc = sc - 256 if sc > 127 else sc
+                    buf[256 * s + 128 * n + 32 * kk + l] = d * np.float32(sc) * np.float32(qv[kk] - 32)
+
+
+@njit(inline="always", **_JIT)
+def _decode_q4_q5_k(rec, kind, r, I, buf):
+    """``decode_row`` of Q4_K, Q5_K (kinds 4, 12)."""
+    # Q4_K, Q5_K (dequantize_row_q5_K: qh bit 2j / 2j + 1 of byte l is bit 4)
+    for s in range(I // 256):
+        base = s * _REC[kind]
+        nc = _NC[kind]
+        d = f16_at(rec, base + nc + 256 + 2 * r)
+        dm = f16_at(rec, base + nc + 288 + 2 * r)
+        for j in range(4):
+            for h in range(2):
+                sub = 2 * j + h
+                sc = d * np.float32(rec[base + nc + 16 * sub + r])
+                mn = dm * np.float32(rec[base + nc + 128 + 16 * sub + r])
+                for g in range(8):
                     for i in range(4):
-                        q = rec[base + 256 * sb + 64 * g + 4 * r + i]
-                        e = 256 * s + 32 * sb + 4 * g + i
-                        buf[e] = db * np.float32(kv[q & 15])
-                        buf[e + 16] = db * np.float32(kv[q >> 4])
-        return
-    if kind >= 6 and kind <= 8:   # the 4-bit table types: per 32, codes as Q4_0's, w = d * table[code]
-        kv = _TABLES[0] if kind == 6 else _TABLES[1]
-        nsub = 8 if kind == 8 else 1
-        for s in range(I // (32 * nsub)):
-            base = s * _REC[kind]
-            nc = _NC[kind]
-            for sb in range(nsub):
-                if kind == 6:      # ggml_e8m0_to_fp32_half
-                    d = np.float32(2.0 ** (np.int64(rec[base + nc + r]) - 128))
-                elif kind == 7:
-                    d = f16_at(rec, base + nc + 2 * r)
-                else:              # dequantize_row_iq4_xs: d * (ls - 32)
-                    ls = np.int64(rec[base + nc + 16 * sb + r])
-                    d = f16_at(rec, base + nc + 128 + 2 * r) * np.float32(ls - 256 if ls > 127 else ls)
-                for g in range(4):
-                    for i in range(4):
-                        q = rec[base + 256 * sb + 64 * g + 4 * r + i]
-                        e = 32 * (s * nsub + sb) + 4 * g + i
-                        buf[e] = d * np.float32(kv[q & 15])
-                        buf[e + 16] = d * np.float32(kv[q >> 4])
-        return
-    if kind == 5:
-        for s in range(I // 256):
-            base = s * _REC[5]
-            d = f16_at(rec, base + _NC[5] + 256 + 2 * r)
-            for n in range(2):
-                for l in range(32):
-                    g = l >> 2
-                    i = l & 3
-                    A = np.int64(rec[base + 64 * (16 * n + g) + 4 * r + i])
-                    B = np.int64(rec[base + 64 * (16 * n + 8 + g) + 4 * r + i])
-                    H = np.int64(rec[base + 2048 + 64 * (8 * n + g) + 4 * r + i])   # qh after ql's 2048
-                    qv = ((A & 15) | ((H & 3) << 4), (B & 15) | (((H >> 2) & 3) << 4),
-                          (A >> 4) | (((H >> 4) & 3) << 4), (B >> 4) | (((H >> 6) & 3) << 4))
-                    for kk in range(4):
-                        sub = 8 * n + 2 * kk + (l >> 4)
-                        sc = np.int64(rec[base + _NC[5] + 16 * sub + r])
-                        sc = sc - 256 if sc > 127 else sc
-                        buf[256 * s + 128 * n + 32 * kk + l] = d * np.float32(sc) * np.float32(qv[kk] - 32)
-        return
-    if kind == 4 or kind == 12:   # Q4_K, Q5_K (dequantize_row_q5_K: qh bit 2j / 2j + 1 of byte l is bit 4)
-        for s in range(I // 256):
-            base = s * _REC[kind]
-            nc = _NC[kind]
-            d = f16_at(rec, base + nc + 256 + 2 * r)
-            dm = f16_at(rec, base + nc + 288 + 2 * r)
-            for j in range(4):
-                for h in range(2):
-                    sub = 2 * j + h
-                    sc = d * np.float32(rec[base + nc + 16 * sub + r])
-                    mn = dm * np.float32(rec[base + nc + 128 + 16 * sub + r])
-                    for g in range(8):
-                        for i in range(4):
-                            q = np.int64(rec[base + 512 * j + 64 * g + 4 * r + i])
-                            qv = (q >> 4) if h else (q & 15)
-                            if kind == 12:
-                                qv |= ((np.int64(rec[base + 2048 + 64 * g + 4 * r + i]) >> (2 * j + h)) & 1) << 4
-                            buf[256 * s + 64 * j + 32 * h + 4 * g + i] = sc * np.float32(qv) - mn
-        return
+                        q = np.int64(rec[base + 512 * j + 64 * g + 4 * r + i])
+                        qv = (q >> 4) if h else (q & 15)
+                        if kind == 12:
+                            qv |= ((np.int64(rec[base + 2048 + 64 * g + 4 * r + i]) >> (2 * j + h)) & 1) << 4
+                        buf[256 * s + 64 * j + 32 * h + 4 * g + i] = sc * np.float32(qv) - mn
+
+
+@njit(inline="always", **_JIT)
+def _decode_q32(rec, kind, r, I, buf):
+    """``decode_row`` of the 32-weight types Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 (kinds 0-3, 11)."""
     rb = _REC[kind]
     nc = _NC[kind]
     od = nc + (64 if kind == 3 or kind == 11 else 0)
@@ -1286,3 +1390,30 @@ def decode_row(rec, kind, r, I, buf):
                 hi = (q >> 4) | (((qh >> (j + 16)) & 1) << 4)
                 buf[b * 32 + j] = d * np.float32(lo) + m
                 buf[b * 32 + 16 + j] = d * np.float32(hi) + m
+
+
+@njit(**_JIT)
+def decode_row(rec, kind, r, I, buf):
+    """Row r (0..15) of a tile decoded to f32 into buf [I] (ggml's dequantize_row_q4_0 / q4_1 / q8_0 / q5_0 /
+    q4_K / q6_K / mxfp4 / iq4_nl / iq4_xs / q2_K / q3_K / iq2_* / iq3_* / iq1_s / iq1_m / nvfp4). rec uint8: the tile's records;
+    kind: ``KIND`` (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0, 4 Q4_K, 5 Q6_K, 6 MXFP4, 7 IQ4_NL, 8 IQ4_XS, 9 Q2_K, 10 Q3_K,
+    11 Q5_1, 12 Q5_K, 13 IQ2_XXS, 14 IQ3_XXS, 15 IQ3_S, 16 IQ2_XS, 17 IQ2_S, 18 IQ1_S, 19 IQ1_M, 20 NVFP4); the
+    grid i-quants and NVFP4 bit for bit as gguf.quants."""
+    if kind == 9 or kind == 10:
+        _decode_q2_q3_k(rec, kind, r, I, buf)
+    elif kind == 20:
+        _decode_nvfp4(rec, kind, r, I, buf)
+    elif kind == 18 or kind == 19:
+        _decode_iq1(rec, kind, r, I, buf)
+    elif kind == 13 or kind == 16 or kind == 17:
+        _decode_iq2(rec, kind, r, I, buf)
+    elif kind == 14 or kind == 15:
+        _decode_iq3(rec, kind, r, I, buf)
+    elif kind >= 6 and kind <= 8:
+        _decode_lut(rec, kind, r, I, buf)
+    elif kind == 5:
+        _decode_q6_k(rec, kind, r, I, buf)
+    elif kind == 4 or kind == 12:
+        _decode_q4_q5_k(rec, kind, r, I, buf)
+    else:
+        _decode_q32(rec, kind, r, I, buf)
