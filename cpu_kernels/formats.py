@@ -943,7 +943,20 @@ def _row(name, bs, ts, pack, gemv, gemm, shader, int8, gemv_i8=None, no_i8=None)
                         gemv_i8 if _vnni.HAVE_VNNI else None, no_i8)
 
 
-FORMATS: dict[str, Format] = dict([
+#: The CPU registry: GGUF type name -> its Format row. Filled by ``add_rows`` only: the 11 rows below, then each
+#: format family's module (lowbit, iquants, nvfp4, fp8) its own.
+FORMATS: dict[str, Format] = {}
+
+
+def add_rows(rows) -> None:
+    """Register (name, Format) rows made by ``_row``: append them to ``FORMATS`` and fill their CPU column of the
+    tensor-type table (``coli.types.table.register``). The one way a format family's module adds its rows."""
+    for name, fmt in rows:
+        FORMATS[name] = fmt
+        _TT.register("cpu", name, f"{fmt.gemv.__module__}.{fmt.gemv.__name__}")
+
+
+add_rows([
     _row("F32", 1, 4, _pack_f32, gemv_f32, gemm_f32, "f32", False),
     _row("F16", 1, 2, _pack_f16, gemv_f32, gemm_f32, "f16", False),
     _row("BF16", 1, 2, _pack_bf16, gemv_f32, gemm_f32, "bf16", False),
@@ -962,7 +975,7 @@ FORMATS: dict[str, Format] = dict([
 # Rows whose kernels live in their own modules (appended here: FORMATS stays the one CPU registry).
 from . import lowbit as _lowbit  # noqa: E402  (imports this module's helpers, defined above)
 
-FORMATS.update(_lowbit.rows(_row, _vnni))
+add_rows(_lowbit.rows(_row, _vnni))
 
 #: Activation rows up to which ``matmul`` runs the GEMV once per row instead of the GEMM (measured).
 GEMV_MAX_T = 3
@@ -1101,14 +1114,14 @@ def matmul(w: Weight, x: np.ndarray, act: str | None = None) -> np.ndarray:
     return out
 
 
-# The i-quant rows (IQ2_XXS ... IQ1_M) are appended to FORMATS by cpu_kernels/iquants.py, imported here last
+# The i-quant rows (IQ2_XXS ... IQ1_M) are added (``add_rows``) by cpu_kernels/iquants.py, imported here last
 # because it uses this module's Q8_0 kernels and ``_tile``.
 from . import iquants as _iquants  # noqa: E402,F401
 
 # NVFP4 (cpu_kernels/nvfp4.py): packed in the i-quants' G = 16 layout, so it runs their kernels
 from . import nvfp4 as _nvfp4  # noqa: E402,F401
 
-# coli's own rows (not GGUF types): FP8_E4M3_B128, appended by cpu_kernels/fp8.py (it uses the pieces above)
+# coli's own rows (not GGUF types): FP8_E4M3_B128, added by cpu_kernels/fp8.py (it uses the pieces above)
 from . import fp8 as _fp8  # noqa: E402,F401
 
 # The blocked int8 GEMM of prompt chunks (uses _quantize_act_i8 above)
@@ -1117,7 +1130,3 @@ from . import gemm_i8 as _gemm_i8  # noqa: E402
 # this module, fp8 is half-made here and imports them itself at its end
 if hasattr(_fp8, "gemm"):
     from . import experts as _experts  # noqa: E402
-
-# Every row, whichever module appended it, fills the CPU column of the tensor-type table.
-for _f in FORMATS.values():
-    _TT.register("cpu", _f.name, f"{_f.gemv.__module__}.{_f.gemv.__name__}")

@@ -61,11 +61,8 @@ gemm = _formats.decoded_gemm(_dec, "gemm_fp8", """out f32 [T, O] = x W^T for act
 
 
 # the registry row (the table marks it coli's own and CPU only: coli/types/table.py)
-_formats.FORMATS.update([_formats._row(NAME, BLOCK, TYPE_SIZE, pack, gemv, gemm, NAME.lower(), True, None,
-                                       "E4M3 codes are not integers: act=int8 runs these kernels on the rounded x")])
-# and its CPU column in the table, here too: when this module is imported first, formats.py's registration loop
-# runs (inside the import of formats above) before this row exists
-_formats._TT.register("cpu", NAME, f"{gemv.__module__}.{gemv.__name__}")
+_formats.add_rows([_formats._row(NAME, BLOCK, TYPE_SIZE, pack, gemv, gemm, NAME.lower(), True, None,
+                                 "E4M3 codes are not integers: act=int8 runs these kernels on the rounded x")])
 # and the grouped kernels, which formats.py leaves to this module then (they compile ``_dec`` at import)
 if not hasattr(_formats, "_experts"):
     from . import experts as _experts  # noqa: E402

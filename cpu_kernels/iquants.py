@@ -40,8 +40,8 @@ docs/cpu_kernels.md). Expanding is what measured fastest: a compact GEMV looking
 (1.45x the file for IQ2_XXS) ran 8-24x slower, as Numba does not vectorize the gathers (docs/iquants.md).
 
 Public API: ``PACKERS`` (type name -> pack(raw, O, I)), ``GROUP`` (type name -> G), ``gemv_g16``, ``gemm_g16``,
-``gemv_i8_g16``. Importing this module appends the seven rows to ``cpu_kernels.formats.FORMATS`` (formats.py imports
-it at its end). Speed and memory: docs/iquants.md.
+``gemv_i8_g16``. Importing this module adds the seven rows to ``cpu_kernels.formats.FORMATS`` through
+``add_rows`` (formats.py imports it at its end). Speed and memory: docs/iquants.md.
 
 ``gemm_g16`` inlines ``formats._tile`` and ``row_g16`` uses ``vnni._Ops``: Numba checks a cached kernel against its
 own file only, which is why ``cpu_kernels`` names its cache folder by a digest of every kernel source.
@@ -56,7 +56,7 @@ from numba.core import cgutils
 from coli.types import iq_tables
 
 from . import vnni as _vnni
-from .formats import FORMATS, _row, decoded_gemm, gemm_q8_0, gemv_q8_0
+from .formats import _row, add_rows, decoded_gemm, gemm_q8_0, gemv_q8_0
 
 _RB = 16  # output rows per parallel chunk (as formats._RB)
 _JIT = dict(nogil=True, cache=True, fastmath=True)
@@ -355,4 +355,4 @@ def _rows():
     return out
 
 
-FORMATS.update(_rows())
+add_rows(_rows())

@@ -20,8 +20,8 @@ On CPUs with AVX-512 VNNI, with int8 activations and O a multiple of 16, NVFP4 t
 up and the scales decoded in registers); this layout stays for f32 activations, other row counts and CPUs without
 VNNI.
 
-Public API: ``pack(raw, O, I)``, ``SCALE`` (UE4M3 byte -> f32 scale). Importing this module appends the NVFP4 row
-to ``FORMATS`` (``formats.py`` imports it at its end).
+Public API: ``pack(raw, O, I)``, ``SCALE`` (UE4M3 byte -> f32 scale). Importing this module adds the NVFP4 row
+to ``FORMATS`` through ``add_rows`` (``formats.py`` imports it at its end).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from coli.types import nvfp4 as _nv
 
 from . import iquants as _iq
 from . import tiles as _tiles
-from .formats import FORMATS, _row
+from .formats import _row, add_rows
 
 #: UE4M3 byte -> its f32 block scale, halved (ggml_ue4m3_to_fp32): the t16 tile's table (``tiles._UE4M3``, the
 #: formula its kernel uses, asserted bit for bit against gguf.quants.NVFP4.ue4m3_to_fp32 on every byte at import)
@@ -66,4 +66,4 @@ def pack(raw: np.ndarray, O: int, I: int):
     return q, s
 
 
-FORMATS.update([_row("NVFP4", 64, 36, pack, _iq.gemv_g16, _iq.gemm_g16, "nvfp4", True, _iq.gemv_i8_g16)])
+add_rows([_row("NVFP4", 64, 36, pack, _iq.gemv_g16, _iq.gemm_g16, "nvfp4", True, _iq.gemv_i8_g16)])

@@ -22,19 +22,9 @@ rows too, added by ``_own_rows`` with their geometry, reference and ``random`` t
 gguf.quants decodes but cannot quantize get a ``random`` maker where coli ports ggml's quantizer (NVFP4:
 ``coli/types/nvfp4.py``), so their test weights are real blocks too.
 
-Adding a format (docs/formats.md has the checklist), in this order:
-
-1. Here: nothing unless the device tier lacks it on purpose (add ``CPU_ONLY[name] = reason``) or the type has
-   f16 scales that ``random_blocks`` must keep finite (add them to ``_SCALES``).
-2. CPU: kernels in a new module of ``cpu_kernels/`` (not in ``formats.py``; int8-activation VNNI GEMVs beside
-   their intrinsics in ``cpu_kernels/vnni.py``), and the row appended to ``cpu_kernels.formats.FORMATS``
-   (``formats._row(name, block_size, type_size, pack, gemv, gemm, shader, int8, gemv_i8, no_i8)``, as
-   ``cpu_kernels/lowbit.py``'s ``rows``); ``formats.py`` registers every row in the table at its end.
-3. Device: ``shaders/fmt_<name lower>.glsl`` (``dec_unit``: one 32-element unit of a row), the name appended to
-   ``coli.vulkan.shaders.DEVICE_TYPES``, then ``python -m coli.vulkan.build`` (it regenerates ``shaders/formats.glsl``
-   from this table and compiles the .spv pair).
-4. ``pytest -q tests/kernels/test_backend_ops.py`` checks every backend x op x activation mode against ``reference``
-   and fails on a gap; ``python -m scripts.backend_ops`` prints the coverage table for docs/formats.md.
+Adding a format: the checklist in docs/formats.md ("Adding a format"). Here: nothing for a GGUF type unless gguf
+cannot quantize it and it has f16 scales (``_SCALES``); a type of coli's own gets a row in ``_own_rows``; one the
+device lacks on purpose ``CPU_ONLY[name] = reason``.
 
 Importing this module imports neither numba nor vulkan.
 """
