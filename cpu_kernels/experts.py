@@ -319,21 +319,24 @@ def _tile4(fc, rec, xq, xd, xm, rows, out, orows, off):
 _I0 = np.int64(0)
 
 
-@njit(**_JIT)
-def _block_i8(ds, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out):
-    """out[dst[p], oe + o] = W[o] . row src[p] for o in c0:c1, p in p0:p1 (int8 activations): the format
-    branch taken once per work item, so each inner loop is one format's code."""
-    fc = ds[0]
-    if fc >= FC_T4_0:  # the t16 tiles; c0 is a tile's first row (16-row work items)
-        rec = _r_u8(ds, 0, c0 // 16)
-        p = p0
-        while p + 4 <= p1:  # 4 rows share each weight load; the same per-row arithmetic as one row alone
-            _tile4(fc, rec, xq, xd, xm, src[p:p + 4], out, dst[p:p + 4], oe + c0)
-            p += 4
-        for q in range(p, p1):
-            r = src[q]
-            _tile(fc, rec, xq[r], xd[r], xm[r], out[dst[q]], oe + c0)
-    elif fc == FC_Q8:
+@njit(inline="always", **_JIT)
+def _i8_tiles(ds, fc, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out):
+    """``_block_i8`` of the t16 tiles (``TILE_CODE``): c0 is a tile's first row (16-row work items)."""
+    rec = _r_u8(ds, 0, c0 // 16)
+    p = p0
+    while p + 4 <= p1:  # 4 rows share each weight load; the same per-row arithmetic as one row alone
+        _tile4(fc, rec, xq, xd, xm, src[p:p + 4], out, dst[p:p + 4], oe + c0)
+        p += 4
+    for q in range(p, p1):
+        r = src[q]
+        _tile(fc, rec, xq[r], xd[r], xm[r], out[dst[q]], oe + c0)
+
+
+@njit(inline="always", **_JIT)
+def _i8_dots(ds, fc, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out):
+    """``_block_i8`` of the layouts whose VNNI row dot is the output: Q8_0's int8 codes (FC_Q8), Q5_0, the 4-bit
+    table codes, Q6_K and the G = 16 layout."""
+    if fc == FC_Q8:
         for o in range(c0, c1):
             q = _r_i8(ds, 0, o)
             d = _r_f32(ds, 1, o)
@@ -356,7 +359,28 @@ def _block_i8(ds, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out):
             for p in range(p0, p1):
                 r = src[p]
                 out[dst[p], oe + o] = row_lut(qs, d, kv, xq[r], xd[r])
-    elif fc == FC_Q4_0 or fc == FC_Q4_1:
+    elif fc == FC_Q6_K:
+        for o in range(c0, c1):
+            q = _r_i8(ds, 0, o)
+            sc = _r_i8(ds, 1, o)
+            d = _r_f32(ds, 2, o)
+            for p in range(p0, p1):
+                r = src[p]
+                out[dst[p], oe + o] = row_q6_k(q, sc, d, xq[r], xd[r])
+    elif fc == FC_G16:
+        for o in range(c0, c1):
+            q = _r_i8(ds, 0, o)
+            s = _r_f32(ds, 1, o)
+            for p in range(p0, p1):
+                r = src[p]
+                out[dst[p], oe + o] = row_g16(q, s, xq[r], xd[r])
+
+
+@njit(inline="always", **_JIT)
+def _i8_with_mins(ds, fc, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out):
+    """``_block_i8`` of Q4_0, Q4_1 and Q5_1: the row dot plus the offset or minimum through the activations'
+    block sums."""
+    if fc == FC_Q4_0 or fc == FC_Q4_1:
         for o in range(c0, c1):
             qs = _r_u8(ds, 0, o)
             d = _r_f32(ds, 1, o)
@@ -373,34 +397,6 @@ def _block_i8(ds, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out):
                     for b in range(d.shape[0]):
                         corr += d[b] * xm[r, b]
                     out[dst[p], oe + o] = s - _F8 * corr
-    elif fc == FC_Q4_K or fc == FC_Q5_K:
-        for o in range(c0, c1):
-            qs = _r_u8(ds, 0, o)
-            sc = _r_u8(ds, 1, o)
-            mn = _r_u8(ds, 2, o)
-            d = _r_f32(ds, 3, o)
-            dm = _r_f32(ds, 4, o)
-            for p in range(p0, p1):
-                r = src[p]
-                if fc == FC_Q4_K:
-                    s = row_q4_k(qs, sc, d, xq[r], xd[r])
-                else:
-                    s = row_q5_k(qs, sc, d, xq[r], xd[r])
-                mins = _F0
-                for b in range(d.shape[0]):
-                    mb = _F0
-                    for k in range(8):
-                        mb += np.float32(mn[b * 8 + k]) * xm[r, b * 8 + k]
-                    mins += dm[b] * mb
-                out[dst[p], oe + o] = s - mins
-    elif fc == FC_Q6_K:
-        for o in range(c0, c1):
-            q = _r_i8(ds, 0, o)
-            sc = _r_i8(ds, 1, o)
-            d = _r_f32(ds, 2, o)
-            for p in range(p0, p1):
-                r = src[p]
-                out[dst[p], oe + o] = row_q6_k(q, sc, d, xq[r], xd[r])
     elif fc == FC_Q5_1:   # vnni.gemv_i8_q5_1's arithmetic: the Q8 dot plus the minimum through block sums
         for o in range(c0, c1):
             q = _r_i8(ds, 0, o)
@@ -413,63 +409,110 @@ def _block_i8(ds, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out):
                 for b in range(d.shape[0]):
                     corr += m[b] * xm[r, b]
                 out[dst[p], oe + o] = s + corr
-    elif fc == FC_Q2_K or fc == FC_Q3_K:   # vnni.gemv_i8_q2_k / _q3_k: mins (Q3_K: the -4) via 16-sums
-        I = ds[2]
-        xs = np.empty((p1 - p0, I // 16), np.float32)
+
+
+@njit(inline="always", **_JIT)
+def _i8_q4_q5_k(ds, fc, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out):
+    """``_block_i8`` of Q4_K and Q5_K: the row dot minus the mins through the block sums."""
+    for o in range(c0, c1):
+        qs = _r_u8(ds, 0, o)
+        sc = _r_u8(ds, 1, o)
+        mn = _r_u8(ds, 2, o)
+        d = _r_f32(ds, 3, o)
+        dm = _r_f32(ds, 4, o)
         for p in range(p0, p1):
-            xs[p - p0] = _act_sums16(xq[src[p]], xd[src[p]])
-        for o in range(c0, c1):
-            if fc == FC_Q2_K:
-                qs = _r_u8(ds, 0, o)
-                sc = _r_u8(ds, 1, o)
-                mn = _r_u8(ds, 2, o)
-                d = _r_f32(ds, 3, o)
-                dm = _r_f32(ds, 4, o)
-                for p in range(p0, p1):
-                    r = src[p]
-                    s = row_q2_k(qs, sc, d, xq[r], xd[r])
-                    mins = _F0
-                    for b in range(d.shape[0]):
-                        mb = _F0
-                        for k in range(16):
-                            mb += np.float32(mn[b * 16 + k]) * xs[p - p0, b * 16 + k]
-                        mins += dm[b] * mb
-                    out[dst[p], oe + o] = s - mins
+            r = src[p]
+            if fc == FC_Q4_K:
+                s = row_q4_k(qs, sc, d, xq[r], xd[r])
             else:
-                qs = _r_u8(ds, 0, o)
-                hm = _r_u8(ds, 1, o)
-                sc3 = _r_i8(ds, 2, o)
-                d = _r_f32(ds, 3, o)
-                for p in range(p0, p1):
-                    r = src[p]
-                    s = row_q3_k(qs, hm, sc3, d, xq[r], xd[r])
-                    corr = _F0
-                    for b in range(d.shape[0]):
-                        cb = _F0
-                        for k in range(16):
-                            cb += np.float32(sc3[b * 16 + k]) * xs[p - p0, b * 16 + k]
-                        corr += d[b] * cb
-                    out[dst[p], oe + o] = s - np.float32(4.0) * corr
-    elif fc == FC_G16:
-        for o in range(c0, c1):
-            q = _r_i8(ds, 0, o)
-            s = _r_f32(ds, 1, o)
+                s = row_q5_k(qs, sc, d, xq[r], xd[r])
+            mins = _F0
+            for b in range(d.shape[0]):
+                mb = _F0
+                for k in range(8):
+                    mb += np.float32(mn[b * 8 + k]) * xm[r, b * 8 + k]
+                mins += dm[b] * mb
+            out[dst[p], oe + o] = s - mins
+
+
+@njit(inline="always", **_JIT)
+def _i8_q2_q3_k(ds, fc, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out):
+    """``_block_i8`` of Q2_K and Q3_K, ``vnni.gemv_i8_q2_k`` / ``_q3_k``'s arithmetic: the mins (Q3_K: the -4)
+    through the activations' 16-sums."""
+    I = ds[2]
+    xs = np.empty((p1 - p0, I // 16), np.float32)
+    for p in range(p0, p1):
+        xs[p - p0] = _act_sums16(xq[src[p]], xd[src[p]])
+    for o in range(c0, c1):
+        if fc == FC_Q2_K:
+            qs = _r_u8(ds, 0, o)
+            sc = _r_u8(ds, 1, o)
+            mn = _r_u8(ds, 2, o)
+            d = _r_f32(ds, 3, o)
+            dm = _r_f32(ds, 4, o)
             for p in range(p0, p1):
                 r = src[p]
-                out[dst[p], oe + o] = row_g16(q, s, xq[r], xd[r])
-    else:   # FC_FP8: E4M3 codes are not integers: the decoded row times the rounded activations (q * d in f32)
-        I = ds[2]
-        buf = np.empty(I, np.float32)
-        for o in range(c0, c1):
-            _lowbit_dec(ds, o, buf)
+                s = row_q2_k(qs, sc, d, xq[r], xd[r])
+                mins = _F0
+                for b in range(d.shape[0]):
+                    mb = _F0
+                    for k in range(16):
+                        mb += np.float32(mn[b * 16 + k]) * xs[p - p0, b * 16 + k]
+                    mins += dm[b] * mb
+                out[dst[p], oe + o] = s - mins
+        else:
+            qs = _r_u8(ds, 0, o)
+            hm = _r_u8(ds, 1, o)
+            sc3 = _r_i8(ds, 2, o)
+            d = _r_f32(ds, 3, o)
             for p in range(p0, p1):
                 r = src[p]
-                acc = _F0
-                for b in range(I // 32):
-                    db = xd[r, b]
-                    for j in range(32):
-                        acc += buf[b * 32 + j] * (np.float32(xq[r, b * 32 + j]) * db)
-                out[dst[p], oe + o] = acc
+                s = row_q3_k(qs, hm, sc3, d, xq[r], xd[r])
+                corr = _F0
+                for b in range(d.shape[0]):
+                    cb = _F0
+                    for k in range(16):
+                        cb += np.float32(sc3[b * 16 + k]) * xs[p - p0, b * 16 + k]
+                    corr += d[b] * cb
+                out[dst[p], oe + o] = s - np.float32(4.0) * corr
+
+
+@njit(inline="always", **_JIT)
+def _i8_fp8(ds, fc, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out):
+    """``_block_i8`` of FP8_E4M3_B128 (FC_FP8): E4M3 codes are not integers, so the decoded row times the
+    rounded activations (q * d in f32)."""
+    I = ds[2]
+    buf = np.empty(I, np.float32)
+    for o in range(c0, c1):
+        _lowbit_dec(ds, o, buf)
+        for p in range(p0, p1):
+            r = src[p]
+            acc = _F0
+            for b in range(I // 32):
+                db = xd[r, b]
+                for j in range(32):
+                    acc += buf[b * 32 + j] * (np.float32(xq[r, b * 32 + j]) * db)
+            out[dst[p], oe + o] = acc
+
+
+@njit(**_JIT)
+def _block_i8(ds, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out):
+    """out[dst[p], oe + o] = W[o] . row src[p] for o in c0:c1, p in p0:p1 (int8 activations): the format
+    branch taken once per work item, so each inner loop is one format's code (one inlined ``_i8_*`` per layout
+    family)."""
+    fc = ds[0]
+    if fc >= FC_T4_0:
+        _i8_tiles(ds, fc, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out)
+    elif fc == FC_Q8 or fc == FC_Q5_0 or fc == FC_LUT or fc == FC_Q6_K or fc == FC_G16:
+        _i8_dots(ds, fc, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out)
+    elif fc == FC_Q4_0 or fc == FC_Q4_1 or fc == FC_Q5_1:
+        _i8_with_mins(ds, fc, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out)
+    elif fc == FC_Q4_K or fc == FC_Q5_K:
+        _i8_q4_q5_k(ds, fc, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out)
+    elif fc == FC_Q2_K or fc == FC_Q3_K:
+        _i8_q2_q3_k(ds, fc, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out)
+    else:
+        _i8_fp8(ds, fc, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out)
 
 
 # ``_block_i8`` behind a C symbol. Every compiled function that calls an @njit function links a copy of the
