@@ -1205,8 +1205,8 @@ def _decode_q2_q3_k(rec, kind, r, I, buf):
 
 @njit(inline="always", **_JIT)
 def _decode_nvfp4(rec, kind, r, I, buf):
-    """``decode_row`` of NVFP4 (kind 20)."""
-    # NVFP4: dequantize_row_nvfp4's kvalues_mxfp4[q] * ue4m3(d_s) / 2 per 16 weights, exact in f32
+    """``decode_row`` of NVFP4 (kind 20): dequantize_row_nvfp4's kvalues_mxfp4[q] * ue4m3(d_s) / 2 per 16 weights,
+    exact in f32."""
     for bk in range(I // 64):
         base = bk * _REC[20]
         for s in range(4):
@@ -1221,9 +1221,9 @@ def _decode_nvfp4(rec, kind, r, I, buf):
 
 @njit(inline="always", **_JIT)
 def _decode_iq1(rec, kind, r, I, buf):
-    """``decode_row`` of IQ1_S, IQ1_M (kinds 18, 19)."""
-    # IQ1_S, IQ1_M: dequantize_row_iq1_s / iq1_m's d * (2s + 1) * (grid + delta),
-    m1 = kind == 19               # delta = +-1/8, as d (2s + 1) (8 (c - 1) +- 1) / 8: every product exact
+    """``decode_row`` of IQ1_S, IQ1_M (kinds 18, 19): dequantize_row_iq1_s / iq1_m's d * (2s + 1) * (grid + delta),
+    delta = +-1/8, as d (2s + 1) (8 (c - 1) +- 1) / 8: every product exact."""
+    m1 = kind == 19
     for s in range(I // 256):
         base = s * _REC[kind]
         nc = _NC[kind]
@@ -1245,9 +1245,9 @@ def _decode_iq1(rec, kind, r, I, buf):
 
 @njit(inline="always", **_JIT)
 def _decode_iq2(rec, kind, r, I, buf):
-    """``decode_row`` of IQ2_XXS, IQ2_XS, IQ2_S (kinds 13, 16, 17)."""
-    # IQ2_XXS, IQ2_XS, IQ2_S planes: dequantize_row_iq2_*'s
-    nh = 2 if kind >= 16 else 1   # d * (0.5 + s) * 0.25 * grid * sign, f32 as gguf; IQ2_XS, IQ2_S a scale per 16
+    """``decode_row`` of the IQ2_XXS, IQ2_XS, IQ2_S planes (kinds 13, 16, 17): dequantize_row_iq2_*'s
+    d * (0.5 + s) * 0.25 * grid * sign, f32 as gguf; IQ2_XS, IQ2_S a scale per 16."""
+    nh = 2 if kind >= 16 else 1
     for s in range(I // 256):
         base = s * _REC[kind]
         nc = _NC[kind]
@@ -1268,9 +1268,9 @@ def _decode_iq2(rec, kind, r, I, buf):
 
 @njit(inline="always", **_JIT)
 def _decode_iq3(rec, kind, r, I, buf):
-    """``decode_row`` of IQ3_XXS, IQ3_S (kinds 14, 15)."""
-    # IQ3_XXS / IQ3_S nibbles: dequantize_row_iq3_xxs's d * (0.5 + s) * 0.5,
-    kv = _TABLES[2] if kind == 14 else _TABLES[4]   # iq3_s's d * (1 + 2s); times grid * sign
+    """``decode_row`` of the IQ3_XXS / IQ3_S nibbles (kinds 14, 15): dequantize_row_iq3_xxs's d * (0.5 + s) * 0.5,
+    iq3_s's d * (1 + 2s); times grid * sign."""
+    kv = _TABLES[2] if kind == 14 else _TABLES[4]
     for s in range(I // 256):
         base = s * _REC[kind]
         nc = _NC[kind]
@@ -1291,8 +1291,8 @@ def _decode_iq3(rec, kind, r, I, buf):
 
 @njit(inline="always", **_JIT)
 def _decode_lut(rec, kind, r, I, buf):
-    """``decode_row`` of the 4-bit table types MXFP4, IQ4_NL, IQ4_XS (kinds 6-8)."""
-    # the 4-bit table types: per 32, codes as Q4_0's, w = d * table[code]
+    """``decode_row`` of the 4-bit table types MXFP4, IQ4_NL, IQ4_XS (kinds 6-8): per 32, codes as Q4_0's,
+    w = d * table[code]."""
     kv = _TABLES[0] if kind == 6 else _TABLES[1]
     nsub = 8 if kind == 8 else 1
     for s in range(I // (32 * nsub)):
@@ -1338,8 +1338,7 @@ def _decode_q6_k(rec, kind, r, I, buf):
 
 @njit(inline="always", **_JIT)
 def _decode_q4_q5_k(rec, kind, r, I, buf):
-    """``decode_row`` of Q4_K, Q5_K (kinds 4, 12)."""
-    # Q4_K, Q5_K (dequantize_row_q5_K: qh bit 2j / 2j + 1 of byte l is bit 4)
+    """``decode_row`` of Q4_K, Q5_K (kinds 4, 12; dequantize_row_q5_K: qh bit 2j / 2j + 1 of byte l is bit 4)."""
     for s in range(I // 256):
         base = s * _REC[kind]
         nc = _NC[kind]
