@@ -28,7 +28,8 @@ from coli.base.memory import mem_flag
 from coli.base.errors import ColiError
 from coli.base.paths import cache_dir
 from coli.base.progress import HoldFirst, bar, stderr_is_terminal, text_on_line
-from coli.fetch import MODEL_NAMES, MODELS, check_folder, resolve  # MODEL_NAMES: the names -m takes besides a path
+from coli.fetch import MODEL_NAMES, MODELS, check_folder  # MODEL_NAMES: the names -m takes besides a path
+from coli.resolve import resolve
 from scheduler.trace import CATEGORIES, summarize
 
 
@@ -45,7 +46,7 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 
 def resolve_model(name, quiet=False):
     """A ``-m`` value as a path: a known name (fetched or built on first use) or an existing file
-    (``coli.fetch.resolve``)."""
+    (``coli.resolve.resolve``)."""
     if name is None:
         return None
 

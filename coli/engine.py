@@ -22,7 +22,7 @@ from coli.base import memory, settings
 from coli.base.errors import ColiError
 from coli.base.progress import compile_seconds
 from coli.demo import demo_model_path
-from coli.fetch import resolve
+from coli.resolve import resolve
 from coli.generation import GenerateResult, PerplexityResult, StopText, TextStream, check_ids, perplexity_windows
 from coli.runtime import FLAGS, IO_THREADS_MAX, close_at_exit, engine_threads, int_arg, on_engine_threads
 from coli.sampling import Sampler, SamplingParams
@@ -36,7 +36,7 @@ PREFILL_CHUNK = None  # rows of every CPU prompt step when set (tests, scripts);
 
 class Engine:
     """A loaded model. ``path``: a GGUF file, a Hugging Face folder, or a name ``coli run -m`` takes (``smollm2``,
-    ``gemma3-270m``, ``qwen2.5-coder-0.5b``, ``demo``: fetched or built on first use, ``coli.fetch.resolve``);
+    ``gemma3-270m``, ``qwen2.5-coder-0.5b``, ``demo``: fetched or built on first use, ``coli.resolve.resolve``);
     None is the demo MoE.
 
     Options: ``threads`` (Numba threads; default: physical cores available), ``ctx`` (the most positions a

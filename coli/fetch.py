@@ -52,27 +52,9 @@ def _natural_key(name: str):
 
 
 #: the names ``coli run -m``, ``coli.Engine(...)`` and the scripts take for a model (lower case) -> a key of MODELS, or
-#: None for the demo MoE (built from SmolLM2 on first use: coli/demo.py)
+#: None for the demo MoE (built from SmolLM2 on first use: coli/demo.py); coli/resolve.py turns a name into a path
 MODEL_NAMES = {"smollm2": "smollm2", "gemma3-270m": "gemma3", "qwen2.5-coder-0.5b": "qwen25", "demo": None,
                "gemma3": "gemma3", "qwen25": "qwen25"}
-
-
-def resolve(name, quiet: bool = False) -> str:
-    """A model given by path or by name as a path: an existing file or folder as it is, a name of ``MODEL_NAMES``
-    fetched (or, ``demo``, built) on first use. ColiError naming the value and the names when it is neither."""
-    name = os.fspath(name)
-    if not os.path.exists(name) and name.lower() in MODEL_NAMES:
-        key = MODEL_NAMES[name.lower()]
-        if key is None:
-            from coli.demo import demo_model_path  # coli.demo imports this module: a circle at import time
-
-            return str(demo_model_path(quiet=quiet))
-        return str(model_path(key, quiet=quiet))
-    if not os.path.exists(name):
-        raise ColiError(f"{name}: no such file (give a GGUF path or a model name: "
-                        f"{', '.join(k for k in MODEL_NAMES if k not in ('gemma3', 'qwen25'))}; see coli models)")
-    check_folder(name)
-    return name
 
 
 def check_folder(path) -> None:

@@ -39,7 +39,7 @@ import psutil
 from coli import vulkan as cvk
 from coli.base import memory, settings
 from coli.base.errors import ColiError
-from coli.fetch import resolve
+from coli.resolve import resolve
 from coli.gguf_file import open_gguf
 from coli.models import model_class
 from coli.runtime import (budget_needed, cache_room, default_ctx, expert_cache_slots, headroom, kv_cache_bytes,

@@ -48,7 +48,7 @@ import psutil
 from coli.base.errors import ColiError
 from coli.base.paths import atomic_write_text
 from coli.base.progress import bar
-from coli.fetch import resolve
+from coli.resolve import resolve
 
 CSV_FIELDS = ["model", "layer", "threads", "io_threads", "device", "balance", "rep", "n_prompt", "n_gen",
               "prefill_tps", "decode_tps", "decode_weight_gbps", "load_avg"]

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from coli import engine as E  # noqa: E402
 from coli.engine import Engine  # noqa: E402
-from coli.fetch import resolve  # noqa: E402
+from coli.resolve import resolve  # noqa: E402
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a dragon who",
            "Q: What is 12 times 7?\nA:", "import numpy as np\n\n# load the data", "The best way to learn a language is",

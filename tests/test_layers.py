@@ -5,7 +5,7 @@ from pathlib import Path
 
 from conftest import ROOT
 
-IO = ("coli.gguf_file", "coli.hf_folder", "coli.tokenizer", "coli.finite", "coli.fetch", "coli.demo",
+IO = ("coli.gguf_file", "coli.hf_folder", "coli.tokenizer", "coli.finite", "coli.fetch", "coli.demo", "coli.resolve",
       "coli.sampling", "coli.generation")
 LAYERS = [("coli.base",), ("coli.types",), ("cpu_kernels", "coli.vulkan"), ("scheduler", "coli.models") + IO,
           ("coli.runtime", "coli.engine"), ("coli",)]

@@ -54,7 +54,7 @@ ARMS = {"cpu": dict(device=None), "tier": dict(device="vulkan", balance=False),
 
 
 def resolve_model(name: str) -> str:
-    from coli.fetch import resolve
+    from coli.resolve import resolve
     return resolve(name)
 
 

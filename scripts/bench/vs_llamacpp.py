@@ -74,9 +74,9 @@ def cpu_name() -> str:
 
 
 def resolve_model(name: str) -> Path:
-    """A path, ``demo`` (coli's demo MoE, built on first use) or a model name (``coli.fetch.resolve``)."""
+    """A path, ``demo`` (coli's demo MoE, built on first use) or a model name (``coli.resolve.resolve``)."""
     from coli.base.errors import ColiError
-    from coli.fetch import resolve
+    from coli.resolve import resolve
     try:
         return Path(resolve(name)).resolve()
     except ColiError as e:

@@ -193,7 +193,7 @@ def test_model_names_and_models_listing(capsys, model_path):
 
 
 def test_the_api_takes_the_cli_model_names(model_path):
-    """``coli.Engine("smollm2")`` opens what ``coli run -m smollm2`` opens (``coli.fetch.resolve``: one resolver for
+    """``coli.Engine("smollm2")`` opens what ``coli run -m smollm2`` opens (``coli.resolve.resolve``: one resolver for
     the CLI, the API and the scripts); an unknown name is the CLI's one-line error, before anything is loaded."""
     import coli
     from coli.base.errors import ColiError

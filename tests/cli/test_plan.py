@@ -90,7 +90,7 @@ def test_plan_cli_table_json_and_errors(tiny, tmp_path):
         assert r.returncode == 2 and r.stderr.startswith("coli: ") and "Traceback" not in r.stderr, r.stderr
     with pytest.raises(ColiError, match="--expert-cache"):
         make_plan(tiny, expert_cache=-1)
-    # -m takes the names coli run takes (coli.fetch.resolve); an unknown one lists them
+    # -m takes the names coli run takes (coli.resolve.resolve); an unknown one lists them
     from coli.fetch import model_path
 
     r = subprocess.run([sys.executable, "-m", "coli", "plan", "-m", "smollm2", "--json"], capture_output=True,

@@ -31,7 +31,7 @@ PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, t
 
 
 def _path(name):
-    from coli.fetch import resolve
+    from coli.resolve import resolve
 
     return resolve(name, quiet=True)
 

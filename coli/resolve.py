@@ -1,0 +1,27 @@
+"""A model given by path or by name, as the path ``coli run -m``, ``coli.Engine(...)``, ``coli plan`` and the scripts
+open: an existing file or folder as it is; a name of ``coli.fetch.MODEL_NAMES`` fetched (coli/fetch.py) or, ``demo``,
+built (coli/demo.py) on first use. Above both, so neither imports the other to reach it."""
+from __future__ import annotations
+
+import os
+
+from .base.errors import ColiError
+from .fetch import MODEL_NAMES, check_folder, model_path
+
+
+def resolve(name, quiet: bool = False) -> str:
+    """A model given by path or by name as a path: an existing file or folder as it is, a name of ``MODEL_NAMES``
+    fetched (or, ``demo``, built) on first use. ColiError naming the value and the names when it is neither."""
+    name = os.fspath(name)
+    if not os.path.exists(name) and name.lower() in MODEL_NAMES:
+        key = MODEL_NAMES[name.lower()]
+        if key is None:
+            from .demo import demo_model_path  # gguf loads here, not at every coli start (0.5 s)
+
+            return str(demo_model_path(quiet=quiet))
+        return str(model_path(key, quiet=quiet))
+    if not os.path.exists(name):
+        raise ColiError(f"{name}: no such file (give a GGUF path or a model name: "
+                        f"{', '.join(k for k in MODEL_NAMES if k not in ('gemma3', 'qwen25'))}; see coli models)")
+    check_folder(name)
+    return name
