@@ -21,6 +21,10 @@ one row through the same function; also in cpu_kernels/decode.py's regions) and 
 (``_attend_blocks``) give bit-identical rows for a row at a position, whatever the chunk it comes in
 (tests/kernels/test_attention.py). The prompt kernel is one launch over (query head, query block) items, the blocks of
 ``QUERY_BLOCK`` rows reading each key tile once for all their rows, heaviest items (the last rows) claimed first.
+A decode row over a typed cache (f16, bf16, q8_0: cpu_kernels/kvcache.py) runs in items of one KV head's query
+heads (``_attend_group``: the heads as the rows of one position in the same function, ``_rows_item``, so each key
+tile is dequantized once for them and the 4-row tiles read it; the same bits), ``heads_per_item`` heads an item so
+that the threads stay busy.
 
 Attention sinks (gpt-oss, MiMo-V2): one learned logit ``s_h`` per query head joins the softmax denominator and
 attends to nothing, ``o = sum_j exp(a_j - m) v_j / (exp(s_h - m) + sum_j exp(a_j - m))`` with ``m`` the max
@@ -47,6 +51,10 @@ KEY_TILE = 64
 #: query rows per item of the prompt kernel (rows of one block share each key tile's reads)
 QUERY_BLOCK = 32
 
+
+# Every compiled (not inlined) function of a row's arithmetic sets ``fastmath`` itself: an unset flag is inherited
+# from the caller that compiles it first (numba.core.cpu: ``inherit_if_not_set("fastmath")``), so a row's bits
+# would depend on which path (prompt, decode, a region) compiled the shared function first.
 
 # ---- the micro kernels (LLVM IR: explicit <8 x float> vectors, so every path sums in one order) -------------
 
@@ -409,19 +417,18 @@ def _tile_rows(pv, q, h, r0, R, kc, gk, ok, vc, gv, ov, out, S, ja0, rng, scale)
 
 
 @nb.njit(nogil=True, cache=True, fastmath=True)
-def _block_item(q, K, V, pos0, scale, window, sinks, out, h, r0, r1, ms, L, S, rng, ks, vs):
-    """Rows ``r0 .. r1-1`` of query head ``h`` (one row: the decode row), key tile by key tile (dequantized
-    once for all the rows when the side is not f32: ``ks``/``vs`` scratch as :func:`_scratch`): the tile's
-    scores (:func:`_qk_kernel`), each row's online-softmax step (f32 max, :func:`_exp8`, the f64 sum in 8 lanes
-    by position mod 8), the weighted values (:func:`_pv_kernel`). Every row's arithmetic is the same whatever
-    rows come with it. Scratch: ``ms`` f32 [>= R], ``L`` f64 [>= R, 8], ``S`` f32 [>= R, KEY_TILE], ``rng``
-    int64 [>= R, 2]; ``q``, ``out`` and the f32 sides' rows contiguous."""
-    rep = q.shape[1] // kvc.side_heads(K)
-    g = h // rep
-    R = r1 - r0
-    vd = out.shape[2]
-    j_lo = _first_key(pos0 + r0, window)
-    p_hi = pos0 + r1 - 1
+def _rows_item(qx, ox, K, V, g, c, r0, R, p0, dp, scale, window, ms, L, S, rng, ks, vs):
+    """Rows ``qx[r0 + t, c]`` (``t < R``, at positions ``p0 + dp*t``; ``dp`` 1: a prompt block's rows of one
+    head, 0: a decode row's query heads) over KV head ``g``, key tile by key tile (dequantized once for all the
+    rows when the side is not f32: ``ks``/``vs`` scratch as :func:`_scratch`): the tile's scores
+    (:func:`_qk_kernel`), each row's online-softmax step (f32 max, :func:`_exp8`, the f64 sum in 8 lanes by
+    position mod 8), the weighted values (:func:`_pv_kernel`) into ``ox[r0 + t, c]``, undivided (the row's max
+    left in ``ms[t]``, its sum's lanes in ``L[t]``). Every row's arithmetic is the same whatever rows come with
+    it. Scratch: ``ms`` f32 [>= R], ``L`` f64 [>= R, 8], ``S`` f32 [>= R, KEY_TILE], ``rng`` int64 [>= R, 2];
+    ``qx``, ``ox`` and the f32 sides' rows contiguous."""
+    vd = ox.shape[2]
+    j_lo = _first_key(p0, window)
+    p_hi = p0 + dp * (R - 1)
     ja0 = (j_lo // KEY_TILE) * KEY_TILE
     while ja0 <= p_hi:
         jb0 = ja0 + KEY_TILE
@@ -429,11 +436,11 @@ def _block_item(q, K, V, pos0, scale, window, sinks, out, h, r0, r1, ms, L, S, r
         kc, gk, ok = _tile(K, g, ja0, n, ks)
         vc, gv, ov = _tile(V, g, ja0, n, vs)
         for t in range(R):
-            p = pos0 + r0 + t
+            p = p0 + dp * t
             j0 = _first_key(p, window)
             rng[t, 0] = ja0 if ja0 > j0 else j0
             rng[t, 1] = jb0 if jb0 < p + 1 else p + 1
-        _tile_rows(False, q, h, r0, R, kc, gk, ok, vc, gv, ov, out, S, ja0, rng, scale)
+        _tile_rows(False, qx, c, r0, R, kc, gk, ok, vc, gv, ov, ox, S, ja0, rng, scale)
         for t in range(R):
             ja = rng[t, 0]
             jb = rng[t, 1]
@@ -442,10 +449,10 @@ def _block_item(q, K, V, pos0, scale, window, sinks, out, h, r0, r1, ms, L, S, r
             a = ja - ja0
             b = jb - ja0
             mt = _tile_max(S, t, a, b)
-            if ja == _first_key(pos0 + r0 + t, window):
+            if ja == _first_key(p0 + dp * t, window):
                 mn = mt
                 for i in range(vd):
-                    out[r0 + t, h, i] = 0.0
+                    ox[r0 + t, c, i] = 0.0
                 for i in range(8):
                     L[t, i] = 0.0
             else:
@@ -457,20 +464,28 @@ def _block_item(q, K, V, pos0, scale, window, sinks, out, h, r0, r1, ms, L, S, r
                         L[t, i] *= alpha
                     af = np.float32(alpha)
                     for i in range(vd):
-                        out[r0 + t, h, i] *= af
+                        ox[r0 + t, c, i] *= af
             ms[t] = mn
             c0 = (a // 8) * 8
             c1 = ((b + 7) // 8) * 8
-            for c in range(c0, c1, 8):
-                _exp8(_addr2(S, t, c), mn)
+            for cc in range(c0, c1, 8):
+                _exp8(_addr2(S, t, cc), mn)
             for jj in range(c0, a):  # the lanes' keys outside the row's range weigh 0 (added exactly)
                 S[t, jj] = 0.0
             for jj in range(b, c1):
                 S[t, jj] = 0.0
             _lanes_add(L, t, S, c0, c1)
-        _tile_rows(True, q, h, r0, R, kc, gk, ok, vc, gv, ov, out, S, ja0, rng, scale)
+        _tile_rows(True, qx, c, r0, R, kc, gk, ok, vc, gv, ov, ox, S, ja0, rng, scale)
         ja0 = jb0
-    for t in range(R):
+
+
+@nb.njit(nogil=True, cache=True, fastmath=True)
+def _block_item(q, K, V, pos0, scale, window, sinks, out, h, r0, r1, ms, L, S, rng, ks, vs):
+    """Rows ``r0 .. r1-1`` of query head ``h`` (one row: the decode row over an f32 cache) by
+    :func:`_rows_item`, then each divided by its sum. Scratch as :func:`_rows_item`'s for ``R = r1 - r0``."""
+    rep = q.shape[1] // kvc.side_heads(K)
+    _rows_item(q, out, K, V, h // rep, h, r0, r1 - r0, pos0 + r0, 1, scale, window, ms, L, S, rng, ks, vs)
+    for t in range(r1 - r0):
         _row_finish(out, r0 + t, h, ms[t], _lanes_sum(L, t), sinks)
 
 
@@ -502,6 +517,74 @@ def _attend_serial(q, K, V, pos0, scale, window, sinks, out):
     t_n, h_n, hd = q.shape
     for idx in range(t_n * h_n):
         _attend_head(q, K, V, pos0, scale, window, sinks, out, idx // h_n, idx % h_n)
+
+
+# ---- a decode row over a typed cache: one dequantized tile per KV head, read by its query heads -------------
+@nb.njit(inline="always", nogil=True, cache=True)
+def typed(K, V):
+    """True when side ``K`` or ``V`` is not f32 (its tiles are dequantized before they are read)."""
+    return K[0] != kvc.F32 or V[0] != kvc.F32
+
+
+@nb.njit(inline="always", nogil=True, cache=True)
+def heads_per_item(H, Hkv, nt):
+    """Query heads per work item of a typed decode row on ``nt`` threads: all of a KV head's ``H / Hkv`` heads
+    (its tiles dequantized once) while there are at least two items a thread, fewer (down to one: each item
+    dequantizes its tiles) so that the threads stay busy."""
+    rep = H // Hkv
+    k = H // (2 * nt)
+    return 1 if k < 1 else (rep if k > rep else k)
+
+
+@nb.njit(inline="always", nogil=True, cache=True)
+def group_items(H, Hkv, hpi):
+    """The number of work items of a decode row at ``hpi`` heads an item (:func:`_attend_group_item`)."""
+    rep = H // Hkv
+    return Hkv * ((rep + hpi - 1) // hpi)
+
+
+@nb.njit(nogil=True, cache=True, fastmath=True)
+def _attend_group(q, K, V, p, scale, window, sinks, out, h0, h1):
+    """The decode row ``q`` f32 [1, H, hd] (at position ``p``) of query heads ``h0 .. h1-1``, which read one KV
+    head, into ``out`` f32 [1, H, hd_v] (both C-contiguous): the heads as the rows of :func:`_rows_item` (rows
+    of one position), each key tile dequantized once for all of them, then each divided by its sum (as
+    :func:`_block_item` does one head: the same bits per head)."""
+    H = q.shape[1]
+    rep = H // kvc.side_heads(K)
+    R = h1 - h0
+    ms, L, S, rng, ks, vs = _item_scratch(K, V, R, q.shape[2], out.shape[2])
+    qx = q.reshape((H, 1, q.shape[2]))  # head h's row as row h: the rows' stride is a head's
+    ox = out.reshape((H, 1, out.shape[2]))
+    _rows_item(qx, ox, K, V, h0 // rep, 0, h0, R, p, 0, scale, window, ms, L, S, rng, ks, vs)
+    for t in range(R):
+        _row_finish(out, 0, h0 + t, ms[t], _lanes_sum(L, t), sinks)
+
+
+@nb.njit(inline="always", nogil=True, cache=True)
+def _attend_group_item(q, K, V, p, scale, window, sinks, out, i, hpi):
+    """Item ``i`` of a decode row at ``hpi`` query heads an item: KV head ``i // c``, its heads' ``i % c``-th run
+    of ``hpi`` (``c`` runs a KV head)."""
+    rep = q.shape[1] // kvc.side_heads(K)
+    c = (rep + hpi - 1) // hpi
+    h0 = (i // c) * rep + (i % c) * hpi
+    h1 = min(h0 + hpi, (i // c + 1) * rep)
+    _attend_group(q, K, V, p, scale, window, sinks, out, h0, h1)
+
+
+@nb.njit(nogil=True, cache=True, fastmath=True)
+def _attend_decode_serial(q, K, V, p, scale, window, sinks, out):
+    """One decode row ``q`` f32 [1, H, hd] at position ``p``, KV head by KV head (each tile dequantized once)."""
+    n_kv = kvc.side_heads(K)
+    rep = q.shape[1] // n_kv
+    for g in range(n_kv):
+        _attend_group(q, K, V, p, scale, window, sinks, out, g * rep, (g + 1) * rep)
+
+
+@nb.njit(parallel=True, nogil=True, cache=True, fastmath=True)
+def _attend_decode(q, K, V, p, scale, window, sinks, out, hpi):
+    """One decode row in parallel over :func:`group_items` items of ``hpi`` heads."""
+    for i in nb.prange(group_items(q.shape[1], kvc.side_heads(K), hpi)):
+        _attend_group_item(q, K, V, p, scale, window, sinks, out, i, hpi)
 
 
 @nb.njit(parallel=True, nogil=True, cache=True, fastmath=True)
@@ -555,7 +638,8 @@ def attend(q: np.ndarray, kc, vc, pos0: int, scale: float, window: int = 0,
     dequantized tile by tile inside the kernels); ``window``:
     positions a row sees including itself (0: all); ``sinks``: f32 [H] sink logits (module docstring) or None.
     Returns f32 [T, H, hd_v] (``out`` when given). Serial below SERIAL_WORK multiply-adds; else one row
-    (decode) runs parallel over heads, more rows (a prompt chunk) parallel over (head, query block) items
+    (decode) runs parallel over heads (over a typed cache: over items of a KV head's heads, :func:`heads_per_item`,
+    each key tile dequantized once an item), more rows (a prompt chunk) parallel over (head, query block) items
     (``blocks=False``: over (row, head) items, the same arithmetic, for comparisons). Every way gives the same
     bits per row. Raises ValueError when ``sinks`` is not [H].
     """
@@ -575,6 +659,17 @@ def attend(q: np.ndarray, kc, vc, pos0: int, scale: float, window: int = 0,
             raise ValueError(f"attend: sinks must be f32 [{H}] (one per query head), got {list(sinks.shape)}")
     work = T * (pos0 + T) * H * hd
     scale = np.float32(scale)
+    if T == 1 and blocks and (K[0] != kvc.F32 or V[0] != kvc.F32):  # a KV head's tiles dequantized once
+        o = out if out.flags.c_contiguous else np.empty(out.shape, np.float32)
+        q = np.ascontiguousarray(q)
+        if work <= SERIAL_WORK:
+            _attend_decode_serial(q, K, V, pos0, scale, window, sinks, o)
+        else:
+            _attend_decode(q, K, V, pos0, scale, window, sinks, o,
+                           heads_per_item(H, kvc.side_heads(K), nb.get_num_threads()))
+        if o is not out:
+            out[...] = o
+        return out
     if T == 1 or not blocks:
         (_attend_serial if work <= SERIAL_WORK else _attend)(q, K, V, pos0, scale, window, sinks, out)
         return out

@@ -36,7 +36,7 @@ from . import experts as _E
 from . import formats as _F
 from . import attention as _attn
 from . import kvcache as _kvc
-from .attention import _attend_head, _attend_serial
+from .attention import _attend_decode_serial, _attend_head, _attend_serial
 from .norms import _rms_norm_heads_serial, _rms_norm_serial
 from .rope import NEOX as _NEOX
 from .rope import _rope_serial
@@ -169,11 +169,25 @@ def _attention_phases(ctr, b, nt, h, eps, w_norm, x, xq, xd, xm,
     wait(ctr, b + 2, 1)
     p = pos[0]
     H = q.shape[1]
+    typed = _attn.typed(K, V)
     if (p + 1) * H * q.shape[2] <= serial_work:  # attention.attend's rule: one item, all heads
         if serial(ctr, b + 3):
-            _attend_serial(q, K, V, p, scale, window, sinks, att)
+            if typed:
+                _attend_decode_serial(q, K, V, p, scale, window, sinks, att)
+            else:
+                _attend_serial(q, K, V, p, scale, window, sinks, att)
             finish(ctr, b + 3, 1)
         wait(ctr, b + 3, 1)
+    elif typed:  # items of a KV head's query heads, its tiles dequantized once an item (attention.attend's rule)
+        hpi = _attn.heads_per_item(H, _kvc.side_heads(K), nt)
+        n_items = _attn.group_items(H, _kvc.side_heads(K), hpi)
+        while True:
+            i = claim(ctr, b + 3, 1)
+            if i >= n_items:
+                break
+            _attn._attend_group_item(q, K, V, p, scale, window, sinks, att, i, hpi)
+            finish(ctr, b + 3, 1)
+        wait(ctr, b + 3, n_items)
     else:  # one item per head (the same per-head arithmetic)
         while True:
             hh = claim(ctr, b + 3, 1)

@@ -178,10 +178,14 @@ def load_tile(S, g, ja, n, scr):
     else:
         qs, ds = S[3], S[4]
         for jj in range(n):
+            # the codes converted in one pass, then scaled per block: LLVM vectorizes both loops (the fused
+            # loop ran scalar, 2.7x slower); the same product code * d
+            for i in range(w):
+                scr[0, jj, i] = np.float32(qs[g, ja + jj, i])
             for b in range(w // QK8_0):
                 d = h2f(ds[g, ja + jj, b])
                 for j in range(QK8_0):
-                    scr[0, jj, b * QK8_0 + j] = d * np.float32(qs[g, ja + jj, b * QK8_0 + j])
+                    scr[0, jj, b * QK8_0 + j] *= d
 
 
 @njit(inline="always", nogil=True, cache=True)

@@ -15,7 +15,7 @@ import pytest
 
 from coli.base.errors import ColiError
 from cpu_kernels import kvcache as kvc
-from cpu_kernels.attention import attend
+from cpu_kernels.attention import _attend_decode, attend
 
 from conftest import FIXTURES
 from oracle_check import rel
@@ -82,8 +82,9 @@ def test_q8_0_blocks_are_ggmls():
                                                        (8, 2, 64, 32, 0, True)])
 def test_attention_over_a_typed_cache_is_the_f32_kernel_over_its_values(kind_k, kind_v, H, Hkv, hd, hd_v, window,
                                                                           sinks):
-    """Exact invariants: a typed cache's attention (prompt rows in query blocks, and each row alone as decode) is
-    the f32 kernel's on the cache's dequantized values, bit for bit; and every prompt row is its decode row."""
+    """Exact invariants: a typed cache's attention (prompt rows in query blocks, and each row alone as decode, its
+    query heads in items of a KV head's heads) is the f32 kernel's on the cache's dequantized values, bit for bit;
+    and every prompt row is its decode row."""
     rng = np.random.default_rng(5)
     T, S = 150, 160   # three key tiles, the last cut
     q = rng.standard_normal((T, H, hd)).astype(np.float32)
@@ -93,8 +94,15 @@ def test_attention_over_a_typed_cache_is_the_f32_kernel_over_its_values(kind_k, 
     sk = rng.standard_normal(H).astype(np.float32) if sinks else None
     prompt = attend(q, K, V, 0, 0.1, window, sinks=sk)
     assert np.array_equal(prompt, attend(q, K.read(0, S), V.read(0, S), 0, 0.1, window, sinks=sk))
+    sk0 = np.zeros(0, np.float32) if sk is None else sk
     for t in (0, 63, 64, 149):
         assert np.array_equal(attend(q[t:t + 1], K, V, t, 0.1, window, sinks=sk)[0], prompt[t]), t
+        # the decode kernel's items at every split of a KV head's query heads (one tile dequantized an item; a
+        # run of 4 heads through the 4-row tiles)
+        for hpi in range(1, H // Hkv + 1):
+            out = np.full((1, H, hd_v), np.nan, np.float32)
+            _attend_decode(q[t:t + 1], K.t, V.t, t, np.float32(0.1), window, sk0, out, hpi)
+            assert np.array_equal(out[0], prompt[t]), (t, hpi)
 
 
 def _oracle_logits(name: str, types: tuple, tmp_path) -> tuple:
