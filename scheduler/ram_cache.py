@@ -167,8 +167,8 @@ class ExpertSource:
 class RAMCache:
     """One pool of cached experts for every MoE layer, at most ``capacity`` bytes (default: ``slots`` experts a
     layer, as ``source.held_nbytes`` counts them), LFRU eviction across layers (module docstring), with pins,
-    fed by a pool of ``io_threads`` readers. ``slots``: the pool's share a layer (the pins' count, the device
-    tier's rule for reading an expert back into RAM).
+    fed by a pool of ``io_threads`` readers. ``slots``: the pool's share a layer (the pins' count; the device
+    tier asks :meth:`room` before it reads an expert back into RAM).
 
     ``get(layer, e)`` returns the cached ``ExpertWeights`` (a hit) or None; ``fetch(layer, e)`` starts a
     background read and returns a ``Future``; ``put`` inserts (evicting the coldest unpinned experts until it
@@ -229,6 +229,15 @@ class RAMCache:
 
     def in_ram(self, layer: int, e: int) -> bool:
         return e in self.lru[layer]
+
+    def room(self, layer: int) -> bool:
+        """True when one more expert of ``layer`` fits the pool without an eviction: the bytes held, the reads in
+        flight (``inflight``: each will be put) and its ``source.held_nbytes(layer)`` within ``capacity`` (the
+        pool is shared by the layers: a layer's share is not a bound)."""
+        if self.slots <= 0:
+            return False
+        pending = sum(self.source.held_nbytes(l) for l, _ in list(self.inflight))
+        return self.held + pending + self.source.held_nbytes(layer) <= self.capacity
 
     def peek(self, layer: int, e: int):
         """The cached ``ExpertWeights`` or None, not counted as a hit and not moved in the LRU."""

@@ -62,7 +62,7 @@ class TierResidency:
         self.pending: set[tuple[int, int]] = set()
         self._candidates: dict = {}
 
-        # (balanced runs) experts only the device holds, to read into free RAM slots so the CPU can take them
+        # (balanced runs) experts only the device holds, to read into the RAM pool's room so the CPU can take them
         self._ram_todo: list = []
         self._reads: set = set()         # those of them started and not landed when the last token began
         self._copies = self.balancer.enabled and self.ram is not None
@@ -82,15 +82,15 @@ class TierResidency:
             inflight = getattr(self.ram, "inflight", {})
             self._reads = {k for k in self._reads if k in inflight and not inflight[k].done()}
         if self._ram_todo and self.on:
-            # the experts only the device holds (the warm start uploads them from the file) are read into free RAM
-            # slots in the background, so the balancer and the decode gate can hand them to the CPU: until then a
-            # step that routes to one needs a batch. At most `rate` reads a token (the promotions' rate; a prompt's
-            # forward counts as 4 tokens at most), so the CPU's own reads do not queue behind gigabytes of them.
+            # the experts only the device holds (the warm start uploads them from the file) are read into the RAM
+            # pool's room in the background, so the balancer and the decode gate can hand them to the CPU: until
+            # then a step that routes to one needs a batch. At most `rate` reads a token (the promotions' rate; a
+            # prompt's forward counts as 4 tokens at most), so the CPU's own reads do not queue behind gigabytes of
+            # them.
             k = max(1, self.rate * min(int(n_tokens), 4))
-            busy = self._ram_busy()
             todo, self._ram_todo = self._ram_todo[:k], self._ram_todo[k:]
             for key in todo:
-                if key in self.resident and self._back_to_ram(key, busy):
+                if key in self.resident and self._back_to_ram(key):
                     self._reads.add(key)
 
     def _token_heat(self, n_tokens: int) -> None:
@@ -224,33 +224,18 @@ class TierResidency:
         f = getattr(cache, "inflight", {}).get((layer, e))
         return f is not None and f.done() and not f.cancelled() and f.exception() is None
 
-    def _ram_busy(self) -> dict:
-        """Per layer: the RAM cache's experts plus its reads in flight (the slots :meth:`_back_to_ram` may not
-        take)."""
-        ram = self.ram
-        busy = {l: len(d) for l, d in ram.lru.items()} if ram is not None and hasattr(ram, "lru") else {}
-        for l, _ in getattr(ram, "inflight", {}):
-            busy[l] = busy.get(l, 0) + 1
-        return busy
-
-    def _back_to_ram(self, key, busy: dict | None = None) -> bool:
+    def _back_to_ram(self, key) -> bool:
         """An expert leaving the device that the RAM cache does not hold (the warm start uploads straight from
-        the file), while its layer has a free RAM slot: read it into the RAM cache now, in the cache's I/O pool
-        (``RAMCache.fetch``), so the CPU, which computes it from the next step on, finds the read landed
-        instead of waiting for the disk inside a step. ``busy``: :meth:`_ram_busy`'s counts (counted here when
-        None), kept up to date for the next call of a loop. Returns True when a read was started
-        (``prefetched``)."""
+        the file), while the cache's pool has room for it (``RAMCache.room``, its reads in flight counted): read
+        it into the RAM cache now, in the cache's I/O pool (``RAMCache.fetch``), so the CPU, which computes it
+        from the next step on, finds the read landed instead of waiting for the disk inside a step. Returns True
+        when a read was started (``prefetched``)."""
         ram = self.ram
         if ram is None or not hasattr(ram, "fetch"):
             return False
         l, e = key
-        if ram.in_ram(l, e) or (l, e) in ram.inflight:
-            return False
-        busy = self._ram_busy() if busy is None else busy
-        n = busy.get(l, 0)
-        if n >= ram.slots:
+        if ram.in_ram(l, e) or (l, e) in ram.inflight or not ram.room(l):
             return False
         ram.fetch(l, e)
-        busy[l] = n + 1
         self.prefetched += 1
         return True

@@ -18,17 +18,17 @@ from scheduler.trace import host_ns
 
 
 def _movable(cache):
-    """``in_ram(layer, e)`` for the balancer from the RAM cache: the expert is in RAM, or the cache has a
-    free slot in that layer (handing it to the CPU then costs one read through the I/O pool, after which
+    """``in_ram(layer, e)`` for the balancer from the RAM cache: the expert is in RAM, or the cache's pool has
+    room for it (``RAMCache.room``: handing it to the CPU then costs one read through the I/O pool, after which
     the CPU holds it: the cache never evicts for it). The second case is coli's: the warm start fills the
     device before any expert passed by the CPU, so on a device slower than the CPU (Lavapipe, an iGPU at
     its floor clock) nothing would ever be in RAM to hand back. None without a cache."""
     if cache is None:
         return None
-    lru, slots = getattr(cache, "lru", None), getattr(cache, "slots", None)
-    if lru is None or slots is None:
+    room = getattr(cache, "room", None)
+    if room is None:
         return cache.in_ram
-    return lambda l, e: cache.in_ram(l, e) or len(lru[l]) < slots
+    return lambda l, e: cache.in_ram(l, e) or room(l)
 
 
 @dataclass

@@ -101,3 +101,31 @@ def test_the_pool_never_exceeds_its_capacity():
     c.put(1, 3, w[(1, 3)])   # does not fit beside the pinned expert: not cached
     assert not c.in_ram(1, 3) and c.held == per and c.loads == 2
     c.close()
+
+
+def test_room_is_the_pools_not_a_layers_share():
+    """``room(layer)`` (the device tier's question before it reads an expert back into RAM, and the balancer's
+    "movable"): one more expert of the layer fits the shared pool beside the bytes held and the reads in flight,
+    whatever each layer holds; exact byte arithmetic on the tiny MoE's experts."""
+    from concurrent.futures import Future
+
+    from scheduler.ram_cache import RAMCache
+
+    src, _ = _source()
+    per = src.held_nbytes(0)
+    assert src.held_nbytes(1) == per
+    c = RAMCache(src, slots=2, io_threads=1)   # 2 a layer x 2 layers: a pool of 4 experts' bytes
+    assert c.capacity == 4 * per
+    for e in range(3):                         # layer 0 past its share of 2: the pool still has room
+        assert c.room(0)
+        c.put(0, e, src.load(0, e))
+    assert c.room(0) and c.room(1) and c.held == 3 * per
+    c.inflight[(1, 5)] = Future()              # a read in flight takes the last expert's bytes
+    assert not c.room(0) and not c.room(1)
+    del c.inflight[(1, 5)]
+    c.put(1, 0, src.load(1, 0))
+    assert c.held == c.capacity and not c.room(1)
+    c.close()
+    c = RAMCache(src, slots=0, io_threads=1)   # no cache: never room
+    assert not c.room(0)
+    c.close()

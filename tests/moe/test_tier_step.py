@@ -141,7 +141,7 @@ def test_tiny_budget_evicts_and_still_matches():
 
 def test_experts_leaving_the_device_are_read_back_into_ram():
     """The warm start fills the device straight from the file; when the routing moves on, the evicted experts
-    (not in RAM, free RAM slots) are read into the RAM cache in the background at eviction: every one of them
+    (not in RAM, room in the RAM pool) are read into the RAM cache in the background at eviction: every one of them
     is read from the file once, and the CPU's numbers are unchanged."""
     ref = run_steps(None, steps=24, shift=True)[0]
     ys, per, st, log = run_steps({"cap": 4}, steps=24, shift=True, env={"COLI_VK_TIER_SYNC": "1"}, warm=True)
@@ -294,9 +294,9 @@ def test_no_promotion_in_a_decode_token_without_the_device():
 
 @pytest.mark.parametrize("balanced", [True, False])
 def test_balanced_tier_reads_the_device_only_experts_into_ram(balanced):
-    """A balanced tier (gate off: ``COLI_VK_DECODE_GATE=0``) reads the warm start's experts into free RAM slots from
-    its first forward, a prompt's too (``rate`` reads a token, a prompt counting 4 at most), so the balancer can
-    hand them to the CPU; ``--no-balance`` (no balancer) reads none."""
+    """A balanced tier (gate off: ``COLI_VK_DECODE_GATE=0``) reads the warm start's experts into the RAM pool's
+    room from its first forward, a prompt's too (``rate`` reads a token, a prompt counting 4 at most), so the
+    balancer can hand them to the CPU; ``--no-balance`` (no balancer) reads none."""
     src, layers = setup()
     cache = ram_mod.RAMCache(src, 8, io_threads=2)
     per = max(src.expert_nbytes(l) for l in layers)
@@ -392,13 +392,14 @@ def test_the_gate_takes_no_sample_while_the_background_reads_run():
     decode gate no sample (they share the CPU's memory bandwidth); the first token after they landed does."""
 
     class RAM:                    # the RAM cache's surface that Tier._back_to_ram uses
-        slots = 4
-
         def __init__(self):
             self.lru, self.inflight = {}, {}
 
         def in_ram(self, l, e):
             return False
+
+        def room(self, l):
+            return len(self.inflight) < 4
 
         def fetch(self, l, e):
             self.inflight[(l, e)] = Future()
