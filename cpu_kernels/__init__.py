@@ -12,7 +12,9 @@ spin and two Python threads may call parallel kernels at the same time (docs/cpu
 ``NUMBA_CACHE_DIR`` defaults to ``coli.base.paths.cache_dir("numba", <digest of this package's sources>)`` (kernels
 are ``cache=True``; the digest keeps a kernel that inlines another file's function from going stale); when the
 cache cannot be written, a temporary folder for this process (one warning line); a cache write that fails later
-(a full disk) is one warning line and the kernels run uncached.
+(a full disk) is one warning line and the kernels run uncached. A kernel loaded from the cache parses its
+library's LLVM bitcode only when a later compile links it (``_lazy_linking_modules``: 43 MiB less resident on
+SmolLM2).
 
 Public API: ``set_threads(n)``, ``default_threads()``, ``threading_layer()``, ``DEFAULT_ACT``.
 """
@@ -104,12 +106,55 @@ def _guard_cache_writes() -> None:
     caching.Cache.save_overload = save_overload
 
 
+def _lazy_linking_modules() -> None:
+    """A kernel loaded from Numba's cache keeps its machine code and, parsed into an LLVM module, the bitcode
+    of its whole library (``CPUCodeLibrary._shared_module``), which only a later compile that calls the kernel
+    links in: about 7x the bitcode's bytes in LLVM's memory (SmolLM2's 14 kernels: 6.5 MiB of bitcode, 43 MiB
+    resident). Here the bitcode is kept as bytes and parsed when such a compile asks for it
+    (``_get_module_for_linking``); the module is parsed at load only for its symbol names, as Numba's
+    ``_unserialize`` does, and let go. Numba 0.68's internals (pyproject.toml pins it); left as Numba has it
+    when they differ (tests/test_threading.py checks they do not)."""
+    import llvmlite.binding as ll
+    from numba.core import codegen
+
+    cls = codegen.CPUCodeLibrary
+    if getattr(cls, "_coli_lazy", False) or not all(hasattr(cls, a) for a in ("_unserialize",
+                                                                                "_get_module_for_linking")):
+        return
+    unserialize = cls._unserialize.__func__
+    for_linking = cls._get_module_for_linking
+
+    def _unserialize(klass, cg, state):
+        name, kind, data = state
+        if kind != "object":
+            return unserialize(klass, cg, state)
+        object_code, shared_bitcode = data
+        self = cg.create_library(name)
+        self.enable_object_caching()
+        self._set_compiled_object(object_code)
+        self._finalize_final_module()
+        self._codegen._engine._load_defined_symbols(ll.parse_bitcode(shared_bitcode))
+        self._coli_bitcode = shared_bitcode
+        return self
+
+    def _get_module_for_linking(self):
+        if self._shared_module is None and getattr(self, "_coli_bitcode", None) is not None:
+            self._shared_module = ll.parse_bitcode(self._coli_bitcode)
+            self._coli_bitcode = None
+        return for_linking(self)
+
+    cls._unserialize = classmethod(_unserialize)
+    cls._get_module_for_linking = _get_module_for_linking
+    cls._coli_lazy = True
+
+
 _set_cache_dir()
 _LAYER_CHOICE = _choose_layer()
 
 import numba  # noqa: E402  (must come after the environment is set)
 from numba.core import caching  # noqa: E402
 
+_lazy_linking_modules()
 from . import _probe  # noqa: E402  (a kernel that starts the pool: threading_layer)
 
 _guard_cache_writes()

@@ -68,3 +68,39 @@ def test_default_threads_physical_cores_clipped_by_affinity():
 def test_numba_cache_dir_is_set():
     d = os.environ.get("NUMBA_CACHE_DIR")
     assert d and os.path.isdir(d)
+
+
+LINKED = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    import cpu_kernels  # its patch of Numba's cache loading
+    import numba
+    from lazymod import g
+    assert g(2.0) == 7.0
+    lib = g.overloads[g.signatures[0]].library
+    print("FROM_CACHE", g.stats.cache_hits[g.signatures[0]] == 1, "PARSED", lib._shared_module is not None)
+
+    @numba.njit
+    def h(x):   # a new compile that links the cached kernel in: its bitcode parsed now
+        return g(x) + 1.0
+    print("LINKED", h(2.0), "PARSED", lib._shared_module is not None)
+""")
+
+
+def test_a_cached_kernel_parses_its_bitcode_only_when_linked(tmp_path):
+    """A kernel loaded from Numba's cache holds no parsed LLVM module of its library (``cpu_kernels.
+    _lazy_linking_modules``) until a new compile calls it; that compile links it and computes right. Two fresh
+    processes over one cache folder: the first compiles and saves the kernel, the second loads it."""
+    from numba.core import codegen
+
+    assert codegen.CPUCodeLibrary._coli_lazy   # Numba's internals as the patch expects (the pinned version)
+    (tmp_path / "lazymod.py").write_text("import numba\n\n\n@numba.njit(cache=True)\ndef g(x):\n"
+                                         "    return x * 3.0 + 1.0\n")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    outs = [subprocess.run([sys.executable, "-c", LINKED, str(tmp_path)], env=env, capture_output=True, text=True,
+                           timeout=300) for _ in range(2)]
+    for r in outs:
+        assert r.returncode == 0, r.stderr
+    assert "FROM_CACHE False PARSED True" in outs[0].stdout    # compiled here: Numba's own module
+    assert "FROM_CACHE True PARSED False" in outs[1].stdout    # loaded: bytes only
+    assert "LINKED 8.0 PARSED True" in outs[1].stdout
