@@ -113,7 +113,7 @@ def _lazy_linking_modules() -> None:
     resident). Here the bitcode is kept as bytes and parsed when such a compile asks for it
     (``_get_module_for_linking``); the module is parsed at load only for its symbol names, as Numba's
     ``_unserialize`` does, and let go. Numba 0.68's internals (pyproject.toml pins it); left as Numba has it
-    when they differ (tests/test_threading.py checks they do not)."""
+    when they differ (tests/kernels/test_threading.py checks they do not)."""
     import llvmlite.binding as ll
     from numba.core import codegen
 
