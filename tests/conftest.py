@@ -95,3 +95,22 @@ def demo_path():
     from coli.demo import demo_model_path
 
     return demo_model_path(quiet=True)
+
+
+@pytest.fixture(scope="module")
+def device_moe(tmp_path_factory):
+    """The device-layer tests' tiny MoE (tests/tiny_moe.py ``DEVICE_ARGS``: 4 layers, 8 experts top-3), built for
+    the module."""
+    from tests.tiny_moe import DEVICE_ARGS, build_tiny_moe
+
+    return build_tiny_moe(tmp_path_factory.mktemp("moe4"), DEVICE_ARGS, "moe4.gguf")
+
+
+@pytest.fixture(scope="module")
+def moe_cpu(device_moe):
+    """The CPU-only f32 engine on ``device_moe``: the device-layer tests' reference."""
+    from tests.vk_util import device_engine
+
+    e = device_engine(device_moe)
+    yield e
+    e.close()

@@ -27,6 +27,11 @@ def _bpe(path, extra, pre="qwen2", add_bos=None, bos=None, template=None):
     w.add_eos_token_id(len(toks) - 1)
     if bos is not None:
         w.add_bos_token_id(bos)
+    return _finish(w, path, add_bos, template)
+
+
+def _finish(w, path, add_bos=None, template=None):
+    """The optional add_bos / chat template keys, the file written, its tokenizer."""
     if add_bos is not None:
         w.add_add_bos_token(add_bos)
     if template is not None:
@@ -46,12 +51,7 @@ def _spm(path, template=None, add_bos=None):
     w.add_token_types([2, 3, 3] + [6] * 256 + [1] * 5 + [3, 3])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    if add_bos is not None:
-        w.add_add_bos_token(add_bos)
-    if template is not None:
-        w.add_chat_template(template)
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
-    return Tokenizer.from_gguf(open_gguf(path))
+    return _finish(w, path, add_bos, template)
 
 
 # -- kind 1: added tokens whatever their characters ------------------------------------------------------------

@@ -162,6 +162,21 @@ def err(got, want) -> float:
     return float(np.abs(np.asarray(got, np.float64) - want).max() / max(float(np.abs(want).max()), 1e-30))
 
 
+def _uploader(K):
+    """``(buf, bufs)``: ``buf(a, readback=False)`` makes a device buffer of the kernels ``K`` holding a copy of ``a``;
+    ``bufs`` lists every buffer it made (the caller frees them)."""
+    bufs = []
+
+    def buf(a, readback=False):
+        a = np.ascontiguousarray(a)
+        b = K.buffer(a.nbytes, readback=readback)
+        K.upload(b, a)
+        bufs.append(b)
+        return b
+
+    return buf, bufs
+
+
 class Backend:
     """matmul and expert batch of one backend behind one interface; ``work()`` counts what the backend ran
     (CPU: kernel calls through this object; device: dispatches) so a test asserts the backend did the work."""
@@ -200,14 +215,8 @@ class Backend:
         K, dev = self._K, self.dev
         (raw, (O, I)), (R, k), E = dense, ids.shape, len(experts)
         D, Fd = x.shape[1], xh.shape[1]
-        placed, bufs = [], []
-
-        def buf(a, readback=False):
-            a = np.ascontiguousarray(a)
-            b = K.buffer(a.nbytes, readback=readback)
-            K.upload(b, a)
-            bufs.append(b)
-            return b
+        placed = []
+        buf, bufs = _uploader(K)
 
         try:
             tw = dev._place(type_name, raw, (O, I))
@@ -281,14 +290,7 @@ class Backend:
         R, nq, hd = q.shape
         nkv, ctx = K.shape[:2]
         kern, groups, mode = Kk.attn_dispatch(nq, nkv, hd, R)
-        bufs = []
-
-        def buf(a, readback=False):
-            a = np.ascontiguousarray(a)
-            b = Kk.buffer(a.nbytes, readback=readback)
-            Kk.upload(b, a)
-            bufs.append(b)
-            return b
+        buf, bufs = _uploader(Kk)
 
         try:
             bqb, bk, bv = buf(q), buf(K), buf(V)

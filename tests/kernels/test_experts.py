@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -24,6 +25,17 @@ def _weights(name, n, rng, O=None, I=None):
     O, I = O or O0, I or I0
     raws = [_random_raw(name, O, I, rng) for _ in range(n)]
     return [F.prepare(name, r, (O, I)) for r in raws], [_ref(name, r, O, I) for r in raws]
+
+
+def _expert_weights(names, rng, D, Fd):
+    """One expert per format name: [(prepared weights with .gate / .up / .down, gate f64 [Fd, D], up, down [D, Fd])]
+    (random valid blocks and their reference decoding)."""
+    ex = []
+    for name in names:
+        (g, u), (G, U) = _weights(name, 2, rng, O=Fd, I=D)
+        (d,), (Dw,) = _weights(name, 1, rng, O=D, I=Fd)
+        ex.append((SimpleNamespace(gate=g, up=u, down=d), G, U, Dw))
+    return ex
 
 
 def _act_rows(x, act):
@@ -93,18 +105,7 @@ def test_moe_experts_match_reference_and_do_not_depend_on_order(act):
     expert on its row, and the result is bit-identical whatever order (or split) the experts run in."""
     rng = np.random.default_rng(11)
     D, Fd, R, K, E = 256, 512, 5, 2, 4
-    ex = []
-    for e in range(E):
-        name = ["Q8_0", "Q4_K", "Q6_K", "Q4_1"][e]  # mixed formats in one launch
-        (g, u), (G, U) = _weights(name, 2, rng, O=Fd, I=D)
-        (d,), (Dw,) = _weights(name, 1, rng, O=D, I=Fd)
-
-        class W:
-            pass
-
-        w = W()
-        w.gate, w.up, w.down = g, u, d
-        ex.append((w, G, U, Dw))
+    ex = _expert_weights(["Q8_0", "Q4_K", "Q6_K", "Q4_1"][:E], rng, D, Fd)  # mixed formats in one launch
     x = rng.standard_normal((R, D)).astype(np.float32)
     ids = np.stack([rng.permutation(E)[:K] for _ in range(R)])
     flat = ids.reshape(-1)

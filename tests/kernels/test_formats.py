@@ -263,7 +263,6 @@ def test_formats_without_vnni_keep_widened_codes(tmp_path):
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
     env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES="+avx2,+fma,+f16c,+popcnt,+sse4.2",
                NUMBA_CACHE_DIR=str(tmp_path / "nb"))

@@ -11,7 +11,7 @@ from numba import njit
 from cpu_kernels import experts as X
 from cpu_kernels import formats as F
 from cpu_kernels import gemm_i8 as G
-from tests.kernels.test_experts import _act_rows, _silu_mul, _weights
+from tests.kernels.test_experts import _act_rows, _expert_weights, _silu_mul, _weights
 
 
 @pytest.fixture(autouse=True)
@@ -68,17 +68,7 @@ def test_prompt_chunk_experts_run_the_tiles_and_match_reference(name, Fd, monkey
     row with the int8 roundings, and equals the row kernels' result to f32 rounding."""
     rng = np.random.default_rng(17)
     D, R, K, E = 128, 14, 2, 3
-    ex = []
-    for e in range(E):
-        (g, u), (Gw, U) = _weights(name, 2, rng, O=Fd, I=D)
-        (d,), (Dw,) = _weights(name, 1, rng, O=D, I=Fd)
-
-        class W:
-            pass
-
-        w = W()
-        w.gate, w.up, w.down = g, u, d
-        ex.append((w, Gw, U, Dw))
+    ex = _expert_weights([name] * E, rng, D, Fd)
     x = rng.standard_normal((R, D)).astype(np.float32)
     ids = np.stack([rng.permutation(E)[:K] for _ in range(R)])
     flat = ids.reshape(-1)

@@ -10,40 +10,18 @@ import numpy as np
 import pytest
 
 from coli.base import settings
-from tests.vulkan.test_device_layers import IDS, _decode
-from tests.tiny_moe import DEVICE_ARGS, build_tiny_moe
-from tests.vk_util import rel_err, requires_vulkan
+from tests.vk_util import IDS, decode_rows, device_engine, lose_device_on_call, rel_err, requires_vulkan, tier_gb
 
 pytestmark = requires_vulkan
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny_moe(tmp_path_factory.mktemp("dc"), DEVICE_ARGS, "moe4.gguf")
-
-
-def _engine(path, act="f32", balance=None, **env):
-    from coli.engine import Engine
-
-    env = settings.overlay(None, **env) if env else None
-    return Engine(path, cpu_act=act, device="vulkan" if env else None, env=env, quiet=True, silent=True,
-                  save_usage=False, ctx=64, usage=str(path) + ".usage", balance=balance)
-
-
-@pytest.fixture(scope="module")
-def cpu(tiny):
-    e = _engine(tiny)
-    yield e
-    e.close()
-
-
 @pytest.mark.parametrize("chain", [True, False])
-def test_every_expert_on_the_cpu(tiny, cpu, chain):
+def test_every_expert_on_the_cpu(device_moe, moe_cpu, chain):
     """--cpu-moe (COLI_VK_CPU_MOE=-1) alone: every layer on the device, no expert uploaded, every routed pair of a
     decode row computed on the CPU, the logits the CPU-only run's (prompt chunks: tests/vulkan/test_device_prompt_chain.py).
     ``chain``: one submit
     a token (the timeline semaphore), else a submit a segment."""
-    dev = _engine(tiny, COLI_VK_CPU_MOE=-1)
+    dev = device_engine(device_moe, COLI_VK_CPU_MOE=-1)
     try:
         dl = dev.model.device_layers
         assert dl is not None and dl.first == 0 and dev.tier is None
@@ -54,8 +32,8 @@ def test_every_expert_on_the_cpu(tiny, cpu, chain):
         assert "routed experts: 0 of 32 on the device" in dl.describe()
         assert ("timeline semaphore" in dl.describe()) == chain
         d0 = dev.device.layer_dispatches
-        ref, _ = _decode(cpu, IDS, 5)
-        got, _ = _decode(dev, IDS, 5)
+        ref, _ = decode_rows(moe_cpu, IDS, 5)
+        got, _ = decode_rows(dev, IDS, 5)
         n = len(IDS) - 5
         assert dl.tokens == n and dl.prompt_tokens == 5
         assert dev.device.layer_dispatches - d0 >= 8 * 4 * n      # each layer's attention and router a token
@@ -67,33 +45,30 @@ def test_every_expert_on_the_cpu(tiny, cpu, chain):
 
 
 @pytest.mark.parametrize("chain", [True, False])
-def test_part_resident_by_budget(tiny, cpu, chain):
+def test_part_resident_by_budget(device_moe, moe_cpu, chain):
     """--n-cpu-moe 1 with --gpu-layers -1 and a --tier-gb that holds the layers and 9 experts: layer 0's experts on
     the CPU, 9 of the others' 24 on the device (the history's order, then lowest ids a layer in turn); a decode row's
     pairs split between the two sides, the logits the CPU-only run's; the run's stats and coli bench's records count
     both sides' expert rows."""
     from coli.bench import run_bench
-    from coli.vulkan import layer_plan as LP
 
-    m = cpu.model
-    need = LP.fixed_bytes(m, 64, settings.get("COLI_VK_PROMPT_ROWS")) + sum(
-        LP.layer_bytes(m, il, 64, experts=False) for il in range(4)) + 9 * LP.expert_bytes(m, 1)
-    dev = _engine(tiny, COLI_VK_LAYERS=-1, COLI_VK_CPU_MOE=1, COLI_VK_TIER_GB=(need + 100) / 2**30)
+    m = moe_cpu.model
+    dev = device_engine(device_moe, COLI_VK_LAYERS=-1, COLI_VK_CPU_MOE=1, COLI_VK_TIER_GB=tier_gb(m, 9))
     try:
         dl = dev.model.device_layers
         assert dl is not None and dl.first == 0
         dl.chain = chain
         assert sorted(dl.resident) == [0, 1, 2, 3]
         assert not dl.resident[0].any() and sum(int(dl.resident[il].sum()) for il in (1, 2, 3)) == 9
-        ref, _ = _decode(cpu, IDS, 5)
-        got, _ = _decode(dev, IDS, 5)
+        ref, _ = decode_rows(moe_cpu, IDS, 5)
+        got, _ = decode_rows(dev, IDS, 5)
         assert dl.cpu_rows > 0 and dl.dev_rows > 0
         assert dl.cpu_rows + dl.dev_rows == (len(IDS) - 5) * 4 * dl.k
         assert rel_err(got, ref) < 1e-5, rel_err(got, ref)
         r = dev.generate(ids=IDS[:5], max_tokens=4, temp=0.0, stop_at_eos=False)
         assert r.stats["device_expert_rows"] > 0 and r.stats["cpu_expert_rows"] > 0
         assert r.stats["device_prompt_rows"] == 5
-        whole = _engine(tiny, COLI_VK_LAYERS=-1, COLI_VK_CPU_MOE=2)   # layers 2 and 3 whole: their rows count too
+        whole = device_engine(device_moe, COLI_VK_LAYERS=-1, COLI_VK_CPU_MOE=2)   # layers 2 and 3 whole: their rows count too
         try:
             r = whole.generate(ids=IDS[:5], max_tokens=4, temp=0.0, stop_at_eos=False)
             k = whole.model.device_layers.k
@@ -108,17 +83,17 @@ def test_part_resident_by_budget(tiny, cpu, chain):
         dev.close()
 
 
-def test_tier_gb_keeps_whole_layers_that_fit(tiny):
+def test_tier_gb_keeps_whole_layers_that_fit(device_moe):
     """--gpu-layers N --tier-gb G where N whole layers fit G, or --gpu-layers -1 (as many as fit): whole layers, every
     expert on the device, as before; N that do not fit whole: their experts placed apart."""
     from coli.vulkan import layer_plan as LP
 
-    ref = _engine(tiny)
+    ref = device_engine(device_moe)
     m = ref.model
     whole2 = LP.fixed_bytes(m, 64, settings.get("COLI_VK_PROMPT_ROWS")) + 2 * LP.layer_bytes(m, 3, 64)
     ref.close()
     for layers, first, apart in ((2, 2, False), (-1, 2, False), (4, 0, True)):
-        e = _engine(tiny, COLI_VK_LAYERS=layers, COLI_VK_TIER_GB=(whole2 + 100) / 2**30)
+        e = device_engine(device_moe, COLI_VK_LAYERS=layers, COLI_VK_TIER_GB=(whole2 + 100) / 2**30)
         try:
             dl = e.model.device_layers
             assert (dl.first, bool(dl.resident)) == (first, apart), layers
@@ -126,28 +101,18 @@ def test_tier_gb_keeps_whole_layers_that_fit(tiny):
             e.close()
 
 
-def test_device_lost_mid_layer_in_one_submit(tiny, cpu, monkeypatch):
+def test_device_lost_mid_layer_in_one_submit(device_moe, moe_cpu, monkeypatch):
     """One submit a token: the device fails while the host waits for the second layer's route (after the first
     layer's CPU experts were joined): one line, the layers back on the CPU, the logits the CPU's bits, and the queue
     drained (the host signalled the token's last value: closing does not hang)."""
-    from coli.vulkan import DeviceLost
-
-    dev = _engine(tiny, COLI_VK_CPU_MOE=-1)
+    dev = device_engine(device_moe, COLI_VK_CPU_MOE=-1)
     try:
-        ref, _ = _decode(cpu, IDS[:7], 4)
+        ref, _ = decode_rows(moe_cpu, IDS[:7], 4)
         dl = dev.model.device_layers
         assert dl.chain
         dl.spin_s = 0.0                          # every layer's route waited for on the timeline
-        real, calls = dl.K.wait_value, []
-
-        def boom(value):
-            calls.append(value)
-            if len(calls) == 2:
-                raise DeviceLost("simulated")
-            return real(value)
-
-        monkeypatch.setattr(dl.K, "wait_value", boom)
-        got, _ = _decode(dev, IDS[:7], 4)
+        calls = lose_device_on_call(monkeypatch, dl.K, "wait_value", 2)
+        got, _ = decode_rows(dev, IDS[:7], 4)
         assert len(calls) == 2 and dev.model.device_layers is None and dl.cpu_rows == dl.k
         assert rel_err(got[:1], ref[:1]) < 1e-5         # the prompt's rows on the device
         assert np.array_equal(got[1:], ref[1:])          # then every layer of every row on the CPU: its bits
@@ -157,27 +122,17 @@ def test_device_lost_mid_layer_in_one_submit(tiny, cpu, monkeypatch):
         dev.close()
 
 
-def test_device_lost_mid_layer(tiny, cpu, monkeypatch):
+def test_device_lost_mid_layer(device_moe, moe_cpu, monkeypatch):
     """A submit a segment: the device fails at the second segment of a token (after the first layer's route was read
     and its CPU experts computed): one line, the layers back on the CPU, the logits the CPU's bits."""
-    from coli.vulkan import DeviceLost
-
-    dev = _engine(tiny, COLI_VK_CPU_MOE=-1)
+    dev = device_engine(device_moe, COLI_VK_CPU_MOE=-1)
     try:
-        ref, _ = _decode(cpu, IDS[:7], 4)
+        ref, _ = decode_rows(moe_cpu, IDS[:7], 4)
         dl = dev.model.device_layers
         dl.chain = False
-        real, calls = dl.K.submit, []
-
-        def boom(rec):
-            if any(rec is r for _, r, _ in dl.segs if r is not None):      # the token's segments (not the K/V rows' upload)
-                calls.append(1)
-                if len(calls) == 2:
-                    raise DeviceLost("simulated")
-            return real(rec)
-
-        monkeypatch.setattr(dl.K, "submit", boom)
-        got, _ = _decode(dev, IDS[:7], 4)
+        calls = lose_device_on_call(monkeypatch, dl.K, "submit", 2,     # the token's segments, not the K/V upload
+                                    lambda rec: any(rec is r for _, r, _ in dl.segs if r is not None))
+        got, _ = decode_rows(dev, IDS[:7], 4)
         assert len(calls) == 2 and dev.model.device_layers is None and dl.cpu_rows == dl.k
         assert rel_err(got[:1], ref[:1]) < 1e-5         # the prompt's rows on the device
         assert np.array_equal(got[1:], ref[1:])          # then every layer of every row on the CPU: its bits
@@ -187,35 +142,41 @@ def test_device_lost_mid_layer(tiny, cpu, monkeypatch):
 
 @pytest.mark.parametrize("family", ["mixtral", "olmoe", "qwen3moe", "qwen2moe"])
 def test_families_int8_tokens(family):
-    """The oracle families with every layer on the device: every expert on the CPU (--cpu-moe), and part of them
-    resident (--gpu-layers L with a --tier-gb where L whole layers do not fit, holding about half of them): 8 greedy tokens equal the CPU-only run's with int8 activations
-    on both sides (the CPU's experts int8 as in that run; the device's parts f32), the decode logits within 2e-3 of
-    the largest (int8 rounding of slightly different inputs), both sides' expert rows counted."""
-    from coli.vulkan import layer_plan as LP
+    """The oracle families with every layer on the device: every expert on the CPU (--cpu-moe), part of them
+    resident (--gpu-layers L with a --tier-gb where L whole layers do not fit, holding about half of them), and every
+    expert on the CPU streamed to the device for the prompt (COLI_VK_PROMPT_EXPERTS=stream): 8 greedy tokens equal
+    the CPU-only run's with int8 activations on both sides (the CPU's experts int8 as in that run; the device's parts
+    f32), the prompt's rows on the device, the prompt's last logits and the decode logits within 2e-3 of the largest
+    (int8 rounding of slightly different inputs), both sides' expert rows counted."""
     from tests.conftest import FIXTURES
 
     path = FIXTURES / "oracles" / f"{family}.gguf"
     ids = [int(t) for t in np.load(FIXTURES / "oracles" / f"{family}.npz")["ids"]]
-    cpu = _engine(path, act="int8")
+    cpu = device_engine(path, act="int8")
     try:
         m = cpu.model
         n = len(m.layers)
-        half = LP.fixed_bytes(m, 64, settings.get("COLI_VK_PROMPT_ROWS")) + sum(
-            LP.layer_bytes(m, il, 64, experts=False) for il in range(n)) + \
-            (m.args.n_experts * n // 2) * LP.expert_bytes(m, 0)
+        half = tier_gb(m, m.args.n_experts * n // 2, expert_layer=0)
         r_cpu = cpu.generate(ids=ids, max_tokens=8, temp=0.0, stop_at_eos=False)
-        ref, _ = _decode(cpu, ids + list(r_cpu.ids)[:4], len(ids))
-        for env in (dict(COLI_VK_CPU_MOE=-1), dict(COLI_VK_LAYERS=n, COLI_VK_TIER_GB=(half + 100) / 2**30)):
-            dev = _engine(path, act="int8", **env)
+        ref_prompt = cpu.model.forward(ids, cpu.model.new_cache(64, 64))
+        ref, _ = decode_rows(cpu, ids + list(r_cpu.ids)[:4], len(ids))
+        for env in (dict(COLI_VK_CPU_MOE=-1), dict(COLI_VK_LAYERS=n, COLI_VK_TIER_GB=half),
+                    dict(COLI_VK_CPU_MOE=-1, COLI_VK_PROMPT_EXPERTS="stream")):
+            dev = device_engine(path, act="int8", **env)
             try:
                 dl = dev.model.device_layers
                 assert dl is not None and dl.first == 0 and dl.resident
                 r = dev.generate(ids=ids, max_tokens=8, temp=0.0, stop_at_eos=False)
                 assert list(r.ids) == list(r_cpu.ids), env
                 assert r.stats["cpu_expert_rows"] > 0 and r.stats["device_decode_rows"] == 7
+                assert r.stats["device_prompt_rows"] == len(ids)
+                stream = "COLI_VK_PROMPT_EXPERTS" in env
+                assert (dl.p_cpu_rows == 0 and dl.streamed_bytes > 0) if stream else dl.p_cpu_rows > 0
                 if "COLI_VK_TIER_GB" in env:
-                    assert r.stats["device_expert_rows"] > 0
-                got, _ = _decode(dev, ids + list(r_cpu.ids)[:4], len(ids))
+                    assert r.stats["device_expert_rows"] > 0 and dl.p_dev_rows > 0
+                got = dev.model.forward(ids, dev.model.new_cache(64, 64))
+                assert rel_err(got, ref_prompt) < 2e-3, rel_err(got, ref_prompt)
+                got, _ = decode_rows(dev, ids + list(r_cpu.ids)[:4], len(ids))
                 assert rel_err(got, ref) < 2e-3, rel_err(got, ref)
             finally:
                 dev.close()
@@ -223,14 +184,14 @@ def test_families_int8_tokens(family):
         cpu.close()
 
 
-def test_cli_flags(tiny, capsys):
+def test_cli_flags(device_moe, capsys):
     """--cpu-moe / --n-cpu-moe: bad values and clashes are one ColiError line naming the flag (exit 2); --reproducible
     is the expert tier's (--balance is taken: test_balance_with_device_layers)."""
     from coli.cli import main
 
     for argv, msg in ((["--n-cpu-moe", "-2"], "--n-cpu-moe"), (["--cpu-moe", "--n-cpu-moe", "2"], "--cpu-moe"),
                       (["--cpu-moe", "--device", "cpu"], "--device cpu"), (["--cpu-moe", "--reproducible"], "--reproducible")):
-        assert main(["run", "-m", str(tiny), "-n", "2", "-p", "hi", *argv]) == 2, argv
+        assert main(["run", "-m", str(device_moe), "-n", "2", "-p", "hi", *argv]) == 2, argv
         err = capsys.readouterr().err
         assert msg in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
 
@@ -261,18 +222,15 @@ def test_demo_moe_tokens(demo_path):
             e.close()
 
 
-def test_hot_experts_swapped_in(tiny, cpu):
+def test_hot_experts_swapped_in(device_moe, moe_cpu):
     """--gpu-layers 4 with a --tier-gb that holds the layers and 9 of their 32 experts: after each decode token the
     tier's LFRU rule inside a layer (scheduler/layer_residency.py) swaps the token's hottest non-resident expert in
     for the coldest resident once its heat passes 1.25 x that one's + 4; the resident count of each layer stays, the
     expert table follows (the logits stay the CPU-only run's), and the policy alone gives the same swaps."""
-    from coli.vulkan import layer_plan as LP
     from scheduler.layer_residency import LayerLFRU
 
-    m = cpu.model
-    need = LP.fixed_bytes(m, 64, settings.get("COLI_VK_PROMPT_ROWS")) + sum(
-        LP.layer_bytes(m, il, 64, experts=False) for il in range(4)) + 9 * LP.expert_bytes(m, 1)
-    dev = _engine(tiny, COLI_VK_LAYERS=4, COLI_VK_TIER_GB=(need + 100) / 2**30)
+    m = moe_cpu.model
+    dev = device_engine(device_moe, COLI_VK_LAYERS=4, COLI_VK_TIER_GB=tier_gb(m, 9))
     try:
         dl = dev.model.device_layers
         assert dl.first == 0 and dl.on_token is not None
@@ -290,8 +248,8 @@ def test_hot_experts_swapped_in(tiny, cpu):
 
         dl.on_token = both
         ids = IDS + IDS[::-1] + IDS
-        ref, _ = _decode(cpu, ids, 3)
-        got, _ = _decode(dev, ids, 3)
+        ref, _ = decode_rows(moe_cpu, ids, 3)
+        got, _ = decode_rows(dev, ids, 3)
         assert dl.swaps == len(seen) > 0
         for il in start:
             assert dl.resident[il].sum() == start[il].sum()
@@ -303,18 +261,18 @@ def test_hot_experts_swapped_in(tiny, cpu):
         dev.close()
 
 
-def test_join_profile(tiny, cpu):
+def test_join_profile(device_moe, moe_cpu):
     """COLI_VK_JOIN_PROFILE=1 with every expert on the CPU, one submit a token: each decode token's host time charged
     to its parts (one submit, a wait / route read / compiled-call share / signal per cut layer, one tail), the parts
     summing to no more than the token's time, the timestamps read every token, the logits unchanged; off, nothing is
     timed and the timestamps are read one token in ``stamp_every``."""
-    on = _engine(tiny, COLI_VK_CPU_MOE=-1, COLI_VK_JOIN_PROFILE=1)
-    off = _engine(tiny, COLI_VK_CPU_MOE=-1)
+    on = device_engine(device_moe, COLI_VK_CPU_MOE=-1, COLI_VK_JOIN_PROFILE=1)
+    off = device_engine(device_moe, COLI_VK_CPU_MOE=-1)
     try:
         dl, dl0 = on.model.device_layers, off.model.device_layers
         assert dl.chain and dl.prof is not None and dl0.prof is None
-        ref, _ = _decode(cpu, IDS, 5)
-        got, _ = _decode(on, IDS, 5)
+        ref, _ = decode_rows(moe_cpu, IDS, 5)
+        got, _ = decode_rows(on, IDS, 5)
         n = len(IDS) - 5
         P = dl.prof
         assert P.tokens == n and rel_err(got, ref) < 1e-5
@@ -325,21 +283,21 @@ def test_join_profile(tiny, cpu):
         assert P.n["timestamps"] == (n if on.device.timestamps else 0) and dl.gpu_tokens == P.n["timestamps"]
         t = P.table()
         assert "| experts: compiled call |" in t and f"({n} decode tokens" in t
-        _decode(off, IDS, 5)
+        decode_rows(off, IDS, 5)
         assert dl0.tokens == n and dl0.gpu_tokens == (-(-n // dl0.stamp_every) if off.device.timestamps else 0)
     finally:
         on.close()
         off.close()
 
 
-def test_n_cpu_moe_below_the_device_layers_warns(tiny, capsys):
+def test_n_cpu_moe_below_the_device_layers_warns(device_moe, capsys):
     """--gpu-layers 2 --n-cpu-moe 1 on the 4-layer MoE: N counts from layer 0 (llama.cpp's meaning) and layer 0 runs on
     the CPU anyway, so the placement is --gpu-layers 2's (whole layers, every expert on the device): one warning line
     says so at start and the run goes on (exit 0); --n-cpu-moe 3 reaches a device layer: no warning, its experts on
     the CPU."""
     from coli.cli import main
 
-    bench = ["bench", "-m", str(tiny), "-p", "0", "-n", "2", "-r", "1", "--ctx", "64"]
+    bench = ["bench", "-m", str(device_moe), "-p", "0", "-n", "2", "-r", "1", "--ctx", "64"]
     assert main([*bench, "--gpu-layers", "2", "--n-cpu-moe", "1"]) == 0
     err = capsys.readouterr().err
     warn = [ln for ln in err.splitlines() if "warning: --n-cpu-moe 1 has no effect" in ln]
@@ -354,22 +312,19 @@ def test_n_cpu_moe_below_the_device_layers_warns(tiny, capsys):
 
 
 @pytest.mark.parametrize("chain", [True, False])
-def test_balance_with_device_layers(tiny, cpu, chain):
+def test_balance_with_device_layers(device_moe, moe_cpu, chain):
     """--balance with device layers whose experts sit on both sides (--n-cpu-moe 1, a --tier-gb holding 9 of the
     other layers' 24 experts): the balancer (scheduler/balancer.py, the tier's rules) takes every cut layer's step
     of a decode row after the token, with its measured times; the resident ranks it hands to the CPU are computed
     there (the device skips them: the route it reads points them at an absent expert). Held at its floor, it hands
     nearly every resident rank over; the logits stay the CPU-only run's (f32 both sides) and every routed pair is
     counted once, on one side. Free, it runs on its own measurements: the greedy tokens the CPU-only run's."""
-    from coli.vulkan import layer_plan as LP
 
-    m = cpu.model
-    need = LP.fixed_bytes(m, 64, settings.get("COLI_VK_PROMPT_ROWS")) + sum(
-        LP.layer_bytes(m, il, 64, experts=False) for il in range(4)) + 9 * LP.expert_bytes(m, 1)
-    env = dict(COLI_VK_LAYERS=-1, COLI_VK_CPU_MOE=1, COLI_VK_TIER_GB=(need + 100) / 2**30)
-    ref, _ = _decode(cpu, IDS, 5)
+    m = moe_cpu.model
+    env = dict(COLI_VK_LAYERS=-1, COLI_VK_CPU_MOE=1, COLI_VK_TIER_GB=tier_gb(m, 9))
+    ref, _ = decode_rows(moe_cpu, IDS, 5)
     n = len(IDS) - 5
-    dev = _engine(tiny, balance=True, **env)
+    dev = device_engine(device_moe, balance=True, **env)
     try:
         dl = dev.model.device_layers
         assert dl.bal is not None and dl.xroute is not None
@@ -378,7 +333,7 @@ def test_balance_with_device_layers(tiny, cpu, chain):
         bal.share = bal.floor
         steps = []
         bal.update = lambda t: (steps.append(t), bal.share)[1]     # held at the floor, the steps recorded
-        got, _ = _decode(dev, IDS, 5)
+        got, _ = decode_rows(dev, IDS, 5)
         assert rel_err(got, ref) < 1e-5, rel_err(got, ref)
         assert len(steps) == 4 * n and sum(t.resident_rows for t in steps) > 0
         assert dl.handed > 0 and dl.handed == sum(t.resident_rows - t.device_rows for t in steps)
@@ -386,8 +341,8 @@ def test_balance_with_device_layers(tiny, cpu, chain):
         assert dl.dev_rows == sum(t.device_rows for t in steps)
     finally:
         dev.close()
-    cpu_ids = list(cpu.generate(ids=IDS[:5], max_tokens=6, temp=0.0, stop_at_eos=False).ids)
-    dev = _engine(tiny, balance=True, **env)
+    cpu_ids = list(moe_cpu.generate(ids=IDS[:5], max_tokens=6, temp=0.0, stop_at_eos=False).ids)
+    dev = device_engine(device_moe, balance=True, **env)
     try:
         dl = dev.model.device_layers
         dl.chain = chain
@@ -399,20 +354,18 @@ def test_balance_with_device_layers(tiny, cpu, chain):
         dev.close()
 
 
-def test_balance_cli(tiny, capsys):
+def test_balance_cli(device_moe, capsys):
     """coli bench --gpu-layers 4 --tier-gb G --balance (experts on both sides): runs, the closing line gives both
     sides' routed pairs and the balancer's share; --cpu-moe --balance (no layer with experts on both sides): one
     line says there is nothing to balance, the run goes on."""
     from coli.cli import main
-    from coli.vulkan import layer_plan as LP
 
-    e = _engine(tiny)
+    e = device_engine(device_moe)
     m = e.model
-    need = LP.fixed_bytes(m, 512, settings.get("COLI_VK_PROMPT_ROWS")) + sum(
-        LP.layer_bytes(m, il, 512, experts=False) for il in range(4)) + 12 * LP.expert_bytes(m, 1)
+    gb = tier_gb(m, 12, ctx=512)
     e.close()
-    bench = ["bench", "-m", str(tiny), "-p", "0", "-n", "3", "-r", "1", "--ctx", "512"]
-    assert main([*bench, "--gpu-layers", "4", "--tier-gb", f"{(need + 100) / 2**30:.6f}", "--balance"]) == 0
+    bench = ["bench", "-m", str(device_moe), "-p", "0", "-n", "3", "-r", "1", "--ctx", "512"]
+    assert main([*bench, "--gpu-layers", "4", "--tier-gb", f"{gb:.6f}", "--balance"]) == 0
     err = capsys.readouterr().err
     assert "balance: device share" in err and "routed pairs of decode rows:" in err and "Traceback" not in err, err
     assert main([*bench, "--cpu-moe", "--balance"]) == 0
@@ -420,34 +373,22 @@ def test_balance_cli(tiny, capsys):
     assert "--balance: no device layer holds part of its routed experts" in err, err
 
 
-def test_balance_device_lost_mid_layer(tiny, cpu, monkeypatch):
+def test_balance_device_lost_mid_layer(device_moe, moe_cpu, monkeypatch):
     """--balance, one submit a token (two host values a cut layer: the resident ranks' route, then the rows): the
     device fails while the host waits for the second layer's route: the host signals the token's last value (8 for 4
     cut layers) after pointing the resident ranks it did not route at an absent expert (their segments run while the
     queue drains), the queue drains (closing does not hang), the layers go back to the CPU and the decode logits are
     the CPU's bits."""
-    from coli.vulkan import DeviceLost
-    from coli.vulkan import layer_plan as LP
 
-    m = cpu.model
-    need = LP.fixed_bytes(m, 64, settings.get("COLI_VK_PROMPT_ROWS")) + sum(
-        LP.layer_bytes(m, il, 64, experts=False) for il in range(4)) + 9 * LP.expert_bytes(m, 1)
-    dev = _engine(tiny, balance=True, COLI_VK_LAYERS=-1, COLI_VK_CPU_MOE=1, COLI_VK_TIER_GB=(need + 100) / 2**30)
+    m = moe_cpu.model
+    dev = device_engine(device_moe, balance=True, COLI_VK_LAYERS=-1, COLI_VK_CPU_MOE=1, COLI_VK_TIER_GB=tier_gb(m, 9))
     try:
-        ref, _ = _decode(cpu, IDS[:7], 4)
+        ref, _ = decode_rows(moe_cpu, IDS[:7], 4)
         dl = dev.model.device_layers
         assert dl.chain and dl.bal is not None and dl._V == 2
         dl.spin_s = 0.0
-        real, calls = dl.K.wait_value, []
-
-        def boom(value):
-            calls.append(value)
-            if len(calls) == 2:
-                raise DeviceLost("simulated")
-            return real(value)
-
-        monkeypatch.setattr(dl.K, "wait_value", boom)
-        got, _ = _decode(dev, IDS[:7], 4)
+        calls = lose_device_on_call(monkeypatch, dl.K, "wait_value", 2)
+        got, _ = decode_rows(dev, IDS[:7], 4)
         assert calls == [1, 3] and dev.model.device_layers is None
         assert rel_err(got[:1], ref[:1]) < 1e-5         # the prompt's rows on the device
         assert np.array_equal(got[1:], ref[1:])          # then every layer of every row on the CPU: its bits

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.vulkan.test_device_layers import _engine, _greedy
-from tests.vk_util import rel_err, requires_vulkan
+from tests.vk_util import (check_greedy_like_cpu, decode_rows, device_engine, greedy_rows, lose_device_on_call,
+                           rel_err, requires_vulkan)
 
 pytestmark = requires_vulkan
 
@@ -38,10 +38,10 @@ def test_deltanet_layers_against_hf(family, monkeypatch):
 
     path = FIXTURES / "oracles" / f"{family}.gguf"
     oracle = np.load(FIXTURES / "oracles" / f"{family}.npz")
-    cpu = _engine(path, ctx=128)
-    e = _engine(path, layers=-1, ctx=128)
+    cpu = device_engine(path, ctx=128)
+    e = device_engine(path, COLI_VK_LAYERS=-1, ctx=128)
     try:
-        ref, ref_steps, ref_gen = _greedy(cpu.model, cpu.model.new_cache(128, 128), oracle["ids"], 8)
+        ref = greedy_rows(cpu.model, cpu.model.new_cache(128, 128), oracle["ids"], 8)
         m, dl = e.model, e.model.device_layers
         assert layer_plan.why_not_all(m) == ""
         assert dl is not None and dl.first == 0 and dl.head is not None and dl.dn is not None
@@ -55,10 +55,7 @@ def test_deltanet_layers_against_hf(family, monkeypatch):
         got = check_prompt_and_decode(m, m.new_cache(128, 128), oracle)
         assert (dl.prompt_tokens, dl.prompt_chunks, dl.tokens) == (len(oracle["ids"]), 3, 8)
         assert e.device.layer_dispatches - d0 >= (3 + 8) * 4 * 6
-        _, steps, gen = _greedy(m, m.new_cache(128, 128), oracle["ids"], 8)
-        assert rel_err(got, ref) < 5e-5 and rel_err(steps, ref_steps) < 2e-5, (rel_err(got, ref),
-                                                                               rel_err(steps, ref_steps))
-        assert gen == ref_gen
+        check_greedy_like_cpu(m, ref, oracle["ids"], got, 5e-5, 2e-5)
     finally:
         e.close()
         cpu.close()
@@ -74,11 +71,10 @@ def test_deltanet_states_move_both_ways(monkeypatch):
 
     path = FIXTURES / "oracles" / "qwen3next.gguf"
     ids = [int(t) for t in np.load(FIXTURES / "oracles" / "qwen3next.npz")["ids"][:24]]
-    cpu = _engine(path, ctx=64)
-    e = _engine(path, layers=-1, ctx=64)
+    cpu = device_engine(path, ctx=64)
+    e = device_engine(path, COLI_VK_LAYERS=-1, ctx=64)
     try:
-        cc = cpu.model.new_cache(64, 64)
-        ref = np.concatenate([cpu.model.forward(ids[:16], cc)] + [cpu.model.forward([t], cc) for t in ids[16:]])
+        ref, _ = decode_rows(cpu, ids, 16)
         m, dl = e.model, e.model.device_layers
         a, b = m.new_cache(64, 64), m.new_cache(64, 64)
         m.device_layers = None          # the prompts on the CPU
@@ -128,25 +124,19 @@ def test_deltanet_device_failure_after_a_device_prompt(monkeypatch):
     holds the DeltaNet states and the K/V rows the device wrote (no row is the device's only), so the CPU goes on
     from there: every row's logits within 1e-5 of the CPU-only run's, the greedy ids equal."""
     from tests.conftest import FIXTURES
-    from coli.vulkan import DeviceLost
 
     path = FIXTURES / "oracles" / "qwen3next.gguf"
     ids = [int(t) for t in np.load(FIXTURES / "oracles" / "qwen3next.npz")["ids"][:22]]
-    cpu = _engine(path, ctx=64)
-    e = _engine(path, layers=-1, ctx=64)
+    cpu = device_engine(path, ctx=64)
+    e = device_engine(path, COLI_VK_LAYERS=-1, ctx=64)
     try:
-        cc = cpu.model.new_cache(64, 64)
-        ref = np.concatenate([cpu.model.forward(ids[:16], cc)] + [cpu.model.forward([t], cc) for t in ids[16:]])
+        ref, _ = decode_rows(cpu, ids, 16)
         m, dl = e.model, e.model.device_layers
         dl.prompt_rows = 7
         c = m.new_cache(64, 64)
         got = [m.forward(ids[:16], c)] + [m.forward([t], c) for t in ids[16:18]]
         assert (dl.prompt_chunks, dl.tokens) == (3, 2) and dl._hi <= dl._lo
-
-        def boom(rec, wait=True):
-            raise DeviceLost("simulated")
-
-        monkeypatch.setattr(dl.K, "submit", boom)
+        lose_device_on_call(monkeypatch, dl.K, "submit", 1, after=True)
         got += [m.forward([t], c) for t in ids[18:]]
         assert m.device_layers is None
         got = np.concatenate(got)

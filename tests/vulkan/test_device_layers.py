@@ -8,46 +8,20 @@ import numpy as np
 import pytest
 
 from coli.base import settings
-from tests.tiny_moe import DEVICE_ARGS, build_tiny_moe
-from tests.vk_util import open_test_device, rel_err, requires_vulkan
+from tests.tiny_moe import build_tiny_moe
+from tests.vk_util import (IDS, check_greedy_like_cpu, decode_rows, device_engine, greedy_rows, lose_device_on_call,
+                           open_test_device, rel_err, requires_vulkan)
 
 pytestmark = requires_vulkan
-ARGS = DEVICE_ARGS  # the name other device tests import
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny_moe(tmp_path_factory.mktemp("dl"), DEVICE_ARGS, "moe4.gguf")
-
-
-def _engine(path, layers=None, ctx=64, **kw):
-    from coli.engine import Engine
-
-    env = settings.overlay(None, COLI_VK_LAYERS=layers) if layers is not None else None
-    return Engine(path, cpu_act="f32", device="vulkan" if layers else None, env=env, quiet=True, silent=True,
-                  save_usage=False, ctx=ctx, usage=str(path) + ".usage", **kw)
-
-
-def _decode(e, ids, n_prompt, cache=None):
-    """Logits of a prompt (ids[:n_prompt] in one forward) then of each later id alone (decode rows)."""
-    m = e.model
-    cache = cache or m.new_cache(64, 64)
-    out = [m.forward(ids[:n_prompt], cache)[-1]]
-    for t in ids[n_prompt:]:
-        out.append(m.forward([t], cache)[-1])
-    return np.array(out), cache
-
-
-@pytest.fixture(scope="module")
-def engines(tiny):
-    cpu = _engine(tiny)
-    dev = _engine(tiny, layers=2)
+def engines(device_moe):
+    cpu = device_engine(device_moe)
+    dev = device_engine(device_moe, COLI_VK_LAYERS=2)
     yield cpu, dev
     cpu.close()
     dev.close()
-
-
-IDS = [5, 17, 200, 3, 44, 9, 120, 77, 250, 1, 64, 33]
 
 
 def test_decode_rows_match_the_cpu(engines):
@@ -55,8 +29,8 @@ def test_decode_rows_match_the_cpu(engines):
     dl = dev.model.device_layers
     assert dl is not None and dl.first == 2 and dev.tier is None
     d0, t0, p0 = dev.device.dispatches, dl.tokens, dl.prompt_tokens
-    ref, _ = _decode(cpu, IDS, 5)
-    got, cache = _decode(dev, IDS, 5)
+    ref, _ = decode_rows(cpu, IDS, 5)
+    got, cache = decode_rows(dev, IDS, 5)
     assert dl.tokens - t0 == len(IDS) - 5          # every decode row went through the device's layers
     assert dl.prompt_tokens - p0 == 5              # and the prompt's rows
     assert dev.device.dispatches - d0 >= 11 * 2 * (len(IDS) - 5)
@@ -66,7 +40,7 @@ def test_decode_rows_match_the_cpu(engines):
     # the decode rows' K/V were written back into the CPU's cache, the prompt's when asked: a CPU forward agrees
     assert dl._hi > dl._lo                          # the prompt's rows are the device's only, until asked
     dl.host_kv(cache)
-    _, cref = _decode(cpu, IDS, 5)
+    _, cref = decode_rows(cpu, IDS, 5)
     for il in (2, 3):
         assert rel_err(cache.layers[il].k[:, :len(IDS)], cref.layers[il].k[:, :len(IDS)]) < 1e-5
         assert rel_err(cache.layers[il].v[:, :len(IDS)], cref.layers[il].v[:, :len(IDS)]) < 1e-5
@@ -76,8 +50,8 @@ def test_rewind_and_new_cache(engines):
     """A forward that rewinds a cache (the engine keeps a common prefix) and a second cache: the device's rows
     are uploaded again from the CPU's, so the logits still match."""
     cpu, dev = engines
-    ref, _ = _decode(cpu, IDS[:8], 3)
-    got, cache = _decode(dev, IDS[:8], 3)
+    ref, _ = decode_rows(cpu, IDS[:8], 3)
+    got, cache = decode_rows(dev, IDS[:8], 3)
     assert rel_err(got, ref) < 1e-4
     other = [7, 8, 9, 10, 11, 12, 13]
     cache.pos = 4            # rewind: rows 4.. of the first sequence are replaced
@@ -136,13 +110,13 @@ def test_another_cache_takes_the_prompt_rows_back(engines):
     assert rel_err(got, ref) < 1e-5, rel_err(got, ref)
 
 
-def test_perplexity_and_the_placement_are_reported(tiny):
+def test_perplexity_and_the_placement_are_reported(device_moe):
     """Perplexity with every layer on the device equals the CPU-only f32 run's (within 0.1 %, here far closer) with
     every scored row on the device; a generate's run line and coli bench's records say how many rows the device ran
     (``prompt rows on the device: N of M``, ``device_rows`` / ``cpu_rows``)."""
     from coli.bench import run_bench
 
-    cpu, dev = _engine(tiny), _engine(tiny, layers=-1)
+    cpu, dev = device_engine(device_moe), device_engine(device_moe, COLI_VK_LAYERS=-1)
     try:
         dl = dev.model.device_layers
         ids = [1] + IDS * 2
@@ -164,7 +138,7 @@ def test_perplexity_and_the_placement_are_reported(tiny):
         dev.close()
 
 
-def test_plan_counts_budget_and_request(engines, tiny):
+def test_plan_counts_budget_and_request(engines, device_moe):
     from coli.vulkan import layer_plan
 
     cpu, _ = engines
@@ -179,10 +153,10 @@ def test_plan_counts_budget_and_request(engines, tiny):
     assert layer_plan.why_not(m, 0) is None
 
 
-def test_a_cache_smaller_than_the_context(tiny):
+def test_a_cache_smaller_than_the_context(device_moe):
     """The engine's own generate makes a cache of the prompt + tokens, smaller than its context: the prompt's K/V
     rows go to the device at its stride (a fresh engine: no rows left from an earlier run)."""
-    cpu, dev = _engine(tiny), _engine(tiny, layers=2)
+    cpu, dev = device_engine(device_moe), device_engine(device_moe, COLI_VK_LAYERS=2)
     try:
         m, cm = dev.model, cpu.model
         c, cc = m.new_cache(12, 64), cm.new_cache(12, 64)
@@ -203,13 +177,13 @@ def test_routing_history_counts_the_device_layers(engines):
     _, dev = engines
     u = dev.model.step.usage
     before = u.counts.copy()
-    _decode(dev, IDS[:6], 3)
+    decode_rows(dev, IDS[:6], 3)
     grew = u.counts.sum(axis=1) - before.sum(axis=1)
     k = dev.model.device_layers.k
     assert (grew == 6 * k).all(), grew        # 3 prompt rows on the CPU + 3 decode rows on the device, every layer
 
 
-def test_construction_failure_falls_back(tiny, monkeypatch):
+def test_construction_failure_falls_back(device_moe, monkeypatch):
     """A device layer set that fails to load (out of device memory) leaves nothing behind and the tier runs."""
     from coli.vulkan import VulkanError
     from coli.vulkan import device_layers
@@ -227,7 +201,7 @@ def test_construction_failure_falls_back(tiny, monkeypatch):
     # copied experts: the allocator then holds every byte the tier's handles count (zero-copy, Lavapipe's default,
     # maps them from the RAM cache instead)
     monkeypatch.setenv("COLI_VK_ZERO_COPY", "off")
-    e = _engine(tiny, layers=2)
+    e = device_engine(device_moe, COLI_VK_LAYERS=2)
     try:
         assert e.device_layers is None and e.model.device_layers is None and e.tier is not None
         assert e.device._alloc.used_bytes == sum(h.nbytes for h in e.device._handles.values()) > 0
@@ -302,7 +276,7 @@ def test_dense_llama_against_hf(family):
 
     path = FIXTURES / "oracles" / f"{family}.gguf"
     oracle = np.load(FIXTURES / "oracles" / f"{family}.npz")
-    e = _engine(path, layers=-1, ctx=len(oracle["ids"]))
+    e = device_engine(path, COLI_VK_LAYERS=-1, ctx=len(oracle["ids"]))
     try:
         dl, m = e.model.device_layers, e.model
         assert dl is not None and dl.first == 0 and dl.head is not None and m.step is None
@@ -403,46 +377,34 @@ def test_gemma3_sandwich_window_and_two_ropes(model_path):
         e.close()
 
 
-def test_device_failure_hands_layers_back(tiny, monkeypatch):
+def test_device_failure_hands_layers_back(device_moe, monkeypatch):
     """A device that fails mid-run: one line, the layers back on the CPU, the logits still the CPU's."""
-    from coli.vulkan import DeviceLost
 
-    cpu, dev = _engine(tiny), _engine(tiny, layers=1)
+    cpu, dev = device_engine(device_moe), device_engine(device_moe, COLI_VK_LAYERS=1)
     try:
-        ref, _ = _decode(cpu, IDS[:7], 4)
+        ref, _ = decode_rows(cpu, IDS[:7], 4)
         dl = dev.model.device_layers
-        calls = []
-
-        def boom(rec, wait=True):
-            calls.append(1)
-            raise DeviceLost("simulated")
-
-        monkeypatch.setattr(dl.K, "submit", boom)
-        got, _ = _decode(dev, IDS[:7], 4)
-        assert calls == [1] and dev.model.device_layers is None
+        calls = lose_device_on_call(monkeypatch, dl.K, "submit", 1, after=True)
+        got, _ = decode_rows(dev, IDS[:7], 4)
+        assert len(calls) == 1 and dev.model.device_layers is None
         assert np.array_equal(got, ref)          # every layer of every row on the CPU: its bits
     finally:
         cpu.close()
         dev.close()
 
 
-def test_device_failure_after_a_device_prompt(tiny, monkeypatch):
+def test_device_failure_after_a_device_prompt(device_moe, monkeypatch):
     """The device fails at a decode row after it ran the prompt (whose K/V rows only it held): those rows are
     computed again on the CPU from the kept input rows, and the logits and greedy tokens stay the CPU's."""
-    from coli.vulkan import DeviceLost
 
-    cpu, dev = _engine(tiny), _engine(tiny, layers=2)
+    cpu, dev = device_engine(device_moe), device_engine(device_moe, COLI_VK_LAYERS=2)
     try:
-        ref, _ = _decode(cpu, IDS[:9], 5)
+        ref, _ = decode_rows(cpu, IDS[:9], 5)
         m, dl = dev.model, dev.model.device_layers
         c = m.new_cache(64, 64)
         got = [m.forward(IDS[:5], c)[-1], m.forward([IDS[5]], c)[-1]]
         assert dl.prompt_tokens == 5 and dl.tokens == 1 and dl._hi == 5
-
-        def boom(rec, wait=True):
-            raise DeviceLost("simulated")
-
-        monkeypatch.setattr(dl.K, "submit", boom)
+        lose_device_on_call(monkeypatch, dl.K, "submit", 1, after=True)
         got += [m.forward([t], c)[-1] for t in IDS[6:9]]
         assert m.device_layers is None
         got = np.array(got)
@@ -463,7 +425,7 @@ def test_families_against_hf(family):
 
     path = FIXTURES / "oracles" / f"{family}.gguf"
     oracle = np.load(FIXTURES / "oracles" / f"{family}.npz")
-    e = _engine(path, layers=-1)
+    e = device_engine(path, COLI_VK_LAYERS=-1)
     try:
         dl = e.model.device_layers
         assert dl is not None and dl.first == 0 and dl.head is not None
@@ -488,7 +450,7 @@ def test_families_prompt_against_the_cpu(family):
 
     path = FIXTURES / "oracles" / f"{family}.gguf"
     oracle = np.load(FIXTURES / "oracles" / f"{family}.npz")
-    e, cpu = _engine(path, layers=-1), _engine(path)
+    e, cpu = device_engine(path, COLI_VK_LAYERS=-1), device_engine(path)
     try:
         dl = e.model.device_layers
         ids = oracle["ids"]
@@ -515,18 +477,18 @@ def one_queue_holder(monkeypatch):
     monkeypatch.setattr(layers.ClockHolder, "concurrent", lambda self: True)
 
 
-def test_clock_holder(tiny, one_queue_holder):
+def test_clock_holder(device_moe, one_queue_holder):
     """The clock holder (shaders/heat.comp, docs/vulkan.md "Clocks"): the kernel stops when the flag reaches the
     token number or after its rounds; in a run it is started after every decode token, each token's first op
     copies the token number into the flag, and the logits stay the CPU's."""
     from coli.vulkan.layers import Dispatch
 
-    cpu, dev = _engine(tiny), _engine(tiny, layers=2)
+    cpu, dev = device_engine(device_moe), device_engine(device_moe, COLI_VK_LAYERS=2)
     try:
         dl = dev.model.device_layers
         assert dl.clock is not None
-        ref, _ = _decode(cpu, IDS[:8], 4)
-        got, _ = _decode(dev, IDS[:8], 4)
+        ref, _ = decode_rows(cpu, IDS[:8], 4)
+        got, _ = decode_rows(dev, IDS[:8], 4)
         assert rel_err(got, ref) < 1e-4
         c = dl.clock
         assert (c.runs, c.skips, c.tick) == (5, 0, 5)     # after the prompt chunk and each decode token
@@ -548,14 +510,14 @@ def test_clock_holder(tiny, one_queue_holder):
         dev.close()
 
 
-def test_the_probe_refuses_queues_that_run_in_turn(tiny, monkeypatch):
+def test_the_probe_refuses_queues_that_run_in_turn(device_moe, monkeypatch):
     """``ClockHolder.concurrent``: on one queue the probe's stop op runs only after the heat's cap, so the heat ends
     unseen and ``for_device`` gives no holder (and frees what it made)."""
     from coli.vulkan import layers
 
     monkeypatch.setattr(layers, "HEAT_ROUNDS", 2000)
     monkeypatch.setattr(layers, "clock_queue", lambda dev, env: dev._queue)
-    dev = _engine(tiny, layers=2)
+    dev = device_engine(device_moe, COLI_VK_LAYERS=2)
     try:
         made = []
         monkeypatch.setattr(layers.ClockHolder, "close", lambda self, f=layers.ClockHolder.close: (made.append(self),
@@ -567,18 +529,18 @@ def test_the_probe_refuses_queues_that_run_in_turn(tiny, monkeypatch):
         dev.close()
 
 
-def test_tier_clock_holder(tiny, one_queue_holder):
+def test_tier_clock_holder(device_moe, one_queue_holder):
     """The expert tier starts the clock holder at each decode token (forced onto the one queue here); the logits
     stay the CPU's and its close stops it."""
     from coli.engine import Engine
 
-    cpu = _engine(tiny)
-    dev = Engine(tiny, cpu_act="f32", device="vulkan", balance=False, quiet=True, silent=True, save_usage=False,
-                 ctx=64, usage=str(tiny) + ".usage")
+    cpu = device_engine(device_moe)
+    dev = Engine(device_moe, cpu_act="f32", device="vulkan", balance=False, quiet=True, silent=True, save_usage=False,
+                 ctx=64, usage=str(device_moe) + ".usage")
     try:
         assert dev.tier is not None and dev.model.device_layers is None
-        ref, _ = _decode(cpu, IDS[:8], 4)
-        got, _ = _decode(dev, IDS[:8], 4)
+        ref, _ = decode_rows(cpu, IDS[:8], 4)
+        got, _ = decode_rows(dev, IDS[:8], 4)
         assert rel_err(got, ref) < 1e-4
         c = dev.tier._clock
         assert c and c.runs + c.skips == 4 and c.runs >= 1
@@ -630,7 +592,7 @@ def test_deepseek_router_on_the_device():
 
     path = FIXTURES / "oracles" / "mixtral.gguf"
     ids = np.load(FIXTURES / "oracles" / "mixtral.npz")["ids"][:16]
-    e = _engine(path)
+    e = device_engine(path)
     dev = dl = None
 
     def run():
@@ -665,7 +627,7 @@ def test_deepseek_router_on_the_device():
         e.close()
 
 
-def test_a_typed_kv_cache_is_refused_with_device_layers(tiny):
+def test_a_typed_kv_cache_is_refused_with_device_layers(device_moe):
     """The device layers keep their own f32 K/V rows, synced from the CPU's f32 arrays: a KV cache of another type
     (--cache-type-k/-v) with --gpu-layers is one line naming both, not a silent conversion."""
     from coli.base.errors import ColiError
@@ -673,7 +635,7 @@ def test_a_typed_kv_cache_is_refused_with_device_layers(tiny):
     with pytest.raises(ColiError, match=r"^--gpu-layers: the device layers keep an f32 KV cache; this run's is "
                                         r"f16/q8_0 \(--cache-type-k/-v\): leave --cache-type-k/-v at f32, "
                                         r"or run without --gpu-layers$"):
-        _engine(tiny, layers=2, cache_type_k="f16", cache_type_v="q8_0")
+        device_engine(device_moe, COLI_VK_LAYERS=2, cache_type_k="f16", cache_type_v="q8_0")
 
 
 def _padded_q_lora(out):
@@ -710,17 +672,6 @@ def _padded_q_lora(out):
     return out
 
 
-def _greedy(m, cache, ids, n):
-    """The prompt ``ids`` then ``n`` greedy decode rows: (prompt logits f32 [T, V], decode logits f32 [n, V], ids)."""
-    got = m.forward(ids, cache, all_logits=True)
-    last, steps, gen = got[-1], [], []
-    for _ in range(n):
-        steps.append(last)
-        gen.append(int(last.argmax()))
-        last = m.forward([gen[-1]], cache)[0]
-    return got, np.array(steps), gen
-
-
 @pytest.mark.parametrize("family", ["deepseek2_lite", "deepseek2_yarn", "deepseek3_q32"])
 def test_mla_against_hf(family, tmp_path):
     """DeepSeek-V2/V3's MLA on the device (shaders/mla.comp: the kv_a latent normed into the device's latent cache
@@ -738,8 +689,8 @@ def test_mla_against_hf(family, tmp_path):
     name = "deepseek3" if family == "deepseek3_q32" else family
     path = _padded_q_lora(tmp_path / "q32.gguf") if family == "deepseek3_q32" else FIXTURES / "oracles" / f"{name}.gguf"
     oracle = np.load(FIXTURES / "oracles" / f"{name}.npz")
-    cpu = _engine(path, ctx=128)
-    e = _engine(path, layers=-1, ctx=128)
+    cpu = device_engine(path, ctx=128)
+    e = device_engine(path, COLI_VK_LAYERS=-1, ctx=128)
     try:
         m, dl = e.model, e.model.device_layers
         dl.prompt_rows = 40
@@ -752,11 +703,8 @@ def test_mla_against_hf(family, tmp_path):
         assert e.device.layer_dispatches - d0 >= 8 * 3 * 7
         grew = (m.step.usage.counts - u0).sum(1)     # the routes of the MoE layers only (layer 0 has none)
         assert grew.tolist() == [0] + [(len(oracle["ids"]) + 8) * m.args.top_k] * 2, grew
-        ref, ref_steps, ref_gen = _greedy(cpu.model, cpu.model.new_cache(128, 128), oracle["ids"], 8)
-        _, steps, gen = _greedy(m, m.new_cache(128, 128), oracle["ids"], 8)
-        assert rel_err(got, ref) < 1e-5 and rel_err(steps, ref_steps) < 1e-5, (rel_err(got, ref),
-                                                                               rel_err(steps, ref_steps))
-        assert gen == ref_gen
+        ref = greedy_rows(cpu.model, cpu.model.new_cache(128, 128), oracle["ids"], 8)
+        check_greedy_like_cpu(m, ref, oracle["ids"], got, 1e-5, 1e-5)
     finally:
         e.close()
         cpu.close()
@@ -771,8 +719,8 @@ def test_mla_latent_rows_move_both_ways():
 
     path = FIXTURES / "oracles" / "deepseek2_lite.gguf"
     ids = np.load(FIXTURES / "oracles" / "deepseek2_lite.npz")["ids"][:44]
-    cpu = _engine(path, ctx=64)
-    e = _engine(path, layers=-1, ctx=64)
+    cpu = device_engine(path, ctx=64)
+    e = device_engine(path, COLI_VK_LAYERS=-1, ctx=64)
     try:
         m, dl = e.model, e.model.device_layers
         cc = cpu.model.new_cache(64, 64)
@@ -807,8 +755,8 @@ def test_mla_synthetic_q8_0_past_one_key_tile(tmp_path):
                                      "8", "--top-k", "2", "--expert-ff", "128", "--vocab", "300", "--kv-lora-rank",
                                      "64", "--nope", "32", "--rope-dims", "32", "--v-dim", "32"], "ds2.gguf")
     ids = np.random.default_rng(0).integers(0, 300, 304)
-    cpu = _engine(path, ctx=320)
-    e = _engine(path, layers=-1, ctx=320)
+    cpu = device_engine(path, ctx=320)
+    e = device_engine(path, COLI_VK_LAYERS=-1, ctx=320)
 
     def run(m):
         c = m.new_cache(320, 320)

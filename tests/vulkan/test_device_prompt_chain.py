@@ -2,41 +2,21 @@
 ``_run_prompt_split``; --cpu-moe, --n-cpu-moe, --gpu-layers with --tier-gb; docs/vulkan.md "Experts on the CPU"): the
 device runs the chunk's attention, router, shared expert and resident experts, the CPU the other (row, rank) pairs
 grouped by expert from the RAM expert cache, summed in rank order on the device. Every prompt row's logits equal the
-CPU-only f32 run's within the device layers' tolerance, greedy tokens equal the CPU-only int8 run's on the MoE
-oracles, and both sides did work (prompt rows on the device, CPU expert pairs)."""
+CPU-only f32 run's within the device layers' tolerance, and both sides did work (prompt rows on the device, CPU
+expert pairs). The MoE oracles' prompts, with the decode rows after them: tests/vulkan/test_device_chain.py."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from coli.base import settings
-from tests.vulkan.test_device_chain import _engine
-from tests.vulkan.test_device_layers import IDS
-from tests.tiny_moe import DEVICE_ARGS, build_tiny_moe
-from tests.vk_util import rel_err, requires_vulkan
+from tests.vk_util import IDS, device_engine, lose_device_on_call, rel_err, requires_vulkan, tier_gb
 
 pytestmark = requires_vulkan
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny_moe(tmp_path_factory.mktemp("dpc"), DEVICE_ARGS, "moe4.gguf")
-
-
-@pytest.fixture(scope="module")
-def cpu(tiny):
-    e = _engine(tiny)
-    yield e
-    e.close()
-
-
 def _part_resident_env(m, n_res: int) -> dict:
     """--n-cpu-moe 1 with a --tier-gb holding the 4 layers without experts and ``n_res`` of layers 1-3's experts."""
-    from coli.vulkan import layer_plan as LP
-
-    need = LP.fixed_bytes(m, 64, settings.get("COLI_VK_PROMPT_ROWS")) + sum(
-        LP.layer_bytes(m, il, 64, experts=False) for il in range(4)) + n_res * LP.expert_bytes(m, 1)
-    return dict(COLI_VK_LAYERS=-1, COLI_VK_CPU_MOE=1, COLI_VK_TIER_GB=(need + 100) / 2**30)
+    return dict(COLI_VK_LAYERS=-1, COLI_VK_CPU_MOE=1, COLI_VK_TIER_GB=tier_gb(m, n_res))
 
 
 def _prompt(e, ids, rows):
@@ -49,19 +29,19 @@ def _prompt(e, ids, rows):
 
 
 @pytest.mark.parametrize("placement", ["cpu-moe", "part"])
-def test_prompt_rows_on_the_device_with_cpu_experts(tiny, cpu, placement):
+def test_prompt_rows_on_the_device_with_cpu_experts(device_moe, moe_cpu, placement):
     """A 12-row prompt in chunks of 5 (a chunk boundary inside it), with every expert on the CPU and with 9 of 24
     resident: each row's logits within 1e-5 of the CPU-only f32 run's, every prompt row through the device's layers,
     each side's pairs counted (their sum every routed pair of the prompt), a decode row after it agrees too."""
-    m = cpu.model
+    m = moe_cpu.model
     env = dict(COLI_VK_CPU_MOE=-1) if placement == "cpu-moe" else _part_resident_env(m, 9)
-    dev = _engine(tiny, **env)
+    dev = device_engine(device_moe, **env)
     try:
         dl = dev.model.device_layers
         assert dl is not None and dl.first == 0 and sorted(dl.resident) == [0, 1, 2, 3]
         assert any(mk.any() for mk in dl.resident.values()) == (placement == "part")
         d0, c0 = dev.device.layer_dispatches, dev.model.step.stats.cpu_pairs
-        ref, cc = _prompt(cpu, IDS, 5)
+        ref, cc = _prompt(moe_cpu, IDS, 5)
         got, c = _prompt(dev, IDS, 5)
         assert got.shape == ref.shape == (len(IDS), m.args.vocab)
         assert rel_err(got, ref) < 1e-5, rel_err(got, ref)
@@ -72,17 +52,17 @@ def test_prompt_rows_on_the_device_with_cpu_experts(tiny, cpu, placement):
         assert dl.p_cpu_rows + dl.p_dev_rows == len(IDS) * 4 * dl.k
         assert (dl.p_dev_rows > 0) == (placement == "part")
         last = dev.model.forward([7], c)
-        assert rel_err(last, cpu.model.forward([7], cc)) < 1e-5
+        assert rel_err(last, moe_cpu.model.forward([7], cc)) < 1e-5
     finally:
         dev.close()
 
 
-def test_prompt_placement_is_reported(tiny, cpu):
+def test_prompt_placement_is_reported(device_moe, moe_cpu):
     """The run's stats and coli bench's pp record say the prompt rows ran on the device, and count both sides'
     expert pairs."""
     from coli.bench import run_bench
 
-    dev = _engine(tiny, **_part_resident_env(cpu.model, 9))
+    dev = device_engine(device_moe, **_part_resident_env(moe_cpu.model, 9))
     try:
         r = dev.generate(ids=IDS[:9], max_tokens=2, temp=0.0, stop_at_eos=False)
         assert r.stats["device_prompt_rows"] == 9
@@ -96,28 +76,19 @@ def test_prompt_placement_is_reported(tiny, cpu):
         dev.close()
 
 
-def test_device_lost_in_a_prompt_chunk(tiny, cpu, monkeypatch):
+def test_device_lost_in_a_prompt_chunk(device_moe, moe_cpu, monkeypatch):
     """The device fails at the third segment of a prompt chunk (after layer 0's CPU pairs were computed): one line,
     the layers back on the CPU, the K/V rows only the device held computed again, every row's logits the CPU's
     bits."""
-    from coli.vulkan import DeviceLost
-
-    dev = _engine(tiny, COLI_VK_CPU_MOE=-1)
+    dev = device_engine(device_moe, COLI_VK_CPU_MOE=-1)
     try:
         dl = dev.model.device_layers
-        cc = cpu.model.new_cache(64, 64)
-        ref = np.concatenate([cpu.model.forward(IDS[:4], cc, all_logits=True),
-                              cpu.model.forward(IDS[4:8], cc, all_logits=True)])
-        real, calls = dl.K.submit, []
-
-        def boom(rec):
-            if any(isinstance(v, list) and any(rec is r for _, r, _ in v) for v in dl._precs.values()):
-                calls.append(1)
-                if len(calls) == 8:         # the second chunk's third segment
-                    raise DeviceLost("simulated")
-            return real(rec)
-
-        monkeypatch.setattr(dl.K, "submit", boom)
+        cc = moe_cpu.model.new_cache(64, 64)
+        ref = np.concatenate([moe_cpu.model.forward(IDS[:4], cc, all_logits=True),
+                              moe_cpu.model.forward(IDS[4:8], cc, all_logits=True)])
+        calls = lose_device_on_call(monkeypatch, dl.K, "submit", 8,     # the second chunk's third segment
+                                    lambda rec: any(isinstance(v, list) and any(rec is r for _, r, _ in v)
+                                                    for v in dl._precs.values()))
         c = dev.model.new_cache(64, 64)
         dl.prompt_rows = 4
         got = np.concatenate([dev.model.forward(IDS[:4], c, all_logits=True),
@@ -129,57 +100,16 @@ def test_device_lost_in_a_prompt_chunk(tiny, cpu, monkeypatch):
         dev.close()
 
 
-@pytest.mark.parametrize("family", ["mixtral", "olmoe", "qwen3moe", "qwen2moe"])
-def test_families_prompt_int8_tokens(family):
-    """The oracle families with every layer on the device and every expert on the CPU (--cpu-moe), about half of
-    them resident, and every expert streamed for the prompt (COLI_VK_PROMPT_EXPERTS=stream): the prompt's rows on the
-    device (its CPU pairs int8 as in the CPU-only run), 8 greedy tokens equal to the CPU-only int8 run's, the
-    prompt's last logits within 2e-3 of the largest."""
-    from coli.vulkan import layer_plan as LP
-    from tests.conftest import FIXTURES
-
-    path = FIXTURES / "oracles" / f"{family}.gguf"
-    ids = [int(t) for t in np.load(FIXTURES / "oracles" / f"{family}.npz")["ids"]]
-    cpu = _engine(path, act="int8")
-    try:
-        m = cpu.model
-        n = len(m.layers)
-        half = LP.fixed_bytes(m, 64, settings.get("COLI_VK_PROMPT_ROWS")) + sum(
-            LP.layer_bytes(m, il, 64, experts=False) for il in range(n)) + \
-            (m.args.n_experts * n // 2) * LP.expert_bytes(m, 0)
-        r_cpu = cpu.generate(ids=ids, max_tokens=8, temp=0.0, stop_at_eos=False)
-        ref = cpu.model.forward(ids, cpu.model.new_cache(64, 64))
-        for env in (dict(COLI_VK_CPU_MOE=-1), dict(COLI_VK_LAYERS=n, COLI_VK_TIER_GB=(half + 100) / 2**30),
-                    dict(COLI_VK_CPU_MOE=-1, COLI_VK_PROMPT_EXPERTS="stream")):
-            dev = _engine(path, act="int8", **env)
-            try:
-                dl = dev.model.device_layers
-                assert dl is not None and dl.first == 0 and dl.resident
-                r = dev.generate(ids=ids, max_tokens=8, temp=0.0, stop_at_eos=False)
-                assert list(r.ids) == list(r_cpu.ids), env
-                assert r.stats["device_prompt_rows"] == len(ids)
-                stream = "COLI_VK_PROMPT_EXPERTS" in env
-                assert (dl.p_cpu_rows == 0 and dl.streamed_bytes > 0) if stream else dl.p_cpu_rows > 0
-                if "COLI_VK_TIER_GB" in env:
-                    assert dl.p_dev_rows > 0
-                got = dev.model.forward(ids, dev.model.new_cache(64, 64))
-                assert rel_err(got, ref) < 2e-3, rel_err(got, ref)
-            finally:
-                dev.close()
-    finally:
-        cpu.close()
-
-
 @pytest.mark.parametrize("placement", ["cpu-moe", "part"])
-def test_streamed_prompt_experts(tiny, cpu, placement):
+def test_streamed_prompt_experts(device_moe, moe_cpu, placement):
     """COLI_VK_PROMPT_EXPERTS=stream: each chunk copies every cut layer's non-resident experts into a stream slot
     (two, alternating) and runs every pair on the device: the 12 rows' logits within 1e-5 of the CPU-only f32 run's,
     no CPU expert pair, the streamed bytes those experts' a chunk; auto streams the chunks of at least
     COLI_VK_STREAM_ROWS rows only (the last, shorter one: the CPU's pairs)."""
-    m = cpu.model
+    m = moe_cpu.model
     env = dict(COLI_VK_CPU_MOE=-1) if placement == "cpu-moe" else _part_resident_env(m, 9)
-    ref, _ = _prompt(cpu, IDS, 5)
-    dev = _engine(tiny, COLI_VK_PROMPT_EXPERTS="stream", **env)
+    ref, _ = _prompt(moe_cpu, IDS, 5)
+    dev = device_engine(device_moe, COLI_VK_PROMPT_EXPERTS="stream", **env)
     try:
         dl = dev.model.device_layers
         c0 = dev.model.step.stats.cpu_pairs
@@ -193,7 +123,7 @@ def test_streamed_prompt_experts(tiny, cpu, placement):
         assert dl.streamed_bytes == 3 * away * one
     finally:
         dev.close()
-    dev = _engine(tiny, COLI_VK_PROMPT_EXPERTS="auto", COLI_VK_STREAM_ROWS=5, **env)
+    dev = device_engine(device_moe, COLI_VK_PROMPT_EXPERTS="auto", COLI_VK_STREAM_ROWS=5, **env)
     try:
         dl = dev.model.device_layers
         got, _ = _prompt(dev, IDS, 5)
@@ -210,9 +140,9 @@ def test_streamed_prompt_experts(tiny, cpu, placement):
         dev.close()
 
 
-def test_prompt_experts_setting_refused(tiny):
+def test_prompt_experts_setting_refused(device_moe):
     """COLI_VK_PROMPT_EXPERTS other than cpu, stream or auto: one ColiError naming the variable."""
     from coli.base.errors import ColiError
 
     with pytest.raises(ColiError, match="COLI_VK_PROMPT_EXPERTS=gpu"):
-        _engine(tiny, COLI_VK_CPU_MOE=-1, COLI_VK_PROMPT_EXPERTS="gpu")
+        device_engine(device_moe, COLI_VK_CPU_MOE=-1, COLI_VK_PROMPT_EXPERTS="gpu")

@@ -8,7 +8,7 @@ import zlib
 import numpy as np
 import pytest
 
-from tests.vk_util import (block_elems, make_expert, make_weight, numpy_expert, rel_err,
+from tests.vk_util import (block_elems, make_expert, make_weight, numpy_expert, open_test_device, rel_err,
                            requires_vulkan)
 
 pytestmark = requires_vulkan
@@ -17,12 +17,19 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def dev():
-    from coli.vulkan import open_device
-    d = open_device("test", budget=1 << 30, quiet=True)
-    if d is None:
-        pytest.fail("libvulkan.so.1 is present but no device opened (see the [VK] line above)")
+    d = open_test_device()
     yield d
     d.close()
+
+
+def _upload_experts(dev, E: int, fmt_gu: str, fmt_d: str, D: int, F: int, rng):
+    """``E`` random experts (vk_util.make_expert) uploaded: (device handles, dequantized f32 (Wg, Wu, Wd) each)."""
+    hs, ws = [], []
+    for _ in range(E):
+        spec, w = make_expert(fmt_gu, fmt_d, D, F, rng)
+        hs.append(dev.upload_expert(*spec))
+        ws.append(w)
+    return hs, ws
 
 
 def _inner(t):
@@ -55,11 +62,7 @@ def test_expert_batch_mixed_formats(dev, fmt_gu, fmt_d):
     big = block_elems(fmt_gu) == 256 or block_elems(fmt_d) == 256
     D, F = (256, 256) if big else (64, 96)
     E, R, K = 4, 20, 2
-    hs, ws = [], []
-    for _ in range(E):
-        spec, w = make_expert(fmt_gu, fmt_d, D, F, rng)
-        hs.append(dev.upload_expert(*spec))
-        ws.append(w)
+    hs, ws = _upload_experts(dev, E, fmt_gu, fmt_d, D, F, rng)
     ids = _route(R, E, K, rng)
     ids[:18, 0] = 0                       # expert 0 gets >= 18 rows: its group takes the GEMM
     ids[:18, 1] = np.where(ids[:18, 1] == 0, 1, ids[:18, 1])
@@ -329,11 +332,7 @@ def test_float_rows_not_a_multiple_of_32(dev, fmt_gu, fmt_d, D, F):
     plain matmul against NumPy's product of the reference decoding; the handle's device shape is padded."""
     rng = np.random.default_rng(D * 1000 + F)
     E, R, K = 3, 20, 2
-    hs, ws = [], []
-    for _ in range(E):
-        spec, w = make_expert(fmt_gu, fmt_d, D, F, rng)
-        hs.append(dev.upload_expert(*spec))
-        ws.append(w)
+    hs, ws = _upload_experts(dev, E, fmt_gu, fmt_d, D, F, rng)
     assert (hs[0].D, hs[0].F) == (D, F) and hs[0].Dp % 32 == 0 and hs[0].Fp % 32 == 0
     assert hs[0].Fp > F or hs[0].Dp > D
     ids = _route(R, E, K, rng)

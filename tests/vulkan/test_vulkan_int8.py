@@ -7,17 +7,14 @@ import numpy as np
 import pytest
 
 from tests.kernels.test_formats import _q8_act_model, tiny_blocks
-from tests.vk_util import make_expert, numpy_expert, rel_err, requires_vulkan
+from tests.vk_util import make_expert, numpy_expert, open_test_device, rel_err, requires_vulkan
 
 pytestmark = requires_vulkan
 
 
 @pytest.fixture(scope="module")
 def dev():
-    from coli.vulkan import open_device
-    d = open_device("int8", budget=1 << 28, quiet=True)
-    if d is None:
-        pytest.fail("libvulkan.so.1 is present but no device opened")
+    d = open_test_device(1 << 28)
     yield d
     d.close()
 
