@@ -30,6 +30,7 @@ from coli.base.paths import cache_dir
 from coli.base.progress import HoldFirst, bar, stderr_is_terminal, text_on_line
 from coli.fetch import MODEL_NAMES, MODELS, check_folder  # MODEL_NAMES: the names -m takes besides a path
 from coli.resolve import resolve
+from coli.vulkan import device_flag
 from scheduler.trace import CATEGORIES, summarize
 
 
@@ -109,13 +110,7 @@ def _engine_args(p: argparse.ArgumentParser, model_required=False):
 def _open_engine(a, quiet=False, save_usage=True):
     from coli.engine import Engine  # loads Numba: only when a command opens a model, not for --help
 
-    device, index = a.device, None
-    if device is not None and device.startswith("vulkan:"):
-        if not device[7:].isdigit():
-            raise ColiError(f"--device {device}: N is a device number (vulkan:0, vulkan:1, ...)")
-        device, index = "vulkan", int(device[7:])
-    elif device not in (None, "cpu", "vulkan"):
-        raise ColiError(f"--device: '{device}' (cpu, vulkan or vulkan:N)")
+    device, index = device_flag(a.device)
     tier_flags = [f for f, on in (("--balance", a.balance is True), ("--no-balance", a.balance is False),
                                   ("--reproducible", a.reproducible)) if on]
     if device is None and (tier_flags or settings.get("COLI_VULKAN")):
@@ -667,7 +662,8 @@ def _plan_parser(sub) -> None:
     pl = sub.add_parser("plan", help="what a model takes here (RAM, KV cache, expert cache, device, disk), before loading it")
     pl.add_argument("-m", "--model", default=None,
                     help="GGUF file or a model name (smollm2, gemma3-270m, qwen2.5-coder-0.5b, demo; default: demo)")
-    pl.add_argument("--device", choices=["cpu", "vulkan"], default=None, help="vulkan: read the device's heaps for the tier")
+    pl.add_argument("--device", default=None, metavar="cpu|vulkan|vulkan:N",
+                    help="vulkan: read the best device's heaps for the tier, vulkan:N device N's")
     pl.add_argument("--ctx", "-c", "--ctx-size", type=int, default=None,
                     help="KV cache positions (default: the trained context, capped by the memory budget as coli run's)")
     pl.add_argument("--expert-cache", type=int, default=None, metavar="N", help="RAM expert cache slots per MoE layer")

@@ -50,13 +50,16 @@ GiB = 1 << 30
 MiB = 1 << 20
 
 
-def _device_info(label: str):
-    """``scheduler.tier_policy.DeviceMemory`` of the best Vulkan device; ColiError naming ``--device vulkan`` when
-    there is none to open (a plan without the device it was asked about would mislead)."""
+def _device_info(label: str, index: int | None = None):
+    """``scheduler.tier_policy.DeviceMemory`` of the best Vulkan device (``index``: device ``index``, as
+    ``--device vulkan:N``); ColiError naming the flag when there is none to open (a plan without the device it was
+    asked about would mislead)."""
+    flag = "--device vulkan" + ("" if index is None else f":{index}")
     try:
-        dev = cvk.open_device(label, quiet=True, required=True)
+        dev = cvk.open_device(label, quiet=True, required=True, device_index=index,
+                              index_name=None if index is None else flag)
     except cvk.VulkanError as e:
-        raise ColiError(f"--device vulkan: {e}") from None
+        raise ColiError(f"{flag}: {e}") from None
     try:
         return DeviceMemory.of(dev)
     finally:
@@ -65,7 +68,7 @@ def _device_info(label: str):
 
 def make_plan(path, *, device: str | None = None, ctx: int | None = None, expert_cache: int | None = None,
               available: int | None = None, device_info=None, env=None, mem_flag: str | None = None,
-              cache_type_k: str | None = None, cache_type_v: str | None = None) -> dict:
+              cache_type_k: str | None = None, cache_type_v: str | None = None, device_index: int | None = None) -> dict:
     """The plan of model ``path`` as a dict of ints/strings (fields in the module docstring).
 
     ``device``: None | "cpu" | "vulkan"; ``ctx``: KV positions (default the engine's ``default_ctx``); ``expert_cache``: slots per layer as ``--expert-cache``; ``available``: RAM available in bytes
@@ -135,7 +138,7 @@ def make_plan(path, *, device: str | None = None, ctx: int | None = None, expert
              ram_cache_bytes=ram_cache_bytes)
     dev = None
     if device == "vulkan":
-        dev = device_info if device_info is not None else _device_info(g.path.name)
+        dev = device_info if device_info is not None else _device_info(g.path.name, device_index)
     device_experts = 0
     if dev is not None:
         d = DeviceMemory.of(dev)
@@ -211,7 +214,8 @@ def cmd_plan(a) -> int:
     """``coli plan -m MODEL [--device vulkan] [--ctx N] [--expert-cache N] [--mem GiB] [--json]``."""
     a.model = resolve(a.model or "demo", quiet=False)   # a path or a name -m takes (smollm2, demo, ...)
     env = settings.overlay(None, COLI_MEM=memory.mem_flag(a))
-    p = make_plan(a.model, device=a.device, ctx=a.ctx, expert_cache=a.expert_cache, env=env,
+    device, index = cvk.device_flag(a.device)
+    p = make_plan(a.model, device=device, device_index=index, ctx=a.ctx, expert_cache=a.expert_cache, env=env,
                   mem_flag="--mem" if getattr(a, "mem", None) is not None else None,
                   cache_type_k=getattr(a, "cache_type_k", None), cache_type_v=getattr(a, "cache_type_v", None))
     if a.json:

@@ -62,6 +62,18 @@ def _load_binding():
         raise OSError(f"no Vulkan loader ({loader or 'libvulkan.so.1'}: {str(e).splitlines()[0]})") from None
 
 
+def device_flag(device: str | None) -> tuple[str | None, int | None]:
+    """``--device`` as ``(device, index)``: None, "cpu", "vulkan" with index None, or "vulkan:N" as ("vulkan", N).
+    ColiError naming the flag for anything else."""
+    if device is not None and device.startswith("vulkan:"):
+        if not device[7:].isdigit():
+            raise ColiError(f"--device {device}: N is a device number (vulkan:0, vulkan:1, ...)")
+        return "vulkan", int(device[7:])
+    if device not in (None, "cpu", "vulkan"):
+        raise ColiError(f"--device: '{device}' (cpu, vulkan or vulkan:N)")
+    return device, None
+
+
 def open_device(label: str, *, budget=None, block_bytes: int | None = None, staging: bool | None = None,
                 device_index: int | None = None, quiet: bool = False, index_name: str | None = None,
                 required: bool = False):

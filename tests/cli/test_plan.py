@@ -123,6 +123,26 @@ def test_plan_device_matches_the_engine_on_lavapipe(tiny, tmp_path, monkeypatch)
         eng.close()
 
 
+@requires_vulkan
+def test_plan_device_index_as_coli_run_takes_it(tiny, capsys):
+    """``coli plan --device vulkan:N`` takes the device number ``coli run`` takes (and the no-GPU line suggests):
+    vulkan:0 is Lavapipe here, the same plan as --device vulkan; a device number there is not is one line naming
+    the flag, exit 2; a malformed one too."""
+    from coli.cli import main
+
+    args = ["plan", "-m", str(tiny), "--ctx", "16", "--json"]
+    assert main([*args, "--device", "vulkan"]) == 0
+    want = json.loads(capsys.readouterr().out)
+    assert main([*args, "--device", "vulkan:0"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["device"] == want["device"] is not None and got["device_budget_bytes"] == want["device_budget_bytes"]
+    assert main([*args, "--device", "vulkan:7"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("coli: --device vulkan:7: "), err
+    assert main([*args, "--device", "vulkan:x"]) == 2
+    assert "--device vulkan:x: N is a device number" in capsys.readouterr().err
+
+
 def test_plan_under_a_memory_budget(tiny):
     """``COLI_MEM`` below what coli itself holds: the plan says the budget and its source, and that the engine would
     refuse the model (``dense_fits``) as the engine does."""
