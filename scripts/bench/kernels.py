@@ -202,7 +202,7 @@ def formats_model(model: str, reps: int, act: str) -> dict:
 
 
 def formats_main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="kernels.py --op formats", description=_about("formats"))
     ap.add_argument("--threads", type=int, default=cpu_kernels.default_threads())
     ap.add_argument("--formats", default=",".join(F.FORMATS))
     ap.add_argument("--act", choices=["f32", "int8", "both"], default="f32")
@@ -253,7 +253,7 @@ def formats_main(argv=None):
 
 # ---------------------------------------------------------------------------------------------------- mla
 def mla_main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="kernels.py --op mla", description=_about("mla"))
     ap.add_argument("--ctx", type=int, nargs="*", default=[512, 4096])
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
@@ -579,7 +579,7 @@ def dsv4_flash(args) -> None:
 
 
 def dsv4_main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="kernels.py --op dsv4", description=_about("dsv4"))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--plain", action="store_true", help="also plain multi-head attention of the same heads")
@@ -749,7 +749,7 @@ def deltanet_model(act, reps):
 
 
 def deltanet_main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="kernels.py --op deltanet", description=_about("deltanet"))
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--fmt", default="Q8_0")
     ap.add_argument("--act", default="f32", choices=["f32", "int8"])
@@ -796,7 +796,7 @@ def random_weight(t: str, O: int, I: int, rng) -> np.ndarray:
 def gpu_main(argv=None):
     from coli.vulkan import open_device  # the Vulkan binding loads only for this op
 
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="kernels.py --op gpu", description=_about("gpu"))
     ap.add_argument("--D", type=int, default=2048)
     ap.add_argument("--F", type=int, default=1024)
     ap.add_argument("--E", type=int, default=64)
@@ -854,6 +854,12 @@ def gpu_main(argv=None):
     return 0
 
 
+
+def _about(op: str) -> str:
+    """The module docstring's paragraph of ``op`` (its ``--op OP --help`` description)."""
+    return next(p for p in __doc__.split("\n\n") if p.startswith(f"``{op}``")).replace("\n", " ")
+
+
 OPS = {"formats": formats_main, "mla": mla_main, "dsv4": dsv4_main, "deltanet": deltanet_main, "gpu": gpu_main}
 
 
@@ -861,6 +867,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--op", choices=OPS, default="formats")
     a, rest = ap.parse_known_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if not any(x == "--op" or x.startswith("--op=") for x in argv) and ("-h" in rest or "--help" in rest):
+        print(__doc__)     # the ops and their options; --op OP --help: one op's flags
+        return 0
     return OPS[a.op](rest)
 
 
