@@ -219,7 +219,7 @@ def test_unsupported_tensor_type(tmp_path, model_path):
 
 
 @pytest.mark.parametrize("flag,value", [("--threads", "0"), ("--ctx", "0"), ("--expert-cache", "-1"), ("-n", "-5"),
-                                        ("--temp", "-1"), ("--top-p", "2"), ("--ctx", "100000000"),
+                                        ("--top-p", "2"), ("--ctx", "100000000"),
                                         ("--trace", "/nonexistent-coli/x.json"), ("--usage", "/nonexistent-coli/u"),
                                         ("--io-threads", "0"), ("--io-threads", "-1"), ("--io-threads", "1000")])
 def test_cli_bad_numbers(flag, value, demo_path):
