@@ -13,14 +13,7 @@ from coli.base.errors import ColiError
 
 from .errors import BudgetExceeded, DeviceLost, VulkanError
 
-__all__ = ["open_device", "wanted", "DeviceLost", "VulkanError", "BudgetExceeded"]
-
-
-def wanted(device_flag: str | None = None) -> bool:
-    """True when a device is asked for: ``--device vulkan`` or ``COLI_VULKAN=1``."""
-    from coli.base.settings import get
-
-    return device_flag == "vulkan" or get("COLI_VULKAN")
+__all__ = ["open_device", "device_flag", "DeviceLost", "VulkanError", "BudgetExceeded"]
 
 
 class _FFIProxy:
