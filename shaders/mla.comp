@@ -17,6 +17,21 @@
 //    (online softmax: each tile's sum rescaled by exp(old max - new max)).
 //  mode 3 (values), groups (H, R, 1): a6 ol, a4 attn_v_b f32 [H, dv, r], a7 o f32 [R, H * dv]:
 //    o[t, h * dv + v] = sum_c v_b[h, v, c] ol[t, h, c].
+//    With flag bit 2 (a DSA layer, GLM-5): the keys are the indexer's choice, a1 SEL u32 [R, u12] (mode 6), the
+//    first min(pos0 + t + 1, u12) of a row's entries (position order).
+//  u11: floats of a LAT row (0: W); a DSA layer's rows hold the indexer's key ik (Di) after the rope key, at W.
+// The DSA indexer (GLM-5; CPU: coli/models/glmdsa.py Indexer, cpu_kernels/mla.py dsa_topk), before modes 0-3:
+//  mode 4 (index key), groups (R, 1, 1): a0 iq f32 [R, Hi * Di] (indexer.attn_q_b q_resid): each head's first dr
+//    dims rotated in place; a1 the key row f32 [R, Di] (indexer.attn_k x), a4 k_norm weight then bias f32 [2 Di]:
+//    LAT[pos][W ..] = rope(LayerNorm(k) (eps u8)); a7 f32 [LW] the decode row (flag bit 1: its ik part). u1 Hi,
+//    u3 Di, u4 dr, a5 / a6 cos / sin as in mode 0.
+//  mode 5 (index scores), groups (ceil(ctx / WG), R, 1): a0 iq, a4 w f32 [R, Hi] (indexer.proj x), a5 S f32
+//    [R, ctx]: S[t, j] = sum_h (w[t, h] * u8) * relu(u7 * iq[t, h] . ik[j]) for keys j <= pos0 + t (u8: Hi^-1/2,
+//    u7: Di^-1/2, as float bits), summed in the CPU's order (h, then d).
+//  mode 6 (top-k), groups (R, 1, 1): a5 S, a1 SEL u32 [R, u12]: the u12 keys of the best scores, ties to the lower
+//    position (the CPU's stable sort), all keys while there are at most u12; written in position order. The u12-th
+//    best score by a radix select over the scores' order-preserving bits (32 counting passes), then one pass that
+//    writes the keys above it and the first ones equal to it.
 // r <= MAXC * WG and W <= MAXW (DeepSeek-V2/V3: r 512, dr 64). `precise` rope: the CPU's rounding (no FMA).
 #extension GL_GOOGLE_include_directive : require
 #include "layer_common.glsl"
@@ -28,14 +43,134 @@ layout(local_size_x_id = 0) in;
 #define MAXC 8u
 shared float QS[MAXW];
 shared float PS[gl_WorkGroupSize.x];
+shared uint JS[gl_WorkGroupSize.x];
+shared uint QC[gl_WorkGroupSize.x];
+
+// a score's bits in an order that compares as the floats do (-0 as +0)
+uint okey(float x) {
+    uint u = floatBitsToUint(x == 0.0 ? 0.0 : x);
+    return (u & 0x80000000u) != 0u ? ~u : (u | 0x80000000u);
+}
 
 void main() {
     uint mode = pc.u[0], H = pc.u[1], r = pc.u[2], dn = pc.u[3], dr = pc.u[4], dv = pc.u[5], ctx = pc.u[6];
     uint flags = pc.u[9], ldq = pc.u[10];
     uint W = r + dr, t = gl_LocalInvocationIndex, WG = gl_WorkGroupSize.x;
+    uint LW = pc.u[11] != 0u ? pc.u[11] : W, KT = pc.u[12];
     uint pos0 = U32(pc.a[3]).v[0];
     F32 Q = F32(pc.a[0]);
     F32 LAT = F32(pc.a[2]);
+    if (mode == 4u) {
+        // H = Hi, dn = Di: the indexer's key row, LayerNorm with weight and bias, rope; the query's rope
+        uint row = gl_WorkGroupID.x, pos = pos0 + row, Di = dn;
+        F32 KR = F32(pc.a[1]);
+        F32 NW = F32(pc.a[4]);
+        F32 CS = F32(pc.a[5]);
+        F32 SN = F32(pc.a[6]);
+        F32 KVO = F32(pc.a[7]);
+        bool rot = (flags & 1u) != 0u, out_ = (flags & 2u) != 0u;
+        uint kb = row * Di, lb = pos * LW + W;
+        float s = 0.0;
+        for (uint i = t; i < Di; i += WG) s += KR.v[kb + i];
+        float mean = wg_sum(s) / float(Di);
+        s = 0.0;
+        for (uint i = t; i < Di; i += WG) {
+            float d = KR.v[kb + i] - mean;
+            s += d * d;
+        }
+        float inv = 1.0 / sqrt(wg_sum(s) / float(Di) + pcf(8u));
+        // adjacent pairs: the first dr / 2 rotated (NORM), the rest as they are; then each head's q pairs
+        uint half_ = dr / 2u;
+        for (uint i = t; i < Di / 2u; i += WG) {
+            float a = (KR.v[kb + 2u * i] - mean) * inv * NW.v[2u * i] + NW.v[Di + 2u * i];
+            float b = (KR.v[kb + 2u * i + 1u] - mean) * inv * NW.v[2u * i + 1u] + NW.v[Di + 2u * i + 1u];
+            if (rot && i < half_) {
+                float c = CS.v[pos * half_ + i], sn = SN.v[pos * half_ + i];
+                precise float y0 = a * c - b * sn;
+                precise float y1 = a * sn + b * c;
+                a = y0;
+                b = y1;
+            }
+            LAT.v[lb + 2u * i] = a;
+            LAT.v[lb + 2u * i + 1u] = b;
+            if (out_) {
+                KVO.v[W + 2u * i] = a;
+                KVO.v[W + 2u * i + 1u] = b;
+            }
+        }
+        if (!rot) return;
+        for (uint j = t; j < H * half_; j += WG) {
+            uint i = j % half_, b0 = row * H * Di + (j / half_) * Di + 2u * i;
+            float c = CS.v[pos * half_ + i], sn = SN.v[pos * half_ + i];
+            float a = Q.v[b0], b = Q.v[b0 + 1u];
+            precise float y0 = a * c - b * sn;
+            precise float y1 = a * sn + b * c;
+            Q.v[b0] = y0;
+            Q.v[b0 + 1u] = y1;
+        }
+        return;
+    }
+    if (mode == 5u) {
+        uint row = gl_WorkGroupID.y, j = gl_WorkGroupID.x * WG + t, Di = dn;
+        uint n = min(pos0 + row + 1u, ctx);
+        if (j >= n || n <= KT) return;
+        F32 WH = F32(pc.a[4]);
+        F32 S = F32(pc.a[5]);
+        float scale = pcf(7u), hs = pcf(8u);
+        uint qb = row * H * Di, kb = j * LW + W;
+        float tot = 0.0;
+        for (uint h = 0u; h < H; h++) {
+            float s = 0.0;
+            for (uint d = 0u; d < Di; d++) s += Q.v[qb + h * Di + d] * LAT.v[kb + d];
+            s *= scale;
+            if (s > 0.0) tot += (WH.v[row * H + h] * hs) * s;
+        }
+        S.v[row * ctx + j] = tot;
+        return;
+    }
+    if (mode == 6u) {
+        uint row = gl_WorkGroupID.x;
+        uint n = min(pos0 + row + 1u, ctx);
+        U32 SEL = U32(pc.a[1]);
+        F32 S = F32(pc.a[5]);
+        uint sb = row * KT;
+        if (n <= KT) {
+            for (uint j = t; j < n; j += WG) SEL.v[sb + j] = j;
+            return;
+        }
+        uint per = (n + WG - 1u) / WG, a = min(t * per, n), e = min(a + per, n);
+        uint prefix = 0u, want = KT;
+        for (int b = 31; b >= 0; b--) {
+            uint cand = prefix | (1u << uint(b)), hm = ~((1u << uint(b)) - 1u);
+            uint c = 0u;
+            for (uint j = a; j < e; j++) c += (okey(S.v[row * ctx + j]) & hm) == cand ? 1u : 0u;
+            uint tot = uint(wg_sum(float(c)));     // exact: counts below 2^24
+            if (tot >= want) prefix = cand; else want -= tot;
+        }
+        // prefix: the KT-th best key; want: how many keys equal to it are taken (the lowest positions)
+        uint g = 0u, q = 0u;
+        for (uint j = a; j < e; j++) {
+            uint k = okey(S.v[row * ctx + j]);
+            g += k > prefix ? 1u : 0u;
+            q += k == prefix ? 1u : 0u;
+        }
+        JS[t] = g;
+        QC[t] = q;
+        barrier();
+        uint gb = 0u, qb = 0u;
+        for (uint i = 0u; i < t; i++) {
+            gb += JS[i];
+            qb += QC[i];
+        }
+        for (uint j = a; j < e; j++) {
+            uint k = okey(S.v[row * ctx + j]);
+            bool take = k > prefix || (k == prefix && qb < want);
+            if (take) SEL.v[sb + gb + min(qb, want)] = j;
+            gb += k > prefix ? 1u : 0u;
+            qb += k == prefix ? 1u : 0u;
+        }
+        return;
+    }
     if (mode == 0u) {
         uint row = gl_WorkGroupID.x, pos = pos0 + row;
         F32 KV = F32(pc.a[1]);
@@ -44,7 +179,7 @@ void main() {
         F32 SN = F32(pc.a[6]);
         F32 KVO = F32(pc.a[7]);
         bool rot = (flags & 1u) != 0u, out_ = (flags & 2u) != 0u;
-        uint kb = row * W, lb = pos * W;
+        uint kb = row * W, lb = pos * LW;
         float s = 0.0;
         for (uint i = t; i < r; i += WG) {
             float v = KV.v[kb + i];
@@ -119,6 +254,9 @@ void main() {
     F32 QA = F32(pc.a[5]);
     float scale = pcf(7u);
     uint n = min(pos0 + row + 1u, ctx);
+    bool dsa = (flags & 4u) != 0u;
+    U32 SEL = U32(pc.a[1]);
+    if (dsa) n = min(n, KT);
     for (uint i = t; i < W; i += WG) QS[i] = QA.v[qa_b + i];
     barrier();
     float acc[MAXC];
@@ -128,8 +266,10 @@ void main() {
         uint j = j0 + t;
         float s = -1.0 / 0.0;
         if (j < n) {
+            uint key = dsa ? SEL.v[row * KT + j] : j;
+            JS[t] = key;
             float d = 0.0;
-            for (uint c = 0u; c < W; c++) d += QS[c] * LAT.v[j * W + c];
+            for (uint c = 0u; c < W; c++) d += QS[c] * LAT.v[key * LW + c];
             s = d * scale;
         }
         float mn = max(m, wg_max(s));
@@ -143,7 +283,7 @@ void main() {
             uint c = t + k * WG;
             if (c >= r) break;
             float a = acc[k] * alpha;
-            for (uint jj = 0u; jj < nt; jj++) a += PS[jj] * LAT.v[(j0 + jj) * W + c];
+            for (uint jj = 0u; jj < nt; jj++) a += PS[jj] * LAT.v[JS[jj] * LW + c];
             acc[k] = a;
         }
         m = mn;

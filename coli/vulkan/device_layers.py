@@ -49,7 +49,7 @@ from coli.vulkan.layer_decode import DecodeRow
 from coli.vulkan.layer_families import MLAMixer, DeltaNetMixer
 from coli.vulkan.layer_join import RowJoin
 from coli.vulkan.layer_kv import KVRows
-from coli.vulkan.layer_plan import attn_block, device_formats, is_deltanet, is_gated, is_mla, route_rule
+from coli.vulkan.layer_plan import attn_block, device_formats, dsa_shape, is_deltanet, is_gated, is_mla, route_rule
 from coli.vulkan.layer_prompt import PromptChunks
 from coli.vulkan.layer_prompt_join import PromptJoin
 from coli.vulkan.layer_weights import LayerWeights
@@ -160,8 +160,10 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
         # readback move it as K rows of one head with no V
         self.mla = (at.H, at.r, at.dn, at.dr, at.dv, 0 if at.attn_q is not None else int(at.attn_q_a.shape[0])) \
             if is_mla(at) else None
+        # GLM-5's DSA: (indexer heads, key length, top_k); its key rides in each LAT row after the rope key
+        self.dsa = dsa_shape(m) if self.mla else None
         if self.mla:
-            self.nq, self.nkv, self.hd = at.H, 1, at.r + at.dr
+            self.nq, self.nkv, self.hd = at.H, 1, at.r + at.dr + (self.dsa[1] if self.dsa else 0)
         elif at is None:    # DeltaNet layers only: a one-float attention scratch
             self.nq, self.nkv, self.hd = 1, 1, 1
         else:

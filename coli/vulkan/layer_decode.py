@@ -54,6 +54,13 @@ class DecodeRow:
             self.m_kv = K.buffer(4 * (r + dr), host=False)
             self.m_qa = K.buffer(4 * max(ql, 1), host=False)
             self.m_ol = K.buffer(4 * H * r, host=False)
+            if self.dsa:    # the indexer's q, key row, head weights, scores over the context, chosen positions
+                Hi, Di, Kt = self.dsa
+                self.m_iq = K.buffer(4 * Hi * Di, host=False)
+                self.m_ik = K.buffer(4 * Di, host=False)
+                self.m_iw = K.buffer(4 * Hi, host=False)
+                self.m_is = K.buffer(4 * ctx, host=False)
+                self.m_sel = K.buffer(4 * Kt, host=False)
         self.kvout = K.buffer(4 * 2 * nkv * hd * len(self.layers), host=False)
         self._kv_names = ("K",) if self.mla else ("K", "V")     # the device's cache buffers of a layer
         # host side: the params (pos), the row in and out, the new K/V rows
@@ -217,8 +224,8 @@ class DecodeRow:
             if "dn" in d:
                 continue
             kv = cache.layers[d["il"]]
-            if self.mla:    # the new LAT row: the latent, then the rope key
-                kv.lat[pos0], kv.kr[pos0] = new[j, 0, 0, :self.mla[1]], new[j, 0, 0, self.mla[1]:]
+            if self.mla:    # the new LAT row: the latent, the rope key (and GLM-5's indexer key)
+                self._lat_rows(kv, pos0, new[j, 0, :, :])
                 continue
             kv.k[:, pos0] = new[j, 0]
             kv.v[:, pos0] = new[j, 1]

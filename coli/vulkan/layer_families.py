@@ -1,5 +1,5 @@
 """The device layers' mixers besides GQA attention (coli/vulkan/device_layers.py): DeepSeek-V2's MLA over a latent
-cache (shaders/mla.comp; docs/vulkan.md "MLA on the device") and Gated DeltaNet with its conv and recurrent states
+cache, with GLM-5's DSA indexer choosing the keys (shaders/mla.comp; docs/vulkan.md "MLA on the device") and Gated DeltaNet with its conv and recurrent states
 on the device (shaders/deltanet.comp; "Gated DeltaNet on the device"): each one's tensors, its decode-row and
 prompt-chunk ops, and DeltaNet's states between the CPU's cache and the device.
 """
@@ -14,11 +14,14 @@ from coli.vulkan.layer_plan import dn_bytes
 
 class MLAMixer:
     """DeepSeek-V2's MLA layers of :class:`DeviceLayers` (``self.mla``: (H, r, dn, dr, dv, q_a rows), the latent
-    cache of a layer ``d["K"]``): their tensors and their attention ops, a decode row's or a prompt chunk's."""
+    cache of a layer ``d["K"]``; GLM-5: ``self.dsa`` (indexer heads, key length, top_k), the indexer's key after the
+    rope key in each cache row): their tensors and their attention ops, a decode row's or a prompt chunk's."""
 
     def _upload_mla(self, d: dict, at, p: str, ctx: int) -> None:
         """An MLA block's tensors (``coli.models.mla.MLA``): the projections as stored, attn_k_b / attn_v_b and the
-        norms as f32, the rope table, the latent cache LAT f32 [ctx, r + dr] as ``d["K"]``."""
+        norms as f32, the rope table, the latent cache LAT f32 [ctx, hd] as ``d["K"]`` (hd = r + dr, and the
+        indexer's key length on a GLM-5 device); a full DSA layer's indexer too (``i_q``, ``i_k``, ``i_w`` as
+        stored, k_norm's weight then bias f32 [2 Di] as ``i_norm``)."""
         t = self.m.t
         d["mla"] = True
         if at.attn_q is not None:
@@ -36,13 +39,24 @@ class MLAMixer:
         d["rot"] = at.rope_base is not None      # Kimi's MLA: no rope
         d["cos"], d["sin"] = self._rope(at) if d["rot"] else (d["m_kv_norm"], d["m_kv_norm"])
         d["scale"] = at.scale
-        d["K"] = self.K.buffer(4 * ctx * (at.r + at.dr), host=False)
+        d["K"] = self.K.buffer(4 * ctx * self.hd, host=False)     # GLM-5: the indexer key after the rope key
+        ix = getattr(self.m.layers[d["il"]].attn, "indexer", None) if self.dsa else None
+        d["dsa"] = bool(self.dsa)
+        if ix is not None:      # a full DSA layer's indexer (a shared layer reads the last full layer's positions)
+            d["i_q"] = (self._place(t[p + "indexer.attn_q_b.weight"]), t[p + "indexer.attn_q_b.weight"].type_name)
+            d["i_k"] = (self._place(t[p + "indexer.attn_k.weight"]), t[p + "indexer.attn_k.weight"].type_name)
+            d["i_w"] = (self._place(t[p + "indexer.proj.weight"]), t[p + "indexer.proj.weight"].type_name)
+            d["i_norm"] = self._const(np.concatenate([np.asarray(ix.k_norm, np.float32),
+                                                      np.asarray(ix.k_norm_b, np.float32)]))
 
     def _mla_ops(self, d: dict, R: int, kvo: int, prompt: bool) -> list:
         """MLA layer ``d``'s attention block for ``R`` rows (``xn`` normed, output added to the residual): q (or q_a,
         its norm, q_b) and kv_a (lmv.comp a decode row, lmm.comp a prompt chunk), then shaders/mla.comp's four modes
         (the latent row into the cache with rope, the absorbed q, attention over the latent cache, the values), then
-        the output projection into the residual. ``kvo``: the address the decode row's new cache row goes to."""
+        the output projection into the residual. ``kvo``: the address the decode row's new cache row goes to. GLM-5
+        (``d["dsa"]``): a full layer's indexer first (its q from the normed q_a, its key and head weights from xn,
+        then mla.comp modes 4-6: the key into the cache row, the scores, the top-k positions), and mode 2 over the
+        chosen positions (a shared layer: those of the last full layer, the same buffer)."""
         from coli.vulkan.layers import Dispatch, f32_bits
 
         H, r, dn, dr, dv, ql = self.mla
@@ -68,15 +82,33 @@ class MLAMixer:
                     Dispatch("rmsnorm", (R,), [qa, d["m_qa_norm"].addr, qa], [ql, eps])]
         ops += [mv(*d["m_q"], qa if ql else xn, q, H * (dn + dr), ql or D), mv(*d["m_kv"], xn, kv, W, D)]
         ops[-1].wait = bool(ql)   # both read xn, written before the first: one barrier
-        words = [0, H, r, dn, dr, dv, self.ctx, f32_bits(d["scale"]), eps, int(d["rot"]) | (2 if kvo else 0),
-                 H * (dn + dr)]
+        flags = int(d["rot"]) | (2 if kvo else 0)
         lat, par = d["K"].addr, self.params.addr
-        for mode, groups, a4, a5, a6, a7 in ((0, (R,), d["m_kv_norm"].addr, d["cos"].addr, d["sin"].addr, kvo or q),
-                                             (1, (H, R), d["m_kb"].addr, QA, ol, o),
-                                             (2, (H, R), d["m_kb"].addr, QA, ol, o),
-                                             (3, (H, R), d["m_vb"].addr, QA, ol, o)):
+        sel, Kt = 0, 0
+        if d["dsa"]:        # GLM-5: the indexer (a full layer) writes the positions every later layer reads
+            Hi, Di, Kt = self.dsa
+            if prompt:
+                iq, ik, iw, isc, sel = (b[n].addr for n in ("iq", "ik", "iw", "is", "sel"))
+            else:
+                iq, ik, iw, isc, sel = (x.addr for x in (self.m_iq, self.m_ik, self.m_iw, self.m_is, self.m_sel))
+            if "i_q" in d:
+                ops += [mv(*d["i_q"], qa, iq, Hi * Di, ql), mv(*d["i_k"], xn, ik, Di, D), mv(*d["i_w"], xn, iw, Hi, D)]
+                ops[-2].wait = ops[-1].wait = False
+                iw_ = [4, Hi, r, Di, dr, dv, self.ctx, f32_bits(Di ** -0.5), f32_bits(1e-6), flags, 0, self.hd, Kt]
+                ops += [Dispatch("mla", (R,), [iq, ik, lat, par, d["i_norm"].addr, d["cos"].addr, d["sin"].addr,
+                                               kvo or iq], iw_),
+                        Dispatch("mla", (-(-self.ctx // self.K.wg), R), [iq, ik, lat, par, iw, isc, iq, iq],
+                                 [5] + iw_[1:8] + [f32_bits(Hi ** -0.5)] + iw_[9:]),
+                        Dispatch("mla", (R,), [iq, sel, lat, par, iw, isc, iq, iq], [6] + iw_[1:])]
+            flags |= 4
+        words = [0, H, r, dn, dr, dv, self.ctx, f32_bits(d["scale"]), eps, flags, H * (dn + dr), self.hd, Kt]
+        for mode, groups, a1, a4, a5, a6, a7 in (
+                (0, (R,), kv, d["m_kv_norm"].addr, d["cos"].addr, d["sin"].addr, kvo or q),
+                (1, (H, R), kv, d["m_kb"].addr, QA, ol, o),
+                (2, (H, R), sel or kv, d["m_kb"].addr, QA, ol, o),
+                (3, (H, R), kv, d["m_vb"].addr, QA, ol, o)):
             words[0] = mode
-            ops.append(Dispatch("mla", groups, [q, kv, lat, par, a4, a5, a6, a7], list(words)))
+            ops.append(Dispatch("mla", groups, [q, a1, lat, par, a4, a5, a6, a7], list(words)))
         ops.append(mv(d["o"], self.m.t[f"blk.{d['il']}.attn_output.weight"].type_name, o, hs, D, H * dv, 1))
         return ops
 

@@ -74,8 +74,8 @@ class KVRows:
             for il, name, o in spots:
                 rows = st.view[o:o + nkv * n].view(np.float32).reshape(nkv, b - a, hd)
                 kv = cache.layers[il]
-                if self.mla:     # LAT rows: the latent, then the rope key
-                    kv.lat[a:b], kv.kr[a:b] = rows[0, :, :self.mla[1]], rows[0, :, self.mla[1]:]
+                if self.mla:     # LAT rows: the latent, the rope key (and GLM-5's indexer key)
+                    self._lat_rows(kv, a, rows[0])
                     continue
                 dst = kv.k if name == "K" else kv.v
                 dst[:, a:b] = rows
@@ -99,6 +99,22 @@ class KVRows:
         h = np.array(hist[:p1 - p0], np.float32)
         for il in self.layers:
             h = self.m.layers[il](h, cache.layers[il], p0)
+
+    def _lat_of(self, kv, a: int, b: int) -> np.ndarray:
+        """The device's LAT rows ``a .. b - 1`` f32 [b - a, hd] of the CPU's latent cache ``kv``: the latent, the rope
+        key, and on a GLM-5 device the indexer key (zeros for a shared layer, which has none)."""
+        parts = [kv.lat[a:b], kv.kr[a:b]]
+        if self.dsa:
+            ik = getattr(kv, "ik", None)
+            parts.append(ik[a:b] if ik is not None else np.zeros((b - a, self.dsa[1]), np.float32))
+        return np.concatenate(parts, 1)
+
+    def _lat_rows(self, kv, a: int, rows: np.ndarray) -> None:
+        """Write the device's LAT rows f32 [n, hd] into the CPU's latent cache ``kv`` at positions ``a ..``."""
+        r, dr, n = self.mla[1], self.mla[3], len(rows)
+        kv.lat[a:a + n], kv.kr[a:a + n] = rows[:, :r], rows[:, r:r + dr]
+        if self.dsa and getattr(kv, "ik", None) is not None:
+            kv.ik[a:a + n] = rows[:, r + dr:]
 
     def _n_kv_layers(self) -> int:
         """The layers here with a K/V (or latent) cache: not the DeltaNet ones."""
@@ -139,8 +155,7 @@ class KVRows:
                     continue
                 kv = cache.layers[d["il"]]
                 # MLA: one "head" of LAT rows, the latent then the rope key
-                parts = ((("K", np.concatenate([kv.lat[a:b], kv.kr[a:b]], 1)[None]),) if self.mla else
-                         (("K", kv.k), ("V", kv.v)))
+                parts = ((("K", self._lat_of(kv, a, b)[None]),) if self.mla else (("K", kv.k), ("V", kv.v)))
                 for name, src in parts:
                     rows = np.ascontiguousarray(src if self.mla else src[:, a:b])          # [nkv, b - a, hd]
                     st.view[off:off + rows.nbytes] = rows.reshape(-1).view(np.uint8)

@@ -4,7 +4,8 @@ functions of the model alone (no device is opened here; docs/vulkan.md "Device l
 Which layers: :func:`plan` (the device's budget: each layer's weights and its KV cache; ``COLI_VK_LAYERS``
 sets the count). Which layers qualify: :func:`why_not`, by what a layer needs: its form (pre-norm, or Gemma 3's norms
 after each block too), its attention (GQA, rope NORM / NEOX with a table a layer, q/k norms, biases, a sliding window,
-gpt-oss's sinks, Qwen3-Next's output gate; or DeepSeek-V2's MLA over a latent cache, shaders/mla.comp; or
+gpt-oss's sinks, Qwen3-Next's output gate; or DeepSeek-V2's MLA over a latent cache, shaders/mla.comp, with GLM-5's
+DSA indexer (:func:`is_dsa`); or
 Gated DeltaNet with its conv and recurrent states on the device, shaders/deltanet.comp), its FFN (the softmax
 top-k MoE with Qwen2-MoE's shared expert, gpt-oss's biased MoE with its top-k softmax router and clamped SwiGLU, or the dense
 SwiGLU / GeGLU FFN) and its tensors' formats. The predicates that tell a layer's blocks apart (:func:`is_deltanet`,
@@ -48,6 +49,8 @@ def _layer_tensors(m, il: int) -> list[str]:
     elif is_mla(at):     # its attn_k_b / attn_v_b go as f32 (mla_bytes)
         qs = ("attn_q.weight",) if at.attn_q is not None else ("attn_q_a.weight", "attn_q_b.weight")
         names = [p + n for n in qs + ("attn_kv_a_mqa.weight", "attn_output.weight")]
+        if is_dsa(m.layers[il]) and m.layers[il].attn.indexer is not None:   # k_norm's weight and bias: f32
+            names += [p + "indexer." + n for n in ("attn_q_b.weight", "attn_k.weight", "proj.weight")]
     else:
         names = [p + n for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight")]
     if getattr(m.layers[il], "moe", None) is None:      # the dense FFN
@@ -77,9 +80,25 @@ def is_gated(L) -> bool:
     return _is(getattr(L, "self_attn", None), "coli.models.qwen3next.GatedAttention")
 
 
+def is_dsa(L) -> bool:
+    """Whether layer ``L``'s attention is GLM-5's MLA with the DSA indexer (``glmdsa.DSA``: its own indexer, or a
+    shared layer's use of the last full layer's positions)."""
+    return _is(getattr(L, "attn", None), "coli.models.glmdsa.DSA")
+
+
+def dsa_shape(m) -> tuple | None:
+    """(indexer heads Hi, key length Di, top_k) of a GLM-5 model's DSA layers, None for another family."""
+    if not any(is_dsa(L) for L in m.layers):
+        return None
+    a = m.args
+    return (int(a.idx_heads), int(a.idx_dim), int(a.idx_topk))
+
+
 def attn_block(L):
-    """Layer ``L``'s attention block (``blocks.Attention``, MLA, ...: the gated attention's inner ``Attention``), or
-    None (a DeltaNet layer)."""
+    """Layer ``L``'s attention block (``blocks.Attention``, MLA, ...: the gated attention's inner ``Attention``,
+    GLM-5's DSA's MLA), or None (a DeltaNet layer)."""
+    if is_dsa(L):
+        return L.attn.mla
     return L.self_attn.attn if is_gated(L) else getattr(L, "attn", None)
 
 
@@ -119,6 +138,16 @@ def _why_not_mla(a) -> str | None:
         return f"an MLA latent of {a.r} + {a.dr} dims (the device's MLA takes {MLA_MAXW} at most)"
     if a.dr % 2:
         return "an odd MLA rope width (no device kernel)"
+    return None
+
+
+def _why_not_dsa(m, il: int) -> str | None:
+    """Why GLM-5's DSA layer ``il`` has no device kernels, or None (shaders/mla.comp modes 4-6: the indexer's keys
+    in the latent cache's rows, its scores and top-k, then MLA over the chosen keys). A shared layer (no indexer of
+    its own) reads the positions of the last full layer before it, on the device too (``plan``)."""
+    Hi, Di, _ = dsa_shape(m)
+    if Di % 2 or Di < m.layers[il].attn.mla.dr:
+        return f"an indexer key of {Di} dims with {m.layers[il].attn.mla.dr} rope dims (no device kernel)"
     return None
 
 
@@ -222,7 +251,8 @@ def why_not(m, il: int) -> str | None:
         if mixer is not None and not type(mixer).__module__.endswith(".blocks"):
             return f"its mixer is {_cls(mixer)} (no device kernel)"
         return f"its layers are {_cls(L)} (a block order without a device form)"
-    w = (_why_not_dn(m, il, L.linear_attn) if is_deltanet(L) else _why_not_attention(attn_block(L))) or _why_not_ffn(m, il, L)
+    w = (_why_not_dn(m, il, L.linear_attn) if is_deltanet(L) else _why_not_attention(attn_block(L))) or \
+        (_why_not_dsa(m, il) if is_dsa(L) else None) or _why_not_ffn(m, il, L)
     if w is not None:
         return w
     for n in _layer_tensors(m, il):
@@ -273,8 +303,9 @@ def layer_bytes(m, il: int, ctx: int, experts: bool = True) -> int:
         w += 4 * int(np.prod(m.t[f"blk.{il}.ffn_gate_inp.weight"].shape))
     if is_deltanet(m.layers[il]):
         return w + dn_bytes(m.layers[il].linear_attn)
-    if is_mla(a):
-        return w + mla_bytes(a, ctx)
+    if is_mla(a):     # GLM-5: the indexer's key in each cache row, k_norm's weight and bias
+        Di = dsa_shape(m)[1] if is_dsa(m.layers[il]) else 0
+        return w + mla_bytes(a, ctx) + 4 * Di * (int(ctx) + 2)
     return w + 2 * a.n_kv * int(ctx) * a.head_dim * 4
 
 
@@ -297,7 +328,7 @@ def _shape_key(m, il: int) -> tuple:
                 _ffn_key(m, il))
     a = attn_block(L)
     if is_mla(a):
-        return (("mla", a.H, a.r, a.dn, a.dr, a.dv, a.attn_q is None), _ffn_key(m, il))
+        return (("mla", a.H, a.r, a.dn, a.dr, a.dv, a.attn_q is None, is_dsa(L)), _ffn_key(m, il))
     return (("gqa", a.n_heads, a.n_kv, a.head_dim, is_gated(L)), _ffn_key(m, il))
 
 
@@ -338,7 +369,15 @@ def _mla_floats(m) -> int:
             W = a.r + a.dr
             ql = 0 if a.attn_q is not None else int(a.attn_q_a.shape[0])
             out = max(out, a.H * (a.dn + a.dr) + W + ql + a.H * W + a.H * a.r + a.H * a.dv)
+    ds = dsa_shape(m)
+    if out and ds:      # the indexer's q, key row, head weights and chosen positions (its scores: _dsa_scores)
+        out += ds[0] * ds[1] + ds[1] + ds[0] + ds[2]
     return out
+
+
+def _dsa_scores(m, ctx: int) -> int:
+    """Floats of one row's DSA indexer scores (one a position), 0 without GLM-5 layers on the device."""
+    return int(ctx) if dsa_shape(m) and _mla_floats(m) else 0
 
 
 def _dn_floats(m) -> int:
@@ -379,8 +418,8 @@ def fixed_bytes(m, ctx: int, prompt_rows: int = 0) -> int:
             + a.n_heads * int(ctx) + _rope_tables(m) * int(ctx) * a.n_rot   # the scores, the rope tables
             + a.n_heads * (-(-int(ctx) // 128)) * (a.head_dim + 2)   # decode attention's parts (at most 1 / 128 keys)
             + 2 * a.vocab + a.n_experts + F + 8 * n * (a.head_dim * a.n_kv_heads + k) + 2 * _mla_floats(m)
-            + a.n_heads * a.head_dim + _dn_floats(m))
-    pb = prompt_bytes(m, prompt_rows) if prompt_rows else 0
+            + a.n_heads * a.head_dim + _dn_floats(m) + _dsa_scores(m, ctx))
+    pb = (prompt_bytes(m, prompt_rows) + 4 * prompt_rows * _dsa_scores(m, ctx)) if prompt_rows else 0
     return int(out.nbytes) + 4 * rows + 256 * 32 + pb         # 256 bytes of rounding a buffer
 
 
@@ -409,4 +448,7 @@ def plan(m, budget: int, ctx: int, want: int | None = None, prompt_rows: int = 0
             break
         used += b
         first = il
+    # a shared DSA layer reads the positions of the full layer before it: the device's run starts at a full one
+    while first < n and is_dsa(m.layers[first]) and m.layers[first].attn.indexer is None:
+        first += 1
     return first, why

@@ -70,6 +70,10 @@ class PromptChunks:
                 H, r, dn, dr, dv, ql = self.mla
                 self._pm = {n: K.buffer(4 * R * w, host=False) for n, w in
                             (("q", H * (dn + dr)), ("kv", r + dr), ("qa", max(ql, 1)), ("ol", H * r))}
+                if self.dsa:    # GLM-5's indexer: q, key rows, head weights, scores over the context, positions
+                    Hi, Di, Kt = self.dsa
+                    self._pm.update({n: K.buffer(4 * R * w, host=False) for n, w in
+                                     (("iq", Hi * Di), ("ik", Di), ("iw", Hi), ("is", self.ctx), ("sel", Kt))})
             # Qwen3-Next's attention gate rows; DeltaNet's q/k/v rows before and after the conv, z, beta and alpha,
             # the output
             self.p_gate = K.buffer(4 * R * nq * hd, host=False) if self.gated else None

@@ -213,7 +213,8 @@ def test_construction_failure_falls_back(device_moe, monkeypatch):
 @pytest.mark.parametrize("family,why", [
     ("mimo2", "layer 0: its mixer is mimo2.Attention (no device kernel); layers 1-2: attention sinks (mimo2.Attention: "
               "no device kernel); layer 3: its mixer is mimo2.Attention (no device kernel)"),
-    ("glmdsa", "layers 0-3: its attention is glmdsa.DSA (no device kernel)"),
+    ("glmdsa", "; ".join(f"layer {i}: tensor 'blk.{i}.attn_q_b.weight' has 20 columns (not a multiple of 32)"
+                         for i in range(4))),
     ("deepseek3", "layer 0: tensor 'blk.0.attn_q_b.weight' has 20 columns (not a multiple of 32); layer 1: tensor "
                   "'blk.1.attn_q_b.weight' has 20 columns (not a multiple of 32); layer 2: tensor "
                   "'blk.2.attn_q_b.weight' has 20 columns (not a multiple of 32)"),
@@ -252,7 +253,7 @@ def test_no_layer_says_why_per_layer(capfd):
     from tests.conftest import FIXTURES
     from coli.engine import Engine
 
-    path = FIXTURES / "oracles" / "glmdsa.gguf"
+    path = FIXTURES / "oracles" / "deepseek4.gguf"
     e = Engine(path, device="vulkan", env=settings.overlay(None, COLI_VK_LAYERS=-1), quiet=True, save_usage=False,
                ctx=32, usage=None)
     try:
@@ -260,8 +261,8 @@ def test_no_layer_says_why_per_layer(capfd):
     finally:
         e.close()
     err = capfd.readouterr().err
-    assert ("[VK] glmdsa.gguf: no decoder layer on the device (layers 0-3: its attention is glmdsa.DSA (no device "
-            "kernel)); the expert tier instead") in err
+    assert ("[VK] deepseek4.gguf: no decoder layer on the device (layers 0-3: its mixer is deepseek4.Attention (no "
+            "device kernel)); the expert tier instead") in err
 
 
 @pytest.mark.parametrize("family", ["rope_linear", "rope_llama3", "rope_yarn", "rope_yarn_params"])
@@ -638,20 +639,21 @@ def test_a_typed_kv_cache_is_refused_with_device_layers(device_moe):
         device_engine(device_moe, COLI_VK_LAYERS=2, cache_type_k="f16", cache_type_v="q8_0")
 
 
-def _padded_q_lora(out):
-    """The DeepSeek-V3 oracle (q_lora_rank 20) rewritten by gguf's writer with q_lora_rank 32: attn_q_a's 12 new rows
-    and attn_q_b's 12 new columns zero, attn_q_a_norm scaled by sqrt(20 / 32) so that the RMSNorm over 32 values
+def _padded_q_lora(out, name: str = "deepseek3", arch: str = "deepseek2"):
+    """The DeepSeek-V3 oracle (or ``name``'s, of GGUF architecture ``arch``: GLM-5's) with q_lora_rank 20 rewritten by
+    gguf's writer with q_lora_rank 32: attn_q_a's 12 new rows and attn_q_b's (and the DSA indexer's
+    indexer.attn_q_b's) 12 new columns zero, attn_q_a_norm scaled by sqrt(20 / 32) so that the RMSNorm over 32 values
     gives the 20 values' result (up to eps): the same model for HF's logits, with widths the device's matrix kernels
     take (a multiple of 32)."""
     import gguf
     from tests.conftest import FIXTURES
 
-    src = gguf.GGUFReader(str(FIXTURES / "oracles" / "deepseek3.gguf"))
-    w = gguf.GGUFWriter(str(out), "deepseek2")
+    src = gguf.GGUFReader(str(FIXTURES / "oracles" / f"{name}.gguf"))
+    w = gguf.GGUFWriter(str(out), arch)
     for k, f in src.fields.items():
         if k.startswith("GGUF.") or k == "general.architecture":
             continue
-        v = 32 if k == "deepseek2.attention.q_lora_rank" else f.contents()
+        v = 32 if k == f"{arch}.attention.q_lora_rank" else f.contents()
         if f.types[0] == gguf.GGUFValueType.ARRAY:
             w.add_key_value(k, v, f.types[0], sub_type=f.types[-1])
         else:
@@ -662,7 +664,7 @@ def _padded_q_lora(out):
             a = np.concatenate([a, np.zeros((12, a.shape[1]), np.float32)])
         elif t.name.endswith("attn_q_a_norm.weight"):
             a = np.concatenate([a * np.float32(np.sqrt(20 / 32)), np.zeros(12, np.float32)])
-        elif t.name.endswith("attn_q_b.weight"):        # [H (dn + dr), 20] -> [.., 32]
+        elif t.name.endswith("attn_q_b.weight"):        # [H (dn + dr), 20] -> [.., 32] (and the indexer's)
             a = np.concatenate([a, np.zeros((a.shape[0], 12), np.float32)], 1)
         w.add_tensor(t.name, np.ascontiguousarray(a))
     w.write_header_to_file()

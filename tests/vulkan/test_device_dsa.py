@@ -1,0 +1,135 @@
+"""GLM-5's MLA with the DSA indexer on the device (shaders/mla.comp modes 4-6 before the MLA modes; docs/vulkan.md
+"MLA on the device"): the indexer's keys in the device's latent rows, its scores and top-k with the CPU's tie rule,
+MLA over the chosen keys only; shared layers reading the last full layer's positions."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.vk_util import check_greedy_like_cpu, device_engine, greedy_rows, rel_err, requires_vulkan
+from tests.vulkan.test_device_layers import _padded_q_lora
+
+pytestmark = requires_vulkan
+
+
+@pytest.fixture(scope="module")
+def glm_q32(tmp_path_factory):
+    """The glmdsa oracle with q_lora_rank padded from 20 to 32 (the device's matrix widths)."""
+    return _padded_q_lora(tmp_path_factory.mktemp("glm") / "glm_q32.gguf", "glmdsa", "glm-dsa")
+
+
+def test_dsa_against_hf(glm_q32):
+    """Every layer (full and shared indexer layers, the leading dense one) and the head on the device: the 96-row
+    prompt (past index_topk 24: the indexer's choice matters) in chunks of 40 and 8 greedy decode rows within the CPU
+    path's bound of HF transformers' (1e-4 of the largest logit) with HF's tokens; the CPU-only run's logits within
+    1e-5 and its greedy tokens; the device did the work."""
+    from tests.conftest import FIXTURES
+    from tests.oracle_check import check_prompt_and_decode
+
+    oracle = np.load(FIXTURES / "oracles" / "glmdsa.npz")
+    assert len(oracle["ids"]) > 24
+    cpu = device_engine(glm_q32, ctx=128)
+    e = device_engine(glm_q32, COLI_VK_LAYERS=-1, ctx=128)
+    try:
+        m, dl = e.model, e.model.device_layers
+        assert dl is not None and dl.first == 0 and dl.head is not None and dl.dsa == (8, 16, 24)
+        assert [("i_q" in d) for d in dl.per] == [True, True, False, True] and all(d["dsa"] for d in dl.per)
+        dl.prompt_rows = 40
+        d0 = e.device.layer_dispatches
+        got = check_prompt_and_decode(m, m.new_cache(128, 128), oracle)
+        assert (dl.prompt_tokens, dl.prompt_chunks, dl.tokens) == (len(oracle["ids"]), 3, 8)
+        assert e.device.layer_dispatches - d0 >= 8 * 4 * 7
+        ref = greedy_rows(cpu.model, cpu.model.new_cache(128, 128), oracle["ids"], 8)
+        check_greedy_like_cpu(m, ref, oracle["ids"], got, 1e-5, 1e-5)
+    finally:
+        e.close()
+        cpu.close()
+
+
+def test_the_selection_matters_and_rows_move_both_ways(glm_q32):
+    """The indexer's choice is what the device attends to: with ``index_topk`` raised past the context (every key)
+    the CPU's logits move (so a device that ignored the selection would fail the tolerance), and the device's follow
+    the CPU's either way. Rows the CPU wrote (a prompt with the device layers off) are uploaded, with the indexer keys,
+    before device decode rows; rows a device prompt wrote come back on ``host_kv``: latent, rope key and indexer key
+    within 1e-5 of the CPU's, and the CPU decodes on from them."""
+    from tests.conftest import FIXTURES
+
+    ids = np.load(FIXTURES / "oracles" / "glmdsa.npz")["ids"][:60]
+    cpu = device_engine(glm_q32, ctx=64)
+    e = device_engine(glm_q32, COLI_VK_LAYERS=-1, ctx=64)
+    try:
+        m, dl = e.model, e.model.device_layers
+        cc = cpu.model.new_cache(64, 64)
+        ref = np.concatenate([cpu.model.forward(ids[:56], cc, all_logits=True)]
+                             + [cpu.model.forward([int(t)], cc) for t in ids[56:]])
+        # the selection changes the result: every key attended gives other logits
+        a = cpu.model.args
+        k0 = a.idx_topk
+        for L in cpu.model.layers:
+            if L.attn.indexer is not None:
+                L.attn.indexer.K = 64
+        try:
+            dense = cpu.model.forward(ids, cpu.model.new_cache(64, 64), all_logits=True)
+        finally:
+            for L in cpu.model.layers:
+                if L.attn.indexer is not None:
+                    L.attn.indexer.K = k0
+        assert rel_err(dense[30:], ref[30:]) > 1e-3
+        assert rel_err(dense[:24], ref[:24]) < 1e-6     # while there are at most top_k keys: all of them
+        # CPU prompt, device decode rows
+        c = m.new_cache(64, 64)
+        m.device_layers = None
+        out = [m.forward(ids[:56], c, all_logits=True)]
+        m.device_layers = dl
+        out += [m.forward([int(t)], c) for t in ids[56:]]
+        assert dl.tokens == 4 and dl.prompt_tokens == 0
+        assert rel_err(np.concatenate(out), ref) < 1e-5
+        # device prompt, its rows read back, the CPU goes on
+        c2 = m.new_cache(64, 64)
+        got = [m.forward(ids[:56], c2, all_logits=True)]
+        assert dl.prompt_tokens == 56
+        assert not c2.layers[1].ik[:56].any()      # the device's only, until asked for
+        dl.host_kv(c2)
+        for il in (0, 1, 2, 3):
+            for part in ("lat", "kr", "ik"):
+                if not hasattr(cc.layers[il], part):
+                    continue
+                x, y = getattr(c2.layers[il], part)[:56], getattr(cc.layers[il], part)[:56]
+                assert np.abs(x - y).max() <= 1e-5 * np.abs(y).max(), (il, part)
+        m.device_layers = None
+        got += [m.forward([int(t)], c2) for t in ids[56:]]
+        m.device_layers = dl
+        assert rel_err(np.concatenate(got), ref) < 1e-5
+    finally:
+        e.close()
+        cpu.close()
+
+
+def test_ties_go_to_the_earlier_positions(glm_q32, tmp_path):
+    """Layer 0's indexer with ``indexer.proj`` zero: every key scores 0, so its choice is the CPU's tie rule alone
+    (the stable sort: the first index_topk positions). The device's logits follow the CPU-only run's within 1e-5 over
+    a prompt of 40 rows in chunks of 16 and 4 decode rows, and the choice matters (the tied file's logits differ from
+    the original's past index_topk rows)."""
+    from tests.conftest import FIXTURES
+    from tests.oracle_check import copy_gguf
+
+    path = copy_gguf(glm_q32, tmp_path / "tied.gguf", tensors={"blk.0.indexer.proj.weight": np.zeros((8, 32), np.float32)})
+    ids = np.load(FIXTURES / "oracles" / "glmdsa.npz")["ids"][:44]
+    orig = device_engine(glm_q32, ctx=64)
+    cpu = device_engine(path, ctx=64)
+    e = device_engine(path, COLI_VK_LAYERS=-1, ctx=64)
+
+    def run(m):
+        c = m.new_cache(64, 64)
+        return np.concatenate([m.forward(ids[:40], c, all_logits=True)] + [m.forward([int(t)], c) for t in ids[40:]])
+
+    try:
+        e.model.device_layers.prompt_rows = 16
+        ref, got = run(cpu.model), run(e.model)
+        assert e.model.device_layers.prompt_chunks == 3 and e.model.device_layers.tokens == 4
+        assert rel_err(got, ref) < 1e-5, rel_err(got, ref)
+        assert rel_err(run(orig.model)[30:], ref[30:]) > 1e-3
+    finally:
+        e.close()
+        cpu.close()
+        orig.close()
