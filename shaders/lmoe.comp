@@ -58,6 +58,10 @@ void main() {
             EW[t] = uintBitsToFloat(ROUTE.v[wo + t]);
         }
         barrier();
+        bool none = true;
+        for (uint t = 0u; t < k; t++) none = none && EA[t] == 0ul;
+        // every rank a CPU rank: its rows are the host's, written while this runs (no read-modify-write of them)
+        if (none) return;
     }
     uint total = MODE == 1u ? units : k * units;   // units a row's lanes stride over
     uint o0 = gl_WorkGroupID.x * ROWS;

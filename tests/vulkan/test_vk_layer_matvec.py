@@ -151,3 +151,36 @@ def test_lmoe(kern, fmt_gu, fmt_d, D, F, rows):
         K.dev._drop(t)
     for b in bufs:
         b.destroy()
+
+
+def test_lmoe_cpu_rank_leaves_its_row_alone(kern):
+    """Mode 0 (down + combine) for a rank whose expert is not on the device (table entry 0: a CPU rank of a device
+    layer, docs/vulkan.md "Experts on the CPU") writes nothing: the host writes that row while the device runs, so a
+    read-modify-write of it (even ``+= 0``) could lose the host's rows. The row holds -0.0, which ``-0.0 + 0.0``
+    would turn into +0.0 (IEEE 754 round to nearest): its sign bits must stay; a resident rank beside it still adds."""
+    from coli.vulkan.layers import Dispatch
+
+    K = kern
+    _rows(K, int(K.dev.gemv_rows))
+    rng = np.random.default_rng(7)
+    E, k, D, F = 4, 2, 160, 96
+    table, tensors, ws = _experts(K, "Q8_0", "Q8_0", E, D, F, rng)
+    table[1] = 0                                            # expert 1: the CPU's
+    ids = np.array([1, 2], np.uint32)
+    wts = np.array([0.5, 0.25], np.float32)
+    route = np.concatenate([ids, wts.view(np.uint32)])
+    h = rng.standard_normal((k, F)).astype(np.float32)
+    bufs = []
+    tb, rb, hb = _buf(K, table, bufs), _buf(K, route, bufs), _buf(K, h, bufs)
+    yk = _buf(K, np.full((k, D), -0.0, np.float32), bufs)
+    R = K.rows
+    _run(K, [Dispatch("lmoe", (-(-D // R),), [tb.addr, rb.addr + 4 * r, hb.addr + 4 * F * r, yk.addr + 4 * D * r],
+                      [D, F, 1, k], "Q8_0", 0, wait=r == 0) for r in range(k)])    # one rank a dispatch, as a cut layer
+    got = yk.f32(k * D).reshape(k, D).copy()
+    assert np.signbit(got[0]).all() and not got[0].any()     # the CPU rank's row: untouched
+    want = float(wts[1]) * (ws[2][2] @ np.asarray(h[1], np.float64))
+    assert rel_err(got[1], want) <= TOL
+    for t in tensors:
+        K.dev._drop(t)
+    for b in bufs:
+        b.destroy()
