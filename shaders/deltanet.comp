@@ -13,8 +13,14 @@
 //    Per row: q, k l2-normed (x / sqrt(sum x^2 + 1e-6)), q / sqrt(dk); beta = sigmoid(b); g = ssm_a softplus(a + dt);
 //    S *= exp(g); kv = S^T k; S += k (x) (v - kv) beta; o = S^T q; out = rmsnorm(o) * w * silu(z). Invocation j
 //    owns state columns j, j + WG, ... (dk <= MAXK).
+//    Flag bit 2, KDA (Kimi-Linear; CPU: coli/models/kimi.py, cpu_kernels/kda.py; Hk = Hv, dk = dv): a2's rows are
+//    Hv raw betas then the Hv dk decay inputs f (ssm_f_b's rows), a5 the dt bias f32 [Hv dk] per channel: the decay
+//    is one a key channel, exp(ssm_a softplus(f_i + dt_i)); a1 the gate rows (ssm_g_b's): out = rmsnorm(o) * w *
+//    sigmoid(gate).
 //  mode 2 (gate), groups (ceil(N / WG), R, 1): a0 y f32 [R, N] (the attention output), a1 g f32 with rows of u2
 //    floats: y[t, i] *= sigmoid(g[t * u2 + u3 + i]) (Qwen3-Next's gated attention). u1 N, u2 row stride, u3 offset.
+//  mode 3 (low rank), groups (ceil(O / WG), R, 1): a0 x f32 rows of u3 floats, a1 W f32 [O, I], a2 y f32 rows of u4
+//    floats: y[t, o] = sum_i W[o, i] x[t, i], any I (KDA's ssm_f_b and ssm_g_b, held as f32). u1 O, u2 I.
 #extension GL_GOOGLE_include_directive : require
 #include "layer_common.glsl"
 
@@ -24,6 +30,7 @@ layout(local_size_x_id = 0) in;
 #define MAXK 256u
 shared float QS[MAXK];
 shared float KS[MAXK];
+shared float DS[MAXK];
 
 float sigm(float x) {
     float e = exp(-abs(x));
@@ -56,6 +63,18 @@ void main() {
         }
         return;
     }
+    if (mode == 3u) {
+        uint O = pc.u[1], I = pc.u[2], ldx = pc.u[3], ldy = pc.u[4];
+        uint o = gl_WorkGroupID.x * WG + t, r = gl_WorkGroupID.y;
+        if (o >= O) return;
+        F32 X = F32(pc.a[0]);
+        F32 W = F32(pc.a[1]);
+        F32 Y = F32(pc.a[2]);
+        float s = 0.0;
+        for (uint i = 0u; i < I; i++) s += W.v[o * I + i] * X.v[r * ldx + i];
+        Y.v[r * ldy + o] = s;
+        return;
+    }
     if (mode == 2u) {
         uint N = pc.u[1], ld = pc.u[2], off = pc.u[3];
         uint i = gl_WorkGroupID.x * WG + t, r = gl_WorkGroupID.y;
@@ -81,6 +100,9 @@ void main() {
     uint ib = (flags & 2u) != 0u ? hk * 2u * rep + h % rep : h;
     uint ia = (flags & 2u) != 0u ? ib + rep : Hv + h;
     uint s0 = h * dk * dv;
+    bool kda = (flags & 4u) != 0u;
+    uint ldba = kda ? Hv + Hv * dk : 2u * Hv;
+    if (kda) ib = h;
     for (uint r = 0u; r < R; r++) {
         uint x0 = r * C;
         float sq = 0.0, sk = 0.0;
@@ -90,19 +112,27 @@ void main() {
             KS[i] = k;
             sq += q * q;
             sk += k * k;
+            if (kda) {      // one decay a key channel
+                float x = BA.v[r * ldba + Hv + h * dk + i] + DT.v[h * dk + i];
+                float sp = x > 20.0 ? x : log(1.0 + exp(x));
+                DS[i] = exp(A.v[h] * sp);
+            }
         }
         sq = wg_sum(sq);     // barriers inside: QS / KS are written
         sk = wg_sum(sk);
         float fq = 1.0 / sqrt(float(dk)) / sqrt(sq + 1e-6), fk = 1.0 / sqrt(sk + 1e-6);
-        float beta = sigm(BA.v[r * 2u * Hv + ib]);
-        float x = BA.v[r * 2u * Hv + ia] + DT.v[h];
-        float sp = x > 20.0 ? x : log(1.0 + exp(x));
-        float dec = exp(A.v[h] * sp);
+        float beta = sigm(BA.v[r * ldba + ib]);
+        float dec = 1.0;
+        if (!kda) {
+            float x = BA.v[r * ldba + ia] + DT.v[h];
+            float sp = x > 20.0 ? x : log(1.0 + exp(x));
+            dec = exp(A.v[h] * sp);
+        }
         float ss = 0.0;
         for (uint j = t; j < dv; j += WG) {
             float kv = 0.0;
             for (uint i = 0u; i < dk; i++) {
-                float s = S.v[s0 + i * dv + j] * dec;
+                float s = S.v[s0 + i * dv + j] * (kda ? DS[i] : dec);
                 S.v[s0 + i * dv + j] = s;
                 kv += s * (KS[i] * fk);
             }
@@ -121,7 +151,7 @@ void main() {
         for (uint j = t; j < dv; j += WG) {
             uint oi = r * Hv * dv + h * dv + j;
             float zz = Z.v[oi];
-            O.v[oi] = NW.v[j] * (O.v[oi] * inv) * (zz * sigm(zz));
+            O.v[oi] = NW.v[j] * (O.v[oi] * inv) * (kda ? sigm(zz) : zz * sigm(zz));
         }
         barrier();      // QS / KS of the next row
     }

@@ -49,7 +49,8 @@ from coli.vulkan.layer_decode import DecodeRow
 from coli.vulkan.layer_families import MLAMixer, DeltaNetMixer
 from coli.vulkan.layer_join import RowJoin
 from coli.vulkan.layer_kv import KVRows
-from coli.vulkan.layer_plan import attn_block, device_formats, dsa_shape, is_deltanet, is_gated, is_mla, route_rule
+from coli.vulkan.layer_plan import (attn_block, device_formats, dn_dims, dsa_shape, is_deltanet, is_gated, is_kda,
+                                    is_mla, linear_block, route_rule)
 from coli.vulkan.layer_prompt import PromptChunks
 from coli.vulkan.layer_prompt_join import PromptJoin
 from coli.vulkan.layer_weights import LayerWeights
@@ -155,7 +156,10 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
         # the attention's shape from the first attention layer here (Qwen3-Next: DeltaNet layers between them)
         at = next((attn_block(m.layers[il]) for il in range(first, len(m.layers)) if not is_deltanet(m.layers[il])),
                   None)
-        dn0 = next((m.layers[il].linear_attn for il in range(first, len(m.layers)) if is_deltanet(m.layers[il])), None)
+        dn0 = next((linear_block(m.layers[il]) for il in range(first, len(m.layers)) if is_deltanet(m.layers[il])),
+                   None)
+        # Kimi-Linear's KDA: DeltaNet's states and kernels, a decay a key channel (its layers are all KDA: plan)
+        self.kda = any(is_kda(m.layers[il]) for il in range(first, len(m.layers)))
         # MLA: its cache on the device is one "head" of r + dr floats a position (LAT [ctx, W]): _sync, _fetch and the
         # readback move it as K rows of one head with no V
         self.mla = (at.H, at.r, at.dn, at.dr, at.dv, 0 if at.attn_q is not None else int(at.attn_q_a.shape[0])) \
@@ -193,8 +197,7 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
         # Qwen3-Next's gated attention: its gate rows after v in qkv (_upload_attention reorders attn_q's rows)
         self.gated = any(is_gated(m.layers[il]) for il in range(first, len(m.layers)))
         # DeltaNet: (Hk, Hv, dk, dv, conv kernel, C) of its layers here (one shape: plan), None without
-        self.dn = None if dn0 is None else (dn0.n_k_heads, dn0.n_v_heads, dn0.dk, dn0.dv, dn0.kernel,
-                                            dn0.conv_channels)
+        self.dn = None if dn0 is None else dn_dims(dn0)
 
     def _settings(self) -> None:
         """The settings the layers read (``COLI_VK_PROMPT_ROWS``, ``COLI_VK_PROMPT_EXPERTS``,

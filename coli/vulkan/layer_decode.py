@@ -29,7 +29,9 @@ class DecodeRow:
             self.dn_x = K.buffer(4 * C, host=False)
             self.dn_c = K.buffer(4 * C, host=False)
             self.dn_z = K.buffer(4 * Hv * dv, host=False)
-            self.dn_ba = K.buffer(4 * 2 * Hv, host=False)
+            # KDA: beta then the decay inputs a channel; its low-rank rows (f_a, g_a)
+            self.dn_ba = K.buffer(4 * (Hv + Hv * dk if self.kda else 2 * Hv), host=False)
+            self.dn_lr = K.buffer(4 * 2 * dk, host=False) if self.kda else None
             self.dn_o = K.buffer(4 * Hv * dv, host=False)
             n_dn = sum(is_deltanet(m.layers[il]) for il in range(first, len(m.layers)))
             self.dn_floats = (kc - 1) * C + Hv * dk * dv     # a layer's conv state, then its recurrent state

@@ -1,5 +1,6 @@
 """The device layers' mixers besides GQA attention (coli/vulkan/device_layers.py): DeepSeek-V2's MLA over a latent
-cache, with GLM-5's DSA indexer choosing the keys (shaders/mla.comp; docs/vulkan.md "MLA on the device") and Gated DeltaNet with its conv and recurrent states
+cache, with GLM-5's DSA indexer choosing the keys (shaders/mla.comp; docs/vulkan.md "MLA on the device") and Gated
+DeltaNet, or Kimi-Linear's KDA, with its conv and recurrent states
 on the device (shaders/deltanet.comp; "Gated DeltaNet on the device"): each one's tensors, its decode-row and
 prompt-chunk ops, and DeltaNet's states between the CPU's cache and the device.
 """
@@ -9,7 +10,7 @@ import weakref
 
 import numpy as np
 
-from coli.vulkan.layer_plan import dn_bytes
+from coli.vulkan.layer_plan import dn_bytes, linear_block
 
 
 class MLAMixer:
@@ -123,9 +124,11 @@ class DeltaNetMixer:
         ssm_alpha writing the two halves of one buffer) and ssm_out as stored; the conv weights, ssm_a, dt bias and
         norm as f32; its conv state f32 [K - 1, C] and recurrent state f32 [Hv, dk, dv] (``d["dn_conv"]``,
         ``d["dn_state"]``), loaded from the CPU's cache before a row (:meth:`_dn_load`)."""
-        t, Hv = self.m.t, x.n_v_heads
         d["dn"] = True
         d["dn_n"] = sum("dn" in e for e in self.per)       # its place in dnhost
+        if self.kda:
+            return self._upload_kda(d, x, p)
+        t, Hv = self.m.t, x.n_v_heads
         d["dn_qkv"] = (self._place(t[p + "attn_qkv.weight"]), t[p + "attn_qkv.weight"].type_name)
         d["dn_gate"] = (self._place(t[p + "attn_gate.weight"]), t[p + "attn_gate.weight"].type_name)
         if x.ssm_ba is not None:
@@ -142,6 +145,60 @@ class DeltaNetMixer:
         d["dn_state"] = self.K.buffer(4 * Hv * x.dk * x.dv, host=False)
         self.weight_bytes += dn_bytes(x)
 
+    def _upload_kda(self, d: dict, x, p: str) -> None:
+        """A KDA block's tensors (``kimi.KDA``): attn_q / attn_k / attn_v writing the three parts of the conv's input
+        row, ssm_f_a and ssm_g_a (the low-rank halves), ssm_beta and attn_output as stored; ssm_f_b and ssm_g_b, the
+        conv weights, ssm_a, the dt bias (a channel) and the norm as f32; the conv and recurrent states."""
+        t, C1 = self.m.t, x.H * x.d
+        ti = lambda n: t[p + n + ".weight"]     # noqa: E731
+        d["dn_qkv"] = [(self._place(ti(n)), ti(n).type_name, o) for n, o in (("attn_q", 0), ("attn_k", C1),
+                                                                               ("attn_v", 2 * C1))]
+        d["dn_lr"] = [(self._place(ti(n)), ti(n).type_name, o) for n, o in (("ssm_f_a", 0), ("ssm_g_a", x.d))]
+        d["dn_ba"] = [(self._place(ti("ssm_beta")), ti("ssm_beta").type_name, 0)]
+        d["dn_fb"] = self._const(np.ascontiguousarray(self.m.wt.f32(p + "ssm_f_b.weight"), np.float32))
+        d["dn_gb"] = self._const(np.ascontiguousarray(self.m.wt.f32(p + "ssm_g_b.weight"), np.float32))
+        d["dn_out"] = (self._place(ti("attn_output")), ti("attn_output").type_name)
+        d["dn_w"] = self._const(np.ascontiguousarray(x.conv_w, np.float32))
+        d["dn_a"] = self._const(np.ascontiguousarray(x.ssm_a, np.float32))
+        d["dn_dt"] = self._const(np.ascontiguousarray(x.dt_bias, np.float32))
+        d["dn_norm"] = self._const(np.ascontiguousarray(x.ssm_norm, np.float32))
+        d["dn_conv"] = self.K.buffer(4 * (x.K - 1) * 3 * C1, host=False)
+        d["dn_state"] = self.K.buffer(4 * x.H * x.d * x.d, host=False)
+        self.weight_bytes += dn_bytes(x)
+
+    def _kda_proj(self, d: dict, R: int, prompt: bool) -> list:
+        """KDA's projections of R normed rows (lmv.comp a decode row, lmm.comp a prompt chunk): q/k/v into the conv's
+        input rows, f_a and g_a into the low-rank rows, beta into the head of each ba row; then deltanet.comp mode 3:
+        ssm_f_b into the rest of the ba rows (the decay inputs), ssm_g_b into the gate rows."""
+        from coli.vulkan.layers import Dispatch
+
+        Hk, Hv, dk, dv, kc, C = self.dn
+        D, C1, lba = self.D, Hv * dk, Hv + Hv * dk
+        if prompt:
+            xn, X, LR, BA, Z = self.p_xn.addr, self.p_dnx.addr, self.p_dnlr.addr, self.p_dnba.addr, self.p_dnz.addr
+        else:
+            xn, X, LR, BA, Z = self.xn.addr, self.dn_x.addr, self.dn_lr.addr, self.dn_ba.addr, self.dn_z.addr
+        gr = -(-R // self.K.tile)
+
+        def mv(w, wt, y, n, ld, first):
+            if prompt:
+                return Dispatch("lmm", (-(-n // 64), gr), [w.addr, xn, y, y], [n, D, 0, R, ld], type_name=wt,
+                                wait=first)
+            return Dispatch("lmv", (-(-n // self.K.rows),), [w.addr, xn, y, 0], [n, D, 0], type_name=wt, wait=first)
+
+        ops = [mv(w, wt, X + 4 * o, C1, C, i == 0) for i, (w, wt, o) in enumerate(d["dn_qkv"])]
+        ops += [mv(w, wt, LR + 4 * o, dk, 2 * dk, False) for w, wt, o in d["dn_lr"]]
+        ops += [mv(d["dn_ba"][0][0], d["dn_ba"][0][1], BA, Hv, lba, False)]
+        g = (-(-C1 // self.K.wg), R)
+        return ops + [Dispatch("deltanet", g, [LR, d["dn_fb"].addr, BA + 4 * Hv], [3, C1, dk, 2 * dk, lba]),
+                      Dispatch("deltanet", g, [LR + 4 * dk, d["dn_gb"].addr, Z], [3, C1, dk, 2 * dk, C1], wait=False)]
+
+    def _dn_flags(self, x) -> int:
+        """deltanet.comp mode 1's flags for block ``x``: bit 0 tiled value heads, bit 1 ssm_ba's order, bit 2 KDA."""
+        if self.kda:
+            return 4
+        return int(x.tiled) | (2 if x.ssm_ba is not None else 0)
+
     def _dn_ops(self, d: dict) -> list:
         """A decode row's Gated DeltaNet mixer for layer ``d`` (the normed row in xn): attn_qkv, attn_gate and
         beta / alpha by lmv, the conv (deltanet.comp mode 0), the delta rule with the gated norm (mode 1), ssm_out
@@ -151,17 +208,20 @@ class DeltaNetMixer:
         Hk, Hv, dk, dv, kc, C = self.dn
         R, D = self.K.rows, self.D
         xn = self.xn.addr
-        x = self.m.layers[d["il"]].linear_attn
+        x = linear_block(self.m.layers[d["il"]])
         mv = lambda w, y, n, first=True: Dispatch("lmv", (-(-n // R),), [w[0].addr, xn, y, 0], [n, D, 0],  # noqa: E731
                                                   type_name=w[1], wait=first)
-        ops = [mv(d["dn_qkv"], self.dn_x.addr, C), mv(d["dn_gate"], self.dn_z.addr, Hv * dv, False)]
-        n_ba = 2 * Hv if len(d["dn_ba"]) == 1 else Hv
-        ops += [mv((w, wt), self.dn_ba.addr + 4 * o, n_ba, False) for w, wt, o in d["dn_ba"]]
+        if self.kda:
+            ops = self._kda_proj(d, 1, False)
+        else:
+            ops = [mv(d["dn_qkv"], self.dn_x.addr, C), mv(d["dn_gate"], self.dn_z.addr, Hv * dv, False)]
+            n_ba = 2 * Hv if len(d["dn_ba"]) == 1 else Hv
+            ops += [mv((w, wt), self.dn_ba.addr + 4 * o, n_ba, False) for w, wt, o in d["dn_ba"]]
         ops += [Dispatch("deltanet", (-(-C // self.K.wg),), [self.dn_x.addr, d["dn_w"].addr, d["dn_conv"].addr,
                                                               self.dn_c.addr], [0, C, kc, 1]),
                 Dispatch("deltanet", (Hv,), [self.dn_c.addr, self.dn_z.addr, self.dn_ba.addr, d["dn_state"].addr,
                                              d["dn_a"].addr, d["dn_dt"].addr, d["dn_norm"].addr, self.dn_o.addr],
-                         [1, Hk, Hv, dk, dv, 1, f32_bits(x.eps), int(x.tiled) | (2 if x.ssm_ba is not None else 0)]),
+                         [1, Hk, Hv, dk, dv, 1, f32_bits(x.eps), self._dn_flags(x)]),
                 Dispatch("lmv", (-(-D // R),), [d["dn_out"][0].addr, self.dn_o.addr, self.hs.addr, 0], [D, Hv * dv, 1],
                          type_name=d["dn_out"][1])]
         return ops
@@ -199,21 +259,24 @@ class DeltaNetMixer:
         Hk, Hv, dk, dv, kc, C = self.dn
         D, BM, gr = self.D, 64, -(-R // self.K.tile)
         xn = self.p_xn.addr
-        x = self.m.layers[d["il"]].linear_attn
+        x = linear_block(self.m.layers[d["il"]])
 
         def mm(w, y, n, ld=0, first=True):
             return Dispatch("lmm", (-(-n // BM), gr), [w[0].addr, xn, y, y], [n, D, 0, R, ld], type_name=w[1],
                             wait=first)
 
-        ops = [mm(d["dn_qkv"], self.p_dnx.addr, C), mm(d["dn_gate"], self.p_dnz.addr, Hv * dv, first=False)]
-        n_ba = 2 * Hv if len(d["dn_ba"]) == 1 else Hv
-        ops += [mm((w, wt), self.p_dnba.addr + 4 * o, n_ba, 2 * Hv, False) for w, wt, o in d["dn_ba"]]
+        if self.kda:
+            ops = self._kda_proj(d, R, True)
+        else:
+            ops = [mm(d["dn_qkv"], self.p_dnx.addr, C), mm(d["dn_gate"], self.p_dnz.addr, Hv * dv, first=False)]
+            n_ba = 2 * Hv if len(d["dn_ba"]) == 1 else Hv
+            ops += [mm((w, wt), self.p_dnba.addr + 4 * o, n_ba, 2 * Hv, False) for w, wt, o in d["dn_ba"]]
         return ops + [
             Dispatch("deltanet", (-(-C // self.K.wg),), [self.p_dnx.addr, d["dn_w"].addr, d["dn_conv"].addr,
                                                          self.p_dnc.addr], [0, C, kc, R]),
             Dispatch("deltanet", (Hv,), [self.p_dnc.addr, self.p_dnz.addr, self.p_dnba.addr, d["dn_state"].addr,
                                          d["dn_a"].addr, d["dn_dt"].addr, d["dn_norm"].addr, self.p_dno.addr],
-                     [1, Hk, Hv, dk, dv, R, f32_bits(x.eps), int(x.tiled) | (2 if x.ssm_ba is not None else 0)]),
+                     [1, Hk, Hv, dk, dv, R, f32_bits(x.eps), self._dn_flags(x)]),
             Dispatch("lmm", (-(-D // BM), gr), [d["dn_out"][0].addr, self.p_dno.addr, self.p_hs.addr, self.p_hs.addr],
                      [D, Hv * dv, 1, R, 0], type_name=d["dn_out"][1])]
 

@@ -6,7 +6,8 @@ sets the count). Which layers qualify: :func:`why_not`, by what a layer needs: i
 after each block too), its attention (GQA, rope NORM / NEOX with a table a layer, q/k norms, biases, a sliding window,
 gpt-oss's sinks, Qwen3-Next's output gate; or DeepSeek-V2's MLA over a latent cache, shaders/mla.comp, with GLM-5's
 DSA indexer (:func:`is_dsa`); or
-Gated DeltaNet with its conv and recurrent states on the device, shaders/deltanet.comp), its FFN (the softmax
+Gated DeltaNet, or Kimi-Linear's KDA (:func:`is_kda`), with its conv and recurrent states on the device,
+shaders/deltanet.comp), its FFN (the softmax
 top-k MoE with Qwen2-MoE's shared expert, gpt-oss's biased MoE with its top-k softmax router and clamped SwiGLU, or the dense
 SwiGLU / GeGLU FFN) and its tensors' formats. The predicates that tell a layer's blocks apart (:func:`is_deltanet`,
 :func:`is_mla`, :func:`is_gated`, :func:`attn_block`) and the sizes the device's buffers take (:func:`hidden_width`)
@@ -43,7 +44,10 @@ def _layer_tensors(m, il: int) -> list[str]:
     """The GGUF tensors layer ``il`` places on the device (its norms besides: f32 vectors)."""
     p = f"blk.{il}."
     at = attn_block(m.layers[il])
-    if is_deltanet(m.layers[il]):    # its conv weights, ssm_a, dt bias and norm go as f32 (dn_bytes)
+    if is_kda(m.layers[il]):        # ssm_f_b, ssm_g_b, the conv weights, ssm_a, dt bias and norm go as f32 (dn_bytes)
+        names = [p + n for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "ssm_f_a.weight", "ssm_g_a.weight",
+                                 "ssm_beta.weight", "attn_output.weight")]
+    elif is_deltanet(m.layers[il]):    # its conv weights, ssm_a, dt bias and norm go as f32 (dn_bytes)
         ba = ("ssm_ba.weight",) if p + "ssm_ba.weight" in m.t else ("ssm_beta.weight", "ssm_alpha.weight")
         names = [p + n for n in ("attn_qkv.weight", "attn_gate.weight") + ba + ("ssm_out.weight",)]
     elif is_mla(at):     # its attn_k_b / attn_v_b go as f32 (mla_bytes)
@@ -69,9 +73,29 @@ def _is(x, name: str) -> bool:
     return f"{type(x).__module__}.{type(x).__qualname__}" == name
 
 
+def is_kda(L) -> bool:
+    """Whether layer ``L`` mixes with Kimi-Linear's KDA (``coli.models.kimi.KDA``: Gated DeltaNet's recurrence with a
+    decay a key channel, shaders/deltanet.comp's flag bit 2)."""
+    return _is(getattr(L, "attn", None), "coli.models.kimi.KDA")
+
+
 def is_deltanet(L) -> bool:
-    """Whether layer ``L`` mixes with Gated DeltaNet (``coli.models.deltanet.GatedDeltaNet``, shaders/deltanet.comp)."""
-    return _is(getattr(L, "linear_attn", None), "coli.models.deltanet.GatedDeltaNet")
+    """Whether layer ``L`` mixes with Gated DeltaNet (``coli.models.deltanet.GatedDeltaNet``) or KDA (:func:`is_kda`):
+    a conv state and a recurrent state, shaders/deltanet.comp."""
+    return _is(getattr(L, "linear_attn", None), "coli.models.deltanet.GatedDeltaNet") or is_kda(L)
+
+
+def linear_block(L):
+    """Layer ``L``'s DeltaNet-like mixer: its ``GatedDeltaNet`` or its ``KDA``."""
+    return L.attn if is_kda(L) else L.linear_attn
+
+
+def dn_dims(x) -> tuple:
+    """(Hk, Hv, dk, dv, conv kernel, conv channels C) of a Gated DeltaNet or KDA block (KDA: H key and value heads of
+    its head size, C = 3 H d)."""
+    if _is(x, "coli.models.kimi.KDA"):
+        return (x.H, x.H, x.d, x.d, x.K, 3 * x.H * x.d)
+    return (x.n_k_heads, x.n_v_heads, x.dk, x.dv, x.kernel, x.conv_channels)
 
 
 def is_gated(L) -> bool:
@@ -108,8 +132,11 @@ DN_MAXK = 256
 
 def _why_not_dn(m, il: int, dn) -> str | None:
     """Why the Gated DeltaNet block ``dn`` of layer ``il`` has no device kernels, or None."""
-    if dn.dk > DN_MAXK:
-        return f"a DeltaNet key head of {dn.dk} dims (the device's takes {DN_MAXK} at most)"
+    dk = dn_dims(dn)[2]
+    if dk > DN_MAXK:
+        return f"a DeltaNet key head of {dk} dims (the device's takes {DN_MAXK} at most)"
+    if is_kda(m.layers[il]):
+        return None
     if f"blk.{il}.attn_qkv.weight" not in m.t:
         return "a fused ssm_in (an older conversion: no device kernel)"
     return None
@@ -118,8 +145,10 @@ def _why_not_dn(m, il: int, dn) -> str | None:
 def dn_bytes(dn) -> int:
     """Device bytes of a DeltaNet block besides its GGUF matrices: the conv weights, ssm_a, dt bias and norm as f32,
     its conv state and recurrent state (independent of the context)."""
-    C = dn.conv_channels
-    return 4 * (C * dn.kernel + 2 * dn.n_v_heads + dn.dv + (dn.kernel - 1) * C + dn.n_v_heads * dn.dk * dn.dv)
+    Hk, Hv, dk, dv, K, C = dn_dims(dn)
+    if _is(dn, "coli.models.kimi.KDA"):     # KDA: ssm_f_b and ssm_g_b [Hv dk, dk], the dt bias a channel
+        return 4 * (C * K + Hv + 2 * Hv * dk * dk + Hv * dk + dv + (K - 1) * C + Hv * dk * dv)
+    return 4 * (C * K + 2 * Hv + dv + (K - 1) * C + Hv * dk * dv)
 
 
 def is_mla(a) -> bool:
@@ -251,7 +280,7 @@ def why_not(m, il: int) -> str | None:
         if mixer is not None and not type(mixer).__module__.endswith(".blocks"):
             return f"its mixer is {_cls(mixer)} (no device kernel)"
         return f"its layers are {_cls(L)} (a block order without a device form)"
-    w = (_why_not_dn(m, il, L.linear_attn) if is_deltanet(L) else _why_not_attention(attn_block(L))) or \
+    w = (_why_not_dn(m, il, linear_block(L)) if is_deltanet(L) else _why_not_attention(attn_block(L))) or \
         (_why_not_dsa(m, il) if is_dsa(L) else None) or _why_not_ffn(m, il, L)
     if w is not None:
         return w
@@ -302,7 +331,7 @@ def layer_bytes(m, il: int, ctx: int, experts: bool = True) -> int:
     if f"blk.{il}.ffn_gate_inp.weight" in m.t:
         w += 4 * int(np.prod(m.t[f"blk.{il}.ffn_gate_inp.weight"].shape))
     if is_deltanet(m.layers[il]):
-        return w + dn_bytes(m.layers[il].linear_attn)
+        return w + dn_bytes(linear_block(m.layers[il]))
     if is_mla(a):     # GLM-5: the indexer's key in each cache row, k_norm's weight and bias
         Di = dsa_shape(m)[1] if is_dsa(m.layers[il]) else 0
         return w + mla_bytes(a, ctx) + 4 * Di * (int(ctx) + 2)
@@ -322,6 +351,8 @@ def _shape_key(m, il: int) -> tuple:
     shape, its first item the kind: "mla", "gqa" or "dn", the FFN's); the rest (rope, window, norms, scale,
     formats) is a layer's own."""
     L = m.layers[il]
+    if is_kda(L):
+        return (("dn", *dn_dims(L.attn), "kda"), _ffn_key(m, il))
     if is_deltanet(L):
         x = L.linear_attn
         return (("dn", x.n_k_heads, x.n_v_heads, x.dk, x.dv, x.kernel, x.tiled, x.ssm_ba is not None),
@@ -386,8 +417,10 @@ def _dn_floats(m) -> int:
     out = 0
     for il, L in enumerate(m.layers):
         if is_deltanet(L) and why_not(m, il) is None:
-            x = L.linear_attn
-            out = max(out, 2 * x.conv_channels + 2 * x.n_v_heads * x.dv + 2 * x.n_v_heads)
+            Hk, Hv, dk, dv, _, C = dn_dims(linear_block(L))
+            # KDA: beta and the decay inputs a channel, the two low-rank rows
+            ba = Hv + Hv * dk + 2 * dk if is_kda(L) else 2 * Hv
+            out = max(out, 2 * C + 2 * Hv * dv + ba)
     return out
 
 

@@ -33,7 +33,7 @@ class PromptChunks:
             self._free_precs()
             for name in ("p_hs", "p_xn", "p_qkv", "p_q", "p_ao", "p_lgt", "p_route", "p_off", "p_pairs", "p_h",
                          "p_yk", "p_ysh", "p_shr", "p_in", "p_out", "p_routeh", "p_tmp", "p_xnh", "p_offh",
-                         "p_pairsh", "p_gate", "p_dnx", "p_dnc", "p_dnz", "p_dnba", "p_dno"):
+                         "p_pairsh", "p_gate", "p_dnx", "p_dnc", "p_dnz", "p_dnba", "p_dno", "p_dnlr"):
                 if getattr(self, name, None) is not None:
                     K.drop(getattr(self, name))
             nq, hd, L = self.nq, self.hd, len(self.per)
@@ -81,7 +81,8 @@ class PromptChunks:
                 Hk, Hv, dk, dv, kc, C = self.dn
                 self.p_dnx, self.p_dnc = K.buffer(4 * R * C, host=False), K.buffer(4 * R * C, host=False)
                 self.p_dnz, self.p_dno = K.buffer(4 * R * Hv * dv, host=False), K.buffer(4 * R * Hv * dv, host=False)
-                self.p_dnba = K.buffer(4 * R * 2 * Hv, host=False)
+                self.p_dnba = K.buffer(4 * R * (Hv + Hv * dk if self.kda else 2 * Hv), host=False)
+                self.p_dnlr = K.buffer(4 * R * 2 * dk, host=False) if self.kda else None
             self.p_in = K.buffer(4 * R * D, host=True)
             self.p_out = K.buffer(4 * R * D, host=True, readback=True)
             self.p_routeh = K.buffer(8 * k * R * L, host=True, readback=True)

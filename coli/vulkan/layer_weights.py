@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from coli.vulkan.layer_plan import (ACT_SWIGLU, MLP_TENSORS, SHEXP_TENSORS, attn_block, is_deltanet, is_gated,
-                                    rope_key)
+                                    linear_block, rope_key)
 
 
 class LayerWeights:
@@ -56,7 +56,7 @@ class LayerWeights:
             d["post_attn"] = self._const(np.asarray(L.post_attention_norm, np.float32))
             d["post_ffn"] = self._const(np.asarray(L.post_ffw_norm, np.float32))
         if is_deltanet(L):
-            self._upload_dn(d, L.linear_attn, p)
+            self._upload_dn(d, linear_block(L), p)
         elif self.mla:
             self._upload_mla(d, attn_block(L), p, ctx)
         else:
