@@ -133,3 +133,49 @@ def test_ties_go_to_the_earlier_positions(glm_q32, tmp_path):
         e.close()
         cpu.close()
         orig.close()
+
+
+def test_a_failed_device_hands_the_indexed_rows_back(glm_q32, monkeypatch):
+    """The device fails at a decode row after a device prompt of 40 rows (past index_topk, whose latent and indexer
+    keys only the device held): those rows are computed again on the CPU from the kept input rows (the full layers'
+    indexers first), and the logits and greedy tokens stay the CPU-only run's (within 1e-5)."""
+    from tests.conftest import FIXTURES
+    from tests.vk_util import lose_device_on_call
+
+    ids = [int(t) for t in np.load(FIXTURES / "oracles" / "glmdsa.npz")["ids"][:45]]
+    cpu = device_engine(glm_q32, ctx=64)
+    e = device_engine(glm_q32, COLI_VK_LAYERS=-1, ctx=64)
+    try:
+        cc = cpu.model.new_cache(64, 64)
+        ref = np.concatenate([cpu.model.forward(ids[:40], cc)] + [cpu.model.forward([t], cc) for t in ids[40:]])
+        m, dl = e.model, e.model.device_layers
+        c = m.new_cache(64, 64)
+        got = [m.forward(ids[:40], c), m.forward([ids[40]], c)]
+        assert dl.prompt_tokens == 40 and dl.tokens == 1 and dl._hi == 40
+        lose_device_on_call(monkeypatch, dl.K, "submit", 1, after=True)
+        got += [m.forward([t], c) for t in ids[41:]]
+        assert m.device_layers is None
+        got = np.concatenate(got)
+        assert rel_err(got, ref) < 1e-5, rel_err(got, ref)
+        assert (got.argmax(1) == ref.argmax(1)).all()
+    finally:
+        e.close()
+        cpu.close()
+
+
+def test_the_device_run_starts_at_a_full_indexer_layer(glm_q32):
+    """A shared DSA layer reads the positions of the full layer before it: ``plan`` starts the device's run at a
+    layer with an indexer of its own (the glmdsa layers are full, full, shared, full: two asked for give layer 3
+    alone), and every layer qualifies."""
+    from coli.engine import Engine
+    from coli.vulkan import layer_plan
+
+    e = Engine(glm_q32, quiet=True, silent=True, save_usage=False, ctx=32)
+    try:
+        m = e.model
+        assert layer_plan.why_not_all(m) == ""
+        assert [L.attn.indexer is not None for L in m.layers] == [True, True, False, True]
+        assert layer_plan.plan(m, 1 << 40, 32, want=2)[0] == 3
+        assert layer_plan.plan(m, 1 << 40, 32, want=3)[0] == 1
+    finally:
+        e.close()
