@@ -30,7 +30,7 @@ from coli.vulkan import DeviceLost, VulkanError, device_layers, layer_plan
 from scheduler.balancer import Balancer
 from scheduler.layer_residency import LayerLFRU
 from scheduler.tier import Tier
-from scheduler.tier_policy import budget_bytes, warm_plan
+from scheduler.tier_policy import ReuseGate, budget_bytes, warm_plan
 from scheduler.trace import Trace
 from scheduler.usage import Usage
 
@@ -280,13 +280,18 @@ def setup_moe(eng, expert_cache, usage_path, io_threads, keep_raw) -> None:
 
 def _layer_swaps(eng, dl):
     """The device layers' per-token hook that keeps their resident experts hot (``scheduler.layer_residency``:
-    the tier's heat and LFRU rule inside a layer, one swap a token at most). A swap that fails to place (out of
-    device memory) ends the swaps with one line; the token's results are in already."""
+    the tier's heat, LFRU rule and reuse gate (``COLI_VK_TIER_REUSE``, ``COLI_VK_TIER_PAYBACK``) inside a layer, one
+    swap a token at most). A swap that fails to place (out of device memory) ends the swaps with one line; the
+    token's results are in already."""
     counts = eng.usage.counts if eng.usage is not None and eng.usage.loaded else None
-    policy = LayerLFRU(dl.resident, counts)
+    reuse = (ReuseGate(settings.get("COLI_VK_TIER_PAYBACK", eng.env))
+             if settings.get("COLI_VK_TIER_REUSE", eng.env) else None)
+    policy = LayerLFRU(dl.resident, counts, reuse=reuse)
 
     def on_token(dl, ids):
-        for il, e_in, e_out in policy.token(ids):
+        swaps = policy.token(ids)
+        dl.swaps_refused = policy.skipped_reuse
+        for il, e_in, e_out in swaps:
             try:
                 dl.swap(il, e_in, e_out)
             except (VulkanError, MemoryError) as e:
@@ -640,7 +645,8 @@ def close(eng):
                    "; no prompt rows")
             ex = (f"; routed pairs of decode rows: {dl.dev_rows} on the device, {dl.cpu_rows} on the CPU, "
                   f"of prompt rows: {dl.p_dev_rows} on the device, {dl.p_cpu_rows} on the CPU, "
-                  f"{dl.swaps} experts swapped in" if dl.resident else "")
+                  f"{dl.swaps} experts swapped in ({dl.swaps_refused} refused by the reuse gate)"
+                  if dl.resident else "")
             if dl.bal is not None:
                 ex += f"; balance: device share {dl.bal.share:.2f}, {dl.handed} resident ranks handed to the CPU"
             if dl.stream_chunks:

@@ -85,7 +85,8 @@ VARS: tuple[Var, ...] = (
         "uploads", lo=0),
     Var("COLI_VK_TIER_YIELD", "bool", False, "admit evicting promotions by their measured yield (docs/tier.md "
         "\"Admission by yield\": off by default, it measured slower on the H100; 0: every promotion LFRU allows)"),
-    Var("COLI_VK_TIER_REUSE", "bool", True, "evict for a promotion only when the newcomer's expected routings "
+    Var("COLI_VK_TIER_REUSE", "bool", True, "evict for a promotion (the tier's, and a device layer's expert swap) "
+        "only when the newcomer's expected routings "
         "over its victim's in the next 1024 tokens repay the upload (docs/tier.md \"The reuse gate\"; 0: every "
         "promotion LFRU allows)"),
     Var("COLI_VK_TIER_PAYBACK", "float", 4.0, "device hits over its victim's that repay an upload: the reuse "

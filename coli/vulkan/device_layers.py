@@ -95,6 +95,7 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
         self.handed = 0         # resident ranks the balancer handed to the CPU
         self._steps = []        # this token's balanced layer steps [j, device rows, cpu rows, resident rows, cold, cpu s]
         self.swaps = 0          # experts swapped onto the device while running (swap)
+        self.swaps_refused = 0  # swaps the swap policy's reuse gate refused (set by the caller's on_token)
         self.cpu_rows = 0       # routed (row, expert) pairs of device layers computed on the CPU
         self.dev_rows = 0       # and on the device
         self.p_cpu_rows = 0     # the same of prompt rows

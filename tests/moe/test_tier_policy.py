@@ -152,6 +152,44 @@ def test_layer_lfru_rule():
     assert q.heat[0][2] == 4.2 and q.heat[0][1] == 32.0
 
 
+def _layer_swaps(skew: bool, gate: bool, seed: int, L=4, E=32, K=4, tokens=1000):
+    """LayerLFRU over ``tokens`` routed decode tokens (each layer's lowest half resident): routing uniform over the E
+    experts, or the highest quarter of ids taking 80 % of it. Returns the policy and the hot quarter's resident
+    count."""
+    from scheduler.layer_residency import LayerLFRU
+    from scheduler.tier_policy import ReuseGate
+
+    rng = np.random.default_rng(seed)
+    res = {il: np.arange(E) < E // 2 for il in range(L)}
+    p = LayerLFRU(res, reuse=ReuseGate(4.0) if gate else None)
+    pr = np.full(E, 1.0 / E)
+    if skew:
+        pr[:] = 0.2 / (E - E // 4)
+        pr[E - E // 4:] = 0.8 / (E // 4)
+    for _ in range(tokens):
+        for il, a, b in p.token({il: rng.choice(E, K, replace=False, p=pr) for il in range(L)}):
+            assert res[il][b] and not res[il][a]
+            res[il][a], res[il][b] = True, False
+    return p, sum(int(res[il][E - E // 4:].sum()) for il in range(L))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_layer_swaps_stop_under_uniform_routing_and_fill_the_hot_set(seed):
+    """scheduler/layer_residency.py with the tier's reuse gate (COLI_VK_TIER_REUSE): 4 layers of 32 experts top-4,
+    half resident, 1000 tokens. Uniform routing: the measured spread is the sampling noise's, the shrinkage ends at
+    0 and no swap is made (LFRU alone: more than 30, one a token at most). The highest quarter taking 80 %: every hot
+    expert comes in (each evicting a cold one: at least 32 swaps) and the gate refuses cold-for-cold swaps LFRU alone
+    makes."""
+    p, _ = _layer_swaps(False, True, seed)
+    assert p.swaps == 0 and p.skipped_reuse > 1000 and p.reuse.B == 0.0
+    old, _ = _layer_swaps(False, False, seed)
+    assert old.swaps > 30 and old.skipped_reuse == 0
+    p, hot = _layer_swaps(True, True, seed)
+    assert hot == 4 * 8 and 32 <= p.swaps and p.skipped_reuse > 0 and p.reuse.B > 0.9
+    old, hot_old = _layer_swaps(True, False, seed)
+    assert hot_old == hot and p.swaps < old.swaps
+
+
 # ---- the reuse gate ------------------------------------------------------------------------------------------
 
 def test_reuse_gate_shrinkage_and_gain():

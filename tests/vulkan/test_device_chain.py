@@ -225,9 +225,11 @@ def test_demo_moe_tokens(demo_path):
 def test_hot_experts_swapped_in(device_moe, moe_cpu):
     """--gpu-layers 4 with a --tier-gb that holds the layers and 9 of their 32 experts: after each decode token the
     tier's LFRU rule inside a layer (scheduler/layer_residency.py) swaps the token's hottest non-resident expert in
-    for the coldest resident once its heat passes 1.25 x that one's + 4; the resident count of each layer stays, the
-    expert table follows (the logits stay the CPU-only run's), and the policy alone gives the same swaps."""
+    for the coldest resident once its heat passes 1.25 x that one's + 4 and the reuse gate finds it repays the upload;
+    the resident count of each layer stays, the expert table follows (the logits stay the CPU-only run's), and the
+    policy alone gives the same swaps."""
     from scheduler.layer_residency import LayerLFRU
+    from scheduler.tier_policy import ReuseGate
 
     m = moe_cpu.model
     dev = device_engine(device_moe, COLI_VK_LAYERS=4, COLI_VK_TIER_GB=tier_gb(m, 9))
@@ -238,7 +240,8 @@ def test_hot_experts_swapped_in(device_moe, moe_cpu):
         seen = []
         real = dl.swap
         dl.swap = lambda il, a, b: (seen.append((il, a, b)), real(il, a, b))[1]
-        shadow = LayerLFRU({il: mk.copy() for il, mk in start.items()})
+        shadow = LayerLFRU({il: mk.copy() for il, mk in start.items()},
+                           reuse=ReuseGate(settings.get("COLI_VK_TIER_PAYBACK")))
         hook = dl.on_token
 
         def both(d, ids):
@@ -393,5 +396,66 @@ def test_balance_device_lost_mid_layer(device_moe, moe_cpu, monkeypatch):
         assert rel_err(got[:1], ref[:1]) < 1e-5         # the prompt's rows on the device
         assert np.array_equal(got[1:], ref[1:])          # then every layer of every row on the CPU: its bits
         assert dl._tl == 8
+    finally:
+        dev.close()
+
+
+# the swap tests' MoE: 2 layers of 32 experts top-4 (half resident); its random routers, or (--skew 0.9) a hot quarter
+SWAP_ARGS = ["--layers", "2", "--d", "128", "--heads", "4", "--experts", "32", "--top-k", "4", "--expert-ff", "64",
+             "--vocab", "300", "--type", "Q8_0", "--seed", "7"]
+
+
+@pytest.mark.parametrize("skew", [False, True])
+def test_swaps_gated_by_measured_reuse(tmp_path_factory, skew):
+    """--gpu-layers 2 with a --tier-gb that holds half of each layer's 32 experts (the warm start: the lowest ids),
+    300 decode rows of random tokens, the in-layer swaps (scheduler/layer_residency.py: the tier's LFRU rule with its
+    reuse gate, COLI_VK_TIER_REUSE) beside LFRU alone shown the same routings. On the file whose routers favour a
+    random quarter of each layer (scripts/make_synthetic_moe.py --skew 0.9) that quarter, read from the router's
+    bias column, is resident at the end: the hot set filled. On the file without --skew the gate refuses swaps LFRU
+    alone makes and swaps less (its random routers are not uniform: their top quarter took a third of the routings,
+    so some swaps do repay; exactly uniform routings: tests/moe/test_tier_policy.py). Both: the expert table follows
+    the residency and the logits stay the CPU-only f32 run's."""
+    from gguf import GGUFReader
+
+    from scheduler.layer_residency import LayerLFRU
+    from tests.tiny_moe import build_tiny_moe
+
+    path = build_tiny_moe(tmp_path_factory.mktemp("swap"), SWAP_ARGS + (["--skew", "0.9"] if skew else []),
+                          f"swap-{'skew' if skew else 'plain'}.gguf")
+    ids = [int(x) for x in np.random.default_rng(0).integers(0, 300, 301)]
+    cpu = device_engine(path, ctx=512)
+    try:
+        ref, _ = decode_rows(cpu, ids, 1, cpu.model.new_cache(512, 512))
+        gb = tier_gb(cpu.model, 32, ctx=512)
+    finally:
+        cpu.close()
+    dev = device_engine(path, ctx=512, COLI_VK_LAYERS=2, COLI_VK_TIER_GB=gb)
+    try:
+        dl = dev.model.device_layers
+        assert dl.first == 0 and dl.on_token is not None
+        assert [int(dl.resident[il].sum()) for il in (0, 1)] == [16, 16]
+        alone = LayerLFRU({il: mk.copy() for il, mk in dl.resident.items()})      # LFRU without the gate
+        hook = dl.on_token
+
+        def both(d, routed):
+            for il, a, b in alone.token(routed):
+                alone.resident[il][a], alone.resident[il][b] = True, False
+            hook(d, routed)
+
+        dl.on_token = both
+        got, _ = decode_rows(dev, ids, 1, dev.model.new_cache(512, 512))
+        assert rel_err(got, ref) < 1e-5, rel_err(got, ref)
+        assert 0 < dl.swaps and dl.swaps_refused > 0
+        if skew:
+            r = GGUFReader(str(path))
+            for il in (0, 1):
+                col0 = next(t for t in r.tensors if t.name == f"blk.{il}.ffn_gate_inp.weight").data[:, 0]
+                hot = np.argsort(col0)[-8:]          # the biased quarter
+                assert dl.resident[il][hot].all(), (il, hot, np.flatnonzero(dl.resident[il]))
+        else:
+            assert dl.swaps < alone.swaps, (dl.swaps, alone.swaps)
+        assert [int(dl.resident[il].sum()) for il in (0, 1)] == [16, 16]
+        for il in (0, 1):
+            assert (np.flatnonzero(dl.per[il]["tab_np"][:, 0]) == np.flatnonzero(dl.resident[il])).all()
     finally:
         dev.close()
