@@ -256,9 +256,10 @@ class RowJoin:
 
     def _stamps_due(self) -> bool:
         """Whether this token's segments' timestamps are read: every token with the join profile on, else one token in
-        ``stamp_every`` (the closing line's device time a token comes from those)."""
-        return self.K.dev.timestamps and (self.prof is not None or self.bal is not None
-                                          or self.tokens % self.stamp_every == 0)
+        ``stamp_every`` (the closing line's device time a token comes from those). With ``--balance`` the balanced
+        layers' resident-rank segments are read every token by :meth:`_balance_after` alone (the others' reads, about
+        10 us each, would be the host's time for nothing)."""
+        return self.K.dev.timestamps and (self.prof is not None or self.tokens % self.stamp_every == 0)
 
     def _chain_prepare(self) -> None:
         """The token's batches for :meth:`_run_chain`, their submit structures made once (``Kernels.prepare_batches``:

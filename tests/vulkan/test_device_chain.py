@@ -342,6 +342,8 @@ def test_balance_with_device_layers(device_moe, moe_cpu, chain):
         assert dl.handed > 0 and dl.handed == sum(t.resident_rows - t.device_rows for t in steps)
         assert dl.cpu_rows + dl.dev_rows == n * 4 * dl.k
         assert dl.dev_rows == sum(t.device_rows for t in steps) > 0 and dl.cpu_rows > 0   # both sides computed
+        # every segment's timestamps one token in stamp_every (the balancer reads its segments' own every token)
+        assert dl.gpu_tokens == (-(-n // dl.stamp_every) if dev.device.timestamps else 0)
     finally:
         dev.close()
     cpu_ids = list(moe_cpu.generate(ids=IDS[:5], max_tokens=6, temp=0.0, stop_at_eos=False).ids)
