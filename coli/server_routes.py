@@ -132,7 +132,7 @@ class Routes:
                         job.cancel.set()
                         self.metrics.count(endpoint, 499)
                         return JSONResponse({}, status_code=499)
-                if k is None:
+                if k is None or k == "start":
                     continue
                 if k == "text":
                     parts[i].append(v[0])
@@ -194,6 +194,8 @@ class Routes:
                 yield a.chunk(0, delta={"role": "assistant", "content": ""})
             while True:
                 k, i, v = await aq.get()
+                if k == "start":
+                    continue
                 if k == "text":
                     piece, lp = v
                     if streams[i] is not None:
@@ -373,13 +375,15 @@ class Routes:
         ev = AM.Events()
         sp = m.finish.stream(0) if m.finish is not None else None
         try:
-            yield AM.event("message_start", {"type": "message_start", "message": {
-                "id": m.mid, "type": "message", "role": "assistant", "model": self.model_id, "content": [],
-                "stop_reason": None, "stop_sequence": None,
-                "usage": {"input_tokens": m.n_prompt, "output_tokens": 0}}})
-            yield AM.event("ping", {"type": "ping"})
-            while True:
+            k, i, v = await aq.get()
+            if k == "start":  # sent once the slot looked the prompt cache up: message_delta's split, not a guess
+                m.cached = int(v)
+                yield AM.event("message_start", {"type": "message_start", "message": {
+                    "id": m.mid, "type": "message", "role": "assistant", "model": self.model_id, "content": [],
+                    "stop_reason": None, "stop_sequence": None, "usage": m.usage(None)}})
+                yield AM.event("ping", {"type": "ping"})
                 k, i, v = await aq.get()
+            while True:
                 if k == "text":
                     for d in (sp.push(v[0]) if sp is not None else [{"content": v[0]}]):
                         for e in ev.delta(d):
@@ -402,6 +406,7 @@ class Routes:
                         yield e
                     self.metrics.count("messages", 200)
                     return
+                k, i, v = await aq.get()
         finally:  # the client went away (the task is cancelled) or the answer is complete
             job.cancel.set()
 
@@ -483,10 +488,13 @@ class _Message:
 
     def __init__(self, stops, n_prompt: int, finish):
         self.stops, self.n_prompt, self.finish = stops, n_prompt, finish
+        self.cached = 0  # prompt tokens from the prompt cache, known once the generation took its slot
         self.mid = "msg_" + uuid.uuid4().hex[:24]
 
     def usage(self, r) -> dict:
-        cached = int(r.stats.get("cached_tokens", 0)) if r is not None else 0
+        """Anthropic's usage of the finished result ``r``, or (None) of the answer before its first token: the
+        prompt's tokens split into those run (``input_tokens``) and those read from the prompt cache."""
+        cached = int(r.stats.get("cached_tokens", 0)) if r is not None else self.cached
         return {"input_tokens": self.n_prompt - cached, "cache_read_input_tokens": cached,
                 "cache_creation_input_tokens": 0, "output_tokens": len(r.ids) if r is not None else 0}
 

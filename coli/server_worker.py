@@ -29,7 +29,9 @@ class Gen:
 @dataclass
 class Job:
     """A request: its generations, run one after the other; their pieces and results go out through
-    ``post(kind, index, value)`` (thread-safe)."""
+    ``post(kind, index, value)`` (thread-safe): ``("start", i, cached)`` when generation ``i`` took a slot
+    (``cached``: its prompt tokens taken from the prompt cache), ``("text", i, (piece, logprobs))``,
+    ``("done", i, (result, logprobs))``, ``("error", 0, APIError)``."""
 
     gens: list
     post: object
@@ -153,6 +155,7 @@ class Worker:
                        should_stop=stop, on_text=on_text)
         self.batcher.start(seq)
         self.running[seq] = (job, i)
+        job.post("start", i, seq.cached)  # the prompt cache is looked up: the usage split is known before a token
 
     def _finished(self, seq) -> None:
         """Post a finished generation's result (or its error); start the job's next one."""

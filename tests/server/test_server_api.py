@@ -511,10 +511,37 @@ def test_messages_stream_events_and_stop_sequence(http, eng):
     text = "".join(d["delta"]["text"] for d in datas if d["type"] == "content_block_delta")
     assert text == want.text[:want.text.index(stop)]
     assert datas[-2]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": stop}
-    # the closing usage splits the prompt as the non-streamed answer does (rows run, rows from the prompt cache)
     u = datas[-2]["usage"]
-    assert u["input_tokens"] + u["cache_read_input_tokens"] == datas[0]["message"]["usage"]["input_tokens"]
-    assert u["output_tokens"] > 0
+    assert u["input_tokens"] + u["cache_read_input_tokens"] == len(want.prompt_ids) and u["output_tokens"] > 0
+
+
+def _message_stream(http, body) -> tuple:
+    """The usage of a streamed /v1/messages answer's message_start and message_delta events."""
+    r = http.post("/v1/messages", json={**body, "stream": True})
+    assert r.status_code == 200, r.text
+    datas = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: ")]
+    start = [d["message"]["usage"] for d in datas if d["type"] == "message_start"]
+    delta = [d["usage"] for d in datas if d["type"] == "message_delta"]
+    assert len(start) == len(delta) == 1, r.text
+    return start[0], delta[0]
+
+
+def test_messages_streamed_usage_splits_the_prompt_as_the_whole_answer(http, eng):
+    """A streamed answer's message_start and message_delta split the prompt alike (``input_tokens`` run,
+    ``cache_read_input_tokens`` from the prompt cache: message_start waits for the cache lookup), and as the
+    non-streamed answer does from the same cache state: a repeated prompt reads all but its last token from the
+    slot's cache, whole or streamed."""
+    msgs = [{"role": "user", "content": "Name three colours of the rainbow."}]
+    n = len(eng.tokenizer.encode_chat(msgs))
+    body = {"model": "x", "max_tokens": 3, "temperature": 0, "messages": msgs}
+    split = lambda u: (u["input_tokens"], u["cache_read_input_tokens"])  # noqa: E731
+    start, delta = _message_stream(http, body)  # a prompt this module sends first here
+    assert split(start) == split(delta) and sum(split(start)) == n
+    assert start["output_tokens"] == 0 and delta["output_tokens"] == 3
+    whole = http.post("/v1/messages", json=body).json()["usage"]
+    assert split(whole) == (1, n - 1)  # the slot holds the prompt: only its last token runs
+    start, delta = _message_stream(http, body)
+    assert split(start) == split(delta) == split(whole)
 
 
 def test_messages_blocks_map_to_the_chat_request(http):
