@@ -365,7 +365,8 @@ def open_gguf_file(path, require_arch: bool = True) -> GGUFModel:
 
 def _map_file(path: Path):
     """``(mmap, size in bytes)`` of the file at ``path``, read-only; ColiError for a missing, unreadable or
-    directory path and for a file shorter than the 24-byte header (naming its magic when that is wrong too)."""
+    directory path, an empty file, and a file shorter than the 24-byte header (naming its magic when that is wrong
+    too)."""
     fname = path.name
     try:
         f = open(path, "rb")
@@ -377,9 +378,11 @@ def _map_file(path: Path):
         raise ColiError(f"{fname}: cannot open: {e.strerror}") from None
     with f:
         size = os.fstat(f.fileno()).st_size
+        if size == 0:  # a failed download or copy: say so rather than print an empty magic
+            raise ColiError(f"{fname}: header: the file is empty (0 bytes), not a GGUF file")
         if size < 24:
             head = f.read(4)
-            if head != GGUF_MAGIC:
+            if head != GGUF_MAGIC[:len(head)]:
                 raise ColiError(f"{fname}: header: not a GGUF file (magic {head!r}, expected b'GGUF')")
             raise ColiError(f"{fname}: header: file is {size} bytes, shorter than the 24-byte GGUF header")
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)

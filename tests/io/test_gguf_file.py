@@ -270,7 +270,8 @@ ARCH = _kv("general.architecture", 8, _s("llama"))
 BAD = {
     "magic": (b"GGML" + bytes(40), "header: not a GGUF file"),
     "text_file": (b"this is just a text file, not a model at all\n", "header: not a GGUF file"),
-    "empty": (b"", "header: not a GGUF file"),
+    "empty": (b"", "header: the file is empty (0 bytes), not a GGUF file"),
+    "magic_cut": (b"GG", "header: file is 2 bytes, shorter than the 24-byte GGUF header"),
     "short_header": (b"GGUF" + struct.pack("<I", 3) + bytes(8), "header: file is 16 bytes"),
     "version_1": (_gguf(version=1), "header: GGUF version 1 is not supported"),
     "version_99": (_gguf(version=99), "header: version 99"),
@@ -433,7 +434,7 @@ def _cli_info(path):
 
 
 @needs_cli
-@pytest.mark.parametrize("case", ["text_file", "tensor_count_2^63", "kv_count_2^63", "string_value_past_end",
+@pytest.mark.parametrize("case", ["text_file", "empty", "tensor_count_2^63", "kv_count_2^63", "string_value_past_end",
                                   "array_length_past_end_tiny_file", "array_u32_huge", "alignment_0",
                                   "alignment_3", "tensor_5_dims", "tensor_dims_overflow_int64",
                                   "tensor_unknown_type_99", "tensor_data_past_end"])
