@@ -208,7 +208,9 @@ def build(eng, *, ctx, expert_cache, usage, io_threads, device, balance, trace, 
     eng.device = None
     if device not in (None, "cpu"):
         if eng.step is None and device == "vulkan" and not settings.get("COLI_VK_LAYERS", eng.env):
-            # nothing for the tier to hold: no device opened (device layers, --gpu-layers, run dense layers)
+            # nothing for the tier to hold: the device is not used (device layers, --gpu-layers, run dense
+            # layers), but one asked for and not had is still an error (--device vulkan:7): opened, then closed
+            open_asked_device(eng, device, None, quiet=True).close()
             if not eng.silent:
                 print(f"[VK] {eng.path.name}: a dense model (no routed experts): the Vulkan tier holds experts "
                       f"only, so this run is on the CPU (--gpu-layers N puts its layers on the device; docs/tier.md, "
@@ -402,24 +404,19 @@ def layer_experts(eng, first: int, budget: int, cpu_moe: int) -> dict:
     return out
 
 
-def setup_device(eng, device, balance) -> None:
-    """Open the Vulkan device and wire the expert tier to this engine (docs/tier.md): the budget by the
-    one rule (``scheduler.tier_policy.budget_bytes``, passed to the device, which applies it at open: its
-    ``budget_bytes`` / ``budget_rule``), the RAM cache's size and the dense bytes, the history, the
-    trace, the start line, the warm start (the cache's ``source.read_checked`` on a thread pool)."""
+def open_asked_device(eng, device, budget, quiet: bool):
+    """The Vulkan device the run asked for (``device`` "vulkan"; the index from ``COLI_VK_DEV`` in ``eng.env``, as
+    the CLI's ``--device vulkan:N`` sets it) with ``budget`` (``coli.vulkan.open_device``'s). ColiError naming
+    what asked for it (``--device vulkan:N``, ``COLI_VK_DEV=N``, ``--device vulkan``, ``device='vulkan'``) when it
+    cannot be had: a device asked for is never replaced by a silent CPU run."""
     if device != "vulkan":
         raise ColiError(f"{eng._name('device')}: '{device}' (cpu or vulkan)")
-
+    idx = settings.get("COLI_VK_DEV", eng.env)
+    # the CLI's --device vulkan:N sets the index in the settings it passes, not in the environment
+    flag = f"--device vulkan:{idx}" if eng.cli_names and idx >= 0 and settings.get("COLI_VK_DEV") != idx else None
     try:
-        idx = settings.get("COLI_VK_DEV", eng.env)
-        # the CLI's --device vulkan:N sets the index in the settings it passes, not in the environment
-        flag = f"--device vulkan:{idx}" if eng.cli_names and idx >= 0 and settings.get("COLI_VK_DEV") != idx else None
-        # the one rule, on the settings passed down (a --tier-gb flag is in eng.env, not os.environ)
-        def budget(info):
-            return budget_bytes(info, eng.ram_cache_bytes, eng.model.dense_bytes, env=eng.env)
-
-        eng.device = cvk.open_device(eng.path.name, budget=budget, quiet=eng.silent,
-                                      device_index=None if idx < 0 else idx, index_name=flag, required=True)
+        return cvk.open_device(eng.path.name, budget=budget, quiet=quiet, device_index=None if idx < 0 else idx,
+                               index_name=flag, required=True)
     except Exception as e:  # a device asked for and not had is an error, not a silent CPU run
         what = flag or (f"COLI_VK_DEV={idx}" if idx >= 0 else
                         "--device vulkan" if eng.cli_names else "device='vulkan'")
@@ -427,8 +424,18 @@ def setup_device(eng, device, balance) -> None:
         if eng.cache is not None:
             eng.cache.close()  # its readers started; the engine is not returned
         raise ColiError(why if why.startswith(what) else f"{what}: {why}") from None
-    if eng.device is None:
-        return
+
+
+def setup_device(eng, device, balance) -> None:
+    """Open the Vulkan device and wire the expert tier to this engine (docs/tier.md): the budget by the
+    one rule (``scheduler.tier_policy.budget_bytes``, passed to the device, which applies it at open: its
+    ``budget_bytes`` / ``budget_rule``), the RAM cache's size and the dense bytes, the history, the
+    trace, the start line, the warm start (the cache's ``source.read_checked`` on a thread pool)."""
+    # the one rule, on the settings passed down (a --tier-gb flag is in eng.env, not os.environ)
+    def budget(info):
+        return budget_bytes(info, eng.ram_cache_bytes, eng.model.dense_bytes, env=eng.env)
+
+    eng.device = open_asked_device(eng, device, budget, quiet=eng.silent)
     if eng.step is None:     # a dense model: device layers or nothing (no experts for a tier)
         if not setup_layers(eng, eng.device, int(eng.device.budget_bytes), balance):
             eng.device.close()
