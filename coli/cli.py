@@ -27,7 +27,7 @@ from coli.base import settings
 from coli.base.memory import mem_flag
 from coli.base.errors import ColiError
 from coli.base.paths import cache_dir
-from coli.base.progress import HoldFirst, bar, stderr_is_terminal, text_on_line
+from coli.base.progress import HoldFirst, bar, quiet as quiet_compiles, stderr_is_terminal, text_on_line
 from coli.fetch import MODEL_NAMES, MODELS, check_folder  # MODEL_NAMES: the names -m takes besides a path
 from coli.resolve import resolve
 from coli.vulkan import device_flag
@@ -147,6 +147,8 @@ def _open_engine(a, quiet=False, save_usage=True):
                            COLI_VK_CPU_MOE=cpu_moe,
                            COLI_VK_TIER_SYNC=True if a.reproducible else None, COLI_MEM=mem_flag(a),
                            COLI_BATCH_INVARIANT=True if a.batch_invariant else None)
+    if getattr(a, "quiet", False):
+        quiet_compiles()  # -q: stdout and errors only, the kernels' compile notice too
     model = resolve_model(a.model, quiet=quiet)
     return Engine(model, threads=a.threads, ctx=a.ctx, expert_cache=a.expert_cache, usage=a.usage,
                   cpu_act=a.cpu_act, io_threads=4 if a.io_threads is None else a.io_threads, device=device,

@@ -11,6 +11,7 @@
   once" counts the kernels compiled when stderr is a terminal; :func:`end_compile_bar` closes it (the engine
   calls it when a public call returns). When stderr is not a terminal (a pipe, CI, docker logs) the first
   compile prints one line instead, once a process: what compiles, about how long, where it is cached.
+  :func:`quiet` turns both off (the CLI's ``-q``).
   :func:`compiles` gives the process's top-level compiles and their seconds.
 * :class:`HoldFirst` keeps a generation's text off the terminal line while the first tokens' kernels compile,
   and no bar is drawn while model text holds the current line (:func:`text_on_line`): a bar redraws its line
@@ -28,7 +29,8 @@ _install_lock = threading.Lock()
 _compile_bar = None
 _bar_lock = threading.Lock()
 _compiles = [0, 0.0, 0, 0.0]   # top-level compiles, their seconds, nesting depth, start of the open one
-_line = {"text": False, "told": False}  # model text on the terminal's current line; the compile notice given
+# model text on the terminal's current line; the compile notice given; no notice at all (the CLI's -q)
+_line = {"text": False, "told": False, "quiet": False}
 COMPILE_NOTE = "compiling the CPU kernels, once: about 2-5 minutes on a first run"
 
 
@@ -44,6 +46,12 @@ def notice_line() -> str:
     """The compile notice as a log gets it: ``coli: `` and :func:`compile_notice`, on a line of its own (after a
     newline when model text holds the current line: stdout and stderr often share one terminal or file)."""
     return ("\n" if _line["text"] else "") + f"coli: {compile_notice()}"
+
+
+def quiet(on: bool = True) -> None:
+    """Give no compile notice in this process, neither the bar nor the logged line (the CLI's ``-q``: stdout and
+    errors only); the compiles are still counted."""
+    _line["quiet"] = bool(on)
 
 
 def text_on_line(on: bool) -> None:
@@ -136,6 +144,8 @@ def install() -> None:
                     if _compiles[2] == 0:
                         _compiles[3] = time.perf_counter()
                     _compiles[2] += 1
+                if _line["quiet"]:
+                    return
                 if not stderr_is_terminal():
                     with _bar_lock:
                         told, _line["told"] = _line["told"], True

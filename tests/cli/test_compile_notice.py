@@ -78,7 +78,7 @@ def test_terminal_run_keeps_the_text(want):
 def test_terminal_chat_keeps_the_first_answer(model_path, engine):
     ref = engine(model_path("smollm2"), cpu_act="f32", ctx=256)
     a1 = ref.chat([{"role": "user", "content": "Hi"}], max_tokens=8, temp=0.0, keep_kv=False).text
-    child = pexpect.spawn(sys.executable, ["-c", DRIVER, "chat", *ARGS, "--ctx", "256", "-q"], cwd=str(ROOT),
+    child = pexpect.spawn(sys.executable, ["-c", DRIVER, "chat", *ARGS, "--ctx", "256"], cwd=str(ROOT),
                           env=_env(), encoding="utf-8", timeout=240, dimensions=(40, 200))
     try:
         child.expect_exact("> ")
@@ -103,6 +103,20 @@ def test_piped_run_says_once_that_kernels_compile(want, tmp_path):
     assert lines == [f"coli: compiling the CPU kernels, once: about 2-5 minutes on a first run; later runs load "
                      f"them from {os.environ['NUMBA_CACHE_DIR']}"], r.stderr
     assert r.stderr.index(lines[0]) < r.stderr.index("prefill")  # before the stats line, not after the wait
+
+
+def test_quiet_run_gives_no_compile_notice(want):
+    """``-q`` (stdout and errors only): no compile line in a pipe, no bar on a terminal; the text is the same."""
+    r = subprocess.run([sys.executable, "-c", DRIVER, "run", *ARGS, "-q", "-p", P], capture_output=True, text=True,
+                       cwd=ROOT, env=_env(), timeout=240)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == P + want + "\n" and "compil" not in r.stderr, r.stderr
+    child = pexpect.spawn(sys.executable, ["-c", DRIVER, "run", *ARGS, "-q", "-p", P], cwd=str(ROOT), env=_env(),
+                          encoding="utf-8", timeout=240, dimensions=(40, 200))
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0 and "compil" not in child.before, child.before
+    assert P + want.replace("\n", "\r\n") in child.before
 
 
 def test_the_logged_notice_starts_its_own_line():
