@@ -521,16 +521,34 @@ def cmd_plan(a) -> int:
     return plan(a)
 
 
+def _read_trace(path: str) -> list:
+    """The events of a ``--trace`` file: a JSON array of objects, each complete event (``"ph": "X"``) with numeric
+    ``ts`` and ``dur``; one ColiError naming the file (and the event) for anything else."""
+    what = "coli trace reads the JSON array of events coli run --trace FILE.json writes"
+    try:
+        events = json.loads(Path(path).read_bytes())
+    except OSError as e:
+        raise ColiError(f"{path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ColiError(f"{path}: not JSON text (not UTF-8); {what}") from None
+    except json.JSONDecodeError as e:
+        raise ColiError(f"{path}: not JSON (line {e.lineno}, column {e.colno}); {what}") from None
+    if not isinstance(events, list):
+        raise ColiError(f"{path}: a JSON {type(events).__name__}, not an array of events; {what}")
+    for i, e in enumerate(events):
+        if not isinstance(e, dict):
+            raise ColiError(f"{path}: event {i}: a JSON {type(e).__name__}, not an object; {what}")
+        if e.get("ph") == "X" and not all(isinstance(e.get(k), (int, float)) and not isinstance(e.get(k), bool)
+                                          for k in ("ts", "dur")):
+            raise ColiError(f"{path}: event {i}: a complete event (\"ph\": \"X\") needs numbers \"ts\" and "
+                            f"\"dur\"")
+    return events
+
+
 def cmd_trace(a) -> int:
     """``coli trace FILE``: a ``--trace`` file's totals per category, the overlap of device and CPU time and the
     share of device time hidden behind the CPU (``scheduler.trace.summarize`` defines them)."""
-    try:
-        events = json.loads(Path(a.trace).read_text())
-    except (OSError, ValueError) as e:
-        raise ColiError(f"{a.trace}: {e}") from None
-    if not isinstance(events, list):
-        raise ColiError(f"{a.trace}: not a JSON array of trace events (coli run --trace writes one)")
-    s = summarize(events)
+    s = summarize(_read_trace(a.trace))
     if a.json:
         print(json.dumps(s, indent=1))
         return 0

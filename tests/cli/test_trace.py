@@ -84,12 +84,19 @@ def test_coli_trace_summary(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "50.0% of device time hidden" in r.stdout
     assert "overlap 0.100 ms" in r.stdout
+    what = "coli trace reads the JSON array of events coli run --trace FILE.json writes"
     bad = tmp_path / "bad.json"
-    bad.write_text("{")
-    r = subprocess.run([sys.executable, "-m", "coli", "trace", str(bad)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and r.stderr.startswith("coli: ") and "bad.json" in r.stderr
-    assert "Traceback" not in r.stderr
+    for data, want in [(b"{", f"not JSON (line 1, column 2); {what}"),
+                       (b"hello, not a trace\n", f"not JSON (line 1, column 1); {what}"),
+                       (b"\x89PNG\r\n", f"not JSON text (not UTF-8); {what}"),
+                       (b'{"a": 1}', f"a JSON dict, not an array of events; {what}"),
+                       (b"[1]", f"event 0: a JSON int, not an object; {what}"),
+                       (json.dumps(HAND[:1] + [{"ph": "X", "ts": 1}]).encode(),
+                        'event 1: a complete event ("ph": "X") needs numbers "ts" and "dur"')]:
+        bad.write_bytes(data)
+        r = subprocess.run([sys.executable, "-m", "coli", "trace", str(bad)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+        assert (r.returncode, r.stdout, r.stderr) == (2, "", f"coli: {bad}: {want}\n")
 
 
 def test_cpu_only_run_records_disk_reads(tmp_path):
