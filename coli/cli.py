@@ -710,7 +710,8 @@ def _tune_parser(sub) -> None:
     tu = sub.add_parser("tune", help="sweep threads, I/O threads, threading layers (and the device): CSV, PNG, a recommendation")
     tu.add_argument("-m", "--model", default=None,
                     help="GGUF file or a model name (smollm2, gemma3-270m, qwen2.5-coder-0.5b, demo; default: demo)")
-    tu.add_argument("--device", choices=["cpu", "vulkan"], default=None, help="vulkan: also sweep device on/off, balancer on/off")
+    tu.add_argument("--device", default=None, metavar="DEV",
+                    help="cpu, vulkan or vulkan:N (as coli run takes it): a device also sweeps device on/off, balancer on/off")
     tu.add_argument("--out", default="coli-tune", metavar="DIR", help="folder for tune.csv and tune.png (default ./coli-tune)")
     tu.add_argument("--save", action="store_true", help="write the recommendation to ~/.config/coli/config.toml (coli run reads it)")
     tu.add_argument("--threads", default=None, metavar="LIST", help="Numba thread counts (default 1..physical cores, and the logical count)")

@@ -45,10 +45,12 @@ from pathlib import Path
 import numpy as np
 import psutil
 
+from coli.base import settings
 from coli.base.errors import ColiError
 from coli.base.paths import atomic_write_text
 from coli.base.progress import bar
 from coli.resolve import resolve
+from coli.vulkan import device_flag
 
 CSV_FIELDS = ["model", "layer", "threads", "io_threads", "device", "balance", "rep", "n_prompt", "n_gen",
               "prefill_tps", "decode_tps", "decode_weight_gbps", "load_avg"]
@@ -201,11 +203,15 @@ def worker(spec: dict, emit) -> None:
         for pt in _points(spec):
             key = (pt["io_threads"], pt["device"])
             if key not in engines:
-                dev = None if pt["device"] == "cpu" else pt["device"]
+                dev, index = device_flag(pt["device"])  # "vulkan:N": the index as coli run passes it
+                dev = None if dev == "cpu" else dev
                 eng = Engine(spec["model"], threads=max(spec["threads"]), ctx=ctx, io_threads=pt["io_threads"],
-                             device=dev, balance=True if dev else None, quiet=True, save_usage=False)
+                             device=dev, balance=True if dev else None, quiet=True, save_usage=False, cli_names=True,
+                             env=settings.overlay(None, COLI_VK_DEV=index))
                 if dev and eng.tier is None:
-                    raise ColiError(f"--device {dev}: no usable device (the engine runs on the CPU)")
+                    eng.close()
+                    raise ColiError(f"--device {pt['device']}: no expert tier (a dense model runs on the CPU; "
+                                    f"coli tune sweeps the tier's device)")
                 engines[key] = eng
                 run_bench(eng, n_prompt=spec["n_prompt"], n_gen=spec["n_gen"], reps=1, threads=[max(spec["threads"])],
                           warmup=False)  # the warm-up: compile, page cache, RAM cache
@@ -251,7 +257,8 @@ def _run_layer(spec: dict, on_record) -> None:
         err = errf.read()
     if rc != 0:
         last = [l for l in err.strip().splitlines() if l.strip()][-1:] or [f"exit code {rc}"]
-        raise ColiError(f"coli tune: the {spec['layer']} layer's run failed: {last[0]}")
+        why = last[0].removeprefix("coli: ")  # the worker's own error line: one prefix on the line
+        raise ColiError(f"coli tune: the {spec['layer']} threading layer's run failed: {why}")
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -343,11 +350,26 @@ def _check_out(out: Path) -> None:
             raise ColiError(f"{f}: exists and is not a file")
 
 
+def _check_device(flag: str, label: str) -> None:
+    """``--device vulkan[:N]`` opened and closed before the sweep: one asked for and not had is one ColiError
+    naming the flag, as ``coli run`` says it, not a failed sweep."""
+    from coli.vulkan import VulkanError, open_device
+
+    index = device_flag(flag)[1]
+    try:
+        open_device(label, quiet=True, required=True, device_index=index,
+                    index_name=f"--device {flag}" if index is not None else None).close()
+    except (VulkanError, ColiError) as e:
+        why = str(e)
+        raise ColiError(why if why.startswith(f"--device {flag}") else f"--device {flag}: {why}") from None
+
+
 def cmd_tune(a) -> int:
-    """``coli tune -m MODEL [--device cpu|vulkan] [--out DIR] [--save] [--threads LIST] [--io-threads LIST]
+    """``coli tune -m MODEL [--device cpu|vulkan|vulkan:N] [--out DIR] [--save] [--threads LIST] [--io-threads LIST]
     [--layers LIST] [--reps N] [-p N] [-n N] [--max-load X]``."""
     from coli.bench import parse_int_list
 
+    device_flag(a.device)  # a bad --device before the model is fetched
     a.model = resolve(a.model or "demo", quiet=False)   # a path or a name -m takes (smollm2, demo, ...)
     if not os.path.isfile(a.model):
         raise ColiError(f"{a.model}: not a GGUF file (coli tune takes a .gguf file or a model name)")
@@ -382,7 +404,9 @@ def cmd_tune(a) -> int:
         layers = usable_layers()
         if not layers:
             raise ColiError("no Numba threading layer could start (tbb, omp)")
-    devices = ["cpu"] + ([a.device] if a.device not in (None, "cpu") else [])
+    devices = ["cpu"] + ([a.device] if device_flag(a.device)[0] == "vulkan" else [])  # "vulkan" or "vulkan:N"
+    if len(devices) > 1:
+        _check_device(a.device, Path(a.model).name)
     balances = [False, True]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

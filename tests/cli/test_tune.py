@@ -86,6 +86,25 @@ def test_tune_busy_machine_no_recommendation(tiny, tmp_path):
     assert not (home / ".config" / "coli" / "config.toml").exists()
 
 
+def test_tune_device_as_coli_run_takes_it(tiny, tmp_path):
+    """``--device vulkan:N`` as ``coli run`` takes it (``coli.vulkan.device_flag``): the sweep's device rows name
+    it; an index past the devices is coli run's one error line, before the sweep; a bad value names the flag."""
+    pytest.importorskip("vulkan")
+    home = tmp_path / "home"
+    home.mkdir()
+    r = _tune(tiny, tmp_path / "bad", home, "--device", "vulkan:57")
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("coli: --device vulkan:57: no device 57 (the Vulkan device"), r.stderr
+    r = _tune(tiny, tmp_path / "bad", home, "--device", "gpu")
+    assert (r.returncode, r.stderr) == (2, "coli: --device: 'gpu' (cpu, vulkan or vulkan:N)\n")
+    r = _tune(tiny, tmp_path / "out", home, "--device", "vulkan:0", "--threads", "1", "--reps", "1",
+              "--max-load", "1e9")
+    assert r.returncode == 0, r.stderr
+    rows = list(csv.DictReader(open(tmp_path / "out" / "tune.csv")))
+    assert sorted((row["device"], row["balance"]) for row in rows) == [("cpu", ""), ("vulkan:0", "off"),
+                                                                        ("vulkan:0", "on")]
+
+
 def test_config_file_rules(tmp_path):
     p = tmp_path / "config.toml"
     p.write_text("[run]\nthreads = 3\n")
