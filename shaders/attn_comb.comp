@@ -3,7 +3,7 @@
 //   M = max_s m_s, out[h, d] = sum_s exp(m_s - M) o_s[d] / sum_s exp(m_s - M) l_s, in s order
 // (flash-decoding's join; the parts are each range's max m_s, sum l_s and weighted V sum o_s).
 // a0 parts f32 [nq, ceil(ctx / CHK), hd + 2] (m, l, o[hd]), a1 params uint [..] (pos = params[0]), a2 out f32 [nq, hd]
-// u0 nq, u2 hd, u3 ctx, u5 CHK, u6 window W (0: none; the parts from the one holding key pos - W + 1 on), u7 1: a3
+// u0 nq, u2 hd (V's head width: attn_dec.comp's hdv), u3 ctx, u5 CHK, u6 window W (0: none; the parts from the one holding key pos - W + 1 on), u7 1: a3
 // sinks f32 [nq], one logit a head joining M and the denominator (gpt-oss). groups: (nq, 1, 1). With pos + 1 <= CHK
 // attn_dec.comp wrote out itself: returns.
 #extension GL_GOOGLE_include_directive : require

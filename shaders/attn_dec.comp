@@ -1,17 +1,18 @@
 #version 460
 // Attention of one query row over the cached positions 0..pos, one workgroup per q head:
 //   out[h] = sum_j softmax_j(scale * q[h] . K[kvh, j]) V[kvh, j],  kvh = h / (nq / nkv)
-// a0 q f32 [nq, hd], a1 K cache f32 [nkv, ctx, hd], a2 V cache f32 [nkv, ctx, hd], a3 params uint [..]
-// (pos = params[0]; keys 0..pos inclusive), a4 out f32 [nq, hd], a5 scratch f32 [nq, ctx] (the scores)
+// a0 q f32 [nq, hd], a1 K cache f32 [nkv, ctx, hd], a2 V cache f32 [nkv, ctx, hdv], a3 params uint [..]
+// (pos = params[0]; keys 0..pos inclusive), a4 out f32 [nq, hdv], a5 scratch f32 [nq, ctx] (the scores)
 // u0 nq, u1 nkv, u2 hd (<= 256), u3 ctx, u4 scale (float bits), u5 CHK: keys a workgroup (0: all). groups: (nq, 1, 1)
 // with CHK 0; else (nq, ceil(ctx / CHK), 1): workgroup (h, s) takes keys s * CHK .. (s + 1) * CHK - 1 of 0..pos
-// (those past pos return at once) and, when pos + 1 > CHK, writes its part to a6 f32 [nq, ceil(ctx / CHK), hd + 2]
+// (those past pos return at once) and, when pos + 1 > CHK, writes its part to a6 f32 [nq, ceil(ctx / CHK), hdv + 2]
 // (its max m, its sum l of exp(score - m), the V rows' sum weighted by exp(score - m)) for attn_comb.comp to join;
 // with pos + 1 <= CHK the one workgroup writes out[h] itself, as with CHK 0 (the same sums in the same order).
 // u6 window W (0: none): the keys max(0, pos - W + 1) .. pos, the query's own position included (a part's range
 // before the window's start returns at once; attn_comb.comp joins the parts from the window's). u7 1: a7 sinks f32
 // [nq], one logit a head in the softmax's max and denominator only (gpt-oss; CPU cpu_kernels/attention.py
-// _row_finish), here when this workgroup writes out itself, else in attn_comb.comp's join.
+// _row_finish), here when this workgroup writes out itself, else in attn_comb.comp's join. u8 hdv, V's head width
+// (<= hd; 0: hd; MiMo-V2's value_length).
 // Three passes. 1: invocations stride over the keys (key j by invocation j % WG), each a whole dot product,
 // the score into the scratch row; the workgroup max. 2: each invocation turns its own scores into
 // e = exp(s - max) and sums them; the workgroup sum. 3: chunks of 4 WG weights are staged in shared memory (each
@@ -19,7 +20,8 @@
 // invocations run over the chunk's keys, the invocations of a group over the head dimensions (vec4 when
 // hd % 4 == 0), and the groups' partial sums are added in group order. Any context length up to ctx; the
 // result does not depend on the subgroup size except through the reductions' order.
-// With hd % 4 == 0, K and V are read as vec4: their addresses must be 16-byte aligned. scale: 1/sqrt(hd) usually.
+// With hd % 4 == 0 K, with hdv % 4 == 0 V, is read as vec4: their addresses must be 16-byte aligned. scale:
+// 1/sqrt(hd) usually.
 #extension GL_GOOGLE_include_directive : require
 #include "layer_common.glsl"
 
@@ -45,6 +47,9 @@ void main() {
     if (j1 >= n) return;                                  // uniform: a range before the window
     bool v4 = (hd & 3u) == 0u;
     uint H4 = (hd + 3u) / 4u;
+    uint hdv = pc.u[8] == 0u ? hd : pc.u[8];
+    bool w4 = (hdv & 3u) == 0u;      // V read as vec4
+    uint HV4 = (hdv + 3u) / 4u;
     F32 Q = F32(pc.a[0]);
     F32 S = F32(pc.a[5]);
     uint sb = h * ctx;                 // this head's scratch row
@@ -97,7 +102,7 @@ void main() {
 
     // pass 3: the weighted sum of V. C columns (vec4 or scalar); CW columns per key group, NG key groups,
     // NC columns per invocation (1 unless C > WG).
-    uint C = v4 ? H4 : hd;
+    uint C = w4 ? HV4 : hdv;
     uint CW = min(C, WG), NG = WG / CW, NC = (C + CW - 1u) / CW;
     uint kg = t / CW, c0 = t % CW;
     vec4 acc[MAXNC];
@@ -111,20 +116,20 @@ void main() {
         for (uint jj = t; jj < cl; jj += WG) SH[jj] = S.v[sb + j0 + jj];
         barrier();
         if (kg < NG) {
-            if (v4 && NC == 1u) {      // the usual case: one vec4 column
+            if (w4 && NC == 1u) {      // the usual case: one vec4 column
                 for (uint jj = kg; jj < cl; jj += NG)
-                    acc[0] += SH[jj] * V4.v[(kvb + j0 + jj) * H4 + c0];
-            } else if (v4) {
+                    acc[0] += SH[jj] * V4.v[(kvb + j0 + jj) * HV4 + c0];
+            } else if (w4) {
                 for (uint jj = kg; jj < cl; jj += NG) {
                     float w = SH[jj];
-                    uint vb = (kvb + j0 + jj) * H4 + c0;
+                    uint vb = (kvb + j0 + jj) * HV4 + c0;
                     [[unroll]] for (uint q = 0u; q < MAXNC; q++)
                         if (q < NC && c0 + q * CW < C) acc[q] += w * V4.v[vb + q * CW];
                 }
             } else {
                 for (uint jj = kg; jj < cl; jj += NG) {
                     float w = SH[jj];
-                    uint vb = (kvb + j0 + jj) * hd + c0;
+                    uint vb = (kvb + j0 + jj) * hdv + c0;
                     [[unroll]] for (uint q = 0u; q < MAXNC; q++)
                         if (q < NC && c0 + q * CW < C) acc[q].x += w * V.v[vb + q * CW];
                 }
@@ -133,9 +138,9 @@ void main() {
     }
     // the output: out[h] normalized, or this workgroup's part (m, l, unnormalized sums) for attn_comb.comp
     F32 O = F32(pc.a[part ? 6 : 4]);
-    uint ob = h * hd;
+    uint ob = h * hdv;
     if (part) {
-        ob = (h * ((ctx + CHK - 1u) / CHK) + gl_WorkGroupID.y) * (hd + 2u);
+        ob = (h * ((ctx + CHK - 1u) / CHK) + gl_WorkGroupID.y) * (hdv + 2u);
         if (t == 0u) { O.v[ob] = m; O.v[ob + 1u] = l; }
         ob += 2u;
         l = 1.0;
@@ -144,7 +149,7 @@ void main() {
         [[unroll]] for (uint q = 0u; q < MAXNC; q++) {
             uint c = c0 + q * CW;
             if (q < NC && c < C) {
-                if (v4) {
+                if (w4) {
                     vec4 r = acc[q] / l;
                     O.v[ob + 4u * c] = r.x;
                     O.v[ob + 4u * c + 1u] = r.y;
@@ -173,7 +178,7 @@ void main() {
             r += vec4(SH[i], SH[i + 1u], SH[i + 2u], SH[i + 3u]);
         }
         r /= l;
-        if (v4) {
+        if (w4) {
             O.v[ob + 4u * t] = r.x;
             O.v[ob + 4u * t + 1u] = r.y;
             O.v[ob + 4u * t + 2u] = r.z;

@@ -3,11 +3,11 @@
 // positions (CPU: coli/models/blocks.py attend), flash-attention style: one workgroup per (G q heads of a KV head,
 // block of rows), keys in tiles of BK with an online softmax per row:
 //   out[r, h] = sum_{j <= pos0 + r} softmax_j(scale * q[r, h] . K[kvh, j]) V[kvh, j],  kvh = h / (nq / nkv)
-// a0 q f32 [R, nq, hd], a1 K cache f32 [nkv, ctx, hd], a2 V cache f32 [nkv, ctx, hd], a3 params uint [..]
-// (pos0 = params[0]), a4 out f32 [R, nq, hd]
+// a0 q f32 [R, nq, hd], a1 K cache f32 [nkv, ctx, hd], a2 V cache f32 [nkv, ctx, hdv], a3 params uint [..]
+// (pos0 = params[0]), a4 out f32 [R, nq, hdv]
 // u0 nq, u1 nkv, u2 hd (<= MAXD), u3 ctx, u4 scale (float bits), u5 R, u6 window W (0: none; else row p sees keys
 // p - W + 1 .. p), u7 1: a5 sinks f32 [nq], one logit a head in the softmax's max and denominator only (gpt-oss;
-// CPU cpu_kernels/attention.py _row_finish). groups: (nq / G, ceil(R / PB), 1), PB = BQ / G (rounded down).
+// CPU cpu_kernels/attention.py _row_finish), u8 hdv, V's head width (<= hd; 0: hd; MiMo-V2's value_length). groups: (nq / G, ceil(R / PB), 1), PB = BQ / G (rounded down).
 // Specialization constants: 3 BQ, the query rows of a workgroup (8, 16 or 32: each K/V tile read from memory once
 // serves them all), 4 MAXD, the largest head dimension (128 or 256; BQ x MAXD floats of shared memory), 5 G, the q
 // heads of one KV head a workgroup serves (GQA: a divisor of nq / nkv, at most BQ; 1: one q head): its BQ rows are
@@ -38,6 +38,7 @@ shared float M[BQ], L[BQ], A[BQ];
 
 void main() {
     uint nq = pc.u[0], nkv = pc.u[1], hd = pc.u[2], ctx = pc.u[3], R = pc.u[5];
+    uint hdv = pc.u[8] == 0u ? hd : pc.u[8];
     float scale = pcf(4u);
     uint h0 = gl_WorkGroupID.x * G, rb = gl_WorkGroupID.y * PB, t = gl_LocalInvocationIndex;   // row i: head h0 + i % G
     uint kvh = h0 / (nq / nkv);
@@ -93,15 +94,15 @@ void main() {
             M[t] = mn;
             A[t] = al;
         }
-        for (uint i = t; i < nk * hd; i += 128u) {   // the V tile over the K tile (the scores are all made)
-            uint j = i / hd, d = i - j * hd;
-            KV[j * st + d] = V.v[(kvb + j0 + j) * hd + d];
+        for (uint i = t; i < nk * hdv; i += 128u) {   // the V tile over the K tile (the scores are all made)
+            uint j = i / hdv, d = i - j * hdv;
+            KV[j * st + d] = V.v[(kvb + j0 + j) * hdv + d];
         }
         barrier();
         float al = A[vr];
         [[unroll]] for (uint c = 0u; c < MAXC; c++) {
             uint d = vc + TPR * c;
-            if (d < hd) {
+            if (d < hdv) {
                 float a = acc[c] * al;
                 for (uint j = 0u; j < nk; j++) a += P[vr * BK + j] * KV[j * st + d];
                 acc[c] = a;
@@ -123,7 +124,7 @@ void main() {
         }
         [[unroll]] for (uint c = 0u; c < MAXC; c++) {
             uint d = vc + TPR * c;
-            if (d < hd) O.v[((rb + vr / G) * nq + h) * hd + d] = acc[c] / l;
+            if (d < hdv) O.v[((rb + vr / G) * nq + h) * hdv + d] = acc[c] / l;
         }
     }
 }

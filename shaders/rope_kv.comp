@@ -1,10 +1,11 @@
 #version 460
 // Rope on q and k of R rows at positions params[0] + r, k and v into the KV cache (CPU: cpu_kernels/rope.py):
-// a0 qkv f32 [R, nq*hd + 2*nkv*hd] (q heads, then k heads, then v heads), a1 q out f32 [R, nq, hd] (rotated q),
-// a2 K cache f32 [nkv, ctx, hd], a3 V cache f32 [nkv, ctx, hd], a4 cos f32 [ctx, n_rot/2],
-// a5 sin f32 [ctx, n_rot/2], a6 params uint [..] (pos = params[0] + r), a7 kv_out f32 [2, nkv*hd] (the new rows:
-// rotated k heads, then v heads; one row only) or 0 (none written)
-// u0 nq, u1 nkv, u2 hd, u3 n_rot (even, <= hd), u4 ctx, u5 kind (0 NORM, 2 NEOX)
+// a0 qkv f32 [R, nq*hd + nkv*hd + nkv*hdv] (q heads, then k heads, then v heads), a1 q out f32 [R, nq, hd] (rotated
+// q), a2 K cache f32 [nkv, ctx, hd], a3 V cache f32 [nkv, ctx, hdv], a4 cos f32 [ctx, n_rot/2],
+// a5 sin f32 [ctx, n_rot/2], a6 params uint [..] (pos = params[0] + r), a7 kv_out f32 [nkv*hd + nkv*hdv] (the new
+// rows: rotated k heads, then v heads; one row only) or 0 (none written)
+// u0 nq, u1 nkv, u2 hd, u3 n_rot (even, <= hd), u4 ctx, u5 kind (0 NORM, 2 NEOX), u6 the value scale (float bits; 0:
+// 1, MiMo-V2's attention.value_scale: v times it before it is stored), u7 hdv, V's head width (0: hd)
 // groups: (nq + nkv, R, 1): workgroup (g, r), g < nq rotates q head g; g >= nq rotates k head g - nq into
 // K[g - nq, pos, :] and kv_out[0], and copies v head g - nq into V[g - nq, pos, :] and kv_out[1].
 // Pair i < n_rot/2 (c = cos[pos, i], s = sin[pos, i]): NORM (x[2i], x[2i+1]), NEOX (x[i], x[i + n_rot/2]),
@@ -21,7 +22,9 @@ void main() {
     uint g = gl_WorkGroupID.x, r = gl_WorkGroupID.y, t = gl_LocalInvocationIndex, WG = gl_WorkGroupSize.x;
     F32 QKV = F32(pc.a[0]);
     uint pos = U32(pc.a[6]).v[0] + r;
-    uint rq = r * (nq + 2u * nkv) * hd;   // row r of qkv
+    uint hdv = pc.u[7] == 0u ? hd : pc.u[7];
+    float vsc = pc.u[6] == 0u ? 1.0 : pcf(6u);
+    uint rq = r * ((nq + nkv) * hd + nkv * hdv);   // row r of qkv
     bool kvo = pc.a[7] != 0ul;
     uint half_ = n_rot / 2u;
     F32 CS = F32(pc.a[4]);
@@ -56,11 +59,11 @@ void main() {
     }
     if (!is_q) {
         F32 V = F32(pc.a[3]);
-        uint vs = rq + (nq + nkv + kh) * hd, vd = (kh * ctx + pos) * hd;
-        for (uint d = t; d < hd; d += WG) {
-            float x = QKV.v[vs + d];
+        uint vs = rq + (nq + nkv) * hd + kh * hdv, vd = (kh * ctx + pos) * hdv;
+        for (uint d = t; d < hdv; d += WG) {
+            float x = QKV.v[vs + d] * vsc;
             V.v[vd + d] = x;
-            if (kvo) KVO.v[nkv * hd + ko + d] = x;
+            if (kvo) KVO.v[nkv * hd + kh * hdv + d] = x;
         }
     }
 }

@@ -49,8 +49,8 @@ from coli.vulkan.layer_decode import DecodeRow
 from coli.vulkan.layer_families import MLAMixer, DeltaNetMixer
 from coli.vulkan.layer_join import RowJoin
 from coli.vulkan.layer_kv import KVRows
-from coli.vulkan.layer_plan import (attn_block, device_formats, dn_dims, dsa_shape, is_deltanet, is_gated, is_kda,
-                                    is_mla, linear_block, route_rule)
+from coli.vulkan.layer_plan import (attn_block, device_formats, dn_dims, dsa_shape, head_dims, is_deltanet, is_gated,
+                                    is_kda, is_mla, linear_block, route_rule)
 from coli.vulkan.layer_prompt import PromptChunks
 from coli.vulkan.layer_prompt_join import PromptJoin
 from coli.vulkan.layer_weights import LayerWeights
@@ -171,8 +171,10 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
             self.nq, self.nkv, self.hd = at.H, 1, at.r + at.dr + (self.dsa[1] if self.dsa else 0)
         elif at is None:    # DeltaNet layers only: a one-float attention scratch
             self.nq, self.nkv, self.hd = 1, 1, 1
-        else:
-            self.nq, self.nkv, self.hd = at.n_heads, at.n_kv, at.head_dim
+        else:   # KV heads and V's width are a layer's own (MiMo-V2): the buffers take the most of the layers here
+            dims = [head_dims(attn_block(m.layers[il])) for il in range(first, len(m.layers))
+                    if not is_deltanet(m.layers[il])]
+            self.nq, self.nkv, self.hd = at.n_heads, max(x[0] for x in dims), at.head_dim
         self.D = a.d_model
         # the layers' FFN: routed experts (every MoE layer alike: plan), dense, or both (DeepSeek's leading dense
         # layers before its MoE layers): the router's sizes and rule from the first MoE layer

@@ -64,7 +64,6 @@ class DecodeRow:
                 self.m_is = K.buffer(4 * ctx, host=False)
                 self.m_sel = K.buffer(4 * Kt, host=False)
         self.kvout = K.buffer(4 * 2 * nkv * hd * len(self.layers), host=False)
-        self._kv_names = ("K",) if self.mla else ("K", "V")     # the device's cache buffers of a layer
         # host side: the params (pos), the row in and out, the new K/V rows
         self.params = K.buffer(256, host=True)
         self.hin = K.buffer(4 * D, host=True)
@@ -99,18 +98,19 @@ class DecodeRow:
             if "qk_norm" in d:   # in place on the q and k parts of qkv (heads: one row a head; full: one row)
                 heads = d["qk_norm"] == "heads"
                 kaddr = qkv + 4 * nq * hd
+                lkv = d["nkv"]
                 ops += [Dispatch("rmsnorm", (nq if heads else 1,), [qkv, d["q_norm"].addr, qkv],
                                  [hd if heads else nq * hd, eps]),
-                        Dispatch("rmsnorm", (nkv if heads else 1,), [kaddr, d["k_norm"].addr, kaddr],
-                                 [hd if heads else nkv * hd, eps], wait=False)]
+                        Dispatch("rmsnorm", (lkv if heads else 1,), [kaddr, d["k_norm"].addr, kaddr],
+                                 [hd if heads else lkv * hd, eps], wait=False)]
             ob = d.get("o_b")
             post = d.get("post_attn")
             if "mla" in d:
                 ops += self._mla_ops(d, 1, kvo, False)
             ops += [] if "mla" in d or "dn" in d else [
-                Dispatch("rope_kv", (nq + nkv,), [qkv, self.q.addr, d["K"].addr, d["V"].addr,
-                                                  d["cos"].addr, d["sin"].addr, self.params.addr, kvo],
-                         [nq, nkv, hd, d["n_rot"], ctx, d["rope_kind"]]),
+                Dispatch("rope_kv", (nq + d["nkv"],), [qkv, self.q.addr, d["K"].addr, d["V"].addr,
+                                                       d["cos"].addr, d["sin"].addr, self.params.addr, kvo],
+                         [nq, d["nkv"], hd, d["n_rot"], ctx, d["rope_kind"], f32_bits(d["vscale"]), d["hdv"]]),
                 *self._attn_dec(d),
                 # Qwen3-Next: the attention output times sigmoid(gate), the gate rows after v in qkv
                 *([Dispatch("deltanet", (-(-nq * hd // self.K.wg), 1), [self.ao.addr, qkv],
@@ -118,7 +118,7 @@ class DecodeRow:
                 # into the residual, or (a post-norm) into tmp, normed into the residual
                 Dispatch("lmv", (-(-D // R),), [d["o"].addr, self.ao.addr, tmp if post else hs,
                                                 ob.addr if ob is not None else 0],
-                         [D, nq * hd, (0 if post else 1) | (2 if ob is not None else 0)], type_name=ot),
+                         [D, nq * d["hdv"], (0 if post else 1) | (2 if ob is not None else 0)], type_name=ot),
             ]
             if post:
                 ops.append(Dispatch("rmsnorm", (1,), [tmp, post.addr, hs], [D, eps, 0, 0, 1]))
@@ -184,16 +184,16 @@ class DecodeRow:
         joined by attn_comb.comp where the context is longer than one part."""
         from coli.vulkan.layers import Dispatch, f32_bits
 
-        nq, nkv, hd, ctx = self.nq, self.nkv, self.hd, self.ctx
+        nq, nkv, hd, hdv, ctx = self.nq, d["nkv"], self.hd, d["hdv"], self.ctx
         chk = self.attn_chunk
         parts = self.attn_parts.addr if chk else 0
         sinks = d["sinks"].addr if "sinks" in d else self.q.addr
         ops = [Dispatch("attn_dec", (nq, -(-ctx // chk) if chk else 1),
                         [self.q.addr, d["K"].addr, d["V"].addr, self.params.addr, self.ao.addr, self.scores.addr, parts,
-                         sinks], [nq, nkv, hd, ctx, f32_bits(d["scale"]), chk, d["window"], int("sinks" in d)])]
-        if chk:
+                         sinks], [nq, nkv, hd, ctx, f32_bits(d["scale"]), chk, d["window"], int("sinks" in d), hdv])]
+        if chk:     # its hd: V's width (the parts' rows)
             ops.append(Dispatch("attn_comb", (nq,), [parts, self.params.addr, self.ao.addr, sinks],
-                                [nq, 0, hd, ctx, 0, chk, d["window"], int("sinks" in d)]))
+                                [nq, 0, hdv, ctx, 0, chk, d["window"], int("sinks" in d)]))
         return ops
 
     def __call__(self, h: np.ndarray, cache, pos0: int):
@@ -218,8 +218,8 @@ class DecodeRow:
             self.gpu_tokens += 1
             self.dev_rows += self.k * self.n_moe
         out = self.hout.f32(D).reshape(1, D).copy()
-        kvn = self.nkv * self.hd
-        new = self.kvhost.f32(2 * kvn * len(self.per)).reshape(len(self.per), 2, self.nkv, self.hd)
+        kvn = 2 * self.nkv * self.hd     # a layer's block of the readback: its k heads, then its v heads
+        new = self.kvhost.f32(kvn * len(self.per)).reshape(len(self.per), kvn)
         if self.dn:
             self._dn_store(cache, pos0 + 1)
         for j, d in enumerate(self.per):
@@ -227,10 +227,11 @@ class DecodeRow:
                 continue
             kv = cache.layers[d["il"]]
             if self.mla:    # the new LAT row: the latent, the rope key (and GLM-5's indexer key)
-                self._lat_rows(kv, pos0, new[j, 0, :, :])
+                self._lat_rows(kv, pos0, new[j, None, :self.hd])
                 continue
-            kv.k[:, pos0] = new[j, 0]
-            kv.v[:, pos0] = new[j, 1]
+            nk, hd, hdv = d["nkv"], self.hd, d["hdv"]
+            kv.k[:, pos0] = new[j, :nk * hd].reshape(nk, hd)
+            kv.v[:, pos0] = new[j, nk * hd:nk * (hd + hdv)].reshape(nk, hdv)
         self._valid = pos0 + 1
         self.tokens += 1
         step = self.m.step

@@ -46,9 +46,8 @@ class KVRows:
         self._hist = np.zeros((0, self.D), np.float32)
         if p1 <= p0:
             return
-        hd, nkv, ctx = self.hd, self.nkv, self.ctx
-        row = 4 * hd
-        per_pos = len(self._kv_names) * max(1, self._n_kv_layers()) * nkv * row
+        ctx = self.ctx
+        per_pos = max(1, sum(nh * w for _, _, nh, w in self._kv_parts())) * 4
         step = max(1, (16 << 20) // per_pos)
         need = min(p1 - p0, step) * per_pos
         if self._rstage is None or self._rstage.size < need:
@@ -58,21 +57,20 @@ class KVRows:
         st = self._rstage
         for a in range(p0, p1, step):
             b = min(p1, a + step)
-            n = (b - a) * row
             off, ops, spots = 0, [], []
-            for d in self.per:
-                for name in (() if "dn" in d else self._kv_names):     # a DeltaNet layer has no K/V
-                    ops.append(Copy(d[name], st, [((h * ctx + a) * row, off + h * n, n) for h in range(nkv)],
-                                    wait=False))
-                    spots.append((d["il"], name, off))
-                    off += nkv * n
+            for d, name, nh, w in self._kv_parts():
+                row = 4 * w
+                n = (b - a) * row
+                ops.append(Copy(d[name], st, [((h * ctx + a) * row, off + h * n, n) for h in range(nh)], wait=False))
+                spots.append((d["il"], name, off, nh, w))
+                off += nh * n
             rec = self.K.record(ops)
             try:
                 self.K.submit(rec)
             finally:
                 self.K.free(rec)
-            for il, name, o in spots:
-                rows = st.view[o:o + nkv * n].view(np.float32).reshape(nkv, b - a, hd)
+            for il, name, o, nh, w in spots:
+                rows = st.view[o:o + 4 * nh * (b - a) * w].view(np.float32).reshape(nh, b - a, w)
                 kv = cache.layers[il]
                 if self.mla:     # LAT rows: the latent, the rope key (and GLM-5's indexer key)
                     self._lat_rows(kv, a, rows[0])
@@ -116,9 +114,19 @@ class KVRows:
         if self.dsa and getattr(kv, "ik", None) is not None:
             kv.ik[a:a + n] = rows[:, r + dr:]
 
-    def _n_kv_layers(self) -> int:
-        """The layers here with a K/V (or latent) cache: not the DeltaNet ones."""
-        return sum("dn" not in d for d in self.per)
+    def _kv_parts(self) -> list:
+        """The device's cache buffers of these layers: (layer dict, "K" or "V", heads, floats a head's row); MLA: one
+        "K" head of LAT rows (the latent, the rope key and GLM-5's indexer key); none for a DeltaNet layer. K and V
+        are each layer's own (MiMo-V2's KV heads and V width differ a layer)."""
+        out = []
+        for d in self.per:
+            if "dn" in d:
+                continue
+            if self.mla:
+                out.append((d, "K", 1, self.hd))
+            else:
+                out += [(d, "K", d["nkv"], self.hd), (d, "V", d["nkv"], d["hdv"])]
+        return out
 
     def _sync(self, cache, pos0: int) -> None:
         """Upload the K/V rows ``_valid .. pos0 - 1`` of the device's layers from ``cache`` (the CPU's): through
@@ -137,9 +145,8 @@ class KVRows:
         p0, p1 = self._valid, int(pos0)
         if p1 <= p0:
             return
-        hd, nkv, ctx = self.hd, self.nkv, self.ctx
-        row = 4 * hd                                     # bytes of one head's row
-        per_pos = len(self._kv_names) * max(1, self._n_kv_layers()) * nkv * row   # bytes a position takes, K and V
+        ctx = self.ctx
+        per_pos = max(1, sum(nh * w for _, _, nh, w in self._kv_parts())) * 4     # bytes a position takes, K and V
         step = max(1, (16 << 20) // per_pos)
         if self._stage is None or self._stage.size < min(p1 - p0, step) * per_pos:
             if self._stage is not None:
@@ -148,20 +155,19 @@ class KVRows:
         st = self._stage
         for a in range(p0, p1, step):
             b = min(p1, a + step)
-            n = (b - a) * row                            # bytes of one head's rows a .. b
             off, by_dst = 0, {}
-            for d in self.per:
-                if "dn" in d:       # its states: _dn_load
-                    continue
+            for d, name, nh, w in self._kv_parts():     # a DeltaNet layer's states: _dn_load
                 kv = cache.layers[d["il"]]
+                row = 4 * w                              # bytes of one head's row
+                n = (b - a) * row                        # bytes of one head's rows a .. b
                 # MLA: one "head" of LAT rows, the latent then the rope key
-                parts = ((("K", self._lat_of(kv, a, b)[None]),) if self.mla else (("K", kv.k), ("V", kv.v)))
-                for name, src in parts:
-                    rows = np.ascontiguousarray(src if self.mla else src[:, a:b])          # [nkv, b - a, hd]
-                    st.view[off:off + rows.nbytes] = rows.reshape(-1).view(np.uint8)
-                    by_dst.setdefault(name + str(d["il"]), (d[name], []))[1].extend(
-                        (off + h * n, (h * ctx + a) * row, n) for h in range(nkv))
-                    off += rows.nbytes
+                src = self._lat_of(kv, a, b)[None] if self.mla else \
+                    (kv.k if name == "K" else kv.v)[:, a:b]
+                rows = np.ascontiguousarray(src)         # [heads, b - a, w]
+                st.view[off:off + rows.nbytes] = rows.reshape(-1).view(np.uint8)
+                by_dst.setdefault(name + str(d["il"]), (d[name], []))[1].extend(
+                    (off + h * n, (h * ctx + a) * row, n) for h in range(nh))
+                off += rows.nbytes
             rec = self.K.record([Copy(st, buf, regs, wait=False) for buf, regs in by_dst.values()])
             try:
                 self.K.submit(rec)

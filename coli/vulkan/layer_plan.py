@@ -4,8 +4,8 @@ functions of the model alone (no device is opened here; docs/vulkan.md "Device l
 Which layers: :func:`plan` (the device's budget: each layer's weights and its KV cache; ``COLI_VK_LAYERS``
 sets the count). Which layers qualify: :func:`why_not`, by what a layer needs: its form (pre-norm, or Gemma 3's norms
 after each block too), its attention (GQA, rope NORM / NEOX with a table a layer, q/k norms, biases, a sliding window,
-gpt-oss's sinks, Qwen3-Next's output gate; or DeepSeek-V2's MLA over a latent cache, shaders/mla.comp, with GLM-5's
-DSA indexer (:func:`is_dsa`); or
+gpt-oss's and MiMo-V2's sinks, MiMo-V2's KV heads a layer, narrower V heads and value scale, Qwen3-Next's output
+gate; or DeepSeek-V2's MLA over a latent cache, shaders/mla.comp, with GLM-5's DSA indexer (:func:`is_dsa`); or
 Gated DeltaNet, or Kimi-Linear's KDA (:func:`is_kda`), with its conv and recurrent states on the device,
 shaders/deltanet.comp), its FFN (the softmax
 top-k MoE with Qwen2-MoE's shared expert, gpt-oss's biased MoE with its top-k softmax router and clamped SwiGLU, or the dense
@@ -180,6 +180,20 @@ def _why_not_dsa(m, il: int) -> str | None:
     return None
 
 
+def head_dims(a) -> tuple[int, int, int, float]:
+    """(KV heads, K's head width, V's head width, value scale) of a GQA attention block: MiMo-V2's layers each have
+    their own KV heads, V heads narrower than K's and V times ``value_scale`` (``mimo2.Attention``); 1.0 elsewhere."""
+    return (int(a.n_kv), int(a.head_dim), int(a.attn_v.shape[0]) // int(a.n_kv),
+            float(getattr(a, "value_scale", 1.0)))
+
+
+def max_kv(m) -> int:
+    """The most KV heads of a GQA layer of ``m`` (MiMo-V2's sliding layers have more than its full ones): the
+    device's per-row buffers are sized by it."""
+    return max([int(a.n_kv) for a in (attn_block(L) for L in m.layers)
+                if a is not None and not is_mla(a) and hasattr(a, "n_kv")] or [int(m.args.n_kv_heads)])
+
+
 def rope_key(at) -> tuple:
     """(base, scaling, rotated dims) of an attention block: its rope table."""
     return (at.rope_base, at.rope_scaling, at.dr if is_mla(at) else at.n_rot)
@@ -214,11 +228,13 @@ def route_rule(moe) -> tuple | None:
 def _why_not_attention(a) -> str | None:
     """Why the attention block ``a`` has no device kernels, or None: ``coli.models.blocks.Attention`` (GQA) with rope
     NORM / NEOX (any base and scaling: a table a layer), q/k norms per head or over the projection, q/k/v/o biases,
-    a sliding window, head widths up to 256 with V's equal to K's; or DeepSeek-V2's MLA (:func:`_why_not_mla`)."""
+    a sliding window, gpt-oss's and MiMo-V2's sinks, head widths up to 256 with V's at most K's (MiMo-V2: its own
+    KV heads a layer, the value scale); or DeepSeek-V2's MLA (:func:`_why_not_mla`)."""
     if is_mla(a):
         return _why_not_mla(a)
     # gpt-oss's: one sink logit a head in the softmax's denominator (attn_dec / attn_pre take it)
-    if not (_is(a, "coli.models.blocks.Attention") or _is(a, "coli.models.gptoss.SinkAttention")):
+    if not any(_is(a, c) for c in ("coli.models.blocks.Attention", "coli.models.gptoss.SinkAttention",
+                                   "coli.models.mimo2.Attention")):
         if getattr(a, "attn_sinks", None) is not None:
             return f"attention sinks ({_cls(a)}: no device kernel)"
         return f"its attention is {_cls(a)} (no device kernel)"
@@ -226,8 +242,8 @@ def _why_not_attention(a) -> str | None:
         return "a rope pairing without a device kernel"
     if a.qk_norm not in (None, "heads", "full"):
         return f"q/k norm '{a.qk_norm}' (no device kernel)"
-    if a.head_dim > 256 or a.head_dim != a.attn_v.shape[0] // a.n_kv:
-        return "a head width above 256 or a V head width other than K's"
+    if a.head_dim > 256 or head_dims(a)[2] > a.head_dim or a.attn_v.shape[0] % a.n_kv:
+        return "a head width above 256 or a V head wider than K's"
     if a.n_rot % 2 or a.n_rot > a.head_dim or a.n_heads % a.n_kv:
         return "a rope width or a head grouping without a device kernel"
     return None
@@ -335,7 +351,8 @@ def layer_bytes(m, il: int, ctx: int, experts: bool = True) -> int:
     if is_mla(a):     # GLM-5: the indexer's key in each cache row, k_norm's weight and bias
         Di = dsa_shape(m)[1] if is_dsa(m.layers[il]) else 0
         return w + mla_bytes(a, ctx) + 4 * Di * (int(ctx) + 2)
-    return w + 2 * a.n_kv * int(ctx) * a.head_dim * 4
+    nkv, hd, hdv, _ = head_dims(a)
+    return w + nkv * int(ctx) * (hd + hdv) * 4
 
 
 def _ffn_key(m, il: int) -> tuple:
@@ -360,7 +377,8 @@ def _shape_key(m, il: int) -> tuple:
     a = attn_block(L)
     if is_mla(a):
         return (("mla", a.H, a.r, a.dn, a.dr, a.dv, a.attn_q is None, is_dsa(L)), _ffn_key(m, il))
-    return (("gqa", a.n_heads, a.n_kv, a.head_dim, is_gated(L)), _ffn_key(m, il))
+    # KV heads, V's width and the value scale are a layer's own (MiMo-V2): buffers sized by the largest
+    return (("gqa", a.n_heads, a.head_dim, is_gated(L)), _ffn_key(m, il))
 
 
 def _shapes_agree(m, il: int) -> bool:
@@ -431,7 +449,7 @@ def prompt_bytes(m, rows: int) -> int:
     a = m.args
     n = len(m.layers)
     F = max((hidden_width(m, il) for il in range(n) if why_not(m, il) is None), default=0)
-    nqkv = (a.n_heads + 2 * a.n_kv_heads) * a.head_dim
+    nqkv = (a.n_heads + 2 * max_kv(m)) * a.head_dim
     k = a.top_k if m.moe_layers else 0
     per_row = (5 * a.d_model + nqkv + 2 * a.n_heads * a.head_dim + a.n_experts + 2 * n * k + 2 + k
                + F + k * a.d_model + a.vocab + _mla_floats(m) + _dn_floats(m) + a.n_heads * a.head_dim)
@@ -450,7 +468,7 @@ def fixed_bytes(m, ctx: int, prompt_rows: int = 0) -> int:
     rows = (9 * a.d_model + 4 * a.n_heads * a.head_dim        # hidden rows in and out, q/k/v, q, attention out
             + a.n_heads * int(ctx) + _rope_tables(m) * int(ctx) * a.n_rot   # the scores, the rope tables
             + a.n_heads * (-(-int(ctx) // 128)) * (a.head_dim + 2)   # decode attention's parts (at most 1 / 128 keys)
-            + 2 * a.vocab + a.n_experts + F + 8 * n * (a.head_dim * a.n_kv_heads + k) + 2 * _mla_floats(m)
+            + 2 * a.vocab + a.n_experts + F + 8 * n * (a.head_dim * max_kv(m) + k) + 2 * _mla_floats(m)
             + a.n_heads * a.head_dim + _dn_floats(m) + _dsa_scores(m, ctx))
     pb = (prompt_bytes(m, prompt_rows) + 4 * prompt_rows * _dsa_scores(m, ctx)) if prompt_rows else 0
     return int(out.nbytes) + 4 * rows + 256 * 32 + pb         # 256 bytes of rounding a buffer

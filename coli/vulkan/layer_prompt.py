@@ -103,11 +103,9 @@ class PromptChunks:
         chunk table (resident experts and the streamed ones: :meth:`_stream_layer`)."""
         from coli.vulkan.layers import Copy, Dispatch, f32_bits
 
-        nq, nkv, hd, D, k, ctx = self.nq, self.nkv, self.hd, self.D, self.k, self.ctx
+        nq, hd, D, k, ctx = self.nq, self.hd, self.D, self.k, self.ctx
         eps = f32_bits(self.m.args.eps)
         BM, BN = 64, self.K.tile                 # lmm.comp's tile
-        # attn_pre.comp (GQA heads a workgroup), or attn_pre_cm.comp on the coopmat route
-        akern, agroups, amode = self.K.attn_dispatch(nq, nkv, self.hd, R)
         # an address lmm does not read (no bias) is a valid one all the same: a compiler may load before it branches
         gr = -(-R // BN)
         ops = [] if self.clock is None else [self.clock.stop_op()]
@@ -121,6 +119,10 @@ class PromptChunks:
                 ops += self._dn_prompt_ops(d, R)
             else:
                 ot = self.m.t[p + "attn_output.weight"].type_name
+            if "nkv" in d:     # the layer's KV heads and V width (MiMo-V2's differ a layer): its qkv row's stride
+                nkv, hdv, nqkv = d["nkv"], d["hdv"], d["nqkv"]
+                # attn_pre.comp (GQA heads a workgroup), or attn_pre_cm.comp on the coopmat route
+                akern, agroups, amode = self.K.attn_dispatch(nq, nkv, hd, R, hdv)
             if "gate" in d:     # Qwen3-Next's output gate rows [R, nq hd]
                 ops.append(Dispatch("lmm", (-(-nq * hd // BM), gr), [d["gate"][0].addr, xn, self.p_gate.addr,
                                                                       self.p_gate.addr], [nq * hd, D, 0, R, 0],
@@ -130,28 +132,29 @@ class PromptChunks:
             for i, (w, wt, o, n) in enumerate(d.get("qkv", ())):   # rows of qkv at a stride (ldy): the parts write apart
                 ops.append(Dispatch("lmm", (-(-n // BM), gr), [w.addr, xn, qkv + 4 * o,
                                                                qb.addr + 4 * o if qb is not None else qkv],
-                                    [n, D, 2 if qb is not None else 0, R, self.nqkv], type_name=wt, wait=i == 0))
+                                    [n, D, 2 if qb is not None else 0, R, nqkv], type_name=wt, wait=i == 0))
             if "qk_norm" in d:
                 heads = d["qk_norm"] == "heads"
                 kaddr = qkv + 4 * nq * hd
                 ops += [Dispatch("rmsnorm", (R * nq if heads else R,), [qkv, d["q_norm"].addr, qkv],
-                                 [hd if heads else nq * hd, eps, nq if heads else 1, self.nqkv]),
+                                 [hd if heads else nq * hd, eps, nq if heads else 1, nqkv]),
                         Dispatch("rmsnorm", (R * nkv if heads else R,), [kaddr, d["k_norm"].addr, kaddr],
-                                 [hd if heads else nkv * hd, eps, nkv if heads else 1, self.nqkv], wait=False)]
+                                 [hd if heads else nkv * hd, eps, nkv if heads else 1, nqkv], wait=False)]
             post = d.get("post_attn")
             ops += [] if "mla" in d or "dn" in d else [
                 Dispatch("rope_kv", (nq + nkv, R), [qkv, self.p_q.addr, d["K"].addr, d["V"].addr, d["cos"].addr,
                                                     d["sin"].addr, self.params.addr, 0],
-                         [nq, nkv, hd, d["n_rot"], ctx, d["rope_kind"]]),
+                         [nq, nkv, hd, d["n_rot"], ctx, d["rope_kind"], f32_bits(d["vscale"]), hdv]),
                 Dispatch(akern, agroups, [self.p_q.addr, d["K"].addr, d["V"].addr, self.params.addr, self.p_ao.addr,
                                           d["sinks"].addr if "sinks" in d else self.p_q.addr],
-                         [nq, nkv, hd, ctx, f32_bits(d["scale"]), R, d["window"], int("sinks" in d)], mode=amode),
+                         [nq, nkv, hd, ctx, f32_bits(d["scale"]), R, d["window"], int("sinks" in d), hdv],
+                         mode=amode),
                 # Qwen3-Next: the attention output times sigmoid(gate)
                 *([Dispatch("deltanet", (-(-nq * hd // self.K.wg), R), [self.p_ao.addr, self.p_gate.addr],
                             [2, nq * hd, nq * hd, 0])] if "gated" in d else []),
                 Dispatch("lmm", (-(-D // BM), gr), [d["o"].addr, self.p_ao.addr, tmp if post else hs,
                                                     ob.addr if ob is not None else hs],
-                         [D, nq * hd, (0 if post else 1) | (2 if ob is not None else 0), R, 0], type_name=ot),
+                         [D, nq * hdv, (0 if post else 1) | (2 if ob is not None else 0), R, 0], type_name=ot),
             ]
             if post:
                 ops.append(Dispatch("rmsnorm", (R,), [tmp, post.addr, hs], [D, eps, 0, 0, 1]))

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from coli.vulkan.layer_plan import (ACT_SWIGLU, MLP_TENSORS, SHEXP_TENSORS, attn_block, is_deltanet, is_gated,
-                                    linear_block, rope_key)
+from coli.vulkan.layer_plan import (ACT_SWIGLU, MLP_TENSORS, SHEXP_TENSORS, attn_block, head_dims, is_deltanet,
+                                    is_gated, linear_block, rope_key)
 
 
 class LayerWeights:
@@ -68,7 +68,10 @@ class LayerWeights:
         ``gated`` (Qwen3-Next): attn_q's rows per head are hd query rows then hd gate rows (rows of a GGUF matrix are
         independent blocks): the query rows go into q/k/v, the gate rows are a matrix of their own, ``d["gate"]``."""
         K, t = self.K, self.m.t
-        nq, nkv, hd = self.nq, self.nkv, self.hd
+        # the layer's own KV heads, V width and value scale (MiMo-V2); its qkv row: q heads, k heads, v heads
+        nkv, hd, hdv, vscale = head_dims(at)
+        nq = self.nq
+        d["nkv"], d["hdv"], d["vscale"], d["nqkv"] = nkv, hdv, vscale, (nq + nkv) * hd + nkv * hdv
         q, k, v = (t[p + f"attn_{x}.weight"] for x in "qkv")
         rows = lambda x: np.asarray(x.raw).reshape(int(x.shape[0]), -1)     # noqa: E731
         # parts: (raw rows, tensor, first output row in qkv)
@@ -91,7 +94,7 @@ class LayerWeights:
         d["o"] = self._place(t[p + "attn_output.weight"])
         if any(b is not None for b in (at.attn_q_b, at.attn_k_b, at.attn_v_b)):
             parts = [b if b is not None else np.zeros(n, np.float32)
-                     for b, n in ((at.attn_q_b, nq * hd), (at.attn_k_b, nkv * hd), (at.attn_v_b, nkv * hd))]
+                     for b, n in ((at.attn_q_b, nq * hd), (at.attn_k_b, nkv * hd), (at.attn_v_b, nkv * hdv))]
             d["qkv_b"] = self._const(np.concatenate(parts).astype(np.float32))
         if at.attn_output_b is not None:
             d["o_b"] = self._const(np.asarray(at.attn_output_b, np.float32))
@@ -103,8 +106,8 @@ class LayerWeights:
             d["sinks"] = self._const(np.asarray(at.attn_sinks, np.float32))
         d["cos"], d["sin"] = self._rope(at)
         d["n_rot"], d["rope_kind"], d["scale"], d["window"] = at.n_rot, at.rope_kind, at.scale, int(at.window or 0)
-        d["K"] = K.buffer(4 * self.nkv * ctx * self.hd, host=False)
-        d["V"] = K.buffer(4 * self.nkv * ctx * self.hd, host=False)
+        d["K"] = K.buffer(4 * nkv * ctx * hd, host=False)
+        d["V"] = K.buffer(4 * nkv * ctx * hdv, host=False)
 
     def _upload_ffn(self, d: dict, L, il: int, p: str) -> dict:
         """The FFN's tensors: the dense MLP as a one-expert table, or the router, routed and shared experts."""
