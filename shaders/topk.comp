@@ -10,6 +10,10 @@
 // correction bias), with u3 groups > 1 the experts in u3 contiguous groups, the u4 best by their score (u5 0: the
 // group's best c, 1: the sum of its two best) kept and the others' c = -inf (groups ranked as experts are: value,
 // then id); weights p[ids], renormalised by sum + 1e-20 with bit 0, times u6 (float bits: the routed scaling factor).
+// DeepSeek-V4's rules (coli/models/deepseek4.py MoE.route_tokens), with bit 2: bit 5 the scores p = sqrt(softplus(l))
+// (sqrtsoftplus: softplus as max(l, 0) + log1p(exp(-|l|)), log1p by its atanh series, no log near 1); bit 6 the
+// hash rule: the ids are row tok of a3 tid2eid int32 [vocab, k] (ffn_gate_tid2eid), tok = a4 tokens uint [R] at the
+// row, no ranking; weights p[ids] as above.
 // groups: (R, 1, 1), one a row.
 // Every p is ranked by counting the p that come before it (a strict total order: value, then id), so ids need
 // no sort and no iterative argmax; an invocation stops counting once k come before its expert. The renormalising
@@ -31,6 +35,19 @@ shared bool GK[MAXG];      // kept groups
 shared uint SID[MAXK];
 shared float SW[MAXK];
 
+// log(1 + y) for 0 <= y <= 1: 2 atanh(z), z = y / (2 + y) <= 1/3, by its series to z^23 (error below 1e-12 relative;
+// GLSL's log near 1 has an absolute error bound only)
+float log1p_01(float y) {
+    float z = y / (2.0 + y), z2 = z * z, a = 1.0 / 23.0;
+    for (int n = 21; n >= 1; n -= 2) a = a * z2 + 1.0 / float(n);
+    return 2.0 * z * a;
+}
+
+// sqrt(softplus(x)) (deepseek4.sqrtsoftplus)
+float sqrt_softplus(float x) {
+    return sqrt(max(x, 0.0) + log1p_01(exp(-abs(x))));
+}
+
 // a (expert ia) comes before b (expert ib): larger first, ties to the lower id, NaN after every number
 bool before(float a, uint ia, float b, uint ib) {
     if (isnan(a)) return isnan(b) && ia < ib;
@@ -43,6 +60,7 @@ void main() {
     bool tks = (pc.u[2] & 2u) != 0u;
     bool renorm = tks || (pc.u[2] & 1u) != 0u;
     bool ds = (pc.u[2] & 4u) != 0u, sig = ds && (pc.u[2] & 8u) != 0u;
+    bool ssp = ds && (pc.u[2] & 32u) != 0u, hash = ds && (pc.u[2] & 64u) != 0u;
     uint t = gl_LocalInvocationIndex, WG = gl_WorkGroupSize.x;
     uint row = gl_WorkGroupID.x;
     F32 L = F32(pc.a[0] + uint64_t(4u * row * pc.u[0]));
@@ -66,7 +84,8 @@ void main() {
     }
     s = wg_sum(s);
     if (!tks) {
-        for (uint e = t; e < E; e += WG) P[e] = sig ? 1.0 / (1.0 + exp(-L.v[e])) : P[e] / s;
+        for (uint e = t; e < E; e += WG)
+            P[e] = ssp ? sqrt_softplus(L.v[e]) : sig ? 1.0 / (1.0 + exp(-L.v[e])) : P[e] / s;
     }
     if (ds) {                        // the choice scores, then the groups that keep their experts
         bool hasb = (pc.u[2] & 16u) != 0u;
@@ -96,7 +115,15 @@ void main() {
     }
     barrier();
     uint kk = min(K, E);
-    for (uint e = t; e < E; e += WG) {
+    if (hash) {                      // the token's experts from the table, no ranking
+        uint tok = U32(pc.a[4]).v[row];
+        for (uint j = t; j < kk; j += WG) {
+            uint e = U32(pc.a[3]).v[tok * pc.u[1] + j];
+            SID[j] = e;
+            SW[j] = P[min(e, E - 1u)];
+        }
+    }
+    for (uint e = t; e < E && !hash; e += WG) {
         float pe = ds ? C[e] : P[e];
         uint rank = 0u;
         if (ds) {

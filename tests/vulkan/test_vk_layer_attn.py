@@ -146,6 +146,42 @@ def test_topk_deepseek_rule(kern, E, k, gating, n_group, topk_group, score, norm
         assert rel_err(r[k:].view(np.float32), w_ref[0]) <= 1e-6, rel_err(r[k:].view(np.float32), w_ref[0])
 
 
+@pytest.mark.parametrize("E,k,hash_,norm,scale", [
+    (8, 2, True, True, 1.5), (8, 2, False, True, 1.5),      # the deepseek4 oracle's shape (its hash and top-k layers)
+    (256, 6, False, True, 2.5), (256, 6, True, False, 1.0), (384, 8, False, False, 1.0)])
+@pytest.mark.parametrize("kind", ["normal", "wide", "ties"])
+def test_topk_deepseek4_rules(kern, E, k, hash_, norm, scale, kind):
+    """Flag bits 5 and 6, DeepSeek-V4's routers (``deepseek4.MoE.route_tokens``, called on a stand-in layer): the
+    sqrt-softplus scores, the top k of them plus the correction bias or the token's experts from ``tid2eid``
+    (``ffn_gate_tid2eid``), weights renormalised and scaled: for rows of logits (normal, wide enough that softplus
+    takes both branches far out, and tied), the ids equal the CPU's (ties too), the weights within 1e-6."""
+    from types import SimpleNamespace
+
+    from coli.models import deepseek4
+    from coli.vulkan.layers import f32_bits
+
+    rng = np.random.default_rng(E + k + 7 * hash_)
+    R, V = 5, 50
+    lg = np.stack([_logits(E, "normal" if kind == "wide" else kind, rng) for _ in range(R)])
+    if kind == "wide":
+        lg *= 12.0
+    bias = (rng.standard_normal(E) * 0.1).astype(np.float32)
+    tid2eid = np.stack([rng.choice(E, k, replace=False) for _ in range(V)]).astype(np.int32)
+    tokens = rng.integers(0, V, R)
+    # a layer of the CPU's MoE with an identity router: its logits are the rows themselves (x @ I, exact)
+    layer = SimpleNamespace(ffn_gate_inp=np.eye(E, dtype=np.float32), hash=hash_, tid2eid=tid2eid, bias=bias, k=k,
+                            norm=norm, wscale=np.float32(scale))
+    ids_ref, w_ref = deepseek4.MoE.route_tokens(layer, lg, tokens)
+    bl, bb, br = _buf(kern, lg), _buf(kern, bias), kern.buffer(8 * k * R)
+    bt, btok = _buf(kern, tid2eid), _buf(kern, tokens.astype(np.uint32))
+    flags = int(norm) | 4 | 32 | (64 if hash_ else 16)
+    _run(kern, "topk", (R, 1, 1), [bl, br, bb, bt, btok], [E, k, flags, 1, 1, 0, f32_bits(scale)])
+    r = br.u32(2 * k * R).reshape(R, 2, k)
+    np.testing.assert_array_equal(r[:, 0], ids_ref)
+    w = r[:, 1].copy().view(np.float32)
+    assert rel_err(w, w_ref) <= 1e-6, rel_err(w, w_ref)
+
+
 # -- rope_kv ----------------------------------------------------------------------------------------------
 
 NQ, NKV, CTX = 8, 2, 1024
