@@ -49,8 +49,8 @@ from coli.vulkan.layer_decode import DecodeRow
 from coli.vulkan.layer_families import MLAMixer, DeltaNetMixer
 from coli.vulkan.layer_join import RowJoin
 from coli.vulkan.layer_kv import KVRows
-from coli.vulkan.layer_plan import (attn_block, device_formats, dn_dims, dsa_shape, head_dims, is_deltanet, is_gated,
-                                    is_kda, is_mla, linear_block, route_rule)
+from coli.vulkan.layer_plan import (attn_block, device_formats, dn_dims, dsa_shape, ffn_width, head_dims, is_deltanet,
+                                    is_gated, is_kda, is_mla, linear_block, route_rule)
 from coli.vulkan.layer_prompt import PromptChunks
 from coli.vulkan.layer_prompt_join import PromptJoin
 from coli.vulkan.layer_weights import LayerWeights
@@ -191,7 +191,12 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
 
                 self.topk_flags = int(rule[2]) | 4 | (8 if rule[3] == "sigmoid" else 0)
                 self.topk_words = [rule[4], rule[5], int(rule[6] == "top2sum"), f32_bits(rule[7])]
-            self.F = int(m.t[f"blk.{m.layers.index(Lm)}.ffn_gate_exps.weight"].shape[1])
+            # the experts' hidden width, padded to a multiple of 32 (an F32/F16/BF16 down of any width: layer_plan)
+            F = int(m.t[f"blk.{m.layers.index(Lm)}.ffn_gate_exps.weight"].shape[1])
+            self.F = ffn_width(F)
+            if self.F != F and self.resident:    # the CPU's ranks and the streamed slots take the stored rows
+                raise ValueError(f"experts {F} wide (padded to {self.F} on the device) are not joined from the CPU "
+                                 f"(--cpu-moe)")
         else:                              # no router, no routes to read back
             self.E = self.k = self.F = 0
             self.topk_flags, self.topk_words = 0, []

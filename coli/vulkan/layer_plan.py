@@ -28,6 +28,18 @@ def device_formats():
 
 
 SHEXP_TENSORS = ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
+#: the FFN's down projections: an F32/F16/BF16 one may have any width, the FFN's hidden width padded to a multiple of
+#: 32 on the device (gate and up with zero rows, down with zero columns: :func:`ffn_width`)
+DOWN_TENSORS = ("ffn_down.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight")
+
+
+def ceil32(n: int) -> int:
+    return -(-int(n) // 32) * 32
+
+
+def is_float(type_name: str) -> bool:
+    """Whether a tensor type is F32, F16 or BF16 (one value a block: its rows may be padded with zeros)."""
+    return type_name in ("F32", "F16", "BF16")
 MLP_TENSORS = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
 #: the layer forms the device runs (a family's decoder layer says its form in ``device_form``): "pre-norm"
 #: ``h += attn(norm(h)); h += ffn(norm(h))`` (llama.DecoderLayer); "sandwich" with a norm after each block too,
@@ -284,7 +296,8 @@ def why_not(m, il: int) -> str | None:
     """None when layer ``il`` of model ``m`` can run whole on the device, else why not (one phrase). By what the
     layer needs, not by its class: its form (``device_form``: :data:`FORMS`), its attention block
     (:func:`_why_not_attention`), its FFN (:func:`_why_not_ffn`) and its tensors' formats (a device decoder for each,
-    widths in whole 32-weight units; gate and up of one format: one kernel reads both)."""
+    widths in whole 32-weight units, or, for an F32/F16/BF16 FFN down projection, any width: the FFN's hidden width
+    is padded on the device; gate and up of one format: one kernel reads both)."""
     L = m.layers[il]
     form = getattr(L, "device_form", None)
     if form not in FORMS:
@@ -304,7 +317,7 @@ def why_not(m, il: int) -> str | None:
         ti = m.t[n]
         if ti.type_name not in device_formats():
             return f"tensor '{n}' is {ti.type_name} (no device kernel)"
-        if int(ti.shape[-1]) % 32:
+        if int(ti.shape[-1]) % 32 and not (is_float(ti.type_name) and n.endswith(DOWN_TENSORS)):
             return f"tensor '{n}' has {int(ti.shape[-1])} columns (not a multiple of 32)"
     p = f"blk.{il}."
     pairs = [("ffn_gate_exps", "ffn_up_exps"), ("ffn_gate_shexp", "ffn_up_shexp"), ("ffn_gate", "ffn_up")]
@@ -318,7 +331,7 @@ def why_not(m, il: int) -> str | None:
 def expert_bytes(m, il: int) -> int:
     """Device bytes of one routed expert of layer ``il`` (its gate, up and down rows as stored)."""
     p = f"blk.{il}."
-    return sum(int(m.t[p + n + ".weight"].nbytes) for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")) \
+    return sum(_padded_bytes(m, p + n + ".weight") for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")) \
         // int(m.args.n_experts)
 
 
@@ -342,7 +355,7 @@ def layer_bytes(m, il: int, ctx: int, experts: bool = True) -> int:
     V cache of ``ctx`` positions (f32); ``experts=False``: without the routed experts (they stay on the CPU or
     are placed one by one: ``expert_bytes``)."""
     a = attn_block(m.layers[il])
-    w = sum(int(m.t[n].nbytes) for n in _layer_tensors(m, il) if not n.endswith("ffn_gate_inp.weight")
+    w = sum(_padded_bytes(m, n) for n in _layer_tensors(m, il) if not n.endswith("ffn_gate_inp.weight")
             and (experts or "_exps." not in n))
     if f"blk.{il}.ffn_gate_inp.weight" in m.t:
         w += 4 * int(np.prod(m.t[f"blk.{il}.ffn_gate_inp.weight"].shape))
@@ -353,6 +366,23 @@ def layer_bytes(m, il: int, ctx: int, experts: bool = True) -> int:
         return w + mla_bytes(a, ctx) + 4 * Di * (int(ctx) + 2)
     nkv, hd, hdv, _ = head_dims(a)
     return w + nkv * int(ctx) * (hd + hdv) * 4
+
+
+def _padded_bytes(m, n: str) -> int:
+    """Device bytes of tensor ``n``: as stored, or with the FFN's hidden width padded to a multiple of 32 (gate and up
+    rows, down columns: :func:`ffn_width`)."""
+    ti = m.t[n]
+    b = int(ti.nbytes)
+    if not is_float(ti.type_name) or "ffn_" not in n or "gate_inp" in n:
+        return b
+    f = int(ti.shape[-1] if n.endswith(DOWN_TENSORS) else ti.shape[-2])
+    return b // f * ceil32(f)
+
+
+def ffn_width(F: int) -> int:
+    """The device's hidden width of an FFN ``F`` wide: a multiple of 32 (an F32/F16/BF16 down projection may be any
+    width; its zero columns meet gate's and up's zero rows, whose activation is 0)."""
+    return ceil32(F)
 
 
 def _ffn_key(m, il: int) -> tuple:
@@ -397,9 +427,9 @@ def hidden_width(m, il: int) -> int:
     width, or the dense FFN's."""
     L, t, p = m.layers[il], m.t, f"blk.{il}."
     if L.moe is None:
-        return int(t[p + MLP_TENSORS[0]].shape[0])
-    w = route_rule(L.moe)[1] * int(t[p + "ffn_gate_exps.weight"].shape[1])
-    return max(w, int(t[p + SHEXP_TENSORS[0]].shape[0]) if p + SHEXP_TENSORS[0] in t else 0)
+        return ffn_width(t[p + MLP_TENSORS[0]].shape[0])
+    w = route_rule(L.moe)[1] * ffn_width(t[p + "ffn_gate_exps.weight"].shape[1])
+    return max(w, ffn_width(t[p + SHEXP_TENSORS[0]].shape[0]) if p + SHEXP_TENSORS[0] in t else 0)
 
 
 def _rope_tables(m) -> int:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from coli.vulkan.layer_plan import (ACT_SWIGLU, MLP_TENSORS, SHEXP_TENSORS, attn_block, head_dims, is_deltanet,
-                                    is_gated, linear_block, rope_key)
+from coli.vulkan.layer_plan import (ACT_SWIGLU, MLP_TENSORS, SHEXP_TENSORS, attn_block, ffn_width, head_dims,
+                                    is_deltanet, is_gated, linear_block, rope_key)
 
 
 class LayerWeights:
@@ -20,11 +20,13 @@ class LayerWeights:
         self.K.upload(b, arr)
         return b
 
-    def _place(self, ti, raw=None, shape=None, type_name=None):
-        """A weight on the device (``ti``'s GGUF bytes, or ``raw`` of ``shape`` and ``type_name``), freed at close."""
+    def _place(self, ti, raw=None, shape=None, type_name=None, rows=None):
+        """A weight on the device (``ti``'s GGUF bytes, or ``raw`` of ``shape`` and ``type_name``; ``rows``: that
+        many rows, the ones past its own zero: an FFN's gate and up at its padded width), freed at close."""
         raw = ti.raw if raw is None else raw
         shape = tuple(int(s) for s in (ti.shape if shape is None else shape))
-        t = self.dev._place(type_name or ti.type_name, np.ascontiguousarray(raw).reshape(-1).view(np.uint8), shape)
+        t = self.dev._place(type_name or ti.type_name, np.ascontiguousarray(raw).reshape(-1).view(np.uint8), shape,
+                            rows=rows)
         self._tensors.append(t)
         self.weight_bytes += t.nbytes
         return t
@@ -112,11 +114,14 @@ class LayerWeights:
     def _upload_ffn(self, d: dict, L, il: int, p: str) -> dict:
         """The FFN's tensors: the dense MLP as a one-expert table, or the router, routed and shared experts."""
         m, K, t = self.m, self.K, self.m.t
+        # the hidden width padded to a multiple of 32 (an F32/F16/BF16 down of any width): gate and up with zero rows
+        # (their activation 0), down with zero columns (Device._place)
         if L.moe is None:    # the dense FFN: a one-expert table (gate, up, down), its route self.one_route
-            ts = [self._place(t[p + n]) for n in MLP_TENSORS]
+            mF = ffn_width(t[p + MLP_TENSORS[0]].shape[0])
+            ts = [self._place(t[p + n], rows=mF if i < 2 else None) for i, n in enumerate(MLP_TENSORS)]
             d["mlp_tab"] = self._const(np.array([[x.addr for x in ts]], np.uint64))
             d["mlp_down"] = ts[2]
-            d["mlp_F"] = int(t[p + MLP_TENSORS[0]].shape[0])
+            d["mlp_F"] = mF
             d["mlp_types"] = (t[p + MLP_TENSORS[0]].type_name, t[p + MLP_TENSORS[2]].type_name)
             d["act"] = 1 if L.mlp.act == "geglu" else 0
             return d
@@ -129,13 +134,15 @@ class LayerWeights:
             d["router_b"] = self._const(np.asarray(rb, np.float32))
         ffn = getattr(L.moe, "ffn", None)    # gpt-oss: the experts' activation, its clamp and their biases
         d["eact"], d["elimit"] = (int(ffn.kind), float(ffn.limit)) if ffn is not None else (ACT_SWIGLU, 0.0)
-        if ffn is not None and ffn.has_bias:
+        if ffn is not None and ffn.has_bias:    # gate's and up's [E, F] at the padded width (zero: activation 0)
+            pad = lambda b: np.pad(np.asarray(b, np.float32), ((0, 0), (0, self.F - b.shape[-1])))  # noqa: E731
             d["ebias"] = tuple(self._const(np.ascontiguousarray(b, np.float32))
-                               for b in (ffn.gate_bias, ffn.up_bias, ffn.down_bias))
+                               for b in (pad(ffn.gate_bias), pad(ffn.up_bias), ffn.down_bias))
         if p + SHEXP_TENSORS[0] in t:    # the shared expert: one-expert table, its route weight sigmoid(x . gate) or 1
-            ts = [self._place(t[p + n]) for n in SHEXP_TENSORS]
+            sF = ffn_width(t[p + SHEXP_TENSORS[0]].shape[0])
+            ts = [self._place(t[p + n], rows=sF if i < 2 else None) for i, n in enumerate(SHEXP_TENSORS)]
             d["sh_tab"] = self._const(np.array([[x.addr for x in ts]], np.uint64))
-            d["sh_F"] = int(t[p + SHEXP_TENSORS[0]].shape[0])
+            d["sh_F"] = sF
             d["sh_types"] = (t[p + SHEXP_TENSORS[0]].type_name, t[p + SHEXP_TENSORS[2]].type_name)
             d["sh_route"] = self._const(np.array([0, np.float32(1.0).view(np.uint32)], np.uint32))
             gi = m.wt.f32(p + "ffn_gate_inp_shexp.weight", False)
@@ -150,7 +157,7 @@ class LayerWeights:
             for e in range(E):
                 if res is not None and not res[e]:
                     continue
-                te = self._place(ti, raw=raw[e], shape=(O, I))
+                te = self._place(ti, raw=raw[e], shape=(O, I), rows=self.F if j < 2 else None)
                 tab[e, j] = te.addr
                 if res is not None:
                     d.setdefault("experts", {}).setdefault(e, []).append(te)

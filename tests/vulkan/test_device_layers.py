@@ -211,7 +211,7 @@ def test_construction_failure_falls_back(device_moe, monkeypatch):
 
 
 @pytest.mark.parametrize("family,why", [
-    ("mimo2", ""),
+    ("mimo2", ""), ("mimo2_groups", ""),
     ("glmdsa", "; ".join(f"layer {i}: tensor 'blk.{i}.attn_q_b.weight' has 20 columns (not a multiple of 32)"
                          for i in range(4))),
     ("deepseek3", "layer 0: tensor 'blk.0.attn_q_b.weight' has 20 columns (not a multiple of 32); layer 1: tensor "
@@ -635,6 +635,65 @@ def test_mimo2_against_hf(chunk):
         assert a.stats["device_decode_rows"] == 7 and list(a.ids) == list(b.ids)
     finally:
         dev.close()
+        cpu.close()
+
+
+def _ffn_as(src, dest, ftype: str):
+    """A copy of the GGUF ``src`` at ``dest`` with its FFN matrices (dense, experts; not the router) as ``ftype``
+    (F16 or BF16, through gguf.quants)."""
+    import gguf
+    from gguf.quants import quantize
+    from tests.oracle_check import copy_gguf
+
+    qt = gguf.GGMLQuantizationType[ftype]
+
+    def convert(t):
+        a = np.asarray(t.data)
+        if t.name.startswith("blk.") and ".ffn_" in t.name and "_norm" not in t.name and "gate_inp" not in t.name \
+                and "exp_probs" not in t.name:
+            return quantize(np.asarray(a, np.float32), qt), qt
+        return a, t.tensor_type
+
+    return copy_gguf(src, dest, convert=convert)
+
+
+@pytest.mark.parametrize("ftype", ["F32", "F16", "BF16"])
+def test_float_ffn_of_any_width(ftype, tmp_path):
+    """F32/F16/BF16 FFNs whose hidden width is not a multiple of 32 (the MiMo-V2 oracle with expert groups: experts 16
+    wide, ffn_down_exps 16 columns; its FFN matrices as stored, or written as F16 / BF16) run on the device at the
+    padded width (gate and up with 16 zero rows, down with 16 zero columns): every layer and the head on the device,
+    the prompt in chunks of 40 rows; F32: within 1e-4 of HF transformers' with HF's argmax and HF's 8 greedy decode
+    steps; each: the CPU-only f32 run's logits within 1e-5 and its greedy tokens; the plan counts the padded
+    bytes."""
+    from tests.conftest import FIXTURES
+    from tests.oracle_check import check_prompt_and_decode
+    from coli.vulkan import layer_plan
+
+    path = FIXTURES / "oracles" / "mimo2_groups.gguf"
+    if ftype != "F32":
+        path = _ffn_as(path, tmp_path / f"{ftype}.gguf", ftype)
+    oracle = np.load(FIXTURES / "oracles" / "mimo2_groups.npz")
+    cpu = device_engine(path, ctx=128)
+    e = device_engine(path, COLI_VK_LAYERS=-1, ctx=128)
+    try:
+        m, dl = e.model, e.model.device_layers
+        t = m.t["blk.1.ffn_down_exps.weight"]
+        assert t.type_name == ftype and int(t.shape[-1]) == 16 and dl is not None and dl.first == 0 and dl.F == 32
+        size = {"F32": 4, "F16": 2, "BF16": 2}[ftype]
+        assert layer_plan.expert_bytes(m, 1) == 3 * 32 * 32 * size   # gate, up [32, D 32] and down [D, 32] as placed
+        dl.prompt_rows = 40
+        d0 = e.device.layer_dispatches
+        if ftype == "F32":
+            got = check_prompt_and_decode(m, m.new_cache(128, 128), oracle)
+        else:
+            got = m.forward(oracle["ids"], m.new_cache(128, 128), all_logits=True)
+        assert dl.prompt_tokens == len(oracle["ids"]) and dl.prompt_chunks == 3
+        assert e.device.layer_dispatches - d0 >= 3 * 4 * 8
+        ref = greedy_rows(cpu.model, cpu.model.new_cache(128, 128), oracle["ids"], 8)
+        check_greedy_like_cpu(m, ref, oracle["ids"], got, 1e-5, 1e-5)
+        assert dl.tokens >= 8
+    finally:
+        e.close()
         cpu.close()
 
 
