@@ -648,7 +648,9 @@ def close(eng):
             pre = (f"; {dl.prompt_tokens} prompt rows in {dl.prompt_chunks} "
                    f"chunk{'s' if dl.prompt_chunks != 1 else ''}, "
                    f"{dl.prompt_tokens / dl.prompt_s:.0f} rows/s in the submits and waits, "
-                   f"the {dl.K.route} GEMM route, attention {dl.K.attn_kernel(dl.hd)}.comp" if dl.prompt_chunks else
+                   f"the {dl.K.route} GEMM route, attention "
+                   f"{' / '.join(sorted({dl.K.attn_kernel(dl.hd, d.get('hdv')) + '.comp' for d in dl.per}))}"
+                   if dl.prompt_chunks else
                    "; no prompt rows")
             ex = (f"; routed pairs of decode rows: {dl.dev_rows} on the device, {dl.cpu_rows} on the CPU, "
                   f"of prompt rows: {dl.p_dev_rows} on the device, {dl.p_cpu_rows} on the CPU, "
