@@ -353,8 +353,8 @@ say "done"
 # chain: experts on the CPU beside llama.cpp CUDA (docs/vulkan.md "Experts on the CPU"), ONE call of at most ~9 minutes
 # (GP_DEADLINE s, 540). 1. gpu_start, with the kernels of every arm compiled before any timed arm (untimed tiny-MoE
 # runs; the CPU-only and device-layer ones in the background beside the smoke), then the llama.cpp build waited for;
-# 2. the join profile (COLI_VK_JOIN_PROFILE=1 on a coli bench) of --gpu-layers 16 --cpu-moe and --n-cpu-moe 8
-# (GP_PROFILE=0 skips it); 3. alternating rounds (GP_ROUNDS, 2; a round starts with GP_ROUND_S s left, 190) of tg
+# 2. the host's time in a join (scripts/bench/join.py: the CPU pieces alone, then the join profile after warm-up
+# tokens) of --gpu-layers 16 --cpu-moe and --n-cpu-moe 8 (GP_PROFILE=0 skips it); 3. alternating rounds (GP_ROUNDS, 2; a round starts with GP_ROUND_S s left, 190) of tg
 # GP_GEN (64) at 16 threads, coli --ctx 512: CPU only, --gpu-layers 16 with --cpu-moe, --n-cpu-moe 8, --tier-gb 3.19
 # (half the experts resident) without and with --balance, --gpu-layers 8; llama.cpp -ngl 99 -ot exps=CPU,
 # --n-cpu-moe 8, -ngl 99. GP_LLAMA=0 skips llama.cpp. Output: $OUT/run.log, $OUT/profile_*.txt, $OUT/coli_*.json.
@@ -375,11 +375,11 @@ for w in "--gpu-layers 4 --n-cpu-moe 2" "--gpu-layers 4 --tier-gb 0.0175 --balan
 [ -n "${BLD:-}" ] && { say "waiting for the llama.cpp build"; wait $BLD; tail -2 /tmp/llbuild.log; }
 N=${GP_GEN:-64}
 if [ "${GP_PROFILE:-1}" = 1 ]; then
-  for a in "cpumoe16:--gpu-layers 16 --cpu-moe" "ncpumoe8:--gpu-layers 16 --n-cpu-moe 8"; do
-    say "join profile: ${a#*:} (a warm-up run, then 1 timed, $N tokens)"
-    COLI_VK_JOIN_PROFILE=1 timeout $(cap 90) $PY -m coli bench -m "$MODEL" ${a#*:} -t 16 -r 1 -p 0 -n $N --ctx 512 \
-      > "$OUT/profile_${a%%:*}.txt" 2>&1
-    grep -v "^\[coli\]" "$OUT/profile_${a%%:*}.txt" | tail -25
+  for a in "cpumoe16:--cpu-moe" "ncpumoe8:--n-cpu-moe 8"; do
+    say "the host's time in a join: --gpu-layers 16 ${a#*:} ($N tokens after $N warm-up ones; scripts/bench/join.py)"
+    timeout $(cap 120) $PY scripts/bench/join.py -m "$MODEL" -t 16 --calls 500 --device vulkan --gpu-layers 16 \
+      ${a#*:} --warm $N --tokens $N > "$OUT/profile_${a%%:*}.txt" 2>&1
+    grep -v "^\[coli\]" "$OUT/profile_${a%%:*}.txt" | tail -30
   done
 fi
 for r in $(seq 1 ${GP_ROUNDS:-2}); do
