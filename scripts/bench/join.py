@@ -9,7 +9,7 @@ Two parts, each printed as a table of microseconds:
    (``RAMCache.get`` per rank), the Python around the compiled call (``ExpertsRow.pairs`` less ``experts_row``),
    the compiled call (``cpu_kernels.decode.experts_row``: the parallel region's launch and the arithmetic) with
    the run's threads and with one, the routing weights applied to the rows, the route's read (ids, weights,
-   which ranks are resident), and the whole ``MoEStep.row_experts``. Every expert of the layer is read into RAM
+   which ranks are resident), and the whole ``MoEStep.row_experts``. The k experts timed are read into RAM
    first, so no disk read is timed.
 2. ``device`` (``--device vulkan[:N]``): the join profile (``COLI_VK_JOIN_PROFILE=1``) of ``--tokens`` decode
    tokens after ``--warm`` warm-up tokens, the profile reset between, so the RAM cache's first reads of each
@@ -66,10 +66,12 @@ def cpu_part(path, calls: int) -> list[tuple[str, float, float]]:
         layer = next(il for il in range(len(m.layers)) if f"blk.{il}.ffn_gate_exps.weight" in m.t)
         E, k = m.args.n_experts, m.args.top_k
         D = m.t[f"blk.{layer}.ffn_gate_exps.weight"].shape[-1]
-        for x in range(E):                      # every expert in RAM: no disk read below
+        ids = list(range(k))
+        for x in ids:                           # the experts in RAM: no disk read below
             if step.cache.get(layer, x) is None:
                 step.cache.put(layer, x, step.cache.fetch(layer, x).result())
-        ids = list(range(k))
+        if any(step.cache.peek(layer, x) is None for x in ids):
+            raise SystemExit(f"{path}: the RAM expert cache does not hold {k} experts of layer {layer}")
         x = np.random.default_rng(0).standard_normal((1, D)).astype(np.float32)
         out = np.empty((k, D), np.float32)
         w = np.full(k, 1.0 / k, np.float32)
