@@ -4,7 +4,7 @@
 A developer tool, run once; its outputs under ``tests/fixtures/oracles/`` are committed and CI never runs it.
 It needs torch, so it runs in a separate venv (docs/oracles.md)::
 
-    .venv-oracle/bin/python scripts/oracles/make.py                 # every family but nvfp4
+    .venv-oracle/bin/python scripts/oracles/make.py                 # every family but nvfp4 and gemma3_ppl
     .venv-oracle/bin/python scripts/oracles/make.py deepseek2 olmoe # families or single oracles by name
 
 Each family is a small module in ``families/`` (``NAMES``, ``make(name, ctx)``) holding its configuration and
@@ -16,7 +16,7 @@ the GGUF comparison, and the npz / config.json writing.
 from __future__ import annotations
 
 import argparse
-import importlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -33,8 +33,8 @@ DEFAULT_WORK = ROOT / "scratch" / "oracles"
 DEFAULT_LLAMA = ROOT / "scratch" / "dl" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
 
 FAMILIES = ["moe", "rope", "fp8", "deltanet", "qwen3next", "qwen35moe", "deepseek2", "glmdsa", "kimi", "gptoss",
-            "mimo2", "deepseek4", "nvfp4"]
-NOT_BY_DEFAULT = {"nvfp4", "qwen35moe_twin"}   # need llama-quantize / are no fixture
+            "mimo2", "deepseek4", "nvfp4", "gemma3_ppl"]
+NOT_BY_DEFAULT = {"nvfp4", "gemma3_ppl", "qwen35moe_twin"}   # need llama-quantize / the real file / are no fixture
 
 VOCAB = 320          # 2 special tokens + 256 byte tokens + 62 merges
 MIN_MARGIN = 1e-2    # smallest allowed gap between the k-th and (k+1)-th router logit
@@ -193,6 +193,23 @@ def rank_order(ix, w):
 def router_margin(rl: np.ndarray, k: int) -> np.ndarray:
     s = -np.sort(-rl, axis=-1)
     return (s[..., k - 1] - s[..., k]).astype(np.float32)
+
+
+def grouped_topk(scores: np.ndarray, k: int, n_group: int = 1, topk_group: int = 1, group_score: str = "top2sum"):
+    """A deepseek-style router's group-limited top-k on ``scores`` [..., E] (a group scores the sum of its two best,
+    ``top2sum``, or its best, ``max``): (the chosen experts' ids sorted [..., k], the k-th minus (k+1)-th score among
+    the kept groups' experts, the topk_group-th minus the next group score; zeros when n_group is 1)."""
+    E = scores.shape[-1]
+    g = scores.reshape(*scores.shape[:-1], n_group, E // n_group)
+    gs = np.sort(g, axis=-1)[..., -2:].sum(-1) if group_score == "top2sum" else g.max(-1)
+    keep = np.argsort(-gs, axis=-1, kind="stable")[..., :topk_group]
+    mask = np.zeros(gs.shape, bool)
+    np.put_along_axis(mask, keep, True, axis=-1)
+    masked = np.where(np.repeat(mask, E // n_group, axis=-1), scores, -np.inf)
+    ids = np.sort(np.argsort(-masked, axis=-1, kind="stable")[..., :k], axis=-1)
+    srt, gsrt = -np.sort(-masked, axis=-1), -np.sort(-gs, axis=-1)
+    gmargin = gsrt[..., topk_group - 1] - gsrt[..., topk_group] if n_group > 1 else np.zeros(gs.shape[:-1])
+    return ids, srt[..., k - 1] - srt[..., k], gmargin
 
 
 def logit_gap(logits: np.ndarray) -> np.ndarray:
@@ -436,39 +453,34 @@ def gguf_summary(path: Path) -> dict:
 
 
 def compare_gguf(ours: Path, theirs: Path) -> dict:
+    """Our GGUF against the converter's, by name: tensors (type, shape, values within 1e-7) and keys (floats within
+    1e-12 relative; the file-describing keys left out); ``ok`` when nothing differs or is missing on one side."""
     import gguf
 
     a, b = gguf.GGUFReader(str(ours)), gguf.GGUFReader(str(theirs))
-    ta = {t.name: t for t in a.tensors}
-    tb = {t.name: t for t in b.tensors}
-    res = {"tensors_compared": [], "tensors_only_ours": sorted(set(ta) - set(tb)),
+    ta, tb = {t.name: t for t in a.tensors}, {t.name: t for t in b.tensors}
+    res = {"tensors_compared": sorted(set(ta) & set(tb)), "tensors_only_ours": sorted(set(ta) - set(tb)),
            "tensors_only_theirs": sorted(set(tb) - set(ta)), "tensor_mismatches": [], "max_abs_diff": 0.0}
-    for n in sorted(set(ta) & set(tb)):
+    for n in res["tensors_compared"]:
         x, y = ta[n], tb[n]
-        ok = (x.tensor_type == y.tensor_type and list(x.shape) == list(y.shape))
         d = float("inf")
-        if ok:
-            xa = np.asarray(x.data, dtype=np.float32)
-            ya = np.asarray(y.data, dtype=np.float32)
+        if x.tensor_type == y.tensor_type and list(x.shape) == list(y.shape):
+            xa, ya = np.asarray(x.data, dtype=np.float32), np.asarray(y.data, dtype=np.float32)
             d = float(np.max(np.abs(xa - ya))) if xa.size else 0.0
-            ok = d <= 1e-7
-        res["tensors_compared"].append(n)
         res["max_abs_diff"] = max(res["max_abs_diff"], d)
-        if not ok:
+        if not d <= 1e-7:
             res["tensor_mismatches"].append({"name": n, "ours": [x.tensor_type.name, list(map(int, x.shape))],
                                              "theirs": [y.tensor_type.name, list(map(int, y.shape))], "diff": d})
-    fa = {k: field_value(f) for k, f in a.fields.items() if not k.startswith("GGUF.")}
-    fb = {k: field_value(f) for k, f in b.fields.items() if not k.startswith("GGUF.")}
-    res["keys_compared"], res["key_mismatches"] = [], []
-    for k in sorted(set(fa) & set(fb) - IGNORED_KEYS):
-        va, vb = fa[k], fb[k]
+    fa, fb = ({k: field_value(f) for k, f in r.fields.items() if not k.startswith("GGUF.")} for r in (a, b))
+
+    def same(va, vb):
         if isinstance(va, float) or isinstance(vb, float):
-            same = abs(float(va) - float(vb)) <= 1e-12 * max(1.0, abs(float(vb)))
-        else:
-            same = va == vb
-        res["keys_compared"].append(k)
-        if not same:
-            res["key_mismatches"].append({"key": k, "ours": repr(va)[:200], "theirs": repr(vb)[:200]})
+            return abs(float(va) - float(vb)) <= 1e-12 * max(1.0, abs(float(vb)))
+        return va == vb
+
+    res["keys_compared"] = sorted(set(fa) & set(fb) - IGNORED_KEYS)
+    res["key_mismatches"] = [{"key": k, "ours": repr(fa[k])[:200], "theirs": repr(fb[k])[:200]}
+                             for k in res["keys_compared"] if not same(fa[k], fb[k])]
     res["keys_only_ours"] = sorted(set(fa) - set(fb) - IGNORED_KEYS)
     res["keys_only_theirs"] = sorted(set(fb) - set(fa) - IGNORED_KEYS)
     res["ok"] = not (res["tensors_only_ours"] or res["tensors_only_theirs"] or res["tensor_mismatches"]
@@ -492,14 +504,6 @@ def llama_cpp_run(gguf_path: Path, ids: np.ndarray, ref_logits: np.ndarray) -> d
             "argmax_equal": bool((got.argmax(-1) == ref_logits.argmax(-1)).all())}
 
 
-def _have_llama_cpp() -> bool:
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def convert_check(name: str, ctx, hf_dir: Path) -> bool:
     """Our ``<out>/<name>.gguf`` against llama.cpp's converter's file of the same checkpoint, key by key and tensor by
     tensor, and (when llama-cpp-python is importable) both files run in llama.cpp against HF's logits; recorded
@@ -512,7 +516,7 @@ def convert_check(name: str, ctx, hf_dir: Path) -> bool:
     res["converter"] = "llama-cpp-python 0.3.36 vendor/llama.cpp/convert_hf_to_gguf.py --outtype f32"
     ctx.checks[name] = res
     ok = res["ok"]
-    if not ctx.args.no_llama_run and _have_llama_cpp():
+    if not ctx.args.no_llama_run and importlib.util.find_spec("llama_cpp"):
         ref = np.load(ctx.out / f"{name}.npz")
         for fname, path in (("ours", ours), ("converter", theirs)):
             run = llama_cpp_run(path, ref["ids"], ref["logits"])
@@ -560,8 +564,10 @@ def main(argv=None) -> int:
                     help="moe, rope: skip running the GGUFs in llama-cpp-python (done when it is importable)")
     ap.add_argument("--bin", type=Path, default=Path.home() / ".cache/coli/llama.cpp/build/bin",
                     help="nvfp4: the llama.cpp build folder with llama-quantize")
+    ap.add_argument("--gguf", type=Path, default=Path.home() / ".cache/coli/models/gemma-3-270m-q4_k_m.gguf",
+                    help="gemma3_ppl: the real Gemma-3-270M Q4_K_M")
     ap.add_argument("names", nargs="*", metavar="FAMILY", help=f"families ({', '.join(FAMILIES)}) or oracle names; "
-                    "default: every family but nvfp4")
+                    "default: every family but nvfp4 and gemma3_ppl")
     args = ap.parse_args(argv)
     todo = resolve(args.names or [f for f in FAMILIES if f not in NOT_BY_DEFAULT])
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -569,7 +575,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     ctx = SimpleNamespace(args=args, out=args.out, work=args.work, llama_cpp=args.llama_cpp,
                           tok_dir=args.work / "tokenizer", checks={}, ok=True)
-    if any(fam != "nvfp4" for fam, _ in todo):
+    if any(fam not in ("nvfp4", "gemma3_ppl") for fam, _ in todo):
         ctx.tok_dir.mkdir(parents=True, exist_ok=True)
         build_tokenizer(ctx.tok_dir)
         ctx.tokmeta = tokenizer_metadata(ctx.tok_dir)

@@ -146,9 +146,9 @@ def save(tensors: dict, path: Path) -> None:
 
 def bf16_exact(x: np.ndarray) -> np.ndarray:
     """x rounded to the nearest bf16 value (ties to even), kept as f32."""
-    u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
-    u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
-    return u.astype(np.uint32).view(np.float32)
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(x, np.float32)).bfloat16().float().numpy()
 
 
 def build(seed: int, work: Path):

@@ -53,23 +53,13 @@ def index_scores(scores: list):
 
 
 def router_margins(cfg, rl, bias):
-    """Smallest gap on the biased sigmoid scores: topk_group-th vs next group score (sum of the two best) and
-    k-th vs (k+1)-th candidate inside the kept groups; margins on scores (sigmoid is monotone per expert but
-    the bias is added after it). Shared with deepseek3."""
-    k, G, tg = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
+    """Smallest gap on the biased sigmoid scores (the bias is added after the sigmoid, so on scores, not logits):
+    topk_group-th vs next group score and k-th vs (k+1)-th candidate in the kept groups. Shared with deepseek3."""
     m = np.inf
     for l in range(rl.shape[0]):
         s = 1 / (1 + np.exp(-rl[l].astype(np.float64))) + bias[l][None, :]
-        E = s.shape[1]
-        gs = np.sort(s.reshape(-1, G, E // G), axis=2)[:, :, -2:].sum(2)
-        gsorted = -np.sort(-gs, axis=1)
-        m = min(m, float((gsorted[:, tg - 1] - gsorted[:, tg]).min()))
-        keep = np.argsort(-gs, axis=1, kind="stable")[:, :tg]
-        mask = np.zeros_like(gs, bool)
-        np.put_along_axis(mask, keep, True, axis=1)
-        cand = np.where(np.repeat(mask, E // G, axis=1), s, -np.inf)
-        cs = -np.sort(-cand, axis=1)
-        m = min(m, float((cs[:, k - 1] - cs[:, k]).min()))
+        _, margin, gmargin = M.grouped_topk(s, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group)
+        m = min(m, float(gmargin.min()), float(margin.min()))
     return m
 
 

@@ -42,10 +42,8 @@ def kda_param(pname, p, g):
 def router_margin(cfg, rl, bias) -> float:
     """Smallest gap between the k-th and (k+1)-th biased sigmoid score (one group: the hub's
     ``num_expert_group`` 1) over the MoE layers and positions."""
-    k = cfg.num_experts_per_tok
     s = 1 / (1 + np.exp(-rl.astype(np.float64))) + bias[:, None, :]
-    cs = -np.sort(-s, axis=-1)
-    return float((cs[..., k - 1] - cs[..., k]).min())
+    return float(M.grouped_topk(s, cfg.num_experts_per_tok)[1].min())
 
 
 def hub_layout(hf_dir, cfg) -> None:

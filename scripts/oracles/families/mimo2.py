@@ -26,24 +26,6 @@ ROUTER_SCALE = 1.0
 MIN_MARGIN = 1e-3   # on the choice scores (0..1); coli's f32 error is ~1e-6
 
 
-def grouped_choice(choice: np.ndarray, k: int, n_group: int, topk_group: int, group_score: str = "top2sum"):
-    """HF ``MiMoV2FlashTopkRouter``'s choice on the biased scores ``choice`` f32 [..., E]: (the chosen experts'
-    ids sorted [..., k], the kth-vs-(k+1)th margin among the kept groups' experts, the margin between the
-    ``topk_group``-th and the next group score; zeros when ``n_group`` is 1)."""
-    E = choice.shape[-1]
-    g = choice.reshape(*choice.shape[:-1], n_group, E // n_group)
-    gs = (np.sort(g, axis=-1)[..., -2:].sum(-1) if group_score == "top2sum" else g.max(-1))
-    keep = np.argsort(-gs, axis=-1, kind="stable")[..., :topk_group]
-    mask = np.zeros(gs.shape, bool)
-    np.put_along_axis(mask, keep, True, axis=-1)
-    masked = np.where(np.repeat(mask, E // n_group, axis=-1), choice, -np.inf)
-    ids = np.sort(np.argsort(-masked, axis=-1, kind="stable")[..., :k], axis=-1)
-    srt = -np.sort(-masked, axis=-1)
-    gsrt = -np.sort(-gs, axis=-1)
-    gmargin = gsrt[..., topk_group - 1] - gsrt[..., topk_group] if n_group > 1 else np.zeros(gs.shape[:-1])
-    return ids, (srt[..., k - 1] - srt[..., k]).astype(np.float32), gmargin.astype(np.float32)
-
-
 def param(pname, p, g):
     import torch
 
@@ -88,12 +70,13 @@ def make(name: str, ctx) -> dict:
         cfg, model, ids = M.random_model("mimo_v2_flash", config, seed, N_TOKENS, param, router_scale=ROUTER_SCALE,
                                          bias_std=BIAS_STD)
         logits, choice, plain = scores(model, ids)
-        by_choice, margin, gmargin = grouped_choice(choice, K, n_group, topk_group)
+        by_choice, margin, gmargin = M.grouped_topk(choice, K, n_group, topk_group)
+        margin, gmargin = margin.astype(np.float32), gmargin.astype(np.float32)
         gap = M.logit_gap(logits)
-        r = dict(bias_moves=float((by_choice != grouped_choice(plain, K, n_group, topk_group)[0]).any(axis=-1).mean()),
+        r = dict(bias_moves=float((by_choice != M.grouped_topk(plain, K, n_group, topk_group)[0]).any(axis=-1).mean()),
                  grouped_differs=float((by_choice != np.sort(np.argsort(-choice, axis=-1)[..., :K], axis=-1))
                                        .any(axis=-1).mean()),
-                 top2_vs_max=float((by_choice != grouped_choice(choice, K, n_group, topk_group, "max")[0])
+                 top2_vs_max=float((by_choice != M.grouped_topk(choice, K, n_group, topk_group, "max")[0])
                                    .any(axis=-1).mean()))
         ok = (float(margin.min()) >= MIN_MARGIN and float(gap.min()) >= M.MIN_LOGIT_GAP and r["bias_moves"] > 0.1
               and np.isfinite(logits).all())
