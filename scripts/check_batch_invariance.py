@@ -8,6 +8,7 @@ weights) with ``COLI_BATCH_INVARIANT=1``; one long prompt's logits whole against
 
 Prompt steps of ``None`` are the engine's own (``COLI_UBATCH``). Prints one line per model: how many prompts gave the same ids in every mode, and the long prompt's largest logit
 difference (0 when bit-equal)."""
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -61,12 +62,19 @@ def check(path, env=None, label=""):
     print(f"{label}: {len(PROMPTS) - bad}/{len(PROMPTS)} prompts equal in every mode; {n_long}-token logits whole vs "
           f"chunks 512/64 max diff {d[512]:.3g}/{d[64]:.3g}; {time.time() - t0:.0f} s", flush=True)
 
-ONLY = set(sys.argv[1:])
-for name in ("smollm2", "demo", "gemma3-270m", "qwen2.5-coder-0.5b"):
-    if not ONLY or name in ONLY:
-        check(resolve(name, quiet=True), label=name)
-for fam in ("mixtral", "olmoe", "qwen2moe", "qwen3moe"):
-    if ONLY and f"{fam} (flag)" not in ONLY:
-        continue
-    check(ROOT / "tests" / "fixtures" / "oracles" / f"{fam}.gguf", env={"COLI_BATCH_INVARIANT": "1"},
-          label=f"{fam} (flag)")
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("names", nargs="*", metavar="NAME", help="a subset: smollm2, demo, ..., olmoe (flag)")
+    only = set(ap.parse_args(argv).names)
+    for name in ("smollm2", "demo", "gemma3-270m", "qwen2.5-coder-0.5b"):
+        if not only or name in only:
+            check(resolve(name, quiet=True), label=name)
+    for fam in ("mixtral", "olmoe", "qwen2moe", "qwen3moe"):
+        if not only or f"{fam} (flag)" in only:
+            check(ROOT / "tests" / "fixtures" / "oracles" / f"{fam}.gguf", env={"COLI_BATCH_INVARIANT": "1"},
+                  label=f"{fam} (flag)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
