@@ -6,6 +6,8 @@ sides), greedy tokens equal the CPU-only run's with int8 activations on both sid
 there), both sides did work (dispatches, CPU rows), and a device lost mid-layer hands the layers back to the CPU."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -376,6 +378,7 @@ def test_balance_cli(device_moe, capsys):
     assert main([*bench, "--gpu-layers", "4", "--tier-gb", f"{gb:.6f}", "--balance"]) == 0
     err = capsys.readouterr().err
     assert "balance: device share" in err and "routed pairs of decode rows:" in err and "Traceback" not in err, err
+    assert re.search(r"\d+ experts swapped in \(\d+ refused by the reuse gate\)", err), err
     assert main([*bench, "--cpu-moe", "--balance"]) == 0
     err = capsys.readouterr().err
     assert "--balance: no device layer holds part of its routed experts" in err, err
