@@ -49,8 +49,8 @@ from coli.vulkan.layer_decode import DecodeRow
 from coli.vulkan.layer_families import MLAMixer, DeltaNetMixer
 from coli.vulkan.layer_join import RowJoin
 from coli.vulkan.layer_kv import KVRows
-from coli.vulkan.layer_plan import (attn_block, device_formats, dn_dims, dsa_shape, ffn_width, head_dims, is_deltanet,
-                                    is_gated, is_kda, is_mla, linear_block, route_rule)
+from coli.vulkan.layer_plan import (attn_block, ceil32, device_formats, dn_dims, dsa_shape, ffn_width, head_dims,
+                                    is_deltanet, is_gated, is_kda, is_mla, linear_block, route_rule)
 from coli.vulkan.layer_prompt import PromptChunks
 from coli.vulkan.layer_prompt_join import PromptJoin
 from coli.vulkan.layer_weights import LayerWeights
@@ -163,7 +163,8 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
         self.kda = any(is_kda(m.layers[il]) for il in range(first, len(m.layers)))
         # MLA: its cache on the device is one "head" of r + dr floats a position (LAT [ctx, W]): _sync, _fetch and the
         # readback move it as K rows of one head with no V
-        self.mla = (at.H, at.r, at.dn, at.dr, at.dv, 0 if at.attn_q is not None else int(at.attn_q_a.shape[0])) \
+        # q_lora_rank padded to a multiple of 32 (attn_q_a with zero rows: q_b's F32/F16/BF16 columns of any width)
+        self.mla = (at.H, at.r, at.dn, at.dr, at.dv, 0 if at.attn_q is not None else ceil32(at.attn_q_a.shape[0])) \
             if is_mla(at) else None
         # GLM-5's DSA: (indexer heads, key length, top_k); its key rides in each LAT row after the rope key
         self.dsa = dsa_shape(m) if self.mla else None

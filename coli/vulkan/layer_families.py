@@ -28,8 +28,11 @@ class MLAMixer:
         if at.attn_q is not None:
             d["m_q"] = (self._place(t[p + "attn_q.weight"]), t[p + "attn_q.weight"].type_name)
         else:
-            d["m_qa"] = (self._place(t[p + "attn_q_a.weight"]), t[p + "attn_q_a.weight"].type_name)
+            # q_lora_rank rows padded with zero rows to self.mla[5] (its norm over the first d["ql"]; q_b's columns
+            # padded with zeros by Device._place)
+            d["m_qa"] = (self._place(t[p + "attn_q_a.weight"], rows=self.mla[5]), t[p + "attn_q_a.weight"].type_name)
             d["m_qa_norm"] = self._const(np.asarray(at.attn_q_a_norm, np.float32))
+            d["ql"] = int(at.attn_q_a.shape[0])
             d["m_q"] = (self._place(t[p + "attn_q_b.weight"]), t[p + "attn_q_b.weight"].type_name)
         d["m_kv"] = (self._place(t[p + "attn_kv_a_mqa.weight"]), t[p + "attn_kv_a_mqa.weight"].type_name)
         d["m_kv_norm"] = self._const(np.asarray(at.attn_kv_a_norm, np.float32))
@@ -80,7 +83,7 @@ class MLAMixer:
         ops = []
         if ql:
             ops += [mv(*d["m_qa"], xn, qa, ql, D),
-                    Dispatch("rmsnorm", (R,), [qa, d["m_qa_norm"].addr, qa], [ql, eps])]
+                    Dispatch("rmsnorm", (R,), [qa, d["m_qa_norm"].addr, qa], [d["ql"], eps, 1, ql])]
         ops += [mv(*d["m_q"], qa if ql else xn, q, H * (dn + dr), ql or D), mv(*d["m_kv"], xn, kv, W, D)]
         ops[-1].wait = bool(ql)   # both read xn, written before the first: one barrier
         flags = int(d["rot"]) | (2 if kvo else 0)

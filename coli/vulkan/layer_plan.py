@@ -29,8 +29,10 @@ def device_formats():
 
 SHEXP_TENSORS = ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
 #: the FFN's down projections: an F32/F16/BF16 one may have any width, the FFN's hidden width padded to a multiple of
-#: 32 on the device (gate and up with zero rows, down with zero columns: :func:`ffn_width`)
+#: 32 on the device (gate and up with zero rows, down with zero columns: :func:`ffn_width`); so may MLA's q_b (and
+#: GLM-5's indexer's), over a q_lora_rank padded the same way (attn_q_a with zero rows)
 DOWN_TENSORS = ("ffn_down.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight")
+Q_B_TENSORS = ("attn_q_b.weight",)
 
 
 def ceil32(n: int) -> int:
@@ -317,7 +319,7 @@ def why_not(m, il: int) -> str | None:
         ti = m.t[n]
         if ti.type_name not in device_formats():
             return f"tensor '{n}' is {ti.type_name} (no device kernel)"
-        if int(ti.shape[-1]) % 32 and not (is_float(ti.type_name) and n.endswith(DOWN_TENSORS)):
+        if int(ti.shape[-1]) % 32 and not (is_float(ti.type_name) and n.endswith(DOWN_TENSORS + Q_B_TENSORS)):
             return f"tensor '{n}' has {int(ti.shape[-1])} columns (not a multiple of 32)"
     p = f"blk.{il}."
     pairs = [("ffn_gate_exps", "ffn_up_exps"), ("ffn_gate_shexp", "ffn_up_shexp"), ("ffn_gate", "ffn_up")]
@@ -373,6 +375,10 @@ def _padded_bytes(m, n: str) -> int:
     rows, down columns: :func:`ffn_width`)."""
     ti = m.t[n]
     b = int(ti.nbytes)
+    if n.endswith("attn_q_a.weight"):       # q_lora_rank rows, padded (any format: rows are blocks of their own)
+        return b // int(ti.shape[-2]) * ceil32(ti.shape[-2])
+    if n.endswith(Q_B_TENSORS) and is_float(ti.type_name):
+        return b // int(ti.shape[-1]) * ceil32(ti.shape[-1])
     if not is_float(ti.type_name) or "ffn_" not in n or "gate_inp" in n:
         return b
     f = int(ti.shape[-1] if n.endswith(DOWN_TENSORS) else ti.shape[-2])
@@ -446,7 +452,7 @@ def _mla_floats(m) -> int:
         a = getattr(L, "attn", None)
         if is_mla(a) and why_not(m, il) is None:
             W = a.r + a.dr
-            ql = 0 if a.attn_q is not None else int(a.attn_q_a.shape[0])
+            ql = 0 if a.attn_q is not None else ceil32(a.attn_q_a.shape[0])
             out = max(out, a.H * (a.dn + a.dr) + W + ql + a.H * W + a.H * a.r + a.H * a.dv)
     ds = dsa_shape(m)
     if out and ds:      # the indexer's q, key row, head weights and chosen positions (its scores: _dsa_scores)
