@@ -224,9 +224,9 @@ def test_rope_kv(kern, hd, n_rot, rope_kind, pos):
 # -- attn_dec ---------------------------------------------------------------------------------------------
 
 def _attn_ref(q, K, V, pos, scale):
-    """float64 softmax attention of q [nq, hd] over K/V [nkv, ctx, hd] rows 0..pos, GQA."""
+    """float64 softmax attention of q [nq, hd] over K [nkv, ctx, hd] / V [nkv, ctx, hdv] rows 0..pos, GQA: [nq, hdv]."""
     nq, nkv = q.shape[0], K.shape[0]
-    out = np.empty(q.shape, np.float64)
+    out = np.empty((nq, V.shape[-1]), np.float64)
     for h in range(nq):
         kvh = h // (nq // nkv)
         s = scale * (K[kvh, :pos + 1].astype(np.float64) @ q[h].astype(np.float64))
@@ -260,6 +260,88 @@ def test_attn_dec(kern, hd, pos):
     K[:, pos + 1:] = 1e30              # rows past pos must not count
     V[:, pos + 1:] = np.nan
     _check_attn(kern, q, K, V, pos)
+
+
+@pytest.mark.parametrize("hd,hdv", [(192, 128), (24, 16), (64, 42)])   # MiMo-V2-Flash's, its oracle's, scalar V
+@pytest.mark.parametrize("pos,chk", [(0, 0), (700, 0), (700, 128), (CTX - 1, 96)])
+def test_attn_narrow_v(kern, hd, hdv, pos, chk):
+    """V heads narrower than K's (MiMo-V2: u8 hdv): attn_dec.comp over V [nkv, ctx, hdv], whole or in parts of chk
+    keys joined by attn_comb.comp, and attn_pre.comp's prompt rows (the last 5 positions up to pos, the K/V rows
+    past them poison) against the float64 reference; the output rows are hdv wide."""
+    from coli.vulkan.layers import Dispatch, f32_bits
+    rng = np.random.default_rng(hd + hdv + pos + chk)
+    q = rng.standard_normal((NQ, hd)).astype(np.float32)
+    K = rng.standard_normal((NKV, CTX, hd)).astype(np.float32)
+    V = rng.standard_normal((NKV, CTX, hdv)).astype(np.float32)
+    K[:, pos + 1:] = 1e30
+    V[:, pos + 1:] = np.nan
+    scale = 1.0 / np.sqrt(hd)
+    bq, bk, bv = _buf(kern, q), _buf(kern, K), _buf(kern, V)
+    bpar = _buf(kern, np.array([pos, 0, 0, 0], np.uint32))
+    bo, bs = kern.buffer(NQ * hdv * 4), kern.buffer(NQ * CTX * 4)
+    bparts = kern.buffer(NQ * -(-CTX // max(chk, 1)) * (hd + 2) * 4)
+    ops = [Dispatch("attn_dec", (NQ, -(-CTX // chk) if chk else 1), [bq.addr, bk.addr, bv.addr, bpar.addr, bo.addr,
+                                                                     bs.addr, bparts.addr, bq.addr],
+                    [NQ, NKV, hd, CTX, f32_bits(scale), chk, 0, 0, hdv])]
+    if chk:
+        ops.append(Dispatch("attn_comb", (NQ,), [bparts.addr, bpar.addr, bo.addr, bq.addr], [NQ, 0, hdv, CTX, 0, chk]))
+    rec = kern.record(ops)
+    try:
+        kern.submit(rec)
+    finally:
+        kern.free(rec)
+    ref = _attn_ref(q, K, V, pos, scale)
+    got = bo.f32(NQ * hdv).reshape(NQ, hdv)
+    assert rel_err(got, ref) <= TOL, rel_err(got, ref)
+    # the prompt kernel: rows at positions p0 .. pos
+    R = min(5, pos + 1)
+    p0 = pos + 1 - R
+    qr = rng.standard_normal((R, NQ, hd)).astype(np.float32)
+    ref = np.stack([_attn_ref(qr[r], K, V, p0 + r, scale) for r in range(R)])
+    kname, groups, mode = kern.attn_dispatch(NQ, NKV, hd, R, hdv)
+    assert kname == "attn_pre"
+    bqr, bor = _buf(kern, qr), kern.buffer(R * NQ * hdv * 4)
+    bp0 = _buf(kern, np.array([p0, 0, 0, 0], np.uint32))
+    rec = kern.record([Dispatch(kname, groups, [bqr.addr, bk.addr, bv.addr, bp0.addr, bor.addr, bqr.addr],
+                                [NQ, NKV, hd, CTX, f32_bits(scale), R, 0, 0, hdv], mode=mode)])
+    try:
+        kern.submit(rec)
+    finally:
+        kern.free(rec)
+    got = bor.f32(R * NQ * hdv).reshape(R, NQ, hdv)
+    assert rel_err(got, ref) <= TOL, rel_err(got, ref)
+
+
+def test_rope_kv_narrow_v_and_value_scale(kern):
+    """rope_kv.comp with V heads 16 wide beside K's 24 (u7 hdv) and V times 0.707 (u6, MiMo-V2's value_scale): q and
+    k rotated as cpu_kernels.rope does (partial NEOX, 8 of 24 dims), V's row scaled into V [nkv, ctx, 16] and the
+    readback's v part, for 3 rows (a prompt chunk's)."""
+    from coli.models.rope_scaling import RopeScaling
+    from coli.vulkan.layers import f32_bits
+    from cpu_kernels.rope import apply_rope
+    hd, hdv, n_rot, R, pos0, vs = 24, 16, 8, 3, 40, np.float32(0.707)
+    rng = np.random.default_rng(11)
+    cos, sin = RopeScaling().table(CTX, n_rot, 10000.0)
+    row = (NQ + NKV) * hd + NKV * hdv
+    qkv = rng.standard_normal((R, row)).astype(np.float32)
+    q = qkv[:, :NQ * hd].reshape(R, NQ, hd).copy()
+    kk = qkv[:, NQ * hd:(NQ + NKV) * hd].reshape(R, NKV, hd).copy()
+    v = qkv[:, (NQ + NKV) * hd:].reshape(R, NKV, hdv) * vs
+    p = np.arange(pos0, pos0 + R, dtype=np.int64)
+    apply_rope(q, p, cos, sin, n_rot, 2)
+    apply_rope(kk, p, cos, sin, n_rot, 2)
+    bqkv, bq = _buf(kern, qkv), kern.buffer(R * NQ * hd * 4)
+    bk, bv = _buf(kern, np.full((NKV, CTX, hd), 7.0, np.float32)), _buf(kern, np.full((NKV, CTX, hdv), 7.0, np.float32))
+    bcos, bsin = _buf(kern, cos), _buf(kern, sin)
+    bpar = _buf(kern, np.array([pos0, 0, 0, 0], np.uint32))
+    _run(kern, "rope_kv", (NQ + NKV, R, 1), [bqkv, bq, bk, bv, bcos, bsin, bpar],
+         [NQ, NKV, hd, n_rot, CTX, 2, f32_bits(vs), hdv])
+    assert rel_err(bq.f32(R * NQ * hd).reshape(R, NQ, hd), q) <= TOL
+    kc = bk.f32(NKV * CTX * hd).reshape(NKV, CTX, hd)
+    vc = bv.f32(NKV * CTX * hdv).reshape(NKV, CTX, hdv)
+    assert rel_err(kc[:, pos0:pos0 + R].transpose(1, 0, 2), kk) <= TOL
+    np.testing.assert_array_equal(vc[:, pos0:pos0 + R].transpose(1, 0, 2), v)
+    assert (np.delete(vc, np.s_[pos0:pos0 + R], 1) == 7.0).all()
 
 
 def test_attn_dec_sharp(kern):
