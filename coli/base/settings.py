@@ -65,10 +65,11 @@ VARS: tuple[Var, ...] = (
     Var("COLI_VK_CPU_MOE", "int", 0, "device layers whose routed experts stay on the CPU, joined mid-layer "
         "(llama.cpp's --n-cpu-moe N: the first N layers of the model; -1: every layer, --cpu-moe; docs/vulkan.md "
         "\"Experts on the CPU\")", "layers", lo=-1, flag="--n-cpu-moe"),
-    Var("COLI_VK_PROMPT_EXPERTS", "str", "cpu", "a device layer's routed experts that are not on the device, for "
+    Var("COLI_VK_PROMPT_EXPERTS", "str", None, "a device layer's routed experts that are not on the device, for "
         "prompt chunks: cpu (the CPU computes their pairs from the RAM expert cache, joined mid-layer), stream (each "
         "chunk copies them into device memory while the layer before computes, every pair on the device) or auto "
-        "(stream from COLI_VK_STREAM_ROWS rows) (docs/vulkan.md \"Experts on the CPU\")"),
+        "(stream from COLI_VK_STREAM_ROWS rows); unset: auto on a discrete GPU, cpu on a device sharing the CPU's "
+        "RAM (docs/vulkan.md \"Experts on the CPU\")"),
     Var("COLI_VK_STREAM_ROWS", "int", 256, "COLI_VK_PROMPT_EXPERTS=auto: prompt chunks of at least this many rows "
         "stream their experts to the device", "rows", lo=1),
     Var("COLI_VK_TIER_RESERVE_GB", "float", 1.0, "device memory a discrete GPU keeps free beside the tier",

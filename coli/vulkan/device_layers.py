@@ -216,7 +216,10 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
 
         self.prompt_rows = int(get("COLI_VK_PROMPT_ROWS", self._env))   # rows of a prompt chunk, at most
         # a prompt chunk's experts that are not resident: computed by the CPU, or streamed to the device
-        self.prompt_experts = str(get("COLI_VK_PROMPT_EXPERTS", self._env) or "cpu").lower()
+        # unset: auto on a discrete GPU (its own memory: on the H100 a 512-row chunk streamed ran 3.2x the CPU's
+        # pairs, docs/vulkan.md), cpu where the device reads the CPU's RAM (the CPU's kernels read the same bytes)
+        self.prompt_experts = str(get("COLI_VK_PROMPT_EXPERTS", self._env)
+                                  or ("auto" if getattr(self.dev, "type_name", "") == "discrete" else "cpu")).lower()
         if self.prompt_experts not in ("cpu", "stream", "auto"):
             raise ColiError(f"COLI_VK_PROMPT_EXPERTS={self.prompt_experts}: cpu, stream or auto (a prompt chunk's "
                             f"experts that are not on the device)")

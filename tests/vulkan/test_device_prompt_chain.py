@@ -146,3 +146,24 @@ def test_prompt_experts_setting_refused(device_moe):
 
     with pytest.raises(ColiError, match="COLI_VK_PROMPT_EXPERTS=gpu"):
         device_engine(device_moe, COLI_VK_CPU_MOE=-1, COLI_VK_PROMPT_EXPERTS="gpu")
+
+
+def test_prompt_experts_default_follows_the_device(device_moe, monkeypatch):
+    """COLI_VK_PROMPT_EXPERTS unset: cpu on a device that reads the CPU's RAM (Lavapipe is type cpu: its chunks' pairs
+    stay the CPU's), auto on a discrete GPU (its own memory: streaming pays from COLI_VK_STREAM_ROWS rows); a value
+    set wins on either."""
+    monkeypatch.delenv("COLI_VK_PROMPT_EXPERTS", raising=False)
+    dev = device_engine(device_moe, COLI_VK_CPU_MOE=-1)
+    try:
+        dl = dev.model.device_layers
+        assert dl.dev.type_name == "cpu" and dl.prompt_experts == "cpu"
+        monkeypatch.setattr(dl.dev, "type_name", "discrete")
+        dl._settings()
+        assert dl.prompt_experts == "auto"
+        monkeypatch.setenv("COLI_VK_PROMPT_EXPERTS", "cpu")
+        if dl._env is not None:
+            monkeypatch.setattr(dl, "_env", dict(dl._env, COLI_VK_PROMPT_EXPERTS="cpu"))
+        dl._settings()
+        assert dl.prompt_experts == "cpu"
+    finally:
+        dev.close()
