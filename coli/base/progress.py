@@ -31,7 +31,7 @@ _bar_lock = threading.Lock()
 _compiles = [0, 0.0, 0, 0.0]   # top-level compiles, their seconds, nesting depth, start of the open one
 # model text on the terminal's current line; the compile notice given; no notice at all (the CLI's -q)
 _line = {"text": False, "told": False, "quiet": False}
-COMPILE_NOTE = "compiling the CPU kernels, once: about 2-5 minutes on a first run"
+COMPILE_NOTE = "compiling the CPU kernels, once: about 5 minutes on a first run, longer on a busy machine"
 
 
 def compile_notice() -> str:

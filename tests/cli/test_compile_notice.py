@@ -100,8 +100,8 @@ def test_piped_run_says_once_that_kernels_compile(want, tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout == P + want + "\n"
     lines = [l for l in r.stderr.splitlines() if "compil" in l]
-    assert lines == [f"coli: compiling the CPU kernels, once: about 2-5 minutes on a first run; later runs load "
-                     f"them from {os.environ['NUMBA_CACHE_DIR']}"], r.stderr
+    assert lines == [f"coli: compiling the CPU kernels, once: about 5 minutes on a first run, longer on a busy "
+                     f"machine; later runs load them from {os.environ['NUMBA_CACHE_DIR']}"], r.stderr
     assert r.stderr.index(lines[0]) < r.stderr.index("prefill")  # before the stats line, not after the wait
 
 
