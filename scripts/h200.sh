@@ -237,7 +237,7 @@ say "done"
 # from .peers/llama.cpp-*-vendor-trim.tar.xz (H2_LLAMA_BENCH: one already built); pytest of the device suites on the
 # NVIDIA device (H2_PYTEST=0 skips it); scripts/bench/vs_llamacpp.py at threads H2_VS_THREADS (16,8,4,1; pp128 / tg64,
 # -r 1: the time allows no more); `tier`'s scripts/bench/tier.py at 50 % (H2_RUNS 2, --warm-gen 128: the decode of a
-# running session). Output in $OUT: check.log, pytest.log, vs_llama.json, bench_tier_50.json, summary.md.
+# running session). Output in $OUT: check.log, pytest.log, vs_llama.json / .md, bench_tier_50.json, summary.md.
 check() {
 SETUP=${H2_SETUP:-1} begin /tmp/h2out check.log "${H2_TOTAL:-530}"
 MODEL=${H2_MODEL:-$(bash scripts/h200.sh synth-path)}
@@ -259,7 +259,7 @@ ls -la "$MODEL" || exit 4
 if [ -x "$LLB" ]; then
   say "coli beside llama.cpp, threads ${H2_VS_THREADS:-16,8,4,1} ($(left) s left)"
   timeout $(( $(left) - 140 > 60 ? $(left) - 140 : 60 )) $PY scripts/bench/vs_llamacpp.py -m "$MODEL" \
-    -t ${H2_VS_THREADS:-16,8,4,1} --rounds 1 -r 1 --llama-bench "$LLB" --json "$OUT/vs_llama.json"
+    -t ${H2_VS_THREADS:-16,8,4,1} --rounds 1 -r 1 --llama-bench "$LLB" --json "$OUT/vs_llama.json" | tee "$OUT/vs_llama.md"
 else
   say "no llama-bench: coli beside llama.cpp skipped"
 fi
@@ -267,24 +267,9 @@ say "the tier's arms at 50 % ($(left) s left)"
 H2_SETUP=0 PY=$PY OUT="$OUT" H2_DEADLINE=$(( $(left) - 5 )) H2_CB=0 H2_BT=50 H2_RUNS=${H2_RUNS:-2} \
   H2_THREADS=${H2_THREADS:-16} H2_BT_OPTS="--warm-gen 128" H2_MODEL="$MODEL" bash scripts/h200.sh tier > /dev/null 2>&1
 tail -25 "$OUT/run.log"
-$PY - "$OUT" <<'PYEOF'
-import json, os, sys
-out = sys.argv[1]
-lines, p = [], os.path.join(out, "vs_llama.json")
-if os.path.exists(p):
-    d = json.load(open(p))
-    f = lambda x, n=1: "-" if x is None else f"{x:.{n}f}"
-    lines += [f"coli vs llama-bench ({d['info']['date']}, {d['info']['cpu']}): pp{d['info']['n_prompt']} / "
-              f"tg{d['info']['n_gen']} tok/s", "| threads | coli pp | coli tg | llama.cpp pp | llama.cpp tg | ratio pp "
-              "| ratio tg | notes |", "|---:|---:|---:|---:|---:|---:|---:|---|"]
-    lines += [f"| {r['threads']} | {f(r['coli_pp'])} | {f(r['coli_tg'])} | {f(r['llama_pp'])} | {f(r['llama_tg'])} | "
-              f"{f(r['ratio_pp'], 2)} | {f(r['ratio_tg'], 2)} | {'; '.join(r['notes'])} |" for r in d["rows"]]
-s = os.path.join(out, "summary.md")  # tier's, written just now
-if os.path.exists(s):
-    lines += ["", "bench_tier at 50 %:", open(s).read()]
-open(s, "w").write("\n".join(lines) + "\n")
-print("\n".join(lines))
-PYEOF
+{ cat "$OUT/vs_llama.md" 2>/dev/null; echo; echo "bench_tier at 50 %:"; cat "$OUT/summary.md" 2>/dev/null; } \
+  > /tmp/h2/summary.md  # vs_llamacpp's table (its stdout), then tier's summary, written just now
+mv /tmp/h2/summary.md "$OUT/summary.md" && cat "$OUT/summary.md"
 say "done"
 }
 
