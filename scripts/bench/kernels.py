@@ -3,33 +3,32 @@
 alternating rounds (the machine is shared): quote them with the load average printed, compare within one run.
 
     python scripts/bench/kernels.py [--op formats] --threads 2 [--formats Q4_1,Q8_0] [--act f32|int8|both]
-        [--layouts t16,rows] [--models smollm2] [--json]
-    python scripts/bench/kernels.py --op mla [--ctx 512 4096] [--threads 1] [--tiny] [--dsa 8192]
-    python scripts/bench/kernels.py --op dsv4 [--threads N] [--runs 5] [--plain] [--ctx 1024,8192,65536]
+        [--layouts t16,rows] [--json]
+    python scripts/bench/kernels.py --op mla [--ctx 512 4096] [--threads 1] [--dsa 8192]
+    python scripts/bench/kernels.py --op dsv4 [--threads N] [--ctx 1024,8192,65536]
     python scripts/bench/kernels.py --op deltanet [--threads 2] [--fmt Q8_0] [--act f32|int8] [--reps 20] [--json]
     python scripts/bench/kernels.py --op gpu [--D 2048] [--F 1024] [--E 64] [--rows 1,4,16,64] [--small]
 
+Whole models are ``coli bench``'s (docs/benchmarks.md): one decode token over a real model's matrices is
+``coli bench -m smollm2 -p 0 -n 32`` (weight GB/s), the memory-read probe beside it ``--bandwidth``, a tiny oracle's
+decode or prefill ``coli bench -m tests/fixtures/oracles/deepseek4.gguf`` (the prompt in steps: ``COLI_UBATCH``).
+
 ``formats``: the CPU weight-format kernels, GEMV (T=1, decode) and GEMM (T=128, prompt chunks) at real model
-shapes, in GB/s of weight bytes as the GGUF file stores them, beside a memory-bandwidth probe (a Numba prange read
-and copy of >= 1 GiB) in the same process; random valid blocks (codes uniform, f16 scales small), which cost the
-kernels what real ones do; ``--models``: one decode token's GEMVs over real models.
+shapes, in GB/s of weight bytes as the GGUF file stores them; random valid blocks (codes uniform, f16 scales
+small), which cost the kernels what real ones do.
 
 ``mla``: one MLA decode layer at DeepSeek-V2-Lite's shapes (H 16, kv_lora_rank 512, qk_nope 128, qk_rope 64, v 128;
 random f32 weights, caches filled to ``--ctx``) beside plain multi-head attention of the same bytes and
 multiply-adds per position (``attend`` at head size 160 for K 192 + V 128), A/B: cache bytes per position and
-decode time per token per layer; ``--tiny``: the tiny MLA oracles whole; ``--dsa N``: GLM-5's indexer + MLA
-over its 2048 positions beside MLA over all N.
+decode time per token per layer; ``--dsa N``: GLM-5's indexer + MLA over its 2048 positions beside MLA over all N.
 
-``dsv4``: DeepSeek-V4 attention (cpu_kernels/dsv4.py; docs/families.md "DeepSeek-V4"): the tiny oracle's decode
-tok/s and each layer's attention time per step (``--plain``: plain MHA of the same heads alternated in its place;
-the cache bytes per position of each arm), then the kernels at V4-Flash's attention shapes at several context
-lengths (``indexer_topk``, ``attend`` per layer kind beside the per-row NumPy formula, ``GroupedLinear`` over a
-Q8_0 ``attn_output_a``).
+``dsv4``: DeepSeek-V4 attention kernels (cpu_kernels/dsv4.py; docs/families.md "DeepSeek-V4") at V4-Flash's
+attention shapes at several context lengths (``indexer_topk``, ``attend`` per layer kind beside the per-row NumPy
+formula, ``GroupedLinear`` over a Q8_0 ``attn_output_a``).
 
 ``deltanet``: the Gated DeltaNet layer (coli/models/deltanet.py, cpu_kernels/deltanet.py) at Qwen3-Next's shape:
 decode per token per layer by piece beside one full-attention layer at 256 / 4096 / 32768 positions (and their
-cache bytes); a 256-row prefill in one block vs row by row (outputs compared); the qwen3next oracle's prefill in
-one call, 64-row steps and row by row (logits compared).
+cache bytes); a 256-row prefill in one block vs row by row (outputs compared).
 
 ``gpu``: weight GB/s of the Vulkan expert batch (E experts of D x F per format, 1/4/16/64 rows an expert: GEMV
 below COLI_VK_TIER_GEMM_ROWS, tiled GEMM from there; device time by timestamps, best of ``--reps``) beside the
@@ -39,25 +38,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 import time
 import types
 from pathlib import Path
 
 import cpu_kernels  # noqa: F401  (threading layer before numba)
 import numpy as np
-from numba import njit, prange
 
 from coli.types import table as TT
 from cpu_kernels import experts as grouped
-from cpu_kernels import formats
 from cpu_kernels import formats as F
 from cpu_kernels.deltanet import causal_conv1d_silu, gated_deltanet
-from timing import alternate, best, load
-
-ROOT = Path(__file__).resolve().parents[2]
+from timing import about, alternate, best, load, run_op
 
 
 # ---------------------------------------------------------------------------------------------------- formats
@@ -65,38 +58,6 @@ ROOT = Path(__file__).resolve().parents[2]
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (49152, 576), (896, 4864), (4864, 896), (151936, 896),
           (640, 2048), (2048, 640), (640, 1024)]
 BIG = 40_000  # O at or above this: an output (lm_head) matrix
-
-
-@njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def _read_probe(a):
-    n = a.shape[0]
-    nch = 1024
-    part = np.zeros(nch, np.float32)
-    for c in prange(nch):
-        s = np.float32(0.0)
-        for i in range(c * (n // nch), (c + 1) * (n // nch)):
-            s += a[i]
-        part[c] = s
-    return part.sum()
-
-
-@njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def _copy_probe(dst, src):
-    n = src.shape[0]
-    nch = 1024
-    for c in prange(nch):
-        for i in range(c * (n // nch), (c + 1) * (n // nch)):
-            dst[i] = src[i]
-
-
-def bandwidth_probe(gib: float = 1.0, reps: int = 5) -> dict:
-    n = int(gib * 2**30) // 4
-    a = np.ones(n, np.float32)
-    b = np.empty_like(a)
-    tr = best(lambda: _read_probe(a), reps)
-    tc = best(lambda: _copy_probe(b, a), reps)
-    return {"bytes": a.nbytes, "read_gbs": a.nbytes / tr / 1e9, "copy_gbs": a.nbytes / tc / 1e9,
-            "copy_rw_gbs": 2 * a.nbytes / tc / 1e9}
 
 
 def random_raw(name: str, O: int, I: int, rng) -> np.ndarray:
@@ -122,23 +83,9 @@ def random_raw(name: str, O: int, I: int, rng) -> np.ndarray:
     return blocks.reshape(O, -1)
 
 
-def _best_ab(fs, reps):
-    """The minimum time of each of the callables ``fs``, run alternately (one of each per round), so that a
-    change in the machine's load hits every layout alike."""
-    for f in fs:
-        f()
-    mins = [float("inf")] * len(fs)
-    for _ in range(reps):
-        for i, f in enumerate(fs):
-            t = time.perf_counter()
-            f()
-            mins[i] = min(mins[i], time.perf_counter() - t)
-    return mins
-
-
 def bench_format(name, shapes, T, reps, act, rng, layouts=("default",)):
     """Rows of GEMV/GEMM timings per shape. layouts: ("default",) or a subset of ("t16", "rows"): the weight
-    prepared in each (``formats.prepare(..., tiles=)``), timed alternately; a layout the type or shape lacks is
+    prepared in each (``F.prepare(..., tiles=)``), timed alternately; a layout the type or shape lacks is
     left out."""
     fmt = F.FORMATS[name]
     rows = []
@@ -156,9 +103,9 @@ def bench_format(name, shapes, T, reps, act, rng, layouts=("default",)):
         del raw
         x1 = rng.standard_normal((1, I), dtype=np.float32)
         xT = rng.standard_normal((T, I), dtype=np.float32)
-        t1 = _best_ab([lambda w=w: F.matmul(w, x1, act=act) for w in ws], reps)
-        tT = _best_ab([lambda w=w: F.matmul(w, xT, act=act) for w in ws],
-                      max(2, reps // 10) if O >= BIG else max(3, reps // 4))
+        t1 = alternate([lambda w=w: F.matmul(w, x1, act=act) for w in ws], reps, min)
+        tT = alternate([lambda w=w: F.matmul(w, xT, act=act) for w in ws],
+                       max(2, reps // 10) if O >= BIG else max(3, reps // 4), min)
         for w, a, b in zip(ws, t1, tT):
             rows.append({"format": name, "act": act, "layout": w.layout, "O": O, "I": I,
                          "file_bytes": w.file_nbytes, "packed_bytes": w.nbytes,
@@ -169,57 +116,21 @@ def bench_format(name, shapes, T, reps, act, rng, layouts=("default",)):
     return rows
 
 
-def formats_model(model: str, reps: int, act: str) -> dict:
-    """One decode token's GEMVs over a real model's matrices (every 2-D weight once; token_embd as the lm_head
-    when there is no output.weight), weights visited in file order like the engine does, so they stream from
-    memory instead of sitting in cache. Returns ms per pass and GB/s of file bytes."""
-    from coli.fetch import model_path
-    from coli.gguf_file import open_gguf
-
-    g = open_gguf(model_path(model))
-    ws = []
-    for name, t in g.tensors.items():
-        if len(t.shape) != 2 or t.type_name not in F.FORMATS:
-            continue
-        if name == "token_embd.weight" and "output.weight" in g.tensors:
-            continue
-        ws.append(F.prepare(t.type_name, t.raw, tuple(t.shape)))
-    rng = np.random.default_rng(0)
-    xs = {w.shape[1]: rng.standard_normal((1, w.shape[1]), dtype=np.float32) for w in ws}
-
-    def one_pass():
-        for w in ws:
-            F.matmul(w, xs[w.shape[1]], act=act)
-
-    t = best(one_pass, reps)
-    by_type = {}
-    for w in ws:
-        by_type[w.name] = by_type.get(w.name, 0) + w.file_nbytes
-    file_bytes = sum(w.file_nbytes for w in ws)
-    return {"model": model, "act": act, "matrices": len(ws), "file_bytes": file_bytes,
-            "packed_bytes": sum(w.nbytes for w in ws), "bytes_by_type": by_type,
-            "pass_ms": t * 1e3, "gbs": file_bytes / t / 1e9}
-
-
 def formats_main(argv=None):
-    ap = argparse.ArgumentParser(prog="kernels.py --op formats", description=_about("formats"))
+    ap = argparse.ArgumentParser(prog="kernels.py --op formats", description=about(__doc__, "formats"))
     ap.add_argument("--threads", type=int, default=cpu_kernels.default_threads())
     ap.add_argument("--formats", default=",".join(F.FORMATS))
     ap.add_argument("--act", choices=["f32", "int8", "both"], default="f32")
     ap.add_argument("--T", type=int, default=128, help="activation rows for the GEMM (default 128)")
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--shapes", default="", help="OxI,OxI,... (default: real model shapes)")
-    ap.add_argument("--probe-gib", type=float, default=1.0)
-    ap.add_argument("--models", default="", help="also time one decode token's GEMVs over these real models "
-                    "(smollm2,gemma3,qwen25; downloaded by coli.fetch)")
     ap.add_argument("--layouts", default="default", help="default, or t16,rows: both kernel layouts of each "
-                    "weight (formats.prepare's tiles=), timed alternately")
+                    "weight (F.prepare's tiles=), timed alternately")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     a = ap.parse_args(argv)
     cpu_kernels.set_threads(a.threads)
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")] if a.shapes else SHAPES
     rng = np.random.default_rng(0)
-    probe = bandwidth_probe(a.probe_gib)
     acts = ["f32", "int8"] if a.act == "both" else [a.act]
     rows = []
     for name in a.formats.split(","):
@@ -229,37 +140,25 @@ def formats_main(argv=None):
             if act == "int8" and not F.FORMATS[name].int8:
                 continue
             rows += bench_format(name, shapes, a.T, a.reps, act, rng, tuple(a.layouts.split(",")))
-    models = [formats_model(m, max(3, a.reps // 4), act) for m in a.models.split(",") if m for act in acts]
-    meta = {"threads": a.threads, "layer": cpu_kernels.threading_layer(), "reps": a.reps,
-            "loadavg": os.getloadavg(), "probe": probe}
+    meta = {"threads": a.threads, "layer": cpu_kernels.threading_layer(), "reps": a.reps, "loadavg": load()}
     if a.json:
-        print(json.dumps({"meta": meta, "rows": rows, "models": models}, indent=1))
+        print(json.dumps({"meta": meta, "rows": rows}, indent=1))
         return
-    print(f"threads {a.threads} ({meta['layer']}), min of {a.reps} runs, load average {meta['loadavg'][0]:.2f}")
-    print(f"memory probe ({probe['bytes'] / 2**30:.1f} GiB): read {probe['read_gbs']:.1f} GB/s, "
-          f"copy {probe['copy_gbs']:.1f} GB/s copied ({probe['copy_rw_gbs']:.1f} read+write)")
+    print(f"threads {a.threads} ({meta['layer']}), min of {a.reps} runs, load average {meta['loadavg'][0]}")
     print(f"{'format':6} {'act':4} {'layout':6} {'O x I':>13} {'file MB':>8} {'pack/file':>9} {'GEMV us':>9} {'GEMV GB/s':>9} "
           f"{'GEMM ms':>8} {'GEMM GB/s':>9} {'GFLOP/s':>8}")
     for r in rows:
         print(f"{r['format']:6} {r['act']:4} {r['layout']:6} {r['O']:>6}x{r['I']:<6} {r['file_bytes'] / 1e6:8.2f} "
               f"{r['packed_bytes'] / r['file_bytes']:9.3f} {r['gemv_us']:9.1f} {r['gemv_gbs']:9.2f} "
               f"{r['gemm_ms']:8.2f} {r['gemm_gbs']:9.2f} {r['gemm_gflops']:8.1f}")
-    for m in models:
-        types = ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in m["bytes_by_type"].items())
-        print(f"model {m['model']} ({m['act']}): {m['matrices']} matrices, {m['file_bytes'] / 1e6:.0f} MB in the file "
-              f"({types}; packed {m['packed_bytes'] / 1e6:.0f} MB): one token's GEMVs {m['pass_ms']:.1f} ms "
-              f"= {m['gbs']:.2f} GB/s")
 
 
 # ---------------------------------------------------------------------------------------------------- mla
 def mla_main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="kernels.py --op mla", description=_about("mla"))
+    ap = argparse.ArgumentParser(prog="kernels.py --op mla", description=about(__doc__, "mla"))
     ap.add_argument("--ctx", type=int, nargs="*", default=[512, 4096])
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--tiny", action="store_true",
-                    help="also whole-model decode of the tiny oracles (deepseek2_lite, glmdsa, kimi) beside the same "
-                         "model with plain attention of the same heads in place of MLA / KDA")
     ap.add_argument("--dsa", type=int, nargs="*", default=[],
                     help="also GLM-5's indexer + sparse MLA beside dense MLA at these contexts (e.g. 8192)")
     args = ap.parse_args(argv)
@@ -297,111 +196,8 @@ def mla_main(argv=None) -> int:
               f"cache MLA {ctx * mla_bpp / 2**20:.2f} MiB vs plain {ctx * plain_bpp / 2**20:.2f} MiB")
     if args.dsa:
         mla_dsa(args, rng)
-    if args.tiny:
-        mla_tiny(args)
     print(f"load average after: {load()}")
     return 0
-
-
-class PlainAttention:
-    """Plain multi-head attention of ``H`` heads of ``hd`` (an MLA layer's H and dn + dr = dv in the tiny oracles;
-    a KDA layer's heads and head size), random f32 weights: ``blocks.KV`` cache, ``cpu_kernels.attention.attend``."""
-
-    def __init__(self, m, H, hd, rng):
-        from cpu_kernels import formats
-
-        D = m.args.d_model
-
-        def w(o, i):
-            a = (rng.standard_normal((o, i)) / np.sqrt(i)).astype(np.float32)
-            return formats.prepare("F32", a.view(np.uint8).reshape(o, -1), (o, i))
-        self.m, self.H, self.hd = m, H, hd
-        self.wq, self.wk, self.wv, self.wo = w(H * hd, D), w(H * hd, D), w(H * hd, D), w(D, H * hd)
-
-    @classmethod
-    def of(cls, m, block, rng):
-        """The twin of an MLA block (``dn + dr == dv`` needed) or of a KDA block."""
-        if hasattr(block, "mla"):
-            block = block.mla
-        if hasattr(block, "dn"):
-            assert block.dv == block.dn + block.dr, "the twin needs dn + dr == dv"
-            return cls(m, block.H, block.dn + block.dr, rng)
-        return cls(m, block.H, block.d, rng)
-
-    def new_cache(self, ctx):
-        from coli.models.blocks import KV
-
-        return KV(self.H, ctx, self.hd)
-
-    def __call__(self, x, xa, kv, pos0):
-        m = self.m
-        cos, sin = m.rope_table(m.args.rope_base, m.args.rope_scaling, m.args.n_rot)
-        return self.run(x, kv, pos0, cos, sin, m.args.n_rot)
-
-    def run(self, x, kv, pos0, cos, sin, n_rot):
-        """Rows ``x`` f32 [T, D] at positions ``pos0..``: q/k/v, NORM rope on the first ``n_rot`` dims (tables
-        ``cos``/``sin``), the KV write, ``attend``, the output projection; f32 [T, D]."""
-        from cpu_kernels.attention import attend
-        from cpu_kernels.rope import NORM, apply_rope
-
-        m, T = self.m, x.shape[0]
-        q = m.mm(self.wq, x).reshape(T, self.H, self.hd)
-        k = m.mm(self.wk, x).reshape(T, self.H, self.hd)
-        v = m.mm(self.wv, x).reshape(T, self.H, self.hd)
-        pos = np.arange(pos0, pos0 + T, dtype=np.int64)
-        apply_rope(q, pos, cos, sin, n_rot, NORM)
-        apply_rope(k, pos, cos, sin, n_rot, NORM)
-        kv.k[:, pos0:pos0 + T] = k.transpose(1, 0, 2)
-        kv.v[:, pos0:pos0 + T] = v.transpose(1, 0, 2)
-        return m.mm(self.wo, attend(q, kv.k, kv.v, pos0, 1 / np.sqrt(self.hd)).reshape(T, -1))
-
-
-def mla_tiny(args):
-    """Decode tok/s of the tiny oracle models (f32, 1 thread) with their own attention and with
-    :class:`PlainAttention` in its place, alternated; cache bytes per position of each."""
-    import tempfile
-    from pathlib import Path
-
-    from coli.engine import Engine
-
-    fix = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "oracles"
-    rng = np.random.default_rng(1)
-    for name in ("deepseek2_lite", "glmdsa", "kimi"):
-        eng = Engine(fix / f"{name}.gguf", cpu_act="f32", threads=args.threads, quiet=True, save_usage=False,
-                     usage=str(Path(tempfile.mkdtemp()) / "u.coli_usage"))
-        m = eng.model
-        own = [L.attn for L in m.layers]
-        twin = [PlainAttention.of(m, a, rng) for a in own]
-        ids = np.load(fix / f"{name}.npz")["ids"]
-        res = {"own": [], "plain": []}
-
-        def decode(kind, n=48):
-            for L, a, b in zip(m.layers, own, twin):
-                L.attn = a if kind == "own" else b
-            c = m.new_cache(128)
-            m.forward(ids[:64], c)
-            t0 = time.perf_counter()
-            for t in ids[64:64 + n]:
-                m.forward(np.array([t]), c)
-            dt = time.perf_counter() - t0
-            c1, c129 = m.new_cache(1).nbytes(), m.new_cache(129).nbytes()
-            per = (c129 - c1) // 128
-            return n / dt, per, c1 - per          # tok/s, cache bytes per position, fixed state bytes
-        for kind in res:
-            decode(kind, 2)
-        for _ in range(5):
-            for kind in res:
-                res[kind].append(decode(kind))
-        tok = {k: float(np.median([r[0] for r in v])) for k, v in res.items()}
-        bpp = {k: v[0][1] for k, v in res.items()}
-        fixed = res["own"][0][2]
-        fx = f" + {fixed} fixed state bytes" if fixed else ""
-        print(f"{name} (tiny, {len(m.layers)} layers): decode {tok['own']:.0f} tok/s with its attention "
-              f"({bpp['own']} cache bytes per position{fx}) vs {tok['plain']:.0f} tok/s with plain attention of "
-              f"the same heads ({bpp['plain']} bytes per position)")
-        for L, a in zip(m.layers, own):
-            L.attn = a
-        eng.close()
 
 
 def mla_dsa(args, rng):
@@ -434,85 +230,6 @@ def mla_dsa(args, rng):
 
 
 # ---------------------------------------------------------------------------------------------------- dsv4
-FIX = ROOT / "tests" / "fixtures" / "oracles"
-
-
-class V4PlainAttention(PlainAttention):
-    """Plain MHA of a V4 layer's heads (``att.H`` x ``att.hd``): random f32 q/k/v/o, NORM rope on all dims."""
-
-    def __init__(self, m, att, rng):
-        super().__init__(m, att.H, att.hd, rng)
-
-    def __call__(self, x, kv, pos0):
-        from cpu_kernels.rope import rope_table
-
-        cos, sin = rope_table(kv.k.shape[1], self.hd, self.m.args.rope_base)
-        return self.run(x, kv, pos0, cos, sin, self.hd)
-
-
-class Timed:
-    """An attention object that adds its call times (decode rows only) to ``acc``."""
-
-    def __init__(self, att, acc: list):
-        self.att, self.acc = att, acc
-
-    def new_cache(self, ctx):
-        return self.att.new_cache(ctx)
-
-    def __call__(self, x, cache, pos0):
-        t0 = time.perf_counter()
-        y = self.att(x, cache, pos0)
-        if x.shape[0] == 1:
-            self.acc.append(time.perf_counter() - t0)
-        return y
-
-
-def dsv4_tiny(args) -> None:
-    from coli.engine import Engine
-
-    eng = Engine(FIX / "deepseek4.gguf", cpu_act="f32", threads=args.threads, quiet=True, save_usage=False,
-                 usage=str(Path(tempfile.mkdtemp()) / "u.coli_usage"), ctx=128)
-    m = eng.model
-    ids = np.load(FIX / "deepseek4.npz")["ids"]
-    arms = {"kernels": [L.attn for L in m.layers]}
-    if args.plain:
-        rng = np.random.default_rng(1)
-        arms["plain"] = [V4PlainAttention(m, a, rng) for a in arms["kernels"]]
-    res = {k: [] for k in arms}
-    bpp = {}
-    lay = {k: [[] for _ in m.layers] for k in arms}
-
-    def decode(kind, n=32):
-        for L, a, acc in zip(m.layers, arms[kind], lay[kind]):
-            L.attn = Timed(a, acc)
-        c = m.new_cache(128)
-        m.forward(ids[:64], c)
-        t0 = time.perf_counter()
-        for t in ids[64:64 + n]:
-            m.forward(np.array([t]), c)
-        bpp[kind] = c.nbytes() / 128
-        return n / (time.perf_counter() - t0)
-
-    for kind in arms:
-        decode(kind, 2)
-    for acc in lay.values():
-        for a in acc:
-            a.clear()
-    for _ in range(args.runs):
-        for kind in arms:
-            res[kind].append(decode(kind))
-    la = load()[0]
-    print(f"tiny deepseek4 ({len(m.layers)} layers, ratios {list(m.args.ratios)}, {args.threads} thread(s)), decode "
-          f"after 64 prompt tokens, median of {args.runs}; load average {la}")
-    for kind in arms:
-        per = " ".join(f"L{il}(m={m.args.ratios[il]}) {1e6 * np.median(a):.0f}" for il, a in enumerate(lay[kind]))
-        print(f"  {kind:>10}: {np.median(res[kind]):6.1f} tok/s, {bpp[kind]:.0f} cache bytes per position at ctx "
-              f"128; attention per layer per step (us): {per}")
-    for L, a in zip(m.layers, arms["kernels"]):
-        L.attn = a
-    eng.close()
-
-
 def numpy_attend(q, kv, win, pos0, ent, sel, sinks):
     """The per-row NumPy formula of the attention before the kernels (BLAS matmuls per query row; no rope undo):
     the speed reference of ``dsv4_flash``."""
@@ -532,8 +249,14 @@ def numpy_attend(q, kv, win, pos0, ent, sel, sinks):
     return o
 
 
-def dsv4_flash(args) -> None:
-    from cpu_kernels import dsv4, formats
+def dsv4_main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="kernels.py --op dsv4", description=about(__doc__, "dsv4"))
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--ctx", default="1024,8192,65536", help="context lengths (comma list)")
+    args = ap.parse_args(argv)
+    args.ctx = [int(c) for c in args.ctx.split(",") if c]
+    cpu_kernels.set_threads(args.threads)
+    from cpu_kernels import dsv4
 
     H, hd, R, W, Hi, Di, K, G, r = 64, 512, 64, 128, 64, 128, 512, 8, 1024
     rng = np.random.default_rng(0)
@@ -546,7 +269,7 @@ def dsv4_flash(args) -> None:
     blk["d"] = 1e-3
     blk["q"] = rng.integers(-127, 128, blk["q"].shape)
     raw = blk.view(np.uint8).reshape(G * r, -1)
-    gl = dsv4.GroupedLinear([formats.prepare("Q8_0", raw[g * r:(g + 1) * r], (r, I)) for g in range(G)])
+    gl = dsv4.GroupedLinear([F.prepare("Q8_0", raw[g * r:(g + 1) * r], (r, I)) for g in range(G)])
     print(f"  attn_output_a: {sum(w.nbytes for w in gl.weights) / 2**20:.0f} MiB prepared Q8_0 "
           f"(f32: {G * r * I * 4 / 2**20:.0f} MiB)")
     for T in (1, 64):
@@ -578,24 +301,6 @@ def dsv4_flash(args) -> None:
                   f"{1e3 * t_swa:7.2f} ms")
 
 
-def dsv4_main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="kernels.py --op dsv4", description=_about("dsv4"))
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--plain", action="store_true", help="also plain multi-head attention of the same heads")
-    ap.add_argument("--ctx", default="1024,8192,65536", help="context lengths of the V4-Flash shapes (comma list)")
-    ap.add_argument("--skip-flash", action="store_true", help="only the tiny model")
-    args = ap.parse_args(argv)
-    args.ctx = [int(c) for c in args.ctx.split(",") if c]
-    import cpu_kernels
-
-    cpu_kernels.set_threads(args.threads)
-    dsv4_tiny(args)
-    if not args.skip_flash:
-        dsv4_flash(args)
-    return 0
-
-
 # ---------------------------------------------------------------------------------------------------- deltanet
 DN_SHAPE = dict(d_model=2048, n_k_heads=16, n_v_heads=32, dk=128, dv=128, kernel=4)
 
@@ -623,7 +328,7 @@ def synthetic_layer(fmt: str, act: str, rng):
             "ssm_out.weight": (D, Hv * dv)}
     vecs = {"ssm_conv1d.weight": 0.3 * rng.standard_normal((C, K)), "ssm_a": -rng.uniform(0.5, 4, Hv),
             "ssm_dt.bias": 0.5 * rng.standard_normal(Hv), "ssm_norm.weight": 1 + 0.1 * rng.standard_normal(dv)}
-    prepared = {n: formats.prepare(fmt, _weights(fmt, shp, rng), shp) for n, shp in mats.items()}
+    prepared = {n: F.prepare(fmt, _weights(fmt, shp, rng), shp) for n, shp in mats.items()}
     f32 = {n: np.ascontiguousarray(v, dtype=np.float32) for n, v in vecs.items()}
     shapes = {**{n: shp for n, shp in mats.items()}, **{n: v.shape for n, v in f32.items()}}
     p = "blk.0."
@@ -632,10 +337,10 @@ def synthetic_layer(fmt: str, act: str, rng):
         has=lambda n: n[len(p):] in prepared or n[len(p):] in f32, fname="synthetic")
     g = types.SimpleNamespace(path=Path("synthetic"),
                               tensors={p + n: types.SimpleNamespace(shape=shp) for n, shp in shapes.items()})
-    mm = lambda w, x: formats.matmul(w, x, act=act)  # noqa: E731
+    mm = lambda w, x: F.matmul(w, x, act=act)  # noqa: E731
 
     def grouped_rows(T):
-        return T <= (formats.GEMV_I8_MAX_T if act == "int8" and grouped.HAVE_VNNI else formats.GEMV_MAX_T)
+        return T <= (F.GEMV_I8_MAX_T if act == "int8" and grouped.HAVE_VNNI else F.GEMV_MAX_T)
 
     m = types.SimpleNamespace(wt=wt, g=g, act=act, mm=mm, grouped_rows=grouped_rows,
                               args=types.SimpleNamespace(eps=1e-6, d_model=D))
@@ -683,12 +388,9 @@ def bench_layer(fmt, act, reps, rng):
         c = blk.new_cache(0)
         out["rows"] = np.concatenate([blk(xs[i:i + 1], None, c) for i in range(T)])
 
-    tb, tr = [], []
-    for _ in range(max(2, reps // 5)):  # alternate A/B
-        tb.append(_time_once(block))
-        tr.append(_time_once(rows))
+    tb, tr = alternate([block, rows], max(2, reps // 5), min)
     diff = float(np.abs(out["block"] - out["rows"]).max() / np.abs(out["rows"]).max())
-    prefill = {"rows": T, "block_ms": 1e3 * min(tb), "row_by_row_ms": 1e3 * min(tr), "max_rel_diff": diff}
+    prefill = {"rows": T, "block_ms": 1e3 * tb, "row_by_row_ms": 1e3 * tr, "max_rel_diff": diff}
     return decode, prefill
 
 
@@ -707,49 +409,8 @@ def bench_attention(reps, rng, contexts=(256, 4096, 32768)):
     return res
 
 
-def _time_once(f):
-    t = time.perf_counter()
-    f()
-    return time.perf_counter() - t
-
-
-def deltanet_model(act, reps):
-    from coli.engine import Engine
-
-    path = ROOT / "tests" / "fixtures" / "oracles" / "qwen3next.gguf"
-    ids = np.random.default_rng(1).integers(2, 320, 256)
-    res = {}
-    with Engine(path, cpu_act=act, save_usage=False, quiet=True, usage=os.devnull + ".none") as eng:
-        m = eng.model
-        out = {}
-
-        def one():
-            out["one"] = m.forward(ids, m.new_cache(256), all_logits=True)
-
-        def chunks():
-            c = m.new_cache(256)
-            out["chunks"] = np.concatenate([m.forward(ids[s:s + 64], c, all_logits=True) for s in range(0, 256, 64)])
-
-        def rows():
-            c = m.new_cache(256)
-            out["rows"] = np.concatenate([m.forward(ids[i:i + 1], c) for i in range(256)])
-
-        one(), chunks(), rows()
-        t = {"one_call": [], "64_row_steps": [], "one_row_at_a_time": []}
-        for _ in range(max(2, reps // 5)):
-            t["one_call"].append(_time_once(one))
-            t["64_row_steps"].append(_time_once(chunks))
-            t["one_row_at_a_time"].append(_time_once(rows))
-    scale = np.abs(out["rows"]).max()
-    res = {k + "_ms": 1e3 * min(v) for k, v in t.items()}
-    res["max_rel_diff_one_call_vs_rows"] = float(np.abs(out["one"] - out["rows"]).max() / scale)
-    res["max_rel_diff_steps_vs_rows"] = float(np.abs(out["chunks"] - out["rows"]).max() / scale)
-    res["argmax_equal"] = bool((out["one"].argmax(-1) == out["rows"].argmax(-1)).all())
-    return res
-
-
 def deltanet_main(argv=None):
-    ap = argparse.ArgumentParser(prog="kernels.py --op deltanet", description=_about("deltanet"))
+    ap = argparse.ArgumentParser(prog="kernels.py --op deltanet", description=about(__doc__, "deltanet"))
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--fmt", default="Q8_0")
     ap.add_argument("--act", default="f32", choices=["f32", "int8"])
@@ -762,11 +423,10 @@ def deltanet_main(argv=None):
     load0 = load()
     decode, prefill = bench_layer(a.fmt, a.act, a.reps, rng)
     attn = bench_attention(a.reps, rng)
-    model = deltanet_model(a.act, a.reps)
     load1 = load()
     res = {"shape": DN_SHAPE, "fmt": a.fmt, "act": a.act, "threads": a.threads, "loadavg_start": load0,
-           "loadavg_end": load1, "decode_per_token_per_layer": decode, "attention_layer_decode": attn, "prefill_layer_256": prefill,
-           "prefill_qwen3next_fixture_256": model}
+           "loadavg_end": load1, "decode_per_token_per_layer": decode, "attention_layer_decode": attn,
+           "prefill_layer_256": prefill}
     if a.json:
         print(json.dumps(res, indent=1))
     else:
@@ -779,24 +439,14 @@ def deltanet_main(argv=None):
               + f"; KV {attn['kv_bytes_per_position']} bytes per position")
         print(f"prefill 256 rows through that layer: one block {prefill['block_ms']:.1f} ms, row by row "
               f"{prefill['row_by_row_ms']:.1f} ms, max rel diff {prefill['max_rel_diff']:.2e}")
-        print("prefill 256 tokens, qwen3next oracle model (ms): "
-              + ", ".join(f"{k[:-3]} {v:.1f}" for k, v in model.items() if k.endswith("_ms"))
-              + f"; logits max rel diff one call vs rows {model['max_rel_diff_one_call_vs_rows']:.2e}, "
-              f"64-row steps vs rows {model['max_rel_diff_steps_vs_rows']:.2e}, argmax equal {model['argmax_equal']}")
     return 0
 
 
 # ---------------------------------------------------------------------------------------------------- gpu
-def random_weight(t: str, O: int, I: int, rng) -> np.ndarray:
-    """Random GGUF bytes [O, row_bytes] with finite scales: the tensor-type table's test weights
-    (``coli.types.table.random_blocks``: real quantized blocks where gguf can quantize the type)."""
-    return TT.random_blocks(t, O, I, rng, 1.0)
-
-
 def gpu_main(argv=None):
     from coli.vulkan import open_device  # the Vulkan binding loads only for this op
 
-    ap = argparse.ArgumentParser(prog="kernels.py --op gpu", description=_about("gpu"))
+    ap = argparse.ArgumentParser(prog="kernels.py --op gpu", description=about(__doc__, "gpu"))
     ap.add_argument("--D", type=int, default=2048)
     ap.add_argument("--F", type=int, default=1024)
     ap.add_argument("--E", type=int, default=64)
@@ -824,9 +474,9 @@ def gpu_main(argv=None):
     print("|---|---|---|---|---|---|---|---|")
     rng = np.random.default_rng(0)
     for t in a.formats.split(","):
-        g = random_weight(t, a.F, a.D, rng)
-        u = random_weight(t, a.F, a.D, rng)
-        d = random_weight(t, a.D, a.F, rng)
+        g = TT.random_blocks(t, a.F, a.D, rng, 1.0)
+        u = TT.random_blocks(t, a.F, a.D, rng, 1.0)
+        d = TT.random_blocks(t, a.D, a.F, rng, 1.0)
         hs = [dev.upload_expert((t, g, (a.F, a.D)), (t, u, (a.F, a.D)), (t, d, (a.D, a.F))) for _ in range(a.E)]
         eb = dev.expert_bytes((t, g, (a.F, a.D)), (t, u, (a.F, a.D)), (t, d, (a.D, a.F)))
         for r in rows:
@@ -855,24 +505,8 @@ def gpu_main(argv=None):
 
 
 
-def _about(op: str) -> str:
-    """The module docstring's paragraph of ``op`` (its ``--op OP --help`` description)."""
-    return next(p for p in __doc__.split("\n\n") if p.startswith(f"``{op}``")).replace("\n", " ")
-
-
 OPS = {"formats": formats_main, "mla": mla_main, "dsv4": dsv4_main, "deltanet": deltanet_main, "gpu": gpu_main}
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(add_help=False)
-    ap.add_argument("--op", choices=OPS, default="formats")
-    a, rest = ap.parse_known_args(argv)
-    argv = sys.argv[1:] if argv is None else argv
-    if not any(x == "--op" or x.startswith("--op=") for x in argv) and ("-h" in rest or "--help" in rest):
-        print(__doc__)     # the ops and their options; --op OP --help: one op's flags
-        return 0
-    return OPS[a.op](rest)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_op(__doc__, OPS, default="formats"))

@@ -1,8 +1,9 @@
-"""Memory and the KV cache: three measurements, one subcommand each (the machine is shared: print the load).
+"""Memory: two measurements, one ``--op`` each (the machine is shared: print the load).
 
-    python scripts/bench/memory.py cgroup --limit-mb 500 -- python -m coli run "Once upon a time" -n 32
-    python scripts/bench/memory.py footprint -m smollm2 -n 16 [--keep-pages]
-    python scripts/bench/memory.py kv-types -m smollm2 demo --types f32 f16 q8_0 --threads 2 --pp 512 --tg 64
+    python scripts/bench/memory.py --op cgroup --limit-mb 500 -- python -m coli run "Once upon a time" -n 32
+    python scripts/bench/memory.py --op footprint -m smollm2 -n 16 [--keep-pages]
+
+Prompt and decode speed per KV cache type is ``coli bench -m smollm2 -ctk q8_0 -ctv q8_0 -p 512 -n 64``, a run per type.
 
 ``cgroup`` (root only): the command in a fresh child of this process's memory cgroup (v1 ``memory.limit_in_bytes``,
 v2 ``memory.max`` and no swap), its ``/proc/PID/status`` ``VmHWM`` polled; one JSON line: exit status (137: killed,
@@ -16,20 +17,17 @@ C-symbol kernel loads from Numba's cache and starts its LLVM JIT); the model loa
 file pages given back by ``Model.drop_file_pages`` (``--keep-pages``: not given back) and the mapping's resident
 bytes beside it); a greedy generate of ``-n`` tokens. ``tracemalloc`` counts Python's and NumPy's allocations; the
 rest is native (LLVM, the kernels' code, the libraries). Run it twice: a first run compiles (minutes).
-
-``kv-types``: prompt (pp) and decode (tg) tok/s per ``--cache-type-k/-v``: per model one engine; per round each type
-in turn (alternating: a drift of the load falls on every type alike) on a fresh cache: ``--pp`` ids timed whole,
-then ``--tg`` decode rows. One JSON line per (model, type, round), then the medians per type.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
+
+from timing import about, run_op
 
 MiB = 1 << 20
 
@@ -54,7 +52,11 @@ def _own_group():
     raise SystemExit("no memory cgroup found")
 
 
-def cgroup(a) -> int:
+def cgroup(argv) -> int:
+    ap = argparse.ArgumentParser(prog="memory.py --op cgroup", description=about(__doc__, "cgroup"))
+    ap.add_argument("--limit-mb", type=float, required=True, help="memory limit in MB (10^6 bytes)")
+    ap.add_argument("cmd", nargs=argparse.REMAINDER)
+    a = ap.parse_args(argv)
     cmd = a.cmd[1:] if a.cmd and a.cmd[0] == "--" else a.cmd
     kind, parent = _own_group()
     if kind == "v2" and not os.path.exists(os.path.join(parent, "memory.max")):
@@ -114,7 +116,14 @@ def _file_rss(path: str) -> int:
     return rss
 
 
-def footprint(a) -> int:
+def footprint(argv) -> int:
+    ap = argparse.ArgumentParser(prog="memory.py --op footprint", description=about(__doc__, "footprint"))
+    ap.add_argument("-m", "--model", default="smollm2")
+    ap.add_argument("-n", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--keep-pages", action="store_true",
+                    help="keep the repacked tensors' file pages mapped (the run before Model.drop_file_pages)")
+    a = ap.parse_args(argv)
     import tracemalloc
 
     import psutil
@@ -160,68 +169,5 @@ def footprint(a) -> int:
     return 0
 
 
-def _kv_run(m, types, pp: int, tg: int) -> tuple[float, float]:
-    import numpy as np
-
-    m.args.kv_types = types
-    kv = m.new_cache(pp + tg + 1)
-    t0 = time.perf_counter()
-    tok = int(m.forward(np.arange(pp) % 1000 + 10, kv)[-1].argmax())
-    t1 = time.perf_counter()
-    for _ in range(tg):
-        tok = int(m.forward([tok], kv)[0].argmax())
-    return pp / (t1 - t0), tg / (time.perf_counter() - t1)
-
-
-def kv_types(a) -> int:
-    import cpu_kernels
-    from coli.engine import Engine
-
-    rows = []
-    for name in a.models:
-        with Engine(name if name != "demo" else None, threads=a.threads, save_usage=False, quiet=True,
-                    ctx=a.pp + a.tg + 1) as eng:
-            cpu_kernels.set_threads(a.threads)
-            load0 = os.getloadavg()[0]
-            for t in ["f32", *a.types]:
-                _kv_run(eng.model, (t, t), 64, 4)   # warm: kernels compiled, expert cache filled
-            res = {t: [] for t in a.types}
-            for r in range(a.rounds):
-                for t in a.types:
-                    pp, tg = _kv_run(eng.model, (t, t), a.pp, a.tg)
-                    res[t].append((pp, tg))
-                    print(json.dumps(dict(model=name, type=t, round=r, pp_tok_s=round(pp, 2), tg_tok_s=round(tg, 2),
-                                          load=round(os.getloadavg()[0], 2))), flush=True)
-            rows += [(name, t, statistics.median(x[0] for x in res[t]), statistics.median(x[1] for x in res[t]),
-                      load0, os.getloadavg()[0]) for t in a.types]
-    print(f"\n| model | KV type | pp{a.pp} tok/s | tg{a.tg} tok/s | load before / after |\n|---|---|---|---|---|")
-    for name, t, pp, tg, l0, l1 in rows:
-        print(f"| {name} | {t} | {pp:.1f} | {tg:.2f} | {l0:.2f} / {l1:.2f} |")
-    return 0
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = ap.add_subparsers(dest="what", required=True)
-    c = sub.add_parser("cgroup", help="a command's peak memory under a limit (root only)")
-    c.add_argument("--limit-mb", type=float, required=True, help="memory limit in MB (10^6 bytes)")
-    c.add_argument("cmd", nargs=argparse.REMAINDER)
-    f = sub.add_parser("footprint", help="coli's resident set step by step")
-    f.add_argument("-m", "--model", default="smollm2")
-    f.add_argument("-n", type=int, default=16)
-    f.add_argument("--threads", type=int, default=2)
-    f.add_argument("--keep-pages", action="store_true",
-                   help="keep the repacked tensors' file pages mapped (the run before Model.drop_file_pages)")
-    k = sub.add_parser("kv-types", help="pp / tg tok/s per KV cache type")
-    k.add_argument("-m", "--models", nargs="+", default=["smollm2", "demo"])
-    k.add_argument("--types", nargs="+", default=["f32", "f16", "q8_0"])
-    k.add_argument("--threads", type=int, default=2)
-    k.add_argument("--pp", type=int, default=512)
-    k.add_argument("--tg", type=int, default=64)
-    k.add_argument("--rounds", type=int, default=3)
-    a = ap.parse_args()
-    return {"cgroup": cgroup, "footprint": footprint, "kv-types": kv_types}[a.what](a)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_op(__doc__, {"cgroup": cgroup, "footprint": footprint}))

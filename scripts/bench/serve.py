@@ -40,13 +40,9 @@ def prompts(k: int, round_: int) -> list:
 
 
 def model_file(name: str) -> Path:
-    if name == "demo":
-        from coli.demo import demo_model_path
+    from coli.resolve import resolve
 
-        return demo_model_path(quiet=True)
-    from coli.fetch import model_path
-
-    return model_path(name, quiet=True)
+    return Path(resolve(name, quiet=True))
 
 
 def in_process(name: str, threads: int, n_tok: int, ks, rounds: int = 3) -> list:

@@ -27,7 +27,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import shutil
@@ -53,28 +52,9 @@ ARMS = {"cpu": dict(device=None), "tier": dict(device="vulkan", balance=False),
         "layers-noclock": dict(device="vulkan", layers=True, env_extra={"COLI_VK_HOLD_CLOCK": "0"})}
 
 
-def resolve_model(name: str) -> str:
-    from coli.resolve import resolve
-    return resolve(name)
+def one_run(model, arm, args, usage_copy):
+    from coli.engine import Engine  # after main set LP_NUM_THREADS (read when the driver loads)
 
-
-def check_engine_api():
-    try:
-        import coli
-        Engine = getattr(coli, "Engine", None)
-        if Engine is None:
-            from coli.engine import Engine
-    except Exception as e:  # noqa: BLE001 - tell the user what is missing
-        sys.exit(f"bench_tier: coli.Engine is not importable ({type(e).__name__}: {e})")
-    params = inspect.signature(Engine.__init__).parameters
-    missing = [p for p in ("device", "balance", "usage", "threads", "save_usage") if p not in params]
-    if missing:
-        sys.exit(f"bench_tier: coli.Engine lacks the options {missing} that the tier benchmark needs "
-                 f"(Engine(path, device='vulkan', balance=True|False, ...))")
-    return Engine
-
-
-def one_run(Engine, model, arm, args, usage_copy):
     kw = dict(ARMS[arm])
     extra = kw.pop("env_extra", None)
     if kw.pop("layers", False):
@@ -184,8 +164,9 @@ def main(argv=None) -> int:
     bad = [x for x in arms if x not in ARMS]
     if bad:
         sys.exit(f"bench_tier: --arms: unknown {bad} ({', '.join(ARMS)})")
-    Engine = check_engine_api()
-    model = resolve_model(a.model)
+    from coli.resolve import resolve
+
+    model = resolve(a.model)
     tmp = Path(tempfile.mkdtemp(prefix="coli-bench-tier-"))
     hist = tmp / "history.coli_usage"
     if a.usage:
@@ -201,7 +182,7 @@ def main(argv=None) -> int:
                 usage_copy = tmp / f"run-{rnd}-{arm}.coli_usage"
                 if hist.exists():
                     shutil.copy(hist, usage_copy)
-                r = one_run(Engine, model, arm, a, str(usage_copy))
+                r = one_run(model, arm, a, str(usage_copy))
                 r["round"] = rnd
                 tag = "warm-up" if rnd == 0 else f"round {rnd}"
                 extra = "" if r.get("hidden_pct") is None else \

@@ -47,6 +47,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from timing import load  # noqa: E402  (this folder: the script's own, first on sys.path)
 
 DEFAULT_MODELS = ("smollm2", "qwen25", "gemma3", "demo")
 SIGILL_CODES = (-signal.SIGILL, 128 + signal.SIGILL)   # killed by the signal / a shell's 132
@@ -57,10 +58,7 @@ def log(msg: str) -> None:
 
 
 def loadavg() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "n/a"
+    return " ".join(load())
 
 
 def cpu_name() -> str:
