@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
-"""Build a mixed-quant MoE as the "dynamic" low-bit releases make them, from the demo MoE, with llama.cpp's own
-tools, and check coli's perplexity on it against llama.cpp's.
+"""Build a requantized MoE from the demo MoE with llama.cpp's own tools, and check coli's perplexity on it against
+llama.cpp's: a mixed-quant file as the "dynamic" low-bit releases make them (``--recipe iquants``, the default), or
+the demo MoE with every ``ffn_*_exps`` tensor NVFP4 and the rest as it was (``--recipe nvfp4``: no importance
+matrix; both programs' perplexity of the Q8_0 source is printed beside it, the format's own error; d 576 and
+expert FFN 1536 are whole 64-blocks).
 
-    python scripts/make_mixed_moe.py [--bin DIR] [--src GGUF] [-o GGUF] [--text FILE] [--ctx 128] [--threads 2]
-                                     [--check-only]
+    python scripts/make_mixed_moe.py [--recipe iquants|nvfp4] [--bin DIR] [--src GGUF] [-o GGUF] [--text FILE]
+                                     [--ctx 128] [--threads 2] [--check-only]
 
 Steps (llama.cpp from the llama-cpp-python sdist, built into ``~/.cache/coli/llama.cpp/build/bin`` by default):
 
@@ -15,12 +18,9 @@ Steps (llama.cpp from the llama-cpp-python sdist, built into ``~/.cache/coli/lla
    itself substitutes when a row is not whole 256-blocks (``llama-quant.cpp``: IQ* -> IQ4_NL, Q4_K -> Q5_0,
    Q6_K -> Q8_0). ``ffn_down_exps`` runs through all seven i-quants by layer, IQ2_XXS for most of them (as
    the dynamic releases: lower bits in the middle, more at the ends), so a real file exercises every kernel.
-3. The check: ``llama-perplexity -c CTX`` on the second half of the text (its first ``--eval-chars``), and coli on the same tokens with the
-   same convention (``coli_perplexity``): the text tokenized once (BOS first when the vocabulary adds it), cut
-   into ``len // CTX`` chunks of CTX tokens, the first token of each chunk replaced by BOS, each chunk run from a
-   fresh KV cache, and only the second half scored: the logits at positions CTX/2 .. CTX-2 against the next
-   tokens (llama.cpp ``tools/perplexity/perplexity.cpp``: ``first = n_ctx/2``, ``n_ctx - 1 - first`` tokens a
-   chunk). PPL = exp(mean NLL). Exit status 1 when the two differ by more than 1%.
+3. The check: ``llama-perplexity -c CTX`` on the second half of the text (its first ``--eval-chars``), and coli on
+   the same tokens with the same convention (``Engine.perplexity``: llama.cpp ``tools/perplexity/perplexity.cpp``'s
+   chunks, the second half of each scored). Exit status 1 when the two differ by more than 1%.
 
 The llama.cpp side of the check runs with ``-fa off -ctk f32 -ctv f32`` (``--llama-attn``): attention in f32, as
 coli computes it. llama.cpp's defaults (flash attention, an f16 KV cache: q, k, v and the flash-attention
@@ -32,12 +32,11 @@ printed beside it but not judged.
 same reason ``scripts/bench/vs_llamacpp.py`` reruns with ``--repack 0``.
 
 Text: ``--text`` or, by default, the Python standard library's ``LICENSE.txt`` (stable per Python release).
-The output is refused when it exists and is not this script's (GGUF ``general.name`` != ``NAME``).
+The output is refused when it exists and is not this script's (GGUF ``general.name`` != the recipe's name).
 """
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 import subprocess
@@ -50,7 +49,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-NAME = "coli mixed-quant demo MoE (i-quant experts)"
 
 # ffn_down_exps type per layer (30 layers): IQ3_XXS/IQ3_S at the ends, IQ2_XXS in the middle, and one layer each
 # of the other i-quants so every kernel runs on real llama.cpp-quantized blocks.
@@ -65,8 +63,12 @@ RECIPE = [
     (r"attn_v", "q8_0"),                      # Q6_K wanted; 576-wide rows: llama.cpp's Q8_0
     (r"attn_(q|k|output)", "q5_0"),           # Q4_K wanted; 576-wide rows: llama.cpp's Q5_0
 ]
-EMBD_TYPE = "q8_0"
-BASE_FTYPE = "IQ2_XXS"
+# name: the output's general.name; base: llama-quantize's type for the rest; more: its other flags
+RECIPES = {"iquants": dict(name="coli mixed-quant demo MoE (i-quant experts)", out="smollm2-moe-mixed-iq.gguf",
+                           imatrix=True, types=RECIPE, base="IQ2_XXS", more=["--token-embedding-type", "q8_0"]),
+           "nvfp4": dict(name="coli demo MoE, NVFP4 experts (llama-quantize)", out="smollm2-moe-nvfp4.gguf",
+                         imatrix=False, types=[(f"ffn_{p}_exps", "nvfp4") for p in ("gate", "up", "down")],
+                         base="Q8_0", more=[], source=True)}
 
 
 def die(msg: str) -> None:
@@ -98,37 +100,18 @@ def general_name(path: Path) -> str | None:
     return None if f is None else bytes(f.parts[f.data[0]]).decode(errors="replace")
 
 
-def coli_perplexity(model: Path, text: str, ctx: int, threads: int, act: str | None = None) -> tuple[float, int, int]:
-    """(PPL, chunks, tokens scored) with llama-perplexity's convention (module docstring)."""
-    import numpy as np
-
+def coli_perplexity(model: Path, text: str, ctx: int, threads: int, act: str | None = None):
+    """coli's ``PerplexityResult`` of text with llama-perplexity's convention (module docstring)."""
     import coli
 
     kw = {} if act is None else {"cpu_act": act}
-    eng = coli.Engine(str(model), threads=threads, ctx=ctx, quiet=True, save_usage=False, **kw)
-    try:
-        ids = eng.tokenize(text)
-        bos = eng.tokenizer.bos_id if eng.tokenizer.add_bos else None
-        n_chunk = len(ids) // ctx
-        first = ctx // 2
-        total, n = 0.0, 0
-        for c in range(n_chunk):
-            chunk = list(ids[c * ctx:(c + 1) * ctx])
-            if bos is not None:
-                chunk[0] = bos
-            lg = eng.logits(chunk)[first:ctx - 1].astype(np.float64)
-            m = lg.max(axis=1, keepdims=True)
-            lse = m[:, 0] + np.log(np.exp(lg - m).sum(axis=1))
-            tgt = np.asarray(chunk[first + 1:ctx])
-            total += float((lse - lg[np.arange(len(tgt)), tgt]).sum())
-            n += len(tgt)
-    finally:
-        eng.close()
-    return math.exp(total / n), n_chunk, n
+    with coli.Engine(str(model), threads=threads, ctx=ctx, quiet=True, save_usage=False, **kw) as eng:
+        return eng.perplexity(eng.tokenize(text))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--recipe", choices=RECIPES, default="iquants")
     ap.add_argument("--bin", type=Path, default=Path.home() / ".cache/coli/llama.cpp/build/bin",
                     help="folder with llama-imatrix, llama-quantize, llama-perplexity")
     ap.add_argument("--src", type=Path, help="source GGUF (default: the demo MoE, Q8_0 experts)")
@@ -147,7 +130,7 @@ def main(argv=None) -> int:
 
     tools = {t: a.bin / t for t in ("llama-imatrix", "llama-quantize", "llama-perplexity")}
     for t, p in tools.items():
-        if not os.access(p, os.X_OK):
+        if (t != "llama-imatrix" or RECIPES[a.recipe]["imatrix"]) and not os.access(p, os.X_OK):
             die(f"{p}: not found or not executable (--bin: the llama.cpp build folder)")
     text_path = a.text or default_text()
     try:
@@ -160,32 +143,32 @@ def main(argv=None) -> int:
     end = evalt.rfind("\n", 0, a.eval_chars) + 1 if len(evalt) > a.eval_chars else len(evalt)
     evalt = evalt[:end or a.eval_chars]
 
+    rc = RECIPES[a.recipe]
     if a.src is None:
         from coli.demo import demo_model_path
 
         a.src = Path(demo_model_path())
-    out = a.out or a.src.with_name("smollm2-moe-mixed-iq.gguf")
+    out = a.out or a.src.with_name(rc["out"])
     work = Path(tempfile.mkdtemp(prefix="mixed_moe_"))
     (work / "calib.txt").write_text(calib, encoding="utf-8")
     (work / "eval.txt").write_text(evalt, encoding="utf-8")
     thr = ["-t", str(a.threads)]
 
     if not a.check_only:
-        if out.exists() and general_name(out) != NAME:
-            die(f"{out}: exists and was not written by this script (general.name != {NAME!r}); pick another -o")
+        if out.exists() and general_name(out) != rc["name"]:
+            die(f"{out}: exists and was not written by this script (general.name != {rc['name']!r}); pick another -o")
         imat = work / "imatrix.gguf"
         t0 = time.time()
-        run([str(tools["llama-imatrix"]), "-m", str(a.src), "-f", str(work / "calib.txt"), "-o", str(imat),
-             "-c", str(a.ctx), "-b", str(a.ctx), *thr, "--no-ppl", "-nr"], work / "imatrix.log")
-        if not imat.exists():  # older builds write .dat regardless of the name's extension
-            die(f"llama-imatrix wrote no {imat}; see {work / 'imatrix.log'}")
-        tt = []
-        for pat, typ in RECIPE:
-            tt += ["--tensor-type", f"{pat}={typ}"]
+        if rc["imatrix"]:
+            run([str(tools["llama-imatrix"]), "-m", str(a.src), "-f", str(work / "calib.txt"), "-o", str(imat),
+                 "-c", str(a.ctx), "-b", str(a.ctx), *thr, "--no-ppl", "-nr"], work / "imatrix.log")
+            if not imat.exists():  # older builds write .dat regardless of the name's extension
+                die(f"llama-imatrix wrote no {imat}; see {work / 'imatrix.log'}")
+        tt = [x for pat, typ in rc["types"] for x in ("--tensor-type", f"{pat}={typ}")]
         tmp = out.with_name(out.name + ".part")
-        run([str(tools["llama-quantize"]), "--allow-requantize", "--imatrix", str(imat),
-             "--token-embedding-type", EMBD_TYPE, *tt, "--override-kv", f"general.name=str:{NAME}",
-             str(a.src), str(tmp), BASE_FTYPE, str(a.threads)], work / "quantize.log")
+        run([str(tools["llama-quantize"]), "--allow-requantize", *(["--imatrix", str(imat)] if rc["imatrix"] else []),
+             *rc["more"], *tt, "--override-kv", f"general.name=str:{rc['name']}", str(a.src), str(tmp), rc["base"],
+             str(a.threads)], work / "quantize.log")
         os.replace(tmp, out)
         print(f"built {out} ({out.stat().st_size / 2**20:.1f} MiB) in {time.time() - t0:.0f} s", file=sys.stderr)
 
@@ -197,24 +180,29 @@ def main(argv=None) -> int:
         counts[t.type_name] = counts.get(t.type_name, 0) + 1
     print("tensor types: " + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())))
 
-    def llama_ppl(extra: list[str], tag: str) -> tuple[float, float]:
-        log = run([str(tools["llama-perplexity"]), "-m", str(out), "-f", str(work / "eval.txt"), "-c", str(a.ctx),
+    def llama_ppl(model: Path, extra: list[str], tag: str) -> tuple[float, float]:
+        log = run([str(tools["llama-perplexity"]), "-m", str(model), "-f", str(work / "eval.txt"), "-c", str(a.ctx),
                    "-b", str(a.ctx), *thr, "-nr", *extra], work / f"perplexity{tag}.log")
         m = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", log)
         if not m:
             die(f"no 'Final estimate' in {work / f'perplexity{tag}.log'}")
         return float(m.group(1)), float(m.group(2))
 
-    ppl_def, err_def = llama_ppl([], "-default")
-    ppl_ll, err_ll = llama_ppl(a.llama_attn.split(), "")
+    ppl_def, err_def = llama_ppl(out, [], "-default")
+    ppl_ll, err_ll = llama_ppl(out, a.llama_attn.split(), "")
     t0 = time.time()
-    ppl_c, n_chunk, n_tok = coli_perplexity(out, evalt, a.ctx, a.threads, a.cpu_act)
-    rel = ppl_c / ppl_ll - 1
-    print(f"text: {text_path} second half ({len(evalt)} chars), ctx {a.ctx}: {n_chunk} chunks, {n_tok} tokens scored")
+    co = coli_perplexity(out, evalt, a.ctx, a.threads, a.cpu_act)
+    rel = co.ppl / ppl_ll - 1
+    print(f"text: {text_path} second half ({len(evalt)} chars), ctx {a.ctx}: {co.chunks} chunks, {co.n} tokens scored")
     print(f"llama-perplexity (defaults) PPL {ppl_def:.4f} +/- {err_def:.4f}: coli/it - 1 = "
-          f"{(ppl_c / ppl_def - 1) * 100:+.3f}% (not judged: f16 attention)")
-    print(f"llama-perplexity ({a.llama_attn}) PPL {ppl_ll:.4f} +/- {err_ll:.4f}; coli PPL {ppl_c:.4f} "
+          f"{(co.ppl / ppl_def - 1) * 100:+.3f}% (not judged: f16 attention)")
+    print(f"llama-perplexity ({a.llama_attn}) PPL {ppl_ll:.4f} +/- {err_ll:.4f}; coli PPL {co.ppl:.4f} "
           f"({time.time() - t0:.0f} s); coli/llama.cpp - 1 = {rel * 100:+.3f}%")
+    if rc.get("source"):   # the source's perplexity in both programs: the format's own error beside it
+        src_ll, src_co = llama_ppl(a.src, a.llama_attn.split(), "-source")[0], coli_perplexity(
+            a.src, evalt, a.ctx, a.threads, a.cpu_act).ppl
+        print(f"{a.src.name}: llama-perplexity PPL {src_ll:.4f}, coli PPL {src_co:.4f}; {a.recipe} vs the source: "
+              f"llama.cpp {(ppl_ll / src_ll - 1) * 100:+.2f}%, coli {(co.ppl / src_co - 1) * 100:+.2f}%")
     return 0 if abs(rel) <= 0.01 else 1
 
 

@@ -2,7 +2,6 @@
 scripts/build_llama_bench.sh into ``~/.cache/coli/llama.cpp/build/bin``; no torch), so never made by default::
 
     python scripts/oracles/make.py nvfp4 [--bin DIR]
-    python scripts/oracles/families/nvfp4.py demo [--bin DIR] [--threads 2] [--ctx 128] [--eval-chars 4000] [-o GGUF]
 
 ``make.py nvfp4`` writes two files to tests/fixtures/oracles/ (tests/kernels/test_nvfp4.py reads them):
 
@@ -16,21 +15,14 @@ scripts/build_llama_bench.sh into ``~/.cache/coli/llama.cpp/build/bin``; no torc
   2 heads, 4 experts top-2, expert FFN 128, vocabulary 256, seed 8) through ``llama-quantize ... Q8_0`` with
   every ``ffn_*_exps`` tensor NVFP4: a file whose NVFP4 experts were written by llama.cpp.
 
-``demo`` requantizes the demo MoE (``coli.demo.demo_model_path()``, Q8_0 experts; d 576 and expert FFN 1536 are
-whole 64-blocks) with every ``ffn_*_exps`` tensor NVFP4 and every other tensor as it was (Q8_0 source
-requantized to Q8_0), then scores coli against ``llama-perplexity`` on the same file with the convention and
-text of scripts/make_mixed_moe.py (f32 attention on the llama.cpp side; exit 1 beyond 1%), and prints both
-programs' perplexity of the Q8_0 source beside it (the format's own error). The output is refused when it
-exists and is not this script's (GGUF ``general.name``).
+The demo MoE with NVFP4 experts, scored against ``llama-perplexity``: ``scripts/make_mixed_moe.py --recipe nvfp4``.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -38,12 +30,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
-from scripts import make_mixed_moe as M  # noqa: E402  (run, die, coli_perplexity, general_name, default_text)
+from scripts import make_mixed_moe as M  # noqa: E402  (run, die)
 
 NAMES = ["nvfp4"]
 MOE_ARGS = ["--layers", "2", "--d", "128", "--heads", "2", "--experts", "4", "--top-k", "2", "--expert-ff", "128",
             "--vocab", "256", "--type", "F32", "--seed", "8"]
-DEMO_NAME = "coli demo MoE, NVFP4 experts (llama-quantize)"
 EXPERTS = ["--tensor-type", "ffn_gate_exps=nvfp4", "--tensor-type", "ffn_up_exps=nvfp4",
            "--tensor-type", "ffn_down_exps=nvfp4"]
 
@@ -111,75 +102,3 @@ def make(name: str, ctx) -> dict:
     if types != ["NVFP4"]:
         M.die(f"{out}: expert types {types}, expected NVFP4 only")
     return {"nvfp4_quant.npz": (ctx.out / "nvfp4_quant.npz").stat().st_size, "nvfp4_moe.gguf": out.stat().st_size}
-
-
-def demo(a) -> int:
-    tools = {t: a.bin / t for t in ("llama-quantize", "llama-perplexity")}
-    for p in tools.values():
-        if not os.access(p, os.X_OK):
-            M.die(f"{p}: not found or not executable (--bin: the llama.cpp build folder)")
-    from coli.demo import demo_model_path
-
-    src = Path(demo_model_path())
-    out = a.out or src.with_name("smollm2-moe-nvfp4.gguf")
-    work = Path(tempfile.mkdtemp(prefix="nvfp4_demo_"))
-    thr = ["-t", str(a.threads)]
-    if out.exists() and M.general_name(out) != DEMO_NAME:
-        M.die(f"{out}: exists and was not written by this script (general.name != {DEMO_NAME!r}); pick another -o")
-    if not out.exists():
-        t0 = time.time()
-        tmp = out.with_name(out.name + ".part")
-        M.run([str(tools["llama-quantize"]), "--allow-requantize", *EXPERTS, "--override-kv",
-               f"general.name=str:{DEMO_NAME}", str(src), str(tmp), "Q8_0", str(a.threads)], work / "quantize.log")
-        os.replace(tmp, out)
-        print(f"built {out} ({out.stat().st_size / 2**20:.1f} MiB) in {time.time() - t0:.0f} s", file=sys.stderr)
-
-    text = M.default_text().read_text(encoding="utf-8")
-    half = len(text) // 2
-    cut = text.rfind("\n", 0, half) + 1 or half
-    evalt = text[cut:]
-    end = evalt.rfind("\n", 0, a.eval_chars) + 1 if len(evalt) > a.eval_chars else len(evalt)
-    evalt = evalt[:end or a.eval_chars]
-    (work / "eval.txt").write_text(evalt, encoding="utf-8")
-
-    def llama_ppl(model: Path, tag: str) -> float:
-        import re
-
-        log = M.run([str(tools["llama-perplexity"]), "-m", str(model), "-f", str(work / "eval.txt"), "-c",
-                     str(a.ctx), "-b", str(a.ctx), *thr, "-nr", "-fa", "off", "-ctk", "f32", "-ctv", "f32"],
-                    work / f"perplexity-{tag}.log")
-        m = re.search(r"Final estimate: PPL = ([0-9.]+)", log)
-        if not m:
-            M.die(f"no 'Final estimate' in {work / f'perplexity-{tag}.log'}")
-        return float(m.group(1))
-
-    res = {}
-    for tag, model in (("nvfp4", out), ("q8_0", src)):
-        ll = llama_ppl(model, tag)
-        t0 = time.time()
-        co, n_chunk, n_tok = M.coli_perplexity(model, evalt, a.ctx, a.threads, a.cpu_act)
-        res[tag] = (ll, co)
-        print(f"{tag}: llama-perplexity (f32 attention) PPL {ll:.4f}; coli PPL {co:.4f} ({time.time() - t0:.0f} s, "
-              f"{n_chunk} chunks, {n_tok} tokens); coli/llama.cpp - 1 = {(co / ll - 1) * 100:+.3f}%")
-    (ll_n, co_n), (ll_q, co_q) = res["nvfp4"], res["q8_0"]
-    print(f"NVFP4 experts vs the Q8_0 source: llama.cpp {(ll_n / ll_q - 1) * 100:+.2f}%, coli {(co_n / co_q - 1) * 100:+.2f}%")
-    return 0 if abs(co_n / ll_n - 1) <= 0.01 else 1
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="NVFP4 experts of the demo MoE by llama-quantize: coli's perplexity "
-                                 "against llama-perplexity's (the fixtures: scripts/oracles/make.py nvfp4)")
-    ap.add_argument("what", choices=("demo",))
-    ap.add_argument("--bin", type=Path, default=Path.home() / ".cache/coli/llama.cpp/build/bin",
-                    help="folder with llama-quantize (and llama-perplexity for demo)")
-    ap.add_argument("-o", "--out", type=Path, help="demo: the NVFP4 GGUF (default: beside the demo MoE)")
-    ap.add_argument("--ctx", type=int, default=128)
-    ap.add_argument("--eval-chars", type=int, default=4000)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--cpu-act", choices=("f32", "int8"), default=None, help="coli's activations (default: the CPU's)")
-    a = ap.parse_args(argv)
-    return demo(a)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
