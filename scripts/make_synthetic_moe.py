@@ -37,6 +37,24 @@ layers' softmax router, ``--shared-experts`` shared experts of ``--expert-ff`` e
 width), no leading dense layer. DeepSeek-V2-Lite's attention by default (``--kv-lora-rank 512 --nope 128
 --rope-dims 64 --v-dim 128``, 16 heads, d 2048); its experts with ``--experts 64 --top-k 6 --expert-ff 1408``.
 
+``--arch gptoss``: gpt-oss-20b's layer (GGUF ``gpt-oss``, coli/models/gptoss.py): d 2880, 64 q / 8 KV heads of 64
+(``--head-dim``), a 128-position window on even layers (odd layers see everything), one sink logit per head, q/k/v/o
+biases, YaRN rope (factor 32 over 4096 positions, beta 32 / 1, base 150000), 32 experts top-4 of ff 2880 with the
+router bias and expert biases, the experts MXFP4 (``--expert-type``; random E8M0 scales and e2m1 nibbles), vocab
+201088. Source: transformers' ``GptOssConfig`` defaults (its docstring's checkpoint is openai/gpt-oss-20b; they are
+shared with gpt-oss-120b but for its 36 layers and 128 experts) and gpt-oss-20b's config.json (24 layers, 32
+experts); the GGUF names and keys as llama.cpp's converter writes them (tests/fixtures/oracles/gptoss.gguf).
+
+``--arch qwen3next``: Qwen3-Next-80B-A3B's layers (GGUF ``qwen3next``, coli/models/qwen3next.py): d 2048, every 4th
+layer (3, 7, ..) gated full attention (16 q / 2 KV heads of 256, q/k norms, rope over 64 of them, base 1e7), the
+others Gated DeltaNet (16 key / 32 value heads of 128: ``--heads``, twice that, ``--head-dim`` / 2; conv 4; ``ssm_a`` in [-1, -0.1] so the decays stay mild:
+far-tail gates fill the state with subnormals, docs/families.md); 512 experts top-10 of ff 512 plus one shared
+expert of 512 with its sigmoid gate; vocab 151936. Source: transformers' ``Qwen3NextConfig`` defaults (its
+docstring's checkpoint is Qwen/Qwen3-Next-80B-A3B-Instruct), that model's config.json for the rope base; the GGUF
+names and keys as llama.cpp's converter writes them (tests/fixtures/oracles/qwen3next.gguf).
+Both take their model's numbers as defaults (any flag overrides) but ``--layers`` (docs/benchmarks.md "Synthetic
+files": the commands for files of about 5 GB).
+
 ``--check`` (after writing): generates 48 tokens with coli (CPU) from a fresh routing history and prints, per
 layer, the share of routings its hottest quarter took (from the history's counts), and the whole file's.
 
@@ -52,9 +70,20 @@ from pathlib import Path
 import numpy as np
 
 
+ARCHS = {  # --arch: (GGUF architecture, default flags of the model it copies; module docstring)
+    "llama": ("llama", {}), "deepseek2": ("deepseek2", {}),
+    "gptoss": ("gpt-oss", dict(d=2880, heads=64, kv_heads=8, head_dim=64, experts=32, top_k=4, expert_ff=2880,
+                               vocab=201088, expert_type="MXFP4")),
+    "qwen3next": ("qwen3next", dict(d=2048, heads=16, kv_heads=2, head_dim=256, experts=512, top_k=10,
+                                    expert_ff=512, vocab=151936, shared_experts=1))}
+
+
 def q_blocks(rng, rows: int, cols: int, qtype: str, scale: float) -> np.ndarray:
-    """Random quantized bytes uint8 [rows, row_bytes] of ggml's Q8_0 / Q4_0 blocks (ggml-common.h)."""
+    """Random quantized bytes uint8 [rows, row_bytes] of ggml's Q8_0 / Q4_0 / MXFP4 blocks (ggml-common.h)."""
     nb = cols // 32
+    if qtype == "MXFP4":         # E8M0 byte e: values kvalues_mxfp4 (rms 5.85) x 2^(e - 128)
+        e = np.full((rows, nb, 1), 128 + round(np.log2(scale / 5.85)), np.uint8)
+        return np.concatenate([e, rng.integers(0, 256, size=(rows, nb, 16), dtype=np.uint8)], axis=2).reshape(rows, -1)
     if qtype == "Q8_0":
         d = np.full((rows, nb, 1), scale / 64.0, np.float16).view(np.uint8)  # codes ~U[-127,127], std ~73
         q = rng.integers(-127, 128, size=(rows, nb, 32), dtype=np.int8).view(np.uint8)
@@ -63,7 +92,7 @@ def q_blocks(rng, rows: int, cols: int, qtype: str, scale: float) -> np.ndarray:
         d = np.full((rows, nb, 1), scale / 4.6, np.float16).view(np.uint8)  # (q-8) std ~4.6
         q = rng.integers(0, 256, size=(rows, nb, 16), dtype=np.uint8)
         return np.concatenate([d, q], axis=2).reshape(rows, nb * 18)
-    raise SystemExit(f"--type {qtype}: Q8_0, Q4_0, F16 or F32")
+    raise SystemExit(f"--type {qtype}: Q8_0, Q4_0, MXFP4, F16 or F32")
 
 
 def mat(rng, rows: int, cols: int, qtype: str, scale: float) -> dict:
@@ -121,6 +150,31 @@ def mla_layer(w, rng, p: str, a, t: str) -> None:
     w.add_tensor(p + "attn_output.weight", **mat(rng, d, H * dv, t, 1.0 / np.sqrt(H * dv)))
 
 
+def small(rng, *shape, scale=0.1) -> np.ndarray:
+    """f32 N(0, scale²) values of ``shape`` (biases, sinks)."""
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def linear_heads(a) -> tuple[int, int, int]:
+    """qwen3next's DeltaNet key heads, value heads and their (key = value) width: ``--heads``, twice as many, half
+    of ``--head-dim`` (Qwen3NextConfig: 16, 32, 128 beside the 16 attention heads of 256)."""
+    return a.heads, 2 * a.heads, (a.head_dim or a.d // a.heads) // 2
+
+
+def deltanet_layer(w, rng, p: str, a, t: str) -> None:
+    """A Qwen3-Next Gated DeltaNet mixer's tensors (coli/models/deltanet.py's names and shapes)."""
+    d, (Hk, Hv, dk) = a.d, linear_heads(a)
+    C = 2 * Hk * dk + Hv * dk
+    w.add_tensor(p + "attn_qkv.weight", **mat(rng, C, d, t, 1.0 / np.sqrt(d)))
+    w.add_tensor(p + "attn_gate.weight", **mat(rng, Hv * dk, d, t, 1.0 / np.sqrt(d)))
+    w.add_tensor(p + "ssm_ba.weight", **mat(rng, 2 * Hv, d, t, 1.0 / np.sqrt(d)))
+    w.add_tensor(p + "ssm_conv1d.weight", small(rng, C, 4, scale=0.5))
+    w.add_tensor(p + "ssm_a", -rng.uniform(0.1, 1.0, Hv).astype(np.float32))
+    w.add_tensor(p + "ssm_dt.bias", np.zeros(Hv, np.float32))
+    w.add_tensor(p + "ssm_norm.weight", np.ones(dk, np.float32))
+    w.add_tensor(p + "ssm_out.weight", **mat(rng, d, Hv * dk, t, 1.0 / np.sqrt(Hv * dk)))
+
+
 def main(argv=None):
     import gguf
 
@@ -140,15 +194,18 @@ def main(argv=None):
                     help="each layer's hot set takes about this share of the routings (e.g. 0.8)")
     ap.add_argument("--hot", type=float, default=0.25, help="the hot set's fraction of a layer's experts (--skew)")
     ap.add_argument("--check", action="store_true", help="after writing, print the realized routing popularity")
-    ap.add_argument("--arch", default="llama", choices=("llama", "deepseek2"),
-                    help="deepseek2: MLA attention and shared experts (see the module's docstring)")
+    ap.add_argument("--arch", default="llama", choices=tuple(ARCHS),
+                    help="deepseek2: MLA attention; gptoss, qwen3next: those models' layers (the module's docstring)")
+    ap.add_argument("--head-dim", type=int, default=0, help="a head's q/k/v width (0: d / heads)")
+    ap.add_argument("--expert-type", default=None, help="the experts' type (default: --type; gptoss: MXFP4)")
     ap.add_argument("--kv-lora-rank", type=int, default=512, help="deepseek2: the KV latent's width")
     ap.add_argument("--nope", type=int, default=128, help="deepseek2: a head's key dims without rope")
     ap.add_argument("--rope-dims", type=int, default=64, help="deepseek2: a head's rope dims (the shared key's)")
     ap.add_argument("--v-dim", type=int, default=128, help="deepseek2: a head's value dims")
-    ap.add_argument("--shared-experts", type=int, default=2, help="deepseek2: shared experts (0: none)")
+    ap.add_argument("--shared-experts", type=int, default=2, help="deepseek2, qwen3next: shared experts (0: none)")
+    ap.set_defaults(**ARCHS[ap.parse_known_args(argv)[0].arch][1])
     a = ap.parse_args(argv)
-    if a.arch == "deepseek2" and a.skew is not None:
+    if a.arch != "llama" and a.skew is not None:
         raise SystemExit("--skew: llama files only")
     if a.skew is not None and not (0 < a.skew < 1 and 0 < a.hot < 1):
         raise SystemExit(f"--skew {a.skew} / --hot {a.hot}: both must be in (0, 1)")
@@ -158,8 +215,9 @@ def main(argv=None):
     rng = np.random.default_rng(a.seed)
     out = Path(a.out)
     tmp = out.with_name(out.name + ".tmp")
-    w = gguf.GGUFWriter(str(tmp), a.arch)
+    w = gguf.GGUFWriter(str(tmp), ARCHS[a.arch][0])
     d, F, E, L = a.d, a.expert_ff, a.experts, a.layers
+    hd, te = a.head_dim or d // a.heads, a.expert_type or a.type
     w.add_name("coli synthetic MoE (random weights)")
     w.add_block_count(L)
     w.add_context_length(4096)
@@ -167,7 +225,25 @@ def main(argv=None):
     w.add_feed_forward_length(F)
     w.add_head_count(a.heads)
     w.add_head_count_kv(1 if a.arch == "deepseek2" else kvh)
-    w.add_rope_dimension_count(a.rope_dims if a.arch == "deepseek2" else d // a.heads)
+    w.add_rope_dimension_count(a.rope_dims if a.arch == "deepseek2" else hd // 4 if a.arch == "qwen3next" else hd)
+    if a.arch in ("gptoss", "qwen3next"):
+        w.add_key_length(hd)
+        w.add_value_length(hd)
+        w.add_expert_feed_forward_length(F)
+    if a.arch == "gptoss":       # GptOssConfig: window 128, YaRN as shipped
+        w.add_sliding_window(128)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(32.0)
+        w.add_rope_scaling_orig_ctx_len(4096)
+        w.add_rope_scaling_yarn_beta_fast(32.0)
+        w.add_rope_scaling_yarn_beta_slow(1.0)
+    if a.arch == "qwen3next":    # Qwen3NextConfig's linear attention (ssm.* as llama.cpp's converter names them)
+        w.add_expert_shared_feed_forward_length(a.shared_experts * F)
+        Hk, Hv, dk = linear_heads(a)
+        for k, v in (("conv_kernel", 4), ("state_size", dk), ("group_count", Hk), ("time_step_rank", Hv),
+                     ("inner_size", Hv * dk)):
+            getattr(w, "add_ssm_" + k)(v)
+        w.add_full_attention_interval(4)
     if a.arch == "deepseek2":    # llama.cpp's deepseek2 keys (the _mla lengths: the absorbed form's)
         ar = "deepseek2"
         w.add_uint32(f"{ar}.attention.kv_lora_rank", a.kv_lora_rank)
@@ -180,8 +256,8 @@ def main(argv=None):
         w.add_uint32(f"{ar}.expert_shared_count", a.shared_experts)
         w.add_float32(f"{ar}.expert_weights_scale", 1.0)
         w.add_uint32(f"{ar}.expert_gating_func", 1)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base({"gptoss": 150000.0, "qwen3next": 1e7}.get(a.arch, 10000.0))
+    w.add_layer_norm_rms_eps(1e-6 if a.arch == "qwen3next" else 1e-5)
     w.add_expert_count(E)
     w.add_expert_used_count(a.top_k)
     w.add_vocab_size(a.vocab)
@@ -221,22 +297,42 @@ def main(argv=None):
     for il in range(L):
         p = f"blk.{il}."
         w.add_tensor(p + "attn_norm.weight", np.ones(d, np.float32))
-        w.add_tensor(p + "ffn_norm.weight", np.ones(d, np.float32))
+        w.add_tensor(p + ("ffn_norm" if a.arch in ("llama", "deepseek2") else "post_attention_norm") + ".weight",
+                     np.ones(d, np.float32))
         if a.arch == "deepseek2":
             mla_layer(w, rng, p, a, t)
-        for n in (() if a.arch == "deepseek2" else ("attn_q", "attn_k", "attn_v", "attn_output")):
-            m = mat(rng, d * kvh // a.heads if n in ("attn_k", "attn_v") else d, d, t, s)
-            w.add_tensor(p + n + ".weight", **(zero_row0(m) if a.skew is not None and n == "attn_output" else m))
+        elif a.arch == "qwen3next" and (il + 1) % 4:
+            deltanet_layer(w, rng, p, a, t)
+        else:                    # q [H hd (qwen3next: query and gate rows of each head), d], k/v [Hkv hd, d]
+            rows = {"attn_q": a.heads * hd * (2 if a.arch == "qwen3next" else 1), "attn_k": kvh * hd,
+                    "attn_v": kvh * hd, "attn_output": d}
+            for n, r in rows.items():
+                cols = a.heads * hd if n == "attn_output" else d
+                m = mat(rng, r, cols, t, 1.0 / np.sqrt(cols))
+                w.add_tensor(p + n + ".weight", **(zero_row0(m) if a.skew is not None and n == "attn_output" else m))
+                if a.arch == "gptoss":
+                    w.add_tensor(p + n + ".bias", small(rng, r))
+            if a.arch == "gptoss":
+                w.add_tensor(p + "attn_sinks.weight", small(rng, a.heads, scale=1.0))
+            if a.arch == "qwen3next":
+                w.add_tensor(p + "attn_q_norm.weight", np.ones(hd, np.float32))
+                w.add_tensor(p + "attn_k_norm.weight", np.ones(hd, np.float32))
         router = (rng.standard_normal((E, d)) * 3 * s).astype(np.float32)
         if a.skew is not None:   # a random hot set per layer; x_0 after the norm is about c0 (the rows' rms ~ 1)
             router[:, 0] = 0.0
             router[rng.permutation(E)[:n_hot], 0] = bias / c0
         w.add_tensor(p + "ffn_gate_inp.weight", router)
-        w.add_tensor(p + "ffn_gate_exps.weight", **stack([mat(rng, F, d, t, s) for _ in range(E)]))
-        w.add_tensor(p + "ffn_up_exps.weight", **stack([mat(rng, F, d, t, s) for _ in range(E)]))
-        down = stack([mat(rng, d, F, t, 1.0 / np.sqrt(F)) for _ in range(E)])
+        w.add_tensor(p + "ffn_gate_exps.weight", **stack([mat(rng, F, d, te, s) for _ in range(E)]))
+        w.add_tensor(p + "ffn_up_exps.weight", **stack([mat(rng, F, d, te, s) for _ in range(E)]))
+        down = stack([mat(rng, d, F, te, 1.0 / np.sqrt(F)) for _ in range(E)])
         w.add_tensor(p + "ffn_down_exps.weight", **(zero_row0(down) if a.skew is not None else down))
-        if a.arch == "deepseek2" and a.shared_experts:   # the shared experts as one FFN of their total width
+        if a.arch == "gptoss":   # the router's and the experts' biases
+            w.add_tensor(p + "ffn_gate_inp.bias", small(rng, E))
+            for n, r in (("gate", F), ("up", F), ("down", d)):
+                w.add_tensor(p + f"ffn_{n}_exps.bias", small(rng, E, r))
+        if a.arch == "qwen3next" and a.shared_experts:   # the shared expert's sigmoid gate [1, d]
+            w.add_tensor(p + "ffn_gate_inp_shexp.weight", small(rng, 1, d, scale=s))
+        if a.arch in ("deepseek2", "qwen3next") and a.shared_experts:   # the shared experts as one FFN
             sF = a.shared_experts * F
             w.add_tensor(p + "ffn_gate_shexp.weight", **mat(rng, sF, d, t, s))
             w.add_tensor(p + "ffn_up_shexp.weight", **mat(rng, sF, d, t, s))

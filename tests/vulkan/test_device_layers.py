@@ -918,3 +918,37 @@ def test_mla_synthetic_q8_0_past_one_key_tile(tmp_path):
     finally:
         e.close()
         cpu.close()
+
+
+@pytest.mark.parametrize("arch, experts", [("gptoss", "MXFP4"), ("qwen3next", "Q8_0")])
+def test_synthetic_families_every_layer(tmp_path, arch, experts):
+    """scripts/make_synthetic_moe.py --arch gptoss / qwen3next, tiny (4 layers, d 256, 4 heads of 64, 8 experts
+    top-2): every layer and the head on the device (gpt-oss's windowed layers with sinks, biases and MXFP4 experts;
+    Qwen3-Next's three DeltaNet layers then its gated attention, the gated shared expert): a 140-row prompt (past
+    gpt-oss's 128-position window) and 4 decode rows give the CPU-only f32 run's logits within 5e-5 of the largest
+    (the DeltaNet bound of test_device_deltanet.py), and the device ran every row."""
+    path = build_tiny_moe(tmp_path, ["--arch", arch, "--layers", "4", "--d", "256", "--heads", "4", "--kv-heads", "2",
+                                     "--head-dim", "64", "--experts", "8", "--top-k", "2", "--expert-ff", "128",
+                                     "--vocab", "300"], f"{arch}.gguf")
+    ids = np.random.default_rng(1).integers(0, 300, 144)
+    cpu = device_engine(path, ctx=160)
+    e = device_engine(path, COLI_VK_LAYERS=-1, ctx=160)
+
+    def run(m):
+        c = m.new_cache(160, 160)
+        return np.concatenate([m.forward(ids[:140], c, all_logits=True)] + [m.forward([int(t)], c) for t in ids[140:]])
+
+    try:
+        dl = e.model.device_layers
+        assert dl.first == 0 and dl.head is not None
+        assert e.model.t["blk.0.ffn_up_exps.weight"].type_name == experts
+        if arch == "gptoss":
+            assert [d["il"] for d in dl.per if d.get("window")] == [0, 2] and all("sinks" in d for d in dl.per)
+        else:
+            assert [d["il"] for d in dl.per if "dn" in d] == [0, 1, 2]
+        ref, got = run(cpu.model), run(e.model)
+        assert (dl.prompt_tokens, dl.tokens) == (140, 4)
+        assert rel_err(got, ref) < 5e-5, rel_err(got, ref)
+    finally:
+        e.close()
+        cpu.close()
