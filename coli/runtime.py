@@ -316,14 +316,14 @@ def setup_layers(eng, dev, budget: int, balance=None) -> bool:
         want = -1       # --cpu-moe / --n-cpu-moe alone: every layer that fits, as llama.cpp's -ngl 99 with them
     if not want:
         return False
-    if eng.args.kv_types != ("f32", "f32"):   # the device keeps its own f32 copy, synced from the CPU's arrays
-        kt = eng.args.kv_types
+    kt = eng.args.kv_types
+    if any(t not in layer_plan.KV_CODES for t in kt):   # the device's K/V rows are the CPU cache's bytes: no q8_0 kernel
         dev.close()
         eng.device = None
         if eng.cache is not None:
             eng.cache.close()  # its readers started; the engine is not returned
-        raise ColiError(f"--gpu-layers: the device layers keep an f32 KV cache; this run's is {kt[0]}/{kt[1]} "
-                        f"(--cache-type-k/-v): leave --cache-type-k/-v at f32, or run without --gpu-layers")
+        raise ColiError(f"--gpu-layers: the device layers keep an f32, f16 or bf16 KV cache; this run's is "
+                        f"{kt[0]}/{kt[1]} (--cache-type-k/-v): take one of those, or run without --gpu-layers")
     # experts placed apart from their layers: some stay on the CPU (--cpu-moe, --n-cpu-moe), or --gpu-layers N with
     # --tier-gb G where N whole layers do not fit G (the experts resident in what the layers leave)
     moe = bool(eng.model.moe_layers)

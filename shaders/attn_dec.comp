@@ -1,7 +1,8 @@
 #version 460
 // Attention of one query row over the cached positions 0..pos, one workgroup per q head:
 //   out[h] = sum_j softmax_j(scale * q[h] . K[kvh, j]) V[kvh, j],  kvh = h / (nq / nkv)
-// a0 q f32 [nq, hd], a1 K cache f32 [nkv, ctx, hd], a2 V cache f32 [nkv, ctx, hdv], a3 params uint [..]
+// a0 q f32 [nq, hd], a1 K cache [nkv, ctx, hd], a2 V cache [nkv, ctx, hdv] of the types KT / VT (kv_types.glsl:
+// f32, f16 or bf16, converted to f32 as read), a3 params uint [..]
 // (pos = params[0]; keys 0..pos inclusive), a4 out f32 [nq, hdv], a5 scratch f32 [nq, ctx] (the scores)
 // u0 nq, u1 nkv, u2 hd (<= 256), u3 ctx, u4 scale (float bits), u5 CHK: keys a workgroup (0: all). groups: (nq, 1, 1)
 // with CHK 0; else (nq, ceil(ctx / CHK), 1): workgroup (h, s) takes keys s * CHK .. (s + 1) * CHK - 1 of 0..pos
@@ -20,10 +21,11 @@
 // invocations run over the chunk's keys, the invocations of a group over the head dimensions (vec4 when
 // hd % 4 == 0), and the groups' partial sums are added in group order. Any context length up to ctx; the
 // result does not depend on the subgroup size except through the reductions' order.
-// With hd % 4 == 0 K, with hdv % 4 == 0 V, is read as vec4: their addresses must be 16-byte aligned. scale:
-// 1/sqrt(hd) usually.
+// With hd % 4 == 0 K, with hdv % 4 == 0 V, is read as vec4: their addresses must be 16-byte aligned (8 for a
+// 16-bit side). scale: 1/sqrt(hd) usually.
 #extension GL_GOOGLE_include_directive : require
 #include "layer_common.glsl"
+#include "kv_types.glsl"
 
 layout(local_size_x_id = 0) in;
 #include "layer_reduce.glsl"
@@ -60,21 +62,19 @@ void main() {
     // pass 1: scores and their max
     float m = -1.0 / 0.0;
     if (v4) {
-        F32x4 K4 = F32x4(pc.a[1]);
         for (uint j = j1 + t; j < n; j += WG) {
             uint kb = (kvb + j) * H4;
             vec4 a = vec4(0.0);
-            for (uint i = 0u; i < H4; i++) a += Q4[i] * K4.v[kb + i];
+            for (uint i = 0u; i < H4; i++) a += Q4[i] * kv_load4(pc.a[1], kb + i, KT);
             float s = scale * ((a.x + a.y) + (a.z + a.w));
             S.v[sb + j] = s;
             m = max(m, s);
         }
     } else {
-        F32 K = F32(pc.a[1]);
         for (uint j = j1 + t; j < n; j += WG) {
             uint kb = (kvb + j) * hd;
             float a = 0.0;
-            for (uint i = 0u; i < hd; i++) a += Q4[i >> 2][i & 3u] * K.v[kb + i];
+            for (uint i = 0u; i < hd; i++) a += Q4[i >> 2][i & 3u] * kv_load(pc.a[1], kb + i, KT);
             float s = scale * a;
             S.v[sb + j] = s;
             m = max(m, s);
@@ -108,8 +108,6 @@ void main() {
     vec4 acc[MAXNC];
     [[unroll]] for (uint q = 0u; q < MAXNC; q++) acc[q] = vec4(0.0);
     uint CH = 4u * WG;
-    F32x4 V4 = F32x4(pc.a[2]);
-    F32 V = F32(pc.a[2]);
     for (uint j0 = j1; j0 < n; j0 += CH) {
         uint cl = min(CH, n - j0);
         barrier();
@@ -118,20 +116,20 @@ void main() {
         if (kg < NG) {
             if (w4 && NC == 1u) {      // the usual case: one vec4 column
                 for (uint jj = kg; jj < cl; jj += NG)
-                    acc[0] += SH[jj] * V4.v[(kvb + j0 + jj) * HV4 + c0];
+                    acc[0] += SH[jj] * kv_load4(pc.a[2], (kvb + j0 + jj) * HV4 + c0, VT);
             } else if (w4) {
                 for (uint jj = kg; jj < cl; jj += NG) {
                     float w = SH[jj];
                     uint vb = (kvb + j0 + jj) * HV4 + c0;
                     [[unroll]] for (uint q = 0u; q < MAXNC; q++)
-                        if (q < NC && c0 + q * CW < C) acc[q] += w * V4.v[vb + q * CW];
+                        if (q < NC && c0 + q * CW < C) acc[q] += w * kv_load4(pc.a[2], vb + q * CW, VT);
                 }
             } else {
                 for (uint jj = kg; jj < cl; jj += NG) {
                     float w = SH[jj];
                     uint vb = (kvb + j0 + jj) * hdv + c0;
                     [[unroll]] for (uint q = 0u; q < MAXNC; q++)
-                        if (q < NC && c0 + q * CW < C) acc[q].x += w * V.v[vb + q * CW];
+                        if (q < NC && c0 + q * CW < C) acc[q].x += w * kv_load(pc.a[2], vb + q * CW, VT);
                 }
             }
         }

@@ -3,7 +3,8 @@
 // positions (CPU: coli/models/blocks.py attend), flash-attention style: one workgroup per (G q heads of a KV head,
 // block of rows), keys in tiles of BK with an online softmax per row:
 //   out[r, h] = sum_{j <= pos0 + r} softmax_j(scale * q[r, h] . K[kvh, j]) V[kvh, j],  kvh = h / (nq / nkv)
-// a0 q f32 [R, nq, hd], a1 K cache f32 [nkv, ctx, hd], a2 V cache f32 [nkv, ctx, hdv], a3 params uint [..]
+// a0 q f32 [R, nq, hd], a1 K cache [nkv, ctx, hd], a2 V cache [nkv, ctx, hdv] of the types KT / VT (kv_types.glsl:
+// f32, f16 or bf16, converted to f32 as a tile is loaded), a3 params uint [..]
 // (pos0 = params[0]), a4 out f32 [R, nq, hdv]
 // u0 nq, u1 nkv, u2 hd (<= MAXD), u3 ctx, u4 scale (float bits), u5 R, u6 window W (0: none; else row p sees keys
 // p - W + 1 .. p), u7 1: a5 sinks f32 [nq], one logit a head in the softmax's max and denominator only (gpt-oss;
@@ -21,6 +22,7 @@
 // row of the block and would change nothing). A fixed workgroup of 128.
 #extension GL_GOOGLE_include_directive : require
 #include "layer_common.glsl"
+#include "kv_types.glsl"
 
 layout(local_size_x = 128) in;
 layout(constant_id = 2) const uint MODE = 0;    // unused
@@ -48,8 +50,6 @@ void main() {
     uint W = pc.u[6];
     uint jlo = (W > 0u && pos0 + rb + 1u > W) ? pos0 + rb + 1u - W : 0u;   // the block's first row's first key
     F32 Q = F32(pc.a[0]);
-    F32 K = F32(pc.a[1]);
-    F32 V = F32(pc.a[2]);
     uint st = hd + 1u;
     for (uint i = t; i < BQ * hd; i += 128u) {
         uint r = i / hd, d = i - r * hd;
@@ -65,7 +65,7 @@ void main() {
         barrier();
         for (uint i = t; i < nk * hd; i += 128u) {
             uint j = i / hd, d = i - j * hd;
-            KV[j * st + d] = K.v[(kvb + j0 + j) * hd + d];
+            KV[j * st + d] = kv_load(pc.a[1], (kvb + j0 + j) * hd + d, KT);
         }
         barrier();
         [[unroll]] for (uint q = 0u; q < BQ / 8u; q++) {   // scores: invocation t -> rows t / BK + 8 q, key t % BK
@@ -96,7 +96,7 @@ void main() {
         }
         for (uint i = t; i < nk * hdv; i += 128u) {   // the V tile over the K tile (the scores are all made)
             uint j = i / hdv, d = i - j * hdv;
-            KV[j * st + d] = V.v[(kvb + j0 + j) * hdv + d];
+            KV[j * st + d] = kv_load(pc.a[2], (kvb + j0 + j) * hdv + d, VT);
         }
         barrier();
         float al = A[vr];

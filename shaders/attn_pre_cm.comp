@@ -2,8 +2,8 @@
 // attn_pre_cm: attn_pre.comp's causal attention of R query rows over the cached positions on the device's
 // cooperative matrices (VK_KHR_cooperative_matrix, 16 x 16 x 16, float16 inputs, float32 accumulators): the prompt
 // route "coopmat" (coli/vulkan/layers.py Kernels.attn_kernel, docs/vulkan.md "Prompt routes"), flash-attention 2
-// style. Same addresses, push constants, window, sinks and output as attn_pre.comp (its header says which is
-// which); groups: (nq / G, ceil(R / PB), 1), PB = 64 / G (rounded down). Head dimensions that are a multiple of 16
+// style. Same addresses, push constants, window, sinks, K/V types (kv_types.glsl) and output as attn_pre.comp
+// (its header says which is which); groups: (nq / G, ceil(R / PB), 1), PB = 64 / G (rounded down). Head dimensions that are a multiple of 16
 // up to 128 (others take attn_pre.comp).
 // A workgroup of 128 invocations owns 64 query rows: PB positions x G q heads of one KV head (GQA, specialization
 // constant 5: a divisor of nq / nkv; row i: position i / G, head h0 + i % G; the last 64 - PB G rows unused), so a
@@ -25,6 +25,7 @@
 #extension GL_KHR_shader_subgroup_basic : require
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
 #include "layer_common.glsl"
+#include "kv_types.glsl"
 
 layout(local_size_x = 128) in;
 layout(constant_id = 2) const uint MODE = 0;   // unused
@@ -60,8 +61,6 @@ void main() {
     uint jlo = (W > 0u && pos0 + rb + 1u > W) ? pos0 + rb + 1u - W : 0u;   // the block's first row's first key
     uint h4 = hd / 4u, nd = hd / 16u;
     F32x4 Q4 = F32x4(pc.a[0]);
-    F32x4 K4 = F32x4(pc.a[1]);
-    F32x4 V4 = F32x4(pc.a[2]);
     uint sg = gl_SubgroupID;
 
     // the block's q rows (zeros past R), float16, as A matrices: row block b, dimensions 16 dd .. 16 dd + 15
@@ -90,8 +89,8 @@ void main() {
             uint j = i / h4, q = i - j * h4;
             bool on = j < nk;
             uint g = (kvb + j0 + j) * h4 + q;
-            KV[j * LDK + q] = f16vec4(on ? K4.v[g] : vec4(0.0));
-            KV[(BK + j) * LDK + q] = f16vec4(on ? V4.v[g] : vec4(0.0));
+            KV[j * LDK + q] = f16vec4(on ? kv_load4(pc.a[1], g, KT) : vec4(0.0));
+            KV[(BK + j) * LDK + q] = f16vec4(on ? kv_load4(pc.a[2], g, VT) : vec4(0.0));
         }
         barrier();
         // S[r, j] = q_r . K_j: A = q block (16 rows x 16 dims), B = K^T (16 dims x 16 keys: K rows are columns)

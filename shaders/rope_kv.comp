@@ -1,7 +1,8 @@
 #version 460
 // Rope on q and k of R rows at positions params[0] + r, k and v into the KV cache (CPU: cpu_kernels/rope.py):
 // a0 qkv f32 [R, nq*hd + nkv*hd + nkv*hdv] (q heads, then k heads, then v heads), a1 q out f32 [R, nq, hd] (rotated
-// q), a2 K cache f32 [nkv, ctx, hd], a3 V cache f32 [nkv, ctx, hdv], a4 cos f32 [ctx, n_rot/2],
+// q), a2 K cache [nkv, ctx, hd] and a3 V cache [nkv, ctx, hdv] of the types KT / VT (kv_types.glsl: f32, f16, bf16;
+// a 16-bit side's row written a pair of values an invocation), a4 cos f32 [ctx, n_rot/2],
 // a5 sin f32 [ctx, n_rot/2], a6 params uint [..] (pos = params[0] + r), a7 kv_out f32 [nkv*hd + nkv*hdv] (the new
 // rows: rotated k heads, then v heads; one row only) or 0 (none written)
 // u0 nq, u1 nkv, u2 hd, u3 n_rot (even, <= hd), u4 ctx, u5 kind (0 NORM, 2 NEOX), u6 the value scale (float bits; 0:
@@ -10,11 +11,26 @@
 // K[g - nq, pos, :] and kv_out[0], and copies v head g - nq into V[g - nq, pos, :] and kv_out[1].
 // Pair i < n_rot/2 (c = cos[pos, i], s = sin[pos, i]): NORM (x[2i], x[2i+1]), NEOX (x[i], x[i + n_rot/2]),
 // (a, b) -> (a c - b s, a s + b c); dimensions >= n_rot are copied. `precise`: no fused multiply-add, the CPU's
-// rounding.
+// rounding. kv_out keeps the f32 rows (the CPU converts them as its cache's type: the same bits as here).
 #extension GL_GOOGLE_include_directive : require
 #include "layer_common.glsl"
+#include "kv_types.glsl"
 
 layout(local_size_x_id = 0) in;
+
+// dimension d of the head at src rotated (the pair loop's y0 or y1, in the same operations) or copied (d >= n_rot)
+float rotated(F32 QKV, F32 CS, F32 SN, uint src, uint pos, uint d, uint n_rot, bool neox) {
+    if (d >= n_rot) return QKV.v[src + d];
+    uint half_ = n_rot / 2u;
+    uint j = neox ? d % half_ : d / 2u;
+    bool second = neox ? d >= half_ : (d & 1u) != 0u;
+    uint i0 = neox ? j : 2u * j, i1 = neox ? j + half_ : 2u * j + 1u;
+    float c = CS.v[pos * half_ + j], s = SN.v[pos * half_ + j];
+    float a = QKV.v[src + i0], b = QKV.v[src + i1];
+    precise float y0 = a * c - b * s;
+    precise float y1 = a * s + b * c;
+    return second ? y1 : y0;
+}
 
 void main() {
     uint nq = pc.u[0], nkv = pc.u[1], hd = pc.u[2], n_rot = pc.u[3], ctx = pc.u[4];
@@ -30,6 +46,7 @@ void main() {
     F32 CS = F32(pc.a[4]);
     F32 SN = F32(pc.a[5]);
     bool is_q = g < nq;
+    bool dst32 = is_q || KT == 0u;        // element writes into DST: q, or an f32 K cache
     uint kh = g - nq;
     F32 DST = F32(is_q ? pc.a[1] : pc.a[2]);
     uint src = rq + (is_q ? g * hd : (nq + kh) * hd);
@@ -44,8 +61,10 @@ void main() {
             float a = QKV.v[src + i0], b = QKV.v[src + i1];
             precise float y0 = a * c - b * s;
             precise float y1 = a * s + b * c;
-            DST.v[dst + i0] = y0;
-            DST.v[dst + i1] = y1;
+            if (dst32) {
+                DST.v[dst + i0] = y0;
+                DST.v[dst + i1] = y1;
+            }
             if (!is_q && kvo) {
                 KVO.v[ko + i0] = y0;
                 KVO.v[ko + i1] = y1;
@@ -53,17 +72,25 @@ void main() {
         } else {
             uint d = n_rot + (j - half_);
             float x = QKV.v[src + d];
-            DST.v[dst + d] = x;
+            if (dst32) DST.v[dst + d] = x;
             if (!is_q && kvo) KVO.v[ko + d] = x;
         }
+    }
+    if (!dst32) {   // a 16-bit K row: values 2w and 2w + 1 an invocation (each computed as above, the same bits)
+        for (uint w = t; w < hd / 2u; w += WG)
+            kv_store2(pc.a[2], dst / 2u + w, rotated(QKV, CS, SN, src, pos, 2u * w, n_rot, neox),
+                      rotated(QKV, CS, SN, src, pos, 2u * w + 1u, n_rot, neox), KT);
     }
     if (!is_q) {
         F32 V = F32(pc.a[3]);
         uint vs = rq + (nq + nkv) * hd + kh * hdv, vd = (kh * ctx + pos) * hdv;
         for (uint d = t; d < hdv; d += WG) {
             float x = QKV.v[vs + d] * vsc;
-            V.v[vd + d] = x;
+            if (VT == 0u) V.v[vd + d] = x;
             if (kvo) KVO.v[nkv * hd + kh * hdv + d] = x;
         }
+        if (VT != 0u)    // a 16-bit V row: a pair an invocation
+            for (uint w = t; w < hdv / 2u; w += WG) kv_store2(pc.a[3], vd / 2u + w, QKV.v[vs + 2u * w] * vsc,
+                                                             QKV.v[vs + 2u * w + 1u] * vsc, VT);
     }
 }

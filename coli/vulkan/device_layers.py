@@ -49,8 +49,9 @@ from coli.vulkan.layer_decode import DecodeRow
 from coli.vulkan.layer_families import MLAMixer, DeltaNetMixer
 from coli.vulkan.layer_join import RowJoin
 from coli.vulkan.layer_kv import KVRows
-from coli.vulkan.layer_plan import (attn_block, ceil32, device_formats, dn_dims, dsa_shape, ffn_width, head_dims,
-                                    is_deltanet, is_gated, is_kda, is_mla, linear_block, route_rule)
+from coli.vulkan.layer_plan import (KV_CODES, attn_block, ceil32, device_formats, dn_dims, dsa_shape, ffn_width,
+                                    head_dims, is_deltanet, is_gated, is_kda, is_mla, kv_mode, linear_block,
+                                    route_rule)
 from coli.vulkan.layer_prompt import PromptChunks
 from coli.vulkan.layer_prompt_join import PromptJoin
 from coli.vulkan.layer_weights import LayerWeights
@@ -176,6 +177,13 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
             dims = [head_dims(attn_block(m.layers[il])) for il in range(first, len(m.layers))
                     if not is_deltanet(m.layers[il])]
             self.nq, self.nkv, self.hd = at.n_heads, max(x[0] for x in dims), at.head_dim
+        # the K/V cache's types, the CPU cache's (--cache-type-k/-v: f32, f16 or bf16; shaders/kv_types.glsl); the
+        # MLA latent is f32 (the family's caches take no other type)
+        self.kv_types = ("f32", "f32") if self.mla or at is None else tuple(getattr(a, "kv_types", ("f32", "f32")))
+        if any(t not in KV_CODES for t in self.kv_types):
+            raise ColiError(f"device layers: a {self.kv_types[0]}/{self.kv_types[1]} KV cache (the device keeps "
+                            f"{', '.join(KV_CODES)} K/V rows)")
+        self.kv_mode = kv_mode(self.kv_types)
         self.D = a.d_model
         # the layers' FFN: routed experts (every MoE layer alike: plan), dense, or both (DeepSeek's leading dense
         # layers before its MoE layers): the router's sizes and rule from the first MoE layer
@@ -274,7 +282,8 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
                   f"mid-layer in {cut} layer{'s' if cut != 1 else ''} ({how}; prompt chunks: a submit a layer, the CPU's "
                   f"pairs grouped by expert)")
         return (f"{which} of {len(self.m.layers)}{' and the head' if self.head else ''} on the device "
-                f"({self.weight_bytes / 2**30:.2f} GiB of weights, KV cache {self.ctx} positions); {ex}")
+                f"({self.weight_bytes / 2**30:.2f} GiB of weights, KV cache {self.ctx} positions"
+                f"{'' if self.kv_types == ('f32', 'f32') else ' ' + '/'.join(self.kv_types)}); {ex}")
 
     def close(self) -> None:
         """Wait for the device, free the command buffer, the weights and the kernels' buffers and pipelines

@@ -110,7 +110,8 @@ class DecodeRow:
             ops += [] if "mla" in d or "dn" in d else [
                 Dispatch("rope_kv", (nq + d["nkv"],), [qkv, self.q.addr, d["K"].addr, d["V"].addr,
                                                        d["cos"].addr, d["sin"].addr, self.params.addr, kvo],
-                         [nq, d["nkv"], hd, d["n_rot"], ctx, d["rope_kind"], f32_bits(d["vscale"]), d["hdv"]]),
+                         [nq, d["nkv"], hd, d["n_rot"], ctx, d["rope_kind"], f32_bits(d["vscale"]), d["hdv"]],
+                         mode=self.kv_mode),
                 *self._attn_dec(d),
                 # Qwen3-Next: the attention output times sigmoid(gate), the gate rows after v in qkv
                 *([Dispatch("deltanet", (-(-nq * hd // self.K.wg), 1), [self.ao.addr, qkv],
@@ -190,7 +191,8 @@ class DecodeRow:
         sinks = d["sinks"].addr if "sinks" in d else self.q.addr
         ops = [Dispatch("attn_dec", (nq, -(-ctx // chk) if chk else 1),
                         [self.q.addr, d["K"].addr, d["V"].addr, self.params.addr, self.ao.addr, self.scores.addr, parts,
-                         sinks], [nq, nkv, hd, ctx, f32_bits(d["scale"]), chk, d["window"], int("sinks" in d), hdv])]
+                         sinks], [nq, nkv, hd, ctx, f32_bits(d["scale"]), chk, d["window"], int("sinks" in d), hdv],
+                        mode=self.kv_mode)]
         if chk:     # its hd: V's width (the parts' rows)
             ops.append(Dispatch("attn_comb", (nq,), [parts, self.params.addr, self.ao.addr, sinks],
                                 [nq, 0, hdv, ctx, 0, chk, d["window"], int("sinks" in d)]))
@@ -230,8 +232,8 @@ class DecodeRow:
                 self._lat_rows(kv, pos0, new[j, None, :self.hd])
                 continue
             nk, hd, hdv = d["nkv"], self.hd, d["hdv"]
-            kv.k[:, pos0] = new[j, :nk * hd].reshape(nk, hd)
-            kv.v[:, pos0] = new[j, nk * hd:nk * (hd + hdv)].reshape(nk, hdv)
+            # converted as the CPU's cache type does (the bits the device's rope_kv wrote)
+            kv.write(pos0, new[j, :nk * hd].reshape(1, nk, hd), new[j, nk * hd:nk * (hd + hdv)].reshape(1, nk, hdv))
         self._valid = pos0 + 1
         self.tokens += 1
         step = self.m.step

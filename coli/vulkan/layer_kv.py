@@ -10,12 +10,22 @@ import weakref
 import numpy as np
 
 from coli.base.errors import ColiError
+from coli.vulkan.layer_plan import KV_BYTES
+
+
+def _side(kv, name: str) -> np.ndarray:
+    """The array of side ``name`` ("K" or "V") of a layer's cache ``kv`` (``coli.models.blocks.KV``) whose rows the
+    device's buffer holds byte for byte: f32 [n, ctx, w], or the f16 / bf16 bits uint16 [n, ctx, w]
+    (cpu_kernels/kvcache.py)."""
+    side = kv.K if name == "K" else kv.V
+    return side.f32 if side.kind == "f32" else side.t[2]
 
 
 class KVRows:
     """The K/V rows of :class:`DeviceLayers`' layers (``_cache``: a weakref of the Cache whose rows the device holds;
     ``_valid``: its positions 0 .. _valid - 1 are on the device; ``_lo`` .. ``_hi``: rows only the device holds,
-    ``_hist``: their input rows f32 [n, D])."""
+    ``_hist``: their input rows f32 [n, D]). The rows are of the cache's types (``kv_types``: f32, f16 or bf16) on
+    both sides and move as bytes; the MLA latent is f32."""
 
     def note_forward(self, cache, pos0: int) -> None:
         """A forward over ``cache`` starts at ``pos0``: the device's rows from there are stale."""
@@ -47,7 +57,7 @@ class KVRows:
         if p1 <= p0:
             return
         ctx = self.ctx
-        per_pos = max(1, sum(nh * w for _, _, nh, w in self._kv_parts())) * 4
+        per_pos = max(1, sum(nh * w * self._vb(name) for _, name, nh, w in self._kv_parts()))
         step = max(1, (16 << 20) // per_pos)
         need = min(p1 - p0, step) * per_pos
         if self._rstage is None or self._rstage.size < need:
@@ -59,7 +69,7 @@ class KVRows:
             b = min(p1, a + step)
             off, ops, spots = 0, [], []
             for d, name, nh, w in self._kv_parts():
-                row = 4 * w
+                row = self._vb(name) * w
                 n = (b - a) * row
                 ops.append(Copy(d[name], st, [((h * ctx + a) * row, off + h * n, n) for h in range(nh)], wait=False))
                 spots.append((d["il"], name, off, nh, w))
@@ -70,13 +80,14 @@ class KVRows:
             finally:
                 self.K.free(rec)
             for il, name, o, nh, w in spots:
-                rows = st.view[o:o + 4 * nh * (b - a) * w].view(np.float32).reshape(nh, b - a, w)
                 kv = cache.layers[il]
                 if self.mla:     # LAT rows: the latent, the rope key (and GLM-5's indexer key)
+                    rows = st.view[o:o + 4 * nh * (b - a) * w].view(np.float32).reshape(nh, b - a, w)
                     self._lat_rows(kv, a, rows[0])
                     continue
-                dst = kv.k if name == "K" else kv.v
-                dst[:, a:b] = rows
+                dst = _side(kv, name)          # the device's bytes are the CPU cache's (its type's) bytes
+                nb = self._vb(name) * nh * (b - a) * w
+                dst[:, a:b] = st.view[o:o + nb].view(dst.dtype).reshape(nh, b - a, w)
 
     def host_kv(self, cache) -> None:
         """Make the CPU's copy of these layers' K/V rows of ``cache`` whole (a caller about to read them)."""
@@ -114,6 +125,11 @@ class KVRows:
         if self.dsa and getattr(kv, "ik", None) is not None:
             kv.ik[a:a + n] = rows[:, r + dr:]
 
+    def _vb(self, name: str) -> int:
+        """Bytes a value of side ``name`` ("K" or "V") takes on the device and in the CPU's cache (``kv_types``: 4
+        f32, 2 f16 / bf16; the MLA latent f32)."""
+        return 4 if self.mla else KV_BYTES[self.kv_types[0 if name == "K" else 1]]
+
     def _kv_parts(self) -> list:
         """The device's cache buffers of these layers: (layer dict, "K" or "V", heads, floats a head's row); MLA: one
         "K" head of LAT rows (the latent, the rope key and GLM-5's indexer key); none for a DeltaNet layer. K and V
@@ -136,6 +152,10 @@ class KVRows:
         if self._cache is None or cache is not self._cache():
             if cache.ctx > self.ctx:
                 raise ColiError(f"device layers: a cache of {cache.ctx} positions, the device holds {self.ctx}")
+            kv0 = next((cache.layers[d["il"]] for d in self.per if "dn" not in d), None)
+            if not self.mla and kv0 is not None and tuple(kv0.types) != self.kv_types:
+                raise ColiError(f"device layers: a {kv0.types[0]}/{kv0.types[1]} KV cache, the device keeps "
+                                f"{self.kv_types[0]}/{self.kv_types[1]} rows (--cache-type-k/-v)")
             old = self._cache() if self._cache is not None else None
             if old is not None:
                 self._fetch(old)        # its rows that only the device holds, before another cache overwrites them
@@ -146,7 +166,7 @@ class KVRows:
         if p1 <= p0:
             return
         ctx = self.ctx
-        per_pos = max(1, sum(nh * w for _, _, nh, w in self._kv_parts())) * 4     # bytes a position takes, K and V
+        per_pos = max(1, sum(nh * w * self._vb(name) for _, name, nh, w in self._kv_parts()))   # bytes a position
         step = max(1, (16 << 20) // per_pos)
         if self._stage is None or self._stage.size < min(p1 - p0, step) * per_pos:
             if self._stage is not None:
@@ -158,11 +178,10 @@ class KVRows:
             off, by_dst = 0, {}
             for d, name, nh, w in self._kv_parts():     # a DeltaNet layer's states: _dn_load
                 kv = cache.layers[d["il"]]
-                row = 4 * w                              # bytes of one head's row
+                row = self._vb(name) * w                 # bytes of one head's row
                 n = (b - a) * row                        # bytes of one head's rows a .. b
-                # MLA: one "head" of LAT rows, the latent then the rope key
-                src = self._lat_of(kv, a, b)[None] if self.mla else \
-                    (kv.k if name == "K" else kv.v)[:, a:b]
+                # MLA: one "head" of LAT rows, the latent then the rope key; K/V: the cache's type's bytes
+                src = self._lat_of(kv, a, b)[None] if self.mla else _side(kv, name)[:, a:b]
                 rows = np.ascontiguousarray(src)         # [heads, b - a, w]
                 st.view[off:off + rows.nbytes] = rows.reshape(-1).view(np.uint8)
                 by_dst.setdefault(name + str(d["il"]), (d[name], []))[1].extend(

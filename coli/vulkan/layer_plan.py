@@ -27,6 +27,26 @@ def device_formats():
     return S.FORMATS
 
 
+#: the K/V cache types the device layers keep (shaders/kv_types.glsl, ``--cache-type-k/-v``), as the codes of
+#: cpu_kernels/kvcache.py (f32 0, f16 1, bf16 2; q8_0 has no device kernel), and their bytes a value
+KV_CODES = {"f32": 0, "f16": 1, "bf16": 2}
+KV_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+
+
+def kv_mode(types: tuple) -> int:
+    """The Dispatch ``mode`` bits of a K/V cache of ``types`` (K's, V's: names of :data:`KV_CODES`) for the kernels
+    that read or write it (``coli.vulkan.layers.KV_KERNELS``): K's code << 24 | V's << 28 (or'd with the prompt
+    attention's MAXD | G << 16)."""
+    return (KV_CODES[types[0]] << 24) | (KV_CODES[types[1]] << 28)
+
+
+def kv_value_bytes(m) -> tuple[int, int]:
+    """Bytes a K value and a V value take on the device, of the model's cache types (``m.args.kv_types``; f32 when
+    the model has none)."""
+    kt = tuple(getattr(m.args, "kv_types", ("f32", "f32")))
+    return KV_BYTES[kt[0]], KV_BYTES[kt[1]]
+
+
 SHEXP_TENSORS = ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
 #: the FFN's down projections: an F32/F16/BF16 one may have any width, the FFN's hidden width padded to a multiple of
 #: 32 on the device (gate and up with zero rows, down with zero columns: :func:`ffn_width`); so may MLA's q_b (and
@@ -315,6 +335,10 @@ def why_not(m, il: int) -> str | None:
         (_why_not_dsa(m, il) if is_dsa(L) else None) or _why_not_ffn(m, il, L)
     if w is not None:
         return w
+    kt = tuple(getattr(m.args, "kv_types", ("f32", "f32")))
+    if kt != ("f32", "f32") and not is_deltanet(L) and not is_mla(attn_block(L)) and \
+            any(x % 4 for x in head_dims(attn_block(L))[1:3]):
+        return f"a {kt[0]}/{kt[1]} KV cache with heads {head_dims(attn_block(L))[1:3]} wide (16-bit rows: multiples of 4)"
     for n in _layer_tensors(m, il):
         ti = m.t[n]
         if ti.type_name not in device_formats():
@@ -354,8 +378,8 @@ def why_not_all(m) -> str:
 
 def layer_bytes(m, il: int, ctx: int, experts: bool = True) -> int:
     """Device bytes of layer ``il``: its weight tensors as stored (GGUF blocks; the router as f32) and its K and
-    V cache of ``ctx`` positions (f32); ``experts=False``: without the routed experts (they stay on the CPU or
-    are placed one by one: ``expert_bytes``)."""
+    V cache of ``ctx`` positions (of the model's ``kv_types``: 4 bytes a value f32, 2 f16 / bf16); ``experts=False``:
+    without the routed experts (they stay on the CPU or are placed one by one: ``expert_bytes``)."""
     a = attn_block(m.layers[il])
     w = sum(_padded_bytes(m, n) for n in _layer_tensors(m, il) if not n.endswith("ffn_gate_inp.weight")
             and (experts or "_exps." not in n))
@@ -367,7 +391,8 @@ def layer_bytes(m, il: int, ctx: int, experts: bool = True) -> int:
         Di = dsa_shape(m)[1] if is_dsa(m.layers[il]) else 0
         return w + mla_bytes(a, ctx) + 4 * Di * (int(ctx) + 2)
     nkv, hd, hdv, _ = head_dims(a)
-    return w + nkv * int(ctx) * (hd + hdv) * 4
+    kb, vb = kv_value_bytes(m)
+    return w + nkv * int(ctx) * (hd * kb + hdv * vb)
 
 
 def _padded_bytes(m, n: str) -> int:

@@ -144,11 +144,11 @@ class PromptChunks:
             ops += [] if "mla" in d or "dn" in d else [
                 Dispatch("rope_kv", (nq + nkv, R), [qkv, self.p_q.addr, d["K"].addr, d["V"].addr, d["cos"].addr,
                                                     d["sin"].addr, self.params.addr, 0],
-                         [nq, nkv, hd, d["n_rot"], ctx, d["rope_kind"], f32_bits(d["vscale"]), hdv]),
+                         [nq, nkv, hd, d["n_rot"], ctx, d["rope_kind"], f32_bits(d["vscale"]), hdv], mode=self.kv_mode),
                 Dispatch(akern, agroups, [self.p_q.addr, d["K"].addr, d["V"].addr, self.params.addr, self.p_ao.addr,
                                           d["sinks"].addr if "sinks" in d else self.p_q.addr],
                          [nq, nkv, hd, ctx, f32_bits(d["scale"]), R, d["window"], int("sinks" in d), hdv],
-                         mode=amode),
+                         mode=amode | self.kv_mode),
                 # Qwen3-Next: the attention output times sigmoid(gate)
                 *([Dispatch("deltanet", (-(-nq * hd // self.K.wg), R), [self.p_ao.addr, self.p_gate.addr],
                             [2, nq * hd, nq * hd, 0])] if "gated" in d else []),

@@ -58,6 +58,10 @@ _ACC_XFER_READ = 0x800
 
 #: the format kernels (compiled per GGUF type) and the others
 FORMAT_KERNELS = ("lmv", "lmoe", "lmm")
+#: kernels that read or write the K/V cache: specialization constants 6 and 7 give its K and V types
+#: (shaders/kv_types.glsl), from a Dispatch's ``mode`` (``layer_plan.kv_mode``)
+KV_KERNELS = ("rope_kv", "attn_dec", "attn_pre", "attn_pre_cm")
+
 PLAIN_KERNELS = ("rmsnorm", "topk", "rope_kv", "attn_dec", "heat", "attn_pre", "moe_sort", "moe_sum", "attn_comb",
                  "attn_pre_cm", "mla", "deltanet")
 
@@ -236,13 +240,15 @@ class Kernels:
         elif kernel == "lmm":      # 4 x the tile's rows, no subgroup operations: the workgroup, MODE and the tile
             vals, ids, pin = [4 * self.tile, mode, self.tile], [0, 2, 3], None
         elif kernel == "attn_pre":   # a fixed workgroup of 128 without subgroup operations; mode: MAXD | G << 16
-            maxd, g = mode & 0xFFFF, max(1, mode >> 16)
+            maxd, g = mode & 0xFFFF, max(1, (mode >> 16) & 0xFF)
             vals, ids, pin = [0, self.attn_bq if maxd == 128 else min(self.attn_bq, 16), maxd, g], [2, 3, 4, 5], None
         elif kernel == "attn_pre_cm":   # 128 invocations of the device's subgroup size: 16-row blocks each, G
-            vals, ids, pin = [4 * dev.subgroup_size // 128, max(1, mode >> 16)], [4, 5], 128
+            vals, ids, pin = [4 * dev.subgroup_size // 128, max(1, (mode >> 16) & 0xFF)], [4, 5], 128
         else:
             vals = [dev.gemv_wg, self.rows, mode] if fmt else [self.wg]
             ids, pin = list(range(len(vals))), vals[0]
+        if kernel in KV_KERNELS:   # the K/V cache's types (shaders/kv_types.glsl): mode's bits 24-27 K's, 28-31 V's
+            vals, ids = vals + [(mode >> 24) & 15, (mode >> 28) & 15], ids + [6, 7]
         pipe = dev.compute_pipeline(module, self.layout, vals, ids, pin, f"{kernel}_{type_name}" if fmt else kernel)
         self._pipes[key] = pipe
         return pipe

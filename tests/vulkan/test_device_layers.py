@@ -741,17 +741,6 @@ def test_deepseek_router_on_the_device():
         e.close()
 
 
-def test_a_typed_kv_cache_is_refused_with_device_layers(device_moe):
-    """The device layers keep their own f32 K/V rows, synced from the CPU's f32 arrays: a KV cache of another type
-    (--cache-type-k/-v) with --gpu-layers is one line naming both, not a silent conversion."""
-    from coli.base.errors import ColiError
-
-    with pytest.raises(ColiError, match=r"^--gpu-layers: the device layers keep an f32 KV cache; this run's is "
-                                        r"f16/q8_0 \(--cache-type-k/-v\): leave --cache-type-k/-v at f32, "
-                                        r"or run without --gpu-layers$"):
-        device_engine(device_moe, COLI_VK_LAYERS=2, cache_type_k="f16", cache_type_v="q8_0")
-
-
 def _padded_q_lora(out, name: str = "deepseek3", arch: str = "deepseek2"):
     """The DeepSeek-V3 oracle (or ``name``'s, of GGUF architecture ``arch``: GLM-5's) with q_lora_rank 20 rewritten by
     gguf's writer with q_lora_rank 32: attn_q_a's 12 new rows and attn_q_b's (and the DSA indexer's

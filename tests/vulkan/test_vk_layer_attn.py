@@ -352,3 +352,141 @@ def test_attn_dec_sharp(kern):
     K = rng.standard_normal((NKV, CTX, hd)).astype(np.float32)
     V = rng.standard_normal((NKV, CTX, hd)).astype(np.float32)
     _check_attn(kern, q, K, V, pos)
+
+
+# -- typed K/V (--cache-type-k/-v f16, bf16: shaders/kv_types.glsl) -------------------------------------------------
+
+KV_TYPES = [("f16", "f16"), ("bf16", "bf16"), ("f32", "f16"), ("bf16", "f32")]
+
+
+def _bits(kind: str, x: np.ndarray) -> np.ndarray:
+    """``x`` f32 [n, ctx, w] as the CPU's cache of type ``kind`` stores it (cpu_kernels/kvcache.py; its f16 is NumPy's
+    and its bf16 gguf.quants', tests/kernels/test_kv_types.py): f32, or the 16-bit patterns uint16."""
+    from cpu_kernels.kvcache import KVSide
+
+    if kind == "f32":
+        return np.ascontiguousarray(x, np.float32)
+    s = KVSide(kind, x.shape[0], x.shape[1], x.shape[2])
+    s.write(0, np.ascontiguousarray(x.transpose(1, 0, 2), np.float32))
+    return s.t[2]
+
+
+def _values(kind: str, x: np.ndarray) -> np.ndarray:
+    """The f32 values a cache of type ``kind`` holding ``x`` gives back (the CPU's reading)."""
+    from cpu_kernels.kvcache import KVSide
+
+    if kind == "f32":
+        return x
+    s = KVSide(kind, x.shape[0], x.shape[1], x.shape[2])
+    s.write(0, np.ascontiguousarray(x.transpose(1, 0, 2), np.float32))
+    return s.read(0, x.shape[1])
+
+
+def _run_mode(k, kernel, groups, addrs, words, mode):
+    from coli.vulkan.layers import Dispatch
+    rec = k.record([Dispatch(kernel, groups, [b.addr for b in addrs], words, mode=mode)])
+    try:
+        k.submit(rec)
+    finally:
+        k.free(rec)
+
+
+# f16's edges in the v part (copied, not computed): the largest half, the first values that round to inf, ties to
+# even at 1, the subnormal range (2^-25 a tie to 0, 1.5 2^-25 up to one unit), -0, an f32 subnormal, a NaN
+EDGES = np.array([65504.0, 65519.0, 65520.0, -70000.0, 1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11, 2.0 ** -25,
+                  1.5 * 2.0 ** -25, -3 * 2.0 ** -25, 6.0e-5, -0.0, 1e-40, np.nan, 1.0 + 2.0 ** -8, 3.0e38,
+                  -1.0 - 3 * 2.0 ** -9], np.float32)
+
+
+@pytest.mark.parametrize("kt,vt", KV_TYPES, ids=["/".join(t) for t in KV_TYPES])
+@pytest.mark.parametrize("hd,n_rot,rope_kind", [(64, 64, 2), (128, 64, 0), (96, 32, 2)])
+def test_rope_kv_typed(kern, kt, vt, hd, n_rot, rope_kind):
+    """rope_kv into a 16-bit K or V side: the row's bits are the CPU cache's conversion of the f32 row the kernel
+    returns (kv_out; the rotation itself is test_rope_kv's), rounded to nearest even at f16's edges (the V part
+    holds them: a copy, so the CPU's conversion of the same f32 values), no other row touched."""
+    from coli.models.rope_scaling import RopeScaling
+    from coli.vulkan.layer_plan import kv_mode
+
+    pos = 37
+    rng = np.random.default_rng(hd + n_rot)
+    cos, sin = RopeScaling().table(CTX, n_rot, 10000.0)
+    qkv = (rng.standard_normal((NQ + 2 * NKV) * hd) * 3).astype(np.float32)
+    qkv[(NQ + NKV) * hd:(NQ + NKV) * hd + len(EDGES)] = EDGES
+    init = {t: _bits(t, np.full((NKV, CTX, hd), 7.0, np.float32)) for t in (kt, vt)}
+    bqkv, bq = _buf(kern, qkv), kern.buffer(NQ * hd * 4)
+    bk, bv = _buf(kern, init[kt]), _buf(kern, init[vt])
+    bcos, bsin = _buf(kern, cos), _buf(kern, sin)
+    bpar, bkvo = _buf(kern, np.array([pos, 0, 0, 0], np.uint32)), kern.buffer(2 * NKV * hd * 4)
+    _run_mode(kern, "rope_kv", (NQ + NKV, 1, 1), [bqkv, bq, bk, bv, bcos, bsin, bpar, bkvo],
+              [NQ, NKV, hd, n_rot, CTX, rope_kind], kv_mode((kt, vt)))
+    kvo = bkvo.f32(2 * NKV * hd).reshape(2, NKV, hd).copy()
+    np.testing.assert_array_equal(kvo[1], qkv[(NQ + NKV) * hd:].reshape(NKV, hd))
+    for kind, b, row in ((kt, bk, kvo[0]), (vt, bv, kvo[1])):
+        dt = init[kind].dtype
+        got = b.view[:init[kind].nbytes].view(dt).reshape(init[kind].shape).copy()
+        want = _bits(kind, row[:, None, :])[:, 0]
+        np.testing.assert_array_equal(got[:, pos].view(np.uint8), want.view(np.uint8))
+        got[:, pos] = init[kind][:, pos]
+        np.testing.assert_array_equal(got.view(np.uint8), init[kind].view(np.uint8))
+
+
+@pytest.mark.parametrize("kt,vt", KV_TYPES, ids=["/".join(t) for t in KV_TYPES])
+@pytest.mark.parametrize("hd,pos", [(128, 700), (64, 5), (70, 300)])    # 70: the scalar path (hd % 4 != 0)
+def test_attn_dec_typed(kern, kt, vt, hd, pos):
+    """attn_dec over 16-bit K / V rows: the float64 attention over the values those rows hold (the CPU cache's
+    reading) within the f32 kernel's tolerance."""
+    from coli.vulkan.layer_plan import kv_mode
+    from coli.vulkan.layers import f32_bits
+
+    rng = np.random.default_rng(hd + pos)
+    q = rng.standard_normal((NQ, hd)).astype(np.float32)
+    K = rng.standard_normal((NKV, CTX, hd)).astype(np.float32)
+    V = rng.standard_normal((NKV, CTX, hd)).astype(np.float32)
+    scale = 1.0 / np.sqrt(hd)
+    ref = _attn_ref(q, _values(kt, K), _values(vt, V), pos, scale)
+    assert rel_err(_attn_ref(q, K, V, pos, scale), ref) > 20 * TOL       # the rounding shows at this tolerance
+    bq, bk, bv = _buf(kern, q), _buf(kern, _bits(kt, K)), _buf(kern, _bits(vt, V))
+    bpar = _buf(kern, np.array([pos, 0, 0, 0], np.uint32))
+    bo, bs = kern.buffer(q.nbytes), kern.buffer(NQ * CTX * 4)
+    _run_mode(kern, "attn_dec", (NQ, 1, 1), [bq, bk, bv, bpar, bo, bs], [NQ, NKV, hd, CTX, f32_bits(scale)],
+              kv_mode((kt, vt)))
+    got = bo.f32(NQ * hd).reshape(NQ, hd)
+    assert rel_err(got, ref) <= TOL, rel_err(got, ref)
+
+
+def _causal_ref(q, K, V, pos0: int, scale: float) -> np.ndarray:
+    """float64 causal attention of q [R, nq, hd] (positions pos0 ..) over K/V [nkv, ctx, hd], GQA."""
+    R, nq, hd = q.shape
+    nkv = K.shape[0]
+    out = np.empty(q.shape, np.float64)
+    for r in range(R):
+        out[r] = _attn_ref(q[r], K, V, pos0 + r, scale)
+    return out
+
+
+@pytest.mark.parametrize("kt,vt", KV_TYPES, ids=["/".join(t) for t in KV_TYPES])
+@pytest.mark.parametrize("hd", [128, 64])
+def test_attn_pre_typed(kern, kt, vt, hd):
+    """The prompt attention (``Kernels.attn_dispatch``'s kernel: attn_pre.comp, or attn_pre_cm.comp on a device
+    with cooperative matrices and that route) of a 20-row chunk after 30 cached positions over 16-bit K / V rows:
+    the float64 attention over the values those rows hold, within the kernel's tolerance (attn_pre_cm rounds q, K,
+    V and the weights to float16: tests/kernels/test_backend_ops.py's TOL_ATTN_F16)."""
+    from coli.vulkan.layer_plan import kv_mode
+    from coli.vulkan.layers import f32_bits
+
+    R, pos0 = 20, 30
+    rng = np.random.default_rng(hd)
+    q = rng.standard_normal((R, NQ, hd)).astype(np.float32)
+    K = rng.standard_normal((NKV, CTX, hd)).astype(np.float32)
+    V = rng.standard_normal((NKV, CTX, hd)).astype(np.float32)
+    scale = 1.0 / np.sqrt(hd)
+    ref = _causal_ref(q, _values(kt, K), _values(vt, V), pos0, scale)
+    kern_name, groups, mode = kern.attn_dispatch(NQ, NKV, hd, R)
+    tol = 6e-3 if kern_name == "attn_pre_cm" else TOL
+    bq, bk, bv = _buf(kern, q), _buf(kern, _bits(kt, K)), _buf(kern, _bits(vt, V))
+    bpar = _buf(kern, np.array([pos0, 0, 0, 0], np.uint32))
+    bo, bs = kern.buffer(q.nbytes), _buf(kern, np.zeros(NQ, np.float32))
+    _run_mode(kern, kern_name, groups, [bq, bk, bv, bpar, bo, bs],
+              [NQ, NKV, hd, CTX, f32_bits(scale), R, 0, 0], mode | kv_mode((kt, vt)))
+    got = bo.f32(q.size).reshape(q.shape)
+    assert rel_err(got, ref) <= tol, (kern_name, rel_err(got, ref))
