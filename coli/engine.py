@@ -34,6 +34,27 @@ __all__ = ["Engine", "GenerateResult", "PerplexityResult", "StopText", "TextStre
 PREFILL_CHUNK = None  # rows of every CPU prompt step when set (tests, scripts); None: COLI_UBATCH (default 64)
 
 
+def trim_heap() -> int | None:
+    """Give the C heap's free pages back to the system (glibc's ``malloc_trim(0)``): the load's temporaries (the
+    GGUF's parsed tables, the repacks' scratch, Numba's compiles) leave freed heap pages resident that glibc keeps
+    below its trim threshold's reach. Returns the resident set's drop in bytes (psutil, before - after; may be <= 0
+    when nothing was free), or None where the C library is not glibc (musl, macOS: no ``malloc_trim``)."""
+    import ctypes
+
+    try:
+        glibc = os.confstr("CS_GNU_LIBC_VERSION")
+    except (ValueError, OSError, AttributeError):    # a system without the name (not glibc)
+        glibc = None
+    if not glibc:
+        return None
+    import psutil
+
+    proc = psutil.Process()
+    before = proc.memory_info().rss
+    ctypes.CDLL(None).malloc_trim(0)    # the process's own libc: glibc here
+    return before - proc.memory_info().rss
+
+
 class Engine:
     """A loaded model. ``path``: a GGUF file, a Hugging Face folder, or a name ``coli run -m`` takes (``smollm2``,
     ``gemma3-270m``, ``qwen2.5-coder-0.5b``, ``demo``: fetched or built on first use, ``coli.resolve.resolve``);
@@ -105,6 +126,8 @@ class Engine:
             raise ColiError(f"{self._name('cpu_act')}: '{cpu_act}' (f32 or int8)")
         runtime.build(self, ctx=ctx, expert_cache=expert_cache, usage=usage, io_threads=io_threads, device=device,
                       balance=balance, trace=trace, cache_type_k=cache_type_k, cache_type_v=cache_type_v)
+        #: resident bytes the C heap gave back after the load (:func:`trim_heap`; None off glibc)
+        self.heap_trimmed = trim_heap()
         self.last_stats: dict = {}
 
         atexit.register(close_at_exit, weakref.ref(self))
