@@ -7,6 +7,7 @@
 #   prompt       prompt chunks on the device layers beside llama.cpp CUDA          (carry .gl .whl .peers)
 #   chain        device layers with experts on the CPU beside llama.cpp CUDA       (carry .gl .whl .peers)
 #   cpu-prefill  CPU prompt processing beside llama.cpp and ik_llama.cpp           (carry .whl .peers)
+#   kv-types     the KV cache types' CPU speed on the quiet 16 cores               (carry .whl)
 #   synth-path   where the synthetic MoE is (or goes)
 # Carried folders: .gl the Vulkan loader .debs, .whl/.whl_tier the Python 3.12 wheels (vulkan, cffi, pycparser, gguf,
 # tbb, tcmlib), .peers llama.cpp's trimmed source tarballs. Output under $OUT; PY the interpreter (python3).
@@ -428,6 +429,55 @@ for run in ${CP_RUNS:-peers ub256 t1}; do
 done
 }
 
+# kv-types: the KV cache types' speed on the CPU (docs/engine.md "KV cache types": f16 becomes the default only where
+# it measures no slower than f32), ONE call (KV_DEADLINE s, 545) on the machine's quiet 16 cores: set-up
+# (KV_SETUP=0 skips it); in the background the synthetic OLMoE-shaped MoE (synth-path; KV_SYNTH more options; KV_MODEL
+# another file) and a tiny MoE's coli bench per type at the same lengths, which compiles the kernels; then KV_ROUNDS
+# (3) rounds of `coli bench -ctk T -ctv T -t KV_THREADS (16) -p KV_PP (512) -n KV_TG (64) -r 1`, a process a type of KV_TYPES
+# ("f32 f16 q8_0") in turn each round (a drift of the machine falls on every type alike); the medians per type. A second
+# call on the warm machine reuses the file and the kernels. Output in $OUT: run.log, kv_<type>_r<round>.json, warm.log.
+kv_types() {
+SETUP=${KV_SETUP:-1} begin /tmp/kvout run.log "${KV_DEADLINE:-545}"
+NT=${KV_THREADS:-16} TYPES=${KV_TYPES:-f32 f16 q8_0} PP=${KV_PP:-512} TG=${KV_TG:-64}
+MODEL=${KV_MODEL:-$(bash scripts/h200.sh synth-path)}
+[ -n "${KV_MODEL:-}" ] || synth_bg "$MODEL" ${KV_SYNTH:-}
+mkdir -p /tmp/kvw
+say "compiling the kernels of $TYPES on a tiny MoE"
+( tiny /tmp/kvw/tiny.gguf && for t in $TYPES; do $PY -m coli bench -m /tmp/kvw/tiny.gguf -ctk $t -ctv $t -t "$NT" \
+    -p "$PP" -n "$TG" -r 1 --ctx $((PP + TG + 16)) --usage /tmp/kvw/u.tiny || exit; done > "$OUT/warm.log" 2>&1
+  echo "warm rc $?" >> "$OUT/warm.log" ) &
+WARM=$!
+[ -n "${GEN:-}" ] && { wait $GEN; tail -1 "$MODEL.log"; }
+wait $WARM
+tail -1 "$OUT/warm.log"
+ls -la "$MODEL" || exit 4
+for r in $(seq 1 ${KV_ROUNDS:-3}); do
+  for t in $TYPES; do
+    [ "$(left)" -lt 45 ] && { say "out of time: round $r $t skipped"; continue; }
+    say "round $r: -ctk $t -ctv $t"
+    timeout $(cap 150) $PY -m coli bench -m "$MODEL" -ctk $t -ctv $t -t "$NT" -p "$PP" -n "$TG" -r 1 -o json \
+      --ctx $((PP + TG + 16)) --usage /tmp/kvw/u.$RANDOM > "$OUT/kv_${t}_r$r.json" 2> /tmp/kvw/err.log \
+      || tail -3 /tmp/kvw/err.log
+  done
+done
+$PY - "$OUT" $TYPES <<'EOF'
+import glob, json, statistics, sys
+out, types = sys.argv[1], sys.argv[2:]
+print("| KV type | pp tok/s: median (rounds) | tg tok/s: median (rounds) |\n|---|---|---|")
+for t in types:
+    got = {"pp": [], "tg": []}
+    for f in sorted(glob.glob(f"{out}/kv_{t}_r*.json")):
+        try:
+            for x in json.load(open(f)):
+                got[x["test"][:2]].append(x["avg_ts"])
+        except (ValueError, KeyError):
+            pass
+    med = lambda v: f"{statistics.median(v):.1f} ({' '.join(f'{x:.1f}' for x in v)})" if v else "-"
+    print(f"| {t} | {med(got['pp'])} | {med(got['tg'])} |")
+EOF
+say "done"
+}
+
 case "${1:-}" in
 setup) setup ;;
 synth-path) synth_path ;;
@@ -437,5 +487,6 @@ layers) layers ;;
 prompt) prompt ;;
 chain) chain ;;
 cpu-prefill) cpu_prefill ;;
-*) echo "usage: bash scripts/h200.sh tier|check|layers|prompt|chain|cpu-prefill|synth-path" >&2; exit 2 ;;
+kv-types) kv_types ;;
+*) echo "usage: bash scripts/h200.sh tier|check|layers|prompt|chain|cpu-prefill|kv-types|synth-path" >&2; exit 2 ;;
 esac
