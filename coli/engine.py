@@ -126,8 +126,9 @@ class Engine:
             raise ColiError(f"{self._name('cpu_act')}: '{cpu_act}' (f32 or int8)")
         runtime.build(self, ctx=ctx, expert_cache=expert_cache, usage=usage, io_threads=io_threads, device=device,
                       balance=balance, trace=trace, cache_type_k=cache_type_k, cache_type_v=cache_type_v)
-        #: resident bytes the C heap gave back after the load (:func:`trim_heap`; None off glibc)
-        self.heap_trimmed = trim_heap()
+        #: resident bytes the C heap gave back after the load and after the first generate (:func:`trim_heap`; None
+        #: off glibc, and before the first generate ends)
+        self.heap_trimmed, self.heap_trimmed_first = trim_heap(), None
         self.last_stats: dict = {}
 
         atexit.register(close_at_exit, weakref.ref(self))
@@ -485,6 +486,8 @@ class Engine:
             st.update(runtime.counters(self))
             st.update(seed=None if sampler.params.greedy else sampler.seed, masked_logit_steps=sampler.masked_steps)
             self.last_stats = st
+            if self.heap_trimmed_first is None:    # the first call's one-time scratch (JIT, first buffers): 15 MiB
+                self.heap_trimmed_first = trim_heap()
         return GenerateResult(out, "".join(text), [int(i) for i in ids], st, finish)
 
     def prompt_chunk(self) -> int:
