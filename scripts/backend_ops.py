@@ -1,13 +1,15 @@
 """Coverage table of the backend-parity harness (tests/kernels/test_backend_ops.py): every (backend, type, op, act) case
 run against the NumPy reference, printed as a Markdown table (docs/formats.md).
 
-usage: python -m scripts.backend_ops [--types Q4_K,Q2_K] [--ops lmm,attn] [--no-vulkan]
+usage: python -m scripts.backend_ops [--types Q4_K,Q2_K] [--ops lmm,attn] [--no-vulkan] [--lmm-cases]
 
 A cell is the case's max error relative to the largest |value| (``ok`` when under the harness tolerance,
 ``FAIL`` when over), ``-`` where the backend's registry lacks the type (the table gives the CPU-only reason
 underneath), ``f32`` where the type has only f32 arithmetic (float weights ignore act). ``attn`` (the device's prompt
 attention, no weight format) prints its own table after it: each case of the harness's ``ATTN_CASES``, the kernel
-the device's route takes for its head dimension and its error. Exit 1 on any FAIL.
+the device's route takes for its head dimension and its error. ``--lmm-cases`` prints, after the table, each ``lmm``
+case of each type and row count on the device: its error against the route's reference (``lmm_errors``: float16
+operands on the cooperative-matrix route) and, after the slash, against the unrounded operands. Exit 1 on any FAIL.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import cpu_kernels  # noqa: E402,F401  (threading layer before numba)
+import numpy as np  # noqa: E402
 from coli.types import table as TT  # noqa: E402
 from tests.kernels import test_backend_ops as H  # noqa: E402
 
@@ -27,6 +30,7 @@ def main(argv=None) -> int:
     ap.add_argument("--types", default="", help="comma-separated GGUF types (default: every implemented one)")
     ap.add_argument("--ops", default="", help=f"comma-separated ops of {', '.join(H.OPS)}, attn (default: all)")
     ap.add_argument("--no-vulkan", action="store_true", help="CPU only")
+    ap.add_argument("--lmm-cases", action="store_true", help="each lmm case's error on the device, by row count")
     a = ap.parse_args(argv)
     import coli.vulkan.shaders  # noqa: F401  (the backends' registries fill the table's backends column)
     import cpu_kernels.formats  # noqa: F401
@@ -66,6 +70,20 @@ def main(argv=None) -> int:
         gen = ("gguf quantize" if t.quantizable else "coli quantize" if t.random is not None and t.own is None
                else "random blocks")
         print(f"| {n} | {t.block_size} | {t.type_size} | {gen} | " + " | ".join(cells) + " |", flush=True)
+    if "vulkan" in backends and a.lmm_cases:
+        be = backends["vulkan"]
+        cases = None
+        for n in names:
+            if "vulkan" not in TT.TYPES[n].backends:
+                continue
+            rng = np.random.default_rng(H._seed(be.name, n, "lmm", "f32"))    # run_case's draws
+            for R in H.ROWS["lmm"]:
+                errs = H.lmm_errors(be, n, R, rng)
+                if cases is None:
+                    cases = list(errs)
+                    print(f"\n| lmm ({be.route()} route): type | rows | " + " | ".join(map(str, cases)) + " |")
+                    print("|---|---|" + "---|" * len(cases))
+                print(f"| {n} | {R} | " + " | ".join(f"{e:.1e} / {x:.1e}" for e, x in errs.values()) + " |", flush=True)
     if "vulkan" in backends and (not a.ops or "attn" in a.ops.split(",")):
         be = backends["vulkan"]
         print("\n| attention case (nq, nkv, head dim, first position, rows, window, sinks) | kernel | error |")
@@ -78,7 +96,8 @@ def main(argv=None) -> int:
         print(f"attention tolerances: attn_pre {H.TOL_ATTN:g}, attn_pre_cm {H.TOL_ATTN_F16:g}")
     only = [f"{n}: {t.cpu_only}" for n, t in TT.TYPES.items() if t.cpu_only]
     print("\nTolerances (max |got - want| / max |want|): " +
-          ", ".join(f"{op} {act} {tol:g}" for (op, act), tol in H.TOL.items()))
+          ", ".join(f"{op} {act} {tol:g}" for (op, act), tol in H.TOL.items()) +
+          f"; lmm on the cooperative-matrix route {H.TOL_LMM_F16:g} against its float16 model")
     if only:
         print("CPU only: " + "; ".join(only))
     if "vulkan" in backends:

@@ -10,7 +10,9 @@ against the NumPy reference.
   only, ``lmm`` (the device layers' prompt GEMM, ``shaders/lmm.comp`` through ``coli.vulkan.layers.Kernels``, at
   16, 64 and 512 rows: mode 0 dense, mode 1 the experts' gate and up with SwiGLU and mode 2 their down scaled by
   the route weight, over rows routed top-2 to 4 experts (one without rows) and grouped by expert, and modes 1
-  and 2 in the shared expert's one-expert form; f32 only).
+  and 2 in the shared expert's one-expert form, mode 1 with the experts' biases and the tanh GELU or gpt-oss's
+  clamped SwiGLU, mode 2 with the down bias; f32 only; on the cooperative-matrix route, ``shaders/lmm_cm.comp``,
+  against ``lmm_reference``'s model of its float16 operands).
 * Activations: ``f32``, and ``int8`` (llama.cpp's Q8 activation blocks: per 32, d = amax/127, q = rint(x/d)) for
   the quantized formats on both backends (the device rounds on the host or in shaders/act_q8.comp); the
   reference then multiplies the rounded activations (an exact NumPy model).
@@ -58,9 +60,15 @@ OP_ACTS = {"lmm": ("f32",)}
 #: first subtracts the most those can move each output (``expert_reference``'s slack).
 TOL = {("gemv", "f32"): 2e-5, ("gemm", "f32"): 2e-5, ("expert", "f32"): 2e-5,
        ("gemv", "int8"): 2e-5, ("gemm", "int8"): 2e-5, ("expert", "int8"): 2e-5, ("lmm", "f32"): 2e-5}
-#: ``lmm`` on the cooperative-matrix route (shaders/lmm_cm.comp): weights and activations rounded to float16 (a
-#: relative 2^-11 each) before float32 sums, so an output's error is a few 1e-4 of the largest.
+#: ``lmm`` on the cooperative-matrix route (shaders/lmm_cm.comp), against ``lmm_reference``'s model of that route:
+#: weights and activations rounded to float16 (nearest even, as NumPy), products summed in float64; what is left is
+#: the device's float32 sums. (Against unrounded operands the route's error is 2e-4 .. 6e-4 of the largest output,
+#: except where gpt-oss's clamp bounds the outputs far below the products: case "1o" of the K-quants' random blocks,
+#: gates up to |g| 330 against the clamp 7, 5e-3 (Q4_K) and 2e-2 (Q6_K), the H100's figures and the model's.)
 TOL_LMM_F16 = 4e-3
+#: ``lmm`` cases whose dispatch is ``lmm.comp`` on either route (``"lmm_f32"``): float32 products, so float64 of the
+#: unrounded operands is their reference on the cooperative-matrix route too.
+LMM_F32_CASES = ("1g", "1o", "2b")
 
 
 #: ``attn``: the float32 kernel (attn_pre.comp) against float64, and the cooperative-matrix one (attn_pre_cm.comp):
@@ -370,11 +378,50 @@ def lmm_shapes(type_name: str) -> tuple[int, int, int, int]:
     return O_ODD + 32, inner(type_name), D, Fd
 
 
+def f16_model(a) -> np.ndarray:
+    """float64 of ``a`` rounded to float16, nearest even (NumPy's cast): an operand of the cooperative-matrix route,
+    which rounds the decoded weights and the activation rows to float16 in shared memory (the H100 rounds the same
+    way: its errors on unrounded operands are this model's, format by format)."""
+    return np.asarray(a, np.float32).astype(np.float16).astype(np.float64)
+
+
+def lmm_reference(ws, W, xd, x, xh, ids, wts, biases, rnd=None) -> dict:
+    """float64 references of ``lmm_errors``' eight outputs, {case: array}: products of the weights (float64 [O, I]
+    W and per expert (gate, up, down)) and the activations after ``rnd`` (None: as they are; ``f16_model``: the
+    cooperative-matrix route's operands), then the biases, activations and route weights in float64."""
+    q = rnd if rnd is not None else (lambda a: np.asarray(a, np.float64))
+    bg, bu, bd = biases
+    k = ids.shape[1]
+    wq = [tuple(q(m) for m in mats) for mats in ws]
+    xq, xhq = q(x), q(xh)
+    n = len(ids.reshape(-1))
+    out = {c: np.empty((n, wq[0][0].shape[0])) for c in (1, "1g", "1o")}
+    out[2], out["2b"] = np.empty((n, wq[0][2].shape[0])), np.empty((n, wq[0][2].shape[0]))
+    for p, e in enumerate(ids.reshape(-1)):
+        g, u = wq[e][0] @ xq[p // k], wq[e][1] @ xq[p // k]
+        with np.errstate(over="ignore"):
+            out[1][p] = g / (1.0 + np.exp(-g)) * u
+            gb, ub = g + bg[e], u + bu[e]
+            out["1g"][p] = 0.5 * gb * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (gb + 0.044715 * gb ** 3))) * ub
+            gc, uc = np.minimum(gb, 7.0), np.clip(ub, -7.0, 7.0)     # gpt-oss: gate min(g, 7), up clamped +-7
+            out["1o"][p] = gc / (1.0 + np.exp(-1.702 * gc)) * (uc + 1.0)
+        dn = wq[e][2] @ xhq[p]
+        out[2][p] = np.float64(wts.reshape(-1)[p]) * dn
+        out["2b"][p] = np.float64(wts.reshape(-1)[p]) * (dn + bd[e])
+    with np.errstate(over="ignore"):
+        g, u = xq @ wq[0][0].T, xq @ wq[0][1].T
+        out["1s"] = g / (1.0 + np.exp(-g)) * u
+    out["2s"] = wts[:, :1].astype(np.float64) * (xhq[:len(x)] @ wq[0][2].T)
+    out[0] = q(xd) @ q(W).T
+    return out
+
+
 def lmm_errors(be: Backend, type_name: str, R: int, rng) -> dict:
-    """One ``lmm`` run of R rows: {mode: err} for mode 0 (dense), 1 (gate/up + SwiGLU), 2 (down x route weight),
-    "1s", "2s" (modes 1 and 2 in the shared expert's one-expert form), "1g" / "1o" (mode 1 with the experts' biases
-    and the tanh GELU / gpt-oss's clamped SwiGLU) and "2b" (mode 2 with the down bias), each against float64
-    products of the reference weights."""
+    """One ``lmm`` run of R rows: {case: (err, exact)} for case 0 (dense), 1 (gate/up + SwiGLU), 2 (down x route
+    weight), "1s", "2s" (modes 1 and 2 in the shared expert's one-expert form), "1g" / "1o" (mode 1 with the
+    experts' biases and the tanh GELU / gpt-oss's clamped SwiGLU) and "2b" (mode 2 with the down bias): ``err``
+    against the route's reference (``lmm_reference`` of float16-rounded operands on the cooperative-matrix route
+    except ``LMM_F32_CASES``, of the operands as they are otherwise), ``exact`` against the operands as they are."""
     O, I, D, Fd = lmm_shapes(type_name)
     E, k = 4, 2          # expert 3 gets no rows: its tiles return at once
     raw, W = weight(type_name, O, I, rng)
@@ -395,28 +442,14 @@ def lmm_errors(be: Backend, type_name: str, R: int, rng) -> dict:
     w0 = be.dev.layer_dispatches
     y, h, yk, hs, ys, hg, ho, ykb = be.lmm(type_name, (raw, (O, I)), xd, specs, x, xh, ids, wts, (bg, bu, bd))
     assert be.dev.layer_dispatches == w0 + 8, f"{be.name} did not run the eight lmm dispatches"
-    for a in (y, h, yk, hs, ys, hg, ho, ykb):
+    got = {0: y, 1: h, 2: yk, "1s": hs, "2s": ys, "1g": hg, "1o": ho, "2b": ykb}
+    for a in got.values():
         assert a.dtype == np.float32 and np.isfinite(a).all()
-    e_of = ids.reshape(-1)
-    x64, xh64 = x.astype(np.float64), xh.astype(np.float64)
-    h_ref, yk_ref = np.empty(h.shape), np.empty(yk.shape)
-    hg_ref, ho_ref, ykb_ref = np.empty(hg.shape), np.empty(ho.shape), np.empty(ykb.shape)
-    for p, e in enumerate(e_of):
-        g, u = ws[e][0] @ x64[p // k], ws[e][1] @ x64[p // k]
-        with np.errstate(over="ignore"):
-            h_ref[p] = g / (1.0 + np.exp(-g)) * u
-            gb, ub = g + bg[e], u + bu[e]
-            hg_ref[p] = 0.5 * gb * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (gb + 0.044715 * gb ** 3))) * ub
-            gc, uc = np.minimum(gb, 7.0), np.clip(ub, -7.0, 7.0)     # gpt-oss: gate min(g, 7), up clamped +-7
-            ho_ref[p] = gc / (1.0 + np.exp(-1.702 * gc)) * (uc + 1.0)
-        yk_ref[p] = np.float64(wts.reshape(-1)[p]) * (ws[e][2] @ xh64[p])
-        ykb_ref[p] = np.float64(wts.reshape(-1)[p]) * (ws[e][2] @ xh64[p] + bd[e])
-    with np.errstate(over="ignore"):
-        g, u = x64 @ ws[0][0].T, x64 @ ws[0][1].T
-        hs_ref = g / (1.0 + np.exp(-g)) * u
-    ys_ref = wts[:, :1].astype(np.float64) * (xh64[:R] @ ws[0][2].T)
-    return {0: err(y, xd.astype(np.float64) @ W.T), 1: err(h, h_ref), 2: err(yk, yk_ref), "1s": err(hs, hs_ref),
-            "2s": err(ys, ys_ref), "1g": err(hg, hg_ref), "1o": err(ho, ho_ref), "2b": err(ykb, ykb_ref)}
+    args = (ws, W, xd, x, xh, ids, wts, (bg, bu, bd))
+    ref = exact = lmm_reference(*args)
+    if be.route() == "coopmat":
+        ref = {c: exact[c] if c in LMM_F32_CASES else v for c, v in lmm_reference(*args, rnd=f16_model).items()}
+    return {c: (err(a, ref[c]), err(a, exact[c])) for c, a in got.items()}
 
 
 def attn_reference(q, K, V, pos0: int, scale: float, window: int = 0, sinks=None) -> np.ndarray:
@@ -474,7 +507,7 @@ def run_case(be: Backend, type_name: str, op: str, act: str) -> float:
     worst = 0.0
     if op == "lmm":
         for R in ROWS["lmm"]:
-            worst = max(worst, *lmm_errors(be, type_name, R, rng).values())
+            worst = max(worst, *(e for e, _ in lmm_errors(be, type_name, R, rng).values()))
         return worst
     if op in ("gemv", "gemm"):
         for k in (0, 1):
