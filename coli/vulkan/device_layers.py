@@ -51,7 +51,7 @@ from coli.vulkan.layer_join import RowJoin
 from coli.vulkan.layer_kv import KVRows
 from coli.vulkan.layer_plan import (KV_CODES, attn_block, ceil32, device_formats, dn_dims, dsa_shape, ffn_width,
                                     head_dims, is_deltanet, is_gated, is_kda, is_mla, kv_mode, linear_block,
-                                    route_rule)
+                                    route_rule, topk_args)
 from coli.vulkan.layer_prompt import PromptChunks
 from coli.vulkan.layer_prompt_join import PromptJoin
 from coli.vulkan.layer_weights import LayerWeights
@@ -192,14 +192,8 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
         if self.moe:
             rule = route_rule(Lm.moe)
             self.E, self.k = a.n_experts, rule[1]
-            # topk.comp's flags: bit 0 renormalise the k softmax weights, bit 1 the softmax over the k chosen logits
-            self.topk_flags = int(rule[2]) if rule[0] == "softmax_topk" else 2
-            self.topk_words = []    # the DeepSeek rule's groups, group score and scale (topk.comp u3 .. u6)
-            if rule[0] == "deepseek":
-                from coli.vulkan.layers import f32_bits
-
-                self.topk_flags = int(rule[2]) | 4 | (8 if rule[3] == "sigmoid" else 0)
-                self.topk_words = [rule[4], rule[5], int(rule[6] == "top2sum"), f32_bits(rule[7])]
+            # topk.comp's flags and words (the DeepSeek rule's groups, group score and scale: u3 .. u6)
+            self.topk_flags, self.topk_words = topk_args(Lm.moe)
             # the experts' hidden width, padded to a multiple of 32 (an F32/F16/BF16 down of any width: layer_plan)
             F = int(m.t[f"blk.{m.layers.index(Lm)}.ffn_gate_exps.weight"].shape[1])
             self.F = ffn_width(F)

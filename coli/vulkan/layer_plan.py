@@ -8,8 +8,10 @@ gpt-oss's and MiMo-V2's sinks, MiMo-V2's KV heads a layer, narrower V heads and 
 gate; or DeepSeek-V2's MLA over a latent cache, shaders/mla.comp, with GLM-5's DSA indexer (:func:`is_dsa`); or
 Gated DeltaNet, or Kimi-Linear's KDA (:func:`is_kda`), with its conv and recurrent states on the device,
 shaders/deltanet.comp), its FFN (the softmax
-top-k MoE with Qwen2-MoE's shared expert, gpt-oss's biased MoE with its top-k softmax router and clamped SwiGLU, or the dense
-SwiGLU / GeGLU FFN) and its tensors' formats. The predicates that tell a layer's blocks apart (:func:`is_deltanet`,
+top-k MoE with Qwen2-MoE's shared expert, gpt-oss's biased MoE with its top-k softmax router and clamped SwiGLU,
+DeepSeek-V4's MoE with its hash or sqrt-softplus router (:func:`topk_args`), or the dense SwiGLU / GeGLU FFN) and its
+tensors' formats; DeepSeek-V4's layers are refused for their attention over the hyper-connection streams. The
+predicates that tell a layer's blocks apart (:func:`is_deltanet`,
 :func:`is_mla`, :func:`is_gated`, :func:`attn_block`) and the sizes the device's buffers take (:func:`hidden_width`)
 serve ``DeviceLayers`` too.
 """
@@ -243,11 +245,20 @@ def mla_bytes(at, ctx: int) -> int:
 ACT_SWIGLU, ACT_GEGLU, ACT_SWIGLU_OAI = 0, 1, 2
 
 
+def is_deepseek4_moe(moe) -> bool:
+    """Whether ``moe`` is DeepSeek-V4's MoE block (``deepseek4.MoE``: sqrt-softplus scores, hash or biased top-k)."""
+    return _is(moe, "coli.models.deepseek4.MoE")
+
+
 def route_rule(moe) -> tuple | None:
     """The MoE block's routing rule as the device runs it: ``("softmax_topk", k, renormalise)`` (softmax over every
     expert, then top-k: ``blocks.softmax_topk``), ``("topk_softmax", k, False)`` (top-k of the logits, then the
     softmax over the k chosen: gpt-oss), ``("deepseek", k, renormalise, gating, n_group, topk_group, group_score,
-    scale)`` (``blocks.deepseek_route``; its correction bias is the layer's own), or None (another rule)."""
+    scale)`` (``blocks.deepseek_route``; its correction bias is the layer's own), ``("deepseek4", k, renormalise,
+    scale)`` (``deepseek4.MoE.route_tokens``; whether the layer hashes, its ``tid2eid`` and its correction bias are
+    the layer's own: :func:`topk_args`), or None (another rule)."""
+    if is_deepseek4_moe(moe):
+        return ("deepseek4", int(moe.k), bool(moe.norm), float(moe.wscale))
     r = getattr(moe.route, "softmax_topk", None)
     if r is not None:
         return ("softmax_topk", int(r[0]), bool(r[1]))
@@ -257,6 +268,23 @@ def route_rule(moe) -> tuple | None:
                 ds["group_score"], float(ds["scale"]))
     k = getattr(moe.route, "topk_softmax", None)
     return None if k is None else ("topk_softmax", int(k), False)
+
+
+def topk_args(moe) -> tuple[int, list[int]]:
+    """``(flags, words)``: shaders/topk.comp's flags (u2) and its words u3 .. u6 for the router of the MoE block
+    ``moe`` (:func:`route_rule`). Bit 0 renormalise; bit 1 gpt-oss's top-k softmax; bit 2 the DeepSeek rule (bit 3
+    sigmoid scores; words: groups, kept groups, group score, scale as float bits), its bit 4 (the correction bias
+    in a2) added where the layer has one; DeepSeek-V4 (``deepseek4.MoE``): bits 2 and 5 (sqrt-softplus scores) and
+    the layer's own bit 6 (a hash layer: experts from ``ffn_gate_tid2eid`` in a3 by the token in a4) or bit 4 (the
+    top-k of the scores plus ``exp_probs_b``), one group, the scale ``expert_weights_scale``."""
+    rule = route_rule(moe)
+    f32_bits = lambda x: int(np.float32(x).view(np.uint32))    # noqa: E731
+    if rule[0] == "deepseek4":
+        return int(rule[2]) | 4 | 32 | (64 if moe.hash else 16), [1, 1, 0, f32_bits(rule[3])]
+    if rule[0] == "deepseek":
+        return int(rule[2]) | 4 | (8 if rule[3] == "sigmoid" else 0), \
+            [rule[4], rule[5], int(rule[6] == "top2sum"), f32_bits(rule[7])]
+    return (int(rule[2]) if rule[0] == "softmax_topk" else 2), []
 
 
 def _why_not_attention(a) -> str | None:
@@ -286,7 +314,8 @@ def _why_not_attention(a) -> str | None:
 def _why_not_ffn(m, il: int, L) -> str | None:
     """Why the FFN of layer ``L`` has no device kernels, or None: the MoE block (up to 512 experts, top-32) with the
     softmax top-k, gpt-oss's top-k softmax or the DeepSeek router (:func:`route_rule`) and an optional shared expert
-    (with its sigmoid gate), gpt-oss's biased MoE, or the dense gated FFN (SwiGLU or GeGLU)."""
+    (with its sigmoid gate), gpt-oss's biased MoE, DeepSeek-V4's MoE (its routed experts' clamped SwiGLU; a clamped
+    shared expert is refused), or the dense gated FFN (SwiGLU or GeGLU)."""
     moe, mlp = getattr(L, "moe", None), getattr(L, "mlp", None)
     if moe is None and mlp is None:
         return "a layer without an FFN block"
@@ -299,6 +328,11 @@ def _why_not_ffn(m, il: int, L) -> str | None:
     if _is(moe, "coli.models.gptoss.BiasedMoE"):    # a router bias, expert biases, the clamped SwiGLU
         if moe.ffn.kind not in (ACT_SWIGLU, ACT_SWIGLU_OAI):
             return f"expert activation {moe.ffn.kind} (no device kernel)"
+    elif is_deepseek4_moe(moe):     # topk.comp's bits 5 and 6; the routed experts' clamped SwiGLU as gpt-oss's
+        if moe.ffn.kind != ACT_SWIGLU:
+            return f"expert activation {moe.ffn.kind} (no device kernel)"
+        if moe.shared is not None and moe.limit_sh > 0:    # the device's shared expert is the plain SwiGLU
+            return "a clamped shared expert (swiglu_clamp_shexp: no device kernel)"
     elif not _is(moe, "coli.models.blocks.MoE"):
         return f"its MoE block is {_cls(moe)} (no device kernel)"
     rule = route_rule(moe)
@@ -322,6 +356,12 @@ def why_not(m, il: int) -> str | None:
     is padded on the device; gate and up of one format: one kernel reads both)."""
     L = m.layers[il]
     form = getattr(L, "device_form", None)
+    if _is(L, "coli.models.deepseek4.DecoderLayer"):
+        # its router qualifies (topk.comp's bits 5 and 6); the hyper-connection residual and the attention do not
+        w = (f"its mixer is deepseek4.Attention over {m.args.hc} hyper-connection streams (no device kernel: a "
+             "window ring with sinks, compressed rows, the indexer, a grouped output)")
+        f = _why_not_ffn(m, il, L)
+        return w if f is None else f"{w}, {f}"
     if form not in FORMS:
         # the mixer's name where the layer has one (the first kernel it lacks), else the layer's
         mixer = next((x for x in (getattr(L, n, None) for n in ("attn", "linear_attn", "self_attn", "mla"))

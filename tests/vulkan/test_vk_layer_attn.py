@@ -182,6 +182,70 @@ def test_topk_deepseek4_rules(kern, E, k, hash_, norm, scale, kind):
     assert rel_err(w, w_ref) <= 1e-6, rel_err(w, w_ref)
 
 
+@pytest.fixture(scope="module")
+def deepseek4_routes():
+    """The deepseek4 oracle's prompt through the CPU path (f32): each layer's MoE block, its FFN input rows f32
+    [96, D] and the tokens, as ``deepseek4.MoE.route_tokens`` saw them; and HF's experts (the npz's)."""
+    from coli.engine import Engine
+    from coli.models import deepseek4
+    from tests.conftest import FIXTURES
+
+    oracle = np.load(FIXTURES / "oracles" / "deepseek4.npz")
+    seen, route = [], deepseek4.MoE.route_tokens
+
+    def spy(self, x, tokens):
+        seen.append((self, np.array(x, np.float32), np.array(tokens)))
+        return route(self, x, tokens)
+
+    e = Engine(FIXTURES / "oracles" / "deepseek4.gguf", cpu_act="f32", quiet=True, silent=True, save_usage=False,
+               ctx=128, usage=None)
+    try:
+        deepseek4.MoE.route_tokens = spy
+        try:
+            e.model.forward(oracle["ids"], e.model.new_cache(128))
+        finally:
+            deepseek4.MoE.route_tokens = route
+        yield e.model, seen, oracle["expert_ids"]
+    finally:
+        e.close()
+
+
+def test_topk_deepseek4_oracle_routers(kern, deepseek4_routes):
+    """The layer plan's router wiring for DeepSeek-V4 (``layer_plan.topk_args``: its hash layer's bit 6 with
+    ``ffn_gate_tid2eid`` and the tokens, the others' bit 4 with ``exp_probs_b``, sqrt-softplus, the scale): on the
+    oracle's 96 prompt rows of every layer (the FFN inputs of the CPU's f32 run, the router's logits as the CPU
+    computes them), topk.comp's experts equal HF's (the npz's) and the CPU's, the weights within 1e-6; and the plan
+    names what keeps the layer off the device (its attention, the clamped shared expert), not the router."""
+    from coli.models import blocks
+    from coli.vulkan import layer_plan
+
+    m, seen, hf_ids = deepseek4_routes
+    assert len(seen) == len(m.layers) == 4
+    for il, (moe, x, tokens) in enumerate(seen):
+        assert moe is m.layers[il].moe and moe.hash == (il == 0)
+        flags, words = layer_plan.topk_args(moe)
+        ids_ref, w_ref = moe.route_tokens(x, tokens)
+        lg = blocks.router_logits(x, moe.ffn_gate_inp).astype(np.float32)
+        R, (E, k) = x.shape[0], (m.args.n_experts, moe.k)
+        br = kern.buffer(8 * k * R)
+        bb = _buf(kern, moe.tid2eid if moe.hash else moe.bias)
+        btok = _buf(kern, tokens.astype(np.uint32))
+        _run(kern, "topk", (R, 1, 1), [_buf(kern, lg), br, bb, bb, btok], [E, k, flags, *words])
+        r = br.u32(2 * k * R).reshape(R, 2, k)
+        np.testing.assert_array_equal(r[:, 0], ids_ref)
+        np.testing.assert_array_equal(np.sort(r[:, 0], axis=1), np.sort(hf_ids[il], axis=1))
+        w = r[:, 1].copy().view(np.float32)
+        assert rel_err(w, w_ref) <= 1e-6, (il, rel_err(w, w_ref))
+        assert layer_plan._why_not_ffn(m, il, m.layers[il]) == \
+            "a clamped shared expert (swiglu_clamp_shexp: no device kernel)"
+        moe.limit_sh, lim = 0.0, moe.limit_sh
+        try:    # without the shared expert's clamp the FFN qualifies; the attention still refuses the layer
+            assert layer_plan._why_not_ffn(m, il, m.layers[il]) is None
+            assert layer_plan.why_not(m, il).startswith("its mixer is deepseek4.Attention over 4 hyper-connection")
+        finally:
+            moe.limit_sh = lim
+
+
 # -- rope_kv ----------------------------------------------------------------------------------------------
 
 NQ, NKV, CTX = 8, 2, 1024
