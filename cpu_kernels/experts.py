@@ -56,7 +56,8 @@ from .tiles import (decode_row, tile4_iq4_nl, tile4_iq4_xs, tile4_mxfp4, tile4_q
                     tile4_q5_1, tile4_q5_k, tile_q2_k, tile_q3_k, tile_q4_0, tile_q4_1, tile_q4_k, tile_q5_0,
                     tile_q5_1, tile_q5_k, tile_q6_k, tile_q8_0, tile_iq2_xxs, tile_iq3_xxs, tile4_iq2_xxs,
                     tile4_iq3_xxs, tile_iq3_s, tile4_iq3_s, tile_iq2_xs, tile4_iq2_xs, tile_iq2_s,
-                    tile4_iq2_s, tile_iq1_s, tile4_iq1_s, tile_iq1_m, tile4_iq1_m, tile_nvfp4, tile4_nvfp4)
+                    tile4_iq2_s, tile_iq1_s, tile4_iq1_s, tile_iq1_m, tile4_iq1_m, tile_nvfp4, tile4_nvfp4,
+                    tile4u_q8_0, wsum_q8_0)
 from .vnni import (HAVE_VNNI, _act_sums16, row_lut, row_pair, row_q2_k, row_q3_k, row_q4_k, row_q5_0, row_q5_k,
                    row_q6_k, row_q8, widen_lut, widen_q5_0)
 
@@ -873,29 +874,76 @@ def _w_tiles(ds, c0, c1):
     return numba.carray(_pi8(ds[3]), (O, ds[8])), 0, numba.carray(_pf32(ds[4]), (O, ds[9]))
 
 
-@njit(**_PJIT)
-def mm_grouped_gemm(desc, pstart, dst, off, xq, xd, xm, xu, out):
-    """``mm_grouped`` in I8 mode for prompt chunks whose slots are the activation rows themselves (slot p reads
-    row p of xq/xd/xm and of xu = xq + 128 as uint8): weights of the Q8_0 layout with at least 4 slots run the
-    4 x 4 int8 tiles of ``gemm_i8`` (the 16-row weight block stays in L1 across the slot tiles), the others the
-    row kernels. out[dst[p], off[e] + o]; one parallel launch over (weight, 16-row block)."""
-    n = desc.shape[0]
-    nch = np.empty(n + 1, np.int64)
-    nch[0] = 0
+#: formats whose prompt GEMM reads the activation codes + 128 (``Act.u8``): the Q8_0 t16 tile (``tile4u_q8_0``)
+#: and the row layouts of ``gemm_i8``'s tiles (``_tiled_ok``)
+U8_CODES = (FC_T8, FC_Q8, FC_G16, FC_Q5_0, FC_LUT)
+
+
+@njit(inline="always", **_JIT)
+def _t8_rows(ds, c0, p0, p1, src, dst, oe, xq, xd, xm, xu, out):
+    """out[dst[p], oe + c0 + i] = row c0 + i (i < 16) of the Q8_0 t16 weight ``ds`` . activation row src[p], p in
+    p0:p1: the tile's 128 x code sums made once (``wsum_q8_0``), then 4 rows at a time through ``tile4u_q8_0``
+    (xu: the codes + 128), the last 1-3 through the one-row tile. Bit-identical to ``_i8_tiles``."""
+    rec = _r_u8(ds, 0, c0 // 16)
+    ws = np.empty((ds[2] // 32) * 16, np.int32)
+    wsum_q8_0(rec, ws)
+    p = p0
+    while p + 4 <= p1:
+        tile4u_q8_0(rec, xu, xd, src[p:p + 4], out, dst[p:p + 4], oe + c0, ws)
+        p += 4
+    for q in range(p, p1):
+        r = src[q]
+        tile_q8_0(rec, xq[r], xd[r], xm[r], out[dst[q]], oe + c0)
+
+
+@njit(**_JIT)
+def work_items(nblk, pstart, rb):
+    """The (expert, 16-row weight block, block of at most ``rb`` routed rows) work items of a prompt chunk's
+    expert GEMM: int64 [n_items, 4] rows (e, c0, p0, p1), expert by expert, for each weight block its row blocks
+    in turn (a thread taking consecutive items keeps the weight block in cache). nblk int64 [n]: the 16-row
+    blocks of expert e's weight; pstart int64 [n + 1]: its slots (rows) pstart[e]:pstart[e + 1]; rb > 0."""
+    n = nblk.shape[0]
+    cnt = 0
     for e in range(n):
-        nch[e + 1] = nch[e] + (desc[e, 1] + _RB - 1) // _RB
+        cnt += nblk[e] * max(1, (pstart[e + 1] - pstart[e] + rb - 1) // rb)
+    items = np.empty((cnt, 4), np.int64)
+    k = 0
+    for e in range(n):
+        for c in range(nblk[e]):
+            p = pstart[e]
+            while True:
+                q = min(pstart[e + 1], p + rb)
+                items[k, 0] = e
+                items[k, 1] = c * _RB
+                items[k, 2] = p
+                items[k, 3] = q
+                k += 1
+                p = q
+                if p >= pstart[e + 1]:
+                    break
+    return items
+
+
+@njit(**_PJIT)
+def mm_grouped_gemm(desc, pstart, items, dst, off, xq, xd, xm, xu, out):
+    """``mm_grouped`` in I8 mode for prompt chunks whose slots are the activation rows themselves (slot p reads
+    row p of xq/xd/xm and of xu = xq + 128 as uint8, which may be empty [0, *] when no weight reads it:
+    ``U8_CODES``): Q8_0 t16 weights run ``tile4u_q8_0``; weights of the Q8_0 row layout with at least 4 slots the
+    4 x 4 int8 tiles of ``gemm_i8`` (the 16-row weight block stays in L1 across the slot tiles); the others the
+    row kernels. out[dst[p], off[e] + o]; one parallel launch over the ``work_items`` (e, c0, p0, p1)."""
     ident = np.arange(xq.shape[0])
-    for it in prange(nch[n]):
-        e = 0
-        while nch[e + 1] <= it:
-            e += 1
+    hu = xu.shape[0] > 0
+    for it in prange(items.shape[0]):
+        e = items[it, 0]
+        c0 = items[it, 1]
+        p0 = items[it, 2]
+        p1 = items[it, 3]
         ds = desc[e]
-        O = ds[1]
-        c0 = (it - nch[e]) * _RB
-        c1 = min(O, c0 + _RB)
-        p0 = pstart[e]
-        p1 = pstart[e + 1]
-        if _tiled_ok(ds, p1 - p0) and c1 - c0 >= _G.MR:
+        c1 = min(ds[1], c0 + _RB)
+        if hu and ds[0] == FC_T8:
+            _t8_rows(ds, c0, p0, p1, ident, dst, off[e], xq, xd, xm, xu, out)
+        elif hu and _tiled_ok(ds, pstart[e + 1] - pstart[e]) and c1 - c0 >= _G.MR:
+            # (a row block of fewer than 4 rows: its tile starts up to 3 rows back in the expert's, as its last)
             wq, qs0, wd = _w_tiles(ds, c0, c1)
             _G.tiles(wq, wd, c0, c1, xu, xd, p0, p1, out, dst, off[e], ds[0] == FC_G16, qs0)
         else:
@@ -903,36 +951,55 @@ def mm_grouped_gemm(desc, pstart, dst, off, xq, xd, xm, xu, out):
 
 
 @njit(**_PJIT)
-def ffn_gate_up_gemm(gdesc, udesc, pstart, xq, xd, xm, xu, kind, limit, gb, ub, a):
-    """``ffn_gate_up`` in I8 mode for prompt chunks whose slots are gathered activation rows (slot p reads row
-    p of xq/xd/xm and xu, as ``mm_grouped_gemm``): Q8_0-layout experts with at least 4 slots run the int8
-    tiles into gb/ub f32 [P, F] (each work item then applies the activation to its own block), the others the
-    row kernels. a f32 [P, F]."""
-    n = gdesc.shape[0]
+def ffn_gate_up_gemm(gdesc, udesc, pstart, items, src, xq, xd, xm, xu, kind, limit, gb, ub, a):
+    """``ffn_gate_up`` in I8 mode for prompt chunks: slot p reads activation row src[p] of xq/xd/xm and xu (the
+    codes + 128, or empty [0, *] when no weight reads it: ``U8_CODES``). Q8_0 t16 experts run
+    ``tile4u_q8_0``, other t16 formats their ``tile4``, Q8_0-row-layout experts with at least 4 slots the int8
+    tiles of ``gemm_i8`` (they read slot rows in order: the caller gathers the rows and passes src = 0, 1, ...),
+    the others the row kernels; each work item (``work_items``: e, c0, p0, p1) then applies the activation to its
+    own block. The row layouts' tiles write gate and up into gb/ub f32 [P, F] (may be [0, 0] when no expert takes
+    them), the others into a scratch of the item's. a f32 [P, F]."""
     F = gdesc[0, 1]
-    nc = (F + _RB - 1) // _RB
     P = a.shape[0]
     ident = np.arange(P)
-    for it in prange(n * nc):
-        e = it // nc
-        c0 = (it % nc) * _RB
+    hu = xu.shape[0] > 0
+    for it in prange(items.shape[0]):
+        e = items[it, 0]
+        c0 = items[it, 1]
+        p0 = items[it, 2]
+        p1 = items[it, 3]
         c1 = min(F, c0 + _RB)
         gd = gdesc[e]
         ud = udesc[e]
-        p0 = pstart[e]
-        p1 = pstart[e + 1]
-        if _tiled_ok(gd, p1 - p0) and _tiled_ok(ud, p1 - p0) and c1 - c0 >= _G.MR:
+        ne = pstart[e + 1] - pstart[e]
+        if hu and _tiled_ok(gd, ne) and _tiled_ok(ud, ne) and c1 - c0 >= _G.MR:
             gq, gs0, gw = _w_tiles(gd, c0, c1)
             _G.tiles(gq, gw, c0, c1, xu, xd, p0, p1, gb, ident, 0, gd[0] == FC_G16, gs0)
             uq, us0, uw = _w_tiles(ud, c0, c1)
             _G.tiles(uq, uw, c0, c1, xu, xd, p0, p1, ub, ident, 0, ud[0] == FC_G16, us0)
-        elif p1 - p0 == 1 and _row_ok(gd[0]) and _row_ok(ud[0]):  # ffn_gate_up's one-row code: an expert's bits never depend on the launch
+        elif ne == 1 and _row_ok(gd[0]) and _row_ok(ud[0]):  # ffn_gate_up's one-row code: an expert's bits never depend on the launch
+            r = src[p0]
             for o in range(c0, c1):
-                a[p0, o] = _act(_row_i8(gd, o, p0, xq, xd, xm), _row_i8(ud, o, p0, xq, xd, xm), kind, limit)
+                a[p0, o] = _act(_row_i8(gd, o, r, xq, xd, xm), _row_i8(ud, o, r, xq, xd, xm), kind, limit)
             continue
-        else:
-            block_i8(gd, c0, c1, p0, p1, ident, ident, _I0, xq, xd, xm, gb)
-            block_i8(ud, c0, c1, p0, p1, ident, ident, _I0, xq, xd, xm, ub)
+        else:   # t16 and the row kernels: the item's gate and up outputs in a scratch of its own (in cache)
+            n = p1 - p0
+            loc = np.arange(n)
+            sp = src[p0:p1]
+            gs = np.empty((n, _RB), np.float32)
+            us = np.empty((n, _RB), np.float32)
+            if hu and gd[0] == FC_T8:
+                _t8_rows(gd, c0, _I0, n, sp, loc, -c0, xq, xd, xm, xu, gs)
+            else:
+                block_i8(gd, c0, c1, _I0, n, sp, loc, -c0, xq, xd, xm, gs)
+            if hu and ud[0] == FC_T8:
+                _t8_rows(ud, c0, _I0, n, sp, loc, -c0, xq, xd, xm, xu, us)
+            else:
+                block_i8(ud, c0, c1, _I0, n, sp, loc, -c0, xq, xd, xm, us)
+            for p in range(n):
+                for o in range(c0, c1):
+                    a[p0 + p, o] = _act(gs[p, o - c0], us[p, o - c0], kind, limit)
+            continue
         for p in range(p0, p1):
             for o in range(c0, c1):
                 a[p, o] = _act(gb[p, o], ub[p, o], kind, limit)
@@ -982,6 +1049,8 @@ def quantize_rows(x: np.ndarray):
 
 _EMPTY_Q = (np.zeros((1, 32), np.int8), np.zeros((1, 1), np.float32), np.zeros((1, 1), np.float32))
 _EMPTY_X = np.zeros((1, 32), np.float32)
+_EMPTY_P = np.zeros((0, 0), np.int8)
+_EMPTY_PS = np.zeros((0, 0), np.float32)
 
 
 class Act:
@@ -990,13 +1059,25 @@ class Act:
     ``x`` f32 [R, I]; ``act`` "int8" | "f32". With "int8" on a CPU without VNNI the rows are rounded as
     llama.cpp's Q8 blocks and run in F32 mode (``formats.matmul``'s fallback)."""
 
-    __slots__ = ("mode", "xq", "xd", "xm", "x")
+    __slots__ = ("mode", "xq", "xd", "xm", "x", "xu")
 
-    def __init__(self, x: np.ndarray, act: str):
+    def __init__(self, x: np.ndarray, act: str, u8: bool = False):
+        """``u8``: in I8 mode also make the codes + 128 (``u8``) in the quantization's parallel pass
+        (``gemm_i8.prep_act``: the same codes, bit for bit)."""
+        self.xu = None
         if act == "int8" and HAVE_VNNI:
             self.mode = I8
-            self.xq, self.xd, self.xm = quantize_rows(x)
             self.x = x  # F32 weights read the f32 rows
+            if u8 and x.shape[0] > 1:
+                R, I = x.shape
+                self.xq = np.empty((R, I), np.int8)
+                self.xd = np.empty((R, I // 32), np.float32)
+                self.xm = np.empty((R, I // 32), np.float32)
+                self.xu = np.empty((R, I), np.uint8)
+                _G.prep_act(x, self.xq, self.xd, self.xm, self.xu, _EMPTY_P, _EMPTY_PS, True, False)
+            else:
+                self.xq, self.xd, self.xm = quantize_rows(x)
+            return
         else:
             if act == "int8":
                 xr = np.empty_like(x)
@@ -1005,6 +1086,13 @@ class Act:
             self.mode = F32
             self.xq, self.xd, self.xm = _EMPTY_Q
             self.x = x
+
+    def u8(self) -> np.ndarray:
+        """uint8 [R, I]: the I8 codes + 128 (``xq ^ 0x80``, what ``tile4u_q8_0`` and ``gemm_i8``'s tiles read),
+        made on first use and kept."""
+        if self.xu is None:
+            self.xu = _G.act_u8(self.xq)
+        return self.xu
 
     @staticmethod
     def rms_norm(h: np.ndarray, w: np.ndarray, eps: float, act: str):
@@ -1018,6 +1106,7 @@ class Act:
         T, D = h.shape
         a = Act.__new__(Act)
         a.mode = I8
+        a.xu = None
         a.x = np.empty((T, D), np.float32)
         a.xq = np.empty((T, D), np.int8)
         a.xd = np.empty((T, D // 32), np.float32)
@@ -1151,23 +1240,55 @@ def dynamic_chunk(items: int) -> int:
     return max(1, items // (CHUNKS_PER_THREAD * numba.get_num_threads()))
 
 
+#: routed rows per work item of a prompt chunk's expert GEMM (``work_items``): an expert with more rows is split
+#: into blocks of this many as well as into 16-row weight blocks, so a chunk routed to few experts still has work
+#: for every thread, and one busy expert is not one long item (a multiple of 4: ``tile4``'s rows)
+GEMM_ROW_BLOCK = 64
+
+_EMPTY_U = np.zeros((0, 64), np.uint8)
+_EMPTY_F = np.zeros((0, 0), np.float32)
+
+
+def _reads_u8(*descs) -> bool:
+    """True when a weight of these descriptor tables reads the activation codes + 128 (``U8_CODES``)."""
+    return any(bool(np.isin(d[:, 0], U8_CODES).any()) for d in descs)
+
+
+def _items(desc, pstart):
+    nblk = (desc[:, 1] + _RB - 1) // _RB
+    return work_items(nblk, pstart, np.int64(GEMM_ROW_BLOCK))
+
+
 def _experts_gemm(gd, ud, dd, pstart, src, dst, act, a, pair_out, kind, limit, act_mode):
-    """``experts`` for prompt chunks in I8 mode: the step's rows gathered into slot order once (codes, scales,
-    block sums, the +128 codes of the tiles), then ``ffn_gate_up_gemm`` and ``mm_grouped_gemm``, their (expert,
-    16-row block) items in chunks handed out dynamically (``dynamic_chunk``)."""
-    xq, xd, xm = act.xq[src], act.xd[src], act.xm[src]
-    gb = np.empty_like(a)
-    ub = np.empty_like(a)
-    n = len(gd)
-    with numba.parallel_chunksize(dynamic_chunk(n * ((int(gd[0, 1]) + _RB - 1) // _RB))):
-        ffn_gate_up_gemm(gd, ud, pstart, xq, xd, xm, _G.act_u8(xq), kind, np.float32(limit), gb, ub, a)
-    aa = Act(a, act_mode)
+    """``experts`` for prompt chunks in I8 mode: ``ffn_gate_up_gemm`` and ``mm_grouped_gemm`` over the
+    ``work_items`` (expert, 16-row weight block, up to GEMM_ROW_BLOCK rows), in chunks handed out dynamically
+    (``dynamic_chunk``). t16 experts read the step's rows in place (``src``); the row layouts' tiles read them
+    gathered into slot order. The codes + 128 (``Act.u8``) are made only where a weight reads them: once per
+    step's rows for gate/up, in the hidden activations' quantization pass for down."""
+    if ((gd[:, 0] >= FC_T4_0) & (ud[:, 0] >= FC_T4_0)).all():
+        xq, xd, xm, s = act.xq, act.xd, act.xm, src
+        xu = act.u8() if _reads_u8(gd, ud) else _EMPTY_U
+    else:
+        xq, xd, xm = act.xq[src], act.xd[src], act.xm[src]
+        xu = _G.act_u8(xq) if _reads_u8(gd, ud) else _EMPTY_U
+        s = np.arange(len(src), dtype=np.int64)
+    gb = ub = _EMPTY_F   # (the row layouts' tiles write gate and up there)
+    if xu.shape[0] and not ((gd[:, 0] >= FC_T4_0) & (ud[:, 0] >= FC_T4_0)).all():
+        gb = np.empty_like(a)
+        ub = np.empty_like(a)
+    items = _items(gd, pstart)
+    with numba.parallel_chunksize(dynamic_chunk(len(items))):
+        ffn_gate_up_gemm(gd, ud, pstart, items, s, xq, xd, xm, xu, kind, np.float32(limit), gb, ub, a)
+    aa = Act(a, act_mode, u8=_reads_u8(dd))
     off = np.zeros(len(dd), np.int64)
-    with numba.parallel_chunksize(dynamic_chunk(n * ((int(dd[0, 1]) + _RB - 1) // _RB))):
-        if aa.mode == I8:
-            mm_grouped_gemm(dd, pstart, dst, off, aa.xq, aa.xd, aa.xm, _G.act_u8(aa.xq), pair_out)
-        else:
-            slots = np.arange(a.shape[0], dtype=np.int64)
+    if aa.mode == I8:
+        items = _items(dd, pstart)
+        with numba.parallel_chunksize(dynamic_chunk(len(items))):
+            mm_grouped_gemm(dd, pstart, items, dst, off, aa.xq, aa.xd, aa.xm, aa.u8() if _reads_u8(dd)
+                            else _EMPTY_U, pair_out)
+    else:
+        slots = np.arange(a.shape[0], dtype=np.int64)
+        with numba.parallel_chunksize(dynamic_chunk(len(dd) * ((int(dd[0, 1]) + _RB - 1) // _RB))):
             mm_grouped(dd, pstart, slots, dst, off, aa.mode, aa.xq, aa.xd, aa.xm, aa.x, pair_out)
 
 

@@ -551,8 +551,11 @@ class _Rec:
     the record; the activation rows (``nr``, ``rows``, their f32 lane accumulators ``faccs``, ``xbs``: each row's
     codes of this record); the intrinsics ``op``; shared constants; and the load helpers."""
 
-    def __init__(self, b, name, nc, op, rows, faccs, k, base, xbs):
+    def __init__(self, b, name, nc, op, rows, faccs, k, base, xbs, pre=None):
         self.b, self.name, self.nc, self.op, self.rows, self.faccs = b, name, nc, op, rows, faccs
+        # ``pre`` (``tile4u_q8_0``): the rows' codes come as x + 128 already, and 128 x each record's code sums
+        # from a table (i32*, 16 a record): the +128 conversion and the weight sums leave the record loop
+        self.pre = pre
         self.nr = len(rows)
         self.k, self.base, self.xbs = k, base, xbs
         self.m4 = ir.Constant(_I8x64, [15] * 64)
@@ -601,6 +604,8 @@ class _Rec:
     def xu(self, i, j):  # row i's activation codes j..j+3 made unsigned (x ^ 0x80 = x + 128), broadcast
         b = self.b
         p = b.bitcast(b.gep(self.xbs[i], [self.c(j)]), self.i32p)
+        if self.pre is not None:   # the caller's codes are x + 128 already
+            return _splat_i(b, b.load(p, align=1))
         return _splat_i(b, b.xor(b.load(p, align=1), self.x80))
 
 
@@ -967,19 +972,27 @@ def _emit_q32(t):
         # the table types' operand order: the activations made unsigned (x ^ 0x80 = x + 128) against
         # the signed weight codes, and 128 x the row's code sum (a vpdpbusd with ones, weight-side,
         # shared by the rows) taken off exactly in int32: the same int32 block dot as sum(w x), with
-        # one vector op per row and group instead of the sign trick's three
+        # one vector op per row and group instead of the sign trick's three. ``t.pre``: both come made
+        # (``tile4u_q8_0``), and two partial sums a row (8 dependency chains for 4 rows) instead of four
+        npart = 2 if t.pre is not None else 4
         wsum = zero
         for g in range(8):
             v = b.bitcast(ld(64 * g, _I8x64), _I32x16)
-            wsum = b.call(op.dp512, [wsum, ones, v])
+            if t.pre is None:
+                wsum = b.call(op.dp512, [wsum, ones, v])
             for i in range(nr):
-                prev = parts[i][g % 4] if g >= 4 else zero
+                prev = parts[i][g % npart] if g >= npart else zero
                 d = b.call(op.dp512, [prev, xu(i, 4 * g), v])
-                if g >= 4:
-                    parts[i][g % 4] = d
+                if g >= npart:
+                    parts[i][g % npart] = d
                 else:
                     parts[i].append(d)
-        wsum = b.shl(wsum, _i32x16(7))
+        if t.pre is None:
+            wsum = b.shl(wsum, _i32x16(7))
+        else:   # exact int32 sums in another order: the same integers
+            wsum = b.load(b.bitcast(b.gep(t.pre, [b.mul(k, ir.Constant(k.type, 16))]), _I32x16.as_pointer()),
+                          align=4)
+            parts = [[b.add(p[0], p[1])] for p in parts]
     else:
         qh = ld(nc, _I32x16) if name in ("Q5_0", "Q5_1") else None
         for g in range(4):
@@ -1002,7 +1015,8 @@ def _emit_q32(t):
     dv = f16x16(od)
     mv = f16x16(od + 32) if name in ("Q4_1", "Q5_1") else None
     for i in range(nr):
-        isum = b.add(b.add(parts[i][0], parts[i][1]), b.add(parts[i][2], parts[i][3]))
+        pi = parts[i]
+        isum = pi[0] if len(pi) == 1 else b.add(b.add(pi[0], pi[1]), b.add(pi[2], pi[3]))
         if wsum is not None:
             isum = b.sub(isum, wsum)
         f = b.fadd(b.load(faccs[i]), b.fmul(b.sitofp(isum, _F32x16), b.fmul(dv, xd(i, k))))
@@ -1029,11 +1043,12 @@ _EMIT = {n: f for f, names in (
 assert set(_EMIT) == set(KIND), set(KIND) ^ set(_EMIT)
 
 
-def _emit_tile(b, name, rec_data, nsb, rows):
+def _emit_tile(b, name, rec_data, nsb, rows, pre=None):
     """The tile arithmetic for one or more activation rows. ``rows``: per row (xq i8*, xd float*, xm float*,
     out float*). Each row gets the same instruction sequence whatever the number of rows (the weight loads and
     nibble splits are shared), so a row's result does not depend on its batch. The loop over the records and
-    their prefetch are here; each record's arithmetic is its type family's emitter (``_EMIT``)."""
+    their prefetch are here; each record's arithmetic is its type family's emitter (``_EMIT``). ``pre``
+    (Q8_0 only): xq holds x + 128 and ``pre`` (i32*) 128 x the records' code sums (``tile4u_q8_0``)."""
     bs, rec_bytes, nc, _ = SPEC[name]
     emit = _EMIT[name]
     op = _Ops(b)
@@ -1051,7 +1066,7 @@ def _emit_tile(b, name, rec_data, nsb, rows):
         for q in range(0, rec_bytes, 64):   # the records PREFETCH bytes ahead, a cache line at a time
             b.call(prefetch, [b.gep(base, [c(PREFETCH + q)]), _i32(0), _i32(3), _i32(1)])
         xbs = [b.gep(r[0], [b.mul(k, c(bs))]) for r in rows]
-        emit(_Rec(b, name, nc, op, rows, faccs, k, base, xbs))
+        emit(_Rec(b, name, nc, op, rows, faccs, k, base, xbs, pre))
     for i in range(nr):
         b.store(b.load(faccs[i]), b.bitcast(rows[i][3], _F32x16.as_pointer()), align=4)
 
@@ -1116,6 +1131,63 @@ def _tile4_intrinsic(name):
 
     typer.__name__ = f"tile4_{name.lower()}"
     return vnni_intrinsic(typer)
+
+
+def _tile4u_q8_0_codegen(context, builder, signature, args):
+    ra, xa, xda, rw, oa, orw = _arrays(context, builder, types.void(*signature.args[:6]), args[:6])
+    wa = context.make_array(signature.args[7])(context, builder, args[7])
+    b = builder
+    off = args[6]
+    i8p = ir.IntType(8).as_pointer()
+
+    def row_ptr(arr, i, elt):
+        st = b.extract_value(arr.strides, 0)
+        return b.bitcast(b.gep(b.bitcast(arr.data, i8p), [b.mul(i, st)]), elt.as_pointer())
+
+    rows = []
+    for j in range(4):
+        r = b.load(b.gep(rw.data, [ir.Constant(_I32, j)]))
+        o = b.load(b.gep(orw.data, [ir.Constant(_I32, j)]))
+        xdp = row_ptr(xda, r, _F32)
+        rows.append((row_ptr(xa, r, ir.IntType(8)), xdp, xdp, b.gep(row_ptr(oa, o, _F32), [off])))
+    _emit_tile(b, "Q8_0", ra.data, b.extract_value(xda.shape, 1), rows, pre=wa.data)
+    return context.get_dummy_value()
+
+
+@vnni_intrinsic
+def tile4u_q8_0(typingctx, rec, xu, xd, rows, out, orows, off, wsum):
+    """``tile4_q8_0`` for a prompt's rows with the +128 work done once outside: out[orows[i], off:off+16] = the
+    Q8_0 tile ``rec`` . row rows[i], xu uint8 [R, I] the activation codes + 128 (``xq ^ 0x80``), xd f32
+    [R, I/32], rows/orows int64 [4], wsum int32 [I/32 * 16] = ``wsum_q8_0(rec)``. The same int32 block dots
+    and f32 steps as ``tile4_q8_0``: the outputs are bit-identical."""
+    return types.void(rec, xu, xd, rows, out, orows, off, wsum), _tile4u_q8_0_codegen
+
+
+def _wsum_q8_0_codegen(context, builder, signature, args):
+    ra, wa = _arrays(context, builder, signature, args)
+    b = builder
+    op = _Ops(b)
+    zero = ir.Constant(_I32x16, None)
+    ones = b.bitcast(ir.Constant(_I8x64, [1] * 64), _I32x16)
+    nrec = b.udiv(b.extract_value(wa.shape, 0), ir.Constant(b.extract_value(wa.shape, 0).type, 16))
+    rec_bytes = SPEC["Q8_0"][1]
+    with cgutils.for_range(b, nrec) as loop:
+        k = loop.index
+        base = b.gep(ra.data, [b.mul(k, ir.Constant(k.type, rec_bytes))])
+        ws = zero
+        for g in range(8):
+            v = b.load(b.bitcast(b.gep(base, [ir.Constant(k.type, 64 * g)]), _I32x16.as_pointer()), align=1)
+            ws = b.call(op.dp512, [ws, ones, v])
+        dst = b.bitcast(b.gep(wa.data, [b.mul(k, ir.Constant(k.type, 16))]), _I32x16.as_pointer())
+        b.store(b.shl(ws, _i32x16(7)), dst, align=4)
+    return context.get_dummy_value()
+
+
+@vnni_intrinsic
+def wsum_q8_0(typingctx, rec, wsum):
+    """128 x the code sums of a Q8_0 tile's records (``tile4u_q8_0``'s table): wsum[16 k + r] = 128 x the sum of
+    row r's 32 codes in record k. rec uint8 [nrec * 544] (one tile), wsum int32 [nrec * 16]."""
+    return types.void(rec, wsum), _wsum_q8_0_codegen
 
 
 tile_q4_0 = _tile_intrinsic("Q4_0")

@@ -210,3 +210,90 @@ def test_float_experts_in_an_int8_prompt_chunk_keep_the_f32_rows(tmp_path, monke
     ref = d["logits"]
     assert (np.abs(out["int8"] - ref).max(axis=1) / np.abs(ref).max()).max() <= 1e-4
     assert not gemm_steps  # float experts never reach the int8 tiles
+
+
+def _step(names, rng, D, Fd, R, K, E, p=None):
+    """A MoE step: E experts (one format name each), R rows routed to K of them (probabilities p), the groups
+    ``experts`` takes."""
+    ex = [e[0] for e in _expert_weights(names, rng, D, Fd)]
+    x = rng.standard_normal((R, D)).astype(np.float32)
+    ids = np.stack([rng.choice(E, K, replace=False, p=p) for _ in range(R)])
+    flat = ids.reshape(-1)
+    groups = [(np.nonzero(flat == e)[0] // K, np.nonzero(flat == e)[0]) for e in range(E)]
+    keep = [e for e in range(E) if len(groups[e][0])]
+    return [ex[e] for e in keep], x, [groups[e] for e in keep]
+
+
+def _run(ex, groups, x, R, K, D, **patch):
+    po = np.full((R * K, D), np.nan, np.float32)
+    with pytest.MonkeyPatch.context() as m:
+        for k, v in patch.items():
+            m.setattr(X, k, v)
+        X.experts(ex, groups, X.Act(x, "int8"), po, X.ACT_SWIGLU, 0.0, "int8")
+    assert not np.isnan(po).any()
+    return po
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "IQ4_NL"])
+def test_t16_prompt_experts_equal_the_row_path_bit_for_bit(name, monkeypatch):
+    """t16 experts in a prompt chunk (the engine's int8 layout): the GEMM path (Q8_0: ``tile4u_q8_0``, the codes
+    + 128 and the weight sums made outside the record loop; the others their ``tile4`` on the rows in place) with
+    row blocks of 64, 8 and 4 rows gives every pair's output bit for bit as the grouped row path (``tile4_q8_0``
+    with its own +128 and sums: GEMM_MIN_ROWS out of reach), on experts of 1 to ~70 rows."""
+    monkeypatch.setattr(F, "TILES", True)
+    rng = np.random.default_rng(len(name))
+    D, Fd, R, K, E = 128, 64, 48, 2, 5
+    ex, x, groups = _step([name] * E, rng, D, Fd, R, K, E, p=[0.66, 0.2, 0.1, 0.03, 0.01])
+    assert ex[0].gate.layout == "t16"
+    want = _run(ex, groups, x, R, K, D, GEMM_MIN_ROWS=10**9)
+    for rb in (64, 8, 4):
+        np.testing.assert_array_equal(_run(ex, groups, x, R, K, D, GEMM_ROW_BLOCK=rb), want)
+
+
+def test_row_layout_prompt_experts_do_not_depend_on_the_row_blocks():
+    """The row layouts' tiles (``gemm_i8.tiles``) split into row blocks of 4 and 8 (a block of 1-3 rows: its
+    tile starts back in the expert's rows) give the bits of one block per expert."""
+    rng = np.random.default_rng(11)
+    D, Fd, R, K, E = 128, 64, 45, 2, 4
+    ex, x, groups = _step(["Q8_0"] * E, rng, D, Fd, R, K, E, p=[0.6, 0.25, 0.1, 0.05])
+    assert ex[0].gate.layout == "rows"
+    want = _run(ex, groups, x, R, K, D, GEMM_ROW_BLOCK=10**6)
+    for rb in (4, 8):
+        np.testing.assert_array_equal(_run(ex, groups, x, R, K, D, GEMM_ROW_BLOCK=rb), want)
+
+
+def test_work_items_split_experts_by_weight_and_row_blocks():
+    """``work_items``: every (expert, 16-row weight block, routed row) once, row blocks of at most rb rows inside
+    each weight block; one expert of 200 rows and 4 weight blocks is 16 items at rb 64 (4 without the split)."""
+    nblk = np.array([4, 2, 3], np.int64)
+    pstart = np.array([0, 200, 201, 203], np.int64)
+    it = X.work_items(nblk, pstart, np.int64(64))
+    assert len(it) == 4 * 4 + 2 * 1 + 3 * 1
+    assert it[:4].tolist() == [[0, 0, 0, 64], [0, 0, 64, 128], [0, 0, 128, 192], [0, 0, 192, 200]]
+    seen = set()
+    for e, c0, p0, p1 in it.tolist():
+        assert 0 < p1 - p0 <= 64 and pstart[e] <= p0 and p1 <= pstart[e + 1]
+        seen |= {(e, c0, p) for p in range(p0, p1)}
+    assert seen == {(e, 16 * c, p) for e in range(3) for c in range(nblk[e]) for p in range(pstart[e], pstart[e + 1])}
+    assert len(seen) == sum(nblk[e] * (pstart[e + 1] - pstart[e]) for e in range(3))
+
+
+@pytest.mark.parametrize("name,made", [("Q8_0", True), ("Q4_0", False)])
+def test_the_codes_plus_128_are_made_only_for_weights_that_read_them(name, made, monkeypatch):
+    """``Act.u8`` (the step's codes + 128) is made for Q8_0 t16 experts and kept on the Act; Q4_0's tiles read
+    the signed codes, so its prompt step makes none (neither for gate/up nor in down's quantization)."""
+    monkeypatch.setattr(F, "TILES", True)
+    rng = np.random.default_rng(4)
+    D, Fd, R, K, E = 128, 64, 16, 2, 2
+    ex, x, groups = _step([name] * E, rng, D, Fd, R, K, E)
+    act = X.Act(x, "int8")
+    acts = []
+    orig = X.Act
+    monkeypatch.setattr(X, "Act", lambda *a, **k: (acts.append(orig(*a, **k)), acts[-1])[1])
+    po = np.empty((R * K, D), np.float32)
+    X.experts(ex, groups, act, po, X.ACT_SWIGLU, 0.0, "int8")
+    assert len(acts) == 1    # down's activations
+    assert (act.xu is not None) is made and (acts[0].xu is not None) is made
+    if made:
+        np.testing.assert_array_equal(act.xu, G.act_u8(act.xq))
+        np.testing.assert_array_equal(acts[0].xu, G.act_u8(acts[0].xq))
