@@ -388,9 +388,11 @@ say "done"
 # when it has room; CP_SYNTH more options), llama-bench of both trees from .peers' tarballs (ik_llama.cpp without AMX
 # code where cpu_kernels.amx says the tile instructions do not run; CP_LLB / CP_IKB: binaries already built) and
 # coli's kernels compiled by a tiny pp32; then scripts/bench/vs_llamacpp.py (-r 1 --rounds 1, no tg) for each run of
-# CP_RUNS ("peers ub256 t1"): pp128/512/2048 at CP_THREADS (16), the same with COLI_UBATCH=256 (coli only), pp128 at
-# 1 thread. A second call on the warm machine reuses the files, builds and kernels. Output in $OUT: run.log,
-# vs16.json, ub256.json, vs1.json, the builds' and generators' logs.
+# CP_RUNS ("peers ub256 t1 experts"): pp128/512/2048 at CP_THREADS (16), the same with COLI_UBATCH=256 (coli only),
+# pp128 at 1 thread, then one MoE layer's prompt experts alone (scripts/bench/kernels.py --op experts, OLMoE's
+# shapes (CP_EXPERTS: more options), 64 and 256 rows, at CP_THREADS and 1 thread: the expert GEMM's scaling). A
+# second call on the warm machine reuses the files, builds and kernels. Output in $OUT: run.log, vs16.json,
+# ub256.json, vs1.json, experts16.json, experts1.json, the builds' and generators' logs.
 cpu_prefill() {
 SETUP=${CP_SETUP:-1} begin /tmp/cpout run.log "${CP_DEADLINE:-545}"
 NT=${CP_THREADS:-16}
@@ -420,11 +422,18 @@ vs() {  # json, threads, prompt lengths, more arguments
     --json "$OUT/$1.json" $4
   say "rc $?"
 }
-for run in ${CP_RUNS:-peers ub256 t1}; do
+for run in ${CP_RUNS:-peers ub256 t1 experts}; do
   case $run in
     peers) vs vs$NT "$NT" 128,512,2048 "" ;;
     ub256) COLI_UBATCH=256 vs ub256 "$NT" 128,512,2048 "--peers=" ;;
     t1) vs vs1 1 128 "" ;;
+    experts) for t in "$NT" 1; do
+        say "kernels.py --op experts --threads $t ($(left) s left)"
+        timeout $(( $(left) > 20 ? $(left) : 20 )) $PY scripts/bench/kernels.py --op experts --threads $t \
+          --rows 64,256 --reps 3 ${CP_EXPERTS:-} --json > "$OUT/experts$t.json" 2> /tmp/cpw/experts.err
+        say "rc $?"; tail -2 /tmp/cpw/experts.err
+        $PY -c "import json,sys; [print(f\"  {x['format']} rows {x['rows']} {x['arm']}: {x['ms']:.1f} ms, {x['gmacs']:.0f} GMAC/s\") for x in json.load(open(sys.argv[1]))]" "$OUT/experts$t.json"
+      done ;;
   esac
 done
 }

@@ -8,6 +8,7 @@ alternating rounds (the machine is shared): quote them with the load average pri
     python scripts/bench/kernels.py --op dsv4 [--threads N] [--ctx 1024,8192,65536]
     python scripts/bench/kernels.py --op deltanet [--threads 2] [--fmt Q8_0] [--act f32|int8] [--reps 20] [--json]
     python scripts/bench/kernels.py --op gpu [--D 2048] [--F 1024] [--E 64] [--rows 1,4,16,64] [--small]
+    python scripts/bench/kernels.py --op experts [--threads 2] [--formats Q8_0,Q4_0] [--rows 64,256] [--E 64]
 
 Whole models are ``coli bench``'s (docs/benchmarks.md): one decode token over a real model's matrices is
 ``coli bench -m smollm2 -p 0 -n 32`` (weight GB/s), the memory-read probe beside it ``--bandwidth``, a tiny oracle's
@@ -33,6 +34,13 @@ cache bytes); a 256-row prefill in one block vs row by row (outputs compared).
 ``gpu``: weight GB/s of the Vulkan expert batch (E experts of D x F per format, 1/4/16/64 rows an expert: GEMV
 below COLI_VK_TIER_GEMM_ROWS, tiled GEMM from there; device time by timestamps, best of ``--reps``) beside the
 device's measured copy bandwidth; ``--small``: D=256 F=256 E=8 (a quick run on Lavapipe).
+
+``experts``: one MoE layer's CPU experts for a prompt step (``cpu_kernels.experts.experts``: gate/up, activation,
+down; the step's int8 quantization included) at OLMoE-1B-7B's shapes (D 2048, F 1024, E 64, top-8; t16 weights,
+random valid blocks, routing uniform or ``--hot`` experts taking ``--skew`` of it), for each step size of
+``--rows``: milliseconds per step (median of ``--reps`` alternated rounds), rows/s and int8 GMAC/s, beside the
+grouped row path on the same step (``--arms gemm,rows``; GEMM_MIN_ROWS out of reach). Which ``cpu_kernels`` ran is
+printed: run it under two trees (``PYTHONPATH=TREE``) in turn for a before/after.
 """
 from __future__ import annotations
 
@@ -505,7 +513,73 @@ def gpu_main(argv=None):
 
 
 
-OPS = {"formats": formats_main, "mla": mla_main, "dsv4": dsv4_main, "deltanet": deltanet_main, "gpu": gpu_main}
+def experts_main(argv=None):
+    ap = argparse.ArgumentParser(prog="kernels.py --op experts", description=about(__doc__, "experts"))
+    ap.add_argument("--threads", type=int, default=cpu_kernels.default_threads())
+    ap.add_argument("--formats", default="Q8_0,Q4_0")
+    ap.add_argument("--rows", default="64,256", help="the step's rows (comma list)")
+    ap.add_argument("--D", type=int, default=2048)
+    ap.add_argument("--F", type=int, default=1024)
+    ap.add_argument("--E", type=int, default=64)
+    ap.add_argument("--K", type=int, default=8)
+    ap.add_argument("--hot", type=int, default=0, help="experts that take --skew of the routings (0: uniform)")
+    ap.add_argument("--skew", type=float, default=0.8)
+    ap.add_argument("--arms", default="gemm,rows", help="gemm (the prompt GEMM path) and/or rows (the row path)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    cpu_kernels.set_threads(a.threads)
+    rng = np.random.default_rng(0)
+    out = []
+    print(f"cpu_kernels: {grouped.__file__}; threads {a.threads}; load {' '.join(load())}", file=sys.stderr)
+    for name in a.formats.split(","):
+        ws = []
+        for _ in range(a.E):
+            g, u, d = (F.prepare(name, random_raw(name, O, I, rng), (O, I))
+                       for O, I in ((a.F, a.D), (a.F, a.D), (a.D, a.F)))
+            ws.append(types.SimpleNamespace(gate=g, up=u, down=d))
+        for R in (int(r) for r in a.rows.split(",")):
+            p = np.full(a.E, 1.0 / a.E)
+            if a.hot:
+                p[:a.hot] = a.skew / a.hot
+                p[a.hot:] = (1 - a.skew) / (a.E - a.hot)
+            ids = np.stack([rng.choice(a.E, a.K, replace=False, p=p) for _ in range(R)])
+            flat = ids.reshape(-1)
+            used = [e for e in range(a.E) if (flat == e).any()]
+            groups = [(np.nonzero(flat == e)[0] // a.K, np.nonzero(flat == e)[0]) for e in used]
+            x = rng.standard_normal((R, a.D)).astype(np.float32)
+            po = np.empty((R * a.K, a.D), np.float32)
+            wl = [ws[e] for e in used]
+
+            def run(min_rows):
+                old = grouped.GEMM_MIN_ROWS
+                grouped.GEMM_MIN_ROWS = min_rows
+                try:
+                    grouped.experts(wl, groups, grouped.Act(x, "int8"), po, grouped.ACT_SWIGLU, 0.0, "int8")
+                finally:
+                    grouped.GEMM_MIN_ROWS = old
+
+            arms = {k: v for k, v in (("gemm", lambda: run(grouped.GEMM_MIN_ROWS)), ("rows", lambda: run(10**9)))
+                    if k in a.arms.split(",")}
+            t = alternate(arms, a.reps)
+            macs = 3.0 * R * a.K * a.D * a.F
+            for arm, sec in t.items():
+                rec = {"format": name, "layout": ws[0].gate.layout, "rows": R, "experts_used": len(used),
+                       "max_rows": max(len(g[0]) for g in groups), "arm": arm, "ms": sec * 1e3,
+                       "rows_per_s": R / sec, "gmacs": macs / sec / 1e9, "threads": a.threads, "load": load()}
+                out.append(rec)
+                if not a.json:
+                    print(f"{name:6s} {rec['layout']:4s} rows {R:5d} experts {len(used):3d} (max {rec['max_rows']:4d} "
+                          f"rows) {arm:4s}: {rec['ms']:9.2f} ms  {rec['rows_per_s']:9.1f} rows/s  "
+                          f"{rec['gmacs']:7.1f} GMAC/s  load {' '.join(rec['load'])}", flush=True)
+        del ws
+    if a.json:
+        print(json.dumps(out))
+    return 0
+
+
+OPS = {"formats": formats_main, "mla": mla_main, "dsv4": dsv4_main, "deltanet": deltanet_main, "gpu": gpu_main,
+       "experts": experts_main}
 
 
 if __name__ == "__main__":
