@@ -58,12 +58,16 @@ files": the commands for files of about 5 GB).
 ``--check`` (after writing): generates 48 tokens with coli (CPU) from a fresh routing history and prints, per
 layer, the share of routings its hottest quarter took (from the history's counts), and the whole file's.
 
-The file is written atomically (temp file, then rename).
+The file is written atomically (temp file, then rename). Each tensor's bytes go to a spill file of their own (a
+folder beside the output) as soon as the tensor is made and are appended to the output, and deleted, once the header
+is written, so a file bigger than the machine's RAM can be made: memory holds about one layer, the disk the file
+plus one tensor.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -175,6 +179,45 @@ def deltanet_layer(w, rng, p: str, a, t: str) -> None:
     w.add_tensor(p + "ssm_out.weight", **mat(rng, d, Hv * dk, t, 1.0 / np.sqrt(Hv * dk)))
 
 
+def spilling_writer(path: Path, arch: str):
+    """A ``gguf.GGUFWriter`` for ``path`` whose ``add_tensor`` writes the tensor's bytes to a file of their own in
+    ``path`` + ``.spill/`` at once (keeping only the tensor's info in memory) and whose ``write_tensors_to_file``
+    appends those files in order with GGUFWriter's padding, deleting each once copied: the same bytes as the
+    in-memory writer's."""
+    import gguf
+    from gguf.gguf_writer import WriterState
+
+    class SpillingWriter(gguf.GGUFWriter):
+        def __init__(self):
+            super().__init__(str(path), arch)
+            self.spill = path.with_name(path.name + ".spill")
+            shutil.rmtree(self.spill, ignore_errors=True)
+            self.spill.mkdir()
+            self.spilled: list[Path] = []
+
+        def add_tensor(self, name, tensor, raw_shape=None, raw_dtype=None, tensor_endianess=None):
+            super().add_tensor(name, tensor, raw_shape, raw_dtype, tensor_endianess)
+            ti = self.tensors[-1][name]
+            f = self.spill / f"{len(self.spilled):06d}"
+            ti.tensor.tofile(f)
+            ti.tensor = None                    # the bytes are on disk now; only the info stays
+            self.spilled.append(f)
+
+        def write_tensors_to_file(self, *, progress: bool = False) -> None:
+            self.write_ti_data_to_file()
+            fout = self.fout[0]
+            self.write_padding(fout, fout.tell())
+            for f, ti in zip(self.spilled, self.tensors[0].values()):
+                with open(f, "rb") as src:
+                    shutil.copyfileobj(src, fout, 16 << 20)
+                f.unlink()
+                self.write_padding(fout, ti.nbytes)
+            self.spill.rmdir()
+            self.state = WriterState.WEIGHTS
+
+    return SpillingWriter()
+
+
 def main(argv=None):
     import gguf
 
@@ -215,7 +258,7 @@ def main(argv=None):
     rng = np.random.default_rng(a.seed)
     out = Path(a.out)
     tmp = out.with_name(out.name + ".tmp")
-    w = gguf.GGUFWriter(str(tmp), ARCHS[a.arch][0])
+    w = spilling_writer(tmp, ARCHS[a.arch][0])
     d, F, E, L = a.d, a.expert_ff, a.experts, a.layers
     hd, te = a.head_dim or d // a.heads, a.expert_type or a.type
     w.add_name("coli synthetic MoE (random weights)")

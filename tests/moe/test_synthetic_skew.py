@@ -41,3 +41,27 @@ def test_skewed_file_keeps_dimension_0_constant(tmp_path, qtype):
         assert np.all(t[f"blk.{il}.attn_output.weight"][0] == 0) and np.any(t[f"blk.{il}.attn_output.weight"][1] != 0)
         assert np.all(t[f"blk.{il}.ffn_down_exps.weight"][:, 0, :] == 0)
         assert np.count_nonzero(t[f"blk.{il}.ffn_gate_inp.weight"][:, 0]) == 2          # a quarter of 8 experts
+
+
+def test_spilled_file_equals_the_in_memory_writers(tmp_path, monkeypatch):
+    """The file is written through per-tensor spill files (so one bigger than RAM can be made): byte for byte what
+    gguf's in-memory GGUFWriter writes for the same arguments, the spill folder gone, no tensor kept in memory."""
+    import gguf
+
+    argv = ["--layers", "2", "--d", "64", "--heads", "2", "--experts", "8", "--top-k", "2", "--expert-ff", "64",
+            "--vocab", "64"]
+    writers = []
+    real = msm.spilling_writer
+
+    def spy(path, arch):
+        writers.append(real(path, arch))
+        return writers[-1]
+
+    monkeypatch.setattr(msm, "spilling_writer", spy)
+    msm.main(["-o", str(tmp_path / "spilled.gguf"), *argv])
+    monkeypatch.setattr(msm, "spilling_writer", lambda path, arch: gguf.GGUFWriter(str(path), arch))
+    msm.main(["-o", str(tmp_path / "memory.gguf"), *argv])
+    assert (tmp_path / "spilled.gguf").read_bytes() == (tmp_path / "memory.gguf").read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["memory.gguf", "spilled.gguf"]
+    assert len(writers) == 1 and len(writers[0].spilled) == len(writers[0].tensors[0]) > 10
+    assert all(ti.tensor is None for ti in writers[0].tensors[0].values())
