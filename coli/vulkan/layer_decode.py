@@ -11,6 +11,16 @@ import numpy as np
 from coli.vulkan.layer_plan import hidden_width, is_deltanet
 
 
+def _qk_words(d: dict, eps: int, fuse: bool) -> list:
+    """rope_kv.comp's words u8..u13 for layer ``d``: its q/k norms' weight addresses (low, high word each), their
+    eps (f32 bits) and mode (1 heads, 2 full), or none (an empty list: the words stay 0) where ``fuse`` is off."""
+    if not fuse:
+        return []
+    qa, ka = d["q_norm"].addr, d["k_norm"].addr
+    mode = 1 if d["qk_norm"] == "heads" else 2
+    return [qa & 0xFFFFFFFF, qa >> 32, ka & 0xFFFFFFFF, ka >> 32, eps, mode]
+
+
 class DecodeRow:
     """One decode token through :class:`DeviceLayers`: ``__call__(h, cache, pos0) -> (h, logits)`` (the class's
     docstring), its program :meth:`_ops` recorded once (``rec``), or cut for the host's experts (``segs``:
@@ -95,7 +105,10 @@ class DecodeRow:
             if "gate" in d:     # Qwen3-Next's output gate rows after v
                 ops.append(Dispatch("lmv", (-(-nq * hd // R),), [d["gate"][0].addr, xn, qkv + 4 * self.nqkv, 0],
                                     [nq * hd, D, 0], type_name=d["gate"][1], wait=False))
-            if "qk_norm" in d:   # in place on the q and k parts of qkv (heads: one row a head; full: one row)
+            # the q/k norms inside rope_kv (its u8..u13) where it runs; else in place on qkv's q and k parts
+            # (heads: one row a head; full: one row)
+            fuse_qk = "qk_norm" in d and "mla" not in d and "dn" not in d
+            if "qk_norm" in d and not fuse_qk:
                 heads = d["qk_norm"] == "heads"
                 kaddr = qkv + 4 * nq * hd
                 lkv = d["nkv"]
@@ -110,8 +123,8 @@ class DecodeRow:
             ops += [] if "mla" in d or "dn" in d else [
                 Dispatch("rope_kv", (nq + d["nkv"],), [qkv, self.q.addr, d["K"].addr, d["V"].addr,
                                                        d["cos"].addr, d["sin"].addr, self.params.addr, kvo],
-                         [nq, d["nkv"], hd, d["n_rot"], ctx, d["rope_kind"], f32_bits(d["vscale"]), d["hdv"]],
-                         mode=self.kv_mode),
+                         [nq, d["nkv"], hd, d["n_rot"], ctx, d["rope_kind"], f32_bits(d["vscale"]), d["hdv"],
+                          *_qk_words(d, eps, fuse_qk)], mode=self.kv_mode),
                 *self._attn_dec(d),
                 # Qwen3-Next: the attention output times sigmoid(gate), the gate rows after v in qkv
                 *([Dispatch("deltanet", (-(-nq * hd // self.K.wg), 1), [self.ao.addr, qkv],

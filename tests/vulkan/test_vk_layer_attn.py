@@ -554,3 +554,63 @@ def test_attn_pre_typed(kern, kt, vt, hd):
               [NQ, NKV, hd, CTX, f32_bits(scale), R, 0, 0], mode | kv_mode((kt, vt)))
     got = bo.f32(q.size).reshape(q.shape)
     assert rel_err(got, ref) <= tol, (kern_name, rel_err(got, ref))
+
+
+@pytest.mark.parametrize("mode", ["heads", "full"])
+@pytest.mark.parametrize("rope_kind", [0, 2], ids=["norm", "neox"])
+def test_rope_kv_with_qk_norm(kern, mode, rope_kind):
+    """rope_kv.comp with the q/k RMSNorm inside it (u8..u13: Qwen3's per-head norms, OLMoE's over the whole q and k
+    rows): q and k normed (cpu_kernels.norms) then rotated (cpu_kernels.rope) within TOL, and bit for bit what
+    rmsnorm.comp in place on qkv followed by a plain rope_kv.comp writes (q, the K and V cache rows, the readback)."""
+    from coli.models.rope_scaling import RopeScaling
+    from coli.vulkan.layers import Dispatch, f32_bits
+    from cpu_kernels.norms import rms_norm, rms_norm_heads
+    from cpu_kernels.rope import apply_rope
+    hd, n_rot, pos, eps = 64, 32, 9, 1e-6
+    rng = np.random.default_rng(5 + rope_kind)
+    cos, sin = RopeScaling().table(CTX, n_rot, 10000.0)
+    qkv = (rng.standard_normal((NQ + 2 * NKV) * hd) * 3).astype(np.float32)
+    nw = {"q": (1 + 0.5 * rng.standard_normal(hd if mode == "heads" else NQ * hd)).astype(np.float32),
+          "k": (1 + 0.5 * rng.standard_normal(hd if mode == "heads" else NKV * hd)).astype(np.float32)}
+    q = qkv[:NQ * hd].reshape(1, NQ, hd).copy()
+    kk = qkv[NQ * hd:(NQ + NKV) * hd].reshape(1, NKV, hd).copy()
+    if mode == "heads":
+        rms_norm_heads(q, nw["q"], eps), rms_norm_heads(kk, nw["k"], eps)
+    else:
+        q = rms_norm(q.reshape(1, -1), nw["q"], eps).reshape(1, NQ, hd)
+        kk = rms_norm(kk.reshape(1, -1), nw["k"], eps).reshape(1, NKV, hd)
+    p = np.array([pos], np.int64)
+    apply_rope(q, p, cos, sin, n_rot, rope_kind)
+    apply_rope(kk, p, cos, sin, n_rot, rope_kind)
+    bw = {n: _buf(kern, w) for n, w in nw.items()}
+    bcos, bsin, bpar = _buf(kern, cos), _buf(kern, sin), _buf(kern, np.array([pos, 0, 0, 0], np.uint32))
+    words = [NQ, NKV, hd, n_rot, CTX, rope_kind, 0, hd]
+    got = []
+    for fused in (True, False):
+        bqkv, bq, bkvo = _buf(kern, qkv), kern.buffer(NQ * hd * 4), kern.buffer(2 * NKV * hd * 4)
+        bk, bv = _buf(kern, np.zeros((NKV, CTX, hd), np.float32)), _buf(kern, np.zeros((NKV, CTX, hd), np.float32))
+        ops = []
+        if not fused:   # decode's former program: the norms in place on qkv, then the rope
+            heads, ka = mode == "heads", bqkv.addr + 4 * NQ * hd
+            ops = [Dispatch("rmsnorm", (NQ if heads else 1,), [bqkv.addr, bw["q"].addr, bqkv.addr],
+                            [hd if heads else NQ * hd, f32_bits(eps)]),
+                   Dispatch("rmsnorm", (NKV if heads else 1,), [ka, bw["k"].addr, ka],
+                            [hd if heads else NKV * hd, f32_bits(eps)], wait=False)]
+        qa, kw = bw["q"].addr, bw["k"].addr
+        extra = [qa & 0xFFFFFFFF, qa >> 32, kw & 0xFFFFFFFF, kw >> 32, f32_bits(eps), 1 if mode == "heads" else 2]
+        ops.append(Dispatch("rope_kv", (NQ + NKV, 1, 1), [b.addr for b in (bqkv, bq, bk, bv, bcos, bsin, bpar, bkvo)],
+                            words + (extra if fused else [])))
+        rec = kern.record(ops)
+        try:
+            kern.submit(rec)
+        finally:
+            kern.free(rec)
+        got.append([bq.f32(NQ * hd).copy(), bk.f32(NKV * CTX * hd).copy(), bv.f32(NKV * CTX * hd).copy(),
+                    bkvo.f32(2 * NKV * hd).copy()])
+    gq, gk = got[0][0], got[0][1].reshape(NKV, CTX, hd)[:, pos]
+    assert rel_err(gq, q.reshape(-1)) <= TOL, rel_err(gq, q.reshape(-1))
+    assert rel_err(gk, kk[0]) <= TOL, rel_err(gk, kk[0])
+    np.testing.assert_array_equal(got[0][2].reshape(NKV, CTX, hd)[:, pos],
+                                  qkv[(NQ + NKV) * hd:].reshape(NKV, hd))     # v is not normed
+    for a, b in zip(*got):
+        np.testing.assert_array_equal(a, b)
