@@ -268,7 +268,9 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
             ex = "every routed expert on the device, one submit a decode token"
         else:
             E = self.E
-            res = sum(int(self.resident[il].sum()) if il in self.resident else E for il in self.layers)
+            moe = [d["il"] for d in self.per if "tab" in d]     # a dense layer (DeepSeek's first) routes nothing
+            res = sum(int(self.resident[il].sum()) if il in self.resident else E for il in moe)
+            n = len(moe)
             cut = len(self.resident)
             how = ("one submit a token, the host joining through a timeline semaphore" if self.chain else
                    "a submit and a wait each: the program cut there")

@@ -179,3 +179,16 @@ def test_the_device_run_starts_at_a_full_indexer_layer(glm_q32):
         assert layer_plan.plan(m, 1 << 40, 32, want=3)[0] == 1
     finally:
         e.close()
+
+
+def test_start_line_counts_the_moe_layers_experts_only(glm_q32):
+    """--cpu-moe on GLM-5 (its first layer dense): the start line counts the routed experts of the MoE layers only,
+    none of them on the device (a dense layer routes nothing; it was counted as E experts, all resident)."""
+    e = device_engine(glm_q32, COLI_VK_LAYERS=-1, COLI_VK_CPU_MOE=-1, ctx=64)
+    try:
+        dl = e.model.device_layers
+        n_moe = sum("tab" in d for d in dl.per)
+        assert 0 < n_moe < len(dl.per)
+        assert f"routed experts: 0 of {dl.E * n_moe} on the device" in dl.describe()
+    finally:
+        e.close()
