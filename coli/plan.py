@@ -58,8 +58,8 @@ def _device_info(label: str, index: int | None = None):
     try:
         dev = cvk.open_device(label, quiet=True, required=True, device_index=index,
                               index_name=None if index is None else flag)
-    except cvk.VulkanError as e:
-        raise ColiError(f"{flag}: {e}") from None
+    except cvk.VulkanError as e:     # an index's error names the flag already (index_name)
+        raise ColiError(str(e) if str(e).startswith(flag) else f"{flag}: {e}") from None
     try:
         return DeviceMemory.of(dev)
     finally:

@@ -138,7 +138,7 @@ def test_plan_device_index_as_coli_run_takes_it(tiny, capsys):
     assert got["device"] == want["device"] is not None and got["device_budget_bytes"] == want["device_budget_bytes"]
     assert main([*args, "--device", "vulkan:7"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("coli: --device vulkan:7: "), err
+    assert len(err) == 1 and err[0].startswith("coli: --device vulkan:7: no device 7"), err     # the flag named once
     assert main([*args, "--device", "vulkan:x"]) == 2
     assert "--device vulkan:x: N is a device number" in capsys.readouterr().err
 
