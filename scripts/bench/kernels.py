@@ -46,12 +46,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import types
 from pathlib import Path
 
-import cpu_kernels  # noqa: F401  (threading layer before numba)
+if not os.environ.get("PYTHONPATH"):    # this checkout's coli, not the one installed (PYTHONPATH=TREE picks a tree)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import cpu_kernels  # noqa: E402,F401  (threading layer before numba)
 import numpy as np
 
 from coli.types import table as TT

@@ -27,7 +27,11 @@ import subprocess
 import sys
 import time
 
-from timing import about, run_op
+from pathlib import Path
+
+if not os.environ.get("PYTHONPATH"):    # this checkout's coli, not the one installed (as the other scripts)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from timing import about, run_op  # noqa: E402
 
 MiB = 1 << 20
 
