@@ -112,7 +112,7 @@ def _open_engine(a, quiet=False, save_usage=True):
 
     device, index = device_flag(a.device)
     tier_flags = [f for f, on in (("--balance", a.balance is True), ("--no-balance", a.balance is False),
-                                  ("--reproducible", a.reproducible)) if on]
+                                  ("--reproducible", a.reproducible), ("--tier-gb", a.tier_gb is not None)) if on]
     if device is None and (tier_flags or settings.get("COLI_VULKAN")):
         device = "vulkan"   # the tier's flags open the best Vulkan device, as --device vulkan does
     if tier_flags and device == "cpu":

@@ -101,14 +101,15 @@ def test_device_flags_parsed(capsys):
 
 
 def test_tier_flags_open_the_device(capsys, monkeypatch):
-    """--balance, --no-balance and --reproducible each open the device tier (as --device vulkan does), with their
-    balancer setting; with --device cpu each is an error naming the flag, before a model loads."""
+    """--balance, --no-balance, --reproducible and --tier-gb each open the device tier (as --device vulkan does), with
+    their balancer setting; with --device cpu each is an error naming the flag, before a model loads (a --tier-gb
+    without the device was ignored without a word)."""
     import coli.engine
     from coli.cli import main
 
-    for flag in ("--balance", "--no-balance", "--reproducible"):
-        assert main(["run", "-m", "smollm2", "-p", "x", "--device", "cpu", flag]) == 2
-        assert f"{flag} needs the device: drop --device cpu" in capsys.readouterr().err
+    for flag in ("--balance", "--no-balance", "--reproducible", "--tier-gb 1"):
+        assert main(["run", "-m", "smollm2", "-p", "x", "--device", "cpu", *flag.split()]) == 2
+        assert f"{flag.split()[0]} needs the device: drop --device cpu" in capsys.readouterr().err
     seen = []
 
     class Opened(Exception):
@@ -119,10 +120,10 @@ def test_tier_flags_open_the_device(capsys, monkeypatch):
         raise Opened
 
     monkeypatch.setattr(coli.engine, "Engine", fake_engine)
-    for flag in ("--balance", "--no-balance", "--reproducible"):
+    for flag in ("--balance", "--no-balance", "--reproducible", "--tier-gb 1"):
         with pytest.raises(Opened):
-            main(["run", "-m", "smollm2", "-p", "x", flag])
-    assert seen == [("vulkan", True), ("vulkan", False), ("vulkan", False)]
+            main(["run", "-m", "smollm2", "-p", "x", *flag.split()])
+    assert seen == [("vulkan", True), ("vulkan", False), ("vulkan", False), ("vulkan", None)]
 
 
 def test_flags_reach_the_tier(tmp_path):
