@@ -496,6 +496,8 @@ def cmd_bench(a) -> int:
             print(f"coli bench: {rec['test']} at {rec['n_threads']} threads: {rec['avg_ts']:.2f} t/s",
                   file=sys.stderr)
 
+    if a.ctx is None:  # llama-bench's n_ctx (n_prompt + n_gen): the budget keeps no room for a KV cache no test uses
+        a.ctx = max([*pp, *tg]) + 1
     recs = []
     for ngl in ngls:  # llama-bench's -ngl list: a model (here an engine) per value
         a.gpu_layers = ngl

@@ -232,3 +232,24 @@ def test_compile_bar_on_a_terminal():
         os.close(m)
     assert r.returncode == 0
     assert "compiling the CPU kernels, once" in out
+
+
+def test_bench_context_is_the_longest_test(tiny, capsys, monkeypatch):
+    """Without --ctx the engine gets llama-bench's n_ctx, the longest test plus one (run_bench's need), so the memory
+    budget does not reserve a whole trained context's KV cache (it would shrink the RAM expert cache) that no test
+    writes; a given --ctx is kept."""
+    import coli.cli as cli
+
+    seen = []
+    real = cli._open_engine
+
+    def spy(a, **kw):
+        eng = real(a, **kw)
+        seen.append(eng.ctx)
+        return eng
+
+    monkeypatch.setattr(cli, "_open_engine", spy)
+    assert cli.main(["bench", "-m", str(tiny), "-p", "4,6", "-n", "3", "-r", "1", "-o", "json"]) == 0
+    assert cli.main(["bench", "-m", str(tiny), "-p", "4", "-n", "0", "-r", "1", "-o", "json", "--ctx", "20"]) == 0
+    assert seen == [7, 20]
+    capsys.readouterr()
