@@ -470,9 +470,13 @@ def gpu_main(argv=None):
     if a.small:
         a.D, a.F, a.E, a.copy_mb = 256, 256, 8, 64
     rows = [int(r) for r in a.rows.split(",")]
-    dev = open_device("bench", budget=64 << 30)
-    if dev is None:
-        return 1
+    from coli.vulkan import VulkanError
+
+    try:   # a benchmark of the device: none is an error (Lavapipe only with COLI_VK_SOFTWARE=1 or COLI_VK_DEV=N)
+        dev = open_device("bench", budget=64 << 30, quiet=True, required=True)
+    except VulkanError as e:
+        print(f"kernels.py --op gpu: {e}", file=sys.stderr)
+        return 2
     print(f"device: {dev.describe()}")
     cp = dev.measure_copy(a.copy_mb << 20)
     copy = 2 * cp["shader"]          # DRAM traffic of a copy: read + write
