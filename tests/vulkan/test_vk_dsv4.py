@@ -1,0 +1,100 @@
+"""DeepSeek-V4's layer kernels without a weight format against the CPU's functions (coli/models/deepseek4.py,
+cpu_kernels/dsv4.py): the hyper-connections (shaders/dsv4_hc.comp). Each at the default workgroup (256) and at
+32, where a workgroup has fewer invocations than some loops have columns."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from tests.vk_util import open_test_device, rel_err, requires_vulkan
+
+pytestmark = requires_vulkan
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def dev():
+    d = open_test_device()
+    yield d
+    d.close()
+
+
+@pytest.fixture(scope="module", params=[256, 32], ids=["wg256", "wg32"])
+def kern(dev, request):
+    from coli.vulkan.layers import Kernels
+    return Kernels(dev, wg=request.param)
+
+
+def _buf(k, a):
+    """A host-visible buffer holding the array ``a``."""
+    a = np.ascontiguousarray(a)
+    b = k.buffer(max(a.nbytes, 4))
+    k.upload(b, a)
+    return b
+
+
+def _run(k, kernel, groups, addrs, words):
+    from coli.vulkan.layers import Dispatch
+    rec = k.record([Dispatch(kernel, groups, [b.addr for b in addrs], words)])
+    try:
+        k.submit(rec)
+    finally:
+        k.free(rec)
+
+
+# -- hyper-connections ----------------------------------------------------------------------------------------
+
+def _hc_site(rng, hc, D, head, iters):
+    """A stand-in ``deepseek4.HyperConnection`` (its attributes; ``__call__`` is the CPU's) with random weights."""
+    n = hc if head else (2 + hc) * hc
+    return SimpleNamespace(hc=hc, iters=iters, eps=np.float32(1e-6), norm_eps=1e-6, head=head,
+                           fn=(rng.standard_normal((n, hc * D)) * 0.05).astype(np.float32),
+                           base=(rng.standard_normal(n) * 0.5).astype(np.float32),
+                           scale=(1 + rng.random(1 if head else 3)).astype(np.float32))
+
+
+@pytest.mark.parametrize("T,hc,D,iters", [(1, 4, 32, 20), (5, 4, 2880, 20), (3, 2, 96, 1), (2, 8, 64, 3)])
+def test_hc_pre_and_mix(kern, T, hc, D, iters):
+    """Mode 0 against ``HyperConnection.__call__`` (post, comb after the Sinkhorn steps, x = sum_j pre_j S_j) and
+    mode 2 against ``HyperConnection.mix``, in place and not, within 1e-5; the streams unequal in size (so a swap
+    of j and k in comb, or a missing RMS, shows)."""
+    from coli.models.deepseek4 import HyperConnection
+    from coli.vulkan.layers import f32_bits
+
+    rng = np.random.default_rng(T * hc * D + iters)
+    S = (rng.standard_normal((T, hc, D)) * np.arange(1, hc + 1)[None, :, None]).astype(np.float32)
+    site = _hc_site(rng, hc, D, False, iters)
+    post, comb, x = HyperConnection.__call__(site, S)
+    bS, bfn, bb, bs = _buf(kern, S), _buf(kern, site.fn), _buf(kern, site.base), _buf(kern, site.scale)
+    bx, bpc = kern.buffer(4 * T * D), kern.buffer(4 * T * (hc + hc * hc))
+    _run(kern, "dsv4_hc", (T, 1, 1), [bS, bfn, bb, bs, bx, bpc], [D, hc, 0, f32_bits(1e-6), f32_bits(1e-6), iters])
+    pc = bpc.f32(T * (hc + hc * hc)).reshape(T, hc + hc * hc)
+    assert rel_err(pc[:, :hc], post) <= TOL, rel_err(pc[:, :hc], post)
+    assert rel_err(pc[:, hc:].reshape(T, hc, hc), comb) <= TOL, rel_err(pc[:, hc:].reshape(T, hc, hc), comb)
+    assert rel_err(bx.f32(T * D).reshape(T, D), x) <= TOL, rel_err(bx.f32(T * D).reshape(T, D), x)
+    y = rng.standard_normal((T, D)).astype(np.float32)
+    ref = HyperConnection.mix(S, post, comb, y)
+    by = _buf(kern, y)
+    for inplace in (False, True):
+        bo = bS if inplace else kern.buffer(S.nbytes)
+        _run(kern, "dsv4_hc", (-(-D // kern.wg), T, 1), [bS, bfn, bb, bs, by, bpc, bo], [D, hc, 2])
+        got = bo.f32(S.size).reshape(S.shape)
+        assert rel_err(got, ref) <= TOL, (inplace, rel_err(got, ref))
+
+
+@pytest.mark.parametrize("T,hc,D", [(1, 4, 32), (4, 4, 2880)])
+def test_hc_head(kern, T, hc, D):
+    """Mode 1 (``output_hc_*``: pre only) against ``HyperConnection.__call__`` with ``head``: x within 1e-5."""
+    from coli.models.deepseek4 import HyperConnection
+    from coli.vulkan.layers import f32_bits
+
+    rng = np.random.default_rng(T + D)
+    S = rng.standard_normal((T, hc, D)).astype(np.float32) * np.float32(3)
+    site = _hc_site(rng, hc, D, True, 1)
+    _, _, x = HyperConnection.__call__(site, S)
+    bS, bfn, bb, bs = _buf(kern, S), _buf(kern, site.fn), _buf(kern, site.base), _buf(kern, site.scale)
+    bx = kern.buffer(4 * T * D)
+    _run(kern, "dsv4_hc", (T, 1, 1), [bS, bfn, bb, bs, bx, bx], [D, hc, 1, f32_bits(1e-6), f32_bits(1e-6), 1])
+    assert rel_err(bx.f32(T * D).reshape(T, D), x) <= TOL, rel_err(bx.f32(T * D).reshape(T, D), x)
