@@ -98,3 +98,54 @@ def test_hc_head(kern, T, hc, D):
     bx = kern.buffer(4 * T * D)
     _run(kern, "dsv4_hc", (T, 1, 1), [bS, bfn, bb, bs, bx, bx], [D, hc, 1, f32_bits(1e-6), f32_bits(1e-6), 1])
     assert rel_err(bx.f32(T * D).reshape(T, D), x) <= TOL, rel_err(bx.f32(T * D).reshape(T, D), x)
+
+
+# -- attention ------------------------------------------------------------------------------------------------
+
+def _rope_table(ctx, R2, base=10000.0):
+    ang = np.arange(ctx)[:, None] * base ** (-np.arange(R2) / R2)[None, :]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+@pytest.mark.parametrize("T,pos0,H,hd,W,ratio,K,R2", [
+    (5, 20, 4, 32, 16, 0, 0, 4),          # the oracle's shape, a sliding-only layer: ring and this call's rows
+    (1, 0, 4, 32, 16, 0, 0, 4),           # the first position: its own key and the sink
+    (30, 40, 4, 32, 16, 16, 0, 4),        # HCA: every visible entry, a chunk longer than the window
+    (40, 0, 4, 32, 16, 4, 4, 4),          # CSA from position 0: picks -1 and not yet visible; ring keeps the last W
+    (3, 300, 8, 512, 128, 4, 16, 32),     # V4-Flash's head width, keys past one block of WG
+    (2, 97, 2, 64, 8, 4, 0, 1)])          # one rope pair
+def test_attention(kern, T, pos0, H, hd, W, ratio, K, R2):
+    """Mode 0 against ``dsv4.attend`` (window from the ring and this call's rows, compressed entries all or the
+    indexer's picks with -1 and not-yet-visible ones among them, sinks, the rope undone) within 1e-5; mode 1's
+    ring equals ``Attention.__call__``'s ring update."""
+    from cpu_kernels import dsv4
+    from coli.vulkan.layers import f32_bits
+
+    rng = np.random.default_rng(T * 1000 + pos0 + hd + K)
+    ctx = pos0 + T + 8
+    q = rng.standard_normal((T, H, hd)).astype(np.float32)
+    kv = rng.standard_normal((T, hd)).astype(np.float32)
+    win = rng.standard_normal((W, hd)).astype(np.float32)
+    n_ent = (pos0 + T) // ratio if ratio else 0
+    ent = rng.standard_normal((max(n_ent, 1), hd)).astype(np.float32)[:n_ent]
+    sel = None
+    if K:
+        hi = max(n_ent, 1) + 3                       # some picks past what a row sees
+        sel = rng.integers(-1, hi, (T, K)).astype(np.int64)
+    sinks = (rng.standard_normal(H) * 2).astype(np.float32)
+    cos, sin = _rope_table(ctx, R2)
+    ref = dsv4.attend(q, kv, win, pos0, ent if n_ent else np.zeros((0, hd), np.float32), ratio, sel, sinks, cos, sin)
+    ring = win.copy()
+    last = kv[-W:]
+    ring[np.arange(pos0 + T - last.shape[0], pos0 + T) % W] = last
+    bq, bkv, bw = _buf(kern, q), _buf(kern, kv), _buf(kern, win)
+    bpar, bent = _buf(kern, np.array([pos0], np.uint32)), _buf(kern, ent)
+    bsel = _buf(kern, (sel if K else np.zeros(1, np.int64)).astype(np.int32))
+    brope, bsink = _buf(kern, np.concatenate([cos, sin])), _buf(kern, sinks)
+    words = [H, hd, W, ratio, n_ent, K, f32_bits(hd ** -0.5), R2, ctx, 0]
+    addrs = [bq, bkv, bw, bpar, bent, bsel, brope, bsink]
+    _run(kern, "dsv4_attn", (H, T, 1), addrs, words)
+    got = bq.f32(q.size).reshape(q.shape)
+    assert rel_err(got, ref) <= TOL, rel_err(got, ref)
+    _run(kern, "dsv4_attn", (-(-hd // kern.wg), T, 1), addrs, words[:9] + [1])
+    np.testing.assert_array_equal(bw.f32(win.size).reshape(win.shape), ring)
