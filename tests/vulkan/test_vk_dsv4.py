@@ -149,3 +149,53 @@ def test_attention(kern, T, pos0, H, hd, W, ratio, K, R2):
     assert rel_err(got, ref) <= TOL, rel_err(got, ref)
     _run(kern, "dsv4_attn", (-(-hd // kern.wg), T, 1), addrs, words[:9] + [1])
     np.testing.assert_array_equal(bw.f32(win.size).reshape(win.shape), ring)
+
+
+# -- compressors ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("calls,m,hd,overlap,R2", [
+    ((5, 1, 1, 1, 9, 3), 4, 32, True, 4),      # CSA (the oracle's ratio 4): decode rows closing windows one by one
+    ((13, 1, 6, 20), 4, 16, True, 4),          # the indexer's compressor (its key width), chunks across windows
+    ((3, 17, 1, 40), 16, 32, False, 4),        # HCA (the oracle's ratio 16)
+    ((300, 1, 129), 128, 512, False, 32),      # V4-Flash's HCA ratio and head width
+    ((7, 9), 4, 512, True, 32)])
+def test_compressor(kern, calls, m, hd, overlap, R2):
+    """Mode 0 and the ring write (mode 1) over a sequence of calls against ``deepseek4.Compressor.update`` (its
+    state carried between calls: the open window's rows, the previous window's for CSA): after every call the
+    entries written equal the CPU's within 1e-5 (the windows a call closes, from rows of this call and of the
+    ring)."""
+    from coli.models.deepseek4 import Compressor, CompressorState
+    from coli.vulkan.layers import f32_bits
+
+    rng = np.random.default_rng(sum(calls) + m + hd)
+    width = (2 if overlap else 1) * hd
+    ctx = sum(calls) + m
+    eps = 1e-6
+    # a stand-in Compressor whose projections pick the kv and gate halves of x exactly (x @ [I 0]^T, x @ [0 I]^T)
+    eye = np.eye(width, 2 * width, dtype=np.float32)
+    comp = SimpleNamespace(ratio=m, hd=hd, overlap=overlap, wkv=eye, wgate=np.roll(eye, width, axis=1),
+                           ape=(rng.standard_normal((m, width)) * 0.5).astype(np.float32),
+                           norm=(1 + 0.3 * rng.standard_normal(hd)).astype(np.float32),
+                           m=SimpleNamespace(mm=lambda w, x: (x @ w.T).astype(np.float32),
+                                             args=SimpleNamespace(eps=eps)))
+    st = CompressorState(ctx, m, width, hd, overlap)
+    cos, sin = _rope_table(ctx, R2, 160000.0)
+    bring = kern.buffer(4 * (2 if overlap else 1) * m * 2 * width)
+    kern.upload(bring, np.zeros((2 if overlap else 1) * m * 2 * width, np.float32))
+    bape, bnorm = _buf(kern, comp.ape), _buf(kern, comp.norm)
+    brope, bent = _buf(kern, np.concatenate([cos, sin])), kern.buffer(4 * (ctx // m) * hd)
+    pos0 = 0
+    for T in calls:
+        x = rng.standard_normal((T, 2 * width)).astype(np.float32)
+        x[:, width:] *= 2                                    # gates spread enough that the softmax matters
+        Compressor.update(comp, x, st, cos, sin)
+        bkv, bg = _buf(kern, x[:, :width]), _buf(kern, x[:, width:])
+        bpar = _buf(kern, np.array([pos0], np.uint32))
+        words = [hd, m, int(overlap), f32_bits(eps), R2, ctx, T, 0]
+        addrs = [bkv, bg, bring, bpar, bape, bnorm, brope, bent]
+        _run(kern, "dsv4_comp", (-(-T // m) + 1, 1, 1), addrs, words)
+        _run(kern, "dsv4_comp", (-(-2 * width // kern.wg), T, 1), addrs, words[:7] + [1])
+        pos0 += T
+        assert st.n == pos0 // m
+        got = bent.f32(st.n * hd).reshape(st.n, hd)
+        assert st.n == 0 or rel_err(got, st.entries[:st.n]) <= TOL, (pos0, rel_err(got, st.entries[:st.n]))
