@@ -199,3 +199,44 @@ def test_compressor(kern, calls, m, hd, overlap, R2):
         assert st.n == pos0 // m
         got = bent.f32(st.n * hd).reshape(st.n, hd)
         assert st.n == 0 or rel_err(got, st.entries[:st.n]) <= TOL, (pos0, rel_err(got, st.entries[:st.n]))
+
+
+# -- the lightning indexer ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("T,pos0,m,Hi,Di,K,kind", [
+    (6, 30, 4, 8, 16, 4, "normal"),        # the oracle's indexer
+    (3, 0, 4, 8, 16, 4, "normal"),         # fewer visible entries than K: all of them, then -1
+    (40, 0, 4, 8, 16, 4, "ties"),          # a prompt chunk from position 0 on small integers: exact ties
+    (1, 4000, 4, 64, 128, 512, "normal"),  # V4-Flash's indexer at decode: 1000 entries, 512 kept
+    (2, 4000, 4, 64, 128, 512, "ties")])
+def test_indexer(kern, T, pos0, m, Hi, Di, K, kind):
+    """Modes 0 and 1 against ``dsv4.indexer_topk``: each row's picks equal the CPU's as sets (ties to the earlier
+    entry: on small integers every score is exact on both sides and many tie), -1 where fewer are visible."""
+    from cpu_kernels import dsv4
+    from coli.vulkan.layers import f32_bits
+
+    rng = np.random.default_rng(T + pos0 + Hi + len(kind))
+    n_ent = (pos0 + T) // m
+    if kind == "ties":
+        iq = rng.integers(-2, 3, (T, Hi, Di)).astype(np.float32)
+        pool = rng.integers(-2, 3, (max(n_ent // 8, 2), Di)).astype(np.float32)
+        ik = pool[rng.integers(0, pool.shape[0], n_ent)]      # repeated entries: equal scores
+        w = rng.integers(0, 3, (T, Hi)).astype(np.float32)
+    else:
+        iq = rng.standard_normal((T, Hi, Di)).astype(np.float32)
+        ik = rng.standard_normal((n_ent, Di)).astype(np.float32)
+        w = (rng.standard_normal((T, Hi)) * Hi ** -0.5).astype(np.float32)
+    ref = dsv4.indexer_topk(iq, ik, w, pos0, m, K)
+    bq, bk, bw = _buf(kern, iq), _buf(kern, ik), _buf(kern, w)
+    bpar, bS, bsel = _buf(kern, np.array([pos0], np.uint32)), kern.buffer(4 * T * n_ent), kern.buffer(4 * T * K)
+    words = [Hi, Di, m, n_ent, K, f32_bits(Di ** -0.5), n_ent]
+    addrs = [bq, bk, bw, bpar, bS, bsel]
+    _run(kern, "dsv4_idx", (-(-n_ent // kern.wg), T, 1), addrs, words + [0])
+    _run(kern, "dsv4_idx", (T, 1, 1), addrs, words + [1])
+    got = bsel.u32(T * K).reshape(T, K).view(np.int32)
+    np.testing.assert_array_equal(np.sort(got, axis=1), np.sort(ref, axis=1))
+    if kind == "ties":   # some row's K-th best score ties with an entry left out: the tie rule decided
+        sc = np.einsum("th,tjh->tj", w, np.maximum(np.einsum("thd,jd->tjh", iq, ik) * Di ** -0.5, 0))
+        assert any((sc[t, :(pos0 + t + 1) // m] == np.sort(sc[t, :(pos0 + t + 1) // m])[-K]).sum()
+                   > (sc[t, ref[t]] == np.sort(sc[t, :(pos0 + t + 1) // m])[-K]).sum()
+                   for t in range(T) if (pos0 + t + 1) // m > K)
