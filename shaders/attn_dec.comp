@@ -13,7 +13,10 @@
 // before the window's start returns at once; attn_comb.comp joins the parts from the window's). u7 1: a7 sinks f32
 // [nq], one logit a head in the softmax's max and denominator only (gpt-oss; CPU cpu_kernels/attention.py
 // _row_finish), here when this workgroup writes out itself, else in attn_comb.comp's join. u8 hdv, V's head width
-// (<= hd; 0: hd; MiMo-V2's value_length).
+// (<= hd; 0: hd; MiMo-V2's value_length). u9/u10 (low, high word): where not 0, the address of uint [nq] counters
+// (all 0 between dispatches): the parts join here, not in attn_comb.comp: each part of head h counts itself in
+// once written, and the last of them to finish joins them all into out[h] (attn_comb.comp's sums in its order, so
+// the same values) and sets the counter back to 0 (one dispatch and no barrier for the join).
 // Three passes. 1: invocations stride over the keys (key j by invocation j % WG), each a whole dot product,
 // the score into the scratch row; the workgroup max. 2: each invocation turns its own scores into
 // e = exp(s - max) and sums them; the workgroup sum. 3: chunks of 4 WG weights are staged in shared memory (each
@@ -33,6 +36,10 @@ layout(local_size_x_id = 0) in;
 #define MAXNC 8u    // columns an invocation carries in pass 3 (C > WG only: scalar hd 256 at WG 32 takes 8)
 shared vec4 Q4[64];
 shared float SH[4u * gl_WorkGroupSize.x];
+shared uint LAST_;
+// the parts: written by one workgroup, read by another in the same dispatch (the join)
+layout(buffer_reference, std430, buffer_reference_align = 4) coherent buffer F32C { float v[]; };
+layout(buffer_reference, std430, buffer_reference_align = 4) coherent buffer U32C { uint v[]; };
 
 void main() {
     uint nq = pc.u[0], nkv = pc.u[1], hd = pc.u[2], ctx = pc.u[3];
@@ -40,6 +47,7 @@ void main() {
     uint h = gl_WorkGroupID.x, t = gl_LocalInvocationIndex, WG = gl_WorkGroupSize.x;
     uint kvh = h / (nq / nkv);
     uint n = min(U32(pc.a[3]).v[0] + 1u, ctx);
+    uint n0 = n;
     uint CHK = pc.u[5], W = pc.u[6];
     uint wlo = (W > 0u && n > W) ? n - W : 0u;           // a sliding window's first key
     uint j1 = CHK == 0u ? wlo : max(gl_WorkGroupID.y * CHK, wlo);   // this workgroup's keys: j1 .. n - 1
@@ -134,8 +142,8 @@ void main() {
             }
         }
     }
-    // the output: out[h] normalized, or this workgroup's part (m, l, unnormalized sums) for attn_comb.comp
-    F32 O = F32(pc.a[part ? 6 : 4]);
+    // the output: out[h] normalized, or this workgroup's part (m, l, unnormalized sums) for the join
+    F32C O = F32C(pc.a[part ? 6 : 4]);
     uint ob = h * hdv;
     if (part) {
         ob = (h * ((ctx + CHK - 1u) / CHK) + gl_WorkGroupID.y) * (hdv + 2u);
@@ -158,31 +166,62 @@ void main() {
                 }
             }
         }
-        return;
-    }
-    // NG > 1 (so NC == 1): the groups' partial sums through shared memory, added in group order
-    barrier();
-    if (kg < NG) {
-        SH[4u * t] = acc[0].x;
-        SH[4u * t + 1u] = acc[0].y;
-        SH[4u * t + 2u] = acc[0].z;
-        SH[4u * t + 3u] = acc[0].w;
-    }
-    barrier();
-    if (t < C) {
-        vec4 r = vec4(0.0);
-        for (uint g = 0u; g < NG; g++) {
-            uint i = 4u * (g * CW + t);
-            r += vec4(SH[i], SH[i + 1u], SH[i + 2u], SH[i + 3u]);
+    } else {
+        // NG > 1 (so NC == 1): the groups' partial sums through shared memory, added in group order
+        barrier();
+        if (kg < NG) {
+            SH[4u * t] = acc[0].x;
+            SH[4u * t + 1u] = acc[0].y;
+            SH[4u * t + 2u] = acc[0].z;
+            SH[4u * t + 3u] = acc[0].w;
         }
-        r /= l;
-        if (w4) {
-            O.v[ob + 4u * t] = r.x;
-            O.v[ob + 4u * t + 1u] = r.y;
-            O.v[ob + 4u * t + 2u] = r.z;
-            O.v[ob + 4u * t + 3u] = r.w;
-        } else {
-            O.v[ob + t] = r.x;
+        barrier();
+        if (t < C) {
+            vec4 r = vec4(0.0);
+            for (uint g = 0u; g < NG; g++) {
+                uint i = 4u * (g * CW + t);
+                r += vec4(SH[i], SH[i + 1u], SH[i + 2u], SH[i + 3u]);
+            }
+            r /= l;
+            if (w4) {
+                O.v[ob + 4u * t] = r.x;
+                O.v[ob + 4u * t + 1u] = r.y;
+                O.v[ob + 4u * t + 2u] = r.z;
+                O.v[ob + 4u * t + 3u] = r.w;
+            } else {
+                O.v[ob + t] = r.x;
+            }
         }
     }
+    uint64_t ca = packUint2x32(uvec2(pc.u[9], pc.u[10]));
+    if (!part || ca == 0ul) return;                       // uniform
+    // the join: this part counts itself in once all its writes are done; the last of head h's parts joins them
+    uint ns = (n0 + CHK - 1u) / CHK;
+    uint s0 = (W > 0u && n0 > W) ? (n0 - W) / CHK : 0u;  // the part holding the window's first key
+    memoryBarrierBuffer();
+    barrier();
+    if (t == 0u) LAST_ = atomicAdd(U32C(ca).v[h], 1u) + 1u == ns - s0 ? 1u : 0u;
+    barrier();
+    if (LAST_ == 0u) return;                               // uniform
+    memoryBarrierBuffer();
+    uint NS = (ctx + CHK - 1u) / CHK;
+    uint pb = h * NS * (hdv + 2u);
+    float M = -1.0 / 0.0;
+    for (uint s = s0; s < ns; s++) M = max(M, O.v[pb + s * (hdv + 2u)]);
+    bool sk = pc.u[7] != 0u;
+    float sink = sk ? F32(pc.a[7]).v[h] : 0.0;
+    if (sk) M = max(M, sink);
+    float L = 0.0;
+    for (uint s = s0; s < ns; s++) L += exp(O.v[pb + s * (hdv + 2u)] - M) * O.v[pb + s * (hdv + 2u) + 1u];
+    if (sk) L += exp(sink - M);
+    F32 OUT = F32(pc.a[4]);
+    for (uint d = t; d < hdv; d += WG) {
+        float o = 0.0;
+        for (uint s = s0; s < ns; s++) {
+            uint b = pb + s * (hdv + 2u);
+            o += exp(O.v[b] - M) * O.v[b + 2u + d];
+        }
+        OUT.v[h * hdv + d] = o / L;
+    }
+    if (t == 0u) U32C(ca).v[h] = 0u;
 }

@@ -57,9 +57,11 @@ class DecodeRow:
         # the dense FFN's route: one expert (the layer's gate/up/down table row 0), weight 1
         self.one_route = self._const(np.array([0, np.float32(1.0).view(np.uint32)], np.uint32))
         self.scores = K.buffer(4 * nq * ctx, host=False) if not self.mla else None
-        # decode attention over positions in parts of K.attn_chunk keys (attn_dec.comp, joined by attn_comb.comp)
+        # decode attention over positions in parts of K.attn_chunk keys (attn_dec.comp, joined by a head's last part)
         self.attn_chunk = K.attn_chunk if ctx > K.attn_chunk and not self.mla else 0
         self.attn_parts = K.buffer(4 * nq * -(-ctx // K.attn_chunk) * (hd + 2), host=False) if self.attn_chunk else None
+        # a head's count of its parts written (attn_dec.comp's u9/u10; back at 0 after each dispatch)
+        self.attn_cnt = self._const(np.zeros(nq, np.uint32)) if self.attn_chunk else None
         if self.mla:    # q, kv, q_a; self.q holds the absorbed q [H, W], self.ao the values [H, dv]
             H, r, dn, dr, dv, ql = self.mla
             self.m_q = K.buffer(4 * H * (dn + dr), host=False)
@@ -195,21 +197,19 @@ class DecodeRow:
 
     def _attn_dec(self, d) -> list:
         """A decode row's attention for layer ``d``: attn_dec.comp, over the positions in parts of ``attn_chunk`` keys
-        joined by attn_comb.comp where the context is longer than one part."""
+        where the context is longer than one part, joined by the last part of a head to finish (one dispatch, no
+        barrier for a separate join)."""
         from coli.vulkan.layers import Dispatch, f32_bits
 
         nq, nkv, hd, hdv, ctx = self.nq, d["nkv"], self.hd, d["hdv"], self.ctx
         chk = self.attn_chunk
         parts = self.attn_parts.addr if chk else 0
         sinks = d["sinks"].addr if "sinks" in d else self.q.addr
-        ops = [Dispatch("attn_dec", (nq, -(-ctx // chk) if chk else 1),
-                        [self.q.addr, d["K"].addr, d["V"].addr, self.params.addr, self.ao.addr, self.scores.addr, parts,
-                         sinks], [nq, nkv, hd, ctx, f32_bits(d["scale"]), chk, d["window"], int("sinks" in d), hdv],
-                        mode=self.kv_mode)]
-        if chk:     # its hd: V's width (the parts' rows)
-            ops.append(Dispatch("attn_comb", (nq,), [parts, self.params.addr, self.ao.addr, sinks],
-                                [nq, 0, hdv, ctx, 0, chk, d["window"], int("sinks" in d)]))
-        return ops
+        cnt = self.attn_cnt.addr if chk else 0
+        return [Dispatch("attn_dec", (nq, -(-ctx // chk) if chk else 1),
+                         [self.q.addr, d["K"].addr, d["V"].addr, self.params.addr, self.ao.addr, self.scores.addr, parts,
+                          sinks], [nq, nkv, hd, ctx, f32_bits(d["scale"]), chk, d["window"], int("sinks" in d), hdv,
+                                   cnt & 0xFFFFFFFF, cnt >> 32], mode=self.kv_mode)]
 
     def __call__(self, h: np.ndarray, cache, pos0: int):
         P = self.prof

@@ -186,7 +186,7 @@ class Kernels:
         #: the prompt attention's route: "coopmat" (attn_pre_cm.comp, float16 products, 64 rows a workgroup) with
         #: the GEMM's coopmat route, else "f32" (attn_pre.comp); :meth:`attn_kernel` gives a head dimension's kernel
         self.attn_route = "coopmat" if self.route == "coopmat" and ("attn_pre_cm", None) in dev._modules else "f32"
-        #: keys an attn_dec.comp workgroup takes in decode (its split over positions, joined by attn_comb.comp); a
+        #: keys an attn_dec.comp workgroup takes in decode (its split over positions, joined by each head's last part); a
         #: context of at most this many keys keeps one workgroup a head and no join
         self.attn_chunk = int(get("COLI_VK_ATTN_CHUNK", env))
         self._pipes: dict = {}

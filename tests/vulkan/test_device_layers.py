@@ -562,7 +562,7 @@ def test_gptoss_against_hf(chunk):
     SwiGLU on MXFP4 experts: the prompt as one chunk, every row within the CPU path's bound of HF transformers'
     (1e-4 of the largest), then 8 greedy decode rows against HF's logits and tokens (tests/oracle_check.py). With
     ``COLI_VK_ATTN_CHUNK`` 24 the decode attention is split in parts of 24 keys (the window's start inside a part,
-    the sinks in attn_comb.comp's join)."""
+    the sinks in the join of a head's last part)."""
     from tests.conftest import FIXTURES
     from tests.oracle_check import check_prompt_and_decode
     from coli.engine import Engine
@@ -594,7 +594,7 @@ def test_mimo2_against_hf(chunk):
     of HF transformers' (1e-4 of the largest) with HF's argmax, 8 greedy decode rows against HF's logits and tokens
     (tests/oracle_check.py); the CPU-only f32 run's logits within 1e-5 and its greedy tokens; the K/V rows the device
     wrote back equal the CPU's within 1e-5. ``COLI_VK_ATTN_CHUNK`` 24: the decode attention in parts of 24 keys
-    (attn_comb.comp joins V's 16-wide parts)."""
+    (a head's last part joins V's 16-wide parts)."""
     from tests.conftest import FIXTURES
     from tests.oracle_check import check_prompt_and_decode
     from coli.engine import Engine

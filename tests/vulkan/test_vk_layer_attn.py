@@ -376,6 +376,54 @@ def test_attn_narrow_v(kern, hd, hdv, pos, chk):
     assert rel_err(got, ref) <= TOL, rel_err(got, ref)
 
 
+@pytest.mark.parametrize("hd,hdv", [(64, 64), (24, 16)])
+@pytest.mark.parametrize("pos,chk,window,sinks", [(700, 128, 0, 0), (CTX - 1, 96, 0, 1), (700, 64, 300, 0),
+                                                  (40, 64, 0, 0)])
+def test_attn_dec_joins_its_parts(kern, hd, hdv, pos, chk, window, sinks):
+    """attn_dec.comp joining its own parts (u9/u10: the counters' address; the last part of a head to finish joins
+    them): out bit for bit what attn_dec.comp's parts joined by attn_comb.comp give (a sliding window's and
+    gpt-oss's sinks included; pos 40 < chk: one part, no join), against the float64 reference without a window or
+    sinks, the counters back at 0 after each of two runs of the same command buffer."""
+    from coli.vulkan.layers import Dispatch, f32_bits
+    rng = np.random.default_rng(hd + pos + chk + window)
+    q = rng.standard_normal((NQ, hd)).astype(np.float32)
+    K = rng.standard_normal((NKV, CTX, hd)).astype(np.float32)
+    V = rng.standard_normal((NKV, CTX, hdv)).astype(np.float32)
+    K[:, pos + 1:] = 1e30
+    V[:, pos + 1:] = np.nan
+    scale = 1.0 / np.sqrt(hd)
+    bq, bk, bv = _buf(kern, q), _buf(kern, K), _buf(kern, V)
+    bsk = _buf(kern, rng.standard_normal(NQ).astype(np.float32))
+    bpar = _buf(kern, np.array([pos, 0, 0, 0], np.uint32))
+    bcnt = _buf(kern, np.zeros(NQ, np.uint32))
+    outs = []
+    for join in (False, True):
+        bo, bs = kern.buffer(NQ * hdv * 4), kern.buffer(NQ * CTX * 4)
+        bparts = kern.buffer(NQ * -(-CTX // chk) * (hdv + 2) * 4)
+        words = [NQ, NKV, hd, CTX, f32_bits(scale), chk, window, sinks, hdv]
+        if join:
+            words += [bcnt.addr & 0xFFFFFFFF, bcnt.addr >> 32]
+        ops = [Dispatch("attn_dec", (NQ, -(-CTX // chk)), [bq.addr, bk.addr, bv.addr, bpar.addr, bo.addr, bs.addr,
+                                                            bparts.addr, bsk.addr], words)]
+        if not join:
+            ops.append(Dispatch("attn_comb", (NQ,), [bparts.addr, bpar.addr, bo.addr, bsk.addr],
+                                [NQ, 0, hdv, CTX, 0, chk, window, sinks]))
+        rec = kern.record(ops)
+        try:
+            for _ in range(2):
+                kern.upload(bo, np.full(NQ * hdv, np.nan, np.float32))
+                kern.submit(rec)
+                outs.append(bo.f32(NQ * hdv).copy())
+                assert (bcnt.u32(NQ) == 0).all()
+        finally:
+            kern.free(rec)
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o, outs[0])
+    if not window and not sinks:
+        ref = _attn_ref(q, K, V, pos, scale)
+        assert rel_err(outs[-1].reshape(NQ, hdv), ref) <= TOL
+
+
 def test_rope_kv_narrow_v_and_value_scale(kern):
     """rope_kv.comp with V heads 16 wide beside K's 24 (u7 hdv) and V times 0.707 (u6, MiMo-V2's value_scale): q and
     k rotated as cpu_kernels.rope does (partial NEOX, 8 of 24 dims), V's row scaled into V [nkv, ctx, 16] and the
