@@ -10,8 +10,8 @@ It needs torch, so it runs in a separate venv (docs/oracles.md)::
 Each family is a small module in ``families/`` (``NAMES``, ``make(name, ctx)``) holding its configuration and
 only what is its own (a hook, a margin rule, a hub-layout rewrite); this file holds what they share: the tiny
 byte-level BPE tokenizer, the seeded parameter fill, the reseed-until-margins loop (and the softmax top-k router's
-margin test), forward hooks, greedy decoding with HF's cache, llama.cpp's converter with its config.json record and
-the GGUF comparison, and the npz / config.json writing.
+margin test, ``reseed_top_k``), forward hooks, greedy decoding with HF's cache, llama.cpp's converter with its
+config.json record and the GGUF comparison, and the npz / config.json writing.
 """
 from __future__ import annotations
 
@@ -168,14 +168,19 @@ def run_model(model, ids):
     return logits, *stack_routing(caught)
 
 
-def top_k_margins(model, ids):
-    """``run_model`` and the reseed test of a softmax top-k router: (ok, (logits, router logits, weights, ids,
-    router_margin f32 [L, T], logit_gap f32 [T]), what to print when not ok); ok when every margin is at least
-    MIN_MARGIN, every gap at least MIN_LOGIT_GAP and the logits finite."""
-    logits, rl, w, ix = run_model(model, ids)
-    margin, gap = router_margin(rl, model.config.num_experts_per_tok), logit_gap(logits)
-    ok = float(margin.min()) >= MIN_MARGIN and float(gap.min()) >= MIN_LOGIT_GAP and bool(np.isfinite(logits).all())
-    return ok, (logits, rl, w, ix, margin, gap), f"router margin {margin.min():.2e}, logit gap {gap.min():.2e}"
+def reseed_top_k(name: str, seed0: int, tries: int, build):
+    """``reseed`` of a softmax top-k router's model: ``build(seed)`` -> (cfg, model, ids, *more), then ``run_model``;
+    ok when every router margin is at least MIN_MARGIN, every logit gap at least MIN_LOGIT_GAP and the logits
+    finite. Returns (seed, cfg, model, ids, more, logits, router logits, weights, expert ids, router_margin f32
+    [L, T], logit_gap f32 [T])."""
+    def attempt(seed):
+        cfg, model, ids, *more = build(seed)
+        logits, rl, w, ix = run_model(model, ids)
+        margin, gap = router_margin(rl, model.config.num_experts_per_tok), logit_gap(logits)
+        ok = float(margin.min()) >= MIN_MARGIN and float(gap.min()) >= MIN_LOGIT_GAP and bool(np.isfinite(logits).all())
+        return ok, (seed, cfg, model, ids, more, logits, rl, w, ix, margin, gap), \
+            f"router margin {margin.min():.2e}, logit gap {gap.min():.2e}"
+    return reseed(name, seed0, tries, attempt)
 
 
 def stack_routing(caught):

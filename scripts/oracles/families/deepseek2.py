@@ -40,38 +40,24 @@ HUB_FIELDS = {"deepseek3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"
 
 
 def margins(cfg, rl):
-    """Smallest decisive gaps on the router logits (softmax is monotone, so logit order = score order):
-    the k-th vs (k+1)-th candidate inside the chosen groups, and the topk_group-th vs next group max.
-    Also the positions where group limiting changes the choice, and where llama.cpp's group score (sum of the
-    two best) would choose other groups than HF's (the best)."""
-    k = cfg.num_experts_per_tok
-    Lm, T, E = rl.shape
-    grouped = getattr(cfg, "topk_method", None) == "group_limited_greedy"
-    m = np.full((Lm, T), np.inf, np.float32)
-    changes = rule_changes = 0
-    for l in range(Lm):
-        for t in range(T):
-            x = rl[l, t].astype(np.float64)
-            cand = x.copy()
-            if grouped:
-                G, tg = cfg.n_group, cfg.topk_group
-                gx = x.reshape(G, E // G)
-                gmax = np.sort(gx.max(1))[::-1]
-                m[l, t] = min(m[l, t], gmax[tg - 1] - gmax[tg])
-                keep = np.argsort(-gx.max(1), kind="stable")[:tg]
-                p = np.exp(x - x.max())
-                p /= p.sum()
-                g2 = np.sort(p.reshape(G, E // G), axis=1)[:, -2:].sum(1)
-                if set(np.argsort(-g2, kind="stable")[:tg]) != set(keep):
-                    rule_changes += 1
-                mask = np.zeros(G, bool)
-                mask[keep] = True
-                cand = np.where(np.repeat(mask, E // G), x, -np.inf)
-                if set(np.argsort(-cand)[:k]) != set(np.argsort(-x)[:k]):
-                    changes += 1
-            s = np.sort(cand)[::-1]
-            m[l, t] = min(m[l, t], s[k - 1] - s[k])
-    return m, changes, rule_changes
+    """Smallest decisive gaps on the router logits f32 [L, T] (softmax is monotone, so logit order = score order):
+    the k-th vs (k+1)-th candidate inside the chosen groups, and the topk_group-th vs next group max. Also the rows
+    where group limiting changes the choice, and where llama.cpp's group score (sum of the two best probabilities)
+    would choose other groups than HF's (the best logit)."""
+    k, x = cfg.num_experts_per_tok, rl.astype(np.float64)
+    if getattr(cfg, "topk_method", None) != "group_limited_greedy":
+        s = -np.sort(-x, axis=-1)
+        return (s[..., k - 1] - s[..., k]).astype(np.float32), 0, 0
+    G, tg = cfg.n_group, cfg.topk_group
+    ids, margin, gmargin = M.grouped_topk(x, k, G, tg, "max")
+    changes = int((ids != np.sort(np.argsort(-x, axis=-1)[..., :k], axis=-1)).any(-1).sum())
+    p = np.exp(x - x.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    by_prob = np.sort(p.reshape(*p.shape[:-1], G, -1), axis=-1)[..., -2:].sum(-1)   # llama.cpp's group score
+    by_max = x.reshape(*x.shape[:-1], G, -1).max(-1)                                # HF's
+    top = lambda v: np.sort(np.argsort(-v, axis=-1, kind="stable")[..., :tg], axis=-1)  # noqa: E731
+    rule_changes = int((top(by_prob) != top(by_max)).any(-1).sum())
+    return np.minimum(gmargin.astype(np.float32), margin).astype(np.float32), changes, rule_changes
 
 
 def make(name: str, ctx) -> dict:

@@ -78,13 +78,11 @@ def make(name: str, ctx) -> dict:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    def attempt(seed):
+    def build(seed):  # the model's weights become what the FP8 checkpoint holds before it is judged
         cfg, model, ids = M.random_model("qwen3_moe", CONFIG, seed, N_TOKENS)
-        ckpt = checkpoint(model, cfg)
-        ok, res, why = M.top_k_margins(model, ids)
-        return ok, (seed, cfg, ckpt, ids, *res), why
+        return cfg, model, ids, checkpoint(model, cfg)
 
-    seed, cfg, ckpt, ids, logits, _, _, _, margin, gap = M.reseed(name, SEED, 20, attempt)
+    seed, cfg, _, ids, (ckpt,), logits, _, _, _, margin, gap = M.reseed_top_k(name, SEED, 20, build)
     folder = ctx.out / name
     folder.mkdir(parents=True, exist_ok=True)
     for f in folder.iterdir():

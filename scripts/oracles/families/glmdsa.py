@@ -54,12 +54,13 @@ def index_scores(scores: list):
 
 def router_margins(cfg, rl, bias):
     """Smallest gap on the biased sigmoid scores (the bias is added after the sigmoid, so on scores, not logits):
-    topk_group-th vs next group score and k-th vs (k+1)-th candidate in the kept groups. Shared with deepseek3."""
+    topk_group-th vs next group score (with groups) and k-th vs (k+1)-th candidate in the kept groups. Shared with
+    deepseek3 and kimi (one group)."""
     m = np.inf
     for l in range(rl.shape[0]):
         s = 1 / (1 + np.exp(-rl[l].astype(np.float64))) + bias[l][None, :]
         _, margin, gmargin = M.grouped_topk(s, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group)
-        m = min(m, float(gmargin.min()), float(margin.min()))
+        m = min(m, float(gmargin.min()) if cfg.n_group > 1 else np.inf, float(margin.min()))
     return m
 
 

@@ -55,6 +55,7 @@ def param(pname, p, g):
 
 
 def build(seed: int):
+    """(config, model with MXFP4-rounded experts, prompt ids, the experts' openai blocks by (layer, attribute))."""
     import torch
 
     cfg, model, g = M.hf_model("gpt_oss", CONFIG, seed)
@@ -68,7 +69,7 @@ def build(seed: int):
                 q, wr = mxfp4_round(np.ascontiguousarray(w))
                 getattr(ex, attr).copy_(torch.from_numpy(np.ascontiguousarray(wr.transpose(0, 2, 1))))
                 packed[(il, attr)] = ggml_to_openai(q, w.shape[:2])
-    return cfg, model, packed
+    return cfg, model, M.prompt(seed, N_TOKENS), packed
 
 
 def save_mxfp4_checkpoint(model, packed, hf_dir, tok_dir) -> None:
@@ -118,13 +119,7 @@ def check_gguf_experts(path, model) -> dict:
 
 
 def make(name: str, ctx) -> dict:
-    def attempt(seed):
-        cfg, model, packed = build(seed)
-        ids = M.prompt(seed, N_TOKENS)
-        ok, res, why = M.top_k_margins(model, ids)
-        return ok, (seed, cfg, model, packed, ids, *res), why
-
-    seed, cfg, model, packed, ids, logits, _, _, _, margin, gap = M.reseed(name, SEED, 30, attempt)
+    seed, cfg, model, ids, (packed,), logits, _, _, _, margin, gap = M.reseed_top_k(name, SEED, 30, build)
     rec = M.decode_after(name, ctx, model, ids, logits, N_STEPS, router_margin=margin, logit_gap=gap)
     hf_dir = ctx.work / name / "hf"
     hf_dir.mkdir(parents=True, exist_ok=True)

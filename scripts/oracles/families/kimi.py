@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 import make as M
+from families.glmdsa import router_margins  # one group: the hub's num_expert_group 1
 
 NAMES = ["kimi"]
 N_TOKENS, N_STEPS = 96, 8
@@ -39,13 +40,6 @@ def kda_param(pname, p, g):
     return 1.0 + 0.2 * torch.randn(p.shape, generator=g) if p.ndim == 1 else None
 
 
-def router_margin(cfg, rl, bias) -> float:
-    """Smallest gap between the k-th and (k+1)-th biased sigmoid score (one group: the hub's
-    ``num_expert_group`` 1) over the MoE layers and positions."""
-    s = 1 / (1 + np.exp(-rl.astype(np.float64))) + bias[:, None, :]
-    return float(M.grouped_topk(s, cfg.num_experts_per_tok)[1].min())
-
-
 def hub_layout(hf_dir, cfg) -> None:
     """The dense layers' MLP under the hub's ``mlp.`` names."""
     from safetensors.torch import load_file, save_file
@@ -69,7 +63,7 @@ def make(name: str, ctx) -> dict:
         routers = M.modules_named(model, "KimiLinearTopkRouter")
         logits, gen, gen_logits, full, caught = M.decode_then_full(model, ids, N_STEPS, routers)
         rl, w, ix = M.stack_routing(caught)
-        margin = router_margin(cfg, rl, np.stack([r.e_score_correction_bias.numpy() for r in routers]))
+        margin = router_margins(cfg, rl, np.stack([r.e_score_correction_bias.numpy() for r in routers]))
         gap = M.logit_gap(full)
         ok = margin >= M.MIN_SCORE_MARGIN and float(gap.min()) >= M.MIN_LOGIT_GAP and np.isfinite(full).all()
         return ok, (seed, cfg, model, ids, logits, gen, gen_logits, full, *M.rank_order(ix, w), margin, gap), \

@@ -88,12 +88,8 @@ def make(name: str, ctx) -> dict:
 
     model_type, arch, seed0, over = ARCHS[name]
 
-    def attempt(seed):
-        cfg, model, ids = M.random_model(model_type, over, seed, N_TOKENS)
-        ok, res, why = M.top_k_margins(model, ids)
-        return ok, (seed, cfg, model, ids, *res), why
-
-    seed, cfg, model, ids, logits, rl, w, ix, margin, gap = M.reseed(name, seed0, 20, attempt)
+    seed, cfg, model, ids, _, logits, rl, w, ix, margin, gap = M.reseed_top_k(
+        name, seed0, 20, lambda seed: M.random_model(model_type, over, seed, N_TOKENS))
     out = ctx.out
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     np.savez(out / f"{name}.npz", ids=ids, logits=logits.astype(np.float32), router_logits=rl.astype(np.float32),

@@ -41,12 +41,8 @@ def fan_all(shape):
 
 
 def make(name: str, ctx) -> dict:
-    def attempt(seed):
-        cfg, model, ids = M.random_model("qwen3_next", CONFIG, seed, N_TOKENS, hybrid_param, fan_in=fan_all)
-        ok, res, why = M.top_k_margins(model, ids)
-        return ok, (seed, cfg, model, ids, *res), why
-
-    seed, cfg, model, ids, logits, _, _, _, margin, gap = M.reseed(name, SEED, 20, attempt)
+    seed, cfg, model, ids, _, logits, _, _, _, margin, gap = M.reseed_top_k(
+        name, SEED, 20, lambda seed: M.random_model("qwen3_next", CONFIG, seed, N_TOKENS, hybrid_param, fan_in=fan_all))
     rec = M.decode_after(name, ctx, model, ids, logits, N_STEPS, keep_full=True, router_margin=margin, logit_gap=gap)
     M.write_config(ctx.out / f"{name}.config.json", cfg, {
         "seed": seed, "router_scale": M.ROUTER_SCALE, "gguf": "llama.cpp convert_hf_to_gguf.py f32", **M.versions(),
