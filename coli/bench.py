@@ -305,7 +305,10 @@ def run_bench(eng, n_prompt=128, n_gen=64, reps=5, cold=False, threads=None, ban
                 samples, loads, wbytes = [], [], []
                 with engine_threads(eng):
                     first = 0 if warmup else 1
+                    # the join profile (COLI_VK_JOIN_PROFILE) counts the timed runs only
+                    prof = getattr(getattr(eng, "device_layers", None), "prof", None)
                     for rep in range(first, reps + 1):  # run 0 warms up (JIT, page cache)
+                        snap = prof.snapshot() if prof is not None and rep == 0 else None
                         if cold:
                             if eng.cache is not None:
                                 eng.cache.clear()
@@ -324,6 +327,8 @@ def run_bench(eng, n_prompt=128, n_gen=64, reps=5, cold=False, threads=None, ban
                                         eng.tier.begin_token()
                                     eng.model.forward([int(tok)], kv)
                             dt = time.perf_counter_ns() - t0 - int((compile_seconds() - c0) * 1e9)
+                        if snap is not None:
+                            prof.restore(snap)
                         if rep > 0:
                             samples.append(max(dt, 1))
                             loads.append(runtime.counters(eng))

@@ -40,6 +40,15 @@ class JoinProfile:
         self.total_s = 0.0
         self.gpu_s = 0.0
 
+    def snapshot(self) -> tuple:
+        """What was measured so far, for :meth:`restore` (an untimed warm-up between them is forgotten)."""
+        return dict(self.s), dict(self.n), self.tokens, self.total_s, self.gpu_s
+
+    def restore(self, snap: tuple) -> None:
+        """Back to a :meth:`snapshot`."""
+        self.s, self.n = dict(snap[0]), dict(snap[1])
+        self.tokens, self.total_s, self.gpu_s = snap[2:]
+
     def lap(self, part: str, t0: float) -> float:
         """Charge the time since ``t0`` (``time.perf_counter``) to ``part``; returns now."""
         now = time.perf_counter()

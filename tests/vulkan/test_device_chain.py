@@ -270,7 +270,9 @@ def test_join_profile(device_moe, moe_cpu):
     """COLI_VK_JOIN_PROFILE=1 with every expert on the CPU, one submit a token: each decode token's host time charged
     to its parts (one submit, a wait / route read / compiled-call share / signal per cut layer, one tail), the parts
     summing to no more than the token's time, the timestamps read every token, the logits unchanged; off, nothing is
-    timed and the timestamps are read one token in ``stamp_every``."""
+    timed and the timestamps are read one token in ``stamp_every``. coli bench's profile counts its timed runs, not
+    its warm-up."""
+    from coli.bench import run_bench
     on = device_engine(device_moe, COLI_VK_CPU_MOE=-1, COLI_VK_JOIN_PROFILE=1)
     off = device_engine(device_moe, COLI_VK_CPU_MOE=-1)
     try:
@@ -288,6 +290,9 @@ def test_join_profile(device_moe, moe_cpu):
         assert P.n["timestamps"] == (n if on.device.timestamps else 0) and dl.gpu_tokens == P.n["timestamps"]
         t = P.table()
         assert "| experts: compiled call |" in t and f"({n} decode tokens" in t
+        t0, s0 = P.tokens, P.n["submit"]
+        run_bench(on, n_prompt=0, n_gen=3, reps=2)          # a warm-up run, then 2 timed runs of 3 tokens
+        assert dl.tokens - t0 == 9 and P.tokens - t0 == 6 and P.n["submit"] - s0 == 6
         decode_rows(off, IDS, 5)
         assert dl0.tokens == n and dl0.gpu_tokens == (-(-n // dl0.stamp_every) if off.device.timestamps else 0)
     finally:
