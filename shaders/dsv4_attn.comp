@@ -15,6 +15,10 @@
 //   u0 H, u1 hd (<= MAXD), u2 W, u3 ratio m (0: a sliding-only layer), u4 n_ent, u5 K, u6 scale (bits), u7 R2,
 //   u8 ctx (rows of the rope table)
 // mode 1, after mode 0, groups (ceil(hd / WG), T, 1): the ring write, win[p % W] = kv[t] for the last min(T, W) rows.
+// mode 2, before mode 0, groups (nh, T, 1): a row's heads made ready in place (CPU deepseek4.Attention.__call__ and
+//   indexer_picks: rms, rms_norm, rope_tail): a0 x f32 [T, nh, hd], a1 weight f32 [hd] (u2 bit 1), a3 params, a6 the
+//   rope table; u0 nh, u1 hd, u2 flags (bit 0: unweighted RMSNorm of each head, q; bit 1: RMSNorm times a1, kv),
+//   u6 eps (bits), u7 R2, u8 ctx; then the rope of the last 2 R2 dims at the row's position (a c - b s, b c + a s).
 // Keys go in blocks of WG: an invocation a key's whole dot product (dimension order), the block's max and sum of
 // exp as workgroup reductions (online softmax from the sink: its term exp(s_h - M) starts the sum at 1), then the
 // invocations over the dimensions add the block's weighted rows in key order to the accumulator in shared memory.
@@ -42,6 +46,37 @@ void main() {
         uint r = gl_WorkGroupID.y, d = gl_WorkGroupID.x * WG + t, T = gl_NumWorkGroups.y;
         if (d >= hd || r + W < T) return;           // only the last W rows land
         WIN.v[((pos0 + r) % W) * hd + d] = KV.v[r * hd + d];
+        return;
+    }
+    if (pc.u[9] == 2u) {                            // norms and rope of q, kv or the indexer's q
+        uint h = gl_WorkGroupID.x, r = gl_WorkGroupID.y, fl = pc.u[2], R2 = pc.u[7], ctx = pc.u[8];
+        F32 X = F32(pc.a[0]);
+        F32 NW = F32(pc.a[1]);
+        F32 ROPE = F32(pc.a[6]);
+        uint xb = (r * pc.u[0] + h) * hd, p = pos0 + r;
+        float inv = 1.0;
+        if ((fl & 3u) != 0u) {
+            float ss = 0.0;
+            for (uint d = t; d < hd; d += WG) { float v = X.v[xb + d]; ss += v * v; }
+            ss = wg_sum(ss);
+            inv = 1.0 / sqrt(ss / float(hd) + pcf(6u));
+        }
+        for (uint d = t; d < hd; d += WG) {
+            float v = X.v[xb + d] * inv;
+            OS[d] = (fl & 2u) != 0u ? v * NW.v[d] : v;
+        }
+        barrier();
+        uint rb = hd - 2u * R2;
+        for (uint d = t; d < hd; d += WG) {
+            float o = OS[d];
+            if (d >= rb) {
+                uint i = (d - rb) >> 1;
+                float c = ROPE.v[p * R2 + i], sn = ROPE.v[(ctx + p) * R2 + i];
+                float a = OS[rb + 2u * i], b = OS[rb + 2u * i + 1u];
+                o = ((d - rb) & 1u) == 0u ? a * c - b * sn : b * c + a * sn;
+            }
+            X.v[xb + d] = o;
+        }
         return;
     }
     uint H = pc.u[0], ratio = pc.u[3], nent = pc.u[4], K = pc.u[5], R2 = pc.u[7], ctx = pc.u[8];

@@ -173,7 +173,7 @@ class DecodeRow:
                     ops.append(Dispatch("lmv", (1,), [d["sh_gate"].addr, xn, sr + 4], [1, D, 4],
                                         type_name="F32"))
                 ops += [Dispatch("lmoe", (-(-sF // R), 1), [d["sh_tab"].addr, sr, xn, self.hbuf.addr],
-                                 [sF, D, 1], type_name=d["sh_types"][0], mode=1),
+                                 [sF, D, 1, 0, 0, f32_bits(d["sh_limit"])], type_name=d["sh_types"][0], mode=1),
                         Dispatch("lmoe", (-(-D // R),), [d["sh_tab"].addr, sr, self.hbuf.addr, hs],
                                  [D, sF, 1], type_name=d["sh_types"][1], mode=0)]
         if self.head is not None:

@@ -32,7 +32,7 @@ class RowJoin:
         into their rows of ``yk``, host-visible); the resident ranks (``lmoe.comp`` skips ranks whose table entry is
         0), each rank's weighted output into its own row of ``yk``; cut; ``moe_sum.comp`` adds rows 0 .. k of ``yk``
         to the residual in rank order (the CPU path's order: docs/contracts.md "MoE step")."""
-        from coli.vulkan.layers import Copy, Dispatch
+        from coli.vulkan.layers import Copy, Dispatch, f32_bits
 
         D, k, F, R = self.D, self.k, self.F, self.K.rows
         yk = self.yk[j]
@@ -43,7 +43,7 @@ class RowJoin:
                 ops.append(Dispatch("lmv", (1,), [d["sh_gate"].addr, self.xn.addr, sr + 4], [1, D, 4],
                                     type_name="F32"))
             ops += [Dispatch("lmoe", (-(-sF // R), 1), [d["sh_tab"].addr, sr, self.xn.addr, self.hbuf.addr],
-                             [sF, D, 1], type_name=d["sh_types"][0], mode=1),
+                             [sF, D, 1, 0, 0, f32_bits(d["sh_limit"])], type_name=d["sh_types"][0], mode=1),
                     Dispatch("lmoe", (-(-D // R),), [d["sh_tab"].addr, sr, self.hbuf.addr, yk.addr + 4 * D * k],
                              [D, sF, 1], type_name=d["sh_types"][1], mode=0)]
         ops += [Copy(self.xn, self.xnh, [(0, 4 * D * j, 4 * D)]),

@@ -314,8 +314,8 @@ def _why_not_attention(a) -> str | None:
 def _why_not_ffn(m, il: int, L) -> str | None:
     """Why the FFN of layer ``L`` has no device kernels, or None: the MoE block (up to 512 experts, top-32) with the
     softmax top-k, gpt-oss's top-k softmax or the DeepSeek router (:func:`route_rule`) and an optional shared expert
-    (with its sigmoid gate), gpt-oss's biased MoE, DeepSeek-V4's MoE (its routed experts' clamped SwiGLU; a clamped
-    shared expert is refused), or the dense gated FFN (SwiGLU or GeGLU)."""
+    (with its sigmoid gate), gpt-oss's biased MoE, DeepSeek-V4's MoE (its routed and shared experts' clamped SwiGLU),
+    or the dense gated FFN (SwiGLU or GeGLU)."""
     moe, mlp = getattr(L, "moe", None), getattr(L, "mlp", None)
     if moe is None and mlp is None:
         return "a layer without an FFN block"
@@ -328,11 +328,9 @@ def _why_not_ffn(m, il: int, L) -> str | None:
     if _is(moe, "coli.models.gptoss.BiasedMoE"):    # a router bias, expert biases, the clamped SwiGLU
         if moe.ffn.kind not in (ACT_SWIGLU, ACT_SWIGLU_OAI):
             return f"expert activation {moe.ffn.kind} (no device kernel)"
-    elif is_deepseek4_moe(moe):     # topk.comp's bits 5 and 6; the routed experts' clamped SwiGLU as gpt-oss's
+    elif is_deepseek4_moe(moe):     # topk.comp's bits 5 and 6; the experts' clamped SwiGLU (act.glsl's limit)
         if moe.ffn.kind != ACT_SWIGLU:
             return f"expert activation {moe.ffn.kind} (no device kernel)"
-        if moe.shared is not None and moe.limit_sh > 0:    # the device's shared expert is the plain SwiGLU
-            return "a clamped shared expert (swiglu_clamp_shexp: no device kernel)"
     elif not _is(moe, "coli.models.blocks.MoE"):
         return f"its MoE block is {_cls(moe)} (no device kernel)"
     rule = route_rule(moe)
@@ -358,8 +356,9 @@ def why_not(m, il: int) -> str | None:
     form = getattr(L, "device_form", None)
     if _is(L, "coli.models.deepseek4.DecoderLayer"):
         # its router qualifies (topk.comp's bits 5 and 6); the hyper-connection residual and the attention do not
-        w = (f"its mixer is deepseek4.Attention over {m.args.hc} hyper-connection streams (no device kernel: a "
-             "window ring with sinks, compressed rows, the indexer, a grouped output)")
+        w = (f"its mixer is deepseek4.Attention over {m.args.hc} hyper-connection streams (kernels without a device "
+             "program: the attention, compressors, indexer and hyper-connections have kernels; the q/kv norms and "
+             "ropes, the grouped output and the streams' residual form are not in the decode and prompt programs)")
         f = _why_not_ffn(m, il, L)
         return w if f is None else f"{w}, {f}"
     if form not in FORMS:

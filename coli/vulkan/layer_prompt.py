@@ -202,7 +202,8 @@ class PromptChunks:
         rb, eb = d.get("router_b"), d.get("ebias")
         bias = [b.addr for b in eb] if eb is not None else [xn, xn, xn]   # unread without u8 bit 0
         nb = int(eb is not None)
-        f32r = "lmm_f32" if nb or d["eact"] else "lmm"
+        # lmm_cm.comp has SwiGLU alone: biases, another activation or a clamp take lmm.comp
+        f32r = "lmm_f32" if nb or d["eact"] or d["elimit"] > 0 else "lmm"
         ops += [
             Dispatch("lmm", (-(-E // BM), gr), [d["router"].addr, xn, self.p_lgt.addr,
                                                 rb.addr if rb is not None else self.p_lgt.addr],
@@ -238,7 +239,7 @@ class PromptChunks:
 
     def _prompt_shared(self, d: dict, R: int) -> list:
         """Qwen2-MoE's shared expert of a prompt chunk's rows into ``p_ysh`` (scaled by its gate when it has one)."""
-        from coli.vulkan.layers import Dispatch
+        from coli.vulkan.layers import Dispatch, f32_bits
 
         D, BM, gr = self.D, 64, -(-R // self.K.tile)
         xn, sF, sr = self.p_xn.addr, d["sh_F"], self.p_shr.addr
@@ -247,8 +248,10 @@ class PromptChunks:
             ops.append(Dispatch("lmm", (1, gr), [d["sh_gate"].addr, xn, sr + 4, sr], [1, D, 4, R, 2],
                                 type_name="F32"))
         pa, oa = self.p_pairs.addr, self.p_off.addr      # unread (u6 = 1: every row its own pair)
-        return ops + [Dispatch("lmm", (-(-sF // BM), gr, 1), [d["sh_tab"].addr, xn, self.p_h.addr, sr, pa, oa],
-                               [sF, D, 0, R, 0, 1, 1], type_name=d["sh_types"][0], mode=1),
+        lim = d["sh_limit"]    # DeepSeek-V4's clamped SwiGLU: lmm.comp (lmm_cm.comp has no clamp)
+        return ops + [Dispatch("lmm_f32" if lim > 0 else "lmm", (-(-sF // BM), gr, 1),
+                               [d["sh_tab"].addr, xn, self.p_h.addr, sr, pa, oa],
+                               [sF, D, 0, R, 0, 1, 1, 0, 0, f32_bits(lim)], type_name=d["sh_types"][0], mode=1),
                       Dispatch("lmm", (-(-D // BM), gr, 1), [d["sh_tab"].addr, self.p_h.addr, self.p_ysh.addr, sr,
                                                              pa, oa], [D, sF, 0, R, 0, 1, 1],
                                type_name=d["sh_types"][1], mode=2)]

@@ -145,6 +145,7 @@ class LayerWeights:
             d["sh_F"] = sF
             d["sh_types"] = (t[p + SHEXP_TENSORS[0]].type_name, t[p + SHEXP_TENSORS[2]].type_name)
             d["sh_route"] = self._const(np.array([0, np.float32(1.0).view(np.uint32)], np.uint32))
+            d["sh_limit"] = float(getattr(L.moe, "limit_sh", 0.0))    # DeepSeek-V4: its SwiGLU clamp (0: none)
             gi = m.wt.f32(p + "ffn_gate_inp_shexp.weight", False)
             if gi is not None:
                 d["sh_gate"] = self._place_f32(gi.reshape(1, -1))

@@ -240,3 +240,95 @@ def test_indexer(kern, T, pos0, m, Hi, Di, K, kind):
         assert any((sc[t, :(pos0 + t + 1) // m] == np.sort(sc[t, :(pos0 + t + 1) // m])[-K]).sum()
                    > (sc[t, ref[t]] == np.sort(sc[t, :(pos0 + t + 1) // m])[-K]).sum()
                    for t in range(T) if (pos0 + t + 1) // m > K)
+
+
+# -- the clamped shared expert --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("limit", [1.0, 0.0])
+def test_clamped_shared_expert(kern, limit):
+    """The shared expert as the device programs run it (``layer_decode``: lmoe.comp modes 1 and 0, one expert of
+    weight 1; ``layer_prompt._prompt_shared``: lmm.comp modes 1 and 2 with u6 = 1) with its clamp word against
+    ``deepseek4.MoE._shared_expert`` (gate clamped from above, up both sides at ``swiglu_clamp_shexp``) within 1e-5;
+    the clamp shown to matter (the outputs differ from the unclamped SwiGLU's by more than 1e-2)."""
+    from coli.models import deepseek4
+    from coli.vulkan.layers import Dispatch, f32_bits
+    from tests.vk_util import make_weight
+
+    rng = np.random.default_rng(3)
+    D, F, R = 64, 96, 5
+    ws, ts = {}, []
+    for n, (O, I) in (("ffn_gate_shexp", (F, D)), ("ffn_up_shexp", (F, D)), ("ffn_down_shexp", (D, F))):
+        raw, w = make_weight("Q8_0", O, I, rng, 0.5)
+        ws[n + ".weight"] = np.asarray(w, np.float32)
+        ts.append(kern.dev._place("Q8_0", raw, (O, I)))
+    mm = lambda w, x: (np.asarray(x, np.float32) @ w.T).astype(np.float32)   # noqa: E731
+    moe = SimpleNamespace(limit_sh=limit, m=SimpleNamespace(mm=mm, wt=SimpleNamespace(w=lambda n: ws[n])))
+    x = (rng.standard_normal((R, D)) * 2).astype(np.float32)
+    ref = deepseek4.MoE._shared_expert(moe, "")(x)
+    if limit:
+        moe.limit_sh = 0.0
+        assert rel_err(deepseek4.MoE._shared_expert(moe, "")(x), ref) > 1e-2
+    tab = _buf(kern, np.array([[t.addr for t in ts]], np.uint64))
+    one = np.array([0, np.float32(1.0).view(np.uint32)], np.uint32)
+    # decode: row by row through lmoe
+    Rw = kern.rows
+    bh, by = kern.buffer(4 * F), kern.buffer(4 * D)
+    broute = _buf(kern, one)
+    for r in range(R):
+        bx = _buf(kern, x[r])
+        kern.upload(by, np.zeros(D, np.float32))
+        rec = kern.record([
+            Dispatch("lmoe", (-(-F // Rw), 1), [tab.addr, broute.addr, bx.addr, bh.addr], [F, D, 1, 0, 0, f32_bits(limit)],
+               type_name="Q8_0", mode=1),
+            Dispatch("lmoe", (-(-D // Rw),), [tab.addr, broute.addr, bh.addr, by.addr], [D, F, 1], type_name="Q8_0", mode=0)])
+        try:
+            kern.submit(rec)
+        finally:
+            kern.free(rec)
+        assert rel_err(by.f32(D), ref[r]) <= TOL, ("decode", r, rel_err(by.f32(D), ref[r]))
+    # a prompt chunk through lmm (every row its own pair)
+    bx, bhp, byp = _buf(kern, x), kern.buffer(4 * R * F), kern.buffer(4 * R * D)
+    brs, bz = _buf(kern, np.tile(one, R)), _buf(kern, np.zeros(2, np.uint32))
+    gr = -(-R // kern.tile)
+    rec = kern.record([
+        Dispatch("lmm_f32", (-(-F // 64), gr, 1), [tab.addr, bx.addr, bhp.addr, brs.addr, bz.addr, bz.addr],
+                 [F, D, 0, R, 0, 1, 1, 0, 0, f32_bits(limit)], type_name="Q8_0", mode=1),
+        Dispatch("lmm", (-(-D // 64), gr, 1), [tab.addr, bhp.addr, byp.addr, brs.addr, bz.addr, bz.addr],
+                 [D, F, 0, R, 0, 1, 1], type_name="Q8_0", mode=2)])
+    try:
+        kern.submit(rec)
+    finally:
+        kern.free(rec)
+    got = byp.f32(R * D).reshape(R, D)
+    assert rel_err(got, ref) <= TOL, ("prompt", rel_err(got, ref))
+    for t in ts:
+        kern.dev._drop(t)
+
+
+@pytest.mark.parametrize("what,T,pos0,nh,hd,R2", [
+    ("q", 5, 20, 4, 32, 4), ("kv", 5, 20, 1, 32, 4), ("index_q", 3, 7, 8, 16, 4),     # the oracle's shapes
+    ("q", 2, 300, 8, 512, 32), ("kv", 40, 0, 1, 512, 32), ("index_q", 1, 4000, 64, 128, 32)])    # V4-Flash's
+def test_norm_and_rope(kern, what, T, pos0, nh, hd, R2):
+    """Mode 2 of dsv4_attn.comp against ``deepseek4.Attention``'s preparation of its rows: q's unweighted
+    RMSNorm a head (``deepseek4.rms``), kv's RMSNorm with its weight (``norms.rms_norm``), the indexer's q as it
+    is; then ``deepseek4.rope_tail`` at each row's position; within 1e-5."""
+    from coli.models.deepseek4 import rms, rope_tail
+    from coli.vulkan.layers import f32_bits
+    from cpu_kernels.norms import rms_norm
+
+    rng = np.random.default_rng(T + pos0 + hd)
+    x = (rng.standard_normal((T, nh, hd)) * 3).astype(np.float32)
+    w = (1 + 0.3 * rng.standard_normal(hd)).astype(np.float32)
+    ctx = pos0 + T + 4
+    cos, sin = _rope_table(ctx, R2)
+    eps = 1e-6
+    ref = {"q": lambda: rms(x, eps), "kv": lambda: rms_norm(x.reshape(T, hd), w, eps).reshape(T, 1, hd),
+           "index_q": lambda: x.copy()}[what]()
+    rope_tail(ref, cos[pos0:pos0 + T], sin[pos0:pos0 + T])
+    flags = {"q": 1, "kv": 2, "index_q": 0}[what]
+    bx, bw, bpar = _buf(kern, x), _buf(kern, w), _buf(kern, np.array([pos0], np.uint32))
+    brope = _buf(kern, np.concatenate([cos, sin]))
+    _run(kern, "dsv4_attn", (nh, T, 1), [bx, bw, bw, bpar, bw, bw, brope, bw],
+         [nh, hd, flags, 0, 0, 0, f32_bits(eps), R2, ctx, 2])
+    got = bx.f32(x.size).reshape(x.shape)
+    assert rel_err(got, ref) <= TOL, rel_err(got, ref)
