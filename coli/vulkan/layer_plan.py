@@ -357,8 +357,9 @@ def why_not(m, il: int) -> str | None:
     if _is(L, "coli.models.deepseek4.DecoderLayer"):
         # its router qualifies (topk.comp's bits 5 and 6); the hyper-connection residual and the attention do not
         w = (f"its mixer is deepseek4.Attention over {m.args.hc} hyper-connection streams (kernels without a device "
-             "program: the attention, compressors, indexer and hyper-connections have kernels; the q/kv norms and "
-             "ropes, the grouped output and the streams' residual form are not in the decode and prompt programs)")
+             "program: the attention, its norms and ropes, compressors, indexer and hyper-connections have kernels; "
+             "the layer's sequence of them, the grouped output and the streams' residual form are not in the decode "
+             "and prompt programs)")
         f = _why_not_ffn(m, il, L)
         return w if f is None else f"{w}, {f}"
     if form not in FORMS:
