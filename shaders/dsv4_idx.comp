@@ -6,8 +6,8 @@
 // Common: a3 params uint [..] (pos0 = params[0]), u0 Hi, u1 Di, u2 m, u3 n_ent, u4 K, u5 scale (bits), u6 ldS (floats
 // of a score row, >= n_ent).
 // mode 0 (u7, scores), groups (ceil(n_ent / WG), T, 1): a0 iq f32 [T, Hi, Di] (roped), a1 ik f32 [n_ent, Di] (roped),
-//   a2 w f32 [T, Hi], a4 S f32 [T, ldS]: an invocation an entry, in the CPU's order (h, then d); rows with nv <= K
-//   skip.
+//   a2 w f32 [T, Hi] (times u8's float when u8 > 0: Hi^-1/2, as the CPU scales indexer.proj's output), a4 S f32
+//   [T, ldS]: an invocation an entry, in the CPU's order (h, then d); rows with nv <= K skip.
 // mode 1 (top-k), groups (T, 1, 1): a4 S, a5 SEL int [T, K]: the K-th best score by a radix select over the scores'
 //   order-preserving bits (32 counting passes), then one pass writing the entries above it and the first ones equal
 //   to it, in entry order (the CPU's set, any order there).
@@ -38,14 +38,14 @@ void main() {
         F32 Q = F32(pc.a[0]);
         F32 IK = F32(pc.a[1]);
         F32 WH = F32(pc.a[2]);
-        float scale = pcf(5u);
+        float scale = pcf(5u), hs = pc.u[8] != 0u ? pcf(8u) : 1.0;
         uint qb = row * Hi * Di, kb = j * Di;
         float tot = 0.0;
         for (uint h = 0u; h < Hi; h++) {
             float s = 0.0;
             for (uint d = 0u; d < Di; d++) s += Q.v[qb + h * Di + d] * IK.v[kb + d];
             s *= scale;
-            if (s > 0.0) tot += WH.v[row * Hi + h] * s;
+            if (s > 0.0) tot += (WH.v[row * Hi + h] * hs) * s;
         }
         S.v[row * ldS + j] = tot;
         return;

@@ -210,8 +210,8 @@ def test_construction_failure_falls_back(device_moe, monkeypatch):
         e.close()
 
 
-#: why the deepseek4 oracle's layers stay on the CPU: its attention and hyper-connection residual, its clamped shared
-#: expert (its router qualifies: topk.comp's bits 5 and 6)
+#: why the deepseek4 oracle's layers stay on the CPU: its layer has kernels (coli/vulkan/layer_dsv4.py) but no device
+#: program (its router and clamped experts qualify)
 DSV4_WHY = ("its mixer is deepseek4.Attention over 4 hyper-connection streams (kernels without a device program: the "
             "attention, its norms and ropes, compressors, indexer and hyper-connections have kernels; the layer's "
             "sequence of them, the grouped output and the streams' residual form are not in the decode and prompt "

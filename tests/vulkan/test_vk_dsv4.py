@@ -1,6 +1,9 @@
-"""DeepSeek-V4's layer kernels without a weight format against the CPU's functions (coli/models/deepseek4.py,
-cpu_kernels/dsv4.py): the hyper-connections (shaders/dsv4_hc.comp). Each at the default workgroup (256) and at
-32, where a workgroup has fewer invocations than some loops have columns."""
+"""DeepSeek-V4's layer kernels against the CPU's functions (coli/models/deepseek4.py, cpu_kernels/dsv4.py): the
+hyper-connections (shaders/dsv4_hc.comp), the attention, its norms and ropes and window ring (dsv4_attn.comp), the
+compressors (dsv4_comp.comp), the lightning indexer (dsv4_idx.comp), the clamped shared expert (lmoe.comp,
+lmm.comp); then the whole layer through them (coli/vulkan/layer_dsv4.py) on the deepseek4 oracle against HF and the
+CPU. Each at the default workgroup (256) and at 32, where a workgroup has fewer invocations than some loops have
+columns."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -332,3 +335,53 @@ def test_norm_and_rope(kern, what, T, pos0, nh, hd, R2):
          [nh, hd, flags, 0, 0, 0, f32_bits(eps), R2, ctx, 2])
     got = bx.f32(x.size).reshape(x.shape)
     assert rel_err(got, ref) <= TOL, rel_err(got, ref)
+
+
+# -- the whole layer --------------------------------------------------------------------------------------------
+
+def test_oracle_layers_through_the_kernels(kern):
+    """``layer_dsv4.Dsv4Layer`` (every kernel above in the layer's order, the projections through lmm.comp, the
+    grouped output, the router and the clamped experts) on the deepseek4 oracle (ratios 0 / 4 / 16 / 4, a hash
+    layer): the 96-token prompt in chunks of 40 and 56, then 3 decode rows, the streams from layer to layer on the
+    device and the CPU's head after them: the logits within 1e-4 of HF's and 1e-5 of the CPU-only run's, greedy
+    equal; each layer's output within 1e-5 of the CPU layer's on the same input; the prompt's experts HF's."""
+    from coli.engine import Engine
+    from coli.vulkan.layer_dsv4 import Dsv4Layer
+    from tests.conftest import FIXTURES
+
+    oracle = np.load(FIXTURES / "oracles" / "deepseek4.npz")
+    e = Engine(FIXTURES / "oracles" / "deepseek4.gguf", cpu_act="f32", quiet=True, silent=True, save_usage=False,
+               ctx=128, usage=None)
+    layers = []
+    try:
+        m = e.model
+        caches = m.new_cache(128).layers      # (it sizes the model's rope tables too)
+        layers = [Dsv4Layer(kern, m, il, 128) for il in range(len(m.layers))]
+        ids, gen = oracle["ids"], oracle["gen_ids"]
+        calls = [ids[:40], ids[40:], gen[:1], gen[1:2], gen[2:3]]
+        pos0, got, cpu, worst = 0, [], [], 0.0
+        for c, tk in enumerate(calls):
+            m.tokens = np.asarray(tk, np.int64)
+            S0 = np.repeat(m.embed(m.tokens)[:, None, :], m.args.hc, axis=1).astype(np.float32)
+            Sd, Sc = S0, S0
+            for il, L in enumerate(m.layers):
+                ref = L(Sc, caches[il], pos0)
+                Sd = layers[il](Sd, tk, pos0)
+                worst = max(worst, rel_err(Sd, ref))
+                Sc = ref
+                if c < 2 and il >= 1:    # the prompt's experts: HF's (as sets; its hash layer 0 by tid2eid)
+                    np.testing.assert_array_equal(np.sort(layers[il].last_routes, axis=1),
+                                                  np.sort(oracle["expert_ids"][il][pos0:pos0 + len(tk)], axis=1))
+            pos0 += len(tk)
+            got.append(m.head(m.hc_head(Sd)[2]))
+            cpu.append(m.head(m.hc_head(Sc)[2]))
+        got, cpu = np.concatenate(got), np.concatenate(cpu)
+        hf = np.concatenate([oracle["logits"], oracle["gen_logits"][1:4]])
+        assert worst <= 1e-5, worst
+        assert rel_err(got, cpu) <= 1e-5, rel_err(got, cpu)
+        assert rel_err(got, hf) <= 1e-4, rel_err(got, hf)
+        np.testing.assert_array_equal(got.argmax(1), hf.argmax(1))
+    finally:
+        for d in layers:
+            d.close()
+        e.close()

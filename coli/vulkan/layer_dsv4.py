@@ -1,0 +1,254 @@
+"""DeepSeek-V4's decoder layer as one recorded sequence of device kernels (docs/vulkan.md "Device layers"; CPU:
+coli/models/deepseek4.py ``DecoderLayer``): the hyper-connections (``shaders/dsv4_hc.comp``), the attention's
+projections (``lmm.comp``), norms and ropes, compressors, indexer, attention and window ring (``dsv4_attn.comp``,
+``dsv4_comp.comp``, ``dsv4_idx.comp``), the grouped output projection (a copy that groups the heads' rows, then one
+product a group), the router (``topk.comp`` with ``layer_plan.topk_args``) and the clamped experts (``lmoe.comp``
+row by row). Not yet a device program: ``DeviceLayers`` does not run it (its residual is 4 streams a row, a form the
+decode and prompt programs lack); :class:`Dsv4Layer` runs one layer's call on the hc streams, for tests.
+
+Imported only with a device open (``coli.vulkan.layers``). Duck-typed on the layer (no import of coli.models).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .layer_plan import topk_args
+from .layers import Copy, Dispatch, f32_bits
+
+
+def _ceil32(n: int) -> int:
+    return -(-int(n) // 32) * 32
+
+
+class Dsv4Layer:
+    """Layer ``il`` of a DeepSeek-V4 model ``m`` (``m.layers[il]``, ``m.wt``, ``m.args``) on the kernels ``K``
+    (``coli.vulkan.layers.Kernels``) for a context of ``ctx`` positions: its weights on the device, its window ring,
+    compressors' rings and entries. ``__call__(S f32 [T, hc, D], tokens int [T], pos0) -> S' f32 [T, hc, D]``, the
+    calls in position order from 0 (the device's caches follow them, as the CPU's ``LayerCache`` does)."""
+
+    def __init__(self, K, m, il: int, ctx: int):
+        self.K, self.m, self.il, self.ctx = K, m, il, int(ctx)
+        L, a = m.layers[il], m.args
+        self.L, self.a = L, a
+        at = L.attn
+        self.H, self.hd, self.W, self.ratio = at.H, at.hd, at.W, at.ratio
+        self.D, self.hc, self.ql = a.d_model, a.hc, a.q_lora
+        self.qlp = _ceil32(a.q_lora)
+        self.G, self.r = a.o_groups, a.o_rank
+        self.grp = _ceil32(self.G * self.r)
+        self._keep, self._tensors = [], []
+        p = f"blk.{il}."
+        w = self._w
+        self.wq_a = w(p + "attn_q_a.weight", rows=self.qlp)
+        self.wq_b = w(p + "attn_q_b.weight")
+        self.wkv = w(p + "attn_kv.weight")
+        self.wo_b = w(p + "attn_output_b.weight")
+        ti = m.wt.info(p + "attn_output_a.weight")
+        raw = np.asarray(ti.raw).reshape(self.G * self.r, -1)
+        self.wo_a = [self.dev_place(ti.type_name, raw[g * self.r:(g + 1) * self.r], (self.r, int(ti.shape[1])))
+                     for g in range(self.G)]
+        self.norms = {k: self._const(v) for k, v in (("attn", L.attn_norm), ("ffn", L.ffn_norm), ("q", at.q_norm),
+                                                      ("kv", at.kv_norm), ("sinks", at.sinks))}
+        cos, sin = at.tables()
+        self.R2 = cos.shape[1]
+        self.rope = self._const(np.concatenate([cos[:ctx], sin[:ctx]]))
+        self.win = self._zeros(self.W * self.hd)
+        self.hcs = {}
+        for name, site in (("attn", L.hc_attn), ("ffn", L.hc_ffn)):
+            self.hcs[name] = tuple(self._const(x) for x in (site.fn, site.base, site.scale))
+        self.comps = {}
+        for name, c in (("attn", at.comp), ("indexer", at.idx_comp)):
+            if c is None:
+                continue
+            pre = p + ("attn_compressor" if name == "attn" else "indexer_compressor")
+            RR = (2 if c.overlap else 1) * c.ratio
+            self.comps[name] = dict(c=c, wkv=w(pre + "_kv.weight"), wgate=w(pre + "_gate.weight"),
+                                    ape=self._const(c.ape), norm=self._const(c.norm),
+                                    ring=self._zeros(RR * 2 * c.width), ent=self._zeros((ctx // c.ratio) * c.hd))
+        if at.idx_comp is not None:
+            self.idx_wq_b = w(p + "indexer.attn_q_b.weight")
+            self.idx_proj = w(p + "indexer.proj.weight")
+        moe = L.moe
+        self.moe = moe
+        self.E, self.k, self.F = a.n_experts, moe.k, None
+        self.router = self.dev_place("F32", np.ascontiguousarray(moe.ffn_gate_inp, np.float32).view(np.uint8),
+                                     moe.ffn_gate_inp.shape)
+        self.route_src = self._const(moe.tid2eid if moe.hash else moe.bias)
+        self.flags, self.words = topk_args(moe)
+        tab = np.zeros((self.E, 3), np.uint64)
+        types = []
+        for j, n in enumerate(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")):
+            ti = m.wt.info(p + n + ".weight")
+            E, O, I = (int(s) for s in ti.shape)
+            raw = np.asarray(ti.raw).reshape(E, -1)
+            for e in range(E):
+                tab[e, j] = self.dev_place(ti.type_name, raw[e], (O, I)).addr
+            types.append(ti.type_name)
+            if j == 0:
+                self.F = O
+        self.tab, self.etypes = self._const(tab), (types[0], types[2])
+        self.elimit = float(moe.ffn.limit)
+        sh = [m.wt.info(p + n + ".weight") for n in ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")]
+        self.sF = int(sh[0].shape[0])
+        self.sh_tab = self._const(np.array([[self.dev_place(t.type_name, t.raw, t.shape).addr for t in sh]], np.uint64))
+        self.sh_types = (sh[0].type_name, sh[2].type_name)
+        self.sh_route = self._const(np.array([0, np.float32(1.0).view(np.uint32)], np.uint32))
+        self.sh_limit = float(moe.limit_sh)
+
+    # -- placement ------------------------------------------------------------------------------------------
+    def dev_place(self, type_name, raw, shape, rows=None):
+        t = self.K.dev._place(type_name, np.ascontiguousarray(raw).reshape(-1).view(np.uint8),
+                              tuple(int(s) for s in shape), rows=rows)
+        self._tensors.append(t)
+        return t
+
+    def _w(self, name, rows=None):
+        ti = self.m.wt.info(name)
+        return self.dev_place(ti.type_name, ti.raw, ti.shape, rows)
+
+    def _const(self, arr):
+        a = np.ascontiguousarray(arr)
+        b = self.K.buffer(max(a.nbytes, 4))
+        self.K.upload(b, a)
+        self._keep.append(b)
+        return b
+
+    def _zeros(self, n):
+        return self._const(np.zeros(max(int(n), 1), np.float32))
+
+    def close(self) -> None:
+        """Free the layer's device memory."""
+        for t in self._tensors:
+            self.K.dev._drop(t)
+        for b in self._keep:
+            self.K.drop(b)
+        self._tensors, self._keep = [], []
+
+    # -- one call -------------------------------------------------------------------------------------------
+    def _mm(self, t, x, y, R, O, I, ldy=0):
+        """y[R, ldy or O] = x[R, I] @ t^T (``lmm.comp`` mode 0)."""
+        return Dispatch("lmm", (-(-O // 64), -(-R // self.K.tile), 1), [t.addr, x, y, x], [O, I, 0, R, ldy],
+                        type_name=t.type_name, mode=0)
+
+    def __call__(self, S: np.ndarray, tokens, pos0: int) -> np.ndarray:
+        K, a = self.K, self.a
+        T, hc, D = S.shape
+        H, hd, W, G, r = self.H, self.hd, self.W, self.G, self.r
+        eps = f32_bits(a.eps)
+        tmp = []
+
+        def buf(n):
+            b = K.buffer(4 * max(int(n), 1))
+            K.upload(b, np.zeros(max(int(n), 1), np.float32))
+            tmp.append(b)
+            return b
+
+        bS = buf(S.size)
+        K.upload(bS, np.ascontiguousarray(S, np.float32))
+        par = buf(1)
+        K.upload(par, np.array([pos0], np.uint32))
+        tok = buf(T)
+        K.upload(tok, np.asarray(tokens, np.uint32))
+        x, xn, pcb, y = buf(T * D), buf(T * D), buf(T * (hc + hc * hc)), buf(T * D)
+        qa, q, kv = buf(T * self.qlp), buf(T * H * hd), buf(T * hd)
+        og, y1 = buf(T * H * hd), buf(T * self.grp)
+        ops = []
+
+        def hc_pre(name):
+            fn, base, sc = self.hcs[name]
+            site = getattr(self.L, "hc_" + name)
+            ops.append(Dispatch("dsv4_hc", (T, 1, 1), [bS.addr, fn.addr, base.addr, sc.addr, x.addr, pcb.addr],
+                                [D, hc, 0, eps, f32_bits(site.eps), site.iters]))
+            ops.append(Dispatch("rmsnorm", (T, 1, 1), [x.addr, self.norms[name].addr, xn.addr], [D, eps]))
+
+        def hc_mix():
+            ops.append(Dispatch("dsv4_hc", (-(-D // K.wg), T, 1), [bS.addr, 0, 0, 0, y.addr, pcb.addr, bS.addr],
+                                [D, hc, 2]))
+
+        # attention
+        hc_pre("attn")
+        ops.append(self._mm(self.wq_a, xn.addr, qa.addr, T, self.qlp, D))
+        ops.append(Dispatch("rmsnorm", (T, 1, 1), [qa.addr, self.norms["q"].addr, qa.addr],
+                            [self.ql, eps, 1, self.qlp]))
+        ops.append(self._mm(self.wq_b, qa.addr, q.addr, T, H * hd, self.qlp))
+        ops.append(self._mm(self.wkv, xn.addr, kv.addr, T, hd, D))
+        prep = lambda buf_, nh, w_, width, fl: Dispatch(      # noqa: E731
+            "dsv4_attn", (nh, T, 1), [buf_, w_, 0, par.addr, 0, 0, self.rope.addr, 0],
+            [nh, width, fl, 0, 0, 0, eps, self.R2, self.ctx, 2])
+        ops.append(prep(q.addr, H, 0, hd, 1))
+        ops.append(prep(kv.addr, 1, self.norms["kv"].addr, hd, 2))
+        ring_ops = []
+        for name, cs in self.comps.items():
+            c = cs["c"]
+            ckv, cg = buf(T * c.width), buf(T * c.width)
+            ops += [self._mm(cs["wkv"], xn.addr, ckv.addr, T, c.width, D),
+                    self._mm(cs["wgate"], xn.addr, cg.addr, T, c.width, D)]
+            addrs = [ckv.addr, cg.addr, cs["ring"].addr, par.addr, cs["ape"].addr, cs["norm"].addr, self.rope.addr,
+                     cs["ent"].addr]
+            words = [c.hd, c.ratio, int(c.overlap), eps, self.R2, self.ctx, T]
+            ops.append(Dispatch("dsv4_comp", (-(-T // c.ratio) + 1, 1, 1), addrs, words + [0]))
+            ring_ops.append(Dispatch("dsv4_comp", (-(-2 * c.width // K.wg), T, 1), addrs, words + [1]))
+        n_ent = (pos0 + T) // self.ratio if self.ratio else 0
+        sel, Ksel = buf(1), 0
+        if "indexer" in self.comps:
+            ic = self.comps["indexer"]["c"]
+            Hi, Di, Ksel = a.idx_heads, a.idx_dim, a.idx_topk
+            iq, iw, sc = buf(T * Hi * Di), buf(T * Hi), buf(T * max(n_ent, 1))
+            sel = buf(T * Ksel)
+            ops += [self._mm(self.idx_wq_b, qa.addr, iq.addr, T, Hi * Di, self.qlp),
+                    prep(iq.addr, Hi, 0, Di, 0),
+                    self._mm(self.idx_proj, xn.addr, iw.addr, T, Hi, D)]
+            words = [Hi, Di, ic.ratio, n_ent, Ksel, f32_bits(Di ** -0.5), max(n_ent, 1), 0, f32_bits(Hi ** -0.5)]
+            addrs = [iq.addr, self.comps["indexer"]["ent"].addr, iw.addr, par.addr, sc.addr, sel.addr]
+            ops += [Dispatch("dsv4_idx", (max(-(-n_ent // K.wg), 1), T, 1), addrs, words[:7] + [0, words[8]]),
+                    Dispatch("dsv4_idx", (T, 1, 1), addrs, words[:7] + [1])]
+        ent = self.comps["attn"]["ent"].addr if "attn" in self.comps else 0
+        aaddrs = [q.addr, kv.addr, self.win.addr, par.addr, ent or kv.addr, sel.addr, self.rope.addr,
+                  self.norms["sinks"].addr]
+        awords = [H, hd, W, self.ratio, n_ent, Ksel, f32_bits(hd ** -0.5), self.R2, self.ctx]
+        ops.append(Dispatch("dsv4_attn", (H, T, 1), aaddrs, awords + [0]))
+        ops.append(Dispatch("dsv4_attn", (-(-hd // K.wg), T, 1), aaddrs, awords + [1]))
+        ops += ring_ops
+        # grouped output: o [T, G, I] regrouped to [G, T, I], one product a group into its columns of y1
+        I = H * hd // G
+        ops.append(Copy(q, og, [(4 * (t * G + g) * I, 4 * (g * T + t) * I, 4 * I) for t in range(T) for g in range(G)]))
+        for g in range(G):
+            ops.append(self._mm(self.wo_a[g], og.addr + 4 * g * T * I, y1.addr + 4 * g * r, T, r, I, ldy=self.grp))
+        ops.append(self._mm(self.wo_b, y1.addr, y.addr, T, D, self.grp))
+        hc_mix()
+        # MoE
+        hc_pre("ffn")
+        E, k, F = self.E, self.k, self.F
+        lg, rt, h = buf(T * E), buf(T * 2 * k), buf(max(k, 1) * max(F, self.sF))
+        ops.append(self._mm(self.router, xn.addr, lg.addr, T, E, D))
+        ops.append(Dispatch("topk", (T, 1, 1), [lg.addr, rt.addr, self.route_src.addr, self.route_src.addr, tok.addr],
+                            [E, k, self.flags, *self.words]))
+        ops.append(Copy(self._zero_rows(T * D, tmp), y, [(0, 0, 4 * T * D)]))
+        Rw = K.rows
+        for t in range(T):
+            xr, yr, rr = xn.addr + 4 * D * t, y.addr + 4 * D * t, rt.addr + 8 * k * t
+            ops += [Dispatch("lmoe", (-(-F // Rw), k), [self.tab.addr, rr, xr, h.addr], [F, D, k, 0, 0,
+                             f32_bits(self.elimit)], type_name=self.etypes[0], mode=1),
+                    Dispatch("lmoe", (-(-D // Rw),), [self.tab.addr, rr, h.addr, yr], [D, F, k],
+                             type_name=self.etypes[1], mode=0),
+                    Dispatch("lmoe", (-(-self.sF // Rw), 1), [self.sh_tab.addr, self.sh_route.addr, xr, h.addr],
+                             [self.sF, D, 1, 0, 0, f32_bits(self.sh_limit)], type_name=self.sh_types[0], mode=1),
+                    Dispatch("lmoe", (-(-D // Rw),), [self.sh_tab.addr, self.sh_route.addr, h.addr, yr],
+                             [D, self.sF, 1], type_name=self.sh_types[1], mode=0)]
+        hc_mix()
+        rec = K.record(ops)
+        try:
+            K.submit(rec)
+        finally:
+            K.free(rec)
+        out = bS.f32(S.size).reshape(S.shape).copy()
+        self.last_routes = rt.u32(T * 2 * k).reshape(T, 2, k)[:, 0].copy()
+        for b in tmp:
+            K.drop(b)
+        return out
+
+    def _zero_rows(self, n, tmp):
+        b = self.K.buffer(4 * n)
+        self.K.upload(b, np.zeros(n, np.float32))
+        tmp.append(b)
+        return b
