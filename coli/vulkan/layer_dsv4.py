@@ -24,7 +24,8 @@ class Dsv4Layer:
     """Layer ``il`` of a DeepSeek-V4 model ``m`` (``m.layers[il]``, ``m.wt``, ``m.args``) on the kernels ``K``
     (``coli.vulkan.layers.Kernels``) for a context of ``ctx`` positions: its weights on the device, its window ring,
     compressors' rings and entries. ``__call__(S f32 [T, hc, D], tokens int [T], pos0) -> S' f32 [T, hc, D]``, the
-    calls in position order from 0 (the device's caches follow them, as the CPU's ``LayerCache`` does)."""
+    calls in position order from 0 (the device's caches follow them, as the CPU's ``LayerCache`` does);
+    :meth:`state_to` / :meth:`state_from` move that state to and from the CPU's ``LayerCache``."""
 
     def __init__(self, K, m, il: int, ctx: int):
         self.K, self.m, self.il, self.ctx = K, m, il, int(ctx)
@@ -123,6 +124,57 @@ class Dsv4Layer:
         for b in self._keep:
             self.K.drop(b)
         self._tensors, self._keep = [], []
+
+    # -- the caches' state both ways --------------------------------------------------------------------------
+    def _ring(self, cs):
+        c = cs["c"]
+        RR = (2 if c.overlap else 1) * c.ratio
+        return RR, cs["ring"].f32(RR * 2 * c.width).reshape(RR, 2, c.width)
+
+    def state_to(self, cache, pos: int) -> None:
+        """Write the device's state after position ``pos - 1`` into the CPU's ``deepseek4.LayerCache`` ``cache``: the
+        window ring, and per compressor its entries, the open window's rows (``buf_kv``, ``buf_gate``: the ring's
+        rows of positions ``pos - pos % m ..``) and, with overlap, the last closed window's first hd columns
+        (``prev_kv``; ``prev_gate`` with ``ape`` added, as the CPU keeps it)."""
+        cache.win[:] = self.win.f32(self.W * self.hd).reshape(self.W, self.hd)
+        for name, cs in self.comps.items():
+            c, st = cs["c"], cache.states[name]
+            m, hd = c.ratio, c.hd
+            n, nb = pos // m, pos % m
+            RR, ring = self._ring(cs)
+            st.n, st.nbuf = n, nb
+            st.entries[:n] = cs["ent"].f32(n * hd).reshape(n, hd)
+            rows = [P % RR for P in range(pos - nb, pos)]
+            st.buf_kv[:nb], st.buf_gate[:nb] = ring[rows, 0], ring[rows, 1]
+            if c.overlap:
+                st.has_prev = n > 0
+                if n:
+                    prow = [P % RR for P in range((n - 1) * m, n * m)]
+                    st.prev_kv[:] = ring[prow, 0, :hd]
+                    st.prev_gate[:] = ring[prow, 1, :hd] + c.ape[:, :hd]
+
+    def state_from(self, cache, pos: int) -> None:
+        """The inverse of :meth:`state_to`: the CPU's ``cache`` after position ``pos - 1`` onto the device (the
+        last closed window's gate rows as ``prev_gate - ape``, the CPU keeping only their sum)."""
+        self.K.upload(self.win, np.ascontiguousarray(cache.win, np.float32))
+        for name, cs in self.comps.items():
+            c, st = cs["c"], cache.states[name]
+            m, hd = c.ratio, c.hd
+            n, nb = pos // m, pos % m
+            if (st.n, st.nbuf) != (n, nb):
+                raise ValueError(f"layer {self.il} {name} compressor: {st.n} entries and {st.nbuf} open rows, "
+                                 f"not position {pos}'s")
+            RR = (2 if c.overlap else 1) * m
+            ring = np.zeros((RR, 2, c.width), np.float32)
+            rows = [P % RR for P in range(pos - nb, pos)]
+            ring[rows, 0], ring[rows, 1] = st.buf_kv[:nb], st.buf_gate[:nb]
+            if c.overlap and n:
+                prow = [P % RR for P in range((n - 1) * m, n * m)]
+                ring[prow, 0, :hd] = st.prev_kv
+                ring[prow, 1, :hd] = st.prev_gate - c.ape[:, :hd]
+            self.K.upload(cs["ring"], ring)
+            if n:
+                self.K.upload(cs["ent"], np.ascontiguousarray(st.entries[:n], np.float32))
 
     # -- one call -------------------------------------------------------------------------------------------
     def _mm(self, t, x, y, R, O, I, ldy=0):

@@ -385,3 +385,54 @@ def test_oracle_layers_through_the_kernels(kern):
         for d in layers:
             d.close()
         e.close()
+
+
+def test_layer_state_moves_both_ways(kern):
+    """``Dsv4Layer.state_to`` / ``state_from`` on the deepseek4 oracle: calls of 37, 4, 1 rows (windows left open)
+    on the device, the state moved into a fresh CPU ``LayerCache``, and the CPU's next calls (1 and 18 rows) within
+    1e-5 of the CPU-only run; and the other way, the CPU's state after the first calls onto fresh device layers
+    whose next calls agree as well. Each layer fed the CPU-only run's input rows."""
+    from coli.engine import Engine
+    from coli.vulkan.layer_dsv4 import Dsv4Layer
+    from tests.conftest import FIXTURES
+
+    oracle = np.load(FIXTURES / "oracles" / "deepseek4.npz")
+    e = Engine(FIXTURES / "oracles" / "deepseek4.gguf", cpu_act="f32", quiet=True, silent=True, save_usage=False,
+               ctx=128, usage=None)
+    made = []
+    try:
+        m = e.model
+        ids = oracle["ids"]
+        cuts = [0, 37, 41, 42, 43, 61]
+        calls = [ids[a:b] for a, b in zip(cuts, cuts[1:])]
+        ref_c = m.new_cache(128).layers
+        ins, outs = [], []     # per call, per layer: the CPU-only run's input and output
+        for tk, pos0 in zip(calls, cuts):
+            m.tokens = np.asarray(tk, np.int64)
+            S = np.repeat(m.embed(m.tokens)[:, None, :], m.args.hc, axis=1).astype(np.float32)
+            ins.append([]), outs.append([])
+            for il, L in enumerate(m.layers):
+                ins[-1].append(S)
+                S = L(S, ref_c[il], pos0)
+                outs[-1].append(S)
+        split = 3
+        for direction in ("to_cpu", "to_device"):
+            cpu_c = m.new_cache(128).layers
+            dev = [Dsv4Layer(kern, m, il, 128) for il in range(len(m.layers))]
+            made += dev
+            for c in range(len(calls)):
+                m.tokens = np.asarray(calls[c], np.int64)
+                on_dev = (c < split) == (direction == "to_cpu")
+                if c == split:
+                    for il in range(len(m.layers)):
+                        if direction == "to_cpu":
+                            dev[il].state_to(cpu_c[il], cuts[c])
+                        else:
+                            dev[il].state_from(cpu_c[il], cuts[c])
+                for il, L in enumerate(m.layers):
+                    got = dev[il](ins[c][il], calls[c], cuts[c]) if on_dev else L(ins[c][il], cpu_c[il], cuts[c])
+                    assert rel_err(got, outs[c][il]) <= 1e-5, (direction, c, il, rel_err(got, outs[c][il]))
+    finally:
+        for d in made:
+            d.close()
+        e.close()
