@@ -113,8 +113,10 @@ def _open_engine(a, quiet=False, save_usage=True):
     device, index = device_flag(a.device)
     tier_flags = [f for f, on in (("--balance", a.balance is True), ("--no-balance", a.balance is False),
                                   ("--reproducible", a.reproducible), ("--tier-gb", a.tier_gb is not None)) if on]
+    asked = f"--device {a.device}" if a.device else None   # what opened the device, for its errors
     if device is None and (tier_flags or settings.get("COLI_VULKAN")):
         device = "vulkan"   # the tier's flags open the best Vulkan device, as --device vulkan does
+        asked = tier_flags[0] if tier_flags else "COLI_VULKAN=1"
     if tier_flags and device == "cpu":
         raise ColiError(f"{tier_flags[0]} needs the device: drop --device cpu")
     if a.reproducible and a.balance:
@@ -136,8 +138,10 @@ def _open_engine(a, quiet=False, save_usage=True):
         raise ColiError("--n-cpu-moe/--cpu-moe needs the device: drop --device cpu")
     if device is None and cpu_moe:
         device = "vulkan"
+        asked = "--cpu-moe" if cpu_moe < 0 else f"--n-cpu-moe {cpu_moe}"
     if device is None and (a.gpu_layers or (a.gpu_layers is None and settings.get("COLI_VK_LAYERS"))):
         device = "vulkan"   # --gpu-layers N (or COLI_VK_LAYERS=N) opens the device, as the tier's flags do
+        asked = f"--gpu-layers {a.gpu_layers}" if a.gpu_layers else f"COLI_VK_LAYERS={settings.get('COLI_VK_LAYERS')}"
     if a.gpu_layers and device == "cpu":
         raise ColiError("--gpu-layers needs the device: drop --device cpu")
     if (a.gpu_layers or cpu_moe) and a.reproducible:
@@ -153,7 +157,8 @@ def _open_engine(a, quiet=False, save_usage=True):
     return Engine(model, threads=a.threads, ctx=a.ctx, expert_cache=a.expert_cache, usage=a.usage,
                   cpu_act=a.cpu_act, io_threads=4 if a.io_threads is None else a.io_threads, device=device,
                   balance=False if a.reproducible else a.balance,
-                  trace=a.trace, quiet=quiet, save_usage=save_usage, cli_names=True, env=env,
+                  trace=a.trace, quiet=quiet, save_usage=save_usage, env=env,
+                  cli_names={"vulkan": asked} if asked else True,
                   silent=bool(getattr(a, "quiet", False)), cache_type_k=getattr(a, "cache_type_k", None),
                   cache_type_v=getattr(a, "cache_type_v", None))
 
@@ -450,9 +455,10 @@ def cmd_perplexity(a) -> int:
             way = "every token" if a.all_tokens else "second half of each chunk, as llama-perplexity"
             print(f"coli: {eng.path.name}: {len(ids)} tokens, chunks of {eng.ctx} ({way})", file=sys.stderr)
         r = eng.perplexity(ids, all_tokens=a.all_tokens, on_chunk=None if a.quiet else progress,
-                           max_chunks=a.chunks if a.chunks > 0 else None)
+                           max_chunks=a.chunks if a.chunks > 0 else None,
+                           name=f"{a.file} (--max-tokens {a.max_tokens})" if a.max_tokens else a.file)
         dt = time.perf_counter() - t0
-        print(f"{a.file}: {r.n} tokens scored in {r.chunks} chunks of {r.ctx}"
+        print(f"{a.file}: {r.n} tokens scored in {r.chunks} chunk{'s' if r.chunks != 1 else ''} of {r.ctx}"
               f"{' (all tokens)' if r.all_tokens else ''}, NLL {r.nll:.4f} nats/token, "
               f"perplexity {r.ppl:.4f} +/- {r.ppl_err:.4f} ({len(ids) / dt:.1f} tok/s)")
     finally:
@@ -528,7 +534,10 @@ def _read_trace(path: str) -> list:
     ``ts`` and ``dur``; one ColiError naming the file (and the event) for anything else."""
     what = "coli trace reads the JSON array of events coli run --trace FILE.json writes"
     try:
-        events = json.loads(Path(path).read_bytes())
+        raw = Path(path).read_bytes()
+        if not raw.strip():
+            raise ColiError(f"{path}: empty (no trace events); {what}")
+        events = json.loads(raw)
     except OSError as e:
         raise ColiError(f"{path}: {e.strerror or e}") from None
     except UnicodeDecodeError:

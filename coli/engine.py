@@ -72,7 +72,8 @@ class Engine:
     ``quiet`` (no notes on stderr), ``silent`` (not even the device's and the tier's), ``env`` (the
     ``COLI_*`` settings, ``os.environ`` by default: ``coli.base.settings.overlay`` puts flags on top, docs/settings.md;
     ``COLI_MEM`` caps the memory budget, ``coli.base.memory.budget``: ``memory``),
-    ``cli_names`` (errors name CLI flags instead of API arguments), ``cache_type_k`` / ``cache_type_v`` (the KV
+    ``cli_names`` (errors name CLI flags instead of API arguments; a dict ``{"vulkan": flag}`` also names the flag
+    that opened the device, e.g. ``"--cpu-moe"``, for the device's errors), ``cache_type_k`` / ``cache_type_v`` (the KV
     cache's types: "f32", "f16", "bf16", "q8_0"; default the settings ``COLI_CACHE_TYPE_K/V``, f32:
     ``coli.runtime.kv_types``, docs/engine.md "KV cache types"). Raises ``ColiError`` for bad files or options.
     """
@@ -212,7 +213,7 @@ class Engine:
 
     @on_engine_threads
     def perplexity(self, token_ids, all_tokens: bool = False, on_chunk=None,
-                   max_chunks: int | None = None) -> "PerplexityResult":
+                   max_chunks: int | None = None, name: str = "text") -> "PerplexityResult":
         """Perplexity of ``token_ids`` (the text's ids as :meth:`tokenize` gives them, BOS included where the
         model wants one) with llama-perplexity's convention (``tools/perplexity/perplexity.cpp``), so figures
         compare with llama.cpp's at the same ``--ctx``:
@@ -229,11 +230,12 @@ class Engine:
         still hold 2 chunks, as llama-perplexity checks before it counts them). ``on_chunk(i, n_chunks,
         running_ppl)`` is called after each chunk. Returns a :class:`PerplexityResult`
         (``ppl_err``: llama-perplexity's ``+/-``, the standard error of the mean NLL times ppl). Raises
-        ColiError for a text too short or logits that are not finite."""
+        ColiError for a text too short (the error names it ``name``: the CLI gives its file) or logits that are not
+        finite."""
         ids = self._check_ids(token_ids)
         n_ctx = self.ctx
         bos = self.tokenizer.bos_id if self.tokenizer.add_bos else None
-        windows, first = perplexity_windows(ids, n_ctx, bos, all_tokens)
+        windows, first = perplexity_windows(ids, n_ctx, bos, all_tokens, name)
         if max_chunks is not None:
             windows = windows[:max_chunks]
         total = total2 = 0.0

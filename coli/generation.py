@@ -98,12 +98,12 @@ class PerplexityResult:
     ctx: int
 
 
-def perplexity_windows(ids: np.ndarray, n_ctx: int, bos, all_tokens: bool) -> tuple[list, int]:
+def perplexity_windows(ids: np.ndarray, n_ctx: int, bos, all_tokens: bool, name: str = "text") -> tuple[list, int]:
     """The windows of :meth:`coli.engine.Engine.perplexity` (int64 arrays of at most ``n_ctx`` ids) and the first
     position scored in each (its next token is the first predicted): llama-perplexity's chunks of ``n_ctx`` with
     the first id replaced by ``bos`` (an id, or None when the file adds none), scored from ``n_ctx // 2``; with
     ``all_tokens`` windows of ``n_ctx`` from position 0, each led by the BOS when ``ids`` start with it.
-    ColiError for a text or a ``--ctx`` too short to score a token."""
+    ColiError for a text (named ``name``: the CLI's file) or a ``--ctx`` too short to score a token."""
     windows: list = []
     need = 2 if all_tokens else 3  # a window scores ctx - 1 tokens (--all-tokens) or ctx - 1 - ctx // 2
     if n_ctx < need:
@@ -111,7 +111,7 @@ def perplexity_windows(ids: np.ndarray, n_ctx: int, bos, all_tokens: bool) -> tu
                         + ("" if all_tokens else " (llama-perplexity's convention scores its second half)"))
     if not all_tokens:
         if len(ids) < 2 * n_ctx:
-            raise ColiError(f"text: {len(ids)} tokens; llama-perplexity's convention needs at least 2 x --ctx = "
+            raise ColiError(f"{name}: {len(ids)} tokens; llama-perplexity's convention needs at least 2 x --ctx = "
                             f"{2 * n_ctx} (lower --ctx, or score every token with --all-tokens)")
         for i in range(len(ids) // n_ctx):
             w = ids[i * n_ctx : (i + 1) * n_ctx].copy()
@@ -123,7 +123,7 @@ def perplexity_windows(ids: np.ndarray, n_ctx: int, bos, all_tokens: bool) -> tu
     body = ids[len(prefix):]
     step = n_ctx - len(prefix)
     if len(ids) < 2 or step < 1:
-        raise ColiError(f"text: {len(ids)} tokens with --ctx {n_ctx}: nothing to score")
+        raise ColiError(f"{name}: {len(ids)} tokens with --ctx {n_ctx}: nothing to score")
     for s in range(0, len(body), step):
         w = np.concatenate([prefix, body[s : s + step]])
         if len(w) >= 2:

@@ -1,6 +1,7 @@
 """``coli plan``: what a model will take on this machine, before loading anything heavy.
 
-From the GGUF header (tensor sizes; nothing is dequantized or read beyond the header), the memory budget
+From the GGUF header (tensor sizes; nothing is dequantized or read beyond the header; a Hugging Face folder: its
+safetensors headers, as ``coli run -m DIR`` reads them), the memory budget
 (``coli.base.memory.budget``: the smallest of the cgroup's limit, ``COLI_MEM`` and the RAM available) and, with
 ``device="vulkan"``, the Vulkan device's heaps (the device is opened and closed; no weight is placed):
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import psutil
 
@@ -81,7 +83,12 @@ def make_plan(path, *, device: str | None = None, ctx: int | None = None, expert
 
     if device not in (None, "cpu", "vulkan"):
         raise ColiError(f"--device: '{device}' (cpu or vulkan)")
-    g = open_gguf(path)
+    if Path(path).is_dir():   # a Hugging Face folder, as `coli run -m DIR` reads it (coli/hf_folder.py)
+        from coli.hf_folder import open_folder  # loads Numba, as cpu_kernels above
+
+        g = open_folder(path)
+    else:
+        g = open_gguf(path)
     cls = model_class(g)
     a = cls.args_from(g)
     a.kv_types = kv_types(cls, a, env, cache_type_k, cache_type_v)
@@ -112,7 +119,8 @@ def make_plan(path, *, device: str | None = None, ctx: int | None = None, expert
                 exps[il] = tuple(t[f"blk.{il}.{n}.weight"] for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
             except KeyError as e:
                 raise ColiError(f"{g.path.name}: tensor {e.args[0]} is missing") from None
-        src = ExpertSource(g.path, exps)
+        # a folder's experts are per-expert tensors across its shards (as `coli.runtime.setup_moe` reads them)
+        src = g.expert_source(exps) if hasattr(g, "expert_source") else ExpertSource(g.path, exps)
         src.tiles = cpu_kernels.DEFAULT_ACT == "int8"   # the engine's default layout (Model's Weights)
         src.keep_raw = device == "vulkan"                # as `coli.runtime.setup_moe`: raw bytes kept for a device tier
         try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import math
 import os
 import sys
 import warnings
@@ -207,7 +208,8 @@ def build(eng, *, ctx, expert_cache, usage, io_threads, device, balance, trace, 
         setup_moe(eng, expert_cache, usage, io_threads, keep_raw=device not in (None, "cpu"))
     eng.device = None
     if device not in (None, "cpu"):
-        if eng.step is None and device == "vulkan" and not settings.get("COLI_VK_LAYERS", eng.env):
+        if eng.step is None and device == "vulkan" and not (settings.get("COLI_VK_LAYERS", eng.env)
+                                                            or settings.get("COLI_VK_CPU_MOE", eng.env)):
             # nothing for the tier to hold: the device is not used (device layers, --gpu-layers, run dense
             # layers), but one asked for and not had is still an error (--device vulkan:7): opened, then closed
             open_asked_device(eng, device, None, quiet=True).close()
@@ -328,6 +330,11 @@ def setup_layers(eng, dev, budget: int, balance=None) -> bool:
     # --tier-gb G where N whole layers do not fit G (the experts resident in what the layers leave)
     moe = bool(eng.model.moe_layers)
     apart = bool(cpu_moe) and moe
+    if cpu_moe and not moe and not eng.silent:   # llama.cpp takes the flag and places the layers all the same
+        flag = ("--cpu-moe" if cpu_moe < 0 else f"--n-cpu-moe {cpu_moe}") if eng.cli_names else \
+            f"COLI_VK_CPU_MOE={cpu_moe}"
+        print(f"[VK] {eng.path.name}: {flag}: a dense model has no routed experts to keep on the CPU; its layers go "
+              f"to the device as with {'--gpu-layers ' if eng.cli_names else 'COLI_VK_LAYERS='}{want}", file=sys.stderr)
     rows = settings.get("COLI_VK_PROMPT_ROWS", eng.env)
     first, why = layer_plan.plan(eng.model, budget, eng.ctx, None if want < 0 else want, prompt_rows=rows,
                                     experts=not apart)
@@ -404,10 +411,19 @@ def layer_experts(eng, first: int, budget: int, cpu_moe: int) -> dict:
     return out
 
 
+def asked_by(eng) -> str:
+    """What asked for the Vulkan device, for its errors: the CLI's flag (``--device vulkan``, or the flag that
+    opened it, ``cli_names={"vulkan": "--cpu-moe"}``), else the API argument ``device='vulkan'``."""
+    names = eng.cli_names
+    if isinstance(names, dict) and names.get("vulkan"):
+        return names["vulkan"]
+    return "--device vulkan" if names else "device='vulkan'"
+
+
 def open_asked_device(eng, device, budget, quiet: bool):
     """The Vulkan device the run asked for (``device`` "vulkan"; the index from ``COLI_VK_DEV`` in ``eng.env``, as
     the CLI's ``--device vulkan:N`` sets it) with ``budget`` (``coli.vulkan.open_device``'s). ColiError naming
-    what asked for it (``--device vulkan:N``, ``COLI_VK_DEV=N``, ``--device vulkan``, ``device='vulkan'``) when it
+    what asked for it (``--device vulkan:N``, ``COLI_VK_DEV=N``, :func:`asked_by`) when it
     cannot be had: a device asked for is never replaced by a silent CPU run."""
     if device != "vulkan":
         raise ColiError(f"{eng._name('device')}: '{device}' (cpu or vulkan)")
@@ -418,8 +434,7 @@ def open_asked_device(eng, device, budget, quiet: bool):
         return cvk.open_device(eng.path.name, budget=budget, quiet=quiet, device_index=None if idx < 0 else idx,
                                index_name=flag, required=True)
     except Exception as e:  # a device asked for and not had is an error, not a silent CPU run
-        what = flag or (f"COLI_VK_DEV={idx}" if idx >= 0 else
-                        "--device vulkan" if eng.cli_names else "device='vulkan'")
+        what = flag or (f"COLI_VK_DEV={idx}" if idx >= 0 else asked_by(eng))
         why = str(e) or type(e).__name__
         if eng.cache is not None:
             eng.cache.close()  # its readers started; the engine is not returned
@@ -449,6 +464,16 @@ def setup_device(eng, device, balance) -> None:
     budget, rule = dev.budget_bytes, dev.budget_rule          # set at open by the rule passed in
     if setup_layers(eng, dev, int(budget), balance):
         return
+    gb = settings.get("COLI_VK_TIER_GB", eng.env)
+    if gb is not None and int(budget) < per:   # a tier of no expert would run every expert on the CPU, "balanced"
+        dev.close()
+        eng.device = None
+        eng.cache.close()   # its readers started; the engine is not returned
+        name = "--tier-gb" if eng.cli_names and gb != settings.get("COLI_VK_TIER_GB") else "COLI_VK_TIER_GB="
+        layers = settings.get("COLI_VK_LAYERS", eng.env)
+        raise ColiError(f"{name}{'' if name.endswith('=') else ' '}{gb:g}: {int(budget) / 2**20:.2f} MiB holds no "
+                        f"routed expert ({per / 2**20:.2f} MiB each){' nor a decoder layer' if layers else ''}; give "
+                        f"{math.ceil(per / 2**30 * 1000) / 1000:g} or more, or leave it out (the budget rule: docs/tier.md)")
     counts = eng.usage.counts.copy() if eng.usage is not None and eng.usage.loaded else None
     # a zero-copy device maps the RAM cache's bytes: page-aligned reads from here on (the warm start's too)
     src.page_aligned = bool(getattr(dev, "zero_copy", False))
@@ -626,6 +651,11 @@ def stats_line(eng, st: dict | None = None) -> str:
     return s
 
 
+def _n(k: int, what: str) -> str:
+    """``k`` and ``what``, plural unless ``k`` is 1: "1 token", "2 tokens"."""
+    return f"{k} {what}{'' if k == 1 else 's'}"
+
+
 def close(eng):
     """Save the routing history, end the tier and the I/O pool, write the trace (idempotent)."""
     if getattr(eng, "_closed", False):
@@ -642,11 +672,10 @@ def close(eng):
             dl = eng.device_layers
             ms = 1e3 * dl.submit_s / dl.tokens if dl.tokens else 0.0
             gpu = (f" ({1e3 * dl.gpu_s / dl.gpu_tokens:.2f} by the device's timestamps"
-                   f"{'' if dl.gpu_tokens == dl.tokens else f' of {dl.gpu_tokens} tokens'})"
+                   f"{'' if dl.gpu_tokens == dl.tokens else ' of ' + _n(dl.gpu_tokens, 'token')})"
                    if dl.gpu_tokens and dl.gpu_s else "")
             hold = f"; {dl.clock.line()}" if dl.clock is not None else ""
-            pre = (f"; {dl.prompt_tokens} prompt rows in {dl.prompt_chunks} "
-                   f"chunk{'s' if dl.prompt_chunks != 1 else ''}, "
+            pre = (f"; {_n(dl.prompt_tokens, 'prompt row')} in {_n(dl.prompt_chunks, 'chunk')}, "
                    f"{dl.prompt_tokens / dl.prompt_s:.0f} rows/s in the submits and waits, "
                    f"the {dl.K.route} GEMM route, attention "
                    f"{' / '.join(sorted({dl.K.attn_kernel(dl.hd, d.get('hdv')) + '.comp' for d in dl.per}))}"
@@ -662,7 +691,7 @@ def close(eng):
                 ex += (f"; experts streamed for {dl.stream_chunks} prompt chunk"
                        f"{'s' if dl.stream_chunks != 1 else ''}: {dl.streamed_bytes / 1e9:.2f} GB in "
                        f"{dl.stream_s:.2f} s of copies ({dl.streamed_bytes / 1e9 / max(dl.stream_s, 1e-9):.1f} GB/s)")
-            print(f"[VK] {eng.path.name}: device layers ran {dl.tokens} decode tokens, {ms:.2f} ms a token in "
+            print(f"[VK] {eng.path.name}: device layers ran {_n(dl.tokens, 'decode token')}, {ms:.2f} ms a token in "
                   f"the submit and its wait{gpu}{hold}{pre}{ex}", file=sys.stderr)
         if eng.device_layers.prof is not None and eng.device_layers.prof.tokens:   # COLI_VK_JOIN_PROFILE: asked for
             print(eng.device_layers.prof.table(eng.path.name), file=sys.stderr)

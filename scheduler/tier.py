@@ -149,13 +149,15 @@ class Tier(TierResidency, TierStep, TierUploads):
     # ----- lines
     def start_line(self) -> str:
         """``[VK] tier <model>: on, <device>, budget B GiB = N experts of S MiB, <rule>, own queue|shared
-        queue, up to R promotions per token, balanced against the CPU|not balanced``, then the device's expert
+        queue, up to R promotions per token, balanced against the CPU|not balanced`` (a budget of no expert says
+        every routed expert runs on the CPU), then the device's expert
         placement when it says it (``experts mapped from RAM (zero-copy, ...)`` or ``experts copied to the device
         (...)``)."""
         return (f"[VK] tier {self.model}: on, {self.device_name}, budget {self.budget / GiB:.2f} GiB = "
                 f"{self.budget_experts} experts of {_mib(self.expert_bytes)} MiB, {self.rule}, "
                 f"{'own queue' if self.own_queue else 'shared queue'}, up to {self.rate} promotions per token, "
-                f"{'balanced against the CPU' if self.balancer.enabled else 'not balanced'}"
+                + ("no expert fits: every routed expert runs on the CPU" if self.budget_experts == 0 else
+                   'balanced against the CPU' if self.balancer.enabled else 'not balanced')
                 + (f", {self.device.expert_mode()}" if hasattr(self.device, "expert_mode") else ""))
 
     def run_line(self, ram_hits: int, disk_loads: int, blocks: int | None = None,
@@ -179,7 +181,8 @@ class Tier(TierResidency, TierStep, TierUploads):
                 f"failed {self.failed} | "
                 f"device {self.device_ms:.1f} ms, CPU share {self.cpu_ms:.1f} ms, waited {self.waited_ms:.1f} ms "
                 f"({hidden:.0f}% of device time hidden) | "
-                f"balance: device share {self.balancer.share:.2f}, {self.handed_rows} rows handed to the CPU"
+                + ("balance: none (no expert on the device)" if self.budget_experts == 0 else
+                   f"balance: device share {self.balancer.share:.2f}, {self.handed_rows} rows handed to the CPU")
                 + (f", {self.tokens_without} decode tokens without the device (the decode gate"
                    + self._gate_decisions() + ")" if self.tokens_without else "")
                 + (f" | clock holder: {self._clock.runs} heats" if self._clock else ""))

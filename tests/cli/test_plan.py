@@ -153,3 +153,23 @@ def test_plan_under_a_memory_budget(tiny):
         from coli.engine import Engine
 
         Engine(tiny, ctx=32, env={"COLI_MEM": "0.1"}, save_usage=False)
+
+
+def test_plan_reads_a_hugging_face_folder_as_run_does(tmp_path):
+    """``coli plan -m DIR`` takes the Hugging Face folder ``coli run -m DIR`` reads (it refused it: not a GGUF): the
+    plan's dense bytes, KV cache, expert bytes and RAM expert cache equal what the engine sets up on the folder."""
+    from conftest import FIXTURES
+    from coli.engine import Engine
+
+    folder = FIXTURES / "oracles" / "fp8_qwen3moe"
+    p = make_plan(folder, ctx=32, expert_cache=3)
+    with Engine(folder, ctx=32, expert_cache=3, usage=str(tmp_path / "usage"), save_usage=False) as eng:
+        assert (p["arch"], p["moe_layers"], p["n_experts"]) == (eng.args.arch, len(eng.model.moe_layers),
+                                                               eng.args.n_experts)
+        assert p["dense_bytes"] == eng.model.dense_bytes
+        assert p["kv_cache_bytes"] == eng.model.new_cache(eng.ctx).nbytes()
+        assert p["ram_cache_slots"] == eng.expert_slots == 3 and p["ram_cache_bytes"] == eng.ram_cache_bytes
+        assert p["expert_bytes"] == max(eng.cache.source.expert_nbytes(l) for l in eng.model.moe_layers)
+    r = subprocess.run([sys.executable, "-m", "coli", "plan", "-m", str(folder), "--ctx", "32"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and f"| model " in r.stdout and "fp8_qwen3moe (qwen3moe, 2 layers" in r.stdout, r.stderr

@@ -86,7 +86,8 @@ def test_coli_trace_summary(tmp_path):
     assert "overlap 0.100 ms" in r.stdout
     what = "coli trace reads the JSON array of events coli run --trace FILE.json writes"
     bad = tmp_path / "bad.json"
-    for data, want in [(b"{", f"not JSON (line 1, column 2); {what}"),
+    for data, want in [(b"", f"empty (no trace events); {what}"), (b" \n", f"empty (no trace events); {what}"),
+                       (b"{", f"not JSON (line 1, column 2); {what}"),
                        (b"hello, not a trace\n", f"not JSON (line 1, column 1); {what}"),
                        (b"\x89PNG\r\n", f"not JSON text (not UTF-8); {what}"),
                        (b'{"a": 1}', f"a JSON dict, not an array of events; {what}"),

@@ -91,7 +91,15 @@ def test_experts_per_budget_and_start_line():
     assert t2.start_line() == ("[VK] tier olmoe: on, llvmpipe, budget 0.01 GiB = 3 experts of 3.00 MiB, "
                                "COLI_VK_TIER_GB=0.01, shared queue, up to 16 promotions per token, balanced "
                                "against the CPU")
-    t.close(), t2.close()
+    # a budget below one expert (the rule's 0 on a small machine): said plainly, no "balanced" nor a device share
+    t0 = Tier(RecordingDevice(), "olmoe", 2, 8, 3 * 1024 * 1024, 3 * 1024 * 1024 - 1, "shared RAM: ...", env={},
+              log=io.StringIO(), device_name="llvmpipe")
+    assert t0.capacity == 0 and t0.start_line().endswith(
+        "budget 0.00 GiB = 0 experts of 3.00 MiB, shared RAM: ..., shared queue, up to 16 promotions per token, "
+        "no expert fits: every routed expert runs on the CPU")
+    line = t0.run_line(0, 0)
+    assert "balance: none (no expert on the device)" in line and "device share" not in line
+    t.close(), t2.close(), t0.close()
 
 
 # ---- heat ------------------------------------------------------------------------------------------------

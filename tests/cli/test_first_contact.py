@@ -1,0 +1,84 @@
+"""What a new user meets first (faults a QA run found): the device flags on a dense model, the flag a device error
+names, a --tier-gb that holds no expert, the perplexity lines. Runs ``coli.cli.main`` in-process on the tiny
+oracle llama (tests/fixtures/oracles/rope_linear.gguf: 1 layer, 0.3 MiB) and the tiny MoE: seconds each."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import FIXTURES
+from tiny_moe import build_tiny_moe
+from vk_util import requires_vulkan
+
+DENSE = FIXTURES / "oracles" / "rope_linear.gguf"
+
+
+def _main(capsys, *argv):
+    from coli.cli import main
+
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.parametrize("flags, env, named", [
+    (["--cpu-moe"], {}, "--cpu-moe"), (["--n-cpu-moe", "2"], {}, "--n-cpu-moe 2"),
+    (["--gpu-layers", "1"], {}, "--gpu-layers 1"), (["--balance"], {}, "--balance"), (["--tier-gb", "1"], {}, "--tier-gb"),
+    (["--device", "vulkan"], {}, "--device vulkan"), ([], {"COLI_VULKAN": "1"}, "COLI_VULKAN=1"),
+    ([], {"COLI_VK_LAYERS": "1"}, "COLI_VK_LAYERS=1")])
+def test_a_missing_device_names_the_flag_that_asked_for_it(capsys, monkeypatch, flags, env, named):
+    """No Vulkan device to open (here: open_device fails as on a machine with only llvmpipe): the one error line
+    names the flag the user gave, not ``--device vulkan`` they did not give."""
+    import coli.vulkan as cvk
+
+    def no_gpu(*a, **kw):
+        raise cvk.VulkanError("no GPU: the only Vulkan device is 0: llvmpipe")
+
+    monkeypatch.setattr(cvk, "open_device", no_gpu)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    rc, out, err = _main(capsys, "run", "-m", str(DENSE), "-p", "x", "-n", "1", *flags)
+    assert (rc, out) == (2, "") and err.endswith(f"coli: {named}: no GPU: the only Vulkan device is 0: llvmpipe\n"), err
+    assert named == "--device vulkan" or "--device vulkan" not in err
+
+
+@requires_vulkan
+@pytest.mark.parametrize("flags", [["--cpu-moe"], ["--n-cpu-moe", "1"]])
+def test_cpu_moe_on_a_dense_model_runs_its_layers_on_the_device(capsys, flags):
+    """--cpu-moe / --n-cpu-moe on a dense model (no routed experts): as llama.cpp, the layers go to the device all the
+    same (--gpu-layers -1 implied: the layer and the head), one line says the flag keeps nothing on the CPU, and the
+    device ran the prompt rows and the decode row (it ran on the CPU, the dense notice's path)."""
+    rc, out, err = _main(capsys, "run", "-m", str(DENSE), "-p", "a b c", "-n", "2", "--temp", "0", *flags)
+    assert rc == 0, err
+    assert f"[VK] rope_linear.gguf: {' '.join(flags)}: a dense model has no routed experts to keep on the CPU" in err
+    assert "layer 0 of 1 and the head on the device" in err and "this run is on the CPU" not in err
+    assert "device layers ran 1 decode token," in err    # the second token's forward: one decode row on the device
+    n = int(err.split("prompt rows on the device: ")[1].split(" of ")[0])
+    assert n > 0 and f"prompt rows on the device: {n} of {n}" in err
+
+
+@requires_vulkan
+def test_a_tier_gb_that_holds_no_expert_is_refused(tmp_path, capsys):
+    """--tier-gb below one expert (and, with --gpu-layers, below a layer): one line naming --tier-gb and the least
+    that holds an expert, exit 2 (it ran a tier of 0 experts, "balanced against the CPU" with device share 1.00)."""
+    tiny = build_tiny_moe(tmp_path)
+    for extra, nor in (([], ""), (["--gpu-layers", "2"], " nor a decoder layer")):
+        rc, out, err = _main(capsys, "run", "-m", str(tiny), "-p", "x", "-n", "1", "--tier-gb", "1e-8", *extra)
+        assert (rc, out) == (2, "") and "Traceback" not in err
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("coli: --tier-gb 1e-08: 0.00 MiB holds no routed expert (0.01 MiB each)" + nor), last
+        assert last.endswith("; give 0.001 or more, or leave it out (the budget rule: docs/tier.md)"), last
+
+
+def test_perplexity_lines_name_the_file_and_count_right(tmp_path, capsys):
+    """coli perplexity: a text too short names the file (not ``text:``), also with --max-tokens; one chunk is "1
+    chunk"."""
+    f = tmp_path / "short.txt"
+    f.write_text("the cat sat on the mat. " * 2)
+    rc, out, err = _main(capsys, "perplexity", "-m", str(DENSE), "-f", str(f), "--ctx", "64")
+    assert rc == 2 and err.splitlines()[-1] == (f"coli: {f}: 41 tokens; llama-perplexity's convention needs at least "
+                                                "2 x --ctx = 128 (lower --ctx, or score every token with --all-tokens)")
+    f.write_text("the cat sat on the mat. " * 40)
+    rc, out, err = _main(capsys, "perplexity", "-m", str(DENSE), "-f", str(f), "--ctx", "64", "--max-tokens", "100")
+    assert rc == 2 and err.splitlines()[-1].startswith(f"coli: {f} (--max-tokens 100): 100 tokens; "), err
+    rc, out, err = _main(capsys, "perplexity", "-m", str(DENSE), "-f", str(f), "--ctx", "16", "--chunks", "1")
+    assert rc == 0 and f"{f}: 7 tokens scored in 1 chunk of 16," in out, (out, err)
