@@ -238,7 +238,7 @@ def test_vulkan_on_a_dense_model_says_the_run_is_on_the_cpu(capsys):
 def test_a_missing_vulkan_index_names_the_flag_that_asked_for_it(capsys, monkeypatch, tmp_path):
     """``--device vulkan:N`` past the devices there are is one error naming the flag (it ran on the CPU with exit
     0) and listing the devices; set through the variable, it names the variable. A missing loader or missing
-    shaders with ``--device vulkan`` are errors too: a device asked for and not had."""
+    shaders are errors too, naming the flag that asked for the device: a device asked for and not had."""
     pytest.importorskip("vulkan")
     monkeypatch.delenv("COLI_VK_DEV", raising=False)
     rc, out, err = _run(capsys, "run", "-m", "demo", "-p", "Hi", "-n", "1", "--device", "vulkan:57", "--temp", "0")
@@ -253,14 +253,14 @@ def test_a_missing_vulkan_index_names_the_flag_that_asked_for_it(capsys, monkeyp
     monkeypatch.delenv("COLI_VK_DEV")
     monkeypatch.setenv("COLI_VK_SHADERS", str(tmp_path))
     rc, out, err = _run(capsys, "run", "-m", "demo", "-p", "Hi", "-n", "1", "--balance", "--temp", "0")
-    assert rc == 2 and err.startswith("coli: --device vulkan: missing shaders (") and out == "", err
+    assert rc == 2 and err.startswith("coli: --balance: missing shaders (") and out == "", err   # the flag given
     monkeypatch.delenv("COLI_VK_SHADERS")
     env_loader = dict(COLI_VK_LOADER="/nonexistent/libvulkan.so.1")
     r = subprocess.run([sys.executable, "-m", "coli", "run", "-m", "demo", "-p", "Hi", "-n", "1", "--gpu-layers", "2"],  # a fresh process: the loader
                        capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), **env_loader),
                        timeout=600)
     assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr, r.stderr
-    assert r.stderr == "coli: --device vulkan: no Vulkan loader (/nonexistent/libvulkan.so.1: " \
+    assert r.stderr == "coli: --gpu-layers 2: no Vulkan loader (/nonexistent/libvulkan.so.1: " \
                        "/nonexistent/libvulkan.so.1: cannot open shared object file: No such file or directory)\n"
 
 
