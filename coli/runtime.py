@@ -632,8 +632,9 @@ def counters(eng) -> dict:
 
 
 def stats_line(eng, st: dict | None = None) -> str:
-    """One line: prefill and decode tok/s, expert cache hits, disk loads, bytes read; the seed of a
-    sampled (not greedy) run; how many steps had non-finite logits masked."""
+    """One line: prefill and decode tok/s, expert cache hits, disk loads, bytes read; the seconds the kernels took
+    to compile or load (apart from the speeds, as llama.cpp's load time); the seed of a sampled (not greedy) run;
+    how many steps had non-finite logits masked."""
     st = st or eng.last_stats
     # the tokens prefilled: a kept KV cache's reused prefix is not computed (prefill_tps counts the same)
     n_pre = st.get('prompt_tokens', 0) - st.get('cached_tokens', 0)
@@ -644,6 +645,8 @@ def stats_line(eng, st: dict | None = None) -> str:
               f"read {st.get('bytes_read', 0) / 2**20:.1f} MiB ({eng.expert_slots} slots/layer)")
     if "device_prompt_rows" in st:   # the placement, so a fallback to the CPU never passes for device speed
         s += f" | prompt rows on the device: {st['device_prompt_rows']} of {n_pre}"
+    if st.get("compile_s", 0) >= 0.05:   # llama.cpp's load time, apart: a first run's compile is minutes
+        s += f" | kernels {st['compile_s']:.1f} s (compiled or loaded from the cache; not in the speeds)"
     if st.get("seed") is not None:
         s += f" | seed {st['seed']}"
     if st.get("masked_logit_steps"):

@@ -13,7 +13,8 @@
   compile prints one line instead, once a process: what compiles, about how long, where it is cached.
   :func:`quiet` turns both off (the CLI's ``-q``).
   :func:`compiles` gives the process's top-level compiles and their seconds.
-* :class:`HoldFirst` keeps a generation's text off the terminal line while the first tokens' kernels compile,
+* :class:`HoldFirst` keeps a generation's text off the terminal line while the first tokens' kernels compile
+  (in a process's first generation, through its first decode step),
   and no bar is drawn while model text holds the current line (:func:`text_on_line`): a bar redraws its line
   with ``\r`` and would erase the text there.
 """
@@ -29,8 +30,9 @@ _install_lock = threading.Lock()
 _compile_bar = None
 _bar_lock = threading.Lock()
 _compiles = [0, 0.0, 0, 0.0]   # top-level compiles, their seconds, nesting depth, start of the open one
-# model text on the terminal's current line; the compile notice given; no notice at all (the CLI's -q)
-_line = {"text": False, "told": False, "quiet": False}
+# model text on the terminal's current line; the compile notice given; no notice at all (the CLI's -q); a
+# generation of this process has run a decode step (its kernels are compiled or loaded)
+_line = {"text": False, "told": False, "quiet": False, "stepped": False}
 COMPILE_NOTE = "compiling the CPU kernels, once: about 5 minutes on a first run, longer on a busy machine"
 
 
@@ -67,9 +69,11 @@ def compiled_any() -> bool:
 
 class HoldFirst:
     """A writer of a generation's text pieces (``write(str)``) that holds ``head`` (the echoed prompt) and the
-    first piece back while kernels compile in this process, and writes them with the second piece: the first
-    decode step compiles too, and its bar then has a line of its own instead of erasing the text (nothing is
-    held on a warm cache). Call :meth:`flush` when the generation ends or fails. Tells :func:`text_on_line`."""
+    first piece back until the second, through the first decode step, in a process's first generation and while
+    kernels compile: that step may compile kernels the prompt's did not (a cold cache, or a path first taken
+    there), and its notice or bar then has a line of its own before the text instead of splitting or erasing it
+    (the text waits one decode step). Call :meth:`flush` when the generation ends or fails. Tells
+    :func:`text_on_line`."""
 
     def __init__(self, write, head: str = ""):
         self.write, self.buf, self.n = write, [head] if head else [], 0
@@ -77,8 +81,9 @@ class HoldFirst:
     def __call__(self, s: str) -> None:
         self.n += 1
         self.buf.append(s)
-        if self.n < 2 and compiled_any():
+        if self.n < 2 and (compiled_any() or not _line["stepped"]):
             return
+        _line["stepped"] = True
         self.flush()
 
     def flush(self) -> None:

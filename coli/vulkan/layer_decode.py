@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 
+from coli.base.progress import compile_seconds
 from coli.vulkan.layer_plan import hidden_width, is_deltanet
 
 
@@ -223,7 +224,9 @@ class DecodeRow:
         self.params.u32(4)[0] = pos0
         self.hin.f32(D)[:] = h.reshape(-1)
         if self.segs:
+            c0 = compile_seconds()
             (self._run_chain if self.chain else self._run_split)()
+            self.submit_s -= compile_seconds() - c0   # the CPU side's first call compiles: load time, not the token's
             self.dev_rows += self.k * (self.n_moe - len(self.resident))   # the layers whose experts are all here
         else:
             t0 = time.perf_counter()

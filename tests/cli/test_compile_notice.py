@@ -17,7 +17,8 @@ from conftest import ROOT
 pexpect = pytest.importorskip("pexpect")
 
 DRIVER = r"""
-import sys, time
+import os, sys, time
+COMPILING = [int(c) for c in os.environ.get("TEST_COMPILING", "1,2").split(",")]
 import cpu_kernels  # before numba: it picks the threading layer
 import numba.core.event as ev
 import coli.engine as E
@@ -31,10 +32,12 @@ def init(self, *a, **kw):
 
     def forward(*a, **kw):
         calls[0] += 1
-        if calls[0] <= 2:  # the prefill and the first decode step compile, as on a cold cache
+        if calls[0] in COMPILING:  # the prefill and the first decode step compile, as on a cold cache
+            ev.start_event("numba:compiler_lock")
             ev.start_event("numba:compile")
             time.sleep(0.4)
             ev.end_event("numba:compile")
+            ev.end_event("numba:compiler_lock")
         return fwd(*a, **kw)
     self.model.forward = forward
 
@@ -99,10 +102,24 @@ def test_piped_run_says_once_that_kernels_compile(want, tmp_path):
                        cwd=ROOT, env=_env(), timeout=240)
     assert r.returncode == 0, r.stderr
     assert r.stdout == P + want + "\n"
-    lines = [l for l in r.stderr.splitlines() if "compil" in l]
+    lines = [l for l in r.stderr.splitlines() if "compil" in l and not l.startswith("coli: prefill")]  # stats apart
     assert lines == [f"coli: compiling the CPU kernels, once: about 5 minutes on a first run, longer on a busy "
                      f"machine; later runs load them from {os.environ['NUMBA_CACHE_DIR']}"], r.stderr
     assert r.stderr.index(lines[0]) < r.stderr.index("prefill")  # before the stats line, not after the wait
+
+
+def test_a_compile_in_the_first_decode_step_does_not_split_the_text(want):
+    """Only the first decode step compiles (a path the prompt's step did not take: the device layers' CPU join, a
+    partly warm cache), stdout and stderr in one file: the notice comes before the text, which is whole (the
+    first piece was written before the compile started, and the notice split it). The closing line gives the
+    compile's seconds apart from the speeds, as llama.cpp gives its load time."""
+    r = subprocess.run([sys.executable, "-c", DRIVER, "run", *ARGS, "-p", P], stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=dict(_env(), TEST_COMPILING="2"),
+                       timeout=240)
+    assert r.returncode == 0, r.stdout
+    assert P + want + "\n" in r.stdout and r.stdout.index("compiling the CPU kernels") < r.stdout.index(P), r.stdout
+    kernels = re.search(r"\| kernels (\d+\.\d) s \(compiled or loaded from the cache; not in the speeds\)", r.stdout)
+    assert kernels and float(kernels[1]) >= 0.4, r.stdout
 
 
 def test_quiet_run_gives_no_compile_notice(want):
