@@ -810,6 +810,15 @@ def _devnull_stdout() -> None:
         pass
 
 
+def _check_numba_threads() -> None:
+    """``NUMBA_NUM_THREADS``, when set, is Numba's thread pool: a whole number >= 1, else one ColiError naming it
+    (Numba raises a ValueError traceback at import for 0 or less, and ignores a word with a warning)."""
+    v = os.environ.get("NUMBA_NUM_THREADS")
+    if v and not (v.strip().isdigit() and int(v) >= 1):
+        raise ColiError(f"NUMBA_NUM_THREADS={v!r}: Numba's thread pool, a whole number >= 1 (unset: one a core; "
+                        f"--threads N uses fewer)")
+
+
 def main(argv=None) -> int:
     if sys.stdout is None:
         sys.stdout = _ClosedStdout()
@@ -825,6 +834,7 @@ def main(argv=None) -> int:
         p.error("info: give a MODEL")
     try:
         settings.check_all()  # a malformed COLI_* variable is one error before any work
+        _check_numba_threads()
         return a.func(a)
     except ColiError as e:
         print(f"coli: {e}", file=sys.stderr)

@@ -330,6 +330,8 @@ def open_folder(path) -> HFModel:
     cfg = _read_json(folder, "config.json")
     mt = cfg.get("model_type")
     a = ARCHS.get(mt)
+    if mt is None:   # it read "model_type 'None' is not supported"
+        _fail(folder, f"config.json: no 'model_type' (a Hugging Face config names it: {', '.join(sorted(ARCHS))})")
     if a is None:
         _fail(folder, f"config.json: model_type '{mt}' is not supported (supported: {', '.join(sorted(ARCHS))})")
     _check_quant(cfg, folder)

@@ -355,3 +355,14 @@ def test_full_disk_demo_build_is_one_error(tmp_path, model_path):
     assert re.search(r"it needs about (\d+) MB free there, [0-4] MB are", errs[0]) and int(
         re.search(r"about (\d+) MB", errs[0]).group(1)) > 500, errs[0]
     assert r.stdout.strip() == "['.build.lock']"  # no temp file left
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "four"])
+def test_a_bad_numba_thread_count_is_one_line(value):
+    """NUMBA_NUM_THREADS=0 was a 20-line ValueError traceback from Numba's import (a word: ignored with a warning):
+    one line naming it, exit 2, before a model is read."""
+    r = subprocess.run([PY, "-m", "coli", "run", "-m", "smollm2", "-p", "hi", "-n", "1"], capture_output=True,
+                       text=True, cwd=ROOT, env=dict(os.environ, NUMBA_NUM_THREADS=value), timeout=120)
+    assert (r.returncode, r.stdout) == (2, "") and r.stderr == (
+        f"coli: NUMBA_NUM_THREADS={value!r}: Numba's thread pool, a whole number >= 1 (unset: one a core; "
+        "--threads N uses fewer)\n"), r.stderr

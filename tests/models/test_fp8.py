@@ -195,6 +195,7 @@ def _drop_tensor(*names):
     (lambda d: (d / "config.json").unlink(), "config.json"),
     (lambda d: (d / "config.json").write_text("{"), "config.json"),
     (_cfg("model_type", "bert"), "model_type 'bert'"),
+    (_cfg("model_type", None), "config.json: no 'model_type' (a Hugging Face config names it: "),
     (_cfg("quantization_config.quant_method", "gptq"), "quant_method"),
     (_cfg("quantization_config.weight_block_size", [64, 64]), "weight_block_size"),
     (_cfg("rope_parameters", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}), "rope_type 'dynamic'"),
