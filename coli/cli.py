@@ -633,7 +633,8 @@ def _serve_parser(sub) -> None:
     s.add_argument("--reasoning-format", default="auto", choices=("auto", "deepseek", "none"),
                    help="a <think> span of the answer as reasoning_content / thinking blocks: auto (when the chat "
                         "template writes one), deepseek (always), none (left in the content)")
-    s.add_argument("-q", "--quiet", action="store_true", help="no start line or access log (the serving line stays)")
+    s.add_argument("-q", "--quiet", action="store_true",
+                   help="no start line, ready line or access log (the serving and warm-up lines stay)")
     _engine_args(s)
     s.set_defaults(func=cmd_serve)
 

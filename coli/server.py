@@ -109,7 +109,7 @@ class ContentLengthLimit:
 
 def create_app(eng, model_id: str, aliases=(), max_queue: int = 8, api_key: str | None = None, cors=None,
                body_limit_mb: float = BODY_LIMIT_MB, parallel: int = 1, warmup: bool = False,
-               reasoning_format: str = "auto", kv_unified: bool = False):
+               reasoning_format: str = "auto", kv_unified: bool = False, say_ready: bool = False):
     """The Starlette app serving ``eng`` as model ``model_id``. Any ``model`` name in a request is answered
     by it (one model is served, as llama-server; the answer names ``model_id``); ``aliases`` are the other
     names ``GET /v1/models/{name}`` knows. ``api_key``: requests other than ``/health`` and ``/v1/models``
@@ -121,14 +121,15 @@ def create_app(eng, model_id: str, aliases=(), max_queue: int = 8, api_key: str 
     ``reasoning_format``: "auto" (a ``<think>`` span read into ``reasoning_content`` when the chat template
     writes one), "deepseek" (always), "none" (the span stays in the content); llama-server's
     ``--reasoning-format``, a request's ``reasoning_format`` field overrides it. ``kv_unified``: the slots share
-    the context's positions (``coli.slots.Batcher``'s ``unified``; llama-server's ``--kv-unified``)."""
+    the context's positions (``coli.slots.Batcher``'s ``unified``; llama-server's ``--kv-unified``).
+    ``say_ready``: a line on stderr when the warm-up ended (its seconds)."""
     metrics = Metrics()
     state = dict(worker=None, metrics=metrics)
     h = Routes(eng, model_id, {model_id, *aliases}, state, metrics, reasoning_format, body_limit_mb)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        state["worker"] = Worker(eng, max_queue, metrics, parallel, warmup, kv_unified)
+        state["worker"] = Worker(eng, max_queue, metrics, parallel, warmup, kv_unified, say_ready)
         try:
             yield
         finally:
@@ -191,7 +192,8 @@ def serve(eng, model_id: str, host: str = "127.0.0.1", port: int = 8080, aliases
     (130, 143), as a process killed by it, or 0 when the server stopped by itself."""
     sock = sock or bind(host, port)
     app = create_app(eng, model_id, aliases, max_queue, api_key=api_key, cors=cors, body_limit_mb=body_limit_mb,
-                     parallel=parallel, warmup=warmup, reasoning_format=reasoning_format, kv_unified=kv_unified)
+                     parallel=parallel, warmup=warmup, reasoning_format=reasoning_format, kv_unified=kv_unified,
+                     say_ready=warmup and not quiet)
     got = []
 
     class Server(uvicorn.Server):
@@ -212,5 +214,8 @@ def serve(eng, model_id: str, host: str = "127.0.0.1", port: int = 8080, aliases
     shown = f"[{h}]" if ":" in h else h  # printed with -q too: the real port (--port 0) is what a script needs
     print(f"coli: serving {model_id} on http://{shown}:{p}/v1 (OpenAI API, and Anthropic's /v1/messages; Ctrl-C to stop)", file=sys.stderr,
           flush=True)
+    if warmup:  # with -q too, as llama-server's warm-up line (a warning): a first run's compile takes minutes
+        print("coli: warming up the model (a short generation; a first run compiles the kernels, minutes): requests "
+              "get 503 until it ends (--no-warmup to skip)", file=sys.stderr, flush=True)
     server.run(sockets=[sock])
     return 128 + got[0] if got else 0

@@ -90,8 +90,9 @@ class Worker:
     run one after the other in its slot; between two steps, waiting jobs take the free slots."""
 
     def __init__(self, eng, max_queue: int, metrics: Metrics | None = None, parallel: int = 1,
-                 warmup: bool = False, kv_unified: bool = False):
+                 warmup: bool = False, kv_unified: bool = False, say_ready: bool = False):
         self.eng = eng
+        self.say_ready = say_ready  # a line on stderr when the warm-up ended
         self.batcher = Batcher(eng, parallel, unified=kv_unified)
         self.deferred: list = []  # (job, generation)s that wait for KV room (--kv-unified), first in line first
         self.warmup = warmup
@@ -243,6 +244,8 @@ class Worker:
     def _run(self):
         if self.warmup and not self.stopping.is_set():
             self._warm_up()
+            if self.say_ready:
+                print(f"coli: ready (the warm-up took {self.warmed['seconds']:.1f} s)", file=sys.stderr, flush=True)
         self.ready.set()
         b = self.batcher
         while True:

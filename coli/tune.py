@@ -405,6 +405,9 @@ def cmd_tune(a) -> int:
         if not layers:
             raise ColiError("no Numba threading layer could start (tbb, omp)")
     devices = ["cpu"] + ([a.device] if device_flag(a.device)[0] == "vulkan" else [])  # "vulkan" or "vulkan:N"
+    if len(devices) > 1 and not plan["moe_layers"]:  # the sweep's device points are the expert tier's
+        raise ColiError(f"--device {a.device}: {Path(a.model).name} is a dense model: coli tune sweeps the device's "
+                        f"expert tier (balance off and on), which only routed experts use; tune it without --device")
     if len(devices) > 1:
         _check_device(a.device, Path(a.model).name)
     balances = [False, True]

@@ -10,10 +10,14 @@ tok/s = tokens generated in them / their seconds; one stream's figure is k = 1 (
 its time for k times its tokens). On a MoE, each step's distinct routed experts per layer (the bytes an expert
 step reads: the expert's file bytes) are counted: expert bytes a token = those bytes / tokens.
 
-Part 2 (``--http``): ``coli serve --parallel 4`` in a subprocess; 1, 2 and 4 clients stream at once (each
-``--tokens`` tokens, distinct prompts), against the 4 requests one after the other: aggregate tok/s end to end
-(prompts and HTTP included). Then a 16-token request sent 0.3 s after a ~2,000-token prompt: its time to first
-token. Prints the load average before each part (the machine is shared: docs/benchmarks.md).
+Part 2 (``--http``), the reference of the concurrency target (what a user of the server sees): ``coli serve
+--parallel 4`` in a subprocess; 1, 2 and 4 clients stream ``--tokens`` tokens each at once (distinct prompts), in
+alternating rounds with the load average printed per round: aggregate decode tok/s = the tokens after each
+stream's first token / (the last stream's last token - the first stream's first token), the median of the
+rounds, 4 clients over 1 (``x_4_vs_1_decode``); end to end (prompts and HTTP included) against the 4 requests
+one after the other. Then a 16-token request sent 0.3 s after a ~2,000-token prompt: its time to first token,
+and whether it came while the long prompt was still being read (before the long request's first token).
+Prints the load average before each part (the machine is shared: docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -81,7 +85,7 @@ def in_process(name: str, threads: int, n_tok: int, ks, rounds: int = 3) -> list
             dt = time.perf_counter() - t0
             n = sum(len(s.out) for s in seqs) - n0
             row = dict(model=name, streams=k, tokens=n, seconds=round(dt, 3), tok_s=round(n / dt, 2),
-                       batched=b.batched)
+                       batched=b.batched, load=round(os.getloadavg()[0], 1))
             if moe:
                 row["expert_MiB_per_token"] = round(seen["bytes"] / n / 2**20, 3)
             out.append(row)
@@ -109,7 +113,14 @@ def _seq(eng, text, n):
     return Sequence(eng, ids, n, s, stop_at_eos=False)
 
 
-def over_http(name: str, threads: int, n_tok: int) -> dict:
+def over_http(name: str, threads: int, n_tok: int, rounds: int = 3) -> dict:
+    """``coli serve --parallel 4`` in a subprocess. The reference of the concurrency target: 1, 2 and 4 clients
+    streaming at once, rounds alternating (1, 4, 2, then 2, 4, 1, ...), the load average printed with each;
+    aggregate decode tok/s = the tokens after each stream's first / (the last stream's last token - the first
+    stream's first token); the median of the rounds, and the 4-client figure over the 1-client one
+    (``x_4_vs_1_decode``). Then the 4 requests one after the other, and the short request beside a long prompt."""
+    import statistics
+
     import httpx
 
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -126,8 +137,9 @@ def over_http(name: str, threads: int, n_tok: int) -> dict:
     res = {"model": name}
     try:
         def ask(prompt, n, got, i, t_sent=None):
+            """Stream one completion; got[i] = dict(n tokens, t0 sent, first / last token times, prompt tokens)."""
             t0 = time.perf_counter()
-            first = None
+            first = last = None
             n_out = n_in = 0
             with httpx.stream("POST", base + "/v1/completions", timeout=600,
                               json={"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
@@ -136,32 +148,51 @@ def over_http(name: str, threads: int, n_tok: int) -> dict:
                     if not line.startswith("data: {"):
                         continue
                     d = json.loads(line[6:])
-                    if first is None and d["choices"] and d["choices"][0]["text"]:
-                        first = time.perf_counter() - t0
+                    if d["choices"] and d["choices"][0]["text"]:
+                        last = time.perf_counter()
+                        first = first or last
                     if d.get("usage"):
                         n_out = d["usage"]["completion_tokens"]
                         n_in = d["usage"]["prompt_tokens"]
-            got[i] = (n_out, first, time.perf_counter() - t0, n_in)
+            got[i] = dict(n=n_out, t0=t0, first=first, last=last, end=time.perf_counter(), prompt=n_in)
 
-        while httpx.get(base + "/health", timeout=60).status_code == 503:  # the server's warm-up runs
-            time.sleep(0.2)
-        ask("Hello", 4, [None], 0)  # warm up
-        for r, k in enumerate((1, 2, 4)):
+        def clients(k, tag):
             got = [None] * k
-            ts = [threading.Thread(target=ask, args=(q, n_tok, got, i)) for i, q in enumerate(prompts(k, 10 + r))]
+            ts = [threading.Thread(target=ask, args=(q, n_tok, got, i)) for i, q in enumerate(prompts(k, tag))]
+            load = os.getloadavg()[0]
             t0 = time.perf_counter()
             for t in ts:
                 t.start()
             for t in ts:
                 t.join()
             dt = time.perf_counter() - t0
-            res[f"concurrent_{k}_tok_s"] = round(sum(g[0] for g in got) / dt, 2)
+            dec = sum(g["n"] - 1 for g in got) / (max(g["last"] for g in got) - min(g["first"] for g in got))
+            e2e = sum(g["n"] for g in got) / dt
+            print(json.dumps(dict(model=name, http_clients=k, decode_tok_s=round(dec, 2),
+                                  end_to_end_tok_s=round(e2e, 2), load=round(load, 1))), flush=True)
+            return dec, e2e
+
+        while httpx.get(base + "/health", timeout=60).status_code == 503:  # the server's warm-up runs
+            time.sleep(0.2)
+        ask("Hello", 4, [None], 0)  # warm up
+        dec = {1: [], 2: [], 4: []}
+        e2e = {1: [], 2: [], 4: []}
+        for r in range(rounds):
+            for k in ((1, 4, 2) if r % 2 == 0 else (2, 4, 1)):
+                d, e = clients(k, 10 + 3 * r + k)
+                dec[k].append(d)
+                e2e[k].append(e)
+        for k in (1, 2, 4):
+            res[f"decode_{k}_clients_tok_s"] = round(statistics.median(dec[k]), 2)
+            res[f"end_to_end_{k}_clients_tok_s"] = round(statistics.median(e2e[k]), 2)
+        res["x_4_vs_1_decode"] = round(res["decode_4_clients_tok_s"] / res["decode_1_clients_tok_s"], 2)
+        res["x_4_vs_1_decode_per_round"] = [round(b / a, 2) for a, b in zip(dec[1], dec[4])]
         got = [None] * 4
         t0 = time.perf_counter()
-        for i, q in enumerate(prompts(4, 20)):
+        for i, q in enumerate(prompts(4, 40)):
             ask(q, n_tok, got, i)
-        res["one_at_a_time_4_tok_s"] = round(sum(g[0] for g in got) / (time.perf_counter() - t0), 2)
-        res["x_4_concurrent_vs_one_at_a_time"] = round(res["concurrent_4_tok_s"] / res["one_at_a_time_4_tok_s"], 2)
+        res["one_at_a_time_4_tok_s"] = round(sum(g["n"] for g in got) / (time.perf_counter() - t0), 2)
+        res["x_4_clients_vs_one_at_a_time"] = round(res["end_to_end_4_clients_tok_s"] / res["one_at_a_time_4_tok_s"], 2)
         long = " ".join(f"item {i} is {TOPICS[i % len(TOPICS)]}." for i in range(210))  # ~2,000 tokens
         got = [None, None]
         tl = threading.Thread(target=ask, args=(long, 4, got, 0))
@@ -169,9 +200,12 @@ def over_http(name: str, threads: int, n_tok: int) -> dict:
         time.sleep(0.3)
         ask("Say one word about " + TOPICS[3] + " now.", 16, got, 1)
         tl.join()
-        res["long_prompt_tokens"] = got[0][3]
-        res["short_ttft_s_beside_long_prompt"] = round(got[1][1], 3)
-        res["long_request_s"] = round(got[0][2], 3)
+        lg, sh = got
+        res["long_prompt_tokens"] = lg["prompt"]
+        res["short_ttft_s_beside_long_prompt"] = round(sh["first"] - sh["t0"], 3)
+        res["long_request_s"] = round(lg["end"] - lg["t0"], 3)
+        # the short request's first token came while the long prompt was still being read (its first token later)
+        res["short_first_while_long_prompt_read"] = sh["first"] < lg["first"]
     finally:
         p.terminate()
         p.wait(60)
@@ -185,7 +219,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--streams", default="1,2,4,8")
-    ap.add_argument("--rounds", type=int, default=3, help="in process: each stream count this many times, best kept")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="each stream count this many times (in process: the best kept; over HTTP: the median)")
+    ap.add_argument("--no-in-process", action="store_true", help="only the HTTP part (with --http)")
     ap.add_argument("--http", action="store_true", help="also through coli serve --parallel 4")
     ap.add_argument("--json", default=None, help="write the records here")
     a = ap.parse_args()
@@ -194,10 +230,11 @@ def main() -> int:
     for name in a.models.split(","):
         print(f"# {name}: load average {os.getloadavg()[0]:.1f}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
               flush=True)
-        recs += in_process(name, a.threads, a.tokens, ks, a.rounds)
+        if not a.no_in_process:
+            recs += in_process(name, a.threads, a.tokens, ks, a.rounds)
         if a.http:
             print(f"# {name} over HTTP: load average {os.getloadavg()[0]:.1f}", flush=True)
-            recs.append(over_http(name, a.threads, a.tokens))
+            recs.append(over_http(name, a.threads, a.tokens, a.rounds))
     if a.json:
         Path(a.json).write_text(json.dumps(recs, indent=1))
     return 0

@@ -105,6 +105,17 @@ def test_tune_device_as_coli_run_takes_it(tiny, tmp_path):
                                                                         ("vulkan:0", "on")]
 
 
+def test_tune_device_on_a_dense_model_is_one_line_before_the_sweep(model_path, tmp_path):
+    """The device points are the expert tier's: ``--device vulkan`` on a dense model (SmolLM2) is one error line
+    naming the flag, before the sweep's start line (it failed in the worker after it)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    r = _tune(model_path("smollm2"), tmp_path / "out", home, "--device", "vulkan")
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("coli: --device vulkan: ") and "dense model" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "out").exists()
+
+
 def test_config_file_rules(tmp_path):
     p = tmp_path / "config.toml"
     p.write_text("[run]\nthreads = 3\n")

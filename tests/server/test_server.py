@@ -93,8 +93,14 @@ def test_models_lists_the_file(server, ref):
 
 
 def test_warmup_ran_before_the_first_request(server):
-    """``coli serve`` warms up by default: /health (200 once ready) counts the warm-up's two model steps."""
+    """``coli serve`` warms up by default: /health (200 once ready) counts the warm-up's two model steps. With
+    ``-q`` the serving line and, after it, the warm-up line stay (llama-server's warm-up line is a warning): a
+    first run's compile is minutes of nothing otherwise; the ready line is not printed."""
     assert _health(server)["warmup"]["steps"] == 2
+    lines = "".join(server["p"].lines).splitlines()
+    i = next(i for i, ln in enumerate(lines) if ln.startswith("coli: serving "))
+    assert lines[i + 1].startswith("coli: warming up the model (") and "--no-warmup" in lines[i + 1], lines
+    assert not any(ln.startswith("coli: ready") for ln in lines), lines
 
 
 def test_model_retrieve_and_unsupported_fields(server):
@@ -378,6 +384,7 @@ def test_sigterm_cuts_a_stream_visibly(model_path):
     finish_reason "stop" and no [DONE] (a cut answer must not read as complete); the process exits 143."""
     p, base = _start(model_path("smollm2"), "--ctx", "512", "--no-warmup")
     assert httpx.get(base + "/health", timeout=10).json()["warmup"] is None  # --no-warmup: none ran
+    assert not any("warming up" in ln for ln in p.lines), p.lines  # and says none
     events, queued = [], []
     try:
         body = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "stream": True,

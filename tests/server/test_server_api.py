@@ -171,6 +171,39 @@ def test_body_over_the_limit_is_413(eng):
         assert c.get("/health").json()["status"] == "ok"
 
 
+def test_health_answers_while_a_large_prompt_is_tokenized(eng, monkeypatch):
+    """A large body within the limit (8 MiB of prompt text) is parsed and tokenized off the event loop: while its
+    tokenization is held (here until the test lets it go), /health answers 200; then the request is answered.
+    Tokenized inside the async handler, /health would wait for it (53 s for a 50 MB body before the fix)."""
+    import threading
+
+    entered, gate = threading.Event(), threading.Event()
+    real = eng.tokenize
+
+    def held(text, *a, **kw):
+        if len(text) > 2**20:
+            entered.set()
+            assert gate.wait(60)
+            return real("The capital of France is")
+        return real(text, *a, **kw)
+
+    monkeypatch.setattr(eng, "tokenize", held)
+    with _client(eng, body_limit_mb=16) as c:
+        got = {}
+        big = threading.Thread(target=lambda: got.update(big=c.post("/v1/completions", json={
+            "prompt": "a " * (4 * 2**20), "max_tokens": 1, "temperature": 0})))
+        big.start()
+        assert entered.wait(60)
+        health = threading.Thread(target=lambda: got.update(health=c.get("/health")))
+        health.start()
+        health.join(20)  # the loop is free: at once (a blocked loop would hold it until the gate opens)
+        alive = health.is_alive()
+        gate.set()
+        big.join(120)
+        assert not alive and got["health"].status_code == 200, "the event loop was held by the tokenization"
+        assert got["big"].status_code == 200 and got["big"].json()["usage"]["completion_tokens"] == 1
+
+
 def test_warmup_health_503_then_200(eng, monkeypatch):
     """With the warm-up on, /health answers llama-server's 503 "Loading model" and a request a 503 until the
     warm-up ran (held here until the test lets it go, so the 503 is seen); then 200 with the warm-up's two
