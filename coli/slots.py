@@ -4,8 +4,9 @@
 Each :class:`Slot` owns a KV cache of the engine's context and remembers the tokens whose rows it holds. A
 :class:`Sequence` is one generation in a slot, a state machine the :class:`Batcher` drives: each
 :meth:`Batcher.step` gathers the next rows of every active sequence (a decoding one's last token, a prompt's
-next chunk: at most ``chunk`` prompt rows a step, the shortest prompt first, so that a short request is not
-stuck behind a long one and the streams keep flowing) and runs them through ``Model.forward_rows`` as one step,
+next chunk: at most ``chunk`` prompt rows a step, the shortest prompt first, and a step that ends a prompt not
+topped up with a longer prompt's rows, so that a short request is not stuck behind a long one and the streams
+keep flowing) and runs them through ``Model.forward_rows`` as one step,
 then samples each sequence's next token from its own logits. A sequence's tokens are the ones it gets alone
 (``Engine.generate`` with the same sampler): every row's logits are the bits of the row run alone
 (docs/engine.md "Batch invariance"; ``tests/server/test_slots.py``).
@@ -331,12 +332,16 @@ class Batcher:
             return finished
         budget = self.chunk
         parts = []
+        ends_prompt = False  # a prompt's last rows run in this step (its first token comes out of it)
         for seq in sorted(work, key=lambda s: len(s.pending)):  # decode rows first, then the shortest prompt
-            if seq.pending and budget <= 0:
+            if seq.pending and (budget <= 0 or (ends_prompt and len(seq.pending) > budget)):
+                # a step that ends a prompt is not topped up with a chunk of a longer one: a short request's
+                # first token waits for the step running when it came, not also for a long prompt's next rows
                 continue
             rows = seq.next_rows(budget)
             if seq.pending:
                 budget -= len(rows)
+                ends_prompt = ends_prompt or len(rows) == len(seq.pending)
             parts.append((seq, rows))
         eng = self.eng
         try:

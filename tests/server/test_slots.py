@@ -57,6 +57,30 @@ def test_batched_tokens_equal_alone(name, engine, model_path, demo_path):
         assert s.result.finish_reason == w.finish_reason
 
 
+def test_a_short_prompt_is_not_topped_up_with_a_long_ones_rows(engine, model_path):
+    """A short request that arrives while a long prompt is read in 64-row chunks: the next step runs its whole
+    prompt (its first token comes out of it) and none of the long prompt's rows, which go on in the step after;
+    both sequences' tokens equal their runs alone."""
+    eng = engine(model_path("smollm2"), threads=2, ctx=512)
+    long_ids = eng.tokenize(" ".join(f"item {i} is {i * 7 % 13}." for i in range(40)))
+    short_ids = eng.tokenize(PROMPTS[0])
+    assert len(long_ids) > 3 * 64
+    b = Batcher(eng, 2)
+    sl, ss = _seq(eng, long_ids, 4), _seq(eng, short_ids, 4)
+    b.start(sl)
+    b.step()
+    assert len(sl.pending) == len(long_ids) - 64
+    b.start(ss)
+    left = len(sl.pending)
+    b.step()  # the short prompt alone: its first token
+    assert not ss.pending and len(ss.out) == 1 and len(sl.pending) == left
+    b.step()  # the long prompt's next chunk beside the short one's decode row
+    assert len(sl.pending) == left - 64 and len(ss.out) == 2
+    while not (sl.done and ss.done):
+        b.step()
+    assert sl.result.ids == _alone(eng, long_ids, 4).ids and ss.result.ids == _alone(eng, short_ids, 4).ids
+
+
 @pytest.mark.parametrize("kv", ["f32", "q8_0"])
 def test_prompt_cache_own_slot_and_copied(engine, model_path, kv):
     """A second turn reuses the slot's rows of the first (prompt and answer); a request sharing a prefix with a
