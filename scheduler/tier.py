@@ -183,7 +183,8 @@ class Tier(TierResidency, TierStep, TierUploads):
                 f"({hidden:.0f}% of device time hidden) | "
                 + ("balance: none (no expert on the device)" if self.budget_experts == 0 else
                    f"balance: device share {self.balancer.share:.2f}, {self.handed_rows} rows handed to the CPU")
-                + (f", {self.tokens_without} decode tokens without the device (the decode gate"
+                + (f", {self.tokens_without} decode token{'s' if self.tokens_without != 1 else ''} without the device "
+                   f"(the decode gate"
                    + self._gate_decisions() + ")" if self.tokens_without else "")
                 + (f" | clock holder: {self._clock.runs} heats" if self._clock else ""))
 

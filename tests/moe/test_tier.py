@@ -99,6 +99,9 @@ def test_experts_per_budget_and_start_line():
         "no expert fits: every routed expert runs on the CPU")
     line = t0.run_line(0, 0)
     assert "balance: none (no expert on the device)" in line and "device share" not in line
+    for n, said in ((1, "1 decode token without"), (2, "2 decode tokens without")):   # it read "1 decode tokens"
+        t2.gate.tokens_without = n
+        assert f", {said} the device (the decode gate: no decision)" in t2.run_line(0, 0)
     t.close(), t2.close(), t0.close()
 
 
