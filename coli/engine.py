@@ -300,7 +300,8 @@ class Engine:
         n = self._name
         if max_tokens is None or (max_tokens == -1 and not isinstance(max_tokens, bool)):
             if n_prompt >= self.ctx:
-                raise ColiError(f"prompt: {n_prompt} tokens fill the context of {self.ctx} positions ({n('ctx')})")
+                raise ColiError(f"prompt: {runtime.counted(n_prompt, 'token')} fill{'s' if n_prompt == 1 else ''} the "
+                                f"context of {runtime.counted(self.ctx, 'position')} ({n('ctx')})")
             return self.ctx - n_prompt
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)):
             raise ColiError(f"{n('max_tokens')}: {max_tokens!r} is not an integer")
@@ -308,8 +309,8 @@ class Engine:
             raise ColiError(f"{n('max_tokens')}: {max_tokens} tokens to generate (at least 0, or -1 for "
                             f"up to the end of the context)")
         if n_prompt + max_tokens > self.ctx:
-            raise ColiError(f"prompt: {n_prompt} prompt tokens and {max_tokens} to generate exceed the context of "
-                            f"{self.ctx} positions ({n('ctx')})")
+            raise ColiError(f"prompt: {runtime.counted(n_prompt, 'prompt token')} and {max_tokens} to generate exceed "
+                            f"the context of {runtime.counted(self.ctx, 'position')} ({n('ctx')})")
         return int(max_tokens)
 
     def generate(self, prompt=None, *, ids=None, max_tokens=64, temp=0.0, top_k=40, top_p=0.95, seed=None,

@@ -586,7 +586,8 @@ def new_cache(eng, n: int, positions: int | None = None):
         eng.usage.discard_pending()  # routing of a step an earlier call did not finish
     ctx = max(eng.ctx, 1)
     if n > ctx:
-        raise ColiError(f"prompt: {n} tokens do not fit the context of {ctx} positions ({eng._name('ctx')})")
+        raise ColiError(f"prompt: {counted(n, 'token')} do not fit the context of {counted(ctx, 'position')} "
+                        f"({eng._name('ctx')})")
     cap = ctx if positions is None else min(ctx, max(n, int(positions)))
     return eng.model.new_cache(cap, rope_ctx=ctx)
 
@@ -654,7 +655,7 @@ def stats_line(eng, st: dict | None = None) -> str:
     return s
 
 
-def _n(k: int, what: str) -> str:
+def counted(k: int, what: str) -> str:
     """``k`` and ``what``, plural unless ``k`` is 1: "1 token", "2 tokens"."""
     return f"{k} {what}{'' if k == 1 else 's'}"
 
@@ -675,10 +676,10 @@ def close(eng):
             dl = eng.device_layers
             ms = 1e3 * dl.submit_s / dl.tokens if dl.tokens else 0.0
             gpu = (f" ({1e3 * dl.gpu_s / dl.gpu_tokens:.2f} by the device's timestamps"
-                   f"{'' if dl.gpu_tokens == dl.tokens else ' of ' + _n(dl.gpu_tokens, 'token')})"
+                   f"{'' if dl.gpu_tokens == dl.tokens else ' of ' + counted(dl.gpu_tokens, 'token')})"
                    if dl.gpu_tokens and dl.gpu_s else "")
             hold = f"; {dl.clock.line()}" if dl.clock is not None else ""
-            pre = (f"; {_n(dl.prompt_tokens, 'prompt row')} in {_n(dl.prompt_chunks, 'chunk')}, "
+            pre = (f"; {counted(dl.prompt_tokens, 'prompt row')} in {counted(dl.prompt_chunks, 'chunk')}, "
                    f"{dl.prompt_tokens / dl.prompt_s:.0f} rows/s in the submits and waits, "
                    f"the {dl.K.route} GEMM route, attention "
                    f"{' / '.join(sorted({dl.K.attn_kernel(dl.hd, d.get('hdv')) + '.comp' for d in dl.per}))}"
@@ -694,7 +695,7 @@ def close(eng):
                 ex += (f"; experts streamed for {dl.stream_chunks} prompt chunk"
                        f"{'s' if dl.stream_chunks != 1 else ''}: {dl.streamed_bytes / 1e9:.2f} GB in "
                        f"{dl.stream_s:.2f} s of copies ({dl.streamed_bytes / 1e9 / max(dl.stream_s, 1e-9):.1f} GB/s)")
-            print(f"[VK] {eng.path.name}: device layers ran {_n(dl.tokens, 'decode token')}, {ms:.2f} ms a token in "
+            print(f"[VK] {eng.path.name}: device layers ran {counted(dl.tokens, 'decode token')}, {ms:.2f} ms a token in "
                   f"the submit and its wait{gpu}{hold}{pre}{ex}", file=sys.stderr)
         if eng.device_layers.prof is not None and eng.device_layers.prof.tokens:   # COLI_VK_JOIN_PROFILE: asked for
             print(eng.device_layers.prof.table(eng.path.name), file=sys.stderr)

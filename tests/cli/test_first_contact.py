@@ -82,3 +82,12 @@ def test_perplexity_lines_name_the_file_and_count_right(tmp_path, capsys):
     assert rc == 2 and err.splitlines()[-1].startswith(f"coli: {f} (--max-tokens 100): 100 tokens; "), err
     rc, out, err = _main(capsys, "perplexity", "-m", str(DENSE), "-f", str(f), "--ctx", "16", "--chunks", "1")
     assert rc == 0 and f"{f}: 7 tokens scored in 1 chunk of 16," in out, (out, err)
+
+
+def test_one_of_a_kind_is_singular(capsys):
+    """A prompt of 1 token in a context of 1 position: "1 prompt token", "1 position" (it read "1 prompt tokens ...
+    of 1 positions")."""
+    rc, out, err = _main(capsys, "run", "-m", str(DENSE), "-p", "a", "--ctx", "1", "-n", "1")
+    assert (rc, err) == (2, "coli: prompt: 1 prompt token and 1 to generate exceed the context of 1 position (--ctx)\n")
+    rc, out, err = _main(capsys, "run", "-m", str(DENSE), "-p", "a", "--ctx", "1", "-n", "-1")
+    assert (rc, err) == (2, "coli: prompt: 1 token fills the context of 1 position (--ctx)\n")
