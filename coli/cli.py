@@ -181,8 +181,9 @@ def _read_prompt(a) -> str:
         return prompt
     prompt = a.prompt if a.prompt is not None else a.prompt_pos
     if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
-        try:
-            prompt = sys.stdin.read()
+        try:   # the bytes, decoded strictly: a C locale's stdin passes bad bytes on as lone surrogates
+            buf = getattr(sys.stdin, "buffer", None)
+            prompt = buf.read().decode("utf-8") if buf is not None else sys.stdin.read()
         except UnicodeDecodeError as e:
             raise ColiError(f"stdin: not UTF-8 text (byte {e.start})") from None
     if prompt is None or prompt == "":

@@ -91,3 +91,14 @@ def test_one_of_a_kind_is_singular(capsys):
     assert (rc, err) == (2, "coli: prompt: 1 prompt token and 1 to generate exceed the context of 1 position (--ctx)\n")
     rc, out, err = _main(capsys, "run", "-m", str(DENSE), "-p", "a", "--ctx", "1", "-n", "-1")
     assert (rc, err) == (2, "coli: prompt: 1 token fills the context of 1 position (--ctx)\n")
+
+
+def test_a_piped_prompt_that_is_not_utf8_names_stdin(capsys, monkeypatch):
+    """Bytes that are not UTF-8 on stdin (which a C locale passes on as lone surrogates): one line naming stdin and
+    the byte (it named "text:", the tokenizer's check)."""
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"ok \xff\xfehi"), encoding="utf-8",
+                                                       errors="surrogateescape"))
+    rc, out, err = _main(capsys, "run", "-m", str(DENSE), "-n", "1")
+    assert (rc, out, err) == (2, "", "coli: stdin: not UTF-8 text (byte 3)\n")
