@@ -4,12 +4,13 @@
 # folders: .gl the Vulkan loader .debs, .whl (and .whl_tier) the Python 3.12 wheels (vulkan, cffi, pycparser, gguf,
 # tbb, tcmlib), .peers llama.cpp's trimmed source tarballs (CUDA and CPU).
 #   bash scripts/h200_setup.sh synth-path   where the synthetic MoE is, or goes
-#   bash scripts/h200_setup.sh compare      the standard comparison (carry .gl .whl .peers; about 9 minutes on a fresh
-#                                           machine, output in $OUT): every layer on the device beside llama.cpp CUDA
-#                                           -ngl 99 (pp512, tg64, ROUNDS alternating rounds of -r 3, 2), then the CPU
-#                                           run beside llama.cpp's CPU build (scripts/bench/vs_llamacpp.py), 16 threads
+#   bash scripts/h200_setup.sh compare      the standard comparison (carry .gl .whl .peers; about 9 minutes on a
+#       fresh machine, output in $OUT): every layer on the device beside llama.cpp CUDA -ngl 99 (pp512, tg64, -r 3;
+#       ROUNDS=2 on a warm machine: alternating rounds), then the CPU beside llama.cpp's CPU build
+#       (scripts/bench/vs_llamacpp.py), 16 threads
 # Anything else is a `coli bench` or scripts/bench command after the set-up (docs/h200.md "Other measurements").
-# The set-up alone, in a command of one's own: source <(sed -n '/^setup() {/,/^}/p' scripts/h200_setup.sh); PY=python3 setup
+# The set-up alone, in a command of its own:
+#   source <(sed -n '/^setup() {/,/^}/p' scripts/h200_setup.sh); PY=python3 setup
 
 # setup: the Vulkan loader .debs of .gl unpacked into / (when .gl was carried), the Python 3.12 wheels of .whl and
 # .whl_tier into /tmp/site, TBB's libraries taken out of its wheel into /tmp/site/lib (`pip --target` drops a wheel's
@@ -66,7 +67,7 @@ say() { echo "=== [$((SECONDS - T0)) s] $* (load $(cut -d' ' -f1-3 /proc/loadavg
 
 compare() {
 set -u
-T0=$SECONDS PY=${PY:-python3} OUT=${OUT:-/tmp/h2out} ROUNDS=${ROUNDS:-2}
+T0=$SECONDS PY=${PY:-python3} OUT=${OUT:-/tmp/h2out} ROUNDS=${ROUNDS:-1}
 mkdir -p "$OUT" /tmp/h2
 exec > >(tee -a "$OUT/compare.log") 2>&1
 export PYTHONUNBUFFERED=1 NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-/tmp/nbcache} COLI_CACHE=${COLI_CACHE:-/tmp/colicache}

@@ -40,14 +40,8 @@ import timing  # noqa: E402
 
 def _us(f, calls: int) -> tuple[float, float]:
     """(min, median) microseconds of ``calls`` calls of ``f()`` after ``calls // 10`` untimed ones."""
-    for _ in range(max(1, calls // 10)):
-        f()
-    v = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        f()
-        v.append(time.perf_counter() - t0)
-    return 1e6 * min(v), 1e6 * statistics.median(v)
+    lo, med = timing.alternate([f], calls, lambda v: (min(v), statistics.median(v)), warm=max(1, calls // 10))[0]
+    return 1e6 * lo, 1e6 * med
 
 
 def cpu_part(path, calls: int) -> list[tuple[str, float, float]]:

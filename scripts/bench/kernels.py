@@ -316,17 +316,6 @@ def dsv4_main(argv=None) -> int:
 DN_SHAPE = dict(d_model=2048, n_k_heads=16, n_v_heads=32, dk=128, dv=128, kernel=4)
 
 
-def _weights(fmt: str, shape, rng) -> np.ndarray:
-    """Raw GGUF rows [O, row bytes] of an N(0, 1/I) matrix in format ``fmt`` (gguf.quants)."""
-    import gguf
-
-    w = (rng.standard_normal(shape) / np.sqrt(shape[1])).astype(np.float32)
-    qt = gguf.GGMLQuantizationType[fmt]
-    if fmt == "F32":
-        return w.view(np.uint8)
-    return np.ascontiguousarray(gguf.quants.quantize(w, qt)).view(np.uint8).reshape(shape[0], -1)
-
-
 def synthetic_layer(fmt: str, act: str, rng):
     """A ``GatedDeltaNet`` over random weights of Qwen3-Next's DeltaNet shape, on a stand-in of the model
     (``m.wt``, ``m.mm``, ``m.grouped_rows`` as coli.models.base.Model has them)."""
@@ -339,7 +328,7 @@ def synthetic_layer(fmt: str, act: str, rng):
             "ssm_out.weight": (D, Hv * dv)}
     vecs = {"ssm_conv1d.weight": 0.3 * rng.standard_normal((C, K)), "ssm_a": -rng.uniform(0.5, 4, Hv),
             "ssm_dt.bias": 0.5 * rng.standard_normal(Hv), "ssm_norm.weight": 1 + 0.1 * rng.standard_normal(dv)}
-    prepared = {n: F.prepare(fmt, _weights(fmt, shp, rng), shp) for n, shp in mats.items()}
+    prepared = {n: F.prepare(fmt, TT.random_blocks(fmt, *shp, rng, shp[1] ** -0.5), shp) for n, shp in mats.items()}
     f32 = {n: np.ascontiguousarray(v, dtype=np.float32) for n, v in vecs.items()}
     shapes = {**{n: shp for n, shp in mats.items()}, **{n: v.shape for n, v in f32.items()}}
     p = "blk.0."

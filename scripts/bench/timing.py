@@ -18,13 +18,14 @@ def best(f, reps: int = 3) -> float:
     return out
 
 
-def alternate(runs, reps: int, stat=statistics.median):
-    """``stat`` (median, or min) of the seconds of each callable of ``runs`` (a dict name -> f, or a list), one
-    warm-up call each, then ``reps`` rounds that call every one in turn (A/B alternated: a drift of the machine's
+def alternate(runs, reps: int, stat=statistics.median, warm: int = 1):
+    """``stat`` (median, or min) of the seconds of each callable of ``runs`` (a dict name -> f, or a list), ``warm``
+    warm-up calls each, then ``reps`` rounds that call every one in turn (A/B alternated: a drift of the machine's
     load falls on every arm alike); a dict or a list as given."""
     fs = runs if isinstance(runs, dict) else dict(enumerate(runs))
     for f in fs.values():
-        f()
+        for _ in range(warm):
+            f()
     t = {k: [] for k in fs}
     for _ in range(reps):
         for k, f in fs.items():

@@ -57,10 +57,6 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def loadavg() -> str:
-    return " ".join(load())
-
-
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -81,64 +77,44 @@ def resolve_model(name: str) -> Path:
         sys.exit(f"bench_vs_llamacpp: model {e}")
 
 
-def _build(work: Path, src: str | None, jobs, cflags: str = "") -> Path:
-    """llama-bench built by ``scripts/build_llama_bench.sh`` into ``work`` (once; from ``src``, a tarball of the
-    tree, when given, else the llama-cpp-python sdist); exits with a message when that fails."""
+#: configure flags that keep a GGML_NATIVE build out of AMX code (gcc's -march=native turns it on where CPUID
+#: reports AMX, also on a VM that kills the process at the first tile instruction)
+NO_AMX_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def peer_bench(a, peer: str) -> Path | None:
+    """A peer's llama-bench binary: given (``--llama-bench`` / ``--ik-bench``), else the cached build
+    ``<coli cache>/<peer>/build/bin`` (llama.cpp: ``--build-dir``), else built there once by
+    ``scripts/build_llama_bench.sh`` from the tree's tarball (``--llama-src`` / ``--ik-src``; llama.cpp without one:
+    the llama-cpp-python sdist; ik_llama.cpp without AMX code where the AMX probe, ``cpu_kernels.amx``, says no).
+    None for ik_llama.cpp when none of these is there; exits with a message when a build fails."""
+    ik = peer == "ik_llama.cpp"
+    given, src, flag = (a.ik_bench, a.ik_src, "--ik-bench") if ik else (a.llama_bench, a.llama_src, "--llama-bench")
+    if given:
+        if not os.access(given, os.X_OK):
+            sys.exit(f"bench_vs_llamacpp: {flag} {given}: not an executable file")
+        return Path(given)
+    from coli.base.paths import cache_dir
+    work = Path(a.build_dir) if a.build_dir and not ik else cache_dir(peer)
     exe = work / "build" / "bin" / "llama-bench"
-    env = dict(os.environ)
-    if src:
-        env["LLAMA_SRC"] = str(Path(src).resolve())
-    if cflags:  # CMake's first configure reads them into CMAKE_C_FLAGS / CMAKE_CXX_FLAGS
-        env["CFLAGS"] = (env.get("CFLAGS", "") + " " + cflags).strip()
-        env["CXXFLAGS"] = (env.get("CXXFLAGS", "") + " " + cflags).strip()
-    env.setdefault("JOBS", str(jobs or os.cpu_count() or 2))
+    if os.access(exe, os.X_OK):
+        return exe
+    if ik and not src:
+        return None
+    env = dict(os.environ, **({"LLAMA_SRC": str(Path(src).resolve())} if src else {}))
+    if ik:
+        from cpu_kernels.amx import probe
+        ok, line = probe()
+        log(f"bench_vs_llamacpp: {line}" + ("" if ok else "; ik_llama.cpp built without AMX code"))
+        for k in ("CFLAGS", "CXXFLAGS") if not ok else ():  # the first configure reads them (CMAKE_C_FLAGS ...)
+            env[k] = (env.get(k, "") + " " + NO_AMX_FLAGS).strip()
+    env.setdefault("JOBS", str(a.jobs or os.cpu_count() or 2))
     env.setdefault("PIP", f"{sys.executable} -m pip")
     log(f"bench_vs_llamacpp: building llama-bench into {work} (once; scripts/build_llama_bench.sh)")
     r = subprocess.run(["bash", str(ROOT / "scripts" / "build_llama_bench.sh"), str(work)], env=env)
     if r.returncode != 0 or not os.access(exe, os.X_OK):
         sys.exit(f"bench_vs_llamacpp: building llama-bench in {work} failed (exit {r.returncode})")
     return exe
-
-
-def _given(path: str, flag: str) -> Path:
-    p = Path(path)
-    if not os.access(p, os.X_OK):
-        sys.exit(f"bench_vs_llamacpp: {flag} {p}: not an executable file")
-    return p
-
-
-def llama_bench_path(a) -> Path:
-    """The llama-bench binary: given, cached, or built now (once) into the cache."""
-    if a.llama_bench:
-        return _given(a.llama_bench, "--llama-bench")
-    from coli.base.paths import cache_dir
-    work = Path(a.build_dir) if a.build_dir else cache_dir("llama.cpp")
-    exe = work / "build" / "bin" / "llama-bench"
-    return exe if os.access(exe, os.X_OK) else _build(work, a.llama_src, a.jobs)
-
-
-#: configure flags that keep a GGML_NATIVE build out of AMX code (gcc's -march=native turns it on where CPUID
-#: reports AMX, also on a VM that kills the process at the first tile instruction)
-NO_AMX_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-
-
-def ik_bench_path(a) -> Path | None:
-    """ik_llama.cpp's llama-bench: ``--ik-bench``, else the cached build ``<coli cache>/ik_llama.cpp/build/bin``,
-    else built there once from ``--ik-src`` (its tree's tarball), with AMX code off where the AMX probe
-    (``cpu_kernels.amx``) says no; None when none of these is given or found."""
-    if a.ik_bench:
-        return _given(a.ik_bench, "--ik-bench")
-    from coli.base.paths import cache_dir
-    work = cache_dir("ik_llama.cpp")
-    exe = work / "build" / "bin" / "llama-bench"
-    if os.access(exe, os.X_OK):
-        return exe
-    if not a.ik_src:
-        return None
-    from cpu_kernels.amx import probe
-    ok, line = probe()
-    log(f"bench_vs_llamacpp: {line}" + ("" if ok else "; ik_llama.cpp built without AMX code"))
-    return _build(work, a.ik_src, a.jobs, "" if ok else NO_AMX_FLAGS)
 
 
 def run_llama(exe: Path, model: Path, threads: int, test: str, n: int, reps: int, extra=(), retry=True) -> dict:
@@ -244,15 +220,10 @@ def main(argv=None) -> int:
     peers = [x.strip() for x in a.peers.split(",") if x.strip()]
     if set(peers) - {"llama.cpp", "ik_llama.cpp"}:
         sys.exit(f"bench_vs_llamacpp: --peers {a.peers!r}: llama.cpp and/or ik_llama.cpp expected")
-    exes = {}
-    if "llama.cpp" in peers:
-        exes["llama.cpp"] = llama_bench_path(a)
-    if "ik_llama.cpp" in peers:
-        ik = ik_bench_path(a)
-        if ik is None:
-            log("bench_vs_llamacpp: ik_llama.cpp left out (no --ik-bench, no cached build, no --ik-src)")
-        else:
-            exes["ik_llama.cpp"] = ik
+    exes = {x: peer_bench(a, x) for x in ("llama.cpp", "ik_llama.cpp") if x in peers}
+    if exes.get("ik_llama.cpp", 0) is None:
+        del exes["ik_llama.cpp"]
+        log("bench_vs_llamacpp: ik_llama.cpp left out (no --ik-bench, no cached build, no --ik-src)")
     engines = list(exes) + ["coli"]
     tests = [f"pp{n}" for n in n_prompt] + ([f"tg{a.n_gen}"] if a.n_gen > 0 else [])  # -n 0: prompts only
     models = [(Path(m).stem if Path(m).exists() else m, resolve_model(m)) for m in (a.model or DEFAULT_MODELS)]
@@ -265,7 +236,7 @@ def main(argv=None) -> int:
     rows, raw = [], []
     for name, path in models:
         for t in threads:
-            load0 = loadavg()
+            load0 = " ".join(load())
             runs = {(e, x): [] for e in engines for x in tests}
             notes = set()
             for rnd in range(a.rounds):
@@ -291,8 +262,8 @@ def main(argv=None) -> int:
                             runs[(side, x)].append(r.get("ts"))
                         raw.append({"model": name, "threads": t, "round": rnd, "engine": side, "tests": res})
                     log(f"  {name} t={t} round {rnd} {side}: "
-                        + " ".join(f"{x} {fmt(runs[(side, x)][-1])}" for x in tests) + f" (load {loadavg()})")
-            load1 = loadavg()
+                        + " ".join(f"{x} {fmt(runs[(side, x)][-1])}" for x in tests) + f" (load {' '.join(load())})")
+            load1 = " ".join(load())
             for x in tests:
                 row = {"model": name, "file": path.name, "threads": t, "test": x, "load_before": load0,
                        "load_after": load1, "notes": sorted(notes)}
