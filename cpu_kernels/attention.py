@@ -12,8 +12,8 @@ accumulator by ``exp(m_old - m)`` and adds ``exp(s_j - m)`` (f32, :func:`_exp8`)
 the end ``o = acc / l``.
 
 The tile is GEMM-shaped: one function (``_block_item``) runs a block of query rows of one head over a key tile as
-two small matmuls, the scores ``Q K^T`` (register tiles of 4 rows x 2 keys, :func:`_qk_kernel`) and ``P V`` (4
-rows x 16 columns, :func:`_pv_kernel`), explicit ``<8 x float>`` fma chains in LLVM IR whose per-element order
+two small matmuls, the scores ``Q K^T`` (register tiles of 4 rows x 4 keys, :func:`_qk_kernel`) and ``P V`` (4
+rows x 32 columns, :func:`_pv_kernel`), explicit ``<8 x float>`` fma chains in LLVM IR whose per-element order
 does not depend on the tile shape: a score sums its head dimension in 8 lanes (``i mod 8``, then one fixed tree),
 an output column takes one fma per key in ascending order. Rows that see different keys (the causal diagonal,
 a window's edge) run their own keys one row at a time, in the same order. So the decode row (``_attend_head``,
@@ -109,6 +109,28 @@ def _addr2(typingctx, a, i, j):
     return sig, codegen
 
 
+_TREE = (((0, 1, 2, 3, 8, 9, 10, 11), (4, 5, 6, 7, 12, 13, 14, 15)),   # a_l + a_(l+4)
+         ((0, 1, 4, 5, 8, 9, 12, 13), (2, 3, 6, 7, 10, 11, 14, 15)),   # (a0 + a4) + (a2 + a6), (a1 + a5) + (a3 + a7)
+         ((0, 2, 4, 6, 8, 10, 12, 14), (1, 3, 5, 7, 9, 11, 13, 15)))   # the two halves' sums added
+
+
+def _lane_trees(b, vals):
+    """The scalars ``((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))`` of each ``<8 x float>`` of ``vals``, the
+    same adds in the same order as one vector at a time, but 8 vectors a step: each step adds two shuffles of a
+    pair of vectors (lanes of both), so 8 sums take 7 vector adds and 14 shuffles instead of 56 extracts and adds."""
+    out = []
+    zero = ir.Constant(_V8, [0.0] * 8)
+    for g in range(0, len(vals), 8):
+        grp = vals[g:g + 8]
+        v = grp + [zero] * (8 - len(grp))
+        for lo, hi in _TREE:
+            v = [b.fadd(b.shuffle_vector(v[2 * i], v[2 * i + 1], ir.Constant(_I32x8, list(lo))),
+                        b.shuffle_vector(v[2 * i], v[2 * i + 1], ir.Constant(_I32x8, list(hi))))
+                 for i in range(len(v) // 2)]
+        out += [b.extract_element(v[0], ir.Constant(_I32, k)) for k in range(len(grp))]
+    return out
+
+
 def _qk_kernel(R, J):
     """An intrinsic ``(qp, qs, kp, ks, sp, ss, hd, scale)``: scores ``S[r, j] = scale * q_r . k_j`` of ``R``
     query rows (``qp + r*qs``) and ``J`` keys (``kp + j*ks``) into ``sp + r*ss + j``, f32 pointers and strides in
@@ -142,12 +164,10 @@ def _qk_kernel(R, J):
                     for j in range(J):
                         b.store(b.call(fv, [qv[r], kv[j], b.load(acc[r][j])]), acc[r][j])
             i0 = b.shl(n8, ir.Constant(it, 3))
+            sums = _lane_trees(b, [b.load(acc[r][j]) for r in range(R) for j in range(J)])
             for r in range(R):
                 for j in range(J):
-                    v = b.load(acc[r][j])
-                    e = [b.extract_element(v, ir.Constant(_I32, l)) for l in range(8)]
-                    s = b.fadd(b.fadd(b.fadd(e[0], e[4]), b.fadd(e[2], e[6])),
-                               b.fadd(b.fadd(e[1], e[5]), b.fadd(e[3], e[7])))
+                    s = sums[r * J + j]
                     sv = cgutils.alloca_once_value(b, s)
                     b.store(s, sv)
                     with cgutils.for_range_slice(b, i0, hd, ir.Constant(it, 1)) as (i, _c):
@@ -202,8 +222,10 @@ def _pv_kernel(R, NV):
     return pv
 
 
-_qk42, _qk41, _qk14, _qk11 = _qk_kernel(4, 2), _qk_kernel(4, 1), _qk_kernel(1, 4), _qk_kernel(1, 1)
-_pv42, _pv41, _pv14, _pv11 = _pv_kernel(4, 2), _pv_kernel(4, 1), _pv_kernel(1, 4), _pv_kernel(1, 1)
+_qk44, _qk42, _qk41, _qk14, _qk11 = (_qk_kernel(4, 4), _qk_kernel(4, 2), _qk_kernel(4, 1), _qk_kernel(1, 4),
+                                      _qk_kernel(1, 1))
+_pv44, _pv42, _pv41, _pv14, _pv11 = (_pv_kernel(4, 4), _pv_kernel(4, 2), _pv_kernel(4, 1), _pv_kernel(1, 4),
+                                      _pv_kernel(1, 1))
 
 #: Cephes ``expf``: ln 2 in two parts and the polynomial of exp on [-ln2/2, ln2/2]
 _EXP_P = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
@@ -335,7 +357,10 @@ def _qk_rows(qp, qs, kp, ks, sp, ss, nr, n, hd, scale):
     """Scores of ``nr`` (1 or 4) query rows x ``n`` keys (:func:`_qk_kernel`'s pointers and strides)."""
     if nr == 4:
         j = 0
-        while j + 2 <= n:
+        while j + 4 <= n:
+            _qk44(qp, qs, _padd(kp, j * ks), ks, _padd(sp, j), ss, hd, scale)
+            j += 4
+        if j + 2 <= n:
             _qk42(qp, qs, _padd(kp, j * ks), ks, _padd(sp, j), ss, hd, scale)
             j += 2
         if j < n:
@@ -356,7 +381,10 @@ def _pv_rows(pp, ps, vp, vs, op, os, nr, n, vd):
     (:func:`_pv_kernel`'s pointers and strides); returns the first column not done."""
     c = 0
     if nr == 4:
-        while c + 16 <= vd:
+        while c + 32 <= vd:
+            _pv44(pp, ps, _padd(vp, c), vs, _padd(op, c), os, n)
+            c += 32
+        if c + 16 <= vd:
             _pv42(pp, ps, _padd(vp, c), vs, _padd(op, c), os, n)
             c += 16
         if c + 8 <= vd:
