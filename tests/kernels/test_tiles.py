@@ -216,6 +216,26 @@ def test_a_rows_result_does_not_depend_on_its_batch(type_name):
 
 
 @needs_vnni
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K", "IQ4_XS", "Q2_K"])
+def test_a_rows_fused_gate_up_does_not_depend_on_its_batch(type_name):
+    """The fused gate/up of one row (a decode row's FFN or expert: its work items' scratch on the stack) and of a
+    batch of rows run the same tile arithmetic: the FFN's outputs bit-equal, with both activation functions."""
+    from cpu_kernels.experts import ACT_GEGLU, ACT_SWIGLU, FFN
+    rng = np.random.default_rng(9)
+    D, Fd = (512, 256) if _bs(type_name) == 256 else (288, 96)
+    g, u = (F.prepare(type_name, TT.random_blocks(type_name, Fd, D, rng), (Fd, D)) for _ in range(2))
+    d = F.prepare(type_name, TT.random_blocks(type_name, D, Fd, rng), (D, Fd))
+    assert g.layout == u.layout == d.layout == "t16"
+    x = rng.standard_normal((6, D)).astype(np.float32)
+    for kind in (ACT_SWIGLU, ACT_GEGLU):
+        f = FFN(g, u, d, kind, 0.0, "int8")
+        whole = f(Act(x, "int8"))
+        assert np.isfinite(whole).all() and np.abs(whole).max() > 0
+        for r in range(6):
+            assert np.array_equal(f(Act(np.ascontiguousarray(x[r:r + 1]), "int8")), whole[r:r + 1]), (kind, r)
+
+
+@needs_vnni
 @pytest.mark.parametrize("type_name,field", [("Q8_0", 0), ("Q4_0", 0), ("Q4_1", 0), ("Q4_1", 2), ("Q5_0", 0),
                                               ("Q4_K", 0), ("Q4_K", 2), ("Q6_K", 208), ("IQ4_NL", 0),
                                               ("IQ4_XS", 0), ("Q2_K", 80), ("Q2_K", 82), ("Q3_K", 108),
