@@ -608,6 +608,11 @@ class LayerDecode:
                     *self.ffn_dec.args(h)[1:])
 
 
+def _stack(xs):
+    """Per-layer arrays stacked into one C-contiguous array (ValueError when their shapes differ)."""
+    return np.ascontiguousarray(np.stack(xs))
+
+
 class TokenDecode:
     """All layers of a dense model (every layer a :class:`LayerDecode`) for one decode row as one call of
     :func:`token_block`: one pool wake-up and one dispatch per token instead of one per layer. Built by
@@ -616,10 +621,20 @@ class TokenDecode:
     changes (the arrays are referenced here, so the addresses stay valid)."""
 
     def __init__(self, layers):
-        A = [L.layer_dec.attn_dec for L in layers]
         F = [L.layer_dec.ffn_dec for L in layers]
-        self.A, self.F = A, F
-        st = lambda xs: np.ascontiguousarray(np.stack(xs))  # noqa: E731  (ValueError when shapes differ)
+        self.F = F
+        self._stack_attention([L.layer_dec.attn_dec for L in layers])
+        st = _stack
+        self.f_w_norm, self.f_post_w = st([f.w_norm for f in F]), st([f.post_w for f in F])
+        self.gd, self.ud, self.dd = st([f.f.gd for f in F]), st([f.f.ud for f in F]), st([f.f.dd for f in F])
+        self.d_nch = st([f.d_nch for f in F])
+        self.ctr = counters(len(layers) * (ATTN_PHASES + FFN_PHASES) + HEAD_PHASES)
+
+    def _stack_attention(self, A):
+        """The layers' :class:`AttentionDecode` arrays stacked per layer (ValueError when their shapes differ), and
+        the head unset."""
+        self.A = A
+        st = _stack
         self.w_norm = st([a.w_norm for a in A])
         self.qkv_desc, self.qkv_nch, self.qkv_off = (st([a.qkv_desc for a in A]), st([a.qkv_nch for a in A]),
                                                      st([a.qkv_off for a in A]))
@@ -629,10 +644,6 @@ class TokenDecode:
         self.post_w = st([a.post_w for a in A])
         self.scale = np.array([a.attn.scale for a in A], np.float32)
         self.window = np.array([a.attn.window for a in A], np.int64)
-        self.f_w_norm, self.f_post_w = st([f.w_norm for f in F]), st([f.post_w for f in F])
-        self.gd, self.ud, self.dd = st([f.f.gd for f in F]), st([f.f.ud for f in F]), st([f.f.dd for f in F])
-        self.d_nch = st([f.d_nch for f in F])
-        self.ctr = counters(len(layers) * (ATTN_PHASES + FFN_PHASES) + HEAD_PHASES)
         self._cache = None
         self._ropes = None   # the RoPE tables whose addresses are in cos/sin (kept alive here)
         self.vocab = 0       # the head's rows: 0 = no head in the region (set_head)
@@ -714,20 +725,23 @@ class TokenDecode:
         self._cache = cache
         return True
 
+    def _head_out(self, logits):
+        """``(out_norm, logits)`` for the region's head arguments: no head (empty arrays) for ``logits`` None."""
+        if logits is None:
+            return _NONE, _NO_LOGITS
+        if self.vocab and logits.shape == (1, self.vocab) and logits.dtype == np.float32 \
+                and logits.flags.c_contiguous:
+            return self.out_norm, logits
+        raise ValueError(f"token region: logits {logits.dtype} {list(logits.shape)} but the region's head has "
+                         f"{self.vocab} rows (0: set_head was not called or refused)")
+
     def __call__(self, h: np.ndarray, cache, pos0: int, logits: np.ndarray | None = None) -> bool:
         """Run every layer on ``h``, then (with ``logits`` f32 [1, vocab], C-contiguous, after :meth:`set_head`)
         the output head into ``logits``; False (nothing done) when this cache's layers do not share one shape.
         ValueError for ``logits`` without a head or of another shape."""
         if cache is not self._cache and not self._addresses(cache):
             return False
-        if logits is None:
-            out_norm, logits = _NONE, _NO_LOGITS
-        elif self.vocab and logits.shape == (1, self.vocab) and logits.dtype == np.float32 \
-                and logits.flags.c_contiguous:
-            out_norm = self.out_norm
-        else:
-            raise ValueError(f"token region: logits {logits.dtype} {list(logits.shape)} but the region's head has "
-                             f"{self.vocab} rows (0: set_head was not called or refused)")
+        out_norm, logits = self._head_out(logits)
         a, f, b = self.A[0], self.F[0], self.b
         a.pos[0] = pos0
         token_block(numba.get_num_threads(), self.ctr, h, a.eps, self.w_norm, a.x, a.xq, a.xd, a.xm,

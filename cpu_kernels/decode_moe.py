@@ -251,3 +251,155 @@ class MoELayerDecode:
                 step.stats.region_fallbacks += 1
             h += step.run(il, self.x.copy(), self.ids.copy(), self.w.copy())
         return True
+
+
+#: the switch of the one-region MoE token (``MoETokenDecode``; the model takes it when it is built): off, a decode
+#: row runs one :func:`moe_layer_block` region per layer (A/B runs; the equality tests)
+TOKEN = True
+
+
+@njit(**_PJIT)
+def moe_token_block(nt, ctr, l0, h, eps, W_NORM, x, xq, xd, xm,
+                    QKV_DESC, QKV_NCH, QKV_OFF, pstart3, rows3, qkv, BQ, BK, BV,
+                    qk_mode, WQN, WKN, q, k, v,
+                    pos, COS, SIN, rshape, n_rot, neox,
+                    KA, VA, kshape, vshape, SCALE, WINDOW, sinks, serial_work, att, a2, aq, ad, am,
+                    O_DESC, O_NCH, pstart1, rows1, off1, y, BO, POST_W, y2,
+                    f_eps, F_W_NORM, fx, ROUTER, lg, top_k, norm, IDS, w, RESIDENT, DESCS, STATUS,
+                    fxq, fxd, fxm, gd, ud, dd, d_nch, pstart, zeros, dst, kind, limit, fa, faq, fad, fam,
+                    pair_out, fy, out_norm, head_desc, head_nch, logits):
+    """The MoE layers ``l0 ..`` of a model (every layer a :class:`MoELayerDecode`) for one decode row in ONE
+    parallel region (``ctr`` ``sync.counters(L * (decode.ATTN_PHASES + MOE_PHASES) + decode.HEAD_PHASES)``), then
+    the output head into ``logits`` (``decode._head_phases``; ``out_norm`` empty: no head): layer l runs
+    :func:`moe_layer_block`'s phases with row l of the stacked per-layer arrays (the attention's as
+    ``decode.token_block``'s; ``F_W_NORM`` f32 [L, D] the MoE norms, ``ROUTER`` f32 [L, E, D], ``RESIDENT``
+    int64 [L, E] and ``DESCS`` int64 [L, E, 3, 13] the RAM cache's tables, ``IDS`` int32 [L, 1, K] the routing
+    out). ``STATUS`` int64 [L, 1] (out): 1 for a layer whose experts ran; at the first layer with a routed expert not
+    resident the region stops after its router (0 there, that layer's normed row, ids and weights in fx, IDS, w;
+    the layers after it and the head not run). A status word per layer: a thread late out of one layer reads that
+    layer's word, never one the next layer's router wrote."""
+    reset(ctr)
+    e32 = np.zeros((0, 0, 0), np.float32)
+    e16 = np.zeros((0, 0, 0), np.uint16)
+    e8 = np.zeros((0, 0, 0), np.int8)
+    L = W_NORM.shape[0]
+    per = _D.ATTN_PHASES + MOE_PHASES
+    for _t in prange(nt):
+        il = l0
+        while il < L:
+            b = il * per
+            cos = numba.carray(_E._pf32(COS[il]), (rshape[0], rshape[1]))
+            sin = numba.carray(_E._pf32(SIN[il]), (rshape[0], rshape[1]))
+            K = _D._side_at(KA[il], kshape, e32, e16, e8)
+            V = _D._side_at(VA[il], vshape, e32, e16, e8)
+            _D._attention_phases(ctr, b, nt, h, eps, W_NORM[il], x, xq, xd, xm, QKV_DESC[il], QKV_NCH[il],
+                                 QKV_OFF[il], pstart3, rows3, qkv, BQ[il], BK[il], BV[il], qk_mode, WQN[il], WKN[il],
+                                 q, k, v, pos, cos, sin, n_rot, neox, K, V, SCALE[il], WINDOW[il], sinks,
+                                 serial_work, att, a2, aq, ad, am, O_DESC[il], O_NCH[il], pstart1, rows1, off1, y,
+                                 BO[il], POST_W[il], y2)
+            st = STATUS[il]
+            _moe_phases(ctr, b + _D.ATTN_PHASES, nt, h, f_eps, F_W_NORM[il], fx, ROUTER[il], lg, top_k, norm,
+                        IDS[il], w, RESIDENT[il], DESCS[il], st, fxq, fxd, fxm, gd, ud, dd, d_nch, pstart, zeros,
+                        dst, kind, limit, fa, faq, fad, fam, pair_out, fy)
+            if st[0] == 0:
+                break
+            il += 1
+        if il == L:
+            _D._head_phases(ctr, L * per, nt, h, eps, out_norm, x, xq, xd, xm, head_desc, head_nch, pstart1, rows1,
+                            off1, logits)
+
+
+class MoETokenDecode(_D.TokenDecode):
+    """Every layer of a MoE model (each a :class:`MoELayerDecode`) for one decode row as one call of
+    :func:`moe_token_block`, the output head included (``set_head``): one dispatch and one pool wake-up per token
+    instead of one per layer. The RAM cache's bookkeeping (``MoEStep.region_row``) follows the region, layer by
+    layer in order; a layer whose routed expert is not resident stops the region after its router, the step runs
+    its experts (``MoEStep.run``, as :class:`MoELayerDecode` does), and the region goes on from the next layer.
+    Call as ``decode.TokenDecode``: False (nothing done) when the step cannot take a compiled row now (a trace, an
+    active device tier) or the cache's layers do not share one shape."""
+
+    def __init__(self, layers):
+        M = [L.moe_dec for L in layers]
+        self.M = M
+        self._stack_attention([m.attn_dec for m in M])
+        m0 = M[0]
+        st = _D._stack
+        self.f_w_norm = st([m.w_norm for m in M])
+        # read-only as MoELayerDecode.W: the same argument types as moe_layer_block's, so _moe_phases compiles once
+        self.router = st([m.W for m in M])
+        self.router.flags.writeable = False
+        self.ids = np.zeros((len(M), 1, m0.K), np.int32)
+        self.status = np.zeros((len(M), 1), np.int64)
+        self.layers_il = [m.il for m in M]
+        self.ctr = counters(len(M) * (_D.ATTN_PHASES + MOE_PHASES) + _D.HEAD_PHASES)
+        self._tables = None
+
+    @staticmethod
+    def of(layers):
+        """The model's one-call token, or None unless ``ENABLED`` and ``TOKEN`` and every layer has a
+        :class:`MoELayerDecode` sharing one step and what :func:`moe_token_block` shares (widths, head shapes,
+        q/k norm mode, RoPE kind and width, epsilons, experts E and K, the top-k renormalisation)."""
+        if not (ENABLED and TOKEN) or not layers:
+            return None
+        M = [getattr(L, "moe_dec", None) for L in layers]
+        if any(m is None or getattr(L, "layer_dec", None) is not None for m, L in zip(M, layers)):
+            return None
+        a0, m0 = M[0].attn_dec, M[0]
+        same = lambda a, b: all(x.shape == y.shape for x, y in zip(a, b))  # noqa: E731
+        for m in M:
+            a = m.attn_dec
+            if not (same((a.x, a.qkv, a.q, a.k, a.v, a.att), (a0.x, a0.qkv, a0.q, a0.k, a0.v, a0.att))
+                    and same((m.W, m.a), (m0.W, m0.a)) and (m.K, m.norm, m.eps) == (m0.K, m0.norm, m0.eps)
+                    and a.qk_mode == a0.qk_mode and a.eps == a0.eps and a.attn.n_rot == a0.attn.n_rot
+                    and a.attn.rope_kind == a0.attn.rope_kind and m.moe.m.step is m0.moe.m.step):
+                return None
+        try:
+            return MoETokenDecode(layers)
+        except ValueError:   # per-layer arrays of different shapes (e.g. a bias on some layers only)
+            return None
+
+    def _resident(self, cache):
+        """The RAM cache's stacked tables of the layers (``RAMCache.resident_tables``), kept while they are its."""
+        t = self._tables
+        if t is None or t[0] is not cache or not cache.owns_tables(self.layers_il, t[1], t[2]):
+            R, Dsc = cache.resident_tables(self.layers_il, self.M[0].E)
+            t = self._tables = (cache, R, Dsc)
+        return t[1], t[2]
+
+    def __call__(self, h: np.ndarray, cache, pos0: int, logits: np.ndarray | None = None) -> bool:
+        m0 = self.M[0]
+        step = m0.moe.m.step
+        if step is None or not step.region_ok():
+            return False
+        if cache is not self._cache and not self._addresses(cache):
+            return False
+        out_norm, logits = self._head_out(logits)
+        R, Dsc = self._resident(step.cache)
+        a, b, L = self.A[0], self.b, len(self.M)
+        a.pos[0] = pos0
+        l0 = 0
+        while True:   # l0 == L: the head alone (the last layer fell back)
+            moe_token_block(numba.get_num_threads(), self.ctr, np.int64(l0), h, a.eps, self.w_norm, a.x, a.xq,
+                            a.xd, a.xm, self.qkv_desc, self.qkv_nch, self.qkv_off, a.pstart3, a.rows3, a.qkv,
+                            b[0], b[1], b[2], a.qk_mode, self.wqn, self.wkn, a.q, a.k, a.v,
+                            a.pos, self.cos, self.sin, self.rshape, a.attn.n_rot, a.attn.rope_kind == _D._NEOX,
+                            self.ka, self.va, self.kshape, self.vshape, self.scale, self.window, _D._NONE,
+                            _D._attn.SERIAL_WORK, a.att, a.a2, a.aq, a.ad, a.am, self.o_desc, self.o_nch, a.pstart1,
+                            a.rows1, _E._ZERO1, a.y, b[3], self.post_w, a.y2,
+                            m0.eps, self.f_w_norm, m0.x, self.router, m0.lg, m0.K, m0.norm, self.ids, m0.w, R, Dsc,
+                            self.status, m0.xq, m0.xd, m0.xm, m0.gd, m0.ud, m0.dd, m0.d_nch, m0.pstart, m0.zeros,
+                            m0.dst, _E.ACT_SWIGLU, np.float32(step.clamp), m0.a, m0.aq, m0.ad, m0.am, m0.pair_out,
+                            m0.y, out_norm, self.head_desc, self.head_nch, logits)
+            stop = l0
+            while stop < L and self.status[stop, 0]:
+                step.region_row(self.layers_il[stop], self.ids[stop])
+                stop += 1
+            if stop == L:
+                break
+            # a routed expert not in RAM: the step runs this layer's experts (MoELayerDecode's fallback)
+            step.stats.region_fallbacks += 1
+            h += step.run(self.layers_il[stop], m0.x.copy(), self.ids[stop].copy(), m0.w.copy())
+            l0 = stop + 1
+            if l0 == L and out_norm.shape[0] == 0:
+                break
+        return True

@@ -216,6 +216,23 @@ class RAMCache:
                 self._note(layer, e, w)
         return t
 
+    def resident_tables(self, layers, n_experts: int):
+        """``(resident int64 [L, E], descs int64 [L, E, 3, 13])``: :meth:`resident_table` of each of ``layers``
+        stacked, row i being layer ``layers[i]``'s table from now on (kept by ``put`` / eviction / ``clear`` as
+        that is; a compiled decode region over every layer reads it: cpu_kernels/decode_moe.py)."""
+        R = np.zeros((len(layers), n_experts), np.int64)
+        D = np.zeros((len(layers), n_experts, 3, 13), np.int64)
+        for i, layer in enumerate(layers):
+            r, d = self.resident_table(layer, n_experts)
+            R[i], D[i] = r, d
+            self._tables[layer] = (R[i], D[i])
+        return R, D
+
+    def owns_tables(self, layers, R, D) -> bool:
+        """True while ``(R, D)`` of :meth:`resident_tables` are still the tables of ``layers``."""
+        t = self._tables
+        return all(layer in t and t[layer][0].base is R and t[layer][1].base is D for layer in layers)
+
     def _note(self, layer: int, e: int, w) -> None:
         t = self._tables.get(layer)
         if t is None:

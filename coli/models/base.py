@@ -19,6 +19,7 @@ from coli.vulkan import DeviceLost, VulkanError
 from cpu_kernels import experts as grouped
 from cpu_kernels import formats
 from cpu_kernels.decode import TokenDecode
+from cpu_kernels.decode_moe import MoETokenDecode
 from cpu_kernels.embed import rows as embed_rows
 from cpu_kernels.norms import rms_norm
 
@@ -258,9 +259,9 @@ class Model:
         self._ropes: dict = {}
         self.check_shapes()
         self.layers = [self.make_layer(il) for il in range(args.n_layers)]
-        # a dense model's decode row through every layer in one compiled call (None: the layers one by one), with
-        # the output head in the same call where it can (token_head)
-        self.token_dec = TokenDecode.of(self.layers)
+        # a dense model's decode row (or a MoE model's, every layer MoE) through every layer in one compiled call
+        # (None: the layers one by one), with the output head in the same call where it can (token_head)
+        self.token_dec = TokenDecode.of(self.layers) or MoETokenDecode.of(self.layers)
         self.token_head = self.token_dec is not None and self.token_dec.set_head(self.w_out, self.out_norm,
                                                                                   args.eps)
         self.moe_layers = [il for il, L in enumerate(self.layers) if getattr(L, "moe", None) is not None]

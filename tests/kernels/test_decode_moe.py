@@ -6,7 +6,9 @@ over a sample of every float32, the router logits against a float64 product)."""
 from __future__ import annotations
 
 import io
+import os
 import re
+import tempfile
 
 import numba
 import numpy as np
@@ -19,7 +21,8 @@ from cpu_kernels.experts import HAVE_VNNI
 from conftest import FIXTURES
 from tests.kernels.test_decode_blocks import greedy_logits
 
-MODES = ("python", "blocks", "region")  # no compiled blocks; compiled blocks apart; the MoE layer in one region
+MODES = ("python", "blocks", "region", "token")  # no compiled blocks; compiled blocks apart; the MoE layer in one
+# region; every layer of the token (and the head) in one region
 needs_vnni = pytest.mark.skipif(not HAVE_VNNI, reason="the compiled decode blocks run the int8 VNNI kernels")
 
 
@@ -29,14 +32,20 @@ def _decode(path, mode, monkeypatch, n_prompt=30, n_tokens=12, expert_cache=None
     committed routing counts, and (region rows, region fallbacks). Asserts the path asked for is the one built.
     ``tier``: ``f(engine) -> scheduler.tier.Tier`` put on the model's step (closed after the decode)."""
     monkeypatch.setattr(decode, "ENABLED", mode != "python")
-    monkeypatch.setattr(decode_moe, "ENABLED", mode == "region")
+    monkeypatch.setattr(decode_moe, "ENABLED", mode in ("region", "token"))
+    monkeypatch.setattr(decode_moe, "TOKEN", mode == "token")
     # one reader thread: reads land in the order they were asked (ascending ids), so the puts into the RAM cache, its
     # LRU order and its evictions are the same on every run (with several readers they follow the reads' timing)
-    with Engine(path, threads=2, cpu_act="int8", save_usage=False, expert_cache=expert_cache, io_threads=1) as eng:
+    # a fresh routing history each run: the file beside the model is shared with whatever else runs it meanwhile
+    with tempfile.TemporaryDirectory() as tmp, \
+            Engine(path, threads=2, cpu_act="int8", save_usage=False, expert_cache=expert_cache, io_threads=1,
+                   usage=os.path.join(tmp, "usage")) as eng:
         m = eng.model
         for L in m.layers:
             if L.moe is not None:
-                assert (L.moe_dec is not None) == (mode == "region" and L.moe.shared is None)
+                assert (L.moe_dec is not None) == (mode in ("region", "token") and L.moe.shared is None)
+        token = all(getattr(L, "moe_dec", None) is not None for L in m.layers)
+        assert isinstance(m.token_dec, decode_moe.MoETokenDecode) == (mode == "token" and token)
         t = m.step.tier = tier(eng) if tier is not None else None
         try:
             out = greedy_logits(m, n_prompt, n_tokens)
@@ -65,6 +74,8 @@ def test_moe_region_equals_the_other_paths_on_tiny_models(name, monkeypatch):
     r = {mode: _decode(path, mode, monkeypatch) for mode in MODES}
     _same(r["region"], r["python"])
     _same(r["region"], r["blocks"])
+    _same(r["token"], r["python"])
+    assert r["token"][4] == r["region"][4]
     rows, fallbacks = r["region"][4]
     if name == "qwen2moe":
         assert rows == fallbacks == 0
@@ -83,6 +94,8 @@ def test_moe_region_with_a_ram_cache_smaller_than_the_experts(name, slots, monke
     r = {mode: _decode(path, mode, monkeypatch, expert_cache=slots) for mode in MODES}
     _same(r["region"], r["python"])
     _same(r["region"], r["blocks"])
+    _same(r["token"], r["python"])   # the token's region stopped at a layer, the step ran it, the region went on
+    assert r["token"][4] == r["region"][4]
     rows, fallbacks = r["region"][4]
     assert rows > 0 and fallbacks > 0
 
@@ -94,13 +107,16 @@ def test_moe_region_with_more_iterations_than_threads(monkeypatch):
     ref = _decode(path, "python", monkeypatch)
     monkeypatch.setattr(decode_moe.numba, "get_num_threads", lambda: 5)
     _same(_decode(path, "region", monkeypatch), ref)
+    _same(_decode(path, "token", monkeypatch), ref)
 
 
 @needs_vnni
 def test_moe_region_equals_the_other_paths_on_the_demo_moe(demo_path, monkeypatch):
-    r = {mode: _decode(demo_path, mode, monkeypatch, n_prompt=20, n_tokens=12) for mode in ("python", "region")}
+    r = {mode: _decode(demo_path, mode, monkeypatch, n_prompt=20, n_tokens=12)
+         for mode in ("python", "region", "token")}
     _same(r["region"], r["python"])
-    assert r["region"][4][0] > 0
+    _same(r["token"], r["python"])
+    assert r["region"][4][0] > 0 and r["token"][4] == r["region"][4]
 
 
 @needs_vnni
