@@ -348,8 +348,15 @@ def setup_layers(eng, dev, budget: int, balance=None) -> bool:
         lo = _layers(0, cpu_moe - 1) + (" is" if cpu_moe == 1 else " are")
         print(f"[VK] {eng.path.name}: warning: {flag} has no effect: it counts from layer 0 (llama.cpp's meaning) "
               f"and {lo} on the CPU anyway (the device holds {_layers(first, first + n - 1)})", file=sys.stderr)
-    resident = layer_experts(eng, first, budget, cpu_moe) if apart and n else None
     instead = "the expert tier instead" if eng.step is not None else "every layer on the CPU"
+    v4 = n > 0 and layer_plan.is_deepseek4(eng.model.layers[first])    # its own path (coli/vulkan/layer_dsv4.py)
+    if v4 and apart:
+        if not eng.silent:
+            flag = "--cpu-moe / --n-cpu-moe" if eng.cli_names else "COLI_VK_CPU_MOE"
+            print(f"[VK] {eng.path.name}: DeepSeek-V4's device layers hold their own experts ({flag}: not supported); "
+                  f"{instead}", file=sys.stderr)
+        return False
+    resident = layer_experts(eng, first, budget, cpu_moe) if apart and n else None
     if n == 0:
         if not eng.silent:
             # the last layer refused: every layer's reason (runs of layers together), else what stopped the count
@@ -359,8 +366,13 @@ def setup_layers(eng, dev, budget: int, balance=None) -> bool:
         return False
 
     try:
-        dl = device_layers.DeviceLayers(eng.model, dev, first, eng.ctx, env=eng.env, resident=resident,
-                                        balancer=Balancer(enabled=True) if balance is True else None)
+        if v4:
+            from coli.vulkan.layer_dsv4 import Dsv4DeviceLayers
+
+            dl = Dsv4DeviceLayers(eng.model, dev, first, eng.ctx, env=eng.env)
+        else:
+            dl = device_layers.DeviceLayers(eng.model, dev, first, eng.ctx, env=eng.env, resident=resident,
+                                            balancer=Balancer(enabled=True) if balance is True else None)
     except (DeviceLost, VulkanError, MemoryError, ValueError) as e:   # the tier instead, as for no layer
         if not eng.silent:
             print(f"[VK] {eng.path.name}: the device layers did not load ({type(e).__name__}: {e}); {instead}",
@@ -679,10 +691,11 @@ def close(eng):
                    f"{'' if dl.gpu_tokens == dl.tokens else ' of ' + counted(dl.gpu_tokens, 'token')})"
                    if dl.gpu_tokens and dl.gpu_s else "")
             hold = f"; {dl.clock.line()}" if dl.clock is not None else ""
+            attn = {dl.K.attn_kernel(dl.hd, d.get('hdv')) + '.comp' for d in dl.per}
             pre = (f"; {counted(dl.prompt_tokens, 'prompt row')} in {counted(dl.prompt_chunks, 'chunk')}, "
                    f"{dl.prompt_tokens / dl.prompt_s:.0f} rows/s in the submits and waits, "
                    f"the {dl.K.route} GEMM route, attention "
-                   f"{' / '.join(sorted({dl.K.attn_kernel(dl.hd, d.get('hdv')) + '.comp' for d in dl.per}))}"
+                   f"{' / '.join(sorted(getattr(dl, 'attn_names', None) or attn))}"
                    if dl.prompt_chunks else
                    "; no prompt rows")
             ex = (f"; routed pairs of decode rows: {dl.dev_rows} on the device, {dl.cpu_rows} on the CPU, "

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from coli.base.errors import ColiError
+from coli.vulkan import DeviceLost, VulkanError
 from cpu_kernels import dsv4
 from cpu_kernels import experts as grouped
 from cpu_kernels.norms import rms_norm
@@ -498,8 +499,21 @@ class Model(base.Model):
         h = self.embed(ids)
         S = np.repeat(h[:, None, :], self.args.hc, axis=1).astype(np.float32)
         self.tokens = ids
-        for L, c in zip(self.layers, cache.layers):
+        dl = self.device_layers     # layer_dsv4.Dsv4DeviceLayers (--gpu-layers): the last layers on the device
+        stop = dl.first if dl is not None else len(self.layers)
+        for L, c in zip(self.layers[:stop], cache.layers[:stop]):
             S = L(S, c, pos0)
+        if stop < len(self.layers):
+            try:
+                S = dl.streams(S, ids, cache, pos0)
+            except (DeviceLost, VulkanError) as e:   # the CPU's caches hold the state before this call
+                import sys
+
+                print(f"[VK] {self.wt.fname}: device layers failed ({e}); the CPU runs every layer from now on",
+                      file=sys.stderr, flush=True)
+                self.device_layers = None
+                for L, c in zip(self.layers[stop:], cache.layers[stop:]):
+                    S = L(S, c, pos0)
         if self.step is not None and self.step.usage is not None and self.moe_layers:
             self.step.usage.add_tokens(T)
         cache.pos = pos0 + T

@@ -3,8 +3,9 @@ coli/models/deepseek4.py ``DecoderLayer``): the hyper-connections (``shaders/dsv
 projections (``lmm.comp``), norms and ropes, compressors, indexer, attention and window ring (``dsv4_attn.comp``,
 ``dsv4_comp.comp``, ``dsv4_idx.comp``), the grouped output projection (a copy that groups the heads' rows, then one
 product a group), the router (``topk.comp`` with ``layer_plan.topk_args``) and the clamped experts (``lmoe.comp``
-row by row). Not yet a device program: ``DeviceLayers`` does not run it (its residual is 4 streams a row, a form the
-decode and prompt programs lack); :class:`Dsv4Layer` runs one layer's call on the hc streams, for tests.
+row by row). :class:`Dsv4Layer` runs one layer's call on the hc streams; :class:`Dsv4DeviceLayers` is the engine's
+device layers for V4 (``--gpu-layers``: its residual of 4 streams a row is a form ``DeviceLayers``' programs lack;
+docs/vulkan.md "DeepSeek-V4 on the device").
 
 Imported only with a device open (``coli.vulkan.layers``). Duck-typed on the layer (no import of coli.models).
 """
@@ -50,7 +51,9 @@ class Dsv4Layer:
                      for g in range(self.G)]
         self.norms = {k: self._const(v) for k, v in (("attn", L.attn_norm), ("ffn", L.ffn_norm), ("q", at.q_norm),
                                                       ("kv", at.kv_norm), ("sinks", at.sinks))}
-        cos, sin = at.tables()
+        # the layer's rope table (deepseek4.Attention.tables) for ctx positions, whatever the model's own tables hold
+        sc = m.compress_scaling if self.ratio else type(m.compress_scaling)()
+        cos, sin = sc.table(self.ctx, a.n_rot, a.compress_base if self.ratio else a.rope_base)
         self.R2 = cos.shape[1]
         self.rope = self._const(np.concatenate([cos[:ctx], sin[:ctx]]))
         self.win = self._zeros(self.W * self.hd)
@@ -304,3 +307,92 @@ class Dsv4Layer:
         self.K.upload(b, np.zeros(n, np.float32))
         tmp.append(b)
         return b
+
+
+class Dsv4DeviceLayers:
+    """DeepSeek-V4's layers ``first ..`` of model ``m`` on device ``dev`` (``--gpu-layers``; the engine's
+    ``device_layers`` for this family): :meth:`streams` runs a call's rows through them, one submit a layer.
+
+    After every call the device's state is written into the CPU's caches (``Dsv4Layer.state_to``): a failed device's
+    layers continue on the CPU from there, and another cache (a server slot, a new sequence) is taken onto the device
+    from its own (``state_from``). Counters as ``DeviceLayers``' for the engine's lines (``tokens``, ``submit_s``,
+    ``prompt_tokens``, ``prompt_chunks``, ``prompt_s``; the others 0: no timestamps, no experts apart, no stream).
+    Construction raises ``VulkanError`` / ``MemoryError`` / ``ValueError`` (a format without a kernel) after freeing
+    what it placed."""
+
+    def __init__(self, m, dev, first: int, ctx: int, env=None):
+        from coli.base.settings import get
+
+        from .layers import Kernels
+
+        self.m, self.dev, self.first, self.ctx = m, dev, int(first), int(ctx)
+        self.layers = list(range(self.first, len(m.layers)))
+        self.prompt_rows = int(get("COLI_VK_PROMPT_ROWS", env))
+        self.tokens = self.prompt_tokens = self.prompt_chunks = self.gpu_tokens = 0
+        self.submit_s = self.prompt_s = self.gpu_s = self.stream_s = 0.0
+        self.streamed_bytes = self.stream_chunks = 0
+        self.dev_rows = self.cpu_rows = self.p_dev_rows = self.p_cpu_rows = 0
+        self.swaps = self.swaps_refused = self.handed = 0
+        self.resident, self.bal, self.clock, self.prof, self.on_token = {}, None, None, None, None
+        self.per, self.hd = [], m.args.head_dim
+        self.attn_names = ["dsv4_attn.comp"]
+        self._cache, self._pos = None, None
+        self.K, self.dl = None, []
+        try:
+            self.K = Kernels(dev, env=env)
+            for il in self.layers:
+                self.dl.append(Dsv4Layer(self.K, m, il, ctx))
+        except BaseException:
+            self.close()
+            raise
+
+    def describe(self) -> str:
+        n = len(self.m.layers)
+        span = f"layer {self.first}" if len(self.layers) == 1 else f"layers {self.first}-{n - 1}"
+        return (f"{span} of {n} on the device (DeepSeek-V4's layer kernels, {len(self.layers)} submits a call; the "
+                f"head on the CPU)")
+
+    def streams(self, S, ids, cache, pos0: int):
+        """The hc streams ``S`` f32 [T, hc, D] (layer ``first``'s input at positions ``pos0 ..``, token ``ids``)
+        through the device's layers: layer ``n - 1``'s output. Raises ``DeviceLost`` / ``VulkanError`` (the CPU's
+        caches still hold the state before this call), ValueError when ``cache`` is not at ``pos0``."""
+        import time
+        import weakref
+
+        held = self._cache() if self._cache is not None else None
+        if held is not cache or self._pos != pos0:
+            for il, d in zip(self.layers, self.dl):
+                d.state_from(cache.layers[il], pos0)
+        t0 = time.perf_counter()
+        T = S.shape[0]
+        self._cache = None   # until the state is back in the CPU's caches
+        for d in self.dl:
+            S = d(S, ids, pos0)
+        for il, d in zip(self.layers, self.dl):
+            d.state_to(cache.layers[il], pos0 + T)
+        self._cache, self._pos = weakref.ref(cache), pos0 + T
+        dt = time.perf_counter() - t0
+        if T == 1:
+            self.tokens += 1
+            self.submit_s += dt
+        else:
+            self.prompt_tokens += T
+            self.prompt_chunks += 1
+            self.prompt_s += dt
+        return S
+
+    def close(self) -> None:
+        """Free the layers' device memory and the kernels (safe twice)."""
+        if self.dev._dev is None:
+            return
+        from .binding import lib
+
+        lib.vkDeviceWaitIdle(self.dev._dev)
+        for d in self.dl:
+            d.close()
+        self.dl = []
+        if self.K is not None:
+            self.K.close()
+            if getattr(self.dev, "_layer_kernels", None) is self.K:
+                self.dev._layer_kernels = None
+            self.K = None

@@ -76,9 +76,41 @@ def _cls(x) -> str:
     return f"{type(x).__module__.rsplit('.', 1)[-1]}.{type(x).__name__}"
 
 
+def is_deepseek4(L) -> bool:
+    """A DeepSeek-V4 block (``deepseek4.DecoderLayer``: its own device path, ``coli/vulkan/layer_dsv4.py``)."""
+    return _is(L, "coli.models.deepseek4.DecoderLayer")
+
+
+def dsv4_tensors(m, il: int) -> list[str]:
+    """The GGUF matrices a DeepSeek-V4 layer places in its file's format (``layer_dsv4.Dsv4Layer``; its
+    hyper-connection, compressor and norm weights, sinks, routing tables go as f32 / int32 constants)."""
+    p = f"blk.{il}."
+    names = [p + n for n in ("attn_q_a.weight", "attn_q_b.weight", "attn_kv.weight", "attn_output_a.weight",
+                             "attn_output_b.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight",
+                             "ffn_down_exps.weight") + SHEXP_TENSORS]
+    for c in ("attn_compressor", "indexer_compressor"):
+        names += [p + c + s for s in ("_kv.weight", "_gate.weight") if p + c + s in m.t]
+    return names + [p + n for n in ("indexer.attn_q_b.weight", "indexer.proj.weight") if p + n in m.t]
+
+
+def dsv4_layer_bytes(m, il: int, ctx: int) -> int:
+    """Device bytes of DeepSeek-V4 layer ``il``: its tensors as stored (the router as f32) and its state f32: the
+    window ring, each compressor's ring of rows (2m with overlap, else m) and entries of ``ctx`` positions."""
+    at = m.layers[il].attn
+    w = sum(_padded_bytes(m, n) for n in dsv4_tensors(m, il))
+    w += 4 * int(np.prod(m.t[f"blk.{il}.ffn_gate_inp.weight"].shape))
+    s = at.W * at.hd
+    for c in (at.comp, at.idx_comp):
+        if c is not None:
+            s += (2 if c.overlap else 1) * c.ratio * 2 * c.width + (int(ctx) // c.ratio) * c.hd
+    return w + 4 * s
+
+
 def _layer_tensors(m, il: int) -> list[str]:
     """The GGUF tensors layer ``il`` places on the device (its norms besides: f32 vectors)."""
     p = f"blk.{il}."
+    if is_deepseek4(m.layers[il]):
+        return dsv4_tensors(m, il)
     at = attn_block(m.layers[il])
     if is_kda(m.layers[il]):        # ssm_f_b, ssm_g_b, the conv weights, ssm_a, dt bias and norm go as f32 (dn_bytes)
         names = [p + n for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "ssm_f_a.weight", "ssm_g_a.weight",
@@ -354,14 +386,12 @@ def why_not(m, il: int) -> str | None:
     is padded on the device; gate and up of one format: one kernel reads both)."""
     L = m.layers[il]
     form = getattr(L, "device_form", None)
-    if _is(L, "coli.models.deepseek4.DecoderLayer"):
-        # its router qualifies (topk.comp's bits 5 and 6); the hyper-connection residual and the attention do not
-        w = (f"its mixer is deepseek4.Attention over {m.args.hc} hyper-connection streams (kernels without a device "
-             "program: the attention, its norms and ropes, compressors, indexer and hyper-connections have kernels; "
-             "the layer's sequence of them, the grouped output and the streams' residual form are not in the decode "
-             "and prompt programs)")
+    if is_deepseek4(L):      # its own device path: coli/vulkan/layer_dsv4.py (the FFN and formats checked here)
         f = _why_not_ffn(m, il, L)
-        return w if f is None else f"{w}, {f}"
+        if f is not None:
+            return f
+        bad = sorted({m.t[n].type_name for n in dsv4_tensors(m, il)} - set(device_formats()))
+        return f"tensor formats {', '.join(bad)} (no device kernel)" if bad else None
     if form not in FORMS:
         # the mixer's name where the layer has one (the first kernel it lacks), else the layer's
         mixer = next((x for x in (getattr(L, n, None) for n in ("attn", "linear_attn", "self_attn", "mla"))
@@ -583,18 +613,23 @@ def plan(m, budget: int, ctx: int, want: int | None = None, prompt_rows: int = 0
     routed experts not counted, they are placed apart: :func:`residency`). ``first == n_layers`` when none does;
     ``why`` says what stopped the count."""
     n = len(m.layers)
-    first, used, why = n, fixed_bytes(m, ctx, prompt_rows), "every layer"
+    v4 = n > 0 and is_deepseek4(m.layers[0])
+    if v4:   # the head and the rope tables; each call's scratch is made and freed by the call (layer_dsv4)
+        out = m.t.get("output.weight", m.tok_embd)
+        first, used, why = n, int(out.nbytes) + 8 * n * int(ctx) * m.args.n_rot, "every layer"
+    else:
+        first, used, why = n, fixed_bytes(m, ctx, prompt_rows), "every layer"
     for il in range(n - 1, -1, -1):
         if want is not None and n - first >= want:
             why = f"{want} asked (COLI_VK_LAYERS)"
             break
         w = why_not(m, il)
-        if w is None and il < n - 1 and not _shapes_agree(m, il):
+        if w is None and il < n - 1 and not v4 and not _shapes_agree(m, il):
             w = "other attention or expert shapes than the layers after it"
         if w is not None:
             why = f"layer {il}: {w}"
             break
-        b = layer_bytes(m, il, ctx, experts)
+        b = dsv4_layer_bytes(m, il, ctx) if v4 else layer_bytes(m, il, ctx, experts)
         if used + b > budget:
             why = f"the device budget ({budget / 2**30:.2f} GiB)"
             break

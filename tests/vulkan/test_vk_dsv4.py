@@ -436,3 +436,62 @@ def test_layer_state_moves_both_ways(kern):
         for d in made:
             d.close()
         e.close()
+
+
+# -- --gpu-layers -----------------------------------------------------------------------------------------------
+
+def test_gpu_layers_against_hf(monkeypatch):
+    """``--gpu-layers`` (``COLI_VK_LAYERS=-1``) on the deepseek4 oracle: every layer on the device through
+    ``layer_dsv4.Dsv4DeviceLayers`` (the engine's device layers; the device's calls counted), the 96-row prompt and 8
+    greedy decode rows within 1e-4 of HF's logits with HF's tokens (tests/oracle_check.py), within 1e-5 of the
+    CPU-only run with its greedy tokens; then a device failure mid-decode: one line, the CPU continues from the
+    caches the device kept current, the same tokens."""
+    from coli.vulkan import DeviceLost, layer_dsv4
+    from tests.conftest import FIXTURES
+    from tests.oracle_check import check_prompt_and_decode
+    from tests.vk_util import check_greedy_like_cpu, device_engine, greedy_rows
+
+    path = FIXTURES / "oracles" / "deepseek4.gguf"
+    oracle = np.load(FIXTURES / "oracles" / "deepseek4.npz")
+    cpu = device_engine(path, ctx=128)
+    e = device_engine(path, COLI_VK_LAYERS=-1, ctx=128)
+    try:
+        m, dl = e.model, e.model.device_layers
+        assert isinstance(dl, layer_dsv4.Dsv4DeviceLayers) and dl.first == 0 and len(dl.dl) == 4
+        got = check_prompt_and_decode(m, m.new_cache(128, 128), oracle)
+        assert (dl.prompt_tokens, dl.prompt_chunks, dl.tokens) == (len(oracle["ids"]), 1, len(oracle["gen_ids"]))
+        ref = greedy_rows(cpu.model, cpu.model.new_cache(128, 128), oracle["ids"], 8)
+        check_greedy_like_cpu(m, ref, oracle["ids"], got, 1e-5, 1e-5)
+        # a failed device on the third decode row: the CPU takes every layer from the caches' state before it
+        calls, real = [0], layer_dsv4.Dsv4Layer.__call__
+
+        def flaky(self, *a):
+            calls[0] += 1
+            if calls[0] == 4 * 3 + 2:      # prompt, two decode rows, then layer 1 of the third
+                raise DeviceLost("test: device lost")
+            return real(self, *a)
+
+        monkeypatch.setattr(layer_dsv4.Dsv4Layer, "__call__", flaky)
+        _, _, gen = greedy_rows(m, m.new_cache(128, 128), oracle["ids"], 8)
+        assert m.device_layers is None and calls[0] == 4 * 3 + 2
+        assert gen == ref[2]
+    finally:
+        e.close()
+        cpu.close()
+
+
+def test_cpu_moe_is_refused_in_one_line(capfd):
+    """``--cpu-moe`` (``COLI_VK_CPU_MOE=-1``) on the deepseek4 oracle: V4's device layers hold their own experts, so
+    one line says so and the expert tier runs instead (no device layers)."""
+    from coli.base import settings
+    from coli.engine import Engine
+    from tests.conftest import FIXTURES
+
+    e = Engine(FIXTURES / "oracles" / "deepseek4.gguf", device="vulkan", quiet=True, save_usage=False, ctx=32,
+               usage=None, env=settings.overlay(None, COLI_VK_CPU_MOE=-1))
+    try:
+        assert e.device_layers is None and e.tier is not None
+    finally:
+        e.close()
+    assert ("[VK] deepseek4.gguf: DeepSeek-V4's device layers hold their own experts (COLI_VK_CPU_MOE: not "
+            "supported); the expert tier instead") in capfd.readouterr().err

@@ -215,7 +215,7 @@ def test_topk_deepseek4_oracle_routers(kern, deepseek4_routes):
     ``ffn_gate_tid2eid`` and the tokens, the others' bit 4 with ``exp_probs_b``, sqrt-softplus, the scale): on the
     oracle's 96 prompt rows of every layer (the FFN inputs of the CPU's f32 run, the router's logits as the CPU
     computes them), topk.comp's experts equal HF's (the npz's) and the CPU's, the weights within 1e-6; and the plan
-    names what keeps the layer off the device (its attention and hyper-connections), not the router or its FFN."""
+    lets the layer onto the device (its router, its FFN with the clamped shared expert)."""
     from coli.models import blocks
     from coli.vulkan import layer_plan
 
@@ -236,10 +236,10 @@ def test_topk_deepseek4_oracle_routers(kern, deepseek4_routes):
         np.testing.assert_array_equal(np.sort(r[:, 0], axis=1), np.sort(hf_ids[il], axis=1))
         w = r[:, 1].copy().view(np.float32)
         assert rel_err(w, w_ref) <= 1e-6, (il, rel_err(w, w_ref))
-        # the FFN qualifies, its clamped shared expert too (test_vk_dsv4.py::test_clamped_shared_expert); the
-        # attention and the hyper-connection residual still refuse the layer
+        # the FFN qualifies, its clamped shared expert too (test_vk_dsv4.py::test_clamped_shared_expert), and the
+        # layer (its own device path: test_vk_dsv4.py::test_gpu_layers_against_hf)
         assert moe.limit_sh > 0 and layer_plan._why_not_ffn(m, il, m.layers[il]) is None
-        assert layer_plan.why_not(m, il).startswith("its mixer is deepseek4.Attention over 4 hyper-connection")
+        assert layer_plan.why_not(m, il) is None
 
 
 # -- rope_kv ----------------------------------------------------------------------------------------------
