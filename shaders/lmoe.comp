@@ -12,7 +12,8 @@
 //   device only)
 //   (k <= MAXK); groups (ceil(D / ROWS), 1, 1). y[o] += s, s = sum_j w_j (Wd[id_j][o, :] . h[j, :]) made in a
 //   float (each lane sums w_j times its units' dot products over all ranks, then one subgroupAdd; the
-//   subgroups that split a row add in subgroup order) and added to y[o] once.
+//   subgroups that split a row add in subgroup order) and added to y[o] once. a5..a7, u15: the RMSNorm of y [D]
+//   by the last workgroup (norm_tail.glsl; a5 0: none).
 // A rank whose expert's table entry is 0 (not on the device: its rows come from the CPU, docs/vulkan.md "Experts on
 // the CPU") is skipped: mode 1 writes no h for it, mode 0 adds nothing for it. u3 (mode 0): where the weights start
 // in the route, in words (0: at k); a device layer with CPU experts passes k = 1, the route at rank j and u3 = K so
@@ -37,6 +38,8 @@ shared float RED[gl_WorkGroupSize.x * RPS * 2u];   // per subgroup and row: two 
 shared uint64_t EA[MAXK];   // mode 0: down row-0 address of rank j
 shared float EW[MAXK];      // mode 0: weight of rank j
 shared uint EI[MAXK];       // mode 0: expert of rank j
+#include "layer_reduce.glsl"
+#include "norm_tail.glsl"
 
 void main() {
     uint O = pc.u[0], I = pc.u[1], k = pc.u[2];
@@ -61,7 +64,7 @@ void main() {
         bool none = true;
         for (uint t = 0u; t < k; t++) none = none && EA[t] == 0ul;
         // every rank a CPU rank: its rows are the host's, written while this runs (no read-modify-write of them)
-        if (none) return;
+        if (none) { norm_tail(pc.a[3], O); return; }
     }
     uint total = MODE == 1u ? units : k * units;   // units a row's lanes stride over
     uint o0 = gl_WorkGroupID.x * ROWS;
@@ -148,7 +151,7 @@ void main() {
             barrier();
         }
         if (part == 0u && nrow > 0u && subgroupElect()) {
-            F32 Y = F32(pc.a[3]);
+            F32C Y = F32C(pc.a[3]);
             [[unroll]] for (uint i = 0u; i < RPC; i++) {
                 if (i < nrow) {
                     uint o = ob + i;
@@ -172,4 +175,5 @@ void main() {
             }
         }
     }
+    if (MODE == 0u) norm_tail(pc.a[3], O);
 }

@@ -6,6 +6,7 @@
 //   u0 O, u1 I (a multiple of 32), u2 flags: bit 0 accumulate (y[o] += r, else y[o] = r), bit 1 add bias,
 //   bit 2 write sigmoid(r) (after the bias; not with bit 0: Qwen2-MoE's shared-expert gate)
 //   groups: (ceil(O / ROWS), 1, 1); y[o] = (W[o, :] . x) (+ bias[o]) (+ old y[o])
+//   a5..a7, u15: the RMSNorm of y [O] by the last workgroup (norm_tail.glsl; a5 0: none)
 // Work layout (the same in lmoe.comp): a workgroup owns ROWS output rows, in sets of RPC = min(ROWS, RPS)
 // rows. A subgroup carries a set at once: its lanes stride over the 32-weight units, each lane reads its x
 // unit once and dots it with the decoded unit of every row of the set (no branch a row: every row's loads
@@ -25,6 +26,8 @@ layout(constant_id = 2) const uint MODE = 0;    // unused here
 const uint RPC = ROWS < RPS ? ROWS : RPS;   // rows a subgroup carries (a set)
 
 shared float RED[gl_WorkGroupSize.x * RPS];     // one slot set a subgroup (subgroups of one included)
+#include "layer_reduce.glsl"
+#include "norm_tail.glsl"
 
 void main() {
     uint O = pc.u[0], I = pc.u[1], flags = pc.u[2];
@@ -79,7 +82,7 @@ void main() {
             barrier();
         }
         if (part == 0u && nrow > 0u && subgroupElect()) {
-            F32 Y = F32(pc.a[2]);
+            F32C Y = F32C(pc.a[2]);
             [[unroll]] for (uint i = 0u; i < RPC; i++) {
                 if (i < nrow) {
                     uint o = ob + i;
@@ -92,4 +95,5 @@ void main() {
             }
         }
     }
+    norm_tail(pc.a[2], O);
 }

@@ -22,6 +22,34 @@ def _qk_words(d: dict, eps: int, fuse: bool) -> list:
     return [qa & 0xFFFFFFFF, qa >> 32, ka & 0xFFFFFFFF, ka >> 32, eps, mode]
 
 
+def _fuse_norms(ops: list, cnt: int, slots: int) -> list:
+    """``ops`` with each plain RMSNorm (one row, in a new buffer) of the vector that the dispatch before it wrote (an
+    lmv, or lmoe's down pass: the residual after a block) taken by that dispatch's last workgroup (norm_tail.glsl:
+    its a5 the counter at ``cnt`` + 4 i for the i-th, a6 the weight, a7 the output, u15 eps): one dispatch and one
+    barrier less each. Only where the op after the norm waits (it does not rely on the norm's barrier for anything
+    else), at most ``slots`` of them."""
+    from coli.vulkan.layers import Dispatch
+
+    out, n = [], 0
+    for i, op in enumerate(ops):
+        prev = out[-1] if out else None
+        nxt = ops[i + 1] if i + 1 < len(ops) else None
+        if (n < slots and isinstance(op, Dispatch) and op.kernel == "rmsnorm" and tuple(op.groups) == (1,)
+                and len(op.words) == 2 and op.addrs[2] != op.addrs[0] and isinstance(prev, Dispatch)
+                and (nxt is None or nxt.wait)
+                and (prev.kernel == "lmv" or (prev.kernel == "lmoe" and prev.mode == 0))):
+            y = prev.addrs[2] if prev.kernel == "lmv" else prev.addrs[3]
+            if y == op.addrs[0] and prev.words[0] == op.words[0] and len(prev.addrs) <= 5:
+                addrs = list(prev.addrs) + [0] * (5 - len(prev.addrs)) + [cnt + 4 * n, op.addrs[1], op.addrs[2]]
+                words = list(prev.words) + [0] * (15 - len(prev.words)) + [op.words[1]]
+                out[-1] = Dispatch(prev.kernel, prev.groups, addrs, words, type_name=prev.type_name, mode=prev.mode,
+                                   wait=prev.wait)
+                n += 1
+                continue
+        out.append(op)
+    return out
+
+
 class DecodeRow:
     """One decode token through :class:`DeviceLayers`: ``__call__(h, cache, pos0) -> (h, logits)`` (the class's
     docstring), its program :meth:`_ops` recorded once (``rec``), or cut for the host's experts (``segs``:
@@ -63,6 +91,8 @@ class DecodeRow:
         self.attn_parts = K.buffer(4 * nq * -(-ctx // K.attn_chunk) * (hd + 2), host=False) if self.attn_chunk else None
         # a head's count of its parts written (attn_dec.comp's u9/u10; back at 0 after each dispatch)
         self.attn_cnt = self._const(np.zeros(nq, np.uint32)) if self.attn_chunk else None
+        # a counter each for the RMSNorms taken by the last workgroup of the dispatch before them (_fuse_norms)
+        self.norm_cnt = self._const(np.zeros(2 * len(self.layers) + 2, np.uint32))
         if self.mla:    # q, kv, q_a; self.q holds the absorbed q [H, W], self.ao the values [H, dv]
             H, r, dn, dr, dv, ql = self.mla
             self.m_q = K.buffer(4 * H * (dn + dr), host=False)
@@ -188,7 +218,7 @@ class DecodeRow:
         ops += self._dn_readback()     # the DeltaNet states back to the CPU's cache each row (_dn_store)
         if k:
             ops.append(Copy(self.route, self.routehost, [(0, 0, 8 * k * len(self.per))], wait=False))
-        return ops
+        return _fuse_norms(ops, self.norm_cnt.addr, 2 * len(self.layers) + 2)
 
     def _gpu_add(self, ms) -> None:
         if ms is not None:

@@ -33,7 +33,7 @@ def test_decode_rows_match_the_cpu(engines):
     got, cache = decode_rows(dev, IDS, 5)
     assert dl.tokens - t0 == len(IDS) - 5          # every decode row went through the device's layers
     assert dl.prompt_tokens - p0 == 5              # and the prompt's rows
-    assert dev.device.dispatches - d0 >= 11 * 2 * (len(IDS) - 5)
+    assert dev.device.dispatches - d0 >= 8 * 2 * (len(IDS) - 5)   # at least 8 a layer (the norms fused)
     if dev.device.timestamps:                         # the device's own time is part of the submit and wait
         assert 0.0 < dl.gpu_s <= dl.submit_s * 1.05 + 1e-3
     assert rel_err(got, ref) < 1e-5, rel_err(got, ref)
@@ -288,7 +288,7 @@ def test_dense_llama_against_hf(family):
         got = [m.forward(ids[:n], c, all_logits=True)] + [m.forward([int(t)], c) for t in ids[n:]]
         got = np.concatenate(got)
         assert (dl.prompt_tokens, dl.prompt_chunks, dl.tokens) == (n, 1, 8)
-        assert e.device.layer_dispatches - d0 >= 9 * 9          # every row's layer and head ran on the device
+        assert e.device.layer_dispatches - d0 >= 8 * 9          # every row's layer and head ran on the device
         r = rel(got, ref)
         assert (r <= 1e-4).all(), r.max()
         assert (got.argmax(1) == ref.argmax(1)).all()

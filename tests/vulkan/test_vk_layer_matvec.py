@@ -184,3 +184,71 @@ def test_lmoe_cpu_rank_leaves_its_row_alone(kern):
         K.dev._drop(t)
     for b in bufs:
         b.destroy()
+
+
+@pytest.mark.parametrize("kernel,rows", [("lmv", None), ("lmv", 1), ("lmoe", None), ("lmoe", 1), ("lmoe-cpu", None)])
+def test_norm_tail(kern, kernel, rows):
+    """The RMSNorm of the vector an lmv or an lmoe down pass wrote, taken by the dispatch's last workgroup
+    (norm_tail.glsl: a5 the counter, a6 the weight, a7 the output, u15 eps): y bit for bit the dispatch's without the
+    norm, the normed row within 1e-6 of cpu_kernels' rms_norm of that y and of rmsnorm.comp's, the counter back at
+    0 after each of two runs of the same command buffer (the second from the first's y: the norm follows y); 1 row a
+    workgroup: 53 or 160 workgroups count in. lmoe-cpu: every rank the CPU's (the workgroups return early; the norm
+    is still taken, of the unchanged y)."""
+    from coli.vulkan.layers import Dispatch, f32_bits
+    from cpu_kernels.norms import rms_norm
+
+    K = kern
+    _rows(K, rows or int(K.dev.gemv_rows))
+    rng = np.random.default_rng(3)
+    bufs, tensors = [], []
+    if kernel == "lmv":
+        O, I = 53, 5 * 32
+        raw, _ = make_weight("Q8_0", O, I, rng)
+        t = K.dev._place("Q8_0", raw, (O, I))
+        tensors.append(t)
+        xb = _buf(K, rng.standard_normal(I).astype(np.float32), bufs)
+        addrs, words, mode, D = lambda y: [t.addr, xb.addr, y, 0], [O, I, 1], 0, O
+    else:
+        E, k, D, F = 4, 2, 160, 96
+        table, tensors, _ = _experts(K, "Q8_0", "Q8_0", E, D, F, rng)
+        if kernel == "lmoe-cpu":
+            table[:] = 0
+        route = np.concatenate([np.array([1, 2], np.uint32), np.array([0.5, 0.25], np.float32).view(np.uint32)])
+        tb, rb = _buf(K, table, bufs), _buf(K, route, bufs)
+        hb = _buf(K, rng.standard_normal((k, F)).astype(np.float32), bufs)
+        addrs, words, mode = lambda y: [tb.addr, rb.addr, hb.addr, y, 0], [D, F, k], 0
+    fmt = "Q8_0"
+    y0 = rng.standard_normal(D).astype(np.float32)
+    w = (1 + 0.5 * rng.standard_normal(D)).astype(np.float32)
+    eps = 1e-6
+    ya, yb = _buf(K, y0, bufs), _buf(K, y0, bufs)
+    wb, cnt = _buf(K, w, bufs), _buf(K, np.zeros(1, np.uint32), bufs)
+    ob, ob2 = K.buffer(4 * D), K.buffer(4 * D)
+    bufs += [ob, ob2]
+    R = K.rows
+    groups = (-(-D // R), 1, 1)
+    base = addrs(ya.addr)
+    fused = Dispatch(kernel[:4], groups, base + [0] * (5 - len(base)) + [cnt.addr, wb.addr, ob.addr],
+                     words + [0] * (15 - len(words)) + [f32_bits(eps)], fmt, mode)
+    plain = [Dispatch(kernel[:4], groups, addrs(yb.addr), words, fmt, mode),
+             Dispatch("rmsnorm", (1,), [yb.addr, wb.addr, ob2.addr], [D, f32_bits(eps)])]
+    rf, rp = K.record([fused]), K.record(plain)
+    try:
+        for _ in range(2):
+            K.submit(rf)
+            K.submit(rp)
+            assert cnt.u32(1)[0] == 0
+            y = ya.f32(D).copy()
+            np.testing.assert_array_equal(y, yb.f32(D))
+            if kernel == "lmoe-cpu":
+                np.testing.assert_array_equal(y, y0)
+            got = ob.f32(D).copy()
+            assert rel_err(got, rms_norm(y[None], w, eps)[0].astype(np.float64)) <= 1e-6
+            assert rel_err(got, ob2.f32(D).astype(np.float64)) <= 1e-6
+    finally:
+        K.free(rf)
+        K.free(rp)
+    for t in tensors:
+        K.dev._drop(t)
+    for b in bufs:
+        b.destroy()
