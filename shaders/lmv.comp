@@ -7,6 +7,9 @@
 //   bit 2 write sigmoid(r) (after the bias; not with bit 0: Qwen2-MoE's shared-expert gate)
 //   groups: (ceil(O / ROWS), 1, 1); y[o] = (W[o, :] . x) (+ bias[o]) (+ old y[o])
 //   a5..a7, u15: the RMSNorm of y [O] by the last workgroup (norm_tail.glsl; a5 0: none)
+//   F32 only, u8 1: the router's top-k by the last workgroup (topk.comp's work on the logits y [O], E = O): a4 the
+//   route uint [2 k], a6 the correction bias f32 [O] (flags bit 4), a7 a uint counter (0 between dispatches); u9..u14
+//   topk.comp's u1..u6 (k, flags without the hash rule, groups, kept groups, group score, scale)
 // Work layout (the same in lmoe.comp): a workgroup owns ROWS output rows, in sets of RPC = min(ROWS, RPS)
 // rows. A subgroup carries a set at once: its lanes stride over the 32-weight units, each lane reads its x
 // unit once and dots it with the decoded unit of every row of the set (no branch a row: every row's loads
@@ -28,6 +31,10 @@ const uint RPC = ROWS < RPS ? ROWS : RPS;   // rows a subgroup carries (a set)
 shared float RED[gl_WorkGroupSize.x * RPS];     // one slot set a subgroup (subgroups of one included)
 #include "layer_reduce.glsl"
 #include "norm_tail.glsl"
+#ifdef FMT_F32
+#define TOPK_L F32C
+#include "topk_row.glsl"
+#endif
 
 void main() {
     uint O = pc.u[0], I = pc.u[1], flags = pc.u[2];
@@ -96,4 +103,19 @@ void main() {
         }
     }
     norm_tail(pc.a[2], O);
+#ifdef FMT_F32
+    if (pc.u[8] != 0u) {    // uniform: the top-k tail (each workgroup counts itself in; the last one ranks)
+        memoryBarrierBuffer();
+        barrier();
+        uint nwg = gl_NumWorkGroups.x * gl_NumWorkGroups.y * gl_NumWorkGroups.z;
+        if (gl_LocalInvocationIndex == 0u) NT_LAST_ = atomicAdd(U32C(pc.a[7]).v[0], 1u) + 1u == nwg ? 1u : 0u;
+        barrier();
+        if (NT_LAST_ != 0u) {   // uniform
+            memoryBarrierBuffer();
+            topk_row(0u, uint64_t[5](pc.a[2], pc.a[4], pc.a[6], 0ul, 0ul),
+                     uint[7](O, pc.u[9], pc.u[10], pc.u[11], pc.u[12], pc.u[13], pc.u[14]));
+            if (gl_LocalInvocationIndex == 0u) U32C(pc.a[7]).v[0] = 0u;
+        }
+    }
+#endif
 }

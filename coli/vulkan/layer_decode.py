@@ -50,6 +50,31 @@ def _fuse_norms(ops: list, cnt: int, slots: int) -> list:
     return out
 
 
+def _fuse_topk(ops: list, cnt: int, slots: int) -> list:
+    """``ops`` with each router top-k (topk.comp, one row, not DeepSeek-V4's hash rule) of the logits the F32 lmv
+    before it wrote taken by that lmv's last workgroup (lmv.comp's u8: a4 the route, a6 the correction bias, a7 the
+    counter at ``cnt`` + 4 i for the i-th; u9..u14 topk's u1..u6): one dispatch and one barrier less a MoE layer. Only
+    where the op after the top-k waits, at most ``slots`` of them."""
+    from coli.vulkan.layers import Dispatch
+
+    out, n = [], 0
+    for i, op in enumerate(ops):
+        prev = out[-1] if out else None
+        nxt = ops[i + 1] if i + 1 < len(ops) else None
+        if (n < slots and isinstance(op, Dispatch) and op.kernel == "topk" and tuple(op.groups) == (1,)
+                and isinstance(prev, Dispatch) and prev.kernel == "lmv" and prev.type_name == "F32"
+                and len(prev.addrs) <= 4 and len(prev.words) <= 3 and prev.addrs[2] == op.addrs[0]
+                and prev.words[0] == op.words[0] and not op.words[2] & 64 and (nxt is None or nxt.wait)):
+            addrs = list(prev.addrs) + [0] * (4 - len(prev.addrs)) + [op.addrs[1], 0, op.addrs[2], cnt + 4 * n]
+            tw = list(op.words[1:]) + [0] * (7 - len(op.words))
+            words = list(prev.words) + [0] * (8 - len(prev.words)) + [1] + tw
+            out[-1] = Dispatch("lmv", prev.groups, addrs, words, type_name="F32", mode=prev.mode, wait=prev.wait)
+            n += 1
+            continue
+        out.append(op)
+    return out
+
+
 class DecodeRow:
     """One decode token through :class:`DeviceLayers`: ``__call__(h, cache, pos0) -> (h, logits)`` (the class's
     docstring), its program :meth:`_ops` recorded once (``rec``), or cut for the host's experts (``segs``:
@@ -91,8 +116,9 @@ class DecodeRow:
         self.attn_parts = K.buffer(4 * nq * -(-ctx // K.attn_chunk) * (hd + 2), host=False) if self.attn_chunk else None
         # a head's count of its parts written (attn_dec.comp's u9/u10; back at 0 after each dispatch)
         self.attn_cnt = self._const(np.zeros(nq, np.uint32)) if self.attn_chunk else None
-        # a counter each for the RMSNorms taken by the last workgroup of the dispatch before them (_fuse_norms)
-        self.norm_cnt = self._const(np.zeros(2 * len(self.layers) + 2, np.uint32))
+        # a counter each for the RMSNorms and top-ks taken by the last workgroup of the dispatch before them
+        # (_fuse_norms, _fuse_topk)
+        self.norm_cnt = self._const(np.zeros(3 * len(self.layers) + 2, np.uint32))
         if self.mla:    # q, kv, q_a; self.q holds the absorbed q [H, W], self.ao the values [H, dv]
             H, r, dn, dr, dv, ql = self.mla
             self.m_q = K.buffer(4 * H * (dn + dr), host=False)
@@ -218,7 +244,9 @@ class DecodeRow:
         ops += self._dn_readback()     # the DeltaNet states back to the CPU's cache each row (_dn_store)
         if k:
             ops.append(Copy(self.route, self.routehost, [(0, 0, 8 * k * len(self.per))], wait=False))
-        return _fuse_norms(ops, self.norm_cnt.addr, 2 * len(self.layers) + 2)
+        L = len(self.layers)
+        ops = _fuse_norms(ops, self.norm_cnt.addr, 2 * L + 2)
+        return _fuse_topk(ops, self.norm_cnt.addr + 4 * (2 * L + 2), L)
 
     def _gpu_add(self, ms) -> None:
         if ms is not None:

@@ -93,6 +93,46 @@ def test_topk(kern, E, k, kind, norm):
     assert rel_err(w, w_ref[0]) <= 1e-6, rel_err(w, w_ref[0])
 
 
+@pytest.mark.parametrize("E,k,flags,words", [(64, 8, 0, []), (60, 4, 1, []), (128, 8, 2, []),
+                                             (256, 8, 4 | 8 | 16 | 1, [8, 4, 1, 0x40200000]), (512, 32, 1, [])])
+def test_topk_tail_of_the_router(kern, E, k, flags, words):
+    """The router's top-k taken by the last workgroup of its F32 lmv.comp (u8 1; a4 the route, a6 the correction
+    bias, a7 the counter): the ids topk.comp gives on the same logits, the weights within 1e-6 of its (the softmax's
+    sum at lmv's workgroup size), the counter back at 0 after each of two runs; softmax (renormalised or not),
+    gpt-oss's rule, the DeepSeek rule (sigmoid, correction bias, 8 groups, 4 kept, scale 2.5)."""
+    from coli.vulkan.layers import Dispatch
+    from tests.vk_util import make_weight
+    rng = np.random.default_rng(E + k + flags)
+    D = 96
+    raw, _ = make_weight("F32", E, D, rng)
+    t = kern.dev._place("F32", raw, (E, D))
+    bx = _buf(kern, rng.standard_normal(D).astype(np.float32))
+    bias = _buf(kern, rng.standard_normal(E).astype(np.float32) * 0.1)
+    cnt = _buf(kern, np.zeros(1, np.uint32))
+    lg, lg2 = kern.buffer(4 * E), kern.buffer(4 * E)
+    r1, r2 = kern.buffer(8 * k), kern.buffer(8 * k)
+    tw = [k, flags, *words] + [0] * (6 - 2 - len(words))
+    groups = (-(-E // kern.rows),)
+    fused = Dispatch("lmv", groups, [t.addr, bx.addr, lg.addr, 0, r1.addr, 0, bias.addr, cnt.addr],
+                     [E, D, 0, 0, 0, 0, 0, 0, 1, *tw], type_name="F32")
+    plain = [Dispatch("lmv", groups, [t.addr, bx.addr, lg2.addr, 0], [E, D, 0], type_name="F32"),
+             Dispatch("topk", (1,), [lg2.addr, r2.addr, bias.addr], [E, *tw])]
+    rf, rp = kern.record([fused]), kern.record(plain)
+    try:
+        for _ in range(2):
+            kern.submit(rf)
+            kern.submit(rp)
+            assert cnt.u32(1)[0] == 0
+            np.testing.assert_array_equal(lg.f32(E), lg2.f32(E))
+            a, b = r1.u32(2 * k), r2.u32(2 * k)
+            np.testing.assert_array_equal(a[:k], b[:k])
+            assert rel_err(a[k:].view(np.float32), b[k:].view(np.float32).astype(np.float64)) <= 1e-6
+    finally:
+        kern.free(rf)
+        kern.free(rp)
+        kern.dev._drop(t)
+
+
 def test_topk_nan(kern):
     """A NaN logit makes every weight NaN (NumPy's max is NaN); the ids are then the first k."""
     from coli.models.blocks import softmax_topk
