@@ -31,7 +31,7 @@ from coli.tokenizer import CHATML_END
 # re-exported: the CLI, the server, coli.slots and the tests import these from here
 __all__ = ["Engine", "GenerateResult", "PerplexityResult", "StopText", "TextStream", "engine_threads"]
 
-PREFILL_CHUNK = None  # rows of every CPU prompt step when set (tests, scripts); None: COLI_UBATCH (default 64)
+PREFILL_CHUNK = None  # rows of every CPU prompt step when set (tests, scripts); None: COLI_UBATCH (default 256)
 
 
 def trim_heap() -> int | None:
@@ -495,7 +495,7 @@ class Engine:
 
     def prompt_chunk(self) -> int:
         """Rows of a prompt step: ``COLI_VK_PROMPT_ROWS`` with device layers (the device takes a chunk in one
-        submit), else ``PREFILL_CHUNK`` when set, else ``COLI_UBATCH`` (default 64: bounds the attention scratch,
+        submit), else ``PREFILL_CHUNK`` when set, else ``COLI_UBATCH`` (default 256: bounds the attention scratch,
         the expert batches and a step's logits)."""
         dl = self.device_layers
         if dl is not None and self.model.device_layers is dl:

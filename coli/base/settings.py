@@ -105,7 +105,7 @@ VARS: tuple[Var, ...] = (
         "rows", lo=1, dev=True),
     Var("COLI_VK_LAYER_ROWS", "int", 4, "output rows a workgroup of the device layers' matrix kernels owns",
         "rows", lo=1, dev=True),
-    Var("COLI_UBATCH", "int", 64, "rows of a prompt step on the CPU (llama.cpp's n_ubatch): an expert's weights are "
+    Var("COLI_UBATCH", "int", 256, "rows of a prompt step on the CPU (llama.cpp's n_ubatch): an expert's weights are "
         "read once a step for all its rows; results do not depend on it (docs/engine.md \"Prompt steps\")", "rows",
         lo=1),
     Var("COLI_VK_PROMPT_ROWS", "int", 512, "rows of a prompt step when device layers run (--gpu-layers): the "

@@ -209,13 +209,13 @@ def test_router_logits_rows_are_the_decode_rows(W_ro):
 
 @needs_vnni
 def test_coli_ubatch_sets_the_prompt_steps(engine, demo_path, monkeypatch):
-    """A prompt runs in steps of 64 rows by default and of COLI_UBATCH's when set (PREFILL_CHUNK over both, for
-    tests and scripts): the demo MoE's logits in steps of 128 are those in steps of 64, bit for bit."""
+    """A prompt runs in steps of 256 rows by default and of COLI_UBATCH's when set (PREFILL_CHUNK over both, for
+    tests and scripts): the demo MoE's logits in steps of 128 are those in one step, bit for bit."""
     from coli.base import settings
     from coli.base.errors import ColiError
 
     eng = engine(demo_path, threads=2)
-    assert E.PREFILL_CHUNK is None and eng.prompt_chunk() == 64
+    assert E.PREFILL_CHUNK is None and eng.prompt_chunk() == 256
     ids = (eng.tokenize(TEXT) * 4)[:150]
     assert len(ids) == 150
     steps = []
@@ -233,6 +233,6 @@ def test_coli_ubatch_sets_the_prompt_steps(engine, demo_path, monkeypatch):
         eng.env = old
     monkeypatch.setattr(E, "PREFILL_CHUNK", None)
     steps.clear()
-    assert np.array_equal(got, eng.logits(ids)) and steps == [64, 64, 22]
+    assert np.array_equal(got, eng.logits(ids)) and steps == [150]
     with pytest.raises(ColiError, match="COLI_UBATCH"):
         settings.overlay(None, COLI_UBATCH=0)

@@ -29,8 +29,9 @@ Q = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def _start(model, *args, timeout=300):
-    """A ``coli serve`` process on a free port (``--port 0``: the port is read from its serving line)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    """A ``coli serve`` process on a free port (``--port 0``: the port is read from its serving line), prompts read
+    in steps of 64 rows (``COLI_UBATCH``: many steps a prompt, for the stop between two)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), COLI_UBATCH="64")
     p = subprocess.Popen([sys.executable, "-m", "coli", "serve", "-m", str(model), "--port", "0", "-q", *args],
                          cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     lines: list = []
@@ -331,8 +332,8 @@ def test_any_model_name_is_answered(server):
 
 def test_dropped_long_prompt_frees_the_server_within_a_chunk(server):
     """A client that gives up while a ~1,000-token prompt is being read: the server stops between two prompt
-    chunks (64 tokens) rather than reading the rest. The same prompt sent again finds in the KV cache only the
-    chunks read before the stop: a whole number of chunks, fewer than the prompt's."""
+    chunks (64 tokens: ``_start``'s COLI_UBATCH) rather than reading the rest. The same prompt sent again finds in
+    the KV cache only the chunks read before the stop: a whole number of chunks, fewer than the prompt's."""
     base = server["base"]
     h0 = _health(server)
     prompt = " ".join(f"item {i} is {i * 7 % 13}." for i in range(170))
