@@ -101,7 +101,7 @@ def _engine_args(p: argparse.ArgumentParser, model_required=False):
                         "without t16 tiles (COLI_BATCH_INVARIANT=1; docs/engine.md \"Batch invariance\")")
     p.add_argument("--cache-type-k", "-ctk", default=None, metavar="TYPE",
                    help="KV cache type of K: f32, f16, bf16 or q8_0 (COLI_CACHE_TYPE_K; default f32; device layers "
-                        "(--gpu-layers) take f32 only; docs/engine.md \"KV cache types\")")
+                        "(--gpu-layers) take each; docs/engine.md \"KV cache types\")")
     p.add_argument("--cache-type-v", "-ctv", default=None, metavar="TYPE",
                    help="KV cache type of V, as --cache-type-k (COLI_CACHE_TYPE_V)")
     p.add_argument("--trace", default=None, metavar="FILE.json", help="write Chrome/Perfetto trace events")

@@ -319,13 +319,13 @@ def setup_layers(eng, dev, budget: int, balance=None) -> bool:
     if not want:
         return False
     kt = eng.args.kv_types
-    if any(t not in layer_plan.KV_CODES for t in kt):   # the device's K/V rows are the CPU cache's bytes: no q8_0 kernel
+    if any(t not in layer_plan.KV_CODES for t in kt):   # the device keeps the CPU cache's types
         dev.close()
         eng.device = None
         if eng.cache is not None:
             eng.cache.close()  # its readers started; the engine is not returned
-        raise ColiError(f"--gpu-layers: the device layers keep an f32, f16 or bf16 KV cache; this run's is "
-                        f"{kt[0]}/{kt[1]} (--cache-type-k/-v): take one of those, or run without --gpu-layers")
+        raise ColiError(f"--gpu-layers: the device layers keep an {', '.join(layer_plan.KV_CODES)} KV cache; this "
+                        f"run's is {kt[0]}/{kt[1]} (--cache-type-k/-v): take one of those, or run without --gpu-layers")
     # experts placed apart from their layers: some stay on the CPU (--cpu-moe, --n-cpu-moe), or --gpu-layers N with
     # --tier-gb G where N whole layers do not fit G (the experts resident in what the layers leave)
     moe = bool(eng.model.moe_layers)
@@ -691,7 +691,7 @@ def close(eng):
                    f"{'' if dl.gpu_tokens == dl.tokens else ' of ' + counted(dl.gpu_tokens, 'token')})"
                    if dl.gpu_tokens and dl.gpu_s else "")
             hold = f"; {dl.clock.line()}" if dl.clock is not None else ""
-            attn = {dl.K.attn_kernel(dl.hd, d.get('hdv')) + '.comp' for d in dl.per}
+            attn = {dl.K.attn_kernel(dl.hd, d.get('hdv'), 'q8_0' in dl.kv_types) + '.comp' for d in dl.per}
             pre = (f"; {counted(dl.prompt_tokens, 'prompt row')} in {counted(dl.prompt_chunks, 'chunk')}, "
                    f"{dl.prompt_tokens / dl.prompt_s:.0f} rows/s in the submits and waits, "
                    f"the {dl.K.route} GEMM route, attention "

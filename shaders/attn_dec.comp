@@ -154,7 +154,7 @@ void main() {
     if (NG == 1u) {                    // one key group: every column's sum is whole
         [[unroll]] for (uint q = 0u; q < MAXNC; q++) {
             uint c = c0 + q * CW;
-            if (q < NC && c < C) {
+            if (q < NC && c < C && kg == 0u) {     // kg > 0: past the one group (CW < WG < 2 CW), no sums
                 if (w4) {
                     vec4 r = acc[q] / l;
                     O.v[ob + 4u * c] = r.x;

@@ -1,8 +1,8 @@
 #version 460
 // Rope on q and k of R rows at positions params[0] + r, k and v into the KV cache (CPU: cpu_kernels/rope.py):
 // a0 qkv f32 [R, nq*hd + nkv*hd + nkv*hdv] (q heads, then k heads, then v heads), a1 q out f32 [R, nq, hd] (rotated
-// q), a2 K cache [nkv, ctx, hd] and a3 V cache [nkv, ctx, hdv] of the types KT / VT (kv_types.glsl: f32, f16, bf16;
-// a 16-bit side's row written a pair of values an invocation), a4 cos f32 [ctx, n_rot/2],
+// q), a2 K cache [nkv, ctx, hd] and a3 V cache [nkv, ctx, hdv] of the types KT / VT (kv_types.glsl: f32, f16, bf16,
+// q8_0; a 16-bit side's row written a pair of values an invocation, a q8_0 side's a block of 32), a4 cos f32 [ctx, n_rot/2],
 // a5 sin f32 [ctx, n_rot/2], a6 params uint [..] (pos = params[0] + r), a7 kv_out f32 [nkv*hd + nkv*hdv] (the new
 // rows: rotated k heads, then v heads; one row only) or 0 (none written)
 // u0 nq, u1 nkv, u2 hd, u3 n_rot (even, <= hd), u4 ctx, u5 kind (0 NORM, 2 NEOX), u6 the value scale (float bits; 0:
@@ -106,7 +106,14 @@ void main() {
             if (!is_q && kvo) KVO.v[ko + d] = x;
         }
     }
-    if (!dst32) {   // a 16-bit K row: values 2w and 2w + 1 an invocation (each computed as above, the same bits)
+    if (!dst32 && KT == 3u) {   // a q8_0 K row: a block of 32 values an invocation (each computed as above)
+        for (uint w = t; w < hd / 32u; w += WG) {
+            float x[32];
+            for (uint j = 0u; j < 32u; j++)
+                x[j] = rotated(QKV, CS, SN, src, pos, 32u * w + j, n_rot, neox, nm, inv, NW, wo);
+            kv_store_q8(pc.a[2], dst / 32u + w, x);
+        }
+    } else if (!dst32) {   // a 16-bit K row: values 2w and 2w + 1 an invocation (each computed as above, the same bits)
         for (uint w = t; w < hd / 2u; w += WG)
             kv_store2(pc.a[2], dst / 2u + w, rotated(QKV, CS, SN, src, pos, 2u * w, n_rot, neox, nm, inv, NW, wo),
                       rotated(QKV, CS, SN, src, pos, 2u * w + 1u, n_rot, neox, nm, inv, NW, wo), KT);
@@ -119,7 +126,13 @@ void main() {
             if (VT == 0u) V.v[vd + d] = x;
             if (kvo) KVO.v[nkv * hd + kh * hdv + d] = x;
         }
-        if (VT != 0u)    // a 16-bit V row: a pair an invocation
+        if (VT == 3u)    // a q8_0 V row: a block an invocation
+            for (uint w = t; w < hdv / 32u; w += WG) {
+                float x[32];
+                for (uint j = 0u; j < 32u; j++) x[j] = QKV.v[vs + 32u * w + j] * vsc;
+                kv_store_q8(pc.a[3], vd / 32u + w, x);
+            }
+        else if (VT != 0u)    // a 16-bit V row: a pair an invocation
             for (uint w = t; w < hdv / 2u; w += WG) kv_store2(pc.a[3], vd / 2u + w, QKV.v[vs + 2u * w] * vsc,
                                                              QKV.v[vs + 2u * w + 1u] * vsc, VT);
     }

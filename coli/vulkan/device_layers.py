@@ -177,7 +177,7 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
             dims = [head_dims(attn_block(m.layers[il])) for il in range(first, len(m.layers))
                     if not is_deltanet(m.layers[il])]
             self.nq, self.nkv, self.hd = at.n_heads, max(x[0] for x in dims), at.head_dim
-        # the K/V cache's types, the CPU cache's (--cache-type-k/-v: f32, f16 or bf16; shaders/kv_types.glsl); the
+        # the K/V cache's types, the CPU cache's (--cache-type-k/-v: f32, f16, bf16 or q8_0; shaders/kv_types.glsl); the
         # MLA latent is f32 (the family's caches take no other type)
         self.kv_types = ("f32", "f32") if self.mla or at is None else tuple(getattr(a, "kv_types", ("f32", "f32")))
         if any(t not in KV_CODES for t in self.kv_types):

@@ -10,22 +10,46 @@ import weakref
 import numpy as np
 
 from coli.base.errors import ColiError
-from coli.vulkan.layer_plan import KV_BYTES
+from coli.vulkan.layer_plan import kv_row_bytes
 
 
 def _side(kv, name: str) -> np.ndarray:
     """The array of side ``name`` ("K" or "V") of a layer's cache ``kv`` (``coli.models.blocks.KV``) whose rows the
     device's buffer holds byte for byte: f32 [n, ctx, w], or the f16 / bf16 bits uint16 [n, ctx, w]
-    (cpu_kernels/kvcache.py)."""
+    (cpu_kernels/kvcache.py); a q8_0 side has two (:func:`_q8_rows`)."""
     side = kv.K if name == "K" else kv.V
     return side.f32 if side.kind == "f32" else side.t[2]
+
+
+def _q8_rows(kv, name: str, a: int, b: int) -> np.ndarray:
+    """Positions ``a .. b - 1`` of the q8_0 side ``name`` of ``kv`` as the device holds them: GGUF's block_q8_0
+    (the f16 scale's 2 bytes, then 32 int8 codes) for each 32 values, uint8 [n, b - a, w / 32 * 34] (the CPU keeps
+    codes int8 [n, ctx, w] and scales uint16 [n, ctx, w / 32] apart)."""
+    side = kv.K if name == "K" else kv.V
+    q, d = side.t[3][:, a:b], side.t[4][:, a:b]
+    n, p, w = q.shape
+    out = np.empty((n, p, w // 32, 34), np.uint8)
+    out[..., :2] = d[..., None].view(np.uint8).reshape(n, p, w // 32, 2)
+    out[..., 2:] = q.view(np.uint8).reshape(n, p, w // 32, 32)
+    return out.reshape(n, p, -1)
+
+
+def _q8_store(kv, name: str, a: int, rows: np.ndarray) -> None:
+    """The device's q8_0 rows ``rows`` uint8 [n, p, w / 32 * 34] (:func:`_q8_rows`) into side ``name`` of ``kv`` at
+    positions ``a ..``."""
+    side = kv.K if name == "K" else kv.V
+    n, p, nb = rows.shape
+    blk = rows.reshape(n, p, nb // 34, 34)
+    side.t[4][:, a:a + p] = np.ascontiguousarray(blk[..., :2]).view(np.uint16).reshape(n, p, nb // 34)
+    side.t[3][:, a:a + p] = np.ascontiguousarray(blk[..., 2:]).view(np.int8).reshape(n, p, -1)
 
 
 class KVRows:
     """The K/V rows of :class:`DeviceLayers`' layers (``_cache``: a weakref of the Cache whose rows the device holds;
     ``_valid``: its positions 0 .. _valid - 1 are on the device; ``_lo`` .. ``_hi``: rows only the device holds,
-    ``_hist``: their input rows f32 [n, D]). The rows are of the cache's types (``kv_types``: f32, f16 or bf16) on
-    both sides and move as bytes; the MLA latent is f32."""
+    ``_hist``: their input rows f32 [n, D]). The rows are of the cache's types (``kv_types``: f32, f16, bf16 or
+    q8_0) on both sides and move as bytes (q8_0: as GGUF blocks, the CPU's codes and scales joined); the MLA latent
+    is f32."""
 
     def note_forward(self, cache, pos0: int) -> None:
         """A forward over ``cache`` starts at ``pos0``: the device's rows from there are stale."""
@@ -57,7 +81,7 @@ class KVRows:
         if p1 <= p0:
             return
         ctx = self.ctx
-        per_pos = max(1, sum(nh * w * self._vb(name) for _, name, nh, w in self._kv_parts()))
+        per_pos = max(1, sum(nh * self._rb(name, w) for _, name, nh, w in self._kv_parts()))
         step = max(1, (16 << 20) // per_pos)
         need = min(p1 - p0, step) * per_pos
         if self._rstage is None or self._rstage.size < need:
@@ -69,7 +93,7 @@ class KVRows:
             b = min(p1, a + step)
             off, ops, spots = 0, [], []
             for d, name, nh, w in self._kv_parts():
-                row = self._vb(name) * w
+                row = self._rb(name, w)
                 n = (b - a) * row
                 ops.append(Copy(d[name], st, [((h * ctx + a) * row, off + h * n, n) for h in range(nh)], wait=False))
                 spots.append((d["il"], name, off, nh, w))
@@ -85,8 +109,11 @@ class KVRows:
                     rows = st.view[o:o + 4 * nh * (b - a) * w].view(np.float32).reshape(nh, b - a, w)
                     self._lat_rows(kv, a, rows[0])
                     continue
+                nb = self._rb(name, w) * nh * (b - a)
+                if self._kind(name) == "q8_0":
+                    _q8_store(kv, name, a, st.view[o:o + nb].reshape(nh, b - a, -1))
+                    continue
                 dst = _side(kv, name)          # the device's bytes are the CPU cache's (its type's) bytes
-                nb = self._vb(name) * nh * (b - a) * w
                 dst[:, a:b] = st.view[o:o + nb].view(dst.dtype).reshape(nh, b - a, w)
 
     def host_kv(self, cache) -> None:
@@ -125,10 +152,14 @@ class KVRows:
         if self.dsa and getattr(kv, "ik", None) is not None:
             kv.ik[a:a + n] = rows[:, r + dr:]
 
-    def _vb(self, name: str) -> int:
-        """Bytes a value of side ``name`` ("K" or "V") takes on the device and in the CPU's cache (``kv_types``: 4
-        f32, 2 f16 / bf16; the MLA latent f32)."""
-        return 4 if self.mla else KV_BYTES[self.kv_types[0 if name == "K" else 1]]
+    def _kind(self, name: str) -> str:
+        """The type of side ``name`` ("K" or "V") on the device (``kv_types``; the MLA latent f32)."""
+        return "f32" if self.mla else self.kv_types[0 if name == "K" else 1]
+
+    def _rb(self, name: str, w: int) -> int:
+        """Bytes a head's row of ``w`` values of side ``name`` takes on the device (``kv_types``: 4 a value f32,
+        2 f16 / bf16, 34 per 32 q8_0; the MLA latent f32)."""
+        return kv_row_bytes(self._kind(name), w)
 
     def _kv_parts(self) -> list:
         """The device's cache buffers of these layers: (layer dict, "K" or "V", heads, floats a head's row); MLA: one
@@ -166,7 +197,7 @@ class KVRows:
         if p1 <= p0:
             return
         ctx = self.ctx
-        per_pos = max(1, sum(nh * w * self._vb(name) for _, name, nh, w in self._kv_parts()))   # bytes a position
+        per_pos = max(1, sum(nh * self._rb(name, w) for _, name, nh, w in self._kv_parts()))   # bytes a position
         step = max(1, (16 << 20) // per_pos)
         if self._stage is None or self._stage.size < min(p1 - p0, step) * per_pos:
             if self._stage is not None:
@@ -178,10 +209,11 @@ class KVRows:
             off, by_dst = 0, {}
             for d, name, nh, w in self._kv_parts():     # a DeltaNet layer's states: _dn_load
                 kv = cache.layers[d["il"]]
-                row = self._vb(name) * w                 # bytes of one head's row
+                row = self._rb(name, w)                  # bytes of one head's row
                 n = (b - a) * row                        # bytes of one head's rows a .. b
                 # MLA: one "head" of LAT rows, the latent then the rope key; K/V: the cache's type's bytes
-                src = self._lat_of(kv, a, b)[None] if self.mla else _side(kv, name)[:, a:b]
+                src = self._lat_of(kv, a, b)[None] if self.mla else \
+                    _q8_rows(kv, name, a, b) if self._kind(name) == "q8_0" else _side(kv, name)[:, a:b]
                 rows = np.ascontiguousarray(src)         # [heads, b - a, w]
                 st.view[off:off + rows.nbytes] = rows.reshape(-1).view(np.uint8)
                 by_dst.setdefault(name + str(d["il"]), (d[name], []))[1].extend(

@@ -30,9 +30,15 @@ def device_formats():
 
 
 #: the K/V cache types the device layers keep (shaders/kv_types.glsl, ``--cache-type-k/-v``), as the codes of
-#: cpu_kernels/kvcache.py (f32 0, f16 1, bf16 2; q8_0 has no device kernel), and their bytes a value
-KV_CODES = {"f32": 0, "f16": 1, "bf16": 2}
+#: cpu_kernels/kvcache.py (f32 0, f16 1, bf16 2, q8_0 3), and their bytes a value (q8_0: :func:`kv_row_bytes`)
+KV_CODES = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3}
 KV_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+
+
+def kv_row_bytes(kind: str, w: int) -> int:
+    """Bytes one head's row of ``w`` values takes in a device K/V cache of type ``kind`` (q8_0: GGUF's block_q8_0,
+    34 bytes per 32 values; ``w`` a multiple of 32 there, as the CPU's cache requires)."""
+    return (w // 32) * 34 if kind == "q8_0" else KV_BYTES[kind] * w
 
 
 def kv_mode(types: tuple) -> int:
@@ -42,11 +48,11 @@ def kv_mode(types: tuple) -> int:
     return (KV_CODES[types[0]] << 24) | (KV_CODES[types[1]] << 28)
 
 
-def kv_value_bytes(m) -> tuple[int, int]:
-    """Bytes a K value and a V value take on the device, of the model's cache types (``m.args.kv_types``; f32 when
-    the model has none)."""
+def kv_value_bytes(m) -> tuple[str, str]:
+    """The model's K and V cache types (``m.args.kv_types``; f32 when the model has none), for
+    :func:`kv_row_bytes`."""
     kt = tuple(getattr(m.args, "kv_types", ("f32", "f32")))
-    return KV_BYTES[kt[0]], KV_BYTES[kt[1]]
+    return kt[0], kt[1]
 
 
 SHEXP_TENSORS = ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
@@ -407,8 +413,9 @@ def why_not(m, il: int) -> str | None:
         return w
     kt = tuple(getattr(m.args, "kv_types", ("f32", "f32")))
     if kt != ("f32", "f32") and not is_deltanet(L) and not is_mla(attn_block(L)) and \
-            any(x % 4 for x in head_dims(attn_block(L))[1:3]):
-        return f"a {kt[0]}/{kt[1]} KV cache with heads {head_dims(attn_block(L))[1:3]} wide (16-bit rows: multiples of 4)"
+            any(x % (32 if "q8_0" in kt else 4) for x in head_dims(attn_block(L))[1:3]):
+        return (f"a {kt[0]}/{kt[1]} KV cache with heads {head_dims(attn_block(L))[1:3]} wide "
+                f"({'q8_0 rows: multiples of 32' if 'q8_0' in kt else '16-bit rows: multiples of 4'})")
     for n in _layer_tensors(m, il):
         ti = m.t[n]
         if ti.type_name not in device_formats():
@@ -448,7 +455,7 @@ def why_not_all(m) -> str:
 
 def layer_bytes(m, il: int, ctx: int, experts: bool = True) -> int:
     """Device bytes of layer ``il``: its weight tensors as stored (GGUF blocks; the router as f32) and its K and
-    V cache of ``ctx`` positions (of the model's ``kv_types``: 4 bytes a value f32, 2 f16 / bf16); ``experts=False``:
+    V cache of ``ctx`` positions (of the model's ``kv_types``: 4 bytes a value f32, 2 f16 / bf16, 34 per 32 q8_0); ``experts=False``:
     without the routed experts (they stay on the CPU or are placed one by one: ``expert_bytes``)."""
     a = attn_block(m.layers[il])
     w = sum(_padded_bytes(m, n) for n in _layer_tensors(m, il) if not n.endswith("ffn_gate_inp.weight")
@@ -462,7 +469,7 @@ def layer_bytes(m, il: int, ctx: int, experts: bool = True) -> int:
         return w + mla_bytes(a, ctx) + 4 * Di * (int(ctx) + 2)
     nkv, hd, hdv, _ = head_dims(a)
     kb, vb = kv_value_bytes(m)
-    return w + nkv * int(ctx) * (hd * kb + hdv * vb)
+    return w + nkv * int(ctx) * (kv_row_bytes(kb, hd) + kv_row_bytes(vb, hdv))
 
 
 def _padded_bytes(m, n: str) -> int:

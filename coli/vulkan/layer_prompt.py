@@ -123,7 +123,7 @@ class PromptChunks:
             if "nkv" in d:     # the layer's KV heads and V width (MiMo-V2's differ a layer): its qkv row's stride
                 nkv, hdv, nqkv = d["nkv"], d["hdv"], d["nqkv"]
                 # attn_pre.comp (GQA heads a workgroup), or attn_pre_cm.comp on the coopmat route
-                akern, agroups, amode = self.K.attn_dispatch(nq, nkv, hd, R, hdv)
+                akern, agroups, amode = self.K.attn_dispatch(nq, nkv, hd, R, hdv, "q8_0" in self.kv_types)
             if "gate" in d:     # Qwen3-Next's output gate rows [R, nq hd]
                 ops.append(Dispatch("lmm", (-(-nq * hd // BM), gr), [d["gate"][0].addr, xn, self.p_gate.addr,
                                                                       self.p_gate.addr], [nq * hd, D, 0, R, 0],

@@ -108,8 +108,8 @@ class LayerWeights:
             d["sinks"] = self._const(np.asarray(at.attn_sinks, np.float32))
         d["cos"], d["sin"] = self._rope(at)
         d["n_rot"], d["rope_kind"], d["scale"], d["window"] = at.n_rot, at.rope_kind, at.scale, int(at.window or 0)
-        d["K"] = K.buffer(self._vb("K") * nkv * ctx * hd, host=False)     # of the cache's types (kv_types)
-        d["V"] = K.buffer(self._vb("V") * nkv * ctx * hdv, host=False)
+        d["K"] = K.buffer(self._rb("K", hd) * nkv * ctx, host=False)     # of the cache's types (kv_types)
+        d["V"] = K.buffer(self._rb("V", hdv) * nkv * ctx, host=False)
 
     def _upload_ffn(self, d: dict, L, il: int, p: str) -> dict:
         """The FFN's tensors: the dense MLP as a one-expert table, or the router, routed and shared experts."""

@@ -253,32 +253,33 @@ class Kernels:
         self._pipes[key] = pipe
         return pipe
 
-    def attn_kernel(self, hd: int, hdv: int | None = None) -> str:
+    def attn_kernel(self, hd: int, hdv: int | None = None, q8: bool = False) -> str:
         """The prompt attention's kernel for head dimension ``hd`` (V's ``hdv``, None: the same): "attn_pre_cm" on the
         coopmat route (``attn_route``) when ``hd`` is a multiple of 16 up to 128 and V's width is K's, else
-        "attn_pre"."""
+        "attn_pre"; "attn_pre" for a q8_0 K or V cache (``q8``: attn_pre_cm has not run on q8_0 rows)."""
         return "attn_pre_cm" if (self.attn_route == "coopmat" and hd % 16 == 0 and hd <= 128
-                                 and hdv in (None, hd)) else "attn_pre"
+                                 and hdv in (None, hd) and not q8) else "attn_pre"
 
-    def attn_group(self, nq: int, nkv: int, hd: int, hdv: int | None = None) -> int:
+    def attn_group(self, nq: int, nkv: int, hd: int, hdv: int | None = None, q8: bool = False) -> int:
         """G of the prompt attention (attn_pre.comp, attn_pre_cm.comp): the q heads of one KV head a workgroup serves,
         the largest divisor of nq / nkv up to its query rows (``attn_pre``'s BQ); 1 with ``attn_gqa`` off."""
         if not self.attn_gqa:
             return 1
-        gs, bq = nq // nkv, self.attn_pre(hd, hdv)[1]
+        gs, bq = nq // nkv, self.attn_pre(hd, hdv, q8)[1]
         return max(g for g in range(1, min(gs, bq) + 1) if gs % g == 0)
 
-    def attn_dispatch(self, nq: int, nkv: int, hd: int, R: int, hdv: int | None = None) -> tuple[str, tuple, int]:
+    def attn_dispatch(self, nq: int, nkv: int, hd: int, R: int, hdv: int | None = None,
+                      q8: bool = False) -> tuple[str, tuple, int]:
         """(kernel, workgroup counts, Dispatch ``mode``) of the prompt attention of R rows: :meth:`attn_kernel`'s,
         (nq / G, ceil(R / (BQ // G))) with BQ of :meth:`attn_pre` (64 for attn_pre_cm.comp), mode MAXD | G << 16."""
-        kern, (maxd, bq) = self.attn_kernel(hd, hdv), self.attn_pre(hd, hdv)
-        g = self.attn_group(nq, nkv, hd, hdv)
+        kern, (maxd, bq) = self.attn_kernel(hd, hdv, q8), self.attn_pre(hd, hdv, q8)
+        g = self.attn_group(nq, nkv, hd, hdv, q8)
         return kern, (nq // g, -(-R // (bq // g))), maxd | (g << 16)
 
-    def attn_pre(self, hd: int, hdv: int | None = None) -> tuple[int, int]:
+    def attn_pre(self, hd: int, hdv: int | None = None, q8: bool = False) -> tuple[int, int]:
         """(MAXD, BQ) of :meth:`attn_kernel`'s kernel for head dimension ``hd`` (<= 256): the Dispatch's ``mode``
         and the query rows of a workgroup (the grid's y is ceil(R / BQ)); attn_pre_cm.comp: (128, 64)."""
-        if self.attn_kernel(hd, hdv) == "attn_pre_cm":
+        if self.attn_kernel(hd, hdv, q8) == "attn_pre_cm":
             return 128, 64
         maxd = 128 if hd <= 128 else 256
         return maxd, self.attn_bq if maxd == 128 else min(self.attn_bq, 16)

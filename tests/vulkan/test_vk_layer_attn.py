@@ -514,6 +514,11 @@ def _bits(kind: str, x: np.ndarray) -> np.ndarray:
 
     if kind == "f32":
         return np.ascontiguousarray(x, np.float32)
+    if kind == "q8_0":      # GGUF's block_q8_0 bytes, gguf.quants' (ggml's quantize_row_q8_0_ref), uint8 [n, ctx, w/32*34]
+        from gguf import GGMLQuantizationType, quants
+        n, c, w = x.shape
+        return quants.quantize(np.ascontiguousarray(x, np.float32).reshape(-1, w),
+                               GGMLQuantizationType.Q8_0).reshape(n, c, -1)
     s = KVSide(kind, x.shape[0], x.shape[1], x.shape[2])
     s.write(0, np.ascontiguousarray(x.transpose(1, 0, 2), np.float32))
     return s.t[2]
@@ -698,3 +703,109 @@ def test_rope_kv_with_qk_norm(kern, mode, rope_kind):
                                   qkv[(NQ + NKV) * hd:].reshape(NKV, hd))     # v is not normed
     for a, b in zip(*got):
         np.testing.assert_array_equal(a, b)
+
+
+# q8_0 blocks' edges (the V part, copied): ties of x / d at 0.5, 1.5, -2.5 (amax 127: d 1), a block of zeros (d 0),
+# large values (d past f16's range: inf), one nonzero value, and values just under a tie
+Q8_EDGES = np.concatenate([
+    np.array([127.0, 0.5, 1.5, -2.5, 3.5, -0.5, 126.5, -126.5] + [0.25 * i for i in range(24)], np.float32),
+    np.zeros(32, np.float32),
+    np.array([3.0e6, -1.0e7] + [1e5 * i for i in range(30)], np.float32),
+    np.array([0.0] * 31 + [-1e-3], np.float32),
+    np.array([127.0] + [np.nextafter(np.float32(k + 0.5), np.float32(0)) for k in range(31)], np.float32)])
+
+
+@pytest.mark.parametrize("kt,vt", [("q8_0", "q8_0"), ("f16", "q8_0"), ("q8_0", "f32")], ids=["q8/q8", "f16/q8", "q8/f32"])
+@pytest.mark.parametrize("hd,n_rot,rope_kind", [(64, 64, 2), (128, 64, 0), (96, 32, 2), (160, 160, 2)])
+def test_rope_kv_q8(kern, kt, vt, hd, n_rot, rope_kind):
+    """rope_kv into a q8_0 K or V side: the row's bytes are gguf.quants' Q8_0 blocks of the f32 row the kernel
+    returns (kv_out), and the CPU cache's (cpu_kernels/kvcache.py, joined as the device holds them) at ties, zeros
+    and values whose scale overflows f16 (the V part holds them); no other row's byte touched (a block shares a word
+    with its neighbour: 96 and 160 wide rows start 2 bytes into a word)."""
+    from coli.models.rope_scaling import RopeScaling
+    from coli.vulkan.layer_kv import _q8_rows
+    from coli.vulkan.layer_plan import kv_mode
+    from cpu_kernels.kvcache import KVSide
+
+    pos = 37
+    rng = np.random.default_rng(hd + n_rot + 7)
+    cos, sin = RopeScaling().table(CTX, n_rot, 10000.0)
+    qkv = (rng.standard_normal((NQ + 2 * NKV) * hd) * 3).astype(np.float32)
+    e = Q8_EDGES[:NKV * hd]
+    qkv[(NQ + NKV) * hd:(NQ + NKV) * hd + len(e)] = e
+    init = {t: _bits(t, (rng.standard_normal((NKV, CTX, hd)) * 2).astype(np.float32)) for t in (kt, vt)}
+    bqkv, bq = _buf(kern, qkv), kern.buffer(NQ * hd * 4)
+    bk, bv = _buf(kern, init[kt]), _buf(kern, init[vt])
+    bcos, bsin = _buf(kern, cos), _buf(kern, sin)
+    bpar, bkvo = _buf(kern, np.array([pos, 0, 0, 0], np.uint32)), kern.buffer(2 * NKV * hd * 4)
+    _run_mode(kern, "rope_kv", (NQ + NKV, 1, 1), [bqkv, bq, bk, bv, bcos, bsin, bpar, bkvo],
+              [NQ, NKV, hd, n_rot, CTX, rope_kind], kv_mode((kt, vt)))
+    kvo = bkvo.f32(2 * NKV * hd).reshape(2, NKV, hd).copy()
+    np.testing.assert_array_equal(kvo[1], qkv[(NQ + NKV) * hd:].reshape(NKV, hd))
+    for kind, b, row in ((kt, bk, kvo[0]), (vt, bv, kvo[1])):
+        got = b.view[:init[kind].nbytes].view(init[kind].dtype).reshape(init[kind].shape).copy()
+        want = _bits(kind, row[:, None, :])[:, 0]
+        np.testing.assert_array_equal(got[:, pos].view(np.uint8), want.view(np.uint8))
+        if kind == "q8_0":       # the CPU's cache holds the same blocks
+            cpu = KVSide("q8_0", NKV, 1, hd)
+            cpu.write(0, row[None])
+
+            class _KV:
+                K = V = cpu
+            np.testing.assert_array_equal(_q8_rows(_KV, "K", 0, 1)[:, 0], want)
+        got[:, pos] = init[kind][:, pos]
+        np.testing.assert_array_equal(got.view(np.uint8), init[kind].view(np.uint8))
+
+
+@pytest.mark.parametrize("kt,vt", [("q8_0", "q8_0"), ("q8_0", "f16"), ("f32", "q8_0"), ("f16", "f16")],
+                         ids=["q8/q8", "q8/f16", "f32/q8", "f16"])
+@pytest.mark.parametrize("hd,pos", [(128, 700), (64, 5), (96, 5), (160, 300), (96, 200)])
+def test_attn_dec_q8(kern, kt, vt, hd, pos):
+    """attn_dec over q8_0 K / V blocks (gguf.quants' bytes): the float64 attention over the values the CPU's q8_0
+    cache reads back within the f32 kernel's tolerance, and far from the f32 attention (the codes' rounding shows).
+    96 wide at 32 invocations (24 vec4 columns: invocations 24-31 hold no sums) once wrote zeros over the first
+    columns, whatever the type (f16 here)."""
+    from coli.vulkan.layer_plan import kv_mode
+    from coli.vulkan.layers import f32_bits
+
+    rng = np.random.default_rng(hd + pos + 1)
+    q = rng.standard_normal((NQ, hd)).astype(np.float32)
+    K = rng.standard_normal((NKV, CTX, hd)).astype(np.float32)
+    V = rng.standard_normal((NKV, CTX, hd)).astype(np.float32)
+    scale = 1.0 / np.sqrt(hd)
+    ref = _attn_ref(q, _values(kt, K), _values(vt, V), pos, scale)
+    assert rel_err(_attn_ref(q, K, V, pos, scale), ref) > 20 * TOL
+    bq, bk, bv = _buf(kern, q), _buf(kern, _bits(kt, K)), _buf(kern, _bits(vt, V))
+    bpar = _buf(kern, np.array([pos, 0, 0, 0], np.uint32))
+    bo, bs = kern.buffer(q.nbytes), kern.buffer(NQ * CTX * 4)
+    _run_mode(kern, "attn_dec", (NQ, 1, 1), [bq, bk, bv, bpar, bo, bs], [NQ, NKV, hd, CTX, f32_bits(scale)],
+              kv_mode((kt, vt)))
+    got = bo.f32(NQ * hd).reshape(NQ, hd)
+    assert rel_err(got, ref) <= TOL, rel_err(got, ref)
+
+
+@pytest.mark.parametrize("kt,vt", [("q8_0", "q8_0"), ("bf16", "q8_0")], ids=["q8/q8", "bf16/q8"])
+@pytest.mark.parametrize("hd", [128, 96])
+def test_attn_pre_q8(kern, kt, vt, hd):
+    """The prompt attention of a q8_0 cache (``Kernels.attn_dispatch(..., q8=True)``: attn_pre.comp on every route)
+    of a 20-row chunk after 30 cached positions: the float64 attention over the values the CPU's cache reads back,
+    within the kernel's tolerance."""
+    from coli.vulkan.layer_plan import kv_mode
+    from coli.vulkan.layers import f32_bits
+
+    R, pos0 = 20, 30
+    rng = np.random.default_rng(hd + 3)
+    q = rng.standard_normal((R, NQ, hd)).astype(np.float32)
+    K = rng.standard_normal((NKV, CTX, hd)).astype(np.float32)
+    V = rng.standard_normal((NKV, CTX, hd)).astype(np.float32)
+    scale = 1.0 / np.sqrt(hd)
+    ref = _causal_ref(q, _values(kt, K), _values(vt, V), pos0, scale)
+    kern_name, groups, mode = kern.attn_dispatch(NQ, NKV, hd, R, None, True)
+    assert kern_name == "attn_pre"
+    bq, bk, bv = _buf(kern, q), _buf(kern, _bits(kt, K)), _buf(kern, _bits(vt, V))
+    bpar = _buf(kern, np.array([pos0, 0, 0, 0], np.uint32))
+    bo, bs = kern.buffer(q.nbytes), _buf(kern, np.zeros(NQ, np.float32))
+    _run_mode(kern, kern_name, groups, [bq, bk, bv, bpar, bo, bs],
+              [NQ, NKV, hd, CTX, f32_bits(scale), R, 0, 0], mode | kv_mode((kt, vt)))
+    got = bo.f32(q.size).reshape(q.shape)
+    assert rel_err(got, ref) <= TOL, rel_err(got, ref)
