@@ -691,7 +691,8 @@ def close(eng):
                    f"{'' if dl.gpu_tokens == dl.tokens else ' of ' + counted(dl.gpu_tokens, 'token')})"
                    if dl.gpu_tokens and dl.gpu_s else "")
             hold = f"; {dl.clock.line()}" if dl.clock is not None else ""
-            attn = {dl.K.attn_kernel(dl.hd, d.get('hdv'), 'q8_0' in dl.kv_types) + '.comp' for d in dl.per}
+            q8 = "q8_0" in getattr(dl, "kv_types", ())
+            attn = {dl.K.attn_kernel(dl.hd, d.get('hdv'), q8) + '.comp' for d in dl.per}
             pre = (f"; {counted(dl.prompt_tokens, 'prompt row')} in {counted(dl.prompt_chunks, 'chunk')}, "
                    f"{dl.prompt_tokens / dl.prompt_s:.0f} rows/s in the submits and waits, "
                    f"the {dl.K.route} GEMM route, attention "
