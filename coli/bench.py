@@ -2,7 +2,8 @@
 
 ppN: one prompt of N tokens from an empty KV cache (in the engine's prompt steps); tgN: N single-token
 forwards from an empty cache (llama-bench's ``tg`` test). Every test runs once to warm up (Numba's first
-compile, the page cache), then ``reps`` times; time spent holding Numba's compiler lock is subtracted
+compile; a tg test with one token, as llama-bench), then ``reps`` times, each run on token ids of its own
+(:func:`run_tokens`: a decode figure is not that of a RAM expert cache the same ids filled); time spent holding Numba's compiler lock is subtracted
 (``coli.base.progress.compile_seconds``), so compilation is never counted. ``-p``, ``-n`` and ``-t`` take
 lists and ranges as llama-bench's (``1,2,4``, ``1-16``, ``1-16+2``, ``2-16*2``: :func:`parse_int_list`);
 each thread count runs every test.
@@ -22,7 +23,8 @@ device layers (``--gpu-layers``) ran on the device / on the CPU; 0 and N without
 ``expert_disk_loads``, ``expert_bytes_read`` (per run), ``device_expert_rows`` / ``cpu_expert_rows`` (routed (row,
 expert) pairs of the last run computed on the device / on the CPU: the tier's and the device layers' experts),
 ``device_streamed_bytes`` (expert bytes the last run streamed to the device for prompt chunks:
-``COLI_VK_PROMPT_EXPERTS``).
+``COLI_VK_PROMPT_EXPERTS``), ``early_used`` / ``early_wasted`` (per run: the experts read early that their layer
+routed to / did not, ``COLI_READ_AHEAD``; their bytes are in ``expert_bytes_read``).
 
 ``cold`` drops the model file's pages (``posix_fadvise(DONTNEED)``) and empties the RAM expert cache before
 each run, so expert loads are real disk reads. See docs/tuning.md.
@@ -55,7 +57,7 @@ FIELDS = ["build_commit", "build_number", "cpu_info", "gpu_info", "backends", "m
 COLI_FIELDS = ["test", "device", "balance", "cpu_act", "expert_cache", "io_threads", "load_avg", "cold",
                "weight_bytes", "weight_gbps", "probe_gbps", "device_rows", "cpu_rows"]
 SAMPLE_FIELDS = ["samples_ns", "samples_ts", "expert_disk_loads", "expert_bytes_read", "device_expert_rows",
-                 "cpu_expert_rows", "device_streamed_bytes"]
+                 "cpu_expert_rows", "device_streamed_bytes", "early_used", "early_wasted"]
 FORMATS = ("md", "json", "csv", "jsonl")
 
 _RANGE = re.compile(r"^(\d+)-(\d+)(?:([+*])(\d+))?$")
@@ -111,6 +113,14 @@ def drop_page_cache(path) -> None:
 def _tokens(eng, n, seed=1234):
     rng = np.random.default_rng(seed)
     return rng.integers(min(100, eng.args.vocab - 1), min(eng.args.vocab, 30000), size=n).astype(np.int64)
+
+
+def run_tokens(eng, kind: str, n: int, rep: int) -> np.ndarray:
+    """The token ids of run ``rep`` of test ``kind`` ("pp" / "tg") of ``n`` tokens: int64 [n], or [1] for the
+    warm-up of a tg test (``rep`` 0). Each run takes ids of its own seed, as llama-bench draws fresh random tokens
+    for each run and warms a tg test up with one token: a run's decode then routes to experts the warm-up and the
+    earlier runs did not all touch, so a decode figure is not that of a RAM expert cache the same ids filled."""
+    return _tokens(eng, 1 if (kind == "tg" and rep == 0) else n, seed=1234 + 7919 * rep)
 
 
 # -- the memory-read probe ---------------------------------------------------------------------------------
@@ -301,7 +311,6 @@ def run_bench(eng, n_prompt=128, n_gen=64, reps=5, cold=False, threads=None, ban
             eng.threads = nt
             probe = memory_read_gbps(probe_bytes, threads=nt) if bandwidth else None
             for kind, n in tests:
-                ids = _tokens(eng, n)
                 samples, loads, wbytes = [], [], []
                 with engine_threads(eng):
                     first = 0 if warmup else 1
@@ -309,6 +318,7 @@ def run_bench(eng, n_prompt=128, n_gen=64, reps=5, cold=False, threads=None, ban
                     prof = getattr(getattr(eng, "device_layers", None), "prof", None)
                     for rep in range(first, reps + 1):  # run 0 warms up (JIT, page cache)
                         snap = prof.snapshot() if prof is not None and rep == 0 else None
+                        ids = run_tokens(eng, kind, n, rep)
                         if cold:
                             if eng.cache is not None:
                                 eng.cache.clear()
@@ -345,6 +355,8 @@ def run_bench(eng, n_prompt=128, n_gen=64, reps=5, cold=False, threads=None, ban
                            device_rows=int(dev_rows), cpu_rows=int(n - dev_rows),
                            expert_disk_loads=[l["disk_loads"] for l in loads],
                            expert_bytes_read=[l["bytes_read"] for l in loads],
+                           early_used=[l.get("early_used", 0) for l in loads],
+                           early_wasted=[l.get("early_wasted", 0) for l in loads],
                            device_expert_rows=int(last.get("device_expert_rows", 0)),
                            cpu_expert_rows=int(last.get("cpu_expert_rows", 0)),
                            device_streamed_bytes=int(last.get("device_streamed_bytes", 0)))

@@ -276,10 +276,30 @@ def setup_moe(eng, expert_cache, usage_path, io_threads, keep_raw) -> None:
             pins[l] = set(hot)
     eng.cache = RAMCache(source, slots, pins, io_threads=io_threads, capacity=slots * len(L) * per)
     eng.step = MoEStep(eng.cache, eng.usage, act=eng.cpu_act, trace=eng.trace)
+    eng.step.ahead = read_ahead(eng, slots, E, a.top_k)
     eng.ram_cache_bytes = slots * len(L) * per  # the RAM cache's configured size (the tier's budget rule)
     eng.expert_held_ratio = per / max(1, max(source.expert_nbytes(l) for l in L))  # held / file bytes
     eng.model.step = eng.step
     eng.expert_slots = slots
+
+
+def read_ahead(eng, slots: int, n_experts: int, top_k: int):
+    """The early reads of a MoE model (``scheduler.read_ahead.ReadAhead``; ``COLI_READ_AHEAD`` experts a layer,
+    -1: top-k), or None: the setting 0, or a RAM expert cache that holds every expert (nothing to read after the
+    first uses), or a layer whose router is not an f32 [E, D] matrix (a family with its own routing block)."""
+    from scheduler.read_ahead import ReadAhead
+
+    width = settings.get("COLI_READ_AHEAD", eng.env)
+    width = int(top_k) if width is None or width < 0 else int(width)
+    if width == 0 or slots >= n_experts:
+        return None
+    routers = {}
+    for il in eng.model.moe_layers:
+        W = getattr(eng.model.layers[il].moe, "ffn_gate_inp", None)
+        if not isinstance(W, np.ndarray) or W.ndim != 2 or W.dtype != np.float32:
+            return None
+        routers[il] = W
+    return ReadAhead(eng.cache, routers, width)
 
 
 def _layer_swaps(eng, dl):
@@ -610,6 +630,8 @@ def reset_counters(eng):
     dl = eng.device_layers
     eng._d0 = (dl.prompt_tokens, dl.tokens, dl.streamed_bytes) if dl is not None else (0, 0, 0)
     eng._x0 = expert_rows(eng)
+    ra = eng.step.ahead if eng.step is not None else None
+    eng._a0 = (ra.used, ra.wasted) if ra is not None else (0, 0)
 
 
 def expert_rows(eng) -> tuple[int, int]:
@@ -627,7 +649,8 @@ def counters(eng) -> dict:
     prompt rows and decode rows whose device layers ran on the device (``device_prompt_rows``,
     ``device_decode_rows``) and the expert bytes streamed to the device for prompt chunks
     (``device_streamed_bytes``); the routed (row, expert) pairs computed on the device and on the CPU
-    (``device_expert_rows``, ``cpu_expert_rows``)."""
+    (``device_expert_rows``, ``cpu_expert_rows``); with early reads, the guessed experts the layers routed to and
+    did not (``early_used``, ``early_wasted``)."""
     c = eng.cache
     out = dict(expert_hits=0, disk_loads=0, bytes_read=0)
     if c is not None:
@@ -641,6 +664,10 @@ def counters(eng) -> dict:
     x0 = getattr(eng, "_x0", (0, 0))
     x1 = expert_rows(eng)
     out.update(device_expert_rows=x1[0] - x0[0], cpu_expert_rows=x1[1] - x0[1])
+    ra = eng.step.ahead if eng.step is not None else None
+    if ra is not None:   # the early reads' guesses the layers routed to / did not (scheduler/read_ahead.py)
+        a0 = getattr(eng, "_a0", (0, 0))
+        out.update(early_used=ra.used - a0[0], early_wasted=ra.wasted - a0[1])
     return out
 
 

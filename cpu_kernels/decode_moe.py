@@ -245,7 +245,7 @@ class MoELayerDecode:
                         self.d_nch, self.pstart, self.zeros, self.dst, _E.ACT_SWIGLU, np.float32(step.clamp),
                         self.a, self.aq, self.ad, self.am, self.pair_out, self.y)
         if self.status[0]:
-            step.region_row(il, self.ids)
+            step.region_row(il, self.ids, self.x)
         else:   # a routed expert is not in RAM, or the tier places them: the step runs this row's experts
             if whole:
                 step.stats.region_fallbacks += 1

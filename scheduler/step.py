@@ -53,6 +53,9 @@ class MoEStep:
         # a decode row whose experts are all in RAM: one compiled call (cpu_kernels.decode.experts_row)
         self._row = _decode.ExpertsRow() if _decode.available(act, ()) else None
         self.row_call_s = 0.0   # seconds in row_experts' compiled calls (device layers' join profile)
+        # early reads of the next MoE layer's likely experts (scheduler/read_ahead.py; the runtime sets it when the
+        # RAM cache cannot hold every expert): a decode row's step guesses for the next layer
+        self.ahead = None
         if trace is not None:
             trace.hook_reads(cache)     # --trace records disk reads with or without a device tier
 
@@ -86,6 +89,8 @@ class MoEStep:
         R, K = expert_ids.shape
         if self.usage is not None:
             self.usage.add(layer, expert_ids)
+        if self.ahead is not None and self._ahead_on():
+            self._read_ahead(layer, x, expert_ids)
         if R == 1 and ffn is None and self.region_ok():
             y = self._run_row(layer, x, expert_ids[0], weights[0])
             if y is not None:
@@ -152,6 +157,23 @@ class MoEStep:
                 landed.append((e, w))
             self._compute_many(layer, landed, xa, groups, K, pair_out, ffn)  # one launch per batch of reads landed
 
+    def _ahead_on(self) -> bool:
+        """Early reads run without an active device tier (the tier places experts itself)."""
+        return self.tier is None or not self.tier.active
+
+    def _read_ahead(self, layer: int, x: np.ndarray, ids: np.ndarray) -> None:
+        """The early reads' part of a step of ``layer`` routed to ``ids`` int [R, K]: its guesses claimed
+        (``ReadAhead.claim``); for a decode row (R = 1) the routed experts not in RAM queued for reading first, then
+        the next layer's guesses from ``x`` f32 [1, D] (``ReadAhead.issue``) behind them."""
+        ahead, cache = self.ahead, self.cache
+        ahead.claim(layer, ids)
+        if ids.shape[0] != 1:
+            return
+        for e in ids[0].tolist():
+            if not cache.in_ram(layer, e):
+                cache.fetch(layer, e)
+        ahead.issue(layer, x)
+
     def region_ok(self) -> bool:
         """True when a decode row's experts may run inside a compiled region (cpu_kernels/decode_moe.py): the
         compiled experts row is on (``_row``), no ``--trace``, no active device tier (the conditions under which
@@ -169,13 +191,16 @@ class MoEStep:
         (cpu_kernels/decode_moe.py), the step then placing them: an active device tier, no ``--trace``."""
         return self._row is not None and self.trace is None and self.tier is not None and self.tier.active
 
-    def region_row(self, layer: int, ids: np.ndarray) -> None:
+    def region_row(self, layer: int, ids: np.ndarray, x: np.ndarray | None = None) -> None:
         """The bookkeeping of a decode row whose K routed experts (``ids`` int32 [1, K], all in the RAM cache) ran
         inside a compiled region, the same as ``run`` -> ``_run_row`` does: the routing staged in ``usage``, a
         RAM-cache hit per expert in ascending ids (the same LRU order), the step's counters (no ``cpu_s``: the
-        region's experts are not timed apart)."""
+        region's experts are not timed apart); with ``x`` f32 [1, D] (the row the router read), the early reads
+        as ``run`` starts them."""
         if self.usage is not None:
             self.usage.add(layer, ids)
+        if self.ahead is not None and x is not None and self._ahead_on():
+            self._read_ahead(layer, x, ids)
         row = ids[0].tolist()
         self._book_row(layer, row)
         self.stats.region_rows += 1

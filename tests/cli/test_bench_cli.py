@@ -253,3 +253,29 @@ def test_bench_context_is_the_longest_test(tiny, capsys, monkeypatch):
     assert cli.main(["bench", "-m", str(tiny), "-p", "4", "-n", "0", "-r", "1", "-o", "json", "--ctx", "20"]) == 0
     assert seen == [7, 20]
     capsys.readouterr()
+
+
+def test_bench_warm_up_and_runs_decode_ids_of_their_own(tiny, monkeypatch):
+    """As llama-bench: the tg warm-up decodes one token and each run its own ids (``run_tokens``), so the timed
+    decode is not that of a RAM expert cache the warm-up filled with the same ids: the first timed run still reads
+    experts from the file (with the same ids as the warm-up it read none)."""
+    from coli import bench
+    from coli.engine import Engine
+
+    eng = Engine(str(tiny), quiet=True, save_usage=False, expert_cache=8, ctx=16)
+    try:
+        fed = []
+        real = eng.model.forward
+
+        def spy(ids, kv, *a, **kw):
+            fed.append(int(ids[0]))
+            return real(ids, kv, *a, **kw)
+
+        monkeypatch.setattr(eng.model, "forward", spy)
+        recs = bench.run_bench(eng, n_prompt=0, n_gen=6, reps=2)
+        runs = [bench.run_tokens(eng, "tg", 6, r).tolist() for r in range(3)]
+        assert len(runs[0]) == 1 and fed == runs[0] + runs[1] + runs[2]
+        assert runs[1] != runs[2] and runs[0] != runs[1][:1]
+        assert recs[0]["expert_disk_loads"][0] > 0
+    finally:
+        eng.close()
