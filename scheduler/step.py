@@ -195,12 +195,15 @@ class MoEStep:
         """The bookkeeping of a decode row whose K routed experts (``ids`` int32 [1, K], all in the RAM cache) ran
         inside a compiled region, the same as ``run`` -> ``_run_row`` does: the routing staged in ``usage``, a
         RAM-cache hit per expert in ascending ids (the same LRU order), the step's counters (no ``cpu_s``: the
-        region's experts are not timed apart); with ``x`` f32 [1, D] (the row the router read), the early reads
-        as ``run`` starts them."""
+        region's experts are not timed apart); the early reads' guesses of the layer claimed, and with ``x`` f32
+        [1, D] (the row the router read) the next layer's guessed as ``run`` does."""
         if self.usage is not None:
             self.usage.add(layer, ids)
-        if self.ahead is not None and x is not None and self._ahead_on():
-            self._read_ahead(layer, x, ids)
+        if self.ahead is not None and self._ahead_on():
+            if x is None:   # the token region (decode_moe.MoETokenDecode) ran it: its guesses counted, no new ones
+                self.ahead.claim(layer, ids)
+            else:
+                self._read_ahead(layer, x, ids)
         row = ids[0].tolist()
         self._book_row(layer, row)
         self.stats.region_rows += 1
