@@ -991,6 +991,55 @@ GEMM_I8 = True
 TILES = True
 
 
+# ----------------------------------------------------------------------------------------- format codes
+# the grouped kernels' (cpu_kernels/experts.py) layout code of every format and their weight descriptors
+# format codes (one per kernel family; Q5_0 and MXFP4 are packed as int8 codes + f32 scales, i.e. Q8_0's layout;
+# F16 and BF16 are widened to f32 at prepare time)
+FC_F32, FC_Q8, FC_Q4_0, FC_Q4_1, FC_Q4_K, FC_Q5_K, FC_Q6_K = range(7)
+# the low-bit rows (cpu_kernels/lowbit.py, iquants.py, fp8.py layouts): Q5_1 (int8 codes, d, m), Q2_K (TQ1_0 and
+# TQ2_0 are packed in its layout), Q3_K, the G = 16 i-quants (int8 codes, f32 scale per 16), FP8 (E4M3 codes,
+# f32 scale per 128; no integer dot: int8 mode multiplies the decoded row by the rounded activations)
+FC_Q5_1, FC_Q2_K, FC_Q3_K, FC_G16, FC_FP8 = range(7, 12)
+# Q5_0's compact layout (formats._pack_q5_0: pair nibbles, uint32 fifth bits, f32 d); the 4-bit table layout
+# (formats.pack_lut: pair nibbles, f32 scale per 32, int8 table [1, 16]) of MXFP4, IQ4_NL and IQ4_XS
+# on CPUs with AVX-512 VNNI (elsewhere formats packs them widened, in Q8_0's layout)
+FC_Q5_0, FC_LUT = 12, 13
+# the 16-row interleaved tiles (cpu_kernels/tiles.py: one uint8 record array, row t = tile t), in tiles.KIND order
+FC_T4_0, FC_T4_1, FC_T8, FC_T5_0, FC_T4_K, FC_T6_K = 14, 15, 16, 17, 18, 19
+FC_TMX, FC_TNL, FC_TXS, FC_T2_K, FC_T3_K, FC_T5_1, FC_T5_K = range(20, 27)   # MXFP4 .. Q5_K (tiles.KIND 6..12)
+# the grid i-quants' tiles: IQ2_XXS, IQ3_XXS, IQ3_S, IQ2_XS, IQ2_S (tiles.KIND 13..17)
+FC_TI2, FC_TI3, FC_TI3S, FC_TI2X, FC_TI2S = range(27, 32)
+FC_TI1S, FC_TI1M = 32, 33   # IQ1_S, IQ1_M (tiles.KIND 18, 19)
+FC_TNV = 34   # NVFP4 (tiles.KIND 20)
+TILE_CODE = {name: FC_T4_0 + kind for name, kind in _tiles.KIND.items()}   # FC_T4_0 + tiles' kind
+TILE_CODE.update({name: TILE_CODE[t] for name, t in _tiles.AS_BLOCKS.items()})   # TQ1_0, TQ2_0: Q2_K's tile
+_C5, _CL = (FC_Q5_0, FC_LUT) if _vnni.HAVE_VNNI else (FC_Q8, FC_Q8)
+FORMAT_CODE = {"F32": FC_F32, "F16": FC_F32, "BF16": FC_F32, "Q8_0": FC_Q8, "Q5_0": _C5, "MXFP4": _CL,
+               "Q4_0": FC_Q4_0, "Q4_1": FC_Q4_1, "Q4_K": FC_Q4_K, "Q5_K": FC_Q5_K, "Q6_K": FC_Q6_K,
+               "IQ4_NL": _CL, "IQ4_XS": _CL}
+# cpu_kernels.iquants packs these i-quants in Q8_0's layout (int8 codes, f32 scale per 32); IQ2_XS, IQ2_S and
+# IQ1_M with a scale per 16 (FC_G16); NVFP4 (cpu_kernels/nvfp4.py) in the same G = 16 layout (where its t16 tile
+# does not apply)
+FORMAT_CODE.update({"IQ2_XXS": FC_Q8, "IQ3_XXS": FC_Q8, "IQ3_S": FC_Q8, "IQ1_S": FC_Q8,
+                    "IQ2_XS": FC_G16, "IQ2_S": FC_G16, "IQ1_M": FC_G16, "NVFP4": FC_G16,
+                    "Q5_1": FC_Q5_1, "Q2_K": FC_Q2_K, "TQ1_0": FC_Q2_K, "TQ2_0": FC_Q2_K, "Q3_K": FC_Q3_K,
+                    "FP8_E4M3_B128": FC_FP8})
+
+DESC_LEN = 13
+
+
+def weight_desc(w) -> np.ndarray:
+    """int64 [13]: format code, O, I, the addresses of the (up to five) packed arrays, their row lengths in
+    elements. Raises KeyError for a format without a code (a row appended to FORMATS without one here)."""
+    d = np.zeros(DESC_LEN, np.int64)
+    d[0] = TILE_CODE[w.name] if w.layout == "t16" else FORMAT_CODE[w.name]
+    d[1], d[2] = w.shape
+    for i, a in enumerate(w.arrays):
+        d[3 + i] = a.ctypes.data
+        d[8 + i] = a.shape[1]
+    return d
+
+
 class Weight:
     """A weight matrix [O, I] ready for ``matmul``: the format row, the shape and the packed kernel arrays.
 
@@ -1021,8 +1070,6 @@ class Weight:
         """int64 [13] descriptor of the packed arrays for the grouped kernels (``cpu_kernels.experts``), built
         on first use; valid while this Weight (which owns the arrays) is alive."""
         if self._desc is None:
-            from .experts import weight_desc
-
             if not all(a.flags.c_contiguous for a in self.arrays):
                 self.arrays = tuple(np.ascontiguousarray(a) for a in self.arrays)
             self._desc = weight_desc(self)

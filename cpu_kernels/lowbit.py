@@ -16,7 +16,7 @@ Q3_K    256    110     hmask[32], qs[64], scales[12] (16 6-bit scales, bias 32),
 IQ4_NL  32     18      d, qs[16] (lo nibble: j, hi: j+16) indices into kvalues_iq4nl; w = d*kvalues[q]
 IQ4_XS  256    136     d, scales_h u16, scales_l[4], qs[128]; sub-block ib of 32: ls = scales_l nibble ib |
                        (2 bits ib of scales_h) << 4, w = d*(ls-32)*kvalues[q] (codes as IQ4_NL per 32)
-TQ1_0   256    54      qs[48], qh[4] (base-3 digits, 5 per byte; ``tq1_0_codes``), d; w = d*(t-1), t in 0..2
+TQ1_0   256    54      qs[48], qh[4] (base-3 digits, 5 per byte; ``tiles.tq1_0_codes``), d; w = d*(t-1), t in 0..2
 TQ2_0   256    66      qs[64] (2-bit codes in Q2_K's order), d; w = d*(q-1)
 ======  =====  ======  ==========================================================================================
 
@@ -48,6 +48,7 @@ from numba import njit, prange
 
 from .formats import _F0, _JIT, _PJIT, _RB, _block_sums, _blocks, _c, _f16, _lanes_sum
 from . import formats as _F
+from .tiles import tq_codes
 from .vnni import HAVE_VNNI as _HAVE_VNNI
 
 _F4 = np.float32(4.0)
@@ -294,21 +295,6 @@ def _pack_iq4_xs(raw, O, I):
     return _F.pack_lut(_c(b[:, :, 8:136], O), nb * 8, d32, KVALUES_IQ4NL)
 
 
-def tq_codes(type_name: str, raw, O: int, nb: int):
-    """TQ1_0 / TQ2_0 blocks (uint8 [O, nb * block bytes]) -> (2-bit codes uint8 [O, nb, 64] in Q2_K's order, the
-    f16 d's bytes uint8 [O, nb, 2]). block_tq2_0 {qs[64]; d}: element 128n + 32j + l is (qs[32n + l] >> 2j) & 3,
-    minus 1 (dequantize_row_tq2_0), which is Q2_K's code order; block_tq1_0's base-3 digits (``tq1_0_codes``) are
-    packed the same way. Q2_K's kernels with every scale and min 1 and dmin = d then give w = d*q - d: the row
-    layout here, Q2_K's tile in cpu_kernels/tiles.py."""
-    if type_name == "TQ2_0":
-        b = _blocks(raw, O, nb, 66)
-        return b[:, :, 0:64], b[:, :, 64:66]
-    b = _blocks(raw, O, nb, 54)
-    t = tq1_0_codes(b).reshape(O, nb, 2, 4, 32)                       # [.., n, j, l]
-    qs = (t[:, :, :, 0] | (t[:, :, :, 1] << 2) | (t[:, :, :, 2] << 4) | (t[:, :, :, 3] << 6)).astype(np.uint8)
-    return qs.reshape(O, nb, 64), b[:, :, 52:54]
-
-
 def _pack_tq(type_name):
     # the Q2_K row layout: 2-bit codes, every scale and min 1, d and dmin = d (TQ2_0 104 bytes per 66-byte block:
     # 1.58x; TQ1_0 per 54-byte block: 1.93x; int8 codes would be 5.3x)
@@ -319,21 +305,6 @@ def _pack_tq(type_name):
         d = _c(_f16(db), O)
         return _c(qs, O), one, one.copy(), d, d.copy()
     return pack
-
-
-_POW3 = np.array([1, 3, 9, 27, 81], np.uint8)
-
-
-def tq1_0_codes(blocks: np.ndarray) -> np.ndarray:
-    """block_tq1_0 bytes (uint8 [..., 54]: qs[48], qh[4], d) -> ternary codes 0..2 (uint8 [..., 256]) in element
-    order, as dequantize_row_tq1_0: a byte holds 5 (qh: 4) base-3 digits, digit k = ((byte * 3^k) mod 256 * 3) >> 8;
-    elements 0-159 from qs[0:32] (digit k: elements 32k..32k+31), 160-239 from qs[32:48] (16 per digit),
-    240-255 from qh (4 per digit)."""
-    def digits(q, n):   # q uint8 [..., m] -> [..., n * m], digit-major
-        v = (q[..., None, :] * _POW3[:n, None]).astype(np.uint16)   # uint8 products wrap mod 256
-        return ((v * 3) >> 8).astype(np.uint8).reshape(q.shape[:-1] + (n * q.shape[-1],))
-    return np.concatenate([digits(blocks[..., 0:32], 5), digits(blocks[..., 32:48], 5),
-                           digits(blocks[..., 48:52], 4)], axis=-1)
 
 
 def rows(row, vnni):

@@ -205,11 +205,39 @@ def supports(type_name: str, O: int, I: int) -> bool:
     return t in SPEC and O % ROWS == 0 and O > 0 and I % SPEC[t][0] == 0
 
 
+_POW3 = np.array([1, 3, 9, 27, 81], np.uint8)
+
+
+def tq1_0_codes(blocks: np.ndarray) -> np.ndarray:
+    """block_tq1_0 bytes (uint8 [..., 54]: qs[48], qh[4], d) -> ternary codes 0..2 (uint8 [..., 256]) in element
+    order, as dequantize_row_tq1_0: a byte holds 5 (qh: 4) base-3 digits, digit k = ((byte * 3^k) mod 256 * 3) >> 8;
+    elements 0-159 from qs[0:32] (digit k: elements 32k..32k+31), 160-239 from qs[32:48] (16 per digit),
+    240-255 from qh (4 per digit)."""
+    def digits(q, n):   # q uint8 [..., m] -> [..., n * m], digit-major
+        v = (q[..., None, :] * _POW3[:n, None]).astype(np.uint16)   # uint8 products wrap mod 256
+        return ((v * 3) >> 8).astype(np.uint8).reshape(q.shape[:-1] + (n * q.shape[-1],))
+    return np.concatenate([digits(blocks[..., 0:32], 5), digits(blocks[..., 32:48], 5),
+                           digits(blocks[..., 48:52], 4)], axis=-1)
+
+
+def tq_codes(type_name: str, raw, O: int, nb: int):
+    """TQ1_0 / TQ2_0 blocks (uint8 [O, nb * block bytes]) -> (2-bit codes uint8 [O, nb, 64] in Q2_K's order, the
+    f16 d's bytes uint8 [O, nb, 2]). block_tq2_0 {qs[64]; d}: element 128n + 32j + l is (qs[32n + l] >> 2j) & 3,
+    minus 1 (dequantize_row_tq2_0), which is Q2_K's code order; block_tq1_0's base-3 digits (``tq1_0_codes``) are
+    packed the same way. Q2_K's kernels with every scale and min 1 and dmin = d then give w = d*q - d: the row
+    layout of cpu_kernels/lowbit.py, Q2_K's tile here."""
+    if type_name == "TQ2_0":
+        b = raw.reshape(O, nb, 66)
+        return b[:, :, 0:64], b[:, :, 64:66]
+    b = raw.reshape(O, nb, 54)
+    t = tq1_0_codes(b).reshape(O, nb, 2, 4, 32)                       # [.., n, j, l]
+    qs = (t[:, :, :, 0] | (t[:, :, :, 1] << 2) | (t[:, :, :, 2] << 4) | (t[:, :, :, 3] << 6)).astype(np.uint8)
+    return qs.reshape(O, nb, 64), b[:, :, 52:54]
+
+
 def _as_blocks(type_name: str, raw: np.ndarray, O: int, I: int) -> np.ndarray:
     """TQ1_0 / TQ2_0 blocks uint8 [O, row_bytes] -> Q2_K blocks uint8 [O, I / 256 * 84] of the same values
     (ggml-common.h's block_q2_K: scales[16], qs[64], d, dmin; here every scale byte 0x11 and dmin = d)."""
-    from .lowbit import tq_codes
-
     nb = I // 256
     qs, d = tq_codes(type_name, raw, O, nb)
     out = np.empty((O, nb, 84), np.uint8)

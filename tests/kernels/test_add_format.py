@@ -1,5 +1,5 @@
 """The "Adding a format" checklist of docs/formats.md, run: a copy of Q8_0 under a new name, entered only through
-the registries the checklist names (the tensor-type table, ``formats.add_rows``, ``experts.FORMAT_CODE``,
+the registries the checklist names (the tensor-type table, ``formats.add_rows``, ``formats.FORMAT_CODE``,
 ``gemm_i8.GEMMS``), runs every CPU path (GEMV, GEMM, int8 GEMV and GEMM, the grouped kernels) with Q8_0's
 numbers bit for bit and within the harness's tolerance of the reference, and leaves no gap in the table.
 
@@ -34,8 +34,8 @@ def copy_of_q8_0(monkeypatch):
     # 2. the family module's rows, through formats.add_rows (its kernels: Q8_0's)
     f = F.FORMATS["Q8_0"]
     F.add_rows([F._row(NAME, 32, 34, f.pack, f.gemv, f.gemm, NAME.lower(), True, f.gemv_i8)])
-    # 3. cpu_kernels/experts.py: the grouped kernels' layout code
-    monkeypatch.setitem(E.FORMAT_CODE, NAME, E.FORMAT_CODE["Q8_0"])
+    # 3. cpu_kernels/formats.py: the grouped kernels' layout code
+    monkeypatch.setitem(F.FORMAT_CODE, NAME, F.FORMAT_CODE["Q8_0"])
     # 4. (optional) cpu_kernels/gemm_i8.py: the int8 GEMM of prompt chunks
     monkeypatch.setitem(G.GEMMS, NAME, G.GEMMS["Q8_0"])
     return NAME
