@@ -249,7 +249,7 @@ class Tier(TierResidency, TierStep, TierUploads):
         queue takes no lock (an upload may hold it for milliseconds). Any failure ends the holder (one line)."""
         try:
             if self._clock is None:
-                from coli.vulkan.layers import ClockHolder
+                from coli.vulkan.layers import ClockHolder  # the Vulkan binding: only when a device runs
 
                 with self._dev_lock:
                     h = ClockHolder.for_device(self.device, getattr(self.device, "_layer_kernels", None), self._env)

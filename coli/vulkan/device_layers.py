@@ -45,6 +45,7 @@ import sys
 import numpy as np
 
 from coli.base.errors import ColiError
+from coli.vulkan.join_profile import JoinProfile
 from coli.vulkan.layer_decode import DecodeRow
 from coli.vulkan.layer_families import MLAMixer, DeltaNetMixer
 from coli.vulkan.layer_join import RowJoin
@@ -73,7 +74,7 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
 
     def __init__(self, m, dev, first: int, ctx: int, head: bool = True, env=None, resident: dict | None = None,
                  balancer=None):
-        from coli.vulkan.layers import Kernels
+        from coli.vulkan.layers import Kernels  # the Vulkan binding: only when a device runs
 
         self.m, self.dev, self.first, self.ctx = m, dev, int(first), int(ctx)
         # layer -> bool [E], the routed experts on the device, for the layers whose experts are not all here (the
@@ -141,7 +142,7 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
         # (f32 [n, D]: a failed device's rows are computed again on the CPU from them, recompute_on_cpu)
         self._lo = self._hi = 0
         self._hist = np.zeros((0, self.D), np.float32)
-        from coli.vulkan.layers import ClockHolder
+        from coli.vulkan.layers import ClockHolder  # the Vulkan binding: only when a device runs
 
         # busy between tokens, ended by the next token's first op (docs/vulkan.md "Clocks")
         self.clock = ClockHolder.for_device(self.dev, K, self._env)
@@ -242,8 +243,6 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
         self.gpu_s = 0.0        # seconds between the command buffer's first and last timestamps (0: none)
         self.gpu_tokens = 0     # the decode tokens gpu_s covers (with CPU experts: one in stamp_every)
         self.stamp_every = 16   # with CPU experts, the tokens between two reads of the segments' timestamps
-        from coli.vulkan.join_profile import JoinProfile
-
         self.prof = JoinProfile() if get("COLI_VK_JOIN_PROFILE", self._env) else None   # where a token's host time goes
         self.weight_bytes = 0
 
@@ -286,7 +285,7 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
         (safe after a failed construction and twice)."""
         if self.dev._dev is None:
             return
-        from coli.vulkan.device import lib
+        from coli.vulkan.device import lib  # the Vulkan binding: only when a device runs
 
         if self.clock is not None:
             self.clock.close()

@@ -28,7 +28,7 @@ def _fuse_norms(ops: list, cnt: int, slots: int) -> list:
     its a5 the counter at ``cnt`` + 4 i for the i-th, a6 the weight, a7 the output, u15 eps): one dispatch and one
     barrier less each. Only where the op after the norm waits (it does not rely on the norm's barrier for anything
     else), at most ``slots`` of them."""
-    from coli.vulkan.layers import Dispatch
+    from coli.vulkan.layers import Dispatch  # the Vulkan binding: only when a device runs
 
     out, n = [], 0
     for i, op in enumerate(ops):
@@ -55,7 +55,7 @@ def _fuse_topk(ops: list, cnt: int, slots: int) -> list:
     before it wrote taken by that lmv's last workgroup (lmv.comp's u8: a4 the route, a6 the correction bias, a7 the
     counter at ``cnt`` + 4 i for the i-th; u9..u14 topk's u1..u6): one dispatch and one barrier less a MoE layer. Only
     where the op after the top-k waits, at most ``slots`` of them."""
-    from coli.vulkan.layers import Dispatch
+    from coli.vulkan.layers import Dispatch  # the Vulkan binding: only when a device runs
 
     out, n = [], 0
     for i, op in enumerate(ops):
@@ -140,7 +140,7 @@ class DecodeRow:
         self.kvhost = K.buffer(4 * 2 * nkv * hd * len(self.layers), host=True, readback=True)
 
     def _ops(self) -> list:
-        from coli.vulkan.layers import Copy, Dispatch, f32_bits
+        from coli.vulkan.layers import Copy, Dispatch, f32_bits  # the Vulkan binding: only when a device runs
 
         nq, nkv, hd, D, E, k, F, ctx = self.nq, self.nkv, self.hd, self.D, self.E, self.k, self.F, self.ctx
         R = self.K.rows
@@ -258,7 +258,7 @@ class DecodeRow:
         """A decode row's attention for layer ``d``: attn_dec.comp, over the positions in parts of ``attn_chunk`` keys
         where the context is longer than one part, joined by the last part of a head to finish (one dispatch, no
         barrier for a separate join)."""
-        from coli.vulkan.layers import Dispatch, f32_bits
+        from coli.vulkan.layers import Dispatch, f32_bits  # the Vulkan binding: only when a device runs
 
         nq, nkv, hd, hdv, ctx = self.nq, d["nkv"], self.hd, d["hdv"], self.ctx
         chk = self.attn_chunk

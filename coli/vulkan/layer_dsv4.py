@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from .layer_plan import topk_args
-from .layers import Copy, Dispatch, f32_bits
+from .binding import lib
+from .layers import Copy, Dispatch, Kernels, f32_bits
 
 
 def _ceil32(n: int) -> int:
@@ -323,8 +324,6 @@ class Dsv4DeviceLayers:
     def __init__(self, m, dev, first: int, ctx: int, env=None):
         from coli.base.settings import get
 
-        from .layers import Kernels
-
         self.m, self.dev, self.first, self.ctx = m, dev, int(first), int(ctx)
         self.layers = list(range(self.first, len(m.layers)))
         self.prompt_rows = int(get("COLI_VK_PROMPT_ROWS", env))
@@ -385,8 +384,6 @@ class Dsv4DeviceLayers:
         """Free the layers' device memory and the kernels (safe twice)."""
         if self.dev._dev is None:
             return
-        from .binding import lib
-
         lib.vkDeviceWaitIdle(self.dev._dev)
         for d in self.dl:
             d.close()

@@ -61,7 +61,7 @@ class MLAMixer:
         (``d["dsa"]``): a full layer's indexer first (its q from the normed q_a, its key and head weights from xn,
         then mla.comp modes 4-6: the key into the cache row, the scores, the top-k positions), and mode 2 over the
         chosen positions (a shared layer: those of the last full layer, the same buffer)."""
-        from coli.vulkan.layers import Dispatch, f32_bits
+        from coli.vulkan.layers import Dispatch, f32_bits  # the Vulkan binding: only when a device runs
 
         H, r, dn, dr, dv, ql = self.mla
         W, D, Rw = r + dr, self.D, self.K.rows
@@ -173,7 +173,7 @@ class DeltaNetMixer:
         """KDA's projections of R normed rows (lmv.comp a decode row, lmm.comp a prompt chunk): q/k/v into the conv's
         input rows, f_a and g_a into the low-rank rows, beta into the head of each ba row; then deltanet.comp mode 3:
         ssm_f_b into the rest of the ba rows (the decay inputs), ssm_g_b into the gate rows."""
-        from coli.vulkan.layers import Dispatch
+        from coli.vulkan.layers import Dispatch  # the Vulkan binding: only when a device runs
 
         Hk, Hv, dk, dv, kc, C = self.dn
         D, C1, lba = self.D, Hv * dk, Hv + Hv * dk
@@ -206,7 +206,7 @@ class DeltaNetMixer:
         """A decode row's Gated DeltaNet mixer for layer ``d`` (the normed row in xn): attn_qkv, attn_gate and
         beta / alpha by lmv, the conv (deltanet.comp mode 0), the delta rule with the gated norm (mode 1), ssm_out
         accumulated into the residual."""
-        from coli.vulkan.layers import Dispatch, f32_bits
+        from coli.vulkan.layers import Dispatch, f32_bits  # the Vulkan binding: only when a device runs
 
         Hk, Hv, dk, dv, kc, C = self.dn
         R, D = self.K.rows, self.D
@@ -257,7 +257,7 @@ class DeltaNetMixer:
         """A prompt chunk's Gated DeltaNet mixer for layer ``d`` (its R normed rows in p_xn): the projections by
         lmm.comp, the conv over the rows in order (deltanet.comp mode 0), the delta rule row by row in each head's
         workgroup (mode 1), ssm_out accumulated into the residual rows."""
-        from coli.vulkan.layers import Dispatch, f32_bits
+        from coli.vulkan.layers import Dispatch, f32_bits  # the Vulkan binding: only when a device runs
 
         Hk, Hv, dk, dv, kc, C = self.dn
         D, BM, gr = self.D, 64, -(-R // self.K.tile)
@@ -285,7 +285,7 @@ class DeltaNetMixer:
 
     def _dn_readback(self) -> list:
         """Copies of the DeltaNet layers' conv and recurrent states into dnhost (a program's last ops; _dn_store)."""
-        from coli.vulkan.layers import Copy
+        from coli.vulkan.layers import Copy  # the Vulkan binding: only when a device runs
 
         if not self.dn:
             return []

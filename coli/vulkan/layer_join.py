@@ -9,6 +9,8 @@ import time
 
 import numpy as np
 
+from coli.vulkan.errors import DeviceLost
+
 
 class Cut:
     """Where a program is cut for the host's experts (a decode token's: :meth:`RowJoin._split_ops`; a prompt chunk's:
@@ -32,7 +34,7 @@ class RowJoin:
         into their rows of ``yk``, host-visible); the resident ranks (``lmoe.comp`` skips ranks whose table entry is
         0), each rank's weighted output into its own row of ``yk``; cut; ``moe_sum.comp`` adds rows 0 .. k of ``yk``
         to the residual in rank order (the CPU path's order: docs/contracts.md "MoE step")."""
-        from coli.vulkan.layers import Copy, Dispatch, f32_bits
+        from coli.vulkan.layers import Copy, Dispatch, f32_bits  # the Vulkan binding: only when a device runs
 
         D, k, F, R = self.D, self.k, self.F, self.K.rows
         yk = self.yk[j]
@@ -153,8 +155,6 @@ class RowJoin:
         """One decode token, a submit a segment: submit a segment and wait, read the layer's route and FFN input, start
         its resident ranks (when the token has some), compute the CPU's ranks meanwhile, submit the next segment (it
         waits for both)."""
-        from coli.vulkan import DeviceLost
-
         K, P = self.K, self.prof
         stamps = self._stamps_due()
         started, pend = None, None

@@ -73,7 +73,7 @@ class KVRows:
     def _fetch(self, cache) -> None:
         """Write the K/V rows ``_lo .. _hi - 1`` of these layers that only the device holds into ``cache`` (the
         CPU's), through the staging buffer (readback memory), at most 16 MiB a submit."""
-        from coli.vulkan.layers import Copy
+        from coli.vulkan.layers import Copy  # the Vulkan binding: only when a device runs
 
         p0, p1 = self._lo, self._hi
         self._lo = self._hi = 0
@@ -178,7 +178,7 @@ class KVRows:
     def _sync(self, cache, pos0: int) -> None:
         """Upload the K/V rows ``_valid .. pos0 - 1`` of the device's layers from ``cache`` (the CPU's): through
         one host-visible staging buffer of at most 16 MiB, every layer's rows of a chunk in one submit."""
-        from coli.vulkan.layers import Copy
+        from coli.vulkan.layers import Copy  # the Vulkan binding: only when a device runs
 
         if self._cache is None or cache is not self._cache():
             if cache.ctx > self.ctx:

@@ -102,7 +102,7 @@ class PromptChunks:
         all of them when ``all_logits``, else the last). A layer whose experts are not all here: cut for the host's
         pairs (:meth:`_prompt_split_ops`), or, ``stream``, before its experts' products, which read the layer's
         chunk table (resident experts and the streamed ones: :meth:`_stream_layer`)."""
-        from coli.vulkan.layers import Copy, Dispatch, f32_bits
+        from coli.vulkan.layers import Copy, Dispatch, f32_bits  # the Vulkan binding: only when a device runs
 
         nq, hd, D, k, ctx = self.nq, self.hd, self.D, self.k, self.ctx
         eps = f32_bits(self.m.args.eps)
@@ -191,7 +191,7 @@ class PromptChunks:
         top-k, the rows grouped by expert, the experts' gate/up and down (``lmm.comp`` modes 1 and 2), the shared
         expert, and their sum into the residual rows in rank order; a layer whose experts are not all here as
         :meth:`_prompt_ops` says."""
-        from coli.vulkan.layers import Dispatch, f32_bits
+        from coli.vulkan.layers import Dispatch, f32_bits  # the Vulkan binding: only when a device runs
 
         D, E, k, F = self.D, self.E, self.k, self.F
         BM, gr = 64, -(-R // self.K.tile)
@@ -240,7 +240,7 @@ class PromptChunks:
 
     def _prompt_shared(self, d: dict, R: int) -> list:
         """Qwen2-MoE's shared expert of a prompt chunk's rows into ``p_ysh`` (scaled by its gate when it has one)."""
-        from coli.vulkan.layers import Dispatch, f32_bits
+        from coli.vulkan.layers import Dispatch, f32_bits  # the Vulkan binding: only when a device runs
 
         D, BM, gr = self.D, 64, -(-R // self.K.tile)
         xn, sF, sr = self.p_xn.addr, d["sh_F"], self.p_shr.addr

@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 
+from coli.vulkan.errors import DeviceLost, VulkanError
 from coli.vulkan.layer_join import Cut
 
 
@@ -26,7 +27,7 @@ class PromptJoin:
         host-visible); the resident pairs' gate/up and down (``lmm.comp`` modes 1 and 2 over the host's grouping: an
         expert with no pair there has no tile), cut; ``moe_sum.comp`` adds each row's k ranks (and the shared expert)
         to the residual in rank order, as for a layer whose experts are all here."""
-        from coli.vulkan.layers import Copy, Dispatch
+        from coli.vulkan.layers import Copy, Dispatch  # the Vulkan binding: only when a device runs
 
         D, k, F, E, BM = self.D, self.k, self.F, self.E, 64
         gr = -(-R // self.K.tile)
@@ -84,8 +85,6 @@ class PromptJoin:
         (and one ``[VK]`` line; the chunks' experts then run on the CPU) when the device cannot hold them."""
         if self._slots is not None:
             return bool(self._slots)
-        from coli.vulkan import VulkanError
-
         il = next(iter(self.resident))
         each = sum(-(-int(x.shape[1]) // 256) * 256 for x in self._expert_parts(il))
         most = max(int((~mk).sum()) for mk in self.resident.values())
@@ -135,8 +134,6 @@ class PromptJoin:
         the i-th cut layer's expert products): that layer's experts are copied into slot i % 2 while G_i runs, before
         G_i+1 (which reads them) is submitted; a slot is written again only after the segment that last read it was
         waited for. Every pair of the chunk on the device. Raises DeviceLost when a submit or a fence wait fails."""
-        from coli.vulkan import DeviceLost
-
         K, n = self.K, len(segs) - 1
 
         def start(rec):
@@ -209,8 +206,6 @@ class PromptJoin:
         """One prompt chunk with experts on the CPU, a submit a segment: S_j submitted and waited for, the resident
         pairs' grouping written, X_j (those pairs) started, the CPU's pairs computed meanwhile, S_j+1 submitted (its
         first op waits for X_j), X_j's fence waited."""
-        from coli.vulkan import DeviceLost
-
         K, started, pend = self.K, None, None
         for kind, rec, j in segs:
             if kind == "S":
