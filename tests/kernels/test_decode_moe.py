@@ -34,6 +34,9 @@ def _decode(path, mode, monkeypatch, n_prompt=30, n_tokens=12, expert_cache=None
     monkeypatch.setattr(decode, "ENABLED", mode != "python")
     monkeypatch.setattr(decode_moe, "ENABLED", mode in ("region", "token"))
     monkeypatch.setattr(decode_moe, "TOKEN", mode == "token")
+    # no early reads: where a path guesses the next layer's experts differs (the token's region guesses only where it
+    # stops), so the RAM cache's hits and loads would too; tests/moe/test_read_ahead.py covers them
+    monkeypatch.setenv("COLI_READ_AHEAD", "0")
     # one reader thread: reads land in the order they were asked (ascending ids), so the puts into the RAM cache, its
     # LRU order and its evictions are the same on every run (with several readers they follow the reads' timing)
     # a fresh routing history each run: the file beside the model is shared with whatever else runs it meanwhile
@@ -192,9 +195,9 @@ def test_moe_region_hands_resident_experts_in_ram_to_the_cpu_in_tokens_without_t
         seen["tier"], seen["resident"] = t, sorted(t.resident)
         real = st.region_row
 
-        def region_row(layer, ids):                   # the decode rows' routing, to count the resident ones
+        def region_row(layer, ids, *rest):            # the decode rows' routing, to count the resident ones
             seen.setdefault("rows", []).append((layer, ids[0].tolist()))
-            real(layer, ids)
+            real(layer, ids, *rest)
         st.region_row = region_row
         return t
     path = FIXTURES / "oracles" / "olmoe.gguf"

@@ -65,7 +65,7 @@ def test_a_short_prompt_is_not_topped_up_with_a_long_ones_rows(engine, model_pat
     long_ids = eng.tokenize(" ".join(f"item {i} is {i * 7 % 13}." for i in range(40)))
     short_ids = eng.tokenize(PROMPTS[0])
     assert len(long_ids) > 3 * 64
-    b = Batcher(eng, 2)
+    b = Batcher(eng, 2, chunk=64)   # 64-row steps whatever the engine's prompt chunk (COLI_UBATCH)
     sl, ss = _seq(eng, long_ids, 4), _seq(eng, short_ids, 4)
     b.start(sl)
     b.step()
