@@ -4,9 +4,6 @@ alternating rounds (the machine is shared): quote them with the load average pri
 
     python scripts/bench/kernels.py [--op formats] --threads 2 [--formats Q4_1,Q8_0] [--act f32|int8|both]
         [--layouts t16,rows] [--json]
-    python scripts/bench/kernels.py --op mla [--ctx 512 4096] [--threads 1] [--dsa 8192]
-    python scripts/bench/kernels.py --op dsv4 [--threads N] [--ctx 1024,8192,65536]
-    python scripts/bench/kernels.py --op deltanet [--threads 2] [--fmt Q8_0] [--act f32|int8] [--reps 20] [--json]
     python scripts/bench/kernels.py --op gpu [--D 2048] [--F 1024] [--E 64] [--rows 1,4,16,64] [--small]
     python scripts/bench/kernels.py --op experts [--threads 2] [--formats Q8_0,Q4_0] [--rows 64,256] [--E 64]
 
@@ -17,19 +14,6 @@ decode or prefill ``coli bench -m tests/fixtures/oracles/deepseek4.gguf`` (the p
 ``formats``: the CPU weight-format kernels, GEMV (T=1, decode) and GEMM (T=128, prompt chunks) at real model
 shapes, in GB/s of weight bytes as the GGUF file stores them; random valid blocks (codes uniform, f16 scales
 small), which cost the kernels what real ones do.
-
-``mla``: one MLA decode layer at DeepSeek-V2-Lite's shapes (H 16, kv_lora_rank 512, qk_nope 128, qk_rope 64, v 128;
-random f32 weights, caches filled to ``--ctx``) beside plain multi-head attention of the same bytes and
-multiply-adds per position (``attend`` at head size 160 for K 192 + V 128), A/B: cache bytes per position and
-decode time per token per layer; ``--dsa N``: GLM-5's indexer + MLA over its 2048 positions beside MLA over all N.
-
-``dsv4``: DeepSeek-V4 attention kernels (cpu_kernels/dsv4.py; docs/families.md "DeepSeek-V4") at V4-Flash's
-attention shapes at several context lengths (``indexer_topk``, ``attend`` per layer kind beside the per-row NumPy
-formula, ``GroupedLinear`` over a Q8_0 ``attn_output_a``).
-
-``deltanet``: the Gated DeltaNet layer (coli/models/deltanet.py, cpu_kernels/deltanet.py) at Qwen3-Next's shape:
-decode per token per layer by piece beside one full-attention layer at 256 / 4096 / 32768 positions (and their
-cache bytes); a 256-row prefill in one block vs row by row (outputs compared).
 
 ``gpu``: weight GB/s of the Vulkan expert batch (E experts of D x F per format, 1/4/16/64 rows an expert: GEMV
 below COLI_VK_TIER_GEMM_ROWS, tiled GEMM from there; device time by timestamps, best of ``--reps``) beside the
@@ -60,7 +44,6 @@ import numpy as np
 from coli.types import table as TT
 from cpu_kernels import experts as grouped
 from cpu_kernels import formats as F
-from cpu_kernels.deltanet import causal_conv1d_silu, gated_deltanet
 from timing import about, alternate, best, load, run_op
 
 
@@ -162,284 +145,6 @@ def formats_main(argv=None):
         print(f"{r['format']:6} {r['act']:4} {r['layout']:6} {r['O']:>6}x{r['I']:<6} {r['file_bytes'] / 1e6:8.2f} "
               f"{r['packed_bytes'] / r['file_bytes']:9.3f} {r['gemv_us']:9.1f} {r['gemv_gbs']:9.2f} "
               f"{r['gemm_ms']:8.2f} {r['gemm_gbs']:9.2f} {r['gemm_gflops']:8.1f}")
-
-
-# ---------------------------------------------------------------------------------------------------- mla
-def mla_main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="kernels.py --op mla", description=about(__doc__, "mla"))
-    ap.add_argument("--ctx", type=int, nargs="*", default=[512, 4096])
-    ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--dsa", type=int, nargs="*", default=[],
-                    help="also GLM-5's indexer + sparse MLA beside dense MLA at these contexts (e.g. 8192)")
-    args = ap.parse_args(argv)
-    import numba
-
-    from cpu_kernels.attention import attend
-    from cpu_kernels.mla import mla_attend
-
-    numba.set_num_threads(args.threads)
-    H, r, dn, dr, dv = 16, 512, 128, 64, 128
-    hd_plain = (dn + dr + dv) // 2
-    rng = np.random.default_rng(0)
-    f = np.float32
-    k_b = (rng.standard_normal((H, r, dn)) / 20).astype(f)
-    v_b = (rng.standard_normal((H, dv, r)) / 20).astype(f)
-    q_nope, q_pe = rng.standard_normal((1, H, dn)).astype(f), rng.standard_normal((1, H, dr)).astype(f)
-    q_plain = rng.standard_normal((1, H, hd_plain)).astype(f)
-    mla_bpp = 4 * (r + dr)
-    plain_bpp = 4 * H * (dn + dr + dv)
-    print(f"load average: {load()}; threads {args.threads}")
-    print(f"cache bytes per position per layer: MLA {mla_bpp} (latent {r} + rope key {dr}, f32), "
-          f"plain attention {plain_bpp} ({H} heads x (K {dn + dr} + V {dv}), f32): {plain_bpp / mla_bpp:.1f}x")
-    for ctx in args.ctx:
-        lat, kr = rng.standard_normal((ctx, r)).astype(f), rng.standard_normal((ctx, dr)).astype(f)
-        kc = rng.standard_normal((H, ctx, hd_plain)).astype(f)
-        vc = rng.standard_normal((H, ctx, hd_plain)).astype(f)
-        pos0 = ctx - 1
-        runs = {
-            "mla": lambda: mla_attend(q_nope, q_pe, k_b, v_b, lat, kr, pos0, 0.07),
-            "plain": lambda: attend(q_plain, kc, vc, pos0, 0.07),
-        }
-        med = alternate(runs, args.reps)  # the warm-up call compiles
-        print(f"ctx {ctx}: decode attention per token per layer: MLA {med['mla'] * 1e3:.3f} ms "
-              f"({1 / med['mla']:.0f} tok/s), plain {med['plain'] * 1e3:.3f} ms ({1 / med['plain']:.0f} tok/s); "
-              f"cache MLA {ctx * mla_bpp / 2**20:.2f} MiB vs plain {ctx * plain_bpp / 2**20:.2f} MiB")
-    if args.dsa:
-        mla_dsa(args, rng)
-    print(f"load average after: {load()}")
-    return 0
-
-
-def mla_dsa(args, rng):
-    """GLM-5's layer shapes (H 64, r 512, dn 192, dr 64, dv 256; indexer 32 heads of 128, top-k 2048): one decode
-    row's indexer + MLA over the chosen positions beside MLA over every position, alternated."""
-    from cpu_kernels.mla import dsa_topk, mla_attend
-
-    H, r, dn, dr, dv, Hi, Di, K = 64, 512, 192, 64, 256, 32, 128, 2048
-    f = np.float32
-    k_b = (rng.standard_normal((H, r, dn)) / 20).astype(f)
-    v_b = (rng.standard_normal((H, dv, r)) / 20).astype(f)
-    q_nope, q_pe = rng.standard_normal((1, H, dn)).astype(f), rng.standard_normal((1, H, dr)).astype(f)
-    iq, w = rng.standard_normal((1, Hi, Di)).astype(f), rng.standard_normal((1, Hi)).astype(f)
-    print(f"GLM-5 shapes: cache bytes per position per layer: MLA {4 * (r + dr)} + indexer keys {4 * Di} = "
-          f"{4 * (r + dr + Di)}")
-    for ctx in args.dsa:
-        lat, kr = rng.standard_normal((ctx, r)).astype(f), rng.standard_normal((ctx, dr)).astype(f)
-        ik = rng.standard_normal((ctx, Di)).astype(f)
-        pos0 = ctx - 1
-        runs = {
-            "sparse": lambda: mla_attend(q_nope, q_pe, k_b, v_b, lat, kr, pos0, 0.06,
-                                         sel=dsa_topk(iq, ik, w, pos0, Di ** -0.5, K)),
-            "indexer": lambda: dsa_topk(iq, ik, w, pos0, Di ** -0.5, K),
-            "dense": lambda: mla_attend(q_nope, q_pe, k_b, v_b, lat, kr, pos0, 0.06),
-        }
-        med = alternate(runs, max(3, args.reps // 3))
-        print(f"ctx {ctx}: decode per token per layer: indexer + sparse MLA ({K} positions) "
-              f"{med['sparse'] * 1e3:.1f} ms (of which the indexer {med['indexer'] * 1e3:.1f} ms), "
-              f"dense MLA {med['dense'] * 1e3:.1f} ms")
-
-
-# ---------------------------------------------------------------------------------------------------- dsv4
-def numpy_attend(q, kv, win, pos0, ent, sel, sinks):
-    """The per-row NumPy formula of the attention before the kernels (BLAS matmuls per query row; no rope undo):
-    the speed reference of ``dsv4_flash``."""
-    T, H, hd = q.shape
-    W = win.shape[0]
-    n_old = min(pos0, W - 1)
-    keys = np.concatenate([win[np.arange(pos0 - n_old, pos0) % W], kv])
-    kpos = np.arange(pos0 - n_old, pos0 + T)
-    o = np.empty_like(q)
-    for t in range(T):
-        p = pos0 + t
-        k = np.concatenate([keys[(kpos <= p) & (kpos > p - W)], ent[sel[t][sel[t] >= 0]]])
-        lg = (q[t] @ k.T) * np.float32(hd ** -0.5)
-        mx = np.maximum(lg.max(1), sinks)
-        e = np.exp(lg - mx[:, None])
-        o[t] = (e / (e.sum(1) + np.exp(sinks - mx))[:, None]) @ k
-    return o
-
-
-def dsv4_main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="kernels.py --op dsv4", description=about(__doc__, "dsv4"))
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--ctx", default="1024,8192,65536", help="context lengths (comma list)")
-    args = ap.parse_args(argv)
-    args.ctx = [int(c) for c in args.ctx.split(",") if c]
-    cpu_kernels.set_threads(args.threads)
-    from cpu_kernels import dsv4
-
-    H, hd, R, W, Hi, Di, K, G, r = 64, 512, 64, 128, 64, 128, 512, 8, 1024
-    rng = np.random.default_rng(0)
-    la = load()[0]
-    print(f"V4-Flash attention shapes ({H} heads x {hd}, window {W}, CSA m=4 indexer {Hi}x{Di} top-k {K}, "
-          f"HCA m=128), best of 3, {args.threads} thread(s); load average {la}")
-    # attn_output_a as Q8_0: random codes, f16 scales ~ 1e-3 (34 bytes per 32 weights)
-    I = H * hd // G
-    blk = np.zeros((G * r, I // 32), dtype=[("d", "<f2"), ("q", "i1", 32)])
-    blk["d"] = 1e-3
-    blk["q"] = rng.integers(-127, 128, blk["q"].shape)
-    raw = blk.view(np.uint8).reshape(G * r, -1)
-    gl = dsv4.GroupedLinear([F.prepare("Q8_0", raw[g * r:(g + 1) * r], (r, I)) for g in range(G)])
-    print(f"  attn_output_a: {sum(w.nbytes for w in gl.weights) / 2**20:.0f} MiB prepared Q8_0 "
-          f"(f32: {G * r * I * 4 / 2**20:.0f} MiB)")
-    for T in (1, 64):
-        x = rng.standard_normal((T, G, I)).astype(np.float32)
-        print(f"  GroupedLinear Q8_0 [{G}x{r}, {I}] T={T}: f32 act {1e3 * best(lambda: gl(x, 'f32')):.2f} ms, "
-              f"int8 act {1e3 * best(lambda: gl(x, 'int8')):.2f} ms")
-    for ctx in args.ctx:
-        for T in (1, 64):
-            pos0 = ctx - T
-            cos = rng.standard_normal((ctx, R // 2)).astype(np.float32)
-            sin = rng.standard_normal((ctx, R // 2)).astype(np.float32)
-            q = rng.standard_normal((T, H, hd)).astype(np.float32)
-            kv = rng.standard_normal((T, hd)).astype(np.float32)
-            win = rng.standard_normal((W, hd)).astype(np.float32)
-            sinks = rng.standard_normal(H).astype(np.float32)
-            iq = rng.standard_normal((T, Hi, Di)).astype(np.float32)
-            ik = rng.standard_normal((ctx // 4, Di)).astype(np.float32)
-            iw = rng.standard_normal((T, Hi)).astype(np.float32)
-            ent4 = rng.standard_normal((ctx // 4, hd)).astype(np.float32)
-            ent128 = rng.standard_normal((ctx // 128, hd)).astype(np.float32)
-            t_idx = best(lambda: dsv4.indexer_topk(iq, ik, iw, pos0, 4, K))
-            sel = dsv4.indexer_topk(iq, ik, iw, pos0, 4, K)
-            t_csa = best(lambda: dsv4.attend(q, kv, win, pos0, ent4, 4, sel, sinks, cos, sin))
-            t_np = best(lambda: numpy_attend(q, kv, win, pos0, ent4, sel, sinks))
-            t_hca = best(lambda: dsv4.attend(q, kv, win, pos0, ent128, 128, None, sinks, cos, sin))
-            t_swa = best(lambda: dsv4.attend(q, kv, win, pos0, ent128[:0], 0, None, sinks, cos, sin))
-            print(f"  ctx {ctx:>6} T={T:>2}: CSA indexer_topk {1e3 * t_idx:8.2f} ms + attend {1e3 * t_csa:7.2f} ms "
-                  f"(NumPy per row {1e3 * t_np:7.2f} ms); HCA attend {1e3 * t_hca:7.2f} ms; sliding attend "
-                  f"{1e3 * t_swa:7.2f} ms")
-
-
-# ---------------------------------------------------------------------------------------------------- deltanet
-DN_SHAPE = dict(d_model=2048, n_k_heads=16, n_v_heads=32, dk=128, dv=128, kernel=4)
-
-
-def synthetic_layer(fmt: str, act: str, rng):
-    """A ``GatedDeltaNet`` over random weights of Qwen3-Next's DeltaNet shape, on a stand-in of the model
-    (``m.wt``, ``m.mm``, ``m.grouped_rows`` as coli.models.base.Model has them)."""
-    from coli.models.deltanet import GatedDeltaNet
-
-    s = DN_SHAPE
-    D, Hk, Hv, dk, dv, K = s["d_model"], s["n_k_heads"], s["n_v_heads"], s["dk"], s["dv"], s["kernel"]
-    C = 2 * Hk * dk + Hv * dv
-    mats = {"attn_qkv.weight": (C, D), "attn_gate.weight": (Hv * dv, D), "ssm_ba.weight": (2 * Hv, D),
-            "ssm_out.weight": (D, Hv * dv)}
-    vecs = {"ssm_conv1d.weight": 0.3 * rng.standard_normal((C, K)), "ssm_a": -rng.uniform(0.5, 4, Hv),
-            "ssm_dt.bias": 0.5 * rng.standard_normal(Hv), "ssm_norm.weight": 1 + 0.1 * rng.standard_normal(dv)}
-    prepared = {n: F.prepare(fmt, TT.random_blocks(fmt, *shp, rng, shp[1] ** -0.5), shp) for n, shp in mats.items()}
-    f32 = {n: np.ascontiguousarray(v, dtype=np.float32) for n, v in vecs.items()}
-    shapes = {**{n: shp for n, shp in mats.items()}, **{n: v.shape for n, v in f32.items()}}
-    p = "blk.0."
-    wt = types.SimpleNamespace(
-        w=lambda n: prepared[n[len(p):]], f32=lambda n, required=True: f32[n[len(p):]],
-        has=lambda n: n[len(p):] in prepared or n[len(p):] in f32, fname="synthetic")
-    g = types.SimpleNamespace(path=Path("synthetic"),
-                              tensors={p + n: types.SimpleNamespace(shape=shp) for n, shp in shapes.items()})
-    mm = lambda w, x: F.matmul(w, x, act=act)  # noqa: E731
-
-    def grouped_rows(T):
-        return T <= (F.GEMV_I8_MAX_T if act == "int8" and grouped.HAVE_VNNI else F.GEMV_MAX_T)
-
-    m = types.SimpleNamespace(wt=wt, g=g, act=act, mm=mm, grouped_rows=grouped_rows,
-                              args=types.SimpleNamespace(eps=1e-6, d_model=D))
-    dims = dict(kernel=K, dk=dk, dv=dv, n_k_heads=Hk, n_v_heads=Hv)
-    return GatedDeltaNet(m, p, dims, tiled=False), m
-
-
-def bench_layer(fmt, act, reps, rng):
-    blk, m = synthetic_layer(fmt, act, rng)
-    D = DN_SHAPE["d_model"]
-    x1 = rng.standard_normal((1, D)).astype(np.float32)
-    cache = blk.new_cache(0)
-    names = ("projections", "conv", "recurrence", "ssm_out", "layer_call")
-    mins = dict.fromkeys(names, float("inf"))
-    for it in range(reps + 1):  # each round runs the pieces in a real call's order, then a whole call
-        t0 = time.perf_counter()
-        qkv, z, b, a = blk.projections(x1, None)
-        t1 = time.perf_counter()
-        conv = causal_conv1d_silu(qkv, blk.ssm_conv1d, cache.conv)
-        t2 = time.perf_counter()
-        o = gated_deltanet(conv, z, b, a, blk.ssm_a, blk.ssm_dt, blk.ssm_norm, 1e-6, cache.state, blk.n_k_heads)
-        t3 = time.perf_counter()
-        m.mm(blk.ssm_out, o)
-        t4 = time.perf_counter()
-        blk(x1, None, cache)
-        t5 = time.perf_counter()
-        if it:  # round 0 compiles
-            for n, dt in zip(names, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
-                mins[n] = min(mins[n], dt)
-    t_proj, t_conv, t_rec, t_out, t_call = (mins[n] for n in names)
-    proj_bytes = sum(w.file_nbytes for w in blk._proj) + blk.ssm_out.file_nbytes
-    decode = {"projections_ms": 1e3 * t_proj, "conv_ms": 1e3 * t_conv, "recurrence_ms": 1e3 * t_rec,
-              "ssm_out_ms": 1e3 * t_out, "matmul_ms": 1e3 * (t_proj + t_out), "layer_call_ms": 1e3 * t_call,
-              "state_bytes": int(cache.nbytes()), "weight_bytes": proj_bytes}
-
-    T = 256
-    xs = rng.standard_normal((T, D)).astype(np.float32)
-    out = {}
-
-    def block():
-        c = blk.new_cache(0)
-        out["block"] = blk(xs, None, c)
-
-    def rows():
-        c = blk.new_cache(0)
-        out["rows"] = np.concatenate([blk(xs[i:i + 1], None, c) for i in range(T)])
-
-    tb, tr = alternate([block, rows], max(2, reps // 5), min)
-    diff = float(np.abs(out["block"] - out["rows"]).max() / np.abs(out["rows"]).max())
-    prefill = {"rows": T, "block_ms": 1e3 * tb, "row_by_row_ms": 1e3 * tr, "max_rel_diff": diff}
-    return decode, prefill
-
-
-def bench_attention(reps, rng, contexts=(256, 4096, 32768)):
-    """One decode row of Qwen3-Next-80B's gated attention layer (16 q / 2 KV heads of 256) over ``ctx`` cached
-    positions: ms of ``attend`` (the projections are matmuls like the DeltaNet's) and KV bytes per position."""
-    from cpu_kernels.attention import attend
-
-    H, Hkv, hd = 16, 2, 256
-    res = {"kv_bytes_per_position": 2 * Hkv * hd * 4}
-    q = rng.standard_normal((1, H, hd)).astype(np.float32)
-    for ctx in contexts:
-        kc = rng.standard_normal((Hkv, ctx, hd)).astype(np.float32)
-        vc = rng.standard_normal((Hkv, ctx, hd)).astype(np.float32)
-        res[f"attend_ms_at_{ctx}"] = 1e3 * best(lambda: attend(q, kc, vc, ctx - 1, hd ** -0.5), reps)
-    return res
-
-
-def deltanet_main(argv=None):
-    ap = argparse.ArgumentParser(prog="kernels.py --op deltanet", description=about(__doc__, "deltanet"))
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--fmt", default="Q8_0")
-    ap.add_argument("--act", default="f32", choices=["f32", "int8"])
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--json", action="store_true")
-    a = ap.parse_args(argv)
-    if a.threads:
-        cpu_kernels.set_threads(a.threads)
-    rng = np.random.default_rng(0)
-    load0 = load()
-    decode, prefill = bench_layer(a.fmt, a.act, a.reps, rng)
-    attn = bench_attention(a.reps, rng)
-    load1 = load()
-    res = {"shape": DN_SHAPE, "fmt": a.fmt, "act": a.act, "threads": a.threads, "loadavg_start": load0,
-           "loadavg_end": load1, "decode_per_token_per_layer": decode, "attention_layer_decode": attn,
-           "prefill_layer_256": prefill}
-    if a.json:
-        print(json.dumps(res, indent=1))
-    else:
-        print(f"loadavg {' '.join(load0)} -> {' '.join(load1)}; {a.fmt} weights, act {a.act}, threads {a.threads}")
-        print("decode, one DeltaNet layer of Qwen3-Next-80B shape, per token (ms): "
-              + ", ".join(f"{k[:-3]} {v:.3f}" for k, v in decode.items() if k.endswith("_ms")))
-        print(f"  state {decode['state_bytes']} bytes per layer (any context)")
-        print("beside it, full attention of that model per token per layer (ms): "
-              + ", ".join(f"{k[10:]} positions {v:.3f}" for k, v in attn.items() if k.startswith("attend_ms"))
-              + f"; KV {attn['kv_bytes_per_position']} bytes per position")
-        print(f"prefill 256 rows through that layer: one block {prefill['block_ms']:.1f} ms, row by row "
-              f"{prefill['row_by_row_ms']:.1f} ms, max rel diff {prefill['max_rel_diff']:.2e}")
-    return 0
 
 
 # ---------------------------------------------------------------------------------------------------- gpu
@@ -574,8 +279,7 @@ def experts_main(argv=None):
     return 0
 
 
-OPS = {"formats": formats_main, "mla": mla_main, "dsv4": dsv4_main, "deltanet": deltanet_main, "gpu": gpu_main,
-       "experts": experts_main}
+OPS = {"formats": formats_main, "gpu": gpu_main, "experts": experts_main}
 
 
 if __name__ == "__main__":
