@@ -100,6 +100,10 @@ VARS: tuple[Var, ...] = (
         "(VK_EXT_external_memory_host) instead of copies in its own: auto (where the device shares the CPU's RAM: "
         "an integrated GPU, Lavapipe), on (any device with the extension; a discrete GPU then reads experts over "
         "PCIe) or off (docs/vulkan.md \"Zero-copy experts\")"),
+    Var("COLI_VK_CHAIN", "str", "auto", "device layers with experts on the CPU: a decode token in one submit, the "
+        "host joining mid-submit through timeline semaphores (on), or a submit a segment (off); auto: on for a "
+        "software device only, as a hardware GPU has not yet been seen to give the CPU's logits on it (docs/vulkan.md "
+        "\"Experts on the CPU\")"),
     Var("COLI_VK_TIER_FILL", "bool", True, "fill the device's free budget with the next-hottest experts"),
     Var("COLI_VK_TIER_WARM", "bool", True, "warm start: upload the history's hottest experts at load"),
     Var("COLI_VK_TIER_GEMM_ROWS", "int", 16, "rows from which an expert runs as a tiled GEMM on the device "

@@ -9,7 +9,24 @@ import time
 
 import numpy as np
 
+from coli.base import settings
+from coli.base.errors import ColiError
 from coli.vulkan.errors import DeviceLost
+
+
+def chain_default(dev, env=None) -> bool:
+    """Whether a decode token whose experts are partly on the CPU goes in one submit (timeline semaphores, the host
+    joining mid-submit), from ``COLI_VK_CHAIN`` of ``env`` (os.environ when None): on, off, or auto (on for a
+    software device only: on an H100 this path gave other logits than a submit a segment; docs/vulkan.md "Experts
+    on the CPU"). ColiError for another value, or for on where the device has no timeline semaphores."""
+    v = str(settings.get("COLI_VK_CHAIN", env) or "auto").lower()
+    if v not in ("auto", "on", "off"):
+        raise ColiError(f"COLI_VK_CHAIN={v}: auto, on or off (one submit a decode token, the host joining mid-submit)")
+    tl = bool(getattr(dev, "timeline", False))
+    if v == "on" and not tl:
+        raise ColiError(f"COLI_VK_CHAIN=on: {getattr(dev, 'name', 'the device')} has no timeline semaphores; "
+                        f"set auto or off")
+    return tl and (v == "on" or v == "auto" and getattr(dev, "type_name", "") == "cpu")
 
 
 class Cut:
@@ -93,7 +110,7 @@ class RowJoin:
             self.segs.append((kind, rec, j))
             kind, cur = ("X" if op.kind == "cpu" else "S"), []
         self.rec = None
-        self.chain = bool(getattr(self.dev, "timeline", False))
+        self.chain = chain_default(self.dev, getattr(self, "_env", None))
         self._tl = 0            # the timeline semaphore's value after the last token
         self._chain = None      # the token's prepared submit (_chain_prepare)
         self._xrec = {}         # layer j -> its X segment (_chain_prepare)

@@ -55,6 +55,7 @@ from .errors import DeviceLost, VulkanError
 PC_ADDRS, PC_WORDS = 8, 16
 _PC_BYTES = 8 * PC_ADDRS + 4 * PC_WORDS
 _ACC_XFER_READ = 0x800
+_ACC_HOST_WRITE = 0x4000
 
 #: the format kernels (compiled per GGUF type) and the others
 FORMAT_KERNELS = ("lmv", "lmoe", "lmm")
@@ -350,12 +351,22 @@ class Kernels:
                                     ffi.NULL)
         bound = None
         pc = self._pc
-        last = "lead" if lead else None
+        last = None
+        if lead:     # a later segment of one submit: it follows a semaphore wait, and the host may have written
+            # (yk rows, the balancer's route) since the submit, which the submit's own guarantee does not cover
+            mb.srcAccessMask = _ACC_SHADER_WRITE | _ACC_XFER_WRITE | _ACC_HOST_WRITE
+            mb.dstAccessMask = _ACC_SHADER_READ | _ACC_SHADER_WRITE | _ACC_XFER_READ | _ACC_XFER_WRITE
+            lib.vkCmdPipelineBarrier(cb, _PSTAGE_COMPUTE | _PSTAGE_TRANSFER | _PSTAGE_HOST,
+                                     _PSTAGE_COMPUTE | _PSTAGE_TRANSFER, 0, 1, mb, 0, ffi.NULL, 0, ffi.NULL)
         for n_op, op in enumerate(ops):
             if isinstance(op, Copy):
                 if op.wait:
-                    mb.srcAccessMask, mb.dstAccessMask = _ACC_SHADER_WRITE | _ACC_XFER_WRITE, _ACC_XFER_READ
-                    lib.vkCmdPipelineBarrier(cb, _PSTAGE_COMPUTE | _PSTAGE_TRANSFER, _PSTAGE_TRANSFER, 0, 1, mb,
+                    # the host too: a flag copied after rows the host polls for mid-submit (layer_join.py) must
+                    # not be seen before them
+                    mb.srcAccessMask = _ACC_SHADER_WRITE | _ACC_XFER_WRITE
+                    mb.dstAccessMask = _ACC_XFER_READ | _ACC_HOST_READ
+                    lib.vkCmdPipelineBarrier(cb, _PSTAGE_COMPUTE | _PSTAGE_TRANSFER, _PSTAGE_TRANSFER | _PSTAGE_HOST,
+                                             0, 1, mb,
                                              0, ffi.NULL, 0, ffi.NULL)
                 regs = ffi.new("VkBufferCopy[]", len(op.regions))
                 for j, (so, do, n) in enumerate(op.regions):

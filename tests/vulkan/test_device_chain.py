@@ -27,7 +27,8 @@ def test_every_expert_on_the_cpu(device_moe, moe_cpu, chain):
     try:
         dl = dev.model.device_layers
         assert dl is not None and dl.first == 0 and dev.tier is None
-        assert dl.chain == dev.device.timeline                 # Lavapipe has timeline semaphores (Vulkan 1.3)
+        # COLI_VK_CHAIN=auto: one submit a token on a software device (Lavapipe has timeline semaphores)
+        assert dl.chain == (dev.device.timeline and dev.device.type_name == "cpu")
         dl.chain = chain
         dl.spin_s = 30.0 if chain else 0.0      # the flag path: the host spins until each layer's flag is up
         assert sorted(dl.resident) == [0, 1, 2, 3] and not any(m.any() for m in dl.resident.values())
@@ -107,7 +108,7 @@ def test_device_lost_mid_layer_in_one_submit(device_moe, moe_cpu, monkeypatch):
     """One submit a token: the device fails while the host waits for the second layer's route (after the first
     layer's CPU experts were joined): one line, the layers back on the CPU, the logits the CPU's bits, and the queue
     drained (the host signalled the token's last value: closing does not hang)."""
-    dev = device_engine(device_moe, COLI_VK_CPU_MOE=-1)
+    dev = device_engine(device_moe, COLI_VK_CPU_MOE=-1, COLI_VK_CHAIN="on")
     try:
         ref, _ = decode_rows(moe_cpu, IDS[:7], 4)
         dl = dev.model.device_layers
@@ -273,8 +274,8 @@ def test_join_profile(device_moe, moe_cpu):
     timed and the timestamps are read one token in ``stamp_every``. coli bench's profile counts its timed runs, not
     its warm-up."""
     from coli.bench import run_bench
-    on = device_engine(device_moe, COLI_VK_CPU_MOE=-1, COLI_VK_JOIN_PROFILE=1)
-    off = device_engine(device_moe, COLI_VK_CPU_MOE=-1)
+    on = device_engine(device_moe, COLI_VK_CPU_MOE=-1, COLI_VK_JOIN_PROFILE=1, COLI_VK_CHAIN="on")
+    off = device_engine(device_moe, COLI_VK_CPU_MOE=-1, COLI_VK_CHAIN="on")
     try:
         dl, dl0 = on.model.device_layers, off.model.device_layers
         assert dl.chain and dl.prof is not None and dl0.prof is None
@@ -397,7 +398,8 @@ def test_balance_device_lost_mid_layer(device_moe, moe_cpu, monkeypatch):
     the CPU's bits."""
 
     m = moe_cpu.model
-    dev = device_engine(device_moe, balance=True, COLI_VK_LAYERS=-1, COLI_VK_CPU_MOE=1, COLI_VK_TIER_GB=tier_gb(m, 9))
+    dev = device_engine(device_moe, balance=True, COLI_VK_LAYERS=-1, COLI_VK_CPU_MOE=1, COLI_VK_TIER_GB=tier_gb(m, 9),
+                        COLI_VK_CHAIN="on")
     try:
         ref, _ = decode_rows(moe_cpu, IDS[:7], 4)
         dl = dev.model.device_layers
@@ -472,3 +474,32 @@ def test_swaps_gated_by_measured_reuse(tmp_path_factory, skew):
             assert (np.flatnonzero(dl.per[il]["tab_np"][:, 0]) == np.flatnonzero(dl.resident[il])).all()
     finally:
         dev.close()
+
+
+def test_chain_setting():
+    """COLI_VK_CHAIN: auto is one submit a token on a software device with timeline semaphores only; on needs the
+    semaphores; another value is one error naming the variable."""
+    from types import SimpleNamespace
+
+    from coli.base.errors import ColiError
+    from coli.vulkan.layer_join import chain_default
+
+    lava, gpu = SimpleNamespace(timeline=True, type_name="cpu"), SimpleNamespace(timeline=True, type_name="discrete")
+    old = SimpleNamespace(timeline=False, type_name="integrated", name="old GPU")
+    for env, want in (({}, (True, False, False)), ({"COLI_VK_CHAIN": "on"}, (True, True, None)),
+                      ({"COLI_VK_CHAIN": "OFF"}, (False, False, False))):
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in env.items():
+                mp.setenv(k, v)
+            if not env:
+                mp.delenv("COLI_VK_CHAIN", raising=False)
+            assert (chain_default(lava), chain_default(gpu)) == want[:2]
+            if want[2] is None:
+                with pytest.raises(ColiError, match="COLI_VK_CHAIN=on: old GPU has no timeline"):
+                    chain_default(old)
+            else:
+                assert chain_default(old) is want[2]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("COLI_VK_CHAIN", "yes")
+        with pytest.raises(ColiError, match="COLI_VK_CHAIN=yes: auto, on or off"):
+            chain_default(lava)

@@ -573,7 +573,10 @@ def test_rope_kv_typed(kern, kt, vt, hd, n_rot, rope_kind):
     _run_mode(kern, "rope_kv", (NQ + NKV, 1, 1), [bqkv, bq, bk, bv, bcos, bsin, bpar, bkvo],
               [NQ, NKV, hd, n_rot, CTX, rope_kind], kv_mode((kt, vt)))
     kvo = bkvo.f32(2 * NKV * hd).reshape(2, NKV, hd).copy()
-    np.testing.assert_array_equal(kvo[1], qkv[(NQ + NKV) * hd:].reshape(NKV, hd))
+    v = qkv[(NQ + NKV) * hd:].reshape(NKV, hd)
+    # a device without shaderDenormPreserveFloat32 (an H100) may flush the f32 subnormal (1e-40) to 0 on the copy
+    ftz = np.where(np.abs(v) < np.finfo(np.float32).tiny, np.float32(0), v)
+    np.testing.assert_array_equal(kvo[1], v if np.array_equal(kvo[1], v, equal_nan=True) else ftz)
     for kind, b, row in ((kt, bk, kvo[0]), (vt, bv, kvo[1])):
         dt = init[kind].dtype
         got = b.view[:init[kind].nbytes].view(dt).reshape(init[kind].shape).copy()
@@ -649,8 +652,9 @@ def test_attn_pre_typed(kern, kt, vt, hd):
 @pytest.mark.parametrize("rope_kind", [0, 2], ids=["norm", "neox"])
 def test_rope_kv_with_qk_norm(kern, mode, rope_kind):
     """rope_kv.comp with the q/k RMSNorm inside it (u8..u13: Qwen3's per-head norms, OLMoE's over the whole q and k
-    rows): q and k normed (cpu_kernels.norms) then rotated (cpu_kernels.rope) within TOL, and bit for bit what
-    rmsnorm.comp in place on qkv followed by a plain rope_kv.comp writes (q, the K and V cache rows, the readback)."""
+    rows): q and k normed (cpu_kernels.norms) then rotated (cpu_kernels.rope) within TOL, and what rmsnorm.comp in
+    place on qkv followed by a plain rope_kv.comp writes (q, the K and V cache rows, the readback) within 1e-6: bit for
+    bit on Lavapipe, an ulp or two on an H100, whose compiler contracts the two shaders' products differently."""
     from coli.models.rope_scaling import RopeScaling
     from coli.vulkan.layers import Dispatch, f32_bits
     from cpu_kernels.norms import rms_norm, rms_norm_heads
@@ -702,7 +706,7 @@ def test_rope_kv_with_qk_norm(kern, mode, rope_kind):
     np.testing.assert_array_equal(got[0][2].reshape(NKV, CTX, hd)[:, pos],
                                   qkv[(NQ + NKV) * hd:].reshape(NKV, hd))     # v is not normed
     for a, b in zip(*got):
-        np.testing.assert_array_equal(a, b)
+        assert rel_err(a, b) <= 1e-6, rel_err(a, b)
 
 
 # q8_0 blocks' edges (the V part, copied): ties of x / d at 0.5, 1.5, -2.5 (amax 127: d 1), a block of zeros (d 0),
@@ -741,7 +745,10 @@ def test_rope_kv_q8(kern, kt, vt, hd, n_rot, rope_kind):
     _run_mode(kern, "rope_kv", (NQ + NKV, 1, 1), [bqkv, bq, bk, bv, bcos, bsin, bpar, bkvo],
               [NQ, NKV, hd, n_rot, CTX, rope_kind], kv_mode((kt, vt)))
     kvo = bkvo.f32(2 * NKV * hd).reshape(2, NKV, hd).copy()
-    np.testing.assert_array_equal(kvo[1], qkv[(NQ + NKV) * hd:].reshape(NKV, hd))
+    v = qkv[(NQ + NKV) * hd:].reshape(NKV, hd)
+    # a device without shaderDenormPreserveFloat32 (an H100) may flush the f32 subnormal (1e-40) to 0 on the copy
+    ftz = np.where(np.abs(v) < np.finfo(np.float32).tiny, np.float32(0), v)
+    np.testing.assert_array_equal(kvo[1], v if np.array_equal(kvo[1], v, equal_nan=True) else ftz)
     for kind, b, row in ((kt, bk, kvo[0]), (vt, bv, kvo[1])):
         got = b.view[:init[kind].nbytes].view(init[kind].dtype).reshape(init[kind].shape).copy()
         want = _bits(kind, row[:, None, :])[:, 0]
