@@ -503,20 +503,26 @@ class Model(base.Model):
         stop = dl.first if dl is not None else len(self.layers)
         for L, c in zip(self.layers[:stop], cache.layers[:stop]):
             S = L(S, c, pos0)
+        logits = None
         if stop < len(self.layers):
             try:
-                S = dl.streams(S, ids, cache, pos0)
-            except (DeviceLost, VulkanError) as e:   # the CPU's caches hold the state before this call
+                S, logits = dl.streams(S, ids, cache, pos0, all_logits)
+            except (DeviceLost, VulkanError) as e:
                 import sys
 
                 print(f"[VK] {self.wt.fname}: device layers failed ({e}); the CPU runs every layer from now on",
                       file=sys.stderr, flush=True)
                 self.device_layers = None
+                self.tokens = ids
+                # the calls since the CPU's caches last took the device's state, again on the CPU
+                dl.recompute_on_cpu(cache, pos0)
                 for L, c in zip(self.layers[stop:], cache.layers[stop:]):
                     S = L(S, c, pos0)
         if self.step is not None and self.step.usage is not None and self.moe_layers:
             self.step.usage.add_tokens(T)
         cache.pos = pos0 + T
+        if logits is not None:      # the head ran on the device too
+            return logits
         if not all_logits:
             S = S[-1:]
         _, _, h = self.hc_head(S)

@@ -1,11 +1,13 @@
 """DeepSeek-V4's decoder layer as one recorded sequence of device kernels (docs/vulkan.md "Device layers"; CPU:
 coli/models/deepseek4.py ``DecoderLayer``): the hyper-connections (``shaders/dsv4_hc.comp``), the attention's
-projections (``lmm.comp``), norms and ropes, compressors, indexer, attention and window ring (``dsv4_attn.comp``,
+projections (``lmm.comp``), norms and ropes, compressors, indexer and attention and window ring (``dsv4_attn.comp``,
 ``dsv4_comp.comp``, ``dsv4_idx.comp``), the grouped output projection (a copy that groups the heads' rows, then one
-product a group), the router (``topk.comp`` with ``layer_plan.topk_args``) and the clamped experts (``lmoe.comp``
-row by row). :class:`Dsv4Layer` runs one layer's call on the hc streams; :class:`Dsv4DeviceLayers` is the engine's
-device layers for V4 (``--gpu-layers``: its residual of 4 streams a row is a form ``DeviceLayers``' programs lack;
-docs/vulkan.md "DeepSeek-V4 on the device").
+product a group), the router (``topk.comp`` with ``layer_plan.topk_args``) and the clamped experts (a decode row
+through ``lmoe.comp``, several rows grouped by expert through ``moe_sort.comp`` and ``lmm.comp``, as the other
+families' device layers). :class:`Dsv4Layer` holds one layer and its ops on the hc streams; :class:`Dsv4Scratch` a
+call's buffers, made once; :class:`Dsv4DeviceLayers` is the engine's device layers for V4 (``--gpu-layers``: one
+submit a call with the head, the state kept on the device; its residual of 4 streams a row is a form
+``DeviceLayers``' programs lack; docs/vulkan.md "DeepSeek-V4 on the device").
 
 Imported only with a device open (``coli.vulkan.layers``). Duck-typed on the layer (no import of coli.models).
 """
@@ -123,6 +125,9 @@ class Dsv4Layer:
 
     def close(self) -> None:
         """Free the layer's device memory."""
+        if getattr(self, "_sc", None) is not None:
+            self._sc.close()
+            self._sc = None
         for t in self._tensors:
             self.K.dev._drop(t)
         for b in self._keep:
@@ -187,33 +192,42 @@ class Dsv4Layer:
                         type_name=t.type_name, mode=0)
 
     def __call__(self, S: np.ndarray, tokens, pos0: int) -> np.ndarray:
+        """One call of this layer alone (one submit; its own :class:`Dsv4Scratch`): ``S`` f32 [T, hc, D] ->
+        ``S'``; ``last_routes`` uint32 [T, k] the routed experts of each row."""
+        K = self.K
+        if getattr(self, "_sc", None) is None:
+            self._sc = Dsv4Scratch(K)
+        sc = self._sc
+        T = S.shape[0]
+        bS = sc.load(S, tokens, pos0)
+        rec = K.record(self.ops(sc, bS, T, pos0) + [sc.out_copy(T, S[0].size)])
+        try:
+            K.submit(rec)
+        finally:
+            K.free(rec)
+        self.dispatches = rec.dispatches
+        self.last_routes = sc.bufs["rt"].u32(T * 2 * self.k).reshape(T, 2, self.k)[:, 0].copy()
+        return sc.result(T, S.shape)
+
+    def ops(self, sc: "Dsv4Scratch", bS, T: int, pos0: int) -> list:
+        """The layer's ops for a call of ``T`` rows at positions ``pos0 ..`` on the streams ``bS`` f32 [T, hc, D]
+        (updated in place), its position and tokens in ``sc``'s ``par`` / ``tok`` (:meth:`Dsv4Scratch.load`), its
+        other buffers ``sc``'s (shared by the layers of a call: every op waits on the one before)."""
         K, a = self.K, self.a
-        T, hc, D = S.shape
+        hc, D = self.hc, self.D
         H, hd, W, G, r = self.H, self.hd, self.W, self.G, self.r
         eps = f32_bits(a.eps)
-        tmp = []
-
-        def buf(n):
-            b = K.buffer(4 * max(int(n), 1))
-            K.upload(b, np.zeros(max(int(n), 1), np.float32))
-            tmp.append(b)
-            return b
-
-        bS = buf(S.size)
-        K.upload(bS, np.ascontiguousarray(S, np.float32))
-        par = buf(1)
-        K.upload(par, np.array([pos0], np.uint32))
-        tok = buf(T)
-        K.upload(tok, np.asarray(tokens, np.uint32))
-        x, xn, pcb, y = buf(T * D), buf(T * D), buf(T * (hc + hc * hc)), buf(T * D)
-        qa, q, kv = buf(T * self.qlp), buf(T * H * hd), buf(T * hd)
-        og, y1 = buf(T * H * hd), buf(T * self.grp)
+        g = sc.get
+        par, tok = sc.par, sc.tok
+        x, xn, pcb, y = g("x", T * D), g("xn", T * D), g("pcb", T * (hc + hc * hc)), g("y", T * D)
+        qa, q, kv = g("qa", T * self.qlp), g("q", T * H * hd), g("kv", T * hd)
+        og, y1 = g("og", T * H * hd), g("y1", T * self.grp)
         ops = []
 
         def hc_pre(name):
-            fn, base, sc = self.hcs[name]
+            fn, base, scl = self.hcs[name]
             site = getattr(self.L, "hc_" + name)
-            ops.append(Dispatch("dsv4_hc", (T, 1, 1), [bS.addr, fn.addr, base.addr, sc.addr, x.addr, pcb.addr],
+            ops.append(Dispatch("dsv4_hc", (T, 1, 1), [bS.addr, fn.addr, base.addr, scl.addr, x.addr, pcb.addr],
                                 [D, hc, 0, eps, f32_bits(site.eps), site.iters]))
             ops.append(Dispatch("rmsnorm", (T, 1, 1), [x.addr, self.norms[name].addr, xn.addr], [D, eps]))
 
@@ -236,7 +250,7 @@ class Dsv4Layer:
         ring_ops = []
         for name, cs in self.comps.items():
             c = cs["c"]
-            ckv, cg = buf(T * c.width), buf(T * c.width)
+            ckv, cg = g("ckv_" + name, T * c.width), g("cg_" + name, T * c.width)
             ops += [self._mm(cs["wkv"], xn.addr, ckv.addr, T, c.width, D),
                     self._mm(cs["wgate"], xn.addr, cg.addr, T, c.width, D)]
             addrs = [ckv.addr, cg.addr, cs["ring"].addr, par.addr, cs["ape"].addr, cs["norm"].addr, self.rope.addr,
@@ -245,17 +259,18 @@ class Dsv4Layer:
             ops.append(Dispatch("dsv4_comp", (-(-T // c.ratio) + 1, 1, 1), addrs, words + [0]))
             ring_ops.append(Dispatch("dsv4_comp", (-(-2 * c.width // K.wg), T, 1), addrs, words + [1]))
         n_ent = (pos0 + T) // self.ratio if self.ratio else 0
-        sel, Ksel = buf(1), 0
+        sel, Ksel = g("sel", 1), 0
         if "indexer" in self.comps:
             ic = self.comps["indexer"]["c"]
             Hi, Di, Ksel = a.idx_heads, a.idx_dim, a.idx_topk
-            iq, iw, sc = buf(T * Hi * Di), buf(T * Hi), buf(T * max(n_ent, 1))
-            sel = buf(T * Ksel)
+            # the scores' rows sized for the whole context's entries once (they grow with the position)
+            iq, iw, scr = g("iq", T * Hi * Di), g("iw", T * Hi), g("isc", T * max(self.ctx // ic.ratio, 1))
+            sel = g("sel", T * Ksel)
             ops += [self._mm(self.idx_wq_b, qa.addr, iq.addr, T, Hi * Di, self.qlp),
                     prep(iq.addr, Hi, 0, Di, 0),
                     self._mm(self.idx_proj, xn.addr, iw.addr, T, Hi, D)]
             words = [Hi, Di, ic.ratio, n_ent, Ksel, f32_bits(Di ** -0.5), max(n_ent, 1), 0, f32_bits(Hi ** -0.5)]
-            addrs = [iq.addr, self.comps["indexer"]["ent"].addr, iw.addr, par.addr, sc.addr, sel.addr]
+            addrs = [iq.addr, self.comps["indexer"]["ent"].addr, iw.addr, par.addr, scr.addr, sel.addr]
             ops += [Dispatch("dsv4_idx", (max(-(-n_ent // K.wg), 1), T, 1), addrs, words[:7] + [0, words[8]]),
                     Dispatch("dsv4_idx", (T, 1, 1), addrs, words[:7] + [1])]
         ent = self.comps["attn"]["ent"].addr if "attn" in self.comps else 0
@@ -267,67 +282,157 @@ class Dsv4Layer:
         ops += ring_ops
         # grouped output: o [T, G, I] regrouped to [G, T, I], one product a group into its columns of y1
         I = H * hd // G
-        ops.append(Copy(q, og, [(4 * (t * G + g) * I, 4 * (g * T + t) * I, 4 * I) for t in range(T) for g in range(G)]))
-        for g in range(G):
-            ops.append(self._mm(self.wo_a[g], og.addr + 4 * g * T * I, y1.addr + 4 * g * r, T, r, I, ldy=self.grp))
+        ops.append(Copy(q, og, [(4 * (t * G + gi) * I, 4 * (gi * T + t) * I, 4 * I)
+                                for t in range(T) for gi in range(G)]))
+        for gi in range(G):
+            ops.append(self._mm(self.wo_a[gi], og.addr + 4 * gi * T * I, y1.addr + 4 * gi * r, T, r, I,
+                                ldy=self.grp))
         ops.append(self._mm(self.wo_b, y1.addr, y.addr, T, D, self.grp))
         hc_mix()
         # MoE
         hc_pre("ffn")
-        E, k, F = self.E, self.k, self.F
-        lg, rt, h = buf(T * E), buf(T * 2 * k), buf(max(k, 1) * max(F, self.sF))
-        ops.append(self._mm(self.router, xn.addr, lg.addr, T, E, D))
-        ops.append(Dispatch("topk", (T, 1, 1), [lg.addr, rt.addr, self.route_src.addr, self.route_src.addr, tok.addr],
-                            [E, k, self.flags, *self.words]))
-        ops.append(Copy(self._zero_rows(T * D, tmp), y, [(0, 0, 4 * T * D)]))
-        Rw = K.rows
-        for t in range(T):
-            xr, yr, rr = xn.addr + 4 * D * t, y.addr + 4 * D * t, rt.addr + 8 * k * t
-            ops += [Dispatch("lmoe", (-(-F // Rw), k), [self.tab.addr, rr, xr, h.addr], [F, D, k, 0, 0,
-                             f32_bits(self.elimit)], type_name=self.etypes[0], mode=1),
-                    Dispatch("lmoe", (-(-D // Rw),), [self.tab.addr, rr, h.addr, yr], [D, F, k],
-                             type_name=self.etypes[1], mode=0),
-                    Dispatch("lmoe", (-(-self.sF // Rw), 1), [self.sh_tab.addr, self.sh_route.addr, xr, h.addr],
-                             [self.sF, D, 1, 0, 0, f32_bits(self.sh_limit)], type_name=self.sh_types[0], mode=1),
-                    Dispatch("lmoe", (-(-D // Rw),), [self.sh_tab.addr, self.sh_route.addr, h.addr, yr],
-                             [D, self.sF, 1], type_name=self.sh_types[1], mode=0)]
+        ops += self._moe_ops(sc, T)
         hc_mix()
-        rec = K.record(ops)
-        try:
-            K.submit(rec)
-        finally:
-            K.free(rec)
-        out = bS.f32(S.size).reshape(S.shape).copy()
-        self.last_routes = rt.u32(T * 2 * k).reshape(T, 2, k)[:, 0].copy()
-        for b in tmp:
-            K.drop(b)
-        return out
+        return ops
 
-    def _zero_rows(self, n, tmp):
-        b = self.K.buffer(4 * n)
-        self.K.upload(b, np.zeros(n, np.float32))
-        tmp.append(b)
+    def _moe_ops(self, sc: "Dsv4Scratch", T: int) -> list:
+        """The router, top-k and the routed and shared experts of ``T`` normed rows (``xn``) into ``y`` (zeroed
+        first): a decode row through ``lmoe.comp`` (one dispatch for its k routed pairs' gate/up, one for their
+        down, the shared expert's two), several rows grouped by expert (``moe_sort.comp``, then ``lmm.comp``
+        modes 1 and 2 over every pair of the call, the shared expert as one expert every row takes, ``moe_sum``),
+        as the other families' device layers (coli/vulkan/layer_decode.py, layer_prompt.py)."""
+        K, D, E, k, F, sF = self.K, self.D, self.E, self.k, self.F, self.sF
+        g = sc.get
+        xn, y, tok = g("xn", T * D), g("y", T * D), sc.tok
+        lg, rt = g("lg", T * E), g("rt", T * 2 * k)
+        ops = [self._mm(self.router, xn.addr, lg.addr, T, E, D),
+               Dispatch("topk", (T, 1, 1), [lg.addr, rt.addr, self.route_src.addr, self.route_src.addr, tok.addr],
+                        [E, k, self.flags, *self.words])]
+        if T == 1:
+            h = g("h1", max(k, 1) * max(F, sF))
+            Rw = K.rows
+            ops.append(Copy(sc.zeros(D), y, [(0, 0, 4 * D)]))
+            return ops + [
+                Dispatch("lmoe", (-(-F // Rw), k), [self.tab.addr, rt.addr, xn.addr, h.addr],
+                         [F, D, k, 0, 0, f32_bits(self.elimit)], type_name=self.etypes[0], mode=1),
+                Dispatch("lmoe", (-(-D // Rw),), [self.tab.addr, rt.addr, h.addr, y.addr], [D, F, k],
+                         type_name=self.etypes[1], mode=0),
+                Dispatch("lmoe", (-(-sF // Rw), 1), [self.sh_tab.addr, self.sh_route.addr, xn.addr, h.addr],
+                         [sF, D, 1, 0, 0, f32_bits(self.sh_limit)], type_name=self.sh_types[0], mode=1),
+                Dispatch("lmoe", (-(-D // Rw),), [self.sh_tab.addr, self.sh_route.addr, h.addr, y.addr],
+                         [D, sF, 1], type_name=self.sh_types[1], mode=0)]
+        BM, gr = 64, -(-T // K.tile)
+        off, pairs = g("off", E + 1), g("pairs", T * k)
+        h, yk, ysh, shr = g("h", T * max(k * F, sF)), g("yk", T * k * D), g("ysh", T * D), sc.shared_routes(T)
+        # lmm_cm.comp (the cooperative-matrix route) has no clamp: a clamped SwiGLU takes lmm.comp
+        gu = "lmm_f32" if self.elimit > 0 else "lmm"
+        sgu = "lmm_f32" if self.sh_limit > 0 else "lmm"
+        ops += [
+            Dispatch("moe_sort", (1,), [rt.addr, off.addr, pairs.addr], [E, k, T]),
+            Dispatch(gu, (-(-F // BM), gr, E), [self.tab.addr, xn.addr, h.addr, rt.addr, pairs.addr, off.addr,
+                                                xn.addr, xn.addr],
+                     [F, D, 0, T, 0, k, 0, 0, 0, f32_bits(self.elimit)], type_name=self.etypes[0], mode=1),
+            Dispatch("lmm", (-(-D // BM), gr, E), [self.tab.addr, h.addr, yk.addr, rt.addr, pairs.addr, off.addr,
+                                                   xn.addr], [D, F, 0, T, 0, k, 0, 0, 0],
+                     type_name=self.etypes[1], mode=2),
+            # the shared expert: one expert every row takes (u6 = 1; pairs and offsets unread)
+            Dispatch(sgu, (-(-sF // BM), gr, 1), [self.sh_tab.addr, xn.addr, h.addr, shr.addr, pairs.addr,
+                                                  off.addr], [sF, D, 0, T, 0, 1, 1, 0, 0, f32_bits(self.sh_limit)],
+                     type_name=self.sh_types[0], mode=1),
+            Dispatch("lmm", (-(-D // BM), gr, 1), [self.sh_tab.addr, h.addr, ysh.addr, shr.addr, pairs.addr,
+                                                   off.addr], [D, sF, 0, T, 0, 1, 1],
+                     type_name=self.sh_types[1], mode=2),
+            Copy(sc.zeros(T * D), y, [(0, 0, 4 * T * D)]),
+            Dispatch("moe_sum", (T,), [yk.addr, y.addr, ysh.addr], [D, k, 1])]
+        return ops
+
+
+class Dsv4Scratch:
+    """The buffers of DeepSeek-V4's layer calls, made once and grown when a call needs more (never per call): a
+    role's buffer (``get``) zeroed when made, so the columns no kernel writes (the padding of ``qa``, ``y1``) stay
+    0; the streams ``S`` f32 [T, hc, D] (host-visible; ``load``), a readback copy of them (``result``), the call's
+    position ``par`` and tokens ``tok``. Shared by every layer of a call (their ops run in order)."""
+
+    def __init__(self, K):
+        self.K, self.bufs = K, {}
+        self.par = self.get("par", 1)
+        self.tok = self.tok_n = None
+
+    def get(self, name: str, n: int, readback: bool = False):
+        """Role ``name``'s buffer of at least ``n`` 4-byte values (made, or remade twice as large, zeroed)."""
+        n = max(int(n), 1)
+        b = self.bufs.get(name)
+        if b is None or b.size < 4 * n:
+            old = 0 if b is None else b.size // 4
+            if b is not None:
+                self.K.drop(b)
+            b = self.K.buffer(4 * max(n, 2 * old), readback=readback)
+            b.view[:] = 0
+            self.bufs[name] = b
         return b
+
+    def zeros(self, n: int):
+        """A buffer of at least ``n`` f32 zeros (the source of the copies that zero ``y``; nothing writes it)."""
+        return self.get("zeros", n)
+
+    def shared_routes(self, T: int):
+        """[T, 2] rows (expert 0, weight 1.0): the shared expert's routes for ``lmm.comp``."""
+        b = self.get("shr", 2 * T)
+        if getattr(self, "_shr", None) is not b:      # made (or remade) zeroed: filled once
+            b.u32(b.size // 4).reshape(-1, 2)[:] = (0, np.float32(1.0).view(np.uint32))
+            self._shr = b
+        return b
+
+    def load(self, S: np.ndarray, tokens, pos0: int):
+        """Write a call's streams, tokens and position: the streams' buffer."""
+        T = S.shape[0]
+        bS = self.get("S", S.size)
+        bS.f32(S.size)[:] = np.ascontiguousarray(S, np.float32).reshape(-1)
+        self.par.u32(1)[0] = pos0
+        self.tok = self.get("tok", T)
+        self.tok.u32(T)[:] = np.asarray(tokens, np.uint32)
+        return bS
+
+    def out_copy(self, T: int, row: int) -> Copy:
+        """The copy of the streams' ``T`` rows of ``row`` values into the readback buffer (host-cached memory)."""
+        self._out = self.get("S_out", T * row, readback=True)
+        return Copy(self.bufs["S"], self._out, [(0, 0, 4 * T * row)])
+
+    def result(self, T: int, shape) -> np.ndarray:
+        """The streams after the call (a copy) f32 ``shape``."""
+        n = int(np.prod(shape))
+        return self._out.f32(n).reshape(shape).copy()
+
+    def close(self) -> None:
+        for b in self.bufs.values():
+            self.K.drop(b)
+        self.bufs = {}
 
 
 class Dsv4DeviceLayers:
     """DeepSeek-V4's layers ``first ..`` of model ``m`` on device ``dev`` (``--gpu-layers``; the engine's
-    ``device_layers`` for this family): :meth:`streams` runs a call's rows through them, one submit a layer.
+    ``device_layers`` for this family): :meth:`streams` runs a call's rows through them in one submit, and the head
+    (the output hyper-connection, norm and ``output``) when the last layer is here and ``output``'s format has a
+    kernel (``head``).
 
-    After every call the device's state is written into the CPU's caches (``Dsv4Layer.state_to``): a failed device's
-    layers continue on the CPU from there, and another cache (a server slot, a new sequence) is taken onto the device
-    from its own (``state_from``). Counters as ``DeviceLayers``' for the engine's lines (``tokens``, ``submit_s``,
-    ``prompt_tokens``, ``prompt_chunks``, ``prompt_s``; the others 0: no timestamps, no experts apart, no stream).
-    Construction raises ``VulkanError`` / ``MemoryError`` / ``ValueError`` (a format without a kernel) after freeing
-    what it placed."""
+    The state stays on the device between calls: the streams go up and the last layer's (or the logits) come back,
+    nothing else. The CPU's caches hold the state of position ``_lo`` (where the device took the cache); the calls
+    since are kept (their token ids, and the input streams when ``first`` > 0: f32 [T, hc, D] a call) so that
+    :meth:`recompute_on_cpu` brings the CPU's caches up to date after a failed device, and :meth:`host_state`
+    writes the device's state into them when another cache takes the device or a caller needs them
+    (``Dsv4Layer.state_to``). Counters as ``DeviceLayers``' for the engine's lines (``tokens``, ``submit_s``,
+    ``prompt_tokens``, ``prompt_chunks``, ``prompt_s``, ``dispatches``: the last call's; the others 0: no
+    timestamps, no experts apart, no stream). Construction raises ``VulkanError`` / ``MemoryError`` /
+    ``ValueError`` (a format without a kernel) after freeing what it placed."""
 
-    def __init__(self, m, dev, first: int, ctx: int, env=None):
+    def __init__(self, m, dev, first: int, ctx: int, head: bool = True, env=None):
         from coli.base.settings import get
+        from coli.vulkan.layer_plan import device_formats
 
         self.m, self.dev, self.first, self.ctx = m, dev, int(first), int(ctx)
         self.layers = list(range(self.first, len(m.layers)))
         self.prompt_rows = int(get("COLI_VK_PROMPT_ROWS", env))
-        self.tokens = self.prompt_tokens = self.prompt_chunks = self.gpu_tokens = 0
+        self.tokens = self.prompt_tokens = self.prompt_chunks = self.gpu_tokens = self.dispatches = 0
         self.submit_s = self.prompt_s = self.gpu_s = self.stream_s = 0.0
         self.streamed_bytes = self.stream_chunks = 0
         self.dev_rows = self.cpu_rows = self.p_dev_rows = self.p_cpu_rows = 0
@@ -335,41 +440,103 @@ class Dsv4DeviceLayers:
         self.resident, self.bal, self.clock, self.prof, self.on_token = {}, None, None, None, None
         self.per, self.hd = [], m.args.head_dim
         self.attn_names = ["dsv4_attn.comp"]
-        self._cache, self._pos = None, None
-        self.K, self.dl = None, []
+        self._cache, self._pos, self._lo, self._hist = None, None, 0, []
+        self.K, self.dl, self.sc, self.head = None, [], None, None
+        self._keep, self._tensors = [], []
         try:
             self.K = Kernels(dev, env=env)
             for il in self.layers:
                 self.dl.append(Dsv4Layer(self.K, m, il, ctx))
+            self.sc = Dsv4Scratch(self.K)
+            out = m.t.get("output.weight", m.tok_embd)
+            if head and out.type_name in device_formats() and int(out.shape[-1]) % 32 == 0:
+                h = m.hc_head
+                self.vocab = int(out.shape[0])
+                self.head = {"w": self._place(out), "type": out.type_name, "hc_eps": f32_bits(h.eps),
+                             "norm": self._const(np.asarray(m.out_norm, np.float32))}
+                self.head.update(zip(("fn", "base", "scale"), (self._const(np.asarray(x, np.float32))
+                                                               for x in (h.fn, h.base, h.scale))))
         except BaseException:
             self.close()
             raise
 
+    def _place(self, ti):
+        t = self.dev._place(ti.type_name, np.ascontiguousarray(ti.raw).reshape(-1).view(np.uint8),
+                            tuple(int(s) for s in ti.shape))
+        self._tensors.append(t)
+        return t
+
+    def _const(self, a):
+        b = self.K.buffer(max(a.nbytes, 4))
+        self.K.upload(b, np.ascontiguousarray(a))
+        self._keep.append(b)
+        return b
+
     def describe(self) -> str:
         n = len(self.m.layers)
         span = f"layer {self.first}" if len(self.layers) == 1 else f"layers {self.first}-{n - 1}"
-        return (f"{span} of {n} on the device (DeepSeek-V4's layer kernels, {len(self.layers)} submits a call; the "
-                f"head on the CPU)")
+        return (f"{span} of {n}{' and the head' if self.head else ''} on the device (DeepSeek-V4's layer kernels, "
+                f"one submit a call{'' if self.head else '; the head on the CPU'})")
 
-    def streams(self, S, ids, cache, pos0: int):
+    def _head_ops(self, bS, T: int, all_logits: bool) -> tuple[list, int]:
+        """The head's ops on the streams ``bS`` [T, hc, D]: every row's logits with ``all_logits``, else the last
+        row's (``lmv.comp``); ``(ops, rows)``."""
+        hd, m, K, g = self.head, self.m, self.K, self.sc.get
+        D, hc, V = m.args.d_model, m.args.hc, self.vocab
+        n = T if all_logits else 1
+        src = bS.addr + (0 if all_logits else 4 * (T - 1) * hc * D)
+        x, xn, lg = g("hx", n * D), g("hxn", n * D), g("lg_out", n * V, readback=True)
+        eps = f32_bits(m.args.eps)
+        ops = [Dispatch("dsv4_hc", (n, 1, 1), [src, hd["fn"].addr, hd["base"].addr, hd["scale"].addr, x.addr,
+                                               x.addr], [D, hc, 1, eps, hd["hc_eps"], 1]),
+               Dispatch("rmsnorm", (n, 1, 1), [x.addr, hd["norm"].addr, xn.addr], [D, eps])]
+        if n == 1:
+            ops.append(Dispatch("lmv", (-(-V // K.rows),), [hd["w"].addr, xn.addr, lg.addr, lg.addr], [V, D, 0],
+                                type_name=hd["type"]))
+        else:
+            ops.append(Dispatch("lmm", (-(-V // 64), -(-n // K.tile), 1), [hd["w"].addr, xn.addr, lg.addr, xn.addr],
+                                [V, D, 0, n, 0], type_name=hd["type"], mode=0))
+        return ops, n
+
+    def streams(self, S, ids, cache, pos0: int, all_logits: bool = False):
         """The hc streams ``S`` f32 [T, hc, D] (layer ``first``'s input at positions ``pos0 ..``, token ``ids``)
-        through the device's layers: layer ``n - 1``'s output. Raises ``DeviceLost`` / ``VulkanError`` (the CPU's
-        caches still hold the state before this call), ValueError when ``cache`` is not at ``pos0``."""
+        through the device's layers in one submit: ``(S', None)``, layer ``n - 1``'s output f32 [T, hc, D], or,
+        with the head here, ``(None, logits)`` f32 [T or 1, vocab] (every row's with ``all_logits``, else the
+        last's). Raises ``DeviceLost`` / ``VulkanError`` (then :meth:`recompute_on_cpu`), ValueError when
+        ``cache`` is not at ``pos0``."""
         import time
         import weakref
 
         held = self._cache() if self._cache is not None else None
         if held is not cache or self._pos != pos0:
+            if held is not None:
+                self.host_state(held)
             for il, d in zip(self.layers, self.dl):
                 d.state_from(cache.layers[il], pos0)
+            self._cache, self._pos, self._lo, self._hist = weakref.ref(cache), pos0, pos0, []
         t0 = time.perf_counter()
         T = S.shape[0]
-        self._cache = None   # until the state is back in the CPU's caches
-        for d in self.dl:
-            S = d(S, ids, pos0)
-        for il, d in zip(self.layers, self.dl):
-            d.state_to(cache.layers[il], pos0 + T)
-        self._cache, self._pos = weakref.ref(cache), pos0 + T
+        sc, K = self.sc, self.K
+        bS = sc.load(S, ids, pos0)
+        ops = [op for d in self.dl for op in d.ops(sc, bS, T, pos0)]
+        if self.head is not None:
+            hops, n = self._head_ops(bS, T, all_logits)
+            ops += hops
+        else:
+            ops.append(sc.out_copy(T, S[0].size))
+        rec = K.record(ops)
+        try:
+            K.submit(rec)
+        finally:
+            K.free(rec)
+        self.dispatches = rec.dispatches
+        # kept until the CPU's caches take the state: the ids (hash routers, the embedding) and the input streams
+        self._hist.append((np.array(ids), None if self.first == 0 else np.array(S, np.float32)))
+        self._pos = pos0 + T
+        if self.head is not None:
+            out = None, sc.bufs["lg_out"].f32(n * self.vocab).reshape(n, self.vocab).copy()
+        else:
+            out = sc.result(T, S.shape), None
         dt = time.perf_counter() - t0
         if T == 1:
             self.tokens += 1
@@ -378,7 +545,41 @@ class Dsv4DeviceLayers:
             self.prompt_tokens += T
             self.prompt_chunks += 1
             self.prompt_s += dt
-        return S
+        return out
+
+    def host_state(self, cache) -> None:
+        """Write the device's state into ``cache`` (the CPU's) when the device holds it: the caches then hold
+        position ``_pos``'s state (``Dsv4Layer.state_to``: O(context) a layer, so only when another cache takes
+        the device or a caller reads the CPU's caches)."""
+        held = self._cache() if self._cache is not None else None
+        if held is None or held is not cache:
+            return
+        for il, d in zip(self.layers, self.dl):
+            d.state_to(cache.layers[il], self._pos)
+        self._lo, self._hist = self._pos, []
+
+    def recompute_on_cpu(self, cache, pos0: int) -> None:
+        """After a device failure: the calls since the CPU's caches last took the state (positions ``_lo ..
+        pos0 - 1``) run again through these layers on the CPU, from the kept ids and input streams, so the CPU
+        can go on from ``pos0``."""
+        held = self._cache() if self._cache is not None else None
+        hist, lo = self._hist, self._lo
+        self._cache, self._pos, self._hist = None, None, []
+        if held is not cache:
+            return
+        m, hc, keep = self.m, self.m.args.hc, self.m.tokens
+        try:
+            for ids, S in hist:
+                if lo >= pos0:
+                    break
+                m.tokens = np.asarray(ids, np.int64)
+                if S is None:
+                    S = np.repeat(m.embed(m.tokens)[:, None, :], hc, axis=1).astype(np.float32)
+                for il in self.layers:
+                    S = m.layers[il](S, cache.layers[il], lo)
+                lo += len(ids)
+        finally:
+            m.tokens = keep
 
     def close(self) -> None:
         """Free the layers' device memory and the kernels (safe twice)."""
@@ -388,7 +589,16 @@ class Dsv4DeviceLayers:
         for d in self.dl:
             d.close()
         self.dl = []
+        if self.sc is not None:
+            self.sc.close()
+            self.sc = None
+        for t in self._tensors:
+            self.dev._drop(t)
+        self._tensors = []
         if self.K is not None:
+            for b in self._keep:
+                self.K.drop(b)
+            self._keep = []
             self.K.close()
             if getattr(self.dev, "_layer_kernels", None) is self.K:
                 self.dev._layer_kernels = None

@@ -458,23 +458,78 @@ def test_gpu_layers_against_hf(monkeypatch):
     try:
         m, dl = e.model, e.model.device_layers
         assert isinstance(dl, layer_dsv4.Dsv4DeviceLayers) and dl.first == 0 and len(dl.dl) == 4
+        assert dl.head is not None     # the logits are the device's (the CPU's head never runs)
+        monkeypatch.setattr(m, "hc_head", None)
         got = check_prompt_and_decode(m, m.new_cache(128, 128), oracle)
         assert (dl.prompt_tokens, dl.prompt_chunks, dl.tokens) == (len(oracle["ids"]), 1, len(oracle["gen_ids"]))
         ref = greedy_rows(cpu.model, cpu.model.new_cache(128, 128), oracle["ids"], 8)
         check_greedy_like_cpu(m, ref, oracle["ids"], got, 1e-5, 1e-5)
-        # a failed device on the third decode row: the CPU takes every layer from the caches' state before it
-        calls, real = [0], layer_dsv4.Dsv4Layer.__call__
+        # a failed device on the third decode row, after its submit ran (the device's state moved on): the CPU
+        # runs the calls since it last took the state (all of them: the state stays on the device) and carries on
+        calls, real = [0], dl.K.submit
 
-        def flaky(self, *a):
+        def flaky(rec):
+            real(rec)
             calls[0] += 1
-            if calls[0] == 4 * 3 + 2:      # prompt, two decode rows, then layer 1 of the third
+            if calls[0] == 4:      # prompt, two decode rows, then the third
                 raise DeviceLost("test: device lost")
-            return real(self, *a)
 
-        monkeypatch.setattr(layer_dsv4.Dsv4Layer, "__call__", flaky)
+        monkeypatch.undo()
+        monkeypatch.setattr(dl.K, "submit", flaky)
         _, _, gen = greedy_rows(m, m.new_cache(128, 128), oracle["ids"], 8)
-        assert m.device_layers is None and calls[0] == 4 * 3 + 2
+        assert m.device_layers is None and calls[0] == 4
         assert gen == ref[2]
+    finally:
+        e.close()
+        cpu.close()
+
+
+def test_state_stays_on_the_device(monkeypatch):
+    """``--gpu-layers`` on the deepseek4 oracle: a 61-row prompt (windows left open) in one submit, then 5 decode rows
+    of one submit each, none writing the state back (``Dsv4Layer.state_to`` not called; the device recorded every
+    row's dispatches: the routed experts of the prompt one grouped product a layer, lmm.comp modes 1 and 2); then
+    :meth:`host_state` writes it into the CPU's caches: the window rings and every compressor's entries and open
+    rows within 1e-5 of the CPU-only run's after the same rows; then another cache takes the device and the first
+    comes back onto it (``state_from``): its next row's logits within 1e-5 of the CPU-only run's."""
+    from coli.vulkan import layer_dsv4
+    from tests.conftest import FIXTURES
+    from tests.vk_util import device_engine
+
+    path = FIXTURES / "oracles" / "deepseek4.gguf"
+    oracle = np.load(FIXTURES / "oracles" / "deepseek4.npz")
+    cpu = device_engine(path, ctx=128)
+    e = device_engine(path, COLI_VK_LAYERS=-1, ctx=128)
+    try:
+        m, dl = e.model, e.model.device_layers
+        moved, real = [], layer_dsv4.Dsv4Layer.state_to
+        monkeypatch.setattr(layer_dsv4.Dsv4Layer, "state_to", lambda self, *a: (moved.append(self.il), real(self, *a)))
+        grouped, ops = [], layer_dsv4.Dsv4Layer._moe_ops
+        monkeypatch.setattr(layer_dsv4.Dsv4Layer, "_moe_ops",
+                            lambda self, sc, T: grouped.append([o.mode for o in ops(self, sc, T)
+                                                                if getattr(o, "kernel", "").startswith("lmm")
+                                                                and o.groups[2] == self.E]) or ops(self, sc, T))
+        ids, gen = oracle["ids"][:61], oracle["gen_ids"][:6]
+        c, cc = m.new_cache(128, 128), cpu.model.new_cache(128, 128)
+        for call in [ids] + [[t] for t in gen[:5]]:
+            m.forward(call, c)
+            ref = cpu.model.forward(call, cc)
+        assert moved == [] and dl.dispatches > 0 and (dl.prompt_chunks, dl.tokens) == (1, 5)
+        assert grouped[:4] == [[1, 2]] * 4 and grouped[4:] == [[]] * 20     # the prompt's, then the decode rows'
+        dl.host_state(c)
+        assert moved == [0, 1, 2, 3]
+        for il in range(4):
+            a, b = c.layers[il], cc.layers[il]
+            assert rel_err(a.win, b.win) <= 1e-5, (il, rel_err(a.win, b.win))
+            for name, st in b.states.items():
+                sd = a.states[name]
+                assert (sd.n, sd.nbuf) == (st.n, st.nbuf) and st.n > 0
+                for f in ("entries", "buf_kv", "buf_gate"):
+                    n = st.n if f == "entries" else st.nbuf
+                    assert rel_err(getattr(sd, f)[:n], getattr(st, f)[:n]) <= 1e-5, (il, name, f)
+        c2 = m.new_cache(128, 128)
+        m.forward(ids[:7], c2)                       # another cache takes the device
+        lg = m.forward([gen[5]], c)                  # and the first comes back onto it
+        assert rel_err(lg, cpu.model.forward([gen[5]], cc)) <= 1e-5
     finally:
         e.close()
         cpu.close()
