@@ -34,6 +34,15 @@ from coli.vulkan import device_flag
 from scheduler.trace import CATEGORIES, summarize
 
 
+class _KeepFlag(argparse.Action):
+    """Store the value and, in ``<dest>_flag``, the option string the user typed (``-ngl`` or ``--gpu-layers``), so
+    that an error names the flag as given."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        setattr(namespace, self.dest + "_flag", option_string)
+
+
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
     """``(default: X)`` after each option's help, unless the default is None/False or the help says it."""
 
@@ -139,14 +148,16 @@ def _open_engine(a, quiet=False, save_usage=True):
     if device is None and cpu_moe:
         device = "vulkan"
         asked = "--cpu-moe" if cpu_moe < 0 else f"--n-cpu-moe {cpu_moe}"
+    # coli bench's -ngl list names the value and the list it came from, as the user typed them: "-ngl 2 (of 1,2)"
+    ngl = getattr(a, "gpu_layers_name", None) or f"--gpu-layers {a.gpu_layers}"
     if device is None and (a.gpu_layers or (a.gpu_layers is None and settings.get("COLI_VK_LAYERS"))):
         device = "vulkan"   # --gpu-layers N (or COLI_VK_LAYERS=N) opens the device, as the tier's flags do
-        asked = f"--gpu-layers {a.gpu_layers}" if a.gpu_layers else f"COLI_VK_LAYERS={settings.get('COLI_VK_LAYERS')}"
+        asked = ngl if a.gpu_layers else f"COLI_VK_LAYERS={settings.get('COLI_VK_LAYERS')}"
     if a.gpu_layers and device == "cpu":
-        raise ColiError("--gpu-layers needs the device: drop --device cpu")
+        raise ColiError(f"{ngl} needs the device: drop --device cpu")
     if (a.gpu_layers or cpu_moe) and a.reproducible:
-        raise ColiError("--gpu-layers and --reproducible: --reproducible is the expert tier's; device layers run "
-                        "without it (drop one)")
+        raise ColiError(f"{ngl if a.gpu_layers else '--n-cpu-moe/--cpu-moe'} and --reproducible: --reproducible is "
+                        f"the expert tier's; device layers run without it (drop one)")
     env = settings.overlay(None, COLI_VK_DEV=index, COLI_VK_TIER_GB=a.tier_gb, COLI_VK_LAYERS=a.gpu_layers,
                            COLI_VK_CPU_MOE=cpu_moe,
                            COLI_VK_TIER_SYNC=True if a.reproducible else None, COLI_MEM=mem_flag(a),
@@ -163,15 +174,19 @@ def _open_engine(a, quiet=False, save_usage=True):
                   cache_type_v=getattr(a, "cache_type_v", None))
 
 
+BOM = "\ufeff"   # U+FEFF at the start of a text file: the UTF-8 byte order mark
+
+
 def _read_prompt(a) -> str:
-    """The prompt of ``coli run``: positional, ``-p TEXT``, ``-f FILE``, ``-p -`` (stdin) or a pipe."""
+    """The prompt of ``coli run``: positional, ``-p TEXT``, ``-f FILE``, ``-p -`` (stdin) or a pipe. A UTF-8 byte
+    order mark opening a file or the pipe (Windows editors write one) is an encoding mark, not text: dropped."""
     given = [(n, v) for n, v in (("PROMPT", a.prompt_pos), ("-p", a.prompt), ("-f", a.file)) if v is not None]
     if len(given) > 1:
         raise ColiError(f"prompt: given twice ({' and '.join(n for n, _ in given)}); give one")
     if a.file is not None:
         try:
             with open(a.file, encoding="utf-8") as f:
-                prompt = f.read()
+                prompt = f.read().removeprefix(BOM)
         except OSError as e:
             raise ColiError(f"-f {a.file}: {e.strerror or e}") from None
         except UnicodeDecodeError as e:
@@ -183,7 +198,7 @@ def _read_prompt(a) -> str:
     if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
         try:   # the bytes, decoded strictly: a C locale's stdin passes bad bytes on as lone surrogates
             buf = getattr(sys.stdin, "buffer", None)
-            prompt = buf.read().decode("utf-8") if buf is not None else sys.stdin.read()
+            prompt = (buf.read().decode("utf-8") if buf is not None else sys.stdin.read()).removeprefix(BOM)
         except UnicodeDecodeError as e:
             raise ColiError(f"stdin: not UTF-8 text (byte {e.start})") from None
     if prompt is None or prompt == "":
@@ -355,9 +370,12 @@ def cmd_serve(a) -> int:
     key = a.api_key
     if a.api_key_file:
         try:
-            key = open(a.api_key_file, encoding="utf-8").read().strip()
+            with open(a.api_key_file, encoding="utf-8") as f:
+                key = f.read().removeprefix(BOM).strip()
         except OSError as e:
             raise ColiError(f"--api-key-file {a.api_key_file}: {e.strerror or e}") from None
+        except UnicodeDecodeError as e:
+            raise ColiError(f"--api-key-file {a.api_key_file}: not UTF-8 text (byte {e.start})") from None
         if not key:
             raise ColiError(f"--api-key-file {a.api_key_file}: empty")
     key = key or settings.get("COLI_API_KEY")
@@ -494,7 +512,9 @@ def cmd_bench(a) -> int:
     if not any(pp) and not any(tg):
         raise ColiError(f"-p {a.n_prompt} -n {a.n_gen}: token counts must be >= 0, not all 0")
     threads = parse_int_list(a.threads, "-t", minimum=1) if a.threads is not None else None
-    ngls = parse_int_list(a.gpu_layers, "-ngl", minimum=-1) if a.gpu_layers is not None else [None]
+    raw_ngl = a.gpu_layers
+    ngls = (parse_int_list(a.gpu_layers, getattr(a, "gpu_layers_flag", None) or "-ngl", minimum=-1)
+            if a.gpu_layers is not None else [None])
     fmt = "json" if a.json else a.output
     a.threads = max(threads) if threads else None
 
@@ -506,8 +526,10 @@ def cmd_bench(a) -> int:
     if a.ctx is None:  # llama-bench's n_ctx (n_prompt + n_gen): the budget keeps no room for a KV cache no test uses
         a.ctx = max([*pp, *tg]) + 1
     recs = []
+    flag = getattr(a, "gpu_layers_flag", None) or "-ngl"   # the spelling the user typed (_KeepFlag)
     for ngl in ngls:  # llama-bench's -ngl list: a model (here an engine) per value
         a.gpu_layers = ngl
+        a.gpu_layers_name = f"{flag} {ngl}" + (f" (of {raw_ngl})" if len(ngls) > 1 else "")
         eng = _open_engine(a, quiet=True, save_usage=False)  # a benchmark does not feed the routing history
         try:
             recs += run_bench(eng, n_prompt=pp, n_gen=tg, reps=a.repetitions, cold=a.cold,
@@ -685,6 +707,7 @@ def _bench_parser(sub) -> None:
     b.add_argument("-t", "--threads", default=None, metavar="LIST",
                    help="Numba thread counts: 2, 1,2,4, 1-16, 1-16*2 (default: physical cores available)")
     b.add_argument("--gpu-layers", "-ngl", "--n-gpu-layers", dest="gpu_layers", default=None, metavar="LIST",
+                   action=_KeepFlag,
                    help="device layers, a list as llama-bench's -ngl (1,2 or 0-8+4; -1: as many as fit): the model "
                         "is opened once per value; as coli run's --gpu-layers otherwise")
     b.set_defaults(func=cmd_bench)

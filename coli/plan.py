@@ -102,6 +102,9 @@ def make_plan(path, *, device: str | None = None, ctx: int | None = None, expert
     if ctx < 1:
         raise ColiError(f"--ctx: {ctx} (at least 1)")
     moe = [il for il in range(a.n_layers) if f"blk.{il}.ffn_gate_exps.weight" in t]
+    if expert_cache is not None and int(expert_cache) < 0:   # refused on a dense model too, as coli run does
+        raise ColiError(f"--expert-cache: {expert_cache} (slots per layer, "
+                        + (f">= top-k {a.top_k})" if moe else "at least 0)"))
     p = dict(model=g.path.name, path=str(g.path), arch=a.arch, file_bytes=int(g.file_size), n_layers=a.n_layers,
              moe_layers=len(moe), n_experts=a.n_experts, top_k=a.top_k, ctx=ctx, dense_bytes=dense,
              kv_cache_bytes=kv_cache_bytes(a, ctx), kv_types=list(a.kv_types),
@@ -130,8 +133,6 @@ def make_plan(path, *, device: str | None = None, ctx: int | None = None, expert
             per_layer = [src.expert_nbytes(il) * src.n_experts(il) for il in moe]
         finally:
             src.close()
-        if expert_cache is not None and int(expert_cache) < 0:
-            raise ColiError(f"--expert-cache: {expert_cache} (slots per layer, >= top-k {a.top_k})")
         slots = expert_cache_slots(E, a.top_k, held, len(moe), expert_cache,
                                    cache_room(room, p["kv_cache_bytes"], per, 4, E, held))
         if expert_cache is not None:
@@ -226,6 +227,9 @@ def cmd_plan(a) -> int:
     p = make_plan(a.model, device=device, device_index=index, ctx=a.ctx, expert_cache=a.expert_cache, env=env,
                   mem_flag="--mem" if getattr(a, "mem", None) is not None else None,
                   cache_type_k=getattr(a, "cache_type_k", None), cache_type_v=getattr(a, "cache_type_v", None))
+    if a.expert_cache is not None and not p["moe_layers"]:
+        print(f"coli plan: --expert-cache: {p['model']} is a dense model (no routed experts): the flag does "
+              f"nothing", file=sys.stderr)
     if a.json:
         json.dump(p, sys.stdout, indent=2)
         sys.stdout.write("\n")

@@ -206,6 +206,11 @@ def build(eng, *, ctx, expert_cache, usage, io_threads, device, balance, trace, 
         eng.trace = Trace(trace)
     if eng.model.moe_layers:
         setup_moe(eng, expert_cache, usage, io_threads, keep_raw=device not in (None, "cpu"))
+    elif not eng.silent:   # llama.cpp's MoE flags match no tensor of a dense model, silently; one line says so here
+        for arg, v in (("expert_cache", expert_cache), ("usage", usage)):
+            if v is not None:
+                print(f"coli: {eng._name(arg)}: {eng.path.name} is a dense model (no routed experts): the "
+                      f"{'flag' if eng.cli_names else 'argument'} does nothing", file=sys.stderr)
     eng.device = None
     if device not in (None, "cpu"):
         if eng.step is None and device == "vulkan" and not (settings.get("COLI_VK_LAYERS", eng.env)
@@ -525,7 +530,7 @@ def setup_device(eng, device, balance) -> None:
 FLAGS = {"temp": "--temp", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p", "max_tokens": "-n",
          "repeat_penalty": "--repeat-penalty", "repeat_last_n": "--repeat-last-n", "ctx": "--ctx",
          "threads": "--threads", "stop": "--stop", "cpu_act": "--cpu-act", "expert_cache": "--expert-cache",
-         "device": "--device", "seed": "--seed", "io_threads": "--io-threads"}
+         "usage": "--usage", "device": "--device", "seed": "--seed", "io_threads": "--io-threads"}
 
 
 def close_at_exit(ref):

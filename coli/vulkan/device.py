@@ -383,11 +383,15 @@ class Device(InstanceMixin, MemoryMixin, PipelineMixin, BatchMixin):
                 else f"experts copied to the device ({self.zero_copy_why})")
 
     def report(self) -> str:
-        """``[VK] <label>: N matmuls on the GPU`` (the line each run ends with), and ``, M dispatches of the device
-        layers`` when they ran (coli/vulkan/layers.py)."""
-        s = f"[VK] {self.label}: {self.matmuls} matmuls on the GPU"
+        """The line each run ends with: ``[VK] <label>: N matmuls on the GPU`` (the expert tier's and other
+        single matmuls), with ``, M dispatches of the device layers`` when they ran (coli/vulkan/layers.py); when
+        the device layers did all the work, ``[VK] <label>: M dispatches of the device layers on the GPU`` (not
+        "0 matmuls")."""
         n = self.layer_dispatches
-        return s + (f", {n} dispatches of the device layers" if n else "")
+        if n and not self.matmuls:
+            return f"[VK] {self.label}: {n} dispatches of the device layers on the GPU"
+        return f"[VK] {self.label}: {self.matmuls} matmuls on the GPU" + (
+            f", {n} dispatches of the device layers" if n else "")
 
     def close(self) -> None:
         """Wait for the device and destroy every object; safe to call twice."""

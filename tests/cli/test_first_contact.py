@@ -102,3 +102,73 @@ def test_a_piped_prompt_that_is_not_utf8_names_stdin(capsys, monkeypatch):
                                                        errors="surrogateescape"))
     rc, out, err = _main(capsys, "run", "-m", str(DENSE), "-n", "1")
     assert (rc, out, err) == (2, "", "coli: stdin: not UTF-8 text (byte 3)\n")
+
+
+@requires_vulkan
+def test_device_layers_that_did_all_the_work_do_not_end_with_0_matmuls(capsys):
+    """--gpu-layers on a dense model: the device layers ran every dispatch and no single matmul, so the closing
+    line counts their dispatches "on the GPU" (it read "0 matmuls on the GPU, N dispatches of the device layers")."""
+    import re
+
+    rc, out, err = _main(capsys, "run", "-m", str(DENSE), "-p", "a b", "-n", "2", "--temp", "0", "--gpu-layers", "1")
+    assert rc == 0, err
+    last = err.strip().splitlines()[-1]
+    m = re.fullmatch(r"\[VK\] rope_linear\.gguf: (\d+) dispatches of the device layers on the GPU", last)
+    assert m and int(m.group(1)) > 0 and "matmuls on the GPU" not in err, err
+
+
+def test_a_byte_order_mark_opening_the_prompt_is_not_text(tmp_path, capsys, monkeypatch):
+    """A UTF-8 BOM (EF BB BF, as Windows editors write) opening a -f file or a piped prompt is dropped: the run
+    prints (echo and greedy text) exactly what the same prompt without it gives (the BOM was echoed and tokenized)."""
+    import io
+
+    args = ("-n", "3", "--temp", "0")
+    rc, want, err = _main(capsys, "run", "-m", str(DENSE), "-p", "a b c", *args)
+    assert rc == 0 and want.startswith("a b c"), err
+    f = tmp_path / "bom.txt"
+    f.write_bytes(b"\xef\xbb\xbfa b c")
+    rc, out, err = _main(capsys, "run", "-m", str(DENSE), "-f", str(f), *args)
+    assert (rc, out) == (0, want), err
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"\xef\xbb\xbfa b c"), encoding="utf-8"))
+    rc, out, err = _main(capsys, "run", "-m", str(DENSE), *args)
+    assert (rc, out) == (0, want), err
+    f.write_bytes(b"\xef\xbb\xbf")   # a BOM alone is an empty file
+    rc, out, err = _main(capsys, "run", "-m", str(DENSE), "-f", str(f), *args)
+    assert (rc, out, err) == (2, "", f"coli: -f {f}: empty (no prompt in it)\n")
+
+
+def test_moe_flags_on_a_dense_model_say_they_do_nothing(tmp_path, capsys):
+    """--expert-cache and --usage on a dense model (no routed experts): coli run and coli plan say in one line that
+    the flag does nothing (both were silent); a negative --expert-cache is refused on any model (coli plan took -1)."""
+    usage = tmp_path / "u.usage"
+    rc, out, err = _main(capsys, "run", "-m", str(DENSE), "-p", "a", "-n", "1", "--expert-cache", "4",
+                         "--usage", str(usage))
+    assert rc == 0, err
+    for flag in ("--expert-cache", "--usage"):
+        assert (f"coli: {flag}: rope_linear.gguf is a dense model (no routed experts): the flag does nothing\n"
+                in err), err
+    assert not usage.exists()
+    rc, out, err = _main(capsys, "plan", "-m", str(DENSE), "--expert-cache", "4", "--json")
+    assert rc == 0 and '"moe_layers": 0' in out
+    assert err == ("coli plan: --expert-cache: rope_linear.gguf is a dense model (no routed experts): the flag does "
+                   "nothing\n"), err
+    for cmd in ("plan", "run"):
+        rc, out, err = _main(capsys, cmd, "-m", str(DENSE), "--expert-cache", "-1", *(["-p", "a"] if cmd == "run" else []))
+        assert (rc, out) == (2, "") and err.splitlines()[-1].startswith("coli: --expert-cache: -1 ("), err
+
+
+@pytest.mark.parametrize("flag, value, named", [
+    ("-ngl", "1,2", "-ngl 1 (of 1,2)"), ("--gpu-layers", "1", "--gpu-layers 1"), ("-ngl", "0-2", "-ngl 1 (of 0-2)")])
+def test_a_bench_gpu_layers_list_names_the_value_that_failed(capsys, monkeypatch, flag, value, named):
+    """coli bench -ngl LIST (llama-bench's list): an error opening one value's engine names that value, the list and
+    the flag as typed (it named "--gpu-layers 1", a flag the user did not give, and not the list)."""
+    import coli.vulkan as cvk
+
+    def no_gpu(*a, **kw):
+        raise cvk.VulkanError("no GPU: the only Vulkan device is 0: llvmpipe")
+
+    monkeypatch.setattr(cvk, "open_device", no_gpu)
+    rc, out, err = _main(capsys, "bench", "-m", str(DENSE), "-p", "0", "-n", "1", "-r", "1", flag, value)
+    assert rc == 2 and err.endswith(f"coli: {named}: no GPU: the only Vulkan device is 0: llvmpipe\n"), err
+    if value == "0-2":   # the value 0 ran (on the CPU) before 1 failed
+        assert "Traceback" not in err
