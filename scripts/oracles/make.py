@@ -10,13 +10,13 @@ It needs torch, so it runs in a separate venv (docs/oracles.md)::
 Each family is a small module in ``families/`` (``NAMES``, ``make(name, ctx)``) holding its configuration and
 only what is its own (a hook, a margin rule, a hub-layout rewrite); this file holds what they share: the tiny
 byte-level BPE tokenizer, the seeded parameter fill, the reseed-until-margins loop (and the softmax top-k router's
-margin test, ``reseed_top_k``), forward hooks, greedy decoding with HF's cache, llama.cpp's converter with its
-config.json record and the GGUF comparison, and the npz / config.json writing.
+margin test, ``reseed_top_k``), forward hooks, greedy decoding with HF's cache, llama.cpp's converter (every GGUF
+here is its output) with its config.json record, and the npz / config.json writing.
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import json
 import os
 import subprocess
@@ -69,19 +69,6 @@ def build_tokenizer(dir_: Path):
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>")
     fast.save_pretrained(dir_)
     return fast
-
-
-def tokenizer_metadata(tok_dir: Path) -> dict:
-    """tokens / token types / merges read back from the saved tokenizer.json (what our writer stores)."""
-    tj = json.loads((tok_dir / "tokenizer.json").read_text(encoding="utf-8"))
-    vocab = tj["model"]["vocab"]
-    tokens = [None] * len(vocab)
-    for t, i in vocab.items():
-        tokens[i] = t
-    special = {a["id"] for a in tj["added_tokens"] if a["special"]}
-    types = [3 if i in special else 1 for i in range(len(tokens))]   # gguf.TokenType CONTROL=3, NORMAL=1
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
-    return {"tokens": tokens, "types": types, "merges": merges}
 
 
 def copy_tokenizer(tok_dir: Path, dst: Path) -> None:
@@ -333,60 +320,6 @@ def update_json(path: Path, fields: dict) -> None:
     path.write_text(json.dumps(cj, indent=1) + "\n")
 
 
-# ----------------------------------------------------------------------------------------------- GGUF writer
-def permute_llama(w: np.ndarray, n_head: int) -> np.ndarray:
-    """HF's rotate-half (NEOX) q/k rows -> llama.cpp's interleaved-pair rope order.
-
-    Row r = h*D + j (head h, j < D/2 first half, j >= D/2 second half) moves so that each head's rows become
-    (0, D/2, 1, D/2+1, ...): llama.cpp conversion/llama.py ``LlamaModel.permute``."""
-    d = w.shape[0] // n_head
-    return w.reshape(n_head, 2, d // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def write_gguf(path: Path, arch: str, name: str, cfg, tokmeta: dict, tensors: dict, keys) -> None:
-    """Our exporter (``gguf.GGUFWriter``, every tensor F32): the keys every arch has, ``keys(writer)`` for the
-    arch's own, the gpt2 tokenizer, then ``tensors`` (GGUF name -> array, NumPy order)."""
-    import gguf
-
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name(f"coli oracle {name}")
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
-    w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
-    keys(w)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
-    w.add_token_list(tokmeta["tokens"])
-    w.add_token_types(tokmeta["types"])
-    w.add_token_merges(tokmeta["merges"])
-    w.add_bos_token_id(BOS_ID)
-    w.add_eos_token_id(EOS_ID)
-    for tname, arr in tensors.items():
-        w.add_tensor(tname, np.ascontiguousarray(arr, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
-def dense_tensors(cfg, sd: dict, layer, extra: dict | None = None) -> dict:
-    """token_embd / output_norm / output, extra, and per layer the norms plus ``layer(hf_prefix, gguf_prefix)``'s."""
-    t = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"],
-         "output.weight": sd["lm_head.weight"], **(extra or {})}
-    for i in range(cfg.num_hidden_layers):
-        p, b = f"model.layers.{i}.", f"blk.{i}."
-        t[b + "attn_norm.weight"] = sd[p + "input_layernorm.weight"]
-        t[b + "ffn_norm.weight"] = sd[p + "post_attention_layernorm.weight"]
-        t.update(layer(p, b))
-    return t
-
-
 # ----------------------------------------------------------------------------------------------- llama.cpp
 CONVERT_WRAPPER = r"""
 import runpy, sys
@@ -434,11 +367,6 @@ def save_hf(model, hf_dir: Path, tok_dir: Path, hub_fields: dict | None = None) 
     return hf_dir
 
 
-# keys that describe the file rather than the model; reported, never compared
-IGNORED_KEYS = {"general.name", "general.basename", "general.size_label", "general.type",
-                "general.quantization_version", "general.finetune", "general.version"}
-
-
 def field_value(f):
     import gguf
     if f.types and f.types[0] == gguf.GGUFValueType.ARRAY:
@@ -455,86 +383,6 @@ def gguf_summary(path: Path) -> dict:
             if not k.startswith(("GGUF.", "tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"))}
     return {"gguf_tensors": {t.name: [t.tensor_type.name, [int(s) for s in reversed(t.shape)]] for t in rd.tensors},
             "gguf_keys": {k: v for k, v in keys.items() if not isinstance(v, list) or len(v) < 16}}
-
-
-def compare_gguf(ours: Path, theirs: Path) -> dict:
-    """Our GGUF against the converter's, by name: tensors (type, shape, values within 1e-7) and keys (floats within
-    1e-12 relative; the file-describing keys left out); ``ok`` when nothing differs or is missing on one side."""
-    import gguf
-
-    a, b = gguf.GGUFReader(str(ours)), gguf.GGUFReader(str(theirs))
-    ta, tb = {t.name: t for t in a.tensors}, {t.name: t for t in b.tensors}
-    res = {"tensors_compared": sorted(set(ta) & set(tb)), "tensors_only_ours": sorted(set(ta) - set(tb)),
-           "tensors_only_theirs": sorted(set(tb) - set(ta)), "tensor_mismatches": [], "max_abs_diff": 0.0}
-    for n in res["tensors_compared"]:
-        x, y = ta[n], tb[n]
-        d = float("inf")
-        if x.tensor_type == y.tensor_type and list(x.shape) == list(y.shape):
-            xa, ya = np.asarray(x.data, dtype=np.float32), np.asarray(y.data, dtype=np.float32)
-            d = float(np.max(np.abs(xa - ya))) if xa.size else 0.0
-        res["max_abs_diff"] = max(res["max_abs_diff"], d)
-        if not d <= 1e-7:
-            res["tensor_mismatches"].append({"name": n, "ours": [x.tensor_type.name, list(map(int, x.shape))],
-                                             "theirs": [y.tensor_type.name, list(map(int, y.shape))], "diff": d})
-    fa, fb = ({k: field_value(f) for k, f in r.fields.items() if not k.startswith("GGUF.")} for r in (a, b))
-
-    def same(va, vb):
-        if isinstance(va, float) or isinstance(vb, float):
-            return abs(float(va) - float(vb)) <= 1e-12 * max(1.0, abs(float(vb)))
-        return va == vb
-
-    res["keys_compared"] = sorted(set(fa) & set(fb) - IGNORED_KEYS)
-    res["key_mismatches"] = [{"key": k, "ours": repr(fa[k])[:200], "theirs": repr(fb[k])[:200]}
-                             for k in res["keys_compared"] if not same(fa[k], fb[k])]
-    res["keys_only_ours"] = sorted(set(fa) - set(fb) - IGNORED_KEYS)
-    res["keys_only_theirs"] = sorted(set(fb) - set(fa) - IGNORED_KEYS)
-    res["ok"] = not (res["tensors_only_ours"] or res["tensors_only_theirs"] or res["tensor_mismatches"]
-                     or res["key_mismatches"] or res["keys_only_ours"] or res["keys_only_theirs"])
-    return res
-
-
-def llama_cpp_run(gguf_path: Path, ids: np.ndarray, ref_logits: np.ndarray) -> dict:
-    """Run the GGUF in llama.cpp (llama-cpp-python built from the same sdist, f32 KV cache) against HF."""
-    import llama_cpp
-
-    llm = llama_cpp.Llama(str(gguf_path), n_ctx=128, n_batch=128, n_threads=2, logits_all=True,
-                          type_k=0, type_v=0, verbose=False)   # type 0 = GGML_TYPE_F32 KV cache
-    llm.reset()
-    llm.eval([int(i) for i in ids])
-    got = np.array(llm.scores[: len(ids)], dtype=np.float32)
-    d = np.abs(got - ref_logits)
-    scale = np.abs(ref_logits).max(axis=-1)
-    return {"llama_cpp_python": llama_cpp.__version__, "max_abs_diff": float(d.max()),
-            "max_rel_to_row_max": float((d.max(axis=-1) / scale).max()),
-            "argmax_equal": bool((got.argmax(-1) == ref_logits.argmax(-1)).all())}
-
-
-def convert_check(name: str, ctx, hf_dir: Path) -> bool:
-    """Our ``<out>/<name>.gguf`` against llama.cpp's converter's file of the same checkpoint, key by key and tensor by
-    tensor, and (when llama-cpp-python is importable) both files run in llama.cpp against HF's logits; recorded
-    in ``convert_check.json``. False on any mismatch."""
-    if ctx.args.no_convert_check:
-        return True
-    ours = ctx.out / f"{name}.gguf"
-    theirs = convert(name, ctx.llama_cpp, hf_dir, hf_dir.parent / f"{name}.llamacpp-f32.gguf")
-    res = compare_gguf(ours, theirs)
-    res["converter"] = "llama-cpp-python 0.3.36 vendor/llama.cpp/convert_hf_to_gguf.py --outtype f32"
-    ctx.checks[name] = res
-    ok = res["ok"]
-    if not ctx.args.no_llama_run and importlib.util.find_spec("llama_cpp"):
-        ref = np.load(ctx.out / f"{name}.npz")
-        for fname, path in (("ours", ours), ("converter", theirs)):
-            run = llama_cpp_run(path, ref["ids"], ref["logits"])
-            res.setdefault("llama_cpp_run", {})[fname] = run
-            print(f"{name}: llama.cpp on the {fname} file vs HF: {run}")
-            ok &= run["argmax_equal"] and run["max_rel_to_row_max"] <= 1e-3
-    print(f"{name}: convert check ok={res['ok']} tensors={len(res['tensors_compared'])} "
-          f"keys={len(res['keys_compared'])} max_abs_diff={res['max_abs_diff']}")
-    for k in ("tensors_only_ours", "tensors_only_theirs", "tensor_mismatches", "key_mismatches",
-              "keys_only_ours", "keys_only_theirs"):
-        if res[k]:
-            print(f"  {k}: {res[k]}")
-    return bool(ok)
 
 
 # ----------------------------------------------------------------------------------------------- CLI
@@ -563,10 +411,6 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--work", type=Path, default=DEFAULT_WORK)
     ap.add_argument("--llama-cpp", type=Path, default=DEFAULT_LLAMA, help="vendor/llama.cpp of the sdist")
-    ap.add_argument("--no-convert-check", action="store_true",
-                    help="moe, rope: skip the comparison of our GGUF with llama.cpp's converter's")
-    ap.add_argument("--no-llama-run", action="store_true",
-                    help="moe, rope: skip running the GGUFs in llama-cpp-python (done when it is importable)")
     ap.add_argument("--bin", type=Path, default=Path.home() / ".cache/coli/llama.cpp/build/bin",
                     help="nvfp4: the llama.cpp build folder with llama-quantize")
     ap.add_argument("--gguf", type=Path, default=Path.home() / ".cache/coli/models/gemma-3-270m-q4_k_m.gguf",
@@ -579,19 +423,13 @@ def main(argv=None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args.out.mkdir(parents=True, exist_ok=True)
     ctx = SimpleNamespace(args=args, out=args.out, work=args.work, llama_cpp=args.llama_cpp,
-                          tok_dir=args.work / "tokenizer", checks={}, ok=True)
+                          tok_dir=args.work / "tokenizer", ok=True)
     if any(fam not in ("nvfp4", "gemma3_ppl") for fam, _ in todo):
         ctx.tok_dir.mkdir(parents=True, exist_ok=True)
         build_tokenizer(ctx.tok_dir)
-        ctx.tokmeta = tokenizer_metadata(ctx.tok_dir)
     for fam, name in todo:
         info = family(fam).make(name, ctx)
         print(f"{name}: {info}")
-    if ctx.checks:
-        check_path = args.out / "convert_check.json"
-        checks = json.loads(check_path.read_text()) if check_path.exists() else {}
-        checks.update(ctx.checks)
-        check_path.write_text(json.dumps(checks, indent=1, sort_keys=True) + "\n")
     return 0 if ctx.ok else 1
 
 

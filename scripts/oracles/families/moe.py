@@ -1,4 +1,4 @@
-"""Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE (docs/oracles.md): our own GGUF writer, checked against llama.cpp's converter.
+"""Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE (docs/oracles.md); GGUF by llama.cpp's converter.
 
 ``<name>.npz``: ``ids`` int32 [24], ``logits`` f32 [T, V], ``router_logits`` f32 [L, T, E], ``expert_ids`` int32
 [L, T, K], ``expert_weights`` f32 [L, T, K], ``router_margin`` f32 [L, T], ``logit_gap`` f32 [T]. The saved
@@ -35,54 +35,6 @@ ARCHS: dict[str, tuple[str, str, int, dict]] = {
 NAMES = list(ARCHS)
 
 
-def gguf_tensors(arch: str, cfg, sd: dict) -> dict[str, np.ndarray]:
-    """HF state dict (transformers 5 names, fused experts) -> GGUF tensor name -> array (NumPy order)."""
-    def layer(p, b):
-        t = {}
-        for hf, gg in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output")):
-            for suf in ("weight", "bias"):
-                key = f"{p}self_attn.{hf}.{suf}"
-                if key in sd:
-                    a = sd[key]
-                    if arch == "llama" and hf == "q_proj":
-                        a = M.permute_llama(a, cfg.num_attention_heads)
-                    elif arch == "llama" and hf == "k_proj":
-                        a = M.permute_llama(a, cfg.num_key_value_heads)
-                    t[f"{b}{gg}.{suf}"] = a
-        for hf, gg in (("q_norm", "attn_q_norm"), ("k_norm", "attn_k_norm")):
-            if f"{p}self_attn.{hf}.weight" in sd:
-                t[f"{b}{gg}.weight"] = sd[f"{p}self_attn.{hf}.weight"]
-        t[b + "ffn_gate_inp.weight"] = sd[p + "mlp.gate.weight"]                      # [E, H]
-        gu = sd[p + "mlp.experts.gate_up_proj"]                                        # [E, 2F, H]
-        f = gu.shape[1] // 2
-        t[b + "ffn_gate_exps.weight"] = gu[:, :f, :]                                   # [E, F, H]
-        t[b + "ffn_up_exps.weight"] = gu[:, f:, :]                                     # [E, F, H]
-        t[b + "ffn_down_exps.weight"] = sd[p + "mlp.experts.down_proj"]                # [E, H, F]
-        if p + "mlp.shared_expert_gate.weight" in sd:
-            for proj in ("gate", "up", "down"):
-                t[f"{b}ffn_{proj}_shexp.weight"] = sd[f"{p}mlp.shared_expert.{proj}_proj.weight"]
-            t[b + "ffn_gate_inp_shexp.weight"] = sd[p + "mlp.shared_expert_gate.weight"]  # [1, H]
-        return t
-    return M.dense_tensors(cfg, sd, layer)
-
-
-def arch_keys(arch: str, cfg):
-    def keys(w):
-        w.add_expert_count(getattr(cfg, "num_local_experts", None) or cfg.num_experts)
-        w.add_expert_used_count(cfg.num_experts_per_tok)
-        if arch in ("qwen2moe", "qwen3moe"):
-            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-        if arch == "qwen2moe":
-            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-        if getattr(cfg, "head_dim", None) is not None and arch == "qwen3moe":
-            w.add_key_length(cfg.head_dim)
-            w.add_value_length(cfg.head_dim)
-        if arch == "llama":
-            w.add_vocab_size(cfg.vocab_size)
-            w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    return keys
-
-
 def make(name: str, ctx) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -91,19 +43,17 @@ def make(name: str, ctx) -> dict:
     seed, cfg, model, ids, _, logits, rl, w, ix, margin, gap = M.reseed_top_k(
         name, seed0, 20, lambda seed: M.random_model(model_type, over, seed, N_TOKENS))
     out = ctx.out
-    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     np.savez(out / f"{name}.npz", ids=ids, logits=logits.astype(np.float32), router_logits=rl.astype(np.float32),
              expert_ids=ix, expert_weights=w.astype(np.float32), router_margin=margin, logit_gap=gap)
     M.write_config(out / f"{name}.config.json", cfg, {
         "seed": seed, "router_scale": M.ROUTER_SCALE, "gguf_arch": arch, "min_router_margin": M.MIN_MARGIN,
-        "min_logit_gap": M.MIN_LOGIT_GAP, **M.versions()})
-    M.write_gguf(out / f"{name}.gguf", arch, name, cfg, ctx.tokmeta, gguf_tensors(arch, cfg, sd), arch_keys(arch, cfg))
+        "min_logit_gap": M.MIN_LOGIT_GAP, "gguf": "llama.cpp convert_hf_to_gguf.py f32", **M.versions()})
     hf_dir = M.save_hf(model, ctx.work / name / "hf", ctx.tok_dir)
     # the saved checkpoint reloads to the same logits (transformers' own un-fusing round trip)
     reloaded = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").float().eval()
     l2, *_ = M.run_model(reloaded, ids)
     assert np.array_equal(l2, logits), f"{name}: reloaded checkpoint differs by {np.abs(l2 - logits).max()}"
-    ctx.ok &= M.convert_check(name, ctx, hf_dir)
+    M.convert(name, ctx.llama_cpp, hf_dir, out / f"{name}.gguf")
     return {"seed": seed, "min_router_margin": float(margin.min()), "min_logit_gap": float(gap.min()),
             "max_abs_logit": float(np.abs(logits).max()),
             "gguf_bytes": (out / f"{name}.gguf").stat().st_size, "npz_bytes": (out / f"{name}.npz").stat().st_size}
