@@ -2,7 +2,8 @@
 
 ppN: one prompt of N tokens from an empty KV cache (in the engine's prompt steps); tgN: N single-token
 forwards from an empty cache (llama-bench's ``tg`` test). Every test runs once to warm up (Numba's first
-compile; a tg test with one token, as llama-bench), then ``reps`` times, each run on token ids of its own
+compile; a tg test with one token, as llama-bench; then the RAM expert cache filled when it holds every expert:
+:func:`fill_expert_cache`), then ``reps`` times, each run on token ids of its own
 (:func:`run_tokens`: a decode figure is not that of a RAM expert cache the same ids filled); time spent holding Numba's compiler lock is subtracted
 (``coli.base.progress.compile_seconds``), so compilation is never counted. ``-p``, ``-n`` and ``-t`` take
 lists and ranges as llama-bench's (``1,2,4``, ``1-16``, ``1-16+2``, ``2-16*2``: :func:`parse_int_list`);
@@ -121,6 +122,26 @@ def run_tokens(eng, kind: str, n: int, rep: int) -> np.ndarray:
     for each run and warms a tg test up with one token: a run's decode then routes to experts the warm-up and the
     earlier runs did not all touch, so a decode figure is not that of a RAM expert cache the same ids filled."""
     return _tokens(eng, 1 if (kind == "tg" and rep == 0) else n, seed=1234 + 7919 * rep)
+
+
+def fill_expert_cache(eng) -> int:
+    """After a test's warm-up: every routed expert the CPU may compute read into the RAM expert cache
+    (``RAMCache.fill``), when the cache holds every expert (``eng.expert_slots`` >= the experts of a layer), so
+    the timed runs measure the steady state a run reaches once its experts were used, as llama-bench's do (its
+    mmap'd file's pages stay in the page cache from run to run) and not the first reads from the file. Skipped
+    for device layers holding every expert of theirs (the CPU computes none of them); a smaller cache is left as
+    the warm-up left it (its steady state reads experts: the figure includes them). Returns the experts read."""
+    cache = getattr(eng, "cache", None)
+    if cache is None:
+        return 0
+    layers = list(cache.lru)
+    dl = getattr(eng, "device_layers", None)
+    if dl is not None:   # a device layer's experts stay on the device unless some are the CPU's (``resident``)
+        whole = set(getattr(dl, "layers", ())) - set(getattr(dl, "resident", {}))
+        layers = [l for l in layers if l not in whole]
+    if not layers or any(eng.expert_slots < cache.source.n_experts(l) for l in layers):
+        return 0
+    return cache.fill(layers)
 
 
 # -- the memory-read probe ---------------------------------------------------------------------------------
@@ -339,6 +360,8 @@ def run_bench(eng, n_prompt=128, n_gen=64, reps=5, cold=False, threads=None, ban
                             dt = time.perf_counter_ns() - t0 - int((compile_seconds() - c0) * 1e9)
                         if snap is not None:
                             prof.restore(snap)
+                        if rep == 0 and not cold:   # untimed: the steady state's RAM expert cache
+                            fill_expert_cache(eng)
                         if rep > 0:
                             samples.append(max(dt, 1))
                             loads.append(runtime.counters(eng))

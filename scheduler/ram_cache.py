@@ -359,6 +359,16 @@ class RAMCache:
             self.put(l, e, f.result())
         return len(futs)
 
+    def fill(self, layers) -> int:
+        """Read every expert of ``layers`` that is not in RAM (in parallel, on the readers) and cache it, as a
+        first use would (``put``: counted in ``loads``). For a cache that holds them all: a smaller one would
+        evict what it just read. Returns how many were read."""
+        futs = [(l, e, self.fetch(l, e)) for l in layers for e in range(self.source.n_experts(l))
+                if not self.in_ram(l, e)]
+        for l, e, f in futs:
+            self.put(l, e, f.result())
+        return len(futs)
+
     def nbytes(self) -> int:
         return sum(w.nbytes for d in self.lru.values() for w in d.values())
 

@@ -258,11 +258,12 @@ def test_bench_context_is_the_longest_test(tiny, capsys, monkeypatch):
 def test_bench_warm_up_and_runs_decode_ids_of_their_own(tiny, monkeypatch):
     """As llama-bench: the tg warm-up decodes one token and each run its own ids (``run_tokens``), so the timed
     decode is not that of a RAM expert cache the warm-up filled with the same ids: the first timed run still reads
-    experts from the file (with the same ids as the warm-up it read none)."""
+    experts from the file (with the same ids as the warm-up it read none). A cache of 3 of the 4 experts a layer:
+    one that holds them all is filled after the warm-up (the next test)."""
     from coli import bench
     from coli.engine import Engine
 
-    eng = Engine(str(tiny), quiet=True, save_usage=False, expert_cache=8, ctx=16)
+    eng = Engine(str(tiny), quiet=True, save_usage=False, expert_cache=3, ctx=16)
     try:
         fed = []
         real = eng.model.forward
@@ -277,5 +278,30 @@ def test_bench_warm_up_and_runs_decode_ids_of_their_own(tiny, monkeypatch):
         assert len(runs[0]) == 1 and fed == runs[0] + runs[1] + runs[2]
         assert runs[1] != runs[2] and runs[0] != runs[1][:1]
         assert recs[0]["expert_disk_loads"][0] > 0
+    finally:
+        eng.close()
+
+
+def test_bench_fills_a_cache_that_holds_every_expert(tiny):
+    """The steady state, as llama-bench's warm page cache: when the RAM expert cache holds every expert, the warm-up
+    ends with all of them read (``fill_expert_cache``), so no timed run reads one from the file; a cache that holds
+    fewer is left as the warm-up left it (its first timed run reads experts: the previous test)."""
+    from coli import bench
+    from coli.engine import Engine
+
+    eng = Engine(str(tiny), quiet=True, save_usage=False, expert_cache=4, ctx=16)
+    try:
+        recs = bench.run_bench(eng, n_prompt=0, n_gen=6, reps=2)
+        c = eng.cache
+        assert recs[0]["expert_disk_loads"] == [0, 0] and recs[0]["expert_bytes_read"] == [0, 0]
+        assert all(c.in_ram(l, e) for l in eng.model.moe_layers for e in range(4))
+        assert bench.fill_expert_cache(eng) == 0           # nothing left to read
+        c.clear()
+        assert bench.fill_expert_cache(eng) == 4 * len(eng.model.moe_layers) and c.loads >= 8
+    finally:
+        eng.close()
+    eng = Engine(str(tiny), quiet=True, save_usage=False, expert_cache=3, ctx=16)
+    try:
+        assert bench.fill_expert_cache(eng) == 0 and not any(eng.cache.lru.values())
     finally:
         eng.close()
