@@ -375,12 +375,6 @@ def setup_layers(eng, dev, budget: int, balance=None) -> bool:
               f"and {lo} on the CPU anyway (the device holds {_layers(first, first + n - 1)})", file=sys.stderr)
     instead = "the expert tier instead" if eng.step is not None else "every layer on the CPU"
     v4 = n > 0 and layer_plan.is_deepseek4(eng.model.layers[first])    # its own path (coli/vulkan/layer_dsv4.py)
-    if v4 and apart:
-        if not eng.silent:
-            flag = "--cpu-moe / --n-cpu-moe" if eng.cli_names else "COLI_VK_CPU_MOE"
-            print(f"[VK] {eng.path.name}: DeepSeek-V4's device layers hold their own experts ({flag}: not supported); "
-                  f"{instead}", file=sys.stderr)
-        return False
     resident = layer_experts(eng, first, budget, cpu_moe) if apart and n else None
     if n == 0:
         if not eng.silent:
@@ -394,7 +388,7 @@ def setup_layers(eng, dev, budget: int, balance=None) -> bool:
         if v4:
             from coli.vulkan.layer_dsv4 import Dsv4DeviceLayers
 
-            dl = Dsv4DeviceLayers(eng.model, dev, first, eng.ctx, env=eng.env)
+            dl = Dsv4DeviceLayers(eng.model, dev, first, eng.ctx, env=eng.env, resident=resident)
         else:
             dl = device_layers.DeviceLayers(eng.model, dev, first, eng.ctx, env=eng.env, resident=resident,
                                             balancer=Balancer(enabled=True) if balance is True else None)
@@ -431,8 +425,13 @@ def layer_experts(eng, first: int, budget: int, cpu_moe: int) -> dict:
     rest = [il for il in moe if il not in out]
     if not rest:
         return out
-    used = layer_plan.fixed_bytes(m, eng.ctx, settings.get("COLI_VK_PROMPT_ROWS", eng.env))
-    used += sum(layer_plan.layer_bytes(m, il, eng.ctx, experts=False) for il in layers)
+    if layer_plan.is_deepseek4(m.layers[first]):    # its own plan's bytes (layer_plan.plan); a layer not given all
+        out_t = m.t.get("output.weight", m.tok_embd)   # its experts keeps every one on the CPU (layer_dsv4)
+        used = int(out_t.nbytes) + 8 * n * eng.ctx * m.args.n_rot
+        used += sum(layer_plan.dsv4_layer_bytes(m, il, eng.ctx, experts=False) for il in layers)
+    else:
+        used = layer_plan.fixed_bytes(m, eng.ctx, settings.get("COLI_VK_PROMPT_ROWS", eng.env))
+        used += sum(layer_plan.layer_bytes(m, il, eng.ctx, experts=False) for il in layers)
     per = max(layer_plan.expert_bytes(m, il) for il in rest)
     cap = max(0, (int(budget) - used) // per)
     if cap >= E * len(rest):

@@ -15,9 +15,31 @@ from __future__ import annotations
 
 import numpy as np
 
+from .layer_join import Cut
 from .layer_plan import topk_args
 from .binding import lib
 from .layers import Copy, Dispatch, Kernels, f32_bits
+
+
+def run_program(K, ops: list, host) -> int:
+    """``ops`` in one submit, or, cut by :class:`Cut` markers (a layer whose routed experts are on the CPU), a submit
+    and a wait a segment with ``host(cut)`` between them (the host reads what the segment copied out and writes what
+    the next reads): the dispatches run."""
+    n, seg = 0, []
+    for op in ops + [None]:
+        if op is not None and not isinstance(op, Cut):
+            seg.append(op)
+            continue
+        rec = K.record(seg, lead=n > 0)       # a later segment reads what the host wrote after the earlier ones
+        try:
+            K.submit(rec)
+        finally:
+            K.free(rec)
+        n += rec.dispatches
+        seg = []
+        if op is not None:
+            host(op)
+    return n
 
 
 def _ceil32(n: int) -> int:
@@ -31,8 +53,9 @@ class Dsv4Layer:
     calls in position order from 0 (the device's caches follow them, as the CPU's ``LayerCache`` does);
     :meth:`state_to` / :meth:`state_from` move that state to and from the CPU's ``LayerCache``."""
 
-    def __init__(self, K, m, il: int, ctx: int):
+    def __init__(self, K, m, il: int, ctx: int, experts: bool = True):
         self.K, self.m, self.il, self.ctx = K, m, il, int(ctx)
+        self.cpu_rows = 0       # routed pairs the CPU ran (``experts`` False: none of them on the device)
         L, a = m.layers[il], m.args
         self.L, self.a = L, a
         at = L.attn
@@ -87,13 +110,15 @@ class Dsv4Layer:
         for j, n in enumerate(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")):
             ti = m.wt.info(p + n + ".weight")
             E, O, I = (int(s) for s in ti.shape)
-            raw = np.asarray(ti.raw).reshape(E, -1)
-            for e in range(E):
-                tab[e, j] = self.dev_place(ti.type_name, raw[e], (O, I)).addr
             types.append(ti.type_name)
             if j == 0:
                 self.F = O
-        self.tab, self.etypes = self._const(tab), (types[0], types[2])
+            if not experts:
+                continue
+            raw = np.asarray(ti.raw).reshape(E, -1)
+            for e in range(E):
+                tab[e, j] = self.dev_place(ti.type_name, raw[e], (O, I)).addr
+        self.tab, self.etypes = (self._const(tab) if experts else None), (types[0], types[2])
         self.elimit = float(moe.ffn.limit)
         sh = [m.wt.info(p + n + ".weight") for n in ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")]
         self.sF = int(sh[0].shape[0])
@@ -200,12 +225,11 @@ class Dsv4Layer:
         sc = self._sc
         T = S.shape[0]
         bS = sc.load(S, tokens, pos0)
-        rec = K.record(self.ops(sc, bS, T, pos0) + [sc.out_copy(T, S[0].size)])
         try:
-            K.submit(rec)
+            self.dispatches = run_program(K, self.ops(sc, bS, T, pos0) + [sc.out_copy(T, S[0].size)],
+                                          lambda cut: cut.j.host_experts(sc, T))
         finally:
-            K.free(rec)
-        self.dispatches = rec.dispatches
+            sc.release()
         self.last_routes = sc.bufs["rt"].u32(T * 2 * self.k).reshape(T, 2, self.k)[:, 0].copy()
         return sc.result(T, S.shape)
 
@@ -308,6 +332,8 @@ class Dsv4Layer:
         ops = [self._mm(self.router, xn.addr, lg.addr, T, E, D),
                Dispatch("topk", (T, 1, 1), [lg.addr, rt.addr, self.route_src.addr, self.route_src.addr, tok.addr],
                         [E, k, self.flags, *self.words])]
+        if self.tab is None:
+            return ops + self._host_moe_ops(sc, T)
         if T == 1:
             h = g("h1", max(k, 1) * max(F, sF))
             Rw = K.rows
@@ -347,6 +373,47 @@ class Dsv4Layer:
         return ops
 
 
+    def _host_moe_ops(self, sc: "Dsv4Scratch", T: int) -> list:
+        """The routed experts on the CPU (``--cpu-moe`` / ``--n-cpu-moe``): the rows' FFN input and routes copied
+        out, cut (the host runs :meth:`host_experts`: their weighted sum into ``y``), then the shared expert added
+        on the device (the CPU's order: the routed sum, then the shared expert)."""
+        K, D, k, sF = self.K, self.D, self.k, self.sF
+        g = sc.get
+        xn, y, rt = g("xn", T * D), g("y", T * D), g("rt", T * 2 * k)
+        ops = [Copy(xn, g("xn_host", T * D, readback=True), [(0, 0, 4 * T * D)]),
+               Copy(rt, g("rt_host", T * 2 * k, readback=True), [(0, 0, 8 * T * k)]),
+               Cut(self, "cpu")]
+        if T == 1:
+            h, Rw = g("h1", max(k, 1) * max(self.F, sF)), K.rows
+            return ops + [
+                Dispatch("lmoe", (-(-sF // Rw), 1), [self.sh_tab.addr, self.sh_route.addr, xn.addr, h.addr],
+                         [sF, D, 1, 0, 0, f32_bits(self.sh_limit)], type_name=self.sh_types[0], mode=1),
+                Dispatch("lmoe", (-(-D // Rw),), [self.sh_tab.addr, self.sh_route.addr, h.addr, y.addr],
+                         [D, sF, 1], type_name=self.sh_types[1], mode=0)]
+        BM, gr = 64, -(-T // K.tile)
+        h, ysh, shr = g("h", T * max(k * self.F, sF)), g("ysh", T * D), sc.shared_routes(T)
+        return ops + [
+            Dispatch("lmm_f32" if self.sh_limit > 0 else "lmm", (-(-sF // BM), gr, 1),
+                     [self.sh_tab.addr, xn.addr, h.addr, shr.addr, shr.addr, shr.addr],
+                     [sF, D, 0, T, 0, 1, 1, 0, 0, f32_bits(self.sh_limit)], type_name=self.sh_types[0], mode=1),
+            Dispatch("lmm", (-(-D // BM), gr, 1), [self.sh_tab.addr, h.addr, ysh.addr, shr.addr, shr.addr,
+                                                   shr.addr], [D, sF, 0, T, 0, 1, 1],
+                     type_name=self.sh_types[1], mode=2),
+            Dispatch("moe_sum", (T,), [ysh.addr, y.addr, ysh.addr], [D, 0, 1])]
+
+    def host_experts(self, sc: "Dsv4Scratch", T: int) -> None:
+        """The host's part of :meth:`_host_moe_ops`: the routed experts of the ``T`` rows the device routed, on the
+        CPU (the engine's step: the RAM expert cache, the CPU kernels, the layer's clamped SwiGLU), their weighted
+        sum written into ``y`` (host-visible) for the next segment."""
+        D, k = self.D, self.k
+        x = sc.bufs["xn_host"].f32(T * D).reshape(T, D).copy()
+        rt = sc.bufs["rt_host"].u32(2 * T * k).reshape(T, 2, k)
+        ids, w = rt[:, 0].astype(np.int64), rt[:, 1].copy().view(np.float32)
+        y = self.m.step.run(self.il, x, ids, w, ffn=self.moe.ffn)
+        sc.bufs["y"].f32(T * D)[:] = np.asarray(y, np.float32).reshape(-1)
+        self.cpu_rows += T * k
+
+
 class Dsv4Scratch:
     """The buffers of DeepSeek-V4's layer calls, made once and grown when a call needs more (never per call): a
     role's buffer (``get``) zeroed when made, so the columns no kernel writes (the padding of ``qa``, ``y1``) stay
@@ -354,18 +421,19 @@ class Dsv4Scratch:
     position ``par`` and tokens ``tok``. Shared by every layer of a call (their ops run in order)."""
 
     def __init__(self, K):
-        self.K, self.bufs = K, {}
+        self.K, self.bufs, self._old = K, {}, []
         self.par = self.get("par", 1)
         self.tok = self.tok_n = None
 
     def get(self, name: str, n: int, readback: bool = False):
-        """Role ``name``'s buffer of at least ``n`` 4-byte values (made, or remade twice as large, zeroed)."""
+        """Role ``name``'s buffer of at least ``n`` 4-byte values (made, or remade twice as large, zeroed; the one it
+        replaces is dropped by :meth:`release`, after the call whose ops may still name it)."""
         n = max(int(n), 1)
         b = self.bufs.get(name)
         if b is None or b.size < 4 * n:
             old = 0 if b is None else b.size // 4
             if b is not None:
-                self.K.drop(b)
+                self._old.append(b)
             b = self.K.buffer(4 * max(n, 2 * old), readback=readback)
             b.view[:] = 0
             self.bufs[name] = b
@@ -403,7 +471,14 @@ class Dsv4Scratch:
         n = int(np.prod(shape))
         return self._out.f32(n).reshape(shape).copy()
 
+    def release(self) -> None:
+        """Drop the buffers a call's growth replaced (after its submits)."""
+        for b in self._old:
+            self.K.drop(b)
+        self._old = []
+
     def close(self) -> None:
+        self.release()
         for b in self.bufs.values():
             self.K.drop(b)
         self.bufs = {}
@@ -421,11 +496,13 @@ class Dsv4DeviceLayers:
     :meth:`recompute_on_cpu` brings the CPU's caches up to date after a failed device, and :meth:`host_state`
     writes the device's state into them when another cache takes the device or a caller needs them
     (``Dsv4Layer.state_to``). Counters as ``DeviceLayers``' for the engine's lines (``tokens``, ``submit_s``,
-    ``prompt_tokens``, ``prompt_chunks``, ``prompt_s``, ``dispatches``: the last call's; the others 0: no
-    timestamps, no experts apart, no stream). Construction raises ``VulkanError`` / ``MemoryError`` /
+    ``prompt_tokens``, ``prompt_chunks``, ``prompt_s``, ``dispatches``: the last call's; ``dev_rows`` / ``cpu_rows``
+    and ``p_dev_rows`` / ``p_cpu_rows``: routed pairs of decode / prompt rows on each side; the others 0: no
+    timestamps, no swaps, no stream). ``resident`` (runtime's ``layer_experts``, ``--cpu-moe`` / ``--n-cpu-moe``):
+    a layer not given all its routed experts keeps every one on the CPU (:meth:`Dsv4Layer.host_experts`). Construction raises ``VulkanError`` / ``MemoryError`` /
     ``ValueError`` (a format without a kernel) after freeing what it placed."""
 
-    def __init__(self, m, dev, first: int, ctx: int, head: bool = True, env=None):
+    def __init__(self, m, dev, first: int, ctx: int, head: bool = True, env=None, resident: dict | None = None):
         from coli.base.settings import get
         from coli.vulkan.layer_plan import device_formats
 
@@ -437,7 +514,11 @@ class Dsv4DeviceLayers:
         self.streamed_bytes = self.stream_chunks = 0
         self.dev_rows = self.cpu_rows = self.p_dev_rows = self.p_cpu_rows = 0
         self.swaps = self.swaps_refused = self.handed = 0
-        self.resident, self.bal, self.clock, self.prof, self.on_token = {}, None, None, None, None
+        # --cpu-moe / --n-cpu-moe (``resident``: layer -> the expert ids its device copy would hold, runtime's
+        # ``layer_experts``): a layer not holding all of them keeps every routed expert on the CPU
+        E = m.args.n_experts
+        self.resident = {il: np.zeros(E, bool) for il, ids in (resident or {}).items() if len(set(ids)) < E}
+        self.bal, self.clock, self.prof, self.on_token = None, None, None, None
         self.per, self.hd = [], m.args.head_dim
         self.attn_names = ["dsv4_attn.comp"]
         self._cache, self._pos, self._lo, self._hist = None, None, 0, []
@@ -446,7 +527,7 @@ class Dsv4DeviceLayers:
         try:
             self.K = Kernels(dev, env=env)
             for il in self.layers:
-                self.dl.append(Dsv4Layer(self.K, m, il, ctx))
+                self.dl.append(Dsv4Layer(self.K, m, il, ctx, experts=il not in self.resident))
             self.sc = Dsv4Scratch(self.K)
             out = m.t.get("output.weight", m.tok_embd)
             if head and out.type_name in device_formats() and int(out.shape[-1]) % 32 == 0:
@@ -475,8 +556,11 @@ class Dsv4DeviceLayers:
     def describe(self) -> str:
         n = len(self.m.layers)
         span = f"layer {self.first}" if len(self.layers) == 1 else f"layers {self.first}-{n - 1}"
+        cpu = sorted(self.resident)
+        apart = "" if not cpu else (f"; the routed experts of layer{'s' if len(cpu) > 1 else ''} "
+                                    f"{', '.join(map(str, cpu))} on the CPU, a submit a segment between them")
         return (f"{span} of {n}{' and the head' if self.head else ''} on the device (DeepSeek-V4's layer kernels, "
-                f"one submit a call{'' if self.head else '; the head on the CPU'})")
+                f"one submit a call{'' if self.head else '; the head on the CPU'}{apart})")
 
     def _head_ops(self, bS, T: int, all_logits: bool) -> tuple[list, int]:
         """The head's ops on the streams ``bS`` [T, hc, D]: every row's logits with ``all_logits``, else the last
@@ -524,12 +608,14 @@ class Dsv4DeviceLayers:
             ops += hops
         else:
             ops.append(sc.out_copy(T, S[0].size))
-        rec = K.record(ops)
+        c0 = sum(d.cpu_rows for d in self.dl)
         try:
-            K.submit(rec)
+            self.dispatches = run_program(K, ops, lambda cut: cut.j.host_experts(sc, T))
         finally:
-            K.free(rec)
-        self.dispatches = rec.dispatches
+            sc.release()
+        # routed pairs: the CPU's (host_experts) and the device's, of decode rows and of prompt rows
+        on_cpu = sum(d.cpu_rows for d in self.dl) - c0
+        on_dev = T * self.m.args.top_k * sum(d.tab is not None for d in self.dl)
         # kept until the CPU's caches take the state: the ids (hash routers, the embedding) and the input streams
         self._hist.append((np.array(ids), None if self.first == 0 else np.array(S, np.float32)))
         self._pos = pos0 + T
@@ -541,10 +627,14 @@ class Dsv4DeviceLayers:
         if T == 1:
             self.tokens += 1
             self.submit_s += dt
+            self.cpu_rows += on_cpu
+            self.dev_rows += on_dev
         else:
             self.prompt_tokens += T
             self.prompt_chunks += 1
             self.prompt_s += dt
+            self.p_cpu_rows += on_cpu
+            self.p_dev_rows += on_dev
         return out
 
     def host_state(self, cache) -> None:

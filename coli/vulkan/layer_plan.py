@@ -99,11 +99,12 @@ def dsv4_tensors(m, il: int) -> list[str]:
     return names + [p + n for n in ("indexer.attn_q_b.weight", "indexer.proj.weight") if p + n in m.t]
 
 
-def dsv4_layer_bytes(m, il: int, ctx: int) -> int:
-    """Device bytes of DeepSeek-V4 layer ``il``: its tensors as stored (the router as f32) and its state f32: the
-    window ring, each compressor's ring of rows (2m with overlap, else m) and entries of ``ctx`` positions."""
+def dsv4_layer_bytes(m, il: int, ctx: int, experts: bool = True) -> int:
+    """Device bytes of DeepSeek-V4 layer ``il``: its tensors as stored (the router as f32; ``experts`` False: without
+    its routed experts, which stay on the CPU) and its state f32: the window ring, each compressor's ring of rows
+    (2m with overlap, else m) and entries of ``ctx`` positions."""
     at = m.layers[il].attn
-    w = sum(_padded_bytes(m, n) for n in dsv4_tensors(m, il))
+    w = sum(_padded_bytes(m, n) for n in dsv4_tensors(m, il) if experts or "_exps." not in n)
     w += 4 * int(np.prod(m.t[f"blk.{il}.ffn_gate_inp.weight"].shape))
     s = at.W * at.hd
     for c in (at.comp, at.idx_comp):
@@ -636,7 +637,7 @@ def plan(m, budget: int, ctx: int, want: int | None = None, prompt_rows: int = 0
         if w is not None:
             why = f"layer {il}: {w}"
             break
-        b = dsv4_layer_bytes(m, il, ctx) if v4 else layer_bytes(m, il, ctx, experts)
+        b = dsv4_layer_bytes(m, il, ctx, experts) if v4 else layer_bytes(m, il, ctx, experts)
         if used + b > budget:
             why = f"the device budget ({budget / 2**30:.2f} GiB)"
             break

@@ -535,18 +535,33 @@ def test_state_stays_on_the_device(monkeypatch):
         cpu.close()
 
 
-def test_cpu_moe_is_refused_in_one_line(capfd):
-    """``--cpu-moe`` (``COLI_VK_CPU_MOE=-1``) on the deepseek4 oracle: V4's device layers hold their own experts, so
-    one line says so and the expert tier runs instead (no device layers)."""
-    from coli.base import settings
-    from coli.engine import Engine
+@pytest.mark.parametrize("cpu_moe,apart", [(-1, [0, 1, 2, 3]), (2, [0, 1])], ids=["cpu-moe", "n-cpu-moe-2"])
+def test_cpu_moe_through_the_host(capfd, cpu_moe, apart):
+    """``--cpu-moe`` / ``--n-cpu-moe 2`` (``COLI_VK_CPU_MOE``) with ``--gpu-layers`` on the deepseek4 oracle: every layer
+    and the head on the device, the routed experts of the named layers not placed there (their tables empty) but run
+    by the CPU between a call's segments (every routed pair of those layers counted, prompt and decode), the others'
+    on the device; the 96-row prompt's logits and 8 greedy decode rows within 1e-5 of the CPU-only run, its tokens."""
+    from coli.vulkan import layer_dsv4
     from tests.conftest import FIXTURES
+    from tests.vk_util import device_engine, greedy_rows
 
-    e = Engine(FIXTURES / "oracles" / "deepseek4.gguf", device="vulkan", quiet=True, save_usage=False, ctx=32,
-               usage=None, env=settings.overlay(None, COLI_VK_CPU_MOE=-1))
+    path = FIXTURES / "oracles" / "deepseek4.gguf"
+    ids = np.load(FIXTURES / "oracles" / "deepseek4.npz")["ids"]
+    cpu = device_engine(path, ctx=128)
+    e = device_engine(path, COLI_VK_LAYERS=-1, COLI_VK_CPU_MOE=cpu_moe, ctx=128)
     try:
-        assert e.device_layers is None and e.tier is not None
+        m, dl = e.model, e.model.device_layers
+        assert isinstance(dl, layer_dsv4.Dsv4DeviceLayers) and dl.first == 0 and dl.head is not None
+        assert [d.il for d in dl.dl if d.tab is None] == apart == sorted(dl.resident)
+        ref = greedy_rows(cpu.model, cpu.model.new_cache(128, 128), ids, 8)
+        got = greedy_rows(m, m.new_cache(128, 128), ids, 8)
+        assert rel_err(got[0], ref[0]) <= 1e-5 and rel_err(got[1], ref[1]) <= 1e-5, (rel_err(got[0], ref[0]),
+                                                                                      rel_err(got[1], ref[1]))
+        assert got[2] == ref[2]
+        k = m.layers[0].moe.k
+        assert (dl.p_cpu_rows, dl.p_dev_rows) == (len(ids) * k * len(apart), len(ids) * k * (4 - len(apart)))
+        assert (dl.cpu_rows, dl.dev_rows) == (8 * k * len(apart), 8 * k * (4 - len(apart)))
+        assert (dl.prompt_tokens, dl.tokens) == (len(ids), 8)
     finally:
         e.close()
-    assert ("[VK] deepseek4.gguf: DeepSeek-V4's device layers hold their own experts (COLI_VK_CPU_MOE: not "
-            "supported); the expert tier instead") in capfd.readouterr().err
+        cpu.close()
