@@ -622,7 +622,7 @@ def plan(m, budget: int, ctx: int, want: int | None = None, prompt_rows: int = 0
     ``why`` says what stopped the count."""
     n = len(m.layers)
     v4 = n > 0 and is_deepseek4(m.layers[0])
-    if v4:   # the head and the rope tables; each call's scratch is made and freed by the call (layer_dsv4)
+    if v4:   # the head and the rope tables; the calls' scratch (layer_dsv4.Dsv4Scratch, kept from call to call) is not counted
         out = m.t.get("output.weight", m.tok_embd)
         first, used, why = n, int(out.nbytes) + 8 * n * int(ctx) * m.args.n_rot, "every layer"
     else:
