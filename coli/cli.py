@@ -209,7 +209,7 @@ def _read_prompt(a) -> str:
 def _start_line(eng) -> str:
     """The engine line on stderr: model, experts, threads, context (and why it is capped), the memory budget."""
     a = eng.args
-    s = (f"coli: {eng.path.name}: {a.arch}, {a.n_layers} layers"
+    s = (f"coli: {eng.path.name}: {a.arch}, {a.n_layers} layer{'s' if a.n_layers != 1 else ''}"
          + (f", {a.n_experts} experts top-{a.top_k}" if a.n_experts else "")
          + f", {eng.threads} thread{'s' if eng.threads != 1 else ''}, ctx {eng.ctx}")
     if eng.ctx < a.ctx_train:
