@@ -529,7 +529,7 @@ def setup_device(eng, device, balance) -> None:
 FLAGS = {"temp": "--temp", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p", "max_tokens": "-n",
          "repeat_penalty": "--repeat-penalty", "repeat_last_n": "--repeat-last-n", "ctx": "--ctx",
          "threads": "--threads", "stop": "--stop", "cpu_act": "--cpu-act", "expert_cache": "--expert-cache",
-         "usage": "--usage", "device": "--device", "seed": "--seed", "io_threads": "--io-threads"}
+         "usage": "--usage", "trace": "--trace", "device": "--device", "seed": "--seed", "io_threads": "--io-threads"}
 
 
 def close_at_exit(ref):
@@ -704,7 +704,8 @@ def counted(k: int, what: str) -> str:
 
 
 def close(eng):
-    """Save the routing history, end the tier and the I/O pool, write the trace (idempotent)."""
+    """Save the routing history, end the tier and the I/O pool, write the trace (idempotent). ColiError naming
+    --trace (the API: trace) when the trace cannot be written (a full disk): the rest is closed by then."""
     if getattr(eng, "_closed", False):
         return
     eng._closed = True
@@ -761,4 +762,7 @@ def close(eng):
     if eng.cache is not None:
         eng.cache.close()
     if eng.trace is not None:
-        eng.trace.save()
+        try:
+            eng.trace.save()
+        except OSError as e:   # a full disk, a folder gone since the start: one line, not a traceback
+            raise ColiError(f"{eng._name('trace')} {eng.trace.path}: not written ({e.strerror or e})") from None

@@ -174,3 +174,21 @@ def test_a_bench_gpu_layers_list_names_the_value_that_failed(capsys, monkeypatch
     assert rc == 2 and err.endswith(f"coli: {named}: no GPU: the only Vulkan device is 0: llvmpipe\n"), err
     if value == "0-2":   # the value 0 ran (on the CPU) before 1 failed
         assert "Traceback" not in err
+
+
+def test_a_trace_that_cannot_be_written_is_one_line(tmp_path, capsys, monkeypatch):
+    """--trace FILE on a disk that fills up: the write's ENOSPC at close is one line naming --trace and the file,
+    exit 2 (it was a traceback out of atomic_write_text after the run's text)."""
+    import errno
+    import os
+
+    import scheduler.trace as st
+
+    def full(path, text):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(st, "atomic_write_text", full)
+    t = tmp_path / "t.json"
+    rc, out, err = _main(capsys, "run", "-m", str(DENSE), "-p", "a b", "-n", "2", "--trace", str(t))
+    assert rc == 2 and out.startswith("a b") and not t.exists(), err
+    assert err.endswith(f"coli: --trace {t}: not written (No space left on device)\n"), err
