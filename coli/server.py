@@ -152,7 +152,8 @@ def create_app(eng, model_id: str, aliases=(), max_queue: int = 8, api_key: str 
                    Route(f"{prefix}/models", h.models, methods=["GET"]),
                    Route(f"{prefix}/health", h.health, methods=["GET"])]
     routes += [Route("/v1/models/{name:path}", h.model, methods=["GET"]), Route("/metrics", h.metrics_route),
-               Route("/v1/messages", h.messages, methods=["POST"])]
+               Route("/v1/messages", h.messages, methods=["POST"]),
+               Route("/tokenize", h.tokenize, methods=["POST"]), Route("/detokenize", h.detokenize, methods=["POST"])]
     app = Starlette(routes=routes, exception_handlers={HTTPException: h.http_error, Exception: h.any_error},
                     lifespan=lifespan, middleware=middleware)
     app.state.coli = state

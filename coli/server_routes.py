@@ -340,6 +340,66 @@ class Routes:
                 out.append(list(x))
         return out
 
+    # ------------------------------------------------------------------------------------------ tokens
+
+    async def tokenize(self, request: Request):
+        """llama-server's ``POST /tokenize``: ``{"content": str, "add_special": false, "parse_special": true,
+        "with_pieces": false}`` -> ``{"tokens": [ids]}`` (with pieces: ``[{"id", "piece"}]``, a piece its text,
+        or its bytes as a list of ints where they are not whole UTF-8)."""
+        try:
+            body = await self.read_body(request)
+            return JSONResponse(await run_in_threadpool(self._tokenize, body))
+        except APIError as e:
+            return self.error_response(e)
+
+    def _tokenize(self, body: dict) -> dict:
+        content = body.get("content")
+        if not isinstance(content, str):
+            raise APIError(400, f"'content': {type(content).__name__} is not a string", param="content")
+        flags = {}
+        for k, default in (("add_special", False), ("parse_special", True), ("with_pieces", False)):
+            v = body.get(k, default)
+            if not isinstance(v, bool):
+                raise APIError(400, f"'{k}': {v!r} is not a boolean", param=k)
+            flags[k] = v
+        if not flags["parse_special"]:  # the tokenizer always reads special-token texts as their tokens
+            raise APIError(400, "'parse_special': false is not supported (special-token texts are always read as "
+                                "those tokens, as llama-server's default)", param="parse_special",
+                           code="unsupported_parameter")
+        tok = self.eng.tokenizer
+        try:
+            ids = tok.encode(content, add_bos=None if flags["add_special"] else False)
+        except ColiError as e:
+            raise APIError(400, f"'content': {e}", param="content") from None
+        if not flags["with_pieces"]:
+            return {"tokens": ids}
+        out = []
+        for i in ids:
+            b = tok.piece_bytes(i)
+            try:
+                piece = b.decode("utf-8")
+            except UnicodeDecodeError:  # part of a character: its bytes (llama-server's form)
+                piece = list(b)
+            out.append({"id": i, "piece": piece})
+        return {"tokens": out}
+
+    async def detokenize(self, request: Request):
+        """llama-server's ``POST /detokenize``: ``{"tokens": [ids]}`` -> ``{"content": str}`` (the text from its
+        start: ``Tokenizer.decode``, so detokenizing ``/tokenize``'s ids gives the content back; a cut UTF-8
+        character becomes U+FFFD)."""
+        try:
+            body = await self.read_body(request)
+            ids = body.get("tokens", [])
+            if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                raise APIError(400, "'tokens': not a list of token ids", param="tokens")
+            V = self.eng.tokenizer.vocab_size
+            bad = [i for i in ids if not 0 <= i < V]
+            if bad:
+                raise APIError(400, f"'tokens': id {bad[0]} is outside the vocabulary of {V}", param="tokens")
+            return JSONResponse({"content": await run_in_threadpool(self.eng.detokenize, ids)})
+        except APIError as e:
+            return self.error_response(e)
+
     # ------------------------------------------------------------------------------------------ Anthropic
 
     async def messages(self, request: Request):

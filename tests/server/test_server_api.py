@@ -901,3 +901,41 @@ def test_kv_unified_server(eng):
         assert r["choices"][0]["message"]["content"] == _greedy(eng, ids, 6).text
         h = c.get("/health").json()
         assert h["kv_cells_held"] == -(-(len(ids) + 6) // PAGE) * PAGE and h["waiting_for_kv"] == 0
+
+
+# ------------------------------------------------------------------------------------- /tokenize, /detokenize
+
+def test_tokenize_detokenize_as_llama_server(http, eng):
+    """llama-server's ``/tokenize`` and ``/detokenize``: the ids are llama.cpp's ``llama_tokenize`` ids of the same
+    texts (recorded in fixtures/tokenizer/llama_cpp.json; ``add_special`` false, then the file's BOS rule),
+    pieces are each token's bytes (text, or a list of ints where they are not whole UTF-8) and join to the
+    content, and ``/detokenize`` gives the content back."""
+    from conftest import FIXTURES
+
+    rec = json.loads((FIXTURES / "tokenizer" / "llama_cpp.json").read_text())
+    want = rec["models"]["smollm2"]
+    for text, ids, ids_default in zip(rec["texts"], want["ids"], want["ids_default"]):
+        r = http.post("/tokenize", json={"content": text})
+        assert r.status_code == 200 and r.json() == {"tokens": ids}, text
+        assert http.post("/tokenize", json={"content": text, "add_special": True}).json()["tokens"] == ids_default
+        assert http.post("/detokenize", json={"tokens": ids}).json() == {"content": text}
+    text = "unicode 媽 and emoji 🤗 <|im_start|>"
+    ids = http.post("/tokenize", json={"content": text}).json()["tokens"]
+    assert ids[-1] == eng.tokenizer.tokens.index("<|im_start|>")   # a special token's text read as the token
+    pieces = http.post("/tokenize", json={"content": text, "with_pieces": True}).json()["tokens"]
+    assert [p["id"] for p in pieces] == ids
+    assert any(isinstance(p["piece"], list) for p in pieces)   # the emoji's bytes are split across tokens
+    joined = b"".join(bytes(p["piece"]) if isinstance(p["piece"], list) else p["piece"].encode() for p in pieces)
+    assert joined == text.encode()
+    assert http.post("/detokenize", json={"tokens": ids}).json()["content"] == text
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/tokenize", {}, "content"), ("/tokenize", {"content": 5}, "content"),
+    ("/tokenize", {"content": "a", "with_pieces": "yes"}, "with_pieces"),
+    ("/tokenize", {"content": "a", "parse_special": False}, "parse_special"),
+    ("/detokenize", {"tokens": [1, "a"]}, "tokens"), ("/detokenize", {"tokens": [10**9]}, "tokens"),
+    ("/detokenize", {"tokens": [-1]}, "tokens")])
+def test_tokenize_detokenize_bad_fields_are_400(http, path, body, param):
+    r = http.post(path, json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
