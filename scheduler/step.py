@@ -306,6 +306,37 @@ class MoEStep:
         st.cpu_s += time.perf_counter() - t0
         return out
 
+    def row_experts_resident(self, layer: int, x: np.ndarray, ids: np.ndarray, out: np.ndarray | None = None):
+        """:meth:`row_experts` of the experts ``ids`` (int64 [n], distinct) when every one is in the RAM cache with
+        grouped-kernel codes: their descriptors taken from the cache's table (``RAMCache.resident_table``) in the one
+        compiled call (``ExpertsRow.pairs`` on the table's rows: no lookups), the LRU's and heat's bookkeeping of
+        those uses left to :meth:`note_row`, which the caller runs off its critical path (a device layer's join: after
+        it signalled the device). Returns f32 [n, D] (``out`` when given), or None when an expert is not resident
+        there, or without the compiled row (the caller takes :meth:`row_experts`)."""
+        if self._row is None or not len(ids):
+            return None
+        cache = self.cache
+        t0 = time.perf_counter()
+        res, descs = cache.resident_table(layer, cache.source.n_experts(layer))
+        if not res[ids].all():
+            return None
+        t1 = time.perf_counter()
+        out = self._row.pairs(x, descs[ids], grouped.ACT_SWIGLU, self.clamp, out=out)   # [n, 3, 13]: stacked there
+        t2 = time.perf_counter()
+        self.row_call_s += t2 - t1
+        n, st = len(ids), self.stats
+        st.pairs += n
+        st.cpu_pairs += n
+        st.cpu_s += t2 - t0
+        return out
+
+    def note_row(self, layer: int, ids) -> None:
+        """The RAM cache's uses of :meth:`row_experts_resident`'s experts ``ids`` (hits, LRU order, heat), as
+        :meth:`row_experts`' lookups count them; before the layer's next use of the cache."""
+        get = self.cache.get
+        for e in ids.tolist():
+            get(layer, e)
+
     def pair_experts(self, layer: int, x: np.ndarray, groups: dict, K: int, pair_out: np.ndarray) -> int:
         """The routed (row, rank) pairs ``groups`` ({expert: int64 pair ids r*K+k}, experts ascending) of rows ``x``
         f32 [R, D] on the CPU, for a caller that joins them itself (a device layer's prompt chunk with experts on the

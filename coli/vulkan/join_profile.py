@@ -13,11 +13,14 @@ PARTS = (
     ("wait: flag", "spinning on a layer's flag until the device wrote it (the route is out)"),
     ("wait: semaphore", "a layer's spin that ran out, then vkWaitSemaphores on the device's timeline"),
     ("route read", "the layer's route (ids, weights) read from host-visible memory"),
-    ("experts: lookups", "MoEStep.row_experts less its compiled call: RAM-cache lookups, descriptors (f32 "
+    ("experts: lookups", "MoEStep.row_experts_resident less its compiled call: the RAM cache's table, the "
+                         "descriptors gathered (else row_experts': RAM-cache lookups, descriptors; with f32 "
                          "activations, no compiled row: the whole CPU path)"),
     ("experts: compiled call", "the CPU experts' one compiled call (cpu_kernels.decode.experts_row)"),
     ("rows out", "the routing weights applied to the CPU's rows in the host-visible yk"),
     ("signal", "vkSignalSemaphore: the layer's rows are in"),
+    ("experts: bookkeeping", "the RAM cache's hits, LRU order and heat of the layer's CPU experts, after the signal "
+                             "(the device runs meanwhile; MoEStep.note_row)"),
     ("tail", "after the last join: the device's last segment and the fence"),
     ("timestamps", "the segments' timestamps read back (vkGetQueryPoolResults)"),
     ("rest of the token", "the rest of DeviceLayers.__call__: K/V rows to the device and back, the routing "

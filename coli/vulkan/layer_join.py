@@ -137,25 +137,32 @@ class RowJoin:
         ids = rr[:k].astype(np.int64)
         return ids, rr[k:].view(np.float32).copy(), self.resident[self.per[j]["il"]][ids]
 
-    def _cpu_ranks(self, j: int, ids, w, on_dev) -> None:
+    def _cpu_ranks(self, j: int, ids, w, on_dev):
         """The CPU's ranks of layer ``j`` (the RAM expert cache, the CPU kernels, the engine's activations) into their
         rows of its ``yk``: ``w_r * expert_r(x)``. The compiled call writes straight into ``yk`` when those ranks are
-        one run of rows (every rank on the CPU, say), and the weights are applied there in place."""
+        one run of rows (every rank on the CPU, say), and the weights are applied there in place. When every one of
+        those experts is in RAM (``MoEStep.row_experts_resident``) the RAM cache's bookkeeping of their uses is
+        returned as ``(layer, ids)`` for :meth:`_note` once the device runs again; else None."""
         k, P = self.k, self.prof
         ranks = np.flatnonzero(~on_dev)
         n = len(ranks)
         self.dev_rows += k - n
         self.cpu_rows += n
         if not n:
-            return
+            return None
         step = self.m.step
         if P is not None:
             t0, c0 = time.perf_counter(), step.row_call_s
         yk = self._ykv[j]
         r0 = int(ranks[0])
         run = int(ranks[-1]) - r0 + 1 == n
-        out = step.row_experts(self.per[j]["il"], self._xv[j], [int(e) for e in ids[ranks]],
-                               out=yk[r0:r0 + n] if run else None)
+        il = self.per[j]["il"]
+        cpu_ids = ids[ranks]
+        note = (il, cpu_ids)
+        out = step.row_experts_resident(il, self._xv[j], cpu_ids, out=yk[r0:r0 + n] if run else None)
+        if out is None:     # an expert not in RAM (read from the file as it lands), or no compiled row
+            note = None
+            out = step.row_experts(il, self._xv[j], cpu_ids.tolist(), out=yk[r0:r0 + n] if run else None)
         if P is not None:
             t1 = time.perf_counter()
             call = step.row_call_s - c0
@@ -167,6 +174,15 @@ class RowJoin:
             yk[ranks] = w[ranks, None] * out
         if P is not None:
             P.lap("rows out", t1)
+        return note
+
+    def _note(self, note, t: float) -> float:
+        """The RAM cache's bookkeeping a :meth:`_cpu_ranks` left (``MoEStep.note_row``), if any; returns the time
+        after it (``t``: before it, for the join profile)."""
+        if note is None:
+            return t
+        self.m.step.note_row(*note)
+        return time.perf_counter() if self.prof is None else self.prof.lap("experts: bookkeeping", t)
 
     def _run_split(self) -> None:
         """One decode token, a submit a segment: submit a segment and wait, read the layer's route and FFN input, start
@@ -210,9 +226,10 @@ class RowJoin:
                 self.dev.layer_dispatches += rec.dispatches
                 started = rec
             tc = time.perf_counter()
-            self._cpu_ranks(j, ids, w, on_dev)
+            note = self._cpu_ranks(j, ids, w, on_dev)
             if self.bal is not None:
                 self._steps[-1][5] = time.perf_counter() - tc
+            self._note(note, time.perf_counter())
         if stamps:
             self.gpu_tokens += 1
         if self.bal is not None:
@@ -339,13 +356,15 @@ class RowJoin:
                     K.signal(base + V * i + 1)
                     done = base + V * i + 1
                     tc = pc()
-                self._cpu_ranks(j, *r)
+                note = self._cpu_ranks(j, *r)
                 if bal is not None:
                     self._steps[-1][5] = pc() - tc
                 t = pc()
                 K.signal(base + V * (i + 1))
                 done = base + V * (i + 1)
                 t = pc() if P is None else P.lap("signal", t)
+                if note is not None:    # the device runs the next segment meanwhile
+                    t = self._note(note, t)
             K.wait_batches()
             if P is not None:
                 P.lap("tail", t)

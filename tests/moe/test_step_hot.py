@@ -77,3 +77,37 @@ def test_one_row_experts_equal_the_block_path(name):
     X.experts([w], [(np.array([0, 1]), np.array([0, 1]))], xa, two, X.ACT_SWIGLU, 0.0, "int8")
     assert np.isfinite(one).all()
     assert np.abs(one - two).max() <= 1e-6 * np.abs(two).max()
+
+
+
+def test_row_experts_resident_equals_row_experts(tmp_path):
+    """A device layer's join (coli/vulkan/layer_join.py): ``MoEStep.row_experts_resident`` (descriptors from the RAM
+    cache's table, no lookups) gives ``row_experts``' rows bit for bit, and with ``note_row`` the same hits, LRU
+    order and heat (two engines, the same calls but the last); None while an expert is not in RAM (the caller then
+    reads it through ``row_experts``)."""
+    from coli.engine import Engine
+    from tests.tiny_moe import build_tiny_moe
+
+    path = str(build_tiny_moe(tmp_path))
+    a, b = (Engine(path, quiet=True, save_usage=False, expert_cache=4, ctx=16, cpu_act="int8") for _ in range(2))
+    try:
+        il = a.model.moe_layers[-1]
+        D = a.model.layers[il].moe.ffn_gate_inp.shape[1]
+        x = np.random.default_rng(0).standard_normal((1, D)).astype(np.float32)
+        ids = np.array([3, 0, 2], np.int64)
+        assert b.step.row_experts_resident(il, x, ids) is None       # nothing in RAM yet
+        for e in (a, b):    # one read at a time (reads that land together are put in either order), then hits
+            for ex in (1, 2, 3, 0):
+                e.step.row_experts(il, x, [ex])
+            e.step.row_experts(il, x, ids.tolist())
+        want = a.step.row_experts(il, x, ids.tolist()).copy()
+        out = np.full((len(ids), D), np.nan, np.float32)
+        got = b.step.row_experts_resident(il, x, ids, out=out)
+        assert got is out and np.array_equal(got, want)
+        b.step.note_row(il, ids)
+        ca, cb = a.cache, b.cache
+        assert ca.hits == cb.hits and list(ca.lru[il]) == list(cb.lru[il]) and ca._heat == cb._heat
+        assert a.step.stats.cpu_pairs == b.step.stats.cpu_pairs
+    finally:
+        a.close()
+        b.close()
