@@ -277,7 +277,7 @@ def _tile(fc, rec, xq, xd, xm, out, off):
 
 @njit(inline="always", **_JIT)
 def _tile4(fc, rec, xq, xd, xm, rows, out, orows, off):
-    """out[orows[i], off:off+16] = tile ``rec`` . row rows[i] of xq for i < 4 (``tiles.tile4_*``)."""
+    """out[orows[i], off:off+16] = tile ``rec`` . row rows[i] of xq for i < n, n = 2, 3 or 4 rows (``tiles.tile4_*``)."""
     if fc == FC_T4_1:
         tile4_q4_1(rec, xq, xd, xm, rows, out, orows, off)
     elif fc == FC_T8:
@@ -334,9 +334,11 @@ def _i8_tiles(ds, fc, c0, c1, p0, p1, src, dst, oe, xq, xd, xm, out):
     while p + 4 <= p1:  # 4 rows share each weight load; the same per-row arithmetic as one row alone
         _tile4(fc, rec, xq, xd, xm, src[p:p + 4], out, dst[p:p + 4], oe + c0)
         p += 4
-    for q in range(p, p1):
-        r = src[q]
-        _tile(fc, rec, xq[r], xd[r], xm[r], out[dst[q]], oe + c0)
+    if p1 - p >= 2:  # 2 or 3 left (a decode step's 2-3 sequences, an expert 2-3 rows chose): they share it too
+        _tile4(fc, rec, xq, xd, xm, src[p:p1], out, dst[p:p1], oe + c0)
+    elif p1 > p:
+        r = src[p]
+        _tile(fc, rec, xq[r], xd[r], xm[r], out[dst[p]], oe + c0)
 
 
 @njit(inline="always", **_JIT)

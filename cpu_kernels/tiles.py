@@ -1129,13 +1129,28 @@ def _tile4_codegen(name):
             p = b.gep(b.bitcast(arr.data, i8p), [b.mul(i, st)])
             return b.bitcast(p, elt.as_pointer())
 
-        rows = []
-        for j in range(4):
-            r = b.load(b.gep(rw.data, [ir.Constant(_I32, j)]))
-            o = b.load(b.gep(orw.data, [ir.Constant(_I32, j)]))
-            rows.append((row_ptr(xa, r, ir.IntType(8)), row_ptr(xda, r, _F32), row_ptr(xma, r, _F32),
-                         b.gep(row_ptr(oa, o, _F32), [off])))
-        _emit_tile(b, name, ra.data, _nsb(b, name, b.extract_value(xda.shape, 1)), rows)
+        def rows_of(n):
+            rows = []
+            for j in range(n):
+                r = b.load(b.gep(rw.data, [ir.Constant(_I32, j)]))
+                o = b.load(b.gep(orw.data, [ir.Constant(_I32, j)]))
+                rows.append((row_ptr(xa, r, ir.IntType(8)), row_ptr(xda, r, _F32), row_ptr(xma, r, _F32),
+                             b.gep(row_ptr(oa, o, _F32), [off])))
+            return rows
+
+        nsb = _nsb(b, name, b.extract_value(xda.shape, 1))
+        # 2, 3 or 4 rows (the length of ``rows``) share each weight load: a decode step's 2-3 rows of one weight
+        # (2-3 sequences, or an expert 2-3 of them chose) read the tile once, as 4 rows always did
+        n = b.extract_value(rw.shape, 0)
+        with b.if_else(b.icmp_signed("==", n, ir.Constant(n.type, 2))) as (two, more):
+            with two:
+                _emit_tile(b, name, ra.data, nsb, rows_of(2))
+            with more:
+                with b.if_else(b.icmp_signed("==", n, ir.Constant(n.type, 3))) as (three, four):
+                    with three:
+                        _emit_tile(b, name, ra.data, nsb, rows_of(3))
+                    with four:
+                        _emit_tile(b, name, ra.data, nsb, rows_of(4))
         return context.get_dummy_value()
 
     return codegen
@@ -1153,8 +1168,9 @@ def _tile_intrinsic(name):
 
 def _tile4_intrinsic(name):
     def typer(typingctx, rec, xq, xd, xm, rows, out, orows, off):
-        """The same for 4 activation rows sharing the tile's loads: out[orows[i], off:off+16] = tile . row
-        rows[i] of xq int8 [R, I] / xd, xm f32 [R, I/32] (C-contiguous rows), rows/orows int64 [4], out f32 2-D."""
+        """The same for 2, 3 or 4 activation rows sharing the tile's loads: out[orows[i], off:off+16] = tile . row
+        rows[i] of xq int8 [R, I] / xd, xm f32 [R, I/32] (C-contiguous rows), rows/orows int64 [n] (n = 2, 3, else
+        4: the first 4), out f32 2-D. Each row gets the one-row tile's instructions: the same bits."""
         return types.void(rec, xq, xd, xm, rows, out, orows, off), _tile4_codegen(name)
 
     typer.__name__ = f"tile4_{name.lower()}"
