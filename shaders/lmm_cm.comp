@@ -8,8 +8,8 @@
 // A workgroup of 128 invocations owns a 64-output x 64-row tile. Per 64 inputs (two 32-input units), invocations
 // decode one weight row's unit each into shared memory (mode 1: gate's and up's), stage the activations, then
 // subgroup s multiplies its 16-output blocks (OB of them: 4 subgroups of 32 take one each, 2 of 64 take two) by
-// the tile's four 16-row blocks. Results go out through a per-subgroup 16 x 16 scratch: bias, sigmoid, SwiGLU
-// (in registers, elementwise on the two accumulators), route weights, as lmm.comp.
+// the tile's four 16-row blocks. Results go out through a per-subgroup 16 x 16 scratch (two in mode 1: gate, up):
+// bias, sigmoid, the expert's biases, the gated activation (act.glsl: u7, u9), route weights, as lmm.comp.
 #extension GL_GOOGLE_include_directive : require
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
@@ -17,6 +17,7 @@
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
 #include "layer_common.glsl"
 #include "formats.glsl"
+#include "act.glsl"
 
 layout(local_size_x = 128) in;
 layout(constant_id = 2) const uint MODE = 0;
@@ -31,7 +32,7 @@ layout(constant_id = 5) const uint PIPE = 2;   // 0: 64 inputs a step, one buffe
 shared f16vec4 Wg[2u * BM * LD2];
 shared f16vec4 Wu[2u * BM * LD2];
 shared f16vec4 Xs[2u * BN * LD2];
-shared float Cs[NSG * 256u];
+shared float Cs[NSG * 512u];
 
 #define ACC coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>
 
@@ -167,30 +168,35 @@ void main() {
     uint ldy = MODE == 0u ? (pc.u[4] == 0u ? O : pc.u[4]) : O;
     uint lane = gl_SubgroupInvocationID, nl = gl_SubgroupSize;
     [[unroll]] for (uint i = 0u; i < OB; i++) [[unroll]] for (uint j = 0u; j < 4u; j++) {
-        ACC c = acc[i][j];
-        if (MODE == 1u) {
-            ACC c2 = acc2[i][j];
-            for (int e = 0; e < c.length(); e++) c[e] = c[e] / (1.0 + exp(-c[e])) * c2[e];
-        }
-        // element (o, n) of the 16 x 16 block at Cs[sg * 256 + n * 16 + o]
-        coopMatStore(c, Cs, sg * 256u, 16u, gl_CooperativeMatrixLayoutColumnMajor);
+        // element (o, n) of the 16 x 16 block at Cs[sg * 512 + n * 16 + o]; mode 1's up product at + 256
+        coopMatStore(acc[i][j], Cs, sg * 512u, 16u, gl_CooperativeMatrixLayoutColumnMajor);
+        if (MODE == 1u) coopMatStore(acc2[i][j], Cs, sg * 512u + 256u, 16u, gl_CooperativeMatrixLayoutColumnMajor);
         subgroupMemoryBarrierShared();
         subgroupBarrier();
+        bool eb = (pc.u[8] & 1u) != 0u;             // the expert's biases (modes 1 and 2)
+        uint eo = gl_WorkGroupID.z * O;
         for (uint el = lane; el < 256u; el += nl) {
             uint o = o0 + (sg * OB + i) * 16u + (el & 15u);
             uint n = n0 + j * 16u + (el >> 4);
             if (o >= O || n >= cnt) continue;
-            float r = Cs[sg * 256u + el];
+            float r = Cs[sg * 512u + el];
             uint orow = n;
-            if (MODE != 0u) {
-                orow = ident ? n : PAIRS.v[beg + n];
-                if (MODE == 2u) r *= uintBitsToFloat(ROUTE.v[(orow / k) * 2u * k + k + orow % k]);
-            }
+            if (MODE != 0u) orow = ident ? n : PAIRS.v[beg + n];
             uint yi = orow * ldy + o;
             if (MODE == 0u) {
                 if ((flags & 2u) != 0u) r += F32(pc.a[3]).v[o];
                 if ((flags & 4u) != 0u) r = 1.0 / (1.0 + exp(-r));
                 if ((flags & 1u) != 0u) r += Y.v[yi];
+            } else if (MODE == 1u) {
+                float uu = Cs[sg * 512u + 256u + el];
+                if (eb) {
+                    r += F32(pc.a[6]).v[eo + o];
+                    uu += F32(pc.a[7]).v[eo + o];
+                }
+                r = glu(r, uu, pc.u[7], pcf(9u));
+            } else {
+                if (eb) r += F32(pc.a[6]).v[eo + o];
+                r *= uintBitsToFloat(ROUTE.v[(orow / k) * 2u * k + k + orow % k]);
             }
             Y.v[yi] = r;
         }

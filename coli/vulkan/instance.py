@@ -140,9 +140,9 @@ class InstanceMixin:
             f2.pNext = fcm
         lib.vkGetPhysicalDeviceFeatures2(self._pd, f2)
         #: True when lmm_cm.comp can run: 16 x 16 x 16 float16 products with float32 sums on a subgroup of 32 or 64
-        #: (the workgroup of 128 holds 4 or 2 of them), float16 arithmetic and 31 KiB of shared memory
+        #: (the workgroup of 128 holds 4 or 2 of them), float16 arithmetic and 38 KiB of shared memory
         self.coopmat = bool(have_cm and fcm.cooperativeMatrix and f12.shaderFloat16
-                            and self.subgroup_size in (32, 64) and shared_mem >= 32768
+                            and self.subgroup_size in (32, 64) and shared_mem >= 38912
                             and self._coopmat_f16_16())
         #: True when the device's integer dot product (shaderIntegerDotProduct) is on: the int8 GEMV uses it
         self.int_dot = bool(have_dp and fdp.shaderIntegerDotProduct) and _env_int("COLI_VK_INT_DOT", 1) != 0

@@ -350,20 +350,17 @@ class Dsv4Layer:
         BM, gr = 64, -(-T // K.tile)
         off, pairs = g("off", E + 1), g("pairs", T * k)
         h, yk, ysh, shr = g("h", T * max(k * F, sF)), g("yk", T * k * D), g("ysh", T * D), sc.shared_routes(T)
-        # lmm_cm.comp (the cooperative-matrix route) has no clamp: a clamped SwiGLU takes lmm.comp
-        gu = "lmm_f32" if self.elimit > 0 else "lmm"
-        sgu = "lmm_f32" if self.sh_limit > 0 else "lmm"
         ops += [
             Dispatch("moe_sort", (1,), [rt.addr, off.addr, pairs.addr], [E, k, T]),
-            Dispatch(gu, (-(-F // BM), gr, E), [self.tab.addr, xn.addr, h.addr, rt.addr, pairs.addr, off.addr,
-                                                xn.addr, xn.addr],
+            Dispatch("lmm", (-(-F // BM), gr, E), [self.tab.addr, xn.addr, h.addr, rt.addr, pairs.addr, off.addr,
+                                                   xn.addr, xn.addr],
                      [F, D, 0, T, 0, k, 0, 0, 0, f32_bits(self.elimit)], type_name=self.etypes[0], mode=1),
             Dispatch("lmm", (-(-D // BM), gr, E), [self.tab.addr, h.addr, yk.addr, rt.addr, pairs.addr, off.addr,
                                                    xn.addr], [D, F, 0, T, 0, k, 0, 0, 0],
                      type_name=self.etypes[1], mode=2),
             # the shared expert: one expert every row takes (u6 = 1; pairs and offsets unread)
-            Dispatch(sgu, (-(-sF // BM), gr, 1), [self.sh_tab.addr, xn.addr, h.addr, shr.addr, pairs.addr,
-                                                  off.addr], [sF, D, 0, T, 0, 1, 1, 0, 0, f32_bits(self.sh_limit)],
+            Dispatch("lmm", (-(-sF // BM), gr, 1), [self.sh_tab.addr, xn.addr, h.addr, shr.addr, pairs.addr,
+                                                     off.addr], [sF, D, 0, T, 0, 1, 1, 0, 0, f32_bits(self.sh_limit)],
                      type_name=self.sh_types[0], mode=1),
             Dispatch("lmm", (-(-D // BM), gr, 1), [self.sh_tab.addr, h.addr, ysh.addr, shr.addr, pairs.addr,
                                                    off.addr], [D, sF, 0, T, 0, 1, 1],
@@ -393,7 +390,7 @@ class Dsv4Layer:
         BM, gr = 64, -(-T // K.tile)
         h, ysh, shr = g("h", T * max(k * self.F, sF)), g("ysh", T * D), sc.shared_routes(T)
         return ops + [
-            Dispatch("lmm_f32" if self.sh_limit > 0 else "lmm", (-(-sF // BM), gr, 1),
+            Dispatch("lmm", (-(-sF // BM), gr, 1),
                      [self.sh_tab.addr, xn.addr, h.addr, shr.addr, shr.addr, shr.addr],
                      [sF, D, 0, T, 0, 1, 1, 0, 0, f32_bits(self.sh_limit)], type_name=self.sh_types[0], mode=1),
             Dispatch("lmm", (-(-D // BM), gr, 1), [self.sh_tab.addr, h.addr, ysh.addr, shr.addr, shr.addr,

@@ -162,8 +162,7 @@ class PromptChunks:
             ops.append(Dispatch("rmsnorm", (R,), [hs, d["ffn_norm"].addr, xn], [D, eps]))
             if "mlp_tab" in d:   # the dense FFN: gate/up with the activation as one expert every row takes, then down
                 mF, post = d["mlp_F"], d.get("post_ffn")
-                # lmm_cm.comp (the cooperative-matrix route) runs SwiGLU only: the GeGLU on lmm.comp
-                ops += [Dispatch("lmm_f32" if d["act"] else "lmm", (-(-mF // BM), gr, 1),
+                ops += [Dispatch("lmm", (-(-mF // BM), gr, 1),
                                  [d["mlp_tab"].addr, xn, self.p_h.addr, xn, xn, xn],
                                  [mF, D, 0, R, 0, 1, 1, d["act"]], type_name=d["mlp_types"][0], mode=1),
                         Dispatch("lmm", (-(-D // BM), gr), [d["mlp_down"].addr, self.p_h.addr, tmp if post else hs, hs],
@@ -203,8 +202,6 @@ class PromptChunks:
         rb, eb = d.get("router_b"), d.get("ebias")
         bias = [b.addr for b in eb] if eb is not None else [xn, xn, xn]   # unread without u8 bit 0
         nb = int(eb is not None)
-        # lmm_cm.comp has SwiGLU alone: biases, another activation or a clamp take lmm.comp
-        f32r = "lmm_f32" if nb or d["eact"] or d["elimit"] > 0 else "lmm"
         ops += [
             Dispatch("lmm", (-(-E // BM), gr), [d["router"].addr, xn, self.p_lgt.addr,
                                                 rb.addr if rb is not None else self.p_lgt.addr],
@@ -223,12 +220,11 @@ class PromptChunks:
         else:
             ops.append(Dispatch("moe_sort", (1,), [rt, self.p_off.addr, self.p_pairs.addr], [E, k, R]))
         ops += [
-            # lmm_cm.comp (the cooperative-matrix route) has neither the biases nor gpt-oss's activation
-            Dispatch(f32r, (-(-F // BM), gr, E), [tab, xn, self.p_h.addr, rt, self.p_pairs.addr,
-                                                 self.p_off.addr, bias[0], bias[1]],
+            Dispatch("lmm", (-(-F // BM), gr, E), [tab, xn, self.p_h.addr, rt, self.p_pairs.addr,
+                                                  self.p_off.addr, bias[0], bias[1]],
                      [F, D, 0, R, 0, k, 0, d["eact"], nb, f32_bits(d["elimit"])], type_name=et[0], mode=1),
-            Dispatch(f32r, (-(-D // BM), gr, E), [tab, self.p_h.addr, self.p_yk.addr, rt,
-                                                 self.p_pairs.addr, self.p_off.addr, bias[2]],
+            Dispatch("lmm", (-(-D // BM), gr, E), [tab, self.p_h.addr, self.p_yk.addr, rt,
+                                                  self.p_pairs.addr, self.p_off.addr, bias[2]],
                      [D, F, 0, R, 0, k, 0, 0, nb], type_name=et[1], mode=2),
         ]
         ysh = 0
@@ -249,8 +245,8 @@ class PromptChunks:
             ops.append(Dispatch("lmm", (1, gr), [d["sh_gate"].addr, xn, sr + 4, sr], [1, D, 4, R, 2],
                                 type_name="F32"))
         pa, oa = self.p_pairs.addr, self.p_off.addr      # unread (u6 = 1: every row its own pair)
-        lim = d["sh_limit"]    # DeepSeek-V4's clamped SwiGLU: lmm.comp (lmm_cm.comp has no clamp)
-        return ops + [Dispatch("lmm_f32" if lim > 0 else "lmm", (-(-sF // BM), gr, 1),
+        lim = d["sh_limit"]    # DeepSeek-V4's clamped SwiGLU (lmm_cm.comp takes the clamp too: act.glsl)
+        return ops + [Dispatch("lmm", (-(-sF // BM), gr, 1),
                                [d["sh_tab"].addr, xn, self.p_h.addr, sr, pa, oa],
                                [sF, D, 0, R, 0, 1, 1, 0, 0, f32_bits(lim)], type_name=d["sh_types"][0], mode=1),
                       Dispatch("lmm", (-(-D // BM), gr, 1), [d["sh_tab"].addr, self.p_h.addr, self.p_ysh.addr, sr,

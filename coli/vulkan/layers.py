@@ -223,15 +223,13 @@ class Kernels:
 
     # -- pipelines --------------------------------------------------------------------------------------
     def pipeline(self, kernel: str, type_name: str | None = None, mode: int = 0):
-        key = (kernel, type_name, mode, (self.tile, self.cm_pipe[mode]) if kernel in ("lmm", "lmm_f32") else
+        key = (kernel, type_name, mode, (self.tile, self.cm_pipe[mode]) if kernel == "lmm" else
                self.attn_bq if kernel == "attn_pre" else 0)
         p = self._pipes.get(key)
         if p is not None:
             return p
         dev = self.dev
-        # "lmm_f32": lmm.comp on either route (what lmm_cm.comp lacks: another activation than SwiGLU, expert biases)
         coop = kernel == "lmm" and self.route == "coopmat"
-        kernel = "lmm" if kernel == "lmm_f32" else kernel
         fmt = kernel in FORMAT_KERNELS
         module = dev._modules.get(("lmm_cm" if coop else kernel, type_name if fmt else None))
         if module is None:

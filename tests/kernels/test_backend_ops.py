@@ -66,9 +66,6 @@ TOL = {("gemv", "f32"): 2e-5, ("gemm", "f32"): 2e-5, ("expert", "f32"): 2e-5,
 #: except where gpt-oss's clamp bounds the outputs far below the products: case "1o" of the K-quants' random blocks,
 #: gates up to |g| 330 against the clamp 7, 5e-3 (Q4_K) and 2e-2 (Q6_K), the H100's figures and the model's.)
 TOL_LMM_F16 = 4e-3
-#: ``lmm`` cases whose dispatch is ``lmm.comp`` on either route (``"lmm_f32"``): float32 products, so float64 of the
-#: unrounded operands is their reference on the cooperative-matrix route too.
-LMM_F32_CASES = ("1g", "1o", "2b")
 
 
 #: ``attn``: the float32 kernel (attn_pre.comp) against float64, and the cooperative-matrix one (attn_pre_cm.comp):
@@ -256,17 +253,16 @@ class Backend:
                    Dispatch("lmm", (-(-D // BM), gr, 1), [tb.addr, xhb.addr, ysb.addr, r1b.addr, pb.addr, ob.addr],
                             [D, Fd, 0, R, 0, 1, 1], type_name=type_name, mode=2, wait=False),
                    # the other gated activations with the experts' biases (gpt-oss, Gemma's GeGLU): mode 1 with the
-                   # tanh GELU, mode 1 with gpt-oss's clamped SwiGLU (limit 7), mode 2 with the down bias; lmm.comp
-                   # on either route ("lmm_f32": lmm_cm.comp runs SwiGLU without biases only)
-                   Dispatch("lmm_f32", (-(-Fd // BM), gr, E), [tb.addr, xb.addr, hgb.addr, rb.addr, pb.addr, ob.addr,
-                                                          bgb.addr, bub.addr],
+                   # tanh GELU, mode 1 with gpt-oss's clamped SwiGLU (limit 7), mode 2 with the down bias
+                   Dispatch("lmm", (-(-Fd // BM), gr, E), [tb.addr, xb.addr, hgb.addr, rb.addr, pb.addr, ob.addr,
+                                                      bgb.addr, bub.addr],
                             [Fd, D, 0, R, 0, k, 0, 1, 1, 0], type_name=type_name, mode=1, wait=False),
-                   Dispatch("lmm_f32", (-(-Fd // BM), gr, E), [tb.addr, xb.addr, hob.addr, rb.addr, pb.addr, ob.addr,
-                                                          bgb.addr, bub.addr],
+                   Dispatch("lmm", (-(-Fd // BM), gr, E), [tb.addr, xb.addr, hob.addr, rb.addr, pb.addr, ob.addr,
+                                                      bgb.addr, bub.addr],
                             [Fd, D, 0, R, 0, k, 0, 2, 1, int(np.float32(7.0).view(np.uint32))], type_name=type_name,
                             mode=1, wait=False),
-                   Dispatch("lmm_f32", (-(-D // BM), gr, E), [tb.addr, xhb.addr, ykbb.addr, rb.addr, pb.addr, ob.addr,
-                                                         bdb.addr],
+                   Dispatch("lmm", (-(-D // BM), gr, E), [tb.addr, xhb.addr, ykbb.addr, rb.addr, pb.addr, ob.addr,
+                                                     bdb.addr],
                             [D, Fd, 0, R, 0, k, 0, 0, 1], type_name=type_name, mode=2, wait=False)]
             rec = K.record(ops)
             try:
@@ -420,8 +416,8 @@ def lmm_errors(be: Backend, type_name: str, R: int, rng) -> dict:
     """One ``lmm`` run of R rows: {case: (err, exact)} for case 0 (dense), 1 (gate/up + SwiGLU), 2 (down x route
     weight), "1s", "2s" (modes 1 and 2 in the shared expert's one-expert form), "1g" / "1o" (mode 1 with the
     experts' biases and the tanh GELU / gpt-oss's clamped SwiGLU) and "2b" (mode 2 with the down bias): ``err``
-    against the route's reference (``lmm_reference`` of float16-rounded operands on the cooperative-matrix route
-    except ``LMM_F32_CASES``, of the operands as they are otherwise), ``exact`` against the operands as they are."""
+    against the route's reference (``lmm_reference`` of float16-rounded operands on the cooperative-matrix route, of
+    the operands as they are otherwise), ``exact`` against the operands as they are."""
     O, I, D, Fd = lmm_shapes(type_name)
     E, k = 4, 2          # expert 3 gets no rows: its tiles return at once
     raw, W = weight(type_name, O, I, rng)
@@ -448,7 +444,7 @@ def lmm_errors(be: Backend, type_name: str, R: int, rng) -> dict:
     args = (ws, W, xd, x, xh, ids, wts, (bg, bu, bd))
     ref = exact = lmm_reference(*args)
     if be.route() == "coopmat":
-        ref = {c: exact[c] if c in LMM_F32_CASES else v for c, v in lmm_reference(*args, rnd=f16_model).items()}
+        ref = lmm_reference(*args, rnd=f16_model)
     return {c: (err(a, ref[c]), err(a, exact[c])) for c, a in got.items()}
 
 

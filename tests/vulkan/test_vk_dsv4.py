@@ -294,7 +294,7 @@ def test_clamped_shared_expert(kern, limit):
     brs, bz = _buf(kern, np.tile(one, R)), _buf(kern, np.zeros(2, np.uint32))
     gr = -(-R // kern.tile)
     rec = kern.record([
-        Dispatch("lmm_f32", (-(-F // 64), gr, 1), [tab.addr, bx.addr, bhp.addr, brs.addr, bz.addr, bz.addr],
+        Dispatch("lmm", (-(-F // 64), gr, 1), [tab.addr, bx.addr, bhp.addr, brs.addr, bz.addr, bz.addr],
                  [F, D, 0, R, 0, 1, 1, 0, 0, f32_bits(limit)], type_name="Q8_0", mode=1),
         Dispatch("lmm", (-(-D // 64), gr, 1), [tab.addr, bhp.addr, byp.addr, brs.addr, bz.addr, bz.addr],
                  [D, F, 0, R, 0, 1, 1], type_name="Q8_0", mode=2)])
