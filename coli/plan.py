@@ -16,9 +16,11 @@ safetensors headers, as ``coli run -m DIR`` reads them), the memory budget
   plus the file's bytes with a device tier), ``expert_held_ratio`` = held / file bytes;
 * the RAM expert cache the engine would set up (:func:`coli.runtime.expert_cache_slots` on
   :func:`coli.runtime.cache_room`, as ``coli.runtime.setup_moe``): ``ram_cache_slots`` per layer, ``ram_cache_bytes``;
+  ``ram_cache_kv_bytes``: what the KV cache at ``ctx`` positions takes from it (the KV caches take their bytes
+  from the expert cache's room as they are written, evicting experts);
 * with a device, the tier's budget (:func:`scheduler.tier_policy.budget_bytes`, the rule ``coli.runtime.setup_device``
   uses) and ``device_experts`` = budget // expert bytes, at most every expert;
-* ``ram_needed_bytes``: coli itself + dense + RAM expert cache + KV cache (+ the device's experts on a device that
+* ``ram_needed_bytes``: coli itself + dense + RAM expert cache + KV cache (less what it takes from the cache) (+ the device's experts on a device that
   shares the CPU's RAM: integrated, Lavapipe) + the headroom (:func:`coli.runtime.headroom`), ``fits_ram``
   against the budget (the engine refuses a model whose dense part does not fit: ``dense_fits``);
 * what streams from disk: ``streamed_experts`` = experts neither in the RAM cache nor on the device;
@@ -133,18 +135,21 @@ def make_plan(path, *, device: str | None = None, ctx: int | None = None, expert
             per_layer = [src.expert_nbytes(il) * src.n_experts(il) for il in moe]
         finally:
             src.close()
-        slots = expert_cache_slots(E, a.top_k, held, len(moe), expert_cache,
-                                   cache_room(room, p["kv_cache_bytes"], per, 4, E, held))
+        shared = cache_room(room, per, 4, E, held)
+        slots = expert_cache_slots(E, a.top_k, held, len(moe), expert_cache, shared)
         if expert_cache is not None:
             slots = max(a.top_k, slots)
     else:
-        E, slots, held = 0, 0, 0
+        E, slots, held, shared = 0, 0, 0, 0
     total_experts = E * len(moe)
     ram_cache_bytes = slots * len(moe) * held
+    # the KV cache takes its bytes from the expert cache as it is written (coli.runtime.new_cache): what a whole
+    # context takes from it
+    kv_from_cache = min(ram_cache_bytes, max(0, ram_cache_bytes + p["kv_cache_bytes"] - shared)) if moe else 0
     p.update(expert_bytes=per, expert_bytes_per_layer=per_layer, expert_bytes_total=sum(per_layer),
              expert_held_bytes=held, expert_held_ratio=round(held / per, 3) if per else 0.0,
              total_experts=total_experts, ram_cache_slots=slots, ram_cache_experts=slots * len(moe),
-             ram_cache_bytes=ram_cache_bytes)
+             ram_cache_bytes=ram_cache_bytes, ram_cache_kv_bytes=kv_from_cache)
     dev = None
     if device == "vulkan":
         dev = device_info if device_info is not None else _device_info(g.path.name, device_index)
@@ -165,7 +170,7 @@ def make_plan(path, *, device: str | None = None, ctx: int | None = None, expert
              cold_disk_bytes_per_token=routed,
              cold_disk_bytes_per_token_device=int(round(routed * (1.0 - frac_dev))),
              steady_disk_bytes_per_token=int(round(routed * frac_miss)))
-    ram_need = bud.rss + p["dense_bytes"] + ram_cache_bytes + p["kv_cache_bytes"]
+    ram_need = bud.rss + p["dense_bytes"] + ram_cache_bytes - kv_from_cache + p["kv_cache_bytes"]
     if dev is not None and p["device_kind"] in SHARED_KINDS:  # the tier's experts live in the same RAM
         ram_need += device_experts * per
     ram_need += headroom(bud.bytes)
@@ -194,7 +199,9 @@ def format_table(p: dict) -> str:
                  ("expert bytes in all", _sz(p["expert_bytes_total"])),
                  ("expert in RAM", f"{_sz(p['expert_held_bytes'])} = {p['expert_held_ratio']:.2f}x its file bytes"),
                  ("RAM expert cache", f"{p['ram_cache_slots']} slots a layer = {p['ram_cache_experts']} experts, "
-                                      f"{_sz(p['ram_cache_bytes'])}")]
+                                      f"{_sz(p['ram_cache_bytes'])}"
+                                      + (f"; a whole context's KV cache takes {_sz(p['ram_cache_kv_bytes'])} of it"
+                                         if p["ram_cache_kv_bytes"] else ""))]
     if p.get("device_budget_bytes") is not None:
         rows += [("device", f"{p['device']} ({p['device_kind']}, heap {_sz(p['device_heap_bytes'])})"),
                  ("device budget", f"{_sz(p['device_budget_bytes'])} = {p['device_experts']} experts "

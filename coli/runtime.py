@@ -12,10 +12,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import itertools
 import math
 import os
 import sys
 import warnings
+import weakref
 
 import numpy as np
 
@@ -128,15 +130,14 @@ def default_ctx(args, room: int) -> int:
     return max(1, min(int(args.ctx_train), int(max(0, room * CTX_RAM_SHARE - fixed) // per)))
 
 
-def cache_room(room: int, kv_bytes: int, expert_file_bytes: int, io_threads: int, n_experts: int,
-               held_bytes: int) -> int:
-    """Bytes left for the RAM expert cache out of ``room`` (what the budget leaves once the model is loaded, less
-    the :func:`headroom`): less the whole context's KV cache (``kv_bytes``), the file's bytes the ``io_threads``
-    readers hold while they prepare an expert each, and one layer's ``n_experts`` experts as held (``held_bytes``
-    each: a prompt step routes to every expert of a layer, and the step keeps the ones read from disk until it
-    ends, cached or not), >= 0."""
-    return max(0, int(room) - int(kv_bytes) - max(1, int(io_threads)) * int(expert_file_bytes)
-               - int(n_experts) * int(held_bytes))
+def cache_room(room: int, expert_file_bytes: int, io_threads: int, n_experts: int, held_bytes: int) -> int:
+    """Bytes the RAM expert cache and the KV caches share out of ``room`` (what the budget leaves once the model
+    is loaded, less the :func:`headroom`): less the file's bytes the ``io_threads`` readers hold while they
+    prepare an expert each, and one layer's ``n_experts`` experts as held (``held_bytes`` each: a prompt step
+    routes to every expert of a layer, and the step keeps the ones read from disk until it ends, cached or not),
+    >= 0. The expert cache is sized from all of it; the KV caches take their bytes from it as they are written,
+    evicting experts (``RAMCache.share``, :func:`new_cache`; docs/engine.md "Memory budget")."""
+    return max(0, int(room) - max(1, int(io_threads)) * int(expert_file_bytes) - int(n_experts) * int(held_bytes))
 
 
 def expert_cache_slots(n_experts: int, top_k: int, expert_bytes: int, n_moe_layers: int, expert_cache=None,
@@ -255,8 +256,7 @@ def setup_moe(eng, expert_cache, usage_path, io_threads, keep_raw) -> None:
     L = eng.model.moe_layers
     E = source.n_experts(L[0])
     per = max(source.held_nbytes(l) for l in L)       # an expert as the cache holds it
-    room = cache_room(eng.room, kv_cache_bytes(a, eng.ctx), max(source.expert_nbytes(l) for l in L),
-                      io_threads, E, per)
+    room = cache_room(eng.room, max(source.expert_nbytes(l) for l in L), io_threads, E, per)
     slots = expert_cache_slots(E, a.top_k, per, len(L), expert_cache, room)
     if expert_cache is not None:
         if int(expert_cache) < 0:
@@ -280,6 +280,7 @@ def setup_moe(eng, expert_cache, usage_path, io_threads, keep_raw) -> None:
             hot = [int(e) for e in eng.usage.hottest(l)[:n_pin] if eng.usage.counts[l, e] > 0]
             pins[l] = set(hot)
     eng.cache = RAMCache(source, slots, pins, io_threads=io_threads, capacity=slots * len(L) * per)
+    eng.cache.share(room)   # the KV caches take their bytes out of the same room as they are written (new_cache)
     eng.step = MoEStep(eng.cache, eng.usage, act=eng.cpu_act, trace=eng.trace)
     eng.step.ahead = read_ahead(eng, slots, E, a.top_k)
     eng.ram_cache_bytes = slots * len(L) * per  # the RAM cache's configured size (the tier's budget rule)
@@ -625,12 +626,35 @@ def new_cache(eng, n: int, positions: int | None = None):
         raise ColiError(f"prompt: {counted(n, 'token')} do not fit the context of {counted(ctx, 'position')} "
                         f"({eng._name('ctx')})")
     cap = ctx if positions is None else min(ctx, max(n, int(positions)))
-    return eng.model.new_cache(cap, rope_ctx=ctx)
+    c = eng.model.new_cache(cap, rope_ctx=ctx)
+    ram = eng.cache
+    if ram is not None and ram.limit is not None:
+        key = next(_kv_keys)
+        c.on_write = functools.partial(_kv_written, ram, key, [-1])
+        weakref.finalize(c, ram.release, key)   # its bytes go back to the expert cache when it is freed
+        c.will_write(0)   # what does not grow with the positions (a recurrent state, a cache counted whole)
+    return c
+
+
+_kv_keys = itertools.count()
+KV_STEP = 64  # positions: a KV cache's reservation is taken this far ahead (one computation per 64 tokens)
+
+
+def _kv_written(ram, key, last: list, cache, end: int) -> None:
+    """``Cache.on_write`` of a cache :func:`new_cache` made beside a RAM expert cache: the cache's bytes once
+    positions up to ``end`` (rounded up to ``KV_STEP``) are written are reserved out of what the expert cache
+    shares (``RAMCache.reserve``: the coldest experts give way); never less than before (a cache moved back keeps
+    its pages). ``last``: [the position last reserved for]."""
+    end = min(cache.ctx, -(-int(end) // KV_STEP) * KV_STEP)
+    if end <= last[0]:
+        return
+    last[0] = end
+    ram.reserve(key, max(ram.reserved.get(key, 0), cache.resident_bytes(end)))
 
 
 def reset_counters(eng):
     c = eng.cache
-    eng._c0 = (c.hits, c.loads, c.source.bytes_read) if c is not None else (0, 0, 0)
+    eng._c0 = (c.hits, c.loads, c.source.bytes_read, c.yielded) if c is not None else (0, 0, 0, 0)
     dl = eng.device_layers
     eng._d0 = (dl.prompt_tokens, dl.tokens, dl.streamed_bytes) if dl is not None else (0, 0, 0)
     eng._x0 = expert_rows(eng)
@@ -658,8 +682,9 @@ def counters(eng) -> dict:
     c = eng.cache
     out = dict(expert_hits=0, disk_loads=0, bytes_read=0)
     if c is not None:
-        h0, l0, b0 = getattr(eng, "_c0", (0, 0, 0))
-        out = dict(expert_hits=c.hits - h0, disk_loads=c.loads - l0, bytes_read=c.source.bytes_read - b0)
+        h0, l0, b0, y0 = getattr(eng, "_c0", (0, 0, 0, 0))
+        out = dict(expert_hits=c.hits - h0, disk_loads=c.loads - l0, bytes_read=c.source.bytes_read - b0,
+                   kv_evictions=c.yielded - y0)
     dl = eng.device_layers
     if dl is not None:
         p0, t0, s0 = getattr(eng, "_d0", (0, 0, 0))
@@ -686,7 +711,9 @@ def stats_line(eng, st: dict | None = None) -> str:
          f"decode {st.get('gen_tokens', 0)} tok at {st.get('decode_tps', 0):.1f} tok/s")
     if eng.cache is not None:
         s += (f" | experts: cache hits {st.get('expert_hits', 0)}, disk loads {st.get('disk_loads', 0)}, "
-              f"read {st.get('bytes_read', 0) / 2**20:.1f} MiB ({eng.expert_slots} slots/layer)")
+              f"read {st.get('bytes_read', 0) / 2**20:.1f} MiB ({eng.expert_slots} slots/layer"
+              + (f"; {st['kv_evictions']} evicted to make room for the KV cache" if st.get("kv_evictions") else "")
+              + ")")
     if "device_prompt_rows" in st:   # the placement, so a fallback to the CPU never passes for device speed
         s += f" | prompt rows on the device: {st['device_prompt_rows']} of {n_pre}"
     if st.get("compile_s", 0) >= 0.05:   # llama.cpp's load time, apart: a first run's compile is minutes

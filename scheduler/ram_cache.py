@@ -15,7 +15,10 @@ frequent expert outlives a recent one-off and an expert that stopped being route
 does not change until the expert's next use: the coldest unpinned expert, whatever its layer, is the one with
 the smallest score (a min-heap with stale entries skipped). A layer whose experts are routed more holds more of
 the pool; the pool's bytes never exceed ``capacity`` (an expert that cannot fit beside the pinned ones is
-computed and not cached). A slot that is being computed stays alive while the step holds a
+computed and not cached). ``capacity`` is the pool's size, or less when it shares its bytes with the engine's KV
+caches (``share``, ``reserve``: a KV cache that grows takes its pages out of the pool, which evicts its coldest
+experts, then its pinned ones; docs/engine.md "The KV cache takes its bytes from the expert cache"). A slot that
+is being computed stays alive while the step holds a
 reference (Python's reference count is the seeds' "slots count readers": eviction never frees one in use).
 """
 from __future__ import annotations
@@ -185,11 +188,15 @@ class RAMCache:
         self.lru: dict[int, OrderedDict] = {l: OrderedDict() for l in source.layers}
         if capacity is None:
             capacity = max(0, self.slots) * sum(source.held_nbytes(l) for l in source.layers)
-        self.capacity = int(capacity)
+        self.size = int(capacity)        # the pool's configured bytes
+        self.capacity = self.size        # what it may hold now: the size, less what others took from it (share)
+        self.limit = None                # bytes the pool shares with other holders (share); None: its size alone
+        self.reserved: dict = {}         # holder -> bytes it holds out of ``limit`` (reserve)
         self.held = 0
         self.evictions = 0
+        self.yielded = 0                 # evictions to make room for the other holders
         per = max((source.held_nbytes(l) for l in source.layers), default=1)
-        self.half_life = max(16, self.capacity // max(1, per))   # uses of the cache per halving of a heat
+        self.half_life = max(16, self.size // max(1, per))   # uses of the cache per halving of a heat
         self._tick = 0
         self._score: dict = {}   # (layer, e) -> LFRU score of a cached, unpinned expert
         self._heat: dict = {}    # (layer, e) -> (heat, tick of its last use) of a cached expert
@@ -243,6 +250,56 @@ class RAMCache:
         else:
             t[1][e] = d
             t[0][e] = 1
+
+    def share(self, limit: int) -> None:
+        """Share ``limit`` bytes between the pool and other holders (the engine's KV caches): from now on the pool
+        holds at most ``limit`` less what the holders :meth:`reserve`, and at most its size."""
+        self.limit = int(limit)
+        self._fit()
+
+    def reserve(self, key, nbytes: int) -> None:
+        """Holder ``key`` now holds ``nbytes`` of the shared bytes (:meth:`share`): the pool's capacity drops
+        (or grows back) by the change, and the coldest experts are evicted until the pool fits it: unpinned ones
+        first, then the pinned ones (a KV cache that grows is never refused its bytes: the pool yields them)."""
+        self.reserved[key] = int(nbytes)
+        self._fit()
+
+    def release(self, key) -> None:
+        """Holder ``key`` holds nothing any more (its bytes go back to the pool's capacity)."""
+        if self.reserved.pop(key, None) is not None:
+            self._fit()
+
+    def _fit(self) -> None:
+        cap = self.size
+        if self.limit is not None:
+            cap = max(0, min(cap, self.limit - sum(self.reserved.values())))
+        self.capacity = cap
+        while self.held > cap:
+            if not (self._evict_one(None) or self._evict_pinned()):
+                break
+            self.yielded += 1
+
+    def _evict_pinned(self) -> bool:
+        """Evict the coldest pinned expert (it is unpinned: the pins are a share of a pool that shrank); False when
+        the pool holds none."""
+        best = None
+        for l, pinned in self.pins.items():
+            for e in pinned:
+                if e in self.lru[l]:
+                    h, t = self._heat.get((l, e), (1.0, 0))
+                    sc = math.log2(max(h, 1e-300)) + t / self.half_life
+                    if best is None or sc < best[0]:
+                        best = (sc, l, e)
+        if best is None:
+            return False
+        _, l, e = best
+        self.pins[l].discard(e)
+        w = self.lru[l].pop(e)
+        self.held -= w.nbytes
+        self._heat.pop((l, e), None)
+        self._note(l, e, None)
+        self.evictions += 1
+        return True
 
     def in_ram(self, layer: int, e: int) -> bool:
         return e in self.lru[layer]

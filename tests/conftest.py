@@ -45,6 +45,26 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(f"numba: {n} top-level compiles in this process, {secs:.0f} s; "
                                 f"cache {where}; load average {os.getloadavg()[0]:.1f}")
 
+# ------------------------------------------------------------------ the RAM a device test sees
+# The shared-RAM device budget (scheduler.tier_policy.budget_bytes: a quarter of what the RAM expert cache leaves of
+# the RAM available, less 2 GiB) follows the RAM available at the moment: while another process holds RAM a device
+# test would find no room for its layers ("device layers None") and fail for a reason not its own. Every test under
+# tests/vulkan/ and every test marked requires_vulkan sees a fixed RAM available instead (tests/vk_util.py
+# pin_available_ram); a test that wants another figure patches it again.
+def _device_test(item) -> bool:
+    if "vulkan" in Path(str(item.fspath)).parent.name:
+        return True
+    return any(m.name == "skipif" and "libvulkan" in str(m.kwargs.get("reason", "")) for m in item.iter_markers())
+
+
+@pytest.fixture(autouse=True)
+def _device_tests_see_a_fixed_ram(request, monkeypatch):
+    if _device_test(request.node):
+        from tests.vk_util import pin_available_ram
+
+        pin_available_ram(monkeypatch)
+
+
 # llama.cpp on the same files: teacher-forced NLL of CAPITALS
 LLAMA_CPP_NLL = {"smollm2": (1.315, 1.321), "gemma3": (1.776, 1.776), "qwen25": (1.098, 1.098)}
 CAPITALS = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is Rome."

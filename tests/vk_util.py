@@ -147,3 +147,22 @@ def lose_device_on_call(monkeypatch, obj, name: str, n: int, counts=None, after:
 
     monkeypatch.setattr(obj, name, call)
     return calls
+
+
+# ------------------------------------------------------------------ the RAM the device tests see
+PINNED_RAM_GIB = 16
+
+
+def pin_available_ram(monkeypatch, gib: float = PINNED_RAM_GIB) -> None:
+    """The RAM available, as the memory budget reads it (``coli.base.memory.available_ram``), fixed at ``gib`` GiB
+    for this test, so that the shared-RAM device budget does not follow what other processes hold at the moment
+    (tests/conftest.py applies it to every device test)."""
+    from coli.base import memory
+
+    monkeypatch.setattr(memory, "available_ram", lambda: int(gib * (1 << 30)))
+
+
+def pinned_ram_env(gib: float = PINNED_RAM_GIB) -> dict:
+    """The same for a child ``coli`` process: ``COLI_VK_TIER_GB`` set to the budget the shared-RAM rule gives with
+    ``gib`` GiB available and a small model (a quarter, less 2 GiB), for a test whose subject is not that rule."""
+    return {"COLI_VK_TIER_GB": f"{gib / 4 - 2:g}"}

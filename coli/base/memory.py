@@ -145,3 +145,51 @@ def mem_flag(a):
     if not a.mem >= 0.1:
         raise ColiError(f"--mem: {a.mem} (GiB, 0.1 or above)")
     return f"{a.mem:g}"
+
+
+HUGE_PAGE = 2 * MiB
+PAGE = 4096
+NUMPY_HUGE_MIN = 4 * MiB  # NumPy advises transparent huge pages on its allocations of this size and more (Linux)
+
+
+def _thp_mode() -> str:
+    """The kernel's transparent huge page mode (``always``, ``madvise`` or ``never``; ``never`` when unknown)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            s = f.read()
+    except OSError:
+        return "never"
+    return s[s.index("[") + 1:s.index("]")] if "[" in s else "never"
+
+
+def page_granule(nbytes: int, mode: str | None = None) -> int:
+    """The size of a page the kernel commits at a first write into a NumPy array of ``nbytes`` bytes: 2 MiB
+    where transparent huge pages back it (THP ``always``; ``madvise`` for arrays of 4 MiB and more, which NumPy
+    advises), else 4 KiB. ``mode``: the THP mode (the kernel's when None)."""
+    mode = _thp_mode() if mode is None else mode
+    if mode == "always" or (mode == "madvise" and nbytes >= NUMPY_HUGE_MIN):
+        return HUGE_PAGE
+    return PAGE
+
+
+def touched_bytes(a, rows: int, mode: str | None = None) -> int:
+    """Bytes of the pages a write of rows ``0 .. rows-1`` of every block of ``a`` (an array [B, R, ...], C order:
+    B blocks of R rows each, as a KV cache side's [heads, positions, width]) commits, at :func:`page_granule`
+    pages from the array's address; at most the pages the whole array spans. A fresh array is committed by
+    the kernel as it is written (np.zeros of a fresh mapping); these are the pages it holds then."""
+    n = int(a.nbytes)
+    if n == 0 or rows <= 0:
+        return 0
+    g = page_granule(n, mode)
+    base = int(a.ctypes.data)
+    blocks, blk = int(a.shape[0]), n // max(1, int(a.shape[0]))
+    run = min(blk, int(rows) * (blk // max(1, int(a.shape[1]))))
+    pages, last = 0, -1
+    for b in range(blocks):   # the union of each block's written run, in pages
+        lo = (base + b * blk) // g
+        hi = (base + b * blk + run - 1) // g
+        lo = max(lo, last + 1)
+        if hi >= lo:
+            pages += hi - lo + 1
+            last = hi
+    return pages * g

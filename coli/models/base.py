@@ -221,8 +221,23 @@ class Cache:
         self.pos = 0
         self.rewindable = all(getattr(c, "rewindable", False) for c in layers)
 
+    #: ``on_write(cache, end)``, called before rows up to position ``end`` are written (the engine's RAM ledger:
+    #: ``coli.runtime.new_cache``); None: nobody counts this cache's bytes
+    on_write = None
+
     def nbytes(self) -> int:
         return sum(c.nbytes() for c in self.layers)
+
+    def resident_bytes(self, end: int) -> int:
+        """Bytes the caches hold once positions ``0 .. end-1`` are written: a layer cache's ``resident_bytes``
+        (``blocks.KV``: the pages those rows commit), else all of its ``nbytes`` (a recurrent state, a latent or
+        compressed cache: counted whole)."""
+        return sum(c.resident_bytes(end) if hasattr(c, "resident_bytes") else c.nbytes() for c in self.layers)
+
+    def will_write(self, end: int) -> None:
+        """Rows up to position ``end`` (exclusive) are about to be written: tell ``on_write``."""
+        if self.on_write is not None:
+            self.on_write(self, min(int(end), self.ctx))
 
 
 class Model:
@@ -402,6 +417,7 @@ class Model:
         pos0 = cache.pos
         if pos0 + T > cache.ctx:
             raise ColiError(f"context: {pos0 + T} tokens do not fit the context of {cache.ctx} (--ctx)")
+        cache.will_write(pos0 + T)
         h = self.embed(ids)
         if self.embed_scale:
             h *= np.float32(self.embed_scale)
@@ -452,6 +468,7 @@ class Model:
             ids = np.asarray(ids, dtype=np.int64)
             if c.pos + len(ids) > c.ctx:
                 raise ColiError(f"context: {c.pos + len(ids)} tokens do not fit the context of {c.ctx} (--ctx)")
+            c.will_write(c.pos + len(ids))
             ids_all.append(ids)
             spans.append((a, a + len(ids)))
             a += len(ids)

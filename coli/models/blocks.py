@@ -18,6 +18,7 @@ import math
 
 import numpy as np
 
+from coli.base import memory
 from coli.base.errors import ColiError
 from cpu_kernels import decode as _decode
 from cpu_kernels import decode_moe
@@ -67,6 +68,11 @@ class KV:
 
     def nbytes(self) -> int:
         return self.K.nbytes() + self.V.nbytes()
+
+    def resident_bytes(self, end: int) -> int:
+        """Bytes of the pages positions ``0 .. end-1`` commit in both sides' arrays (``memory.touched_bytes``: each
+        head's run of rows, at the kernel's page size): what the cache holds once written that far."""
+        return sum(memory.touched_bytes(a, end) for side in (self.K, self.V) for a in side.t[1:])
 
     def write(self, pos0: int, k: np.ndarray, v: np.ndarray) -> None:
         """Rows ``k`` f32 [T, n_kv, head_dim] and ``v`` [T, n_kv, head_dim_v] at positions ``pos0 ..``."""

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from coli.base import memory
@@ -126,16 +127,17 @@ def test_held_bytes_are_what_a_load_holds(tiny):
 
 def test_cache_slots_rule():
     """``expert_cache_slots`` on ``cache_room``: every expert when all fit, else what fits, down to 0; the room is
-    what is left after the whole context's KV cache, an expert's file bytes per reader and one layer's experts."""
+    what is left after an expert's file bytes per reader and one layer's experts (the KV caches take theirs from it
+    as they grow: test_a_growing_kv_cache_takes_its_bytes_from_the_expert_cache)."""
     from coli.runtime import cache_room, expert_cache_slots
 
-    room = cache_room(10_000, kv_bytes=1_000, expert_file_bytes=100, io_threads=4, n_experts=2, held_bytes=200)
-    assert room == 10_000 - 1_000 - 400 - 400
+    room = cache_room(9_000, expert_file_bytes=100, io_threads=4, n_experts=2, held_bytes=200)
+    assert room == 9_000 - 400 - 400
     assert expert_cache_slots(8, 2, 300, 3, None, room) == 8           # all fit: 8 x 3 x 300 <= 8200
     assert expert_cache_slots(16, 2, 300, 3, None, room) == 8200 // 900 == 9
     assert expert_cache_slots(16, 2, 3000, 3, None, room) == 0      # below top-k: streamed from disk
     assert expert_cache_slots(16, 2, 300, 3, 20, room) == 16          # given: at most every expert
-    assert cache_room(100, 1_000, 100, 4, 2, 200) == 0
+    assert cache_room(100, 100, 4, 2, 200) == 0
 
 
 def _fixed_memory(monkeypatch, available):
@@ -146,9 +148,10 @@ def _fixed_memory(monkeypatch, available):
 
 
 def test_sizers_fit_a_small_budget(tiny, tmp_path, monkeypatch):
-    """A budget that leaves the KV cache of 64 positions, the readers' in-flight experts and two and a half
-    experts a layer: the engine sizes 2 slots a layer, and the expert cache, the whole context's KV cache and the
-    in-flight experts fit what the budget leaves less the headroom, with no room for a third slot."""
+    """A budget that leaves the readers' in-flight experts and two and a half experts a layer: the engine sizes 2
+    slots a layer (the KV cache is not set aside: it takes its bytes from the expert cache as it grows), and the
+    expert cache and the in-flight experts fit what the budget leaves less the headroom, with no room for a third
+    slot."""
     from coli import runtime as E
     from coli.engine import Engine
 
@@ -158,14 +161,15 @@ def test_sizers_fit_a_small_budget(tiny, tmp_path, monkeypatch):
         assert held < max(src.expert_nbytes(l) for l in L) * 1.2   # no copy of the file's bytes beside the kernels'
         kv = E.kv_cache_bytes(big.args, 64)
         inflight = 4 * max(src.expert_nbytes(l) for l in L) + 4 * held     # 4 readers, 4 experts a layer
-    room = kv + inflight + int(2.5 * len(L) * held)
+    room = inflight + int(2.5 * len(L) * held)
+    assert kv <= room
     _fixed_memory(monkeypatch, room + E.HEADROOM_MIN)
     assert E.headroom(room + E.HEADROOM_MIN) == E.HEADROOM_MIN
     eng = Engine(tiny, ctx=64, usage=str(tmp_path / "u"), save_usage=False, env={})
     try:
         assert (eng.memory.bytes, eng.memory.source, eng.room) == (room + E.HEADROOM_MIN, "RAM available", room)
         assert eng.expert_slots == 2 and eng.ram_cache_bytes == 2 * len(L) * held
-        used = eng.ram_cache_bytes + kv + inflight
+        used = eng.ram_cache_bytes + inflight
         assert used <= eng.room < used + len(L) * held
         r = eng.generate(ids=[5, 6, 7], max_tokens=4)
         assert len(r.ids) == 4
@@ -246,3 +250,115 @@ def test_repacked_dense_pages_are_given_back(model_path, monkeypatch, tmp_path):
     m2, rss2, ref = run()
     assert m2.dropped_bytes == 0 and rss2 >= m.dropped_bytes   # the load faulted in every page it repacked
     assert np.array_equal(got, ref)
+
+
+def _resident(a) -> int:
+    """Bytes of array ``a``'s 4 KiB pages that are in RAM (the "present" bit of each page in ``/proc/self/pagemap``;
+    a transparent huge page counts as its 512 small ones)."""
+    lo, hi = a.ctypes.data // 4096, -(-(a.ctypes.data + a.nbytes) // 4096)
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(lo * 8)
+        ent = np.frombuffer(f.read((hi - lo) * 8), np.uint64)
+    return int(((ent >> np.uint64(63)) & np.uint64(1)).sum()) * 4096
+
+
+@pytest.mark.parametrize("types, ctx", [(("f32", "f32"), 65536), (("q8_0", "f16"), 163840)])
+def test_kv_resident_bytes_cover_the_pages_the_kernel_commits(types, ctx):
+    """``KV.resident_bytes(end)`` (what the engine reserves out of the expert cache's room for a cache written up
+    to ``end``) against the kernel's count: the sides' arrays of 40 MiB and more are fresh mappings (above glibc's
+    largest mmap threshold, 32 MiB), and after each write their pages in RAM (/proc/self/pagemap) are at least the
+    bytes written and at most what ``resident_bytes`` counts for them; the smaller arrays (q8_0's scales) are
+    counted the same way; a cache written to its end holds no more than its ``nbytes`` plus a page an array."""
+    from coli.models.blocks import KV
+
+    n_kv, hd = 4, 64
+    kv = KV(n_kv, ctx, hd, types=types)
+    arrays = [a for side in (kv.K, kv.V) for a in side.t[1:] if a.nbytes]
+    fresh = [a for a in arrays if a.nbytes >= 40 * MiB]
+    assert len(fresh) == 2
+    rng = np.random.default_rng(0)
+    assert kv.resident_bytes(0) == 0
+    for end in (1, 100, 3000, 20000, ctx):
+        x = rng.standard_normal((min(end, 4096), n_kv, hd)).astype(np.float32)
+        for p0 in range(0, end, len(x)):
+            kv.write(p0, x[:end - p0], x[:end - p0])
+        got = kv.resident_bytes(end)
+        assert got == sum(memory.touched_bytes(a, end) for a in arrays)
+        rss = sum(_resident(a) for a in fresh)
+        written = sum(a.nbytes * end // ctx for a in fresh)
+        assert written <= rss <= sum(memory.touched_bytes(a, end) for a in fresh), (end, written, rss)
+    g = max(memory.page_granule(a.nbytes) for a in arrays)
+    assert kv.resident_bytes(ctx) <= kv.nbytes() + len(arrays) * g
+
+
+def test_touched_bytes_counts_each_blocks_pages_once():
+    """``memory.touched_bytes`` on an array [blocks, rows, width]: the union of each block's first ``rows`` rows,
+    in pages from the array's address (4 KiB pages with THP off; 2 MiB ones with THP always)."""
+    a = np.zeros((3, 1024, 256), np.float32)         # blocks of 1 MiB
+    off = a.ctypes.data % 4096
+    rows1 = memory.touched_bytes(a, 1, mode="never")
+    assert rows1 == 3 * 4096 if off <= 4096 - 1024 else rows1 == 6 * 4096
+    full = memory.touched_bytes(a, 1024, mode="never")
+    assert full == (-(-(off + a.nbytes) // 4096)) * 4096            # every page the array spans, once
+    assert memory.touched_bytes(a, 5000, mode="never") == full
+    assert memory.touched_bytes(a, 0, mode="never") == 0
+    huge = memory.touched_bytes(a, 1, mode="always")   # 3 runs 1 MiB apart: 2 or 3 huge pages
+    base = a.ctypes.data
+    assert huge == len({(base + b * (1 << 20)) // (2 << 20) for b in range(3)}) * (2 << 20)
+
+
+def test_a_growing_kv_cache_takes_its_bytes_from_the_expert_cache(tiny, tmp_path, monkeypatch):
+    """A budget that holds every expert beside a short KV cache only: the expert cache is sized without the KV
+    cache (every expert), and a generate whose KV cache grows past what is left evicts experts as it grows (the
+    pool's capacity plus the KV cache's reservation never above the shared room, the pool never above its
+    capacity), with the same tokens as a run with room to spare; the bytes come back when the call ends."""
+    import gc
+
+    from coli import runtime as E
+    from coli.engine import Engine
+
+    ids = [5, 6, 7]
+    with Engine(tiny, ctx=1024, usage=str(tmp_path / "u0"), save_usage=False) as big:
+        src, L = big.cache.source, big.model.moe_layers
+        held = max(src.held_nbytes(l) for l in L)
+        n_exp = src.n_experts(L[0])
+        inflight = 4 * max(src.expert_nbytes(l) for l in L) + n_exp * held
+        every = n_exp * len(L) * held
+        per_pos = E.kv_cache_bytes(big.args, 1)
+        room = inflight + every + 64 * per_pos                 # every expert and 64 positions
+        ctx = room // per_pos                                  # a whole-context KV cache fits the room alone
+        n_gen = ctx - len(ids) - 1
+        assert n_gen > 4 * 64
+        ref = big.generate(ids=ids, max_tokens=n_gen, stop_at_eos=False)
+    assert len(ref.ids) == n_gen
+    _fixed_memory(monkeypatch, room + E.HEADROOM_MIN)
+    eng = Engine(tiny, ctx=ctx, usage=str(tmp_path / "u"), save_usage=False, env={})
+    try:
+        ram = eng.cache
+        assert eng.room == room and ram.limit == room - inflight
+        assert eng.expert_slots == n_exp                       # sized without the KV cache
+        assert E.expert_cache_slots(n_exp, 2, held, len(L), None, room - inflight - E.kv_cache_bytes(eng.args, ctx)) \
+            < n_exp                                            # the old rule (a whole context reserved) held fewer
+        seen = []
+        reserve = ram.reserve
+
+        def spy(key, nbytes):
+            reserve(key, nbytes)
+            seen.append((ram.capacity, ram.held, sum(ram.reserved.values())))
+        monkeypatch.setattr(ram, "reserve", spy)
+        r = eng.generate(ids=ids, max_tokens=n_gen, stop_at_eos=False)
+        assert r.ids == ref.ids
+        assert eng.last_stats["kv_evictions"] == ram.yielded > 0
+        assert len(seen) > 5
+        for cap, held_now, kv in seen:     # the pool is what the KV caches leave of the shared room, at most its size
+            assert held_now <= cap == max(0, min(ram.size, ram.limit - kv))
+        assert seen[-1][2] >= E.kv_cache_bytes(eng.args, n_gen + len(ids))   # the cache's pages, at least its rows
+        assert seen[-1][0] < every                             # the pool shrank below every expert
+        # the compiled token decoder keeps the last call's cache (and its pages) until its next decode step: a short
+        # call then frees it, and the pool grows back to its size
+        eng.generate(ids=ids, max_tokens=2, stop_at_eos=False)     # a decode step: the decoder takes its cache
+        gc.collect()
+        assert len(ram.reserved) == 1 and sum(ram.reserved.values()) < seen[-1][2] // 4
+        assert ram.capacity == ram.size == every
+    finally:
+        eng.close()

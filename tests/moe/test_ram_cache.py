@@ -129,3 +129,38 @@ def test_room_is_the_pools_not_a_layers_share():
     c = RAMCache(src, slots=0, io_threads=1)   # no cache: never room
     assert not c.room(0)
     c.close()
+
+
+def test_the_pool_yields_its_bytes_to_the_kv_caches_coldest_first_then_the_pins():
+    """``share`` / ``reserve`` / ``release``: a holder's bytes come out of the shared limit; the pool evicts its
+    coldest unpinned experts until it fits, then its pinned ones (unpinned), never holds more than the limit less
+    the reservations, and grows back (to its size, no further) when a holder releases."""
+    from scheduler.ram_cache import RAMCache
+
+    src, _ = _source()
+    per = src.held_nbytes(0)
+    c = RAMCache(src, slots=3, pins={0: {4}}, io_threads=1, capacity=4 * per)
+    c.share(5 * per)                                  # one expert's bytes beyond the pool's size
+    assert c.capacity == 4 * per
+    w = {e: src.load(0, e) for e in range(6)}
+    for e in (4, 1, 2, 3):
+        c.put(0, e, w[e])
+    for _ in range(3):
+        assert c.get(0, 3) is not None               # 3 hot, 1 and 2 cold
+    c.reserve("kv", per)                             # fits what the limit has beyond the pool: nothing goes
+    assert c.capacity == 4 * per and c.held == 4 * per and c.yielded == 0
+    c.reserve("kv", 2 * per + 1)                     # one byte more than that: two experts go, the coldest
+    assert c.capacity == 3 * per - 1 and set(c.lru[0]) == {4, 3} and c.yielded == 2
+    c.reserve("other", 2 * per)                      # a second holder: the hot unpinned one, then the pin
+    assert c.capacity == per - 1 and set(c.lru[0]) == set() and c.yielded == 4 and 4 not in c.pins[0]
+    assert c.held == c.nbytes() == 0
+    c.put(0, 5, w[5])                                 # no room: computed, not cached
+    assert not c.in_ram(0, 5)
+    c.release("other")
+    assert c.capacity == 3 * per - 1
+    c.release("kv")
+    assert c.capacity == 4 * per                      # its size, not the limit
+    for e in (1, 2, 5, 0):
+        c.put(0, e, w[e])
+    assert c.held == 4 * per
+    c.close()
