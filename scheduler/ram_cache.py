@@ -272,7 +272,8 @@ class RAMCache:
     def _fit(self) -> None:
         cap = self.size
         if self.limit is not None:
-            cap = max(0, min(cap, self.limit - sum(self.reserved.values())))
+            # a copy: a KV cache's release may run on whichever thread frees it
+            cap = max(0, min(cap, self.limit - sum(self.reserved.copy().values())))
         self.capacity = cap
         while self.held > cap:
             if not (self._evict_one(None) or self._evict_pinned()):
