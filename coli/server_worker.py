@@ -83,6 +83,9 @@ class Metrics:
         metric("requests_deferred", "gauge", "requests waiting in the queue", [("", waiting)])
         return "\n".join(out) + "\n"
 
+#: the most prompt rows a step takes when the server has several slots (``--parallel`` > 1)
+SHARED_PROMPT_ROWS = 64
+
 
 class Worker:
     """The one thread that runs the engine: ``parallel`` slots (``coli.slots.Batcher``) decoded together step by
@@ -93,7 +96,11 @@ class Worker:
                  warmup: bool = False, kv_unified: bool = False, say_ready: bool = False):
         self.eng = eng
         self.say_ready = say_ready  # a line on stderr when the warm-up ended
-        self.batcher = Batcher(eng, parallel, unified=kv_unified)
+        # with several slots a prompt step is at most SHARED_PROMPT_ROWS rows: a request that comes while a long
+        # prompt is read waits for the step running then (demo MoE, 1,937-token prompt: first token 3.1 s with
+        # 256-row steps, 0.49 s with 64, the long request 21.2 vs 21.0 s; docs/serve.md)
+        chunk = min(eng.prompt_chunk(), SHARED_PROMPT_ROWS) if parallel > 1 else None
+        self.batcher = Batcher(eng, parallel, chunk=chunk, unified=kv_unified)
         self.deferred: list = []  # (job, generation)s that wait for KV room (--kv-unified), first in line first
         self.warmup = warmup
         self.warmed: dict | None = None  # the warm-up's {"steps", "seconds"} once it ran

@@ -939,3 +939,14 @@ def test_tokenize_detokenize_as_llama_server(http, eng):
 def test_tokenize_detokenize_bad_fields_are_400(http, path, body, param):
     r = http.post(path, json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_prompt_steps_are_short_with_several_slots(eng):
+    """With --parallel > 1 a prompt step takes at most SHARED_PROMPT_ROWS rows (a request arriving mid-prompt
+    waits for one such step, not a whole COLI_UBATCH one); one slot keeps the engine's prompt step."""
+    from coli.server_worker import SHARED_PROMPT_ROWS
+
+    for parallel, want in ((1, eng.prompt_chunk()), (2, min(eng.prompt_chunk(), SHARED_PROMPT_ROWS))):
+        with _client(eng, parallel=parallel) as c:
+            assert c.app.state.coli["worker"].batcher.chunk == want
+    assert eng.prompt_chunk() > SHARED_PROMPT_ROWS   # the default COLI_UBATCH (256): the cap is in effect
