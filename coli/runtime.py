@@ -707,8 +707,11 @@ def stats_line(eng, st: dict | None = None) -> str:
     st = st or eng.last_stats
     # the tokens prefilled: a kept KV cache's reused prefix is not computed (prefill_tps counts the same)
     n_pre = st.get('prompt_tokens', 0) - st.get('cached_tokens', 0)
-    s = (f"prefill {n_pre} tok at {st.get('prefill_tps', 0):.1f} tok/s, "
-         f"decode {st.get('gen_tokens', 0)} tok at {st.get('decode_tps', 0):.1f} tok/s")
+    n_gen = st.get('gen_tokens', 0)
+    # the first token comes from the prompt's logits: with -n 1 no decode step ran, so there is no rate (not "0.0")
+    dec = (f" at {st.get('decode_tps', 0):.1f} tok/s" if n_gen > 1 else
+           " (from the prompt's logits: no decode step to time)" if n_gen == 1 else "")
+    s = f"prefill {n_pre} tok at {st.get('prefill_tps', 0):.1f} tok/s, decode {n_gen} tok{dec}"
     if eng.cache is not None:
         s += (f" | experts: cache hits {st.get('expert_hits', 0)}, disk loads {st.get('disk_loads', 0)}, "
               f"read {st.get('bytes_read', 0) / 2**20:.1f} MiB ({eng.expert_slots} slots/layer"

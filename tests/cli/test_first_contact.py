@@ -86,13 +86,16 @@ def test_perplexity_lines_name_the_file_and_count_right(tmp_path, capsys):
 
 def test_one_of_a_kind_is_singular(capsys):
     """A prompt of 1 token in a context of 1 position: "1 prompt token", "1 position" (it read "1 prompt tokens ...
-    of 1 positions"); a model of 1 layer has "1 layer" on its start line."""
+    of 1 positions"); a model of 1 layer has "1 layer" on its start line;
+    one token generated has no decode rate."""
     rc, out, err = _main(capsys, "run", "-m", str(DENSE), "-p", "a", "--ctx", "1", "-n", "1")
     assert (rc, err) == (2, "coli: prompt: 1 prompt token and 1 to generate exceed the context of 1 position (--ctx)\n")
     rc, out, err = _main(capsys, "run", "-m", str(DENSE), "-p", "a", "--ctx", "1", "-n", "-1")
     assert (rc, err) == (2, "coli: prompt: 1 token fills the context of 1 position (--ctx)\n")
     rc, out, err = _main(capsys, "run", "-m", str(DENSE), "-p", "a", "-n", "1")   # the start line: "1 layer"
     assert rc == 0 and "coli: rope_linear.gguf: llama, 1 layer, " in err, err
+    # -n 1: the token came from the prompt's logits, no decode step ran: no rate (it read "at 0.0 tok/s")
+    assert ", decode 1 tok (from the prompt's logits: no decode step to time)" in err and "0.0 tok/s" not in err, err
 
 
 def test_a_piped_prompt_that_is_not_utf8_names_stdin(capsys, monkeypatch):
