@@ -195,3 +195,12 @@ def test_a_trace_that_cannot_be_written_is_one_line(tmp_path, capsys, monkeypatc
     rc, out, err = _main(capsys, "run", "-m", str(DENSE), "-p", "a b", "-n", "2", "--trace", str(t))
     assert rc == 2 and out.startswith("a b") and not t.exists(), err
     assert err.endswith(f"coli: --trace {t}: not written (No space left on device)\n"), err
+
+
+def test_an_api_key_file_that_is_not_utf8_is_one_line(tmp_path, capsys):
+    """coli serve --api-key-file with bytes that are not UTF-8: one line naming the flag, the file and the byte, before
+    the port is bound or the model read (it was a UnicodeDecodeError traceback)."""
+    f = tmp_path / "key"
+    f.write_bytes(b"\xef\xbb\xbfsecret\xff\n")   # the BOM is fine; the 0xff after 'secret' is not UTF-8
+    rc, out, err = _main(capsys, "serve", "-m", str(DENSE), "--api-key-file", str(f), "--port", "0")
+    assert (rc, out, err) == (2, "", f"coli: --api-key-file {f}: not UTF-8 text (byte 9)\n")
