@@ -64,7 +64,7 @@ from .tiles import (decode_row, tile4_iq4_nl, tile4_iq4_xs, tile4_mxfp4, tile4_q
                     tile_q5_1, tile_q5_k, tile_q6_k, tile_q8_0, tile_iq2_xxs, tile_iq3_xxs, tile4_iq2_xxs,
                     tile4_iq3_xxs, tile_iq3_s, tile4_iq3_s, tile_iq2_xs, tile4_iq2_xs, tile_iq2_s,
                     tile4_iq2_s, tile_iq1_s, tile4_iq1_s, tile_iq1_m, tile4_iq1_m, tile_nvfp4, tile4_nvfp4,
-                    tile4u_q8_0, wsum_q8_0)
+                    tile4u_q8_0, widen_t16_q5_0, wsum_q8_0)
 from .vnni import (HAVE_VNNI, _act_sums16, row_lut, row_pair, row_q2_k, row_q3_k, row_q4_k, row_q5_0, row_q5_k,
                    row_q6_k, row_q8, widen_lut, widen_q5_0)
 
@@ -892,26 +892,45 @@ def _w_tiles(ds, c0, c1):
     return numba.carray(_pi8(ds[3]), (O, ds[8])), 0, numba.carray(_pf32(ds[4]), (O, ds[9]))
 
 
-#: formats whose prompt GEMM reads the activation codes + 128 (``Act.u8``): the Q8_0 t16 tile (``tile4u_q8_0``)
-#: and the row layouts of ``gemm_i8``'s tiles (``_tiled_ok``)
-U8_CODES = (FC_T8, FC_Q8, FC_G16, FC_Q5_0, FC_LUT)
+#: formats whose prompt GEMM reads the activation codes + 128 (``Act.u8``): the Q8_0 and Q5_0 t16 tiles
+#: (``tile4u_q8_0``) and the row layouts of ``gemm_i8``'s tiles (``_tiled_ok``)
+U8_CODES = (FC_T8, FC_T5_0, FC_Q8, FC_G16, FC_Q5_0, FC_LUT)
+
+
+_REC8 = _tiles.RECORD["Q8_0"]   # bytes of a Q8_0 t16 record (Q5_0's widened tile)
 
 
 @njit(inline="always", **_JIT)
-def _t8_rows(ds, c0, p0, p1, src, dst, oe, xq, xd, xm, xu, out):
-    """out[dst[p], oe + c0 + i] = row c0 + i (i < 16) of the Q8_0 t16 weight ``ds`` . activation row src[p], p in
-    p0:p1: the tile's 128 x code sums made once (``wsum_q8_0``), then 4 rows at a time through ``tile4u_q8_0``
-    (xu: the codes + 128), the last 1-3 through the one-row tile. Bit-identical to ``_i8_tiles``."""
+def _tu(fc):
+    """True for the t16 formats whose prompt rows run ``tile4u_q8_0`` (``_tu_rows``): Q8_0, Q5_0."""
+    return fc == FC_T8 or fc == FC_T5_0
+
+
+@njit(inline="always", **_JIT)
+def _tu_rows(ds, c0, p0, p1, src, dst, oe, xq, xd, xm, xu, out):
+    """out[dst[p], oe + c0 + i] = row c0 + i (i < 16) of the Q8_0 or Q5_0 t16 weight ``ds`` . activation row
+    src[p], p in p0:p1: the tile's 128 x code sums made once (``wsum_q8_0``; Q5_0: its records widened to a Q8_0
+    tile's with them, ``widen_t16_q5_0``), then 4 rows at a time through ``tile4u_q8_0`` (xu: the codes + 128), the
+    last 1-3 through the one-row tile. Bit-identical to ``_i8_tiles``."""
     rec = _r_u8(ds, 0, c0 // 16)
-    ws = np.empty((ds[2] // 32) * 16, np.int32)
-    wsum_q8_0(rec, ws)
+    nb = ds[2] // 32
+    ws = np.empty(nb * 16, np.int32)
+    if ds[0] == FC_T5_0:
+        w8 = np.empty(nb * _REC8, np.uint8)
+        widen_t16_q5_0(rec, w8, ws)
+    else:
+        w8 = rec
+        wsum_q8_0(rec, ws)
     p = p0
     while p + 4 <= p1:
-        tile4u_q8_0(rec, xu, xd, src[p:p + 4], out, dst[p:p + 4], oe + c0, ws)
+        tile4u_q8_0(w8, xu, xd, src[p:p + 4], out, dst[p:p + 4], oe + c0, ws)
         p += 4
     for q in range(p, p1):
         r = src[q]
-        tile_q8_0(rec, xq[r], xd[r], xm[r], out[dst[q]], oe + c0)
+        if ds[0] == FC_T5_0:
+            tile_q5_0(rec, xq[r], xd[r], xm[r], out[dst[q]], oe + c0)
+        else:
+            tile_q8_0(rec, xq[r], xd[r], xm[r], out[dst[q]], oe + c0)
 
 
 @njit(**_JIT)
@@ -943,13 +962,14 @@ def work_items(nblk, pstart, rb):
 
 
 @njit(**_PJIT)
-def mm_grouped_gemm(desc, pstart, items, dst, off, xq, xd, xm, xu, out):
-    """``mm_grouped`` in I8 mode for prompt chunks whose slots are the activation rows themselves (slot p reads
-    row p of xq/xd/xm and of xu = xq + 128 as uint8, which may be empty [0, *] when no weight reads it:
-    ``U8_CODES``): Q8_0 t16 weights run ``tile4u_q8_0``; weights of the Q8_0 row layout with at least 4 slots the
-    4 x 4 int8 tiles of ``gemm_i8`` (the 16-row weight block stays in L1 across the slot tiles); the others the
-    row kernels. out[dst[p], off[e] + o]; one parallel launch over the ``work_items`` (e, c0, p0, p1)."""
-    ident = np.arange(xq.shape[0])
+def mm_grouped_gemm(desc, pstart, items, src, dst, off, xq, xd, xm, xu, out):
+    """``mm_grouped`` in I8 mode for prompt chunks: slot p reads row src[p] of xq/xd/xm and of xu = xq + 128 as
+    uint8 (which may be empty [0, *] when no weight reads it: ``U8_CODES``): Q8_0 and Q5_0 t16 weights run
+    ``tile4u_q8_0``; weights of the Q8_0 row layout with at least 4 slots the 4 x 4 int8 tiles of ``gemm_i8`` (the
+    16-row weight block stays in L1 across the slot tiles; they read slot p as row p: src must be 0, 1, ... where a
+    weight takes them); the others the row kernels. out[dst[p], off[e] + o]; one parallel launch over the
+    ``work_items`` (e, c0, p0, p1)."""
+    ident = src
     hu = xu.shape[0] > 0
     for it in prange(items.shape[0]):
         e = items[it, 0]
@@ -958,8 +978,8 @@ def mm_grouped_gemm(desc, pstart, items, dst, off, xq, xd, xm, xu, out):
         p1 = items[it, 3]
         ds = desc[e]
         c1 = min(ds[1], c0 + _RB)
-        if hu and ds[0] == FC_T8:
-            _t8_rows(ds, c0, p0, p1, ident, dst, off[e], xq, xd, xm, xu, out)
+        if hu and _tu(ds[0]):
+            _tu_rows(ds, c0, p0, p1, ident, dst, off[e], xq, xd, xm, xu, out)
         elif hu and _tiled_ok(ds, pstart[e + 1] - pstart[e]) and c1 - c0 >= _G.MR:
             # (a row block of fewer than 4 rows: its tile starts up to 3 rows back in the expert's, as its last)
             wq, qs0, wd = _w_tiles(ds, c0, c1)
@@ -971,7 +991,7 @@ def mm_grouped_gemm(desc, pstart, items, dst, off, xq, xd, xm, xu, out):
 @njit(**_PJIT)
 def ffn_gate_up_gemm(gdesc, udesc, pstart, items, src, xq, xd, xm, xu, kind, limit, gb, ub, a):
     """``ffn_gate_up`` in I8 mode for prompt chunks: slot p reads activation row src[p] of xq/xd/xm and xu (the
-    codes + 128, or empty [0, *] when no weight reads it: ``U8_CODES``). Q8_0 t16 experts run
+    codes + 128, or empty [0, *] when no weight reads it: ``U8_CODES``). Q8_0 and Q5_0 t16 experts run
     ``tile4u_q8_0``, other t16 formats their ``tile4``, Q8_0-row-layout experts with at least 4 slots the int8
     tiles of ``gemm_i8`` (they read slot rows in order: the caller gathers the rows and passes src = 0, 1, ...),
     the others the row kernels; each work item (``work_items``: e, c0, p0, p1) then applies the activation to its
@@ -1006,12 +1026,12 @@ def ffn_gate_up_gemm(gdesc, udesc, pstart, items, src, xq, xd, xm, xu, kind, lim
             sp = src[p0:p1]
             gs = np.empty((n, _RB), np.float32)
             us = np.empty((n, _RB), np.float32)
-            if hu and gd[0] == FC_T8:
-                _t8_rows(gd, c0, _I0, n, sp, loc, -c0, xq, xd, xm, xu, gs)
+            if hu and _tu(gd[0]):
+                _tu_rows(gd, c0, _I0, n, sp, loc, -c0, xq, xd, xm, xu, gs)
             else:
                 block_i8(gd, c0, c1, _I0, n, sp, loc, -c0, xq, xd, xm, gs)
-            if hu and ud[0] == FC_T8:
-                _t8_rows(ud, c0, _I0, n, sp, loc, -c0, xq, xd, xm, xu, us)
+            if hu and _tu(ud[0]):
+                _tu_rows(ud, c0, _I0, n, sp, loc, -c0, xq, xd, xm, xu, us)
             else:
                 block_i8(ud, c0, c1, _I0, n, sp, loc, -c0, xq, xd, xm, us)
             for p in range(n):
@@ -1156,13 +1176,25 @@ class Group:
         self.off = np.zeros(len(self.weights), np.int64)
         self.off[1:] = np.cumsum(self.desc[:-1, 1])
         self.O = int(self.desc[:, 1].sum())
+        # every weight t16: prompt rows can take the experts' GEMM kernel (``mm_grouped_gemm``), whose row-layout
+        # tiles would read slots as rows; u8: whether it reads the codes + 128
+        self.tiled = bool((self.desc[:, 0] >= FC_T4_0).all())
+        self.u8 = _reads_u8(self.desc)
 
     def __call__(self, act: Act, out: np.ndarray | None = None) -> np.ndarray:
-        """f32 [T, sum O]: the weights' outputs side by side (``out[:, off[i]:off[i] + O_i]``)."""
+        """f32 [T, sum O]: the weights' outputs side by side (``out[:, off[i]:off[i] + O_i]``). Int8 rows of t16
+        weights, at least GEMM_MIN_ROWS of them: ``mm_grouped_gemm`` (Q8_0 and Q5_0 through ``tile4u_q8_0``,
+        work items of up to GEMM_ROW_BLOCK rows, dynamic chunks; the same bits as ``mm_grouped``)."""
         T = act.x.shape[0]
         if out is None:
             out = np.empty((T, self.O), np.float32)
         pstart, t = _slots(len(self.weights), T)
+        if act.mode == I8 and self.tiled and T >= GEMM_MIN_ROWS:
+            items = _items(self.desc, pstart)
+            with numba.parallel_chunksize(dynamic_chunk(len(items))):
+                mm_grouped_gemm(self.desc, pstart, items, t, t, self.off, act.xq, act.xd, act.xm,
+                                act.u8() if self.u8 else _EMPTY_U, out)
+            return out
         mm_grouped(self.desc, pstart, t, t, self.off, act.mode, act.xq, act.xd, act.xm, act.x, out)
         return out
 
@@ -1186,12 +1218,20 @@ class FFN:
         self.kind = kind
         self.limit = np.float32(limit)
         self.act_mode = act_mode
+        self.tiled = all(w.desc[0] >= FC_T4_0 for w in self.weights)   # (see ``Group.tiled``)
 
     def __call__(self, act: Act, act_mode: str | None = None) -> np.ndarray:
         """``act``: the input rows (T of them); ``act_mode``: "int8" | "f32" for the hidden activation (default:
-        the one given at construction). Returns f32 [T, D]."""
+        the one given at construction). Returns f32 [T, D]. Int8 rows of t16 weights, at least GEMM_MIN_ROWS of
+        them: the experts' GEMM kernels (``_experts_gemm`` with one expert; the same bits)."""
         T = act.x.shape[0]
         pstart, t = _slots(1, T)
+        if act.mode == I8 and self.tiled and T >= GEMM_MIN_ROWS:
+            a = np.empty((T, self.F), np.float32)
+            y = np.empty((T, self.D), np.float32)
+            _experts_gemm(self.gd, self.ud, self.dd, pstart, t, t, act, a, y, self.kind, self.limit,
+                          act_mode or self.act_mode)
+            return y
         a = np.empty((T, self.F), np.float32)
         ffn_gate_up(self.gd, self.ud, pstart, t, act.mode, act.xq, act.xd, act.xm, act.x, self.kind, self.limit, a)
         aa = Act(a, act_mode or self.act_mode)
@@ -1302,8 +1342,8 @@ def _experts_gemm(gd, ud, dd, pstart, src, dst, act, a, pair_out, kind, limit, a
     if aa.mode == I8:
         items = _items(dd, pstart)
         with numba.parallel_chunksize(dynamic_chunk(len(items))):
-            mm_grouped_gemm(dd, pstart, items, dst, off, aa.xq, aa.xd, aa.xm, aa.u8() if _reads_u8(dd)
-                            else _EMPTY_U, pair_out)
+            mm_grouped_gemm(dd, pstart, items, np.arange(a.shape[0], dtype=np.int64), dst, off, aa.xq, aa.xd,
+                            aa.xm, aa.u8() if _reads_u8(dd) else _EMPTY_U, pair_out)
     else:
         slots = np.arange(a.shape[0], dtype=np.int64)
         with numba.parallel_chunksize(dynamic_chunk(len(dd) * ((int(dd[0, 1]) + _RB - 1) // _RB))):

@@ -51,9 +51,11 @@ nibble) and element j + 16 (high nibble) of a block (``ggml-common.h`` ``block_q
 meet activation codes 4g..4g+3 and its high nibbles 16+4g..16+4g+3, each broadcast to all 16 lanes:
 ``vpdpbusd`` then gives 16 rows' exact int32 partial dots at once and a block's 16 sums need no horizontal
 reduction. Per block: ``acc16 += float(isum16) * (d16 * xd[b])``, plus ``m16 * xm[b]`` (Q4_1) or minus
-``8 * d16 * xm[b]`` (Q4_0; Q5_0: 16, its fifth bits spread into bit 4 of each code byte in registers), with
-xm[b] = xd[b] * (sum of the block's activation codes), the activation blocks of
-``formats._quantize_act_i8`` (llama.cpp's Q8 blocks). Q8_0's signed codes are ``vpdpbusd``'s signed operand
+``8 * d16 * xm[b]`` (Q4_0), with xm[b] = xd[b] * (sum of the block's activation codes), the activation blocks of
+``formats._quantize_act_i8`` (llama.cpp's Q8 blocks). Q5_0: its fifth bits spread into bit 4 of each code byte in
+registers, and its -16 taken off in int32 (``isum16 - 16 S``, S the exact sum of the block's 32 activation codes),
+so its block dot is Q8_0's on the codes q - 16: a prompt's rows run Q8_0's ``tile4u_q8_0`` on the tile widened
+once per work item (``widen_t16_q5_0``), bit-identical. Q8_0's signed codes are ``vpdpbusd``'s signed operand
 and the activations its unsigned one as ``x ^ 0x80`` (= x + 128), with 128 x the codes' sum taken off exactly in
 int32 (as the table types below). Q4_K: per sub-block pair the low nibbles meet sub-block 2j's activations and the high
 ones 2j+1's; per super-block ``acc16 += d16 * sum_s sc16_s * xd[s] * isum16_s - dmin16 * sum_s mn16_s * xm[s]``
@@ -131,7 +133,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
 
-from .vnni import _F32, _F32x16, _I8x64, _I32, _I32x16, _Ops, _arrays, vnni_intrinsic
+from .vnni import _F32, _F32x16, _I8x64, _I32, _I32x8, _I32x16, _Ops, _arrays, vnni_intrinsic
 
 _JIT = dict(nogil=True, cache=True, fastmath=True)
 
@@ -629,6 +631,13 @@ class _Rec:
         xsub = b.load(b.bitcast(b.gep(self.xbs[i], [self.c(off)]), _I8x16.as_pointer()), align=1)
         return b.call(red, [b.sext(xsub, _I32x16)])
 
+    def ssum32(self, i):  # the sum of row i's 32 activation codes of this block (int32; exact: ones . x)
+        b = self.b
+        x = b.load(b.bitcast(self.xbs[i], _I32x8.as_pointer()), align=1)
+        s = b.call(self.op.dp, [ir.Constant(_I32x8, None), ir.Constant(_I32x8, [0x01010101] * 8), x])
+        red = cgutils.get_or_insert_function(b.module, ir.FunctionType(_I32, [_I32x8]), "llvm.vector.reduce.add.v8i32")
+        return b.call(red, [s])
+
     def xu(self, i, j):  # row i's activation codes j..j+3 made unsigned (x ^ 0x80 = x + 128), broadcast
         b = self.b
         p = b.bitcast(b.gep(self.xbs[i], [self.c(j)]), self.i32p)
@@ -1047,13 +1056,22 @@ def _emit_q32(t):
         isum = pi[0] if len(pi) == 1 else b.add(b.add(pi[0], pi[1]), b.add(pi[2], pi[3]))
         if wsum is not None:
             isum = b.sub(isum, wsum)
-        f = b.fadd(b.load(faccs[i]), b.fmul(b.sitofp(isum, _F32x16), b.fmul(dv, xd(i, k))))
+        elif name == "Q5_0":   # the -16 in int32: 16 x the row's code sum (``widen_t16_q5_0``'s Q8_0 tile: same integer)
+            isum = b.sub(isum, _splat_i(b, b.shl(t.ssum32(i), ir.Constant(_I32, 4))))
+        sc = b.fmul(dv, xd(i, k))
+        if name in ("Q8_0", "Q5_0"):
+            # d16 * xd[b] kept whole: the kernels compile with fast-math flags, and LLVM's reassociation of
+            # isum * d * xd followed each kernel's code around it, so ``tile_q5_0`` and ``tile4u_q8_0`` on the
+            # widened tile (the same integers) differed by an ulp; behind the fence every path rounds alike
+            fence = cgutils.get_or_insert_function(b.module, ir.FunctionType(_F32x16, [_F32x16]),
+                                                   "llvm.arithmetic.fence.v16f32")
+            sc = b.call(fence, [sc])
+        f = b.fadd(b.load(faccs[i]), b.fmul(b.sitofp(isum, _F32x16), sc))
         if mv is not None:
             f = b.fadd(f, b.fmul(mv, xm(i, k)))
-        elif name in ("Q4_0", "Q5_0"):
-            off_q = 8.0 if name == "Q4_0" else 16.0
+        elif name == "Q4_0":
             mk = b.load(b.gep(rows[i][2], [k]))
-            f = b.fsub(f, b.fmul(dv, _splat_f(b, b.fmul(mk, ir.Constant(_F32, off_q)))))
+            f = b.fsub(f, b.fmul(dv, _splat_f(b, b.fmul(mk, ir.Constant(_F32, 8.0)))))
         b.store(f, faccs[i])
 
 
@@ -1232,6 +1250,59 @@ def wsum_q8_0(typingctx, rec, wsum):
     """128 x the code sums of a Q8_0 tile's records (``tile4u_q8_0``'s table): wsum[16 k + r] = 128 x the sum of
     row r's 32 codes in record k. rec uint8 [nrec * 544] (one tile), wsum int32 [nrec * 16]."""
     return types.void(rec, wsum), _wsum_q8_0_codegen
+
+
+def _widen_t16_q5_0_codegen(context, builder, signature, args):
+    ra, oa, wa = _arrays(context, builder, signature, args)
+    b = builder
+    op = _Ops(b)
+    zero = ir.Constant(_I32x16, None)
+    ones = b.bitcast(ir.Constant(_I8x64, [1] * 64), _I32x16)
+    m4, x10 = ir.Constant(_I8x64, [15] * 64), ir.Constant(_I8x64, [16] * 64)
+    nrec = b.udiv(b.extract_value(wa.shape, 0), ir.Constant(b.extract_value(wa.shape, 0).type, 16))
+    _, r5, nc5, _ = SPEC["Q5_0"]
+    _, r8, nc8, _ = SPEC["Q8_0"]
+    with cgutils.for_range(b, nrec) as loop:
+        k = loop.index
+        c = lambda v: ir.Constant(k.type, v)  # noqa: E731
+        src = b.gep(ra.data, [b.mul(k, c(r5))])
+        dst = b.gep(oa.data, [b.mul(k, c(r8))])
+
+        def ld(o, ty):
+            return b.load(b.bitcast(b.gep(src, [c(o)]), ty.as_pointer()), align=1)
+
+        def st(v, o):
+            b.store(v, b.bitcast(b.gep(dst, [c(o)]), v.type.as_pointer()), align=1)
+
+        qh = ld(nc5, _I32x16)
+
+        def spread(sh):   # bits sh..sh+3 of each row's qh -> bit 4 of its 4 bytes (``_emit_q32``'s steps)
+            t = b.and_(b.lshr(qh, _i32x16(sh)), _i32x16(15))
+            t = b.and_(b.mul(t, _i32x16(0x00204081)), _i32x16(0x01010101))
+            return b.bitcast(b.shl(t, _i32x16(4)), _I8x64)
+
+        ws = zero
+        for g in range(4):
+            v = ld(64 * g, _I8x64)
+            lo = b.sub(b.or_(b.and_(v, m4), spread(4 * g)), x10)   # q - 16: elements 4g..4g+3, Q8_0's group g
+            hi = b.sub(b.or_(b.lshr(v, ir.Constant(_I8x64, [4] * 64)), spread(16 + 4 * g)), x10)   # group 4 + g
+            st(lo, 64 * g)
+            st(hi, 64 * (4 + g))
+            ws = b.call(op.dp512, [ws, ones, b.bitcast(lo, _I32x16)])
+            ws = b.call(op.dp512, [ws, ones, b.bitcast(hi, _I32x16)])
+        st(ld(nc5 + 64, _I32x8), nc8)   # the 16 f16 d
+        b.store(b.shl(ws, _i32x16(7)), b.bitcast(b.gep(wa.data, [b.mul(k, c(16))]), _I32x16.as_pointer()), align=4)
+    return context.get_dummy_value()
+
+
+@vnni_intrinsic
+def widen_t16_q5_0(typingctx, rec, out, wsum):
+    """A Q5_0 tile's records as a Q8_0 tile's, for ``tile4u_q8_0``: out's codes q - 16 (int8, ggml's
+    ``dequantize_row_q5_0`` value / d), its d the same f16, and wsum[16 k + r] = 128 x the sum of row r's 32
+    codes q - 16 in record k (``wsum_q8_0`` of out). rec uint8 [nrec * 352] (one Q5_0 tile), out uint8
+    [nrec * 544], wsum int32 [nrec * 16]. ``tile4u_q8_0`` on them gives ``tile_q5_0``'s int32 block dots
+    (sum (q - 16) x) and f32 steps: the outputs are bit-identical."""
+    return types.void(rec, out, wsum), _widen_t16_q5_0_codegen
 
 
 tile_q4_0 = _tile_intrinsic("Q4_0")

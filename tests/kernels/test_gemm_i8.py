@@ -234,10 +234,11 @@ def _run(ex, groups, x, R, K, D, **patch):
     return po
 
 
-@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "IQ4_NL"])
+@pytest.mark.parametrize("name", ["Q8_0", "Q5_0", "Q4_0", "IQ4_NL"])
 def test_t16_prompt_experts_equal_the_row_path_bit_for_bit(name, monkeypatch):
     """t16 experts in a prompt chunk (the engine's int8 layout): the GEMM path (Q8_0: ``tile4u_q8_0``, the codes
-    + 128 and the weight sums made outside the record loop; the others their ``tile4`` on the rows in place) with
+    + 128 and the weight sums made outside the record loop; Q5_0 the same on its tile widened to Q8_0's,
+    ``tiles.widen_t16_q5_0``; the others their ``tile4`` on the rows in place) with
     row blocks of 64, 8 and 4 rows gives every pair's output bit for bit as the grouped row path (``tile4_q8_0``
     with its own +128 and sums: GEMM_MIN_ROWS out of reach), on experts of 1 to ~70 rows."""
     monkeypatch.setattr(F, "TILES", True)
@@ -297,3 +298,43 @@ def test_the_codes_plus_128_are_made_only_for_weights_that_read_them(name, made,
     if made:
         np.testing.assert_array_equal(act.xu, G.act_u8(act.xq))
         np.testing.assert_array_equal(acts[0].xu, G.act_u8(acts[0].xq))
+
+
+@pytest.mark.parametrize("names", [("Q5_0", "Q5_0", "Q6_K"), ("Q8_0", "Q8_0", "Q8_0"), ("Q5_0", "Q8_0", "Q4_K")])
+def test_dense_t16_prompt_rows_take_the_gemm_kernels_and_equal_each_row_alone(names, monkeypatch):
+    """A dense layer's grouped matmul (``experts.Group``, q/k/v) and FFN (``experts.FFN``) on a prompt's rows of t16
+    weights run the experts' GEMM kernels (``mm_grouped_gemm``, ``_experts_gemm``; counted: Q8_0 and Q5_0 through
+    ``tile4u_q8_0``), equal x_int8 @ W.T in float64 (gguf.quants' dequantizer) to f32 rounding, and give each row
+    bit for bit as that row alone (a decode row's one-row tiles), with row blocks of 64 and 4."""
+    from tests.kernels.test_formats import _q8_act_model, _random_raw, _ref
+
+    monkeypatch.setattr(F, "TILES", True)
+    rng = np.random.default_rng(len("".join(names)))
+    D, Fd, T = 256, 512, 23
+    raws = [_random_raw(n, O, I, rng) for n, (O, I) in zip(names, [(Fd, D), (Fd, D), (D, Fd)])]
+    gw, uw, dw = [F.prepare(n, r, s) for n, r, s in zip(names, raws, [(Fd, D), (Fd, D), (D, Fd)])]
+    assert all(w.layout == "t16" for w in (gw, uw, dw))
+    x = rng.standard_normal((T, D)).astype(np.float32)
+    calls = []
+    for fn in ("mm_grouped_gemm", "_experts_gemm"):
+        orig = getattr(X, fn)
+        monkeypatch.setattr(X, fn, lambda *a, f=fn, o=orig: (calls.append(f), o(*a))[1])
+    group = X.Group([gw, uw])
+    ffn = X.FFN(gw, uw, dw, X.ACT_SWIGLU, 0.0, "int8")
+    outs = []
+    for rb in (64, 4):
+        monkeypatch.setattr(X, "GEMM_ROW_BLOCK", rb)
+        outs.append((group(X.Act(x, "int8")), ffn(X.Act(x, "int8"))))
+    assert calls == ["mm_grouped_gemm", "_experts_gemm", "mm_grouped_gemm"] * 2
+    q, d = _q8_act_model(x)
+    want = (q.reshape(T, -1, 32) * d[:, :, None].astype(np.float64)).reshape(T, D) @ np.concatenate(
+        [_ref(n, r, Fd, D) for n, r in zip(names[:2], raws[:2])]).T
+    assert np.abs(outs[0][0] - want).max() / np.abs(want).max() < 1e-5
+    calls.clear()
+    for t in range(T):
+        xa = X.Act(x[t:t + 1], "int8")
+        g1, f1 = group(xa), ffn(xa)
+        for g, f in outs:
+            np.testing.assert_array_equal(g[t:t + 1], g1)
+            np.testing.assert_array_equal(f[t:t + 1], f1)
+    assert calls == []
