@@ -200,7 +200,6 @@ def test_staging_path(monkeypatch):
 
 
 def test_budget_rules(monkeypatch):
-    import psutil
     from coli.vulkan import open_device
     from scheduler.tier_policy import budget_bytes
     GiB = 1 << 30
@@ -212,8 +211,9 @@ def test_budget_rules(monkeypatch):
         if d.type_name in ("integrated", "cpu"):
             class VM:
                 available = 14 * GiB
-            monkeypatch.setattr(psutil, "virtual_memory", lambda: VM)
             from coli.base import memory   # the memory budget is then the RAM available: no cgroup limit under it
+            # over the RAM the device tests see pinned (tests/conftest.py)
+            monkeypatch.setattr(memory, "available_ram", lambda: VM.available)
             monkeypatch.setattr(memory, "cgroup_limit", lambda root="/": (None, ""))
             # the tier's rule (scheduler.tier_policy.budget_bytes), capped at the device's heap
             d2 = open_device("budget", budget=rule(2 * GiB, 2 * GiB), quiet=True)
