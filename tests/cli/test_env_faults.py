@@ -18,11 +18,17 @@ import pytest
 from conftest import ROOT
 
 PY = sys.executable
-# import every kernel module (numba resolves its cache folder when a cache=True function is defined) and run
-# one small kernel (it compiles, so a cache folder is really used)
-IMPORT_ALL = ("import numpy as np, cpu_kernels, cpu_kernels.formats, cpu_kernels.attention, cpu_kernels.norms, "
-              "cpu_kernels.rope; from cpu_kernels.norms import rms_norm; "
-              "x = rms_norm(np.ones((2, 32), np.float32), np.ones(32, np.float32), 1e-6); print(float(x.sum()))")
+# import the kernel package and modules of cache=True kernels (numba resolves its cache folder when one is
+# defined) and run one small kernel (it compiles, so a cache folder is really used: a few seconds). Not
+# cpu_kernels.formats: it imports cpu_kernels.experts, whose ``_block_i8`` cfunc compiles at import (~75 CPU s
+# uncached, in every such child); IMPORT_ALL, with it, runs once (test_home_is_a_file).
+IMPORT_KERNELS = ("import numpy as np, cpu_kernels, cpu_kernels.attention, cpu_kernels.norms, cpu_kernels.rope; "
+                  "from cpu_kernels.norms import rms_norm; "
+                  "x = rms_norm(np.ones((2, 32), np.float32), np.ones(32, np.float32), 1e-6); print(float(x.sum()))")
+# every kernel module: cpu_kernels.formats imports the rest (experts' cfunc compiled and cached at import)
+IMPORT_ALL = IMPORT_KERNELS.replace("cpu_kernels.attention,", "cpu_kernels.formats, cpu_kernels.attention,")
+# a second cache=True kernel compiled after the first (Numba's thread-pool probe): two cache writes in a run
+IMPORT_KERNELS_TWO = IMPORT_KERNELS + "; from cpu_kernels._probe import psum; assert psum(np.ones(64)) == 64.0"
 
 
 def _env(**kw):
@@ -42,7 +48,8 @@ def _warnings(stderr):
 
 # -- kind 6: the environment -----------------------------------------------------------------------------------
 def test_home_is_a_file(tmp_path):
-    """The issue's example: HOME points at a file: import and a kernel work, one warning naming HOME."""
+    """The issue's example: HOME points at a file: import (every kernel module: experts' cfunc compiles and is
+    cached at import) and a kernel work, one warning naming HOME."""
     home = tmp_path / "home-file"
     home.write_text("x")
     r = _py(IMPORT_ALL, _env(HOME=str(home)))
@@ -54,7 +61,7 @@ def test_home_is_a_file(tmp_path):
 
 def test_coli_cache_unwritable(tmp_path):
     """Second case: COLI_CACHE on a path that cannot be made (/proc/x)."""
-    r = _py(IMPORT_ALL, _env(HOME=str(tmp_path), COLI_CACHE="/proc/coli-x"))
+    r = _py(IMPORT_KERNELS, _env(HOME=str(tmp_path), COLI_CACHE="/proc/coli-x"))
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     w = _warnings(r.stderr)
     assert len(w) == 1 and "COLI_CACHE=/proc/coli-x" in w[0]
@@ -68,7 +75,7 @@ def test_uid_without_passwd_entry(tmp_path):
     uid = 54321
     with pytest.raises(KeyError):
         pwd.getpwuid(uid)
-    r = _py(IMPORT_ALL, _env(), preexec_fn=lambda: os.setuid(uid))
+    r = _py(IMPORT_KERNELS, _env(), preexec_fn=lambda: os.setuid(uid))
     if "Permission denied" in r.stderr and "Traceback" in r.stderr and "cpu_kernels" not in r.stderr:
         pytest.skip("the checkout is not readable by other users")
     assert r.returncode == 0, r.stderr
@@ -328,9 +335,10 @@ def _small_tmpfs(tmp_path, size: str):
 
 def test_full_disk_numba_cache_is_one_warning_and_runs_uncached(tmp_path):
     """Numba's cache on a full disk (an 8 KiB tmpfs): one warning line naming the folder and what the cache
-    takes, the kernel's result, exit 0 (it was a 130-line ``OSError: [Errno 28]`` traceback)."""
+    takes (once: a second kernel's write is not tried again), the kernels' results, exit 0 (it was a 130-line
+    ``OSError: [Errno 28]`` traceback)."""
     pre, mnt = _small_tmpfs(tmp_path, "8k")
-    r = subprocess.run(pre + [PY, "-c", IMPORT_ALL], capture_output=True, text=True, cwd=ROOT, timeout=600,
+    r = subprocess.run(pre + [PY, "-c", IMPORT_KERNELS_TWO], capture_output=True, text=True, cwd=ROOT, timeout=600,
                        env=_env(HOME=str(tmp_path), NUMBA_CACHE_DIR=str(mnt)))
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     assert abs(float(r.stdout) - 64 / np.sqrt(1 + 1e-6)) < 1e-4
