@@ -32,6 +32,14 @@
 //    position (the CPU's stable sort), all keys while there are at most u12; written in position order. The u12-th
 //    best score by a radix select over the scores' order-preserving bits (32 counting passes), then one pass that
 //    writes the keys above it and the first ones equal to it.
+// The expanded form of a prompt chunk (coli/vulkan/layer_families.py MLAMixer: taken when it costs fewer
+// multiply-adds than modes 1-3 for the chunk's rows), after mode 0, before attn_pre.comp over the expanded heads:
+//  mode 7 (expand), groups (H, ceil(u6 / 32), 1): the per-head keys and values of positions 0 .. pos0 + u13 - 1
+//    (u13: the chunk's rows; u6 the expanded buffers' positions, >= pos0 + u13) from the latent cache, HF's
+//    DeepseekV2Attention form: a4 attn_k_b f32 [H, r, dn], a5 attn_v_b f32 [H, dv, r], a6 KX f32 [H, u6, dn + dr],
+//    a7 VX f32 [H, u6, dv]: KX[h, j] = [sum_c k_b[h, c, :] LAT[j][c], LAT[j][r ..]] (the rope key, shared),
+//    VX[h, j, v] = sum_c v_b[h, v, c] LAT[j][c]; a workgroup 32 positions of one head, the latent staged through
+//    shared memory 32 channels at a time, an invocation one output column for the 32 positions (sums in c order).
 // r <= MAXC * WG and W <= MAXW (DeepSeek-V2/V3: r 512, dr 64). `precise` rope: the CPU's rounding (no FMA).
 #extension GL_GOOGLE_include_directive : require
 #include "layer_common.glsl"
@@ -168,6 +176,49 @@ void main() {
             if (take) SEL.v[sb + gb + min(qb, want)] = j;
             gb += k > prefix ? 1u : 0u;
             qb += k == prefix ? 1u : 0u;
+        }
+        return;
+    }
+    if (mode == 7u) {
+        uint h = gl_WorkGroupID.x, j0 = gl_WorkGroupID.y * 32u;
+        uint n = min(pos0 + pc.u[13], ctx);
+        if (j0 >= n) return;                       // uniform in the workgroup
+        uint nk = min(32u, n - j0), O = dn + dv, KW = dn + dr;
+        F32 KB = F32(pc.a[4]);
+        F32 VB = F32(pc.a[5]);
+        F32 KX = F32(pc.a[6]);
+        F32 VX = F32(pc.a[7]);
+        for (uint og = 0u; og < O; og += WG) {
+            uint o = og + t;
+            float acc[32];
+            for (uint jj = 0u; jj < 32u; jj++) acc[jj] = 0.0;
+            for (uint c0 = 0u; c0 < r; c0 += 32u) {
+                barrier();                         // the last unit's reads before this one's writes
+                for (uint i = t; i < 1024u; i += WG) {     // QS[cc * 32 + jj]: channel c0 + cc of position j0 + jj
+                    uint jj = i / 32u, cc = i % 32u;
+                    QS[cc * 32u + jj] = jj < nk && c0 + cc < r ? LAT.v[(j0 + jj) * LW + c0 + cc] : 0.0;
+                }
+                barrier();
+                if (o < O) {
+                    uint ce = min(32u, r - c0);
+                    for (uint cc = 0u; cc < ce; cc++) {
+                        uint c = c0 + cc;
+                        float w = o < dn ? KB.v[(h * r + c) * dn + o] : VB.v[(h * dv + o - dn) * r + c];
+                        for (uint jj = 0u; jj < 32u; jj++) acc[jj] += w * QS[cc * 32u + jj];
+                    }
+                }
+            }
+            if (o < O) {
+                for (uint jj = 0u; jj < nk; jj++) {
+                    uint j = j0 + jj;
+                    if (o < dn) KX.v[(h * ctx + j) * KW + o] = acc[jj];
+                    else VX.v[(h * ctx + j) * dv + o - dn] = acc[jj];
+                }
+            }
+        }
+        for (uint i = t; i < nk * dr; i += WG) {
+            uint jj = i / dr, e = i % dr;
+            KX.v[(h * ctx + j0 + jj) * KW + dn + e] = LAT.v[(j0 + jj) * LW + r + e];
         }
         return;
     }

@@ -52,7 +52,7 @@ from coli.vulkan.layer_join import RowJoin
 from coli.vulkan.layer_kv import KVRows
 from coli.vulkan.layer_plan import (KV_CODES, attn_block, ceil32, device_formats, dn_dims, dsa_shape, ffn_width,
                                     head_dims, is_deltanet, is_gated, is_kda, is_mla, kv_mode, linear_block,
-                                    route_rule, topk_args)
+                                    mla_expand_keys, route_rule, topk_args)
 from coli.vulkan.layer_prompt import PromptChunks
 from coli.vulkan.layer_prompt_join import PromptJoin
 from coli.vulkan.layer_weights import LayerWeights
@@ -170,6 +170,8 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
             if is_mla(at) else None
         # GLM-5's DSA: (indexer heads, key length, top_k); its key rides in each LAT row after the rope key
         self.dsa = dsa_shape(m) if self.mla else None
+        # the positions the expanded form's per-head keys and values hold (0: every prompt chunk absorbed)
+        self.mla_keys = mla_expand_keys(m, self.ctx) if self.mla else 0
         if self.mla:
             self.nq, self.nkv, self.hd = at.H, 1, at.r + at.dr + (self.dsa[1] if self.dsa else 0)
         elif at is None:    # DeltaNet layers only: a one-float attention scratch
@@ -234,6 +236,7 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
         self._pool = None           # the threads that copy streamed experts (made at the first stream)
         self.prompt_tokens = 0  # prompt rows run here (every layer from first, in chunks)
         self.prompt_chunks = 0
+        self.mla_expanded = 0   # MLA prompt chunks that took the expanded form (MLAMixer._mla_expand)
         self.prompt_s = 0.0     # seconds of the prompt chunks' submits and waits
         self._pR = 0            # rows the prompt scratch holds (_prompt_bufs)
         self._precs: dict = {}  # (rows, all logits) -> the recorded prompt chunk

@@ -53,14 +53,29 @@ class MLAMixer:
             d["i_norm"] = self._const(np.concatenate([np.asarray(ix.k_norm, np.float32),
                                                       np.asarray(ix.k_norm_b, np.float32)]))
 
-    def _mla_ops(self, d: dict, R: int, kvo: int, prompt: bool) -> list:
+    def _mla_expand(self, R: int, pos0: int) -> bool:
+        """Whether a prompt chunk of ``R`` rows at ``pos0`` takes the expanded form (:meth:`_mla_ops`): its
+        ``n = pos0 + R`` keys fit the expanded buffers (``self.mla_keys``) and, per head, expanding every key and
+        value (n r (dn + dv) multiply-adds) plus attention over them (R n (dn + dr + dv)) costs no more than the
+        absorbed form's q and output products (R r (dn + dv)) plus its scores and weighted latent (R n (2 r + dr)).
+        A chunk from position 0 always does; a few rows after a long context do not."""
+        if not self.mla_keys or pos0 + R > self.mla_keys:
+            return False
+        H, r, dn, dr, dv, _ = self.mla
+        n = pos0 + R
+        return n * r * (dn + dv) + R * n * (dn + dr + dv) <= R * r * (dn + dv) + R * n * (2 * r + dr)
+
+    def _mla_ops(self, d: dict, R: int, kvo: int, prompt: bool, expand: bool = False) -> list:
         """MLA layer ``d``'s attention block for ``R`` rows (``xn`` normed, output added to the residual): q (or q_a,
         its norm, q_b) and kv_a (lmv.comp a decode row, lmm.comp a prompt chunk), then shaders/mla.comp's four modes
         (the latent row into the cache with rope, the absorbed q, attention over the latent cache, the values), then
         the output projection into the residual. ``kvo``: the address the decode row's new cache row goes to. GLM-5
         (``d["dsa"]``): a full layer's indexer first (its q from the normed q_a, its key and head weights from xn,
         then mla.comp modes 4-6: the key into the cache row, the scores, the top-k positions), and mode 2 over the
-        chosen positions (a shared layer: those of the last full layer, the same buffer)."""
+        chosen positions (a shared layer: those of the last full layer, the same buffer). ``expand`` (a prompt chunk,
+        :meth:`_mla_expand`): HF's form instead of modes 1-3: mla.comp mode 7 makes every head's keys and values of
+        positions 0 .. pos0 + R - 1 from the latent cache (``_pm["kx"]``, ``_pm["vx"]``), then attn_pre.comp's
+        tiled causal attention over them (query blocks: each key tile read once for a block of rows)."""
         from coli.vulkan.layers import Dispatch, f32_bits  # the Vulkan binding: only when a device runs
 
         H, r, dn, dr, dv, ql = self.mla
@@ -106,6 +121,18 @@ class MLAMixer:
                         Dispatch("mla", (R,), [iq, sel, lat, par, iw, isc, iq, iq], [6] + iw_[1:])]
             flags |= 4
         words = [0, H, r, dn, dr, dv, self.ctx, f32_bits(d["scale"]), eps, flags, H * (dn + dr), self.hd, Kt]
+        if expand:
+            N, kx, vx = self.mla_keys, b["kx"].addr, b["vx"].addr
+            akern, agroups, amode = self.K.attn_dispatch(H, H, dn + dr, R, dv)
+            return ops + [
+                Dispatch("mla", (R,), [q, kv, lat, par, d["m_kv_norm"].addr, d["cos"].addr, d["sin"].addr, q],
+                         list(words)),
+                Dispatch("mla", (H, -(-N // 32)), [q, kv, lat, par, d["m_kb"].addr, d["m_vb"].addr, kx, vx],
+                         [7] + words[1:6] + [N] + words[7:13] + [R]),
+                # f32 keys and values (kv mode 0): attn_pre's ctx word is the expanded buffers' positions
+                Dispatch(akern, agroups, [q, kx, vx, par, o, q],
+                         [H, H, dn + dr, N, f32_bits(d["scale"]), R, 0, 0, dv], mode=amode),
+                mv(d["o"], self.m.t[f"blk.{d['il']}.attn_output.weight"].type_name, o, hs, D, H * dv, 1)]
         for mode, groups, a1, a4, a5, a6, a7 in (
                 (0, (R,), kv, d["m_kv_norm"].addr, d["cos"].addr, d["sin"].addr, kvo or q),
                 (1, (H, R), kv, d["m_kb"].addr, QA, ol, o),

@@ -235,6 +235,33 @@ def is_mla(a) -> bool:
 MLA_MAXW = 1152
 
 
+#: the positions the expanded MLA buffers of a prompt chunk hold (the per-head keys and values, f32 [H, n, dn + dr]
+#: and [H, n, dv]: :func:`mla_expand_keys`); a chunk whose last row sees more keys takes the absorbed form
+MLA_EXPAND_KEYS = 4096
+
+
+def mla_expand_keys(m, ctx: int) -> int:
+    """Positions of the expanded MLA buffers (shaders/mla.comp mode 7, then attn_pre.comp over per-head keys and
+    values): min(ctx, :data:`MLA_EXPAND_KEYS`); 0 when no MLA layer on the device can take the expanded form (a DSA
+    layer: the indexer's keys; a key of more than 256 dims or values wider than the key: attn_pre.comp's bounds)."""
+    for il, L in enumerate(m.layers):
+        a = getattr(L, "attn", None)
+        if is_mla(a) and why_not(m, il) is None:
+            if dsa_shape(m) or a.dn + a.dr > 256 or a.dv > a.dn + a.dr:
+                return 0
+            return min(int(ctx), MLA_EXPAND_KEYS)
+    return 0
+
+
+def _mla_expand_floats(m, ctx: int) -> int:
+    """Floats of the expanded MLA buffers (:func:`mla_expand_keys` positions of every head's key and value)."""
+    n = mla_expand_keys(m, ctx)
+    if not n:
+        return 0
+    a = next(L.attn for il, L in enumerate(m.layers) if is_mla(getattr(L, "attn", None)) and why_not(m, il) is None)
+    return a.H * n * (a.dn + a.dr + a.dv)
+
+
 def _why_not_mla(a) -> str | None:
     """Why the MLA block ``a`` has no device kernels, or None (shaders/mla.comp: the absorbed form over the latent
     cache, rope NORM or none)."""
@@ -598,7 +625,8 @@ def prompt_bytes(m, rows: int) -> int:
 def fixed_bytes(m, ctx: int, prompt_rows: int = 0) -> int:
     """Device bytes besides the layers': the head (``output``, or the tied ``token_embd``, the output norm and its
     logits), the rope tables, the attention scores and the scratch rows (``DeviceLayers``' buffers, rounded up),
-    and the prompt chunks' scratch at ``prompt_rows`` rows (:func:`prompt_bytes`)."""
+    and the prompt chunks' scratch at ``prompt_rows`` rows (:func:`prompt_bytes`, and MLA's expanded keys and values:
+    :func:`mla_expand_keys`)."""
     a = m.args
     out = m.t.get("output.weight", m.tok_embd)
     n = len(m.layers)
@@ -609,7 +637,8 @@ def fixed_bytes(m, ctx: int, prompt_rows: int = 0) -> int:
             + a.n_heads * (-(-int(ctx) // 128)) * (a.head_dim + 2)   # decode attention's parts (at most 1 / 128 keys)
             + 2 * a.vocab + a.n_experts + F + 8 * n * (a.head_dim * max_kv(m) + k) + 2 * _mla_floats(m)
             + a.n_heads * a.head_dim + _dn_floats(m) + _dsa_scores(m, ctx))
-    pb = (prompt_bytes(m, prompt_rows) + 4 * prompt_rows * _dsa_scores(m, ctx)) if prompt_rows else 0
+    pb = (prompt_bytes(m, prompt_rows) + 4 * prompt_rows * _dsa_scores(m, ctx) + 4 * _mla_expand_floats(m, ctx)
+          if prompt_rows else 0)
     return int(out.nbytes) + 4 * rows + 256 * 32 + pb         # 256 bytes of rounding a buffer
 
 

@@ -71,6 +71,10 @@ class PromptChunks:
                 H, r, dn, dr, dv, ql = self.mla
                 self._pm = {n: K.buffer(4 * R * w, host=False) for n, w in
                             (("q", H * (dn + dr)), ("kv", r + dr), ("qa", max(ql, 1)), ("ol", H * r))}
+                if self.mla_keys:   # the expanded form's keys and values of every head (MLAMixer._mla_expand)
+                    N = self.mla_keys
+                    self._pm.update(kx=K.buffer(4 * H * N * (dn + dr), host=False),
+                                    vx=K.buffer(4 * H * N * dv, host=False))
                 if self.dsa:    # GLM-5's indexer: q, key rows, head weights, scores over the context, positions
                     Hi, Di, Kt = self.dsa
                     self._pm.update({n: K.buffer(4 * R * w, host=False) for n, w in
@@ -97,11 +101,12 @@ class PromptChunks:
             self.p_lgh = K.buffer(4 * lg_rows * self.vocab, host=True, readback=True)
             self._lgR = lg_rows
 
-    def _prompt_ops(self, R: int, all_logits: bool, stream: bool = False) -> list:
+    def _prompt_ops(self, R: int, all_logits: bool, stream: bool = False, expand: bool = False) -> list:
         """The ops of one prompt chunk of ``R`` rows at positions params[0] .. (every layer, then the head's rows:
         all of them when ``all_logits``, else the last). A layer whose experts are not all here: cut for the host's
         pairs (:meth:`_prompt_split_ops`), or, ``stream``, before its experts' products, which read the layer's
-        chunk table (resident experts and the streamed ones: :meth:`_stream_layer`)."""
+        chunk table (resident experts and the streamed ones: :meth:`_stream_layer`). ``expand``: MLA layers in the
+        expanded form (``MLAMixer._mla_expand``)."""
         from coli.vulkan.layers import Copy, Dispatch, f32_bits  # the Vulkan binding: only when a device runs
 
         nq, hd, D, k, ctx = self.nq, self.hd, self.D, self.k, self.ctx
@@ -129,7 +134,7 @@ class PromptChunks:
                                                                       self.p_gate.addr], [nq * hd, D, 0, R, 0],
                                     type_name=d["gate"][1]))
             if "mla" in d:
-                ops += self._mla_ops(d, R, 0, True)
+                ops += self._mla_ops(d, R, 0, True, expand)
             for i, (w, wt, o, n) in enumerate(d.get("qkv", ())):   # rows of qkv at a stride (ldy): the parts write apart
                 ops.append(Dispatch("lmm", (-(-n // BM), gr), [w.addr, xn, qkv + 4 * o,
                                                                qb.addr + 4 * o if qb is not None else qkv],
@@ -274,10 +279,10 @@ class PromptChunks:
             self._hi = p + R
             self._keep(h[s:s + R], p)
             mode = self._prompt_mode(R)
-            key = (R, bool(all_logits) and self.head is not None, mode)
+            key = (R, bool(all_logits) and self.head is not None, mode, self._mla_expand(R, p))
             rec = self._precs.get(key)
             if rec is None:
-                ops = self._prompt_ops(R, key[1], stream=mode == "stream")
+                ops = self._prompt_ops(R, key[1], stream=mode == "stream", expand=key[3])
                 rec = self._precs[key] = self.K.record(ops, timestamps=True) if mode == "whole" else \
                     self._prompt_segments(ops)
             if self.dn:
@@ -299,6 +304,7 @@ class PromptChunks:
                 self._fetch(cache)
             self.prompt_tokens += R
             self.prompt_chunks += 1
+            self.mla_expanded += int(key[3])
             # the layers whose experts are all here (and, streamed, the others); a dense layer has none
             self.p_dev_rows += R * k * (self.n_moe - (len(self.resident) if mode == "cpu" else 0))
             if self.head is not None:

@@ -38,6 +38,7 @@ def test_dsa_against_hf(glm_q32):
         d0 = e.device.layer_dispatches
         got = check_prompt_and_decode(m, m.new_cache(128, 128), oracle)
         assert (dl.prompt_tokens, dl.prompt_chunks, dl.tokens) == (len(oracle["ids"]), 3, 8)
+        assert dl.mla_keys == 0 and dl.mla_expanded == 0      # the indexer's keys: the absorbed form
         assert e.device.layer_dispatches - d0 >= 8 * 4 * 7
         ref = greedy_rows(cpu.model, cpu.model.new_cache(128, 128), oracle["ids"], 8)
         check_greedy_like_cpu(m, ref, oracle["ids"], got, 1e-5, 1e-5)

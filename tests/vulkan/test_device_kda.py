@@ -48,6 +48,7 @@ def test_kda_layers_against_hf(monkeypatch):
         d0 = e.device.layer_dispatches
         got = check_prompt_and_decode(m, m.new_cache(128, 128), oracle)
         assert (dl.prompt_tokens, dl.prompt_chunks, dl.tokens) == (len(oracle["ids"]), 3, 8)
+        assert dl.mla_expanded >= 1      # the chunk from position 0 in MLA's expanded form (the NoPE rope part copied)
         assert e.device.layer_dispatches - d0 >= (3 + 8) * 4 * 6
         check_greedy_like_cpu(m, ref, oracle["ids"], got, 2e-5, 2e-5)
     finally:

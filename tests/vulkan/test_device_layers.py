@@ -785,7 +785,8 @@ def test_mla_against_hf(family, tmp_path):
     """DeepSeek-V2/V3's MLA on the device (shaders/mla.comp: the kv_a latent normed into the device's latent cache
     with its rope key, q (or q_a, its norm, q_b) absorbed through attn_k_b, attention over the latent cache, attn_v_b,
     the output projection), with the DeepSeek router and the shared experts: every layer (layer 0's dense FFN beside
-    the MoE layers') and the head on the device, the 96-row prompt in chunks of 40 rows, every row
+    the MoE layers') and the head on the device, the 96-row prompt in chunks of 40 rows (the first in the expanded
+    form, the two after it absorbed: MLAMixer._mla_expand's count for r 24, dn 16, dr 8, dv 24), every row
     within the CPU path's bound of HF transformers' (1e-4 of the largest) with HF's argmax, 8 greedy decode rows
     against HF's logits and tokens (tests/oracle_check.py); the CPU-only run's logits within 1e-5 and its tokens.
     V2-Lite's shape (no q_lora), its YaRN rope, and DeepSeek-V3 (q_lora, sigmoid router with groups; its
@@ -808,6 +809,7 @@ def test_mla_against_hf(family, tmp_path):
         d0, u0 = e.device.layer_dispatches, m.step.usage.counts.copy()
         got = check_prompt_and_decode(m, m.new_cache(128, 128), oracle)
         assert (dl.prompt_tokens, dl.prompt_chunks, dl.tokens) == (len(oracle["ids"]), 3, 8)
+        assert dl.mla_expanded == 1
         assert e.device.layer_dispatches - d0 >= 8 * 3 * 7
         grew = (m.step.usage.counts - u0).sum(1)     # the routes of the MoE layers only (layer 0 has none)
         assert grew.tolist() == [0] + [(len(oracle["ids"]) + 8) * m.args.top_k] * 2, grew
@@ -884,11 +886,14 @@ def test_mla_latent_rows_move_both_ways():
         cpu.close()
 
 
-def test_mla_synthetic_q8_0_past_one_key_tile(tmp_path):
+@pytest.mark.parametrize("form", ["expanded", "absorbed"])
+def test_mla_synthetic_q8_0_past_one_key_tile(tmp_path, form):
     """MLA on the device with Q8_0 projections and attn_k_b / attn_v_b (scripts/make_synthetic_moe.py --arch
     deepseek2: 2 layers, d 256, a latent of 64 + 32 rope dims, 2 shared experts, every layer and the head on the
-    device): a 300-row prompt (keys past mla.comp's first tile of 256: its running max and rescaled sums) and 4
-    decode rows give the CPU-only f32 run's logits within 1e-5 of the largest."""
+    device): a 300-row prompt and 4 decode rows give the CPU-only f32 run's logits within 1e-5 of the largest. The
+    prompt chunk in the expanded form (mla.comp mode 7's keys and values past its first 32-position block and
+    attn_pre.comp over them: the form a chunk from position 0 takes), or absorbed (the expanded buffers taken
+    away: mode 2's keys past its first tile of 256, its running max and rescaled sums)."""
     path = build_tiny_moe(tmp_path, ["--arch", "deepseek2", "--layers", "2", "--d", "256", "--heads", "4", "--experts",
                                      "8", "--top-k", "2", "--expert-ff", "128", "--vocab", "300", "--kv-lora-rank",
                                      "64", "--nope", "32", "--rope-dims", "32", "--v-dim", "32"], "ds2.gguf")
@@ -905,8 +910,12 @@ def test_mla_synthetic_q8_0_past_one_key_tile(tmp_path):
         dl = e.model.device_layers
         assert dl.first == 0 and dl.head is not None and dl.mla == (4, 64, 32, 32, 32, 0)
         assert {e.model.t[f"blk.0.{n}.weight"].type_name for n in ("attn_q", "attn_kv_a_mqa", "attn_k_b")} == {"Q8_0"}
+        assert dl.mla_keys == 320
+        if form == "absorbed":
+            dl.mla_keys = 0
         ref, got = run(cpu.model), run(e.model)
         assert (dl.prompt_tokens, dl.prompt_chunks, dl.tokens) == (300, 1, 4)
+        assert dl.mla_expanded == (form == "expanded")
         assert rel_err(got, ref) < 1e-5, rel_err(got, ref)
     finally:
         e.close()
