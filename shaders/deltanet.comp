@@ -17,6 +17,11 @@
 //    Hv raw betas then the Hv dk decay inputs f (ssm_f_b's rows), a5 the dt bias f32 [Hv dk] per channel: the decay
 //    is one a key channel, exp(ssm_a softplus(f_i + dt_i)); a1 the gate rows (ssm_g_b's): out = rmsnorm(o) * w *
 //    sigmoid(gate).
+//  mode 4 (delta rule, the state in registers: a prompt chunk), mode 1's groups, addresses and words: the same
+//    rows in order, but invocation t owns state column j = t % dv, rows i = p + P s of it (p = t / dv, P = WG / dv)
+//    in registers from the chunk's first row to its last (read and written once a chunk, not twice a row); the
+//    partial sums of S^T k and S^T q joined in part order through shared memory. Needs dv <= WG and
+//    dk <= MAXS P (coli/vulkan/layer_families.py DeltaNetMixer._dn_rec_mode).
 //  mode 2 (gate), groups (ceil(N / WG), R, 1): a0 y f32 [R, N] (the attention output), a1 g f32 with rows of u2
 //    floats: y[t, i] *= sigmoid(g[t * u2 + u3 + i]) (Qwen3-Next's gated attention). u1 N, u2 row stride, u3 offset.
 //  mode 3 (low rank), groups (ceil(O / WG), R, 1): a0 x f32 rows of u3 floats, a1 W f32 [O, I], a2 y f32 rows of u4
@@ -28,9 +33,11 @@ layout(local_size_x_id = 0) in;
 #include "layer_reduce.glsl"
 
 #define MAXK 256u
+#define MAXS 64u     // state rows an invocation holds in mode 4
 shared float QS[MAXK];
 shared float KS[MAXK];
 shared float DS[MAXK];
+shared float PS[gl_WorkGroupSize.x];
 
 float sigm(float x) {
     float e = exp(-abs(x));
@@ -103,6 +110,83 @@ void main() {
     bool kda = (flags & 4u) != 0u;
     uint ldba = kda ? Hv + Hv * dk : 2u * Hv;
     if (kda) ib = h;
+    if (mode == 4u) {
+        uint P = WG / dv, j = t % dv, p = t / dv;
+        bool on = t < P * dv;
+        float st[MAXS];
+        [[unroll]] for (uint s = 0u; s < MAXS; s++) {
+            uint i = p + P * s;
+            st[s] = on && i < dk ? S.v[s0 + i * dv + j] : 0.0;
+        }
+        for (uint r = 0u; r < R; r++) {
+            uint x0 = r * C;
+            float sq = 0.0, sk = 0.0;
+            for (uint i = t; i < dk; i += WG) {
+                float q = X.v[x0 + hk * dk + i], k = X.v[x0 + Hk * dk + hk * dk + i];
+                QS[i] = q;
+                KS[i] = k;
+                sq += q * q;
+                sk += k * k;
+                if (kda) {
+                    float x = BA.v[r * ldba + Hv + h * dk + i] + DT.v[h * dk + i];
+                    float sp = x > 20.0 ? x : log(1.0 + exp(x));
+                    DS[i] = exp(A.v[h] * sp);
+                }
+            }
+            sq = wg_sum(sq);     // barriers inside: QS / KS / DS are written
+            sk = wg_sum(sk);
+            float fq = 1.0 / sqrt(float(dk)) / sqrt(sq + 1e-6), fk = 1.0 / sqrt(sk + 1e-6);
+            float beta = sigm(BA.v[r * ldba + ib]);
+            float dec = 1.0;
+            if (!kda) {
+                float x = BA.v[r * ldba + ia] + DT.v[h];
+                float sp = x > 20.0 ? x : log(1.0 + exp(x));
+                dec = exp(A.v[h] * sp);
+            }
+            float kv = 0.0;
+            [[unroll]] for (uint s = 0u; s < MAXS; s++) {
+                uint i = p + P * s;
+                if (on && i < dk) {
+                    float v = st[s] * (kda ? DS[i] : dec);
+                    st[s] = v;
+                    kv += v * (KS[i] * fk);
+                }
+            }
+            PS[t] = kv;
+            barrier();
+            float kvt = 0.0;
+            for (uint q = 0u; q < P; q++) kvt += PS[q * dv + j];
+            float dl = on ? (X.v[x0 + 2u * Hk * dk + h * dv + j] - kvt) * beta : 0.0;
+            float o = 0.0;
+            [[unroll]] for (uint s = 0u; s < MAXS; s++) {
+                uint i = p + P * s;
+                if (on && i < dk) {
+                    float v = st[s] + (KS[i] * fk) * dl;
+                    st[s] = v;
+                    o += v * (QS[i] * fq);
+                }
+            }
+            barrier();           // every PS read of S^T k before the o partials
+            PS[t] = o;
+            barrier();
+            float ot = 0.0;
+            for (uint q = 0u; q < P; q++) ot += PS[q * dv + j];
+            bool lead = on && p == 0u;
+            float ss = wg_sum(lead ? ot * ot : 0.0);
+            float inv = 1.0 / sqrt(ss / float(dv) + eps);
+            if (lead) {
+                uint oi = r * Hv * dv + h * dv + j;
+                float zz = Z.v[oi];
+                O.v[oi] = NW.v[j] * (ot * inv) * (kda ? sigm(zz) : zz * sigm(zz));
+            }
+            barrier();           // QS / KS / DS / PS of the next row
+        }
+        [[unroll]] for (uint s = 0u; s < MAXS; s++) {
+            uint i = p + P * s;
+            if (on && i < dk) S.v[s0 + i * dv + j] = st[s];
+        }
+        return;
+    }
     for (uint r = 0u; r < R; r++) {
         uint x0 = r * C;
         float sq = 0.0, sk = 0.0;

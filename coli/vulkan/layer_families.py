@@ -229,6 +229,14 @@ class DeltaNetMixer:
             return 4
         return int(x.tiled) | (2 if x.ssm_ba is not None else 0)
 
+    def _dn_rec_mode(self) -> int:
+        """deltanet.comp's delta-rule mode for a prompt chunk: 4 (the state in registers through the chunk) when a
+        workgroup holds it (dv <= WG and dk <= 64 (WG // dv): shaders/deltanet.comp MAXS), else 1 (the state
+        read and written in memory each row)."""
+        Hk, Hv, dk, dv, kc, C = self.dn
+        wg = self.K.wg
+        return 4 if dv <= wg and dk <= 64 * (wg // dv) else 1
+
     def _dn_ops(self, d: dict) -> list:
         """A decode row's Gated DeltaNet mixer for layer ``d`` (the normed row in xn): attn_qkv, attn_gate and
         beta / alpha by lmv, the conv (deltanet.comp mode 0), the delta rule with the gated norm (mode 1), ssm_out
@@ -283,7 +291,8 @@ class DeltaNetMixer:
     def _dn_prompt_ops(self, d: dict, R: int) -> list:
         """A prompt chunk's Gated DeltaNet mixer for layer ``d`` (its R normed rows in p_xn): the projections by
         lmm.comp, the conv over the rows in order (deltanet.comp mode 0), the delta rule row by row in each head's
-        workgroup (mode 1), ssm_out accumulated into the residual rows."""
+        workgroup (mode 4, its state in registers through the chunk, or mode 1: :meth:`_dn_rec_mode`), ssm_out
+        accumulated into the residual rows."""
         from coli.vulkan.layers import Dispatch, f32_bits  # the Vulkan binding: only when a device runs
 
         Hk, Hv, dk, dv, kc, C = self.dn
@@ -306,7 +315,7 @@ class DeltaNetMixer:
                                                          self.p_dnc.addr], [0, C, kc, R]),
             Dispatch("deltanet", (Hv,), [self.p_dnc.addr, self.p_dnz.addr, self.p_dnba.addr, d["dn_state"].addr,
                                          d["dn_a"].addr, d["dn_dt"].addr, d["dn_norm"].addr, self.p_dno.addr],
-                     [1, Hk, Hv, dk, dv, R, f32_bits(x.eps), self._dn_flags(x)]),
+                     [self._dn_rec_mode(), Hk, Hv, dk, dv, R, f32_bits(x.eps), self._dn_flags(x)]),
             Dispatch("lmm", (-(-D // BM), gr), [d["dn_out"][0].addr, self.p_dno.addr, self.p_hs.addr, self.p_hs.addr],
                      [D, Hv * dv, 1, R, 0], type_name=d["dn_out"][1])]
 

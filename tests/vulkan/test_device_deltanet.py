@@ -50,6 +50,7 @@ def test_deltanet_layers_against_hf(family, monkeypatch):
         assert [d["il"] for d in dl.per if "dn" in d] == [il for il in range(4) if rec[il]]
         assert [d["il"] for d in dl.per if "gated" in d] == [il for il in range(4) if not rec[il]]
         dl.prompt_rows = 40
+        assert dl._dn_rec_mode() == 4       # a chunk's delta rule with the state in registers (decode rows: mode 1)
         _no_cpu_deltanet(monkeypatch)
         d0 = e.device.layer_dispatches
         got = check_prompt_and_decode(m, m.new_cache(128, 128), oracle)
