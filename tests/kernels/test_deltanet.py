@@ -1,6 +1,6 @@
 """The gated delta rule kernel (cpu_kernels/deltanet.py) against transformers' Qwen3-Next reference.
 
-Fixture tests/fixtures/oracles/deltanet.npz (scripts/oracles/make.py deltanet): random q/k/v/beta/decay shaped as
+Fixture tests/fixtures/oracles/deltanet.npz (tests/oracles/make.py deltanet): random q/k/v/beta/decay shaped as
 Qwen3NextGatedDeltaNet makes them (80 tokens, 2 key heads shared by 4 value heads, dk 16, dv 24, a nonzero initial
 state) and the outputs and final states of transformers 5.24 ``torch_recurrent_gated_delta_rule`` and
 ``torch_chunk_gated_delta_rule`` (l2norm in kernel). Also: a NumPy float64 transcription of the recurrent
@@ -100,7 +100,7 @@ def test_bad_shapes():
 
 
 def test_qwen3next_oracle_fixture_is_sound():
-    """tests/fixtures/oracles/qwen3next.{gguf,npz,config.json} (scripts/oracles/make.py qwen3next), the qwen3next
+    """tests/fixtures/oracles/qwen3next.{gguf,npz,config.json} (tests/oracles/make.py qwen3next), the qwen3next
     family's oracle: the GGUF is llama.cpp's converter's own (Gated DeltaNet layers 0-2,
     full attention layer 3, as the config's layer_types); the recorded logits agree with each other (greedy ids
     are their argmax; HF's cached decode steps equal its uncached run over the same tokens)."""

@@ -2,7 +2,7 @@
 backends' dequantization bit for bit against gguf.quants, and a MoE whose NVFP4 experts llama-quantize wrote run
 end to end on the CPU (G = 16 rows and, int8, t16 tiles) and on the device tier. GEMV/GEMM/expert parity per act: tests/kernels/test_backend_ops.py.
 
-Fixtures (tests/fixtures/oracles/, made by ``python scripts/oracles/make.py nvfp4``): ``nvfp4_quant.npz``
+Fixtures (tests/fixtures/oracles/, made by ``python -m tests.oracles.make nvfp4``): ``nvfp4_quant.npz``
 (inputs and llama-quantize's NVFP4 bytes of them) and ``nvfp4_moe.gguf`` (a tiny llama MoE, Q8_0 with NVFP4
 experts, written by llama-quantize)."""
 from __future__ import annotations

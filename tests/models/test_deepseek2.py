@@ -1,5 +1,5 @@
 """DeepSeek-V2 (GGUF ``deepseek2``, MLA): tiny random HF ``deepseek_v2`` models converted by llama.cpp's converter
-(scripts/oracles/make.py deepseek2; docs/families.md "DeepSeek-V2 (MLA)"), one without ``q_lora_rank`` and greedy
+(tests/oracles/make.py deepseek2; docs/families.md "DeepSeek-V2 (MLA)"), one without ``q_lora_rank`` and greedy
 routing, one with ``q_lora_rank`` and group-limited routing, one with V2-Lite's YaRN rope, and a DeepSeek-V3
 (transformers ``deepseek_v3``: sigmoid router with a correction bias) in the same GGUF arch. The checks every family shares (HF's logits over 96 prompt
 tokens and 8 greedy decode steps on the latent cache, HF's routing, keep_kv, the device tier) are

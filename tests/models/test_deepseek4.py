@@ -1,5 +1,5 @@
 """DeepSeek-V4 (``deepseek4``) against the HF oracle ``tests/fixtures/oracles/deepseek4.*``
-(scripts/oracles/make.py deepseek4; docs/families.md "DeepSeek-V4"): hyper-connection streams, the sliding K=V head
+(tests/oracles/make.py deepseek4; docs/families.md "DeepSeek-V4"): hyper-connection streams, the sliding K=V head
 with sinks, CSA (overlapping compressor + lightning indexer) and HCA compressed entries, the grouped output
 projection, hash and sqrt-softplus routing, MXFP4 experts with the clamped SwiGLU. The checks every family
 shares (HF's logits over 96 prompt tokens and 8 greedy steps, streamed experts, the prompt one token at a time,

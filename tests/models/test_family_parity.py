@@ -1,5 +1,5 @@
 """The family-parity harness: every model family's HF oracle (a tiny random HF model converted by llama.cpp's
-converter, tests/fixtures/oracles/NAME.{gguf,npz}, scripts/oracles/make.py; docs/oracles.md) through the same
+converter, tests/fixtures/oracles/NAME.{gguf,npz}, tests/oracles/make.py; docs/oracles.md) through the same
 checks. What a family does that the others do not (its own mechanisms, the pieces its oracle must see, its bad
 files) is in its own file (tests/models/test_deepseek2.py, test_kimi.py, test_glmdsa.py, test_gptoss.py, test_mimo2.py,
 test_deepseek4.py, test_qwen3next.py, test_qwen35moe.py).

@@ -1,6 +1,6 @@
 """FP8 checkpoints from Hugging Face folders (coli/hf_folder.py, cpu_kernels/fp8.py).
 
-Fixture (tests/fixtures/oracles/fp8_qwen3moe/ and fp8_qwen3moe.npz, made by scripts/oracles/make.py fp8): a tiny
+Fixture (tests/fixtures/oracles/fp8_qwen3moe/ and fp8_qwen3moe.npz, made by tests/oracles/make.py fp8): a tiny
 random Qwen3-MoE (2 layers, hidden 128, 4 experts top-2, head dim 32) saved as an FP8 folder: every attention
 and expert projection in E4M3 with a weight_scale_inv per 128x128 block, the rest BF16, two shards and an
 index, a byte-level BPE tokenizer. Oracles: HF transformers' float model on the dequantized weights

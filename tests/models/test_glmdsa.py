@@ -1,5 +1,5 @@
 """GLM-5 (GGUF ``glm-dsa``: MLA + the DeepSeek sparse attention indexer): a tiny random HF ``glm_moe_dsa`` converted
-by llama.cpp's converter with an MTP layer appended (scripts/oracles/make.py glmdsa; docs/families.md "GLM-5
+by llama.cpp's converter with an MTP layer appended (tests/oracles/make.py glmdsa; docs/families.md "GLM-5
 (glm-dsa)"). The checks every family shares (HF's logits over 96 prompt tokens, past ``index_topk`` 24, and 8
 greedy decode steps; HF's routing; keep_kv rewinding the latent, rope and indexer keys; the device tier) are
 tests/models/test_family_parity.py's; here: the indexer's positions equal HF's and the oracle needs them, the router's

@@ -1,7 +1,7 @@
 """gpt-oss: attention sinks, the clamped SwiGLU (gpt-oss's form), expert and router biases, MXFP4 experts.
 
 Kernels against NumPy transcriptions of transformers' ``models/gpt_oss/modeling_gpt_oss.py``; the family file
-against the HF oracle ``tests/fixtures/oracles/gptoss.*`` (scripts/oracles/make.py gptoss; docs/families.md "gpt-oss"):
+against the HF oracle ``tests/fixtures/oracles/gptoss.*`` (tests/oracles/make.py gptoss; docs/families.md "gpt-oss"):
 the checks every family shares (HF's logits over the prompt and 8 greedy steps, streamed experts, keep_kv turns
 rewound past the sliding window, the device tier) are tests/models/test_family_parity.py's; here, what the oracle must see.
 """

@@ -1,5 +1,5 @@
 """Kimi-Linear (GGUF ``kimi-linear``: KDA linear attention beside MLA): a tiny random HF ``kimi_linear`` model
-converted by llama.cpp's converter (scripts/oracles/make.py kimi; docs/families.md "Kimi-Linear (KDA + MLA)"). The checks every family
+converted by llama.cpp's converter (tests/oracles/make.py kimi; docs/families.md "Kimi-Linear (KDA + MLA)"). The checks every family
 shares (HF's logits over 96 prompt tokens, past HF's KDA chunk of 64, and 8 greedy decode steps with the KDA states
 and the latent caches carried; the prompt in one call equal to one token at a time; HF's routing at every MoE
 layer; keep_kv turns; the device tier) are tests/models/test_family_parity.py's. Here: the layer kinds, the KDA kernel

@@ -1,4 +1,4 @@
-"""MiMo-V2-Flash (``mimo2``) against the HF oracle ``tests/fixtures/oracles/mimo2.*`` (scripts/oracles/make.py mimo2;
+"""MiMo-V2-Flash (``mimo2``) against the HF oracle ``tests/fixtures/oracles/mimo2.*`` (tests/oracles/make.py mimo2;
 docs/families.md "MiMo-V2"): sliding layers with sinks and twice the KV heads, full layers, V heads narrower than
 Q/K, value scale, partial rope with per-kind bases, the sigmoid router whose correction bias chooses. The checks
 every family shares (HF's logits over the prompt and 8 greedy steps, streamed experts, keep_kv turns rewound past
@@ -93,7 +93,7 @@ def test_mimo2_oracle_is_demanding(oracle, tmp_path):
 
 
 def test_mimo2_group_limited_routing_oracle(tmp_path):
-    """``mimo2_groups.*`` (scripts/oracles/make.py mimo2_groups): 12 experts in 4 groups of 3, the 2 groups with the
+    """``mimo2_groups.*`` (tests/oracles/make.py mimo2_groups): 12 experts in 4 groups of 3, the 2 groups with the
     best top-2 sum of biased scores kept, top-3 among their experts (HF ``MiMoV2FlashTopkRouter``, n_group 4,
     topk_group 2); HF's logits and tokens: tests/models/test_family_parity.py. Demanding: on at least 30% of the MoE rows
     the ungrouped top-3 chooses other experts, on some the max-score group rule (DeepSeek-V2's) does, and routing

@@ -1,5 +1,5 @@
 """MoE oracles: tiny random OLMoE / Qwen2-MoE / Qwen3-MoE / Mixtral built with HF transformers
-(scripts/oracles/make.py moe); coli's logits within 1e-4 of the largest |logit| at every position, argmax equal."""
+(tests/oracles/make.py moe); coli's logits within 1e-4 of the largest |logit| at every position, argmax equal."""
 from __future__ import annotations
 
 import numpy as np

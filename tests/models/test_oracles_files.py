@@ -1,4 +1,4 @@
-"""The committed MoE oracle fixtures (tests/fixtures/oracles/, made by scripts/oracles/make.py moe) are sound.
+"""The committed MoE oracle fixtures (tests/fixtures/oracles/, made by tests/oracles/make.py moe) are sound.
 
 No torch here: the files are read with gguf's reader and NumPy. What is checked:
 - each GGUF holds exactly the tensors llama.cpp's layout names for its architecture, with the shapes the

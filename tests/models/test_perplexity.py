@@ -90,7 +90,7 @@ def test_all_tokens_variant_scores_every_token_with_bos_per_window(gemma):
 
 def test_gemma3_q4km_matches_hf_token_by_token(gemma, model_path):
     """The real Gemma-3-270M Q4_K_M against HF transformers on the same file (its GGUF loader dequantizes every
-    tensor to float32; tests/fixtures/oracles/gemma3_270m_ppl.json, made by scripts/oracles/families/gemma3_ppl.py):
+    tensor to float32; tests/fixtures/oracles/gemma3_270m_ppl.json, made by tests/oracles/families/gemma3_ppl.py):
     coli tokenizes the text as HF does and, on llama-perplexity's chunks, gives HF's PPL (2e-5) and every scored
     token's NLL (1e-4 nats; measured 1e-5). llama.cpp's own figure on this file is 2.8 % higher: its quantized matmuls
     round their inputs (docs/engine.md "Perplexity")."""

@@ -1,7 +1,7 @@
 """The ``qwen35moe`` family (coli/models/qwen35moe.py: the Qwen3-Next layer with Qwen3.5's tensor layout) against
 HF transformers' ``Qwen3_5MoeForConditionalGeneration``.
 
-Fixture tests/fixtures/oracles/qwen35moe.{gguf,mmproj.gguf,npz,config.json} (scripts/oracles/make.py qwen35moe;
+Fixture tests/fixtures/oracles/qwen35moe.{gguf,mmproj.gguf,npz,config.json} (tests/oracles/make.py qwen35moe;
 docs/families.md): a tiny random model with DeltaNet and gated-attention layers alternating, 2 key heads shared by
 6 value heads (the converter's tiled value-head order is what coli must undo: the grouped order is > 1 off), 6
 experts top-3 (router margins >= 1e-2 between the 3rd and 4th) + the gated shared expert, f16 weights; the text

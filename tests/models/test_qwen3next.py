@@ -1,6 +1,6 @@
 """The ``qwen3next`` family (coli/models/qwen3next.py, coli/models/deltanet.py) against HF transformers' Qwen3-Next.
 
-Fixture tests/fixtures/oracles/qwen3next.{gguf,npz} (scripts/oracles/make.py qwen3next; docs/families.md): a tiny
+Fixture tests/fixtures/oracles/qwen3next.{gguf,npz} (tests/oracles/make.py qwen3next; docs/families.md): a tiny
 random Qwen3NextForCausalLM (Gated DeltaNet layers 0-2, gated attention layer 3, 8 experts top-2 + the gated shared
 expert) converted by llama.cpp's converter; HF's logits for a 96-token prompt without a cache and for 8 greedy
 decode steps with HF's cache (conv and recurrent states carried). The checks every family shares (those logits and

@@ -1,6 +1,6 @@
 """Rope scaling (coli/models/rope_scaling.py) against HF transformers.
 
-Fixtures (tests/fixtures/oracles/rope_*.{gguf,npz,config.json}, made by scripts/oracles/make.py rope): one-layer
+Fixtures (tests/fixtures/oracles/rope_*.{gguf,npz,config.json}, made by tests/oracles/make.py rope): one-layer
 dense llama models with HF ``rope_parameters`` linear (factor 4), YaRN (factor 4, original context 64),
 YaRN with beta_fast 8 / beta_slow 0.5 / attention_factor 1.25 / theta 500, and llama3 (factor 8, the
 ``rope_freqs`` tensor), run by HF over 96 positions (past the original 64); each GGUF is llama.cpp's

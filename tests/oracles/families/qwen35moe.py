@@ -10,8 +10,8 @@ import json
 
 import numpy as np
 
-import make as M
-from families.qwen3next import fan_all, hybrid_param
+from tests.oracles import make as M
+from tests.oracles.families.qwen3next import fan_all, hybrid_param
 
 NAMES = ["qwen35moe", "qwen35moe_twin"]
 SEED = 9000

@@ -9,7 +9,7 @@ import json
 
 import numpy as np
 
-import make as M
+from tests.oracles import make as M
 
 NAMES = ["fp8_qwen3moe"]
 SEED = 6000

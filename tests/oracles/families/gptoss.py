@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-import make as M
+from tests.oracles import make as M
 
 NAMES = ["gptoss"]
 SEED = 9100

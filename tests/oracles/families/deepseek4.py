@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-import make as M
+from tests.oracles import make as M
 
 NAMES = ["deepseek4"]
 NAME = NAMES[0]

@@ -1,7 +1,7 @@
 """NVFP4 oracles made with llama.cpp's own quantizer (``llama-quantize``, built from the llama-cpp-python sdist by
 scripts/build_llama_bench.sh into ``~/.cache/coli/llama.cpp/build/bin``; no torch), so never made by default::
 
-    python scripts/oracles/make.py nvfp4 [--bin DIR]
+    python -m tests.oracles.make nvfp4 [--bin DIR]
 
 ``make.py nvfp4`` writes two files to tests/fixtures/oracles/ (tests/kernels/test_nvfp4.py reads them):
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-import make as M
+from tests.oracles import make as M
 
 N_TOKENS = 24
 # name -> (HF model_type, GGUF arch, seed, HF config overrides). Shapes vary on purpose between archs.

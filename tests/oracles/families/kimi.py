@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-import make as M
-from families.glmdsa import router_margins  # one group: the hub's num_expert_group 1
+from tests.oracles import make as M
+from tests.oracles.families.glmdsa import router_margins  # one group: the hub's num_expert_group 1
 
 NAMES = ["kimi"]
 N_TOKENS, N_STEPS = 96, 8

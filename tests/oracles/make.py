@@ -4,8 +4,8 @@
 A developer tool, run once; its outputs under ``tests/fixtures/oracles/`` are committed and CI never runs it.
 It needs torch, so it runs in a separate venv (docs/oracles.md)::
 
-    .venv-oracle/bin/python scripts/oracles/make.py                 # every family but nvfp4 and gemma3_ppl
-    .venv-oracle/bin/python scripts/oracles/make.py deepseek2 olmoe # families or single oracles by name
+    .venv-oracle/bin/python -m tests.oracles.make                 # every family but nvfp4 and gemma3_ppl
+    .venv-oracle/bin/python -m tests.oracles.make deepseek2 olmoe # families or single oracles by name
 
 Each family is a small module in ``families/`` (``NAMES``, ``make(name, ctx)``) holding its configuration and
 only what is its own (a hook, a margin rule, a hub-layout rewrite); this file holds what they share: the tiny
@@ -387,7 +387,7 @@ def gguf_summary(path: Path) -> dict:
 
 # ----------------------------------------------------------------------------------------------- CLI
 def family(fam: str):
-    return importlib.import_module(f"families.{fam}")
+    return importlib.import_module(f"tests.oracles.families.{fam}")
 
 
 def resolve(wanted: list[str]) -> list[tuple[str, str]]:
@@ -400,7 +400,7 @@ def resolve(wanted: list[str]) -> list[tuple[str, str]]:
             continue
         fam = next((f for f, ns in names.items() if w in ns), None)
         if fam is None:
-            raise SystemExit(f"make.py: unknown family or oracle {w!r} (families: {', '.join(FAMILIES)}; "
+            raise SystemExit(f"tests.oracles.make: unknown family or oracle {w!r} (families: {', '.join(FAMILIES)}; "
                              f"oracles: {', '.join(n for ns in names.values() for n in ns)})")
         out.append((fam, w))
     return out
@@ -434,7 +434,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(HERE))
-    import make  # the families import this module by name: one copy of it
+    from tests.oracles import make  # the families import this module by name: one copy of it
 
     sys.exit(make.main())

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-import make as M
+from tests.oracles import make as M
 
 NAMES = ["mimo2", "mimo2_groups"]
 SEED = 9300

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-import make as M
-from families.glmdsa import router_margins
+from tests.oracles import make as M
+from tests.oracles.families.glmdsa import router_margins
 
 N_TOKENS, N_STEPS = 96, 8
 SHAPE = dict(hidden_size=32, num_hidden_layers=3, intermediate_size=64, moe_intermediate_size=32,

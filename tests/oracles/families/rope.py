@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-import make as M
+from tests.oracles import make as M
 
 N_TOKENS = 96
 CONFIG = dict(num_hidden_layers=1, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-import make as M
+from tests.oracles import make as M
 
 NAMES = ["glmdsa"]
 # llama.cpp's GLM vocabulary step wants GLM's special tokens ([gMASK], <|user|>...), which the oracles' tiny BPE
