@@ -891,9 +891,10 @@ def test_mla_synthetic_q8_0_past_one_key_tile(tmp_path, form):
     """MLA on the device with Q8_0 projections and attn_k_b / attn_v_b (scripts/make_synthetic_moe.py --arch
     deepseek2: 2 layers, d 256, a latent of 64 + 32 rope dims, 2 shared experts, every layer and the head on the
     device): a 300-row prompt and 4 decode rows give the CPU-only f32 run's logits within 1e-5 of the largest. The
-    prompt chunk in the expanded form (mla.comp mode 7's keys and values past its first 32-position block and
-    attn_pre.comp over them: the form a chunk from position 0 takes), or absorbed (the expanded buffers taken
-    away: mode 2's keys past its first tile of 256, its running max and rescaled sums)."""
+    prompt in three chunks of 100 rows in the expanded form (mla.comp mode 7's keys and values of every position
+    so far, the later chunks' over latent rows an earlier chunk wrote, and attn_pre.comp over them from the chunk's
+    first position: MLAMixer._mla_expand's choice for each at this shape), or in one chunk absorbed (the expanded
+    buffers taken away: mode 2's keys past its first tile of 256, its running max and rescaled sums)."""
     path = build_tiny_moe(tmp_path, ["--arch", "deepseek2", "--layers", "2", "--d", "256", "--heads", "4", "--experts",
                                      "8", "--top-k", "2", "--expert-ff", "128", "--vocab", "300", "--kv-lora-rank",
                                      "64", "--nope", "32", "--rope-dims", "32", "--v-dim", "32"], "ds2.gguf")
@@ -913,9 +914,12 @@ def test_mla_synthetic_q8_0_past_one_key_tile(tmp_path, form):
         assert dl.mla_keys == 320
         if form == "absorbed":
             dl.mla_keys = 0
+        else:
+            dl.prompt_rows = 100
         ref, got = run(cpu.model), run(e.model)
-        assert (dl.prompt_tokens, dl.prompt_chunks, dl.tokens) == (300, 1, 4)
-        assert dl.mla_expanded == (form == "expanded")
+        expanded = form == "expanded"
+        assert (dl.prompt_tokens, dl.prompt_chunks, dl.tokens) == (300, 3 if expanded else 1, 4)
+        assert dl.mla_expanded == (3 if expanded else 0)
         assert rel_err(got, ref) < 1e-5, rel_err(got, ref)
     finally:
         e.close()
