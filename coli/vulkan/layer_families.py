@@ -58,7 +58,8 @@ class MLAMixer:
         ``n = pos0 + R`` keys fit the expanded buffers (``self.mla_keys``) and, per head, expanding every key and
         value (n r (dn + dv) multiply-adds) plus attention over them (R n (dn + dr + dv)) costs no more than the
         absorbed form's q and output products (R r (dn + dv)) plus its scores and weighted latent (R n (2 r + dr)).
-        A chunk from position 0 always does; a few rows after a long context do not."""
+        A chunk from position 0 always does while its keys fit (GLM-5: at most ``index_topk``, every key chosen); a
+        few rows after a long context do not."""
         if not self.mla_keys or pos0 + R > self.mla_keys:
             return False
         H, r, dn, dr, dv, _ = self.mla

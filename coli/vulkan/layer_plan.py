@@ -240,26 +240,28 @@ MLA_MAXW = 1152
 MLA_EXPAND_KEYS = 4096
 
 
+def _device_mla(m):
+    """The first MLA block (GLM-5: a DSA layer's) of the layers that qualify for the device, or None."""
+    return next((attn_block(L) for il, L in enumerate(m.layers)
+                 if not is_deltanet(L) and is_mla(attn_block(L)) and why_not(m, il) is None), None)
+
+
 def mla_expand_keys(m, ctx: int) -> int:
     """Positions of the expanded MLA buffers (shaders/mla.comp mode 7, then attn_pre.comp over per-head keys and
-    values): min(ctx, :data:`MLA_EXPAND_KEYS`); 0 when no MLA layer on the device can take the expanded form (a DSA
-    layer: the indexer's keys; a key of more than 256 dims or values wider than the key: attn_pre.comp's bounds)."""
-    for il, L in enumerate(m.layers):
-        a = getattr(L, "attn", None)
-        if is_mla(a) and why_not(m, il) is None:
-            if dsa_shape(m) or a.dn + a.dr > 256 or a.dv > a.dn + a.dr:
-                return 0
-            return min(int(ctx), MLA_EXPAND_KEYS)
-    return 0
+    values): min(ctx, :data:`MLA_EXPAND_KEYS`), and GLM-5's ``index_topk`` (up to that many keys every row takes
+    them all: dense attention); 0 when the layers' MLA cannot take the expanded form (a key of more than 256 dims or
+    values wider than the key: attn_pre.comp's bounds) or there is none."""
+    a, ds = _device_mla(m), dsa_shape(m)
+    if a is None or a.dn + a.dr > 256 or a.dv > a.dn + a.dr:
+        return 0
+    return min(int(ctx), MLA_EXPAND_KEYS, ds[2] if ds else MLA_EXPAND_KEYS)
 
 
 def _mla_expand_floats(m, ctx: int) -> int:
     """Floats of the expanded MLA buffers (:func:`mla_expand_keys` positions of every head's key and value)."""
     n = mla_expand_keys(m, ctx)
-    if not n:
-        return 0
-    a = next(L.attn for il, L in enumerate(m.layers) if is_mla(getattr(L, "attn", None)) and why_not(m, il) is None)
-    return a.H * n * (a.dn + a.dr + a.dv)
+    a = _device_mla(m)
+    return a.H * n * (a.dn + a.dr + a.dv) if n else 0
 
 
 def _why_not_mla(a) -> str | None:
@@ -579,7 +581,7 @@ def _mla_floats(m) -> int:
     layers on the device."""
     out = 0
     for il, L in enumerate(m.layers):
-        a = getattr(L, "attn", None)
+        a = None if is_deltanet(L) else attn_block(L)    # GLM-5: a DSA layer's MLA
         if is_mla(a) and why_not(m, il) is None:
             W = a.r + a.dr
             ql = 0 if a.attn_q is not None else ceil32(a.attn_q_a.shape[0])

@@ -38,10 +38,37 @@ def test_dsa_against_hf(glm_q32):
         d0 = e.device.layer_dispatches
         got = check_prompt_and_decode(m, m.new_cache(128, 128), oracle)
         assert (dl.prompt_tokens, dl.prompt_chunks, dl.tokens) == (len(oracle["ids"]), 3, 8)
-        assert dl.mla_keys == 0 and dl.mla_expanded == 0      # the indexer's keys: the absorbed form
+        assert dl.mla_keys == 24 and dl.mla_expanded == 0     # every chunk sees more keys than index_topk: absorbed
         assert e.device.layer_dispatches - d0 >= 8 * 4 * 7
         ref = greedy_rows(cpu.model, cpu.model.new_cache(128, 128), oracle["ids"], 8)
         check_greedy_like_cpu(m, ref, oracle["ids"], got, 1e-5, 1e-5)
+    finally:
+        e.close()
+        cpu.close()
+
+
+def test_expanded_while_every_key_is_chosen(glm_q32):
+    """A chunk whose rows see at most ``index_topk`` keys (every key chosen: dense attention) takes MLA's expanded
+    form with the indexer still writing its keys into the cache rows; the chunks after it (past 24 keys) take the
+    absorbed form over the indexer's choice, which reads those keys. A 48-row prompt in chunks of 16 (the first
+    expanded) and 4 decode rows: the CPU-only run's logits at every row within 1e-5 of the largest."""
+    from tests.conftest import FIXTURES
+
+    ids = np.load(FIXTURES / "oracles" / "glmdsa.npz")["ids"][:52]
+    cpu = device_engine(glm_q32, ctx=64)
+    e = device_engine(glm_q32, COLI_VK_LAYERS=-1, ctx=64)
+
+    def run(m):
+        c = m.new_cache(64, 64)
+        return np.concatenate([m.forward(ids[:48], c, all_logits=True)] + [m.forward([int(t)], c) for t in ids[48:]])
+
+    try:
+        dl = e.model.device_layers
+        dl.prompt_rows = 16
+        assert dl.mla_keys == 24
+        ref, got = run(cpu.model), run(e.model)
+        assert (dl.prompt_tokens, dl.prompt_chunks, dl.mla_expanded, dl.tokens) == (48, 3, 1, 4)
+        assert rel_err(got, ref) < 1e-5, rel_err(got, ref)
     finally:
         e.close()
         cpu.close()
