@@ -21,12 +21,11 @@ PY = sys.executable
 # import the kernel package and modules of cache=True kernels (numba resolves its cache folder when one is
 # defined) and run one small kernel (it compiles, so a cache folder is really used: a few seconds). Not
 # cpu_kernels.formats: it imports cpu_kernels.experts, whose ``_block_i8`` cfunc compiles at import (~75 CPU s
-# uncached, in every such child); IMPORT_ALL, with it, runs once (test_home_is_a_file).
+# uncached, in every such child); every kernel module under HOME a file is imported by the child of
+# tests/kernels/test_formats.py::test_formats_without_vnni_keep_widened_codes, which compiles them uncached anyway
 IMPORT_KERNELS = ("import numpy as np, cpu_kernels, cpu_kernels.attention, cpu_kernels.norms, cpu_kernels.rope; "
                   "from cpu_kernels.norms import rms_norm; "
                   "x = rms_norm(np.ones((2, 32), np.float32), np.ones(32, np.float32), 1e-6); print(float(x.sum()))")
-# every kernel module: cpu_kernels.formats imports the rest (experts' cfunc compiled and cached at import)
-IMPORT_ALL = IMPORT_KERNELS.replace("cpu_kernels.attention,", "cpu_kernels.formats, cpu_kernels.attention,")
 # a second cache=True kernel compiled after the first (Numba's thread-pool probe): two cache writes in a run
 IMPORT_KERNELS_TWO = IMPORT_KERNELS + "; from cpu_kernels._probe import psum; assert psum(np.ones(64)) == 64.0"
 
@@ -48,11 +47,11 @@ def _warnings(stderr):
 
 # -- kind 6: the environment -----------------------------------------------------------------------------------
 def test_home_is_a_file(tmp_path):
-    """The issue's example: HOME points at a file: import (every kernel module: experts' cfunc compiles and is
-    cached at import) and a kernel work, one warning naming HOME."""
+    """The issue's example: HOME points at a file: import and a kernel work, one warning naming HOME (with every
+    kernel module imported: tests/kernels/test_formats.py::test_formats_without_vnni_keep_widened_codes)."""
     home = tmp_path / "home-file"
     home.write_text("x")
-    r = _py(IMPORT_ALL, _env(HOME=str(home)))
+    r = _py(IMPORT_KERNELS, _env(HOME=str(home)))
     assert r.returncode == 0, r.stderr
     assert abs(float(r.stdout) - 64 / np.sqrt(1 + 1e-6)) < 1e-4 and "Traceback" not in r.stderr  # NumPy: x / rms
     w = _warnings(r.stderr)

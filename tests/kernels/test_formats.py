@@ -234,9 +234,13 @@ def test_block_field_gathers_equal_numpy_copies():
 
 _NO_VNNI_CHILD = r"""
 import numpy as np
+import cpu_kernels.attention, cpu_kernels.rope  # with formats and experts: every kernel module
 from cpu_kernels import experts as X, formats as F, vnni
+from cpu_kernels.norms import rms_norm
 from coli.types import table as TT
 assert not vnni.HAVE_VNNI
+x = rms_norm(np.ones((2, 32), np.float32), np.ones(32, np.float32), 1e-6)
+assert abs(float(x.sum()) - 64 / np.sqrt(1 + 1e-6)) < 1e-4  # NumPy: x / rms
 rng = np.random.default_rng(3)
 for t in ("Q5_0", "MXFP4", "IQ4_NL", "IQ4_XS"):
     O, I = 12, 256
@@ -259,13 +263,23 @@ print("ok")
 def test_formats_without_vnni_keep_widened_codes(tmp_path):
     """On a CPU without AVX-512 VNNI (simulated: Numba compiling for Haswell) Q5_0 and the 4-bit table formats
     are widened to int8 codes at load and run the Q8_0 kernels (their compact layouts need the VNNI-machine
-    register lookups); the products still match gguf.quants' dequantization."""
+    register lookups); the products still match gguf.quants' dequantization.
+
+    The child compiles every kernel module uncached anyway (another CPU), so it also runs under
+    tests/cli/test_env_faults.py's first fault, HOME a file and no cache folder set: every kernel module imports
+    (experts' cfunc compiled at import into coli's temporary folder), the kernels run, one warning names HOME
+    (that file's own children import the kernel package without the ~75 CPU s of the cfunc)."""
     import os
     import subprocess
     import sys
 
-    env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES="+avx2,+fma,+f16c,+popcnt,+sse4.2",
-               NUMBA_CACHE_DIR=str(tmp_path / "nb"))
+    home = tmp_path / "home-file"
+    home.write_text("x")
+    env = {k: v for k, v in os.environ.items() if k not in ("COLI_CACHE", "XDG_CACHE_HOME", "NUMBA_CACHE_DIR")}
+    env.update(NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES="+avx2,+fma,+f16c,+popcnt,+sse4.2", HOME=str(home))
     r = subprocess.run([sys.executable, "-c", _NO_VNNI_CHILD], env=env, capture_output=True, text=True,
                        cwd=ROOT, timeout=600)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    w = [line for line in r.stderr.splitlines() if line.startswith("coli: warning")]
+    assert len(w) == 1 and "HOME=" in w[0] and "not kept on disk" in w[0], r.stderr[-3000:]
