@@ -100,21 +100,31 @@ class RowJoin:
         self._seq = 0           # the decode token's number (params word 8), copied into flags[j] by segment S_j
         self.spin_s = 0.002     # how long the host spins on a flag before it sleeps on the device's timeline
         self.spun = self.slept = 0
-        ops, cur, kind = self._ops(), [], "S"
+        self.chain = chain_default(self.dev, getattr(self, "_env", None))
+        self._V = V = 2 if self.bal is not None else 1   # the host's timeline values a cut layer: (route,) rows in
+        # host timeline offset -> the event the segment waiting for that value (chain) waits for too: the host's
+        # writes since the submit, visible to it (Kernels.record ``after``); a submit a segment sets them too (a
+        # segment is recorded once for both); the last segment resets them all
+        self._ev = {}
+        ops, cur, kind, ns, nx = self._ops(), [], "S", 0, 0
         for op in ops + [Cut(None, "end")]:
             if not isinstance(op, Cut):
                 cur.append(op)
                 continue
             j = None if op.kind == "end" else op.j
-            rec = K.record(cur, timestamps=True, lead=bool(self.segs)) if cur else None
+            v = V * ns if kind == "S" else (V * nx + 1 if V == 2 else 0)
+            after = self._ev[v] = K.host_event() if v and cur and self.dev.timeline else None
+            if after is None:
+                self._ev.pop(v, None)
+            rec = K.record(cur, timestamps=True, lead=bool(self.segs), after=after,
+                           resets=tuple(self._ev.values()) if op.kind == "end" else ()) if cur else None
             self.segs.append((kind, rec, j))
+            ns, nx = (ns + 1, nx) if kind == "S" else (ns, nx + 1)
             kind, cur = ("X" if op.kind == "cpu" else "S"), []
         self.rec = None
-        self.chain = chain_default(self.dev, getattr(self, "_env", None))
         self._tl = 0            # the timeline semaphore's value after the last token
         self._chain = None      # the token's prepared submit (_chain_prepare)
         self._xrec = {}         # layer j -> its X segment (_chain_prepare)
-        self._V = 2 if self.bal is not None else 1   # the host's timeline values a cut layer: (route,) rows in
         # views made once: each layer's route, FFN input and yk rows in host-visible memory, the params' words, the flags
         k, D = self.k, self.D
         rh = self.routehost.u32(2 * k * n)
@@ -188,11 +198,35 @@ class RowJoin:
         """One decode token, a submit a segment: submit a segment and wait, read the layer's route and FFN input, start
         its resident ranks (when the token has some), compute the CPU's ranks meanwhile, submit the next segment (it
         waits for both)."""
-        K, P = self.K, self.prof
+        try:
+            self._split_token()
+        except BaseException:
+            self._reset_events()    # the last segment, which resets them, did not run
+            raise
+
+    def _reset_events(self) -> None:
+        """Unset every segment's event from the host (after a token that stopped before its last segment)."""
+        for ev in self._ev.values():
+            try:
+                self.K.reset_event(ev)
+            except Exception:  # noqa: BLE001 - a lost device: the caller's DeviceLost says so
+                pass
+
+    def _set_event(self, v: int) -> None:
+        ev = self._ev.get(v)
+        if ev is not None:
+            self.K.set_event(ev)
+
+    def _split_token(self) -> None:
+        """:meth:`_run_split`'s token."""
+        K, P, V = self.K, self.prof, self._V
         stamps = self._stamps_due()
-        started, pend = None, None
+        started, pend, ns, nx = None, None, 0, 0
         for kind, rec, j in self.segs:
             if kind == "S":
+                if ns:      # the host's rows of the layer before (a submit makes them visible; the event is set too)
+                    self._set_event(V * ns)
+                ns += 1
                 t0 = time.perf_counter()
                 K.submit(rec)
                 self.submit_s += time.perf_counter() - t0
@@ -217,9 +251,12 @@ class RowJoin:
                         P.lap("route read", t0)
                 continue
             j, ids, w, on_dev = pend
+            nx += 1
             if self.bal is not None:
                 ids, w, on_dev = self._hand(j, ids, w, on_dev)
             if rec is not None and on_dev.any():
+                if V == 2:
+                    self._set_event(V * (nx - 1) + 1)
                 if not K.start(rec):
                     raise DeviceLost("the resident experts' command buffer still ran")
                 self.dev.dispatches += rec.dispatches
@@ -311,6 +348,12 @@ class RowJoin:
                        [rec for rec, _ in S] + [x for x in X if x is not None])
         self._xrec = {j: X[i] for i, j in enumerate(self._chain[1])}
 
+    def _host_wrote(self, base: int, v: int) -> None:
+        """The host's writes for the segment that waits for value ``base + v`` of its timeline are done: set that
+        segment's event (what the host wrote, visible to it), then signal the value (it may start)."""
+        self._set_event(v)
+        self.K.signal(base + v)
+
     def _run_chain(self) -> None:
         """One decode token in one submit (timeline semaphores, ``Kernels.submit_prepared``): segment S_i copies the
         token's number into ``flags[i]`` after layer i's route and signals value base + i + 1 of the device's
@@ -353,14 +396,14 @@ class RowJoin:
                     P.lap("route read", t)
                 if bal is not None:     # the resident ranks' route, then they start (value V i + 1)
                     r = self._hand(j, *r)
-                    K.signal(base + V * i + 1)
+                    self._host_wrote(base, V * i + 1)
                     done = base + V * i + 1
                     tc = pc()
                 note = self._cpu_ranks(j, *r)
                 if bal is not None:
                     self._steps[-1][5] = pc() - tc
                 t = pc()
-                K.signal(base + V * (i + 1))
+                self._host_wrote(base, V * (i + 1))
                 done = base + V * (i + 1)
                 t = pc() if P is None else P.lap("signal", t)
                 if note is not None:    # the device runs the next segment meanwhile
@@ -376,6 +419,9 @@ class RowJoin:
                         if base + V * i + 1 > done:
                             self._skip_route(js[i])
                 try:
+                    for v, ev in self._ev.items():     # the segments left wait for these too
+                        if base + v > done:
+                            K.set_event(ev)
                     K.signal(top)
                 except Exception:  # noqa: BLE001 - a lost device: the caller's DeviceLost says so
                     pass

@@ -159,6 +159,7 @@ class Kernels:
     def __init__(self, dev, wg: int = 256, env=None):
         self.dev = dev
         self.wg = int(wg)
+        self._events = []       # host_event's, destroyed at close
         # output rows a format kernel's workgroup owns: 4 (a subgroup's row set; spare subgroups split the units),
         # so a 2048-row matrix gives 512 workgroups (COLI_VK_LAYER_ROWS)
         from coli.base.settings import get
@@ -315,13 +316,17 @@ class Kernels:
         self.dev._staged_copy(flat, dst.buffer)
 
     # -- recording and submits --------------------------------------------------------------------------
-    def record(self, ops: list, timestamps: bool = False, each: bool = False, lead: bool = False):
+    def record(self, ops: list, timestamps: bool = False, each: bool = False, lead: bool = False, after=None,
+               resets: tuple = ()):
         """A :class:`Recorded` command buffer holding ``ops`` (:class:`Dispatch` / :class:`Copy`) in
         order, a memory barrier before each op whose ``wait`` is set, and one at the end that makes the writes
         visible to the host. It may be submitted any number of times (:meth:`submit`). ``timestamps``: a timestamp
         before the first op and after the last (:meth:`gpu_ms`), where the device has them; ``each``: one after
         every op too (:meth:`op_ms`: a profile of the ops, for benchmarks); ``lead``: the first dispatch waits
-        too (on what earlier submits wrote: a program cut into several command buffers)."""
+        too (on what earlier submits wrote: a program cut into several command buffers); ``after``: an event of
+        :meth:`host_event` the first op waits for, with what the host wrote before it set it (``vkCmdWaitEvents`` from
+        the host stage: the spec's way to make host writes made after a submit visible to it; a pipeline barrier's
+        host stage covers only writes made before the submit); ``resets``: events reset by the device at the end."""
         dev = self.dev
         cai = _s("VkCommandBufferAllocateInfo")
         cai.sType = vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO
@@ -356,6 +361,11 @@ class Kernels:
             mb.dstAccessMask = _ACC_SHADER_READ | _ACC_SHADER_WRITE | _ACC_XFER_READ | _ACC_XFER_WRITE
             lib.vkCmdPipelineBarrier(cb, _PSTAGE_COMPUTE | _PSTAGE_TRANSFER | _PSTAGE_HOST,
                                      _PSTAGE_COMPUTE | _PSTAGE_TRANSFER, 0, 1, mb, 0, ffi.NULL, 0, ffi.NULL)
+        if after is not None:
+            mb.srcAccessMask = _ACC_HOST_WRITE
+            mb.dstAccessMask = _ACC_SHADER_READ | _ACC_SHADER_WRITE | _ACC_XFER_READ | _ACC_XFER_WRITE
+            lib.vkCmdWaitEvents(cb, 1, after, _PSTAGE_HOST, _PSTAGE_COMPUTE | _PSTAGE_TRANSFER, 1, mb, 0, ffi.NULL,
+                                0, ffi.NULL)
         for n_op, op in enumerate(ops):
             if isinstance(op, Copy):
                 if op.wait:
@@ -398,6 +408,8 @@ class Kernels:
         mb.srcAccessMask, mb.dstAccessMask = _ACC_SHADER_WRITE | _ACC_XFER_WRITE, _ACC_HOST_READ
         lib.vkCmdPipelineBarrier(cb, _PSTAGE_COMPUTE | _PSTAGE_TRANSFER, _PSTAGE_HOST, 0, 1, mb, 0, ffi.NULL, 0,
                                  ffi.NULL)
+        for ev in resets:    # after the barrier: every op above (and the waits before them) done
+            lib.vkCmdResetEvent(cb, ev[0], _PSTAGE_COMPUTE | _PSTAGE_TRANSFER)
         if qpool is not None and not each:
             lib.vkCmdWriteTimestamp(cb, _PSTAGE_BOTTOM, qpool, 1)
         _chk(lib.vkEndCommandBuffer(cb), "vkEndCommandBuffer")
@@ -598,6 +610,24 @@ class Kernels:
         si.value = int(value)
         _chk(lib.vkSignalSemaphore(self.dev._dev, si), "vkSignalSemaphore")
 
+    def host_event(self):
+        """A new event (``VkEvent[1]``, unset) that the host sets (:meth:`set_event`) once it wrote what a recorded
+        command buffer waiting for it (:meth:`record` ``after``) reads; a command buffer's ``resets`` unset it."""
+        eci = _s("VkEventCreateInfo")
+        eci.sType = vk.VK_STRUCTURE_TYPE_EVENT_CREATE_INFO
+        ev = ffi.new("VkEvent[1]")
+        _chk(lib.vkCreateEvent(self.dev._dev, eci, ffi.NULL, ev), "vkCreateEvent")
+        self._events.append(ev)
+        return ev
+
+    def set_event(self, ev) -> None:
+        """Set ``ev`` from the host (:meth:`host_event`)."""
+        _chk(lib.vkSetEvent(self.dev._dev, ev[0]), "vkSetEvent")
+
+    def reset_event(self, ev) -> None:
+        """Unset ``ev`` from the host (no command buffer may be waiting for it)."""
+        _chk(lib.vkResetEvent(self.dev._dev, ev[0]), "vkResetEvent")
+
     def wait_batches(self) -> None:
         """Wait for the fence of the last :meth:`submit_batches`; DeviceLost when the wait fails."""
         dev = self.dev
@@ -616,6 +646,9 @@ class Kernels:
             if sem is not None:
                 lib.vkDestroySemaphore(d, sem[0], ffi.NULL)
         self._tl = self._siginfo = self._waitinfo = None
+        for ev in self._events:
+            lib.vkDestroyEvent(d, ev[0], ffi.NULL)
+        self._events = []
         for p in self._pipes.values():
             lib.vkDestroyPipeline(d, p, ffi.NULL)
         self._pipes = {}
