@@ -20,7 +20,7 @@ import numpy as np
 from coli import runtime
 from coli.base import memory, settings
 from coli.base.errors import ColiError
-from coli.base.progress import compile_seconds
+from coli.base.progress import compile_seconds, end_compile_bar, install
 from coli.demo import demo_model_path
 from coli.resolve import resolve
 from coli.generation import GenerateResult, PerplexityResult, StopText, TextStream, check_ids, perplexity_windows
@@ -125,8 +125,13 @@ class Engine:
         self.cpu_act = cpu_act or cpu_kernels.DEFAULT_ACT
         if self.cpu_act not in ("f32", "int8"):
             raise ColiError(f"{self._name('cpu_act')}: '{cpu_act}' (f32 or int8)")
-        runtime.build(self, ctx=ctx, expert_cache=expert_cache, usage=usage, io_threads=io_threads, device=device,
-                      balance=balance, trace=trace, cache_type_k=cache_type_k, cache_type_v=cache_type_v)
+        install()  # the load repacks weights through kernels: a cold cache compiles there first (say so)
+        try:
+            runtime.build(self, ctx=ctx, expert_cache=expert_cache, usage=usage, io_threads=io_threads,
+                          device=device, balance=balance, trace=trace, cache_type_k=cache_type_k,
+                          cache_type_v=cache_type_v)
+        finally:
+            end_compile_bar()
         #: resident bytes the C heap gave back after the load and after the first generate (:func:`trim_heap`; None
         #: off glibc, and before the first generate ends)
         self.heap_trimmed, self.heap_trimmed_first = trim_heap(), None

@@ -69,7 +69,9 @@ class BaseArgs:
         n_heads = int(need("attention.head_count"))
         d = int(need("embedding_length"))
         n_layers = int(need("block_count"))
-        for key, v in (("attention.head_count", n_heads), ("embedding_length", d), ("block_count", n_layers)):
+        ctx_train = int(need("context_length"))  # required, as llama.cpp's loader: no silent default
+        for key, v in (("attention.head_count", n_heads), ("embedding_length", d), ("block_count", n_layers),
+                       ("context_length", ctx_train)):
             if v <= 0:
                 raise below_one(g, key)
         n_kv = g.get(f"{a}.attention.head_count_kv", n_heads)
@@ -88,7 +90,7 @@ class BaseArgs:
             eps=float(g.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
             rope_base=float(g.get(f"{a}.rope.freq_base", 10000.0)),
             n_rot=int(g.get(f"{a}.rope.dimension_count", head_dim)),
-            ctx_train=int(g.get(f"{a}.context_length", 4096)),
+            ctx_train=ctx_train,
             vocab=vocab,
             n_experts=int(g.get(f"{a}.expert_count", 0) or 0),
             top_k=int(g.get(f"{a}.expert_used_count", 0) or 0),

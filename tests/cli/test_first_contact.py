@@ -204,3 +204,38 @@ def test_an_api_key_file_that_is_not_utf8_is_one_line(tmp_path, capsys):
     f.write_bytes(b"\xef\xbb\xbfsecret\xff\n")   # the BOM is fine; the 0xff after 'secret' is not UTF-8
     rc, out, err = _main(capsys, "serve", "-m", str(DENSE), "--api-key-file", str(f), "--port", "0")
     assert (rc, out, err) == (2, "", f"coli: --api-key-file {f}: not UTF-8 text (byte 9)\n")
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"drop_key": "llama.context_length"}, "metadata 'llama.context_length' is missing"),
+    ({"zero": "llama.context_length"}, "metadata 'llama.context_length': 0 (must be at least 1)")])
+def test_a_file_without_its_trained_context_is_refused(tmp_path, capsys, change, says):
+    """A GGUF without <arch>.context_length (or with 0): one line naming the file and the key, exit 2, as llama.cpp's
+    loader refuses it ("key not found in model: llama.context_length"); it ran at a made-up 4096 positions."""
+    from oracle_check import malformed_copy
+
+    path = malformed_copy(DENSE, tmp_path / "no_ctx.gguf", **change)
+    rc, out, err = _main(capsys, "run", "-m", str(path), "-p", "a", "-n", "1")
+    assert (rc, out, err) == (2, "", f"coli: no_ctx.gguf: {says}\n")
+
+
+def test_a_compile_while_the_model_loads_is_announced(tmp_path):
+    """A cold kernel cache compiles first while the model loads (the weights' repack), minutes on a busy machine:
+    the compile notice comes then, not after the load (a fresh clone's first `coli run` printed nothing for 20
+    minutes after the demo build). A subprocess: Numba's compile event fired from inside the load."""
+    import subprocess
+    import sys
+
+    code = ("import cpu_kernels, numba.core.event as ev, coli.runtime as rt  # cpu_kernels first: the threads\n"
+            "from coli.base.errors import ColiError\n"
+            "def build(eng, **kw):\n"
+            "    with ev.trigger_event('numba:compile', data={}):\n"
+            "        raise ColiError('stopped in the load')\n"
+            "rt.build = build\n"
+            "from coli.engine import Engine\n"
+            f"Engine({str(DENSE)!r})\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**__import__("os").environ, "COLI_CACHE": str(tmp_path)})
+    lines = r.stderr.splitlines()
+    assert r.returncode == 1 and lines[-1].endswith("ColiError: stopped in the load"), r.stderr
+    assert "coli: compiling the CPU kernels, once: about 5 minutes on a first run" in lines[0], r.stderr
