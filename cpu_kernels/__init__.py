@@ -31,6 +31,7 @@ import tempfile
 from coli.base import settings
 from coli.base.errors import ColiError
 from coli.base.paths import optional_cache_dir
+from coli.base.progress import cache_not_kept
 
 _LAYER_CHOICE = None  # "tbb" or "omp": what this module asked numba for
 
@@ -74,10 +75,11 @@ def _set_cache_dir() -> None:
             with open(os.path.join(here, name), "rb") as f:
                 h.update(name.encode() + b"\0" + f.read())
     d = optional_cache_dir("numba", h.hexdigest()[:16],
-                           what="compiled kernels are not kept on disk (each run compiles them again)")
+                           what="compiled kernels are not kept on disk (each run compiles them again: minutes)")
     if d is None:
         d = tempfile.mkdtemp(prefix="coli-numba-")
         atexit.register(shutil.rmtree, d, True)
+        cache_not_kept()
     os.environ["NUMBA_CACHE_DIR"] = str(d)
 
 

@@ -32,14 +32,24 @@ _bar_lock = threading.Lock()
 _compiles = [0, 0.0, 0, 0.0]   # top-level compiles, their seconds, nesting depth, start of the open one
 # model text on the terminal's current line; the compile notice given; no notice at all (the CLI's -q); a
 # generation of this process has run a decode step (its kernels are compiled or loaded)
-_line = {"text": False, "told": False, "quiet": False, "stepped": False}
+_line = {"text": False, "told": False, "quiet": False, "stepped": False, "kept": True}
 COMPILE_NOTE = "compiling the CPU kernels, once: about 5 minutes on a first run, longer on a busy machine"
+UNKEPT_NOTE = ("compiling the CPU kernels: about 5 minutes, longer on a busy machine; with no writable cache folder "
+               "(the warning above) every run compiles them again")
+
+
+def cache_not_kept() -> None:
+    """Say that Numba's cache is a folder of this process only (cpu_kernels: no writable cache folder): the
+    compile notice then says every run compiles, not that later runs load the kernels."""
+    _line["kept"] = False
 
 
 def compile_notice() -> str:
     """The line a first compile prints when stderr is not a terminal (without the ``coli: `` prefix)."""
     import os
 
+    if not _line["kept"]:
+        return UNKEPT_NOTE
     d = os.environ.get("NUMBA_CACHE_DIR")
     return COMPILE_NOTE + (f"; later runs load them from {d}" if d else "")
 
@@ -163,7 +173,8 @@ def install() -> None:
                 with _bar_lock:
                     if _compile_bar is None and not _line["text"]:  # a bar would erase the text on the line
                         _line["told"] = True
-                        _compile_bar = bar(desc=f"coli: {COMPILE_NOTE}", unit=" kernels")
+                        _compile_bar = bar(desc=f"coli: {COMPILE_NOTE if _line['kept'] else UNKEPT_NOTE}",
+                                           unit=" kernels")
 
             def on_end(self, event):
                 with _bar_lock:

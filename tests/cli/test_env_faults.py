@@ -66,6 +66,24 @@ def test_coli_cache_unwritable(tmp_path):
     assert len(w) == 1 and "COLI_CACHE=/proc/coli-x" in w[0]
 
 
+def test_coli_cache_a_file_says_every_run_compiles(tmp_path):
+    """COLI_CACHE pointing at a file: one warning line at import (before any compile), naming the variable and
+    that each run compiles the kernels again; the compile notice then says so too (it read "later runs load them
+    from /tmp/coli-numba-...", a folder removed at exit), and that folder is gone after the run."""
+    f = tmp_path / "cache-file"
+    f.write_text("x")
+    code = ("import os, cpu_kernels; from coli.base import progress; "
+            "print(os.environ['NUMBA_CACHE_DIR']); print(progress.compile_notice())")
+    r = _py(code, _env(HOME=str(tmp_path), COLI_CACHE=str(f)))
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr == (f"coli: warning: cache folder {f}/numba/{r.stderr.split('/numba/')[1].split(' ')[0]} "
+                        f"(COLI_CACHE={f}): Not a directory; set COLI_CACHE to a writable folder; compiled kernels "
+                        "are not kept on disk (each run compiles them again: minutes)\n"), r.stderr
+    folder, notice = r.stdout.splitlines()
+    assert notice.endswith("(the warning above) every run compiles them again") and "later runs" not in notice
+    assert os.path.basename(folder).startswith("coli-numba-") and not os.path.exists(folder)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run as a uid without a passwd entry")
 def test_uid_without_passwd_entry(tmp_path):
     """Third case: no HOME and a uid the passwd file does not know (containers run as --user 12345)."""
