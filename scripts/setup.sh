@@ -22,5 +22,7 @@ fi
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
+# pip -q prints nothing for the minutes it takes (3.5 min on a 2-core VM): say what is going on
+echo "coli: installing the pinned Python packages into $(pwd)/.venv (a few minutes; pip is quiet)" >&2
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
 echo "coli: installed in $(pwd)/.venv ($(.venv/bin/python --version))" >&2
