@@ -15,6 +15,7 @@ tuner, the GGUF reader): ``coli --help`` and a flag's error line come without lo
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import os
 import secrets
@@ -844,11 +845,25 @@ def _check_numba_threads() -> None:
                         f"--threads N uses fewer)")
 
 
+def _utf8_out() -> None:
+    """stdout and stderr write UTF-8 whatever the locale says (a Latin-1 terminal, ``PYTHONIOENCODING=ascii``), as
+    llama-cli writes the model's bytes: the model's text is UTF-8, and another encoding raised UnicodeEncodeError
+    at its first accented letter (a traceback mid-answer)."""
+    for stream in (sys.stdout, sys.stderr):
+        enc = getattr(stream, "encoding", None)
+        try:
+            if enc and codecs.lookup(enc).name != "utf-8" and hasattr(stream, "reconfigure"):
+                stream.reconfigure(encoding="utf-8")
+        except (LookupError, ValueError, OSError):  # an unknown codec, a stream that cannot change: left as is
+            pass
+
+
 def main(argv=None) -> int:
     if sys.stdout is None:
         sys.stdout = _ClosedStdout()
     if sys.stderr is None:  # 2>&-: notes go nowhere rather than into stdout (print(file=None) means stdout)
         sys.stderr = open(os.devnull, "w")
+    _utf8_out()
     try:
         signal.signal(signal.SIGTERM, _on_sigterm)
     except ValueError:  # not the main thread (main() called from a library): leave signals alone

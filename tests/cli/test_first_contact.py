@@ -239,3 +239,19 @@ def test_a_compile_while_the_model_loads_is_announced(tmp_path):
     lines = r.stderr.splitlines()
     assert r.returncode == 1 and lines[-1].endswith("ColiError: stopped in the load"), r.stderr
     assert "coli: compiling the CPU kernels, once: about 5 minutes on a first run" in lines[0], r.stderr
+
+
+def test_a_terminal_that_is_not_utf8_gets_the_text_as_utf8(capsys, monkeypatch):
+    """stdout in another encoding (a Latin-1 terminal, PYTHONIOENCODING=ascii): the echoed prompt and the answer go
+    out as UTF-8 bytes, as llama-cli writes them (it was a UnicodeEncodeError traceback at the first 'é')."""
+    import io
+    import sys
+
+    out = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "stdout", out)
+    from coli.cli import main
+
+    rc = main(["run", "-m", str(DENSE), "-p", "héllo ✓", "-n", "1", "-q"])
+    out.flush()
+    assert rc == 0 and out.buffer.getvalue().decode("utf-8").startswith("héllo ✓"), capsys.readouterr().err
