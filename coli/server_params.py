@@ -42,8 +42,9 @@ def sampling_options(body: dict, vocab: int | None = None) -> dict:
     for a bad value or a field this server does not support.
 
     Client defaults that other servers reject are read as their meaning: ``top_p: 0`` keeps only the most
-    likely token (top_k 1), ``top_k: -1`` is off (0). ``max_completion_tokens: null`` next to ``max_tokens``
-    leaves ``max_tokens`` in force."""
+    likely token (top_k 1), ``top_k: -1`` is off (0), ``max_tokens: -1`` is no limit (llama-server's
+    ``n_predict`` -1: as the field left out; 0 and below -1 are a 400). ``max_completion_tokens: null`` next to
+    ``max_tokens`` leaves ``max_tokens`` in force."""
     _unsupported(body)
     o = {}
     t = _num(body, "temperature", 0, 2)
@@ -61,6 +62,8 @@ def sampling_options(body: dict, vocab: int | None = None) -> dict:
         o["top_p"], o["top_k"] = 1.0, 1
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     mt = body.get(name)
+    if mt == -1 and not isinstance(mt, bool):  # llama-server's n_predict -1: no limit, as the field left out
+        mt = None
     if mt is not None:
         mt = _num({name: mt}, name, 1, None, False, True)
     o["max_tokens"] = mt

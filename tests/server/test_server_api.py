@@ -95,6 +95,27 @@ def test_top_p_zero_is_greedy_and_top_k_minus_one_is_off(http, eng):
     assert r.status_code == 200, r.text
 
 
+def test_max_tokens_minus_one_runs_to_the_context_end(http, eng):
+    """max_tokens -1 (max_completion_tokens too) is llama-server's n_predict -1, no limit: as the field left out,
+    the answer runs to the end of the context (here 4 positions after the prompt: finish_reason "length"), where
+    CTX as max_tokens is a 400; 0 and -2 are a 400 naming the field (OpenAI refuses all three)."""
+    prompt = "one two three four " * 200
+    ids = eng.tokenize(prompt)
+    while len(ids) > CTX - 4:
+        prompt = prompt[:prompt.rindex(" ", 0, len(prompt) - 1) + 1]
+        ids = eng.tokenize(prompt)
+    room = CTX - len(ids)
+    for field in ("max_tokens", "max_completion_tokens"):
+        r = http.post("/v1/completions", json={"prompt": prompt, field: -1, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == room and r.json()["choices"][0]["finish_reason"] == "length"
+    r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": CTX})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    for bad in (0, -2, True):
+        r = http.post("/v1/chat/completions", json={"messages": Q, "max_tokens": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+
+
 def test_bad_seed_streamed_is_400_before_the_stream(http):
     """seed -5 with stream: a 400 JSON error object, not a 200 event stream that carries an error."""
     r = http.post("/v1/chat/completions", json={"messages": Q, "seed": -5, "stream": True, "max_tokens": 2})
