@@ -210,6 +210,23 @@ class MoEStep:
         if self.tier is not None and self.tier.active:     # a token the decode gate runs without the device
             self.tier.row_done(layer, row)
 
+    def region_rows(self, layer: int, ids: np.ndarray) -> None:
+        """The bookkeeping of a step of several decode rows whose routed experts (``ids`` int32 [R, K], all in the
+        RAM cache) ran inside a compiled region (``cpu_kernels.decode_rows``), the same as ``run`` ->
+        ``_run_general`` does for R rows: the routing staged in ``usage``, the early reads' guesses of the layer
+        claimed, a RAM-cache hit per expert in ascending ids, one step of R * K CPU pairs."""
+        if self.usage is not None:
+            self.usage.add(layer, ids)
+        if self.ahead is not None and self._ahead_on():
+            self.ahead.claim(layer, ids)
+        for e in sorted(set(ids.reshape(-1).tolist())):
+            self.cache.get(layer, e)
+        st = self.stats
+        st.steps += 1
+        st.pairs += ids.size
+        st.cpu_pairs += ids.size
+        st.region_rows += ids.shape[0]
+
     def _book_row(self, layer: int, ids: list) -> None:
         """A decode row's K experts (all in RAM) counted as the general path counts them: a RAM-cache hit each in
         ascending ids (the same LRU order after), one step, K CPU pairs."""

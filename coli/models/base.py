@@ -20,6 +20,7 @@ from cpu_kernels import experts as grouped
 from cpu_kernels import formats
 from cpu_kernels.decode import TokenDecode
 from cpu_kernels.decode_moe import MoETokenDecode
+from cpu_kernels.decode_rows import RowsDecode
 from cpu_kernels.embed import rows as embed_rows
 from cpu_kernels.norms import rms_norm
 
@@ -281,6 +282,8 @@ class Model:
         self.token_dec = TokenDecode.of(self.layers) or MoETokenDecode.of(self.layers)
         self.token_head = self.token_dec is not None and self.token_dec.set_head(self.w_out, self.out_norm,
                                                                                   args.eps)
+        # a step of several sequences' decode rows (coli serve's slots) through the same region with N-row scratch
+        self.rows_dec = RowsDecode.of(self.token_dec)
         self.moe_layers = [il for il, L in enumerate(self.layers) if getattr(L, "moe", None) is not None]
         self.dense_bytes = sum(t.nbytes for n, t in self.t.items() if "_exps" not in n)
         #: bytes of the file's pages given back after the load (:meth:`drop_file_pages`)
@@ -477,6 +480,16 @@ class Model:
         h = self.embed(np.concatenate(ids_all))
         if self.embed_scale:
             h *= np.float32(self.embed_scale)
+        if a == len(parts) and self.rows_dec is not None:   # decode rows only: one compiled call (decode_rows)
+            lg = np.empty((a, self.rows_dec.tok.vocab), np.float32) if self.token_head else None
+            if self.rows_dec(h, [c for _, c in parts], lg):
+                if self.step is not None and self.step.usage is not None and self.moe_layers:
+                    self.step.usage.add_tokens(a)
+                for _, c in parts:
+                    c.pos += 1
+                if lg is None:
+                    lg = self.head(h)
+                return [lg[i:i + 1] for i in range(a)]
         for il, L in enumerate(self.layers):
             h = L(h, Rows([(c.layers[il], c.pos, s, e) for (_, c), (s, e) in zip(parts, spans)]), 0)
         if self.step is not None and self.step.usage is not None and self.moe_layers:
