@@ -753,6 +753,9 @@ def close(eng):
                    f"{'' if dl.gpu_tokens == dl.tokens else ' of ' + counted(dl.gpu_tokens, 'token')})"
                    if dl.gpu_tokens and dl.gpu_s else "")
             hold = f"; {dl.clock.line()}" if dl.clock is not None else ""
+            if getattr(dl, "fence_spin_s", 0) > 0 and not dl.segs:     # Kernels.submit's poll (COLI_VK_SPIN_US)
+                hold += (f"; the wait polled its fence up to {dl.fence_spin_s * 1e6:.0f} us: "
+                         f"{dl.fence_spun} of {counted(dl.tokens, 'token')} ended in the poll")
             q8 = "q8_0" in getattr(dl, "kv_types", ())
             attn = {dl.K.attn_kernel(dl.hd, d.get('hdv'), q8) + '.comp' for d in dl.per}
             pre = (f"; {counted(dl.prompt_tokens, 'prompt row')} in {counted(dl.prompt_chunks, 'chunk')}, "

@@ -150,6 +150,17 @@ class Usage:
         pend = self._pending[layer]
         pend += np.bincount(np.asarray(expert_ids).reshape(-1), minlength=len(pend))  # an id >= E: shape error
 
+    def add_layers(self, layers: np.ndarray, expert_ids: np.ndarray) -> None:
+        """Stage one row's routing of several layers at once: ``layers`` int [n] (distinct), ``expert_ids`` int
+        [n, K] (each layer's routed ids), as :meth:`add` of each layer (one bincount for all of them)."""
+        pend = self._pending
+        E = pend.shape[1]
+        ids = np.asarray(expert_ids)
+        if ids.size and (ids.max() >= E or (ids.dtype.kind == "i" and ids.min() < 0)):     # add's shape error
+            raise ValueError(f"expert ids outside 0 .. {E - 1}")
+        flat = (np.asarray(layers, np.int64)[:, None] * E + ids.astype(np.int64)).reshape(-1)
+        pend.reshape(-1)[:] += np.bincount(flat, minlength=pend.size)
+
     def add_tokens(self, n: int) -> None:
         """A forward step of ``n`` tokens finished: commit the routing staged since the last one."""
         self.counts += self._pending

@@ -130,10 +130,10 @@ VARS: tuple[Var, ...] = (
     Var("COLI_VK_HOLD_CLOCK", "bool", True, "on a discrete GPU that runs a second queue beside the first, one "
         "workgroup there stays busy through decode (device layers and the tier), so the GPU holds its clock "
         "(docs/vulkan.md \"Clocks\")", dev=True),
-    Var("COLI_VK_JOIN_PROFILE", "bool", False, "time the host's part of each decode token of device layers whose "
-        "experts are (partly) on the CPU (the submit, the waits for the device's flags, the CPU experts' call, the "
-        "copies, the signals, the timestamp reads) and print one table when the run ends (docs/vulkan.md \"Experts "
-        "on the CPU\"); off: nothing is timed", dev=True),
+    Var("COLI_VK_JOIN_PROFILE", "bool", False, "time the host's part of each decode token of device layers (the "
+        "submit, the waits for the device's flags, the CPU experts' call, the copies, the signals, the timestamp "
+        "reads, the K/V rows and routes read back, the clock holder) and print one table when the run ends "
+        "(docs/vulkan.md \"Experts on the CPU\"); off: nothing is timed", dev=True),
     Var("COLI_VK_I8", "bool", True, "int8 activations with Q8_0 experts in device GEMV groups use integer dot "
         "products (0: the f32 GEMV on the rounded activations)", dev=True),
     Var("COLI_VK_REUSE", "bool", True, "keep a device batch's plan and command buffer for the next batch of the same "
@@ -142,8 +142,9 @@ VARS: tuple[Var, ...] = (
         "one (0: the emulated kernel)", dev=True),
     Var("COLI_VK_STAGING", "bool", None, "expert weights through staging copies (1) or mapped device memory "
         "(0) (default: mapped when the device-local host-visible heap is large enough)"),
-    Var("COLI_VK_SPIN_US", "int", 0, "a device batch's join polls its fence this long before it sleeps in the "
-        "wait (docs/vulkan.md \"Fence wait\")", "us", lo=0, dev=True),
+    Var("COLI_VK_SPIN_US", "int", None, "a device batch's join (unset: 0), and a device layers' decode token (unset: "
+        "20 ms on a discrete GPU, else 0), polls its fence this long before it sleeps in the wait (docs/vulkan.md "
+        "\"Fence wait\")", "us", lo=0, dev=True),
     Var("COLI_VK_DECODE_GATE", "bool", True, "a balanced tier compares decode tokens with and without the device "
         "and keeps the faster (docs/balancer.md \"The decode gate\")", dev=True),
     Var("COLI_VK_TIMEOUT_S", "float", 60.0, "a device fence wait longer than this is a lost device", "s", lo=0),

@@ -146,6 +146,7 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
 
         # busy between tokens, ended by the next token's first op (docs/vulkan.md "Clocks")
         self.clock = ClockHolder.for_device(self.dev, K, self._env)
+        self._views()
         if self.resident:
             self._record_split()
         else:
@@ -244,9 +245,16 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
         self.tokens = 0
         self.submit_s = 0.0     # seconds in the submits and their fence waits (the device's time, seen by the host)
         self.gpu_s = 0.0        # seconds between the command buffer's first and last timestamps (0: none)
-        self.gpu_tokens = 0     # the decode tokens gpu_s covers (with CPU experts: one in stamp_every)
-        self.stamp_every = 16   # with CPU experts, the tokens between two reads of the segments' timestamps
+        self.gpu_tokens = 0     # the decode tokens gpu_s covers (one in stamp_every)
+        self.stamp_every = 16   # the decode tokens between two reads of the device's timestamps (no profile)
         self.prof = JoinProfile() if get("COLI_VK_JOIN_PROFILE", self._env) else None   # where a token's host time goes
+        # a decode token's wait polls its fence this long, then blocks (Kernels.submit): COLI_VK_SPIN_US when set, else
+        # 20 ms on a discrete GPU (the CPU has nothing else to do meanwhile; a thread woken from vkWaitForFences starts
+        # later), never on a device that shares the CPU's cores or power (docs/vulkan.md "Fence wait")
+        spin = get("COLI_VK_SPIN_US", self._env)
+        self.fence_spin_s = (int(spin) / 1e6 if spin is not None else
+                             0.02 if getattr(self.dev, "type_name", "") == "discrete" else 0.0)
+        self.fence_spun = 0     # decode tokens whose poll saw the fence (the others blocked in the wait)
         self.weight_bytes = 0
 
     def _start_clock(self) -> None:

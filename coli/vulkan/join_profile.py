@@ -1,6 +1,7 @@
-"""Where the host's time goes in a decode token of device layers whose experts are (partly) on the CPU
-(``COLI_VK_JOIN_PROFILE=1``; coli/vulkan/layer_join.py ``_run_chain`` / ``_run_split``, docs/vulkan.md "Experts
-on the CPU"). The decode loop charges each stretch of the host's wall time to one part (:meth:`JoinProfile.lap`);
+"""Where the host's time goes in a decode token of device layers (``COLI_VK_JOIN_PROFILE=1``): with experts
+(partly) on the CPU, coli/vulkan/layer_join.py ``_run_chain`` / ``_run_split`` (docs/vulkan.md "Experts on the
+CPU"); with every expert on the device, the one submit and what the host does around it
+(coli/vulkan/layer_decode.py ``DecodeRow.__call__``). The decode loop charges each stretch of the host's wall time to one part (:meth:`JoinProfile.lap`);
 :meth:`JoinProfile.table` prints the parts per token. Off (no profile object), the loop times nothing."""
 from __future__ import annotations
 
@@ -23,8 +24,13 @@ PARTS = (
                              "(the device runs meanwhile; MoEStep.note_row)"),
     ("tail", "after the last join: the device's last segment and the fence"),
     ("timestamps", "the segments' timestamps read back (vkGetQueryPoolResults)"),
-    ("rest of the token", "the rest of DeviceLayers.__call__: K/V rows to the device and back, the routing "
-                          "history, expert swaps, the timers themselves"),
+    ("K/V rows out", "the token's new K/V rows (read back) written into the CPU's cache, the last layer's row "
+                     "copied out"),
+    ("routing history", "the routes read back, counted in the routing history, the logits copied out, the "
+                        "on_token hook (expert swaps)"),
+    ("clock holder", "the clock holder's heat submitted for the gap to the next token (a discrete GPU)"),
+    ("rest of the token", "the rest of DeviceLayers.__call__: K/V rows to the device, the input row, the "
+                          "timers themselves"),
 )
 
 

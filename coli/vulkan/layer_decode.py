@@ -279,8 +279,8 @@ class DecodeRow:
         if self.dn:
             self._dn_load(cache, pos0)
         D = self.D
-        self.params.u32(4)[0] = pos0
-        self.hin.f32(D)[:] = h.reshape(-1)
+        self._params[0] = pos0
+        self._hin[:] = h.reshape(-1)
         if self.segs:
             c0 = compile_seconds()
             (self._run_chain if self.chain else self._run_split)()
@@ -288,16 +288,82 @@ class DecodeRow:
             self.dev_rows += self.k * (self.n_moe - len(self.resident))   # the layers whose experts are all here
         else:
             t0 = time.perf_counter()
-            self.K.submit(self.rec)
-            self.submit_s += time.perf_counter() - t0
-            self._gpu_add(self.K.gpu_ms(self.rec))
-            self.gpu_tokens += 1
+            if self.K.submit(self.rec, self.fence_spin_s):
+                self.fence_spun += 1
+            t1 = time.perf_counter()
+            self.submit_s += t1 - t0
+            if P is not None:
+                P.add("submit", t1 - t0)
+            # the timestamps one token in stamp_every, as with CPU experts (every token with the join profile)
+            if self._stamps_due():
+                self._gpu_add(self.K.gpu_ms(self.rec))
+                self.gpu_tokens += 1
+                if P is not None:
+                    P.lap("timestamps", t1)
             self.dev_rows += self.k * self.n_moe
-        out = self.hout.f32(D).reshape(1, D).copy()
-        kvn = 2 * self.nkv * self.hd     # a layer's block of the readback: its k heads, then its v heads
-        new = self.kvhost.f32(kvn * len(self.per)).reshape(len(self.per), kvn)
+        if P is not None:
+            t2 = time.perf_counter()
+        out = self._hout.reshape(1, D).copy()
         if self.dn:
             self._dn_store(cache, pos0 + 1)
+        self._kv_out(cache, pos0)
+        if P is not None:
+            t2 = P.lap("K/V rows out", t2)
+        self._valid = pos0 + 1
+        self.tokens += 1
+        step = self.m.step
+        ids = self._route_ids if self.k else None     # [layers here, k] uint32: each layer's routed ids
+        if ids is not None and step is not None and step.usage is not None:   # the routing history counts these too
+            step.usage.add_layers(self._moe_il, ids[self._moe_j])
+        lg = self._lghost.reshape(1, self.vocab).copy() if self.head is not None else None
+        if self.on_token is not None and ids is not None:
+            self.on_token(self, {il: ids[j].astype(np.int64) for j, il in zip(self._moe_j, self._moe_il)})
+        if P is not None:
+            t2 = P.lap("routing history", t2)
+        if self.clock is not None:
+            self._start_clock()
+            if P is not None:
+                P.lap("clock holder", t2)
+        if P is not None:
+            dt = time.perf_counter() - t_call
+            P.add("rest of the token", dt - (sum(P.s.values()) - s0))
+            P.token(dt)
+        return out, lg
+
+    def _views(self) -> None:
+        """The host-visible buffers' NumPy views a decode token reads and writes (made once: a view a token cost
+        more than the token's other host work), and the MoE layers' positions among these layers."""
+        D, k, L = self.D, self.k, len(self.layers)
+        self._params = self.params.u32(4)
+        self._hin = self.hin.f32(D)
+        self._hout = self.hout.f32(D)
+        kvn = 2 * self.nkv * self.hd     # a layer's block of the readback: its k heads, then its v heads
+        self._kvnew = self.kvhost.f32(kvn * L).reshape(L, kvn)
+        self._route_ids = self.routehost.u32(2 * k * L).reshape(L, 2, k)[:, 0] if k else None
+        self._lghost = self.lghost.f32(self.vocab) if self.head is not None else None
+        moe = [(j, d["il"]) for j, d in enumerate(self.per) if "tab" in d]      # a dense layer has no route
+        self._moe_j = np.array([j for j, _ in moe], np.int64)
+        self._moe_il = np.array([il for _, il in moe], np.int64)
+        self._kv_rows = None    # [(layer, K rows, V rows)]: _kv_out's views of the readback (f32 caches)
+
+    def _kv_out(self, cache, pos0: int) -> None:
+        """The new K/V rows of position ``pos0`` (read back, f32) into the CPU's ``cache``: an f32 cache's rows
+        copied straight into its arrays (the readback's views made once), other types converted as the CPU's cache
+        type does (the bits the device's rope_kv wrote), MLA's LAT row into the latent cache."""
+        new = self._kvnew
+        if not self.mla and self.kv_types == ("f32", "f32"):
+            rows = self._kv_rows
+            if rows is None:    # each layer's K and V rows in the readback, as [heads, width] views
+                rows = self._kv_rows = [
+                    (d["il"], new[j, :d["nkv"] * self.hd].reshape(d["nkv"], self.hd),
+                     new[j, d["nkv"] * self.hd:d["nkv"] * (self.hd + d["hdv"])].reshape(d["nkv"], d["hdv"]))
+                    for j, d in enumerate(self.per) if "dn" not in d]
+            layers = cache.layers
+            for il, k, v in rows:       # blocks.KV's f32 arrays [heads, ctx, width]
+                kv = layers[il]
+                kv.k[:, pos0] = k
+                kv.v[:, pos0] = v
+            return
         for j, d in enumerate(self.per):
             if "dn" in d:
                 continue
@@ -308,22 +374,3 @@ class DecodeRow:
             nk, hd, hdv = d["nkv"], self.hd, d["hdv"]
             # converted as the CPU's cache type does (the bits the device's rope_kv wrote)
             kv.write(pos0, new[j, :nk * hd].reshape(1, nk, hd), new[j, nk * hd:nk * (hd + hdv)].reshape(1, nk, hdv))
-        self._valid = pos0 + 1
-        self.tokens += 1
-        step = self.m.step
-        if self.k and step is not None and step.usage is not None:   # the routing history counts these layers too
-            ids = self.routehost.u32(2 * self.k * len(self.per)).reshape(len(self.per), 2, self.k)[:, 0]
-            for j, d in enumerate(self.per):
-                if "tab" in d:      # a dense layer has no route
-                    step.usage.add(d["il"], ids[j:j + 1].astype(np.int64))
-        lg = self.lghost.f32(self.vocab).reshape(1, self.vocab).copy() if self.head is not None else None
-        if self.on_token is not None and self.k:
-            ids = self.routehost.u32(2 * self.k * len(self.per)).reshape(len(self.per), 2, self.k)[:, 0]
-            self.on_token(self, {d["il"]: ids[j].astype(np.int64) for j, d in enumerate(self.per) if "tab" in d})
-        if self.clock is not None:
-            self._start_clock()
-        if P is not None:
-            dt = time.perf_counter() - t_call
-            P.add("rest of the token", dt - (sum(P.s.values()) - s0))
-            P.token(dt)
-        return out, lg

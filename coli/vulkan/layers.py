@@ -488,20 +488,34 @@ class Kernels:
             return True
         return lib.vkWaitForFences(self.dev._dev, 1, rec.fence, 1, self.dev._timeout_ns) == 0
 
-    def submit(self, rec: Recorded) -> None:
-        """Submit a recorded command buffer and wait for it (the device's timeout); DeviceLost when the submit or
-        the wait fails."""
+    def submit(self, rec: Recorded, spin_s: float = 0.0) -> bool:
+        """Submit a recorded command buffer and wait for it (the device's timeout): with ``spin_s`` > 0 polling
+        its fence (``vkGetFenceStatus``) for up to that many seconds first, then blocking in ``vkWaitForFences``
+        (a thread woken from the blocking wait starts later: docs/vulkan.md "Fence wait"). True when the poll saw
+        the fence signalled. DeviceLost when the submit or the wait fails."""
         dev = self.dev
         f = self._fence(self)
         _chk(lib.vkResetFences(dev._dev, 1, f), "vkResetFences")
         self._queue_submit(rec, dev._queue, f)
         dev.dispatches += rec.dispatches
         dev.layer_dispatches += rec.dispatches
+        if spin_s > 0:
+            d, f0, st, clock = dev._dev, f[0], lib.vkGetFenceStatus, time.perf_counter
+            end = clock() + spin_s
+            r = st(d, f0)
+            while r == _NOT_READY and clock() < end:
+                r = st(d, f0)
+            if r == 0:
+                return True
+            if r != _NOT_READY:
+                dev._mark_lost(f"vkGetFenceStatus returned {r}")
+                raise DeviceLost(f"vkGetFenceStatus returned {r}")
         r = lib.vkWaitForFences(dev._dev, 1, f, 1, dev._timeout_ns)
         if r != 0:
             why = "fence wait timed out" if r == _TIMEOUT else f"vkWaitForFences returned {r}"
             dev._mark_lost(why)
             raise DeviceLost(why)
+        return False
 
     # -- one submit of several batches, joined by the host through a timeline semaphore ----------------------
     def _timeline(self, which: int = 0):

@@ -28,6 +28,24 @@ def test_roundtrip_and_sum(model):
     assert list(v.hottest(1)) == [2, 0, 3, 1]
 
 
+
+def test_add_layers_stages_what_add_of_each_layer_stages(model):
+    """One row's routes of several layers in one call (the device layers' decode token) stage the counts that
+    ``add`` of each layer stages; an id past the experts is refused, not counted in the next layer's row."""
+    rng = np.random.default_rng(3)
+    a, b = U.Usage.open(model, 6, 16), U.Usage.open(model, 6, 16)
+    for _ in range(5):
+        layers = np.array([0, 2, 3, 5], np.int64)
+        ids = np.stack([rng.choice(16, 4, replace=False) for _ in layers]).astype(np.uint32)
+        a.add_layers(layers, ids)
+        for il, row in zip(layers, ids):
+            b.add(int(il), row[None].astype(np.int64))
+    assert a._pending.tolist() == b._pending.tolist() and a._pending.sum() == 5 * 4 * 4
+    with pytest.raises(ValueError, match="outside 0 .. 15"):
+        a.add_layers(np.array([0]), np.array([[16, 1, 2, 3]], np.uint32))
+    with pytest.raises(ValueError, match="outside 0 .. 15"):
+        a.add_layers(np.array([1]), np.array([[-1, 1, 2, 3]], np.int64))
+
 def test_failed_save_leaves_old_file(model, monkeypatch):
     u = U.Usage.open(model, 2, 2)
     u.add(0, np.array([[1, 0]])); u.add_tokens(1); u.save()

@@ -46,6 +46,33 @@ def test_decode_rows_match_the_cpu(engines):
         assert rel_err(cache.layers[il].v[:, :len(IDS)], cref.layers[il].v[:, :len(IDS)]) < 1e-5
 
 
+
+def test_decode_wait_polls_the_fence_and_the_profile_splits_the_token(engines):
+    """A decode token's wait that polls its fence (``Kernels.submit``'s ``spin_s``: COLI_VK_SPIN_US, by default on a
+    discrete GPU only) gives the blocking wait's logits bit for bit, each token's poll seeing the fence; with the
+    join profile (COLI_VK_JOIN_PROFILE) each token's host time is charged to its parts (one submit, the timestamps
+    every token, the K/V rows out, the routing history), the parts adding up to no more than the token's time."""
+    from coli.vulkan.join_profile import JoinProfile
+
+    _, dev = engines
+    dl = dev.model.device_layers
+    assert dl.fence_spin_s == 0.0 and not dl.segs       # Lavapipe shares the CPU's cores: no poll unless asked
+    ref, _ = decode_rows(dev, IDS, 5)
+    n = len(IDS) - 5
+    dl.fence_spin_s, s0, t0, dl.prof = 60.0, dl.fence_spun, dl.tokens, JoinProfile()
+    try:
+        got, _ = decode_rows(dev, IDS, 5)
+        P = dl.prof
+    finally:
+        dl.fence_spin_s, dl.prof = 0.0, None
+    assert dl.fence_spun - s0 == dl.tokens - t0 == n
+    assert np.array_equal(got, ref)
+    assert P.tokens == n and P.n["submit"] == P.n["K/V rows out"] == P.n["routing history"] == n
+    assert P.n["timestamps"] == (n if dev.device.timestamps else 0)
+    assert all(v >= 0 for v in P.s.values()) and sum(P.s.values()) <= P.total_s * 1.0001
+    assert "| K/V rows out |" in P.table()
+
+
 def test_rewind_and_new_cache(engines):
     """A forward that rewinds a cache (the engine keeps a common prefix) and a second cache: the device's rows
     are uploaded again from the CPU's, so the logits still match."""
