@@ -648,8 +648,8 @@ def _kv_written(ram, key, last: list, cache, end: int) -> None:
     end = min(cache.ctx, -(-int(end) // KV_STEP) * KV_STEP)
     if end <= last[0]:
         return
+    ram.reserve(key, max(ram.reserved.get(key, 0), cache.resident_bytes(end)))   # ColiError past the budget
     last[0] = end
-    ram.reserve(key, max(ram.reserved.get(key, 0), cache.resident_bytes(end)))
 
 
 def reset_counters(eng):

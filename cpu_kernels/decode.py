@@ -28,6 +28,8 @@ Int8 activations on a CPU with AVX-512 VNNI only (the grouped kernels' I8 mode);
 """
 from __future__ import annotations
 
+import weakref
+
 import numba
 import numpy as np
 from numba import njit, prange
@@ -644,7 +646,7 @@ class TokenDecode:
         self.post_w = st([a.post_w for a in A])
         self.scale = np.array([a.attn.scale for a in A], np.float32)
         self.window = np.array([a.attn.window for a in A], np.int64)
-        self._cache = None
+        self._cache = None   # a weakref of the KV cache whose addresses ka / va hold: its pages are freed with it
         self._ropes = None   # the RoPE tables whose addresses are in cos/sin (kept alive here)
         self.vocab = 0       # the head's rows: 0 = no head in the region (set_head)
         self.out_norm, self.head_desc, self.head_nch = _NONE, np.zeros((1, 13), np.int64), np.zeros(2, np.int64)
@@ -707,6 +709,10 @@ class TokenDecode:
                 a[i, 1] = S.t[4].ctypes.data
         return a, np.array((kind, *sides[0].shape), np.int64)
 
+    def _holds(self, cache) -> bool:
+        """True when ``ka`` / ``va`` hold the addresses of ``cache``'s K/V arrays (the cache last seen, still alive)."""
+        return self._cache is not None and self._cache() is cache
+
     def _addresses(self, cache) -> bool:
         a0 = self.A[0]
         ks = self._side_addresses([getattr(c, "K", None) for c in cache.layers])
@@ -722,7 +728,7 @@ class TokenDecode:
         (self.ka, self.kshape), (self.va, self.vshape) = ks, vs
         self.cos, self.sin = addr([r[0] for r in ropes]), addr([r[1] for r in ropes])
         self.rshape = np.array(next(iter(rs)), np.int64)
-        self._cache = cache
+        self._cache = weakref.ref(cache)
         return True
 
     def _head_out(self, logits):
@@ -739,7 +745,7 @@ class TokenDecode:
         """Run every layer on ``h``, then (with ``logits`` f32 [1, vocab], C-contiguous, after :meth:`set_head`)
         the output head into ``logits``; False (nothing done) when this cache's layers do not share one shape.
         ValueError for ``logits`` without a head or of another shape."""
-        if cache is not self._cache and not self._addresses(cache):
+        if not self._holds(cache) and not self._addresses(cache):
             return False
         out_norm, logits = self._head_out(logits)
         a, f, b = self.A[0], self.F[0], self.b

@@ -371,7 +371,7 @@ class MoETokenDecode(_D.TokenDecode):
         step = m0.moe.m.step
         if step is None or not step.region_ok():
             return False
-        if cache is not self._cache and not self._addresses(cache):
+        if not self._holds(cache) and not self._addresses(cache):
             return False
         out_norm, logits = self._head_out(logits)
         R, Dsc = self._resident(step.cache)

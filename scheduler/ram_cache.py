@@ -192,6 +192,9 @@ class RAMCache:
         self.capacity = self.size        # what it may hold now: the size, less what others took from it (share)
         self.limit = None                # bytes the pool shares with other holders (share); None: its size alone
         self.reserved: dict = {}         # holder -> bytes it holds out of ``limit`` (reserve)
+        # the pool's bytes and the reservations change under it: a KV cache's release runs on whichever thread frees
+        # the cache (weakref.finalize, also inside the owner's own put when the collector runs there: reentrant)
+        self._mem_lock = threading.RLock()
         self.held = 0
         self.evictions = 0
         self.yielded = 0                 # evictions to make room for the other holders
@@ -254,31 +257,51 @@ class RAMCache:
     def share(self, limit: int) -> None:
         """Share ``limit`` bytes between the pool and other holders (the engine's KV caches): from now on the pool
         holds at most ``limit`` less what the holders :meth:`reserve`, and at most its size."""
-        self.limit = int(limit)
-        self._fit()
+        with self._mem_lock:
+            self.limit = int(limit)
+            self._fit()
 
     def reserve(self, key, nbytes: int) -> None:
         """Holder ``key`` now holds ``nbytes`` of the shared bytes (:meth:`share`): the pool's capacity drops
         (or grows back) by the change, and the coldest experts are evicted until the pool fits it: unpinned ones
-        first, then the pinned ones (a KV cache that grows is never refused its bytes: the pool yields them)."""
-        self.reserved[key] = int(nbytes)
-        self._fit()
-
-    def release(self, key) -> None:
-        """Holder ``key`` holds nothing any more (its bytes go back to the pool's capacity)."""
-        if self.reserved.pop(key, None) is not None:
+        first, then the pinned ones (a KV cache that grows takes its bytes from the pool). ColiError, nothing
+        changed, when the holders together would need more than ``limit`` (the pool emptied would not make room:
+        the pages would go past the memory budget)."""
+        with self._mem_lock:
+            if self.limit is not None:
+                others = sum(v for k, v in self.reserved.items() if k != key)
+                if others + int(nbytes) > self.limit:
+                    mib = lambda b: f"{b / 2**20:,.0f} MiB"  # noqa: E731
+                    raise ColiError(f"KV cache: {mib(int(nbytes))} of pages"
+                                    + (f" beside the other caches' {mib(others)}" if others else "")
+                                    + f" is more than the {mib(self.limit)} the memory budget leaves the expert "
+                                    "cache and the KV caches: a shorter context, fewer parallel sequences or a "
+                                    "larger memory budget")
+            self.reserved[key] = int(nbytes)
             self._fit()
 
-    def _fit(self) -> None:
+    def release(self, key) -> None:
+        """Holder ``key`` holds nothing any more (its bytes go back to the pool's capacity). Safe on any thread (a
+        KV cache's ``weakref.finalize`` runs on whichever thread frees it): it only raises ``capacity``, never
+        evicts (the pool already fit the smaller capacity), under the pool's lock."""
+        with self._mem_lock:
+            if self.reserved.pop(key, None) is not None:
+                self.capacity = self._room()
+
+    def _room(self) -> int:
+        """What the pool may hold now: its size, less what the holders took out of ``limit``."""
         cap = self.size
         if self.limit is not None:
-            # a copy: a KV cache's release may run on whichever thread frees it
-            cap = max(0, min(cap, self.limit - sum(self.reserved.copy().values())))
-        self.capacity = cap
-        while self.held > cap:
-            if not (self._evict_one(None) or self._evict_pinned()):
-                break
-            self.yielded += 1
+            cap = max(0, min(cap, self.limit - sum(self.reserved.values())))
+        return cap
+
+    def _fit(self) -> None:
+        with self._mem_lock:
+            cap = self.capacity = self._room()
+            while self.held > cap:
+                if not (self._evict_one(None) or self._evict_pinned()):
+                    break
+                self.yielded += 1
 
     def _evict_pinned(self) -> bool:
         """Evict the coldest pinned expert (it is unpinned: the pins are a share of a pool that shrank); False when
@@ -393,36 +416,38 @@ class RAMCache:
         self.loads += 1
         if self.slots <= 0:
             return
-        d = self.lru[layer]
-        old = d.get(e)
-        if old is not None:   # read again while cached (two reads raced): the new copy replaces it
-            self.held -= old.nbytes
-            del d[e]
-        while self.held + w.nbytes > self.capacity:
-            if not self._evict_one((layer, e)):
-                if old is not None:
-                    self._score.pop((layer, e), None)
-                    self._heat.pop((layer, e), None)
-                    self._note(layer, e, None)
-                return
-        d[e] = w
-        self.held += w.nbytes
-        self._note(layer, e, w)
-        self._use(layer, e)
+        with self._mem_lock:
+            d = self.lru[layer]
+            old = d.get(e)
+            if old is not None:   # read again while cached (two reads raced): the new copy replaces it
+                self.held -= old.nbytes
+                del d[e]
+            while self.held + w.nbytes > self.capacity:
+                if not self._evict_one((layer, e)):
+                    if old is not None:
+                        self._score.pop((layer, e), None)
+                        self._heat.pop((layer, e), None)
+                        self._note(layer, e, None)
+                    return
+            d[e] = w
+            self.held += w.nbytes
+            self._note(layer, e, w)
+            self._use(layer, e)
 
     def warm_pins(self) -> int:
         """Read every pinned expert now (in parallel); returns how many."""
-        futs = [(l, e, self.fetch(l, e)) for l, s in self.pins.items() for e in sorted(s) if not self.in_ram(l, e)]
-        for l, e, f in futs:
-            self.put(l, e, f.result())
-        return len(futs)
+        return self._read_all((l, e) for l, s in self.pins.items() for e in sorted(s))
 
     def fill(self, layers) -> int:
         """Read every expert of ``layers`` that is not in RAM (in parallel, on the readers) and cache it, as a
         first use would (``put``: counted in ``loads``). For a cache that holds them all: a smaller one would
         evict what it just read. Returns how many were read."""
-        futs = [(l, e, self.fetch(l, e)) for l in layers for e in range(self.source.n_experts(l))
-                if not self.in_ram(l, e)]
+        return self._read_all((l, e) for l in layers for e in range(self.source.n_experts(l)))
+
+    def _read_all(self, pairs) -> int:
+        """Read the ``(layer, expert)`` pairs not in RAM on the readers, all queued at once, and :meth:`put` each
+        as it is waited for (in the given order); returns how many were read."""
+        futs = [(l, e, self.fetch(l, e)) for l, e in pairs if not self.in_ram(l, e)]
         for l, e, f in futs:
             self.put(l, e, f.result())
         return len(futs)
@@ -431,14 +456,15 @@ class RAMCache:
         return sum(w.nbytes for d in self.lru.values() for w in d.values())
 
     def clear(self) -> None:
-        for d in self.lru.values():
-            d.clear()
-        self.held = 0
-        self._score.clear()
-        self._heat.clear()
-        self._heap.clear()
-        for resident, _ in self._tables.values():
-            resident[:] = 0
+        with self._mem_lock:
+            for d in self.lru.values():
+                d.clear()
+            self.held = 0
+            self._score.clear()
+            self._heat.clear()
+            self._heap.clear()
+            for resident, _ in self._tables.values():
+                resident[:] = 0
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)

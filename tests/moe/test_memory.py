@@ -329,8 +329,8 @@ def test_a_growing_kv_cache_takes_its_bytes_from_the_expert_cache(tiny, tmp_path
         inflight = 4 * max(src.expert_nbytes(l) for l in L) + n_exp * held
         every = n_exp * len(L) * held
         per_pos = E.kv_cache_bytes(big.args, 1)
-        room = inflight + every + 64 * per_pos                 # every expert and 64 positions
-        ctx = room // per_pos                                  # a whole-context KV cache fits the room alone
+        room = inflight + every + 256 * per_pos                # every expert and 256 positions
+        ctx = (room - inflight) // per_pos - 64                # a whole-context KV cache fits the shared bytes
         n_gen = ctx - len(ids) - 1
         assert n_gen > 4 * 64
         ref = big.generate(ids=ids, max_tokens=n_gen, stop_at_eos=False)
@@ -358,11 +358,21 @@ def test_a_growing_kv_cache_takes_its_bytes_from_the_expert_cache(tiny, tmp_path
             assert held_now <= cap == max(0, min(ram.size, ram.limit - kv))
         assert seen[-1][2] >= E.kv_cache_bytes(eng.args, n_gen + len(ids))   # the cache's pages, at least its rows
         assert seen[-1][0] < every                             # the pool shrank below every expert
-        # the compiled token decoder keeps the last call's cache (and its pages) until its next decode step: a short
-        # call then frees it, and the pool grows back to its size
-        eng.generate(ids=ids, max_tokens=2, stop_at_eos=False)     # a decode step: the decoder takes its cache
+        # the call's cache is freed when the call ends (the compiled token decoder holds a weakref of it): its bytes
+        # go back, and the pool grows back to its size
+        del r
         gc.collect()
-        assert len(ram.reserved) == 1 and sum(ram.reserved.values()) < seen[-1][2] // 4
-        assert ram.capacity == ram.size == every
+        assert ram.reserved == {} and ram.capacity == ram.size == every
+    finally:
+        eng.close()
+    # a context whose KV cache needs more than the shared bytes: the pool gives all it holds, then the call is
+    # refused in one line before its pages go past the budget; nothing stays reserved after it
+    eng = Engine(tiny, ctx=room // per_pos, usage=str(tmp_path / "u2"), save_usage=False, env={})
+    try:
+        ram = eng.cache
+        with pytest.raises(ColiError, match=r"^KV cache: .* MiB of pages is more than the .* MiB the memory budget"):
+            eng.generate(ids=ids, max_tokens=room // per_pos - len(ids) - 1, stop_at_eos=False)
+        gc.collect()
+        assert ram.reserved == {} and ram.capacity == ram.size == every
     finally:
         eng.close()

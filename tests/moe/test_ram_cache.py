@@ -164,3 +164,57 @@ def test_the_pool_yields_its_bytes_to_the_kv_caches_coldest_first_then_the_pins(
         c.put(0, e, w[e])
     assert c.held == 4 * per
     c.close()
+
+
+def test_a_kv_reservation_past_the_shared_bytes_is_refused_and_changes_nothing():
+    """``reserve``: holders that together would need more than the shared ``limit`` (the pool emptied would not make
+    room) get one ColiError naming the bytes; the pool, its capacity and the other reservations are unchanged."""
+    import pytest
+
+    from coli.base.errors import ColiError
+    from scheduler.ram_cache import RAMCache
+
+    src, _ = _source()
+    per = src.held_nbytes(0)
+    c = RAMCache(src, slots=3, io_threads=1, capacity=3 * per)
+    c.share(5 * per)
+    for e in (0, 1, 2):
+        c.put(0, e, src.load(0, e))
+    c.reserve("a", 3 * per)                           # two experts give way
+    assert c.capacity == 2 * per and len(c.lru[0]) == 2
+    with pytest.raises(ColiError, match=r"KV cache: .* MiB of pages beside the other caches' .* MiB is more than the"):
+        c.reserve("b", 2 * per + 1)                   # one byte past the limit
+    assert c.reserved == {"a": 3 * per} and c.capacity == 2 * per and len(c.lru[0]) == 2
+    with pytest.raises(ColiError, match="memory budget"):
+        c.reserve("a", 5 * per + 1)                   # a holder growing past the limit alone
+    assert c.reserved == {"a": 3 * per}
+    c.reserve("b", 2 * per)                           # exactly the limit: the pool gives everything
+    assert c.capacity == 0 and c.held == 0
+    c.close()
+
+
+def test_a_release_on_another_thread_waits_for_the_pool_and_never_evicts():
+    """``release`` from a thread that is not the pool's (a KV cache freed there: weakref.finalize) takes the pool's
+    lock, so it waits while the owner is inside ``put`` / ``reserve``; it only raises the capacity (held bytes and
+    the cached experts unchanged)."""
+    import threading
+
+    from scheduler.ram_cache import RAMCache
+
+    src, _ = _source()
+    per = src.held_nbytes(0)
+    c = RAMCache(src, slots=3, io_threads=1, capacity=3 * per)
+    c.share(4 * per)
+    c.reserve("kv", 2 * per)
+    for e in (0, 1, 2):
+        c.put(0, e, src.load(0, e))
+    assert c.capacity == 2 * per and set(c.lru[0]) == {1, 2}
+    with c._mem_lock:                                 # the owner inside a put
+        t = threading.Thread(target=c.release, args=("kv",))
+        t.start()
+        t.join(0.3)
+        assert t.is_alive() and c.reserved == {"kv": 2 * per}
+    t.join(5)
+    assert not t.is_alive()
+    assert c.reserved == {} and c.capacity == 3 * per and c.held == 2 * per and set(c.lru[0]) == {1, 2}
+    c.close()
