@@ -86,15 +86,32 @@ def _set_cache_dir() -> None:
 def _guard_cache_writes() -> None:
     """A kernel-cache write that fails (a full disk, a quota, a folder gone read-only) is one warning line naming
     the folder and what the cache takes, once, and the kernels run uncached: Numba raised the ``OSError`` out of
-    the compile (a 130-line traceback). Wraps ``numba.core.caching.Cache.save_overload``."""
+    the compile (a 130-line traceback). Two processes saving kernels into one folder take turns (an ``flock`` on
+    ``.coli-save.lock`` there): Numba's save reads the index, names the first free ``.nbc`` file, writes the index,
+    then the file, with no lock, so two at once could leave an index entry naming the other one's machine code
+    (``numba/core/caching.py`` ``IndexDataCacheFile.save``). Wraps ``numba.core.caching.Cache.save_overload``."""
+    import fcntl
+
     save = caching.Cache.save_overload
     failed = []
+
+    def locked_save(self, sig, data):
+        try:
+            fd = os.open(os.path.join(self._cache_path, ".coli-save.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:     # no lock where none can be made: the save says what the folder refuses
+            save(self, sig, data)
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            save(self, sig, data)
+        finally:
+            os.close(fd)    # and the lock with it
 
     def save_overload(self, sig, data):
         if failed:  # the disk said no once: do not try (and fail) at every kernel
             return
         try:
-            save(self, sig, data)
+            locked_save(self, sig, data)
         except OSError as e:
             failed.append(e)
             folder = os.environ.get("NUMBA_CACHE_DIR") or getattr(self, "cache_path", "?")
