@@ -10,6 +10,7 @@ import pytest
 from coli.engine import Engine
 from cpu_kernels import attention, decode
 from cpu_kernels.experts import HAVE_VNNI
+from cpu_kernels.kvcache import KINDS
 
 from conftest import FIXTURES
 
@@ -50,8 +51,8 @@ def _decode(path, enabled: bool, monkeypatch, n_prompt: int = 30, n_tokens: int 
             assert (m.token_dec is not None) == enabled
             assert m.token_head == enabled
         out = greedy_logits(m, n_prompt, n_tokens)
-        if m.step is None and enabled:   # the token region ran over this type's cache
-            assert m.token_dec._cache.layers[0].types == (kv_type, kv_type)
+        if m.step is None and enabled:   # the token region ran over this type's cache (its K/V addresses' kind)
+            assert (m.token_dec.kshape[0], m.token_dec.vshape[0]) == (KINDS[kv_type], KINDS[kv_type])
         counters = None
         if m.step is not None:
             st = m.step.stats
