@@ -53,15 +53,18 @@ def common_prefix(a: list, b: list) -> int:
     return i
 
 
-def copy_rows(dst, src, n: int) -> bool:
+def copy_rows(dst, src, n: int, device_layers=None) -> bool:
     """Copy positions ``0 .. n`` of every layer's K/V from cache ``src`` to ``dst`` (``coli.models.base.Cache``
     of the same model): each side's stored arrays as they are (f32 rows, or a typed cache's codes and scales:
     ``cpu_kernels.kvcache.KVSide.t``); False (nothing copied) when a layer's cache is not position-indexed K/V
-    sides of the same types."""
+    sides of the same types. ``device_layers`` (the model's ``coli.vulkan.device_layers.DeviceLayers``, with
+    ``--gpu-layers``): the rows of ``src`` that only the device holds (a prompt's) are read back first."""
     pairs = list(zip(dst.layers, src.layers))
     if not all(hasattr(d, "K") and hasattr(d, "V") and getattr(d, "rewindable", False)
                and getattr(d, "types", None) == getattr(s, "types", None) for d, s in pairs):
         return False
+    if device_layers is not None:
+        device_layers.host_kv(src)
     for d, s in pairs:
         for ds, ss in ((d.K, s.K), (d.V, s.V)):
             for a, b in zip(ds.t[1:], ss.t[1:]):
@@ -262,7 +265,7 @@ class Batcher:
             cap = max(need, min(cap, self.cells - others()))
             old = slot.cache
             slot.cache = self.eng._new_cache(len(seq.ids), positions=cap)
-            if old is not None and n and copy_rows(slot.cache, old, n):
+            if old is not None and n and copy_rows(slot.cache, old, n, self.eng.model.device_layers):
                 slot.ids = slot.ids[:n]
             else:
                 slot.ids = []
@@ -301,7 +304,8 @@ class Batcher:
             if not self.unified and (slot.cache is None or (n == 0 and not slot.cache.rewindable)):
                 slot.cache = eng._new_cache(len(ids))  # the whole context: the slot keeps it for later requests
                 slot.ids = []
-            if got > n and slot.cache.rewindable and copy_rows(slot.cache, donor.cache, got):
+            if got > n and slot.cache.rewindable and copy_rows(slot.cache, donor.cache, got,
+                                                                eng.model.device_layers):
                 self.copied_rows += got
                 slot.ids = list(donor.ids[:got])
                 n = got

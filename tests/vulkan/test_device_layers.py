@@ -137,6 +137,39 @@ def test_another_cache_takes_the_prompt_rows_back(engines):
     assert rel_err(got, ref) < 1e-5, rel_err(got, ref)
 
 
+def test_a_slot_cache_grown_takes_the_rows_only_the_device_held(engines, monkeypatch):
+    """``coli serve --kv-unified`` with device layers: a second turn longer than its slot's cache grows it, the
+    first turn's rows copied (``coli.slots.copy_rows``) while its prompt rows are held by the device only; they are
+    read back first, so the second turn's logits are a fresh CPU-only run's (within 1e-5 of the largest)."""
+    from coli import slots
+    from coli.sampling import Sampler
+
+    class Rec(Sampler):     # keeps each row of logits the sequence samples from
+        def sample(self, lg):
+            self.rows.append(np.array(lg))
+            return super().sample(lg)
+
+    def seq(ids, n):
+        s = Rec(temp=0.0, ctx=dev.ctx)
+        s.rows = []
+        return slots.Sequence(dev, ids, n, s, stop_at_eos=False)
+
+    cpu, dev = engines
+    dl = dev.model.device_layers
+    monkeypatch.setattr(slots, "PAGE", 8)     # pages of 8 positions: the 64-position context holds a grown cache
+    b = slots.Batcher(dev, 1, unified=True)
+    p0 = dl.prompt_tokens
+    r1 = b.run([seq(IDS[:10], 2)])[0]
+    assert b.slots[0].cache.ctx == 16 and dl.prompt_tokens - p0 == 10 and dl._hi > dl._lo   # device-only rows
+    turn2 = IDS[:10] + r1.ids + IDS[::-1]
+    s2 = seq(turn2, 3)
+    r2 = b.run([s2])[0]
+    assert b.slots[0].cache.ctx == 32 and r2.stats["cached_tokens"] == 11      # grown: 11 rows copied
+    c = cpu.model.new_cache(64, 64)
+    ref = [cpu.model.forward(turn2, c)[-1]] + [cpu.model.forward([t], c)[-1] for t in r2.ids[:-1]]
+    assert rel_err(np.array(s2.sampler.rows), np.array(ref)) < 1e-5, rel_err(np.array(s2.sampler.rows), np.array(ref))
+
+
 def test_perplexity_and_the_placement_are_reported(device_moe):
     """Perplexity with every layer on the device equals the CPU-only f32 run's (within 0.1 %, here far closer) with
     every scored row on the device; a generate's run line and coli bench's records say how many rows the device ran
