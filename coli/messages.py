@@ -6,7 +6,7 @@ message (:func:`content_blocks`, :func:`stop_reason`) or its stream events (:cla
 
 What maps: ``system`` (a string or text blocks), ``messages`` whose ``content`` is a string or blocks of
 ``text``, ``tool_use`` (an assistant's call) and ``tool_result`` (a user turn's result; its ``content`` a string
-or text blocks), ``max_tokens`` (required), ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``,
+or text blocks), ``max_tokens`` (required, >= 1), ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``,
 ``stream``, ``tools`` (``name``, ``description``, ``input_schema``), ``tool_choice`` (``auto``, ``any``,
 ``tool``, ``none``; ``disable_parallel_tool_use``), ``thinking`` (``enabled`` / ``disabled``: the template's
 ``enable_thinking``; ``enabled`` also reads the answer's think span into thinking blocks whatever
@@ -133,6 +133,8 @@ def to_openai(body: dict) -> dict:
     mt = body.get("max_tokens")
     if mt is None:
         raise _err("'max_tokens': required", "max_tokens")
+    if isinstance(mt, (int, float)) and not isinstance(mt, bool) and mt < 1:  # the chat path's -1 is no limit
+        raise _err(f"'max_tokens': {mt!r} (at least 1: Anthropic's API has no 'no limit')", "max_tokens")
     o = {"messages": _messages(body), "max_tokens": mt, "stream": body.get("stream", False)}
     for k in ("temperature", "top_p", "top_k"):
         if body.get(k) is not None:

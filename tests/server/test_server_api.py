@@ -629,8 +629,10 @@ def test_messages_blocks_map_to_the_chat_request(http):
     assert r.status_code == 400
     assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
     assert "messages[0].content[0]" in r.json()["error"]["message"]
-    r = http.post("/v1/messages", json={"messages": Q})
-    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+    for mt in (None, -1, 0):  # required and >= 1: the chat path's -1 (no limit) is not Anthropic's
+        r = http.post("/v1/messages", json={"messages": Q, **({} if mt is None else {"max_tokens": mt})})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", mt
+        assert "'max_tokens'" in r.json()["error"]["message"], mt
     # a tool call in the answer: a tool_use block, stop_reason tool_use, and its events
     msg = {"content": "Let me look.", "tool_calls": [{"id": "call_1", "type": "function", "function": {
         "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}
