@@ -161,6 +161,29 @@ def test_top_k_top_p_min_p_keep_llama_cpp_sets():
         assert _support(lg, temp=t, top_k=0, top_p=1.0, min_p=0.2) == [order[0], order[n - 1]]
 
 
+@pytest.mark.parametrize("n", [200, 50_000])
+def test_top_ids_are_numpys_stable_sort(n):
+    """``top_ids`` (a sampled threshold, then the few candidates sorted) is NumPy's stable argsort of -logits with
+    the non-finite dropped, its first k: equal logits (many here: values in steps of 0.5) by lower id, masked
+    ones never, fewer than k finite ones all of them; also on a sorted row, the sample's worst case."""
+    from coli.sampling import top_ids
+
+    rng = np.random.default_rng(n)
+    rows = [np.round(rng.standard_normal(n) * 6) / 2, np.arange(n, dtype=np.float64)]
+    few = np.full(n, -np.inf)
+    few[rng.choice(n, 5, replace=False)] = [1.0, 3.0, 1.0, -2.0, 0.5]
+    rows.append(few)
+    masked = rows[0].copy()
+    masked[rng.choice(n, n // 3, replace=False)] = -np.inf
+    rows.append(masked)
+    for v in rows:
+        ref = np.argsort(-v, kind="stable")
+        ref = ref[np.isfinite(v[ref])]
+        for k in (1, 7, 40, n // 8 - 1, n // 8, n - 1, n, n + 3, 0):
+            got = top_ids(v, k)
+            assert got.dtype == np.int64 and np.array_equal(got, ref[:k] if k > 0 else ref), k
+
+
 def test_draw_follows_softmax_over_temperature():
     """The draw's CDF is softmax(logits / temp) over the kept tokens: u picks the first token whose
     cumulative probability exceeds it."""
