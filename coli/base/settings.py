@@ -104,6 +104,10 @@ VARS: tuple[Var, ...] = (
         "host joining mid-submit through timeline semaphores (on), or a submit a segment (off); auto: on for a "
         "software device only, as a hardware GPU has not yet been seen to give the CPU's logits on it (docs/vulkan.md "
         "\"Experts on the CPU\")"),
+    Var("COLI_VK_DN_PROMPT", "str", "auto", "the device layers' Gated DeltaNet delta rule for a prompt chunk: chunk "
+        "(the chunked WY / UT form, shaders/dn_chunk.comp: 64-row blocks, the blocks in order), rows (the recurrence "
+        "row by row, shaders/deltanet.comp mode 4 or 1) or auto (chunk, but rows for KDA layers) (docs/vulkan.md "
+        "\"Gated DeltaNet on the device\")", dev=True),
     Var("COLI_VK_TIER_FILL", "bool", True, "fill the device's free budget with the next-hottest experts"),
     Var("COLI_VK_TIER_WARM", "bool", True, "warm start: upload the history's hottest experts at load"),
     Var("COLI_VK_TIER_GEMM_ROWS", "int", 16, "rows from which an expert runs as a tiled GEMM on the device "

@@ -216,8 +216,9 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
 
     def _settings(self) -> None:
         """The settings the layers read (``COLI_VK_PROMPT_ROWS``, ``COLI_VK_PROMPT_EXPERTS``,
-        ``COLI_VK_STREAM_ROWS``, ``COLI_VK_JOIN_PROFILE``) and the run's counters at zero. Raises ``ColiError`` for
-        a ``COLI_VK_PROMPT_EXPERTS`` other than cpu, stream or auto."""
+        ``COLI_VK_STREAM_ROWS``, ``COLI_VK_DN_PROMPT``, ``COLI_VK_JOIN_PROFILE``) and the run's counters at zero.
+        Raises ``ColiError`` for a ``COLI_VK_PROMPT_EXPERTS`` other than cpu, stream or auto, a ``COLI_VK_DN_PROMPT``
+        other than auto, chunk or rows."""
         from coli.base.settings import get
 
         self.prompt_rows = int(get("COLI_VK_PROMPT_ROWS", self._env))   # rows of a prompt chunk, at most
@@ -230,6 +231,11 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
             raise ColiError(f"COLI_VK_PROMPT_EXPERTS={self.prompt_experts}: cpu, stream or auto (a prompt chunk's "
                             f"experts that are not on the device)")
         self.stream_rows = int(get("COLI_VK_STREAM_ROWS", self._env))   # auto: stream chunks of this many rows
+        # a prompt chunk's DeltaNet delta rule: the chunked form or row by row (DeltaNetMixer._dn_chunked)
+        self.dn_prompt = str(get("COLI_VK_DN_PROMPT", self._env)).lower()
+        if self.dn_prompt not in ("auto", "chunk", "rows"):
+            raise ColiError(f"COLI_VK_DN_PROMPT={self.dn_prompt}: auto, chunk or rows (the DeltaNet delta rule of a "
+                            f"prompt chunk)")
         self.streamed_bytes = 0     # expert bytes copied into the stream slots
         self.stream_s = 0.0         # seconds the host spent copying them
         self.stream_chunks = 0      # prompt chunks whose experts were streamed

@@ -10,6 +10,7 @@ import weakref
 
 import numpy as np
 
+from coli.base.errors import ColiError
 from coli.vulkan.layer_plan import dn_bytes, linear_block
 
 
@@ -238,6 +239,34 @@ class DeltaNetMixer:
         wg = self.K.wg
         return 4 if dv <= wg and dk <= 64 * (wg // dv) else 1
 
+    def _dn_chunked(self) -> bool:
+        """Whether a prompt chunk's delta rule takes the chunked form (shaders/dn_chunk.comp, :meth:`_dn_chunk_ops`):
+        ``COLI_VK_DN_PROMPT`` auto or chunk, Gated DeltaNet layers (KDA's decay a key channel takes the row-by-row
+        form) and workgroups of 256 or more invocations. Raises ``ColiError`` for chunk where the layers cannot."""
+        if self.dn_prompt == "rows":
+            return False
+        ok = not self.kda and self.K.wg >= 256
+        if self.dn_prompt == "chunk" and not ok:
+            raise ColiError("COLI_VK_DN_PROMPT=chunk: " + ("KDA layers take the row-by-row delta rule only" if self.kda
+                            else f"the chunked delta rule needs workgroups of 256 invocations (these have {self.K.wg})"))
+        return ok
+
+    def _dn_chunk_ops(self, d: dict, R: int, x) -> list:
+        """A prompt chunk's delta rule in the chunked form (shaders/dn_chunk.comp; flash-linear-attention's
+        chunk_gated_delta_rule): mode 0 each 64-row block's UT transform (a workgroup a value head and block), mode 1
+        the blocks in order (a workgroup a value head and BV state columns, BV dk <= 2048: the columns in shared
+        memory), mode 2 the gated norm (a workgroup a value head and row), into p_dno."""
+        from coli.vulkan.layers import Dispatch, f32_bits  # the Vulkan binding: only when a device runs
+
+        Hk, Hv, dk, dv, kc, C = self.dn
+        BV = min(16, 2048 // dk)
+        w = [1, Hk, Hv, dk, dv, R, f32_bits(x.eps), self._dn_flags(x), BV]
+        X, Z, BA, W, O = self.p_dnc.addr, self.p_dnz.addr, self.p_dnba.addr, self.p_dnw.addr, self.p_dno.addr
+        A, DT, NW, S = d["dn_a"].addr, d["dn_dt"].addr, d["dn_norm"].addr, d["dn_state"].addr
+        return [Dispatch("dn_chunk", (Hv, -(-R // 64)), [X, BA, A, DT, W, S, O, Z], [0] + w[1:]),
+                Dispatch("dn_chunk", (Hv, -(-dv // BV)), [X, BA, A, DT, W, S, O, Z], w),
+                Dispatch("dn_chunk", (Hv, R), [X, NW, A, DT, W, S, O, Z], [2] + w[1:])]
+
     def _dn_ops(self, d: dict) -> list:
         """A decode row's Gated DeltaNet mixer for layer ``d`` (the normed row in xn): attn_qkv, attn_gate and
         beta / alpha by lmv, the conv (deltanet.comp mode 0), the delta rule with the gated norm (mode 1), ssm_out
@@ -291,9 +320,9 @@ class DeltaNetMixer:
 
     def _dn_prompt_ops(self, d: dict, R: int) -> list:
         """A prompt chunk's Gated DeltaNet mixer for layer ``d`` (its R normed rows in p_xn): the projections by
-        lmm.comp, the conv over the rows in order (deltanet.comp mode 0), the delta rule row by row in each head's
-        workgroup (mode 4, its state in registers through the chunk, or mode 1: :meth:`_dn_rec_mode`), ssm_out
-        accumulated into the residual rows."""
+        lmm.comp, the conv over the rows in order (deltanet.comp mode 0), the delta rule in the chunked form
+        (:meth:`_dn_chunk_ops`) or row by row in each head's workgroup (mode 4, its state in registers through the
+        chunk, or mode 1: :meth:`_dn_rec_mode`), ssm_out accumulated into the residual rows."""
         from coli.vulkan.layers import Dispatch, f32_bits  # the Vulkan binding: only when a device runs
 
         Hk, Hv, dk, dv, kc, C = self.dn
@@ -311,12 +340,16 @@ class DeltaNetMixer:
             ops = [mm(d["dn_qkv"], self.p_dnx.addr, C), mm(d["dn_gate"], self.p_dnz.addr, Hv * dv, first=False)]
             n_ba = 2 * Hv if len(d["dn_ba"]) == 1 else Hv
             ops += [mm((w, wt), self.p_dnba.addr + 4 * o, n_ba, 2 * Hv, False) for w, wt, o in d["dn_ba"]]
+        ops.append(Dispatch("deltanet", (-(-C // self.K.wg),), [self.p_dnx.addr, d["dn_w"].addr, d["dn_conv"].addr,
+                                                                  self.p_dnc.addr], [0, C, kc, R]))
+        if self._dn_chunked():
+            ops += self._dn_chunk_ops(d, R, x)
+        else:
+            ops.append(Dispatch("deltanet", (Hv,), [self.p_dnc.addr, self.p_dnz.addr, self.p_dnba.addr,
+                                                    d["dn_state"].addr, d["dn_a"].addr, d["dn_dt"].addr,
+                                                    d["dn_norm"].addr, self.p_dno.addr],
+                                [self._dn_rec_mode(), Hk, Hv, dk, dv, R, f32_bits(x.eps), self._dn_flags(x)]))
         return ops + [
-            Dispatch("deltanet", (-(-C // self.K.wg),), [self.p_dnx.addr, d["dn_w"].addr, d["dn_conv"].addr,
-                                                         self.p_dnc.addr], [0, C, kc, R]),
-            Dispatch("deltanet", (Hv,), [self.p_dnc.addr, self.p_dnz.addr, self.p_dnba.addr, d["dn_state"].addr,
-                                         d["dn_a"].addr, d["dn_dt"].addr, d["dn_norm"].addr, self.p_dno.addr],
-                     [self._dn_rec_mode(), Hk, Hv, dk, dv, R, f32_bits(x.eps), self._dn_flags(x)]),
             Dispatch("lmm", (-(-D // BM), gr), [d["dn_out"][0].addr, self.p_dno.addr, self.p_hs.addr, self.p_hs.addr],
                      [D, Hv * dv, 1, R, 0], type_name=d["dn_out"][1])]
 

@@ -610,17 +610,32 @@ def _dn_floats(m) -> int:
     return out
 
 
+def dn_chunk_floats(dn) -> int:
+    """Floats of one prompt row of the chunked delta rule's scratch (shaders/dn_chunk.comp: W, U, the 64-row block's
+    q k^T row and 4 row factors a value head); ``dn``: :func:`dn_dims`' (Hk, Hv, dk, dv, conv kernel, C)."""
+    _, Hv, dk, dv, _, _ = dn
+    return Hv * (dk + dv + 64 + 4)
+
+
+def _dn_chunk_row(m) -> int:
+    """Floats of one prompt row of the chunked delta rule's scratch, 0 without Gated DeltaNet layers on the device
+    (KDA's take the row-by-row form)."""
+    return max((dn_chunk_floats(dn_dims(linear_block(L))) for il, L in enumerate(m.layers)
+                if is_deltanet(L) and not is_kda(L) and why_not(m, il) is None), default=0)
+
+
 def prompt_bytes(m, rows: int) -> int:
     """Device bytes of the prompt chunks' scratch at ``rows`` rows (``DeviceLayers._prompt_bufs``): the hidden and
     normalized rows, q/k/v, q, the attention output, router logits, routes, the grouped pairs, the experts' h and
-    outputs, the shared expert's output, a post-norm's input and the logits of every row."""
+    outputs, the shared expert's output, a post-norm's input, the DeltaNet rows and the logits of every row."""
     a = m.args
     n = len(m.layers)
     F = max((hidden_width(m, il) for il in range(n) if why_not(m, il) is None), default=0)
     nqkv = (a.n_heads + 2 * max_kv(m)) * a.head_dim
     k = a.top_k if m.moe_layers else 0
     per_row = (5 * a.d_model + nqkv + 2 * a.n_heads * a.head_dim + a.n_experts + 2 * n * k + 2 + k
-               + F + k * a.d_model + a.vocab + _mla_floats(m) + _dn_floats(m) + a.n_heads * a.head_dim)
+               + F + k * a.d_model + a.vocab + _mla_floats(m) + _dn_floats(m) + _dn_chunk_row(m)
+               + a.n_heads * a.head_dim)
     return 4 * int(rows) * per_row + 4 * (a.n_experts + 1) + 256 * 24
 
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from coli.base.progress import compile_seconds
 from coli.vulkan.layer_join import Cut
-from coli.vulkan.layer_plan import hidden_width
+from coli.vulkan.layer_plan import dn_chunk_floats, hidden_width
 
 
 class PromptChunks:
@@ -34,7 +34,7 @@ class PromptChunks:
             self._free_precs()
             for name in ("p_hs", "p_xn", "p_qkv", "p_q", "p_ao", "p_lgt", "p_route", "p_off", "p_pairs", "p_h",
                          "p_yk", "p_ysh", "p_shr", "p_in", "p_out", "p_routeh", "p_tmp", "p_xnh", "p_offh",
-                         "p_pairsh", "p_gate", "p_dnx", "p_dnc", "p_dnz", "p_dnba", "p_dno", "p_dnlr"):
+                         "p_pairsh", "p_gate", "p_dnx", "p_dnc", "p_dnz", "p_dnba", "p_dno", "p_dnlr", "p_dnw"):
                 if getattr(self, name, None) is not None:
                     K.drop(getattr(self, name))
             nq, hd, L = self.nq, self.hd, len(self.per)
@@ -88,6 +88,8 @@ class PromptChunks:
                 self.p_dnz, self.p_dno = K.buffer(4 * R * Hv * dv, host=False), K.buffer(4 * R * Hv * dv, host=False)
                 self.p_dnba = K.buffer(4 * R * (Hv + Hv * dk if self.kda else 2 * Hv), host=False)
                 self.p_dnlr = K.buffer(4 * R * 2 * dk, host=False) if self.kda else None
+                # the chunked delta rule's W, U, the blocks' q k^T rows and row factors (shaders/dn_chunk.comp)
+                self.p_dnw = K.buffer(4 * R * dn_chunk_floats(self.dn), host=False) if self._dn_chunked() else None
             self.p_in = K.buffer(4 * R * D, host=True)
             self.p_out = K.buffer(4 * R * D, host=True, readback=True)
             self.p_routeh = K.buffer(8 * k * R * L, host=True, readback=True)

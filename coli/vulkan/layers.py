@@ -65,7 +65,7 @@ FORMAT_KERNELS = ("lmv", "lmoe", "lmm")
 KV_KERNELS = ("rope_kv", "attn_dec", "attn_pre", "attn_pre_cm")
 
 PLAIN_KERNELS = ("rmsnorm", "topk", "rope_kv", "attn_dec", "heat", "attn_pre", "moe_sort", "moe_sum", "attn_comb",
-                 "attn_pre_cm", "mla", "deltanet")
+                 "attn_pre_cm", "mla", "deltanet", "dn_chunk")
 
 
 def f32_bits(x: float) -> int:

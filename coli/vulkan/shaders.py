@@ -33,7 +33,7 @@ for _n, _s in FORMATS.items():
     TT.register("vulkan", _n, f"shaders/fmt_{_s}.glsl")
 KERNELS = ("gemv", "gemm", "lmv", "lmoe", "lmm")  # lmv, lmoe, lmm: the whole-layer kernels (coli/vulkan/layers.py)
 EXTRA = ("copy", "act_q8", "rmsnorm", "topk", "rope_kv", "attn_dec", "heat", "attn_pre", "moe_sort", "moe_sum",
-         "attn_comb", "mla", "deltanet", "dsv4_hc", "dsv4_attn", "dsv4_comp", "dsv4_idx")
+         "attn_comb", "mla", "deltanet", "dn_chunk", "dsv4_hc", "dsv4_attn", "dsv4_comp", "dsv4_idx")
 # EXTRA: kernels without a format (one .spv each); act_q8: the int8-activation rounding
 GLSLC_FLAGS = ("--target-env=vulkan1.2", "-O")
 

@@ -22,16 +22,33 @@ def _no_cpu_deltanet(monkeypatch):
     monkeypatch.setattr(deltanet.GatedDeltaNet, "__call__", refuse)
 
 
-@pytest.mark.parametrize("family", ["qwen3next", "qwen35moe"])
-def test_deltanet_layers_against_hf(family, monkeypatch):
+def _count_chunked(monkeypatch) -> list:
+    """Count the prompt chunks' layers whose delta rule took the chunked form (``DeltaNetMixer._dn_chunk_ops``)."""
+    from coli.vulkan import layer_families
+
+    calls, real = [], layer_families.DeltaNetMixer._dn_chunk_ops
+
+    def count(self, d, R, x):
+        calls.append(R)
+        return real(self, d, R, x)
+
+    monkeypatch.setattr(layer_families.DeltaNetMixer, "_dn_chunk_ops", count)
+    return calls
+
+
+@pytest.mark.parametrize("family,rows,tol", [("qwen3next", 80, 7e-5), ("qwen35moe", 40, 5e-5)])
+def test_deltanet_layers_against_hf(family, rows, tol, monkeypatch):
     """Every layer and the head on the device: three DeltaNet layers (the conv over the device's conv state, the
-    delta rule over its recurrent state, the gated norm; Qwen3-Next's ssm_ba in HF's grouped head order, Qwen3.5's
-    ssm_beta / ssm_alpha with tiled value heads) and the gated full-attention layer (partial NEOX rope, q/k norms,
-    the sigmoid output gate), the MoE with the gated shared expert. The 96-row prompt in chunks of 40 rows (the conv and
-    the delta rule over a chunk's rows in order) within the CPU path's bound of HF transformers' (1e-4 of the largest) at every row with HF's argmax, HF's 8
-    greedy decode rows and tokens (tests/oracle_check.py); the CPU-only f32 run's logits within 5e-5 (the prompt rows:
-    lmm.comp's blocked sums against the CPU's, carried across rows by the recurrence; measured 2.8e-5, the CPU run
-    itself is 2.2e-5 from HF) and 2e-5 (the decode rows), and its greedy tokens. The CPU's DeltaNet is made to fail meanwhile: the device did that work."""
+    delta rule over its recurrent state in the chunked form, shaders/dn_chunk.comp, the gated norm; Qwen3-Next's
+    ssm_ba in HF's grouped head order, Qwen3.5's ssm_beta / ssm_alpha with tiled value heads) and the gated
+    full-attention layer (partial NEOX rope, q/k norms, the sigmoid output gate), the MoE with the gated shared
+    expert. The 96-row prompt in chunks of 80 rows (a 64-row block and a 16-row tail, then 16) or 40 (a block's
+    ragged rows only, the state carried from chunk to chunk) within the CPU path's bound of HF transformers' (1e-4 of the largest) at every row with HF's argmax, HF's 8
+    greedy decode rows and tokens (tests/oracle_check.py); the CPU-only f32 run's logits within ``tol`` (the prompt
+    rows: lmm.comp's blocked sums and the chunked form's products against the CPU's recurrence row by row; measured
+    5.1e-5 for Qwen3-Next's 64-row block, 6.4e-5 from HF, where the row-by-row form gives 2.8e-5 and 4.1e-5 and the
+    CPU run is 2.1e-5 from HF; Qwen3.5 1.4e-5) and 2e-5 (the decode rows), and its greedy tokens. The CPU's DeltaNet
+    is made to fail meanwhile: the device did that work."""
     from tests.conftest import FIXTURES
     from tests.oracle_check import check_prompt_and_decode
     from coli.vulkan import layer_plan
@@ -49,14 +66,18 @@ def test_deltanet_layers_against_hf(family, monkeypatch):
         assert sum(rec) >= 2 and not all(rec)
         assert [d["il"] for d in dl.per if "dn" in d] == [il for il in range(4) if rec[il]]
         assert [d["il"] for d in dl.per if "gated" in d] == [il for il in range(4) if not rec[il]]
-        dl.prompt_rows = 40
-        assert dl._dn_rec_mode() == 4       # a chunk's delta rule with the state in registers (decode rows: mode 1)
+        dl.prompt_rows = rows
         _no_cpu_deltanet(monkeypatch)
+        chunked = _count_chunked(monkeypatch)
         d0 = e.device.layer_dispatches
         got = check_prompt_and_decode(m, m.new_cache(128, 128), oracle)
-        assert (dl.prompt_tokens, dl.prompt_chunks, dl.tokens) == (len(oracle["ids"]), 3, 8)
-        assert e.device.layer_dispatches - d0 >= (3 + 8) * 4 * 6
-        check_greedy_like_cpu(m, ref, oracle["ids"], got, 5e-5, 2e-5)
+        n = -(-len(oracle["ids"]) // rows)
+        assert (dl.prompt_tokens, dl.prompt_chunks, dl.tokens) == (len(oracle["ids"]), n, 8)
+        # each distinct chunk length recorded once, with every DeltaNet layer in the chunked form
+        lengths = {min(rows, len(oracle["ids"]) - i * rows) for i in range(n)}
+        assert sorted(chunked) == sorted(r for r in lengths for _ in range(sum(rec)))
+        assert e.device.layer_dispatches - d0 >= (n + 8) * 4 * 6
+        check_greedy_like_cpu(m, ref, oracle["ids"], got, tol, 2e-5)
     finally:
         e.close()
         cpu.close()
@@ -66,8 +87,8 @@ def test_deltanet_states_move_both_ways(monkeypatch):
     """The DeltaNet states and the attention's K/V stay in step between the CPU's cache and the device's: a prompt on
     the CPU, decode rows on the device (the CPU's states uploaded), two caches taking turns (each one's states
     loaded again), then decode rows on the CPU from the states the device wrote back; a device prompt in chunks of 7
-    rows, then decode rows on the CPU from its states and K/V rows: every row's logits within 1e-5 of the CPU-only
-    run's."""
+    rows with the delta rule row by row (``COLI_VK_DN_PROMPT=rows``: deltanet.comp mode 4), then decode rows on the
+    CPU from its states and K/V rows: every row's logits within 1e-5 of the CPU-only run's."""
     from tests.conftest import FIXTURES
 
     path = FIXTURES / "oracles" / "qwen3next.gguf"
@@ -89,10 +110,12 @@ def test_deltanet_states_move_both_ways(monkeypatch):
         out_a += [m.forward([t], a) for t in ids[20:]]
         assert rel_err(np.concatenate(out_a), ref) < 1e-5
         assert rel_err(np.concatenate(out_b), ref[:len(out_b)]) < 1e-5
-        m.device_layers, dl.prompt_rows = dl, 7
+        m.device_layers, dl.prompt_rows, dl.dn_prompt = dl, 7, "rows"
+        assert not dl._dn_chunked() and dl._dn_rec_mode() == 4
+        chunked = _count_chunked(monkeypatch)
         c = m.new_cache(64, 64)
         out = [m.forward(ids[:16], c)]
-        assert dl.prompt_tokens == 16 and dl.prompt_chunks == 3
+        assert dl.prompt_tokens == 16 and dl.prompt_chunks == 3 and chunked == []
         m.device_layers = None
         out += [m.forward([t], c) for t in ids[16:]]
         assert rel_err(np.concatenate(out), ref) < 1e-5

@@ -36,7 +36,8 @@ def test_spv_staleness_is_detected(tmp_path):
     assert len(S.stale(tmp_path)) == 2 * len(S.FORMATS) + len(S.I8_KERNELS) + 1 + len(q6k) - 2
     (tmp_path / "layer_common.glsl").write_text((tmp_path / "layer_common.glsl").read_text() + "\n")
     layer = {"lmv", "lmoe", "lmm", "lmm_cm", "rmsnorm", "topk", "rope_kv", "attn_dec", "heat", "attn_pre", "moe_sort",
-             "moe_sum", "attn_comb", "attn_pre_cm", "mla", "deltanet", "dsv4_hc", "dsv4_attn", "dsv4_comp", "dsv4_idx"}
+             "moe_sum", "attn_comb", "attn_pre_cm", "mla", "deltanet", "dn_chunk", "dsv4_hc", "dsv4_attn", "dsv4_comp",
+             "dsv4_idx"}
     assert sorted(S.stale(tmp_path)) == sorted({S.spv_name(k, t) for k, t in S.builds() if k in old | layer} | q6k)
 
 

@@ -1,0 +1,262 @@
+#version 460
+// Gated DeltaNet's delta rule for a prompt chunk in the chunked (WY / UT transform) form (Qwen3-Next, Qwen3.5-MoE;
+// coli/vulkan/layer_families.py DeltaNetMixer._dn_chunk_ops, docs/vulkan.md "Gated DeltaNet on the device").
+// The same recurrence as shaders/deltanet.comp mode 1 (S *= exp(g); S += k (x) (v - S^T k) beta; o = S^T q), taken
+// 64 rows (a block) at a time as flash-linear-attention's chunk_gated_delta_rule and HF transformers'
+// torch_chunk_gated_delta_rule (transformers.models.qwen3_next.modeling_qwen3_next) do: with G the cumulative log
+// decay inside the block, A = strictly lower (beta_i k_i.k_j exp(G_i - G_j)), T = (I + A)^-1 by forward
+// substitution, W = T (beta k exp(G)), U = T (beta v); then, the blocks in order,
+//   V' = U - W S;  O = (q exp(G)) S + tril(q k^T exp(G_i - G_j)) V';  S = S exp(G_last) + (k exp(G_last - G))^T V'.
+// q, k are l2-normed (x / sqrt(sum x^2 + 1e-6)), q / sqrt(dk); beta = sigmoid(b), g = ssm_a softplus(a + dt).
+// Scratch (a4 in modes 0 and 1), floats, for R rows and Hv heads: W [Hv, R, dk], U [Hv, R, dv], AQ [Hv, R, 64] (the
+// block's tril(q k^T exp(G_i - G_j)) rows), F [Hv, R, 4] (fq exp(G_i) / sqrt(dk), fk exp(G_last - G_i), exp(G_last)).
+// Words: u0 mode, u1 Hk, u2 Hv, u3 dk, u4 dv, u5 R, u6 eps (float bits), u7 flags (deltanet.comp's: bit 0 tiled
+// value heads, bit 1 ssm_ba's order), u8 BV (mode 1's state columns a workgroup: BV dk <= 2048, BV <= 16).
+//  mode 0 (the blocks' UT transform, independent of the state), groups (Hv, ceil(R / 64)): a0 the conv rows f32
+//    [R, C] (q heads, k heads, v heads; C = 2 Hk dk + Hv dv), a1 ba f32 [R, 2 Hv] (deltanet.comp mode 1's), a2 ssm_a
+//    f32 [Hv], a3 dt bias f32 [Hv], a4 scratch: writes W, U, AQ, F of its block.
+//  mode 1 (the blocks in order), groups (Hv, ceil(dv / BV)): a0 the conv rows, a4 scratch, a5 state f32 [Hv, dk, dv]
+//    (read, then written after the last block), a6 out f32 [R, Hv dv] (o before the norm). The workgroup's BV state
+//    columns stay in shared memory through the chunk.
+//  mode 2 (the gated norm), groups (Hv, R): a6 out f32 [R, Hv dv] in place, a7 z f32 [R, Hv dv] (attn_gate), a1
+//    ssm_norm f32 [dv]: out = rmsnorm(o) * w * silu(z).
+// Modes 0 and 2 need WG >= 256 (mode 0's 64 x 64 products: 16 an invocation).
+#extension GL_GOOGLE_include_directive : require
+#include "layer_common.glsl"
+
+layout(local_size_x_id = 0) in;
+#include "layer_reduce.glsl"
+
+#define CH 64u          // rows of a block
+#define TW 16u          // mode 0's dims of a key / query tile
+#define TW1 32u         // mode 1's dims of a tile
+#define MAXSL 8u        // mode 1's rows of a block an invocation owns (CH / (WG / BV); WG >= 128)
+// one shared array, carved per mode (mode 0: TS [CH][CH + 1], KT, QT [CH][TW + 1], G, BE, FK, FQ [CH];
+// mode 1: SS [dk][BV], VN [CH][BV], WT, QT [CH][TW1 + 1])
+#define SM_N 7296u
+shared float SM[SM_N];
+
+float sigm(float x) {
+    float e = exp(-abs(x));
+    return x >= 0.0 ? 1.0 / (1.0 + e) : e / (1.0 + e);
+}
+
+void main() {
+    uint mode = pc.u[0], t = gl_LocalInvocationIndex, WG = gl_WorkGroupSize.x;
+    uint Hk = pc.u[1], Hv = pc.u[2], dk = pc.u[3], dv = pc.u[4], R = pc.u[5], flags = pc.u[7];
+    uint h = gl_WorkGroupID.x, rep = Hv / Hk;
+    uint hk = (flags & 1u) != 0u ? h % Hk : h / rep;
+    uint C = 2u * Hk * dk + Hv * dv;
+    uint qo = hk * dk, ko = Hk * dk + hk * dk, vo = 2u * Hk * dk + h * dv;     // a row's q, k, v of head h
+    uint oW = 0u, oU = Hv * R * dk, oA = oU + Hv * R * dv, oF = oA + Hv * R * CH;   // the scratch's parts
+    if (mode == 2u) {
+        F32 O = F32(pc.a[6]);
+        F32 Z = F32(pc.a[7]);
+        F32 NW = F32(pc.a[1]);
+        uint r = gl_WorkGroupID.y, o0 = r * Hv * dv + h * dv;
+        float ss = 0.0;
+        for (uint j = t; j < dv; j += WG) ss += O.v[o0 + j] * O.v[o0 + j];
+        ss = wg_sum(ss);
+        float inv = 1.0 / sqrt(ss / float(dv) + pcf(6u));
+        for (uint j = t; j < dv; j += WG) {
+            float zz = Z.v[o0 + j];
+            O.v[o0 + j] = NW.v[j] * (O.v[o0 + j] * inv) * (zz * sigm(zz));
+        }
+        return;
+    }
+    F32 X = F32(pc.a[0]);
+    F32 SC = F32(pc.a[4]);
+    if (mode == 0u) {
+        F32 BA = F32(pc.a[1]);
+        F32 A = F32(pc.a[2]);
+        F32 DT = F32(pc.a[3]);
+        uint r0 = gl_WorkGroupID.y * CH, n = min(CH, R - r0);
+        uint TS = 0u, KT = CH * (CH + 1u), QT = KT + CH * (TW + 1u), G = QT + CH * (TW + 1u);
+        uint BE = G + CH, FK = BE + CH, FQ = FK + CH;
+        uint ib = (flags & 2u) != 0u ? hk * 2u * rep + h % rep : h;
+        uint ia = (flags & 2u) != 0u ? ib + rep : Hv + h;
+        // each row's beta and log decay (rows past the chunk: zeros, so they add nothing)
+        for (uint i = t; i < CH; i += WG) {
+            float be = 0.0, g = 0.0;
+            if (i < n) {
+                be = sigm(BA.v[(r0 + i) * 2u * Hv + ib]);
+                float x = BA.v[(r0 + i) * 2u * Hv + ia] + DT.v[h];
+                g = A.v[h] * (x > 20.0 ? x : log(1.0 + exp(x)));
+            }
+            SM[BE + i] = be;
+            SM[G + i] = g;
+        }
+        barrier();
+        if (t == 0u) for (uint i = 1u; i < n; i++) SM[G + i] += SM[G + i - 1u];     // G: cumulative, in row order
+        // k_i.k_j and q_i.k_j of the block, a tile of TW dims at a time; invocation t owns entries t, t + WG, ..
+        // (invocation t < CH sums row t's q.q and k.k on the way: the l2 norms)
+        float akk[16], aqk[16], nq = 0.0, nk = 0.0;
+        [[unroll]] for (uint s = 0u; s < 16u; s++) { akk[s] = 0.0; aqk[s] = 0.0; }
+        for (uint d0 = 0u; d0 < dk; d0 += TW) {
+            barrier();
+            for (uint e = t; e < CH * TW; e += WG) {
+                uint i = e / TW, d = e % TW;
+                bool in_ = i < n && d0 + d < dk;
+                uint x0 = (r0 + i) * C + d0 + d;
+                SM[KT + i * (TW + 1u) + d] = in_ ? X.v[x0 + ko] : 0.0;
+                SM[QT + i * (TW + 1u) + d] = in_ ? X.v[x0 + qo] : 0.0;
+            }
+            barrier();
+            if (t < CH) {
+                for (uint d = 0u; d < TW; d++) {
+                    float q = SM[QT + t * (TW + 1u) + d], k = SM[KT + t * (TW + 1u) + d];
+                    nq += q * q;
+                    nk += k * k;
+                }
+            }
+            [[unroll]] for (uint s = 0u; s < 16u; s++) {
+                uint e = t + s * WG;
+                if (e < CH * CH) {
+                    uint i = e / CH, j = e % CH;
+                    float sk = 0.0, sq = 0.0;
+                    for (uint d = 0u; d < TW; d++) {
+                        float kj = SM[KT + j * (TW + 1u) + d];
+                        sk += SM[KT + i * (TW + 1u) + d] * kj;
+                        sq += SM[QT + i * (TW + 1u) + d] * kj;
+                    }
+                    akk[s] += sk;
+                    aqk[s] += sq;
+                }
+            }
+        }
+        if (t < CH) {
+            SM[FQ + t] = t < n ? 1.0 / sqrt(float(dk)) / sqrt(nq + 1e-6) : 0.0;
+            SM[FK + t] = t < n ? 1.0 / sqrt(nk + 1e-6) : 0.0;
+        }
+        barrier();
+        [[unroll]] for (uint s = 0u; s < 16u; s++) {
+            uint e = t + s * WG;
+            if (e < CH * CH) {
+                uint i = e / CH, j = e % CH;
+                float dec = j <= i ? exp(SM[G + i] - SM[G + j]) : 0.0;
+                if (i < n) SC.v[oA + (h * R + r0 + i) * CH + j] = j <= i ? aqk[s] * SM[FQ + i] * SM[FK + j] * dec : 0.0;
+                SM[TS + i * (CH + 1u) + j] = j < i ? -SM[BE + i] * akk[s] * SM[FK + i] * SM[FK + j] * dec : 0.0;
+            }
+        }
+        barrier();
+        // T = (I + A)^-1 row by row: T[i, j] = A[i, j] + sum_{j < m < i} A[i, m] T[m, j] (HF's loop)
+        for (uint i = 1u; i < n; i++) {
+            float v = 0.0;
+            if (t < i) {
+                v = SM[TS + i * (CH + 1u) + t];
+                for (uint m = t + 1u; m < i; m++) v += SM[TS + i * (CH + 1u) + m] * SM[TS + m * (CH + 1u) + t];
+            }
+            barrier();
+            if (t < i) SM[TS + i * (CH + 1u) + t] = v;
+            barrier();
+        }
+        for (uint i = t; i < CH; i += WG) SM[TS + i * (CH + 1u) + i] = 1.0;
+        // W = T (beta k exp(G) fk), U = T (beta v): a tile of TW columns at a time (KT holds the right side)
+        for (uint part = 0u; part < 2u; part++) {
+            uint width = part == 0u ? dk : dv, src = part == 0u ? ko : vo;
+            uint dst = part == 0u ? oW + h * R * dk : oU + h * R * dv;
+            for (uint d0 = 0u; d0 < width; d0 += TW) {
+                barrier();
+                for (uint e = t; e < CH * TW; e += WG) {
+                    uint j = e / TW, d = e % TW;
+                    float f = part == 0u ? SM[BE + j] * SM[FK + j] * exp(SM[G + j]) : SM[BE + j];
+                    SM[KT + j * (TW + 1u) + d] = j < n && d0 + d < width ? X.v[(r0 + j) * C + src + d0 + d] * f : 0.0;
+                }
+                barrier();
+                for (uint e = t; e < CH * TW; e += WG) {
+                    uint i = e / TW, d = e % TW;
+                    if (i < n && d0 + d < width) {
+                        float s = 0.0;
+                        for (uint j = 0u; j <= i; j++) s += SM[TS + i * (CH + 1u) + j] * SM[KT + j * (TW + 1u) + d];
+                        SC.v[dst + (r0 + i) * width + d0 + d] = s;
+                    }
+                }
+            }
+        }
+        float gl = SM[G + n - 1u];
+        for (uint i = t; i < n; i += WG) {
+            uint f0 = oF + (h * R + r0 + i) * 4u;
+            SC.v[f0] = SM[FQ + i] * exp(SM[G + i]);
+            SC.v[f0 + 1u] = SM[FK + i] * exp(gl - SM[G + i]);
+            SC.v[f0 + 2u] = exp(gl);
+            SC.v[f0 + 3u] = 0.0;
+        }
+        return;
+    }
+    // mode 1: invocation t owns state column jj = t % BV (of j0 + jj) and the block rows / state rows p, p + P, ..
+    F32 ST = F32(pc.a[5]);
+    F32 O = F32(pc.a[6]);
+    uint BV = pc.u[8], P = WG / BV, jj = t % BV, p = t / BV, j0 = gl_WorkGroupID.y * BV;
+    bool col = p < P && j0 + jj < dv;
+    uint SS = 0u, VN = dk * BV, WT = VN + CH * BV, QT = WT + CH * (TW1 + 1u);
+    uint s0 = h * dk * dv + j0 + jj;
+    for (uint i = p; i < dk; i += P) if (t < P * BV) SM[SS + i * BV + jj] = col ? ST.v[s0 + i * dv] : 0.0;
+    for (uint r0 = 0u; r0 < R; r0 += CH) {
+        uint n = min(CH, R - r0);
+        float aw[MAXSL], aq[MAXSL];
+        [[unroll]] for (uint s = 0u; s < MAXSL; s++) { aw[s] = 0.0; aq[s] = 0.0; }
+        // W S and (q exp(G)) S of the block's rows, a tile of TW1 state rows at a time
+        for (uint i0 = 0u; i0 < dk; i0 += TW1) {
+            barrier();
+            for (uint e = t; e < CH * TW1; e += WG) {
+                uint r = e / TW1, d = e % TW1;
+                bool in_ = r < n && i0 + d < dk;
+                SM[WT + r * (TW1 + 1u) + d] = in_ ? SC.v[oW + (h * R + r0 + r) * dk + i0 + d] : 0.0;
+                SM[QT + r * (TW1 + 1u) + d] = in_ ? X.v[(r0 + r) * C + qo + i0 + d] * SC.v[oF + (h * R + r0 + r) * 4u]
+                                                  : 0.0;
+            }
+            barrier();
+            uint m = min(TW1, dk - i0);
+            [[unroll]] for (uint s = 0u; s < MAXSL; s++) {
+                uint r = p + P * s;
+                if (r < n && t < P * BV) {
+                    float sw = 0.0, sq = 0.0;
+                    for (uint d = 0u; d < m; d++) {
+                        float sv = SM[SS + (i0 + d) * BV + jj];
+                        sw += SM[WT + r * (TW1 + 1u) + d] * sv;
+                        sq += SM[QT + r * (TW1 + 1u) + d] * sv;
+                    }
+                    aw[s] += sw;
+                    aq[s] += sq;
+                }
+            }
+        }
+        // V' = U - W S
+        [[unroll]] for (uint s = 0u; s < MAXSL; s++) {
+            uint r = p + P * s;
+            if (r < n && t < P * BV)
+                SM[VN + r * BV + jj] = col ? SC.v[oU + (h * R + r0 + r) * dv + j0 + jj] - aw[s] : 0.0;
+        }
+        barrier();
+        // O = (q exp(G)) S + AQ V'
+        [[unroll]] for (uint s = 0u; s < MAXSL; s++) {
+            uint r = p + P * s;
+            if (r < n && col) {
+                float o = aq[s];
+                uint a0 = oA + (h * R + r0 + r) * CH;
+                for (uint m = 0u; m <= r; m++) o += SC.v[a0 + m] * SM[VN + m * BV + jj];
+                O.v[(r0 + r) * Hv * dv + h * dv + j0 + jj] = o;
+            }
+        }
+        // S = S exp(G_last) + (k exp(G_last - G))^T V': a tile of TW1 state rows at a time (QT holds the k tile)
+        float gl = SC.v[oF + (h * R + r0) * 4u + 2u];
+        for (uint i0 = 0u; i0 < dk; i0 += TW1) {
+            barrier();
+            for (uint e = t; e < CH * TW1; e += WG) {
+                uint r = e / TW1, d = e % TW1;
+                SM[QT + r * (TW1 + 1u) + d] = r < n && i0 + d < dk
+                    ? X.v[(r0 + r) * C + ko + i0 + d] * SC.v[oF + (h * R + r0 + r) * 4u + 1u] : 0.0;
+            }
+            barrier();
+            if (t < P * BV) {
+                for (uint d = p; d < TW1 && i0 + d < dk; d += P) {
+                    float s = 0.0;
+                    for (uint r = 0u; r < n; r++) s += SM[QT + r * (TW1 + 1u) + d] * SM[VN + r * BV + jj];
+                    SM[SS + (i0 + d) * BV + jj] = SM[SS + (i0 + d) * BV + jj] * gl + s;
+                }
+            }
+        }
+    }
+    barrier();
+    for (uint i = p; i < dk; i += P) if (col) ST.v[s0 + i * dv] = SM[SS + i * BV + jj];
+}
