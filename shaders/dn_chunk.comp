@@ -11,7 +11,7 @@
 // Scratch (a4 in modes 0 and 1), floats, for R rows and Hv heads: W [Hv, R, dk], U [Hv, R, dv], AQ [Hv, R, 64] (the
 // block's tril(q k^T exp(G_i - G_j)) rows), F [Hv, R, 4] (fq exp(G_i) / sqrt(dk), fk exp(G_last - G_i), exp(G_last)).
 // Words: u0 mode, u1 Hk, u2 Hv, u3 dk, u4 dv, u5 R, u6 eps (float bits), u7 flags (deltanet.comp's: bit 0 tiled
-// value heads, bit 1 ssm_ba's order), u8 BV (mode 1's state columns a workgroup: BV dk <= 2048, BV <= 16).
+// value heads, bit 1 ssm_ba's order), u8 BV (mode 1's state columns a workgroup: 16 or 8, BV dk <= 2048).
 //  mode 0 (the blocks' UT transform, independent of the state), groups (Hv, ceil(R / 64)): a0 the conv rows f32
 //    [R, C] (q heads, k heads, v heads; C = 2 Hk dk + Hv dv), a1 ba f32 [R, 2 Hv] (deltanet.comp mode 1's), a2 ssm_a
 //    f32 [Hv], a3 dt bias f32 [Hv], a4 scratch: writes W, U, AQ, F of its block.
@@ -30,7 +30,7 @@ layout(local_size_x_id = 0) in;
 #define CH 64u          // rows of a block
 #define TW 16u          // mode 0's dims of a key / query tile
 #define TW1 32u         // mode 1's dims of a tile
-#define MAXSL 8u        // mode 1's rows of a block an invocation owns (CH / (WG / BV); WG >= 128)
+#define MAXSL 4u        // mode 1's rows of a block an invocation owns (CH / (WG / BV): WG >= 256, BV <= 16)
 // one shared array, carved per mode (mode 0: TS [CH][CH + 1], KT, QT [CH][TW + 1], G, BE, FK, FQ [CH];
 // mode 1: SS [dk][BV], VN [CH][BV], WT, QT [CH][TW1 + 1])
 #define SM_N 7296u
@@ -207,17 +207,14 @@ void main() {
             }
             barrier();
             uint m = min(TW1, dk - i0);
-            [[unroll]] for (uint s = 0u; s < MAXSL; s++) {
-                uint r = p + P * s;
-                if (r < n && t < P * BV) {
-                    float sw = 0.0, sq = 0.0;
-                    for (uint d = 0u; d < m; d++) {
-                        float sv = SM[SS + (i0 + d) * BV + jj];
-                        sw += SM[WT + r * (TW1 + 1u) + d] * sv;
-                        sq += SM[QT + r * (TW1 + 1u) + d] * sv;
+            for (uint d = 0u; d < m; d++) {
+                float sv = SM[SS + (i0 + d) * BV + jj];
+                [[unroll]] for (uint s = 0u; s < MAXSL; s++) {
+                    uint r = p + P * s;
+                    if (r < n) {
+                        aw[s] += SM[WT + r * (TW1 + 1u) + d] * sv;
+                        aq[s] += SM[QT + r * (TW1 + 1u) + d] * sv;
                     }
-                    aw[s] += sw;
-                    aq[s] += sq;
                 }
             }
         }

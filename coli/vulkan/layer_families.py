@@ -259,7 +259,7 @@ class DeltaNetMixer:
         from coli.vulkan.layers import Dispatch, f32_bits  # the Vulkan binding: only when a device runs
 
         Hk, Hv, dk, dv, kc, C = self.dn
-        BV = min(16, 2048 // dk)
+        BV = 16 if dk <= 128 else 8     # BV dk <= 2048 floats of shared memory; a power of 2 (divides WG)
         w = [1, Hk, Hv, dk, dv, R, f32_bits(x.eps), self._dn_flags(x), BV]
         X, Z, BA, W, O = self.p_dnc.addr, self.p_dnz.addr, self.p_dnba.addr, self.p_dnw.addr, self.p_dno.addr
         A, DT, NW, S = d["dn_a"].addr, d["dn_dt"].addr, d["dn_norm"].addr, d["dn_state"].addr
