@@ -88,10 +88,12 @@ class RowJoin:
         K, n = self.K, len(self.per)
         self.zeros = K.buffer(4 * self.D * (self.k + 1), host=False)
         K.upload(self.zeros, np.zeros(self.D * (self.k + 1), np.float32))
-        # host-cached memory (readback): the CPU's compiled call writes its rows there and the weights are applied in
-        # place, so the host reads them back; through a discrete device's BAR each such read costs microseconds
-        self.yk = [K.buffer(4 * self.D * (self.k + 1), host=True, readback=True) if d["il"] in self.resident else None
+        # device-local host-visible memory, written and never read by the host (its rows are made in ``_yh``): on an
+        # H100 the device did not see host writes made after the submit to host-cached memory, even behind
+        # vkCmdWaitEvents from the host stage (the chain's logits 0.5-0.8 off; docs/vulkan.md "Experts on the CPU")
+        self.yk = [K.buffer(4 * self.D * (self.k + 1), host=True) if d["il"] in self.resident else None
                    for d in self.per]
+        self._yh = np.empty((self.k, self.D), np.float32)     # the CPU's ranks' rows of a layer, weighted, then copied
         self.xnh = K.buffer(4 * self.D * n, host=True, readback=True)
         # --balance: each layer's route for its resident ranks, written by the host before they start
         self.xroute = K.buffer(8 * self.k * n, host=True) if self.bal is not None else None
@@ -149,10 +151,10 @@ class RowJoin:
 
     def _cpu_ranks(self, j: int, ids, w, on_dev):
         """The CPU's ranks of layer ``j`` (the RAM expert cache, the CPU kernels, the engine's activations) into their
-        rows of its ``yk``: ``w_r * expert_r(x)``. The compiled call writes straight into ``yk`` when those ranks are
-        one run of rows (every rank on the CPU, say), and the weights are applied there in place. When every one of
-        those experts is in RAM (``MoEStep.row_experts_resident``) the RAM cache's bookkeeping of their uses is
-        returned as ``(layer, ids)`` for :meth:`_note` once the device runs again; else None."""
+        rows of its ``yk``: ``w_r * expert_r(x)``, made in host memory (``_yh``: the compiled call writes there and
+        the weights are applied in place) and then written to ``yk`` (device memory the host writes, never reads).
+        When every one of those experts is in RAM (``MoEStep.row_experts_resident``) the RAM cache's bookkeeping of
+        their uses is returned as ``(layer, ids)`` for :meth:`_note` once the device runs again; else None."""
         k, P = self.k, self.prof
         ranks = np.flatnonzero(~on_dev)
         n = len(ranks)
@@ -163,25 +165,25 @@ class RowJoin:
         step = self.m.step
         if P is not None:
             t0, c0 = time.perf_counter(), step.row_call_s
-        yk = self._ykv[j]
-        r0 = int(ranks[0])
-        run = int(ranks[-1]) - r0 + 1 == n
+        yk, hy = self._ykv[j], self._yh[:n]
         il = self.per[j]["il"]
         cpu_ids = ids[ranks]
         note = (il, cpu_ids)
-        out = step.row_experts_resident(il, self._xv[j], cpu_ids, out=yk[r0:r0 + n] if run else None)
+        out = step.row_experts_resident(il, self._xv[j], cpu_ids, out=hy)
         if out is None:     # an expert not in RAM (read from the file as it lands), or no compiled row
             note = None
-            out = step.row_experts(il, self._xv[j], cpu_ids.tolist(), out=yk[r0:r0 + n] if run else None)
+            out = step.row_experts(il, self._xv[j], cpu_ids.tolist(), out=hy)
         if P is not None:
             t1 = time.perf_counter()
             call = step.row_call_s - c0
             P.add("experts: compiled call", call)
             P.add("experts: lookups", t1 - t0 - call)
-        if run:
-            out *= w[r0:r0 + n, None]
+        out *= w[ranks, None]
+        r0 = int(ranks[0])
+        if int(ranks[-1]) - r0 + 1 == n:    # one run of rows (every rank on the CPU, say): one contiguous write
+            yk[r0:r0 + n] = out
         else:
-            yk[ranks] = w[ranks, None] * out
+            yk[ranks] = out
         if P is not None:
             P.lap("rows out", t1)
         return note
