@@ -18,7 +18,7 @@
 //  mode 1 (the blocks in order), groups (Hv, ceil(dv / BV)): a0 the conv rows, a4 scratch, a5 state f32 [Hv, dk, dv]
 //    (read, then written after the last block), a6 out f32 [R, Hv dv] (o before the norm). The workgroup's BV state
 //    columns stay in shared memory through the chunk.
-//  mode 2 (the gated norm), groups (Hv, R): a6 out f32 [R, Hv dv] in place, a7 z f32 [R, Hv dv] (attn_gate), a1
+//  mode 2 (the gated norm), groups ceil(R Hv / 8): a6 out f32 [R, Hv dv] in place, a7 z f32 [R, Hv dv] (attn_gate), a1
 //    ssm_norm f32 [dv]: out = rmsnorm(o) * w * silu(z).
 // Modes 0 and 2 need WG >= 256 (mode 0's 64 x 64 products: 16 an invocation).
 #extension GL_GOOGLE_include_directive : require
@@ -49,18 +49,21 @@ void main() {
     uint C = 2u * Hk * dk + Hv * dv;
     uint qo = hk * dk, ko = Hk * dk + hk * dk, vo = 2u * Hk * dk + h * dv;     // a row's q, k, v of head h
     uint oW = 0u, oU = Hv * R * dk, oA = oU + Hv * R * dv, oF = oA + Hv * R * CH;   // the scratch's parts
-    if (mode == 2u) {
+    if (mode == 2u) {       // a subgroup a (row, head) pair, 8 pairs a workgroup: no barriers
         F32 O = F32(pc.a[6]);
         F32 Z = F32(pc.a[7]);
         F32 NW = F32(pc.a[1]);
-        uint r = gl_WorkGroupID.y, o0 = r * Hv * dv + h * dv;
-        float ss = 0.0;
-        for (uint j = t; j < dv; j += WG) ss += O.v[o0 + j] * O.v[o0 + j];
-        ss = wg_sum(ss);
-        float inv = 1.0 / sqrt(ss / float(dv) + pcf(6u));
-        for (uint j = t; j < dv; j += WG) {
-            float zz = Z.v[o0 + j];
-            O.v[o0 + j] = NW.v[j] * (O.v[o0 + j] * inv) * (zz * sigm(zz));
+        for (uint q = gl_SubgroupID; q < 8u; q += gl_NumSubgroups) {
+            uint pr = gl_WorkGroupID.x * 8u + q;
+            if (pr >= R * Hv) break;
+            uint o0 = pr * dv;          // row pr / Hv, head pr % Hv: [R, Hv dv] is [R Hv, dv]
+            float ss = 0.0;
+            for (uint j = gl_SubgroupInvocationID; j < dv; j += gl_SubgroupSize) ss += O.v[o0 + j] * O.v[o0 + j];
+            float inv = 1.0 / sqrt(subgroupAdd(ss) / float(dv) + pcf(6u));
+            for (uint j = gl_SubgroupInvocationID; j < dv; j += gl_SubgroupSize) {
+                float zz = Z.v[o0 + j];
+                O.v[o0 + j] = NW.v[j] * (O.v[o0 + j] * inv) * (zz * sigm(zz));
+            }
         }
         return;
     }

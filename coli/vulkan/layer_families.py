@@ -255,7 +255,7 @@ class DeltaNetMixer:
         """A prompt chunk's delta rule in the chunked form (shaders/dn_chunk.comp; flash-linear-attention's
         chunk_gated_delta_rule): mode 0 each 64-row block's UT transform (a workgroup a value head and block), mode 1
         the blocks in order (a workgroup a value head and BV state columns, BV dk <= 2048: the columns in shared
-        memory), mode 2 the gated norm (a workgroup a value head and row), into p_dno."""
+        memory), mode 2 the gated norm (a subgroup a row and value head), into p_dno."""
         from coli.vulkan.layers import Dispatch, f32_bits  # the Vulkan binding: only when a device runs
 
         Hk, Hv, dk, dv, kc, C = self.dn
@@ -265,7 +265,7 @@ class DeltaNetMixer:
         A, DT, NW, S = d["dn_a"].addr, d["dn_dt"].addr, d["dn_norm"].addr, d["dn_state"].addr
         return [Dispatch("dn_chunk", (Hv, -(-R // 64)), [X, BA, A, DT, W, S, O, Z], [0] + w[1:]),
                 Dispatch("dn_chunk", (Hv, -(-dv // BV)), [X, BA, A, DT, W, S, O, Z], w),
-                Dispatch("dn_chunk", (Hv, R), [X, NW, A, DT, W, S, O, Z], [2] + w[1:])]
+                Dispatch("dn_chunk", (-(-R * Hv // 8),), [X, NW, A, DT, W, S, O, Z], [2] + w[1:])]
 
     def _dn_ops(self, d: dict) -> list:
         """A decode row's Gated DeltaNet mixer for layer ``d`` (the normed row in xn): attn_qkv, attn_gate and

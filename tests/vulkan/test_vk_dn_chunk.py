@@ -74,7 +74,7 @@ def test_chunked_delta_rule_equals_the_recurrence(kern, R, Hk, Hv, dk, dv):
     ad = [b.addr for b in (bx, bba, ba, bdt, bw, bs, bo, bz)]
     ops = [Dispatch("dn_chunk", (Hv, -(-R // 64)), ad, w),
            Dispatch("dn_chunk", (Hv, -(-dv // BV)), ad, [1] + w[1:]),
-           Dispatch("dn_chunk", (Hv, R), [bx.addr, bnw.addr] + ad[2:], [2] + w[1:])]
+           Dispatch("dn_chunk", (-(-R * Hv // 8),), [bx.addr, bnw.addr] + ad[2:], [2] + w[1:])]
     rec = kern.record(ops)
     try:
         kern.submit(rec)
