@@ -108,6 +108,9 @@ VARS: tuple[Var, ...] = (
         "(the chunked WY / UT form, shaders/dn_chunk.comp: 64-row blocks, the blocks in order), rows (the recurrence "
         "row by row, shaders/deltanet.comp mode 4 or 1) or auto (chunk, but rows for KDA layers) (docs/vulkan.md "
         "\"Gated DeltaNet on the device\")", dev=True),
+    Var("COLI_VK_DN_BV", "int", 16, "state columns a workgroup of the chunked DeltaNet delta rule takes through a "
+        "prompt chunk (shaders/dn_chunk.comp mode 1): 1, 2, 4, 8 or 16 (8 where 16 columns of the key width pass 2048 "
+        "floats); fewer: more workgroups, each with less work a block", "columns", lo=1, dev=True),
     Var("COLI_VK_TIER_FILL", "bool", True, "fill the device's free budget with the next-hottest experts"),
     Var("COLI_VK_TIER_WARM", "bool", True, "warm start: upload the history's hottest experts at load"),
     Var("COLI_VK_TIER_GEMM_ROWS", "int", 16, "rows from which an expert runs as a tiled GEMM on the device "

@@ -216,9 +216,9 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
 
     def _settings(self) -> None:
         """The settings the layers read (``COLI_VK_PROMPT_ROWS``, ``COLI_VK_PROMPT_EXPERTS``,
-        ``COLI_VK_STREAM_ROWS``, ``COLI_VK_DN_PROMPT``, ``COLI_VK_JOIN_PROFILE``) and the run's counters at zero.
-        Raises ``ColiError`` for a ``COLI_VK_PROMPT_EXPERTS`` other than cpu, stream or auto, a ``COLI_VK_DN_PROMPT``
-        other than auto, chunk or rows."""
+        ``COLI_VK_STREAM_ROWS``, ``COLI_VK_DN_PROMPT``, ``COLI_VK_DN_BV``, ``COLI_VK_JOIN_PROFILE``) and the run's
+        counters at zero. Raises ``ColiError`` for a ``COLI_VK_PROMPT_EXPERTS`` other than cpu, stream or auto, a
+        ``COLI_VK_DN_PROMPT`` other than auto, chunk or rows, a ``COLI_VK_DN_BV`` other than 1, 2, 4, 8 or 16."""
         from coli.base.settings import get
 
         self.prompt_rows = int(get("COLI_VK_PROMPT_ROWS", self._env))   # rows of a prompt chunk, at most
@@ -236,6 +236,9 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
         if self.dn_prompt not in ("auto", "chunk", "rows"):
             raise ColiError(f"COLI_VK_DN_PROMPT={self.dn_prompt}: auto, chunk or rows (the DeltaNet delta rule of a "
                             f"prompt chunk)")
+        self.dn_bv = int(get("COLI_VK_DN_BV", self._env))
+        if self.dn_bv not in (1, 2, 4, 8, 16):
+            raise ColiError(f"COLI_VK_DN_BV={self.dn_bv}: 1, 2, 4, 8 or 16 (state columns a workgroup)")
         self.streamed_bytes = 0     # expert bytes copied into the stream slots
         self.stream_s = 0.0         # seconds the host spent copying them
         self.stream_chunks = 0      # prompt chunks whose experts were streamed

@@ -254,12 +254,12 @@ class DeltaNetMixer:
     def _dn_chunk_ops(self, d: dict, R: int, x) -> list:
         """A prompt chunk's delta rule in the chunked form (shaders/dn_chunk.comp; flash-linear-attention's
         chunk_gated_delta_rule): mode 0 each 64-row block's UT transform (a workgroup a value head and block), mode 1
-        the blocks in order (a workgroup a value head and BV state columns, BV dk <= 2048: the columns in shared
-        memory), mode 2 the gated norm (a subgroup a row and value head), into p_dno."""
+        the blocks in order (a workgroup a value head and BV state columns, ``COLI_VK_DN_BV``, BV dk <= 2048: the
+        columns in shared memory), mode 2 the gated norm (a subgroup a row and value head), into p_dno."""
         from coli.vulkan.layers import Dispatch, f32_bits  # the Vulkan binding: only when a device runs
 
         Hk, Hv, dk, dv, kc, C = self.dn
-        BV = 16 if dk <= 128 else 8     # BV dk <= 2048 floats of shared memory; a power of 2 (divides WG)
+        BV = self.dn_bv if self.dn_bv * dk <= 2048 else 8   # BV dk <= 2048 floats of shared memory (dk <= 256)
         w = [1, Hk, Hv, dk, dv, R, f32_bits(x.eps), self._dn_flags(x), BV]
         X, Z, BA, W, O = self.p_dnc.addr, self.p_dnz.addr, self.p_dnba.addr, self.p_dnw.addr, self.p_dno.addr
         A, DT, NW, S = d["dn_a"].addr, d["dn_dt"].addr, d["dn_norm"].addr, d["dn_state"].addr

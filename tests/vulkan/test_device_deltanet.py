@@ -36,14 +36,15 @@ def _count_chunked(monkeypatch) -> list:
     return calls
 
 
-@pytest.mark.parametrize("family,rows,tol", [("qwen3next", 80, 7e-5), ("qwen35moe", 40, 5e-5)])
-def test_deltanet_layers_against_hf(family, rows, tol, monkeypatch):
+@pytest.mark.parametrize("family,rows,bv,tol", [("qwen3next", 80, 16, 7e-5), ("qwen35moe", 40, 4, 5e-5)])
+def test_deltanet_layers_against_hf(family, rows, bv, tol, monkeypatch):
     """Every layer and the head on the device: three DeltaNet layers (the conv over the device's conv state, the
     delta rule over its recurrent state in the chunked form, shaders/dn_chunk.comp, the gated norm; Qwen3-Next's
     ssm_ba in HF's grouped head order, Qwen3.5's ssm_beta / ssm_alpha with tiled value heads) and the gated
     full-attention layer (partial NEOX rope, q/k norms, the sigmoid output gate), the MoE with the gated shared
     expert. The 96-row prompt in chunks of 80 rows (a 64-row block and a 16-row tail, then 16) or 40 (a block's
-    ragged rows only, the state carried from chunk to chunk) within the CPU path's bound of HF transformers' (1e-4 of the largest) at every row with HF's argmax, HF's 8
+    ragged rows only, the state carried from chunk to chunk; state columns in 4 workgroups a head: COLI_VK_DN_BV 4)
+    within the CPU path's bound of HF transformers' (1e-4 of the largest) at every row with HF's argmax, HF's 8
     greedy decode rows and tokens (tests/oracle_check.py); the CPU-only f32 run's logits within ``tol`` (the prompt
     rows: lmm.comp's blocked sums and the chunked form's products against the CPU's recurrence row by row; measured
     5.1e-5 for Qwen3-Next's 64-row block, 6.4e-5 from HF, where the row-by-row form gives 2.8e-5 and 4.1e-5 and the
@@ -66,7 +67,7 @@ def test_deltanet_layers_against_hf(family, rows, tol, monkeypatch):
         assert sum(rec) >= 2 and not all(rec)
         assert [d["il"] for d in dl.per if "dn" in d] == [il for il in range(4) if rec[il]]
         assert [d["il"] for d in dl.per if "gated" in d] == [il for il in range(4) if not rec[il]]
-        dl.prompt_rows = rows
+        dl.prompt_rows, dl.dn_bv = rows, bv
         _no_cpu_deltanet(monkeypatch)
         chunked = _count_chunked(monkeypatch)
         d0 = e.device.layer_dispatches

@@ -50,8 +50,10 @@ def _reference(X, BA, S, A, DT, NW, Z, Hk, Hv, dk, dv, eps):
     return out, S
 
 
-@pytest.mark.parametrize("R,Hk,Hv,dk,dv", [(100, 2, 4, 32, 32), (64, 1, 2, 128, 128), (7, 2, 2, 16, 40), (70, 1, 1, 256, 24), (20, 1, 2, 200, 24)])
-def test_chunked_delta_rule_equals_the_recurrence(kern, R, Hk, Hv, dk, dv):
+@pytest.mark.parametrize("R,Hk,Hv,dk,dv,BV", [(100, 2, 4, 32, 32, 16), (64, 1, 2, 128, 128, 16),
+                                             (64, 1, 2, 128, 128, 8), (7, 2, 2, 16, 40, 4), (70, 1, 1, 256, 24, 8),
+                                             (20, 1, 2, 200, 24, 8)])
+def test_chunked_delta_rule_equals_the_recurrence(kern, R, Hk, Hv, dk, dv, BV):
     from coli.vulkan.layers import Dispatch, f32_bits
     from coli.vulkan.layer_plan import dn_chunk_floats
 
@@ -69,7 +71,6 @@ def test_chunked_delta_rule_equals_the_recurrence(kern, R, Hk, Hv, dk, dv):
     bx, bba, bs, ba, bdt, bnw, bz = (_buf(kern, a) for a in (X, BA, S0, A, DT, NW, Z))
     bw = kern.buffer(4 * R * dn_chunk_floats((Hk, Hv, dk, dv, 4, C)))
     bo = kern.buffer(4 * R * Hv * dv)
-    BV = 16 if dk <= 128 else 8
     w = [0, Hk, Hv, dk, dv, R, f32_bits(eps), 0, BV]
     ad = [b.addr for b in (bx, bba, ba, bdt, bw, bs, bo, bz)]
     ops = [Dispatch("dn_chunk", (Hv, -(-R // 64)), ad, w),
