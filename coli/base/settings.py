@@ -101,9 +101,8 @@ VARS: tuple[Var, ...] = (
         "an integrated GPU, Lavapipe), on (any device with the extension; a discrete GPU then reads experts over "
         "PCIe) or off (docs/vulkan.md \"Zero-copy experts\")"),
     Var("COLI_VK_CHAIN", "str", "auto", "device layers with experts on the CPU: a decode token in one submit, the "
-        "host joining mid-submit through timeline semaphores (on), or a submit a segment (off); auto: on for a "
-        "software device only, as a hardware GPU has not yet been seen to give the CPU's logits on it (docs/vulkan.md "
-        "\"Experts on the CPU\")"),
+        "host joining mid-submit through timeline semaphores (on), or a submit a segment (off); auto: on where the "
+        "device has timeline semaphores (docs/vulkan.md \"Experts on the CPU\")"),
     Var("COLI_VK_DN_PROMPT", "str", "auto", "the device layers' Gated DeltaNet delta rule for a prompt chunk: chunk "
         "(the chunked WY / UT form, shaders/dn_chunk.comp: 64-row blocks, the blocks in order), rows (the recurrence "
         "row by row, shaders/deltanet.comp mode 4 or 1) or auto (chunk, but rows for KDA layers) (docs/vulkan.md "

@@ -16,9 +16,9 @@ from coli.vulkan.errors import DeviceLost
 
 def chain_default(dev, env=None) -> bool:
     """Whether a decode token whose experts are partly on the CPU goes in one submit (timeline semaphores, the host
-    joining mid-submit), from ``COLI_VK_CHAIN`` of ``env`` (os.environ when None): on, off, or auto (on for a
-    software device only: on an H100 this path gave other logits than a submit a segment; docs/vulkan.md "Experts
-    on the CPU"). ColiError for another value, or for on where the device has no timeline semaphores."""
+    joining mid-submit), from ``COLI_VK_CHAIN`` of ``env`` (os.environ when None): on, off, or auto (on where the
+    device has timeline semaphores: on an H100 it decodes 1.05-1.33x a submit a segment; docs/vulkan.md "Experts on
+    the CPU"). ColiError for another value, or for on where the device has no timeline semaphores."""
     v = str(settings.get("COLI_VK_CHAIN", env) or "auto").lower()
     if v not in ("auto", "on", "off"):
         raise ColiError(f"COLI_VK_CHAIN={v}: auto, on or off (one submit a decode token, the host joining mid-submit)")
@@ -26,7 +26,7 @@ def chain_default(dev, env=None) -> bool:
     if v == "on" and not tl:
         raise ColiError(f"COLI_VK_CHAIN=on: {getattr(dev, 'name', 'the device')} has no timeline semaphores; "
                         f"set auto or off")
-    return tl and (v == "on" or v == "auto" and getattr(dev, "type_name", "") == "cpu")
+    return tl and v != "off"
 
 
 class Cut:

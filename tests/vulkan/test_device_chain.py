@@ -27,8 +27,8 @@ def test_every_expert_on_the_cpu(device_moe, moe_cpu, chain):
     try:
         dl = dev.model.device_layers
         assert dl is not None and dl.first == 0 and dev.tier is None
-        # COLI_VK_CHAIN=auto: one submit a token on a software device (Lavapipe has timeline semaphores)
-        assert dl.chain == (dev.device.timeline and dev.device.type_name == "cpu")
+        # COLI_VK_CHAIN=auto: one submit a token where the device has timeline semaphores (Lavapipe has)
+        assert dl.chain == dev.device.timeline
         dl.chain = chain
         dl.spin_s = 30.0 if chain else 0.0      # the flag path: the host spins until each layer's flag is up
         assert sorted(dl.resident) == [0, 1, 2, 3] and not any(m.any() for m in dl.resident.values())
@@ -363,8 +363,9 @@ def test_balance_with_device_layers(device_moe, moe_cpu, chain):
         r = dev.generate(ids=IDS[:5], max_tokens=6, temp=0.0, stop_at_eos=False)
         assert list(r.ids) == cpu_ids
         assert dl.bal.steps == 4 * 5 and dl.cpu_rows > 0
-        # its own measurements moved resident ranks to the CPU (Lavapipe's device is the CPU's cores, and slower)
-        assert dl.handed > 0 and dl.dev_rows > 0 and dl.bal.share < 1.0
+        assert dl.dev_rows > 0
+        if dev.device.type_name == "cpu":   # Lavapipe's device is the CPU's cores, and slower: its own measurements
+            assert dl.handed > 0 and dl.bal.share < 1.0     # moved resident ranks to the CPU (a GPU keeps them)
         assert dl.dev_rows + dl.cpu_rows == 5 * 4 * dl.k      # the decode rows' pairs (prompt rows apart)
     finally:
         dev.close()
@@ -477,7 +478,7 @@ def test_swaps_gated_by_measured_reuse(tmp_path_factory, skew):
 
 
 def test_chain_setting():
-    """COLI_VK_CHAIN: auto is one submit a token on a software device with timeline semaphores only; on needs the
+    """COLI_VK_CHAIN: auto is one submit a token wherever the device has timeline semaphores; on needs the
     semaphores; another value is one error naming the variable."""
     from types import SimpleNamespace
 
@@ -486,7 +487,7 @@ def test_chain_setting():
 
     lava, gpu = SimpleNamespace(timeline=True, type_name="cpu"), SimpleNamespace(timeline=True, type_name="discrete")
     old = SimpleNamespace(timeline=False, type_name="integrated", name="old GPU")
-    for env, want in (({}, (True, False, False)), ({"COLI_VK_CHAIN": "on"}, (True, True, None)),
+    for env, want in (({}, (True, True, False)), ({"COLI_VK_CHAIN": "on"}, (True, True, None)),
                       ({"COLI_VK_CHAIN": "OFF"}, (False, False, False))):
         with pytest.MonkeyPatch.context() as mp:
             for k, v in env.items():
