@@ -253,6 +253,7 @@ def setup_moe(eng, expert_cache, usage_path, io_threads, keep_raw) -> None:
         source = ExpertSource(eng.path, eng.model.expert_tensors())
     source.tiles = eng.model.wt.tiles   # the experts take the layout the model's matrices took
     source.keep_raw = keep_raw           # the file's bytes kept beside the prepared ones only for a device tier
+    source.direct = settings.get("COLI_DIRECT_IO", eng.env)
     L = eng.model.moe_layers
     E = source.n_experts(L[0])
     per = max(source.held_nbytes(l) for l in L)       # an expert as the cache holds it

@@ -23,6 +23,7 @@ reference (Python's reference count is the seeds' "slots count readers": evictio
 """
 from __future__ import annotations
 
+import errno
 import heapq
 import math
 import mmap
@@ -54,6 +55,10 @@ class ExpertWeights:
     file_nbytes: int = 0  # the expert's bytes in the file
 
 
+#: O_DIRECT's alignment of file offsets, lengths and memory (a page: a multiple of every device's logical block)
+_ALIGN = mmap.PAGESIZE
+
+
 class ExpertSource:
     """Reads experts of the MoE layers from the model file.
 
@@ -77,9 +82,14 @@ class ExpertSource:
         # read each matrix into page-aligned memory of its own (anonymous mmap, read-only views): a zero-copy device
         # imports those pages as device memory where they lie (VK_EXT_external_memory_host; the engine sets it)
         self.page_aligned = False
+        # read with O_DIRECT where the file system takes it (:meth:`load`; the engine sets it from COLI_DIRECT_IO)
+        self.direct = True
+        self._dfds: dict = {}  # file name -> its O_DIRECT descriptor, -1 where the file system refuses O_DIRECT
+        self._scratch = threading.local()   # a reader thread's page-aligned read buffer (``_direct_read``)
         self._held: dict = {}  # layer -> held_nbytes
         self.bytes_read = 0
         self.reads = 0
+        self.direct_reads = 0  # experts of ``reads`` read with O_DIRECT
         self._lock = threading.Lock()
 
     def expert_nbytes(self, layer: int) -> int:
@@ -148,23 +158,98 @@ class ExpertSource:
     def load(self, layer: int, e: int) -> ExpertWeights:
         """Expert ``e`` of ``layer`` read and prepared for the CPU kernels. ColiError naming the file, the tensor
         and the expert when a matrix holds a NaN or an infinity (its values or block scales, ``coli.finite``);
-        raised in the reader thread, it reaches the step through the ``Future`` (``RAMCache.fetch``)."""
+        raised in the reader thread, it reaches the step through the ``Future`` (``RAMCache.fetch``).
+
+        With ``direct`` (and neither ``keep_raw`` nor ``page_aligned``, which keep the file's bytes) each matrix
+        is read with O_DIRECT into the reader thread's buffer and prepared from there (:meth:`_direct_read`): no
+        page cache between the disk and the repack, so no kernel copy, no page-cache pages to allocate and
+        reclaim, and no fresh buffer to fault in per read (docs/engine.md "Reads past the page cache")."""
+        if self.direct and not self.keep_raw and not self.page_aligned and self.fd >= 0:
+            ws = self._load_direct(layer, e)
+            if ws is not None:
+                return self._weights(layer, e, ws, None, sum(w.file_nbytes for w in ws))
         raw = self.read_raw(layer, e)
         ws = [formats.prepare(tn, r, shp, tiles=self.tiles) for tn, r, shp in raw]
+        return self._weights(layer, e, ws, raw if self.keep_raw else None, sum(r.nbytes for _, r, _ in raw))
+
+    def _weights(self, layer, e, ws, raw, file_n) -> ExpertWeights:
         for t, w in zip(self.layers[layer], ws):
             finite.check_weight(w, f"{os.path.basename(self.path)}: tensor '{t.name}' expert {e}")
-        file_n = sum(r.nbytes for _, r, _ in raw)
-        held = sum(w.nbytes for w in ws) + (file_n if self.keep_raw else 0)
-        return ExpertWeights(ws[0], ws[1], ws[2], raw if self.keep_raw else None, held, file_n)
+        held = sum(w.nbytes for w in ws) + (file_n if raw is not None else 0)
+        return ExpertWeights(ws[0], ws[1], ws[2], raw, held, file_n)
+
+    def _load_direct(self, layer: int, e: int):
+        """Expert ``e``'s three matrices read with O_DIRECT and prepared, or None (nothing counted) where the file
+        system refuses O_DIRECT (``load`` then reads through the page cache)."""
+        ws, n = [], 0
+        for t in self.layers[layer]:
+            got = self._direct_read(t, e)
+            if got is None:
+                return None
+            arr, nbytes = got
+            shp = tuple(t.shape[1:])
+            w = formats.prepare(t.type_name, arr, shp, tiles=self.tiles)
+            if any(np.may_share_memory(a, arr) for a in w.arrays):  # a layout that keeps a view of the bytes (F32)
+                w = formats.prepare(t.type_name, arr.copy(), shp, tiles=self.tiles)
+            ws.append(w)
+            n += nbytes
+        with self._lock:
+            self.bytes_read += n
+            self.reads += 1
+            self.direct_reads += 1
+        return ws
+
+    def _direct_read(self, t, e: int):
+        """Expert ``e``'s slice of the 3-D tensor ``t`` read with O_DIRECT: ``(uint8 [O, row_bytes], bytes)``, a
+        view of this thread's buffer valid until the thread's next read, or None where the file system refuses
+        O_DIRECT. O_DIRECT wants the offset, the length and the memory aligned to the device's block: the read
+        covers the slice's whole 4 KiB pages (GGUF aligns tensors to 32 bytes only) into page-aligned memory."""
+        per = t.raw[0].nbytes
+        name = getattr(t, "file", None) or self.path
+        fd = self._direct_fd(name)
+        if fd < 0:
+            return None
+        off = t.offset + e * per
+        start = off - off % _ALIGN
+        n = -(-(off + per - start) // _ALIGN) * _ALIGN
+        buf = getattr(self._scratch, "buf", None)
+        if buf is None or len(buf) < n:
+            buf = self._scratch.buf = mmap.mmap(-1, n)   # anonymous: page-aligned, reused by this thread's reads
+        try:
+            got = os.preadv(fd, [memoryview(buf)[:n]], start)
+        except OSError as ex:
+            if ex.errno != errno.EINVAL:
+                raise
+            with self._lock:   # the file system took the open but not the read (EINVAL): the page cache from now on
+                self._dfds[name] = -1
+                self._dfds[(name, "refused")] = fd   # closed by close(), not now: another reader may be in a read
+            return None
+        if got < off - start + per:   # the file may end inside the last page: the slice itself must be there
+            raise OSError(f"{name}: short read of {t.name} expert {e} ({max(0, got - (off - start))} of {per} bytes)")
+        return np.frombuffer(buf, np.uint8, count=per, offset=off - start).reshape(t.raw.shape[1:]), per
+
+    def _direct_fd(self, name: str) -> int:
+        """``name`` opened with O_DIRECT (once), or -1 where the file system refuses it (tmpfs: EINVAL)."""
+        with self._lock:
+            fd = self._dfds.get(name)
+            if fd is None:
+                try:
+                    fd = os.open(name, os.O_RDONLY | os.O_DIRECT) if hasattr(os, "O_DIRECT") else -1
+                except OSError as ex:
+                    if ex.errno != errno.EINVAL:
+                        raise
+                    fd = -1
+                self._dfds[name] = fd
+            return fd
 
     def close(self):
-        for fd in (self.fd, *self._fds.values()):
+        for fd in (self.fd, *self._fds.values(), *self._dfds.values()):
             if fd >= 0:
                 try:
                     os.close(fd)
                 except OSError:
                     pass
-        self.fd, self._fds = -1, {}
+        self.fd, self._fds, self._dfds = -1, {}, {}
 
 
 class RAMCache:

@@ -48,6 +48,8 @@ VARS: tuple[Var, ...] = (
     Var("COLI_READ_AHEAD", "int", -1, "experts of the next MoE layer a decode row reads early when the RAM expert "
         "cache cannot hold every expert: the next layer's router ranks them on this layer's input (-1: top-k; 0: "
         "no early reads; docs/engine.md \"Early reads\")", "experts", lo=-1),
+    Var("COLI_DIRECT_IO", "bool", True, "read streamed experts with O_DIRECT (past the page cache) where the file "
+        "system takes it; off: buffered pread (docs/engine.md \"Reads past the page cache\")"),
     Var("COLI_CACHE_TYPE_K", "str", "f32", "the KV cache's K type: f32, f16, bf16 or q8_0 (llama.cpp's names; "
         "q8_0: blocks of 32 with an f16 scale; MLA latent caches take f32 only; docs/engine.md \"KV cache types\")",
         flag="--cache-type-k"),

@@ -218,3 +218,78 @@ def test_a_release_on_another_thread_waits_for_the_pool_and_never_evicts():
     assert not t.is_alive()
     assert c.reserved == {} and c.capacity == 3 * per and c.held == 2 * per and set(c.lru[0]) == {1, 2}
     c.close()
+
+
+def _expect_prepared(src, layers, got):
+    """Every ``got[(layer, e)]`` (ExpertWeights) holds what ``formats.prepare`` makes of the file's bytes (the
+    mapping's slice)."""
+    from cpu_kernels import formats
+
+    for (l, e), w in got.items():
+        for t, m in zip(layers[l], (w.gate, w.up, w.down)):
+            ref = formats.prepare(t.type_name, t.raw[e], tuple(t.shape[1:]), tiles=src.tiles)
+            assert m.layout == ref.layout and len(m.arrays) == len(ref.arrays)
+            assert all(np.array_equal(a, b) for a, b in zip(m.arrays, ref.arrays)), (l, e, t.name)
+
+
+def test_direct_reads_prepare_what_the_file_holds_from_four_readers(tmp_path):
+    """O_DIRECT reads (a reader's page-aligned buffer, reused: the slice's whole pages, its start inside a page)
+    give the same experts as the file's bytes, all read by four readers at once and compared after the last read
+    (an expert still pointing into a reader's buffer would hold a later expert's bytes): the olmoe fixture's F32
+    experts (whose prepared layout keeps a view of the bytes it is given) and a Q8_0 file's."""
+    from coli.gguf_file import open_gguf
+    from scheduler.ram_cache import ExpertSource, RAMCache
+    from tiny_moe import build_tiny_moe
+
+    src, layers = _source()
+    q8 = build_tiny_moe(tmp_path)
+    g = open_gguf(q8)
+    q8_layers = {il: tuple(g.tensors[f"blk.{il}.{n}.weight"] for n in ("ffn_gate_exps", "ffn_up_exps",
+                                                                         "ffn_down_exps")) for il in range(2)}
+    for s, ls, tn in ((src, layers, "F32"), (ExpertSource(q8, q8_layers), q8_layers, "Q8_0")):
+        assert ls[0][0].type_name == tn
+        assert any(t.offset % 4096 for ts in ls.values() for t in ts)   # slices that start inside a page
+        s.keep_raw = False
+        E = s.n_experts(0)
+        c = RAMCache(s, slots=E, io_threads=4)
+        assert c.fill(ls) == 2 * E
+        assert s.direct_reads == s.reads == 2 * E and s.bytes_read == 2 * E * s.expert_nbytes(0)
+        _expect_prepared(s, ls, {(l, e): c.peek(l, e) for l in ls for e in range(E)})
+        c.close()
+
+
+def test_a_file_system_without_o_direct_reads_through_the_page_cache(monkeypatch):
+    """A file system that refuses O_DIRECT (the open's EINVAL; this kernel's tmpfs takes it, so the refusal is
+    made by a wrapped ``os.open``) has the experts read with pread, the same bytes; with ``direct`` off and with
+    ``keep_raw`` (the file's bytes kept for a device tier) too. Another error of the open is raised."""
+    import errno
+    import os
+
+    import pytest
+
+    from scheduler import ram_cache
+
+    real_open = os.open
+    refuse = {"errno": errno.EINVAL}
+
+    def fake_open(path, flags, *a):
+        if flags & os.O_DIRECT:
+            raise OSError(refuse["errno"], "refused", path)
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(ram_cache.os, "open", fake_open)
+    src, layers = _source()
+    src.keep_raw = False
+    _expect_prepared(src, layers, {(1, 3): src.load(1, 3), (0, 2): src.load(0, 2)})
+    assert src.reads == 2 and src.direct_reads == 0
+    for direct, keep in ((False, False), (True, True)):
+        src.direct, src.keep_raw = direct, keep
+        _expect_prepared(src, layers, {(0, 5): src.load(0, 5)})
+    assert src.reads == 4 and src.direct_reads == 0
+    src.close()
+    refuse["errno"] = errno.EACCES
+    src, _ = _source()
+    src.keep_raw = False
+    with pytest.raises(PermissionError):
+        src.load(0, 1)
+    src.close()
