@@ -30,6 +30,7 @@ from coli.base.errors import ColiError
 from coli.base.paths import cache_dir
 from coli.base.progress import HoldFirst, bar, quiet as quiet_compiles, stderr_is_terminal, text_on_line
 from coli.fetch import MODEL_NAMES, MODELS, check_folder  # MODEL_NAMES: the names -m takes besides a path
+from coli.llama_flags import add_llama_flags
 from coli.resolve import resolve
 from coli.vulkan import device_flag
 from scheduler.trace import CATEGORIES, summarize
@@ -98,10 +99,10 @@ def _engine_args(p: argparse.ArgumentParser, model_required=False):
                    help="run the last N decoder layers whole on the device, one submit a token (-1: as many as the "
                         "budget holds; 0: none, the CPU alone, or the expert tier with --device vulkan; COLI_VK_LAYERS; "
                         "docs/vulkan.md \"Device layers\")")
-    p.add_argument("--cpu-moe", action="store_true",
+    p.add_argument("--cpu-moe", "-cmoe", action="store_true",
                    help="device layers keep every routed expert on the CPU (RAM), joined mid-layer; alone: every layer "
                         "that fits on the device (COLI_VK_CPU_MOE=-1; docs/vulkan.md \"Experts on the CPU\")")
-    p.add_argument("--n-cpu-moe", type=int, default=None, metavar="N",
+    p.add_argument("--n-cpu-moe", "-ncmoe", type=int, default=None, metavar="N",
                    help="the routed experts of the model's first N layers stay on the CPU (COLI_VK_CPU_MOE=N)")
     p.add_argument("--reproducible", action="store_true",
                    help="the same device expert set, hence the same logits bytes, every run: uploads waited for, "
@@ -114,6 +115,8 @@ def _engine_args(p: argparse.ArgumentParser, model_required=False):
                         "(--gpu-layers) take each; docs/engine.md \"KV cache types\")")
     p.add_argument("--cache-type-v", "-ctv", default=None, metavar="TYPE",
                    help="KV cache type of V, as --cache-type-k (COLI_CACHE_TYPE_V)")
+    p.add_argument("--ubatch-size", "-ub", type=int, default=None, metavar="N",
+                   help="rows of a prompt step on the CPU (COLI_UBATCH, llama.cpp's n_ubatch; default 256)")
     p.add_argument("--trace", default=None, metavar="FILE.json", help="write Chrome/Perfetto trace events")
 
 
@@ -133,6 +136,8 @@ def _open_engine(a, quiet=False, save_usage=True):
         raise ColiError("--reproducible runs without the balancer: drop --balance")
     if a.tier_gb is not None and not a.tier_gb >= 0:
         raise ColiError(f"--tier-gb: {a.tier_gb} (GiB, 0 or above)")
+    if a.ubatch_size is not None and a.ubatch_size < 1:
+        raise ColiError(f"--ubatch-size: {a.ubatch_size} (rows of a prompt step, 1 or more)")
     if a.gpu_layers is not None and a.gpu_layers < -1:
         raise ColiError(f"--gpu-layers: {a.gpu_layers} (a layer count, -1 for as many as fit, 0 for the expert tier)")
     cpu_moe = getattr(a, "n_cpu_moe", None)
@@ -160,7 +165,7 @@ def _open_engine(a, quiet=False, save_usage=True):
         raise ColiError(f"{ngl if a.gpu_layers else '--n-cpu-moe/--cpu-moe'} and --reproducible: --reproducible is "
                         f"the expert tier's; device layers run without it (drop one)")
     env = settings.overlay(None, COLI_VK_DEV=index, COLI_VK_TIER_GB=a.tier_gb, COLI_VK_LAYERS=a.gpu_layers,
-                           COLI_VK_CPU_MOE=cpu_moe,
+                           COLI_VK_CPU_MOE=cpu_moe, COLI_UBATCH=a.ubatch_size,
                            COLI_VK_TIER_SYNC=True if a.reproducible else None, COLI_MEM=mem_flag(a),
                            COLI_BATCH_INVARIANT=True if a.batch_invariant else None)
     if getattr(a, "quiet", False):
@@ -609,7 +614,8 @@ def _run_parser(sub) -> None:
     r.add_argument("-f", "--file", default=None, help="read the prompt from FILE")
     r.add_argument("-n", "--n-predict", "--predict", dest="n", type=int, default=64,
                    help="tokens to generate; -1: until end of generation or the context is full")
-    r.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    r.add_argument("--chat", "-st", "--single-turn", action="store_true",
+                   help="wrap the prompt in the model's chat template")
     _sampling_args(r, temp=0.0)
     r.add_argument("--no-display-prompt", action="store_true", help="print only the generated text, not the prompt")
     r.add_argument("-q", "--quiet", action="store_true", help="stdout and errors only (no start and speed lines)")
@@ -644,7 +650,7 @@ def _serve_parser(sub) -> None:
     s.add_argument("-kvu", "--kv-unified", action="store_true",
                    help="the slots share --ctx positions in all (each request sized to what it writes; one that does "
                         "not fit beside the running ones waits) instead of --ctx each")
-    s.add_argument("--alias", default=None, help="the served model's id (default: the file's stem)")
+    s.add_argument("--alias", "-a", default=None, help="the served model's id (default: the file's stem)")
     s.add_argument("--api-key", default=None, metavar="KEY",
                    help="clients must send 'Authorization: Bearer KEY' (else COLI_API_KEY; none: no check)")
     s.add_argument("--api-key-file", default=None, metavar="FILE", help="read the key from FILE")
@@ -779,6 +785,8 @@ def build_parser() -> argparse.ArgumentParser:
     _plan_parser(sub)
     _trace_parser(sub)
     _tune_parser(sub)
+    for name, sp in sub.choices.items():  # llama.cpp's flags, matched whole: refused in one line or taken as no-ops
+        add_llama_flags(sp, name)
     return p
 
 
@@ -869,10 +877,10 @@ def main(argv=None) -> int:
     except ValueError:  # not the main thread (main() called from a library): leave signals alone
         pass
     p = build_parser()
-    a = p.parse_args(argv)
-    if a.cmd == "info" and not (a.model_pos or a.model):
-        p.error("info: give a MODEL")
     try:
+        a = p.parse_args(argv)  # inside: a llama.cpp flag coli refuses is a ColiError (coli/llama_flags.py)
+        if a.cmd == "info" and not (a.model_pos or a.model):
+            p.error("info: give a MODEL")
         settings.check_all()  # a malformed COLI_* variable is one error before any work
         _check_numba_threads()
         return a.func(a)

@@ -122,7 +122,7 @@ VARS: tuple[Var, ...] = (
         "rows", lo=1, dev=True),
     Var("COLI_UBATCH", "int", 256, "rows of a prompt step on the CPU (llama.cpp's n_ubatch): an expert's weights are "
         "read once a step for all its rows; results do not depend on it (docs/engine.md \"Prompt steps\")", "rows",
-        lo=1),
+        lo=1, flag="--ubatch-size"),
     Var("COLI_VK_PROMPT_ROWS", "int", 512, "rows of a prompt step when device layers run (--gpu-layers): the "
         "device layers take a prompt chunk of up to this many rows in one submit", "rows", lo=1),
     Var("COLI_VK_PROMPT_TILE", "int", 32, "rows of a tile of the device layers' prompt GEMM (shaders/lmm.comp): "

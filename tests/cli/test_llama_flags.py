@@ -1,0 +1,88 @@
+"""llama.cpp's flags in coli's commands (coli/llama_flags.py): each refused in one line naming it, taken where coli
+always does what it asks, or an alias of coli's own; none read as one of coli's one-letter options with the rest
+attached (``-fa on`` was the prompt file ``a``, ``-mg 0`` the model ``g``, ``-hf`` the help with exit 0). Parsing
+only: no model is opened (``-m`` a missing file where a flag is taken)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+NOPE = "/nonexistent/model.gguf"
+
+
+def _main(capsys, *argv):
+    from coli.cli import main
+
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["run", "-p", "hi", "-fa", "off"], "-fa off: coli's attention is always flash-attention's arithmetic"),
+    (["bench", "-fa", "0,1"], "-fa 0,1: coli's attention is always flash-attention's arithmetic"),
+    (["run", "-p", "hi", "-fa", "maybe"], "-fa: 'maybe' (on, off or auto, as llama.cpp)"),
+    (["run", "-mg", "0", "-p", "hi"], "-mg: coli's device is --device cpu|vulkan|vulkan:N"),
+    (["run", "-hf", "org/repo"], "-hf: llama.cpp's download from Hugging Face; coli downloads none"),
+    (["serve", "-hf", "org/repo"], "-hf: llama.cpp's download from Hugging Face"),
+    (["info", "-hf", "org/repo"], "-hf: llama.cpp's download from Hugging Face"),
+    (["run", "-cnv"], "-cnv: coli run answers one prompt; coli chat -m MODEL is the conversation"),
+    (["run", "-ot", "exps=CPU"], "-ot: coli places tensors itself: --cpu-moe / --n-cpu-moe N"),
+    (["run", "-tb", "2"], "-tb: coli's --threads (-t) runs the prompt and the decode both"),
+    (["run", "-b", "2048"], "-b: llama.cpp's logical batch; coli's prompt step is -ub/--ubatch-size"),
+    (["run", "-np", "4"], "-np: slots are coli serve's"),
+    (["run", "--mlock"], "--mlock: llama.cpp's loading mode"),
+    (["bench", "-mmp", "0"], "-mmp: llama.cpp's loading mode"),
+    (["bench", "-pg", "512,128"], "-pg: coli bench runs its -p and -n tests apart"),
+    (["serve", "-to", "600"], "-to: coli serve has no read/write timeout"),
+    (["run", "-sys", "be brief", "-p", "x"], "-sys: a system message is coli chat's --system TEXT"),
+    (["run", "-ub", "0", "-p", "x"], "--ubatch-size: 0 (rows of a prompt step, 1 or more)"),
+])
+def test_a_llama_cpp_flag_coli_does_not_take_is_one_line(capsys, argv, says):
+    """One line ``coli: <flag as typed>: ...`` on stderr, exit 2, nothing on stdout, no model opened."""
+    rc, out, err = _main(capsys, *argv)
+    assert (rc, out) == (2, ""), (rc, out, err)
+    assert err.startswith(f"coli: {says}") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("argv", [
+    ["run", "-p", "hi", "-fa", "on"], ["run", "-p", "hi", "-fa"], ["run", "-p", "hi", "--flash-attn", "auto"],
+    ["bench", "-fa", "1"], ["run", "-p", "hi", "--jinja", "-no-cnv"], ["chat", "-cnv", "--jinja"],
+    ["serve", "--jinja", "-fa", "on", "-cb"]])
+def test_a_llama_cpp_flag_coli_always_honours_is_taken(capsys, argv):
+    """``-fa on|auto`` (coli's attention is flash-attention's arithmetic), ``--jinja`` (the GGUF's template is what
+    coli renders), ``-no-cnv`` on run, ``-cnv`` on chat, ``-cb`` on serve: the command goes on to open the model."""
+    rc, out, err = _main(capsys, *argv, "-m", NOPE)
+    assert (rc, out) == (2, "") and err.startswith(f"coli: {NOPE}: no such file"), err
+
+
+def test_llama_cpp_short_names_are_coli_flags():
+    """``-cmoe`` / ``-ncmoe N`` (llama.cpp's --cpu-moe / --n-cpu-moe), ``-ub N`` (n_ubatch), ``-st`` (one chat turn:
+    coli run --chat), serve's ``-a`` (--alias): the same options as coli's long names."""
+    from coli.cli import build_parser
+
+    p = build_parser()
+    a = p.parse_args(["run", "-cmoe", "-ub", "64", "-st", "x"])
+    assert (a.cpu_moe, a.ubatch_size, a.chat) == (True, 64, True)
+    assert p.parse_args(["run", "-ncmoe", "3", "x"]).n_cpu_moe == 3
+    assert p.parse_args(["serve", "-a", "mine"]).alias == "mine"
+    assert p.parse_args(["bench", "-ub", "32"]).ubatch_size == 32
+
+
+def test_ubatch_size_is_the_prompt_step(monkeypatch, capsys):
+    """``-ub N`` reaches the engine as COLI_UBATCH, which ``Engine.prompt_chunk`` returns as the CPU prompt step."""
+    import coli.engine
+    from coli.engine import Engine
+
+    seen = {}
+
+    def fake(model, **kw):
+        seen.update(kw)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(coli.engine, "Engine", fake)
+    with pytest.raises(SystemExit):
+        _main(capsys, "run", "-ub", "7", "-p", "x", "-m", str(__file__))   # resolve takes any existing file
+    assert seen["env"]["COLI_UBATCH"] == "7"
+    assert Engine.prompt_chunk(SimpleNamespace(device_layers=None, model=None, env=seen["env"])) == 7
