@@ -12,6 +12,7 @@ from coli.sampling import SamplingParams
 DEFAULTS = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0, repeat_last_n=64,
                 presence_penalty=0.0, frequency_penalty=0.0)
 MAX_N = 16  # choices a request at most (they run one after the other)
+MAX_DEPTH = 64  # arrays / objects nested in a request body at most (the body itself is 1; a tool's schema needs ~10)
 REASONING_FORMATS = ("auto", "deepseek", "none")  # llama-server's --reasoning-format values coli reads
 
 
@@ -255,6 +256,21 @@ def fit_conversation(encode, msgs: list, ctx: int, max_tokens) -> tuple[list, in
 
 
 
+def _check_depth(body: dict) -> None:
+    """400 naming the top-level field that nests more than ``MAX_DEPTH`` arrays or objects: the code that reads a
+    body (``check_text``'s ``json.dumps``, the chat template, a schema's grammar) recurses, and past Python's
+    recursion limit it raised RecursionError, a 500 with a traceback in the server's log. Walked without
+    recursion."""
+    for key, v in body.items():
+        todo = [(v, 2)]
+        while todo:
+            x, d = todo.pop()
+            if isinstance(x, (dict, list)):
+                if d > MAX_DEPTH:
+                    raise APIError(400, f"'{key}': nests more than {MAX_DEPTH} arrays or objects", param=key)
+                todo.extend((y, d + 1) for y in (x.values() if isinstance(x, dict) else x))
+
+
 def parse_body(raw: bytes) -> dict:
     """A request body as a JSON object with text the tokenizer can take and a boolean ``stream``; APIError
     (400, ``invalid_json`` / ``invalid_unicode``) otherwise. Run in a thread: a large body never holds the
@@ -263,8 +279,12 @@ def parse_body(raw: bytes) -> dict:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not JSON ({e})", code="invalid_json") from None
+    except RecursionError:  # arrays / objects nested past the interpreter's recursion limit (~1,000)
+        raise APIError(400, f"the request body nests more than {MAX_DEPTH} arrays or objects",
+                       code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body is not a JSON object", code="invalid_json")
+    _check_depth(body)
     check_text(body)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):

@@ -134,6 +134,28 @@ def test_lone_surrogate_is_400(http):
     assert err["param"] == "messages" and "'messages[0].content': not valid Unicode" in err["message"]
 
 
+@pytest.mark.parametrize("field, depth", [("messages", 100_000), ("response_format", 100_000), ("metadata", 65),
+                                          ("messages", 64)])
+def test_a_body_nested_too_deep_is_400(http, field, depth):
+    """Arrays nested past Python's recursion limit (json.loads' RecursionError) or past MAX_DEPTH (64, the body
+    being 1): a 400 naming the field where it can, not a 500 with a traceback in the log; 64 deep is read (and
+    refused for what it is: a message that is not an object with a role)."""
+    from coli.server_params import MAX_DEPTH
+
+    assert MAX_DEPTH == 64
+    inner = "[" * (depth - 1) + "]" * (depth - 1)
+    raw = f'{{"max_tokens": 2, "{field}": {inner}}}'.encode()
+    r = http.post("/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    if depth > 1000:
+        assert err["code"] == "invalid_json" and "nests more than 64 arrays or objects" in err["message"]
+    elif depth > MAX_DEPTH:
+        assert err["param"] == field and err["message"] == f"'{field}': nests more than 64 arrays or objects"
+    else:
+        assert err["param"] == "messages[0].role" and "nests" not in err["message"]
+
+
 def test_template_kwargs_reach_the_template(http, eng):
     """chat_template_kwargs and reasoning_effort are variables of the chat template: a template that writes
     them gets a prompt with them (its token count is the library's for the same variables)."""
