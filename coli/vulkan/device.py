@@ -431,7 +431,5 @@ class Device(InstanceMixin, MemoryMixin, PipelineMixin, BatchMixin):
                     setattr(self, name, None)
             lib.vkDestroyDevice(d, ffi.NULL)
             self._dev = None
-        if getattr(self, "_inst", None) is not None:
-            lib.vkDestroyInstance(self._inst, ffi.NULL)
-            self._inst = None
+        self._inst = None    # the process's instance stays (coli/vulkan/instance.py _INSTANCE)
         self._objs_ok = False

@@ -5,6 +5,8 @@ queues").
 """
 from __future__ import annotations
 
+import threading
+
 from .binding import (
     _Q_COMPUTE,
     _Q_GRAPHICS,
@@ -22,6 +24,11 @@ from .errors import VulkanError
 _TYPE_NAMES = {0: "other", 1: "integrated", 2: "discrete", 3: "virtual", 4: "cpu"}
 _TYPE_RANK = {2: 0, 1: 1, 3: 2, 4: 3, 0: 4}       # discrete > integrated > virtual > CPU
 _V13 = (1 << 22) | (3 << 12)                        # VK_API_VERSION_1_3
+# the process's one VkInstance, made at the first open and kept until the process ends: NVIDIA's driver (H100,
+# 2026-12-07) refused the 31st vkCreateInstance of a process that had created and destroyed 30 (VkResult -9,
+# VK_ERROR_INCOMPATIBLE_DRIVER; file descriptors and threads flat), where each open made and destroyed its own
+_INSTANCE = None
+_INSTANCE_LOCK = threading.Lock()
 
 
 class InstanceMixin:
@@ -31,19 +38,15 @@ class InstanceMixin:
     VulkanError where the device cannot serve."""
 
     def _create_instance(self) -> None:
-        """The Vulkan instance (``_inst``), asking for API 1.3."""
-        app_name = ffi.new("char[]", b"coli")
+        """The Vulkan instance (``_inst``): the process's one, asking for API 1.3, made at the first open (every
+        device opened in the process shares it; no device destroys it)."""
+        global _INSTANCE
+        with _INSTANCE_LOCK:
+            if _INSTANCE is None:
+                _INSTANCE = _new_instance()
+            self._inst = _INSTANCE
+
         app = _s("VkApplicationInfo")
-        app.sType = vk.VK_STRUCTURE_TYPE_APPLICATION_INFO
-        app.pApplicationName = app_name
-        app.pEngineName = app_name
-        app.apiVersion = (1 << 22) | (3 << 12)      # 1.3 where the device has it (1.2 is what we need)
-        ici = _s("VkInstanceCreateInfo")
-        ici.sType = vk.VK_STRUCTURE_TYPE_INSTANCE_CREATE_INFO
-        ici.pApplicationInfo = app
-        pi = ffi.new("VkInstance*")
-        _chk(lib.vkCreateInstance(ici, ffi.NULL, pi), "vkCreateInstance")
-        self._inst = pi[0]
 
     def _choose_physical_device(self, device_index: int | None) -> None:
         """``device_index``, ``_pd``, ``name`` and ``type_name`` of the device to open: ``device_index`` (else
@@ -286,3 +289,19 @@ class InstanceMixin:
         arr = ffi.new("VkExtensionProperties[]", n[0])
         lib.vkEnumerateDeviceExtensionProperties(self._pd, ffi.NULL, n, arr)
         return {ffi.string(arr[i].extensionName).decode() for i in range(n[0])}
+
+
+def _new_instance():
+    """A new ``VkInstance`` asking for API 1.3 (1.2 is what coli needs); VulkanError when the loader refuses."""
+    app_name = ffi.new("char[]", b"coli")
+    app = _s("VkApplicationInfo")
+    app.sType = vk.VK_STRUCTURE_TYPE_APPLICATION_INFO
+    app.pApplicationName = app_name
+    app.pEngineName = app_name
+    app.apiVersion = (1 << 22) | (3 << 12)      # 1.3 where the device has it (1.2 is what we need)
+    ici = _s("VkInstanceCreateInfo")
+    ici.sType = vk.VK_STRUCTURE_TYPE_INSTANCE_CREATE_INFO
+    ici.pApplicationInfo = app
+    pi = ffi.new("VkInstance*")
+    _chk(lib.vkCreateInstance(ici, ffi.NULL, pi), "vkCreateInstance")
+    return pi[0]

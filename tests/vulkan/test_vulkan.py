@@ -52,6 +52,24 @@ def test_row_result_independent_of_rows_sharing_the_gemv(dev, fmt):
         assert np.array_equal(y1[0], y15[r]) and np.array_equal(y3[r], y15[r]), f"row {r}"
 
 
+def test_devices_share_the_process_instance(dev):
+    """Every device the process opens shares one VkInstance, kept when a device closes (NVIDIA's driver refused
+    the 31st vkCreateInstance of a process that made and destroyed one an open): a device opened and closed beside
+    the module's leaves it working (a GEMV against NumPy)."""
+    from coli.vulkan.binding import ffi
+
+    rng = np.random.default_rng(3)
+    raw, w = make_weight("Q8_0", 8, 64, rng)
+    x = rng.standard_normal((1, 64)).astype(np.float32)
+    for _ in range(3):
+        d2 = open_test_device()
+        try:
+            assert ffi.cast("uintptr_t", d2._inst) == ffi.cast("uintptr_t", dev._inst)
+        finally:
+            d2.close()
+    assert rel_err(dev.matmul("Q8_0", raw, (8, 64), x), x @ w.T) < TOL
+
+
 def _route(R, E, K, rng):
     return np.stack([rng.choice(E, K, replace=False) for _ in range(R)])
 
