@@ -7,8 +7,17 @@ MLA (DeepSeek-V2; HF ``models/deepseek_v2/modeling_deepseek_v2.py`` ``DeepseekV2
     q        = attn_q x                       or attn_q_b RMSNorm(attn_q_a x, attn_q_a_norm)   # [T, H, dn + dr]
     [c, kr]  = attn_kv_a_mqa x                                                                # [T, r + dr]
     c        = RMSNorm(c, attn_kv_a_norm);  kr, q[..., dn:] rotated (rope NORM: adjacent pairs, HF's complex form)
-    o        = absorbed attention over the cache (cpu_kernels.mla)                            # [T, H, dv]
+    o        = attention over the cache                                                       # [T, H, dv]
     out      = attn_output o
+
+The attention takes one of two forms per call, whichever costs fewer multiply-adds
+(``coli.vulkan.layer_plan.mla_expanded_is_cheaper``, the device's rule): the absorbed form (cpu_kernels.mla, every
+decode row and a few rows after a long context) or, for a prompt chunk, HF's expanded form: each head's keys
+``[W_kb c_j, kr_j]`` f32 [n, dn + dr] and values ``W_vb c_j`` f32 [n, dv] for the ``n = pos0 + T`` cached positions
+(two f32 GEMMs per group of heads, ``cpu_kernels.formats.gemm_f32``), then the query-block attention of plain
+layers (``cpu_kernels.attention.attend``, key width dn + dr, value width dv). Same numbers in exact arithmetic; the
+expanded form moves the latent's r-wide products out of the per-key work (V2-Lite's shape: 320 against 1,088
+multiply-adds a key and head).
 
 The cache of a layer (:class:`LatentCache`) holds only c f32 [ctx, r] and kr f32 [ctx, dr]: (r + dr) * 4 bytes per
 position per layer, for every head (plain attention would keep 2 * H * head_dim * 4). The GGUF holds
@@ -21,7 +30,10 @@ from __future__ import annotations
 import numpy as np
 
 from coli.base.errors import ColiError
+from coli.vulkan.layer_plan import mla_expanded_is_cheaper
 from cpu_kernels import experts as grouped
+from cpu_kernels.attention import attend as attend_blocks
+from cpu_kernels.formats import gemm_f32
 from cpu_kernels.mla import mla_attend
 from cpu_kernels.norms import rms_norm
 from cpu_kernels.rope import NORM, apply_rope
@@ -51,6 +63,24 @@ def _shape(wt, name, arr, want):
     if tuple(arr.shape) != tuple(want):
         raise ColiError(f"{wt.fname}: tensor '{name}': shape {list(arr.shape)}, expected {list(want)}")
     return arr
+
+
+#: bytes of one head group's expanded keys and values (f32 [G, n, dn + dr] and [G, n, dv]); heads go in groups of
+#: as many as fit (at least one), so a long context holds at most this much beside the latent cache
+EXPAND_BYTES = 64 << 20
+
+
+def every_key_chosen(sel: np.ndarray, pos0: int) -> bool:
+    """Whether the positions ``sel`` int64 [T, K] of rows at ``pos0 ..`` are, row by row, every earlier position in
+    order then -1 padding (``cpu_kernels.mla.dsa_topk``'s choice while a row sees at most K positions): the
+    attention is then the dense causal one."""
+    T, K = sel.shape
+    n = pos0 + T
+    if K < n:
+        return False
+    j = np.arange(K)
+    want = np.where(j[None, :] <= pos0 + np.arange(T)[:, None], j[None, :], -1)
+    return bool((sel == want).all())
 
 
 class MLA:
@@ -145,15 +175,52 @@ class MLA:
         cos, sin = self.m.rope_table(self.rope_base, self.rope_scaling, self.dr)
         apply_rope(x, pos, cos, sin, self.dr, NORM)
 
+    def expands(self, T: int, pos0: int, sel=None) -> bool:
+        """Whether ``T`` rows at ``pos0`` take the expanded form (module docstring): more than one row, fewer
+        multiply-adds, and every earlier position attended (``sel`` None, or :func:`every_key_chosen`)."""
+        return (T > 1 and mla_expanded_is_cheaper(T, pos0, self.r, self.dn, self.dr, self.dv)
+                and (sel is None or every_key_chosen(sel, pos0)))
+
+    def expanded(self, q, cache: LatentCache, pos0: int):
+        """HF's form for ``q`` f32 [T, H, dn + dr] (rope applied) at ``pos0 ..`` over the cache's ``pos0 + T``
+        positions: per group of heads (:data:`EXPAND_BYTES`) their keys and values from the latent, then
+        ``cpu_kernels.attention.attend``'s causal query blocks. Returns f32 [T, H, dv]."""
+        T, H, dn, dv = q.shape[0], self.H, self.dn, self.dv
+        n = pos0 + T
+        lat, kr = cache.lat[:n], cache.kr[:n]
+        G = max(1, min(H, EXPAND_BYTES // (4 * n * (dn + self.dr + dv))))
+        out = np.empty((T, H, dv), np.float32)
+        for h0 in range(0, H, G):
+            h1 = min(h0 + G, H)
+            g = h1 - h0
+            # one GEMM a side for the group's heads: k_j = W_kb c_j, v_j = W_vb c_j (the engine's threads, as
+            # every kernel; NumPy's BLAS ran it at the same speed here but with a thread pool of its own)
+            kn = np.empty((n, g * dn), np.float32)
+            gemm_f32(np.ascontiguousarray(self.attn_k_b[h0:h1].transpose(0, 2, 1)).reshape(g * dn, self.r), lat, kn)
+            vn = np.empty((n, g * dv), np.float32)
+            gemm_f32(np.ascontiguousarray(self.attn_v_b[h0:h1]).reshape(g * dv, self.r), lat, vn)
+            K = np.empty((g, n, dn + self.dr), np.float32)
+            K[:, :, :dn] = kn.reshape(n, g, dn).transpose(1, 0, 2)
+            K[:, :, dn:] = kr                                             # the rope key, shared by the heads
+            V = np.ascontiguousarray(vn.reshape(n, g, dv).transpose(1, 0, 2))
+            if G == H:
+                attend_blocks(q, K, V, pos0, self.scale, out=out)
+            else:  # contiguous groups: the kernels' compiled signatures take C arrays
+                out[:, h0:h1] = attend_blocks(np.ascontiguousarray(q[:, h0:h1]), K, V, pos0, self.scale)
+        return out
+
     def attend(self, q, kv, cache: LatentCache, pos0: int, sel=None):
-        """Rope, the latent cache write, the absorbed attention and ``attn_output`` for ``project``'s q and kv:
-        f32 [T, D]."""
+        """Rope, the latent cache write, the attention (absorbed or expanded: :meth:`expands`) and ``attn_output``
+        for ``project``'s q and kv: f32 [T, D]."""
         T = q.shape[0]
-        q_nope = np.ascontiguousarray(q[:, :, :self.dn])
         q_pe = np.ascontiguousarray(q[:, :, self.dn:])
         self.rope(q_pe, pos0)
         self.latent(kv, cache, pos0)
-        o = mla_attend(q_nope, q_pe, self.attn_k_b, self.attn_v_b, cache.lat, cache.kr, pos0, self.scale, sel)
+        if self.expands(T, pos0, sel):
+            o = self.expanded(np.concatenate([q[:, :, :self.dn], q_pe], axis=2), cache, pos0)
+        else:
+            o = mla_attend(np.ascontiguousarray(q[:, :, :self.dn]), q_pe, self.attn_k_b, self.attn_v_b, cache.lat,
+                           cache.kr, pos0, self.scale, sel)
         return self.m.mm(self.attn_output, o.reshape(T, self.H * self.dv))
 
     def __call__(self, x, xa, cache: LatentCache, pos0: int, sel=None):

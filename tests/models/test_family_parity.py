@@ -40,18 +40,20 @@ class Family:
     streamed: bool = False     # also with expert_cache=1 (experts loaded from the file on demand)
     q8_twin: bool = False      # the Q8_0 copy against its f32 dequantization
     cli: bool = False          # ``coli run -m FILE``
+    mla_split: int = 0         # MLA: the prompt cut there for the two forms' check (0: no MLA layer)
 
     def __str__(self):
         return self.name
 
 
 FAMILIES = [
-    Family("deepseek2_lite", "deepseek2", True, routes=True, device=(None,)),
-    Family("deepseek2_qlora", "deepseek2", True, routes=True, device=(None,)),
-    Family("deepseek2_yarn", "deepseek2", True, routes=True),
-    Family("deepseek3", "deepseek2", True, routes=True),
-    Family("kimi", "kimi", False, routes=True, device=(None,)),
-    Family("glmdsa", "glmdsa", True, routes=True, device=(None,)),       # 40 rows: past the indexer's top-k (24)
+    Family("deepseek2_lite", "deepseek2", True, routes=True, device=(None,), mla_split=80),
+    Family("deepseek2_qlora", "deepseek2", True, routes=True, device=(None,), mla_split=80),
+    Family("deepseek2_yarn", "deepseek2", True, routes=True, mla_split=80),
+    Family("deepseek3", "deepseek2", True, routes=True, mla_split=80),
+    Family("kimi", "kimi", False, routes=True, device=(None,), mla_split=80),
+    # 40 rows: past the indexer's top-k (24); the first 20 rows see every key (the expanded form)
+    Family("glmdsa", "glmdsa", True, routes=True, device=(None,), mla_split=20),
     Family("gptoss", "gptoss", True, rows=88, streamed=True, device=(None,)),
     Family("mimo2", "mimo2", True, rows=88, streamed=True, device=(True,)),
     Family("mimo2_groups", "mimo2", True, rows=88),
@@ -134,6 +136,29 @@ def test_prompt_in_one_call_equals_one_at_a_time(engines, f):
                 assert np.abs(x - y).max() <= 1e-4 * np.abs(x).max(), (attr, np.abs(x - y).max() / np.abs(x).max())
                 compared += 1
     assert compared > 0
+
+
+@pytest.mark.parametrize("f", [f for f in FAMILIES if f.mla_split], ids=str)
+def test_mla_chunks_of_either_form_match_hf(engines, f, monkeypatch):
+    """The prompt in two calls cut at ``mla_split``: every MLA layer takes the expanded form for the first (a chunk
+    from position 0: fewer multiply-adds; glm-dsa's while every key is chosen) and the absorbed one for the rest
+    (16 rows after 80: more multiply-adds; glm-dsa's past the indexer's top-k); both calls' logits within 1e-4
+    of HF's, argmax equal."""
+    from coli.models import mla
+
+    forms = []
+    expanded, absorbed = mla.MLA.expanded, mla.mla_attend
+    monkeypatch.setattr(mla.MLA, "expanded", lambda *a: forms.append("expanded") or expanded(*a))
+    monkeypatch.setattr(mla, "mla_attend", lambda *a: forms.append("absorbed") or absorbed(*a))
+    m, d = engines(f.name).model, _oracle(f)
+    n_mla = sum(isinstance(getattr(L.attn, "mla", L.attn), mla.MLA) for L in m.layers)
+    c, k = m.new_cache(128), f.mla_split
+    for a, b, form in ((0, k, "expanded"), (k, len(d["ids"]), "absorbed")):
+        forms.clear()
+        got = m.forward(d["ids"][a:b], c, all_logits=True)
+        assert forms == [form] * n_mla, forms
+        assert (rel(got, d["logits"][a:b]) <= 1e-4).all(), (form, rel(got, d["logits"][a:b]).max())
+        assert (got.argmax(1) == d["logits"][a:b].argmax(1)).all()
 
 
 @pytest.mark.parametrize("f", FAMILIES, ids=str)
