@@ -214,7 +214,9 @@ class Worker:
     def _warm_up(self) -> None:
         """One short greedy generation through the slots before the first request (llama-server's warm-up):
         a 2-token prompt step and a 1-row decode step, so that the kernels' compile (tens of seconds on a cold
-        Numba cache) and the first touch of the weights are paid here, not by the first client. The slot's rows,
+        Numba cache) and the first touch of the weights are paid here, not by the first client; with several
+        slots whose rows run together, two such generations at once (their decode step the several-row compiled
+        call: its compile took a first 4-client burst minutes on a cold cache). The slots' rows,
         the step counters and the routing history are then put back: the warm-up leaves no prompt cache, counts no
         steps and adds no routings. A failure is printed (the requests will meet it too), never hidden."""
         eng, b = self.eng, self.batcher
@@ -225,15 +227,17 @@ class Worker:
         # the routing history is the tier's warm start: a synthetic prompt's routings must not enter it
         u = getattr(eng, "usage", None)
         hist = (u.counts.copy(), u.tokens) if u is not None else None
-        seq = Sequence(eng, ids, 2, Sampler(SamplingParams(temp=0.0), ctx=eng.ctx), stop_at_eos=False)
+        seqs = [Sequence(eng, ids, 2, Sampler(SamplingParams(temp=0.0), ctx=eng.ctx), stop_at_eos=False)
+                for _ in range(2 if len(b.slots) > 1 and b.batched else 1)]
         try:
-            b.run([seq])
+            b.run(seqs)
         except Exception as e:  # noqa: BLE001
             print(f"coli serve: the warm-up failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         finally:
-            if seq.slot is not None:
-                seq.slot.ids = []
-            self.warmed = dict(steps=b.steps - steps0, seconds=round(time.perf_counter() - t0, 3))
+            for seq in seqs:
+                if seq.slot is not None:
+                    seq.slot.ids = []
+            self.warmed = dict(steps=b.steps - steps0, rows=b.most_rows_of, seconds=round(time.perf_counter() - t0, 3))
             b.steps, b.most_rows_of, b.reused_rows, b.copied_rows = steps0, 0, 0, 0
             if hist is not None:
                 u.discard_pending()

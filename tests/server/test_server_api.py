@@ -279,7 +279,7 @@ def test_warmup_health_503_then_200(eng, monkeypatch):
             time.sleep(0.1)
         h = r.json()
         assert r.status_code == 200 and h["status"] == "ok"
-        assert h["warmup"]["steps"] == 2 and h["warmup"]["seconds"] > 0
+        assert h["warmup"]["steps"] == 2 and h["warmup"]["rows"] == 1 and h["warmup"]["seconds"] > 0
         assert h["steps"] == 0 and h["reused_rows"] == 0
         ids = eng.tokenizer.encode_chat(Q)
         r = c.post("/v1/chat/completions", json={"messages": Q, "max_tokens": 6, "temperature": 0})
@@ -288,6 +288,20 @@ def test_warmup_health_503_then_200(eng, monkeypatch):
     with _client(eng) as c:
         h = c.get("/health")
         assert h.status_code == 200 and h.json()["warmup"] is None
+    # several slots: two warm-up generations together (their decode step the several-row compiled call where
+    # the engine has one; this f32 engine has none)
+    monkeypatch.setattr(Worker, "_warm_up", orig)
+    rows = eng.model.rows_dec
+    ran = rows.steps if rows is not None else 0
+    with _client(eng, warmup=True, parallel=2) as c:
+        t_end = time.time() + 900
+        while (r := c.get("/health")).status_code != 200 and time.time() < t_end:
+            time.sleep(0.1)
+        w = r.json()["warmup"]
+        assert (w["steps"], w["rows"]) == (2, 2) and r.json()["steps"] == 0
+        assert all(s == 0 for s in (r.json()["slots_busy"], r.json()["reused_rows"]))
+    if rows is not None:
+        assert rows.steps == ran + 1
 
 
 def test_conversation_outgrowing_context_drops_oldest_turns(http, eng):
