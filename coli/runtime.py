@@ -230,15 +230,16 @@ def build(eng, *, ctx, expert_cache, usage, io_threads, device, balance, trace, 
 def check_dense_fits(eng) -> None:
     """Before the model loads: ColiError when its dense part (every tensor but the routed experts, as the file
     has them) with what the process holds already and the :func:`headroom` does not fit the memory budget;
-    the line says the budget it would run with (the experts streamed from disk)."""
+    the line says the budget it would run with (a MoE's experts streamed from disk; a dense model has none)."""
     dense = sum(int(t.nbytes) for n, t in eng.g.tensors.items() if "_exps" not in n)
+    experts = any("_exps" in n for n in eng.g.tensors)
 
     rss = memory.process_rss()
     need = budget_needed(rss + dense)
     if need > eng.memory.bytes:
         raise ColiError(f"{eng.path.name}: its dense weights ({_fmt(dense)}) and coli itself ({_fmt(rss)}) need "
                         f"a memory budget of {_fmt(need)} or more, above the {eng.memory.describe()}; with "
-                        f"{_fmt(need)} it runs with its experts streamed from disk")
+                        f"{_fmt(need)} it runs" + (" with its experts streamed from disk" if experts else ""))
 
 
 def setup_moe(eng, expert_cache, usage_path, io_threads, keep_raw) -> None:

@@ -4,6 +4,7 @@ what the engine sizes fits what the budget leaves; a model whose dense part cann
 loads)."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 
 from coli.base import memory
 from coli.base.errors import ColiError
+from conftest import FIXTURES
 from tiny_moe import ROOT, build_tiny_moe
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -201,6 +203,19 @@ def test_dense_part_that_cannot_fit_is_refused(tmp_path):
     assert "\n" not in line and "Traceback" not in line
     assert line.startswith("coli: tiny-moe.gguf: its dense weights (") and "memory budget 102 MiB (--mem 0.1)" in line
     assert "it runs with its experts streamed from disk" in line
+
+
+def test_a_dense_model_that_cannot_fit_names_no_experts(tmp_path):
+    """The same refusal for a dense model (no routed experts: nothing streams from disk) says the budget it runs
+    with and no experts (it said "with its experts streamed from disk" for SmolLM2)."""
+    from coli.engine import Engine
+
+    with pytest.raises(ColiError) as e:
+        Engine(FIXTURES / "oracles" / "rope_linear.gguf", usage=str(tmp_path / "u"), save_usage=False,
+               env={"COLI_MEM": "0.1"})
+    assert re.fullmatch(r"rope_linear\.gguf: its dense weights \(.*\) and coli itself \(.*\) need a memory budget of "
+                        r"(\d+) MiB or more, above the memory budget 102 MiB \(COLI_MEM=0\.1.*\); with \1 MiB it runs",
+                        str(e.value)), str(e.value)
 
 
 def _mapped_rss(start: int) -> int:
