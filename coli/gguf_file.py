@@ -451,7 +451,7 @@ def _check_meta(w: _Walker, meta: dict, kv_types: dict) -> tuple[int, str | None
     if isinstance(arch, str):
         for key, v in meta.items():
             if key.startswith(arch + ".") and key[len(arch) + 1:] in NUMERIC_ARCH_KEYS and (
-                    isinstance(v, (str, list)) or (isinstance(v, np.ndarray) and v.dtype.kind not in "iuf")):
+                    isinstance(v, (str, list, bool)) or (isinstance(v, np.ndarray) and v.dtype.kind not in "iuf")):
                 kt = kv_types[key]
                 w.fail(f"kv '{key}'", f"type {TYPE_NAMES.get(kt[1] if isinstance(kt, tuple) else kt, '?')}"
                                       f"{' array' if isinstance(kt, tuple) else ''}, expected a number "

@@ -97,6 +97,8 @@ class BaseArgs:
             top_k=int(g.get(f"{a}.expert_used_count", 0) or 0),
             sliding_window=int(g.get(f"{a}.attention.sliding_window", 0) or 0),
         )
+        if not kw["rope_base"] > 0:  # a base of 0, below 0 or NaN made NaN rotations: NaN logits, no error
+            raise ColiError(f"{g.path.name}: metadata '{a}.rope.freq_base': {kw['rope_base']:g} (must be above 0)")
         n_rot = overrides.get("n_rot", kw["n_rot"])
         kw["rope_scaling"] = rope_scaling.from_gguf(g, n_rot)  # ColiError for a key coli does not implement
         norm = g.get(f"{a}.expert_weights_norm")

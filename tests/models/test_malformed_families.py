@@ -85,6 +85,37 @@ def test_numeric_key_as_string_is_one_clear_error(tmp_path, name, key):
     _refused(tmp_path, name, rf"{name}\.gguf: kv '{key}': type string, expected a number", to_str=key)
 
 
+def test_numeric_key_as_bool_is_one_clear_error(tmp_path):
+    """A bool where llama.cpp's key table has a number (context_length true): refused as a string is; it was read
+    as the integer 1 (a context of 1 position, blamed on --ctx)."""
+    import gguf
+    from oracle_check import Typed
+
+    from coli.base.errors import ColiError
+    from coli.gguf_file import open_gguf
+
+    path = copy_gguf(ORACLES / "mixtral.gguf", tmp_path / "m.gguf",
+                     keys={"llama.context_length": Typed(True, gguf.GGUFValueType.BOOL)})
+    with pytest.raises(ColiError, match=r"m\.gguf: kv 'llama\.context_length': type bool, expected a number"):
+        open_gguf(str(path))
+
+
+@pytest.mark.parametrize("base", [0.0, -1.0, float("nan")])
+def test_rope_base_not_above_zero_is_one_clear_error(tmp_path, base):
+    """rope.freq_base 0, -1 or NaN: ColiError naming the key when the model loads (it ran: a RuntimeWarning from
+    NumPy's power, NaN rotations, NaN logits)."""
+    import gguf
+    from oracle_check import Typed
+
+    from coli.base.errors import ColiError
+    from coli.engine import Engine
+
+    path = copy_gguf(ORACLES / "mixtral.gguf", tmp_path / "m.gguf",
+                     keys={"llama.rope.freq_base": Typed(base, gguf.GGUFValueType.FLOAT32)})
+    with pytest.raises(ColiError, match=rf"m\.gguf: metadata 'llama\.rope\.freq_base': {base:g} \(must be above 0\)"):
+        Engine(str(path), threads=1, ctx=32)
+
+
 def test_unsupported_type_names_file_and_tensor(tmp_path):
     """A norm stored as I32 (a type no kernel reads): the error names the file and the tensor (before: only
     'tensor type I32 is not supported')."""
