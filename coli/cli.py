@@ -120,7 +120,7 @@ def _engine_args(p: argparse.ArgumentParser, model_required=False):
     p.add_argument("--trace", default=None, metavar="FILE.json", help="write Chrome/Perfetto trace events")
 
 
-def _open_engine(a, quiet=False, save_usage=True):
+def _open_engine(a, quiet=False, save_usage=True, ctx_name=None):
     from coli.engine import Engine  # loads Numba: only when a command opens a model, not for --help
 
     device, index = device_flag(a.device)
@@ -175,7 +175,7 @@ def _open_engine(a, quiet=False, save_usage=True):
                   cpu_act=a.cpu_act, io_threads=4 if a.io_threads is None else a.io_threads, device=device,
                   balance=False if a.reproducible else a.balance,
                   trace=a.trace, quiet=quiet, save_usage=save_usage, env=env,
-                  cli_names={"vulkan": asked} if asked else True,
+                  cli_names={**({"vulkan": asked} if asked else {}), **({"ctx": ctx_name} if ctx_name else {})} or True,
                   silent=bool(getattr(a, "quiet", False)), cache_type_k=getattr(a, "cache_type_k", None),
                   cache_type_v=getattr(a, "cache_type_v", None))
 
@@ -529,14 +529,16 @@ def cmd_bench(a) -> int:
             print(f"coli bench: {rec['test']} at {rec['n_threads']} threads: {rec['avg_ts']:.2f} t/s",
                   file=sys.stderr)
 
+    ctx_name = None
     if a.ctx is None:  # llama-bench's n_ctx (n_prompt + n_gen): the budget keeps no room for a KV cache no test uses
         a.ctx = max([*pp, *tg]) + 1
+        ctx_name = f"-p {a.n_prompt} -n {a.n_gen} (a context of the longest test + 1; -c sets it)"
     recs = []
     flag = getattr(a, "gpu_layers_flag", None) or "-ngl"   # the spelling the user typed (_KeepFlag)
     for ngl in ngls:  # llama-bench's -ngl list: a model (here an engine) per value
         a.gpu_layers = ngl
         a.gpu_layers_name = f"{flag} {ngl}" + (f" (of {raw_ngl})" if len(ngls) > 1 else "")
-        eng = _open_engine(a, quiet=True, save_usage=False)  # a benchmark does not feed the routing history
+        eng = _open_engine(a, quiet=True, save_usage=False, ctx_name=ctx_name)  # no routing history from a benchmark
         try:
             recs += run_bench(eng, n_prompt=pp, n_gen=tg, reps=a.repetitions, cold=a.cold,
                               threads=threads or [eng.threads], bandwidth=a.bandwidth, on_test=progress)

@@ -73,7 +73,8 @@ class Engine:
     ``COLI_*`` settings, ``os.environ`` by default: ``coli.base.settings.overlay`` puts flags on top, docs/settings.md;
     ``COLI_MEM`` caps the memory budget, ``coli.base.memory.budget``: ``memory``),
     ``cli_names`` (errors name CLI flags instead of API arguments; a dict ``{"vulkan": flag}`` also names the flag
-    that opened the device, e.g. ``"--cpu-moe"``, for the device's errors), ``cache_type_k`` / ``cache_type_v`` (the KV
+    that opened the device, e.g. ``"--cpu-moe"``, for the device's errors, and ``{"ctx": words}`` how errors name a
+    context the command chose, e.g. coli bench's from ``-p`` / ``-n``), ``cache_type_k`` / ``cache_type_v`` (the KV
     cache's types: "f32", "f16", "bf16", "q8_0"; default the settings ``COLI_CACHE_TYPE_K/V``, f32:
     ``coli.runtime.kv_types``, docs/engine.md "KV cache types"). Raises ``ColiError`` for bad files or options.
     """
@@ -290,7 +291,10 @@ class Engine:
     def _name(self, arg: str) -> str:
         """How an error names option ``arg``: the CLI flag when the CLI opened the engine, else the API
         argument."""
-        return FLAGS.get(arg, arg) if getattr(self, "cli_names", False) else arg
+        names = getattr(self, "cli_names", False)
+        if isinstance(names, dict) and arg in names:
+            return names[arg]
+        return FLAGS.get(arg, arg) if names else arg
 
     def _check_open(self):
         if getattr(self, "_closed", False):

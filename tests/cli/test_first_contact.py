@@ -255,3 +255,14 @@ def test_a_terminal_that_is_not_utf8_gets_the_text_as_utf8(capsys, monkeypatch):
     rc = main(["run", "-m", str(DENSE), "-p", "héllo ✓", "-n", "1", "-q"])
     out.flush()
     assert rc == 0 and out.buffer.getvalue().decode("utf-8").startswith("héllo ✓"), capsys.readouterr().err
+
+
+def test_a_bench_context_too_big_names_the_tests_not_ctx(capsys):
+    """coli bench picks its context from -p / -n (llama-bench's n_prompt + n_gen): a KV cache past the memory budget
+    names the tests that asked for it, not --ctx the user did not give; with -c it names --ctx."""
+    rc, out, err = _main(capsys, "bench", "-m", str(DENSE), "-p", "99999999", "-n", "0", "-r", "1", "--mem", "1")
+    assert (rc, out) == (2, "") and err.startswith("coli: -p 99999999 -n 0 (a context of the longest test + 1; -c "
+                                                   "sets it): 100000000 positions need "), err
+    rc, out, err = _main(capsys, "bench", "-m", str(DENSE), "-p", "8", "-n", "0", "-r", "1", "--mem", "1",
+                         "-c", "99999999")
+    assert (rc, out) == (2, "") and err.startswith("coli: --ctx: 99999999 positions need "), err
