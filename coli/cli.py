@@ -323,10 +323,20 @@ def _temperature(v: str) -> float:
     return max(t, 0.0)
 
 
+def _top_k(v: str) -> int:
+    """``--top-k``: an integer; -1 read as 0 (off), as llama.cpp's top-k sampler skips k <= 0 and coli serve takes
+    ``top_k: -1``; below -1 is left for the sampler's one-line error."""
+    try:
+        k = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{v!r} is not an integer") from None
+    return 0 if k == -1 else k
+
+
 def _sampling_args(p, temp: float):
     p.add_argument("--temp", "--temperature", type=_temperature, default=temp, metavar="T",
                    help="temperature (0 = greedy; below 0 read as 0, as llama.cpp)")
-    p.add_argument("--top-k", type=int, default=40, help="sample among the K most likely (0 = all)")
+    p.add_argument("--top-k", type=_top_k, default=40, help="sample among the K most likely (0 or -1 = all)")
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus: the smallest set with this probability")
     p.add_argument("--min-p", type=float, default=0.05, help="drop tokens below this share of the top one's probability")
     p.add_argument("--repeat-penalty", type=float, default=1.0, help="penalise repeated tokens (1 = off)")

@@ -86,3 +86,14 @@ def test_ubatch_size_is_the_prompt_step(monkeypatch, capsys):
         _main(capsys, "run", "-ub", "7", "-p", "x", "-m", str(__file__))   # resolve takes any existing file
     assert seen["env"]["COLI_UBATCH"] == "7"
     assert Engine.prompt_chunk(SimpleNamespace(device_layers=None, model=None, env=seen["env"])) == 7
+
+
+def test_top_k_minus_one_is_off():
+    """``--top-k -1``: off (0), as llama.cpp's sampler skips k <= 0 and coli serve's ``top_k: -1``; it was refused
+    ("-1 (0 for all, or above)")."""
+    from coli.cli import build_parser
+
+    p = build_parser()
+    assert p.parse_args(["run", "--top-k", "-1", "x"]).top_k == 0
+    assert p.parse_args(["chat", "--top-k", "-1"]).top_k == 0
+    assert p.parse_args(["run", "--top-k", "5", "x"]).top_k == 5
