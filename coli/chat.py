@@ -14,6 +14,8 @@ turns are dropped (the system message stays), said in one line, as llama.cpp's c
 """
 from __future__ import annotations
 
+import re
+
 import signal
 import sys
 import threading
@@ -122,6 +124,9 @@ def run_chat(eng, a, inp=input, out=sys.stdout) -> int:
             continue
         if text.startswith("/") and text.split()[0] in ("/help", "/?"):
             print(f"coli: {HELP}", file=sys.stderr)
+            continue
+        if re.fullmatch(r"/[A-Za-z]+", text):   # a mistyped command (/exti) is not a message (ollama's habit too)
+            print(f"coli: unknown command {text} (/help lists them)", file=sys.stderr)
             continue
         msgs.append({"role": "user", "content": line})
         try:

@@ -122,6 +122,24 @@ def test_chat_input_that_is_not_utf8(capsys):
         run_chat(None, a, inp=strict, out=sys.stdout)
 
 
+def test_chat_unknown_command_is_not_a_message(capsys):
+    """A line that is one unknown /word (a mistyped /exit) is said to be an unknown command and never reaches the
+    engine (None here); /help and a message that only starts with a path are not taken for one."""
+    from types import SimpleNamespace
+
+    from coli.chat import run_chat
+
+    lines = iter(["/exti", "/help", "/exit"])
+
+    def inp(_prompt):
+        return next(lines)
+
+    assert run_chat(None, SimpleNamespace(system=None, quiet=True), inp=inp, out=sys.stdout) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "coli: unknown command /exti (/help lists them)" and err[1].startswith("coli: /reset forgets")
+    assert len(err) == 2
+
+
 def _opts(**kw):
     import argparse
 
