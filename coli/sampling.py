@@ -48,7 +48,11 @@ def top_ids(v: np.ndarray, k: int) -> np.ndarray:
     n = v.size
     if 0 < k and 8 * k < n:
         t = np.partition(v[:: min(16, n // (4 * k))], -k)[-k]
-        c = np.flatnonzero(v >= t) if math.isfinite(t) else np.flatnonzero(np.isfinite(v))
+        c = np.flatnonzero(v >= t) if math.isfinite(t) else None
+        if c is not None:
+            c = c[v[c] < np.inf]  # +inf reaches any threshold but is not finite
+        if c is None or c.size < k:  # a NaN in the sample sorts above every number: fewer than k may reach t
+            c = np.flatnonzero(np.isfinite(v))
     else:
         c = np.flatnonzero(np.isfinite(v))
     c = c[np.argsort(-v[c], kind="stable")]

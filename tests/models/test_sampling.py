@@ -184,6 +184,25 @@ def test_top_ids_are_numpys_stable_sort(n):
             assert got.dtype == np.int64 and np.array_equal(got, ref[:k] if k > 0 else ref), k
 
 
+def test_top_ids_drop_nan_and_inf_where_the_sample_holds_them():
+    """The function's contract (finite values only) on rows the Sampler never gives it (its rows are masked
+    first): a +inf reaches any threshold and a NaN sorts above every number in the sample's partition, so the
+    threshold's candidates held the +inf ids, or fewer than k finite ones. Reference: NumPy's stable argsort."""
+    from coli.sampling import top_ids
+
+    n, k = 1600, 5  # the sample: every 16th value
+    v = np.full(n, 1.0)
+    v[::16] = -5.0
+    v[[0, 16, 32, 48]] = np.nan  # 4 NaNs in the sample: its 5th largest is its largest number, 10
+    v[64] = 10.0
+    inf = np.arange(n, dtype=np.float64)
+    inf[[3, 700]] = np.inf
+    for row in (v, inf):
+        ref = np.argsort(-row, kind="stable")
+        ref = ref[np.isfinite(row[ref])]
+        assert np.array_equal(top_ids(row, k), ref[:k])
+
+
 def test_draw_follows_softmax_over_temperature():
     """The draw's CDF is softmax(logits / temp) over the kept tokens: u picks the first token whose
     cumulative probability exceeds it."""
