@@ -65,8 +65,10 @@ def _shape(wt, name, arr, want):
     return arr
 
 
-#: bytes of one head group's expanded keys and values (f32 [G, n, dn + dr] and [G, n, dv]); heads go in groups of
-#: as many as fit (at least one), so a long context holds at most this much beside the latent cache
+#: bytes of one head group's scratch: its expanded keys and values (f32 [G, n, dn + dr] and [G, n, dv]) and the
+#: larger GEMM output they are copied from (f32 [n, G max(dn, dv)]); heads go in groups of as many as fit (at least
+#: one), so a long context holds at most this much beside the latent cache (a 32k context: one head at a time,
+#: at most 56 MiB at V2's dims)
 EXPAND_BYTES = 64 << 20
 
 
@@ -188,7 +190,8 @@ class MLA:
         T, H, dn, dv = q.shape[0], self.H, self.dn, self.dv
         n = pos0 + T
         lat, kr = cache.lat[:n], cache.kr[:n]
-        G = max(1, min(H, EXPAND_BYTES // (4 * n * (dn + self.dr + dv))))
+        per = dn + self.dr + dv + max(dn, dv)  # f32s a head and position: K, V and one GEMM output at a time
+        G = max(1, min(H, EXPAND_BYTES // (4 * n * per)))
         out = np.empty((T, H, dv), np.float32)
         for h0 in range(0, H, G):
             h1 = min(h0 + G, H)
@@ -197,16 +200,19 @@ class MLA:
             # every kernel; NumPy's BLAS ran it at the same speed here but with a thread pool of its own)
             kn = np.empty((n, g * dn), np.float32)
             gemm_f32(np.ascontiguousarray(self.attn_k_b[h0:h1].transpose(0, 2, 1)).reshape(g * dn, self.r), lat, kn)
-            vn = np.empty((n, g * dv), np.float32)
-            gemm_f32(np.ascontiguousarray(self.attn_v_b[h0:h1]).reshape(g * dv, self.r), lat, vn)
             K = np.empty((g, n, dn + self.dr), np.float32)
             K[:, :, :dn] = kn.reshape(n, g, dn).transpose(1, 0, 2)
             K[:, :, dn:] = kr                                             # the rope key, shared by the heads
+            del kn  # before vn: the group's scratch is K, V and one GEMM output (EXPAND_BYTES)
+            vn = np.empty((n, g * dv), np.float32)
+            gemm_f32(np.ascontiguousarray(self.attn_v_b[h0:h1]).reshape(g * dv, self.r), lat, vn)
             V = np.ascontiguousarray(vn.reshape(n, g, dv).transpose(1, 0, 2))
+            del vn
             if G == H:
                 attend_blocks(q, K, V, pos0, self.scale, out=out)
             else:  # contiguous groups: the kernels' compiled signatures take C arrays
                 out[:, h0:h1] = attend_blocks(np.ascontiguousarray(q[:, h0:h1]), K, V, pos0, self.scale)
+            del K, V  # freed before the next group's are made
         return out
 
     def attend(self, q, kv, cache: LatentCache, pos0: int, sel=None):

@@ -131,6 +131,46 @@ def test_absorbed_kernel_equals_expanded_form():
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
+def test_expanded_form_scratch_stays_within_expand_bytes(monkeypatch):
+    """The expanded prompt form (``MLA.expanded``) against HF's form in NumPy float64, its heads in groups of 3 of
+    8 (``EXPAND_BYTES`` sized for 3 at this context): its NumPy scratch (tracemalloc's peak) stays within
+    ``EXPAND_BYTES`` plus the output and one group's query, weights and attention output. It held both GEMM outputs
+    beside K and V, and the last group's K and V while the next one's were made: 1.8x the bound at V2-Lite's dims
+    and a 4k context, 2.4x at 32k."""
+    import tracemalloc
+
+    from coli.models import mla
+
+    rng = np.random.default_rng(2)
+    T, H, dn, dr, r, dv, pos0 = 40, 8, 32, 16, 64, 24, 560
+    n, G = pos0 + T, 3
+    m = mla.MLA.__new__(mla.MLA)
+    m.H, m.r, m.dn, m.dr, m.dv, m.scale = H, r, dn, dr, dv, 0.2
+    kb, vb = rng.standard_normal((H, r, dn)) / 4, rng.standard_normal((H, dv, r)) / 4
+    m.attn_k_b, m.attn_v_b = kb.astype(np.float32), vb.astype(np.float32)
+    cache = mla.LatentCache(n, r, dr)
+    cache.lat[:], cache.kr[:] = rng.standard_normal((n, r)), rng.standard_normal((n, dr))
+    q = rng.standard_normal((T, H, dn + dr)).astype(np.float32)
+    monkeypatch.setattr(mla, "EXPAND_BYTES", 4 * n * G * (dn + dr + dv + max(dn, dv)))
+    m.expanded(q, cache, pos0)  # its kernels compiled (or loaded) before the count
+    tracemalloc.start()
+    try:
+        got = m.expanded(q, cache, pos0)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    small = 4 * (T * H * dv + G * (T * (dn + dr) + r * dn + T * dv))  # out; a group's q, W_kb copy, attention out
+    assert peak <= mla.EXPAND_BYTES + small + (16 << 10), (peak, mla.EXPAND_BYTES, small)
+    lat, kr = cache.lat.astype(np.float64), cache.kr.astype(np.float64)
+    K = np.concatenate([np.einsum("hrn,jr->hjn", kb, lat), np.broadcast_to(kr, (H, n, dr))], axis=2)
+    V = np.einsum("hvr,jr->hjv", vb, lat)
+    s = np.einsum("thd,hjd->htj", q.astype(np.float64), K) * 0.2
+    s = np.where(np.arange(n)[None, None, :] <= pos0 + np.arange(T)[None, :, None], s, -np.inf)
+    e = np.exp(s - s.max(axis=2, keepdims=True))
+    want = np.einsum("htj,hjv->thv", e / e.sum(axis=2, keepdims=True), V)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
 def test_missing_mla_tensor_is_a_clear_error(tmp_path):
     from coli.engine import Engine
     from coli.base.errors import ColiError
