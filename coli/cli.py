@@ -30,7 +30,7 @@ from coli.base.errors import ColiError
 from coli.base.paths import cache_dir
 from coli.base.progress import HoldFirst, bar, quiet as quiet_compiles, stderr_is_terminal, text_on_line
 from coli.fetch import MODEL_NAMES, MODELS, check_folder  # MODEL_NAMES: the names -m takes besides a path
-from coli.llama_flags import add_llama_flags
+from coli.llama_flags import add_llama_flags, process_escapes
 from coli.resolve import resolve
 from coli.vulkan import device_flag
 from scheduler.trace import CATEGORIES, summarize
@@ -199,7 +199,7 @@ def _read_prompt(a) -> str:
             raise ColiError(f"-f {a.file}: not UTF-8 text (byte {e.start})") from None
         if prompt == "":  # said before the model (or a device: --cpu-moe, --gpu-layers) is opened
             raise ColiError(f"-f {a.file}: empty (no prompt in it)")
-        return prompt
+        return _escaped(a, prompt, f"-f {a.file}")
     prompt = a.prompt if a.prompt is not None else a.prompt_pos
     if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
         try:   # the bytes, decoded strictly: a C locale's stdin passes bad bytes on as lone surrogates
@@ -209,7 +209,18 @@ def _read_prompt(a) -> str:
             raise ColiError(f"stdin: not UTF-8 text (byte {e.start})") from None
     if prompt is None or prompt == "":
         raise ColiError("prompt: empty (give a prompt: coli run \"Once upon a time\", -p TEXT, -f FILE or a pipe)")
-    return prompt
+    return _escaped(a, prompt, "-p" if a.prompt not in (None, "-") else "the prompt")
+
+
+def _escaped(a, text: str, name: str) -> str:
+    """``text`` with llama-cli's escapes processed (``\\n``, ``\\t``, ``\\xNN``: ``process_escapes``) unless
+    ``--no-escape``."""
+    return process_escapes(text, name) if a.escape else text
+
+
+def _escape_stops(a) -> None:
+    """``a.stop`` escaped as llama-cli's reverse prompts are (unless ``--no-escape``; -sys is not, as llama-cli)."""
+    a.stop = [_escaped(a, t, "--stop") for t in a.stop] if a.stop else a.stop
 
 
 def _start_line(eng) -> str:
@@ -261,6 +272,7 @@ def _apply_config(a) -> str:
 
 def cmd_run(a) -> int:
     prompt = _read_prompt(a)
+    _escape_stops(a)
     if a.seed < -1:
         raise ColiError(f"--seed: {a.seed} (-1 for random, or 0 and above)")
     seed = secrets.randbits(32) if a.seed == -1 else a.seed
@@ -359,6 +371,7 @@ def _version() -> str:
 def cmd_chat(a) -> int:
     from coli.chat import run_chat  # imports the engine (Numba): only for coli chat
 
+    _escape_stops(a)
     if a.seed < -1:
         raise ColiError(f"--seed: {a.seed} (-1 for random, or 0 and above)")
     cfg_note = _apply_config(a)
@@ -618,12 +631,21 @@ def cmd_trace(a) -> int:
     return 0
 
 
+def _escape_args(p) -> None:
+    """llama-cli's ``-e`` / ``--no-escape``: escapes in the prompt and --stop processed by default (common/arg.cpp)."""
+    p.add_argument("-e", "--escape", dest="escape", action="store_true", default=True,
+                   help="process escapes in the prompt (-p, -f's file, stdin) and --stop: \\n \\r \\t \\' \\\" "
+                        "\\\\ \\xNN, as llama-cli (default)")
+    p.add_argument("--no-escape", dest="escape", action="store_false", help="take the prompt and --stop as written")
+
+
 def _run_parser(sub) -> None:
     """``coli run``'s flags."""
     r = sub.add_parser("run", help="generate text", formatter_class=_Help)
     r.add_argument("prompt_pos", nargs="?", default=None, metavar="PROMPT")
     r.add_argument("-p", "--prompt", default=None, help="the prompt; - reads it from stdin (as does a pipe)")
     r.add_argument("-f", "--file", default=None, help="read the prompt from FILE")
+    _escape_args(r)
     r.add_argument("-n", "--n-predict", "--predict", dest="n", type=int, default=64,
                    help="tokens to generate; -1: until end of generation or the context is full")
     r.add_argument("--chat", "-st", "--single-turn", action="store_true",
@@ -641,6 +663,7 @@ def _chat_parser(sub) -> None:
     c = sub.add_parser("chat", help="interactive chat in the terminal (/reset, /exit; Ctrl-C stops an answer)",
                        formatter_class=_Help)
     c.add_argument("--system", "-sys", "--system-prompt", default=None, help="system message")
+    _escape_args(c)
     c.add_argument("-n", "--n-predict", "--predict", dest="n", type=int, default=-1,
                    help="tokens per answer at most; -1: until end of generation or the context is full")
     _sampling_args(c, temp=0.8)

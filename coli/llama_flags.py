@@ -14,6 +14,7 @@ mean what one of coli's means are aliases of coli's own, declared beside it in `
 from __future__ import annotations
 
 import argparse
+import re
 
 from coli.base.errors import ColiError
 
@@ -39,8 +40,6 @@ REFUSED: tuple[tuple[tuple[str, ...], object, tuple[str, ...] | None, str], ...]
     (("-i", "--interactive", "-if", "--interactive-first", "-cnv", "--conversation", "-mli", "--multiline-input"),
      0, ("run",), "coli run answers one prompt; coli chat -m MODEL is the conversation"),
     (("-r", "--reverse-prompt"), 1, ("run", "chat"), "coli's --stop TEXT ends the answer before TEXT"),
-    (("-e", "--escape", "--no-escape"), 0, ("run",),
-     "coli takes the prompt as written (no \\n escapes): use bash's $'...' quoting or -f FILE"),
     (("-sys", "--system-prompt", "-sysf", "--system-prompt-file"), 1, ("run",),
      "a system message is coli chat's --system TEXT (coli serve: a system message in the request)"),
     (("-np", "--parallel"), 1, None, "slots are coli serve's (coli serve -np N)"),
@@ -59,6 +58,47 @@ ACCEPTED = (
 FLASH = ("-fa", "--flash-attn")
 FLASH_ON = ("on", "auto", "1", "true", "enabled")    # llama.cpp's is_truthy / is_autoy (bench: 1)
 FLASH_OFF = ("off", "0", "false", "disabled")
+
+
+ESCAPES = {ord("n"): b"\n", ord("r"): b"\r", ord("t"): b"\t", ord("'"): b"'", ord('"'): b'"', ord("\\"): b"\\"}
+# what C's strtol(s, &end, 16) reads whole from two characters: two hex digits, or a space or sign and one
+_HEX2 = re.compile(rb"[0-9a-fA-F]{2}|[ \t\n\v\f\r+-][0-9a-fA-F]")
+
+
+def process_escapes(text: str, name: str) -> str:
+    """llama.cpp's ``string_process_escapes`` (common/common.cpp), which llama-cli applies to its prompt (``-p`` or
+    the ``-f`` file's text) and reverse prompts unless ``--no-escape``: ``\\n \\r \\t \\' \\" \\\\`` and ``\\xNN``
+    (one byte, NN hexadecimal as strtol reads two characters); any other backslash is kept with the character after
+    it, as is a backslash at the end.
+
+    Works on the UTF-8 bytes, as llama.cpp; ``name`` (the flag, e.g. ``-p``) names the text in the error when
+    ``\\xNN`` bytes leave it not UTF-8 (:class:`ColiError`: coli's prompts are text)."""
+    if "\\" not in text:
+        return text
+    try:
+        b = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:   # a lone surrogate: the tokenizer's error names it
+        return text
+    out, i, n = bytearray(), 0, len(b)
+    while i < n:
+        if b[i] != 0x5C or i + 1 == n:
+            out.append(b[i])
+            i += 1
+            continue
+        e = b[i + 1]
+        if e in ESCAPES:
+            out += ESCAPES[e]
+        elif e == 0x78 and i + 3 < n and _HEX2.fullmatch(b[i + 2:i + 4]):   # \x needs both characters, as llama.cpp
+            out.append(int(b[i + 2:i + 4], 16) & 0xFF)   # a sign wraps as C's char(val)
+            i += 2
+        else:
+            out += b[i:i + 2]
+        i += 2
+    try:
+        return out.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ColiError(f"{name}: its \\x escapes make bytes that are not UTF-8 (byte {err.start}); "
+                        f"--no-escape takes the text as written") from None
 
 
 class Refuse(argparse.Action):

@@ -88,6 +88,49 @@ def test_ubatch_size_is_the_prompt_step(monkeypatch, capsys):
     assert Engine.prompt_chunk(SimpleNamespace(device_layers=None, model=None, env=seen["env"])) == 7
 
 
+# (typed, what llama.cpp's string_process_escapes (common/common.cpp, compiled from the vendored source) gives)
+ESCAPED = [(r"Q:\nA:", "Q:\nA:"), (r"a\tb\\c\rd", "a\tb\\c\rd"), (r"it\'s \"x\"", "it's \"x\""),
+           (r"\x41\x4", "A\\x4"), ("\\x", "\\x"), ("end\\", "end\\"), (r"\q\é", r"\q\é"),
+           (r"\x 9\x+a", "\t\n"), (r"\xzz", r"\xzz"), (r"caf\xc3\xa9", "café"), (r"\\n", r"\n")]
+
+
+@pytest.mark.parametrize("typed, expect", ESCAPED)
+def test_escapes_are_llama_cpps(typed, expect):
+    """``process_escapes`` gives what llama-cli's does to its prompt (it matched the compiled C on 3,000 random
+    strings of backslashes, x, hex digits, signs and UTF-8)."""
+    from coli.llama_flags import process_escapes
+
+    assert process_escapes(typed, "-p") == expect
+
+
+def test_run_processes_escapes_in_the_prompt_and_stop_unless_no_escape(tmp_path):
+    """coli run, as llama-cli: ``-p``'s text, ``-f``'s file and ``--stop`` have their escapes processed by default
+    (``-e`` says so, llama.cpp's old spelling); ``--no-escape`` takes them as written; chat's --stop too."""
+    from coli.cli import _escape_stops, _read_prompt, build_parser
+
+    p = build_parser()
+    assert _read_prompt(p.parse_args(["run", "-p", r"Q:\nA:"])) == "Q:\nA:"
+    assert _read_prompt(p.parse_args(["run", "-e", r"Q:\tA:"])) == "Q:\tA:"
+    assert _read_prompt(p.parse_args(["run", "--no-escape", "-p", r"Q:\nA:"])) == r"Q:\nA:"
+    f = tmp_path / "p.txt"
+    f.write_text(r"one\ntwo")
+    assert _read_prompt(p.parse_args(["run", "-f", str(f)])) == "one\ntwo"
+    for cmd in (["run", "x"], ["chat"]):
+        a = p.parse_args([*cmd, "--stop", r"\n\n"])
+        _escape_stops(a)
+        assert a.stop == ["\n\n"]
+        a = p.parse_args([*cmd, "--stop", r"\n", "--no-escape"])
+        _escape_stops(a)
+        assert a.stop == [r"\n"]
+
+
+def test_an_escape_that_is_not_utf8_is_one_line(capsys):
+    """``\\xff`` alone is not UTF-8 text: one line naming the flag and --no-escape, exit 2, no model opened."""
+    rc, out, err = _main(capsys, "run", "-p", r"a\xffb", "-m", NOPE)
+    assert (rc, out) == (2, "")
+    assert err == "coli: -p: its \\x escapes make bytes that are not UTF-8 (byte 1); --no-escape takes the text as written\n"
+
+
 def test_top_k_minus_one_is_off():
     """``--top-k -1``: off (0), as llama.cpp's sampler skips k <= 0 and coli serve's ``top_k: -1``; it was refused
     ("-1 (0 for all, or above)")."""
