@@ -140,3 +140,26 @@ def test_top_k_minus_one_is_off():
     assert p.parse_args(["run", "--top-k", "-1", "x"]).top_k == 0
     assert p.parse_args(["chat", "--top-k", "-1"]).top_k == 0
     assert p.parse_args(["run", "--top-k", "5", "x"]).top_k == 5
+
+
+def test_the_readmes_use_lines_parse():
+    """Every ``coli ...`` line of README.md's "Use" block parses with coli's parser (the llama.cpp flags declared
+    beside coli's own take none of its documented arguments: ``-n -1``, ``-ctk q8_0``, ``-r 5``, ``-f FILE``, ...),
+    and the values it sets are the line's. Parsing only: no model opened."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from coli.cli import build_parser
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = re.search(r"## Use\n\n```bash\n(.*?)```", text, re.S).group(1)
+    lines = [part.strip() for line in block.splitlines()
+             for part in re.split(r"\s{2,}#", line)[0].split("|")[-1].split("&&")]  # comments, echo ... |, && ...
+    lines = [line for line in lines if line.startswith("coli ")]
+    assert len(lines) >= 15
+    p = build_parser()
+    for line in lines:
+        p.parse_args(shlex.split(line)[1:])  # a refused flag raises ColiError, a bad one SystemExit
+    a = p.parse_args(shlex.split('run -m smollm2 -f prompt.txt -n -1 --stop "###" --no-display-prompt -q'))
+    assert (a.model, a.file, a.n, a.stop) == ("smollm2", "prompt.txt", -1, ["###"])
