@@ -117,6 +117,9 @@ def _engine_args(p: argparse.ArgumentParser, model_required=False):
                    help="KV cache type of V, as --cache-type-k (COLI_CACHE_TYPE_V)")
     p.add_argument("--ubatch-size", "-ub", type=int, default=None, metavar="N",
                    help="rows of a prompt step on the CPU (COLI_UBATCH, llama.cpp's n_ubatch; default 256)")
+    p.add_argument("--batch-size", "-b", type=int, default=None, metavar="N",
+                   help="llama.cpp's logical batch: a prompt step is at most N rows (the CPU step is the smaller of "
+                        "-b and -ub, as llama.cpp's n_ubatch = min(n_batch, n_ubatch)); coli has no other batch")
     p.add_argument("--trace", default=None, metavar="FILE.json", help="write Chrome/Perfetto trace events")
 
 
@@ -138,6 +141,11 @@ def _open_engine(a, quiet=False, save_usage=True, ctx_name=None):
         raise ColiError(f"--tier-gb: {a.tier_gb} (GiB, 0 or above)")
     if a.ubatch_size is not None and a.ubatch_size < 1:
         raise ColiError(f"--ubatch-size: {a.ubatch_size} (rows of a prompt step, 1 or more)")
+    ubatch = a.ubatch_size
+    if a.batch_size is not None:   # llama-context.cpp: n_ubatch = min(n_batch, n_ubatch)
+        if a.batch_size < 1:
+            raise ColiError(f"--batch-size: {a.batch_size} (the most rows of a prompt step, 1 or more)")
+        ubatch = min(a.batch_size, ubatch if ubatch is not None else settings.get("COLI_UBATCH"))
     if a.gpu_layers is not None and a.gpu_layers < -1:
         raise ColiError(f"--gpu-layers: {a.gpu_layers} (a layer count, -1 for as many as fit, 0 for the expert tier)")
     cpu_moe = getattr(a, "n_cpu_moe", None)
@@ -165,7 +173,7 @@ def _open_engine(a, quiet=False, save_usage=True, ctx_name=None):
         raise ColiError(f"{ngl if a.gpu_layers else '--n-cpu-moe/--cpu-moe'} and --reproducible: --reproducible is "
                         f"the expert tier's; device layers run without it (drop one)")
     env = settings.overlay(None, COLI_VK_DEV=index, COLI_VK_TIER_GB=a.tier_gb, COLI_VK_LAYERS=a.gpu_layers,
-                           COLI_VK_CPU_MOE=cpu_moe, COLI_UBATCH=a.ubatch_size,
+                           COLI_VK_CPU_MOE=cpu_moe, COLI_UBATCH=ubatch,
                            COLI_VK_TIER_SYNC=True if a.reproducible else None, COLI_MEM=mem_flag(a),
                            COLI_BATCH_INVARIANT=True if a.batch_invariant else None)
     if getattr(a, "quiet", False):

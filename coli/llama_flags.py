@@ -9,7 +9,7 @@ named here is never split.
 
 The names and what each sets: llama.cpp ``common/arg.cpp`` (llama-cli, llama-server, llama-bench). The flags that
 mean what one of coli's means are aliases of coli's own, declared beside it in ``coli/cli.py`` (``-cmoe``,
-``-ncmoe``, ``-ub``, ``-st``, ``-a``).
+``-ncmoe``, ``-ub``, ``-b``, ``-st``, ``-a``).
 """
 from __future__ import annotations
 
@@ -29,8 +29,6 @@ REFUSED: tuple[tuple[tuple[str, ...], object, tuple[str, ...] | None, str], ...]
     (("--mlock", "--no-mmap", "--mmap"), 0, None, LOAD),
     (("-lm", "--load-mode", "-mmp"), 1, None, LOAD),
     (("-tb", "--threads-batch"), 1, None, "coli's --threads (-t) runs the prompt and the decode both"),
-    (("-b", "--batch-size"), 1, None,
-     "llama.cpp's logical batch; coli's prompt step is -ub/--ubatch-size (COLI_UBATCH)"),
     (("-sm", "--split-mode", "-ts", "--tensor-split"), 1, None, "coli runs on one device (--device vulkan:N)"),
     (("-mg", "--main-gpu", "-dev"), 1, None, "coli's device is --device cpu|vulkan|vulkan:N"),
     (("-ot", "--override-tensor"), 1, None,

@@ -30,7 +30,7 @@ def _main(capsys, *argv):
     (["run", "-cnv"], "-cnv: coli run answers one prompt; coli chat -m MODEL is the conversation"),
     (["run", "-ot", "exps=CPU"], "-ot: coli places tensors itself: --cpu-moe / --n-cpu-moe N"),
     (["run", "-tb", "2"], "-tb: coli's --threads (-t) runs the prompt and the decode both"),
-    (["run", "-b", "2048"], "-b: llama.cpp's logical batch; coli's prompt step is -ub/--ubatch-size"),
+    (["run", "-b", "0", "-p", "x"], "--batch-size: 0 (the most rows of a prompt step, 1 or more)"),
     (["run", "-np", "4"], "-np: slots are coli serve's"),
     (["run", "--mlock"], "--mlock: llama.cpp's loading mode"),
     (["bench", "-mmp", "0"], "-mmp: llama.cpp's loading mode"),
@@ -129,6 +129,27 @@ def test_an_escape_that_is_not_utf8_is_one_line(capsys):
     rc, out, err = _main(capsys, "run", "-p", r"a\xffb", "-m", NOPE)
     assert (rc, out) == (2, "")
     assert err == "coli: -p: its \\x escapes make bytes that are not UTF-8 (byte 1); --no-escape takes the text as written\n"
+
+
+@pytest.mark.parametrize("flags, step", [(["-b", "2048", "-ub", "512"], "512"), (["-b", "64", "-ub", "512"], "64"),
+                                         (["-b", "2048"], "256"), (["--batch-size", "100"], "100"),
+                                         (["-b", "2048", "-ub", "512", "-b", "32"], "32")])
+def test_batch_size_caps_the_prompt_step(monkeypatch, capsys, flags, step):
+    """A pasted llama-server line's ``-b N`` runs (it was refused): the prompt step (COLI_UBATCH) is
+    min(-b, -ub or its default 256), as llama-context.cpp's ``n_ubatch = min(n_batch, n_ubatch)``."""
+    import coli.engine
+
+    seen = {}
+
+    def fake(model, **kw):
+        seen.update(kw)
+        raise SystemExit(0)
+
+    monkeypatch.delenv("COLI_UBATCH", raising=False)
+    monkeypatch.setattr(coli.engine, "Engine", fake)
+    with pytest.raises(SystemExit):
+        _main(capsys, "run", *flags, "-p", "x", "-m", str(__file__))
+    assert seen["env"]["COLI_UBATCH"] == step
 
 
 def test_top_k_minus_one_is_off():
