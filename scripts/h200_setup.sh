@@ -8,6 +8,13 @@
 #       fresh machine, output in $OUT): every layer on the device beside llama.cpp CUDA -ngl 99 (pp512, tg64, -r 3;
 #       ROUNDS=2 on a warm machine: alternating rounds), then the CPU beside llama.cpp's CPU build
 #       (scripts/bench/vs_llamacpp.py), 16 threads
+#   bash scripts/h200_setup.sh placements   the device placements beside llama.cpp CUDA, two alternating rounds
+#       (about 5 minutes with a carried kernel cache): every layer (-ngl 99), attention on the device with every
+#       expert in RAM (-ot exps=CPU / --cpu-moe), half the experts (--n-cpu-moe 8 / --gpu-layers 8, and every layer's
+#       attention with --tier-gb 3.70: 502 of 1,024 experts resident, joined mid-layer)
+#   The compiled kernels: a call that ends with `tar czf $OUT/numba.tgz -C ~/.cache/coli numba` brings them back
+#   (about 9 MB); put the file at .numba_dev/numba.tgz and carry .numba_dev: setup() restores it, and the next
+#   fresh machine compiles nothing (the folder is named by a digest of cpu_kernels/, so an edit there misses it).
 # Anything else is a `coli bench` or scripts/bench command after the set-up (docs/h200.md "Other measurements").
 # The set-up alone, in a command of its own:
 #   source <(sed -n '/^setup() {/,/^}/p' scripts/h200_setup.sh); PY=python3 setup
@@ -17,6 +24,7 @@
 # data/lib; without them Numba falls back to OpenMP). Exports PYTHONPATH, LD_LIBRARY_PATH, VK_DRIVER_FILES. Needs
 # $PY. Returns 2 when the wheels do not install.
 setup() {
+if [ -s .numba_dev/numba.tgz ]; then mkdir -p ~/.cache/coli && tar xzf .numba_dev/numba.tgz -C ~/.cache/coli; fi
 if [ -d .gl ]; then
   for f in .gl/*.deb; do dpkg -x "$f" /; done
   ldconfig
@@ -110,9 +118,40 @@ timeout 300 $PY scripts/bench/vs_llamacpp.py -m "$MODEL" -t 16 -p 512 -n 64 -r 3
 say "done"
 }
 
+# placements: each device placement beside llama.cpp CUDA's (docs/benchmarks.md "H100 machine ... 2026-12-07"), two
+# rounds, llama.cpp first in each; tok/s lines. Needs .peers for the CUDA build.
+placements() {
+set -u
+T0=$SECONDS PY=${PY:-python3}
+export PYTHONUNBUFFERED=1
+setup || exit 2
+nvidia-smi -L 2>/dev/null
+MODEL=$(synth_path)
+[ -s "$MODEL" ] || $PY scripts/make_synthetic_moe.py -o "$MODEL" > /tmp/gen.log 2>&1 &
+build_cuda
+wait
+ll() { timeout 120 /tmp/llcuda/build/bin/llama-bench -m "$MODEL" -t 16 "$@" -o md 2>&1 | grep -E "^\| .*(pp|tg)[0-9]"; }
+cb() { local name=$1; shift; timeout 200 $PY -m coli bench -m "$MODEL" -t 16 "$@" -o json 2>/dev/null | $PY -c "
+import json, sys
+for r in json.load(sys.stdin):
+    print(f\"| coli | $name | pp{r['n_prompt']} tg{r['n_gen']} | {r['avg_ts']:.1f} t/s | device rows {r.get('device_expert_rows')} cpu rows {r.get('cpu_expert_rows')} |\")"; }
+for r in 1 2; do
+  say "round $r"
+  ll -ngl 99 -p 512 -n 64 -r 3
+  cb "every layer" -p 512 -n 64 -r 3 --gpu-layers 16
+  ll -ngl 99 -ot exps=CPU -p 512 -n 64 -r 2
+  cb "--cpu-moe" -p 512 -n 64 -r 2 --gpu-layers 16 --cpu-moe
+  ll -ngl 99 --n-cpu-moe 8 -p 512 -n 64 -r 2
+  cb "--gpu-layers 8" -p 512 -n 64 -r 2 --gpu-layers 8
+  cb "--tier-gb 3.70" -p 0 -n 64 -r 2 --gpu-layers 16 --tier-gb 3.70
+done
+say "done"
+}
+
 case "${1:-}" in
 setup) PY=${PY:-python3} setup ;;
 synth-path) synth_path ;;
 compare) compare ;;
-*) echo "usage: bash scripts/h200_setup.sh compare|synth-path|setup" >&2; exit 2 ;;
+placements) placements ;;
+*) echo "usage: bash scripts/h200_setup.sh compare|placements|synth-path|setup" >&2; exit 2 ;;
 esac
