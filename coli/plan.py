@@ -45,7 +45,7 @@ from coli.base import memory, settings
 from coli.base.errors import ColiError
 from coli.resolve import resolve
 from coli.gguf_file import open_gguf
-from coli.models import model_class
+from coli.models import model_args
 from coli.runtime import (budget_needed, cache_room, default_ctx, expert_cache_slots, headroom, kv_cache_bytes,
                           kv_types)
 from scheduler.tier_policy import DeviceMemory, SHARED_KINDS, budget_bytes
@@ -91,8 +91,7 @@ def make_plan(path, *, device: str | None = None, ctx: int | None = None, expert
         g = open_folder(path)
     else:
         g = open_gguf(path)
-    cls = model_class(g)
-    a = cls.args_from(g)
+    cls, a = model_args(g)
     a.kv_types = kv_types(cls, a, env, cache_type_k, cache_type_v)
     vm = psutil.virtual_memory()
     bud = memory.budget(env, flag=mem_flag, available=available)

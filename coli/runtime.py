@@ -27,7 +27,7 @@ from coli.base.errors import ColiError
 from coli.base.paths import check_writable_file, is_json_array_of_objects
 from coli.base.progress import end_compile_bar, install
 from coli.gguf_file import open_gguf
-from coli.models import model_class, model_class_of
+from coli.models import model_args, model_class_of
 from coli.tokenizer import Tokenizer
 from coli.vulkan import DeviceLost, VulkanError, device_layers, layer_plan
 from scheduler.balancer import Balancer
@@ -165,14 +165,12 @@ def build(eng, *, ctx, expert_cache, usage, io_threads, device, balance, trace, 
         from coli.hf_folder import open_folder  # loads Numba: only for a folder, not with `import coli.engine`
 
         eng.g = open_folder(eng.path)
-        cls = model_class(eng.g)
-        eng.args = cls.args_from(eng.g)
+        cls, eng.args = model_args(eng.g)
         eng.tokenizer = eng.g.tokenizer()
     else:
         eng.g = open_gguf(eng.path)
         eng.path = eng.g.path  # a split model is named by its first shard, whichever shard was given
-        cls = model_class(eng.g)
-        eng.args = cls.args_from(eng.g)
+        cls, eng.args = model_args(eng.g)
         eng.tokenizer = Tokenizer.from_gguf(eng.g)
     check_vocab_tables(eng.g, eng.tokenizer.vocab_size)
     eng.args.kv_types = kv_types(cls, eng.args, eng.env, cache_type_k, cache_type_v, eng.cli_names)

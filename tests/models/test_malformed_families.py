@@ -85,6 +85,19 @@ def test_numeric_key_as_string_is_one_clear_error(tmp_path, name, key):
     _refused(tmp_path, name, rf"{name}\.gguf: kv '{key}': type string, expected a number", to_str=key)
 
 
+def test_block_count_above_the_blocks_is_refused_by_run_and_plan(tmp_path, capsys):
+    """block_count 1,000,000 in a 4-block file: coli plan printed a plan of "1000000 layers" (3.3 GiB of KV cache)
+    while coli run failed on 'blk.4.attn_norm.weight'; both now print the same line naming the key, exit 2."""
+    from coli.cli import main
+
+    path = copy_gguf(ORACLES / "mixtral.gguf", tmp_path / "m.gguf", keys={"llama.block_count": 1000000})
+    says = "coli: m.gguf: metadata 'llama.block_count' is 1000000, but the file has 4 blocks (no tensor 'blk.4.*')\n"
+    for argv in (["plan", "-m", str(path)], ["run", "-m", str(path), "-p", "Hi", "-n", "1", "-q"]):
+        assert main(argv) == 2
+        out, err = capsys.readouterr()
+        assert (out, err) == ("", says), argv
+
+
 def test_numeric_key_as_bool_is_one_clear_error(tmp_path):
     """A bool where llama.cpp's key table has a number (context_length true): refused as a string is; it was read
     as the integer 1 (a context of 1 position, blamed on --ctx)."""
