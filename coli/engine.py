@@ -479,7 +479,7 @@ class Engine:
                 if keep_kv:
                     self._kv_ids.append(tok)
             if not cut.hit:
-                piece = cut.push(dec.flush())
+                piece = cut.push(dec.flush(finish))
                 piece += "" if cut.hit else cut.flush()
                 if piece:
                     text.append(piece)

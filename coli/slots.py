@@ -154,7 +154,7 @@ class Sequence:
         self.finish = finish
         self.error = error
         if finish != "cancelled" and error is None and not self.cut.hit:
-            piece = self.cut.push(self.dec.flush())
+            piece = self.cut.push(self.dec.flush(finish))
             piece += "" if self.cut.hit else self.cut.flush()
             self._emit(piece)
         t2 = time.perf_counter()

@@ -574,8 +574,14 @@ class StreamDecoder:
                 out = out[1:]
         return out
 
-    def flush(self) -> str:
-        return self._dec.decode(b"", final=True)
+    def flush(self, finish: str = "stop") -> str:
+        """The text held back at the end: a character's first bytes whose last never came, as U+FFFD (what
+        :meth:`Tokenizer.decode` gives), or nothing when ``finish`` is "length" or "cancelled" (generation cut by
+        its token limit or a cancel, not ended by the model: the character is unfinished, not malformed; llama-cli
+        writes a token's bytes as they come, so a cut one shows no replacement character either)."""
+        tail = self._dec.decode(b"", final=finish not in ("length", "cancelled"))
+        self._dec.reset()
+        return tail
 
 
 # ---------------------------------------------------------------------------------------------- builders

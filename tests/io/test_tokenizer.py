@@ -103,6 +103,10 @@ def test_stream_decode_equals_decode_and_waits_for_whole_chars(name):
         assert "\ufffd" in tok.decode(emoji[:1])
         assert d.push(emoji[0]) == ""
     assert "".join(d.push(i) for i in emoji[1 if len(emoji) > 1 else 0:]) + d.flush() == "🚀"
+    if len(emoji) > 1:   # a generation that ends inside it: U+FFFD if the model ended there, nothing if it was cut
+        for finish, tail in (("stop", "\ufffd"), ("length", ""), ("cancelled", "")):
+            d = tok.stream()
+            assert "".join(d.push(i) for i in emoji[:-1]) + d.flush(finish) == tail, finish
 
 
 def test_special_tokens_bos_eos():

@@ -271,6 +271,18 @@ def test_streamed_text_equals_the_decoded_text(model_path, engine):
     assert all("\ufffd" not in p for p in pieces[:-1])  # only a character cut by max_tokens ends unfinished
 
 
+def test_a_character_cut_by_max_tokens_is_left_out(model_path, engine):
+    """Generation cut by max_tokens inside a multi-byte character (SmolLM2 writes 🎉 as byte tokens): the text
+    ends before it, with no U+FFFD (llama-cli writes the bytes as they come; coli prints text); it was U+FFFD."""
+    eng = engine(model_path("smollm2"))
+    full = eng.generate("Party time 🎉🎉🎉🎉", max_tokens=16)
+    raw = [eng.tokenizer.piece_bytes(t) for t in full.ids]
+    k = next(k for k in range(1, len(raw)) if b"".join(raw[:k]).decode("utf-8", "replace").endswith("\ufffd"))
+    r = eng.generate("Party time 🎉🎉🎉🎉", max_tokens=k)   # greedy: the first k tokens of ``full``
+    assert r.ids == full.ids[:k] and r.finish_reason == "length"
+    assert r.text == b"".join(raw[:k]).decode("utf-8", "ignore") and "\ufffd" not in r.text
+
+
 def _numba_signatures() -> int:
     """Signatures (compiled or loaded from the disk cache) over every Numba dispatcher of coli's modules."""
     from numba.core.dispatcher import Dispatcher
