@@ -257,9 +257,13 @@ def test_a_terminal_that_is_not_utf8_gets_the_text_as_utf8(capsys, monkeypatch):
     assert rc == 0 and out.buffer.getvalue().decode("utf-8").startswith("héllo ✓"), capsys.readouterr().err
 
 
-def test_a_bench_context_too_big_names_the_tests_not_ctx(capsys):
+def test_a_bench_context_too_big_names_the_tests_not_ctx(capsys, monkeypatch):
     """coli bench picks its context from -p / -n (llama-bench's n_prompt + n_gen): a KV cache past the memory budget
-    names the tests that asked for it, not --ctx the user did not give; with -c it names --ctx."""
+    names the tests that asked for it, not --ctx the user did not give; with -c it names --ctx. The process's own
+    bytes held at a fresh process's (a whole-suite process holds GiBs: the dense-part check would refuse first)."""
+    from coli.base import memory
+
+    monkeypatch.setattr(memory, "process_rss", lambda: 300 << 20)
     rc, out, err = _main(capsys, "bench", "-m", str(DENSE), "-p", "99999999", "-n", "0", "-r", "1", "--mem", "1")
     assert (rc, out) == (2, "") and err.startswith("coli: -p 99999999 -n 0 (a context of the longest test + 1; -c "
                                                    "sets it): 100000000 positions need "), err

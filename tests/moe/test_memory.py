@@ -205,10 +205,14 @@ def test_dense_part_that_cannot_fit_is_refused(tmp_path):
     assert "it runs with its experts streamed from disk" in line
 
 
-def test_a_dense_model_that_cannot_fit_names_no_experts(tmp_path):
+def test_a_dense_model_that_cannot_fit_names_no_experts(tmp_path, monkeypatch):
     """The same refusal for a dense model (no routed experts: nothing streams from disk) says the budget it runs
-    with and no experts (it said "with its experts streamed from disk" for SmolLM2)."""
+    with and no experts (it said "with its experts streamed from disk" for SmolLM2). The process's own bytes held at
+    a fresh process's (a whole-suite process holds GiBs, and the line would say GiB)."""
+    from coli.base import memory
     from coli.engine import Engine
+
+    monkeypatch.setattr(memory, "process_rss", lambda: 300 << 20)
 
     with pytest.raises(ColiError) as e:
         Engine(FIXTURES / "oracles" / "rope_linear.gguf", usage=str(tmp_path / "u"), save_usage=False,
