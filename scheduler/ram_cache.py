@@ -85,6 +85,7 @@ class ExpertSource:
         # read with O_DIRECT where the file system takes it (:meth:`load`; the engine sets it from COLI_DIRECT_IO)
         self.direct = True
         self._dfds: dict = {}  # file name -> its O_DIRECT descriptor, -1 where the file system refuses O_DIRECT
+        self._refused: list = []  # O_DIRECT descriptors whose reads the file system refused: closed by close()
         self._scratch = threading.local()   # a reader thread's page-aligned read buffer (``_direct_read``)
         self._held: dict = {}  # layer -> held_nbytes
         self.bytes_read = 0
@@ -222,7 +223,7 @@ class ExpertSource:
                 raise
             with self._lock:   # the file system took the open but not the read (EINVAL): the page cache from now on
                 self._dfds[name] = -1
-                self._dfds[(name, "refused")] = fd   # closed by close(), not now: another reader may be in a read
+                self._refused.append(fd)   # closed by close(), not now: another reader may be in a read
             return None
         if got < off - start + per:   # the file may end inside the last page: the slice itself must be there
             raise OSError(f"{name}: short read of {t.name} expert {e} ({max(0, got - (off - start))} of {per} bytes)")
@@ -243,13 +244,13 @@ class ExpertSource:
             return fd
 
     def close(self):
-        for fd in (self.fd, *self._fds.values(), *self._dfds.values()):
+        for fd in (self.fd, *self._fds.values(), *self._dfds.values(), *self._refused):
             if fd >= 0:
                 try:
                     os.close(fd)
                 except OSError:
                     pass
-        self.fd, self._fds, self._dfds = -1, {}, {}
+        self.fd, self._fds, self._dfds, self._refused = -1, {}, {}, []
 
 
 class RAMCache:
