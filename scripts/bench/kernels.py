@@ -6,6 +6,7 @@ alternating rounds (the machine is shared): quote them with the load average pri
         [--layouts t16,rows] [--json]
     python scripts/bench/kernels.py --op gpu [--D 2048] [--F 1024] [--E 64] [--rows 1,4,16,64] [--small]
     python scripts/bench/kernels.py --op experts [--threads 2] [--formats Q8_0,Q4_0] [--rows 64,256] [--E 64]
+    python scripts/bench/kernels.py --op dn [--rows 64,512] [--Hk 16] [--Hv 32] [--dk 128] [--dv 128] [--bv 16,8]
 
 Whole models are ``coli bench``'s (docs/benchmarks.md): one decode token over a real model's matrices is
 ``coli bench -m smollm2 -p 0 -n 32`` (weight GB/s), the memory-read probe beside it ``--bandwidth``, a tiny oracle's
@@ -25,6 +26,11 @@ random valid blocks, routing uniform or ``--hot`` experts taking ``--skew`` of i
 ``--rows``: milliseconds per step (median of ``--reps`` alternated rounds), rows/s and int8 GMAC/s, beside the
 grouped row path on the same step (``--arms gemm,rows``; GEMM_MIN_ROWS out of reach). Which ``cpu_kernels`` ran is
 printed: run it under two trees (``PYTHONPATH=TREE``) in turn for a before/after.
+
+``dn``: a prompt chunk's Gated DeltaNet delta rule on the device at Qwen3-Next's head shapes (16 key heads, 32 value
+heads of 128 x 128): the chunked form (shaders/dn_chunk.comp modes 0, 1 and 2 at each ``--bv``) beside the rows form
+(shaders/deltanet.comp mode 4, its gated norm included), device milliseconds of each dispatch by timestamps (the
+best round of ``--reps`` alternated ones) for each chunk length of ``--rows``; random rows, the state carried on.
 """
 from __future__ import annotations
 
@@ -279,7 +285,79 @@ def experts_main(argv=None):
     return 0
 
 
-OPS = {"formats": formats_main, "gpu": gpu_main, "experts": experts_main}
+def dn_main(argv=None):
+    from coli.vulkan import VulkanError, open_device  # the Vulkan binding loads only for this op
+    from coli.vulkan.layer_plan import dn_chunk_floats
+    from coli.vulkan.layers import Dispatch, Kernels, f32_bits
+
+    ap = argparse.ArgumentParser(prog="kernels.py --op dn", description=about(__doc__, "dn"))
+    ap.add_argument("--rows", default="64,512")
+    ap.add_argument("--Hk", type=int, default=16)
+    ap.add_argument("--Hv", type=int, default=32)
+    ap.add_argument("--dk", type=int, default=128)
+    ap.add_argument("--dv", type=int, default=128)
+    ap.add_argument("--bv", default="16,8")
+    ap.add_argument("--reps", type=int, default=10)
+    a = ap.parse_args(argv)
+    try:   # a benchmark of the device: none is an error (Lavapipe only with COLI_VK_SOFTWARE=1 or COLI_VK_DEV=N)
+        dev = open_device("bench", budget=8 << 30, quiet=True, required=True)
+    except VulkanError as e:
+        print(f"kernels.py --op dn: {e}", file=sys.stderr)
+        return 2
+    K = Kernels(dev, wg=256)
+    Hk, Hv, dk, dv = a.Hk, a.Hv, a.dk, a.dv
+    C, rng = 2 * Hk * dk + Hv * dv, np.random.default_rng(0)
+    print(f"device: {dev.describe()}; Hk {Hk}, Hv {Hv}, dk {dk}, dv {dv}; best of {a.reps}; load {' '.join(load())}")
+    print("| rows | form | device ms a dispatch | device ms | rows/s |")
+    print("|---|---|---|---|---|")
+
+    def buf(x):
+        b = K.buffer(4 * x.size, host=False)
+        K.upload(b, np.ascontiguousarray(x, np.float32))
+        return b
+
+    for R in [int(r) for r in a.rows.split(",")]:
+        X, BA = buf(rng.standard_normal((R, C))), buf(rng.standard_normal((R, 2 * Hv)))
+        S = buf(0.1 * rng.standard_normal((Hv, dk, dv)))
+        A, DT = buf(-rng.uniform(0.1, 1.0, Hv)), buf(rng.standard_normal(Hv))
+        NW, Z = buf(np.ones(dv)), buf(rng.standard_normal((R, Hv * dv)))
+        W = K.buffer(4 * R * dn_chunk_floats((Hk, Hv, dk, dv, 4, C)), host=False)
+        O = K.buffer(4 * R * Hv * dv, host=False)
+        w = [Hk, Hv, dk, dv, R, f32_bits(1e-6), 0]
+        ad = [b.addr for b in (X, BA, A, DT, W, S, O, Z)]
+        arms = {f"chunk bv{bv}": [Dispatch("dn_chunk", (Hv, -(-R // 64)), ad, [0] + w + [bv]),
+                                  Dispatch("dn_chunk", (Hv, -(-dv // bv)), ad, [1] + w + [bv]),
+                                  Dispatch("dn_chunk", (-(-R * Hv // 8),), [X.addr, NW.addr] + ad[2:], [2] + w + [bv])]
+                for bv in (int(b) for b in a.bv.split(","))}
+        arms["rows (mode 4)"] = [Dispatch("deltanet", (Hv,), [X.addr, Z.addr, BA.addr, S.addr, A.addr, DT.addr,
+                                                               NW.addr, O.addr], [4] + w)]
+        recs = {k: K.record(ops, each=True) for k, ops in arms.items()}
+        ms = dict.fromkeys(arms)
+        try:
+            for _ in range(a.reps + 1):     # a round each arm in turn; the first is a warm-up like the others
+                for k, rec in recs.items():
+                    K.submit(rec)
+                    t = K.op_ms(rec) if len(arms[k]) > 1 else [K.gpu_ms(rec)]     # one op: its two stamps
+                    t = None if t is None or None in t else t
+                    if t is not None and (ms[k] is None or sum(t) < sum(ms[k])):
+                        ms[k] = t
+        finally:
+            for rec in recs.values():
+                K.free(rec)
+        for k, t in ms.items():
+            if t is None:
+                print(f"| {R} | {k} | (no timestamps on this device) | | |")
+            else:
+                print(f"| {R} | {k} | {' + '.join(f'{x:.3f}' for x in t)} | {sum(t):.3f} | {R / sum(t) * 1e3:.0f} |",
+                      flush=True)
+        for b in (X, BA, S, A, DT, NW, Z, W, O):
+            K.drop(b)
+    K.close()
+    dev.close()
+    return 0
+
+
+OPS = {"formats": formats_main, "gpu": gpu_main, "experts": experts_main, "dn": dn_main}
 
 
 if __name__ == "__main__":
