@@ -32,7 +32,7 @@ layout(local_size_x_id = 0) in;
 #define TW1 32u         // mode 1's dims of a tile
 #define MAXSL 4u        // mode 1's rows of a block an invocation owns (CH / (WG / BV): WG >= 256, BV <= 16)
 // one shared array, carved per mode (mode 0: TS [CH][CH + 1], KT, QT [CH][TW + 1], G, BE, FK, FQ [CH];
-// mode 1: SS [dk][BV], VN [CH][BV], WT, QT [CH][TW1 + 1])
+// mode 1: SS [dk][BV], VN [CH][BV], WT, QT [CH][TW1 + 1], and the block's AQ rows [CH][CH + 1] over WT and QT)
 #define SM_N 7296u
 shared float SM[SM_N];
 
@@ -191,7 +191,7 @@ void main() {
     F32 O = F32(pc.a[6]);
     uint BV = pc.u[8], P = WG / BV, jj = t % BV, p = t / BV, j0 = gl_WorkGroupID.y * BV;
     bool col = p < P && j0 + jj < dv;
-    uint SS = 0u, VN = dk * BV, WT = VN + CH * BV, QT = WT + CH * (TW1 + 1u);
+    uint SS = 0u, VN = dk * BV, WT = VN + CH * BV, QT = WT + CH * (TW1 + 1u), AQ = WT;   // AQ [CH][CH + 1]: WT, QT
     uint s0 = h * dk * dv + j0 + jj;
     for (uint i = p; i < dk; i += P) if (t < P * BV) SM[SS + i * BV + jj] = col ? ST.v[s0 + i * dv] : 0.0;
     for (uint r0 = 0u; r0 < R; r0 += CH) {
@@ -228,13 +228,18 @@ void main() {
                 SM[VN + r * BV + jj] = col ? SC.v[oU + (h * R + r0 + r) * dv + j0 + jj] - aw[s] : 0.0;
         }
         barrier();
+        // the block's AQ rows (their lower triangle) into shared memory, where WT / QT were (read before the barrier)
+        for (uint e = t; e < n * CH; e += WG) {
+            uint r = e / CH, m = e % CH;
+            if (m <= r) SM[AQ + r * (CH + 1u) + m] = SC.v[oA + (h * R + r0) * CH + e];
+        }
+        barrier();
         // O = (q exp(G)) S + AQ V'
         [[unroll]] for (uint s = 0u; s < MAXSL; s++) {
             uint r = p + P * s;
             if (r < n && col) {
                 float o = aq[s];
-                uint a0 = oA + (h * R + r0 + r) * CH;
-                for (uint m = 0u; m <= r; m++) o += SC.v[a0 + m] * SM[VN + m * BV + jj];
+                for (uint m = 0u; m <= r; m++) o += SM[AQ + r * (CH + 1u) + m] * SM[VN + m * BV + jj];
                 O.v[(r0 + r) * Hv * dv + h * dv + j0 + jj] = o;
             }
         }
