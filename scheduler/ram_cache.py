@@ -59,6 +59,23 @@ class ExpertWeights:
 _ALIGN = mmap.PAGESIZE
 
 
+def _keeps_view(type_name: str, shape) -> bool:
+    """Whether ``formats.prepare`` of a ``type_name`` matrix of ``shape`` (O, I) may keep a view of the bytes it is
+    given rather than copy them: F32 always (its layout is the file's), and a one-row matrix of several formats
+    (one block: the block's codes are already contiguous rows). Decided before the prepare, so that a reused read
+    buffer is copied once, not prepared twice; a one-row copy costs one row."""
+    return type_name == "F32" or int(shape[0]) == 1
+
+
+def _short_read(name: str, t, e: int, got: int) -> ColiError:
+    """The error of a read that ended before expert ``e``'s slice of tensor ``t`` did: the file is shorter than
+    its header says (truncated, or changed since it was loaded)."""
+    per = t.raw[0].nbytes
+    off = t.offset + e * per
+    return ColiError(f"{name}: tensor '{t.name}' expert {e}: bytes [{off}, {off + per}) read short ({got} of {per} "
+                     f"bytes): the file ends early (truncated or changed since it was loaded)")
+
+
 class ExpertSource:
     """Reads experts of the MoE layers from the model file.
 
@@ -147,19 +164,19 @@ class ExpertSource:
             mm = mmap.mmap(-1, -(-per // mmap.PAGESIZE) * mmap.PAGESIZE)
             got = os.preadv(fd, [memoryview(mm)[:per]], t.offset + e * per)
             if got != per:
-                raise OSError(f"{f or self.path}: short read of {t.name} expert {e} ({got} of {per} bytes)")
+                raise _short_read(f or self.path, t, e, got)
             arr = np.frombuffer(mm, dtype=np.uint8, count=per)
             arr.flags.writeable = False       # shared with the device as it is (the tier copies writable arrays)
             return t.type_name, arr.reshape(t.raw.shape[1:]), per
         buf = os.pread(fd, per, t.offset + e * per)
         if len(buf) != per:
-            raise OSError(f"{f or self.path}: short read of {t.name} expert {e} ({len(buf)} of {per} bytes)")
+            raise _short_read(f or self.path, t, e, len(buf))
         return t.type_name, np.frombuffer(buf, dtype=np.uint8).reshape(t.raw.shape[1:]), per
 
     def load(self, layer: int, e: int) -> ExpertWeights:
         """Expert ``e`` of ``layer`` read and prepared for the CPU kernels. ColiError naming the file, the tensor
-        and the expert when a matrix holds a NaN or an infinity (its values or block scales, ``coli.finite``);
-        raised in the reader thread, it reaches the step through the ``Future`` (``RAMCache.fetch``).
+        and the expert when a matrix holds a NaN or an infinity (its values or block scales, ``coli.finite``) or
+        the file ends inside the expert's bytes (naming their byte range); raised in the reader thread, it reaches the step through the ``Future`` (``RAMCache.fetch``).
 
         With ``direct`` (and neither ``keep_raw`` nor ``page_aligned``, which keep the file's bytes) each matrix
         is read with O_DIRECT into the reader thread's buffer and prepared from there (:meth:`_direct_read`): no
@@ -189,10 +206,9 @@ class ExpertSource:
                 return None
             arr, nbytes = got
             shp = tuple(t.shape[1:])
-            w = formats.prepare(t.type_name, arr, shp, tiles=self.tiles)
-            if any(np.may_share_memory(a, arr) for a in w.arrays):  # a layout that keeps a view of the bytes (F32)
-                w = formats.prepare(t.type_name, arr.copy(), shp, tiles=self.tiles)
-            ws.append(w)
+            if _keeps_view(t.type_name, shp):   # the buffer is this thread's next read: prepare from a copy
+                arr = arr.copy()
+            ws.append(formats.prepare(t.type_name, arr, shp, tiles=self.tiles))
             n += nbytes
         with self._lock:
             self.bytes_read += n
@@ -226,7 +242,7 @@ class ExpertSource:
                 self._refused.append(fd)   # closed by close(), not now: another reader may be in a read
             return None
         if got < off - start + per:   # the file may end inside the last page: the slice itself must be there
-            raise OSError(f"{name}: short read of {t.name} expert {e} ({max(0, got - (off - start))} of {per} bytes)")
+            raise _short_read(name, t, e, max(0, got - (off - start)))
         return np.frombuffer(buf, np.uint8, count=per, offset=off - start).reshape(t.raw.shape[1:]), per
 
     def _direct_fd(self, name: str) -> int:

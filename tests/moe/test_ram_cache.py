@@ -293,3 +293,71 @@ def test_a_file_system_without_o_direct_reads_through_the_page_cache(monkeypatch
     with pytest.raises(PermissionError):
         src.load(0, 1)
     src.close()
+
+
+def test_a_direct_read_prepares_each_matrix_once_and_copies_only_a_layout_that_keeps_a_view(monkeypatch):
+    """``_keeps_view`` (decided before the prepare) covers every format and shape whose prepared arrays share the
+    bytes they were given (F32; one-row one-block matrices of several formats), measured with
+    ``np.may_share_memory`` on this machine's layouts; the olmoe fixture's F32 experts read with O_DIRECT are
+    prepared once per matrix (3 per expert), not once and again from a copy."""
+    from cpu_kernels import formats
+    from scheduler import ram_cache
+
+    rng = np.random.default_rng(0)
+    for name, fmt in formats.FORMATS.items():
+        for O, nb in ((1, 1), (2, 1), (1, 2), (3, 2)):
+            raw = rng.integers(0, 120, (O, nb * fmt.type_size), dtype=np.uint8)
+            for tiles in (False, True):
+                w = formats.prepare(name, raw, (O, nb * fmt.block_size), tiles=tiles)
+                if any(np.may_share_memory(a, raw) for a in w.arrays):
+                    assert ram_cache._keeps_view(name, (O, nb * fmt.block_size)), (name, O, nb, tiles)
+    calls = []
+    real = formats.prepare
+    monkeypatch.setattr(ram_cache.formats, "prepare", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    src, layers = _source()
+    src.keep_raw = False
+    got = src.load(1, 3)
+    assert src.direct_reads == 1 and calls == ["F32"] * 3
+    _expect_prepared(src, layers, {(1, 3): got})
+    src.close()
+
+
+def test_a_file_that_ends_inside_an_expert_is_a_clear_error_on_both_read_paths(tmp_path):
+    """A model file truncated after it was loaded (a copy of the tiny Q8_0 MoE cut in the middle of its last
+    expert slice): the O_DIRECT read and the page-cache reads (pread; page-aligned memory) raise a ColiError naming
+    the file, the tensor, the expert and the slice's byte range, not a bare OSError."""
+    import os
+    import re
+    import shutil
+
+    import pytest
+
+    from coli.base.errors import ColiError
+    from coli.gguf_file import open_gguf
+    from scheduler.ram_cache import ExpertSource
+    from tiny_moe import build_tiny_moe
+
+    g = open_gguf(build_tiny_moe(tmp_path))
+    layers = {il: tuple(g.tensors[f"blk.{il}.{n}.weight"] for n in ("ffn_gate_exps", "ffn_up_exps",
+                                                                      "ffn_down_exps")) for il in range(2)}
+    il, t = max(((il, t) for il, ts in layers.items() for t in ts), key=lambda p: p[1].offset)
+    e = t.shape[0] - 1
+    per = t.raw[0].nbytes
+    off = t.offset + e * per
+    cut = tmp_path / "cut.gguf"
+    shutil.copy(g.path, cut)
+    os.truncate(cut, off + per // 2)
+    src = ExpertSource(cut, layers)
+    want = rf"^{re.escape(str(cut))}: tensor '{t.name}' expert {e}: bytes \[{off}, {off + per}\) read short \({per // 2} of {per} bytes\)"
+    src.keep_raw = False
+    src.load(il, 0)                                  # the O_DIRECT path is taken on this file system
+    assert src.direct_reads == 1
+    with pytest.raises(ColiError, match=want):
+        src.load(il, e)
+    assert src._dfds[str(cut)] >= 0                  # the error came from the O_DIRECT read
+    for direct, keep, aligned in ((False, False, False), (True, True, False), (True, True, True)):
+        src.direct, src.keep_raw, src.page_aligned = direct, keep, aligned
+        with pytest.raises(ColiError, match=want):
+            src.load(il, e)
+    assert src.direct_reads == 1
+    src.close()
