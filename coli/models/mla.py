@@ -11,7 +11,7 @@ MLA (DeepSeek-V2; HF ``models/deepseek_v2/modeling_deepseek_v2.py`` ``DeepseekV2
     out      = attn_output o
 
 The attention takes one of two forms per call, whichever costs fewer multiply-adds
-(``coli.vulkan.layer_plan.mla_expanded_is_cheaper``, the device's rule): the absorbed form (cpu_kernels.mla, every
+(:meth:`MLA.expanded_is_cheaper`, which the device's layers ask too): the absorbed form (cpu_kernels.mla, every
 decode row and a few rows after a long context) or, for a prompt chunk, HF's expanded form: each head's keys
 ``[W_kb c_j, kr_j]`` f32 [n, dn + dr] and values ``W_vb c_j`` f32 [n, dv] for the ``n = pos0 + T`` cached positions
 (two f32 GEMMs per group of heads, ``cpu_kernels.formats.gemm_f32``), then the query-block attention of plain
@@ -30,7 +30,6 @@ from __future__ import annotations
 import numpy as np
 
 from coli.base.errors import ColiError
-from coli.vulkan.layer_plan import mla_expanded_is_cheaper
 from cpu_kernels import experts as grouped
 from cpu_kernels.attention import attend as attend_blocks
 from cpu_kernels.formats import gemm_f32
@@ -177,10 +176,22 @@ class MLA:
         cos, sin = self.m.rope_table(self.rope_base, self.rope_scaling, self.dr)
         apply_rope(x, pos, cos, sin, self.dr, NORM)
 
+    def expanded_is_cheaper(self, R: int, pos0: int) -> bool:
+        """Whether a chunk of ``R`` rows at ``pos0`` costs fewer multiply-adds per head in the expanded form than in
+        the absorbed one (this block's :meth:`expands` and the device's ``MLAMixer._mla_expand``): expanding the
+        ``n = pos0 + R`` keys and values from the latent (n r (dn + dv)) plus attention over them (R n (dn + dr + dv))
+        against the absorbed q and output products (R r (dn + dv)) plus its scores and weighted latent (R n (2 r + dr)).
+        A chunk from position 0 always does; a few rows after a long context do not. ``r`` kv_lora_rank, ``dn`` /
+        ``dr`` the key's nope / rope dims, ``dv`` the value's."""
+        r, dn, dr, dv = self.r, self.dn, self.dr, self.dv
+        n = pos0 + R
+        return n * r * (dn + dv) + R * n * (dn + dr + dv) <= R * r * (dn + dv) + R * n * (2 * r + dr)
+
     def expands(self, T: int, pos0: int, sel=None) -> bool:
         """Whether ``T`` rows at ``pos0`` take the expanded form (module docstring): more than one row, fewer
-        multiply-adds, and every earlier position attended (``sel`` None, or :func:`every_key_chosen`)."""
-        return (T > 1 and mla_expanded_is_cheaper(T, pos0, self.r, self.dn, self.dr, self.dv)
+        multiply-adds (:meth:`expanded_is_cheaper`), and every earlier position attended (``sel`` None, or
+        :func:`every_key_chosen`)."""
+        return (T > 1 and self.expanded_is_cheaper(T, pos0)
                 and (sel is None or every_key_chosen(sel, pos0)))
 
     def expanded(self, q, cache: LatentCache, pos0: int):

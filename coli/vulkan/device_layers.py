@@ -169,6 +169,7 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
         # q_lora_rank padded to a multiple of 32 (attn_q_a with zero rows: q_b's F32/F16/BF16 columns of any width)
         self.mla = (at.H, at.r, at.dn, at.dr, at.dv, 0 if at.attn_q is not None else ceil32(at.attn_q_a.shape[0])) \
             if is_mla(at) else None
+        self.mla_attn = at if self.mla else None   # the model's MLA block: its cost rule picks a chunk's form
         # GLM-5's DSA: (indexer heads, key length, top_k); its key rides in each LAT row after the rope key
         self.dsa = dsa_shape(m) if self.mla else None
         # the positions the expanded form's per-head keys and values hold (0: every prompt chunk absorbed)

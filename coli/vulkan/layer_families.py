@@ -11,7 +11,7 @@ import weakref
 import numpy as np
 
 from coli.base.errors import ColiError
-from coli.vulkan.layer_plan import dn_bytes, linear_block, mla_expanded_is_cheaper
+from coli.vulkan.layer_plan import dn_bytes, linear_block
 
 
 class MLAMixer:
@@ -57,12 +57,12 @@ class MLAMixer:
     def _mla_expand(self, R: int, pos0: int) -> bool:
         """Whether a prompt chunk of ``R`` rows at ``pos0`` takes the expanded form (:meth:`_mla_ops`): its
         ``n = pos0 + R`` keys fit the expanded buffers (``self.mla_keys``) and it costs fewer multiply-adds
-        (:func:`coli.vulkan.layer_plan.mla_expanded_is_cheaper`). A chunk from position 0 always does while its keys
-        fit (GLM-5: at most ``index_topk``, every key chosen); a few rows after a long context do not."""
+        (the model block's rule, ``coli.models.mla.MLA.expanded_is_cheaper``: one rule for the CPU and the device).
+        A chunk from position 0 always does while its keys fit (GLM-5: at most ``index_topk``, every key chosen); a
+        few rows after a long context do not."""
         if not self.mla_keys or pos0 + R > self.mla_keys:
             return False
-        H, r, dn, dr, dv, _ = self.mla
-        return mla_expanded_is_cheaper(R, pos0, r, dn, dr, dv)
+        return self.mla_attn.expanded_is_cheaper(R, pos0)
 
     def _mla_ops(self, d: dict, R: int, kvo: int, prompt: bool, expand: bool = False) -> list:
         """MLA layer ``d``'s attention block for ``R`` rows (``xn`` normed, output added to the residual): q (or q_a,

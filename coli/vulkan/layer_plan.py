@@ -240,17 +240,6 @@ MLA_MAXW = 1152
 MLA_EXPAND_KEYS = 4096
 
 
-def mla_expanded_is_cheaper(R: int, pos0: int, r: int, dn: int, dr: int, dv: int) -> bool:
-    """Whether an MLA chunk of ``R`` rows at ``pos0`` costs fewer multiply-adds per head in the expanded form than in
-    the absorbed one (the device's ``MLAMixer._mla_expand`` and the CPU's ``coli.models.mla.MLA``): expanding the
-    ``n = pos0 + R`` keys and values from the latent (n r (dn + dv)) plus attention over them (R n (dn + dr + dv))
-    against the absorbed q and output products (R r (dn + dv)) plus its scores and weighted latent (R n (2 r + dr)).
-    A chunk from position 0 always does; a few rows after a long context do not. ``r`` kv_lora_rank, ``dn`` / ``dr``
-    the key's nope / rope dims, ``dv`` the value's."""
-    n = pos0 + R
-    return n * r * (dn + dv) + R * n * (dn + dr + dv) <= R * r * (dn + dv) + R * n * (2 * r + dr)
-
-
 def _device_mla(m):
     """The first MLA block (GLM-5: a DSA layer's) of the layers that qualify for the device, or None."""
     return next((attn_block(L) for il, L in enumerate(m.layers)

@@ -171,6 +171,27 @@ def test_expanded_form_scratch_stays_within_expand_bytes(monkeypatch):
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
+def test_the_cpu_and_the_device_take_the_model_blocks_rule_for_a_chunks_form():
+    """``MLA.expanded_is_cheaper`` at V2-Lite's shape (r 512, dn 128, dr 64, dv 128: 320 multiply-adds a key and head
+    expanded against 1,088 absorbed, plus n r (dn + dv) = 131,072 n to expand the keys and values against R r (dn +
+    dv) for the absorbed products): expanded iff 131,072 pos0 <= 768 R (pos0 + R), so after 3,000 positions 162 rows
+    expand and 161 do not; a chunk from position 0 always does. The device's ``_mla_expand`` asks the same block
+    (within its expanded buffers' positions), and the CPU's ``expands`` too (more than one row)."""
+    from types import SimpleNamespace
+
+    from coli.models import mla
+    from coli.vulkan.layer_families import MLAMixer
+
+    m = mla.MLA.__new__(mla.MLA)
+    m.r, m.dn, m.dr, m.dv = 512, 128, 64, 128
+    dev = SimpleNamespace(mla_keys=4096, mla_attn=m)
+    for R, pos0, want in ((162, 3000, True), (161, 3000, False), (1, 0, True), (2, 0, True), (8, 4000, False)):
+        assert m.expanded_is_cheaper(R, pos0) is want, (R, pos0)
+        assert MLAMixer._mla_expand(dev, R, pos0) is (want and pos0 + R <= 4096)
+        assert m.expands(R, pos0) is (want and R > 1)
+    assert MLAMixer._mla_expand(dev, 1100, 3000) is False      # past the expanded buffers: absorbed
+
+
 def test_missing_mla_tensor_is_a_clear_error(tmp_path):
     from coli.engine import Engine
     from coli.base.errors import ColiError
