@@ -9,7 +9,8 @@
 //   h[j, o] = act(g) * u, g = Wg[id_j][o, :] . x, u = Wu[id_j][o, :] . x, silu(g) = g / (1 + exp(-g)).
 // MODE 0, down and the weighted combine into the residual: a2 h f32 [k, F], a3 y f32 [D]; u0 D, u1 F, u2 k,
 //   u4 bit 0: each rank's down bias a4 f32 [E, D] too (y[o] += sum_j w_j bias[id_j, o] besides s; ranks on the
-//   device only)
+//   device only); u4 bit 1, ranks apart: workgroup y = rank r runs with the route, h and y moved on by r words,
+//   r rows of F and r rows of D (one dispatch for what k dispatches of k = 1 did; groups (ceil(D / ROWS), k, 1))
 //   (k <= MAXK); groups (ceil(D / ROWS), 1, 1). y[o] += s, s = sum_j w_j (Wd[id_j][o, :] . h[j, :]) made in a
 //   float (each lane sums w_j times its units' dot products over all ranks, then one subgroupAdd; the
 //   subgroups that split a row add in subgroup order) and added to y[o] once. a5..a7, u15: the RMSNorm of y [D]
@@ -45,7 +46,10 @@ void main() {
     uint O = pc.u[0], I = pc.u[1], k = pc.u[2];
     uint units = I / 32u;
     U64 TABLE = U64(pc.a[0]);
-    U32 ROUTE = U32(pc.a[1]);
+    // ranks apart (mode 0, u4 bit 1): this workgroup's rank r alone, its route word, h row and y row
+    uint rr = (MODE == 0u && (pc.u[4] & 2u) != 0u) ? gl_WorkGroupID.y : 0u;
+    uint64_t aY = pc.a[3] + 4ul * uint64_t(rr) * uint64_t(O);
+    U32 ROUTE = U32(pc.a[1] + 4ul * uint64_t(rr));
     uint64_t wg = 0ul, wu = 0ul;
     uint j1 = gl_WorkGroupID.y;
     if (MODE == 1u) {
@@ -64,7 +68,7 @@ void main() {
         bool none = true;
         for (uint t = 0u; t < k; t++) none = none && EA[t] == 0ul;
         // every rank a CPU rank: its rows are the host's, written while this runs (no read-modify-write of them)
-        if (none) { norm_tail(pc.a[3], O); return; }
+        if (none) { norm_tail(aY, O); return; }
     }
     uint total = MODE == 1u ? units : k * units;   // units a row's lanes stride over
     uint o0 = gl_WorkGroupID.x * ROWS;
@@ -77,7 +81,7 @@ void main() {
     uint passes = (nset + cpass - 1u) / cpass;    // the same for every subgroup
     uint part = sg % spg, setl = sg / spg;        // subgroups past cpass * spg only join the barriers
     uint64_t rb = uint64_t(ROW_BYTES(I));
-    F32x4 X = F32x4(pc.a[2]);                     // mode 1: x [D]; mode 0: h [k, F]
+    F32x4 X = F32x4(pc.a[2] + 4ul * uint64_t(rr) * uint64_t(I));   // mode 1: x [D]; mode 0: h [k, F]
     for (uint ps = 0u; ps < passes; ps++) {
         uint ob = o0 + (ps * cpass + setl) * RPC;
         uint nrow = (setl < cpass && ob < oend) ? min(RPC, oend - ob) : 0u;   // uniform in the subgroup
@@ -151,7 +155,7 @@ void main() {
             barrier();
         }
         if (part == 0u && nrow > 0u && subgroupElect()) {
-            F32C Y = F32C(pc.a[3]);
+            F32C Y = F32C(aY);
             [[unroll]] for (uint i = 0u; i < RPC; i++) {
                 if (i < nrow) {
                     uint o = ob + i;
@@ -175,5 +179,5 @@ void main() {
             }
         }
     }
-    if (MODE == 0u) norm_tail(pc.a[3], O);
+    if (MODE == 0u) norm_tail(aY, O);
 }

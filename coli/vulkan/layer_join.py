@@ -74,9 +74,9 @@ class RowJoin:
         if self.resident[d["il"]].any():     # else no X segment: the host computes every rank
             ops.append(Dispatch("lmoe", (-(-F // R), k), [d["tab"].addr, rt, self.xn.addr, self.hbuf.addr],
                                 [F, D, k], type_name=et[0], mode=1))
-            ops += [Dispatch("lmoe", (-(-D // R),), [d["tab"].addr, rt + 4 * r, self.hbuf.addr + 4 * F * r,
-                                                     yk.addr + 4 * D * r], [D, F, 1, k], type_name=et[1], mode=0,
-                             wait=r == 0) for r in range(k)]
+            # each rank's weighted down rows into its own row of yk: one dispatch, workgroup y = rank (u4 bit 1)
+            ops.append(Dispatch("lmoe", (-(-D // R), k), [d["tab"].addr, rt, self.hbuf.addr, yk.addr],
+                                [D, F, 1, k, 2], type_name=et[1], mode=0))
         ops += [Cut(j, "x"), Dispatch("moe_sum", (1,), [yk.addr, self.hs.addr, yk.addr], [D, k + 1, 0])]
         return ops
 
