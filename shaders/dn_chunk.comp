@@ -10,8 +10,15 @@
 // q, k are l2-normed (x / sqrt(sum x^2 + 1e-6)), q / sqrt(dk); beta = sigmoid(b), g = ssm_a softplus(a + dt).
 // Scratch (a4 in modes 0 and 1), floats, for R rows and Hv heads: W [Hv, R, dk], U [Hv, R, dv], AQ [Hv, R, 64] (the
 // block's tril(q k^T exp(G_i - G_j)) rows), F [Hv, R, 4] (fq exp(G_i) / sqrt(dk), fk exp(G_last - G_i), exp(G_last)).
+// KDA (Kimi-Linear, flag bit 2; flash-linear-attention's chunk_kda): the decay one a key channel, g_i[d] =
+// ssm_a softplus(f_i[d] + dt[d]), so G is cumulative a channel and each product over d takes its own factor:
+// A = strictly lower (beta_i sum_d k_i[d] k_j[d] exp(G_i[d] - G_j[d])), the q k^T rows likewise (exponents <= 0,
+// taken directly: no exp(-G) that could overflow), W = T (beta k exp(G)), O = (q exp(G_i)) S + .., S = exp(G_last) S
+// + (k exp(G_last - G))^T V' with exp(G_last) a state row; its gate is sigmoid(z) (deltanet.comp's KDA flag).
+// Scratch for KDA, after F: QG, KG [Hv, R, dk] (q fq exp(G), k fk exp(G_last - G): mode 1's per-channel factors).
 // Words: u0 mode, u1 Hk, u2 Hv, u3 dk, u4 dv, u5 R, u6 eps (float bits), u7 flags (deltanet.comp's: bit 0 tiled
-// value heads, bit 1 ssm_ba's order), u8 BV (mode 1's state columns a workgroup: 16 or 8, BV dk <= 2048).
+// value heads, bit 1 ssm_ba's order, bit 2 KDA: Hk = Hv, dk = dv, a1 rows Hv betas then Hv dk decay inputs f, a3 the
+// dt bias f32 [Hv dk]), u8 BV (mode 1's state columns a workgroup: 16 or 8, BV dk <= 2048).
 //  mode 0 (the blocks' UT transform, independent of the state), groups (Hv, ceil(R / 64)): a0 the conv rows f32
 //    [R, C] (q heads, k heads, v heads; C = 2 Hk dk + Hv dv), a1 ba f32 [R, 2 Hv] (deltanet.comp mode 1's), a2 ssm_a
 //    f32 [Hv], a3 dt bias f32 [Hv], a4 scratch: writes W, U, AQ, F of its block.
@@ -32,13 +39,33 @@ layout(local_size_x_id = 0) in;
 #define TW1 32u         // mode 1's dims of a tile
 #define MAXSL 4u        // mode 1's rows of a block an invocation owns (CH / (WG / BV): WG >= 256, BV <= 16)
 // one shared array, carved per mode (mode 0: TS [CH][CH + 1], KT, QT [CH][TW + 1], G, BE, FK, FQ [CH];
-// mode 1: SS [dk][BV], VN [CH][BV], WT, QT [CH][TW1 + 1], and the block's AQ rows [CH][CH + 1] over WT and QT)
-#define SM_N 7296u
+// mode 1: SS [dk][BV], VN [CH][BV], WT, QT [CH][TW1 + 1], and the block's AQ rows [CH][CH + 1] over WT and QT;
+// KDA: mode 0's GT [CH][TW + 1] (a key tile's cumulative log decays), mode 1's GLS [dk] (exp(G_last) a state row))
+#define SM_N 7680u
 shared float SM[SM_N];
 
 float sigm(float x) {
     float e = exp(-abs(x));
     return x >= 0.0 ? 1.0 / (1.0 + e) : e / (1.0 + e);
+}
+
+// a row's log decay ssm_a softplus(x) (x = a + dt, or KDA's f + dt of a key channel)
+float logdec(float a, float x) {
+    return a * (x > 20.0 ? x : log(1.0 + exp(x)));
+}
+
+// KDA: the block's cumulative log decays of key channels d0 .. d0 + TW - 1 into SM[GT] [CH][TW + 1] (a row past the
+// block's n: the last row's; a channel past dk: 0). Barriers inside: call from uniform control flow.
+void kda_tile(F32 BA, F32 DT, float a, uint ldba, uint Hv, uint h, uint dk, uint r0, uint n, uint d0, uint GT) {
+    uint t = gl_LocalInvocationIndex, WG = gl_WorkGroupSize.x;
+    for (uint e = t; e < CH * TW; e += WG) {
+        uint i = e / TW, d = e % TW;
+        SM[GT + i * (TW + 1u) + d] = i < n && d0 + d < dk
+            ? logdec(a, BA.v[(r0 + i) * ldba + Hv + h * dk + d0 + d] + DT.v[h * dk + d0 + d]) : 0.0;
+    }
+    barrier();
+    if (t < TW) for (uint i = 1u; i < CH; i++) SM[GT + i * (TW + 1u) + t] += SM[GT + (i - 1u) * (TW + 1u) + t];
+    barrier();
 }
 
 void main() {
@@ -49,6 +76,9 @@ void main() {
     uint C = 2u * Hk * dk + Hv * dv;
     uint qo = hk * dk, ko = Hk * dk + hk * dk, vo = 2u * Hk * dk + h * dv;     // a row's q, k, v of head h
     uint oW = 0u, oU = Hv * R * dk, oA = oU + Hv * R * dv, oF = oA + Hv * R * CH;   // the scratch's parts
+    uint oQ = oF + Hv * R * 4u, oK = oQ + Hv * R * dk;      // KDA's QG, KG
+    bool kda = (flags & 4u) != 0u;
+    uint ldba = kda ? Hv + Hv * dk : 2u * Hv;
     if (mode == 2u) {       // a subgroup a (row, head) pair, 8 pairs a workgroup: no barriers
         F32 O = F32(pc.a[6]);
         F32 Z = F32(pc.a[7]);
@@ -62,7 +92,7 @@ void main() {
             float inv = 1.0 / sqrt(subgroupAdd(ss) / float(dv) + pcf(6u));
             for (uint j = gl_SubgroupInvocationID; j < dv; j += gl_SubgroupSize) {
                 float zz = Z.v[o0 + j];
-                O.v[o0 + j] = NW.v[j] * (O.v[o0 + j] * inv) * (zz * sigm(zz));
+                O.v[o0 + j] = NW.v[j] * (O.v[o0 + j] * inv) * (kda ? sigm(zz) : zz * sigm(zz));
             }
         }
         return;
@@ -75,16 +105,16 @@ void main() {
         F32 DT = F32(pc.a[3]);
         uint r0 = gl_WorkGroupID.y * CH, n = min(CH, R - r0);
         uint TS = 0u, KT = CH * (CH + 1u), QT = KT + CH * (TW + 1u), G = QT + CH * (TW + 1u);
-        uint BE = G + CH, FK = BE + CH, FQ = FK + CH;
-        uint ib = (flags & 2u) != 0u ? hk * 2u * rep + h % rep : h;
+        uint BE = G + CH, FK = BE + CH, FQ = FK + CH, GT = FQ + CH;
+        uint ib = (flags & 2u) != 0u && !kda ? hk * 2u * rep + h % rep : h;
         uint ia = (flags & 2u) != 0u ? ib + rep : Hv + h;
-        // each row's beta and log decay (rows past the chunk: zeros, so they add nothing)
+        // each row's beta and log decay (rows past the chunk: zeros, so they add nothing; KDA: G = 0 here, its
+        // decays a key channel in GT)
         for (uint i = t; i < CH; i += WG) {
             float be = 0.0, g = 0.0;
             if (i < n) {
-                be = sigm(BA.v[(r0 + i) * 2u * Hv + ib]);
-                float x = BA.v[(r0 + i) * 2u * Hv + ia] + DT.v[h];
-                g = A.v[h] * (x > 20.0 ? x : log(1.0 + exp(x)));
+                be = sigm(BA.v[(r0 + i) * ldba + ib]);
+                if (!kda) g = logdec(A.v[h], BA.v[(r0 + i) * ldba + ia] + DT.v[h]);
             }
             SM[BE + i] = be;
             SM[G + i] = g;
@@ -105,6 +135,7 @@ void main() {
                 SM[QT + i * (TW + 1u) + d] = in_ ? X.v[x0 + qo] : 0.0;
             }
             barrier();
+            if (kda) kda_tile(BA, DT, A.v[h], ldba, Hv, h, dk, r0, n, d0, GT);
             if (t < CH) {
                 for (uint d = 0u; d < TW; d++) {
                     float q = SM[QT + t * (TW + 1u) + d], k = SM[KT + t * (TW + 1u) + d];
@@ -119,6 +150,8 @@ void main() {
                     float sk = 0.0, sq = 0.0;
                     for (uint d = 0u; d < TW; d++) {
                         float kj = SM[KT + j * (TW + 1u) + d];
+                        if (kda)    // exp(G_i[d] - G_j[d]) a channel (j <= i: at most 1; the rest are not used)
+                            kj *= j <= i ? exp(SM[GT + i * (TW + 1u) + d] - SM[GT + j * (TW + 1u) + d]) : 0.0;
                         sk += SM[KT + i * (TW + 1u) + d] * kj;
                         sq += SM[QT + i * (TW + 1u) + d] * kj;
                     }
@@ -160,10 +193,18 @@ void main() {
             uint dst = part == 0u ? oW + h * R * dk : oU + h * R * dv;
             for (uint d0 = 0u; d0 < width; d0 += TW) {
                 barrier();
+                if (kda && part == 0u) kda_tile(BA, DT, A.v[h], ldba, Hv, h, dk, r0, n, d0, GT);
                 for (uint e = t; e < CH * TW; e += WG) {
                     uint j = e / TW, d = e % TW;
-                    float f = part == 0u ? SM[BE + j] * SM[FK + j] * exp(SM[G + j]) : SM[BE + j];
-                    SM[KT + j * (TW + 1u) + d] = j < n && d0 + d < width ? X.v[(r0 + j) * C + src + d0 + d] * f : 0.0;
+                    bool in_ = j < n && d0 + d < width;
+                    float gj = kda && part == 0u ? SM[GT + j * (TW + 1u) + d] : 0.0;
+                    float f = part == 0u ? SM[BE + j] * SM[FK + j] * exp(SM[G + j] + gj) : SM[BE + j];
+                    SM[KT + j * (TW + 1u) + d] = in_ ? X.v[(r0 + j) * C + src + d0 + d] * f : 0.0;
+                    if (kda && part == 0u && in_) {     // mode 1's q and k rows with their channels' factors
+                        uint x0 = (r0 + j) * C + d0 + d, s0 = (h * R + r0 + j) * dk + d0 + d;
+                        SC.v[oQ + s0] = X.v[x0 + qo] * SM[FQ + j] * exp(gj);
+                        SC.v[oK + s0] = X.v[x0 + ko] * SM[FK + j] * exp(SM[GT + (n - 1u) * (TW + 1u) + d] - gj);
+                    }
                 }
                 barrier();
                 for (uint e = t; e < CH * TW; e += WG) {
@@ -192,6 +233,10 @@ void main() {
     uint BV = pc.u[8], P = WG / BV, jj = t % BV, p = t / BV, j0 = gl_WorkGroupID.y * BV;
     bool col = p < P && j0 + jj < dv;
     uint SS = 0u, VN = dk * BV, WT = VN + CH * BV, QT = WT + CH * (TW1 + 1u), AQ = WT;   // AQ [CH][CH + 1]: WT, QT
+    uint GLS = QT + CH * (TW1 + 1u);
+    F32 BA = F32(pc.a[1]);
+    F32 A = F32(pc.a[2]);
+    F32 DT = F32(pc.a[3]);
     uint s0 = h * dk * dv + j0 + jj;
     for (uint i = p; i < dk; i += P) if (t < P * BV) SM[SS + i * BV + jj] = col ? ST.v[s0 + i * dv] : 0.0;
     for (uint r0 = 0u; r0 < R; r0 += CH) {
@@ -205,8 +250,9 @@ void main() {
                 uint r = e / TW1, d = e % TW1;
                 bool in_ = r < n && i0 + d < dk;
                 SM[WT + r * (TW1 + 1u) + d] = in_ ? SC.v[oW + (h * R + r0 + r) * dk + i0 + d] : 0.0;
-                SM[QT + r * (TW1 + 1u) + d] = in_ ? X.v[(r0 + r) * C + qo + i0 + d] * SC.v[oF + (h * R + r0 + r) * 4u]
-                                                  : 0.0;
+                uint s0 = (h * R + r0 + r) * dk + i0 + d;
+                SM[QT + r * (TW1 + 1u) + d] = !in_ ? 0.0 : kda ? SC.v[oQ + s0]
+                                                  : X.v[(r0 + r) * C + qo + i0 + d] * SC.v[oF + (h * R + r0 + r) * 4u];
             }
             barrier();
             uint m = min(TW1, dk - i0);
@@ -233,6 +279,15 @@ void main() {
             uint r = e / CH, m = e % CH;
             if (m <= r) SM[AQ + r * (CH + 1u) + m] = SC.v[oA + (h * R + r0) * CH + e];
         }
+        // KDA: exp(G_last) of each state row, summed in row order as mode 0's G (GLS's last reads were before the
+        // block's first barrier)
+        if (kda) {
+            for (uint i = t; i < dk; i += WG) {
+                float c = 0.0;
+                for (uint r = 0u; r < n; r++) c += logdec(A.v[h], BA.v[(r0 + r) * ldba + Hv + h * dk + i] + DT.v[h * dk + i]);
+                SM[GLS + i] = exp(c);
+            }
+        }
         barrier();
         // O = (q exp(G)) S + AQ V'
         [[unroll]] for (uint s = 0u; s < MAXSL; s++) {
@@ -249,15 +304,15 @@ void main() {
             barrier();
             for (uint e = t; e < CH * TW1; e += WG) {
                 uint r = e / TW1, d = e % TW1;
-                SM[QT + r * (TW1 + 1u) + d] = r < n && i0 + d < dk
-                    ? X.v[(r0 + r) * C + ko + i0 + d] * SC.v[oF + (h * R + r0 + r) * 4u + 1u] : 0.0;
+                SM[QT + r * (TW1 + 1u) + d] = !(r < n && i0 + d < dk) ? 0.0 : kda ? SC.v[oK + (h * R + r0 + r) * dk + i0 + d]
+                    : X.v[(r0 + r) * C + ko + i0 + d] * SC.v[oF + (h * R + r0 + r) * 4u + 1u];
             }
             barrier();
             if (t < P * BV) {
                 for (uint d = p; d < TW1 && i0 + d < dk; d += P) {
                     float s = 0.0;
                     for (uint r = 0u; r < n; r++) s += SM[QT + r * (TW1 + 1u) + d] * SM[VN + r * BV + jj];
-                    SM[SS + (i0 + d) * BV + jj] = SM[SS + (i0 + d) * BV + jj] * gl + s;
+                    SM[SS + (i0 + d) * BV + jj] = SM[SS + (i0 + d) * BV + jj] * (kda ? SM[GLS + i0 + d] : gl) + s;
                 }
             }
         }

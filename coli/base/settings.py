@@ -105,9 +105,10 @@ VARS: tuple[Var, ...] = (
     Var("COLI_VK_CHAIN", "str", "auto", "device layers with experts on the CPU: a decode token in one submit, the "
         "host joining mid-submit through timeline semaphores (on), or a submit a segment (off); auto: on where the "
         "device has timeline semaphores (docs/vulkan.md \"Experts on the CPU\")"),
-    Var("COLI_VK_DN_PROMPT", "str", "auto", "the device layers' Gated DeltaNet delta rule for a prompt chunk: chunk "
-        "(the chunked WY / UT form, shaders/dn_chunk.comp: 64-row blocks, the blocks in order), rows (the recurrence "
-        "row by row, shaders/deltanet.comp mode 4 or 1) or auto (chunk, but rows for KDA layers) (docs/vulkan.md "
+    Var("COLI_VK_DN_PROMPT", "str", "auto", "the device layers' Gated DeltaNet and KDA delta rule for a prompt "
+        "chunk: chunk (the chunked WY / UT form, shaders/dn_chunk.comp: 64-row blocks, the blocks in order), rows (the "
+        "recurrence row by row, shaders/deltanet.comp mode 4 or 1) or auto (chunk where the device layers' workgroups "
+        "have 256 invocations, else rows) (docs/vulkan.md "
         "\"Gated DeltaNet on the device\")", dev=True),
     Var("COLI_VK_DN_BV", "int", 16, "state columns a workgroup of the chunked DeltaNet delta rule takes through a "
         "prompt chunk (shaders/dn_chunk.comp mode 1): 1, 2, 4, 8 or 16 (8 where 16 columns of the key width pass 2048 "

@@ -238,19 +238,19 @@ class DeltaNetMixer:
 
     def _dn_chunked(self) -> bool:
         """Whether a prompt chunk's delta rule takes the chunked form (shaders/dn_chunk.comp, :meth:`_dn_chunk_ops`):
-        ``COLI_VK_DN_PROMPT`` auto or chunk, Gated DeltaNet layers (KDA's decay a key channel takes the row-by-row
-        form) and workgroups of 256 or more invocations. Raises ``ColiError`` for chunk where the layers cannot."""
+        ``COLI_VK_DN_PROMPT`` auto or chunk (Gated DeltaNet and KDA layers) and workgroups of 256 or more
+        invocations. Raises ``ColiError`` for chunk where the workgroups are smaller."""
         if self.dn_prompt == "rows":
             return False
-        ok = not self.kda and self.K.wg >= 256
+        ok = self.K.wg >= 256
         if self.dn_prompt == "chunk" and not ok:
-            raise ColiError("COLI_VK_DN_PROMPT=chunk: " + ("KDA layers take the row-by-row delta rule only" if self.kda
-                            else f"the chunked delta rule needs workgroups of 256 invocations (these have {self.K.wg})"))
+            raise ColiError(f"COLI_VK_DN_PROMPT=chunk: the chunked delta rule needs workgroups of 256 invocations "
+                            f"(these have {self.K.wg})")
         return ok
 
     def _dn_chunk_ops(self, d: dict, R: int, x) -> list:
         """A prompt chunk's delta rule in the chunked form (shaders/dn_chunk.comp; flash-linear-attention's
-        chunk_gated_delta_rule): mode 0 each 64-row block's UT transform (a workgroup a value head and block), mode 1
+        chunk_gated_delta_rule, and chunk_kda for KDA's decay a key channel): mode 0 each 64-row block's UT transform (a workgroup a value head and block), mode 1
         the blocks in order (a workgroup a value head and BV state columns, ``COLI_VK_DN_BV``, BV dk <= 2048: the
         columns in shared memory), mode 2 the gated norm (a subgroup a row and value head), into p_dno."""
         from coli.vulkan.layers import Dispatch, f32_bits  # the Vulkan binding: only when a device runs

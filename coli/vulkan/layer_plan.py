@@ -610,18 +610,18 @@ def _dn_floats(m) -> int:
     return out
 
 
-def dn_chunk_floats(dn) -> int:
+def dn_chunk_floats(dn, kda: bool = False) -> int:
     """Floats of one prompt row of the chunked delta rule's scratch (shaders/dn_chunk.comp: W, U, the 64-row block's
-    q k^T row and 4 row factors a value head); ``dn``: :func:`dn_dims`' (Hk, Hv, dk, dv, conv kernel, C)."""
+    q k^T row and 4 row factors a value head; KDA also q and k with their channels' decay factors); ``dn``:
+    :func:`dn_dims`' (Hk, Hv, dk, dv, conv kernel, C)."""
     _, Hv, dk, dv, _, _ = dn
-    return Hv * (dk + dv + 64 + 4)
+    return Hv * (dk + dv + 64 + 4 + (2 * dk if kda else 0))
 
 
 def _dn_chunk_row(m) -> int:
-    """Floats of one prompt row of the chunked delta rule's scratch, 0 without Gated DeltaNet layers on the device
-    (KDA's take the row-by-row form)."""
-    return max((dn_chunk_floats(dn_dims(linear_block(L))) for il, L in enumerate(m.layers)
-                if is_deltanet(L) and not is_kda(L) and why_not(m, il) is None), default=0)
+    """Floats of one prompt row of the chunked delta rule's scratch, 0 without DeltaNet layers on the device."""
+    return max((dn_chunk_floats(dn_dims(linear_block(L)), is_kda(L)) for il, L in enumerate(m.layers)
+                if is_deltanet(L) and why_not(m, il) is None), default=0)
 
 
 def prompt_bytes(m, rows: int) -> int:

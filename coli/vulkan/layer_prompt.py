@@ -90,7 +90,7 @@ class PromptChunks:
                 self.p_dnlr = K.buffer(4 * R * 2 * dk, host=False) if self.kda else None
                 # the chunked delta rule's W, U, the blocks' q k^T rows and row factors (shaders/dn_chunk.comp;
                 # made whichever form COLI_VK_DN_PROMPT picks, as layer_plan.prompt_bytes counts it)
-                self.p_dnw = None if self.kda else K.buffer(4 * R * dn_chunk_floats(self.dn), host=False)
+                self.p_dnw = K.buffer(4 * R * dn_chunk_floats(self.dn, self.kda), host=False)
             self.p_in = K.buffer(4 * R * D, host=True)
             self.p_out = K.buffer(4 * R * D, host=True, readback=True)
             self.p_routeh = K.buffer(8 * k * R * L, host=True, readback=True)

@@ -6,7 +6,7 @@ alternating rounds (the machine is shared): quote them with the load average pri
         [--layouts t16,rows] [--json]
     python scripts/bench/kernels.py --op gpu [--D 2048] [--F 1024] [--E 64] [--rows 1,4,16,64] [--small]
     python scripts/bench/kernels.py --op experts [--threads 2] [--formats Q8_0,Q4_0] [--rows 64,256] [--E 64]
-    python scripts/bench/kernels.py --op dn [--rows 64,512] [--Hk 16] [--Hv 32] [--dk 128] [--dv 128] [--bv 16,8]
+    python scripts/bench/kernels.py --op dn [--rows 64,512] [--Hk 16] [--Hv 32] [--dk 128] [--dv 128] [--bv 16,8] [--kda]
 
 Whole models are ``coli bench``'s (docs/benchmarks.md): one decode token over a real model's matrices is
 ``coli bench -m smollm2 -p 0 -n 32`` (weight GB/s), the memory-read probe beside it ``--bandwidth``, a tiny oracle's
@@ -31,6 +31,7 @@ printed: run it under two trees (``PYTHONPATH=TREE``) in turn for a before/after
 heads of 128 x 128): the chunked form (shaders/dn_chunk.comp modes 0, 1 and 2 at each ``--bv``) beside the rows form
 (shaders/deltanet.comp mode 4, its gated norm included), device milliseconds of each dispatch by timestamps (the
 best round of ``--reps`` alternated ones) for each chunk length of ``--rows``; random rows, the state carried on.
+``--kda``: Kimi-Linear's KDA (the decay a key channel; Hk = Hv: 32 heads of 128 x 128 unless given).
 """
 from __future__ import annotations
 
@@ -298,7 +299,10 @@ def dn_main(argv=None):
     ap.add_argument("--dv", type=int, default=128)
     ap.add_argument("--bv", default="16,8")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--kda", action="store_true")
     a = ap.parse_args(argv)
+    if a.kda:
+        a.Hk = a.Hv
     try:   # a benchmark of the device: none is an error (Lavapipe only with COLI_VK_SOFTWARE=1 or COLI_VK_DEV=N)
         dev = open_device("bench", budget=8 << 30, quiet=True, required=True)
     except VulkanError as e:
@@ -307,7 +311,8 @@ def dn_main(argv=None):
     K = Kernels(dev, wg=256)
     Hk, Hv, dk, dv = a.Hk, a.Hv, a.dk, a.dv
     C, rng = 2 * Hk * dk + Hv * dv, np.random.default_rng(0)
-    print(f"device: {dev.describe()}; Hk {Hk}, Hv {Hv}, dk {dk}, dv {dv}; best of {a.reps}; load {' '.join(load())}")
+    print(f"device: {dev.describe()}; {'KDA' if a.kda else 'Gated DeltaNet'} Hk {Hk}, Hv {Hv}, dk {dk}, dv {dv}; "
+          f"best of {a.reps}; load {' '.join(load())}")
     print("| rows | form | device ms a dispatch | device ms | rows/s |")
     print("|---|---|---|---|---|")
 
@@ -317,13 +322,13 @@ def dn_main(argv=None):
         return b
 
     for R in [int(r) for r in a.rows.split(",")]:
-        X, BA = buf(rng.standard_normal((R, C))), buf(rng.standard_normal((R, 2 * Hv)))
+        X, BA = buf(rng.standard_normal((R, C))), buf(rng.standard_normal((R, Hv + (Hv * dk if a.kda else Hv))))
         S = buf(0.1 * rng.standard_normal((Hv, dk, dv)))
-        A, DT = buf(-rng.uniform(0.1, 1.0, Hv)), buf(rng.standard_normal(Hv))
+        A, DT = buf(-rng.uniform(0.1, 1.0, Hv)), buf(rng.standard_normal(Hv * dk if a.kda else Hv))
         NW, Z = buf(np.ones(dv)), buf(rng.standard_normal((R, Hv * dv)))
-        W = K.buffer(4 * R * dn_chunk_floats((Hk, Hv, dk, dv, 4, C)), host=False)
+        W = K.buffer(4 * R * dn_chunk_floats((Hk, Hv, dk, dv, 4, C), a.kda), host=False)
         O = K.buffer(4 * R * Hv * dv, host=False)
-        w = [Hk, Hv, dk, dv, R, f32_bits(1e-6), 0]
+        w = [Hk, Hv, dk, dv, R, f32_bits(1e-6), 4 if a.kda else 0]
         ad = [b.addr for b in (X, BA, A, DT, W, S, O, Z)]
         arms = {f"chunk bv{bv}": [Dispatch("dn_chunk", (Hv, -(-R // 64)), ad, [0] + w + [bv]),
                                   Dispatch("dn_chunk", (Hv, -(-dv // bv)), ad, [1] + w + [bv]),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from tests.vk_util import check_greedy_like_cpu, decode_rows, device_engine, greedy_rows, rel_err, requires_vulkan
+from tests.vulkan.test_device_deltanet import _count_chunked
 
 pytestmark = requires_vulkan
 
@@ -25,10 +26,11 @@ def test_kda_layers_against_hf(monkeypatch):
     """Every layer and the head on the device: three KDA layers (q/k/v through the conv over the device's conv
     state, the per-channel decay exp(ssm_a softplus(ssm_f_b ssm_f_a x + dt)), the delta rule over its recurrent
     state, rmsnorm * sigmoid(ssm_g_b ssm_g_a x)) and the NoPE MLA layer, the leading dense FFN and the sigmoid-routed
-    MoE with its shared expert. The 96-row prompt in chunks of 40 within the CPU path's bound of HF transformers'
-    (1e-4 of the largest logit) at every row with HF's argmax, HF's 8 greedy decode rows and tokens; the CPU-only f32
-    run's logits within 2e-5 and its greedy tokens. The CPU's KDA is made to fail meanwhile: the device did that
-    work."""
+    MoE with its shared expert. The 96-row prompt in chunks of 80 (a 64-row block and a 16-row tail, then 16) with
+    the delta rule in the chunked form (shaders/dn_chunk.comp's KDA flag) within the CPU path's bound of HF
+    transformers' (1e-4 of the largest logit) at every row with HF's argmax, HF's 8 greedy decode rows and tokens;
+    the CPU-only f32 run's logits within 2e-5 and its greedy tokens. The CPU's KDA is made to fail meanwhile: the
+    device did that work."""
     from tests.conftest import FIXTURES
     from tests.oracle_check import check_prompt_and_decode
     from coli.vulkan import layer_plan
@@ -43,13 +45,15 @@ def test_kda_layers_against_hf(monkeypatch):
         assert layer_plan.why_not_all(m) == ""
         assert dl is not None and dl.first == 0 and dl.head is not None and dl.kda and dl.mla is not None
         assert [d["il"] for d in dl.per if "dn" in d] == [0, 1, 3] and [d["il"] for d in dl.per if "mla" in d] == [2]
-        dl.prompt_rows = 40
+        dl.prompt_rows = 80
         _no_cpu_kda(monkeypatch)
+        chunked = _count_chunked(monkeypatch)
         d0 = e.device.layer_dispatches
         got = check_prompt_and_decode(m, m.new_cache(128, 128), oracle)
-        assert (dl.prompt_tokens, dl.prompt_chunks, dl.tokens) == (len(oracle["ids"]), 3, 8)
+        assert (dl.prompt_tokens, dl.prompt_chunks, dl.tokens) == (len(oracle["ids"]), 2, 8)
+        assert sorted(chunked) == [16] * 3 + [80] * 3      # each chunk length recorded once, every KDA layer chunked
         assert dl.mla_expanded >= 1      # the chunk from position 0 in MLA's expanded form (the NoPE rope part copied)
-        assert e.device.layer_dispatches - d0 >= (3 + 8) * 4 * 6
+        assert e.device.layer_dispatches - d0 >= (2 + 8) * 4 * 6
         check_greedy_like_cpu(m, ref, oracle["ids"], got, 2e-5, 2e-5)
     finally:
         e.close()
@@ -59,8 +63,9 @@ def test_kda_layers_against_hf(monkeypatch):
 def test_kda_states_move_both_ways():
     """The KDA states and the MLA latent rows stay in step between the CPU's cache and the device's: a prompt on the
     CPU, decode rows on the device (the CPU's states and latent rows uploaded), then decode rows on the CPU from what
-    the device wrote back; a device prompt in chunks of 7 rows, then decode rows on the CPU: every row's logits
-    within 1e-5 of the CPU-only run's."""
+    the device wrote back; a device prompt in chunks of 7 rows with the delta rule row by row
+    (``COLI_VK_DN_PROMPT=rows``: deltanet.comp mode 4), then decode rows on the CPU: every row's logits within 1e-5
+    of the CPU-only run's."""
     from tests.conftest import FIXTURES
 
     path = FIXTURES / "oracles" / "kimi.gguf"
@@ -80,7 +85,8 @@ def test_kda_states_move_both_ways():
         m.device_layers = None          # the rest on the CPU, from the states the device wrote back
         out += [m.forward([t], a) for t in ids[20:]]
         assert rel_err(np.concatenate(out), ref) < 1e-5
-        m.device_layers, dl.prompt_rows = dl, 7
+        m.device_layers, dl.prompt_rows, dl.dn_prompt = dl, 7, "rows"
+        assert not dl._dn_chunked()
         c = m.new_cache(64, 64)
         out = [m.forward(ids[:16], c)]
         assert dl.prompt_tokens == 16 and dl.prompt_chunks == 3
