@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import functools
 import json
 import os
 import secrets
@@ -812,12 +813,15 @@ def _tune_parser(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # allow_abbrev=False: every long option spelled whole, as llama.cpp's (a prefix such as --thread is unknown, not
+    # one of coli's or llama_flags' options it begins, nor "ambiguous" among them)
     p = argparse.ArgumentParser(prog="coli", description="Mixture-of-Experts inference: CPU kernels, a device expert tier, experts streamed from disk",
-                                formatter_class=_Help,
+                                formatter_class=_Help, allow_abbrev=False,
                                 epilog="environment: " + ", ".join(v.name for v in settings.VARS if not v.dev)
                                        + " (defaults and units: docs/settings.md)")
     p.add_argument("--version", action="version", version=f"coli {_version()}")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=functools.partial(argparse.ArgumentParser,
+                                                                                   allow_abbrev=False))
     _run_parser(sub)
     _chat_parser(sub)
     _serve_parser(sub)

@@ -184,3 +184,22 @@ def test_the_readmes_use_lines_parse():
         p.parse_args(shlex.split(line)[1:])  # a refused flag raises ColiError, a bad one SystemExit
     a = p.parse_args(shlex.split('run -m smollm2 -f prompt.txt -n -1 --stop "###" --no-display-prompt -q'))
     assert (a.model, a.file, a.n, a.stop) == ("smollm2", "prompt.txt", -1, ["###"])
+
+
+@pytest.mark.parametrize("cmd", ["run", "chat", "serve", "bench", "perplexity", "tune"])   # those with --threads
+def test_a_long_option_is_spelled_whole(capsys, cmd):
+    """As llama.cpp's (common/arg.cpp matches a flag whole): ``--thread 2`` is one error naming ``--thread``, exit 2,
+    not argparse's prefix match (with llama_flags' hidden ``--threads-batch`` beside ``--threads`` it was
+    "ambiguous option: --thread could match --threads, --threads-batch"); ``--threads 2`` is coli's option."""
+    from coli.cli import build_parser
+
+    p = build_parser()
+    req = ["-f", "text.txt"] if cmd == "perplexity" else []    # its required flag, so the typo is what is left
+    with pytest.raises(SystemExit) as e:
+        p.parse_args([cmd, *req, "--thread", "2"])
+    err = capsys.readouterr().err
+    last = err.splitlines()[-1]   # the "2" is run's PROMPT; the others have no positional to take it
+    assert e.value.code == 2 and last in ("coli: error: unrecognized arguments: --thread",
+                                          "coli: error: unrecognized arguments: --thread 2"), err
+    assert "ambiguous" not in err
+    assert str(p.parse_args([cmd, *req, "--threads", "2"]).threads) == "2"   # bench's and tune's: a LIST
