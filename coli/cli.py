@@ -31,7 +31,7 @@ from coli.base.errors import ColiError
 from coli.base.paths import cache_dir
 from coli.base.progress import HoldFirst, bar, quiet as quiet_compiles, stderr_is_terminal, text_on_line
 from coli.fetch import MODEL_NAMES, MODELS, check_folder  # MODEL_NAMES: the names -m takes besides a path
-from coli.llama_flags import add_llama_flags, process_escapes
+from coli.llama_flags import add_llama_flags, process_escapes, read_file_arg
 from coli.resolve import resolve
 from coli.vulkan import device_flag
 from scheduler.trace import CATEGORIES, summarize
@@ -199,13 +199,7 @@ def _read_prompt(a) -> str:
     if len(given) > 1:
         raise ColiError(f"prompt: given twice ({' and '.join(n for n, _ in given)}); give one")
     if a.file is not None:
-        try:
-            with open(a.file, encoding="utf-8") as f:
-                prompt = f.read().removeprefix(BOM)
-        except OSError as e:
-            raise ColiError(f"-f {a.file}: {e.strerror or e}") from None
-        except UnicodeDecodeError as e:
-            raise ColiError(f"-f {a.file}: not UTF-8 text (byte {e.start})") from None
+        prompt = read_file_arg(a.file, f"-f {a.file}").removeprefix(BOM)   # less one trailing newline, as llama-cli
         if prompt == "":  # said before the model (or a device: --cpu-moe, --gpu-layers) is opened
             raise ColiError(f"-f {a.file}: empty (no prompt in it)")
         return _escaped(a, prompt, f"-f {a.file}")
@@ -467,13 +461,7 @@ def cmd_perplexity(a) -> int:
     start where the model wants one, the second half of each scored; ``--all-tokens`` scores every token.
     Progress per chunk on stderr (``[i]ppl,`` with the running estimate, as llama-perplexity prints it);
     the result on stdout."""
-    try:
-        with open(a.file, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise ColiError(f"{a.file}: {e.strerror or e}")
-    except UnicodeDecodeError as e:
-        raise ColiError(f"{a.file}: not UTF-8 text (byte {e.start})")
+    text = read_file_arg(a.file, a.file)   # less one trailing newline: llama-perplexity's -f is llama-cli's
     if a.max_tokens is not None and a.max_tokens < 2:
         raise ColiError(f"--max-tokens: {a.max_tokens} (at least 2)")
     if a.chunks == 0:

@@ -99,6 +99,22 @@ def process_escapes(text: str, name: str) -> str:
                         f"--no-escape takes the text as written") from None
 
 
+def read_file_arg(path: str, name: str) -> str:
+    """The text of a file given to llama.cpp's ``-f`` (llama-cli's prompt, llama-perplexity's text) as llama.cpp reads
+    it: every byte, no newline translation (``read_file``, a ``std::ifstream`` of the file, common/arg.cpp), then one
+    trailing newline dropped (the ``-f`` handler: ``if (!params.prompt.empty() && params.prompt.back() == '\n')
+    params.prompt.pop_back();``), so ``"a\n\n"`` is ``"a\n"`` and a CRLF line ends in ``"\r"``. Decoded as UTF-8
+    (coli's prompts are text). ColiError ``<name>: <why>`` for a file that cannot be read or is not UTF-8."""
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            text = f.read()
+    except OSError as e:
+        raise ColiError(f"{name}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ColiError(f"{name}: not UTF-8 text (byte {e.start})") from None
+    return text[:-1] if text.endswith("\n") else text
+
+
 class Refuse(argparse.Action):
     """A llama.cpp flag coli does not take: ColiError ``<flag>: <why>`` (main prints it as one line, exit 2)."""
 

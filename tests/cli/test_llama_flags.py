@@ -203,3 +203,23 @@ def test_a_long_option_is_spelled_whole(capsys, cmd):
                                           "coli: error: unrecognized arguments: --thread 2"), err
     assert "ambiguous" not in err
     assert str(p.parse_args([cmd, *req, "--threads", "2"]).threads) == "2"   # bench's and tune's: a LIST
+
+
+@pytest.mark.parametrize("text, prompt", [
+    ("hi\n", "hi"), ("hi\n\n", "hi\n"), ("hi", "hi"), ("a\r\nb\r\n", "a\r\nb\r"), ("hi\\n\n", "hi\n")])
+def test_a_prompt_file_loses_one_trailing_newline_as_llama_cli(tmp_path, text, prompt):
+    """llama.cpp's ``-f`` handler (common/arg.cpp, llama-cli's and llama-perplexity's): the file as
+    ``read_file``'s std::ifstream reads it (no newline translation: a CRLF stays), then ``if
+    (!params.prompt.empty() && params.prompt.back() == '\\n') params.prompt.pop_back();``: one newline dropped, the
+    escapes processed after it (a written ``\\n`` at the end stays a newline). A file of one newline is empty."""
+    from coli.base.errors import ColiError
+    from coli.cli import _read_prompt, build_parser
+    from coli.llama_flags import read_file_arg
+
+    f = tmp_path / "p.txt"
+    f.write_bytes(text.encode())
+    assert _read_prompt(build_parser().parse_args(["run", "-f", str(f)])) == prompt
+    assert read_file_arg(str(f), "t") == text.removesuffix("\n")          # coli perplexity -f's text
+    f.write_bytes(b"\n")
+    with pytest.raises(ColiError, match=rf"^-f {f}: empty \(no prompt in it\)$"):
+        _read_prompt(build_parser().parse_args(["run", "-f", str(f)]))
