@@ -29,7 +29,7 @@ from coli.base.progress import end_compile_bar, install
 from coli.gguf_file import open_gguf
 from coli.models import model_args, model_class_of
 from coli.tokenizer import Tokenizer
-from coli.vulkan import DeviceLost, VulkanError, device_layers, layer_plan
+from coli.vulkan import DeviceLost, VulkanError, device_layers, layer_plan, placement
 from scheduler.balancer import Balancer
 from scheduler.layer_residency import LayerLFRU
 from scheduler.tier import Tier
@@ -368,6 +368,11 @@ def setup_layers(eng, dev, budget: int, balance=None) -> bool:
             and len(eng.model.layers) - first < want and "budget" in why):
         apart = True
         first, why = layer_plan.plan(eng.model, budget, eng.ctx, want, prompt_rows=rows, experts=False)
+    gate = None
+    if want < 0 and moe and not apart and first > 0 and "budget" in why and not layer_plan.is_deepseek4(eng.model.layers[0]):
+        gate = placement_gate(eng, dev, budget, rows, first)     # whole layers, or every layer with experts apart
+        if gate.arm.name == "experts":
+            apart, first = True, gate.arm.first
     n = len(eng.model.layers) - first
     if 0 < cpu_moe <= first and n and not eng.silent:   # llama.cpp's count from layer 0: only CPU layers named
         flag = f"--n-cpu-moe {cpu_moe}" if eng.cli_names else f"COLI_VK_CPU_MOE={cpu_moe}"
@@ -376,7 +381,8 @@ def setup_layers(eng, dev, budget: int, balance=None) -> bool:
               f"and {lo} on the CPU anyway (the device holds {_layers(first, first + n - 1)})", file=sys.stderr)
     instead = "the expert tier instead" if eng.step is not None else "every layer on the CPU"
     v4 = n > 0 and layer_plan.is_deepseek4(eng.model.layers[first])    # its own path (coli/vulkan/layer_dsv4.py)
-    resident = layer_experts(eng, first, budget, cpu_moe) if apart and n else None
+    resident = (gate.arm.resident if gate is not None and gate.arm.resident is not None else
+                layer_experts(eng, first, budget, cpu_moe) if apart and n else None)
     if n == 0:
         if not eng.silent:
             # the last layer refused: every layer's reason (runs of layers together), else what stopped the count
@@ -400,10 +406,13 @@ def setup_layers(eng, dev, budget: int, balance=None) -> bool:
         return False
     eng.model.device_layers = dl
     eng.device_layers = dl
+    eng.placement = gate        # the placement gate's decision (None: no gate ran)
     if resident and any(m.any() and not m.all() for m in dl.resident.values()):
         dl.on_token = _layer_swaps(eng, dl)
     if not eng.silent:
-        short = f" ({why})" if want > 0 and n < want or want < 0 else ""
+        short = f" ({why})" if (want > 0 and n < want or want < 0) and gate is None else ""
+        if gate is not None:
+            print(f"[VK] {eng.path.name}: {gate_line(gate)}", file=sys.stderr)
         print(f"[VK] {eng.path.name}: {dl.describe()}{short}", file=sys.stderr)
         if balance is True and dl.bal is None:
             print(f"[VK] {eng.path.name}: {'--balance' if eng.cli_names else 'balance=True'}: no device layer holds part of its routed experts "
@@ -411,13 +420,68 @@ def setup_layers(eng, dev, budget: int, balance=None) -> bool:
     return True
 
 
+def expert_room(eng, first: int, budget: int) -> int:
+    """Routed experts that fit in what ``budget`` leaves after device layers ``first ..`` without their experts
+    (:func:`coli.vulkan.layer_plan.fixed_bytes`, ``layer_bytes``; the biggest layer's expert bytes each)."""
+    m = eng.model
+    layers = range(first, len(m.layers))
+    used = layer_plan.fixed_bytes(m, eng.ctx, settings.get("COLI_VK_PROMPT_ROWS", eng.env))
+    used += sum(layer_plan.layer_bytes(m, il, eng.ctx, experts=False) for il in layers)
+    per = max(layer_plan.expert_bytes(m, il) for il in layers if getattr(m.layers[il], "moe", None) is not None)
+    return max(0, (int(budget) - used) // per)
+
+
+def placement_gate(eng, dev, budget: int, rows: int, first: int):
+    """``--gpu-layers -1`` on a MoE model whose layers do not all fit ``budget`` whole (``first`` > 0, the first that
+    does): ``coli.vulkan.placement.decide`` between those layers whole and every layer that fits without its experts
+    with experts apart (the resident ones by the routing history and the costs this device's runs measured,
+    ``coli.vulkan.placement.Runs``); ``COLI_VK_PLACEMENT`` forces an arm."""
+    m = eng.model
+    n, E, k = len(m.layers), int(eng.args.n_experts), int(eng.args.top_k)
+    first_b, _ = layer_plan.plan(m, budget, eng.ctx, None, prompt_rows=rows, experts=False)
+    counts = np.zeros((n, E), np.int64)
+    if eng.usage is not None and eng.usage.loaded:
+        counts[:] = eng.usage.counts[:n]
+    costs = placement.Runs(placement.shape_key(m, dev.name), eng.env).costs()
+    cap = expert_room(eng, first_b, budget) if first_b < n else 0
+    force = str(settings.get("COLI_VK_PLACEMENT", eng.env) or "auto").lower()
+    if force not in ("auto",) + placement.ARMS:
+        raise ColiError(f"COLI_VK_PLACEMENT={force}: auto, layers or experts")
+    if first_b >= n:     # not one layer without its experts fits: whole layers (none either)
+        force = "layers"
+    return placement.decide(costs, counts, n, set(m.moe_layers), k, E, first, first_b, cap, warm_plan, force)
+
+
+def gate_line(gate) -> str:
+    """The start line's words for the placement gate's decision: both arms' placement and predicted speed, which won."""
+    a, b = gate.arms
+    n_res = sum(len(v) for v in b.resident.values()) if b.resident else 0
+    pa = f"layers {a.first}- whole, the {a.first} before on the CPU: {a.tps()}"
+    pb = (f"layers {b.first}- with experts apart, {n_res} resident, {b.cut} layers joined, {b.joins:.1f} CPU calls and "
+          f"{b.pairs:.1f} CPU pairs a token expected: {b.tps()}")
+    return f"placement: {gate.arm.name} ({pa}; {pb}); chosen by {gate.why}"
+
+
+def record_run(eng, dl) -> None:
+    """Add the device layers' decode tokens of this run to the placement gate's measured runs (at least 8 tokens;
+    a MoE model, not DeepSeek-V4's own path)."""
+    tt = getattr(dl, "tok_times", None)
+    if tt is None or tt.tokens < 8 or not eng.model.moe_layers or eng.device is None:
+        return
+    cut = len(dl.resident)
+    run = tt.run(len(dl.layers) - cut, cut, dl.first)
+    placement.Runs(placement.shape_key(eng.model, eng.device.name), eng.env).add(run)
+
+
 def layer_experts(eng, first: int, budget: int, cpu_moe: int) -> dict:
     """The routed experts of device layers ``first ..`` that sit on the device when they are placed apart from
     their layers: {layer: expert ids} (a layer absent: all of them). ``cpu_moe`` (``COLI_VK_CPU_MOE``): -1 every
     layer's experts on the CPU, N the first N layers' of the model. The other layers' experts fill what
     ``budget`` leaves after the layers (:func:`coli.vulkan.layer_plan.fixed_bytes`, ``layer_bytes`` without
-    experts), chosen as the tier's warm start chooses them (``scheduler.tier_policy.warm_plan``: the routing
-    history's hottest first, then one unnamed expert per layer in turn). Static: no promotion while running."""
+    experts), chosen by ``coli.vulkan.placement.resident_sets``: with the costs this device's runs measured, each
+    layer's hot set by the least predicted time (whole layers' hot sets before a spread); without them as the tier's
+    warm start chooses (the routing history's hottest first, then one unnamed expert per layer in turn). Static
+    (the swaps inside a layer aside: ``_layer_swaps``)."""
     m = eng.model
     n, E = len(m.layers), int(eng.args.n_experts)
     layers = list(range(first, n))
@@ -430,21 +494,17 @@ def layer_experts(eng, first: int, budget: int, cpu_moe: int) -> dict:
         out_t = m.t.get("output.weight", m.tok_embd)   # its experts keeps every one on the CPU (layer_dsv4)
         used = int(out_t.nbytes) + 8 * n * eng.ctx * m.args.n_rot
         used += sum(layer_plan.dsv4_layer_bytes(m, il, eng.ctx, experts=False) for il in layers)
+        per = max(layer_plan.expert_bytes(m, il) for il in rest)
+        cap = max(0, (int(budget) - used) // per)
     else:
-        used = layer_plan.fixed_bytes(m, eng.ctx, settings.get("COLI_VK_PROMPT_ROWS", eng.env))
-        used += sum(layer_plan.layer_bytes(m, il, eng.ctx, experts=False) for il in layers)
-    per = max(layer_plan.expert_bytes(m, il) for il in rest)
-    cap = max(0, (int(budget) - used) // per)
+        cap = expert_room(eng, first, budget)
     if cap >= E * len(rest):
         return out
     counts = np.zeros((n, E), np.int64)
     if eng.usage is not None and eng.usage.loaded:
         counts[rest] = eng.usage.counts[rest]
-    chosen, _ = warm_plan(counts, cap, fill=True, layers=rest)
-    for il in rest:
-        out[il] = []
-    for il, e in chosen:
-        out[il].append(e)
+    costs = placement.Runs(placement.shape_key(m, eng.device.name), eng.env).costs()
+    out.update(placement.resident_sets(counts, rest, cap, int(eng.args.top_k), costs, warm_plan))
     return out
 
 
@@ -778,6 +838,7 @@ def close(eng):
                   f"the submit and its wait{gpu}{hold}{pre}{ex}", file=sys.stderr)
         if eng.device_layers.prof is not None and eng.device_layers.prof.tokens:   # COLI_VK_JOIN_PROFILE: asked for
             print(eng.device_layers.prof.table(eng.path.name), file=sys.stderr)
+        record_run(eng, eng.device_layers)
         eng.device_layers.close()
         eng.model.device_layers = None
     if eng.device is not None:

@@ -17,6 +17,8 @@ os.environ.setdefault("COLI_VK_SOFTWARE", "1")
 # the device suites compare the device with the CPU at float32 bounds; the float16 prompt route (a GPU with
 # cooperative matrices) has its own bound in the backend-parity harness (COLI_VK_PROMPT_ROUTE=coopmat to run it)
 os.environ.setdefault("COLI_VK_PROMPT_ROUTE", "f32")
+# the placement gate's measured runs of one test would steer another's placement (coli/vulkan/placement.py)
+os.environ.setdefault("COLI_VK_PLACEMENT_RUNS", "off")
 
 import cpu_kernels  # noqa: E402, F401  (sets the threading layer before numba is imported anywhere)
 from coli.base import progress as _progress  # noqa: E402

@@ -67,6 +67,11 @@ VARS: tuple[Var, ...] = (
         "-ngl; -1: as many as the budget holds; 0: none, the expert tier where the device is open; docs/vulkan.md "
         "\"Device layers\")",
         "layers", lo=-1, flag="--gpu-layers"),
+    Var("COLI_VK_PLACEMENT", "str", "auto", "--gpu-layers -1 on a MoE model whose layers do not all fit the device "
+        "whole: auto (the placement gate: whole layers or every layer with experts apart, by the costs this device's "
+        "runs measured), layers or experts (that arm) (docs/vulkan.md \"Whole layers or experts apart\")"),
+    Var("COLI_VK_PLACEMENT_RUNS", "str", None, "folder of the placement gate's measured runs (device layers' decode "
+        "times by placement, a file per device and model shape; default <cache>/placement; off: none read or kept)"),
     Var("COLI_VK_CPU_MOE", "int", 0, "device layers whose routed experts stay on the CPU, joined mid-layer "
         "(llama.cpp's --n-cpu-moe N: the first N layers of the model; -1: every layer, --cpu-moe; docs/vulkan.md "
         "\"Experts on the CPU\")", "layers", lo=-1, flag="--n-cpu-moe"),

@@ -45,6 +45,7 @@ import sys
 import numpy as np
 
 from coli.base.errors import ColiError
+from coli.vulkan import placement
 from coli.vulkan.join_profile import JoinProfile
 from coli.vulkan.layer_decode import DecodeRow
 from coli.vulkan.layer_families import MLAMixer, DeltaNetMixer
@@ -95,6 +96,9 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
         # times (layers with experts on both sides only; docs/vulkan.md "Experts on the CPU")
         self.bal = balancer if any(mk.any() for mk in self.resident.values()) else None
         self.handed = 0         # resident ranks the balancer handed to the CPU
+        # decode tokens' wall times and the CPU's joined calls: the placement gate's measured runs (placement.py)
+        self.calls = placement.Calls()
+        self.tok_times = placement.TokenTimes(self.calls)
         self._steps = []        # this token's balanced layer steps [j, device rows, cpu rows, resident rows, cold, cpu s]
         self.swaps = 0          # experts swapped onto the device while running (swap)
         self.swaps_refused = 0  # swaps the swap policy's reuse gate refused (set by the caller's on_token)

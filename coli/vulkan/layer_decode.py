@@ -271,6 +271,7 @@ class DecodeRow:
                                    cnt & 0xFFFFFFFF, cnt >> 32], mode=self.kv_mode)]
 
     def __call__(self, h: np.ndarray, cache, pos0: int):
+        t_in, k_in = time.perf_counter(), compile_seconds()
         P = self.prof
         if P is not None:
             t_call, s0 = time.perf_counter(), sum(P.s.values())
@@ -328,6 +329,7 @@ class DecodeRow:
             dt = time.perf_counter() - t_call
             P.add("rest of the token", dt - (sum(P.s.values()) - s0))
             P.token(dt)
+        self.tok_times.token(pos0, t_in, time.perf_counter(), compile_seconds() != k_in)    # the placement gate's costs
         return out, lg
 
     def _views(self) -> None:

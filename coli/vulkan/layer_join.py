@@ -163,8 +163,9 @@ class RowJoin:
         if not n:
             return None
         step = self.m.step
+        c0 = step.row_call_s
         if P is not None:
-            t0, c0 = time.perf_counter(), step.row_call_s
+            t0 = time.perf_counter()
         yk, hy = self._ykv[j], self._yh[:n]
         il = self.per[j]["il"]
         cpu_ids = ids[ranks]
@@ -173,6 +174,7 @@ class RowJoin:
         if out is None:     # an expert not in RAM (read from the file as it lands), or no compiled row
             note = None
             out = step.row_experts(il, self._xv[j], cpu_ids.tolist(), out=hy)
+        self.calls.add(n, step.row_call_s - c0)     # the placement gate's costs (coli/vulkan/placement.py)
         if P is not None:
             t1 = time.perf_counter()
             call = step.row_call_s - c0

@@ -1,0 +1,125 @@
+"""The placement gate of ``--gpu-layers -1`` (coli/vulkan/placement.py; docs/vulkan.md "Whole layers or experts
+apart"): its probabilities against exact combinatorics, the resident set's invariants on constructed histories, the
+cost fit against runs made from known costs, and (Lavapipe) the chosen placement's logits equal to the CPU-only run's."""
+from __future__ import annotations
+
+from math import comb
+
+import numpy as np
+import pytest
+
+from coli.vulkan import placement as P
+from scheduler.tier_policy import warm_plan
+from tests.vk_util import requires_vulkan
+
+#: the costs the issue measured on an H100 (ms): a join 0.37, a CPU pair 0.085; the layers' own made up around them
+H100 = P.Costs(w=0.15, a=0.45, c=1.6, jc=0.05, p=0.085, runs=5)
+
+
+@pytest.mark.parametrize("E,k,m", [(64, 8, 32), (64, 8, 60), (8, 2, 5), (8, 2, 1), (16, 4, 16)])
+def test_all_resident_is_exact_for_uniform_routing(E, k, m):
+    """Uniform counts: P(all k routed resident) = C(m, k) / C(E, k); the CPU's pairs k (E - m) / E."""
+    counts = np.full(E, 100)
+    r = np.zeros(E, bool)
+    r[:m] = True
+    assert P.all_resident(counts, r, k) == pytest.approx(comb(m, k) / comb(E, k), rel=1e-12, abs=1e-15)
+    assert P.cpu_pairs(counts, r, k) == pytest.approx(k * (E - m) / E, rel=1e-12)
+
+
+def test_a_history_within_the_resident_set_expects_no_join():
+    """A layer whose history names at most as many distinct experts as are resident (the hottest chosen): no token is
+    expected to need the CPU (its join's call and pairs) in that layer, by the gate's own prediction too."""
+    E, k = 64, 8
+    counts = np.zeros((2, E), np.int64)
+    rng = np.random.default_rng(0)
+    hot = rng.choice(E, 20, replace=False)
+    counts[0, hot] = rng.integers(1, 500, 20)
+    counts[1] = 10                        # uniform
+    assert P.choose_resident(counts, [0], 20, k, H100)[0] == sorted(int(e) for e in hot)
+    res = P.choose_resident(counts, [0, 1], 20, k, H100)
+    assert sum(map(len, res.values())) == 20 and set(res[0]) <= set(hot.tolist())
+    res = {0: sorted(int(e) for e in hot), 1: []}
+    assert P.all_resident(counts[0], P.hottest_mask(counts[0], 20), k) == 1.0
+    assert P.cpu_pairs(counts[0], P.hottest_mask(counts[0], 20), k) == 0.0
+    arm = P.predict_experts(H100, counts, 2, 0, {0, 1}, res, k, E)
+    assert arm.joins == pytest.approx(1.0) and arm.pairs == pytest.approx(k)      # layer 1's alone
+
+
+def test_uniform_routing_with_half_resident_fills_whole_layers_and_takes_whole_layers():
+    """16 layers x 64 experts, top-8, uniform history, room for half the experts: the resident set is 8 layers whole
+    and none of the others' (a spread of 32 a layer keeps every layer's join and CPU call), so arm (b) differs from
+    arm (a) only in its 8 other layers: a join, a call and 8 CPU pairs each against a CPU layer each; the gate takes
+    the cheaper by the costs."""
+    n, E, k = 16, 64, 8
+    counts = np.full((n, E), 37, np.int64)
+    res = P.choose_resident(counts, list(range(n)), n * E // 2, k, H100)
+    sizes = sorted(len(v) for v in res.values())
+    assert sizes == [0] * 8 + [E] * 8
+    d = P.decide(H100, counts, n, set(range(n)), k, E, first_layers=8, first_apart=0, cap=n * E // 2, spread=warm_plan)
+    a, b = d.arms
+    assert a.ms == pytest.approx(H100.w * 8 + H100.c * 8)
+    assert b.ms == pytest.approx(H100.w * 8 + 8 * (H100.a + H100.jc + H100.p * k))
+    assert d.arm.name == ("experts" if b.ms < a.ms else "layers")
+    # a CPU layer dearer than a join and its pairs: experts apart
+    dear = P.Costs(w=0.15, a=0.45, c=3.0, jc=0.05, p=0.085, runs=5)
+    assert P.decide(dear, counts, n, set(range(n)), k, E, 8, 0, n * E // 2, warm_plan).arm.name == "experts"
+    cheap = P.Costs(w=0.15, a=0.45, c=0.5, jc=0.05, p=0.085, runs=5)
+    assert P.decide(cheap, counts, n, set(range(n)), k, E, 8, 0, n * E // 2, warm_plan).arm.name == "layers"
+
+
+def test_without_measured_costs_the_gate_keeps_whole_layers():
+    counts = np.full((4, 8), 5, np.int64)
+    d = P.decide(P.Costs(note="none"), counts, 4, {0, 1, 2, 3}, 2, 8, 3, 0, 9, warm_plan)
+    assert d.arm.name == "layers" and "not measured" in d.why
+    assert sum(len(v) for v in d.arms[1].resident.values()) == 9      # the warm start's spread, for the line
+    assert P.decide(P.Costs(), counts, 4, {0, 1, 2, 3}, 2, 8, 3, 0, 9, warm_plan, force="experts").arm.name == "experts"
+
+
+def test_fit_recovers_the_costs_runs_were_made_from():
+    """Runs made from known costs (the calls' times t = jc + p n exactly; each placement's device and rest times by
+    the model) give those costs back, intercepts included (three placements)."""
+    w, a, c, jc, p, h, h2 = 0.2, 0.5, 1.5, 0.04, 0.09, 0.7, 0.3
+    runs = []
+    for whole, cut, cpu, ns in [(8, 0, 8, []), (4, 0, 12, []), (0, 16, 0, [8, 7, 6, 8, 5, 8]), (0, 16, 0, [3, 4, 1])]:
+        T = 10
+        calls = [x for x in ns for _ in range(T)]      # each token: the listed layers' calls
+        call_s = sum(1e-3 * (jc + p * x) for x in calls)
+        dl = h + w * whole + a * cut + 1e3 * call_s / T
+        runs.append(P.Run(whole, cut, cpu, T, dl, h2 + c * cpu, len(calls), sum(calls), call_s,
+                          float(sum(x * x for x in calls)), sum(x * 1e-3 * (jc + p * x) for x in calls)))
+    got = P.fit(runs)
+    for name, v in dict(w=w, a=a, c=c, jc=jc, p=p, h=h, h2=h2).items():
+        assert getattr(got, name) == pytest.approx(v, rel=1e-9, abs=1e-12), name
+    assert got.note == ""
+    assert P.fit(runs[:1]).a is None and "experts apart" in P.fit(runs[:1]).note
+
+
+@requires_vulkan
+@pytest.mark.parametrize("arm", ["layers", "experts"])
+def test_the_gates_placements_give_the_cpu_logits(device_moe, moe_cpu, arm):
+    """--gpu-layers -1 with a --tier-gb that holds every layer without its experts and 9 experts (not every layer
+    whole): the gate's arm (``COLI_VK_PLACEMENT``) places whole layers (the last that fit, none joined) or every
+    layer with 9 experts resident; either gives the CPU-only run's logits, the decode tokens are timed for the
+    measured runs and the experts arm's CPU calls counted; the decision says both arms."""
+    from coli.runtime import gate_line
+    from tests.vk_util import IDS, decode_rows, device_engine, rel_err, tier_gb
+
+    m = moe_cpu.model
+    dev = device_engine(device_moe, COLI_VK_LAYERS=-1, COLI_VK_TIER_GB=tier_gb(m, 9), COLI_VK_PLACEMENT=arm)
+    try:
+        dl = dev.model.device_layers
+        assert dl is not None and dev.placement is not None and dev.placement.arm.name == arm
+        if arm == "layers":
+            assert dl.first > 0 and dl.resident == {}
+        else:
+            assert dl.first == 0
+            assert sum(int(r.sum()) for r in dl.resident.values()) + 8 * (4 - len(dl.resident)) == 9
+        line = gate_line(dev.placement)
+        assert line.startswith(f"placement: {arm} (") and "COLI_VK_PLACEMENT" in line
+        ref, _ = decode_rows(moe_cpu, IDS, 5)
+        got, _ = decode_rows(dev, IDS, 5)
+        assert rel_err(got, ref) < 1e-5, rel_err(got, ref)
+        assert dl.tok_times.tokens == len(IDS) - 5 - 1      # the first after the prompt is not a decode token's gap
+        assert (dl.calls.n > 0) == (arm == "experts") and 0 <= dl.calls.pairs <= dl.cpu_rows
+    finally:
+        dev.close()
