@@ -456,9 +456,10 @@ def gate_line(gate) -> str:
     """The start line's words for the placement gate's decision: both arms' placement and predicted speed, which won."""
     a, b = gate.arms
     n_res = sum(len(v) for v in b.resident.values()) if b.resident else 0
-    pa = f"layers {a.first}- whole, the {a.first} before on the CPU: {a.tps()}"
-    pb = (f"layers {b.first}- with experts apart, {n_res} resident, {b.cut} layers joined, {b.joins:.1f} CPU calls and "
-          f"{b.pairs:.1f} CPU pairs a token expected: {b.tps()}")
+    last = gate.n - 1
+    pa = f"{_layers(a.first, last)} whole, {counted(a.first, 'layer')} on the CPU: {a.tps()}"
+    pb = (f"{_layers(b.first, last)} with experts apart, {n_res} resident, {b.cut} layers joined, {b.joins:.1f} CPU "
+          f"calls and {b.pairs:.1f} CPU pairs a token expected: {b.tps()}")
     return f"placement: {gate.arm.name} ({pa}; {pb}); chosen by {gate.why}"
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from coli.base import settings
+from coli.base.errors import ColiError
 from coli.base.paths import atomic_write_text, optional_cache_dir
 
 #: placements a run can be recorded as (:class:`Runs`) and the gate's arms
@@ -180,10 +181,12 @@ class Arm:
 
 @dataclass
 class Decision:
-    """The gate's choice (``arm``, one of ``arms``) and why (``why``, the start line's words)."""
+    """The gate's choice (``arm``, one of ``arms``) and why (``why``, the start line's words); ``n`` the model's
+    layers."""
     arm: Arm
     arms: list = field(default_factory=list)
     why: str = ""
+    n: int = 0
 
 
 def predict_layers(costs: Costs, n: int, first: int) -> float | None:
@@ -232,7 +235,7 @@ def decide(costs: Costs, counts: np.ndarray, n: int, moe, k: int, E: int, first_
     else:
         pick = b if b.ms < a.ms else a
         why = f"the lower predicted time ({costs.runs} measured runs: {costs.line()})"
-    return Decision(pick, [a, b], why)
+    return Decision(pick, [a, b], why, n)
 
 
 # -- the measured runs ---------------------------------------------------------------------------------------------
@@ -333,7 +336,10 @@ class Runs:
             d = None
         elif where:
             d = Path(where)
-            d.mkdir(parents=True, exist_ok=True)
+            try:
+                d.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ColiError(f"COLI_VK_PLACEMENT_RUNS={where}: {e.strerror or e}") from None
         else:
             d = optional_cache_dir("placement", what="the placement gate's measured runs are not kept")
         safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in key)[:180]
