@@ -123,3 +123,22 @@ def test_the_gates_placements_give_the_cpu_logits(device_moe, moe_cpu, arm):
         assert (dl.calls.n > 0) == (arm == "experts") and 0 <= dl.calls.pairs <= dl.cpu_rows
     finally:
         dev.close()
+
+
+def test_runs_are_kept_per_device_and_shape_and_read_back(tmp_path):
+    """``Runs`` keeps the last KEEP runs in its folder (``COLI_VK_PLACEMENT_RUNS``), read back by the next run; a
+    file that is not one is started again; "off" keeps nothing."""
+    from coli.base import settings
+
+    env = settings.overlay(None, COLI_VK_PLACEMENT_RUNS=str(tmp_path / "runs"))
+    r = P.Runs("dev-L4", env)
+    for i in range(P.Runs.KEEP + 3):
+        r.add(P.Run(2, 0, 2, 10, 5.0 + i, 1.0))
+    back = P.Runs("dev-L4", env).runs
+    assert len(back) == P.Runs.KEEP and back[-1].dl_ms == 5.0 + P.Runs.KEEP + 2 and back[0].dl_ms == 8.0
+    assert P.Runs("other-L4", env).runs == []
+    (tmp_path / "runs" / "dev-L4.json").write_text("not json")
+    assert P.Runs("dev-L4", env).runs == []
+    off = P.Runs("dev-L4", settings.overlay(None, COLI_VK_PLACEMENT_RUNS="off"))
+    off.add(P.Run(2, 0, 2, 10, 5.0, 1.0))
+    assert off.path is None and sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["dev-L4.json"]
