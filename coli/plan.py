@@ -20,7 +20,9 @@ safetensors headers, as ``coli run -m DIR`` reads them), the memory budget
   from the expert cache's room as they are written, evicting experts);
 * with a device, the tier's budget (:func:`scheduler.tier_policy.budget_bytes`, the rule ``coli.runtime.setup_device``
   uses) and ``device_experts`` = budget // expert bytes, at most every expert;
-* ``ram_needed_bytes``: coli itself + dense + RAM expert cache + KV cache (less what it takes from the cache) (+ the device's experts on a device that
+* ``scratch_bytes``: a prompt step's scratch beyond the headroom (:func:`coli.runtime.scratch_bytes`: MLA's expanded
+  keys and values; 0 for most families);
+* ``ram_needed_bytes``: coli itself + dense + RAM expert cache + KV cache (less what it takes from the cache) + scratch (+ the device's experts on a device that
   shares the CPU's RAM: integrated, Lavapipe) + the headroom (:func:`coli.runtime.headroom`), ``fits_ram``
   against the budget (the engine refuses a model whose dense part does not fit: ``dense_fits``);
 * what streams from disk: ``streamed_experts`` = experts neither in the RAM cache nor on the device;
@@ -47,7 +49,7 @@ from coli.resolve import resolve
 from coli.gguf_file import open_gguf
 from coli.models import model_args
 from coli.runtime import (budget_needed, cache_room, default_ctx, expert_cache_slots, headroom, kv_cache_bytes,
-                          kv_types)
+                          kv_types, scratch_bytes)
 from scheduler.tier_policy import DeviceMemory, SHARED_KINDS, budget_bytes
 
 GiB = 1 << 30
@@ -102,6 +104,8 @@ def make_plan(path, *, device: str | None = None, ctx: int | None = None, expert
     ctx = int(ctx) if ctx is not None else default_ctx(a, room)
     if ctx < 1:
         raise ColiError(f"--ctx: {ctx} (at least 1)")
+    scratch = scratch_bytes(a, ctx)   # as the engine: a prompt step's MLA scratch comes out of the room
+    room = max(0, room - scratch)
     moe = [il for il in range(a.n_layers) if f"blk.{il}.ffn_gate_exps.weight" in t]
     if expert_cache is not None and int(expert_cache) < 0:   # refused on a dense model too, as coli run does
         raise ColiError(f"--expert-cache: {expert_cache} (slots per layer, "
@@ -111,7 +115,7 @@ def make_plan(path, *, device: str | None = None, ctx: int | None = None, expert
              kv_cache_bytes=kv_cache_bytes(a, ctx), kv_types=list(a.kv_types),
              kv_bytes_per_position=kv_cache_bytes(a, 1) - kv_cache_bytes(a, 0), ram_total=int(vm.total), ram_available=int(
                  vm.available if available is None else available),
-             budget_bytes=bud.bytes, budget_source=bud.source, coli_bytes=bud.rss,
+             scratch_bytes=scratch, budget_bytes=bud.bytes, budget_source=bud.source, coli_bytes=bud.rss,
              dense_fits=budget_needed(bud.rss + dense) <= bud.bytes)
     per_layer, per = [], 0
     if moe:
@@ -169,7 +173,7 @@ def make_plan(path, *, device: str | None = None, ctx: int | None = None, expert
              cold_disk_bytes_per_token=routed,
              cold_disk_bytes_per_token_device=int(round(routed * (1.0 - frac_dev))),
              steady_disk_bytes_per_token=int(round(routed * frac_miss)))
-    ram_need = bud.rss + p["dense_bytes"] + ram_cache_bytes - kv_from_cache + p["kv_cache_bytes"]
+    ram_need = bud.rss + p["dense_bytes"] + ram_cache_bytes - kv_from_cache + p["kv_cache_bytes"] + scratch
     if dev is not None and p["device_kind"] in SHARED_KINDS:  # the tier's experts live in the same RAM
         ram_need += device_experts * per
     ram_need += headroom(bud.bytes)
@@ -190,6 +194,8 @@ def format_table(p: dict) -> str:
             ("dense weights", _sz(p["dense_bytes"])),
             ("KV cache", f"{_sz(p['kv_cache_bytes'])} at {p['ctx']} positions (K {p['kv_types'][0]}, V "
                          f"{p['kv_types'][1]}: {_sz(p['kv_bytes_per_position'])} a position)")]
+    if p["scratch_bytes"]:
+        rows += [("prompt scratch", f"{_sz(p['scratch_bytes'])} (MLA's expanded keys and values of a prompt chunk)")]
     if p["moe_layers"]:
         pl = p["expert_bytes_per_layer"]
         rows += [("experts", f"{p['moe_layers']} MoE layers x {p['n_experts']} experts, top-{p['top_k']}; "

@@ -121,6 +121,13 @@ def kv_cache_bytes(args, ctx: int) -> int:
     return model_class_of(args.arch).cache_bytes(args, ctx)
 
 
+def scratch_bytes(args, ctx: int) -> int:
+    """Bytes of a prompt step's scratch that the :func:`headroom` does not cover, at ``ctx`` positions (the family's
+    ``Model.scratch_bytes``: MLA's expanded keys and values, up to ``coli.models.mla.EXPAND_BYTES``, 64 MiB, or
+    one head's where that is more); 0 for most families."""
+    return model_class_of(args.arch).scratch_bytes(args, ctx)
+
+
 def default_ctx(args, room: int) -> int:
     """The default context (``--ctx``): the model's trained context, capped so that the KV cache (of the types
     ``args.kv_types``) takes at most ``CTX_RAM_SHARE`` of ``room``, the bytes the memory budget leaves once the model is loaded (less the
@@ -186,6 +193,8 @@ def build(eng, *, ctx, expert_cache, usage, io_threads, device, balance, trace, 
     eng.ctx = int(ctx) if ctx is not None else eng.ctx_cap
     if eng.ctx < 1:
         raise ColiError(f"{eng._name('ctx')}: {ctx} (at least 1)")
+    eng.scratch_bytes = scratch_bytes(a, eng.ctx)   # MLA's expanded prompt chunks: out of the KV / expert room
+    eng.room = max(0, eng.room - eng.scratch_bytes)
     kv_bytes = kv_cache_bytes(a, eng.ctx)
     if kv_bytes > eng.room:
         raise ColiError(f"{eng._name('ctx')}: {eng.ctx} positions need {_fmt(kv_bytes)} of KV cache, more than "

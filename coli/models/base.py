@@ -415,6 +415,13 @@ class Model:
         overrides it."""
         return args.n_layers * int(ctx) * KV.bytes_per_position(args.n_kv_heads, args.head_dim, types=args.kv_types)
 
+    @classmethod
+    def scratch_bytes(cls, args: BaseArgs, ctx: int) -> int:
+        """Bytes of scratch a prompt step of a ``ctx``-position run may hold beyond the :func:`coli.runtime.headroom`,
+        from the hyper-parameters alone (the engine and ``coli plan`` take it out of the memory budget): 0 here;
+        a family with MLA layers counts their expanded form's keys and values (``mla.expand_scratch_bytes``)."""
+        return 0
+
     # -- forward -----------------------------------------------------------------------------------------
     def forward(self, ids, cache: Cache, all_logits: bool = False) -> np.ndarray:
         """Run ``ids`` (int [T]) at positions ``cache.pos ..``; returns logits f32 [T or 1, vocab]. ColiError

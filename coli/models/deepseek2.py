@@ -23,7 +23,7 @@ from cpu_kernels.norms import rms_norm
 
 from . import base
 from .blocks import MLP, MoE, deepseek_route, expert_groups
-from .mla import MLA, LatentCache
+from .mla import MLA, LatentCache, expand_scratch_bytes
 
 GATING = {1: "softmax", 2: "sigmoid"}  # gguf.ExpertGatingFuncType; absent = softmax (llama.cpp's V2 default)
 
@@ -177,3 +177,8 @@ class Model(base.Model):
     def cache_bytes(cls, args: Args, ctx: int) -> int:
         """The latent caches: (kv_lora_rank + rope dims) f32 per position per layer."""
         return args.n_layers * int(ctx) * LatentCache.bytes_per_position(args.kv_lora_rank, args.n_rot)
+
+    @classmethod
+    def scratch_bytes(cls, args: Args, ctx: int) -> int:
+        """A prompt chunk's expanded MLA keys and values (``mla.expand_scratch_bytes`` over ``ctx`` positions)."""
+        return expand_scratch_bytes(args.n_heads, args.nope, args.n_rot, args.v_dim, ctx)

@@ -33,7 +33,7 @@ from cpu_kernels.rope import NORM, apply_rope
 
 from . import base, deepseek2
 from .blocks import expect_shapes
-from .mla import LatentCache
+from .mla import LatentCache, expand_scratch_bytes
 
 # llama.cpp glm-dsa.cpp GLM_5_2_DEFAULT_INDEXER_TYPES: the pattern of a file without the key whose trained
 # context is at least 1M (GLM-5.2); smaller ones (GLM-5, 5.1) index every layer
@@ -217,3 +217,9 @@ class Model(base.Model):
         layers' keys (indexer key length f32 per position)."""
         per = LatentCache.bytes_per_position(args.kv_lora_rank, args.n_rot)
         return int(ctx) * (args.n_layers * per + sum(args.idx_full) * 4 * args.idx_dim)
+
+    @classmethod
+    def scratch_bytes(cls, args: Args, ctx: int) -> int:
+        """The expanded MLA keys and values (``mla.expand_scratch_bytes``) of a chunk whose rows see at most
+        ``idx_topk`` positions: a chunk past them has the indexer choose and takes the absorbed form."""
+        return expand_scratch_bytes(args.n_heads, args.nope, args.n_rot, args.v_dim, min(int(ctx), args.idx_topk))

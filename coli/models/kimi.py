@@ -41,7 +41,7 @@ from cpu_kernels.kda import kda
 
 from . import base, deepseek2
 from .deltanet import DeltaNetCache
-from .mla import MLA, LatentCache
+from .mla import MLA, LatentCache, expand_scratch_bytes
 
 
 @dataclass
@@ -194,3 +194,10 @@ class Model(base.Model):
         n_kda = sum(args.kda_layers)
         return ((args.n_layers - n_kda) * int(ctx) * LatentCache.bytes_per_position(args.kv_lora_rank, args.n_rot)
                 + n_kda * DeltaNetCache.bytes_for(kda_dims(args.n_heads, args.kda_dim, args.conv_kernel)))
+
+    @classmethod
+    def scratch_bytes(cls, args: Args, ctx: int) -> int:
+        """The MLA layers' expanded keys and values (``mla.expand_scratch_bytes``); none without an MLA layer."""
+        if sum(args.kda_layers) == args.n_layers:
+            return 0
+        return expand_scratch_bytes(args.n_heads, args.nope, args.n_rot, args.v_dim, ctx)

@@ -71,6 +71,21 @@ def _shape(wt, name, arr, want):
 EXPAND_BYTES = 64 << 20
 
 
+def _head_floats(dn: int, dr: int, dv: int) -> int:
+    """f32s the expanded form holds a head and position: its key (dn + dr), value (dv) and one GEMM output."""
+    return dn + dr + dv + max(dn, dv)
+
+
+def expand_scratch_bytes(H: int, dn: int, dr: int, dv: int, n: int) -> int:
+    """The most bytes :meth:`MLA.expanded`'s group of heads holds at once for chunks whose rows see at most ``n``
+    positions (H heads, key dims dn + dr, value dims dv): as many heads as :data:`EXPAND_BYTES` takes, at least one,
+    so at most EXPAND_BYTES, or one head's (4 n (dn + dr + dv + max(dn, dv)) bytes: 224 MiB at V2's dims and
+    128k positions) where that is more; 0 for n = 0. The engine and ``coli plan`` count it in the memory budget
+    (``Model.scratch_bytes``)."""
+    one = 4 * int(n) * _head_floats(dn, dr, dv)
+    return min(H * one, max(EXPAND_BYTES, one))
+
+
 def every_key_chosen(sel: np.ndarray, pos0: int) -> bool:
     """Whether the positions ``sel`` int64 [T, K] of rows at ``pos0 ..`` are, row by row, every earlier position in
     order then -1 padding (``cpu_kernels.mla.dsa_topk``'s choice while a row sees at most K positions): the
@@ -201,7 +216,7 @@ class MLA:
         T, H, dn, dv = q.shape[0], self.H, self.dn, self.dv
         n = pos0 + T
         lat, kr = cache.lat[:n], cache.kr[:n]
-        per = dn + self.dr + dv + max(dn, dv)  # f32s a head and position: K, V and one GEMM output at a time
+        per = _head_floats(dn, self.dr, dv)  # K, V and one GEMM output at a time: expand_scratch_bytes bounds it
         G = max(1, min(H, EXPAND_BYTES // (4 * n * per)))
         out = np.empty((T, H, dv), np.float32)
         for h0 in range(0, H, G):

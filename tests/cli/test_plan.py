@@ -173,3 +173,31 @@ def test_plan_reads_a_hugging_face_folder_as_run_does(tmp_path):
     r = subprocess.run([sys.executable, "-m", "coli", "plan", "-m", str(folder), "--ctx", "32"], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and f"| model " in r.stdout and "fp8_qwen3moe (qwen3moe, 2 layers" in r.stdout, r.stderr
+
+
+def test_mla_prompt_scratch_is_counted_in_the_budget(tiny, tmp_path):
+    """A model with MLA layers (the DeepSeek-V2 oracle) has its prompt chunks' expanded keys and values
+    (``mla.expand_scratch_bytes`` at the run's context: its heads' share of ``EXPAND_BYTES``) counted in the plan's
+    RAM need, beside coli, the dense part, the caches and the headroom, and in the engine's room (the same bytes);
+    a model without MLA counts none."""
+    from coli.engine import Engine
+    from coli.gguf_file import open_gguf
+    from coli.models import model_args
+    from coli.models.mla import expand_scratch_bytes
+    from coli.runtime import headroom
+    from conftest import FIXTURES
+
+    path = FIXTURES / "oracles" / "deepseek2_lite.gguf"
+    _, a = model_args(open_gguf(path))
+    want = expand_scratch_bytes(a.n_heads, a.nope, a.n_rot, a.v_dim, 64)
+    assert want == min(a.n_heads * 4 * 64 * (a.nope + a.n_rot + a.v_dim + max(a.nope, a.v_dim)), 64 << 20) > 0
+    p = make_plan(path, ctx=64)
+    assert p["scratch_bytes"] == want
+    assert p["ram_needed_bytes"] == (p["coli_bytes"] + p["dense_bytes"] + p["ram_cache_bytes"] - p["ram_cache_kv_bytes"]
+                                     + p["kv_cache_bytes"] + want + headroom(p["budget_bytes"]))
+    eng = Engine(path, ctx=64, usage=str(tmp_path / "usage"), save_usage=False)
+    try:
+        assert eng.scratch_bytes == want
+    finally:
+        eng.close()
+    assert make_plan(tiny, ctx=64)["scratch_bytes"] == 0

@@ -136,7 +136,8 @@ def test_expanded_form_scratch_stays_within_expand_bytes(monkeypatch):
     8 (``EXPAND_BYTES`` sized for 3 at this context): its NumPy scratch (tracemalloc's peak) stays within
     ``EXPAND_BYTES`` plus the output and one group's query, weights and attention output. It held both GEMM outputs
     beside K and V, and the last group's K and V while the next one's were made: 1.8x the bound at V2-Lite's dims
-    and a 4k context, 2.4x at 32k."""
+    and a 4k context, 2.4x at 32k. With one head's past ``EXPAND_BYTES`` (a long context) the heads go one at a
+    time and hold one head's: ``expand_scratch_bytes``, what the memory budget counts, bounds both."""
     import tracemalloc
 
     from coli.models import mla
@@ -151,16 +152,21 @@ def test_expanded_form_scratch_stays_within_expand_bytes(monkeypatch):
     cache = mla.LatentCache(n, r, dr)
     cache.lat[:], cache.kr[:] = rng.standard_normal((n, r)), rng.standard_normal((n, dr))
     q = rng.standard_normal((T, H, dn + dr)).astype(np.float32)
-    monkeypatch.setattr(mla, "EXPAND_BYTES", 4 * n * G * (dn + dr + dv + max(dn, dv)))
+    one = 4 * n * (dn + dr + dv + max(dn, dv))   # one head's K, V and GEMM output
+    monkeypatch.setattr(mla, "EXPAND_BYTES", G * one)
     m.expanded(q, cache, pos0)  # its kernels compiled (or loaded) before the count
-    tracemalloc.start()
-    try:
-        got = m.expanded(q, cache, pos0)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    small = 4 * (T * H * dv + G * (T * (dn + dr) + r * dn + T * dv))  # out; a group's q, W_kb copy, attention out
-    assert peak <= mla.EXPAND_BYTES + small + (16 << 10), (peak, mla.EXPAND_BYTES, small)
+    for expand_bytes, g in ((G * one, G), (one // 2, 1)):   # groups of 3; one head past EXPAND_BYTES: one at a time
+        monkeypatch.setattr(mla, "EXPAND_BYTES", expand_bytes)
+        bound = mla.expand_scratch_bytes(H, dn, dr, dv, n)   # what the engine and coli plan count in the budget
+        assert bound == g * one
+        tracemalloc.start()
+        try:
+            got = m.expanded(q, cache, pos0)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        small = 4 * (T * H * dv + g * (T * (dn + dr) + r * dn + T * dv))  # out; a group's q, W_kb copy, attention out
+        assert peak <= bound + small + (16 << 10), (peak, bound, small)
     lat, kr = cache.lat.astype(np.float64), cache.kr.astype(np.float64)
     K = np.concatenate([np.einsum("hrn,jr->hjn", kb, lat), np.broadcast_to(kr, (H, n, dr))], axis=2)
     V = np.einsum("hvr,jr->hjv", vb, lat)
