@@ -830,8 +830,60 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM (docker stop, systemd): handled as Ctrl-C is, then exit code 143 (128 + 15)."""
 
 
-def _on_sigterm(signum, frame):
-    raise Terminated()
+_swallowed: list[int] = []  # signals whose exception a C callback swallowed (see _on_unraisable)
+
+
+def _on_signal(signum, frame):
+    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+def _on_unraisable(hook):
+    """A ``sys.unraisablehook`` that takes back an interrupt a C callback swallowed. Python runs a signal's handler
+    at the next Python code, and while LLVM emits a kernel (Numba's compile or its cache load, seconds of C) that
+    is often a ctypes callback (llvmlite's object-cache hooks): ctypes prints the KeyboardInterrupt as
+    "Exception ignored" and goes on, so Ctrl-C was lost (a traceback, then the run went on to the end) and Numba's
+    cache save then failed with "no compiled object yet" (a RuntimeError traceback). Here the interrupt is kept
+    quiet and its signal sent again from another thread, to land in ordinary Python code; others go to ``hook``."""
+    import _thread
+
+    def resend(sig):
+        time.sleep(0.01)  # sent at once it would land in this callback again
+        os.kill(os.getpid(), sig)
+
+    def on_unraisable(u):
+        if not isinstance(u.exc_value, KeyboardInterrupt):
+            return hook(u)
+        sig = signal.SIGTERM if isinstance(u.exc_value, Terminated) else signal.SIGINT
+        _swallowed.append(sig)
+        _thread.start_new_thread(resend, (sig,))  # threading's start() waits for the thread: the signal could land there
+
+    return on_unraisable
+
+
+def _interrupted(term: bool) -> int:
+    """The line and exit code of an interrupted command (130 Ctrl-C, 143 SIGTERM); a signal still on its way
+    (sent again by :func:`_on_unraisable`) or a second Ctrl-C is ignored from here, not a traceback at exit."""
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    except ValueError:
+        pass
+    _say(f"coli: {'terminated (SIGTERM)' if term else 'interrupted'}\n", sys.stderr)
+    return 143 if term else 130
+
+
+def _install_signals() -> None:
+    """SIGTERM handled as Ctrl-C; SIGINT's handler kept unless it is Python's own (an ignored SIGINT, a
+    background job's, stays ignored); interrupts swallowed by C callbacks taken back (:func:`_on_unraisable`)."""
+    try:
+        signal.signal(signal.SIGTERM, _on_signal)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, _on_signal)
+    except ValueError:  # not the main thread (main() called from a library): leave signals alone
+        return
+    if not getattr(sys.unraisablehook, "_coli", False):
+        sys.unraisablehook = _on_unraisable(sys.unraisablehook)
+        sys.unraisablehook._coli = True
 
 
 def _say(text: str, stream) -> None:
@@ -907,10 +959,7 @@ def main(argv=None) -> int:
     if sys.stderr is None:  # 2>&-: notes go nowhere rather than into stdout (print(file=None) means stdout)
         sys.stderr = open(os.devnull, "w")
     _utf8_out()
-    try:
-        signal.signal(signal.SIGTERM, _on_sigterm)
-    except ValueError:  # not the main thread (main() called from a library): leave signals alone
-        pass
+    _install_signals()
     p = build_parser()
     try:
         a = p.parse_args(argv)  # inside: a llama.cpp flag coli refuses is a ColiError (coli/llama_flags.py)
@@ -923,12 +972,15 @@ def main(argv=None) -> int:
         print(f"coli: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt as e:
-        term = isinstance(e, Terminated)
-        _say(f"coli: {'terminated (SIGTERM)' if term else 'interrupted'}\n", sys.stderr)
-        return 143 if term else 130
+        return _interrupted(isinstance(e, Terminated))
     except BrokenPipeError:
         _devnull_stdout()
         return 0
+    except Exception:
+        if not _swallowed:
+            raise
+        # what an interrupt left broken before it was taken back (Numba: "no compiled object yet")
+        return _interrupted(_swallowed[0] == signal.SIGTERM)
 
 
 if __name__ == "__main__":

@@ -170,6 +170,47 @@ def test_sigint_keeps_exit_130(demo_path, tmp_path):
     assert json.loads(hist.read_text())["models"][demo_path.name]["tokens"] > 0
 
 
+# Numba's compile with the signal landing where it lands in a real run: while LLVM emits a kernel (C code) a
+# signal's Python handler runs at the next Python code, often llvmlite's object-cache hook (a ctypes callback,
+# which prints the KeyboardInterrupt as "Exception ignored" and goes on); the hook sends it here to be certain
+SWALLOWED = """
+import os, signal, sys, time
+import numba
+from numba.core import codegen
+from coli import cli
+sig = getattr(signal, sys.argv[1])
+hook = codegen.CPUCodeLibrary._object_compiled_hook
+def in_callback(ll_module, buf):
+    os.kill(os.getpid(), sig)
+    return hook(ll_module, buf)
+codegen.CPUCodeLibrary._object_compiled_hook = staticmethod(in_callback)
+def work(x):
+    return x + 1
+def command(a):
+    numba.njit(cache=sys.argv[2] == "cache")(work)(1)
+    t = time.monotonic()
+    while time.monotonic() - t < 10:
+        pass
+    print("ran on")
+    return 0
+cli.cmd_info = command
+sys.exit(cli.main(["info", "x"]))
+"""
+
+
+@pytest.mark.parametrize("sig,cache,rc,line", [("SIGINT", "nocache", 130, "coli: interrupted"),
+                                               ("SIGTERM", "cache", 143, "coli: terminated (SIGTERM)")])
+def test_an_interrupt_during_a_kernel_compile_is_not_lost(tmp_path, sig, cache, rc, line):
+    """Ctrl-C while LLVM emits a kernel (a first run's compile, a cache load): it was swallowed by the ctypes
+    callback (a traceback, then the run went on: without a cache to write "ran on", exit 0) or Numba's cache save
+    failed after it (RuntimeError "no compiled object yet", a traceback, exit 1). Now the one line, 130 / 143."""
+    (tmp_path / "s.py").write_text(SWALLOWED)
+    r = subprocess.run([PY, str(tmp_path / "s.py"), sig, cache], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120, env=_env(NUMBA_CACHE_DIR=str(tmp_path / "nb"), PYTHONPATH=str(ROOT)),
+                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert (r.returncode, r.stdout, r.stderr) == (rc, "", line + "\n"), (r.returncode, r.stdout, r.stderr)
+
+
 # -- kind 4: tables that must agree ----------------------------------------------------------------------------
 def _tiny_llama(path, n_tokens=256, embd_rows=256, out_rows=None, vocab_size=None):
     import gguf
