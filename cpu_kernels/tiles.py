@@ -18,8 +18,10 @@ Q5_0    352     codes as Q4_0, then qh uint32 [16] (ggml's fifth bits, bit j: el
 Q4_K    2368    per 256-weight super-block: codes [j = 0..3][g = 0..7][row][qs 32j+4g..32j+4g+3], sub-block
                 scales uint8 [8][16] and mins uint8 [8][16] (ggml's 6-bit ``get_scale_min_k4`` unpacked), then
                 d f16 [16], dmin f16 [16]
-Q6_K    3360    per 256-weight super-block: ql in 4-byte groups [g = 0..31][row], qh [g = 0..15][row], int8
-                sub-block scales [16][16 rows], d f16 [16]
+Q6_K    3360    per 256-weight super-block, in the kernel's load order (``_q6_k_at``): four 832-byte parts
+                (n, h) = (0, 0), (0, 1), (1, 0), (1, 1), each four triples of 64-byte lines [ql group 16n + 4h + gg,
+                ql group 16n + 8 + 4h + gg, qh group 8n + 4h + gg][row] (gg = 0..3; a group: 4 bytes), then the
+                int8 scales of sub-blocks 8n + h, 8n + 2 + h, 8n + 4 + h, 8n + 6 + h [4][16 rows]; then d f16 [16]
 Q5_1    384     codes as Q4_0, then qh uint32 [16], then d f16 [16], then m f16 [16]
 Q5_K    2880    per 256: codes as Q4_K, then qh [g = 0..7][row][qh 4g..4g+3], then Q4_K's unpacked scales and mins,
                 d f16 [16], dmin f16 [16]
@@ -300,13 +302,37 @@ def _pack(blk, out, fields):
                             out8[d + w * np.uint64(16) * uk + ui] = src8[s + w * uk + ui]
 
 
+def _q6_k_at(n, h, gg, part):
+    """Byte offset in a Q6_K record of the 64-byte line that ``_emit_q6_k`` loads for half n, l-half h, group
+    gg: part 0 / 1 the ql groups 16n + 4h + gg / + 8, part 2 the qh group 8n + 4h + gg; part 3 (gg = kk) the
+    16-row scales of sub-block 8n + 2kk + h. The lines lie in the order the kernel reads them: read in ggml's
+    order (ql, then qh, then the scales) a record streamed from memory at 6-7 GB/s against 15-19 in load order
+    (docs/cpu_kernels.md, "Q6_K in load order")."""
+    if part == 3:
+        return 832 * (2 * n + h) + 768 + 16 * gg
+    return 832 * (2 * n + h) + 192 * gg + 64 * part
+
+
+def _q6_k_fields():
+    """``_FIELDS`` of Q6_K (ggml-common.h block_q6_K: ql[128], qh[64], scales[16], d): one field a line."""
+    out = []
+    for n in range(2):
+        for h in range(2):
+            for gg in range(4):
+                g = 16 * n + 4 * h + gg
+                out += [(4 * g, 1, 4, _q6_k_at(n, h, gg, 0)), (4 * (g + 8), 1, 4, _q6_k_at(n, h, gg, 1)),
+                        (128 + 4 * (8 * n + 4 * h + gg), 1, 4, _q6_k_at(n, h, gg, 2))]
+            out += [(192 + 8 * n + 2 * kk + h, 1, 1, _q6_k_at(n, h, kk, 3)) for kk in range(4)]
+    return out + [(208, 1, 2, 3328)]
+
+
 #: per type: the (src byte, count, width, dst byte) fields of ``_pack`` (ggml-common.h block_* layouts)
 _FIELDS = {"Q4_0": [(2, 4, 4, 0), (0, 1, 2, 256)],
            "Q4_1": [(4, 4, 4, 0), (0, 1, 2, 256), (2, 1, 2, 288)],
            "Q8_0": [(2, 8, 4, 0), (0, 1, 2, 512)],
            "Q5_0": [(6, 4, 4, 0), (2, 1, 4, 256), (0, 1, 2, 320)],
            "Q4_K": [(16, 32, 4, 0), (0, 1, 2, 2304), (2, 1, 2, 2336)],
-           "Q6_K": [(0, 32, 4, 0), (128, 16, 4, 2048), (192, 16, 1, 3072), (208, 1, 2, 3328)],
+           "Q6_K": _q6_k_fields(),
            "MXFP4": [(1, 4, 4, 0), (0, 1, 1, 256)],
            "NVFP4": [(4, 8, 4, 0), (0, 4, 1, 512)],
            "IQ4_NL": [(2, 4, 4, 0), (0, 1, 2, 256)],
@@ -931,9 +957,9 @@ def _emit_q6_k(t):
             acc = [[zero] * 4 for _ in range(nr)]
             for gg in range(4):
                 gp = 4 * h + gg                                  # g' (l0 = 4 g')
-                A = ld(64 * (16 * n + gp), _I8x64)
-                B = ld(64 * (16 * n + 8 + gp), _I8x64)
-                H = ld(2048 + 64 * (8 * n + gp), _I8x64)
+                A = ld(_q6_k_at(n, h, gg, 0), _I8x64)
+                B = ld(_q6_k_at(n, h, gg, 1), _I8x64)
+                H = ld(_q6_k_at(n, h, gg, 2), _I8x64)
                 qs = (b.or_(b.and_(A, m4), b.shl(b.and_(H, m3), sh4)),
                       b.or_(b.and_(B, m4), b.shl(b.and_(H, mc), two)),
                       b.or_(b.lshr(A, sh4), b.and_(H, m30)),
@@ -944,7 +970,7 @@ def _emit_q6_k(t):
                         acc[i][kk] = b.call(op.dp512, [acc[i][kk], qv, xs(i, 128 * n + 32 * kk + 4 * gp)])
             for kk in range(4):
                 sub = 8 * n + 2 * kk + h
-                scv = b.sitofp(b.sext(ld(nc + 16 * sub, _I8x16), _I32x16), _F32x16)
+                scv = b.sitofp(b.sext(ld(_q6_k_at(n, h, kk, 3), _I8x16), _I32x16), _F32x16)
                 for i in range(nr):
                     xsub = b.load(b.bitcast(b.gep(xbs[i], [c(16 * sub)]), _I8x16.as_pointer()), align=1)
                     ssum = b.call(red, [b.sext(xsub, _I32x16)])
@@ -1509,16 +1535,16 @@ def _decode_q6_k(rec, kind, r, I, buf):
         d = f16_at(rec, base + _NC[5] + 256 + 2 * r)
         for n in range(2):
             for l in range(32):
-                g = l >> 2
-                i = l & 3
-                A = np.int64(rec[base + 64 * (16 * n + g) + 4 * r + i])
-                B = np.int64(rec[base + 64 * (16 * n + 8 + g) + 4 * r + i])
-                H = np.int64(rec[base + 2048 + 64 * (8 * n + g) + 4 * r + i])   # qh after ql's 2048
+                h = l >> 4
+                part = base + 832 * (2 * n + h)      # _q6_k_at: (n, h)'s 832 bytes, group gg = (l >> 2) & 3
+                o = part + 192 * ((l >> 2) & 3) + 4 * r + (l & 3)
+                A = np.int64(rec[o])
+                B = np.int64(rec[o + 64])
+                H = np.int64(rec[o + 128])
                 qv = ((A & 15) | ((H & 3) << 4), (B & 15) | (((H >> 2) & 3) << 4),
                       (A >> 4) | (((H >> 4) & 3) << 4), (B >> 4) | (((H >> 6) & 3) << 4))
                 for kk in range(4):
-                    sub = 8 * n + 2 * kk + (l >> 4)
-                    sc = np.int64(rec[base + _NC[5] + 16 * sub + r])
+                    sc = np.int64(rec[part + 768 + 16 * kk + r])
                     sc = sc - 256 if sc > 127 else sc
                     buf[256 * s + 128 * n + 32 * kk + l] = d * np.float32(sc) * np.float32(qv[kk] - 32)
 
