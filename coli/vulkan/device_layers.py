@@ -296,8 +296,9 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
             res = sum(int(self.resident[il].sum()) if il in self.resident else E for il in moe)
             n = len(moe)
             cut = len(self.resident)
-            how = ("one submit a token, the host joining through a timeline semaphore" if self.chain else
-                   "a submit and a wait each: the program cut there")
+            how = ("a submit and a wait each: the program cut there" if not self.chain else
+                   "one command buffer a token, the host joining through events" if self.events and self.bal is None
+                   else "one submit a token, the host joining through a timeline semaphore")
             ex = (f"routed experts: {res} of {E * n} on the device, the rest on the CPU (RAM expert cache) joined "
                   f"mid-layer in {cut} layer{'s' if cut != 1 else ''} ({how}; prompt chunks: a submit a layer, the CPU's "
                   f"pairs grouped by expert)")
@@ -326,6 +327,9 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
             if rec is not None:
                 self.K.free(rec)
         self.segs = []
+        if getattr(self, "_erec", None) is not None:
+            self.K.free(self._erec[0])
+            self._erec = None
         self._free_precs()
         for t in self._tensors:
             self.dev._drop(t)

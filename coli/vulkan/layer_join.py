@@ -1,6 +1,7 @@
 """A decode row whose routed experts are partly on the CPU (coli/vulkan/device_layers.py ``resident``; docs/vulkan.md
 "Experts on the CPU"): the token's program cut where the host joins, its segments in one submit with timeline
-semaphores (``_run_chain``) or a submit a segment (``_run_split``); the CPU's ranks from the RAM expert cache;
+semaphores (``_run_chain``), one command buffer waiting on host-set events (``_run_event``) or a submit a segment
+(``_run_split``); the CPU's ranks from the RAM expert cache;
 the balancer's hand-off of resident ranks to the CPU (``--balance``: ``_hand``, ``_balance_after``).
 """
 from __future__ import annotations
@@ -16,17 +17,26 @@ from coli.vulkan.errors import DeviceLost
 
 def chain_default(dev, env=None) -> bool:
     """Whether a decode token whose experts are partly on the CPU goes in one submit (timeline semaphores, the host
-    joining mid-submit), from ``COLI_VK_CHAIN`` of ``env`` (os.environ when None): on, off, or auto (on where the
-    device has timeline semaphores: on an H100 it decodes 1.05-1.33x a submit a segment; docs/vulkan.md "Experts on
-    the CPU"). ColiError for another value, or for on where the device has no timeline semaphores."""
+    joining mid-submit), from ``COLI_VK_CHAIN`` of ``env`` (os.environ when None): on, event (one command buffer,
+    :func:`chain_events`), off, or auto (on where the device has timeline semaphores: on an H100 it decodes
+    1.05-1.33x a submit a segment; docs/vulkan.md "Experts on the CPU"). ColiError for another value, or for on
+    where the device has no timeline semaphores."""
     v = str(settings.get("COLI_VK_CHAIN", env) or "auto").lower()
-    if v not in ("auto", "on", "off"):
-        raise ColiError(f"COLI_VK_CHAIN={v}: auto, on or off (one submit a decode token, the host joining mid-submit)")
+    if v not in ("auto", "on", "event", "off"):
+        raise ColiError(f"COLI_VK_CHAIN={v}: auto, on, event or off (one submit a decode token, the host joining "
+                        f"mid-submit)")
     tl = bool(getattr(dev, "timeline", False))
-    if v == "on" and not tl:
-        raise ColiError(f"COLI_VK_CHAIN=on: {getattr(dev, 'name', 'the device')} has no timeline semaphores; "
+    if v in ("on", "event") and not tl:
+        raise ColiError(f"COLI_VK_CHAIN={v}: {getattr(dev, 'name', 'the device')} has no timeline semaphores; "
                         f"set auto or off")
     return tl and v != "off"
+
+
+def chain_events(env=None) -> bool:
+    """``COLI_VK_CHAIN=event``: the one-submit token as one command buffer whose layers wait for host-set events
+    (``vkCmdWaitEvents``, the device's own wait) where the host's rows join, instead of batches between timeline
+    semaphore waits (a wait the driver resolves on the host side before the next batch starts)."""
+    return str(settings.get("COLI_VK_CHAIN", env) or "auto").lower() == "event"
 
 
 class Cut:
@@ -103,6 +113,8 @@ class RowJoin:
         self.spin_s = 0.002     # how long the host spins on a flag before it sleeps on the device's timeline
         self.spun = self.slept = 0
         self.chain = chain_default(self.dev, getattr(self, "_env", None))
+        self.events = chain_events(getattr(self, "_env", None))   # _run_event (without a balancer)
+        self._erec = None       # its command buffer, recorded at its first token (_event_prepare)
         self._V = V = 2 if self.bal is not None else 1   # the host's timeline values a cut layer: (route,) rows in
         # host timeline offset -> the event the segment waiting for that value (chain) waits for too: the host's
         # writes since the submit, visible to it (Kernels.record ``after``); a submit a segment sets them too (a
@@ -358,6 +370,93 @@ class RowJoin:
         self._set_event(v)
         self.K.signal(base + v)
 
+    def _event_prepare(self) -> None:
+        """The token's program as one command buffer for :meth:`_run_event`: the ops of :meth:`_ops` with each cut
+        after a layer's route dropped (the host polls the layer's flag) and each cut before its ``moe_sum`` a
+        :class:`~coli.vulkan.layers.HostWait` on an event of its own, which the end of the buffer resets."""
+        from coli.vulkan.layers import HostWait  # the Vulkan binding: only when a device runs
+
+        K, ops, evs = self.K, [], {}
+        for op in self._ops():
+            if isinstance(op, Cut):
+                if op.kind == "x":
+                    evs[op.j] = K.host_event()
+                    ops.append(HostWait(evs[op.j]))
+                continue
+            ops.append(op)
+        self._erec = (K.record(ops, timestamps=True, resets=tuple(evs.values())), evs)
+
+    def _run_event(self) -> None:
+        """One decode token as one command buffer (``COLI_VK_CHAIN=event``): the device writes layer i's route and
+        flag and runs its resident ranks; the host spins on the flag (past ``spin_s``: short sleeps, checking the
+        fence), reads the route, computes the CPU's ranks into ``yk`` and sets the layer's event, on which the
+        device's ``moe_sum`` waits (no semaphore, no batch boundary). On any failure the host sets every event not yet
+        set, so the buffer drains before the caller goes on."""
+        K, P, pc = self.K, self.prof, time.perf_counter
+        if self._erec is None:
+            self._event_prepare()
+        rec, evs = self._erec
+        self._seq = seq = (self._seq + 1) & 0xFFFFFFFF or 1
+        self._params_u32[8] = seq
+        flags = self._flags_u32
+        spin, limit = self.spin_s, self.dev._timeout_ns / 1e9
+        done = set()
+        t0 = t = pc()
+        try:
+            K.start(rec)
+            K.dev.dispatches += rec.dispatches
+            K.dev.layer_dispatches += rec.dispatches
+            t = pc() if P is None else P.lap("submit", t)
+            for j, ev in evs.items():
+                if flags[j] != seq:
+                    end = t + spin
+                    while flags[j] != seq and pc() < end:   # the flag the device writes after layer j's route
+                        pass
+                    if flags[j] == seq:
+                        self.spun += 1
+                    else:
+                        self.slept += 1
+                        while flags[j] != seq:
+                            if not K.running(rec) and flags[j] != seq:
+                                raise DeviceLost(f"the device ended a token before layer {self.per[j]['il']}'s route")
+                            if pc() - t0 > limit:
+                                self.dev._mark_lost("a layer's route flag timed out")
+                                raise DeviceLost("a layer's route flag timed out")
+                            time.sleep(50e-6)
+                else:
+                    self.spun += 1
+                if P is not None:
+                    t = P.lap("wait: flag", t)
+                r = self._route(j)
+                if P is not None:
+                    P.lap("route read", t)
+                note = self._cpu_ranks(j, *r)
+                t = pc()
+                K.set_event(ev)
+                done.add(j)
+                t = pc() if P is None else P.lap("signal", t)
+                if note is not None:    # the device runs the next layer meanwhile
+                    t = self._note(note, t)
+            if not K.wait(rec):
+                self.dev._mark_lost("fence wait failed")
+                raise DeviceLost("fence wait failed")
+            if P is not None:
+                P.lap("tail", t)
+        finally:
+            for j, ev in evs.items():
+                if j not in done:
+                    try:
+                        K.set_event(ev)
+                    except Exception:  # noqa: BLE001 - a lost device: the caller's DeviceLost says so
+                        pass
+        self.submit_s += pc() - t0
+        if self._stamps_due():
+            t = pc()
+            self._gpu_add(K.gpu_ms(rec))
+            self.gpu_tokens += 1
+            if P is not None:
+                P.lap("timestamps", t)
+
     def _run_chain(self) -> None:
         """One decode token in one submit (timeline semaphores, ``Kernels.submit_prepared``): segment S_i copies the
         token's number into ``flags[i]`` after layer i's route and signals value base + i + 1 of the device's
@@ -367,6 +466,8 @@ class RowJoin:
         S_i+1 waits for value base + i + 1 of the host's timeline, which the host signals once it wrote those rows.
         On any failure the host signals its last value, so the queue drains before the caller goes on. The segments'
         timestamps are read one token in ``stamp_every`` (every token with the join profile)."""
+        if self.events and self.bal is None:
+            return self._run_event()
         K, P, pc = self.K, self.prof, time.perf_counter
         if self._chain is None:
             self._chain_prepare()

@@ -111,6 +111,15 @@ class Buffer(_Buf):
 
 
 @dataclass
+class HostWait:
+    """The ops after it wait until the host sets ``event`` (:meth:`Kernels.host_event`; ``vkCmdWaitEvents`` from the
+    host stage, legal for an event the host sets after the submit): what the host wrote before it set the event is
+    visible to them. A decode token with experts on the CPU in one command buffer (layer_join.py ``_run_event``)."""
+
+    event: object
+
+
+@dataclass
 class Recorded:
     """A recorded command buffer (``arr``: ``VkCommandBuffer[1]``), the dispatches it holds and, where the device has
     timestamps, the query pool of its first and last timestamp (``Kernels.gpu_ms``)."""
@@ -354,6 +363,15 @@ class Kernels(HostJoin):
             lib.vkCmdWaitEvents(cb, 1, after, _PSTAGE_HOST, _PSTAGE_COMPUTE | _PSTAGE_TRANSFER, 1, mb, 0, ffi.NULL,
                                 0, ffi.NULL)
         for n_op, op in enumerate(ops):
+            if isinstance(op, HostWait):
+                # the host's writes only (the device's own are ordered by the next op's barrier)
+                mb.srcAccessMask = _ACC_HOST_WRITE
+                mb.dstAccessMask = _ACC_SHADER_READ | _ACC_SHADER_WRITE | _ACC_XFER_READ | _ACC_XFER_WRITE
+                lib.vkCmdWaitEvents(cb, 1, op.event, _PSTAGE_HOST, _PSTAGE_COMPUTE | _PSTAGE_TRANSFER, 1, mb, 0,
+                                    ffi.NULL, 0, ffi.NULL)
+                if each and qpool is not None:
+                    lib.vkCmdWriteTimestamp(cb, _PSTAGE_BOTTOM, qpool, n_op + 1)
+                continue
             if isinstance(op, Copy):
                 if op.wait:
                     # the host too: a flag copied after rows the host polls for mid-submit (layer_join.py) must

@@ -17,7 +17,7 @@ from tests.vk_util import IDS, decode_rows, device_engine, lose_device_on_call, 
 pytestmark = requires_vulkan
 
 
-@pytest.mark.parametrize("chain", [True, False])
+@pytest.mark.parametrize("chain", [True, "event", False])
 def test_every_expert_on_the_cpu(device_moe, moe_cpu, chain):
     """--cpu-moe (COLI_VK_CPU_MOE=-1) alone: every layer on the device, no expert uploaded, every routed pair of a
     decode row computed on the CPU, the logits the CPU-only run's (prompt chunks: tests/vulkan/test_device_prompt_chain.py).
@@ -28,12 +28,13 @@ def test_every_expert_on_the_cpu(device_moe, moe_cpu, chain):
         dl = dev.model.device_layers
         assert dl is not None and dl.first == 0 and dev.tier is None
         # COLI_VK_CHAIN=auto: one submit a token where the device has timeline semaphores (Lavapipe has)
-        assert dl.chain == dev.device.timeline
-        dl.chain = chain
+        assert dl.chain == dev.device.timeline and not dl.events
+        dl.chain, dl.events = bool(chain), chain == "event"     # event: one command buffer, host-set events
         dl.spin_s = 30.0 if chain else 0.0      # the flag path: the host spins until each layer's flag is up
         assert sorted(dl.resident) == [0, 1, 2, 3] and not any(m.any() for m in dl.resident.values())
         assert "routed experts: 0 of 32 on the device" in dl.describe()
-        assert ("timeline semaphore" in dl.describe()) == chain
+        assert ("timeline semaphore" in dl.describe()) == (chain is True)
+        assert ("through events" in dl.describe()) == (chain == "event")
         d0 = dev.device.layer_dispatches
         ref, _ = decode_rows(moe_cpu, IDS, 5)
         got, _ = decode_rows(dev, IDS, 5)
@@ -43,11 +44,12 @@ def test_every_expert_on_the_cpu(device_moe, moe_cpu, chain):
         assert dl.cpu_rows == n * 4 * dl.k and dl.dev_rows == 0
         assert rel_err(got, ref) < 1e-5, rel_err(got, ref)
         assert (dl.spun, dl.slept) == ((n * 4, 0) if chain else (0, 0))
+        assert (dl._erec is not None) == (chain == "event")
     finally:
         dev.close()
 
 
-@pytest.mark.parametrize("chain", [True, False])
+@pytest.mark.parametrize("chain", [True, "event", False])
 def test_part_resident_by_budget(device_moe, moe_cpu, chain):
     """--n-cpu-moe 1 with --gpu-layers -1 and a --tier-gb that holds the layers and 9 experts: layer 0's experts on
     the CPU, 9 of the others' 24 on the device (the history's order, then lowest ids a layer in turn); a decode row's
@@ -60,7 +62,7 @@ def test_part_resident_by_budget(device_moe, moe_cpu, chain):
     try:
         dl = dev.model.device_layers
         assert dl is not None and dl.first == 0
-        dl.chain = chain
+        dl.chain, dl.events = bool(chain), chain == "event"
         assert sorted(dl.resident) == [0, 1, 2, 3]
         assert not dl.resident[0].any() and sum(int(dl.resident[il].sum()) for il in (1, 2, 3)) == 9
         ref, _ = decode_rows(moe_cpu, IDS, 5)
@@ -483,7 +485,7 @@ def test_chain_setting():
     from types import SimpleNamespace
 
     from coli.base.errors import ColiError
-    from coli.vulkan.layer_join import chain_default
+    from coli.vulkan.layer_join import chain_default, chain_events
 
     lava, gpu = SimpleNamespace(timeline=True, type_name="cpu"), SimpleNamespace(timeline=True, type_name="discrete")
     old = SimpleNamespace(timeline=False, type_name="integrated", name="old GPU")
@@ -495,6 +497,7 @@ def test_chain_setting():
             if not env:
                 mp.delenv("COLI_VK_CHAIN", raising=False)
             assert (chain_default(lava), chain_default(gpu)) == want[:2]
+            assert not chain_events()
             if want[2] is None:
                 with pytest.raises(ColiError, match="COLI_VK_CHAIN=on: old GPU has no timeline"):
                     chain_default(old)
@@ -502,5 +505,9 @@ def test_chain_setting():
                 assert chain_default(old) is want[2]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("COLI_VK_CHAIN", "yes")
-        with pytest.raises(ColiError, match="COLI_VK_CHAIN=yes: auto, on or off"):
+        with pytest.raises(ColiError, match="COLI_VK_CHAIN=yes: auto, on, event or off"):
             chain_default(lava)
+        mp.setenv("COLI_VK_CHAIN", "event")
+        assert chain_default(lava) and chain_events()
+        with pytest.raises(ColiError, match="COLI_VK_CHAIN=event: old GPU has no timeline"):
+            chain_default(old)
