@@ -4,8 +4,8 @@
 // The same recurrence as shaders/deltanet.comp mode 1 (S *= exp(g); S += k (x) (v - S^T k) beta; o = S^T q), taken
 // 64 rows (a block) at a time as flash-linear-attention's chunk_gated_delta_rule and HF transformers'
 // torch_chunk_gated_delta_rule (transformers.models.qwen3_next.modeling_qwen3_next) do: with G the cumulative log
-// decay inside the block, A = strictly lower (beta_i k_i.k_j exp(G_i - G_j)), T = (I + A)^-1 by forward
-// substitution, W = T (beta k exp(G)), U = T (beta v); then, the blocks in order,
+// decay inside the block, A = strictly lower (beta_i k_i.k_j exp(G_i - G_j)), T = (I + A)^-1 (16-row
+// diagonal blocks by forward substitution, then the blocks below), W = T (beta k exp(G)), U = T (beta v); then, the blocks in order,
 //   V' = U - W S;  O = (q exp(G)) S + tril(q k^T exp(G_i - G_j)) V';  S = S exp(G_last) + (k exp(G_last - G))^T V'.
 // q, k are l2-normed (x / sqrt(sum x^2 + 1e-6)), q / sqrt(dk); beta = sigmoid(b), g = ssm_a softplus(a + dt).
 // Scratch (a4 in modes 0 and 1), floats, for R rows and Hv heads: W [Hv, R, dk], U [Hv, R, dv], AQ [Hv, R, 64] (the
@@ -36,6 +36,7 @@ layout(local_size_x_id = 0) in;
 
 #define CH 64u          // rows of a block
 #define TW 16u          // mode 0's dims of a key / query tile
+#define BS 16u          // mode 0's rows of a diagonal block of the inverse (P, 3 BS^2 floats, fits KT)
 #define TW1 32u         // mode 1's dims of a tile
 #define MAXSL 4u        // mode 1's rows of a block an invocation owns (CH / (WG / BV): WG >= 256, BV <= 16)
 // one shared array, carved per mode (mode 0: TS [CH][CH + 1], KT, QT [CH][TW + 1], G, BE, FK, FQ [CH];
@@ -148,7 +149,7 @@ void main() {
                 if (e < CH * CH) {
                     uint i = e / CH, j = e % CH;
                     float sk = 0.0, sq = 0.0;
-                    for (uint d = 0u; d < TW; d++) {
+                    [[dont_unroll]] for (uint d = 0u; d < TW; d++) {    // not unrolled: Lavapipe's compile time
                         float kj = SM[KT + j * (TW + 1u) + d];
                         if (kda)    // exp(G_i[d] - G_j[d]) a channel (j <= i: at most 1; the rest are not used)
                             kj *= j <= i ? exp(SM[GT + i * (TW + 1u) + d] - SM[GT + j * (TW + 1u) + d]) : 0.0;
@@ -175,18 +176,40 @@ void main() {
             }
         }
         barrier();
-        // T = (I + A)^-1 row by row: T[i, j] = A[i, j] + sum_{j < m < i} A[i, m] T[m, j] (HF's loop)
-        for (uint i = 1u; i < n; i++) {
+        // T = (I + A)^-1 = (I - L)^-1 (TS holds L = -A, strictly lower) in 16-row blocks (FLA's sub-chunks): the four
+        // diagonal blocks at once by forward substitution, T[i, j] = L[i, j] + sum_{j < m < i} L[i, m] T[m, j] (HF's
+        // loop, 15 steps, not 63), then a block row bi at a time T_{bi,j} = T_{bi,bi} sum_{j <= k < bi} L_{bi,k} T_{k,j}
+        // (the row's L all read, into P at KT, before any of it is overwritten)
+        uint db = t / BS, dc = t % BS, dr = BS * db;       // invocation t < CH: diagonal block db's column dc
+        for (uint i = 1u; i < BS; i++) {
             float v = 0.0;
-            if (t < i) {
-                v = SM[TS + i * (CH + 1u) + t];
-                for (uint m = t + 1u; m < i; m++) v += SM[TS + i * (CH + 1u) + m] * SM[TS + m * (CH + 1u) + t];
+            if (t < CH && dc < i) {
+                uint ri = TS + (dr + i) * (CH + 1u);
+                v = SM[ri + dr + dc];
+                for (uint m = dc + 1u; m < i; m++) v += SM[ri + dr + m] * SM[TS + (dr + m) * (CH + 1u) + dr + dc];
             }
             barrier();
-            if (t < i) SM[TS + i * (CH + 1u) + t] = v;
+            if (t < CH && dc < i) SM[TS + (dr + i) * (CH + 1u) + dr + dc] = v;
             barrier();
         }
         for (uint i = t; i < CH; i += WG) SM[TS + i * (CH + 1u) + i] = 1.0;
+        barrier();
+        for (uint bi = 1u; bi < CH / BS; bi++) {
+            for (uint e = t; e < bi * BS * BS; e += WG) {       // P_j [BS][BS] for the blocks j < bi
+                uint r = BS * bi + (e / BS) % BS, c = BS * (e / (BS * BS)) + e % BS;
+                float v = 0.0;
+                for (uint k = c - c % BS; k < BS * bi; k++) v += SM[TS + r * (CH + 1u) + k] * SM[TS + k * (CH + 1u) + c];
+                SM[KT + e] = v;
+            }
+            barrier();
+            for (uint e = t; e < bi * BS * BS; e += WG) {       // T_{bi,j} = T_{bi,bi} P_j (unit lower triangular)
+                uint rr = (e / BS) % BS, r = BS * bi + rr, j = e / (BS * BS), c = e % BS;
+                float v = 0.0;
+                for (uint m = 0u; m <= rr; m++) v += SM[TS + r * (CH + 1u) + BS * bi + m] * SM[KT + j * BS * BS + m * BS + c];
+                SM[TS + r * (CH + 1u) + BS * j + c] = v;
+            }
+            barrier();
+        }
         // W = T (beta k exp(G) fk), U = T (beta v): a tile of TW columns at a time (KT holds the right side)
         for (uint part = 0u; part < 2u; part++) {
             uint width = part == 0u ? dk : dv, src = part == 0u ? ko : vo;
@@ -250,9 +273,12 @@ void main() {
                 uint r = e / TW1, d = e % TW1;
                 bool in_ = r < n && i0 + d < dk;
                 SM[WT + r * (TW1 + 1u) + d] = in_ ? SC.v[oW + (h * R + r0 + r) * dk + i0 + d] : 0.0;
-                uint s0 = (h * R + r0 + r) * dk + i0 + d;
-                SM[QT + r * (TW1 + 1u) + d] = !in_ ? 0.0 : kda ? SC.v[oQ + s0]
-                                                  : X.v[(r0 + r) * C + qo + i0 + d] * SC.v[oF + (h * R + r0 + r) * 4u];
+                float q = 0.0;      // if, not ?: (a select would read KDA's part, past a Gated DeltaNet scratch)
+                if (in_) {
+                    if (kda) q = SC.v[oQ + (h * R + r0 + r) * dk + i0 + d];
+                    else q = X.v[(r0 + r) * C + qo + i0 + d] * SC.v[oF + (h * R + r0 + r) * 4u];
+                }
+                SM[QT + r * (TW1 + 1u) + d] = q;
             }
             barrier();
             uint m = min(TW1, dk - i0);
@@ -304,8 +330,12 @@ void main() {
             barrier();
             for (uint e = t; e < CH * TW1; e += WG) {
                 uint r = e / TW1, d = e % TW1;
-                SM[QT + r * (TW1 + 1u) + d] = !(r < n && i0 + d < dk) ? 0.0 : kda ? SC.v[oK + (h * R + r0 + r) * dk + i0 + d]
-                    : X.v[(r0 + r) * C + ko + i0 + d] * SC.v[oF + (h * R + r0 + r) * 4u + 1u];
+                float k = 0.0;
+                if (r < n && i0 + d < dk) {
+                    if (kda) k = SC.v[oK + (h * R + r0 + r) * dk + i0 + d];
+                    else k = X.v[(r0 + r) * C + ko + i0 + d] * SC.v[oF + (h * R + r0 + r) * 4u + 1u];
+                }
+                SM[QT + r * (TW1 + 1u) + d] = k;
             }
             barrier();
             if (t < P * BV) {
