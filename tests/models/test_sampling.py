@@ -203,6 +203,51 @@ def test_top_ids_drop_nan_and_inf_where_the_sample_holds_them():
         assert np.array_equal(top_ids(row, k), ref[:k])
 
 
+def _kept_by_full_sort(lg, top_k, top_p, min_p):
+    """llama.cpp's chain with the whole row sorted (NumPy's stable argsort): the ids top-k, top-p, min-p keep."""
+    order = np.argsort(-lg, kind="stable")
+    order = order[np.isfinite(lg[order])]
+    if top_k > 0:
+        order = order[:top_k]
+    v = lg[order]
+    if top_p < 1.0 and order.size > 1:
+        q = np.exp(v - v[0])
+        order = order[:int(np.searchsorted(np.cumsum(q / q.sum()), top_p)) + 1]
+        v = lg[order]
+    if min_p > 0.0 and order.size > 1:
+        order = order[:max(int(np.count_nonzero(v >= v[0] + np.log(min_p))), 1)]
+    return order
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p", [(0, 0.95, 0.0), (0, 0.5, 0.0), (0, 0.999, 0.0), (0, 0.95, 0.05),
+                                               (0, 1.0, 0.05), (0, 0.3, 0.5), (40, 0.95, 0.05), (0, 1.0, 0.0)])
+def test_kept_tokens_without_top_k_are_the_full_sorts(top_k, top_p, min_p):
+    """Without top-k the sampler finds the top-p / min-p prefix without sorting the whole row (min-p's bound, or
+    the nucleus in a growing top m): the ids kept and their order are the whole sort's (reference above), on
+    peaked and flat rows of a 49,152 vocabulary (a nucleus of thousands: the top m grows to the whole row), rows
+    with ties (logits in steps of 0.5), a third masked (-inf), and one finite logit; the draws of a seed too."""
+    rng = np.random.default_rng(7)
+    n = 49_152
+    rows = [rng.standard_normal(n) * 2.5 + np.where(rng.random(n) < 0.001, 12.0, 0.0),  # a few far ahead
+            rng.standard_normal(n) * 2.5, np.round(rng.standard_normal(n) * 4) / 2]
+    masked = rows[0].copy()
+    masked[rng.choice(n, n // 3, replace=False)] = -np.inf
+    one = np.full(n, -np.inf)
+    one[123] = 0.5
+    rows += [masked, one]
+    for lg in rows:
+        s = Sampler(temp=0.8, top_k=top_k, top_p=top_p, min_p=min_p, seed=3)
+        idx, v = s._kept(lg.copy())
+        want = _kept_by_full_sort(lg, top_k, top_p, min_p)
+        assert np.array_equal(idx, want) and np.array_equal(v, lg[want]), (idx.size, want.size)
+        order = np.argsort(-lg, kind="stable")
+        for u in (0.0, 0.37, 1.0 - 1e-12):  # the draw: softmax(kept / temp) in that order
+            c = np.cumsum(np.exp((lg[want] - lg[want[0]]) / 0.8))
+            exp = want[min(int(np.searchsorted(c, u * c[-1], side="right")), want.size - 1)]
+            assert Sampler(temp=0.8, top_k=top_k, top_p=top_p, min_p=min_p, rng=FixedU(u)).sample(lg) == exp
+        assert order[0] == want[0]
+
+
 def test_draw_follows_softmax_over_temperature():
     """The draw's CDF is softmax(logits / temp) over the kept tokens: u picks the first token whose
     cumulative probability exceeds it."""
