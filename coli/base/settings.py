@@ -28,7 +28,7 @@ from coli.base.errors import ColiError
 class Var:
     """One variable: ``kind`` (bool | int | float | path | abspath | str), ``default``, ``unit``, ``lo`` (the least
     value of a number), ``help``, ``flag`` (the command-line flag that sets it, if any), ``dev`` (a
-    developer's or a test's knob rather than a user's)."""
+    developer's or a test's knob rather than a user's), ``choices`` (the values it takes, where they are few)."""
 
     name: str
     kind: str
@@ -38,6 +38,7 @@ class Var:
     lo: float | None = None
     flag: str | None = None
     dev: bool = False
+    choices: tuple = ()   # the values it takes, where they are few (text: in any case, read in lower case)
 
 
 VARS: tuple[Var, ...] = (
@@ -52,8 +53,9 @@ VARS: tuple[Var, ...] = (
         "system takes it; off: buffered pread (docs/engine.md \"Reads past the page cache\")"),
     Var("COLI_CACHE_TYPE_K", "str", "f32", "the KV cache's K type: f32, f16, bf16 or q8_0 (llama.cpp's names; "
         "q8_0: blocks of 32 with an f16 scale; MLA latent caches take f32 only; docs/engine.md \"KV cache types\")",
-        flag="--cache-type-k"),
-    Var("COLI_CACHE_TYPE_V", "str", "f32", "the KV cache's V type, as COLI_CACHE_TYPE_K", flag="--cache-type-v"),
+        flag="--cache-type-k", choices=("f32", "f16", "bf16", "q8_0")),
+    Var("COLI_CACHE_TYPE_V", "str", "f32", "the KV cache's V type, as COLI_CACHE_TYPE_K", flag="--cache-type-v",
+        choices=("f32", "f16", "bf16", "q8_0")),
     Var("COLI_VULKAN", "bool", False, "open the Vulkan expert tier, as --device vulkan", flag="--device vulkan"),
     Var("COLI_VK_DEV", "int", -1, "Vulkan device index (-1: the best device)", "index", lo=-1,
         flag="--device vulkan:N"),
@@ -69,7 +71,8 @@ VARS: tuple[Var, ...] = (
         "layers", lo=-1, flag="--gpu-layers"),
     Var("COLI_VK_PLACEMENT", "str", "auto", "--gpu-layers -1 on a MoE model whose layers do not all fit the device "
         "whole: auto (the placement gate: whole layers or every layer with experts apart, by the costs this device's "
-        "runs measured), layers or experts (that arm) (docs/vulkan.md \"Whole layers or experts apart\")"),
+        "runs measured), layers or experts (that arm) (docs/vulkan.md \"Whole layers or experts apart\")",
+        choices=("auto", "layers", "experts")),
     Var("COLI_VK_PLACEMENT_RUNS", "str", None, "folder of the placement gate's measured runs (device layers' decode "
         "times by placement, a file per device and model shape; default <cache>/placement; off: none read or kept)"),
     Var("COLI_VK_CPU_MOE", "int", 0, "device layers whose routed experts stay on the CPU, joined mid-layer "
@@ -79,7 +82,7 @@ VARS: tuple[Var, ...] = (
         "prompt chunks: cpu (the CPU computes their pairs from the RAM expert cache, joined mid-layer), stream (each "
         "chunk copies them into device memory while the layer before computes, every pair on the device) or auto "
         "(stream from COLI_VK_STREAM_ROWS rows); unset: auto on a discrete GPU, cpu on a device sharing the CPU's "
-        "RAM (docs/vulkan.md \"Experts on the CPU\")"),
+        "RAM (docs/vulkan.md \"Experts on the CPU\")", choices=("cpu", "stream", "auto")),
     Var("COLI_VK_STREAM_ROWS", "int", 256, "COLI_VK_PROMPT_EXPERTS=auto: prompt chunks of at least this many rows "
         "stream their experts to the device", "rows", lo=1),
     Var("COLI_VK_TIER_RESERVE_GB", "float", 1.0, "device memory a discrete GPU keeps free beside the tier",
@@ -106,19 +109,20 @@ VARS: tuple[Var, ...] = (
     Var("COLI_VK_ZERO_COPY", "str", "auto", "experts the device reads from the RAM expert cache's memory "
         "(VK_EXT_external_memory_host) instead of copies in its own: auto (where the device shares the CPU's RAM: "
         "an integrated GPU, Lavapipe), on (any device with the extension; a discrete GPU then reads experts over "
-        "PCIe) or off (docs/vulkan.md \"Zero-copy experts\")"),
+        "PCIe) or off (docs/vulkan.md \"Zero-copy experts\")", choices=("auto", "on", "off")),
     Var("COLI_VK_CHAIN", "str", "auto", "device layers with experts on the CPU: a decode token in one submit, the "
         "host joining mid-submit through timeline semaphores (on) or through host-set events the one command buffer "
         "waits on (event; not with --balance), or a submit a segment (off); auto: on where the device has timeline "
-        "semaphores (docs/vulkan.md \"Experts on the CPU\")"),
+        "semaphores (docs/vulkan.md \"Experts on the CPU\")", choices=("auto", "on", "off")),
     Var("COLI_VK_DN_PROMPT", "str", "auto", "the device layers' Gated DeltaNet and KDA delta rule for a prompt "
         "chunk: chunk (the chunked WY / UT form, shaders/dn_chunk.comp: 64-row blocks, the blocks in order), rows (the "
         "recurrence row by row, shaders/deltanet.comp mode 4 or 1) or auto (chunk where the device layers' workgroups "
         "have 256 invocations, else rows) (docs/vulkan.md "
-        "\"Gated DeltaNet on the device\")", dev=True),
+        "\"Gated DeltaNet on the device\")", dev=True, choices=("auto", "chunk", "rows")),
     Var("COLI_VK_DN_BV", "int", 16, "state columns a workgroup of the chunked DeltaNet delta rule takes through a "
         "prompt chunk (shaders/dn_chunk.comp mode 1): 1, 2, 4, 8 or 16 (8 where 16 columns of the key width pass 2048 "
-        "floats); fewer: more workgroups, each with less work a block", "columns", lo=1, dev=True),
+        "floats); fewer: more workgroups, each with less work a block", "columns", lo=1, dev=True,
+        choices=(1, 2, 4, 8, 16)),
     Var("COLI_VK_TIER_FILL", "bool", True, "fill the device's free budget with the next-hottest experts"),
     Var("COLI_VK_TIER_WARM", "bool", True, "warm start: upload the history's hottest experts at load"),
     Var("COLI_VK_TIER_GEMM_ROWS", "int", 16, "rows from which an expert runs as a tiled GEMM on the device "
@@ -133,10 +137,11 @@ VARS: tuple[Var, ...] = (
     Var("COLI_VK_PROMPT_ROWS", "int", 512, "rows of a prompt step when device layers run (--gpu-layers): the "
         "device layers take a prompt chunk of up to this many rows in one submit", "rows", lo=1),
     Var("COLI_VK_PROMPT_TILE", "int", 32, "rows of a tile of the device layers' prompt GEMM (shaders/lmm.comp): "
-        "32 or 64", "rows", lo=32, dev=True),
+        "32 or 64", "rows", lo=32, dev=True, choices=(32, 64)),
     Var("COLI_VK_PROMPT_ROUTE", "str", "auto", "the device layers' prompt GEMM: auto (float16 cooperative matrices, "
         "shaders/lmm_cm.comp, where the device has them, else f32), coopmat (the same) or f32 (shaders/lmm.comp, "
-        "float32 products everywhere) (docs/vulkan.md \"Prompt routes\")", dev=True),
+        "float32 products everywhere) (docs/vulkan.md \"Prompt routes\")", dev=True,
+        choices=("auto", "coopmat", "f32")),
     Var("COLI_VK_ATTN_CHUNK", "int", 256, "keys a workgroup of the device layers' decode attention takes "
         "(shaders/attn_dec.comp); a longer context is split over positions and joined by each head's last part", "keys",
         lo=16, dev=True),
@@ -170,7 +175,8 @@ VARS: tuple[Var, ...] = (
     Var("COLI_API_KEY", "str", None, "the key coli serve requires of clients (Authorization: Bearer KEY; "
         "as llama-server's LLAMA_API_KEY); docs/serve.md", flag="--api-key"),
     Var("COLI_THREADING", "str", "tbb", "Numba's threading layer for the CPU kernels: tbb (where its library "
-        "loads; else omp) or omp (OpenMP with passive wait); docs/cpu_kernels.md \"threads\"", dev=True),
+        "loads; else omp) or omp (OpenMP with passive wait); docs/cpu_kernels.md \"threads\"", dev=True,
+        choices=("tbb", "omp")),
     Var("COLI_SLOW_TESTS", "bool", False, "run the slow oracle tests (transformers, gguf's reader)", dev=True),
 )
 BY_NAME = {v.name: v for v in VARS}
@@ -180,6 +186,9 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 def _what(v: Var) -> str:
     if v.kind == "bool":
         return "1 or 0"
+    if v.choices:
+        c = [str(x) for x in v.choices]
+        return ", ".join(c[:-1]) + " or " + c[-1] + (f", {v.unit}" if v.unit else "")
     if v.kind in ("int", "float"):
         s = "an integer" if v.kind == "int" else "a number"
         if v.lo is not None:
@@ -219,7 +228,13 @@ def parse(name: str, raw: str):
             raise bad("a relative path (each working directory would get its own)")
         return os.path.expanduser(s)
     else:
+        if v.choices:
+            if s.lower() not in v.choices:
+                raise bad("not one of its values")
+            return s.lower()
         return s
+    if v.choices and x not in v.choices:
+        raise bad("not one of its values")
     if v.lo is not None and x < v.lo:
         raise bad("out of range")
     return x

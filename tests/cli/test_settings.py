@@ -88,6 +88,22 @@ def test_cli_bad_variable_is_one_error():
     assert r.stderr.startswith("coli: COLI_VK_TIER_RATE='many': not an integer") and r.stderr.count("\n") == 1
 
 
+@pytest.mark.parametrize("name,raw,values", [("COLI_VK_ZERO_COPY", "yes", "auto, on or off"),
+                                             ("COLI_VK_PROMPT_TILE", "48", "32 or 64, rows"),
+                                             ("COLI_CACHE_TYPE_K", "q4_0", "f32, f16, bf16 or q8_0")])
+def test_a_value_not_among_the_few_a_variable_takes_is_one_error_before_work(name, raw, values):
+    """A variable that takes a few values (text or numbers): another is refused with the others, before any work,
+    even where nothing reads it (no device here); before, `coli run` ran on and only a device (or a model's load)
+    found it."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **{name: raw})
+    r = subprocess.run([sys.executable, "-m", "coli", "models"], capture_output=True, text=True, env=env, cwd=ROOT,
+                       timeout=120)
+    assert (r.returncode, r.stdout) == (2, ""), r.stdout
+    assert r.stderr == f"coli: {name}={raw!r}: not one of its values ({values}; docs/settings.md)\n", r.stderr
+    last = settings.BY_NAME[name].choices[-1]
+    assert settings.get(name, {name: str(last).upper()}) == last  # text in any case
+
+
 def test_device_flags_parsed(capsys):
     """--device vulkan:N, --tier-gb and --reproducible are checked before a model loads."""
     from coli.cli import main

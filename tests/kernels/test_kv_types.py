@@ -207,7 +207,7 @@ def test_bad_setting_names_the_variable(monkeypatch, tmp_path):
     from coli.engine import Engine
 
     monkeypatch.setenv("COLI_CACHE_TYPE_V", "q8")
-    with pytest.raises(ColiError, match=r"^COLI_CACHE_TYPE_V: 'q8' \(f32, f16, bf16 or q8_0\)$"):
+    with pytest.raises(ColiError, match=r"^COLI_CACHE_TYPE_V='q8': not one of its values \(f32, f16, bf16 or q8_0; docs/settings.md\)$"):
         Engine(ORACLE / "mixtral.gguf", usage=tmp_path / "u", save_usage=False, ctx=64)
 
 

@@ -144,7 +144,7 @@ def test_prompt_experts_setting_refused(device_moe):
     """COLI_VK_PROMPT_EXPERTS other than cpu, stream or auto: one ColiError naming the variable."""
     from coli.base.errors import ColiError
 
-    with pytest.raises(ColiError, match="COLI_VK_PROMPT_EXPERTS=gpu"):
+    with pytest.raises(ColiError, match="^COLI_VK_PROMPT_EXPERTS='gpu': not one of its values"):
         device_engine(device_moe, COLI_VK_CPU_MOE=-1, COLI_VK_PROMPT_EXPERTS="gpu")
 
 
