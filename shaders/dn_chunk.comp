@@ -149,12 +149,16 @@ void main() {
                 if (e < CH * CH) {
                     uint i = e / CH, j = e % CH;
                     float sk = 0.0, sq = 0.0;
-                    [[dont_unroll]] for (uint d = 0u; d < TW; d++) {    // not unrolled: Lavapipe's compile time
-                        float kj = SM[KT + j * (TW + 1u) + d];
-                        if (kda)    // exp(G_i[d] - G_j[d]) a channel (j <= i: at most 1; the rest are not used)
-                            kj *= j <= i ? exp(SM[GT + i * (TW + 1u) + d] - SM[GT + j * (TW + 1u) + d]) : 0.0;
-                        sk += SM[KT + i * (TW + 1u) + d] * kj;
-                        sq += SM[QT + i * (TW + 1u) + d] * kj;
+                    // 4 dims a step, the steps not unrolled (fully unrolled, Lavapipe's compile passed its fence timeout)
+                    [[dont_unroll]] for (uint d4 = 0u; d4 < TW; d4 += 4u) {
+                        [[unroll]] for (uint u = 0u; u < 4u; u++) {
+                            uint d = d4 + u;
+                            float kj = SM[KT + j * (TW + 1u) + d];
+                            if (kda)    // exp(G_i[d] - G_j[d]) a channel (j <= i: at most 1; the rest are not used)
+                                kj *= j <= i ? exp(SM[GT + i * (TW + 1u) + d] - SM[GT + j * (TW + 1u) + d]) : 0.0;
+                            sk += SM[KT + i * (TW + 1u) + d] * kj;
+                            sq += SM[QT + i * (TW + 1u) + d] * kj;
+                        }
                     }
                     akk[s] += sk;
                     aqk[s] += sq;
