@@ -320,25 +320,27 @@ def read_ahead(eng, slots: int, n_experts: int, top_k: int):
 def _layer_swaps(eng, dl):
     """The device layers' per-token hook that keeps their resident experts hot (``scheduler.layer_residency``:
     the tier's heat, LFRU rule and reuse gate (``COLI_VK_TIER_REUSE``, ``COLI_VK_TIER_PAYBACK``) inside a layer, one
-    swap a token at most). A swap that fails to place (out of device memory) ends the swaps with one line; the
-    token's results are in already."""
+    swap a token at most): first the swaps whose copies finished during the token land (``DeviceLayers.swaps_land``),
+    then the policy's swap starts (``DeviceLayers.swap``); the policy sees the residency its swaps lead to. A swap that
+    fails (out of device memory, a failed copy) ends the swaps with one line; the token's results are in already."""
     counts = eng.usage.counts if eng.usage is not None and eng.usage.loaded else None
     reuse = (ReuseGate(settings.get("COLI_VK_TIER_PAYBACK", eng.env))
              if settings.get("COLI_VK_TIER_REUSE", eng.env) else None)
-    policy = LayerLFRU(dl.resident, counts, reuse=reuse)
+    policy = LayerLFRU({il: m.copy() for il, m in dl.resident.items()}, counts, reuse=reuse)
 
     def on_token(dl, ids):
-        swaps = policy.token(ids)
-        dl.swaps_refused = policy.skipped_reuse
-        for il, e_in, e_out in swaps:
-            try:
+        try:
+            dl.swaps_land()
+            swaps = policy.token(ids)
+            dl.swaps_refused = policy.skipped_reuse
+            for il, e_in, e_out in swaps:
                 dl.swap(il, e_in, e_out)
-            except (VulkanError, MemoryError) as e:
-                if not eng.silent:
-                    print(f"[VK] {eng.path.name}: device layers: no more expert swaps ({type(e).__name__}: {e})",
-                          file=sys.stderr)
-                dl.on_token = None
-                return
+                policy.resident[il][e_in], policy.resident[il][e_out] = True, False
+        except (VulkanError, MemoryError) as e:
+            if not eng.silent:
+                print(f"[VK] {eng.path.name}: device layers: no more expert swaps ({type(e).__name__}: {e})",
+                      file=sys.stderr)
+            dl.on_token = None
     return on_token
 
 
@@ -836,7 +838,8 @@ def close(eng):
                    "; no prompt rows")
             ex = (f"; routed pairs of decode rows: {dl.dev_rows} on the device, {dl.cpu_rows} on the CPU, "
                   f"of prompt rows: {dl.p_dev_rows} on the device, {dl.p_cpu_rows} on the CPU, "
-                  f"{dl.swaps} experts swapped in ({dl.swaps_refused} refused by the reuse gate)"
+                  f"{dl.swaps} experts swapped in ({dl.swaps_overlapped} copied while a token ran, "
+                  f"{dl.swaps_refused} refused by the reuse gate)"
                   if dl.resident else "")
             if dl.bal is not None:
                 ex += f"; balance: device share {dl.bal.share:.2f}, {dl.handed} resident ranks handed to the CPU"

@@ -11,7 +11,7 @@ from scheduler.tier_policy import LFRU_FACTOR, LFRU_ADD, ReuseGate, halvings_due
 class LayerLFRU:
     """Heat +1 a routing (decode rows of the device layers), halved every 1024 tokens (``halvings_due``), seeded
     from the routing history (``history_heat``). After each token at most ``rate`` swaps: in each layer of
-    ``resident`` ({layer: bool [E]}, the masks the device layers hold and update) that has a resident expert, the
+    ``resident`` ({layer: bool [E]}, the residency the swaps lead to: the caller updates it) that has a resident expert, the
     token's hottest routed expert not resident replaces the layer's coldest resident (ties: lowest id) when its heat
     is strictly greater than 1.25 x that one's + 4 (the tier's promotion rule) and, with ``reuse``
     (:class:`scheduler.tier_policy.ReuseGate`, the tier's ``COLI_VK_TIER_REUSE``), when the routings measured in this

@@ -106,6 +106,10 @@ VARS: tuple[Var, ...] = (
     Var("COLI_VK_TIER_PAYBACK", "float", 4.0, "device hits over its victim's that repay an upload: the reuse "
         "gate's threshold over 1024 tokens, the admission's per evicting promotion in its 32 tokens", "routings",
         lo=0.0),
+    Var("COLI_VK_SWAP_ASYNC", "bool", True, "a device layer's expert swap: the victim leaves the device at once and "
+        "the newcomer is copied into its place by a thread while the next token runs (both on the CPU meanwhile), on "
+        "the device from the first decode token after the copy; 0: the copy between tokens, the next token waiting "
+        "for it (docs/vulkan.md \"Experts on the CPU\")"),
     Var("COLI_VK_ZERO_COPY", "str", "auto", "experts the device reads from the RAM expert cache's memory "
         "(VK_EXT_external_memory_host) instead of copies in its own: auto (where the device shares the CPU's RAM: "
         "an integrated GPU, Lavapipe), on (any device with the extension; a discrete GPU then reads experts over "

@@ -102,6 +102,8 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
         self._steps = []        # this token's balanced layer steps [j, device rows, cpu rows, resident rows, cold, cpu s]
         self.swaps = 0          # experts swapped onto the device while running (swap)
         self.swaps_refused = 0  # swaps the swap policy's reuse gate refused (set by the caller's on_token)
+        self.swaps_overlapped = 0   # of swaps, those whose copy ran while a token did (swaps_land)
+        self._swapping = {}     # layer -> its swap under way (e_in, tensors, the copy's future, tokens then)
         self.cpu_rows = 0       # routed (row, expert) pairs of device layers computed on the CPU
         self.dev_rows = 0       # and on the device
         self.p_cpu_rows = 0     # the same of prompt rows
@@ -248,7 +250,7 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
         self.stream_s = 0.0         # seconds the host spent copying them
         self.stream_chunks = 0      # prompt chunks whose experts were streamed
         self._slots, self._ptab = None, {}
-        self._pool = None           # the threads that copy streamed experts (made at the first stream)
+        self._pool = None           # the threads that copy streamed and swapped experts (_copier)
         self.prompt_tokens = 0  # prompt rows run here (every layer from first, in chunks)
         self.prompt_chunks = 0
         self.mla_expanded = 0   # MLA prompt chunks that took the expanded form (MLAMixer._mla_expand)
@@ -316,7 +318,7 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
         if self.clock is not None:
             self.clock.close()
             self.clock = None
-        if getattr(self, "_pool", None) is not None:
+        if getattr(self, "_pool", None) is not None:    # the streams' and swaps' copies end first
             self._pool.shutdown()
             self._pool = None
         lib.vkDeviceWaitIdle(self.dev._dev)   # a timed-out or interrupted submit may still run: nothing freed under it

@@ -510,7 +510,7 @@ class Dsv4DeviceLayers:
         self.submit_s = self.prompt_s = self.gpu_s = self.stream_s = 0.0
         self.streamed_bytes = self.stream_chunks = 0
         self.dev_rows = self.cpu_rows = self.p_dev_rows = self.p_cpu_rows = 0
-        self.swaps = self.swaps_refused = self.handed = 0
+        self.swaps = self.swaps_refused = self.swaps_overlapped = self.handed = 0
         # --cpu-moe / --n-cpu-moe (``resident``: layer -> the expert ids its device copy would hold, runtime's
         # ``layer_experts``): a layer not holding all of them keeps every routed expert on the CPU
         E = m.args.n_experts

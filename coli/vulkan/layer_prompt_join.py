@@ -120,11 +120,7 @@ class PromptJoin:
         def put(job):
             o, src = job
             sl.view[o:o + len(src)] = src       # NumPy's copy lets go of the GIL: the copies run side by side
-        if self._pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._pool = ThreadPoolExecutor(8, thread_name_prefix="coli-stream")
-        list(self._pool.map(put, jobs))
+        list(self._copier().map(put, jobs))
         self._ptab[j].view[:tab.nbytes] = tab.reshape(-1).view(np.uint8)
         self.stream_s += time.perf_counter() - t0
         self.streamed_bytes += off

@@ -168,33 +168,88 @@ class LayerWeights:
 
     def swap(self, il: int, e_in: int, e_out: int) -> None:
         """Routed expert ``e_in`` of device layer ``il`` (one whose experts are not all here, ``resident``) onto the
-        device in place of the resident ``e_out``: its gate, up and down placed, the layer's expert table updated,
-        ``e_out``'s freed (between tokens: nothing runs). ``VulkanError`` / ``MemoryError`` when placing fails (then
-        nothing changed)."""
-        j = self.layers.index(int(il))
-        d, mask = self.per[j], self.resident[int(il)]
+        device in place of the resident ``e_out``, between tokens (nothing runs): ``e_out`` leaves the layer's expert
+        table and ``resident`` at once (the CPU computes it from the next token), and ``e_in``'s gate, up and down are
+        copied into ``e_out``'s tensors (same format and shape: no allocation); ``e_in`` joins the table at
+        :meth:`swaps_land`, the first token boundary after its copy, so a token uses the old expert, the new one or
+        the CPU's copy of either, never a part-written one. The copy runs in a thread while the next token runs where
+        the weights are mapped and ``COLI_VK_SWAP_ASYNC`` is on (the default); else here, landing at once. A layer's
+        earlier swap lands first (waited for). ``ValueError`` when ``e_in`` is resident or ``e_out`` is not;
+        ``VulkanError`` from a staged copy (then ``e_out``'s tensors are freed and neither expert is resident)."""
+        from coli.base.settings import get
+
+        il = int(il)
+        self.swaps_land(il, wait=True)
+        j = self.layers.index(il)
+        d, mask = self.per[j], self.resident[il]
         if mask[e_in] or not mask[e_out]:
             raise ValueError(f"swap: expert {e_in} resident or {e_out} not, in layer {il}")
+        tab = d["tab_np"]
+        tab[e_out] = 0
+        mask[e_out] = False
+        bg = get("COLI_VK_SWAP_ASYNC", self._env) and not self.dev.staging   # a staged copy uses the queue: here
+        if bg:
+            self.K.upload(d["tab"], tab)     # e_out off the device before a thread writes e_in's bytes over it
+        ts = d["experts"].pop(e_out)
         p, t = f"blk.{il}.", self.m.t
-        new = []
+        srcs = []
+        for n, x, rows in zip(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), ts, (self.F, self.F, None)):
+            ti = t[p + n + ".weight"]
+            E, O, I = (int(v) for v in ti.shape)
+            srcs.append((x, ti.type_name, np.asarray(ti.raw).reshape(E, -1)[e_in], (O, I), rows))
+        copy = lambda: [self.dev._rewrite(*a) for a in srcs]   # noqa: E731
+        if bg:
+            self._swapping[il] = (e_in, ts, self._copier().submit(copy), self.tokens)
+            return
         try:
-            for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
-                ti = t[p + n + ".weight"]
-                E, O, I = (int(x) for x in ti.shape)
-                new.append(self._place(ti, raw=np.asarray(ti.raw).reshape(E, -1)[e_in], shape=(O, I)))
+            copy()
         except BaseException:
-            for x in new:
+            self.K.upload(d["tab"], tab)
+            for x in ts:
                 self._forget(x)
             raise
-        tab = d["tab_np"]
-        tab[e_in] = [x.addr for x in new]
-        tab[e_out] = 0
-        self.K.upload(d["tab"], tab)
-        for x in d["experts"].pop(e_out):
-            self._forget(x)
-        d["experts"][e_in] = new
-        mask[e_in], mask[e_out] = True, False
-        self.swaps += 1
+        self._swapping[il] = (e_in, ts, None, self.tokens)
+        self.swaps_land(il)
+
+    def swaps_land(self, il: int | None = None, wait: bool = False) -> int:
+        """Between tokens: the swaps under way (of layer ``il``, or all) whose copies are done (``wait``: after waiting
+        for them) join their layer's expert table and ``resident``; returns how many. ``swaps`` counts them,
+        ``swaps_overlapped`` those whose copy ran while a token did. A copy that failed: its tensors freed, its error
+        raised."""
+        done = 0
+        for l in [il] if il is not None else list(self._swapping):
+            if l not in self._swapping:
+                continue
+            e_in, ts, fut, tok = self._swapping[l]
+            if fut is not None and not wait and not fut.done():
+                continue
+            del self._swapping[l]
+            try:
+                if fut is not None:
+                    fut.result()
+            except BaseException:
+                for x in ts:
+                    self._forget(x)
+                raise
+            d = self.per[self.layers.index(l)]
+            tab = d["tab_np"]
+            tab[e_in] = [x.addr for x in ts]
+            self.K.upload(d["tab"], tab)
+            d["experts"][e_in] = ts
+            self.resident[l][e_in] = True
+            self.swaps += 1
+            self.swaps_overlapped += self.tokens > tok
+            done += 1
+        return done
+
+    def _copier(self):
+        """The threads that copy experts into device memory (streamed prompt experts, swaps: NumPy's copies let go of
+        the GIL), made at first use and ended at close."""
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(8, thread_name_prefix="coli-copy")
+        return self._pool
 
     def _forget(self, t) -> None:
         """Free a weight placed by :meth:`_place` before close."""

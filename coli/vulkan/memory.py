@@ -300,26 +300,12 @@ class MemoryMixin:
         are zero-padded to a multiple of 32 weights (:func:`_pad_rows`); a block format's inner size is a
         multiple of its block already (ValueError otherwise, as for bytes that do not match the shape). ``host``: the
         host's bytes imported as device memory (:meth:`_import`, zero-copy experts) instead of a copy in a block."""
-        O, I = (int(shape[0]), int(shape[1]))
-        if type_name not in S.FORMATS:
-            raise ValueError(f"weight format {type_name} has no device kernel")
-        bs = TT.get(type_name).block_size
-        if I % bs or (bs > 1 and I % 32):
-            raise ValueError(f"{type_name}: inner size {I} is not a multiple of {max(bs, 32)} "
-                             f"(its blocks; device kernels need it)")
-        rb = row_bytes(type_name, I)
-        raw = np.asarray(raw)
-        if raw.dtype != np.uint8 or raw.size != O * rb:
-            raise ValueError(f"{type_name} [{O}, {I}]: expected {O * rb} raw bytes, got {raw.size} {raw.dtype}")
-        Op, Ip = (O if rows is None else int(rows)), _ceil32(I)
-        if (Op, Ip) != (O, I):
-            raw = _pad_rows(type_name, raw, O, I, Op, Ip)
-        O, I, rb = Op, Ip, row_bytes(type_name, Ip)
+        flat, O, I = self._device_bytes(type_name, raw, shape, rows)
         t = _Tensor()
-        t.type_name, t.O, t.I, t.nbytes = type_name, O, I, O * rb
+        t.type_name, t.O, t.I, t.nbytes = type_name, O, I, flat.size
         t.memory = t.host = None
         if host:                 # zero-copy (an expert on a zero-copy device): the host's bytes, imported
-            return self._import(t, raw.reshape(-1))
+            return self._import(t, flat)
         t.alloc = self._alloc.alloc(t.nbytes, 256)
         t.buffer = None
         try:
@@ -336,15 +322,48 @@ class MemoryMixin:
             ai.sType = vk.VK_STRUCTURE_TYPE_BUFFER_DEVICE_ADDRESS_INFO
             ai.buffer = t.buffer
             t.addr = int(lib.vkGetBufferDeviceAddress(self._dev, ai))
-            flat = raw.reshape(-1)
-            if blk.view is not None:
-                blk.view[t.alloc.offset:t.alloc.offset + t.nbytes] = flat
-            else:
-                self._staged_copy(flat, t.buffer)
+            self._write(t, flat)
         except BaseException:
             self._drop(t)
             raise
         return t
+
+    def _rewrite(self, t: _Tensor, type_name: str, raw: np.ndarray, shape, rows: int | None = None) -> None:
+        """Placed tensor ``t`` (in a block, not imported) rewritten in place with another matrix of its format and
+        shape (laid out as :meth:`_place` does; ValueError otherwise): no allocation. Mapped blocks: a NumPy copy,
+        which lets go of the GIL (a thread may run it while nothing reads ``t``); staged: through the queue."""
+        flat, O, I = self._device_bytes(type_name, raw, shape, rows)
+        if (type_name, O, I) != (t.type_name, t.O, t.I) or t.alloc is None:
+            raise ValueError(f"{type_name} [{O}, {I}] rewritten into {t.type_name} [{t.O}, {t.I}]"
+                             f"{'' if t.alloc is not None else ' (imported or dropped)'}")
+        self._write(t, flat)
+
+    def _write(self, t: _Tensor, flat: np.ndarray) -> None:
+        """``flat`` (uint8, ``t.nbytes``) into ``t``'s block: a copy into the mapped block, or a staged copy."""
+        blk = self._alloc.handle(t.alloc.block)
+        if blk.view is not None:
+            blk.view[t.alloc.offset:t.alloc.offset + t.nbytes] = flat
+        else:
+            self._staged_copy(flat, t.buffer)
+
+    def _device_bytes(self, type_name: str, raw: np.ndarray, shape, rows: int | None = None) -> tuple:
+        """``raw`` (uint8, an [O, I] GGUF matrix) as the device holds it: (flat uint8, rows, inner size), padded
+        as :meth:`_place` says; ValueError for a format without a kernel or bytes that do not match."""
+        O, I = (int(shape[0]), int(shape[1]))
+        if type_name not in S.FORMATS:
+            raise ValueError(f"weight format {type_name} has no device kernel")
+        bs = TT.get(type_name).block_size
+        if I % bs or (bs > 1 and I % 32):
+            raise ValueError(f"{type_name}: inner size {I} is not a multiple of {max(bs, 32)} "
+                             f"(its blocks; device kernels need it)")
+        rb = row_bytes(type_name, I)
+        raw = np.asarray(raw)
+        if raw.dtype != np.uint8 or raw.size != O * rb:
+            raise ValueError(f"{type_name} [{O}, {I}]: expected {O * rb} raw bytes, got {raw.size} {raw.dtype}")
+        Op, Ip = (O if rows is None else int(rows)), _ceil32(I)
+        if (Op, Ip) != (O, I):
+            raw = _pad_rows(type_name, raw, O, I, Op, Ip)
+        return raw.reshape(-1), Op, Ip
 
     def _drop(self, t: _Tensor):
         if t.buffer is not None:

@@ -258,7 +258,10 @@ def test_hot_experts_swapped_in(device_moe, moe_cpu):
         ids = IDS + IDS[::-1] + IDS
         ref, _ = decode_rows(moe_cpu, ids, 3)
         got, _ = decode_rows(dev, ids, 3)
-        assert dl.swaps == len(seen) > 0
+        # every copy ran while the next token did (COLI_VK_SWAP_ASYNC), both experts on the CPU meanwhile
+        assert dl.swaps_overlapped == dl.swaps == len(seen) - len(dl._swapping) > 0
+        dl.swaps_land(wait=True)
+        assert dl.swaps == len(seen)
         for il in start:
             assert dl.resident[il].sum() == start[il].sum()
             assert (dl.resident[il] == shadow.resident[il]).all()
@@ -387,7 +390,7 @@ def test_balance_cli(device_moe, capsys):
     assert main([*bench, "--gpu-layers", "4", "--tier-gb", f"{gb:.6f}", "--balance"]) == 0
     err = capsys.readouterr().err
     assert "balance: device share" in err and "routed pairs of decode rows:" in err and "Traceback" not in err, err
-    assert re.search(r"\d+ experts swapped in \(\d+ refused by the reuse gate\)", err), err
+    assert re.search(r"\d+ experts swapped in \(\d+ copied while a token ran, \d+ refused by the reuse gate\)", err), err
     assert main([*bench, "--cpu-moe", "--balance"]) == 0
     err = capsys.readouterr().err
     assert "--balance: no device layer holds part of its routed experts" in err, err
@@ -432,7 +435,8 @@ def test_swaps_gated_by_measured_reuse(tmp_path_factory, skew):
     bias column, is resident at the end: the hot set filled. On the file without --skew the gate refuses swaps LFRU
     alone makes and swaps less (its random routers are not uniform: their top quarter took a third of the routings,
     so some swaps do repay; exactly uniform routings: tests/moe/test_tier_policy.py). Both: the expert table follows
-    the residency and the logits stay the CPU-only f32 run's."""
+    the residency and the logits stay the CPU-only f32 run's; the skewed file's copies run while the next token does
+    (COLI_VK_SWAP_ASYNC), the other's between tokens."""
     from gguf import GGUFReader
 
     from scheduler.layer_residency import LayerLFRU
@@ -447,7 +451,7 @@ def test_swaps_gated_by_measured_reuse(tmp_path_factory, skew):
         gb = tier_gb(cpu.model, 32, ctx=512)
     finally:
         cpu.close()
-    dev = device_engine(path, ctx=512, COLI_VK_LAYERS=2, COLI_VK_TIER_GB=gb)
+    dev = device_engine(path, ctx=512, COLI_VK_LAYERS=2, COLI_VK_TIER_GB=gb, COLI_VK_SWAP_ASYNC=int(skew))
     try:
         dl = dev.model.device_layers
         assert dl.first == 0 and dl.on_token is not None
@@ -463,7 +467,8 @@ def test_swaps_gated_by_measured_reuse(tmp_path_factory, skew):
         dl.on_token = both
         got, _ = decode_rows(dev, ids, 1, dev.model.new_cache(512, 512))
         assert rel_err(got, ref) < 1e-5, rel_err(got, ref)
-        assert 0 < dl.swaps and dl.swaps_refused > 0
+        dl.swaps_land(wait=True)
+        assert 0 < dl.swaps and dl.swaps_refused > 0 and dl.swaps_overlapped == (dl.swaps if skew else 0)
         if skew:
             r = GGUFReader(str(path))
             for il in (0, 1):
