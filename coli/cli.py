@@ -28,7 +28,7 @@ from pathlib import Path
 from coli.base import settings
 from coli.base.memory import mem_flag
 from coli.base.errors import ColiError
-from coli.base.paths import cache_dir
+from coli.base.paths import cached_file
 from coli.base.progress import HoldFirst, bar, quiet as quiet_compiles, stderr_is_terminal, text_on_line
 from coli.fetch import MODEL_NAMES, MODELS, check_folder  # MODEL_NAMES: the names -m takes besides a path
 from coli.llama_flags import add_llama_flags, process_escapes, read_file_arg
@@ -444,9 +444,9 @@ def cmd_models(a) -> int:
     rows = []
     for name in ("smollm2", "gemma3-270m", "qwen2.5-coder-0.5b"):
         spec = MODELS[MODEL_NAMES[name]]
-        rows.append((name, cache_dir("models") / spec["file"], ", ".join(spec["wheels"][:1])
+        rows.append((name, cached_file("models", spec["file"]), ", ".join(spec["wheels"][:1])
                      + (" ..." if len(spec["wheels"]) > 1 else "")))
-    rows.append(("demo", cache_dir("demo") / demo_file_name(), "built from smollm2 (docs/demo_moe.md)"))
+    rows.append(("demo", cached_file("demo", demo_file_name()), "built from smollm2 (docs/demo_moe.md)"))
     print(f"{'name':<20} {'cached':<8} {'size':>9}  path  (source)")
     for name, path, src in rows:
         have = path.exists()

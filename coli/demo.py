@@ -50,7 +50,7 @@ from gguf.quants import dequantize, quantize
 from . import fetch
 from .base import progress
 from .base.errors import ColiError
-from .base.paths import cache_dir
+from .base.paths import cache_dir, cached_file
 
 VERSION = 1  # bump when the construction changes: it is part of the cached file's name
 EXPERT_TYPES = ("Q8_0", "same", "F16", "Q4_0")
@@ -94,10 +94,10 @@ def demo_model_path(noise: float = 0.05, expert_type: str = "Q8_0", n_experts: i
     disk too full for the file (naming the folder and the MB it needs).
     """
     name = demo_file_name(noise, expert_type, n_experts, top_k, seed)
+    if cached_file("demo", name).exists():  # not cache_dir: a read-only cache that holds the demo serves it
+        return cached_file("demo", name)
     folder = cache_dir("demo")
     dest = folder / name
-    if dest.exists():
-        return dest
     with _build_lock(folder, quiet):
         if dest.exists():
             return dest

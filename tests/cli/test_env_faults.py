@@ -432,3 +432,33 @@ def test_a_bad_numba_thread_count_is_one_line(value):
     assert (r.returncode, r.stdout) == (2, "") and r.stderr == (
         f"coli: NUMBA_NUM_THREADS={value!r}: Numba's thread pool, a whole number >= 1 (unset: one a core; "
         "--threads N uses fewer)\n"), r.stderr
+
+
+def test_a_read_only_cache_that_holds_the_models_serves_them(tmp_path, monkeypatch, capsys):
+    """A cache folder that cannot be written (a read-only mount; root writes anywhere else, so its write check
+    fails here as on one) but holds a model: coli models lists it and ``-m smollm2`` resolves to it. Both stopped
+    at "cache folder .../models (COLI_CACHE=...): Read-only file system" (a read-only bind mount holding SmolLM2,
+    by hand: coli run -m smollm2 now runs from it)."""
+    import errno
+    import tempfile
+    import types
+
+    from coli import fetch
+    from coli.base import paths
+    from coli.cli import main
+
+    def read_only(*a, **kw):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    cache = tmp_path / "ro"
+    f = cache / "models" / fetch.MODELS["smollm2"]["file"]
+    f.parent.mkdir(parents=True)
+    f.write_bytes(b"GGUF")
+    monkeypatch.setenv("COLI_CACHE", str(cache))
+    monkeypatch.setattr(paths, "tempfile", types.SimpleNamespace(TemporaryFile=read_only, mkstemp=tempfile.mkstemp))
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(rf"^smollm2 +yes .* {re.escape(str(f))} ", out, re.M) and f"{cache}/demo/" in out, out
+    assert fetch.model_path("smollm2") == f
+    assert main(["run", "-m", "gemma3-270m", "-p", "x"]) == 2  # a download still needs a writable folder
+    assert "Read-only file system; set COLI_CACHE to a writable folder" in capsys.readouterr().err
