@@ -381,8 +381,8 @@ class Tokenizer:
         No template in the file: ``ColiError`` naming ``tokenizer.chat_template``, or with ``fallback`` llama.cpp's
         fallback, ChatML (``common/chat.cpp`` ``CHATML_TEMPLATE_SRC``, used when a model has no template);
         ``self.template_fallback`` then says it was used. Every error of the template (syntax, an undefined
-        variable used, ``raise_exception``, a Python error inside) is one ``ColiError`` naming
-        ``tokenizer.chat_template``."""
+        variable used, ``raise_exception``, a Python error inside, no text at all for the messages) is one
+        ``ColiError`` naming ``tokenizer.chat_template``."""
         _check_messages(messages)
         src = self.chat_template
         self.template_fallback = False
@@ -405,11 +405,15 @@ class Tokenizer:
                    pad_token=text(self.pad_id))
         ctx.update(kwargs)
         try:
-            return tmpl.render(**ctx)
+            out = tmpl.render(**ctx)
         except _TemplateError as e:
             raise ColiError(f"{where}: {e.message}") from None
         except Exception as e:  # jinja2.TemplateError (UndefinedError, SecurityError), or Python's inside it
             raise ColiError(f"{where}: {_template_error_text(e)}") from None
+        if messages and not out.strip():  # the model would answer an empty prompt, the messages left out unsaid
+            raise ColiError(f"{where}: rendered no text for {len(messages)} message(s) (the template writes none "
+                            f"of them)")
+        return out
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
         """Token ids of ``messages`` through the chat template (:meth:`apply_chat_template` with ``fallback``),

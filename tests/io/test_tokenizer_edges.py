@@ -152,6 +152,7 @@ def test_generation_tag_and_hf_globals_render_as_transformers():
     ("{% set ns = namespace(_x=1) %}", "'_'"),                               # the sandbox refuses
     ("{% generation %}x", "does not compile"),                               # the tag never closed
     ("{{ raise_exception('roles must alternate') }}", "roles must alternate"),
+    ("{% for m in messages %}{% endfor %}\n", "rendered no text for 1 message(s)"),  # the messages left out
 ])
 def test_every_template_error_is_one_coli_error(tmp_path, tmpl, expect):
     tok = _spm(tmp_path / "t.gguf", template=tmpl)
