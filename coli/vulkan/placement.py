@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -258,6 +259,23 @@ class Run:
     when: float = 0.0
 
 
+def _read_run(d) -> Run:
+    """A run read back from a :class:`Runs` file (a dict of :class:`Run`'s fields): TypeError / ValueError unless
+    each field is a number of its type (an int field an int), finite, the counts not negative and ``tokens`` > 0
+    (what :meth:`Runs.add` keeps; :func:`fit` divides by ``tokens``)."""
+    r = Run(**d)
+    for f in fields(Run):
+        v = getattr(r, f.name)
+        whole = f.type == "int"
+        if isinstance(v, bool) or not isinstance(v, int if whole else (int, float)) or not math.isfinite(v):
+            raise TypeError(f"{f.name}: {v!r}")
+        if whole and v < 0:
+            raise ValueError(f"{f.name}: {v!r}")
+    if r.tokens <= 0:
+        raise ValueError(f"tokens: {r.tokens}")
+    return r
+
+
 def _lsq(rows, ys, names):
     """Least squares ``ys ~ rows @ x``; {name: value} or None where the rows do not determine it (rank)."""
     X, y = np.asarray(rows, np.float64), np.asarray(ys, np.float64)
@@ -327,7 +345,8 @@ def fit(runs: list[Run]) -> Costs:
 class Runs:
     """The measured runs of one device and model shape: ``<folder>/<key>.json``, the folder ``COLI_VK_PLACEMENT_RUNS``
     of ``env`` (default ``<cache>/placement``; "off": none read or kept), the last :data:`KEEP` runs. A file that
-    cannot be read is started again (it holds measurements only)."""
+    cannot be read, or holds anything but such runs (:func:`_read_run`), is started again (it holds measurements
+    only)."""
     KEEP = 32
 
     def __init__(self, key: str, env=None):
@@ -348,8 +367,8 @@ class Runs:
         if self.path is not None and self.path.exists():
             try:
                 doc = json.loads(self.path.read_text("utf-8"))
-                self.runs = [Run(**r) for r in doc.get("runs", [])]
-            except (ValueError, TypeError, OSError):
+                self.runs = [_read_run(r) for r in doc["runs"]]
+            except (ValueError, TypeError, KeyError, OSError):
                 self.runs = []
 
     def add(self, run: Run) -> None:

@@ -3,6 +3,8 @@ apart"): its probabilities against exact combinatorics, the resident set's invar
 cost fit against runs made from known costs, and (Lavapipe) the chosen placement's logits equal to the CPU-only run's."""
 from __future__ import annotations
 
+import json
+
 from math import comb
 
 import numpy as np
@@ -127,7 +129,8 @@ def test_the_gates_placements_give_the_cpu_logits(device_moe, moe_cpu, arm):
 
 def test_runs_are_kept_per_device_and_shape_and_read_back(tmp_path):
     """``Runs`` keeps the last KEEP runs in its folder (``COLI_VK_PLACEMENT_RUNS``), read back by the next run; a
-    file that is not one is started again; "off" keeps nothing."""
+    file that is not one (not JSON, another shape, a run with a field of the wrong type or no token) is started
+    again; "off" keeps nothing."""
     from coli.base import settings
 
     env = settings.overlay(None, COLI_VK_PLACEMENT_RUNS=str(tmp_path / "runs"))
@@ -137,8 +140,16 @@ def test_runs_are_kept_per_device_and_shape_and_read_back(tmp_path):
     back = P.Runs("dev-L4", env).runs
     assert len(back) == P.Runs.KEEP and back[-1].dl_ms == 5.0 + P.Runs.KEEP + 2 and back[0].dl_ms == 8.0
     assert P.Runs("other-L4", env).runs == []
-    (tmp_path / "runs" / "dev-L4.json").write_text("not json")
-    assert P.Runs("dev-L4", env).runs == []
+    good = dict(whole=2, cut=0, cpu=2, tokens=10, dl_ms=5.0, rest_ms=1.0)
+    # not JSON, JSON of another shape, a run a field of the wrong type, no token (fit divides by it), not finite
+    for text in ["not json", "[]", "null", '{"runs": {"a": 1}}', json.dumps({"runs": [dict(good, whole="2")]}),
+                 json.dumps({"runs": [dict(good, tokens=0)]}), json.dumps({"runs": [dict(good, dl_ms=float("nan"))]}),
+                 json.dumps({"runs": [dict(good, cpu=True)]}), json.dumps({"runs": [good, dict(good, cut=-1)]})]:
+        (tmp_path / "runs" / "dev-L4.json").write_text(text)
+        r = P.Runs("dev-L4", env)
+        assert r.runs == [] and r.costs().runs == 0, text
+    (tmp_path / "runs" / "dev-L4.json").write_text(json.dumps({"runs": [good, dict(good, dl_ms=7)]}))
+    assert [x.dl_ms for x in P.Runs("dev-L4", env).runs] == [5.0, 7]
     off = P.Runs("dev-L4", settings.overlay(None, COLI_VK_PLACEMENT_RUNS="off"))
     off.add(P.Run(2, 0, 2, 10, 5.0, 1.0))
     assert off.path is None and sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["dev-L4.json"]
