@@ -117,7 +117,7 @@ VARS: tuple[Var, ...] = (
     Var("COLI_VK_CHAIN", "str", "auto", "device layers with experts on the CPU: a decode token in one submit, the "
         "host joining mid-submit through timeline semaphores (on) or through host-set events the one command buffer "
         "waits on (event; not with --balance), or a submit a segment (off); auto: on where the device has timeline "
-        "semaphores (docs/vulkan.md \"Experts on the CPU\")", choices=("auto", "on", "off")),
+        "semaphores (docs/vulkan.md \"Experts on the CPU\")", choices=("auto", "on", "event", "off")),
     Var("COLI_VK_DN_PROMPT", "str", "auto", "the device layers' Gated DeltaNet and KDA delta rule for a prompt "
         "chunk: chunk (the chunked WY / UT form, shaders/dn_chunk.comp: 64-row blocks, the blocks in order), rows (the "
         "recurrence row by row, shaders/deltanet.comp mode 4 or 1) or auto (chunk where the device layers' workgroups "
