@@ -370,6 +370,14 @@ class RowJoin:
         self._set_event(v)
         self.K.signal(base + v)
 
+    def _drain(self, wait, submitted: bool) -> None:
+        """After a token that failed mid-way (an error in the host's part: the RAM cache, an interrupt; the waits
+        released): wait (``wait()``, False or DeviceLost when it fails) for the rest of its program to run, so that the
+        next token's host writes (its input row, the params word its flags copy) do not meet this one still running and
+        its next submit is not refused. Nothing when it was not submitted or the device is lost already."""
+        if submitted and not self.dev.lost and not wait():
+            self.dev._mark_lost("fence wait after a failed token failed")
+
     def _event_prepare(self) -> None:
         """The token's program as one command buffer for :meth:`_run_event`: the ops of :meth:`_ops` with each cut
         after a layer's route dropped (the host polls the layer's flag) and each cut before its ``moe_sum`` a
@@ -400,10 +408,12 @@ class RowJoin:
         self._params_u32[8] = seq
         flags = self._flags_u32
         spin, limit = self.spin_s, self.dev._timeout_ns / 1e9
-        done = set()
+        done, ended, started = set(), False, False
         t0 = t = pc()
         try:
-            K.start(rec)
+            if not K.start(rec):
+                raise DeviceLost("the last token's command buffer still ran")
+            started = True
             K.dev.dispatches += rec.dispatches
             K.dev.layer_dispatches += rec.dispatches
             t = pc() if P is None else P.lap("submit", t)
@@ -440,15 +450,18 @@ class RowJoin:
             if not K.wait(rec):
                 self.dev._mark_lost("fence wait failed")
                 raise DeviceLost("fence wait failed")
+            ended = True
             if P is not None:
                 P.lap("tail", t)
         finally:
-            for j, ev in evs.items():
-                if j not in done:
-                    try:
-                        K.set_event(ev)
-                    except Exception:  # noqa: BLE001 - a lost device: the caller's DeviceLost says so
-                        pass
+            if not ended:
+                try:
+                    for j, ev in evs.items():
+                        if j not in done:
+                            K.set_event(ev)
+                    self._drain(lambda: K.wait(rec), started)
+                except Exception:  # noqa: BLE001 - a lost device: the caller's DeviceLost says so
+                    pass
         self.submit_s += pc() - t0
         if self._stamps_due():
             t = pc()
@@ -478,9 +491,11 @@ class RowJoin:
         self._params_u32[8] = seq
         flags = self._flags_u32
         spin = self.spin_s
+        ended = submitted = False
         t0 = t = pc()
         try:
             K.submit_prepared(prep, base)
+            submitted = True
             t = pc() if P is None else P.lap("submit", t)
             for i in range(n):
                 j = js[i]
@@ -514,6 +529,7 @@ class RowJoin:
                 if note is not None:    # the device runs the next segment meanwhile
                     t = self._note(note, t)
             K.wait_batches()
+            ended = True
             if P is not None:
                 P.lap("tail", t)
         finally:
@@ -528,6 +544,11 @@ class RowJoin:
                         if base + v > done:
                             K.set_event(ev)
                     K.signal(top)
+                except Exception:  # noqa: BLE001 - a lost device: the caller's DeviceLost says so
+                    pass
+            if not ended:
+                try:
+                    self._drain(lambda: K.wait_batches() or True, submitted)
                 except Exception:  # noqa: BLE001 - a lost device: the caller's DeviceLost says so
                     pass
         self.submit_s += pc() - t0

@@ -50,6 +50,35 @@ def test_every_expert_on_the_cpu(device_moe, moe_cpu, chain):
 
 
 @pytest.mark.parametrize("chain", [True, "event", False])
+def test_a_token_failed_in_the_hosts_part_leaves_the_next_right(device_moe, moe_cpu, chain):
+    """An error in the host's part of a decode token (its first CPU ranks raise: a RAM cache's file error, an
+    interrupt in a program that goes on) propagates; the token's program, released, has ended before the caller goes
+    on, so the same token again and the next one are the CPU-only run's logits (1e-5) on the device layers still
+    (the semaphore chain read the next token's params and input while the last one ran: logits off by 0.8; the
+    event buffer was refused its next submit, the device layers dropped)."""
+    ref, _ = decode_rows(moe_cpu, IDS[:8], 5)
+    dev = device_engine(device_moe, COLI_VK_CPU_MOE=-1)
+    try:
+        dl, m = dev.model.device_layers, dev.model
+        dl.chain, dl.events = bool(chain), chain == "event"
+        got, c = decode_rows(dev, IDS[:6], 5)
+        ranks, pos = dl._cpu_ranks, c.pos
+
+        def fail(*a, **k):
+            raise RuntimeError("the host's part failed")
+        dl._cpu_ranks = fail
+        with pytest.raises(RuntimeError, match="the host's part failed"):
+            m.forward([IDS[6]], c)
+        dl._cpu_ranks = ranks
+        c.pos = pos
+        got = np.concatenate([got, [m.forward([t], c)[-1] for t in IDS[6:8]]])
+        assert m.device_layers is dl and dl.tokens == 3
+        assert rel_err(got, ref) < 1e-5, rel_err(got, ref)
+    finally:
+        dev.close()
+
+
+@pytest.mark.parametrize("chain", [True, "event", False])
 def test_part_resident_by_budget(device_moe, moe_cpu, chain):
     """--n-cpu-moe 1 with --gpu-layers -1 and a --tier-gb that holds the layers and 9 experts: layer 0's experts on
     the CPU, 9 of the others' 24 on the device (the history's order, then lowest ids a layer in turn); a decode row's
