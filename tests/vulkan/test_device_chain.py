@@ -539,7 +539,7 @@ def test_chain_setting():
                 assert chain_default(old) is want[2]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("COLI_VK_CHAIN", "yes")
-        with pytest.raises(ColiError, match="COLI_VK_CHAIN=yes: auto, on, event or off"):
+        with pytest.raises(ColiError, match=r"COLI_VK_CHAIN='yes': not one of its values \(auto, on, event or off"):
             chain_default(lava)
         mp.setenv("COLI_VK_CHAIN", "event")
         assert chain_default(lava) and chain_events()
