@@ -960,6 +960,7 @@ def main(argv=None) -> int:
         sys.stderr = open(os.devnull, "w")
     _utf8_out()
     _install_signals()
+    _swallowed.clear()  # main() called again (a library, tests): an earlier call's interrupt was that call's
     p = build_parser()
     try:
         a = p.parse_args(argv)  # inside: a llama.cpp flag coli refuses is a ColiError (coli/llama_flags.py)

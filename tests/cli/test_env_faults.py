@@ -211,6 +211,20 @@ def test_an_interrupt_during_a_kernel_compile_is_not_lost(tmp_path, sig, cache, 
     assert (r.returncode, r.stdout, r.stderr) == (rc, "", line + "\n"), (r.returncode, r.stdout, r.stderr)
 
 
+def test_an_earlier_calls_interrupt_does_not_hide_this_calls_error(monkeypatch):
+    """main() called again in one process (a library, the tests): an interrupt that an earlier call took back from a
+    C callback is not this call's, so this call's own error is its traceback, not "coli: interrupted" (exit 130)."""
+    from coli import cli
+
+    monkeypatch.setattr(cli, "_swallowed", [signal.SIGINT])     # as an earlier call left it
+
+    def bug():
+        raise RuntimeError("this call's own error")
+    monkeypatch.setattr(cli, "_check_numba_threads", bug)
+    with pytest.raises(RuntimeError, match="this call's own error"):
+        cli.main(["models"])
+
+
 # -- kind 4: tables that must agree ----------------------------------------------------------------------------
 def _tiny_llama(path, n_tokens=256, embd_rows=256, out_rows=None, vocab_size=None):
     import gguf
