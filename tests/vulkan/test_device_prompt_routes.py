@@ -60,7 +60,8 @@ def test_the_route_is_one_the_device_runs(dev):
         assert prompt_route(dev.device, env) == "f32"
         want = "f32" if route == "f32" else "coopmat"
         assert prompt_route(SimpleNamespace(coopmat=True), env) == want
-    with pytest.raises(ColiError, match="COLI_VK_PROMPT_ROUTE=tensor"):
+    # the settings parser's one line (the variable's choices)
+    with pytest.raises(ColiError, match=r"COLI_VK_PROMPT_ROUTE='tensor': not one of its values \(auto, coopmat or f32"):
         prompt_route(dev.device, settings.overlay(None, COLI_VK_PROMPT_ROUTE="tensor"))
 
 
