@@ -74,7 +74,8 @@ def _engine_args(p: argparse.ArgumentParser, model_required=False):
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: physical cores available)")
     p.add_argument("--ctx", "-c", "--ctx-size", type=int, default=None,
                    help="KV cache positions (default: the model's trained context, capped so the KV cache "
-                        "takes at most a quarter of what the memory budget leaves)")
+                        "takes at most a quarter of what the memory budget leaves; 0: the trained context, as "
+                        "llama.cpp's -c 0)")
     p.add_argument("--expert-cache", type=int, default=None, metavar="N",
                    help="RAM expert cache slots per MoE layer (default: all experts if they fit the memory budget, "
                         "else what fits)")
@@ -760,7 +761,8 @@ def _plan_parser(sub) -> None:
     pl.add_argument("--device", default=None, metavar="cpu|vulkan|vulkan:N",
                     help="vulkan: read the best device's heaps for the tier, vulkan:N device N's")
     pl.add_argument("--ctx", "-c", "--ctx-size", type=int, default=None,
-                    help="KV cache positions (default: the trained context, capped by the memory budget as coli run's)")
+                    help="KV cache positions (default: the trained context, capped by the memory budget as coli run's; "
+                         "0: the trained context)")
     pl.add_argument("--expert-cache", type=int, default=None, metavar="N", help="RAM expert cache slots per MoE layer")
     pl.add_argument("--mem", type=float, default=None, metavar="GiB",
                     help="memory the run may use in all (COLI_MEM; default: the cgroup's limit or the RAM available)")

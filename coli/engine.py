@@ -63,7 +63,8 @@ class Engine:
     Options: ``threads`` (Numba threads; default: physical cores available), ``ctx`` (the most positions a
     sequence holds: a generate's KV cache holds its prompt plus ``max_tokens``, a ``keep_kv`` one the whole
     context, docs/engine.md "KV cache"; default the trained context, capped so a whole-context KV cache
-    takes at most ``CTX_RAM_SHARE`` of what the memory budget leaves: ``ctx_cap``), ``expert_cache`` (RAM slots
+    takes at most ``CTX_RAM_SHARE`` of what the memory budget leaves: ``ctx_cap``; 0: the trained context
+    uncapped, as llama.cpp's ``-c 0``), ``expert_cache`` (RAM slots
     per MoE layer; default every expert when they fit what the budget leaves, else what fits, down to 0; given:
     raised to top-k, ColiError past the budget), ``usage`` (path of the routing
     history; default ``.coli_usage`` beside the model), ``cpu_act`` ("f32" | "int8"), ``io_threads`` (disk
@@ -89,7 +90,7 @@ class Engine:
             raise ColiError(f"path: {path!r} (a GGUF file, a Hugging Face folder or a model name: smollm2, "
                             f"gemma3-270m, qwen2.5-coder-0.5b, demo)")
         threads = int_arg(self, "threads", threads, 1)
-        ctx = int_arg(self, "ctx", ctx, 1)
+        ctx = int_arg(self, "ctx", ctx, 0, takes=runtime.CTX_TAKES)   # 0: the trained context (runtime.context_size)
         expert_cache = int_arg(self, "expert_cache", expert_cache, 0)
         io_threads = int_arg(self, "io_threads", io_threads, 1, IO_THREADS_MAX)
         if path is None:

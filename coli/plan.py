@@ -48,8 +48,8 @@ from coli.base.errors import ColiError
 from coli.resolve import resolve
 from coli.gguf_file import open_gguf
 from coli.models import model_args
-from coli.runtime import (budget_needed, cache_room, default_ctx, expert_cache_slots, headroom, kv_cache_bytes,
-                          kv_types, scratch_bytes)
+from coli.runtime import (budget_needed, cache_room, context_size, default_ctx, expert_cache_slots, headroom,
+                          kv_cache_bytes, kv_types, scratch_bytes)
 from scheduler.tier_policy import DeviceMemory, SHARED_KINDS, budget_bytes
 
 GiB = 1 << 30
@@ -77,7 +77,7 @@ def make_plan(path, *, device: str | None = None, ctx: int | None = None, expert
               cache_type_k: str | None = None, cache_type_v: str | None = None, device_index: int | None = None) -> dict:
     """The plan of model ``path`` as a dict of ints/strings (fields in the module docstring).
 
-    ``device``: None | "cpu" | "vulkan"; ``ctx``: KV positions (default the engine's ``default_ctx``); ``expert_cache``: slots per layer as ``--expert-cache``; ``available``: RAM available in bytes
+    ``device``: None | "cpu" | "vulkan"; ``ctx``: KV positions (default the engine's ``default_ctx``; 0: the trained context, ``context_size``); ``expert_cache``: slots per layer as ``--expert-cache``; ``available``: RAM available in bytes
     (psutil's when None; the budget is still capped by the cgroup and ``COLI_MEM``); ``device_info``: a
     ``DeviceMemory`` (or what ``DeviceMemory.of`` takes) instead of opening the device; ``env``: the ``COLI_*``
     settings (``COLI_MEM``, the tier's ``COLI_VK_TIER_GB``; ``os.environ``); ``mem_flag``: the flag that set
@@ -101,9 +101,7 @@ def make_plan(path, *, device: str | None = None, ctx: int | None = None, expert
     dense = sum(ti.nbytes for n, ti in t.items() if "_exps" not in n)
     # what the engine's sizers see once the dense part is loaded: the budget less coli itself and the dense bytes
     room = max(0, bud.bytes - bud.rss - dense - headroom(bud.bytes))
-    ctx = int(ctx) if ctx is not None else default_ctx(a, room)
-    if ctx < 1:
-        raise ColiError(f"--ctx: {ctx} (at least 1)")
+    ctx = context_size(ctx, a, default_ctx(a, room))
     scratch = scratch_bytes(a, ctx)   # as the engine: a prompt step's MLA scratch comes out of the room
     room = max(0, room - scratch)
     moe = [il for il in range(a.n_layers) if f"blk.{il}.ffn_gate_exps.weight" in t]

@@ -137,6 +137,20 @@ def default_ctx(args, room: int) -> int:
     return max(1, min(int(args.ctx_train), int(max(0, room * CTX_RAM_SHARE - fixed) // per)))
 
 
+CTX_TAKES = "positions, at least 1; 0: the model's trained context"   # what --ctx takes, for its errors
+
+
+def context_size(ctx, args, cap: int, name: str = "--ctx") -> int:
+    """The context an engine holds for a ``--ctx`` of ``ctx``: None is ``cap`` (:func:`default_ctx`); 0 is the
+    model's trained context, uncapped, as llama.cpp reads ``-c 0`` (``n_ctx = n_ctx_train``, llama-context.cpp);
+    else ``ctx``. ColiError naming ``name`` (the flag or API argument) for a negative one."""
+    if ctx is None:
+        return cap
+    if int(ctx) < 0:
+        raise ColiError(f"{name}: {ctx} ({CTX_TAKES})")
+    return int(ctx) or int(args.ctx_train)
+
+
 def cache_room(room: int, expert_file_bytes: int, io_threads: int, n_experts: int, held_bytes: int) -> int:
     """Bytes the RAM expert cache and the KV caches share out of ``room`` (what the budget leaves once the model
     is loaded, less the :func:`headroom`): less the file's bytes the ``io_threads`` readers hold while they
@@ -190,9 +204,7 @@ def build(eng, *, ctx, expert_cache, usage, io_threads, device, balance, trace, 
     # what the budget leaves once the model's dense part is loaded, less the headroom
     eng.room = max(0, eng.memory.left() - headroom(eng.memory.bytes))
     eng.ctx_cap = default_ctx(a, eng.room)
-    eng.ctx = int(ctx) if ctx is not None else eng.ctx_cap
-    if eng.ctx < 1:
-        raise ColiError(f"{eng._name('ctx')}: {ctx} (at least 1)")
+    eng.ctx = context_size(ctx, a, eng.ctx_cap, eng._name("ctx"))
     eng.scratch_bytes = scratch_bytes(a, eng.ctx)   # MLA's expanded prompt chunks: out of the KV / expert room
     eng.room = max(0, eng.room - eng.scratch_bytes)
     kv_bytes = kv_cache_bytes(a, eng.ctx)
@@ -614,15 +626,16 @@ def close_at_exit(ref):
         eng.close()
 
 
-def int_arg(eng, arg: str, v, lo: int, hi: int | None = None):
+def int_arg(eng, arg: str, v, lo: int, hi: int | None = None, takes: str | None = None):
     """``v`` (None or an integer in ``lo..hi``) as an int; ColiError naming the argument (or its flag) for
-    anything else (a string, a float, a bool)."""
+    anything else (a string, a float, a bool), with ``takes`` (what it takes) in place of the range when given."""
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
         raise ColiError(f"{eng._name(arg)}: {v!r} is not an integer")
     if v < lo or (hi is not None and v > hi):
-        raise ColiError(f"{eng._name(arg)}: {v} (" + (f"{lo} to {hi})" if hi is not None else f"at least {lo})"))
+        raise ColiError(f"{eng._name(arg)}: {v} (" + (takes or (f"{lo} to {hi}" if hi is not None else f"at least {lo}"))
+                        + ")")
     return int(v)
 
 

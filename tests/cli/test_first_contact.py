@@ -270,3 +270,19 @@ def test_a_bench_context_too_big_names_the_tests_not_ctx(capsys, monkeypatch):
     rc, out, err = _main(capsys, "bench", "-m", str(DENSE), "-p", "8", "-n", "0", "-r", "1", "--mem", "1",
                          "-c", "99999999")
     assert (rc, out) == (2, "") and err.startswith("coli: --ctx: 99999999 positions need "), err
+
+
+def test_ctx_0_is_the_trained_context_as_llama_cpp_reads_it(capsys):
+    """``-c 0`` is the model's trained context (llama.cpp: ``n_ctx = n_ctx_train`` when 0), in coli run and coli plan;
+    it was refused ("--ctx: 0 (at least 1)"). The trained context is gguf-py's reading of the file's header. A
+    negative one is one line saying what --ctx takes."""
+    import gguf
+
+    from coli.plan import make_plan
+
+    trained = int(gguf.GGUFReader(DENSE).fields["llama.context_length"].parts[-1][0])
+    rc, out, err = _main(capsys, "run", "-m", str(DENSE), "-p", "x", "-n", "1", "-c", "0")
+    assert rc == 0 and f", ctx {trained}, " in err and " trained (" not in err, err
+    assert make_plan(DENSE, ctx=0)["ctx"] == trained
+    rc, out, err = _main(capsys, "run", "-m", str(DENSE), "-p", "x", "-n", "1", "-c", "-1")
+    assert (rc, out, err) == (2, "", "coli: --ctx: -1 (positions, at least 1; 0: the model's trained context)\n")

@@ -84,7 +84,7 @@ def test_plan_cli_table_json_and_errors(tiny, tmp_path):
     assert r.returncode == 0 and "| RAM expert cache" in r.stdout and "streams from disk" in r.stdout
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF\x03\x00\x00\x00")
-    for args in (["-m", str(bad)], ["-m", str(tmp_path / "none.gguf")], ["-m", str(tiny), "--ctx", "0"]):
+    for args in (["-m", str(bad)], ["-m", str(tmp_path / "none.gguf")], ["-m", str(tiny), "--ctx", "-1"]):
         r = subprocess.run([sys.executable, "-m", "coli", "plan", *args], capture_output=True, text=True, cwd=ROOT,
                            timeout=300)
         assert r.returncode == 2 and r.stderr.startswith("coli: ") and "Traceback" not in r.stderr, r.stderr
