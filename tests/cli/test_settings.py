@@ -47,7 +47,7 @@ def test_bool(raw, want):
 
 def test_defaults_numbers_and_errors():
     """Unset or empty: the default; numbers parsed; a bad or out-of-range value is one ColiError naming the
-    variable and its value."""
+    variable and its value (a digit separator or another script's digits too: COLI_MEM=1_0 ran with 10 GiB)."""
     assert settings.get("COLI_VK_TIER_RATE", {}) == 16
     assert settings.get("COLI_VK_TIER_RATE", {"COLI_VK_TIER_RATE": ""}) == 16
     assert settings.get("COLI_VK_TIER_RATE", {"COLI_VK_TIER_RATE": "4"}) == 4
@@ -55,7 +55,10 @@ def test_defaults_numbers_and_errors():
     assert settings.get("COLI_VK_TIER_GB", {}) is None
     for name, raw, why in (("COLI_VK_TIER_RATE", "x", "not an integer"), ("COLI_VK_TIER_RATE", "-1", "out of range"),
                            ("COLI_VK_TIER_GB", "lots", "not a number"), ("COLI_VK_TIER_GB", "nan", "not finite"),
-                           ("COLI_VK_TIER_SYNC", "2", "not a yes/no value"), ("COLI_VK_DEV", "-2", "out of range")):
+                           ("COLI_VK_TIER_SYNC", "2", "not a yes/no value"), ("COLI_VK_DEV", "-2", "out of range"),
+                           # Python's int() / float() read these as 16, 10 and 10: not what a user meant, nor C's
+                           ("COLI_VK_TIER_RATE", "1_6", "not an integer"), ("COLI_MEM", "1_0", "not a number"),
+                           ("COLI_MEM", "\u0661\u0660", "not a number")):
         with pytest.raises(ColiError, match=rf"^{name}='{re.escape(raw)}': {why} \("):
             settings.get(name, {name: raw})
 
@@ -160,3 +163,21 @@ def test_flags_reach_the_tier(tmp_path):
         eng.generate(ids=[1, 2, 3], max_tokens=4, stop_at_eos=False)
         assert eng.device.dispatches > 0
     assert "COLI_VK_TIER_GB" not in os.environ
+
+
+def test_an_unknown_coli_variable_is_one_warning_naming_the_closest(capsys, monkeypatch):
+    """A COLI_* name coli does not read (a typo) was ignored in silence: now one warning line naming it and the
+    closest declared name (difflib), once per process, and the command runs (exit 0)."""
+    from coli.cli import main
+
+    typo, far = "COLI_" + "MEMORY", "COLI_" + "ZZZZZZZZZZZZZ"   # spelled apart: not names the first test finds
+    monkeypatch.setattr(settings, "_warned", set())
+    for name in (typo, far, "coli_ubatch"):
+        monkeypatch.setenv(name, "4")
+    for _ in range(2):
+        assert main(["models"]) == 0
+    err = [l for l in capsys.readouterr().err.splitlines() if "warning" in l]
+    tail = "; ignored (docs/settings.md)"
+    assert err == [f"coli: warning: {typo} is not a variable coli reads (did you mean COLI_MEM?){tail}",
+                   f"coli: warning: {far} is not a variable coli reads{tail}",
+                   f"coli: warning: coli_ubatch is not a variable coli reads (did you mean COLI_UBATCH?){tail}"]
