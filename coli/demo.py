@@ -50,7 +50,7 @@ from gguf.quants import dequantize, quantize
 from . import fetch
 from .base import progress
 from .base.errors import ColiError
-from .base.paths import cache_dir, cached_file
+from .base.paths import cache_dir, cache_lock, cached_file
 
 VERSION = 1  # bump when the construction changes: it is part of the cached file's name
 EXPERT_TYPES = ("Q8_0", "same", "F16", "Q4_0")
@@ -98,7 +98,8 @@ def demo_model_path(noise: float = 0.05, expert_type: str = "Q8_0", n_experts: i
         return cached_file("demo", name)
     folder = cache_dir("demo")
     dest = folder / name
-    with _build_lock(folder, quiet):
+    lock = folder / ".build.lock"
+    with cache_lock(lock, None if quiet else f"coli demo: waiting for another process building the demo (lock {lock})"):
         if dest.exists():
             return dest
         _remove_stale_temps(folder, "*", age_s=0.0)  # under the lock every temp file is a killed build's
@@ -107,26 +108,6 @@ def demo_model_path(noise: float = 0.05, expert_type: str = "Q8_0", n_experts: i
         build_demo_moe(src, dest, noise=noise, expert_type=expert_type, n_experts=n_experts, top_k=top_k,
                        seed=seed, quiet=quiet)
     return dest
-
-
-@contextlib.contextmanager
-def _build_lock(folder: Path, quiet: bool = False):
-    """The builders' lock on ``folder/.build.lock``; a process that has to wait for it says so (unless quiet)."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no lock; os.replace still keeps the file whole
-        yield
-        return
-    with open(folder / ".build.lock", "a+b") as f:
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:  # another process builds it: wait, and say so (a silent wait looks hung)
-            _log(quiet, f"waiting for another process building the demo (lock {folder / '.build.lock'})")
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def _check_params(noise, expert_type, n_experts, top_k, seed) -> None:

