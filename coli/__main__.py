@@ -1,3 +1,3 @@
-from coli.cli import main
+from coli.cli import console
 
-raise SystemExit(main())
+console()

@@ -833,6 +833,7 @@ class Terminated(KeyboardInterrupt):
 
 
 _swallowed: list[int] = []  # signals whose exception a C callback swallowed (see _on_unraisable)
+_resends: list = []  # a threading.Event per signal _on_unraisable sends again, set once it is sent
 
 
 def _on_signal(signum, frame):
@@ -847,17 +848,21 @@ def _on_unraisable(hook):
     cache save then failed with "no compiled object yet" (a RuntimeError traceback). Here the interrupt is kept
     quiet and its signal sent again from another thread, to land in ordinary Python code; others go to ``hook``."""
     import _thread
+    import threading
 
-    def resend(sig):
+    def resend(sig, sent):
         time.sleep(0.01)  # sent at once it would land in this callback again
         os.kill(os.getpid(), sig)
+        sent.set()
 
     def on_unraisable(u):
         if not isinstance(u.exc_value, KeyboardInterrupt):
             return hook(u)
         sig = signal.SIGTERM if isinstance(u.exc_value, Terminated) else signal.SIGINT
         _swallowed.append(sig)
-        _thread.start_new_thread(resend, (sig,))  # threading's start() waits for the thread: the signal could land there
+        _resends.append(threading.Event())
+        # threading's start() waits for the thread: the signal could land there
+        _thread.start_new_thread(resend, (sig, _resends[-1]))
 
     return on_unraisable
 
@@ -874,18 +879,37 @@ def _interrupted(term: bool) -> int:
     return 143 if term else 130
 
 
-def _install_signals() -> None:
+def _install_signals():
     """SIGTERM handled as Ctrl-C; SIGINT's handler kept unless it is Python's own (an ignored SIGINT, a
-    background job's, stays ignored); interrupts swallowed by C callbacks taken back (:func:`_on_unraisable`)."""
+    background job's, stays ignored); interrupts swallowed by C callbacks taken back (:func:`_on_unraisable`).
+    Returns what it replaced, for :func:`_restore_signals` (None: not the main thread, nothing replaced)."""
     try:
+        old = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), sys.unraisablehook)
         signal.signal(signal.SIGTERM, _on_signal)
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             signal.signal(signal.SIGINT, _on_signal)
     except ValueError:  # not the main thread (main() called from a library): leave signals alone
-        return
+        return None
     if not getattr(sys.unraisablehook, "_coli", False):
         sys.unraisablehook = _on_unraisable(sys.unraisablehook)
         sys.unraisablehook._coli = True
+    return old
+
+
+def _restore_signals(old) -> None:
+    """Give the caller of :func:`main` back its SIGINT and SIGTERM handlers and its ``sys.unraisablehook`` (``old``,
+    from :func:`_install_signals`): after an interrupt they were left ignored, so the caller's own Ctrl-C did nothing.
+    A signal :func:`_on_unraisable` is still sending lands while they are ignored, not in the caller's handler."""
+    if old is None:
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for sent in _resends:
+        sent.wait(1.0)
+    _resends.clear()
+    signal.signal(signal.SIGINT, old[0] if old[0] is not None else signal.SIG_DFL)   # None: not set from Python
+    signal.signal(signal.SIGTERM, old[1] if old[1] is not None else signal.SIG_DFL)
+    sys.unraisablehook = old[2]
 
 
 def _say(text: str, stream) -> None:
@@ -956,12 +980,30 @@ def _utf8_out() -> None:
 
 
 def main(argv=None) -> int:
+    """Run the command ``argv`` (``sys.argv[1:]`` when None) in this process; its exit code. The caller's SIGINT and
+    SIGTERM handlers are its own again on return, interrupted or not (:func:`_restore_signals`)."""
+    old = _install_signals()
+    try:
+        return _command(argv)
+    finally:
+        _restore_signals(old)
+
+
+def console() -> None:
+    """The ``coli`` command (pyproject's entry point; ``python -m coli``): :func:`main`'s work, then exit with its
+    code. Here an interrupt leaves SIGINT and SIGTERM ignored up to the exit (:func:`_interrupted`): the process ends,
+    and a second Ctrl-C or a signal still on its way is not a traceback at exit."""
+    _install_signals()
+    raise SystemExit(_command(None))
+
+
+def _command(argv) -> int:
+    """:func:`main` less the signals' setting up and giving back."""
     if sys.stdout is None:
         sys.stdout = _ClosedStdout()
     if sys.stderr is None:  # 2>&-: notes go nowhere rather than into stdout (print(file=None) means stdout)
         sys.stderr = open(os.devnull, "w")
     _utf8_out()
-    _install_signals()
     _swallowed.clear()  # main() called again (a library, tests): an earlier call's interrupt was that call's
     p = build_parser()
     try:
@@ -987,4 +1029,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    console()

@@ -476,3 +476,20 @@ def test_a_read_only_cache_that_holds_the_models_serves_them(tmp_path, monkeypat
     assert fetch.model_path("smollm2") == f
     assert main(["run", "-m", "gemma3-270m", "-p", "x"]) == 2  # a download still needs a writable folder
     assert "Read-only file system; set COLI_CACHE to a writable folder" in capsys.readouterr().err
+
+
+def test_an_interrupted_main_gives_the_caller_its_signals_back(monkeypatch):
+    """cli.main() called in a program's process (a library, a notebook): after an interrupt SIGINT and SIGTERM stayed
+    ignored (the caller's Ctrl-C did nothing) and after any call SIGTERM raised coli's Terminated. Now the caller's
+    handlers and unraisablehook are its own again; the console entry point alone keeps them ignored up to its exit."""
+    from coli import cli
+
+    def interrupted(a):
+        raise KeyboardInterrupt()
+    before = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), sys.unraisablehook)
+    monkeypatch.setattr(cli, "cmd_models", interrupted)
+    assert cli.main(["models"]) == 130
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), sys.unraisablehook) == before
+    monkeypatch.setattr(cli, "cmd_models", lambda a: 0)
+    assert cli.main(["models"]) == 0
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), sys.unraisablehook) == before
