@@ -838,7 +838,7 @@ def close(eng):
                    f"{'' if dl.gpu_tokens == dl.tokens else ' of ' + counted(dl.gpu_tokens, 'token')})"
                    if dl.gpu_tokens and dl.gpu_s else "")
             hold = f"; {dl.clock.line()}" if dl.clock is not None else ""
-            if getattr(dl, "fence_spin_s", 0) > 0 and not dl.segs:     # Kernels.submit's poll (COLI_VK_SPIN_US)
+            if getattr(dl, "fence_spin_s", 0) > 0 and not getattr(dl, "resident", None):     # Kernels.submit's poll (COLI_VK_SPIN_US)
                 hold += (f"; the wait polled its fence up to {dl.fence_spin_s * 1e6:.0f} us: "
                          f"{dl.fence_spun} of {counted(dl.tokens, 'token')} ended in the poll")
             q8 = "q8_0" in getattr(dl, "kv_types", ())

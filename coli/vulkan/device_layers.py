@@ -16,8 +16,9 @@ it lacks is uploaded before the next row or chunk (``note_forward`` marks rows a
 Experts on the CPU (``resident``: llama.cpp's ``--cpu-moe`` / ``--n-cpu-moe``): a layer whose routed experts are not
 all here runs its resident ranks on the device and the others on the CPU from the RAM expert cache, joined mid-layer in
 rank order; the decode program is cut at each such layer (:meth:`DeviceLayers._split_ops`) and its segments go in one
-submit a token, the host joining through timeline semaphores (:meth:`DeviceLayers._run_chain`), or, without them, a
-submit and a wait a segment (:meth:`DeviceLayers._run_split`); a prompt chunk's program is cut there too, a submit a
+submit a token, the host joining through timeline semaphores (:meth:`DeviceLayers._run_chain`), one command buffer
+waiting on host-set events (:meth:`DeviceLayers._run_event`), or a submit and a wait a segment
+(:meth:`DeviceLayers._run_split`): ``COLI_VK_CHAIN``, ``layer_join.chain_way``; a prompt chunk's program is cut there too, a submit a
 segment, the CPU's pairs grouped by expert (:meth:`DeviceLayers._run_prompt_split`), or, with
 ``COLI_VK_PROMPT_EXPERTS=stream``, the layer's other experts copied to the device while the layer before computes
 (:meth:`DeviceLayers._run_prompt_stream`; docs/vulkan.md "Experts on the CPU").
@@ -109,6 +110,7 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
         self.p_cpu_rows = 0     # the same of prompt rows
         self.p_dev_rows = 0
         self.segs = []          # with CPU experts: the token's program in segments (_record_split)
+        self.way = None         # with CPU experts: how a decode token runs ("semaphore", "event", "split": chain_way)
         self._tensors, self.rec, self.K, self.clock = [], None, None, None
         self._precs = {}
         self._env = env
@@ -298,9 +300,9 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
             res = sum(int(self.resident[il].sum()) if il in self.resident else E for il in moe)
             n = len(moe)
             cut = len(self.resident)
-            how = ("a submit and a wait each: the program cut there" if not self.chain else
-                   "one command buffer a token, the host joining through events" if self.events and self.bal is None
-                   else "one submit a token, the host joining through a timeline semaphore")
+            how = {"split": "a submit and a wait each: the program cut there",
+                   "event": "one command buffer a token, the host joining through events",
+                   "semaphore": "one submit a token, the host joining through a timeline semaphore"}[self.way]
             ex = (f"routed experts: {res} of {E * n} on the device, the rest on the CPU (RAM expert cache) joined "
                   f"mid-layer in {cut} layer{'s' if cut != 1 else ''} ({how}; prompt chunks: a submit a layer, the CPU's "
                   f"pairs grouped by expert)")

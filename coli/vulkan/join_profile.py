@@ -1,5 +1,5 @@
 """Where the host's time goes in a decode token of device layers (``COLI_VK_JOIN_PROFILE=1``): with experts
-(partly) on the CPU, coli/vulkan/layer_join.py ``_run_chain`` / ``_run_split`` (docs/vulkan.md "Experts on the
+(partly) on the CPU, coli/vulkan/layer_join.py ``_run_chain`` / ``_run_event`` / ``_run_split`` (docs/vulkan.md "Experts on the
 CPU"); with every expert on the device, the one submit and what the host does around it
 (coli/vulkan/layer_decode.py ``DecodeRow.__call__``). The decode loop charges each stretch of the host's wall time to one part (:meth:`JoinProfile.lap`);
 :meth:`JoinProfile.table` prints the parts per token. Off (no profile object), the loop times nothing."""
@@ -13,13 +13,14 @@ PARTS = (
                "and its fence wait)"),
     ("wait: flag", "spinning on a layer's flag until the device wrote it (the route is out)"),
     ("wait: semaphore", "a layer's spin that ran out, then vkWaitSemaphores on the device's timeline"),
+    ("wait: polled", "COLI_VK_CHAIN=event: a layer's spin that ran out, then 50 us sleeps until the flag is up"),
     ("route read", "the layer's route (ids, weights) read from host-visible memory"),
     ("experts: lookups", "MoEStep.row_experts_resident less its compiled call: the RAM cache's table, the "
                          "descriptors gathered (else row_experts': RAM-cache lookups, descriptors; with f32 "
                          "activations, no compiled row: the whole CPU path)"),
     ("experts: compiled call", "the CPU experts' one compiled call (cpu_kernels.decode.experts_row)"),
     ("rows out", "the routing weights applied to the CPU's rows in the host-visible yk"),
-    ("signal", "vkSignalSemaphore: the layer's rows are in"),
+    ("signal", "vkSignalSemaphore (COLI_VK_CHAIN=event: vkSetEvent): the layer's rows are in"),
     ("experts: bookkeeping", "the RAM cache's hits, LRU order and heat of the layer's CPU experts, after the signal "
                              "(the device runs meanwhile; MoEStep.note_row)"),
     ("tail", "after the last join: the device's last segment and the fence"),

@@ -282,9 +282,9 @@ class DecodeRow:
         D = self.D
         self._params[0] = pos0
         self._hin[:] = h.reshape(-1)
-        if self.segs:
+        if self.resident:
             c0 = compile_seconds()
-            (self._run_chain if self.chain else self._run_split)()
+            self._run_token()
             self.submit_s -= compile_seconds() - c0   # the CPU side's first call compiles: load time, not the token's
             self.dev_rows += self.k * (self.n_moe - len(self.resident))   # the layers whose experts are all here
         else:

@@ -15,25 +15,23 @@ from coli.base.errors import ColiError
 from coli.vulkan.errors import DeviceLost
 
 
-def chain_default(dev, env=None) -> bool:
-    """Whether a decode token whose experts are partly on the CPU goes in one submit (timeline semaphores, the host
-    joining mid-submit), from ``COLI_VK_CHAIN`` of ``env`` (os.environ when None): on, event (one command buffer,
-    :func:`chain_events`), off, or auto (on where the device has timeline semaphores: on an H100 it decodes
-    1.05-1.33x a submit a segment; docs/vulkan.md "Experts on the CPU"). ColiError for another value (the
-    setting's choices), or for on or event where the device has no timeline semaphores."""
+def chain_way(dev, env=None, balance: bool = False) -> str:
+    """How a decode token whose routed experts are partly on the CPU runs (docs/vulkan.md "Experts on the CPU"), from
+    ``COLI_VK_CHAIN`` of ``env`` (os.environ when None): "semaphore" (on: one submit a token, the host joining through
+    timeline semaphores, :meth:`RowJoin._run_chain`), "event" (event: one command buffer whose layers wait for
+    host-set events, :meth:`RowJoin._run_event`; with ``balance`` (--balance) "semaphore", which gives the balancer's
+    route a value of its own before the resident ranks start), "split" (off: a submit a segment,
+    :meth:`RowJoin._run_split`); auto: "semaphore" where the device has timeline semaphores (on an H100 it decodes
+    1.05-1.33x a submit a segment), else "split". ColiError for another value (the setting's choices), or for on or
+    event where the device has no timeline semaphores."""
     v = str(settings.get("COLI_VK_CHAIN", env) or "auto").lower()
     tl = bool(getattr(dev, "timeline", False))
     if v in ("on", "event") and not tl:
         raise ColiError(f"COLI_VK_CHAIN={v}: {getattr(dev, 'name', 'the device')} has no timeline semaphores; "
                         f"set auto or off")
-    return tl and v != "off"
-
-
-def chain_events(env=None) -> bool:
-    """``COLI_VK_CHAIN=event``: the one-submit token as one command buffer whose layers wait for host-set events
-    (``vkCmdWaitEvents``, the device's own wait) where the host's rows join, instead of batches between timeline
-    semaphore waits (a wait the driver resolves on the host side before the next batch starts)."""
-    return str(settings.get("COLI_VK_CHAIN", env) or "auto").lower() == "event"
+    if not tl or v == "off":
+        return "split"
+    return "event" if v == "event" and not balance else "semaphore"
 
 
 class Cut:
@@ -48,8 +46,34 @@ class Cut:
 
 class RowJoin:
     """The host's join of :class:`DeviceLayers`' decode row: the program cut at each layer in ``resident``
-    (:meth:`_record_split`: ``segs``, ``yk``, ``flags``, ``xroute``), run by :meth:`_run_chain` or
-    :meth:`_run_split`; ``bal``: the balancer (``--balance``), or None."""
+    (:meth:`_record_split`: ``segs``, ``yk``, ``flags``, ``xroute``), run the way ``way`` says (:meth:`_run_token`);
+    ``bal``: the balancer (``--balance``), or None."""
+
+    def _run_token(self) -> None:
+        """One decode token of the cut program, the way fixed at construction (``way``: :func:`chain_way`)."""
+        if self.way == "semaphore":
+            self._run_chain()
+        elif self.way == "event":
+            self._run_event()
+        else:
+            self._run_split()
+
+    def _wait_flag(self, j: int, seq: int, t: float, sleep, what: str) -> float:
+        """Wait until ``flags[j]`` reads ``seq`` (layer ``j``'s route is out this token): spin on it for ``spin_s``
+        past ``t`` (no sleep and no wake-up when the device is quick: ``spun``), else ``sleep()`` (``slept``): the
+        way's own wait, which returns once the route is out or raises DeviceLost. Returns the time after it for the
+        join profile (its part "wait: flag", or ``what`` after a sleep), else ``t``."""
+        flags, pc = self._flags_u32, time.perf_counter
+        end = t + self.spin_s
+        while flags[j] != seq and pc() < end:
+            pass
+        if flags[j] == seq:
+            self.spun += 1
+            what = "wait: flag"
+        else:
+            self.slept += 1
+            sleep()
+        return t if self.prof is None else self.prof.lap(what, t)
 
     def _split_ops(self, j: int, d: dict, rt: int, et: list) -> list:
         """The MoE part of device layer ``d`` (``j``-th here) whose experts are not all on the device, as ops with two
@@ -88,10 +112,11 @@ class RowJoin:
         return ops
 
     def _record_split(self) -> None:
-        """The decode token's program cut where the host joins (:meth:`_split_ops`): ``segs`` [(kind, Recorded, j)],
-        kind "S" (j: the layer whose route the host reads after it, None for the last) or "X" (layer j's resident
-        ranks; None when that layer has none on the device). ``chain`` (the device has timeline semaphores): the
-        segments go in one submit a token (:meth:`_run_chain`), else one submit a segment (:meth:`_run_split`)."""
+        """The decode token's program cut where the host joins (:meth:`_split_ops`), recorded for the way it runs
+        (``way``, :func:`chain_way`, fixed here): "semaphore" and "split", ``segs`` [(kind, Recorded, j)], kind "S"
+        (j: the layer whose route the host reads after it, None for the last) or "X" (layer j's resident ranks; None
+        when that layer has none on the device), in one submit a token (:meth:`_run_chain`) or one submit a segment
+        (:meth:`_run_split`); "event", one command buffer (:meth:`_event_prepare`) and no segments."""
         K, n = self.K, len(self.per)
         self.zeros = K.buffer(4 * self.D * (self.k + 1), host=False)
         K.upload(self.zeros, np.zeros(self.D * (self.k + 1), np.float32))
@@ -109,29 +134,30 @@ class RowJoin:
         self._seq = 0           # the decode token's number (params word 8), copied into flags[j] by segment S_j
         self.spin_s = 0.002     # how long the host spins on a flag before it sleeps on the device's timeline
         self.spun = self.slept = 0
-        self.chain = chain_default(self.dev, getattr(self, "_env", None))
-        self.events = chain_events(getattr(self, "_env", None))   # _run_event (without a balancer)
-        self._erec = None       # its command buffer, recorded at its first token (_event_prepare)
+        self.way = chain_way(self.dev, getattr(self, "_env", None), self.bal is not None)
+        self._erec = None       # "event": the token's command buffer and its events (_event_prepare)
         self._V = V = 2 if self.bal is not None else 1   # the host's timeline values a cut layer: (route,) rows in
-        # host timeline offset -> the event the segment waiting for that value (chain) waits for too: the host's
-        # writes since the submit, visible to it (Kernels.record ``after``); a submit a segment sets them too (a
-        # segment is recorded once for both); the last segment resets them all
+        # "semaphore": host timeline offset -> the event the segment waiting for that value waits for too: the host's
+        # writes since the submit, visible to it (Kernels.record ``after``); the last segment resets them all ("split"
+        # needs none: what the host wrote before a submit is visible to it)
         self._ev = {}
-        ops, cur, kind, ns, nx = self._ops(), [], "S", 0, 0
-        for op in ops + [Cut(None, "end")]:
-            if not isinstance(op, Cut):
-                cur.append(op)
-                continue
-            j = None if op.kind == "end" else op.j
-            v = V * ns if kind == "S" else (V * nx + 1 if V == 2 else 0)
-            after = self._ev[v] = K.host_event() if v and cur and self.dev.timeline else None
-            if after is None:
-                self._ev.pop(v, None)
-            rec = K.record(cur, timestamps=True, lead=bool(self.segs), after=after,
-                           resets=tuple(self._ev.values()) if op.kind == "end" else ()) if cur else None
-            self.segs.append((kind, rec, j))
-            ns, nx = (ns + 1, nx) if kind == "S" else (ns, nx + 1)
-            kind, cur = ("X" if op.kind == "cpu" else "S"), []
+        if self.way == "event":
+            self._event_prepare()
+        else:
+            ops, cur, kind, ns, nx = self._ops(), [], "S", 0, 0
+            for op in ops + [Cut(None, "end")]:
+                if not isinstance(op, Cut):
+                    cur.append(op)
+                    continue
+                j = None if op.kind == "end" else op.j
+                v = V * ns if kind == "S" else (V * nx + 1 if V == 2 else 0)
+                if v and cur and self.way == "semaphore":
+                    self._ev[v] = K.host_event()
+                rec = K.record(cur, timestamps=True, lead=bool(self.segs), after=self._ev.get(v),
+                               resets=tuple(self._ev.values()) if op.kind == "end" else ()) if cur else None
+                self.segs.append((kind, rec, j))
+                ns, nx = (ns + 1, nx) if kind == "S" else (ns, nx + 1)
+                kind, cur = ("X" if op.kind == "cpu" else "S"), []
         self.rec = None
         self._tl = 0            # the timeline semaphore's value after the last token
         self._chain = None      # the token's prepared submit (_chain_prepare)
@@ -331,7 +357,7 @@ class RowJoin:
         from types import SimpleNamespace   # scheduler.balancer.StepTimes's fields (coli.vulkan imports no scheduler)
 
         for j, nd, nc, nres, cold, cpu_s in self._steps:
-            rec = self._xrec.get(j) if self.chain else next(r for kind, r, jj in self.segs if kind == "X" and jj == j)
+            rec = self._xrec.get(j) if self.way == "semaphore" else next(r for kind, r, jj in self.segs if kind == "X" and jj == j)
             dms = (self.K.gpu_ms(rec) or 0.0) if rec is not None and nd else 0.0
             cms = cpu_s * 1e3
             self.bal.update(SimpleNamespace(device_ms=dms, device_rows=nd, cpu_ms=cms, cpu_rows=nc,
@@ -376,9 +402,10 @@ class RowJoin:
             self.dev._mark_lost("fence wait after a failed token failed")
 
     def _event_prepare(self) -> None:
-        """The token's program as one command buffer for :meth:`_run_event`: the ops of :meth:`_ops` with each cut
-        after a layer's route dropped (the host polls the layer's flag) and each cut before its ``moe_sum`` a
-        :class:`~coli.vulkan.layers.HostWait` on an event of its own, which the end of the buffer resets."""
+        """The token's program as one command buffer for :meth:`_run_event` (``_erec``: the Recorded and {j: event}):
+        the ops of :meth:`_ops` with each cut after a layer's route dropped (the host polls the layer's flag) and each
+        cut before its ``moe_sum`` a :class:`~coli.vulkan.layers.HostWait` on an event of its own, which the end of the
+        buffer resets."""
         from coli.vulkan.layers import HostWait  # the Vulkan binding: only when a device runs
 
         K, ops, evs = self.K, [], {}
@@ -398,15 +425,23 @@ class RowJoin:
         device's ``moe_sum`` waits (no semaphore, no batch boundary). On any failure the host sets every event not yet
         set, so the buffer drains before the caller goes on."""
         K, P, pc = self.K, self.prof, time.perf_counter
-        if self._erec is None:
-            self._event_prepare()
         rec, evs = self._erec
         self._seq = seq = (self._seq + 1) & 0xFFFFFFFF or 1
         self._params_u32[8] = seq
         flags = self._flags_u32
-        spin, limit = self.spin_s, self.dev._timeout_ns / 1e9
+        limit = self.dev._timeout_ns / 1e9
         done, ended, started = set(), False, False
         t0 = t = pc()
+
+        def poll(j):     # past the spin: short sleeps, the buffer's fence checked, the device's timeout from t0
+            while flags[j] != seq:
+                if not K.running(rec) and flags[j] != seq:
+                    raise DeviceLost(f"the device ended a token before layer {self.per[j]['il']}'s route")
+                if pc() - t0 > limit:
+                    self.dev._mark_lost("a layer's route flag timed out")
+                    raise DeviceLost("a layer's route flag timed out")
+                time.sleep(50e-6)
+
         try:
             if not K.start(rec):
                 raise DeviceLost("the last token's command buffer still ran")
@@ -415,25 +450,7 @@ class RowJoin:
             K.dev.layer_dispatches += rec.dispatches
             t = pc() if P is None else P.lap("submit", t)
             for j, ev in evs.items():
-                if flags[j] != seq:
-                    end = t + spin
-                    while flags[j] != seq and pc() < end:   # the flag the device writes after layer j's route
-                        pass
-                    if flags[j] == seq:
-                        self.spun += 1
-                    else:
-                        self.slept += 1
-                        while flags[j] != seq:
-                            if not K.running(rec) and flags[j] != seq:
-                                raise DeviceLost(f"the device ended a token before layer {self.per[j]['il']}'s route")
-                            if pc() - t0 > limit:
-                                self.dev._mark_lost("a layer's route flag timed out")
-                                raise DeviceLost("a layer's route flag timed out")
-                            time.sleep(50e-6)
-                else:
-                    self.spun += 1
-                if P is not None:
-                    t = P.lap("wait: flag", t)
+                t = self._wait_flag(j, seq, t, lambda: poll(j), "wait: polled")
                 r = self._route(j)
                 if P is not None:
                     P.lap("route read", t)
@@ -476,8 +493,6 @@ class RowJoin:
         S_i+1 waits for value base + i + 1 of the host's timeline, which the host signals once it wrote those rows.
         On any failure the host signals its last value, so the queue drains before the caller goes on. The segments'
         timestamps are read one token in ``stamp_every`` (every token with the join profile)."""
-        if self.events and self.bal is None:
-            return self._run_event()
         K, P, pc = self.K, self.prof, time.perf_counter
         if self._chain is None:
             self._chain_prepare()
@@ -486,8 +501,6 @@ class RowJoin:
         top, done = base + V * n, base
         self._seq = seq = (self._seq + 1) & 0xFFFFFFFF or 1
         self._params_u32[8] = seq
-        flags = self._flags_u32
-        spin = self.spin_s
         ended = submitted = False
         t0 = t = pc()
         try:
@@ -496,18 +509,8 @@ class RowJoin:
             t = pc() if P is None else P.lap("submit", t)
             for i in range(n):
                 j = js[i]
-                end = t + spin
-                while flags[j] != seq and pc() < end:   # the flag S_i writes: no sleep, no wake-up
-                    pass
-                if flags[j] == seq:
-                    self.spun += 1
-                    if P is not None:
-                        t = P.lap("wait: flag", t)
-                else:
-                    self.slept += 1
-                    K.wait_value(base + V * i + 1)
-                    if P is not None:
-                        t = P.lap("wait: semaphore", t)
+                # the flag S_i writes, else the device's timeline value S_i signals
+                t = self._wait_flag(j, seq, t, lambda: K.wait_value(base + V * i + 1), "wait: semaphore")
                 r = self._route(j)
                 if P is not None:
                     P.lap("route read", t)

@@ -16,25 +16,28 @@ from tests.vk_util import IDS, decode_rows, device_engine, lose_device_on_call, 
 
 pytestmark = requires_vulkan
 
+# the ways a decode token with CPU experts runs (layer_join.chain_way) and the COLI_VK_CHAIN value of each
+WAYS = {"semaphore": "on", "event": "event", "split": "off"}
 
-@pytest.mark.parametrize("chain", [True, "event", False])
-def test_every_expert_on_the_cpu(device_moe, moe_cpu, chain):
+
+@pytest.mark.parametrize("way", WAYS)
+def test_every_expert_on_the_cpu(device_moe, moe_cpu, way):
     """--cpu-moe (COLI_VK_CPU_MOE=-1) alone: every layer on the device, no expert uploaded, every routed pair of a
     decode row computed on the CPU, the logits the CPU-only run's (prompt chunks: tests/vulkan/test_device_prompt_chain.py).
-    ``chain``: one submit
-    a token (the timeline semaphore), else a submit a segment."""
-    dev = device_engine(device_moe, COLI_VK_CPU_MOE=-1)
+    ``way``: one submit a token (timeline semaphores), one command buffer (host-set events), a submit a segment; only
+    what the way runs is recorded (the segments, or the one command buffer)."""
+    dev = device_engine(device_moe, COLI_VK_CPU_MOE=-1, COLI_VK_CHAIN=WAYS[way])
     try:
         dl = dev.model.device_layers
         assert dl is not None and dl.first == 0 and dev.tier is None
-        # COLI_VK_CHAIN=auto: one submit a token where the device has timeline semaphores (Lavapipe has)
-        assert dl.chain == dev.device.timeline and not dl.events
-        dl.chain, dl.events = bool(chain), chain == "event"     # event: one command buffer, host-set events
+        assert dl.way == way and (dl._erec is not None) == (way == "event") and bool(dl.segs) == (way != "event")
+        assert bool(dl._ev) == (way == "semaphore")     # host events only where the host writes mid-submit
+        chain = way != "split"
         dl.spin_s = 30.0 if chain else 0.0      # the flag path: the host spins until each layer's flag is up
         assert sorted(dl.resident) == [0, 1, 2, 3] and not any(m.any() for m in dl.resident.values())
         assert "routed experts: 0 of 32 on the device" in dl.describe()
-        assert ("timeline semaphore" in dl.describe()) == (chain is True)
-        assert ("through events" in dl.describe()) == (chain == "event")
+        assert ("timeline semaphore" in dl.describe()) == (way == "semaphore")
+        assert ("through events" in dl.describe()) == (way == "event")
         d0 = dev.device.layer_dispatches
         ref, _ = decode_rows(moe_cpu, IDS, 5)
         got, _ = decode_rows(dev, IDS, 5)
@@ -44,23 +47,22 @@ def test_every_expert_on_the_cpu(device_moe, moe_cpu, chain):
         assert dl.cpu_rows == n * 4 * dl.k and dl.dev_rows == 0
         assert rel_err(got, ref) < 1e-5, rel_err(got, ref)
         assert (dl.spun, dl.slept) == ((n * 4, 0) if chain else (0, 0))
-        assert (dl._erec is not None) == (chain == "event")
     finally:
         dev.close()
 
 
-@pytest.mark.parametrize("chain", [True, "event", False])
-def test_a_token_failed_in_the_hosts_part_leaves_the_next_right(device_moe, moe_cpu, chain):
+@pytest.mark.parametrize("way", WAYS)
+def test_a_token_failed_in_the_hosts_part_leaves_the_next_right(device_moe, moe_cpu, way):
     """An error in the host's part of a decode token (its first CPU ranks raise: a RAM cache's file error, an
     interrupt in a program that goes on) propagates; the token's program, released, has ended before the caller goes
     on, so the same token again and the next one are the CPU-only run's logits (1e-5) on the device layers still
     (the semaphore chain read the next token's params and input while the last one ran: logits off by 0.8; the
     event buffer was refused its next submit, the device layers dropped)."""
     ref, _ = decode_rows(moe_cpu, IDS[:8], 5)
-    dev = device_engine(device_moe, COLI_VK_CPU_MOE=-1)
+    dev = device_engine(device_moe, COLI_VK_CPU_MOE=-1, COLI_VK_CHAIN=WAYS[way])
     try:
         dl, m = dev.model.device_layers, dev.model
-        dl.chain, dl.events = bool(chain), chain == "event"
+        assert dl.way == way
         got, c = decode_rows(dev, IDS[:6], 5)
         ranks, pos = dl._cpu_ranks, c.pos
 
@@ -78,8 +80,8 @@ def test_a_token_failed_in_the_hosts_part_leaves_the_next_right(device_moe, moe_
         dev.close()
 
 
-@pytest.mark.parametrize("chain", [True, "event", False])
-def test_part_resident_by_budget(device_moe, moe_cpu, chain):
+@pytest.mark.parametrize("way", WAYS)
+def test_part_resident_by_budget(device_moe, moe_cpu, way):
     """--n-cpu-moe 1 with --gpu-layers -1 and a --tier-gb that holds the layers and 9 experts: layer 0's experts on
     the CPU, 9 of the others' 24 on the device (the history's order, then lowest ids a layer in turn); a decode row's
     pairs split between the two sides, the logits the CPU-only run's; the run's stats and coli bench's records count
@@ -87,11 +89,11 @@ def test_part_resident_by_budget(device_moe, moe_cpu, chain):
     from coli.bench import run_bench
 
     m = moe_cpu.model
-    dev = device_engine(device_moe, COLI_VK_LAYERS=-1, COLI_VK_CPU_MOE=1, COLI_VK_TIER_GB=tier_gb(m, 9))
+    dev = device_engine(device_moe, COLI_VK_LAYERS=-1, COLI_VK_CPU_MOE=1, COLI_VK_TIER_GB=tier_gb(m, 9),
+                        COLI_VK_CHAIN=WAYS[way])
     try:
         dl = dev.model.device_layers
-        assert dl is not None and dl.first == 0
-        dl.chain, dl.events = bool(chain), chain == "event"
+        assert dl is not None and dl.first == 0 and dl.way == way
         assert sorted(dl.resident) == [0, 1, 2, 3]
         assert not dl.resident[0].any() and sum(int(dl.resident[il].sum()) for il in (1, 2, 3)) == 9
         ref, _ = decode_rows(moe_cpu, IDS, 5)
@@ -143,7 +145,7 @@ def test_device_lost_mid_layer_in_one_submit(device_moe, moe_cpu, monkeypatch):
     try:
         ref, _ = decode_rows(moe_cpu, IDS[:7], 4)
         dl = dev.model.device_layers
-        assert dl.chain
+        assert dl.way == "semaphore"
         dl.spin_s = 0.0                          # every layer's route waited for on the timeline
         calls = lose_device_on_call(monkeypatch, dl.K, "wait_value", 2)
         got, _ = decode_rows(dev, IDS[:7], 4)
@@ -159,11 +161,11 @@ def test_device_lost_mid_layer_in_one_submit(device_moe, moe_cpu, monkeypatch):
 def test_device_lost_mid_layer(device_moe, moe_cpu, monkeypatch):
     """A submit a segment: the device fails at the second segment of a token (after the first layer's route was read
     and its CPU experts computed): one line, the layers back on the CPU, the logits the CPU's bits."""
-    dev = device_engine(device_moe, COLI_VK_CPU_MOE=-1)
+    dev = device_engine(device_moe, COLI_VK_CPU_MOE=-1, COLI_VK_CHAIN="off")
     try:
         ref, _ = decode_rows(moe_cpu, IDS[:7], 4)
         dl = dev.model.device_layers
-        dl.chain = False
+        assert dl.way == "split"
         calls = lose_device_on_call(monkeypatch, dl.K, "submit", 2,     # the token's segments, not the K/V upload
                                     lambda rec: any(rec is r for _, r, _ in dl.segs if r is not None))
         got, _ = decode_rows(dev, IDS[:7], 4)
@@ -312,7 +314,7 @@ def test_join_profile(device_moe, moe_cpu):
     off = device_engine(device_moe, COLI_VK_CPU_MOE=-1, COLI_VK_CHAIN="on")
     try:
         dl, dl0 = on.model.device_layers, off.model.device_layers
-        assert dl.chain and dl.prof is not None and dl0.prof is None
+        assert dl.way == "semaphore" and dl.prof is not None and dl0.prof is None
         ref, _ = decode_rows(moe_cpu, IDS, 5)
         got, _ = decode_rows(on, IDS, 5)
         n = len(IDS) - 5
@@ -356,8 +358,8 @@ def test_n_cpu_moe_below_the_device_layers_warns(device_moe, capsys):
     assert "layers 0-1 are on the CPU anyway (the device holds layer 3)" in err, err
 
 
-@pytest.mark.parametrize("chain", [True, False])
-def test_balance_with_device_layers(device_moe, moe_cpu, chain):
+@pytest.mark.parametrize("way", ["semaphore", "split"])
+def test_balance_with_device_layers(device_moe, moe_cpu, way):
     """--balance with device layers whose experts sit on both sides (--n-cpu-moe 1, a --tier-gb holding 9 of the
     other layers' 24 experts): the balancer (scheduler/balancer.py, the tier's rules) takes every cut layer's step
     of a decode row after the token, with its measured times; the resident ranks it hands to the CPU are computed
@@ -367,14 +369,13 @@ def test_balance_with_device_layers(device_moe, moe_cpu, chain):
     resident ranks moved to the CPU."""
 
     m = moe_cpu.model
-    env = dict(COLI_VK_LAYERS=-1, COLI_VK_CPU_MOE=1, COLI_VK_TIER_GB=tier_gb(m, 9))
+    env = dict(COLI_VK_LAYERS=-1, COLI_VK_CPU_MOE=1, COLI_VK_TIER_GB=tier_gb(m, 9), COLI_VK_CHAIN=WAYS[way])
     ref, _ = decode_rows(moe_cpu, IDS, 5)
     n = len(IDS) - 5
     dev = device_engine(device_moe, balance=True, **env)
     try:
         dl = dev.model.device_layers
-        assert dl.bal is not None and dl.xroute is not None
-        dl.chain = chain
+        assert dl.bal is not None and dl.xroute is not None and dl.way == way
         bal = dl.bal
         bal.share = bal.floor
         steps = []
@@ -393,7 +394,6 @@ def test_balance_with_device_layers(device_moe, moe_cpu, chain):
     dev = device_engine(device_moe, balance=True, **env)
     try:
         dl = dev.model.device_layers
-        dl.chain = chain
         r = dev.generate(ids=IDS[:5], max_tokens=6, temp=0.0, stop_at_eos=False)
         assert list(r.ids) == cpu_ids
         assert dl.bal.steps == 4 * 5 and dl.cpu_rows > 0
@@ -438,7 +438,7 @@ def test_balance_device_lost_mid_layer(device_moe, moe_cpu, monkeypatch):
     try:
         ref, _ = decode_rows(moe_cpu, IDS[:7], 4)
         dl = dev.model.device_layers
-        assert dl.chain and dl.bal is not None and dl._V == 2
+        assert dl.way == "semaphore" and dl.bal is not None and dl._V == 2
         dl.spin_s = 0.0
         calls = lose_device_on_call(monkeypatch, dl.K, "wait_value", 2)
         got, _ = decode_rows(dev, IDS[:7], 4)
@@ -514,34 +514,25 @@ def test_swaps_gated_by_measured_reuse(tmp_path_factory, skew):
 
 
 def test_chain_setting():
-    """COLI_VK_CHAIN: auto is one submit a token wherever the device has timeline semaphores; on needs the
-    semaphores; another value is one error naming the variable."""
+    """COLI_VK_CHAIN, read once into the way a token runs (``chain_way``): auto is one submit a token (semaphore)
+    wherever the device has timeline semaphores, else a submit a segment; on and event need the semaphores; event
+    with --balance is the semaphore way (the balancer's route has a host value of its own); another value is one error
+    naming the variable."""
     from types import SimpleNamespace
 
     from coli.base.errors import ColiError
-    from coli.vulkan.layer_join import chain_default, chain_events
+    from coli.vulkan.layer_join import chain_way
 
     lava, gpu = SimpleNamespace(timeline=True, type_name="cpu"), SimpleNamespace(timeline=True, type_name="discrete")
     old = SimpleNamespace(timeline=False, type_name="integrated", name="old GPU")
-    for env, want in (({}, (True, True, False)), ({"COLI_VK_CHAIN": "on"}, (True, True, None)),
-                      ({"COLI_VK_CHAIN": "OFF"}, (False, False, False))):
-        with pytest.MonkeyPatch.context() as mp:
-            for k, v in env.items():
-                mp.setenv(k, v)
-            if not env:
-                mp.delenv("COLI_VK_CHAIN", raising=False)
-            assert (chain_default(lava), chain_default(gpu)) == want[:2]
-            assert not chain_events()
-            if want[2] is None:
-                with pytest.raises(ColiError, match="COLI_VK_CHAIN=on: old GPU has no timeline"):
-                    chain_default(old)
-            else:
-                assert chain_default(old) is want[2]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("COLI_VK_CHAIN", "yes")
-        with pytest.raises(ColiError, match=r"COLI_VK_CHAIN='yes': not one of its values \(auto, on, event or off"):
-            chain_default(lava)
-        mp.setenv("COLI_VK_CHAIN", "event")
-        assert chain_default(lava) and chain_events()
-        with pytest.raises(ColiError, match="COLI_VK_CHAIN=event: old GPU has no timeline"):
-            chain_default(old)
+    for v, want in ((None, "semaphore"), ("on", "semaphore"), ("OFF", "split"), ("event", "event")):
+        env = {"COLI_VK_CHAIN": v} if v else {}
+        assert (chain_way(lava, env), chain_way(gpu, env)) == (want, want), v
+        assert chain_way(gpu, env, balance=True) == ("semaphore" if want == "event" else want)
+        if v in ("on", "event"):
+            with pytest.raises(ColiError, match=f"COLI_VK_CHAIN={v}: old GPU has no timeline"):
+                chain_way(old, env)
+        else:
+            assert chain_way(old, env) == "split"
+    with pytest.raises(ColiError, match=r"COLI_VK_CHAIN='yes': not one of its values \(auto, on, event or off"):
+        chain_way(lava, {"COLI_VK_CHAIN": "yes"})
