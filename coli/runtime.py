@@ -393,7 +393,7 @@ def setup_layers(eng, dev, budget: int, balance=None) -> bool:
         first, why = layer_plan.plan(eng.model, budget, eng.ctx, want, prompt_rows=rows, experts=False)
     gate = None
     if want < 0 and moe and not apart and first > 0 and "budget" in why and not layer_plan.is_deepseek4(eng.model.layers[0]):
-        gate = placement_gate(eng, dev, budget, rows, first)     # whole layers, or every layer with experts apart
+        gate = placement_gate(eng, dev, budget, rows, first, balance is True)     # whole layers, or experts apart
         if gate.arm.name == "experts":
             apart, first = True, gate.arm.first
     n = len(eng.model.layers) - first
@@ -405,7 +405,7 @@ def setup_layers(eng, dev, budget: int, balance=None) -> bool:
     instead = "the expert tier instead" if eng.step is not None else "every layer on the CPU"
     v4 = n > 0 and layer_plan.is_deepseek4(eng.model.layers[first])    # its own path (coli/vulkan/layer_dsv4.py)
     resident = (gate.arm.resident if gate is not None and gate.arm.resident is not None else
-                layer_experts(eng, first, budget, cpu_moe) if apart and n else None)
+                layer_experts(eng, first, budget, cpu_moe, balance is True) if apart and n else None)
     if n == 0:
         if not eng.silent:
             # the last layer refused: every layer's reason (runs of layers together), else what stopped the count
@@ -454,18 +454,26 @@ def expert_room(eng, first: int, budget: int) -> int:
     return max(0, (int(budget) - used) // per)
 
 
-def placement_gate(eng, dev, budget: int, rows: int, first: int):
+def run_costs(eng, dev, balance: bool = False):
+    """The placement gate's costs (``coli.vulkan.placement.Runs.costs``) from this device and model's measured runs,
+    the cut layers' of the way they would run (``layer_join.chain_way``: ``COLI_VK_CHAIN``, ``balance``)."""
+    from coli.vulkan.layer_join import chain_way
+
+    return placement.Runs(placement.shape_key(eng.model, dev.name), eng.env).costs(chain_way(dev, eng.env, balance))
+
+
+def placement_gate(eng, dev, budget: int, rows: int, first: int, balance: bool = False):
     """``--gpu-layers -1`` on a MoE model whose layers do not all fit ``budget`` whole (``first`` > 0, the first that
     does): ``coli.vulkan.placement.decide`` between those layers whole and every layer that fits without its experts
     with experts apart (the resident ones by the routing history and the costs this device's runs measured,
-    ``coli.vulkan.placement.Runs``); ``COLI_VK_PLACEMENT`` forces an arm."""
+    :func:`run_costs`); ``COLI_VK_PLACEMENT`` forces an arm."""
     m = eng.model
     n, E, k = len(m.layers), int(eng.args.n_experts), int(eng.args.top_k)
     first_b, _ = layer_plan.plan(m, budget, eng.ctx, None, prompt_rows=rows, experts=False)
     counts = np.zeros((n, E), np.int64)
     if eng.usage is not None and eng.usage.loaded:
         counts[:] = eng.usage.counts[:n]
-    costs = placement.Runs(placement.shape_key(m, dev.name), eng.env).costs()
+    costs = run_costs(eng, dev, balance)
     cap = expert_room(eng, first_b, budget) if first_b < n else 0
     force = str(settings.get("COLI_VK_PLACEMENT", eng.env) or "auto").lower()
     if force not in ("auto",) + placement.ARMS:
@@ -494,10 +502,13 @@ def record_run(eng, dl) -> None:
         return
     cut = len(dl.resident)
     run = tt.run(len(dl.layers) - cut, cut, dl.first)
+    if cut:     # the cut layers with resident experts (their segment), and the way the cut ran
+        run.xcut = sum(1 for mk in dl.resident.values() if mk.any())
+        run.way = dl.way
     placement.Runs(placement.shape_key(eng.model, eng.device.name), eng.env).add(run)
 
 
-def layer_experts(eng, first: int, budget: int, cpu_moe: int) -> dict:
+def layer_experts(eng, first: int, budget: int, cpu_moe: int, balance: bool = False) -> dict:
     """The routed experts of device layers ``first ..`` that sit on the device when they are placed apart from
     their layers: {layer: expert ids} (a layer absent: all of them). ``cpu_moe`` (``COLI_VK_CPU_MOE``): -1 every
     layer's experts on the CPU, N the first N layers' of the model. The other layers' experts fill what
@@ -527,7 +538,7 @@ def layer_experts(eng, first: int, budget: int, cpu_moe: int) -> dict:
     counts = np.zeros((n, E), np.int64)
     if eng.usage is not None and eng.usage.loaded:
         counts[rest] = eng.usage.counts[rest]
-    costs = placement.Runs(placement.shape_key(m, eng.device.name), eng.env).costs()
+    costs = run_costs(eng, eng.device, balance)
     out.update(placement.resident_sets(counts, rest, cap, int(eng.args.top_k), costs, warm_plan))
     return out
 

@@ -9,15 +9,22 @@ intercepts ``h``, ``h2`` are fitted with the rest where the runs determine them)
 
 * a layer whole on the device: ``w``; a layer on the CPU: ``c``;
 * a layer with its experts apart (``DeviceLayers.resident``: a program cut there, the host joining every token): ``a``
-  (the device's layer and the join: the host's wait, the semaphore, the device's restart), plus ``jc`` on the tokens
-  whose route names an expert that is not resident (the CPU's compiled call: :func:`all_resident`), plus ``p`` a routed
-  (row, expert) pair the CPU computes (:func:`cpu_pairs`);
+  (the device's layer up to its route and the join: the host's wait, its signal, the device's restart), plus ``x``
+  when some of its experts are resident (their segment, X_i), plus ``jc`` on the tokens whose route names an expert
+  that is not resident (the CPU's compiled call: :func:`all_resident`), plus ``p`` a routed (row, expert) pair the CPU
+  computes (:func:`cpu_pairs`);
 * a layer with every expert resident has no cut: ``w``.
 
-``jc`` and ``p`` come from the runs' compiled calls (``t = jc + p n`` fitted over the calls, n pairs each); ``h, w, a``
-from the device layers' time a token, less those; ``h2, c`` from the rest of the token (the CPU's layers, the
-sampler). Least squares over the runs' placements (distinct (whole, cut, CPU) counts); a cost the runs do not
-determine leaves the gate undecided: whole layers, said on the start line.
+Serial, although the code lets X_i run beside the host's call (layer_join.py): on an H100 (semaphore way,
+2026-12-07) a cut layer less its calls cost 0.416 ms where all 16 had resident experts and 0.270 ms where 1 of 9 had
+(a max of the two parts would make both the same); ``a`` 0.223 and ``x`` 0.193 (about the X segment's own device time
+by its timestamps) fit both. A way's own runs give its costs (:func:`fit`'s ``way``: a cut run records its way).
+
+``jc`` and ``p`` come from the runs' compiled calls (``t = jc + p n`` fitted over the calls, n pairs each); ``h, w, a,
+x`` from the device layers' time a token, less those; ``h2, c`` from the rest of the token (the CPU's layers, the
+sampler). Least squares over the runs' placements (distinct (whole, cut, cut with resident experts, CPU) counts);
+``x`` needs cut layers with and without resident experts (``--cpu-moe`` beside ``--tier-gb``), else it stays in ``a``
+(None); another cost the runs do not determine leaves the gate undecided: whole layers, said on the start line.
 """
 from __future__ import annotations
 
@@ -72,6 +79,7 @@ class Costs:
     """ms a decode token (the module's model); None: not determined by the runs. ``runs``: the runs they came from."""
     w: float | None = None
     a: float | None = None
+    x: float | None = None
     c: float | None = None
     jc: float | None = None
     p: float | None = None
@@ -84,16 +92,16 @@ class Costs:
         return all(getattr(self, n) is not None for n in names)
 
     def line(self) -> str:
-        f = [(n, getattr(self, n)) for n in ("w", "a", "jc", "p", "c")]
-        txt = {"w": "whole device layer", "a": "cut layer (device part and join)", "jc": "CPU call", "p": "CPU pair",
-               "c": "CPU layer"}
+        f = [(n, getattr(self, n)) for n in ("w", "a", "x", "jc", "p", "c")]
+        txt = {"w": "whole device layer", "a": "cut layer (device part and join)", "x": "its resident experts",
+               "jc": "CPU call", "p": "CPU pair", "c": "CPU layer"}
         return ", ".join(f"{txt[n]} {v:.3f} ms" for n, v in f if v is not None)
 
 
 def layer_costs(costs: Costs, counts, k: int) -> np.ndarray:
     """ms a token of one layer on the device with its ``m`` hottest experts resident (by ``counts`` int [E]), for
-    ``m`` = 0 .. E (f64 [E + 1]): ``w`` at ``m == E`` (no cut), else ``a + jc (1 - all_resident) + p cpu_pairs``
-    (:func:`all_resident`'s product, for every ``m`` at once)."""
+    ``m`` = 0 .. E (f64 [E + 1]): ``w`` at ``m == E`` (no cut), else ``a + x [m > 0] + jc (1 - all_resident) + p
+    cpu_pairs`` (:func:`all_resident`'s product, for every ``m`` at once)."""
     pr = np.sort(_probs(counts))[::-1]
     E = len(pr)
     m = np.arange(E + 1, dtype=np.float64)
@@ -104,7 +112,7 @@ def layer_costs(costs: Costs, counts, k: int) -> np.ndarray:
         allr *= np.clip(M - i * mean, 0.0, None) / np.maximum(1.0 - i * mean, 1e-300)
     allr[m < k] = 0.0
     allr[M >= 1.0 - 1e-12] = 1.0
-    out = costs.a + costs.jc * (1.0 - allr) + costs.p * k * np.clip(1.0 - M, 0.0, None)
+    out = costs.a + (costs.x or 0.0) * (m > 0) + costs.jc * (1.0 - allr) + costs.p * k * np.clip(1.0 - M, 0.0, None)
     out[E] = costs.w
     return out
 
@@ -212,10 +220,10 @@ def predict_experts(costs: Costs, counts: np.ndarray, n: int, first: int, moe, r
         r = np.zeros(E, bool)
         r[list(ids)] = True
         q = 1.0 - all_resident(counts[il], r, k)
-        x = cpu_pairs(counts[il], r, k)
-        joins, pairs, cut = joins + q, pairs + x, cut + 1
+        n_cpu = cpu_pairs(counts[il], r, k)
+        joins, pairs, cut = joins + q, pairs + n_cpu, cut + 1
         if known:
-            ms += costs.a + costs.jc * q + costs.p * x
+            ms += costs.a + (costs.x or 0.0) * bool(len(ids)) + costs.jc * q + costs.p * n_cpu
     return Arm("experts", first, resident, ms if known else None, joins, pairs, cut)
 
 
@@ -242,9 +250,10 @@ def decide(costs: Costs, counts: np.ndarray, n: int, moe, k: int, E: int, first_
 # -- the measured runs ---------------------------------------------------------------------------------------------
 @dataclass
 class Run:
-    """One run's decode tokens of device layers: the placement (``whole``, ``cut``, ``cpu`` layers), its time a token
-    in the device layers (``dl_ms``: submits, waits, joins) and the rest (``rest_ms``), and the CPU's compiled calls
-    of joined experts: their count, pairs, seconds and sums for a line fit (``nn`` sum of n^2, ``nt`` of n t)."""
+    """One run's decode tokens of device layers: the placement (``whole``, ``cut``, ``cpu`` layers; ``xcut`` of the cut
+    ones with resident experts; ``way`` the cut layers' chain, ``layer_join.chain_way``, "" without a cut), its time a
+    token in the device layers (``dl_ms``: submits, waits, joins) and the rest (``rest_ms``), and the CPU's compiled
+    calls of joined experts: their count, pairs, seconds and sums for a line fit (``nn`` sum of n^2, ``nt`` of n t)."""
     whole: int
     cut: int
     cpu: int
@@ -257,6 +266,12 @@ class Run:
     nn: float = 0.0
     nt: float = 0.0
     when: float = 0.0
+    xcut: int = 0
+    way: str = ""
+
+
+#: a run's ``way``: none (no cut layer), or layer_join.chain_way's
+RUN_WAYS = ("", "semaphore", "event", "split")
 
 
 def _read_run(d) -> Run:
@@ -264,8 +279,12 @@ def _read_run(d) -> Run:
     each field is a number of its type (an int field an int), finite, the counts not negative and ``tokens`` > 0
     (what :meth:`Runs.add` keeps; :func:`fit` divides by ``tokens``)."""
     r = Run(**d)
+    if r.way not in RUN_WAYS or (r.way == "") != (r.cut == 0) or not 0 <= r.xcut <= r.cut:
+        raise ValueError(f"way {r.way!r}, xcut {r.xcut!r} of {r.cut!r} cut layers")
     for f in fields(Run):
         v = getattr(r, f.name)
+        if f.type == "str":
+            continue
         whole = f.type == "int"
         if isinstance(v, bool) or not isinstance(v, int if whole else (int, float)) or not math.isfinite(v):
             raise TypeError(f"{f.name}: {v!r}")
@@ -287,10 +306,14 @@ def _lsq(rows, ys, names):
     return {n: float(v) for n, v in zip(names, x)}
 
 
-def fit(runs: list[Run]) -> Costs:
-    """:class:`Costs` from ``runs`` (module docstring): placements averaged first (the same (whole, cut, cpu) counts
-    weigh as one); ``jc``, ``p`` from every run's calls together. The intercepts need three placements (two for
-    ``h2``); with fewer they are 0 and the per-layer costs carry them (exact for the placements measured)."""
+def fit(runs: list[Run], way: str | None = None) -> Costs:
+    """:class:`Costs` from ``runs`` (module docstring), of the cut runs only those of ``way`` (None: all): placements
+    averaged first (the same (whole, cut, xcut, cpu) counts weigh as one); ``jc``, ``p`` from every run's calls
+    together. The intercepts need one placement more than the costs they come with; with fewer they are 0 and the
+    per-layer costs carry them (exact for the placements measured); ``x`` is None (carried by ``a``) where the runs do
+    not tell it apart."""
+    if way is not None:
+        runs = [r for r in runs if not r.cut or r.way == way]
     out = Costs(runs=len(runs))
     if not runs:
         out.note = "no run of device layers measured on this device and model"
@@ -308,25 +331,27 @@ def fit(runs: list[Run]) -> Costs:
         out.jc, out.p = max(out.jc, 0.0), max(out.p, 0.0)
     groups: dict = {}
     for r in runs:
-        g = groups.setdefault((r.whole, r.cut, r.cpu), [0.0, 0.0, 0])
+        g = groups.setdefault((r.whole, r.cut, r.xcut, r.cpu), [0.0, 0.0, 0])
         dl = r.dl_ms - 1e3 * r.call_s / r.tokens     # the CPU's calls: jc and p
         g[0], g[1], g[2] = g[0] + dl * r.tokens, g[1] + r.rest_ms * r.tokens, g[2] + r.tokens
     keys = list(groups)
     dl = [groups[g][0] / groups[g][2] for g in keys]
     rest = [groups[g][1] / groups[g][2] for g in keys]
-    # device layers: h + w whole + a cut (intercept only where three placements tell it)
-    cols = [(g[0], g[1]) for g in keys]
-    used = [i for i, nm in enumerate(("w", "a")) if any(c[i] for c in cols)]
-    names = [("w", "a")[i] for i in used]
-    rows = [[c[i] for i in used] for c in cols]
-    x = _lsq([[1.0] + r for r in rows], dl, ["h"] + names) if len({tuple(r) for r in rows}) > len(names) else None
-    if x is None or any(v is None or v < 0 for v in x.values()):
-        x = _lsq(rows, dl, names)
-        x["h"] = 0.0
+    # device layers: h + w whole + a cut + x xcut (each where the runs have it; x only where it is told apart from a)
+    for names in (("w", "a", "x"), ("w", "a")):
+        used = [i for i, nm in enumerate(names) if any(g[i] for g in keys)]
+        nms = [names[i] for i in used]
+        rows = [[g[i] for i in used] for g in keys]
+        x = _lsq([[1.0] + r for r in rows], dl, ["h"] + nms) if len({tuple(r) for r in rows}) > len(nms) else None
+        if x is None or any(v is None or v < 0 for v in x.values()):
+            x = _lsq(rows, dl, nms)
+            x["h"] = 0.0
+        if all(v is not None for v in x.values()):
+            break
     out.h = x.pop("h") or 0.0
     for nm, v in x.items():
         setattr(out, nm, v)
-    cpu = [g[2] for g in keys]
+    cpu = [g[3] for g in keys]
     if any(cpu):
         y = _lsq([[1.0, c] for c in cpu], rest, ["h2", "c"]) if len(set(cpu)) > 1 else None
         if y is None or any(v is None or v < 0 for v in y.values()):
@@ -340,6 +365,10 @@ def fit(runs: list[Run]) -> Costs:
         miss.append("the CPU's experts joined")
     out.note = f"no run yet with {', '.join(miss)}" if miss else ""
     return out
+
+
+#: the runs file's version (1: no ``xcut`` nor ``way``: started again)
+VERSION = 2
 
 
 class Runs:
@@ -367,6 +396,8 @@ class Runs:
         if self.path is not None and self.path.exists():
             try:
                 doc = json.loads(self.path.read_text("utf-8"))
+                if doc["version"] != VERSION:   # version 1 kept no xcut nor way
+                    raise ValueError(f"version {doc['version']!r}")
                 self.runs = [_read_run(r) for r in doc["runs"]]
             except (ValueError, TypeError, KeyError, OSError):
                 self.runs = []
@@ -376,14 +407,15 @@ class Runs:
             return
         run.when = time.time()
         self.runs = (self.runs + [run])[-self.KEEP:]
-        doc = {"format": "coli_placement_runs", "version": 1, "runs": [r.__dict__ for r in self.runs]}
+        doc = {"format": "coli_placement_runs", "version": VERSION, "runs": [r.__dict__ for r in self.runs]}
         try:
             atomic_write_text(self.path, json.dumps(doc))
         except OSError:
             pass    # measurements only: the next run measures again
 
-    def costs(self) -> Costs:
-        return fit(self.runs)
+    def costs(self, way: str | None = None) -> Costs:
+        """The costs of this device and shape's runs (:func:`fit`), the cut layers' of ``way`` only where given."""
+        return fit(self.runs, way)
 
 
 def shape_key(m, device_name: str) -> str:

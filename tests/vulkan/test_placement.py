@@ -77,23 +77,55 @@ def test_without_measured_costs_the_gate_keeps_whole_layers():
     assert P.decide(P.Costs(), counts, 4, {0, 1, 2, 3}, 2, 8, 3, 0, 9, warm_plan, force="experts").arm.name == "experts"
 
 
-def test_fit_recovers_the_costs_runs_were_made_from():
-    """Runs made from known costs (the calls' times t = jc + p n exactly; each placement's device and rest times by
-    the model) give those costs back, intercepts included (three placements)."""
-    w, a, c, jc, p, h, h2 = 0.2, 0.5, 1.5, 0.04, 0.09, 0.7, 0.3
+def _runs(placements, w, a, x, c, jc, p, h, h2, way="semaphore"):
+    """Runs made from known costs: each placement (whole, cut, xcut, cpu, the CPU calls' pairs of a token) 10 tokens,
+    the calls' times t = jc + p n exactly, the device layers' and the rest's times by the model."""
     runs = []
-    for whole, cut, cpu, ns in [(8, 0, 8, []), (4, 0, 12, []), (0, 16, 0, [8, 7, 6, 8, 5, 8]), (0, 16, 0, [3, 4, 1])]:
+    for whole, cut, xcut, cpu, ns in placements:
         T = 10
-        calls = [x for x in ns for _ in range(T)]      # each token: the listed layers' calls
-        call_s = sum(1e-3 * (jc + p * x) for x in calls)
-        dl = h + w * whole + a * cut + 1e3 * call_s / T
+        calls = [n for n in ns for _ in range(T)]      # each token: the listed layers' calls
+        call_s = sum(1e-3 * (jc + p * n) for n in calls)
+        dl = h + w * whole + a * cut + x * xcut + 1e3 * call_s / T
         runs.append(P.Run(whole, cut, cpu, T, dl, h2 + c * cpu, len(calls), sum(calls), call_s,
-                          float(sum(x * x for x in calls)), sum(x * 1e-3 * (jc + p * x) for x in calls)))
-    got = P.fit(runs)
-    for name, v in dict(w=w, a=a, c=c, jc=jc, p=p, h=h, h2=h2).items():
-        assert getattr(got, name) == pytest.approx(v, rel=1e-9, abs=1e-12), name
-    assert got.note == ""
+                          float(sum(n * n for n in calls)), sum(n * 1e-3 * (jc + p * n) for n in calls),
+                          xcut=xcut, way=way if cut else ""))
+    return runs
+
+
+def test_fit_recovers_the_costs_runs_were_made_from():
+    """Runs made from known costs give those costs back, intercepts included: the resident experts' segment ``x``
+    apart from the join ``a`` where cut layers with and without resident experts were run (``--cpu-moe`` beside
+    ``--tier-gb``), else inside it (``a + x``, ``x`` None); the cut runs of another way (``COLI_VK_CHAIN``) are not
+    used for this one's, and are fitted alone for theirs."""
+    cost = dict(w=0.2, a=0.5, x=0.19, c=1.5, jc=0.04, p=0.09, h=0.7, h2=0.3)
+    places = [(8, 0, 0, 8, []), (4, 0, 0, 12, []), (0, 16, 16, 0, [8, 7, 6, 8, 5, 8]), (0, 16, 0, 0, [3, 4, 1]),
+              (7, 9, 1, 0, [8, 8, 7])]
+    runs = _runs(places, **cost)
+    events = _runs(places[:3], **dict(cost, a=0.3), way="event")
+    for got, used in ((P.fit(runs), 5), (P.fit(runs + events, "semaphore"), 7)):     # the events' whole-layer runs too
+        for name, v in cost.items():
+            assert getattr(got, name) == pytest.approx(v, rel=1e-9, abs=1e-12), name
+        assert got.note == "" and got.runs == used
+    got = P.fit(runs[:3])        # every cut layer with resident experts: their segment inside the join
+    assert got.x is None and got.a == pytest.approx(cost["a"] + cost["x"], rel=1e-9) and got.note == ""
+    assert P.fit(runs + events, "event").a == pytest.approx(0.3 + cost["x"], rel=1e-9)
     assert P.fit(runs[:1]).a is None and "experts apart" in P.fit(runs[:1]).note
+
+
+def test_a_layer_with_resident_experts_pays_their_segment():
+    """The prediction of arm (b) adds ``x`` once for each cut layer holding some of its experts, none for a layer
+    with all (no cut) or none of them; the resident set's greedy sees the same cost (a layer's first resident experts
+    cost ``x`` before they save anything)."""
+    n, E, k = 3, 8, 2
+    counts = np.full((n, E), 9, np.int64)
+    c = P.Costs(w=0.2, a=0.5, x=0.19, c=1.5, jc=0.04, p=0.09)
+    res = {0: list(range(E)), 1: [0, 1, 2], 2: []}
+    arm = P.predict_experts(c, counts, n, 0, set(range(n)), res, k, E)
+    no_x = P.predict_experts(P.Costs(**dict(c.__dict__, x=None)), counts, n, 0, set(range(n)), res, k, E)
+    assert arm.cut == 2 and arm.ms - no_x.ms == pytest.approx(c.x, rel=1e-12)
+    lc = P.layer_costs(c, counts[0], k)
+    assert lc[1] - P.layer_costs(P.Costs(**dict(c.__dict__, x=None)), counts[0], k)[1] == pytest.approx(c.x)
+    assert lc[E] == c.w and lc[0] == pytest.approx(c.a + c.jc + c.p * k)
 
 
 @requires_vulkan
@@ -141,15 +173,21 @@ def test_runs_are_kept_per_device_and_shape_and_read_back(tmp_path):
     assert len(back) == P.Runs.KEEP and back[-1].dl_ms == 5.0 + P.Runs.KEEP + 2 and back[0].dl_ms == 8.0
     assert P.Runs("other-L4", env).runs == []
     good = dict(whole=2, cut=0, cpu=2, tokens=10, dl_ms=5.0, rest_ms=1.0)
-    # not JSON, JSON of another shape, a run a field of the wrong type, no token (fit divides by it), not finite
-    for text in ["not json", "[]", "null", '{"runs": {"a": 1}}', json.dumps({"runs": [dict(good, whole="2")]}),
-                 json.dumps({"runs": [dict(good, tokens=0)]}), json.dumps({"runs": [dict(good, dl_ms=float("nan"))]}),
-                 json.dumps({"runs": [dict(good, cpu=True)]}), json.dumps({"runs": [good, dict(good, cut=-1)]})]:
+    cut = dict(good, cut=2, xcut=1, way="event")
+
+    def doc(*runs, version=P.VERSION):
+        return json.dumps({"version": version, "runs": list(runs)})
+    # not JSON, JSON of another shape, a run a field of the wrong type, no token (fit divides by it), not finite,
+    # version 1 (no xcut, no way), a cut run without its way or another way, a way without a cut, xcut over cut
+    for text in ["not json", "[]", "null", '{"runs": {"a": 1}}', doc(dict(good, whole="2")),
+                 doc(dict(good, tokens=0)), doc(dict(good, dl_ms=float("nan"))),
+                 doc(dict(good, cpu=True)), doc(good, dict(good, cut=-1)), doc(good, version=1),
+                 doc(dict(cut, way="")), doc(dict(cut, way="on")), doc(dict(good, way="event")), doc(dict(cut, xcut=3))]:
         (tmp_path / "runs" / "dev-L4.json").write_text(text)
         r = P.Runs("dev-L4", env)
         assert r.runs == [] and r.costs().runs == 0, text
-    (tmp_path / "runs" / "dev-L4.json").write_text(json.dumps({"runs": [good, dict(good, dl_ms=7)]}))
-    assert [x.dl_ms for x in P.Runs("dev-L4", env).runs] == [5.0, 7]
+    (tmp_path / "runs" / "dev-L4.json").write_text(doc(good, dict(good, dl_ms=7), cut))
+    assert [(x.dl_ms, x.way) for x in P.Runs("dev-L4", env).runs] == [(5.0, ""), (7, ""), (5.0, "event")]
     off = P.Runs("dev-L4", settings.overlay(None, COLI_VK_PLACEMENT_RUNS="off"))
     off.add(P.Run(2, 0, 2, 10, 5.0, 1.0))
     assert off.path is None and sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["dev-L4.json"]
