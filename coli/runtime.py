@@ -475,9 +475,7 @@ def placement_gate(eng, dev, budget: int, rows: int, first: int, balance: bool =
         counts[:] = eng.usage.counts[:n]
     costs = run_costs(eng, dev, balance)
     cap = expert_room(eng, first_b, budget) if first_b < n else 0
-    force = str(settings.get("COLI_VK_PLACEMENT", eng.env) or "auto").lower()
-    if force not in ("auto",) + placement.ARMS:
-        raise ColiError(f"COLI_VK_PLACEMENT={force}: auto, layers or experts")
+    force = settings.get("COLI_VK_PLACEMENT", eng.env)   # auto, layers or experts (the settings refuse another)
     if first_b >= n:     # not one layer without its experts fits: whole layers (none either)
         force = "layers"
     return placement.decide(costs, counts, n, set(m.moe_layers), k, E, first, first_b, cap, warm_plan, force)

@@ -24,7 +24,7 @@ def chain_way(dev, env=None, balance: bool = False) -> str:
     :meth:`RowJoin._run_split`); auto: "semaphore" where the device has timeline semaphores (on an H100 it decodes
     1.05-1.33x a submit a segment), else "split". ColiError for another value (the setting's choices), or for on or
     event where the device has no timeline semaphores."""
-    v = str(settings.get("COLI_VK_CHAIN", env) or "auto").lower()
+    v = settings.get("COLI_VK_CHAIN", env)
     tl = bool(getattr(dev, "timeline", False))
     if v in ("on", "event") and not tl:
         raise ColiError(f"COLI_VK_CHAIN={v}: {getattr(dev, 'name', 'the device')} has no timeline semaphores; "

@@ -134,14 +134,10 @@ class Recorded:
 def prompt_route(dev, env=None) -> str:
     """The prompt GEMM's route on ``dev``: "coopmat" (shaders/lmm_cm.comp: 64-row tiles, float16 products) where
     ``COLI_VK_PROMPT_ROUTE`` (of ``env``, the settings) is auto or coopmat and the device has cooperative matrices
-    (``dev.coopmat``), else "f32" (shaders/lmm.comp). Raises ColiError naming the variable for another value."""
+    (``dev.coopmat``), else "f32" (shaders/lmm.comp). Another value is the settings' error (the variable's choices)."""
     from coli.base.settings import get
 
-    route = str(get("COLI_VK_PROMPT_ROUTE", env) or "auto").lower()
-    if route not in ("f32", "coopmat", "auto"):
-        from coli.base.errors import ColiError
-
-        raise ColiError(f"COLI_VK_PROMPT_ROUTE={route}: f32, coopmat or auto (the device layers' prompt GEMM)")
+    route = get("COLI_VK_PROMPT_ROUTE", env)
     return "coopmat" if route != "f32" and getattr(dev, "coopmat", False) else "f32"
 
 
@@ -161,12 +157,8 @@ class Kernels(HostJoin):
         from coli.base.settings import get
 
         self.rows = int(get("COLI_VK_LAYER_ROWS", env))
-        # rows of a prompt GEMM tile (lmm.comp): 32 or 64 (COLI_VK_PROMPT_TILE)
+        # rows of a prompt GEMM tile (lmm.comp): 32 or 64 (COLI_VK_PROMPT_TILE; the settings refuse another)
         self.tile = int(get("COLI_VK_PROMPT_TILE", env))
-        if self.tile not in (32, 64):
-            from coli.base.errors import ColiError
-
-            raise ColiError(f"COLI_VK_PROMPT_TILE={self.tile}: 32 or 64 (rows of a prompt GEMM tile)")
         #: the prompt GEMM's route (:func:`prompt_route`)
         self.route = prompt_route(dev, env)
         if self.route == "coopmat":

@@ -143,11 +143,9 @@ class MemoryMixin:
     # -- opening steps -----------------------------------------------------------------------------
     def _choose_zero_copy(self, exts: set[str]) -> None:
         """``zero_copy`` and ``zero_copy_why`` from ``COLI_VK_ZERO_COPY`` (auto, on, off), the device's type and
-        its extensions ``exts``. ColiError for another value, or for "on" without VK_EXT_external_memory_host."""
+        its extensions ``exts``. ColiError for "on" without VK_EXT_external_memory_host (another value: the settings')."""
         # zero-copy experts: host memory imported as device memory (VK_EXT_external_memory_host) instead of copies
-        zc = str(settings.get("COLI_VK_ZERO_COPY") or "auto").lower()
-        if zc not in ("auto", "on", "off"):
-            raise ColiError(f"COLI_VK_ZERO_COPY={zc}: auto, on or off (experts mapped from RAM into the device)")
+        zc = settings.get("COLI_VK_ZERO_COPY")
         has_host = "VK_EXT_external_memory_host" in exts
         if zc == "on" and not has_host:
             raise ColiError(f"COLI_VK_ZERO_COPY=on: {self.name} lacks VK_EXT_external_memory_host (host memory "

@@ -181,3 +181,18 @@ def test_an_unknown_coli_variable_is_one_warning_naming_the_closest(capsys, monk
     assert err == [f"coli: warning: {typo} is not a variable coli reads (did you mean COLI_MEM?){tail}",
                    f"coli: warning: {far} is not a variable coli reads{tail}",
                    f"coli: warning: coli_ubatch is not a variable coli reads (did you mean COLI_UBATCH?){tail}"]
+
+
+def test_a_variable_that_takes_a_few_values_is_checked_by_settings_alone():
+    """The readers of a variable with ``choices`` (the device layers' prompt route, tile, DeltaNet form and columns,
+    zero-copy, placement) each refused a value outside them with words of their own, after settings had refused it
+    already: dead code. None is left in coli/ or scheduler/ (cpu_kernels/: an edit there recompiles every kernel)."""
+    raises = re.compile(r'ColiError\(f"(COLI_[A-Z0-9_]+)=\{[^}]*\}: ([^"(]*)')
+    dead = []
+    for p in CODE:
+        if p.relative_to(ROOT).parts[0] in ("coli", "scheduler") and p.name != "settings.py":
+            for name, words in raises.findall(p.read_text(encoding="utf-8")):
+                choices = settings.BY_NAME[name].choices
+                if choices and all(re.search(rf"\b{re.escape(str(c))}\b", words) for c in choices):
+                    dead.append(f"{p.relative_to(ROOT)}: {name}")
+    assert dead == []
