@@ -843,8 +843,10 @@ def close(eng):
         if not eng.silent:
             dl = eng.device_layers
             ms = 1e3 * dl.submit_s / dl.tokens if dl.tokens else 0.0
+            waits = getattr(dl, "gpu_wait_s", 0.0)      # COLI_VK_CHAIN=event: the device's waits, not its work
             gpu = (f" ({1e3 * dl.gpu_s / dl.gpu_tokens:.2f} by the device's timestamps"
-                   f"{'' if dl.gpu_tokens == dl.tokens else ' of ' + counted(dl.gpu_tokens, 'token')})"
+                   f"{'' if dl.gpu_tokens == dl.tokens else ' of ' + counted(dl.gpu_tokens, 'token')}"
+                   f"{f', and {1e3 * waits / dl.gpu_tokens:.2f} waiting for the host' if waits else ''})"
                    if dl.gpu_tokens and dl.gpu_s else "")
             hold = f"; {dl.clock.line()}" if dl.clock is not None else ""
             if getattr(dl, "fence_spin_s", 0) > 0 and not getattr(dl, "resident", None):     # Kernels.submit's poll (COLI_VK_SPIN_US)

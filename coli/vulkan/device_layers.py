@@ -255,6 +255,8 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
         self.submit_s = 0.0     # seconds in the submits and their fence waits (the device's time, seen by the host)
         self.gpu_s = 0.0        # seconds between the command buffer's first and last timestamps (0: none)
         self.gpu_tokens = 0     # the decode tokens gpu_s covers (one in stamp_every)
+        self.gpu_wait_s = 0.0   # COLI_VK_CHAIN=event: of those tokens' timestamps, the device's waits for the host's
+        # events (not in gpu_s: a semaphore-chain segment's timestamps start after its wait)
         self.stamp_every = 16   # the decode tokens between two reads of the device's timestamps (no profile)
         self.prof = JoinProfile() if get("COLI_VK_JOIN_PROFILE", self._env) else None   # where a token's host time goes
         # a decode token's wait polls its fence this long, then blocks (Kernels.submit): COLI_VK_SPIN_US when set, else

@@ -12,6 +12,7 @@ import numpy as np
 
 from coli.base import settings
 from coli.base.errors import ColiError
+from coli.base.progress import compile_seconds
 from coli.vulkan.errors import DeviceLost
 
 
@@ -423,7 +424,8 @@ class RowJoin:
         flag and runs its resident ranks; the host spins on the flag (past ``spin_s``: short sleeps, checking the
         fence), reads the route, computes the CPU's ranks into ``yk`` and sets the layer's event, on which the
         device's ``moe_sum`` waits (no semaphore, no batch boundary). On any failure the host sets every event not yet
-        set, so the buffer drains before the caller goes on."""
+        set, so the buffer drains before the caller goes on. The timestamps (one token in ``stamp_every``) give the
+        device's own time (``gpu_s``) and, apart, its waits for the host's events (``gpu_wait_s``)."""
         K, P, pc = self.K, self.prof, time.perf_counter
         rec, evs = self._erec
         self._seq = seq = (self._seq + 1) & 0xFFFFFFFF or 1
@@ -431,6 +433,7 @@ class RowJoin:
         flags = self._flags_u32
         limit = self.dev._timeout_ns / 1e9
         done, ended, started = set(), False, False
+        k0 = compile_seconds()
         t0 = t = pc()
 
         def poll(j):     # past the spin: short sleeps, the buffer's fence checked, the device's timeout from t0
@@ -477,9 +480,12 @@ class RowJoin:
                 except Exception:  # noqa: BLE001 - a lost device: the caller's DeviceLost says so
                     pass
         self.submit_s += pc() - t0
-        if self._stamps_due():
+        if self._stamps_due() and compile_seconds() == k0:    # a CPU kernel's compile: in the waits, not the token's
             t = pc()
-            self._gpu_add(K.gpu_ms(rec))
+            g = K.gpu_waits_ms(rec)     # the buffer's first to last timestamp holds its waits for the host's events
+            if g is not None:
+                self._gpu_add(g[0])
+                self.gpu_wait_s += g[1] / 1e3
             self.gpu_tokens += 1
             if P is not None:
                 P.lap("timestamps", t)

@@ -129,6 +129,7 @@ class Recorded:
     qpool: object = None
     fence: object = None     # ``VkFence[1]`` of :meth:`Kernels.start`'s submits
     n_stamps: int = 2        # timestamps in qpool (``each``: one before the first op and one after every op)
+    waits: int = 0           # HostWaits with a timestamp before and after each (:meth:`Kernels.gpu_waits_ms`)
 
 
 def prompt_route(dev, env=None) -> str:
@@ -310,7 +311,9 @@ class Kernels(HostJoin):
         order, a memory barrier before each op whose ``wait`` is set, and one at the end that makes the writes
         visible to the host. It may be submitted any number of times (:meth:`submit`). ``timestamps``: a timestamp
         before the first op and after the last (:meth:`gpu_ms`), where the device has them; ``each``: one after
-        every op too (:meth:`op_ms`: a profile of the ops, for benchmarks); ``lead``: the first dispatch waits
+        every op too (:meth:`op_ms`: a profile of the ops, for benchmarks); with ``timestamps`` alone a
+        :class:`HostWait` gets one before it and one after it (:meth:`gpu_waits_ms`: the device's time less its waits
+        for the host); ``lead``: the first dispatch waits
         too (on what earlier submits wrote: a program cut into several command buffers); ``after``: an event of
         :meth:`host_event` the first op waits for, with what the host wrote before it set it (``vkCmdWaitEvents`` from
         the host stage: the spec's way to make host writes made after a submit visible to it; a pipeline barrier's
@@ -329,7 +332,8 @@ class Kernels(HostJoin):
         bi.sType = vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO
         _chk(lib.vkBeginCommandBuffer(cb, bi), "vkBeginCommandBuffer")
         qpool = None
-        n_stamps = len(ops) + 1 if each else 2
+        waits = sum(isinstance(op, HostWait) for op in ops) if timestamps and not each and dev.timestamps else 0
+        n_stamps = len(ops) + 1 if each else 2 + 2 * waits
         if (timestamps or each) and dev.timestamps:
             qpool = timestamp_pool(dev._dev, n_stamps)
             lib.vkCmdResetQueryPool(cb, qpool, 0, n_stamps)
@@ -343,6 +347,7 @@ class Kernels(HostJoin):
         bound = None
         pc = self._pc
         last = None
+        nw = 0      # the HostWaits stamped so far
         if lead:     # a later segment of one submit: it follows a semaphore wait, and the host may have written
             # (yk rows, the balancer's route) since the submit, which the submit's own guarantee does not cover
             mb.srcAccessMask = _ACC_SHADER_WRITE | _ACC_XFER_WRITE | _ACC_HOST_WRITE
@@ -359,8 +364,13 @@ class Kernels(HostJoin):
                 # the host's writes only (the device's own are ordered by the next op's barrier)
                 mb.srcAccessMask = _ACC_HOST_WRITE
                 mb.dstAccessMask = _ACC_SHADER_READ | _ACC_SHADER_WRITE | _ACC_XFER_READ | _ACC_XFER_WRITE
+                if waits:   # the ops before it done ... the wait over (an in-order front end: Lavapipe, NVIDIA)
+                    lib.vkCmdWriteTimestamp(cb, _PSTAGE_BOTTOM, qpool, 1 + 2 * nw)
                 lib.vkCmdWaitEvents(cb, 1, op.event, _PSTAGE_HOST, _PSTAGE_COMPUTE | _PSTAGE_TRANSFER, 1, mb, 0,
                                     ffi.NULL, 0, ffi.NULL)
+                if waits:
+                    lib.vkCmdWriteTimestamp(cb, _PSTAGE_BOTTOM, qpool, 2 + 2 * nw)
+                    nw += 1
                 if each and qpool is not None:
                     lib.vkCmdWriteTimestamp(cb, _PSTAGE_BOTTOM, qpool, n_op + 1)
                 continue
@@ -408,9 +418,9 @@ class Kernels(HostJoin):
         for ev in resets:    # after the barrier: every op above (and the waits before them) done
             lib.vkCmdResetEvent(cb, ev[0], _PSTAGE_COMPUTE | _PSTAGE_TRANSFER)
         if qpool is not None and not each:
-            lib.vkCmdWriteTimestamp(cb, _PSTAGE_BOTTOM, qpool, 1)
+            lib.vkCmdWriteTimestamp(cb, _PSTAGE_BOTTOM, qpool, n_stamps - 1)
         _chk(lib.vkEndCommandBuffer(cb), "vkEndCommandBuffer")
-        return Recorded(arr, n_dispatch, qpool, n_stamps=n_stamps)
+        return Recorded(arr, n_dispatch, qpool, n_stamps=n_stamps, waits=waits)
 
     def gpu_ms(self, rec: Recorded) -> float | None:
         """Milliseconds between the first and the last timestamp of ``rec``'s last run (after its wait), or None
@@ -422,9 +432,24 @@ class Kernels(HostJoin):
             return None if g is None else sum(g)
         return self.dev.timestamp_ms(rec.qpool)
 
+    def gpu_waits_ms(self, rec: Recorded) -> tuple | None:
+        """``(device ms, ms waiting for the host)`` of ``rec``'s last run: its first to last timestamp less the gaps
+        around its :class:`HostWait` ops (from the end of the ops before one to the end of the wait), and those gaps;
+        None without timestamps."""
+        if rec.qpool is None or rec.n_stamps <= 2:
+            g = self.gpu_ms(rec)
+            return None if g is None else (g, 0.0)
+        g = self.dev.timestamp_ms(rec.qpool, rec.n_stamps)
+        if g is None:
+            return None
+        wait = sum(g[1 + 2 * i] for i in range(rec.waits))
+        return sum(g) - wait, wait
+
     def op_ms(self, rec: Recorded) -> list | None:
         """Milliseconds of each op of ``rec``'s last run (recorded with ``each``), or None without timestamps."""
-        return None if rec.qpool is None or rec.n_stamps <= 2 else self.dev.timestamp_ms(rec.qpool, rec.n_stamps)
+        if rec.qpool is None or rec.n_stamps <= 2 or rec.waits:
+            return None
+        return self.dev.timestamp_ms(rec.qpool, rec.n_stamps)
 
     def free(self, rec: Recorded) -> None:
         """Free a command buffer made by :meth:`record` and its query pool (not while it runs)."""

@@ -47,6 +47,20 @@ def test_every_expert_on_the_cpu(device_moe, moe_cpu, way):
         assert dl.cpu_rows == n * 4 * dl.k and dl.dev_rows == 0
         assert rel_err(got, ref) < 1e-5, rel_err(got, ref)
         assert (dl.spun, dl.slept) == ((n * 4, 0) if chain else (0, 0))
+        if way == "event" and dev.device.timestamps:
+            # the one buffer's timestamps hold its waits for the host's events: with the host 20 ms slow a layer,
+            # gpu_wait_s holds at least those 2 tokens x 4 layers x 20 ms, the device's own time (gpu_s) the rest of
+            # the first to last timestamp, and both lie within the submits' wall time
+            import time
+
+            ranks, g0, w0, t0, s0 = dl._cpu_ranks, dl.gpu_s, dl.gpu_wait_s, dl.gpu_tokens, dl.submit_s
+            dl._cpu_ranks = lambda *a: (time.sleep(0.02), ranks(*a))[1]
+            dl.stamp_every = 1
+            decode_rows(dev, IDS[:7], 5)
+            dl._cpu_ranks = ranks
+            waited, own = dl.gpu_wait_s - w0, dl.gpu_s - g0
+            assert dl.gpu_tokens - t0 == 2 and own > 0
+            assert 2 * 4 * 0.02 * 0.95 <= waited and waited + own <= dl.submit_s - s0, (waited, own, dl.submit_s - s0)
     finally:
         dev.close()
 
