@@ -311,7 +311,7 @@ def fit(runs: list[Run], way: str | None = None) -> Costs:
     averaged first (the same (whole, cut, xcut, cpu) counts weigh as one); ``jc``, ``p`` from every run's calls
     together. The intercepts need one placement more than the costs they come with; with fewer they are 0 and the
     per-layer costs carry them (exact for the placements measured); ``x`` is None (carried by ``a``) where the runs do
-    not tell it apart."""
+    not tell it apart or it comes out negative."""
     if way is not None:
         runs = [r for r in runs if not r.cut or r.way == way]
     out = Costs(runs=len(runs))
@@ -346,7 +346,7 @@ def fit(runs: list[Run], way: str | None = None) -> Costs:
         if x is None or any(v is None or v < 0 for v in x.values()):
             x = _lsq(rows, dl, nms)
             x["h"] = 0.0
-        if all(v is not None for v in x.values()):
+        if all(v is not None for v in x.values()) and x.get("x", 0.0) >= 0:     # a negative x: noise, left in a
             break
     out.h = x.pop("h") or 0.0
     for nm, v in x.items():

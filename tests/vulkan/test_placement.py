@@ -109,6 +109,7 @@ def test_fit_recovers_the_costs_runs_were_made_from():
     got = P.fit(runs[:3])        # every cut layer with resident experts: their segment inside the join
     assert got.x is None and got.a == pytest.approx(cost["a"] + cost["x"], rel=1e-9) and got.note == ""
     assert P.fit(runs + events, "event").a == pytest.approx(0.3 + cost["x"], rel=1e-9)
+    assert P.fit(_runs(places, **dict(cost, x=-0.1))).x is None      # a negative segment cost: left inside a
     assert P.fit(runs[:1]).a is None and "experts apart" in P.fit(runs[:1]).note
 
 
