@@ -824,7 +824,20 @@ def build_parser() -> argparse.ArgumentParser:
     _tune_parser(sub)
     for name, sp in sub.choices.items():  # llama.cpp's flags, matched whole: refused in one line or taken as no-ops
         add_llama_flags(sp, name)
+    for sp in (p, *sub.choices.values()):  # type=int / float: "1_0" refused (settings.plain_number), as COLI_* are
+        for kind in (int, float):
+            sp.register("type", kind, _plain(kind))
     return p
+
+
+def _plain(kind):
+    """``kind`` (int or float) as argparse's ``type=kind`` reads a flag's value, refusing what is not a
+    :func:`settings.plain_number` with argparse's own line (``argument --mem: invalid float value: '1_0'``)."""
+    def read(s: str):
+        if not settings.plain_number(s):
+            raise ValueError(s)
+        return kind(s)
+    return read
 
 
 

@@ -203,6 +203,13 @@ def _what(v: Var) -> str:
     return {"path": "a path", "abspath": "an absolute path"}.get(v.kind, "text")
 
 
+def plain_number(s: str) -> bool:
+    """Whether ``s`` may be read as a number by Python's ``int()`` / ``float()``: ASCII without "_". Those take digit
+    separators and other scripts' digits ("1_0" is 10, "١٠" is 10), which C's strtol / strtod (llama.cpp's
+    flags) do not; a user who wrote one meant something else. The settings and the CLI's flags read numbers so."""
+    return s.isascii() and "_" not in s
+
+
 def parse(name: str, raw: str):
     """``raw`` parsed as variable ``name``; ColiError naming the variable when it is not valid."""
     v = BY_NAME[name]
@@ -218,9 +225,7 @@ def parse(name: str, raw: str):
             return False
         raise bad("not a yes/no value")
     nan = "not an integer" if v.kind == "int" else "not a number"
-    # Python's int() and float() take digit separators and other scripts' digits ("1_0" is 10, "١٠" is 10): a
-    # number here is ASCII without "_", as C's strtol / strtod read one
-    if v.kind in ("int", "float") and not (s.isascii() and "_" not in s):
+    if v.kind in ("int", "float") and not plain_number(s):
         raise bad(nan)
     if v.kind == "int":
         try:

@@ -286,3 +286,15 @@ def test_ctx_0_is_the_trained_context_as_llama_cpp_reads_it(capsys):
     assert make_plan(DENSE, ctx=0)["ctx"] == trained
     rc, out, err = _main(capsys, "run", "-m", str(DENSE), "-p", "x", "-n", "1", "-c", "-1")
     assert (rc, out, err) == (2, "", "coli: --ctx: -1 (positions, at least 1; 0: the model's trained context)\n")
+
+
+@pytest.mark.parametrize("argv, says", [(["run", "--mem", "1_0"], "argument --mem: invalid float value: '1_0'"),
+                                        (["bench", "-r", "1_0"], "argument -r/--repetitions: invalid int value: '1_0'"),
+                                        (["run", "-c", "\u0661\u0660"], "argument --ctx/-c/--ctx-size: invalid int value")])
+def test_a_number_flag_with_a_digit_separator_is_refused(capsys, argv, says):
+    """Python's int() / float() read "1_0" as 10 (and other scripts' digits): argparse took --mem 1_0 as 10 GiB, where
+    llama.cpp's std::stoi / stof read a number C's way. Now argparse's own error line, exit 2, as COLI_MEM=1_0 is."""
+    with pytest.raises(SystemExit) as e:
+        _main(capsys, *argv, "-p", "x")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and says in err.splitlines()[-1], err
