@@ -396,7 +396,7 @@ def cmd_serve(a) -> int:
         raise ColiError(f"--port: {a.port} (0 to 65535)")
     if a.queue < 1:
         raise ColiError(f"--queue: {a.queue} (at least 1)")
-    if a.parallel < 1:
+    if a.parallel is not None and a.parallel < 1:
         raise ColiError(f"--parallel: {a.parallel} (slots, at least 1)")
     if not a.body_limit > 0:
         raise ColiError(f"--body-limit: {a.body_limit} (MiB, above 0)")
@@ -415,9 +415,12 @@ def cmd_serve(a) -> int:
     cfg_note = _apply_config(a)
     sock = bind(a.host, a.port)  # a port in use is an error before the model loads
     eng = _open_engine(a, quiet=a.quiet)
-    from coli.slots import check_parallel  # imports the engine (Numba): only for coli serve
+    from coli.slots import auto_parallel, check_parallel  # imports the engine (Numba): only for coli serve
 
     try:
+        if a.parallel is None:  # llama-server's auto: 4 slots sharing the context's positions (paged), where they can
+            a.parallel, unified = auto_parallel(eng)
+            a.kv_unified = a.kv_unified or unified
         check_parallel(eng, a.parallel, a.kv_unified)  # before listening: the slots' KV caches fit the memory budget
     except ColiError:
         _close(eng)
@@ -678,11 +681,13 @@ def _serve_parser(sub) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
     s.add_argument("--port", type=int, default=8080, help="TCP port")
     s.add_argument("--queue", type=int, default=8, help="requests waiting at most (more get 503)")
-    s.add_argument("-np", "--parallel", type=int, default=1, metavar="N",
-                   help="slots: requests decoded together as one batch, each with its own KV cache of --ctx")
+    s.add_argument("-np", "--parallel", type=int, default=None, metavar="N",
+                   help="slots: requests decoded together as one batch, each with its own KV cache of --ctx "
+                        "(default: 4 sharing --ctx positions as with --kv-unified, llama-server's auto; 1 where the "
+                        "caches cannot be paged or with --gpu-layers)")
     s.add_argument("-kvu", "--kv-unified", action="store_true",
-                   help="the slots share --ctx positions in all (each request sized to what it writes; one that does "
-                        "not fit beside the running ones waits) instead of --ctx each")
+                   help="the slots share --ctx positions in all, in blocks of 64 taken as a request grows and given "
+                        "back when it ends (a request whose prompt does not fit waits) instead of --ctx each")
     s.add_argument("--alias", "-a", default=None, help="the served model's id (default: the file's stem)")
     s.add_argument("--api-key", default=None, metavar="KEY",
                    help="clients must send 'Authorization: Bearer KEY' (else COLI_API_KEY; none: no check)")

@@ -723,8 +723,9 @@ def new_cache(eng, n: int, positions: int | None = None):
     c = eng.model.new_cache(cap, rope_ctx=ctx)
     ram = eng.cache
     if ram is not None and ram.limit is not None:
-        key = next(_kv_keys)
-        c.on_write = functools.partial(_kv_written, ram, key, [-1])
+        key, last = next(_kv_keys), [-1]
+        c.on_write = functools.partial(_kv_written, ram, key, last)
+        c.on_give_back = functools.partial(_kv_given_back, ram, key, last)
         weakref.finalize(c, ram.release, key)   # its bytes go back to the expert cache when it is freed
         c.will_write(0)   # what does not grow with the positions (a recurrent state, a cache counted whole)
     return c
@@ -744,6 +745,15 @@ def _kv_written(ram, key, last: list, cache, end: int) -> None:
         return
     ram.reserve(key, max(ram.reserved.get(key, 0), cache.resident_bytes(end)))   # ColiError past the budget
     last[0] = end
+
+
+def _kv_given_back(ram, key, last: list, cache, end: int) -> None:
+    """``Cache.on_give_back`` of a cache :func:`new_cache` made beside a RAM expert cache: the pages past ``end``
+    went back, so the reservation drops to what positions up to ``end`` (rounded up to ``KV_STEP``) hold."""
+    end = min(cache.ctx, -(-int(end) // KV_STEP) * KV_STEP)
+    if end < last[0]:
+        ram.reserve(key, cache.resident_bytes(end))
+        last[0] = end
 
 
 def reset_counters(eng):

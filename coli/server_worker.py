@@ -234,11 +234,11 @@ class Worker:
         except Exception as e:  # noqa: BLE001
             print(f"coli serve: the warm-up failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         finally:
-            for seq in seqs:
-                if seq.slot is not None:
-                    seq.slot.ids = []
+            b.forget()
             self.warmed = dict(steps=b.steps - steps0, rows=b.most_rows_of, seconds=round(time.perf_counter() - t0, 3))
             b.steps, b.most_rows_of, b.reused_rows, b.copied_rows = steps0, 0, 0, 0
+            if b.unified:
+                b.pool.most = 0
             if hist is not None:
                 u.discard_pending()
                 u.counts[...], u.tokens = hist

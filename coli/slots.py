@@ -16,9 +16,13 @@ computes only the rest; when another slot (busy or free) holds a longer prefix, 
 the free slot first (llama-server's ``cache_prompt`` across slots: the turns of conversations, a shared system
 prompt). ``Batcher.reused_rows`` counts the prompt rows so taken.
 
-Unified KV cells (``Batcher(unified=True)``, ``coli serve --kv-unified``): the slots' caches hold the engine's
-context in positions all together, each sized (in pages of :data:`PAGE`) to what its request writes and grown by
-copying its rows; a request that does not fit beside the busy slots raises :class:`NoRoom` and waits.
+Paged KV cells (``Batcher(unified=True)``, ``coli serve``'s default and ``--kv-unified``): the slots share the
+engine's context in positions, blocks of ``coli.kv_blocks.BLOCK`` taken as a sequence grows (its prompt's when
+it starts, one more each ``BLOCK`` generated tokens) and given back when its rows are dropped (a free slot's
+cached rows, least recently used first, when another needs the room). A request whose prompt does not fit
+raises :class:`NoRoom` and waits; a sequence that finds no block for its next token waits a step, and when
+every running sequence waits so, the one started last ends with an error naming ``--ctx`` (its blocks free the
+others): none is cut short silently, no rows are overwritten.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ import numpy as np
 from coli.base.errors import ColiError
 from coli.base.memory import fmt_bytes
 from coli.engine import GenerateResult, StopText, engine_threads
+from coli.kv_blocks import BLOCK, Blocks
 from coli.runtime import kv_cache_bytes
 
 
@@ -175,10 +180,7 @@ class Sequence:
 
 
 class NoRoom(ColiError):
-    """A sequence's positions do not fit the unified KV cells now (busy slots hold them): start it later."""
-
-
-PAGE = 64  # a unified slot's cache grows in whole pages of positions
+    """A sequence's prompt does not fit the paged KV cells now (busy slots hold them): start it later."""
 
 
 def check_parallel(eng, n_slots, unified: bool = False) -> None:
@@ -186,20 +188,35 @@ def check_parallel(eng, n_slots, unified: bool = False) -> None:
     of the engine's context (each slot holds ``--ctx`` positions; llama-server splits its ``-c`` among them
     instead) do not fit what the memory budget leaves once the model is loaded, or with device layers (they
     hold one sequence's K/V rows). ``unified`` (``--kv-unified``): the slots share ``--ctx`` positions in all,
-    one context's KV cache whatever ``n_slots`` (ColiError for a family with a recurrent state)."""
+    one context's KV cache whatever ``n_slots`` (ColiError for a family whose caches cannot be paged: a recurrent
+    state, a compressed cache)."""
     if isinstance(n_slots, bool) or not isinstance(n_slots, int) or n_slots < 1:
         raise ColiError(f"--parallel: {n_slots!r} (slots, at least 1)")
     if n_slots > 1 and eng.device_layers is not None:  # they hold one sequence's K/V rows on the device
         raise ColiError(f"--parallel {n_slots}: device layers (--gpu-layers) serve one sequence; use --parallel 1 "
                         f"or the expert tier")
-    if unified and not eng.model.new_cache(1, rope_ctx=max(eng.ctx, 1)).rewindable:
-        raise ColiError(f"--kv-unified: {eng.path.name}'s layers keep a recurrent state, not K/V rows by position "
-                        f"(their caches cannot be sized or copied); serve it without --kv-unified")
+    if unified and not pageable(eng):
+        raise ColiError(f"--kv-unified: {eng.path.name}'s layers keep a recurrent state or a compressed cache, not "
+                        f"K/V rows by position (their caches cannot be paged); serve it without --kv-unified")
     need = (1 if unified else n_slots) * kv_cache_bytes(eng.args, eng.ctx)
     if n_slots > 1 and need > eng.room:
         raise ColiError(f"--parallel {n_slots}: {n_slots} slots x --ctx {eng.ctx} positions need "
                         f"{fmt_bytes(need)} of KV cache, more than the {fmt_bytes(eng.room)} the "
                         f"{eng.memory.describe()} leaves once the model is loaded (lower --parallel or --ctx)")
+
+
+def pageable(eng) -> bool:
+    """Whether the engine's caches can be paged (``Cache.pageable``: K/V rows by position in every layer)."""
+    return eng.model.new_cache(1, rope_ctx=1).pageable()
+
+
+def auto_parallel(eng) -> tuple[int, bool]:
+    """``--parallel``'s default, llama-server's auto: 4 slots sharing the context's positions (paged, as its
+    unified cache), or 1 slot where they cannot be shared (device layers hold one sequence's K/V rows; a
+    family with a recurrent state or a compressed cache cannot be paged). (slots, unified)."""
+    if eng.device_layers is not None or not pageable(eng):
+        return 1, False
+    return 4, True
 
 
 class Batcher:
@@ -211,12 +228,10 @@ class Batcher:
     def __init__(self, eng, n_slots: int = 1, chunk: int | None = None, unified: bool = False):
         check_parallel(eng, n_slots, unified)
         self.eng = eng
-        # --kv-unified: the slots' caches hold eng.ctx positions in all, each sized to what its requests write
-        # (whole PAGEs), grown by copying its rows, the free slots' caches dropped (least recently used first)
-        # when a new request needs their room; a request that does not fit beside the busy slots waits (NoRoom)
+        # paged (--kv-unified): the slots hold eng.ctx positions in all, in blocks taken as they grow
         self.unified = bool(unified)
         self.cells = max(eng.ctx, 1)
-        self.most_cells = 0  # the most positions the slots' caches held at once (unified)
+        self.pool = Blocks(-(-self.cells // BLOCK)) if self.unified else None
         self.slots = [Slot(i) for i in range(n_slots)]
         self.chunk = int(chunk or eng.prompt_chunk())
         self.reused_rows = 0  # prompt rows taken from a slot's cache instead of computed
@@ -232,44 +247,52 @@ class Batcher:
         return sum(s.seq is None for s in self.slots)
 
     def held(self) -> int:
-        """Positions the slots' caches hold now."""
+        """Positions the slots hold now: paged, their blocks' (a block counts whole); else their caches'."""
+        if self.unified:
+            return self.pool.held() * self.pool.size
         return sum(s.cache.ctx for s in self.slots if s.cache is not None)
 
-    def need(self, seq: Sequence) -> int:
-        """Positions ``seq`` writes: its prompt and the tokens it may generate."""
-        return len(seq.ids) + max(seq.n_gen, 0)
+    @property
+    def most_cells(self) -> int:
+        """Paged: the most positions the slots held at once (whole blocks)."""
+        return self.pool.most * self.pool.size if self.unified else 0
+
+    def _first(self, seq: Sequence) -> int:
+        """Paged: the positions a sequence holds when it starts, its prompt and its first token's."""
+        return min(len(seq.ids) + 1, self.cells)
 
     def fits(self, seq: Sequence) -> bool:
-        """Whether :meth:`start` can place ``seq`` now: a free slot, and (unified) its positions beside the busy
-        slots' caches (the free slots' caches can be dropped)."""
+        """Whether :meth:`start` can place ``seq`` now: a free slot, and (paged) blocks for its prompt among the
+        free ones and those the free slots hold (their cached rows can be dropped)."""
         if not self.free():
             return False
         if not self.unified:
             return True
-        busy = sum(s.cache.ctx for s in self.slots if s.seq is not None and s.cache is not None)
-        return busy + self.need(seq) <= self.cells
+        idle = sum(self.pool.held(s) for s in self.slots if s.seq is None)
+        return self.pool.blocks_for(self._first(seq)) <= len(self.pool.free) + idle
 
-    def _room(self, slot: Slot, seq: Sequence, n: int) -> None:
-        """Unified: ``slot``'s cache made to hold ``seq``'s positions (a whole number of pages, within the
-        cells the others leave), its first ``n`` rows kept (copied into a bigger cache when it grows); free
-        slots' caches dropped, least recently used first, until the held positions fit the cells."""
-        need = self.need(seq)
-        others = lambda: sum(s.cache.ctx for s in self.slots if s is not slot and s.cache is not None)  # noqa: E731
-        if slot.cache is None or slot.cache.ctx < need:
-            cap = min(-(-need // PAGE) * PAGE, self.eng.ctx)
-            for s in sorted((s for s in self.slots if s is not slot and s.seq is None and s.cache is not None),
-                            key=lambda s: s.used):
-                if others() + cap <= self.cells:
-                    break
-                s.cache, s.ids = None, []
-            cap = max(need, min(cap, self.cells - others()))
-            old = slot.cache
-            slot.cache = self.eng._new_cache(len(seq.ids), positions=cap)
-            if old is not None and n and copy_rows(slot.cache, old, n, self.eng.model.device_layers):
-                slot.ids = slot.ids[:n]
-            else:
-                slot.ids = []
-        self.most_cells = max(self.most_cells, self.held())
+    def _give_back(self, slot: Slot, n: int) -> None:
+        """Paged: ``slot`` keeps its first ``n`` rows; its blocks past them and their pages go back."""
+        del slot.ids[n:]
+        if self.pool.shrink(slot, n) and slot.cache is not None:
+            slot.cache.give_back(self.pool.held(slot) * self.pool.size)
+
+    def _take(self, slot: Slot, positions: int, keep=None) -> bool:
+        """Paged: ``slot`` holds the blocks of positions ``0 .. positions-1``, taking free blocks and, while they
+        are too few, the blocks of free slots (least recently used first; not ``keep``); False when even those
+        are too few (nothing dropped then)."""
+        if self.pool.grow(slot, positions):
+            return True
+        idle = sorted((s for s in self.slots if s is not slot and s is not keep and s.seq is None
+                       and self.pool.held(s)), key=lambda s: s.used)
+        short = self.pool.blocks_for(positions) - self.pool.held(slot) - len(self.pool.free)
+        if short > sum(self.pool.held(s) for s in idle):
+            return False
+        for s in idle:
+            if self.pool.grow(slot, positions):
+                break
+            self._give_back(s, 0)
+        return self.pool.grow(slot, positions)
 
     def start(self, seq: Sequence) -> Sequence:
         """Put ``seq`` in a free slot (ColiError when none is free; :class:`NoRoom` when, unified, its positions
@@ -279,7 +302,8 @@ class Batcher:
         if not free:
             raise ColiError("no free slot")
         if not self.fits(seq):
-            raise NoRoom(f"--kv-unified: {self.need(seq)} positions do not fit beside the busy slots' now")
+            raise NoRoom(f"--kv-unified: the prompt's {self._first(seq)} positions do not fit beside the running "
+                         f"requests' now")
         ids = seq.ids
         limit = len(ids) - 1  # the last prompt token always runs: its logits give the first token
 
@@ -295,15 +319,20 @@ class Batcher:
             slot = min(free, key=lambda s: (s.cache is not None, s.used))
         eng = self.eng
         with engine_threads(eng):
-            if self.unified:  # first: it may drop free slots' caches (a donor is chosen among the rest)
-                self._room(slot, seq, n)
-                n = min(n, len(slot.ids))
             donor = max((s for s in self.slots if s is not slot and s.cache is not None and s.cache.rewindable),
                         key=lambda s: min(common_prefix(s.ids, ids), limit), default=None)
             got = min(common_prefix(donor.ids, ids), limit) if donor is not None else 0
-            if not self.unified and (slot.cache is None or (n == 0 and not slot.cache.rewindable)):
+            if slot.cache is None or (n == 0 and not slot.cache.rewindable):
                 slot.cache = eng._new_cache(len(ids))  # the whole context: the slot keeps it for later requests
                 slot.ids = []
+                if self.unified:  # 4 KiB pages: a write commits its positions' pages, not 2 MiB of them
+                    slot.cache.small_pages()
+            if self.unified:  # the prompt's blocks (and its first token's); a donor's rows kept if there is room
+                self._give_back(slot, n)
+                if got <= n or not self._take(slot, self._first(seq), keep=donor):
+                    got = 0
+                    if not self._take(slot, self._first(seq)):  # fits() said there is room: a bug if not
+                        raise ColiError(f"paged KV: no room for {self._first(seq)} positions after fits()")
             if got > n and slot.cache.rewindable and copy_rows(slot.cache, donor.cache, got,
                                                                 eng.model.device_layers):
                 self.copied_rows += got
@@ -323,7 +352,16 @@ class Batcher:
     def step(self) -> list:
         """One step over the active sequences; returns those that finished in it (``done``). A sequence whose
         ``should_stop()`` says so ends "cancelled" before its rows run; a failed step ends the sequences in it
-        with the error (their slots' rows dropped)."""
+        with the error (their slots' rows dropped). Paged: a sequence that finds no block for its rows sits the
+        step out; when all do, the one started last ends with a ColiError naming ``--ctx``."""
+        finished = self._step()
+        if self.unified:  # an ended sequence's slot keeps its rows (the prompt cache), not the blocks past them
+            for seq in finished:
+                if seq.slot is not None and seq.slot.seq is None:
+                    self._give_back(seq.slot, len(seq.slot.ids))
+        return finished
+
+    def _step(self) -> list:
         finished = []
         work = []
         for seq in self.active():
@@ -343,10 +381,21 @@ class Batcher:
                 # first token waits for the step running when it came, not also for a long prompt's next rows
                 continue
             rows = seq.next_rows(budget)
+            if self.unified and not self._take(seq.slot, len(seq.slot.ids) + len(rows)):
+                continue  # no block for its rows now: it waits for one that a finishing sequence gives back
             if seq.pending:
                 budget -= len(rows)
                 ends_prompt = ends_prompt or len(rows) == len(seq.pending)
             parts.append((seq, rows))
+        if not parts:  # paged, every sequence waits for a block: the one started last ends, its blocks free the rest
+            seq = max(work, key=lambda s: s.t0)
+            at = len(seq.slot.ids)
+            seq.slot.ids = []
+            seq.end("error", ColiError(
+                f"the KV cache is full: the {len(work)} running requests hold all {self.cells} positions of the "
+                f"context (--ctx), and this one, at position {at}, was started last; retry it, or start the server "
+                f"with a larger --ctx or a smaller --parallel"))
+            return [seq]
         eng = self.eng
         try:
             with engine_threads(eng):
@@ -373,6 +422,14 @@ class Batcher:
             if seq.done:
                 finished.append(seq)
         return finished
+
+    def forget(self) -> None:
+        """The free slots drop their rows (the prompt cache; paged: their blocks and pages go back)."""
+        for s in self.slots:
+            if s.seq is None:
+                if self.unified:
+                    self._give_back(s, 0)
+                s.ids = []
 
     def run(self, seqs) -> list:
         """Start ``seqs`` in order, each as soon as it fits (a free slot; unified, its positions), and step until

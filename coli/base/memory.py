@@ -193,3 +193,82 @@ def touched_bytes(a, rows: int, mode: str | None = None) -> int:
             pages += hi - lo + 1
             last = hi
     return pages * g
+
+
+# madvise(2) advice values (Linux, <asm-generic/mman-common.h>): the paged KV cache's (coli.kv_blocks) pages
+MADV_DONTNEED, MADV_NOHUGEPAGE = 4, 15
+_libc = None
+
+
+def _madvise(addr: int, length: int, advice: int) -> None:
+    """``madvise(addr, length, advice)`` through the C library (NumPy arrays are no ``mmap`` objects); OSError
+    naming the call when the kernel refuses it."""
+    global _libc
+    if _libc is None:
+        import ctypes
+        import ctypes.util
+
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    if length > 0 and _libc.madvise(addr, length, advice) != 0:
+        import ctypes
+
+        e = ctypes.get_errno()
+        raise OSError(e, f"madvise({addr:#x}, {length}, {advice}): {os.strerror(e)}")
+
+
+def _runs(a, rows: int, end: int | None = None):
+    """The whole 4 KiB pages of rows ``rows .. end-1`` (all rows when None) of every block of ``a`` (an array
+    [B, R, ...], C order, as :func:`touched_bytes` reads it): (address, length) pairs, one a block."""
+    n = int(a.nbytes)
+    if n == 0:
+        return []
+    blocks = int(a.shape[0])
+    blk = n // max(1, blocks)
+    row = blk // max(1, int(a.shape[1]))
+    lo_b, hi_b = max(0, int(rows)) * row, blk if end is None else min(blk, int(end) * row)
+    base = int(a.ctypes.data)
+    out = []
+    for b in range(blocks):
+        lo = -(-(base + b * blk + lo_b) // PAGE) * PAGE   # only pages wholly inside the run: never a kept row's
+        hi = (base + b * blk + hi_b) // PAGE * PAGE
+        if hi > lo:
+            out.append((lo, hi - lo))
+    return out
+
+
+def small_pages(a) -> None:
+    """Back array ``a`` (a fresh one, not yet written) with 4 KiB pages, not transparent huge pages
+    (``MADV_NOHUGEPAGE`` over its whole pages; NumPy advises huge pages on arrays of 4 MiB and more): a write
+    commits the 4 KiB around it, not the 2 MiB, so a cache holds the pages of the positions written
+    (:func:`touched_bytes` with ``mode="never"``). Linux; OSError from the call."""
+    for addr, length in _runs(a.reshape(1, -1), 0):
+        _madvise(addr, length, MADV_NOHUGEPAGE)
+
+
+def give_back(a, rows: int) -> None:
+    """Give the kernel back the pages of rows ``rows ..`` of every block of ``a`` (an array [B, R, ...], C order: a
+    KV cache side's [heads, positions, width]): ``MADV_DONTNEED`` on the whole 4 KiB pages past each block's row
+    ``rows`` (a page that also holds a kept row stays). The rows read as zeros afterwards (a private anonymous
+    mapping's pages come back zero-filled on the next touch); the caller no longer needs them. Linux; OSError
+    from the call."""
+    for addr, length in _runs(a, rows):
+        _madvise(addr, length, MADV_DONTNEED)
+
+
+def resident_pages(a) -> int:
+    """Bytes of the 4 KiB pages of array ``a``'s span that are in RAM now (``mincore(2)``): for tests that the
+    pages given back are gone."""
+    import ctypes
+
+    global _libc
+    if _libc is None:
+        _madvise(0, 0, 0)   # loads the C library
+    lo = int(a.ctypes.data) // PAGE * PAGE
+    hi = -(-(int(a.ctypes.data) + int(a.nbytes)) // PAGE) * PAGE
+    vec = (ctypes.c_ubyte * ((hi - lo) // PAGE))()
+    _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    if _libc.mincore(lo, hi - lo, vec) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"mincore: {os.strerror(e)}")
+    return sum(v & 1 for v in vec) * PAGE

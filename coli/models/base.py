@@ -244,6 +244,29 @@ class Cache:
         if self.on_write is not None:
             self.on_write(self, min(int(end), self.ctx))
 
+    #: ``on_give_back(cache, end)``, called after the pages of positions ``end ..`` went back (the RAM ledger
+    #: lowers what it counts: ``coli.runtime.new_cache``); None: nobody counts
+    on_give_back = None
+
+    def pageable(self) -> bool:
+        """Whether every layer cache holds its rows by position in arrays whose pages can be given back
+        (``blocks.KV``, MLA's latent cache): the paged KV cells of ``coli.kv_blocks``."""
+        return all(hasattr(c, "give_back") for c in self.layers)
+
+    def small_pages(self) -> None:
+        """4 KiB pages for every layer's arrays (before the first write; ``blocks.KV.small_pages``)."""
+        for c in self.layers:
+            c.small_pages()
+
+    def give_back(self, end: int) -> None:
+        """The pages of positions ``end ..`` of every layer go back to the kernel (they read as zeros; ``pos``
+        is moved back to ``end`` if past it), then ``on_give_back`` is told."""
+        for c in self.layers:
+            c.give_back(end)
+        self.pos = min(self.pos, int(end))
+        if self.on_give_back is not None:
+            self.on_give_back(self, int(end))
+
 
 class Model:
     """A decoder-only model over a ``GGUFModel``: embedding, ``layers`` (the family's decoder layers, made by

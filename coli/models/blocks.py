@@ -69,10 +69,32 @@ class KV:
     def nbytes(self) -> int:
         return self.K.nbytes() + self.V.nbytes()
 
+    #: the page size its writes commit: None, the kernel's (``memory.page_granule``); "never" after
+    #: :meth:`small_pages` (4 KiB)
+    thp = None
+
     def resident_bytes(self, end: int) -> int:
         """Bytes of the pages positions ``0 .. end-1`` commit in both sides' arrays (``memory.touched_bytes``: each
         head's run of rows, at the kernel's page size): what the cache holds once written that far."""
-        return sum(memory.touched_bytes(a, end) for side in (self.K, self.V) for a in side.t[1:])
+        return sum(memory.touched_bytes(a, end, self.thp) for side in (self.K, self.V) for a in side.t[1:])
+
+    def arrays(self) -> list:
+        """The stored arrays, each [heads, positions, ...] (the kinds' own; the empty placeholders left out)."""
+        return [a for side in (self.K, self.V) for a in side.t[1:] if a.size]
+
+    def small_pages(self) -> None:
+        """4 KiB pages for every array (``memory.small_pages``) and none held (an array of reused heap memory was
+        zeroed by a memset that committed it all): from then on a write commits the pages of its positions only
+        (the paged cache, ``coli.kv_blocks``)."""
+        for a in self.arrays():
+            memory.small_pages(a)
+        self.thp = "never"
+        self.give_back(0)
+
+    def give_back(self, end: int) -> None:
+        """The pages of positions ``end ..`` go back to the kernel (``memory.give_back``); they read as zeros."""
+        for a in self.arrays():
+            memory.give_back(a, end)
 
     def write(self, pos0: int, k: np.ndarray, v: np.ndarray) -> None:
         """Rows ``k`` f32 [T, n_kv, head_dim] and ``v`` [T, n_kv, head_dim_v] at positions ``pos0 ..``."""

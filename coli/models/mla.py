@@ -37,7 +37,7 @@ from cpu_kernels.mla import mla_attend
 from cpu_kernels.norms import rms_norm
 from cpu_kernels.rope import NORM, apply_rope
 
-from .blocks import expect_shapes
+from .blocks import KV, expect_shapes
 
 
 class LatentCache:
@@ -52,6 +52,13 @@ class LatentCache:
 
     def nbytes(self) -> int:
         return self.lat.nbytes + self.kr.nbytes
+
+    def arrays(self) -> list:
+        """The arrays as ``coli.models.blocks.KV.arrays`` gives them, [1, positions, width]."""
+        return [self.lat[None], self.kr[None]]
+
+    small_pages = KV.small_pages
+    give_back = KV.give_back
 
     @staticmethod
     def bytes_per_position(kv_lora_rank: int, n_rot: int) -> int:

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Concurrent requests on one engine: aggregate decode tok/s of 1, 2, 4 (and 8) streams decoded together, the
-expert bytes a token costs on a MoE, and the same through ``coli serve --parallel 4`` over HTTP.
+expert bytes a token costs on a MoE, and the same through ``coli serve`` (4 slots) over HTTP.
 
     .venv/bin/python scripts/bench/serve.py [--models smollm2,demo] [--threads 2] [--tokens 32] [--http]
 
@@ -10,8 +10,9 @@ tok/s = tokens generated in them / their seconds; one stream's figure is k = 1 (
 its time for k times its tokens). On a MoE, each step's distinct routed experts per layer (the bytes an expert
 step reads: the expert's file bytes) are counted: expert bytes a token = those bytes / tokens.
 
-Part 2 (``--http``), the reference of the concurrency target (what a user of the server sees): ``coli serve
---parallel 4`` in a subprocess; 1, 2 and 4 clients stream ``--tokens`` tokens each at once (distinct prompts), in
+Part 2 (``--http``), the reference of the concurrency target (what a user of the server sees): ``coli serve``
+in a subprocess, with its default slots (4, sharing the context's positions in paged KV cells) or
+``--serve-args`` (``"--parallel 4"``: 4 slots of a whole context each, as before the paged cells); 1, 2 and 4 clients stream ``--tokens`` tokens each at once (distinct prompts), in
 alternating rounds with the load average printed per round: aggregate decode tok/s = the tokens after each
 stream's first token / (the last stream's last token - the first stream's first token), the median of the
 rounds, 4 clients over 1 (``x_4_vs_1_decode``); end to end (prompts and HTTP included) against the 4 requests
@@ -113,8 +114,8 @@ def _seq(eng, text, n):
     return Sequence(eng, ids, n, s, stop_at_eos=False)
 
 
-def over_http(name: str, threads: int, n_tok: int, rounds: int = 3) -> dict:
-    """``coli serve --parallel 4`` in a subprocess. The reference of the concurrency target: 1, 2 and 4 clients
+def over_http(name: str, threads: int, n_tok: int, rounds: int = 3, serve_args: str = "") -> dict:
+    """``coli serve`` (its default 4 slots, or ``serve_args``) in a subprocess. The reference of the concurrency target: 1, 2 and 4 clients
     streaming at once, rounds alternating (1, 4, 2, then 2, 4, 1, ...), the load average printed with each;
     aggregate decode tok/s = the tokens after each stream's first / (the last stream's last token - the first
     stream's first token); the median of the rounds, and the 4-client figure over the 1-client one
@@ -125,7 +126,7 @@ def over_http(name: str, threads: int, n_tok: int, rounds: int = 3) -> dict:
 
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     p = subprocess.Popen([sys.executable, "-m", "coli", "serve", "-m", str(model_file(name)), "--port", "0", "-q",
-                          "--parallel", "4", "--ctx", "2400", "-t", str(threads)], cwd=ROOT, env=env,
+                          *serve_args.split(), "--ctx", "2400", "-t", str(threads)], cwd=ROOT, env=env,
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base = None
     for line in p.stderr:
@@ -134,7 +135,7 @@ def over_http(name: str, threads: int, n_tok: int, rounds: int = 3) -> dict:
             base = m.group(1)
             break
     threading.Thread(target=lambda: [None for _ in p.stderr], daemon=True).start()
-    res = {"model": name}
+    res = {"model": name, "serve_args": serve_args}
     try:
         def ask(prompt, n, got, i, t_sent=None):
             """Stream one completion; got[i] = dict(n tokens, t0 sent, first / last token times, prompt tokens)."""
@@ -222,7 +223,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3,
                     help="each stream count this many times (in process: the best kept; over HTTP: the median)")
     ap.add_argument("--no-in-process", action="store_true", help="only the HTTP part (with --http)")
-    ap.add_argument("--http", action="store_true", help="also through coli serve --parallel 4")
+    ap.add_argument("--http", action="store_true", help="also through coli serve (4 slots)")
+    ap.add_argument("--serve-args", default="", help="coli serve's flags for --http (default: none, its 4 paged "
+                    "slots; '--parallel 4': a whole context a slot)")
     ap.add_argument("--json", default=None, help="write the records here")
     a = ap.parse_args()
     ks = [int(x) for x in a.streams.split(",")]
@@ -234,7 +237,7 @@ def main() -> int:
             recs += in_process(name, a.threads, a.tokens, ks, a.rounds)
         if a.http:
             print(f"# {name} over HTTP: load average {os.getloadavg()[0]:.1f}", flush=True)
-            recs.append(over_http(name, a.threads, a.tokens, a.rounds))
+            recs.append(over_http(name, a.threads, a.tokens, a.rounds, a.serve_args))
     if a.json:
         Path(a.json).write_text(json.dumps(recs, indent=1))
     return 0

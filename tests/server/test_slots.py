@@ -118,44 +118,116 @@ def test_prompt_cache_own_slot_and_copied(engine, model_path, kv):
     assert sa.result.ids == _alone(eng, a, 12).ids
 
 
-def test_unified_kv_cells_shared_tokens_equal_alone(engine, model_path):
-    """``--kv-unified``: four slots share the context's 256 positions, each cache sized to what its request
-    writes (whole pages of 64); a request that does not fit beside the busy ones waits though a slot is free,
-    starts when one finishes, and every request's tokens equal its run alone; the held positions never pass
-    the 256. A second turn longer than its slot's cache grows it (its rows copied) and reuses them."""
-    from coli.slots import PAGE, NoRoom
+def _paged_invariants(b):
+    """The block accounting of a paged Batcher, exact: every block free or held by one slot; a free slot holds
+    the blocks of its cached rows and no more, a running one at least those; the positions held within the
+    context; each slot cache's resident pages (mincore) within its blocks' positions (edge pages aside)."""
+    from coli.base.memory import PAGE, resident_pages
+
+    pool = b.pool
+    pool.check()
+    assert pool.held() * pool.size <= -(-b.cells // pool.size) * pool.size
+    for s in b.slots:
+        want = pool.blocks_for(len(s.ids))
+        assert (pool.held(s) == want) if s.seq is None else (pool.held(s) >= want), (s.index, pool.held(s), want)
+        if s.cache is not None:
+            for L in s.cache.layers:
+                for a in L.arrays():
+                    heads, row = a.shape[0], a.nbytes // a.shape[0] // a.shape[1]
+                    # each head's run: its blocks' rows, plus a page at each end of the run
+                    assert resident_pages(a) <= heads * (pool.held(s) * pool.size * row + 2 * PAGE) + PAGE
+
+
+def test_paged_kv_shared_tokens_equal_alone(engine, model_path):
+    """Paged KV (``--kv-unified``, the server's default): four slots share the context's 256 positions (4 blocks
+    of 64); a request takes its prompt's blocks when it starts and one more each 64 tokens; a request whose
+    prompt does not fit waits though a slot is free and starts when a finishing one gives its blocks back; a
+    free slot's cached rows are given back when another needs the blocks; every request's tokens equal its run
+    alone (1 and 4 at once), and the accounting invariants hold after every step."""
+    from coli.kv_blocks import BLOCK
+    from coli.slots import NoRoom
 
     eng = engine(model_path("smollm2"), threads=2, ctx=256)
-    long_ids = eng.tokenize(" ".join(["word"] * 60))
+    long_ids = eng.tokenize(" ".join(["word"] * 70))
     ids = [long_ids] + [eng.tokenize(p) for p in PROMPTS[:3]]
     n = 8
     want = [_alone(eng, x, n) for x in ids]
     b = Batcher(eng, 4, chunk=5, unified=True)
-    assert b.unified and b.cells == 256
+    assert b.unified and b.cells == 256 and b.pool.n == 4 and BLOCK == 64
+    first = _seq(eng, ids[1], n)
+    alone = b.run([first])[0]  # one request: the same tokens, then its rows kept in its block
+    alone_slot = first.slot
+    assert alone.ids == want[1].ids and b.pool.held() == 1 and len(alone_slot.ids) == len(ids[1]) + n - 1
+    _paged_invariants(b)
     seqs = [_seq(eng, x, n) for x in ids]
-    for s in seqs[:3]:
-        b.start(s)
-    assert [s.slot.cache.ctx for s in seqs[:3]] == [-(-(len(x) + n) // PAGE) * PAGE for x in ids[:3]] == \
-        [128, 64, 64]
-    assert b.free() == 1 and not b.fits(seqs[3])
+    b.start(seqs[0])   # a prompt of 65-128 positions: two blocks; the free slot's cached rows keep theirs
+    assert 64 < len(long_ids) < 127 and b.pool.held(seqs[0].slot) == 2 and b.pool.held() == 3
+    b.start(seqs[1])   # its prompt is the cached one: its own slot, its block kept
+    assert seqs[1].cached == len(ids[1]) - 1 and seqs[1].slot is alone_slot and b.pool.held() == 3
+    b.start(seqs[2])
+    _paged_invariants(b)
+    assert b.pool.held() == 4 and not b.pool.free and b.free() == 1
+    assert not b.fits(seqs[3])   # a free slot, but no block for its prompt
     with pytest.raises(NoRoom):
         b.start(seqs[3])
     assert seqs[3].slot is None
-    b.run(seqs[3:])  # steps the three until one finishes, then the fourth
+    waiting = [seqs[3]]
     while any(not s.done for s in seqs):
+        while waiting and b.fits(waiting[0]):
+            b.start(waiting.pop(0))
         b.step()
-    assert b.most_cells <= 256 and b.most_rows_of >= 3
+        _paged_invariants(b)
+    assert b.most_cells == 256 and b.most_rows_of >= 3
     for s, w in zip(seqs, want):
         assert s.error is None and s.result.ids == w.ids, (s.result.ids, w.ids)
-    # a second turn of the first short request: more positions than its 64, its rows copied into a bigger cache
-    s1 = seqs[1]
-    turn2 = s1.ids + s1.result.ids + eng.tokenize(" " + " ".join(["more"] * 50), add_bos=False)
-    b2 = Batcher(eng, 1, unified=True)
-    r1 = b2.run([_seq(eng, s1.ids, n)])[0]
-    assert b2.slots[0].cache.ctx == 64
-    r2 = b2.run([_seq(eng, turn2, n)])[0]
-    assert b2.slots[0].cache.ctx == 128 and r2.stats["cached_tokens"] == len(s1.ids) + len(r1.ids) - 1
-    assert r2.ids == _alone(eng, turn2, n).ids
+    b.forget()
+    assert b.pool.held() == 0 and all(not s.ids for s in b.slots)
+    _paged_invariants(b)
+
+
+def test_paged_kv_full_ends_the_last_started_with_an_error(engine, model_path):
+    """Two requests without a token limit on a 128-position context (2 blocks): when neither finds a block for
+    its next token, the one started last ends with an error naming --ctx and gives its blocks back; the other
+    goes on to the end of the context with the tokens it gets alone."""
+    eng = engine(model_path("smollm2"), threads=2, ctx=128)
+    a, c = eng.tokenize(PROMPTS[0]), eng.tokenize(PROMPTS[1])
+    b = Batcher(eng, 2, unified=True)
+    sa = _seq(eng, a, 128 - len(a))
+    sa.stop_at_eos = False
+    sc = _seq(eng, c, 128 - len(c))
+    sc.stop_at_eos = False
+    b.start(sa)
+    b.start(sc)
+    while not (sa.done and sc.done):
+        b.step()
+        _paged_invariants(b)
+    assert sc.finish == "error" and "--ctx" in str(sc.error) and len(sc.out) == 65 - len(c)
+    assert sa.error is None and sa.finish == "length" and len(sa.out) == 128 - len(a)
+    w = eng.generate(ids=a, max_tokens=128 - len(a), temp=0.0, keep_kv=False, stop_at_eos=False)
+    assert sa.result.ids == w.ids
+
+
+def test_blocks_accounting():
+    """``coli.kv_blocks.Blocks``: blocks are lent lowest id first, a grow that does not fit takes nothing, a
+    shrink gives back the blocks past the kept positions, and no block is ever lent twice or lost."""
+    from coli.kv_blocks import Blocks
+
+    p = Blocks(5, 16)
+    assert p.blocks_for(0) == 0 and p.blocks_for(1) == 1 and p.blocks_for(16) == 1 and p.blocks_for(17) == 2
+    assert p.grow("a", 33) and p.table["a"] == [0, 1, 2]
+    assert p.grow("b", 16) and p.table["b"] == [3]
+    assert not p.grow("b", 33) and p.table["b"] == [3] and p.held() == 4   # 2 more wanted, 1 free
+    assert p.grow("a", 40) and p.held("a") == 3        # already held
+    assert p.shrink("a", 17) == 1 and p.table["a"] == [0, 1] and p.free == [4, 2]
+    assert p.grow("b", 48) and p.table["b"] == [3, 2, 4] and not p.free and p.most == 5
+    p.check()
+    assert p.shrink("b", 0) == 3 and p.shrink("a", 0) == 2 and p.held() == 0
+    p.check()
+    p.table["a"] = [1]    # a block both free and lent
+    with pytest.raises(AssertionError):
+        p.check()
+    with pytest.raises(ValueError):
+        Blocks(0)
 
 
 def test_cancel_frees_the_slot(engine, model_path):
