@@ -58,18 +58,15 @@ def common_prefix(a: list, b: list) -> int:
     return i
 
 
-def copy_rows(dst, src, n: int, device_layers=None) -> bool:
+def copy_rows(dst, src, n: int) -> bool:
     """Copy positions ``0 .. n`` of every layer's K/V from cache ``src`` to ``dst`` (``coli.models.base.Cache``
     of the same model): each side's stored arrays as they are (f32 rows, or a typed cache's codes and scales:
     ``cpu_kernels.kvcache.KVSide.t``); False (nothing copied) when a layer's cache is not position-indexed K/V
-    sides of the same types. ``device_layers`` (the model's ``coli.vulkan.device_layers.DeviceLayers``, with
-    ``--gpu-layers``): the rows of ``src`` that only the device holds (a prompt's) are read back first."""
+    sides of the same types. (Device layers, whose rows the device may hold alone, serve one slot: no copy.)"""
     pairs = list(zip(dst.layers, src.layers))
     if not all(hasattr(d, "K") and hasattr(d, "V") and getattr(d, "rewindable", False)
                and getattr(d, "types", None) == getattr(s, "types", None) for d, s in pairs):
         return False
-    if device_layers is not None:
-        device_layers.host_kv(src)
     for d, s in pairs:
         for ds, ss in ((d.K, s.K), (d.V, s.V)):
             for a, b in zip(ds.t[1:], ss.t[1:]):
@@ -333,8 +330,7 @@ class Batcher:
                     got = 0
                     if not self._take(slot, self._first(seq)):  # fits() said there is room: a bug if not
                         raise ColiError(f"paged KV: no room for {self._first(seq)} positions after fits()")
-            if got > n and slot.cache.rewindable and copy_rows(slot.cache, donor.cache, got,
-                                                                eng.model.device_layers):
+            if got > n and slot.cache.rewindable and copy_rows(slot.cache, donor.cache, got):
                 self.copied_rows += got
                 slot.ids = list(donor.ids[:got])
                 n = got

@@ -66,7 +66,8 @@ def _stop(p):
 
 @pytest.fixture(scope="module")
 def server(model_path):
-    p, base = _start(model_path("smollm2"), "--ctx", str(CTX), "--queue", "1", "--cpu-act", "f32")
+    # one slot (-np 1; the default is 4): the queue's order, its limit and the waiting requests are what it tests
+    p, base = _start(model_path("smollm2"), "--ctx", str(CTX), "--queue", "1", "--cpu-act", "f32", "-np", "1")
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
     model_id = client.models.list().data[0].id
     yield dict(p=p, base=base, client=client, model=model_id)
@@ -383,7 +384,7 @@ def test_sigterm_saves_routing_history(demo_path, tmp_path):
 def test_sigterm_cuts_a_stream_visibly(model_path):
     """SIGTERM while a stream runs: the stream ends with an error event (code shutting_down), no
     finish_reason "stop" and no [DONE] (a cut answer must not read as complete); the process exits 143."""
-    p, base = _start(model_path("smollm2"), "--ctx", "512", "--no-warmup")
+    p, base = _start(model_path("smollm2"), "--ctx", "512", "--no-warmup", "-np", "1")   # a second request waits
     assert httpx.get(base + "/health", timeout=10).json()["warmup"] is None  # --no-warmup: none ran
     assert not any("warming up" in ln for ln in p.lines), p.lines  # and says none
     events, queued = [], []

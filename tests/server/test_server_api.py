@@ -947,10 +947,10 @@ def test_generic_form_parse_and_schema():
 
 
 def test_kv_unified_server(eng):
-    """``create_app(kv_unified=True)`` (``coli serve --kv-unified``): /health says the slots share the
-    context's cells and how many the slot caches hold (a page-rounded cache of what the request wrote), and
-    a request answers the library's greedy text."""
-    from coli.slots import PAGE
+    """``create_app(kv_unified=True)`` (``coli serve --kv-unified``, the default's paged cells): /health says the
+    slots share the context's cells and how many the slots hold (the blocks of what the request wrote), and a
+    request answers the library's greedy text."""
+    from coli.kv_blocks import BLOCK as PAGE
 
     with _client(eng, parallel=2, kv_unified=True) as c:
         h = c.get("/health").json()

@@ -254,16 +254,16 @@ def test_cancel_frees_the_slot(engine, model_path):
 
 @pytest.mark.parametrize("unified", [False, True])
 def test_server_parallel_streams_together(model_path, unified):
-    """``coli serve --parallel 3`` (and with ``--kv-unified``: the three share the 512 positions): three
-    streamed requests at once are decoded together (a step ran their rows together) and answer what the same
-    requests answer one at a time; a client that leaves mid-stream frees its slot at once."""
+    """``coli serve --parallel 3`` (a whole context a slot), and ``coli serve`` with its defaults (4 slots sharing
+    the 512 positions, paged, as llama-server's auto): three streamed requests at once are decoded together (a
+    step ran their rows together) and answer what the same requests answer one at a time; a client that leaves
+    mid-stream frees its slot at once."""
     httpx = pytest.importorskip("httpx")
     import threading
 
     from tests.server.test_server import _start, _stop
 
-    p, base = _start(model_path("smollm2"), "--parallel", "3", "--ctx", "512", "--queue", "4",
-                     *(["--kv-unified"] if unified else []))
+    p, base = _start(model_path("smollm2"), "--ctx", "512", "--queue", "4", *([] if unified else ["--parallel", "3"]))
     try:
         def ask(prompt, out, i):
             with httpx.stream("POST", base + "/v1/completions", timeout=120,
@@ -283,7 +283,7 @@ def test_server_parallel_streams_together(model_path, unified):
         for t in ts:
             t.join(180)
         h = httpx.get(base + "/health", timeout=10).json()
-        assert h["slots"] == 3 and h["most_in_a_step"] >= 2 and h["kv_unified"] is unified
+        assert h["slots"] == (4 if unified else 3) and h["most_in_a_step"] >= 2 and h["kv_unified"] is unified
         if unified:
             assert h["kv_cells"] == 512 and 0 < h["kv_cells_held"] <= 512
         alone = [None] * 3

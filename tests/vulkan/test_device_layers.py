@@ -137,10 +137,10 @@ def test_another_cache_takes_the_prompt_rows_back(engines):
     assert rel_err(got, ref) < 1e-5, rel_err(got, ref)
 
 
-def test_a_slot_cache_grown_takes_the_rows_only_the_device_held(engines, monkeypatch):
-    """``coli serve --kv-unified`` with device layers: a second turn longer than its slot's cache grows it, the
-    first turn's rows copied (``coli.slots.copy_rows``) while its prompt rows are held by the device only; they are
-    read back first, so the second turn's logits are a fresh CPU-only run's (within 1e-5 of the largest)."""
+def test_a_paged_slot_keeps_the_rows_only_the_device_held(engines):
+    """``coli serve --kv-unified`` (paged cells) with device layers: a second turn reuses its slot's 11 rows
+    (the first turn's prompt rows held by the device only) and gives back its blocks past them, and its logits
+    are a fresh CPU-only run's (within 1e-5 of the largest)."""
     from coli import slots
     from coli.sampling import Sampler
 
@@ -156,15 +156,15 @@ def test_a_slot_cache_grown_takes_the_rows_only_the_device_held(engines, monkeyp
 
     cpu, dev = engines
     dl = dev.model.device_layers
-    monkeypatch.setattr(slots, "PAGE", 8)     # pages of 8 positions: the 64-position context holds a grown cache
     b = slots.Batcher(dev, 1, unified=True)
     p0 = dl.prompt_tokens
     r1 = b.run([seq(IDS[:10], 2)])[0]
-    assert b.slots[0].cache.ctx == 16 and dl.prompt_tokens - p0 == 10 and dl._hi > dl._lo   # device-only rows
+    assert b.pool.held() == 1 and dl.prompt_tokens - p0 == 10 and dl._hi > dl._lo   # device-only rows
     turn2 = IDS[:10] + r1.ids + IDS[::-1]
     s2 = seq(turn2, 3)
     r2 = b.run([s2])[0]
-    assert b.slots[0].cache.ctx == 32 and r2.stats["cached_tokens"] == 11      # grown: 11 rows copied
+    assert r2.stats["cached_tokens"] == 11 and b.pool.held() == b.pool.blocks_for(len(b.slots[0].ids))
+    b.pool.check()
     c = cpu.model.new_cache(64, 64)
     ref = [cpu.model.forward(turn2, c)[-1]] + [cpu.model.forward([t], c)[-1] for t in r2.ids[:-1]]
     assert rel_err(np.array(s2.sampler.rows), np.array(ref)) < 1e-5, rel_err(np.array(s2.sampler.rows), np.array(ref))
