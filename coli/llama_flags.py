@@ -45,6 +45,15 @@ REFUSED: tuple[tuple[tuple[str, ...], object, tuple[str, ...] | None, str], ...]
     (("-to", "--timeout"), 1, ("serve",), "coli serve has no read/write timeout"),
     (("-co", "--color"), "?", ("run", "chat"), "coli writes plain text"),
     (("-pg",), 1, ("bench",), "coli bench runs its -p and -n tests apart (no combined prompt+generation test)"),
+    (("--numa",), 1, None, "coli sets no NUMA policy: its threads and pages are where the OS puts them"),
+    (("--prompt-cache",), 1, ("run",), "coli keeps no prompt cache file (coli chat and coli serve keep a "
+                                       "conversation's KV cache in memory)"),
+    (("--prompt-cache-all", "--prompt-cache-ro"), 0, ("run",), "coli keeps no prompt cache file"),
+    (("--keep",), 1, ("run", "chat"), "coli does not shift the context: coli run stops at --ctx, coli chat drops "
+                                      "the oldest turns"),
+    (("--log-disable",), 0, ("run", "chat", "serve", "perplexity"), "coli's -q (--quiet) leaves out its own lines"),
+    (("-v", "--verbose", "--log-verbose", "-lv", "--verbosity"), "?", None,
+     "coli has no verbose log (--trace FILE.json records a run's timings)"),
 )
 # taken without effect, where coli always does what they ask: (option strings, commands, why)
 ACCEPTED = (

@@ -38,6 +38,12 @@ def _main(capsys, *argv):
     (["serve", "-to", "600"], "-to: coli serve has no read/write timeout"),
     (["run", "-sys", "be brief", "-p", "x"], "-sys: a system message is coli chat's --system TEXT"),
     (["run", "-ub", "0", "-p", "x"], "--ubatch-size: 0 (rows of a prompt step, 1 or more)"),
+    # argparse's usage and "unrecognized arguments" before: flags a llama.cpp user types
+    (["run", "--numa", "distribute", "-p", "x"], "--numa: coli sets no NUMA policy"),
+    (["run", "--prompt-cache", "p.bin", "-p", "x"], "--prompt-cache: coli keeps no prompt cache file"),
+    (["run", "--keep", "4", "-p", "x"], "--keep: coli does not shift the context"),
+    (["serve", "--log-disable"], "--log-disable: coli's -q (--quiet)"),
+    (["run", "-v", "-p", "x"], "-v: coli has no verbose log"), (["bench", "-lv", "3"], "-lv: coli has no verbose log"),
 ])
 def test_a_llama_cpp_flag_coli_does_not_take_is_one_line(capsys, argv, says):
     """One line ``coli: <flag as typed>: ...`` on stderr, exit 2, nothing on stdout, no model opened."""
