@@ -25,7 +25,9 @@ device layers (``--gpu-layers``) ran on the device / on the CPU; 0 and N without
 expert) pairs of the last run computed on the device / on the CPU: the tier's and the device layers' experts),
 ``device_streamed_bytes`` (expert bytes the last run streamed to the device for prompt chunks:
 ``COLI_VK_PROMPT_EXPERTS``), ``early_used`` / ``early_wasted`` (per run: the experts read early that their layer
-routed to / did not, ``COLI_READ_AHEAD``; their bytes are in ``expert_bytes_read``).
+routed to / did not, ``COLI_READ_AHEAD``; their bytes are in ``expert_bytes_read``), ``expert_cache_held`` (bytes the
+RAM expert cache held after the last run: below its slots' bytes where it stopped growing, docs/engine.md "Memory
+budget").
 
 ``cold`` drops the model file's pages (``posix_fadvise(DONTNEED)``) and empties the RAM expert cache before
 each run, so expert loads are real disk reads. See docs/tuning.md.
@@ -58,7 +60,7 @@ FIELDS = ["build_commit", "build_number", "cpu_info", "gpu_info", "backends", "m
 COLI_FIELDS = ["test", "device", "balance", "cpu_act", "expert_cache", "io_threads", "load_avg", "cold",
                "weight_bytes", "weight_gbps", "probe_gbps", "device_rows", "cpu_rows"]
 SAMPLE_FIELDS = ["samples_ns", "samples_ts", "expert_disk_loads", "expert_bytes_read", "device_expert_rows",
-                 "cpu_expert_rows", "device_streamed_bytes", "early_used", "early_wasted"]
+                 "cpu_expert_rows", "device_streamed_bytes", "early_used", "early_wasted", "expert_cache_held"]
 FORMATS = ("md", "json", "csv", "jsonl")
 
 _RANGE = re.compile(r"^(\d+)-(\d+)(?:([+*])(\d+))?$")
@@ -382,7 +384,8 @@ def run_bench(eng, n_prompt=128, n_gen=64, reps=5, cold=False, threads=None, ban
                            early_wasted=[l.get("early_wasted", 0) for l in loads],
                            device_expert_rows=int(last.get("device_expert_rows", 0)),
                            cpu_expert_rows=int(last.get("cpu_expert_rows", 0)),
-                           device_streamed_bytes=int(last.get("device_streamed_bytes", 0)))
+                           device_streamed_bytes=int(last.get("device_streamed_bytes", 0)),
+                           expert_cache_held=int(eng.cache.held) if eng.cache is not None else 0)
                 recs.append(rec)
                 if on_test is not None:
                     on_test(rec)

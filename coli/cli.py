@@ -81,7 +81,7 @@ def _engine_args(p: argparse.ArgumentParser, model_required=False):
                         "else what fits)")
     p.add_argument("--mem", type=float, default=None, metavar="GiB",
                    help="memory the run may use in all (COLI_MEM; default: the smallest of the cgroup's limit and "
-                        "the RAM available)")
+                        "the RAM available less 15%% of the machine's RAM left to the rest of it)")
     p.add_argument("--usage", default=None, metavar="PATH", help="routing history file (default .coli_usage beside the model)")
     p.add_argument("--cpu-act", choices=["f32", "int8"], default=None,
                    help="activations of the CPU matmuls: f32, or int8 per 32 as llama.cpp (default: measured, see docs)")
@@ -770,7 +770,8 @@ def _plan_parser(sub) -> None:
                          "0: the trained context)")
     pl.add_argument("--expert-cache", type=int, default=None, metavar="N", help="RAM expert cache slots per MoE layer")
     pl.add_argument("--mem", type=float, default=None, metavar="GiB",
-                    help="memory the run may use in all (COLI_MEM; default: the cgroup's limit or the RAM available)")
+                    help="memory the run may use in all (COLI_MEM; default: the cgroup's limit or the RAM available "
+                         "less 15%% of the machine's RAM)")
     pl.add_argument("--cache-type-k", "-ctk", default=None, metavar="TYPE",
                     help="KV cache type of K: f32, f16, bf16 or q8_0 (COLI_CACHE_TYPE_K; default f32)")
     pl.add_argument("--cache-type-v", "-ctv", default=None, metavar="TYPE",

@@ -302,6 +302,8 @@ def setup_moe(eng, expert_cache, usage_path, io_threads, keep_raw) -> None:
             pins[l] = set(hot)
     eng.cache = RAMCache(source, slots, pins, io_threads=io_threads, capacity=slots * len(L) * per)
     eng.cache.share(room)   # the KV caches take their bytes out of the same room as they are written (new_cache)
+    if expert_cache is None and eng.memory.reserve:   # sized from the RAM available: stop where others need it
+        eng.cache.guard(eng.memory.reserve, memory.available_ram)
     eng.step = MoEStep(eng.cache, eng.usage, act=eng.cpu_act, trace=eng.trace)
     eng.step.ahead = read_ahead(eng, slots, E, a.top_k)
     eng.ram_cache_bytes = slots * len(L) * per  # the RAM cache's configured size (the tier's budget rule)
@@ -821,6 +823,10 @@ def stats_line(eng, st: dict | None = None) -> str:
               f"read {st.get('bytes_read', 0) / 2**20:.1f} MiB ({eng.expert_slots} slots/layer"
               + (f"; {st['kv_evictions']} evicted to make room for the KV cache" if st.get("kv_evictions") else "")
               + ")")
+        if eng.cache.stopped is not None:
+            held, free = eng.cache.stopped
+            s += (f" | expert cache stopped growing at {_fmt(held)}: the machine's RAM available fell to "
+                  f"{_fmt(free)}, below the {_fmt(eng.memory.reserve)} left to the rest of it")
     if "device_prompt_rows" in st:   # the placement, so a fallback to the CPU never passes for device speed
         s += f" | prompt rows on the device: {st['device_prompt_rows']} of {n_pre}"
     if st.get("compile_s", 0) >= 0.05:   # llama.cpp's load time, apart: a first run's compile is minutes

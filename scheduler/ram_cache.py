@@ -313,6 +313,32 @@ class RAMCache:
         self.load_s = 0.0
         self.on_read = None  # optional callback(layer, e, t0, t1) for the trace
         self._tables: dict = {}  # layer -> (resident int64 [E], descriptors int64 [E, 3, 13]): resident_table
+        # the growth guard (:meth:`guard`): (reserve bytes, a function returning the machine's available RAM)
+        self._guard = None
+        self._next_check = 0     # ``held`` at which the guard next reads the available RAM
+        self.stopped = None      # (bytes held, RAM available) when the guard stopped the pool's growth
+
+    def guard(self, reserve: int, available, step: int = 64 << 20) -> None:
+        """Stop growing once the machine's RAM available (``available()``, bytes) falls below ``reserve`` bytes:
+        read each time the pool has grown by ``step`` bytes since the last read; below it, the pool's size becomes
+        what it holds then (``stopped``: that and the RAM available) and later experts evict to fit, as in a full
+        pool. The memory budget is taken once, at the start; other processes that grow afterwards would otherwise
+        be squeezed out of RAM by a pool filling to it (docs/engine.md "Memory budget"). The pool never grows
+        back: freed arrays stay in the allocator's heap, so shrinking would not give the RAM back either."""
+        self._guard = (int(reserve), available, int(step))
+        self._next_check = self.held
+
+    def _check_growth(self, nbytes: int) -> None:
+        """Under ``_mem_lock``, before an insert of ``nbytes`` that grows the pool: the guard's read (:meth:`guard`)."""
+        reserve, available, step = self._guard
+        if self.held + nbytes < self._next_check:
+            return
+        self._next_check = self.held + nbytes + step
+        free = int(available())
+        if free < reserve:
+            self.stopped = (self.held, free)
+            self.size = self.held
+            self.capacity = self._room()
 
     def resident_table(self, layer: int, n_experts: int):
         """``(resident, descs)`` of ``layer``: ``resident`` int64 [E] 1 where expert e is in the LRU with
@@ -524,6 +550,8 @@ class RAMCache:
             if old is not None:   # read again while cached (two reads raced): the new copy replaces it
                 self.held -= old.nbytes
                 del d[e]
+            if self._guard is not None and self.stopped is None and self.held + w.nbytes <= self.capacity:
+                self._check_growth(w.nbytes)
             while self.held + w.nbytes > self.capacity:
                 if not self._evict_one((layer, e)):
                     if old is not None:

@@ -160,6 +160,7 @@ def pin_available_ram(monkeypatch, gib: float = PINNED_RAM_GIB) -> None:
     from coli.base import memory
 
     monkeypatch.setattr(memory, "available_ram", lambda: int(gib * (1 << 30)))
+    monkeypatch.setattr(memory, "RAM_RESERVE_SHARE", 0.0)   # all of it for the budget, whatever the machine's RAM
 
 
 def pinned_ram_env(gib: float = PINNED_RAM_GIB) -> dict:

@@ -11,7 +11,10 @@ from the host's RAM (which is what ``psutil.virtual_memory()`` reports inside on
   ``/sys/fs/cgroup/memory``; a value of 2**62 or more (the kernel's "unlimited", a page-rounded 2**63 - 1) means
   none.
 * RAM: ``psutil.virtual_memory().available`` plus what this process already holds (its resident set): the
-  budget is what the whole process may hold, so what it holds already counts toward it.
+  budget is what the whole process may hold, so what it holds already counts toward it. Less a reserve left to
+  the rest of the machine (:func:`ram_reserve`) unless ``COLI_MEM`` is given: the RAM available is shared with
+  other processes and the page cache, and a run that takes all of it starves them (measured in docs/engine.md
+  "Memory budget": a default expert cache sized to 20.7 GiB available drove the machine's available RAM to 0).
 * ``COLI_MEM`` (GiB; the flag ``--mem``).
 
 A group whose folder is not under the mount (a container's cgroup namespace shows its own group as ``/``) is
@@ -30,6 +33,9 @@ from coli.base.errors import ColiError
 GiB = 1 << 30
 MiB = 1 << 20
 _UNLIMITED = 1 << 62  # cgroup v1 reports "no limit" as 2**63 - 1 rounded down to a page
+# of the machine's RAM, left available to other processes and the page cache by a budget from the RAM available
+# (at most half of what is available): the 7-job VM of docs/engine.md "Memory budget" grew by 4 GiB (17 %) in 12 min
+RAM_RESERVE_SHARE = 0.15
 
 
 def _read_limit(path: str) -> int | None:
@@ -86,6 +92,18 @@ def available_ram() -> int:
     return int(psutil.virtual_memory().available)
 
 
+def ram_total() -> int:
+    """The machine's RAM in bytes (``psutil.virtual_memory().total``)."""
+    return int(psutil.virtual_memory().total)
+
+
+def ram_reserve(total: int, available: int) -> int:
+    """Bytes a budget from the RAM available leaves to the rest of the machine (other processes, the page cache):
+    ``RAM_RESERVE_SHARE`` of its RAM ``total``, at most half of the RAM ``available`` (a machine short of RAM
+    still runs, with half of it)."""
+    return max(0, min(int(int(total) * RAM_RESERVE_SHARE), int(available) // 2))
+
+
 def process_rss() -> int:
     """This process's resident set in bytes (``psutil.Process().memory_info().rss``)."""
     return int(psutil.Process().memory_info().rss)
@@ -95,11 +113,14 @@ def process_rss() -> int:
 class Budget:
     """``bytes``: the most this process may hold in all; ``source``: where that came from, in words for the start
     line (``"cgroup v1 memory.limit_in_bytes of /box"``, ``"--mem 0.5"``, ``"RAM available"``); ``rss``: the
-    process's resident set when the budget was taken (bytes)."""
+    process's resident set when the budget was taken (bytes); ``reserve``: when the RAM available sets the budget,
+    the bytes of it left to the rest of the machine (:func:`ram_reserve`; the RAM expert cache stops growing when
+    the machine's available RAM falls below it), else 0."""
 
     bytes: int
     source: str
     rss: int = 0
+    reserve: int = 0
 
     def left(self, rss: int | None = None) -> int:
         """Bytes the process may still take: the budget less its resident set (``rss``; now when None), >= 0."""
@@ -118,23 +139,27 @@ def fmt_bytes(n) -> str:
 
 
 def budget(env=None, *, flag: str | None = None, root: str = "/", available: int | None = None,
-           rss: int | None = None) -> Budget:
+           rss: int | None = None, total: int | None = None) -> Budget:
     """The run's memory budget: the smallest of ``COLI_MEM`` (GiB, from ``env``: ``os.environ`` when None), the
     cgroup limit (:func:`cgroup_limit` under ``root``) and the RAM available (``available``: psutil's when None)
-    plus this process's resident set (``rss``: now when None). ``flag``: how the start line names a
-    ``COLI_MEM`` the user gave as a flag (``"--mem"``). ColiError for a malformed ``COLI_MEM``."""
+    plus this process's resident set (``rss``: now when None), less :func:`ram_reserve` of the machine's RAM
+    (``total``: psutil's when None) when ``COLI_MEM`` is not given (given, it is the user's call). ``flag``: how
+    the start line names a ``COLI_MEM`` the user gave as a flag (``"--mem"``). ColiError for a malformed
+    ``COLI_MEM``."""
     env = os.environ if env is None else env
     avail = available_ram() if available is None else int(available)
     own = process_rss() if rss is None else int(rss)
-    got = [(avail + own, "RAM available")]
+    mem = settings.get("COLI_MEM", env)
+    keep = 0 if mem is not None else ram_reserve(ram_total() if total is None else total, avail)
+    got = [(avail + own - keep, f"RAM available less {fmt_bytes(keep)} left to the rest of the machine"
+            if keep else "RAM available", keep)]
     lim, where = cgroup_limit(root)
     if lim is not None:
-        got.append((lim, where))
-    mem = settings.get("COLI_MEM", env)
+        got.append((lim, where, 0))
     if mem is not None:
-        got.append((int(mem * GiB), f"{flag} {env['COLI_MEM']}" if flag else f"COLI_MEM={env['COLI_MEM']}"))
-    b, src = min(got, key=lambda x: x[0])
-    return Budget(int(b), src, own)
+        got.append((int(mem * GiB), f"{flag} {env['COLI_MEM']}" if flag else f"COLI_MEM={env['COLI_MEM']}", 0))
+    b, src, keep = min(got, key=lambda x: x[0])
+    return Budget(int(b), src, own, keep)
 
 
 def mem_flag(a):

@@ -47,7 +47,8 @@ VARS: tuple[Var, ...] = (
     Var("COLI_CACHE", "abspath", None, "folder for downloaded models, the demo MoE, Numba's cache and routing "
         "histories of read-only model folders (default $XDG_CACHE_HOME/coli, else ~/.cache/coli)"),
     Var("COLI_MEM", "float", None, "memory the run may use in all; the budget is the smallest of this, the "
-        "cgroup's limit and the RAM available (docs/engine.md \"Memory budget\")", "GiB", lo=0.1, flag="--mem"),
+        "cgroup's limit and the RAM available (unset: less 15 % of the machine's RAM left to the rest of it; "
+        "docs/engine.md \"Memory budget\")", "GiB", lo=0.1, flag="--mem"),
     Var("COLI_READ_AHEAD", "int", -1, "experts of the next MoE layer a decode row reads early when the RAM expert "
         "cache cannot hold every expert: the next layer's router ranks them on this layer's input (-1: top-k; 0: "
         "no early reads; docs/engine.md \"Early reads\")", "experts", lo=-1),

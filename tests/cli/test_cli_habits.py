@@ -137,6 +137,7 @@ def test_ctx_default_is_trained_context_capped(capsys, ref, monkeypatch):
     monkeypatch.setattr(memory, "cgroup_limit", lambda root="/": (None, ""))
     monkeypatch.setattr(memory, "available_ram", lambda: avail)
     monkeypatch.setattr(memory, "process_rss", lambda: 0)
+    monkeypatch.setattr(memory, "RAM_RESERVE_SHARE", 0.0)   # no reserve left to the rest of the machine
     rc, _, err = _run(capsys, "run", *BASE, "-p", P, "-n", "1")
     assert rc == 0
     assert "ctx 1000 of 8192 trained (capped by the memory budget" in err

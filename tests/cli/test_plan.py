@@ -58,9 +58,11 @@ def test_plan_matches_a_real_run(tiny, tmp_path):
     assert dflt["ram_cache_slots"] == 4 and not dflt["streams_from_disk"] and dflt["steady_disk_bytes_per_token"] == 0
 
 
-def test_plan_device_budget_is_the_tiers_rule(tiny):
+def test_plan_device_budget_is_the_tiers_rule(tiny, monkeypatch):
+    from coli.base import memory
     from scheduler.tier_policy import DeviceMemory, budget_bytes
 
+    monkeypatch.setattr(memory, "RAM_RESERVE_SHARE", 0.0)   # the budget is the 16 GiB available, whatever the RAM
     GiB = 1 << 30
     dev = DeviceMemory("test iGPU", "integrated", 8 * GiB)
     p = make_plan(tiny, device="vulkan", device_info=dev, available=16 * GiB, env={})

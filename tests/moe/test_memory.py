@@ -83,10 +83,17 @@ def test_cgroup_absent(tmp_path):
 def test_budget_is_the_smallest_source(tmp_path):
     r = _tree(tmp_path, "0::/c\n", {"sys/fs/cgroup/cgroup.controllers": "memory",
                                     "sys/fs/cgroup/c/memory.max": str(3 * GiB)})
-    b = memory.budget({}, root=r, available=8 * GiB, rss=GiB)
-    assert (b.bytes, b.source, b.rss) == (3 * GiB, "cgroup v2 memory.max of /c", GiB)
-    b = memory.budget({}, root=r, available=GiB, rss=GiB)          # the RAM available plus what it holds
-    assert (b.bytes, b.source) == (2 * GiB, "RAM available")
+    b = memory.budget({}, root=r, available=8 * GiB, rss=GiB, total=16 * GiB)
+    assert (b.bytes, b.source, b.rss, b.reserve) == (3 * GiB, "cgroup v2 memory.max of /c", GiB, 0)
+    # the RAM available plus what it holds, less 15 % of the machine's RAM left to the rest of the machine
+    b = memory.budget({}, root=r, available=3 * GiB, rss=GiB, total=10 * GiB)
+    assert (b.bytes, b.reserve) == (4 * GiB - 1.5 * GiB, 1.5 * GiB) and memory.RAM_RESERVE_SHARE == 0.15
+    assert b.source == "RAM available less 1.50 GiB left to the rest of the machine"
+    b = memory.budget({}, root=r, available=GiB, rss=GiB, total=16 * GiB)   # at most half of what is available
+    assert (b.bytes, b.reserve, b.source) == (GiB + GiB // 2, GiB // 2, "RAM available less 512 MiB left to the "
+                                                                          "rest of the machine")
+    b = memory.budget({"COLI_MEM": "64"}, root=r, available=GiB, rss=GiB, total=16 * GiB)   # given: no reserve
+    assert (b.bytes, b.source, b.reserve) == (2 * GiB, "RAM available", 0)
     b = memory.budget({"COLI_MEM": "1.5"}, root=r, available=8 * GiB, rss=0)
     assert (b.bytes, b.source) == (int(1.5 * GiB), "COLI_MEM=1.5")
     b = memory.budget({"COLI_MEM": "1.5"}, flag="--mem", root=r, available=8 * GiB, rss=0)
@@ -147,6 +154,73 @@ def _fixed_memory(monkeypatch, available):
     monkeypatch.setattr(memory, "cgroup_limit", lambda root="/": (None, ""))
     monkeypatch.setattr(memory, "available_ram", lambda: available)
     monkeypatch.setattr(memory, "process_rss", lambda: 0)
+    monkeypatch.setattr(memory, "RAM_RESERVE_SHARE", 0.0)   # all of it: these tests' subject is the sizers
+
+
+def test_the_expert_cache_stops_growing_below_the_reserve(tiny):
+    """``RAMCache.guard``: the pool reads the RAM available before an insert that grows it, once per ``step`` bytes
+    of growth; below the reserve its size becomes what it holds, and later experts evict (the pool never above
+    that size); ``stopped`` records the bytes held and the RAM available (exact counts)."""
+    from coli.gguf_file import open_gguf
+    from scheduler.ram_cache import ExpertSource, RAMCache
+
+    g = open_gguf(tiny)
+    layers = {il: tuple(g.tensors[f"blk.{il}.{n}.weight"] for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
+              for il in range(2)}
+    src = ExpertSource(tiny, layers)
+    per = src.held_nbytes(0)
+    pairs = [(il, e) for il in range(2) for e in range(src.n_experts(il))]
+    assert len(pairs) == 8 and src.held_nbytes(1) == per
+    for step, stop in ((0, 4), (2 * per + 1, 6)):   # every insert read / once per 2 experts and a byte of growth
+        cache = RAMCache(src, slots=4, io_threads=1)
+        reads = []
+
+        def available(c=cache):
+            reads.append(c.held)
+            return 10 * per - c.held        # another process takes what the pool takes: 10 experts' bytes at first
+        cache.guard(7 * per, available, step=step)
+        try:
+            for il, e in pairs:
+                cache.put(il, e, src.load(il, e))
+                assert cache.held <= cache.capacity <= 8 * per
+            assert cache.stopped == (stop * per, (10 - stop) * per)     # the first read below 7 experts' bytes
+            assert cache.size == cache.capacity == cache.held == stop * per
+            assert cache.evictions == 8 - stop and sum(len(d) for d in cache.lru.values()) == stop
+            assert reads == ([0, per, 2 * per, 3 * per, 4 * per] if step == 0 else [0, 3 * per, 6 * per])
+        finally:
+            cache.pool.shutdown()
+    src.close()
+
+
+def test_a_default_sized_expert_cache_is_guarded(tiny, tmp_path, monkeypatch):
+    """The engine guards a RAM expert cache it sized from the RAM available (less the reserve), not one of a given
+    ``expert_cache`` size; a machine that ran short stops the pool (nothing cached here: it was short from the
+    first read), the end-of-run line says so, and the tokens are those of an unguarded run."""
+    from coli import runtime as E
+    from coli.engine import Engine
+
+    free = {"now": 64 * GiB}
+    monkeypatch.setattr(memory, "cgroup_limit", lambda root="/": (None, ""))
+    monkeypatch.setattr(memory, "available_ram", lambda: free["now"])
+    monkeypatch.setattr(memory, "ram_total", lambda: 64 * GiB)
+    ids = [5, 6, 7]
+    with Engine(tiny, ctx=64, expert_cache=64, usage=str(tmp_path / "u0"), save_usage=False, env={}) as given:
+        assert given.cache._guard is None
+        ref = given.generate(ids=ids, max_tokens=6, stop_at_eos=False)
+    eng = Engine(tiny, ctx=64, usage=str(tmp_path / "u"), save_usage=False, env={})
+    try:
+        reserve = int(64 * GiB * 0.15)
+        assert eng.memory.reserve == reserve and eng.cache._guard[0] == reserve
+        assert eng.memory.source == f"RAM available less {memory.fmt_bytes(reserve)} left to the rest of the machine"
+        free["now"] = reserve - 1
+        r = eng.generate(ids=ids, max_tokens=6, stop_at_eos=False)
+        assert r.ids == ref.ids
+        assert eng.cache.stopped == (0, reserve - 1) and eng.cache.held == 0 and eng.last_stats["disk_loads"] > 0
+        assert (f"expert cache stopped growing at 0.0 MiB: the machine's RAM available fell to "
+                f"{memory.fmt_bytes(reserve - 1)}, below the {memory.fmt_bytes(reserve)} left to the rest of it"
+                in E.stats_line(eng))
+    finally:
+        eng.close()
 
 
 def test_sizers_fit_a_small_budget(tiny, tmp_path, monkeypatch):
