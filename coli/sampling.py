@@ -99,7 +99,8 @@ def _as_int(name, v, lo=None, what=""):
 class SamplingParams:
     """Sampling settings, validated by ``validated()`` (every field finite and in range).
 
-    ``temp`` >= 0 (0 = greedy); ``top_k`` >= 0 (0 = every token); ``top_p`` in (0, 1] (1 = off); ``min_p`` in
+    ``temp`` >= 0 (0 = greedy); ``top_k`` >= 0 (0 = every token); ``top_p`` in [0, 1] (1 = off; 0 keeps the
+    most likely token, as llama.cpp's top-p keeps at least one); ``min_p`` in
     [0, 1] (0 = off); ``repeat_penalty`` > 0 (1 = off); ``repeat_last_n`` >= -1 (tokens in the penalty window;
     0 = off, -1 = the context size, as llama.cpp); ``presence_penalty``, ``frequency_penalty`` finite (0 = off;
     OpenAI's range is [-2, 2], llama.cpp does not bound them); ``seed``: None or -1 = a random seed (llama.cpp's
@@ -127,7 +128,7 @@ class SamplingParams:
         out = dict(
             temp=_as_float("temp", d["temp"], lo=0.0, what=" (0 for greedy, or above)"),
             top_k=_as_int("top_k", d["top_k"], lo=0, what=" (0 for all, or above)"),
-            top_p=_as_float("top_p", d["top_p"], lo=0.0, hi=1.0, lo_open=True, what=" (in (0, 1])"),
+            top_p=_as_float("top_p", d["top_p"], lo=0.0, hi=1.0, what=" (in [0, 1]; 1 = off)"),
             min_p=_as_float("min_p", d["min_p"], lo=0.0, hi=1.0, what=" (in [0, 1]; 0 = off)"),
             repeat_penalty=_as_float("repeat_penalty", d["repeat_penalty"], lo=0.0, lo_open=True,
                                      what=" (above 0; 1 = off)"),

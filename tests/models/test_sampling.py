@@ -79,7 +79,7 @@ def test_caller_row_is_not_changed():
 @pytest.mark.parametrize("name,value", [
     ("temp", -0.1), ("temp", float("nan")), ("temp", float("inf")), ("temp", "hot"),
     ("top_k", -1), ("top_k", 2.5), ("top_k", True),
-    ("top_p", 0.0), ("top_p", 1.5), ("top_p", float("nan")),
+    ("top_p", -0.1), ("top_p", 1.5), ("top_p", float("nan")),
     ("min_p", -0.01), ("min_p", 1.01), ("min_p", float("inf")),
     ("repeat_penalty", 0.0), ("repeat_penalty", -1.0), ("repeat_penalty", float("nan")),
     ("repeat_last_n", -2), ("repeat_last_n", 1.5),
@@ -141,6 +141,14 @@ def _support(lg, **kw):
     for u in (0.0, 1.0 - 1e-12):
         order.append(Sampler(rng=FixedU(u), **kw).sample(lg))
     return order
+
+
+def test_top_p_0_keeps_the_most_likely_token_as_llama_cpp():
+    """--top-p 0 was refused ("in (0, 1]"); llama.cpp's top-p keeps tokens until their mass reaches p and at least
+    min_keep (1): p = 0 keeps the most likely one, at any temperature, with or without top-k and min-p."""
+    lg = _logits(200, seed=3).astype(np.float64)
+    for kw in (dict(top_k=0), dict(top_k=40), dict(top_k=0, min_p=0.01)):
+        assert _support(lg, temp=5.0, top_p=0.0, **kw) == [int(np.argmax(lg))] * 2
 
 
 def test_top_k_top_p_min_p_keep_llama_cpp_sets():
