@@ -23,11 +23,13 @@ Q6_K    3360    per 256-weight super-block, in the kernel's load order (``_q6_k_
                 ql group 16n + 8 + 4h + gg, qh group 8n + 4h + gg][row] (gg = 0..3; a group: 4 bytes), then the
                 int8 scales of sub-blocks 8n + h, 8n + 2 + h, 8n + 4 + h, 8n + 6 + h [4][16 rows]; then d f16 [16]
 Q5_1    384     codes as Q4_0, then qh uint32 [16], then d f16 [16], then m f16 [16]
-Q5_K    2880    per 256: codes as Q4_K, then qh [g = 0..7][row][qh 4g..4g+3], then Q4_K's unpacked scales and mins,
+Q5_K    2880    per 256: codes as Q4_K and qh [g = 0..7][row][qh 4g..4g+3] in load order (``_il``: code line l and
+                qh line l alternating for l < 8, then code lines 8..31), then Q4_K's unpacked scales and mins,
                 d f16 [16], dmin f16 [16]
 Q2_K    1344    per 256: qs [g = 0..15][row][qs 4g..4g+3], ggml's scale bytes [16][16 rows] (scale low nibble, min
                 high), d f16 [16], dmin f16 [16]
-Q3_K    1824    per 256: qs as Q2_K, hmask [g = 0..7][row][4 bytes], scales - 32 int8 [16][16 rows]
+Q3_K    1824    per 256: qs as Q2_K and hmask [g = 0..7][row][4 bytes] in load order (``_il``: qs line l and hmask
+                line l alternating for l < 8, then qs lines 8..15), scales - 32 int8 [16][16 rows]
                 (``lowbit.q3_k_scales``), d f16 [16]
 MXFP4   272     codes as Q4_0, then the E8M0 exponents uint8 [16]
 NVFP4   576     per 64: codes [g = 0..7][row][4 bytes of ggml's qs: bytes 4g..4g+3] (sub-block g / 2), then the
@@ -36,7 +38,8 @@ IQ4_NL  288     codes as Q4_0, then d f16 [16]
 IQ4_XS  2208    per 256: codes [ib = 0..7][g = 0..3][row][4 bytes of sub-block ib's 16], ls - 32 int8 [8][16 rows]
                 (``dequantize_row_iq4_xs``'s 6-bit scales unpacked), d f16 [16]
 IQ2_XXS 1696    per 256: level codes (2 bits, into 8, 25, 43) as Q2_K's qs, sign bits [g = 0..7][row][4 bytes]
-                (Q3_K's hmask: bit ib of byte l, element 32 ib + l), 2s + 1 int8 [ib = 0..7][16 rows], d f16 [16]
+                (Q3_K's hmask: bit ib of byte l, element 32 ib + l; the two interleaved as Q3_K's), 2s + 1 int8
+                [ib = 0..7][16 rows], d f16 [16]
 IQ2_XS  1824    as IQ2_XXS with a scale per 16: 2s + 1 int8 [u = 0..15][16 rows], d f16 [16]
 IQ2_S   1824    as IQ2_XS
 IQ3_XXS 2208    per 256: nibbles c | sign << 3 (c: 3-bit level code into 4, 12, ..., 52, 62) as IQ4_XS's codes,
@@ -326,6 +329,42 @@ def _q6_k_fields():
     return out + [(208, 1, 2, 3328)]
 
 
+#: the types whose kernel reads a second code plane (Q5_K's qh, Q3_K's hmask, the IQ2 types' sign bits: 8 lines)
+#: beside the first 8 code lines, line by line: the plane's first line (in 64-byte lines) in ggml's field order
+_PLANE = {"Q5_K": 32, "Q3_K": 16, "IQ2_XXS": 16, "IQ2_XS": 16, "IQ2_S": 16}
+
+
+@njit(inline="always", **_JIT)
+def _il(o, pl):
+    """Byte ``o`` of a record in the field order of the module table -> its byte in the stored record, whose
+    plane starts at line ``pl`` (``_PLANE``; 0: no plane, stored as the table says): code lines 0-7 and the
+    plane's 8 lines interleaved (line 2l, plane line l at 2l + 1), in the order the kernel reads them, then code
+    lines 8 .. pl - 1; the scales and d stay where they are. Read in field order (code line l, then plane line
+    pl + l) a Q6_K record streamed from memory at half its rate in load order (docs/cpu_kernels.md, "Q6_K in
+    load order", "Code planes in load order")."""
+    if pl == 0:
+        return o
+    line = o >> 6
+    if line < 8:
+        line = 2 * line
+    elif line < pl:
+        line = line + 8
+    elif line < pl + 8:
+        line = 2 * (line - pl) + 1
+    return 64 * line + (o & 63)
+
+
+def _planed(fields, pl):
+    """``_FIELDS`` with each width-4 field (a 64-byte line an item) split into lines placed by ``_il``."""
+    out = []
+    for src, cnt, w, dst in fields:
+        if w != 4:
+            out.append((src, cnt, w, dst))
+            continue
+        out += [(src + 4 * k, 1, 4, _il.py_func(dst + 64 * k, pl)) for k in range(cnt)]
+    return out
+
+
 #: per type: the (src byte, count, width, dst byte) fields of ``_pack`` (ggml-common.h block_* layouts)
 _FIELDS = {"Q4_0": [(2, 4, 4, 0), (0, 1, 2, 256)],
            "Q4_1": [(4, 4, 4, 0), (0, 1, 2, 256), (2, 1, 2, 288)],
@@ -338,9 +377,9 @@ _FIELDS = {"Q4_0": [(2, 4, 4, 0), (0, 1, 2, 256)],
            "IQ4_NL": [(2, 4, 4, 0), (0, 1, 2, 256)],
            "IQ4_XS": [(8, 32, 4, 0), (0, 1, 2, 2176)],
            "Q2_K": [(16, 16, 4, 0), (0, 16, 1, 1024), (80, 1, 2, 1280), (82, 1, 2, 1312)],
-           "Q3_K": [(32, 16, 4, 0), (0, 8, 4, 1024), (108, 1, 2, 1792)],
+           "Q3_K": _planed([(32, 16, 4, 0), (0, 8, 4, 1024), (108, 1, 2, 1792)], _PLANE["Q3_K"]),
            "Q5_1": [(8, 4, 4, 0), (4, 1, 4, 256), (0, 1, 2, 320), (2, 1, 2, 352)],
-           "Q5_K": [(48, 32, 4, 0), (16, 8, 4, 2048), (0, 1, 2, 2816), (2, 1, 2, 2848)]}
+           "Q5_K": _planed([(48, 32, 4, 0), (16, 8, 4, 2048), (0, 1, 2, 2816), (2, 1, 2, 2848)], _PLANE["Q5_K"])}
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=False)
@@ -404,8 +443,8 @@ def _pack_grid(blk, kind, cmap, ksig, out):
                         if iq2:   # Q2_K's qs (element 128n + 32j + l'), sign bit ib of hmask byte l'
                             lp = e & 31
                             q = 64 * (8 * (e >> 7) + (lp >> 2)) + 4 * r + (lp & 3)
-                            out[t, b, q] |= code << (2 * ((e >> 5) & 3))
-                            out[t, b, 1024 + 64 * (lp >> 2) + 4 * r + (lp & 3)] |= neg << ib
+                            out[t, b, _il(q, 16)] |= code << (2 * ((e >> 5) & 3))
+                            out[t, b, _il(1024 + 64 * (lp >> 2) + 4 * r + (lp & 3), 16)] |= neg << ib
                         else:     # IQ4_XS's nibbles: c | sign << 3
                             w = e & 31
                             q = 256 * ib + 64 * ((w >> 2) & 3) + 4 * r + (w & 3)
@@ -776,8 +815,8 @@ def _emit_iq2(t):
         acc = [[[zero] * nh for _ in range(4)] for _ in range(nr)]
         for g in range(8):
             h = (g >> 2) if nh == 2 else 0
-            V = ld(64 * (8 * n + g), _I8x64)
-            H = ld(1024 + 64 * g, _I8x64)
+            V = ld(_il.py_func(64 * (8 * n + g), 16), _I8x64)
+            H = ld(_il.py_func(1024 + 64 * g, 16), _I8x64)
             nib = (b.and_(V, m4), b.and_(srl(V, 4), m4))
             for j in range(4):
                 wv = b.bitcast(b.call(op.shuf512, [tabs[j & 1], nib[j >> 1]]), _I32x16)
@@ -889,6 +928,7 @@ def _emit_q2_q3_k(t):
     # -4 exactly as 4 x the sub-block's activation code sum; Q2_K's mins go through the same sums
     s0 = b.mul(k, c(8))
     q3 = name == "Q3_K"
+    pl = _PLANE.get(name, 0)
     saccs = [ir.Constant(_F32x16, None)] * nr
     maccs = [ir.Constant(_F32x16, None)] * nr
     m3 = bmask(3)
@@ -898,8 +938,8 @@ def _emit_q2_q3_k(t):
             acc = [[zero] * 4 for _ in range(nr)]
             for gg in range(4):
                 g = 4 * h + gg
-                V = ld(64 * (8 * n + g), _I8x64)
-                H = ld(1024 + 64 * g, _I8x64) if q3 else None
+                V = ld(_il.py_func(64 * (8 * n + g), pl), _I8x64)
+                H = ld(_il.py_func(1024 + 64 * g, pl), _I8x64) if q3 else None
                 for j in range(4):
                     cv = b.and_(srl(V, 2 * j), m3)
                     if q3:
@@ -989,6 +1029,7 @@ def _emit_q4_q5_k(t):
     s0 = b.mul(k, c(8))
     saccs = [ir.Constant(_F32x16, None)] * nr
     b16 = bmask(16)
+    pl = _PLANE.get(name, 0)
 
     def bit4(H, bit):  # bit ``bit`` of each byte of H moved to bit 4 (Q5_K's fifth bit)
         if bit >= 4:
@@ -999,10 +1040,10 @@ def _emit_q4_q5_k(t):
         lo = [[zero, zero] for _ in range(nr)]
         hi = [[zero, zero] for _ in range(nr)]
         for g in range(8):
-            v = ld(512 * j + 64 * g, _I8x64)
+            v = ld(_il.py_func(512 * j + 64 * g, pl), _I8x64)
             vl, vh = b.and_(v, m4), b.lshr(v, sh4)
             if name == "Q5_K":  # qh byte l: bit 2j the fifth bit of element 64j + l, 2j + 1 of 64j + 32 + l
-                H = ld(2048 + 64 * g, _I8x64)
+                H = ld(_il.py_func(2048 + 64 * g, pl), _I8x64)
                 vl, vh = b.or_(vl, bit4(H, 2 * j)), b.or_(vh, bit4(H, 2 * j + 1))
             vl, vh = b.bitcast(vl, _I32x16), b.bitcast(vh, _I32x16)
             for i in range(nr):
@@ -1398,11 +1439,12 @@ def _decode_q2_q3_k(rec, kind, r, I, buf):
         nc = _NC[kind]
         d = f16_at(rec, base + nc + 256 + 2 * r)
         dm = f16_at(rec, base + nc + 288 + 2 * r) if kind == 9 else np.float32(0.0)
+        pl = 16 if kind == 10 else 0   # _PLANE
         for n in range(2):
             for g in range(8):
                 for i in range(4):
-                    q = np.int64(rec[base + 64 * (8 * n + g) + 4 * r + i])
-                    hm = np.int64(rec[base + 1024 + 64 * g + 4 * r + i]) if kind == 10 else np.int64(0)
+                    q = np.int64(rec[base + _il(64 * (8 * n + g) + 4 * r + i, pl)])
+                    hm = np.int64(rec[base + _il(1024 + 64 * g + 4 * r + i, pl)]) if kind == 10 else np.int64(0)
                     for j in range(4):
                         u = 8 * n + 2 * j + (g >> 2)
                         sc = np.int64(rec[base + nc + 16 * u + r])
@@ -1468,13 +1510,13 @@ def _decode_iq2(rec, kind, r, I, buf):
         for n in range(2):
             for g in range(8):
                 for i in range(4):
-                    q = np.int64(rec[base + 64 * (8 * n + g) + 4 * r + i])
+                    q = np.int64(rec[base + _il(64 * (8 * n + g) + 4 * r + i, 16)])
                     for j in range(4):
                         ib = 4 * n + j
                         u = nh * ib + (g >> 2 if nh == 2 else 0)
                         db = d * (np.float32(0.5) + np.float32((np.int64(rec[base + nc + 16 * u + r]) - 1)
                                                                // 2)) * np.float32(0.25)
-                        sb = np.int64(rec[base + 1024 + 64 * g + 4 * r + i]) >> ib
+                        sb = np.int64(rec[base + _il(1024 + 64 * g + 4 * r + i, 16)]) >> ib
                         v = _TABLES[3][((q >> (2 * j)) & 3) | ((sb & 1) << 2)]
                         buf[256 * s + 128 * n + 32 * j + 4 * g + i] = db * np.float32(v)
 
@@ -1557,6 +1599,7 @@ def _decode_q4_q5_k(rec, kind, r, I, buf):
         nc = _NC[kind]
         d = f16_at(rec, base + nc + 256 + 2 * r)
         dm = f16_at(rec, base + nc + 288 + 2 * r)
+        pl = 32 if kind == 12 else 0   # _PLANE
         for j in range(4):
             for h in range(2):
                 sub = 2 * j + h
@@ -1564,10 +1607,10 @@ def _decode_q4_q5_k(rec, kind, r, I, buf):
                 mn = dm * np.float32(rec[base + nc + 128 + 16 * sub + r])
                 for g in range(8):
                     for i in range(4):
-                        q = np.int64(rec[base + 512 * j + 64 * g + 4 * r + i])
+                        q = np.int64(rec[base + _il(512 * j + 64 * g + 4 * r + i, pl)])
                         qv = (q >> 4) if h else (q & 15)
                         if kind == 12:
-                            qv |= ((np.int64(rec[base + 2048 + 64 * g + 4 * r + i]) >> (2 * j + h)) & 1) << 4
+                            qv |= ((np.int64(rec[base + _il(2048 + 64 * g + 4 * r + i, pl)]) >> (2 * j + h)) & 1) << 4
                         buf[256 * s + 64 * j + 32 * h + 4 * g + i] = sc * np.float32(qv) - mn
 
 

@@ -130,6 +130,27 @@ def test_field_copy_matches_a_numpy_reference(type_name, T, nb):
         assert np.array_equal(full[..., written], want[..., written])
 
 
+@pytest.mark.parametrize("type_name", TYPES)
+def test_the_kernel_reads_a_records_code_lines_in_order(type_name, monkeypatch):
+    """Each tile kernel first reads the 64-byte lines of a record's codes (and their second plane: Q6_K's qh,
+    Q5_K's qh, Q3_K's hmask, the IQ2 types' signs) in the order they are stored: a record read out of order
+    streamed from memory at half the rate (docs/cpu_kernels.md "Q6_K in load order"). The emitter's load offsets
+    are recorded while it writes its LLVM IR; nothing is compiled."""
+    from llvmlite import ir
+
+    seen = []
+    ld = tiles._Rec.ld
+    monkeypatch.setattr(tiles._Rec, "ld", lambda self, o, ty: (seen.append(o), ld(self, o, ty))[1])
+    fn = ir.Function(ir.Module(), ir.FunctionType(ir.VoidType(), []), "f")
+    i8p, fp = ir.IntType(8).as_pointer(), ir.FloatType().as_pointer()
+    rows = [(ir.Constant(i8p, None), ir.Constant(fp, None), ir.Constant(fp, None), ir.Constant(fp, None))]
+    tiles._emit_tile(ir.IRBuilder(fn.append_basic_block()), type_name, ir.Constant(i8p, None),
+                     ir.Constant(ir.IntType(64), 1), rows)
+    nc = tiles.SPEC[type_name][2]
+    lines = list(dict.fromkeys(o // 64 for o in seen if o < nc))   # first touches of the code lines
+    assert lines == sorted(lines) and len(lines) == nc // 64, lines
+
+
 @pytest.mark.parametrize("type_name", TQ)
 def test_ternary_types_take_q2_ks_tile_with_ggml_values(type_name):
     """TQ1_0 and TQ2_0 written as Q2_K blocks (every scale and min 1, dmin = d) decode from Q2_K's tile to
