@@ -5,9 +5,10 @@ the slots take as their sequences grow and give back when their rows are dropped
 may hold any number of the shared cells).
 
 Where the blocks' memory is: each slot's cache (``coli.models.base.Cache``) spans the whole context in virtual
-memory, one contiguous run of positions a head as the attention kernels read it, and the kernel commits its
-4 KiB pages as rows are written (``Cache.small_pages``: no transparent huge pages, which would commit 2 MiB at a
-first write) and takes them back when a slot gives its blocks back (``Cache.give_back``: ``madvise(DONTNEED)``).
+memory, one contiguous run of positions a head as the attention kernels read it, on fresh anonymous mappings of
+4 KiB pages (``memory.fresh_pages``: no transparent huge pages, which would commit 2 MiB at a first write, and
+no memset of reused heap memory) whose pages the kernel commits as rows are written and takes back when a slot
+gives its blocks back (``Cache.give_back``: ``madvise(DONTNEED)``).
 This is vAttention's design (Prabhu et al., "vAttention: Dynamic Memory Management for Serving LLMs without
 PagedAttention", ASPLOS 2025: the KV cache contiguous in virtual memory, physical pages mapped on demand), so
 the kernels need no block table: a slot's positions ``0 .. n`` are its blocks, in order, and the

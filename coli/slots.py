@@ -26,10 +26,12 @@ others): none is cut short silently, no rows are overwritten.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
 
+from coli.base import memory
 from coli.base.errors import ColiError
 from coli.base.memory import fmt_bytes
 from coli.engine import GenerateResult, StopText, engine_threads
@@ -320,10 +322,11 @@ class Batcher:
                         key=lambda s: min(common_prefix(s.ids, ids), limit), default=None)
             got = min(common_prefix(donor.ids, ids), limit) if donor is not None else 0
             if slot.cache is None or (n == 0 and not slot.cache.rewindable):
-                slot.cache = eng._new_cache(len(ids))  # the whole context: the slot keeps it for later requests
+                # the whole context: the slot keeps it for later requests; paged, on fresh 4 KiB pages committed
+                # as rows are written (not 2 MiB huge pages, not a memset of reused heap memory)
+                with memory.fresh_pages() if self.unified else contextlib.nullcontext():
+                    slot.cache = eng._new_cache(len(ids))
                 slot.ids = []
-                if self.unified:  # 4 KiB pages: a write commits its positions' pages, not 2 MiB of them
-                    slot.cache.small_pages()
             if self.unified:  # the prompt's blocks (and its first token's); a donor's rows kept if there is room
                 self._give_back(slot, n)
                 if got <= n or not self._take(slot, self._first(seq), keep=donor):

@@ -22,8 +22,13 @@ read at the folders that exist: the mount's root is the container's own group th
 """
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
+import threading
 from dataclasses import dataclass
+
+import numpy as np
 
 import psutil
 
@@ -220,8 +225,8 @@ def touched_bytes(a, rows: int, mode: str | None = None) -> int:
     return pages * g
 
 
-# madvise(2) advice values (Linux, <asm-generic/mman-common.h>): the paged KV cache's (coli.kv_blocks) pages
-MADV_DONTNEED, MADV_NOHUGEPAGE = 4, 15
+# madvise(2)'s advice (Linux, <asm-generic/mman-common.h>): the paged KV cache's (coli.kv_blocks) pages go back
+MADV_DONTNEED = 4
 _libc = None
 
 
@@ -262,13 +267,35 @@ def _runs(a, rows: int, end: int | None = None):
     return out
 
 
-def small_pages(a) -> None:
-    """Back array ``a`` (a fresh one, not yet written) with 4 KiB pages, not transparent huge pages
-    (``MADV_NOHUGEPAGE`` over its whole pages; NumPy advises huge pages on arrays of 4 MiB and more): a write
-    commits the 4 KiB around it, not the 2 MiB, so a cache holds the pages of the positions written
-    (:func:`touched_bytes` with ``mode="never"``). Linux; OSError from the call."""
-    for addr, length in _runs(a.reshape(1, -1), 0):
-        _madvise(addr, length, MADV_NOHUGEPAGE)
+_fresh = threading.local()
+
+
+@contextlib.contextmanager
+def fresh_pages():
+    """Within it (on this thread), the KV caches made (``blocks.KV``, MLA's latent cache) take their arrays from
+    :func:`mapped_zeros`: the paged cache's slots (``coli.kv_blocks``), whose pages must be committed only as
+    their rows are written."""
+    _fresh.on = True
+    try:
+        yield
+    finally:
+        _fresh.on = False
+
+
+def fresh() -> bool:
+    """Whether :func:`fresh_pages` is on for this thread."""
+    return getattr(_fresh, "on", False)
+
+
+def mapped_zeros(shape: tuple, dtype):
+    """A zeroed array on a fresh anonymous mapping of 4 KiB pages (``MADV_NOHUGEPAGE``): no page is committed
+    until written, and a write commits the 4 KiB around it (``np.zeros`` may take reused heap memory and memset
+    all of it, or get 2 MiB transparent huge pages); :func:`give_back` returns pages. Linux."""
+    count = int(np.prod(shape))
+    # private: DONTNEED frees a private page (a shared anonymous one stays in shmem, its data kept)
+    buf = mmap.mmap(-1, max(1, count * np.dtype(dtype).itemsize), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(buf, dtype, count).reshape(shape)
 
 
 def give_back(a, rows: int) -> None:

@@ -253,11 +253,6 @@ class Cache:
         (``blocks.KV``, MLA's latent cache): the paged KV cells of ``coli.kv_blocks``."""
         return all(hasattr(c, "give_back") for c in self.layers)
 
-    def small_pages(self) -> None:
-        """4 KiB pages for every layer's arrays (before the first write; ``blocks.KV.small_pages``)."""
-        for c in self.layers:
-            c.small_pages()
-
     def give_back(self, end: int) -> None:
         """The pages of positions ``end ..`` of every layer go back to the kernel (they read as zeros; ``pos``
         is moved back to ``end`` if past it), then ``on_give_back`` is told."""

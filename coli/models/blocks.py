@@ -62,15 +62,18 @@ class KV:
     def __init__(self, n_kv: int, ctx: int, head_dim: int, head_dim_v: int | None = None,
                  types: tuple = ("f32", "f32")):
         self.types = tuple(types)
-        self.K = KVSide(self.types[0], n_kv, ctx, head_dim)
-        self.V = KVSide(self.types[1], n_kv, ctx, head_dim if head_dim_v is None else head_dim_v)
+        side = KVSide
+        if memory.fresh():  # a paged slot's cache (coli.kv_blocks): pages committed as rows are written
+            side, self.thp = _mapped_side, "never"
+        self.K = side(self.types[0], n_kv, ctx, head_dim)
+        self.V = side(self.types[1], n_kv, ctx, head_dim if head_dim_v is None else head_dim_v)
         self.k, self.v = self.K.f32, self.V.f32
 
     def nbytes(self) -> int:
         return self.K.nbytes() + self.V.nbytes()
 
-    #: the page size its writes commit: None, the kernel's (``memory.page_granule``); "never" after
-    #: :meth:`small_pages` (4 KiB)
+    #: the page size its writes commit: None, the kernel's (``memory.page_granule``); "never" (4 KiB) for arrays
+    #: made under ``memory.fresh_pages``
     thp = None
 
     def resident_bytes(self, end: int) -> int:
@@ -81,15 +84,6 @@ class KV:
     def arrays(self) -> list:
         """The stored arrays, each [heads, positions, ...] (the kinds' own; the empty placeholders left out)."""
         return [a for side in (self.K, self.V) for a in side.t[1:] if a.size]
-
-    def small_pages(self) -> None:
-        """4 KiB pages for every array (``memory.small_pages``) and none held (an array of reused heap memory was
-        zeroed by a memset that committed it all): from then on a write commits the pages of its positions only
-        (the paged cache, ``coli.kv_blocks``)."""
-        for a in self.arrays():
-            memory.small_pages(a)
-        self.thp = "never"
-        self.give_back(0)
 
     def give_back(self, end: int) -> None:
         """The pages of positions ``end ..`` go back to the kernel (``memory.give_back``); they read as zeros."""
@@ -107,6 +101,16 @@ class KV:
         """Bytes one position takes in a layer's cache (``kvcache.row_bytes`` of K and V per KV head)."""
         return n_kv * (row_bytes(types[0], head_dim) + row_bytes(types[1], head_dim if head_dim_v is None
                                                                    else head_dim_v))
+
+
+def _mapped_side(kind: str, n: int, ctx: int, w: int) -> KVSide:
+    """A ``KVSide`` whose arrays are ``memory.mapped_zeros`` (the kind's own: the placeholders stay empty)."""
+    side = KVSide(kind, n, 0, w)
+    t = [side.t[0]] + [memory.mapped_zeros((n, ctx, a.shape[2]), a.dtype) if a.shape[0] == n else a
+                       for a in side.t[1:]]
+    side.t, side.shape = tuple(t), (n, ctx, w)
+    side.f32 = t[1] if kind == "f32" else None
+    return side
 
 
 class Attention:

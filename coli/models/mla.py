@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from coli.base import memory
 from coli.base.errors import ColiError
 from cpu_kernels import experts as grouped
 from cpu_kernels.attention import attend as attend_blocks
@@ -47,8 +48,9 @@ class LatentCache:
     rewindable = True
 
     def __init__(self, ctx: int, kv_lora_rank: int, n_rot: int):
-        self.lat = np.zeros((ctx, kv_lora_rank), np.float32)
-        self.kr = np.zeros((ctx, n_rot), np.float32)
+        zeros = memory.mapped_zeros if memory.fresh() else np.zeros  # a paged slot's cache: pages as written
+        self.lat = zeros((ctx, kv_lora_rank), np.float32)
+        self.kr = zeros((ctx, n_rot), np.float32)
 
     def nbytes(self) -> int:
         return self.lat.nbytes + self.kr.nbytes
@@ -57,7 +59,6 @@ class LatentCache:
         """The arrays as ``coli.models.blocks.KV.arrays`` gives them, [1, positions, width]."""
         return [self.lat[None], self.kr[None]]
 
-    small_pages = KV.small_pages
     give_back = KV.give_back
 
     @staticmethod
