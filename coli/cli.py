@@ -808,13 +808,33 @@ def _tune_parser(sub) -> None:
     tu.set_defaults(func=cmd_tune)
 
 
+class _Parser(argparse.ArgumentParser):
+    """coli's parser: an unknown option is argparse's error line with the command's closest option (difflib), as an
+    unknown COLI_* variable's warning names the closest: ``unrecognized arguments: --thread (did you mean
+    --threads?)``."""
+
+    def parse_args(self, args=None, namespace=None):
+        import difflib
+
+        a, extra = self.parse_known_args(args, namespace)
+        if extra:
+            sub = self._subparsers._group_actions[0].choices.get(getattr(a, "cmd", None)) if self._subparsers else None
+            names = [o for o, act in (sub or self)._option_string_actions.items() if act.help != argparse.SUPPRESS]
+            said = []
+            for x in extra:
+                near = difflib.get_close_matches(x.split("=")[0], names, n=1) if x.startswith("-") else []
+                said.append(f"{x} (did you mean {near[0]}?)" if near else x)
+            self.error("unrecognized arguments: " + " ".join(said))
+        return a
+
+
 def build_parser() -> argparse.ArgumentParser:
     # allow_abbrev=False: every long option spelled whole, as llama.cpp's (a prefix such as --thread is unknown, not
     # one of coli's or llama_flags' options it begins, nor "ambiguous" among them)
-    p = argparse.ArgumentParser(prog="coli", description="Mixture-of-Experts inference: CPU kernels, a device expert tier, experts streamed from disk",
-                                formatter_class=_Help, allow_abbrev=False,
-                                epilog="environment: " + ", ".join(v.name for v in settings.VARS if not v.dev)
-                                       + " (defaults and units: docs/settings.md)")
+    p = _Parser(prog="coli", description="Mixture-of-Experts inference: CPU kernels, a device expert tier, experts "
+                                         "streamed from disk", formatter_class=_Help, allow_abbrev=False,
+                epilog="environment: " + ", ".join(v.name for v in settings.VARS if not v.dev)
+                       + " (defaults and units: docs/settings.md)")
     p.add_argument("--version", action="version", version=f"coli {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=functools.partial(argparse.ArgumentParser,
                                                                                    allow_abbrev=False))

@@ -194,7 +194,8 @@ def test_the_readmes_use_lines_parse():
 
 @pytest.mark.parametrize("cmd", ["run", "chat", "serve", "bench", "perplexity", "tune"])   # those with --threads
 def test_a_long_option_is_spelled_whole(capsys, cmd):
-    """As llama.cpp's (common/arg.cpp matches a flag whole): ``--thread 2`` is one error naming ``--thread``, exit 2,
+    """As llama.cpp's (common/arg.cpp matches a flag whole): ``--thread 2`` is one error naming ``--thread`` and the
+    closest option, exit 2,
     not argparse's prefix match (with llama_flags' hidden ``--threads-batch`` beside ``--threads`` it was
     "ambiguous option: --thread could match --threads, --threads-batch"); ``--threads 2`` is coli's option."""
     from coli.cli import build_parser
@@ -205,8 +206,9 @@ def test_a_long_option_is_spelled_whole(capsys, cmd):
         p.parse_args([cmd, *req, "--thread", "2"])
     err = capsys.readouterr().err
     last = err.splitlines()[-1]   # the "2" is run's PROMPT; the others have no positional to take it
-    assert e.value.code == 2 and last in ("coli: error: unrecognized arguments: --thread",
-                                          "coli: error: unrecognized arguments: --thread 2"), err
+    # and the closest option named (difflib), as an unknown COLI_* variable's warning does; it said the typo alone
+    hint = "coli: error: unrecognized arguments: --thread (did you mean --threads?)"
+    assert e.value.code == 2 and last in (hint, hint + " 2"), err
     assert "ambiguous" not in err
     assert str(p.parse_args([cmd, *req, "--threads", "2"]).threads) == "2"   # bench's and tune's: a LIST
 
