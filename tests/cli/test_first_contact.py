@@ -298,3 +298,15 @@ def test_a_number_flag_with_a_digit_separator_is_refused(capsys, argv, says):
         _main(capsys, *argv, "-p", "x")
     err = capsys.readouterr().err
     assert e.value.code == 2 and says in err.splitlines()[-1], err
+
+
+def test_a_quoted_tilde_in_the_model_path_is_the_home_folder(tmp_path, monkeypatch):
+    """``-m '~/m.gguf'`` (quoted, or from a unit file: no shell expands it) was "no such file"; it is the home
+    folder's file, as COLI_CACHE's ~ is (os.path.expanduser)."""
+    import shutil
+
+    from coli.resolve import resolve
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copy(DENSE, tmp_path / "m.gguf")
+    assert resolve("~/m.gguf") == str(tmp_path / "m.gguf")
