@@ -24,7 +24,11 @@ def resolve(name, quiet: bool = False) -> str:
             return str(demo_model_path(quiet=quiet))
         return str(model_path(key, quiet=quiet))
     if not os.path.exists(name):
-        raise ColiError(f"{name}: no such file (give a GGUF path or a model name: "
+        import difflib
+
+        near = difflib.get_close_matches(name.lower(), MODEL_NAMES, n=1) if os.sep not in name else []
+        raise ColiError(f"{name}: no such file" + (f"; did you mean {near[0]}?" if near else "")
+                        + f" (give a GGUF path or a model name: "
                         f"{', '.join(k for k in MODEL_NAMES if k not in ('gemma3', 'qwen25'))}; see coli models)")
     check_folder(name)
     return name

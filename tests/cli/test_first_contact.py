@@ -310,3 +310,15 @@ def test_a_quoted_tilde_in_the_model_path_is_the_home_folder(tmp_path, monkeypat
     monkeypatch.setenv("HOME", str(tmp_path))
     shutil.copy(DENSE, tmp_path / "m.gguf")
     assert resolve("~/m.gguf") == str(tmp_path / "m.gguf")
+
+
+def test_a_misspelt_model_name_names_the_closest():
+    """``-m smolm2``: "no such file" named the value alone; now the closest model name too (difflib), as an unknown
+    option or COLI_* variable does. A path (with a separator) is not matched against the names."""
+    from coli.base.errors import ColiError
+    from coli.resolve import resolve
+
+    with pytest.raises(ColiError, match=r"^smolm2: no such file; did you mean smollm2\? \(give a GGUF path"):
+        resolve("smolm2")
+    with pytest.raises(ColiError, match=r"^/x/smolm2: no such file \(give a GGUF path"):
+        resolve("/x/smolm2")
