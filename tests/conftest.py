@@ -33,6 +33,21 @@ _progress.install()
 _progress._line["told"] = True
 
 
+_worker_compiles: list = []   # (compiles, seconds) of each pytest-xdist worker, summed into the controller's line
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):  # a pytest-xdist worker: its compiles go to the controller
+        session.config.workeroutput["numba_compiles"] = _progress.compiles()
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: absent when the plugin is not loaded
+def pytest_testnodedown(node, error):
+    got = getattr(node, "workeroutput", {}).get("numba_compiles")
+    if got:
+        _worker_compiles.append(tuple(got))
+
+
 def pytest_terminal_summary(terminalreporter):
     import shutil
 
@@ -44,7 +59,9 @@ def pytest_terminal_summary(terminalreporter):
     except OSError as e:
         where = f"{d} ({e})"
     n, secs = _progress.compiles()
-    terminalreporter.write_line(f"numba: {n} top-level compiles in this process, {secs:.0f} s; "
+    n, secs = n + sum(w[0] for w in _worker_compiles), secs + sum(w[1] for w in _worker_compiles)
+    who = f"{len(_worker_compiles)} worker processes" if _worker_compiles else "this process"
+    terminalreporter.write_line(f"numba: {n} top-level compiles in {who}, {secs:.0f} s; "
                                 f"cache {where}; load average {os.getloadavg()[0]:.1f}")
 
 # ------------------------------------------------------------------ the RAM a device test sees
