@@ -7,6 +7,7 @@ alternating rounds (the machine is shared): quote them with the load average pri
     python scripts/bench/kernels.py --op gpu [--D 2048] [--F 1024] [--E 64] [--rows 1,4,16,64] [--small]
     python scripts/bench/kernels.py --op experts [--threads 2] [--formats Q8_0,Q4_0] [--rows 64,256] [--E 64]
     python scripts/bench/kernels.py --op dn [--rows 64,512] [--Hk 16] [--Hv 32] [--dk 128] [--dv 128] [--bv 16,8] [--kda]
+    python scripts/bench/kernels.py --op per-op -m MODEL [--ctx N] [--pos 64] [--reps 40] [KEY=VALUE ...]
 
 Whole models are ``coli bench``'s (docs/benchmarks.md): one decode token over a real model's matrices is
 ``coli bench -m smollm2 -p 0 -n 32`` (weight GB/s), the memory-read probe beside it ``--bandwidth``, a tiny oracle's
@@ -32,6 +33,12 @@ heads of 128 x 128): the chunked form (shaders/dn_chunk.comp modes 0, 1 and 2 at
 (shaders/deltanet.comp mode 4, its gated norm included), device milliseconds of each dispatch by timestamps (the
 best round of ``--reps`` alternated ones) for each chunk length of ``--rows``; random rows, the state carried on.
 ``--kda``: Kimi-Linear's KDA (the decay a key channel; Hk = Hv: 32 heads of 128 x 128 unless given).
+
+``per-op``: where a decode token's device time goes with every layer on the device (``-m MODEL``; KEY=VALUE
+settings on top, e.g. COLI_VK_ATTN_CHUNK=64): the token's program recorded again with a timestamp after each op
+(each then waits for the one before: their sum exceeds the program's own time), microseconds a token by kernel
+(medians of ``--reps`` runs at position ``--pos``), the first layer's ops in order; beside it the host's wall time
+a decode token (median) and the program's own time by its two timestamps: their gap is the host's part.
 """
 from __future__ import annotations
 
@@ -362,7 +369,103 @@ def dn_main(argv=None):
     return 0
 
 
-OPS = {"formats": formats_main, "gpu": gpu_main, "experts": experts_main, "dn": dn_main}
+# ---------------------------------------------------------------------------------------------------- per-op
+def _op_label(o) -> str:
+    """An op's row in the per-op table: kernel, GGUF type, MODE and workgroup counts (copies: "copy")."""
+    k = getattr(o, "kernel", None)
+    if k is None:
+        return "copy"
+    g = "x".join(str(int(v)) for v in o.groups)
+    return k + (f":{o.type_name}" if o.type_name else "") + (f":m{o.mode & 0xFF}" if o.mode & 0xFF else "") + f" [{g}]"
+
+
+def per_op_main(argv=None):
+    import statistics
+
+    ap = argparse.ArgumentParser(prog="kernels.py --op per-op", description=about(__doc__, "per-op"))
+    ap.add_argument("-m", "--model", required=True)
+    ap.add_argument("--ctx", type=int, default=None, help="the context (default: the engine's, as coli bench)")
+    ap.add_argument("--pos", type=int, default=64, help="decode tokens before the timed ones (their position)")
+    ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument("-t", "--threads", type=int, default=None)
+    ap.add_argument("env", nargs="*", help="KEY=VALUE settings (COLI_VK_*)")
+    a = ap.parse_args(argv)
+    from coli.base import settings
+    from coli.base.errors import ColiError
+    from coli.engine import Engine
+
+    bad = [x for x in a.env if "=" not in x]
+    if bad:
+        print(f"kernels.py --op per-op: {bad[0]!r} is not KEY=VALUE", file=sys.stderr)
+        return 2
+    env = dict(x.split("=", 1) for x in a.env)
+    env.setdefault("COLI_VK_LAYERS", "-1")
+    try:
+        e = Engine(a.model, threads=a.threads, device="vulkan", env=settings.overlay(None, **env), quiet=True,
+                   silent=True, save_usage=False, ctx=a.ctx)
+    except ColiError as err:
+        print(f"kernels.py --op per-op: {err}", file=sys.stderr)
+        return 2
+    try:
+        m = e.model
+        dl = m.device_layers
+        if dl is None or dl.segs or dl.rec is None:
+            print("kernels.py --op per-op: the decode program is not one command buffer here (every layer and its "
+                  f"experts on the device): {dl.describe() if dl is not None else 'no device layers'}", file=sys.stderr)
+            return 2
+        K = dl.K
+        ids = [int(t) for t in np.random.default_rng(0).integers(0, m.args.vocab, a.pos + a.reps + 1)]
+        cache = m.new_cache(e.ctx, e.ctx)
+        for t in ids[:a.pos]:
+            m.forward([t], cache)
+        walls, progs = [], []
+        for t in ids[a.pos:a.pos + a.reps]:       # the program as it runs (two timestamps), the host's wall
+            t0 = time.perf_counter()
+            m.forward([t], cache)
+            walls.append(time.perf_counter() - t0)
+            g = K.gpu_ms(dl.rec)
+            if g is not None:
+                progs.append(g)
+        ops = dl._ops()
+        rec = K.record(ops, each=True)      # the same ops at the last position, a timestamp after each
+        runs = []
+        try:
+            for _ in range(a.reps + 5):
+                K.submit(rec)
+                runs.append(K.op_ms(rec))
+        finally:
+            K.free(rec)
+        prog = statistics.median(progs) if progs else float("nan")
+        wall = 1e3 * statistics.median(walls)
+        print(f"device: {K.dev.describe()}; {dl.describe()}; ctx {e.ctx}, position {a.pos}; load {' '.join(load())}")
+        print(f"a decode token: host wall {wall:.3f} ms (median of {a.reps}), the program {prog:.3f} ms by its "
+              f"timestamps (median), the host's part {wall - prog:.3f} ms")
+        if runs[-1] is None:
+            print("(no timestamps on this device: no per-op table)")
+            return 0
+        med = np.median(np.array(runs[5:], np.float64), axis=0)
+        L = max(1, len(dl.layers))
+        groups: dict = {}
+        for o, t in zip(ops, med):
+            g = groups.setdefault(_op_label(o), [0, 0.0])
+            g[0] += 1
+            g[1] += t
+        print(f"{len(ops)} ops, {L} layers; per-op program (a timestamp after each op): {med.sum():.3f} ms")
+        print("| op [workgroups] | count | us a token | us each | us a layer | % |")
+        print("|---|---|---|---|---|---|")
+        for k, (c, t) in sorted(groups.items(), key=lambda x: -x[1][1]):
+            print(f"| {k} | {c} | {1e3 * t:.1f} | {1e3 * t / c:.1f} | {1e3 * t / L:.1f} | {100 * t / med.sum():.1f} |")
+        first = [i for i, o in enumerate(ops) if getattr(o, "kernel", None) == "rope_kv"]
+        end = first[1] if len(first) > 1 else len(ops)
+        print("the first layer's ops in order (wait: a barrier before it):")
+        for o, t in list(zip(ops, med))[:end]:
+            print(f"  {_op_label(o)} wait={int(getattr(o, 'wait', 0))} {1e3 * t:.1f} us")
+    finally:
+        e.close()
+    return 0
+
+
+OPS = {"formats": formats_main, "gpu": gpu_main, "experts": experts_main, "dn": dn_main, "per-op": per_op_main}
 
 
 if __name__ == "__main__":
