@@ -17,6 +17,10 @@
 // (all 0 between dispatches): the parts join here, not in attn_comb.comp: each part of head h counts itself in
 // once written, and the last of them to finish joins them all into out[h] (attn_comb.comp's sums in its order, so
 // the same values) and sets the counter back to 0 (one dispatch and no barrier for the join).
+// u11 1 (with CHK > 0; flash-decoding's split at any context): the grid's y, NP = gl_NumWorkGroups.y parts, share
+// the keys wlo..pos in runs of c = max(CHK, ceil((pos + 1 - wlo) / NP)) keys, part s the s-th run (a6 then
+// [nq, NP, hdv + 2]; the parts join as above, from part 0): every part works at a short context too, where fixed
+// runs of CHK keys leave all but the first idle. One run (pos + 1 - wlo <= c): the first part writes out[h] itself.
 // Three passes. 1: invocations stride over the keys (key j by invocation j % WG), each a whole dot product,
 // the score into the scratch row; the workgroup max. 2: each invocation turns its own scores into
 // e = exp(s - max) and sums them; the workgroup sum. 3: chunks of 4 WG weights are staged in shared memory (each
@@ -50,10 +54,13 @@ void main() {
     uint n0 = n;
     uint CHK = pc.u[5], W = pc.u[6];
     uint wlo = (W > 0u && n > W) ? n - W : 0u;           // a sliding window's first key
-    uint j1 = CHK == 0u ? wlo : max(gl_WorkGroupID.y * CHK, wlo);   // this workgroup's keys: j1 .. n - 1
+    bool even = CHK != 0u && pc.u[11] != 0u;              // u11: the keys in NP even runs
+    uint NP = gl_NumWorkGroups.y;
+    uint c = even ? max(CHK, (n - wlo + NP - 1u) / NP) : CHK;    // keys a part
+    uint j1 = CHK == 0u ? wlo : even ? wlo + gl_WorkGroupID.y * c : max(gl_WorkGroupID.y * CHK, wlo);
     if (j1 >= n) return;                                  // uniform: past the position
-    bool part = CHK != 0u && n > CHK;
-    if (part) n = min(n, gl_WorkGroupID.y * CHK + CHK);
+    bool part = even ? n - wlo > c : CHK != 0u && n > CHK;
+    if (part) n = min(n, even ? j1 + c : gl_WorkGroupID.y * CHK + CHK);
     if (j1 >= n) return;                                  // uniform: a range before the window
     bool v4 = (hd & 3u) == 0u;
     uint H4 = (hd + 3u) / 4u;
@@ -146,7 +153,7 @@ void main() {
     F32C O = F32C(pc.a[part ? 6 : 4]);
     uint ob = h * hdv;
     if (part) {
-        ob = (h * ((ctx + CHK - 1u) / CHK) + gl_WorkGroupID.y) * (hdv + 2u);
+        ob = (h * (even ? NP : (ctx + CHK - 1u) / CHK) + gl_WorkGroupID.y) * (hdv + 2u);
         if (t == 0u) { O.v[ob] = m; O.v[ob + 1u] = l; }
         ob += 2u;
         l = 1.0;
@@ -196,15 +203,15 @@ void main() {
     uint64_t ca = packUint2x32(uvec2(pc.u[9], pc.u[10]));
     if (!part || ca == 0ul) return;                       // uniform
     // the join: this part counts itself in once all its writes are done; the last of head h's parts joins them
-    uint ns = (n0 + CHK - 1u) / CHK;
-    uint s0 = (W > 0u && n0 > W) ? (n0 - W) / CHK : 0u;  // the part holding the window's first key
+    uint ns = even ? (n0 - wlo + c - 1u) / c : (n0 + CHK - 1u) / CHK;
+    uint s0 = (W > 0u && n0 > W && !even) ? (n0 - W) / CHK : 0u;  // the part holding the window's first key
     memoryBarrierBuffer();
     barrier();
     if (t == 0u) LAST_ = atomicAdd(U32C(ca).v[h], 1u) + 1u == ns - s0 ? 1u : 0u;
     barrier();
     if (LAST_ == 0u) return;                               // uniform
     memoryBarrierBuffer();
-    uint NS = (ctx + CHK - 1u) / CHK;
+    uint NS = even ? NP : (ctx + CHK - 1u) / CHK;
     uint pb = h * NS * (hdv + 2u);
     float M = -1.0 / 0.0;
     for (uint s = s0; s < ns; s++) M = max(M, O.v[pb + s * (hdv + 2u)]);

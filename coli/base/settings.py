@@ -149,8 +149,8 @@ VARS: tuple[Var, ...] = (
         "shaders/lmm_cm.comp, where the device has them, else f32), coopmat (the same) or f32 (shaders/lmm.comp, "
         "float32 products everywhere) (docs/vulkan.md \"Prompt routes\")", dev=True,
         choices=("auto", "coopmat", "f32")),
-    Var("COLI_VK_ATTN_CHUNK", "int", 256, "keys a workgroup of the device layers' decode attention takes "
-        "(shaders/attn_dec.comp); a longer context is split over positions and joined by each head's last part", "keys",
+    Var("COLI_VK_ATTN_CHUNK", "int", 256, "the most keys a workgroup of the device layers' decode attention takes "
+        "(shaders/attn_dec.comp): the context's positions are split in parts, joined by each head's last part", "keys",
         lo=16, dev=True),
     Var("COLI_GLSLC", "str", "glslc", "the shader compiler scripts/build_shaders runs; the cooperative-matrix "
         "kernels need one whose glslang is 13 or later (docs/vulkan.md \"Prompt routes\")", dev=True),

@@ -111,9 +111,13 @@ class DecodeRow:
         # the dense FFN's route: one expert (the layer's gate/up/down table row 0), weight 1
         self.one_route = self._const(np.array([0, np.float32(1.0).view(np.uint32)], np.uint32))
         self.scores = K.buffer(4 * nq * ctx, host=False) if not self.mla else None
-        # decode attention over positions in parts of K.attn_chunk keys (attn_dec.comp, joined by a head's last part)
-        self.attn_chunk = K.attn_chunk if ctx > K.attn_chunk and not self.mla else 0
-        self.attn_parts = K.buffer(4 * nq * -(-ctx // K.attn_chunk) * (hd + 2), host=False) if self.attn_chunk else None
+        # decode attention over the positions in attn_np even parts a head (attn_dec.comp's u11, joined by a head's last
+        # part): at most K.attn_chunk keys a part, and parts enough for the heads to fill K.attn_wgs workgroups at
+        # short contexts too (flash-decoding), none under K.attn_min_keys keys
+        np_ = max(-(-ctx // K.attn_chunk), min(-(-K.attn_wgs // nq), -(-ctx // K.attn_min_keys)))
+        self.attn_np = np_ if np_ > 1 and not self.mla else 0
+        self.attn_chunk = K.attn_min_keys if self.attn_np else 0
+        self.attn_parts = K.buffer(4 * nq * self.attn_np * (hd + 2), host=False) if self.attn_chunk else None
         # a head's count of its parts written (attn_dec.comp's u9/u10; back at 0 after each dispatch)
         self.attn_cnt = self._const(np.zeros(nq, np.uint32)) if self.attn_chunk else None
         # a counter each for the RMSNorms and top-ks taken by the last workgroup of the dispatch before them
@@ -255,9 +259,9 @@ class DecodeRow:
                 self.prof.gpu_s += ms / 1e3
 
     def _attn_dec(self, d) -> list:
-        """A decode row's attention for layer ``d``: attn_dec.comp, over the positions in parts of ``attn_chunk`` keys
-        where the context is longer than one part, joined by the last part of a head to finish (one dispatch, no
-        barrier for a separate join)."""
+        """A decode row's attention for layer ``d``: attn_dec.comp, over the positions in ``attn_np`` even parts a
+        head (of at least ``attn_chunk`` keys; one part where the keys are fewer), joined by the last part of a head
+        to finish (one dispatch, no barrier for a separate join)."""
         from coli.vulkan.layers import Dispatch, f32_bits  # the Vulkan binding: only when a device runs
 
         nq, nkv, hd, hdv, ctx = self.nq, d["nkv"], self.hd, d["hdv"], self.ctx
@@ -265,10 +269,10 @@ class DecodeRow:
         parts = self.attn_parts.addr if chk else 0
         sinks = d["sinks"].addr if "sinks" in d else self.q.addr
         cnt = self.attn_cnt.addr if chk else 0
-        return [Dispatch("attn_dec", (nq, -(-ctx // chk) if chk else 1),
+        return [Dispatch("attn_dec", (nq, self.attn_np if chk else 1),
                          [self.q.addr, d["K"].addr, d["V"].addr, self.params.addr, self.ao.addr, self.scores.addr, parts,
                           sinks], [nq, nkv, hd, ctx, f32_bits(d["scale"]), chk, d["window"], int("sinks" in d), hdv,
-                                   cnt & 0xFFFFFFFF, cnt >> 32], mode=self.kv_mode)]
+                                   cnt & 0xFFFFFFFF, cnt >> 32, int(bool(chk))], mode=self.kv_mode)]
 
     def __call__(self, h: np.ndarray, cache, pos0: int):
         t_in, k_in = time.perf_counter(), compile_seconds()

@@ -180,6 +180,10 @@ class Kernels(HostJoin):
         #: keys an attn_dec.comp workgroup takes in decode (its split over positions, joined by each head's last part); a
         #: context of at most this many keys keeps one workgroup a head and no join
         self.attn_chunk = int(get("COLI_VK_ATTN_CHUNK", env))
+        #: decode attention at short contexts (flash-decoding): a head's keys split in even parts so that the heads'
+        #: parts make about this many workgroups (an H100 has 132 SMs; one head a workgroup left 16 of them busy at
+        #: OLMoE's 16 heads), none under attn_min_keys keys (coli/vulkan/layer_decode.py ``attn_np``)
+        self.attn_wgs, self.attn_min_keys = 128, 16
         self._pipes: dict = {}
         self.fence = None       # VkFence[1] of submit()
         self._bufs: list = []

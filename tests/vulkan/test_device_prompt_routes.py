@@ -100,7 +100,7 @@ def test_decode_attention_split_over_positions_matches_the_cpu(dev, tmp_path):
     try:
         dl = split.model.device_layers
         kinds = [getattr(op, "kernel", None) for op in dl._ops()]
-        assert dl.attn_chunk == 16 and kinds.count("attn_dec") == 2 and "attn_comb" not in kinds
+        assert dl.attn_np == 4 and kinds.count("attn_dec") == 2 and "attn_comb" not in kinds
         ids = IDS + IDS[::-1] + IDS[:10]                  # 50 positions: up to 4 parts of 16 keys
         c, cc = split.model.new_cache(64, 64), cpu.model.new_cache(64, 64)
         split.model.forward(ids[:4], c)

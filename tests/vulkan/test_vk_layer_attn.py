@@ -460,6 +460,51 @@ def test_attn_dec_joins_its_parts(kern, hd, hdv, pos, chk, window, sinks):
         assert rel_err(outs[-1].reshape(NQ, hdv), ref) <= TOL
 
 
+@pytest.mark.parametrize("pos,np_,mink,window,sinks", [(0, 8, 16, 0, 0), (40, 8, 16, 0, 0), (700, 8, 16, 0, 1),
+                                                        (700, 5, 16, 300, 0), (CTX - 1, 16, 16, 0, 0), (3, 4, 1, 0, 1)])
+def test_attn_dec_even_parts(kern, pos, np_, mink, window, sinks):
+    """attn_dec.comp's even parts (u11: the keys of the window up to pos in np_ runs of at least mink keys, the last
+    part of a head joining them; one run: no join) against the float64 attention over those keys (gpt-oss's sink a
+    logit in the denominator), the counters back at 0 after each of two runs of the same command buffer."""
+    from coli.vulkan.layers import Dispatch, f32_bits
+    hd = 64
+    rng = np.random.default_rng(pos + np_ + window)
+    q = rng.standard_normal((NQ, hd)).astype(np.float32)
+    K = rng.standard_normal((NKV, CTX, hd)).astype(np.float32)
+    V = rng.standard_normal((NKV, CTX, hd)).astype(np.float32)
+    K[:, pos + 1:] = 1e30
+    V[:, pos + 1:] = np.nan
+    lo = max(0, pos + 1 - window) if window else 0
+    K[:, :lo] = 1e30                   # keys before the window must not count
+    V[:, :lo] = np.nan
+    sk = rng.standard_normal(NQ).astype(np.float32)
+    scale = 1.0 / np.sqrt(hd)
+    ref = np.empty((NQ, hd))
+    for h in range(NQ):
+        kvh = h // (NQ // NKV)
+        s = scale * (K[kvh, lo:pos + 1].astype(np.float64) @ q[h].astype(np.float64))
+        m = max(s.max(), sk[h]) if sinks else s.max()
+        e = np.exp(s - m)
+        ref[h] = e @ V[kvh, lo:pos + 1].astype(np.float64) / (e.sum() + (np.exp(sk[h] - m) if sinks else 0.0))
+    bq, bk, bv, bsk = _buf(kern, q), _buf(kern, K), _buf(kern, V), _buf(kern, sk)
+    bpar = _buf(kern, np.array([pos, 0, 0, 0], np.uint32))
+    bcnt = _buf(kern, np.zeros(NQ, np.uint32))
+    bo, bs = kern.buffer(NQ * hd * 4), kern.buffer(NQ * CTX * 4)
+    bparts = kern.buffer(NQ * np_ * (hd + 2) * 4)
+    rec = kern.record([Dispatch("attn_dec", (NQ, np_), [bq.addr, bk.addr, bv.addr, bpar.addr, bo.addr, bs.addr,
+                                                        bparts.addr, bsk.addr],
+                                [NQ, NKV, hd, CTX, f32_bits(scale), mink, window, sinks, hd,
+                                 bcnt.addr & 0xFFFFFFFF, bcnt.addr >> 32, 1])])
+    try:
+        for _ in range(2):
+            kern.upload(bo, np.full(NQ * hd, np.nan, np.float32))
+            kern.submit(rec)
+            assert rel_err(bo.f32(NQ * hd).reshape(NQ, hd), ref) <= TOL
+            assert (bcnt.u32(NQ) == 0).all()
+    finally:
+        kern.free(rec)
+
+
 def test_rope_kv_narrow_v_and_value_scale(kern):
     """rope_kv.comp with V heads 16 wide beside K's 24 (u7 hdv) and V times 0.707 (u6, MiMo-V2's value_scale): q and
     k rotated as cpu_kernels.rope does (partial NEOX, 8 of 24 dims), V's row scaled into V [nkv, ctx, 16] and the
