@@ -244,7 +244,8 @@ class DecodeRow:
                              type_name=self.head["type"]),
                     Copy(self.lg, self.lghost, [(0, 0, 4 * V)])]
         ops.append(Copy(self.hs, self.hout, [(0, 0, 4 * D)]))
-        ops.append(Copy(self.kvout, self.kvhost, [(0, 0, 4 * kvn * len(self.per))], wait=False))
+        if self.dn:     # the new K/V rows back each row where DeltaNet states are (DecodeRow.__call__)
+            ops.append(Copy(self.kvout, self.kvhost, [(0, 0, 4 * kvn * len(self.per))], wait=False))
         ops += self._dn_readback()     # the DeltaNet states back to the CPU's cache each row (_dn_store)
         if k:
             ops.append(Copy(self.route, self.routehost, [(0, 0, 8 * k * len(self.per))], wait=False))
@@ -280,6 +281,12 @@ class DecodeRow:
         if P is not None:
             t_call, s0 = time.perf_counter(), sum(P.s.values())
         self._sync(cache, pos0)
+        if not self.dn:     # the row's K/V stays the device's only, as a prompt chunk's (host_kv writes it when asked)
+            if self._lo < self._hi != pos0:      # rows the CPU wrote since: the device's go back first (no gap)
+                self._fetch(cache)
+            if self._hi <= self._lo:
+                self._lo = pos0
+            self._hi = pos0 + 1
         self._keep(h, pos0)
         if self.dn:
             self._dn_load(cache, pos0)
@@ -311,7 +318,7 @@ class DecodeRow:
         out = self._hout.reshape(1, D).copy()
         if self.dn:
             self._dn_store(cache, pos0 + 1)
-        self._kv_out(cache, pos0)
+            self._kv_out(cache, pos0)
         if P is not None:
             t2 = P.lap("K/V rows out", t2)
         self._valid = pos0 + 1
@@ -353,7 +360,8 @@ class DecodeRow:
         self._kv_rows = None    # [(layer, K rows, V rows)]: _kv_out's views of the readback (f32 caches)
 
     def _kv_out(self, cache, pos0: int) -> None:
-        """The new K/V rows of position ``pos0`` (read back, f32) into the CPU's ``cache``: an f32 cache's rows
+        """The new K/V rows of position ``pos0`` (read back, f32) into the CPU's ``cache`` (with DeltaNet layers only:
+        elsewhere a decode row's K/V rows stay the device's only until the CPU needs them): an f32 cache's rows
         copied straight into its arrays (the readback's views made once), other types converted as the CPU's cache
         type does (the bits the device's rope_kv wrote), MLA's LAT row into the latent cache."""
         new = self._kvnew

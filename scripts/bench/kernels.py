@@ -7,7 +7,7 @@ alternating rounds (the machine is shared): quote them with the load average pri
     python scripts/bench/kernels.py --op gpu [--D 2048] [--F 1024] [--E 64] [--rows 1,4,16,64] [--small]
     python scripts/bench/kernels.py --op experts [--threads 2] [--formats Q8_0,Q4_0] [--rows 64,256] [--E 64]
     python scripts/bench/kernels.py --op dn [--rows 64,512] [--Hk 16] [--Hv 32] [--dk 128] [--dv 128] [--bv 16,8] [--kda]
-    python scripts/bench/kernels.py --op per-op -m MODEL [--ctx N] [--pos 64] [--reps 40] [KEY=VALUE ...]
+    python scripts/bench/kernels.py --op per-op -m MODEL [--ctx N] [--pos 64] [--reps 40] [--host-profile N] [KEY=VALUE ...]
 
 Whole models are ``coli bench``'s (docs/benchmarks.md): one decode token over a real model's matrices is
 ``coli bench -m smollm2 -p 0 -n 32`` (weight GB/s), the memory-read probe beside it ``--bandwidth``, a tiny oracle's
@@ -38,7 +38,8 @@ best round of ``--reps`` alternated ones) for each chunk length of ``--rows``; r
 settings on top, e.g. COLI_VK_ATTN_CHUNK=64): the token's program recorded again with a timestamp after each op
 (each then waits for the one before: their sum exceeds the program's own time), microseconds a token by kernel
 (medians of ``--reps`` runs at position ``--pos``), the first layer's ops in order; beside it the host's wall time
-a decode token (median) and the program's own time by its two timestamps: their gap is the host's part.
+a decode token (median) and the program's own time by its two timestamps: their gap is the host's part
+(``--host-profile N``: a cProfile of more tokens, its N costliest functions).
 """
 from __future__ import annotations
 
@@ -388,6 +389,8 @@ def per_op_main(argv=None):
     ap.add_argument("--pos", type=int, default=64, help="decode tokens before the timed ones (their position)")
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("-t", "--threads", type=int, default=None)
+    ap.add_argument("--host-profile", type=int, default=0, metavar="N",
+                    help="then a cProfile of --reps more decode tokens: its N costliest functions by own time")
     ap.add_argument("env", nargs="*", help="KEY=VALUE settings (COLI_VK_*)")
     a = ap.parse_args(argv)
     from coli.base import settings
@@ -414,7 +417,7 @@ def per_op_main(argv=None):
                   f"experts on the device): {dl.describe() if dl is not None else 'no device layers'}", file=sys.stderr)
             return 2
         K = dl.K
-        ids = [int(t) for t in np.random.default_rng(0).integers(0, m.args.vocab, a.pos + a.reps + 1)]
+        ids = [int(t) for t in np.random.default_rng(0).integers(0, m.args.vocab, a.pos + 2 * a.reps + 1)]
         cache = m.new_cache(e.ctx, e.ctx)
         for t in ids[:a.pos]:
             m.forward([t], cache)
@@ -426,6 +429,19 @@ def per_op_main(argv=None):
             g = K.gpu_ms(dl.rec)
             if g is not None:
                 progs.append(g)
+        if a.host_profile:      # the host's share of a token: what it runs besides the submit and its wait
+            import cProfile
+            import io
+            import pstats
+
+            pr = cProfile.Profile()
+            pr.enable()
+            for t in ids[a.pos + a.reps:a.pos + 2 * a.reps]:
+                m.forward([t], cache)
+            pr.disable()
+            out = io.StringIO()
+            pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(a.host_profile)
+            prof = out.getvalue()
         ops = dl._ops()
         rec = K.record(ops, each=True)      # the same ops at the last position, a timestamp after each
         runs = []
@@ -460,6 +476,9 @@ def per_op_main(argv=None):
         print("the first layer's ops in order (wait: a barrier before it):")
         for o, t in list(zip(ops, med))[:end]:
             print(f"  {_op_label(o)} wait={int(getattr(o, 'wait', 0))} {1e3 * t:.1f} us")
+        if a.host_profile:
+            print(f"cProfile of {a.reps} decode tokens (seconds in all; the submit's own time is its wait):")
+            print(prof[prof.find("ncalls"):].rstrip())
     finally:
         e.close()
     return 0

@@ -455,8 +455,8 @@ def test_device_failure_hands_layers_back(device_moe, monkeypatch):
 
 
 def test_device_failure_after_a_device_prompt(device_moe, monkeypatch):
-    """The device fails at a decode row after it ran the prompt (whose K/V rows only it held): those rows are
-    computed again on the CPU from the kept input rows, and the logits and greedy tokens stay the CPU's."""
+    """The device fails at a decode row after it ran the prompt and a decode row (whose K/V rows only it held): those
+    rows are computed again on the CPU from the kept input rows, and the logits and greedy tokens stay the CPU's."""
 
     cpu, dev = device_engine(device_moe), device_engine(device_moe, COLI_VK_LAYERS=2)
     try:
@@ -464,7 +464,7 @@ def test_device_failure_after_a_device_prompt(device_moe, monkeypatch):
         m, dl = dev.model, dev.model.device_layers
         c = m.new_cache(64, 64)
         got = [m.forward(IDS[:5], c)[-1], m.forward([IDS[5]], c)[-1]]
-        assert dl.prompt_tokens == 5 and dl.tokens == 1 and dl._hi == 5
+        assert dl.prompt_tokens == 5 and dl.tokens == 1 and (dl._lo, dl._hi) == (0, 6)
         lose_device_on_call(monkeypatch, dl.K, "submit", 1, after=True)
         got += [m.forward([t], c)[-1] for t in IDS[6:9]]
         assert m.device_layers is None
