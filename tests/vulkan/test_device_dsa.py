@@ -164,8 +164,8 @@ def test_ties_go_to_the_earlier_positions(glm_q32, tmp_path):
 
 
 def test_a_failed_device_hands_the_indexed_rows_back(glm_q32, monkeypatch):
-    """The device fails at a decode row after a device prompt of 40 rows (past index_topk, whose latent and indexer
-    keys only the device held): those rows are computed again on the CPU from the kept input rows (the full layers'
+    """The device fails at a decode row after a device prompt of 40 rows (past index_topk) and a decode row, whose
+    latent and indexer keys only the device held: those rows are computed again on the CPU from the kept input rows (the full layers'
     indexers first), and the logits and greedy tokens stay the CPU-only run's (within 1e-5)."""
     from tests.conftest import FIXTURES
     from tests.vk_util import lose_device_on_call
@@ -179,7 +179,7 @@ def test_a_failed_device_hands_the_indexed_rows_back(glm_q32, monkeypatch):
         m, dl = e.model, e.model.device_layers
         c = m.new_cache(64, 64)
         got = [m.forward(ids[:40], c), m.forward([ids[40]], c)]
-        assert dl.prompt_tokens == 40 and dl.tokens == 1 and dl._hi == 40
+        assert dl.prompt_tokens == 40 and dl.tokens == 1 and (dl._lo, dl._hi) == (0, 41)
         lose_device_on_call(monkeypatch, dl.K, "submit", 1, after=True)
         got += [m.forward([t], c) for t in ids[41:]]
         assert m.device_layers is None
