@@ -182,8 +182,10 @@ class Kernels(HostJoin):
         self.attn_chunk = int(get("COLI_VK_ATTN_CHUNK", env))
         #: decode attention at short contexts (flash-decoding): a head's keys split in even parts so that the heads'
         #: parts make about this many workgroups (an H100 has 132 SMs; one head a workgroup left 16 of them busy at
-        #: OLMoE's 16 heads), none under attn_min_keys keys (coli/vulkan/layer_decode.py ``attn_np``)
-        self.attn_wgs, self.attn_min_keys = 128, 16
+        #: OLMoE's 16 heads), none under attn_min_keys keys (coli/vulkan/layer_decode.py ``attn_np``); none on a CPU
+        #: device (Lavapipe: a workgroup more is serial work more, 46 ms a layer at 32 parts against 1 ms at 2)
+        self.attn_wgs = 0 if getattr(dev, "type_name", "") == "cpu" else 128
+        self.attn_min_keys = 16
         self._pipes: dict = {}
         self.fence = None       # VkFence[1] of submit()
         self._bufs: list = []

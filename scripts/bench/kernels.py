@@ -37,6 +37,7 @@ best round of ``--reps`` alternated ones) for each chunk length of ``--rows``; r
 ``per-op``: where a decode token's device time goes with every layer on the device (``-m MODEL``; KEY=VALUE
 settings on top, e.g. COLI_VK_ATTN_CHUNK=64): the token's program recorded again with a timestamp after each op
 (each then waits for the one before: their sum exceeds the program's own time), microseconds a token by kernel
+(the matrix ops' weight GB/s beside them)
 (medians of ``--reps`` runs at position ``--pos``), the first layer's ops in order; beside it the host's wall time
 a decode token (median) and the program's own time by its two timestamps: their gap is the host's part
 (``--host-profile N``: a cProfile of more tokens, its N costliest functions).
@@ -380,6 +381,15 @@ def _op_label(o) -> str:
     return k + (f":{o.type_name}" if o.type_name else "") + (f":m{o.mode & 0xFF}" if o.mode & 0xFF else "") + f" [{g}]"
 
 
+def _op_bytes(o) -> int:
+    """Weight bytes a matrix op reads (lmv: O rows of I; lmoe: k experts' rows, gate and up both in MODE 1), else 0."""
+    k = getattr(o, "kernel", None)
+    if k not in ("lmv", "lmoe") or not o.type_name:
+        return 0
+    rows = int(o.words[0]) * TT.get(o.type_name).row_bytes(int(o.words[1]))
+    return rows if k == "lmv" else rows * int(o.words[2]) * (2 if o.mode == 1 else 1)
+
+
 def per_op_main(argv=None):
     import statistics
 
@@ -463,14 +473,17 @@ def per_op_main(argv=None):
         L = max(1, len(dl.layers))
         groups: dict = {}
         for o, t in zip(ops, med):
-            g = groups.setdefault(_op_label(o), [0, 0.0])
+            g = groups.setdefault(_op_label(o), [0, 0.0, 0])
             g[0] += 1
             g[1] += t
+            g[2] += _op_bytes(o)
         print(f"{len(ops)} ops, {L} layers; per-op program (a timestamp after each op): {med.sum():.3f} ms")
-        print("| op [workgroups] | count | us a token | us each | us a layer | % |")
-        print("|---|---|---|---|---|---|")
-        for k, (c, t) in sorted(groups.items(), key=lambda x: -x[1][1]):
-            print(f"| {k} | {c} | {1e3 * t:.1f} | {1e3 * t / c:.1f} | {1e3 * t / L:.1f} | {100 * t / med.sum():.1f} |")
+        print("| op [workgroups] | count | us a token | us each | us a layer | % | weight GB/s |")
+        print("|---|---|---|---|---|---|---|")
+        for k, (c, t, b) in sorted(groups.items(), key=lambda x: -x[1][1]):
+            gbs = f"{b / t / 1e6:.0f}" if b else ""
+            print(f"| {k} | {c} | {1e3 * t:.1f} | {1e3 * t / c:.1f} | {1e3 * t / L:.1f} | {100 * t / med.sum():.1f} | "
+                  f"{gbs} |")
         first = [i for i, o in enumerate(ops) if getattr(o, "kernel", None) == "rope_kv"]
         end = first[1] if len(first) > 1 else len(ops)
         print("the first layer's ops in order (wait: a barrier before it):")
