@@ -256,9 +256,13 @@ def check_dense_fits(eng) -> None:
     rss = memory.process_rss()
     need = budget_needed(rss + dense)
     if need > eng.memory.bytes:
+        # the reserve left to the rest of the machine is the default's: --mem takes it (memory.budget)
+        mem = (f" (--mem {math.ceil(need / memory.GiB * 100) / 100:g} takes the "
+               f"{_fmt(eng.memory.reserve)} left to the rest of the machine)"
+               if eng.memory.reserve and need <= eng.memory.bytes + eng.memory.reserve else "")
         raise ColiError(f"{eng.path.name}: its dense weights ({_fmt(dense)}) and coli itself ({_fmt(rss)}) need "
                         f"a memory budget of {_fmt(need)} or more, above the {eng.memory.describe()}; with "
-                        f"{_fmt(need)} it runs" + (" with its experts streamed from disk" if experts else ""))
+                        f"{_fmt(need)} it runs" + (" with its experts streamed from disk" if experts else "") + mem)
 
 
 def setup_moe(eng, expert_cache, usage_path, io_threads, keep_raw) -> None:

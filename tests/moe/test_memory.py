@@ -4,6 +4,7 @@ what the engine sizes fits what the budget leaves; a model whose dense part cann
 loads)."""
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import sys
@@ -294,6 +295,22 @@ def test_a_dense_model_that_cannot_fit_names_no_experts(tmp_path, monkeypatch):
     assert re.fullmatch(r"rope_linear\.gguf: its dense weights \(.*\) and coli itself \(.*\) need a memory budget of "
                         r"(\d+) MiB or more, above the memory budget 102 MiB \(COLI_MEM=0\.1.*\); with \1 MiB it runs",
                         str(e.value)), str(e.value)
+    # the budget short by a MiB only for the reserve left to the rest of the machine: the line says --mem takes it
+    from coli.gguf_file import open_gguf
+    from coli.runtime import budget_needed
+
+    g = open_gguf(FIXTURES / "oracles" / "rope_linear.gguf")
+    need = budget_needed((300 << 20) + sum(int(t.nbytes) for t in g.tensors.values()))
+    avail = 2 * (need - (300 << 20)) - (2 << 20)             # its half, the reserve, is 1 MiB short of the need
+    monkeypatch.setattr(memory, "cgroup_limit", lambda root="/": (None, ""))
+    monkeypatch.setattr(memory, "available_ram", lambda: avail)
+    monkeypatch.setattr(memory, "ram_total", lambda: 64 << 30)
+    with pytest.raises(ColiError) as e:
+        Engine(FIXTURES / "oracles" / "rope_linear.gguf", usage=str(tmp_path / "u"), save_usage=False, env={})
+    assert str(e.value).endswith(f"above the memory budget {memory.fmt_bytes(need - (1 << 20))} (RAM available less "
+                                 f"{memory.fmt_bytes(avail // 2)} left to the rest of the machine); with "
+                                 f"{memory.fmt_bytes(need)} it runs (--mem {math.ceil(need / (1 << 30) * 100) / 100:g} "
+                                 f"takes the {memory.fmt_bytes(avail // 2)} left to the rest of the machine)"), str(e.value)
 
 
 def _mapped_rss(start: int) -> int:
