@@ -394,7 +394,7 @@ class Batcher:
                 f"the KV cache is full: the {len(work)} running requests hold all {self.cells} positions of the "
                 f"context (--ctx), and this one, at position {at}, was started last; retry it, or start the server "
                 f"with a larger --ctx or a smaller --parallel"))
-            return [seq]
+            return finished + [seq]
         eng = self.eng
         try:
             with engine_threads(eng):
