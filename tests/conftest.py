@@ -84,6 +84,20 @@ def _device_tests_see_a_fixed_ram(request, monkeypatch):
         pin_available_ram(monkeypatch)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _device_modules_see_a_fixed_ram(request):
+    """The same for a device module's module-scoped engines, built before any test's own fixtures
+    (test_device_prompt_routes' ``dev`` found no device layers while another process held models in RAM)."""
+    if not _device_test(request.node):
+        yield
+        return
+    from tests.vk_util import pin_available_ram
+
+    with pytest.MonkeyPatch.context() as mp:
+        pin_available_ram(mp)
+        yield
+
+
 # llama.cpp on the same files: teacher-forced NLL of CAPITALS
 LLAMA_CPP_NLL = {"smollm2": (1.315, 1.321), "gemma3": (1.776, 1.776), "qwen25": (1.098, 1.098)}
 CAPITALS = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is Rome."
