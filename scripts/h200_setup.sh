@@ -12,9 +12,12 @@
 #       (about 5 minutes with a carried kernel cache): every layer (-ngl 99), attention on the device with every
 #       expert in RAM (-ot exps=CPU / --cpu-moe), half the experts (--n-cpu-moe 8 / --gpu-layers 8, and every layer's
 #       attention with --tier-gb 3.70: 502 of 1,024 experts resident, joined mid-layer)
-#   The compiled kernels: a call that ends with `tar czf $OUT/numba.tgz -C ~/.cache/coli numba` brings them back
-#   (about 9 MB); put the file at .numba_dev/numba.tgz and carry .numba_dev: setup() restores it, and the next
-#   fresh machine compiles nothing (the folder is named by a digest of cpu_kernels/, so an edit there misses it).
+#   The compiled kernels: a call that ends with `save_kernels` brings them back in $OUT (numba.tgz.part_*: the tool
+#   returns files of at most 16 MiB; stamps.txt: cpu_kernels/*.py's modification times); put those files in
+#   .numba_dev and carry it: setup() restores them, and the next fresh machine compiles nothing. Numba keeps a
+#   cached kernel only while its source file's mtime and size are the ones it was compiled from (numba/core/
+#   caching.py, the index's source stamp), and a fresh checkout has new mtimes: setup() sets the recorded ones back
+#   (safe: the folder is named by a digest of cpu_kernels/'s sources, so an edited file never meets an old kernel).
 # Anything else is a `coli bench` or scripts/bench command after the set-up (docs/h200.md "Other measurements").
 # The set-up alone, in a command of its own:
 #   source <(sed -n '/^setup() {/,/^}/p' scripts/h200_setup.sh); PY=python3 setup
@@ -24,7 +27,12 @@
 # data/lib; without them Numba falls back to OpenMP). Exports PYTHONPATH, LD_LIBRARY_PATH, VK_DRIVER_FILES. Needs
 # $PY. Returns 2 when the wheels do not install.
 setup() {
-if [ -s .numba_dev/numba.tgz ]; then mkdir -p ~/.cache/coli && tar xzf .numba_dev/numba.tgz -C ~/.cache/coli; fi
+if ls .numba_dev/numba.tgz* > /dev/null 2>&1; then
+  mkdir -p ~/.cache/coli && cat .numba_dev/numba.tgz* | tar xzf - -C ~/.cache/coli
+  if [ -s .numba_dev/stamps.txt ]; then
+    while read -r t f; do [ -f "$f" ] && touch -d "@$t" "$f"; done < .numba_dev/stamps.txt
+  fi
+fi
 if [ -d .gl ]; then
   for f in .gl/*.deb; do dpkg -x "$f" /; done
   ldconfig
@@ -44,6 +52,13 @@ print("TBB libraries:", sorted(os.listdir("/tmp/site/lib")))
 PYEOF
 export PYTHONPATH=/tmp/site:$PWD
 export LD_LIBRARY_PATH=/tmp/site/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+}
+
+# save_kernels: the compiled kernels into $OUT as numba.tgz.part_* (15 MiB parts) and the kernel sources' mtimes
+# as stamps.txt (see the header: carry them back in .numba_dev).
+save_kernels() {
+( cd ~/.cache/coli && tar czf /tmp/numba.tgz numba ) && split -b 15M /tmp/numba.tgz "$OUT/numba.tgz.part_"
+stat -c '%Y %n' cpu_kernels/*.py > "$OUT/stamps.txt"
 }
 
 # synth-path: where the synthetic MoE (scripts/make_synthetic_moe.py defaults: OLMoE-1B-7B's shapes, Q8_0, 7.35 GB)
