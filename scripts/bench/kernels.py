@@ -8,6 +8,7 @@ alternating rounds (the machine is shared): quote them with the load average pri
     python scripts/bench/kernels.py --op experts [--threads 2] [--formats Q8_0,Q4_0] [--rows 64,256] [--E 64]
     python scripts/bench/kernels.py --op dn [--rows 64,512] [--Hk 16] [--Hv 32] [--dk 128] [--dv 128] [--bv 16,8] [--kda]
     python scripts/bench/kernels.py --op per-op -m MODEL [--ctx N] [--pos 64] [--reps 40] [--host-profile N] [KEY=VALUE ...]
+    python scripts/bench/kernels.py --op per-op -m MODEL --prompt 512 [--pos 0] [--reps 20] [KEY=VALUE ...]
 
 Whole models are ``coli bench``'s (docs/benchmarks.md): one decode token over a real model's matrices is
 ``coli bench -m smollm2 -p 0 -n 32`` (weight GB/s), the memory-read probe beside it ``--bandwidth``, a tiny oracle's
@@ -40,7 +41,12 @@ settings on top, e.g. COLI_VK_ATTN_CHUNK=64): the token's program recorded again
 (the matrix ops' weight GB/s beside them)
 (medians of ``--reps`` runs at position ``--pos``), the first layer's ops in order; beside it the host's wall time
 a decode token (median) and the program's own time by its two timestamps: their gap is the host's part
-(``--host-profile N``: a cProfile of more tokens, its N costliest functions).
+(``--host-profile N``: a cProfile of more tokens, its N costliest functions). ``--prompt R``: a prompt chunk of R
+rows at position ``--pos`` (a multiple of R; COLI_VK_PROMPT_ROWS = R) instead: the host's wall time of a prompt of
+pos + R tokens beside the device's timestamps of its chunks, then the chunk's ops with a timestamp after each,
+microseconds a chunk and a layer by kernel, each op's GFLOP/s (the matrix products over the rows they take, the
+attention's causal Q K^T and P V) and weight GB/s, and a summary by class: the experts' GEMMs, the other GEMMs, the
+attention, the rest.
 """
 from __future__ import annotations
 
@@ -401,8 +407,13 @@ def per_op_main(argv=None):
     ap.add_argument("-t", "--threads", type=int, default=None)
     ap.add_argument("--host-profile", type=int, default=0, metavar="N",
                     help="then a cProfile of --reps more decode tokens: its N costliest functions by own time")
+    ap.add_argument("--prompt", type=int, default=0, metavar="R",
+                    help="profile a prompt chunk of R rows at position --pos instead of a decode token")
     ap.add_argument("env", nargs="*", help="KEY=VALUE settings (COLI_VK_*)")
     a = ap.parse_args(argv)
+    if a.prompt and (a.prompt < 1 or a.pos % a.prompt):
+        print(f"kernels.py --op per-op: --pos {a.pos} is not a multiple of --prompt {a.prompt}", file=sys.stderr)
+        return 2
     from coli.base import settings
     from coli.base.errors import ColiError
     from coli.engine import Engine
@@ -413,6 +424,8 @@ def per_op_main(argv=None):
         return 2
     env = dict(x.split("=", 1) for x in a.env)
     env.setdefault("COLI_VK_LAYERS", "-1")
+    if a.prompt:
+        env["COLI_VK_PROMPT_ROWS"] = str(a.prompt)
     try:
         e = Engine(a.model, threads=a.threads, device="vulkan", env=settings.overlay(None, **env), quiet=True,
                    silent=True, save_usage=False, ctx=a.ctx)
@@ -426,6 +439,8 @@ def per_op_main(argv=None):
             print("kernels.py --op per-op: the decode program is not one command buffer here (every layer and its "
                   f"experts on the device): {dl.describe() if dl is not None else 'no device layers'}", file=sys.stderr)
             return 2
+        if a.prompt:
+            return _prompt_profile(e, a)
         K = dl.K
         ids = [int(t) for t in np.random.default_rng(0).integers(0, m.args.vocab, a.pos + 2 * a.reps + 1)]
         cache = m.new_cache(e.ctx, e.ctx)
@@ -494,6 +509,106 @@ def per_op_main(argv=None):
             print(prof[prof.find("ncalls"):].rstrip())
     finally:
         e.close()
+    return 0
+
+
+def _prompt_op_work(o, pos: int) -> tuple:
+    """(class, FLOPs, weight bytes) of a prompt chunk's op ``o`` at position ``pos``: lmm's products (words O, I, flags,
+    R, ldy, k, ident; MODE 1 gate and up over the R k pairs, or R rows with ident; MODE 2 down; workgroups' z the
+    experts, each read once), the attention's causal Q K^T and P V (words nq, nkv, hd, ctx, scale, R, window, sinks,
+    hdv; the window ignored); the rest "other"."""
+    k = getattr(o, "kernel", None)
+    if k == "lmm":
+        w, mode = [int(x) for x in o.words], o.mode & 0xFF
+        O, I, R = w[0], w[1], w[3]
+        rows = R if mode == 0 or (len(w) > 6 and w[6] == 1) else R * w[5]
+        z = int(o.groups[2]) if len(o.groups) > 2 else 1
+        mats = 2 if mode == 1 else 1
+        wb = z * mats * O * TT.get(o.type_name).row_bytes(I) if o.type_name else 0
+        cls = "experts' GEMMs" if mode and z > 1 else "other GEMMs"
+        return cls, 2.0 * mats * O * I * rows, wb
+    if k in ("attn_pre", "attn_pre_cm"):
+        w = [int(x) for x in o.words]
+        nq, hd, R, hdv = w[0], w[2], w[5], w[8] or w[2]
+        return "attention", 2.0 * nq * R * (hd + hdv) * (pos + (R + 1) / 2), 0
+    return "other", 0.0, 0
+
+
+def _num(v: float) -> str:
+    """A rate for the tables: whole numbers from 10, three digits below (Lavapipe's)."""
+    return f"{v:.0f}" if v >= 10 else f"{v:.3g}"
+
+
+def _prompt_profile(e, a) -> int:
+    """``--op per-op --prompt R``: a prompt chunk's device time by op (the per-op docstring)."""
+    import statistics
+
+    m, dl = e.model, e.model.device_layers
+    K, R, P = dl.K, a.prompt, a.pos
+    if dl._prompt_mode(R) != "whole":
+        print("kernels.py --op per-op: a prompt chunk is not one command buffer here (every layer and its experts on "
+              f"the device): {dl.describe()}", file=sys.stderr)
+        return 2
+    ids = [int(t) for t in np.random.default_rng(0).integers(0, m.args.vocab, P + R)]
+    walls, progs = [], []
+    for i in range(max(2, a.reps // 4) + 1):   # a fresh cache each: the prompt from position 0; the first warms up
+        cache = m.new_cache(e.ctx, e.ctx)
+        t0 = time.perf_counter()
+        m.forward(ids, cache)
+        wall = time.perf_counter() - t0
+        rec = next(r for key, r in dl._precs.items() if key[0] == R)
+        if i:
+            walls.append(wall)
+            progs.append(K.gpu_ms(rec))
+    key = next(key for key in dl._precs if key[0] == R)
+    ops = dl._prompt_ops(R, key[1])    # the last chunk again (its rows in p_in, its position in params)
+    rec = K.record(ops, each=True)
+    runs = []
+    try:
+        for _ in range(a.reps + 3):
+            K.submit(rec)
+            runs.append(K.op_ms(rec))
+    finally:
+        K.free(rec)
+    wall = 1e3 * statistics.median(walls)
+    prog = statistics.median(progs) if progs and progs[0] is not None else float("nan")
+    print(f"device: {K.dev.describe()}; {dl.describe()}; route {K.route}; ctx {e.ctx}; load {' '.join(load())}")
+    print(f"a prompt of {P + R} tokens in chunks of {R}: host wall {wall:.2f} ms (median of {len(walls)}), "
+          f"{(P + R) / wall * 1e3:.0f} rows/s; its last chunk (position {P}) {prog:.3f} ms by the device's timestamps, "
+          f"{R / prog * 1e3:.0f} rows/s")
+    if runs[-1] is None:
+        print("(no timestamps on this device: no per-op table)")
+        return 0
+    med = np.median(np.array(runs[3:], np.float64), axis=0)
+    L, tot = max(1, len(dl.layers)), med.sum()
+    groups: dict = {}
+    classes: dict = {}
+    for o, t in zip(ops, med):
+        cls, fl, wb = _prompt_op_work(o, P)
+        g = groups.setdefault(_op_label(o), [0, 0.0, 0.0, 0])
+        g[0] += 1
+        g[1] += t
+        g[2] += fl
+        g[3] += wb
+        c = classes.setdefault(cls, [0, 0.0, 0.0])
+        c[0] += 1
+        c[1] += t
+        c[2] += fl
+    print(f"{len(ops)} ops, {L} layers; per-op chunk (a timestamp after each op): {tot:.3f} ms, {R / tot * 1e3:.0f} rows/s")
+    print("| op [workgroups] | count | us a chunk | us each | us a layer | % | GFLOP/s | weight GB/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, (c, t, fl, wb) in sorted(groups.items(), key=lambda x: -x[1][1]):
+        print(f"| {name} | {c} | {1e3 * t:.1f} | {1e3 * t / c:.1f} | {1e3 * t / L:.1f} | {100 * t / tot:.1f} | "
+              f"{_num(fl / t / 1e6) if fl else ''} | {_num(wb / t / 1e6) if wb else ''} |")
+    print("| class | ops | us a chunk | us a layer | % | GFLOP/s |")
+    print("|---|---|---|---|---|---|")
+    for cls, (c, t, fl) in sorted(classes.items(), key=lambda x: -x[1][1]):
+        print(f"| {cls} | {c} | {1e3 * t:.1f} | {1e3 * t / L:.1f} | {100 * t / tot:.1f} | "
+              f"{_num(fl / t / 1e6) if fl else ''} |")
+    ends = [i + 1 for i, o in enumerate(ops) if getattr(o, "kernel", None) == "moe_sum"]
+    print("the first layer's ops in order (wait: a barrier before it):")
+    for o, t in list(zip(ops, med))[:ends[0] if ends else len(ops)]:
+        print(f"  {_op_label(o)} wait={int(getattr(o, 'wait', 0))} {1e3 * t:.1f} us")
     return 0
 
 
