@@ -28,12 +28,13 @@ def _table(name, V, D, seed, edit=None):
 def test_rows_are_the_reference_bit_for_bit(name):
     V, D = 40, 96
     raw = _table(name, V, D, 5)
-    ids = np.array([3, 0, 39, 3, 17], np.int64)
-    h, bad = embed.rows(name, raw, ids, D)
-    ref = dequantize(name, raw[ids], D)
-    assert h.dtype == np.float32 and h.shape == (len(ids), D)
-    assert np.array_equal(h.view(np.uint32), ref.view(np.uint32))
-    assert bad == -1
+    long = np.random.default_rng(2).integers(0, V, 2 * embed.PAR_ROWS + 3)    # the threads' path
+    for ids in (np.array([3, 0, 39, 3, 17], np.int64), long):
+        h, bad = embed.rows(name, raw, ids, D)
+        ref = dequantize(name, raw[ids], D)
+        assert h.dtype == np.float32 and h.shape == (len(ids), D)
+        assert np.array_equal(h.view(np.uint32), ref.view(np.uint32))
+        assert bad == -1
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered")
@@ -55,7 +56,8 @@ def test_the_first_non_finite_row_is_the_references(name, value):
                 raw[r, off:off + 2] = np.array([value], np.float16).view(np.uint8)
 
     raw = _table(name, V, D, 1, poison)
-    for ids in ([1, 2, 9, 4], [4], [0, 1, 2]):
+    many = [0, 1, 2, 3, 5, 6, 7, 8, 10, 11] * (embed.PAR_ROWS // 10 + 1)   # the threads' path: rows 9, 4 late
+    for ids in ([1, 2, 9, 4], [4], [0, 1, 2], many + [9, 0, 4], many):
         ids = np.array(ids, np.int64)
         h, bad = embed.rows(name, raw, ids, D)
         ref = dequantize(name, raw[ids], D)
@@ -67,8 +69,9 @@ def test_the_first_non_finite_row_is_the_references(name, value):
 def test_an_id_outside_the_table_is_an_index_error():
     raw = _table("Q8_0", 8, 32, 0)
     for bad in (8, -1):
-        with pytest.raises(IndexError, match=f"token id {bad} is outside the embedding table of 8 rows"):
-            embed.rows("Q8_0", raw, np.array([0, bad], np.int64), 32)
+        for n in (1, embed.PAR_ROWS):       # serial, threads
+            with pytest.raises(IndexError, match=f"token id {bad} is outside the embedding table of 8 rows"):
+                embed.rows("Q8_0", raw, np.array([0] * n + [bad], np.int64), 32)
 
 
 def test_other_types_and_layouts_are_left_to_the_reference():
