@@ -494,11 +494,11 @@ class Routes:
                              "slots_busy": len(b.slots) - b.free(), "reused_rows": b.reused_rows, "steps": b.steps,
                              "most_in_a_step": b.most_rows_of, "kv_unified": b.unified,
                              "kv_cells": b.cells if b.unified else None, "kv_cells_held": b.held(),
-                             "waiting_for_kv": len(w.deferred)})
+                             "waiting_for_kv": len(w.deferred), "preemptions": b.preemptions})
 
     async def metrics_route(self, request: Request):
         w = self.state["worker"]
-        return PlainTextResponse(self.metrics.text(w.q.qsize(), w.busy()), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(self.metrics.text(w.q.qsize(), w.busy(), w.batcher.preemptions), media_type="text/plain; version=0.0.4")
 
     async def http_error(self, request, exc: HTTPException):
         types = {404: "not_found_error", 413: "invalid_request_error"}

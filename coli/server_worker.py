@@ -53,7 +53,7 @@ class Metrics:
         k = (endpoint, status)
         self.requests[k] = self.requests.get(k, 0) + 1
 
-    def text(self, waiting: int, running: int) -> str:
+    def text(self, waiting: int, running: int, preemptions: int = 0) -> str:
         out = []
 
         def metric(name, kind, help_, samples):
@@ -81,6 +81,8 @@ class Metrics:
                [("_sum", f"{self.ttft_sum:.6f}"), ("_count", self.ttft_n)])
         metric("requests_processing", "gauge", "requests being generated", [("", running)])
         metric("requests_deferred", "gauge", "requests waiting in the queue", [("", waiting)])
+        metric("preemptions_total", "counter", "requests preempted for want of KV blocks, recomputed later "
+               "(vLLM's num_preemptions)", [("", preemptions)])
         return "\n".join(out) + "\n"
 
 #: the most prompt rows a step takes when the server has several slots (``--parallel`` > 1)
@@ -212,12 +214,14 @@ class Worker:
             job.post("error", 0, APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
 
     def _warm_up(self) -> None:
-        """One short greedy generation through the slots before the first request (llama-server's warm-up):
-        a 2-token prompt step and a 1-row decode step, so that the kernels' compile (tens of seconds on a cold
-        Numba cache) and the first touch of the weights are paid here, not by the first client; with several
-        slots whose rows run together, two such generations at once (their decode step the several-row compiled
-        call: its compile took a first 4-client burst minutes on a cold cache). The slots' rows,
-        the step counters and the routing history are then put back: the warm-up leaves no prompt cache, counts no
+        """Short greedy generations through the slots before the first request (llama-server's warm-up), so
+        that the kernels' compile (tens of seconds on a cold Numba cache) and the first touch of the weights are
+        paid here, not by the first client, on each path a step of the server takes: one slot, a 2-token prompt
+        step and a 1-row decode step; several slots whose rows run together, what a server meets with one client
+        and with several: a prompt read alone, a step of one's decode row beside another's prompt, a step of
+        two decode rows (the several-row compiled call: its compile took a first 4-client burst minutes on a
+        cold cache) and a decode row alone again (the one-row path a lone client takes). The slots' rows, the
+        step counters and the routing history are then put back: the warm-up leaves no prompt cache, counts no
         steps and adds no routings. A failure is printed (the requests will meet it too), never hidden."""
         eng, b = self.eng, self.batcher
         t0 = time.perf_counter()
@@ -227,16 +231,29 @@ class Worker:
         # the routing history is the tier's warm start: a synthetic prompt's routings must not enter it
         u = getattr(eng, "usage", None)
         hist = (u.counts.copy(), u.tokens) if u is not None else None
-        seqs = [Sequence(eng, ids, 2, Sampler(SamplingParams(temp=0.0), ctx=eng.ctx), stop_at_eos=False)
-                for _ in range(2 if len(b.slots) > 1 and b.batched else 1)]
+
+        def seq(n):
+            return Sequence(eng, ids, n, Sampler(SamplingParams(temp=0.0), ctx=eng.ctx), stop_at_eos=False)
+
         try:
-            b.run(seqs)
+            if len(b.slots) > 1 and b.batched:
+                first, second = seq(4), seq(2)
+                b.start(first)
+                b.step()              # its prompt alone
+                b.run([second])       # beside its decode rows, then two decode rows; then its last row alone
+                while not first.done:
+                    b.step()
+                if first.error is not None:
+                    raise first.error
+            else:
+                b.run([seq(2)])
         except Exception as e:  # noqa: BLE001
             print(f"coli serve: the warm-up failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         finally:
             b.forget()
             self.warmed = dict(steps=b.steps - steps0, rows=b.most_rows_of, seconds=round(time.perf_counter() - t0, 3))
             b.steps, b.most_rows_of, b.reused_rows, b.copied_rows = steps0, 0, 0, 0
+            b.started = b.preemptions = 0
             if b.unified:
                 b.pool.most = 0
             if hist is not None:

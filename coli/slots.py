@@ -20,9 +20,13 @@ Paged KV cells (``Batcher(unified=True)``, ``coli serve``'s default and ``--kv-u
 engine's context in positions, blocks of ``coli.kv_blocks.BLOCK`` taken as a sequence grows (its prompt's when
 it starts, one more each ``BLOCK`` generated tokens) and given back when its rows are dropped (a free slot's
 cached rows, least recently used first, when another needs the room). A request whose prompt does not fit
-raises :class:`NoRoom` and waits; a sequence that finds no block for its next token waits a step, and when
-every running sequence waits so, the one started last ends with an error naming ``--ctx`` (its blocks free the
-others): none is cut short silently, no rows are overwritten.
+raises :class:`NoRoom` and waits. A running sequence that finds no block for its next token preempts the
+sequence started last (itself, when it is that one): its blocks are given back and it waits, keeping its slot
+and the tokens it generated, until its prompt and those tokens fit again; then they are recomputed as a prompt
+and it goes on (vLLM's recompute preemption, ``PreemptionMode.RECOMPUTE``; the same tokens, since a row's
+logits do not depend on its step). A preempted sequence resumes before a new one starts (first come, first
+served). Any one sequence fits the context alone (``Engine.check_fits``), so the one started first always
+runs on: none is cut short, no rows are overwritten.
 """
 from __future__ import annotations
 
@@ -95,6 +99,8 @@ class Sequence:
         self.should_stop = should_stop
         self.on_text = on_text
         self.slot = None
+        self.order = 0  # when it started among the batcher's sequences (the one started last is preempted first)
+        self.preempted = False  # paged: its blocks were given back; its prompt and tokens recomputed when they fit
         self.pending: list = []  # prompt tokens still to run
         self.out: list = []
         self.text: list = []
@@ -197,11 +203,19 @@ def check_parallel(eng, n_slots, unified: bool = False) -> None:
     if unified and not pageable(eng):
         raise ColiError(f"--kv-unified: {eng.path.name}'s layers keep a recurrent state or a compressed cache, not "
                         f"K/V rows by position (their caches cannot be paged); serve it without --kv-unified")
-    need = (1 if unified else n_slots) * kv_cache_bytes(eng.args, eng.ctx)
+    one = kv_cache_bytes(eng.args, eng.ctx)
+    need = (1 if unified else n_slots) * one
     if n_slots > 1 and need > eng.room:
         raise ColiError(f"--parallel {n_slots}: {n_slots} slots x --ctx {eng.ctx} positions need "
                         f"{fmt_bytes(need)} of KV cache, more than the {fmt_bytes(eng.room)} the "
                         f"{eng.memory.describe()} leaves once the model is loaded (lower --parallel or --ctx)")
+    room = memory.commit_room()
+    if n_slots > 1 and room is not None and n_slots * one > room:
+        raise ColiError(f"--parallel {n_slots}: each slot maps a KV cache of --ctx {eng.ctx} positions "
+                        f"({fmt_bytes(one)}; paged, its pages are used only as rows are written), and with "
+                        f"vm.overcommit_memory=2 the kernel counts the {n_slots} mappings whole: "
+                        f"{fmt_bytes(n_slots * one)}, more than the {fmt_bytes(room)} left to commit (CommitLimit - "
+                        f"Committed_AS in /proc/meminfo); lower --parallel (at most {max(1, room // one)} here) or --ctx")
 
 
 def pageable(eng) -> bool:
@@ -212,10 +226,14 @@ def pageable(eng) -> bool:
 def auto_parallel(eng) -> tuple[int, bool]:
     """``--parallel``'s default, llama-server's auto: 4 slots sharing the context's positions (paged, as its
     unified cache), or 1 slot where they cannot be shared (device layers hold one sequence's K/V rows; a
-    family with a recurrent state or a compressed cache cannot be paged). (slots, unified)."""
+    family with a recurrent state or a compressed cache cannot be paged); under strict overcommit
+    (``memory.commit_room``: each slot's whole context counted when it is mapped) as many of the 4 as the
+    kernel lets the process commit, at least 1. (slots, unified)."""
     if eng.device_layers is not None or not pageable(eng):
         return 1, False
-    return 4, True
+    room = memory.commit_room()
+    n = 4 if room is None else max(1, min(4, room // max(1, kv_cache_bytes(eng.args, eng.ctx))))
+    return n, True
 
 
 class Batcher:
@@ -237,6 +255,8 @@ class Batcher:
         self.copied_rows = 0  # of those, rows copied from another slot
         self.steps = 0
         self.most_rows_of = 0  # the most sequences one step ran together
+        self.preemptions = 0  # paged: sequences preempted for want of blocks (vLLM's num_preemptions)
+        self.started = 0  # sequences started (their ``order``)
         self.batched = eng.model.batches_rows()  # else a step runs its sequences one after the other
 
     def active(self) -> list:
@@ -261,12 +281,15 @@ class Batcher:
         return min(len(seq.ids) + 1, self.cells)
 
     def fits(self, seq: Sequence) -> bool:
-        """Whether :meth:`start` can place ``seq`` now: a free slot, and (paged) blocks for its prompt among the
-        free ones and those the free slots hold (their cached rows can be dropped)."""
+        """Whether :meth:`start` can place ``seq`` now: a free slot, and (paged) no preempted sequence waiting
+        (it resumes first) and blocks for its prompt among the free ones and those the free slots hold (their
+        cached rows can be dropped)."""
         if not self.free():
             return False
         if not self.unified:
             return True
+        if any(s.preempted for s in self.active()):
+            return False
         idle = sum(self.pool.held(s) for s in self.slots if s.seq is None)
         return self.pool.blocks_for(self._first(seq)) <= len(self.pool.free) + idle
 
@@ -302,7 +325,7 @@ class Batcher:
             raise ColiError("no free slot")
         if not self.fits(seq):
             raise NoRoom(f"--kv-unified: the prompt's {self._first(seq)} positions do not fit beside the running "
-                         f"requests' now")
+                         f"requests' now (or a preempted one waits to resume)")
         ids = seq.ids
         limit = len(ids) - 1  # the last prompt token always runs: its logits give the first token
 
@@ -343,6 +366,8 @@ class Batcher:
         slot.cache.pos = n
         slot.seq = seq
         seq.slot = slot
+        self.started += 1
+        seq.order = self.started
         seq.cached = n
         seq.pending = ids[n:]
         self.reused_rows += n
@@ -350,15 +375,47 @@ class Batcher:
 
     def step(self) -> list:
         """One step over the active sequences; returns those that finished in it (``done``). A sequence whose
-        ``should_stop()`` says so ends "cancelled" before its rows run; a failed step ends the sequences in it
-        with the error (their slots' rows dropped). Paged: a sequence that finds no block for its rows sits the
-        step out; when all do, the one started last ends with a ColiError naming ``--ctx``."""
+        ``should_stop()`` says so ends "cancelled" before its rows run (paged: its blocks past its rows go back
+        at once, for the others' rows of this step); a failed step ends the sequences in it with the error
+        (their slots' rows dropped). Paged: a decoding sequence that finds no block for its next token preempts
+        the one started last (:meth:`_make_room`); a preempted sequence resumes when its rows fit (:meth:`_resume`)."""
         finished = self._step()
         if self.unified:  # an ended sequence's slot keeps its rows (the prompt cache), not the blocks past them
             for seq in finished:
                 if seq.slot is not None and seq.slot.seq is None:
                     self._give_back(seq.slot, len(seq.slot.ids))
         return finished
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Paged: ``seq`` gives all its blocks back and waits to recompute its prompt and generated tokens."""
+        self._give_back(seq.slot, 0)
+        seq.preempted = True
+        seq.pending = []
+        self.preemptions += 1
+
+    def _make_room(self, seq: Sequence, positions: int, work: list) -> bool:
+        """Paged: ``seq`` holds the blocks of ``positions`` positions, preempting the running sequences of
+        ``work`` started last (vLLM's scheduler: the lowest priority first, first come first served) while the
+        blocks are too few; False when ``seq`` itself was the one started last (it is preempted then)."""
+        while not self._take(seq.slot, positions):
+            victim = max((s for s in work if not s.preempted), key=lambda s: s.order)
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _resume(self, seq: Sequence) -> bool:
+        """Paged: a preempted ``seq`` takes the blocks of its prompt and generated tokens (dropping free slots'
+        cached rows, never a running sequence's) and queues them as its prompt; False (nothing taken) when they
+        do not fit yet."""
+        rows = seq.ids + seq.out  # its last token's row included: its logits give the next token
+        if not self._take(seq.slot, len(rows)):
+            return False
+        seq.preempted = False
+        seq.slot.ids = []
+        seq.slot.cache.pos = 0
+        seq.pending = list(rows)
+        return True
 
     def _step(self) -> list:
         finished = []
@@ -367,34 +424,38 @@ class Batcher:
             if seq.should_stop is not None and seq.should_stop():
                 seq.end("cancelled")
                 finished.append(seq)
+                if self.unified:  # its blocks serve this step's rows of the others
+                    self._give_back(seq.slot, len(seq.slot.ids))
             else:
                 work.append(seq)
         if not work:
             return finished
+        if self.unified:
+            work.sort(key=lambda s: s.order)
+            before = self.preemptions
+            for seq in work:  # the decoding ones' next blocks, first started first (a prompt's are taken)
+                if not seq.preempted and not seq.pending:
+                    self._make_room(seq, len(seq.slot.ids) + 1, work)
+            for seq in work:  # preempted ones resume in order, unless this step preempted one
+                if seq.preempted and (self.preemptions > before or not self._resume(seq)):
+                    break
         budget = self.chunk
         parts = []
         ends_prompt = False  # a prompt's last rows run in this step (its first token comes out of it)
         for seq in sorted(work, key=lambda s: len(s.pending)):  # decode rows first, then the shortest prompt
+            if seq.preempted:
+                continue
             if seq.pending and (budget <= 0 or (ends_prompt and len(seq.pending) > budget)):
                 # a step that ends a prompt is not topped up with a chunk of a longer one: a short request's
                 # first token waits for the step running when it came, not also for a long prompt's next rows
                 continue
             rows = seq.next_rows(budget)
-            if self.unified and not self._take(seq.slot, len(seq.slot.ids) + len(rows)):
-                continue  # no block for its rows now: it waits for one that a finishing sequence gives back
             if seq.pending:
                 budget -= len(rows)
                 ends_prompt = ends_prompt or len(rows) == len(seq.pending)
             parts.append((seq, rows))
-        if not parts:  # paged, every sequence waits for a block: the one started last ends, its blocks free the rest
-            seq = max(work, key=lambda s: s.t0)
-            at = len(seq.slot.ids)
-            seq.slot.ids = []
-            seq.end("error", ColiError(
-                f"the KV cache is full: the {len(work)} running requests hold all {self.cells} positions of the "
-                f"context (--ctx), and this one, at position {at}, was started last; retry it, or start the server "
-                f"with a larger --ctx or a smaller --parallel"))
-            return finished + [seq]
+        if not parts:
+            return finished
         eng = self.eng
         try:
             with engine_threads(eng):

@@ -109,6 +109,24 @@ def ram_reserve(total: int, available: int) -> int:
     return max(0, min(int(int(total) * RAM_RESERVE_SHARE), int(available) // 2))
 
 
+def commit_room(overcommit: str = "/proc/sys/vm/overcommit_memory", meminfo: str = "/proc/meminfo") -> int | None:
+    """Bytes of address space the kernel still lets the machine commit under strict overcommit accounting
+    (``vm.overcommit_memory`` = 2: ``CommitLimit - Committed_AS`` of ``/proc/meminfo``, never below 0): there a
+    private writable mapping is counted whole when it is made, whether its pages are ever touched or not (Linux's
+    Documentation/mm/overcommit-accounting). None under the heuristic (0) or always (1) modes, or where the files
+    cannot be read (not Linux): nothing is counted before it is touched."""
+    try:
+        with open(overcommit) as f:
+            if f.read().strip() != "2":
+                return None
+        with open(meminfo) as f:
+            kb = {k: int(v.split()[0]) for k, v in (ln.split(":", 1) for ln in f if ":" in ln)
+                  if k in ("CommitLimit", "Committed_AS")}
+        return max(0, kb["CommitLimit"] - kb["Committed_AS"]) * 1024
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def process_rss() -> int:
     """This process's resident set in bytes (``psutil.Process().memory_info().rss``)."""
     return int(psutil.Process().memory_info().rss)
@@ -290,10 +308,16 @@ def fresh() -> bool:
 def mapped_zeros(shape: tuple, dtype):
     """A zeroed array on a fresh anonymous mapping of 4 KiB pages (``MADV_NOHUGEPAGE``): no page is committed
     until written, and a write commits the 4 KiB around it (``np.zeros`` may take reused heap memory and memset
-    all of it, or get 2 MiB transparent huge pages); :func:`give_back` returns pages. Linux."""
+    all of it, or get 2 MiB transparent huge pages); :func:`give_back` returns pages. Linux. ColiError naming
+    ``--parallel`` and ``--ctx`` when the kernel refuses the mapping (strict overcommit: :func:`commit_room`)."""
     count = int(np.prod(shape))
-    # private: DONTNEED frees a private page (a shared anonymous one stays in shmem, its data kept)
-    buf = mmap.mmap(-1, max(1, count * np.dtype(dtype).itemsize), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    n = max(1, count * np.dtype(dtype).itemsize)
+    try:  # private: DONTNEED frees a private page (a shared anonymous one stays in shmem, its data kept)
+        buf = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as e:  # strict overcommit (vm.overcommit_memory=2) counts the whole mapping when it is made
+        raise ColiError(f"paged KV cache: mapping {fmt_bytes(n)} for a slot's {shape} cache failed: "
+                        f"{e.strerror or e}; with vm.overcommit_memory=2 each slot's whole context counts: lower "
+                        f"--parallel or --ctx") from None
     buf.madvise(mmap.MADV_NOHUGEPAGE)
     return np.frombuffer(buf, dtype, count).reshape(shape)
 

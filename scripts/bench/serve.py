@@ -69,8 +69,10 @@ def in_process(name: str, threads: int, n_tok: int, ks, rounds: int = 3) -> list
                 return add(layer, ids)
 
             eng.usage.add = counting
-        # warm up: kernels compiled and the experts in the RAM cache before anything is timed
-        Batcher(eng, max(ks)).run([_seq(eng, p, 4) for p in prompts(max(ks), 99)])
+        # warm up each stream count (one stream's decode row runs the one-row path, several the several-row
+        # call): kernels compiled and the experts in the RAM cache before anything is timed
+        for k in ks:
+            Batcher(eng, k).run([_seq(eng, p, 4) for p in prompts(k, 99)])
         for r, k in enumerate(ks * rounds):
             b = Batcher(eng, k)
             seqs = [_seq(eng, p, n_tok) for p in prompts(k, r)]

@@ -288,8 +288,8 @@ def test_warmup_health_503_then_200(eng, monkeypatch):
     with _client(eng) as c:
         h = c.get("/health")
         assert h.status_code == 200 and h.json()["warmup"] is None
-    # several slots: two warm-up generations together (their decode step the several-row compiled call where
-    # the engine has one; this f32 engine has none)
+    # several slots: a prompt alone, a decode row beside a prompt, two decode rows (the several-row compiled
+    # call where the engine has one; this f32 engine has none), a decode row alone
     monkeypatch.setattr(Worker, "_warm_up", orig)
     rows = eng.model.rows_dec
     ran = rows.steps if rows is not None else 0
@@ -298,7 +298,7 @@ def test_warmup_health_503_then_200(eng, monkeypatch):
         while (r := c.get("/health")).status_code != 200 and time.time() < t_end:
             time.sleep(0.1)
         w = r.json()["warmup"]
-        assert (w["steps"], w["rows"]) == (2, 2) and r.json()["steps"] == 0
+        assert (w["steps"], w["rows"]) == (4, 2) and r.json()["steps"] == 0
         assert all(s == 0 for s in (r.json()["slots_busy"], r.json()["reused_rows"]))
     if rows is not None:
         assert rows.steps == ran + 1
@@ -462,7 +462,7 @@ def test_metrics_prometheus_text(http):
     assert m1["coli_tokens_predicted_total"] == m0["coli_tokens_predicted_total"] + 3
     assert m1["coli_prompt_tokens_total"] == m0["coli_prompt_tokens_total"] + u["prompt_tokens"]
     assert m1["coli_time_to_first_token_seconds_count"] == m0["coli_time_to_first_token_seconds_count"] + 1
-    assert m1["coli_requests_deferred"] == 0
+    assert m1["coli_requests_deferred"] == 0 and m1["coli_preemptions_total"] == 0
 
 
 # ------------------------------------------------------------------------------------- tools

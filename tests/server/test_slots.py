@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 
 from coli.sampling import Sampler, SamplingParams
@@ -185,26 +186,67 @@ def test_paged_kv_shared_tokens_equal_alone(engine, model_path):
     _paged_invariants(b)
 
 
-def test_paged_kv_full_ends_the_last_started_with_an_error(engine, model_path):
-    """Two requests without a token limit on a 128-position context (2 blocks): when neither finds a block for
-    its next token, the one started last ends with an error naming --ctx and gives its blocks back; the other
-    goes on to the end of the context with the tokens it gets alone."""
+def _to_the_end(eng, ids):
+    """A greedy sequence without a token limit: it runs to the end of the context."""
+    s = _seq(eng, ids, eng.ctx - len(ids))
+    s.stop_at_eos = False
+    return s
+
+
+def test_paged_kv_full_preempts_the_last_started_and_recomputes_it(engine, model_path):
+    """Two requests without a token limit on a 128-position context (2 blocks): when the one started last needs
+    a second block, it is preempted (its block given back, its slot kept); the first runs to the end of the
+    context, then the preempted one's prompt and generated tokens are recomputed and it goes on to the end of
+    the context too (vLLM's recompute preemption). Both answer the tokens they get alone; a request that comes
+    while one is preempted waits for it (first come, first served)."""
+    from coli.slots import NoRoom
+
     eng = engine(model_path("smollm2"), threads=2, ctx=128)
     a, c = eng.tokenize(PROMPTS[0]), eng.tokenize(PROMPTS[1])
-    b = Batcher(eng, 2, unified=True)
-    sa = _seq(eng, a, 128 - len(a))
-    sa.stop_at_eos = False
-    sc = _seq(eng, c, 128 - len(c))
-    sc.stop_at_eos = False
+    assert len(a) < len(c)   # the one started last reaches 64 positions first
+    b = Batcher(eng, 3, unified=True)
+    sa, sc = _to_the_end(eng, a), _to_the_end(eng, c)
     b.start(sa)
     b.start(sc)
+    while not sc.preempted:
+        b.step()
+        _paged_invariants(b)
+    assert len(sc.out) == 64 - len(c) + 1 and b.pool.held(sc.slot) == 0 and b.preemptions == 1 and not sa.done
+    late = _seq(eng, a, 4)
+    assert b.free() == 1 and not b.fits(late)   # the preempted one resumes first
+    with pytest.raises(NoRoom):
+        b.start(late)
     while not (sa.done and sc.done):
         b.step()
         _paged_invariants(b)
-    assert sc.finish == "error" and "--ctx" in str(sc.error) and len(sc.out) == 65 - len(c)
-    assert sa.error is None and sa.finish == "length" and len(sa.out) == 128 - len(a)
+    assert b.preemptions == 1
+    for s, ids in ((sa, a), (sc, c)):
+        w = eng.generate(ids=ids, max_tokens=128 - len(ids), temp=0.0, keep_kv=False, stop_at_eos=False)
+        assert s.error is None and s.finish == "length" and s.result.ids == w.ids
+
+
+def test_cancel_frees_its_blocks_for_a_full_cache(engine, model_path):
+    """A sequence cancelled in the step where the cache is full and its neighbour needs a block (a client that
+    left mid-stream): the step returns it ended "cancelled", its slot is free, and its block goes to the
+    neighbour in that step (nobody preempted), which runs on to the tokens it gets alone."""
+    eng = engine(model_path("smollm2"), threads=2, ctx=128)
+    a, c = eng.tokenize(PROMPTS[1]), eng.tokenize(PROMPTS[0])
+    assert len(a) > len(c)   # the first started reaches 64 positions first
+    b = Batcher(eng, 2, unified=True)
+    sa, sc = _to_the_end(eng, a), _to_the_end(eng, c)
+    sc.should_stop = lambda: len(sa.slot.ids) >= 64   # it leaves when sa needs a second block
+    b.start(sa)
+    b.start(sc)
+    while not sc.done:
+        held = b.pool.held()
+        done = b.step()
+        _paged_invariants(b)
+    assert done == [sc] and sc.finish == "cancelled" and held == 2 and b.free() == 1
+    assert b.pool.held(sa.slot) == 2 and b.pool.held(sc.slot) == 0 and b.preemptions == 0
+    while not sa.done:
+        b.step()
     w = eng.generate(ids=a, max_tokens=128 - len(a), temp=0.0, keep_kv=False, stop_at_eos=False)
-    assert sa.result.ids == w.ids
+    assert sa.result.ids == w.ids and b.preemptions == 0
 
 
 def test_blocks_accounting():
@@ -319,3 +361,36 @@ def test_parallel_checked_against_the_memory_budget(engine, model_path):
         with pytest.raises(ColiError, match="^--parallel"):
             check_parallel(eng, int(bad))
     check_parallel(eng, int(too_many), unified=True)  # --kv-unified: one context's cache whatever the slots
+
+
+def test_strict_overcommit_counts_each_slots_range(engine, model_path, tmp_path, monkeypatch):
+    """Strict overcommit (``vm.overcommit_memory=2``): ``memory.commit_room`` reads CommitLimit - Committed_AS
+    (kB) of /proc/meminfo, None in the other modes; each paged slot maps a whole context, so more slots than
+    that room holds is one ColiError naming --parallel and --ctx, and the default takes as many of its 4 as fit."""
+    from coli import slots
+    from coli.base import memory
+    from coli.base.errors import ColiError
+    from coli.runtime import kv_cache_bytes
+
+    mode, info = tmp_path / "overcommit_memory", tmp_path / "meminfo"
+    info.write_text("MemTotal:       24000000 kB\nCommitLimit:    12000000 kB\nCommitted_AS:   11000000 kB\n")
+    mode.write_text("2\n")
+    assert memory.commit_room(str(mode), str(info)) == 1000000 * 1024
+    mode.write_text("0\n")
+    assert memory.commit_room(str(mode), str(info)) is None
+    eng = engine(model_path("smollm2"), threads=2, ctx=256)
+    one = kv_cache_bytes(eng.args, eng.ctx)
+    monkeypatch.setattr(memory, "commit_room", lambda: int(2.5 * one))
+    with pytest.raises(ColiError, match=r"^--parallel 3: .*vm.overcommit_memory=2.*at most 2 here\) or --ctx"):
+        slots.check_parallel(eng, 3, unified=True)
+    slots.check_parallel(eng, 2, unified=True)
+    assert slots.auto_parallel(eng) == (2, True)
+    monkeypatch.setattr(memory, "commit_room", lambda: 0)
+    assert slots.auto_parallel(eng) == (1, True)
+
+    def refused(*a, **k):   # what mmap(2) answers there when the mapping does not fit the commit limit
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(memory.mmap, "mmap", refused)
+    with pytest.raises(ColiError, match=r"Cannot allocate memory; with vm.overcommit_memory=2 .*--parallel or --ctx"):
+        memory.mapped_zeros((2, 256, 64), np.float32)
