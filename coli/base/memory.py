@@ -243,26 +243,16 @@ def touched_bytes(a, rows: int, mode: str | None = None) -> int:
     return pages * g
 
 
-# madvise(2)'s advice (Linux, <asm-generic/mman-common.h>): the paged KV cache's (coli.kv_blocks) pages go back
-MADV_DONTNEED = 4
-_libc = None
-
-
-def _madvise(addr: int, length: int, advice: int) -> None:
-    """``madvise(addr, length, advice)`` through the C library (NumPy arrays are no ``mmap`` objects); OSError
-    naming the call when the kernel refuses it."""
-    global _libc
-    if _libc is None:
-        import ctypes
-        import ctypes.util
-
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    if length > 0 and _libc.madvise(addr, length, advice) != 0:
-        import ctypes
-
-        e = ctypes.get_errno()
-        raise OSError(e, f"madvise({addr:#x}, {length}, {advice}): {os.strerror(e)}")
+def _mapping(a):
+    """``(mmap, address of its first byte)`` behind ``a``, a :func:`mapped_zeros` array or a view of one (its
+    root array is ``np.frombuffer`` of the whole mapping). TypeError for another array."""
+    root = a
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    m = getattr(root.base, "obj", root.base)   # frombuffer's base: a memoryview of the mapping
+    if not isinstance(m, mmap.mmap):
+        raise TypeError("give_back: the array is not on a mapping of memory.mapped_zeros")
+    return m, int(root.ctypes.data)
 
 
 def _runs(a, rows: int, end: int | None = None):
@@ -328,8 +318,24 @@ def give_back(a, rows: int) -> None:
     ``rows`` (a page that also holds a kept row stays). The rows read as zeros afterwards (a private anonymous
     mapping's pages come back zero-filled on the next touch); the caller no longer needs them. Linux; OSError
     from the call."""
+    m, start = _mapping(a)
     for addr, length in _runs(a, rows):
-        _madvise(addr, length, MADV_DONTNEED)
+        m.madvise(mmap.MADV_DONTNEED, addr - start, length)
+
+
+_libc = None
+
+
+def _c_library():
+    """The C library through ctypes (loaded once), for ``mincore``, which Python's ``mmap`` does not wrap."""
+    global _libc
+    if _libc is None:
+        import ctypes
+        import ctypes.util
+
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    return _libc
 
 
 def resident_pages(a) -> int:
@@ -337,14 +343,10 @@ def resident_pages(a) -> int:
     pages given back are gone."""
     import ctypes
 
-    global _libc
-    if _libc is None:
-        _madvise(0, 0, 0)   # loads the C library
     lo = int(a.ctypes.data) // PAGE * PAGE
     hi = -(-(int(a.ctypes.data) + int(a.nbytes)) // PAGE) * PAGE
     vec = (ctypes.c_ubyte * ((hi - lo) // PAGE))()
-    _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
-    if _libc.mincore(lo, hi - lo, vec) != 0:
+    if _c_library().mincore(lo, hi - lo, vec) != 0:
         e = ctypes.get_errno()
         raise OSError(e, f"mincore: {os.strerror(e)}")
     return sum(v & 1 for v in vec) * PAGE
