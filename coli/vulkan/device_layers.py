@@ -327,6 +327,9 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
         if getattr(self, "_erec", None) is not None:
             self.K.free(self._erec[0])
             self._erec = None
+        if getattr(self, "_dn_rb", None) is not None:
+            self.K.free(self._dn_rb)
+            self._dn_rb = None
         self._free_precs()
         for t in self._tensors:
             self.dev._drop(t)

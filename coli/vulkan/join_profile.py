@@ -25,8 +25,8 @@ PARTS = (
                              "(the device runs meanwhile; MoEStep.note_row)"),
     ("tail", "after the last join: the device's last segment and the fence"),
     ("timestamps", "the segments' timestamps read back (vkGetQueryPoolResults)"),
-    ("K/V rows out", "the token's new K/V rows (read back) written into the CPU's cache, the last layer's row "
-                     "copied out"),
+    ("row out", "the last layer's row copied out (the K/V rows and DeltaNet states stay the device's until the "
+                "CPU needs them)"),
     ("routing history", "the routes read back, counted in the routing history, the logits copied out, the "
                         "on_token hook (expert swaps)"),
     ("clock holder", "the clock holder's heat submitted for the gap to the next token (a discrete GPU)"),

@@ -101,6 +101,8 @@ class DecodeRow:
             self.dn_floats = (kc - 1) * C + Hv * dk * dv     # a layer's conv state, then its recurrent state
             self.dnhost = K.buffer(4 * self.dn_floats * n_dn, host=True, readback=True)
         self._dn_at = None      # (weakref to the cache, position) the device's DeltaNet states are current for
+        self._dn_dirty = False  # the CPU's copy of them is behind (_dn_host writes it)
+        self._dn_rb = None      # the recorded readback of the states (_dn_host)
         self.q = K.buffer(4 * nq * hd, host=False)
         self.ao = K.buffer(4 * nq * hd, host=False)
         self.logits = K.buffer(4 * E, host=False)
@@ -141,7 +143,6 @@ class DecodeRow:
         self.params = K.buffer(256, host=True)
         self.hin = K.buffer(4 * D, host=True)
         self.hout = K.buffer(4 * D, host=True, readback=True)
-        self.kvhost = K.buffer(4 * 2 * nkv * hd * len(self.layers), host=True, readback=True)
 
     def _ops(self) -> list:
         from coli.vulkan.layers import Copy, Dispatch, f32_bits  # the Vulkan binding: only when a device runs
@@ -244,9 +245,6 @@ class DecodeRow:
                              type_name=self.head["type"]),
                     Copy(self.lg, self.lghost, [(0, 0, 4 * V)])]
         ops.append(Copy(self.hs, self.hout, [(0, 0, 4 * D)]))
-        if self.dn:     # the new K/V rows back each row where DeltaNet states are (DecodeRow.__call__)
-            ops.append(Copy(self.kvout, self.kvhost, [(0, 0, 4 * kvn * len(self.per))], wait=False))
-        ops += self._dn_readback()     # the DeltaNet states back to the CPU's cache each row (_dn_store)
         if k:
             ops.append(Copy(self.route, self.routehost, [(0, 0, 8 * k * len(self.per))], wait=False))
         L = len(self.layers)
@@ -281,12 +279,12 @@ class DecodeRow:
         if P is not None:
             t_call, s0 = time.perf_counter(), sum(P.s.values())
         self._sync(cache, pos0)
-        if not self.dn:     # the row's K/V stays the device's only, as a prompt chunk's (host_kv writes it when asked)
-            if self._lo < self._hi != pos0:      # rows the CPU wrote since: the device's go back first (no gap)
-                self._fetch(cache)
-            if self._hi <= self._lo:
-                self._lo = pos0
-            self._hi = pos0 + 1
+        # the row's K/V (and DeltaNet states) stay the device's only, as a prompt chunk's (host_kv writes them)
+        if self._lo < self._hi != pos0:      # rows the CPU wrote since: the device's go back first (no gap)
+            self._fetch(cache)
+        if self._hi <= self._lo:
+            self._lo = pos0
+        self._hi = pos0 + 1
         self._keep(h, pos0)
         if self.dn:
             self._dn_load(cache, pos0)
@@ -317,10 +315,9 @@ class DecodeRow:
             t2 = time.perf_counter()
         out = self._hout.reshape(1, D).copy()
         if self.dn:
-            self._dn_store(cache, pos0 + 1)
-            self._kv_out(cache, pos0)
+            self._dn_ran(cache, pos0 + 1)
         if P is not None:
-            t2 = P.lap("K/V rows out", t2)
+            t2 = P.lap("row out", t2)
         self._valid = pos0 + 1
         self.tokens += 1
         step = self.m.step
@@ -350,41 +347,8 @@ class DecodeRow:
         self._params = self.params.u32(4)
         self._hin = self.hin.f32(D)
         self._hout = self.hout.f32(D)
-        kvn = 2 * self.nkv * self.hd     # a layer's block of the readback: its k heads, then its v heads
-        self._kvnew = self.kvhost.f32(kvn * L).reshape(L, kvn)
         self._route_ids = self.routehost.u32(2 * k * L).reshape(L, 2, k)[:, 0] if k else None
         self._lghost = self.lghost.f32(self.vocab) if self.head is not None else None
         moe = [(j, d["il"]) for j, d in enumerate(self.per) if "tab" in d]      # a dense layer has no route
         self._moe_j = np.array([j for j, _ in moe], np.int64)
         self._moe_il = np.array([il for _, il in moe], np.int64)
-        self._kv_rows = None    # [(layer, K rows, V rows)]: _kv_out's views of the readback (f32 caches)
-
-    def _kv_out(self, cache, pos0: int) -> None:
-        """The new K/V rows of position ``pos0`` (read back, f32) into the CPU's ``cache`` (with DeltaNet layers only:
-        elsewhere a decode row's K/V rows stay the device's only until the CPU needs them): an f32 cache's rows
-        copied straight into its arrays (the readback's views made once), other types converted as the CPU's cache
-        type does (the bits the device's rope_kv wrote), MLA's LAT row into the latent cache."""
-        new = self._kvnew
-        if not self.mla and self.kv_types == ("f32", "f32"):
-            rows = self._kv_rows
-            if rows is None:    # each layer's K and V rows in the readback, as [heads, width] views
-                rows = self._kv_rows = [
-                    (d["il"], new[j, :d["nkv"] * self.hd].reshape(d["nkv"], self.hd),
-                     new[j, d["nkv"] * self.hd:d["nkv"] * (self.hd + d["hdv"])].reshape(d["nkv"], d["hdv"]))
-                    for j, d in enumerate(self.per) if "dn" not in d]
-            layers = cache.layers
-            for il, k, v in rows:       # blocks.KV's f32 arrays [heads, ctx, width]
-                kv = layers[il]
-                kv.k[:, pos0] = k
-                kv.v[:, pos0] = v
-            return
-        for j, d in enumerate(self.per):
-            if "dn" in d:
-                continue
-            kv = cache.layers[d["il"]]
-            if self.mla:    # the new LAT row: the latent, the rope key (and GLM-5's indexer key)
-                self._lat_rows(kv, pos0, new[j, None, :self.hd])
-                continue
-            nk, hd, hdv = d["nkv"], self.hd, d["hdv"]
-            # converted as the CPU's cache type does (the bits the device's rope_kv wrote)
-            kv.write(pos0, new[j, :nk * hd].reshape(1, nk, hd), new[j, nk * hd:nk * (hd + hdv)].reshape(1, nk, hdv))

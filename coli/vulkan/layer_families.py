@@ -146,7 +146,7 @@ class MLAMixer:
 class DeltaNetMixer:
     """Gated DeltaNet layers of :class:`DeviceLayers` (``self.dn``: (Hk, Hv, dk, dv, conv kernel, C)): their tensors,
     their mixer's ops (a decode row, a prompt chunk), and their conv and recurrent states between the CPU's cache
-    and the device (``dnhost``, read back by each program's last ops)."""
+    and the device (``dnhost``: read back when the CPU needs them, as the K/V rows)."""
 
     def _upload_dn(self, d: dict, x, p: str) -> None:
         """A Gated DeltaNet block's tensors (``deltanet.GatedDeltaNet``): attn_qkv, attn_gate, ssm_ba (or ssm_beta and
@@ -293,19 +293,40 @@ class DeltaNetMixer:
 
     def _dn_load(self, cache, pos0: int) -> None:
         """The DeltaNet layers' conv and recurrent states of ``cache`` onto the device, unless the device's are
-        already those of ``cache`` at ``pos0`` (the last row ran here)."""
+        already those of ``cache`` at ``pos0`` (the last row or chunk ran here): every layer's in one staging
+        submit, or, at position 0, zeros recorded as fills (a sequence starts from zero states, as a fresh
+        ``DeltaNetCache``: nothing staged). States the device advanced for another cache go to it first."""
         at = self._dn_at
         if at is not None and at[0]() is cache and at[1] == pos0:
             return
-        self._dn_at = None
+        old = at[0]() if at is not None else None
+        if old is not None:
+            self._dn_host(old)
+        self._dn_at, self._dn_dirty = None, False
+        pairs = []
         for d in self.per:
             if "dn" in d:
                 c = cache.layers[d["il"]]
-                self.K.upload(d["dn_conv"], c.conv)
-                self.K.upload(d["dn_state"], c.state)
+                fresh = pos0 == 0
+                pairs += [(d["dn_conv"], None if fresh else c.conv), (d["dn_state"], None if fresh else c.state)]
+        self.K.upload_many(pairs)
 
-    def _dn_store(self, cache, pos: int) -> None:
-        """The DeltaNet states the row left (read back into dnhost) into ``cache``, the CPU's: current at ``pos``."""
+    def _dn_ran(self, cache, pos: int) -> None:
+        """A row or chunk of ``cache`` ran here: the device's DeltaNet states are its states at ``pos``, the CPU's
+        are behind (written when it needs them: :meth:`_dn_host`, from ``_fetch``)."""
+        self._dn_at = (weakref.ref(cache), pos)
+        self._dn_dirty = True
+
+    def _dn_host(self, cache) -> None:
+        """The device's DeltaNet states into ``cache`` (the CPU's) when the device advanced them for it since they
+        were last written: the copies of :meth:`_dn_readback` in one submit (recorded once), then into the CPU's
+        arrays."""
+        at = self._dn_at
+        if not self._dn_dirty or at is None or at[0]() is not cache:
+            return
+        if self._dn_rb is None:
+            self._dn_rb = self.K.record(self._dn_readback())
+        self.K.submit(self._dn_rb)
         nf, c = self.dn_floats, (self.dn[4] - 1) * self.dn[5]
         for d in self.per:
             if "dn" in d:
@@ -313,7 +334,7 @@ class DeltaNetMixer:
                 row = self.dnhost.f32(nf * (d["dn_n"] + 1))[nf * d["dn_n"]:]
                 st.conv[...] = row[:c].reshape(st.conv.shape)
                 st.state[...] = row[c:].reshape(st.state.shape)
-        self._dn_at = (weakref.ref(cache), pos)
+        self._dn_dirty = False
 
     def _dn_prompt_ops(self, d: dict, R: int) -> list:
         """A prompt chunk's Gated DeltaNet mixer for layer ``d`` (its R normed rows in p_xn): the projections by
@@ -351,14 +372,14 @@ class DeltaNetMixer:
                      [D, Hv * dv, 1, R, 0], type_name=d["dn_out"][1])]
 
     def _dn_readback(self) -> list:
-        """Copies of the DeltaNet layers' conv and recurrent states into dnhost (a program's last ops; _dn_store)."""
+        """Copies of the DeltaNet layers' conv and recurrent states into dnhost (:meth:`_dn_host`'s program)."""
         from coli.vulkan.layers import Copy  # the Vulkan binding: only when a device runs
 
         if not self.dn:
             return []
         nf, c, ops = self.dn_floats, 4 * (self.dn[4] - 1) * self.dn[5], []
         for d in self.per:
-            if "dn" in d:
-                ops += [Copy(d["dn_conv"], self.dnhost, [(0, 4 * nf * d["dn_n"], c)], wait=False),
+            if "dn" in d:     # (the first after a barrier: the last submit's shaders wrote the states)
+                ops += [Copy(d["dn_conv"], self.dnhost, [(0, 4 * nf * d["dn_n"], c)], wait=not ops),
                         Copy(d["dn_state"], self.dnhost, [(0, 4 * nf * d["dn_n"] + c, 4 * nf - c)], wait=False)]
         return ops

@@ -1,6 +1,7 @@
 """The device layers' K/V rows and the CPU's cache (coli/vulkan/device_layers.py; docs/vulkan.md "Device layers"):
 rows the device lacks uploaded before a decode row or a prompt chunk (``_sync``), rows only the device holds
-written into the CPU's cache when the CPU needs them (``_fetch``, ``host_kv``) and, after a device failure,
+written into the CPU's cache when the CPU needs them (``_fetch``, ``host_kv``; DeltaNet layers' states with
+them) and, after a device failure,
 computed again on the CPU from the kept input rows (``recompute_on_cpu``).
 """
 from __future__ import annotations
@@ -72,9 +73,12 @@ class KVRows:
 
     def _fetch(self, cache) -> None:
         """Write the K/V rows ``_lo .. _hi - 1`` of these layers that only the device holds into ``cache`` (the
-        CPU's), through the staging buffer (readback memory), at most 16 MiB a submit."""
+        CPU's), through the staging buffer (readback memory), at most 16 MiB a submit, and the DeltaNet layers'
+        states the device advanced for it (``_dn_host``)."""
         from coli.vulkan.layers import Copy  # the Vulkan binding: only when a device runs
 
+        if self.dn:
+            self._dn_host(cache)
         p0, p1 = self._lo, self._hi
         self._lo = self._hi = 0
         self._hist = np.zeros((0, self.D), np.float32)
@@ -123,7 +127,10 @@ class KVRows:
 
     def recompute_on_cpu(self, cache, pos0: int) -> None:
         """After a device failure: compute the K/V rows of these layers that only the device held (positions
-        ``_lo .. min(_hi, pos0) - 1`` of ``cache``) on the CPU, from the kept input rows, so the CPU can go on."""
+        ``_lo .. min(_hi, pos0) - 1`` of ``cache``) on the CPU, from the kept input rows, so the CPU can go on (over
+        the DeltaNet states the CPU's cache holds at ``_lo``: the device's are not read back)."""
+        if self.dn:
+            self._dn_at, self._dn_dirty = None, False
         if self._cache is None or cache is not self._cache():
             return
         p0, p1 = self._lo, min(self._hi, int(pos0))

@@ -191,7 +191,7 @@ class PromptChunks:
             ops.append(Copy(self.p_hs, self.p_out, [(0, 0, 4 * R * D)]))
         if k:
             ops.append(Copy(self.p_route, self.p_routeh, [(0, 0, 8 * k * R * len(self.per))], wait=False))
-        return ops + self._dn_readback()
+        return ops
 
     def _prompt_moe_ops(self, j: int, d: dict, R: int, stream: bool) -> list:
         """A prompt chunk's MoE block of layer ``d`` (``j``-th here; its R normed rows in ``p_xn``): the router and
@@ -266,9 +266,9 @@ class PromptChunks:
         on the device, in chunks of at most ``prompt_rows`` rows, one submit a chunk: ``(h, logits)``, the last
         layer's output f32 [T, D] and None, or, when the head runs here, None and the logits f32 [T, vocab]
         (``all_logits``) or [1, vocab] (the last row's). The K/V rows go into the device's cache only (the
-        CPU's copy is written when it is needed: :meth:`host_kv`). Raises as :meth:`__call__`. With DeltaNet layers
-        (Qwen3-Next) their states are written back each chunk, and the chunk's K/V rows too: no row is the device's
-        only (a failed device's rows could not be recomputed over states that already took them)."""
+        CPU's copy is written when it is needed: :meth:`host_kv`), as are DeltaNet layers' states (Qwen3-Next): the
+        CPU's stay where its K/V rows are, so a failed device's rows are computed again over the states before them
+        (``recompute_on_cpu``). Raises as :meth:`__call__`."""
         self._sync(cache, pos0)
         T, D, k, L = len(h), self.D, self.k, len(self.per)
         R0 = min(T, self.prompt_rows)
@@ -303,8 +303,7 @@ class PromptChunks:
             self.prompt_s += time.perf_counter() - t0 - (compile_seconds() - c0)
             self._valid = p + R
             if self.dn:
-                self._dn_store(cache, p + R)
-                self._fetch(cache)
+                self._dn_ran(cache, p + R)
             self.prompt_tokens += R
             self.prompt_chunks += 1
             self.mla_expanded += int(key[3])

@@ -310,6 +310,23 @@ class Kernels(HostJoin):
             return
         self.dev._staged_copy(flat, dst.buffer)
 
+    def upload_many(self, pairs) -> None:
+        """:meth:`upload` of each ``(dst, data)`` in ``pairs``, ``data`` an array or None for zeros over the whole of
+        ``dst``: the mapped ones copied (zeroed) directly, the others through the staging buffer in one submit
+        (the zeros recorded as fills: nothing staged)."""
+        staged = []
+        for dst, data in pairs:
+            flat = None if data is None else np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+            if dst.view is not None:
+                if flat is None:
+                    dst.view[:] = 0
+                else:
+                    dst.view[:flat.size] = flat
+            else:
+                staged.append((flat, dst.buffer, dst.size if flat is None else flat.size))
+        if staged:
+            self.dev._staged_copies(staged)
+
     # -- recording and submits --------------------------------------------------------------------------
     def record(self, ops: list, timestamps: bool = False, each: bool = False, lead: bool = False, after=None,
                resets: tuple = ()):

@@ -447,6 +447,13 @@ class MemoryMixin:
 
     def _staged_copy(self, flat: np.ndarray, dst) -> None:
         """Copy bytes into a device-local buffer through a host-visible staging buffer (synchronous)."""
+        self._staged_copies([(flat, dst, flat.size)])
+
+    def _staged_copies(self, items) -> None:
+        """Write device-local buffers from the start, synchronously: ``items`` ``[(flat, dst, nbytes)]``, ``flat``
+        uint8 bytes to copy through a host-visible staging buffer, or None for ``nbytes`` zeros (vkCmdFillBuffer:
+        nothing staged; ``nbytes`` a multiple of 4); ``dst`` a VkBuffer. One submit and wait for every item whose
+        bytes fit the 16 MiB staging buffer together (a submit a staging buffer's worth otherwise)."""
         chunk = 16 * MiB
         if self._staging_buf is None:
             self._staging_buf = _Buf(self, chunk, _USAGE_XFER_SRC, _MEM_HOST_VISIBLE | _MEM_HOST_COHERENT, 0)
@@ -464,27 +471,44 @@ class MemoryMixin:
         bi.sType = vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO
         bi.flags = vk.VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT
         region = _s("VkBufferCopy")
-        for off in range(0, flat.size, chunk):
-            n = min(chunk, flat.size - off)
-            sb.view[:n] = flat[off:off + n]
-            _chk(lib.vkResetCommandBuffer(cb, 0), "vkResetCommandBuffer")
-            _chk(lib.vkBeginCommandBuffer(cb, bi), "vkBeginCommandBuffer")
-            region.srcOffset, region.dstOffset, region.size = 0, off, n
+        used, open_ = 0, False
+        # (flat or None, dst, destination offset, bytes): the items cut into pieces of at most a staging buffer
+        pieces = [(f, dst, off, min(chunk, n - off)) for f, dst, n in items
+                  for off in (range(0, n, chunk) if f is not None else (0,))]
+        for i, (f, dst, off, n) in enumerate(pieces):
+            if f is not None and used + n > chunk:
+                self._staging_submit(cb)
+                used, open_ = 0, False
+            if not open_:
+                _chk(lib.vkResetCommandBuffer(cb, 0), "vkResetCommandBuffer")
+                _chk(lib.vkBeginCommandBuffer(cb, bi), "vkBeginCommandBuffer")
+                open_ = True
+            if f is None:
+                lib.vkCmdFillBuffer(cb, dst, 0, n, 0)
+                continue
+            sb.view[used:used + n] = f[off:off + n]
+            region.srcOffset, region.dstOffset, region.size = used, off, n
             lib.vkCmdCopyBuffer(cb, sb.buffer, dst, 1, region)
-            # the copy's writes are made visible to the compute shaders of later submissions
-            mb = _s("VkMemoryBarrier")
-            mb.sType = vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER
-            mb.srcAccessMask, mb.dstAccessMask = _ACC_XFER_WRITE, _ACC_SHADER_READ
-            lib.vkCmdPipelineBarrier(cb, _PSTAGE_TRANSFER, _PSTAGE_COMPUTE, 0, 1, mb, 0, ffi.NULL, 0, ffi.NULL)
-            _chk(lib.vkEndCommandBuffer(cb), "vkEndCommandBuffer")
-            sub = _s("VkSubmitInfo")
-            sub.sType = vk.VK_STRUCTURE_TYPE_SUBMIT_INFO
-            sub.commandBufferCount = 1
-            sub.pCommandBuffers = self._staging_cmd
-            _chk(lib.vkResetFences(self._dev, 1, self._staging_fence), "vkResetFences")
-            _chk(lib.vkQueueSubmit(self._queue, 1, sub, self._staging_fence[0]), "vkQueueSubmit(staging)")
-            _chk(lib.vkWaitForFences(self._dev, 1, self._staging_fence, 1, 60 * 10**9), "vkWaitForFences(staging)")
-        self.staged_bytes = getattr(self, "staged_bytes", 0) + flat.size
+            used += n
+            self.staged_bytes = getattr(self, "staged_bytes", 0) + n
+        if open_:
+            self._staging_submit(cb)
+
+    def _staging_submit(self, cb) -> None:
+        """End the staging command buffer ``cb`` (after a barrier that makes its transfers' writes visible to the
+        compute shaders of later submissions), submit it and wait."""
+        mb = _s("VkMemoryBarrier")
+        mb.sType = vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER
+        mb.srcAccessMask, mb.dstAccessMask = _ACC_XFER_WRITE, _ACC_SHADER_READ
+        lib.vkCmdPipelineBarrier(cb, _PSTAGE_TRANSFER, _PSTAGE_COMPUTE, 0, 1, mb, 0, ffi.NULL, 0, ffi.NULL)
+        _chk(lib.vkEndCommandBuffer(cb), "vkEndCommandBuffer")
+        sub = _s("VkSubmitInfo")
+        sub.sType = vk.VK_STRUCTURE_TYPE_SUBMIT_INFO
+        sub.commandBufferCount = 1
+        sub.pCommandBuffers = self._staging_cmd
+        _chk(lib.vkResetFences(self._dev, 1, self._staging_fence), "vkResetFences")
+        _chk(lib.vkQueueSubmit(self._queue, 1, sub, self._staging_fence[0]), "vkQueueSubmit(staging)")
+        _chk(lib.vkWaitForFences(self._dev, 1, self._staging_fence, 1, 60 * 10**9), "vkWaitForFences(staging)")
 
     def memory_stats(self) -> dict:
         """budget, used (bytes of tensors, imported ones included), reserved (bytes in blocks), blocks, free,

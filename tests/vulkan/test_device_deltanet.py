@@ -87,9 +87,11 @@ def test_deltanet_layers_against_hf(family, rows, bv, tol, monkeypatch):
 def test_deltanet_states_move_both_ways(monkeypatch):
     """The DeltaNet states and the attention's K/V stay in step between the CPU's cache and the device's: a prompt on
     the CPU, decode rows on the device (the CPU's states uploaded), two caches taking turns (each one's states
-    loaded again), then decode rows on the CPU from the states the device wrote back; a device prompt in chunks of 7
-    rows with the delta rule row by row (``COLI_VK_DN_PROMPT=rows``: deltanet.comp mode 4), then decode rows on the
-    CPU from its states and K/V rows: every row's logits within 1e-5 of the CPU-only run's."""
+    loaded again in one staging submit, the other's written back at each turn), then decode rows on the CPU from
+    the states the device wrote back; a device prompt in chunks of 7 rows with the delta rule row by row
+    (``COLI_VK_DN_PROMPT=rows``: deltanet.comp mode 4) on a fresh cache (its zero states recorded as fills: none
+    staged), its states the device's only (the CPU's still a fresh cache's zeros) until ``host_kv``, then decode
+    rows on the CPU from its states and K/V rows: every row's logits within 1e-5 of the CPU-only run's."""
     from tests.conftest import FIXTURES
 
     path = FIXTURES / "oracles" / "qwen3next.gguf"
@@ -103,10 +105,15 @@ def test_deltanet_states_move_both_ways(monkeypatch):
         m.device_layers = None          # the prompts on the CPU
         out_a, out_b = [m.forward(ids[:16], a)], [m.forward(ids[:16], b)]
         m.device_layers = dl
+        dn = [il for il in range(4) if m.args.recurrent[il]]
+        staged = lambda: getattr(dl.dev, "staged_bytes", 0)  # noqa: E731
+        s0 = staged()
         for t in ids[16:20]:            # the two caches in turn on the device
             out_a.append(m.forward([t], a))
             out_b.append(m.forward([t], b))
         assert dl.tokens == 8 and dl.prompt_tokens == 0
+        # each turn uploads the other cache's states (every layer's in one staging submit)
+        assert staged() - s0 == 8 * sum(a.layers[il].nbytes() for il in dn)
         m.device_layers = None          # the rest of a on the CPU, from the states the device wrote back
         out_a += [m.forward([t], a) for t in ids[20:]]
         assert rel_err(np.concatenate(out_a), ref) < 1e-5
@@ -115,8 +122,14 @@ def test_deltanet_states_move_both_ways(monkeypatch):
         assert not dl._dn_chunked() and dl._dn_rec_mode() == 4
         chunked = _count_chunked(monkeypatch)
         c = m.new_cache(64, 64)
+        s0 = staged()
         out = [m.forward(ids[:16], c)]
         assert dl.prompt_tokens == 16 and dl.prompt_chunks == 3 and chunked == []
+        # a fresh cache's zero states: fills recorded, none staged (the chunk's own first buffers are: 56 bytes)
+        assert staged() - s0 < min(c.layers[il].nbytes() for il in dn)
+        assert not any(c.layers[il].state.any() or c.layers[il].conv.any() for il in dn)
+        dl.host_kv(c)
+        assert all(c.layers[il].state.any() and c.layers[il].conv.any() for il in dn)
         m.device_layers = None
         out += [m.forward([t], c) for t in ids[16:]]
         assert rel_err(np.concatenate(out), ref) < 1e-5
@@ -144,10 +157,14 @@ def test_deltanet_qualification():
         e.close()
 
 
-def test_deltanet_device_failure_after_a_device_prompt(monkeypatch):
-    """The device fails at a decode row after it ran a prompt (chunks of 7) and decode rows: the CPU's cache already
-    holds the DeltaNet states and the K/V rows the device wrote (no row is the device's only), so the CPU goes on
-    from there: every row's logits within 1e-5 of the CPU-only run's, the greedy ids equal."""
+@pytest.mark.parametrize("fail_at", ["decode", "prompt"])
+def test_deltanet_device_failure_after_a_device_prompt(monkeypatch, fail_at):
+    """The device fails at a decode row after it ran a prompt (chunks of 7) and decode rows, or at the prompt's
+    second chunk: the CPU's cache still holds a fresh cache's DeltaNet states and no K/V row (every row is the
+    device's only), so the CPU computes the rows before the failed call again from the kept input rows over those
+    states (``recompute_on_cpu``; none for the prompt: its whole forward runs again on the CPU, over the states the
+    first chunk did not write back) and goes on from there: every row's logits within 1e-5 of the CPU-only run's,
+    the greedy ids equal."""
     from tests.conftest import FIXTURES
 
     path = FIXTURES / "oracles" / "qwen3next.gguf"
@@ -159,10 +176,15 @@ def test_deltanet_device_failure_after_a_device_prompt(monkeypatch):
         m, dl = e.model, e.model.device_layers
         dl.prompt_rows = 7
         c = m.new_cache(64, 64)
-        got = [m.forward(ids[:16], c)] + [m.forward([t], c) for t in ids[16:18]]
-        assert (dl.prompt_chunks, dl.tokens) == (3, 2) and dl._hi <= dl._lo
-        lose_device_on_call(monkeypatch, dl.K, "submit", 1, after=True)
-        got += [m.forward([t], c) for t in ids[18:]]
+        if fail_at == "prompt":
+            lose_device_on_call(monkeypatch, dl.K, "submit", 2, after=True)
+            got = [m.forward(ids[:16], c)]
+            assert m.device_layers is None and dl.prompt_chunks == 1
+        else:
+            got = [m.forward(ids[:16], c)] + [m.forward([t], c) for t in ids[16:18]]
+            assert (dl.prompt_chunks, dl.tokens) == (3, 2) and (dl._lo, dl._hi) == (0, 18)
+            lose_device_on_call(monkeypatch, dl.K, "submit", 1, after=True)
+        got += [m.forward([t], c) for t in ids[16 + len(got) - 1:]]
         assert m.device_layers is None
         got = np.concatenate(got)
         assert rel_err(got, ref) < 1e-5, rel_err(got, ref)

@@ -82,7 +82,8 @@ def test_kda_states_move_both_ways():
         m.device_layers = dl
         out += [m.forward([t], a) for t in ids[16:20]]
         assert dl.tokens == 4 and dl.prompt_tokens == 0
-        m.device_layers = None          # the rest on the CPU, from the states the device wrote back
+        dl.host_kv(a)                   # the states and latent rows the device advanced, into the CPU's cache
+        m.device_layers = None          # the rest on the CPU from them
         out += [m.forward([t], a) for t in ids[20:]]
         assert rel_err(np.concatenate(out), ref) < 1e-5
         m.device_layers, dl.prompt_rows, dl.dn_prompt = dl, 7, "rows"

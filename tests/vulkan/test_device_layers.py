@@ -51,7 +51,7 @@ def test_decode_wait_polls_the_fence_and_the_profile_splits_the_token(engines):
     """A decode token's wait that polls its fence (``Kernels.submit``'s ``spin_s``: COLI_VK_SPIN_US, by default on a
     discrete GPU only) gives the blocking wait's logits bit for bit, each token's poll seeing the fence; with the
     join profile (COLI_VK_JOIN_PROFILE) each token's host time is charged to its parts (one submit, the timestamps
-    every token, the K/V rows out, the routing history), the parts adding up to no more than the token's time."""
+    every token, the row out, the routing history), the parts adding up to no more than the token's time."""
     from coli.vulkan.join_profile import JoinProfile
 
     _, dev = engines
@@ -67,10 +67,10 @@ def test_decode_wait_polls_the_fence_and_the_profile_splits_the_token(engines):
         dl.fence_spin_s, dl.prof = 0.0, None
     assert dl.fence_spun - s0 == dl.tokens - t0 == n
     assert np.array_equal(got, ref)
-    assert P.tokens == n and P.n["submit"] == P.n["K/V rows out"] == P.n["routing history"] == n
+    assert P.tokens == n and P.n["submit"] == P.n["row out"] == P.n["routing history"] == n
     assert P.n["timestamps"] == (n if dev.device.timestamps else 0)
     assert all(v >= 0 for v in P.s.values()) and sum(P.s.values()) <= P.total_s * 1.0001
-    assert "| K/V rows out |" in P.table()
+    assert "| row out |" in P.table()
 
 
 def test_rewind_and_new_cache(engines):
