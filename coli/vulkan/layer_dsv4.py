@@ -334,6 +334,8 @@ class Dsv4Layer:
                         [E, k, self.flags, *self.words])]
         if self.tab is None:
             return ops + self._host_moe_ops(sc, T)
+        # the routes into the routing history (Dsv4DeviceLayers.streams; the CPU's experts count theirs in step.run)
+        ops.append(Copy(rt, g(f"rt_out{self.il}", T * 2 * k, readback=True), [(0, 0, 8 * T * k)], wait=True))
         if T == 1:
             h = g("h1", max(k, 1) * max(F, sF))
             Rw = K.rows
@@ -610,6 +612,12 @@ class Dsv4DeviceLayers:
             self.dispatches = run_program(K, ops, lambda cut: cut.j.host_experts(sc, T))
         finally:
             sc.release()
+        usage = self.m.step.usage if self.m.step is not None else None
+        if usage is not None:    # the routes of the layers whose experts ran here (_moe_ops copied them out)
+            for d in self.dl:
+                if d.tab is not None:
+                    rt = sc.bufs[f"rt_out{d.il}"].u32(2 * T * d.k).reshape(T, 2, d.k)
+                    usage.add(d.il, rt[:, 0].astype(np.int64))
         # routed pairs: the CPU's (host_experts) and the device's, of decode rows and of prompt rows
         on_cpu = sum(d.cpu_rows for d in self.dl) - c0
         on_dev = T * self.m.args.top_k * sum(d.tab is not None for d in self.dl)

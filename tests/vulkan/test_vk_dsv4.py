@@ -444,7 +444,8 @@ def test_gpu_layers_against_hf(monkeypatch):
     """``--gpu-layers`` (``COLI_VK_LAYERS=-1``) on the deepseek4 oracle: every layer on the device through
     ``layer_dsv4.Dsv4DeviceLayers`` (the engine's device layers; the device's calls counted), the 96-row prompt and 8
     greedy decode rows within 1e-4 of HF's logits with HF's tokens (tests/oracle_check.py), within 1e-5 of the
-    CPU-only run with its greedy tokens; then a device failure mid-decode: one line, the CPU continues from the
+    CPU-only run with its greedy tokens, the routes the device took counted in the routing history as the CPU-only
+    run's; then a device failure mid-decode: one line, the CPU continues from the
     caches the device kept current, the same tokens."""
     from coli.vulkan import DeviceLost, layer_dsv4
     from tests.conftest import FIXTURES
@@ -462,8 +463,15 @@ def test_gpu_layers_against_hf(monkeypatch):
         monkeypatch.setattr(m, "hc_head", None)
         got = check_prompt_and_decode(m, m.new_cache(128, 128), oracle)
         assert (dl.prompt_tokens, dl.prompt_chunks, dl.tokens) == (len(oracle["ids"]), 1, len(oracle["gen_ids"]))
+        u, cu = m.step.usage, cpu.model.step.usage
+        c0 = cu.counts.copy()
         ref = greedy_rows(cpu.model, cpu.model.new_cache(128, 128), oracle["ids"], 8)
+        d0 = u.counts.copy()
         check_greedy_like_cpu(m, ref, oracle["ids"], got, 1e-5, 1e-5)
+        # the device's routes in the routing history: the same rows (the CPU's greedy ids) count each expert as
+        # often as in the CPU-only run's history, k a row and layer
+        assert np.array_equal(u.counts - d0, cu.counts - c0)
+        assert ((u.counts - d0).sum(axis=1) == (len(oracle["ids"]) + 8) * m.args.top_k).all()
         # a failed device on the third decode row, after its submit ran (the device's state moved on): the CPU
         # runs the calls since it last took the state (all of them: the state stays on the device) and carries on
         calls, real = [0], dl.K.submit
