@@ -27,7 +27,17 @@ def _seq(eng, ids, n, temp=0.0, seed=None, stop=None):
     return Sequence(eng, ids, n, s, stop=stop)
 
 
+_TO_THE_END: dict = {}  # (engine, prompt ids) -> its greedy run to the end of the context (three tests' oracle)
+
+
 def _alone(eng, ids, n, temp=0.0, seed=None):
+    """``Engine.generate`` alone; ``n`` None: greedy to the end of the context, past any end-of-generation token
+    (computed once per engine and prompt)."""
+    if n is None:
+        key = (id(eng), tuple(ids))
+        if key not in _TO_THE_END:
+            _TO_THE_END[key] = eng.generate(ids=ids, max_tokens=None, temp=0.0, keep_kv=False, stop_at_eos=False)
+        return _TO_THE_END[key]
     return eng.generate(ids=ids, max_tokens=n, temp=temp, seed=seed, keep_kv=False, stop_at_eos=True)
 
 
@@ -221,8 +231,7 @@ def test_paged_kv_full_preempts_the_last_started_and_recomputes_it(engine, model
         _paged_invariants(b)
     assert b.preemptions == 1
     for s, ids in ((sa, a), (sc, c)):
-        w = eng.generate(ids=ids, max_tokens=128 - len(ids), temp=0.0, keep_kv=False, stop_at_eos=False)
-        assert s.error is None and s.finish == "length" and s.result.ids == w.ids
+        assert s.error is None and s.finish == "length" and s.result.ids == _alone(eng, ids, None).ids
 
 
 def test_cancel_frees_its_blocks_for_a_full_cache(engine, model_path):
@@ -245,8 +254,7 @@ def test_cancel_frees_its_blocks_for_a_full_cache(engine, model_path):
     assert b.pool.held(sa.slot) == 2 and b.pool.held(sc.slot) == 0 and b.preemptions == 0
     while not sa.done:
         b.step()
-    w = eng.generate(ids=a, max_tokens=128 - len(a), temp=0.0, keep_kv=False, stop_at_eos=False)
-    assert sa.result.ids == w.ids and b.preemptions == 0
+    assert sa.result.ids == _alone(eng, a, None).ids and b.preemptions == 0
 
 
 def test_blocks_accounting():
@@ -394,3 +402,33 @@ def test_strict_overcommit_counts_each_slots_range(engine, model_path, tmp_path,
     monkeypatch.setattr(memory.mmap, "mmap", refused)
     with pytest.raises(ColiError, match=r"Cannot allocate memory; with vm.overcommit_memory=2 .*--parallel or --ctx"):
         memory.mapped_zeros((2, 256, 64), np.float32)
+
+
+def test_server_preempted_request_answers_its_whole_text(engine, model_path):
+    """Over HTTP (the server's worker, paged slots on a 128-position context): two requests without a token
+    limit, the second sent once the first runs; the second is preempted when the blocks run out, recomputed
+    after the first ended, and each answer is the text it gets alone; /health counts one preemption."""
+    import threading
+
+    from tests.server.test_server_api import _client
+
+    eng = engine(model_path("smollm2"), threads=2, ctx=128)
+    want = [_alone(eng, eng.tokenize(PROMPTS[i]), None).text for i in (0, 1)]
+    with _client(eng, parallel=2, kv_unified=True) as c:
+        got = [None, None]
+
+        def ask(i):
+            got[i] = c.post("/v1/completions", json={"prompt": PROMPTS[i], "temperature": 0, "ignore_eos": True,
+                                                     "max_tokens": None}).json()
+
+        t0 = threading.Thread(target=ask, args=(0,))
+        t0.start()
+        t_end = time.time() + 120
+        while c.get("/health").json()["slots_busy"] == 0 and time.time() < t_end:
+            time.sleep(0.01)
+        ask(1)
+        t0.join(300)
+        h = c.get("/health").json()
+    assert h["preemptions"] == 1 and h["slots_busy"] == 0
+    for g, w in zip(got, want):
+        assert g["choices"][0]["text"] == w and g["choices"][0]["finish_reason"] == "length"
