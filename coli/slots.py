@@ -396,7 +396,13 @@ class Batcher:
     def _make_room(self, seq: Sequence, positions: int, work: list) -> bool:
         """Paged: ``seq`` holds the blocks of ``positions`` positions, preempting the running sequences of
         ``work`` started last (vLLM's scheduler: the lowest priority first, first come first served) while the
-        blocks are too few; False when ``seq`` itself was the one started last (it is preempted then)."""
+        blocks are too few; False when ``seq`` itself was the one started last (it is preempted then), or when
+        ``positions`` pass the context (it ends with a ColiError naming ``--ctx``: only a caller that skipped
+        ``Engine.check_fits`` gets there; preempted, it could never resume)."""
+        if positions > self.cells:
+            seq.end("error", ColiError(f"context: position {positions - 1} is past the context of {self.cells} "
+                                       f"positions (--ctx)"))
+            return False
         while not self._take(seq.slot, positions):
             victim = max((s for s in work if not s.preempted), key=lambda s: s.order)
             self._preempt(victim)
@@ -436,6 +442,8 @@ class Batcher:
             for seq in work:  # the decoding ones' next blocks, first started first (a prompt's are taken)
                 if not seq.preempted and not seq.pending:
                     self._make_room(seq, len(seq.slot.ids) + 1, work)
+            finished += [seq for seq in work if seq.done]
+            work = [seq for seq in work if not seq.done]
             for seq in work:  # preempted ones resume in order, unless this step preempted one
                 if seq.preempted and (self.preemptions > before or not self._resume(seq)):
                     break

@@ -234,6 +234,24 @@ def test_paged_kv_full_preempts_the_last_started_and_recomputes_it(engine, model
         assert s.error is None and s.finish == "length" and s.result.ids == _alone(eng, ids, None).ids
 
 
+def test_paged_sequence_past_the_context_ends_with_an_error(engine, model_path):
+    """A sequence whose prompt and token limit pass the context (a caller that skipped ``Engine.check_fits``;
+    the server's requests never do): at the context's end it ends with an error naming --ctx, alone, nobody
+    preempted (preempted, it could never resume)."""
+    from coli.base.errors import ColiError
+
+    eng = engine(model_path("smollm2"), threads=2, ctx=128)
+    ids = eng.tokenize(" ".join(["word"] * 120))
+    assert 120 <= len(ids) < 128
+    b = Batcher(eng, 2, unified=True)
+    s = _seq(eng, ids, 40)
+    s.stop_at_eos = False
+    with pytest.raises(ColiError, match=r"position 128 is past the context of 128 positions \(--ctx\)"):
+        b.run([s])
+    assert s.finish == "error" and len(ids) + len(s.out) == 129 and b.preemptions == 0
+    _paged_invariants(b)
+
+
 def test_cancel_frees_its_blocks_for_a_full_cache(engine, model_path):
     """A sequence cancelled in the step where the cache is full and its neighbour needs a block (a client that
     left mid-stream): the step returns it ended "cancelled", its slot is free, and its block goes to the
