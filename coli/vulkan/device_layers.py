@@ -147,9 +147,9 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
         self._valid = 0         # positions 0 .. _valid - 1 of it are on the device
         # positions lo .. hi - 1 of that cache whose K/V rows of these layers only the device holds (prompt chunks
         # write the CPU's copy only when the CPU needs it: _fetch), and the input rows of layer first from lo on
-        # (f32 [n, D]: a failed device's rows are computed again on the CPU from them, recompute_on_cpu)
+        # ([(position, f32 [n, D])]: a failed device's rows are computed again on the CPU from them, recompute_on_cpu)
         self._lo = self._hi = 0
-        self._hist = np.zeros((0, self.D), np.float32)
+        self._hist = []
         from coli.vulkan.layers import ClockHolder  # the Vulkan binding: only when a device runs
 
         # busy between tokens, ended by the next token's first op (docs/vulkan.md "Clocks")

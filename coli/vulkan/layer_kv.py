@@ -48,9 +48,9 @@ def _q8_store(kv, name: str, a: int, rows: np.ndarray) -> None:
 class KVRows:
     """The K/V rows of :class:`DeviceLayers`' layers (``_cache``: a weakref of the Cache whose rows the device holds;
     ``_valid``: its positions 0 .. _valid - 1 are on the device; ``_lo`` .. ``_hi``: rows only the device holds,
-    ``_hist``: their input rows f32 [n, D]). The rows are of the cache's types (``kv_types``: f32, f16, bf16 or
-    q8_0) on both sides and move as bytes (q8_0: as GGUF blocks, the CPU's codes and scales joined); the MLA latent
-    is f32."""
+    ``_hist``: their input rows, [(position, f32 [n, D])] in order). The rows are of the cache's types
+    (``kv_types``: f32, f16, bf16 or q8_0) on both sides and move as bytes (q8_0: as GGUF blocks, the CPU's codes
+    and scales joined); the MLA latent is f32."""
 
     def note_forward(self, cache, pos0: int) -> None:
         """A forward over ``cache`` starts at ``pos0``: the device's rows from there are stale."""
@@ -61,15 +61,17 @@ class KVRows:
                 self._lo = self._hi = 0
 
     def _keep(self, h: np.ndarray, pos0: int) -> None:
-        """Keep the input rows ``h`` f32 [T, D] of positions ``pos0 ..`` while some rows are the device's only."""
+        """Keep the input rows ``h`` f32 [T, D] of positions ``pos0 ..`` while some rows are the device's only: the
+        array itself when every layer is here (``Model.forward``'s embedding rows, made for the call and written by
+        no one after it: no copy, 4 MiB a 512-row chunk of 2048 values), else a copy (a CPU layer's output)."""
         if self._hi <= self._lo:
             return
-        n = pos0 + len(h) - self._lo
-        if n > len(self._hist):
-            grown = np.empty((max(n, 2 * len(self._hist)), self.D), np.float32)
-            grown[:len(self._hist)] = self._hist
-            self._hist = grown
-        self._hist[pos0 - self._lo:n] = h
+        hist = self._hist
+        if pos0 <= self._lo:                 # a new run of the device's rows
+            hist = self._hist = []
+        elif hist and hist[-1][0] + len(hist[-1][1]) > pos0:     # a forward from pos0 rewrites the rows after it
+            hist = self._hist = [(p, a[:pos0 - p]) for p, a in hist if p < pos0]
+        hist.append((pos0, h if self.first == 0 and h.dtype == np.float32 else np.array(h, np.float32)))
 
     def _fetch(self, cache) -> None:
         """Write the K/V rows ``_lo .. _hi - 1`` of these layers that only the device holds into ``cache`` (the
@@ -81,7 +83,7 @@ class KVRows:
             self._dn_host(cache)
         p0, p1 = self._lo, self._hi
         self._lo = self._hi = 0
-        self._hist = np.zeros((0, self.D), np.float32)
+        self._hist = []
         if p1 <= p0:
             return
         ctx = self.ctx
@@ -136,10 +138,10 @@ class KVRows:
         p0, p1 = self._lo, min(self._hi, int(pos0))
         hist = self._hist
         self._lo = self._hi = 0
-        self._hist = np.zeros((0, self.D), np.float32)
+        self._hist = []
         if p1 <= p0:
             return
-        h = np.array(hist[:p1 - p0], np.float32)
+        h = np.concatenate([a for _, a in hist])[:p1 - p0]
         for il in self.layers:
             h = self.m.layers[il](h, cache.layers[il], p0)
 
@@ -199,7 +201,7 @@ class KVRows:
                 self._fetch(old)        # its rows that only the device holds, before another cache overwrites them
             self._cache, self._valid = weakref.ref(cache), 0
             self._lo = self._hi = 0
-            self._hist = np.zeros((0, self.D), np.float32)
+            self._hist = []
         p0, p1 = self._valid, int(pos0)
         if p1 <= p0:
             return

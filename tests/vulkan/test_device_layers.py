@@ -476,6 +476,35 @@ def test_device_failure_after_a_device_prompt(device_moe, monkeypatch):
         dev.close()
 
 
+@pytest.mark.parametrize("layers", [2, -1])
+def test_device_failure_after_a_rewind(device_moe, monkeypatch, layers):
+    """Rows only the device holds, a forward from position 3 over them (the engine's kept prefix), then a failed
+    device: the CPU computes the device's rows again from the kept input rows, the rewound forward's in place of
+    the old ones from position 3 (the last layers: copies of their input rows; every layer: the embedding rows
+    themselves), and the logits stay the CPU-only run's."""
+    other = [7, 8, 9, 10, 11, 12]
+    cpu, dev = device_engine(device_moe), device_engine(device_moe, COLI_VK_LAYERS=layers)
+    try:
+        cm = cpu.model
+        cc = cm.new_cache(64, 64)
+        cm.forward(IDS[:3], cc)
+        ref = [cm.forward(other[:2], cc)[-1]] + [cm.forward([t], cc)[-1] for t in other[2:]]
+        m, dl = dev.model, dev.model.device_layers
+        c = m.new_cache(64, 64)
+        m.forward(IDS[:5], c)
+        m.forward([IDS[5]], c)
+        c.pos = 3
+        got = [m.forward(other[:2], c)[-1], m.forward([other[2]], c)[-1]]
+        assert (dl._lo, dl._hi) == (0, 6) and [(p, len(a)) for p, a in dl._hist] == [(0, 3), (3, 2), (5, 1)]
+        lose_device_on_call(monkeypatch, dl.K, "submit", 1, after=True)
+        got += [m.forward([t], c)[-1] for t in other[3:]]
+        assert m.device_layers is None
+        assert rel_err(np.array(got), np.array(ref)) < 1e-5, rel_err(np.array(got), np.array(ref))
+    finally:
+        cpu.close()
+        dev.close()
+
+
 @pytest.mark.parametrize("family", ["mixtral", "olmoe", "qwen3moe", "qwen2moe"])
 def test_families_against_hf(family):
     """Every layer and the head on the device (q/k norms per head for Qwen3-MoE, over the projection for OLMoE,
