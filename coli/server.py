@@ -22,7 +22,8 @@ tokenized in a thread, never in the event loop, behind a body size limit (413). 
 error object (``{"error": {"message", "type", "param", "code"}}``) with a 4xx status; anything unexpected a
 500 with that object, never a traceback. SIGINT or SIGTERM cancel the running generation (its stream ends
 with an error event, not a ``finish_reason``), then the engine is closed (routing history saved) and the
-process exits 130 / 143.
+process exits 0, as llama-server (its shutdown handler, then ``return 0``): a stop asked for is not a failure
+(systemd reads an exit status 143 as one unless a unit lists it in SuccessExitStatus).
 
 Why Starlette and uvicorn, not FastAPI: every request body is checked here field by field so that each error
 names the OpenAI field (FastAPI's pydantic layer answers with its own 422 shape, which OpenAI clients do not
@@ -189,23 +190,21 @@ def serve(eng, model_id: str, host: str = "127.0.0.1", port: int = 8080, aliases
           body_limit_mb: float = BODY_LIMIT_MB, parallel: int = 1, warmup: bool = True,
           reasoning_format: str = "auto", kv_unified: bool = False) -> int:
     """Serve ``eng`` on ``sock`` (or a socket :func:`bind` makes) until SIGINT/SIGTERM; the running generation
-    is cancelled, then the engine is closed (routing history saved). Returns 128 + the signal's number
-    (130, 143), as a process killed by it, or 0 when the server stopped by itself."""
+    is cancelled, then the engine is closed (routing history saved). Returns 0 (the exit status: a shutdown
+    asked for by a signal is a clean one, as llama-server's)."""
     sock = sock or bind(host, port)
     app = create_app(eng, model_id, aliases, max_queue, api_key=api_key, cors=cors, body_limit_mb=body_limit_mb,
                      parallel=parallel, warmup=warmup, reasoning_format=reasoning_format, kv_unified=kv_unified,
                      say_ready=warmup and not quiet)
-    got = []
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # stop the running generation at once, then uvicorn's own shutdown
             w = app.state.coli.get("worker")
             if w is not None:
                 w.stopping.set()
-            got.append(sig)
             super().handle_exit(sig, frame)
             # uvicorn re-raises the captured signal after its shutdown; the shutdown here is complete (engine
-            # closed, history saved): return its exit status instead
+            # closed, history saved): serve returns 0 instead
             self._captured_signals.clear()
 
     config = uvicorn.Config(app, log_level="warning" if quiet else "info", timeout_graceful_shutdown=5,
@@ -219,4 +218,4 @@ def serve(eng, model_id: str, host: str = "127.0.0.1", port: int = 8080, aliases
         print("coli: warming up the model (a short generation; a first run compiles the kernels, minutes): requests "
               "get 503 until it ends (--no-warmup to skip)", file=sys.stderr, flush=True)
     server.run(sockets=[sock])
-    return 128 + got[0] if got else 0
+    return 0

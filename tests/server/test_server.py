@@ -361,8 +361,8 @@ def test_max_tokens_past_context_is_400(server, ref):
 
 
 def test_sigterm_saves_routing_history(demo_path, tmp_path):
-    """On the demo MoE: after one answer, SIGTERM ends the server with status 143 (128 + 15, as a process the
-    signal ends) and the routing history file holds every token that went through the MoE layers (prompt +
+    """On the demo MoE: after one answer, SIGTERM ends the server with status 0 (a stop asked for, as
+    llama-server's) and the routing history file holds every token that went through the MoE layers (prompt +
     generated - 1: the last sampled token is never run)."""
     usage = tmp_path / "hist.coli_usage"
     p, base = _start(demo_path, "--usage", str(usage), "--ctx", "256")
@@ -375,7 +375,7 @@ def test_sigterm_saves_routing_history(demo_path, tmp_path):
     finally:
         p.send_signal(signal.SIGTERM)
         rc = p.wait(120)
-    assert rc == 143, "".join(p.lines)[-2000:]
+    assert rc == 0, "".join(p.lines)[-2000:]
     doc = json.loads(usage.read_text())
     ent = doc["models"][demo_path.name]
     assert ent["tokens"] == u["prompt_tokens"] + u["completion_tokens"] - 1
@@ -383,7 +383,7 @@ def test_sigterm_saves_routing_history(demo_path, tmp_path):
 
 def test_sigterm_cuts_a_stream_visibly(model_path):
     """SIGTERM while a stream runs: the stream ends with an error event (code shutting_down), no
-    finish_reason "stop" and no [DONE] (a cut answer must not read as complete); the process exits 143."""
+    finish_reason "stop" and no [DONE] (a cut answer must not read as complete); the process exits 0."""
     p, base = _start(model_path("smollm2"), "--ctx", "512", "--no-warmup", "-np", "1")   # a second request waits
     assert httpx.get(base + "/health", timeout=10).json()["warmup"] is None  # --no-warmup: none ran
     assert not any("warming up" in ln for ln in p.lines), p.lines  # and says none
@@ -407,7 +407,7 @@ def test_sigterm_cuts_a_stream_visibly(model_path):
         t.join(120)
     finally:
         rc = p.wait(120)
-    assert rc == 143
+    assert rc == 0
     # the waiting request never started: 503 shutting_down (docs/serve.md "Shutdown"), not a client's 499
     assert queued and queued[0].status_code == 503, queued and queued[0].text
     assert queued[0].json()["error"]["code"] == "shutting_down"
