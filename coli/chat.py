@@ -24,7 +24,7 @@ from coli.base.errors import ColiError
 from coli.base.progress import HoldFirst, text_on_line
 from coli.tokenizer import check_text
 
-HELP = ('/reset forgets the conversation, /exit (or Ctrl-D) quits; Ctrl-C stops an answer; several lines: paste '
+HELP = ('/reset forgets the conversation, /exit (or Ctrl-D) quits; Ctrl-C stops an answer (at the prompt: quits); several lines: paste '
         'them, or write them between two lines of """')
 PASTE_START, PASTE_END = "\x1b[200~", "\x1b[201~"   # xterm's bracketed paste markers
 PASTE_ON = "\x1b[?2004h"
@@ -73,7 +73,9 @@ def fit_context(eng, msgs: list, n: int) -> int:
 
 
 def run_chat(eng, a, inp=input, out=sys.stdout) -> int:
-    """The REPL over ``eng`` with the options ``a`` of ``coli chat`` (system, n, sampling, quiet). Returns 0."""
+    """The REPL over ``eng`` with the options ``a`` of ``coli chat`` (system, n, sampling, quiet). Returns 0 at
+    /exit or end of input; Ctrl-C at the prompt raises KeyboardInterrupt (the CLI's exit 130, as llama-cli's),
+    Ctrl-C during an answer stops the answer."""
     try:  # line editing and history at the prompt, where the platform has it
         import readline  # noqa: F401
     except ImportError:
@@ -103,9 +105,9 @@ def run_chat(eng, a, inp=input, out=sys.stdout) -> int:
         except EOFError:
             out.write("\n")
             return 0
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # at the prompt: quit (llama-cli's interactive mode exits 130 there)
             out.write("\n")
-            continue
+            raise
         except UnicodeDecodeError as e:  # a strict stdin lost the buffered input: stop, as `coli run` does
             raise ColiError(f"stdin: not UTF-8 text (byte {e.start})") from None
         try:  # invalid bytes read with surrogateescape (the C locale): say so, keep the REPL

@@ -1,6 +1,6 @@
 """``coli chat`` on a pseudo-terminal (pexpect): the answers equal the library's greedy chat on the same
 messages (SmolLM2, f32 activations), the KV cache carries across turns, /reset forgets, Ctrl-C stops an
-answer and not the program, /exit ends it with status 0."""
+answer and not the program, Ctrl-C at the prompt ends it with status 130 (llama-cli's), /exit with 0."""
 from __future__ import annotations
 
 import os
@@ -71,11 +71,25 @@ def test_chat_repl(model_path, engine):
         assert decoded < N
         assert reused > 0 and prefilled == new   # the stats count the tokens prefilled, not the reused prefix
         child.expect_exact("> ")
-        child.sendline("/exit")
+        child.sendintr()  # at the prompt: quits (it re-prompted; llama-cli exits 130)
         child.expect(pexpect.EOF)
     finally:
         child.close()
-    assert child.exitstatus == 0, child.before
+    assert child.exitstatus == 130 and "coli: interrupted" in child.before and "Traceback" not in child.before, \
+        child.before
+
+
+def test_chat_exit_command_ends_with_status_0():
+    """/exit (and /quit, /bye) end the REPL with status 0 before any message reaches the engine."""
+    from types import SimpleNamespace
+
+    from coli.chat import run_chat
+
+    for cmd in ("/exit", "/quit", "/bye"):
+        lines = iter(["", cmd, "never read"])
+        assert run_chat(None, SimpleNamespace(system=None, quiet=True), inp=lambda _p: next(lines),
+                        out=sys.stdout) == 0
+        assert next(lines) == "never read"
 
 
 def test_chat_no_template_is_one_error(tmp_path):
