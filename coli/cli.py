@@ -6,7 +6,8 @@ command.
 a name coli can fetch (``coli models``).
 
 User errors (``ColiError``) print one line ``coli: <message>`` on stderr and exit with code 2. Ctrl-C exits 130
-and SIGTERM 143, both after the stats line and the routing history's save; a closed or broken stdout ends
+and SIGTERM 143, both after the stats line and the routing history's save (``coli serve``, stopped so once it
+serves: 0, as llama-server); a closed or broken stdout ends
 the run quietly (exit 0).
 
 Each command imports what it runs inside its function (the engine with Numba and the kernels, the server, the
@@ -28,7 +29,7 @@ from pathlib import Path
 from coli.base import settings
 from coli.base.memory import mem_flag
 from coli.base.errors import ColiError
-from coli.base.paths import cached_file
+from coli.base.paths import cached_file, user_path
 from coli.base.progress import HoldFirst, bar, quiet as quiet_compiles, stderr_is_terminal, text_on_line
 from coli.fetch import MODEL_NAMES, MODELS, check_folder  # MODEL_NAMES: the names -m takes besides a path
 from coli.llama_flags import add_llama_flags, process_escapes, read_file_arg
@@ -82,7 +83,7 @@ def _engine_args(p: argparse.ArgumentParser, model_required=False):
     p.add_argument("--mem", type=float, default=None, metavar="GiB",
                    help="memory the run may use in all (COLI_MEM; default: the smallest of the cgroup's limit and "
                         "the RAM available less 15%% of the machine's RAM left to the rest of it)")
-    p.add_argument("--usage", default=None, metavar="PATH", help="routing history file (default .coli_usage beside the model)")
+    p.add_argument("--usage", default=None, type=user_path, metavar="PATH", help="routing history file (default .coli_usage beside the model)")
     p.add_argument("--cpu-act", choices=["f32", "int8"], default=None,
                    help="activations of the CPU matmuls: f32, or int8 per 32 as llama.cpp (default: measured, see docs)")
     p.add_argument("--io-threads", type=int, default=None, help="background expert readers, 1 to 64 (default 4)")
@@ -122,7 +123,7 @@ def _engine_args(p: argparse.ArgumentParser, model_required=False):
     p.add_argument("--batch-size", "-b", type=int, default=None, metavar="N",
                    help="llama.cpp's logical batch: a prompt step is at most N rows (the CPU step is the smaller of "
                         "-b and -ub, as llama.cpp's n_ubatch = min(n_batch, n_ubatch)); coli has no other batch")
-    p.add_argument("--trace", default=None, metavar="FILE.json", help="write Chrome/Perfetto trace events")
+    p.add_argument("--trace", default=None, type=user_path, metavar="FILE.json", help="write Chrome/Perfetto trace events")
 
 
 def _open_engine(a, quiet=False, save_usage=True, ctx_name=None):
@@ -645,7 +646,7 @@ def _run_parser(sub) -> None:
     r = sub.add_parser("run", help="generate text", formatter_class=_Help)
     r.add_argument("prompt_pos", nargs="?", default=None, metavar="PROMPT")
     r.add_argument("-p", "--prompt", default=None, help="the prompt; - reads it from stdin (as does a pipe)")
-    r.add_argument("-f", "--file", default=None, help="read the prompt from FILE")
+    r.add_argument("-f", "--file", default=None, type=user_path, help="read the prompt from FILE")
     _escape_args(r)
     r.add_argument("-n", "--n-predict", "--predict", dest="n", type=int, default=64,
                    help="tokens to generate; -1: until end of generation or the context is full")
@@ -691,7 +692,7 @@ def _serve_parser(sub) -> None:
     s.add_argument("--alias", "-a", default=None, help="the served model's id (default: the file's stem)")
     s.add_argument("--api-key", default=None, metavar="KEY",
                    help="clients must send 'Authorization: Bearer KEY' (else COLI_API_KEY; none: no check)")
-    s.add_argument("--api-key-file", default=None, metavar="FILE", help="read the key from FILE")
+    s.add_argument("--api-key-file", default=None, type=user_path, metavar="FILE", help="read the key from FILE")
     s.add_argument("--cors", nargs="+", default=None, metavar="ORIGIN",
                    help="browser origins allowed to call the server ('*' for any; default: localhost's only)")
     s.add_argument("--body-limit", type=float, default=16, metavar="MiB", help="request bodies above it get 413")
@@ -716,7 +717,7 @@ def _models_parser(sub) -> None:
 def _perplexity_parser(sub) -> None:
     """``coli perplexity``'s flags."""
     q = sub.add_parser("perplexity", help="perplexity of a text file, as llama-perplexity computes it")
-    q.add_argument("-f", "--file", required=True)
+    q.add_argument("-f", "--file", required=True, type=user_path)
     q.add_argument("--max-tokens", type=int, default=None, metavar="N", help="score only the first N tokens")
     q.add_argument("--chunks", type=int, default=-1, metavar="N",
                    help="score at most N chunks of --ctx (-1: all), as llama-perplexity's --chunks")
@@ -783,7 +784,7 @@ def _plan_parser(sub) -> None:
 def _trace_parser(sub) -> None:
     """``coli trace``'s flags."""
     tr = sub.add_parser("trace", help="summarise a --trace file: time per category, device time hidden behind the CPU")
-    tr.add_argument("trace", metavar="FILE", help="a trace JSON file written by coli run --trace")
+    tr.add_argument("trace", type=user_path, metavar="FILE", help="a trace JSON file written by coli run --trace")
     tr.add_argument("--json", action="store_true", help="the summary as JSON")
     tr.set_defaults(func=cmd_trace)
 
@@ -795,7 +796,7 @@ def _tune_parser(sub) -> None:
                     help="GGUF file or a model name (smollm2, gemma3-270m, qwen2.5-coder-0.5b, demo; default: demo)")
     tu.add_argument("--device", default=None, metavar="DEV",
                     help="cpu, vulkan or vulkan:N (as coli run takes it): a device also sweeps device on/off, balancer on/off")
-    tu.add_argument("--out", default="coli-tune", metavar="DIR", help="folder for tune.csv and tune.png (default ./coli-tune)")
+    tu.add_argument("--out", default="coli-tune", type=user_path, metavar="DIR", help="folder for tune.csv and tune.png (default ./coli-tune)")
     tu.add_argument("--save", action="store_true", help="write the recommendation to ~/.config/coli/config.toml (coli run reads it)")
     tu.add_argument("--threads", default=None, metavar="LIST", help="Numba thread counts (default 1..physical cores, and the logical count)")
     tu.add_argument("--io-threads", default=None, metavar="LIST", help="I/O thread counts (default 1,4,8 when experts stream from disk, else 4)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from .base.errors import ColiError
+from .base.paths import user_path
 from .fetch import MODEL_NAMES, check_folder, model_path
 
 
@@ -13,9 +14,7 @@ def resolve(name, quiet: bool = False) -> str:
     """A model given by path or by name as a path: an existing file or folder as it is, a name of ``MODEL_NAMES``
     fetched (or, ``demo``, built) on first use. ColiError naming the value and the names when it is neither. A
     leading ``~`` no shell expanded (quoted, a service's or a config file's line) is the home folder, as COLI_CACHE's."""
-    name = os.fspath(name)
-    if name.startswith("~") and not os.path.exists(name):
-        name = os.path.expanduser(name)
+    name = user_path(name)
     if not os.path.exists(name) and name.lower() in MODEL_NAMES:
         key = MODEL_NAMES[name.lower()]
         if key is None:

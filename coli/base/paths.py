@@ -40,6 +40,14 @@ def cache_root() -> tuple[Path, str]:
     return home / ".cache" / "coli", f"HOME={os.environ.get('HOME', home)}"
 
 
+def user_path(s) -> str:
+    """A path as the user gave it (a flag's value, ``-m``): a leading ``~`` no shell expanded (quoted, a service's
+    or a config file's line) is the home folder, as COLI_CACHE's (``os.path.expanduser``); a file literally named
+    so, when one exists, is itself. One rule for every path flag (argparse's ``type=`` of each)."""
+    s = os.fspath(s)
+    return os.path.expanduser(s) if s.startswith("~") and not os.path.exists(s) else s
+
+
 def cached_file(*parts: str) -> Path:
     """``<cache>/<parts...>``, neither made nor checked writable: where a cached file (a model, the demo) is looked
     for first, so a read-only cache that holds it (a shared or baked-in folder) serves it."""

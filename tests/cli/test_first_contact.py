@@ -312,6 +312,35 @@ def test_a_quoted_tilde_in_the_model_path_is_the_home_folder(tmp_path, monkeypat
     assert resolve("~/m.gguf") == str(tmp_path / "m.gguf")
 
 
+@pytest.mark.parametrize("argv, attr", [
+    (["run", "-f", "~/p.txt"], "file"), (["run", "--usage", "~/u.coli_usage"], "usage"),
+    (["chat", "--trace", "~/t.json"], "trace"), (["serve", "--api-key-file", "~/key"], "api_key_file"),
+    (["perplexity", "-f", "~/w.txt"], "file"), (["trace", "~/t.json"], "trace"), (["tune", "--out", "~/o"], "out")])
+def test_a_quoted_tilde_in_any_path_flag_is_the_home_folder(tmp_path, monkeypatch, argv, attr):
+    """-m's rule for every path flag (``coli.base.paths.user_path``): a leading ``~`` no shell expanded is the home
+    folder (these flags took it as a folder named ``~`` under the current one)."""
+    from coli.cli import build_parser
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert getattr(build_parser().parse_args(argv), attr) == str(tmp_path / argv[-1][2:])
+
+
+def test_a_quoted_tilde_in_a_path_flag_reaches_the_command(tmp_path):
+    """The same through a real ``coli serve`` process: the error names the home folder's file, exit 2, before
+    any model loads."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    env = dict(os.environ, HOME=str(tmp_path), PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-m", "coli", "serve", "-m", str(DENSE), "--api-key-file", "~/key"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert (r.returncode, r.stdout) == (2, "") and r.stderr == \
+        f"coli: --api-key-file {tmp_path / 'key'}: No such file or directory\n", r.stderr
+
+
 def test_a_misspelt_model_name_names_the_closest():
     """``-m smolm2``: "no such file" named the value alone; now the closest model name too (difflib), as an unknown
     option or COLI_* variable does. A path (with a separator) is not matched against the names."""
