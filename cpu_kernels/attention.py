@@ -529,7 +529,8 @@ def _attend_head(q, K, V, pos0, scale, window, sinks, out, t, h):
     """One row (``t``, at position ``pos0 + t``) of one query head over its key tiles (module docstring); ``K``,
     ``V`` the cache's sides (cpu_kernels/kvcache.py)."""
     ms, L, S, rng, ks, vs = _item_scratch(K, V, 1, q.shape[2], out.shape[2])
-    _block_item(q, K, V, pos0, scale, window, sinks, out, h, t, t + 1, ms, L, S, rng, ks, vs)
+    r0 = np.int64(t)  # int64 whatever the caller passed (a literal 0 would compile _block_item once more)
+    _block_item(q, K, V, pos0, scale, window, sinks, out, h, r0, r0 + 1, ms, L, S, rng, ks, vs)
 
 
 @nb.njit(parallel=True, nogil=True, cache=True, fastmath=True)

@@ -27,6 +27,8 @@ import numba
 import numpy as np
 from numba import njit, prange, types
 
+from coli.base.memory import read_only
+
 from . import decode as _D
 from . import experts as _E
 from . import formats as _F
@@ -179,8 +181,7 @@ class MoELayerDecode:
         # (writable) one, and a writable copy of the norm weight (as decode.AttentionDecode's vectors): Numba types
         # read-only arrays apart, so each mix compiled moe_layer_block again (minutes on 2 cores); the view
         # costs no copy of the router
-        self.W = moe.ffn_gate_inp.view()
-        self.W.flags.writeable = False
+        self.W = read_only(moe.ffn_gate_inp)
         E, D = self.W.shape
         k, norm = moe.route.softmax_topk
         K = min(int(k), E)
@@ -326,8 +327,7 @@ class MoETokenDecode(_D.TokenDecode):
         st = _D._stack
         self.f_w_norm = st([m.w_norm for m in M])
         # read-only as MoELayerDecode.W: the same argument types as moe_layer_block's, so _moe_phases compiles once
-        self.router = st([m.W for m in M])
-        self.router.flags.writeable = False
+        self.router = read_only(st([m.W for m in M]))
         self.ids = np.zeros((len(M), 1, m0.K), np.int32)
         self.status = np.zeros((len(M), 1), np.int64)
         self.layers_il = [m.il for m in M]

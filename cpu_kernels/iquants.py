@@ -53,6 +53,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
 
+from coli.base.memory import read_only
 from coli.types import iq_tables
 
 from . import vnni as _vnni
@@ -233,7 +234,7 @@ def _packer(name: str, bpb: int):
 
     def pack(raw, O, I):
         nb = I // 256
-        raw = np.ascontiguousarray(raw)
+        raw = read_only(np.ascontiguousarray(raw))  # the mapped file's kind: one compile of each kernel
         d = _iq1_m_d(raw, nb) if name == "IQ1_M" else _f16(raw, nb, bpb)
         q = np.empty((O, I), np.int8)
         s = np.empty((O, I // G), np.float32)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from coli.base.memory import read_only
 from coli.types import nvfp4 as _nv
 
 from . import iquants as _iq
@@ -62,7 +63,7 @@ def pack(raw: np.ndarray, O: int, I: int):
     """NVFP4 raw uint8 [O, I/64*36] -> (q int8 [O, I], scale f32 [O, I/16]): w = scale[o, i // 16] * q[o, i]."""
     q = np.empty((O, I), np.int8)
     s = np.empty((O, I // 16), np.float32)
-    _u_nvfp4(np.ascontiguousarray(raw).reshape(O, I // 64 * 36), _KV, SCALE, q, s)
+    _u_nvfp4(read_only(np.ascontiguousarray(raw).reshape(O, I // 64 * 36)), _KV, SCALE, q, s)
     return q, s
 
 

@@ -17,7 +17,10 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from coli.base.memory import read_only
+
 _F0 = np.float32(0.0)
+_I0 = np.int64(0)  # int64, not Literal[int](0): one compile of _pairwise_sum and _block_sum
 
 
 @njit(nogil=True, cache=True, fastmath=False)
@@ -115,7 +118,7 @@ def normalize_topk(p, k, norm, ids, w):
     R, E = p.shape
     taken = np.zeros(E, np.bool_)
     for r in range(R):
-        s = _F0 + _pairwise_sum(p[r], 0, E)
+        s = _F0 + _pairwise_sum(p[r], _I0, E)
         for e in range(E):
             p[r, e] = p[r, e] / s
         taken[:] = False
@@ -135,7 +138,7 @@ def normalize_topk(p, k, norm, ids, w):
             ids[r, j] = best
             w[r, j] = p[r, best]
         if norm:
-            t = _F0 + _pairwise_sum(w[r], 0, k)
+            t = _F0 + _pairwise_sum(w[r], _I0, k)
             for j in range(k):
                 w[r, j] = w[r, j] / t
 
@@ -272,5 +275,6 @@ def logits_rows(x: np.ndarray, W: np.ndarray) -> np.ndarray:
     parallel from ``PAR_WORK`` multiply-adds."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     out = np.empty((x.shape[0], W.shape[0]), np.float32)
+    W = read_only(W)  # as the compiled regions' router: one compile of each kernel
     (_logits_rows_par if x.shape[0] > 1 and x.size * W.shape[0] >= PAR_WORK else _logits_rows)(x, W, out)
     return out

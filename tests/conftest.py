@@ -33,6 +33,15 @@ _progress.install()
 _progress._line["told"] = True
 
 
+def compiled_signatures(f) -> list[tuple]:
+    """The argument-type tuples the Numba dispatcher ``f`` is compiled for: in this process and in its cache
+    (a caller loaded from the cache runs its callees' cached code without compiling them here). The cache's
+    index is Numba's ``IndexDataCacheFile``: ``{(signature, target, bytecode hashes): data file}``."""
+    sigs = {tuple(s) for s in f.signatures}
+    sigs |= {tuple(getattr(k[0], "args", k[0])) for k in f._cache._cache_file._load_index()}
+    return sorted(sigs, key=str)
+
+
 _worker_compiles: list = []   # (compiles, seconds) of each pytest-xdist worker, summed into the controller's line
 
 

@@ -312,6 +312,15 @@ def mapped_zeros(shape: tuple, dtype):
     return np.frombuffer(buf, dtype, count).reshape(shape)
 
 
+def read_only(a: np.ndarray) -> np.ndarray:
+    """A read-only view of ``a`` (no copy). Numba types a read-only array apart from a writable one, so a kernel
+    handed both (a tensor of the mapped file, a converted or test array) compiles twice: callers of the CPU
+    kernels hand one kind (docs/cpu_kernels.md "One specialisation per kernel")."""
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
 def give_back(a, rows: int) -> None:
     """Give the kernel back the pages of rows ``rows ..`` of every block of ``a`` (an array [B, R, ...], C order: a
     KV cache side's [heads, positions, width]): ``MADV_DONTNEED`` on the whole 4 KiB pages past each block's row

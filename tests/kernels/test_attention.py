@@ -76,6 +76,41 @@ def test_prompt_rows_are_bit_identical_to_decode_rows_and_any_chunking(H, Hkv, h
     assert np.array_equal(A.attend(q[S - 1:], kc, vc, S - 1, scale, window, sinks=sk), whole[S - 1:])
 
 
+def test_each_row_kernel_compiles_for_int64_rows():
+    """``_block_item`` is called with int64 rows from every path (the prompt kernel, a decode row, a region's
+    ``_attend_head(..., 0, h)`` with a literal row 0, which compiled it and ``_rows_item`` once more on a cold
+    cache: docs/cpu_kernels.md "One specialisation per kernel"): no ``Literal[int]`` in its signatures, and in
+    ``_rows_item``'s only the column ``c`` and the step ``dp`` (arguments 5 and 9: ``0, 0`` a decode row's heads,
+    ``h, 1`` a prompt's rows, one compile each), kept literal on purpose (the row loops specialise on them: f32
+    decode rows were 10-40 % slower with int64 ones, 4 alternating runs at load 11)."""
+    import numba
+    from numba import types
+
+    from conftest import compiled_signatures
+    from cpu_kernels import kvcache as kvc
+
+    q, kc, vc, _ = _inputs(4, 2, 32, 32, 40, False, seed=3)
+    A.attend(q, kc, vc, 0, 0.25)
+    A.attend(q[39:], kc, vc, 39, 0.25)
+    ks, vs = kvc.KVSide("q8_0", 2, 45, 32), kvc.KVSide("q8_0", 2, 45, 32)
+    ks.write(0, kc[:, :40].transpose(1, 0, 2))
+    vs.write(0, vc[:, :40].transpose(1, 0, 2))
+    A.attend(q[39:], ks, vs, 39, 0.25)
+
+    @numba.njit
+    def region_row(q, K, V, p, window, out):  # as decode.py's item loop: a literal row 0
+        for h in range(q.shape[1]):
+            A._attend_head(q, K, V, p, np.float32(0.25), window, A._NO_SINKS, out, 0, h)
+
+    out = np.empty((1, 4, 32), np.float32)
+    region_row(np.ascontiguousarray(q[39:]), kvc.as_side(kc), kvc.as_side(vc), 39, 0, out)
+    assert np.array_equal(out, A.attend(q[39:], kc, vc, 39, 0.25))
+    for f, literal in ((A._rows_item, {5, 9}), (A._block_item, set())):
+        sigs = compiled_signatures(f)
+        lits = [(i, t) for sig in sigs for i, t in enumerate(sig) if isinstance(t, types.Literal) and i not in literal]
+        assert sigs and not lits, (f.__name__, lits)
+
+
 def test_non_finite_scores_give_nan_rows():
     q, kc, vc, _ = _inputs(4, 2, 16, 16, 70, False, seed=2)
     q[65, 1, 0] = np.inf

@@ -43,3 +43,24 @@ def test_router_takes_float64_logits_without_changing_them():
     got = softmax_topk(2, True)(lg)
     want = _numpy_route(lg, 2, True)
     assert np.array_equal(lg, keep) and np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+
+
+def test_router_kernels_compile_once():
+    """The row sums take an int64 start (no ``Literal[int](0)`` compile beside the int64 one) and the router
+    logits a read-only matrix whether the caller's is writable (a converted or test array) or read-only (the
+    mapped file's): one compiled signature each (docs/cpu_kernels.md "One specialisation per kernel")."""
+    from numba import types
+
+    from conftest import compiled_signatures
+    from cpu_kernels import router as R
+
+    softmax_topk(2, True)(np.random.default_rng(2).standard_normal((3, 200)).astype(np.float32))  # 200 > 128
+    for f in (R._pairwise_sum, R._block_sum):
+        sigs = compiled_signatures(f)
+        assert sigs and not [t for sig in sigs for t in sig if isinstance(t, types.Literal)], sigs
+    x = np.random.default_rng(3).standard_normal((2, 16)).astype(np.float32)
+    W = np.random.default_rng(4).standard_normal((8, 16)).astype(np.float32)
+    a = R.logits_rows(x, W)
+    W.flags.writeable = False
+    assert np.array_equal(R.logits_rows(x, W), a)
+    assert len(compiled_signatures(R._logits_rows)) == 1, compiled_signatures(R._logits_rows)
