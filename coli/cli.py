@@ -662,7 +662,8 @@ def _run_parser(sub) -> None:
 
 def _chat_parser(sub) -> None:
     """``coli chat``'s flags."""
-    c = sub.add_parser("chat", help="interactive chat in the terminal (/reset, /exit; Ctrl-C stops an answer)",
+    c = sub.add_parser("chat", help="interactive chat in the terminal (/reset, /exit; Ctrl-C stops an answer, "
+                       "at the prompt quits)",
                        formatter_class=_Help)
     c.add_argument("--system", "-sys", "--system-prompt", default=None, help="system message")
     _escape_args(c)
