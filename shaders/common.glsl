@@ -4,8 +4,6 @@
 // 64-bit addresses, so one dispatch covers every expert of a step.
 #extension GL_GOOGLE_include_directive : require
 #include "bda.glsl"
-// the weights as GGUF stores them (zero-copy imports of the host's bytes): the decoders' GGUF branch (fmt_q8_0.glsl)
-#define GGUF_BLOCKS 1
 
 // x [R, D] f32 (gate/up input rows), twice: as floats and as vec4
 layout(std430, set = 0, binding = 0) readonly buffer XB { float X[]; };

@@ -184,7 +184,7 @@ class Device(InstanceMixin, MemoryMixin, PipelineMixin, BatchMixin):
         try:
             Fp = _ceil32(F)
             for spec, rows in ((gate, Fp), (up, Fp), (down, D)):
-                parts.append(self._place(*spec, rows=rows, host=self.zero_copy, gguf=True))
+                parts.append(self._place(*spec, rows=rows, host=self.zero_copy))
         except BaseException:
             for t in parts:
                 self._drop(t)
@@ -340,7 +340,7 @@ class Device(InstanceMixin, MemoryMixin, PipelineMixin, BatchMixin):
         O, I = int(shape[0]), int(shape[1])
         if x.ndim != 2 or x.shape[1] != I:
             raise ValueError(f"x must be [T, {I}], got {x.shape}")
-        t = self._place(type_name, raw, shape, gguf=True)
+        t = self._place(type_name, raw, shape)
         if t.I != I:                                  # a float row zero-padded to a multiple of 32: x too
             x = np.pad(x, ((0, 0), (0, t.I - I)))
             I = t.I

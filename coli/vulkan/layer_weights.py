@@ -1,6 +1,5 @@
 """The device layers' weights (coli/vulkan/device_layers.py): each layer's tensors placed on the device as stored
-(GGUF blocks, Q8_0's rows split into codes then scales: docs/vulkan.md "Q8_0 rows on the device layers"; routers and
-small vectors as f32), its expert table, the rope tables, and the swap of a routed
+(GGUF blocks; routers and small vectors as f32), its expert table, the rope tables, and the swap of a routed
 expert while running (``resident``: docs/vulkan.md "Experts on the CPU").
 """
 from __future__ import annotations

@@ -52,20 +52,6 @@ def row_bytes(type_name: str, inner: int) -> int:
     return inner // t.block_size * t.type_size
 
 
-def split_q8_0(flat: np.ndarray, O: int, I: int) -> np.ndarray:
-    """An [O, I] Q8_0 matrix's GGUF bytes (uint8, blocks ``{f16 d; int8 qs[32]}`` of 34 bytes, ggml-common.h) in the
-    device layers' layout: each row's ``I`` codes (block by block), then its ``I / 32`` f16 scales; a row keeps its
-    ``34 I / 32`` bytes, so row addresses do not change, and a row's codes start 16-byte aligned wherever its
-    address is (any row when ``I`` is a multiple of 256): the GEMV lanes read 32 contiguous code bytes each with
-    two 16-byte loads, and the lanes of a subgroup read one contiguous range (shaders/fmt_q8_0.glsl; llama.cpp's
-    GPU backends repack Q8_0 for the same reason). uint8 [O * 34 * I / 32]."""
-    b = np.asarray(flat).reshape(O, I // 32, 34)
-    out = np.empty((O, I // 32 * 34), np.uint8)
-    out[:, :I] = b[:, :, 2:].reshape(O, I)
-    out[:, I:] = b[:, :, :2].reshape(O, I // 16)
-    return out.reshape(-1)
-
-
 def _ceil32(n: int) -> int:
     """``n`` rounded up to the device's unit of 32 inputs."""
     return (int(n) + 31) // 32 * 32
@@ -307,17 +293,12 @@ class MemoryMixin:
         b.view = None
         lib.vkFreeMemory(self._dev, b.memory, ffi.NULL)
 
-    def _place(self, type_name: str, raw: np.ndarray, shape, rows: int | None = None, host: bool = False,
-               gguf: bool = False) -> _Tensor:
+    def _place(self, type_name: str, raw: np.ndarray, shape, rows: int | None = None, host: bool = False) -> _Tensor:
         """One [O, I] GGUF matrix into device memory as [rows (default O), ceil32(I)]: a float format's rows
         are zero-padded to a multiple of 32 weights (:func:`_pad_rows`); a block format's inner size is a
         multiple of its block already (ValueError otherwise, as for bytes that do not match the shape). ``host``: the
-        host's bytes imported as device memory (:meth:`_import`, zero-copy experts) instead of a copy in a block.
-        ``gguf``: the blocks as GGUF stores them (the tier's kernels, shaders/common.glsl; needed with ``host``),
-        else the device layers' layout (:meth:`_device_bytes`)."""
-        if host and not gguf:
-            raise ValueError("a zero-copy import keeps the GGUF layout (gguf=True)")
-        flat, O, I = self._device_bytes(type_name, raw, shape, rows, gguf)
+        host's bytes imported as device memory (:meth:`_import`, zero-copy experts) instead of a copy in a block."""
+        flat, O, I = self._device_bytes(type_name, raw, shape, rows)
         t = _Tensor()
         t.type_name, t.O, t.I, t.nbytes = type_name, O, I, flat.size
         t.memory = t.host = None
@@ -345,13 +326,11 @@ class MemoryMixin:
             raise
         return t
 
-    def _rewrite(self, t: _Tensor, type_name: str, raw: np.ndarray, shape, rows: int | None = None,
-                 gguf: bool = False) -> None:
+    def _rewrite(self, t: _Tensor, type_name: str, raw: np.ndarray, shape, rows: int | None = None) -> None:
         """Placed tensor ``t`` (in a block, not imported) rewritten in place with another matrix of its format and
-        shape (laid out as :meth:`_place` does with ``gguf``; ValueError otherwise): no allocation. Mapped blocks: a
-        NumPy copy, which lets go of the GIL (a thread may run it while nothing reads ``t``); staged: through the
-        queue."""
-        flat, O, I = self._device_bytes(type_name, raw, shape, rows, gguf)
+        shape (laid out as :meth:`_place` does; ValueError otherwise): no allocation. Mapped blocks: a NumPy copy,
+        which lets go of the GIL (a thread may run it while nothing reads ``t``); staged: through the queue."""
+        flat, O, I = self._device_bytes(type_name, raw, shape, rows)
         if (type_name, O, I) != (t.type_name, t.O, t.I) or t.alloc is None:
             raise ValueError(f"{type_name} [{O}, {I}] rewritten into {t.type_name} [{t.O}, {t.I}]"
                              f"{'' if t.alloc is not None else ' (imported or dropped)'}")
@@ -365,12 +344,9 @@ class MemoryMixin:
         else:
             self._staged_copy(flat, t.buffer)
 
-    def _device_bytes(self, type_name: str, raw: np.ndarray, shape, rows: int | None = None,
-                      gguf: bool = False) -> tuple:
+    def _device_bytes(self, type_name: str, raw: np.ndarray, shape, rows: int | None = None) -> tuple:
         """``raw`` (uint8, an [O, I] GGUF matrix) as the device holds it: (flat uint8, rows, inner size), padded
-        as :meth:`_place` says; the one place a weight's device layout is decided: Q8_0 for the device layers
-        (``gguf`` False) in :func:`split_q8_0`'s layout, every other format and the tier's weights as GGUF stores
-        them. ValueError for a format without a kernel or bytes that do not match."""
+        as :meth:`_place` says; ValueError for a format without a kernel or bytes that do not match."""
         O, I = (int(shape[0]), int(shape[1]))
         if type_name not in S.FORMATS:
             raise ValueError(f"weight format {type_name} has no device kernel")
@@ -385,8 +361,6 @@ class MemoryMixin:
         Op, Ip = (O if rows is None else int(rows)), _ceil32(I)
         if (Op, Ip) != (O, I):
             raw = _pad_rows(type_name, raw, O, I, Op, Ip)
-        if type_name == "Q8_0" and not gguf:
-            return split_q8_0(raw, Op, Ip), Op, Ip
         return raw.reshape(-1), Op, Ip
 
     def _drop(self, t: _Tensor):
