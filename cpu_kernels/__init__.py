@@ -29,7 +29,6 @@ import sys
 import tempfile
 
 from coli.base import settings
-from coli.base.errors import ColiError
 from coli.base.paths import optional_cache_dir
 from coli.base.progress import cache_not_kept
 
@@ -42,9 +41,7 @@ def _choose_layer() -> str:
         import numba  # noqa: F401  (here only when it is loaded already: importing it chooses the layer)
 
         return os.environ.get("NUMBA_THREADING_LAYER", "default")
-    want = settings.get("COLI_THREADING")
-    if want not in ("tbb", "omp"):
-        raise ColiError(f"COLI_THREADING={want!r}: expected tbb or omp (docs/settings.md)")
+    want = settings.get("COLI_THREADING")   # settings refuses a value outside its choices (tbb, omp)
     candidates = [os.path.join(sys.prefix, "lib", "libtbb.so.12"), "libtbb.so.12"] if want == "tbb" else []
     for path in candidates:
         try:

@@ -98,8 +98,7 @@ def _gate_up_items(ctr, ph, nt, gd, ud, pstart, src, xq, xd, xm, x, kind, limit,
         if i0 >= n:
             break
         i1 = min(n, i0 + k)
-        for it in range(i0, i1):
-            _E._gate_up_item(gd, ud, pstart, src, _E.I8, xq, xd, xm, x, kind, limit, a, nc, it)
+        _E._gate_up_run(gd, ud, pstart, src, _E.I8, xq, xd, xm, x, kind, limit, a, nc, i0, i1)
         finish(ctr, ph, i1 - i0)
     wait(ctr, ph, n)
 

@@ -273,8 +273,7 @@ def _rows_moe(ctr, b, nt, N, h, h3, eps, w_norm, fx, fx3, W, lg3, k, norm, ids4,
         if i0 >= n:
             break
         i1 = min(n, i0 + kk)
-        for it in range(i0, i1):
-            _E._gate_up_item(gd, ud, pstart, src, _E.I8, fxq, fxd, fxm, fx, kind, limit, a, nc, it)
+        _E._gate_up_run(gd, ud, pstart, src, _E.I8, fxq, fxd, fxm, fx, kind, limit, a, nc, i0, i1)
         finish(ctr, b + 4, i1 - i0)
     wait(ctr, b + 4, n)
     if serial(ctr, b + 5):

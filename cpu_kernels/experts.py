@@ -71,6 +71,8 @@ from .vnni import (HAVE_VNNI, _act_sums16, row_lut, row_pair, row_q2_k, row_q3_k
 _PJIT = dict(parallel=True, nogil=True, cache=True, fastmath=True)
 _JIT = dict(nogil=True, cache=True, fastmath=True)
 _RB = 16
+#: 16-row blocks a one-row gate/up run reads of each matrix before the other (``_gate_up_run``)
+_RUN = 16
 
 I8 = 0
 F32 = 1
@@ -153,6 +155,28 @@ def _stack_gu(typingctx):
         return _stack_array(context, builder, _F32C2, (2, _RB))._getvalue()
 
     return _F32C2(), codegen
+
+
+@intrinsic
+def _stack_gu_run(typingctx):
+    """f32 [2, _RUN * _RB] on the stack: a one-row gate/up run's gate and up outputs (``_gate_up_run``)."""
+    def codegen(context, builder, sig, args):
+        return _stack_array(context, builder, _F32C2, (2, _RUN * _RB))._getvalue()
+
+    return _F32C2(), codegen
+
+
+@intrinsic
+def _f32_bits(typingctx, v):
+    """The float32 whose bits are the low 32 bits of integer ``v`` (a bit cast)."""
+    if not isinstance(v, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        i = context.cast(builder, args[0], sig.args[0], types.int32)
+        return builder.bitcast(i, _llir.FloatType())
+
+    return types.float32(v), codegen
 
 
 @intrinsic
@@ -731,10 +755,38 @@ def _dot_f32(buf, x):
     return s
 
 
-@njit(nogil=True, cache=True, fastmath=True)
+# fastmath off and no division check in these: the same IEEE operations in every caller, whether a loop of them is
+# vectorised (``_act_run``) or not, so every kernel's activation has the same bits
+_ACT_JIT = dict(nogil=True, cache=True, fastmath=False, error_model="numpy")
+
+
+@njit(inline="always", **_ACT_JIT)
+def _exp_f32(x):
+    """exp(x) for float32 x in [-87, 88] without a library call, so a loop of it vectorises: Cephes ``expf``
+    (x = n ln 2 + r, ln 2 in two parts; a degree-7 polynomial for e^r; 2^n from its exponent bits), within 2 ulp
+    of exp (tests/kernels/test_experts.py)."""
+    n = np.floor(x * np.float32(1.44269504088896341) + np.float32(0.5))
+    r = x - n * np.float32(0.693359375)
+    r = r - n * np.float32(-2.12194440e-4)
+    p = np.float32(1.9875691500e-4) * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    y = p * (r * r) + r + np.float32(1.0)
+    return y * _f32_bits((np.int32(n) + np.int32(127)) << np.int32(23))
+
+
+@njit(inline="always", **_ACT_JIT)
+def _silu_mul(g, u):
+    """silu(g) * u = g / (1 + exp(-g)) * u in float32; 0 * u below g = -80 (silu(g) < 1e-33 there)."""
+    z = max(min(-g, np.float32(80.0)), np.float32(-87.0))
+    s = g / (np.float32(1.0) + _exp_f32(z)) * u
+    return s if g >= np.float32(-80.0) else _F0 * u
+
+
+@njit(**_ACT_JIT)
 def _act(g, u, kind, limit):
-    # its own function without fastmath: a loop of it vectorised in one kernel and not in another (the grouped
-    # kernels' launch and the persistent decode blocks) may not round differently (reciprocal estimates)
     if kind == ACT_SWIGLU_OAI:
         if limit > 0.0:
             g = min(g, limit)
@@ -757,9 +809,19 @@ def _act(g, u, kind, limit):
     if limit > 0.0:
         g = min(g, limit)
         u = min(max(u, -limit), limit)
-    if g < np.float32(-80.0):  # exp(-g) would overflow f32, and fastmath assumes no inf: silu(g) < 1e-33 here
-        return _F0 * u
-    return g / (np.float32(1.0) + math.exp(-g)) * u
+    return _silu_mul(g, u)
+
+
+@njit(**_ACT_JIT)
+def _act_run(gu, n, kind, limit, out):
+    """out[o] = act(gu[0, o], gu[1, o]) for o < n (gu f32 [2, >= n], out f32 [>= n]): ``_act``'s bits, the plain
+    SwiGLU as one vectorised loop (scalar ``exp`` calls were half of gate/up's extra time, docs/cpu_kernels.md)."""
+    if kind == ACT_SWIGLU and not limit > 0.0:
+        for o in range(n):
+            out[o] = _silu_mul(gu[0, o], gu[1, o])
+    else:
+        for o in range(n):
+            out[o] = _act(gu[0, o], gu[1, o], kind, limit)
 
 
 # ----------------------------------------------------------------------------------------------- kernels
@@ -854,15 +916,59 @@ def _gate_up_item(gdesc, udesc, pstart, src, mode, xq, xd, xm, x, kind, limit, a
                 a[p, o] = _act(_dot_f32(gb, xr), _dot_f32(ub, xr), kind, limit)
 
 
+@njit(inline="always", **_JIT)
+def _gate_up_run(gdesc, udesc, pstart, src, mode, xq, xd, xm, x, kind, limit, a, nc, i0, i1):
+    """Work items i0:i1 of :func:`ffn_gate_up` (``_gate_up_item``'s numbering), split at experts into runs of at
+    most ``_RUN`` blocks. An expert with one int8 row runs its gate rows of the run, then its up rows, then the
+    activation over all of them (``_act_run``); the others item by item. The bits of ``_gate_up_item`` either way:
+    switching matrices every 16-row block (9.8 KB of Q8_0) and scalar activations cost gate/up 15-20 % of the rate
+    of plain GEMVs (docs/cpu_kernels.md)."""
+    F = gdesc[0, 1]
+    while i0 < i1:
+        e = i0 // nc
+        j = min(i1, (e + 1) * nc, i0 + _RUN)
+        p0 = pstart[e]
+        gd = gdesc[e]
+        ud = udesc[e]
+        if mode == I8 and pstart[e + 1] - p0 == 1 and j - i0 > 1 and gd[0] != FC_F32 and ud[0] != FC_F32:
+            r0 = (i0 - e * nc) * _RB
+            r1 = min(F, (j - e * nc) * _RB)
+            gu = _stack_gu_run()
+            if _row_ok(gd[0]) and _row_ok(ud[0]):
+                r = src[p0]
+                for o in range(r0, r1):
+                    gu[0, o - r0] = _row_i8(gd, o, r, xq, xd, xm)
+                for o in range(r0, r1):
+                    gu[1, o - r0] = _row_i8(ud, o, r, xq, xd, xm)
+            else:
+                s0 = _stack_index(0)
+                s1 = _stack_index(1)
+                for c0 in range(r0, r1, _RB):
+                    block_i8(gd, c0, min(r1, c0 + _RB), _I0, 1, src[p0:p0 + 1], s0, -r0, xq, xd, xm, gu)
+                for c0 in range(r0, r1, _RB):
+                    block_i8(ud, c0, min(r1, c0 + _RB), _I0, 1, src[p0:p0 + 1], s1, -r0, xq, xd, xm, gu)
+            _act_run(gu, r1 - r0, kind, limit, a[p0, r0:r1])
+        else:
+            for it in range(i0, j):
+                _gate_up_item(gdesc, udesc, pstart, src, mode, xq, xd, xm, x, kind, limit, a, nc, it)
+        i0 = j
+
+
 @njit(**_PJIT)
 def ffn_gate_up(gdesc, udesc, pstart, src, mode, xq, xd, xm, x, kind, limit, a):
     """a[p, o] = act(G_e[o] . row src[p], U_e[o] . row src[p]) for every expert e (gate/up descriptors
     int64 [n, 13], same shapes), its slots p in pstart[e]:pstart[e+1], o < F. ``kind``: ACT_SWIGLU
-    (silu(g) * u, clamped when ``limit`` > 0 as formats' swiglu) or ACT_GEGLU. a f32 [P, F]."""
+    (silu(g) * u, clamped when ``limit`` > 0 as formats' swiglu) or ACT_GEGLU. a f32 [P, F]. One parallel
+    launch over runs of up to ``_RUN`` 16-row blocks of an expert (``_gate_up_run``), at least 64 runs (4 for
+    each of 16 threads) where there are as many blocks."""
     F = gdesc[0, 1]
     nc = (F + _RB - 1) // _RB
-    for it in prange(gdesc.shape[0] * nc):
-        _gate_up_item(gdesc, udesc, pstart, src, mode, xq, xd, xm, x, kind, limit, a, nc, it)
+    k = max(1, min(_RUN, gdesc.shape[0] * nc // 64))
+    nr = (nc + k - 1) // k
+    for it in prange(gdesc.shape[0] * nr):
+        i0 = (it // nr) * nc + (it % nr) * k
+        _gate_up_run(gdesc, udesc, pstart, src, mode, xq, xd, xm, x, kind, limit, a, nc, i0,
+                     min(i0 + k, (it // nr + 1) * nc))
 
 
 @njit(inline="always", **_JIT)

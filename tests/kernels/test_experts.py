@@ -99,6 +99,39 @@ def test_ffn_matches_reference(name, act, kind):
     assert err < (2e-3 if act == "int8" and quant else 2e-5), err
 
 
+def test_one_row_gate_up_runs_equal_the_gemvs_and_the_reference():
+    """``ffn_gate_up`` with one int8 row per expert (a decode step: each expert's gate rows of a run of up to 16
+    blocks, then its up rows, then the activation as one loop) is bit-equal to the grouped GEMVs of the same gate
+    and up matrices followed by the scalar activation, and matches silu(G x) * U x (float64) of gguf's decoding.
+    F = 560: runs of 16, 16 and 3 blocks; the t16 tiles and the row layouts (tiles=False)."""
+    rng = np.random.default_rng(5)
+    D, Fd = 256, 560
+    names = ["Q8_0", "Q4_K", "Q6_K", "Q5_0"]
+    ex = []
+    for i, name in enumerate(names):
+        raws = [_random_raw(name, Fd, D, rng) for _ in range(2)]
+        g, u = (F.prepare(name, r, (Fd, D), tiles=i % 2 == 0) for r in raws)
+        ex.append((SimpleNamespace(gate=g, up=u), *(_ref(name, r, Fd, D) for r in raws)))
+    assert {X._row_ok(w.gate.desc[0]) for w, *_ in ex} == {True, False}   # both branches of _gate_up_run
+    x = rng.standard_normal((len(names), D)).astype(np.float32)
+    xa = X.Act(x, "int8")
+    gd = np.stack([w.gate.desc for w, *_ in ex])
+    ud = np.stack([w.up.desc for w, *_ in ex])
+    a = np.full((len(names), Fd), np.nan, np.float32)
+    pstart = np.arange(len(names) + 1, dtype=np.int64)
+    X.ffn_gate_up(gd, ud, pstart, np.arange(len(names)), xa.mode, xa.xq, xa.xd, xa.xm, xa.x, X.ACT_SWIGLU,
+                  np.float32(0.0), a)
+    xr = _act_rows(x, "int8")
+    for e, (w, G, U) in enumerate(ex):
+        g = X.Group([w.gate])(X.Act(x[e:e + 1], "int8"))
+        u = X.Group([w.up])(X.Act(x[e:e + 1], "int8"))
+        want = np.empty_like(g)
+        X._act_rows(g, u, X.ACT_SWIGLU, np.float32(0.0), want)
+        assert np.array_equal(a[e], want[0]), names[e]
+        ref = _silu_mul(xr[e] @ G.T, xr[e] @ U.T)
+        assert np.abs(a[e] - ref).max() / np.abs(ref).max() < 2e-5, names[e]
+
+
 @pytest.mark.parametrize("act", ["f32", "int8"])
 def test_moe_experts_match_reference_and_do_not_depend_on_order(act):
     """A MoE step's CPU experts in two launches: every pair's output equals down(silu(gate x) * up x) of its
