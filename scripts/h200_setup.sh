@@ -12,12 +12,11 @@
 #       (about 5 minutes with a carried kernel cache): every layer (-ngl 99), attention on the device with every
 #       expert in RAM (-ot exps=CPU / --cpu-moe), half the experts (--n-cpu-moe 8 / --gpu-layers 8, and every layer's
 #       attention with --tier-gb 3.70: 502 of 1,024 experts resident, joined mid-layer)
-#   The compiled kernels: a call that ends with `save_kernels` brings them back in $OUT (numba.tgz.part_*: the tool
-#   returns files of at most 16 MiB; stamps.txt: cpu_kernels/*.py's modification times); put those files in
-#   .numba_dev and carry it: setup() restores them, and the next fresh machine compiles nothing. Numba keeps a
-#   cached kernel only while its source file's mtime and size are the ones it was compiled from (numba/core/
-#   caching.py, the index's source stamp), and a fresh checkout has new mtimes: setup() sets the recorded ones back
-#   (safe: the folder is named by a digest of cpu_kernels/'s sources, so an edited file never meets an old kernel).
+#   The compiled kernels: a call that ends with `save_kernels` brings them back in $OUT as numba.tgz.part_* (the
+#   tool returns files of at most 16 MiB); put those files in .numba_dev and carry it: setup() restores them. Numba
+#   0.68 keys a cached kernel by its source's content and by the host (numba/core/caching.py `_index_key`: the
+#   codegen's magic tuple, the CPU's name and features), so the cache hits only on a lent machine whose CPU Numba
+#   names as the one that compiled it (the folder is also named by a digest of cpu_kernels/: an edit misses it).
 # Anything else is a `coli bench` or scripts/bench command after the set-up (docs/h200.md "Other measurements").
 # The set-up alone, in a command of its own:
 #   source <(sed -n '/^setup() {/,/^}/p' scripts/h200_setup.sh); PY=python3 setup
@@ -29,9 +28,6 @@
 setup() {
 if ls .numba_dev/numba.tgz* > /dev/null 2>&1; then
   mkdir -p ~/.cache/coli && cat .numba_dev/numba.tgz* | tar xzf - -C ~/.cache/coli
-  if [ -s .numba_dev/stamps.txt ]; then
-    while read -r t f; do [ -f "$f" ] && touch -d "@$t" "$f"; done < .numba_dev/stamps.txt
-  fi
 fi
 if [ -d .gl ]; then
   for f in .gl/*.deb; do dpkg -x "$f" /; done
@@ -54,11 +50,10 @@ export PYTHONPATH=/tmp/site:$PWD
 export LD_LIBRARY_PATH=/tmp/site/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 }
 
-# save_kernels: the compiled kernels into $OUT as numba.tgz.part_* (15 MiB parts) and the kernel sources' mtimes
-# as stamps.txt (see the header: carry them back in .numba_dev).
+# save_kernels: the compiled kernels into $OUT as numba.tgz.part_* (15 MiB parts; see the header: carry them back
+# in .numba_dev).
 save_kernels() {
 ( cd ~/.cache/coli && tar czf /tmp/numba.tgz numba ) && split -b 15M /tmp/numba.tgz "$OUT/numba.tgz.part_"
-stat -c '%Y %n' cpu_kernels/*.py > "$OUT/stamps.txt"
 }
 
 # synth-path: where the synthetic MoE (scripts/make_synthetic_moe.py defaults: OLMoE-1B-7B's shapes, Q8_0, 7.35 GB)
