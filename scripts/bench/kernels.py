@@ -76,6 +76,19 @@ SHAPES = [(576, 576), (1536, 576), (576, 1536), (49152, 576), (896, 4864), (4864
 BIG = 40_000  # O at or above this: an output (lm_head) matrix
 
 
+
+def _op_runs(K, ops, n: int) -> list:
+    """``ops`` recorded with a timestamp after each, submitted ``n`` times: each run's ms by op (``K.op_ms``)."""
+    rec = K.record(ops, each=True)
+    runs = []
+    try:
+        for _ in range(n):
+            K.submit(rec)
+            runs.append(K.op_ms(rec))
+    finally:
+        K.free(rec)
+    return runs
+
 def random_raw(name: str, O: int, I: int, rng) -> np.ndarray:
     fmt = F.FORMATS[name]
     if name == "F32":
@@ -468,14 +481,7 @@ def per_op_main(argv=None):
             pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(a.host_profile)
             prof = out.getvalue()
         ops = dl._ops()
-        rec = K.record(ops, each=True)      # the same ops at the last position, a timestamp after each
-        runs = []
-        try:
-            for _ in range(a.reps + 5):
-                K.submit(rec)
-                runs.append(K.op_ms(rec))
-        finally:
-            K.free(rec)
+        runs = _op_runs(K, ops, a.reps + 5)     # the same ops at the last position, a timestamp after each
         prog = statistics.median(progs) if progs else float("nan")
         wall = 1e3 * statistics.median(walls)
         print(f"device: {K.dev.describe()}; {dl.describe()}; ctx {e.ctx}, position {a.pos}; load {' '.join(load())}")
@@ -562,14 +568,7 @@ def _prompt_profile(e, a) -> int:
             progs.append(K.gpu_ms(rec))
     key = next(key for key in dl._precs if key[0] == R)
     ops = dl._prompt_ops(R, key[1])    # the last chunk again (its rows in p_in, its position in params)
-    rec = K.record(ops, each=True)
-    runs = []
-    try:
-        for _ in range(a.reps + 3):
-            K.submit(rec)
-            runs.append(K.op_ms(rec))
-    finally:
-        K.free(rec)
+    runs = _op_runs(K, ops, a.reps + 3)
     wall = 1e3 * statistics.median(walls)
     prog = statistics.median(progs) if progs and progs[0] is not None else float("nan")
     print(f"device: {K.dev.describe()}; {dl.describe()}; route {K.route}; ctx {e.ctx}; load {' '.join(load())}")
