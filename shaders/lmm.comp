@@ -3,7 +3,7 @@
 // docs/vulkan.md "Device layers"). Compiled once per GGUF type (-DFMT_<NAME>); MODE (specialization constant 2):
 // MODE 0, dense: y[r, o] = W[o, :] . x[r, :] (+ bias[o]) (sigmoid) (+ y[r, o]).
 //   a0 W (row o at a0 + o * ROW_BYTES(I)), a1 x f32 [R, I], a2 y f32 [R, ldy], a3 bias f32 [O]
-//   u0 O, u1 I, u2 flags (bit 0 accumulate, bit 1 bias, bit 2 sigmoid after the bias), u3 R, u4 ldy (0: O)
+//   u0 O, u1 I (any width: x_unit.glsl), u2 flags (bit 0 accumulate, bit 1 bias, bit 2 sigmoid after the bias), u3 R, u4 ldy (0: O)
 //   groups (ceil(O / BM), ceil(R / BN), 1)
 // MODE 1, the routed experts' gate and up with SwiGLU, rows grouped by expert (moe_sort.comp):
 //   h[p, o] = silu(Wg[e][o, :] . x[p / k, :]) * (Wu[e][o, :] . x[p / k, :]) for each pair p = row * k + rank
@@ -28,6 +28,7 @@
 #include "layer_common.glsl"
 #include "formats.glsl"
 #include "act.glsl"
+#include "x_unit.glsl"
 
 layout(local_size_x_id = 0) in;             // 4 BN
 layout(constant_id = 2) const uint MODE = 0;
@@ -41,8 +42,8 @@ shared vec4 Xs[BN * ST];
 
 void main() {
     uint O = pc.u[0], I = pc.u[1], flags = pc.u[2], R = pc.u[3], k = pc.u[5];
-    uint units = I / 32u;
-    uint64_t rb = uint64_t(ROW_BYTES(I));
+    uint units = x_units(I);
+    uint64_t rb = uint64_t(x_row_bytes(I));
     uint o0 = gl_WorkGroupID.x * BM, n0 = gl_WorkGroupID.y * BN;
     uint t = gl_LocalInvocationID.x;
     uint beg = 0u, cnt = R;
@@ -75,8 +76,9 @@ void main() {
     if (x_on) {
         uint xr = MODE == 0u || ident ? n0 + xn : PAIRS.v[beg + n0 + xn];
         if (MODE == 1u) xr /= k;
-        xbase = xr * (I / 4u);
+        xbase = xr * I;     // floats
     }
+    bool xany = (I & 31u) != 0u;    // a row of any width: one float at a time (uniform)
     F32x4 X = F32x4(pc.a[1]);
 
     float acc[4][4], acc2[4][4];
@@ -87,9 +89,16 @@ void main() {
         if (dec_on) dec_unit(wrow, u, w);
         else { [[unroll]] for (uint q = 0u; q < 8u; q++) w[q] = vec4(0.0); }
         vec4 x0 = vec4(0.0), x1 = vec4(0.0);
-        if (x_on) {
-            x0 = X.v[xbase + u * 8u + xq];
-            x1 = X.v[xbase + u * 8u + xq + 1u];
+        if (x_on && !xany) {
+            x0 = X.v[xbase / 4u + u * 8u + xq];
+            x1 = X.v[xbase / 4u + u * 8u + xq + 1u];
+        } else if (x_on) {
+            F32 XS = F32(pc.a[1]);
+            [[unroll]] for (uint c = 0u; c < 4u; c++) {
+                uint i = u * 32u + xq * 4u + c;
+                x0[c] = i < I ? XS.v[xbase + i] : 0.0;
+                x1[c] = i + 4u < I ? XS.v[xbase + i + 4u] : 0.0;
+            }
         }
         barrier();
         if (dec_first) { [[unroll]] for (uint q = 0u; q < 8u; q++) Wg[dm * ST + q] = w[q]; }

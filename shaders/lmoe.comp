@@ -26,6 +26,7 @@
 #extension GL_GOOGLE_include_directive : require
 #include "layer_common.glsl"
 #include "formats.glsl"
+#include "x_unit.glsl"
 #include "act.glsl"
 
 layout(local_size_x_id = 0) in;
@@ -44,7 +45,7 @@ shared uint EI[MAXK];       // mode 0: expert of rank j
 
 void main() {
     uint O = pc.u[0], I = pc.u[1], k = pc.u[2];
-    uint units = I / 32u;
+    uint units = x_units(I);     // mode 1: x of any width (x_unit.glsl); mode 0: h's F, a multiple of 32
     U64 TABLE = U64(pc.a[0]);
     // ranks apart (mode 0, u4 bit 1): this workgroup's rank r alone, its route word, h row and y row
     uint rr = (MODE == 0u && (pc.u[4] & 2u) != 0u) ? gl_WorkGroupID.y : 0u;
@@ -80,7 +81,7 @@ void main() {
     uint cpass = nsg / spg;
     uint passes = (nset + cpass - 1u) / cpass;    // the same for every subgroup
     uint part = sg % spg, setl = sg / spg;        // subgroups past cpass * spg only join the barriers
-    uint64_t rb = uint64_t(ROW_BYTES(I));
+    uint64_t rb = uint64_t(x_row_bytes(I));
     F32x4 X = F32x4(pc.a[2] + 4ul * uint64_t(rr) * uint64_t(I));   // mode 1: x [D]; mode 0: h [k, F]
     for (uint ps = 0u; ps < passes; ps++) {
         uint ob = o0 + (ps * cpass + setl) * RPC;
@@ -95,7 +96,8 @@ void main() {
             if (MODE == 1u) {
                 for (; t < total; t += step) {
                     vec4 xv[8];
-                    [[unroll]] for (uint q = 0u; q < 8u; q++) xv[q] = X.v[t * 8u + q];
+                    if (t * 32u + 32u <= I) { [[unroll]] for (uint q = 0u; q < 8u; q++) xv[q] = X.v[t * 8u + q]; }
+                    else x_unit_any(pc.a[2], 0u, I, t, xv);     // the last, partial unit
                     [[unroll]] for (uint i = 0u; i < RPC; i++) {
                         vec4 w[8], w2[8];
                         dec_unit(wg + ro[i], t, w);

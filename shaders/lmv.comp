@@ -3,7 +3,7 @@
 // (coli/vulkan/layers.py; docs/vulkan.md "Device layers"). Compiled once per GGUF type (-DFMT_<NAME>).
 //   a0 W: address of weight row 0 (row o at a0 + o * ROW_BYTES(I)); a1 x f32 [I] (16-byte aligned);
 //   a2 y f32 [O]; a3 bias f32 [O]
-//   u0 O, u1 I (a multiple of 32), u2 flags: bit 0 accumulate (y[o] += r, else y[o] = r), bit 1 add bias,
+//   u0 O, u1 I (any width: x_unit.glsl), u2 flags: bit 0 accumulate (y[o] += r, else y[o] = r), bit 1 add bias,
 //   bit 2 write sigmoid(r) (after the bias; not with bit 0: Qwen2-MoE's shared-expert gate)
 //   groups: (ceil(O / ROWS), 1, 1); y[o] = (W[o, :] . x) (+ bias[o]) (+ old y[o])
 //   a5..a7, u15: the RMSNorm of y [O] by the last workgroup (norm_tail.glsl; a5 0: none)
@@ -21,6 +21,7 @@
 #extension GL_GOOGLE_include_directive : require
 #include "layer_common.glsl"
 #include "formats.glsl"
+#include "x_unit.glsl"
 
 layout(local_size_x_id = 0) in;
 layout(constant_id = 1) const uint ROWS = 16;   // output rows a workgroup owns
@@ -38,7 +39,7 @@ shared float RED[gl_WorkGroupSize.x * RPS];     // one slot set a subgroup (subg
 
 void main() {
     uint O = pc.u[0], I = pc.u[1], flags = pc.u[2];
-    uint units = I / 32u;
+    uint units = x_units(I);
     uint o0 = gl_WorkGroupID.x * ROWS;
     uint oend = min(o0 + ROWS, O);
     uint nsg = gl_NumSubgroups, sg = gl_SubgroupID, lane = gl_SubgroupInvocationID, sgs = gl_SubgroupSize;
@@ -50,7 +51,7 @@ void main() {
     uint cpass = nsg / spg;
     uint passes = (nset + cpass - 1u) / cpass;    // the same for every subgroup
     uint part = sg % spg, setl = sg / spg;        // subgroups past cpass * spg only join the barriers
-    uint64_t rb = uint64_t(ROW_BYTES(I));
+    uint64_t rb = uint64_t(x_row_bytes(I));
     F32x4 X = F32x4(pc.a[1]);
     for (uint ps = 0u; ps < passes; ps++) {
         uint ob = o0 + (ps * cpass + setl) * RPC;
@@ -63,7 +64,8 @@ void main() {
             [[unroll]] for (uint i = 0u; i < RPC; i++) ra[i] = pc.a[0] + uint64_t(min(ob + i, oend - 1u)) * rb;
             for (uint u = part * sgs + lane; u < units; u += spg * sgs) {
                 vec4 xv[8];
-                [[unroll]] for (uint q = 0u; q < 8u; q++) xv[q] = X.v[u * 8u + q];
+                if (u * 32u + 32u <= I) { [[unroll]] for (uint q = 0u; q < 8u; q++) xv[q] = X.v[u * 8u + q]; }
+                else x_unit_any(pc.a[1], 0u, I, u, xv);     // the last, partial unit
                 [[unroll]] for (uint i = 0u; i < RPC; i++) {
                     vec4 w[8];
                     dec_unit(ra[i], u, w);

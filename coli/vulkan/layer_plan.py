@@ -418,8 +418,8 @@ def why_not(m, il: int) -> str | None:
     """None when layer ``il`` of model ``m`` can run whole on the device, else why not (one phrase). By what the
     layer needs, not by its class: its form (``device_form``: :data:`FORMS`), its attention block
     (:func:`_why_not_attention`), its FFN (:func:`_why_not_ffn`) and its tensors' formats (a device decoder for each,
-    widths in whole 32-weight units, or, for an F32/F16/BF16 FFN down projection, any width: the FFN's hidden width
-    is padded on the device; gate and up of one format: one kernel reads both)."""
+    widths in whole 32-weight units, or any width for F32/F16/BF16: rows zero-padded on the device, the last unit's
+    inputs past the width read as 0, shaders/x_unit.glsl; gate and up of one format: one kernel reads both)."""
     L = m.layers[il]
     form = getattr(L, "device_form", None)
     if is_deepseek4(L):      # its own device path: coli/vulkan/layer_dsv4.py (the FFN and formats checked here)
@@ -450,7 +450,7 @@ def why_not(m, il: int) -> str | None:
         ti = m.t[n]
         if ti.type_name not in device_formats():
             return f"tensor '{n}' is {ti.type_name} (no device kernel)"
-        if int(ti.shape[-1]) % 32 and not (is_float(ti.type_name) and n.endswith(DOWN_TENSORS + Q_B_TENSORS)):
+        if int(ti.shape[-1]) % 32 and not is_float(ti.type_name):     # floats: rows of any width (x_unit.glsl)
             return f"tensor '{n}' has {int(ti.shape[-1])} columns (not a multiple of 32)"
     p = f"blk.{il}."
     pairs = [("ffn_gate_exps", "ffn_up_exps"), ("ffn_gate_shexp", "ffn_up_shexp"), ("ffn_gate", "ffn_up")]
@@ -509,12 +509,12 @@ def _padded_bytes(m, n: str) -> int:
     b = int(ti.nbytes)
     if n.endswith("attn_q_a.weight"):       # q_lora_rank rows, padded (any format: rows are blocks of their own)
         return b // int(ti.shape[-2]) * ceil32(ti.shape[-2])
-    if n.endswith(Q_B_TENSORS) and is_float(ti.type_name):
-        return b // int(ti.shape[-1]) * ceil32(ti.shape[-1])
-    if not is_float(ti.type_name) or "ffn_" not in n or "gate_inp" in n:
+    if not is_float(ti.type_name) or "gate_inp" in n:
         return b
-    f = int(ti.shape[-1] if n.endswith(DOWN_TENSORS) else ti.shape[-2])
-    return b // f * ceil32(f)
+    b = b // int(ti.shape[-1]) * ceil32(ti.shape[-1])       # a float row of any width, zero-padded (Device._place)
+    if "ffn_" in n and not n.endswith(DOWN_TENSORS):        # gate and up: zero rows up to the padded hidden width
+        b = b // int(ti.shape[-2]) * ceil32(ti.shape[-2])
+    return b
 
 
 def ffn_width(F: int) -> int:

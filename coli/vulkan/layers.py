@@ -218,14 +218,19 @@ class Kernels(HostJoin):
         dev._layer_kernels = self    # Device.close destroys what this made (close())
 
     # -- pipelines --------------------------------------------------------------------------------------
-    def pipeline(self, kernel: str, type_name: str | None = None, mode: int = 0):
-        key = (kernel, type_name, mode, (self.tile, self.cm_pipe[mode]) if kernel == "lmm" else
+    def pipeline(self, kernel: str, type_name: str | None = None, mode: int = 0, plain: bool = False):
+        """The pipeline of ``kernel`` (``type_name`` for a format kernel, ``mode`` its MODE), made on first use;
+        ``plain``: lmm.comp even on the coopmat route (an F32/F16/BF16 matrix whose width is not a multiple of 32:
+        lmm_cm.comp steps 32 inputs a unit with vec4 loads; lmm.comp reads such a row's last unit one float at a
+        time), with the route's 64-row tile so the grid is the same."""
+        plain = plain and kernel == "lmm" and self.route == "coopmat"
+        key = (kernel, type_name, mode, (self.tile, self.cm_pipe[mode], plain) if kernel == "lmm" else
                self.attn_bq if kernel == "attn_pre" else 0)
         p = self._pipes.get(key)
         if p is not None:
             return p
         dev = self.dev
-        coop = kernel == "lmm" and self.route == "coopmat"
+        coop = kernel == "lmm" and self.route == "coopmat" and not plain
         fmt = kernel in FORMAT_KERNELS
         module = dev._modules.get(("lmm_cm" if coop else kernel, type_name if fmt else None))
         if module is None:
@@ -419,7 +424,7 @@ class Kernels(HostJoin):
                 mb.dstAccessMask = _ACC_SHADER_READ | _ACC_SHADER_WRITE
                 lib.vkCmdPipelineBarrier(cb, _PSTAGE_COMPUTE | _PSTAGE_TRANSFER, _PSTAGE_COMPUTE, 0, 1, mb, 0,
                                          ffi.NULL, 0, ffi.NULL)
-            pipe = self.pipeline(op.kernel, op.type_name, op.mode)
+            pipe = self.pipeline(op.kernel, op.type_name, op.mode, op.kernel == "lmm" and op.words[1] % 32 != 0)
             if pipe != bound:
                 lib.vkCmdBindPipeline(cb, vk.VK_PIPELINE_BIND_POINT_COMPUTE, pipe)
                 bound = pipe

@@ -61,7 +61,9 @@ def _inner(t, n=2):
 @pytest.mark.parametrize("fmt,rows,I", [("Q8_0", None, 0), ("Q4_K", None, 0), ("Q6_K", None, 0), ("F32", None, 0),
                                         ("F16", None, 0), ("Q4_0", None, 0), ("MXFP4", None, 0), ("IQ2_XS", None, 0),
                                         ("IQ4_NL", None, 0), ("Q8_0", 1, 45 * 32), ("Q4_K", 2, 3 * 256),
-                                        ("Q8_0", 6, 0), ("Q6_K", 40, 0), ("Q4_0", 8, 40 * 32)])
+                                        ("Q8_0", 6, 0), ("Q6_K", 40, 0), ("Q4_0", 8, 40 * 32),
+                                        # float rows of any width: a partial last unit (x_unit.glsl)
+                                        ("F32", None, 167), ("F16", 8, 50), ("BF16", None, 99)])
 def test_lmv(kern, fmt, rows, I):
     from coli.vulkan.layers import Dispatch
 
@@ -109,7 +111,7 @@ def _experts(K, fmt_gu, fmt_d, E, D, F, rng):
 
 @pytest.mark.parametrize("fmt_gu,fmt_d,D,F,rows", [("Q8_0", "Q8_0", 160, 96, None), ("Q4_K", "Q6_K", 256, 256, None),
                                                    ("Q8_0", "Q4_0", 1024, 160, 1), ("MXFP4", "Q8_0", 96, 160, 6),
-                                                   ("Q4_K", "IQ4_NL", 256, 96, 40)])
+                                                   ("Q4_K", "IQ4_NL", 256, 96, 40), ("F16", "F32", 99, 96, None)])
 def test_lmoe(kern, fmt_gu, fmt_d, D, F, rows):
     from coli.vulkan.layers import Dispatch
 
