@@ -131,6 +131,27 @@ def _lane_trees(b, vals):
     return out
 
 
+def lanes_loop(b, ap, as_, bp, bs, R, J, n8, step):
+    """IR of ``R x J`` ``<8 x float>`` accumulators (from zeros) over ``n8`` steps of 8 columns: rows ``ap + r*as_``
+    and ``bp + j*bs`` (f32 pointers, strides in elements), ``acc[r][j] = step(a_r, b_j, acc[r][j])`` per step.
+    Returns the row pointers of both sides and the accumulators' allocas (the score tiles here, the router's)."""
+    it = n8.type
+    arow = [b.gep(ap, [b.mul(as_, ir.Constant(it, r))]) for r in range(R)]
+    brow = [b.gep(bp, [b.mul(bs, ir.Constant(it, j))]) for j in range(J)]
+    acc = [[cgutils.alloca_once_value(b, ir.Constant(_V8, None)) for _j in range(J)] for _r in range(R)]
+    for r in range(R):
+        for j in range(J):
+            b.store(ir.Constant(_V8, [0.0] * 8), acc[r][j])
+    with cgutils.for_range(b, n8) as loop:
+        off = b.shl(loop.index, ir.Constant(it, 3))
+        av = [b.load(_vptr(b, arow[r], off), align=4) for r in range(R)]
+        bv = [b.load(_vptr(b, brow[j], off), align=4) for j in range(J)]
+        for r in range(R):
+            for j in range(J):
+                b.store(step(av[r], bv[j], b.load(acc[r][j])), acc[r][j])
+    return arow, brow, acc
+
+
 def _qk_kernel(R, J):
     """An intrinsic ``(qp, qs, kp, ks, sp, ss, hd, scale)``: scores ``S[r, j] = scale * q_r . k_j`` of ``R``
     query rows (``qp + r*qs``) and ``J`` keys (``kp + j*ks``) into ``sp + r*ss + j``, f32 pointers and strides in
@@ -149,20 +170,8 @@ def _qk_kernel(R, J):
             fv = _fma_fn(b, _V8)
             fs = _fma_fn(b, _F32)
             it = hd.type
-            qrow = [b.gep(qp, [b.mul(qs, ir.Constant(it, r))]) for r in range(R)]
-            krow = [b.gep(kp, [b.mul(ks, ir.Constant(it, j))]) for j in range(J)]
-            acc = [[cgutils.alloca_once_value(b, ir.Constant(_V8, None)) for _j in range(J)] for _r in range(R)]
-            for r in range(R):
-                for j in range(J):
-                    b.store(ir.Constant(_V8, [0.0] * 8), acc[r][j])
             n8 = b.lshr(hd, ir.Constant(it, 3))
-            with cgutils.for_range(b, n8) as loop:
-                off = b.shl(loop.index, ir.Constant(it, 3))
-                qv = [b.load(_vptr(b, qrow[r], off), align=4) for r in range(R)]
-                kv = [b.load(_vptr(b, krow[j], off), align=4) for j in range(J)]
-                for r in range(R):
-                    for j in range(J):
-                        b.store(b.call(fv, [qv[r], kv[j], b.load(acc[r][j])]), acc[r][j])
+            qrow, krow, acc = lanes_loop(b, qp, qs, kp, ks, R, J, n8, lambda q, k, a: b.call(fv, [q, k, a]))
             i0 = b.shl(n8, ir.Constant(it, 3))
             sums = _lane_trees(b, [b.load(acc[r][j]) for r in range(R) for j in range(J)])
             for r in range(R):

@@ -190,10 +190,10 @@ def test_batch_invariant_flag_on_a_model_of_f32_weights(monkeypatch):
 
 @pytest.mark.parametrize("W_ro", [False, True])
 def test_router_logits_rows_are_the_decode_rows(W_ro):
-    """``router.logits_rows`` (a prompt's rows, in parallel above a size) gives each row the decode row's
-    ``logits_row`` bits, for a read-only router (a view of the file) too; against float64 within 1e-5."""
+    """``router.logits_rows`` (a prompt's rows, in parallel above a size: tiles of 4 rows x 4 experts) gives each
+    row the decode row's ``logits_row`` bits, for a read-only router (a view of the file) too; against float64 within 1e-5."""
     rng = np.random.default_rng(3)
-    for R, E_, D in ((1, 8, 64), (5, 8, 576), (64, 60, 1000)):
+    for R, E_, D in ((1, 8, 64), (5, 8, 576), (64, 60, 1000), (7, 6, 203)):  # 203: tail columns, 7 / 6: part tiles
         W = rng.standard_normal((E_, D)).astype(np.float32)
         if W_ro:
             W.flags.writeable = False

@@ -1,0 +1,123 @@
+"""Where a CPU prompt's time goes, chunk by chunk: each prompt step (``Engine.prompt_chunk()`` rows) of a prompt
+of ``-p`` tokens timed whole and by phase, the phases being the Python entry points of the layers' work, each
+around its compiled launches (``time.perf_counter``; the wrappers cost ~1 us a call):
+
+  qkv      ``blocks.Attention.qkv`` (the layer input's q/k/v GEMMs; with the norm's quantization when it is there)
+  attend   ``blocks.Attention.attend`` (the KV write and the attention kernel: the part that grows with position)
+  out      ``blocks.Attention.out`` (the output projection)
+  rope     ``blocks.Attention.rope`` and ``heads`` (q/k norms)
+  norm     ``Model.norm_in`` (the pre-attention / dense FFN norm and its quantization)
+  router   ``blocks.MoE.logits`` (the router GEMM; the top-k is in ``rest``)
+  experts  ``scheduler.step.MoEStep._cpu_experts`` (the routed experts' GEMMs, the rows' quantization)
+  combine  ``MoEStep.combine`` (the pairs' weighted sum)
+  mlp      ``blocks.MLP.__call__`` (a dense layer's FFN)
+  head     ``Model.embed`` + ``Model.head`` (the embedding rows; the output norm and the head GEMM of the last row)
+  rest     the chunk's time outside these: the MoE norm, routing's top-k, residual adds, the host's Python
+
+    python3 scripts/bench/prompt_phases.py -m MODEL -t 16 -p 128,512,2048 [-r 2] [--ubatch 256]
+
+After one untimed chunk (the kernels load), prints, for each prompt length, the prompt's tok/s per rep (the load average beside), then the last rep's table:
+one line per chunk (its first position, ms in all, ms per phase). A phase's ms that grows down the table grows
+with position (attention does: its keys are the positions before). A GEMM phase's ms / chunk rows is its cost a
+row. No wrapper changes what runs (the same kernels, the same bits)."""
+import argparse
+import collections
+import functools
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for `coli` and `scheduler`
+import timing  # noqa: E402  (scripts/bench/timing.py: the script's own folder is first on sys.path)
+
+PHASES = ("qkv", "attend", "out", "rope", "norm", "router", "experts", "combine", "mlp", "head")
+
+
+def _wrap(owner, name, label, acc):
+    """Replace ``owner.name`` by a timer around it adding to ``acc[label]`` (a staticmethod stays one)."""
+    raw = owner.__dict__.get(name)
+    if raw is None:
+        for k in owner.__mro__:
+            if name in k.__dict__:
+                raw = k.__dict__[name]
+                break
+    static = isinstance(raw, staticmethod)
+    f = raw.__func__ if static else raw
+
+    @functools.wraps(f)
+    def g(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return f(*a, **kw)
+        finally:
+            acc[label] += time.perf_counter() - t
+
+    setattr(owner, name, staticmethod(g) if static else g)
+
+
+def instrument(model, acc):
+    """Time the phases (module docstring) of ``model``'s layers into ``acc`` (a defaultdict(float))."""
+    from coli.models import blocks
+    from scheduler import step
+
+    for owner, name, label in ((blocks.Attention, "qkv", "qkv"), (blocks.Attention, "attend", "attend"),
+                               (blocks.Attention, "out", "out"), (blocks.Attention, "rope", "rope"),
+                               (blocks.Attention, "heads", "rope"), (blocks.MoE, "logits", "router"),
+                               (step.MoEStep, "_cpu_experts", "experts"), (step.MoEStep, "combine", "combine"),
+                               (blocks.MLP, "__call__", "mlp"), (type(model), "norm_in", "norm"),
+                               (type(model), "embed", "head"), (type(model), "head", "head")):
+        _wrap(owner, name, label, acc)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-m", "--model", required=True, help="a GGUF file or a model name coli takes")
+    ap.add_argument("-t", "--threads", type=int, default=None, help="threads (default: coli's)")
+    ap.add_argument("-p", "--prompts", default="128,512,2048", help="prompt lengths, comma-separated")
+    ap.add_argument("-r", "--reps", type=int, default=2, help="runs of each prompt (the table shows the last)")
+    ap.add_argument("--ubatch", type=int, default=None, help="rows of a prompt step (COLI_UBATCH; default coli's)")
+    a = ap.parse_args(argv)
+    lens = [int(x) for x in a.prompts.split(",")]
+    from coli.engine import Engine
+
+    env = None
+    if a.ubatch is not None:
+        import os
+
+        env = dict(os.environ, COLI_UBATCH=str(a.ubatch))
+    acc = collections.defaultdict(float)
+    with Engine(a.model, threads=a.threads, ctx=max(lens) + 1, quiet=True, save_usage=False, env=env) as eng:
+        m = eng.model
+        instrument(m, acc)
+        step = eng.prompt_chunk()
+        print(f"# {Path(str(eng.path)).name}, {eng.threads} threads, prompt steps of {step} rows, load {' '.join(timing.load())}")
+        rng = np.random.default_rng(0)
+        m.forward(rng.integers(10, min(1000, m.args.vocab), min(step, min(lens))), eng._new_cache(step, step))  # loads the kernels
+        for n in lens:
+            for r in range(a.reps):
+                ids = rng.integers(10, min(1000, m.args.vocab), n)
+                kv = eng._new_cache(n, n)
+                rows = []
+                for s in range(0, n, step):
+                    acc.clear()
+                    t = time.perf_counter()
+                    m.forward(ids[s:s + step], kv)
+                    rows.append((s, time.perf_counter() - t, dict(acc)))
+                tot = sum(x[1] for x in rows)
+                print(f"prompt {n} run {r + 1}: {tot * 1e3:.0f} ms, {n / tot:.1f} tok/s, load {' '.join(timing.load())}")
+            print("  pos0     ms " + " ".join(f"{k:>8}" for k in PHASES) + "     rest")
+            for s, t, d in rows:
+                rest = t - sum(d.values())
+                print(f"  {s:4d} {t * 1e3:6.1f} " + " ".join(f"{d.get(k, 0.0) * 1e3:8.1f}" for k in PHASES)
+                      + f" {rest * 1e3:8.1f}")
+            tot_ph = {k: sum(d.get(k, 0.0) for _, _, d in rows) for k in PHASES}
+            tot = sum(x[1] for x in rows)
+            print("  share  " + " ".join(f"{tot_ph[k] / tot:8.1%}" for k in PHASES)
+                  + f" {1 - sum(tot_ph.values()) / tot:8.1%}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
