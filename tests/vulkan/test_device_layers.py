@@ -789,19 +789,22 @@ def test_float_ffn_of_any_width(ftype, tmp_path):
         cpu.close()
 
 
-@pytest.mark.parametrize("ftype", ["F32", "F16"])
-def test_float_rows_of_any_width(ftype, tmp_path):
-    """F32/F16 models 50 wide (5 heads of 10, experts 40 wide: every matrix's rows 50 or 40 inputs, not a multiple of
-    32, and not of 4: the prompt GEMM reads such rows one float at a time) go to the device, every layer and the
-    head (they stayed on the CPU: "tensor 'blk.0.attn_q.weight' has 50 columns"): the prompt in chunks of 12 rows and
-    8 greedy decode rows give the CPU-only f32 run's logits within 1e-5 and its tokens; the plan counts the rows
-    padded to 64 inputs."""
+@pytest.mark.parametrize("arch,ftype", [("llama", "F16"), ("qwen3next", "F32")])
+def test_float_rows_of_any_width(arch, ftype, tmp_path):
+    """Models 50 wide as F16 / F32 (every matrix's rows 50 or 40 inputs: not a multiple of 32, nor of 4, so the prompt
+    GEMM reads them one float at a time): a llama-style MoE (5 heads of 10, experts 40 wide) and Qwen3-Next's hybrid
+    (3 Gated DeltaNet layers and a gated attention layer, a shared expert) go to the device, every layer and the head
+    (they stayed on the CPU: "tensor 'blk.0.attn_q.weight' has 50 columns"): the prompt in chunks of 12 rows and 8
+    greedy decode rows give the CPU-only f32 run's logits within 1e-5 and its tokens; the plan counts the rows padded
+    to 64 inputs."""
     from tests.tiny_moe import build_tiny_moe
     from coli.vulkan import layer_plan
 
-    path = build_tiny_moe(tmp_path, ["--layers", "2", "--d", "50", "--heads", "5", "--head-dim", "10", "--experts",
-                                     "8", "--top-k", "2", "--expert-ff", "40", "--vocab", "300", "--type", ftype],
-                          f"odd-{ftype}.gguf")
+    shape = ["--heads", "5", "--head-dim", "10"] if arch == "llama" else \
+        ["--layers", "4", "--heads", "2", "--head-dim", "32", "--shared-experts", "1", "--seed", "3"]
+    path = build_tiny_moe(tmp_path, ["--arch", arch, "--layers", "2", "--d", "50", "--experts", "8", "--top-k", "2",
+                                     "--expert-ff", "40", "--vocab", "300", "--type", ftype, "--expert-type", ftype,
+                                     *shape], f"odd-{arch}.gguf")
     ids = np.random.default_rng(0).integers(1, 300, 30)
     cpu = device_engine(path, ctx=128)
     e = device_engine(path, COLI_VK_LAYERS=-1, ctx=128)
@@ -809,7 +812,7 @@ def test_float_rows_of_any_width(ftype, tmp_path):
         m, dl = e.model, e.model.device_layers
         assert layer_plan.why_not_all(m) == "" and dl is not None and dl.first == 0 and dl.head is not None
         size = {"F32": 4, "F16": 2}[ftype]
-        assert layer_plan._padded_bytes(m, "blk.0.attn_q.weight") == 50 * 64 * size
+        assert layer_plan._padded_bytes(m, "blk.0.ffn_gate_exps.weight") == 8 * 64 * 64 * size  # [E, F 40, d 50]
         dl.prompt_rows = 12
         d0 = e.device.layer_dispatches
         ref = greedy_rows(cpu.model, cpu.model.new_cache(128, 128), ids, 8)
