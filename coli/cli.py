@@ -390,6 +390,17 @@ def cmd_chat(a) -> int:
         _close(eng)
 
 
+def _file_text(path, flag: str) -> str:
+    """The UTF-8 text of the file a flag names (ColiError naming the flag and the file)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise ColiError(f"{flag} {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ColiError(f"{flag} {path}: not UTF-8 text (byte {e.start})") from None
+
+
 def cmd_serve(a) -> int:
     from coli.server import bind, serve  # Starlette and uvicorn: only for coli serve
 
@@ -403,19 +414,20 @@ def cmd_serve(a) -> int:
         raise ColiError(f"--body-limit: {a.body_limit} (MiB, above 0)")
     key = a.api_key
     if a.api_key_file:
-        try:
-            with open(a.api_key_file, encoding="utf-8") as f:
-                key = f.read().removeprefix(BOM).strip()
-        except OSError as e:
-            raise ColiError(f"--api-key-file {a.api_key_file}: {e.strerror or e}") from None
-        except UnicodeDecodeError as e:
-            raise ColiError(f"--api-key-file {a.api_key_file}: not UTF-8 text (byte {e.start})") from None
+        key = _file_text(a.api_key_file, "--api-key-file").removeprefix(BOM).strip()
         if not key:
             raise ColiError(f"--api-key-file {a.api_key_file}: empty")
     key = key or settings.get("COLI_API_KEY")
     cfg_note = _apply_config(a)
     sock = bind(a.host, a.port)  # a port in use is an error before the model loads
+    template = _file_text(a.chat_template_file, "--chat-template-file") if a.chat_template_file else None
     eng = _open_engine(a, quiet=a.quiet)
+    if template is not None:
+        try:
+            eng.tokenizer.use_template(template, f"--chat-template-file {a.chat_template_file}")
+        except ColiError:
+            _close(eng)
+            raise
     from coli.slots import auto_parallel, check_parallel  # imports the engine (Numba): only for coli serve
 
     try:
@@ -700,6 +712,8 @@ def _serve_parser(sub) -> None:
     s.add_argument("--no-warmup", action="store_true",
                    help="skip the warm-up generation before the first request (it pays the kernels' compile; "
                         "/health answers 503 until it ends)")
+    s.add_argument("--chat-template-file", default=None, type=user_path, metavar="FILE",
+                   help="a Jinja chat template rendered instead of the model's tokenizer.chat_template (llama-server's)")
     s.add_argument("--reasoning-format", default="auto", choices=("auto", "deepseek", "none"),
                    help="a <think> span of the answer as reasoning_content / thinking blocks: auto (when the chat "
                         "template writes one), deepseek (always), none (left in the content)")

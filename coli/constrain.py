@@ -117,8 +117,11 @@ def response_schema(body: dict):
         raise _error(f"'response_format': {rf!r:.80} (type text, json_object or json_schema)", "response_format")
     if rf["type"] == "text":
         return None
-    if rf["type"] == "json_object":
-        return {"type": "object"}
+    if rf["type"] == "json_object":  # llama-server's extension: a "schema" beside it constrains the object
+        sch = rf.get("schema")
+        if sch is not None and not isinstance(sch, dict):
+            raise _error(f"'response_format.schema': {sch!r:.80} is not a JSON schema (an object)", "response_format")
+        return sch or {"type": "object"}
     js = rf.get("json_schema")
     if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
         raise _error("'response_format.json_schema': not {'name', 'schema': {...}}", "response_format")

@@ -19,6 +19,7 @@ import json
 import uuid
 
 from coli.base.errors import APIError
+from coli.tool_calls import flat_tools
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 499: "api_error",
@@ -34,19 +35,20 @@ def error_body(e) -> dict:
     return {"type": "error", "error": {"type": ERROR_TYPES.get(e.status, "api_error"), "message": e.message}}
 
 
-def _text(content, where: str) -> str:
-    """A string, or text blocks joined."""
+def text_of(content, where: str, types=("text",), kind: str = "blocks") -> str:
+    """A string, or text ``kind`` (Anthropic's blocks, the Responses API's parts) whose ``type`` is one of
+    ``types`` joined; APIError 400 naming ``where`` for anything else."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         out = []
         for j, b in enumerate(content):
-            if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
-                raise _err(f"'{where}[{j}]': only text blocks are supported here, got "
+            if not isinstance(b, dict) or b.get("type") not in types or not isinstance(b.get("text"), str):
+                raise _err(f"'{where}[{j}]': only text {kind} are supported here, got "
                            f"{(b.get('type') if isinstance(b, dict) else b)!r:.40}", where)
             out.append(b["text"])
         return "".join(out)
-    raise _err(f"'{where}': not a string or a list of content blocks", where)
+    raise _err(f"'{where}': not a string or a list of content {kind}", where)
 
 
 def _messages(body: dict) -> list:
@@ -55,7 +57,7 @@ def _messages(body: dict) -> list:
     out = []
     system = body.get("system")
     if system is not None:
-        out.append({"role": "system", "content": _text(system, "system")})
+        out.append({"role": "system", "content": text_of(system, "system")})
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise _err("'messages': missing or not a non-empty list", "messages")
@@ -84,7 +86,7 @@ def _messages(body: dict) -> list:
             elif t == "tool_result" and m["role"] == "user":
                 r = b.get("content", "")
                 results.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
-                                "content": ("Error: " if b.get("is_error") else "") + _text(r, f"{bw}.content")})
+                                "content": ("Error: " if b.get("is_error") else "") + text_of(r, f"{bw}.content")})
             elif t in ("thinking", "redacted_thinking") and m["role"] == "assistant":
                 continue  # an earlier answer's reasoning: templates drop it from the history too
             else:
@@ -102,18 +104,8 @@ def _messages(body: dict) -> list:
 def _tools(body: dict, o: dict) -> None:
     tools = body.get("tools")
     if tools is not None:
-        if not isinstance(tools, list):
-            raise _err("'tools': not a list", "tools")
-        conv = []
-        for i, t in enumerate(tools):
-            if not isinstance(t, dict) or not isinstance(t.get("name"), str) or t.get("type") not in (None, "custom"):
-                raise _err(f"'tools[{i}]': a client tool with 'name' and 'input_schema' (Anthropic's server "
-                           f"tools are not supported)", f"tools[{i}]")
-            f = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object"}}
-            if isinstance(t.get("description"), str):
-                f["description"] = t["description"]
-            conv.append({"type": "function", "function": f})
-        o["tools"] = conv
+        o["tools"] = flat_tools(tools, "input_schema", (None, "custom"), "a client tool with 'name' and "
+                                "'input_schema' (Anthropic's server tools are not supported)")
     tc = body.get("tool_choice")
     if tc is not None:
         if not isinstance(tc, dict) or tc.get("type") not in ("auto", "any", "tool", "none"):

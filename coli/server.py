@@ -2,6 +2,7 @@
 
 Endpoints (the shapes of OpenAI's API reference, as llama.cpp's ``llama-server`` and ``mlx_lm.server`` serve
 them): ``POST /v1/chat/completions``, ``POST /v1/completions`` (server-sent events with ``"stream": true``),
+``POST /v1/responses`` (``coli.responses``), ``POST /v1/messages`` (Anthropic's: ``coli.messages``),
 ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text). Sampling fields: ``temperature``,
 ``top_p``, ``top_k``, ``min_p``, ``max_tokens`` (or ``max_completion_tokens``; absent: up to an
 end-of-generation token or the end of the context), ``stop``, ``seed``, ``frequency_penalty``,
@@ -84,7 +85,7 @@ class KeyCheck(AuthenticationBackend):
 
 
 def auth_error(conn, exc):
-    e = APIError(401, str(exc), code="invalid_api_key")
+    e = APIError(401, str(exc), "authentication_error", code="invalid_api_key")  # llama-server's type
     if conn.url.path == "/v1/messages":      # Anthropic's clients read their own error object
         return JSONResponse(AM.error_body(e), status_code=401)
     return JSONResponse(e.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
@@ -150,6 +151,7 @@ def create_app(eng, model_id: str, aliases=(), max_queue: int = 8, api_key: str 
     for prefix in ("/v1", ""):
         routes += [Route(f"{prefix}/chat/completions", h.chat_completions, methods=["POST"]),
                    Route(f"{prefix}/completions", h.completions, methods=["POST"]),
+                   Route(f"{prefix}/responses", h.responses, methods=["POST"]),
                    Route(f"{prefix}/models", h.models, methods=["GET"]),
                    Route(f"{prefix}/health", h.health, methods=["GET"])]
     routes += [Route("/v1/models/{name:path}", h.model, methods=["GET"]), Route("/metrics", h.metrics_route),

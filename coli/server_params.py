@@ -167,6 +167,9 @@ def chat_messages(body: dict) -> list:
             if isinstance(m.get("name"), str):
                 msg["name"] = m["name"]
         out.append(msg)
+    if len(out) >= 2 and out[-1]["role"] == out[-2]["role"] == "assistant":  # llama-server refuses them too
+        raise APIError(400, "'messages': ends with 2 assistant messages in a row (a user or tool message is wanted "
+                            "before the answer)", param="messages")
     return out
 
 
@@ -185,7 +188,8 @@ def _history_calls(calls, i) -> list:
             try:
                 args = json.loads(args) if args.strip() else {}
             except json.JSONDecodeError:
-                raise APIError(400, f"'{where}[{j}].function.arguments': not JSON", param=f"{where}[{j}]") from None
+                raise APIError(400, f"'{where}[{j}].function.arguments' (message {i}, role: assistant): not JSON",
+                               param=f"{where}[{j}]") from None
         out.append({"id": c.get("id"), "type": "function", "function": {"name": f["name"], "arguments": args}})
     return out
 

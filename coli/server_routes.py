@@ -6,6 +6,7 @@ answers as one JSON object or as server-sent events; an :class:`APIError` become
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import sys
 import time
@@ -18,6 +19,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, StreamingRespon
 
 from coli import constrain
 from coli import messages as AM
+from coli import responses as RS
 from coli import tool_calls as TC
 from coli.base.errors import APIError, ColiError
 from coli.server_params import (MAX_N, chat_messages, fit_conversation, logprobs_field, n_field,
@@ -26,6 +28,16 @@ from coli.server_params import (MAX_N, chat_messages, fit_conversation, logprobs
 from coli.server_worker import Gen, Job, Metrics
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def fingerprint(eng) -> str:
+    """OpenAI's ``system_fingerprint`` (the backend configuration an answer came from) in llama-server's form,
+    ``b<build>-<commit>``: ``b<coli's version>-<8 hex digits>`` of the model file's name and size and the
+    context, so answers from another model or setting carry another fingerprint."""
+    from importlib.metadata import version
+
+    key = f"{eng.path.name}:{eng.path.stat().st_size}:{eng.ctx}"
+    return f"b{version('coli')}-{hashlib.sha1(key.encode()).hexdigest()[:8]}"
 
 
 def _reason(r) -> str:
@@ -43,6 +55,7 @@ class Routes:
         self.eng, self.model_id, self.names, self.state, self.metrics = eng, model_id, names, state, metrics
         self.reasoning_format, self.body_limit_mb = reasoning_format, body_limit_mb
         self.card = {"id": model_id, "object": "model", "created": int(time.time()), "owned_by": "coli"}
+        self.fingerprint = fingerprint(eng)
 
     # ------------------------------------------------------------------------------------------ helpers
 
@@ -62,9 +75,12 @@ class Routes:
             options["max_tokens"] = eng.check_fits(len(ids), options["max_tokens"])
         except ColiError as e:
             msg = str(e)
-            code = "context_length_exceeded" if "context" in msg else None
+            if "context" not in msg:  # a sampling field out of range
+                raise APIError(400, msg) from None
+            # OpenAI's code, llama-server's type and its n_prompt_tokens / n_ctx (a slot's context)
             raise APIError(400, f"{msg}; this server holds {eng.ctx} positions a sequence (coli serve --ctx)",
-                           param=param if code else None, code=code) from None
+                           "exceed_context_size_error", param=param, code="context_length_exceeded",
+                           n_prompt_tokens=len(ids), n_ctx=eng.ctx) from None
 
     @staticmethod
     def usage(results) -> dict:
@@ -178,7 +194,7 @@ class Routes:
                 choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": _reason(r)})
         self.metrics.count(endpoint, 200)
         out = {"id": a.rid, "object": "chat.completion" if a.kind == "chat" else "text_completion",
-               "created": a.now, "model": self.model_id, "system_fingerprint": None, "choices": choices,
+               "created": a.now, "model": self.model_id, "system_fingerprint": self.fingerprint, "choices": choices,
                "usage": self.usage(results)}
         out.update(a.extra or {})
         return JSONResponse(out, headers=headers)
@@ -191,7 +207,7 @@ class Routes:
             streams = [a.finish.stream(i) if a.finish is not None and hasattr(a.finish, "stream") else None
                        for i in range(a.n)]
             if a.kind == "chat":
-                yield a.chunk(0, delta={"role": "assistant", "content": ""})
+                yield a.chunk(0, delta={"role": "assistant", "content": None})
             while True:
                 k, i, v = await aq.get()
                 if k == "start":
@@ -220,7 +236,7 @@ class Routes:
                             yield a.chunk(i, delta=delta)
                     if a.kind == "chat" and i + 1 < a.n:
                         yield a.chunk(i, finish_reason=fr)
-                        yield a.chunk(i + 1, delta={"role": "assistant", "content": ""})
+                        yield a.chunk(i + 1, delta={"role": "assistant", "content": None})
                         continue
                     yield a.chunk(i, finish_reason=fr)
                     if len(results) < a.n:
@@ -400,6 +416,15 @@ class Routes:
         except APIError as e:
             return self.error_response(e)
 
+    async def converted_job(self, request: Request, convert) -> tuple:
+        """A request of another API (Anthropic's, the Responses API) read into a chat request by ``convert(body)``
+        and queued: ``(body, chat request, gens, headers, finish, job, its queue)``; APIError for a bad one."""
+        body = await self.read_body(request)
+        chat = convert(body)
+        gens, headers, _, finish = await self.prepare_chat(chat)
+        job, aq = self.submit(gens)
+        return body, chat, gens, headers, finish, job, aq
+
     # ------------------------------------------------------------------------------------------ Anthropic
 
     async def messages(self, request: Request):
@@ -408,10 +433,7 @@ class Routes:
             return JSONResponse(AM.error_body(e), status_code=e.status)
 
         try:
-            body = await self.read_body(request)
-            oai = AM.to_openai(body)
-            gens, headers, _, finish = await self.prepare_chat(oai)
-            job, aq = self.submit(gens)
+            body, oai, gens, headers, finish, job, aq = await self.converted_job(request, AM.to_openai)
         except APIError as e:
             self.metrics.count("messages", e.status)
             return answer(e)
@@ -467,6 +489,72 @@ class Routes:
                     self.metrics.count("messages", 200)
                     return
                 k, i, v = await aq.get()
+        finally:  # the client went away (the task is cancelled) or the answer is complete
+            job.cancel.set()
+
+    # ------------------------------------------------------------------------------------------ Responses
+
+    async def responses(self, request: Request):
+        """OpenAI's ``POST /v1/responses`` (``coli.responses``) on the chat path."""
+        try:
+            body, chat, gens, headers, finish, job, aq = await self.converted_job(request, RS.to_chat)
+        except APIError as e:
+            return self.error_response(e, "responses")
+        rid, created = RS.new_id("resp"), int(time.time())
+        if chat["stream"]:
+            return StreamingResponse(self.response_events(job, aq, body, rid, created, finish),
+                                     media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+        got = await self.gather(request, job, aq, 1, "responses")
+        if not isinstance(got, tuple):
+            return got if got is not None else self.error_response(APIError(499, "cancelled"), "responses")
+        parts, results, _ = got
+        r = results[0]
+        msg, fr = finish(0, "".join(parts[0]), r) if finish is not None else ({"content": "".join(parts[0])},
+                                                                              _reason(r))
+        self.metrics.count("responses", 200)
+        return JSONResponse(RS.response(rid, created, self.model_id, body, RS.output_items(msg), fr,
+                                        self.response_usage(r, msg.get("reasoning_content"))), headers=headers)
+
+    def response_usage(self, r, reasoning) -> dict:
+        """The Responses usage of result ``r``; its reasoning tokens counted by tokenizing the reasoning text."""
+        n = len(self.eng.tokenizer.encode(reasoning, add_bos=False)) if reasoning else 0
+        return RS.usage(self.usage([r]), n)
+
+    async def response_events(self, job, aq, body, rid, created, finish):
+        """``/v1/responses`` streamed: OpenAI's events (``response.created`` ... ``response.completed``)."""
+        ev = RS.Events()
+        sp = finish.stream(0) if finish is not None else None
+        start = RS.response(rid, created, self.model_id, body, [], None, None)
+        reasoning = []
+        try:
+            yield ev.event("response.created", response=start)
+            yield ev.event("response.in_progress", response=start)
+            while True:
+                k, i, v = await aq.get()
+                if k == "start":
+                    continue
+                if k == "error":
+                    self.metrics.count("responses", v.status)
+                    b = v.body()["error"]
+                    yield ev.event("error", code=b["code"], message=b["message"], param=b["param"])
+                    return
+                if k == "text":
+                    deltas = sp.push(v[0]) if sp is not None else [{"content": v[0]}]
+                    fr = None
+                else:
+                    r = v[0]
+                    deltas, fr = sp.finish(r) if sp is not None else ([], _reason(r))
+                for d in deltas:
+                    reasoning.append(d.get("reasoning_content") or "")
+                    for e in ev.delta(d):
+                        yield e
+                if fr is not None:
+                    final = RS.response(rid, created, self.model_id, body, [], fr,
+                                        self.response_usage(r, "".join(reasoning)))
+                    for e in ev.end(final):
+                        yield e
+                    self.metrics.count("responses", 200)
+                    return
         finally:  # the client went away (the task is cancelled) or the answer is complete
             job.cancel.set()
 
@@ -535,7 +623,7 @@ class _Answer:
             if lp:
                 c["logprobs"] = self.routes.token_logprobs(lp, self.kind)
         d = {"id": self.rid, "object": self.obj, "created": self.now, "model": self.routes.model_id,
-             "system_fingerprint": None, "choices": [c] if choices else []}
+             "system_fingerprint": self.routes.fingerprint, "choices": [c] if choices else []}
         if usage_ is not None:
             d["usage"] = usage_
         d.update(self.extra or {})

@@ -103,6 +103,7 @@ class Worker:
         # 256-row steps, 0.49 s with 64, the long request 21.2 vs 21.0 s; docs/serve.md)
         chunk = min(eng.prompt_chunk(), SHARED_PROMPT_ROWS) if parallel > 1 else None
         self.batcher = Batcher(eng, parallel, chunk=chunk, unified=kv_unified)
+        self.batcher.on_preempt = self._preempted
         self.deferred: list = []  # (job, generation)s that wait for KV room (--kv-unified), first in line first
         self.warmup = warmup
         self.warmed: dict | None = None  # the warm-up's {"steps", "seconds"} once it ran
@@ -212,6 +213,13 @@ class Worker:
         else:
             print(f"coli serve: {type(e).__name__}: {e}", file=sys.stderr)
             job.post("error", 0, APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
+
+    def _preempted(self, seq) -> None:
+        """A line on stderr for each preemption (vLLM warns on each too): the server's KV room is too small for
+        its load, and the request's recompute costs time."""
+        print(f"coli serve: the KV cache is full: a request ({len(seq.ids)} prompt + {len(seq.out)} generated "
+              f"tokens) is preempted, recomputed when blocks free up ({self.batcher.preemptions} preemptions so "
+              f"far; a larger --ctx or fewer --parallel slots avoid them)", file=sys.stderr, flush=True)
 
     def _warm_up(self) -> None:
         """Short greedy generations through the slots before the first request (llama-server's warm-up), so

@@ -248,7 +248,7 @@ class Batcher:
         # paged (--kv-unified): the slots hold eng.ctx positions in all, in blocks taken as they grow
         self.unified = bool(unified)
         self.cells = max(eng.ctx, 1)
-        self.pool = Blocks(-(-self.cells // BLOCK)) if self.unified else None
+        self.pool = Blocks(-(-self.cells // BLOCK), BLOCK) if self.unified else None
         self.slots = [Slot(i) for i in range(n_slots)]
         self.chunk = int(chunk or eng.prompt_chunk())
         self.reused_rows = 0  # prompt rows taken from a slot's cache instead of computed
@@ -257,6 +257,7 @@ class Batcher:
         self.most_rows_of = 0  # the most sequences one step ran together
         self.preemptions = 0  # paged: sequences preempted for want of blocks (vLLM's num_preemptions)
         self.started = 0  # sequences started (their ``order``)
+        self.on_preempt = None  # paged: called with each sequence preempted (the server logs it, as vLLM warns)
         self.batched = eng.model.batches_rows()  # else a step runs its sequences one after the other
 
     def active(self) -> list:
@@ -392,6 +393,8 @@ class Batcher:
         seq.preempted = True
         seq.pending = []
         self.preemptions += 1
+        if self.on_preempt is not None:
+            self.on_preempt(seq)
 
     def _make_room(self, seq: Sequence, positions: int, work: list) -> bool:
         """Paged: ``seq`` holds the blocks of ``positions`` positions, preempting the running sequences of
@@ -412,15 +415,31 @@ class Batcher:
 
     def _resume(self, seq: Sequence) -> bool:
         """Paged: a preempted ``seq`` takes the blocks of its prompt and generated tokens (dropping free slots'
-        cached rows, never a running sequence's) and queues them as its prompt; False (nothing taken) when they
-        do not fit yet."""
+        cached rows, never a running sequence's) and queues them as its prompt, less the longest prefix of them
+        another slot's cache holds (copied, as :meth:`start` does; a free donor slot first gives back its rows
+        past that prefix when the blocks are too few otherwise); False (nothing taken) when they do not fit yet."""
         rows = seq.ids + seq.out  # its last token's row included: its logits give the next token
-        if not self._take(seq.slot, len(rows)):
+        slot = seq.slot
+        limit = len(rows) - 1
+        donor = max((s for s in self.slots if s is not slot and s.cache is not None and s.cache.rewindable),
+                    key=lambda s: min(common_prefix(s.ids, rows), limit), default=None)
+        got = min(common_prefix(donor.ids, rows), limit) if donor is not None else 0
+        if got and not self._take(slot, len(rows), keep=donor):
+            if donor.seq is None:  # a free donor keeps only the shared prefix: its other blocks serve this one
+                self._give_back(donor, got)
+            if not self._take(slot, len(rows), keep=donor):
+                got = 0
+        if not got and not self._take(slot, len(rows)):
             return False
         seq.preempted = False
-        seq.slot.ids = []
-        seq.slot.cache.pos = 0
-        seq.pending = list(rows)
+        slot.ids = []
+        slot.cache.pos = 0
+        if got and slot.cache.rewindable and copy_rows(slot.cache, donor.cache, got):
+            self.copied_rows += got
+            self.reused_rows += got
+            slot.ids = list(donor.ids[:got])
+            slot.cache.pos = got
+        seq.pending = list(rows[len(slot.ids):])
         return True
 
     def _step(self) -> list:

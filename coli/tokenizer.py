@@ -232,6 +232,7 @@ class Tokenizer:
         self.eos_ids = eos_ids
         self.add_bos = add_bos
         self.chat_template = chat_template
+        self.template_where = f"{fname}: kv 'tokenizer.chat_template'"  # what a template error names
         self.vocab_size = len(tokens)
         self.fname = fname
         self._piece_cache: dict[int, bytes] = {}
@@ -391,7 +392,7 @@ class Tokenizer:
                 raise ColiError(f"{self.fname}: kv 'tokenizer.chat_template': missing (the model has no chat template)")
             src = CHATML_TEMPLATE
             self.template_fallback = True
-        where = f"{self.fname}: kv 'tokenizer.chat_template'"
+        where = self.template_where
         try:
             tmpl = _compile_template(src)
         except _TemplateError as e:
@@ -414,6 +415,16 @@ class Tokenizer:
             raise ColiError(f"{where}: rendered no text for {len(messages)} message(s) (the template writes none "
                             f"of them)")
         return out
+
+    def use_template(self, source: str, where: str) -> None:
+        """Render ``source`` instead of the file's ``tokenizer.chat_template`` (llama-server's
+        ``--chat-template-file``); ``where`` names it in errors. ColiError naming ``where`` when jinja2 cannot
+        compile it."""
+        try:
+            _compile_template(source)
+        except _TemplateError as e:
+            raise ColiError(f"{where}: {e.message}") from None
+        self.chat_template, self.template_where = source, where
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
         """Token ids of ``messages`` through the chat template (:meth:`apply_chat_template` with ``fallback``),

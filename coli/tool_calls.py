@@ -63,6 +63,23 @@ class Tools:
     parallel: bool = True
 
 
+def flat_tools(tools, schema_key: str, types: tuple, what: str) -> list:
+    """OpenAI chat ``tools`` of a flat tool list (Anthropic's and the Responses API's: ``name``, ``description``,
+    the parameters' schema under ``schema_key``); APIError 400 naming ``tools[i]`` for one that is not such a
+    tool or whose ``type`` is not one of ``types`` (``what``: the message's words for the tools taken)."""
+    if not isinstance(tools, list):
+        raise _error("'tools': not a list", "tools")
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str) or t.get("type") not in types:
+            raise _error(f"'tools[{i}]': {what}", f"tools[{i}]")
+        f = {"name": t["name"], "parameters": t.get(schema_key) or {"type": "object"}}
+        if isinstance(t.get("description"), str):
+            f["description"] = t["description"]
+        out.append({"type": "function", "function": f})
+    return out
+
+
 def request_tools(body: dict) -> Tools:
     """``tools``, ``tool_choice``, ``parallel_tool_calls`` of a chat request, checked (400 naming the field).
     ``tool_choice: "none"`` shows no tools (the model cannot call one) and parses nothing."""

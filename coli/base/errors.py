@@ -16,11 +16,15 @@ class ColiError(Exception):
 
 
 class APIError(Exception):
-    """An OpenAI-style error: HTTP ``status``, ``message``, ``type``, ``param`` (the field), ``code``."""
+    """An OpenAI-style error: HTTP ``status``, ``message``, ``type``, ``param`` (the field), ``code``; ``extra``
+    fields join the error object (llama-server's ``n_prompt_tokens`` and ``n_ctx`` of a prompt past the context)."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param=None, code=None):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param=None, code=None,
+                 **extra):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.extra = extra
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code,
+                          **self.extra}}

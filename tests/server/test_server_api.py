@@ -179,6 +179,25 @@ def test_template_kwargs_reach_the_template(http, eng):
         tok.chat_template = saved
 
 
+def test_chat_template_file_replaces_the_models(eng, monkeypatch):
+    """``--chat-template-file``'s template (``Tokenizer.use_template``) is what a chat renders; its errors name
+    the flag and the file, one that does not compile before it is used."""
+    from coli.base.errors import ColiError
+
+    tok = eng.tokenizer
+    monkeypatch.setattr(tok, "chat_template", tok.chat_template)
+    monkeypatch.setattr(tok, "template_where", tok.template_where)
+    with pytest.raises(ColiError, match=r"^--chat-template-file bad\.jinja: does not compile: line 1"):
+        tok.use_template("{% for %}", "--chat-template-file bad.jinja")
+    src = ("{% for m in messages %}<<{{ m.role }}>>{{ m.content }}\n{% endfor %}"
+           "{% if m is defined %}{{ raise_exception('no') }}{% endif %}{% if add_generation_prompt %}<<a>>{% endif %}")
+    tok.use_template(src.replace("m is defined", "false"), "--chat-template-file t.jinja")
+    assert tok.apply_chat_template(Q) == "<<user>>What is the capital of France?\n<<a>>"
+    tok.use_template(src.replace("m is defined", "true"), "--chat-template-file t.jinja")
+    with pytest.raises(ColiError, match=r"^--chat-template-file t\.jinja: no$"):
+        tok.apply_chat_template(Q)
+
+
 def test_completions_list_of_prompts(http, eng):
     """/v1/completions with a list of prompts (text and token ids): one choice per prompt, in order, each the
     library's greedy text."""
@@ -404,6 +423,7 @@ def test_api_key(eng):
     with _client(eng, api_key="s3cret") as c:
         r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert r.json()["error"]["type"] == "authentication_error"  # llama-server's type
         r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
                    headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401
@@ -547,14 +567,132 @@ def test_streamed_tool_call_deltas_equal_the_whole_parse():
         [(0, "f", {"a": [1, 2]})]
 
 
-# ------------------------------------------------------------------------------------- Anthropic's /v1/messages
-
 SYS = "You answer in one short sentence."
 
 
 def _chat_greedy(eng, msgs, n, **kw):
     return _greedy(eng, eng.tokenizer.encode_chat(msgs), n, **kw)
 
+
+# ------------------------------------------------------------------------------------- llama-server's test suite
+
+def test_protocol_details_llama_server_tests_check(http, eng):
+    """OpenAI-API details llama.cpp's server tests (tools/server/tests/unit) check: the first streamed chat chunk
+    has the role and ``content: null``, no later delta an empty content, the final one no content; every chunk
+    and the whole answer carry one ``system_fingerprint`` starting with "b"; a prompt past the context is a 400
+    of type exceed_context_size_error with n_prompt_tokens and n_ctx, before a stream starts too; a history
+    call whose arguments are not JSON is a 400 naming the message and its role; so is a conversation ending
+    with two assistant messages."""
+    body = {"messages": Q, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    whole = http.post("/v1/chat/completions", json=body).json()
+    r = http.post("/v1/chat/completions", json={**body, "stream": True})
+    ev = _events(r)
+    assert ev[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
+    deltas = [e["choices"][0]["delta"] for e in ev[1:]]
+    assert all("role" not in d and d.get("content", None) != "" for d in deltas) and "content" not in deltas[-1]
+    assert "".join(d.get("content") or "" for d in deltas) == whole["choices"][0]["message"]["content"]
+    fp = whole["system_fingerprint"]
+    assert fp.startswith("b") and {e["system_fingerprint"] for e in ev} == {fp}
+    long = [{"role": "user", "content": "What is the best book? " * 200}]
+    n = len(eng.tokenizer.encode_chat(long))
+    for stream in (False, True):
+        r = http.post("/v1/chat/completions", json={"messages": long, "stream": stream})
+        e = r.json()["error"]
+        assert r.status_code == 400 and e["type"] == "exceed_context_size_error", r.text
+        assert e["code"] == "context_length_exceeded" and e["n_prompt_tokens"] == n and e["n_ctx"] == CTX
+    bad = Q + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{"}}]}, Q[0]]
+    r = http.post("/v1/chat/completions", json={"messages": bad, "max_tokens": 1})
+    e = r.json()["error"]
+    assert r.status_code == 400 and e["type"] == "invalid_request_error"
+    assert "message 1" in e["message"] and "role: assistant" in e["message"]
+    two = Q + [{"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}]
+    r = http.post("/v1/chat/completions", json={"messages": two, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+@pytest.mark.parametrize("fmt,want", [
+    ({"type": "json_object", "schema": {"const": "42"}}, '"42"'),  # llama-server's schema beside json_object
+    ({"type": "sound"}, 400), ({"type": "json_object", "schema": 123}, 400),
+    ({"type": "json_object", "schema": {"type": 123}}, 400), ({"type": "json_object", "schema": {"type": "hiccup"}}, 400)])
+def test_response_format_schema_and_bad_formats(http, fmt, want):
+    r = http.post("/v1/chat/completions", json={"messages": Q, "max_tokens": 6, "response_format": fmt})
+    if want == 400:
+        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+    else:
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == want, r.text
+
+
+# ------------------------------------------------------------------------------------- OpenAI's /v1/responses
+
+def test_responses_with_the_openai_client(http, eng):
+    """The ``openai`` client on /v1/responses: instructions and an input message get the greedy answer of the
+    same chat messages (a ``msg_`` message item, status incomplete at max_output_tokens, usage); streamed, the
+    events come in the documented order with one item id and their text deltas join to the same text."""
+    openai = pytest.importorskip("openai")
+    c = openai.OpenAI(base_url=str(http.base_url) + "/v1", api_key="none", http_client=http, max_retries=0)
+    want = _chat_greedy(eng, [{"role": "system", "content": SYS}] + Q, 8, stop_at_eos=False)
+    kw = dict(model="gpt-anything", instructions=SYS, max_output_tokens=8, temperature=0,
+              input=[{"role": "user", "content": [{"type": "input_text", "text": Q[0]["content"]}]}],
+              extra_body={"ignore_eos": True})
+    res = c.responses.create(**kw)
+    assert res.id.startswith("resp_") and res.status == "incomplete" and res.model == "smol"
+    assert [o.type for o in res.output] == ["message"] and res.output[0].id.startswith("msg_")
+    assert res.output_text == want.text and res.incomplete_details.reason == "max_output_tokens"
+    assert res.usage.output_tokens == 8 and res.usage.input_tokens == len(want.prompt_ids)
+    kinds, text, final, res_id = [], "", None, None
+    for e in c.responses.create(**kw, stream=True):
+        kinds.append(e.type)
+        if e.type == "response.output_text.delta":
+            text += e.delta
+            assert e.item_id == res_id
+        elif e.type == "response.output_item.added":
+            res_id = e.item.id
+        elif e.type == "response.incomplete":
+            final = e.response
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert text == want.text and final.output_text == want.text and final.output[0].id == res_id
+
+
+def test_responses_format_tools_and_items(http, eng):
+    """text.format json_schema constrains the answer, one without a schema is a 400; a required tool is one
+    function_call item whose arguments the schema accepts; input items map to the chat request's messages
+    (function_call items join one assistant turn); previous_response_id is a 400 (the server keeps none)."""
+    from coli import responses as RS
+
+    base = {"model": "m", "input": "Write an example", "max_output_tokens": 10, "temperature": 0}
+    r = http.post("/v1/responses", json={**base, "text": {"format": {"type": "json_schema", "name": "t",
+                                                                     "schema": {"const": "foooooo"}}}})
+    assert r.status_code == 200 and r.json()["output"][0]["content"][0]["text"] == '"foooooo"', r.text
+    r = http.post("/v1/responses", json={**base, "text": {"format": {"type": "json_schema", "name": "t"}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text.format"
+    tool = {"type": "function", "name": "test", "parameters": {"type": "object", "properties": {
+        "success": {"type": "boolean", "const": True}}, "required": ["success"]}}
+    r = http.post("/v1/responses", json={**base, "max_output_tokens": 64, "tools": [tool], "tool_choice": "required"})
+    out = r.json()["output"]
+    assert [o["type"] for o in out] == ["function_call"] and out[0]["name"] == "test"
+    assert json.loads(out[0]["arguments"]) == {"success": True} and out[0]["call_id"]
+    r = http.post("/v1/responses", json={**base, "previous_response_id": "resp_1"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter"
+    chat = RS.to_chat({"instructions": "S", "input": [
+        {"role": "user", "content": "q"}, {"type": "reasoning", "summary": []},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "1"},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "2"}]}]})
+    assert chat["messages"] == [
+        {"role": "system", "content": "S"}, {"role": "user", "content": "q"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+            {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "1"}, {"role": "tool", "tool_call_id": "c2", "content": "2"}]
+
+
+# ------------------------------------------------------------------------------------- Anthropic's /v1/messages
 
 def test_messages_with_the_anthropic_client(http, eng):
     """The ``anthropic`` client on /v1/messages: a system prompt and a user turn get the greedy answer of the

@@ -203,6 +203,23 @@ def _to_the_end(eng, ids):
     return s
 
 
+def _two_to_the_end(eng, n_slots, a, c) -> tuple:
+    """A paged Batcher of ``n_slots`` slots running greedy sequences of prompts ``a`` and ``c`` (started in that
+    order) to the end of the context: ``(batcher, a's, c's)``."""
+    b = Batcher(eng, n_slots, unified=True)
+    sa, sc = _to_the_end(eng, a), _to_the_end(eng, c)
+    b.start(sa)
+    b.start(sc)
+    return b, sa, sc
+
+
+def _steps_until(b, done) -> None:
+    """Steps of ``b`` until ``done()``, the block accounting checked after each."""
+    while not done():
+        b.step()
+        _paged_invariants(b)
+
+
 def test_paged_kv_full_preempts_the_last_started_and_recomputes_it(engine, model_path):
     """Two requests without a token limit on a 128-position context (2 blocks): when the one started last needs
     a second block, it is preempted (its block given back, its slot kept); the first runs to the end of the
@@ -214,22 +231,40 @@ def test_paged_kv_full_preempts_the_last_started_and_recomputes_it(engine, model
     eng = engine(model_path("smollm2"), threads=2, ctx=128)
     a, c = eng.tokenize(PROMPTS[0]), eng.tokenize(PROMPTS[1])
     assert len(a) < len(c)   # the one started last reaches 64 positions first
-    b = Batcher(eng, 3, unified=True)
-    sa, sc = _to_the_end(eng, a), _to_the_end(eng, c)
-    b.start(sa)
-    b.start(sc)
-    while not sc.preempted:
-        b.step()
-        _paged_invariants(b)
+    b, sa, sc = _two_to_the_end(eng, 3, a, c)
+    _steps_until(b, lambda: sc.preempted)
     assert len(sc.out) == 64 - len(c) + 1 and b.pool.held(sc.slot) == 0 and b.preemptions == 1 and not sa.done
     late = _seq(eng, a, 4)
     assert b.free() == 1 and not b.fits(late)   # the preempted one resumes first
     with pytest.raises(NoRoom):
         b.start(late)
-    while not (sa.done and sc.done):
-        b.step()
-        _paged_invariants(b)
+    _steps_until(b, lambda: sa.done and sc.done)
     assert b.preemptions == 1
+    for s, ids in ((sa, a), (sc, c)):
+        assert s.error is None and s.finish == "length" and s.result.ids == _alone(eng, ids, None).ids
+
+
+def test_preempted_sequence_resumes_from_a_shared_prefix(engine, model_path, monkeypatch):
+    """Blocks of 16 positions on a 64-position context (4 blocks): a request whose prompt starts with the other's
+    is preempted, and when it resumes, the free slot of the finished one holds the whole pool: it gives back its
+    rows past their shared prefix, whose rows are copied, not recomputed. Both answer their tokens alone."""
+    from coli import slots as S
+    from coli.slots import common_prefix
+
+    monkeypatch.setattr(S, "BLOCK", 16)
+    eng = engine(model_path("smollm2"), threads=2, ctx=64)
+    a = eng.tokenize(PROMPTS[0])
+    c = eng.tokenize(PROMPTS[0] + " a city of light and of the river Seine, and")
+    shared = common_prefix(a, c)
+    assert shared == len(a) and len(c) > len(a) + 4
+    b, sa, sc = _two_to_the_end(eng, 2, a, c)
+    _steps_until(b, lambda: sc.preempted)
+    assert b.copied_rows == 0 and b.pool.held(sc.slot) == 0
+    _steps_until(b, lambda: sa.done)
+    assert b.pool.held(sa.slot) == 4 and sc.preempted
+    _steps_until(b, lambda: not sc.preempted)  # sa's free slot keeps the shared prefix's block, its rows copied
+    assert b.copied_rows == shared and len(sa.slot.ids) == shared and b.preemptions == 1
+    _steps_until(b, lambda: sc.done)
     for s, ids in ((sa, a), (sc, c)):
         assert s.error is None and s.finish == "length" and s.result.ids == _alone(eng, ids, None).ids
 
@@ -422,7 +457,7 @@ def test_strict_overcommit_counts_each_slots_range(engine, model_path, tmp_path,
         memory.mapped_zeros((2, 256, 64), np.float32)
 
 
-def test_server_preempted_request_answers_its_whole_text(engine, model_path):
+def test_server_preempted_request_answers_its_whole_text(engine, model_path, capsys):
     """Over HTTP (the server's worker, paged slots on a 128-position context): two requests without a token
     limit, the second sent once the first runs; the second is preempted when the blocks run out, recomputed
     after the first ended, and each answer is the text it gets alone; /health counts one preemption."""
@@ -448,5 +483,6 @@ def test_server_preempted_request_answers_its_whole_text(engine, model_path):
         t0.join(300)
         h = c.get("/health").json()
     assert h["preemptions"] == 1 and h["slots_busy"] == 0
+    assert capsys.readouterr().err.count("coli serve: the KV cache is full: a request (") == 1  # the log line
     for g, w in zip(got, want):
         assert g["choices"][0]["text"] == w and g["choices"][0]["finish_reason"] == "length"
