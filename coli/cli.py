@@ -119,7 +119,8 @@ def _engine_args(p: argparse.ArgumentParser, model_required=False):
     p.add_argument("--cache-type-v", "-ctv", default=None, metavar="TYPE",
                    help="KV cache type of V, as --cache-type-k (COLI_CACHE_TYPE_V)")
     p.add_argument("--ubatch-size", "-ub", type=int, default=None, metavar="N",
-                   help="rows of a prompt step on the CPU (COLI_UBATCH, llama.cpp's n_ubatch; default 256)")
+                   help="rows of a prompt step (COLI_UBATCH, llama.cpp's n_ubatch; default 256 on the CPU; with "
+                        "--gpu-layers the device's chunk too, else 2048 or 512: COLI_VK_PROMPT_ROWS)")
     p.add_argument("--batch-size", "-b", type=int, default=None, metavar="N",
                    help="llama.cpp's logical batch: a prompt step is at most N rows (the CPU step is the smaller of "
                         "-b and -ub, as llama.cpp's n_ubatch = min(n_batch, n_ubatch)); coli has no other batch")

@@ -504,8 +504,8 @@ class Engine:
         return GenerateResult(out, "".join(text), [int(i) for i in ids], st, finish)
 
     def prompt_chunk(self) -> int:
-        """Rows of a prompt step: ``COLI_VK_PROMPT_ROWS`` with device layers (the device takes a chunk in one
-        submit), else ``PREFILL_CHUNK`` when set, else ``COLI_UBATCH`` (default 256: bounds the attention scratch,
+        """Rows of a prompt step: the device layers' chunk with device layers (the device takes a chunk in one
+        submit: ``COLI_VK_PROMPT_ROWS``, else ``COLI_UBATCH`` when set, else 2048 or 512: ``runtime.setup_layers``), else ``PREFILL_CHUNK`` when set, else ``COLI_UBATCH`` (default 256: bounds the attention scratch,
         the expert batches and a step's logits)."""
         dl = self.device_layers
         if dl is not None and self.model.device_layers is dl:

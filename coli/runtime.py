@@ -362,6 +362,15 @@ def _layer_swaps(eng, dl):
     return on_token
 
 
+def prompt_rows(eng) -> int | None:
+    """Rows of a device prompt chunk given by the run: ``COLI_VK_PROMPT_ROWS``, else ``COLI_UBATCH`` when set (-ub /
+    -b: llama.cpp's n_ubatch, the rows its GPU takes at once), else None (:func:`setup_layers`' rule)."""
+    rows = settings.get("COLI_VK_PROMPT_ROWS", eng.env)
+    if rows is None and settings.given("COLI_UBATCH", eng.env):
+        rows = settings.get("COLI_UBATCH", eng.env)
+    return rows
+
+
 def setup_layers(eng, dev, budget: int, balance=None) -> bool:
     """``COLI_VK_LAYERS`` / ``--gpu-layers`` N != 0: the last N layers (-1: as many as ``budget`` holds) run
     whole on the device (``coli.vulkan.device_layers``); True when some do. When none qualifies or fits, one line
@@ -390,9 +399,15 @@ def setup_layers(eng, dev, budget: int, balance=None) -> bool:
             f"COLI_VK_CPU_MOE={cpu_moe}"
         print(f"[VK] {eng.path.name}: {flag}: a dense model has no routed experts to keep on the CPU; its layers go "
               f"to the device as with {'--gpu-layers ' if eng.cli_names else 'COLI_VK_LAYERS='}{want}", file=sys.stderr)
-    rows = settings.get("COLI_VK_PROMPT_ROWS", eng.env)
+    rows = prompt_rows(eng)
+    auto = rows is None   # unset: 2,048-row chunks where every layer and its experts fit with their scratch, else 512
+    rows = layer_plan.PROMPT_ROWS_WHOLE if auto and not apart else rows or layer_plan.PROMPT_ROWS
     first, why = layer_plan.plan(eng.model, budget, eng.ctx, None if want < 0 else want, prompt_rows=rows,
                                     experts=not apart)
+    if auto and first > 0 and rows != layer_plan.PROMPT_ROWS:
+        rows = layer_plan.PROMPT_ROWS
+        first, why = layer_plan.plan(eng.model, budget, eng.ctx, None if want < 0 else want, prompt_rows=rows,
+                                        experts=not apart)
     if (not apart and moe and want > 0 and settings.get("COLI_VK_TIER_GB", eng.env) is not None
             and len(eng.model.layers) - first < want and "budget" in why):
         apart = True
@@ -433,6 +448,7 @@ def setup_layers(eng, dev, budget: int, balance=None) -> bool:
             print(f"[VK] {eng.path.name}: the device layers did not load ({type(e).__name__}: {e}); {instead}",
                   file=sys.stderr)
         return False
+    dl.prompt_rows = rows
     eng.model.device_layers = dl
     eng.device_layers = dl
     eng.placement = gate        # the placement gate's decision (None: no gate ran)
@@ -454,7 +470,7 @@ def expert_room(eng, first: int, budget: int) -> int:
     (:func:`coli.vulkan.layer_plan.fixed_bytes`, ``layer_bytes``; the biggest layer's expert bytes each)."""
     m = eng.model
     layers = range(first, len(m.layers))
-    used = layer_plan.fixed_bytes(m, eng.ctx, settings.get("COLI_VK_PROMPT_ROWS", eng.env))
+    used = layer_plan.fixed_bytes(m, eng.ctx, prompt_rows(eng) or layer_plan.PROMPT_ROWS)
     used += sum(layer_plan.layer_bytes(m, il, eng.ctx, experts=False) for il in layers)
     per = max(layer_plan.expert_bytes(m, il) for il in layers if getattr(m.layers[il], "moe", None) is not None)
     return max(0, (int(budget) - used) // per)

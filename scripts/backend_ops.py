@@ -86,13 +86,15 @@ def main(argv=None) -> int:
                 print(f"| {n} | {R} | " + " | ".join(f"{e:.1e} / {x:.1e}" for e, x in errs.values()) + " |", flush=True)
     if "vulkan" in backends and (not a.ops or "attn" in a.ops.split(",")):
         be = backends["vulkan"]
-        print("\n| attention case (nq, nkv, head dim, first position, rows, window, sinks) | kernel | error |")
-        print("|---|---|---|")
+        print("\n| attention case (nq, nkv, head dim, first position, rows, window, sinks) | kernel | keys split | "
+              "error |")
+        print("|---|---|---|---|")
         for case in H.ATTN_CASES:
-            e, tol = H.attn_error(be, case), H.attn_tolerance(be, case[2])
-            failed += e >= tol
-            print(f"| {H.attn_id(case)} | {be.attn_kernel(case[2])} | {'ok' if e < tol else 'FAIL'} {e:.0e} |",
-                  flush=True)
+            for split in (1, H.ATTN_SPLIT):     # whole, and the keys split over workgroups (parts of ATTN_CHK)
+                e, tol = H.attn_error(be, case, split), H.attn_tolerance(be, case[2])
+                failed += e >= tol
+                print(f"| {H.attn_id(case)} | {be.attn_kernel(case[2])} | {split if split > 1 else '-'} | "
+                      f"{'ok' if e < tol else 'FAIL'} {e:.0e} |", flush=True)
         print(f"attention tolerances: attn_pre {H.TOL_ATTN:g}, attn_pre_cm {H.TOL_ATTN_F16:g}")
     only = [f"{n}: {t.cpu_only}" for n, t in TT.TYPES.items() if t.cpu_only]
     print("\nTolerances (max |got - want| / max |want|): " +

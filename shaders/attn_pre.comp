@@ -8,7 +8,7 @@
 // (pos0 = params[0]), a4 out f32 [R, nq, hdv]
 // u0 nq, u1 nkv, u2 hd (<= MAXD), u3 ctx, u4 scale (float bits), u5 R, u6 window W (0: none; else row p sees keys
 // p - W + 1 .. p), u7 1: a5 sinks f32 [nq], one logit a head in the softmax's max and denominator only (gpt-oss;
-// CPU cpu_kernels/attention.py _row_finish), u8 hdv, V's head width (<= hd; 0: hd; MiMo-V2's value_length). groups: (nq / G, ceil(R / PB), 1), PB = BQ / G (rounded down).
+// CPU cpu_kernels/attention.py _row_finish), u8 hdv, V's head width (<= hd; 0: hd; MiMo-V2's value_length). groups: (nq / G, ceil(R / PB), NS), PB = BQ / G (rounded down).
 // Specialization constants: 3 BQ, the query rows of a workgroup (8, 16 or 32: each K/V tile read from memory once
 // serves them all), 4 MAXD, the largest head dimension (128 or 256; BQ x MAXD floats of shared memory), 5 G, the q
 // heads of one KV head a workgroup serves (GQA: a divisor of nq / nkv, at most BQ; 1: one q head): its BQ rows are
@@ -20,9 +20,13 @@
 // Tiles start at key 0 for every row, so a row's result does not depend on the chunk it came in (nor on BQ or G;
 // with a window the block starts at the tile of its first row's first key: the tiles before it are masked for every
 // row of the block and would change nothing). A fixed workgroup of 128.
+// Keys split over workgroups (attn_split.glsl; groups (nq / G, ceil(R / PB), NS)): u9 NS, u10 CHK, a6 the parts;
+// u11 = 1: the join pass instead, groups (R, 1, 1): each split row's parts combined in z order,
+//   M = max_z m_z, out = sum_z exp(m_z - M) o_z / sum_z exp(m_z - M) l_z (the sink as below, in M's frame).
 #extension GL_GOOGLE_include_directive : require
 #include "layer_common.glsl"
 #include "kv_types.glsl"
+#include "attn_split.glsl"
 
 layout(local_size_x = 128) in;
 layout(constant_id = 2) const uint MODE = 0;    // unused
@@ -38,9 +42,47 @@ shared float KV[BK * (MAXD + 1u)];    // a tile of K, then of V; rows padded by 
 shared float P[BQ * BK];
 shared float M[BQ], L[BQ], A[BQ];
 
+// the sink in the softmax's denominator l (max mo): l c + 1 in the frame of the sink when it is above the max
+float with_sink(float l, float mo, uint h) {
+    float sk = F32(pc.a[5]).v[h];
+    if (sk > mo) {
+        float c = exp(mo - sk);
+        return (l * c + 1.0) / c;
+    }
+    return l + exp(sk - mo);
+}
+
+// the join pass: row gl_WorkGroupID.x's parts, when its keys span more than one part
+void join(uint nq, uint hdv, uint ctx, uint R) {
+    uint r = gl_WorkGroupID.x, NS = pc.u[9], CHK = pc.u[10], W = pc.u[6];
+    uint p = U32(pc.a[3]).v[0] + r;
+    if (!row_split(p, ctx, W, NS, CHK)) return;
+    F32 P = F32(pc.a[6]);
+    F32 O = F32(pc.a[4]);
+    uint st = hdv + 2u, zs = R * nq * st;
+    for (uint i = gl_LocalInvocationIndex; i < nq * hdv; i += 128u) {
+        uint h = i / hdv, d = i - h * hdv, b = (r * nq + h) * st;
+        float M = -1.0 / 0.0;
+        for (uint z = 0u; z < NS; z++) M = max(M, P.v[z * zs + b]);
+        float l = 0.0, o = 0.0;
+        for (uint z = 0u; z < NS; z++) {
+            float e = exp(P.v[z * zs + b] - M);   // a part without the row's keys: m = -inf, l = o = 0
+            l += e * P.v[z * zs + b + 1u];
+            o += e * P.v[z * zs + b + 2u + d];
+        }
+        if (pc.u[7] != 0u) l = with_sink(l, M, h);
+        O.v[(r * nq + h) * hdv + d] = o / l;
+    }
+}
+
 void main() {
     uint nq = pc.u[0], nkv = pc.u[1], hd = pc.u[2], ctx = pc.u[3], R = pc.u[5];
     uint hdv = pc.u[8] == 0u ? hd : pc.u[8];
+    if (pc.u[11] != 0u) {
+        join(nq, hdv, ctx, R);
+        return;
+    }
+    uint NS = pc.u[9], CHK = pc.u[10], z = gl_WorkGroupID.z;
     float scale = pcf(4u);
     uint h0 = gl_WorkGroupID.x * G, rb = gl_WorkGroupID.y * PB, t = gl_LocalInvocationIndex;   // row i: head h0 + i % G
     uint kvh = h0 / (nq / nkv);
@@ -60,8 +102,11 @@ void main() {
     float acc[MAXC];
     [[unroll]] for (uint c = 0u; c < MAXC; c++) acc[c] = 0.0;
     uint kvb = kvh * ctx;
-    for (uint j0 = (jlo / BK) * BK; j0 < n; j0 += BK) {
-        uint nk = min(BK, n - j0);
+    for (uint pi = 0u; ; pi++) {   // this workgroup's parts of the keys (one part 0 .. n - 1 without a split)
+    uvec2 pk = part_keys(pi, z, n, NS, CHK);
+    if (pk.x >= pk.y) break;
+    for (uint j0 = max(pk.x, (jlo / BK) * BK); j0 < pk.y; j0 += BK) {
+        uint nk = min(BK, pk.y - j0);
         barrier();
         for (uint i = t; i < nk * hd; i += 128u) {
             uint j = i / hd, d = i - j * hd;
@@ -109,19 +154,23 @@ void main() {
             }
         }
     }
-    uint h = h0 + vr % G;
-    if (vr < PB * G && vr / G < nrow) {
+    }
+    uint h = h0 + vr % G, pr = pos0 + rb + vr / G;
+    if (vr < PB * G && vr / G < nrow && row_split(pr, ctx, W, NS, CHK)) {   // this workgroup's part of the row
+        F32 Pt = F32(pc.a[6]);
+        uint b = ((z * R + rb + vr / G) * nq + h) * (hdv + 2u);
+        if (vc == 0u) {
+            Pt.v[b] = M[vr];
+            Pt.v[b + 1u] = L[vr];
+        }
+        [[unroll]] for (uint c = 0u; c < MAXC; c++) {
+            uint d = vc + TPR * c;
+            if (d < hdv) Pt.v[b + 2u + d] = acc[c];
+        }
+    } else if (vr < PB * G && vr / G < nrow && row_whole_here(pr, ctx, W, NS, CHK, z)) {
         F32 O = F32(pc.a[4]);
         float l = L[vr];
-        if (pc.u[7] != 0u) {   // the sink: out = acc c / (l c + 1) when it is above the max (c = exp(m - sink))
-            float sk = F32(pc.a[5]).v[h], mo = M[vr];
-            if (sk > mo) {
-                float c = exp(mo - sk);
-                l = (l * c + 1.0) / c;
-            } else {
-                l += exp(sk - mo);
-            }
-        }
+        if (pc.u[7] != 0u) l = with_sink(l, M[vr], h);   // the sink: out = acc c / (l c + 1) above the max
         [[unroll]] for (uint c = 0u; c < MAXC; c++) {
             uint d = vc + TPR * c;
             if (d < hdv) O.v[((rb + vr / G) * nq + h) * hdv + d] = acc[c] / l;

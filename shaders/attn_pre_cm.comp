@@ -19,6 +19,8 @@
 // Rounding: q, K, V and the softmax weights to float16 (2^-11 relative each): an output differs from attn_pre.comp's
 // by about 1e-3 of the largest (the backend-parity harness's attn rows bound it, TOL_ATTN_F16). Values beyond
 // float16's range (65504) in q, K or V would overflow: the attention inputs of the models here are far below.
+// Keys split over workgroups as attn_pre.comp's (attn_split.glsl: u9 NS, u10 CHK, a6 the parts, groups z = NS; its
+// join pass combines a split row's parts): a split row's O leaves unscaled with its m and l.
 #extension GL_GOOGLE_include_directive : require
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
@@ -26,6 +28,7 @@
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
 #include "layer_common.glsl"
 #include "kv_types.glsl"
+#include "attn_split.glsl"
 
 layout(local_size_x = 128) in;
 layout(constant_id = 2) const uint MODE = 0;   // unused
@@ -52,6 +55,7 @@ shared f16vec4 PS[BQ * PLD];        // the softmax weights, float16
 
 void main() {
     uint nq = pc.u[0], nkv = pc.u[1], hd = pc.u[2], ctx = pc.u[3], R = pc.u[5], W = pc.u[6];
+    uint NS = pc.u[9], CHK = pc.u[10], z = gl_WorkGroupID.z;
     float scale = pcf(4u);
     uint h0 = gl_WorkGroupID.x * G, rb = gl_WorkGroupID.y * PB, t = gl_LocalInvocationIndex;   // row i: head h0 + i % G
     uint kvh = h0 / (nq / nkv);
@@ -82,8 +86,11 @@ void main() {
     uint p = pos0 + rb + t / G;                   // that row's position
     bool row_on = t < PB * G && t / G < nrow;
     uint kvb = kvh * ctx;
-    for (uint j0 = (jlo / BK) * BK; j0 < n; j0 += BK) {
-        uint nk = min(BK, n - j0);
+    for (uint pi = 0u; ; pi++) {   // this workgroup's parts of the keys (one part 0 .. n - 1 without a split)
+    uvec2 pk = part_keys(pi, z, n, NS, CHK);
+    if (pk.x >= pk.y) break;
+    for (uint j0 = max(pk.x, (jlo / BK) * BK); j0 < pk.y; j0 += BK) {
+        uint nk = min(BK, pk.y - j0);
         barrier();                                // the last tile's K, V, P and factors (and the q rows) are read
         for (uint i = t; i < BK * h4; i += 128u) {   // zeros past the block's keys: they meet zero weights
             uint j = i / h4, q = i - j * h4;
@@ -158,9 +165,16 @@ void main() {
             }
         }
     }
+    }
 
     barrier();                                    // the last factors are read
-    if (t < BQ) {
+    F32 Pt = F32(pc.a[6]);
+    if (t < BQ && row_on && row_split(p, ctx, W, NS, CHK)) {   // this workgroup's part of a split row: m, l, O
+        uint b = ((z * R + rb + t / G) * nq + h0 + t % G) * (hd + 2u);
+        Pt.v[b] = m;
+        Pt.v[b + 1u] = l;
+        for (uint c = 0u; c < 16u; c++) S[t * 16u + c] = 1.0;
+    } else if (t < BQ) {
         if (pc.u[7] != 0u && m != NEG_INF) {   // the sink: as attn_pre.comp (l in the frame of the larger max)
             float sk = F32(pc.a[5]).v[h0 + t % G];
             if (sk > m) {
@@ -189,8 +203,11 @@ void main() {
                 subgroupMemoryBarrierShared();
                 subgroupBarrier();
                 for (uint el = lane; el < 256u; el += nl) {
-                    uint r = b * 16u + (el >> 4);
-                    if (r < PB * G && r / G < nrow)
+                    uint r = b * 16u + (el >> 4), pr = pos0 + rb + r / G;
+                    if (r < PB * G && r / G < nrow && row_split(pr, ctx, W, NS, CHK))
+                        Pt.v[((z * R + rb + r / G) * nq + h0 + r % G) * (hd + 2u) + 2u + dd * 16u + (el & 15u)] =
+                            S[scr + el];
+                    else if (r < PB * G && r / G < nrow && row_whole_here(pr, ctx, W, NS, CHK, z))
                         O.v[((rb + r / G) * nq + h0 + r % G) * hd + dd * 16u + (el & 15u)] = S[scr + el];
                 }
                 subgroupMemoryBarrierShared();

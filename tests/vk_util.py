@@ -125,7 +125,7 @@ def tier_gb(m, n_experts: int, ctx: int = 64, expert_layer: int = 1) -> float:
     from coli.base import settings
     from coli.vulkan import layer_plan as LP
 
-    need = LP.fixed_bytes(m, ctx, settings.get("COLI_VK_PROMPT_ROWS")) + sum(
+    need = LP.fixed_bytes(m, ctx, settings.get("COLI_VK_PROMPT_ROWS") or LP.PROMPT_ROWS) + sum(
         LP.layer_bytes(m, il, ctx, experts=False) for il in range(len(m.layers))) + n_experts * LP.expert_bytes(m, expert_layer)
     return (need + 100) / 2**30
 

@@ -138,17 +138,23 @@ VARS: tuple[Var, ...] = (
         "rows", lo=1, dev=True),
     Var("COLI_VK_LAYER_ROWS", "int", 4, "output rows a workgroup of the device layers' matrix kernels owns",
         "rows", lo=1, dev=True),
-    Var("COLI_UBATCH", "int", 256, "rows of a prompt step on the CPU (llama.cpp's n_ubatch): an expert's weights are "
-        "read once a step for all its rows; results do not depend on it (docs/engine.md \"Prompt steps\")", "rows",
+    Var("COLI_UBATCH", "int", 256, "rows of a prompt step on the CPU (llama.cpp's n_ubatch), and when set of a device "
+        "prompt chunk too (COLI_VK_PROMPT_ROWS): an expert's weights are read once a step for all its rows; results do "
+        "not depend on it (docs/engine.md \"Prompt steps\")", "rows",
         lo=1, flag="--ubatch-size"),
-    Var("COLI_VK_PROMPT_ROWS", "int", 512, "rows of a prompt step when device layers run (--gpu-layers): the "
-        "device layers take a prompt chunk of up to this many rows in one submit", "rows", lo=1),
+    Var("COLI_VK_PROMPT_ROWS", "int", None, "rows of a prompt step when device layers run (--gpu-layers): the "
+        "device layers take a prompt chunk of up to this many rows in one submit (default: COLI_UBATCH when set, "
+        "as llama.cpp's n_ubatch; else 2048 where the device holds every layer and its experts with that chunk's "
+        "scratch, else 512)", "rows", lo=1),
     Var("COLI_VK_PROMPT_TILE", "int", 32, "rows of a tile of the device layers' prompt GEMM (shaders/lmm.comp): "
         "32 or 64", "rows", lo=32, dev=True, choices=(32, 64)),
     Var("COLI_VK_PROMPT_ROUTE", "str", "auto", "the device layers' prompt GEMM: auto (float16 cooperative matrices, "
         "shaders/lmm_cm.comp, where the device has them, else f32), coopmat (the same) or f32 (shaders/lmm.comp, "
         "float32 products everywhere) (docs/vulkan.md \"Prompt routes\")", dev=True,
         choices=("auto", "coopmat", "f32")),
+    Var("COLI_VK_PROMPT_ATTN_SPLIT", "int", None, "workgroups a prompt row block's keys are split over in the device "
+        "layers' prompt attention (shaders/attn_split.glsl; 1: none; default: enough for the grid to fill the GPU, "
+        "none on a CPU device)", "parts", lo=1, dev=True),
     Var("COLI_VK_ATTN_CHUNK", "int", 256, "the most keys a workgroup of the device layers' decode attention takes "
         "(shaders/attn_dec.comp): the context's positions are split in parts, joined by each head's last part", "keys",
         lo=16, dev=True),
@@ -298,6 +304,12 @@ def check_all(env: Mapping[str, str] | None = None) -> dict:
     env = os.environ if env is None else env
     warn_unknown(env)
     return {v.name: get(v.name, env) for v in VARS if (env.get(v.name) or "").strip()}
+
+
+def given(name: str, env: Mapping[str, str] | None = None) -> bool:
+    """Whether ``name`` is set (not empty) in ``env`` (``os.environ``): a value given, not its default."""
+    BY_NAME[name]   # KeyError for a name not in VARS
+    return bool(((os.environ if env is None else env).get(name) or "").strip())
 
 
 def overlay(env: Mapping[str, str] | None = None, **values) -> dict:

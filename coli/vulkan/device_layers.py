@@ -52,9 +52,9 @@ from coli.vulkan.layer_decode import DecodeRow
 from coli.vulkan.layer_families import MLAMixer, DeltaNetMixer
 from coli.vulkan.layer_join import RowJoin
 from coli.vulkan.layer_kv import KVRows
-from coli.vulkan.layer_plan import (KV_CODES, attn_block, ceil32, device_formats, dn_dims, dsa_shape, ffn_width,
-                                    head_dims, is_deltanet, is_float, is_gated, is_kda, is_mla, kv_mode, linear_block,
-                                    mla_expand_keys, route_rule, topk_args)
+from coli.vulkan.layer_plan import (KV_CODES, PROMPT_ROWS, attn_block, ceil32, device_formats, dn_dims, dsa_shape,
+                                    ffn_width, head_dims, is_deltanet, is_float, is_gated, is_kda, is_mla, kv_mode,
+                                    linear_block, mla_expand_keys, route_rule, topk_args)
 from coli.vulkan.layer_prompt import PromptChunks
 from coli.vulkan.layer_prompt_join import PromptJoin
 from coli.vulkan.layer_weights import LayerWeights
@@ -229,7 +229,8 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
         counters at zero. A value outside a variable's choices is the settings' ``ColiError``."""
         from coli.base.settings import get
 
-        self.prompt_rows = int(get("COLI_VK_PROMPT_ROWS", self._env))   # rows of a prompt chunk, at most
+        # rows of a prompt chunk, at most (unset: 512 here; coli/runtime.py setup_layers gives its rule's)
+        self.prompt_rows = int(get("COLI_VK_PROMPT_ROWS", self._env) or PROMPT_ROWS)
         # a prompt chunk's experts that are not resident: computed by the CPU, or streamed to the device
         # unset: auto on a discrete GPU (its own memory: on the H100 a 512-row chunk streamed ran 3.2x the CPU's
         # pairs, docs/vulkan.md), cpu where the device reads the CPU's RAM (the CPU's kernels read the same bytes)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from .layer_join import Cut
-from .layer_plan import topk_args
+from .layer_plan import PROMPT_ROWS, topk_args
 from .binding import lib
 from .layers import Copy, Dispatch, Kernels, f32_bits
 
@@ -507,7 +507,7 @@ class Dsv4DeviceLayers:
 
         self.m, self.dev, self.first, self.ctx = m, dev, int(first), int(ctx)
         self.layers = list(range(self.first, len(m.layers)))
-        self.prompt_rows = int(get("COLI_VK_PROMPT_ROWS", env))
+        self.prompt_rows = int(get("COLI_VK_PROMPT_ROWS", env) or PROMPT_ROWS)
         self.tokens = self.prompt_tokens = self.prompt_chunks = self.gpu_tokens = self.dispatches = 0
         self.submit_s = self.prompt_s = self.gpu_s = self.stream_s = 0.0
         self.streamed_bytes = self.stream_chunks = 0

@@ -624,10 +624,21 @@ def _dn_chunk_row(m) -> int:
                 if is_deltanet(L) and why_not(m, il) is None), default=0)
 
 
+#: rows of a device prompt chunk (COLI_VK_PROMPT_ROWS unset): PROMPT_ROWS_WHOLE where the device holds every layer
+#: and its experts with that chunk's scratch (H200, OLMoE-shaped: one 2,048-row chunk 107 ms, four of 512 ~122 ms),
+#: else PROMPT_ROWS (coli/runtime.py setup_layers)
+PROMPT_ROWS, PROMPT_ROWS_WHOLE = 512, 2048
+
+#: rows x parts the prompt attention's key split keeps at most by its own rule (coli/vulkan/layers.py
+#: Kernels.attn_split): its scratch, 4 (hdv + 2) bytes a row, head and part
+ATTN_PARTS_ROWS = 2048
+
+
 def prompt_bytes(m, rows: int) -> int:
     """Device bytes of the prompt chunks' scratch at ``rows`` rows (``DeviceLayers._prompt_bufs``): the hidden and
     normalized rows, q/k/v, q, the attention output, router logits, routes, the grouped pairs, the experts' h and
-    outputs, the shared expert's output, a post-norm's input, the DeltaNet rows and the logits of every row."""
+    outputs, the shared expert's output, a post-norm's input, the DeltaNet rows, the logits of every row and the
+    attention's parts when its keys are split (``Kernels.attn_parts_rows`` by the split's own rule)."""
     a = m.args
     n = len(m.layers)
     F = max((hidden_width(m, il) for il in range(n) if why_not(m, il) is None), default=0)
@@ -636,7 +647,8 @@ def prompt_bytes(m, rows: int) -> int:
     per_row = (5 * a.d_model + nqkv + 2 * a.n_heads * a.head_dim + a.n_experts + 2 * n * k + 2 + k
                + F + k * a.d_model + a.vocab + _mla_floats(m) + _dn_floats(m) + _dn_chunk_row(m)
                + a.n_heads * a.head_dim)
-    return 4 * int(rows) * per_row + 4 * (a.n_experts + 1) + 256 * 24
+    parts = min(ATTN_PARTS_ROWS, 8 * int(rows)) * a.n_heads * (a.head_dim + 2)
+    return 4 * int(rows) * per_row + 4 * parts + 4 * (a.n_experts + 1) + 256 * 25
 
 
 def fixed_bytes(m, ctx: int, prompt_rows: int = 0) -> int:

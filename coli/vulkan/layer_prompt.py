@@ -34,7 +34,8 @@ class PromptChunks:
             self._free_precs()
             for name in ("p_hs", "p_xn", "p_qkv", "p_q", "p_ao", "p_lgt", "p_route", "p_off", "p_pairs", "p_h",
                          "p_yk", "p_ysh", "p_shr", "p_in", "p_out", "p_routeh", "p_tmp", "p_xnh", "p_offh",
-                         "p_pairsh", "p_gate", "p_dnx", "p_dnc", "p_dnz", "p_dnba", "p_dno", "p_dnlr", "p_dnw"):
+                         "p_pairsh", "p_gate", "p_dnx", "p_dnc", "p_dnz", "p_dnba", "p_dno", "p_dnlr", "p_dnw",
+                         "p_aparts"):
                 if getattr(self, name, None) is not None:
                     K.drop(getattr(self, name))
             nq, hd, L = self.nq, self.hd, len(self.per)
@@ -91,6 +92,10 @@ class PromptChunks:
                 # the chunked delta rule's W, U, the blocks' q k^T rows and row factors (shaders/dn_chunk.comp;
                 # made whichever form COLI_VK_DN_PROMPT picks, as layer_plan.prompt_bytes counts it)
                 self.p_dnw = K.buffer(4 * R * dn_chunk_floats(self.dn, self.kda), host=False)
+            # the prompt attention's parts when its keys are split over workgroups (Kernels.attn_split)
+            prow = K.attn_parts_rows(R)
+            hdv = max((d["hdv"] for d in self.per if "nkv" in d), default=hd)
+            self.p_aparts = K.buffer(4 * prow * nq * (hdv + 2), host=False) if prow else None
             self.p_in = K.buffer(4 * R * D, host=True)
             self.p_out = K.buffer(4 * R * D, host=True, readback=True)
             self.p_routeh = K.buffer(8 * k * R * L, host=True, readback=True)
@@ -150,14 +155,20 @@ class PromptChunks:
                         Dispatch("rmsnorm", (R * nkv if heads else R,), [kaddr, d["k_norm"].addr, kaddr],
                                  [hd if heads else nkv * hd, eps, nkv if heads else 1, nqkv], wait=False)]
             post = d.get("post_attn")
+            if "mla" not in d and "dn" not in d:
+                # the keys split over NS workgroups (grid z), the split rows' parts joined by attn_pre.comp's pass
+                ns = self.K.attn_split(agroups, R) if self.p_aparts is not None else 1
+                aa = [self.p_q.addr, d["K"].addr, d["V"].addr, self.params.addr, self.p_ao.addr,
+                      d["sinks"].addr if "sinks" in d else self.p_q.addr, self.p_aparts.addr if ns > 1 else 0]
+                aw = [nq, nkv, hd, ctx, f32_bits(d["scale"]), R, d["window"], int("sinks" in d), hdv, ns,
+                      self.K.attn_pre_chunk]
             ops += [] if "mla" in d or "dn" in d else [
                 Dispatch("rope_kv", (nq + nkv, R), [qkv, self.p_q.addr, d["K"].addr, d["V"].addr, d["cos"].addr,
                                                     d["sin"].addr, self.params.addr, 0],
                          [nq, nkv, hd, d["n_rot"], ctx, d["rope_kind"], f32_bits(d["vscale"]), hdv], mode=self.kv_mode),
-                Dispatch(akern, agroups, [self.p_q.addr, d["K"].addr, d["V"].addr, self.params.addr, self.p_ao.addr,
-                                          d["sinks"].addr if "sinks" in d else self.p_q.addr],
-                         [nq, nkv, hd, ctx, f32_bits(d["scale"]), R, d["window"], int("sinks" in d), hdv],
-                         mode=amode | self.kv_mode),
+                Dispatch(akern, (*agroups, ns), aa, aw, mode=amode | self.kv_mode),
+                *([Dispatch("attn_pre", (R,), aa, aw + [1], mode=(amode & 0xFFFF) | 1 << 16 | self.kv_mode)]
+                  if ns > 1 else []),
                 # Qwen3-Next: the attention output times sigmoid(gate)
                 *([Dispatch("deltanet", (-(-nq * hd // self.K.wg), R), [self.p_ao.addr, self.p_gate.addr],
                             [2, nq * hd, nq * hd, 0])] if "gated" in d else []),

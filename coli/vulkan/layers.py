@@ -52,6 +52,7 @@ from .memory import _Buf
 from .pipelines import push_constant_layout, storage_set_layout
 from .errors import DeviceLost, VulkanError
 from .host_join import HostJoin
+from .layer_plan import ATTN_PARTS_ROWS
 
 PC_ADDRS, PC_WORDS = 8, 16
 _PC_BYTES = 8 * PC_ADDRS + 4 * PC_WORDS
@@ -186,6 +187,11 @@ class Kernels(HostJoin):
         #: device (Lavapipe: a workgroup more is serial work more, 46 ms a layer at 32 parts against 1 ms at 2)
         self.attn_wgs = 0 if getattr(dev, "type_name", "") == "cpu" else 128
         self.attn_min_keys = 16
+        #: the prompt attention's keys split over workgroups (shaders/attn_split.glsl): parts of attn_pre_chunk keys
+        #: (a multiple of both kernels' key tiles), COLI_VK_PROMPT_ATTN_SPLIT workgroups a row block (None:
+        #: :meth:`attn_split`'s rule)
+        self.attn_pre_chunk = 256
+        self.attn_pre_split = get("COLI_VK_PROMPT_ATTN_SPLIT", env)
         self._pipes: dict = {}
         self.fence = None       # VkFence[1] of submit()
         self._bufs: list = []
@@ -275,6 +281,24 @@ class Kernels(HostJoin):
         kern, (maxd, bq) = self.attn_kernel(hd, hdv, q8), self.attn_pre(hd, hdv, q8)
         g = self.attn_group(nq, nkv, hd, hdv, q8)
         return kern, (nq // g, -(-R // (bq // g))), maxd | (g << 16)
+
+    def attn_split(self, groups: tuple, R: int) -> int:
+        """NS, the workgroups a row block's keys are split over (the prompt attention's grid z; 1: no split) for
+        :meth:`attn_dispatch`'s ``groups`` of R rows: ``attn_pre_split`` when set, else enough for the grid to make
+        4 x ``attn_wgs`` workgroups (H100: 132 SMs, several workgroups resident each; at 512 rows from position 1,536
+        one of OLMoE's [16 x 8] grids spent 444 us a layer, 21 % of the chunk), at most 8 and at most 2,048 / R
+        (the parts' scratch: :func:`coli.vulkan.layer_plan.prompt_bytes`); 1 on a CPU device (``attn_wgs`` 0)."""
+        if self.attn_pre_split is not None:
+            return int(self.attn_pre_split)
+        base = groups[0] * groups[1]
+        return max(1, min(8, ATTN_PARTS_ROWS // max(int(R), 1), -(-4 * self.attn_wgs // base)))
+
+    def attn_parts_rows(self, R: int) -> int:
+        """Rows x parts of the split's scratch (:meth:`attn_split`) that chunks of up to R rows can write: 0 when
+        no chunk splits (a CPU device, or ``attn_pre_split`` 1)."""
+        if self.attn_pre_split is not None:
+            return int(R) * self.attn_pre_split if self.attn_pre_split > 1 else 0
+        return min(ATTN_PARTS_ROWS, 8 * int(R)) if self.attn_wgs else 0
 
     def attn_pre(self, hd: int, hdv: int | None = None, q8: bool = False) -> tuple[int, int]:
         """(MAXD, BQ) of :meth:`attn_kernel`'s kernel for head dimension ``hd`` (<= 256): the Dispatch's ``mode``

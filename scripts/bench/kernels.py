@@ -522,7 +522,7 @@ def _prompt_op_work(o, pos: int) -> tuple:
     """(class, FLOPs, weight bytes) of a prompt chunk's op ``o`` at position ``pos``: lmm's products (words O, I, flags,
     R, ldy, k, ident; MODE 1 gate and up over the R k pairs, or R rows with ident; MODE 2 down; workgroups' z the
     experts, each read once), the attention's causal Q K^T and P V (words nq, nkv, hd, ctx, scale, R, window, sinks,
-    hdv; the window ignored); the rest "other"."""
+    hdv; the window ignored; its split keys' join: no FLOPs); the rest "other"."""
     k = getattr(o, "kernel", None)
     if k == "lmm":
         w, mode = [int(x) for x in o.words], o.mode & 0xFF
@@ -535,6 +535,8 @@ def _prompt_op_work(o, pos: int) -> tuple:
         return cls, 2.0 * mats * O * I * rows, wb
     if k in ("attn_pre", "attn_pre_cm"):
         w = [int(x) for x in o.words]
+        if len(w) > 11 and w[11]:            # the join of split keys' parts (shaders/attn_split.glsl)
+            return "attention", 0.0, 0
         nq, hd, R, hdv = w[0], w[2], w[5], w[8] or w[2]
         return "attention", 2.0 * nq * R * (hd + hdv) * (pos + (R + 1) / 2), 0
     return "other", 0.0, 0

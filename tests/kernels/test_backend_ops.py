@@ -77,6 +77,9 @@ ATTN_CASES = ((4, 2, 128, 0, 16, 0, False), (4, 2, 128, 37, 100, 0, False), (2, 
               (2, 2, 128, 5, 70, 48, False), (2, 1, 80, 3, 33, 0, False), (2, 2, 256, 9, 40, 0, False),
               (2, 1, 128, 60, 64, 20, True), (6, 2, 64, 11, 45, 0, False), (8, 2, 128, 30, 50, 16, True))
 CTX_ATTN = 400
+#: keys a part when a case runs with its keys split over workgroups (shaders/attn_split.glsl; a multiple of both
+#: kernels' key tiles), and the workgroups of that split (3: a workgroup takes parts z, z + 3, ..)
+ATTN_CHK, ATTN_SPLIT = 32, 3
 
 
 def attn_id(case) -> str:
@@ -283,10 +286,11 @@ class Backend:
         self.route()
         return self._K.attn_kernel(hd)
 
-    def attn(self, q, K, V, pos0: int, scale: float, window: int = 0, sinks=None):
+    def attn(self, q, K, V, pos0: int, scale: float, window: int = 0, sinks=None, split: int = 1):
         """The device layers' prompt attention (``Kernels.attn_kernel``'s kernel) of q f32 [R, nq, hd] at positions
-        pos0 .. pos0 + R - 1 over the cache K, V f32 [nkv, ctx, hd]; window 0: none; sinks f32 [nq] or None ->
-        f32 [R, nq, hd]; the dispatch counts in the device's ``layer_dispatches``."""
+        pos0 .. pos0 + R - 1 over the cache K, V f32 [nkv, ctx, hd]; window 0: none; sinks f32 [nq] or None;
+        ``split`` > 1: the keys split over that many workgroups in parts of ``ATTN_CHK`` and joined (attn_pre.comp's
+        join pass) -> f32 [R, nq, hd]; the dispatches count in the device's ``layer_dispatches``."""
         from coli.vulkan.layers import Dispatch, f32_bits
 
         self.route()
@@ -301,9 +305,13 @@ class Backend:
             bp = buf(np.array([pos0, 0, 0, 0], np.uint32))
             bo = buf(np.full(q.shape, np.nan, np.float32), True)     # NaN: a row the kernel skips fails
             bs = buf(np.zeros(nq, np.float32) if sinks is None else np.asarray(sinks, np.float32))
-            rec = Kk.record([Dispatch(kern, groups, [bqb.addr, bk.addr, bv.addr, bp.addr, bo.addr, bs.addr],
-                                      [nq, nkv, hd, ctx, f32_bits(scale), R, window, int(sinks is not None)],
-                                      mode=mode, wait=False)])
+            bparts = buf(np.zeros(split * R * nq * (hd + 2), np.float32))
+            aa = [bqb.addr, bk.addr, bv.addr, bp.addr, bo.addr, bs.addr, bparts.addr]
+            aw = [nq, nkv, hd, ctx, f32_bits(scale), R, window, int(sinks is not None), hd, split, ATTN_CHK]
+            ops = [Dispatch(kern, (*groups, split), aa, aw, mode=mode, wait=False)]
+            if split > 1:
+                ops.append(Dispatch("attn_pre", (R,), aa, aw + [1], mode=(mode & 0xFFFF) | 1 << 16))
+            rec = Kk.record(ops)
             try:
                 Kk.submit(rec)
             finally:
@@ -456,10 +464,10 @@ def lmm_errors(be: Backend, type_name: str, R: int, rng) -> dict:
 def attn_reference(q, K, V, pos0: int, scale: float, window: int = 0, sinks=None) -> np.ndarray:
     """float64 causal softmax attention (coli/models/blocks.py attend; gpt-oss's sink: one more logit a head in the
     max and the denominator): row r at position p = pos0 + r sees keys max(0, p - window + 1) .. p (window 0: all),
-    q head h the KV head h // (nq / nkv) -> float64 [R, nq, hd]."""
+    q head h the KV head h // (nq / nkv) -> float64 [R, nq, hdv] (V's width)."""
     R, nq, hd = q.shape
     nkv = K.shape[0]
-    out = np.empty(q.shape, np.float64)
+    out = np.empty((R, nq, V.shape[-1]), np.float64)
     for r in range(R):
         p = pos0 + r
         lo = max(0, p - window + 1) if window else 0
@@ -491,13 +499,14 @@ def attn_tolerance(be, hd: int) -> float:
     return TOL_ATTN_F16 if be.attn_kernel(hd) == "attn_pre_cm" else TOL_ATTN
 
 
-def attn_error(be, case) -> float:
-    """One ``ATTN_CASES`` case on the device: max |got - want| / max |want| against ``attn_reference``."""
+def attn_error(be, case, split: int = 1) -> float:
+    """One ``ATTN_CASES`` case on the device (``split``: as ``Backend.attn``'s): max |got - want| / max |want|
+    against ``attn_reference``."""
     rng = np.random.default_rng(_seed("attn", attn_id(case)))
     q, K, V, scale, W, sinks = attn_inputs(case, rng)
     w0 = be.dev.layer_dispatches
-    got = be.attn(q, K, V, case[3], scale, W, sinks)
-    assert be.dev.layer_dispatches == w0 + 1, f"{be.name} did not run the attention dispatch"
+    got = be.attn(q, K, V, case[3], scale, W, sinks, split)
+    assert be.dev.layer_dispatches == w0 + 1 + (split > 1), f"{be.name} did not run the attention dispatches"
     assert got.dtype == np.float32 and np.isfinite(got).all()
     return err(got, attn_reference(q, K, V, case[3], scale, W, sinks))
 
@@ -582,11 +591,12 @@ def test_op_matches_reference(backends, backend, type_name, op, act):
 
 
 @requires_vulkan
+@pytest.mark.parametrize("split", [1, ATTN_SPLIT], ids=["whole", "split"])
 @pytest.mark.parametrize("case", ATTN_CASES, ids=[attn_id(c) for c in ATTN_CASES])
-def test_prompt_attention_matches_reference(backends, case):
+def test_prompt_attention_matches_reference(backends, case, split):
     be = _backend(backends, "vulkan")
-    e, tol = attn_error(be, case), attn_tolerance(be, case[2])
-    assert e < tol, f"{be.attn_kernel(case[2])} {attn_id(case)}: error {e:.3g} > {tol:g}"
+    e, tol = attn_error(be, case, split), attn_tolerance(be, case[2])
+    assert e < tol, f"{be.attn_kernel(case[2])} {attn_id(case)} split {split}: error {e:.3g} > {tol:g}"
 
 
 @requires_vulkan

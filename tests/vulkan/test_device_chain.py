@@ -140,7 +140,7 @@ def test_tier_gb_keeps_whole_layers_that_fit(device_moe):
 
     ref = device_engine(device_moe)
     m = ref.model
-    whole2 = LP.fixed_bytes(m, 64, settings.get("COLI_VK_PROMPT_ROWS")) + 2 * LP.layer_bytes(m, 3, 64)
+    whole2 = LP.fixed_bytes(m, 64, settings.get("COLI_VK_PROMPT_ROWS") or LP.PROMPT_ROWS) + 2 * LP.layer_bytes(m, 3, 64)
     ref.close()
     for layers, first, apart in ((2, 2, False), (-1, 2, False), (4, 0, True)):
         e = device_engine(device_moe, COLI_VK_LAYERS=layers, COLI_VK_TIER_GB=(whole2 + 100) / 2**30)

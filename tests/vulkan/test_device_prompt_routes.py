@@ -115,6 +115,49 @@ def test_decode_attention_split_over_positions_matches_the_cpu(dev, tmp_path):
         cpu.close()
 
 
+def test_prompt_chunk_rows_rule(dev, tmp_path):
+    """A device prompt chunk's rows: 2,048 where the device holds every layer (and its chunk's scratch fits), 512 where
+    it holds some of them, -ub's rows when given (COLI_UBATCH, llama.cpp's n_ubatch), COLI_VK_PROMPT_ROWS over both."""
+    from coli.engine import Engine
+
+    assert dev.model.device_layers.first == 0 and dev.prompt_chunk() == 2048
+    for env, rows in ((dict(COLI_VK_LAYERS=1), 512), (dict(COLI_VK_LAYERS=2, COLI_UBATCH=32), 32),
+                      (dict(COLI_VK_LAYERS=1, COLI_UBATCH=32, COLI_VK_PROMPT_ROWS=24), 24)):
+        e = Engine(dev.path, cpu_act="f32", device="vulkan", env=settings.overlay(None, **env), quiet=True, silent=True,
+                   save_usage=False, ctx=64, usage=str(tmp_path / "u"))
+        try:
+            assert e.device_layers is not None and e.prompt_chunk() == rows, env
+        finally:
+            e.close()
+
+
+def test_prompt_attention_keys_split_matches_the_cpu(dev, tmp_path):
+    """Prompt chunks whose attention splits each row block's keys over 3 workgroups (parts of 16 keys; Lavapipe splits
+    none by the rule, so forced here) and joins the split rows' parts: a 50-row prompt in chunks of 20 gives the
+    CPU-only f32 run's logits within 1e-5 of the largest, every row on the device."""
+    from coli.engine import Engine
+    from tests.vk_util import rel_err
+
+    dl = dev.model.device_layers
+    ids = IDS + IDS[::-1] + IDS[:10]
+    cpu = Engine(dev.path, cpu_act="f32", quiet=True, silent=True, save_usage=False, ctx=64, usage=str(tmp_path / "u"))
+    try:
+        ref = cpu.model.forward(ids, cpu.model.new_cache(64, 64), all_logits=True)
+    finally:
+        cpu.close()
+    K, rows = dl.K, dl.prompt_rows
+    try:
+        K.attn_pre_split, K.attn_pre_chunk, dl.prompt_rows, dl._pR = 3, 16, 20, 0   # _pR 0: the scratch made again
+        p0 = dl.prompt_tokens
+        got = dev.model.forward(ids, dev.model.new_cache(64, 64), all_logits=True)
+        assert dl.prompt_tokens - p0 == len(ids)
+        ops = [(op.kernel, op.groups) for op in dl._prompt_ops(20, True) if getattr(op, "kernel", "").startswith("attn")]
+        assert ops == [("attn_pre", (2, 5, 3)), ("attn_pre", (20,))] * 2     # per layer: the split, the join
+        assert rel_err(got, ref) < 1e-5, rel_err(got, ref)
+    finally:
+        K.attn_pre_split, K.attn_pre_chunk, dl.prompt_rows, dl._pR = None, 256, rows, 0
+
+
 def test_demo_shaped_moe_prompt_on_the_device(tmp_path):
     """A prompt of 40 rows in chunks of 16 through every layer on the device, on a file of the demo MoE's layer shape
     (scripts/make_synthetic_moe.py: d 576, 9 q heads over 3 KV heads of 64, 8 experts top-2 of FFN 1536; 2 layers

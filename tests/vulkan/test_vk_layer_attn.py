@@ -861,3 +861,51 @@ def test_attn_pre_q8(kern, kt, vt, hd):
               [NQ, NKV, hd, CTX, f32_bits(scale), R, 0, 0], mode | kv_mode((kt, vt)))
     got = bo.f32(q.size).reshape(q.shape)
     assert rel_err(got, ref) <= TOL, rel_err(got, ref)
+
+
+@pytest.mark.parametrize("hd,hdv", [(64, 64), (24, 16)])
+@pytest.mark.parametrize("window,sinks", [(0, 0), (20, 1)])
+def test_attn_pre_split_keys(kern, hd, hdv, window, sinks):
+    """The prompt attention's keys split over NS workgroups (shaders/attn_split.glsl, ``Kernels.attn_split``; parts
+    of 32 keys here) and joined by attn_pre.comp's join pass: 60 rows at positions 10 .. 69 (windowed rows and a sink
+    logit too) within TOL of the float64 attention for NS 2 and 3 (3: a workgroup takes parts 0 and 3), and the
+    rows whose keys lie in one part bit for bit the unsplit kernel's (their sums run as without the split)."""
+    from coli.vulkan.layers import Dispatch, f32_bits
+    from tests.kernels.test_backend_ops import attn_reference
+
+    R, pos0, chk = 60, 10, 32
+    rng = np.random.default_rng(hd + window)
+    q = rng.standard_normal((R, NQ, hd)).astype(np.float32)
+    K = rng.standard_normal((NKV, CTX, hd)).astype(np.float32)
+    V = rng.standard_normal((NKV, CTX, hdv)).astype(np.float32)
+    K[:, pos0 + R:] = 1e30                        # keys past the chunk must not count
+    V[:, pos0 + R:] = np.nan
+    sk = rng.standard_normal(NQ).astype(np.float32)
+    scale = 1.0 / np.sqrt(hd)
+    ref = attn_reference(q, K, V, pos0, scale, window, sk if sinks else None)
+    kname, groups, mode = kern.attn_dispatch(NQ, NKV, hd, R, hdv)
+    assert kname == "attn_pre" and kern.attn_split(groups, R) == 1    # Lavapipe: no split by the rule
+    bq, bk, bv, bs = _buf(kern, q), _buf(kern, K), _buf(kern, V), _buf(kern, sk)
+    bpar = _buf(kern, np.array([pos0, 0, 0, 0], np.uint32))
+    outs = {}
+    for ns in (1, 2, 3):
+        bo, bparts = kern.buffer(R * NQ * hdv * 4), kern.buffer(ns * R * NQ * (hdv + 2) * 4)
+        aa = [bq.addr, bk.addr, bv.addr, bpar.addr, bo.addr, bs.addr, bparts.addr]
+        aw = [NQ, NKV, hd, CTX, f32_bits(scale), R, window, sinks, hdv, ns, chk]
+        ops = [Dispatch(kname, (*groups, ns), aa, aw, mode=mode)]
+        if ns > 1:
+            ops.append(Dispatch("attn_pre", (R,), aa, aw + [1], mode=mode))
+        rec = kern.record(ops)
+        try:
+            kern.submit(rec)
+        finally:
+            kern.free(rec)
+        outs[ns] = bo.f32(R * NQ * hdv).reshape(R, NQ, hdv).copy()
+        assert rel_err(outs[ns], ref) <= TOL, (ns, rel_err(outs[ns], ref))
+    p = pos0 + np.arange(R)
+    first = np.where(p + 1 > window, p + 1 - window, 0) if window else np.zeros(R, np.int64)
+    one = first // chk == p // chk                # rows whose keys lie in one part
+    assert 0 < one.sum() < R
+    for ns in (2, 3):
+        assert np.array_equal(outs[ns][one], outs[1][one])
+        assert not np.array_equal(outs[ns][~one], outs[1][~one])   # the split rows did take the parts' path
