@@ -5,7 +5,9 @@
 //   a2 y f32 [O]; a3 bias f32 [O]
 //   u0 O, u1 I (any width: x_unit.glsl), u2 flags: bit 0 accumulate (y[o] += r, else y[o] = r), bit 1 add bias,
 //   bit 2 write sigmoid(r) (after the bias; not with bit 0: Qwen2-MoE's shared-expert gate)
-//   groups: (ceil(O / ROWS), 1, 1); y[o] = (W[o, :] . x) (+ bias[o]) (+ old y[o])
+//   groups: (ceil(O / ROWS), R, 1); y[o] = (W[o, :] . x) (+ bias[o]) (+ old y[o]); R > 1: R activation rows, x f32
+//   [R, I] and y f32 [R, O] (workgroup y = row r: x and y moved on by r rows; the tails below need R = 1), each row
+//   summed as alone (a prompt chunk's router: its logits bit for bit a decode row's)
 //   a5..a7, u15: the RMSNorm of y [O] by the last workgroup (norm_tail.glsl; a5 0: none)
 //   F32 only, u8 1: the router's top-k by the last workgroup (topk.comp's work on the logits y [O], E = O): a4 the
 //   route uint [2 k], a6 the correction bias f32 [O] (flags bit 4), a7 a uint counter (0 between dispatches); u9..u14
@@ -52,7 +54,11 @@ void main() {
     uint passes = (nset + cpass - 1u) / cpass;    // the same for every subgroup
     uint part = sg % spg, setl = sg / spg;        // subgroups past cpass * spg only join the barriers
     uint64_t rb = uint64_t(x_row_bytes(I));
-    F32x4 X = F32x4(pc.a[1]);
+    uint r = gl_WorkGroupID.y;                     // the activation row
+    uint64_t aY = pc.a[2] + 4ul * uint64_t(r) * uint64_t(O);
+    uint64_t ax = pc.a[1] + 4ul * uint64_t(r) * uint64_t(I);
+    bool xal = (ax & 15ul) == 0ul;                 // row r of a width not a multiple of 4: every unit float by float
+    F32x4 X = F32x4(ax);
     for (uint ps = 0u; ps < passes; ps++) {
         uint ob = o0 + (ps * cpass + setl) * RPC;
         uint nrow = (setl < cpass && ob < oend) ? min(RPC, oend - ob) : 0u;   // uniform in the subgroup
@@ -64,8 +70,8 @@ void main() {
             [[unroll]] for (uint i = 0u; i < RPC; i++) ra[i] = pc.a[0] + uint64_t(min(ob + i, oend - 1u)) * rb;
             for (uint u = part * sgs + lane; u < units; u += spg * sgs) {
                 vec4 xv[8];
-                if (u * 32u + 32u <= I) { [[unroll]] for (uint q = 0u; q < 8u; q++) xv[q] = X.v[u * 8u + q]; }
-                else x_unit_any(pc.a[1], 0u, I, u, xv);     // the last, partial unit
+                if (xal && u * 32u + 32u <= I) { [[unroll]] for (uint q = 0u; q < 8u; q++) xv[q] = X.v[u * 8u + q]; }
+                else x_unit_any(pc.a[1], r * I, I, u, xv);     // the last, partial unit
                 [[unroll]] for (uint i = 0u; i < RPC; i++) {
                     vec4 w[8];
                     dec_unit(ra[i], u, w);
@@ -91,7 +97,7 @@ void main() {
             barrier();
         }
         if (part == 0u && nrow > 0u && subgroupElect()) {
-            F32C Y = F32C(pc.a[2]);
+            F32C Y = F32C(aY);
             [[unroll]] for (uint i = 0u; i < RPC; i++) {
                 if (i < nrow) {
                     uint o = ob + i;

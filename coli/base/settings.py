@@ -138,6 +138,9 @@ VARS: tuple[Var, ...] = (
         "rows", lo=1, dev=True),
     Var("COLI_VK_LAYER_ROWS", "int", 4, "output rows a workgroup of the device layers' matrix kernels owns",
         "rows", lo=1, dev=True),
+    Var("COLI_VK_ROUTER_ROWS", "int", 1, "output rows (experts) a workgroup of the device layers' decode router "
+        "owns (shaders/lmv.comp): 1 spreads OLMoE's 64 x 2048 router over 64 workgroups, the layer default 4 over 16",
+        "rows", lo=1, dev=True),
     Var("COLI_UBATCH", "int", 256, "rows of a prompt step on the CPU (llama.cpp's n_ubatch), and when set of a device "
         "prompt chunk too (COLI_VK_PROMPT_ROWS): an expert's weights are read once a step for all its rows; results do "
         "not depend on it (docs/engine.md \"Prompt steps\")", "rows",

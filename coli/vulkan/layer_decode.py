@@ -43,7 +43,7 @@ def _fuse_norms(ops: list, cnt: int, slots: int) -> list:
                 addrs = list(prev.addrs) + [0] * (5 - len(prev.addrs)) + [cnt + 4 * n, op.addrs[1], op.addrs[2]]
                 words = list(prev.words) + [0] * (15 - len(prev.words)) + [op.words[1]]
                 out[-1] = Dispatch(prev.kernel, prev.groups, addrs, words, type_name=prev.type_name, mode=prev.mode,
-                                   wait=prev.wait)
+                                   wait=prev.wait, rows=prev.rows)
                 n += 1
                 continue
         out.append(op)
@@ -68,7 +68,8 @@ def _fuse_topk(ops: list, cnt: int, slots: int) -> list:
             addrs = list(prev.addrs) + [0] * (4 - len(prev.addrs)) + [op.addrs[1], 0, op.addrs[2], cnt + 4 * n]
             tw = list(op.words[1:]) + [0] * (7 - len(op.words))
             words = list(prev.words) + [0] * (8 - len(prev.words)) + [1] + tw
-            out[-1] = Dispatch("lmv", prev.groups, addrs, words, type_name="F32", mode=prev.mode, wait=prev.wait)
+            out[-1] = Dispatch("lmv", prev.groups, addrs, words, type_name="F32", mode=prev.mode, wait=prev.wait,
+                               rows=prev.rows)
             n += 1
             continue
         out.append(op)
@@ -214,9 +215,10 @@ class DecodeRow:
             rt = self.route.addr + 8 * k * j
             rb, eb = d.get("router_b"), d.get("ebias")
             bias = [b.addr for b in eb] if eb is not None else [xn, xn, xn]   # unread without u4 / u3 bit 0
+            RR = self.K.router_rows
             ops += [
-                Dispatch("lmv", (-(-E // R),), [d["router"].addr, xn, self.logits.addr, rb.addr if rb is not None else 0],
-                         [E, D, 2 if rb is not None else 0], type_name="F32"),
+                Dispatch("lmv", (-(-E // RR),), [d["router"].addr, xn, self.logits.addr, rb.addr if rb is not None else 0],
+                         [E, D, 2 if rb is not None else 0], type_name="F32", rows=RR),
                 Dispatch("topk", (1,), [self.logits.addr, rt, d["route_b"].addr if "route_b" in d else rt],
                          [E, k, self.topk_flags | (16 if "route_b" in d else 0), *self.topk_words]),
             ]

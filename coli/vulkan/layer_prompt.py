@@ -221,10 +221,12 @@ class PromptChunks:
         rb, eb = d.get("router_b"), d.get("ebias")
         bias = [b.addr for b in eb] if eb is not None else [xn, xn, xn]   # unread without u8 bit 0
         nb = int(eb is not None)
+        # the router as R matrix-vector products (lmv.comp, a workgroup of 16 experts and one row: E / 16 x R
+        # workgroups, 2,048 at OLMoE's 64 x 512, where a GEMM's 64 x 64 tiles made 8; the router's 512 KiB stays in
+        # L2): float32 products, each row's logits bit for bit a decode row's
         ops += [
-            Dispatch("lmm", (-(-E // BM), gr), [d["router"].addr, xn, self.p_lgt.addr,
-                                                rb.addr if rb is not None else self.p_lgt.addr],
-                     [E, D, 2 if rb is not None else 0, R, 0], type_name="F32"),
+            Dispatch("lmv", (-(-E // 16), R), [d["router"].addr, xn, self.p_lgt.addr, rb.addr if rb is not None else 0],
+                     [E, D, 2 if rb is not None else 0], type_name="F32", rows=16),
             Dispatch("topk", (R,), [self.p_lgt.addr, rt, d["route_b"].addr if "route_b" in d else rt],
                      [E, k, self.topk_flags | (16 if "route_b" in d else 0), *self.topk_words]),
         ]

@@ -87,6 +87,7 @@ class Dispatch:
     type_name: str | None = None
     mode: int = 0
     wait: bool = True
+    rows: int = 0       # a format kernel's output rows a workgroup (ROWS); 0: the kernels' ``rows``
 
 
 @dataclass
@@ -159,6 +160,9 @@ class Kernels(HostJoin):
         from coli.base.settings import get
 
         self.rows = int(get("COLI_VK_LAYER_ROWS", env))
+        #: the decode router's rows a workgroup (lmv.comp, F32): few experts each, so that its read of the whole
+        #: router (512 KiB for OLMoE) spreads over many workgroups (COLI_VK_ROUTER_ROWS)
+        self.router_rows = int(get("COLI_VK_ROUTER_ROWS", env))
         # rows of a prompt GEMM tile (lmm.comp): 32 or 64 (COLI_VK_PROMPT_TILE; the settings refuse another)
         self.tile = int(get("COLI_VK_PROMPT_TILE", env))
         #: the prompt GEMM's route (:func:`prompt_route`)
@@ -224,14 +228,16 @@ class Kernels(HostJoin):
         dev._layer_kernels = self    # Device.close destroys what this made (close())
 
     # -- pipelines --------------------------------------------------------------------------------------
-    def pipeline(self, kernel: str, type_name: str | None = None, mode: int = 0, plain: bool = False):
+    def pipeline(self, kernel: str, type_name: str | None = None, mode: int = 0, plain: bool = False, rows: int = 0):
         """The pipeline of ``kernel`` (``type_name`` for a format kernel, ``mode`` its MODE), made on first use;
         ``plain``: lmm.comp even on the coopmat route (an F32/F16/BF16 matrix whose width is not a multiple of 32:
         lmm_cm.comp steps 32 inputs a unit with vec4 loads; lmm.comp reads such a row's last unit one float at a
-        time), with the route's 64-row tile so the grid is the same."""
+        time), with the route's 64-row tile so the grid is the same; ``rows``: a format kernel's output rows a
+        workgroup (0: :attr:`rows`)."""
         plain = plain and kernel == "lmm" and self.route == "coopmat"
+        rows = rows or self.rows
         key = (kernel, type_name, mode, (self.tile, self.cm_pipe[mode], plain) if kernel == "lmm" else
-               self.attn_bq if kernel == "attn_pre" else 0)
+               self.attn_bq if kernel == "attn_pre" else rows)
         p = self._pipes.get(key)
         if p is not None:
             return p
@@ -251,7 +257,7 @@ class Kernels(HostJoin):
         elif kernel == "attn_pre_cm":   # 128 invocations of the device's subgroup size: 16-row blocks each, G
             vals, ids, pin = [4 * dev.subgroup_size // 128, max(1, (mode >> 16) & 0xFF)], [4, 5], 128
         else:
-            vals = [dev.gemv_wg, self.rows, mode] if fmt else [self.wg]
+            vals = [dev.gemv_wg, rows, mode] if fmt else [self.wg]
             ids, pin = list(range(len(vals))), vals[0]
         if kernel in KV_KERNELS:   # the K/V cache's types (shaders/kv_types.glsl): mode's bits 24-27 K's, 28-31 V's
             vals, ids = vals + [(mode >> 24) & 15, (mode >> 28) & 15], ids + [6, 7]
@@ -448,7 +454,8 @@ class Kernels(HostJoin):
                 mb.dstAccessMask = _ACC_SHADER_READ | _ACC_SHADER_WRITE
                 lib.vkCmdPipelineBarrier(cb, _PSTAGE_COMPUTE | _PSTAGE_TRANSFER, _PSTAGE_COMPUTE, 0, 1, mb, 0,
                                          ffi.NULL, 0, ffi.NULL)
-            pipe = self.pipeline(op.kernel, op.type_name, op.mode, op.kernel == "lmm" and op.words[1] % 32 != 0)
+            pipe = self.pipeline(op.kernel, op.type_name, op.mode, op.kernel == "lmm" and op.words[1] % 32 != 0,
+                                 op.rows)
             if pipe != bound:
                 lib.vkCmdBindPipeline(cb, vk.VK_PIPELINE_BIND_POINT_COMPUTE, pipe)
                 bound = pipe

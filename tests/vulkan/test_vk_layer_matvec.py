@@ -93,6 +93,37 @@ def test_lmv(kern, fmt, rows, I):
         b.destroy()
 
 
+@pytest.mark.parametrize("rows,I", [(None, 5 * 32), (1, 50)])
+def test_lmv_rows_of_a_chunk(kern, rows, I):
+    """lmv over R = 3 activation rows (workgroups' y; a prompt chunk's router, F32 with its bias): each row's outputs
+    bit for bit a one-row dispatch's of that row, and NumPy's float64 within TOL; a width of 50 puts rows 1 and 2
+    off a 16-byte boundary (read float by float)."""
+    from coli.vulkan.layers import Dispatch
+
+    K = kern
+    _rows(K, rows or int(K.dev.gemv_rows))
+    rng = np.random.default_rng(13)
+    O, R = 53, 3
+    w = rng.standard_normal((O, I)).astype(np.float32)
+    t = K.dev._place("F32", w.view(np.uint8), (O, I))
+    x = rng.standard_normal((R, I)).astype(np.float32)
+    bias = rng.standard_normal(O).astype(np.float32)
+    bufs = []
+    xb, bb = _buf(K, x, bufs), _buf(K, bias, bufs)
+    y, y1 = _buf(K, np.zeros((R, O), np.float32), bufs), _buf(K, np.zeros((R, O), np.float32), bufs)
+    g = -(-O // K.rows)
+    ops = [Dispatch("lmv", (g, R), [t.addr, xb.addr, y.addr, bb.addr], [O, I, 2], type_name="F32", wait=False)]
+    ops += [Dispatch("lmv", (g,), [t.addr, xb.addr + 4 * I * r, y1.addr + 4 * O * r, bb.addr], [O, I, 2],
+                     type_name="F32", wait=False) for r in range(R)]
+    _run(K, ops)
+    got = y.f32(R * O).reshape(R, O).copy()
+    np.testing.assert_array_equal(got, y1.f32(R * O).reshape(R, O))
+    assert rel_err(got, np.asarray(x, np.float64) @ np.asarray(w, np.float64).T + bias) <= TOL
+    K.dev._drop(t)
+    for b in bufs:
+        b.destroy()
+
+
 def _experts(K, fmt_gu, fmt_d, E, D, F, rng):
     """E experts on the device: the table buffer (uint64 [E, 3]), the tensors, and (Wg, Wu, Wd) f64 each."""
     tensors, ws = [], []
