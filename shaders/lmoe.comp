@@ -52,6 +52,7 @@ void main() {
     uint64_t aY = pc.a[3] + 4ul * uint64_t(rr) * uint64_t(O);
     U32 ROUTE = U32(pc.a[1] + 4ul * uint64_t(rr));
     uint64_t wg = 0ul, wu = 0ul;
+    uint64_t wfb = 0ul;     // mode 0: the first device rank's down rows, read (times weight 0) for a CPU rank's
     uint j1 = gl_WorkGroupID.y;
     if (MODE == 1u) {
         uint e = ROUTE.v[j1];
@@ -67,7 +68,10 @@ void main() {
         }
         barrier();
         bool none = true;
-        for (uint t = 0u; t < k; t++) none = none && EA[t] == 0ul;
+        for (uint t = 0u; t < k; t++) {
+            if (none && EA[t] != 0ul) wfb = EA[t];
+            none = none && EA[t] == 0ul;
+        }
         // every rank a CPU rank: its rows are the host's, written while this runs (no read-modify-write of them)
         if (none) { norm_tail(aY, O); return; }
     }
@@ -112,21 +116,42 @@ void main() {
                     }
                 }
             } else {
-                // flat unit t of the row: unit u of rank j (h [k, F] is contiguous, so h's unit is t)
+                // flat unit t of the row: unit u of rank j (h [k, F] is contiguous, so h's unit is t). Two of the
+                // lane's units an iteration, t and t2 = t + step, every load of both issued before any sum (one
+                // memory round trip where a loop of one unit an iteration made two at OLMoE's k * F = 8 * 1024
+                // with 128 lanes); no branch: a CPU rank (or a t2 past the end: t again) reads a device rank's
+                // rows and adds them times weight 0 and h 0. Each lane still adds its units in order t, t + step, ...
                 uint j = t / units, u = t - j * units;
-                for (; t < total; t += step) {
-                    vec4 hv[8];
-                    [[unroll]] for (uint q = 0u; q < 8u; q++) hv[q] = X.v[t * 8u + q];
-                    uint64_t ea = EA[j];
-                    float ew = EW[j];
-                    if (ea != 0ul) [[unroll]] for (uint i = 0u; i < RPC; i++) {
-                        vec4 w[8];
-                        dec_unit(ea + ro[i], u, w);
-                        float s = 0.0;
-                        [[unroll]] for (uint q = 0u; q < 8u; q++) s += dot(w[q], hv[q]);
-                        acc[i] += ew * s;
+                for (; t < total; t += 2u * step) {
+                    uint t2 = t + step, u2 = u + step, j2 = j;
+                    while (u2 >= units) { u2 -= units; j2++; }
+                    bool two = t2 < total;
+                    uint tr = two ? t2 : t, jr = two ? j2 : j, ur = two ? u2 : u;
+                    uint64_t ea = EA[j], ea2 = EA[jr];
+                    bool on = ea != 0ul, on2 = two && ea2 != 0ul;
+                    // an off unit's h (a CPU rank's row holds no h of this token: maybe not even a number) as 0
+                    vec4 hv[8], hv2[8];
+                    [[unroll]] for (uint q = 0u; q < 8u; q++) {
+                        hv[q] = on ? X.v[t * 8u + q] : vec4(0.0);
+                        hv2[q] = on2 ? X.v[tr * 8u + q] : vec4(0.0);
                     }
-                    u += step;
+                    float ew = on ? EW[j] : 0.0, ew2 = on2 ? EW[jr] : 0.0;
+                    ea = on ? ea : wfb;
+                    ea2 = ea2 != 0ul ? ea2 : wfb;
+                    [[unroll]] for (uint i = 0u; i < RPC; i++) {
+                        vec4 w[8], w2[8];
+                        dec_unit(ea + ro[i], u, w);
+                        dec_unit(ea2 + ro[i], ur, w2);
+                        float s = 0.0, s2 = 0.0;
+                        [[unroll]] for (uint q = 0u; q < 8u; q++) {
+                            s += dot(w[q], hv[q]);
+                            s2 += dot(w2[q], hv2[q]);
+                        }
+                        acc[i] += ew * s;
+                        acc[i] += ew2 * s2;
+                    }
+                    u = u2 + step;
+                    j = j2;
                     while (u >= units) { u -= units; j++; }
                 }
             }

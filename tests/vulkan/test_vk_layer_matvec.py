@@ -190,7 +190,8 @@ def test_lmoe_cpu_rank_leaves_its_row_alone(kern):
     """Mode 0 (down + combine) for a rank whose expert is not on the device (table entry 0: a CPU rank of a device
     layer, docs/vulkan.md "Experts on the CPU") writes nothing: the host writes that row while the device runs, so a
     read-modify-write of it (even ``+= 0``) could lose the host's rows. The row holds -0.0, which ``-0.0 + 0.0``
-    would turn into +0.0 (IEEE 754 round to nearest): its sign bits must stay; a resident rank beside it still adds."""
+    would turn into +0.0 (IEEE 754 round to nearest): its sign bits must stay; a resident rank beside it still adds,
+    in its own dispatch and in one dispatch of both ranks (where the CPU rank's h row is NaN)."""
     from coli.vulkan.layers import Dispatch
 
     K = kern
@@ -213,6 +214,11 @@ def test_lmoe_cpu_rank_leaves_its_row_alone(kern):
     assert np.signbit(got[0]).all() and not got[0].any()     # the CPU rank's row: untouched
     want = float(wts[1]) * (ws[2][2] @ np.asarray(h[1], np.float64))
     assert rel_err(got[1], want) <= TOL
+    # both ranks in one dispatch (k = 2): the CPU rank's h row (no h of this token: NaN here) adds nothing
+    hn = _buf(K, np.concatenate([np.full(F, np.nan, np.float32), h[1]]), bufs)
+    y = _buf(K, np.zeros(D, np.float32), bufs)
+    _run(K, [Dispatch("lmoe", (-(-D // R),), [tb.addr, rb.addr, hn.addr, y.addr], [D, F, k], "Q8_0", 0)])
+    assert rel_err(y.f32(D), want) <= TOL
     for t in tensors:
         K.dev._drop(t)
     for b in bufs:
