@@ -96,8 +96,8 @@ def test_topk(kern, E, k, kind, norm):
 @pytest.mark.parametrize("E,k,flags,words", [(64, 8, 0, []), (60, 4, 1, []), (128, 8, 2, []),
                                              (256, 8, 4 | 8 | 16 | 1, [8, 4, 1, 0x40200000]), (512, 32, 1, [])])
 def test_topk_tail_of_the_router(kern, E, k, flags, words):
-    """The router's top-k taken by the last workgroup of its F32 lmv.comp (u8 1; a4 the route, a6 the correction
-    bias, a7 the counter): the ids topk.comp gives on the same logits, the weights within 1e-6 of its (the softmax's
+    """The router's top-k taken by the last workgroup of its F32 lmv.comp at the decode's experts a workgroup (u8 1;
+    a4 the route, a6 the correction bias, a7 the counter): the ids topk.comp gives on the same logits, the weights within 1e-6 of its (the softmax's
     sum at lmv's workgroup size), the counter back at 0 after each of two runs; softmax (renormalised or not),
     gpt-oss's rule, the DeepSeek rule (sigmoid, correction bias, 8 groups, 4 kept, scale 2.5)."""
     from coli.vulkan.layers import Dispatch
@@ -112,10 +112,11 @@ def test_topk_tail_of_the_router(kern, E, k, flags, words):
     lg, lg2 = kern.buffer(4 * E), kern.buffer(4 * E)
     r1, r2 = kern.buffer(8 * k), kern.buffer(8 * k)
     tw = [k, flags, *words] + [0] * (6 - 2 - len(words))
-    groups = (-(-E // kern.rows),)
+    rr = kern.router_rows       # the decode router's workgroups (layer_decode): E of them at 1 expert each
+    groups = (-(-E // rr),)
     fused = Dispatch("lmv", groups, [t.addr, bx.addr, lg.addr, 0, r1.addr, 0, bias.addr, cnt.addr],
-                     [E, D, 0, 0, 0, 0, 0, 0, 1, *tw], type_name="F32")
-    plain = [Dispatch("lmv", groups, [t.addr, bx.addr, lg2.addr, 0], [E, D, 0], type_name="F32"),
+                     [E, D, 0, 0, 0, 0, 0, 0, 1, *tw], type_name="F32", rows=rr)
+    plain = [Dispatch("lmv", groups, [t.addr, bx.addr, lg2.addr, 0], [E, D, 0], type_name="F32", rows=rr),
              Dispatch("topk", (1,), [lg2.addr, r2.addr, bias.addr], [E, *tw])]
     rf, rp = kern.record([fused]), kern.record(plain)
     try:
