@@ -157,7 +157,7 @@ VARS: tuple[Var, ...] = (
         choices=("auto", "coopmat", "f32")),
     Var("COLI_VK_PROMPT_ATTN_SPLIT", "int", None, "workgroups a prompt row block's keys are split over in the device "
         "layers' prompt attention (shaders/attn_split.glsl; 1: none; default: enough for the grid to fill the GPU, "
-        "none on a CPU device)", "parts", lo=1, dev=True),
+        "none on a CPU device nor on the coopmat route's attn_pre_cm.comp)", "parts", lo=1, dev=True),
     Var("COLI_VK_ATTN_CHUNK", "int", 256, "the most keys a workgroup of the device layers' decode attention takes "
         "(shaders/attn_dec.comp): the context's positions are split in parts, joined by each head's last part", "keys",
         lo=16, dev=True),

@@ -157,7 +157,7 @@ class PromptChunks:
             post = d.get("post_attn")
             if "mla" not in d and "dn" not in d:
                 # the keys split over NS workgroups (grid z), the split rows' parts joined by attn_pre.comp's pass
-                ns = self.K.attn_split(agroups, R) if self.p_aparts is not None else 1
+                ns = self.K.attn_split(akern, agroups, R) if self.p_aparts is not None else 1
                 aa = [self.p_q.addr, d["K"].addr, d["V"].addr, self.params.addr, self.p_ao.addr,
                       d["sinks"].addr if "sinks" in d else self.p_q.addr, self.p_aparts.addr if ns > 1 else 0]
                 aw = [nq, nkv, hd, ctx, f32_bits(d["scale"]), R, d["window"], int("sinks" in d), hdv, ns,

@@ -288,14 +288,18 @@ class Kernels(HostJoin):
         g = self.attn_group(nq, nkv, hd, hdv, q8)
         return kern, (nq // g, -(-R // (bq // g))), maxd | (g << 16)
 
-    def attn_split(self, groups: tuple, R: int) -> int:
+    def attn_split(self, kern: str, groups: tuple, R: int) -> int:
         """NS, the workgroups a row block's keys are split over (the prompt attention's grid z; 1: no split) for
-        :meth:`attn_dispatch`'s ``groups`` of R rows: ``attn_pre_split`` when set, else enough for the grid to make
-        4 x ``attn_wgs`` workgroups (H100: 132 SMs, several workgroups resident each; at 512 rows from position 1,536
-        one of OLMoE's [16 x 8] grids spent 444 us a layer, 21 % of the chunk), at most 8 and at most 2,048 / R
-        (the parts' scratch: :func:`coli.vulkan.layer_plan.prompt_bytes`); 1 on a CPU device (``attn_wgs`` 0)."""
+        :meth:`attn_dispatch`'s kernel ``kern`` and ``groups`` of R rows: ``attn_pre_split`` when set, else 1 for
+        attn_pre_cm.comp (its split path has not run on a GPU yet: docs/vulkan.md "Prompt attention over split
+        keys"), else enough for the grid to make 4 x ``attn_wgs`` workgroups (H100: 132 SMs, several workgroups
+        resident each; at 512 rows from position 1,536 one of OLMoE's [16 x 8] grids spent 444 us a layer, 21 % of
+        the chunk), at most 8 and at most 2,048 / R (the parts' scratch: :func:`coli.vulkan.layer_plan.prompt_bytes`);
+        1 on a CPU device (``attn_wgs`` 0)."""
         if self.attn_pre_split is not None:
             return int(self.attn_pre_split)
+        if kern == "attn_pre_cm":
+            return 1
         base = groups[0] * groups[1]
         return max(1, min(8, ATTN_PARTS_ROWS // max(int(R), 1), -(-4 * self.attn_wgs // base)))
 

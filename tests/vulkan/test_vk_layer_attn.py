@@ -885,7 +885,14 @@ def test_attn_pre_split_keys(kern, hd, hdv, window, sinks):
     scale = 1.0 / np.sqrt(hd)
     ref = attn_reference(q, K, V, pos0, scale, window, sk if sinks else None)
     kname, groups, mode = kern.attn_dispatch(NQ, NKV, hd, R, hdv)
-    assert kname == "attn_pre" and kern.attn_split(groups, R) == 1    # Lavapipe: no split by the rule
+    assert kname == "attn_pre" and kern.attn_split(kname, groups, R) == 1    # Lavapipe: no split by the rule
+    wgs, kern.attn_wgs = kern.attn_wgs, 128
+    try:   # a GPU's rule: 4 x 128 workgroups, at most 8 and 2048 / R; none for attn_pre_cm.comp unless set
+        assert [kern.attn_split(k, (16, 8), r) for k in ("attn_pre", "attn_pre_cm") for r in (512, 2048)] == [4, 1, 1, 1]
+        kern.attn_pre_split = 3
+        assert kern.attn_split("attn_pre_cm", (16, 8), 2048) == 3
+    finally:
+        kern.attn_wgs, kern.attn_pre_split = wgs, None
     bq, bk, bv, bs = _buf(kern, q), _buf(kern, K), _buf(kern, V), _buf(kern, sk)
     bpar = _buf(kern, np.array([pos0, 0, 0, 0], np.uint32))
     outs = {}
