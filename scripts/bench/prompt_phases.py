@@ -14,6 +14,9 @@ around its compiled launches (``time.perf_counter``; the wrappers cost ~1 us a c
   head     ``Model.embed`` + ``Model.head`` (the embedding rows; the output norm and the head GEMM of the last row)
   rest     the chunk's time outside these: the MoE norm, routing's top-k, residual adds, the host's Python
 
+and the chunk's parallel launches (calls from Python of a ``parallel=True`` kernel: each wakes the thread pool,
+~10 us at 16 threads, docs/cpu_kernels.md "Threading").
+
     python3 scripts/bench/prompt_phases.py -m MODEL -t 16 -p 128,512,2048 [-r 2] [--ubatch 256]
 
 After one untimed chunk (the kernels load), prints, for each prompt length, the prompt's tok/s per rep (the load average beside), then the last rep's table:
@@ -71,6 +74,38 @@ def instrument(model, acc):
         _wrap(owner, name, label, acc)
 
 
+class _Counted:
+    """A parallel kernel's dispatcher that counts its calls into ``n[0]`` (attributes pass through)."""
+
+    def __init__(self, d, n):
+        self._d, self._n = d, n
+
+    def __call__(self, *a, **kw):
+        self._n[0] += 1
+        return self._d(*a, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._d, name)
+
+
+def count_launches(n) -> int:
+    """Count every call from Python of a ``parallel=True`` kernel (a launch of the thread pool) into ``n[0]``: the
+    module globals of ``cpu_kernels``, ``coli`` and ``scheduler`` that hold one are replaced by a counter (calls
+    from compiled code are not launches of their own; a kernel held only in a table or a closure is missed: a lower
+    bound). Returns the number of kernels wrapped."""
+    from numba.core.registry import CPUDispatcher
+
+    done = {}
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not name.startswith(("cpu_kernels", "coli", "scheduler")):
+            continue
+        for k, v in list(vars(mod).items()):
+            if isinstance(v, CPUDispatcher) and v.targetoptions.get("parallel"):
+                done.setdefault(id(v), _Counted(v, n))
+                setattr(mod, k, done[id(v)])
+    return len(done)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", required=True, help="a GGUF file or a model name coli takes")
@@ -91,8 +126,11 @@ def main(argv=None) -> int:
     with Engine(a.model, threads=a.threads, ctx=max(lens) + 1, quiet=True, save_usage=False, env=env) as eng:
         m = eng.model
         instrument(m, acc)
+        launches = [0]
+        n_par = count_launches(launches)
         step = eng.prompt_chunk()
-        print(f"# {Path(str(eng.path)).name}, {eng.threads} threads, prompt steps of {step} rows, load {' '.join(timing.load())}")
+        print(f"# {Path(str(eng.path)).name}, {eng.threads} threads, prompt steps of {step} rows, {n_par} parallel "
+              f"kernels counted, load {' '.join(timing.load())}")
         rng = np.random.default_rng(0)
         m.forward(rng.integers(10, min(1000, m.args.vocab), min(step, min(lens))), eng._new_cache(step, step))  # loads the kernels
         for n in lens:
@@ -102,17 +140,18 @@ def main(argv=None) -> int:
                 rows = []
                 for s in range(0, n, step):
                     acc.clear()
+                    launches[0] = 0
                     t = time.perf_counter()
                     m.forward(ids[s:s + step], kv)
-                    rows.append((s, time.perf_counter() - t, dict(acc)))
+                    rows.append((s, time.perf_counter() - t, dict(acc), launches[0]))
                 tot = sum(x[1] for x in rows)
                 print(f"prompt {n} run {r + 1}: {tot * 1e3:.0f} ms, {n / tot:.1f} tok/s, load {' '.join(timing.load())}")
-            print("  pos0     ms " + " ".join(f"{k:>8}" for k in PHASES) + "     rest")
-            for s, t, d in rows:
+            print("  pos0     ms " + " ".join(f"{k:>8}" for k in PHASES) + "     rest launches")
+            for s, t, d, nl in rows:
                 rest = t - sum(d.values())
                 print(f"  {s:4d} {t * 1e3:6.1f} " + " ".join(f"{d.get(k, 0.0) * 1e3:8.1f}" for k in PHASES)
-                      + f" {rest * 1e3:8.1f}")
-            tot_ph = {k: sum(d.get(k, 0.0) for _, _, d in rows) for k in PHASES}
+                      + f" {rest * 1e3:8.1f} {nl:8d}")
+            tot_ph = {k: sum(d.get(k, 0.0) for _, _, d, _ in rows) for k in PHASES}
             tot = sum(x[1] for x in rows)
             print("  share  " + " ".join(f"{tot_ph[k] / tot:8.1%}" for k in PHASES)
                   + f" {1 - sum(tot_ph.values()) / tot:8.1%}", flush=True)
