@@ -193,11 +193,13 @@ def test_router_logits_rows_are_the_decode_rows(W_ro):
     """``router.logits_rows`` (a prompt's rows, in parallel above a size: tiles of 4 rows x 4 experts) gives each
     row the decode row's ``logits_row`` bits, for a read-only router (a view of the file) too; against float64 within 1e-5."""
     rng = np.random.default_rng(3)
-    for R, E_, D in ((1, 8, 64), (5, 8, 576), (64, 60, 1000), (7, 6, 203)):  # 203: tail columns, 7 / 6: part tiles
+    # (67, 62, 1003): above PAR_WORK, so the tiles: a part row block (67), a part expert tile (62), tail columns
+    for R, E_, D in ((1, 8, 64), (5, 8, 576), (64, 60, 1000), (7, 6, 203), (67, 62, 1003)):
         W = rng.standard_normal((E_, D)).astype(np.float32)
         if W_ro:
             W.flags.writeable = False
         x = rng.standard_normal((R, D)).astype(np.float32)
+        assert (R * D * E_ >= router.PAR_WORK) == (R >= 64)      # which cases take the tiles
         got = router.logits_rows(x, W)
         one = np.empty((1, E_), np.float32)
         for r in range(R):
