@@ -155,6 +155,7 @@ void main() {
         }
     }
     }
+    barrier();   // M, L: a split workgroup with no keys in its parts ran no tile (no barrier) since t < BQ set them
     uint h = h0 + vr % G, pr = pos0 + rb + vr / G;
     if (vr < PB * G && vr / G < nrow && row_split(pr, ctx, W, NS, CHK)) {   // this workgroup's part of the row
         F32 Pt = F32(pc.a[6]);
