@@ -200,7 +200,7 @@ def check_parallel(eng, n_slots, unified: bool = False) -> None:
     if n_slots > 1 and eng.device_layers is not None:  # they hold one sequence's K/V rows on the device
         raise ColiError(f"--parallel {n_slots}: device layers (--gpu-layers) serve one sequence; use --parallel 1 "
                         f"or the expert tier")
-    if unified and not pageable(eng):
+    if unified and not eng.model.pageable():
         raise ColiError(f"--kv-unified: {eng.path.name}'s layers keep a recurrent state or a compressed cache, not "
                         f"K/V rows by position (their caches cannot be paged); serve it without --kv-unified")
     one = kv_cache_bytes(eng.args, eng.ctx)
@@ -218,18 +218,13 @@ def check_parallel(eng, n_slots, unified: bool = False) -> None:
                         f"Committed_AS in /proc/meminfo); lower --parallel (at most {max(1, room // one)} here) or --ctx")
 
 
-def pageable(eng) -> bool:
-    """Whether the engine's caches can be paged (``Cache.pageable``: K/V rows by position in every layer)."""
-    return eng.model.new_cache(1, rope_ctx=1).pageable()
-
-
 def auto_parallel(eng) -> tuple[int, bool]:
     """``--parallel``'s default, llama-server's auto: 4 slots sharing the context's positions (paged, as its
     unified cache), or 1 slot where they cannot be shared (device layers hold one sequence's K/V rows; a
     family with a recurrent state or a compressed cache cannot be paged); under strict overcommit
     (``memory.commit_room``: each slot's whole context counted when it is mapped) as many of the 4 as the
     kernel lets the process commit, at least 1. (slots, unified)."""
-    if eng.device_layers is not None or not pageable(eng):
+    if eng.device_layers is not None or not eng.model.pageable():
         return 1, False
     room = memory.commit_room()
     n = 4 if room is None else max(1, min(4, room // max(1, kv_cache_bytes(eng.args, eng.ctx))))

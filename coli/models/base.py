@@ -250,7 +250,8 @@ class Cache:
 
     def pageable(self) -> bool:
         """Whether every layer cache holds its rows by position in arrays whose pages can be given back
-        (``blocks.KV``, MLA's latent cache): the paged KV cells of ``coli.kv_blocks``."""
+        (``blocks.KV``, MLA's latent cache): the paged KV cells of ``coli.kv_blocks``. ``Model.pageable`` answers
+        it from the layers, without a cache."""
         return all(hasattr(c, "give_back") for c in self.layers)
 
     def give_back(self, end: int) -> None:
@@ -267,9 +268,10 @@ class Model:
     """A decoder-only model over a ``GGUFModel``: embedding, ``layers`` (the family's decoder layers, made by
     ``make_layer(il)``), output norm and head.
 
-    A decoder layer is an object with ``__call__(h, layer_cache, pos0) -> h`` (h f32 [T, D]), ``new_cache(ctx)``
-    and ``moe`` (a ``blocks.MoE`` or None). ``act``: "f32" | "int8" (the CPU activation mode,
-    docs/cpu_kernels.md); ``step``: the ``scheduler.step.MoEStep`` the engine attaches for MoE files.
+    A decoder layer is an object with ``__call__(h, layer_cache, pos0) -> h`` (h f32 [T, D]), ``new_cache(ctx)``,
+    ``pageable`` (whether that cache can be paged: :meth:`pageable`) and ``moe`` (a ``blocks.MoE`` or None).
+    ``act``: "f32" | "int8" (the CPU activation mode, docs/cpu_kernels.md); ``step``: the
+    ``scheduler.step.MoEStep`` the engine attaches for MoE files.
     """
 
     embed_scale = 0.0
@@ -424,6 +426,12 @@ class Model:
         # older, larger one still indexes (rope_table rebuilds a table only when it is shorter than this)
         self._ctx = max(self._ctx, ctx, int(rope_ctx))
         return Cache([L.new_cache(ctx) for L in self.layers], ctx)
+
+    def pageable(self) -> bool:
+        """Whether this model's caches can be paged (``Cache.pageable`` of the caches ``new_cache`` would make),
+        from each layer's ``pageable``: True where the layer's cache holds K/V or latent rows by position, False
+        for a recurrent state (DeltaNet, KDA) or DeepSeek-V4's window ring and compressed states."""
+        return all(L.pageable for L in self.layers)
 
     @classmethod
     def cache_bytes(cls, args: BaseArgs, ctx: int) -> int:

@@ -122,6 +122,8 @@ class Attention:
     1/sqrt(head_dim). Tensors ``attn_q/k/v/output.weight``, optional ``.bias`` of each,
     ``attn_q_norm``/``attn_k_norm``; ColiError naming a missing one."""
 
+    pageable = True  # its cache, a KV, holds rows by position and gives their pages back (Cache.pageable)
+
     def __init__(self, m, p: str, *, rope_kind: int, qk_norm: str | None = None, window: int = 0,
                  rope_base: float | None = None, rope_scaling=None, n_heads: int | None = None,
                  n_kv: int | None = None, head_dim: int | None = None, n_rot: int | None = None,

@@ -120,6 +120,7 @@ class DecoderLayer:
     always has one sets ``needs_bias``."""
 
     needs_bias = False
+    pageable = property(lambda self: self.attn.pageable)  # Model.pageable: its cache is its attention's
     #: the device's layer form (coli/vulkan/layer_plan.py ``FORMS``): the MLA block qualifies by its kernels there
     device_form = "pre-norm"
 

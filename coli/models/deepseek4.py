@@ -217,6 +217,8 @@ class LayerCache:
 class Attention:
     """V4 attention of layer ``il`` (module docstring). ``__call__(x [T, D], cache, pos0) -> f32 [T, D]``."""
 
+    pageable = False  # its LayerCache: a window ring and compressed states, not rows by position (Cache.pageable)
+
     def __init__(self, m, il: int):
         a, wt, p = m.args, m.wt, f"blk.{il}."
         self.m, self.il = m, il
@@ -377,6 +379,8 @@ class MoE(blocks.MoE):
 
 class DecoderLayer:
     """One V4 block over the hc streams (module docstring)."""
+
+    pageable = property(lambda self: self.attn.pageable)  # Model.pageable: its cache is its attention's
 
     def __init__(self, m, il: int):
         p = f"blk.{il}."

@@ -86,6 +86,8 @@ class GatedDeltaNet:
     (``m.norm_in``) or None, cache a ``DeltaNetCache`` updated in place. ColiError at load naming a missing tensor
     or one whose shape does not match the ``ssm`` keys."""
 
+    pageable = False  # a recurrent state, not rows by position (Cache.pageable)
+
     def __init__(self, m, prefix: str, dims: dict, tiled: bool):
         self.m = m
         wt = m.wt

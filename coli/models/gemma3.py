@@ -30,6 +30,7 @@ class DecoderLayer:
     """``h += post_attention_norm(attn(attn_norm(h))); h += post_ffw_norm(geglu_ffn(ffn_norm(h)))``."""
 
     many_rows = True  # passes the cache to blocks.Attention only: Model.forward_rows can batch sequences
+    pageable = property(lambda self: self.attn.pageable)  # Model.pageable: its cache is its attention's
 
     moe = None
     #: the block order for the device layers (coli/vulkan/layer_plan.py ``FORMS``: a norm after each block too)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from coli.base import memory
 from coli.base.errors import ColiError
 from cpu_kernels.mla import dsa_topk
 from cpu_kernels.rope import NORM, apply_rope
@@ -88,10 +89,15 @@ class IndexedCache(LatentCache):
 
     def __init__(self, ctx: int, kv_lora_rank: int, n_rot: int, idx_dim: int):
         super().__init__(ctx, kv_lora_rank, n_rot)
-        self.ik = np.zeros((ctx, idx_dim), np.float32)
+        zeros = memory.mapped_zeros if memory.fresh() else np.zeros  # a paged slot's cache: pages as written
+        self.ik = zeros((ctx, idx_dim), np.float32)
 
     def nbytes(self) -> int:
         return super().nbytes() + self.ik.nbytes
+
+    def arrays(self) -> list:
+        """The latent, rope key and indexer key arrays, [1, positions, width] (``give_back`` returns all three)."""
+        return super().arrays() + [self.ik[None]]
 
 
 class Indexer:
@@ -139,6 +145,8 @@ class Indexer:
 class DSA:
     """MLA whose rows attend to the indexer's positions: a full layer runs its :class:`Indexer`, a shared layer
     takes the last full layer's positions of the same forward call (``m.dsa_positions``)."""
+
+    pageable = True  # LatentCache / IndexedCache: rows by position, their pages given back (Cache.pageable)
 
     def __init__(self, m, p: str, il: int, full: bool):
         self.m = m

@@ -123,6 +123,7 @@ class DecoderLayer:
     """``h += attn(attn_norm(h)); h += moe(post_attention_norm(h))`` (module docstring)."""
 
     many_rows = True  # passes the cache to blocks.Attention only: Model.forward_rows can batch sequences
+    pageable = property(lambda self: self.attn.pageable)  # Model.pageable: its cache is its attention's
     #: the block order for the device layers (coli/vulkan/layer_plan.py ``FORMS``): pre-norm, the FFN's input
     #: norm being ``post_attention_norm`` (``ffn_norm`` below)
     device_form = "pre-norm"

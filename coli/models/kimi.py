@@ -95,6 +95,8 @@ class KDA:
     unused: the state carries the position). ColiError at load naming a missing tensor or one whose shape does
     not match ``attention.head_count`` x ``kda.head_dim``."""
 
+    pageable = False  # a recurrent state, not rows by position (Cache.pageable)
+
     def __init__(self, m, p: str):
         a = m.args
         wt = m.wt

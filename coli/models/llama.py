@@ -22,6 +22,7 @@ class DecoderLayer:
     layer has a router (``ffn_gate_inp``), else the dense SwiGLU FFN."""
 
     many_rows = True  # passes the cache to blocks.Attention only: Model.forward_rows can batch sequences
+    pageable = property(lambda self: self.attn.pageable)  # Model.pageable: its cache is its attention's
     #: the block order for the device layers (coli/vulkan/layer_plan.py ``FORMS``: they check the blocks' kernels)
     device_form = "pre-norm"
 

@@ -89,6 +89,7 @@ class DecoderLayer:
     """``h += attn(attn_norm(h)); h += ffn(ffn_norm(h))`` with ffn the dense MLP or the MoE (module docstring)."""
 
     device_form = "pre-norm"    # its blocks in the device layers' order (coli/vulkan/layer_plan.py FORMS)
+    pageable = property(lambda self: self.attn.pageable)  # Model.pageable: its cache is its attention's
 
     def __init__(self, m, il: int):
         p = f"blk.{il}."

@@ -115,6 +115,8 @@ class MLA:
     -> f32 [T, D]``; ``sel`` int64 [T, K]: the positions each row attends to (a sparse indexer's choice), None =
     all earlier ones."""
 
+    pageable = True  # its LatentCache holds rows by position and gives their pages back (Cache.pageable)
+
     def __init__(self, m, p: str, *, n_heads: int, q_lora_rank: int, kv_lora_rank: int, nope: int, n_rot: int,
                  v_dim: int, scale: float, rope_base: float | None, rope_scaling):
         self.m = m

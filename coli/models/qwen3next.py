@@ -61,6 +61,8 @@ class GatedAttention:
     rope, ``attn_output(attend(q, k, v) * sigmoid(gate))`` (HF ``Qwen3NextAttention``; llama.cpp
     ``build_layer_attn``). The q/k/v projections, rope, KV cache and output are ``blocks.Attention``'s."""
 
+    pageable = property(lambda self: self.attn.pageable)  # Model.pageable: its cache is its attention's
+
     def __init__(self, m, p: str):
         self.m = m
         self.attn = Attention(m, p, rope_kind=NEOX, qk_norm="heads")
@@ -94,6 +96,7 @@ class DecoderLayer:
 
     #: the device runs this layer (coli/vulkan/device_layers.py): ``post_attention_norm`` is its FFN's pre-norm
     device_form = "pre-norm"
+    pageable = property(lambda self: (self.linear_attn or self.self_attn).pageable)  # Model.pageable
 
     def __init__(self, m, il: int, *, tiled: bool = False):
         p = f"blk.{il}."

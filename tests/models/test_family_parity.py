@@ -31,7 +31,7 @@ class Family:
     """One oracle fixture and the checks that apply to it."""
     name: str                  # tests/fixtures/oracles/{name}.gguf / .npz
     module: str                # the family file under coli/models/ the GGUF's architecture picks
-    rewindable: bool           # every layer cache indexed by position (keep_kv rewinds it; else a fresh cache)
+    rewindable: bool           # every layer cache indexed by position (keep_kv rewinds it; else fresh); pageable
     rows: int = 40             # prompt tokens of the one-at-a-time check
     rows_tol: float = 1e-5     # its bound (1e-4 where a block's f32 GEMM and a row's GEMV sum in other orders)
     routes: bool = False       # the npz has HF's expert_ids / expert_weights over ids + gen_ids[:-1]
@@ -99,7 +99,8 @@ def test_prompt_and_decode_match_hf(engines, f, expert_cache):
     m = engines(f.name, expert_cache=expert_cache).model
     assert type(m).__module__ == f"coli.models.{f.module}"
     kv = m.new_cache(128)
-    assert kv.rewindable == f.rewindable
+    # the layers' answer (no cache built) is the cache's; here the position-indexed caches are the pageable ones
+    assert kv.rewindable == f.rewindable == kv.pageable() == m.pageable()
     check_prompt_and_decode(m, kv, _oracle(f))
     assert kv.nbytes() == type(m).cache_bytes(m.args, 128)
 

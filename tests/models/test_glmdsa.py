@@ -83,7 +83,10 @@ def test_oracle_needs_the_indexer(eng, ref, monkeypatch):
     assert _rel(dense, ref["full_logits"]).max() > 1e-2
 
 
-def test_cache_and_mtp(eng):
+def test_cache_and_mtp(eng, ref):
+    """The caches' kinds and bytes; a paged cache (``memory.fresh_pages``, the server's ``--kv-unified`` slots)
+    gives back the indexer keys past a position with the latent and rope key (they read as zeros); the MTP block."""
+    from coli.base import memory
     from coli.runtime import kv_cache_bytes
     from coli.models.glmdsa import IndexedCache
     from coli.models.mla import LatentCache
@@ -93,6 +96,15 @@ def test_cache_and_mtp(eng):
     c = m.new_cache(50)
     assert [type(x) for x in c.layers] == [IndexedCache, IndexedCache, LatentCache, IndexedCache]
     assert c.nbytes() == kv_cache_bytes(a, 50) == 50 * 4 * (4 * (a.kv_lora_rank + a.n_rot) + 3 * a.idx_dim)
+    with memory.fresh_pages():
+        c = m.new_cache(2048)  # 8 KiB+ rows x 2048: the pages of positions 1024.. are whole pages
+    assert m.pageable() and c.pageable()
+    m.forward(ref["ids"][:40], c)
+    m.forward(np.resize(ref["ids"], 1200), c)  # positions 40 .. 1239
+    arrays = [x for L in c.layers for x in L.arrays()]
+    assert len(arrays) == 3 * 4 - 1 and all(np.abs(x[0, 1100:1200]).max() > 0 for x in arrays)
+    c.give_back(1024)
+    assert all(not x[0, 1024:].any() and np.abs(x[0, :1024]).max() > 0 for x in arrays)
     # the MTP block (blk.4) is loaded, not part of the trunk
     assert a.n_layers == 4 and a.n_nextn == 1 and len(m.layers) == 4
     assert len(m.mtp) == 1 and m.mtp[0].eh_proj.shape == (a.d_model, 2 * a.d_model)

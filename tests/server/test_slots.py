@@ -51,7 +51,7 @@ def test_batched_tokens_equal_alone(name, engine, model_path, demo_path):
     want = [_alone(eng, ids[0], n), _alone(eng, ids[1], n), _alone(eng, ids[2], n, temp=0.8, seed=7),
             _alone(eng, ids[3], n)]
     b = Batcher(eng, 4, chunk=5)
-    assert b.batched
+    assert b.batched and eng.model.pageable() and eng.model.new_cache(1).pageable()
     rows = eng.model.rows_dec
     ran = rows.steps if rows is not None else 0
     seqs = [_seq(eng, ids[0], n), _seq(eng, ids[1], n), _seq(eng, ids[2], n, temp=0.8, seed=7), _seq(eng, ids[3], n)]
