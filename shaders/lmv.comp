@@ -7,7 +7,8 @@
 //   bit 2 write sigmoid(r) (after the bias; not with bit 0: Qwen2-MoE's shared-expert gate)
 //   groups: (ceil(O / ROWS), R, 1); y[o] = (W[o, :] . x) (+ bias[o]) (+ old y[o]); R > 1: R activation rows, x f32
 //   [R, I] and y f32 [R, O] (workgroup y = row r: x and y moved on by r rows; the tails below need R = 1), each row
-//   summed as alone (a prompt chunk's router: its logits bit for bit a decode row's)
+//   summed as a one-row dispatch at the same ROWS sums it (ROWS sets the subgroups an output row's units take:
+//   the decode router at ROWS 1 and a prompt chunk's at 16 differ in the last bits)
 //   a5..a7, u15: the RMSNorm of y [O] by the last workgroup (norm_tail.glsl; a5 0: none)
 //   F32 only, u8 1: the router's top-k by the last workgroup (topk.comp's work on the logits y [O], E = O): a4 the
 //   route uint [2 k], a6 the correction bias f32 [O] (flags bit 4), a7 a uint counter (0 between dispatches); u9..u14
