@@ -78,6 +78,8 @@ def _messages(body: dict) -> list:
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif t == "function_call_output":
+            if not isinstance(it.get("call_id"), str):
+                raise _err(f"'{where}': a function_call_output item needs 'call_id' (the call's, a string)", where)
             out.append({"role": "tool", "tool_call_id": it.get("call_id"),
                         "content": _text(it.get("output", ""), f"{where}.output")})
         elif t == "reasoning":
@@ -92,7 +94,9 @@ def _format(body: dict, o: dict) -> None:
     text = body.get("text")
     if text is None:
         return
-    fmt = text.get("format") if isinstance(text, dict) else None
+    if not isinstance(text, dict):
+        raise _err(f"'text': {text!r:.80} (an object with 'format')", "text")
+    fmt = text.get("format")
     if fmt is None:
         return
     if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):

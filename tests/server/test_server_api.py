@@ -692,6 +692,20 @@ def test_responses_format_tools_and_items(http, eng):
         {"role": "tool", "tool_call_id": "c1", "content": "1"}, {"role": "tool", "tool_call_id": "c2", "content": "2"}]
 
 
+def test_responses_bad_fields_name_the_field():
+    """A Responses request's ``text`` that is not an object, or a function_call_output item without its call_id,
+    is a 400 naming the field (not ignored, not a tool message answering no call)."""
+    from coli import responses as RS
+    from coli.base.errors import APIError
+
+    for body, param in (({"input": "q", "text": "json"}, "text"),
+                        ({"input": [{"role": "user", "content": "q"}, {"type": "function_call_output",
+                                                                        "output": "1"}]}, "input[1]")):
+        with pytest.raises(APIError) as e:
+            RS.to_chat(body)
+        assert e.value.status == 400 and e.value.param == param, (body, e.value.param)
+
+
 # ------------------------------------------------------------------------------------- Anthropic's /v1/messages
 
 def test_messages_with_the_anthropic_client(http, eng):
