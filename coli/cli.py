@@ -149,7 +149,9 @@ def _open_engine(a, quiet=False, save_usage=True, ctx_name=None):
     if a.batch_size is not None:   # llama-context.cpp: n_ubatch = min(n_batch, n_ubatch)
         if a.batch_size < 1:
             raise ColiError(f"--batch-size: {a.batch_size} (the most rows of a prompt step, 1 or more)")
-        ubatch = min(a.batch_size, ubatch if ubatch is not None else settings.get("COLI_UBATCH"))
+        step = settings.get("COLI_UBATCH")
+        if ubatch is not None or a.batch_size < step:   # -b at or above the step changes nothing: the device's
+            ubatch = min(a.batch_size, ubatch if ubatch is not None else step)   # chunk rule stays its own
     if a.gpu_layers is not None and a.gpu_layers < -1:
         raise ColiError(f"--gpu-layers: {a.gpu_layers} (a layer count, -1 for as many as fit, 0 for the expert tier)")
     cpu_moe = getattr(a, "n_cpu_moe", None)
