@@ -72,7 +72,8 @@ def _engine_args(p: argparse.ArgumentParser, model_required=False):
                    help="GGUF file, Hugging Face folder (config.json, *.safetensors, tokenizer.json), or a model "
                         "name (smollm2, gemma3-270m, qwen2.5-coder-0.5b, demo: coli models); "
                         "default: the demo MoE, built on first use")
-    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: physical cores available)")
+    p.add_argument("-t", "--threads", type=_threads, default=None,
+                   help="CPU threads (default, and 0 or negative as llama.cpp: physical cores available)")
     p.add_argument("--ctx", "-c", "--ctx-size", type=int, default=None,
                    help="KV cache positions (default: the model's trained context, capped so the KV cache "
                         "takes at most a quarter of what the memory budget leaves; 0: the trained context, as "
@@ -873,6 +874,15 @@ def build_parser() -> argparse.ArgumentParser:
         for kind in (int, float):
             sp.register("type", kind, _plain(kind))
     return p
+
+
+def _threads(s: str) -> int | None:
+    """``-t N`` as llama.cpp reads it (common/arg.cpp: ``n_threads <= 0`` is the default): None for 0 or less."""
+    n = _plain(int)(s)
+    return n if n > 0 else None
+
+
+_threads.__name__ = "int"   # argparse's line for a bad value names the type: "invalid int value: 'x'"
 
 
 def _plain(kind):

@@ -101,7 +101,7 @@ class _Src:
 
 
 def _fail(folder: Path, what: str):
-    raise ColiError(f"{folder.name}: {what}")
+    raise ColiError(f"{folder}: {what}")   # the path as given: the folder's last part alone was ambiguous
 
 
 def _read_json(folder: Path, name: str, required: bool = True):
@@ -326,7 +326,7 @@ def open_folder(path) -> HFModel:
     whose name, dtype or shape coli does not know, or experts of one layer that disagree in type or shape."""
     folder = Path(path)
     if not folder.is_dir():
-        raise ColiError(f"{folder.name}: not a folder ({folder})")
+        raise ColiError(f"{folder}: not a folder")
     cfg = _read_json(folder, "config.json")
     mt = cfg.get("model_type")
     a = ARCHS.get(mt)

@@ -65,6 +65,7 @@ from numba.extending import overload
 
 from coli.types import table as _TT
 from coli.base.errors import ColiError
+from coli.base.memory import read_only
 
 from . import DEFAULT_ACT
 from . import vnni as _vnni
@@ -478,7 +479,7 @@ def pack_lut(qs16: np.ndarray, nb: int, d: np.ndarray, kv: np.ndarray):
     -> (qs pairs uint8 [O, ceil(nb/2)*32], d, kv int8 [1, 16])."""
     O = qs16.shape[0]
     out = np.empty((O, (nb + 1) // 2 * 32), np.uint8)
-    _u_pair(np.ascontiguousarray(qs16), 16, 0, out)
+    _u_pair(read_only(np.ascontiguousarray(qs16)), 16, 0, out)
     return out, np.ascontiguousarray(d, dtype=np.float32), np.ascontiguousarray(kv, dtype=np.int8).reshape(1, 16)
 
 
@@ -694,9 +695,9 @@ def _gather3(a, out):
 
 def _f16(a: np.ndarray) -> np.ndarray:
     """uint8 [..., 2] little-endian f16 bytes -> f32 [...]."""
-    if a.ndim == 3 and a.dtype == np.uint8:
+    if a.ndim == 3 and a.dtype == np.uint8 and not a.flags.c_contiguous:
         u = np.empty((a.shape[0], a.shape[1] * 2), np.uint8)
-        _gather3(a, u)
+        _gather3(read_only(a), u)
         return u.view(np.float16).astype(np.float32)
     return np.ascontiguousarray(a).view(np.float16)[..., 0].astype(np.float32)
 
@@ -709,7 +710,7 @@ def _c(a: np.ndarray, O: int) -> np.ndarray:
     """``a`` as C-contiguous rows [O, -1]; a strided uint8 [O, nb, w] view of block fields through ``_gather3``."""
     if a.ndim == 3 and a.dtype == np.uint8 and not a.flags.c_contiguous:
         out = np.empty((O, a.shape[1] * a.shape[2]), np.uint8)
-        _gather3(a, out)
+        _gather3(read_only(a), out)
         return out
     return np.ascontiguousarray(a).reshape(O, -1)
 
@@ -728,19 +729,19 @@ def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _pack_f32(raw, O, I):
-    return (np.ascontiguousarray(raw).view(np.float32).reshape(O, I),)
+    return (read_only(np.ascontiguousarray(raw).view(np.float32).reshape(O, I)),)
 
 
 def _pack_f16(raw, O, I):
     # Numba has no float16: converted to f32 at prepare time (2x memory). Decoding the bits in the kernel
     # measured 0.8-1.4 GB/s against 14-27 GB/s (F16 bytes) for the F32 kernel on the converted copy.
-    return (np.ascontiguousarray(raw).view(np.float16).reshape(O, I).astype(np.float32),)
+    return (read_only(np.ascontiguousarray(raw).view(np.float16).reshape(O, I).astype(np.float32)),)
 
 
 def _pack_bf16(raw, O, I):
     # bf16 is the top half of an f32: widened at prepare time (2x memory) for the F32 kernels.
     u = np.ascontiguousarray(raw).view(np.uint16).reshape(O, I).astype(np.uint32) << 16
-    return (u.view(np.float32),)
+    return (read_only(u.view(np.float32)),)
 
 
 def _pack_q8_0(raw, O, I):
@@ -816,7 +817,7 @@ def _u_q6_k(raw, q):
 def _pair_nibbles(raw: np.ndarray, nb: int, bpb: int, off: int) -> np.ndarray:
     """uint8 [O, ceil(nb/2)*32] pair layout (see ``_u_pair``)."""
     out = np.empty((raw.shape[0], (nb + 1) // 2 * 32), np.uint8)
-    _u_pair(np.ascontiguousarray(raw).reshape(raw.shape[0], -1), bpb, off, out)
+    _u_pair(read_only(np.ascontiguousarray(raw).reshape(raw.shape[0], -1)), bpb, off, out)
     return out
 
 
@@ -869,7 +870,7 @@ def _pack_q5_0(raw, O, I):
     b = _blocks(raw, O, nb, 22)
     if not _vnni.HAVE_VNNI:
         q = np.empty((O, I), np.int8)
-        _u_q5_0(np.ascontiguousarray(raw), q)
+        _u_q5_0(read_only(np.ascontiguousarray(raw)), q)
         return q, _c(_f16(b[:, :, 0:2]), O)
     return _pair_nibbles(raw, nb, 22, 6), _c(b[:, :, 2:6], O).view(np.uint32), _c(_f16(b[:, :, 0:2]), O)
 
@@ -887,7 +888,7 @@ def _pack_q5_k(raw, O, I):
     b = _blocks(raw, O, nb, 176)
     sc, mn = _k_scales(b[:, :, 4:16])
     q = np.empty((O, I), np.uint8)
-    _u_q5_k(np.ascontiguousarray(raw), q)
+    _u_q5_k(read_only(np.ascontiguousarray(raw)), q)
     return (q, _c(sc, O), _c(mn, O), _c(_f16(b[:, :, 0:2]), O), _c(_f16(b[:, :, 2:4]), O))
 
 
@@ -897,7 +898,7 @@ def _pack_q6_k(raw, O, I):
     nb = I // 256
     b = _blocks(raw, O, nb, 210)
     q = np.empty((O, I), np.int8)
-    _u_q6_k(np.ascontiguousarray(raw), q)
+    _u_q6_k(read_only(np.ascontiguousarray(raw)), q)
     return q, _c(b[:, :, 192:208], O).view(np.int8), _c(_f16(b[:, :, 208:210]), O)
 
 
@@ -909,7 +910,7 @@ def _pack_mxfp4(raw, O, I):
     d = gq.MXFP4.e8m0_to_fp32_half(np.ascontiguousarray(b[:, :, 0])).astype(np.float32)
     if not _vnni.HAVE_VNNI:  # no register lookup: the codes widened to int8 at load (the Q8_0 kernels)
         q = np.empty((O, I), np.int8)
-        _u_mxfp4(np.ascontiguousarray(raw), _MXFP4_I8, q)
+        _u_mxfp4(read_only(np.ascontiguousarray(raw)), _MXFP4_I8, q)
         return q, _c(d, O)
     return pack_lut(_c(b[:, :, 1:17], O), nb, d, _MXFP4_I8)
 

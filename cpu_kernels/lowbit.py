@@ -46,6 +46,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from coli.base.memory import read_only
+
 from .formats import _F0, _JIT, _PJIT, _RB, _block_sums, _blocks, _c, _f16, _lanes_sum
 from . import formats as _F
 from .tiles import tq_codes
@@ -239,7 +241,7 @@ def _u_nl(raw, bpb, off, nsub, kv, q):
 def _pack_q5_1(raw, O, I):
     b = _blocks(raw, O, I // 32, 24)
     q = np.empty((O, I), np.int8)
-    _u_q5_1(np.ascontiguousarray(raw), q)
+    _u_q5_1(read_only(np.ascontiguousarray(raw)), q)
     d = _c(_f16(b[:, :, 0:2]), O)
     m = _c(_f16(b[:, :, 2:4]), O)
     return q, d, (m + np.float32(16.0) * d).astype(np.float32)
@@ -273,7 +275,7 @@ def _pack_iq4_nl(raw, O, I):
     b = _blocks(raw, O, nb, 18)
     if not _HAVE_VNNI:  # no register lookup: the codes widened to int8 kvalues at load (the Q8_0 kernels)
         q = np.empty((O, I), np.int8)
-        _u_nl(np.ascontiguousarray(raw), 18, 2, 1, KVALUES_IQ4NL, q)
+        _u_nl(read_only(np.ascontiguousarray(raw)), 18, 2, 1, KVALUES_IQ4NL, q)
         return q, _c(_f16(b[:, :, 0:2]), O)
     return _F.pack_lut(_c(b[:, :, 2:18], O), nb, _c(_f16(b[:, :, 0:2]), O), KVALUES_IQ4NL)
 
@@ -290,7 +292,7 @@ def _pack_iq4_xs(raw, O, I):
     d32 = _c((d[..., None] * ls.astype(np.float32)).astype(np.float32), O)
     if not _HAVE_VNNI:
         q = np.empty((O, I), np.int8)
-        _u_nl(np.ascontiguousarray(raw), 136, 8, 8, KVALUES_IQ4NL, q)
+        _u_nl(read_only(np.ascontiguousarray(raw)), 136, 8, 8, KVALUES_IQ4NL, q)
         return q, d32
     return _F.pack_lut(_c(b[:, :, 8:136], O), nb * 8, d32, KVALUES_IQ4NL)
 

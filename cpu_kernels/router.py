@@ -216,13 +216,14 @@ def exp_inplace(a):
         a[i] = exp_f32(a[i])
 
 
-# explicit signatures (compiled at import, without fastmath): the compiled region calls this from a fastmath function,
-# which would otherwise compile it with fastmath for every caller (cpu_kernels/decode_moe.py)
-@njit([types.float32(types.float32[:, ::1], W, types.int64)
-       for W in (types.float32[:, ::1], types.Array(types.float32, 2, "C", readonly=True))], nogil=True, cache=True)
+# an explicit signature (compiled at import, without fastmath): the compiled region calls this from a fastmath function,
+# which would otherwise compile it with fastmath for every caller (cpu_kernels/decode_moe.py); W read-only only (every
+# caller hands memory.read_only(W)), so it compiles once
+@njit([types.float32(types.float32[:, ::1], types.Array(types.float32, 2, "C", readonly=True), types.int64)],
+      nogil=True, cache=True)
 def logit(x, W, e):
-    """The router logit of expert ``e``: ``x[0] . W[e]`` in float32 (x f32 [1, D], W f32 [E, D]), products rounded
-    then summed in 8 running sums (lane i % 8), joined ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)), then the tail in
+    """The router logit of expert ``e``: ``x[0] . W[e]`` in float32 (x f32 [1, D], W f32 [E, D] read-only), products
+    rounded then summed in 8 running sums (lane i % 8), joined ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)), then the tail in
     order. One fixed order, whatever the thread count: the decode row's router logits (Python path and compiled
     region alike, ``coli.models.blocks.MoE``)."""
     D = W.shape[1]
@@ -245,7 +246,8 @@ def logit(x, W, e):
 
 @njit(nogil=True, cache=True, fastmath=False)
 def logits_row(x, W, out):
-    """out f32 [1, E] = the router logits of the row x f32 [1, D] (:func:`logit`), W f32 [E, D]."""
+    """out f32 [1, E] = the router logits of the row x f32 [1, D] (:func:`logit`), W f32 [E, D] read-only
+    (``coli.base.memory.read_only``; a writable W is a typing error)."""
     for e in range(W.shape[0]):
         out[0, e] = logit(x, W, e)
 

@@ -138,6 +138,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
 
+from coli.base.memory import read_only
+
 from .vnni import _F32, _F32x16, _I8x64, _I32, _I32x8, _I32x16, _Ops, _arrays, vnni_intrinsic
 
 _JIT = dict(nogil=True, cache=True, fastmath=True)
@@ -508,7 +510,7 @@ def pack(type_name: str, raw: np.ndarray, O: int, I: int) -> np.ndarray:
     bs, rec, nc, bsz = SPEC[type_name]
     nb = I // bs
     T = O // ROWS
-    blk = np.ascontiguousarray(raw).reshape(T, ROWS, nb, bsz)   # C order: one specialisation per kernel
+    blk = read_only(np.ascontiguousarray(raw).reshape(T, ROWS, nb, bsz))   # C, read-only: one compile per kernel
     out = np.empty((T, nb, rec), np.uint8)
     if type_name in ("IQ2_XXS", "IQ3_XXS", "IQ3_S", "IQ2_XS", "IQ2_S"):
         from coli.types import iq_tables

@@ -235,13 +235,14 @@ class MLA:
             # one GEMM a side for the group's heads: k_j = W_kb c_j, v_j = W_vb c_j (the engine's threads, as
             # every kernel; NumPy's BLAS ran it at the same speed here but with a thread pool of its own)
             kn = np.empty((n, g * dn), np.float32)
-            gemm_f32(np.ascontiguousarray(self.attn_k_b[h0:h1].transpose(0, 2, 1)).reshape(g * dn, self.r), lat, kn)
+            kb = np.ascontiguousarray(self.attn_k_b[h0:h1].transpose(0, 2, 1)).reshape(g * dn, self.r)
+            gemm_f32(memory.read_only(kb), lat, kn)   # read-only, as the F32 weights' kernels: one compile
             K = np.empty((g, n, dn + self.dr), np.float32)
             K[:, :, :dn] = kn.reshape(n, g, dn).transpose(1, 0, 2)
             K[:, :, dn:] = kr                                             # the rope key, shared by the heads
             del kn  # before vn: the group's scratch is K, V and one GEMM output (EXPAND_BYTES)
             vn = np.empty((n, g * dv), np.float32)
-            gemm_f32(np.ascontiguousarray(self.attn_v_b[h0:h1]).reshape(g * dv, self.r), lat, vn)
+            gemm_f32(memory.read_only(np.ascontiguousarray(self.attn_v_b[h0:h1]).reshape(g * dv, self.r)), lat, vn)
             V = np.ascontiguousarray(vn.reshape(n, g, dv).transpose(1, 0, 2))
             del vn
             if G == H:

@@ -351,3 +351,26 @@ def test_a_misspelt_model_name_names_the_closest():
         resolve("smolm2")
     with pytest.raises(ColiError, match=r"^/x/smolm2: no such file \(give a GGUF path"):
         resolve("/x/smolm2")
+
+
+@pytest.mark.parametrize("t", ["0", "-1"])
+def test_threads_0_or_negative_is_the_default_as_llama_cpp_reads_it(capsys, t):
+    """``-t 0`` / ``-t -1`` run with the default thread count (llama.cpp common/arg.cpp: ``n_threads <= 0`` is the
+    default); they were refused ("threads: 0 (at least 1)"). A value that is not a number is still argparse's line."""
+    import cpu_kernels
+
+    n = cpu_kernels.default_threads()
+    rc, out, err = _main(capsys, "run", "-m", str(DENSE), "-p", "x", "-n", "1", "-t", t)
+    assert rc == 0 and f", {n} thread{'s' if n != 1 else ''}, ctx " in err, err
+    with pytest.raises(SystemExit) as e:
+        _main(capsys, "run", "-m", str(DENSE), "-p", "x", "-t", "two")
+    assert e.value.code == 2 and "argument -t/--threads: invalid int value: 'two'" in capsys.readouterr().err
+
+
+def test_a_folder_model_error_names_the_whole_path(tmp_path, capsys):
+    """``-m DIR`` that is not a model folder: the line names the folder as given, not its last part alone
+    ("coli: x: config.json: missing" said which x only to whoever remembered typing it)."""
+    d = tmp_path / "x"
+    d.mkdir()
+    rc, out, err = _main(capsys, "run", "-m", str(d), "-p", "x", "-n", "1")
+    assert (rc, out) == (2, "") and err.startswith(f"coli: {d}: config.json: missing"), err

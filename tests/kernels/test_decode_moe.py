@@ -14,6 +14,7 @@ import numba
 import numpy as np
 import pytest
 
+from coli.base.memory import read_only
 from coli.engine import Engine
 from cpu_kernels import decode, decode_moe, formats, rope, router
 from cpu_kernels.experts import HAVE_VNNI
@@ -288,7 +289,7 @@ def test_router_logits_against_a_float64_product():
         x = rng.standard_normal((1, D)).astype(np.float32)
         W = rng.standard_normal((E, D)).astype(np.float32)
         lg = np.empty((1, E), np.float32)
-        router.logits_row(x, W, lg)
+        router.logits_row(x, read_only(W), lg)
         ref = x.astype(np.float64) @ W.T.astype(np.float64)
         bound = D * np.finfo(np.float32).eps * (np.abs(x).astype(np.float64) @ np.abs(W.T).astype(np.float64))
         assert np.all(np.abs(lg - ref) <= bound)

@@ -232,6 +232,28 @@ def test_block_field_gathers_equal_numpy_copies():
     assert np.array_equal(F._f16(b[:, :, 0:2]), want, equal_nan=True)
 
 
+def test_repacks_hand_their_kernels_read_only_arrays():
+    """A writable raw (a test array, a converted tensor) and a read-only one (the mapped file) reach each repack
+    kernel and the F32 GEMV as one array kind, read-only, so each compiles once per run, not twice
+    (docs/cpu_kernels.md "One specialisation per kernel"); the two packs are equal."""
+    from conftest import compiled_signatures
+
+    rng = np.random.default_rng(5)
+    for name, tiles in (("F16", False), ("Q4_0", False), ("Q6_K", False), ("Q4_0", True)):
+        O, I = 16, 256
+        raw = _random_raw(name, O, I, rng)
+        ro = raw.copy()
+        ro.flags.writeable = False
+        a, b = F.prepare(name, raw, (O, I), tiles=tiles), F.prepare(name, ro, (O, I), tiles=tiles)
+        assert all(np.array_equal(u, v, equal_nan=True) for u, v in zip(a.arrays, b.arrays)), name
+        if name == "F16":
+            F.matmul(a, np.ones((1, I), np.float32), act="f32")   # the F32 GEMV on the widened copy
+    kernels = [F.gemv_f32, F._u_pair, F._u_q6_k, F._gather3] + ([F._tiles._pack] if F._vnni.HAVE_VNNI else [])
+    for f in kernels:
+        sigs = compiled_signatures(f)
+        assert sigs and not any(s[0].mutable for s in sigs), (f.__name__, sigs)
+
+
 _NO_VNNI_CHILD = r"""
 import numpy as np
 import cpu_kernels.attention, cpu_kernels.rope  # with formats and experts: every kernel module

@@ -64,3 +64,4 @@ def test_router_kernels_compile_once():
     W.flags.writeable = False
     assert np.array_equal(R.logits_rows(x, W), a)
     assert len(compiled_signatures(R._logits_rows)) == 1, compiled_signatures(R._logits_rows)
+    assert [s[1].mutable for s in compiled_signatures(R.logit)] == [False], compiled_signatures(R.logit)

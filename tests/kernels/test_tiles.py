@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from numba import njit
 
+from coli.base.memory import read_only
 from coli.types import table as TT
 from coli.base.errors import ColiError
 from coli.finite import check_weight
@@ -113,7 +114,7 @@ def test_field_copy_matches_a_numpy_reference(type_name, T, nb):
     raw = wide[:, 3:3 + nb * bsz]                                         # a strided view of the blocks
     want = _fields_reference(np.ascontiguousarray(raw).reshape(T, 16, nb, bsz), fields, rec)
     got = np.zeros((T, nb, rec), np.uint8)
-    tiles._pack(np.ascontiguousarray(raw).reshape(T, 16, nb, bsz), got, np.array(fields, np.int64))
+    tiles._pack(read_only(np.ascontiguousarray(raw).reshape(T, 16, nb, bsz)), got, np.array(fields, np.int64))
     assert np.array_equal(got, want)
     written = np.zeros(rec, bool)
     for _, cnt, w, dst in fields:
