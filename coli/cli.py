@@ -285,6 +285,7 @@ def cmd_run(a) -> int:
     if a.seed < -1:
         raise ColiError(f"--seed: {a.seed} (-1 for random, or 0 and above)")
     seed = secrets.randbits(32) if a.seed == -1 else a.seed
+    _check_sampling(a)
     cfg_note = _apply_config(a)
     eng = _open_engine(a, quiet=a.quiet)
     try:
@@ -377,12 +378,22 @@ def _version() -> str:
         return "0.1.0"
 
 
+def _check_sampling(a) -> None:
+    """The sampling flags checked before the model loads, whose first run compiles kernels for minutes: the line
+    ``coli.sampling.SamplingParams.validated`` gives (``--top-p: 2 (in [0, 1]; 1 = off)``), at once."""
+    from coli.sampling import SamplingParams
+
+    SamplingParams(temp=a.temp, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, repeat_penalty=a.repeat_penalty,
+                   repeat_last_n=a.repeat_last_n).validated()
+
+
 def cmd_chat(a) -> int:
     from coli.chat import run_chat  # imports the engine (Numba): only for coli chat
 
     _escape_stops(a)
     if a.seed < -1:
         raise ColiError(f"--seed: {a.seed} (-1 for random, or 0 and above)")
+    _check_sampling(a)
     cfg_note = _apply_config(a)
     eng = _open_engine(a, quiet=a.quiet)
     try:

@@ -374,3 +374,14 @@ def test_a_folder_model_error_names_the_whole_path(tmp_path, capsys):
     d.mkdir()
     rc, out, err = _main(capsys, "run", "-m", str(d), "-p", "x", "-n", "1")
     assert (rc, out) == (2, "") and err.startswith(f"coli: {d}: config.json: missing"), err
+
+
+@pytest.mark.parametrize("cmd", ["run", "chat"])
+@pytest.mark.parametrize("flag, value, says", [("--top-p", "2", "top_p (--top-p): 2.0 (in [0, 1]; 1 = off)"),
+                                               ("--repeat-penalty", "0", "repeat_penalty (--repeat-penalty): 0.0")])
+def test_a_sampling_flag_out_of_range_is_refused_before_the_model_loads(tmp_path, capsys, cmd, flag, value, says):
+    """A sampling flag out of range is one line at once, before the model is even looked for (here it does not
+    exist): it came after the load, whose first run compiles kernels for minutes."""
+    rc, out, err = _main(capsys, cmd, "-m", str(tmp_path / "none.gguf"), *(["-p", "x"] if cmd == "run" else []),
+                         flag, value)
+    assert (rc, out) == (2, "") and err.startswith(f"coli: {says}"), err
