@@ -34,6 +34,7 @@ Errors: ``ColiError`` naming the folder and the file, key or tensor.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import mmap
@@ -52,7 +53,6 @@ from coli.base.errors import ColiError
 from coli.gguf_file import TensorInfo
 from coli.tokenizer import CONTROL, Tokenizer, UNUSED, USER_DEFINED, _EOG_TEXTS
 from coli.types import fp8_blocks as fp8
-from scheduler.ram_cache import ExpertSource
 
 #: HF ``model_type`` -> GGUF architecture (coli's model files)
 ARCHS = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "llama", "llama": "llama",
@@ -180,7 +180,7 @@ class HFModel:
 
     def expert_source(self, layers: dict):
         """A ``scheduler.ram_cache.ExpertSource`` reading this folder's per-expert tensors."""
-        return HFExpertSource(self, layers)
+        return _hf_expert_source()(self, layers)
 
     def __repr__(self) -> str:
         return f"HFModel({self.path.name!r}, arch={self.arch!r}, {len(self.tensors)} tensors)"
@@ -448,18 +448,26 @@ def _llama3_freqs(rp: dict, dim: int) -> TensorInfo:
 
 
 # ----------------------------------------------------------------------------------------------- experts
-class HFExpertSource(ExpertSource):
-    """``scheduler.ram_cache.ExpertSource`` over per-expert checkpoint tensors: expert e's three weights are
-    copied out of the mapping (FP8 ones into coli's row layout) instead of read from one GGUF tensor."""
+@functools.cache
+def _hf_expert_source():
+    """The class below, made on first use: ``scheduler.ram_cache`` imports the CPU kernels, which a first run
+    compiles for minutes, so a folder's errors (config.json missing...) and ``coli info DIR`` do not wait for it."""
+    from scheduler.ram_cache import ExpertSource
 
-    def __init__(self, model: HFModel, layers: dict):
-        super().__init__(model.path, layers, open_file=False)
-        self.model = model
+    class HFExpertSource(ExpertSource):
+        """``scheduler.ram_cache.ExpertSource`` over per-expert checkpoint tensors: expert e's three weights are
+        copied out of the mapping (FP8 ones into coli's row layout) instead of read from one GGUF tensor."""
 
-    def read_one(self, layer: int, t, e: int):
-        k, w, s = self.model.experts[(layer, t.name)][e]
-        tn, raw = _raw(self.model.path, k, w, s)
-        return tn, np.array(raw, copy=True), w.end - w.start + (s.end - s.start if s is not None else 0)
+        def __init__(self, model: HFModel, layers: dict):
+            super().__init__(model.path, layers, open_file=False)
+            self.model = model
+
+        def read_one(self, layer: int, t, e: int):
+            k, w, s = self.model.experts[(layer, t.name)][e]
+            tn, raw = _raw(self.model.path, k, w, s)
+            return tn, np.array(raw, copy=True), w.end - w.start + (s.end - s.start if s is not None else 0)
+
+    return HFExpertSource
 
 
 # ----------------------------------------------------------------------------------------------- tokenizer

@@ -385,3 +385,16 @@ def test_a_sampling_flag_out_of_range_is_refused_before_the_model_loads(tmp_path
     rc, out, err = _main(capsys, cmd, "-m", str(tmp_path / "none.gguf"), *(["-p", "x"] if cmd == "run" else []),
                          flag, value)
     assert (rc, out) == (2, "") and err.startswith(f"coli: {says}"), err
+
+
+def test_a_folder_is_checked_without_the_kernels():
+    """Opening a Hugging Face folder imports no CPU kernels (``coli.hf_folder`` makes its expert source on first use):
+    ``coli info DIR`` / ``coli run -m DIR`` on a folder without config.json waited for the first run's compile
+    (minutes, silent for info) before its one line."""
+    import subprocess
+    import sys
+
+    code = ("import sys, coli.hf_folder; bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('cpu_kernels', 'numba', 'scheduler')); print(bad)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (r.returncode, r.stdout) == (0, "[]\n"), r.stderr
