@@ -76,6 +76,21 @@ def _short_read(name: str, t, e: int, got: int) -> ColiError:
                      f"bytes): the file ends early (truncated or changed since it was loaded)")
 
 
+class Early:
+    """An expert read early and not prepared (``ExpertSource.read_early``): ``buf`` the page-aligned mapping
+    holding its three slices, ``nbytes`` their bytes. :meth:`take` hands its slice views to one taker only (the
+    prepare, or the drop of a wrong guess), None to any later one."""
+
+    def __init__(self, buf, views: list, nbytes: int):
+        self.buf, self._views, self.nbytes = buf, views, nbytes
+        self._lock = threading.Lock()
+
+    def take(self):
+        with self._lock:
+            v, self._views = self._views, None
+        return v
+
+
 class ExpertSource:
     """Reads experts of the MoE layers from the model file.
 
@@ -104,6 +119,7 @@ class ExpertSource:
         self._dfds: dict = {}  # file name -> its O_DIRECT descriptor, -1 where the file system refuses O_DIRECT
         self._refused: list = []  # O_DIRECT descriptors whose reads the file system refused: closed by close()
         self._scratch = threading.local()   # a reader thread's page-aligned read buffer (``_direct_read``)
+        self._buffers: list = []   # early reads' page-aligned buffers not in use (``read_early``)
         self._held: dict = {}  # layer -> held_nbytes
         self.bytes_read = 0
         self.reads = 0
@@ -216,10 +232,11 @@ class ExpertSource:
             self.direct_reads += 1
         return ws
 
-    def _direct_read(self, t, e: int):
+    def _direct_read(self, t, e: int, buf=None, at: int = 0):
         """Expert ``e``'s slice of the 3-D tensor ``t`` read with O_DIRECT: ``(uint8 [O, row_bytes], bytes)``, a
-        view of this thread's buffer valid until the thread's next read, or None where the file system refuses
-        O_DIRECT. O_DIRECT wants the offset, the length and the memory aligned to the device's block: the read
+        view of this thread's buffer valid until the thread's next read (or of ``buf`` from byte ``at``, a
+        page-aligned mapping big enough: :meth:`read_early`), or None where the file system refuses O_DIRECT.
+        O_DIRECT wants the offset, the length and the memory aligned to the device's block: the read
         covers the slice's whole 4 KiB pages (GGUF aligns tensors to 32 bytes only) into page-aligned memory."""
         per = t.raw[0].nbytes
         name = getattr(t, "file", None) or self.path
@@ -229,11 +246,12 @@ class ExpertSource:
         off = t.offset + e * per
         start = off - off % _ALIGN
         n = -(-(off + per - start) // _ALIGN) * _ALIGN
-        buf = getattr(self._scratch, "buf", None)
-        if buf is None or len(buf) < n:
-            buf = self._scratch.buf = mmap.mmap(-1, n)   # anonymous: page-aligned, reused by this thread's reads
+        if buf is None:
+            buf = getattr(self._scratch, "buf", None)
+            if buf is None or len(buf) < n:
+                buf = self._scratch.buf = mmap.mmap(-1, n)   # anonymous: page-aligned, reused by this thread's reads
         try:
-            got = os.preadv(fd, [memoryview(buf)[:n]], start)
+            got = os.preadv(fd, [memoryview(buf)[at:at + n]], start)
         except OSError as ex:
             if ex.errno != errno.EINVAL:
                 raise
@@ -243,7 +261,74 @@ class ExpertSource:
             return None
         if got < off - start + per:   # the file may end inside the last page: the slice itself must be there
             raise _short_read(name, t, e, max(0, got - (off - start)))
-        return np.frombuffer(buf, np.uint8, count=per, offset=off - start).reshape(t.raw.shape[1:]), per
+        return np.frombuffer(buf, np.uint8, count=per, offset=at + off - start).reshape(t.raw.shape[1:]), per
+
+    @staticmethod
+    def _span(t, e: int) -> int:
+        """Bytes :meth:`_direct_read` reads for expert ``e``'s slice of ``t``: its whole 4 KiB pages."""
+        per = t.raw[0].nbytes
+        off = t.offset + e * per
+        return -(-(off + per - (off - off % _ALIGN)) // _ALIGN) * _ALIGN
+
+    def read_early(self, layer: int, e: int):
+        """Expert ``e`` of ``layer`` read with O_DIRECT into a page-aligned buffer of its own and not prepared (an
+        early read that may be a wrong guess: ``scheduler.read_ahead``): an :class:`Early` for
+        :meth:`prepare_early` or :meth:`drop_early`, or None (nothing read) where :meth:`load` would not read with
+        O_DIRECT. The bytes and the read are counted here. Thread-safe."""
+        if not (self.direct and not self.keep_raw and not self.page_aligned and self.fd >= 0):
+            return None
+        ts = self.layers[layer]
+        spans = [self._span(t, e) for t in ts]
+        buf = self._take_buffer(sum(spans))
+        views, at, n = [], 0, 0
+        for t, span in zip(ts, spans):
+            got = self._direct_read(t, e, buf, at)
+            if got is None:
+                self._give_buffer(buf)
+                return None
+            views.append(got[0])
+            n += got[1]
+            at += span
+        with self._lock:
+            self.bytes_read += n
+            self.reads += 1
+            self.direct_reads += 1
+        return Early(buf, views, n)
+
+    def prepare_early(self, layer: int, e: int, early) -> ExpertWeights:
+        """The expert an :meth:`read_early` read, prepared as :meth:`load` prepares it (its buffer then goes back
+        to the pool); :meth:`load` itself where ``early`` is None or was dropped already."""
+        views = early.take() if early is not None else None
+        if views is None:
+            return self.load(layer, e)
+        try:
+            ws = []
+            for t, arr in zip(self.layers[layer], views):
+                shp = tuple(t.shape[1:])
+                if _keeps_view(t.type_name, shp):   # the buffer goes back to the pool: prepare from a copy
+                    arr = arr.copy()
+                ws.append(formats.prepare(t.type_name, arr, shp, tiles=self.tiles))
+        finally:
+            self._give_buffer(early.buf)
+        return self._weights(layer, e, ws, None, early.nbytes)
+
+    def drop_early(self, early) -> None:
+        """A wrong guess's :class:`Early`: its buffer goes back to the pool unprepared (no-op if prepared)."""
+        if early is not None and early.take() is not None:
+            self._give_buffer(early.buf)
+
+    def _take_buffer(self, n: int):
+        """A page-aligned private anonymous mapping of at least ``n`` bytes from the pool of early reads' buffers
+        (a new one when none is free: the pool holds at most as many as were ever out at once)."""
+        with self._lock:
+            for i, b in enumerate(self._buffers):
+                if len(b) >= n:
+                    return self._buffers.pop(i)
+        return mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+    def _give_buffer(self, buf) -> None:
+        with self._lock:
+            self._buffers.append(buf)
 
     def _direct_fd(self, name: str) -> int:
         """``name`` opened with O_DIRECT (once), or -1 where the file system refuses it (tmpfs: EINVAL)."""
@@ -520,9 +605,10 @@ class RAMCache:
         self.evictions += 1
         return True
 
-    def _read(self, layer, e):
+    def _read(self, layer, e, early=None):
         t0 = time.perf_counter()
-        w = self.source.load(layer, e)
+        # an early read asked for: prepared from its bytes (it was submitted first, so it has started or landed)
+        w = self.source.load(layer, e) if early is None else self.source.prepare_early(layer, e, early.result())
         t1 = time.perf_counter()
         self.load_s += t1 - t0
         if self.on_read is not None:
@@ -530,12 +616,34 @@ class RAMCache:
         return w
 
     def fetch(self, layer: int, e: int) -> Future:
+        """A ``Future`` of expert ``e`` of ``layer`` read and prepared (``ExpertWeights``): the one in flight, a new
+        read on the I/O threads, or for an early read (:meth:`fetch_early`) its prepare, which starts now."""
         key = (layer, e)
         f = self.inflight.get(key)
-        if f is None:
-            f = self.pool.submit(self._read, layer, e)
+        if f is None or getattr(f, "early", False):
+            f = self.pool.submit(self._read, layer, e, f)
             self.inflight[key] = f
         return f
+
+    def fetch_early(self, layer: int, e: int) -> Future:
+        """Start reading expert ``e`` of ``layer`` before it is routed (a guess: ``scheduler.read_ahead``): where
+        the source reads without preparing (``ExpertSource.read_early``) the ``Future`` is of those bytes and
+        marked ``early``; the expert is prepared only when :meth:`fetch` asks for it, and a wrong guess's bytes
+        go back unprepared (:meth:`drop_early`). The one in flight if any; else :meth:`fetch`'s read."""
+        key = (layer, e)
+        f = self.inflight.get(key)
+        if f is not None or not hasattr(self.source, "read_early"):
+            return f if f is not None else self.fetch(layer, e)
+        f = self.pool.submit(self.source.read_early, layer, e)
+        f.early = True
+        self.inflight[key] = f
+        return f
+
+    def drop_early(self, f: Future) -> None:
+        """A landed wrong guess: an early read's bytes go back to the source's pool unprepared (no-op for any
+        other ``Future``, or one whose bytes a :meth:`fetch` took)."""
+        if getattr(f, "early", False) and not f.cancelled() and f.exception() is None:
+            self.source.drop_early(f.result())
 
     def put(self, layer: int, e: int, w: ExpertWeights) -> None:
         """Cache expert ``e`` of ``layer`` just read (a disk load): the coldest unpinned experts of any layer are

@@ -4,12 +4,13 @@ A decode row's routing is known only after its layer's router, and an expert tha
 read from the model file while the row waits. Consecutive layers see nearly the same residual row, so the next MoE
 layer's router applied to this layer's MoE input (the normed row ``x`` the router just read) ranks the experts the
 next layer will likely route to. :meth:`ReadAhead.issue` starts reads of those among the top ``width`` that are
-neither in RAM nor being read, on the RAM cache's I/O threads (``RAMCache.fetch``: queued behind this layer's own reads);
-the next layer's step then finds a guessed expert's read in flight or done (``RAMCache.inflight``) and takes it as
-its own. :meth:`ReadAhead.claim`, at that step, counts the guesses it routed to (``used``) and the others
-(``wasted``): a wrong guess not started yet is cancelled, one being read is dropped when it lands (never put in the
-cache, so a wrong guess evicts nothing). A guess changes which experts are read when, never a result: the step
-computes the same experts with the same kernels whatever the cache holds.
+neither in RAM nor being read, on the RAM cache's I/O threads (``RAMCache.fetch_early``: queued behind this layer's
+own reads; with O_DIRECT the bytes only, not repacked); the next layer's step then finds a guessed expert's read in
+flight or done (``RAMCache.inflight``) and takes it as its own (``RAMCache.fetch``, which repacks it then).
+:meth:`ReadAhead.claim`, at that step, counts the guesses it routed to (``used``) and the others (``wasted``): a
+wrong guess not started yet is cancelled, one being read is dropped when it lands (never put in the cache, so a
+wrong guess evicts nothing; its bytes go back unrepacked, ``RAMCache.drop_early``). A guess changes which experts
+are read when, never a result: the step computes the same experts with the same kernels whatever the cache holds.
 
 Bounded: one layer's guesses (at most ``width`` experts) are outstanding at a time, plus the wrong guesses still
 being read when their layer came (at most the I/O threads' count); ``peak`` counts the most held at once.
@@ -56,7 +57,7 @@ class ReadAhead:
         for e in np.argsort(-lg, kind="stable")[:self.width].tolist():
             if e in mine or cache.in_ram(nxt, e) or (nxt, e) in cache.inflight:
                 continue
-            mine[e] = cache.fetch(nxt, e)
+            mine[e] = cache.fetch_early(nxt, e)
             n += 1
         self.issued += n
         self.peak = max(self.peak, sum(len(d) for d in self.pending.values()) + len(self.orphans))
@@ -93,6 +94,7 @@ class ReadAhead:
             if f.done():
                 if inflight.get(key) is f:
                     del inflight[key]
+                self.cache.drop_early(f)
             else:
                 keep.append((key, f))
         self.orphans = keep

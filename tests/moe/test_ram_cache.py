@@ -258,6 +258,49 @@ def test_direct_reads_prepare_what_the_file_holds_from_four_readers(tmp_path):
         c.close()
 
 
+
+def test_early_reads_are_prepared_only_when_asked_for(tmp_path, monkeypatch):
+    """Early reads (``RAMCache.fetch_early``: a guess's bytes read with O_DIRECT into a pooled buffer, not
+    prepared) of every expert of the olmoe fixture's F32 experts and a Q8_0 file's, four readers: the experts a
+    ``fetch`` then asks for are prepared once each and equal the file's (compared after the last read, the buffers
+    having gone back to the pool and been read into again); the others are dropped unprepared; the bytes are
+    counted once; the buffers come back to the pool (no more than were out at once)."""
+    from coli.gguf_file import open_gguf
+    from cpu_kernels import formats
+    from scheduler.ram_cache import ExpertSource, RAMCache
+    from tiny_moe import build_tiny_moe
+
+    src, layers = _source()
+    q8 = build_tiny_moe(tmp_path)
+    g = open_gguf(q8)
+    q8_layers = {il: tuple(g.tensors[f"blk.{il}.{n}.weight"] for n in ("ffn_gate_exps", "ffn_up_exps",
+                                                                         "ffn_down_exps")) for il in range(2)}
+    prepared = []
+    real = formats.prepare
+    monkeypatch.setattr(formats, "prepare", lambda tn, raw, *a, **k: prepared.append(tn) or real(tn, raw, *a, **k))
+    for s, ls in ((src, layers), (ExpertSource(q8, q8_layers), q8_layers)):
+        s.keep_raw = False
+        E = s.n_experts(0)
+        c = RAMCache(s, slots=E, io_threads=4)
+        prepared.clear()
+        early = {(l, e): c.fetch_early(l, e) for l in ls for e in range(E)}
+        assert all(f.early for f in early.values()) and c.fetch_early(0, 0) is early[(0, 0)]
+        for f in early.values():
+            f.result()
+        assert prepared == [] and s.reads == s.direct_reads == 2 * E and len(s._buffers) == 0
+        asked = {k for k in early if k[1] % 2 == 0}
+        for k in sorted(set(early) - asked):
+            c.inflight.pop(k)
+            c.drop_early(early[k])
+        for k in sorted(asked):
+            c.put(*k, c.fetch(*k).result())
+        assert len(prepared) == 3 * len(asked) and s.reads == 2 * E and s.bytes_read == 2 * E * s.expert_nbytes(0)
+        assert len(s._buffers) == 2 * E and c.inflight == {}
+        for l, e in sorted(asked):   # the buffers read into again before the comparison
+            c.fetch_early(l, e + 1).result()
+        _expect_prepared(s, ls, {k: c.peek(*k) for k in asked})
+        c.close()
+
 def test_a_file_system_without_o_direct_reads_through_the_page_cache(monkeypatch):
     """A file system that refuses O_DIRECT (the open's EINVAL; this kernel's tmpfs takes it, so the refusal is
     made by a wrapped ``os.open``) has the experts read with pread, the same bytes; with ``direct`` off and with
