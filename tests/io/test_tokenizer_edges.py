@@ -138,6 +138,7 @@ def test_generation_tag_and_hf_globals_render_as_transformers():
     msgs = [{"role": "user", "content": " hé "}, {"role": "assistant", "content": "ok"}]
     tok = Tokenizer.__new__(Tokenizer)
     tok.chat_template, tok.fname, tok.tokens, tok.bos_id, tok.eos_id = GEN_TMPL, "x.gguf", ["<s>"], 0, 0
+    tok.template_where = "x.gguf: kv 'tokenizer.chat_template'"   # what Tokenizer.__init__ sets beside the template
     want = hf._compile_jinja_template(GEN_TMPL).render(messages=msgs, tools=None, documents=None,
                                                        add_generation_prompt=False, bos_token="<s>",
                                                        eos_token="<s>")

@@ -62,9 +62,9 @@ def _slow_reads(monkeypatch, seed):
     rng = np.random.default_rng(seed)
     real = ram_cache.RAMCache._read
 
-    def slow(self, layer, e):
+    def slow(self, layer, e, *early):
         time.sleep(float(rng.uniform(0, 0.003)))
-        return real(self, layer, e)
+        return real(self, layer, e, *early)
 
     monkeypatch.setattr(ram_cache.RAMCache, "_read", slow)
 

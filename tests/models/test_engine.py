@@ -218,7 +218,7 @@ def test_unsupported_tensor_type(tmp_path, model_path):
     assert "blk.0.attn_q.weight" in r.stderr and "Q8_1" in r.stderr and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("flag,value", [("--threads", "0"), ("--ctx", "-1"), ("--expert-cache", "-1"), ("-n", "-5"),
+@pytest.mark.parametrize("flag,value", [("--ctx", "-1"), ("--expert-cache", "-1"), ("-n", "-5"),
                                         ("--top-p", "2"), ("--ctx", "100000000"),
                                         ("--trace", "/nonexistent-coli/x.json"), ("--usage", "/nonexistent-coli/u"),
                                         ("--io-threads", "0"), ("--io-threads", "-1"), ("--io-threads", "1000")])
