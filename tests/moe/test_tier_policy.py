@@ -150,6 +150,19 @@ def test_layer_lfru_rule():
     q = LayerLFRU({0: np.array([True, True, False, False])}, counts)
     assert q.token({0: np.array([2, 3])}) == [(0, 2, 0)]   # 3.2 + 1 = 4.2 > 1.25 x 0 + 4: the coldest, 0, goes
     assert q.heat[0][2] == 4.2 and q.heat[0][1] == 32.0
+    # ties: of two routed non-resident experts at equal heat the lowest id comes in, of two equally cold residents
+    # the lowest id goes; the caller's dict follows the swaps it writes through it (row views of the policy's arrays)
+    res = {5: np.array([True, True, False, False, False]), 7: np.array([False, True, True, False, False])}
+    p = LayerLFRU(res)
+    tok = {5: np.array([4, 3]), 7: np.array([4, 3])}
+    for _ in range(4):
+        assert p.token(tok) == []
+    assert p.token(tok) == [(5, 3, 0)]           # one swap a token: the first layer's
+    res[5][3], res[5][0] = True, False
+    assert p.resident[5][3] and not p.resident[5][0]
+    assert p.token(tok) == [(5, 4, 1)]           # 4 at 6 > 1.25 x 0 + 4; layer 7's turn after
+    res[5][4], res[5][1] = True, False
+    assert p.token(tok) == [(7, 3, 1)] and p.swaps == 3
 
 
 def _layer_swaps(skew: bool, gate: bool, seed: int, L=4, E=32, K=4, tokens=1000):
