@@ -403,15 +403,15 @@ def setup_layers(eng, dev, budget: int, balance=None) -> bool:
     auto = rows is None   # unset: 2,048-row chunks where every layer and its experts fit with their scratch, else 512
     rows = layer_plan.PROMPT_ROWS_WHOLE if auto and not apart else rows or layer_plan.PROMPT_ROWS
     first, why = layer_plan.plan(eng.model, budget, eng.ctx, None if want < 0 else want, prompt_rows=rows,
-                                    experts=not apart)
+                                    experts=not apart, env=eng.env)
     if auto and first > 0 and rows != layer_plan.PROMPT_ROWS:
         rows = layer_plan.PROMPT_ROWS
         first, why = layer_plan.plan(eng.model, budget, eng.ctx, None if want < 0 else want, prompt_rows=rows,
-                                        experts=not apart)
+                                        experts=not apart, env=eng.env)
     if (not apart and moe and want > 0 and settings.get("COLI_VK_TIER_GB", eng.env) is not None
             and len(eng.model.layers) - first < want and "budget" in why):
         apart = True
-        first, why = layer_plan.plan(eng.model, budget, eng.ctx, want, prompt_rows=rows, experts=False)
+        first, why = layer_plan.plan(eng.model, budget, eng.ctx, want, prompt_rows=rows, experts=False, env=eng.env)
     gate = None
     if want < 0 and moe and not apart and first > 0 and "budget" in why and not layer_plan.is_deepseek4(eng.model.layers[0]):
         gate = placement_gate(eng, dev, budget, rows, first, balance is True)     # whole layers, or experts apart
@@ -470,7 +470,7 @@ def expert_room(eng, first: int, budget: int) -> int:
     (:func:`coli.vulkan.layer_plan.fixed_bytes`, ``layer_bytes``; the biggest layer's expert bytes each)."""
     m = eng.model
     layers = range(first, len(m.layers))
-    used = layer_plan.fixed_bytes(m, eng.ctx, prompt_rows(eng) or layer_plan.PROMPT_ROWS)
+    used = layer_plan.fixed_bytes(m, eng.ctx, prompt_rows(eng) or layer_plan.PROMPT_ROWS, eng.env)
     used += sum(layer_plan.layer_bytes(m, il, eng.ctx, experts=False) for il in layers)
     per = max(layer_plan.expert_bytes(m, il) for il in layers if getattr(m.layers[il], "moe", None) is not None)
     return max(0, (int(budget) - used) // per)
@@ -491,7 +491,7 @@ def placement_gate(eng, dev, budget: int, rows: int, first: int, balance: bool =
     :func:`run_costs`); ``COLI_VK_PLACEMENT`` forces an arm."""
     m = eng.model
     n, E, k = len(m.layers), int(eng.args.n_experts), int(eng.args.top_k)
-    first_b, _ = layer_plan.plan(m, budget, eng.ctx, None, prompt_rows=rows, experts=False)
+    first_b, _ = layer_plan.plan(m, budget, eng.ctx, None, prompt_rows=rows, experts=False, env=eng.env)
     counts = np.zeros((n, E), np.int64)
     if eng.usage is not None and eng.usage.loaded:
         counts[:] = eng.usage.counts[:n]

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from coli.base import settings
+
 _NORM, _NEOX = 0, 2
 
 
@@ -634,11 +636,23 @@ PROMPT_ROWS, PROMPT_ROWS_WHOLE = 512, 2048
 ATTN_PARTS_ROWS = 2048
 
 
-def prompt_bytes(m, rows: int) -> int:
+def attn_parts_rows(rows: int, split: int | None = None) -> int:
+    """Rows x parts of the prompt attention's key-split scratch (f32 [parts, rows, heads, hdv + 2]) that chunks of
+    up to ``rows`` rows can write (``Kernels.attn_split``): ``rows`` x ``split`` where ``COLI_VK_PROMPT_ATTN_SPLIT``
+    gives one (0 at 1: no split), else the rule's most, 8 parts and at most :data:`ATTN_PARTS_ROWS` rows x parts.
+    What ``DeviceLayers._prompt_bufs`` allocates (``Kernels.attn_parts_rows``: 0 where the rule splits none) and
+    :func:`prompt_bytes` counts."""
+    if split is not None:
+        return int(rows) * int(split) if split > 1 else 0
+    return min(ATTN_PARTS_ROWS, 8 * int(rows))
+
+
+def prompt_bytes(m, rows: int, env=None) -> int:
     """Device bytes of the prompt chunks' scratch at ``rows`` rows (``DeviceLayers._prompt_bufs``): the hidden and
     normalized rows, q/k/v, q, the attention output, router logits, routes, the grouped pairs, the experts' h and
     outputs, the shared expert's output, a post-norm's input, the DeltaNet rows, the logits of every row and the
-    attention's parts when its keys are split (``Kernels.attn_parts_rows`` by the split's own rule)."""
+    attention's parts when its keys are split (:func:`attn_parts_rows` at ``COLI_VK_PROMPT_ATTN_SPLIT`` of ``env``,
+    the settings)."""
     a = m.args
     n = len(m.layers)
     F = max((hidden_width(m, il) for il in range(n) if why_not(m, il) is None), default=0)
@@ -647,15 +661,15 @@ def prompt_bytes(m, rows: int) -> int:
     per_row = (5 * a.d_model + nqkv + 2 * a.n_heads * a.head_dim + a.n_experts + 2 * n * k + 2 + k
                + F + k * a.d_model + a.vocab + _mla_floats(m) + _dn_floats(m) + _dn_chunk_row(m)
                + a.n_heads * a.head_dim)
-    parts = min(ATTN_PARTS_ROWS, 8 * int(rows)) * a.n_heads * (a.head_dim + 2)
+    parts = attn_parts_rows(rows, settings.get("COLI_VK_PROMPT_ATTN_SPLIT", env)) * a.n_heads * (a.head_dim + 2)
     return 4 * int(rows) * per_row + 4 * parts + 4 * (a.n_experts + 1) + 256 * 25
 
 
-def fixed_bytes(m, ctx: int, prompt_rows: int = 0) -> int:
+def fixed_bytes(m, ctx: int, prompt_rows: int = 0, env=None) -> int:
     """Device bytes besides the layers': the head (``output``, or the tied ``token_embd``, the output norm and its
     logits), the rope tables, the attention scores and the scratch rows (``DeviceLayers``' buffers, rounded up),
-    and the prompt chunks' scratch at ``prompt_rows`` rows (:func:`prompt_bytes`, and MLA's expanded keys and values:
-    :func:`mla_expand_keys`)."""
+    and the prompt chunks' scratch at ``prompt_rows`` rows (:func:`prompt_bytes` with the settings of ``env``, and
+    MLA's expanded keys and values: :func:`mla_expand_keys`)."""
     a = m.args
     out = m.t.get("output.weight", m.tok_embd)
     n = len(m.layers)
@@ -666,17 +680,17 @@ def fixed_bytes(m, ctx: int, prompt_rows: int = 0) -> int:
             + a.n_heads * (-(-int(ctx) // 128)) * (a.head_dim + 2)   # decode attention's parts (at most 1 / 128 keys)
             + 2 * a.vocab + a.n_experts + F + 8 * n * (a.head_dim * max_kv(m) + k) + 2 * _mla_floats(m)
             + a.n_heads * a.head_dim + _dn_floats(m) + _dsa_scores(m, ctx))
-    pb = (prompt_bytes(m, prompt_rows) + 4 * prompt_rows * _dsa_scores(m, ctx) + 4 * _mla_expand_floats(m, ctx)
+    pb = (prompt_bytes(m, prompt_rows, env) + 4 * prompt_rows * _dsa_scores(m, ctx) + 4 * _mla_expand_floats(m, ctx)
           if prompt_rows else 0)
     return int(out.nbytes) + 4 * rows + 256 * 32 + pb         # 256 bytes of rounding a buffer
 
 
 def plan(m, budget: int, ctx: int, want: int | None = None, prompt_rows: int = 0,
-         experts: bool = True) -> tuple[int, str]:
+         experts: bool = True, env=None) -> tuple[int, str]:
     """``(first, why)``: layers ``first ..`` go to the device. The last layers that qualify (:func:`why_not`), share
     their shapes, and fit ``budget`` bytes together (:func:`layer_bytes`, with :func:`fixed_bytes`), at most ``want`` of them (``COLI_VK_LAYERS``; None: as
-    many as fit; ``prompt_rows``: the prompt chunks' rows, whose scratch counts too; ``experts=False``: the layers'
-    routed experts not counted, they are placed apart: :func:`residency`). ``first == n_layers`` when none does;
+    many as fit; ``prompt_rows``: the prompt chunks' rows, whose scratch counts too, by the settings of ``env``;
+    ``experts=False``: the layers' routed experts not counted, they are placed apart: :func:`residency`). ``first == n_layers`` when none does;
     ``why`` says what stopped the count."""
     n = len(m.layers)
     v4 = n > 0 and is_deepseek4(m.layers[0])
@@ -684,7 +698,7 @@ def plan(m, budget: int, ctx: int, want: int | None = None, prompt_rows: int = 0
         out = m.t.get("output.weight", m.tok_embd)
         first, used, why = n, int(out.nbytes) + 8 * n * int(ctx) * m.args.n_rot, "every layer"
     else:
-        first, used, why = n, fixed_bytes(m, ctx, prompt_rows), "every layer"
+        first, used, why = n, fixed_bytes(m, ctx, prompt_rows, env), "every layer"
     for il in range(n - 1, -1, -1):
         if want is not None and n - first >= want:
             why = f"{want} asked (COLI_VK_LAYERS)"

@@ -52,7 +52,7 @@ from .memory import _Buf
 from .pipelines import push_constant_layout, storage_set_layout
 from .errors import DeviceLost, VulkanError
 from .host_join import HostJoin
-from .layer_plan import ATTN_PARTS_ROWS
+from .layer_plan import ATTN_PARTS_ROWS, attn_parts_rows
 
 PC_ADDRS, PC_WORDS = 8, 16
 _PC_BYTES = 8 * PC_ADDRS + 4 * PC_WORDS
@@ -303,12 +303,14 @@ class Kernels(HostJoin):
         base = groups[0] * groups[1]
         return max(1, min(8, ATTN_PARTS_ROWS // max(int(R), 1), -(-4 * self.attn_wgs // base)))
 
-    def attn_parts_rows(self, R: int) -> int:
-        """Rows x parts of the split's scratch (:meth:`attn_split`) that chunks of up to R rows can write: 0 when
-        no chunk splits (a CPU device, or ``attn_pre_split`` 1)."""
-        if self.attn_pre_split is not None:
-            return int(R) * self.attn_pre_split if self.attn_pre_split > 1 else 0
-        return min(ATTN_PARTS_ROWS, 8 * int(R)) if self.attn_wgs else 0
+    def attn_parts_rows(self, R: int, kerns) -> int:
+        """Rows x parts of the split's scratch (:meth:`attn_split`) that chunks of up to R rows of layers whose
+        prompt attention runs the kernels ``kerns`` (:meth:`attn_kernel`'s names) can write
+        (:func:`coli.vulkan.layer_plan.attn_parts_rows`, which the plan counts): 0 where none splits (a CPU device,
+        the rule on ``kerns`` of attn_pre_cm.comp only, or ``attn_pre_split`` 1)."""
+        if self.attn_pre_split is None and not (self.attn_wgs and "attn_pre" in kerns):
+            return 0
+        return attn_parts_rows(R, self.attn_pre_split)
 
     def attn_pre(self, hd: int, hdv: int | None = None, q8: bool = False) -> tuple[int, int]:
         """(MAXD, BQ) of :meth:`attn_kernel`'s kernel for head dimension ``hd`` (<= 256): the Dispatch's ``mode``

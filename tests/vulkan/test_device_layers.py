@@ -211,6 +211,12 @@ def test_plan_counts_budget_and_request(engines, device_moe):
     first, why = layer_plan.plan(m, fixed + 10 * per, 64, want=1)
     assert first == 3 and "COLI_VK_LAYERS" in why
     assert layer_plan.why_not(m, 0) is None
+    # the prompt attention's key-split scratch as COLI_VK_PROMPT_ATTN_SPLIT asks: 16 parts of 512 rows, 8,192 rows
+    # of parts (the rule's at most 2,048 were counted whatever the setting)
+    a, split = m.args, {"COLI_VK_PROMPT_ATTN_SPLIT": "16"}
+    assert (layer_plan.prompt_bytes(m, 512, split) - layer_plan.prompt_bytes(m, 512, {})
+            == 4 * (512 * 16 - 2048) * a.n_heads * (a.head_dim + 2))
+    assert layer_plan.fixed_bytes(m, 64, 512, split) > layer_plan.fixed_bytes(m, 64, 512, {})
 
 
 def test_a_cache_smaller_than_the_context(device_moe):

@@ -864,6 +864,33 @@ def test_attn_pre_q8(kern, kt, vt, hd):
     assert rel_err(got, ref) <= TOL, rel_err(got, ref)
 
 
+def test_attn_split_scratch_holds_every_chunk_and_is_planned():
+    """The key split's scratch (``Kernels.attn_parts_rows``: what ``_prompt_bufs`` allocates) holds NS x R rows of
+    every chunk of up to its rows (``Kernels.attn_split``), and the plan counts it (``layer_plan.attn_parts_rows``,
+    in ``prompt_bytes``), by the rule and with ``COLI_VK_PROMPT_ATTN_SPLIT`` at any value (16 parts of 512 rows:
+    8,192 rows, where the plan counted the rule's 2,048); none where no chunk splits: a CPU device, and the rule on
+    attn_pre_cm.comp layers alone (the coopmat route). No device: the methods' rules on their settings."""
+    from types import SimpleNamespace
+
+    from coli.vulkan import layer_plan as LP
+    from coli.vulkan.layers import Kernels
+
+    for wgs in (0, 128):
+        for split in (None, 1, 3, 16):
+            K = SimpleNamespace(attn_pre_split=split, attn_wgs=wgs)
+            for kerns in ({"attn_pre"}, {"attn_pre_cm"}, {"attn_pre", "attn_pre_cm"}):
+                for top in (20, 512, 2048):
+                    have = Kernels.attn_parts_rows(K, top, kerns)
+                    assert have <= LP.attn_parts_rows(top, split), (wgs, split, kerns, top)
+                    for R in sorted({1, 7, top // 2, top}):
+                        for k in kerns:
+                            ns = Kernels.attn_split(K, k, (16, -(-R // 8)), R)
+                            assert ns == 1 or ns * R <= have, (wgs, split, kerns, top, R, k)
+            if split is None:   # the rule: attn_pre_cm.comp splits none, so its layers alone get no scratch
+                assert Kernels.attn_parts_rows(K, 512, {"attn_pre_cm"}) == 0
+                assert Kernels.attn_parts_rows(K, 512, {"attn_pre"}) == (2048 if wgs else 0)
+
+
 @pytest.mark.parametrize("hd,hdv", [(64, 64), (24, 16)])
 @pytest.mark.parametrize("window,sinks", [(0, 0), (20, 1)])
 def test_attn_pre_split_keys(kern, hd, hdv, window, sinks):
