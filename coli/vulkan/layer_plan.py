@@ -107,7 +107,7 @@ def dsv4_layer_bytes(m, il: int, ctx: int, experts: bool = True) -> int:
     (2m with overlap, else m) and entries of ``ctx`` positions."""
     at = m.layers[il].attn
     w = sum(_padded_bytes(m, n) for n in dsv4_tensors(m, il) if experts or "_exps." not in n)
-    w += 4 * int(np.prod(m.t[f"blk.{il}.ffn_gate_inp.weight"].shape))
+    w += router_bytes(m, il)
     s = at.W * at.hd
     for c in (at.comp, at.idx_comp):
         if c is not None:
@@ -492,8 +492,7 @@ def layer_bytes(m, il: int, ctx: int, experts: bool = True) -> int:
     a = attn_block(m.layers[il])
     w = sum(_padded_bytes(m, n) for n in _layer_tensors(m, il) if not n.endswith("ffn_gate_inp.weight")
             and (experts or "_exps." not in n))
-    if f"blk.{il}.ffn_gate_inp.weight" in m.t:
-        w += 4 * int(np.prod(m.t[f"blk.{il}.ffn_gate_inp.weight"].shape))
+    w += router_bytes(m, il)
     if is_deltanet(m.layers[il]):
         return w + dn_bytes(linear_block(m.layers[il]))
     if is_mla(a):     # GLM-5: the indexer's key in each cache row, k_norm's weight and bias
@@ -502,6 +501,13 @@ def layer_bytes(m, il: int, ctx: int, experts: bool = True) -> int:
     nkv, hd, hdv, _ = head_dims(a)
     kb, vb = kv_value_bytes(m)
     return w + nkv * int(ctx) * (kv_row_bytes(kb, hd) + kv_row_bytes(vb, hdv))
+
+
+def router_bytes(m, il: int) -> int:
+    """Device bytes of layer ``il``'s router (0 without one): f32 [E, D] whatever the file's format (dequantized at
+    load), its rows zero-padded to a multiple of 32 weights as every float row (``Device._place``)."""
+    ti = m.t.get(f"blk.{il}.ffn_gate_inp.weight")
+    return 0 if ti is None else 4 * int(ti.shape[-2]) * ceil32(ti.shape[-1])
 
 
 def _padded_bytes(m, n: str) -> int:

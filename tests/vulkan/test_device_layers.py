@@ -819,6 +819,9 @@ def test_float_rows_of_any_width(arch, ftype, tmp_path):
         assert layer_plan.why_not_all(m) == "" and dl is not None and dl.first == 0 and dl.head is not None
         size = {"F32": 4, "F16": 2}[ftype]
         assert layer_plan._padded_bytes(m, "blk.0.ffn_gate_exps.weight") == 8 * 64 * 64 * size  # [E, F 40, d 50]
+        # the routers as placed: f32 rows padded to 64 (the plan counted 8 x 50)
+        assert [layer_plan.router_bytes(m, d["il"]) for d in dl.per if "router" in d] == \
+            [d["router"].nbytes for d in dl.per if "router" in d] and 4 * 8 * 64 == dl.per[0]["router"].nbytes
         dl.prompt_rows = 12
         d0 = e.device.layer_dispatches
         ref = greedy_rows(cpu.model, cpu.model.new_cache(128, 128), ids, 8)
