@@ -151,23 +151,31 @@ def test_tier_gb_keeps_whole_layers_that_fit(device_moe):
             e.close()
 
 
-def test_device_lost_mid_layer_in_one_submit(device_moe, moe_cpu, monkeypatch):
+@pytest.mark.parametrize("way", ["semaphore", "event"])
+def test_device_lost_mid_layer_in_one_submit(device_moe, moe_cpu, monkeypatch, way):
     """One submit a token: the device fails while the host waits for the second layer's route (after the first
-    layer's CPU experts were joined): one line, the layers back on the CPU, the logits the CPU's bits, and the queue
-    drained (the host signalled the token's last value: closing does not hang)."""
-    dev = device_engine(device_moe, COLI_VK_CPU_MOE=-1, COLI_VK_CHAIN="on")
+    layer's CPU experts were joined; the event way: when the host sets the second layer's event, its CPU experts
+    computed): one line, the layers back on the CPU, the logits the CPU's bits, and the queue drained (the host
+    signalled the token's last value, or set every event left: closing does not hang)."""
+    dev = device_engine(device_moe, COLI_VK_CPU_MOE=-1, COLI_VK_CHAIN=WAYS[way])
     try:
         ref, _ = decode_rows(moe_cpu, IDS[:7], 4)
         dl = dev.model.device_layers
-        assert dl.way == "semaphore"
-        dl.spin_s = 0.0                          # every layer's route waited for on the timeline
-        calls = lose_device_on_call(monkeypatch, dl.K, "wait_value", 2)
+        assert dl.way == way
+        dl.spin_s = 0.0                          # every layer's route waited for on the timeline (event: polled)
+        calls = lose_device_on_call(monkeypatch, dl.K, "wait_value" if way == "semaphore" else "set_event", 2)
         got, _ = decode_rows(dev, IDS[:7], 4)
-        assert len(calls) == 2 and dev.model.device_layers is None and dl.cpu_rows == dl.k
+        joined = 1 if way == "semaphore" else 2  # the layers whose CPU experts ran before the failure
+        # event: after the failed set, the host sets the events of layers 1, 2 and 3 (the buffer drains)
+        assert len(calls) == (2 if way == "semaphore" else 5)
+        assert dev.model.device_layers is None and dl.cpu_rows == joined * dl.k
         assert rel_err(got[:1], ref[:1]) < 1e-5         # the prompt's rows on the device
         assert np.array_equal(got[1:], ref[1:])          # then every layer of every row on the CPU: its bits
         assert (dl.spun, dl.slept) == (0, 2)
-        assert dl._tl == 4                       # a token of 4 cut layers: the host's values 1 .. 4, the last signalled
+        if way == "semaphore":
+            assert dl._tl == 4                   # a token of 4 cut layers: the host's values 1 .. 4, the last signalled
+        else:
+            assert not dl.K.running(dl._erec[0])     # the token's one command buffer ran to its end (events set)
     finally:
         dev.close()
 
