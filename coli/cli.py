@@ -427,6 +427,9 @@ def cmd_serve(a) -> int:
         raise ColiError(f"--parallel: {a.parallel} (slots, at least 1)")
     if not a.body_limit > 0:
         raise ColiError(f"--body-limit: {a.body_limit} (MiB, above 0)")
+    if not 0 < a.chat_truncate_max_keep <= 1:
+        raise ColiError(f"--chat-truncate-max-keep: {a.chat_truncate_max_keep} (a fraction of --ctx: above 0, "
+                        "at most 1)")
     key = a.api_key
     if a.api_key_file:
         key = _file_text(a.api_key_file, "--api-key-file").removeprefix(BOM).strip()
@@ -465,7 +468,7 @@ def cmd_serve(a) -> int:
         return serve(eng, model_id, host=a.host, port=a.port, aliases=aliases, max_queue=a.queue, quiet=a.quiet,
                      sock=sock, api_key=key, cors=a.cors, body_limit_mb=a.body_limit,
                      parallel=a.parallel, warmup=not a.no_warmup, reasoning_format=a.reasoning_format,
-                     kv_unified=a.kv_unified)
+                     kv_unified=a.kv_unified, chat_truncate=a.chat_truncate_max_keep if a.chat_truncate else None)
     finally:
         _close(eng)  # already closed by the server's shutdown; idempotent
 
@@ -729,6 +732,11 @@ def _serve_parser(sub) -> None:
                         "/health answers 503 until it ends)")
     s.add_argument("--chat-template-file", default=None, type=user_path, metavar="FILE",
                    help="a Jinja chat template rendered instead of the model's tokenizer.chat_template (llama-server's)")
+    s.add_argument("--chat-truncate", action=argparse.BooleanOptionalAction, default=True,
+                   help="a conversation past --ctx has its oldest turns dropped, the system messages and the last "
+                        "user turn kept (--no-chat-truncate: a 400 exceed_context_size_error, llama-server's default)")
+    s.add_argument("--chat-truncate-max-keep", type=float, default=1.0, metavar="F",
+                   help="once turns are dropped, the prompt keeps under F of --ctx (llama-server's; 1: until it fits)")
     s.add_argument("--reasoning-format", default="auto", choices=("auto", "deepseek", "none"),
                    help="a <think> span of the answer as reasoning_content / thinking blocks: auto (when the chat "
                         "template writes one), deepseek (always), none (left in the content)")

@@ -111,7 +111,8 @@ class ContentLengthLimit:
 
 def create_app(eng, model_id: str, aliases=(), max_queue: int = 8, api_key: str | None = None, cors=None,
                body_limit_mb: float = BODY_LIMIT_MB, parallel: int = 1, warmup: bool = False,
-               reasoning_format: str = "auto", kv_unified: bool = False, say_ready: bool = False):
+               reasoning_format: str = "auto", kv_unified: bool = False, say_ready: bool = False,
+               chat_truncate: float | None = 1.0):
     """The Starlette app serving ``eng`` as model ``model_id``. Any ``model`` name in a request is answered
     by it (one model is served, as llama-server; the answer names ``model_id``); ``aliases`` are the other
     names ``GET /v1/models/{name}`` knows. ``api_key``: requests other than ``/health`` and ``/v1/models``
@@ -124,10 +125,12 @@ def create_app(eng, model_id: str, aliases=(), max_queue: int = 8, api_key: str 
     writes one), "deepseek" (always), "none" (the span stays in the content); llama-server's
     ``--reasoning-format``, a request's ``reasoning_format`` field overrides it. ``kv_unified``: the slots share
     the context's positions (``coli.slots.Batcher``'s ``unified``; llama-server's ``--kv-unified``).
-    ``say_ready``: a line on stderr when the warm-up ended (its seconds)."""
+    ``say_ready``: a line on stderr when the warm-up ended (its seconds). ``chat_truncate``: the fraction of
+    the context a conversation past it keeps once its oldest turns are dropped (1.0: until it fits; None: a 400,
+    llama-server's default; ``--chat-truncate-max-keep`` / ``--no-chat-truncate``)."""
     metrics = Metrics()
     state = dict(worker=None, metrics=metrics)
-    h = Routes(eng, model_id, {model_id, *aliases}, state, metrics, reasoning_format, body_limit_mb)
+    h = Routes(eng, model_id, {model_id, *aliases}, state, metrics, reasoning_format, body_limit_mb, chat_truncate)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -190,14 +193,14 @@ def bind(host: str, port: int) -> socket.socket:
 def serve(eng, model_id: str, host: str = "127.0.0.1", port: int = 8080, aliases=(), max_queue: int = 8,
           quiet: bool = False, sock: socket.socket | None = None, api_key: str | None = None, cors=None,
           body_limit_mb: float = BODY_LIMIT_MB, parallel: int = 1, warmup: bool = True,
-          reasoning_format: str = "auto", kv_unified: bool = False) -> int:
+          reasoning_format: str = "auto", kv_unified: bool = False, chat_truncate: float | None = 1.0) -> int:
     """Serve ``eng`` on ``sock`` (or a socket :func:`bind` makes) until SIGINT/SIGTERM; the running generation
     is cancelled, then the engine is closed (routing history saved). Returns 0 (the exit status: a shutdown
     asked for by a signal is a clean one, as llama-server's)."""
     sock = sock or bind(host, port)
     app = create_app(eng, model_id, aliases, max_queue, api_key=api_key, cors=cors, body_limit_mb=body_limit_mb,
                      parallel=parallel, warmup=warmup, reasoning_format=reasoning_format, kv_unified=kv_unified,
-                     say_ready=warmup and not quiet)
+                     say_ready=warmup and not quiet, chat_truncate=chat_truncate)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # stop the running generation at once, then uvicorn's own shutdown

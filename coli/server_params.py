@@ -232,13 +232,14 @@ def check_text(body) -> None:
 
 # ---------------------------------------------------------------------------------------------- prompts
 
-def fit_conversation(encode, msgs: list, ctx: int, max_tokens) -> tuple[list, int]:
+def fit_conversation(encode, msgs: list, ctx: int, max_tokens, keep: float | None = 1.0) -> tuple[list, int]:
     """``(ids, dropped)``: the prompt of ``msgs`` through ``encode`` (messages -> ids), with the oldest turns
     after the system messages dropped, ``dropped`` of them, until the prompt leaves room for the answer
-    (``max_tokens``, or a quarter of the context when it is None): llama-server's context shift, done on
-    whole turns so that the chat template still sees a well-formed conversation. The last message is
-    never dropped; a prompt that does not fit without it is returned as is (the caller's fit check says
-    why)."""
+    (``max_tokens``, or a quarter of the context when it is None) and, once it had to drop, is under ``keep``
+    of ``ctx`` (llama-server's ``--chat-truncate-max-keep``; 1.0: only to fit): llama-server's chat truncation,
+    done on whole turns so that the chat template still sees a well-formed conversation. The last user turn
+    (and what follows it) is never dropped; a prompt that does not fit without the others is returned as is,
+    as is any prompt when ``keep`` is None (``--no-chat-truncate``): the caller's fit check answers 400."""
     need = max_tokens if max_tokens is not None else max(ctx // 4, 1)
     ids = encode(msgs)
     dropped = 0
@@ -246,12 +247,17 @@ def fit_conversation(encode, msgs: list, ctx: int, max_tokens) -> tuple[list, in
     while n_sys < len(msgs) and msgs[n_sys]["role"] == "system":
         n_sys += 1
     rest = msgs[n_sys:]
-    while len(ids) + need > ctx and len(rest) > 1:
+    if keep is None or len(ids) + need <= ctx:
+        return ids, 0
+    target = min(ctx - need, int(keep * ctx) - 1) if keep < 1 else ctx - need
+    while len(ids) > target:
         # drop the oldest turn and whatever belongs to it up to the next user message (an answer, tool calls
         # and their results): a history never starts with an orphaned tool result
         k = 1
-        while k < len(rest) - 1 and rest[k]["role"] != "user":
+        while k < len(rest) and rest[k]["role"] != "user":
             k += 1
+        if k >= len(rest):  # no user message after it: the last user turn stays
+            break
         rest = rest[k:]
         dropped += k
         ids = encode(msgs[:n_sys] + rest)

@@ -48,12 +48,14 @@ class Routes:
     """The handlers over one engine ``eng`` served as ``model_id`` (``names``: every name ``GET
     /v1/models/{name}`` knows). ``state["worker"]`` is the :class:`coli.server_worker.Worker`, set by the app's
     lifespan; ``metrics`` counts the answers; ``reasoning_format`` is ``--reasoning-format``; ``body_limit_mb``
-    is named in the 413's message."""
+    is named in the 413's message; ``chat_truncate``: a conversation past the context keeps this fraction of it
+    at most once its oldest turns are dropped (1.0: dropped only until it fits; None: not dropped, a 400 as
+    llama-server without ``--chat-truncate``; ``server_params.fit_conversation``)."""
 
     def __init__(self, eng, model_id: str, names, state: dict, metrics: Metrics, reasoning_format: str,
-                 body_limit_mb: float):
+                 body_limit_mb: float, chat_truncate: float | None = 1.0):
         self.eng, self.model_id, self.names, self.state, self.metrics = eng, model_id, names, state, metrics
-        self.reasoning_format, self.body_limit_mb = reasoning_format, body_limit_mb
+        self.reasoning_format, self.body_limit_mb, self.chat_truncate = reasoning_format, body_limit_mb, chat_truncate
         self.card = {"id": model_id, "object": "model", "created": int(time.time()), "owned_by": "coli"}
         self.fingerprint = fingerprint(eng)
 
@@ -281,7 +283,7 @@ class Routes:
                 raise APIError(400, str(e), param="messages") from None
 
         def prepare():
-            ids, dropped = fit_conversation(encode, msgs, eng.ctx, options["max_tokens"])
+            ids, dropped = fit_conversation(encode, msgs, eng.ctx, options["max_tokens"], self.chat_truncate)
             pre = prefix
             if pre and eng.tokenizer.decode(ids[-4:], lstrip=False).rstrip().endswith(TC.THINK_OPEN):
                 pre = TC.THINK_CLOSE + "\n\n" + pre  # a forced call after a prompt that opens the think span
@@ -301,7 +303,8 @@ class Routes:
             headers["X-Context-Dropped-Messages"] = str(dropped)
             extra["context_shift"] = {"dropped_messages": dropped}
         fin_fmt = form if form == "generic" else (None if fmt == "generic" else fmt)  # generic: only when forced
-        finish = TC.Finisher(tools, TC.opening(prefix), think, fin_fmt) if tools.parse or think else None
+        finish = (TC.Finisher(tools, TC.opening(prefix), think, fin_fmt, form is not None)
+                  if tools.parse or think else None)
         return self.copies(ids, options, n, top, constraint), headers, extra, finish
 
     async def chat_completions(self, request: Request):

@@ -340,6 +340,29 @@ def parse_generic(text: str):
     return text, []
 
 
+def cut_call(text: str, names, schemas=None):
+    """``(name, arguments text)`` of a forced call that ``max_tokens`` cut (the grammar made ``text`` a call's
+    opening): the tool named (a JSON ``"name"`` value, else the first tool name written as a word) and the
+    arguments as far as they came, from the first ``{`` or ``[`` after the name (truncated JSON, as vLLM's named
+    tool choice and OpenAI give with finish_reason "length"; GLM's complete ``<arg_key>``/``<arg_value>`` pairs
+    as JSON); None when no name came whole."""
+    m = re.search(r'"name"\s*:\s*"([^"]*)"', text)
+    if m and m.group(1) in names:
+        name, end = m.group(1), m.end()
+    else:
+        hits = [(m.start(), -len(n), n, m.end()) for n in names
+                for m in [re.search(r"(?<![\w-])" + re.escape(n) + r"(?![\w-])", text)] if m]
+        if not hits:
+            return None
+        _, _, name, end = min(hits)
+    rest = text[end:]
+    if "<arg_key>" in rest:
+        return name, json.dumps(_glm_args(rest, (schemas or {}).get(name)), ensure_ascii=False)
+    j = min([k for k in (rest.find("{"), rest.find("[")) if k >= 0 and not rest.startswith("[ARGS]", k)],
+            default=-1)
+    return name, (rest[j:] if j >= 0 else "")
+
+
 def call_id(fmt: str | None = None, name: str = "", index: int = 0) -> str:
     """A tool call's id: 9 letters and digits for Mistral's templates (they reject other ids in the history
     with raise_exception), Kimi's ``functions.NAME:INDEX`` (its template writes that id for each call, as
@@ -400,8 +423,9 @@ class Finisher:
     the answer (the opening of a forced tool call), parsed with it. ``think``: how a ``<think>`` span is read
     into ``reasoning_content`` (:func:`think_mode`; None: not). Tool calls are parsed when ``tools.parse``."""
 
-    def __init__(self, tools: Tools, prefix: str = "", think: str | None = None, fmt: str | None = None):
-        self.tools, self.prefix, self.think, self.fmt = tools, prefix, think, fmt
+    def __init__(self, tools: Tools, prefix: str = "", think: str | None = None, fmt: str | None = None,
+                 forced: bool = False):
+        self.tools, self.prefix, self.think, self.fmt, self.forced = tools, prefix, think, fmt, forced
 
     def _message(self, text: str, finish_reason: str, think: bool = True):
         reasoning, text = split_reasoning(text, self.think if think else None)
@@ -412,6 +436,13 @@ class Finisher:
         else:
             content, calls, r2 = self.prefix + text, [], None
         reasoning = r2 if reasoning is None else reasoning
+        if not calls and self.forced and finish_reason == "length":  # cut inside the forced call
+            c = cut_call(self.prefix + text, self.tools.names, self.tools.schemas)
+            if c:
+                msg = {"content": None, "tool_calls": openai_calls([c], self.fmt)}
+                if reasoning:
+                    msg["reasoning_content"] = reasoning
+                return msg, "length"
         if not self.tools.parallel:
             calls = calls[:1]
         msg = {"content": content if (content or not calls) else None}

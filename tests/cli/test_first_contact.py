@@ -206,6 +206,15 @@ def test_an_api_key_file_that_is_not_utf8_is_one_line(tmp_path, capsys):
     assert (rc, out, err) == (2, "", f"coli: --api-key-file {f}: not UTF-8 text (byte 9)\n")
 
 
+@pytest.mark.parametrize("value", ["0", "1.5", "nan"])
+def test_chat_truncate_max_keep_out_of_range_is_one_line(capsys, value):
+    """coli serve --chat-truncate-max-keep outside (0, 1] (llama-server refuses 0 too): one line naming the flag,
+    before the port is bound or the model read."""
+    rc, out, err = _main(capsys, "serve", "-m", str(DENSE), "--chat-truncate-max-keep", value, "--port", "0")
+    assert (rc, out) == (2, "") and err.startswith(f"coli: --chat-truncate-max-keep: {float(value)} ") and \
+        len(err.splitlines()) == 1, err
+
+
 @pytest.mark.parametrize("change, says", [
     ({"drop_key": "llama.context_length"}, "metadata 'llama.context_length' is missing"),
     ({"zero": "llama.context_length"}, "metadata 'llama.context_length': 0 (must be at least 1)")])

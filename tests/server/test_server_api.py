@@ -343,6 +343,39 @@ def test_conversation_outgrowing_context_drops_oldest_turns(http, eng):
     n = len(eng.tokenizer.encode_chat(kept))
     assert d["usage"]["prompt_tokens"] == n
     assert n + 4 <= CTX and len(eng.tokenizer.encode_chat(msgs[:1] + msgs[k - 1:])) + CTX // 4 > CTX
+    with _client(eng, chat_truncate=None) as c:  # --no-chat-truncate: llama-server's default, a 400
+        r = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 4})
+        e = r.json()["error"]
+        assert r.status_code == 400 and e["type"] == "exceed_context_size_error", r.text
+        assert e["n_prompt_tokens"] == len(eng.tokenizer.encode_chat(msgs)) and e["n_ctx"] == CTX
+
+
+def test_fit_conversation_keeps_system_and_last_user_turn():
+    """``fit_conversation`` on a one-token-a-character encoder: turns go oldest first, a user turn with the
+    messages after it, until prompt + answer room fits the context (keep 1.0) or the prompt is under keep x
+    ctx (llama-server's --chat-truncate-max-keep); the system message and the last user turn with what follows
+    it stay even when they do not fit; keep None drops nothing (the caller's 400)."""
+    from coli.server_params import fit_conversation
+
+    def enc(m):
+        return [0] * sum(len(x["content"]) for x in m)
+
+    sys_ = {"role": "system", "content": "s" * 10}
+    turns = []
+    for i in range(5):
+        turns += [{"role": "user", "content": "u" * 20}, {"role": "assistant", "content": "a" * 20}]
+    msgs = [sys_] + turns + [{"role": "user", "content": "q" * 10}]  # 220 tokens
+    assert fit_conversation(enc, msgs, 300, 10) == (enc(msgs), 0)
+    ids, k = fit_conversation(enc, msgs, 200, 10)  # drop until <= 190: one turn (40)
+    assert (len(ids), k) == (180, 2)
+    ids, k = fit_conversation(enc, msgs, 200, 10, keep=0.5)  # under 100: 3 turns more
+    assert (len(ids), k) == (60, 8)
+    assert fit_conversation(enc, msgs, 200, 10, keep=None) == (enc(msgs), 0)
+    ids, k = fit_conversation(enc, msgs, 10, 5)  # cannot fit: only the system and the last user turn left
+    assert (len(ids), k) == (20, 10)
+    ending = msgs[:-1] + [{"role": "user", "content": "q" * 10}, {"role": "assistant", "content": "p" * 30}]
+    ids, k = fit_conversation(enc, ending, 10, 5)  # a prefilled answer stays with its user turn
+    assert (len(ids), k) == (50, 10)
 
 
 # ------------------------------------------------------------------------------------- sampling fields
@@ -1022,6 +1055,46 @@ def test_forced_tool_calls_through_real_templates(http, eng, monkeypatch, name, 
         r = http.post("/v1/chat/completions", json={"messages": back, "tools": WEATHER_TOOLS, "max_tokens": 2,
                                                     "temperature": 0})
         assert r.status_code == 200, r.text
+
+
+def test_forced_call_cut_by_max_tokens(http):
+    """A forced call that max_tokens cuts: finish_reason "length" with the call's name and its arguments as far
+    as they came (truncated JSON text, vLLM's and OpenAI's answer), streamed too; the cut arguments are the
+    start of the uncut call's (whitespace aside)."""
+    body = {"messages": TQ, "tools": WEATHER_TOOLS, "temperature": 0,
+            "tool_choice": {"type": "function", "function": {"name": "get_time"}}}
+    whole = http.post("/v1/chat/completions", json={**body, "max_tokens": 64}).json()["choices"][0]
+    assert whole["finish_reason"] == "tool_calls", whole
+    want = "".join(whole["message"]["tool_calls"][0]["function"]["arguments"].split())
+    r = http.post("/v1/chat/completions", json={**body, "max_tokens": 12})
+    ch = r.json()["choices"][0]
+    assert ch["finish_reason"] == "length" and ch["message"]["content"] is None, ch
+    (call,) = ch["message"]["tool_calls"]
+    cut = "".join(call["function"]["arguments"].split())
+    assert call["function"]["name"] == "get_time" and cut.startswith("{") and want.startswith(cut) and cut != want
+    ev = _events(http.post("/v1/chat/completions", json={**body, "max_tokens": 12, "stream": True}))
+    tcs = [t for c in ev if c["choices"] for t in c["choices"][0]["delta"].get("tool_calls") or []]
+    assert [(t["function"]["name"], t["function"]["arguments"]) for t in tcs] == \
+        [("get_time", call["function"]["arguments"])]
+    assert ev[-1]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("text,want", [
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', ("get_weather", '{"city": "Par')),
+    ('{"name": "get_weather", "parameters": {"ci', ("get_weather", '{"ci')),                 # Llama 3
+    ('[TOOL_CALLS]get_weather[ARGS]{"ci', ("get_weather", '{"ci')),                         # Mistral [ARGS]
+    ('[TOOL_CALLS][{"name": "get_time", "arguments": {"t', ("get_time", '{"t')),            # Mistral's list
+    (' to=functions.get_weather<|channel|>commentary json<|message|>{"c', ("get_weather", '{"c')),  # gpt-oss
+    ('<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>x',
+     ("get_weather", '{"city": "Paris"}')),                                                 # GLM: whole pairs
+    ('{"tool_call": {"name": "get_time", "arguments": {"tz": [', ("get_time", '{"tz": [')),  # generic
+    ('<tool_call>\n{"name": "get_weather", "argu', ("get_weather", "")),
+    ('<tool_call>\n{"na', None),
+])
+def test_cut_call_reads_each_form(text, want):
+    """``tool_calls.cut_call`` on each form's opening cut mid-way: the tool's name once it came whole, the
+    arguments from their first bracket on."""
+    assert TC.cut_call(text, ["get_weather", "get_time"], {}) == want
 
 
 NATIVE = ["GLM-4.6", "llama-cpp-deepseek-r1", "moonshotai-Kimi-K2", "openai-gpt-oss-120b"]
