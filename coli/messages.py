@@ -157,8 +157,17 @@ def content_blocks(msg: dict) -> list:
         out.append({"type": "text", "text": msg["content"]})
     for c in msg.get("tool_calls") or []:
         out.append({"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
-                    "input": json.loads(c["function"]["arguments"] or "{}")})
+                    "input": _input(c["function"]["arguments"])})
     return out
+
+
+def _input(arguments: str) -> dict:
+    """A tool_use block's ``input`` of a call's arguments JSON; ``{}`` for arguments max_tokens cut (a forced call's
+    truncated JSON: ``tool_calls.cut_call``; stop_reason "max_tokens" says so)."""
+    try:
+        return json.loads(arguments or "{}")
+    except json.JSONDecodeError:
+        return {}
 
 
 def stop_reason(finish_reason: str, matched, stops) -> tuple:

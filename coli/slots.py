@@ -337,9 +337,7 @@ class Batcher:
             slot = min(free, key=lambda s: (s.cache is not None, s.used))
         eng = self.eng
         with engine_threads(eng):
-            donor = max((s for s in self.slots if s is not slot and s.cache is not None and s.cache.rewindable),
-                        key=lambda s: min(common_prefix(s.ids, ids), limit), default=None)
-            got = min(common_prefix(donor.ids, ids), limit) if donor is not None else 0
+            donor, got = self._donor(slot, ids, limit)
             if slot.cache is None or (n == 0 and not slot.cache.rewindable):
                 # the whole context: the slot keeps it for later requests; paged, on fresh 4 KiB pages committed
                 # as rows are written (not 2 MiB huge pages, not a memset of reused heap memory)
@@ -408,6 +406,17 @@ class Batcher:
                 return False
         return True
 
+    def _donor(self, slot, ids: list, limit: int) -> tuple:
+        """``(donor, rows)``: the slot other than ``slot`` with a rewindable cache sharing the longest prefix with
+        ``ids`` (at most ``limit`` rows; the first of equals), and that prefix's length; ``(None, 0)`` if none."""
+        best, got = None, 0
+        for s in self.slots:
+            if s is not slot and s.cache is not None and s.cache.rewindable:
+                n = min(common_prefix(s.ids, ids), limit)
+                if best is None or n > got:
+                    best, got = s, n
+        return best, got
+
     def _resume(self, seq: Sequence) -> bool:
         """Paged: a preempted ``seq`` takes the blocks of its prompt and generated tokens (dropping free slots'
         cached rows, never a running sequence's) and queues them as its prompt, less the longest prefix of them
@@ -416,9 +425,7 @@ class Batcher:
         rows = seq.ids + seq.out  # its last token's row included: its logits give the next token
         slot = seq.slot
         limit = len(rows) - 1
-        donor = max((s for s in self.slots if s is not slot and s.cache is not None and s.cache.rewindable),
-                    key=lambda s: min(common_prefix(s.ids, rows), limit), default=None)
-        got = min(common_prefix(donor.ids, rows), limit) if donor is not None else 0
+        donor, got = self._donor(slot, rows, limit)
         if got and not self._take(slot, len(rows), keep=donor):
             if donor.seq is None:  # a free donor keeps only the shared prefix: its other blocks serve this one
                 self._give_back(donor, got)

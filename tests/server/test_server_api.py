@@ -1077,6 +1077,12 @@ def test_forced_call_cut_by_max_tokens(http):
     assert [(t["function"]["name"], t["function"]["arguments"]) for t in tcs] == \
         [("get_time", call["function"]["arguments"])]
     assert ev[-1]["choices"][0]["finish_reason"] == "length"
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in WEATHER_TOOLS]
+    r = http.post("/v1/messages", json={"messages": TQ[1:], "system": TQ[0]["content"], "tools": tools,
+                                        "tool_choice": {"type": "tool", "name": "get_time"}, "max_tokens": 12,
+                                        "temperature": 0})  # Anthropic's: its tool_use input an object
+    assert r.status_code == 200 and r.json()["stop_reason"] == "max_tokens", r.text
+    assert [(b["type"], b["name"], b["input"]) for b in r.json()["content"]] == [("tool_use", "get_time", {})]
 
 
 @pytest.mark.parametrize("text,want", [
