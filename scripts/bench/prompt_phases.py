@@ -25,12 +25,14 @@ with position (attention does: its keys are the positions before). A GEMM phase'
 row. No wrapper changes what runs (the same kernels, the same bits)."""
 import argparse
 import collections
+import contextlib
 import functools
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from numba.extending import typeof_impl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for `coli` and `scheduler`
 import timing  # noqa: E402  (scripts/bench/timing.py: the script's own folder is first on sys.path)
@@ -39,8 +41,10 @@ PHASES = ("qkv", "attend", "out", "rope", "norm", "router", "experts", "combine"
 
 
 def _wrap(owner, name, label, acc):
-    """Replace ``owner.name`` by a timer around it adding to ``acc[label]`` (a staticmethod stays one)."""
-    raw = owner.__dict__.get(name)
+    """Replace ``owner.name`` by a timer around it adding to ``acc[label]`` (a staticmethod stays one); returns
+    the function that puts back what ``owner`` held (its own attribute, or none: the inherited one)."""
+    own = owner.__dict__.get(name)
+    raw = own
     if raw is None:
         for k in owner.__mro__:
             if name in k.__dict__:
@@ -58,20 +62,29 @@ def _wrap(owner, name, label, acc):
             acc[label] += time.perf_counter() - t
 
     setattr(owner, name, staticmethod(g) if static else g)
+    return (lambda: setattr(owner, name, own)) if own is not None else (lambda: delattr(owner, name))
 
 
+@contextlib.contextmanager
 def instrument(model, acc):
-    """Time the phases (module docstring) of ``model``'s layers into ``acc`` (a defaultdict(float))."""
+    """Time the phases (module docstring) of ``model``'s layers into ``acc`` (a defaultdict(float)) while the block
+    runs; the classes' methods are put back on leaving it."""
     from coli.models import blocks
     from scheduler import step
 
-    for owner, name, label in ((blocks.Attention, "qkv", "qkv"), (blocks.Attention, "attend", "attend"),
+    undo = []
+    try:
+        for owner, name, label in ((blocks.Attention, "qkv", "qkv"), (blocks.Attention, "attend", "attend"),
                                (blocks.Attention, "out", "out"), (blocks.Attention, "rope", "rope"),
                                (blocks.Attention, "heads", "rope"), (blocks.MoE, "logits", "router"),
                                (step.MoEStep, "_cpu_experts", "experts"), (step.MoEStep, "combine", "combine"),
                                (blocks.MLP, "__call__", "mlp"), (type(model), "norm_in", "norm"),
-                               (type(model), "embed", "head"), (type(model), "head", "head")):
-        _wrap(owner, name, label, acc)
+                                   (type(model), "embed", "head"), (type(model), "head", "head")):
+            undo.append(_wrap(owner, name, label, acc))
+        yield
+    finally:
+        for f in reversed(undo):
+            f()
 
 
 class _Counted:
@@ -88,22 +101,35 @@ class _Counted:
         return getattr(self._d, name)
 
 
-def count_launches(n) -> int:
-    """Count every call from Python of a ``parallel=True`` kernel (a launch of the thread pool) into ``n[0]``: the
-    module globals of ``cpu_kernels``, ``coli`` and ``scheduler`` that hold one are replaced by a counter (calls
-    from compiled code are not launches of their own; a kernel held only in a table or a closure is missed: a lower
-    bound). Returns the number of kernels wrapped."""
+@typeof_impl.register(_Counted)
+def _typeof_counted(val, c):
+    """Numba types a counter as its kernel: a compiled function naming the global compiles (and calls the kernel
+    itself, uncounted) while the counters are in place, as a cold cache or a new signature makes it do."""
+    return typeof_impl(val._d, c)
+
+
+@contextlib.contextmanager
+def count_launches(n, prefixes=("cpu_kernels", "coli", "scheduler")):
+    """Count every call from Python of a ``parallel=True`` kernel (a launch of the thread pool) into ``n[0]`` while
+    the block runs: the globals of the modules named ``prefixes``... that hold one are replaced by a counter and
+    put back on leaving it (calls from compiled code are not launches of their own; a kernel held only in a table
+    or a closure is missed: a lower bound). Yields the number of kernels wrapped."""
     from numba.core.registry import CPUDispatcher
 
-    done = {}
-    for name, mod in list(sys.modules.items()):
-        if mod is None or not name.startswith(("cpu_kernels", "coli", "scheduler")):
-            continue
-        for k, v in list(vars(mod).items()):
-            if isinstance(v, CPUDispatcher) and v.targetoptions.get("parallel"):
-                done.setdefault(id(v), _Counted(v, n))
-                setattr(mod, k, done[id(v)])
-    return len(done)
+    done, undo = {}, []
+    try:
+        for name, mod in list(sys.modules.items()):
+            if mod is None or not name.startswith(tuple(prefixes)):
+                continue
+            for k, v in list(vars(mod).items()):
+                if isinstance(v, CPUDispatcher) and v.targetoptions.get("parallel"):
+                    done.setdefault(id(v), _Counted(v, n))
+                    undo.append((mod, k, v))
+                    setattr(mod, k, done[id(v)])
+        yield len(done)
+    finally:
+        for mod, k, v in undo:
+            setattr(mod, k, v)
 
 
 def main(argv=None) -> int:
@@ -123,16 +149,18 @@ def main(argv=None) -> int:
 
         env = dict(os.environ, COLI_UBATCH=str(a.ubatch))
     acc = collections.defaultdict(float)
-    with Engine(a.model, threads=a.threads, ctx=max(lens) + 1, quiet=True, save_usage=False, env=env) as eng:
+    with (Engine(a.model, threads=a.threads, ctx=max(lens) + 1, quiet=True, save_usage=False, env=env) as eng,
+          contextlib.ExitStack() as wrapped):
         m = eng.model
-        instrument(m, acc)
+        wrapped.enter_context(instrument(m, acc))
         launches = [0]
-        n_par = count_launches(launches)
+        n_par = wrapped.enter_context(count_launches(launches))
         step = eng.prompt_chunk()
         print(f"# {Path(str(eng.path)).name}, {eng.threads} threads, prompt steps of {step} rows, {n_par} parallel "
               f"kernels counted, load {' '.join(timing.load())}")
         rng = np.random.default_rng(0)
-        m.forward(rng.integers(10, min(1000, m.args.vocab), min(step, min(lens))), eng._new_cache(step, step))  # loads the kernels
+        # loads the kernels (a whole step's rows: a step of fewer rows takes other paths, compiled in the timed run)
+        m.forward(rng.integers(10, min(1000, m.args.vocab), min(step, max(lens))), eng._new_cache(step, step))
         for n in lens:
             for r in range(a.reps):
                 ids = rng.integers(10, min(1000, m.args.vocab), n)
