@@ -505,8 +505,9 @@ class Engine:
 
     def prompt_chunk(self) -> int:
         """Rows of a prompt step: the device layers' chunk with device layers (the device takes a chunk in one
-        submit: ``COLI_VK_PROMPT_ROWS``, else ``COLI_UBATCH`` when set, else 2048 or 512: ``runtime.setup_layers``), else ``PREFILL_CHUNK`` when set, else ``COLI_UBATCH`` (default 256: bounds the attention scratch,
-        the expert batches and a step's logits)."""
+        submit: ``COLI_VK_PROMPT_ROWS``, else ``COLI_UBATCH`` when set, else 2048 or 512: ``runtime.setup_layers``),
+        else ``PREFILL_CHUNK`` when set, else ``COLI_UBATCH`` (default 256: bounds the attention scratch, the expert
+        batches and a step's logits)."""
         dl = self.device_layers
         if dl is not None and self.model.device_layers is dl:
             return dl.prompt_rows
