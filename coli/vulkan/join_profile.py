@@ -27,8 +27,9 @@ PARTS = (
     ("timestamps", "the segments' timestamps read back (vkGetQueryPoolResults)"),
     ("row out", "the last layer's row copied out (the K/V rows and DeltaNet states stay the device's until the "
                 "CPU needs them)"),
-    ("routing history", "the routes read back, counted in the routing history, the logits copied out, the "
-                        "on_token hook (expert swaps)"),
+    ("routing history", "the routes read back, counted in the routing history, the logits copied out"),
+    ("expert swaps", "the on_token hook: the swaps whose copies finished land, the in-layer swap policy's token "
+                     "(scheduler/layer_residency.py), a swap's copy started"),
     ("clock holder", "the clock holder's heat submitted for the gap to the next token (a discrete GPU)"),
     ("rest of the token", "the rest of DeviceLayers.__call__: K/V rows to the device, the input row, the "
                           "timers themselves"),

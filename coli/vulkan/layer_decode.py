@@ -327,10 +327,12 @@ class DecodeRow:
         if ids is not None and step is not None and step.usage is not None:   # the routing history counts these too
             step.usage.add_layers(self._moe_il, ids[self._moe_j])
         lg = self._lghost.reshape(1, self.vocab).copy() if self.head is not None else None
-        if self.on_token is not None and ids is not None:
-            self.on_token(self, {il: ids[j].astype(np.int64) for j, il in zip(self._moe_j, self._moe_il)})
         if P is not None:
             t2 = P.lap("routing history", t2)
+        if self.on_token is not None and ids is not None:
+            self.on_token(self, {il: ids[j].astype(np.int64) for j, il in zip(self._moe_j, self._moe_il)})
+            if P is not None:
+                t2 = P.lap("expert swaps", t2)
         if self.clock is not None:
             self._start_clock()
             if P is not None:

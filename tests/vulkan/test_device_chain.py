@@ -286,6 +286,7 @@ def test_hot_experts_swapped_in(device_moe, moe_cpu):
     for the coldest resident once its heat passes 1.25 x that one's + 4 and the reuse gate finds it repays the upload;
     the resident count of each layer stays, the expert table follows (the logits stay the CPU-only run's), and the
     policy alone gives the same swaps."""
+    from coli.vulkan.join_profile import JoinProfile
     from scheduler.layer_residency import LayerLFRU
     from scheduler.tier_policy import ReuseGate
 
@@ -310,7 +311,9 @@ def test_hot_experts_swapped_in(device_moe, moe_cpu):
         dl.on_token = both
         ids = IDS + IDS[::-1] + IDS
         ref, _ = decode_rows(moe_cpu, ids, 3)
+        dl.prof = P = JoinProfile()     # the hook's time is a part of its own in the join profile
         got, _ = decode_rows(dev, ids, 3)
+        assert P.n["expert swaps"] == P.tokens == len(ids) - 3
         # every copy ran while the next token did (COLI_VK_SWAP_ASYNC), both experts on the CPU meanwhile
         assert dl.swaps_overlapped == dl.swaps == len(seen) - len(dl._swapping) > 0
         dl.swaps_land(wait=True)
@@ -345,6 +348,7 @@ def test_join_profile(device_moe, moe_cpu):
         assert P.n["submit"] == n and P.n["tail"] == n and P.n["signal"] == 4 * n and P.n["route read"] == 4 * n
         assert P.n["wait: flag"] + P.n["wait: semaphore"] == 4 * n == dl.spun + dl.slept
         assert P.n["rows out"] == 4 * n and P.n["rest of the token"] == n
+        assert P.n["routing history"] == n and P.n["expert swaps"] == 0 and dl.on_token is None    # no residents
         assert all(v >= 0 for v in P.s.values()) and sum(P.s.values()) <= P.total_s * 1.0001
         assert P.n["timestamps"] == (n if on.device.timestamps else 0) and dl.gpu_tokens == P.n["timestamps"]
         t = P.table()
