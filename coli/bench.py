@@ -21,11 +21,14 @@ deviation with Bessel's correction, 0 for one sample, as llama-bench), ``samples
 step), ``weight_gbps`` (weight_bytes / mean time, GB = 1e9 bytes), ``probe_gbps`` (the memory-read probe at
 that thread count, ``--bandwidth``), ``device_rows`` / ``cpu_rows`` (the placement: rows of the last run whose
 device layers (``--gpu-layers``) ran on the device / on the CPU; 0 and N without device layers),
-``expert_disk_loads``, ``expert_bytes_read`` (per run), ``device_expert_rows`` / ``cpu_expert_rows`` (routed (row,
+``expert_disk_loads``, ``expert_bytes_read`` (per run), ``expert_bytes_used`` (per run: those bytes less the wrong
+early guesses' reads, counted when a guess is let go), ``expert_read_gbps`` / ``expert_used_gbps`` (per run: those
+bytes / the run's time, GB = 1e9 bytes), ``device_expert_rows`` / ``cpu_expert_rows`` (routed (row,
 expert) pairs of the last run computed on the device / on the CPU: the tier's and the device layers' experts),
 ``device_streamed_bytes`` (expert bytes the last run streamed to the device for prompt chunks:
 ``COLI_VK_PROMPT_EXPERTS``), ``early_used`` / ``early_wasted`` (per run: the experts read early that their layer
-routed to / did not, ``COLI_READ_AHEAD``; their bytes are in ``expert_bytes_read``), ``expert_cache_held`` (bytes the
+routed to / did not, ``COLI_READ_AHEAD``; their bytes are in ``expert_bytes_read``, the used ones' in
+``expert_bytes_used``), ``expert_cache_held`` (bytes the
 RAM expert cache held after the last run: below its slots' bytes where it stopped growing, docs/engine.md "Memory
 budget").
 
@@ -59,7 +62,8 @@ FIELDS = ["build_commit", "build_number", "cpu_info", "gpu_info", "backends", "m
           "n_prompt", "n_gen", "n_depth", "test_time", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts"]
 COLI_FIELDS = ["test", "device", "balance", "cpu_act", "expert_cache", "io_threads", "load_avg", "cold",
                "weight_bytes", "weight_gbps", "probe_gbps", "device_rows", "cpu_rows"]
-SAMPLE_FIELDS = ["samples_ns", "samples_ts", "expert_disk_loads", "expert_bytes_read", "device_expert_rows",
+SAMPLE_FIELDS = ["samples_ns", "samples_ts", "expert_disk_loads", "expert_bytes_read", "expert_bytes_used",
+                 "expert_read_gbps", "expert_used_gbps", "device_expert_rows",
                  "cpu_expert_rows", "device_streamed_bytes", "early_used", "early_wasted", "expert_cache_held"]
 FORMATS = ("md", "json", "csv", "jsonl")
 
@@ -380,6 +384,9 @@ def run_bench(eng, n_prompt=128, n_gen=64, reps=5, cold=False, threads=None, ban
                            device_rows=int(dev_rows), cpu_rows=int(n - dev_rows),
                            expert_disk_loads=[l["disk_loads"] for l in loads],
                            expert_bytes_read=[l["bytes_read"] for l in loads],
+                           expert_bytes_used=[l["bytes_used"] for l in loads],
+                           expert_read_gbps=[round(l["bytes_read"] / ns, 4) for l, ns in zip(loads, samples)],
+                           expert_used_gbps=[round(l["bytes_used"] / ns, 4) for l, ns in zip(loads, samples)],
                            early_used=[l.get("early_used", 0) for l in loads],
                            early_wasted=[l.get("early_wasted", 0) for l in loads],
                            device_expert_rows=int(last.get("device_expert_rows", 0)),

@@ -14,10 +14,11 @@ safetensors headers, as ``coli run -m DIR`` reads them), the memory budget
   itself holds before a model loads (this process's resident set: Python, NumPy, the kernels' module);
 * ``expert_held_bytes``: one expert as the RAM cache holds it (``ExpertSource.held_nbytes``: the kernels' layout,
   plus the file's bytes with a device tier), ``expert_held_ratio`` = held / file bytes;
-* the RAM expert cache the engine would set up (:func:`coli.runtime.expert_cache_slots` on
-  :func:`coli.runtime.cache_room`, as ``coli.runtime.setup_moe``): ``ram_cache_slots`` per layer, ``ram_cache_bytes``;
+* the RAM expert cache the engine would set up (:func:`coli.runtime.size_expert_cache`, as
+  ``coli.runtime.setup_moe``): ``ram_cache_slots`` per layer, ``ram_cache_bytes``;
   ``ram_cache_kv_bytes``: what the KV cache at ``ctx`` positions takes from it (the KV caches take their bytes
-  from the expert cache's room as they are written, evicting experts);
+  from the expert cache's room as they are written, evicting experts); ``early_reads``: the early reads held at
+  most (:func:`coli.runtime.early_reads`; 0: none), their bytes out of the cache's room;
 * with a device, the tier's budget (:func:`scheduler.tier_policy.budget_bytes`, the rule ``coli.runtime.setup_device``
   uses) and ``device_experts`` = budget // expert bytes, at most every expert;
 * ``scratch_bytes``: a prompt step's scratch beyond the headroom (:func:`coli.runtime.scratch_bytes`: MLA's expanded
@@ -48,8 +49,8 @@ from coli.base.errors import ColiError
 from coli.resolve import resolve
 from coli.gguf_file import open_gguf
 from coli.models import model_args
-from coli.runtime import (budget_needed, cache_room, context_size, default_ctx, expert_cache_slots, headroom,
-                          kv_cache_bytes, kv_types, scratch_bytes)
+from coli.runtime import (budget_needed, context_size, default_ctx, headroom,
+                          kv_cache_bytes, kv_types, scratch_bytes, size_expert_cache)
 from scheduler.tier_policy import DeviceMemory, SHARED_KINDS, budget_bytes
 
 GiB = 1 << 30
@@ -134,14 +135,15 @@ def make_plan(path, *, device: str | None = None, ctx: int | None = None, expert
             per = max(src.expert_nbytes(il) for il in moe)
             held = max(src.held_nbytes(il) for il in moe)
             per_layer = [src.expert_nbytes(il) * src.n_experts(il) for il in moe]
+            # as the engine: 4 readers (coli run's default), early reads where every layer has an f32-able router
+            guesses = all(f"blk.{il}.ffn_gate_inp.weight" in t for il in moe)
+            shared, slots, early = size_expert_cache(room, src, moe, 4, a.top_k, expert_cache, guesses, env)
         finally:
             src.close()
-        shared = cache_room(room, per, 4, E, held)
-        slots = expert_cache_slots(E, a.top_k, held, len(moe), expert_cache, shared)
         if expert_cache is not None:
             slots = max(a.top_k, slots)
     else:
-        E, slots, held, shared = 0, 0, 0, 0
+        E, slots, held, shared, early = 0, 0, 0, 0, 0
     total_experts = E * len(moe)
     ram_cache_bytes = slots * len(moe) * held
     # the KV cache takes its bytes from the expert cache as it is written (coli.runtime.new_cache): what a whole
@@ -150,7 +152,7 @@ def make_plan(path, *, device: str | None = None, ctx: int | None = None, expert
     p.update(expert_bytes=per, expert_bytes_per_layer=per_layer, expert_bytes_total=sum(per_layer),
              expert_held_bytes=held, expert_held_ratio=round(held / per, 3) if per else 0.0,
              total_experts=total_experts, ram_cache_slots=slots, ram_cache_experts=slots * len(moe),
-             ram_cache_bytes=ram_cache_bytes, ram_cache_kv_bytes=kv_from_cache)
+             ram_cache_bytes=ram_cache_bytes, ram_cache_kv_bytes=kv_from_cache, early_reads=early)
     dev = None
     if device == "vulkan":
         dev = device_info if device_info is not None else _device_info(g.path.name, device_index)

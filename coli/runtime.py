@@ -151,14 +151,51 @@ def context_size(ctx, args, cap: int, name: str = "--ctx") -> int:
     return int(ctx) or int(args.ctx_train)
 
 
-def cache_room(room: int, expert_file_bytes: int, io_threads: int, n_experts: int, held_bytes: int) -> int:
+def cache_room(room: int, reader_bytes: int, io_threads: int, n_experts: int, held_bytes: int,
+               early_bytes: int = 0) -> int:
     """Bytes the RAM expert cache and the KV caches share out of ``room`` (what the budget leaves once the model
-    is loaded, less the :func:`headroom`): less the file's bytes the ``io_threads`` readers hold while they
-    prepare an expert each, and one layer's ``n_experts`` experts as held (``held_bytes`` each: a prompt step
-    routes to every expert of a layer, and the step keeps the ones read from disk until it ends, cached or not),
-    >= 0. The expert cache is sized from all of it; the KV caches take their bytes from it as they are written,
-    evicting experts (``RAMCache.share``, :func:`new_cache`; docs/engine.md "Memory budget")."""
-    return max(0, int(room) - max(1, int(io_threads)) * int(expert_file_bytes) - int(n_experts) * int(held_bytes))
+    is loaded, less the :func:`headroom`): less what the ``io_threads`` readers hold beside the expert each
+    prepares (``reader_bytes`` each: ``ExpertSource.reader_nbytes``), one layer's ``n_experts`` experts as held
+    (``held_bytes`` each: a prompt step routes to every expert of a layer, and the step keeps the ones read from
+    disk until it ends, cached or not) and the early reads' ``early_bytes`` (:func:`early_reads`), >= 0. The
+    expert cache is sized from all of it; the KV caches take their bytes from it as they are written, evicting
+    experts (``RAMCache.share``, :func:`new_cache`; docs/engine.md "Memory budget" lists every buffer)."""
+    return max(0, int(room) - max(1, int(io_threads)) * int(reader_bytes) - int(n_experts) * int(held_bytes)
+               - int(early_bytes))
+
+
+def read_ahead_width(env, top_k: int) -> int:
+    """Experts of the next MoE layer a decode row guesses (``COLI_READ_AHEAD``; -1: ``top_k``; 0: none)."""
+    width = settings.get("COLI_READ_AHEAD", env)
+    return int(top_k) if width is None or width < 0 else int(width)
+
+
+def early_reads(width: int, io_threads: int) -> int:
+    """Early reads held at once at most (``RAMCache.early_cap``) for ``width`` guesses a layer: the layer's used
+    guesses until their prepare, the next layer's guesses, and the wrong ones still being read (at most one an
+    I/O thread). Each holds an O_DIRECT buffer (``ExpertSource.early_nbytes``) or, read without O_DIRECT, the
+    expert prepared: :func:`size_expert_cache` counts the larger of the two."""
+    return 2 * int(width) + max(1, int(io_threads)) if width > 0 else 0
+
+
+def size_expert_cache(room: int, source, layers, io_threads: int, top_k: int, expert_cache, guesses: bool, env):
+    """The RAM expert cache's sizing (the engine's and ``coli plan``'s one rule): ``(room, slots, early)`` with
+    ``room`` the bytes the cache and the KV caches share (:func:`cache_room`), ``slots`` a layer
+    (:func:`expert_cache_slots`; ``expert_cache`` as given, unchecked) and ``early`` the early reads held at most
+    (:func:`early_reads`; 0 where there are none: ``guesses`` False (``COLI_READ_AHEAD`` 0, a family's own
+    routing), or every expert cached). ``source``: the ``scheduler.ram_cache.ExpertSource`` of ``layers``."""
+    E = source.n_experts(layers[0])
+    per = max(source.held_nbytes(l) for l in layers)       # an expert as the cache holds it
+    reader = source.reader_nbytes()
+    left = cache_room(room, reader, io_threads, E, per)
+    slots = expert_cache_slots(E, top_k, per, len(layers), expert_cache, left)
+    width = read_ahead_width(env, top_k) if guesses else 0
+    early = early_reads(width, io_threads) if slots < E else 0
+    if early:
+        one = max(source.early_nbytes(), per) if hasattr(source, "early_nbytes") else per
+        left = cache_room(room, reader, io_threads, E, per, early * one)
+        slots = expert_cache_slots(E, top_k, per, len(layers), expert_cache, left)
+    return left, slots, early
 
 
 def expert_cache_slots(n_experts: int, top_k: int, expert_bytes: int, n_moe_layers: int, expert_cache=None,
@@ -268,6 +305,7 @@ def check_dense_fits(eng) -> None:
 def setup_moe(eng, expert_cache, usage_path, io_threads, keep_raw) -> None:
     # these load Numba and the kernels: with the first MoE engine, not with `import coli.engine`
     from scheduler.ram_cache import ExpertSource, RAMCache
+    from scheduler.read_ahead import ReadAhead
     from scheduler.step import MoEStep
 
     a = eng.args
@@ -281,8 +319,9 @@ def setup_moe(eng, expert_cache, usage_path, io_threads, keep_raw) -> None:
     L = eng.model.moe_layers
     E = source.n_experts(L[0])
     per = max(source.held_nbytes(l) for l in L)       # an expert as the cache holds it
-    room = cache_room(eng.room, max(source.expert_nbytes(l) for l in L), io_threads, E, per)
-    slots = expert_cache_slots(E, a.top_k, per, len(L), expert_cache, room)
+    routers = _routers(eng)
+    room, slots, early = size_expert_cache(eng.room, source, L, io_threads, a.top_k, expert_cache,
+                                           routers is not None, eng.env)
     if expert_cache is not None:
         if int(expert_cache) < 0:
             raise ColiError(f"--expert-cache: {expert_cache} (slots per layer, >= top-k {a.top_k})")
@@ -309,30 +348,26 @@ def setup_moe(eng, expert_cache, usage_path, io_threads, keep_raw) -> None:
     if expert_cache is None and eng.memory.reserve:   # sized from the RAM available: stop where others need it
         eng.cache.guard(eng.memory.reserve, memory.available_ram)
     eng.step = MoEStep(eng.cache, eng.usage, act=eng.cpu_act, trace=eng.trace)
-    eng.step.ahead = read_ahead(eng, slots, E, a.top_k)
+    eng.cache.early_cap = early   # what the budget counts for them
+    eng.step.ahead = ReadAhead(eng.cache, routers, read_ahead_width(eng.env, a.top_k)) if early else None
     eng.ram_cache_bytes = slots * len(L) * per  # the RAM cache's configured size (the tier's budget rule)
     eng.expert_held_ratio = per / max(1, max(source.expert_nbytes(l) for l in L))  # held / file bytes
     eng.model.step = eng.step
     eng.expert_slots = slots
 
 
-def read_ahead(eng, slots: int, n_experts: int, top_k: int):
-    """The early reads of a MoE model (``scheduler.read_ahead.ReadAhead``; ``COLI_READ_AHEAD`` experts a layer,
-    -1: top-k), or None: the setting 0, or a RAM expert cache that holds every expert (nothing to read after the
-    first uses), or a layer whose router is not an f32 [E, D] matrix (a family with its own routing block)."""
-    from scheduler.read_ahead import ReadAhead
-
-    width = settings.get("COLI_READ_AHEAD", eng.env)
-    width = int(top_k) if width is None or width < 0 else int(width)
-    if width == 0 or slots >= n_experts:
-        return None
+def _routers(eng):
+    """``{layer: f32 [E, D]}`` the MoE layers' routers for the early reads (``scheduler.read_ahead.ReadAhead``,
+    made where :func:`size_expert_cache` counts early reads: ``COLI_READ_AHEAD`` not 0 and a RAM expert cache
+    that cannot hold every expert), or None: a layer whose router is not an f32 [E, D] matrix (a family with its
+    own routing block)."""
     routers = {}
     for il in eng.model.moe_layers:
         W = getattr(eng.model.layers[il].moe, "ffn_gate_inp", None)
         if not isinstance(W, np.ndarray) or W.ndim != 2 or W.dtype != np.float32:
             return None
         routers[il] = W
-    return ReadAhead(eng.cache, routers, width)
+    return routers
 
 
 def _layer_swaps(eng, dl):
@@ -780,7 +815,7 @@ def _kv_given_back(ram, key, last: list, cache, end: int) -> None:
 
 def reset_counters(eng):
     c = eng.cache
-    eng._c0 = (c.hits, c.loads, c.source.bytes_read, c.yielded) if c is not None else (0, 0, 0, 0)
+    eng._c0 = (c.hits, c.loads, c.source.bytes_read, c.yielded, c.wasted_bytes) if c is not None else (0,) * 5
     dl = eng.device_layers
     eng._d0 = (dl.prompt_tokens, dl.tokens, dl.streamed_bytes) if dl is not None else (0, 0, 0)
     eng._x0 = expert_rows(eng)
@@ -799,18 +834,20 @@ def expert_rows(eng) -> tuple[int, int]:
 
 
 def counters(eng) -> dict:
-    """Since :func:`reset_counters`: expert cache hits, disk loads and bytes read; with device layers, the
+    """Since :func:`reset_counters`: expert cache hits, disk loads, bytes read and of them the bytes used (less the
+    wrong guesses' reads, counted when they are let go: ``RAMCache.wasted_bytes``); with device layers, the
     prompt rows and decode rows whose device layers ran on the device (``device_prompt_rows``,
     ``device_decode_rows``) and the expert bytes streamed to the device for prompt chunks
     (``device_streamed_bytes``); the routed (row, expert) pairs computed on the device and on the CPU
     (``device_expert_rows``, ``cpu_expert_rows``); with early reads, the guessed experts the layers routed to and
     did not (``early_used``, ``early_wasted``)."""
     c = eng.cache
-    out = dict(expert_hits=0, disk_loads=0, bytes_read=0)
+    out = dict(expert_hits=0, disk_loads=0, bytes_read=0, bytes_used=0)
     if c is not None:
-        h0, l0, b0, y0 = getattr(eng, "_c0", (0, 0, 0, 0))
-        out = dict(expert_hits=c.hits - h0, disk_loads=c.loads - l0, bytes_read=c.source.bytes_read - b0,
-                   kv_evictions=c.yielded - y0)
+        h0, l0, b0, y0, w0 = getattr(eng, "_c0", (0,) * 5)
+        read = c.source.bytes_read - b0
+        out = dict(expert_hits=c.hits - h0, disk_loads=c.loads - l0, bytes_read=read,
+                   bytes_used=read - (c.wasted_bytes - w0), kv_evictions=c.yielded - y0)
     dl = eng.device_layers
     if dl is not None:
         p0, t0, s0 = getattr(eng, "_d0", (0, 0, 0))

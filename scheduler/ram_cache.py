@@ -120,6 +120,9 @@ class ExpertSource:
         self._refused: list = []  # O_DIRECT descriptors whose reads the file system refused: closed by close()
         self._scratch = threading.local()   # a reader thread's page-aligned read buffer (``_direct_read``)
         self._buffers: list = []   # early reads' page-aligned buffers not in use (``read_early``)
+        self.early_made = 0        # early reads' buffers allocated (each :meth:`early_nbytes`; never freed)
+        self._early_n = None       # :meth:`early_nbytes`, once computed
+        self.scratch_peak = 0      # the largest reader thread's O_DIRECT buffer made (``_direct_read``; bytes)
         self._held: dict = {}  # layer -> held_nbytes
         self.bytes_read = 0
         self.reads = 0
@@ -144,6 +147,22 @@ class ExpertSource:
 
     def n_experts(self, layer: int) -> int:
         return self.layers[layer][0].shape[0]
+
+    def early_nbytes(self) -> int:
+        """Bytes of one early read's buffer (:meth:`read_early`), the same for every layer so that a freed buffer
+        fits any later read: the most an expert's three slices span in whole pages (each slice at most its bytes
+        rounded up to pages plus one page, GGUF aligning tensors to 32 bytes only)."""
+        if self._early_n is None:
+            self._early_n = max(sum((-(-t.raw[0].nbytes // _ALIGN) + 1) * _ALIGN for t in ts)
+                                for ts in self.layers.values())
+        return self._early_n
+
+    def reader_nbytes(self) -> int:
+        """Bytes one I/O thread holds besides the expert it prepares: the file's bytes of an expert read through
+        the page cache (``read_raw`` reads the three slices before preparing them), or its O_DIRECT buffer
+        (:meth:`_direct_read`: the largest slice's whole pages, kept for the thread's next read)."""
+        return max(max(self.expert_nbytes(l), max((-(-t.raw[0].nbytes // _ALIGN) + 1) * _ALIGN for t in ts))
+                   for l, ts in self.layers.items())
 
     def read_raw(self, layer: int, e: int):
         """Read expert ``e`` of ``layer``: ``((type_name, uint8 [O, row_bytes], (O, I)) x 3)``. Thread-safe."""
@@ -198,7 +217,7 @@ class ExpertSource:
         is read with O_DIRECT into the reader thread's buffer and prepared from there (:meth:`_direct_read`): no
         page cache between the disk and the repack, so no kernel copy, no page-cache pages to allocate and
         reclaim, and no fresh buffer to fault in per read (docs/engine.md "Reads past the page cache")."""
-        if self.direct and not self.keep_raw and not self.page_aligned and self.fd >= 0:
+        if self.reads_early():   # the same condition: read with O_DIRECT
             ws = self._load_direct(layer, e)
             if ws is not None:
                 return self._weights(layer, e, ws, None, sum(w.file_nbytes for w in ws))
@@ -250,6 +269,7 @@ class ExpertSource:
             buf = getattr(self._scratch, "buf", None)
             if buf is None or len(buf) < n:
                 buf = self._scratch.buf = mmap.mmap(-1, n)   # anonymous: page-aligned, reused by this thread's reads
+                self.scratch_peak = max(self.scratch_peak, n)
         try:
             got = os.preadv(fd, [memoryview(buf)[at:at + n]], start)
         except OSError as ex:
@@ -270,25 +290,32 @@ class ExpertSource:
         off = t.offset + e * per
         return -(-(off + per - (off - off % _ALIGN)) // _ALIGN) * _ALIGN
 
+    def reads_early(self) -> bool:
+        """Whether :meth:`read_early` reads (the experts are read with O_DIRECT: ``direct``, neither ``keep_raw`` nor
+        ``page_aligned``, the file open); else an early read is read and prepared at once (``RAMCache.fetch_early``)."""
+        return self.direct and not self.keep_raw and not self.page_aligned and self.fd >= 0
+
     def read_early(self, layer: int, e: int):
         """Expert ``e`` of ``layer`` read with O_DIRECT into a page-aligned buffer of its own and not prepared (an
         early read that may be a wrong guess: ``scheduler.read_ahead``): an :class:`Early` for
         :meth:`prepare_early` or :meth:`drop_early`, or None (nothing read) where :meth:`load` would not read with
         O_DIRECT. The bytes and the read are counted here. Thread-safe."""
-        if not (self.direct and not self.keep_raw and not self.page_aligned and self.fd >= 0):
+        if not self.reads_early():
             return None
-        ts = self.layers[layer]
-        spans = [self._span(t, e) for t in ts]
-        buf = self._take_buffer(sum(spans))
+        buf = self._take_buffer()
         views, at, n = [], 0, 0
-        for t, span in zip(ts, spans):
-            got = self._direct_read(t, e, buf, at)
-            if got is None:
-                self._give_buffer(buf)
-                return None
-            views.append(got[0])
-            n += got[1]
-            at += span
+        try:
+            for t in self.layers[layer]:
+                got = self._direct_read(t, e, buf, at)
+                if got is None:
+                    self._give_buffer(buf)
+                    return None
+                views.append(got[0])
+                n += got[1]
+                at += self._span(t, e)
+        except BaseException:
+            self._give_buffer(buf)
+            raise
         with self._lock:
             self.bytes_read += n
             self.reads += 1
@@ -317,14 +344,15 @@ class ExpertSource:
         if early is not None and early.take() is not None:
             self._give_buffer(early.buf)
 
-    def _take_buffer(self, n: int):
-        """A page-aligned private anonymous mapping of at least ``n`` bytes from the pool of early reads' buffers
-        (a new one when none is free: the pool holds at most as many as were ever out at once)."""
+    def _take_buffer(self):
+        """A page-aligned private anonymous mapping of :meth:`early_nbytes` from the pool of early reads' buffers
+        (a new one when none is free: the pool holds at most as many as were ever out at once, which
+        ``RAMCache.early_cap`` bounds)."""
         with self._lock:
-            for i, b in enumerate(self._buffers):
-                if len(b) >= n:
-                    return self._buffers.pop(i)
-        return mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            if self._buffers:
+                return self._buffers.pop()
+            self.early_made += 1
+        return mmap.mmap(-1, self.early_nbytes(), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
     def _give_buffer(self, buf) -> None:
         with self._lock:
@@ -401,6 +429,14 @@ class RAMCache:
         # the growth guard (:meth:`guard`): (reserve bytes, a function returning the machine's available RAM)
         self._guard = None
         self._next_check = 0     # ``held`` at which the guard next reads the available RAM
+        # early reads (:meth:`fetch_early`) held at once at most (None: no bound); the engine sets it to what the
+        # memory budget counts for them (``coli.runtime.early_reads``)
+        self.early_cap = None
+        self.early_out = 0       # early reads held now: from their start to their prepare, drop or cancel
+        self.early_peak = 0      # the most held at once
+        self.early_refused = 0   # guesses not read because ``early_cap`` were held
+        self.wasted_bytes = 0    # the file's bytes of wrong guesses read and let go (in ``source.bytes_read`` too)
+        self._early_lock = threading.Lock()
         self.stopped = None      # (bytes held, RAM available) when the guard stopped the pool's growth
 
     def guard(self, reserve: int, available, step: int = 64 << 20) -> None:
@@ -608,7 +644,13 @@ class RAMCache:
     def _read(self, layer, e, early=None):
         t0 = time.perf_counter()
         # an early read asked for: prepared from its bytes (it was submitted first, so it has started or landed)
-        w = self.source.load(layer, e) if early is None else self.source.prepare_early(layer, e, early.result())
+        if early is None:
+            w = self.source.load(layer, e)
+        else:
+            try:
+                w = self.source.prepare_early(layer, e, early.result())
+            finally:
+                self._early_done(early)   # its buffer is back in the source's pool
         t1 = time.perf_counter()
         self.load_s += t1 - t0
         if self.on_read is not None:
@@ -623,27 +665,55 @@ class RAMCache:
         if f is None or getattr(f, "early", False):
             f = self.pool.submit(self._read, layer, e, f)
             self.inflight[key] = f
+        elif getattr(f, "held", False):   # a guess read and prepared at once: from now on the step's own read
+            self._early_done(f)
         return f
 
     def fetch_early(self, layer: int, e: int) -> Future:
         """Start reading expert ``e`` of ``layer`` before it is routed (a guess: ``scheduler.read_ahead``): where
-        the source reads without preparing (``ExpertSource.read_early``) the ``Future`` is of those bytes and
+        the source reads without preparing (``ExpertSource.reads_early``) the ``Future`` is of those bytes and
         marked ``early``; the expert is prepared only when :meth:`fetch` asks for it, and a wrong guess's bytes
-        go back unprepared (:meth:`drop_early`). The one in flight if any; else :meth:`fetch`'s read."""
+        go back unprepared (:meth:`drop_early`); elsewhere it is read and prepared at once. The one in flight if
+        any; None (nothing started, ``early_refused`` counts it) when ``early_cap`` reads are held: the memory
+        budget counts that many (``coli.runtime.early_reads``)."""
         key = (layer, e)
         f = self.inflight.get(key)
-        if f is not None or not hasattr(self.source, "read_early"):
-            return f if f is not None else self.fetch(layer, e)
-        f = self.pool.submit(self.source.read_early, layer, e)
-        f.early = True
+        if f is not None:
+            return f
+        with self._early_lock:
+            if self.early_cap is not None and self.early_out >= self.early_cap:
+                self.early_refused += 1
+                return None
+            self.early_out += 1
+            self.early_peak = max(self.early_peak, self.early_out)
+        if getattr(self.source, "reads_early", lambda: False)():
+            f = self.pool.submit(self.source.read_early, layer, e)
+            f.early = True
+        else:
+            f = self.pool.submit(self._read, layer, e)
+        f.held = True   # counted in ``early_out`` until :meth:`_early_done`
+        f.add_done_callback(lambda f: f.cancelled() and self._early_done(f))
         self.inflight[key] = f
         return f
 
+    def _early_done(self, f: Future) -> None:
+        """An early read no longer held (prepared, dropped, cancelled, or taken by a :meth:`fetch` as its own read):
+        ``early_out`` less one, once per read."""
+        with self._early_lock:
+            if getattr(f, "held", False):
+                f.held = False
+                self.early_out -= 1
+
     def drop_early(self, f: Future) -> None:
-        """A landed wrong guess: an early read's bytes go back to the source's pool unprepared (no-op for any
-        other ``Future``, or one whose bytes a :meth:`fetch` took)."""
-        if getattr(f, "early", False) and not f.cancelled() and f.exception() is None:
-            self.source.drop_early(f.result())
+        """A landed wrong guess: an early read's bytes go back to the source's pool unprepared (a guess read and
+        prepared at once is let go; no-op for a ``Future`` a :meth:`fetch` took)."""
+        if getattr(f, "held", False):
+            if not f.cancelled() and f.exception() is None and f.result() is not None:
+                r = f.result()
+                if getattr(f, "early", False):
+                    self.source.drop_early(r)
+                self.wasted_bytes += r.nbytes if getattr(f, "early", False) else r.file_nbytes
+            self._early_done(f)
 
     def put(self, layer: int, e: int, w: ExpertWeights) -> None:
         """Cache expert ``e`` of ``layer`` just read (a disk load): the coldest unpinned experts of any layer are

@@ -13,7 +13,9 @@ wrong guess evicts nothing; its bytes go back unrepacked, ``RAMCache.drop_early`
 are read when, never a result: the step computes the same experts with the same kernels whatever the cache holds.
 
 Bounded: one layer's guesses (at most ``width`` experts) are outstanding at a time, plus the wrong guesses still
-being read when their layer came (at most the I/O threads' count); ``peak`` counts the most held at once.
+being read when their layer came (at most the I/O threads' count); ``peak`` counts the most held at once. The
+memory budget counts ``RAMCache.early_cap`` reads held (``coli.runtime.early_reads``: with the used guesses until
+their repack): a guess past it is not started (``RAMCache.early_refused``).
 """
 from __future__ import annotations
 
@@ -57,7 +59,10 @@ class ReadAhead:
         for e in np.argsort(-lg, kind="stable")[:self.width].tolist():
             if e in mine or cache.in_ram(nxt, e) or (nxt, e) in cache.inflight:
                 continue
-            mine[e] = cache.fetch_early(nxt, e)
+            f = cache.fetch_early(nxt, e)
+            if f is None:   # as many early reads held as the memory budget counts: no more guesses now
+                break
+            mine[e] = f
             n += 1
         self.issued += n
         self.peak = max(self.peak, sum(len(d) for d in self.pending.values()) + len(self.orphans))

@@ -137,12 +137,13 @@ def test_held_bytes_are_what_a_load_holds(tiny):
 
 def test_cache_slots_rule():
     """``expert_cache_slots`` on ``cache_room``: every expert when all fit, else what fits, down to 0; the room is
-    what is left after an expert's file bytes per reader and one layer's experts (the KV caches take theirs from it
-    as they grow: test_a_growing_kv_cache_takes_its_bytes_from_the_expert_cache)."""
+    what is left after a reader's buffer per reader, one layer's experts and the early reads (the KV caches take
+    theirs from it as they grow: test_a_growing_kv_cache_takes_its_bytes_from_the_expert_cache)."""
     from coli.runtime import cache_room, expert_cache_slots
 
-    room = cache_room(9_000, expert_file_bytes=100, io_threads=4, n_experts=2, held_bytes=200)
+    room = cache_room(9_000, reader_bytes=100, io_threads=4, n_experts=2, held_bytes=200)
     assert room == 9_000 - 400 - 400
+    assert cache_room(9_000, 100, 4, 2, 200, early_bytes=700) == room - 700
     assert expert_cache_slots(8, 2, 300, 3, None, room) == 8           # all fit: 8 x 3 x 300 <= 8200
     assert expert_cache_slots(16, 2, 300, 3, None, room) == 8200 // 900 == 9
     assert expert_cache_slots(16, 2, 3000, 3, None, room) == 0      # below top-k: streamed from disk
@@ -237,12 +238,13 @@ def test_sizers_fit_a_small_budget(tiny, tmp_path, monkeypatch):
         held = max(src.held_nbytes(l) for l in L)
         assert held < max(src.expert_nbytes(l) for l in L) * 1.2   # no copy of the file's bytes beside the kernels'
         kv = E.kv_cache_bytes(big.args, 64)
-        inflight = 4 * max(src.expert_nbytes(l) for l in L) + 4 * held     # 4 readers, 4 experts a layer
+        inflight = 4 * src.reader_nbytes() + 4 * held     # 4 readers, 4 experts a layer (no early reads: their
+        # bytes are test_read_ahead.py::test_the_budget_counts_every_buffer_of_a_streamed_decode's)
     room = inflight + int(2.5 * len(L) * held)
     assert kv <= room
     _fixed_memory(monkeypatch, room + E.HEADROOM_MIN)
     assert E.headroom(room + E.HEADROOM_MIN) == E.HEADROOM_MIN
-    eng = Engine(tiny, ctx=64, usage=str(tmp_path / "u"), save_usage=False, env={})
+    eng = Engine(tiny, ctx=64, usage=str(tmp_path / "u"), save_usage=False, env={"COLI_READ_AHEAD": "0"})
     try:
         assert (eng.memory.bytes, eng.memory.source, eng.room) == (room + E.HEADROOM_MIN, "RAM available", room)
         assert eng.expert_slots == 2 and eng.ram_cache_bytes == 2 * len(L) * held
@@ -261,7 +263,8 @@ def test_sizers_fit_a_small_budget(tiny, tmp_path, monkeypatch):
         eng.close()
     with pytest.raises(ColiError, match=r"expert_cache: 3 slots x 2 layers x .* more than the .* leaves for the "
                                         r"expert cache; 2 fit"):
-        Engine(tiny, ctx=64, expert_cache=3, usage=str(tmp_path / "u"), save_usage=False, env={})
+        Engine(tiny, ctx=64, expert_cache=3, usage=str(tmp_path / "u"), save_usage=False,
+               env={"COLI_READ_AHEAD": "0"})
     with pytest.raises(ColiError, match=r"ctx: 100000 positions need .* of KV cache, more than the .* the memory "
                                         r"budget .* \(RAM available\) leaves once the model is loaded"):
         Engine(tiny, ctx=100000, usage=str(tmp_path / "u"), save_usage=False, env={})
@@ -436,7 +439,7 @@ def test_a_growing_kv_cache_takes_its_bytes_from_the_expert_cache(tiny, tmp_path
         src, L = big.cache.source, big.model.moe_layers
         held = max(src.held_nbytes(l) for l in L)
         n_exp = src.n_experts(L[0])
-        inflight = 4 * max(src.expert_nbytes(l) for l in L) + n_exp * held
+        inflight = 4 * src.reader_nbytes() + n_exp * held
         every = n_exp * len(L) * held
         per_pos = E.kv_cache_bytes(big.args, 1)
         room = inflight + every + 256 * per_pos                # every expert and 256 positions

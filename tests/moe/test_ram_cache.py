@@ -301,6 +301,46 @@ def test_early_reads_are_prepared_only_when_asked_for(tmp_path, monkeypatch):
         _expect_prepared(s, ls, {k: c.peek(*k) for k in asked})
         c.close()
 
+def test_early_reads_held_are_bounded_by_the_cap(tmp_path):
+    """``RAMCache.early_cap``: guesses past it start nothing (``fetch_early`` None, counted in ``early_refused``);
+    a guess is held from its start to its prepare, drop or cancel (``early_out``), read with O_DIRECT into one of
+    at most ``early_cap`` buffers of ``ExpertSource.early_nbytes`` each, or read and prepared at once without
+    O_DIRECT (then a ``fetch`` taking it as its own read lets it go); the readers' buffers stay within
+    ``reader_nbytes``, what the memory budget counts (``coli.runtime.cache_room``)."""
+    from coli.gguf_file import open_gguf
+    from scheduler.ram_cache import ExpertSource, RAMCache
+    from tiny_moe import build_tiny_moe
+
+    q8 = build_tiny_moe(tmp_path)
+    g = open_gguf(q8)
+    layers = {il: tuple(g.tensors[f"blk.{il}.{n}.weight"] for n in ("ffn_gate_exps", "ffn_up_exps",
+                                                                      "ffn_down_exps")) for il in range(2)}
+    for direct in (True, False):
+        s = ExpertSource(q8, layers)
+        s.keep_raw, s.direct = False, direct
+        assert s.reads_early() is direct
+        c = RAMCache(s, slots=1, io_threads=2)
+        c.early_cap = 3
+        fs = [c.fetch_early(1, e) for e in range(4)]
+        assert fs[3] is None and c.early_refused == 1 and c.early_out == 3
+        for f in fs[:3]:
+            f.result()
+        c.inflight.pop((1, 1))
+        c.drop_early(fs[1])                      # a wrong guess let go: one more may start
+        c.drop_early(fs[1])                      # once only
+        assert c.early_out == 2 and c.fetch_early(1, 3) is not None and c.early_out == 3
+        c.put(1, 0, c.fetch(1, 0).result())      # used guesses: held until prepared (O_DIRECT) / taken (else)
+        c.put(1, 2, c.fetch(1, 2).result())
+        f3 = c.inflight.pop((1, 3))
+        f3.result()
+        c.drop_early(f3)
+        assert c.early_out == 0 and c.early_peak == 3 and s.early_made == (3 if direct else 0)
+        assert all(len(b) == s.early_nbytes() for b in s._buffers) and len(s._buffers) == s.early_made
+        c.put(0, 0, c.fetch(0, 0).result())      # a routed read: the reader's own buffer
+        assert (0 < s.scratch_peak <= s.reader_nbytes()) if direct else s.scratch_peak == 0
+        c.close()
+
+
 def test_a_file_system_without_o_direct_reads_through_the_page_cache(monkeypatch):
     """A file system that refuses O_DIRECT (the open's EINVAL; this kernel's tmpfs takes it, so the refusal is
     made by a wrapped ``os.open``) has the experts read with pread, the same bytes; with ``direct`` off and with

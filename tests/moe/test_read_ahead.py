@@ -104,7 +104,9 @@ def tiny(tmp_path_factory):
     return build_tiny_moe(tmp_path_factory.mktemp("ahead"))
 
 
-def _decode(path, env, n=12):
+def _decode(path, env, n=12, keep=False):
+    """``n`` decode tokens of the model at ``path`` with one RAM slot a layer: (logits, the ``ReadAhead``, the
+    bytes read, and with ``keep`` the engine, open)."""
     from coli.engine import Engine
 
     eng = Engine(str(path), quiet=True, save_usage=False, expert_cache=1, ctx=32, env=env)
@@ -112,9 +114,10 @@ def _decode(path, env, n=12):
         kv = eng.model.new_cache(n + 1)
         rng = np.random.default_rng(5)
         out = [eng.model.forward([int(t)], kv).copy() for t in rng.integers(3, 250, n)]
-        return out, eng.step.ahead, eng.cache.source.bytes_read
+        return (out, eng.step.ahead, eng.cache.source.bytes_read) + ((eng,) if keep else ())
     finally:
-        eng.close()
+        if not keep:
+            eng.close()
 
 
 def test_early_reads_are_used_and_change_no_bit(tiny):
@@ -127,6 +130,36 @@ def test_early_reads_are_used_and_change_no_bit(tiny):
     assert none is None and ra is not None and ra.width == 2
     assert all(np.array_equal(a, b) for a, b in zip(on, off))
     assert ra.used > 0 and ra.used + ra.wasted + sum(len(d) for d in ra.pending.values()) == ra.issued
+
+
+def test_the_budget_counts_every_buffer_of_a_streamed_decode(tiny):
+    """The tiny MoE streamed (one RAM slot a layer, early reads on), 12 decode tokens: every buffer a token makes
+    is within what the memory budget took out of the room before the expert cache was sized
+    (``coli.runtime.cache_room``): the readers' O_DIRECT buffers within ``io_threads x reader_nbytes``, the early
+    reads within ``early_cap`` (``coli.runtime.early_reads``: 2 x top-k + the readers) of ``early_nbytes`` each,
+    the cached experts within the pool's capacity, and the room less those terms is exactly the pool's limit."""
+    import os
+
+    from coli import runtime
+
+    _, ra, _, eng = _decode(tiny, dict(os.environ, COLI_READ_AHEAD="-1"), keep=True)
+    try:
+        c, s = eng.cache, eng.cache.source
+        L = eng.model.moe_layers
+        E, held = s.n_experts(L[0]), max(s.held_nbytes(l) for l in L)
+        assert c.early_cap == runtime.early_reads(ra.width, eng.io_threads) == 2 * 2 + eng.io_threads
+        assert c.limit == eng.room - eng.io_threads * s.reader_nbytes() - E * held \
+            - c.early_cap * max(s.early_nbytes(), held)
+        assert ra.issued > 0 and s.direct_reads > 0 and 0 < c.early_peak <= c.early_cap
+        assert 0 < s.early_made <= c.early_cap and all(len(b) == s.early_nbytes() for b in s._buffers)
+        assert 0 < s.scratch_peak <= s.reader_nbytes() and c.held <= c.capacity
+        # the wrong guesses read and let go: their bytes apart from the used ones (coli bench's expert_bytes_used)
+        let_go = ra.wasted - ra.cancelled - len(ra.orphans)
+        assert let_go > 0 and c.wasted_bytes == let_go * s.expert_nbytes(L[0])
+        st = runtime.counters(eng)
+        assert st["bytes_used"] == st["bytes_read"] - c.wasted_bytes == s.bytes_read - c.wasted_bytes
+    finally:
+        eng.close()
 
 
 def test_no_early_reads_when_every_expert_is_cached():
