@@ -187,8 +187,9 @@ class RowJoin:
 
     def _cpu_ranks(self, j: int, ids, w, on_dev):
         """The CPU's ranks of layer ``j`` (the RAM expert cache, the CPU kernels, the engine's activations) into their
-        rows of its ``yk``: ``w_r * expert_r(x)``, made in host memory (``_yh``: the compiled call writes there and
-        the weights are applied in place) and then written to ``yk`` (device memory the host writes, never reads).
+        rows of its ``yk``: ``w_r * expert_r(x)``, made in host memory (``_yh``: the compiled call writes there) and
+        written weighted to ``yk`` (device memory the host writes, never reads: one pass when the ranks are one run
+        of rows, else weighted in place first).
         When every one of those experts is in RAM (``MoEStep.row_experts_resident``) the RAM cache's bookkeeping of
         their uses is returned as ``(layer, ids)`` for :meth:`_note` once the device runs again; else None."""
         k, P = self.k, self.prof
@@ -216,11 +217,11 @@ class RowJoin:
             call = step.row_call_s - c0
             P.add("experts: compiled call", call)
             P.add("experts: lookups", t1 - t0 - call)
-        out *= w[ranks, None]
         r0 = int(ranks[0])
-        if int(ranks[-1]) - r0 + 1 == n:    # one run of rows (every rank on the CPU, say): one contiguous write
-            yk[r0:r0 + n] = out
+        if int(ranks[-1]) - r0 + 1 == n:    # one run of rows (every rank on the CPU, say): weighted into yk in one pass
+            np.multiply(out, w[ranks, None], out=yk[r0:r0 + n])
         else:
+            out *= w[ranks, None]
             yk[ranks] = out
         if P is not None:
             P.lap("rows out", t1)
