@@ -6,4 +6,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
-exec .venv/bin/python -m pytest -q --durations=25 -n 2 --dist loadfile "$@"
+exec .venv/bin/python -m pytest -q --durations=60 -n 2 --dist loadfile "$@"

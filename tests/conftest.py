@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,31 @@ def pytest_testnodedown(node, error):
         _worker_compiles.append(tuple(got))
 
 
+_T0 = time.time()
+_files: dict = {}     # test file -> seconds of its tests' phases (loadfile hands a worker whole files)
+_workers: dict = {}   # pytest-xdist worker id -> [seconds busy, files, seconds from the start to its last report]
+
+
+def pytest_runtest_logreport(report):
+    f = report.nodeid.split("::", 1)[0]
+    _files[f] = _files.get(f, 0.0) + report.duration
+    node = getattr(report, "node", None)   # set on the controller's copy of a worker's report
+    if node is not None:
+        w = _workers.setdefault(node.gateway.id, [0.0, set(), 0.0])
+        w[0] += report.duration
+        w[1].add(f)
+        w[2] = time.time() - _T0
+
+
+def _balance_line() -> str:
+    """``workers: gw0 612 s busy in 80 files, last at 1190 s; ...; files: a 300 s, ...``: how evenly the two
+    workers' files split and which files weigh most (the ones to split or trim when the suite nears its limit)."""
+    ws = "; ".join(f"{k} {v[0]:.0f} s busy in {len(v[1])} files, last at {v[2]:.0f} s"
+                   for k, v in sorted(_workers.items()))
+    top = sorted(_files.items(), key=lambda kv: -kv[1])[:12]
+    return (f"workers: {ws}; " if ws else "") + "files: " + ", ".join(f"{f} {s:.0f} s" for f, s in top)
+
+
 def pytest_terminal_summary(terminalreporter):
     import shutil
 
@@ -72,6 +98,8 @@ def pytest_terminal_summary(terminalreporter):
     who = f"{len(_worker_compiles)} worker processes" if _worker_compiles else "this process"
     terminalreporter.write_line(f"numba: {n} top-level compiles in {who}, {secs:.0f} s; "
                                 f"cache {where}; load average {os.getloadavg()[0]:.1f}")
+    if _files:
+        terminalreporter.write_line(_balance_line())
 
 # ------------------------------------------------------------------ the RAM a device test sees
 # The shared-RAM device budget (scheduler.tier_policy.budget_bytes: a quarter of what the RAM expert cache leaves of
