@@ -136,10 +136,10 @@ VARS: tuple[Var, ...] = (
         "(GEMV below; 0: never the GEMM)", "rows", lo=0),
     Var("COLI_VK_GEMV_ROWS", "int", None, "output rows a device GEMV workgroup owns (default 4 per subgroup)",
         "rows", lo=1, dev=True),
-    Var("COLI_VK_LAYER_ROWS", "int", 4, "output rows a workgroup of the device layers' matrix kernels owns",
+    Var("COLI_VK_LAYER_ROWS", "int", 16, "output rows a workgroup of the device layers' matrix kernels owns",
         "rows", lo=1, dev=True),
     Var("COLI_VK_ROUTER_ROWS", "int", 1, "output rows (experts) a workgroup of the device layers' decode router "
-        "owns (shaders/lmv.comp): 1 spreads OLMoE's 64 x 2048 router over 64 workgroups, the layer default 4 over 16",
+        "owns (shaders/lmv.comp): 1 spreads OLMoE's 64 x 2048 router over 64 workgroups, the layers' 16 rows over 4",
         "rows", lo=1, dev=True),
     Var("COLI_UBATCH", "int", 256, "rows of a prompt step on the CPU (llama.cpp's n_ubatch), and when set of a device "
         "prompt chunk too (COLI_VK_PROMPT_ROWS): an expert's weights are read once a step for all its rows; results do "

@@ -93,9 +93,8 @@ class PromptChunks:
                 # made whichever form COLI_VK_DN_PROMPT picks, as layer_plan.prompt_bytes counts it)
                 self.p_dnw = K.buffer(4 * R * dn_chunk_floats(self.dn, self.kda), host=False)
             # the prompt attention's parts when its keys are split over workgroups (Kernels.attn_split)
-            q8 = "q8_0" in self.kv_types
             att = [d for d in self.per if "nkv" in d and "mla" not in d and "dn" not in d]
-            prow = K.attn_parts_rows(R, {K.attn_kernel(hd, d["hdv"], q8) for d in att})
+            prow = K.attn_parts_rows(R) if att else 0
             hdv = max((d["hdv"] for d in att), default=hd)
             self.p_aparts = K.buffer(4 * prow * nq * (hdv + 2), host=False) if prow else None
             self.p_in = K.buffer(4 * R * D, host=True)

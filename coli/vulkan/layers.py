@@ -155,8 +155,8 @@ class Kernels(HostJoin):
         self.dev = dev
         self.wg = int(wg)
         self._events = []       # host_event's, destroyed at close
-        # output rows a format kernel's workgroup owns: 4 (a subgroup's row set; spare subgroups split the units),
-        # so a 2048-row matrix gives 512 workgroups (COLI_VK_LAYER_ROWS)
+        # output rows a format kernel's workgroup owns: 16 (spare subgroups split the units), so a 2048-row matrix
+        # gives 128 workgroups (COLI_VK_LAYER_ROWS; 4 measured 4-10 % slower in decode on the H100)
         from coli.base.settings import get
 
         self.rows = int(get("COLI_VK_LAYER_ROWS", env))
@@ -290,25 +290,20 @@ class Kernels(HostJoin):
 
     def attn_split(self, kern: str, groups: tuple, R: int) -> int:
         """NS, the workgroups a row block's keys are split over (the prompt attention's grid z; 1: no split) for
-        :meth:`attn_dispatch`'s kernel ``kern`` and ``groups`` of R rows: ``attn_pre_split`` when set, else 1 for
-        attn_pre_cm.comp (its split path has not run on a GPU yet: docs/vulkan.md "Prompt attention over split
-        keys"), else enough for the grid to make 4 x ``attn_wgs`` workgroups (H100: 132 SMs, several workgroups
+        :meth:`attn_dispatch`'s kernel ``kern`` and ``groups`` of R rows: ``attn_pre_split`` when set, else enough for the grid to make 4 x ``attn_wgs`` workgroups (H100: 132 SMs, several workgroups
         resident each; at 512 rows from position 1,536 one of OLMoE's [16 x 8] grids spent 444 us a layer, 21 % of
         the chunk), at most 8 and at most 2,048 / R (the parts' scratch: :func:`coli.vulkan.layer_plan.prompt_bytes`);
         1 on a CPU device (``attn_wgs`` 0)."""
         if self.attn_pre_split is not None:
             return int(self.attn_pre_split)
-        if kern == "attn_pre_cm":
-            return 1
         base = groups[0] * groups[1]
         return max(1, min(8, ATTN_PARTS_ROWS // max(int(R), 1), -(-4 * self.attn_wgs // base)))
 
-    def attn_parts_rows(self, R: int, kerns) -> int:
-        """Rows x parts of the split's scratch (:meth:`attn_split`) that chunks of up to R rows of layers whose
-        prompt attention runs the kernels ``kerns`` (:meth:`attn_kernel`'s names) can write
+    def attn_parts_rows(self, R: int) -> int:
+        """Rows x parts of the split's scratch (:meth:`attn_split`) that chunks of up to R rows can write
         (:func:`coli.vulkan.layer_plan.attn_parts_rows`, which the plan counts): 0 where none splits (a CPU device,
-        the rule on ``kerns`` of attn_pre_cm.comp only, or ``attn_pre_split`` 1)."""
-        if self.attn_pre_split is None and not (self.attn_wgs and "attn_pre" in kerns):
+        or ``attn_pre_split`` 1)."""
+        if self.attn_pre_split is None and not self.attn_wgs:
             return 0
         return attn_parts_rows(R, self.attn_pre_split)
 

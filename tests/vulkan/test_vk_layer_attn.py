@@ -868,8 +868,8 @@ def test_attn_split_scratch_holds_every_chunk_and_is_planned():
     """The key split's scratch (``Kernels.attn_parts_rows``: what ``_prompt_bufs`` allocates) holds NS x R rows of
     every chunk of up to its rows (``Kernels.attn_split``), and the plan counts it (``layer_plan.attn_parts_rows``,
     in ``prompt_bytes``), by the rule and with ``COLI_VK_PROMPT_ATTN_SPLIT`` at any value (16 parts of 512 rows:
-    8,192 rows, where the plan counted the rule's 2,048); none where no chunk splits: a CPU device, and the rule on
-    attn_pre_cm.comp layers alone (the coopmat route). No device: the methods' rules on their settings."""
+    8,192 rows, where the plan counted the rule's 2,048); none where no chunk splits: a CPU device. No device: the
+    methods' rules on their settings."""
     from types import SimpleNamespace
 
     from coli.vulkan import layer_plan as LP
@@ -878,17 +878,15 @@ def test_attn_split_scratch_holds_every_chunk_and_is_planned():
     for wgs in (0, 128):
         for split in (None, 1, 3, 16):
             K = SimpleNamespace(attn_pre_split=split, attn_wgs=wgs)
-            for kerns in ({"attn_pre"}, {"attn_pre_cm"}, {"attn_pre", "attn_pre_cm"}):
-                for top in (20, 512, 2048):
-                    have = Kernels.attn_parts_rows(K, top, kerns)
-                    assert have <= LP.attn_parts_rows(top, split), (wgs, split, kerns, top)
-                    for R in sorted({1, 7, top // 2, top}):
-                        for k in kerns:
-                            ns = Kernels.attn_split(K, k, (16, -(-R // 8)), R)
-                            assert ns == 1 or ns * R <= have, (wgs, split, kerns, top, R, k)
-            if split is None:   # the rule: attn_pre_cm.comp splits none, so its layers alone get no scratch
-                assert Kernels.attn_parts_rows(K, 512, {"attn_pre_cm"}) == 0
-                assert Kernels.attn_parts_rows(K, 512, {"attn_pre"}) == (2048 if wgs else 0)
+            for top in (20, 512, 2048):
+                have = Kernels.attn_parts_rows(K, top)
+                assert have <= LP.attn_parts_rows(top, split), (wgs, split, top)
+                for R in sorted({1, 7, top // 2, top}):
+                    for k in ("attn_pre", "attn_pre_cm"):
+                        ns = Kernels.attn_split(K, k, (16, -(-R // 8)), R)
+                        assert ns == 1 or ns * R <= have, (wgs, split, top, R, k)
+            if split is None:   # the rule: a GPU's chunks of 512 rows split over up to 4 parts, a CPU device's none
+                assert Kernels.attn_parts_rows(K, 512) == (2048 if wgs else 0)
 
 
 @pytest.mark.parametrize("hd,hdv", [(64, 64), (24, 16)])
@@ -914,8 +912,8 @@ def test_attn_pre_split_keys(kern, hd, hdv, window, sinks):
     kname, groups, mode = kern.attn_dispatch(NQ, NKV, hd, R, hdv)
     assert kname == "attn_pre" and kern.attn_split(kname, groups, R) == 1    # Lavapipe: no split by the rule
     wgs, kern.attn_wgs = kern.attn_wgs, 128
-    try:   # a GPU's rule: 4 x 128 workgroups, at most 8 and 2048 / R; none for attn_pre_cm.comp unless set
-        assert [kern.attn_split(k, (16, 8), r) for k in ("attn_pre", "attn_pre_cm") for r in (512, 2048)] == [4, 1, 1, 1]
+    try:   # a GPU's rule, either kernel: 4 x 128 workgroups, at most 8 and 2048 / R
+        assert [kern.attn_split(k, (16, 8), r) for k in ("attn_pre", "attn_pre_cm") for r in (512, 2048)] == [4, 1, 4, 1]
         kern.attn_pre_split = 3
         assert kern.attn_split("attn_pre_cm", (16, 8), 2048) == 3
     finally:

@@ -61,7 +61,7 @@ def _inner(t, n=2):
 @pytest.mark.parametrize("fmt,rows,I", [("Q8_0", None, 0), ("Q4_K", None, 0), ("Q6_K", None, 0), ("F32", None, 0),
                                         ("F16", None, 0), ("Q4_0", None, 0), ("MXFP4", None, 0), ("IQ2_XS", None, 0),
                                         ("IQ4_NL", None, 0), ("Q8_0", 1, 45 * 32), ("Q4_K", 2, 3 * 256),
-                                        ("Q8_0", 6, 0), ("Q6_K", 40, 0), ("Q4_0", 8, 40 * 32),
+                                        ("Q8_0", 6, 0), ("Q4_K", 16, 0), ("Q6_K", 40, 0), ("Q4_0", 8, 40 * 32),
                                         # float rows of any width: a partial last unit (x_unit.glsl)
                                         ("F32", None, 167), ("F16", 8, 50), ("BF16", None, 99)])
 def test_lmv(kern, fmt, rows, I):
