@@ -2,7 +2,7 @@
 """Concurrent requests on one engine: aggregate decode tok/s of 1, 2, 4 (and 8) streams decoded together, the
 expert bytes a token costs on a MoE, and the same through ``coli serve`` (4 slots) over HTTP.
 
-    .venv/bin/python scripts/bench/serve.py [--models smollm2,demo] [--threads 2] [--tokens 32] [--http]
+    .venv/bin/python scripts/bench/serve.py [--models smollm2,demo] [--threads 2] [--tokens 32] [--http [--ttft-only]]
 
 Part 1, in process (``coli.slots.Batcher``, no HTTP): for k streams, k requests with distinct prompts (ignoring
 the end-of-generation token) start together; once every prompt is read, the decode steps are timed: aggregate
@@ -17,8 +17,8 @@ alternating rounds with the load average printed per round: aggregate decode tok
 stream's first token / (the last stream's last token - the first stream's first token), the median of the
 rounds, 4 clients over 1 (``x_4_vs_1_decode``); end to end (prompts and HTTP included) against the 4 requests
 one after the other. Then a 16-token request sent 0.3 s after a ~2,000-token prompt: its time to first token,
-and whether it came while the long prompt was still being read (before the long request's first token).
-Prints the load average before each part (the machine is shared: docs/benchmarks.md).
+and whether it came while the long prompt was still being read (before the long request's first token);
+``--ttft-only``: only this, ``--rounds`` times. Prints the load average before each part (the machine is shared: docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -116,12 +116,14 @@ def _seq(eng, text, n):
     return Sequence(eng, ids, n, s, stop_at_eos=False)
 
 
-def over_http(name: str, threads: int, n_tok: int, rounds: int = 3, serve_args: str = "") -> dict:
+def over_http(name: str, threads: int, n_tok: int, rounds: int = 3, serve_args: str = "",
+              ttft_only: bool = False) -> dict:
     """``coli serve`` (its default 4 slots, or ``serve_args``) in a subprocess. The reference of the concurrency target: 1, 2 and 4 clients
     streaming at once, rounds alternating (1, 4, 2, then 2, 4, 1, ...), the load average printed with each;
     aggregate decode tok/s = the tokens after each stream's first / (the last stream's last token - the first
     stream's first token); the median of the rounds, and the 4-client figure over the 1-client one
-    (``x_4_vs_1_decode``). Then the 4 requests one after the other, and the short request beside a long prompt."""
+    (``x_4_vs_1_decode``). Then the 4 requests one after the other, and the short request beside a long prompt
+    (``ttft_only``: only that, ``rounds`` times, the load printed with each)."""
     import statistics
 
     import httpx
@@ -180,35 +182,43 @@ def over_http(name: str, threads: int, n_tok: int, rounds: int = 3, serve_args: 
         ask("Hello", 4, [None], 0)  # warm up
         dec = {1: [], 2: [], 4: []}
         e2e = {1: [], 2: [], 4: []}
-        for r in range(rounds):
+        for r in range(0 if ttft_only else rounds):
             for k in ((1, 4, 2) if r % 2 == 0 else (2, 4, 1)):
                 d, e = clients(k, 10 + 3 * r + k)
                 dec[k].append(d)
                 e2e[k].append(e)
-        for k in (1, 2, 4):
+        for k in () if ttft_only else (1, 2, 4):
             res[f"decode_{k}_clients_tok_s"] = round(statistics.median(dec[k]), 2)
             res[f"end_to_end_{k}_clients_tok_s"] = round(statistics.median(e2e[k]), 2)
-        res["x_4_vs_1_decode"] = round(res["decode_4_clients_tok_s"] / res["decode_1_clients_tok_s"], 2)
-        res["x_4_vs_1_decode_per_round"] = [round(b / a, 2) for a, b in zip(dec[1], dec[4])]
-        got = [None] * 4
-        t0 = time.perf_counter()
-        for i, q in enumerate(prompts(4, 40)):
-            ask(q, n_tok, got, i)
-        res["one_at_a_time_4_tok_s"] = round(sum(g["n"] for g in got) / (time.perf_counter() - t0), 2)
-        res["x_4_clients_vs_one_at_a_time"] = round(res["end_to_end_4_clients_tok_s"] / res["one_at_a_time_4_tok_s"], 2)
-        long = " ".join(f"item {i} is {TOPICS[i % len(TOPICS)]}." for i in range(210))  # ~2,000 tokens
-        got = [None, None]
-        tl = threading.Thread(target=ask, args=(long, 4, got, 0))
-        tl.start()
-        time.sleep(0.3)
-        ask("Say one word about " + TOPICS[3] + " now.", 16, got, 1)
-        tl.join()
-        lg, sh = got
-        res["long_prompt_tokens"] = lg["prompt"]
-        res["short_ttft_s_beside_long_prompt"] = round(sh["first"] - sh["t0"], 3)
-        res["long_request_s"] = round(lg["end"] - lg["t0"], 3)
-        # the short request's first token came while the long prompt was still being read (its first token later)
-        res["short_first_while_long_prompt_read"] = sh["first"] < lg["first"]
+        if not ttft_only:
+            res["x_4_vs_1_decode"] = round(res["decode_4_clients_tok_s"] / res["decode_1_clients_tok_s"], 2)
+            res["x_4_vs_1_decode_per_round"] = [round(b / a, 2) for a, b in zip(dec[1], dec[4])]
+            got = [None] * 4
+            t0 = time.perf_counter()
+            for i, q in enumerate(prompts(4, 40)):
+                ask(q, n_tok, got, i)
+            res["one_at_a_time_4_tok_s"] = round(sum(g["n"] for g in got) / (time.perf_counter() - t0), 2)
+            res["x_4_clients_vs_one_at_a_time"] = round(res["end_to_end_4_clients_tok_s"] /
+                                                        res["one_at_a_time_4_tok_s"], 2)
+        for r in range(rounds if ttft_only else 1):
+            long = " ".join(f"item {i} is {TOPICS[(i + r) % len(TOPICS)]}." for i in range(210))  # ~2,000 tokens
+            got = [None, None]
+            load = os.getloadavg()[0]
+            tl = threading.Thread(target=ask, args=(long, 4, got, 0))
+            tl.start()
+            time.sleep(0.3)
+            ask("Say one word about " + TOPICS[3 + r % 5] + " now.", 16, got, 1)
+            tl.join()
+            lg, sh = got
+            res["long_prompt_tokens"] = lg["prompt"]
+            res["short_ttft_s_beside_long_prompt"] = round(sh["first"] - sh["t0"], 3)
+            res["long_request_s"] = round(lg["end"] - lg["t0"], 3)
+            # the short request's first token came while the long prompt was still being read (its first later)
+            res["short_first_while_long_prompt_read"] = sh["first"] < lg["first"]
+            print(json.dumps(dict(model=name, round=r, short_ttft_s=res["short_ttft_s_beside_long_prompt"],
+                                  long_request_s=res["long_request_s"], long_prompt_tokens=lg["prompt"],
+                                  while_long_prompt_read=res["short_first_while_long_prompt_read"],
+                                  load=round(load, 1))), flush=True)
     finally:
         p.terminate()
         p.wait(60)
@@ -226,6 +236,8 @@ def main() -> int:
                     help="each stream count this many times (in process: the best kept; over HTTP: the median)")
     ap.add_argument("--no-in-process", action="store_true", help="only the HTTP part (with --http)")
     ap.add_argument("--http", action="store_true", help="also through coli serve (4 slots)")
+    ap.add_argument("--ttft-only", action="store_true",
+                    help="over HTTP, only the short request beside a ~2,000-token prompt, --rounds times")
     ap.add_argument("--serve-args", default="", help="coli serve's flags for --http (default: none, its 4 paged "
                     "slots; '--parallel 4': a whole context a slot)")
     ap.add_argument("--json", default=None, help="write the records here")
@@ -239,7 +251,7 @@ def main() -> int:
             recs += in_process(name, a.threads, a.tokens, ks, a.rounds)
         if a.http:
             print(f"# {name} over HTTP: load average {os.getloadavg()[0]:.1f}", flush=True)
-            recs.append(over_http(name, a.threads, a.tokens, a.rounds, a.serve_args))
+            recs.append(over_http(name, a.threads, a.tokens, a.rounds, a.serve_args, a.ttft_only))
     if a.json:
         Path(a.json).write_text(json.dumps(recs, indent=1))
     return 0
