@@ -425,7 +425,8 @@ class Engine:
             while n_same < min(len(known), len(ids) - 1) and known[n_same] == ids[n_same]:
                 n_same += 1
             kv = self._kv
-            if n_same < kv.pos and not kv.rewindable:  # a recurrent state holds every token it has seen
+            if n_same < kv.pos and not kv.resumes_at(n_same):  # a recurrent state holds every token it has seen,
+                # a window's layer only the last window's keys
                 n_same = 0
                 kv = self._new_cache(len(ids))
             kv.pos = n_same  # positions past it are overwritten

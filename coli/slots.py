@@ -68,16 +68,23 @@ def copy_rows(dst, src, n: int) -> bool:
     """Copy positions ``0 .. n`` of every layer's K/V from cache ``src`` to ``dst`` (``coli.models.base.Cache``
     of the same model): each side's stored arrays as they are (f32 rows, or a typed cache's codes and scales:
     ``cpu_kernels.kvcache.KVSide.t``); False (nothing copied) when a layer's cache is not position-indexed K/V
-    sides of the same types. (Device layers, whose rows the device may hold alone, serve one slot: no copy.)"""
+    sides of the same types, or ``src``'s window layers no longer hold the keys a row at ``n`` reads
+    (``Cache.resumes_at``). A window layer's rows before its ``lo`` are not copied (``blocks.KV.slide``). (Device
+    layers, whose rows the device may hold alone, serve one slot: no copy.)"""
+    if not src.resumes_at(n):
+        return False
     pairs = list(zip(dst.layers, src.layers))
     if not all(hasattr(d, "K") and hasattr(d, "V") and getattr(d, "rewindable", False)
                and getattr(d, "types", None) == getattr(s, "types", None) for d, s in pairs):
         return False
     for d, s in pairs:
+        lo = min(getattr(s, "lo", 0), n)     # a window's rows before lo are given back: not copied
         for ds, ss in ((d.K, s.K), (d.V, s.V)):
             for a, b in zip(ds.t[1:], ss.t[1:]):
                 if a.size:                   # the kind's own arrays; the others are empty placeholders
-                    a[:, :n] = b[:, :n]
+                    a[:, lo:n] = b[:, lo:n]
+        if lo:
+            d.forget_before(lo)
     return True
 
 
@@ -327,8 +334,8 @@ class Batcher:
 
         def match(s):
             n = min(common_prefix(s.ids, ids), limit)
-            if s.cache is not None and n < len(s.ids) and not s.cache.rewindable:
-                return 0  # a recurrent state holds every token it has seen: no partial reuse
+            if s.cache is not None and n < len(s.ids) and not s.cache.resumes_at(n):
+                return 0  # a recurrent state holds every token it has seen, a window's layer its last keys
             return n
 
         slot = max(free, key=lambda s: (match(s), -s.used))
@@ -408,11 +415,14 @@ class Batcher:
 
     def _donor(self, slot, ids: list, limit: int) -> tuple:
         """``(donor, rows)``: the slot other than ``slot`` with a rewindable cache sharing the longest prefix with
-        ``ids`` (at most ``limit`` rows; the first of equals), and that prefix's length; ``(None, 0)`` if none."""
+        ``ids`` (at most ``limit`` rows; the first of equals; 0 rows where its cache cannot go on from there:
+        ``Cache.resumes_at``), and that prefix's length; ``(None, 0)`` if none."""
         best, got = None, 0
         for s in self.slots:
             if s is not slot and s.cache is not None and s.cache.rewindable:
                 n = min(common_prefix(s.ids, ids), limit)
+                if not s.cache.resumes_at(n):   # its window layers gave back the keys a row at n reads
+                    n = 0
                 if best is None or n > got:
                     best, got = s, n
         return best, got

@@ -321,15 +321,21 @@ def read_only(a: np.ndarray) -> np.ndarray:
     return v
 
 
-def give_back(a, rows: int) -> None:
-    """Give the kernel back the pages of rows ``rows ..`` of every block of ``a`` (an array [B, R, ...], C order: a
-    KV cache side's [heads, positions, width]): ``MADV_DONTNEED`` on the whole 4 KiB pages past each block's row
-    ``rows`` (a page that also holds a kept row stays). The rows read as zeros afterwards (a private anonymous
-    mapping's pages come back zero-filled on the next touch); the caller no longer needs them. Linux; OSError
-    from the call."""
+def give_back(a, rows: int, end: int | None = None) -> None:
+    """Give the kernel back the pages of rows ``rows ..`` (``rows .. end-1`` with ``end``) of every block of ``a``
+    (an array [B, R, ...], C order: a KV cache side's [heads, positions, width]): ``MADV_DONTNEED`` on the whole
+    4 KiB pages of that run in each block (a page that also holds a kept row stays). The rows read as zeros
+    afterwards (a private anonymous mapping's pages come back zero-filled on the next touch); the caller no longer
+    needs them. Linux; OSError from the call."""
     m, start = _mapping(a)
-    for addr, length in _runs(a, rows):
+    for addr, length in _runs(a, rows, end):
         m.madvise(mmap.MADV_DONTNEED, addr - start, length)
+
+
+def run_bytes(a, rows: int, end: int) -> int:
+    """Bytes of the whole 4 KiB pages :func:`give_back` ``(a, rows, end)`` returns (rows ``rows .. end-1`` of every
+    block of ``a``)."""
+    return sum(length for _, length in _runs(a, rows, end))
 
 
 _libc = None

@@ -225,6 +225,21 @@ class Cache:
         self.ctx = ctx
         self.pos = 0
         self.rewindable = all(getattr(c, "rewindable", False) for c in layers)
+        #: the sliding-window layers' caches (``blocks.KV`` with a ``window``), by layer index
+        self.windowed = [(il, c) for il, c in enumerate(layers) if getattr(c, "window", 0) > 0]
+
+    def resumes_at(self, pos: int) -> bool:
+        """Whether a forward may start at ``pos`` after positions past it were computed (``pos`` moved back, or a
+        prefix of ``pos`` rows copied from this cache): rewindable, and every window's layer still holds the keys
+        a row at ``pos`` reads (``blocks.KV.resumes_at``)."""
+        return self.rewindable and all(c.resumes_at(pos) for _, c in self.windowed)
+
+    def slide(self, pos0: int, stop: int | None = None) -> None:
+        """A forward from ``pos0`` runs layers ``0 .. stop-1`` on the CPU (all with None): their window caches give
+        back the rows no row from ``pos0`` on reads (``blocks.KV.slide``)."""
+        for il, c in self.windowed:
+            if stop is None or il < stop:
+                c.slide(pos0)
 
     #: ``on_write(cache, end)``, called before rows up to position ``end`` are written (the engine's RAM ledger:
     #: ``coli.runtime.new_cache``); None: nobody counts this cache's bytes
@@ -457,12 +472,13 @@ class Model:
         pos0 = cache.pos
         if pos0 + T > cache.ctx:
             raise ColiError(f"context: {pos0 + T} tokens do not fit the context of {cache.ctx} (--ctx)")
+        dl = self.device_layers
+        cache.slide(pos0, dl.first if dl is not None else None)
         cache.will_write(pos0 + T)
         h = self.embed(ids)
         if self.embed_scale:
             h *= np.float32(self.embed_scale)
         lg, done = None, False
-        dl = self.device_layers
         if T == 1 and self.token_dec is not None and dl is None:   # not with device layers: they take the last layers
             # every layer and (token_head) the head in one compiled call: the same kernels, the same bits
             lg = np.empty((1, self.token_dec.vocab), np.float32) if self.token_head else None
@@ -508,6 +524,7 @@ class Model:
             ids = np.asarray(ids, dtype=np.int64)
             if c.pos + len(ids) > c.ctx:
                 raise ColiError(f"context: {c.pos + len(ids)} tokens do not fit the context of {c.ctx} (--ctx)")
+            c.slide(c.pos)
             c.will_write(c.pos + len(ids))
             ids_all.append(ids)
             spans.append((a, a + len(ids)))

@@ -50,21 +50,35 @@ def any_rows(w, act: str, invariant: bool = False) -> bool:
     return w.layout == "t16" or (invariant and act == "int8" and grouped.HAVE_VNNI and grouped.supports(w))
 
 
+def window_start(p: int, window: int) -> int:
+    """The first position a row at position ``p`` attends to under a sliding ``window`` (positions seen, the
+    row's own included; 0: the whole context): ``max(0, p - window + 1)``, as ``cpu_kernels.attention`` and the
+    device's attention shaders (``attn_dec.comp``: ``wlo``) mask keys, and as llama.cpp's SWA cache keeps them
+    (``llama_hparams::is_masked_swa``, LLAMA_SWA_TYPE_STANDARD)."""
+    return max(0, int(p) - int(window) + 1) if window > 0 else 0
+
+
 class KV:
     """One attention layer's KV cache: sides ``K`` [n_kv, ctx, head_dim] and ``V`` [n_kv, ctx, head_dim_v]
     (``cpu_kernels.kvcache.KVSide``) of types ``types`` (K's, V's: ``"f32"``, ``"f16"``, ``"bf16"``, ``"q8_0"``;
     llama.cpp's ``--cache-type-k/-v``), preallocated for ``ctx`` positions; position p is row p (``Cache.pos`` may
     move back: the rows past it are overwritten). ``k``, ``v``: the f32 arrays of an f32 side (None for
-    another type). ValueError for an unknown type or a q8_0 row width that is not a multiple of 32."""
+    another type). ValueError for an unknown type or a q8_0 row width that is not a multiple of 32.
+
+    ``window`` > 0 (a sliding-window layer): the sides are fresh mappings of 4 KiB pages and :meth:`slide` gives
+    back the pages of the rows no later row reads (before :func:`window_start`), a window's worth at a time, so
+    the layer holds at most about 2 windows plus a chunk of rows whatever the context (llama.cpp's SWA cache
+    keeps ``n_swa + n_ubatch`` cells); ``lo``: rows ``lo ..`` are held, those before it read as zeros."""
 
     rewindable = True
 
     def __init__(self, n_kv: int, ctx: int, head_dim: int, head_dim_v: int | None = None,
-                 types: tuple = ("f32", "f32")):
+                 types: tuple = ("f32", "f32"), window: int = 0):
         self.types = tuple(types)
+        self.window, self.lo = int(window), 0
         side = KVSide
-        if memory.fresh():  # a paged slot's cache (coli.kv_blocks): pages committed as rows are written
-            side, self.thp = _mapped_side, "never"
+        if memory.fresh() or self.window > 0:  # a paged slot's cache (coli.kv_blocks), a window's: pages
+            side, self.thp = _mapped_side, "never"  # committed as rows are written, given back by page
         self.K = side(self.types[0], n_kv, ctx, head_dim)
         self.V = side(self.types[1], n_kv, ctx, head_dim if head_dim_v is None else head_dim_v)
         self.k, self.v = self.K.f32, self.V.f32
@@ -73,13 +87,46 @@ class KV:
         return self.K.nbytes() + self.V.nbytes()
 
     #: the page size its writes commit: None, the kernel's (``memory.page_granule``); "never" (4 KiB) for arrays
-    #: made under ``memory.fresh_pages``
+    #: made under ``memory.fresh_pages`` and a window's
     thp = None
 
     def resident_bytes(self, end: int) -> int:
         """Bytes of the pages positions ``0 .. end-1`` commit in both sides' arrays (``memory.touched_bytes``: each
-        head's run of rows, at the kernel's page size): what the cache holds once written that far."""
-        return sum(memory.touched_bytes(a, end, self.thp) for side in (self.K, self.V) for a in side.t[1:])
+        head's run of rows, at the kernel's page size), less the whole pages of rows ``0 .. lo-1`` a window's
+        :meth:`slide` gave back: what the cache holds once written that far."""
+        return sum(memory.touched_bytes(a, end, self.thp) - memory.run_bytes(a, 0, min(self.lo, end))
+                   for a in self.arrays())
+
+    def slide(self, pos0: int) -> None:
+        """Rows at positions ``pos0 ..`` are about to be computed (a forward from ``pos0``): a window's layer gives
+        back the rows before ``window_start(pos0)`` once a window's worth of them is held (one ``madvise`` a side's
+        head per window of positions); ``pos0`` 0 starts over (``lo`` 0). ColiError for a ``pos0`` whose keys were
+        given back (:meth:`resumes_at` says which positions a cache can go on from)."""
+        if self.window <= 0:
+            return
+        if not self.resumes_at(pos0):
+            raise ColiError(f"KV cache of a {self.window}-position window: positions before {self.lo} were given "
+                            f"back, a forward from position {pos0} needs them")
+        if pos0 == 0:
+            self.lo = 0
+            return
+        new = window_start(pos0, self.window)
+        if new - self.lo >= self.window:
+            for a in self.arrays():
+                memory.give_back(a, self.lo, new)
+            self.lo = new
+
+    def forget_before(self, lo: int) -> None:
+        """Rows ``0 .. lo-1`` are no longer held (a window's rows, copied from a cache that gave them back): their
+        pages go back, ``lo`` is set."""
+        for a in self.arrays():
+            memory.give_back(a, 0, lo)
+        self.lo = int(lo)
+
+    def resumes_at(self, pos: int) -> bool:
+        """Whether a forward may start at ``pos`` (``Cache.pos`` moved back to it, or a prefix of ``pos`` rows
+        copied from this cache): every key a row at ``pos`` reads is held (a window's rows before ``lo`` are not)."""
+        return pos == 0 or window_start(pos, self.window) >= self.lo
 
     def arrays(self) -> list:
         """The stored arrays, each [heads, positions, ...] (the kinds' own; the empty placeholders left out)."""
@@ -182,7 +229,7 @@ class Attention:
                             f"head width of '{p}attn_v.weight')")
 
     def new_cache(self, ctx: int) -> KV:
-        return KV(self.n_kv, ctx, self.head_dim, types=self.m.args.kv_types)
+        return KV(self.n_kv, ctx, self.head_dim, types=self.m.args.kv_types, window=self.window)
 
     def qkv(self, x: np.ndarray, xa=None):
         """q, k, v projections of ``x`` f32 [T, D] (biases added): one quantization of x and one parallel launch

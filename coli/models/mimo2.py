@@ -73,7 +73,8 @@ class Attention(SinkAttention):
                             f"{self.n_kv * head_dim_v} (KV heads {self.n_kv} x attention.value_length {head_dim_v})")
 
     def new_cache(self, ctx: int) -> blocks.KV:
-        return blocks.KV(self.n_kv, ctx, self.head_dim, self.head_dim_v, types=self.m.args.kv_types)
+        return blocks.KV(self.n_kv, ctx, self.head_dim, self.head_dim_v, types=self.m.args.kv_types,
+                         window=self.window)
 
     def __call__(self, x, xa, kv, pos0: int):
         q, k, v = self.qkv(x, xa)

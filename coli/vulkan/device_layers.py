@@ -52,9 +52,9 @@ from coli.vulkan.layer_decode import DecodeRow
 from coli.vulkan.layer_families import MLAMixer, DeltaNetMixer
 from coli.vulkan.layer_join import RowJoin
 from coli.vulkan.layer_kv import KVRows
-from coli.vulkan.layer_plan import (KV_CODES, PROMPT_ROWS, attn_block, ceil32, device_formats, dn_dims, dsa_shape,
-                                    ffn_width, head_dims, is_deltanet, is_float, is_gated, is_kda, is_mla, kv_mode,
-                                    linear_block, mla_expand_keys, route_rule, topk_args)
+from coli.vulkan.layer_plan import (KV_CODES, PROMPT_ROWS, attn_block, ceil32, dn_dims, dsa_shape, ffn_width,
+                                    head_dims, head_fits, is_deltanet, is_gated, is_kda, is_mla, kv_mode, linear_block,
+                                    mla_expand_keys, route_rule, topk_args)
 from coli.vulkan.layer_prompt import PromptChunks
 from coli.vulkan.layer_prompt_join import PromptJoin
 from coli.vulkan.layer_weights import LayerWeights
@@ -136,7 +136,7 @@ class DeviceLayers(LayerWeights, MLAMixer, DeltaNetMixer, KVRows, DecodeRow, Row
         # the output norm and head too when the last layer is here and the head's format has a kernel
         out = m.t.get("output.weight", m.tok_embd)
         self.head = None
-        if head and out.type_name in device_formats() and (int(out.shape[-1]) % 32 == 0 or is_float(out.type_name)):
+        if head and head_fits(out):
             self.vocab = int(out.shape[0])
             self.head = {"norm": self._const(m.out_norm), "w": self._place(out), "type": out.type_name}
             self.lg = K.buffer(4 * self.vocab, host=False)

@@ -503,7 +503,7 @@ class Dsv4DeviceLayers:
 
     def __init__(self, m, dev, first: int, ctx: int, head: bool = True, env=None, resident: dict | None = None):
         from coli.base.settings import get
-        from coli.vulkan.layer_plan import device_formats
+        from coli.vulkan.layer_plan import head_fits
 
         self.m, self.dev, self.first, self.ctx = m, dev, int(first), int(ctx)
         self.layers = list(range(self.first, len(m.layers)))
@@ -529,7 +529,7 @@ class Dsv4DeviceLayers:
                 self.dl.append(Dsv4Layer(self.K, m, il, ctx, experts=il not in self.resident))
             self.sc = Dsv4Scratch(self.K)
             out = m.t.get("output.weight", m.tok_embd)
-            if head and out.type_name in device_formats() and int(out.shape[-1]) % 32 == 0:
+            if head and head_fits(out):
                 h = m.hc_head
                 self.vocab = int(out.shape[0])
                 self.head = {"w": self._place(out), "type": out.type_name, "hc_eps": f32_bits(h.eps),

@@ -72,6 +72,13 @@ def ceil32(n: int) -> int:
 def is_float(type_name: str) -> bool:
     """Whether a tensor type is F32, F16 or BF16 (one value a block: its rows may be padded with zeros)."""
     return type_name in ("F32", "F16", "BF16")
+
+
+def head_fits(out) -> bool:
+    """Whether the output head ``out`` (``output.weight`` or the tied ``token_embd``, a GGUF tensor info [V, D])
+    runs on the device (``lmv`` / ``lmm``): a format with a device kernel, rows in whole 32-weight units or, for
+    F32/F16/BF16, of any width (zero-padded rows, the last unit's inputs past D read as 0: shaders/x_unit.glsl)."""
+    return out.type_name in device_formats() and (int(out.shape[-1]) % 32 == 0 or is_float(out.type_name))
 MLP_TENSORS = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
 #: the layer forms the device runs (a family's decoder layer says its form in ``device_form``): "pre-norm"
 #: ``h += attn(norm(h)); h += ffn(norm(h))`` (llama.DecoderLayer); "sandwich" with a norm after each block too,

@@ -160,10 +160,10 @@ def oracle():
     return np.load(ORACLE / "gptoss.npz")
 
 
-def _engine(tmp_path, **kw):
+def _engine(tmp_path, cpu_act="f32", **kw):
     from coli.engine import Engine
 
-    return Engine(ORACLE / "gptoss.gguf", cpu_act="f32", usage=tmp_path / "u", save_usage=False, ctx=128, **kw)
+    return Engine(ORACLE / "gptoss.gguf", cpu_act=cpu_act, usage=tmp_path / "u", save_usage=False, ctx=128, **kw)
 
 
 def test_f32_tensors_are_writable_copies(tmp_path):
@@ -231,6 +231,61 @@ def test_gptoss_oracle_is_demanding(oracle, tmp_path):
         for x, f in zip(moes, ffns):
             x.ffn = f
         assert _rel(run(), ref).max() <= 1e-4
+
+
+@pytest.mark.parametrize("act", ["f32", "int8"])
+def test_window_layer_holds_only_its_window(oracle, tmp_path, monkeypatch, act):
+    """The even layers' 16-position window: once a forward starts past two windows their caches give back the
+    pages of the rows no later row reads (``blocks.KV.slide``): the prompt's logits at every position and 8 greedy
+    steps (decode rows at 88 .. 95 read rows 73 .. only) bit-equal to caches that keep every row, and with f32
+    activations within 1e-4 of HF's (int8: the compiled decode kernels); the pages in RAM (mincore) exactly
+    ``resident_bytes``, a page a head less than the whole context's; a forward from a position whose keys went
+    back is refused (``resumes_at``: the engine starts a fresh cache there instead); 320 positions in chunks of
+    64 bit-equal too (four pages a head given back)."""
+    from coli.base import memory
+    from coli.base.errors import ColiError
+    from coli.models import blocks
+
+    with _engine(tmp_path, cpu_act=act) as eng:
+        m = eng.model
+
+        def run(kv):   # the prompt's logits, then 8 greedy decode rows' (the token region where int8 has it)
+            out = [m.forward(oracle["ids"], kv, all_logits=True)]
+            for _ in range(8):
+                out.append(m.forward([int(out[-1][-1].argmax())], kv))
+            return np.concatenate(out)
+
+        kv = m.new_cache(128)
+        got = run(kv)
+        if act == "f32":
+            assert _rel(got[:88], oracle["logits"]).max() <= 1e-4
+            assert _rel(got[87:95], oracle["gen_logits"]).max() <= 1e-4
+        assert [il for il, _ in kv.windowed] == [il for il, L in enumerate(m.layers) if L.attn.window] == \
+            list(range(0, len(m.layers), 2))
+        for _, c in kv.windowed:
+            assert c.window == 16 and c.lo == blocks.window_start(88, 16) == 73
+            arrays = c.arrays()
+            held = [memory.resident_pages(a) for a in arrays]
+            want = [memory.touched_bytes(a, kv.pos, "never") - memory.run_bytes(a, 0, c.lo) for a in arrays]
+            assert held == want and sum(held) == c.resident_bytes(kv.pos)
+            assert all(memory.run_bytes(a, 0, c.lo) == 4096 * a.shape[0] for a in arrays)  # a page a head
+        assert kv.resumes_at(0) and kv.resumes_at(88) and not kv.resumes_at(87)
+        kv.pos = 80
+        with pytest.raises(ColiError, match="positions before 73 were given back"):
+            m.forward([1], kv)
+        ids = np.random.default_rng(0).integers(2, 300, 320)
+
+        def chunks(kv):  # 320 positions in chunks of 64: a chunk's first rows read rows of the chunk before
+            return np.concatenate([m.forward(ids[a:a + 64], kv, all_logits=True) for a in range(0, 320, 64)])
+
+        long = m.new_cache(320)
+        far = chunks(long)
+        assert all(c.lo == blocks.window_start(256, 16) for _, c in long.windowed)
+        monkeypatch.setattr(blocks.KV, "slide", lambda self, pos0: None)   # every row kept
+        whole = m.new_cache(128)
+        assert np.array_equal(run(whole), got)
+        assert all(c.lo == 0 for _, c in whole.windowed)
+        assert np.array_equal(chunks(m.new_cache(320)), far)
 
 
 # ----------------------------------------------------------------------------------------------- device tier
