@@ -677,6 +677,30 @@ def test_gptoss_against_hf(chunk):
         e.close()
 
 
+def test_gptoss_cpu_window_layer_beside_device_layers():
+    """gpt-oss with layers 1 and 2 on the device and layer 0 (a 16-position window) on the CPU, whose cache gives
+    back the rows before the window (``blocks.KV.slide``) while the device holds its layers' whole context: every
+    prompt row and 8 greedy decode rows within 1e-4 of HF's (tests/oracle_check.py), the CPU layer's cache holding
+    rows 73 .. only (``window_start(88, 16)``), the device's dispatches counted."""
+    from tests.conftest import FIXTURES
+    from tests.oracle_check import check_prompt_and_decode
+    from coli.models.blocks import window_start
+
+    path = FIXTURES / "oracles" / "gptoss.gguf"
+    oracle = np.load(FIXTURES / "oracles" / "gptoss.npz")
+    e = device_engine(path, COLI_VK_LAYERS=2, ctx=128)
+    try:
+        m, dl = e.model, e.model.device_layers
+        assert dl is not None and dl.first == 1 and [d["window"] for d in dl.per] == [0, 16]
+        d0 = e.device.layer_dispatches
+        kv = m.new_cache(128, 128)
+        check_prompt_and_decode(m, kv, oracle)
+        assert [il for il, _ in kv.windowed] == [0, 2] and kv.layers[0].lo == window_start(88, 16) == 73
+        assert kv.layers[2].lo == 0 and dl.tokens == 8 and e.device.layer_dispatches > d0
+    finally:
+        e.close()
+
+
 @pytest.mark.parametrize("chunk", [256, 24])
 def test_mimo2_against_hf(chunk):
     """MiMo-V2-Flash with every layer and the head on the device: KV heads a layer (1 on the full layers, 2 on the
