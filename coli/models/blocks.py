@@ -112,8 +112,8 @@ class KV:
             return
         new = window_start(pos0, self.window)
         if new - self.lo >= self.window:
-            for a in self.arrays():
-                memory.give_back(a, self.lo, new)
+            for a in self.arrays():   # from row 0: the page holding the last slide's boundary row goes too
+                memory.give_back(a, 0, new)
             self.lo = new
 
     def forget_before(self, lo: int) -> None:

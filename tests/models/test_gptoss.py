@@ -280,7 +280,11 @@ def test_window_layer_holds_only_its_window(oracle, tmp_path, monkeypatch, act):
 
         long = m.new_cache(320)
         far = chunks(long)
-        assert all(c.lo == blocks.window_start(256, 16) for _, c in long.windowed)
+        for _, c in long.windowed:   # every page before the window's goes back, a slide's boundary page too
+            assert c.lo == blocks.window_start(256, 16)
+            assert [memory.resident_pages(a) for a in c.arrays()] == [
+                memory.touched_bytes(a, 320, "never") - memory.run_bytes(a, 0, c.lo) for a in c.arrays()]
+            assert all(memory.run_bytes(a, 0, c.lo) == 3 * 4096 * a.shape[0] for a in c.arrays())
         monkeypatch.setattr(blocks.KV, "slide", lambda self, pos0: None)   # every row kept
         whole = m.new_cache(128)
         assert np.array_equal(run(whole), got)
