@@ -435,7 +435,9 @@ def setup_layers(eng, dev, budget: int, balance=None) -> bool:
         print(f"[VK] {eng.path.name}: {flag}: a dense model has no routed experts to keep on the CPU; its layers go "
               f"to the device as with {'--gpu-layers ' if eng.cli_names else 'COLI_VK_LAYERS='}{want}", file=sys.stderr)
     rows = prompt_rows(eng)
-    auto = rows is None   # unset: 2,048-row chunks where every layer and its experts fit with their scratch, else 512
+    # unset: 2,048-row chunks where every layer and its experts fit with their scratch, else 512; DeepSeek-V4's plan
+    # counts no call scratch (layer_dsv4.Dsv4Scratch grows with the chunk's rows), so it keeps 512
+    auto = rows is None and not layer_plan.is_deepseek4(eng.model.layers[0])
     rows = layer_plan.PROMPT_ROWS_WHOLE if auto and not apart else rows or layer_plan.PROMPT_ROWS
     first, why = layer_plan.plan(eng.model, budget, eng.ctx, None if want < 0 else want, prompt_rows=rows,
                                     experts=not apart, env=eng.env)

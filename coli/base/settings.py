@@ -148,7 +148,7 @@ VARS: tuple[Var, ...] = (
     Var("COLI_VK_PROMPT_ROWS", "int", None, "rows of a prompt step when device layers run (--gpu-layers): the "
         "device layers take a prompt chunk of up to this many rows in one submit (default: COLI_UBATCH when set, "
         "as llama.cpp's n_ubatch; else 2048 where the device holds every layer and its experts with that chunk's "
-        "scratch, else 512)", "rows", lo=1),
+        "scratch, else 512; 512 for DeepSeek-V4, whose calls' scratch the plan does not count)", "rows", lo=1),
     Var("COLI_VK_PROMPT_TILE", "int", 32, "rows of a tile of the device layers' prompt GEMM (shaders/lmm.comp): "
         "32 or 64", "rows", lo=32, dev=True, choices=(32, 64)),
     Var("COLI_VK_PROMPT_ROUTE", "str", "auto", "the device layers' prompt GEMM: auto (float16 cooperative matrices, "

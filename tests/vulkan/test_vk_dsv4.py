@@ -447,7 +447,7 @@ def test_gpu_layers_against_hf(monkeypatch):
     CPU-only run with its greedy tokens, the routes the device took counted in the routing history as the CPU-only
     run's; then a device failure mid-decode: one line, the CPU continues from the
     caches the device kept current, the same tokens."""
-    from coli.vulkan import DeviceLost, layer_dsv4
+    from coli.vulkan import DeviceLost, layer_dsv4, layer_plan
     from tests.conftest import FIXTURES
     from tests.oracle_check import check_prompt_and_decode
     from tests.vk_util import check_greedy_like_cpu, device_engine, greedy_rows
@@ -460,6 +460,8 @@ def test_gpu_layers_against_hf(monkeypatch):
         m, dl = e.model, e.model.device_layers
         assert isinstance(dl, layer_dsv4.Dsv4DeviceLayers) and dl.first == 0 and len(dl.dl) == 4
         assert dl.head is not None     # the logits are the device's (the CPU's head never runs)
+        # 512-row chunks, not the 2,048 of a device holding every layer: V4's plan counts none of its calls' scratch
+        assert dl.prompt_rows == e.prompt_chunk() == layer_plan.PROMPT_ROWS
         monkeypatch.setattr(m, "hc_head", None)
         got = check_prompt_and_decode(m, m.new_cache(128, 128), oracle)
         assert (dl.prompt_tokens, dl.prompt_chunks, dl.tokens) == (len(oracle["ids"]), 1, len(oracle["gen_ids"]))
