@@ -153,6 +153,11 @@ def _open_engine(a, quiet=False, save_usage=True, ctx_name=None):
         step = settings.get("COLI_UBATCH")
         if ubatch is not None or a.batch_size < step:   # -b at or above the step changes nothing: the device's
             ubatch = min(a.batch_size, ubatch if ubatch is not None else step)   # chunk rule stays its own
+    for side in "kv":   # a KV cache type's name at once, not after a first run's compiles
+        if getattr(a, f"cache_type_{side}", None) is not None:
+            from coli.runtime import check_kv_type
+
+            check_kv_type(getattr(a, f"cache_type_{side}"), f"--cache-type-{side}")
     if a.gpu_layers is not None and a.gpu_layers < -1:
         raise ColiError(f"--gpu-layers: {a.gpu_layers} (a layer count, -1 for as many as fit, 0 for the expert tier)")
     cpu_moe = getattr(a, "n_cpu_moe", None)
@@ -379,12 +384,18 @@ def _version() -> str:
 
 
 def _check_sampling(a) -> None:
-    """The sampling flags checked before the model loads, whose first run compiles kernels for minutes: the line
-    ``coli.sampling.SamplingParams.validated`` gives (``--top-p: 2 (in [0, 1]; 1 = off)``), at once."""
+    """The sampling flags and ``-n`` checked before the model loads, whose first run compiles kernels for minutes:
+    the line ``coli.sampling.SamplingParams.validated`` gives (``--top-p: 2 (in [0, 1]; 1 = off)``), at once; ``-n``
+    below -1, or at or above a ``--ctx`` given (the prompt takes a position at least). ``-n`` past the model's own
+    context is known once it is read (``Engine.check_fits``)."""
+    from coli.generation import check_max_tokens
     from coli.sampling import SamplingParams
 
     SamplingParams(temp=a.temp, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, repeat_penalty=a.repeat_penalty,
                    repeat_last_n=a.repeat_last_n).validated()
+    n = check_max_tokens(a.n, "-n")
+    if a.ctx and a.ctx > 0 and n >= a.ctx:
+        raise ColiError(f"-n: {n} token{'s' if n != 1 else ''} to generate and the prompt exceed the context of {a.ctx} position{'s' if a.ctx != 1 else ''} (--ctx)")
 
 
 def cmd_chat(a) -> int:

@@ -23,7 +23,8 @@ from coli.base.errors import ColiError
 from coli.base.progress import compile_seconds, end_compile_bar, install
 from coli.demo import demo_model_path
 from coli.resolve import resolve
-from coli.generation import GenerateResult, PerplexityResult, StopText, TextStream, check_ids, perplexity_windows
+from coli.generation import (GenerateResult, PerplexityResult, StopText, TextStream, check_ids, check_max_tokens,
+                             perplexity_windows)
 from coli.runtime import FLAGS, IO_THREADS_MAX, close_at_exit, engine_threads, int_arg, on_engine_threads
 from coli.sampling import Sampler, SamplingParams
 from coli.tokenizer import CHATML_END
@@ -313,11 +314,7 @@ class Engine:
                 raise ColiError(f"prompt: {runtime.counted(n_prompt, 'token')} fill{'s' if n_prompt == 1 else ''} the "
                                 f"context of {runtime.counted(self.ctx, 'position')} ({n('ctx')})")
             return self.ctx - n_prompt
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)):
-            raise ColiError(f"{n('max_tokens')}: {max_tokens!r} is not an integer")
-        if max_tokens < 0:
-            raise ColiError(f"{n('max_tokens')}: {max_tokens} tokens to generate (at least 0, or -1 for "
-                            f"up to the end of the context)")
+        max_tokens = check_max_tokens(max_tokens, n('max_tokens'))
         if n_prompt + max_tokens > self.ctx:
             raise ColiError(f"prompt: {runtime.counted(n_prompt, 'prompt token')} and {max_tokens} to generate exceed "
                             f"the context of {runtime.counted(self.ctx, 'position')} ({n('ctx')})")

@@ -131,6 +131,17 @@ def perplexity_windows(ids: np.ndarray, n_ctx: int, bos, all_tokens: bool, name:
     return windows, 0
 
 
+def check_max_tokens(max_tokens, name: str = "max_tokens") -> int:
+    """``max_tokens`` as an int: 0 or more, or -1 for up to the end of the context (``Engine.check_fits``; the CLI
+    checks ``-n`` with it before the model loads). One-line ColiError naming ``name`` for a non-integer or a count
+    below -1 (llama.cpp's -2, "until the context is full", is coli's -1)."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)):
+        raise ColiError(f"{name}: {max_tokens!r} is not an integer")
+    if max_tokens < -1:
+        raise ColiError(f"{name}: {max_tokens} tokens to generate (at least 0, or -1 for up to the end of the context)")
+    return int(max_tokens)
+
+
 def check_ids(ids, vocab: int) -> np.ndarray:
     """``ids`` as int64 [T]: ColiError for an empty list, something not integers (1.5, "abc": never
     truncated), or an id outside the vocabulary (naming the first such id)."""

@@ -46,6 +46,7 @@ import psutil
 from coli import vulkan as cvk
 from coli.base import memory, settings
 from coli.base.errors import ColiError
+from coli.base.progress import end_compile_bar, install
 from coli.resolve import resolve
 from coli.gguf_file import open_gguf
 from coli.models import model_args
@@ -94,7 +95,11 @@ def make_plan(path, *, device: str | None = None, ctx: int | None = None, expert
         g = open_folder(path)
     else:
         g = open_gguf(path)
-    cls, a = model_args(g)
+    install()   # the family's module loads the CPU kernels: a cold cache compiles there (say so, not a silent minute)
+    try:
+        cls, a = model_args(g)
+    finally:
+        end_compile_bar()
     a.kv_types = kv_types(cls, a, env, cache_type_k, cache_type_v)
     vm = psutil.virtual_memory()
     bud = memory.budget(env, flag=mem_flag, available=available)

@@ -88,13 +88,22 @@ def check_vocab_tables(g, n_tokens: int) -> None:
                             f"{n_tokens} tokens (one row per token; llama.cpp refuses this file too)")
 
 
+def check_kv_type(t, name: str) -> None:
+    """One-line ColiError naming ``name`` (a flag or a variable) when ``t`` is not a KV cache type (f32, f16, bf16,
+    q8_0: ``cpu_kernels.kvcache.KINDS``); the CLI checks ``-ctk/-ctv`` with it before the model loads."""
+    from cpu_kernels.kvcache import KINDS  # loads Numba (no compile): with a model, not with `import coli.runtime`
+
+    if t not in KINDS:
+        raise ColiError(f"{name}: {t!r} (f32, f16, bf16 or q8_0)")
+
+
 def kv_types(cls, args, env=None, k=None, v=None, cli_names: bool = True) -> tuple:
     """The KV cache's (K, V) types of a model of class ``cls`` with hyper-parameters ``args``: ``k`` / ``v`` when
     given, else the settings ``COLI_CACHE_TYPE_K`` / ``COLI_CACHE_TYPE_V`` of ``env`` (llama.cpp's
     ``--cache-type-k/-v``; cpu_kernels/kvcache.py). One-line ColiError naming the flag (``cli_names``), the
     argument or the variable for a name that is not a type, a type the family's caches do not take
     (``Model.KV_TYPES``: the MLA latent cache is f32 only) and q8_0 on heads that are not a multiple of 32 wide."""
-    from cpu_kernels.kvcache import KINDS, QK8_0  # loads Numba: with a model, not with `import coli.runtime`
+    from cpu_kernels.kvcache import QK8_0  # loads Numba: with a model, not with `import coli.runtime`
 
     out = []
     for side, given, var, width in (("k", k, "COLI_CACHE_TYPE_K", args.head_dim),
@@ -103,8 +112,7 @@ def kv_types(cls, args, env=None, k=None, v=None, cli_names: bool = True) -> tup
         t = given
         if t is None:   # the setting (the CLI passes its flags as arguments)
             t, name = settings.get(var, env), var
-        if t not in KINDS:
-            raise ColiError(f"{name}: {t!r} (f32, f16, bf16 or q8_0)")
+        check_kv_type(t, name)
         if t not in cls.KV_TYPES:
             raise ColiError(f"{name} {t}: {args.arch} keeps {cls.KV_WHAT} in f32 only")
         if t == "q8_0" and width % QK8_0:

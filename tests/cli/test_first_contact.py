@@ -85,11 +85,11 @@ def test_perplexity_lines_name_the_file_and_count_right(tmp_path, capsys):
 
 
 def test_one_of_a_kind_is_singular(capsys):
-    """A prompt of 1 token in a context of 1 position: "1 prompt token", "1 position" (it read "1 prompt tokens ...
+    """A prompt of 1 token in a context of 1 position: "1 token", "1 position" (it read "1 prompt tokens ...
     of 1 positions"); a model of 1 layer has "1 layer" on its start line;
     one token generated has no decode rate."""
-    rc, out, err = _main(capsys, "run", "-m", str(DENSE), "-p", "a", "--ctx", "1", "-n", "1")
-    assert (rc, err) == (2, "coli: prompt: 1 prompt token and 1 to generate exceed the context of 1 position (--ctx)\n")
+    rc, out, err = _main(capsys, "run", "-m", str(DENSE), "-p", "a", "--ctx", "1", "-n", "1")   # before the load
+    assert (rc, err) == (2, "coli: -n: 1 token to generate and the prompt exceed the context of 1 position (--ctx)\n")
     rc, out, err = _main(capsys, "run", "-m", str(DENSE), "-p", "a", "--ctx", "1", "-n", "-1")
     assert (rc, err) == (2, "coli: prompt: 1 token fills the context of 1 position (--ctx)\n")
     rc, out, err = _main(capsys, "run", "-m", str(DENSE), "-p", "a", "-n", "1")   # the start line: "1 layer"
@@ -250,6 +250,28 @@ def test_a_compile_while_the_model_loads_is_announced(tmp_path):
     assert "coli: compiling the CPU kernels, once: about 5 minutes on a first run" in lines[0], r.stderr
 
 
+def test_a_compile_while_coli_plan_reads_the_model_is_announced(tmp_path):
+    """coli plan imports the family's module, which loads the CPU kernels (cpu_kernels.experts compiles its cfunc at
+    import: 20-40 s on a cold cache at load 1-10): the compile notice comes then (it was silent). A subprocess, as
+    above: the compile event fired from inside the model's reading."""
+    import subprocess
+    import sys
+
+    code = ("import cpu_kernels, numba.core.event as ev, coli.plan as plan  # cpu_kernels first: the threads\n"
+            "from coli.base.errors import ColiError\n"
+            "def model_args(g):\n"
+            "    with ev.trigger_event('numba:compile', data={}):\n"
+            "        raise ColiError('stopped in the reading')\n"
+            "plan.model_args = model_args\n"
+            "from coli.cli import main\n"
+            f"raise SystemExit(main(['plan', '-m', {str(DENSE)!r}]))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**__import__("os").environ, "COLI_CACHE": str(tmp_path)})
+    lines = r.stderr.splitlines()
+    assert r.returncode == 2 and lines[-1] == "coli: stopped in the reading", r.stderr
+    assert "coli: compiling the CPU kernels, once: about 5 minutes on a first run" in lines[0], r.stderr
+
+
 def test_a_terminal_that_is_not_utf8_gets_the_text_as_utf8(capsys, monkeypatch):
     """stdout in another encoding (a Latin-1 terminal, PYTHONIOENCODING=ascii): the echoed prompt and the answer go
     out as UTF-8 bytes, as llama-cli writes them (it was a UnicodeEncodeError traceback at the first 'é')."""
@@ -386,14 +408,19 @@ def test_a_folder_model_error_names_the_whole_path(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("cmd", ["run", "chat"])
-@pytest.mark.parametrize("flag, value, says", [("--top-p", "2", "top_p (--top-p): 2.0 (in [0, 1]; 1 = off)"),
-                                               ("--repeat-penalty", "0", "repeat_penalty (--repeat-penalty): 0.0")])
-def test_a_sampling_flag_out_of_range_is_refused_before_the_model_loads(tmp_path, capsys, cmd, flag, value, says):
-    """A sampling flag out of range is one line at once, before the model is even looked for (here it does not
-    exist): it came after the load, whose first run compiles kernels for minutes."""
+@pytest.mark.parametrize("flags, says", [
+    (["--top-p", "2"], "top_p (--top-p): 2.0 (in [0, 1]; 1 = off)"),
+    (["--repeat-penalty", "0"], "repeat_penalty (--repeat-penalty): 0.0 (above 0; 1 = off)"),
+    (["-n", "-5"], "-n: -5 tokens to generate (at least 0, or -1 for up to the end of the context)"),
+    (["-n", "8", "--ctx", "8"], "-n: 8 tokens to generate and the prompt exceed the context of 8 positions (--ctx)"),
+    (["-ctk", "q9"], "--cache-type-k: 'q9' (f32, f16, bf16 or q8_0)")])
+def test_a_number_flag_out_of_range_is_refused_before_the_model_loads(tmp_path, capsys, cmd, flags, says):
+    """A sampling flag, -n or a KV cache type out of range is one line at once, before the model is even looked for
+    (here it does not exist): each came after the load, whose first run compiles kernels for minutes (chat's -n -5
+    even in every answer, exit 0)."""
     rc, out, err = _main(capsys, cmd, "-m", str(tmp_path / "none.gguf"), *(["-p", "x"] if cmd == "run" else []),
-                         flag, value)
-    assert (rc, out) == (2, "") and err.startswith(f"coli: {says}"), err
+                         *flags)
+    assert (rc, out) == (2, "") and err == f"coli: {says}\n", err
 
 
 def test_a_folder_is_checked_without_the_kernels():
