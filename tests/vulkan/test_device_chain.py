@@ -468,7 +468,10 @@ def test_balance_device_lost_mid_layer(device_moe, moe_cpu, monkeypatch):
         dl.spin_s = 0.0
         calls = lose_device_on_call(monkeypatch, dl.K, "wait_value", 2)
         got, _ = decode_rows(dev, IDS[:7], 4)
-        assert calls == [1, 3] and dev.model.device_layers is None
+        # the second route waited for: layer 1's (3) here; the clean-clone CI under -n 2 once saw a later cut layer's
+        # (5): the balancer splits by measured times, so which layer waits first may move
+        assert calls[0] == 1 and len(calls) == 2 and calls[1] in (3, 5, 7), calls
+        assert dev.model.device_layers is None
         assert rel_err(got[:1], ref[:1]) < 1e-5         # the prompt's rows on the device
         assert np.array_equal(got[1:], ref[1:])          # then every layer of every row on the CPU: its bits
         assert dl._tl == 8
